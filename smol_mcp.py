@@ -1,0 +1,2004 @@
+#!/usr/bin/env python3
+# /// script
+# requires-python = ">=3.10"
+# dependencies = [
+#     "mcp==2.3.0",
+#     "httpx2==2.16.2",
+# ]
+# ///
+"""smol-mcp: an MCP server that gives an AI agent microVMs to work in.
+
+The agent creates a machine from an OCI image, runs commands in it, reads and
+writes its files, branches it, follows its log and deletes it, through thirteen
+MCP tools. Every command a tool runs executes inside a guest; the only host
+process this server ever spawns is ``smolvm serve``, and only when a local tool
+is first called.
+
+Run it with ``uv run smol_mcp.py`` (stdio). Importing this module has no side
+effects; the public surface for embedding is ``load_config()``,
+``build_server(config)``, ``LocalFleet`` and ``main()``.
+
+The file reads top to bottom in the order a request flows:
+
+     1. Configuration           7. Tools
+     2. Errors                  8. Resources
+     3. Local fleet             9. Sessions and cleanup
+     4. Normalised records     10. The MCP server
+     5. Output budget          11. stdio
+     6. Argument validation    12. Command line
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime
+import difflib
+import http.client
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets as secrets_module
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+__version__ = "0.1.0"
+
+log = logging.getLogger("smol_mcp")
+
+
+# ---------------------------------------------------------------------------
+# 1. Configuration
+#
+# Environment over config file over default. The file is JSON with camelCase
+# keys; anything unknown, mistyped or out of range stops startup with a message
+# naming the key, because a setting that is silently ignored is worse than one
+# that refuses to start.
+# ---------------------------------------------------------------------------
+
+DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting, already validated. Build one with ``load_config()``."""
+
+    smolvm: str = "smolvm"
+    min_smolvm: str = "1.14.0"
+    local_url: str = ""
+    runtime_dir: str = ""
+    machine_prefix: str = "mcp-"
+    memory_mb: int = 2048
+    cpus: int = 2
+    network_default: str = "blocked"
+    run_once_network: str = "blocked"
+    ephemeral_ttl_secs: int = 3600
+    ephemeral_auto_stop_secs: int = 900
+    exec_timeout_secs: int = 120
+    max_exec_timeout_secs: int = 900
+    max_output_bytes: int = 65536
+    ready_timeout_secs: int = 120
+    serve_start_timeout_secs: int = 60
+    logs_tail: int = 100
+    logs_poll_secs: int = 2
+    cloud_url: str = DEFAULT_CLOUD_URL
+    cloud_token: str = field(default="", repr=False)
+    targets: str = "auto"
+    http_host: str = "127.0.0.1"
+    http_port: int = 8080
+    http_path: str = "/mcp"
+    auth_token: str = field(default="", repr=False)
+    http_session_idle_secs: int = 1800
+    http_allowed_hosts: tuple[str, ...] = ()
+    http_allowed_origins: tuple[str, ...] = ()
+
+    def secret_values(self) -> list[str]:
+        """The configured secrets, so they can be kept out of children and messages."""
+        return [s for s in (self.cloud_token, self.auth_token) if s]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the settings table: file key, environment variable, parser."""
+
+    key: str
+    env: str
+    attr: str
+    kind: str  # "str", "int", "choice", "version", "list", "secret"
+    choices: tuple[str, ...] = ()
+    minimum: int | None = None
+    maximum: int | None = None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("smolvm", "SMOLVM", "smolvm", "str"),
+    Setting("minSmolvm", "SMOL_MCP_MIN_SMOLVM", "min_smolvm", "version"),
+    Setting("localUrl", "SMOL_LOCAL_URL", "local_url", "str"),
+    Setting("runtimeDir", "SMOL_MCP_RUNTIME_DIR", "runtime_dir", "str"),
+    Setting("machinePrefix", "SMOL_MCP_MACHINE_PREFIX", "machine_prefix", "str"),
+    Setting("memoryMb", "SMOL_MCP_MEMORY_MB", "memory_mb", "int", minimum=128, maximum=1048576),
+    Setting("cpus", "SMOL_MCP_CPUS", "cpus", "int", minimum=1, maximum=255),
+    Setting("networkDefault", "SMOL_MCP_NETWORK_DEFAULT", "network_default", "choice", ("blocked", "open")),
+    Setting("runOnceNetwork", "SMOL_MCP_RUN_ONCE_NETWORK", "run_once_network", "choice", ("blocked", "open")),
+    Setting("ephemeralTtlSecs", "SMOL_MCP_EPHEMERAL_TTL_SECS", "ephemeral_ttl_secs", "int", minimum=60),
+    Setting("ephemeralAutoStopSecs", "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", "ephemeral_auto_stop_secs", "int", minimum=60),
+    Setting("execTimeoutSecs", "SMOL_MCP_EXEC_TIMEOUT_SECS", "exec_timeout_secs", "int", minimum=1),
+    Setting("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "max_exec_timeout_secs", "int", minimum=1),
+    Setting("maxOutputBytes", "SMOL_MCP_MAX_OUTPUT_BYTES", "max_output_bytes", "int", minimum=1024, maximum=64 * 1024 * 1024),
+    Setting("readyTimeoutSecs", "SMOL_MCP_READY_TIMEOUT_SECS", "ready_timeout_secs", "int", minimum=1),
+    Setting("serveStartTimeoutSecs", "SMOL_MCP_SERVE_START_TIMEOUT_SECS", "serve_start_timeout_secs", "int", minimum=1),
+    Setting("logsTail", "SMOL_MCP_LOGS_TAIL", "logs_tail", "int", minimum=1, maximum=100000),
+    Setting("logsPollSecs", "SMOL_MCP_LOGS_POLL_SECS", "logs_poll_secs", "int", minimum=1),
+    Setting("cloudUrl", "SMOL_CLOUD_URL", "cloud_url", "str"),
+    Setting("cloudToken", "SMOL_CLOUD_TOKEN", "cloud_token", "secret"),
+    Setting("targets", "SMOL_MCP_TARGETS", "targets", "choice", ("auto", "local", "cloud", "both")),
+    Setting("httpHost", "SMOL_MCP_HTTP_HOST", "http_host", "str"),
+    Setting("httpPort", "SMOL_MCP_HTTP_PORT", "http_port", "int", minimum=1, maximum=65535),
+    Setting("httpPath", "SMOL_MCP_HTTP_PATH", "http_path", "str"),
+    Setting("authToken", "SMOL_MCP_AUTH_TOKEN", "auth_token", "secret"),
+    Setting("httpSessionIdleSecs", "SMOL_MCP_HTTP_SESSION_IDLE_SECS", "http_session_idle_secs", "int", minimum=1),
+    Setting("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", "http_allowed_hosts", "list"),
+    Setting("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", "http_allowed_origins", "list"),
+)
+
+
+def config_file_path(environ: dict[str, str]) -> Path:
+    """Where the config file is looked for: $SMOL_MCP_CONFIG, else the XDG path."""
+    if environ.get("SMOL_MCP_CONFIG"):
+        return Path(environ["SMOL_MCP_CONFIG"]).expanduser()
+    base = environ.get("XDG_CONFIG_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".config")
+    return Path(base) / "smol-mcp" / "config.json"
+
+
+def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
+    """Turn one raw value (a string from the environment, JSON from the file) into
+    its typed form, or raise ConfigError naming the setting and what it accepts."""
+    where = f"{setting.env}" if source == "env" else f'"{setting.key}" in the config file'
+    if setting.kind in ("str", "secret", "version"):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {_json_type(value)}")
+        value = value.strip()
+        if setting.kind == "version" and value and not re.fullmatch(r"\d+(\.\d+){0,2}", value):
+            raise ConfigError(f"{where} must be a version such as 1.14.0 (or empty to skip the check), got {value!r}")
+        return value
+    if setting.kind == "choice":
+        if not isinstance(value, str) or value.strip() not in setting.choices:
+            shown = value if setting.kind != "secret" else "…"
+            raise ConfigError(f"{where} must be one of {', '.join(setting.choices)}; got {shown!r}")
+        return value.strip()
+    if setting.kind == "int":
+        if source == "env":
+            if not re.fullmatch(r"\s*-?\d+\s*", value):
+                raise ConfigError(f"{where} must be a whole number, got {value!r}")
+            value = int(value)
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be a whole number, got {_json_type(value)}")
+        if setting.minimum is not None and value < setting.minimum:
+            raise ConfigError(f"{where} must be at least {setting.minimum}, got {value}")
+        if setting.maximum is not None and value > setting.maximum:
+            raise ConfigError(f"{where} must be at most {setting.maximum}, got {value}")
+        return value
+    if setting.kind == "list":
+        if source == "env":
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings")
+        return tuple(v.strip() for v in value if v.strip())
+    raise AssertionError(setting.kind)
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def load_config(environ: dict[str, str] | None = None) -> Config:
+    """Read the config file and the environment into a validated Config.
+
+    A missing file is fine; an unreadable or malformed one, an unknown key, a
+    wrong type or an out-of-range value raises ConfigError with a sentence that
+    names the key. Secrets never appear in those sentences.
+    """
+    environ = dict(os.environ if environ is None else environ)
+    values: dict[str, Any] = {}
+    path = config_file_path(environ)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        text = None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
+    if text is not None:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"the config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"the config file {path} must hold a JSON object of settings")
+        by_key = {s.key: s for s in SETTINGS}
+        for key, raw in data.items():
+            if key not in by_key:
+                hint = difflib.get_close_matches(key, by_key, n=1)
+                maybe = f' (did you mean "{hint[0]}"?)' if hint else ""
+                raise ConfigError(f'unknown key "{key}" in the config file {path}{maybe}; '
+                                  f"the accepted keys are: {', '.join(by_key)}")
+            values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
+    for setting in SETTINGS:
+        if setting.env in environ:
+            values[setting.attr] = _parse_setting(setting, environ[setting.env], "env")
+
+    config = Config(**values)
+    if config.exec_timeout_secs > config.max_exec_timeout_secs:
+        raise ConfigError(f"execTimeoutSecs ({config.exec_timeout_secs}) must not be above "
+                          f"maxExecTimeoutSecs ({config.max_exec_timeout_secs})")
+    if not NAME_RE.fullmatch(config.machine_prefix + "x"):
+        raise ConfigError("machinePrefix must start with a letter or digit and hold only letters, digits, "
+                          f"'-' and '_', got {config.machine_prefix!r}")
+    if not config.machine_prefix:
+        raise ConfigError("machinePrefix must not be empty: it is what marks a machine as ephemeral")
+    if not config.http_path.startswith("/"):
+        raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
+    if config.local_url:
+        parse_local_url(config.local_url)  # raises ConfigError when it is not a loopback or unix URL
+    if not config.runtime_dir:
+        config = dataclasses.replace(config, runtime_dir=default_runtime_dir(environ))
+    return config
+
+
+def default_runtime_dir(environ: dict[str, str]) -> str:
+    """$XDG_RUNTIME_DIR/smol-mcp, else a per-user folder in the temp directory."""
+    if environ.get("XDG_RUNTIME_DIR"):
+        return str(Path(environ["XDG_RUNTIME_DIR"]) / "smol-mcp")
+    return str(Path(tempfile.gettempdir()) / f"smol-mcp-{os.getuid()}")
+
+
+def ensure_runtime_dir(path: str) -> Path:
+    """Create the runtime directory with mode 0700 and refuse one we do not own:
+    it holds the socket of an API without authentication."""
+    directory = Path(path)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = directory.stat()
+    if info.st_uid != os.getuid():
+        raise SmolError(f"the runtime directory {directory} belongs to another user; set SMOL_MCP_RUNTIME_DIR "
+                        "to a directory of your own")
+    if info.st_mode & 0o077:
+        directory.chmod(0o700)
+    return directory
+
+
+def parse_local_url(url: str) -> tuple[str, str | int]:
+    """Split SMOL_LOCAL_URL into ("unix", path) or ("tcp", port).
+
+    Only a Unix socket or a loopback TCP port is accepted: the local API has no
+    authentication, so talking to it across a network would hand the host out.
+    """
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme == "unix":
+        path = parsed.path or parsed.netloc
+        if not path.startswith("/"):
+            raise ConfigError(f"SMOL_LOCAL_URL must name an absolute socket path, as unix:///path/to/serve.sock; got {url!r}")
+        return "unix", path
+    if parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "localhost", "::1") and parsed.port:
+        return "tcp", parsed.port
+    raise ConfigError("SMOL_LOCAL_URL must be unix:///absolute/path.sock or http://127.0.0.1:PORT (loopback only, "
+                      f"because the local API has no authentication); got {url!r}")
+
+
+# ---------------------------------------------------------------------------
+# 2. Errors
+#
+# Every failure a caller can do something about is a SmolError whose text is a
+# sentence saying what happened and what to do next. Tool handlers let these
+# travel up; the dispatcher turns them into tool errors (isError: true).
+# ---------------------------------------------------------------------------
+
+
+class SmolError(Exception):
+    """A failure to report to the caller; ``str(err)`` is the whole message."""
+
+
+class ConfigError(SmolError):
+    """A setting is unknown, mistyped or out of range."""
+
+
+class ArgumentError(SmolError):
+    """A tool argument is unknown, mistyped or out of range."""
+
+
+class ApiError(SmolError):
+    """The machine API refused a request. Keeps the status and the API's own
+    code and message so callers can branch on them and pass the text through."""
+
+    def __init__(self, fleet: str, action: str, status: int, code: str, message: str):
+        self.fleet, self.action, self.status, self.code, self.api_message = fleet, action, status, code, message
+        label = f"HTTP {status} {code}".strip()
+        super().__init__(f"The {fleet} machine API refused to {action}: {message} ({label})")
+
+    def with_hint(self, hint: str) -> "ApiError":
+        """The same error with one more sentence telling the caller what to do."""
+        err = ApiError(self.fleet, self.action, self.status, self.code, self.api_message)
+        err.args = (f"{self.args[0]}. {hint}",)
+        return err
+
+
+def redact(text: str, secret_values: list[str]) -> str:
+    """Replace every configured secret in ``text``: last line of defence for
+    messages built from data we did not write."""
+    for value in secret_values:
+        if value:
+            text = text.replace(value, "[redacted]")
+    return text
+
+
+# ---------------------------------------------------------------------------
+# 3. Local fleet: smolvm serve over a Unix socket
+#
+# http.client over AF_UNIX to `smolvm serve start --listen <runtimeDir>/serve.sock`,
+# spawned on the first local call and never at connect. Every method here
+# blocks; the tool layer runs them in worker threads so one long command never
+# stalls another session.
+# ---------------------------------------------------------------------------
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ADDRESS_IN_USE_HINT = (
+    "Only one smolvm serve can run per host with the default settings (it binds 127.0.0.1:10081), and one is "
+    "already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock (it is left running), "
+    "or stop it."
+)
+# Engine settings the serve child may need; nothing else of ours is passed on.
+CHILD_ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ", "XDG_RUNTIME_DIR",
+                   "XDG_DATA_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "RUST_LOG")
+GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
+
+
+def inside_smol_guest() -> bool:
+    """True when this process runs inside a smol machine, where there is no
+    hypervisor to start a nested fleet with."""
+    return any(os.path.exists(marker) for marker in GUEST_MARKERS)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def minimal_child_env(environ: dict[str, str], secret_values: list[str]) -> dict[str, str]:
+    """The environment the serve child gets: a few basics and SMOLVM_* engine
+    settings, never a token (SPEC 3), even one that hides in an allowed name."""
+    env = {name: environ[name] for name in CHILD_ENV_NAMES if name in environ}
+    env.update({name: value for name, value in environ.items() if name.startswith("SMOLVM_")})
+    return {name: value for name, value in env.items() if value not in secret_values}
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over an AF_UNIX stream socket."""
+
+    def __init__(self, socket_path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+@dataclass
+class MachineSpec:
+    """A create request in the normalised vocabulary both fleets understand."""
+
+    name: str
+    image: str
+    cpus: int
+    memory_mb: int
+    network: str  # "open" or "blocked"
+    allow_hosts: list[str] = field(default_factory=list)
+    allow_cidrs: list[str] = field(default_factory=list)
+    ports: list[dict[str, int]] = field(default_factory=list)  # [{"guest", "host"?}]
+    mounts: list[dict[str, Any]] = field(default_factory=list)  # [{"source", "target", "readonly"?}]
+    storage_gb: int | None = None
+    overlay_gb: int | None = None
+    cmd: list[str] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    branchable: bool = False
+
+
+@dataclass
+class ExecResult:
+    """What a command did, as raw bytes: the budget is applied later."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    seconds: float
+
+
+@dataclass
+class FilePage:
+    """One page of a guest file."""
+
+    data: bytes
+    size: int
+    offset: int
+
+
+class LocalFleet:
+    """The machines of ``smolvm serve`` on this host.
+
+    The serve is started on first use, shared by every session of the process
+    (``acquire``/``release`` count them; the last release stops a serve we
+    started), restarted if it dies, and never started when SMOL_LOCAL_URL names
+    one to use instead.
+    """
+
+    name = "local"
+
+    def __init__(self, config: Config, environ: dict[str, str] | None = None):
+        self.config = config
+        self.environ = dict(os.environ if environ is None else environ)
+        self._lock = threading.RLock()
+        self._process: subprocess.Popen | None = None
+        self._users = 0
+        self._ready = False
+        self.version: str | None = None
+        if config.local_url:
+            self._kind, self._address = parse_local_url(config.local_url)
+        else:
+            self._kind, self._address = "unix", str(Path(config.runtime_dir) / "serve.sock")
+
+    # -- lifecycle ---------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """A stable name for the serve we talk to, used to match cleanup records."""
+        return self.config.local_url or f"unix://{self._address}"
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+
+    def release(self) -> None:
+        """One session let go; the last one stops the serve if we started it."""
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if self._users == 0:
+                self.stop_serve()
+
+    def stop_serve(self) -> None:
+        with self._lock:
+            process, self._process, self._ready = self._process, None, False
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+    def smolvm_path(self) -> str | None:
+        configured = self.config.smolvm
+        if os.sep in configured:
+            return configured if os.access(configured, os.X_OK) else None
+        return shutil.which(configured, path=self.environ.get("PATH"))
+
+    def ensure_serve(self) -> None:
+        """Make sure a serve answers, starting ours if needed, and check its version once."""
+        with self._lock:
+            if self._ready and (self._process is None or self._process.poll() is None):
+                return
+            self._ready = False
+            if inside_smol_guest():
+                raise SmolError("The local target is unavailable inside a smol machine: there is no hypervisor here "
+                                "to start a nested machine with. Use the cloud target, or run smol-mcp on the host.")
+            if not self.config.local_url and not self._answers():
+                self._start_serve()
+            try:
+                health = self._health()
+            except OSError as exc:
+                raise SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url} ({exc.strerror or exc}); "
+                                "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start its own") from None
+            self.version = str(health.get("version", ""))
+            if self.config.min_smolvm and version_tuple(self.version) < version_tuple(self.config.min_smolvm):
+                raise SmolError(f"smolvm {self.version} is older than the minimum {self.config.min_smolvm} this server "
+                                "needs (older serves reject fields it sends). Upgrade smolvm, or set "
+                                "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check.")
+            self._ready = True
+
+    def _answers(self) -> bool:
+        """True when something already serves the API on our socket (for example
+        the serve of another smol-mcp process with the same runtime directory)."""
+        try:
+            self._health()
+            return True
+        except (OSError, SmolError):
+            return False
+
+    def _health(self) -> dict:
+        status, _, body = self._raw_request("GET", "/health", timeout=5)
+        if status != 200:
+            raise SmolError(f"the local serve answered /health with HTTP {status}")
+        return json.loads(body)
+
+    def _start_serve(self) -> None:
+        binary = self.smolvm_path()
+        if binary is None:
+            raise SmolError(f"smolvm was not found (looked for {self.config.smolvm!r} on PATH). Install smolvm, set "
+                            "SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve.")
+        runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
+        socket_path = Path(self._address)
+        if len(str(socket_path).encode()) > 100:
+            raise SmolError(f"the socket path {socket_path} is too long for a Unix socket; set SMOL_MCP_RUNTIME_DIR "
+                            "to a shorter directory")
+        socket_path.unlink(missing_ok=True)
+        log_path = runtime_dir / "serve.log"
+        env = minimal_child_env(self.environ, self.config.secret_values())
+        with open(log_path, "ab") as log_file:
+            log_start = log_file.tell()
+            self._process = subprocess.Popen(
+                [binary, "serve", "start", "--listen", str(socket_path)],
+                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
+                start_new_session=True, close_fds=True)
+        log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
+        deadline = time.monotonic() + self.config.serve_start_timeout_secs
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                output = _read_from(log_path, log_start)
+                self._process = None
+                if "Address already in use" in output:
+                    raise SmolError(f"smolvm serve could not start: {_last_line(output)}. {ADDRESS_IN_USE_HINT}")
+                raise SmolError(f"smolvm serve exited at once: {_last_line(output) or 'no output'} "
+                                f"(its log is {log_path})")
+            if self._answers():
+                return
+            time.sleep(0.05)
+        self.stop_serve()
+        raise SmolError(f"smolvm serve did not answer within {self.config.serve_start_timeout_secs} s "
+                        f"(serveStartTimeoutSecs); its log is {log_path}")
+
+    # -- HTTP --------------------------------------------------------------
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self._kind == "unix":
+            return UnixHTTPConnection(str(self._address), timeout)
+        return http.client.HTTPConnection("127.0.0.1", int(self._address), timeout=timeout)
+
+    def _raw_request(self, method: str, path: str, body: bytes | None = None, *, content_type: str | None = None,
+                     timeout: float = 30) -> tuple[int, str, bytes]:
+        conn = self._connection(timeout)
+        try:
+            headers = {"Content-Type": content_type} if content_type else {}
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            return response.status, response.getheader("Content-Type", ""), response.read()
+        finally:
+            conn.close()
+
+    def request(self, action: str, method: str, path: str, payload: Any = None, *, raw: bytes | None = None,
+                timeout: float = 30) -> Any:
+        """One API call. Returns the parsed JSON body (or bytes for a raw
+        response); raises ApiError with the API's own message on a refusal.
+        A serve that stopped answering is started again once."""
+        self.ensure_serve()
+        if payload is not None:
+            body, content_type = json.dumps(payload).encode(), "application/json"
+        elif raw is not None:
+            body, content_type = raw, "application/octet-stream"
+        else:
+            body, content_type = None, None
+        try:
+            status, ctype, data = self._raw_request(method, path, body, content_type=content_type, timeout=timeout)
+        except (ConnectionRefusedError, FileNotFoundError):
+            # The connection never opened, so the request was not received: safe to resend.
+            self._ready = False
+            if self.config.local_url:
+                raise SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}; start the serve there, "
+                                "or unset SMOL_LOCAL_URL to let smol-mcp start its own") from None
+            self.ensure_serve()
+            status, ctype, data = self._raw_request(method, path, body, content_type=content_type, timeout=timeout)
+        except socket.timeout:
+            raise SmolError(f"the local machine API did not answer within {timeout:.0f} s while trying to {action}") from None
+        if status >= 400:
+            raise api_error("local", action, status, ctype, data)
+        if "application/json" in ctype:
+            return json.loads(data) if data else None
+        return data
+
+    # -- machines (normalised) ---------------------------------------------
+
+    def list_machines(self) -> list[dict]:
+        return [local_record(m) for m in self.request("list machines", "GET", "/api/v1/machines")["machines"]]
+
+    def get_machine(self, name: str) -> dict:
+        return local_record(self.request(f"get machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}"))
+
+    def machine_state(self, name: str) -> str:
+        return self.get_machine(name)["state"]
+
+    def create_machine(self, spec: MachineSpec) -> dict:
+        body: dict[str, Any] = {"name": spec.name, "image": spec.image, "cpus": spec.cpus, "memoryMb": spec.memory_mb,
+                                "network": spec.network == "open"}
+        if spec.allow_hosts:
+            body["allowedHosts"] = spec.allow_hosts
+        if spec.allow_cidrs:
+            body["allowedCidrs"] = spec.allow_cidrs
+        if spec.ports:
+            body["ports"] = [{"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports]
+        if spec.mounts:
+            body["mounts"] = [{"source": m["source"], "target": m["target"], "readonly": bool(m.get("readonly"))}
+                              for m in spec.mounts]
+        if spec.storage_gb is not None:
+            body["storageGb"] = spec.storage_gb
+        if spec.overlay_gb is not None:
+            body["overlayGb"] = spec.overlay_gb
+        if spec.cmd is not None:
+            body["cmd"] = spec.cmd
+        if spec.env:
+            body["env"] = [{"name": k, "value": v} for k, v in spec.env.items()]
+        return local_record(self.request(f"create machine '{spec.name}'", "POST", "/api/v1/machines", body))
+
+    def start_machine(self, name: str, branchable: bool = False) -> dict:
+        # Branchability is a start option locally (a create field on cloud).
+        query = "?branchable=true" if branchable else ""
+        return local_record(self.request(f"start machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/start{query}",
+                                         timeout=self.config.ready_timeout_secs + 60))
+
+    def stop_machine(self, name: str) -> dict:
+        return local_record(self.request(f"stop machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/stop",
+                                         timeout=360))
+
+    def delete_machine(self, name: str) -> dict:
+        self.request(f"delete machine '{name}'", "DELETE", f"/api/v1/machines/{_q(name)}", timeout=120)
+        return {"deleted": name}
+
+    def exec(self, name: str, argv: list[str], *, timeout_secs: int, workdir: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None, auto_start: bool = True) -> ExecResult:
+        body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": auto_start}
+        if workdir:
+            body["workdir"] = workdir
+        if env:
+            body["env"] = [{"name": k, "value": v} for k, v in env.items()]
+        if stdin is not None:
+            body["stdin"] = stdin
+        started = time.monotonic()
+        # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
+        data = self.request(f"run a command in machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/exec", body,
+                            timeout=timeout_secs + 30)
+        return ExecResult(exit_code=int(data["exitCode"]), stdout=base64.b64decode(data.get("stdoutB64") or ""),
+                          stderr=base64.b64decode(data.get("stderrB64") or ""), seconds=time.monotonic() - started)
+
+    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
+        """Stream the file and keep only [offset, offset+length): the API has no
+        range parameters, and the page must never hold more than asked for."""
+        self.ensure_serve()
+        action = f"read {path} in machine '{name}'"
+        conn = self._connection(timeout=self.config.ready_timeout_secs + 60)
+        try:
+            conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{_q(path.lstrip('/'), '/')}")
+            response = conn.getresponse()
+            ctype = response.getheader("Content-Type", "")
+            if response.status >= 400:
+                raise api_error("local", action, response.status, ctype, response.read())
+            if "application/json" in ctype:
+                listing = json.loads(response.read() or b"{}")
+                names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
+                raise SmolError(f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
+                                "Pass the path of a file inside it.")
+            size = int(response.getheader("Content-Length") or -1)
+            skipped = 0
+            while skipped < offset:
+                chunk = response.read(min(1 << 20, offset - skipped))
+                if not chunk:
+                    break
+                skipped += len(chunk)
+            data = response.read(length) if skipped == offset else b""
+            if size < 0:  # no length header: count what is left to learn the size
+                rest = 0
+                while chunk := response.read(1 << 20):
+                    rest += len(chunk)
+                size = skipped + len(data) + rest
+            return FilePage(data=data, size=size, offset=offset)
+        finally:
+            conn.close()
+
+    def write_file(self, name: str, path: str, data: bytes) -> int:
+        answer = self.request(f"write {path} in machine '{name}'", "PUT",
+                              f"/api/v1/machines/{_q(name)}/files/{_q(path.lstrip('/'), '/')}", raw=data,
+                              timeout=120 + len(data) / (1 << 20))
+        return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
+
+    def console_lines(self, name: str) -> list[str]:
+        """Every line of the guest console log (the API streams it as SSE)."""
+        try:
+            data = self.request(f"read the log of machine '{name}'", "GET",
+                                f"/api/v1/machines/{_q(name)}/logs?source=console")
+        except ApiError as err:
+            if err.status == 404 and "no logs yet" in err.api_message:
+                return []  # never started: nothing logged yet, which is an answer, not a failure
+            raise
+        return parse_sse_lines(data if isinstance(data, bytes) else json.dumps(data).encode())
+
+    def branch_machine(self, name: str, child: str) -> dict:
+        return local_record(self.request(f"branch machine '{name}' into '{child}'", "POST",
+                                         f"/api/v1/machines/{_q(name)}/branches", {"name": child},
+                                         timeout=self.config.ready_timeout_secs + 60))
+
+    def pull_image(self, name: str, image: str) -> dict:
+        answer = self.request(f"pull {image} into machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/images/pull",
+                              {"image": image}, timeout=self.config.max_exec_timeout_secs + 60)
+        return answer.get("image", answer)
+
+
+def api_error(fleet: str, action: str, status: int, content_type: str, data: bytes) -> ApiError:
+    """Build an ApiError from either error shape the serve uses: JSON
+    ``{"error", "code"}`` from handlers, plain text from the request parser."""
+    text = data.decode("utf-8", "replace").strip()
+    code = ""
+    if "application/json" in content_type:
+        try:
+            parsed = json.loads(text)
+            text, code = str(parsed.get("error") or text), str(parsed.get("code") or "")
+        except (ValueError, AttributeError):
+            pass
+    if not text:
+        text = "no such route on this serve (it may be older than this server expects)" if status == 404 else "no message"
+    return ApiError(fleet, action, status, code, text)
+
+
+def parse_sse_lines(data: bytes) -> list[str]:
+    """The data lines of a server-sent-event stream, one log line per event."""
+    lines = []
+    for raw in data.decode("utf-8", "replace").splitlines():
+        if raw.startswith("data:"):
+            lines.append(raw[5:].removeprefix(" "))
+    return lines
+
+
+def free_loopback_port() -> int:
+    """A host port that is free right now, for a published port given without one."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _q(value: str, safe: str = "") -> str:
+    return urllib.parse.quote(value, safe=safe)
+
+
+def _read_from(path: Path, offset: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", "replace")
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("note:")]
+    return lines[-1] if lines else ""
+
+
+# ---------------------------------------------------------------------------
+# 4. Normalised records
+#
+# A machine has the same keys on every fleet, null where a fleet has no such
+# value, so no tool handler (and no agent) needs to know which API answered.
+# ---------------------------------------------------------------------------
+
+MACHINE_KEYS = ("id", "name", "state", "image", "cpus", "memoryMb", "network", "ports", "createdAt", "pid", "url",
+                "branchable", "parent")
+
+
+def local_record(info: dict) -> dict:
+    """A local MachineInfo in the shared vocabulary. The local API names a
+    machine only by its name, so ``id`` is the name too."""
+    if info.get("network"):
+        network = "open"
+    elif info.get("allowedHosts") or info.get("allowedCidrs"):
+        network = "allowlist"
+    else:
+        network = "blocked"
+    return {
+        "id": info["name"],
+        "name": info["name"],
+        "state": info.get("state"),
+        "image": info.get("image"),
+        "cpus": info.get("cpus"),
+        "memoryMb": info.get("memoryMb"),
+        "network": network,
+        "ports": [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []],
+        "createdAt": iso_time(info.get("createdAt")),
+        "pid": info.get("pid"),
+        "url": None,  # the local fleet has no public ingress
+        "branchable": bool(info.get("branchable") or info.get("forkable")),
+        "parent": info.get("parentMachine"),
+    }
+
+
+def iso_time(value: Any) -> str | None:
+    """Unix seconds as RFC 3339 UTC, the form the cloud API uses."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return datetime.datetime.fromtimestamp(value, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return value if isinstance(value, str) else None
+
+
+# ---------------------------------------------------------------------------
+# 5. Output budget
+#
+# A tool result is read by a model with a context budget. A stream longer than
+# maxOutputBytes keeps its head and its tail, says how much fell between, and
+# the whole stream is written into the machine so nothing is lost.
+# ---------------------------------------------------------------------------
+
+OVERFLOW_DIR = "/tmp/smol-mcp-output"
+
+
+def utf8_prefix_end(data: bytes, end: int) -> int:
+    """Largest cut <= end that does not split a UTF-8 character."""
+    end = min(end, len(data))
+    cut = end
+    while cut > 0 and cut > end - 4 and (data[cut - 1] & 0xC0) == 0x80:
+        cut -= 1
+    if cut > 0 and data[cut - 1] >= 0xC0:  # a lead byte whose character is not complete before `end`
+        need = 2 if data[cut - 1] < 0xE0 else 3 if data[cut - 1] < 0xF0 else 4
+        if end - (cut - 1) < need:
+            return cut - 1
+    return end
+
+
+def utf8_suffix_start(data: bytes, start: int) -> int:
+    """Smallest cut >= start that begins a UTF-8 character."""
+    while start < len(data) and (data[start] & 0xC0) == 0x80 and start < len(data):
+        start += 1
+    return start
+
+
+def head_and_tail(data: bytes, limit: int, where: str) -> tuple[str, int]:
+    """The text to return for one stream and how many bytes were left out.
+    ``where`` finishes the marker sentence (where the whole stream is)."""
+    if len(data) <= limit:
+        return data.decode("utf-8", "replace"), 0
+    head_end = utf8_prefix_end(data, limit // 2)
+    tail_start = utf8_suffix_start(data, len(data) - (limit - limit // 2))
+    omitted = tail_start - head_end
+    marker = f"\n[... smol-mcp: {omitted} bytes omitted here; {where} ...]\n"
+    return data[:head_end].decode("utf-8", "replace") + marker + data[tail_start:].decode("utf-8", "replace"), omitted
+
+
+# ---------------------------------------------------------------------------
+# 6. Argument validation
+#
+# The SDK does not validate tool arguments, so this does, against the same
+# JSON Schema the client is shown. Every refusal names the argument, and an
+# unknown one gets the nearest accepted name, because `memory` for `memoryMb`
+# is the usual mistake and the API's own message would not say which tool.
+# ---------------------------------------------------------------------------
+
+NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
+ABSOLUTE_PATH_PATTERN = "^/"
+PATTERN_RULES = {
+    NAME_PATTERN: "must start with a letter or digit and hold only letters, digits, '-' and '_' (at most 128)",
+    ABSOLUTE_PATH_PATTERN: "must be an absolute path (starting with /)",
+    "^[A-Za-z_][A-Za-z0-9_]*$": "must be a variable name: letters, digits and '_', not starting with a digit",
+}
+TYPE_WORDS = {"string": "a string", "integer": "a whole number", "boolean": "true or false", "array": "a list",
+              "object": "an object"}
+
+
+def validate_arguments(tool: str, schema: dict, arguments: dict) -> dict:
+    """Check ``arguments`` against the tool's input schema; raise ArgumentError
+    naming the first argument that is unknown, missing, mistyped or out of range."""
+    if not isinstance(arguments, dict):
+        raise ArgumentError(f"{tool} takes an object of named arguments")
+    properties = schema.get("properties", {})
+    for key in arguments:
+        if key not in properties:
+            hint = difflib.get_close_matches(key, properties, n=1, cutoff=0.5)
+            maybe = f' (did you mean "{hint[0]}"?)' if hint else ""
+            raise ArgumentError(f'{tool} has no argument "{key}"{maybe}; it accepts: {", ".join(properties) or "none"}')
+    for key in schema.get("required", []):
+        if key not in arguments:
+            raise ArgumentError(f'{tool} needs the argument "{key}": {properties[key].get("description", "")}'.rstrip(": "))
+    for key, value in arguments.items():
+        _check(properties[key], value, key)
+    return arguments
+
+
+def _type_ok(kind: str, value: Any) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
+    return isinstance(value, {"string": str, "boolean": bool, "array": list, "object": dict}[kind])
+
+
+def _check(schema: dict, value: Any, where: str) -> None:
+    if "oneOf" in schema:
+        errors = []
+        for option in schema["oneOf"]:
+            try:
+                _check(option, value, where)
+                return
+            except ArgumentError as err:
+                errors.append(str(err))
+        kinds = " or ".join(TYPE_WORDS.get(o.get("type"), "?") for o in schema["oneOf"])
+        if all(not o.get("type") or _type_ok(o["type"], value) is False for o in schema["oneOf"]):
+            raise ArgumentError(f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}')
+        raise ArgumentError(errors[-1])
+    kind = schema.get("type")
+    if kind and not _type_ok(kind, value):
+        raise ArgumentError(f'"{where}" must be {TYPE_WORDS[kind]}, got {json.dumps(value)[:60]}')
+    if "enum" in schema and value not in schema["enum"]:
+        raise ArgumentError(f'"{where}" must be one of {", ".join(json.dumps(v) for v in schema["enum"])}; got {json.dumps(value)[:60]}')
+    if kind == "integer":
+        if "minimum" in schema and value < schema["minimum"]:
+            raise ArgumentError(f'"{where}" must be at least {schema["minimum"]}, got {value}')
+        if "maximum" in schema and value > schema["maximum"]:
+            raise ArgumentError(f'"{where}" must be at most {schema["maximum"]}, got {value}')
+    if kind == "string":
+        if len(value) < schema.get("minLength", 0):
+            raise ArgumentError(f'"{where}" must not be empty')
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            raise ArgumentError(f'"{where}" must be at most {schema["maxLength"]} characters long')
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            rule = PATTERN_RULES.get(schema["pattern"], f"must match {schema['pattern']}")
+            raise ArgumentError(f'"{where}" {rule}; got {json.dumps(value)[:60]}')
+    if kind == "array":
+        if "minItems" in schema and len(value) < schema["minItems"]:
+            raise ArgumentError(f'"{where}" must hold at least {schema["minItems"]} item(s)')
+        for index, item in enumerate(value):
+            _check(schema.get("items", {}), item, f"{where}[{index}]")
+    if kind == "object":
+        properties = schema.get("properties")
+        if properties is not None:
+            for key in value:
+                if key not in properties:
+                    hint = difflib.get_close_matches(key, properties, n=1, cutoff=0.5)
+                    maybe = f' (did you mean "{hint[0]}"?)' if hint else ""
+                    raise ArgumentError(f'"{where}" has no field "{key}"{maybe}; it accepts: {", ".join(properties)}')
+            for key in schema.get("required", []):
+                if key not in value:
+                    raise ArgumentError(f'"{where}" needs the field "{key}"')
+            for key, item in value.items():
+                _check(properties[key], item, f"{where}.{key}")
+        if isinstance(schema.get("additionalProperties"), dict):
+            names = schema.get("propertyNames", {})
+            for key, item in value.items():
+                if names:
+                    _check(names, key, f"{where} key {json.dumps(key)}")
+                _check(schema["additionalProperties"], item, f"{where}.{key}")
+
+
+# ---------------------------------------------------------------------------
+# 7. Tools
+#
+# Thirteen tools with the names, arguments and result shapes of the TypeScript
+# smol-mcp. Each handler gets a Call (its fleet, its session, a way to run a
+# blocking API call in a worker thread, a progress reporter) and the validated
+# arguments, and returns the structured result. A SmolError becomes a tool
+# error; anything else is logged and reported without a stack trace.
+# ---------------------------------------------------------------------------
+
+CLEANUP_TIMEOUT_SECS = 20
+READY_PROBE = ["true"]
+
+
+def _string(description: str, **extra: Any) -> dict:
+    return {"type": "string", "description": description, **extra}
+
+
+def _integer(description: str, minimum: int = 1, **extra: Any) -> dict:
+    return {"type": "integer", "description": description, "minimum": minimum, **extra}
+
+
+def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+
+ARG_NAME = _string("The machine's name (list-machines shows them).", minLength=1, pattern=NAME_PATTERN)
+ARG_IMAGE = _string("An OCI image reference, such as alpine or python:3.12-alpine.", minLength=1)
+ARG_CPUS = _integer("Virtual CPUs (default from SMOL_MCP_CPUS).", maximum=255)
+ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128)
+ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image on the local fleet needs "
+                      "\"open\" for its first pull.", enum=["open", "blocked"])
+ARG_ALLOW_HOSTS = {"type": "array", "items": _string("A host name.", minLength=1),
+                   "description": "Allow egress only to these host names (and their subdomains)."}
+ARG_ALLOW_CIDRS = {"type": "array", "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
+                   "description": "Allow egress only to these address ranges."}
+ARG_ENV = {"type": "object", "description": "Environment variables, as a map of name to value.",
+           "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}, "additionalProperties": {"type": "string"}}
+ARG_COMMAND = {"description": "The command: a list of arguments run as is, or a string run with sh -c.",
+               "oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]}
+ARG_TIMEOUT = _integer("Seconds before the command is killed (default SMOL_MCP_EXEC_TIMEOUT_SECS, at most "
+                       "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).")
+ARG_WORKDIR = _string("Working directory inside the machine (an absolute path).", pattern=ABSOLUTE_PATH_PATTERN)
+ARG_STDIN = _string("Text piped to the command's standard input.")
+ARG_PATH = _string("An absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN)
+ARG_ENCODING = _string("utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"])
+ARG_WAIT = {"type": "boolean", "description": "Wait until a command has run in the guest before answering (default true)."}
+
+OUT_MACHINE = {
+    "type": "object", "description": "A machine, with the same keys on every fleet.",
+    "properties": {
+        "id": {"type": "string"}, "name": {"type": "string"}, "state": {"type": ["string", "null"]},
+        "image": {"type": ["string", "null"]}, "cpus": {"type": ["integer", "null"]},
+        "memoryMb": {"type": ["integer", "null"]}, "network": {"type": "string"}, "ports": {"type": "array"},
+        "createdAt": {"type": ["string", "null"]}, "pid": {"type": ["integer", "null"]},
+        "url": {"type": ["string", "null"]}, "branchable": {"type": "boolean"}, "parent": {"type": ["string", "null"]},
+    },
+    "required": list(MACHINE_KEYS),
+}
+OUT_EXEC_PROPERTIES = {
+    "stdout": {"type": "string"}, "stderr": {"type": "string"}, "exitCode": {"type": "integer"},
+    "truncated": {"type": "boolean"}, "timedOut": {"type": "boolean"},
+    "overflow": {"type": "array", "items": {"type": "string"}}, "startedMachine": {"type": "boolean"},
+}
+
+
+def _out(properties: dict) -> dict:
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+@dataclass
+class ToolSpec:
+    """One tool: what the client is shown, and the handler that answers it."""
+
+    name: str
+    title: str
+    description: str
+    input_schema: dict
+    output_schema: dict
+    handler: Callable
+    read_only: bool = False
+    destructive: bool = False
+    idempotent: bool = False
+    open_world: bool = False
+
+
+class Call:
+    """What one tool call needs: its fleet, its session, worker threads for the
+    blocking API, and progress notifications for the long waits."""
+
+    def __init__(self, app: "SmolMcp", session: "Session", fleet: LocalFleet, ctx: Any):
+        self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
+        self.config = app.config
+
+    async def api(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run one blocking API call in a worker thread. A cancelled call stops
+        waiting at once; the thread finishes on its own."""
+        import anyio
+        import functools
+        return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs), abandon_on_cancel=True,
+                                              limiter=self.app.thread_limiter())
+
+    async def progress(self, done: float, total: float | None, message: str) -> None:
+        if self.ctx is not None:
+            try:
+                await self.ctx.session.report_progress(done, total, message)
+            except Exception:  # progress is a courtesy; a client that went away must not fail the call
+                log.debug("progress notification not sent", exc_info=True)
+
+    def new_ephemeral_name(self) -> str:
+        return f"{self.config.machine_prefix}{secrets_module.token_hex(4)}"
+
+    async def delete_quietly(self, name: str) -> None:
+        """Delete a machine this call created, even while the call is being
+        cancelled, and forget it; a failure here is logged, not raised over the
+        error that got us here."""
+        import anyio
+        with anyio.CancelScope(shield=True):
+            try:
+                with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
+                    await anyio.to_thread.run_sync(self.fleet.delete_machine, name)
+                self.session.forget(self.fleet.name, name)
+            except ApiError as err:
+                if err.status == 404:
+                    self.session.forget(self.fleet.name, name)
+                else:
+                    log.warning("could not delete machine %s: %s", name, err)
+            except Exception as err:
+                log.warning("could not delete machine %s: %s", name, err)
+
+
+def resolve_network(args: dict, default: str) -> tuple[str, list[str], list[str]]:
+    """(network, allowHosts, allowCidrs) for a create. An allow-list narrows
+    egress, so it cannot be combined with an explicit open or blocked."""
+    hosts, cidrs = list(args.get("allowHosts") or []), list(args.get("allowCidrs") or [])
+    for index, cidr in enumerate(cidrs):
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise ArgumentError(f'"allowCidrs[{index}]" must be an address range such as 10.0.0.0/8, got {cidr!r}') from None
+    if (hosts or cidrs) and "network" in args:
+        raise ArgumentError(f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
+                            "allow-list already means egress to those destinations only. Pass one or the other.")
+    if hosts or cidrs:
+        return "blocked", hosts, cidrs
+    return args.get("network", default), [], []
+
+
+def exec_timeout(config: Config, args: dict) -> int:
+    timeout = args.get("timeoutSecs", config.exec_timeout_secs)
+    if timeout > config.max_exec_timeout_secs:
+        raise ArgumentError(f'"timeoutSecs" is {timeout}, above the limit of {config.max_exec_timeout_secs} s '
+                            "(SMOL_MCP_MAX_EXEC_TIMEOUT_SECS); ask for less, or split the work")
+    return timeout
+
+
+def command_argv(command: str | list[str]) -> list[str]:
+    return ["sh", "-c", command] if isinstance(command, str) else list(command)
+
+
+def is_not_running(err: Exception) -> bool:
+    return isinstance(err, ApiError) and err.status == 409 and "not running" in err.api_message
+
+
+def explain_start_failure(err: Exception, network: str | None) -> Exception:
+    """Add the one sentence that says what to do about a failed start."""
+    if not isinstance(err, ApiError):
+        return err
+    text = err.api_message
+    if network != "open" and ("registry" in text or "must be pulled" in text or "manifests" in text):
+        return err.with_hint('The image has to be pulled from a registry and this machine has no egress; pass '
+                             'network: "open" to create-machine (or run-once) to allow the pull')
+    if "did not become ready" in text or "before the agent was ready" in text or "KvmOpen" in text:
+        return err.with_hint("The microVM could not boot on this host; the smol://targets resource says whether a "
+                             "usable hypervisor is present, and the machine's log (machine-logs) may say more")
+    if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
+        return err.with_hint("Another machine or process holds that host port; pick another in ports[].host")
+    return err
+
+
+async def wait_until_ready(call: Call, name: str) -> None:
+    """Return once a command has actually run in the guest. The probe uses
+    autoStart false so it never boots a machine someone stopped meanwhile."""
+    import anyio
+    limit = call.config.ready_timeout_secs
+    started = time.monotonic()
+    delay, last = 0.1, "no answer yet"
+    while True:
+        elapsed = time.monotonic() - started
+        await call.progress(round(elapsed, 1), limit, f"waiting for the guest of '{name}': {int(elapsed)} s of {limit} s")
+        try:
+            await call.api(call.fleet.exec, name, READY_PROBE, timeout_secs=10, auto_start=False)
+            return
+        except ApiError as err:
+            if is_not_running(err):
+                raise SmolError(f"machine '{name}' stopped while waiting for its guest to answer; its log "
+                                "(machine-logs) may say why") from None
+            if err.status in (400, 404):
+                raise
+            last = err.api_message
+        if time.monotonic() - started >= limit:
+            raise SmolError(f"the guest of machine '{name}' did not run a command within {limit} s "
+                            f"(readyTimeoutSecs); last answer: {last}")
+        await anyio.sleep(delay)
+        delay = min(delay * 2, 2.0)
+
+
+async def start_and_wait(call: Call, name: str, branchable: bool = False) -> dict:
+    record = await call.api(call.fleet.start_machine, name, branchable)
+    await wait_until_ready(call, name)
+    return record
+
+
+async def ensure_running(call: Call, name: str) -> bool:
+    """Start a machine that is not running and wait for it; True if we started it."""
+    if await call.api(call.fleet.machine_state, name) == "running":
+        return False
+    await start_and_wait(call, name)
+    return True
+
+
+async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, keep_overflow: bool) -> dict:
+    """The run-command result: both streams within the budget, and a stream
+    that did not fit written whole into the machine, its path in ``overflow``."""
+    limit = call.config.max_output_bytes
+    shaped: dict[str, Any] = {"exitCode": result.exit_code, "truncated": False,
+                              # 124 is what the guest reports for a command it killed at its timeout
+                              "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1, "overflow": []}
+    stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
+    for stream, data in (("stdout", result.stdout), ("stderr", result.stderr)):
+        if len(data) <= limit:
+            shaped[stream] = data.decode("utf-8", "replace")
+            continue
+        shaped["truncated"] = True
+        where = ("run-once deletes its machine, so the whole stream was not kept; use create-machine and "
+                 "run-command to keep it")
+        if keep_overflow:
+            path = f"{OVERFLOW_DIR}/{stamp}.{stream}"
+            try:
+                await call.api(call.fleet.write_file, name, path, data)
+                shaped["overflow"].append(path)
+                where = f"the whole {len(data)}-byte stream is in the machine at {path} (read it with read-file)"
+            except SmolError as err:
+                where = f"the whole stream could not be saved in the machine: {err}"
+        shaped[stream], _ = head_and_tail(data, limit, where)
+    return shaped
+
+
+# -- the handlers, in the order of the tools table ---------------------------
+
+async def tool_list_machines(call: Call, args: dict) -> dict:
+    return {"machines": await call.api(call.fleet.list_machines)}
+
+
+async def tool_get_machine(call: Call, args: dict) -> dict:
+    return {"machine": await call.api(call.fleet.get_machine, args["name"])}
+
+
+def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
+    network, hosts, cidrs = resolve_network(args, network_default)
+    return MachineSpec(
+        name=name, image=args["image"], cpus=args.get("cpus", call.config.cpus),
+        memory_mb=args.get("memoryMb", call.config.memory_mb), network=network, allow_hosts=hosts, allow_cidrs=cidrs,
+        ports=args.get("ports", []), mounts=args.get("mounts", []), storage_gb=args.get("storageGb"),
+        overlay_gb=args.get("overlayGb"), cmd=args.get("cmd"), env=args.get("env", {}),
+        branchable=args.get("branchable", False))
+
+
+async def tool_create_machine(call: Call, args: dict) -> dict:
+    name = args.get("name") or call.new_ephemeral_name()
+    spec = machine_spec(call, args, name, call.config.network_default)
+    start = args.get("start", True)
+    if spec.branchable and not start:
+        raise ArgumentError('"branchable": true needs "start": true on the local fleet: the engine makes a machine '
+                            "a branch source when it starts it")
+    for index, mount in enumerate(spec.mounts):
+        if not mount["source"].startswith("/"):
+            raise ArgumentError(f'"mounts[{index}].source" must be an absolute host path, got {mount["source"]!r}')
+    ephemeral = call.session.is_ephemeral(name)
+    if ephemeral:
+        call.session.remember(call.fleet.name, name)  # recorded first, so a crash right after create still cleans up
+    try:
+        record = await call.api(call.fleet.create_machine, spec)
+    except BaseException:
+        call.session.forget(call.fleet.name, name)
+        raise
+    if not start:
+        return {"machine": record, "ephemeral": ephemeral, "ready": False}
+    try:
+        record = await start_and_wait(call, name, spec.branchable)
+    except BaseException as err:
+        await call.delete_quietly(name)
+        if isinstance(err, Exception):
+            raise explain_start_failure(err, spec.network) from None
+        raise
+    return {"machine": record, "ephemeral": ephemeral, "ready": True}
+
+
+async def tool_run_command(call: Call, args: dict) -> dict:
+    name, argv, timeout = args["name"], command_argv(args["command"]), exec_timeout(call.config, args)
+    options = dict(timeout_secs=timeout, workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
+    started_machine = False
+    try:
+        result = await call.api(call.fleet.exec, name, argv, auto_start=False, **options)
+    except ApiError as err:
+        if not is_not_running(err):
+            raise
+        # A stopped machine is started (and left running), the way the cloud API does it.
+        await start_and_wait(call, name)
+        started_machine = True
+        result = await call.api(call.fleet.exec, name, argv, auto_start=False, **options)
+    shaped = await budget_exec(call, name, result, timeout, keep_overflow=True)
+    return {**shaped, "startedMachine": started_machine}
+
+
+async def tool_run_once(call: Call, args: dict) -> dict:
+    timeout = exec_timeout(call.config, args)
+    name = call.new_ephemeral_name()
+    spec = machine_spec(call, args, name, call.config.run_once_network)
+    call.session.remember(call.fleet.name, name)
+    try:
+        await call.progress(0, None, f"creating {name} from {spec.image}")
+        await call.api(call.fleet.create_machine, spec)
+        try:
+            await start_and_wait(call, name)
+        except Exception as err:
+            raise explain_start_failure(err, spec.network) from None
+        await call.progress(0, None, f"running the command in {name}")
+        result = await call.api(call.fleet.exec, name, command_argv(args["command"]), timeout_secs=timeout,
+                                workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"),
+                                auto_start=False)
+        shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
+        return {**shaped, "startedMachine": False, "name": name}
+    finally:
+        await call.delete_quietly(name)  # every path: success, error, timeout, cancellation
+
+
+async def tool_read_file(call: Call, args: dict) -> dict:
+    name, path, encoding = args["name"], args["path"], args.get("encoding", "utf8")
+    offset = args.get("offset", 0)
+    # base64 grows by a third, so its page is smaller to keep the reply within the budget
+    limit = call.config.max_output_bytes if encoding == "utf8" else call.config.max_output_bytes * 3 // 4
+    length = min(args.get("length", limit), limit)
+    started_machine = await ensure_running(call, name)
+    page = await call.api(call.fleet.read_file, name, path, offset, length)
+    data = page.data
+    if encoding == "utf8":
+        if offset + len(data) < page.size:
+            data = data[:utf8_prefix_end(data, len(data))]  # end the page on a character boundary
+        try:
+            content = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ArgumentError(f"{path} is not UTF-8 text (byte {offset + err.start} is not); read it with "
+                                'encoding: "base64", or start at another offset') from None
+    else:
+        content = base64.b64encode(data).decode("ascii")
+    return {"path": path, "content": content, "encoding": encoding, "size": page.size, "offset": offset,
+            "bytes": len(data), "eof": offset + len(data) >= page.size, "startedMachine": started_machine}
+
+
+async def tool_write_file(call: Call, args: dict) -> dict:
+    name, path, encoding = args["name"], args["path"], args.get("encoding", "utf8")
+    if encoding == "base64":
+        try:
+            data = base64.b64decode(args["content"], validate=True)
+        except ValueError:
+            raise ArgumentError('"content" is not valid base64; send the bytes base64-encoded, or pass '
+                                'encoding: "utf8" for text') from None
+    else:
+        data = args["content"].encode("utf-8")
+    # Readiness first: a file written before the workload's file system is up
+    # lands under a path the workload then mounts over, and is never seen.
+    started_machine = await ensure_running(call, name)
+    if not started_machine:
+        await wait_until_ready(call, name)
+    written = await call.api(call.fleet.write_file, name, path, data)
+    return {"path": path, "bytes": written, "startedMachine": started_machine}
+
+
+async def tool_start_machine(call: Call, args: dict) -> dict:
+    name, wait = args["name"], args.get("wait", True)
+    record = await call.api(call.fleet.get_machine, name)
+    if record["state"] != "running":
+        try:
+            record = await call.api(call.fleet.start_machine, name)
+        except Exception as err:
+            raise explain_start_failure(err, record["network"]) from None
+    if wait:
+        await wait_until_ready(call, name)
+    return {"machine": record, "ready": wait}
+
+
+async def tool_branch_machine(call: Call, args: dict) -> dict:
+    source, wait = args["name"], args.get("wait", True)
+    child = args.get("childName") or call.new_ephemeral_name()
+    ephemeral = call.session.is_ephemeral(child)
+    if ephemeral:
+        call.session.remember(call.fleet.name, child)
+    try:
+        record = await call.api(call.fleet.branch_machine, source, child)
+    except BaseException as err:
+        call.session.forget(call.fleet.name, child)
+        if isinstance(err, ApiError) and err.status == 409 and "already exists" not in err.api_message:
+            raise err.with_hint("The source must be running and created as a branch source: create-machine with "
+                                "branchable: true, then branch it while it runs") from None
+        raise
+    if wait:
+        try:
+            await wait_until_ready(call, child)
+        except BaseException:
+            await call.delete_quietly(child)
+            raise
+    return {"machine": record, "ephemeral": ephemeral, "ready": wait}
+
+
+async def tool_stop_machine(call: Call, args: dict) -> dict:
+    return {"machine": await call.api(call.fleet.stop_machine, args["name"])}
+
+
+async def tool_delete_machine(call: Call, args: dict) -> dict:
+    result = await call.api(call.fleet.delete_machine, args["name"])
+    call.session.forget(call.fleet.name, args["name"])
+    return result
+
+
+async def tool_machine_logs(call: Call, args: dict) -> dict:
+    """The guest console. The cursor is the number of lines already seen, so a
+    call with the last cursor returns only what arrived since."""
+    lines = await call.api(call.fleet.console_lines, args["name"])
+    if "cursor" in args:
+        try:
+            seen = int(args["cursor"])
+        except ValueError:
+            raise ArgumentError(f'"cursor" must be a cursor returned by machine-logs, got {args["cursor"]!r}') from None
+        start = seen if 0 <= seen <= len(lines) else 0  # a log that restarted from scratch is read again whole
+    else:
+        start = max(0, len(lines) - args.get("tail", call.config.logs_tail))
+    picked, used = [], 0
+    for line in lines[start:]:
+        used += len(line.encode()) + 1
+        if used > call.config.max_output_bytes and picked:
+            break  # the rest comes with the next cursor
+        picked.append(line)
+    return {"lines": picked, "cursor": str(start + len(picked))}
+
+
+async def tool_pull_image(call: Call, args: dict) -> dict:
+    return {"image": await call.api(call.fleet.pull_image, args["name"], args["image"])}
+
+
+TOOLS: tuple[ToolSpec, ...] = (
+    ToolSpec(
+        "list-machines", "List machines",
+        "List every machine on the fleet, with its state, image, size, egress and published ports. Changes nothing.",
+        _object({}), _out({"machines": {"type": "array", "items": OUT_MACHINE}}), tool_list_machines,
+        read_only=True, idempotent=True),
+    ToolSpec(
+        "get-machine", "Get a machine",
+        "Show one machine: state, image, size, egress, ports, pid and whether it can be branched. Changes nothing.",
+        _object({"name": ARG_NAME}, ("name",)), _out({"machine": OUT_MACHINE}), tool_get_machine,
+        read_only=True, idempotent=True),
+    ToolSpec(
+        "create-machine", "Create a machine",
+        "Create a new microVM from an OCI image and (by default) start it, answering once a command has run in it. "
+        "Egress is blocked unless network is \"open\" or an allow-list is given. A name starting with the ephemeral "
+        "prefix (mcp- by default), or no name, makes a machine that is deleted when this session ends; any other "
+        "name persists. Uses host CPU, memory and disk while it exists.",
+        _object({
+            "name": {**ARG_NAME, "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx)."},
+            "image": ARG_IMAGE, "cpus": ARG_CPUS, "memoryMb": ARG_MEMORY, "network": ARG_NETWORK,
+            "allowHosts": ARG_ALLOW_HOSTS, "allowCidrs": ARG_ALLOW_CIDRS,
+            "ports": {"type": "array", "description": "Ports to publish: guest port, and optionally the host port.",
+                      "items": _object({"guest": _integer("Port inside the machine.", maximum=65535),
+                                        "host": _integer("Port on the host (default: a free one).", maximum=65535)},
+                                       ("guest",))},
+            "mounts": {"type": "array", "description": "Host directories to attach (local fleet only).",
+                       "items": _object({"source": _string("Absolute host path."), "target": ARG_PATH,
+                                         "readonly": {"type": "boolean", "description": "Mount read-only."}},
+                                        ("source", "target"))},
+            "storageGb": _integer("Storage disk size in GiB."),
+            "overlayGb": _integer("Overlay disk size in GiB (local fleet only)."),
+            "cmd": {"type": "array", "items": {"type": "string"}, "description": "Workload command (local fleet only)."},
+            "env": ARG_ENV,
+            "branchable": {"type": "boolean", "description": "Make it a branch source for branch-machine."},
+            "start": {"type": "boolean", "description": "Start it and wait for the guest (default true)."},
+        }, ("image",)),
+        _out({"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}),
+        tool_create_machine, open_world=True),
+    ToolSpec(
+        "run-command", "Run a command in a machine",
+        "Run a command inside the named machine (never on this host) and return its stdout, stderr and exit code. "
+        "A non-zero exit is a result, not an error. Output beyond the budget keeps its head and tail, and the whole "
+        "stream is saved in the machine at the path listed in overflow. A stopped machine is started first.",
+        _object({"name": ARG_NAME, "command": ARG_COMMAND, "timeoutSecs": ARG_TIMEOUT, "workdir": ARG_WORKDIR,
+                 "env": ARG_ENV, "stdin": ARG_STDIN}, ("name", "command")),
+        _out(OUT_EXEC_PROPERTIES), tool_run_command, destructive=True, open_world=True),
+    ToolSpec(
+        "run-once", "Run a command in a throwaway machine",
+        "Create a machine from an image, run one command in it, and delete the machine on every path (success, "
+        "failure, timeout, cancellation). Egress is blocked unless network is \"open\" or an allow-list is given.",
+        _object({"image": ARG_IMAGE, "command": ARG_COMMAND, "timeoutSecs": ARG_TIMEOUT, "workdir": ARG_WORKDIR,
+                 "env": ARG_ENV, "stdin": ARG_STDIN, "cpus": ARG_CPUS, "memoryMb": ARG_MEMORY, "network": ARG_NETWORK,
+                 "allowHosts": ARG_ALLOW_HOSTS, "allowCidrs": ARG_ALLOW_CIDRS}, ("image", "command")),
+        _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}), tool_run_once, open_world=True),
+    ToolSpec(
+        "read-file", "Read a file from a machine",
+        "Read a file inside the named machine, a page at a time: offset and length pick the bytes, size is the whole "
+        "file, eof says whether this page reached its end. Never returns more than the output budget. Starts a "
+        "stopped machine.",
+        _object({"name": ARG_NAME, "path": ARG_PATH, "encoding": ARG_ENCODING,
+                 "offset": _integer("First byte to read (default 0).", minimum=0),
+                 "length": _integer("Bytes to read (default and maximum: the output budget).")}, ("name", "path")),
+        _out({"path": {"type": "string"}, "content": {"type": "string"}, "encoding": {"type": "string"},
+              "size": {"type": "integer"}, "offset": {"type": "integer"}, "bytes": {"type": "integer"},
+              "eof": {"type": "boolean"}, "startedMachine": {"type": "boolean"}}),
+        tool_read_file, idempotent=True),  # not read-only: it starts a stopped machine
+    ToolSpec(
+        "write-file", "Write a file into a machine",
+        "Write a file inside the named machine, replacing any file at that path and creating parent directories. "
+        "Waits until the guest runs commands first, so the file is not hidden by the workload's file system.",
+        _object({"name": ARG_NAME, "path": ARG_PATH, "content": _string("The file's content."),
+                 "encoding": ARG_ENCODING}, ("name", "path", "content")),
+        _out({"path": {"type": "string"}, "bytes": {"type": "integer"}, "startedMachine": {"type": "boolean"}}),
+        tool_write_file, destructive=True, idempotent=True),
+    ToolSpec(
+        "start-machine", "Start a machine",
+        "Start a stopped machine and (by default) wait until a command has run in it. A running machine is left as it is.",
+        _object({"name": ARG_NAME, "wait": ARG_WAIT}, ("name",)),
+        _out({"machine": OUT_MACHINE, "ready": {"type": "boolean"}}), tool_start_machine, idempotent=True,
+        open_world=True),
+    ToolSpec(
+        "branch-machine", "Branch a machine",
+        "Copy a running branch source (created with branchable: true), memory and disks included, into a new child "
+        "machine that starts where the source is. Without childName the child is ephemeral. Branching on the local "
+        "fleet needs a Linux or macOS host.",
+        _object({"name": {**ARG_NAME, "description": "The running, branchable source machine."},
+                 "childName": {**ARG_NAME, "description": "Name for the child; omit for an ephemeral one."},
+                 "wait": ARG_WAIT}, ("name",)),
+        _out({"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}),
+        tool_branch_machine),
+    ToolSpec(
+        "stop-machine", "Stop a machine",
+        "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever runs in it is ended.",
+        _object({"name": ARG_NAME}, ("name",)), _out({"machine": OUT_MACHINE}), tool_stop_machine,
+        destructive=True, idempotent=True),
+    ToolSpec(
+        "delete-machine", "Delete a machine",
+        "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
+        _object({"name": ARG_NAME}, ("name",)),
+        {"type": "object", "properties": {"deleted": {"type": "string"}, "usage": {"type": "object"}},
+         "required": ["deleted"]},
+        tool_delete_machine, destructive=True),
+    ToolSpec(
+        "machine-logs", "Read a machine's log",
+        "Read the latest lines of the machine's guest console. Pass the cursor from the last call to get only what "
+        "arrived since. Changes nothing.",
+        _object({"name": ARG_NAME, "tail": _integer("How many of the latest lines (default SMOL_MCP_LOGS_TAIL).",
+                                                    maximum=100000),
+                 "cursor": _string("The cursor from the previous machine-logs call.")}, ("name",)),
+        _out({"lines": {"type": "array", "items": {"type": "string"}}, "cursor": {"type": "string"}}),
+        tool_machine_logs, read_only=True),
+    ToolSpec(
+        "pull-image", "Pull an image into a machine",
+        "Pull an OCI image into the named machine's image store (local fleet only; the machine is started to do it).",
+        _object({"name": ARG_NAME, "image": ARG_IMAGE}, ("name", "image")),
+        _out({"image": {"type": "object"}}), tool_pull_image, idempotent=True, open_world=True),
+)
+TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
+
+
+# ---------------------------------------------------------------------------
+# 8. Resources
+#
+# smol://targets says what this process serves and whether each fleet can work
+# on this host right now, without starting anything. The log template gives the
+# latest console lines of a machine.
+# ---------------------------------------------------------------------------
+
+TARGETS_URI = "smol://targets"
+LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
+LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs")
+
+
+def hypervisor_status() -> tuple[bool, str]:
+    """Whether this host can run microVMs, and if not, why and what to do."""
+    if sys.platform == "darwin":
+        return True, "Hypervisor.framework (macOS)"
+    if not os.path.exists("/dev/kvm"):
+        return False, "/dev/kvm does not exist: enable KVM (or nested virtualisation on this VM) and load the kvm module"
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False, "/dev/kvm is not readable and writable by this user: add the user to the kvm group"
+    return True, "/dev/kvm is usable"
+
+
+def local_target_facts(fleet: LocalFleet) -> dict:
+    """What smol://targets says about the local fleet. Only reads: it never
+    spawns the serve (that happens on the first local tool call)."""
+    facts: dict[str, Any] = {"served": True, "usable": True, "reason": None}
+    guest = inside_smol_guest()
+    hypervisor_ok, hypervisor_reason = hypervisor_status()
+    binary = fleet.smolvm_path() if not fleet.config.local_url else None
+    facts.update({
+        "insideGuest": guest,
+        "hypervisor": {"present": hypervisor_ok, "detail": hypervisor_reason},
+        "smolvm": {"path": binary, "version": fleet.version},
+        "serve": fleet.config.local_url or "started on the first local tool call",
+        "minSmolvm": fleet.config.min_smolvm or None,
+    })
+    if guest:
+        facts.update(usable=False, reason="running inside a smol machine, which cannot start machines of its own")
+    elif fleet.config.local_url:
+        facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
+    elif binary is None:
+        facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); install it or set SMOLVM")
+    elif not hypervisor_ok:
+        facts.update(usable=False, reason=hypervisor_reason)
+    if fleet.version and fleet.config.min_smolvm and version_tuple(fleet.version) < version_tuple(fleet.config.min_smolvm):
+        facts.update(usable=False, reason=f"smolvm {fleet.version} is older than {fleet.config.min_smolvm}")
+    return facts
+
+
+def targets_document(app: "SmolMcp") -> dict:
+    return {
+        "mode": app.mode,
+        "fleets": {
+            "local": local_target_facts(app.local),
+            "cloud": {"served": False, "usable": False, "url": app.config.cloud_url,
+                      "tokenSet": bool(app.config.cloud_token),
+                      "reason": "the cloud fleet is not served by this release of smol-mcp"},
+        },
+    }
+
+
+# ---------------------------------------------------------------------------
+# 9. Sessions and cleanup
+#
+# A machine whose name starts with machinePrefix is ephemeral: the session that
+# created it deletes it when the session ends. Local records are files in the
+# runtime directory, so the next process deletes what a SIGKILLed one left.
+# ---------------------------------------------------------------------------
+
+
+class Session:
+    """One client's ephemeral machines, per fleet, and their record on disk."""
+
+    def __init__(self, app: "SmolMcp", session_id: str):
+        self.app, self.id = app, session_id
+        self.machines: dict[str, set[str]] = {}
+        self.record_path = Path(app.config.runtime_dir) / "sessions" / f"{os.getpid()}-{session_id}.json"
+
+    def is_ephemeral(self, name: str) -> bool:
+        return name.startswith(self.app.config.machine_prefix)
+
+    def remember(self, fleet: str, name: str) -> None:
+        self.machines.setdefault(fleet, set()).add(name)
+        self._save()
+
+    def forget(self, fleet: str, name: str) -> None:
+        if name in self.machines.get(fleet, set()):
+            self.machines[fleet].discard(name)
+            self._save()
+
+    def _save(self) -> None:
+        """Write the local record atomically (a crash mid-write must not lose it)."""
+        names = sorted(self.machines.get("local", set()))
+        if not names:
+            self.record_path.unlink(missing_ok=True)
+            return
+        ensure_runtime_dir(str(self.record_path.parent))
+        record = {"pid": os.getpid(), "endpoint": self.app.local.endpoint, "machines": names}
+        temporary = self.record_path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(record))
+        temporary.replace(self.record_path)
+
+    async def close(self) -> None:
+        """Delete every ephemeral machine this session still holds."""
+        import anyio
+        for fleet_name, names in list(self.machines.items()):
+            fleet = self.app.fleets[fleet_name]
+            for name in sorted(names):
+                try:
+                    await anyio.to_thread.run_sync(fleet.delete_machine, name)
+                    log.info("session %s ended: deleted %s", self.id, name)
+                except ApiError as err:
+                    if err.status != 404:
+                        log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
+                        continue
+                except Exception as err:
+                    log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
+                    continue
+                self.forget(fleet_name, name)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
+    """Delete the ephemeral machines recorded by processes that died without
+    cleaning up (SIGKILL, power loss), on the same serve; return their names."""
+    deleted = []
+    for path in sorted((Path(runtime_dir) / "sessions").glob("*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if process_alive(int(record.get("pid", 0))) or record.get("endpoint") != fleet.endpoint:
+            continue
+        kept = []
+        for name in record.get("machines", []):
+            try:
+                fleet.delete_machine(name)
+                deleted.append(name)
+            except ApiError as err:
+                if err.status != 404:
+                    log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
+                    kept.append(name)
+        if kept:  # try again at the next start rather than forget them
+            path.write_text(json.dumps({**record, "machines": kept}))
+        else:
+            path.unlink(missing_ok=True)
+    if deleted:
+        log.info("deleted %d machine(s) left by an earlier process: %s", len(deleted), ", ".join(deleted))
+    return deleted
+
+
+# ---------------------------------------------------------------------------
+# 10. The MCP server
+#
+# One low-level mcp Server serves both protocol eras. Its lifespan is entered
+# once per stdio process (and once per in-memory client), which is exactly the
+# life of a stdio session, so the session lives there and is cleaned up as the
+# lifespan exits, however the connection ended.
+# ---------------------------------------------------------------------------
+
+
+def resolve_mode(config: Config) -> str:
+    """The fleets this process serves, decided once at startup."""
+    if config.targets in ("cloud", "both"):
+        raise ConfigError(f"SMOL_MCP_TARGETS={config.targets}: the cloud fleet is not part of this release of smol-mcp "
+                          "yet; use SMOL_MCP_TARGETS=local (or leave it at auto)")
+    if config.targets == "auto" and config.cloud_token:
+        log.warning("a cloud token is set, but this release serves only the local fleet")
+    return "local"
+
+
+def server_instructions(app: "SmolMcp") -> str:
+    c = app.config
+    return (
+        "smol-mcp gives you microVMs (smol machines) to work in instead of this computer: every command you run with "
+        "these tools executes inside a guest, never on the host. This process serves the local fleet: smolvm on the "
+        "host it runs on, started on the first tool call.\n"
+        "- Typical flow: create-machine (waits until the guest runs commands), run-command, write-file/read-file, "
+        "delete-machine. run-once does create, run and delete in one call.\n"
+        f"- Egress is blocked unless you pass network: \"open\" or allowHosts/allowCidrs. On the local fleet a registry "
+        f"image needs network: \"open\" for its first pull.\n"
+        f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when this session ends. Any "
+        "other name persists.\n"
+        f"- Output beyond {c.max_output_bytes} bytes per stream keeps its head and tail; the whole stream is saved in "
+        "the machine at the path in overflow. read-file pages with offset/length.\n"
+        f"- A non-zero exit code is a result, not an error. Commands time out after {c.exec_timeout_secs} s by "
+        f"default (timeoutSecs up to {c.max_exec_timeout_secs}).\n"
+        "- pull-image is local only; branch-machine needs a source created with branchable: true, on a Linux or macOS host.\n"
+        "- smol://targets says whether the fleet is usable on this host, and why not."
+    )
+
+
+class SmolMcp:
+    """Everything one process serves: the config, the fleets, and the MCP server."""
+
+    def __init__(self, config: Config, environ: dict[str, str] | None = None):
+        self.config = config
+        self.mode = resolve_mode(config)
+        self.local = LocalFleet(config, environ)
+        self.fleets: dict[str, LocalFleet] = {"local": self.local}
+        self._limiter = None
+        self._swept = False
+        self.server = self._build_server()
+
+    def thread_limiter(self):
+        """Worker threads for blocking API calls: enough that long commands in
+        some sessions never queue the short calls of others."""
+        import anyio
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(64)
+        return self._limiter
+
+    # -- handlers ----------------------------------------------------------
+
+    def _build_server(self):
+        from contextlib import asynccontextmanager
+
+        import mcp_types as types
+        from mcp.server import NotificationOptions, Server
+
+        app = self
+
+        class DualEraServer(Server):
+            # The HTTP manager and Client(server) call this without arguments;
+            # advertise tools.listChanged everywhere.
+            def create_initialization_options(self, notification_options=None, experimental_capabilities=None,
+                                              extensions=None):
+                return super().create_initialization_options(
+                    notification_options or NotificationOptions(tools_changed=True), experimental_capabilities,
+                    extensions)
+
+        @asynccontextmanager
+        async def lifespan(server):
+            session = Session(app, secrets_module.token_hex(4))
+            app.local.acquire()
+            try:
+                yield {"session": session}
+            finally:
+                await app.end_session(session)
+
+        async def list_tools(ctx, params):
+            return types.ListToolsResult(tools=[app.mcp_tool(tool) for tool in TOOLS])
+
+        async def call_tool(ctx, params):
+            return await app.call_tool(ctx, params.name, params.arguments or {})
+
+        async def list_resources(ctx, params):
+            return types.ListResourcesResult(resources=[types.Resource(
+                uri=TARGETS_URI, name="targets", title="Fleets served and whether they are usable",
+                mime_type="application/json",
+                description="The mode, each fleet this process serves, and whether it is usable on this host now.")])
+
+        async def list_resource_templates(ctx, params):
+            return types.ListResourceTemplatesResult(resource_templates=[types.ResourceTemplate(
+                uri_template=LOGS_URI_TEMPLATE, name="machine-logs", title="A machine's console log",
+                mime_type="text/plain", description="The latest lines of a machine's guest console.")])
+
+        async def read_resource(ctx, params):
+            return await app.read_resource(ctx, str(params.uri))
+
+        return DualEraServer(
+            "smol-mcp", version=__version__, title="smol machines", instructions=server_instructions(self),
+            lifespan=lifespan, on_list_tools=list_tools, on_call_tool=call_tool, on_list_resources=list_resources,
+            on_list_resource_templates=list_resource_templates, on_read_resource=read_resource)
+
+    def mcp_tool(self, tool: ToolSpec):
+        import mcp_types as types
+        return types.Tool(
+            name=tool.name, title=tool.title, description=tool.description, input_schema=tool.input_schema,
+            output_schema=tool.output_schema,
+            annotations=types.ToolAnnotations(
+                title=tool.title, read_only_hint=tool.read_only, destructive_hint=tool.destructive,
+                idempotent_hint=tool.idempotent, open_world_hint=tool.open_world))
+
+    async def call_tool(self, ctx, name: str, arguments: dict):
+        """Validate, dispatch, and turn every failure into a readable tool error."""
+        import anyio
+        import mcp_types as types
+        tool = TOOLS_BY_NAME.get(name)
+        try:
+            if tool is None:
+                raise ArgumentError(f"there is no tool named {name!r}; the tools are: {', '.join(TOOLS_BY_NAME)}")
+            validate_arguments(name, tool.input_schema, arguments)
+            session = ctx.lifespan_context["session"]
+            await self.prepare_fleet(self.local)
+            result = await tool.handler(Call(self, session, self.local, ctx), arguments)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except SmolError as err:
+            return tool_error(redact(explain(err), self.config.secret_values()))
+        except Exception as err:
+            log.exception("tool %s failed unexpectedly", name)
+            return tool_error(redact(f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
+                                     "smol-mcp; the server log has the details.", self.config.secret_values()))
+        return types.CallToolResult(content=[types.TextContent(type="text", text=json.dumps(result, indent=2))],
+                                    structured_content=result)
+
+    async def prepare_fleet(self, fleet: LocalFleet) -> None:
+        """Before the first local call of this process: delete what a crashed
+        earlier process left behind."""
+        if not self._swept:
+            import anyio
+            await anyio.to_thread.run_sync(sweep_orphans, fleet, self.config.runtime_dir)
+            self._swept = True
+
+    async def read_resource(self, ctx, uri: str):
+        import mcp_types as types
+        if uri == TARGETS_URI:
+            text, mime = json.dumps(targets_document(self), indent=2), "application/json"
+        elif match := LOGS_URI_RE.fullmatch(uri):
+            if match["target"] not in self.fleets:
+                raise_resource_error(f"{uri}: the target must be one of {', '.join(self.fleets)}")
+            try:
+                lines = await Call(self, ctx.lifespan_context["session"], self.local, ctx).api(
+                    self.fleets[match["target"]].console_lines, urllib.parse.unquote(match["name"]))
+            except SmolError as err:
+                raise_resource_error(redact(str(err), self.config.secret_values()))
+            text, mime = "\n".join(lines[-self.config.logs_tail:]), "text/plain"
+        else:
+            raise_resource_error(f"unknown resource {uri}; the resources are {TARGETS_URI} and {LOGS_URI_TEMPLATE}")
+        return types.ReadResourceResult(contents=[types.TextResourceContents(uri=uri, mime_type=mime, text=text)])
+
+    async def end_session(self, session: Session) -> None:
+        """Delete the session's ephemeral machines and let go of the serve, even
+        while being cancelled (a signal), within a bounded time."""
+        import anyio
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
+                await session.close()
+            await anyio.to_thread.run_sync(self.local.release)
+
+
+def explain(err: SmolError) -> str:
+    """The error text, plus what to do for the API refusals every tool can meet."""
+    if isinstance(err, ApiError):
+        if err.status == 404 and "not found" in err.api_message:
+            return str(err.with_hint("Check the name with list-machines"))
+        if err.status == 409 and "already exists" in err.api_message:
+            return str(err.with_hint("Pick another name, or use start-machine to start the existing machine"))
+    return str(err)
+
+
+def tool_error(message: str):
+    import mcp_types as types
+    return types.CallToolResult(content=[types.TextContent(type="text", text=message)], is_error=True)
+
+
+def raise_resource_error(message: str):
+    import mcp_types as types
+    from mcp import MCPError
+    raise MCPError(code=types.INVALID_PARAMS, message=message)
+
+
+def build_server(config: Config | None = None):
+    """The MCP server for ``config`` (default: ``load_config()``), ready to run
+    on any transport."""
+    return SmolMcp(config or load_config()).server
+
+
+# ---------------------------------------------------------------------------
+# 11. stdio
+#
+# The default transport. The session ends at stdin EOF, SIGTERM or SIGINT, and
+# in every case the lifespan cleanup runs: the SDK alone would skip it on
+# SIGTERM and hang on SIGINT (its stdin reader thread is blocked in read()).
+# ---------------------------------------------------------------------------
+
+
+async def run_stdio(server) -> None:
+    import anyio
+    from mcp.server.stdio import stdio_server
+
+    signalled = False
+    async with anyio.create_task_group() as group:
+        async def watch_signals() -> None:
+            nonlocal signalled
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+                async for _ in received:
+                    signalled = True
+                    group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
+                    return
+
+        group.start_soon(watch_signals)
+        async with stdio_server() as (read, write):
+            try:
+                await server.run(read, write, server.create_initialization_options())
+            finally:
+                if signalled:
+                    logging.shutdown()
+                    os._exit(0)  # the stdin reader thread would block a normal exit
+        group.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------
+# 12. Command line
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]):
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="smol-mcp", description="An MCP server that gives an AI agent microVMs (smol machines) to work in. "
+                                     "Serves MCP over stdio by default.")
+    parser.add_argument("--version", action="version", version=f"smol-mcp {__version__}")
+    parser.add_argument("--http", action="store_true", help="serve Streamable HTTP instead of stdio")
+    parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
+    parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
+    args = parser.parse_args(argv)
+    if not args.http and (args.host or args.port or args.path):
+        parser.error("--host, --port and --path go with --http")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``smol-mcp`` and ``python3 smol_mcp.py``."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="smol-mcp: %(message)s")
+    try:
+        config = load_config()
+        if args.http:
+            raise ConfigError("the Streamable HTTP transport (--http) is not part of this release of smol-mcp yet; "
+                              "run without --http to serve stdio")
+        app = SmolMcp(config)
+    except SmolError as err:
+        print(f"smol-mcp: {err}", file=sys.stderr)
+        return 2
+    import anyio
+    anyio.run(run_stdio, app.server)
+    return 0
+
+
+def main_http() -> int:
+    """Entry point of ``smol-mcp-http``."""
+    return main(["--http", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
