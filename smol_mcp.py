@@ -978,7 +978,7 @@ def _check(schema: dict, value: Any, where: str) -> None:
             names = schema.get("propertyNames", {})
             for key, item in value.items():
                 if names:
-                    _check(names, key, f"{where} key {json.dumps(key)}")
+                    _check(names, key, f"{where}.{key}")
                 _check(schema["additionalProperties"], item, f"{where}.{key}")
 
 
@@ -1019,7 +1019,8 @@ ARG_ALLOW_HOSTS = {"type": "array", "items": _string("A host name.", minLength=1
 ARG_ALLOW_CIDRS = {"type": "array", "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
                    "description": "Allow egress only to these address ranges."}
 ARG_ENV = {"type": "object", "description": "Environment variables, as a map of name to value.",
-           "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]*$"}, "additionalProperties": {"type": "string"}}
+           "propertyNames": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+           "additionalProperties": {"type": "string"}}
 ARG_COMMAND = {"description": "The command: a list of arguments run as is, or a string run with sh -c.",
                "oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]}
 ARG_TIMEOUT = _integer("Seconds before the command is killed (default SMOL_MCP_EXEC_TIMEOUT_SECS, at most "

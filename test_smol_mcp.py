@@ -1,0 +1,1146 @@
+#!/usr/bin/env python3
+# /// script
+# requires-python = ">=3.10"
+# dependencies = [
+#     "mcp==2.3.0",
+#     "httpx2==2.16.2",
+# ]
+# ///
+"""Tests for smol_mcp.py: ``uv run test_smol_mcp.py``.
+
+The unit suite needs no network, no hypervisor and no cloud account: it drives
+the server through the official SDK client (in memory and over a real stdio
+subprocess, in both protocol eras) against ``tests/fakes/fake_smolvm.py``, a
+fake of the smolvm 1.32.2 local API whose guest stand-in runs commands in a
+busybox chroot.
+
+The integration suite (``SMOL_MCP_IT=1``) runs the server against a real
+``smolvm serve`` (SMOLVM names the binary, for example the ``smol/smol-vmm``
+of the smolmachines wheel). Tests that need a booted guest skip, with the
+reason, on a host where no microVM can boot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ast
+import base64
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import unittest
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import anyio  # noqa: E402
+from mcp import Client, StdioServerParameters  # noqa: E402
+
+import smol_mcp  # noqa: E402
+from smol_mcp import Config, ConfigError, SmolMcp, load_config  # noqa: E402
+from tests.fakes.fake_smolvm import FakeSmolvm  # noqa: E402
+
+FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
+logging.getLogger("smol_mcp").setLevel(logging.CRITICAL)  # the server's own log lines are not what is tested
+MODES = ("legacy", "auto")  # the handshake era, and the SDK default (2026-07-28)
+CAN_CHROOT = os.geteuid() == 0 or shutil.which("unshare") is not None
+
+
+def short_tempdir() -> str:
+    """A temp dir with a short path: Unix socket paths are limited to ~100 bytes."""
+    return tempfile.mkdtemp(prefix="smt", dir="/tmp")
+
+
+def fake_config(tmp: str, socket_path: str | None, **overrides) -> Config:
+    values = dict(local_url=f"unix://{socket_path}" if socket_path else "", runtime_dir=f"{tmp}/rt",
+                  ready_timeout_secs=10, serve_start_timeout_secs=10)
+    values.update(overrides)
+    return Config(**values)
+
+
+def result_of(answer) -> tuple[bool, object]:
+    """(is_error, structured result or error text) of a tools/call answer."""
+    if answer.is_error:
+        return True, answer.content[0].text
+    text = json.loads(answer.content[0].text)
+    assert text == answer.structured_content, "the text content must be the same JSON as the structured content"
+    return False, answer.structured_content
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+
+class ConfigTests(unittest.TestCase):
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.file = Path(self.tmp) / "config.json"
+        self.env = {"SMOL_MCP_CONFIG": str(self.file), "HOME": self.tmp, "XDG_RUNTIME_DIR": self.tmp}
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def write(self, data):
+        self.file.write_text(json.dumps(data) if not isinstance(data, str) else data)
+
+    def test_defaults_are_the_table(self):
+        c = load_config(self.env)
+        self.assertEqual((c.smolvm, c.min_smolvm, c.local_url, c.machine_prefix, c.memory_mb, c.cpus),
+                         ("smolvm", "1.14.0", "", "mcp-", 2048, 2))
+        self.assertEqual((c.network_default, c.run_once_network, c.ephemeral_ttl_secs, c.ephemeral_auto_stop_secs),
+                         ("blocked", "blocked", 3600, 900))
+        self.assertEqual((c.exec_timeout_secs, c.max_exec_timeout_secs, c.max_output_bytes, c.ready_timeout_secs,
+                          c.serve_start_timeout_secs, c.logs_tail, c.logs_poll_secs),
+                         (120, 900, 65536, 120, 60, 100, 2))
+        self.assertEqual((c.cloud_url, c.cloud_token, c.targets, c.http_host, c.http_port, c.http_path, c.auth_token,
+                          c.http_session_idle_secs, c.http_allowed_hosts, c.http_allowed_origins),
+                         ("https://api.smolmachines.com", "", "auto", "127.0.0.1", 8080, "/mcp", "", 1800, (), ()))
+        self.assertEqual(c.runtime_dir, f"{self.tmp}/smol-mcp")
+
+    def test_runtime_dir_without_xdg_is_per_user_temp(self):
+        del self.env["XDG_RUNTIME_DIR"]
+        self.assertEqual(load_config(self.env).runtime_dir, str(Path(tempfile.gettempdir()) / f"smol-mcp-{os.getuid()}"))
+
+    def test_every_key_is_read_from_file_and_env_wins(self):
+        self.write({"memoryMb": 1024, "cpus": 3, "networkDefault": "open", "httpAllowedHosts": ["a", "b"]})
+        c = load_config({**self.env, "SMOL_MCP_CPUS": "4"})
+        self.assertEqual((c.memory_mb, c.cpus, c.network_default, c.http_allowed_hosts), (1024, 4, "open", ("a", "b")))
+        c = load_config({**self.env, "SMOL_MCP_HTTP_ALLOWED_HOSTS": "x.example, y.example"})
+        self.assertEqual(c.http_allowed_hosts, ("x.example", "y.example"))
+
+    def test_xdg_config_home_is_the_default_location(self):
+        env = {"XDG_CONFIG_HOME": self.tmp, "HOME": self.tmp}
+        Path(self.tmp, "smol-mcp").mkdir()
+        Path(self.tmp, "smol-mcp", "config.json").write_text('{"logsTail": 7}')
+        self.assertEqual(load_config(env).logs_tail, 7)
+
+    def test_unknown_key_names_the_key_and_the_accepted_keys(self):
+        self.write({"memory": 512})
+        with self.assertRaises(ConfigError) as caught:
+            load_config(self.env)
+        message = str(caught.exception)
+        self.assertIn('unknown key "memory"', message)
+        self.assertIn('did you mean "memoryMb"', message)
+        self.assertIn("execTimeoutSecs", message)  # the accepted keys are listed
+
+    def test_wrong_types_and_ranges_name_the_key(self):
+        cases = [
+            ({"cpus": "2"}, '"cpus" in the config file must be a whole number, got a string'),
+            ({"cpus": True}, '"cpus" in the config file must be a whole number, got a boolean'),
+            ({"cpus": 0}, '"cpus" in the config file must be at least 1'),
+            ({"httpPort": 70000}, '"httpPort" in the config file must be at most 65535'),
+            ({"networkDefault": "closed"}, "must be one of blocked, open"),
+            ({"targets": "mars"}, "must be one of auto, local, cloud, both"),
+            ({"minSmolvm": "latest"}, "must be a version such as 1.14.0"),
+            ({"httpAllowedHosts": "a,b"}, "must be a list of strings"),
+            ({"httpPath": "mcp"}, "httpPath must start with '/'"),
+            ({"machinePrefix": "-x"}, "machinePrefix must start with a letter or digit"),
+            ({"execTimeoutSecs": 1000}, "must not be above maxExecTimeoutSecs (900)"),
+            ({"localUrl": "http://10.0.0.5:8080"}, "loopback only"),
+            ({"localUrl": "unix://relative.sock"}, "absolute socket path"),
+        ]
+        for data, expected in cases:
+            with self.subTest(data=data):
+                self.write(data)
+                with self.assertRaises(ConfigError) as caught:
+                    load_config(self.env)
+                self.assertIn(expected, str(caught.exception))
+
+    def test_env_values_are_checked_naming_the_variable(self):
+        with self.assertRaises(ConfigError) as caught:
+            load_config({**self.env, "SMOL_MCP_MEMORY_MB": "lots"})
+        self.assertIn("SMOL_MCP_MEMORY_MB must be a whole number", str(caught.exception))
+
+    def test_malformed_and_unreadable_files_are_errors_missing_is_fine(self):
+        load_config(self.env)  # missing: fine
+        self.write("{not json")
+        with self.assertRaises(ConfigError) as caught:
+            load_config(self.env)
+        self.assertIn("is not valid JSON", str(caught.exception))
+        self.write("[1, 2]")
+        with self.assertRaises(ConfigError):
+            load_config(self.env)
+        self.file.unlink()
+        self.file.mkdir()
+        with self.assertRaises(ConfigError) as caught:
+            load_config(self.env)
+        self.assertIn("cannot read the config file", str(caught.exception))
+
+    def test_secrets_never_in_repr_or_messages(self):
+        token = "smk_supersecret_value_123"
+        c = load_config({**self.env, "SMOL_CLOUD_TOKEN": token, "SMOL_MCP_AUTH_TOKEN": token + "x"})
+        self.assertNotIn(token, repr(c))
+        self.write({"cloudToken": 12345})
+        with self.assertRaises(ConfigError) as caught:
+            load_config(self.env)
+        self.assertNotIn("12345", str(caught.exception))
+        self.assertEqual(smol_mcp.redact(f"oops {token} here", [token]), "oops [redacted] here")
+
+    def test_child_environment_is_minimal_and_has_no_secrets(self):
+        environ = {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off", "SMOL_CLOUD_TOKEN": "tok-1",
+                   "SMOL_MCP_AUTH_TOKEN": "tok-2", "AWS_SECRET_ACCESS_KEY": "aws", "SMOLVM_LEAK": "tok-1"}
+        env = smol_mcp.minimal_child_env(environ, ["tok-1", "tok-2"])
+        self.assertEqual(env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off"})
+
+
+class ImportTests(unittest.TestCase):
+    def test_import_has_no_side_effects(self):
+        """Importing reads no config (a broken one would raise), creates no
+        runtime dir, configures no logging and spawns nothing."""
+        tmp = short_tempdir()
+        try:
+            Path(tmp, "bad.json").write_text("{broken")
+            code = textwrap.dedent("""
+                import logging, os, sys, threading
+                before = set(os.listdir(os.environ["XDG_RUNTIME_DIR"]))
+                import smol_mcp
+                assert set(os.listdir(os.environ["XDG_RUNTIME_DIR"])) == before, "runtime dir touched"
+                assert not logging.getLogger().handlers, "logging configured at import"
+                assert threading.active_count() == 1, "threads started at import"
+                print("ok")
+            """)
+            env = {**os.environ, "SMOL_MCP_CONFIG": f"{tmp}/bad.json", "XDG_RUNTIME_DIR": tmp, "SMOLVM": "/nonexistent"}
+            out = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
+                                 timeout=60)
+            self.assertEqual(out.stdout.strip(), "ok", out.stderr)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def test_own_code_imports_the_http_stack_only_lazily(self):
+        """smol_mcp's own top-level imports are stdlib only: mcp and the HTTP
+        stack are imported inside the functions that need them. (The mcp 2.3.0
+        SDK itself imports starlette and uvicorn; that is outside our control.)"""
+        tree = ast.parse((HERE / "smol_mcp.py").read_text())
+        top_level = set()
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                top_level.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                top_level.add((node.module or "").split(".")[0])
+        self.assertFalse(top_level & {"mcp", "mcp_types", "starlette", "uvicorn", "httpx2", "anyio"}, top_level)
+
+    def test_pep723_and_pyproject_pin_the_same_versions(self):
+        head = (HERE / "smol_mcp.py").read_text().split("# ///", 2)[1]
+        pyproject = (HERE / "pyproject.toml").read_text()
+        for pin in ('"mcp==2.3.0"', '"httpx2==2.16.2"'):
+            self.assertIn(pin, head)
+            self.assertIn(pin, pyproject)
+        self.assertIn('requires-python = ">=3.10"', head)
+        self.assertIn('smol-mcp = "smol_mcp:main"', pyproject)
+        self.assertIn('smol-mcp-http = "smol_mcp:main_http"', pyproject)
+
+    def test_bad_flag_exits_with_usage(self):
+        out = subprocess.run([sys.executable, "smol_mcp.py", "--bogus"], cwd=HERE, capture_output=True, text=True,
+                             timeout=60)
+        self.assertEqual(out.returncode, 2)
+        self.assertIn("usage: smol-mcp", out.stderr)
+        out = subprocess.run([sys.executable, "smol_mcp.py", "--version"], cwd=HERE, capture_output=True, text=True,
+                             timeout=60)
+        self.assertEqual((out.returncode, out.stdout.strip()), (0, f"smol-mcp {smol_mcp.__version__}"))
+
+    def test_bad_config_exits_non_zero_with_the_sentence(self):
+        tmp = short_tempdir()
+        try:
+            Path(tmp, "c.json").write_text('{"cpu": 2}')
+            out = subprocess.run([sys.executable, "smol_mcp.py"], cwd=HERE, capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "SMOL_MCP_CONFIG": f"{tmp}/c.json"}, stdin=subprocess.DEVNULL)
+            self.assertEqual(out.returncode, 2)
+            self.assertIn('unknown key "cpu"', out.stderr)
+            self.assertIn('did you mean "cpus"', out.stderr)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------
+# Pure pieces: budget, validation, error parsing
+# ---------------------------------------------------------------------------
+
+
+class PiecesTests(unittest.TestCase):
+    def test_head_and_tail_keeps_both_ends_and_counts_the_gap(self):
+        data = b"A" * 1000 + b"M" * 5000 + b"Z" * 1000
+        text, omitted = smol_mcp.head_and_tail(data, 2000, "see /x")
+        self.assertTrue(text.startswith("A" * 1000))
+        self.assertTrue(text.endswith("Z" * 1000))
+        self.assertEqual(omitted, 5000)
+        self.assertIn("5000 bytes omitted here; see /x", text)
+        self.assertEqual(smol_mcp.head_and_tail(b"short", 2000, "")[1], 0)
+
+    def test_head_and_tail_never_splits_a_character(self):
+        data = "é".encode() * 3000  # two bytes each
+        text, omitted = smol_mcp.head_and_tail(data, 1001, "w")
+        self.assertNotIn("\ufffd", text)
+        self.assertEqual(len(text.split("\n[")[0].encode()) + len(text.rsplit("]\n", 1)[1].encode()) + omitted, len(data))
+
+    def test_utf8_prefix_end(self):
+        data = "aé€😀".encode()  # 1 + 2 + 3 + 4 bytes
+        self.assertEqual([smol_mcp.utf8_prefix_end(data, n) for n in range(11)], [0, 1, 1, 3, 3, 3, 6, 6, 6, 6, 10])
+
+    def test_validation_names_the_argument(self):
+        schema = smol_mcp.TOOLS_BY_NAME["create-machine"].input_schema
+        cases = [
+            ({"image": "a", "memory": 512}, 'create-machine has no argument "memory" (did you mean "memoryMb"?)'),
+            ({"image": "a", "net": True}, 'no argument "net" (did you mean "network"?)'),
+            ({}, 'create-machine needs the argument "image"'),
+            ({"image": "a", "cpus": "2"}, '"cpus" must be a whole number, got "2"'),
+            ({"image": "a", "cpus": True}, '"cpus" must be a whole number, got true'),
+            ({"image": "a", "cpus": 0}, '"cpus" must be at least 1'),
+            ({"image": "a", "network": "yes"}, '"network" must be one of "open", "blocked"'),
+            ({"image": "a", "name": "Bad Name!"}, '"name" must start with a letter or digit'),
+            ({"image": "a", "ports": [{"hostPort": 1, "guest": 2}]}, '"ports[0]" has no field "hostPort"'),
+            ({"image": "a", "ports": [{"host": 1}]}, '"ports[0]" needs the field "guest"'),
+            ({"image": "a", "mounts": [{"source": "/a", "target": "/b", "readOnly": True}]},
+             '"mounts[0]" has no field "readOnly" (did you mean "readonly"?)'),
+            ({"image": "a", "env": {"A=B": "x"}}, '"env.A=B" must be a variable name'),
+            ({"image": "a", "env": {"A": 1}}, '"env.A" must be a string'),
+        ]
+        for args, expected in cases:
+            with self.subTest(args=args):
+                with self.assertRaises(smol_mcp.ArgumentError) as caught:
+                    smol_mcp.validate_arguments("create-machine", schema, args)
+                self.assertIn(expected, str(caught.exception))
+        run = smol_mcp.TOOLS_BY_NAME["run-command"].input_schema
+        with self.assertRaises(smol_mcp.ArgumentError) as caught:
+            smol_mcp.validate_arguments("run-command", run, {"name": "m", "command": {"x": 1}})
+        self.assertIn('"command" must be a string or a list', str(caught.exception))
+        with self.assertRaises(smol_mcp.ArgumentError) as caught:
+            smol_mcp.validate_arguments("run-command", run, {"name": "m", "command": ["ls", 3]})
+        self.assertIn('"command[1]" must be a string', str(caught.exception))
+
+    def test_api_error_reads_both_error_shapes(self):
+        err = smol_mcp.api_error("local", "create machine 'x'", 409, "application/json",
+                                 b'{"error":"machine \'x\' already exists","code":"CONFLICT"}')
+        self.assertEqual((err.status, err.code, err.api_message), (409, "CONFLICT", "machine 'x' already exists"))
+        self.assertIn("(HTTP 409 CONFLICT)", str(err))
+        err = smol_mcp.api_error("local", "create machine 'x'", 422, "text/plain; charset=utf-8",
+                                 b"Failed to deserialize the JSON body into the target type: net: unknown field `net`")
+        self.assertIn("unknown field `net`", str(err))
+        self.assertIn("HTTP 422", str(err))
+        err = smol_mcp.api_error("local", "branch", 404, "", b"")
+        self.assertIn("no such route", str(err))
+
+
+# ---------------------------------------------------------------------------
+# The server against the fake local API
+# ---------------------------------------------------------------------------
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare to chroot into its busybox root")
+class FakeServeCase(unittest.IsolatedAsyncioTestCase):
+    """A FakeSmolvm on a temp socket, and a server configured to use it."""
+
+    fake_options: dict = {}
+    config_overrides: dict = {}
+
+    async def asyncSetUp(self):
+        self.tmp = short_tempdir()
+        self.socket_path = f"{self.tmp}/fake.sock"
+        self.fake = FakeSmolvm(self.socket_path, **self.fake_options)
+        self.fake.start()
+        self.config = fake_config(self.tmp, self.socket_path, **self.config_overrides)
+        self.app = SmolMcp(self.config)
+
+    async def asyncTearDown(self):
+        await asyncio.to_thread(self.fake.stop)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def client(self, mode: str, **kwargs) -> Client:
+        return Client(self.app.server, mode=mode, **kwargs)
+
+    async def call(self, client: Client, tool: str, args: dict) -> tuple[bool, object]:
+        return result_of(await client.call_tool(tool, args))
+
+    async def ok(self, client: Client, tool: str, args: dict) -> dict:
+        is_error, value = await self.call(client, tool, args)
+        self.assertFalse(is_error, value)
+        return value
+
+    async def refused(self, client: Client, tool: str, args: dict) -> str:
+        is_error, value = await self.call(client, tool, args)
+        self.assertTrue(is_error, value)
+        self.assertNotIn("Traceback", value)
+        return value
+
+    def requests_to(self, suffix: str, method: str = "POST") -> list:
+        return [r for r in self.fake.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)]
+
+
+class ToolListTests(FakeServeCase):
+    async def test_thirteen_tools_with_truthful_annotations_and_strict_schemas(self):
+        for mode in MODES:
+            async with self.client(mode) as c:
+                tools = {t.name: t for t in (await c.list_tools()).tools}
+                self.assertEqual(sorted(tools), sorted([
+                    "list-machines", "get-machine", "create-machine", "run-command", "run-once", "read-file",
+                    "write-file", "start-machine", "branch-machine", "stop-machine", "delete-machine", "machine-logs",
+                    "pull-image"]))
+                for tool in tools.values():
+                    self.assertFalse(tool.input_schema.get("additionalProperties", True), tool.name)
+                    self.assertNotIn("target", tool.input_schema["properties"], tool.name)
+                    self.assertIsNotNone(tool.output_schema, tool.name)
+                    self.assertGreater(len(tool.description), 60, tool.name)
+                    a = tool.annotations
+                    self.assertIsNotNone(a.read_only_hint, tool.name)
+                    self.assertIsNotNone(a.destructive_hint, tool.name)
+                self.assertTrue(tools["list-machines"].annotations.read_only_hint)
+                self.assertTrue(tools["machine-logs"].annotations.read_only_hint)
+                self.assertFalse(tools["read-file"].annotations.read_only_hint)  # it starts a stopped machine
+                self.assertTrue(tools["delete-machine"].annotations.destructive_hint)
+                self.assertFalse(tools["delete-machine"].annotations.idempotent_hint)  # a second delete is a 404
+                self.assertFalse(tools["create-machine"].annotations.read_only_hint)
+                self.assertIn("network", c.instructions)
+                self.assertIn('network: "open"', c.instructions)
+
+    async def test_serve_is_not_contacted_until_a_tool_is_called(self):
+        async with self.client("legacy") as c:
+            await c.list_tools()
+            await c.read_resource(smol_mcp.TARGETS_URI)
+            self.assertEqual(self.fake.requests, [])
+            await c.call_tool("list-machines", {})
+            self.assertTrue(self.fake.requests)
+
+
+class EraScenarios:
+    """The worked example and each tool rule, run once per protocol era."""
+
+    mode = "legacy"
+
+    async def test_worked_example(self):
+        async with self.client(self.mode) as c:
+            created = await self.ok(c, "create-machine", {"name": "mcp-walkthrough", "image": "python:3.12-alpine",
+                                                          "cpus": 2, "memoryMb": 1024, "network": "open"})
+            self.assertEqual((created["ephemeral"], created["ready"]), (True, True))
+            machine = created["machine"]
+            self.assertEqual(sorted(machine), sorted(smol_mcp.MACHINE_KEYS))
+            self.assertEqual((machine["name"], machine["state"], machine["cpus"], machine["memoryMb"], machine["network"]),
+                             ("mcp-walkthrough", "running", 2, 1024, "open"))
+            body = self.requests_to("/api/v1/machines")[0][2]
+            self.assertEqual(body, {"name": "mcp-walkthrough", "image": "python:3.12-alpine", "cpus": 2,
+                                    "memoryMb": 1024, "network": True})
+            # ready means a command ran: the probe was an exec with autoStart false
+            probe = self.requests_to("/exec")[0][2]
+            self.assertEqual((probe["command"], probe["autoStart"]), (["true"], False))
+
+            ran = await self.ok(c, "run-command", {"name": "mcp-walkthrough", "timeoutSecs": 30,
+                                                   "command": "mkdir -p /workspace && echo cloned && echo warn >&2"})
+            self.assertEqual(ran, {"stdout": "cloned\n", "stderr": "warn\n", "exitCode": 0, "truncated": False,
+                                   "timedOut": False, "overflow": [], "startedMachine": False})
+            failed = await self.ok(c, "run-command", {"name": "mcp-walkthrough", "command": ["sh", "-c", "exit 3"]})
+            self.assertEqual(failed["exitCode"], 3)  # a result, not a tool error
+
+            report = "".join(f"line {i}\n" for i in range(2000))
+            wrote = await self.ok(c, "write-file", {"name": "mcp-walkthrough", "path": "/workspace/report.txt",
+                                                    "content": report})
+            self.assertEqual(wrote, {"path": "/workspace/report.txt", "bytes": len(report), "startedMachine": False})
+            first = await self.ok(c, "read-file", {"name": "mcp-walkthrough", "path": "/workspace/report.txt",
+                                                   "length": 4000})
+            self.assertEqual((first["size"], first["offset"], first["bytes"], first["eof"]), (len(report), 0, 4000, False))
+            rest = await self.ok(c, "read-file", {"name": "mcp-walkthrough", "path": "/workspace/report.txt",
+                                                  "offset": 4000})
+            self.assertTrue(rest["eof"])
+            self.assertEqual(first["content"] + rest["content"], report)
+
+            deleted = await self.ok(c, "delete-machine", {"name": "mcp-walkthrough"})
+            self.assertEqual(deleted, {"deleted": "mcp-walkthrough"})
+            self.assertNotIn("mcp-walkthrough", self.fake.machines)
+
+    async def test_unknown_and_mistyped_arguments_are_refused_by_name(self):
+        async with self.client(self.mode) as c:
+            text = await self.refused(c, "create-machine", {"image": "alpine", "memory": 512})
+            self.assertIn('"memory" (did you mean "memoryMb"?)', text)
+            text = await self.refused(c, "create-machine", {"image": "alpine", "net": True})
+            self.assertIn('"net" (did you mean "network"?)', text)
+            text = await self.refused(c, "run-command", {"name": "x", "command": "true", "timeoutSecs": "5"})
+            self.assertIn('"timeoutSecs" must be a whole number', text)
+            self.assertEqual(self.fake.requests, [])  # nothing reached the API
+
+    async def test_ephemeral_machines_end_with_the_session_and_persistent_ones_stay(self):
+        self.fake_direct_create("mcp-not-ours")
+        async with self.client(self.mode) as c:
+            await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
+            await self.ok(c, "create-machine", {"image": "alpine", "network": "open", "name": "keeper"})
+            await self.ok(c, "create-machine", {"image": "alpine", "network": "open", "name": "mcp-mine"})
+            ephemeral = [n for n in self.fake.machines if n.startswith("mcp-") and n != "mcp-not-ours"]
+            self.assertEqual(len(ephemeral), 2)
+            record = list((Path(self.config.runtime_dir) / "sessions").glob("*.json"))
+            self.assertEqual(len(record), 1)
+            self.assertEqual(sorted(json.loads(record[0].read_text())["machines"]), sorted(ephemeral))
+        self.assertEqual(sorted(self.fake.machines), ["keeper", "mcp-not-ours"])
+        self.assertEqual(list((Path(self.config.runtime_dir) / "sessions").glob("*.json")), [])
+
+    def fake_direct_create(self, name: str) -> None:
+        conn = smol_mcp.UnixHTTPConnection(self.socket_path, 10)
+        conn.request("POST", "/api/v1/machines", body=json.dumps({"name": name}),
+                     headers={"Content-Type": "application/json"})
+        self.assertEqual(conn.getresponse().status, 200)
+        conn.close()
+
+
+class HandshakeEra(EraScenarios, FakeServeCase):
+    mode = "legacy"
+
+
+class ModernEra(EraScenarios, FakeServeCase):
+    mode = "auto"
+
+
+class ToolRuleTests(FakeServeCase):
+    """One rule of SPEC 6 each (handshake era; the era scenarios cover both)."""
+
+    config_overrides = {"max_output_bytes": 2048}
+
+    async def machine(self, c, name="mcp-t", **extra):
+        await self.ok(c, "create-machine", {"name": name, "image": "alpine", "network": "open", **extra})
+        return name
+
+    async def test_output_budget_keeps_head_and_tail_and_saves_the_whole_stream(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            out = await self.ok(c, "run-command", {"name": name, "command": "i=0; while [ $i -lt 3000 ]; do echo line$i; "
+                                                                            "i=$((i+1)); done; echo small >&2"})
+            self.assertTrue(out["truncated"])
+            self.assertTrue(out["stdout"].startswith("line0\nline1\n"))
+            self.assertTrue(out["stdout"].endswith("line2999\n"))
+            self.assertIn("bytes omitted here", out["stdout"])
+            self.assertEqual(out["stderr"], "small\n")
+            self.assertEqual(len(out["overflow"]), 1)
+            whole = (Path(self.fake.guest_root(name)) / out["overflow"][0].lstrip("/")).read_text()
+            self.assertEqual(whole, "".join(f"line{i}\n" for i in range(3000)))
+            self.assertIn(out["overflow"][0], out["stdout"])
+            head, rest = out["stdout"].split("\n[... smol-mcp: ")
+            omitted, tail = rest.split(" ...]\n")
+            self.assertLessEqual(len(head.encode()) + len(tail.encode()), 2048)
+            self.assertEqual(len(head.encode()) + len(tail.encode()) + int(omitted.split()[0]), len(whole.encode()))
+
+    async def test_timeout_ceiling_and_timed_out_flag(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            text = await self.refused(c, "run-command", {"name": name, "command": "true", "timeoutSecs": 901})
+            self.assertIn("above the limit of 900 s", text)
+            self.assertIn("SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", text)
+            out = await self.ok(c, "run-command", {"name": name, "command": "sleep 5", "timeoutSecs": 1})
+            self.assertEqual((out["timedOut"], out["exitCode"]), (True, 124))
+
+    async def test_command_forms_workdir_env_stdin(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            out = await self.ok(c, "run-command", {"name": name, "command": ["sh", "-c", "pwd; echo $GREETING; cat"],
+                                                   "workdir": "/tmp", "env": {"GREETING": "hello"}, "stdin": "piped"})
+            self.assertEqual(out["stdout"], "/tmp\nhello\npiped")
+            body = self.requests_to("/exec")[-1][2]
+            self.assertEqual(body["env"], [{"name": "GREETING", "value": "hello"}])
+            self.assertEqual((body["workdir"], body["stdin"], body["timeoutSecs"]), ("/tmp", "piped", 120))
+
+    async def test_stopped_machine_is_started_for_a_command_and_a_write(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            await self.ok(c, "stop-machine", {"name": name})
+            out = await self.ok(c, "run-command", {"name": name, "command": "echo up"})
+            self.assertEqual((out["stdout"], out["startedMachine"]), ("up\n", True))
+            await self.ok(c, "stop-machine", {"name": name})
+            wrote = await self.ok(c, "write-file", {"name": name, "path": "/root/a.txt", "content": "x"})
+            self.assertTrue(wrote["startedMachine"])
+            read = await self.ok(c, "read-file", {"name": name, "path": "/root/a.txt"})
+            self.assertEqual((read["content"], read["startedMachine"]), ("x", False))
+
+    async def test_write_waits_for_readiness_before_the_upload(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            self.fake.requests.clear()
+            await self.ok(c, "write-file", {"name": name, "path": "/workspace/f.bin",
+                                            "content": base64.b64encode(b"\x00\xff\x10").decode(), "encoding": "base64"})
+            kinds = [(m, p.split("?")[0].rsplit("/", 1)[-1] if "/files/" not in p else "files") for m, p, _ in self.fake.requests]
+            self.assertLess(kinds.index(("POST", "exec")), kinds.index(("PUT", "files")))
+            self.assertEqual((Path(self.fake.guest_root(name)) / "workspace/f.bin").read_bytes(), b"\x00\xff\x10")
+
+    async def test_read_file_pages_encodings_and_refusals(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            root = Path(self.fake.guest_root(name))
+            (root / "data.bin").write_bytes(bytes(range(256)) * 40)  # 10240 bytes, not UTF-8
+            (root / "text.txt").write_bytes("é".encode() * 3000)  # 6000 bytes
+            page = await self.ok(c, "read-file", {"name": name, "path": "/data.bin", "encoding": "base64",
+                                                  "offset": 100, "length": 100000})
+            self.assertEqual(page["bytes"], 2048 * 3 // 4)  # clamped to the budget, base64 included
+            self.assertEqual(base64.b64decode(page["content"]), (bytes(range(256)) * 40)[100:100 + 1536])
+            self.assertEqual((page["size"], page["eof"]), (10240, False))
+            text = await self.refused(c, "read-file", {"name": name, "path": "/data.bin"})
+            self.assertIn('encoding: "base64"', text)
+            got, offset = b"", 0
+            while True:
+                page = await self.ok(c, "read-file", {"name": name, "path": "/text.txt", "offset": offset, "length": 1001})
+                self.assertEqual(page["bytes"] % 2, 0)  # never a split character
+                got += page["content"].encode()
+                offset += page["bytes"]
+                if page["eof"]:
+                    break
+            self.assertEqual(got, "é".encode() * 3000)
+            past = await self.ok(c, "read-file", {"name": name, "path": "/text.txt", "offset": 99999})
+            self.assertEqual((past["content"], past["bytes"], past["eof"]), ("", 0, True))
+            text = await self.refused(c, "read-file", {"name": name, "path": "/nope.txt"})
+            self.assertIn("read /nope.txt in machine", text)
+            text = await self.refused(c, "read-file", {"name": name, "path": "/root"})
+            self.assertIn("is a directory", text)
+            text = await self.refused(c, "read-file", {"name": name, "path": "relative.txt"})
+            self.assertIn('"path" must be an absolute path', text)
+
+    async def test_branch_asks_for_branchable_on_the_start(self):
+        async with self.client("legacy") as c:
+            source = await self.machine(c, "mcp-src", branchable=True)
+            create_body = self.requests_to("/api/v1/machines")[0][2]
+            self.assertNotIn("branchable", create_body)
+            self.assertIn("branchable=true", self.requests_to("/start")[0][1])
+            (Path(self.fake.guest_root(source)) / "root/state.txt").write_text("parent")
+            child = await self.ok(c, "branch-machine", {"name": source})
+            self.assertTrue(child["ephemeral"] and child["ready"])
+            self.assertEqual(child["machine"]["parent"], source)
+            out = await self.ok(c, "run-command", {"name": child["machine"]["name"], "command": "cat /root/state.txt"})
+            self.assertEqual(out["stdout"], "parent")
+            plain = await self.machine(c, "mcp-plain")
+            text = await self.refused(c, "branch-machine", {"name": plain, "childName": "kid"})
+            self.assertIn("(HTTP 409 CONFLICT)", text)  # the engine's own words, then what to do
+            self.assertIn("create-machine with branchable: true", text)
+            self.assertNotIn("kid", self.fake.machines)
+            text = await self.refused(c, "create-machine", {"image": "alpine", "branchable": True, "start": False})
+            self.assertIn('"branchable": true needs "start": true', text)
+
+    async def test_logs_with_cursor_return_only_what_is_new(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            first = await self.ok(c, "machine-logs", {"name": name})
+            self.assertTrue(first["lines"])
+            again = await self.ok(c, "machine-logs", {"name": name, "cursor": first["cursor"]})
+            self.assertEqual(again["lines"], [])
+            self.fake.append_log(name, "something new")
+            newer = await self.ok(c, "machine-logs", {"name": name, "cursor": again["cursor"]})
+            self.assertEqual(newer["lines"], ["something new"])
+            tail = await self.ok(c, "machine-logs", {"name": name, "tail": 1})
+            self.assertEqual(tail["lines"], ["something new"])
+            never = await self.ok(c, "create-machine", {"name": "mcp-cold", "image": "alpine", "start": False})
+            self.assertEqual((await self.ok(c, "machine-logs", {"name": "mcp-cold"}))["lines"], [])
+            self.assertFalse(never["ready"])
+
+    async def test_pull_image_stop_start_get_list_and_not_found(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            pulled = await self.ok(c, "pull-image", {"name": name, "image": "python:3.12-alpine"})
+            self.assertEqual(pulled["image"]["reference"], "python:3.12-alpine")
+            stopped = await self.ok(c, "stop-machine", {"name": name})
+            self.assertEqual(stopped["machine"]["state"], "stopped")
+            started = await self.ok(c, "start-machine", {"name": name})
+            self.assertEqual((started["machine"]["state"], started["ready"]), ("running", True))
+            got = await self.ok(c, "get-machine", {"name": name})
+            self.assertEqual(got["machine"]["pid"], self.fake.machines[name]["pid"])
+            listed = await self.ok(c, "list-machines", {})
+            self.assertEqual([m["name"] for m in listed["machines"]], [name])
+            text = await self.refused(c, "get-machine", {"name": "ghost"})
+            self.assertIn("machine 'ghost' not found", text)
+            self.assertIn("list-machines", text)
+            await self.ok(c, "delete-machine", {"name": name})
+            text = await self.refused(c, "delete-machine", {"name": name})
+            self.assertIn("not found", text)
+            await self.ok(c, "create-machine", {"name": "dup", "image": "alpine", "start": False})
+            text = await self.refused(c, "create-machine", {"name": "dup", "image": "alpine", "start": False})
+            self.assertIn("already exists", text)
+
+    async def test_run_once_deletes_its_machine_and_returns_its_name(self):
+        async with self.client("legacy") as c:
+            out = await self.ok(c, "run-once", {"image": "alpine", "network": "open", "command": "echo once; exit 4"})
+            self.assertEqual((out["stdout"], out["exitCode"]), ("once\n", 4))
+            self.assertTrue(out["name"].startswith("mcp-"))
+            timed = await self.ok(c, "run-once", {"image": "alpine", "network": "open", "command": "sleep 5",
+                                                  "timeoutSecs": 1})
+            self.assertTrue(timed["timedOut"])
+            big = await self.ok(c, "run-once", {"image": "alpine", "network": "open", "command": "yes | head -c 10000"})
+            self.assertTrue(big["truncated"])
+            self.assertEqual(big["overflow"], [])
+            self.assertIn("run-once deletes its machine", big["stdout"])
+            self.assertEqual(self.fake.machines, {})
+
+    async def test_blocking_calls_never_stall_other_calls(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            finished = []
+
+            async def slow():
+                await c.call_tool("run-command", {"name": name, "command": "sleep 3"})
+                finished.append("slow")
+
+            async def quick():
+                await asyncio.sleep(0.3)
+                for _ in range(5):
+                    await c.call_tool("list-machines", {})
+                finished.append("quick")
+
+            await asyncio.gather(slow(), quick())
+            self.assertEqual(finished, ["quick", "slow"])
+
+    async def test_an_unexpected_exception_is_a_tool_error_without_a_traceback(self):
+        def broken():
+            raise RuntimeError("kaboom")
+
+        self.app.local.list_machines = broken
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "list-machines", {})
+            self.assertIn("list-machines failed unexpectedly (RuntimeError: kaboom)", text)
+
+    async def test_logs_resource_and_targets_resource(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            self.fake.append_log(name, "hello console")
+            got = await c.read_resource(f"smol://machine/local/{name}/logs")
+            self.assertTrue(got.contents[0].text.endswith("hello console"))
+            targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
+            self.assertEqual(targets["mode"], "local")
+            local = targets["fleets"]["local"]
+            self.assertEqual((local["served"], local["usable"], local["insideGuest"]), (True, True, False))
+            self.assertEqual(local["smolvm"]["version"], "1.32.2")
+            self.assertFalse(targets["fleets"]["cloud"]["served"])
+
+
+class StartFailureTests(FakeServeCase):
+    fake_options = {"registry": "offline"}
+
+    async def test_registry_refusal_passes_through_with_the_network_hint_and_nothing_is_left(self):
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "create-machine", {"image": "alpine"})
+            self.assertIn("dns error: failed to lookup address information", text)  # the API's own words
+            self.assertIn('network: "open"', text)
+            self.assertEqual(self.fake.machines, {})
+            body = self.requests_to("/api/v1/machines")[0][2]
+            self.assertIs(body["network"], False)  # egress blocked by default
+            text = await self.refused(c, "run-once", {"image": "alpine", "command": "true"})
+            self.assertIn('network: "open"', text)
+            self.assertEqual(self.fake.machines, {})
+            out = await self.ok(c, "run-once", {"image": "alpine", "command": "echo ok", "network": "open"})
+            self.assertEqual(out["stdout"], "ok\n")
+
+    async def test_network_arguments_map_to_the_local_fields(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "scoped", "image": "alpine", "allowHosts": ["pypi.org"],
+                                                "allowCidrs": ["10.0.0.0/8"], "start": False})
+            body = self.requests_to("/api/v1/machines")[-1][2]
+            self.assertEqual((body["network"], body["allowedHosts"], body["allowedCidrs"]),
+                             (False, ["pypi.org"], ["10.0.0.0/8"]))
+            text = await self.refused(c, "create-machine", {"image": "alpine", "network": "open", "allowHosts": ["a.b"]})
+            self.assertIn("cannot be combined with allowHosts/allowCidrs", text)
+            text = await self.refused(c, "create-machine", {"image": "alpine", "allowCidrs": ["nonsense"]})
+            self.assertIn('"allowCidrs[0]" must be an address range', text)
+
+
+class BootFailureTests(FakeServeCase):
+    fake_options = {"boot": "fail"}
+
+    async def test_failed_start_deletes_what_it_created(self):
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "create-machine", {"name": "keep-me-not", "image": "alpine", "network": "open"})
+            self.assertIn("agent did not become ready", text)
+            self.assertIn("could not boot on this host", text)
+            self.assertEqual(self.fake.machines, {})
+            await self.refused(c, "run-once", {"image": "alpine", "network": "open", "command": "true"})
+            self.assertEqual(self.fake.machines, {})
+            await self.refused(c, "branch-machine", {"name": "nothing"})
+
+
+class NetworkDefaultTests(FakeServeCase):
+    config_overrides = {"network_default": "open", "run_once_network": "open"}
+
+    async def test_operator_can_move_the_egress_defaults(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "n1", "image": "alpine", "start": False})
+            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], True)
+            await self.ok(c, "create-machine", {"name": "n2", "image": "alpine", "start": False, "network": "blocked"})
+            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], False)
+            await self.ok(c, "run-once", {"image": "alpine", "command": "true"})
+            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], True)
+
+
+class LocalUrlTests(FakeServeCase):
+    async def test_a_given_serve_is_used_and_left_running(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
+        conn = smol_mcp.UnixHTTPConnection(self.socket_path, 5)
+        conn.request("GET", "/health")
+        self.assertEqual(conn.getresponse().status, 200)
+
+    async def test_nothing_listening_says_what_to_do(self):
+        await asyncio.to_thread(self.fake.stop)
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "list-machines", {})
+            self.assertIn("nothing answers at SMOL_LOCAL_URL", text)
+
+
+# ---------------------------------------------------------------------------
+# Spawning smolvm serve (the fake CLI stands in for the binary)
+# ---------------------------------------------------------------------------
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class SpawnTests(unittest.IsolatedAsyncioTestCase):
+    async def asyncSetUp(self):
+        self.tmp = short_tempdir()
+        self.envfile = f"{self.tmp}/child-env.json"
+        self.wrapper = Path(self.tmp, "smolvm")
+        self.write_wrapper()
+
+    def write_wrapper(self, **knobs: str) -> None:
+        """A stand-in smolvm binary: it records the environment the server gives
+        its child, sets the fake's knobs (the server passes none of ours on),
+        then runs the fake CLI."""
+        exports = "".join(f"export {key}={value}\n" for key, value in knobs.items())
+        self.wrapper.write_text(f"#!/bin/sh\n{sys.executable} -c 'import json,os; json.dump(dict(os.environ), "
+                                f"open(\"{self.envfile}\", \"w\"))'\n{exports}"
+                                f"exec {sys.executable} {FAKE_CLI} \"$@\"\n")
+        self.wrapper.chmod(0o755)
+
+    async def asyncTearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def app(self, **overrides) -> SmolMcp:
+        config = fake_config(self.tmp, None, smolvm=str(self.wrapper), cloud_token="smk_cloud_secret",
+                             auth_token="http_secret", **overrides)
+        return SmolMcp(config, environ={**os.environ, "SMOL_CLOUD_TOKEN": "smk_cloud_secret",
+                                        "SMOL_MCP_AUTH_TOKEN": "http_secret", "SMOLVM_VM_UID_DROP": "off"})
+
+    async def test_spawned_on_first_call_minimal_env_private_dir_and_stopped_by_the_last_session(self):
+        app = self.app()
+        async with Client(app.server, mode="legacy") as c:
+            await c.list_tools()
+            self.assertFalse(Path(self.tmp, "rt", "serve.sock").exists())  # not at connect
+            is_error, value = result_of(await c.call_tool("list-machines", {}))
+            self.assertFalse(is_error, value)
+            self.assertTrue(Path(self.tmp, "rt", "serve.sock").exists())
+            mode = stat.S_IMODE(os.stat(f"{self.tmp}/rt").st_mode)
+            self.assertEqual(mode, 0o700)
+            child_env = json.loads(Path(self.envfile).read_text())
+            self.assertNotIn("SMOL_CLOUD_TOKEN", child_env)
+            self.assertNotIn("SMOL_MCP_AUTH_TOKEN", child_env)
+            self.assertNotIn("smk_cloud_secret", json.dumps(child_env))
+            self.assertEqual(child_env.get("SMOLVM_VM_UID_DROP"), "off")
+            process = app.local._process
+            self.assertIsNone(process.poll())
+            # a serve that died is started again on the next call
+            process.kill()
+            process.wait()
+            is_error, value = result_of(await c.call_tool("list-machines", {}))
+            self.assertFalse(is_error, value)
+            process = app.local._process
+            self.assertIsNone(process.poll())
+        self.assertIsNotNone(process.poll())  # the last session let go: stopped
+
+    async def test_address_in_use_points_at_smol_local_url(self):
+        self.write_wrapper(FAKE_SMOLVM_PORT_IN_USE="1")
+        async with Client(self.app().server, mode="legacy") as c:
+            is_error, text = result_of(await c.call_tool("list-machines", {}))
+        self.assertTrue(is_error)
+        self.assertIn("Address already in use", text)
+        self.assertIn("SMOL_LOCAL_URL", text)
+
+    async def test_minimum_version_is_checked_against_health(self):
+        self.write_wrapper(FAKE_SMOLVM_VERSION="1.10.3")
+        async with Client(self.app().server, mode="legacy") as c:
+            is_error, text = result_of(await c.call_tool("list-machines", {}))
+        self.assertTrue(is_error)
+        self.assertIn("smolvm 1.10.3 is older than the minimum 1.14.0", text)
+        self.assertIn("SMOL_MCP_MIN_SMOLVM", text)
+        async with Client(self.app(min_smolvm="").server, mode="legacy") as c:
+            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+
+    async def test_missing_binary_says_how_to_fix_it(self):
+        app = SmolMcp(fake_config(self.tmp, None, smolvm="/nonexistent/smolvm"))
+        async with Client(app.server, mode="legacy") as c:
+            is_error, text = result_of(await c.call_tool("list-machines", {}))
+            targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
+        self.assertTrue(is_error)
+        self.assertIn("smolvm was not found", text)
+        self.assertIn("SMOLVM", text)
+        self.assertFalse(targets["fleets"]["local"]["usable"])
+        self.assertIn("smolvm was not found", targets["fleets"]["local"]["reason"])
+
+    async def test_inside_a_guest_the_local_target_says_so(self):
+        marker = Path(self.tmp, "smolvm-agent")
+        marker.write_text("")
+        saved = smol_mcp.GUEST_MARKERS
+        smol_mcp.GUEST_MARKERS = (str(marker),)
+        try:
+            async with Client(self.app().server, mode="legacy") as c:
+                is_error, text = result_of(await c.call_tool("list-machines", {}))
+                targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
+        finally:
+            smol_mcp.GUEST_MARKERS = saved
+        self.assertTrue(is_error)
+        self.assertIn("unavailable inside a smol machine", text)
+        self.assertTrue(targets["fleets"]["local"]["insideGuest"])
+        self.assertFalse(targets["fleets"]["local"]["usable"])
+
+
+# ---------------------------------------------------------------------------
+# A real stdio subprocess: the SDK client, and raw JSON lines for signals
+# ---------------------------------------------------------------------------
+
+
+def jsonrpc(id_, method, params=None) -> bytes:
+    message = {"jsonrpc": "2.0", "method": method, **({"id": id_} if id_ is not None else {})}
+    if params is not None:
+        message["params"] = params
+    return (json.dumps(message) + "\n").encode()
+
+
+INITIALIZE = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class StdioTests(unittest.IsolatedAsyncioTestCase):
+    async def asyncSetUp(self):
+        self.tmp = short_tempdir()
+        self.socket_path = f"{self.tmp}/fake.sock"
+        self.fake = FakeSmolvm(self.socket_path)
+        self.fake.start()
+        self.env = {"SMOL_LOCAL_URL": f"unix://{self.socket_path}", "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+                    "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_READY_TIMEOUT_SECS": "10",
+                    "PATH": os.environ.get("PATH", ""), "HOME": self.tmp}
+
+    async def asyncTearDown(self):
+        await asyncio.to_thread(self.fake.stop)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def params(self) -> StdioServerParameters:
+        return StdioServerParameters(command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=self.env)
+
+    async def test_sdk_client_over_stdio_in_both_eras_and_eof_cleans_up(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                async with Client(self.params(), mode=mode) as c:
+                    self.assertEqual(len((await c.list_tools()).tools), 13)
+                    is_error, created = result_of(await c.call_tool("create-machine", {"image": "alpine",
+                                                                                       "network": "open"}))
+                    self.assertFalse(is_error, created)
+                    is_error, ran = result_of(await c.call_tool("run-command", {"name": created["machine"]["name"],
+                                                                                "command": "echo $((6*7))"}))
+                    self.assertEqual(ran["stdout"], "42\n")
+                    is_error, text = result_of(await c.call_tool("create-machine", {"image": "alpine", "memory": 1}))
+                    self.assertTrue(is_error)
+                    self.assertIn('did you mean "memoryMb"', text)
+                    self.assertIn(created["machine"]["name"], self.fake.machines)
+                await self.wait_until(lambda: not self.fake.machines)
+
+    async def wait_until(self, predicate, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                self.fail("condition not reached in time")
+            await asyncio.sleep(0.05)
+
+    async def start_raw(self) -> asyncio.subprocess.Process:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "smol_mcp.py"), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)
+        process.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
+        await self.read_answer(process, 1)
+        process.stdin.write(jsonrpc(None, "notifications/initialized"))
+        process.stdin.write(jsonrpc(2, "tools/call", {"name": "create-machine",
+                                                      "arguments": {"image": "alpine", "network": "open"}}))
+        answer = await self.read_answer(process, 2)
+        self.assertFalse(answer["result"].get("isError"), answer)
+        return process
+
+    async def read_answer(self, process, id_) -> dict:
+        while True:
+            line = await asyncio.wait_for(process.stdout.readline(), 30)
+            self.assertTrue(line, "the server closed stdout")
+            message = json.loads(line)
+            if message.get("id") == id_:
+                return message
+
+    async def test_sigterm_and_sigint_clean_up_and_exit_zero(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with self.subTest(signal=sig.name):
+                process = await self.start_raw()
+                self.assertEqual(len(self.fake.machines), 1)
+                process.send_signal(sig)
+                code = await asyncio.wait_for(process.wait(), 15)
+                self.assertEqual(code, 0)
+                self.assertEqual(self.fake.machines, {})
+
+    async def test_sigkill_leaves_a_record_that_the_next_start_cleans_up(self):
+        self.fake.machines  # noqa: B018 - the fake starts empty
+        process = await self.start_raw()
+        name = next(iter(self.fake.machines))
+        process.kill()
+        await process.wait()
+        records = list(Path(self.tmp, "rt", "sessions").glob("*.json"))
+        self.assertEqual(len(records), 1)
+        self.assertIn(name, json.loads(records[0].read_text())["machines"])
+        self.assertIn(name, self.fake.machines)  # still there after the crash
+        async with Client(self.params(), mode="legacy") as c:
+            await c.list_tools()
+            self.assertIn(name, self.fake.machines)  # nothing happens at connect
+            is_error, listed = result_of(await c.call_tool("list-machines", {}))
+            self.assertNotIn(name, [m["name"] for m in listed["machines"]])
+        self.assertEqual(list(Path(self.tmp, "rt", "sessions").glob("*.json")), [])
+
+
+# ---------------------------------------------------------------------------
+# Integration: a real smolvm serve (SMOL_MCP_IT=1)
+# ---------------------------------------------------------------------------
+
+
+def real_smolvm() -> str | None:
+    configured = os.environ.get("SMOLVM", "smolvm")
+    return configured if os.sep in configured and os.access(configured, os.X_OK) else shutil.which(configured)
+
+
+@unittest.skipUnless(os.environ.get("SMOL_MCP_IT") == "1", "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)")
+class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
+    """Against the real engine. The server spawns the serve itself, with HOME
+    pointed at a temp dir so the engine's state is isolated from the user's."""
+
+    guest_boots: bool | None = None
+    boot_failure = ""
+
+    @classmethod
+    def setUpClass(cls):
+        if real_smolvm() is None:
+            raise unittest.SkipTest("SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to smol/smol-vmm from the wheel")
+        cls.tmp = short_tempdir()
+        cls.environ = {**os.environ, "HOME": cls.tmp, "XDG_DATA_HOME": f"{cls.tmp}/data",
+                       "XDG_CONFIG_HOME": f"{cls.tmp}/config", "XDG_CACHE_HOME": f"{cls.tmp}/cache",
+                       "XDG_RUNTIME_DIR": cls.tmp, "SMOLVM_VM_UID_DROP": os.environ.get("SMOLVM_VM_UID_DROP", "off")}
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    async def asyncSetUp(self):
+        config = fake_config(self.tmp, None, smolvm=real_smolvm(), ready_timeout_secs=90,
+                             serve_start_timeout_secs=60)
+        self.app = SmolMcp(config, environ=self.environ)
+
+    async def asyncTearDown(self):
+        await asyncio.to_thread(self.app.local.stop_serve)
+
+    async def call(self, tool, args):
+        return result_of(await self.c.call_tool(tool, args))
+
+    async def require_guest(self):
+        """Find out once whether a microVM can boot here; skip with the reason if not.
+        (Called outside a client: a skip raised inside one would be wrapped in an
+        exception group and read as an error.)"""
+        cls = type(self)
+        if cls.guest_boots is None:
+            async with Client(self.app.server, mode="legacy") as self.c:
+                is_error, value = await self.call("create-machine", {"name": "mcp-boot-probe", "image": "alpine",
+                                                                     "network": "open"})
+            cls.guest_boots, cls.boot_failure = not is_error, value if is_error else ""
+        if not cls.guest_boots:
+            self.skipTest(f"no microVM can boot on this host: {cls.boot_failure[:300]}")
+
+    async def test_health_version_and_parity_facts(self):
+        async with Client(self.app.server, mode="legacy") as self.c:
+            is_error, value = await self.call("list-machines", {})
+            self.assertFalse(is_error, value)
+            health = self.app.local._health()
+            self.assertEqual(health["status"], "ok")
+            self.assertEqual(self.app.local.version, health["version"])
+            self.assertGreaterEqual(smol_mcp.version_tuple(health["version"]), (1, 14, 0))
+            spec = self.app.local.request("read the spec", "GET", "/api-docs/openapi.json")
+            self.assertNotEqual(spec["info"]["version"], health["version"])  # never check the version from the spec
+
+    async def test_create_get_list_delete_a_record(self):
+        async with Client(self.app.server, mode="legacy") as self.c:
+            is_error, created = await self.call("create-machine", {"name": "itest-rec", "image": "alpine",
+                                                                   "start": False, "cpus": 1, "memoryMb": 512})
+            self.assertFalse(is_error, created)
+            try:
+                self.assertEqual((created["machine"]["name"], created["machine"]["image"], created["machine"]["cpus"],
+                                  created["machine"]["memoryMb"], created["machine"]["network"], created["ready"]),
+                                 ("itest-rec", "alpine", 1, 512, "blocked", False))
+                self.assertEqual(sorted(created["machine"]), sorted(smol_mcp.MACHINE_KEYS))
+                is_error, got = await self.call("get-machine", {"name": "itest-rec"})
+                self.assertIn(got["machine"]["state"], ("created", "stopped"))
+                is_error, listed = await self.call("list-machines", {})
+                self.assertIn("itest-rec", [m["name"] for m in listed["machines"]])
+                is_error, text = await self.call("create-machine", {"name": "itest-rec", "image": "alpine", "start": False})
+                self.assertTrue(is_error)
+                self.assertIn("machine 'itest-rec' already exists (HTTP 409 CONFLICT)", text)
+            finally:
+                is_error, deleted = await self.call("delete-machine", {"name": "itest-rec"})
+            self.assertEqual(deleted, {"deleted": "itest-rec"})
+            is_error, text = await self.call("get-machine", {"name": "itest-rec"})
+            self.assertTrue(is_error)
+            self.assertIn("machine 'itest-rec' not found (HTTP 404 NOT_FOUND)", text)
+
+    async def test_the_serves_own_refusals_read_clearly(self):
+        async with Client(self.app.server, mode="legacy") as self.c:
+            await self.call("list-machines", {})
+            fleet = self.app.local
+            with self.assertRaises(smol_mcp.ApiError) as caught:  # 422 text body
+                fleet.request("create machine 'x'", "POST", "/api/v1/machines", {"name": "x", "net": True})
+            self.assertEqual(caught.exception.status, 422)
+            self.assertIn("unknown field `net`", str(caught.exception))
+            with self.assertRaises(smol_mcp.ApiError) as caught:  # JSON body
+                fleet.request("create machine", "POST", "/api/v1/machines", {"name": "Bad Name!"})
+            self.assertEqual((caught.exception.status, caught.exception.code), (400, "BAD_REQUEST"))
+            self.assertIn("invalid character", str(caught.exception))
+            is_error, text = await self.call("branch-machine", {"name": "nope", "childName": "kid"})
+            self.assertTrue(is_error)
+            self.assertIn("vm not found: nope", text)
+
+    async def test_a_start_that_cannot_boot_is_a_clear_error_and_leaves_nothing(self):
+        async with Client(self.app.server, mode="legacy") as self.c:
+            is_error, value = await self.call("create-machine", {"name": "mcp-itest-boot", "image": "alpine",
+                                                                 "network": "open"})
+            type(self).guest_boots, type(self).boot_failure = not is_error, value if is_error else ""
+            if not is_error:
+                self.assertTrue(value["ready"])
+                await self.call("delete-machine", {"name": "mcp-itest-boot"})
+                return
+            self.assertIn("refused to start machine 'mcp-itest-boot'", value)
+            is_error, listed = await self.call("list-machines", {})
+            self.assertNotIn("mcp-itest-boot", [m["name"] for m in listed["machines"]])
+
+    async def test_guest_commands_files_and_cleanup(self):
+        await self.require_guest()
+        async with Client(self.app.server, mode="legacy") as self.c:
+            is_error, created = await self.call("create-machine", {"image": "alpine", "network": "open"})
+            self.assertFalse(is_error, created)
+            name = created["machine"]["name"]
+            is_error, ran = await self.call("run-command", {"name": name, "command": "echo hi; exit 42"})
+            self.assertEqual((ran["stdout"], ran["exitCode"]), ("hi\n", 42))
+            await self.call("write-file", {"name": name, "path": "/root/x.txt", "content": "bytes back"})
+            is_error, read = await self.call("read-file", {"name": name, "path": "/root/x.txt"})
+            self.assertEqual(read["content"], "bytes back")
+
+
+# ---------------------------------------------------------------------------
+
+
+def main() -> int:
+    loader = unittest.defaultTestLoader
+    if os.environ.get("SMOL_MCP_IT") == "1":  # the integration suite alone; the unit suite is its own run
+        suite = loader.loadTestsFromTestCase(RealServeIntegration)
+    else:
+        suite = loader.loadTestsFromModule(sys.modules[__name__])
+    if len(sys.argv) > 1:
+        suite = loader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
+    result = unittest.TextTestRunner(verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))).run(suite)
+    failed = len({str(test) for test, _ in result.failures + result.errors} | {str(t) for t in result.unexpectedSuccesses})
+    passed = result.testsRun - failed - len(result.skipped)
+    label = "integration" if os.environ.get("SMOL_MCP_IT") == "1" else "unit"
+    print(f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped")
+    return 0 if result.wasSuccessful() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
