@@ -1208,7 +1208,7 @@ async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, k
     """The run-command result: both streams within the budget, and a stream
     that did not fit written whole into the machine, its path in ``overflow``."""
     limit = call.config.max_output_bytes
-    shaped: dict[str, Any] = {"exitCode": result.exit_code, "truncated": False,
+    shaped: dict[str, Any] = {"stdout": "", "stderr": "", "exitCode": result.exit_code, "truncated": False,
                               # 124 is what the guest reports for a command it killed at its timeout
                               "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1, "overflow": []}
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
