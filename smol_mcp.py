@@ -317,6 +317,10 @@ class ArgumentError(SmolError):
     """A tool argument is unknown, mistyped or out of range."""
 
 
+class NotRunning(SmolError):
+    """The machine is not running, so a command was not sent (the tools start it and retry)."""
+
+
 class ApiError(SmolError):
     """The machine API refused a request. Keeps the status and the API's own
     code and message so callers can branch on them and pass the text through."""
@@ -362,6 +366,7 @@ ADDRESS_IN_USE_HINT = (
 CHILD_ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ", "XDG_RUNTIME_DIR",
                    "XDG_DATA_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "RUST_LOG")
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
+READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
 
 
 def inside_smol_guest() -> bool:
@@ -418,6 +423,7 @@ class MachineSpec:
     cmd: list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)
     branchable: bool = False
+    ephemeral: bool = False  # the cloud turns this into a TTL and an idle stop
 
 
 @dataclass
@@ -669,8 +675,10 @@ class LocalFleet:
         return {"deleted": name}
 
     def exec(self, name: str, argv: list[str], *, timeout_secs: int, workdir: str | None = None,
-             env: dict[str, str] | None = None, stdin: str | None = None, auto_start: bool = True) -> ExecResult:
-        body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": auto_start}
+             env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
+        """Run a command in a running machine; NotRunning if it is not running.
+        (The engine would boot it itself, but then nobody could report that it did.)"""
+        body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
         if workdir:
             body["workdir"] = workdir
         if env:
@@ -678,11 +686,30 @@ class LocalFleet:
         if stdin is not None:
             body["stdin"] = stdin
         started = time.monotonic()
-        # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
-        data = self.request(f"run a command in machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/exec", body,
-                            timeout=timeout_secs + 30)
+        try:
+            # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
+            data = self.request(f"run a command in machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/exec",
+                                body, timeout=timeout_secs + 30)
+        except ApiError as err:
+            if err.status == 409 and "not running" in err.api_message:
+                raise NotRunning(f"machine '{name}' is not running") from None
+            raise
         return ExecResult(exit_code=int(data["exitCode"]), stdout=base64.b64decode(data.get("stdoutB64") or ""),
                           stderr=base64.b64decode(data.get("stderrB64") or ""), seconds=time.monotonic() - started)
+
+    def probe_ready(self, name: str) -> str | None:
+        """None once a command runs in the guest; while it is still coming up,
+        what the guest answered instead. Raises if the machine stopped or is gone."""
+        try:
+            self.exec(name, READY_PROBE, timeout_secs=10)
+            return None
+        except NotRunning:
+            raise SmolError(f"machine '{name}' stopped while waiting for its guest to answer; its log "
+                            "(machine-logs) may say why") from None
+        except ApiError as err:
+            if err.status in (400, 404):
+                raise
+            return err.api_message
 
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
         """Stream the file and keep only [offset, offset+length): the API has no
@@ -794,7 +821,341 @@ def _last_line(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------
-# 4. Normalised records
+# 4. Cloud fleet: the smol cloud REST API
+#
+# httpx2 to $SMOL_CLOUD_URL with a bearer token. The cloud names a machine by a
+# mach-... id; a name is resolved with one list call. Routes, bodies and the
+# places where the official client and the live service disagree are in
+# reference/smol-cloud-api.md: the client is followed, the service's observed
+# behaviour is kept as a fallback.
+# ---------------------------------------------------------------------------
+
+CLOUD_TIMEOUT_SECS = 30
+LOG_WINDOW_LINES = 10000  # the most log lines one cloud read asks for
+CLOUD_RETRY_STATUSES = (408, 429, 502, 503, 504)
+CLOUD_BLOCKED = {"mode": "blocked"}
+# A deny-all for a service that refuses the "blocked" spelling: RFC 5737
+# TEST-NET-1, reserved for documentation and routed nowhere. An empty
+# allow-list is a 400 there, so the list is never sent empty.
+CLOUD_BLOCKED_FALLBACK = {"mode": "allowCidrs", "cidrs": ["192.0.2.0/24"], "hosts": []}
+CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3" | base64'
+CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
+
+
+class CloudFleet:
+    """The machines of a smol cloud account. Blocking, like LocalFleet: the
+    tool layer calls it from worker threads."""
+
+    name = "cloud"
+
+    def __init__(self, config: Config):
+        import httpx2
+        self.config = config
+        self._client = httpx2.Client(
+            base_url=config.cloud_url.rstrip("/"), timeout=CLOUD_TIMEOUT_SECS,
+            headers={"Authorization": f"Bearer {config.cloud_token}", "User-Agent": f"smol-mcp/{__version__}"})
+        self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
+        self._files_route = True  # False once the service has answered 404 for the suffix route
+
+    def acquire(self) -> None:
+        """Sessions share one HTTP client; nothing to start."""
+
+    def release(self) -> None:
+        """Nothing to stop: the cloud keeps no connection state of ours."""
+
+    # -- HTTP --------------------------------------------------------------
+
+    def request(self, action: str, method: str, path: str, payload: Any = None, *, raw: bytes | None = None,
+                params: dict | None = None, timeout: float = CLOUD_TIMEOUT_SECS) -> Any:
+        """One call with retries where they are safe: 429 always (it never ran),
+        the other retryable statuses only for idempotent methods."""
+        import httpx2
+        if not self.config.cloud_token:
+            raise SmolError("the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
+                            "config file)")
+        attempt = 0
+        while True:
+            try:
+                response = self._client.request(
+                    method, path, json=payload, content=raw, params=params, timeout=timeout,
+                    headers={"Content-Type": "application/octet-stream"} if raw is not None else None)
+            except httpx2.TimeoutException:
+                raise SmolError(f"the cloud API did not answer within {timeout:.0f} s while trying to {action}") from None
+            except httpx2.TransportError as exc:
+                raise SmolError(f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
+                                f"{redact(str(exc), self.config.secret_values()) or type(exc).__name__}") from None
+            retryable = response.status_code == 429 or (
+                response.status_code in CLOUD_RETRY_STATUSES and method in ("GET", "PUT", "DELETE"))
+            if retryable and attempt < 3:
+                attempt += 1
+                time.sleep(min(_retry_after(response) or 0.5 * 2 ** attempt, 30))
+                continue
+            break
+        if response.status_code >= 400:
+            raise cloud_error(action, response, self.config.secret_values())
+        if "application/json" in response.headers.get("content-type", ""):
+            return response.json() if response.content else None
+        return response.content
+
+    # -- machines (normalised) ---------------------------------------------
+
+    def _find(self, name: str) -> dict:
+        """The raw record of a machine given its name or its mach-... id."""
+        for record in self._list_raw():
+            if record.get("name") == name or record.get("id") == name:
+                return record
+        raise ApiError("cloud", f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found")
+
+    def _list_raw(self) -> list[dict]:
+        answer = self.request("list machines", "GET", "/v1/machines")
+        # The official client accepts either shape; the service has sent a bare array.
+        return answer.get("machines", []) if isinstance(answer, dict) else answer
+
+    def list_machines(self) -> list[dict]:
+        return [cloud_record(r) for r in self._list_raw()]
+
+    def get_machine(self, name: str) -> dict:
+        return cloud_record(self._find(name))
+
+    def machine_state(self, name: str) -> str:
+        return self.get_machine(name)["state"]
+
+    def create_machine(self, spec: MachineSpec) -> dict:
+        for argument, given in (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb), ("cmd", spec.cmd)):
+            if given:
+                raise ArgumentError(f'"{argument}" is local only: the cloud fleet has no host directories, overlay '
+                                    "disk or workload command to set; leave it out for a cloud machine")
+        if any(port.get("host") for port in spec.ports):
+            raise ArgumentError('"ports[].host" is local only: the cloud control plane picks the host port; pass only '
+                                "the guest port")
+        open_egress = spec.network == "open" or spec.allow_hosts or spec.allow_cidrs
+        if spec.ports and not open_egress:
+            raise ArgumentError('a cloud machine that publishes ports cannot also block egress; pass network: "open" '
+                                "(or an allow-list) with ports, or leave the ports out")
+        body: dict[str, Any] = {
+            "name": spec.name,
+            "source": {"type": "image", "reference": spec.image},
+            "resources": {"diskGb": spec.storage_gb, "cpus": spec.cpus, "memoryMb": spec.memory_mb},
+            # Ephemeral is expressed as a TTL and an idle stop; the service has no
+            # "ephemeral" create field, and a machine it deletes on stop could never be started.
+            "ttlSeconds": self.config.ephemeral_ttl_secs if spec.ephemeral else None,
+            "autoStopSeconds": self.config.ephemeral_auto_stop_secs if spec.ephemeral else None,
+            "forkable": spec.branchable,  # branchability is a create field on the cloud
+            "network": self._network(spec),
+            "ports": [{"port": p["guest"]} for p in spec.ports],
+            "env": spec.env,
+        }
+        action = f"create machine '{spec.name}'"
+        try:
+            return cloud_record(self.request(action, "POST", "/v1/machines", body))
+        except ApiError as err:
+            if body["network"] is not CLOUD_BLOCKED or err.status not in (400, 422) or "blocked" not in err.api_message:
+                raise
+        # This service predates the "blocked" spelling: deny with the allow-list form from now on.
+        log.info("the cloud API refused network mode \"blocked\"; denying egress with an allow-list of 192.0.2.0/24")
+        self._blocked = body["network"] = CLOUD_BLOCKED_FALLBACK
+        return cloud_record(self.request(action, "POST", "/v1/machines", body))
+
+    def _network(self, spec: MachineSpec) -> dict:
+        """Always a policy: on the cloud an omitted one means open egress."""
+        if spec.allow_hosts or spec.allow_cidrs:
+            return {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
+        return {"mode": "open"} if spec.network == "open" else self._blocked
+
+    def start_machine(self, name: str, branchable: bool = False) -> dict:
+        record = self._find(name)
+        # The official client repeats branchability on the first start of a branch source.
+        params = {"forkable": "true"} if branchable else None
+        self.request(f"start machine '{name}'", "POST", f"/v1/machines/{record['id']}/start", params=params,
+                     timeout=self.config.ready_timeout_secs + 60)
+        return cloud_record(self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}"))
+
+    def stop_machine(self, name: str) -> dict:
+        record = self._find(name)
+        self.request(f"stop machine '{name}'", "POST", f"/v1/machines/{record['id']}/stop", timeout=360)
+        return cloud_record(self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}"))
+
+    def delete_machine(self, name: str) -> dict:
+        """Delete and return the settled bill, which the service computes at teardown."""
+        record = self._find(name)
+        usage = self.request(f"delete machine '{name}'", "DELETE", f"/v1/machines/{record['id']}",
+                             params={"includeUsage": "true"}, timeout=120)
+        return {"deleted": name, **({"usage": usage} if isinstance(usage, dict) else {})}
+
+    def _exec(self, machine_id: str, name: str, argv: list[str], timeout_secs: int, workdir: str | None = None,
+              env: dict[str, str] | None = None, stdin: str | None = None) -> tuple[dict, float]:
+        body: dict[str, Any] = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
+        if stdin is not None:
+            body["stdin"] = stdin
+        started = time.monotonic()
+        answer = self.request(f"run a command in machine '{name}'", "POST", f"/v1/machines/{machine_id}/exec",
+                              body, timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30))
+        return answer, time.monotonic() - started
+
+    def exec(self, name: str, argv: list[str], *, timeout_secs: int, workdir: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
+        """Run a command in a running machine; NotRunning if it is not running
+        (cloud exec would start it silently)."""
+        record = self._find(name)
+        if record.get("state") not in ("running", "started"):
+            raise NotRunning(f"machine '{name}' is not running")
+        answer, seconds = self._exec(record["id"], name, argv, timeout_secs, workdir, env, stdin)
+        return ExecResult(exit_code=int(answer["exitCode"]), stdout=exec_stream(answer, "stdout"),
+                          stderr=exec_stream(answer, "stderr"), seconds=seconds)
+
+    def probe_ready(self, name: str) -> str | None:
+        """None once a command runs in the guest. The service's own `ready`
+        flag waits for published ports to answer too, so it is not the test."""
+        record = self._find(name)
+        state = record.get("state")
+        if state in ("error", "stopped", "deleted"):
+            raise SmolError(f"machine '{name}' is {state} instead of starting; its log (machine-logs) may say why")
+        if state not in ("running", "started"):
+            return f"state {state}"
+        try:
+            self._exec(record["id"], name, READY_PROBE, 10)
+            return None
+        except ApiError as err:
+            if err.status in (401, 403, 404):
+                raise
+            return err.api_message
+
+    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
+        record = self._find(name)
+        if self._files_route:
+            try:
+                return self._read_by_route(record["id"], name, path, offset, length)
+            except ApiError as err:
+                if err.status != 404:
+                    raise
+                # 404 is a missing file or a service without the suffix route; exec tells which.
+        return self._read_by_exec(record["id"], name, path, offset, length)
+
+    def _read_by_route(self, machine_id: str, name: str, path: str, offset: int, length: int) -> FilePage:
+        url = f"/v1/machines/{machine_id}/files/{cloud_file_path(path)}"
+        with self._client.stream("GET", url, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise cloud_error(f"read {path} in machine '{name}'", response, self.config.secret_values())
+            size = int(response.headers.get("content-length", -1))
+            page, seen = bytearray(), 0
+            for chunk in response.iter_bytes():
+                if seen + len(chunk) > offset and len(page) < length:
+                    start = max(0, offset - seen)
+                    page += chunk[start:start + length - len(page)]
+                seen += len(chunk)
+                if len(page) >= length and size >= 0:
+                    break
+            return FilePage(data=bytes(page), size=size if size >= 0 else seen, offset=offset)
+
+    def _read_by_exec(self, machine_id: str, name: str, path: str, offset: int, length: int) -> FilePage:
+        """The fallback for a service without the files route: the size and one
+        page, base64 on stdout. A page the exec response cap cut is refused:
+        returning it short would look like the end of the file."""
+        answer, _ = self._exec(machine_id, name, ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset),
+                                                  str(length)], 120)
+        stdout = exec_stream(answer, "stdout")
+        if answer.get("exitCode") != 0:
+            error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
+            raise SmolError(f"could not read {path} in machine '{name}': {error or 'exit code ' + str(answer.get('exitCode'))}")
+        if answer.get("stdoutTruncated") and not answer.get("stdoutB64"):
+            raise SmolError(f"the cloud API cut the output of the read of {path} short, so the page was not "
+                            "returned; ask for a smaller length")
+        size_line, _, encoded = stdout.partition(b"\n")
+        return FilePage(data=base64.b64decode(encoded), size=int(size_line.strip() or 0), offset=offset)
+
+    def write_file(self, name: str, path: str, data: bytes) -> int:
+        record = self._find(name)
+        if self._files_route:
+            try:
+                self.request(f"write {path} in machine '{name}'", "PUT",
+                             f"/v1/machines/{record['id']}/files/{cloud_file_path(path)}", raw=data,
+                             timeout=CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024))
+                return len(data)
+            except ApiError as err:
+                if err.status != 404:
+                    raise
+                self._files_route = False  # a PUT cannot 404 for a missing file: the route is missing
+                log.info("the cloud API has no files route here; reading and writing files through exec")
+        answer, _ = self._exec(record["id"], name, ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path], 120,
+                               stdin=base64.b64encode(data).decode("ascii"))
+        if answer.get("exitCode") != 0:
+            error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
+            raise SmolError(f"could not write {path} in machine '{name}': {error}")
+        return int(exec_stream(answer, "stdout").strip() or len(data))
+
+    def console_lines(self, name: str) -> list[str]:
+        """The machine's console log, as the official client reads it (plain
+        text, the last lines only)."""
+        record = self._find(name)
+        text = self.request(f"read the log of machine '{name}'", "GET", f"/v1/machines/{record['id']}/logs",
+                            params={"tail": str(LOG_WINDOW_LINES)})
+        if isinstance(text, (dict, list)):
+            text = json.dumps(text)
+        return (text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")).splitlines()
+
+    def branch_machine(self, name: str, child: str) -> dict:
+        record = self._find(name)
+        body = {"name": child, "ports": []}
+        action = f"branch machine '{name}' into '{child}'"
+        try:
+            created = self.request(action, "POST", f"/v1/machines/{record['id']}/branches", body, timeout=1800)
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            # Older control planes only have the fork route (the source exists: it was just found).
+            created = self.request(action, "POST", f"/v1/machines/{record['id']}/fork", body, timeout=1800)
+        return cloud_record(created)
+
+    def pull_image(self, name: str, image: str) -> dict:
+        raise ArgumentError("pull-image is local only: the cloud control plane pulls a machine's image itself when "
+                            "the machine is created")
+
+
+def cloud_file_path(path: str) -> str:
+    """The files route takes the path as a suffix, each segment percent-encoded
+    and the leading slash kept, as the official client sends it."""
+    return "/".join(urllib.parse.quote(segment, safe="") for segment in path.split("/"))
+
+
+def exec_stream(answer: dict, stream: str) -> bytes:
+    """One output stream of a cloud exec: the byte-exact base64 family when the
+    service sent it, else the text (capped at 1 MiB by the service)."""
+    encoded = answer.get(f"{stream}B64")
+    if encoded:
+        return base64.b64decode(encoded)
+    return str(answer.get(stream) or "").encode("utf-8")
+
+
+def cloud_error(action: str, response: Any, secret_values: list[str]) -> ApiError:
+    """An ApiError from the cloud's error bodies: plain text for most statuses,
+    JSON with code and error for some, an empty body for a missing key."""
+    status = response.status_code
+    text, code = response.text.strip(), ""
+    if "application/json" in response.headers.get("content-type", ""):
+        try:
+            parsed = response.json()
+            text, code = str(parsed.get("error") or parsed.get("message") or text), str(parsed.get("code") or "")
+        except (ValueError, AttributeError):
+            pass
+    if status == 401:
+        text = (f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN")
+    elif not text:
+        text = "no message"
+    err = ApiError("cloud", action, status, code, redact(text, secret_values))
+    request_id = response.headers.get("x-request-id")
+    if request_id:
+        err.args = (f"{err.args[0]} [request id {request_id}]",)
+    return err
+
+
+def _retry_after(response: Any) -> float | None:
+    value = response.headers.get("retry-after", "")
+    return float(value) if value.replace(".", "", 1).isdigit() else None
+
+
+# ---------------------------------------------------------------------------
+# 5. Normalised records
 #
 # A machine has the same keys on every fleet, null where a fleet has no such
 # value, so no tool handler (and no agent) needs to know which API answered.
@@ -830,6 +1191,38 @@ def local_record(info: dict) -> dict:
     }
 
 
+def cloud_record(info: dict) -> dict:
+    """A cloud machine in the shared vocabulary."""
+    network = info.get("network") if isinstance(info.get("network"), dict) else {}
+    mode = network.get("mode")
+    if mode == "open":
+        egress = "open"
+    elif mode == "blocked" or (mode == "allowCidrs" and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]
+                               and not network.get("hosts")):
+        egress = "blocked"
+    elif mode == "allowCidrs":
+        egress = "allowlist"
+    else:
+        egress = None  # a record that does not echo its policy: unknown, not guessed
+    source = info.get("source") if isinstance(info.get("source"), dict) else {}
+    resources = info.get("resources") if isinstance(info.get("resources"), dict) else {}
+    return {
+        "id": info.get("id"),
+        "name": info.get("name") or info.get("id"),
+        "state": info.get("state"),
+        "image": source.get("reference") or info.get("image"),
+        "cpus": resources.get("cpus"),
+        "memoryMb": resources.get("memoryMb"),
+        "network": egress,
+        "ports": [{"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []],
+        "createdAt": iso_time(info.get("createdAt")),
+        "pid": None,  # the VM process runs on a node we cannot see
+        "url": info.get("url"),
+        "branchable": bool(info.get("branchable", info.get("forkable", False))),
+        "parent": info.get("parent") or info.get("sourceMachineId"),
+    }
+
+
 def iso_time(value: Any) -> str | None:
     """Unix seconds as RFC 3339 UTC, the form the cloud API uses."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -838,7 +1231,7 @@ def iso_time(value: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------------
-# 5. Output budget
+# 6. Output budget
 #
 # A tool result is read by a model with a context budget. A stream longer than
 # maxOutputBytes keeps its head and its tail, says how much fell between, and
@@ -881,7 +1274,7 @@ def head_and_tail(data: bytes, limit: int, where: str) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------------------
-# 6. Argument validation
+# 7. Argument validation
 #
 # The SDK does not validate tool arguments, so this does, against the same
 # JSON Schema the client is shown. Every refusal names the argument, and an
@@ -983,7 +1376,7 @@ def _check(schema: dict, value: Any, where: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 7. Tools
+# 8. Tools
 #
 # Thirteen tools with the names, arguments and result shapes of the TypeScript
 # smol-mcp. Each handler gets a Call (its fleet, its session, a way to run a
@@ -993,7 +1386,6 @@ def _check(schema: dict, value: Any, where: str) -> None:
 # ---------------------------------------------------------------------------
 
 CLEANUP_TIMEOUT_SECS = 20
-READY_PROBE = ["true"]
 
 
 def _string(description: str, **extra: Any) -> dict:
@@ -1036,7 +1428,7 @@ OUT_MACHINE = {
     "properties": {
         "id": {"type": "string"}, "name": {"type": "string"}, "state": {"type": ["string", "null"]},
         "image": {"type": ["string", "null"]}, "cpus": {"type": ["integer", "null"]},
-        "memoryMb": {"type": ["integer", "null"]}, "network": {"type": "string"}, "ports": {"type": "array"},
+        "memoryMb": {"type": ["integer", "null"]}, "network": {"type": ["string", "null"]}, "ports": {"type": "array"},
         "createdAt": {"type": ["string", "null"]}, "pid": {"type": ["integer", "null"]},
         "url": {"type": ["string", "null"]}, "branchable": {"type": "boolean"}, "parent": {"type": ["string", "null"]},
     },
@@ -1143,10 +1535,6 @@ def command_argv(command: str | list[str]) -> list[str]:
     return ["sh", "-c", command] if isinstance(command, str) else list(command)
 
 
-def is_not_running(err: Exception) -> bool:
-    return isinstance(err, ApiError) and err.status == 409 and "not running" in err.api_message
-
-
 def explain_start_failure(err: Exception, network: str | None) -> Exception:
     """Add the one sentence that says what to do about a failed start."""
     if not isinstance(err, ApiError):
@@ -1164,28 +1552,21 @@ def explain_start_failure(err: Exception, network: str | None) -> Exception:
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
-    """Return once a command has actually run in the guest. The probe uses
-    autoStart false so it never boots a machine someone stopped meanwhile."""
+    """Return once a command has actually run in the guest. The probe never
+    boots a machine, so one stopped meanwhile is reported, not restarted."""
     import anyio
     limit = call.config.ready_timeout_secs
     started = time.monotonic()
-    delay, last = 0.1, "no answer yet"
+    delay = 0.1
     while True:
         elapsed = time.monotonic() - started
         await call.progress(round(elapsed, 1), limit, f"waiting for the guest of '{name}': {int(elapsed)} s of {limit} s")
-        try:
-            await call.api(call.fleet.exec, name, READY_PROBE, timeout_secs=10, auto_start=False)
+        not_ready = await call.api(call.fleet.probe_ready, name)
+        if not_ready is None:
             return
-        except ApiError as err:
-            if is_not_running(err):
-                raise SmolError(f"machine '{name}' stopped while waiting for its guest to answer; its log "
-                                "(machine-logs) may say why") from None
-            if err.status in (400, 404):
-                raise
-            last = err.api_message
         if time.monotonic() - started >= limit:
             raise SmolError(f"the guest of machine '{name}' did not run a command within {limit} s "
-                            f"(readyTimeoutSecs); last answer: {last}")
+                            f"(readyTimeoutSecs); its last answer: {not_ready}")
         await anyio.sleep(delay)
         delay = min(delay * 2, 2.0)
 
@@ -1244,7 +1625,7 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
     network, hosts, cidrs = resolve_network(args, network_default)
     return MachineSpec(
-        name=name, image=args["image"], cpus=args.get("cpus", call.config.cpus),
+        name=name, image=args["image"], ephemeral=call.session.is_ephemeral(name), cpus=args.get("cpus", call.config.cpus),
         memory_mb=args.get("memoryMb", call.config.memory_mb), network=network, allow_hosts=hosts, allow_cidrs=cidrs,
         ports=args.get("ports", []), mounts=args.get("mounts", []), storage_gb=args.get("storageGb"),
         overlay_gb=args.get("overlayGb"), cmd=args.get("cmd"), env=args.get("env", {}),
@@ -1286,14 +1667,12 @@ async def tool_run_command(call: Call, args: dict) -> dict:
     options = dict(timeout_secs=timeout, workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
     started_machine = False
     try:
-        result = await call.api(call.fleet.exec, name, argv, auto_start=False, **options)
-    except ApiError as err:
-        if not is_not_running(err):
-            raise
+        result = await call.api(call.fleet.exec, name, argv, **options)
+    except NotRunning:
         # A stopped machine is started (and left running), the way the cloud API does it.
         await start_and_wait(call, name)
         started_machine = True
-        result = await call.api(call.fleet.exec, name, argv, auto_start=False, **options)
+        result = await call.api(call.fleet.exec, name, argv, **options)
     shaped = await budget_exec(call, name, result, timeout, keep_overflow=True)
     return {**shaped, "startedMachine": started_machine}
 
@@ -1312,8 +1691,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             raise explain_start_failure(err, spec.network) from None
         await call.progress(0, None, f"running the command in {name}")
         result = await call.api(call.fleet.exec, name, command_argv(args["command"]), timeout_secs=timeout,
-                                workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"),
-                                auto_start=False)
+                                workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
         shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
         return {**shaped, "startedMachine": False, "name": name}
     finally:
@@ -1408,16 +1786,39 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
     return result
 
 
+def line_digest(line: str) -> str:
+    import hashlib
+    return hashlib.sha256(line.encode()).hexdigest()[:12]
+
+
+def log_cursor(lines: list[str], end: int) -> str:
+    """Where a reader stopped: how many lines it has seen, and a digest of the
+    last one, so the place is found again when the cloud's tail window has
+    moved on (the cloud log route has no cursor of its own)."""
+    return f"{end}:{line_digest(lines[end - 1]) if end else ''}"
+
+
+def lines_after_cursor(lines: list[str], cursor: str) -> int:
+    """The index of the first line a reader holding ``cursor`` has not seen."""
+    count, _, digest = cursor.partition(":")
+    if not count.isdigit():
+        raise ArgumentError(f'"cursor" must be a cursor returned by machine-logs, got {cursor!r}')
+    seen = int(count)
+    if seen == 0:
+        return 0
+    if seen <= len(lines) and line_digest(lines[seen - 1]) == digest:
+        return seen
+    for index in range(len(lines) - 1, -1, -1):  # the window moved: find the last line seen
+        if line_digest(lines[index]) == digest:
+            return index + 1
+    return 0  # the log started again from scratch: all of it is new
+
+
 async def tool_machine_logs(call: Call, args: dict) -> dict:
-    """The guest console. The cursor is the number of lines already seen, so a
-    call with the last cursor returns only what arrived since."""
+    """The guest console; with the last cursor, only what arrived since."""
     lines = await call.api(call.fleet.console_lines, args["name"])
     if "cursor" in args:
-        try:
-            seen = int(args["cursor"])
-        except ValueError:
-            raise ArgumentError(f'"cursor" must be a cursor returned by machine-logs, got {args["cursor"]!r}') from None
-        start = seen if 0 <= seen <= len(lines) else 0  # a log that restarted from scratch is read again whole
+        start = lines_after_cursor(lines, args["cursor"])
     else:
         start = max(0, len(lines) - args.get("tail", call.config.logs_tail))
     picked, used = [], 0
@@ -1426,7 +1827,7 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
         if used > call.config.max_output_bytes and picked:
             break  # the rest comes with the next cursor
         picked.append(line)
-    return {"lines": picked, "cursor": str(start + len(picked))}
+    return {"lines": picked, "cursor": log_cursor(lines, start + len(picked))}
 
 
 async def tool_pull_image(call: Call, args: dict) -> dict:
@@ -1554,7 +1955,7 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 
 # ---------------------------------------------------------------------------
-# 8. Resources
+# 9. Resources
 #
 # smol://targets says what this process serves and whether each fleet can work
 # on this host right now, without starting anything. The log template gives the
@@ -1604,20 +2005,27 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     return facts
 
 
+def cloud_target_facts(config: Config) -> dict:
+    """What smol://targets says about the cloud fleet, without calling it."""
+    facts = {"served": True, "usable": bool(config.cloud_token), "reason": None, "url": config.cloud_url,
+             "tokenSet": bool(config.cloud_token)}
+    if not config.cloud_token:
+        facts["reason"] = "no account key: set SMOL_CLOUD_TOKEN"
+    return facts
+
+
 def targets_document(app: "SmolMcp") -> dict:
-    return {
-        "mode": app.mode,
-        "fleets": {
-            "local": local_target_facts(app.local),
-            "cloud": {"served": False, "usable": False, "url": app.config.cloud_url,
-                      "tokenSet": bool(app.config.cloud_token),
-                      "reason": "the cloud fleet is not served by this release of smol-mcp"},
-        },
-    }
+    """The mode and, per fleet, whether it is served and usable now, with the reason when not."""
+    facts = {"local": local_target_facts(app.local), "cloud": cloud_target_facts(app.config)}
+    for name, fleet_facts in facts.items():
+        if name not in app.fleets:
+            fleet_facts.update(served=False, usable=False,
+                               reason=f"not served: this process runs in {app.mode} mode (SMOL_MCP_TARGETS)")
+    return {"mode": app.mode, "fleets": facts}
 
 
 # ---------------------------------------------------------------------------
-# 9. Sessions and cleanup
+# 10. Sessions and cleanup
 #
 # A machine whose name starts with machinePrefix is ephemeral: the session that
 # created it deletes it when the session ends. Local records are files in the
@@ -1716,7 +2124,7 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# 10. The MCP server
+# 11. The MCP server
 #
 # One low-level mcp Server serves both protocol eras. Its lifespan is entered
 # once per stdio process (and once per in-memory client), which is exactly the
@@ -1725,35 +2133,65 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
+MODE_FLEETS = {"local": ("local",), "cloud": ("cloud",), "both": ("local", "cloud")}
+ARG_TARGET = {"type": "string", "enum": ["local", "cloud"],
+              "description": "Which fleet: \"local\" (smolvm on the server's host, nothing billed) or \"cloud\" (the "
+                             "smol cloud account, billed while machines exist). Required: a machine on one fleet is "
+                             "invisible on the other, so there is no default."}
+
+
 def resolve_mode(config: Config) -> str:
-    """The fleets this process serves, decided once at startup."""
-    if config.targets in ("cloud", "both"):
-        raise ConfigError(f"SMOL_MCP_TARGETS={config.targets}: the cloud fleet is not part of this release of smol-mcp "
-                          "yet; use SMOL_MCP_TARGETS=local (or leave it at auto)")
-    if config.targets == "auto" and config.cloud_token:
-        log.warning("a cloud token is set, but this release serves only the local fleet")
-    return "local"
+    """The fleets this process serves, decided once at startup: auto means
+    both when a cloud token is configured, else local."""
+    if config.targets == "auto":
+        return "both" if config.cloud_token else "local"
+    if config.targets in ("cloud", "both") and not config.cloud_token:
+        raise ConfigError(f"SMOL_MCP_TARGETS={config.targets} needs the cloud account key: set SMOL_CLOUD_TOKEN (or "
+                          "cloudToken in the config file)")
+    return config.targets
+
+
+def tool_schema(tool: ToolSpec, with_target: bool) -> dict:
+    """The input schema a client is shown: with a required target in both mode."""
+    if not with_target:
+        return tool.input_schema
+    schema = json.loads(json.dumps(tool.input_schema))
+    schema["properties"] = {"target": ARG_TARGET, **schema["properties"]}
+    schema["required"] = ["target", *schema["required"]]
+    return schema
 
 
 def server_instructions(app: "SmolMcp") -> str:
     c = app.config
-    return (
+    fleets = {
+        "local": "local (smolvm on the host this server runs on, started on the first local call; nothing billed)",
+        "cloud": "cloud (the smol cloud account; machines are billed while they exist)",
+    }
+    served = " and ".join(fleets[name] for name in app.fleets)
+    lines = [
         "smol-mcp gives you microVMs (smol machines) to work in instead of this computer: every command you run with "
-        "these tools executes inside a guest, never on the host. This process serves the local fleet: smolvm on the "
-        "host it runs on, started on the first tool call.\n"
+        f"these tools executes inside a guest, never on the host. This process serves {served}.",
         "- Typical flow: create-machine (waits until the guest runs commands), run-command, write-file/read-file, "
-        "delete-machine. run-once does create, run and delete in one call.\n"
-        f"- Egress is blocked unless you pass network: \"open\" or allowHosts/allowCidrs. On the local fleet a registry "
-        f"image needs network: \"open\" for its first pull.\n"
+        "delete-machine. run-once does create, run and delete in one call.",
+        "- Egress is blocked unless you pass network: \"open\" or allowHosts/allowCidrs.",
         f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when this session ends. Any "
-        "other name persists.\n"
+        "other name persists.",
         f"- Output beyond {c.max_output_bytes} bytes per stream keeps its head and tail; the whole stream is saved in "
-        "the machine at the path in overflow. read-file pages with offset/length.\n"
+        "the machine at the path in overflow. read-file pages with offset/length.",
         f"- A non-zero exit code is a result, not an error. Commands time out after {c.exec_timeout_secs} s by "
-        f"default (timeoutSecs up to {c.max_exec_timeout_secs}).\n"
-        "- pull-image is local only; branch-machine needs a source created with branchable: true, on a Linux or macOS host.\n"
-        "- smol://targets says whether the fleet is usable on this host, and why not."
-    )
+        f"default (timeoutSecs up to {c.max_exec_timeout_secs}).",
+        "- branch-machine needs a running source created with branchable: true.",
+    ]
+    if app.mode == "both":
+        lines.append("- Every tool needs target: \"local\" or \"cloud\"; there is no default.")
+    if "local" in app.fleets:
+        lines.append("- Local: a registry image needs network: \"open\" for its first pull; mounts, overlayGb, cmd and "
+                     "pull-image are local only; branch-machine needs a Linux or macOS host.")
+    if "cloud" in app.fleets:
+        lines.append("- Cloud: a command, read or write in a stopped machine starts it (startedMachine: true) and "
+                     "leaves it running; published ports need open egress; delete-machine returns the settled usage.")
+    lines.append("- smol://targets says whether each fleet is usable right now, and why not.")
+    return "\n".join(lines)
 
 
 class SmolMcp:
@@ -1762,8 +2200,10 @@ class SmolMcp:
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
         self.mode = resolve_mode(config)
-        self.local = LocalFleet(config, environ)
-        self.fleets: dict[str, LocalFleet] = {"local": self.local}
+        self.local = LocalFleet(config, environ)  # always built (it is inert) so smol://targets can describe it
+        self.fleets: dict[str, Any] = {}
+        for name in MODE_FLEETS[self.mode]:
+            self.fleets[name] = self.local if name == "local" else CloudFleet(config)
         self._limiter = None
         self._swept = False
         self.server = self._build_server()
@@ -1798,7 +2238,8 @@ class SmolMcp:
         @asynccontextmanager
         async def lifespan(server):
             session = Session(app, secrets_module.token_hex(4))
-            app.local.acquire()
+            for fleet in app.fleets.values():
+                fleet.acquire()
             try:
                 yield {"session": session}
             finally:
@@ -1832,11 +2273,18 @@ class SmolMcp:
     def mcp_tool(self, tool: ToolSpec):
         import mcp_types as types
         return types.Tool(
-            name=tool.name, title=tool.title, description=tool.description, input_schema=tool.input_schema,
-            output_schema=tool.output_schema,
+            name=tool.name, title=tool.title, description=tool.description,
+            input_schema=tool_schema(tool, self.mode == "both"), output_schema=tool.output_schema,
             annotations=types.ToolAnnotations(
                 title=tool.title, read_only_hint=tool.read_only, destructive_hint=tool.destructive,
                 idempotent_hint=tool.idempotent, open_world_hint=tool.open_world))
+
+    def fleet_for(self, arguments: dict) -> Any:
+        """The fleet a call goes to, taking `target` out of the arguments."""
+        if self.mode != "both":
+            return next(iter(self.fleets.values()))
+        target = arguments.pop("target")
+        return self.fleets[target]
 
     async def call_tool(self, ctx, name: str, arguments: dict):
         """Validate, dispatch, and turn every failure into a readable tool error."""
@@ -1846,10 +2294,17 @@ class SmolMcp:
         try:
             if tool is None:
                 raise ArgumentError(f"there is no tool named {name!r}; the tools are: {', '.join(TOOLS_BY_NAME)}")
-            validate_arguments(name, tool.input_schema, arguments)
+            arguments = dict(arguments)
+            if self.mode == "both" and "target" not in arguments:
+                raise ArgumentError(f'{name} needs "target": "local" or "cloud". This server serves both fleets and '
+                                    "there is no default, because a machine on one fleet is invisible on the other "
+                                    "and the two bill differently.")
+            validate_arguments(name, tool_schema(tool, self.mode == "both"), arguments)
+            fleet = self.fleet_for(arguments)
             session = ctx.lifespan_context["session"]
-            await self.prepare_fleet(self.local)
-            result = await tool.handler(Call(self, session, self.local, ctx), arguments)
+            if fleet is self.local:
+                await self.sweep_once()
+            result = await tool.handler(Call(self, session, fleet, ctx), arguments)
         except anyio.get_cancelled_exc_class():
             raise
         except SmolError as err:
@@ -1861,12 +2316,12 @@ class SmolMcp:
         return types.CallToolResult(content=[types.TextContent(type="text", text=json.dumps(result, indent=2))],
                                     structured_content=result)
 
-    async def prepare_fleet(self, fleet: LocalFleet) -> None:
+    async def sweep_once(self) -> None:
         """Before the first local call of this process: delete what a crashed
         earlier process left behind."""
         if not self._swept:
             import anyio
-            await anyio.to_thread.run_sync(sweep_orphans, fleet, self.config.runtime_dir)
+            await anyio.to_thread.run_sync(sweep_orphans, self.local, self.config.runtime_dir)
             self._swept = True
 
     async def read_resource(self, ctx, uri: str):
@@ -1874,11 +2329,12 @@ class SmolMcp:
         if uri == TARGETS_URI:
             text, mime = json.dumps(targets_document(self), indent=2), "application/json"
         elif match := LOGS_URI_RE.fullmatch(uri):
-            if match["target"] not in self.fleets:
-                raise_resource_error(f"{uri}: the target must be one of {', '.join(self.fleets)}")
+            fleet = self.fleets.get(match["target"])
+            if fleet is None:
+                raise_resource_error(f"{uri}: this server serves {' and '.join(self.fleets)}, not {match['target']}")
             try:
-                lines = await Call(self, ctx.lifespan_context["session"], self.local, ctx).api(
-                    self.fleets[match["target"]].console_lines, urllib.parse.unquote(match["name"]))
+                lines = await Call(self, ctx.lifespan_context["session"], fleet, ctx).api(
+                    fleet.console_lines, urllib.parse.unquote(match["name"]))
             except SmolError as err:
                 raise_resource_error(redact(str(err), self.config.secret_values()))
             text, mime = "\n".join(lines[-self.config.logs_tail:]), "text/plain"
@@ -1887,13 +2343,14 @@ class SmolMcp:
         return types.ReadResourceResult(contents=[types.TextResourceContents(uri=uri, mime_type=mime, text=text)])
 
     async def end_session(self, session: Session) -> None:
-        """Delete the session's ephemeral machines and let go of the serve, even
+        """Delete the session's ephemeral machines and let go of the fleets, even
         while being cancelled (a signal), within a bounded time."""
         import anyio
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
                 await session.close()
-            await anyio.to_thread.run_sync(self.local.release)
+            for fleet in self.fleets.values():
+                await anyio.to_thread.run_sync(fleet.release)
 
 
 def explain(err: SmolError) -> str:
@@ -1924,7 +2381,7 @@ def build_server(config: Config | None = None):
 
 
 # ---------------------------------------------------------------------------
-# 11. stdio
+# 12. stdio
 #
 # The default transport. The session ends at stdin EOF, SIGTERM or SIGINT, and
 # in every case the lifespan cleanup runs: the SDK alone would skip it on
@@ -1958,7 +2415,7 @@ async def run_stdio(server) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 12. Command line
+# 13. Command line
 # ---------------------------------------------------------------------------
 
 

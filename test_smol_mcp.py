@@ -809,7 +809,7 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
 
     def app(self, **overrides) -> SmolMcp:
         config = fake_config(self.tmp, None, smolvm=str(self.wrapper), cloud_token="smk_cloud_secret",
-                             auth_token="http_secret", **overrides)
+                             auth_token="http_secret", targets="local", **overrides)
         return SmolMcp(config, environ={**os.environ, "SMOL_CLOUD_TOKEN": "smk_cloud_secret",
                                         "SMOL_MCP_AUTH_TOKEN": "http_secret", "SMOLVM_VM_UID_DROP": "off"})
 

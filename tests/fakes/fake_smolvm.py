@@ -1259,6 +1259,73 @@ def _lossy(b: bytes):
     return b.decode("utf-8", errors="replace")
 
 
+class GuestUnavailable(Exception):
+    """The guest root has no busybox, so nothing can run in it."""
+
+
+class GuestRun:
+    """The outcome of run_in_guest: exit_code, stdout and stderr (bytes),
+    timed_out, and for a background command its pid and Popen (proc)."""
+
+    __slots__ = ("exit_code", "stdout", "stderr", "timed_out", "pid", "proc")
+
+    def __init__(self, exit_code=0, stdout=b"", stderr=b"", timed_out=False, pid=None, proc=None):
+        self.exit_code = exit_code
+        self.stdout = stdout
+        self.stderr = stderr
+        self.timed_out = timed_out
+        self.pid = pid
+        self.proc = proc
+
+
+def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background):
+    """Run argv in the guest root `root` (chroot, under `unshare -r` when not
+    root), in `workdir`, with exactly the environment `env`. A foreground
+    command is killed (its whole process group) after `timeout` seconds and
+    then reports exit code 124; a command killed by signal N reports 128+N.
+    A background command is detached at once and its pid returned. Raises
+    GuestUnavailable when the root has no busybox."""
+    if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
+        raise GuestUnavailable("fake smolvm: no static busybox on this host (install busybox-static)")
+    chroot = shutil.which("chroot") or "/usr/sbin/chroot"
+    pre = [chroot]
+    if user:
+        pre.append(f"--userspec={user}")
+    pre += [root, "/usr/bin/busybox", "sh", "-c", 'cd -- "$1" || exit 1; shift; exec "$@"', "sh", workdir]
+    if os.geteuid() != 0:
+        pre = ["unshare", "-r"] + pre
+    cmd = pre + list(argv)
+    if background:
+        p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+        return GuestRun(pid=p.pid, proc=p)
+    p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    data = stdin.encode() if stdin is not None else None
+    timed_out = False
+    try:
+        out, err = p.communicate(data, timeout=timeout if timeout else None)
+        code = p.returncode
+        if code < 0:
+            code = 128 - code
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        out, err = p.communicate()
+        # 124 is what the smol cloud documents for a timed-out command;
+        # the local serve's value is an assumption (not observed).
+        code = 124
+        timed_out = True
+    return GuestRun(exit_code=code, stdout=out, stderr=err, timed_out=timed_out)
+
+
+def copy_guest_root(src, dst):
+    """Copy a guest root (for a branch): symlinks kept, device nodes recreated."""
+    shutil.copytree(src, dst, symlinks=True, copy_function=_copy_node)
+
+
 # --------------------------------------------------------------------------
 # the fake serve
 # --------------------------------------------------------------------------
@@ -1816,42 +1883,17 @@ class FakeSmolvm:
                                   req.get("timeoutSecs"), user, req.get("background", False))
 
     def _run_in_guest(self, root, argv, env, workdir, stdin, timeout, user, background):
-        if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
-            return api_error(500, "INTERNAL_ERROR",
-                             "fake smolvm: no static busybox on this host (install busybox-static)")
-        chroot = shutil.which("chroot") or "/usr/sbin/chroot"
-        pre = [chroot]
-        if user:
-            pre.append(f"--userspec={user}")
-        pre += [root, "/usr/bin/busybox", "sh", "-c", 'cd -- "$1" || exit 1; shift; exec "$@"', "sh", workdir]
-        if os.geteuid() != 0:
-            pre = ["unshare", "-r"] + pre
-        cmd = pre + list(argv)
+        try:
+            r = run_in_guest(root, argv, env, workdir, stdin, timeout, user, background)
+        except GuestUnavailable as e:
+            return api_error(500, "INTERNAL_ERROR", str(e))
         if background:
             # Not observed: the real answer carries the PID of the detached process.
-            p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, start_new_session=True)
-            out = f"{p.pid}\n".encode()
+            out = f"{r.pid}\n".encode()
             return json_response(200, {"exitCode": 0, "stdout": _lossy(out), "stderr": "",
                                        "stdoutB64": base64.b64encode(out).decode(), "stderrB64": ""})
-        p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        data = stdin.encode() if stdin is not None else None
-        try:
-            out, err = p.communicate(data, timeout=timeout if timeout else None)
-            code = p.returncode
-            if code < 0:
-                code = 128 - code
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except OSError:
-                pass
-            out, err = p.communicate()
-            # 124 is what the smol cloud documents for a timed-out command;
-            # the local serve's value is an assumption (not observed).
-            code = 124
-        return json_response(200, {"exitCode": code, "stdout": _lossy(out), "stderr": _lossy(err),
+        out, err = r.stdout, r.stderr
+        return json_response(200, {"exitCode": r.exit_code, "stdout": _lossy(out), "stderr": _lossy(err),
                                    "stdoutB64": base64.b64encode(out).decode(),
                                    "stderrB64": base64.b64encode(err).decode()})
 
