@@ -175,8 +175,7 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
         return value
     if setting.kind == "choice":
         if not isinstance(value, str) or value.strip() not in setting.choices:
-            shown = value if setting.kind != "secret" else "…"
-            raise ConfigError(f"{where} must be one of {', '.join(setting.choices)}; got {shown!r}")
+            raise ConfigError(f"{where} must be one of {', '.join(setting.choices)}; got {value!r}")
         return value.strip()
     if setting.kind == "int":
         if source == "env":
@@ -274,7 +273,10 @@ def ensure_runtime_dir(path: str) -> Path:
         raise SmolError(f"the runtime directory {directory} belongs to another user; set SMOL_MCP_RUNTIME_DIR "
                         "to a directory of your own")
     if info.st_mode & 0o077:
-        directory.chmod(0o700)
+        # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
+        raise SmolError(f"the runtime directory {directory} can be opened by other users (mode "
+                        f"{oct(info.st_mode & 0o777)}); set SMOL_MCP_RUNTIME_DIR to a directory only you can open, "
+                        "for example one made with mkdir -m 700")
     return directory
 
 
@@ -356,7 +358,6 @@ def redact(text: str, secret_values: list[str]) -> str:
 # ---------------------------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
-ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ADDRESS_IN_USE_HINT = (
     "Only one smolvm serve can run per host with the default settings (it binds 127.0.0.1:10081), and one is "
     "already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock (it is left running), "
@@ -621,6 +622,9 @@ class LocalFleet:
             status, ctype, data = self._raw_request(method, path, body, content_type=content_type, timeout=timeout)
         except socket.timeout:
             raise SmolError(f"the local machine API did not answer within {timeout:.0f} s while trying to {action}") from None
+        except (OSError, http.client.HTTPException) as exc:
+            self._ready = False
+            raise serve_dropped(action, exc) from None
         if status >= 400:
             raise api_error("local", action, status, ctype, data)
         if "application/json" in ctype:
@@ -718,32 +722,40 @@ class LocalFleet:
         action = f"read {path} in machine '{name}'"
         conn = self._connection(timeout=self.config.ready_timeout_secs + 60)
         try:
-            conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{_q(path.lstrip('/'), '/')}")
-            response = conn.getresponse()
-            ctype = response.getheader("Content-Type", "")
-            if response.status >= 400:
-                raise api_error("local", action, response.status, ctype, response.read())
-            if "application/json" in ctype:
-                listing = json.loads(response.read() or b"{}")
-                names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
-                raise SmolError(f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
-                                "Pass the path of a file inside it.")
-            size = int(response.getheader("Content-Length") or -1)
-            skipped = 0
-            while skipped < offset:
-                chunk = response.read(min(1 << 20, offset - skipped))
-                if not chunk:
-                    break
-                skipped += len(chunk)
-            data = response.read(length) if skipped == offset else b""
-            if size < 0:  # no length header: count what is left to learn the size
-                rest = 0
-                while chunk := response.read(1 << 20):
-                    rest += len(chunk)
-                size = skipped + len(data) + rest
-            return FilePage(data=data, size=size, offset=offset)
+            return self._read_page(conn, action, name, path, offset, length)
+        except socket.timeout:
+            raise SmolError(f"the local machine API stopped answering while trying to {action}") from None
+        except (OSError, http.client.HTTPException) as exc:
+            raise serve_dropped(action, exc) from None
         finally:
             conn.close()
+
+    def _read_page(self, conn: http.client.HTTPConnection, action: str, name: str, path: str, offset: int,
+                   length: int) -> FilePage:
+        conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{_q(path.lstrip('/'), '/')}")
+        response = conn.getresponse()
+        ctype = response.getheader("Content-Type", "")
+        if response.status >= 400:
+            raise api_error("local", action, response.status, ctype, response.read())
+        if "application/json" in ctype:
+            listing = json.loads(response.read() or b"{}")
+            names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
+            raise SmolError(f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
+                            "Pass the path of a file inside it.")
+        size = int(response.getheader("Content-Length") or -1)
+        skipped = 0
+        while skipped < offset:
+            chunk = response.read(min(1 << 20, offset - skipped))
+            if not chunk:
+                break
+            skipped += len(chunk)
+        data = response.read(length) if skipped == offset else b""
+        if size < 0:  # no length header (a streamed file): count what is left to learn the size
+            rest = 0
+            while chunk := response.read(1 << 20):
+                rest += len(chunk)
+            size = skipped + len(data) + rest
+        return FilePage(data=data, size=size, offset=offset)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
         answer = self.request(f"write {path} in machine '{name}'", "PUT",
@@ -771,6 +783,12 @@ class LocalFleet:
         answer = self.request(f"pull {image} into machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/images/pull",
                               {"image": image}, timeout=self.config.max_exec_timeout_secs + 60)
         return answer.get("image", answer)
+
+
+def serve_dropped(action: str, exc: BaseException) -> SmolError:
+    """The serve closed the connection mid-call: it stopped or restarted."""
+    return SmolError(f"the local serve closed the connection while trying to {action} ({type(exc).__name__}); it may "
+                     "have stopped or restarted. Check the machine with get-machine before trying again.")
 
 
 def api_error(fleet: str, action: str, status: int, content_type: str, data: bytes) -> ApiError:
@@ -1058,11 +1076,17 @@ class CloudFleet:
         if answer.get("exitCode") != 0:
             error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
             raise SmolError(f"could not read {path} in machine '{name}': {error or 'exit code ' + str(answer.get('exitCode'))}")
-        if answer.get("stdoutTruncated") and not answer.get("stdoutB64"):
-            raise SmolError(f"the cloud API cut the output of the read of {path} short, so the page was not "
-                            "returned; ask for a smaller length")
         size_line, _, encoded = stdout.partition(b"\n")
-        return FilePage(data=base64.b64decode(encoded), size=int(size_line.strip() or 0), offset=offset)
+        size = int(size_line.strip() or 0)
+        try:
+            data = base64.b64decode(encoded)
+        except ValueError:
+            data = b""
+        if len(data) != max(0, min(length, size - offset)):
+            # The service caps exec output; a page cut short would read as the end of the file.
+            raise SmolError(f"the cloud API cut the output of the read of {path} short (its exec output cap), so "
+                            "the page is not returned; ask for a smaller length")
+        return FilePage(data=data, size=size, offset=offset)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
         record = self._find(name)
@@ -1256,7 +1280,7 @@ def utf8_prefix_end(data: bytes, end: int) -> int:
 
 def utf8_suffix_start(data: bytes, start: int) -> int:
     """Smallest cut >= start that begins a UTF-8 character."""
-    while start < len(data) and (data[start] & 0xC0) == 0x80 and start < len(data):
+    while start < len(data) and (data[start] & 0xC0) == 0x80:
         start += 1
     return start
 
@@ -1284,7 +1308,9 @@ def head_and_tail(data: bytes, limit: int, where: str) -> tuple[str, int]:
 
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
 ABSOLUTE_PATH_PATTERN = "^/"
+FILE_PATH_PATTERN = "^/.*[^/]$"
 PATTERN_RULES = {
+    FILE_PATH_PATTERN: "must be the absolute path of a file (starting with /, not ending with /)",
     NAME_PATTERN: "must start with a letter or digit and hold only letters, digits, '-' and '_' (at most 128)",
     ABSOLUTE_PATH_PATTERN: "must be an absolute path (starting with /)",
     "^[A-Za-z_][A-Za-z0-9_]*$": "must be a variable name: letters, digits and '_', not starting with a digit",
@@ -1327,10 +1353,11 @@ def _check(schema: dict, value: Any, where: str) -> None:
                 return
             except ArgumentError as err:
                 errors.append(str(err))
-        kinds = " or ".join(TYPE_WORDS.get(o.get("type"), "?") for o in schema["oneOf"])
-        if all(not o.get("type") or _type_ok(o["type"], value) is False for o in schema["oneOf"]):
-            raise ArgumentError(f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}')
-        raise ArgumentError(errors[-1])
+        for option, error in zip(schema["oneOf"], errors):
+            if _type_ok(option["type"], value):
+                raise ArgumentError(error)  # the right kind of value, wrong in its details: say which
+        kinds = " or ".join(TYPE_WORDS[option["type"]] for option in schema["oneOf"])
+        raise ArgumentError(f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}')
     kind = schema.get("type")
     if kind and not _type_ok(kind, value):
         raise ArgumentError(f'"{where}" must be {TYPE_WORDS[kind]}, got {json.dumps(value)[:60]}')
@@ -1386,6 +1413,7 @@ def _check(schema: dict, value: Any, where: str) -> None:
 # ---------------------------------------------------------------------------
 
 CLEANUP_TIMEOUT_SECS = 20
+PROGRESS_INTERVAL_SECS = 5
 
 
 def _string(description: str, **extra: Any) -> dict:
@@ -1419,7 +1447,7 @@ ARG_TIMEOUT = _integer("Seconds before the command is killed (default SMOL_MCP_E
                        "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).")
 ARG_WORKDIR = _string("Working directory inside the machine (an absolute path).", pattern=ABSOLUTE_PATH_PATTERN)
 ARG_STDIN = _string("Text piped to the command's standard input.")
-ARG_PATH = _string("An absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN)
+ARG_PATH = _string("An absolute path of a file inside the machine.", pattern=FILE_PATH_PATTERN)
 ARG_ENCODING = _string("utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"])
 ARG_WAIT = {"type": "boolean", "description": "Wait until a command has run in the guest before answering (default true)."}
 
@@ -1465,24 +1493,58 @@ class Call:
     """What one tool call needs: its fleet, its session, worker threads for the
     blocking API, and progress notifications for the long waits."""
 
-    def __init__(self, app: "SmolMcp", session: "Session", fleet: LocalFleet, ctx: Any):
+    def __init__(self, app: "SmolMcp", session: "Session", fleet: Any, ctx: Any):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
         self.config = app.config
+        self.started = time.monotonic()
+        self._last_progress = -1.0
 
-    async def api(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+    async def api(self, function: Callable, *args: Any, waiting: str | None = None, **kwargs: Any) -> Any:
         """Run one blocking API call in a worker thread. A cancelled call stops
-        waiting at once; the thread finishes on its own."""
+        waiting at once (the thread finishes on its own). With ``waiting``, a
+        progress notification says so every few seconds until it returns."""
         import anyio
         import functools
-        return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs), abandon_on_cancel=True,
-                                              limiter=self.app.thread_limiter())
+        run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args, **kwargs),
+                                abandon_on_cancel=True, limiter=self.app.thread_limiter())
+        if waiting is None:
+            return await run()
+        async with anyio.create_task_group() as group:
+            async def heartbeat() -> None:
+                while True:
+                    await self.progress(None, f"{waiting}: {int(time.monotonic() - self.started)} s so far")
+                    await anyio.sleep(PROGRESS_INTERVAL_SECS)
 
-    async def progress(self, done: float, total: float | None, message: str) -> None:
-        if self.ctx is not None:
+            group.start_soon(heartbeat)
             try:
-                await self.ctx.session.report_progress(done, total, message)
-            except Exception:  # progress is a courtesy; a client that went away must not fail the call
-                log.debug("progress notification not sent", exc_info=True)
+                value, failure = await run(), None
+            except Exception as err:  # carried out of the group, which would wrap it in an ExceptionGroup
+                value, failure = None, err
+            group.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return value
+
+    async def create(self, function: Callable, *args: Any) -> Any:
+        """Run a call that creates a machine to completion, even if the tool
+        call is cancelled meanwhile: abandoned, it could create a machine after
+        the cleanup had already run, and nobody would delete it."""
+        import anyio
+        import functools
+        with anyio.CancelScope(shield=True):
+            return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=self.app.thread_limiter())
+
+    async def progress(self, total: float | None, message: str) -> None:
+        """A progress notification (a no-op unless the client asked for them).
+        The value is the call's elapsed seconds, so it only ever increases."""
+        if self.ctx is None:
+            return
+        done = max(round(time.monotonic() - self.started, 3), self._last_progress + 0.001)
+        self._last_progress = done
+        try:
+            await self.ctx.session.report_progress(done, total, message)
+        except Exception:  # progress is a courtesy; a client that went away must not fail the call
+            log.debug("progress notification not sent", exc_info=True)
 
     def new_ephemeral_name(self) -> str:
         return f"{self.config.machine_prefix}{secrets_module.token_hex(4)}"
@@ -1490,12 +1552,12 @@ class Call:
     async def delete_quietly(self, name: str) -> None:
         """Delete a machine this call created, even while the call is being
         cancelled, and forget it; a failure here is logged, not raised over the
-        error that got us here."""
+        error that got us here (the session's cleanup tries again)."""
         import anyio
         with anyio.CancelScope(shield=True):
             try:
                 with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
-                    await anyio.to_thread.run_sync(self.fleet.delete_machine, name)
+                    await anyio.to_thread.run_sync(self.fleet.delete_machine, name, abandon_on_cancel=True)
                 self.session.forget(self.fleet.name, name)
             except ApiError as err:
                 if err.status == 404:
@@ -1560,7 +1622,7 @@ async def wait_until_ready(call: Call, name: str) -> None:
     delay = 0.1
     while True:
         elapsed = time.monotonic() - started
-        await call.progress(round(elapsed, 1), limit, f"waiting for the guest of '{name}': {int(elapsed)} s of {limit} s")
+        await call.progress(None, f"waiting for the guest of '{name}': {int(elapsed)} s of {limit} s")
         not_ready = await call.api(call.fleet.probe_ready, name)
         if not_ready is None:
             return
@@ -1572,7 +1634,7 @@ async def wait_until_ready(call: Call, name: str) -> None:
 
 
 async def start_and_wait(call: Call, name: str, branchable: bool = False) -> dict:
-    record = await call.api(call.fleet.start_machine, name, branchable)
+    record = await call.api(call.fleet.start_machine, name, branchable, waiting=f"starting '{name}'")
     await wait_until_ready(call, name)
     return record
 
@@ -1642,14 +1704,8 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     for index, mount in enumerate(spec.mounts):
         if not mount["source"].startswith("/"):
             raise ArgumentError(f'"mounts[{index}].source" must be an absolute host path, got {mount["source"]!r}')
+    record = await create_recorded(call, name, call.fleet.create_machine, spec)
     ephemeral = call.session.is_ephemeral(name)
-    if ephemeral:
-        call.session.remember(call.fleet.name, name)  # recorded first, so a crash right after create still cleans up
-    try:
-        record = await call.api(call.fleet.create_machine, spec)
-    except BaseException:
-        call.session.forget(call.fleet.name, name)
-        raise
     if not start:
         return {"machine": record, "ephemeral": ephemeral, "ready": False}
     try:
@@ -1662,17 +1718,31 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     return {"machine": record, "ephemeral": ephemeral, "ready": True}
 
 
+async def create_recorded(call: Call, name: str, create: Callable, *args: Any) -> dict:
+    """Create a machine (or a branch child) so the session's record stays true:
+    an ephemeral name is recorded before the call, so a crash right after it
+    still cleans up, and forgotten only if the API refused it and this call
+    was the one that recorded it."""
+    added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
+    try:
+        return await call.create(create, *args)
+    except SmolError:
+        if added:
+            call.session.forget(call.fleet.name, name)
+        raise
+
+
 async def tool_run_command(call: Call, args: dict) -> dict:
     name, argv, timeout = args["name"], command_argv(args["command"]), exec_timeout(call.config, args)
     options = dict(timeout_secs=timeout, workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
     started_machine = False
     try:
-        result = await call.api(call.fleet.exec, name, argv, **options)
+        result = await call.api(call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options)
     except NotRunning:
         # A stopped machine is started (and left running), the way the cloud API does it.
         await start_and_wait(call, name)
         started_machine = True
-        result = await call.api(call.fleet.exec, name, argv, **options)
+        result = await call.api(call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options)
     shaped = await budget_exec(call, name, result, timeout, keep_overflow=True)
     return {**shaped, "startedMachine": started_machine}
 
@@ -1681,17 +1751,16 @@ async def tool_run_once(call: Call, args: dict) -> dict:
     timeout = exec_timeout(call.config, args)
     name = call.new_ephemeral_name()
     spec = machine_spec(call, args, name, call.config.run_once_network)
-    call.session.remember(call.fleet.name, name)
     try:
-        await call.progress(0, None, f"creating {name} from {spec.image}")
-        await call.api(call.fleet.create_machine, spec)
+        await call.progress(None, f"creating {name} from {spec.image}")
+        await create_recorded(call, name, call.fleet.create_machine, spec)
         try:
             await start_and_wait(call, name)
         except Exception as err:
             raise explain_start_failure(err, spec.network) from None
-        await call.progress(0, None, f"running the command in {name}")
         result = await call.api(call.fleet.exec, name, command_argv(args["command"]), timeout_secs=timeout,
-                                workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
+                                workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"),
+                                waiting=f"running the command in '{name}'")
         shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
         return {**shaped, "startedMachine": False, "name": name}
     finally:
@@ -1710,6 +1779,9 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     if encoding == "utf8":
         if offset + len(data) < page.size:
             data = data[:utf8_prefix_end(data, len(data))]  # end the page on a character boundary
+            if not data and page.data:
+                raise ArgumentError(f'"length" {length} is too short for the character at offset {offset}; ask for '
+                                    "at least 4 bytes")
         try:
             content = data.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -1756,17 +1828,14 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
 async def tool_branch_machine(call: Call, args: dict) -> dict:
     source, wait = args["name"], args.get("wait", True)
     child = args.get("childName") or call.new_ephemeral_name()
-    ephemeral = call.session.is_ephemeral(child)
-    if ephemeral:
-        call.session.remember(call.fleet.name, child)
     try:
-        record = await call.api(call.fleet.branch_machine, source, child)
-    except BaseException as err:
-        call.session.forget(call.fleet.name, child)
-        if isinstance(err, ApiError) and err.status == 409 and "already exists" not in err.api_message:
+        record = await create_recorded(call, child, call.fleet.branch_machine, source, child)
+    except ApiError as err:
+        if err.status == 409 and any(word in err.api_message for word in ("forkable", "control socket", "branchable")):
             raise err.with_hint("The source must be running and created as a branch source: create-machine with "
                                 "branchable: true, then branch it while it runs") from None
         raise
+    ephemeral = call.session.is_ephemeral(child)
     if wait:
         try:
             await wait_until_ready(call, child)
@@ -1860,7 +1929,9 @@ TOOLS: tuple[ToolSpec, ...] = (
                                         "host": _integer("Port on the host (default: a free one).", maximum=65535)},
                                        ("guest",))},
             "mounts": {"type": "array", "description": "Host directories to attach (local fleet only).",
-                       "items": _object({"source": _string("Absolute host path."), "target": ARG_PATH,
+                       "items": _object({"source": _string("Absolute host path."),
+                                         "target": _string("Absolute path inside the machine.",
+                                                           pattern=ABSOLUTE_PATH_PATTERN),
                                          "readonly": {"type": "boolean", "description": "Mount read-only."}},
                                         ("source", "target"))},
             "storageGb": _integer("Storage disk size in GiB."),
@@ -2044,9 +2115,14 @@ class Session:
     def is_ephemeral(self, name: str) -> bool:
         return name.startswith(self.app.config.machine_prefix)
 
-    def remember(self, fleet: str, name: str) -> None:
-        self.machines.setdefault(fleet, set()).add(name)
+    def remember(self, fleet: str, name: str) -> bool:
+        """Record an ephemeral machine; False if it was recorded already."""
+        names = self.machines.setdefault(fleet, set())
+        if name in names:
+            return False
+        names.add(name)
         self._save()
+        return True
 
     def forget(self, fleet: str, name: str) -> None:
         if name in self.machines.get(fleet, set()):
@@ -2066,25 +2142,46 @@ class Session:
         temporary.replace(self.record_path)
 
     async def close(self) -> None:
-        """Delete every ephemeral machine this session still holds."""
+        """Delete every ephemeral machine this session still holds; what cannot
+        be deleted stays in the record for the next start to try again."""
         import anyio
         for fleet_name, names in list(self.machines.items()):
-            fleet = self.app.fleets[fleet_name]
-            for name in sorted(names):
-                try:
-                    await anyio.to_thread.run_sync(fleet.delete_machine, name)
-                    log.info("session %s ended: deleted %s", self.id, name)
-                except ApiError as err:
-                    if err.status != 404:
-                        log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
-                        continue
-                except Exception as err:
-                    log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
-                    continue
+            deleted, refused = await anyio.to_thread.run_sync(delete_in_passes, self.app.fleets[fleet_name],
+                                                              sorted(names), abandon_on_cancel=True)
+            for name in deleted:
+                log.info("session %s ended: deleted %s", self.id, name)
                 self.forget(fleet_name, name)
+            for name, err in refused:
+                log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
+
+
+def delete_in_passes(fleet: Any, names: list[str]) -> tuple[list[str], list[tuple[str, Exception]]]:
+    """Delete machines, children before their branch sources: a source with
+    live children refuses (409), so deletes repeat in passes until one makes no
+    progress. Returns what is gone (a 404 counts) and what was refused, why."""
+    pending, gone = list(names), []
+    while pending:
+        refused: list[tuple[str, Exception]] = []
+        for name in pending:
+            try:
+                fleet.delete_machine(name)
+            except ApiError as err:
+                if err.status != 404:
+                    refused.append((name, err))
+                    continue
+            except SmolError as err:
+                refused.append((name, err))
+                continue
+            gone.append(name)
+        if len(refused) == len(pending):
+            return gone, refused
+        pending = [name for name, _ in refused]
+    return gone, []
 
 
 def process_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False  # a record without a real pid belongs to nobody
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -2105,15 +2202,11 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             continue
         if process_alive(int(record.get("pid", 0))) or record.get("endpoint") != fleet.endpoint:
             continue
-        kept = []
-        for name in record.get("machines", []):
-            try:
-                fleet.delete_machine(name)
-                deleted.append(name)
-            except ApiError as err:
-                if err.status != 404:
-                    log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
-                    kept.append(name)
+        gone, refused = delete_in_passes(fleet, record.get("machines", []))
+        deleted += gone
+        kept = [name for name, _ in refused]
+        for name, err in refused:
+            log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
         if kept:  # try again at the next start rather than forget them
             path.write_text(json.dumps({**record, "machines": kept}))
         else:
@@ -2356,8 +2449,10 @@ class SmolMcp:
 def explain(err: SmolError) -> str:
     """The error text, plus what to do for the API refusals every tool can meet."""
     if isinstance(err, ApiError):
-        if err.status == 404 and "not found" in err.api_message:
+        if err.status == 404 and ("machine '" in err.api_message or "vm not found" in err.api_message):
             return str(err.with_hint("Check the name with list-machines"))
+        if err.status == 404 and err.action.startswith(("read ", "write ")):
+            return str(err.with_hint("Check the path: run-command with ls shows what is there"))
         if err.status == 409 and "already exists" in err.api_message:
             return str(err.with_hint("Pick another name, or use start-machine to start the existing machine"))
     return str(err)

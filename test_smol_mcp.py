@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ast
 import base64
+from dataclasses import replace as dataclasses_replace
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ from mcp import Client, StdioServerParameters  # noqa: E402
 
 import smol_mcp  # noqa: E402
 from smol_mcp import Config, ConfigError, SmolMcp, load_config  # noqa: E402
+from tests.fakes.fake_cloud import FakeCloud  # noqa: E402
 from tests.fakes.fake_smolvm import FakeSmolvm  # noqa: E402
 
 FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
@@ -593,7 +595,7 @@ class ToolRuleTests(FakeServeCase):
             text = await self.refused(c, "read-file", {"name": name, "path": "/root"})
             self.assertIn("is a directory", text)
             text = await self.refused(c, "read-file", {"name": name, "path": "relative.txt"})
-            self.assertIn('"path" must be an absolute path', text)
+            self.assertIn('"path" must be the absolute path of a file', text)
 
     async def test_branch_asks_for_branchable_on_the_start(self):
         async with self.client("legacy") as c:
@@ -779,6 +781,253 @@ class LocalUrlTests(FakeServeCase):
         async with self.client("legacy") as c:
             text = await self.refused(c, "list-machines", {})
             self.assertIn("nothing answers at SMOL_LOCAL_URL", text)
+
+
+# ---------------------------------------------------------------------------
+# The cloud fleet against the fake cloud API
+# ---------------------------------------------------------------------------
+
+CLOUD_TOKEN = "smk_test_token_do_not_echo"
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare to chroot into its busybox root")
+class FakeCloudCase(FakeServeCase):
+    """A FakeCloud (and the local fake beside it, for both mode), and a server using it."""
+
+    cloud_options: dict = {}
+    targets = "cloud"
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        self.cloud = FakeCloud(token=CLOUD_TOKEN, **self.cloud_options).start()
+        self.config = fake_config(self.tmp, self.socket_path, cloud_url=self.cloud.url, cloud_token=CLOUD_TOKEN,
+                                  targets=self.targets, **self.config_overrides)
+        self.app = SmolMcp(self.config)
+
+    async def asyncTearDown(self):
+        await asyncio.to_thread(self.cloud.stop)
+        await super().asyncTearDown()
+
+    def cloud_requests(self, suffix: str, method: str = "POST") -> list:
+        return [r for r in self.cloud.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)]
+
+    def by_name(self, name: str) -> dict:
+        return next(m for m in self.cloud.machines.values() if m["name"] == name)
+
+
+class CloudWorkedExample(FakeCloudCase):
+    async def test_worked_example_runs_unchanged_on_the_cloud(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                self.cloud.requests.clear()
+                async with self.client(mode) as c:
+                    created = await self.ok(c, "create-machine", {"name": "mcp-walk", "image": "python:3.12-alpine",
+                                                                  "cpus": 2, "memoryMb": 1024, "branchable": True})
+                    self.assertEqual((created["ephemeral"], created["ready"]), (True, True))
+                    machine = created["machine"]
+                    self.assertEqual(sorted(machine), sorted(smol_mcp.MACHINE_KEYS))
+                    self.assertTrue(machine["id"].startswith("mach-"))
+                    self.assertEqual((machine["image"], machine["cpus"], machine["network"], machine["branchable"]),
+                                     ("python:3.12-alpine", 2, "blocked", True))
+                    body = self.cloud_requests("/v1/machines")[0][3]
+                    self.assertEqual(body["source"], {"type": "image", "reference": "python:3.12-alpine"})
+                    self.assertEqual((body["resources"]["cpus"], body["resources"]["memoryMb"]), (2, 1024))
+                    self.assertEqual(body["network"], {"mode": "blocked"})  # always sent: omitted means open
+                    self.assertEqual((body["ttlSeconds"], body["autoStopSeconds"]), (3600, 900))
+                    self.assertNotIn("ephemeral", body)
+                    self.assertIs(body["forkable"], True)  # a create field on the cloud
+                    ran = await self.ok(c, "run-command", {"name": "mcp-walk", "command": "echo cloned"})
+                    self.assertEqual((ran["stdout"], ran["exitCode"], ran["startedMachine"]), ("cloned\n", 0, False))
+                    exec_body = self.cloud_requests("/exec")[-1][3]
+                    self.assertEqual((exec_body["command"], exec_body["timeoutSeconds"]), (["sh", "-c", "echo cloned"], 120))
+                    self.assertNotIn("workdir", exec_body)
+                    failed = await self.ok(c, "run-command", {"name": "mcp-walk", "command": ["sh", "-c", "exit 42"],
+                                                              "workdir": "/tmp", "env": {"A": "1"}})
+                    self.assertEqual(failed["exitCode"], 42)
+                    exec_body = self.cloud_requests("/exec")[-1][3]
+                    self.assertEqual((exec_body["cwd"], exec_body["env"]), ("/tmp", {"A": "1"}))
+                    report = "".join(f"test {i} ok\n" for i in range(500))
+                    await self.ok(c, "write-file", {"name": "mcp-walk", "path": "/workspace/report.txt", "content": report})
+                    first = await self.ok(c, "read-file", {"name": "mcp-walk", "path": "/workspace/report.txt",
+                                                           "length": 1000})
+                    rest = await self.ok(c, "read-file", {"name": "mcp-walk", "path": "/workspace/report.txt",
+                                                          "offset": first["bytes"]})
+                    self.assertEqual((first["eof"], rest["eof"]), (False, True))
+                    self.assertEqual(first["content"] + rest["content"], report)
+                    child = await self.ok(c, "branch-machine", {"name": "mcp-walk"})
+                    self.assertTrue(child["ephemeral"] and child["ready"])
+                    got = await self.ok(c, "run-command", {"name": child["machine"]["name"],
+                                                           "command": "wc -l < /workspace/report.txt"})
+                    self.assertEqual(got["stdout"].strip(), "500")
+                    logs = await self.ok(c, "machine-logs", {"name": "mcp-walk"})
+                    self.cloud.append_log(self.by_name("mcp-walk")["id"], "a new console line")
+                    newer = await self.ok(c, "machine-logs", {"name": "mcp-walk", "cursor": logs["cursor"]})
+                    self.assertEqual(newer["lines"], ["a new console line"])
+                    again = await self.ok(c, "machine-logs", {"name": "mcp-walk", "cursor": newer["cursor"]})
+                    self.assertEqual(again["lines"], [])
+                    deleted = await self.ok(c, "delete-machine", {"name": "mcp-walk"})
+                    self.assertEqual(deleted["deleted"], "mcp-walk")
+                    self.assertIn("totalMicros", json.dumps(deleted["usage"]))
+                    self.assertIn("includeUsage=true", self.cloud_requests("", "DELETE")[0][1])
+                    self.assertEqual(len(self.cloud.machines), 1)  # the ephemeral child, until the session ends
+                self.assertEqual(self.cloud.machines, {})  # closing the client deleted it
+
+
+class CloudRuleTests(FakeCloudCase):
+    config_overrides = {"max_output_bytes": 2048}
+
+    async def machine(self, c, name="mcp-c", **extra):
+        await self.ok(c, "create-machine", {"name": name, "image": "alpine", **extra})
+        return name
+
+    async def test_names_resolve_with_one_list_call_and_ids_work_too(self):
+        async with self.client("legacy") as c:
+            await self.machine(c, "persist-1")
+            self.assertIsNone(self.cloud_requests("", "POST")[0][3].get("ttlSeconds"))  # a chosen name persists
+            self.cloud.requests.clear()
+            got = await self.ok(c, "get-machine", {"name": "persist-1"})
+            self.assertEqual([r[:2] for r in self.cloud.requests], [("GET", "/v1/machines")])
+            by_id = await self.ok(c, "get-machine", {"name": got["machine"]["id"]})
+            self.assertEqual(by_id["machine"]["name"], "persist-1")
+            text = await self.refused(c, "get-machine", {"name": "ghost"})
+            self.assertIn("machine 'ghost' not found", text)
+            self.assertIn("list-machines", text)
+            await self.ok(c, "delete-machine", {"name": "persist-1"})
+
+    async def test_stopped_machine_is_started_by_a_command_read_or_write(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            for tool, args in (("run-command", {"command": "true"}), ("write-file", {"path": "/root/a", "content": "x"}),
+                               ("read-file", {"path": "/root/a"})):
+                await self.ok(c, "stop-machine", {"name": name})
+                self.assertEqual(self.by_name(name)["state"], "stopped")
+                result = await self.ok(c, tool, {"name": name, **args})
+                self.assertTrue(result["startedMachine"], tool)
+                self.assertEqual(self.by_name(name)["state"], "running")  # and left running
+
+    async def test_output_budget_and_overflow_work_the_same(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            out = await self.ok(c, "run-command", {"name": name, "command": "seq 1 3000"})
+            self.assertTrue(out["truncated"])
+            self.assertEqual(len(out["overflow"]), 1)
+            whole = (Path(self.cloud.guest_root(self.by_name(name)["id"])) / out["overflow"][0].lstrip("/")).read_text()
+            self.assertEqual(whole, "".join(f"{i}\n" for i in range(1, 3001)))
+
+    async def test_blocked_is_sent_explicitly_and_an_allow_list_never_empty(self):
+        async with self.client("legacy") as c:
+            await self.machine(c, "mcp-a", allowCidrs=[])
+            await self.machine(c, "mcp-b", allowHosts=["pypi.org"])
+            await self.machine(c, "mcp-o", network="open", ports=[{"guest": 8080}])
+            bodies = [r[3] for r in self.cloud_requests("/v1/machines")]
+            self.assertEqual(bodies[0]["network"], {"mode": "blocked"})
+            self.assertEqual(bodies[1]["network"], {"mode": "allowCidrs", "cidrs": [], "hosts": ["pypi.org"]})
+            self.assertEqual((bodies[2]["network"], bodies[2]["ports"]), ({"mode": "open"}, [{"port": 8080}]))
+
+    async def test_refusals_before_anything_is_sent(self):
+        async with self.client("legacy") as c:
+            cases = [
+                ({"ports": [{"guest": 80}]}, "cannot also block egress"),
+                ({"ports": [{"guest": 80, "host": 8080}], "network": "open"}, '"ports[].host" is local only'),
+                ({"mounts": [{"source": "/srv", "target": "/srv"}]}, '"mounts" is local only'),
+                ({"overlayGb": 4}, '"overlayGb" is local only'),
+                ({"cmd": ["sleep", "1"]}, '"cmd" is local only'),
+            ]
+            for extra, expected in cases:
+                with self.subTest(extra=extra):
+                    text = await self.refused(c, "create-machine", {"image": "alpine", **extra})
+                    self.assertIn(expected, text)
+            text = await self.refused(c, "pull-image", {"name": "x", "image": "alpine"})
+            self.assertIn("pull-image is local only", text)
+            self.assertEqual(self.cloud_requests("/v1/machines"), [])
+
+    async def test_a_wrong_token_is_explained_and_never_echoed(self):
+        self.app = SmolMcp(dataclasses_replace(self.config, cloud_token="smk_wrong_secret_value"))
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "list-machines", {})
+        self.assertIn("check SMOL_CLOUD_TOKEN", text)
+        self.assertIn("HTTP 401", text)
+        self.assertNotIn("smk_wrong_secret_value", text)
+
+    async def test_session_end_deletes_cloud_ephemeral_machines_only(self):
+        async with self.client("legacy") as c:
+            await self.machine(c, "mcp-gone")
+            await self.machine(c, "kept")
+        self.assertEqual([m["name"] for m in self.cloud.machines.values()], ["kept"])
+
+    async def test_run_once_deletes_on_the_cloud_too(self):
+        async with self.client("legacy") as c:
+            out = await self.ok(c, "run-once", {"image": "alpine", "command": "echo once"})
+            self.assertEqual(out["stdout"], "once\n")
+        self.assertEqual(self.cloud.machines, {})
+
+
+class CloudServiceVariants(FakeCloudCase):
+    cloud_options = {"blocked_spelling": "refused", "files_route": False, "list_shape": "object",
+                     "branch_route": "fork", "exec_output_cap": 4096, "exec_b64": False}
+
+    async def test_fallbacks_for_an_older_service(self):
+        async with self.client("legacy") as c:
+            created = await self.ok(c, "create-machine", {"name": "mcp-old", "image": "alpine", "branchable": True})
+            bodies = [r[3]["network"] for r in self.cloud_requests("/v1/machines")]
+            # blocked first, as the official client spells it; then the seed's deny-all allow-list
+            self.assertEqual(bodies, [{"mode": "blocked"}, smol_mcp.CLOUD_BLOCKED_FALLBACK])
+            self.assertEqual(created["machine"]["network"], "blocked")
+            # files: the suffix route answers 404, so write and read go through exec with base64
+            data = bytes(range(256)) * 4
+            wrote = await self.ok(c, "write-file", {"name": "mcp-old", "path": "/root/blob.bin",
+                                                    "content": base64.b64encode(data).decode(), "encoding": "base64"})
+            self.assertEqual(wrote["bytes"], len(data))
+            page = await self.ok(c, "read-file", {"name": "mcp-old", "path": "/root/blob.bin", "encoding": "base64",
+                                                  "offset": 10, "length": 100})
+            self.assertEqual(base64.b64decode(page["content"]), data[10:110])
+            self.assertEqual(page["size"], len(data))
+            # a page larger than the exec response cap is refused rather than returned short
+            (Path(self.cloud.guest_root(self.by_name("mcp-old")["id"])) / "root/big.txt").write_text("y" * 20000)
+            text = await self.refused(c, "read-file", {"name": "mcp-old", "path": "/root/big.txt"})
+            self.assertIn("cut the output of the read", text)
+            child = await self.ok(c, "branch-machine", {"name": "mcp-old", "childName": "mcp-kid"})
+            self.assertEqual(child["machine"]["name"], "mcp-kid")
+            self.assertTrue(self.cloud_requests("/fork"))
+
+
+class BothModeTests(FakeCloudCase):
+    targets = "both"
+
+    async def test_target_is_required_with_no_default_and_routes_the_call(self):
+        for mode in MODES:
+            async with self.client(mode) as c:
+                tools = (await c.list_tools()).tools
+                for tool in tools:
+                    self.assertEqual(tool.input_schema["properties"]["target"]["enum"], ["local", "cloud"])
+                    self.assertIn("target", tool.input_schema["required"])
+                text = await self.refused(c, "list-machines", {})
+                self.assertIn('needs "target": "local" or "cloud"', text)
+                self.assertIn("there is no default", text)
+                await self.ok(c, "create-machine", {"target": "local", "name": "on-local", "image": "alpine",
+                                                    "network": "open", "start": False})
+                await self.ok(c, "create-machine", {"target": "cloud", "name": "on-cloud", "image": "alpine",
+                                                    "start": False})
+                local = await self.ok(c, "list-machines", {"target": "local"})
+                cloud = await self.ok(c, "list-machines", {"target": "cloud"})
+                self.assertEqual([m["name"] for m in local["machines"]], ["on-local"])
+                self.assertEqual([m["name"] for m in cloud["machines"]], ["on-cloud"])
+                text = await self.refused(c, "list-machines", {"target": "mars"})
+                self.assertIn('"target" must be one of "local", "cloud"', text)
+                await self.ok(c, "delete-machine", {"target": "local", "name": "on-local"})
+                await self.ok(c, "delete-machine", {"target": "cloud", "name": "on-cloud"})
+                targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
+                self.assertEqual(targets["mode"], "both")
+                self.assertTrue(targets["fleets"]["cloud"]["served"] and targets["fleets"]["cloud"]["tokenSet"])
+                self.assertNotIn(CLOUD_TOKEN, json.dumps(targets))
+                self.assertIn("target", c.instructions)
+
+    def test_auto_mode_follows_the_token(self):
+        self.assertEqual(smol_mcp.resolve_mode(Config(targets="auto")), "local")
+        self.assertEqual(smol_mcp.resolve_mode(Config(targets="auto", cloud_token="t")), "both")
+        with self.assertRaises(ConfigError) as caught:
+            smol_mcp.resolve_mode(Config(targets="cloud"))
+        self.assertIn("SMOL_CLOUD_TOKEN", str(caught.exception))
 
 
 # ---------------------------------------------------------------------------
@@ -1123,13 +1372,85 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             self.assertEqual(read["content"], "bytes back")
 
 
+@unittest.skipUnless(os.environ.get("SMOL_MCP_IT") == "1" and os.environ.get("SMOL_CLOUD_TOKEN"),
+                     "live cloud suite: set SMOL_MCP_IT=1 and a real SMOL_CLOUD_TOKEN (it spends money)")
+class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
+    """Against the real smol cloud, opt-in. Reads the account before and after
+    every test, stops once period spend passes SMOL_MCP_IT_SPEND_CEILING_MICROS,
+    deletes what each test makes, and checks no mcp- machine is left."""
+
+    ceiling = int(os.environ.get("SMOL_MCP_IT_SPEND_CEILING_MICROS", "2000"))
+    spent_at_start: int | None = None
+
+    def account_spend(self) -> int:
+        """The period's spend in micros. The account route's shape is not in the
+        official client, so any spend-like number in it is taken (the largest)."""
+        account = smol_mcp.CloudFleet(self.config).request("read the account", "GET", "/v1/account")
+        spends = [value for key, value in _walk(account)
+                  if key.lower().endswith("micros") and isinstance(value, (int, float))]
+        return int(max(spends)) if spends else 0
+
+    async def asyncSetUp(self):
+        self.config = Config(targets="cloud", cloud_token=os.environ["SMOL_CLOUD_TOKEN"],
+                             cloud_url=os.environ.get("SMOL_CLOUD_URL", smol_mcp.DEFAULT_CLOUD_URL),
+                             runtime_dir=short_tempdir())
+        spend = await asyncio.to_thread(self.account_spend)
+        if type(self).spent_at_start is None:
+            type(self).spent_at_start = spend
+        if spend - type(self).spent_at_start > self.ceiling:
+            self.skipTest(f"spend ceiling reached: {spend - type(self).spent_at_start} micros this run")
+
+    async def asyncTearDown(self):
+        machines = await asyncio.to_thread(smol_mcp.CloudFleet(self.config).list_machines)
+        leftovers = [m["name"] for m in machines if m["name"].startswith(self.config.machine_prefix)]
+        self.assertEqual(leftovers, [], "an mcp- machine was left on the fleet")
+        await asyncio.to_thread(self.account_spend)
+
+    async def test_create_command_files_branch_logs_delete(self):
+        async with Client(SmolMcp(self.config).server, mode="legacy") as c:
+            is_error, created = result_of(await c.call_tool("create-machine", {"image": "alpine",
+                                                                               "branchable": True}))
+            self.assertFalse(is_error, created)
+            name = created["machine"]["name"]
+            try:
+                is_error, ran = result_of(await c.call_tool("run-command", {"name": name, "command": "exit 42"}))
+                self.assertEqual(ran["exitCode"], 42)
+                result_of(await c.call_tool("write-file", {"name": name, "path": "/workspace/a.txt", "content": "hi"}))
+                is_error, read = result_of(await c.call_tool("read-file", {"name": name, "path": "/workspace/a.txt"}))
+                self.assertEqual(read["content"], "hi")
+                is_error, logs = result_of(await c.call_tool("machine-logs", {"name": name}))
+                self.assertFalse(is_error, logs)
+            finally:
+                is_error, deleted = result_of(await c.call_tool("delete-machine", {"name": name}))
+            self.assertIn("usage", deleted)
+
+    async def test_blocked_with_ports_is_refused_before_sending(self):
+        async with Client(SmolMcp(self.config).server, mode="legacy") as c:
+            is_error, text = result_of(await c.call_tool("create-machine", {"image": "alpine",
+                                                                            "ports": [{"guest": 8080}]}))
+        self.assertTrue(is_error)
+        self.assertIn("cannot also block egress", text)
+
+
+def _walk(value):
+    """Every (key, value) pair in a nested JSON value."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield key, item
+            yield from _walk(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _walk(item)
+
+
 # ---------------------------------------------------------------------------
 
 
 def main() -> int:
     loader = unittest.defaultTestLoader
-    if os.environ.get("SMOL_MCP_IT") == "1":  # the integration suite alone; the unit suite is its own run
-        suite = loader.loadTestsFromTestCase(RealServeIntegration)
+    if os.environ.get("SMOL_MCP_IT") == "1":  # the integration suites alone; the unit suite is its own run
+        suite = unittest.TestSuite([loader.loadTestsFromTestCase(RealServeIntegration),
+                                    loader.loadTestsFromTestCase(CloudLiveIntegration)])
     else:
         suite = loader.loadTestsFromModule(sys.modules[__name__])
     if len(sys.argv) > 1:
