@@ -360,8 +360,8 @@ def redact(text: str, secret_values: list[str]) -> str:
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 ADDRESS_IN_USE_HINT = (
     "Only one smolvm serve can run per host with the default settings (it binds 127.0.0.1:10081), and one is "
-    "already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock (it is left running), "
-    "or stop it."
+    "already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock (smolvm's own default is "
+    "unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or stop it."
 )
 # Engine settings the serve child may need; nothing else of ours is passed on.
 CHILD_ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ", "XDG_RUNTIME_DIR",
@@ -482,23 +482,53 @@ class LocalFleet:
             self._users += 1
 
     def release(self) -> None:
-        """One session let go; the last one stops the serve if we started it."""
+        """One session let go. When the last session of the last smol-mcp
+        process using our serve lets go, the serve is stopped; a serve named by
+        SMOL_LOCAL_URL is never ours to stop."""
         with self._lock:
             self._users = max(0, self._users - 1)
-            if self._users == 0:
-                self.stop_serve()
+            if self._users or self.config.local_url:
+                return
+            (self._users_dir / str(os.getpid())).unlink(missing_ok=True)
+            if self._other_processes_use_serve():
+                self._process, self._ready = None, False  # theirs to stop now
+                return
+            self.stop_serve()
+
+    @property
+    def _users_dir(self) -> Path:
+        return Path(self.config.runtime_dir) / "serve-users"
+
+    def _other_processes_use_serve(self) -> bool:
+        """Whether another live smol-mcp process marked itself as using our
+        serve (processes with the same runtime directory share one)."""
+        for marker in self._users_dir.glob("*"):
+            pid = int(marker.name) if marker.name.isdigit() else 0
+            if pid != os.getpid():
+                if process_alive(pid):
+                    return True
+                marker.unlink(missing_ok=True)  # a process that died without letting go
+        return False
 
     def stop_serve(self) -> None:
+        """Stop the serve on our socket: the child we spawned, or the one
+        another smol-mcp process spawned and left to us (its pid is on file)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
+        pid_file = Path(self.config.runtime_dir) / "serve.pid"
+        if process is not None:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait(timeout=5)
+        elif not self.config.local_url and pid_file.exists():
+            pid = int(pid_file.read_text().strip() or 0)
+            if serve_process_on(pid, self._address):
+                os.kill(pid, signal.SIGTERM)
+        pid_file.unlink(missing_ok=True)
 
     def smolvm_path(self) -> str | None:
         configured = self.config.smolvm
@@ -516,13 +546,19 @@ class LocalFleet:
                 raise SmolError("The local target is unavailable inside a smol machine: there is no hypervisor here "
                                 "to start a nested machine with. Use the cloud target, or run smol-mcp on the host.")
             if not self.config.local_url and not self._answers():
-                self._start_serve()
+                self._start_serve_once()
             try:
                 health = self._health()
             except OSError as exc:
-                raise SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url} ({exc.strerror or exc}); "
-                                "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start its own") from None
+                if self.config.local_url:
+                    raise SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url} ({exc.strerror or exc}); "
+                                    "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start its own") from None
+                raise SmolError(f"the smolvm serve stopped answering on {self._address} ({exc.strerror or exc}); its "
+                                f"log is {Path(self.config.runtime_dir) / 'serve.log'}") from None
             self.version = str(health.get("version", ""))
+            if not self.config.local_url:
+                self._users_dir.mkdir(mode=0o700, exist_ok=True)
+                (self._users_dir / str(os.getpid())).touch()
             if self.config.min_smolvm and version_tuple(self.version) < version_tuple(self.config.min_smolvm):
                 raise SmolError(f"smolvm {self.version} is older than the minimum {self.config.min_smolvm} this server "
                                 "needs (older serves reject fields it sends). Upgrade smolvm, or set "
@@ -544,6 +580,16 @@ class LocalFleet:
             raise SmolError(f"the local serve answered /health with HTTP {status}")
         return json.loads(body)
 
+    def _start_serve_once(self) -> None:
+        """Start the serve unless another smol-mcp process sharing the runtime
+        directory is starting it right now: a file lock makes them take turns."""
+        import fcntl
+        runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
+        with open(runtime_dir / "serve.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not self._answers():
+                self._start_serve()
+
     def _start_serve(self) -> None:
         binary = self.smolvm_path()
         if binary is None:
@@ -564,6 +610,7 @@ class LocalFleet:
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
                 start_new_session=True, close_fds=True)
         log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
+        (runtime_dir / "serve.pid").write_text(str(self._process.pid))
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -825,6 +872,16 @@ def free_loopback_port() -> int:
 
 def _q(value: str, safe: str = "") -> str:
     return urllib.parse.quote(value, safe=safe)
+
+
+def serve_process_on(pid: int, socket_path: str) -> bool:
+    """Whether ``pid`` is a smolvm serve listening on ``socket_path``: checked
+    before signalling a pid read from a file, which could have been reused."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False  # gone, or no /proc (macOS): leave it be
+    return b"serve" in cmdline and socket_path.encode() in cmdline
 
 
 def _read_from(path: Path, offset: int) -> str:

@@ -110,6 +110,53 @@ class ConfigTests(unittest.TestCase):
                          ("https://api.smolmachines.com", "", "auto", "127.0.0.1", 8080, "/mcp", "", 1800, (), ()))
         self.assertEqual(c.runtime_dir, f"{self.tmp}/smol-mcp")
 
+    def test_settings_match_the_spec_table_key_for_key(self):
+        spec_table = [  # SPEC section 3, copied: key, environment variable, default
+            ("smolvm", "SMOLVM", "smolvm"), ("minSmolvm", "SMOL_MCP_MIN_SMOLVM", "1.14.0"),
+            ("localUrl", "SMOL_LOCAL_URL", ""), ("runtimeDir", "SMOL_MCP_RUNTIME_DIR", None),
+            ("machinePrefix", "SMOL_MCP_MACHINE_PREFIX", "mcp-"), ("memoryMb", "SMOL_MCP_MEMORY_MB", 2048),
+            ("cpus", "SMOL_MCP_CPUS", 2), ("networkDefault", "SMOL_MCP_NETWORK_DEFAULT", "blocked"),
+            ("runOnceNetwork", "SMOL_MCP_RUN_ONCE_NETWORK", "blocked"),
+            ("ephemeralTtlSecs", "SMOL_MCP_EPHEMERAL_TTL_SECS", 3600),
+            ("ephemeralAutoStopSecs", "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", 900),
+            ("execTimeoutSecs", "SMOL_MCP_EXEC_TIMEOUT_SECS", 120),
+            ("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", 900),
+            ("maxOutputBytes", "SMOL_MCP_MAX_OUTPUT_BYTES", 65536),
+            ("readyTimeoutSecs", "SMOL_MCP_READY_TIMEOUT_SECS", 120),
+            ("serveStartTimeoutSecs", "SMOL_MCP_SERVE_START_TIMEOUT_SECS", 60),
+            ("logsTail", "SMOL_MCP_LOGS_TAIL", 100), ("logsPollSecs", "SMOL_MCP_LOGS_POLL_SECS", 2),
+            ("cloudUrl", "SMOL_CLOUD_URL", "https://api.smolmachines.com"), ("cloudToken", "SMOL_CLOUD_TOKEN", ""),
+            ("targets", "SMOL_MCP_TARGETS", "auto"), ("httpHost", "SMOL_MCP_HTTP_HOST", "127.0.0.1"),
+            ("httpPort", "SMOL_MCP_HTTP_PORT", 8080), ("httpPath", "SMOL_MCP_HTTP_PATH", "/mcp"),
+            ("authToken", "SMOL_MCP_AUTH_TOKEN", ""),
+            ("httpSessionIdleSecs", "SMOL_MCP_HTTP_SESSION_IDLE_SECS", 1800),
+            ("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", ()),
+            ("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", ()),
+        ]
+        self.assertEqual([(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table])
+        defaults = Config()
+        for setting, (key, env, default) in zip(smol_mcp.SETTINGS, spec_table):
+            if default is not None:
+                self.assertEqual(getattr(defaults, setting.attr), default, key)
+        samples = {  # a valid value other than the default, for every key
+            "smolvm": "/opt/smolvm", "minSmolvm": "1.2.3", "localUrl": "unix:///x.sock", "runtimeDir": "/tmp/x",
+            "machinePrefix": "tmp-", "memoryMb": 4096, "cpus": 4, "networkDefault": "open", "runOnceNetwork": "open",
+            "ephemeralTtlSecs": 7200, "ephemeralAutoStopSecs": 600, "execTimeoutSecs": 60, "maxExecTimeoutSecs": 1200,
+            "maxOutputBytes": 4096, "readyTimeoutSecs": 30, "serveStartTimeoutSecs": 30, "logsTail": 10,
+            "logsPollSecs": 5, "cloudUrl": "https://example.test", "cloudToken": "t", "targets": "local",
+            "httpHost": "0.0.0.0", "httpPort": 9000, "httpPath": "/x", "authToken": "a", "httpSessionIdleSecs": 60,
+            "httpAllowedHosts": ["h"], "httpAllowedOrigins": ["o"],
+        }
+        for setting in smol_mcp.SETTINGS:  # every key is read from the file, and from the environment
+            value = samples[setting.key]
+            expected = tuple(value) if isinstance(value, list) else value
+            self.write({setting.key: value})
+            self.assertEqual(getattr(load_config(self.env), setting.attr), expected, setting.key)
+            self.file.unlink()
+            as_text = ",".join(value) if isinstance(value, list) else str(value)
+            self.assertEqual(getattr(load_config({**self.env, setting.env: as_text}), setting.attr), expected,
+                             setting.env)
+
     def test_runtime_dir_without_xdg_is_per_user_temp(self):
         del self.env["XDG_RUNTIME_DIR"]
         self.assertEqual(load_config(self.env).runtime_dir, str(Path(tempfile.gettempdir()) / f"smol-mcp-{os.getuid()}"))
@@ -319,6 +366,39 @@ class PiecesTests(unittest.TestCase):
         with self.assertRaises(smol_mcp.ArgumentError) as caught:
             smol_mcp.validate_arguments("run-command", run, {"name": "m", "command": ["ls", 3]})
         self.assertIn('"command[1]" must be a string', str(caught.exception))
+
+    def test_empty_command_and_tiny_utf8_pages_are_explained(self):
+        run = smol_mcp.TOOLS_BY_NAME["run-command"].input_schema
+        with self.assertRaises(smol_mcp.ArgumentError) as caught:
+            smol_mcp.validate_arguments("run-command", run, {"name": "m", "command": ""})
+        self.assertIn('"command" must not be empty', str(caught.exception))
+        read = smol_mcp.TOOLS_BY_NAME["read-file"].input_schema
+        for path in ("/", "relative", "/dir/"):
+            with self.assertRaises(smol_mcp.ArgumentError):
+                smol_mcp.validate_arguments("read-file", read, {"name": "m", "path": path})
+
+    def test_a_shared_runtime_dir_is_refused_not_tightened(self):
+        tmp = short_tempdir()
+        try:
+            os.chmod(tmp, 0o1777)
+            with self.assertRaises(smol_mcp.SmolError) as caught:
+                smol_mcp.ensure_runtime_dir(tmp)
+            self.assertIn("can be opened by other users", str(caught.exception))
+            self.assertEqual(stat.S_IMODE(os.stat(tmp).st_mode), 0o1777)
+            fresh = smol_mcp.ensure_runtime_dir(f"{tmp}/rt")
+            self.assertEqual(stat.S_IMODE(fresh.stat().st_mode), 0o700)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def test_log_cursor_survives_a_moving_window(self):
+        lines = [f"l{i}" for i in range(10)]
+        cursor = smol_mcp.log_cursor(lines, 10)
+        self.assertEqual(smol_mcp.lines_after_cursor(lines + ["new"], cursor), 10)
+        window = lines[5:] + ["new"]  # the cloud tail window moved on
+        self.assertEqual(window[smol_mcp.lines_after_cursor(window, cursor):], ["new"])
+        self.assertEqual(smol_mcp.lines_after_cursor(["fresh"], cursor), 0)  # a log that started again
+        with self.assertRaises(smol_mcp.ArgumentError):
+            smol_mcp.lines_after_cursor(lines, "garbage")
 
     def test_api_error_reads_both_error_shapes(self):
         err = smol_mcp.api_error("local", "create machine 'x'", 409, "application/json",
@@ -711,6 +791,91 @@ class ToolRuleTests(FakeServeCase):
             self.assertFalse(targets["fleets"]["cloud"]["served"])
 
 
+class SessionRecordTests(FakeServeCase):
+    async def test_a_refused_create_under_a_held_name_keeps_the_record(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-dup", "image": "alpine", "network": "open"})
+            text = await self.refused(c, "create-machine", {"name": "mcp-dup", "image": "alpine", "network": "open"})
+            self.assertIn("already exists", text)
+        self.assertEqual(self.fake.machines, {})  # still deleted at the end
+
+    async def test_children_are_deleted_before_their_branch_source(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-0src", "image": "alpine", "network": "open",
+                                                "branchable": True})
+            await self.ok(c, "branch-machine", {"name": "mcp-0src", "childName": "mcp-1kid"})
+        self.assertEqual(self.fake.machines, {})
+
+    async def test_sweep_deletes_only_dead_processes_records_on_the_same_serve(self):
+        for name in ("mcp-dead", "mcp-live", "mcp-other"):
+            EraScenarios.fake_direct_create(self, name)
+        sessions = Path(self.config.runtime_dir) / "sessions"
+        sessions.mkdir(parents=True)
+        endpoint = self.app.local.endpoint
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        records = {"dead": (int(dead.stdout), endpoint, "mcp-dead"), "live": (os.getppid(), endpoint, "mcp-live"),
+                   "other": (int(dead.stdout), "unix:///elsewhere.sock", "mcp-other")}
+        for key, (pid, where, name) in records.items():
+            (sessions / f"{key}.json").write_text(json.dumps({"pid": pid, "endpoint": where, "machines": [name]}))
+        deleted = await asyncio.to_thread(smol_mcp.sweep_orphans, self.app.local, self.config.runtime_dir)
+        self.assertEqual(deleted, ["mcp-dead"])
+        self.assertEqual(sorted(self.fake.machines), ["mcp-live", "mcp-other"])
+        self.assertEqual(sorted(p.name for p in sessions.glob("*.json")), ["live.json", "other.json"])
+
+
+class WaitTests(FakeServeCase):
+    fake_options = {"boot_delay": 1.0}
+    config_overrides = {"ready_timeout_secs": 5}
+
+    async def test_progress_notifications_only_increase_and_read_as_sentences(self):
+        saved = smol_mcp.PROGRESS_INTERVAL_SECS
+        smol_mcp.PROGRESS_INTERVAL_SECS = 0.2
+        try:
+            for mode in MODES:
+                seen = []
+
+                async def on_progress(progress, total, message):
+                    seen.append((progress, message))
+
+                async with self.client(mode) as c:
+                    answer = await c.call_tool("run-once", {"image": "alpine", "network": "open", "command": "sleep 1"},
+                                               progress_callback=on_progress)
+                    self.assertFalse(answer.is_error, answer.content[0].text)
+                values = [value for value, _ in seen]
+                self.assertGreaterEqual(len(values), 4, seen)
+                self.assertEqual(values, sorted(set(values)), "progress must strictly increase")
+                messages = " | ".join(message for _, message in seen)
+                self.assertIn("starting 'mcp-", messages)
+                self.assertIn("running the command in 'mcp-", messages)
+                self.assertRegex(messages, r"\d+ s so far")
+        finally:
+            smol_mcp.PROGRESS_INTERVAL_SECS = saved
+
+    async def test_a_cancelled_call_still_deletes_its_machine(self):
+        for mode in MODES:
+            for tool, args in (("run-once", {"image": "alpine", "network": "open", "command": "true"}),
+                               ("create-machine", {"image": "alpine", "network": "open"})):
+                with self.subTest(mode=mode, tool=tool):
+                    async with self.client(mode) as c:
+                        with anyio.move_on_after(0.5):  # cancelled during the 1 s boot
+                            await c.call_tool(tool, args)
+                        await self.wait_until(lambda: self.fake.machines == {}, 10)
+
+    async def test_readiness_timeout_says_so_and_deletes_the_machine(self):
+        self.app.local.probe_ready = lambda name: "the guest agent is still coming up"
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "create-machine", {"name": "slowpoke", "image": "alpine", "network": "open"})
+        self.assertIn("did not run a command within 5 s (readyTimeoutSecs)", text)
+        self.assertIn("the guest agent is still coming up", text)
+        self.assertEqual(self.fake.machines, {})
+
+    async def wait_until(self, predicate, timeout):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.assertLess(time.monotonic(), deadline, "condition not reached in time")
+            await asyncio.sleep(0.05)
+
+
 class StartFailureTests(FakeServeCase):
     fake_options = {"registry": "offline"}
 
@@ -1087,6 +1252,29 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             process = app.local._process
             self.assertIsNone(process.poll())
         self.assertIsNotNone(process.poll())  # the last session let go: stopped
+
+    async def test_sessions_share_one_serve_and_the_last_one_out_stops_it(self):
+        app = self.app()
+        async with Client(app.server, mode="legacy") as first:
+            self.assertFalse(result_of(await first.call_tool("list-machines", {}))[0])
+            process = app.local._process
+            async with Client(app.server, mode="legacy") as second:
+                self.assertFalse(result_of(await second.call_tool("list-machines", {}))[0])
+                self.assertIs(app.local._process, process)  # one serve for both
+            self.assertIsNone(process.poll())  # the second let go; the first still holds it
+            self.assertFalse(result_of(await first.call_tool("list-machines", {}))[0])
+        await asyncio.to_thread(process.wait, 5)
+
+    async def test_a_serve_another_process_still_uses_is_left_to_it(self):
+        app = self.app()
+        async with Client(app.server, mode="legacy") as c:
+            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+            process = app.local._process
+            (Path(self.tmp, "rt", "serve-users") / str(os.getppid())).touch()  # a live "other smol-mcp process"
+        self.assertIsNone(process.poll())  # left running for the other process
+        (Path(self.tmp, "rt", "serve-users") / str(os.getppid())).unlink()
+        await asyncio.to_thread(app.local.stop_serve)  # the last user stops it through serve.pid
+        await asyncio.to_thread(process.wait, 5)
 
     async def test_address_in_use_points_at_smol_local_url(self):
         self.write_wrapper(FAKE_SMOLVM_PORT_IN_USE="1")
