@@ -2133,6 +2133,24 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     return facts
 
 
+async def follow_log(app: "SmolMcp", fleet: Any, name: str, notify: Callable) -> None:
+    """Poll a machine's console every logsPollSecs and call ``notify`` when
+    lines arrived since the last look (neither log route pushes to us)."""
+    import anyio
+    last = None
+    while True:
+        try:
+            lines = await anyio.to_thread.run_sync(fleet.console_lines, name, abandon_on_cancel=True,
+                                                   limiter=app.thread_limiter())
+            seen = log_cursor(lines, len(lines))
+            if last is not None and seen != last:
+                await notify()
+            last = seen
+        except SmolError as err:  # a machine that is gone or stopped: keep looking, it may come back
+            log.debug("log poll of %s: %s", name, err)
+        await anyio.sleep(app.config.logs_poll_secs)
+
+
 def cloud_target_facts(config: Config) -> dict:
     """What smol://targets says about the cloud fleet, without calling it."""
     facts = {"served": True, "usable": bool(config.cloud_token), "reason": None, "url": config.cloud_url,
@@ -2162,12 +2180,32 @@ def targets_document(app: "SmolMcp") -> dict:
 
 
 class Session:
-    """One client's ephemeral machines, per fleet, and their record on disk."""
+    """One client's state: its ephemeral machines per fleet (and their record
+    on disk), the fleet it chose in both mode, and its log subscriptions."""
 
-    def __init__(self, app: "SmolMcp", session_id: str):
+    def __init__(self, app: "SmolMcp", session_id: str, tasks: Any = None):
         self.app, self.id = app, session_id
         self.machines: dict[str, set[str]] = {}
         self.record_path = Path(app.config.runtime_dir) / "sessions" / f"{os.getpid()}-{session_id}.json"
+        self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
+        self.asked_fleet = False
+        self.tasks = tasks  # the task group its log pollers run in
+        self.subscriptions: dict[str, Any] = {}  # uri -> the CancelScope of its poller (handshake era)
+        self._bus = self._listener = None
+
+    def events(self):
+        """This session's event bus and listen handler (2026 era change
+        notifications travel on a subscriptions/listen stream)."""
+        if self._bus is None:
+            from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
+            self._bus = InMemorySubscriptionBus()
+            self._listener = ListenHandler(self._bus)
+        return self._bus, self._listener
+
+    def stop_polling(self) -> None:
+        for scope in self.subscriptions.values():
+            scope.cancel()
+        self.subscriptions.clear()
 
     def is_ephemeral(self, name: str) -> bool:
         return name.startswith(self.app.config.machine_prefix)
@@ -2284,6 +2322,15 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 
 
 MODE_FLEETS = {"local": ("local",), "cloud": ("cloud",), "both": ("local", "cloud")}
+ELICIT_TIMEOUT_SECS = 120
+FLEET_QUESTION = ("This smol-mcp server reaches two fleets of machines: local (smolvm on the server's host; nothing "
+                  "is billed) and cloud (your smol cloud account; machines are billed while they exist). Which one "
+                  "is this session for? Choose both to name the fleet on every call.")
+FLEET_QUESTION_SCHEMA = {
+    "type": "object", "required": ["fleet"],
+    "properties": {"fleet": {"type": "string", "title": "Fleet", "enum": ["local", "cloud", "both"],
+                             "description": "local, cloud, or both (decide per call)"}},
+}
 ARG_TARGET = {"type": "string", "enum": ["local", "cloud"],
               "description": "Which fleet: \"local\" (smolvm on the server's host, nothing billed) or \"cloud\" (the "
                              "smol cloud account, billed while machines exist). Required: a machine on one fleet is "
@@ -2387,19 +2434,36 @@ class SmolMcp:
 
         @asynccontextmanager
         async def lifespan(server):
-            session = Session(app, secrets_module.token_hex(4))
-            for fleet in app.fleets.values():
-                fleet.acquire()
-            try:
-                yield {"session": session}
-            finally:
-                await app.end_session(session)
+            import anyio
+            async with anyio.create_task_group() as tasks:
+                session = Session(app, secrets_module.token_hex(4), tasks)
+                for fleet in app.fleets.values():
+                    fleet.acquire()
+                try:
+                    yield {"session": session}
+                finally:
+                    tasks.cancel_scope.cancel()  # log pollers end with the session
+                    await app.end_session(session)
 
         async def list_tools(ctx, params):
-            return types.ListToolsResult(tools=[app.mcp_tool(tool) for tool in TOOLS])
+            with_target = app.mode == "both" and app.session_for(ctx).target is None
+            return types.ListToolsResult(tools=[app.mcp_tool(tool, with_target) for tool in TOOLS])
 
         async def call_tool(ctx, params):
-            return await app.call_tool(ctx, params.name, params.arguments or {})
+            return await app.call_tool(ctx, params)
+
+        async def subscribe(ctx, params):
+            await app.subscribe(ctx, str(params.uri))
+            return types.EmptyResult()
+
+        async def unsubscribe(ctx, params):
+            scope = app.session_for(ctx).subscriptions.pop(str(params.uri), None)
+            if scope is not None:
+                scope.cancel()
+            return types.EmptyResult()
+
+        async def listen(ctx, params):
+            return await app.listen(ctx, params)
 
         async def list_resources(ctx, params):
             return types.ListResourcesResult(resources=[types.Resource(
@@ -2418,40 +2482,113 @@ class SmolMcp:
         return DualEraServer(
             "smol-mcp", version=__version__, title="smol machines", instructions=server_instructions(self),
             lifespan=lifespan, on_list_tools=list_tools, on_call_tool=call_tool, on_list_resources=list_resources,
-            on_list_resource_templates=list_resource_templates, on_read_resource=read_resource)
+            on_list_resource_templates=list_resource_templates, on_read_resource=read_resource,
+            on_subscribe_resource=subscribe, on_unsubscribe_resource=unsubscribe, on_subscriptions_listen=listen)
 
-    def mcp_tool(self, tool: ToolSpec):
+    def mcp_tool(self, tool: ToolSpec, with_target: bool):
         import mcp_types as types
         return types.Tool(
             name=tool.name, title=tool.title, description=tool.description,
-            input_schema=tool_schema(tool, self.mode == "both"), output_schema=tool.output_schema,
+            input_schema=tool_schema(tool, with_target), output_schema=tool.output_schema,
             annotations=types.ToolAnnotations(
                 title=tool.title, read_only_hint=tool.read_only, destructive_hint=tool.destructive,
                 idempotent_hint=tool.idempotent, open_world_hint=tool.open_world))
 
-    def fleet_for(self, arguments: dict) -> Any:
+    def session_for(self, ctx) -> Session:
+        """The session a request belongs to: on stdio and in memory, the one the
+        connection's lifespan made."""
+        return ctx.lifespan_context["session"]
+
+    def fleet_for(self, session: Session, name: str, arguments: dict) -> Any:
         """The fleet a call goes to, taking `target` out of the arguments."""
         if self.mode != "both":
             return next(iter(self.fleets.values()))
+        if session.target is not None:
+            given = arguments.pop("target", session.target)
+            if given != session.target:
+                raise ArgumentError(f'this session chose the {session.target} fleet at its first call, so target '
+                                    f'"{given}" is not available in it; start another session for the other fleet')
+            return self.fleets[session.target]
+        if "target" not in arguments:
+            raise ArgumentError(f'{name} needs "target": "local" or "cloud". This server serves both fleets and '
+                                "there is no default, because a machine on one fleet is invisible on the other "
+                                "and the two bill differently.")
         target = arguments.pop("target")
+        _check(ARG_TARGET, target, "target")
         return self.fleets[target]
 
-    async def call_tool(self, ctx, name: str, arguments: dict):
+    async def ask_fleet(self, ctx, session: Session, params):
+        """In both mode, ask once per session which fleet it is for (when the
+        client can answer questions). An answer of local or cloud narrows the
+        session: `target` leaves every tool and the client is told the list
+        changed. Returns the question itself when it travels as a 2026-era
+        input-required result; None when the call can go on."""
+        import mcp_types as types
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+        if self.mode != "both" or session.asked_fleet:
+            return None
+        capabilities = ctx.session.client_capabilities
+        if capabilities is None or capabilities.elicitation is None or (
+                capabilities.elicitation.form is None and capabilities.elicitation.url is not None):
+            session.asked_fleet = True  # a client that cannot answer keeps the argument
+            return None
+        question = types.ElicitRequest(params=types.ElicitRequestFormParams(
+            message=FLEET_QUESTION, requested_schema=FLEET_QUESTION_SCHEMA))
+        modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+        if modern:
+            answer = (params.input_responses or {}).get("fleet")
+            if answer is None:
+                return types.InputRequiredResult(request_state="smol-mcp:fleet", input_requests={"fleet": question})
+            if isinstance(answer, dict):
+                answer = types.ElicitResult.model_validate(answer)
+        else:
+            answer = await self.elicit(ctx, question)
+        session.asked_fleet = True
+        choice = (answer.content or {}).get("fleet") if answer is not None and answer.action == "accept" else None
+        if choice in self.fleets and session.target is None:
+            session.target = choice
+            log.info("session %s chose the %s fleet", session.id, choice)
+            await self.announce_tools_changed(ctx, session, modern)
+        return None
+
+    async def elicit(self, ctx, question):
+        """Send an elicitation and wait for the answer, within a bound: a client
+        that never answers must not hold the call forever."""
+        import mcp_types as types
+        from mcp.shared.message import ServerMessageMetadata
+        related = ctx.request_id if ctx.session.can_send_request else None
+        try:
+            return await ctx.session.send_request(
+                question, types.ElicitResult, request_read_timeout_seconds=ELICIT_TIMEOUT_SECS,
+                metadata=ServerMessageMetadata(related_request_id=related))
+        except Exception as err:  # timed out, or no way back to the client: keep both fleets
+            log.info("the fleet question got no answer (%s); the session keeps the target argument", err)
+            return None
+
+    async def announce_tools_changed(self, ctx, session: Session, modern: bool) -> None:
+        if modern:
+            from mcp.server.subscriptions import ToolsListChanged
+            bus, _ = session.events()
+            await bus.publish(ToolsListChanged())  # reaches the session's subscriptions/listen stream
+        else:
+            await ctx.session.send_tool_list_changed()
+
+    async def call_tool(self, ctx, params):
         """Validate, dispatch, and turn every failure into a readable tool error."""
         import anyio
         import mcp_types as types
+        name = params.name
         tool = TOOLS_BY_NAME.get(name)
         try:
             if tool is None:
                 raise ArgumentError(f"there is no tool named {name!r}; the tools are: {', '.join(TOOLS_BY_NAME)}")
-            arguments = dict(arguments)
-            if self.mode == "both" and "target" not in arguments:
-                raise ArgumentError(f'{name} needs "target": "local" or "cloud". This server serves both fleets and '
-                                    "there is no default, because a machine on one fleet is invisible on the other "
-                                    "and the two bill differently.")
-            validate_arguments(name, tool_schema(tool, self.mode == "both"), arguments)
-            fleet = self.fleet_for(arguments)
-            session = ctx.lifespan_context["session"]
+            session = self.session_for(ctx)
+            question = await self.ask_fleet(ctx, session, params)
+            if question is not None:
+                return question
+            arguments = dict(params.arguments or {})
+            fleet = self.fleet_for(session, name, arguments)
+            validate_arguments(name, tool.input_schema, arguments)
             if fleet is self.local:
                 await self.sweep_once()
             result = await tool.handler(Call(self, session, fleet, ctx), arguments)
@@ -2483,7 +2620,7 @@ class SmolMcp:
             if fleet is None:
                 raise_resource_error(f"{uri}: this server serves {' and '.join(self.fleets)}, not {match['target']}")
             try:
-                lines = await Call(self, ctx.lifespan_context["session"], fleet, ctx).api(
+                lines = await Call(self, self.session_for(ctx), fleet, ctx).api(
                     fleet.console_lines, urllib.parse.unquote(match["name"]))
             except SmolError as err:
                 raise_resource_error(redact(str(err), self.config.secret_values()))
@@ -2492,10 +2629,54 @@ class SmolMcp:
             raise_resource_error(f"unknown resource {uri}; the resources are {TARGETS_URI} and {LOGS_URI_TEMPLATE}")
         return types.ReadResourceResult(contents=[types.TextResourceContents(uri=uri, mime_type=mime, text=text)])
 
+    def log_resource(self, uri: str) -> tuple[Any, str]:
+        """(fleet, machine name) of a log resource URI, or a protocol error."""
+        match = LOGS_URI_RE.fullmatch(uri)
+        if match is None or match["target"] not in self.fleets:
+            raise_resource_error(f"{uri} is not a log resource of this server; the form is {LOGS_URI_TEMPLATE} with "
+                                 f"target {' or '.join(self.fleets)}")
+        return self.fleets[match["target"]], urllib.parse.unquote(match["name"])
+
+    async def subscribe(self, ctx, uri: str) -> None:
+        """Handshake era: follow a log in a poller that lives until unsubscribe
+        or the end of the session, notifying through this connection."""
+        import anyio
+        fleet, name = self.log_resource(uri)
+        session = self.session_for(ctx)
+        if uri in session.subscriptions:
+            return
+        scope = anyio.CancelScope()
+        session.subscriptions[uri] = scope
+        notify = ctx.session.send_resource_updated  # the captured session outlives this request
+
+        async def poll() -> None:
+            with scope:
+                await follow_log(self, fleet, name, lambda: notify(uri))
+
+        session.tasks.start_soon(poll)
+
+    async def listen(self, ctx, params):
+        """2026 era: change notifications and log updates travel on this stream;
+        its pollers live exactly as long as it does."""
+        import anyio
+        from mcp.server.subscriptions import ResourceUpdated
+        session = self.session_for(ctx)
+        bus, handler = session.events()
+        followed = [(uri, *self.log_resource(uri)) for uri in params.notifications.resource_subscriptions or []]
+        async with anyio.create_task_group() as pollers:
+            for uri, fleet, name in followed:
+                pollers.start_soon(follow_log, self, fleet, name,
+                                   lambda uri=uri: bus.publish(ResourceUpdated(uri=uri)))
+            try:
+                return await handler(ctx, params)
+            finally:
+                pollers.cancel_scope.cancel()
+
     async def end_session(self, session: Session) -> None:
         """Delete the session's ephemeral machines and let go of the fleets, even
         while being cancelled (a signal), within a bounded time."""
         import anyio
+        session.stop_polling()
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
                 await session.close()

@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import anyio  # noqa: E402
+import mcp_types  # noqa: E402
 from mcp import Client, StdioServerParameters  # noqa: E402
 
 import smol_mcp  # noqa: E402
@@ -1195,6 +1196,117 @@ class BothModeTests(FakeCloudCase):
         self.assertIn("SMOL_CLOUD_TOKEN", str(caught.exception))
 
 
+def answer_fleet(action: str, fleet: str | None = None, asked: list | None = None):
+    """An elicitation callback that answers the fleet question."""
+    async def callback(context, params):
+        if asked is not None:
+            asked.append(params.message)
+        return mcp_types.ElicitResult(action=action, content={"fleet": fleet} if action == "accept" else None)
+    return callback
+
+
+class Inbox:
+    """A message_handler that keeps the server's notifications."""
+
+    def __init__(self):
+        self.methods: list[str] = []
+
+    async def __call__(self, message):
+        if not isinstance(message, Exception) and hasattr(message, "method"):
+            self.methods.append(message.method)
+
+    async def wait_for(self, method: str, timeout: float = 5.0) -> None:
+        with anyio.fail_after(timeout):
+            while method not in self.methods:
+                await anyio.sleep(0.02)
+
+
+class ElicitationTests(FakeCloudCase):
+    targets = "both"
+
+    async def test_handshake_era_answer_narrows_the_session(self):
+        inbox, asked = Inbox(), []
+        async with self.client("legacy", elicitation_callback=answer_fleet("accept", "local", asked),
+                               message_handler=inbox) as c:
+            self.assertTrue(c.server_capabilities.tools.list_changed)
+            listed = await self.ok(c, "list-machines", {})  # no target: the answer supplies it
+            self.assertEqual(listed, {"machines": []})
+            await inbox.wait_for("notifications/tools/list_changed")
+            tools = (await c.list_tools()).tools
+            self.assertTrue(all("target" not in t.input_schema["properties"] for t in tools))
+            await self.ok(c, "create-machine", {"name": "here", "image": "alpine", "start": False})
+            self.assertIn("here", self.fake.machines)
+            text = await self.refused(c, "list-machines", {"target": "cloud"})
+            self.assertIn("this session chose the local fleet", text)
+            await self.ok(c, "list-machines", {"target": "local"})  # a stale client naming the same fleet is fine
+            self.assertEqual(len(asked), 1)  # asked once
+            self.assertIn("Which one is this session for?", asked[0])
+
+    async def test_2026_era_answer_narrows_and_the_listen_stream_hears_it(self):
+        async with self.client("auto", elicitation_callback=answer_fleet("accept", "cloud")) as c:
+            async with c.listen(tools_list_changed=True) as events:
+                await self.ok(c, "create-machine", {"name": "up-there", "image": "alpine", "start": False})
+                with anyio.fail_after(5):
+                    event = await events.__anext__()
+                self.assertEqual(type(event).__name__, "ToolsListChanged")
+            self.assertIn("up-there", [m["name"] for m in self.cloud.machines.values()])
+            tools = (await c.list_tools()).tools
+            self.assertTrue(all("target" not in t.input_schema["properties"] for t in tools))
+
+    async def test_decline_or_no_elicitation_keeps_the_argument(self):
+        for mode in MODES:
+            for kwargs in ({"elicitation_callback": answer_fleet("decline")}, {}):
+                with self.subTest(mode=mode, elicitation=bool(kwargs)):
+                    asked = []
+                    if kwargs:
+                        kwargs = {"elicitation_callback": answer_fleet("decline", asked=asked)}
+                    async with self.client(mode, **kwargs) as c:
+                        text = await self.refused(c, "list-machines", {})
+                        self.assertIn("there is no default", text)
+                        await self.ok(c, "list-machines", {"target": "cloud"})
+                        tools = (await c.list_tools()).tools
+                        self.assertTrue(all("target" in t.input_schema["required"] for t in tools))
+                    self.assertEqual(len(asked), 1 if kwargs else 0)
+
+
+class LogSubscriptionTests(FakeServeCase):
+    config_overrides = {"logs_poll_secs": 1}
+
+    async def test_handshake_era_subscription_notifies_and_stops(self):
+        inbox = Inbox()
+        async with self.client("legacy", message_handler=inbox) as c:
+            self.assertTrue(c.server_capabilities.resources.subscribe)
+            await self.ok(c, "create-machine", {"name": "mcp-log", "image": "alpine", "network": "open"})
+            uri = "smol://machine/local/mcp-log/logs"
+            await c.subscribe_resource(uri)
+            await anyio.sleep(1.2)  # the poller has had its first look
+            self.fake.append_log("mcp-log", "fresh line")
+            await inbox.wait_for("notifications/resources/updated", 5)
+            got = await self.ok(c, "machine-logs", {"name": "mcp-log", "tail": 1})
+            self.assertEqual(got["lines"], ["fresh line"])
+            await c.unsubscribe_resource(uri)
+            inbox.methods.clear()
+            self.fake.append_log("mcp-log", "after unsubscribe")
+            await anyio.sleep(2.5)
+            self.assertNotIn("notifications/resources/updated", inbox.methods)
+            with self.assertRaises(Exception):
+                await c.subscribe_resource("smol://machine/mars/x/logs")
+
+    async def test_2026_era_listen_stream_carries_log_updates_and_polling_ends_with_the_session(self):
+        async with self.client("auto") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-log2", "image": "alpine", "network": "open"})
+            uri = "smol://machine/local/mcp-log2/logs"
+            async with c.listen(resource_subscriptions=[uri]) as events:
+                await anyio.sleep(1.2)
+                self.fake.append_log("mcp-log2", "fresh line")
+                with anyio.fail_after(5):
+                    event = await events.__anext__()
+                self.assertEqual((type(event).__name__, event.uri), ("ResourceUpdated", uri))
+        polls = len(self.requests_to("/logs", "GET"))
+        await anyio.sleep(2.5)
+        self.assertEqual(len(self.requests_to("/logs", "GET")), polls)  # no poller outlives its session
+
+
 # ---------------------------------------------------------------------------
 # Spawning smolvm serve (the fake CLI stands in for the binary)
 # ---------------------------------------------------------------------------
@@ -1371,6 +1483,25 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     self.assertIn('did you mean "memoryMb"', text)
                     self.assertIn(created["machine"]["name"], self.fake.machines)
                 await self.wait_until(lambda: not self.fake.machines)
+
+    async def test_both_mode_over_stdio_asks_once_and_narrows_in_both_eras(self):
+        cloud = FakeCloud(token=CLOUD_TOKEN).start()
+        try:
+            env = {**self.env, "SMOL_CLOUD_URL": cloud.url, "SMOL_CLOUD_TOKEN": CLOUD_TOKEN}
+            params = StdioServerParameters(command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=env)
+            for mode in MODES:
+                with self.subTest(mode=mode):
+                    async with Client(params, mode=mode, elicitation_callback=answer_fleet("accept", "cloud")) as c:
+                        tools = (await c.list_tools()).tools
+                        self.assertIn("target", tools[0].input_schema["required"])
+                        is_error, listed = result_of(await c.call_tool("list-machines", {}))
+                        self.assertFalse(is_error, listed)
+                        tools = (await c.list_tools()).tools
+                        self.assertNotIn("target", tools[0].input_schema["properties"])
+                        self.assertEqual([r[1] for r in cloud.requests][-1:], ["/v1/machines"])
+                        self.assertNotIn(CLOUD_TOKEN, json.dumps(listed))
+        finally:
+            await asyncio.to_thread(cloud.stop)
 
     async def wait_until(self, predicate, timeout=10.0):
         deadline = time.monotonic() + timeout
