@@ -34,6 +34,7 @@ import base64
 import dataclasses
 import datetime
 import difflib
+import hmac
 import http.client
 import ipaddress
 import json
@@ -50,6 +51,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -2192,6 +2194,7 @@ class Session:
         self.tasks = tasks  # the task group its log pollers run in
         self.subscriptions: dict[str, Any] = {}  # uri -> the CancelScope of its poller (handshake era)
         self._bus = self._listener = None
+        self.in_flight, self.last_seen = 0, time.monotonic()  # for the 2026-era HTTP idle timeout
 
     def events(self):
         """This session's event bus and listen handler (2026 era change
@@ -2403,6 +2406,7 @@ class SmolMcp:
             self.fleets[name] = self.local if name == "local" else CloudFleet(config)
         self._limiter = None
         self._swept = False
+        self.http: HttpSessions | None = None  # set when serving Streamable HTTP
         self.server = self._build_server()
 
     def thread_limiter(self):
@@ -2416,8 +2420,6 @@ class SmolMcp:
     # -- handlers ----------------------------------------------------------
 
     def _build_server(self):
-        from contextlib import asynccontextmanager
-
         import mcp_types as types
         from mcp.server import NotificationOptions, Server
 
@@ -2434,15 +2436,19 @@ class SmolMcp:
 
         @asynccontextmanager
         async def lifespan(server):
+            # stdio and in memory: entered once per connection, so it is the session.
+            # HTTP: entered once for the whole listener, which holds many sessions.
             import anyio
             async with anyio.create_task_group() as tasks:
-                session = Session(app, secrets_module.token_hex(4), tasks)
-                for fleet in app.fleets.values():
-                    fleet.acquire()
+                if app.http is not None:
+                    async with app.http.running(tasks):
+                        yield {}
+                    return
+                session = app.open_session(secrets_module.token_hex(4), tasks)
                 try:
                     yield {"session": session}
                 finally:
-                    tasks.cancel_scope.cancel()  # log pollers end with the session
+                    tasks.cancel_scope.cancel()  # its log pollers end with it
                     await app.end_session(session)
 
         async def list_tools(ctx, params):
@@ -2496,8 +2502,16 @@ class SmolMcp:
 
     def session_for(self, ctx) -> Session:
         """The session a request belongs to: on stdio and in memory, the one the
-        connection's lifespan made."""
-        return ctx.lifespan_context["session"]
+        connection's lifespan made; over HTTP, see HttpSessions."""
+        if ctx.request is None:
+            return ctx.lifespan_context["session"]
+        return self.http.session_for(ctx)
+
+    def open_session(self, session_id: str, tasks: Any) -> Session:
+        """A new session; it holds the fleets (the serve) until end_session."""
+        for fleet in self.fleets.values():
+            fleet.acquire()
+        return Session(self, session_id, tasks)
 
     def fleet_for(self, session: Session, name: str, arguments: dict) -> Any:
         """The fleet a call goes to, taking `target` out of the arguments."""
@@ -2748,7 +2762,202 @@ async def run_stdio(server) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 13. Command line
+# 13. Streamable HTTP (--http)
+#
+# For an agent on another computer. Every request must carry the token, checked
+# before anything else so an unauthenticated caller learns nothing, not even
+# where the endpoint is. Then the Host and Origin checks against DNS
+# rebinding, then the path. Replies are plain JSON. A session is the
+# Mcp-Session-Id in the handshake era, and the token in the 2026 era, which
+# has no session id.
+# ---------------------------------------------------------------------------
+
+HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and all; more is a 413
+HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
+HTTP_GRACEFUL_SHUTDOWN_SECS = 5
+HTTP_UNAUTHORIZED = json.dumps({"error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
+                                         "'X-Smol-Mcp-Token: <token>'"}).encode()
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | None:
+    """The Host values accepted: the configured list, else the loopback names of
+    the bound port. Off loopback the name clients dial is not knowable here, so
+    None: the check is off, and the startup log says so."""
+    if config.http_allowed_hosts:
+        return list(config.http_allowed_hosts)
+    if host in LOOPBACK_HOSTS:
+        return [f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"]
+    return None
+
+
+class HttpGate:
+    """ASGI middleware in front of everything: the token, then Host and Origin,
+    then the path. Lifespan events pass straight through."""
+
+    def __init__(self, app: Any, *, tokens: dict[str, str], path: str, allowed_hosts: list[str] | None,
+                 allowed_origins: tuple[str, ...]):
+        self.app, self.tokens, self.path = app, tokens, path
+        self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
+
+    def principal(self, headers: dict[bytes, bytes]) -> str | None:
+        """The name of the token the request carries, compared in constant time."""
+        authorization = headers.get(b"authorization", b"").decode("latin-1")
+        offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1")]
+        if authorization[:7].lower() == "bearer ":
+            offered.append(authorization[7:].strip())
+        found = None
+        for name, secret in self.tokens.items():
+            for candidate in offered:
+                if candidate and hmac.compare_digest(candidate.encode(), secret.encode()):
+                    found = name
+        return found
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        principal = self.principal(headers)
+        if principal is None:
+            await _respond(send, 401, HTTP_UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
+            return
+        host = headers.get(b"host", b"").decode("latin-1")
+        if self.allowed_hosts is not None and host not in self.allowed_hosts:
+            await _respond(send, 421, json.dumps({"error": f"Host {host!r} is not allowed; set "
+                                                  "SMOL_MCP_HTTP_ALLOWED_HOSTS to the name clients dial"}).encode())
+            return
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        if origin and self.allowed_origins and origin not in self.allowed_origins:
+            await _respond(send, 403, json.dumps({"error": f"Origin {origin!r} is not allowed "
+                                                  "(SMOL_MCP_HTTP_ALLOWED_ORIGINS)"}).encode())
+            return
+        if scope["path"] != self.path:
+            await _respond(send, 404, json.dumps({"error": f"not found; the MCP endpoint is {self.path}"}).encode())
+            return
+        scope.setdefault("state", {})["smol_principal"] = principal
+        await self.app(scope, receive, send)
+
+
+async def _respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class HttpSessions:
+    """Sessions over HTTP. Handshake era: one per Mcp-Session-Id, ended by the
+    SDK (DELETE, idle timeout, shutdown) through its connection's exit stack.
+    2026 era: one per token, ended when it has made no request and has no call
+    in flight for httpSessionIdleSecs, and at shutdown."""
+
+    def __init__(self, app: SmolMcp):
+        self.app = app
+        self.by_principal: dict[str, Session] = {}
+        self.tasks: Any = None
+
+    @asynccontextmanager
+    async def running(self, tasks: Any):
+        import anyio
+        self.tasks = tasks
+        reaper = anyio.CancelScope()
+
+        async def reap() -> None:
+            with reaper:
+                while True:
+                    await anyio.sleep(min(self.app.config.http_session_idle_secs / 4, 30))
+                    await self.end_idle()
+
+        tasks.start_soon(reap)
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            for principal in list(self.by_principal):
+                await self.app.end_session(self.by_principal.pop(principal))
+
+    def session_for(self, ctx) -> Session:
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
+            principal = ctx.request.scope.get("state", {}).get("smol_principal", "default")
+            if principal not in self.by_principal:
+                self.by_principal[principal] = self.app.open_session(f"token-{principal}", self.tasks)
+            return self.by_principal[principal]
+        connection = ctx.session._connection  # private in mcp 2.3.0, which is pinned exactly
+        session = connection.state.get("smol_session")
+        if session is None:
+            session = connection.state["smol_session"] = self.app.open_session(
+                (connection.session_id or secrets_module.token_hex(4))[:8], self.tasks)
+
+            async def end() -> None:
+                # The SDK bounds this exit stack at 5 s; the cleanup gets its own bound in the task group.
+                self.tasks.start_soon(self.app.end_session, session)
+
+            connection.exit_stack.push_async_callback(end)
+        return session
+
+    async def track(self, ctx, call_next):
+        """Server middleware: a 2026-era session is busy while a call runs."""
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+        if ctx.request is None or ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            return await call_next(ctx)
+        session = self.session_for(ctx)
+        session.in_flight += 1
+        try:
+            return await call_next(ctx)
+        finally:
+            session.in_flight -= 1
+            session.last_seen = time.monotonic()
+
+    async def end_idle(self) -> None:
+        limit = self.app.config.http_session_idle_secs
+        for principal, session in list(self.by_principal.items()):
+            if session.in_flight == 0 and time.monotonic() - session.last_seen >= limit:
+                log.info("session %s idle for %d s: ending it", session.id, limit)
+                del self.by_principal[principal]
+                await self.app.end_session(session)
+
+
+def build_http_app(app: SmolMcp, host: str, port: int, path: str):
+    """The ASGI application for --http: HttpGate in front of the SDK's
+    Streamable HTTP session manager."""
+    from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    config = app.config
+    app.http = HttpSessions(app)
+    app.server.middleware.append(app.http.track)
+    manager = StreamableHTTPSessionManager(
+        app.server, json_response=True, session_idle_timeout=config.http_session_idle_secs,
+        max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
+
+    @asynccontextmanager
+    async def lifespan(_):
+        async with manager.run():  # enters the server's lifespan once; ends every session at exit
+            yield
+
+    inner = Starlette(routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan)
+    return HttpGate(inner, tokens={"default": config.auth_token}, path=path,
+                    allowed_hosts=default_allowed_hosts(config, host, port),
+                    allowed_origins=config.http_allowed_origins)
+
+
+async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
+    import uvicorn
+    asgi = build_http_app(app, host, port, path)
+    if asgi.allowed_hosts is None:
+        log.warning("bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: the Host check is off, because the name "
+                    "clients dial is not knowable here; set it to that name", host)
+    log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
+    config = uvicorn.Config(asgi, host=host, port=port, lifespan="on", log_level="warning",
+                            timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
+    await uvicorn.Server(config).serve()  # SIGTERM and SIGINT end the lifespan, which cleans up
+
+
+# ---------------------------------------------------------------------------
+# 14. Command line
 # ---------------------------------------------------------------------------
 
 
@@ -2765,6 +2974,10 @@ def parse_args(argv: list[str]):
     args = parser.parse_args(argv)
     if not args.http and (args.host or args.port or args.path):
         parser.error("--host, --port and --path go with --http")
+    if args.path is not None and not args.path.startswith("/"):
+        parser.error(f"--path must start with '/', got {args.path!r}")
+    if args.port is not None and not 1 <= args.port <= 65535:
+        parser.error(f"--port must be between 1 and 65535, got {args.port}")
     return args
 
 
@@ -2774,15 +2987,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="smol-mcp: %(message)s")
     try:
         config = load_config()
-        if args.http:
-            raise ConfigError("the Streamable HTTP transport (--http) is not part of this release of smol-mcp yet; "
-                              "run without --http to serve stdio")
+        if args.http and not config.auth_token:
+            raise ConfigError("--http refuses to start without a token, because these tools run machines: set "
+                              "SMOL_MCP_AUTH_TOKEN (for example to the output of `openssl rand -hex 16`) and have "
+                              "clients send it as 'Authorization: Bearer <token>'")
         app = SmolMcp(config)
     except SmolError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
     import anyio
-    anyio.run(run_stdio, app.server)
+    if args.http:
+        anyio.run(run_http, app, args.host or config.http_host, args.port or config.http_port,
+                  args.path or config.http_path)
+    else:
+        anyio.run(run_stdio, app.server)
     return 0
 
 

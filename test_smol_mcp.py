@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import ast
+import contextlib
 import base64
 from dataclasses import replace as dataclasses_replace
 import json
@@ -69,6 +70,16 @@ def fake_config(tmp: str, socket_path: str | None, **overrides) -> Config:
                   ready_timeout_secs=10, serve_start_timeout_secs=10)
     values.update(overrides)
     return Config(**values)
+
+
+def jsonrpc(id_, method, params=None) -> bytes:
+    message = {"jsonrpc": "2.0", "method": method, **({"id": id_} if id_ is not None else {})}
+    if params is not None:
+        message["params"] = params
+    return (json.dumps(message) + "\n").encode()
+
+
+INITIALIZE = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}
 
 
 def result_of(answer) -> tuple[bool, object]:
@@ -1308,6 +1319,203 @@ class LogSubscriptionTests(FakeServeCase):
 
 
 # ---------------------------------------------------------------------------
+# Streamable HTTP on a real loopback listener
+# ---------------------------------------------------------------------------
+
+HTTP_TOKEN = "http-token-for-tests"
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class HttpCase(FakeServeCase):
+    """The server behind HttpGate on uvicorn, on an ephemeral loopback port."""
+
+    allowed_origins: tuple = ()
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        import uvicorn
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.config = dataclasses_replace(self.config, auth_token=HTTP_TOKEN, http_allowed_origins=self.allowed_origins)
+        self.app = SmolMcp(self.config)
+        asgi = smol_mcp.build_http_app(self.app, "127.0.0.1", self.port, "/mcp")
+        self.uvicorn = uvicorn.Server(uvicorn.Config(asgi, lifespan="on", log_level="warning",
+                                                     timeout_graceful_shutdown=5))
+        self.serving = asyncio.create_task(self.uvicorn.serve(sockets=[sock]))
+        while not self.uvicorn.started:
+            await asyncio.sleep(0.01)
+
+    async def asyncTearDown(self):
+        self.uvicorn.should_exit = True
+        await self.serving
+        await super().asyncTearDown()
+
+    @contextlib.asynccontextmanager
+    async def http_client(self, mode="legacy", headers=None, **kwargs):
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+        headers = {"Authorization": f"Bearer {HTTP_TOKEN}"} if headers is None else headers
+
+        @contextlib.asynccontextmanager
+        async def transport():
+            async with httpx2.AsyncClient(headers=headers, timeout=60) as http:
+                async with streamable_http_client(self.url, http_client=http) as streams:
+                    yield streams
+
+        async with Client(transport(), mode=mode, **kwargs) as client:
+            yield client
+
+    async def raw(self, method, path="/mcp", headers=None, body=None):
+        import httpx2
+        async with httpx2.AsyncClient(timeout=30) as http:
+            return await http.request(method, f"http://127.0.0.1:{self.port}{path}", headers=headers or {},
+                                      content=body)
+
+
+INIT_BODY = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": INITIALIZE}).encode()
+JSON_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+
+
+class HttpSecurityTests(HttpCase):
+    allowed_origins = ("https://allowed.example",)
+
+    async def test_the_token_is_checked_before_anything_with_one_answer_for_all(self):
+        answers = set()
+        for path in ("/mcp", "/", "/elsewhere", "/mcp/"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Smol-Mcp-Token": "wrong"},
+                            {"Authorization": HTTP_TOKEN}):  # no Bearer prefix
+                response = await self.raw("POST", path, {**JSON_HEADERS, **headers}, INIT_BODY)
+                self.assertEqual(response.status_code, 401, (path, headers))
+                answers.add((response.content, response.headers.get("www-authenticate")))
+        self.assertEqual(len(answers), 1, "every unauthenticated request must get the same answer")
+        self.assertNotIn(HTTP_TOKEN.encode(), next(iter(answers))[0])
+
+    async def test_both_header_forms_work_and_other_paths_are_404_once_authenticated(self):
+        for headers in ({"Authorization": f"Bearer {HTTP_TOKEN}"}, {"X-Smol-Mcp-Token": HTTP_TOKEN},
+                        {"Authorization": "Basic ingress-credential", "X-Smol-Mcp-Token": HTTP_TOKEN}):
+            response = await self.raw("POST", "/mcp", {**JSON_HEADERS, **headers}, INIT_BODY)
+            self.assertEqual(response.status_code, 200, (headers, response.text))
+            self.assertEqual(response.headers["content-type"].split(";")[0], "application/json")  # plain JSON
+            self.assertEqual((await self.raw("GET", "/other", headers)).status_code, 404)
+
+    async def test_host_and_origin_are_checked(self):
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        response = await self.raw("POST", "/mcp", {**auth, "Host": "evil.example"}, INIT_BODY)
+        self.assertEqual(response.status_code, 421)
+        self.assertIn("SMOL_MCP_HTTP_ALLOWED_HOSTS", response.text)
+        response = await self.raw("POST", "/mcp", {**auth, "Origin": "https://evil.example"}, INIT_BODY)
+        self.assertEqual(response.status_code, 403)
+        response = await self.raw("POST", "/mcp", {**auth, "Origin": "https://allowed.example"}, INIT_BODY)
+        self.assertEqual(response.status_code, 200)
+        response = await self.raw("POST", "/mcp", {**auth, "Host": f"localhost:{self.port}"}, INIT_BODY)
+        self.assertEqual(response.status_code, 200)
+
+    async def test_oversized_bodies_get_413(self):
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        response = await self.raw("POST", "/mcp", auth, b"{" + b" " * (smol_mcp.HTTP_MAX_BODY_BYTES + 10) + b"}")
+        self.assertEqual(response.status_code, 413)
+
+    def test_default_host_list_and_the_off_loopback_case(self):
+        self.assertEqual(smol_mcp.default_allowed_hosts(Config(), "127.0.0.1", 8080),
+                         ["127.0.0.1:8080", "localhost:8080", "[::1]:8080"])
+        self.assertIsNone(smol_mcp.default_allowed_hosts(Config(), "0.0.0.0", 8080))
+        self.assertEqual(smol_mcp.default_allowed_hosts(Config(http_allowed_hosts=("b.local:8080",)), "0.0.0.0", 80),
+                         ["b.local:8080"])
+
+
+class HttpSessionTests(HttpCase):
+    config_overrides = {"http_session_idle_secs": 2}
+
+    async def test_a_full_session_in_both_eras_and_delete_cleans_up(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                async with self.http_client(mode) as c:
+                    self.assertEqual(len((await c.list_tools()).tools), 13)
+                    created = await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
+                    name = created["machine"]["name"]
+                    ran = await self.ok(c, "run-command", {"name": name, "command": "echo over http"})
+                    self.assertEqual(ran["stdout"], "over http\n")
+                    await self.ok(c, "write-file", {"name": name, "path": "/root/f", "content": "x"})
+                    self.assertIn(name, self.fake.machines)
+                if mode == "legacy":  # the client's DELETE ended the session
+                    await self.wait_until(lambda: name not in self.fake.machines, 10)
+                else:  # 2026 era: no session id; the token's state ends when idle
+                    await self.wait_until(lambda: name not in self.fake.machines, 15)
+
+    async def test_idle_sessions_end_but_never_during_a_call(self):
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        response = await self.raw("POST", "/mcp", auth, INIT_BODY)
+        sid = response.headers["mcp-session-id"]
+        session = {**auth, "mcp-session-id": sid, "mcp-protocol-version": "2025-06-18"}
+        await self.raw("POST", "/mcp", session, jsonrpc(None, "notifications/initialized"))
+        call = lambda id_, tool, args: self.raw("POST", "/mcp", session, jsonrpc(  # noqa: E731
+            id_, "tools/call", {"name": tool, "arguments": args}))
+        answer = (await call(2, "create-machine", {"name": "mcp-idle", "image": "alpine", "network": "open"})).json()
+        self.assertFalse(answer["result"].get("isError"), answer)
+        long_call = await call(3, "run-command", {"name": "mcp-idle", "command": "sleep 4; echo survived"})
+        self.assertEqual(long_call.json()["result"]["structuredContent"]["stdout"], "survived\n")  # 4 s > 2 s idle
+        self.assertIn("mcp-idle", self.fake.machines)
+        await self.wait_until(lambda: "mcp-idle" not in self.fake.machines, 10)  # then idle: closed, cleaned
+        gone = await call(4, "list-machines", {})
+        self.assertEqual(gone.status_code, 404)  # the expired session id
+
+    async def test_a_long_command_in_one_session_does_not_delay_another(self):
+        async with self.http_client() as a, self.http_client() as b:
+            await self.ok(a, "create-machine", {"name": "mcp-slow", "image": "alpine", "network": "open"})
+            finished = []
+
+            async def slow():
+                await a.call_tool("run-command", {"name": "mcp-slow", "command": "sleep 5"})
+                finished.append("slow")
+
+            async def quick():
+                await asyncio.sleep(0.5)
+                for _ in range(10):
+                    await b.call_tool("list-machines", {})
+                finished.append("quick")
+
+            await asyncio.gather(slow(), quick())
+            self.assertEqual(finished, ["quick", "slow"])
+
+    async def test_too_many_sessions_get_503(self):
+        saved = smol_mcp.HTTP_MAX_SESSIONS
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        try:
+            statuses = [(await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code for _ in range(saved + 1)]
+        finally:
+            smol_mcp.HTTP_MAX_SESSIONS = saved
+        self.assertEqual(statuses[:saved], [200] * saved)
+        self.assertEqual(statuses[saved], 503)
+
+    async def wait_until(self, predicate, timeout):
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            self.assertLess(time.monotonic(), deadline, "condition not reached in time")
+            await asyncio.sleep(0.1)
+
+
+class HttpProcessTests(unittest.TestCase):
+    def test_http_refuses_to_start_without_a_token(self):
+        tmp = short_tempdir()
+        try:
+            env = {**os.environ, "SMOL_MCP_CONFIG": f"{tmp}/none.json"}
+            env.pop("SMOL_MCP_AUTH_TOKEN", None)
+            out = subprocess.run([sys.executable, "smol_mcp.py", "--http"], cwd=HERE, env=env, capture_output=True,
+                                 text=True, timeout=60)
+            self.assertEqual(out.returncode, 2)
+            self.assertIn("refuses to start without a token", out.stderr)
+            self.assertIn("SMOL_MCP_AUTH_TOKEN", out.stderr)
+            out = subprocess.run([sys.executable, "smol_mcp.py", "--http", "--path", "mcp"], cwd=HERE, env=env,
+                                 capture_output=True, text=True, timeout=60)
+            self.assertEqual(out.returncode, 2)
+            self.assertIn("--path must start with '/'", out.stderr)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------
 # Spawning smolvm serve (the fake CLI stands in for the binary)
 # ---------------------------------------------------------------------------
 
@@ -1439,14 +1647,6 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
 # ---------------------------------------------------------------------------
 
 
-def jsonrpc(id_, method, params=None) -> bytes:
-    message = {"jsonrpc": "2.0", "method": method, **({"id": id_} if id_ is not None else {})}
-    if params is not None:
-        message["params"] = params
-    return (json.dumps(message) + "\n").encode()
-
-
-INITIALIZE = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
