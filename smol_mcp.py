@@ -2233,7 +2233,8 @@ class Session:
         if not names:
             self.record_path.unlink(missing_ok=True)
             return
-        ensure_runtime_dir(str(self.record_path.parent))
+        ensure_runtime_dir(self.app.config.runtime_dir)  # the parent first: it is what keeps others out
+        self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
         record = {"pid": os.getpid(), "endpoint": self.app.local.endpoint, "machines": names}
         temporary = self.record_path.with_suffix(".tmp")
         temporary.write_text(json.dumps(record))
@@ -2984,7 +2985,8 @@ def parse_args(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``smol-mcp`` and ``python3 smol_mcp.py``."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="smol-mcp: %(message)s")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
+    log.setLevel(logging.INFO)  # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
     try:
         config = load_config()
         if args.http and not config.auth_token:

@@ -1573,6 +1573,13 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             self.assertIsNone(process.poll())
         self.assertIsNotNone(process.poll())  # the last session let go: stopped
 
+    async def test_a_first_call_that_records_a_machine_makes_a_private_runtime_dir(self):
+        async with Client(self.app().server, mode="legacy") as c:
+            is_error, value = result_of(await c.call_tool("create-machine", {"image": "alpine", "network": "open"}))
+            self.assertFalse(is_error, value)
+            for folder in ("rt", "rt/sessions"):
+                self.assertEqual(stat.S_IMODE(os.stat(f"{self.tmp}/{folder}").st_mode), 0o700, folder)
+
     async def test_sessions_share_one_serve_and_the_last_one_out_stops_it(self):
         app = self.app()
         async with Client(app.server, mode="legacy") as first:
