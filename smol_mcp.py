@@ -834,6 +834,75 @@ class LocalFleet:
         return answer.get("image", answer)
 
 
+# Every route of the local API, in its OpenAPI spelling: None for the ones this
+# server calls, else why it does not. `smol_mcp.py parity` compares this with
+# the running serve's spec, so a route a new smolvm adds shows up as a decision.
+LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
+    ("GET", "/health"): None,
+    ("GET", "/api/v1/machines"): None,
+    ("POST", "/api/v1/machines"): None,
+    ("GET", "/api/v1/machines/{name}"): None,
+    ("DELETE", "/api/v1/machines/{name}"): None,
+    ("POST", "/api/v1/machines/{name}/start"): None,
+    ("POST", "/api/v1/machines/{name}/stop"): None,
+    ("POST", "/api/v1/machines/{id}/exec"): None,
+    ("GET", "/api/v1/machines/{id}/files/{path}"): None,
+    ("PUT", "/api/v1/machines/{id}/files/{path}"): None,
+    ("GET", "/api/v1/machines/{id}/logs"): None,
+    ("POST", "/api/v1/machines/{id}/images/pull"): None,
+    ("POST", "/api/v1/machines/{name}/branches"): None,
+    ("GET", "/capacity"): "host scheduling numbers; no tool reports capacity",
+    ("POST", "/api/v1/machines/{id}/exec/stream"): "results are returned whole, with the output budget",
+    ("GET", "/api/v1/machines/{id}/images"): "no tool lists a machine's images",
+    ("POST", "/api/v1/machines/{id}/run"): "running another image on an overlay is not in the tool vocabulary",
+    ("POST", "/api/v1/machines/{name}/fork"): "the legacy name of branches",
+    ("POST", "/api/v1/machines/{name}/fork-release"): "branch pools; this server has no pool vocabulary",
+    ("POST", "/api/v1/machines/{name}/pause"): "no tool pauses or resumes a machine",
+    ("POST", "/api/v1/machines/{name}/resume"): "no tool pauses or resumes a machine",
+    ("POST", "/api/v1/machines/{name}/export"): "needs a pushToken minted by the control plane, which a local user "
+                                                "cannot produce",
+    ("POST", "/api/v1/machines/{name}/resize"): "no tool grows a machine after it exists",
+    ("POST", "/api/v1/machines/{name}/sync"): "mounts are a create-time argument",
+    ("GET", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
+    ("POST", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
+    ("DELETE", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
+    ("PUT", "/api/v1/machines/{name}/ports"): "ports are a create-time argument",
+    ("POST", "/api/v1/machines/{name}/egress"): "egress is decided at create, where the default is blocked",
+    ("GET", "/api/v1/machines/{name}/egress-events"): "egress denial diagnostics; no tool reports them yet",
+    ("GET", "/api/v1/machines/{name}/mediation-events"): "mediated egress is not used",
+    ("PUT", "/api/v1/machines/{name}/credential-values"): "credential bindings are not used",
+    ("POST", "/api/v1/machines/{name}/cache-disk/publish"): "cache disks are not used",
+    ("DELETE", "/api/v1/cache-bases/{base}"): "cache disks are not used",
+    **{(method, path): "fork pools and leases are a fleet surface, not an agent one" for method, path in (
+        ("GET", "/api/v1/pools"), ("POST", "/api/v1/pools"), ("GET", "/api/v1/pools/{name}"),
+        ("DELETE", "/api/v1/pools/{name}"), ("PUT", "/api/v1/pools/{name}/size"),
+        ("POST", "/api/v1/pools/{name}/leases"), ("POST", "/api/v1/pools/{name}/lease-batches"),
+        ("GET", "/api/v1/pools/{name}/leases/{lease}"), ("POST", "/api/v1/pools/{name}/leases/{lease}/heartbeat"),
+        ("POST", "/api/v1/pools/{name}/leases/{lease}/complete"))},
+    **{(method, path): "RL rollout executors are a batch surface, not an agent one" for method, path in (
+        ("GET", "/api/v1/rollout-executors"), ("POST", "/api/v1/rollout-executors"),
+        ("GET", "/api/v1/rollout-executors/{name}"), ("DELETE", "/api/v1/rollout-executors/{name}"),
+        ("POST", "/api/v1/rollout-executors/{name}/generate"), ("POST", "/api/v1/rollout-executors/{name}/batches"),
+        ("POST", "/api/v1/rollout-executors/{name}/policies"),
+        ("POST", "/api/v1/rollout-executors/{name}/device-policies"),
+        ("DELETE", "/api/v1/rollout-executors/{name}/policies/{policy}/{version}"))},
+}
+
+
+def parity_report(spec: dict) -> dict[str, list]:
+    """Compare the serve's OpenAPI with LOCAL_ROUTES: what we call, what we
+    skip and why, what is new (unknown) and what we call but it lacks (missing)."""
+    offered = {(method.upper(), path) for path, operations in spec.get("paths", {}).items()
+               for method in operations if method.lower() in ("get", "post", "put", "delete", "patch")}
+    return {
+        "called": sorted(route for route, reason in LOCAL_ROUTES.items() if reason is None and route in offered),
+        "skipped": sorted((route, reason) for route, reason in LOCAL_ROUTES.items()
+                          if reason is not None and route in offered),
+        "unknown": sorted(offered - set(LOCAL_ROUTES)),
+        "missing": sorted(route for route, reason in LOCAL_ROUTES.items() if reason is None and route not in offered),
+    }
+
+
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
     return SmolError(f"the local serve closed the connection while trying to {action} ({type(exc).__name__}); it may "
@@ -2130,9 +2199,20 @@ def local_target_facts(fleet: LocalFleet) -> dict:
         facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); install it or set SMOLVM")
     elif not hypervisor_ok:
         facts.update(usable=False, reason=hypervisor_reason)
+    elif not fleet.version and rollout_port_taken() and not fleet._answers():
+        facts.update(usable=False, reason="another smolvm serve already runs on this host (127.0.0.1:10081 is "
+                                          "taken); set SMOL_LOCAL_URL to its socket, or stop it")
     if fleet.version and fleet.config.min_smolvm and version_tuple(fleet.version) < version_tuple(fleet.config.min_smolvm):
-        facts.update(usable=False, reason=f"smolvm {fleet.version} is older than {fleet.config.min_smolvm}")
+        facts.update(usable=False, reason=f"smolvm {fleet.version} is older than {fleet.config.min_smolvm}; upgrade "
+                                          "it, or set SMOL_MCP_MIN_SMOLVM to an empty value to skip the check")
     return facts
+
+
+def rollout_port_taken() -> bool:
+    """Whether something listens on 127.0.0.1:10081, the port every serve binds."""
+    with socket.socket() as probe:
+        probe.settimeout(0.2)
+        return probe.connect_ex(("127.0.0.1", 10081)) == 0
 
 
 async def follow_log(app: "SmolMcp", fleet: Any, name: str, notify: Callable) -> None:
@@ -2168,7 +2248,7 @@ def targets_document(app: "SmolMcp") -> dict:
     for name, fleet_facts in facts.items():
         if name not in app.fleets:
             fleet_facts.update(served=False, usable=False,
-                               reason=f"not served: this process runs in {app.mode} mode (SMOL_MCP_TARGETS)")
+                               reason=f"this process runs in {app.mode} mode (SMOL_MCP_TARGETS={app.config.targets})")
     return {"mode": app.mode, "fleets": facts}
 
 
@@ -2962,6 +3042,9 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
 # ---------------------------------------------------------------------------
 
 
+SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
+
+
 def parse_args(argv: list[str]):
     import argparse
     parser = argparse.ArgumentParser(
@@ -2972,14 +3055,194 @@ def parse_args(argv: list[str]):
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
+    helpers = parser.add_subparsers(dest="command", metavar="{doctor,setup,parity}")
+    helpers.add_parser("doctor", help="say whether each fleet works on this host, and what to do if not")
+    setup = helpers.add_parser("setup", help="print (or --write) the configuration for an MCP client")
+    setup.add_argument("client", choices=SETUP_CLIENTS)
+    setup.add_argument("--write", action="store_true", help="merge it into the client's config file (backup first)")
+    setup.add_argument("--http", dest="http_url", metavar="URL",
+                       help="an entry for a smol-mcp --http server at URL instead of a local stdio one")
+    helpers.add_parser("parity", help="compare the routes this server calls with the running serve's OpenAPI")
     args = parser.parse_args(argv)
-    if not args.http and (args.host or args.port or args.path):
+    if (args.command or not args.http) and (args.host or args.port or args.path):
         parser.error("--host, --port and --path go with --http")
     if args.path is not None and not args.path.startswith("/"):
         parser.error(f"--path must start with '/', got {args.path!r}")
     if args.port is not None and not 1 <= args.port <= 65535:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
+    if args.command == "setup" and args.http_url and not args.http_url.startswith(("http://", "https://")):
+        parser.error(f"setup --http takes the server's URL, such as http://b.local:8080/mcp; got {args.http_url!r}")
     return args
+
+
+# -- doctor ------------------------------------------------------------------
+
+
+def doctor(app: SmolMcp) -> int:
+    """Print what smol://targets knows, for a person; 0 when every served
+    fleet is usable. The cloud key is tried with one list call."""
+    document = targets_document(app)
+    print(f"smol-mcp {__version__}: mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})")
+    healthy = True
+    for name, facts in document["fleets"].items():
+        if not facts["served"]:
+            print(f"\n{name}: not served ({facts['reason']})")
+            continue
+        if name == "cloud" and facts["usable"]:
+            try:
+                count = len(app.fleets["cloud"].list_machines())
+                facts["reason"] = f"the account key works ({count} machine(s) on the fleet)"
+            except SmolError as err:
+                facts.update(usable=False, reason=redact(str(err), app.config.secret_values()))
+        healthy = healthy and facts["usable"]
+        print(f"\n{name}: {'usable' if facts['usable'] else 'NOT USABLE'}")
+        if name == "local":
+            smolvm = facts["smolvm"]
+            print(f"  smolvm: {smolvm['path'] or '(not found)'}"
+                  + (f", version {smolvm['version']}" if smolvm["version"] else ""))
+            print(f"  hypervisor: {facts['hypervisor']['detail']}")
+            print(f"  serve: {facts['serve']}")
+        else:
+            print(f"  url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}")
+        if facts["reason"]:
+            print(f"  {'note' if facts['usable'] else 'to do'}: {facts['reason']}")
+    return 0 if healthy else 1
+
+
+# -- setup -------------------------------------------------------------------
+
+
+def launch_command() -> list[str]:
+    """The command a client should run: the installed console script when this
+    module was installed as a package, else uv running this very file."""
+    here = Path(__file__).resolve()
+    installed = any(part in ("site-packages", "dist-packages") for part in here.parts)
+    if installed and shutil.which("smol-mcp"):
+        return ["smol-mcp"]
+    return ["uv", "run", "--script", str(here)]
+
+
+def client_entry(client: str, http_url: str | None) -> tuple[str, dict]:
+    """(the top-level key, the server entry) in the client's own shape. Secrets
+    are referenced through the client's environment syntax, never copied."""
+    command = launch_command()
+    if client == "opencode":
+        if http_url:
+            return "mcp", {"type": "remote", "url": http_url, "enabled": True,
+                           "headers": {"Authorization": "Bearer {env:SMOL_MCP_AUTH_TOKEN}"}}
+        return "mcp", {"type": "local", "command": command, "enabled": True}
+    if client == "codex":
+        if http_url:
+            return "mcp_servers", {"url": http_url, "bearer_token_env_var": "SMOL_MCP_AUTH_TOKEN"}
+        return "mcp_servers", {"command": command[0], "args": command[1:]}
+    if http_url:
+        if client == "claude-desktop":  # it speaks stdio only; the npm bridge carries HTTP
+            return "mcpServers", {"command": "npx", "args": ["-y", "mcp-remote", http_url, "--header",
+                                                             "Authorization: Bearer ${SMOL_MCP_AUTH_TOKEN}"]}
+        reference = "${env:SMOL_MCP_AUTH_TOKEN}" if client == "cursor" else "${SMOL_MCP_AUTH_TOKEN}"
+        return "mcpServers", {"type": "http", "url": http_url, "headers": {"Authorization": f"Bearer {reference}"}}
+    return "mcpServers", {"command": command[0], "args": command[1:]}
+
+
+def client_config_path(client: str) -> Path:
+    home = Path.home()
+    if client == "claude-code":
+        return Path.cwd() / ".mcp.json"
+    if client == "cursor":
+        return Path.cwd() / ".cursor" / "mcp.json"
+    if client == "opencode":
+        return Path.cwd() / "opencode.json"
+    if client == "codex":
+        return home / ".codex" / "config.toml"
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / "Claude" / "claude_desktop_config.json"
+    return Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "Claude" / "claude_desktop_config.json"
+
+
+def render_entry(client: str, key: str, entry: dict) -> str:
+    if client == "codex":
+        lines = [f"[{key}.smol]"] + [f"{field} = {json.dumps(value)}" for field, value in entry.items()]
+        return "\n".join(lines) + "\n"
+    document = {key: {"smol": entry}}
+    if client == "opencode":
+        document = {"$schema": "https://opencode.ai/config.json", **document}
+    return json.dumps(document, indent=2) + "\n"
+
+
+def setup(client: str, http_url: str | None, write: bool) -> int:
+    """Print the client's configuration block, or merge it into its file
+    without disturbing other entries (after a backup; never into a file that
+    does not parse)."""
+    key, entry = client_entry(client, http_url)
+    path = client_config_path(client)
+    if not write:
+        print(f"# {client}: add this to {path}", file=sys.stderr)  # stdout stays pastable as it is
+        print(render_entry(client, key, entry), end="")
+        return 0
+    text = path.read_text() if path.exists() else ""
+    if client == "codex":
+        try:
+            import tomllib
+        except ImportError:
+            print("smol-mcp: setup codex --write needs Python 3.11 or newer to check the TOML; print it and paste it",
+                  file=sys.stderr)
+            return 2
+        try:
+            existing = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            print(f"smol-mcp: {path} is not valid TOML ({err}); not touching it", file=sys.stderr)
+            return 2
+        if "smol" in existing.get(key, {}):
+            print(f"smol-mcp: {path} already has [{key}.smol]; edit it by hand, or remove it and run this again",
+                  file=sys.stderr)
+            return 2
+        merged = text + ("\n" if text and not text.endswith("\n") else "") + "\n" + render_entry(client, key, entry)
+    else:
+        try:
+            existing = json.loads(text) if text.strip() else {}
+            if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
+                raise ValueError(f'"{key}" is not an object')
+        except ValueError as err:
+            print(f"smol-mcp: {path} does not parse as this client's JSON ({err}); not touching it", file=sys.stderr)
+            return 2
+        existing.setdefault(key, {})["smol"] = entry
+        if client == "opencode":
+            existing.setdefault("$schema", "https://opencode.ai/config.json")
+        merged = json.dumps(existing, indent=2) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        backup = path.with_name(path.name + f".bak-{time.strftime('%Y%m%d%H%M%S')}")
+        shutil.copy2(path, backup)
+        print(f"backed up {path} to {backup}")
+    path.write_text(merged)
+    print(f"wrote the smol entry into {path}")
+    return 0
+
+
+# -- parity ------------------------------------------------------------------
+
+
+def parity(app: SmolMcp) -> int:
+    """Print called / skipped / unknown / missing against the serve's spec;
+    non-zero when a route this server calls is missing."""
+    fleet = app.local
+    fleet.acquire()
+    try:
+        spec = fleet.request("read the OpenAPI document", "GET", "/api-docs/openapi.json")
+    finally:
+        fleet.release()
+    report = parity_report(spec)
+    print(f"smolvm {fleet.version}: {len(report['called'])} called, {len(report['skipped'])} skipped, "
+          f"{len(report['unknown'])} unknown, {len(report['missing'])} missing")
+    for method, path in report["called"]:
+        print(f"  called   {method:6} {path}")
+    for (method, path), reason in report["skipped"]:
+        print(f"  skipped  {method:6} {path}: {reason}")
+    for method, path in report["unknown"]:
+        print(f"  UNKNOWN  {method:6} {path}: new in this smolvm; decide whether a tool should call it")
+    for method, path in report["missing"]:
+        print(f"  MISSING  {method:6} {path}: called by smol-mcp but absent from this serve")
+    return 1 if report["missing"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -2987,13 +3250,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
     log.setLevel(logging.INFO)  # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
+    if args.command == "setup":
+        return setup(args.client, args.http_url, args.write)
     try:
         config = load_config()
-        if args.http and not config.auth_token:
+        if args.http and not args.command and not config.auth_token:
             raise ConfigError("--http refuses to start without a token, because these tools run machines: set "
                               "SMOL_MCP_AUTH_TOKEN (for example to the output of `openssl rand -hex 16`) and have "
                               "clients send it as 'Authorization: Bearer <token>'")
         app = SmolMcp(config)
+        if args.command == "doctor":
+            return doctor(app)
+        if args.command == "parity":
+            return parity(app)
     except SmolError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2

@@ -1516,6 +1516,112 @@ class HttpProcessTests(unittest.TestCase):
 
 
 # ---------------------------------------------------------------------------
+# The helper commands: doctor, setup, parity
+# ---------------------------------------------------------------------------
+
+
+def run_cli(*args, env=None, cwd=None, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(HERE / "smol_mcp.py"), *args], cwd=cwd or HERE, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class HelperCommandTests(unittest.TestCase):
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.env = {"PATH": os.environ["PATH"], "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+                    "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt", "XDG_CONFIG_HOME": f"{self.tmp}/.config"}
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_parity_table_covers_the_1_32_2_spec_exactly(self):
+        spec = json.loads((HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json").read_text())
+        report = smol_mcp.parity_report(spec)
+        self.assertEqual((len(report["called"]), report["unknown"], report["missing"]), (13, [], []))
+        self.assertTrue(all(reason for _, reason in report["skipped"]))
+        trimmed = {**spec, "paths": {k: v for k, v in spec["paths"].items() if k != "/api/v1/machines/{name}/branches"}}
+        trimmed["paths"]["/api/v1/machines/{name}/teleport"] = {"post": {}}
+        report = smol_mcp.parity_report(trimmed)
+        self.assertEqual(report["missing"], [("POST", "/api/v1/machines/{name}/branches")])
+        self.assertEqual(report["unknown"], [("POST", "/api/v1/machines/{name}/teleport")])
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_parity_command_against_a_started_serve(self):
+        out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("13 called, 40 skipped, 0 unknown, 0 missing", out.stdout)
+        self.assertIn("skipped  POST   /api/v1/machines/{name}/export: needs a pushToken", out.stdout)
+
+    def test_doctor_says_what_to_do_and_exits_non_zero_when_a_fleet_is_unusable(self):
+        out = run_cli("doctor", env={**self.env, "SMOLVM": "/nonexistent/smolvm"})
+        self.assertEqual(out.returncode, 1)
+        self.assertIn("local: NOT USABLE", out.stdout)
+        self.assertIn("to do: smolvm was not found", out.stdout)
+        self.assertIn("cloud: not served", out.stdout)
+        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI)})
+        self.assertEqual(out.returncode, 0 if smol_mcp.hypervisor_status()[0] else 1, out.stdout)
+        self.assertIn(f"smolvm: {FAKE_CLI}", out.stdout)
+
+    def test_doctor_tries_the_cloud_key(self):
+        cloud = FakeCloud(token=CLOUD_TOKEN).start()
+        try:
+            env = {**self.env, "SMOL_MCP_TARGETS": "cloud", "SMOL_CLOUD_URL": cloud.url}
+            good = run_cli("doctor", env={**env, "SMOL_CLOUD_TOKEN": CLOUD_TOKEN})
+            bad = run_cli("doctor", env={**env, "SMOL_CLOUD_TOKEN": "smk_wrong_value"})
+        finally:
+            cloud.stop()
+        self.assertEqual(good.returncode, 0, good.stdout)
+        self.assertIn("the account key works (0 machine(s)", good.stdout)
+        self.assertEqual(bad.returncode, 1)
+        self.assertIn("check SMOL_CLOUD_TOKEN", bad.stdout)
+        self.assertNotIn("smk_wrong_value", bad.stdout + bad.stderr)
+
+    def test_setup_prints_each_clients_own_shape(self):
+        import tomllib
+        expected_command = ["uv", "run", "--script", str(HERE / "smol_mcp.py")]
+        for client in smol_mcp.SETUP_CLIENTS:
+            with self.subTest(client=client):
+                out = run_cli("setup", client, env=self.env, cwd=self.tmp)
+                self.assertEqual(out.returncode, 0, out.stderr)
+                if client == "codex":
+                    entry = tomllib.loads(out.stdout)["mcp_servers"]["smol"]
+                    self.assertEqual([entry["command"], *entry["args"]], expected_command)
+                elif client == "opencode":
+                    entry = json.loads(out.stdout)["mcp"]["smol"]
+                    self.assertEqual((entry["type"], entry["command"]), ("local", expected_command))
+                else:
+                    entry = json.loads(out.stdout)["mcpServers"]["smol"]
+                    self.assertEqual([entry["command"], *entry["args"]], expected_command)
+                http = run_cli("setup", client, "--http", "http://b.local:8080/mcp",
+                               env={**self.env, "SMOL_MCP_AUTH_TOKEN": "do-not-copy-me"}, cwd=self.tmp)
+                self.assertIn("SMOL_MCP_AUTH_TOKEN", http.stdout)  # referenced ...
+                self.assertNotIn("do-not-copy-me", http.stdout)  # ... never copied
+                self.assertIn("http://b.local:8080/mcp", http.stdout)
+
+    def test_setup_write_merges_backs_up_and_refuses_what_it_cannot_parse(self):
+        config = Path(self.tmp, ".mcp.json")
+        config.write_text(json.dumps({"mcpServers": {"other": {"command": "x"}}, "keep": 1}))
+        out = run_cli("setup", "claude-code", "--write", env=self.env, cwd=self.tmp)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        merged = json.loads(config.read_text())
+        self.assertEqual((sorted(merged["mcpServers"]), merged["keep"]), (["other", "smol"], 1))
+        self.assertEqual(len(list(Path(self.tmp).glob(".mcp.json.bak-*"))), 1)
+        config.write_text("{broken")
+        out = run_cli("setup", "claude-code", "--write", env=self.env, cwd=self.tmp)
+        self.assertEqual(out.returncode, 2)
+        self.assertIn("not touching it", out.stderr)
+        self.assertEqual(config.read_text(), "{broken")
+        codex = Path(self.tmp, ".codex", "config.toml")
+        codex.parent.mkdir()
+        codex.write_text('model = "o3"\n')
+        out = run_cli("setup", "codex", "--write", env=self.env, cwd=self.tmp)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn('model = "o3"', codex.read_text())
+        self.assertIn("[mcp_servers.smol]", codex.read_text())
+        self.assertEqual(run_cli("setup", "codex", "--write", env=self.env, cwd=self.tmp).returncode, 2)
+
+
+# ---------------------------------------------------------------------------
 # Spawning smolvm serve (the fake CLI stands in for the binary)
 # ---------------------------------------------------------------------------
 
@@ -1831,6 +1937,13 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             self.assertGreaterEqual(smol_mcp.version_tuple(health["version"]), (1, 14, 0))
             spec = self.app.local.request("read the spec", "GET", "/api-docs/openapi.json")
             self.assertNotEqual(spec["info"]["version"], health["version"])  # never check the version from the spec
+
+    async def test_parity_with_the_real_serve(self):
+        out = await asyncio.to_thread(run_cli, "parity", env={**self.environ, "SMOLVM": real_smolvm(),
+                                                              "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt-parity",
+                                                              "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}, timeout=120)
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("13 called, 40 skipped, 0 unknown, 0 missing", out.stdout)
 
     async def test_create_get_list_delete_a_record(self):
         async with Client(self.app.server, mode="legacy") as self.c:
