@@ -1417,6 +1417,13 @@ class HttpSecurityTests(HttpCase):
         response = await self.raw("POST", "/mcp", auth, b"{" + b" " * (smol_mcp.HTTP_MAX_BODY_BYTES + 10) + b"}")
         self.assertEqual(response.status_code, 413)
 
+    async def test_too_many_sessions_get_503(self):
+        limit = smol_mcp.HTTP_MAX_SESSIONS  # this class keeps the default idle timeout: nothing expires here
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        statuses = [(await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code for _ in range(limit + 1)]
+        self.assertEqual(statuses[:limit], [200] * limit)
+        self.assertEqual(statuses[limit], 503)
+
     def test_default_host_list_and_the_off_loopback_case(self):
         self.assertEqual(smol_mcp.default_allowed_hosts(Config(), "127.0.0.1", 8080),
                          ["127.0.0.1:8080", "localhost:8080", "[::1]:8080"])
@@ -1478,16 +1485,6 @@ class HttpSessionTests(HttpCase):
 
             await asyncio.gather(slow(), quick())
             self.assertEqual(finished, ["quick", "slow"])
-
-    async def test_too_many_sessions_get_503(self):
-        saved = smol_mcp.HTTP_MAX_SESSIONS
-        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
-        try:
-            statuses = [(await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code for _ in range(saved + 1)]
-        finally:
-            smol_mcp.HTTP_MAX_SESSIONS = saved
-        self.assertEqual(statuses[:saved], [200] * saved)
-        self.assertEqual(statuses[saved], 503)
 
     async def wait_until(self, predicate, timeout):
         deadline = time.monotonic() + timeout

@@ -342,7 +342,10 @@ class Bench:
         """tests/fakes' FakeSmolvm in a child process of its own."""
         path = f"{self.tmp}/fake.sock"
         code = ("import sys, time; sys.path.insert(0, sys.argv[1]);"
-                "from tests.fakes.fake_smolvm import FakeSmolvm;"
+                "import tests.fakes.fake_smolvm as m; from tests.fakes.fake_smolvm import FakeSmolvm;"
+                # socketserver listens with a backlog of 5; a real serve's is far deeper, and with more
+                # clients than that connecting at once a unix-socket connect fails with EAGAIN
+                "m._Server.request_queue_size = 1024;"
                 "f = FakeSmolvm(sys.argv[2], settle_secs=1e9).start();"
                 "sys.stdin.read(); f.stop()")
         self.fake = subprocess.Popen([sys.executable, "-c", code, str(ROOT), path], stdin=subprocess.PIPE,
@@ -547,6 +550,10 @@ class Bench:
             s = samples[("list-machines", f"sdk-{transport}")]
             self.row(f"per call: minimal SDK server's trivial tool over {transport} (SDK floor)", ms(median(s)),
                      "-", f"p95 {ms(p95(s))}", "-", "INFO")
+            for tool in requests:  # what is left once the API call and the SDK's own round trip are taken out
+                own = median(samples[(tool, transport)]) - median(samples[(tool, "floor")]) - median(s)
+                self.row(f"per call: {tool} over {transport}, smol-mcp's own share", f"{own * 1000:+.3f} ms",
+                         "-", "value - API floor - SDK floor", "-", "INFO")
 
     # -- 3. output handling -----------------------------------------------------
 
