@@ -3116,9 +3116,11 @@ def launch_command() -> list[str]:
     """The command a client should run: the installed console script when this
     module was installed as a package, else uv running this very file."""
     here = Path(__file__).resolve()
-    installed = any(part in ("site-packages", "dist-packages") for part in here.parts)
-    if installed and shutil.which("smol-mcp"):
-        return ["smol-mcp"]
+    if any(part in ("site-packages", "dist-packages") for part in here.parts):
+        beside = Path(sys.executable).parent / "smol-mcp"  # works without the environment activated
+        script = str(beside) if beside.exists() else shutil.which("smol-mcp")
+        if script:
+            return [script]
     return ["uv", "run", "--script", str(here)]
 
 

@@ -1618,6 +1618,56 @@ class HelperCommandTests(unittest.TestCase):
         self.assertEqual(run_cli("setup", "codex", "--write", env=self.env, cwd=self.tmp).returncode, 2)
 
 
+@unittest.skipUnless(os.environ.get("SMOL_MCP_DIST") == "1", "ways of running: set SMOL_MCP_DIST=1 (needs PyPI)")
+class DistributionTests(unittest.TestCase):
+    """Every documented way to run it, from a clean directory."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.env = {**os.environ, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}
+        self.env.pop("SMOL_MCP_AUTH_TOKEN", None)
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def initialize(self, command: list[str], cwd: str) -> str:
+        out = subprocess.run(command, input=jsonrpc(1, "initialize", INITIALIZE).decode(), cwd=cwd, env=self.env,
+                             capture_output=True, text=True, timeout=300)
+        self.assertIn('"name":"smol-mcp"', out.stdout.replace(" ", ""), out.stderr[-2000:])
+        return out.stdout
+
+    def test_uv_run_the_file_alone_in_an_empty_directory(self):
+        shutil.copy(HERE / "smol_mcp.py", self.tmp)
+        self.initialize(["uv", "run", "smol_mcp.py"], self.tmp)
+
+    def test_pipx_run(self):
+        shutil.copy(HERE / "smol_mcp.py", self.tmp)
+        if shutil.which("pipx") is None:
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "pipx"], check=True, timeout=300)
+        out = subprocess.run([sys.executable, "-m", "pipx", "run", "./smol_mcp.py", "--version"], cwd=self.tmp,
+                             env=self.env, capture_output=True, text=True, timeout=300)
+        self.assertIn(f"smol-mcp {smol_mcp.__version__}", out.stdout, out.stderr[-2000:])
+
+    def test_pip_install_gives_both_commands_and_setup_names_them(self):
+        venv = Path(self.tmp, "venv")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(HERE)], check=True, timeout=600,
+                       capture_output=True)
+        self.initialize([str(venv / "bin" / "smol-mcp")], self.tmp)
+        out = subprocess.run([str(venv / "bin" / "smol-mcp-http")], env=self.env, capture_output=True, text=True,
+                             timeout=60)
+        self.assertEqual(out.returncode, 2)
+        self.assertIn("refuses to start without a token", out.stderr)
+        out = subprocess.run([str(venv / "bin" / "smol-mcp"), "setup", "cursor"], env=self.env, capture_output=True,
+                             text=True, timeout=60)
+        self.assertEqual(json.loads(out.stdout)["mcpServers"]["smol"]["command"], str(venv / "bin" / "smol-mcp"))
+
+    def test_uvx_from_the_checkout(self):
+        out = subprocess.run(["uvx", "--from", str(HERE), "smol-mcp", "--version"], env=self.env, capture_output=True,
+                             text=True, timeout=600)
+        self.assertIn(f"smol-mcp {smol_mcp.__version__}", out.stdout, out.stderr[-2000:])
+
+
 # ---------------------------------------------------------------------------
 # Spawning smolvm serve (the fake CLI stands in for the binary)
 # ---------------------------------------------------------------------------

@@ -101,6 +101,13 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -700,7 +707,9 @@ class Bench:
                 try:
                     for s in sessions:  # warm
                         s.call("get-machine", {"name": self.machine})
+                    cpu = cpu_seconds(proc.pid)
                     base1 = self.window(sessions, window)
+                    cpu = (cpu_seconds(proc.pid) - cpu) / max(1, len(base1[0]))
                     held = self.window(sessions, window, hold=hold, port=port) if self.can_exec else None
                     base2 = self.window(sessions, window)
                 finally:
@@ -709,7 +718,7 @@ class Bench:
                 base = base1[0] + base2[0]
                 base_rate = (len(base1[0]) / base1[1] + len(base2[0]) / base2[1]) / 2
                 self.row(f"concurrency: {level} sessions, throughput", f"{base_rate:.0f} calls/s", "-",
-                         f"p50 {ms(median(base))}", "-", "INFO")
+                         f"p50 {ms(median(base))}, server CPU {ms(cpu)}/call", "-", "INFO")
                 self.row(f"concurrency: {level} sessions, p95", ms(p95(base)), "-",
                          f"before {ms(p95(base1[0]))}, after {ms(p95(base2[0]))}", "-", "INFO")
                 if held is None:
@@ -820,7 +829,9 @@ def main(argv: list[str] | None = None) -> int:
         bench.teardown()
     failed = [r for r in bench.rows if r[5] == "FAIL"]
     print()
-    print(f"smol-mcp benchmark, {'quick' if args.quick else 'full'} run against "
+    import hashlib
+    digest = hashlib.sha256(SERVER.read_bytes()).hexdigest()[:12]
+    print(f"smol-mcp benchmark of smol_mcp.py sha256:{digest}, {'quick' if args.quick else 'full'} run against "
           f"{'the fake serve (tests/fakes)' if not args.serve else args.serve}, "
           f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, {time.monotonic() - started:.0f} s")
     print(bench.table())
