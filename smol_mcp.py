@@ -2709,7 +2709,9 @@ class SmolMcp:
     async def read_resource(self, ctx, uri: str):
         import mcp_types as types
         if uri == TARGETS_URI:
-            text, mime = json.dumps(targets_document(self), indent=2), "application/json"
+            import anyio
+            document = await anyio.to_thread.run_sync(targets_document, self)  # it probes a socket and a port
+            text, mime = json.dumps(document, indent=2), "application/json"
         elif match := LOGS_URI_RE.fullmatch(uri):
             fleet = self.fleets.get(match["target"])
             if fleet is None:

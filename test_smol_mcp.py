@@ -466,6 +466,24 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
         self.assertNotIn("Traceback", value)
         return value
 
+    async def assert_not_stalled(self, slow_call, quick_call) -> None:
+        """Ten quick calls made while a slow one runs all finish before it:
+        a blocking call must never hold the event loop."""
+        finished = []
+
+        async def slow():
+            await slow_call()
+            finished.append("slow")
+
+        async def quick():
+            await asyncio.sleep(0.5)
+            for _ in range(10):
+                await quick_call()
+            finished.append("quick")
+
+        await asyncio.gather(slow(), quick())
+        self.assertEqual(finished, ["quick", "slow"])
+
     def requests_to(self, suffix: str, method: str = "POST") -> list:
         return [r for r in self.fake.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)]
 
@@ -765,20 +783,8 @@ class ToolRuleTests(FakeServeCase):
     async def test_blocking_calls_never_stall_other_calls(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            finished = []
-
-            async def slow():
-                await c.call_tool("run-command", {"name": name, "command": "sleep 3"})
-                finished.append("slow")
-
-            async def quick():
-                await asyncio.sleep(0.3)
-                for _ in range(5):
-                    await c.call_tool("list-machines", {})
-                finished.append("quick")
-
-            await asyncio.gather(slow(), quick())
-            self.assertEqual(finished, ["quick", "slow"])
+            await self.assert_not_stalled(lambda: c.call_tool("run-command", {"name": name, "command": "sleep 3"}),
+                                          lambda: c.call_tool("list-machines", {}))
 
     async def test_an_unexpected_exception_is_a_tool_error_without_a_traceback(self):
         def broken():
@@ -1471,20 +1477,8 @@ class HttpSessionTests(HttpCase):
     async def test_a_long_command_in_one_session_does_not_delay_another(self):
         async with self.http_client() as a, self.http_client() as b:
             await self.ok(a, "create-machine", {"name": "mcp-slow", "image": "alpine", "network": "open"})
-            finished = []
-
-            async def slow():
-                await a.call_tool("run-command", {"name": "mcp-slow", "command": "sleep 5"})
-                finished.append("slow")
-
-            async def quick():
-                await asyncio.sleep(0.5)
-                for _ in range(10):
-                    await b.call_tool("list-machines", {})
-                finished.append("quick")
-
-            await asyncio.gather(slow(), quick())
-            self.assertEqual(finished, ["quick", "slow"])
+            await self.assert_not_stalled(lambda: a.call_tool("run-command", {"name": "mcp-slow", "command": "sleep 5"}),
+                                          lambda: b.call_tool("list-machines", {}))
 
     async def wait_until(self, predicate, timeout):
         deadline = time.monotonic() + timeout

@@ -544,10 +544,10 @@ class Bench:
                 ours = samples[(tool, transport)]
                 delta = median(ours) - median(floor)
                 self.row(f"per call: {tool} over {transport}, median of {len(ours)}", ms(median(ours)),
-                         ms(median(floor)), f"+{delta * 1000:.3f} ms", f"<= +{limit * 1000:.1f} ms",
+                         ms(median(floor)), f"{delta * 1000:+.3f} ms", f"<= +{limit * 1000:.1f} ms",
                          self.check(delta <= limit))
                 self.row(f"per call: {tool} over {transport}, p95", ms(p95(ours)), ms(p95(floor)),
-                         f"+{(p95(ours) - p95(floor)) * 1000:.3f} ms", "-", "INFO")
+                         f"{(p95(ours) - p95(floor)) * 1000:+.3f} ms", "-", "INFO")
         for tool in requests:
             k = samples[(tool, "floor-keepalive")]
             self.row(f"per call: {tool} straight to the API on a kept connection", ms(median(k)),
@@ -611,7 +611,7 @@ class Bench:
         (s1, t1, m1), (s2, t2, m2) = results[-2], results[-1]
         for what, a, b in (("wall time", t1, t2), ("peak memory growth", m1, m2)):
             exponent = math.log(max(b, 1e-9) / max(a, 1e-9)) / math.log(s2 / s1)
-            self.row(f"output: {what} growth {s1 // MiB} -> {s2 // MiB} MiB", f"x{b / a:.2f}",
+            self.row(f"output: {what}, {s1 // MiB} -> {s2 // MiB} MiB", f"x{b / a:.2f}",
                      f"x{s2 / s1:.0f} (linear)", f"exponent {exponent:.2f}", "<= 1.15 (linear)",
                      self.check(exponent <= 1.15))
 
@@ -698,7 +698,7 @@ class Bench:
     def bench_concurrency(self) -> None:
         levels = [1, 8, 32]
         window = 3.0 if self.quick else 8.0
-        hold = window + 1.5
+        hold = 4.5 if self.quick else 10.0  # the 10 s command; the window ends before it does
         log(f"concurrency: {levels} sessions over HTTP, windows of {window} s, a held command of {hold:.1f} s")
         proc, port = self.spawn_http()
         try:
