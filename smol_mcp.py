@@ -14,18 +14,20 @@ MCP tools. Every command a tool runs executes inside a guest; the only host
 process this server ever spawns is ``smolvm serve``, and only when a local tool
 is first called.
 
-Run it with ``uv run smol_mcp.py`` (stdio). Importing this module has no side
-effects; the public surface for embedding is ``load_config()``,
-``build_server(config)``, ``LocalFleet`` and ``main()``.
+Run it with ``uv run smol_mcp.py`` (stdio) or ``--http`` (Streamable HTTP).
+Importing this module has no side effects; the public surface for embedding is
+``load_config()``, ``build_server(config)``, ``LocalFleet``, ``CloudFleet``
+and ``main()``.
 
 The file reads top to bottom in the order a request flows:
 
-     1. Configuration           7. Tools
-     2. Errors                  8. Resources
-     3. Local fleet             9. Sessions and cleanup
-     4. Normalised records     10. The MCP server
-     5. Output budget          11. stdio
-     6. Argument validation    12. Command line
+     1. Configuration            8. Tools
+     2. Errors                   9. Resources
+     3. Local fleet             10. Sessions and cleanup
+     4. Cloud fleet             11. The MCP server
+     5. Normalised records      12. stdio
+     6. Output budget           13. Streamable HTTP
+     7. Argument validation     14. Command line
 """
 
 from __future__ import annotations
@@ -1034,7 +1036,8 @@ class CloudFleet:
                 response.status_code in CLOUD_RETRY_STATUSES and method in ("GET", "PUT", "DELETE"))
             if retryable and attempt < 3:
                 attempt += 1
-                time.sleep(min(_retry_after(response) or 0.5 * 2 ** attempt, 30))
+                delay = _retry_after(response)
+                time.sleep(min(0.5 * 2 ** attempt if delay is None else delay, 30))
                 continue
             break
         if response.status_code >= 400:

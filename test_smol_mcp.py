@@ -1019,6 +1019,7 @@ class CloudWorkedExample(FakeCloudCase):
                     self.assertEqual((body["ttlSeconds"], body["autoStopSeconds"]), (3600, 900))
                     self.assertNotIn("ephemeral", body)
                     self.assertIs(body["forkable"], True)  # a create field on the cloud
+                    self.assertIn("forkable=true", self.cloud_requests("/start")[0][1])  # and, as the client does, on its start
                     ran = await self.ok(c, "run-command", {"name": "mcp-walk", "command": "echo cloned"})
                     self.assertEqual((ran["stdout"], ran["exitCode"], ran["startedMachine"]), ("cloned\n", 0, False))
                     exec_body = self.cloud_requests("/exec")[-1][3]
@@ -1076,6 +1077,19 @@ class CloudRuleTests(FakeCloudCase):
             self.assertIn("machine 'ghost' not found", text)
             self.assertIn("list-machines", text)
             await self.ok(c, "delete-machine", {"name": "persist-1"})
+
+    async def test_retries_only_where_a_repeat_is_safe(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            self.cloud.fail_next("GET", "/v1/machines", 503, times=2)
+            await self.ok(c, "list-machines", {})  # a GET is retried
+            self.cloud.fail_next("POST", "/v1/machines/", 503)  # the exec, not the create
+            text = await self.refused(c, "run-command", {"name": name, "command": "echo once"})
+            self.assertIn("HTTP 503", text)  # an exec is never repeated: it may have run
+            self.cloud.fail_next("POST", "/v1/machines", 429)
+            await self.ok(c, "create-machine", {"name": "mcp-after-429", "image": "alpine", "start": False})
+            creates = [r for r in self.cloud.requests if r[:2] == ("POST", "/v1/machines")]
+            self.assertEqual(len(creates), 3)  # two creates of ours, one of them repeated after its 429
 
     async def test_stopped_machine_is_started_by_a_command_read_or_write(self):
         async with self.client("legacy") as c:
@@ -1488,6 +1502,45 @@ class HttpSessionTests(HttpCase):
 
 
 class HttpProcessTests(unittest.TestCase):
+    @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+    def test_sigterm_ends_every_session_and_deletes_their_machines(self):
+        import httpx2
+        tmp = short_tempdir()
+        fake = FakeSmolvm(f"{tmp}/fake.sock")
+        fake.start()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {**os.environ, "SMOL_LOCAL_URL": f"unix://{tmp}/fake.sock", "SMOL_MCP_RUNTIME_DIR": f"{tmp}/rt",
+               "SMOL_MCP_CONFIG": f"{tmp}/none.json", "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN}
+        server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            url = f"http://127.0.0.1:{port}/mcp"
+            headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+            with httpx2.Client(timeout=30) as http:
+                for _ in range(200):
+                    try:
+                        answer = http.post(url, headers=headers, content=INIT_BODY)
+                        break
+                    except httpx2.TransportError:
+                        time.sleep(0.05)
+                session = {**headers, "mcp-session-id": answer.headers["mcp-session-id"],
+                           "mcp-protocol-version": "2025-06-18"}
+                http.post(url, headers=session, content=jsonrpc(None, "notifications/initialized"))
+                created = http.post(url, headers=session, content=jsonrpc(2, "tools/call", {
+                    "name": "create-machine", "arguments": {"image": "alpine", "network": "open"}})).json()
+            self.assertFalse(created["result"].get("isError"), created)
+            self.assertEqual(len(fake.machines), 1)
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=20)
+            self.assertEqual(fake.machines, {})
+        finally:
+            if server.poll() is None:
+                server.kill()
+            fake.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+
     def test_http_refuses_to_start_without_a_token(self):
         tmp = short_tempdir()
         try:

@@ -363,6 +363,7 @@ class FakeCloud:
         self._tmp = None
         self._hits = []  # request times, for x-ratelimit-remaining
         self._account_id = "acct_" + _hex(16)
+        self._failures = []  # injected transient failures, see fail_next
         self._created_at = time.time()
 
     # ---- lifecycle
@@ -497,6 +498,13 @@ class FakeCloud:
             self._hits = [t for t in self._hits if now - t < 60] + [now]
             return max(0, RATE_LIMIT_PER_MINUTE - len(self._hits))
 
+    def fail_next(self, method, path_prefix, status, times=1):
+        """Answer the next `times` matching requests with `status` and a plain
+        text body, as a busy or restarting service would [assumption: the
+        wording], with `retry-after: 0` so a retrying client does not wait."""
+        with self._lock:
+            self._failures.append({"method": method, "prefix": path_prefix, "status": status, "times": times})
+
     # ---- routing
     def _handle(self, method, target, headers, body, too_big):
         # Auth first, on every path, known or not [public docs].
@@ -509,6 +517,12 @@ class FakeCloud:
         with self._lock:
             self._sweep()
         path, _, qs = target.partition("?")
+        with self._lock:
+            for rule in self._failures:
+                if rule["times"] > 0 and rule["method"] == method and path.startswith(rule["prefix"]):
+                    rule["times"] -= 1
+                    return Resp(rule["status"], b"service temporarily unavailable", TEXT_CT,
+                                headers=[("retry-after", "0")])
         q = urllib.parse.parse_qs(qs, keep_blank_values=True)
         if path == "/v1/account":
             self._allow(method, "GET,HEAD")
