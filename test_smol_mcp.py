@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE))
 
 import anyio  # noqa: E402
 import mcp_types  # noqa: E402
-from mcp import Client, StdioServerParameters  # noqa: E402
+from mcp import Client, MCPError, StdioServerParameters  # noqa: E402
 
 import smol_mcp  # noqa: E402
 from smol_mcp import Config, ConfigError, SmolMcp, load_config  # noqa: E402
@@ -147,7 +147,7 @@ class ConfigTests(unittest.TestCase):
         ]
         self.assertEqual([(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table])
         defaults = Config()
-        for setting, (key, env, default) in zip(smol_mcp.SETTINGS, spec_table):
+        for setting, (key, _, default) in zip(smol_mcp.SETTINGS, spec_table):
             if default is not None:
                 self.assertEqual(getattr(defaults, setting.attr), default, key)
         samples = {  # a valid value other than the default, for every key
@@ -1320,8 +1320,9 @@ class LogSubscriptionTests(FakeServeCase):
             self.fake.append_log("mcp-log", "after unsubscribe")
             await anyio.sleep(2.5)
             self.assertNotIn("notifications/resources/updated", inbox.methods)
-            with self.assertRaises(Exception):
+            with self.assertRaises(MCPError) as caught:
                 await c.subscribe_resource("smol://machine/mars/x/logs")
+            self.assertIn("is not a log resource of this server", str(caught.exception))
 
     async def test_2026_era_listen_stream_carries_log_updates_and_polling_ends_with_the_session(self):
         async with self.client("auto") as c:
