@@ -372,6 +372,8 @@ CHILD_ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYP
                    "XDG_DATA_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "RUST_LOG")
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
 READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
+RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024  # below this, streaming the file from its start is cheap enough
+RANGE_READ_SCRIPT = 'stat -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
 
 
 def inside_smol_guest() -> bool:
@@ -400,14 +402,21 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.socket_path = socket_path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
+        for attempt in range(100):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.socket_path)
+                self.sock = sock
+                return
+            except BlockingIOError:
+                # The serve's listen backlog is full: nothing was sent, so wait a moment and try again.
+                sock.close()
+                time.sleep(0.01 * min(attempt + 1, 10))
+            except OSError:
+                sock.close()
+                raise
+        raise ConnectionRefusedError(f"the serve at {self.socket_path} kept its listen backlog full")
 
 
 @dataclass
@@ -468,6 +477,7 @@ class LocalFleet:
         self._process: subprocess.Popen | None = None
         self._users = 0
         self._ready = False
+        self._pool = threading.local()  # one kept-alive connection per worker thread
         self.version: str | None = None
         if config.local_url:
             self._kind, self._address = parse_local_url(config.local_url)
@@ -638,22 +648,44 @@ class LocalFleet:
             return UnixHTTPConnection(str(self._address), timeout)
         return http.client.HTTPConnection("127.0.0.1", int(self._address), timeout=timeout)
 
+    def _pooled(self, timeout: float) -> http.client.HTTPConnection:
+        """This worker thread's kept-alive connection: opening one per call
+        costs about as much as the call itself. One the serve closed while it
+        sat idle is replaced before it is used."""
+        conn = getattr(self._pool, "conn", None)
+        if conn is not None and conn.sock is not None and peer_closed(conn.sock):
+            conn.close()
+            conn = None
+        if conn is None:
+            conn = self._pool.conn = self._connection(timeout)
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn
+
     def _raw_request(self, method: str, path: str, body: bytes | None = None, *, content_type: str | None = None,
-                     timeout: float = 30) -> tuple[int, str, bytes]:
-        conn = self._connection(timeout)
+                     timeout: float = 30, read: Callable | None = None) -> tuple[int, str, Any]:
+        """Send one request on the pooled connection; ``read`` consumes a 200
+        answer itself (for answers too large to hold whole)."""
+        conn = self._pooled(timeout)
         try:
             headers = {"Content-Type": content_type} if content_type else {}
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
-            return response.status, response.getheader("Content-Type", ""), response.read()
-        finally:
-            conn.close()
+            ctype = response.getheader("Content-Type", "")
+            value = read(response) if read is not None and response.status == 200 else response.read()
+            return response.status, ctype, value
+        except BaseException:
+            conn.close()  # half-used: never hand it to the next call
+            self._pool.conn = None
+            raise
 
     def request(self, action: str, method: str, path: str, payload: Any = None, *, raw: bytes | None = None,
-                timeout: float = 30) -> Any:
+                timeout: float = 30, read: Callable | None = None) -> Any:
         """One API call. Returns the parsed JSON body (or bytes for a raw
-        response); raises ApiError with the API's own message on a refusal.
-        A serve that stopped answering is started again once."""
+        response, or what ``read`` made of a 200); raises ApiError with the
+        API's own message on a refusal. A serve that stopped answering is
+        started again once."""
         self.ensure_serve()
         if payload is not None:
             body, content_type = json.dumps(payload).encode(), "application/json"
@@ -662,7 +694,8 @@ class LocalFleet:
         else:
             body, content_type = None, None
         try:
-            status, ctype, data = self._raw_request(method, path, body, content_type=content_type, timeout=timeout)
+            status, ctype, data = self._raw_request(method, path, body, content_type=content_type, timeout=timeout,
+                                                    read=read)
         except (ConnectionRefusedError, FileNotFoundError):
             # The connection never opened, so the request was not received: safe to resend.
             self._ready = False
@@ -670,7 +703,8 @@ class LocalFleet:
                 raise SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}; start the serve there, "
                                 "or unset SMOL_LOCAL_URL to let smol-mcp start its own") from None
             self.ensure_serve()
-            status, ctype, data = self._raw_request(method, path, body, content_type=content_type, timeout=timeout)
+            status, ctype, data = self._raw_request(method, path, body, content_type=content_type, timeout=timeout,
+                                                    read=read)
         except socket.timeout:
             raise SmolError(f"the local machine API did not answer within {timeout:.0f} s while trying to {action}") from None
         except (OSError, http.client.HTTPException) as exc:
@@ -678,6 +712,8 @@ class LocalFleet:
             raise serve_dropped(action, exc) from None
         if status >= 400:
             raise api_error("local", action, status, ctype, data)
+        if read is not None and status == 200:
+            return data
         if "application/json" in ctype:
             return json.loads(data) if data else None
         return data
@@ -744,13 +780,16 @@ class LocalFleet:
         try:
             # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
             data = self.request(f"run a command in machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/exec",
-                                body, timeout=timeout_secs + 30)
+                                body, timeout=timeout_secs + 30, read=read_exec_answer)
         except ApiError as err:
             if err.status == 409 and "not running" in err.api_message:
                 raise NotRunning(f"machine '{name}' is not running") from None
             raise
-        return ExecResult(exit_code=int(data["exitCode"]), stdout=base64.b64decode(data.get("stdoutB64") or ""),
-                          stderr=base64.b64decode(data.get("stderrB64") or ""), seconds=time.monotonic() - started)
+        except ValueError as err:
+            raise SmolError(f"the local serve answered a command in machine '{name}' with a body this server could "
+                            f"not read ({err})") from None
+        return ExecResult(exit_code=int(data["exitCode"]), stdout=data["stdoutB64"], stderr=data["stderrB64"],
+                          seconds=time.monotonic() - started)
 
     def probe_ready(self, name: str) -> str | None:
         """None once a command runs in the guest; while it is still coming up,
@@ -767,8 +806,19 @@ class LocalFleet:
             return err.api_message
 
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
-        """Stream the file and keep only [offset, offset+length): the API has no
-        range parameters, and the page must never hold more than asked for."""
+        """One page of a file. The API has no range parameters, so a page deep
+        into a large file is cut inside the guest (stat, tail and head) rather
+        than downloading everything before it; an image without those tools
+        falls back to streaming the file and keeping only the page."""
+        if offset >= RANGE_READ_MIN_OFFSET:
+            result = self.exec(name, ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)],
+                               timeout_secs=120)
+            size_line, newline, data = bytes(result.stdout).partition(b"\n")
+            if result.exit_code == 0 and newline and size_line.strip().isdigit():
+                return FilePage(data=data, size=int(size_line), offset=offset)
+        return self._stream_page(name, path, offset, length)
+
+    def _stream_page(self, name: str, path: str, offset: int, length: int) -> FilePage:
         self.ensure_serve()
         action = f"read {path} in machine '{name}'"
         conn = self._connection(timeout=self.config.ready_timeout_secs + 60)
@@ -945,6 +995,137 @@ def free_loopback_port() -> int:
 
 def _q(value: str, safe: str = "") -> str:
     return urllib.parse.quote(value, safe=safe)
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether an idle kept-alive socket was closed by the other end (it then
+    reads as ready, with nothing to read)."""
+    import select
+    readable, _, _ = select.select([sock], [], [], 0)
+    return bool(readable)
+
+
+class JsonStream:
+    """Just enough of a JSON reader to walk a flat object arriving on a
+    socket, a chunk at a time, without holding it whole."""
+
+    CHUNK = 1 << 16
+    SPECIAL = re.compile(rb'[\\"]')
+
+    def __init__(self, stream: Any):
+        self.stream, self.buf, self.pos = stream, bytearray(), 0
+
+    def _fill(self) -> bool:
+        if self.pos > self.CHUNK:  # drop what was consumed, so the buffer stays a chunk or two
+            del self.buf[:self.pos]
+            self.pos = 0
+        chunk = self.stream.read(self.CHUNK)
+        self.buf += chunk
+        return bool(chunk)
+
+    def next_token(self) -> bytes:
+        """The next byte that is not white space."""
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in b" \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf):
+                self.pos += 1
+                return bytes(self.buf[self.pos - 1:self.pos])
+            if not self._fill():
+                raise ValueError("the answer ended early")
+
+    def string(self, sink: Callable[[bytes], None] | None) -> None:
+        """Pass the raw bytes of the string being read to ``sink`` (None skips
+        them) up to its closing quote; escapes are passed through undecoded."""
+        while True:
+            found = self.SPECIAL.search(self.buf, self.pos)
+            if found is None:
+                if sink is not None:
+                    sink(bytes(self.buf[self.pos:]))
+                self.pos = len(self.buf)
+                if not self._fill():
+                    raise ValueError("a string did not end")
+                continue
+            end = found.start()
+            if self.buf[end] == 0x5C:  # a backslash: the next byte is escaped, whatever it is
+                while end + 1 >= len(self.buf):
+                    consumed = self.pos
+                    if not self._fill():
+                        raise ValueError("a string did not end")
+                    end -= consumed - self.pos  # _fill may have dropped the consumed part
+                if sink is not None:
+                    sink(bytes(self.buf[self.pos:end + 2]))
+                self.pos = end + 2
+                continue
+            if sink is not None:
+                sink(bytes(self.buf[self.pos:end]))
+            self.pos = end + 1
+            return
+
+    def scalar(self, first: bytes) -> Any:
+        """A number, true, false or null that began with ``first``."""
+        token = bytearray(first)
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] not in b",}] \t\r\n":
+                token.append(self.buf[self.pos])
+                self.pos += 1
+            if self.pos < len(self.buf) or not self._fill():
+                return json.loads(token)
+
+
+class Base64Sink:
+    """Decode base64 that arrives in pieces into ``output``. It decodes in
+    4-character blocks, so a piece's remainder waits for the next one."""
+
+    def __init__(self, output: bytearray):
+        self.output, self.pending = output, bytearray()
+
+    def __call__(self, raw: bytes) -> None:
+        self.pending += raw
+        usable = len(self.pending) // 4 * 4
+        self.output += base64.b64decode(bytes(self.pending[:usable]), validate=True)
+        del self.pending[:usable]
+
+    def close(self) -> None:
+        if self.pending:
+            raise ValueError("a base64 field ended mid-block")
+
+
+def read_exec_answer(stream: Any) -> dict:
+    """Read a local exec answer keeping only exitCode and the byte-exact
+    stdoutB64 and stderrB64, decoded as they arrive. The lossy text copies of
+    the two streams are skipped: holding the whole answer would cost about seven
+    times the output's size in memory."""
+    reader = JsonStream(stream)
+    answer: dict[str, Any] = {"exitCode": None, "stdoutB64": bytearray(), "stderrB64": bytearray()}
+    if reader.next_token() != b"{":
+        raise ValueError("not a JSON object")
+    token = reader.next_token()
+    while token != b"}":
+        if token == b",":
+            token = reader.next_token()
+        if token != b'"':
+            raise ValueError(f"unexpected {token!r}")
+        key_bytes = bytearray()
+        reader.string(key_bytes.extend)
+        key = json.loads(b'"' + key_bytes + b'"')
+        if reader.next_token() != b":":
+            raise ValueError("a key without a value")
+        first = reader.next_token()
+        if first == b'"' and key in ("stdoutB64", "stderrB64"):
+            sink = Base64Sink(answer[key])
+            reader.string(sink)
+            sink.close()
+        elif first == b'"':
+            reader.string(None)  # the lossy text copy, or a field this server does not read
+        else:
+            value = reader.scalar(first)
+            if key == "exitCode":
+                answer["exitCode"] = value
+        token = reader.next_token()
+    if answer["exitCode"] is None:
+        raise ValueError("no exitCode")
+    return answer
 
 
 def serve_process_on(pid: int, socket_path: str) -> bool:
@@ -1829,7 +2010,7 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     name = args.get("name") or call.new_ephemeral_name()
     spec = machine_spec(call, args, name, call.config.network_default)
     start = args.get("start", True)
-    if spec.branchable and not start:
+    if spec.branchable and not start and call.fleet.name == "local":
         raise ArgumentError('"branchable": true needs "start": true on the local fleet: the engine makes a machine '
                             "a branch source when it starts it")
     for index, mount in enumerate(spec.mounts):

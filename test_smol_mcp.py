@@ -412,6 +412,35 @@ class PiecesTests(unittest.TestCase):
         with self.assertRaises(smol_mcp.ArgumentError):
             smol_mcp.lines_after_cursor(lines, "garbage")
 
+    def test_exec_answers_are_read_in_pieces_exactly(self):
+        """The streaming reader against json.dumps bodies: keys in any order,
+        escapes and look-alike text inside the lossy copies, pretty-printing,
+        and a stream that hands out seven bytes at a time."""
+        import io
+        import random
+
+        class Trickle(io.BytesIO):
+            def read(self, n=-1):
+                return super().read(7)
+
+        rng = random.Random(7)
+        for trial in range(200):
+            out = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300)))
+            err = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
+            fields = [("exitCode", rng.randrange(-3, 300)),
+                      ("stdout", out.decode("utf-8", "replace") + '"stdoutB64":"AAAA\\\\"'),
+                      ("stderr", err.decode("utf-8", "replace")),
+                      ("stdoutB64", base64.b64encode(out).decode()), ("stderrB64", base64.b64encode(err).decode())]
+            rng.shuffle(fields)
+            body = json.dumps(dict(fields), indent=rng.choice([None, 1]), ensure_ascii=rng.choice([True, False]))
+            for stream in (io.BytesIO(body.encode()), Trickle(body.encode())):
+                got = smol_mcp.read_exec_answer(stream)
+                self.assertEqual((bytes(got["stdoutB64"]), bytes(got["stderrB64"]), got["exitCode"]),
+                                 (out, err, dict(fields)["exitCode"]), trial)
+        for broken in (b"", b"[1]", b'{"exitCode": 1, "stdoutB64": "AAA"}', b'{"stdout": "x"}'):
+            with self.assertRaises(ValueError):
+                smol_mcp.read_exec_answer(io.BytesIO(broken))
+
     def test_api_error_reads_both_error_shapes(self):
         err = smol_mcp.api_error("local", "create machine 'x'", 409, "application/json",
                                  b'{"error":"machine \'x\' already exists","code":"CONFLICT"}')
@@ -698,6 +727,17 @@ class ToolRuleTests(FakeServeCase):
                 if page["eof"]:
                     break
             self.assertEqual(got, "é".encode() * 3000)
+            saved = smol_mcp.RANGE_READ_MIN_OFFSET
+            smol_mcp.RANGE_READ_MIN_OFFSET = 1000  # deep pages are cut in the guest
+            try:
+                self.fake.requests.clear()
+                deep = await self.ok(c, "read-file", {"name": name, "path": "/data.bin", "encoding": "base64",
+                                                      "offset": 5000, "length": 1000})
+                self.assertEqual(base64.b64decode(deep["content"]), (bytes(range(256)) * 40)[5000:6000])
+                self.assertEqual((deep["size"], deep["eof"]), (10240, False))
+                self.assertFalse([r for r in self.fake.requests if "/files/" in r[1]])  # no download from byte 0
+            finally:
+                smol_mcp.RANGE_READ_MIN_OFFSET = saved
             past = await self.ok(c, "read-file", {"name": name, "path": "/text.txt", "offset": 99999})
             self.assertEqual((past["content"], past["bytes"], past["eof"]), ("", 0, True))
             text = await self.refused(c, "read-file", {"name": name, "path": "/nope.txt"})
