@@ -1009,7 +1009,7 @@ class JsonStream:
     """Just enough of a JSON reader to walk a flat object arriving on a
     socket, a chunk at a time, without holding it whole."""
 
-    CHUNK = 1 << 16
+    CHUNK = 1 << 18  # big enough that a 64 MiB answer is a few hundred reads
     SPECIAL = re.compile(rb'[\\"]')
 
     def __init__(self, stream: Any):

@@ -819,7 +819,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve", metavar="URL", help="a real serve (unix:///path or http://127.0.0.1:PORT) "
                                                        "instead of the fake")
     parser.add_argument("--only", help="comma-separated sections: startup,per-call,output,paging,concurrency")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CI: a quick run that reports the targets but fails only if the benchmark itself breaks "
+                             "(these machines are shared and noisy, so absolute times gate nothing)")
     args = parser.parse_args(argv)
+    args.quick = args.quick or args.smoke
     sections = ["startup", "per-call", "output", "paging", "concurrency"]
     chosen = args.only.split(",") if args.only else sections
     started = time.monotonic()
@@ -842,8 +846,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'the fake serve (tests/fakes)' if not args.serve else args.serve}, "
           f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, {time.monotonic() - started:.0f} s")
     print(bench.table())
-    print(f"\n{sum(r[5] == 'PASS' for r in bench.rows)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    print(f"\ntargets met: {sum(r[5] == 'PASS' for r in bench.rows)}, missed: {len(failed)}")
+    return 1 if failed and not args.smoke else 0
 
 
 if __name__ == "__main__":
