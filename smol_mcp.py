@@ -1062,6 +1062,30 @@ class JsonStream:
             self.pos = end + 1
             return
 
+    def skip_string(self) -> None:
+        """Skip the string being read. Only quotes are looked at: one is the end
+        unless an odd run of backslashes comes before it. (Per-escape steps
+        would crawl through output with a newline every few bytes.)"""
+        carried = 0  # the backslashes that ended the part already consumed
+        while True:
+            quote = self.buf.find(b'"', self.pos)
+            if quote < 0:
+                rest = bytes(self.buf[self.pos:])
+                run = len(rest) - len(rest.rstrip(b"\\"))
+                carried = run + carried if run == len(rest) else run
+                self.pos = len(self.buf)
+                if not self._fill():
+                    raise ValueError("a string did not end")
+                continue
+            before = bytes(self.buf[self.pos:quote])
+            run = len(before) - len(before.rstrip(b"\\"))
+            if run == len(before):
+                run += carried
+            self.pos = quote + 1
+            if run % 2 == 0:
+                return
+            carried = 0  # an escaped quote: the string goes on
+
     def scalar(self, first: bytes) -> Any:
         """A number, true, false or null that began with ``first``."""
         token = bytearray(first)
@@ -1117,7 +1141,7 @@ def read_exec_answer(stream: Any) -> dict:
             reader.string(sink)
             sink.close()
         elif first == b'"':
-            reader.string(None)  # the lossy text copy, or a field this server does not read
+            reader.skip_string()  # the lossy text copy, or a field this server does not read
         else:
             value = reader.scalar(first)
             if key == "exitCode":

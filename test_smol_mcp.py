@@ -428,7 +428,8 @@ class PiecesTests(unittest.TestCase):
             out = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300)))
             err = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
             fields = [("exitCode", rng.randrange(-3, 300)),
-                      ("stdout", out.decode("utf-8", "replace") + '"stdoutB64":"AAAA\\\\"'),
+                      ("stdout", out.decode("utf-8", "replace") + "\\" * rng.randrange(7) + '"stdoutB64":"AAAA"'
+                       + "\\" * rng.randrange(7)),
                       ("stderr", err.decode("utf-8", "replace")),
                       ("stdoutB64", base64.b64encode(out).decode()), ("stderrB64", base64.b64encode(err).decode())]
             rng.shuffle(fields)
