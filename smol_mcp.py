@@ -373,7 +373,7 @@ CHILD_ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYP
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
 READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
 RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024  # below this, streaming the file from its start is cheap enough
-RANGE_READ_SCRIPT = 'stat -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
+RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'  # -L: a link's target
 
 
 def inside_smol_guest() -> bool:
@@ -448,6 +448,7 @@ class ExecResult:
     stdout: bytes
     stderr: bytes
     seconds: float
+    cut_by_service: tuple[str, ...] = ()  # streams the API itself cut short (the cloud's text cap)
 
 
 @dataclass
@@ -811,11 +812,14 @@ class LocalFleet:
         than downloading everything before it; an image without those tools
         falls back to streaming the file and keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
-            result = self.exec(name, ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)],
-                               timeout_secs=120)
-            size_line, newline, data = bytes(result.stdout).partition(b"\n")
-            if result.exit_code == 0 and newline and size_line.strip().isdigit():
-                return FilePage(data=data, size=int(size_line), offset=offset)
+            try:
+                result = self.exec(name, ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)],
+                                   timeout_secs=120)
+                size_line, newline, data = bytes(result.stdout).partition(b"\n")
+                if result.exit_code == 0 and newline and size_line.strip().isdigit():
+                    return FilePage(data=data, size=int(size_line), offset=offset)
+            except ApiError:
+                pass  # no shell in this image, say: the download below still works
         return self._stream_page(name, path, offset, length)
 
     def _stream_page(self, name: str, path: str, offset: int, length: int) -> FilePage:
@@ -1351,11 +1355,13 @@ class CloudFleet:
         """Run a command in a running machine; NotRunning if it is not running
         (cloud exec would start it silently)."""
         record = self._find(name)
-        if record.get("state") not in ("running", "started"):
+        if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
         answer, seconds = self._exec(record["id"], name, argv, timeout_secs, workdir, env, stdin)
+        cut = tuple(stream for stream in ("stdout", "stderr")
+                    if answer.get(f"{stream}Truncated") and not answer.get(f"{stream}B64"))
         return ExecResult(exit_code=int(answer["exitCode"]), stdout=exec_stream(answer, "stdout"),
-                          stderr=exec_stream(answer, "stderr"), seconds=seconds)
+                          stderr=exec_stream(answer, "stderr"), seconds=seconds, cut_by_service=cut)
 
     def probe_ready(self, name: str) -> str | None:
         """None once a command runs in the guest. The service's own `ready`
@@ -1364,7 +1370,7 @@ class CloudFleet:
         state = record.get("state")
         if state in ("error", "stopped", "deleted"):
             raise SmolError(f"machine '{name}' is {state} instead of starting; its log (machine-logs) may say why")
-        if state not in ("running", "started"):
+        if state not in RUNNING_STATES:
             return f"state {state}"
         try:
             self._exec(record["id"], name, READY_PROBE, 10)
@@ -1878,7 +1884,13 @@ class Call:
         done = max(round(time.monotonic() - self.started, 3), self._last_progress + 0.001)
         self._last_progress = done
         try:
-            await self.ctx.session.report_progress(done, total, message)
+            token = (self.ctx.meta or {}).get("progress_token")
+            if self.ctx.request is not None and token is not None:
+                # Plain-JSON HTTP replies cannot carry notifications, so these ride
+                # the client's GET stream (handshake era), matched by their token.
+                await self.ctx.session.send_progress_notification(token, done, total, message)
+            else:
+                await self.ctx.session.report_progress(done, total, message)
         except Exception:  # progress is a courtesy; a client that went away must not fail the call
             log.debug("progress notification not sent", exc_info=True)
 
@@ -1975,9 +1987,12 @@ async def start_and_wait(call: Call, name: str, branchable: bool = False) -> dic
     return record
 
 
+RUNNING_STATES = ("running", "started")  # the cloud reports "started" once the VM process launched
+
+
 async def ensure_running(call: Call, name: str) -> bool:
     """Start a machine that is not running and wait for it; True if we started it."""
-    if await call.api(call.fleet.machine_state, name) == "running":
+    if await call.api(call.fleet.machine_state, name) in RUNNING_STATES:
         return False
     await start_and_wait(call, name)
     return True
@@ -1992,8 +2007,13 @@ async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, k
                               "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1, "overflow": []}
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
     for stream, data in (("stdout", result.stdout), ("stderr", result.stderr)):
+        lost = ""
+        if stream in result.cut_by_service:
+            shaped["truncated"] = True
+            lost = (f"\n[... smol-mcp: the cloud API cut {stream} here, at {len(data)} bytes; what followed was not "
+                    "returned by the service and is lost ...]\n")
         if len(data) <= limit:
-            shaped[stream] = data.decode("utf-8", "replace")
+            shaped[stream] = data.decode("utf-8", "replace") + lost
             continue
         shaped["truncated"] = True
         where = ("run-once deletes its machine, so the whole stream was not kept; use create-machine and "
@@ -2003,10 +2023,12 @@ async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, k
             try:
                 await call.api(call.fleet.write_file, name, path, data)
                 shaped["overflow"].append(path)
-                where = f"the whole {len(data)}-byte stream is in the machine at {path} (read it with read-file)"
+                kept = "the first" if lost else "the whole"
+                where = f"{kept} {len(data)} bytes of the stream are in the machine at {path} (read it with read-file)"
             except SmolError as err:
                 where = f"the whole stream could not be saved in the machine: {err}"
         shaped[stream], _ = head_and_tail(data, limit, where)
+        shaped[stream] += lost
     return shaped
 
 
@@ -2151,7 +2173,7 @@ async def tool_write_file(call: Call, args: dict) -> dict:
 async def tool_start_machine(call: Call, args: dict) -> dict:
     name, wait = args["name"], args.get("wait", True)
     record = await call.api(call.fleet.get_machine, name)
-    if record["state"] != "running":
+    if record["state"] not in RUNNING_STATES:
         try:
             record = await call.api(call.fleet.start_machine, name)
         except Exception as err:
@@ -2196,11 +2218,15 @@ def line_digest(line: str) -> str:
     return hashlib.sha256(line.encode()).hexdigest()[:12]
 
 
+CURSOR_LINES = 3  # the run of lines a cursor recognises its place by
+
+
 def log_cursor(lines: list[str], end: int) -> str:
     """Where a reader stopped: how many lines it has seen, and a digest of the
-    last one, so the place is found again when the cloud's tail window has
-    moved on (the cloud log route has no cursor of its own)."""
-    return f"{end}:{line_digest(lines[end - 1]) if end else ''}"
+    last few, so the place is found again when the cloud's tail window has
+    moved on (the cloud log route has no cursor of its own). Several lines,
+    because one blank or repeated line is found in many places."""
+    return f"{end}:{line_digest(chr(10).join(lines[max(0, end - CURSOR_LINES):end])) if end else ''}"
 
 
 def lines_after_cursor(lines: list[str], cursor: str) -> int:
@@ -2211,11 +2237,11 @@ def lines_after_cursor(lines: list[str], cursor: str) -> int:
     seen = int(count)
     if seen == 0:
         return 0
-    if seen <= len(lines) and line_digest(lines[seen - 1]) == digest:
+    if seen <= len(lines) and log_cursor(lines, seen) == cursor:
         return seen
-    for index in range(len(lines) - 1, -1, -1):  # the window moved: find the last line seen
-        if line_digest(lines[index]) == digest:
-            return index + 1
+    for end in range(len(lines), 0, -1):  # the window moved: find the run of lines last seen
+        if log_cursor(lines, end).partition(":")[2] == digest:
+            return end
     return 0  # the log started again from scratch: all of it is new
 
 
@@ -2399,21 +2425,38 @@ def local_target_facts(fleet: LocalFleet) -> dict:
         "serve": fleet.config.local_url or "started on the first local tool call",
         "minSmolvm": fleet.config.min_smolvm or None,
     })
+    running_version = fleet.version or serve_version(fleet)  # asks a serve that already runs; starts none
+    facts["smolvm"]["version"] = running_version
     if guest:
         facts.update(usable=False, reason="running inside a smol machine, which cannot start machines of its own")
     elif fleet.config.local_url:
-        facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
+        if running_version is None:
+            facts.update(usable=False, reason=f"nothing answers at SMOL_LOCAL_URL={fleet.config.local_url}; start "
+                                              "that serve, or unset SMOL_LOCAL_URL to let smol-mcp start its own")
+        else:
+            facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
     elif binary is None:
         facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); install it or set SMOLVM")
     elif not hypervisor_ok:
         facts.update(usable=False, reason=hypervisor_reason)
-    elif not fleet.version and rollout_port_taken() and not fleet._answers():
+    elif running_version is None and rollout_port_taken():
         facts.update(usable=False, reason="another smolvm serve already runs on this host (127.0.0.1:10081 is "
                                           "taken); set SMOL_LOCAL_URL to its socket, or stop it")
-    if fleet.version and fleet.config.min_smolvm and version_tuple(fleet.version) < version_tuple(fleet.config.min_smolvm):
-        facts.update(usable=False, reason=f"smolvm {fleet.version} is older than {fleet.config.min_smolvm}; upgrade "
-                                          "it, or set SMOL_MCP_MIN_SMOLVM to an empty value to skip the check")
+    minimum = fleet.config.min_smolvm
+    if running_version and minimum and version_tuple(running_version) < version_tuple(minimum):
+        facts.update(usable=False, reason=f"smolvm {running_version} is older than {minimum}; upgrade it, or set "
+                                          "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check")
+    elif not running_version and facts["usable"] and minimum:
+        facts["reason"] = f"its version is checked against {minimum} when the first local call starts the serve"
     return facts
+
+
+def serve_version(fleet: LocalFleet) -> str | None:
+    """The version a serve already answering on the fleet's address reports."""
+    try:
+        return str(fleet._health().get("version") or "") or None
+    except (OSError, SmolError, ValueError):
+        return None
 
 
 def rollout_port_taken() -> bool:
@@ -2479,10 +2522,18 @@ class Session:
         self.record_path = Path(app.config.runtime_dir) / "sessions" / f"{os.getpid()}-{session_id}.json"
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
         self.asked_fleet = False
+        self.chose_during: Any = None  # the call whose question made the choice
+        self._question_lock = None
         self.tasks = tasks  # the task group its log pollers run in
         self.subscriptions: dict[str, Any] = {}  # uri -> the CancelScope of its poller (handshake era)
         self._bus = self._listener = None
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the 2026-era HTTP idle timeout
+
+    def question_lock(self):
+        import anyio
+        if self._question_lock is None:
+            self._question_lock = anyio.Lock()
+        return self._question_lock
 
     def events(self):
         """This session's event bus and listen handler (2026 era change
@@ -2802,15 +2853,17 @@ class SmolMcp:
             fleet.acquire()
         return Session(self, session_id, tasks)
 
-    def fleet_for(self, session: Session, name: str, arguments: dict) -> Any:
+    def fleet_for(self, session: Session, name: str, arguments: dict, params: Any = None) -> Any:
         """The fleet a call goes to, taking `target` out of the arguments."""
         if self.mode != "both":
             return next(iter(self.fleets.values()))
-        if session.target is not None:
+        if session.target is not None and not (params is not None and params is session.chose_during
+                                               and "target" in arguments):
             given = arguments.pop("target", session.target)
             if given != session.target:
                 raise ArgumentError(f'this session chose the {session.target} fleet at its first call, so target '
-                                    f'"{given}" is not available in it; start another session for the other fleet')
+                                    f'"{given}" is not available in it; use a new session (over HTTP with the '
+                                    "2026-07-28 protocol, the session is the token) for the other fleet")
             return self.fleets[session.target]
         if "target" not in arguments:
             raise ArgumentError(f'{name} needs "target": "local" or "cloud". This server serves both fleets and '
@@ -2826,9 +2879,15 @@ class SmolMcp:
         session: `target` leaves every tool and the client is told the list
         changed. Returns the question itself when it travels as a 2026-era
         input-required result; None when the call can go on."""
+        if self.mode != "both" or session.asked_fleet:
+            return None
+        async with session.question_lock():  # calls racing in at the start get one question between them
+            return await self._ask_fleet_once(ctx, session, params)
+
+    async def _ask_fleet_once(self, ctx, session: Session, params):
         import mcp_types as types
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-        if self.mode != "both" or session.asked_fleet:
+        if session.asked_fleet:
             return None
         capabilities = ctx.session.client_capabilities
         if capabilities is None or capabilities.elicitation is None or (
@@ -2850,6 +2909,7 @@ class SmolMcp:
         choice = (answer.content or {}).get("fleet") if answer is not None and answer.action == "accept" else None
         if choice in self.fleets and session.target is None:
             session.target = choice
+            session.chose_during = params  # the call that asked may still name the other fleet explicitly
             log.info("session %s chose the %s fleet", session.id, choice)
             await self.announce_tools_changed(ctx, session, modern)
         return None
@@ -2890,7 +2950,7 @@ class SmolMcp:
             if question is not None:
                 return question
             arguments = dict(params.arguments or {})
-            fleet = self.fleet_for(session, name, arguments)
+            fleet = self.fleet_for(session, name, arguments, params)
             validate_arguments(name, tool.input_schema, arguments)
             if fleet is self.local:
                 await self.sweep_once()
@@ -3173,7 +3233,8 @@ class HttpSessions:
         if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
             principal = ctx.request.scope.get("state", {}).get("smol_principal", "default")
             if principal not in self.by_principal:
-                self.by_principal[principal] = self.app.open_session(f"token-{principal}", self.tasks)
+                self.by_principal[principal] = self.app.open_session(
+                    f"token-{principal}-{secrets_module.token_hex(3)}", self.tasks)
             return self.by_principal[principal]
         connection = ctx.session._connection  # private in mcp 2.3.0, which is pinned exactly
         session = connection.state.get("smol_session")
@@ -3348,9 +3409,12 @@ def client_entry(client: str, http_url: str | None) -> tuple[str, dict]:
             return "mcp_servers", {"url": http_url, "bearer_token_env_var": "SMOL_MCP_AUTH_TOKEN"}
         return "mcp_servers", {"command": command[0], "args": command[1:]}
     if http_url:
-        if client == "claude-desktop":  # it speaks stdio only; the npm bridge carries HTTP
-            return "mcpServers", {"command": "npx", "args": ["-y", "mcp-remote", http_url, "--header",
-                                                             "Authorization: Bearer ${SMOL_MCP_AUTH_TOKEN}"]}
+        if client == "claude-desktop":
+            # It speaks stdio only, so the npm bridge carries HTTP; it reads no shell
+            # environment, so the token has to be pasted into its env block by hand.
+            return "mcpServers", {"command": "npx",
+                                  "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
+                                  "env": {"AUTH_HEADER": "Bearer <paste the SMOL_MCP_AUTH_TOKEN value here>"}}
         reference = "${env:SMOL_MCP_AUTH_TOKEN}" if client == "cursor" else "${SMOL_MCP_AUTH_TOKEN}"
         return "mcpServers", {"type": "http", "url": http_url, "headers": {"Authorization": f"Bearer {reference}"}}
     return "mcpServers", {"command": command[0], "args": command[1:]}

@@ -402,6 +402,12 @@ class PiecesTests(unittest.TestCase):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def test_log_cursor_keeps_its_place_among_blank_and_repeated_lines(self):
+        old = ["a", "b", "", "x", ""]
+        cursor = smol_mcp.log_cursor(old, len(old))
+        window = ["", "x", "", "y", ""]  # moved on by two lines, blank lines everywhere
+        self.assertEqual(window[smol_mcp.lines_after_cursor(window, cursor):], ["y", ""])
+
     def test_log_cursor_survives_a_moving_window(self):
         lines = [f"l{i}" for i in range(10)]
         cursor = smol_mcp.log_cursor(lines, 10)
@@ -731,6 +737,11 @@ class ToolRuleTests(FakeServeCase):
             saved = smol_mcp.RANGE_READ_MIN_OFFSET
             smol_mcp.RANGE_READ_MIN_OFFSET = 1000  # deep pages are cut in the guest
             try:
+                os.symlink("/data.bin", root / "link.bin")
+                linked = await self.ok(c, "read-file", {"name": name, "path": "/link.bin", "encoding": "base64",
+                                                        "offset": 2000, "length": 10})
+                self.assertEqual((linked["size"], base64.b64decode(linked["content"])),
+                                 (10240, (bytes(range(256)) * 40)[2000:2010]))  # the target's size, not the link's
                 self.fake.requests.clear()
                 deep = await self.ok(c, "read-file", {"name": name, "path": "/data.bin", "encoding": "base64",
                                                       "offset": 5000, "length": 1000})
@@ -1105,6 +1116,16 @@ class CloudRuleTests(FakeCloudCase):
         await self.ok(c, "create-machine", {"name": name, "image": "alpine", **extra})
         return name
 
+    async def test_a_stream_the_service_cut_is_reported_not_passed_off_as_whole(self):
+        self.cloud.exec_b64, self.cloud.exec_output_cap = False, 3000  # an older service: capped text only
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            out = await self.ok(c, "run-command", {"name": name, "command": "seq 1 2000; echo END"})
+            self.assertTrue(out["truncated"])
+            self.assertIn("the cloud API cut stdout here", out["stdout"])
+            self.assertNotIn("END", out["stdout"])
+            self.assertIn("the first", out["stdout"])  # the overflow file is not claimed to be whole
+
     async def test_names_resolve_with_one_list_call_and_ids_work_too(self):
         async with self.client("legacy") as c:
             await self.machine(c, "persist-1")
@@ -1314,6 +1335,15 @@ class ElicitationTests(FakeCloudCase):
             self.assertEqual(len(asked), 1)  # asked once
             self.assertIn("Which one is this session for?", asked[0])
 
+    async def test_calls_racing_in_get_one_question_and_the_asking_call_keeps_its_target(self):
+        asked = []
+        async with self.client("legacy", elicitation_callback=answer_fleet("accept", "local", asked)) as c:
+            answers = await asyncio.gather(*[c.call_tool("list-machines", {"target": "cloud"}) for _ in range(3)])
+            self.assertEqual(len(asked), 1)
+            self.assertEqual([a.is_error for a in answers].count(False), 1, [a.content[0].text for a in answers])
+            # the call that asked ran where it said (cloud); the session is local from then on
+            self.assertTrue(self.cloud_requests("/v1/machines", "GET"))
+
     async def test_2026_era_answer_narrows_and_the_listen_stream_hears_it(self):
         async with self.client("auto", elicitation_callback=answer_fleet("accept", "cloud")) as c:
             async with c.listen(tools_list_changed=True) as events:
@@ -1513,6 +1543,24 @@ class HttpSessionTests(HttpCase):
                 else:  # 2026 era: no session id; the token's state ends when idle
                     await self.wait_until(lambda: name not in self.fake.machines, 15)
 
+    async def test_progress_reaches_a_handshake_era_client_over_http(self):
+        saved = smol_mcp.PROGRESS_INTERVAL_SECS
+        smol_mcp.PROGRESS_INTERVAL_SECS = 0.3
+        seen = []
+
+        async def on_progress(progress, total, message):
+            seen.append(message)
+
+        try:
+            async with self.http_client("legacy") as c:
+                await self.ok(c, "create-machine", {"name": "mcp-prog", "image": "alpine", "network": "open"})
+                answer = await c.call_tool("run-command", {"name": "mcp-prog", "command": "sleep 1.5"},
+                                           progress_callback=on_progress)
+                self.assertFalse(answer.is_error)
+        finally:
+            smol_mcp.PROGRESS_INTERVAL_SECS = saved
+        self.assertTrue(any("running the command in 'mcp-prog'" in m for m in seen), seen)
+
     async def test_idle_sessions_end_but_never_during_a_call(self):
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
         response = await self.raw("POST", "/mcp", auth, INIT_BODY)
@@ -1647,6 +1695,20 @@ class HelperCommandTests(unittest.TestCase):
         out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0 if smol_mcp.hypervisor_status()[0] else 1, out.stdout)
         self.assertIn(f"smolvm: {FAKE_CLI}", out.stdout)
+
+    def test_doctor_reports_a_dead_local_url_and_a_running_serve_s_version(self):
+        out = run_cli("doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"})
+        self.assertEqual(out.returncode, 1)
+        self.assertIn("nothing answers at SMOL_LOCAL_URL", out.stdout)
+        if CAN_CHROOT:
+            fake = FakeSmolvm(f"{self.tmp}/old.sock", version="1.10.0")
+            fake.start()
+            try:
+                out = run_cli("doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/old.sock"})
+            finally:
+                fake.stop()
+            self.assertEqual(out.returncode, 1)
+            self.assertIn("smolvm 1.10.0 is older than 1.14.0", out.stdout)
 
     def test_doctor_tries_the_cloud_key(self):
         cloud = FakeCloud(token=CLOUD_TOKEN).start()
