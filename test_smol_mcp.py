@@ -550,13 +550,14 @@ class ToolListTests(FakeServeCase):
                 self.assertIn("network", c.instructions)
                 self.assertIn('network: "open"', c.instructions)
 
-    async def test_serve_is_not_contacted_until_a_tool_is_called(self):
+    async def test_connecting_and_reading_targets_ask_the_serve_nothing_but_its_health(self):
         async with self.client("legacy") as c:
             await c.list_tools()
-            await c.read_resource(smol_mcp.TARGETS_URI)
             self.assertEqual(self.fake.requests, [])
+            await c.read_resource(smol_mcp.TARGETS_URI)  # a serve that already runs is asked its version
+            self.assertEqual([r[:2] for r in self.fake.requests], [("GET", "/health")])
             await c.call_tool("list-machines", {})
-            self.assertTrue(self.fake.requests)
+            self.assertIn(("GET", "/api/v1/machines"), [r[:2] for r in self.fake.requests])
 
 
 class EraScenarios:
