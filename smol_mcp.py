@@ -36,6 +36,7 @@ import base64
 import dataclasses
 import datetime
 import difflib
+import functools
 import hmac
 import http.client
 import ipaddress
@@ -1815,7 +1816,7 @@ def _out(properties: dict) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties)}
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: tool_schema caches per tool
 class ToolSpec:
     """One tool: what the client is shown, and the handler that answers it."""
 
@@ -1846,7 +1847,6 @@ class Call:
         waiting at once (the thread finishes on its own). With ``waiting``, a
         progress notification says so every few seconds until it returns."""
         import anyio
-        import functools
         run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args, **kwargs),
                                 abandon_on_cancel=True, limiter=self.app.thread_limiter())
         if waiting is None:
@@ -1872,7 +1872,6 @@ class Call:
         call is cancelled meanwhile: abandoned, it could create a machine after
         the cleanup had already run, and nobody would delete it."""
         import anyio
-        import functools
         with anyio.CancelScope(shield=True):
             return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=self.app.thread_limiter())
 
@@ -2691,8 +2690,10 @@ def resolve_mode(config: Config) -> str:
     return config.targets
 
 
+@functools.lru_cache(maxsize=None)
 def tool_schema(tool: ToolSpec, with_target: bool) -> dict:
-    """The input schema a client is shown: with a required target in both mode."""
+    """The input schema a client is shown: with a required target in both mode.
+    (Cached: a 2026-era HTTP client has the tool list built before every call.)"""
     if not with_target:
         return tool.input_schema
     schema = json.loads(json.dumps(tool.input_schema))
