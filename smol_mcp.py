@@ -695,9 +695,10 @@ class LocalFleet:
             body, content_type = raw, "application/octet-stream"
         else:
             body, content_type = None, None
+        send = functools.partial(self._raw_request, method, path, body, content_type=content_type, timeout=timeout,
+                                 read=read)
         try:
-            status, ctype, data = self._raw_request(method, path, body, content_type=content_type, timeout=timeout,
-                                                    read=read)
+            status, ctype, data = send()
         except (ConnectionRefusedError, FileNotFoundError):
             # The connection never opened, so the request was not received: safe to resend.
             self._ready = False
@@ -705,8 +706,7 @@ class LocalFleet:
                 raise SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}; start the serve there, "
                                 "or unset SMOL_LOCAL_URL to let smol-mcp start its own") from None
             self.ensure_serve()
-            status, ctype, data = self._raw_request(method, path, body, content_type=content_type, timeout=timeout,
-                                                    read=read)
+            status, ctype, data = send()
         except socket.timeout:
             raise SmolError(f"the local machine API did not answer within {timeout:.0f} s while trying to {action}") from None
         except (OSError, http.client.HTTPException) as exc:
@@ -2747,6 +2747,7 @@ class SmolMcp:
             self.fleets[name] = self.local if name == "local" else CloudFleet(config)
         self._limiter = None
         self._swept = False
+        self._tool_lists: dict[bool, list] = {}
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
         self.server = self._build_server()
 
@@ -2794,7 +2795,7 @@ class SmolMcp:
 
         async def list_tools(ctx, params):
             with_target = app.mode == "both" and app.session_for(ctx).target is None
-            return types.ListToolsResult(tools=[app.mcp_tool(tool, with_target) for tool in TOOLS])
+            return types.ListToolsResult(tools=app.tool_list(with_target))
 
         async def call_tool(ctx, params):
             return await app.call_tool(ctx, params)
@@ -2831,6 +2832,13 @@ class SmolMcp:
             lifespan=lifespan, on_list_tools=list_tools, on_call_tool=call_tool, on_list_resources=list_resources,
             on_list_resource_templates=list_resource_templates, on_read_resource=read_resource,
             on_subscribe_resource=subscribe, on_unsubscribe_resource=unsubscribe, on_subscriptions_listen=listen)
+
+    def tool_list(self, with_target: bool) -> list:
+        """The tools as the client sees them, built once per shape: a 2026-era
+        HTTP client has the list built before every tool call."""
+        if with_target not in self._tool_lists:
+            self._tool_lists[with_target] = [self.mcp_tool(tool, with_target) for tool in TOOLS]
+        return self._tool_lists[with_target]
 
     def mcp_tool(self, tool: ToolSpec, with_target: bool):
         import mcp_types as types
