@@ -21,13 +21,14 @@ and ``main()``.
 
 The file reads top to bottom in the order a request flows:
 
-     1. Configuration            8. Tools
-     2. Errors                   9. Resources
-     3. Local fleet             10. Sessions and cleanup
-     4. Cloud fleet             11. The MCP server
-     5. Normalised records      12. stdio
-     6. Output budget           13. Streamable HTTP
-     7. Argument validation     14. Command line
+     1. Configuration            9. Resources
+     2. Errors                  10. Sessions and cleanup
+     3. Local fleet             11. Agent access
+     4. Cloud fleet             12. The MCP server
+     5. Normalised records      13. stdio
+     6. Output budget           14. Streamable HTTP
+     7. Argument validation     15. Command line
+     8. Tools
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class Config:
     http_session_idle_secs: int = 1800
     http_allowed_hosts: tuple[str, ...] = ()
     http_allowed_origins: tuple[str, ...] = ()
+    state_dir: str = ""
+    scopes: tuple[str, ...] = ()  # empty: every scope (section 11)
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
@@ -156,6 +159,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("httpSessionIdleSecs", "SMOL_MCP_HTTP_SESSION_IDLE_SECS", "http_session_idle_secs", "int", minimum=1),
     Setting("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", "http_allowed_hosts", "list"),
     Setting("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", "http_allowed_origins", "list"),
+    Setting("stateDir", "SMOL_MCP_STATE_DIR", "state_dir", "str"),
+    Setting("scopes", "SMOL_MCP_SCOPES", "scopes", "list"),
 )
 
 
@@ -256,8 +261,14 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
     if config.local_url:
         parse_local_url(config.local_url)  # raises ConfigError when it is not a loopback or unix URL
+    unknown = [scope for scope in config.scopes if scope not in SCOPES]
+    if unknown:
+        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {', '.join(map(repr, unknown))}, which is not a "
+                          f"scope; the scopes are: {', '.join(SCOPES)}")
     if not config.runtime_dir:
         config = dataclasses.replace(config, runtime_dir=default_runtime_dir(environ))
+    if not config.state_dir:
+        config = dataclasses.replace(config, state_dir=default_state_dir(environ))
     return config
 
 
@@ -268,19 +279,34 @@ def default_runtime_dir(environ: dict[str, str]) -> str:
     return str(Path(tempfile.gettempdir()) / f"smol-mcp-{os.getuid()}")
 
 
+def default_state_dir(environ: dict[str, str]) -> str:
+    """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp: tokens and ownership
+    must outlive a reboot, which the runtime directory does not."""
+    if environ.get("XDG_STATE_HOME"):
+        return str(Path(environ["XDG_STATE_HOME"]) / "smol-mcp")
+    home = environ.get("HOME") or str(Path.home())
+    return str(Path(home) / ".local" / "state" / "smol-mcp")
+
+
 def ensure_runtime_dir(path: str) -> Path:
     """Create the runtime directory with mode 0700 and refuse one we do not own:
     it holds the socket of an API without authentication."""
+    return ensure_private_dir(path, "runtime directory", "SMOL_MCP_RUNTIME_DIR")
+
+
+def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
+    """Create a directory with mode 0700, and refuse one another user owns or
+    can open (named ``what``, moved with the variable ``env``)."""
     directory = Path(path)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = directory.stat()
     if info.st_uid != os.getuid():
-        raise SmolError(f"the runtime directory {directory} belongs to another user; set SMOL_MCP_RUNTIME_DIR "
+        raise SmolError(f"the {what} {directory} belongs to another user; set {env} "
                         "to a directory of your own")
     if info.st_mode & 0o077:
         # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
-        raise SmolError(f"the runtime directory {directory} can be opened by other users (mode "
-                        f"{oct(info.st_mode & 0o777)}); set SMOL_MCP_RUNTIME_DIR to a directory only you can open, "
+        raise SmolError(f"the {what} {directory} can be opened by other users (mode "
+                        f"{oct(info.st_mode & 0o777)}); set {env} to a directory only you can open, "
                         "for example one made with mkdir -m 700")
     return directory
 
@@ -1836,8 +1862,10 @@ class Call:
     """What one tool call needs: its fleet, its session, worker threads for the
     blocking API, and progress notifications for the long waits."""
 
-    def __init__(self, app: "SmolMcp", session: "Session", fleet: Any, ctx: Any):
+    def __init__(self, app: "SmolMcp", session: "Session", fleet: Any, ctx: Any,
+                 principal: "Principal | None" = None):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
+        self.principal = principal or app.access.stdio
         self.config = app.config
         self.started = time.monotonic()
         self._last_progress = -1.0
@@ -1896,6 +1924,11 @@ class Call:
     def new_ephemeral_name(self) -> str:
         return f"{self.config.machine_prefix}{secrets_module.token_hex(4)}"
 
+    def forget(self, name: str) -> None:
+        """A machine this call deleted: out of the session's record and the ownership store."""
+        self.session.forget(self.fleet.name, name)
+        self.app.access.owners.clear(self.fleet.name, [name])
+
     async def delete_quietly(self, name: str) -> None:
         """Delete a machine this call created, even while the call is being
         cancelled, and forget it; a failure here is logged, not raised over the
@@ -1905,10 +1938,10 @@ class Call:
             try:
                 with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
                     await anyio.to_thread.run_sync(self.fleet.delete_machine, name, abandon_on_cancel=True)
-                self.session.forget(self.fleet.name, name)
+                self.forget(name)
             except ApiError as err:
                 if err.status == 404:
-                    self.session.forget(self.fleet.name, name)
+                    self.forget(name)
                 else:
                     log.warning("could not delete machine %s: %s", name, err)
             except Exception as err:
@@ -2075,17 +2108,25 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     return {"machine": record, "ephemeral": ephemeral, "ready": True}
 
 
-async def create_recorded(call: Call, name: str, create: Callable, *args: Any) -> dict:
+async def create_recorded(call: Call, name: str, create: Callable, *args: Any,
+                          owner: str | None = None) -> dict:
     """Create a machine (or a branch child) so the session's record stays true:
     an ephemeral name is recorded before the call, so a crash right after it
     still cleans up, and forgotten only if the API refused it and this call
-    was the one that recorded it."""
+    was the one that recorded it. Its owner (the caller, or for a branch the
+    source's owner) is recorded the same way."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
+    owners = call.app.access.owners
+    claimed = owners.owner(call.fleet.name, name) is None
+    if claimed:
+        owners.claim(call.fleet.name, name, owner or call.principal.name)
     try:
         return await call.create(create, *args)
     except SmolError:
         if added:
             call.session.forget(call.fleet.name, name)
+        if claimed:
+            owners.clear(call.fleet.name, [name])
         raise
 
 
@@ -2186,7 +2227,8 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
     source, wait = args["name"], args.get("wait", True)
     child = args.get("childName") or call.new_ephemeral_name()
     try:
-        record = await create_recorded(call, child, call.fleet.branch_machine, source, child)
+        owner = call.app.access.owners.owner(call.fleet.name, source)
+        record = await create_recorded(call, child, call.fleet.branch_machine, source, child, owner=owner)
     except ApiError as err:
         if err.status == 409 and any(word in err.api_message for word in ("forkable", "control socket", "branchable")):
             raise err.with_hint("The source must be running and created as a branch source: create-machine with "
@@ -2208,7 +2250,7 @@ async def tool_stop_machine(call: Call, args: dict) -> dict:
 
 async def tool_delete_machine(call: Call, args: dict) -> dict:
     result = await call.api(call.fleet.delete_machine, args["name"])
-    call.session.forget(call.fleet.name, args["name"])
+    call.forget(args["name"])
     return result
 
 
@@ -2527,6 +2569,8 @@ class Session:
         self.subscriptions: dict[str, Any] = {}  # uri -> the CancelScope of its poller (handshake era)
         self._bus = self._listener = None
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the 2026-era HTTP idle timeout
+        self.principal: Principal | None = None  # over HTTP: the token that opened it
+        self.ended = False
 
     def question_lock(self):
         import anyio
@@ -2588,6 +2632,7 @@ class Session:
             for name in deleted:
                 log.info("session %s ended: deleted %s", self.id, name)
                 self.forget(fleet_name, name)
+            self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
 
@@ -2654,7 +2699,416 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
-# 11. The MCP server
+# 11. Agent access
+#
+# Who is calling, and what it may do. Over HTTP every request carries a token:
+# SMOL_MCP_AUTH_TOKEN (named "default", every scope) or one made with `tokens
+# create`, of which only a hash is kept in the state directory. A token's
+# scopes decide which tools it is shown and may call; a sandbox.* scope narrows
+# it to the machines it created, which the ownership store remembers across
+# restarts. stdio has no token: SMOL_MCP_SCOPES narrows it the same way. Every
+# call passes through authorize() before its handler runs.
+# ---------------------------------------------------------------------------
+
+SCOPE_DOMAINS = ("machines", "sandbox")  # the wider grant first: it wins when a principal holds both
+SCOPE_LEVELS = ("read", "manage", "exec")
+SCOPES = (*(f"{domain}.{level}" for domain in SCOPE_DOMAINS for level in SCOPE_LEVELS), "activity.read")
+TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is granted to nobody
+    "list-machines": "read", "get-machine": "read", "machine-logs": "read", "read-job": "read",
+    "create-machine": "manage", "start-machine": "manage", "stop-machine": "manage",
+    "delete-machine": "manage", "branch-machine": "manage", "pull-image": "manage",
+    "allow-egress": "manage",
+    "run-command": "exec", "run-once": "exec", "read-file": "exec", "write-file": "exec",
+    "start-job": "exec", "cancel-job": "exec",
+}
+APPROVAL_MODES = ("none", "changes")
+FLEET_NAMES = ("local", "cloud")
+TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RESERVED_TOKEN_NAMES = ("default", "stdio")  # SMOL_MCP_AUTH_TOKEN and the stdio principal
+TOKEN_SECRET_PREFIX = "smolmcp_"
+TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
+USAGE_FLUSH_SECS = 60
+TOKEN_WATCH_SECS = 0.5
+
+
+class ScopeMissing(SmolError):
+    """A call the principal has no scope (or no fleet) for; the text starts with scope_missing:."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request comes from: a token (by name), or the stdio client and its OS user."""
+
+    name: str
+    scopes: frozenset
+    targets: tuple[str, ...] = FLEET_NAMES
+    approval: str = "none"  # recorded now; approvals act on it (SPEC 13)
+    kind: str = "token"  # "token" or "stdio"
+    user: str | None = None  # stdio: the OS user the server runs as
+    id: str = ""  # a token's own id: a new token under an old name is another principal
+
+    def label(self) -> str:
+        if self.kind == "stdio":
+            return f"this stdio server (SMOL_MCP_SCOPES, user {self.user})"
+        return f"the token '{self.name}'"
+
+    def tools(self) -> tuple[str, ...]:
+        """The names of the tools this principal may call, in the server's order."""
+        return tuple(tool.name for tool in TOOLS if granting_scope(self, tool.name) is not None)
+
+    def describe(self) -> dict:
+        """What smol://targets tells the caller about itself."""
+        described = {"principal": self.name, "kind": self.kind, "scopes": sorted(self.scopes),
+                     "targets": list(self.targets), "approval": self.approval}
+        if self.user:
+            described["user"] = self.user
+        return described
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What authorize() allowed: the scope that grants the call, and whether it
+    reaches only the principal's own machines (a sandbox.* scope)."""
+
+    scope: str
+    owned_only: bool
+
+
+def granting_scope(principal: Principal, tool: str) -> str | None:
+    """The scope of ``principal`` that grants ``tool``, or None. Fails closed:
+    a tool without a row in TOOL_LEVELS is granted by no scope."""
+    level = TOOL_LEVELS.get(tool)
+    if level is None:
+        return None
+    for domain in SCOPE_DOMAINS:
+        if f"{domain}.{level}" in principal.scopes:
+            return f"{domain}.{level}"
+    return None
+
+
+def check_scope(principal: Principal, tool: str) -> str:
+    """The granting scope, or ScopeMissing naming the scope and the principal."""
+    scope = granting_scope(principal, tool)
+    if scope is None:
+        level = TOOL_LEVELS.get(tool, "unknown")
+        held = ", ".join(sorted(principal.scopes)) or "none"
+        raise ScopeMissing(f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} "
+                           f"for machines of its own), which {principal.label()} does not have (its "
+                           f"scopes: {held}). Ask the operator for a token with that scope.")
+    return scope
+
+
+def authorize(principal: Principal, tool: str, target: str | None, machine: str | None) -> Grant:
+    """The one check every tool call (and log resource) passes before its
+    handler runs: the scope for the tool, then the fleet. ``machine`` is the
+    machine named, if any; ownership is enforced by OwnedFleet."""
+    scope = check_scope(principal, tool)
+    if target is not None and target not in principal.targets:
+        raise ScopeMissing(f"scope_missing: {principal.label()} may use the "
+                           f"{' and '.join(principal.targets)} fleet only, not {target}. Ask the "
+                           f"operator for a token whose targets include {target}.")
+    return Grant(scope, scope.startswith("sandbox."))
+
+
+def stdio_principal(config: Config) -> Principal:
+    import getpass
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return Principal("stdio", frozenset(config.scopes or SCOPES), kind="stdio", user=user)
+
+
+def ensure_state_dir(path: str | Path) -> Path:
+    return ensure_private_dir(path, "state directory", "SMOL_MCP_STATE_DIR")
+
+
+class StateFile:
+    """A JSON file in the state directory: mode 0600, written whole and atomically
+    under a lock (several processes share it), read again only when it changed."""
+
+    def __init__(self, path: Path, empty: Callable[[], Any]):
+        self.path, self.empty = path, empty
+        self._signature: Any = None
+        self._data = empty()
+        self._lock = threading.Lock()
+
+    def read(self) -> Any:
+        try:
+            info = os.stat(self.path)
+            signature = (info.st_mtime_ns, info.st_size, info.st_ino)
+        except FileNotFoundError:
+            signature = None
+        with self._lock:
+            if signature != self._signature:
+                self._data = self._load() if signature else self.empty()
+                self._signature = signature
+            return self._data
+
+    def _load(self) -> Any:
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return self.empty()
+        except (OSError, ValueError) as exc:
+            raise SmolError(f"cannot read {self.path} ({exc}); fix or remove that file") from None
+
+    def update(self, change: Callable[[Any], Any]) -> Any:
+        """Apply ``change`` to the current content and write it back; returns its result."""
+        import fcntl
+        ensure_state_dir(self.path.parent)
+        descriptor = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            data = self._load()
+            result = change(data)
+            temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump(data, out, indent=1)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, self.path)
+        finally:
+            os.close(descriptor)  # releases the lock
+        return result
+
+
+def secret_hash(secret: str) -> str:
+    import hashlib
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def new_token_secret() -> str:
+    """A fresh secret: 256 random bits, with a prefix that says what it is."""
+    return TOKEN_SECRET_PREFIX + secrets_module.token_urlsafe(32)
+
+
+def parse_scopes(text: str) -> tuple[str, ...]:
+    scopes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [scope for scope in scopes if scope not in SCOPES]
+    if unknown or not scopes:
+        named = f"{', '.join(map(repr, unknown))} is not a scope" if unknown else "no scope was given"
+        raise ConfigError(f"{named}; the scopes are: {', '.join(SCOPES)}")
+    return scopes
+
+
+def parse_targets(text: str | None) -> tuple[str, ...]:
+    if text is None:
+        return FLEET_NAMES
+    targets = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if not targets or any(target not in FLEET_NAMES for target in targets):
+        raise ConfigError(f"--targets takes local, cloud or local,cloud; got {text!r}")
+    return targets
+
+
+class TokenStore:
+    """The named tokens: name, id, scopes, targets, approval mode, creation time
+    and the SHA-256 of the secret (the secret itself is never stored). When
+    each was last used is kept in a file of its own, written now and then,
+    so a request never rewrites the tokens file."""
+
+    def __init__(self, state_dir: str):
+        self.file = StateFile(Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []})
+        self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
+        self._used: dict[str, str] = {}
+        self._flushed = time.monotonic()
+
+    def records(self) -> list[dict]:
+        return list(self.file.read().get("tokens", []))
+
+    def create(self, name: str, scopes: tuple[str, ...], targets: tuple[str, ...],
+               approval: str) -> tuple[dict, str]:
+        if not TOKEN_NAME_RE.fullmatch(name) or name in RESERVED_TOKEN_NAMES:
+            raise ConfigError(f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' "
+                              f"or '-', starting with a letter or digit, and not "
+                              f"{' or '.join(RESERVED_TOKEN_NAMES)}")
+        if approval not in APPROVAL_MODES:
+            raise ConfigError(f"--approval takes {' or '.join(APPROVAL_MODES)}; got {approval!r}")
+        secret = new_token_secret()
+        record = {"name": name, "id": secrets_module.token_hex(8), "sha256": secret_hash(secret),
+                  "scopes": list(scopes), "targets": list(targets), "approval": approval,
+                  "createdAt": utc_now()}
+
+        def add(data: dict) -> None:
+            if any(existing["name"] == name for existing in data.setdefault("tokens", [])):
+                raise ConfigError(f"a token named {name!r} already exists; pick another name, or "
+                                  f"`tokens delete {name}` first")
+            data["tokens"].append(record)
+
+        self.file.update(add)
+        return record, secret
+
+    def delete(self, name: str) -> bool:
+        def remove(data: dict) -> bool:
+            kept = [record for record in data.get("tokens", []) if record["name"] != name]
+            removed = len(kept) != len(data.get("tokens", []))
+            data["tokens"] = kept
+            return removed
+
+        removed = self.file.update(remove) if self.file.path.exists() else False
+        if removed and self.usage.path.exists():
+            self.usage.update(lambda data: data.pop(name, None))
+        return removed
+
+    def match(self, offered: list[str]) -> dict | None:
+        """The record whose hash matches one of the offered secrets. Every
+        comparison runs (constant time, on hashes), whatever matched."""
+        hashes = [secret_hash(candidate) for candidate in offered if candidate]
+        found = None
+        for record in self.records():
+            for digest in hashes:
+                if hmac.compare_digest(digest, str(record.get("sha256", ""))):
+                    found = record
+        return found
+
+    def touch(self, name: str) -> None:
+        self._used[name] = utc_now()
+
+    def flush_usage(self, force: bool = False) -> None:
+        """Write the last-used times, at most every USAGE_FLUSH_SECS."""
+        if not self._used or (not force and time.monotonic() - self._flushed < USAGE_FLUSH_SECS):
+            return
+        used, self._used, self._flushed = self._used, {}, time.monotonic()
+        names = {record["name"] for record in self.records()}
+        try:
+            self.usage.update(lambda data: data.update({k: v for k, v in used.items() if k in names}))
+        except (OSError, SmolError) as err:
+            log.warning("could not record when tokens were last used: %s", err)
+
+    def last_used(self) -> dict:
+        try:
+            return dict(self.usage.read())
+        except SmolError:
+            return {}
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def token_principal(record: dict) -> Principal:
+    return Principal(record["name"], frozenset(record.get("scopes", [])),
+                     tuple(record.get("targets") or FLEET_NAMES), record.get("approval", "none"),
+                     id=record.get("id", ""))
+
+
+class Owners:
+    """Which principal created each machine, per fleet, in the state directory:
+    a sandbox.* token reaches only its own. A branch is owned by its source's
+    owner; a deleted machine is forgotten."""
+
+    def __init__(self, state_dir: str):
+        self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict)
+
+    def owner(self, fleet: str, name: str) -> str | None:
+        return self.file.read().get(fleet, {}).get(name)
+
+    def claim(self, fleet: str, name: str, owner: str) -> None:
+        self.file.update(lambda data: data.setdefault(fleet, {}).__setitem__(name, owner))
+
+    def clear(self, fleet: str, names: list[str]) -> None:
+        if not any(self.owner(fleet, name) for name in names):
+            return
+        self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
+
+
+class OwnedFleet:
+    """A fleet as a sandbox.* principal sees it: listing shows only its own
+    machines, and a method given another machine's name answers exactly as the
+    fleet answers for a machine that does not exist (it is asked about a name
+    nobody has, and that name is put back in the answer)."""
+
+    def __init__(self, fleet: Any, owners: Owners, owner: str):
+        self._fleet, self._owners, self._owner = fleet, owners, owner
+
+    def mine(self, name: str) -> bool:
+        return self._owners.owner(self._fleet.name, name) == self._owner
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self._fleet, attr)
+        if not callable(value) or attr in ("acquire", "release", "create_machine"):
+            return value
+        if attr == "list_machines":
+            return lambda: [machine for machine in value() if self.mine(machine["name"])]
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if args and isinstance(args[0], str) and not self.mine(args[0]):
+                return self._as_missing(value, args, kwargs)
+            return value(*args, **kwargs)
+
+        return guarded
+
+    def _as_missing(self, method: Callable, args: tuple, kwargs: dict) -> Any:
+        name = args[0]
+        stand_in = f"{self._fleet.config.machine_prefix}absent-{secrets_module.token_hex(8)}"
+        try:
+            method(stand_in, *args[1:], **kwargs)
+        except SmolError as err:
+            if isinstance(err, ApiError):
+                err.action = err.action.replace(stand_in, name)
+                err.api_message = err.api_message.replace(stand_in, name)
+            err.args = tuple(arg.replace(stand_in, name) if isinstance(arg, str) else arg
+                             for arg in err.args)
+            raise err from None
+        raise ApiError(self._fleet.name, f"find machine '{name}'", 404, "NOT_FOUND",
+                       f"machine '{name}' not found")
+
+
+class Access:
+    """The principals of this process and what they own: the tokens file, the
+    ownership store, SMOL_MCP_AUTH_TOKEN as "default", and the stdio principal."""
+
+    def __init__(self, config: Config, environ: dict[str, str] | None = None):
+        self.state_dir = config.state_dir or default_state_dir(dict(os.environ if environ is None
+                                                                    else environ))
+        self.tokens = TokenStore(self.state_dir)
+        self.owners = Owners(self.state_dir)
+        self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
+        self.default = Principal("default", frozenset(SCOPES), id="default")
+        self.stdio = stdio_principal(config)
+        self._warned = False
+
+    def token_for(self, offered: list[str]) -> Principal | None:
+        """The principal whose secret is among ``offered``, or None. The tokens
+        file is read again when it changed, so a deleted token stops working
+        at its next request."""
+        hashes = [secret_hash(candidate) for candidate in offered if candidate]
+        is_default = False
+        for digest in hashes:
+            if self._default_hash is not None and hmac.compare_digest(digest, self._default_hash):
+                is_default = True
+        try:
+            record = self.tokens.match(offered)
+        except SmolError as err:  # a damaged tokens file lets no named token in
+            if not self._warned:
+                log.warning("%s; named tokens are refused until then", err)
+                self._warned = True
+            record = None
+        if record is not None:
+            self.tokens.touch(record["name"])
+            return token_principal(record)
+        return self.default if is_default else None
+
+    def live_ids(self) -> dict[str, str]:
+        """name -> id of every principal that may still make requests."""
+        try:
+            ids = {record["name"]: record.get("id", "") for record in self.tokens.records()}
+        except SmolError:
+            ids = {}
+        if self._default_hash is not None:
+            ids["default"] = "default"
+        return ids
+
+    def has_any_token(self) -> bool:
+        return bool(self.live_ids())
+
+    def fleet_for(self, principal: Principal, grant: Grant, fleet: Any) -> Any:
+        return OwnedFleet(fleet, self.owners, principal.name) if grant.owned_only else fleet
+
+
+# ---------------------------------------------------------------------------
+# 12. The MCP server
 #
 # One low-level mcp Server serves both protocol eras. Its lifespan is entered
 # once per stdio process (and once per in-memory client), which is exactly the
@@ -2741,13 +3195,14 @@ class SmolMcp:
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
         self.mode = resolve_mode(config)
+        self.access = Access(config, environ)
         self.local = LocalFleet(config, environ)  # always built (it is inert) so smol://targets can describe it
         self.fleets: dict[str, Any] = {}
         for name in MODE_FLEETS[self.mode]:
             self.fleets[name] = self.local if name == "local" else CloudFleet(config)
         self._limiter = None
         self._swept = False
-        self._tool_lists: dict[bool, list] = {}
+        self._tool_lists: dict[tuple, list] = {}
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
         self.server = self._build_server()
 
@@ -2795,7 +3250,7 @@ class SmolMcp:
 
         async def list_tools(ctx, params):
             with_target = app.mode == "both" and app.session_for(ctx).target is None
-            return types.ListToolsResult(tools=app.tool_list(with_target))
+            return types.ListToolsResult(tools=app.tool_list(with_target, app.principal_for(ctx)))
 
         async def call_tool(ctx, params):
             return await app.call_tool(ctx, params)
@@ -2833,12 +3288,21 @@ class SmolMcp:
             on_list_resource_templates=list_resource_templates, on_read_resource=read_resource,
             on_subscribe_resource=subscribe, on_unsubscribe_resource=unsubscribe, on_subscriptions_listen=listen)
 
-    def tool_list(self, with_target: bool) -> list:
-        """The tools as the client sees them, built once per shape: a 2026-era
-        HTTP client has the list built before every tool call."""
-        if with_target not in self._tool_lists:
-            self._tool_lists[with_target] = [self.mcp_tool(tool, with_target) for tool in TOOLS]
-        return self._tool_lists[with_target]
+    def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
+        """The tools as the client sees them: only those its scopes grant. Built
+        once per shape: a 2026-era HTTP client has the list built before every
+        tool call."""
+        names = (principal or self.access.stdio).tools()
+        if (with_target, names) not in self._tool_lists:
+            self._tool_lists[(with_target, names)] = [self.mcp_tool(TOOLS_BY_NAME[name], with_target)
+                                                      for name in names]
+        return self._tool_lists[(with_target, names)]
+
+    def principal_for(self, ctx) -> Principal:
+        """Who sent the request: the token HttpGate found, or the stdio principal."""
+        if ctx.request is None:
+            return self.access.stdio
+        return ctx.request.scope["state"]["smol_principal"]
 
     def mcp_tool(self, tool: ToolSpec, with_target: bool):
         import mcp_types as types
@@ -2952,8 +3416,11 @@ class SmolMcp:
         name = params.name
         tool = TOOLS_BY_NAME.get(name)
         try:
-            if tool is None:
-                raise ArgumentError(f"there is no tool named {name!r}; the tools are: {', '.join(TOOLS_BY_NAME)}")
+            principal = self.principal_for(ctx)
+            if tool is None:  # named from the caller's own list: it learns of no other tool
+                raise ArgumentError(f"there is no tool named {name!r}; the tools are: "
+                                    f"{', '.join(principal.tools())}")
+            check_scope(principal, name)  # before any question is asked or argument read
             session = self.session_for(ctx)
             question = await self.ask_fleet(ctx, session, params)
             if question is not None:
@@ -2961,9 +3428,11 @@ class SmolMcp:
             arguments = dict(params.arguments or {})
             fleet = self.fleet_for(session, name, arguments, params)
             validate_arguments(name, tool.input_schema, arguments)
+            grant = authorize(principal, name, fleet.name, arguments.get("name"))
             if fleet is self.local:
                 await self.sweep_once()
-            result = await tool.handler(Call(self, session, fleet, ctx), arguments)
+            fleet = self.access.fleet_for(principal, grant, fleet)
+            result = await tool.handler(Call(self, session, fleet, ctx, principal), arguments)
         except anyio.get_cancelled_exc_class():
             raise
         except SmolError as err:
@@ -2980,7 +3449,8 @@ class SmolMcp:
         earlier process left behind."""
         if not self._swept:
             import anyio
-            await anyio.to_thread.run_sync(sweep_orphans, self.local, self.config.runtime_dir)
+            swept = await anyio.to_thread.run_sync(sweep_orphans, self.local, self.config.runtime_dir)
+            self.access.owners.clear("local", swept)
             self._swept = True
 
     async def read_resource(self, ctx, uri: str):
@@ -2988,14 +3458,12 @@ class SmolMcp:
         if uri == TARGETS_URI:
             import anyio
             document = await anyio.to_thread.run_sync(targets_document, self)  # it probes a socket and a port
+            document["access"] = self.principal_for(ctx).describe()
             text, mime = json.dumps(document, indent=2), "application/json"
-        elif match := LOGS_URI_RE.fullmatch(uri):
-            fleet = self.fleets.get(match["target"])
-            if fleet is None:
-                raise_resource_error(f"{uri}: this server serves {' and '.join(self.fleets)}, not {match['target']}")
+        elif LOGS_URI_RE.fullmatch(uri):
+            fleet, name = self.log_resource(uri, self.principal_for(ctx))
             try:
-                lines = await Call(self, self.session_for(ctx), fleet, ctx).api(
-                    fleet.console_lines, urllib.parse.unquote(match["name"]))
+                lines = await Call(self, self.session_for(ctx), fleet, ctx).api(fleet.console_lines, name)
             except SmolError as err:
                 raise_resource_error(redact(str(err), self.config.secret_values()))
             text, mime = "\n".join(lines[-self.config.logs_tail:]), "text/plain"
@@ -3003,19 +3471,25 @@ class SmolMcp:
             raise_resource_error(f"unknown resource {uri}; the resources are {TARGETS_URI} and {LOGS_URI_TEMPLATE}")
         return types.ReadResourceResult(contents=[types.TextResourceContents(uri=uri, mime_type=mime, text=text)])
 
-    def log_resource(self, uri: str) -> tuple[Any, str]:
-        """(fleet, machine name) of a log resource URI, or a protocol error."""
+    def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
+        """(fleet, machine name) of a log resource URI as ``principal`` may see
+        it (authorized as machine-logs), or a protocol error."""
         match = LOGS_URI_RE.fullmatch(uri)
         if match is None or match["target"] not in self.fleets:
             raise_resource_error(f"{uri} is not a log resource of this server; the form is {LOGS_URI_TEMPLATE} with "
                                  f"target {' or '.join(self.fleets)}")
-        return self.fleets[match["target"]], urllib.parse.unquote(match["name"])
+        name = urllib.parse.unquote(match["name"])
+        try:
+            grant = authorize(principal, "machine-logs", match["target"], name)
+        except ScopeMissing as err:
+            raise_resource_error(str(err))
+        return self.access.fleet_for(principal, grant, self.fleets[match["target"]]), name
 
     async def subscribe(self, ctx, uri: str) -> None:
         """Handshake era: follow a log in a poller that lives until unsubscribe
         or the end of the session, notifying through this connection."""
         import anyio
-        fleet, name = self.log_resource(uri)
+        fleet, name = self.log_resource(uri, self.principal_for(ctx))
         session = self.session_for(ctx)
         if uri in session.subscriptions:
             return
@@ -3036,7 +3510,9 @@ class SmolMcp:
         from mcp.server.subscriptions import ResourceUpdated
         session = self.session_for(ctx)
         bus, handler = session.events()
-        followed = [(uri, *self.log_resource(uri)) for uri in params.notifications.resource_subscriptions or []]
+        principal = self.principal_for(ctx)
+        followed = [(uri, *self.log_resource(uri, principal))
+                    for uri in params.notifications.resource_subscriptions or []]
         async with anyio.create_task_group() as pollers:
             for uri, fleet, name in followed:
                 pollers.start_soon(follow_log, self, fleet, name,
@@ -3050,6 +3526,9 @@ class SmolMcp:
         """Delete the session's ephemeral machines and let go of the fleets, even
         while being cancelled (a signal), within a bounded time."""
         import anyio
+        if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
+            return
+        session.ended = True
         session.stop_polling()
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
@@ -3088,7 +3567,7 @@ def build_server(config: Config | None = None):
 
 
 # ---------------------------------------------------------------------------
-# 12. stdio
+# 13. stdio
 #
 # The default transport. The session ends at stdin EOF, SIGTERM or SIGINT, and
 # in every case the lifespan cleanup runs: the SDK alone would skip it on
@@ -3122,7 +3601,7 @@ async def run_stdio(server) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 13. Streamable HTTP (--http)
+# 14. Streamable HTTP (--http)
 #
 # For an agent on another computer. Every request must carry the token, checked
 # before anything else so an unauthenticated caller learns nothing, not even
@@ -3155,23 +3634,18 @@ class HttpGate:
     """ASGI middleware in front of everything: the token, then Host and Origin,
     then the path. Lifespan events pass straight through."""
 
-    def __init__(self, app: Any, *, tokens: dict[str, str], path: str, allowed_hosts: list[str] | None,
+    def __init__(self, app: Any, *, access: Access, path: str, allowed_hosts: list[str] | None,
                  allowed_origins: tuple[str, ...]):
-        self.app, self.tokens, self.path = app, tokens, path
+        self.app, self.access, self.path = app, access, path
         self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
 
-    def principal(self, headers: dict[bytes, bytes]) -> str | None:
-        """The name of the token the request carries, compared in constant time."""
+    def principal(self, headers: dict[bytes, bytes]) -> Principal | None:
+        """The principal of the token the request carries (Access compares hashes in constant time)."""
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1")]
         if authorization[:7].lower() == "bearer ":
             offered.append(authorization[7:].strip())
-        found = None
-        for name, secret in self.tokens.items():
-            for candidate in offered:
-                if candidate and hmac.compare_digest(candidate.encode(), secret.encode()):
-                    found = name
-        return found
+        return self.access.token_for(offered)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -3196,6 +3670,13 @@ class HttpGate:
             await _respond(send, 404, json.dumps({"error": f"not found; the MCP endpoint is {self.path}"}).encode())
             return
         scope.setdefault("state", {})["smol_principal"] = principal
+        # The SDK binds a handshake-era session to the user that opened it: the
+        # same Mcp-Session-Id with another token answers 404, as an unknown one.
+        from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+        from mcp.server.auth.provider import AccessToken
+        scope["user"] = AuthenticatedUser(AccessToken(token=principal.id, client_id=principal.name,
+                                                      scopes=sorted(principal.scopes),
+                                                      subject=principal.id))
         await self.app(scope, receive, send)
 
 
@@ -3215,6 +3696,7 @@ class HttpSessions:
     def __init__(self, app: SmolMcp):
         self.app = app
         self.by_principal: dict[str, Session] = {}
+        self.handshake: set[Session] = set()  # the open handshake-era sessions
         self.tasks: Any = None
 
     @asynccontextmanager
@@ -3229,34 +3711,67 @@ class HttpSessions:
                     await anyio.sleep(min(self.app.config.http_session_idle_secs / 4, 30))
                     await self.end_idle()
 
+        async def watch_tokens() -> None:
+            with reaper:
+                while True:
+                    await anyio.sleep(TOKEN_WATCH_SECS)
+                    await self.end_revoked()
+                    self.app.access.tokens.flush_usage()
+
         tasks.start_soon(reap)
+        tasks.start_soon(watch_tokens)
         try:
             yield
         finally:
             reaper.cancel()
+            self.app.access.tokens.flush_usage(force=True)
             for principal in list(self.by_principal):
                 await self.app.end_session(self.by_principal.pop(principal))
 
     def session_for(self, ctx) -> Session:
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:
-            principal = ctx.request.scope.get("state", {}).get("smol_principal", "default")
-            if principal not in self.by_principal:
-                self.by_principal[principal] = self.app.open_session(
-                    f"token-{principal}-{secrets_module.token_hex(3)}", self.tasks)
-            return self.by_principal[principal]
+        principal = self.app.principal_for(ctx)
+        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:  # state per token name
+            earlier = self.by_principal.get(principal.name)
+            if earlier is not None and earlier.principal.id != principal.id:  # deleted, made again
+                del self.by_principal[principal.name]
+                self.tasks.start_soon(self.app.end_session, earlier)
+            if principal.name not in self.by_principal:
+                session = self.app.open_session(f"token-{principal.name}-{secrets_module.token_hex(3)}",
+                                                self.tasks)
+                session.principal = principal
+                self.by_principal[principal.name] = session
+            return self.by_principal[principal.name]
         connection = ctx.session._connection  # private in mcp 2.3.0, which is pinned exactly
         session = connection.state.get("smol_session")
         if session is None:
             session = connection.state["smol_session"] = self.app.open_session(
                 (connection.session_id or secrets_module.token_hex(4))[:8], self.tasks)
+            session.principal = principal
+            self.handshake.add(session)
 
             async def end() -> None:
                 # The SDK bounds this exit stack at 5 s; the cleanup gets its own bound in the task group.
+                self.handshake.discard(session)
                 self.tasks.start_soon(self.app.end_session, session)
 
             connection.exit_stack.push_async_callback(end)
         return session
+
+    async def end_revoked(self) -> None:
+        """End the sessions of tokens deleted since the last look (or deleted and
+        made again under the same name: that is another token)."""
+        live = self.app.access.live_ids()
+        for name, session in list(self.by_principal.items()):
+            if live.get(name) != session.principal.id:
+                log.info("token %s was deleted: ending its session %s", name, session.id)
+                del self.by_principal[name]
+                await self.app.end_session(session)
+        for session in list(self.handshake):
+            if live.get(session.principal.name) != session.principal.id:
+                log.info("token %s was deleted: ending its session %s", session.principal.name, session.id)
+                self.handshake.discard(session)
+                await self.app.end_session(session)
 
     async def track(self, ctx, call_next):
         """Server middleware: a 2026-era session is busy while a call runs."""
@@ -3300,7 +3815,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
             yield
 
     inner = Starlette(routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan)
-    return HttpGate(inner, tokens={"default": config.auth_token}, path=path,
+    return HttpGate(inner, access=app.access, path=path,
                     allowed_hosts=default_allowed_hosts(config, host, port),
                     allowed_origins=config.http_allowed_origins)
 
@@ -3318,7 +3833,7 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 14. Command line
+# 15. Command line
 # ---------------------------------------------------------------------------
 
 
@@ -3335,7 +3850,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
-    helpers = parser.add_subparsers(dest="command", metavar="{doctor,setup,parity}")
+    helpers = parser.add_subparsers(dest="command", metavar="{doctor,setup,parity,tokens}")
     helpers.add_parser("doctor", help="say whether each fleet works on this host, and what to do if not")
     setup = helpers.add_parser("setup", help="print (or --write) the configuration for an MCP client")
     setup.add_argument("client", choices=SETUP_CLIENTS)
@@ -3343,6 +3858,21 @@ def parse_args(argv: list[str]):
     setup.add_argument("--http", dest="http_url", metavar="URL",
                        help="an entry for a smol-mcp --http server at URL instead of a local stdio one")
     helpers.add_parser("parity", help="compare the routes this server calls with the running serve's OpenAPI")
+    tokens = helpers.add_parser("tokens", help="create, list and delete the named tokens of --http")
+    token_commands = tokens.add_subparsers(dest="tokens_command", metavar="{create,list,delete}", required=True)
+    create = token_commands.add_parser("create", help="make a token; its secret is shown once")
+    create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
+    create.add_argument("--scopes", required=True, help=f"comma-separated, from: {', '.join(SCOPES)}")
+    create.add_argument("--targets", help="the fleets it may use: local, cloud or local,cloud (default both)")
+    create.add_argument("--approval", choices=APPROVAL_MODES, default="none",
+                        help="changes: changing calls wait for a person (recorded with the token)")
+    create.add_argument("--client", choices=SETUP_CLIENTS, help="also print that client's entry for it")
+    create.add_argument("--url", help="the server's URL for --client (default from httpHost/httpPort/httpPath)")
+    create.add_argument("--json", action="store_true", help="print one JSON object, for scripts")
+    listing = token_commands.add_parser("list", help="show every token, never a secret")
+    listing.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
+    delete = token_commands.add_parser("delete", help="cut a token off; a running server refuses it at once")
+    delete.add_argument("name")
     args = parser.parse_args(argv)
     if (args.command or not args.http) and (args.host or args.port or args.path):
         parser.error("--host, --port and --path go with --http")
@@ -3386,6 +3916,7 @@ def doctor(app: SmolMcp) -> int:
             print(f"  url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}")
         if facts["reason"]:
             print(f"  {'note' if facts['usable'] else 'to do'}: {facts['reason']}")
+    print(f"\ntokens: {tokens_file_report(app.config)}")
     return 0 if healthy else 1
 
 
@@ -3404,18 +3935,20 @@ def launch_command() -> list[str]:
     return ["uv", "run", "--script", str(here)]
 
 
-def client_entry(client: str, http_url: str | None) -> tuple[str, dict]:
+def client_entry(client: str, http_url: str | None,
+                 variable: str = "SMOL_MCP_AUTH_TOKEN") -> tuple[str, dict]:
     """(the top-level key, the server entry) in the client's own shape. Secrets
-    are referenced through the client's environment syntax, never copied."""
+    are referenced through the client's environment syntax (``variable``
+    holds the token), never copied."""
     command = launch_command()
     if client == "opencode":
         if http_url:
             return "mcp", {"type": "remote", "url": http_url, "enabled": True,
-                           "headers": {"Authorization": "Bearer {env:SMOL_MCP_AUTH_TOKEN}"}}
+                           "headers": {"Authorization": f"Bearer {{env:{variable}}}"}}
         return "mcp", {"type": "local", "command": command, "enabled": True}
     if client == "codex":
         if http_url:
-            return "mcp_servers", {"url": http_url, "bearer_token_env_var": "SMOL_MCP_AUTH_TOKEN"}
+            return "mcp_servers", {"url": http_url, "bearer_token_env_var": variable}
         return "mcp_servers", {"command": command[0], "args": command[1:]}
     if http_url:
         if client == "claude-desktop":
@@ -3423,8 +3956,8 @@ def client_entry(client: str, http_url: str | None) -> tuple[str, dict]:
             # environment, so the token has to be pasted into its env block by hand.
             return "mcpServers", {"command": "npx",
                                   "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
-                                  "env": {"AUTH_HEADER": "Bearer <paste the SMOL_MCP_AUTH_TOKEN value here>"}}
-        reference = "${env:SMOL_MCP_AUTH_TOKEN}" if client == "cursor" else "${SMOL_MCP_AUTH_TOKEN}"
+                                  "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>"}}
+        reference = f"${{env:{variable}}}" if client == "cursor" else f"${{{variable}}}"
         return "mcpServers", {"type": "http", "url": http_url, "headers": {"Authorization": f"Bearer {reference}"}}
     return "mcpServers", {"command": command[0], "args": command[1:]}
 
@@ -3504,6 +4037,78 @@ def setup(client: str, http_url: str | None, write: bool) -> int:
     return 0
 
 
+# -- tokens ------------------------------------------------------------------
+
+
+def token_variable(name: str) -> str:
+    """The environment variable a client entry reads a named token from."""
+    return "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
+
+
+def tokens_command(args: Any, config: Config) -> int:
+    """tokens create / list / delete: the named tokens of --http, in the state directory."""
+    store = TokenStore(config.state_dir)
+    if args.tokens_command == "create":
+        record, secret = store.create(args.name, parse_scopes(args.scopes), parse_targets(args.targets),
+                                      args.approval)
+        shown = {"name": record["name"], "secret": secret, "scopes": record["scopes"],
+                 "targets": record["targets"], "approval": record["approval"]}
+        if args.json:
+            print(json.dumps(shown))
+            return 0
+        print(f"created token '{record['name']}': scopes {', '.join(record['scopes'])}; fleets "
+              f"{', '.join(record['targets'])}; approval {record['approval']}")
+        print(f"secret (shown this once; only its hash is kept): {secret}")
+        if args.client:
+            url = args.url or f"http://{config.http_host}:{config.http_port}{config.http_path}"
+            variable = token_variable(record["name"])
+            key, entry = client_entry(args.client, url, variable)
+            print(f"\n# {args.client}: add this to {client_config_path(args.client)}, and give the "
+                  f"client the secret as {variable}:")
+            print(f"#   export {variable}='{secret}'")
+            print(render_entry(args.client, key, entry), end="")
+        return 0
+    if args.tokens_command == "list":
+        records, used = store.records(), store.last_used()
+        if args.json:
+            print(json.dumps([{"name": r["name"], "scopes": r["scopes"], "targets": r["targets"],
+                               "approval": r["approval"]} for r in records]))
+            return 0
+        if not records:
+            print(f"no tokens yet (create one with: smol_mcp.py tokens create NAME --scopes LIST); "
+                  f"file {store.file.path}")
+            return 0
+        rows = [("NAME", "SCOPES", "FLEETS", "APPROVAL", "CREATED", "LAST USED")]
+        rows += [(r["name"], ",".join(r["scopes"]), ",".join(r["targets"]), r["approval"],
+                  r.get("createdAt", "-"), used.get(r["name"], "never")) for r in records]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        return 0
+    if not store.delete(args.name):
+        names = ", ".join(r["name"] for r in store.records()) or "none"
+        print(f"smol-mcp: there is no token named {args.name!r} (the tokens: {names})", file=sys.stderr)
+        return 1
+    print(f"deleted token '{args.name}': a running server refuses it within a second and ends its "
+          "sessions (their ephemeral machines are deleted)")
+    return 0
+
+
+def tokens_file_report(config: Config) -> str:
+    """What doctor says about the tokens file: where, how many, its mode; never a secret."""
+    store = TokenStore(config.state_dir)
+    path = store.file.path
+    if not path.exists():
+        return f"no tokens file yet ({path}); SMOL_MCP_AUTH_TOKEN is {'set' if config.auth_token else 'unset'}"
+    try:
+        count = len(store.records())
+    except SmolError as err:
+        return f"NOT READABLE: {err}"
+    mode = path.stat().st_mode & 0o777
+    verdict = "ok" if mode == 0o600 else "TOO OPEN: run chmod 600 on it"
+    return f"{count} token(s) in {path}, mode {oct(mode)[2:]} ({verdict})"
+
+
 # -- parity ------------------------------------------------------------------
 
 
@@ -3539,10 +4144,13 @@ def main(argv: list[str] | None = None) -> int:
         return setup(args.client, args.http_url, args.write)
     try:
         config = load_config()
-        if args.http and not args.command and not config.auth_token:
-            raise ConfigError("--http refuses to start without a token, because these tools run machines: set "
-                              "SMOL_MCP_AUTH_TOKEN (for example to the output of `openssl rand -hex 16`) and have "
-                              "clients send it as 'Authorization: Bearer <token>'")
+        if args.command == "tokens":
+            return tokens_command(args, config)
+        if args.http and not args.command and not Access(config).has_any_token():
+            raise ConfigError("--http refuses to start without a token, because these tools run machines: "
+                              "create one with `smol_mcp.py tokens create NAME --scopes LIST`, or set "
+                              "SMOL_MCP_AUTH_TOKEN (for example to the output of `openssl rand -hex 16`), "
+                              "and have clients send it as 'Authorization: Bearer <token>'")
         app = SmolMcp(config)
         if args.command == "doctor":
             return doctor(app)
