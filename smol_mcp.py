@@ -3711,8 +3711,10 @@ class HttpSessions:
                     await anyio.sleep(min(self.app.config.http_session_idle_secs / 4, 30))
                     await self.end_idle()
 
+        watcher = anyio.CancelScope()
+
         async def watch_tokens() -> None:
-            with reaper:
+            with watcher:
                 while True:
                     await anyio.sleep(TOKEN_WATCH_SECS)
                     await self.end_revoked()
@@ -3724,6 +3726,7 @@ class HttpSessions:
             yield
         finally:
             reaper.cancel()
+            watcher.cancel()
             self.app.access.tokens.flush_usage(force=True)
             for principal in list(self.by_principal):
                 await self.app.end_session(self.by_principal.pop(principal))
