@@ -263,8 +263,9 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         parse_local_url(config.local_url)  # raises ConfigError when it is not a loopback or unix URL
     unknown = [scope for scope in config.scopes if scope not in SCOPES]
     if unknown:
-        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {', '.join(map(repr, unknown))}, which is not a "
-                          f"scope; the scopes are: {', '.join(SCOPES)}")
+        named = ", ".join(map(repr, unknown))
+        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, which is not a scope; "
+                          f"the scopes are: {', '.join(SCOPES)}")
     if not config.runtime_dir:
         config = dataclasses.replace(config, runtime_dir=default_runtime_dir(environ))
     if not config.state_dir:
@@ -306,7 +307,8 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
     if info.st_mode & 0o077:
         # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
         raise SmolError(f"the {what} {directory} can be opened by other users (mode "
-                        f"{oct(info.st_mode & 0o777)}); set {env} to a directory only you can open, "
+                        f"{oct(info.st_mode & 0o777)}); set {env} to a directory only you can "
+                        "open, "
                         "for example one made with mkdir -m 700")
     return directory
 
@@ -2228,7 +2230,8 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
     child = args.get("childName") or call.new_ephemeral_name()
     try:
         owner = call.app.access.owners.owner(call.fleet.name, source)
-        record = await create_recorded(call, child, call.fleet.branch_machine, source, child, owner=owner)
+        record = await create_recorded(call, child, call.fleet.branch_machine, source, child,
+                                       owner=owner)
     except ApiError as err:
         if err.status == 409 and any(word in err.api_message for word in ("forkable", "control socket", "branchable")):
             raise err.with_hint("The source must be running and created as a branch source: create-machine with "
@@ -2710,16 +2713,33 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 # call passes through authorize() before its handler runs.
 # ---------------------------------------------------------------------------
 
-SCOPE_DOMAINS = ("machines", "sandbox")  # the wider grant first: it wins when a principal holds both
+SCOPE_DOMAINS = (
+    "machines",
+    "sandbox",
+)  # the wider grant first: it wins when a principal holds both
 SCOPE_LEVELS = ("read", "manage", "exec")
-SCOPES = (*(f"{domain}.{level}" for domain in SCOPE_DOMAINS for level in SCOPE_LEVELS), "activity.read")
+SCOPES = (
+    *(f"{domain}.{level}" for domain in SCOPE_DOMAINS for level in SCOPE_LEVELS),
+    "activity.read",
+)
 TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is granted to nobody
-    "list-machines": "read", "get-machine": "read", "machine-logs": "read", "read-job": "read",
-    "create-machine": "manage", "start-machine": "manage", "stop-machine": "manage",
-    "delete-machine": "manage", "branch-machine": "manage", "pull-image": "manage",
+    "list-machines": "read",
+    "get-machine": "read",
+    "machine-logs": "read",
+    "read-job": "read",
+    "create-machine": "manage",
+    "start-machine": "manage",
+    "stop-machine": "manage",
+    "delete-machine": "manage",
+    "branch-machine": "manage",
+    "pull-image": "manage",
     "allow-egress": "manage",
-    "run-command": "exec", "run-once": "exec", "read-file": "exec", "write-file": "exec",
-    "start-job": "exec", "cancel-job": "exec",
+    "run-command": "exec",
+    "run-once": "exec",
+    "read-file": "exec",
+    "write-file": "exec",
+    "start-job": "exec",
+    "cancel-job": "exec",
 }
 APPROVAL_MODES = ("none", "changes")
 FLEET_NAMES = ("local", "cloud")
@@ -2758,8 +2778,13 @@ class Principal:
 
     def describe(self) -> dict:
         """What smol://targets tells the caller about itself."""
-        described = {"principal": self.name, "kind": self.kind, "scopes": sorted(self.scopes),
-                     "targets": list(self.targets), "approval": self.approval}
+        described = {
+            "principal": self.name,
+            "kind": self.kind,
+            "scopes": sorted(self.scopes),
+            "targets": list(self.targets),
+            "approval": self.approval,
+        }
         if self.user:
             described["user"] = self.user
         return described
@@ -2792,9 +2817,11 @@ def check_scope(principal: Principal, tool: str) -> str:
     if scope is None:
         level = TOOL_LEVELS.get(tool, "unknown")
         held = ", ".join(sorted(principal.scopes)) or "none"
-        raise ScopeMissing(f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} "
-                           f"for machines of its own), which {principal.label()} does not have (its "
-                           f"scopes: {held}). Ask the operator for a token with that scope.")
+        raise ScopeMissing(
+            f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} "
+            f"for machines of its own), which {principal.label()} does not have (its "
+            f"scopes: {held}). Ask the operator for a token with that scope."
+        )
     return scope
 
 
@@ -2804,14 +2831,17 @@ def authorize(principal: Principal, tool: str, target: str | None, machine: str 
     machine named, if any; ownership is enforced by OwnedFleet."""
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
-        raise ScopeMissing(f"scope_missing: {principal.label()} may use the "
-                           f"{' and '.join(principal.targets)} fleet only, not {target}. Ask the "
-                           f"operator for a token whose targets include {target}.")
+        raise ScopeMissing(
+            f"scope_missing: {principal.label()} may use the "
+            f"{' and '.join(principal.targets)} fleet only, not {target}. Ask the "
+            f"operator for a token whose targets include {target}."
+        )
     return Grant(scope, scope.startswith("sandbox."))
 
 
 def stdio_principal(config: Config) -> Principal:
     import getpass
+
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -2856,8 +2886,11 @@ class StateFile:
     def update(self, change: Callable[[Any], Any]) -> Any:
         """Apply ``change`` to the current content and write it back; returns its result."""
         import fcntl
+
         ensure_state_dir(self.path.parent)
-        descriptor = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        descriptor = os.open(
+            self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600
+        )
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX)
             data = self._load()
@@ -2876,6 +2909,7 @@ class StateFile:
 
 def secret_hash(secret: str) -> str:
     import hashlib
+
     return hashlib.sha256(secret.encode("utf-8")).hexdigest()
 
 
@@ -2888,7 +2922,9 @@ def parse_scopes(text: str) -> tuple[str, ...]:
     scopes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [scope for scope in scopes if scope not in SCOPES]
     if unknown or not scopes:
-        named = f"{', '.join(map(repr, unknown))} is not a scope" if unknown else "no scope was given"
+        named = (
+            f"{', '.join(map(repr, unknown))} is not a scope" if unknown else "no scope was given"
+        )
         raise ConfigError(f"{named}; the scopes are: {', '.join(SCOPES)}")
     return scopes
 
@@ -2917,23 +2953,34 @@ class TokenStore:
     def records(self) -> list[dict]:
         return list(self.file.read().get("tokens", []))
 
-    def create(self, name: str, scopes: tuple[str, ...], targets: tuple[str, ...],
-               approval: str) -> tuple[dict, str]:
+    def create(
+        self, name: str, scopes: tuple[str, ...], targets: tuple[str, ...], approval: str
+    ) -> tuple[dict, str]:
         if not TOKEN_NAME_RE.fullmatch(name) or name in RESERVED_TOKEN_NAMES:
-            raise ConfigError(f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' "
-                              f"or '-', starting with a letter or digit, and not "
-                              f"{' or '.join(RESERVED_TOKEN_NAMES)}")
+            raise ConfigError(
+                f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' "
+                f"or '-', starting with a letter or digit, and not "
+                f"{' or '.join(RESERVED_TOKEN_NAMES)}"
+            )
         if approval not in APPROVAL_MODES:
             raise ConfigError(f"--approval takes {' or '.join(APPROVAL_MODES)}; got {approval!r}")
         secret = new_token_secret()
-        record = {"name": name, "id": secrets_module.token_hex(8), "sha256": secret_hash(secret),
-                  "scopes": list(scopes), "targets": list(targets), "approval": approval,
-                  "createdAt": utc_now()}
+        record = {
+            "name": name,
+            "id": secrets_module.token_hex(8),
+            "sha256": secret_hash(secret),
+            "scopes": list(scopes),
+            "targets": list(targets),
+            "approval": approval,
+            "createdAt": utc_now(),
+        }
 
         def add(data: dict) -> None:
             if any(existing["name"] == name for existing in data.setdefault("tokens", [])):
-                raise ConfigError(f"a token named {name!r} already exists; pick another name, or "
-                                  f"`tokens delete {name}` first")
+                raise ConfigError(
+                    f"a token named {name!r} already exists; pick another name, or "
+                    f"`tokens delete {name}` first"
+                )
             data["tokens"].append(record)
 
         self.file.update(add)
@@ -2972,7 +3019,9 @@ class TokenStore:
         used, self._used, self._flushed = self._used, {}, time.monotonic()
         names = {record["name"] for record in self.records()}
         try:
-            self.usage.update(lambda data: data.update({k: v for k, v in used.items() if k in names}))
+            self.usage.update(
+                lambda data: data.update({k: v for k, v in used.items() if k in names})
+            )
         except (OSError, SmolError) as err:
             log.warning("could not record when tokens were last used: %s", err)
 
@@ -2988,9 +3037,13 @@ def utc_now() -> str:
 
 
 def token_principal(record: dict) -> Principal:
-    return Principal(record["name"], frozenset(record.get("scopes", [])),
-                     tuple(record.get("targets") or FLEET_NAMES), record.get("approval", "none"),
-                     id=record.get("id", ""))
+    return Principal(
+        record["name"],
+        frozenset(record.get("scopes", [])),
+        tuple(record.get("targets") or FLEET_NAMES),
+        record.get("approval", "none"),
+        id=record.get("id", ""),
+    )
 
 
 class Owners:
@@ -3048,11 +3101,17 @@ class OwnedFleet:
             if isinstance(err, ApiError):
                 err.action = err.action.replace(stand_in, name)
                 err.api_message = err.api_message.replace(stand_in, name)
-            err.args = tuple(arg.replace(stand_in, name) if isinstance(arg, str) else arg
-                             for arg in err.args)
+            err.args = tuple(
+                arg.replace(stand_in, name) if isinstance(arg, str) else arg for arg in err.args
+            )
             raise err from None
-        raise ApiError(self._fleet.name, f"find machine '{name}'", 404, "NOT_FOUND",
-                       f"machine '{name}' not found")
+        raise ApiError(
+            self._fleet.name,
+            f"find machine '{name}'",
+            404,
+            "NOT_FOUND",
+            f"machine '{name}' not found",
+        )
 
 
 class Access:
@@ -3060,8 +3119,9 @@ class Access:
     ownership store, SMOL_MCP_AUTH_TOKEN as "default", and the stdio principal."""
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
-        self.state_dir = config.state_dir or default_state_dir(dict(os.environ if environ is None
-                                                                    else environ))
+        self.state_dir = config.state_dir or default_state_dir(
+            dict(os.environ if environ is None else environ)
+        )
         self.tokens = TokenStore(self.state_dir)
         self.owners = Owners(self.state_dir)
         self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
@@ -3294,8 +3354,8 @@ class SmolMcp:
         tool call."""
         names = (principal or self.access.stdio).tools()
         if (with_target, names) not in self._tool_lists:
-            self._tool_lists[(with_target, names)] = [self.mcp_tool(TOOLS_BY_NAME[name], with_target)
-                                                      for name in names]
+            self._tool_lists[(with_target, names)] = [
+                self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in names]
         return self._tool_lists[(with_target, names)]
 
     def principal_for(self, ctx) -> Principal:
@@ -3449,7 +3509,8 @@ class SmolMcp:
         earlier process left behind."""
         if not self._swept:
             import anyio
-            swept = await anyio.to_thread.run_sync(sweep_orphans, self.local, self.config.runtime_dir)
+            swept = await anyio.to_thread.run_sync(sweep_orphans, self.local,
+                                                   self.config.runtime_dir)
             self.access.owners.clear("local", swept)
             self._swept = True
 
@@ -3463,7 +3524,8 @@ class SmolMcp:
         elif LOGS_URI_RE.fullmatch(uri):
             fleet, name = self.log_resource(uri, self.principal_for(ctx))
             try:
-                lines = await Call(self, self.session_for(ctx), fleet, ctx).api(fleet.console_lines, name)
+                call = Call(self, self.session_for(ctx), fleet, ctx)
+                lines = await call.api(fleet.console_lines, name)
             except SmolError as err:
                 raise_resource_error(redact(str(err), self.config.secret_values()))
             text, mime = "\n".join(lines[-self.config.logs_tail:]), "text/plain"
@@ -3640,7 +3702,8 @@ class HttpGate:
         self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
 
     def principal(self, headers: dict[bytes, bytes]) -> Principal | None:
-        """The principal of the token the request carries (Access compares hashes in constant time)."""
+        """The principal of the token the request carries (Access compares
+        hashes, in constant time)."""
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1")]
         if authorization[:7].lower() == "bearer ":
@@ -3740,8 +3803,8 @@ class HttpSessions:
                 del self.by_principal[principal.name]
                 self.tasks.start_soon(self.app.end_session, earlier)
             if principal.name not in self.by_principal:
-                session = self.app.open_session(f"token-{principal.name}-{secrets_module.token_hex(3)}",
-                                                self.tasks)
+                label = f"token-{principal.name}-{secrets_module.token_hex(3)}"
+                session = self.app.open_session(label, self.tasks)
                 session.principal = principal
                 self.by_principal[principal.name] = session
             return self.by_principal[principal.name]
@@ -3772,7 +3835,8 @@ class HttpSessions:
                 await self.app.end_session(session)
         for session in list(self.handshake):
             if live.get(session.principal.name) != session.principal.id:
-                log.info("token %s was deleted: ending its session %s", session.principal.name, session.id)
+                log.info("token %s was deleted: ending its session %s", session.principal.name,
+                         session.id)
                 self.handshake.discard(session)
                 await self.app.end_session(session)
 
@@ -3862,19 +3926,25 @@ def parse_args(argv: list[str]):
                        help="an entry for a smol-mcp --http server at URL instead of a local stdio one")
     helpers.add_parser("parity", help="compare the routes this server calls with the running serve's OpenAPI")
     tokens = helpers.add_parser("tokens", help="create, list and delete the named tokens of --http")
-    token_commands = tokens.add_subparsers(dest="tokens_command", metavar="{create,list,delete}", required=True)
+    token_commands = tokens.add_subparsers(dest="tokens_command", metavar="{create,list,delete}",
+                                           required=True)
     create = token_commands.add_parser("create", help="make a token; its secret is shown once")
     create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
-    create.add_argument("--scopes", required=True, help=f"comma-separated, from: {', '.join(SCOPES)}")
-    create.add_argument("--targets", help="the fleets it may use: local, cloud or local,cloud (default both)")
+    create.add_argument("--scopes", required=True,
+                        help=f"comma-separated, from: {', '.join(SCOPES)}")
+    create.add_argument("--targets",
+                        help="the fleets it may use: local, cloud or local,cloud (default both)")
     create.add_argument("--approval", choices=APPROVAL_MODES, default="none",
                         help="changes: changing calls wait for a person (recorded with the token)")
-    create.add_argument("--client", choices=SETUP_CLIENTS, help="also print that client's entry for it")
-    create.add_argument("--url", help="the server's URL for --client (default from httpHost/httpPort/httpPath)")
+    create.add_argument("--client", choices=SETUP_CLIENTS,
+                        help="also print that client's entry for it")
+    create.add_argument("--url",
+                        help="the server URL for --client (default: httpHost, httpPort, httpPath)")
     create.add_argument("--json", action="store_true", help="print one JSON object, for scripts")
     listing = token_commands.add_parser("list", help="show every token, never a secret")
     listing.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
-    delete = token_commands.add_parser("delete", help="cut a token off; a running server refuses it at once")
+    delete = token_commands.add_parser("delete",
+                                       help="cut a token off; a running server refuses it at once")
     delete.add_argument("name")
     args = parser.parse_args(argv)
     if (args.command or not args.http) and (args.host or args.port or args.path):
@@ -3959,7 +4029,8 @@ def client_entry(client: str, http_url: str | None,
             # environment, so the token has to be pasted into its env block by hand.
             return "mcpServers", {"command": "npx",
                                   "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
-                                  "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>"}}
+                                  "env": {"AUTH_HEADER":
+                                          f"Bearer <paste the {variable} value here>"}}
         reference = f"${{env:{variable}}}" if client == "cursor" else f"${{{variable}}}"
         return "mcpServers", {"type": "http", "url": http_url, "headers": {"Authorization": f"Bearer {reference}"}}
     return "mcpServers", {"command": command[0], "args": command[1:]}
@@ -4052,8 +4123,8 @@ def tokens_command(args: Any, config: Config) -> int:
     """tokens create / list / delete: the named tokens of --http, in the state directory."""
     store = TokenStore(config.state_dir)
     if args.tokens_command == "create":
-        record, secret = store.create(args.name, parse_scopes(args.scopes), parse_targets(args.targets),
-                                      args.approval)
+        record, secret = store.create(args.name, parse_scopes(args.scopes),
+                                      parse_targets(args.targets), args.approval)
         shown = {"name": record["name"], "secret": secret, "scopes": record["scopes"],
                  "targets": record["targets"], "approval": record["approval"]}
         if args.json:
@@ -4090,7 +4161,8 @@ def tokens_command(args: Any, config: Config) -> int:
         return 0
     if not store.delete(args.name):
         names = ", ".join(r["name"] for r in store.records()) or "none"
-        print(f"smol-mcp: there is no token named {args.name!r} (the tokens: {names})", file=sys.stderr)
+        print(f"smol-mcp: there is no token named {args.name!r} (the tokens: {names})",
+              file=sys.stderr)
         return 1
     print(f"deleted token '{args.name}': a running server refuses it within a second and ends its "
           "sessions (their ephemeral machines are deleted)")
@@ -4102,7 +4174,8 @@ def tokens_file_report(config: Config) -> str:
     store = TokenStore(config.state_dir)
     path = store.file.path
     if not path.exists():
-        return f"no tokens file yet ({path}); SMOL_MCP_AUTH_TOKEN is {'set' if config.auth_token else 'unset'}"
+        state = "set" if config.auth_token else "unset"
+        return f"no tokens file yet ({path}); SMOL_MCP_AUTH_TOKEN is {state}"
     try:
         count = len(store.records())
     except SmolError as err:
@@ -4150,10 +4223,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tokens":
             return tokens_command(args, config)
         if args.http and not args.command and not Access(config).has_any_token():
-            raise ConfigError("--http refuses to start without a token, because these tools run machines: "
-                              "create one with `smol_mcp.py tokens create NAME --scopes LIST`, or set "
-                              "SMOL_MCP_AUTH_TOKEN (for example to the output of `openssl rand -hex 16`), "
-                              "and have clients send it as 'Authorization: Bearer <token>'")
+            raise ConfigError(
+                "--http refuses to start without a token, because these tools run machines: "
+                "create one with `smol_mcp.py tokens create NAME --scopes LIST`, or set "
+                "SMOL_MCP_AUTH_TOKEN (for example to the output of `openssl rand -hex 16`), "
+                "and have clients send it as 'Authorization: Bearer <token>'")
         app = SmolMcp(config)
         if args.command == "doctor":
             return doctor(app)

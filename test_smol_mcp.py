@@ -1641,7 +1641,8 @@ class HttpProcessTests(unittest.TestCase):
     def test_http_refuses_to_start_without_a_token(self):
         tmp = short_tempdir()
         try:
-            env = {**os.environ, "SMOL_MCP_CONFIG": f"{tmp}/none.json", "SMOL_MCP_STATE_DIR": f"{tmp}/state"}
+            env = {**os.environ, "SMOL_MCP_CONFIG": f"{tmp}/none.json",
+                   "SMOL_MCP_STATE_DIR": f"{tmp}/state"}
             env.pop("SMOL_MCP_AUTH_TOKEN", None)
             out = subprocess.run([sys.executable, "smol_mcp.py", "--http"], cwd=HERE, env=env, capture_output=True,
                                  text=True, timeout=60)
@@ -2299,15 +2300,19 @@ class AccessPiecesTests(unittest.TestCase):
     def test_scope_table_covers_every_tool_and_the_parallel_ones_and_fails_closed(self):
         levels = smol_mcp.TOOL_LEVELS
         self.assertTrue(all(tool.name in levels for tool in smol_mcp.TOOLS))
-        self.assertEqual((levels["start-job"], levels["cancel-job"], levels["read-job"], levels["allow-egress"]),
-                         ("exec", "exec", "read", "manage"))
+        self.assertEqual(
+            (levels["start-job"], levels["cancel-job"], levels["read-job"], levels["allow-egress"]),
+            ("exec", "exec", "read", "manage"),
+        )
         everything = smol_mcp.Principal("x", frozenset(smol_mcp.SCOPES))
         self.assertIsNone(smol_mcp.granting_scope(everything, "no-such-tool"))
         with self.assertRaisesRegex(smol_mcp.ScopeMissing, "^scope_missing: "):
             smol_mcp.authorize(everything, "no-such-tool", "local", None)
         both = smol_mcp.Principal("x", frozenset({"sandbox.exec", "machines.exec"}))
-        self.assertEqual(smol_mcp.authorize(both, "run-command", None, None),
-                         smol_mcp.Grant("machines.exec", False))  # the wider grant wins
+        self.assertEqual(
+            smol_mcp.authorize(both, "run-command", None, None),
+            smol_mcp.Grant("machines.exec", False),
+        )  # the wider grant wins
         local_only = smol_mcp.Principal("x", frozenset({"sandbox.read"}), ("local",))
         self.assertTrue(smol_mcp.authorize(local_only, "get-machine", "local", "m").owned_only)
         with self.assertRaisesRegex(smol_mcp.ScopeMissing, "local fleet only, not cloud"):
@@ -2316,8 +2321,12 @@ class AccessPiecesTests(unittest.TestCase):
     def test_stdio_scopes_setting_is_checked(self):
         with tempfile.TemporaryDirectory() as tmp:
             env = {"SMOL_MCP_CONFIG": f"{tmp}/none.json", "HOME": tmp}
-            self.assertEqual(load_config({**env, "SMOL_MCP_SCOPES": "machines.read"}).scopes, ("machines.read",))
-            with self.assertRaisesRegex(ConfigError, "'machines.write'.*the scopes are: machines.read"):
+            self.assertEqual(
+                load_config({**env, "SMOL_MCP_SCOPES": "machines.read"}).scopes, ("machines.read",)
+            )
+            with self.assertRaisesRegex(
+                ConfigError, "'machines.write'.*the scopes are: machines.read"
+            ):
                 load_config({**env, "SMOL_MCP_SCOPES": "machines.read,machines.write"})
 
     def test_store_keeps_hashes_only_refuses_bad_names_and_duplicates(self):
@@ -2344,40 +2353,86 @@ class AccessPiecesTests(unittest.TestCase):
 class AccessCliTests(unittest.TestCase):
     def setUp(self):
         self.tmp = short_tempdir()
-        self.env = {"PATH": os.environ["PATH"], "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-                    "SMOL_MCP_STATE_DIR": f"{self.tmp}/state", "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-                    "SMOLVM": "/nonexistent/smolvm"}
+        self.env = {
+            "PATH": os.environ["PATH"],
+            "HOME": self.tmp,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOLVM": "/nonexistent/smolvm",
+        }
 
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def test_create_list_delete_as_the_spec_gives_them(self):
-        out = run_cli("tokens", "create", "look", "--scopes", "machines.read", "--targets", "local",
-                      "--approval", "changes", "--json", env=self.env)
+        out = run_cli(
+            "tokens",
+            "create",
+            "look",
+            "--scopes",
+            "machines.read",
+            "--targets",
+            "local",
+            "--approval",
+            "changes",
+            "--json",
+            env=self.env,
+        )
         self.assertEqual(out.returncode, 0, out.stderr)
         created = json.loads(out.stdout)
         self.assertEqual(list(created), ["name", "secret", "scopes", "targets", "approval"])
-        self.assertEqual((created["scopes"], created["targets"], created["approval"]),
-                         (["machines.read"], ["local"], "changes"))
+        self.assertEqual(
+            (created["scopes"], created["targets"], created["approval"]),
+            (["machines.read"], ["local"], "changes"),
+        )
         secret = created["secret"]
-        out = run_cli("tokens", "create", "agent", "--scopes", SANDBOX, "--client", "claude-code",
-                      "--url", "http://b.local:8080/mcp", env=self.env, cwd=self.tmp)
+        out = run_cli(
+            "tokens",
+            "create",
+            "agent",
+            "--scopes",
+            SANDBOX,
+            "--client",
+            "claude-code",
+            "--url",
+            "http://b.local:8080/mcp",
+            env=self.env,
+            cwd=self.tmp,
+        )
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn('"Authorization": "Bearer ${SMOL_MCP_TOKEN_AGENT}"', out.stdout)  # a reference
+        self.assertIn(
+            '"Authorization": "Bearer ${SMOL_MCP_TOKEN_AGENT}"', out.stdout
+        )  # a reference
         self.assertIn('"url": "http://b.local:8080/mcp"', out.stdout)
         listed = json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)
-        self.assertEqual(listed, [{"name": "look", "scopes": ["machines.read"], "targets": ["local"],
-                                   "approval": "changes"},
-                                  {"name": "agent", "scopes": SANDBOX.split(","), "targets": ["local", "cloud"],
-                                   "approval": "none"}])
+        self.assertEqual(
+            listed,
+            [
+                {
+                    "name": "look",
+                    "scopes": ["machines.read"],
+                    "targets": ["local"],
+                    "approval": "changes",
+                },
+                {
+                    "name": "agent",
+                    "scopes": SANDBOX.split(","),
+                    "targets": ["local", "cloud"],
+                    "approval": "none",
+                },
+            ],
+        )
         table = run_cli("tokens", "list", env=self.env).stdout
         self.assertIn("changes", table)
         self.assertNotIn(secret, table)
-        for argv, words in ((("create", "look", "--scopes", "machines.read"), "already exists"),
-                            (("create", "x", "--scopes", "machines.write"), "the scopes are: machines.read"),
-                            (("create", "x y", "--scopes", "machines.read"), "cannot be a token name"),
-                            (("create", "x", "--scopes", "machines.read", "--targets", "moon"), "--targets"),
-                            (("delete", "nobody"), "no token named 'nobody'")):
+        for argv, words in (
+            (("create", "look", "--scopes", "machines.read"), "already exists"),
+            (("create", "x", "--scopes", "machines.write"), "the scopes are: machines.read"),
+            (("create", "x y", "--scopes", "machines.read"), "cannot be a token name"),
+            (("create", "x", "--scopes", "machines.read", "--targets", "moon"), "--targets"),
+            (("delete", "nobody"), "no token named 'nobody'"),
+        ):
             out = run_cli("tokens", *argv, env=self.env)
             self.assertNotEqual(out.returncode, 0, argv)
             self.assertIn(words, out.stderr, argv)
@@ -2389,8 +2444,13 @@ class AccessCliTests(unittest.TestCase):
         for path in Path(self.tmp, "state").iterdir():
             self.assertNotIn(secret, path.read_text(), path)
         self.assertEqual(run_cli("tokens", "delete", "look", env=self.env).returncode, 0)
-        self.assertEqual([t["name"] for t in json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)],
-                         ["agent"])
+        self.assertEqual(
+            [
+                t["name"]
+                for t in json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)
+            ],
+            ["agent"],
+        )
         os.chmod(Path(self.tmp, "state", "tokens.json"), 0o644)
         self.assertIn("TOO OPEN", run_cli("doctor", env=self.env).stdout)
 
@@ -2399,15 +2459,21 @@ class AccessCliTests(unittest.TestCase):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
-                                  env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         try:
             import httpx2
+
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    status = httpx2.post(f"http://127.0.0.1:{port}/mcp", content=INIT_BODY,
-                                         headers=JSON_HEADERS).status_code
+                    status = httpx2.post(
+                        f"http://127.0.0.1:{port}/mcp", content=INIT_BODY, headers=JSON_HEADERS
+                    ).status_code
                     break
                 except httpx2.TransportError:
                     self.assertLess(time.monotonic(), deadline, "the server did not start")
@@ -2425,18 +2491,26 @@ class AgentAccessHttpTests(HttpCase):
         await super().asyncSetUp()
         self.store = smol_mcp.TokenStore(self.config.state_dir)
         self.secrets = {}
-        for name, scopes, targets in (("look", "machines.read", "local,cloud"), ("a", SANDBOX, "local,cloud"),
-                                      ("b", SANDBOX, "local,cloud"), ("runner", "machines.exec", "local,cloud"),
-                                      ("cloudy", "machines.read", "cloud")):
-            _, self.secrets[name] = self.store.create(name, smol_mcp.parse_scopes(scopes),
-                                                      smol_mcp.parse_targets(targets), "none")
+        for name, scopes, targets in (
+            ("look", "machines.read", "local,cloud"),
+            ("a", SANDBOX, "local,cloud"),
+            ("b", SANDBOX, "local,cloud"),
+            ("runner", "machines.exec", "local,cloud"),
+            ("cloudy", "machines.read", "cloud"),
+        ):
+            _, self.secrets[name] = self.store.create(
+                name, smol_mcp.parse_scopes(scopes), smol_mcp.parse_targets(targets), "none"
+            )
 
     def as_token(self, name, mode="legacy"):
         return self.http_client(mode, headers={"Authorization": f"Bearer {self.secrets[name]}"})
 
     async def test_each_token_sees_exactly_its_tools_and_each_refusal_names_its_scope(self):
-        expected = {"look": READ_TOOLS, "a": [t.name for t in smol_mcp.TOOLS],
-                    "runner": ["run-command", "run-once", "read-file", "write-file"]}
+        expected = {
+            "look": READ_TOOLS,
+            "a": [t.name for t in smol_mcp.TOOLS],
+            "runner": ["run-command", "run-once", "read-file", "write-file"],
+        }
         for mode in MODES:
             for name, tools in expected.items():
                 with self.subTest(mode=mode, token=name):
@@ -2445,40 +2519,76 @@ class AgentAccessHttpTests(HttpCase):
             with self.subTest(mode=mode, token="look"):
                 async with self.as_token("look", mode) as c:
                     text = await self.refused(c, "create-machine", {"image": "alpine"})
-                    self.assertTrue(text.startswith("scope_missing: create-machine needs the machines.manage"),
-                                    text)
+                    self.assertTrue(
+                        text.startswith("scope_missing: create-machine needs the machines.manage"),
+                        text,
+                    )
                     self.assertIn("the token 'look'", text)
                     text = await self.refused(c, "run-command", {"name": "x", "command": "id"})
-                    self.assertTrue(text.startswith("scope_missing: run-command needs the machines.exec"), text)
+                    self.assertTrue(
+                        text.startswith("scope_missing: run-command needs the machines.exec"), text
+                    )
                     text = await self.refused(c, "no-such-tool", {})
-                    self.assertNotIn("create-machine", text)  # the unknown-tool answer lists its own tools only
+                    self.assertNotIn(
+                        "create-machine", text
+                    )  # the unknown-tool answer lists its own tools only
                     self.assertIn("list-machines, get-machine, machine-logs", text)
-                    access = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)["access"]
-                    self.assertEqual((access["principal"], access["scopes"]), ("look", ["machines.read"]))
+                    access = json.loads(
+                        (await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text
+                    )["access"]
+                    self.assertEqual(
+                        (access["principal"], access["scopes"]), ("look", ["machines.read"])
+                    )
                 async with self.as_token("cloudy", mode) as c:
                     text = await self.refused(c, "list-machines", {})
-                    self.assertTrue(text.startswith("scope_missing: the token 'cloudy' may use the cloud fleet "
-                                                    "only, not local"), text)
+                    self.assertTrue(
+                        text.startswith(
+                            "scope_missing: the token 'cloudy' may use the cloud fleet "
+                            "only, not local"
+                        ),
+                        text,
+                    )
         self.assertEqual(self.requests_to("/machines"), [])  # no refused call reached the engine
 
     async def test_a_sandbox_token_cannot_see_read_run_in_or_delete_anothers_machine(self):
         for mode in MODES:
             with self.subTest(mode=mode):
-                async with self.http_client(mode) as admin, self.as_token("a", mode) as a, \
-                        self.as_token("b", mode) as b, self.as_token("look", mode) as look:
-                    await self.ok(admin, "create-machine", {"name": "ops-box", "image": "alpine", "network": "open"})
-                    mine = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))
+                async with (
+                    self.http_client(mode) as admin,
+                    self.as_token("a", mode) as a,
+                    self.as_token("b", mode) as b,
+                    self.as_token("look", mode) as look,
+                ):
+                    await self.ok(
+                        admin,
+                        "create-machine",
+                        {"name": "ops-box", "image": "alpine", "network": "open"},
+                    )
+                    mine = await self.ok(
+                        a, "create-machine", {"image": "alpine", "network": "open"}
+                    )
                     mine = mine["machine"]["name"]
                     self.assertEqual(self.app.access.owners.owner("local", mine), "a")
-                    listed = [m["name"] for m in (await self.ok(a, "list-machines", {}))["machines"]]
+                    listed = [
+                        m["name"] for m in (await self.ok(a, "list-machines", {}))["machines"]
+                    ]
                     self.assertEqual(listed, [mine])
                     self.assertEqual((await self.ok(b, "list-machines", {}))["machines"], [])
-                    seen = {m["name"] for m in (await self.ok(look, "list-machines", {}))["machines"]}
+                    seen = {
+                        m["name"] for m in (await self.ok(look, "list-machines", {}))["machines"]
+                    }
                     self.assertTrue({"ops-box", mine} <= seen)  # machines.* sees everything
-                    calls = [("get-machine", {}), ("run-command", {"command": "id"}),
-                             ("read-file", {"path": "/etc/hostname"}), ("write-file", {"path": "/x", "content": "x"}),
-                             ("machine-logs", {}), ("stop-machine", {}), ("start-machine", {}),
-                             ("branch-machine", {"childName": "stolen"}), ("delete-machine", {})]
+                    calls = [
+                        ("get-machine", {}),
+                        ("run-command", {"command": "id"}),
+                        ("read-file", {"path": "/etc/hostname"}),
+                        ("write-file", {"path": "/x", "content": "x"}),
+                        ("machine-logs", {}),
+                        ("stop-machine", {}),
+                        ("start-machine", {}),
+                        ("branch-machine", {"childName": "stolen"}),
+                        ("delete-machine", {}),
+                    ]
                     for other in ("ops-box", mine):
                         client = b if other == mine else a
                         for tool, extra in calls:
@@ -2489,8 +2599,10 @@ class AgentAccessHttpTests(HttpCase):
                             await client.read_resource(f"smol://machine/local/{other}/logs")
                         with self.assertRaises(MCPError) as seen_ghost:
                             await client.read_resource("smol://machine/local/never-was/logs")
-                        self.assertEqual(str(seen_other.exception),
-                                         str(seen_ghost.exception).replace("never-was", other))
+                        self.assertEqual(
+                            str(seen_other.exception),
+                            str(seen_ghost.exception).replace("never-was", other),
+                        )
                     self.assertIn("ops-box", self.fake.machines)
                     self.assertNotIn("stolen", self.fake.machines)
                     ran = await self.ok(a, "run-command", {"name": mine, "command": "echo mine"})
@@ -2501,9 +2613,14 @@ class AgentAccessHttpTests(HttpCase):
 
     async def test_a_branch_belongs_to_its_sources_owner_and_ownership_survives_a_restart(self):
         async with self.as_token("a") as a, self.http_client() as admin:
-            await self.ok(a, "create-machine", {"name": "a-src", "image": "alpine", "network": "open",
-                                                "branchable": True})
-            child = (await self.ok(admin, "branch-machine", {"name": "a-src", "childName": "a-kid"}))["machine"]
+            await self.ok(
+                a,
+                "create-machine",
+                {"name": "a-src", "image": "alpine", "network": "open", "branchable": True},
+            )
+            child = (
+                await self.ok(admin, "branch-machine", {"name": "a-src", "childName": "a-kid"})
+            )["machine"]
             self.assertEqual(self.app.access.owners.owner("local", child["name"]), "a")
             restarted = smol_mcp.Access(self.config)  # a new process reads the same state directory
             self.assertEqual(restarted.owners.owner("local", "a-kid"), "a")
@@ -2517,38 +2634,60 @@ class AgentAccessHttpTests(HttpCase):
         opener = {**JSON_HEADERS, "Authorization": f"Bearer {self.secrets['a']}"}
         sid = (await self.raw("POST", "/mcp", opener, INIT_BODY)).headers["mcp-session-id"]
         call = jsonrpc(2, "tools/list")
-        other = {**JSON_HEADERS, "Authorization": f"Bearer {self.secrets['b']}",
-                 "mcp-protocol-version": "2025-06-18"}
+        other = {
+            **JSON_HEADERS,
+            "Authorization": f"Bearer {self.secrets['b']}",
+            "mcp-protocol-version": "2025-06-18",
+        }
         stolen = await self.raw("POST", "/mcp", {**other, "mcp-session-id": sid}, call)
         unknown = await self.raw("POST", "/mcp", {**other, "mcp-session-id": "f" * 32}, call)
-        self.assertEqual((stolen.status_code, stolen.content), (unknown.status_code, unknown.content))
+        self.assertEqual(
+            (stolen.status_code, stolen.content), (unknown.status_code, unknown.content)
+        )
         self.assertEqual(stolen.status_code, 404)
-        own = await self.raw("POST", "/mcp", {**opener, "mcp-session-id": sid,
-                                              "mcp-protocol-version": "2025-06-18"}, call)
+        own = await self.raw(
+            "POST",
+            "/mcp",
+            {**opener, "mcp-session-id": sid, "mcp-protocol-version": "2025-06-18"},
+            call,
+        )
         self.assertEqual(own.status_code, 200)
 
     async def test_deleting_a_token_cuts_a_live_client_off_and_ends_its_sessions(self):
         for mode in MODES:
             with self.subTest(mode=mode):
-                _, self.secrets["gone"] = self.store.create("gone", smol_mcp.parse_scopes(SANDBOX),
-                                                            smol_mcp.FLEET_NAMES, "none")
+                _, self.secrets["gone"] = self.store.create(
+                    "gone", smol_mcp.parse_scopes(SANDBOX), smol_mcp.FLEET_NAMES, "none"
+                )
                 async with self.as_token("gone", mode) as c:
-                    name = (await self.ok(c, "create-machine", {"image": "alpine", "network": "open"}))
+                    name = await self.ok(
+                        c, "create-machine", {"image": "alpine", "network": "open"}
+                    )
                     name = name["machine"]["name"]
                     self.assertTrue(self.store.delete("gone"))
-                    with self.assertRaises(Exception):  # the very next request: 401, no restart needed
+                    with self.assertRaises(
+                        Exception
+                    ):  # the very next request: 401, no restart needed
                         await c.list_tools()
                     await self.wait_until(lambda: name not in self.fake.machines, 10)
-                response = await self.raw("POST", "/mcp", {**JSON_HEADERS,
-                                                           "Authorization": f"Bearer {self.secrets['gone']}"},
-                                          INIT_BODY)
+                response = await self.raw(
+                    "POST",
+                    "/mcp",
+                    {**JSON_HEADERS, "Authorization": f"Bearer {self.secrets['gone']}"},
+                    INIT_BODY,
+                )
                 self.assertEqual(response.status_code, 401)
 
     async def test_two_tokens_keep_separate_ephemeral_machines_in_the_2026_era(self):
-        async with self.as_token("a", "auto") as a, self.as_token("runner", "auto") as r, \
-                self.http_client("auto") as admin:
-            mine = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))["machine"]["name"]
-            theirs = (await self.ok(admin, "create-machine", {"image": "alpine", "network": "open"}))
+        async with (
+            self.as_token("a", "auto") as a,
+            self.as_token("runner", "auto") as r,
+            self.http_client("auto") as admin,
+        ):
+            mine = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))[
+                "machine"
+            ]["name"]
+            theirs = await self.ok(admin, "create-machine", {"image": "alpine", "network": "open"})
             theirs = theirs["machine"]["name"]
             await self.ok(r, "run-command", {"name": theirs, "command": "true"})
             sessions = self.app.http.by_principal
@@ -2564,14 +2703,21 @@ class AgentAccessHttpTests(HttpCase):
         self.store.delete("b")
         answers = set()
         for path in ("/mcp", "/", "/elsewhere"):
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {self.secrets['b']}"},
-                            {"X-Smol-Mcp-Token": self.secrets["b"]}, {"Authorization": self.secrets["a"]},
-                            {"Authorization": f"Bearer {self.secrets['a'][:-1]}"}):
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"Authorization": f"Bearer {self.secrets['b']}"},
+                {"X-Smol-Mcp-Token": self.secrets["b"]},
+                {"Authorization": self.secrets["a"]},
+                {"Authorization": f"Bearer {self.secrets['a'][:-1]}"},
+            ):
                 response = await self.raw("POST", path, {**JSON_HEADERS, **headers}, INIT_BODY)
                 self.assertEqual(response.status_code, 401, (path, headers))
                 answers.add((response.content, response.headers.get("www-authenticate")))
         self.assertEqual(len(answers), 1)
-        ok = await self.raw("POST", "/mcp", {**JSON_HEADERS, "X-Smol-Mcp-Token": self.secrets["a"]}, INIT_BODY)
+        ok = await self.raw(
+            "POST", "/mcp", {**JSON_HEADERS, "X-Smol-Mcp-Token": self.secrets["a"]}, INIT_BODY
+        )
         self.assertEqual(ok.status_code, 200)
 
     async def wait_until(self, predicate, timeout):
@@ -2590,21 +2736,43 @@ class StdioScopesTests(FakeServeCase):
                 self.assertEqual([t.name for t in (await c.list_tools()).tools], READ_TOOLS)
                 self.assertEqual((await self.ok(c, "list-machines", {}))["machines"], [])
                 text = await self.refused(c, "create-machine", {"image": "alpine"})
-                self.assertTrue(text.startswith("scope_missing: create-machine needs the machines.manage"), text)
+                self.assertTrue(
+                    text.startswith("scope_missing: create-machine needs the machines.manage"), text
+                )
                 self.assertIn("this stdio server (SMOL_MCP_SCOPES", text)
-                access = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)["access"]
-                self.assertEqual((access["principal"], access["scopes"]), ("stdio", ["machines.read"]))
+                access = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)[
+                    "access"
+                ]
+                self.assertEqual(
+                    (access["principal"], access["scopes"]), ("stdio", ["machines.read"])
+                )
         self.assertEqual(self.requests_to("/machines"), [])
 
     async def test_the_setting_reaches_a_real_stdio_process(self):
-        env = {"SMOL_LOCAL_URL": f"unix://{self.socket_path}", "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_SCOPES": "sandbox.read,sandbox.exec",
-               "PATH": os.environ.get("PATH", ""), "HOME": self.tmp}
-        params = StdioServerParameters(command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=env)
+        env = {
+            "SMOL_LOCAL_URL": f"unix://{self.socket_path}",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_SCOPES": "sandbox.read,sandbox.exec",
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": self.tmp,
+        }
+        params = StdioServerParameters(
+            command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=env
+        )
         async with Client(params, mode="auto") as c:
-            self.assertEqual([t.name for t in (await c.list_tools()).tools],
-                             ["list-machines", "get-machine", "run-command", "run-once", "read-file", "write-file",
-                              "machine-logs"])
+            self.assertEqual(
+                [t.name for t in (await c.list_tools()).tools],
+                [
+                    "list-machines",
+                    "get-machine",
+                    "run-command",
+                    "run-once",
+                    "read-file",
+                    "write-file",
+                    "machine-logs",
+                ],
+            )
             text = await self.refused(c, "delete-machine", {"name": "x"})
             self.assertTrue(text.startswith("scope_missing: delete-machine"), text)
 
