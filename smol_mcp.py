@@ -2867,7 +2867,7 @@ class StateFile:
         try:
             info = os.stat(self.path)
             signature = (info.st_mtime_ns, info.st_size, info.st_ino)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing recorded yet
             signature = None
         with self._lock:
             if signature != self._signature:
@@ -2878,13 +2878,20 @@ class StateFile:
     def _load(self) -> Any:
         try:
             return json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return self.empty()
         except (OSError, ValueError) as exc:
             raise SmolError(f"cannot read {self.path} ({exc}); fix or remove that file") from None
 
     def update(self, change: Callable[[Any], Any]) -> Any:
         """Apply ``change`` to the current content and write it back; returns its result."""
+        try:
+            return self._update(change)
+        except OSError as exc:
+            raise SmolError(f"cannot write {self.path} ({exc.strerror}); set SMOL_MCP_STATE_DIR "
+                            "to a directory this user can write") from None
+
+    def _update(self, change: Callable[[Any], Any]) -> Any:
         import fcntl
 
         ensure_state_dir(self.path.parent)

@@ -2727,6 +2727,42 @@ class AgentAccessHttpTests(HttpCase):
             await asyncio.sleep(0.1)
 
 
+class SandboxBothFleetsTests(FakeCloudCase):
+    """A sandbox.* principal in both mode: ownership holds on the cloud fleet
+    too, and a call it has no scope for is refused before any question."""
+
+    targets = "both"
+    config_overrides = {"scopes": ("sandbox.read", "sandbox.manage")}
+
+    async def test_ownership_on_both_fleets_and_no_question_before_a_refusal(self):
+        admin = SmolMcp(dataclasses_replace(self.config, scopes=()))  # same state directory
+        admin.access.stdio = smol_mcp.Principal("ops", frozenset(smol_mcp.SCOPES), kind="stdio")
+        asked = []
+        async with Client(admin.server, mode="legacy") as a, \
+                self.client("legacy", elicitation_callback=answer_fleet("accept", "cloud", asked)) as c:
+            text = await self.refused(c, "run-command", {"name": "x", "command": "id"})
+            self.assertTrue(text.startswith("scope_missing: run-command needs the machines.exec"), text)
+            self.assertEqual(asked, [])  # refused before the fleet question
+            for target in ("local", "cloud"):
+                await self.ok(a, "create-machine", {"target": target, "name": f"ops-{target}",
+                                                    "image": "alpine", "start": False})
+        async with self.client("legacy") as c:  # no elicitation: target on every call
+            for target in ("local", "cloud"):
+                with self.subTest(target=target):
+                    own = f"own-{target}"
+                    await self.ok(c, "create-machine", {"target": target, "name": own,
+                                                        "image": "alpine", "start": False})
+                    listed = await self.ok(c, "list-machines", {"target": target})
+                    self.assertEqual([m["name"] for m in listed["machines"]], [own])
+                    for tool in ("get-machine", "stop-machine", "delete-machine"):
+                        other = await self.refused(c, tool, {"target": target, "name": f"ops-{target}"})
+                        ghost = await self.refused(c, tool, {"target": target, "name": "never-was"})
+                        self.assertEqual(other, ghost.replace("never-was", f"ops-{target}"), tool)
+                    await self.ok(c, "delete-machine", {"target": target, "name": own})
+        self.assertIn("ops-local", self.fake.machines)
+        self.assertEqual(self.by_name("ops-cloud")["name"], "ops-cloud")
+
+
 class StdioScopesTests(FakeServeCase):
     config_overrides = {"scopes": ("machines.read",)}
 
@@ -2747,6 +2783,14 @@ class StdioScopesTests(FakeServeCase):
                     (access["principal"], access["scopes"]), ("stdio", ["machines.read"])
                 )
         self.assertEqual(self.requests_to("/machines"), [])
+
+    async def test_an_unwritable_state_dir_is_a_sentence_and_nothing_is_created(self):
+        Path(self.tmp, "file").write_text("")
+        self.app = SmolMcp(dataclasses_replace(self.config, scopes=(), state_dir=f"{self.tmp}/file/st"))
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "create-machine", {"name": "kept-out", "image": "alpine"})
+        self.assertIn("set SMOL_MCP_STATE_DIR to a directory this user can write", text)
+        self.assertNotIn("kept-out", self.fake.machines)
 
     async def test_the_setting_reaches_a_real_stdio_process(self):
         env = {
