@@ -2713,10 +2713,8 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 # call passes through authorize() before its handler runs.
 # ---------------------------------------------------------------------------
 
-SCOPE_DOMAINS = (
-    "machines",
-    "sandbox",
-)  # the wider grant first: it wins when a principal holds both
+# The wider domain first: when a principal holds both, its grant wins.
+SCOPE_DOMAINS = ("machines", "sandbox")
 SCOPE_LEVELS = ("read", "manage", "exec")
 SCOPES = (
     *(f"{domain}.{level}" for domain in SCOPE_DOMAINS for level in SCOPE_LEVELS),
