@@ -896,15 +896,23 @@ class LocalFleet:
 
     def egress_events(self, name: str, limit: int) -> list[dict]:
         """The machine's recorded egress denials, oldest first, the newest ``limit`` of them."""
-        answer = self.request(f"read the egress denials of machine '{name}'", "GET",
-                              f"/api/v1/machines/{_q(name)}/egress-events?limit={limit}")
+        answer = self.request(
+            f"read the egress denials of machine '{name}'",
+            "GET",
+            f"/api/v1/machines/{_q(name)}/egress-events?limit={limit}",
+        )
         events = answer.get("events") if isinstance(answer, dict) else None
         return [e for e in events or [] if isinstance(e, dict)]
 
     def update_egress(self, name: str, change: dict) -> tuple[dict, dict]:
-        """Amend the allow list (an UpdateEgressRequest body); the engine answers the updated record."""
-        info = self.request(f"amend the egress allow list of machine '{name}'", "POST",
-                            f"/api/v1/machines/{_q(name)}/egress", change)
+        """Amend the allow list (an UpdateEgressRequest body); the engine answers the
+        updated record."""
+        info = self.request(
+            f"amend the egress allow list of machine '{name}'",
+            "POST",
+            f"/api/v1/machines/{_q(name)}/egress",
+            change,
+        )
         return local_record(info), egress_lists(info)
 
     def pull_image(self, name: str, image: str) -> dict:
@@ -1588,7 +1596,11 @@ def egress_lists(info: dict) -> dict:
     """A local machine's egress policy: its allow lists (hosts and patterns
     share one list in the engine's record) and whether egress is open."""
     hosts, cidrs = list(info.get("allowedHosts") or []), list(info.get("allowedCidrs") or [])
-    return {"open": bool(info.get("network")) and not hosts and not cidrs, "hosts": hosts, "cidrs": cidrs}
+    return {
+        "open": bool(info.get("network")) and not hosts and not cidrs,
+        "hosts": hosts,
+        "cidrs": cidrs,
+    }
 
 
 def cloud_record(info: dict) -> dict:
@@ -1839,17 +1851,55 @@ OUT_MACHINE = {
     "required": list(MACHINE_KEYS),
 }
 ARG_EGRESS_LIST = {"type": "array", "maxItems": 32}
+ARG_EGRESS_HOSTS = {
+    **ARG_EGRESS_LIST,
+    "description": "Host names to allow, such as pypi.org; each covers its subdomains too.",
+    "items": _string("A host name.", minLength=1, maxLength=253),
+}
+ARG_EGRESS_PATTERNS = {
+    **ARG_EGRESS_LIST,
+    "description": "Patterns to allow: an exact host name, or *.domain for its subdomains only.",
+    "items": _string("A host name or *.domain.", minLength=1, maxLength=255),
+}
+ARG_EGRESS_CIDRS = {
+    **ARG_EGRESS_LIST,
+    "description": "Address ranges to allow, such as 203.0.113.7/32 or 10.0.0.0/8 (/8 or "
+    "narrower; IPv6 /32 or narrower).",
+    "items": _string("An address range.", minLength=1, maxLength=64),
+}
+ARG_EGRESS_REMOVE = {
+    **_object({
+        "hosts": {**ARG_EGRESS_LIST, "items": _string("A listed entry.", minLength=1,
+                                                      maxLength=255),
+                  "description": "Host names or patterns to take off, as get-machine lists them."},
+        "cidrs": {**ARG_EGRESS_LIST, "items": _string("A listed range.", minLength=1, maxLength=64),
+                  "description": "Address ranges to take off, as get-machine lists them."},
+    }),
+    "description": "Entries to take off the allow list; at least one entry must remain.",
+}
 OUT_EGRESS = {
-    "type": "object", "description": "A local machine's egress policy.",
-    "properties": {"open": {"type": "boolean"}, "hosts": {"type": "array", "items": {"type": "string"}},
-                   "cidrs": {"type": "array", "items": {"type": "string"}}},
+    "type": "object",
+    "description": "A local machine's egress policy.",
+    "properties": {
+        "open": {"type": "boolean"},
+        "hosts": {"type": "array", "items": {"type": "string"}},
+        "cidrs": {"type": "array", "items": {"type": "string"}},
+    },
     "required": ["open", "hosts", "cidrs"],
 }
 OUT_DENIALS = {
-    "type": "array", "description": "Refused connections grouped by destination (local fleet).",
-    "items": {"type": "object", "properties": {
-        "dest": {"type": "string"}, "operation": {"type": "string"}, "count": {"type": "integer"},
-        "firstAt": {"type": ["string", "null"]}, "lastAt": {"type": ["string", "null"]}}},
+    "type": "array",
+    "description": "Refused connections grouped by destination (local fleet).",
+    "items": {
+        "type": "object",
+        "properties": {
+            "dest": {"type": "string"},
+            "operation": {"type": "string"},
+            "count": {"type": "integer"},
+            "firstAt": {"type": ["string", "null"]},
+            "lastAt": {"type": ["string", "null"]},
+        },
+    },
 }
 OUT_EXEC_PROPERTIES = {
     "stdout": {"type": "string"}, "stderr": {"type": "string"}, "exitCode": {"type": "integer"},
@@ -1860,7 +1910,11 @@ OUT_EXEC_PROPERTIES = {
 
 def _out(properties: dict, optional: dict | None = None) -> dict:
     """A result schema: ``properties`` always present, ``optional`` only sometimes."""
-    return {"type": "object", "properties": {**properties, **(optional or {})}, "required": list(properties)}
+    return {
+        "type": "object",
+        "properties": {**properties, **(optional or {})},
+        "required": list(properties),
+    }
 
 
 OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}}
@@ -1886,7 +1940,8 @@ class Call:
     """What one tool call needs: its fleet, its session, worker threads for the
     blocking API, and progress notifications for the long waits."""
 
-    def __init__(self, app: "SmolMcp", session: "Session", fleet: Any, ctx: Any, params: Any = None):
+    def __init__(self, app: "SmolMcp", session: "Session", fleet: Any, ctx: Any,
+                 params: Any = None):
         self.app, self.session, self.fleet, self.ctx, self.params = app, session, fleet, ctx, params
         self.config = app.config
         self.started = time.monotonic()
@@ -2089,9 +2144,12 @@ async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, k
 
 EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
 EGRESS_RECENT = 50  # denials get-machine shows
-EGRESS_HINT = ("egressDenied lists the connections this machine's egress policy refused while the command ran. "
-               "If the command needs one, allow-egress {{name: \"{name}\", hosts: [the host name it used]}} (or "
-               "cidrs: [\"<address>/32\"]) adds it to the allow list once a person confirms.")
+EGRESS_HINT = (
+    "egressDenied lists the connections this machine's egress policy refused while the "
+    "command ran. "
+    'If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it used]}} (or '
+    'cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
+)
 
 
 def parse_event_time(value: Any) -> datetime.datetime | None:
@@ -2116,18 +2174,30 @@ def group_denials(events: list[dict], since: datetime.datetime | None = None) ->
         if since is not None and (when is None or when < since):
             continue
         key = (str(event.get("dest", "")), str(event.get("operation", "")))
-        group = groups.setdefault(key, {"dest": key[0], "operation": key[1], "count": 0,
-                                        "firstAt": event.get("timestamp") or None, "lastAt": None})
+        group = groups.setdefault(
+            key,
+            {
+                "dest": key[0],
+                "operation": key[1],
+                "count": 0,
+                "firstAt": event.get("timestamp") or None,
+                "lastAt": None,
+            },
+        )
         group["count"] += 1
         group["lastAt"] = event.get("timestamp") or group["lastAt"]
     return list(groups.values())
 
 
-async def note_egress_denials(call: Call, name: str, shaped: dict, since: datetime.datetime) -> dict:
+async def note_egress_denials(
+    call: Call, name: str, shaped: dict, since: datetime.datetime
+) -> dict:
     """Add egressDenied (and its hint) to the result of a command that failed
     or timed out, on a fleet whose engine records denials. Reading them is a
     courtesy: a failure to read leaves the result as it is."""
-    if not getattr(call.fleet, "amends_egress", False) or (shaped["exitCode"] == 0 and not shaped["timedOut"]):
+    if not getattr(call.fleet, "amends_egress", False) or (
+        shaped["exitCode"] == 0 and not shaped["timedOut"]
+    ):
         return shaped
     try:
         events = await call.api(call.fleet.egress_events, name, EGRESS_EVENTS_LIMIT)
@@ -2391,13 +2461,22 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
 
 HOST_LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 EGRESS_QUESTION_SCHEMA = {
-    "type": "object", "required": ["allow"],
-    "properties": {"allow": {"type": "boolean", "title": "Allow this egress change",
-                             "description": "true to apply it; false (or decline) leaves the machine as it is"}},
+    "type": "object",
+    "required": ["allow"],
+    "properties": {
+        "allow": {
+            "type": "boolean",
+            "title": "Allow this egress change",
+            "description": "true to apply it; false (or decline) leaves the machine as it is",
+        }
+    },
 }
-EGRESS_409_HINT = ("The engine applies this change only to a stopped machine (a running one keeps its current kind "
-                   "of policy). allow-egress never stops a machine itself: stop it with stop-machine (whatever runs "
-                   "in it ends), call allow-egress again, then start it with start-machine")
+EGRESS_409_HINT = (
+    "The engine applies this change only to a stopped machine (a running one keeps its current "
+    "kind of policy). allow-egress never stops a machine itself: stop it with stop-machine "
+    "(whatever runs "
+    "in it ends), call allow-egress again, then start it with start-machine"
+)
 
 
 def egress_host(value: str, where: str, pattern: bool) -> str:
@@ -2409,19 +2488,29 @@ def egress_host(value: str, where: str, pattern: bool) -> str:
     name = host[2:] if wildcard else host
     try:
         ipaddress.ip_address(name)
-        raise ArgumentError(f'"{where}" is an address ({value!r}); pass it in cidrs as {name}/32 (or /128) instead')
+        raise ArgumentError(
+            f'"{where}" is an address ({value!r}); pass it in cidrs as {name}/32 (or /128) instead'
+        )
     except ValueError:
         pass
     labels = name.split(".")
     if "*" in name:
-        what = "hostPatterns takes only *.domain" if pattern else "hosts takes no wildcards; use hostPatterns"
+        what = (
+            "hostPatterns takes only *.domain"
+            if pattern
+            else "hosts takes no wildcards; use hostPatterns"
+        )
         raise ArgumentError(f'"{where}" is {value!r}: {what}')
     if len(name) > 253 or not all(HOST_LABEL_RE.fullmatch(label) for label in labels):
-        raise ArgumentError(f'"{where}" is not a host name: {value!r}. Pass a name such as pypi.org: letters, '
-                            "digits and hyphens in dot-separated labels")
+        raise ArgumentError(
+            f'"{where}" is not a host name: {value!r}. Pass a name such as pypi.org: letters, '
+            "digits and hyphens in dot-separated labels"
+        )
     if len(labels) < 2:
         covers = "every host under it" if not wildcard else "every host in that top-level domain"
-        raise ArgumentError(f'"{where}" is {value!r}, which would cover {covers}; name a host such as pypi.org')
+        raise ArgumentError(
+            f'"{where}" is {value!r}, which would cover {covers}; name a host such as pypi.org'
+        )
     return host
 
 
@@ -2430,13 +2519,17 @@ def egress_cidr(value: str, where: str) -> str:
     try:
         network = ipaddress.ip_network(value)
     except ValueError as err:
-        raise ArgumentError(f'"{where}" is not an address range: {value!r} ({err}). Pass one such as '
-                            "203.0.113.7/32 or 10.0.0.0/8") from None
+        raise ArgumentError(
+            f'"{where}" is not an address range: {value!r} ({err}). Pass one such as '
+            "203.0.113.7/32 or 10.0.0.0/8"
+        ) from None
     widest = 8 if network.version == 4 else 32
     if network.prefixlen < widest:
-        raise ArgumentError(f'"{where}" is {value!r}, which covers {network.num_addresses} addresses; allow-egress '
-                            f"takes ranges of /{widest} or narrower. For open egress, create a new machine with "
-                            'network: "open" instead')
+        raise ArgumentError(
+            f'"{where}" is {value!r}, which covers {network.num_addresses} addresses; allow-egress '
+            f"takes ranges of /{widest} or narrower. For open egress, create a new machine with "
+            'network: "open" instead'
+        )
     return value
 
 
@@ -2447,37 +2540,59 @@ def egress_change(args: dict, before: dict) -> tuple[dict, dict]:
     that would leave no entry (which the engine reads as allow everything) is
     refused."""
     hosts = [egress_host(h, f"hosts[{i}]", False) for i, h in enumerate(args.get("hosts", []))]
-    patterns = [egress_host(h, f"hostPatterns[{i}]", True) for i, h in enumerate(args.get("hostPatterns", []))]
+    patterns = [
+        egress_host(h, f"hostPatterns[{i}]", True)
+        for i, h in enumerate(args.get("hostPatterns", []))
+    ]
     cidrs = [egress_cidr(c, f"cidrs[{i}]") for i, c in enumerate(args.get("cidrs", []))]
     remove = args.get("remove", {})
     if not (hosts or patterns or cidrs or remove.get("hosts") or remove.get("cidrs")):
-        raise ArgumentError("allow-egress needs something to change: hosts, hostPatterns, cidrs, or remove "
-                            "{hosts, cidrs}")
+        raise ArgumentError(
+            "allow-egress needs something to change: hosts, hostPatterns, cidrs, or remove "
+            "{hosts, cidrs}"
+        )
     listed_hosts = {h.lower(): h for h in before["hosts"]}
     removed_hosts, removed_cidrs = [], []
     for i, host in enumerate(remove.get("hosts", [])):
         if host.lower() not in listed_hosts:
-            raise ArgumentError(f'"remove.hosts[{i}]" ({host!r}) is not on the allow list of this machine, which '
-                                f"lists hosts {before['hosts'] or 'none'}; get-machine shows it")
+            raise ArgumentError(
+                f'"remove.hosts[{i}]" ({host!r}) is not on the allow list of this machine, which '
+                f"lists hosts {before['hosts'] or 'none'}; get-machine shows it"
+            )
         removed_hosts.append(listed_hosts[host.lower()])  # written as the engine lists it
     for i, cidr in enumerate(remove.get("cidrs", [])):
         if cidr not in before["cidrs"]:
-            raise ArgumentError(f'"remove.cidrs[{i}]" ({cidr!r}) is not on the allow list of this machine, which '
-                                f"lists ranges {before['cidrs'] or 'none'}; get-machine shows it")
+            raise ArgumentError(
+                f'"remove.cidrs[{i}]" ({cidr!r}) is not on the allow list of this machine, which '
+                f"lists ranges {before['cidrs'] or 'none'}; get-machine shows it"
+            )
         removed_cidrs.append(cidr)
     kept_hosts = [h for h in before["hosts"] if h not in removed_hosts]
     kept_cidrs = [c for c in before["cidrs"] if c not in removed_cidrs]
     new_hosts = [h for h in dict.fromkeys(hosts) if h not in (k.lower() for k in kept_hosts)]
-    new_patterns = [p for p in dict.fromkeys(patterns) if p not in (k.lower() for k in kept_hosts + new_hosts)]
+    new_patterns = [
+        p for p in dict.fromkeys(patterns) if p not in (k.lower() for k in kept_hosts + new_hosts)
+    ]
     new_cidrs = [c for c in dict.fromkeys(cidrs) if c not in kept_cidrs]
     after = {"hosts": kept_hosts + new_hosts + new_patterns, "cidrs": kept_cidrs + new_cidrs}
     if not after["hosts"] and not after["cidrs"]:
-        raise ArgumentError("this would remove every entry of the allow list, and the engine reads an empty list as "
-                            "egress to every host; allow-egress never does that. Keep at least one entry, or "
-                            'create a new machine with network: "open" if that is really wanted')
-    body = {key: value for key, value in (("allowHosts", new_hosts), ("allowHostPatterns", new_patterns),
-                                          ("allowCidrs", new_cidrs), ("removeAllowHosts", removed_hosts),
-                                          ("removeAllowCidrs", removed_cidrs)) if value}
+        raise ArgumentError(
+            "this would remove every entry of the allow list, and the engine reads an empty list "
+            "as "
+            "egress to every host; allow-egress never does that. Keep at least one entry, or "
+            'create a new machine with network: "open" if that is really wanted'
+        )
+    body = {
+        key: value
+        for key, value in (
+            ("allowHosts", new_hosts),
+            ("allowHostPatterns", new_patterns),
+            ("allowCidrs", new_cidrs),
+            ("removeAllowHosts", removed_hosts),
+            ("removeAllowCidrs", removed_cidrs),
+        )
+        if value
+    }
     return body, after
 
 
@@ -2491,31 +2606,53 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
     if body.get("allowCidrs"):
         parts.append("reach address ranges " + ", ".join(body["allowCidrs"]))
     if body.get("removeAllowHosts") or body.get("removeAllowCidrs"):
-        parts.append("no longer reach " + ", ".join(body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", [])))
-    now = ("open to every host (the allow list narrows it)" if before["open"] else
-           "blocked (no egress at all)" if not before["hosts"] and not before["cidrs"] else
-           "limited to " + ", ".join(before["hosts"] + before["cidrs"]))
-    return (f"The agent asks to change the egress of machine '{name}' on the {fleet} fleet so that it may "
-            f"{'; and '.join(parts)}. Its egress is now {now}; afterwards it is limited to "
-            f"{', '.join(after['hosts'] + after['cidrs'])}. Allow this change?")
+        parts.append(
+            "no longer reach "
+            + ", ".join(body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", []))
+        )
+    now = (
+        "open to every host (the allow list narrows it)"
+        if before["open"]
+        else "blocked (no egress at all)"
+        if not before["hosts"] and not before["cidrs"]
+        else "limited to " + ", ".join(before["hosts"] + before["cidrs"])
+    )
+    return (
+        f"The agent asks to change the egress of machine '{name}' on the {fleet} fleet so that "
+        "it may "
+        f"{'; and '.join(parts)}. Its egress is now {now}; afterwards it is limited to "
+        f"{', '.join(after['hosts'] + after['cidrs'])}. Allow this change?"
+    )
 
 
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
     if not getattr(call.fleet, "amends_egress", False):
-        raise ArgumentError("allow-egress is local only: the smol cloud API has no route to amend a machine's "
-                            "egress. Create a new cloud machine with allowHosts/allowCidrs (or network: \"open\") "
-                            "instead")
+        raise ArgumentError(
+            "allow-egress is local only: the smol cloud API has no route to amend a machine's "
+            'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
+            "instead"
+        )
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before)
-    result = {"machine": record, "before": before, "after": {**after, "open": False}, "changed": False}
+    result = {
+        "machine": record,
+        "before": before,
+        "after": {**after, "open": False},
+        "changed": False,
+    }
     if not body:
         return result  # everything asked for is already on the list
-    confirmed = await call.confirm(egress_question(name, call.fleet.name, before, body, after),
-                                   json.dumps([name, body], sort_keys=True), EGRESS_QUESTION_SCHEMA)
+    confirmed = await call.confirm(
+        egress_question(name, call.fleet.name, before, body, after),
+        json.dumps([name, body], sort_keys=True),
+        EGRESS_QUESTION_SCHEMA,
+    )
     if confirmed is False:
-        raise SmolError(f"The person did not allow the egress change for machine '{name}'; nothing changed. Do "
-                        "not ask again unless they say so.")
+        raise SmolError(
+            f"The person did not allow the egress change for machine '{name}'; nothing changed. Do "
+            "not ask again unless they say so."
+        )
     try:
         record, applied = await call.api(call.fleet.update_egress, name, body)
     except ApiError as err:
@@ -2534,8 +2671,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         read_only=True, idempotent=True),
     ToolSpec(
         "get-machine", "Get a machine",
-        "Show one machine: state, image, size, egress, ports, pid and whether it can be branched; on the local fleet "
-        "also its egress allow list and the connections it recently refused. Changes nothing.",
+        "Show one machine: state, image, size, egress, ports, pid and whether it can be branched. Changes nothing.",
+        # (on the local fleet the result also has the egress allow list and recent refusals)
         _object({"name": ARG_NAME}, ("name",)),
         _out({"machine": OUT_MACHINE}, {"egress": {**OUT_EGRESS, "properties": {
             **OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS}}}), tool_get_machine,
@@ -2573,11 +2710,13 @@ TOOLS: tuple[ToolSpec, ...] = (
         "run-command", "Run a command in a machine",
         "Run a command inside the named machine (never on this host) and return its stdout, stderr and exit code. "
         "A non-zero exit is a result, not an error. Output beyond the budget keeps its head and tail, and the whole "
-        "stream is saved in the machine at the path listed in overflow. A stopped machine is started first. On the "
-        "local fleet a failed command lists the connections the egress policy refused (egressDenied).",
+        "stream is saved in the machine at the path listed in overflow. A stopped machine is "
+        "started first. On the local fleet a failed command lists the connections the egress "
+        "policy refused (egressDenied).",
         _object({"name": ARG_NAME, "command": ARG_COMMAND, "timeoutSecs": ARG_TIMEOUT, "workdir": ARG_WORKDIR,
                  "env": ARG_ENV, "stdin": ARG_STDIN}, ("name", "command")),
-        _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS), tool_run_command, destructive=True, open_world=True),
+        _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS), tool_run_command, destructive=True,
+        open_world=True),
     ToolSpec(
         "run-once", "Run a command in a throwaway machine",
         "Create a machine from an image, run one command in it, and delete the machine on every path (success, "
@@ -2651,30 +2790,17 @@ TOOLS: tuple[ToolSpec, ...] = (
         _out({"image": {"type": "object"}}), tool_pull_image, idempotent=True, open_world=True),
     ToolSpec(
         "allow-egress", "Change a machine's egress allow list",
-        "Let a local machine reach more hosts, host patterns or address ranges (or take entries off its allow "
-        "list), without opening egress to everything: an empty list is never sent and allowAll is not offered. "
-        "When the client can ask, the person confirms exactly what changes first; a decline changes nothing. A "
-        "machine with no allow list yet (blocked or open) must be stopped first, and this tool never stops one. "
-        "The result has the allow list before and after. Local fleet only.",
-        _object({
-            "name": ARG_NAME,
-            "hosts": {**ARG_EGRESS_LIST, "description": "Host names to allow, such as pypi.org; each covers its "
-                      "subdomains too.", "items": _string("A host name.", minLength=1, maxLength=253)},
-            "hostPatterns": {**ARG_EGRESS_LIST, "description": "Patterns to allow: an exact host name, or "
-                             "*.domain for its subdomains only.",
-                             "items": _string("A host name or *.domain.", minLength=1, maxLength=255)},
-            "cidrs": {**ARG_EGRESS_LIST, "description": "Address ranges to allow, such as 203.0.113.7/32 or "
-                      "10.0.0.0/8 (/8 or narrower; IPv6 /32 or narrower).",
-                      "items": _string("An address range.", minLength=1, maxLength=64)},
-            "remove": {**_object({
-                "hosts": {**ARG_EGRESS_LIST, "items": _string("A listed entry.", minLength=1, maxLength=255),
-                          "description": "Host names or patterns to take off, as get-machine lists them."},
-                "cidrs": {**ARG_EGRESS_LIST, "items": _string("A listed range.", minLength=1, maxLength=64),
-                          "description": "Address ranges to take off, as get-machine lists them."}}),
-                       "description": "Entries to take off the allow list; at least one entry must remain."},
-        }, ("name",)),
-        _out({"machine": OUT_MACHINE, "before": OUT_EGRESS, "after": OUT_EGRESS, "changed": {"type": "boolean"}}),
-        tool_allow_egress, destructive=True),  # removals narrow it too; a repeated removal is refused
+        "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
+        "off its allow list), without opening egress to everything: an empty list is never sent "
+        "and allowAll is not offered. When the client can ask, the person confirms exactly what "
+        "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
+        "open) must be stopped first, and this tool never stops one. The result has the allow "
+        "list before and after. Local fleet only.",
+        _object({"name": ARG_NAME, "hosts": ARG_EGRESS_HOSTS, "hostPatterns": ARG_EGRESS_PATTERNS,
+                 "cidrs": ARG_EGRESS_CIDRS, "remove": ARG_EGRESS_REMOVE}, ("name",)),
+        _out({"machine": OUT_MACHINE, "before": OUT_EGRESS, "after": OUT_EGRESS,
+              "changed": {"type": "boolean"}}),
+        tool_allow_egress, destructive=True),  # removals narrow it; a repeated removal is refused
 )
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
@@ -2985,8 +3111,11 @@ def can_elicit(ctx) -> bool:
     """Whether the client said it can show a form to the person (the
     capability comes from initialize, or from each 2026-era request)."""
     capabilities = ctx.session.client_capabilities if ctx is not None else None
-    return not (capabilities is None or capabilities.elicitation is None or (
-        capabilities.elicitation.form is None and capabilities.elicitation.url is not None))
+    return not (
+        capabilities is None
+        or capabilities.elicitation is None
+        or (capabilities.elicitation.form is None and capabilities.elicitation.url is not None)
+    )
 
 
 def resolve_mode(config: Config) -> str:
@@ -3213,7 +3342,8 @@ class SmolMcp:
             session.asked_fleet = True  # a client that cannot answer keeps the argument
             return None
         modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
-        answer = await self.ask(ctx, params, "fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA)
+        answer = await self.ask(ctx, params, "fleet", "smol-mcp:fleet", FLEET_QUESTION,
+                                FLEET_QUESTION_SCHEMA)
         if isinstance(answer, types.InputRequiredResult):
             return answer
         session.asked_fleet = True
@@ -3234,7 +3364,10 @@ class SmolMcp:
         answered another question, so it is asked again."""
         import mcp_types as types
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-        question = types.ElicitRequest(params=types.ElicitRequestFormParams(message=message, requested_schema=schema))
+
+        question = types.ElicitRequest(
+            params=types.ElicitRequestFormParams(message=message, requested_schema=schema)
+        )
         if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
             return await self.elicit(ctx, question)
         answer = (params.input_responses or {}).get(key) if params is not None else None
@@ -3242,19 +3375,26 @@ class SmolMcp:
             return types.InputRequiredResult(request_state=state, input_requests={key: question})
         return types.ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
 
-    async def confirm(self, ctx, params, session: Session, message: str, binding: str, schema: dict) -> bool | None:
+    async def confirm(
+        self, ctx, params, session: Session, message: str, binding: str, schema: dict
+    ) -> bool | None:
         """Ask the person to allow a change (a form with one boolean, `allow`).
         None when the client cannot ask; else True only for an accepted form
         with allow: true. The 2026-era state is sealed to this session and
         ``binding``, so an answer cannot be carried over to other arguments."""
         import mcp_types as types
+
         if not can_elicit(ctx):
             return None
         seal = hmac.new(self.state_key, f"{session.id}\0{binding}".encode(), "sha256").hexdigest()
         answer = await self.ask(ctx, params, "confirm", f"smol-mcp:confirm:{seal}", message, schema)
         if isinstance(answer, types.InputRequiredResult):
             raise AskClient(answer)
-        return bool(answer is not None and answer.action == "accept" and (answer.content or {}).get("allow") is True)
+        return bool(
+            answer is not None
+            and answer.action == "accept"
+            and (answer.content or {}).get("allow") is True
+        )
 
     async def elicit(self, ctx, question):
         """Send an elicitation and wait for the answer, within a bound: a client

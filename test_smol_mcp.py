@@ -549,9 +549,10 @@ class ToolListTests(FakeServeCase):
                 self.assertTrue(tools["delete-machine"].annotations.destructive_hint)
                 self.assertFalse(tools["delete-machine"].annotations.idempotent_hint)  # a second delete is a 404
                 self.assertFalse(tools["create-machine"].annotations.read_only_hint)
-                egress = tools["allow-egress"].annotations  # it changes a security posture, and removals narrow it
-                self.assertEqual((egress.read_only_hint, egress.destructive_hint, egress.idempotent_hint),
-                                 (False, True, False))
+                egress = tools["allow-egress"].annotations  # removals narrow a security posture
+                self.assertEqual(
+                    (egress.read_only_hint, egress.destructive_hint, egress.idempotent_hint),
+                    (False, True, False))
                 self.assertIn("network", c.instructions)
                 self.assertIn('network: "open"', c.instructions)
 
@@ -1127,7 +1128,9 @@ class CloudRuleTests(FakeCloudCase):
             with self.subTest(mode=mode):
                 async with self.client(mode, elicitation_callback=answer_allow("accept")) as c:
                     name = await self.machine(c, f"mcp-eg-{mode}")
-                    text = await self.refused(c, "allow-egress", {"name": name, "hosts": ["pypi.org"]})
+                    text = await self.refused(
+                        c, "allow-egress", {"name": name, "hosts": ["pypi.org"]}
+                    )
                     self.assertIn("allow-egress is local only", text)
                     ran = await self.ok(c, "run-command", {"name": name, "command": "exit 7"})
                     self.assertEqual(ran["exitCode"], 7)
@@ -1393,10 +1396,14 @@ class ElicitationTests(FakeCloudCase):
 
 def answer_allow(action: str, allow: bool = True, asked: list | None = None):
     """An elicitation callback that answers allow-egress's confirmation."""
+
     async def callback(context, params):
         if asked is not None:
             asked.append(params.message)
-        return mcp_types.ElicitResult(action=action, content={"allow": allow} if action == "accept" else None)
+        return mcp_types.ElicitResult(
+            action=action, content={"allow": allow} if action == "accept" else None
+        )
+
     return callback
 
 
@@ -1427,13 +1434,18 @@ class GuestWebServer:
 GUEST_HOST_IP = "127.0.0.5"
 
 
-@unittest.skipUnless(os.geteuid() == 0, "the fake guest's egress filter needs a network namespace (root)")
+@unittest.skipUnless(
+    os.geteuid() == 0, "the fake guest's egress filter needs a network namespace (root)"
+)
 class EgressTests(FakeServeCase):
     """Denials in results, and allow-egress, against the fake guest's egress filter."""
 
     async def asyncSetUp(self):
         self.web = GuestWebServer(GUEST_HOST_IP)
-        self.fake_options = {"guest_hosts": {"pypi.test": GUEST_HOST_IP}, "guest_ports": [self.web.port]}
+        self.fake_options = {
+            "guest_hosts": {"pypi.test": GUEST_HOST_IP},
+            "guest_ports": [self.web.port],
+        }
         await super().asyncSetUp()
         self.fetch = f"wget -q -O - http://pypi.test:{self.web.port}/"
         self.dest = f"{GUEST_HOST_IP}:{self.web.port}"
@@ -1449,34 +1461,49 @@ class EgressTests(FakeServeCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 asked = []
-                async with self.client(mode, elicitation_callback=answer_allow("accept", True, asked)) as c:
+                async with self.client(
+                    mode, elicitation_callback=answer_allow("accept", True, asked)
+                ) as c:
                     name = f"egress-{mode}"
                     await self.ok(c, "create-machine", {"name": name, "image": "alpine"})
                     ran = await self.ok(c, "run-command", {"name": name, "command": self.fetch})
                     self.assertNotEqual(ran["exitCode"], 0, ran)
-                    self.assertEqual([(d["dest"], d["operation"]) for d in ran["egressDenied"]],
-                                     [(self.dest, "connect")])
+                    self.assertEqual(
+                        [(d["dest"], d["operation"]) for d in ran["egressDenied"]],
+                        [(self.dest, "connect")],
+                    )
                     self.assertGreaterEqual(ran["egressDenied"][0]["count"], 1)
                     self.assertIn("allow-egress", ran["egressHint"])
                     got = await self.ok(c, "get-machine", {"name": name})
                     self.assertEqual((got["egress"]["hosts"], got["egress"]["open"]), ([], False))
                     self.assertIn(self.dest, [d["dest"] for d in got["egress"]["recentDenials"]])
-                    # a running machine with no allow list yet: the engine's 409, and no stop behind our back
-                    text = await self.refused(c, "allow-egress", {"name": name, "hosts": ["pypi.test"]})
+                    # a running machine with no allow list yet: the engine's 409, and no
+                    # stop behind our back
+                    text = await self.refused(
+                        c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
+                    )
                     self.assertIn("HTTP 409", text)
                     self.assertIn("stop-machine", text)
                     self.assertEqual(self.fake.machines[name]["state"], "running")
                     self.assertFalse(self.requests_to(f"/{name}/stop"))
                     await self.ok(c, "stop-machine", {"name": name})
-                    changed = await self.ok(c, "allow-egress", {"name": name, "hosts": ["pypi.test"]})
-                    self.assertEqual((changed["before"]["hosts"], changed["after"]["hosts"], changed["changed"]),
-                                     ([], ["pypi.test"], True))
+                    changed = await self.ok(
+                        c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
+                    )
+                    self.assertEqual(
+                        (changed["before"]["hosts"], changed["after"]["hosts"], changed["changed"]),
+                        ([], ["pypi.test"], True),
+                    )
                     self.assertEqual(changed["machine"]["network"], "allowlist")
-                    self.assertEqual(len(asked), 2)  # the refused call asked too: the engine decides the 409
+                    self.assertEqual(
+                        len(asked), 2
+                    )  # the refused call asked too: the engine decides the 409
                     self.assertIn(f"machine '{name}'", asked[-1])
                     self.assertIn("pypi.test", asked[-1])
                     ran = await self.ok(c, "run-command", {"name": name, "command": self.fetch})
-                    self.assertEqual((ran["exitCode"], ran["stdout"]), (0, "hello from pypi.test\n"), ran)
+                    self.assertEqual(
+                        (ran["exitCode"], ran["stdout"]), (0, "hello from pypi.test\n"), ran
+                    )
                     self.assertNotIn("egressDenied", ran)
                     self.assertTrue(ran["startedMachine"])
 
@@ -1488,7 +1515,9 @@ class EgressTests(FakeServeCase):
             second = await self.ok(c, "run-command", {"name": "window", "command": "exit 3"})
             self.assertEqual(second["exitCode"], 3)
             self.assertNotIn("egressDenied", second)
-            ok = await self.ok(c, "run-command", {"name": "window", "command": f"{self.fetch}; true"})
+            ok = await self.ok(
+                c, "run-command", {"name": "window", "command": f"{self.fetch}; true"}
+            )
             self.assertNotIn("egressDenied", ok)  # a command that succeeds is not second-guessed
 
     async def test_run_once_names_the_destination_it_could_not_reach(self):
@@ -1500,36 +1529,72 @@ class EgressTests(FakeServeCase):
 
     async def test_decline_changes_nothing_in_either_era(self):
         for mode in MODES:
-            for callback in (answer_allow("decline"), answer_allow("cancel"), answer_allow("accept", False)):
+            for callback in (
+                answer_allow("decline"),
+                answer_allow("cancel"),
+                answer_allow("accept", False),
+            ):
                 with self.subTest(mode=mode):
                     name = f"keep-{mode}"
                     async with self.client(mode, elicitation_callback=callback) as c:
                         if name not in self.fake.machines:
-                            await self.ok(c, "create-machine", {"name": name, "image": "alpine", "start": False,
-                                                                "allowHosts": ["example.org"]})
-                        text = await self.refused(c, "allow-egress", {"name": name, "hosts": ["pypi.test"]})
+                            await self.ok(
+                                c,
+                                "create-machine",
+                                {
+                                    "name": name,
+                                    "image": "alpine",
+                                    "start": False,
+                                    "allowHosts": ["example.org"],
+                                },
+                            )
+                        text = await self.refused(
+                            c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
+                        )
                         self.assertIn("nothing changed", text)
                     self.assertEqual(self.fake.machines[name]["allowedHosts"], ["example.org"])
                     self.assertEqual(self.egress_posts(), [])
 
     async def test_without_elicitation_the_change_goes_through_on_the_call(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "plain", "image": "alpine", "start": False,
-                                                "allowCidrs": ["10.0.0.0/8"]})
-            changed = await self.ok(c, "allow-egress", {"name": "plain", "hostPatterns": ["*.pypi.test"],
-                                                        "cidrs": ["192.168.1.7/32"], "remove": {"cidrs": ["10.0.0.0/8"]}})
-            self.assertEqual(changed["after"], {"open": False, "hosts": ["*.pypi.test"], "cidrs": ["192.168.1.7/32"]})
-            self.assertEqual(self.egress_posts()[0][2], {"allowHostPatterns": ["*.pypi.test"],
-                                                          "allowCidrs": ["192.168.1.7/32"],
-                                                          "removeAllowCidrs": ["10.0.0.0/8"]})
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "plain", "image": "alpine", "start": False, "allowCidrs": ["10.0.0.0/8"]},
+            )
+            changed = await self.ok(
+                c,
+                "allow-egress",
+                {
+                    "name": "plain",
+                    "hostPatterns": ["*.pypi.test"],
+                    "cidrs": ["192.168.1.7/32"],
+                    "remove": {"cidrs": ["10.0.0.0/8"]},
+                },
+            )
+            self.assertEqual(
+                changed["after"],
+                {"open": False, "hosts": ["*.pypi.test"], "cidrs": ["192.168.1.7/32"]},
+            )
+            self.assertEqual(
+                self.egress_posts()[0][2],
+                {
+                    "allowHostPatterns": ["*.pypi.test"],
+                    "allowCidrs": ["192.168.1.7/32"],
+                    "removeAllowCidrs": ["10.0.0.0/8"],
+                },
+            )
             again = await self.ok(c, "allow-egress", {"name": "plain", "cidrs": ["192.168.1.7/32"]})
             self.assertFalse(again["changed"])  # already listed: nothing is sent
             self.assertEqual(len(self.egress_posts()), 1)
 
     async def test_bad_entries_and_an_emptied_list_are_refused_before_the_engine(self):
         async with self.client("legacy", elicitation_callback=answer_allow("accept")) as c:
-            await self.ok(c, "create-machine", {"name": "strict", "image": "alpine", "start": False,
-                                                "allowHosts": ["pypi.test"]})
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "strict", "image": "alpine", "start": False, "allowHosts": ["pypi.test"]},
+            )
             cases = [
                 ({"hosts": ["bad host!"]}, '"hosts[0]" is not a host name'),
                 ({"hosts": ["10.1.2.3"]}, "pass it in cidrs as 10.1.2.3/32"),
@@ -1559,46 +1624,107 @@ class EgressTests(FakeServeCase):
 
     async def test_a_2026_answer_is_not_carried_over_to_other_arguments(self):
         async with self.client("auto", elicitation_callback=answer_allow("accept")) as c:
-            await self.ok(c, "create-machine", {"name": "sealed", "image": "alpine", "start": False,
-                                                "allowHosts": ["example.org"]})
-            first = await c.session.call_tool("allow-egress", {"name": "sealed", "hosts": ["pypi.test"]},
-                                              allow_input_required=True)
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": "sealed",
+                    "image": "alpine",
+                    "start": False,
+                    "allowHosts": ["example.org"],
+                },
+            )
+            first = await c.session.call_tool(
+                "allow-egress",
+                {"name": "sealed", "hosts": ["pypi.test"]},
+                allow_input_required=True,
+            )
             self.assertIsInstance(first, mcp_types.InputRequiredResult)
             yes = mcp_types.ElicitResult(action="accept", content={"allow": True})
-            other = await c.session.call_tool("allow-egress", {"name": "sealed", "hosts": ["evil.test"]},
-                                              allow_input_required=True, input_responses={"confirm": yes},
-                                              request_state=first.request_state)
+            other = await c.session.call_tool(
+                "allow-egress",
+                {"name": "sealed", "hosts": ["evil.test"]},
+                allow_input_required=True,
+                input_responses={"confirm": yes},
+                request_state=first.request_state,
+            )
             self.assertIsInstance(other, mcp_types.InputRequiredResult)  # asked again, not applied
             self.assertIn("evil.test", other.input_requests["confirm"].params.message)
             self.assertEqual(self.egress_posts(), [])
-            same = await c.session.call_tool("allow-egress", {"name": "sealed", "hosts": ["pypi.test"]},
-                                             allow_input_required=True, input_responses={"confirm": yes},
-                                             request_state=first.request_state)
+            same = await c.session.call_tool(
+                "allow-egress",
+                {"name": "sealed", "hosts": ["pypi.test"]},
+                allow_input_required=True,
+                input_responses={"confirm": yes},
+                request_state=first.request_state,
+            )
             self.assertFalse(same.is_error, same)
-            self.assertEqual(self.fake.machines["sealed"]["allowedHosts"], ["example.org", "pypi.test"])
+            self.assertEqual(
+                self.fake.machines["sealed"]["allowedHosts"], ["example.org", "pypi.test"]
+            )
 
 
 class EgressPiecesTests(unittest.TestCase):
     def test_denials_group_by_destination_within_the_window(self):
-        events = [{"timestamp": "2026-08-13T02:31:05.000001Z", "operation": "connect", "dest": "1.2.3.4:443"},
-                  {"timestamp": "2026-08-13T02:31:06.000000Z", "operation": "connect", "dest": "1.2.3.4:443"},
-                  {"timestamp": "2026-08-13T02:31:07.500000Z", "operation": "sendto", "dest": "9.9.9.9:53"},
-                  {"timestamp": "2026-08-13T02:31:08.000000Z", "operation": "connect", "dest": "1.2.3.4:443"},
-                  {"timestamp": "", "operation": "connect", "dest": "5.5.5.5:80"}]
+        events = [
+            {
+                "timestamp": "2026-08-13T02:31:05.000001Z",
+                "operation": "connect",
+                "dest": "1.2.3.4:443",
+            },
+            {
+                "timestamp": "2026-08-13T02:31:06.000000Z",
+                "operation": "connect",
+                "dest": "1.2.3.4:443",
+            },
+            {
+                "timestamp": "2026-08-13T02:31:07.500000Z",
+                "operation": "sendto",
+                "dest": "9.9.9.9:53",
+            },
+            {
+                "timestamp": "2026-08-13T02:31:08.000000Z",
+                "operation": "connect",
+                "dest": "1.2.3.4:443",
+            },
+            {"timestamp": "", "operation": "connect", "dest": "5.5.5.5:80"},
+        ]
         since = smol_mcp.parse_event_time("2026-08-13T02:31:05.500000Z")
-        self.assertEqual(smol_mcp.group_denials(events, since), [
-            {"dest": "1.2.3.4:443", "operation": "connect", "count": 2, "firstAt": "2026-08-13T02:31:06.000000Z",
-             "lastAt": "2026-08-13T02:31:08.000000Z"},
-            {"dest": "9.9.9.9:53", "operation": "sendto", "count": 1, "firstAt": "2026-08-13T02:31:07.500000Z",
-             "lastAt": "2026-08-13T02:31:07.500000Z"}])
+        self.assertEqual(
+            smol_mcp.group_denials(events, since),
+            [
+                {
+                    "dest": "1.2.3.4:443",
+                    "operation": "connect",
+                    "count": 2,
+                    "firstAt": "2026-08-13T02:31:06.000000Z",
+                    "lastAt": "2026-08-13T02:31:08.000000Z",
+                },
+                {
+                    "dest": "9.9.9.9:53",
+                    "operation": "sendto",
+                    "count": 1,
+                    "firstAt": "2026-08-13T02:31:07.500000Z",
+                    "lastAt": "2026-08-13T02:31:07.500000Z",
+                },
+            ],
+        )
         everything = smol_mcp.group_denials(events)  # get-machine: no window, undated ones included
-        self.assertEqual([(g["dest"], g["count"]) for g in everything], [("1.2.3.4:443", 3), ("9.9.9.9:53", 1),
-                                                                          ("5.5.5.5:80", 1)])
+        self.assertEqual(
+            [(g["dest"], g["count"]) for g in everything],
+            [("1.2.3.4:443", 3), ("9.9.9.9:53", 1), ("5.5.5.5:80", 1)],
+        )
 
     def test_an_amended_record_reads_allowlist_not_open(self):
-        info = {"name": "m", "network": True, "allowedHosts": ["pypi.org"]}  # as the real serve answers
+        info = {
+            "name": "m",
+            "network": True,
+            "allowedHosts": ["pypi.org"],
+        }  # as the real serve answers
         self.assertEqual(smol_mcp.local_record(info)["network"], "allowlist")
-        self.assertEqual(smol_mcp.egress_lists(info), {"open": False, "hosts": ["pypi.org"], "cidrs": []})
+        self.assertEqual(
+            smol_mcp.egress_lists(info), {"open": False, "hosts": ["pypi.org"], "cidrs": []}
+        )
         self.assertEqual(smol_mcp.egress_lists({"network": True})["open"], True)
 
 
@@ -1902,7 +2028,8 @@ class HelperCommandTests(unittest.TestCase):
     def test_parity_table_covers_the_1_32_2_spec_exactly(self):
         spec = json.loads((HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json").read_text())
         report = smol_mcp.parity_report(spec)
-        self.assertEqual((len(report["called"]), report["unknown"], report["missing"]), (15, [], []))
+        self.assertEqual((len(report["called"]), report["unknown"], report["missing"]),
+                         (15, [], []))
         self.assertTrue(all(reason for _, reason in report["skipped"]))
         trimmed = {**spec, "paths": {k: v for k, v in spec["paths"].items() if k != "/api/v1/machines/{name}/branches"}}
         trimmed["paths"]["/api/v1/machines/{name}/teleport"] = {"post": {}}
@@ -2416,26 +2543,42 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
 
     async def test_egress_tools_on_a_created_machine(self):
         async with Client(self.app.server, mode="legacy") as self.c:
-            is_error, created = await self.call("create-machine", {"name": "itest-egress-tool", "image": "alpine",
-                                                                   "start": False})
+            is_error, created = await self.call(
+                "create-machine", {"name": "itest-egress-tool", "image": "alpine", "start": False}
+            )
             self.assertFalse(is_error, created)
             try:
                 is_error, got = await self.call("get-machine", {"name": "itest-egress-tool"})
-                self.assertEqual(got["egress"], {"open": False, "hosts": [], "cidrs": [], "recentDenials": []})
-                is_error, changed = await self.call("allow-egress", {"name": "itest-egress-tool",
-                                                                     "hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]})
+                self.assertEqual(
+                    got["egress"], {"open": False, "hosts": [], "cidrs": [], "recentDenials": []}
+                )
+                is_error, changed = await self.call(
+                    "allow-egress",
+                    {"name": "itest-egress-tool", "hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]},
+                )
                 self.assertFalse(is_error, changed)
-                self.assertEqual((changed["before"], changed["after"], changed["machine"]["network"]),
-                                 ({"open": False, "hosts": [], "cidrs": []},
-                                  {"open": False, "hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]}, "allowlist"))
-                is_error, text = await self.call("allow-egress", {"name": "itest-egress-tool",
-                                                                  "remove": {"hosts": ["pypi.org"],
-                                                                             "cidrs": ["10.9.0.0/16"]}})
+                self.assertEqual(
+                    (changed["before"], changed["after"], changed["machine"]["network"]),
+                    (
+                        {"open": False, "hosts": [], "cidrs": []},
+                        {"open": False, "hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]},
+                        "allowlist",
+                    ),
+                )
+                is_error, text = await self.call(
+                    "allow-egress",
+                    {
+                        "name": "itest-egress-tool",
+                        "remove": {"hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]},
+                    },
+                )
                 self.assertTrue(is_error)
                 self.assertIn("never does that", text)
             finally:
                 await self.call("delete-machine", {"name": "itest-egress-tool"})
-            is_error, text = await self.call("allow-egress", {"name": "itest-egress-tool", "hosts": ["pypi.org"]})
+            is_error, text = await self.call(
+                "allow-egress", {"name": "itest-egress-tool", "hosts": ["pypi.org"]}
+            )
             self.assertIn("machine 'itest-egress-tool' not found (HTTP 404 NOT_FOUND)", text)
 
     async def test_egress_routes_answer_exactly_as_the_fake_does(self):
@@ -2482,23 +2625,38 @@ def egress_exchange(fleet) -> list[tuple[int, str, str]]:
     """The same requests to the egress routes of a serve: (status, content
     type, body) for each, with createdAt and state masked."""
     name = "itest-egress-raw"
-    steps = [("POST", "/api/v1/machines", {"name": name, "image": "alpine", "allowedHosts": ["pypi.org"]}),
-             ("GET", f"/api/v1/machines/{name}/egress-events", None),
-             ("POST", f"/api/v1/machines/{name}/egress", {"allowHosts": ["example.com"], "allowCidrs": ["10.0.0.0/8"]}),
-             ("POST", f"/api/v1/machines/{name}/egress", {"allowHost": ["x.com"]}),
-             ("POST", f"/api/v1/machines/{name}/egress", {"removeAllowHosts": ["pypi.org", "example.com"],
-                                                          "removeAllowCidrs": ["10.0.0.0/8"]}),
-             ("POST", "/api/v1/machines/itest-none/egress", {"allowHosts": ["example.com"]}),
-             ("GET", "/api/v1/machines/itest-none/egress-events", None),
-             ("POST", f"/api/v1/machines/{name}/egress", {}),
-             ("POST", f"/api/v1/machines/{name}/egress", {"allowHosts": ["bad host!"]}),
-             ("POST", f"/api/v1/machines/{name}/egress", {"removeAllowHosts": ["not-there.org"]}),
-             ("GET", f"/api/v1/machines/{name}/egress-events?limit=x", None),
-             ("DELETE", f"/api/v1/machines/{name}", None)]
+    steps = [
+        (
+            "POST",
+            "/api/v1/machines",
+            {"name": name, "image": "alpine", "allowedHosts": ["pypi.org"]},
+        ),
+        ("GET", f"/api/v1/machines/{name}/egress-events", None),
+        (
+            "POST",
+            f"/api/v1/machines/{name}/egress",
+            {"allowHosts": ["example.com"], "allowCidrs": ["10.0.0.0/8"]},
+        ),
+        ("POST", f"/api/v1/machines/{name}/egress", {"allowHost": ["x.com"]}),
+        (
+            "POST",
+            f"/api/v1/machines/{name}/egress",
+            {"removeAllowHosts": ["pypi.org", "example.com"], "removeAllowCidrs": ["10.0.0.0/8"]},
+        ),
+        ("POST", "/api/v1/machines/itest-none/egress", {"allowHosts": ["example.com"]}),
+        ("GET", "/api/v1/machines/itest-none/egress-events", None),
+        ("POST", f"/api/v1/machines/{name}/egress", {}),
+        ("POST", f"/api/v1/machines/{name}/egress", {"allowHosts": ["bad host!"]}),
+        ("POST", f"/api/v1/machines/{name}/egress", {"removeAllowHosts": ["not-there.org"]}),
+        ("GET", f"/api/v1/machines/{name}/egress-events?limit=x", None),
+        ("DELETE", f"/api/v1/machines/{name}", None),
+    ]
     answers = []
     for method, path, body in steps:
         data = json.dumps(body).encode() if body is not None else None
-        status, ctype, raw = fleet._raw_request(method, path, data, content_type="application/json" if data else None)
+        status, ctype, raw = fleet._raw_request(
+            method, path, data, content_type="application/json" if data else None
+        )
         text = re.sub(r'"createdAt":\d+', '"createdAt":0', raw.decode())
         answers.append((status, ctype, re.sub(r'"state":"(created|stopped)"', '"state":"?"', text)))
     return answers

@@ -37,6 +37,9 @@ children, where `pid` and `parentMachine` sit in the record, the boot lines
 written to the console log, and the image info returned by a pull are not
 observed either. `follow=true` on logs ends the stream instead of keeping it
 open. Metering gauges (cpuSeconds, rssMb, ...) are not reported.
+
+Egress (the `egress` and `egress-events` routes, and a restricted guest's
+network): what is observed and what is assumed is listed above GuestNet.
 """
 
 from __future__ import annotations
@@ -209,18 +212,21 @@ PULL_REQUEST = STRUCT("PullImageRequest", [
 ])
 
 # Field order as the real serve lists them in its unknown-field refusal (observed).
-UPDATE_EGRESS_REQUEST = STRUCT("UpdateEgressRequest", [
-    ("allowHosts", SEQ(STR), False),
-    ("allowHostPatterns", SEQ(STR), False),
-    ("allowCidrs", SEQ(STR), False),
-    ("removeAllowHosts", SEQ(STR), False),
-    ("removeAllowCidrs", SEQ(STR), False),
-    ("outboundLocalhostOnly", BOOL, False),
-    ("allowAll", BOOL, False),
-    ("resetAllowList", BOOL, False),
-    ("allowUdp", SEQ(STR), False),
-    ("removeAllowUdp", SEQ(STR), False),
-])
+UPDATE_EGRESS_REQUEST = STRUCT(
+    "UpdateEgressRequest",
+    [
+        ("allowHosts", SEQ(STR), False),
+        ("allowHostPatterns", SEQ(STR), False),
+        ("allowCidrs", SEQ(STR), False),
+        ("removeAllowHosts", SEQ(STR), False),
+        ("removeAllowCidrs", SEQ(STR), False),
+        ("outboundLocalhostOnly", BOOL, False),
+        ("allowAll", BOOL, False),
+        ("resetAllowList", BOOL, False),
+        ("allowUdp", SEQ(STR), False),
+        ("removeAllowUdp", SEQ(STR), False),
+    ],
+)
 
 START_REQUEST = STRUCT("StartMachineRequest", [
     ("branchable", BOOL, False),
@@ -1400,10 +1406,19 @@ class GuestNet:
         self.decide = decide
         self.closed = False
         self.holder = subprocess.Popen(
-            ["unshare", "-n", busybox, "sh", "-c",
-             f"{busybox} ip link set lo up && echo up && exec {busybox} sleep 2147483647"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+            [
+                "unshare",
+                "-n",
+                busybox,
+                "sh",
+                "-c",
+                f"{busybox} ip link set lo up && echo up && exec {busybox} sleep 2147483647",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         if self.holder.stdout.readline().strip() != b"up":
             self.holder.kill()
             self.holder.wait()
@@ -1425,7 +1440,9 @@ class GuestNet:
             fd = os.open(self.path, os.O_RDONLY)
             try:
                 if libc.setns(fd, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "setns into the guest's network namespace failed")
+                    raise OSError(
+                        ctypes.get_errno(), "setns into the guest's network namespace failed"
+                    )
             finally:
                 os.close(fd)
             for ip, port in destinations:
@@ -1463,7 +1480,9 @@ class GuestNet:
                     continue
                 ip, port = conn.getsockname()[:2]
                 if self.decide(ip, port):
-                    threading.Thread(target=self._forward, args=(conn, ip, port), daemon=True).start()
+                    threading.Thread(
+                        target=self._forward, args=(conn, ip, port), daemon=True
+                    ).start()
                 else:
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     conn.close()
@@ -2096,9 +2115,12 @@ class FakeSmolvm:
         name = m["name"]
         net = self._nets.get(name)
         if net is None:
-            destinations = {(ip, port) for ip in self.guest_hosts.values() for port in self.guest_ports}
-            net = self._nets[name] = GuestNet(find_busybox(), destinations,
-                                              lambda ip, port: self._egress_decide(name, ip, port))
+            destinations = {
+                (ip, port) for ip in self.guest_hosts.values() for port in self.guest_ports
+            }
+            net = self._nets[name] = GuestNet(
+                find_busybox(), destinations, lambda ip, port: self._egress_decide(name, ip, port)
+            )
         return net.path
 
     def _egress_decide(self, name, ip, port):
@@ -2122,7 +2144,8 @@ class FakeSmolvm:
                 return True
             stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
             m.setdefault("_egressEvents", []).append(
-                {"timestamp": stamp, "operation": "connect", "dest": f"{ip}:{port}"})
+                {"timestamp": stamp, "operation": "connect", "dest": f"{ip}:{port}"}
+            )
             self._save_state()
             return False
 
@@ -2247,7 +2270,9 @@ class FakeSmolvm:
                 return not_found_machine(name)
             events = list(m.get("_egressEvents", []))
         limit = q.get("limit", 200)
-        return json_response(200, {"events": events[len(events) - limit:] if limit < len(events) else events})
+        return json_response(
+            200, {"events": events[len(events) - limit :] if limit < len(events) else events}
+        )
 
     def _h_egress(self, method, qs, headers, body, name):
         """Observed on 1.32.2 (a created machine): the 404, the 422 for an
@@ -2257,8 +2282,15 @@ class FakeSmolvm:
         lists. Assumed: the 409 text for a running machine, the texts for
         an unlisted CIDR and for a reset combined with removals."""
         req = self._json_body(headers, body, UPDATE_EGRESS_REQUEST)
-        lists = ("allowHosts", "allowHostPatterns", "allowCidrs", "removeAllowHosts", "removeAllowCidrs",
-                 "allowUdp", "removeAllowUdp")
+        lists = (
+            "allowHosts",
+            "allowHostPatterns",
+            "allowCidrs",
+            "removeAllowHosts",
+            "removeAllowCidrs",
+            "allowUdp",
+            "removeAllowUdp",
+        )
         flags = ("outboundLocalhostOnly", "allowAll", "resetAllowList")
         with self._lock:
             m = self._get(name)
@@ -2266,44 +2298,77 @@ class FakeSmolvm:
                 return not_found_machine(name)
             if not any(req.get(k) for k in lists + flags):
                 return api_error(400, "BAD_REQUEST", "request contains no egress changes")
-            for key, what in (("allowHosts", "allow host"), ("allowHostPatterns", "allow host pattern")):
+            for key, what in (
+                ("allowHosts", "allow host"),
+                ("allowHostPatterns", "allow host pattern"),
+            ):
                 for host in req.get(key, []):
                     if not HOST_PATTERN_RE.fullmatch(host):
-                        return api_error(400, "BAD_REQUEST", f"config operation failed: {what}: invalid host "
-                                         f"pattern {_rust_debug_str(host)}: use an exact DNS hostname or *.domain")
+                        return api_error(
+                            400,
+                            "BAD_REQUEST",
+                            f"config operation failed: {what}: invalid host "
+                            f"pattern {_rust_debug_str(host)}: use an exact DNS hostname or "
+                            "*.domain",
+                        )
             for cidr in req.get("allowCidrs", []):
                 try:
                     ipaddress.ip_network(cidr, strict=False)
                 except ValueError:
-                    return api_error(400, "BAD_REQUEST",
-                                     f"invalid CIDR '{cidr}': expected format like 10.0.0.0/8 or 1.1.1.1")
+                    return api_error(
+                        400,
+                        "BAD_REQUEST",
+                        f"invalid CIDR '{cidr}': expected format like 10.0.0.0/8 or 1.1.1.1",
+                    )
             removals = req.get("removeAllowHosts", []) + req.get("removeAllowCidrs", [])
             if req.get("resetAllowList") and removals:
-                return api_error(400, "BAD_REQUEST",
-                                 "config operation failed: update: resetAllowList cannot be combined with removals")
+                return api_error(
+                    400,
+                    "BAD_REQUEST",
+                    "config operation failed: update: resetAllowList cannot be combined with "
+                    "removals",
+                )
             had_list = "allowedHosts" in m or "allowedCidrs" in m
             hosts = [] if req.get("resetAllowList") else list(m.get("allowedHosts", []))
             cidrs = [] if req.get("resetAllowList") else list(m.get("allowedCidrs", []))
-            for entries, removed, what in ((hosts, "removeAllowHosts", "allowed hosts"),
-                                           (cidrs, "removeAllowCidrs", "allowed CIDRs")):
+            for entries, removed, what in (
+                (hosts, "removeAllowHosts", "allowed hosts"),
+                (cidrs, "removeAllowCidrs", "allowed CIDRs"),
+            ):
                 for entry in req.get(removed, []):
                     if entry not in entries:
-                        return api_error(400, "BAD_REQUEST", f"config operation failed: update: '{entry}' is not "
-                                         f"in machine '{name}''s {what}")
+                        return api_error(
+                            400,
+                            "BAD_REQUEST",
+                            f"config operation failed: update: '{entry}' is not "
+                            f"in machine '{name}''s {what}",
+                        )
                     entries.remove(entry)
             added_cidrs = req.get("allowCidrs", []) + (
-                ["127.0.0.0/8", "::1/128"] if req.get("outboundLocalhostOnly") else [])
-            for entries, added in ((hosts, req.get("allowHosts", []) + req.get("allowHostPatterns", [])),
-                                   (cidrs, added_cidrs)):
+                ["127.0.0.0/8", "::1/128"] if req.get("outboundLocalhostOnly") else []
+            )
+            for entries, added in (
+                (hosts, req.get("allowHosts", []) + req.get("allowHostPatterns", [])),
+                (cidrs, added_cidrs),
+            ):
                 entries.extend(entry for entry in dict.fromkeys(added) if entry not in entries)
             if not hosts and not cidrs and not req.get("allowAll"):
-                return api_error(400, "BAD_REQUEST", (
-                    "config operation failed: update: removing the last allowed host or CIDR would allow egress "
-                    "to every host; say so explicitly (--net on the CLI, allowAll on the API), or turn "
-                    "networking off instead"))
+                return api_error(
+                    400,
+                    "BAD_REQUEST",
+                    (
+                        "config operation failed: update: removing the last allowed host or CIDR "
+                        "would allow egress to every host; say so explicitly (--net on the CLI, "
+                        "allowAll on the API), or turn networking off instead"
+                    ),
+                )
             if m["state"] == "running" and not (had_list and (hosts or cidrs)):
-                return api_error(409, "CONFLICT", f"machine '{name}' is running: this egress change does not "
-                                 "keep an allow list in force, so it needs the machine stopped")
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    f"machine '{name}' is running: this egress change does not "
+                    "keep an allow list in force, so it needs the machine stopped",
+                )
             m["network"] = True
             for key, entries in (("allowedHosts", hosts), ("allowedCidrs", cidrs)):
                 if entries:
@@ -2483,8 +2548,10 @@ def main(argv=None):
                       settle_secs=float(os.environ.get("FAKE_SMOLVM_SETTLE_SECS", "3.5") or 3.5),
                       state_file=state_file,
                       guest_hosts=dict(pair.split("=", 1) for pair in
-                                       os.environ.get("FAKE_SMOLVM_GUEST_HOSTS", "").split(",") if pair),
-                      guest_ports=[int(p) for p in os.environ.get("FAKE_SMOLVM_GUEST_PORTS", "").split(",") if p])
+                                       os.environ.get("FAKE_SMOLVM_GUEST_HOSTS", "").split(",")
+                                       if pair),
+                      guest_ports=[int(p) for p in
+                                   os.environ.get("FAKE_SMOLVM_GUEST_PORTS", "").split(",") if p])
     stop = threading.Event()
 
     def on_signal(signum, frame):
