@@ -1641,23 +1641,17 @@ class EgressTests(FakeServeCase):
             )
             self.assertIsInstance(first, mcp_types.InputRequiredResult)
             yes = mcp_types.ElicitResult(action="accept", content={"allow": True})
-            other = await c.session.call_tool(
-                "allow-egress",
-                {"name": "sealed", "hosts": ["evil.test"]},
-                allow_input_required=True,
-                input_responses={"confirm": yes},
-                request_state=first.request_state,
-            )
+
+            async def answered(host: str):  # the first question's answer and state, sent back
+                return await c.session.call_tool(
+                    "allow-egress", {"name": "sealed", "hosts": [host]}, allow_input_required=True,
+                    input_responses={"confirm": yes}, request_state=first.request_state)
+
+            other = await answered("evil.test")
             self.assertIsInstance(other, mcp_types.InputRequiredResult)  # asked again, not applied
             self.assertIn("evil.test", other.input_requests["confirm"].params.message)
             self.assertEqual(self.egress_posts(), [])
-            same = await c.session.call_tool(
-                "allow-egress",
-                {"name": "sealed", "hosts": ["pypi.test"]},
-                allow_input_required=True,
-                input_responses={"confirm": yes},
-                request_state=first.request_state,
-            )
+            same = await answered("pypi.test")
             self.assertFalse(same.is_error, same)
             self.assertEqual(
                 self.fake.machines["sealed"]["allowedHosts"], ["example.org", "pypi.test"]
