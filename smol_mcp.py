@@ -2643,6 +2643,11 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
     }
     if not body:
         return result  # everything asked for is already on the list
+    if record["state"] in RUNNING_STATES and not (before["hosts"] or before["cidrs"]):
+        # The engine would answer 409: say so now rather than ask the person for nothing.
+        kind = "open" if before["open"] else "blocked"
+        raise SmolError(f"machine '{name}' is running with {kind} egress and no allow list yet, "
+                        f"so nothing was changed or asked. {EGRESS_409_HINT}")
     confirmed = await call.confirm(
         egress_question(name, call.fleet.name, before, body, after),
         json.dumps([name, body], sort_keys=True),

@@ -1454,8 +1454,8 @@ class EgressTests(FakeServeCase):
         await super().asyncTearDown()
         self.web.stop()
 
-    def egress_posts(self) -> list:
-        return self.requests_to("/egress")
+    def egress_posts(self, name: str = "") -> list:
+        return self.requests_to(f"{name}/egress")
 
     async def test_a_blocked_host_is_named_then_allowed_then_reached(self):
         for mode in MODES:
@@ -1477,13 +1477,14 @@ class EgressTests(FakeServeCase):
                     got = await self.ok(c, "get-machine", {"name": name})
                     self.assertEqual((got["egress"]["hosts"], got["egress"]["open"]), ([], False))
                     self.assertIn(self.dest, [d["dest"] for d in got["egress"]["recentDenials"]])
-                    # a running machine with no allow list yet: the engine's 409, and no
-                    # stop behind our back
+                    # a running machine with no allow list yet: refused before anyone is
+                    # asked (the engine would answer 409), and no stop behind our back
                     text = await self.refused(
                         c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
                     )
-                    self.assertIn("HTTP 409", text)
+                    self.assertIn("is running with blocked egress and no allow list yet", text)
                     self.assertIn("stop-machine", text)
+                    self.assertEqual((asked, self.egress_posts(name)), ([], []))
                     self.assertEqual(self.fake.machines[name]["state"], "running")
                     self.assertFalse(self.requests_to(f"/{name}/stop"))
                     await self.ok(c, "stop-machine", {"name": name})
@@ -1495,9 +1496,7 @@ class EgressTests(FakeServeCase):
                         ([], ["pypi.test"], True),
                     )
                     self.assertEqual(changed["machine"]["network"], "allowlist")
-                    self.assertEqual(
-                        len(asked), 2
-                    )  # the refused call asked too: the engine decides the 409
+                    self.assertEqual(len(asked), 1)
                     self.assertIn(f"machine '{name}'", asked[-1])
                     self.assertIn("pypi.test", asked[-1])
                     ran = await self.ok(c, "run-command", {"name": name, "command": self.fetch})
@@ -1506,6 +1505,27 @@ class EgressTests(FakeServeCase):
                     )
                     self.assertNotIn("egressDenied", ran)
                     self.assertTrue(ran["startedMachine"])
+
+    async def test_the_engines_409_is_explained_and_nothing_is_stopped(self):
+        async def started_meanwhile(context, params):  # started while the person decides
+            self.fake.machines["raced"]["state"] = "running"
+            return mcp_types.ElicitResult(action="accept", content={"allow": True})
+
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                async with self.client(mode, elicitation_callback=started_meanwhile) as c:
+                    await self.ok(c, "create-machine", {"name": "raced", "image": "alpine",
+                                                        "start": False})
+                    text = await self.refused(c, "allow-egress", {"name": "raced",
+                                                                  "hosts": ["pypi.test"]})
+                    # handshake era: the engine's 409; 2026 era: the call runs again with the
+                    # answer, sees the machine running, and refuses before sending
+                    self.assertIn("HTTP 409" if mode == "legacy" else "no allow list yet", text)
+                    self.assertIn("allow-egress never stops a machine itself", text)
+                    self.assertEqual(self.fake.machines["raced"]["state"], "running")
+                    self.assertNotIn("allowedHosts", self.fake.machines["raced"])
+                    self.assertFalse(self.requests_to("/raced/stop"))
+                    await self.ok(c, "delete-machine", {"name": "raced"})
 
     async def test_denials_before_the_command_are_not_its_own(self):
         async with self.client("legacy") as c:
@@ -1882,7 +1902,7 @@ class HttpSessionTests(HttpCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with self.http_client(mode) as c:
-                    self.assertEqual(len((await c.list_tools()).tools), 13)
+                    self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
                     created = await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
                     name = created["machine"]["name"]
                     ran = await self.ok(c, "run-command", {"name": name, "command": "echo over http"})
@@ -2334,7 +2354,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with Client(self.params(), mode=mode) as c:
-                    self.assertEqual(len((await c.list_tools()).tools), 13)
+                    self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
                     is_error, created = result_of(await c.call_tool("create-machine", {"image": "alpine",
                                                                                        "network": "open"}))
                     self.assertFalse(is_error, created)
