@@ -913,6 +913,36 @@ class LocalFleet:
                                          f"/api/v1/machines/{_q(name)}/branches", {"name": child},
                                          timeout=self.config.ready_timeout_secs + 60))
 
+    # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
+
+    amends_egress = True
+
+    def egress_policy(self, name: str) -> tuple[dict, dict]:
+        """(the machine's record, its egress policy as egress_lists has it)."""
+        info = self.request(f"get machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}")
+        return local_record(info), egress_lists(info)
+
+    def egress_events(self, name: str, limit: int) -> list[dict]:
+        """The machine's recorded egress denials, oldest first, the newest ``limit`` of them."""
+        answer = self.request(
+            f"read the egress denials of machine '{name}'",
+            "GET",
+            f"/api/v1/machines/{_q(name)}/egress-events?limit={limit}",
+        )
+        events = answer.get("events") if isinstance(answer, dict) else None
+        return [e for e in events or [] if isinstance(e, dict)]
+
+    def update_egress(self, name: str, change: dict) -> tuple[dict, dict]:
+        """Amend the allow list (an UpdateEgressRequest body); the engine answers the
+        updated record."""
+        info = self.request(
+            f"amend the egress allow list of machine '{name}'",
+            "POST",
+            f"/api/v1/machines/{_q(name)}/egress",
+            change,
+        )
+        return local_record(info), egress_lists(info)
+
     def pull_image(self, name: str, image: str) -> dict:
         answer = self.request(f"pull {image} into machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/images/pull",
                               {"image": image}, timeout=self.config.max_exec_timeout_secs + 60)
@@ -936,6 +966,8 @@ LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
     ("GET", "/api/v1/machines/{id}/logs"): None,
     ("POST", "/api/v1/machines/{id}/images/pull"): None,
     ("POST", "/api/v1/machines/{name}/branches"): None,
+    ("POST", "/api/v1/machines/{name}/egress"): None,
+    ("GET", "/api/v1/machines/{name}/egress-events"): None,
     ("GET", "/capacity"): "host scheduling numbers; no tool reports capacity",
     ("POST", "/api/v1/machines/{id}/exec/stream"): "results are returned whole, with the output budget",
     ("GET", "/api/v1/machines/{id}/images"): "no tool lists a machine's images",
@@ -952,8 +984,6 @@ LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
     ("POST", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
     ("DELETE", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
     ("PUT", "/api/v1/machines/{name}/ports"): "ports are a create-time argument",
-    ("POST", "/api/v1/machines/{name}/egress"): "egress is decided at create, where the default is blocked",
-    ("GET", "/api/v1/machines/{name}/egress-events"): "egress denial diagnostics; no tool reports them yet",
     ("GET", "/api/v1/machines/{name}/mediation-events"): "mediated egress is not used",
     ("PUT", "/api/v1/machines/{name}/credential-values"): "credential bindings are not used",
     ("POST", "/api/v1/machines/{name}/cache-disk/publish"): "cache disks are not used",
@@ -1502,6 +1532,8 @@ class CloudFleet:
             created = self.request(action, "POST", f"/v1/machines/{record['id']}/fork", body, timeout=1800)
         return cloud_record(created)
 
+    amends_egress = False  # the reference has no route to amend or read a cloud machine's egress
+
     def pull_image(self, name: str, image: str) -> dict:
         raise ArgumentError("pull-image is local only: the cloud control plane pulls a machine's image itself when "
                             "the machine is created")
@@ -1562,11 +1594,13 @@ MACHINE_KEYS = ("id", "name", "state", "image", "cpus", "memoryMb", "network", "
 
 def local_record(info: dict) -> dict:
     """A local MachineInfo in the shared vocabulary. The local API names a
-    machine only by its name, so ``id`` is the name too."""
-    if info.get("network"):
-        network = "open"
-    elif info.get("allowedHosts") or info.get("allowedCidrs"):
+    machine only by its name, so ``id`` is the name too. An allow list wins
+    over the `network` flag: an amended machine reads `network: true` with
+    its list (observed on 1.32.2), and the list is what the engine enforces."""
+    if info.get("allowedHosts") or info.get("allowedCidrs"):
         network = "allowlist"
+    elif info.get("network"):
+        network = "open"
     else:
         network = "blocked"
     return {
@@ -1583,6 +1617,17 @@ def local_record(info: dict) -> dict:
         "url": None,  # the local fleet has no public ingress
         "branchable": bool(info.get("branchable") or info.get("forkable")),
         "parent": info.get("parentMachine"),
+    }
+
+
+def egress_lists(info: dict) -> dict:
+    """A local machine's egress policy: its allow lists (hosts and patterns
+    share one list in the engine's record) and whether egress is open."""
+    hosts, cidrs = list(info.get("allowedHosts") or []), list(info.get("allowedCidrs") or [])
+    return {
+        "open": bool(info.get("network")) and not hosts and not cidrs,
+        "hosts": hosts,
+        "cidrs": cidrs,
     }
 
 
@@ -1833,6 +1878,57 @@ OUT_MACHINE = {
     },
     "required": list(MACHINE_KEYS),
 }
+ARG_EGRESS_LIST = {"type": "array", "maxItems": 32}
+ARG_EGRESS_HOSTS = {
+    **ARG_EGRESS_LIST,
+    "description": "Host names to allow, such as pypi.org; each covers its subdomains too.",
+    "items": _string("A host name.", minLength=1, maxLength=253),
+}
+ARG_EGRESS_PATTERNS = {
+    **ARG_EGRESS_LIST,
+    "description": "Patterns to allow: an exact host name, or *.domain for its subdomains only.",
+    "items": _string("A host name or *.domain.", minLength=1, maxLength=255),
+}
+ARG_EGRESS_CIDRS = {
+    **ARG_EGRESS_LIST,
+    "description": "Address ranges to allow, such as 203.0.113.7/32 or 10.0.0.0/8 (/8 or "
+    "narrower; IPv6 /32 or narrower).",
+    "items": _string("An address range.", minLength=1, maxLength=64),
+}
+ARG_EGRESS_REMOVE = {
+    **_object({
+        "hosts": {**ARG_EGRESS_LIST, "items": _string("A listed entry.", minLength=1,
+                                                      maxLength=255),
+                  "description": "Host names or patterns to take off, as get-machine lists them."},
+        "cidrs": {**ARG_EGRESS_LIST, "items": _string("A listed range.", minLength=1, maxLength=64),
+                  "description": "Address ranges to take off, as get-machine lists them."},
+    }),
+    "description": "Entries to take off the allow list; at least one entry must remain.",
+}
+OUT_EGRESS = {
+    "type": "object",
+    "description": "A local machine's egress policy.",
+    "properties": {
+        "open": {"type": "boolean"},
+        "hosts": {"type": "array", "items": {"type": "string"}},
+        "cidrs": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["open", "hosts", "cidrs"],
+}
+OUT_DENIALS = {
+    "type": "array",
+    "description": "Refused connections grouped by destination (local fleet).",
+    "items": {
+        "type": "object",
+        "properties": {
+            "dest": {"type": "string"},
+            "operation": {"type": "string"},
+            "count": {"type": "integer"},
+            "firstAt": {"type": ["string", "null"]},
+            "lastAt": {"type": ["string", "null"]},
+        },
+    },
+}
 OUT_EXEC_PROPERTIES = {
     "stdout": {"type": "string"}, "stderr": {"type": "string"}, "exitCode": {"type": "integer"},
     "truncated": {"type": "boolean"}, "timedOut": {"type": "boolean"},
@@ -1840,8 +1936,16 @@ OUT_EXEC_PROPERTIES = {
 }
 
 
-def _out(properties: dict) -> dict:
-    return {"type": "object", "properties": properties, "required": list(properties)}
+def _out(properties: dict, optional: dict | None = None) -> dict:
+    """A result schema: ``properties`` always present, ``optional`` only sometimes."""
+    return {
+        "type": "object",
+        "properties": {**properties, **(optional or {})},
+        "required": list(properties),
+    }
+
+
+OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}}
 
 
 @dataclass(eq=False)  # compared and hashed by identity: tool_schema caches per tool
@@ -1865,9 +1969,10 @@ class Call:
     blocking API, and progress notifications for the long waits."""
 
     def __init__(self, app: "SmolMcp", session: "Session", fleet: Any, ctx: Any,
-                 principal: "Principal | None" = None):
+                 principal: "Principal | None" = None, params: Any = None):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
         self.principal = principal or app.access.stdio
+        self.params = params
         self.config = app.config
         self.started = time.monotonic()
         self._last_progress = -1.0
@@ -1922,6 +2027,12 @@ class Call:
                 await self.ctx.session.report_progress(done, total, message)
         except Exception:  # progress is a courtesy; a client that went away must not fail the call
             log.debug("progress notification not sent", exc_info=True)
+
+    async def confirm(self, message: str, binding: str, schema: dict) -> bool | None:
+        """Ask the person to confirm (see SmolMcp.confirm): True or False, or
+        None when the client cannot ask. ``binding`` names exactly what is
+        confirmed, so an answer cannot be replayed for something else."""
+        return await self.app.confirm(self.ctx, self.params, self.session, message, binding, schema)
 
     def new_ephemeral_name(self) -> str:
         return f"{self.config.machine_prefix}{secrets_module.token_hex(4)}"
@@ -2066,6 +2177,78 @@ async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, k
     return shaped
 
 
+EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
+EGRESS_RECENT = 50  # denials get-machine shows
+EGRESS_HINT = (
+    "egressDenied lists the connections this machine's egress policy refused while the "
+    "command ran. "
+    'If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it used]}} (or '
+    'cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
+)
+
+
+def parse_event_time(value: Any) -> datetime.datetime | None:
+    """An RFC 3339 denial time; None for the empty string the engine writes
+    when its log line had no parseable time."""
+    if not isinstance(value, str) or not value:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def group_denials(events: list[dict], since: datetime.datetime | None = None) -> list[dict]:
+    """Denials grouped by destination and operation, in the order first seen:
+    {dest, operation, count, firstAt, lastAt}. With ``since``, only those
+    recorded from then on (a denial without a time cannot be placed, so it is
+    left out of a window)."""
+    groups: dict[tuple[str, str], dict] = {}
+    for event in events:
+        when = parse_event_time(event.get("timestamp"))
+        if since is not None and (when is None or when < since):
+            continue
+        key = (str(event.get("dest", "")), str(event.get("operation", "")))
+        group = groups.setdefault(
+            key,
+            {
+                "dest": key[0],
+                "operation": key[1],
+                "count": 0,
+                "firstAt": event.get("timestamp") or None,
+                "lastAt": None,
+            },
+        )
+        group["count"] += 1
+        group["lastAt"] = event.get("timestamp") or group["lastAt"]
+    return list(groups.values())
+
+
+async def note_egress_denials(
+    call: Call, name: str, shaped: dict, since: datetime.datetime
+) -> dict:
+    """Add egressDenied (and its hint) to the result of a command that failed
+    or timed out, on a fleet whose engine records denials. Reading them is a
+    courtesy: a failure to read leaves the result as it is."""
+    if not getattr(call.fleet, "amends_egress", False) or (
+        shaped["exitCode"] == 0 and not shaped["timedOut"]
+    ):
+        return shaped
+    try:
+        events = await call.api(call.fleet.egress_events, name, EGRESS_EVENTS_LIMIT)
+    except SmolError as err:
+        log.info("could not read the egress denials of %s: %s", name, err)
+        return shaped
+    denied = group_denials(events, since)
+    if denied:
+        shaped = {**shaped, "egressDenied": denied, "egressHint": EGRESS_HINT.format(name=name)}
+    return shaped
+
+
+def now_utc() -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
 # -- the handlers, in the order of the tools table ---------------------------
 
 async def tool_list_machines(call: Call, args: dict) -> dict:
@@ -2073,7 +2256,16 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
 
 
 async def tool_get_machine(call: Call, args: dict) -> dict:
-    return {"machine": await call.api(call.fleet.get_machine, args["name"])}
+    if not getattr(call.fleet, "amends_egress", False):
+        return {"machine": await call.api(call.fleet.get_machine, args["name"])}
+    record, egress = await call.api(call.fleet.egress_policy, args["name"])
+    try:
+        events = await call.api(call.fleet.egress_events, args["name"], EGRESS_RECENT)
+        egress["recentDenials"] = group_denials(events)
+    except SmolError as err:
+        egress["recentDenials"] = []
+        egress["recentDenialsError"] = str(err)
+    return {"machine": record, "egress": egress}
 
 
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
@@ -2135,7 +2327,7 @@ async def create_recorded(call: Call, name: str, create: Callable, *args: Any,
 async def tool_run_command(call: Call, args: dict) -> dict:
     name, argv, timeout = args["name"], command_argv(args["command"]), exec_timeout(call.config, args)
     options = dict(timeout_secs=timeout, workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
-    started_machine = False
+    started_machine, since = False, now_utc()
     try:
         result = await call.api(call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options)
     except NotRunning:
@@ -2144,6 +2336,7 @@ async def tool_run_command(call: Call, args: dict) -> dict:
         started_machine = True
         result = await call.api(call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options)
     shaped = await budget_exec(call, name, result, timeout, keep_overflow=True)
+    shaped = await note_egress_denials(call, name, shaped, since)
     return {**shaped, "startedMachine": started_machine}
 
 
@@ -2158,10 +2351,12 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             await start_and_wait(call, name)
         except Exception as err:
             raise explain_start_failure(err, spec.network) from None
+        since = now_utc()
         result = await call.api(call.fleet.exec, name, command_argv(args["command"]), timeout_secs=timeout,
                                 workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"),
                                 waiting=f"running the command in '{name}'")
         shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
+        shaped = await note_egress_denials(call, name, shaped, since)
         return {**shaped, "startedMachine": False, "name": name}
     finally:
         await call.delete_quietly(name)  # every path: success, error, timeout, cancellation
@@ -2309,6 +2504,215 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
     return {"image": await call.api(call.fleet.pull_image, args["name"], args["image"])}
 
 
+HOST_LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+EGRESS_QUESTION_SCHEMA = {
+    "type": "object",
+    "required": ["allow"],
+    "properties": {
+        "allow": {
+            "type": "boolean",
+            "title": "Allow this egress change",
+            "description": "true to apply it; false (or decline) leaves the machine as it is",
+        }
+    },
+}
+EGRESS_409_HINT = (
+    "The engine applies this change only to a stopped machine (a running one keeps its current "
+    "kind of policy). allow-egress never stops a machine itself: stop it with stop-machine "
+    "(whatever runs "
+    "in it ends), call allow-egress again, then start it with start-machine"
+)
+
+
+def egress_host(value: str, where: str, pattern: bool) -> str:
+    """A host name (or, with ``pattern``, `*.domain`) the engine will accept,
+    lower-cased; refused when it is an address or would cover a whole
+    top-level domain."""
+    host = value.lower()
+    wildcard = pattern and host.startswith("*.")
+    name = host[2:] if wildcard else host
+    try:
+        ipaddress.ip_address(name)
+        raise ArgumentError(
+            f'"{where}" is an address ({value!r}); pass it in cidrs as {name}/32 (or /128) instead'
+        )
+    except ValueError:
+        pass
+    labels = name.split(".")
+    if "*" in name:
+        what = (
+            "hostPatterns takes only *.domain"
+            if pattern
+            else "hosts takes no wildcards; use hostPatterns"
+        )
+        raise ArgumentError(f'"{where}" is {value!r}: {what}')
+    if len(name) > 253 or not all(HOST_LABEL_RE.fullmatch(label) for label in labels):
+        raise ArgumentError(
+            f'"{where}" is not a host name: {value!r}. Pass a name such as pypi.org: letters, '
+            "digits and hyphens in dot-separated labels"
+        )
+    if len(labels) < 2:
+        covers = "every host under it" if not wildcard else "every host in that top-level domain"
+        raise ArgumentError(
+            f'"{where}" is {value!r}, which would cover {covers}; name a host such as pypi.org'
+        )
+    return host
+
+
+def egress_cidr(value: str, where: str) -> str:
+    """An address range narrow enough to be an allow-list entry."""
+    try:
+        network = ipaddress.ip_network(value)
+    except ValueError as err:
+        raise ArgumentError(
+            f'"{where}" is not an address range: {value!r} ({err}). Pass one such as '
+            "203.0.113.7/32 or 10.0.0.0/8"
+        ) from None
+    widest = 8 if network.version == 4 else 32
+    if network.prefixlen < widest:
+        raise ArgumentError(
+            f'"{where}" is {value!r}, which covers {network.num_addresses} addresses; allow-egress '
+            f"takes ranges of /{widest} or narrower. For open egress, create a new machine with "
+            'network: "open" instead'
+        )
+    return value
+
+
+def egress_change(args: dict, before: dict) -> tuple[dict, dict]:
+    """(the UpdateEgressRequest body, the allow list it should leave) for
+    allow-egress's arguments against the machine's current policy. Entries
+    already listed are dropped; removals must name listed entries; a change
+    that would leave no entry (which the engine reads as allow everything) is
+    refused."""
+    hosts = [egress_host(h, f"hosts[{i}]", False) for i, h in enumerate(args.get("hosts", []))]
+    patterns = [
+        egress_host(h, f"hostPatterns[{i}]", True)
+        for i, h in enumerate(args.get("hostPatterns", []))
+    ]
+    cidrs = [egress_cidr(c, f"cidrs[{i}]") for i, c in enumerate(args.get("cidrs", []))]
+    remove = args.get("remove", {})
+    if not (hosts or patterns or cidrs or remove.get("hosts") or remove.get("cidrs")):
+        raise ArgumentError(
+            "allow-egress needs something to change: hosts, hostPatterns, cidrs, or remove "
+            "{hosts, cidrs}"
+        )
+    listed_hosts = {h.lower(): h for h in before["hosts"]}
+    removed_hosts, removed_cidrs = [], []
+    for i, host in enumerate(remove.get("hosts", [])):
+        if host.lower() not in listed_hosts:
+            raise ArgumentError(
+                f'"remove.hosts[{i}]" ({host!r}) is not on the allow list of this machine, which '
+                f"lists hosts {before['hosts'] or 'none'}; get-machine shows it"
+            )
+        removed_hosts.append(listed_hosts[host.lower()])  # written as the engine lists it
+    for i, cidr in enumerate(remove.get("cidrs", [])):
+        if cidr not in before["cidrs"]:
+            raise ArgumentError(
+                f'"remove.cidrs[{i}]" ({cidr!r}) is not on the allow list of this machine, which '
+                f"lists ranges {before['cidrs'] or 'none'}; get-machine shows it"
+            )
+        removed_cidrs.append(cidr)
+    kept_hosts = [h for h in before["hosts"] if h not in removed_hosts]
+    kept_cidrs = [c for c in before["cidrs"] if c not in removed_cidrs]
+    new_hosts = [h for h in dict.fromkeys(hosts) if h not in (k.lower() for k in kept_hosts)]
+    new_patterns = [
+        p for p in dict.fromkeys(patterns) if p not in (k.lower() for k in kept_hosts + new_hosts)
+    ]
+    new_cidrs = [c for c in dict.fromkeys(cidrs) if c not in kept_cidrs]
+    after = {"hosts": kept_hosts + new_hosts + new_patterns, "cidrs": kept_cidrs + new_cidrs}
+    if not after["hosts"] and not after["cidrs"]:
+        raise ArgumentError(
+            "this would remove every entry of the allow list, and the engine reads an empty list "
+            "as "
+            "egress to every host; allow-egress never does that. Keep at least one entry, or "
+            'create a new machine with network: "open" if that is really wanted'
+        )
+    body = {
+        key: value
+        for key, value in (
+            ("allowHosts", new_hosts),
+            ("allowHostPatterns", new_patterns),
+            ("allowCidrs", new_cidrs),
+            ("removeAllowHosts", removed_hosts),
+            ("removeAllowCidrs", removed_cidrs),
+        )
+        if value
+    }
+    return body, after
+
+
+def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict) -> str:
+    """What the person is asked: exactly what changes, for which machine, and the list it leaves."""
+    parts = []
+    if body.get("allowHosts"):
+        parts.append("reach hosts " + ", ".join(body["allowHosts"]) + " (each with its subdomains)")
+    if body.get("allowHostPatterns"):
+        parts.append("reach " + ", ".join(body["allowHostPatterns"]))
+    if body.get("allowCidrs"):
+        parts.append("reach address ranges " + ", ".join(body["allowCidrs"]))
+    if body.get("removeAllowHosts") or body.get("removeAllowCidrs"):
+        parts.append(
+            "no longer reach "
+            + ", ".join(body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", []))
+        )
+    now = (
+        "open to every host (the allow list narrows it)"
+        if before["open"]
+        else "blocked (no egress at all)"
+        if not before["hosts"] and not before["cidrs"]
+        else "limited to " + ", ".join(before["hosts"] + before["cidrs"])
+    )
+    return (
+        f"The agent asks to change the egress of machine '{name}' on the {fleet} fleet so that "
+        "it may "
+        f"{'; and '.join(parts)}. Its egress is now {now}; afterwards it is limited to "
+        f"{', '.join(after['hosts'] + after['cidrs'])}. Allow this change?"
+    )
+
+
+async def tool_allow_egress(call: Call, args: dict) -> dict:
+    name = args["name"]
+    if not getattr(call.fleet, "amends_egress", False):
+        raise ArgumentError(
+            "allow-egress is local only: the smol cloud API has no route to amend a machine's "
+            'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
+            "instead"
+        )
+    record, before = await call.api(call.fleet.egress_policy, name)
+    body, after = egress_change(args, before)
+    result = {
+        "machine": record,
+        "before": before,
+        "after": {**after, "open": False},
+        "changed": False,
+    }
+    if not body:
+        return result  # everything asked for is already on the list
+    if record["state"] in RUNNING_STATES and not (before["hosts"] or before["cidrs"]):
+        # The engine would answer 409: say so now rather than ask the person for nothing.
+        kind = "open" if before["open"] else "blocked"
+        raise SmolError(f"machine '{name}' is running with {kind} egress and no allow list yet, "
+                        f"so nothing was changed or asked. {EGRESS_409_HINT}")
+    confirmed = await call.confirm(
+        egress_question(name, call.fleet.name, before, body, after),
+        json.dumps([name, body], sort_keys=True),
+        EGRESS_QUESTION_SCHEMA,
+    )
+    if confirmed is False:
+        raise SmolError(
+            f"The person did not allow the egress change for machine '{name}'; nothing changed. Do "
+            "not ask again unless they say so."
+        )
+    try:
+        record, applied = await call.api(call.fleet.update_egress, name, body)
+    except ApiError as err:
+        if err.status == 409:
+            raise err.with_hint(EGRESS_409_HINT) from None
+        raise
+    # The lists the engine answered are the truth (and what an activity log records as "after").
+    return {"machine": record, "before": before, "after": applied, "changed": True}
+
+
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "list-machines", "List machines",
@@ -2318,7 +2722,10 @@ TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "get-machine", "Get a machine",
         "Show one machine: state, image, size, egress, ports, pid and whether it can be branched. Changes nothing.",
-        _object({"name": ARG_NAME}, ("name",)), _out({"machine": OUT_MACHINE}), tool_get_machine,
+        # (on the local fleet the result also has the egress allow list and recent refusals)
+        _object({"name": ARG_NAME}, ("name",)),
+        _out({"machine": OUT_MACHINE}, {"egress": {**OUT_EGRESS, "properties": {
+            **OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS}}}), tool_get_machine,
         read_only=True, idempotent=True),
     ToolSpec(
         "create-machine", "Create a machine",
@@ -2353,10 +2760,13 @@ TOOLS: tuple[ToolSpec, ...] = (
         "run-command", "Run a command in a machine",
         "Run a command inside the named machine (never on this host) and return its stdout, stderr and exit code. "
         "A non-zero exit is a result, not an error. Output beyond the budget keeps its head and tail, and the whole "
-        "stream is saved in the machine at the path listed in overflow. A stopped machine is started first.",
+        "stream is saved in the machine at the path listed in overflow. A stopped machine is "
+        "started first. On the local fleet a failed command lists the connections the egress "
+        "policy refused (egressDenied).",
         _object({"name": ARG_NAME, "command": ARG_COMMAND, "timeoutSecs": ARG_TIMEOUT, "workdir": ARG_WORKDIR,
                  "env": ARG_ENV, "stdin": ARG_STDIN}, ("name", "command")),
-        _out(OUT_EXEC_PROPERTIES), tool_run_command, destructive=True, open_world=True),
+        _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS), tool_run_command, destructive=True,
+        open_world=True),
     ToolSpec(
         "run-once", "Run a command in a throwaway machine",
         "Create a machine from an image, run one command in it, and delete the machine on every path (success, "
@@ -2364,7 +2774,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         _object({"image": ARG_IMAGE, "command": ARG_COMMAND, "timeoutSecs": ARG_TIMEOUT, "workdir": ARG_WORKDIR,
                  "env": ARG_ENV, "stdin": ARG_STDIN, "cpus": ARG_CPUS, "memoryMb": ARG_MEMORY, "network": ARG_NETWORK,
                  "allowHosts": ARG_ALLOW_HOSTS, "allowCidrs": ARG_ALLOW_CIDRS}, ("image", "command")),
-        _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}), tool_run_once, open_world=True),
+        _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS), tool_run_once,
+        open_world=True),
     ToolSpec(
         "read-file", "Read a file from a machine",
         "Read a file inside the named machine, a page at a time: offset and length pick the bytes, size is the whole "
@@ -2427,6 +2838,19 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Pull an OCI image into the named machine's image store (local fleet only; the machine is started to do it).",
         _object({"name": ARG_NAME, "image": ARG_IMAGE}, ("name", "image")),
         _out({"image": {"type": "object"}}), tool_pull_image, idempotent=True, open_world=True),
+    ToolSpec(
+        "allow-egress", "Change a machine's egress allow list",
+        "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
+        "off its allow list), without opening egress to everything: an empty list is never sent "
+        "and allowAll is not offered. When the client can ask, the person confirms exactly what "
+        "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
+        "open) must be stopped first, and this tool never stops one. The result has the allow "
+        "list before and after. Local fleet only.",
+        _object({"name": ARG_NAME, "hosts": ARG_EGRESS_HOSTS, "hostPatterns": ARG_EGRESS_PATTERNS,
+                 "cidrs": ARG_EGRESS_CIDRS, "remove": ARG_EGRESS_REMOVE}, ("name",)),
+        _out({"machine": OUT_MACHINE, "before": OUT_EGRESS, "after": OUT_EGRESS,
+              "changed": {"type": "boolean"}}),
+        tool_allow_egress, destructive=True),  # removals narrow it; a repeated removal is refused
 )
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
@@ -3198,6 +3622,26 @@ ARG_TARGET = {"type": "string", "enum": ["local", "cloud"],
                              "invisible on the other, so there is no default."}
 
 
+class AskClient(Exception):
+    """A 2026-era question for the person: the tool call answers with it (an
+    InputRequiredResult) and is called again with the answer."""
+
+    def __init__(self, question: Any):
+        super().__init__("input required")
+        self.question = question
+
+
+def can_elicit(ctx) -> bool:
+    """Whether the client said it can show a form to the person (the
+    capability comes from initialize, or from each 2026-era request)."""
+    capabilities = ctx.session.client_capabilities if ctx is not None else None
+    return not (
+        capabilities is None
+        or capabilities.elicitation is None
+        or (capabilities.elicitation.form is None and capabilities.elicitation.url is not None)
+    )
+
+
 def resolve_mode(config: Config) -> str:
     """The fleets this process serves, decided once at startup: auto means
     both when a cloud token is configured, else local."""
@@ -3268,6 +3712,7 @@ class SmolMcp:
         self._limiter = None
         self._swept = False
         self._tool_lists: dict[tuple, list] = {}
+        self.state_key = secrets_module.token_bytes(32)  # seals the state of 2026-era questions
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
         self.server = self._build_server()
 
@@ -3427,22 +3872,14 @@ class SmolMcp:
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
         if session.asked_fleet:
             return None
-        capabilities = ctx.session.client_capabilities
-        if capabilities is None or capabilities.elicitation is None or (
-                capabilities.elicitation.form is None and capabilities.elicitation.url is not None):
+        if not can_elicit(ctx):
             session.asked_fleet = True  # a client that cannot answer keeps the argument
             return None
-        question = types.ElicitRequest(params=types.ElicitRequestFormParams(
-            message=FLEET_QUESTION, requested_schema=FLEET_QUESTION_SCHEMA))
         modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
-        if modern:
-            answer = (params.input_responses or {}).get("fleet")
-            if answer is None:
-                return types.InputRequiredResult(request_state="smol-mcp:fleet", input_requests={"fleet": question})
-            if isinstance(answer, dict):
-                answer = types.ElicitResult.model_validate(answer)
-        else:
-            answer = await self.elicit(ctx, question)
+        answer = await self.ask(ctx, params, "fleet", "smol-mcp:fleet", FLEET_QUESTION,
+                                FLEET_QUESTION_SCHEMA)
+        if isinstance(answer, types.InputRequiredResult):
+            return answer
         session.asked_fleet = True
         choice = (answer.content or {}).get("fleet") if answer is not None and answer.action == "accept" else None
         if choice in self.fleets and session.target is None:
@@ -3451,6 +3888,47 @@ class SmolMcp:
             log.info("session %s chose the %s fleet", session.id, choice)
             await self.announce_tools_changed(ctx, session, modern)
         return None
+
+    async def ask(self, ctx, params, key: str, state: str, message: str, schema: dict):
+        """One form question to the person, in either protocol era. Handshake
+        era: sent now, and the answer (an ElicitResult, or None when none came)
+        returned. 2026 era: the call is answered with an InputRequiredResult
+        carrying the question under ``key``, and the client calls again with
+        the answer and ``state``; an answer that comes back with another state
+        answered another question, so it is asked again."""
+        import mcp_types as types
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+        question = types.ElicitRequest(
+            params=types.ElicitRequestFormParams(message=message, requested_schema=schema)
+        )
+        if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+            return await self.elicit(ctx, question)
+        answer = (params.input_responses or {}).get(key) if params is not None else None
+        if answer is None or params.request_state != state:
+            return types.InputRequiredResult(request_state=state, input_requests={key: question})
+        return types.ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
+
+    async def confirm(
+        self, ctx, params, session: Session, message: str, binding: str, schema: dict
+    ) -> bool | None:
+        """Ask the person to allow a change (a form with one boolean, `allow`).
+        None when the client cannot ask; else True only for an accepted form
+        with allow: true. The 2026-era state is sealed to this session and
+        ``binding``, so an answer cannot be carried over to other arguments."""
+        import mcp_types as types
+
+        if not can_elicit(ctx):
+            return None
+        seal = hmac.new(self.state_key, f"{session.id}\0{binding}".encode(), "sha256").hexdigest()
+        answer = await self.ask(ctx, params, "confirm", f"smol-mcp:confirm:{seal}", message, schema)
+        if isinstance(answer, types.InputRequiredResult):
+            raise AskClient(answer)
+        return bool(
+            answer is not None
+            and answer.action == "accept"
+            and (answer.content or {}).get("allow") is True
+        )
 
     async def elicit(self, ctx, question):
         """Send an elicitation and wait for the answer, within a bound: a client
@@ -3462,8 +3940,8 @@ class SmolMcp:
             return await ctx.session.send_request(
                 question, types.ElicitResult, request_read_timeout_seconds=ELICIT_TIMEOUT_SECS,
                 metadata=ServerMessageMetadata(related_request_id=related))
-        except Exception as err:  # timed out, or no way back to the client: keep both fleets
-            log.info("the fleet question got no answer (%s); the session keeps the target argument", err)
+        except Exception as err:  # timed out, or no way back to the client
+            log.info("a question to the person got no answer (%s)", err)
             return None
 
     async def announce_tools_changed(self, ctx, session: Session, modern: bool) -> None:
@@ -3497,9 +3975,11 @@ class SmolMcp:
             if fleet is self.local:
                 await self.sweep_once()
             fleet = self.access.fleet_for(principal, grant, fleet)
-            result = await tool.handler(Call(self, session, fleet, ctx, principal), arguments)
+            result = await tool.handler(Call(self, session, fleet, ctx, principal, params), arguments)
         except anyio.get_cancelled_exc_class():
             raise
+        except AskClient as ask:
+            return ask.question
         except SmolError as err:
             return tool_error(redact(explain(err), self.config.secret_values()))
         except Exception as err:

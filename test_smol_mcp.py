@@ -30,6 +30,7 @@ from dataclasses import replace as dataclasses_replace
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import unittest
 from pathlib import Path
@@ -537,7 +539,7 @@ class ToolListTests(FakeServeCase):
                 self.assertEqual(sorted(tools), sorted([
                     "list-machines", "get-machine", "create-machine", "run-command", "run-once", "read-file",
                     "write-file", "start-machine", "branch-machine", "stop-machine", "delete-machine", "machine-logs",
-                    "pull-image"]))
+                    "pull-image", "allow-egress"]))
                 for tool in tools.values():
                     self.assertFalse(tool.input_schema.get("additionalProperties", True), tool.name)
                     self.assertNotIn("target", tool.input_schema["properties"], tool.name)
@@ -552,6 +554,10 @@ class ToolListTests(FakeServeCase):
                 self.assertTrue(tools["delete-machine"].annotations.destructive_hint)
                 self.assertFalse(tools["delete-machine"].annotations.idempotent_hint)  # a second delete is a 404
                 self.assertFalse(tools["create-machine"].annotations.read_only_hint)
+                egress = tools["allow-egress"].annotations  # removals narrow a security posture
+                self.assertEqual(
+                    (egress.read_only_hint, egress.destructive_hint, egress.idempotent_hint),
+                    (False, True, False))
                 self.assertIn("network", c.instructions)
                 self.assertIn('network: "open"', c.instructions)
 
@@ -1122,6 +1128,22 @@ class CloudRuleTests(FakeCloudCase):
         await self.ok(c, "create-machine", {"name": name, "image": "alpine", **extra})
         return name
 
+    async def test_egress_amendment_and_denials_are_local_only(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                async with self.client(mode, elicitation_callback=answer_allow("accept")) as c:
+                    name = await self.machine(c, f"mcp-eg-{mode}")
+                    text = await self.refused(
+                        c, "allow-egress", {"name": name, "hosts": ["pypi.org"]}
+                    )
+                    self.assertIn("allow-egress is local only", text)
+                    ran = await self.ok(c, "run-command", {"name": name, "command": "exit 7"})
+                    self.assertEqual(ran["exitCode"], 7)
+                    self.assertNotIn("egressDenied", ran)
+                    got = await self.ok(c, "get-machine", {"name": name})
+                    self.assertNotIn("egress", got)
+                    self.assertFalse([r for r in self.cloud.requests if "egress" in r[1]])
+
     async def test_a_stream_the_service_cut_is_reported_not_passed_off_as_whole(self):
         self.cloud.exec_b64, self.cloud.exec_output_cap = False, 3000  # an older service: capped text only
         async with self.client("legacy") as c:
@@ -1377,6 +1399,354 @@ class ElicitationTests(FakeCloudCase):
                     self.assertEqual(len(asked), 1 if kwargs else 0)
 
 
+def answer_allow(action: str, allow: bool = True, asked: list | None = None):
+    """An elicitation callback that answers allow-egress's confirmation."""
+
+    async def callback(context, params):
+        if asked is not None:
+            asked.append(params.message)
+        return mcp_types.ElicitResult(
+            action=action, content={"allow": allow} if action == "accept" else None
+        )
+
+    return callback
+
+
+class GuestWebServer:
+    """A tiny HTTP server on a loopback address the fake guest knows by name."""
+
+    def __init__(self, address: str):
+        import http.server
+
+        class Hello(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"hello from pypi.test\n")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer((address, 0), Hello)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+GUEST_HOST_IP = "127.0.0.5"
+
+
+@unittest.skipUnless(
+    os.geteuid() == 0, "the fake guest's egress filter needs a network namespace (root)"
+)
+class EgressTests(FakeServeCase):
+    """Denials in results, and allow-egress, against the fake guest's egress filter."""
+
+    async def asyncSetUp(self):
+        self.web = GuestWebServer(GUEST_HOST_IP)
+        self.fake_options = {
+            "guest_hosts": {"pypi.test": GUEST_HOST_IP},
+            "guest_ports": [self.web.port],
+        }
+        await super().asyncSetUp()
+        self.fetch = f"wget -q -O - http://pypi.test:{self.web.port}/"
+        self.dest = f"{GUEST_HOST_IP}:{self.web.port}"
+
+    async def asyncTearDown(self):
+        await super().asyncTearDown()
+        self.web.stop()
+
+    def egress_posts(self, name: str = "") -> list:
+        return self.requests_to(f"{name}/egress")
+
+    async def test_a_blocked_host_is_named_then_allowed_then_reached(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                asked = []
+                async with self.client(
+                    mode, elicitation_callback=answer_allow("accept", True, asked)
+                ) as c:
+                    name = f"egress-{mode}"
+                    await self.ok(c, "create-machine", {"name": name, "image": "alpine"})
+                    ran = await self.ok(c, "run-command", {"name": name, "command": self.fetch})
+                    self.assertNotEqual(ran["exitCode"], 0, ran)
+                    self.assertEqual(
+                        [(d["dest"], d["operation"]) for d in ran["egressDenied"]],
+                        [(self.dest, "connect")],
+                    )
+                    self.assertGreaterEqual(ran["egressDenied"][0]["count"], 1)
+                    self.assertIn("allow-egress", ran["egressHint"])
+                    got = await self.ok(c, "get-machine", {"name": name})
+                    self.assertEqual((got["egress"]["hosts"], got["egress"]["open"]), ([], False))
+                    self.assertIn(self.dest, [d["dest"] for d in got["egress"]["recentDenials"]])
+                    # a running machine with no allow list yet: refused before anyone is
+                    # asked (the engine would answer 409), and no stop behind our back
+                    text = await self.refused(
+                        c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
+                    )
+                    self.assertIn("is running with blocked egress and no allow list yet", text)
+                    self.assertIn("stop-machine", text)
+                    self.assertEqual((asked, self.egress_posts(name)), ([], []))
+                    self.assertEqual(self.fake.machines[name]["state"], "running")
+                    self.assertFalse(self.requests_to(f"/{name}/stop"))
+                    await self.ok(c, "stop-machine", {"name": name})
+                    changed = await self.ok(
+                        c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
+                    )
+                    self.assertEqual(
+                        (changed["before"]["hosts"], changed["after"]["hosts"], changed["changed"]),
+                        ([], ["pypi.test"], True),
+                    )
+                    self.assertEqual(changed["machine"]["network"], "allowlist")
+                    self.assertEqual(len(asked), 1)
+                    self.assertIn(f"machine '{name}'", asked[-1])
+                    self.assertIn("pypi.test", asked[-1])
+                    ran = await self.ok(c, "run-command", {"name": name, "command": self.fetch})
+                    self.assertEqual(
+                        (ran["exitCode"], ran["stdout"]), (0, "hello from pypi.test\n"), ran
+                    )
+                    self.assertNotIn("egressDenied", ran)
+                    self.assertTrue(ran["startedMachine"])
+
+    async def test_the_engines_409_is_explained_and_nothing_is_stopped(self):
+        async def started_meanwhile(context, params):  # started while the person decides
+            self.fake.machines["raced"]["state"] = "running"
+            return mcp_types.ElicitResult(action="accept", content={"allow": True})
+
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                async with self.client(mode, elicitation_callback=started_meanwhile) as c:
+                    await self.ok(c, "create-machine", {"name": "raced", "image": "alpine",
+                                                        "start": False})
+                    text = await self.refused(c, "allow-egress", {"name": "raced",
+                                                                  "hosts": ["pypi.test"]})
+                    # handshake era: the engine's 409; 2026 era: the call runs again with the
+                    # answer, sees the machine running, and refuses before sending
+                    self.assertIn("HTTP 409" if mode == "legacy" else "no allow list yet", text)
+                    self.assertIn("allow-egress never stops a machine itself", text)
+                    self.assertEqual(self.fake.machines["raced"]["state"], "running")
+                    self.assertNotIn("allowedHosts", self.fake.machines["raced"])
+                    self.assertFalse(self.requests_to("/raced/stop"))
+                    await self.ok(c, "delete-machine", {"name": "raced"})
+
+    async def test_denials_before_the_command_are_not_its_own(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "window", "image": "alpine"})
+            first = await self.ok(c, "run-command", {"name": "window", "command": self.fetch})
+            self.assertIn("egressDenied", first)
+            second = await self.ok(c, "run-command", {"name": "window", "command": "exit 3"})
+            self.assertEqual(second["exitCode"], 3)
+            self.assertNotIn("egressDenied", second)
+            ok = await self.ok(
+                c, "run-command", {"name": "window", "command": f"{self.fetch}; true"}
+            )
+            self.assertNotIn("egressDenied", ok)  # a command that succeeds is not second-guessed
+
+    async def test_run_once_names_the_destination_it_could_not_reach(self):
+        async with self.client("auto") as c:
+            ran = await self.ok(c, "run-once", {"image": "alpine", "command": self.fetch})
+            self.assertNotEqual(ran["exitCode"], 0)
+            self.assertEqual([d["dest"] for d in ran["egressDenied"]], [self.dest])
+            self.assertNotIn(ran["name"], self.fake.machines)
+
+    async def test_decline_changes_nothing_in_either_era(self):
+        for mode in MODES:
+            for callback in (
+                answer_allow("decline"),
+                answer_allow("cancel"),
+                answer_allow("accept", False),
+            ):
+                with self.subTest(mode=mode):
+                    name = f"keep-{mode}"
+                    async with self.client(mode, elicitation_callback=callback) as c:
+                        if name not in self.fake.machines:
+                            await self.ok(
+                                c,
+                                "create-machine",
+                                {
+                                    "name": name,
+                                    "image": "alpine",
+                                    "start": False,
+                                    "allowHosts": ["example.org"],
+                                },
+                            )
+                        text = await self.refused(
+                            c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
+                        )
+                        self.assertIn("nothing changed", text)
+                    self.assertEqual(self.fake.machines[name]["allowedHosts"], ["example.org"])
+                    self.assertEqual(self.egress_posts(), [])
+
+    async def test_without_elicitation_the_change_goes_through_on_the_call(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "plain", "image": "alpine", "start": False, "allowCidrs": ["10.0.0.0/8"]},
+            )
+            changed = await self.ok(
+                c,
+                "allow-egress",
+                {
+                    "name": "plain",
+                    "hostPatterns": ["*.pypi.test"],
+                    "cidrs": ["192.168.1.7/32"],
+                    "remove": {"cidrs": ["10.0.0.0/8"]},
+                },
+            )
+            self.assertEqual(
+                changed["after"],
+                {"open": False, "hosts": ["*.pypi.test"], "cidrs": ["192.168.1.7/32"]},
+            )
+            self.assertEqual(
+                self.egress_posts()[0][2],
+                {
+                    "allowHostPatterns": ["*.pypi.test"],
+                    "allowCidrs": ["192.168.1.7/32"],
+                    "removeAllowCidrs": ["10.0.0.0/8"],
+                },
+            )
+            again = await self.ok(c, "allow-egress", {"name": "plain", "cidrs": ["192.168.1.7/32"]})
+            self.assertFalse(again["changed"])  # already listed: nothing is sent
+            self.assertEqual(len(self.egress_posts()), 1)
+
+    async def test_bad_entries_and_an_emptied_list_are_refused_before_the_engine(self):
+        async with self.client("legacy", elicitation_callback=answer_allow("accept")) as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "strict", "image": "alpine", "start": False, "allowHosts": ["pypi.test"]},
+            )
+            cases = [
+                ({"hosts": ["bad host!"]}, '"hosts[0]" is not a host name'),
+                ({"hosts": ["10.1.2.3"]}, "pass it in cidrs as 10.1.2.3/32"),
+                ({"hosts": ["*.pypi.test"]}, "use hostPatterns"),
+                ({"hosts": ["com"]}, "would cover every host under it"),
+                ({"hostPatterns": ["*.com"]}, "every host in that top-level domain"),
+                ({"hostPatterns": ["foo.*.com"]}, "hostPatterns takes only *.domain"),
+                ({"cidrs": ["300.1.1.1/8"]}, '"cidrs[0]" is not an address range'),
+                ({"cidrs": ["10.0.0.1/8"]}, "has host bits set"),
+                ({"cidrs": ["0.0.0.0/0"]}, "takes ranges of /8 or narrower"),
+                ({"cidrs": ["::/8"]}, "/32 or narrower"),
+                ({}, "needs something to change"),
+                ({"remove": {}}, "needs something to change"),
+                ({"remove": {"hosts": ["example.org"]}}, "is not on the allow list"),
+                ({"remove": {"hosts": ["pypi.test"]}}, "never does that"),
+                ({"allowAll": True}, "allowAll"),
+                ({"hosts": []}, "needs something to change"),
+            ]
+            for extra, expected in cases:
+                with self.subTest(extra=extra):
+                    text = await self.refused(c, "allow-egress", {"name": "strict", **extra})
+                    self.assertIn(expected, text)
+            self.assertEqual(self.egress_posts(), [])
+            self.assertEqual(self.fake.machines["strict"]["allowedHosts"], ["pypi.test"])
+            text = await self.refused(c, "allow-egress", {"name": "nobody", "hosts": ["pypi.test"]})
+            self.assertIn("machine 'nobody' not found", text)
+
+    async def test_a_2026_answer_is_not_carried_over_to_other_arguments(self):
+        async with self.client("auto", elicitation_callback=answer_allow("accept")) as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": "sealed",
+                    "image": "alpine",
+                    "start": False,
+                    "allowHosts": ["example.org"],
+                },
+            )
+            first = await c.session.call_tool(
+                "allow-egress",
+                {"name": "sealed", "hosts": ["pypi.test"]},
+                allow_input_required=True,
+            )
+            self.assertIsInstance(first, mcp_types.InputRequiredResult)
+            yes = mcp_types.ElicitResult(action="accept", content={"allow": True})
+
+            async def answered(host: str):  # the first question's answer and state, sent back
+                return await c.session.call_tool(
+                    "allow-egress", {"name": "sealed", "hosts": [host]}, allow_input_required=True,
+                    input_responses={"confirm": yes}, request_state=first.request_state)
+
+            other = await answered("evil.test")
+            self.assertIsInstance(other, mcp_types.InputRequiredResult)  # asked again, not applied
+            self.assertIn("evil.test", other.input_requests["confirm"].params.message)
+            self.assertEqual(self.egress_posts(), [])
+            same = await answered("pypi.test")
+            self.assertFalse(same.is_error, same)
+            self.assertEqual(
+                self.fake.machines["sealed"]["allowedHosts"], ["example.org", "pypi.test"]
+            )
+
+
+class EgressPiecesTests(unittest.TestCase):
+    def test_denials_group_by_destination_within_the_window(self):
+        events = [
+            {
+                "timestamp": "2026-08-13T02:31:05.000001Z",
+                "operation": "connect",
+                "dest": "1.2.3.4:443",
+            },
+            {
+                "timestamp": "2026-08-13T02:31:06.000000Z",
+                "operation": "connect",
+                "dest": "1.2.3.4:443",
+            },
+            {
+                "timestamp": "2026-08-13T02:31:07.500000Z",
+                "operation": "sendto",
+                "dest": "9.9.9.9:53",
+            },
+            {
+                "timestamp": "2026-08-13T02:31:08.000000Z",
+                "operation": "connect",
+                "dest": "1.2.3.4:443",
+            },
+            {"timestamp": "", "operation": "connect", "dest": "5.5.5.5:80"},
+        ]
+        since = smol_mcp.parse_event_time("2026-08-13T02:31:05.500000Z")
+        self.assertEqual(
+            smol_mcp.group_denials(events, since),
+            [
+                {
+                    "dest": "1.2.3.4:443",
+                    "operation": "connect",
+                    "count": 2,
+                    "firstAt": "2026-08-13T02:31:06.000000Z",
+                    "lastAt": "2026-08-13T02:31:08.000000Z",
+                },
+                {
+                    "dest": "9.9.9.9:53",
+                    "operation": "sendto",
+                    "count": 1,
+                    "firstAt": "2026-08-13T02:31:07.500000Z",
+                    "lastAt": "2026-08-13T02:31:07.500000Z",
+                },
+            ],
+        )
+        everything = smol_mcp.group_denials(events)  # get-machine: no window, undated ones included
+        self.assertEqual(
+            [(g["dest"], g["count"]) for g in everything],
+            [("1.2.3.4:443", 3), ("9.9.9.9:53", 1), ("5.5.5.5:80", 1)],
+        )
+
+    def test_an_amended_record_reads_allowlist_not_open(self):
+        info = {
+            "name": "m",
+            "network": True,
+            "allowedHosts": ["pypi.org"],
+        }  # as the real serve answers
+        self.assertEqual(smol_mcp.local_record(info)["network"], "allowlist")
+        self.assertEqual(
+            smol_mcp.egress_lists(info), {"open": False, "hosts": ["pypi.org"], "cidrs": []}
+        )
+        self.assertEqual(smol_mcp.egress_lists({"network": True})["open"], True)
+
+
 class LogSubscriptionTests(FakeServeCase):
     config_overrides = {"logs_poll_secs": 1}
 
@@ -1537,7 +1907,7 @@ class HttpSessionTests(HttpCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with self.http_client(mode) as c:
-                    self.assertEqual(len((await c.list_tools()).tools), 13)
+                    self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
                     created = await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
                     name = created["machine"]["name"]
                     ran = await self.ok(c, "run-command", {"name": name, "command": "echo over http"})
@@ -1679,7 +2049,8 @@ class HelperCommandTests(unittest.TestCase):
     def test_parity_table_covers_the_1_32_2_spec_exactly(self):
         spec = json.loads((HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json").read_text())
         report = smol_mcp.parity_report(spec)
-        self.assertEqual((len(report["called"]), report["unknown"], report["missing"]), (13, [], []))
+        self.assertEqual((len(report["called"]), report["unknown"], report["missing"]),
+                         (15, [], []))
         self.assertTrue(all(reason for _, reason in report["skipped"]))
         trimmed = {**spec, "paths": {k: v for k, v in spec["paths"].items() if k != "/api/v1/machines/{name}/branches"}}
         trimmed["paths"]["/api/v1/machines/{name}/teleport"] = {"post": {}}
@@ -1691,7 +2062,7 @@ class HelperCommandTests(unittest.TestCase):
     def test_parity_command_against_a_started_serve(self):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn("13 called, 40 skipped, 0 unknown, 0 missing", out.stdout)
+        self.assertIn("15 called, 38 skipped, 0 unknown, 0 missing", out.stdout)
         self.assertIn("skipped  POST   /api/v1/machines/{name}/export: needs a pushToken", out.stdout)
 
     def test_doctor_says_what_to_do_and_exits_non_zero_when_a_fleet_is_unusable(self):
@@ -1990,7 +2361,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with Client(self.params(), mode=mode) as c:
-                    self.assertEqual(len((await c.list_tools()).tools), 13)
+                    self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
                     is_error, created = result_of(await c.call_tool("create-machine", {"image": "alpine",
                                                                                        "network": "open"}))
                     self.assertFalse(is_error, created)
@@ -2149,7 +2520,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
                                                               "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt-parity",
                                                               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}, timeout=120)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        self.assertIn("13 called, 40 skipped, 0 unknown, 0 missing", out.stdout)
+        self.assertIn("15 called, 38 skipped, 0 unknown, 0 missing", out.stdout)
 
     async def test_create_get_list_delete_a_record(self):
         async with Client(self.app.server, mode="legacy") as self.c:
@@ -2191,6 +2562,60 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             self.assertTrue(is_error)
             self.assertIn("vm not found: nope", text)
 
+    async def test_egress_tools_on_a_created_machine(self):
+        async with Client(self.app.server, mode="legacy") as self.c:
+            is_error, created = await self.call(
+                "create-machine", {"name": "itest-egress-tool", "image": "alpine", "start": False}
+            )
+            self.assertFalse(is_error, created)
+            try:
+                is_error, got = await self.call("get-machine", {"name": "itest-egress-tool"})
+                self.assertEqual(
+                    got["egress"], {"open": False, "hosts": [], "cidrs": [], "recentDenials": []}
+                )
+                is_error, changed = await self.call(
+                    "allow-egress",
+                    {"name": "itest-egress-tool", "hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]},
+                )
+                self.assertFalse(is_error, changed)
+                self.assertEqual(
+                    (changed["before"], changed["after"], changed["machine"]["network"]),
+                    (
+                        {"open": False, "hosts": [], "cidrs": []},
+                        {"open": False, "hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]},
+                        "allowlist",
+                    ),
+                )
+                is_error, text = await self.call(
+                    "allow-egress",
+                    {
+                        "name": "itest-egress-tool",
+                        "remove": {"hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]},
+                    },
+                )
+                self.assertTrue(is_error)
+                self.assertIn("never does that", text)
+            finally:
+                await self.call("delete-machine", {"name": "itest-egress-tool"})
+            is_error, text = await self.call(
+                "allow-egress", {"name": "itest-egress-tool", "hosts": ["pypi.org"]}
+            )
+            self.assertIn("machine 'itest-egress-tool' not found (HTTP 404 NOT_FOUND)", text)
+
+    async def test_egress_routes_answer_exactly_as_the_fake_does(self):
+        """The real serve's answers to the egress routes without a boot, byte
+        for byte against the fake's (createdAt and the settling state masked)."""
+        async with Client(self.app.server, mode="legacy") as self.c:
+            await self.call("list-machines", {})  # the serve is up
+            real = await asyncio.to_thread(egress_exchange, self.app.local)
+        with FakeSmolvm(f"{self.tmp}/fake-egress.sock") as _:
+            fleet = SmolMcp(fake_config(self.tmp, f"{self.tmp}/fake-egress.sock")).local
+            fake = await asyncio.to_thread(egress_exchange, fleet)
+        self.assertEqual(real[1], (200, "application/json", '{"events":[]}'))
+        self.assertEqual(real[3][:2], (422, "text/plain; charset=utf-8"))
+        self.assertEqual(real[5][:2], (404, "application/json"))
+        self.assertEqual(fake, real)
+
     async def test_a_start_that_cannot_boot_is_a_clear_error_and_leaves_nothing(self):
         async with Client(self.app.server, mode="legacy") as self.c:
             is_error, value = await self.call("create-machine", {"name": "mcp-itest-boot", "image": "alpine",
@@ -2215,6 +2640,47 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             await self.call("write-file", {"name": name, "path": "/root/x.txt", "content": "bytes back"})
             is_error, read = await self.call("read-file", {"name": name, "path": "/root/x.txt"})
             self.assertEqual(read["content"], "bytes back")
+
+
+def egress_exchange(fleet) -> list[tuple[int, str, str]]:
+    """The same requests to the egress routes of a serve: (status, content
+    type, body) for each, with createdAt and state masked."""
+    name = "itest-egress-raw"
+    steps = [
+        (
+            "POST",
+            "/api/v1/machines",
+            {"name": name, "image": "alpine", "allowedHosts": ["pypi.org"]},
+        ),
+        ("GET", f"/api/v1/machines/{name}/egress-events", None),
+        (
+            "POST",
+            f"/api/v1/machines/{name}/egress",
+            {"allowHosts": ["example.com"], "allowCidrs": ["10.0.0.0/8"]},
+        ),
+        ("POST", f"/api/v1/machines/{name}/egress", {"allowHost": ["x.com"]}),
+        (
+            "POST",
+            f"/api/v1/machines/{name}/egress",
+            {"removeAllowHosts": ["pypi.org", "example.com"], "removeAllowCidrs": ["10.0.0.0/8"]},
+        ),
+        ("POST", "/api/v1/machines/itest-none/egress", {"allowHosts": ["example.com"]}),
+        ("GET", "/api/v1/machines/itest-none/egress-events", None),
+        ("POST", f"/api/v1/machines/{name}/egress", {}),
+        ("POST", f"/api/v1/machines/{name}/egress", {"allowHosts": ["bad host!"]}),
+        ("POST", f"/api/v1/machines/{name}/egress", {"removeAllowHosts": ["not-there.org"]}),
+        ("GET", f"/api/v1/machines/{name}/egress-events?limit=x", None),
+        ("DELETE", f"/api/v1/machines/{name}", None),
+    ]
+    answers = []
+    for method, path, body in steps:
+        data = json.dumps(body).encode() if body is not None else None
+        status, ctype, raw = fleet._raw_request(
+            method, path, data, content_type="application/json" if data else None
+        )
+        text = re.sub(r'"createdAt":\d+', '"createdAt":0', raw.decode())
+        answers.append((status, ctype, re.sub(r'"state":"(created|stopped)"', '"state":"?"', text)))
+    return answers
 
 
 @unittest.skipUnless(os.environ.get("SMOL_MCP_IT") == "1" and os.environ.get("SMOL_CLOUD_TOKEN"),

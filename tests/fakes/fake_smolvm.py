@@ -37,22 +37,31 @@ children, where `pid` and `parentMachine` sit in the record, the boot lines
 written to the console log, and the image info returned by a pull are not
 observed either. `follow=true` on logs ends the stream instead of keeping it
 open. Metering gauges (cpuSeconds, rssMb, ...) are not reported.
+
+Egress (the `egress` and `egress-events` routes, and a restricted guest's
+network): what is observed and what is assumed is listed above GuestNet.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import ctypes
+import datetime
 import errno
 import hashlib
+import ipaddress
 import json
 import os
 import random
+import re
+import selectors
 import shutil
 import signal
 import socket
 import socketserver
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -201,6 +210,23 @@ PULL_REQUEST = STRUCT("PullImageRequest", [
     ("proxy", OPT(STR), False),
     ("noProxy", OPT(STR), False),
 ])
+
+# Field order as the real serve lists them in its unknown-field refusal (observed).
+UPDATE_EGRESS_REQUEST = STRUCT(
+    "UpdateEgressRequest",
+    [
+        ("allowHosts", SEQ(STR), False),
+        ("allowHostPatterns", SEQ(STR), False),
+        ("allowCidrs", SEQ(STR), False),
+        ("removeAllowHosts", SEQ(STR), False),
+        ("removeAllowCidrs", SEQ(STR), False),
+        ("outboundLocalhostOnly", BOOL, False),
+        ("allowAll", BOOL, False),
+        ("resetAllowList", BOOL, False),
+        ("allowUdp", SEQ(STR), False),
+        ("removeAllowUdp", SEQ(STR), False),
+    ],
+)
 
 START_REQUEST = STRUCT("StartMachineRequest", [
     ("branchable", BOOL, False),
@@ -1278,9 +1304,10 @@ class GuestRun:
         self.proc = proc
 
 
-def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background):
+def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background, netns=None):
     """Run argv in the guest root `root` (chroot, under `unshare -r` when not
-    root), in `workdir`, with exactly the environment `env`. A foreground
+    root), in `workdir`, with exactly the environment `env`, inside the
+    network namespace `netns` (a path) when one is given. A foreground
     command is killed (its whole process group) after `timeout` seconds and
     then reports exit code 124; a command killed by signal N reports 128+N.
     A background command is detached at once and its pid returned. Raises
@@ -1294,6 +1321,8 @@ def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background):
     pre += [root, "/usr/bin/busybox", "sh", "-c", 'cd -- "$1" || exit 1; shift; exec "$@"', "sh", workdir]
     if os.geteuid() != 0:
         pre = ["unshare", "-r"] + pre
+    if netns:
+        pre = [shutil.which("nsenter") or "/usr/bin/nsenter", f"--net={netns}"] + pre
     cmd = pre + list(argv)
     if background:
         p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -1319,6 +1348,186 @@ def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background):
         code = 124
         timed_out = True
     return GuestRun(exit_code=code, stdout=out, stderr=err, timed_out=timed_out)
+
+
+# --------------------------------------------------------------------------
+# the guest's network under a restricted egress policy
+# --------------------------------------------------------------------------
+#
+# Observed on the real 1.32.2 serve: the egress and egress-events routes, their
+# refusals and the record an amendment answers (see the handlers). Documented
+# (OpenAPI) but not observable without a booted guest: that the engine refuses
+# a guest's outbound connect outside the allow list and records it as
+# {"timestamp", "operation": "connect", "dest": "ip:port"}, and that a change
+# on a running machine holds from its next connection. Assumed here: what the
+# guest sees for a refused connect (this fake accepts and at once resets it),
+# that a machine with no network at all counts as a restricted policy that
+# records denials, and how the engine resolves an allowed host name (this
+# fake knows only the names in its `guest_hosts` table, which it also writes
+# into the guest's /etc/hosts). UDP (`sendto`) is not modelled.
+#
+# How: as root, a restricted guest gets its own network namespace (loopback
+# only) and its commands run in it with nsenter. In that namespace the fake
+# listens on each (address, port) of `guest_hosts` x `guest_ports`; a
+# connection to one is either spliced to the same address and port on the
+# host's loopback (allowed) or recorded as a denial and reset (refused). Every
+# other destination fails in the guest without a record. Without root the
+# guest shares the host's network, as before, and nothing is recorded.
+
+CLONE_NEWNET = 0x40000000
+LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+HOST_PATTERN_RE = re.compile(rf"(\*\.)?{LABEL}(\.{LABEL})*")
+
+
+def egress_restricted(m):
+    """Open egress is `network: true` with no allow list; anything else is a policy."""
+    return not (m["network"] and "allowedHosts" not in m and "allowedCidrs" not in m)
+
+
+def host_allowed(name, entries):
+    """Whether guest host `name` matches an allow-list entry: `host` covers the
+    name and its subdomains, `*.domain` its subdomains only."""
+    for entry in entries:
+        entry = entry.lower()
+        if entry.startswith("*."):
+            if name.endswith(entry[1:]) and name != entry[2:]:
+                return True
+        elif name == entry or name.endswith("." + entry):
+            return True
+    return False
+
+
+class GuestNet:
+    """A restricted guest's network namespace and the listeners that stand in
+    for the engine's egress filter. `decide(ip, port)` says whether a
+    connection is allowed (and records a denial when it is not)."""
+
+    def __init__(self, busybox, destinations, decide):
+        self.decide = decide
+        self.closed = False
+        self.holder = subprocess.Popen(
+            [
+                "unshare",
+                "-n",
+                busybox,
+                "sh",
+                "-c",
+                f"{busybox} ip link set lo up && echo up && exec {busybox} sleep 2147483647",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        if self.holder.stdout.readline().strip() != b"up":
+            self.holder.kill()
+            self.holder.wait()
+            raise OSError("fake smolvm: could not make a network namespace for the guest")
+        self.path = f"/proc/{self.holder.pid}/ns/net"
+        self.listeners = self._listen(sorted(destinations))
+        self._selector = selectors.DefaultSelector()
+        for sock in self.listeners:
+            self._selector.register(sock, selectors.EVENT_READ)
+        threading.Thread(target=self._accept_loop, name="fake-guest-net", daemon=True).start()
+
+    def _listen(self, destinations):
+        """Listening sockets inside the namespace: made by a thread that moves
+        itself into it (setns changes only the calling thread) and then ends."""
+        made, failure = [], []
+
+        def inside():
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(
+                        ctypes.get_errno(), "setns into the guest's network namespace failed"
+                    )
+            finally:
+                os.close(fd)
+            for ip, port in destinations:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((ip, port))
+                sock.listen(64)
+                sock.setblocking(False)
+                made.append(sock)
+
+        def run():
+            try:
+                inside()
+            except OSError as exc:
+                failure.append(exc)
+
+        worker = threading.Thread(target=run, name="fake-guest-netns")
+        worker.start()
+        worker.join()
+        if failure:
+            self.close()
+            raise failure[0]
+        return made
+
+    def _accept_loop(self):
+        while not self.closed:
+            try:
+                ready = self._selector.select(timeout=0.2)
+            except (OSError, ValueError):
+                return
+            for key, _ in ready:
+                try:
+                    conn, _ = key.fileobj.accept()
+                except OSError:
+                    continue
+                ip, port = conn.getsockname()[:2]
+                if self.decide(ip, port):
+                    threading.Thread(
+                        target=self._forward, args=(conn, ip, port), daemon=True
+                    ).start()
+                else:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    conn.close()
+
+    @staticmethod
+    def _forward(conn, ip, port):
+        """Splice an allowed connection to the same destination on the host's loopback."""
+        conn.setblocking(True)
+        try:
+            upstream = socket.create_connection((ip, port), timeout=10)
+        except OSError:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+            return
+        upstream.settimeout(None)
+
+        def pump(src, dst):
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+
+        back = threading.Thread(target=pump, args=(upstream, conn), daemon=True)
+        back.start()
+        pump(conn, upstream)
+        back.join()
+        conn.close()
+        upstream.close()
+
+    def close(self):
+        self.closed = True
+        for sock in getattr(self, "listeners", []):
+            try:
+                sock.close()
+            except OSError:
+                pass
+        if self.holder.poll() is None:
+            self.holder.kill()
+        self.holder.wait()
 
 
 def copy_guest_root(src, dst):
@@ -1347,7 +1556,7 @@ ROUTE_METHODS = {
     "health": "GET,HEAD", "machines": "GET,HEAD,POST", "machine": "GET,HEAD,DELETE",
     "start": "POST", "stop": "POST", "exec": "POST", "files": "PUT,GET,HEAD", "logs": "GET,HEAD",
     "images": "GET,HEAD", "pull": "POST", "branches": "POST", "fork": "POST",
-    "openapi": "GET,HEAD", "readyz": "GET,HEAD",
+    "openapi": "GET,HEAD", "readyz": "GET,HEAD", "egress": "POST", "egress_events": "GET,HEAD",
 }
 
 
@@ -1361,10 +1570,12 @@ class FakeSmolvm:
     network and no allow list answers the real host-side registry 500).
     settle_secs: a never-started machine reads `stopped` after this long.
     state_file: persist machine records there as JSON, and load them on start.
+    guest_hosts, guest_ports: the loopback destinations a restricted guest
+    can try (name -> 127.x address, and the ports); see GuestNet.
     """
 
     def __init__(self, socket_path, *, version="1.32.2", boot="ok", boot_delay=0.0, registry="ok",
-                 settle_secs=3.5, state_file=None):
+                 settle_secs=3.5, state_file=None, guest_hosts=None, guest_ports=()):
         if boot not in ("ok", "fail"):
             raise ValueError("boot must be 'ok' or 'fail'")
         if registry not in ("ok", "offline"):
@@ -1376,6 +1587,9 @@ class FakeSmolvm:
         self.registry = registry
         self.settle_secs = float(settle_secs)
         self.state_file = state_file
+        self.guest_hosts = {k.lower(): v for k, v in (guest_hosts or {}).items()}
+        self.guest_ports = tuple(guest_ports)
+        self._nets = {}
         self.requests = []
         self._machines = {}
         self._roots = {}
@@ -1428,6 +1642,9 @@ class FakeSmolvm:
                     os.unlink(str(self.socket_path))
                 except OSError:
                     pass
+        for net in list(self._nets.values()):
+            net.close()
+        self._nets.clear()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -1485,6 +1702,9 @@ class FakeSmolvm:
         if root is None or not os.path.isdir(root):
             root = tempfile.mkdtemp(prefix=f"{name}-", dir=self._tmp)
             populate_guest_root(root)
+            with open(os.path.join(root, "etc/hosts"), "w") as f:
+                f.write("127.0.0.1 localhost\n")
+                f.writelines(f"{ip} {host}\n" for host, ip in self.guest_hosts.items())
             self._roots[name] = root
         return root
 
@@ -1617,7 +1837,8 @@ class FakeSmolvm:
                 return None, ()
             return "files", (name, urllib.parse.unquote(fpath))
         simple = {"start": "start", "stop": "stop", "exec": "exec", "logs": "logs", "images": "images",
-                  "images/pull": "pull", "branches": "branches", "fork": "fork"}
+                  "images/pull": "pull", "branches": "branches", "fork": "fork",
+                  "egress": "egress", "egress-events": "egress_events"}
         if tail in simple:
             return simple[tail], (name,)
         return None, ()
@@ -1802,6 +2023,9 @@ class FakeSmolvm:
 
     def _delete_one(self, name):
         self._machines.pop(name, None)
+        net = self._nets.pop(name, None)
+        if net is not None:
+            net.close()
         root = self._roots.pop(name, None)
         if root:
             shutil.rmtree(root, ignore_errors=True)
@@ -1878,13 +2102,56 @@ class FakeSmolvm:
             env.update({k: v for k, v in m.get("_forkEnv", [])})
             workdir = req.get("workdir") or m.get("_workdir") or "/"
             user = req.get("user") if m.get("image") else None
+            netns = self._guest_netns(m)
         env.update({e["name"]: e["value"] for e in req.get("env", [])})
         return self._run_in_guest(root, req["command"], env, workdir, req.get("stdin"),
-                                  req.get("timeoutSecs"), user, req.get("background", False))
+                                  req.get("timeoutSecs"), user, req.get("background", False), netns)
 
-    def _run_in_guest(self, root, argv, env, workdir, stdin, timeout, user, background):
+    def _guest_netns(self, m):
+        """The network namespace a restricted guest's commands run in (root
+        only; see GuestNet), made on first use; None for open egress."""
+        if os.geteuid() != 0 or not egress_restricted(m) or find_busybox() is None:
+            return None
+        name = m["name"]
+        net = self._nets.get(name)
+        if net is None:
+            destinations = {
+                (ip, port) for ip in self.guest_hosts.values() for port in self.guest_ports
+            }
+            net = self._nets[name] = GuestNet(
+                find_busybox(), destinations, lambda ip, port: self._egress_decide(name, ip, port)
+            )
+        return net.path
+
+    def _egress_decide(self, name, ip, port):
+        """Allow a guest connection under the machine's policy as it is now,
+        or record the denial the way the engine reports it."""
+        with self._lock:
+            m = self._machines.get(name)
+            if m is None:
+                return False
+            if not egress_restricted(m):
+                return True
+            addr = ipaddress.ip_address(ip)
+            for cidr in m.get("allowedCidrs", []):
+                try:
+                    if addr in ipaddress.ip_network(cidr, strict=False):
+                        return True
+                except ValueError:
+                    continue
+            names = [host for host, host_ip in self.guest_hosts.items() if host_ip == ip]
+            if any(host_allowed(host, m.get("allowedHosts", [])) for host in names):
+                return True
+            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            m.setdefault("_egressEvents", []).append(
+                {"timestamp": stamp, "operation": "connect", "dest": f"{ip}:{port}"}
+            )
+            self._save_state()
+            return False
+
+    def _run_in_guest(self, root, argv, env, workdir, stdin, timeout, user, background, netns=None):
         try:
-            r = run_in_guest(root, argv, env, workdir, stdin, timeout, user, background)
+            r = run_in_guest(root, argv, env, workdir, stdin, timeout, user, background, netns)
         except GuestUnavailable as e:
             return api_error(500, "INTERNAL_ERROR", str(e))
         if background:
@@ -1994,6 +2261,122 @@ class FakeSmolvm:
             if m is None:
                 return not_found_machine(name)
             return json_response(200, {"images": list(m["_images"])})
+
+    def _h_egress_events(self, method, qs, headers, body, name):
+        q = self._query(qs, {"limit": "usize"})
+        with self._lock:
+            m = self._get(name)
+            if m is None:
+                return not_found_machine(name)
+            events = list(m.get("_egressEvents", []))
+        limit = q.get("limit", 200)
+        return json_response(
+            200, {"events": events[len(events) - limit :] if limit < len(events) else events}
+        )
+
+    def _h_egress(self, method, qs, headers, body, name):
+        """Observed on 1.32.2 (a created machine): the 404, the 422 for an
+        unknown field, the 400s for no change, a bad host or pattern, a bad
+        CIDR, removing a host that is not listed and emptying the list; a
+        success answering the record with `network: true` and the merged
+        lists. Assumed: the 409 text for a running machine, the texts for
+        an unlisted CIDR and for a reset combined with removals."""
+        req = self._json_body(headers, body, UPDATE_EGRESS_REQUEST)
+        lists = (
+            "allowHosts",
+            "allowHostPatterns",
+            "allowCidrs",
+            "removeAllowHosts",
+            "removeAllowCidrs",
+            "allowUdp",
+            "removeAllowUdp",
+        )
+        flags = ("outboundLocalhostOnly", "allowAll", "resetAllowList")
+        with self._lock:
+            m = self._get(name)
+            if m is None:
+                return not_found_machine(name)
+            if not any(req.get(k) for k in lists + flags):
+                return api_error(400, "BAD_REQUEST", "request contains no egress changes")
+            for key, what in (
+                ("allowHosts", "allow host"),
+                ("allowHostPatterns", "allow host pattern"),
+            ):
+                for host in req.get(key, []):
+                    if not HOST_PATTERN_RE.fullmatch(host):
+                        return api_error(
+                            400,
+                            "BAD_REQUEST",
+                            f"config operation failed: {what}: invalid host "
+                            f"pattern {_rust_debug_str(host)}: use an exact DNS hostname or "
+                            "*.domain",
+                        )
+            for cidr in req.get("allowCidrs", []):
+                try:
+                    ipaddress.ip_network(cidr, strict=False)
+                except ValueError:
+                    return api_error(
+                        400,
+                        "BAD_REQUEST",
+                        f"invalid CIDR '{cidr}': expected format like 10.0.0.0/8 or 1.1.1.1",
+                    )
+            removals = req.get("removeAllowHosts", []) + req.get("removeAllowCidrs", [])
+            if req.get("resetAllowList") and removals:
+                return api_error(
+                    400,
+                    "BAD_REQUEST",
+                    "config operation failed: update: resetAllowList cannot be combined with "
+                    "removals",
+                )
+            had_list = "allowedHosts" in m or "allowedCidrs" in m
+            hosts = [] if req.get("resetAllowList") else list(m.get("allowedHosts", []))
+            cidrs = [] if req.get("resetAllowList") else list(m.get("allowedCidrs", []))
+            for entries, removed, what in (
+                (hosts, "removeAllowHosts", "allowed hosts"),
+                (cidrs, "removeAllowCidrs", "allowed CIDRs"),
+            ):
+                for entry in req.get(removed, []):
+                    if entry not in entries:
+                        return api_error(
+                            400,
+                            "BAD_REQUEST",
+                            f"config operation failed: update: '{entry}' is not "
+                            f"in machine '{name}''s {what}",
+                        )
+                    entries.remove(entry)
+            added_cidrs = req.get("allowCidrs", []) + (
+                ["127.0.0.0/8", "::1/128"] if req.get("outboundLocalhostOnly") else []
+            )
+            for entries, added in (
+                (hosts, req.get("allowHosts", []) + req.get("allowHostPatterns", [])),
+                (cidrs, added_cidrs),
+            ):
+                entries.extend(entry for entry in dict.fromkeys(added) if entry not in entries)
+            if not hosts and not cidrs and not req.get("allowAll"):
+                return api_error(
+                    400,
+                    "BAD_REQUEST",
+                    (
+                        "config operation failed: update: removing the last allowed host or CIDR "
+                        "would allow egress to every host; say so explicitly (--net on the CLI, "
+                        "allowAll on the API), or turn networking off instead"
+                    ),
+                )
+            if m["state"] == "running" and not (had_list and (hosts or cidrs)):
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    f"machine '{name}' is running: this egress change does not "
+                    "keep an allow list in force, so it needs the machine stopped",
+                )
+            m["network"] = True
+            for key, entries in (("allowedHosts", hosts), ("allowedCidrs", cidrs)):
+                if entries:
+                    m[key] = entries
+                else:
+                    m.pop(key, None)
+            self._save_state()
+            return json_response(200, self._info(m))
 
     def _h_pull(self, method, qs, headers, body, name):
         req = self._json_body(headers, body, PULL_REQUEST)
@@ -2163,7 +2546,12 @@ def main(argv=None):
                       boot_delay=float(os.environ.get("FAKE_SMOLVM_BOOT_DELAY", "0") or 0),
                       registry=os.environ.get("FAKE_SMOLVM_REGISTRY", "ok"),
                       settle_secs=float(os.environ.get("FAKE_SMOLVM_SETTLE_SECS", "3.5") or 3.5),
-                      state_file=state_file)
+                      state_file=state_file,
+                      guest_hosts=dict(pair.split("=", 1) for pair in
+                                       os.environ.get("FAKE_SMOLVM_GUEST_HOSTS", "").split(",")
+                                       if pair),
+                      guest_ports=[int(p) for p in
+                                   os.environ.get("FAKE_SMOLVM_GUEST_PORTS", "").split(",") if p])
     stop = threading.Event()
 
     def on_signal(signum, frame):
