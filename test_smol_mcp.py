@@ -532,7 +532,7 @@ class ToolListTests(FakeServeCase):
                 self.assertEqual(sorted(tools), sorted([
                     "list-machines", "get-machine", "create-machine", "run-command", "run-once", "read-file",
                     "write-file", "start-machine", "branch-machine", "stop-machine", "delete-machine", "machine-logs",
-                    "pull-image"]))
+                    "pull-image", "start-job", "read-job", "cancel-job"]))
                 for tool in tools.values():
                     self.assertFalse(tool.input_schema.get("additionalProperties", True), tool.name)
                     self.assertNotIn("target", tool.input_schema["properties"], tool.name)
@@ -547,6 +547,11 @@ class ToolListTests(FakeServeCase):
                 self.assertTrue(tools["delete-machine"].annotations.destructive_hint)
                 self.assertFalse(tools["delete-machine"].annotations.idempotent_hint)  # a second delete is a 404
                 self.assertFalse(tools["create-machine"].annotations.read_only_hint)
+                self.assertTrue(tools["read-job"].annotations.read_only_hint)
+                self.assertFalse(tools["start-job"].annotations.read_only_hint)
+                self.assertFalse(tools["start-job"].annotations.idempotent_hint)  # each call starts another
+                self.assertTrue(tools["cancel-job"].annotations.destructive_hint)
+                self.assertTrue(tools["cancel-job"].annotations.idempotent_hint)
                 self.assertIn("network", c.instructions)
                 self.assertIn('network: "open"', c.instructions)
 
@@ -1532,7 +1537,7 @@ class HttpSessionTests(HttpCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with self.http_client(mode) as c:
-                    self.assertEqual(len((await c.list_tools()).tools), 13)
+                    self.assertEqual(len((await c.list_tools()).tools), 16)
                     created = await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
                     name = created["machine"]["name"]
                     ran = await self.ok(c, "run-command", {"name": name, "command": "echo over http"})
@@ -1651,6 +1656,299 @@ class HttpProcessTests(unittest.TestCase):
 
 
 # ---------------------------------------------------------------------------
+# Long work: live output and jobs (section 14)
+# ---------------------------------------------------------------------------
+
+
+def processes_running(marker: str) -> list[int]:
+    """Host pids whose command line contains ``marker`` (the fake guests' processes are host processes)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marker.encode() in cmdline and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+async def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s: {what}")
+        await asyncio.sleep(0.1)
+
+
+PRINTS_SLOWLY = "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; echo warned >&2; exit 3"
+
+
+class LiveOutputScenarios:
+    """Run against either fleet: ``machine`` creates a running machine, ``stream_calls`` counts stream requests."""
+
+    async def test_progress_carries_output_lines_in_order_and_the_result_is_unchanged(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            seen = []
+
+            async def on_progress(progress, total, message):
+                seen.append(message)
+
+            answer = await c.call_tool("run-command", {"name": name, "command": PRINTS_SLOWLY},
+                                       progress_callback=on_progress)
+            streamed = result_of(answer)[1]
+            self.assertEqual(self.stream_calls(), 1)
+            plain = await self.ok(c, "run-command", {"name": name, "command": PRINTS_SLOWLY})
+            self.assertEqual(self.stream_calls(), 1, "without a progress token nothing streams")
+        self.assertEqual(streamed, plain)
+        self.assertEqual((streamed["stdout"], streamed["stderr"], streamed["exitCode"]),
+                         ("".join(f"step {i}\n" for i in range(1, 7)), "warned\n", 3))
+        steps = [int(m.rsplit(" ", 1)[1]) for m in seen if m.startswith("stdout: step ")]
+        self.assertGreaterEqual(len(steps), 3, seen)  # lines arrive while the command runs, not at its end
+        self.assertEqual(steps, sorted(set(steps)), "newest line first, in order, never repeated")
+        self.assertEqual(seen[-1], "stderr: warned")  # the last line is always shown
+
+    async def test_the_budget_and_overflow_are_the_same_streamed(self):
+        command = "i=0; while [ $i -lt 400 ]; do echo line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; i=$((i+1)); done"
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+
+            async def on_progress(progress, total, message):
+                pass
+
+            streamed = result_of(await c.call_tool("run-command", {"name": name, "command": command},
+                                                   progress_callback=on_progress))[1]
+            plain = await self.ok(c, "run-command", {"name": name, "command": command})
+            saved = await self.ok(c, "read-file", {"name": name, "path": streamed["overflow"][0], "length": 1024})
+        self.assertTrue(streamed["truncated"])
+        self.assertEqual({**streamed, "overflow": [], "stdout": ""}, {**plain, "overflow": [], "stdout": ""})
+        self.assertEqual(streamed["stdout"].split("[...")[0], plain["stdout"].split("[...")[0])
+        self.assertEqual(saved["size"], 400 * 38 + sum(len(str(i)) for i in range(400)))
+
+    async def test_a_timed_out_streamed_command_says_so(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+
+            async def on_progress(progress, total, message):
+                pass
+
+            result = result_of(await c.call_tool("run-command", {"name": name, "command": "echo a; sleep 30",
+                                                                 "timeoutSecs": 2}, progress_callback=on_progress))[1]
+        self.assertEqual((result["exitCode"], result["timedOut"], result["stdout"]), (124, True, "a\n"))
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
+    config_overrides = {"max_output_bytes": 1024}
+
+    async def machine(self, c) -> str:
+        await self.ok(c, "create-machine", {"name": "live", "image": "alpine", "network": "open"})
+        return "live"
+
+    def stream_calls(self) -> int:
+        return len(self.requests_to("/exec/stream"))
+
+    async def test_a_cancelled_streamed_command_leaves_no_process_in_the_guest(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            seen = []
+
+            async def on_progress(progress, total, message):
+                seen.append(message)
+
+            with anyio.move_on_after(3):
+                await c.call_tool("run-command", {"name": "live", "command": "echo started; sleep 3171; echo never"},
+                                  progress_callback=on_progress)
+            self.assertIn("stdout: started", seen)
+            await wait_for(lambda: not processes_running("sleep 3171"), 20, "the cancelled command is gone")
+            kills = [r for r in self.requests_to("/exec") if smol_mcp.RUN_KILL_SCRIPT in r[2]["command"]]
+            self.assertEqual(len(kills), 1)
+            # the machine is still there and usable
+            self.assertEqual((await self.ok(c, "run-command", {"name": "live", "command": "echo ok"}))["stdout"], "ok\n")
+
+    async def test_a_broken_stream_is_reported_never_a_short_success(self):
+        from tests.fakes.fake_smolvm import Response, sse_event
+
+        def half_a_stream(*args):
+            return Response(200, ctype="text/event-stream", stream=[sse_event("stdout", "half of it\n")])
+
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            self.fake._h_exec_stream = half_a_stream
+
+            async def on_progress(progress, total, message):
+                pass
+
+            text = result_of(await c.call_tool("run-command", {"name": "live", "command": "echo all of it"},
+                                               progress_callback=on_progress))[1]
+        self.assertIsInstance(text, str, "a broken stream must be a tool error")
+        self.assertIn("output stream of the command in machine 'live' broke after 11 bytes", text)
+        self.assertIn("result is unknown", text)
+
+    async def test_the_stream_route_refuses_as_exec_does(self):
+        fleet = self.app.local
+        with self.assertRaises(smol_mcp.ApiError) as caught:
+            await asyncio.to_thread(fleet.exec_stream, "nobody", ["true"], timeout_secs=5, on_output=print)
+        self.assertEqual((caught.exception.status, caught.exception.code), (404, "NOT_FOUND"))
+        with self.assertRaises(smol_mcp.ApiError) as caught:
+            await asyncio.to_thread(fleet.request, "stream", "POST", "/api/v1/machines/nobody/exec/stream",
+                                    {"command": ["true"], "timeout": 5})
+        self.assertEqual(caught.exception.status, 422)
+        self.assertIn("unknown field `timeout`", str(caught.exception))
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class CloudLiveOutputTests(LiveOutputScenarios, FakeCloudCase):
+    config_overrides = {"max_output_bytes": 1024}
+
+    async def machine(self, c) -> str:
+        await self.ok(c, "create-machine", {"name": "live", "image": "alpine", "network": "open"})
+        return "live"
+
+    def stream_calls(self) -> int:
+        return len(self.cloud_requests("/exec/stream"))
+
+    async def test_a_broken_stream_is_reported_never_a_short_success(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            self.cloud.break_streams = True
+
+            async def on_progress(progress, total, message):
+                pass
+
+            text = result_of(await c.call_tool("run-command", {"name": "live", "command": PRINTS_SLOWLY},
+                                               progress_callback=on_progress))[1]
+        self.assertIsInstance(text, str, "a broken stream must be a tool error")
+        self.assertIn("broke after 7 bytes", text)
+
+
+class JobScenarios:
+    """Jobs, the same vocabulary on either fleet."""
+
+    JOB = ("i=0; while [ $i -lt 60 ]; do echo out-line-$i-abcdefghijklmnopqrstuvwxyz; "
+           "echo err-$i >&2; i=$((i+1)); [ $((i % 20)) = 0 ] && sleep 1; done; exit 7")
+    EXPECTED_OUT = "".join(f"out-line-{i}-abcdefghijklmnopqrstuvwxyz\n" for i in range(60))
+    EXPECTED_ERR = "".join(f"err-{i}\n" for i in range(60))
+
+    async def read_whole(self, c, name: str, job_id: str) -> tuple[str, str, dict, int]:
+        out, err, offset, pages = "", "", {"stdout": 0, "stderr": 0}, 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            page = await self.ok(c, "read-job", {"name": name, "jobId": job_id, "offset": offset})
+            self.assertLessEqual(len(page["stdout"].encode()) + len(page["stderr"].encode()),
+                                 self.config.max_output_bytes)
+            out, err, offset = out + page["stdout"], err + page["stderr"], page["nextOffset"]
+            pages += 1
+            if page["eof"]:
+                return out, err, page, pages
+            if not page["stdout"] and not page["stderr"]:
+                await asyncio.sleep(0.5)
+        self.fail("the job did not end")
+
+    async def test_a_job_outlives_the_client_and_the_server_and_reads_back_whole_in_pages(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            started = await self.ok(c, "start-job", {"name": name, "command": self.JOB})
+            self.assertEqual(started["state"], "running")
+        self.app = SmolMcp(self.config)  # a new server process, as far as state goes
+        async with self.client("auto") as c:
+            listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
+            self.assertIn(started["jobId"], [job["jobId"] for job in listed])
+            out, err, last, pages = await self.read_whole(c, name, started["jobId"])
+        self.assertEqual((out, err), (self.EXPECTED_OUT, self.EXPECTED_ERR))
+        self.assertGreater(pages, 2, "the budget must have split the output into pages")
+        self.assertEqual((last["state"], last["exitCode"]), ("exited", 7))
+
+    async def test_cancel_ends_the_job_and_is_idempotent(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            job = await self.ok(c, "start-job", {"name": name, "command": "echo begun; sleep 3172"})
+            await wait_for(lambda: processes_running("sleep 3172"), 20, "the job runs")
+            first = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
+            self.assertEqual((first["state"], first["exitCode"]), ("exited", 143))
+            await wait_for(lambda: not processes_running("sleep 3172"), 20, "the cancelled job is gone")
+            again = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
+            self.assertEqual(again, first)
+            page = await self.ok(c, "read-job", {"name": name, "jobId": job["jobId"]})
+            self.assertEqual((page["stdout"], page["eof"]), ("begun\n", True))
+
+    async def test_refusals_name_the_limit_and_the_job(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            text = await self.refused(c, "start-job", {"name": name, "command": "true", "timeoutSecs": 86401})
+            self.assertIn("86400", text)
+            text = await self.refused(c, "read-job", {"name": name, "jobId": "../../etc"})
+            self.assertIn('"jobId"', text)
+            text = await self.refused(c, "read-job", {"name": name, "jobId": "job-000000000000"})
+            self.assertIn(self.no_such_job, text)
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class LocalJobTests(JobScenarios, FakeServeCase):
+    config_overrides = {"max_output_bytes": 1024}
+    no_such_job = "machine 'jobs' has no such job (while trying to read job job-000000000000); get-machine lists"
+
+    async def machine(self, c) -> str:
+        await self.ok(c, "create-machine", {"name": "jobs", "image": "alpine", "network": "open"})
+        return "jobs"
+
+    async def test_a_job_ends_at_its_timeout_and_with_its_machine(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            job = await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2})
+            await wait_for(lambda: not processes_running("sleep 3174"), 30, "the job's timeout ended it")
+            page = await self.ok(c, "read-job", {"name": "jobs", "jobId": job["jobId"]})
+            self.assertEqual((page["state"], page["exitCode"]), ("exited", 143))
+            await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3175"})
+            await wait_for(lambda: processes_running("sleep 3175"), 20, "the job runs")
+            await self.ok(c, "delete-machine", {"name": "jobs"})
+            await wait_for(lambda: not processes_running("sleep 3175"), 20, "deleting the machine ended its job")
+
+    async def test_an_ephemeral_machine_is_still_deleted_with_its_session_and_its_jobs_end(self):
+        async with self.client("legacy") as c:
+            created = await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
+            await self.ok(c, "start-job", {"name": created["machine"]["name"], "command": "sleep 3176"})
+            await wait_for(lambda: processes_running("sleep 3176"), 20, "the job runs")
+        self.assertEqual(self.fake.machines, {})
+        await wait_for(lambda: not processes_running("sleep 3176"), 20, "the job ended with its machine")
+
+    async def test_a_stopped_machine_lists_no_jobs_and_a_lost_job_reads_lost(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            job = await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3177"})
+            await self.ok(c, "stop-machine", {"name": "jobs"})
+            self.assertEqual((await self.ok(c, "get-machine", {"name": "jobs"}))["jobs"], [])
+            await self.ok(c, "start-machine", {"name": "jobs"})
+            page = await self.ok(c, "read-job", {"name": "jobs", "jobId": job["jobId"]})
+            self.assertEqual((page["state"], page["exitCode"], page["eof"]), ("lost", None, True))
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class CloudJobTests(JobScenarios, FakeCloudCase):
+    config_overrides = {"max_output_bytes": 1024}
+    no_such_job = "job job-000000000000 not found"
+
+    async def machine(self, c) -> str:
+        await self.ok(c, "create-machine", {"name": "jobs", "image": "alpine", "network": "open"})
+        return "jobs"
+
+    async def test_the_jobs_routes_are_the_ones_used(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            job = await self.ok(c, "start-job", {"name": "jobs", "command": ["sh", "-c", "echo hi"],
+                                                 "timeoutSecs": 5000, "workdir": "/tmp", "env": {"A": "1"}})
+        posted = self.cloud_requests("/jobs")
+        self.assertEqual(posted[-1][3], {"command": ["sh", "-c", "echo hi"], "env": {"A": "1"}, "cwd": "/tmp",
+                                         "timeoutSeconds": 5000})
+        self.assertTrue(job["jobId"].startswith("job_"))
+        commands = [r[3]["command"] for r in self.cloud_requests("/exec")]
+        self.assertEqual(set(map(tuple, commands)), {("true",)}, "only readiness probes: a job is not an exec")
+
+
+# ---------------------------------------------------------------------------
 # The helper commands: doctor, setup, parity
 # ---------------------------------------------------------------------------
 
@@ -1672,7 +1970,7 @@ class HelperCommandTests(unittest.TestCase):
     def test_parity_table_covers_the_1_32_2_spec_exactly(self):
         spec = json.loads((HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json").read_text())
         report = smol_mcp.parity_report(spec)
-        self.assertEqual((len(report["called"]), report["unknown"], report["missing"]), (13, [], []))
+        self.assertEqual((len(report["called"]), report["unknown"], report["missing"]), (14, [], []))
         self.assertTrue(all(reason for _, reason in report["skipped"]))
         trimmed = {**spec, "paths": {k: v for k, v in spec["paths"].items() if k != "/api/v1/machines/{name}/branches"}}
         trimmed["paths"]["/api/v1/machines/{name}/teleport"] = {"post": {}}
@@ -1684,7 +1982,7 @@ class HelperCommandTests(unittest.TestCase):
     def test_parity_command_against_a_started_serve(self):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn("13 called, 40 skipped, 0 unknown, 0 missing", out.stdout)
+        self.assertIn("14 called, 39 skipped, 0 unknown, 0 missing", out.stdout)
         self.assertIn("skipped  POST   /api/v1/machines/{name}/export: needs a pushToken", out.stdout)
 
     def test_doctor_says_what_to_do_and_exits_non_zero_when_a_fleet_is_unusable(self):
@@ -1983,7 +2281,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with Client(self.params(), mode=mode) as c:
-                    self.assertEqual(len((await c.list_tools()).tools), 13)
+                    self.assertEqual(len((await c.list_tools()).tools), 16)
                     is_error, created = result_of(await c.call_tool("create-machine", {"image": "alpine",
                                                                                        "network": "open"}))
                     self.assertFalse(is_error, created)
@@ -2142,7 +2440,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
                                                               "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt-parity",
                                                               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}, timeout=120)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        self.assertIn("13 called, 40 skipped, 0 unknown, 0 missing", out.stdout)
+        self.assertIn("14 called, 39 skipped, 0 unknown, 0 missing", out.stdout)
 
     async def test_create_get_list_delete_a_record(self):
         async with Client(self.app.server, mode="legacy") as self.c:

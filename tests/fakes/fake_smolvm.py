@@ -1290,6 +1290,19 @@ class GuestRun:
         self.proc = proc
 
 
+def guest_command(root, argv, workdir, user):
+    """The host command line that runs argv in the guest root `root`, in
+    `workdir`, as `user`. Raises GuestUnavailable when the root has no busybox."""
+    if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
+        raise GuestUnavailable("fake smolvm: no static busybox on this host (install busybox-static)")
+    chroot = shutil.which("chroot") or "/usr/sbin/chroot"
+    pre = [chroot] + ([f"--userspec={user}"] if user else [])
+    pre += [root, "/usr/bin/busybox", "sh", "-c", 'cd -- "$1" || exit 1; shift; exec "$@"', "sh", workdir]
+    if os.geteuid() != 0:
+        pre = ["unshare", "-r"] + pre
+    return pre + list(argv)
+
+
 def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background):
     """Run argv in the guest root `root` (chroot, under `unshare -r` when not
     root), in `workdir`, with exactly the environment `env`. A foreground
@@ -1297,16 +1310,7 @@ def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background):
     then reports exit code 124; a command killed by signal N reports 128+N.
     A background command is detached at once and its pid returned. Raises
     GuestUnavailable when the root has no busybox."""
-    if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
-        raise GuestUnavailable("fake smolvm: no static busybox on this host (install busybox-static)")
-    chroot = shutil.which("chroot") or "/usr/sbin/chroot"
-    pre = [chroot]
-    if user:
-        pre.append(f"--userspec={user}")
-    pre += [root, "/usr/bin/busybox", "sh", "-c", 'cd -- "$1" || exit 1; shift; exec "$@"', "sh", workdir]
-    if os.geteuid() != 0:
-        pre = ["unshare", "-r"] + pre
-    cmd = pre + list(argv)
+    cmd = guest_command(root, argv, workdir, user)
     if background:
         p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
@@ -1338,14 +1342,7 @@ def stream_in_guest(root, argv, env, workdir, stdin, timeout, user):
     text) as the command writes, then ("exit", code). Raises GuestUnavailable."""
     import codecs
     import queue
-    if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
-        raise GuestUnavailable("fake smolvm: no static busybox on this host (install busybox-static)")
-    chroot = shutil.which("chroot") or "/usr/sbin/chroot"
-    pre = [chroot] + ([f"--userspec={user}"] if user else [])
-    pre += [root, "/usr/bin/busybox", "sh", "-c", 'cd -- "$1" || exit 1; shift; exec "$@"', "sh", workdir]
-    if os.geteuid() != 0:
-        pre = ["unshare", "-r"] + pre
-    p = subprocess.Popen(pre + list(argv), env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+    p = subprocess.Popen(guest_command(root, argv, workdir, user), env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     pieces = queue.Queue()
 
@@ -1398,12 +1395,18 @@ def kill_guest_processes(root):
     except OSError:
         return
     real = os.path.realpath(root)
+    killed = []
     for pid in pids:
         try:
             if os.path.realpath(os.readlink(f"/proc/{pid}/root")) == real:
                 os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
         except OSError:
             pass
+    deadline = time.monotonic() + 5  # gone for good (reaped), as they would be with their VM
+    while killed and time.monotonic() < deadline:
+        killed = [pid for pid in killed if os.path.exists(f"/proc/{pid}")]
+        time.sleep(0.05)
 
 
 def sse_event(event, text):
