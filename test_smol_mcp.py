@@ -2277,6 +2277,24 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
     def params(self) -> StdioServerParameters:
         return StdioServerParameters(command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=self.env)
 
+    async def test_live_output_reaches_a_stdio_client_in_both_eras(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                seen = []
+
+                async def on_progress(progress, total, message):
+                    seen.append(message)
+
+                async with Client(self.params(), mode=mode) as c:
+                    created = result_of(await c.call_tool("create-machine", {"image": "alpine", "network": "open"}))[1]
+                    answer = await c.call_tool("run-command", {"name": created["machine"]["name"],
+                                                               "command": PRINTS_SLOWLY},
+                                               progress_callback=on_progress)
+                    self.assertEqual(result_of(answer)[1]["stdout"], "".join(f"step {i}\n" for i in range(1, 7)))
+                steps = [m for m in seen if m.startswith("stdout: step ")]
+                self.assertGreaterEqual(len(steps), 3, seen)
+                self.assertEqual(seen[-1], "stderr: warned")
+
     async def test_sdk_client_over_stdio_in_both_eras_and_eof_cleans_up(self):
         for mode in MODES:
             with self.subTest(mode=mode):
@@ -2481,6 +2499,20 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             is_error, text = await self.call("branch-machine", {"name": "nope", "childName": "kid"})
             self.assertTrue(is_error)
             self.assertIn("vm not found: nope", text)
+
+    async def test_the_stream_route_refuses_a_missing_machine_and_an_unknown_field(self):
+        async with Client(self.app.server, mode="legacy") as self.c:
+            await self.call("list-machines", {})
+            fleet = self.app.local
+            with self.assertRaises(smol_mcp.ApiError) as caught:
+                await asyncio.to_thread(fleet.exec_stream, "itest-nobody", ["true"], timeout_secs=5, on_output=print)
+            self.assertEqual((caught.exception.status, caught.exception.code), (404, "NOT_FOUND"))
+            self.assertIn("machine 'itest-nobody' not found", str(caught.exception))
+            with self.assertRaises(smol_mcp.ApiError) as caught:
+                await asyncio.to_thread(fleet.request, "stream", "POST", "/api/v1/machines/itest-nobody/exec/stream",
+                                        {"command": ["true"], "timeout": 5})
+            self.assertEqual(caught.exception.status, 422)
+            self.assertIn("unknown field `timeout`", str(caught.exception))
 
     async def test_a_start_that_cannot_boot_is_a_clear_error_and_leaves_nothing(self):
         async with Client(self.app.server, mode="legacy") as self.c:
