@@ -950,8 +950,8 @@ class LocalFleet:
         try:
             result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=timeout_secs)
         except NotRunning:
-            raise SmolError(f"machine '{name}' is not running, so it has no running jobs; a job ends "
-                            "when its machine stops") from None
+            raise SmolError(f"machine '{name}' is not running, and its jobs ended when it stopped; "
+                            "start-machine, then read-job, shows what they wrote") from None
         return helper_output(name, action, result)
 
     # -- jobs: processes this server starts in the guest -------------------
