@@ -10,7 +10,8 @@
 
 The agent creates a machine from an OCI image, runs commands in it, reads and
 writes its files, branches it, follows its log and deletes it, through sixteen
-MCP tools (long commands show their output as they run, or run as jobs). Every command a tool runs executes inside a guest; the only host
+MCP tools (long commands show their output as they run, or run as jobs). Every
+command a tool runs executes inside a guest; the only host
 process this server ever spawns is ``smolvm serve``, and only when a local tool
 is first called.
 
@@ -489,9 +490,8 @@ JOB_START_SCRIPT = r"""w=$1; d=$2; shift 2
 [ -e "$d" ] && { echo "a job with this id already exists in the machine" >&2; exit 98; }
 mkdir -p "$d" || exit 97
 date +%s >"$d/started"
-if command -v setsid >/dev/null 2>&1; then setsid sh -c "$w" sh "$d" "$@" </dev/null >/dev/null 2>&1 &
-else sh -c "$w" sh "$d" "$@" </dev/null >/dev/null 2>&1 &
-fi
+if command -v setsid >/dev/null 2>&1; then s=setsid; else s=; fi
+$s sh -c "$w" sh "$d" "$@" </dev/null >/dev/null 2>&1 &
 n=0; while [ ! -s "$d/pid" ] && [ "$n" -lt 100 ]; do sleep 0.1; n=$((n + 1)); done
 [ -s "$d/pid" ] || { echo "the job's process did not start" >&2; exit 96; }
 cat "$d/pid"
@@ -551,8 +551,13 @@ class JobPage:
     sizes: tuple[int, int]  # bytes of stdout and stderr written so far
 
 
-def local_exec_body(argv: list[str], timeout_secs: int, workdir: str | None, env: dict[str, str] | None,
-                    stdin: str | None) -> dict:
+def local_exec_body(
+    argv: list[str],
+    timeout_secs: int,
+    workdir: str | None,
+    env: dict[str, str] | None,
+    stdin: str | None,
+) -> dict:
     """The local exec body. autoStart false: a stopped machine is reported,
     so the tool can say it started it."""
     body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
@@ -571,10 +576,14 @@ def helper_output(name: str, action: str, result: ExecResult) -> bytes:
         return bytes(result.stdout)
     why = bytes(result.stderr).decode("utf-8", "replace").strip() or f"exit code {result.exit_code}"
     if "no such job" in why:
-        raise SmolError(f"machine '{name}' has no such job (while trying to {action}); get-machine lists "
-                        "its jobs")
-    raise SmolError(f"could not {action} in machine '{name}': {why}. The job tools need a POSIX shell "
-                    "(sh) with kill, tail, head and wc in the image.")
+        raise SmolError(
+            f"machine '{name}' has no such job (while trying to {action}); get-machine lists "
+            "its jobs"
+        )
+    raise SmolError(
+        f"could not {action} in machine '{name}': {why}. The job tools need a POSIX shell "
+        "(sh) with kill, tail, head and wc in the image."
+    )
 
 
 def local_job_page(name: str, job_id: str, data: bytes, offsets: tuple[int, int]) -> JobPage:
@@ -583,10 +592,17 @@ def local_job_page(name: str, job_id: str, data: bytes, offsets: tuple[int, int]
         state, code, out_size, err_size, n, m = header.decode().split()
         n, m = int(n), int(m)
     except ValueError:
-        raise SmolError(f"the guest of machine '{name}' answered a read of job {job_id} in a form this "
-                        f"server could not read ({header[:200]!r})") from None
-    return JobPage(state=state, exit_code=int(code) if code.lstrip("-").isdigit() else None,
-                   stdout=rest[:n], stderr=rest[n:n + m], sizes=(int(out_size), int(err_size)))
+        raise SmolError(
+            f"the guest of machine '{name}' answered a read of job {job_id} in a form this "
+            f"server could not read ({header[:200]!r})"
+        ) from None
+    return JobPage(
+        state=state,
+        exit_code=int(code) if code.lstrip("-").isdigit() else None,
+        stdout=rest[:n],
+        stderr=rest[n : n + m],
+        sizes=(int(out_size), int(err_size)),
+    )
 
 
 class LocalFleet:
@@ -915,70 +931,129 @@ class LocalFleet:
         return ExecResult(exit_code=int(data["exitCode"]), stdout=data["stdoutB64"], stderr=data["stderrB64"],
                           seconds=time.monotonic() - started)
 
-    def exec_stream(self, name: str, argv: list[str], *, timeout_secs: int, on_output: Callable[[str, str], None],
-                    workdir: str | None = None, env: dict[str, str] | None = None,
-                    stdin: str | None = None) -> ExecResult:
+    def exec_stream(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        on_output: Callable[[str, str], None],
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult:
         """``exec`` through the stream route: each piece of output goes to
         ``on_output`` as the guest prints it; the result is the same."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
         body = json.dumps(local_exec_body(argv, timeout_secs, workdir, env, stdin)).encode()
-        conn = self._connection(timeout=timeout_secs + 30)  # its own: the stream holds it until the end
+        # Its own connection: the stream holds it until the end.
+        conn = self._connection(timeout=timeout_secs + 30)
         started = time.monotonic()
         try:
             try:
-                conn.request("POST", f"/api/v1/machines/{_q(name)}/exec/stream", body=body,
-                             headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                conn.request(
+                    "POST",
+                    f"/api/v1/machines/{_q(name)}/exec/stream",
+                    body=body,
+                    headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+                )
                 response = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 raise serve_dropped(action, exc) from None
             if response.status >= 400:
-                err = api_error("local", action, response.status, response.getheader("Content-Type", ""),
-                                response.read())
+                err = api_error(
+                    "local",
+                    action,
+                    response.status,
+                    response.getheader("Content-Type", ""),
+                    response.read(),
+                )
                 if err.status == 409 and "not running" in err.api_message:
                     raise NotRunning(f"machine '{name}' is not running")
                 raise err
             pieces = iter(lambda: response.read1(1 << 16), b"")
-            return collect_exec_stream(sse_events(pieces), name, on_output, started,
-                                       (OSError, http.client.HTTPException))
+            return collect_exec_stream(
+                sse_events(pieces), name, on_output, started, (OSError, http.client.HTTPException)
+            )
         finally:
             conn.close()
 
-    def exec_helper(self, name: str, action: str, script: str, *args: str, timeout_secs: int = 60) -> bytes:
+    def exec_helper(
+        self, name: str, action: str, script: str, *args: str, timeout_secs: int = 60
+    ) -> bytes:
         """Run a helper script of this server in the guest (sh -c) and return
         its stdout; a non-zero exit is an error carrying its stderr."""
         try:
             result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=timeout_secs)
         except NotRunning:
-            raise SmolError(f"machine '{name}' is not running, and its jobs ended when it stopped; "
-                            "start-machine, then read-job, shows what they wrote") from None
+            raise SmolError(
+                f"machine '{name}' is not running, and its jobs ended when it stopped; "
+                "start-machine, then read-job, shows what they wrote"
+            ) from None
         return helper_output(name, action, result)
 
     # -- jobs: processes this server starts in the guest -------------------
 
-    def start_job(self, name: str, job_id: str, argv: list[str], *, timeout_secs: int,
-                  workdir: str | None = None, env: dict[str, str] | None = None) -> dict:
-        result = self.exec(name, ["sh", "-c", JOB_START_SCRIPT, "sh", JOB_WAITER_SCRIPT,
-                                  f"{JOB_DIR}/{job_id}", str(timeout_secs), *argv],
-                           timeout_secs=60, workdir=workdir, env=env)
+    def start_job(
+        self,
+        name: str,
+        job_id: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict:
+        result = self.exec(
+            name,
+            [
+                "sh",
+                "-c",
+                JOB_START_SCRIPT,
+                "sh",
+                JOB_WAITER_SCRIPT,
+                f"{JOB_DIR}/{job_id}",
+                str(timeout_secs),
+                *argv,
+            ],
+            timeout_secs=60,
+            workdir=workdir,
+            env=env,
+        )
         helper_output(name, f"start job {job_id}", result)
         return {"jobId": job_id, "state": "running"}
 
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> "JobPage":
-        data = self.exec_helper(name, f"read job {job_id}", JOB_READ_SCRIPT, f"{JOB_DIR}/{job_id}",
-                                str(offsets[0]), str(offsets[1]), str(limit))
+        data = self.exec_helper(
+            name,
+            f"read job {job_id}",
+            JOB_READ_SCRIPT,
+            f"{JOB_DIR}/{job_id}",
+            str(offsets[0]),
+            str(offsets[1]),
+            str(limit),
+        )
         return local_job_page(name, job_id, data, offsets)
 
     def cancel_job(self, name: str, job_id: str) -> None:
         self.exec_helper(name, f"cancel job {job_id}", JOB_CANCEL_SCRIPT, f"{JOB_DIR}/{job_id}")
 
-    def list_jobs(self, name: str) -> list[dict]:
-        text = self.exec_helper(name, "list jobs", JOB_LIST_SCRIPT, JOB_DIR).decode("utf-8", "replace")
+    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
+        text = self.exec_helper(name, "list jobs", JOB_LIST_SCRIPT, JOB_DIR).decode(
+            "utf-8", "replace"
+        )
         jobs = []
         for line in text.splitlines():
             job_id, state, code = (line.split() + ["", "", ""])[:3]
             if job_id:
-                jobs.append({"jobId": job_id, "state": state, "exitCode": int(code) if code.isdigit() else None})
+                jobs.append(
+                    {
+                        "jobId": job_id,
+                        "state": state,
+                        "exitCode": int(code) if code.isdigit() else None,
+                    }
+                )
         return jobs
 
     def probe_ready(self, name: str) -> str | None:
@@ -1091,7 +1166,7 @@ LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
     ("POST", "/api/v1/machines/{name}/start"): None,
     ("POST", "/api/v1/machines/{name}/stop"): None,
     ("POST", "/api/v1/machines/{id}/exec"): None,
-    ("POST", "/api/v1/machines/{id}/exec/stream"): None,  # live output, with a progress token (section 14)
+    ("POST", "/api/v1/machines/{id}/exec/stream"): None,  # live output, given a progress token
     ("GET", "/api/v1/machines/{id}/files/{path}"): None,
     ("PUT", "/api/v1/machines/{id}/files/{path}"): None,
     ("GET", "/api/v1/machines/{id}/logs"): None,
@@ -1211,8 +1286,13 @@ class StreamBroke(SmolError):
     """An exec stream ended before its exit event."""
 
 
-def collect_exec_stream(events: Iterable[tuple[str, str]], name: str, on_output: Callable[[str, str], None],
-                        started: float, broken: tuple[type[BaseException], ...]) -> ExecResult:
+def collect_exec_stream(
+    events: Iterable[tuple[str, str]],
+    name: str,
+    on_output: Callable[[str, str], None],
+    started: float,
+    broken: tuple[type[BaseException], ...],
+) -> ExecResult:
     """Gather an exec stream into the result a plain exec would give, passing
     each piece of output to ``on_output`` as it arrives. A stream that ends
     without its exit event, or whose connection fails (``broken``), is a
@@ -1224,25 +1304,37 @@ def collect_exec_stream(events: Iterable[tuple[str, str]], name: str, on_output:
                 out[event] += data.encode("utf-8")
                 on_output(event, data)
             elif event == "error":
-                raise SmolError(f"the command in machine '{name}' failed while its output streamed: {data}")
+                raise SmolError(
+                    f"the command in machine '{name}' failed while its output streamed: {data}"
+                )
             elif event == "exit":
                 try:
                     code = int(json.loads(data)["exitCode"])
                 except (ValueError, KeyError, TypeError):
-                    raise SmolError(f"the output stream of machine '{name}' ended with an exit event this "
-                                    f"server could not read ({data[:200]!r})") from None
-                return ExecResult(exit_code=code, stdout=bytes(out["stdout"]), stderr=bytes(out["stderr"]),
-                                  seconds=time.monotonic() - started)
+                    raise SmolError(
+                        f"the output stream of machine '{name}' ended with an exit event this "
+                        f"server could not read ({data[:200]!r})"
+                    ) from None
+                return ExecResult(
+                    exit_code=code,
+                    stdout=bytes(out["stdout"]),
+                    stderr=bytes(out["stderr"]),
+                    seconds=time.monotonic() - started,
+                )
     except broken as exc:
-        raise stream_broke(name, len(out["stdout"]) + len(out["stderr"]), type(exc).__name__) from None
+        raise stream_broke(
+            name, len(out["stdout"]) + len(out["stderr"]), type(exc).__name__
+        ) from None
     raise stream_broke(name, len(out["stdout"]) + len(out["stderr"]), "it ended")
 
 
 def stream_broke(name: str, got: int, how: str) -> StreamBroke:
-    return StreamBroke(f"the output stream of the command in machine '{name}' broke after {got} bytes "
-                       f"({how}) before its exit code arrived, so the command's result is unknown (it "
-                       "may still be running). Check the machine with get-machine, and run the command "
-                       "again, or as a job (start-job) if it needs longer.")
+    return StreamBroke(
+        f"the output stream of the command in machine '{name}' broke after {got} bytes "
+        f"({how}) before its exit code arrived, so the command's result is unknown (it "
+        "may still be running). Check the machine with get-machine, and run the command "
+        "again, or as a job (start-job) if it needs longer."
+    )
 
 
 def free_loopback_port() -> int:
@@ -1617,9 +1709,9 @@ class CloudFleet:
         return ExecResult(exit_code=int(answer["exitCode"]), stdout=exec_stream(answer, "stdout"),
                           stderr=exec_stream(answer, "stderr"), seconds=seconds, cut_by_service=cut)
 
-    def exec_stream(self, name: str, argv: list[str], *, timeout_secs: int, on_output: Callable[[str, str], None],
-                    workdir: str | None = None, env: dict[str, str] | None = None,
-                    stdin: str | None = None) -> ExecResult:
+    def exec_stream(self, name: str, argv: list[str], *, timeout_secs: int,
+                    on_output: Callable[[str, str], None], workdir: str | None = None,
+                    env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
         """``exec`` through the SSE route. Never retried: the command may have run."""
         import httpx2
         record = self._find(name)
@@ -1628,18 +1720,19 @@ class CloudFleet:
         action = f"run a command in machine '{name}'"
         started = time.monotonic()
         try:
-            with self._client.stream("POST", f"/v1/machines/{record['id']}/exec/stream",
-                                     json=cloud_exec_body(argv, timeout_secs, workdir, env, stdin),
-                                     headers={"Accept": "text/event-stream"},
-                                     timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)) as response:
+            with self._client.stream(
+                    "POST", f"/v1/machines/{record['id']}/exec/stream",
+                    json=cloud_exec_body(argv, timeout_secs, workdir, env, stdin),
+                    headers={"Accept": "text/event-stream"},
+                    timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise cloud_error(action, response, self.config.secret_values())
-                return collect_exec_stream(sse_events(response.iter_bytes()), name, on_output, started,
-                                           (httpx2.TransportError,))
+                return collect_exec_stream(sse_events(response.iter_bytes()), name, on_output,
+                                           started, (httpx2.TransportError,))
         except httpx2.TransportError as exc:  # before the answer began
-            raise SmolError(f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
-                            f"{type(exc).__name__}") from None
+            raise SmolError(f"could not reach the cloud API at {self.config.cloud_url} to "
+                            f"{action}: {type(exc).__name__}") from None
 
     # -- jobs: the service's detached jobs ---------------------------------
 
@@ -1664,18 +1757,22 @@ class CloudFleet:
             if count <= 0:
                 pages.append(b"")
                 continue
+            query = {"stream": stream, "offset": str(offset), "limit": str(count)}
             page = self.request(f"read the {stream} of job {job_id}", "GET", f"{path}/output",
-                                params={"stream": stream, "offset": str(offset), "limit": str(count)})
-            pages.append(exec_stream({"x": page.get("data"), "xB64": page.get("dataB64")}, "x")[:count])
-        return JobPage(state=job.get("state", "lost"), exit_code=job.get("exitCode"), stdout=pages[0],
-                       stderr=pages[1], sizes=sizes)
+                                params=query)
+            answer = {"x": page.get("data"), "xB64": page.get("dataB64")}
+            pages.append(exec_stream(answer, "x")[:count])
+        return JobPage(state=job.get("state", "lost"), exit_code=job.get("exitCode"),
+                       stdout=pages[0], stderr=pages[1], sizes=sizes)
 
     def cancel_job(self, name: str, job_id: str) -> None:
         self.request(f"cancel job {job_id} of machine '{name}'", "POST",
                      f"{self._jobs_path(name)}/{_q(job_id)}/cancel")
 
-    def list_jobs(self, name: str) -> list[dict]:
-        answer = self.request(f"list the jobs of machine '{name}'", "GET", self._jobs_path(name))
+    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
+        """The machine's jobs; with its ``machine_id`` (mach-...), no list call to find it."""
+        path = f"/v1/machines/{machine_id}/jobs" if machine_id else self._jobs_path(name)
+        answer = self.request(f"list the jobs of machine '{name}'", "GET", path)
         return [{"jobId": job.get("id"), "state": job.get("state"), "exitCode": job.get("exitCode")}
                 for job in reversed(answer.get("jobs", []))]  # the service lists newest first
 
@@ -1794,9 +1891,19 @@ class CloudFleet:
                             "the machine is created")
 
 
-def cloud_exec_body(argv: list[str], timeout_secs: int, workdir: str | None, env: dict[str, str] | None,
-                    stdin: str | None) -> dict:
-    body: dict[str, Any] = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
+def cloud_exec_body(
+    argv: list[str],
+    timeout_secs: int,
+    workdir: str | None,
+    env: dict[str, str] | None,
+    stdin: str | None,
+) -> dict:
+    body: dict[str, Any] = {
+        "command": argv,
+        "env": env or {},
+        "cwd": workdir,
+        "timeoutSeconds": timeout_secs,
+    }
     if stdin is not None:
         body["stdin"] = stdin
     return body
@@ -2122,8 +2229,11 @@ ARG_WORKDIR = _string("Working directory inside the machine (an absolute path)."
 ARG_STDIN = _string("Text piped to the command's standard input.")
 ARG_PATH = _string("An absolute path of a file inside the machine.", pattern=FILE_PATH_PATTERN)
 ARG_ENCODING = _string("utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"])
-ARG_JOB_ID = _string("The job's id, as start-job returned it (get-machine lists a machine's jobs).",
-                     pattern=JOB_ID_PATTERN)
+ARG_JOB_ID = _string("The job's id, as start-job returned it (get-machine lists a machine's "
+                     "jobs).", pattern=JOB_ID_PATTERN)
+ARG_JOB_OFFSET = {**_object({"stdout": _integer("Bytes of stdout already read.", minimum=0),
+                             "stderr": _integer("Bytes of stderr already read.", minimum=0)}),
+                  "description": "Where to continue: the nextOffset of the previous read-job."}
 ARG_WAIT = {"type": "boolean", "description": "Wait until a command has run in the guest before answering (default true)."}
 
 OUT_MACHINE = {
@@ -2137,8 +2247,9 @@ OUT_MACHINE = {
     },
     "required": list(MACHINE_KEYS),
 }
-OUT_JOB = {"type": "object", "properties": {"jobId": {"type": "string"}, "state": {"type": "string"},
-                                            "exitCode": {"type": ["integer", "null"]}}}
+OUT_JOB_STATE = {"jobId": {"type": "string"}, "state": {"type": "string"},
+                 "exitCode": {"type": ["integer", "null"]}}
+OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
 OUT_EXEC_PROPERTIES = {
     "stdout": {"type": "string"}, "stderr": {"type": "string"}, "exitCode": {"type": "integer"},
     "truncated": {"type": "boolean"}, "timedOut": {"type": "boolean"},
@@ -2335,7 +2446,9 @@ async def ensure_running(call: Call, name: str) -> bool:
     return True
 
 
-async def on_running(call: Call, name: str, function: Callable, *args: Any, **kwargs: Any) -> tuple[Any, bool]:
+async def on_running(
+    call: Call, name: str, function: Callable, *args: Any, **kwargs: Any
+) -> tuple[Any, bool]:
     """Run ``function`` against a running machine, starting a stopped one
     first (and leaving it running, the way the cloud API does it); the second
     value says whether this call started it."""
@@ -2367,7 +2480,7 @@ LIVE_LINE_CHARS = 200  # a progress message carries at most this much of a line
 def live_line(stream: str, line: str) -> str:
     line = line.strip()
     if len(line) > LIVE_LINE_CHARS:
-        line = line[:LIVE_LINE_CHARS - 1] + "…"
+        line = line[: LIVE_LINE_CHARS - 1] + "…"
     return f"{stream}: {line}"
 
 
@@ -2376,8 +2489,11 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
     new output line sent as a progress message (the newest, a few a second).
     The result is the same either way."""
     if call.progress_token() is None:
-        return await call.api(call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options)
+        return await call.api(
+            call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options
+        )
     import anyio
+
     pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
     newest: list[Any] = [0, None]  # lines seen and the last one, written by the worker thread
 
@@ -2402,23 +2518,42 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
                 await show_newest()
             elif time.monotonic() - quiet_since >= PROGRESS_INTERVAL_SECS:
                 quiet_since = time.monotonic()
-                await call.progress(None, f"running the command in '{name}': "
-                                          f"{int(time.monotonic() - call.started)} s so far")
+                await call.progress(
+                    None,
+                    f"running the command in '{name}': "
+                    f"{int(time.monotonic() - call.started)} s so far",
+                )
 
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(reporter)
             try:
-                value, failure = await call.api(call.fleet.exec_stream, name, ["sh", "-c", RUN_WRAPPER, "sh",
-                                                pid_file, *argv], on_output=on_output, **options), None
-            except Exception as err:  # carried out of the group, which would wrap it in an ExceptionGroup
+                value, failure = (
+                    await call.api(
+                        call.fleet.exec_stream,
+                        name,
+                        ["sh", "-c", RUN_WRAPPER, "sh", pid_file, *argv],
+                        on_output=on_output,
+                        **options,
+                    ),
+                    None,
+                )
+            except (
+                Exception
+            ) as err:  # carried out of the group, which would wrap it in an ExceptionGroup
                 value, failure = None, err
             group.cancel_scope.cancel()
     except anyio.get_cancelled_exc_class():
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
             try:
-                await anyio.to_thread.run_sync(functools.partial(
-                    call.fleet.exec, name, ["sh", "-c", RUN_KILL_SCRIPT, "sh", pid_file], timeout_secs=30))
+                await anyio.to_thread.run_sync(
+                    functools.partial(
+                        call.fleet.exec,
+                        name,
+                        ["sh", "-c", RUN_KILL_SCRIPT, "sh", pid_file],
+                        timeout_secs=30,
+                    )
+                )
             except Exception as err:
                 log.warning("could not end the cancelled command in machine %s: %s", name, err)
         raise
@@ -2474,7 +2609,7 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
     jobs: list[dict] | None = []  # a machine that is not running runs no job
     if machine["state"] in RUNNING_STATES:
         try:
-            jobs = await call.api(call.fleet.list_jobs, args["name"])
+            jobs = await call.api(call.fleet.list_jobs, args["name"], machine["id"])
         except SmolError as err:
             log.info("could not list the jobs of %s: %s", args["name"], err)
             jobs = None  # unknown, which is not the same as none
@@ -2532,7 +2667,8 @@ async def create_recorded(call: Call, name: str, create: Callable, *args: Any) -
 async def tool_run_command(call: Call, args: dict) -> dict:
     name, argv, timeout = args["name"], command_argv(args["command"]), exec_timeout(call.config, args)
     options = dict(timeout_secs=timeout, workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
-    result, started_machine = await on_running(call, name, run_in_machine, call, name, argv, **options)
+    result, started_machine = await on_running(call, name, run_in_machine, call, name, argv,
+                                               **options)
     shaped = await budget_exec(call, name, result, timeout, keep_overflow=True)
     return {**shaped, "startedMachine": started_machine}
 
@@ -2548,8 +2684,9 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             await start_and_wait(call, name)
         except Exception as err:
             raise explain_start_failure(err, spec.network) from None
-        result = await run_in_machine(call, name, command_argv(args["command"]), timeout_secs=timeout,
-                                      workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
+        result = await run_in_machine(call, name, command_argv(args["command"]),
+                                      timeout_secs=timeout, workdir=args.get("workdir"),
+                                      env=args.get("env"), stdin=args.get("stdin"))
         shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
         return {**shaped, "startedMachine": False, "name": name}
     finally:
@@ -2697,19 +2834,30 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
 
 
 JOB_DEFAULT_TIMEOUT_SECS = 3600
-JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine; a day is the most one may ask
+JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day at most
 
 
 async def tool_start_job(call: Call, args: dict) -> dict:
     name, argv = args["name"], command_argv(args["command"])
     timeout = args.get("timeoutSecs", JOB_DEFAULT_TIMEOUT_SECS)
     if timeout > JOB_MAX_TIMEOUT_SECS:
-        raise ArgumentError(f'"timeoutSecs" is {timeout}, above the job ceiling of {JOB_MAX_TIMEOUT_SECS} s '
-                            "(24 hours); ask for less, or have the job check in and start a new one")
+        raise ArgumentError(
+            f'"timeoutSecs" is {timeout}, above the job ceiling of {JOB_MAX_TIMEOUT_SECS} s '
+            "(24 hours); ask for less, or have the job check in and start a new one"
+        )
     job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
-    job, started_machine = await on_running(call, name, call.api, call.fleet.start_job, name, job_id, argv,
-                                            timeout_secs=timeout, workdir=args.get("workdir"),
-                                            env=args.get("env"))
+    job, started_machine = await on_running(
+        call,
+        name,
+        call.api,
+        call.fleet.start_job,
+        name,
+        job_id,
+        argv,
+        timeout_secs=timeout,
+        workdir=args.get("workdir"),
+        env=args.get("env"),
+    )
     return {**job, "timeoutSecs": timeout, "startedMachine": started_machine}
 
 
@@ -2720,14 +2868,19 @@ async def tool_read_job(call: Call, args: dict) -> dict:
     page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
     shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
     next_offset = {}
-    for stream, data, start, size in zip(("stdout", "stderr"), (page.stdout, page.stderr), offsets, page.sizes):
+    for stream, data, start, size in zip(
+        ("stdout", "stderr"), (page.stdout, page.stderr), offsets, page.sizes
+    ):
         if page.state == "running" or start + len(data) < size:
-            data = data[:utf8_prefix_end(data, len(data))]  # the rest of a character comes with the next page
+            data = data[
+                : utf8_prefix_end(data, len(data))
+            ]  # the rest of a character comes with the next page
         shaped[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
     shaped["nextOffset"] = next_offset
-    shaped["eof"] = page.state != "running" and all(next_offset[s] >= size for s, size in
-                                                    zip(("stdout", "stderr"), page.sizes))
+    shaped["eof"] = page.state != "running" and all(
+        next_offset[s] >= size for s, size in zip(("stdout", "stderr"), page.sizes)
+    )
     return shaped
 
 
@@ -2746,10 +2899,11 @@ TOOLS: tuple[ToolSpec, ...] = (
         read_only=True, idempotent=True),
     ToolSpec(
         "get-machine", "Get a machine",
-        "Show one machine: state, image, size, egress, ports, pid and whether it can be branched, and the jobs "
-        "(start-job) of a running machine. Changes nothing.",
+        "Show one machine: state, image, size, egress, ports, pid and whether it can be "
+        "branched, and the jobs (start-job) of a running machine. Changes nothing.",
         _object({"name": ARG_NAME}, ("name",)),
-        _out({"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}}), tool_get_machine,
+        _out({"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}}),
+        tool_get_machine,
         read_only=True, idempotent=True),
     ToolSpec(
         "create-machine", "Create a machine",
@@ -2860,41 +3014,37 @@ TOOLS: tuple[ToolSpec, ...] = (
         _out({"image": {"type": "object"}}), tool_pull_image, idempotent=True, open_world=True),
     ToolSpec(
         "start-job", "Start a background job in a machine",
-        "Start a command inside the named machine (never on this host) and return at once with its jobId. Use it "
-        "for work longer than a tool call should wait (builds, test suites, servers): it keeps running after this "
-        "call, the client and this server have gone, until it exits, its timeout (default 1 hour, at most 24) or "
-        "cancel-job ends it, or the machine stops or is deleted. Read its output with read-job. A stopped machine "
+        "Start a command inside the named machine (never on this host) and return at once "
+        "with its jobId. Use it for work longer than a tool call should wait (builds, test "
+        "suites, servers): it keeps running after this call, the client and this server have "
+        "gone, until it exits, its timeout (default 1 hour, at most 24) or cancel-job ends it, "
+        "or the machine stops or is deleted. Read its output with read-job. A stopped machine "
         "is started first.",
         _object({"name": ARG_NAME, "command": ARG_COMMAND,
-                 "timeoutSecs": _integer("Seconds before the job is ended (default 3600, at most 86400).",
-                                         maximum=JOB_MAX_TIMEOUT_SECS),
+                 "timeoutSecs": _integer("Seconds before the job is ended (default 3600, at "
+                                         "most 86400).", maximum=JOB_MAX_TIMEOUT_SECS),
                  "workdir": ARG_WORKDIR, "env": ARG_ENV}, ("name", "command")),
-        _out({"jobId": {"type": "string"}, "state": {"type": "string"}, "timeoutSecs": {"type": "integer"},
-              "startedMachine": {"type": "boolean"}}),
+        _out({"jobId": {"type": "string"}, "state": {"type": "string"},
+              "timeoutSecs": {"type": "integer"}, "startedMachine": {"type": "boolean"}}),
         tool_start_job, destructive=True, open_world=True),
     ToolSpec(
         "read-job", "Read a job's output",
-        "Show a job's state (running, exited or lost) and exit code, and a page of its stdout and stderr from "
-        "offset, within the output budget. Pass nextOffset back as offset for the next page; eof says the job "
-        "has ended and everything was read. Changes nothing.",
-        _object({"name": ARG_NAME, "jobId": ARG_JOB_ID,
-                 "offset": {**_object({"stdout": _integer("Bytes of stdout already read.", minimum=0),
-                                       "stderr": _integer("Bytes of stderr already read.", minimum=0)}),
-                            "description": "Where to continue: the nextOffset of the previous read-job."}},
+        "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
+        "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
+        "the next page; eof says the job has ended and everything was read. Changes nothing.",
+        _object({"name": ARG_NAME, "jobId": ARG_JOB_ID, "offset": ARG_JOB_OFFSET},
                 ("name", "jobId")),
-        _out({"jobId": {"type": "string"}, "state": {"type": "string"}, "exitCode": {"type": ["integer", "null"]},
-              "stdout": {"type": "string"}, "stderr": {"type": "string"},
+        _out({**OUT_JOB_STATE, "stdout": {"type": "string"}, "stderr": {"type": "string"},
               "nextOffset": {"type": "object", "properties": {"stdout": {"type": "integer"},
                                                               "stderr": {"type": "integer"}}},
               "eof": {"type": "boolean"}}),
         tool_read_job, read_only=True),
     ToolSpec(
         "cancel-job", "Cancel a job",
-        "End a running job and what it started (TERM, then KILL after a few seconds). A job that has already "
-        "ended is left as it is, so repeating the call is harmless.",
+        "End a running job and what it started (TERM, then KILL after a few seconds). A job "
+        "that has already ended is left as it is, so repeating the call is harmless.",
         _object({"name": ARG_NAME, "jobId": ARG_JOB_ID}, ("name", "jobId")),
-        _out({"jobId": {"type": "string"}, "state": {"type": "string"}, "exitCode": {"type": ["integer", "null"]}}),
-        tool_cancel_job, destructive=True, idempotent=True),
+        _out(OUT_JOB_STATE), tool_cancel_job, destructive=True, idempotent=True),
 )
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 

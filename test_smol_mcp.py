@@ -549,7 +549,8 @@ class ToolListTests(FakeServeCase):
                 self.assertFalse(tools["create-machine"].annotations.read_only_hint)
                 self.assertTrue(tools["read-job"].annotations.read_only_hint)
                 self.assertFalse(tools["start-job"].annotations.read_only_hint)
-                self.assertFalse(tools["start-job"].annotations.idempotent_hint)  # each call starts another
+                # each start-job call starts another job
+                self.assertFalse(tools["start-job"].annotations.idempotent_hint)
                 self.assertTrue(tools["cancel-job"].annotations.destructive_hint)
                 self.assertTrue(tools["cancel-job"].annotations.idempotent_hint)
                 self.assertIn("network", c.instructions)
@@ -1138,7 +1139,8 @@ class CloudRuleTests(FakeCloudCase):
             self.assertIsNone(self.cloud_requests("", "POST")[0][3].get("ttlSeconds"))  # a chosen name persists
             self.cloud.requests.clear()
             got = await self.ok(c, "get-machine", {"name": "persist-1"})
-            self.assertEqual([r[:2] for r in self.cloud.requests], [("GET", "/v1/machines")])
+            self.assertEqual([r[:2] for r in self.cloud.requests],  # the name, then its jobs
+                             [("GET", "/v1/machines"), ("GET", f"/v1/machines/{got['machine']['id']}/jobs")])
             by_id = await self.ok(c, "get-machine", {"name": got["machine"]["id"]})
             self.assertEqual(by_id["machine"]["name"], "persist-1")
             text = await self.refused(c, "get-machine", {"name": "ghost"})
@@ -1661,7 +1663,8 @@ class HttpProcessTests(unittest.TestCase):
 
 
 def processes_running(marker: str) -> list[int]:
-    """Host pids whose command line contains ``marker`` (the fake guests' processes are host processes)."""
+    """Host pids whose command line contains ``marker`` (a fake guest's processes are host
+    processes)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
@@ -1683,11 +1686,26 @@ async def wait_for(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
+async def ignore_progress(progress, total, message) -> None:
+    """A progress callback: its presence makes the client send a progress token."""
+
+
 PRINTS_SLOWLY = "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; echo warned >&2; exit 3"
 
 
-class LiveOutputScenarios:
-    """Run against either fleet: ``machine`` creates a running machine, ``stream_calls`` counts stream requests."""
+class LongWorkScenarios:
+    machine_name = "live"
+
+    async def machine(self, c) -> str:
+        """A running machine to work in, on the class's fleet."""
+        await self.ok(
+            c, "create-machine", {"name": self.machine_name, "image": "alpine", "network": "open"}
+        )
+        return self.machine_name
+
+
+class LiveOutputScenarios(LongWorkScenarios):
+    """Run against either fleet; ``stream_calls`` counts the stream requests."""
 
     async def test_progress_carries_output_lines_in_order_and_the_result_is_unchanged(self):
         async with self.client("legacy") as c:
@@ -1697,34 +1715,50 @@ class LiveOutputScenarios:
             async def on_progress(progress, total, message):
                 seen.append(message)
 
-            answer = await c.call_tool("run-command", {"name": name, "command": PRINTS_SLOWLY},
-                                       progress_callback=on_progress)
+            answer = await c.call_tool(
+                "run-command",
+                {"name": name, "command": PRINTS_SLOWLY},
+                progress_callback=on_progress,
+            )
             streamed = result_of(answer)[1]
             self.assertEqual(self.stream_calls(), 1)
             plain = await self.ok(c, "run-command", {"name": name, "command": PRINTS_SLOWLY})
             self.assertEqual(self.stream_calls(), 1, "without a progress token nothing streams")
         self.assertEqual(streamed, plain)
-        self.assertEqual((streamed["stdout"], streamed["stderr"], streamed["exitCode"]),
-                         ("".join(f"step {i}\n" for i in range(1, 7)), "warned\n", 3))
+        self.assertEqual(
+            (streamed["stdout"], streamed["stderr"], streamed["exitCode"]),
+            ("".join(f"step {i}\n" for i in range(1, 7)), "warned\n", 3),
+        )
         steps = [int(m.rsplit(" ", 1)[1]) for m in seen if m.startswith("stdout: step ")]
-        self.assertGreaterEqual(len(steps), 3, seen)  # lines arrive while the command runs, not at its end
+        self.assertGreaterEqual(
+            len(steps), 3, seen
+        )  # lines arrive while the command runs, not at its end
         self.assertEqual(steps, sorted(set(steps)), "newest line first, in order, never repeated")
         self.assertEqual(seen[-1], "stderr: warned")  # the last line is always shown
 
     async def test_the_budget_and_overflow_are_the_same_streamed(self):
-        command = "i=0; while [ $i -lt 400 ]; do echo line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; i=$((i+1)); done"
+        command = (
+            "i=0; while [ $i -lt 400 ]; do echo line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; "
+            "i=$((i+1)); done"
+        )
         async with self.client("legacy") as c:
             name = await self.machine(c)
 
-            async def on_progress(progress, total, message):
-                pass
-
-            streamed = result_of(await c.call_tool("run-command", {"name": name, "command": command},
-                                                   progress_callback=on_progress))[1]
+            streamed = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {"name": name, "command": command},
+                    progress_callback=ignore_progress,
+                )
+            )[1]
             plain = await self.ok(c, "run-command", {"name": name, "command": command})
-            saved = await self.ok(c, "read-file", {"name": name, "path": streamed["overflow"][0], "length": 1024})
+            saved = await self.ok(
+                c, "read-file", {"name": name, "path": streamed["overflow"][0], "length": 1024}
+            )
         self.assertTrue(streamed["truncated"])
-        self.assertEqual({**streamed, "overflow": [], "stdout": ""}, {**plain, "overflow": [], "stdout": ""})
+        self.assertEqual(
+            {**streamed, "overflow": [], "stdout": ""}, {**plain, "overflow": [], "stdout": ""}
+        )
         self.assertEqual(streamed["stdout"].split("[...")[0], plain["stdout"].split("[...")[0])
         self.assertEqual(saved["size"], 400 * 38 + sum(len(str(i)) for i in range(400)))
 
@@ -1732,21 +1766,21 @@ class LiveOutputScenarios:
         async with self.client("legacy") as c:
             name = await self.machine(c)
 
-            async def on_progress(progress, total, message):
-                pass
-
-            result = result_of(await c.call_tool("run-command", {"name": name, "command": "echo a; sleep 30",
-                                                                 "timeoutSecs": 2}, progress_callback=on_progress))[1]
-        self.assertEqual((result["exitCode"], result["timedOut"], result["stdout"]), (124, True, "a\n"))
+            result = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {"name": name, "command": "echo a; sleep 30", "timeoutSecs": 2},
+                    progress_callback=ignore_progress,
+                )
+            )[1]
+        self.assertEqual(
+            (result["exitCode"], result["timedOut"], result["stdout"]), (124, True, "a\n")
+        )
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
 class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
     config_overrides = {"max_output_bytes": 1024}
-
-    async def machine(self, c) -> str:
-        await self.ok(c, "create-machine", {"name": "live", "image": "alpine", "network": "open"})
-        return "live"
 
     def stream_calls(self) -> int:
         return len(self.requests_to("/exec/stream"))
@@ -1760,30 +1794,44 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
                 seen.append(message)
 
             with anyio.move_on_after(3):
-                await c.call_tool("run-command", {"name": "live", "command": "echo started; sleep 3171; echo never"},
-                                  progress_callback=on_progress)
+                await c.call_tool(
+                    "run-command",
+                    {"name": "live", "command": "echo started; sleep 3171; echo never"},
+                    progress_callback=on_progress,
+                )
             self.assertIn("stdout: started", seen)
-            await wait_for(lambda: not processes_running("sleep 3171"), 20, "the cancelled command is gone")
-            kills = [r for r in self.requests_to("/exec") if smol_mcp.RUN_KILL_SCRIPT in r[2]["command"]]
+            await wait_for(
+                lambda: not processes_running("sleep 3171"), 20, "the cancelled command is gone"
+            )
+            kills = [
+                r for r in self.requests_to("/exec") if smol_mcp.RUN_KILL_SCRIPT in r[2]["command"]
+            ]
             self.assertEqual(len(kills), 1)
             # the machine is still there and usable
-            self.assertEqual((await self.ok(c, "run-command", {"name": "live", "command": "echo ok"}))["stdout"], "ok\n")
+            self.assertEqual(
+                (await self.ok(c, "run-command", {"name": "live", "command": "echo ok"}))["stdout"],
+                "ok\n",
+            )
 
     async def test_a_broken_stream_is_reported_never_a_short_success(self):
         from tests.fakes.fake_smolvm import Response, sse_event
 
         def half_a_stream(*args):
-            return Response(200, ctype="text/event-stream", stream=[sse_event("stdout", "half of it\n")])
+            return Response(
+                200, ctype="text/event-stream", stream=[sse_event("stdout", "half of it\n")]
+            )
 
         async with self.client("legacy") as c:
             await self.machine(c)
             self.fake._h_exec_stream = half_a_stream
 
-            async def on_progress(progress, total, message):
-                pass
-
-            text = result_of(await c.call_tool("run-command", {"name": "live", "command": "echo all of it"},
-                                               progress_callback=on_progress))[1]
+            text = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {"name": "live", "command": "echo all of it"},
+                    progress_callback=ignore_progress,
+                )
+            )[1]
         self.assertIsInstance(text, str, "a broken stream must be a tool error")
         self.assertIn("output stream of the command in machine 'live' broke after 11 bytes", text)
         self.assertIn("result is unknown", text)
@@ -1791,11 +1839,18 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
     async def test_the_stream_route_refuses_as_exec_does(self):
         fleet = self.app.local
         with self.assertRaises(smol_mcp.ApiError) as caught:
-            await asyncio.to_thread(fleet.exec_stream, "nobody", ["true"], timeout_secs=5, on_output=print)
+            await asyncio.to_thread(
+                fleet.exec_stream, "nobody", ["true"], timeout_secs=5, on_output=print
+            )
         self.assertEqual((caught.exception.status, caught.exception.code), (404, "NOT_FOUND"))
         with self.assertRaises(smol_mcp.ApiError) as caught:
-            await asyncio.to_thread(fleet.request, "stream", "POST", "/api/v1/machines/nobody/exec/stream",
-                                    {"command": ["true"], "timeout": 5})
+            await asyncio.to_thread(
+                fleet.request,
+                "stream",
+                "POST",
+                "/api/v1/machines/nobody/exec/stream",
+                {"command": ["true"], "timeout": 5},
+            )
         self.assertEqual(caught.exception.status, 422)
         self.assertIn("unknown field `timeout`", str(caught.exception))
 
@@ -1803,10 +1858,6 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
 class CloudLiveOutputTests(LiveOutputScenarios, FakeCloudCase):
     config_overrides = {"max_output_bytes": 1024}
-
-    async def machine(self, c) -> str:
-        await self.ok(c, "create-machine", {"name": "live", "image": "alpine", "network": "open"})
-        return "live"
 
     def stream_calls(self) -> int:
         return len(self.cloud_requests("/exec/stream"))
@@ -1816,20 +1867,26 @@ class CloudLiveOutputTests(LiveOutputScenarios, FakeCloudCase):
             await self.machine(c)
             self.cloud.break_streams = True
 
-            async def on_progress(progress, total, message):
-                pass
-
-            text = result_of(await c.call_tool("run-command", {"name": "live", "command": PRINTS_SLOWLY},
-                                               progress_callback=on_progress))[1]
+            text = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {"name": "live", "command": PRINTS_SLOWLY},
+                    progress_callback=ignore_progress,
+                )
+            )[1]
         self.assertIsInstance(text, str, "a broken stream must be a tool error")
         self.assertIn("broke after 7 bytes", text)
 
 
-class JobScenarios:
+class JobScenarios(LongWorkScenarios):
     """Jobs, the same vocabulary on either fleet."""
 
-    JOB = ("i=0; while [ $i -lt 60 ]; do echo out-line-$i-abcdefghijklmnopqrstuvwxyz; "
-           "echo err-$i >&2; i=$((i+1)); [ $((i % 20)) = 0 ] && sleep 1; done; exit 7")
+    machine_name = "jobs"
+
+    JOB = (
+        "i=0; while [ $i -lt 60 ]; do echo out-line-$i-abcdefghijklmnopqrstuvwxyz; "
+        "echo err-$i >&2; i=$((i+1)); [ $((i % 20)) = 0 ] && sleep 1; done; exit 7"
+    )
     EXPECTED_OUT = "".join(f"out-line-{i}-abcdefghijklmnopqrstuvwxyz\n" for i in range(60))
     EXPECTED_ERR = "".join(f"err-{i}\n" for i in range(60))
 
@@ -1838,8 +1895,10 @@ class JobScenarios:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             page = await self.ok(c, "read-job", {"name": name, "jobId": job_id, "offset": offset})
-            self.assertLessEqual(len(page["stdout"].encode()) + len(page["stderr"].encode()),
-                                 self.config.max_output_bytes)
+            self.assertLessEqual(
+                len(page["stdout"].encode()) + len(page["stderr"].encode()),
+                self.config.max_output_bytes,
+            )
             out, err, offset = out + page["stdout"], err + page["stderr"], page["nextOffset"]
             pages += 1
             if page["eof"]:
@@ -1869,7 +1928,9 @@ class JobScenarios:
             await wait_for(lambda: processes_running("sleep 3172"), 20, "the job runs")
             first = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
             self.assertEqual((first["state"], first["exitCode"]), ("exited", 143))
-            await wait_for(lambda: not processes_running("sleep 3172"), 20, "the cancelled job is gone")
+            await wait_for(
+                lambda: not processes_running("sleep 3172"), 20, "the cancelled job is gone"
+            )
             again = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
             self.assertEqual(again, first)
             page = await self.ok(c, "read-job", {"name": name, "jobId": job["jobId"]})
@@ -1878,7 +1939,9 @@ class JobScenarios:
     async def test_refusals_name_the_limit_and_the_job(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            text = await self.refused(c, "start-job", {"name": name, "command": "true", "timeoutSecs": 86401})
+            text = await self.refused(
+                c, "start-job", {"name": name, "command": "true", "timeoutSecs": 86401}
+            )
             self.assertIn("86400", text)
             text = await self.refused(c, "read-job", {"name": name, "jobId": "../../etc"})
             self.assertIn('"jobId"', text)
@@ -1889,31 +1952,42 @@ class JobScenarios:
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
 class LocalJobTests(JobScenarios, FakeServeCase):
     config_overrides = {"max_output_bytes": 1024}
-    no_such_job = "machine 'jobs' has no such job (while trying to read job job-000000000000); get-machine lists"
-
-    async def machine(self, c) -> str:
-        await self.ok(c, "create-machine", {"name": "jobs", "image": "alpine", "network": "open"})
-        return "jobs"
+    no_such_job = (
+        "machine 'jobs' has no such job (while trying to read job job-000000000000); "
+        "get-machine lists"
+    )
 
     async def test_a_job_ends_at_its_timeout_and_with_its_machine(self):
         async with self.client("legacy") as c:
             await self.machine(c)
-            job = await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2})
-            await wait_for(lambda: not processes_running("sleep 3174"), 30, "the job's timeout ended it")
+            job = await self.ok(
+                c, "start-job", {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2}
+            )
+            await wait_for(
+                lambda: not processes_running("sleep 3174"), 30, "the job's timeout ended it"
+            )
             page = await self.ok(c, "read-job", {"name": "jobs", "jobId": job["jobId"]})
             self.assertEqual((page["state"], page["exitCode"]), ("exited", 143))
             await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3175"})
             await wait_for(lambda: processes_running("sleep 3175"), 20, "the job runs")
             await self.ok(c, "delete-machine", {"name": "jobs"})
-            await wait_for(lambda: not processes_running("sleep 3175"), 20, "deleting the machine ended its job")
+            await wait_for(
+                lambda: not processes_running("sleep 3175"),
+                20,
+                "deleting the machine ended its job",
+            )
 
     async def test_an_ephemeral_machine_is_still_deleted_with_its_session_and_its_jobs_end(self):
         async with self.client("legacy") as c:
             created = await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
-            await self.ok(c, "start-job", {"name": created["machine"]["name"], "command": "sleep 3176"})
+            await self.ok(
+                c, "start-job", {"name": created["machine"]["name"], "command": "sleep 3176"}
+            )
             await wait_for(lambda: processes_running("sleep 3176"), 20, "the job runs")
         self.assertEqual(self.fake.machines, {})
-        await wait_for(lambda: not processes_running("sleep 3176"), 20, "the job ended with its machine")
+        await wait_for(
+            lambda: not processes_running("sleep 3176"), 20, "the job ended with its machine"
+        )
 
     async def test_a_stopped_machine_lists_no_jobs_and_a_lost_job_reads_lost(self):
         async with self.client("legacy") as c:
@@ -1931,21 +2005,35 @@ class CloudJobTests(JobScenarios, FakeCloudCase):
     config_overrides = {"max_output_bytes": 1024}
     no_such_job = "job job-000000000000 not found"
 
-    async def machine(self, c) -> str:
-        await self.ok(c, "create-machine", {"name": "jobs", "image": "alpine", "network": "open"})
-        return "jobs"
-
     async def test_the_jobs_routes_are_the_ones_used(self):
         async with self.client("legacy") as c:
             await self.machine(c)
-            job = await self.ok(c, "start-job", {"name": "jobs", "command": ["sh", "-c", "echo hi"],
-                                                 "timeoutSecs": 5000, "workdir": "/tmp", "env": {"A": "1"}})
+            job = await self.ok(
+                c,
+                "start-job",
+                {
+                    "name": "jobs",
+                    "command": ["sh", "-c", "echo hi"],
+                    "timeoutSecs": 5000,
+                    "workdir": "/tmp",
+                    "env": {"A": "1"},
+                },
+            )
         posted = self.cloud_requests("/jobs")
-        self.assertEqual(posted[-1][3], {"command": ["sh", "-c", "echo hi"], "env": {"A": "1"}, "cwd": "/tmp",
-                                         "timeoutSeconds": 5000})
+        self.assertEqual(
+            posted[-1][3],
+            {
+                "command": ["sh", "-c", "echo hi"],
+                "env": {"A": "1"},
+                "cwd": "/tmp",
+                "timeoutSeconds": 5000,
+            },
+        )
         self.assertTrue(job["jobId"].startswith("job_"))
         commands = [r[3]["command"] for r in self.cloud_requests("/exec")]
-        self.assertEqual(set(map(tuple, commands)), {("true",)}, "only readiness probes: a job is not an exec")
+        self.assertEqual(
+            set(map(tuple, commands)), {("true",)}, "only readiness probes: a job is not an exec"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -2286,11 +2374,13 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     seen.append(message)
 
                 async with Client(self.params(), mode=mode) as c:
-                    created = result_of(await c.call_tool("create-machine", {"image": "alpine", "network": "open"}))[1]
+                    created = result_of(await c.call_tool("create-machine", {"image": "alpine",
+                                                                             "network": "open"}))[1]
                     answer = await c.call_tool("run-command", {"name": created["machine"]["name"],
                                                                "command": PRINTS_SLOWLY},
                                                progress_callback=on_progress)
-                    self.assertEqual(result_of(answer)[1]["stdout"], "".join(f"step {i}\n" for i in range(1, 7)))
+                    self.assertEqual(result_of(answer)[1]["stdout"],
+                                     "".join(f"step {i}\n" for i in range(1, 7)))
                 steps = [m for m in seen if m.startswith("stdout: step ")]
                 self.assertGreaterEqual(len(steps), 3, seen)
                 self.assertEqual(seen[-1], "stderr: warned")
@@ -2505,11 +2595,13 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             await self.call("list-machines", {})
             fleet = self.app.local
             with self.assertRaises(smol_mcp.ApiError) as caught:
-                await asyncio.to_thread(fleet.exec_stream, "itest-nobody", ["true"], timeout_secs=5, on_output=print)
+                await asyncio.to_thread(fleet.exec_stream, "itest-nobody", ["true"], timeout_secs=5,
+                                        on_output=print)
             self.assertEqual((caught.exception.status, caught.exception.code), (404, "NOT_FOUND"))
             self.assertIn("machine 'itest-nobody' not found", str(caught.exception))
             with self.assertRaises(smol_mcp.ApiError) as caught:
-                await asyncio.to_thread(fleet.request, "stream", "POST", "/api/v1/machines/itest-nobody/exec/stream",
+                await asyncio.to_thread(fleet.request, "stream", "POST",
+                                        "/api/v1/machines/itest-nobody/exec/stream",
                                         {"command": ["true"], "timeout": 5})
             self.assertEqual(caught.exception.status, 422)
             self.assertIn("unknown field `timeout`", str(caught.exception))

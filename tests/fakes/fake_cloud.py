@@ -360,7 +360,7 @@ class FakeCloud:
         self.ready_delay = float(ready_delay)
         self.boot = boot
         self.exec_b64 = bool(exec_b64)
-        self.break_streams = False  # True: an exec stream ends after its first event, without `exit`
+        self.break_streams = False  # True: an exec stream ends after one event, without `exit`
         self.requests = []
         self.url = None
         self._machines = {}  # id -> record (insertion order = creation order)
@@ -581,7 +581,9 @@ class FakeCloud:
             "branches": ("POST", lambda: self._h_branch("branches", mid, headers, body)),
             "fork": ("POST", lambda: self._h_branch("fork", mid, headers, body)),
         }
-        job_id, _, job_sub = sub[len("jobs/"):].partition("/") if sub.startswith("jobs/") else ("", "", "")
+        job_id, job_sub = "", ""
+        if sub.startswith("jobs/"):
+            job_id, _, job_sub = sub[len("jobs/"):].partition("/")
         if job_id and job_sub in ("", "output", "cancel"):
             allowed = "POST" if job_sub == "cancel" else "GET,HEAD"
             self._allow(method, allowed)
@@ -668,7 +670,8 @@ class FakeCloud:
                 self._delete(m, now)
                 continue
             stop_after = m["autoStopSeconds"]
-            running_job = any(j["state"] == "running" for j in m["_jobs"])  # [reference] no auto-stop then
+            # [reference] no auto-stop while a job runs
+            running_job = any(j["state"] == "running" for j in m["_jobs"])
             if (stop_after is not None and m["state"] == "running" and not running_job
                     and now - m["_lastActivity"] >= stop_after):
                 self._stop(m, now)
@@ -986,7 +989,8 @@ class FakeCloud:
                 "createdAt": _rfc3339(now),
                 "_created": now, "_startedAt": 0.0, "_bootDoneAt": 0.0, "_runSince": None,
                 "_uptime": 0.0, "_lastActivity": now, "_everStarted": False, "_bootForkable": False,
-                "_listening": set(), "_console": [], "_bg": [], "_jobs": [], "_node": "node-" + _hex(6),
+                "_listening": set(), "_console": [], "_bg": [], "_jobs": [],
+                "_node": "node-" + _hex(6),
                 "_deletedAt": None,
             }
             self._machines[mid] = m
@@ -1056,25 +1060,44 @@ class FakeCloud:
         if delay > 0:
             time.sleep(delay)  # exec waits for the agent itself [public docs]
 
-    def _h_exec(self, mid, q, headers, body, stream=False):
-        output = q.get("output", ["both"])[-1]
-        if output not in ("text", "b64", "both"):
-            raise Bad(400, f"unknown output `{output}`, expected `text`, `b64` or `both`")  # [assumption]
-        req = self._json_body(headers, body)
-        _check_fields(req, EXEC_FIELDS)  # strict [assumption]; `workdir` is not an exec field [sdk]
+    @staticmethod
+    def _command(req):
+        """(argv, via_shell) of an exec or job body's `command`."""
         if "command" not in req:
             raise Bad(400, "missing field `command`")
         cmd = req["command"]
         if isinstance(cmd, str):
             if not cmd.strip():
                 raise Bad(400, "command must not be empty")
-            argv, via_shell = ["sh", "-c", cmd], True  # [public docs] a shell string
-        elif isinstance(cmd, list):
-            argv, via_shell = _want_str_list(cmd, "command"), False  # [sdk] argv
+            return ["sh", "-c", cmd], True  # [public docs] a shell string
+        if isinstance(cmd, list):
+            argv = _want_str_list(cmd, "command")  # [sdk] argv
             if not argv:
                 raise Bad(400, "command must not be empty")  # [assumption]
-        else:
-            raise _type_error("command", cmd, "an argv array or a string")
+            return argv, False
+        raise _type_error("command", cmd, "an argv array or a string")
+
+    def _guest_for(self, mid, cwd, env_req):
+        """Start the machine if needed and wait for its agent; returns
+        (machine, guest root, environment, working directory)."""
+        with self._lock:
+            m = self._get(mid)
+            boot_done = self._ensure_running(m)
+            root = self._root(mid)
+            env = {"PATH": PATH_ENV, "HOME": "/root"}
+            env.update(m["env"])
+            workdir = cwd or m["workdir"] or "/"
+        env.update(env_req)
+        self._wait_agent(boot_done)
+        return m, root, env, workdir
+
+    def _h_exec(self, mid, q, headers, body, stream=False):
+        output = q.get("output", ["both"])[-1]
+        if output not in ("text", "b64", "both"):
+            raise Bad(400, f"unknown output `{output}`, expected `text`, `b64` or `both`")  # [assumption]
+        req = self._json_body(headers, body)
+        _check_fields(req, EXEC_FIELDS)  # strict [assumption]; `workdir` is not an exec field [sdk]
+        argv, via_shell = self._command(req)
         env_req = _want_str_map(req.get("env"), "env", nullable=True) or {}
         cwd = _want_str(req.get("cwd"), "cwd", nullable=True)
         timeout = _want_int(req.get("timeoutSeconds"), "timeoutSeconds", nullable=True)
@@ -1085,15 +1108,7 @@ class FakeCloud:
             raise Bad(400, "user must not be empty")
         background = bool(_want_bool(req.get("background"), "background", nullable=True))
         stdin = _want_str(req.get("stdin"), "stdin", nullable=True)
-        with self._lock:
-            m = self._get(mid)
-            boot_done = self._ensure_running(m)
-            root = self._root(mid)
-            env = {"PATH": PATH_ENV, "HOME": "/root"}
-            env.update(m["env"])
-            workdir = cwd or m["workdir"] or "/"
-        env.update(env_req)
-        self._wait_agent(boot_done)
+        m, root, env, workdir = self._guest_for(mid, cwd, env_req)
         out_extra = {"user": user} if user is not None else {}  # [sdk] the echo it checks
         if not via_shell and not self._exe_exists(root, argv[0], env.get("PATH", PATH_ENV), workdir):
             # [public docs] a missing interpreter is 200 with exitCode 255;
@@ -1126,7 +1141,8 @@ class FakeCloud:
         without `exit`, as a dropped connection would."""
         def pieces():
             try:
-                for event, value in _guest.stream_in_guest(root, argv, env, workdir, stdin, timeout, user):
+                events = _guest.stream_in_guest(root, argv, env, workdir, stdin, timeout, user)
+                for event, value in events:
                     if event == "exit":
                         value = json.dumps({"exitCode": value})
                     yield _guest.sse_event(event, value)
@@ -1136,7 +1152,8 @@ class FakeCloud:
                 yield _guest.sse_event("error", str(e))
             with self._lock:
                 m["_lastActivity"] = time.time()
-        return Resp(200, ctype="text/event-stream", headers=[("cache-control", "no-cache")], stream=pieces())
+        return Resp(200, ctype="text/event-stream", headers=[("cache-control", "no-cache")],
+                    stream=pieces())
 
     # ---- detached jobs [reference: "Detached jobs"]
     def _h_jobs(self, method, mid, headers, body):
@@ -1144,35 +1161,18 @@ class FakeCloud:
             m = self._get(mid)
             if method != "POST":
                 # [reference] newest first, up to 100
-                return json_resp(200, {"jobs": [self._job_public(j) for j in reversed(m["_jobs"][-100:])]})
+                newest = [self._job_public(j) for j in reversed(m["_jobs"][-100:])]
+                return json_resp(200, {"jobs": newest})
         req = self._json_body(headers, body)
         _check_fields(req, JOB_FIELDS)  # strict, as exec [assumption]
-        if "command" not in req:
-            raise Bad(400, "missing field `command`")
-        cmd = req["command"]
-        if isinstance(cmd, str):
-            if not cmd.strip():
-                raise Bad(400, "command must not be empty")
-            argv = ["sh", "-c", cmd]
-        elif isinstance(cmd, list):
-            argv = _want_str_list(cmd, "command")
-            if not argv:
-                raise Bad(400, "command must not be empty")
-        else:
-            raise _type_error("command", cmd, "an argv array or a string")
+        argv, _ = self._command(req)
         env_req = _want_str_map(req.get("env"), "env", nullable=True) or {}
         cwd = _want_str(req.get("cwd"), "cwd", nullable=True)
         timeout = _want_int(req.get("timeoutSeconds"), "timeoutSeconds", nullable=True)
         user = _want_str(req.get("user"), "user", nullable=True)
-        with self._lock:
-            boot_done = self._ensure_running(m)
-            root = self._root(mid)
-            env = {"PATH": PATH_ENV, "HOME": "/root"}
-            env.update(m["env"])
-            workdir = cwd or m["workdir"] or "/"
-        env.update(env_req)
-        self._wait_agent(boot_done)
-        job = {"id": "job_" + _hex(16), "machineId": mid, "command": cmd, "state": "running",
+        m, root, env, workdir = self._guest_for(mid, cwd, env_req)
+        job = {"id": "job_" + _hex(16), "machineId": mid, "command": req["command"],
+               "state": "running",
                "createdAt": _rfc3339(time.time()), "exitCode": None, "finishedAt": None}
         job["_dir"] = os.path.join(self._tmp, "jobs", job["id"])
         os.makedirs(job["_dir"])
@@ -1182,8 +1182,8 @@ class FakeCloud:
             raise Bad(500, str(e))
         with open(os.path.join(job["_dir"], "stdout"), "wb") as out, \
                 open(os.path.join(job["_dir"], "stderr"), "wb") as err:
-            job["_proc"] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                            start_new_session=True)
+            job["_proc"] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                            stderr=err, start_new_session=True)
         with self._lock:
             m["_jobs"].append(job)
         threading.Thread(target=self._job_waiter, args=(m, job, timeout), daemon=True).start()
@@ -1209,7 +1209,8 @@ class FakeCloud:
         with self._lock:
             if job["state"] != "running":
                 return
-            job.update(state=state, exitCode=143 if state == "exited" else None, finishedAt=_rfc3339(time.time()))
+            job.update(state=state, exitCode=143 if state == "exited" else None,
+                       finishedAt=_rfc3339(time.time()))
         proc = job["_proc"]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
@@ -1243,7 +1244,8 @@ class FakeCloud:
             return json_resp(200, self._job_public(job))
         stream = q.get("stream", ["stdout"])[-1]
         if stream not in ("stdout", "stderr"):
-            raise Bad(400, f"unknown stream `{stream}`, expected `stdout` or `stderr`")  # [assumption]
+            # [assumption] the wording
+            raise Bad(400, f"unknown stream `{stream}`, expected `stdout` or `stderr`")
         offset = _want_int(int(q.get("offset", ["0"])[-1] or 0), "offset")
         limit = q.get("limit", [None])[-1]
         with open(os.path.join(job["_dir"], stream), "rb") as f:
@@ -1252,7 +1254,8 @@ class FakeCloud:
             size = os.fstat(f.fileno()).st_size
         next_offset = offset + len(data)
         return json_resp(200, {"stream": stream, "offset": offset, "nextOffset": next_offset,
-                               "data": data.decode("utf-8", "replace"), "dataB64": base64.b64encode(data).decode(),
+                               "data": data.decode("utf-8", "replace"),
+                               "dataB64": base64.b64encode(data).decode(),
                                "eof": job["state"] != "running" and next_offset >= size})
 
     @staticmethod

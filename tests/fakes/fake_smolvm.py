@@ -1342,7 +1342,8 @@ def stream_in_guest(root, argv, env, workdir, stdin, timeout, user):
     text) as the command writes, then ("exit", code). Raises GuestUnavailable."""
     import codecs
     import queue
-    p = subprocess.Popen(guest_command(root, argv, workdir, user), env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+    p = subprocess.Popen(guest_command(root, argv, workdir, user), env=env,
+                         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     pieces = queue.Queue()
 
@@ -1439,7 +1440,8 @@ BOOT_LINES = [
 
 ROUTE_METHODS = {
     "health": "GET,HEAD", "machines": "GET,HEAD,POST", "machine": "GET,HEAD,DELETE",
-    "start": "POST", "stop": "POST", "exec": "POST", "exec_stream": "POST", "files": "PUT,GET,HEAD", "logs": "GET,HEAD",
+    "start": "POST", "stop": "POST", "exec": "POST", "exec_stream": "POST", "files": "PUT,GET,HEAD",
+    "logs": "GET,HEAD",
     "images": "GET,HEAD", "pull": "POST", "branches": "POST", "fork": "POST",
     "openapi": "GET,HEAD", "readyz": "GET,HEAD",
 }
@@ -1712,8 +1714,8 @@ class FakeSmolvm:
             if not fpath:
                 return None, ()
             return "files", (name, urllib.parse.unquote(fpath))
-        simple = {"start": "start", "stop": "stop", "exec": "exec", "exec/stream": "exec_stream", "logs": "logs",
-                  "images": "images",
+        simple = {"start": "start", "stop": "stop", "exec": "exec", "exec/stream": "exec_stream",
+                  "logs": "logs", "images": "images",
                   "images/pull": "pull", "branches": "branches", "fork": "fork"}
         if tail in simple:
             return simple[tail], (name,)
@@ -1982,10 +1984,12 @@ class FakeSmolvm:
         if stream:
             # Per the documents (see the module docstring); background is not meaningful here.
             if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
-                return api_error(500, "INTERNAL_ERROR", "fake smolvm: no static busybox on this host")
-            events = stream_in_guest(root, req["command"], env, workdir, req.get("stdin"), req.get("timeoutSecs"),
-                                     user)
-            chunks = (sse_event(e, _dumps({"exitCode": v}) if e == "exit" else v) for e, v in events)
+                return api_error(500, "INTERNAL_ERROR",
+                                 "fake smolvm: no static busybox on this host")
+            events = stream_in_guest(root, req["command"], env, workdir, req.get("stdin"),
+                                     req.get("timeoutSecs"), user)
+            chunks = (sse_event(e, _dumps({"exitCode": v}) if e == "exit" else v)
+                      for e, v in events)
             return Response(200, ctype="text/event-stream", headers=[("cache-control", "no-cache")],
                             stream=chunks)
         return self._run_in_guest(root, req["command"], env, workdir, req.get("stdin"),
