@@ -1139,8 +1139,9 @@ class CloudRuleTests(FakeCloudCase):
             self.assertIsNone(self.cloud_requests("", "POST")[0][3].get("ttlSeconds"))  # a chosen name persists
             self.cloud.requests.clear()
             got = await self.ok(c, "get-machine", {"name": "persist-1"})
+            jobs = f"/v1/machines/{got['machine']['id']}/jobs"
             self.assertEqual([r[:2] for r in self.cloud.requests],  # the name, then its jobs
-                             [("GET", "/v1/machines"), ("GET", f"/v1/machines/{got['machine']['id']}/jobs")])
+                             [("GET", "/v1/machines"), ("GET", jobs)])
             by_id = await self.ok(c, "get-machine", {"name": got["machine"]["id"]})
             self.assertEqual(by_id["machine"]["name"], "persist-1")
             text = await self.refused(c, "get-machine", {"name": "ghost"})
