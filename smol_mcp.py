@@ -551,13 +551,8 @@ class JobPage:
     sizes: tuple[int, int]  # bytes of stdout and stderr written so far
 
 
-def local_exec_body(
-    argv: list[str],
-    timeout_secs: int,
-    workdir: str | None,
-    env: dict[str, str] | None,
-    stdin: str | None,
-) -> dict:
+def local_exec_body(argv: list[str], timeout_secs: int, workdir: str | None,
+                    env: dict[str, str] | None, stdin: str | None) -> dict:
     """The local exec body. autoStart false: a stopped machine is reported,
     so the tool can say it started it."""
     body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
@@ -1891,13 +1886,8 @@ class CloudFleet:
                             "the machine is created")
 
 
-def cloud_exec_body(
-    argv: list[str],
-    timeout_secs: int,
-    workdir: str | None,
-    env: dict[str, str] | None,
-    stdin: str | None,
-) -> dict:
+def cloud_exec_body(argv: list[str], timeout_secs: int, workdir: str | None,
+                    env: dict[str, str] | None, stdin: str | None) -> dict:
     body: dict[str, Any] = {
         "command": argv,
         "env": env or {},
@@ -3022,7 +3012,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "is started first.",
         _object({"name": ARG_NAME, "command": ARG_COMMAND,
                  "timeoutSecs": _integer("Seconds before the job is ended (default 3600, at "
-                                         "most 86400).", maximum=JOB_MAX_TIMEOUT_SECS),
+                                         "most 86400)."),
                  "workdir": ARG_WORKDIR, "env": ARG_ENV}, ("name", "command")),
         _out({"jobId": {"type": "string"}, "state": {"type": "string"},
               "timeoutSecs": {"type": "integer"}, "startedMachine": {"type": "boolean"}}),

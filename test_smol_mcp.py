@@ -1943,7 +1943,7 @@ class JobScenarios(LongWorkScenarios):
             text = await self.refused(
                 c, "start-job", {"name": name, "command": "true", "timeoutSecs": 86401}
             )
-            self.assertIn("86400", text)
+            self.assertIn("above the job ceiling of 86400 s (24 hours)", text)
             text = await self.refused(c, "read-job", {"name": name, "jobId": "../../etc"})
             self.assertIn('"jobId"', text)
             text = await self.refused(c, "read-job", {"name": name, "jobId": "job-000000000000"})
