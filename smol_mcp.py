@@ -2862,9 +2862,8 @@ async def tool_read_job(call: Call, args: dict) -> dict:
         ("stdout", "stderr"), (page.stdout, page.stderr), offsets, page.sizes
     ):
         if page.state == "running" or start + len(data) < size:
-            data = data[
-                : utf8_prefix_end(data, len(data))
-            ]  # the rest of a character comes with the next page
+            # the rest of a character comes with the next page
+            data = data[:utf8_prefix_end(data, len(data))]
         shaped[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
     shaped["nextOffset"] = next_offset

@@ -1885,10 +1885,11 @@ class JobScenarios(LongWorkScenarios):
     machine_name = "jobs"
 
     JOB = (
-        "i=0; while [ $i -lt 60 ]; do echo out-line-$i-abcdefghijklmnopqrstuvwxyz; "
+        "i=0; while [ $i -lt 60 ]; do echo out-line-$i-ééééééééééééééé; "
         "echo err-$i >&2; i=$((i+1)); [ $((i % 20)) = 0 ] && sleep 1; done; exit 7"
     )
-    EXPECTED_OUT = "".join(f"out-line-{i}-abcdefghijklmnopqrstuvwxyz\n" for i in range(60))
+    # two-byte characters throughout, so a page boundary falls inside one
+    EXPECTED_OUT = "".join(f"out-line-{i}-ééééééééééééééé\n" for i in range(60))
     EXPECTED_ERR = "".join(f"err-{i}\n" for i in range(60))
 
     async def read_whole(self, c, name: str, job_id: str) -> tuple[str, str, dict, int]:
@@ -1917,6 +1918,12 @@ class JobScenarios(LongWorkScenarios):
         async with self.client("auto") as c:
             listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
             self.assertIn(started["jobId"], [job["jobId"] for job in listed])
+            for _ in range(120):  # it ran on without any client; read it whole once it is done
+                listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
+                if listed[-1]["state"] != "running":
+                    break
+                await asyncio.sleep(0.5)
+            self.assertEqual(listed[-1], {"jobId": started["jobId"], "state": "exited", "exitCode": 7})
             out, err, last, pages = await self.read_whole(c, name, started["jobId"])
         self.assertEqual((out, err), (self.EXPECTED_OUT, self.EXPECTED_ERR))
         self.assertGreater(pages, 2, "the budget must have split the output into pages")
