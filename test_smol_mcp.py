@@ -1886,11 +1886,12 @@ class JobScenarios(LongWorkScenarios):
 
     JOB = (
         "i=0; while [ $i -lt 60 ]; do echo out-line-$i-ééééééééééééééé; "
-        "echo err-$i >&2; i=$((i+1)); [ $((i % 20)) = 0 ] && sleep 1; done; exit 7"
+        "echo err-$i-abcdefghijklmnopqrstuvwxyz >&2; i=$((i+1)); [ $((i % 20)) = 0 ] && sleep 1; "
+        "done; exit 7"
     )
     # two-byte characters throughout, so a page boundary falls inside one
     EXPECTED_OUT = "".join(f"out-line-{i}-ééééééééééééééé\n" for i in range(60))
-    EXPECTED_ERR = "".join(f"err-{i}\n" for i in range(60))
+    EXPECTED_ERR = "".join(f"err-{i}-abcdefghijklmnopqrstuvwxyz\n" for i in range(60))
 
     async def read_whole(self, c, name: str, job_id: str) -> tuple[str, str, dict, int]:
         out, err, offset, pages = "", "", {"stdout": 0, "stderr": 0}, 0
