@@ -9,8 +9,9 @@
 """smol-mcp: an MCP server that gives an AI agent microVMs to work in.
 
 The agent creates a machine from an OCI image, runs commands in it, reads and
-writes its files, branches it, follows its log and deletes it, through thirteen
-MCP tools. Every command a tool runs executes inside a guest; the only host
+writes its files, branches it, follows its log and deletes it, through sixteen
+MCP tools (long commands show their output as they run, or run as jobs). Every
+command a tool runs executes inside a guest; the only host
 process this server ever spawns is ``smolvm serve``, and only when a local tool
 is first called.
 
@@ -58,7 +59,7 @@ import urllib.parse
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 __version__ = "0.1.0"
 
@@ -489,6 +490,144 @@ class FilePage:
     offset: int
 
 
+# Jobs on the local fleet, which has no job API: a job is a process this server
+# starts in the guest through exec, detached from the exec (its own session, HUP
+# ignored), with everything about it in files under JOB_DIR/<jobId>: pid,
+# stdout, stderr, exit (its exit code, written when it ends), timedout,
+# cancelled. So a job outlives the tool call, the client and this server, and
+# ends with its machine. A job whose process is gone without an exit file (the
+# machine stopped under it) reads "lost".
+JOB_DIR = "/var/tmp/smol-mcp/jobs"
+JOB_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
+# $1 job directory, $2 timeout in seconds, then the argv. Runs detached; writes pid, exit.
+JOB_WAITER_SCRIPT = r"""d=$1; t=$2; shift 2
+trap '' HUP
+if command -v setsid >/dev/null 2>&1; then setsid "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
+else "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
+fi
+c=$!
+echo "$c" >"$d/pid.part" && mv -f "$d/pid.part" "$d/pid"
+( n=0
+  while [ "$n" -lt "$t" ]; do sleep 1; [ -e "$d/exit" ] && exit 0; n=$((n + 1)); done
+  : >"$d/timedout"; kill -TERM -"$c" 2>/dev/null || kill -TERM "$c"
+  sleep 5; kill -KILL -"$c" 2>/dev/null || kill -KILL "$c" ) </dev/null >/dev/null 2>&1 &
+wait "$c"; echo "$?" >"$d/exit.part"; mv -f "$d/exit.part" "$d/exit"
+"""
+# $1 the waiter script, $2 job directory, $3 timeout, then the argv; prints the pid.
+JOB_START_SCRIPT = r"""w=$1; d=$2; shift 2
+[ -e "$d" ] && { echo "a job with this id already exists in the machine" >&2; exit 98; }
+mkdir -p "$d" || exit 97
+date +%s >"$d/started"
+if command -v setsid >/dev/null 2>&1; then s=setsid; else s=; fi
+$s sh -c "$w" sh "$d" "$@" </dev/null >/dev/null 2>&1 &
+n=0; while [ ! -s "$d/pid" ] && [ "$n" -lt 100 ]; do sleep 0.1; n=$((n + 1)); done
+[ -s "$d/pid" ] || { echo "the job's process did not start" >&2; exit 96; }
+cat "$d/pid"
+"""
+# The state of the job in directory $1: "running -", "exited CODE" or "lost -".
+JOB_STATE_FUNCTION = r"""st() {
+  [ -s "$1/exit" ] && { echo "exited $(cat "$1/exit")"; return; }
+  [ -s "$1/pid" ] && kill -0 "$(cat "$1/pid")" 2>/dev/null && { echo "running -"; return; }
+  sleep 1; [ -s "$1/exit" ] && { echo "exited $(cat "$1/exit")"; return; }
+  echo "lost -"
+}
+"""
+# $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints
+# "state code stdoutSize stderrSize n m", a newline, then n bytes of stdout and
+# m of stderr from the offsets; the budget is shared, neither side starves.
+JOB_READ_SCRIPT = JOB_STATE_FUNCTION + r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
+s=$(st "$1")
+so=0; [ -f "$1/stdout" ] && so=$(wc -c <"$1/stdout")
+se=0; [ -f "$1/stderr" ] && se=$(wc -c <"$1/stderr")
+ao=$((so - $2)); [ "$ao" -lt 0 ] && ao=0
+ae=$((se - $3)); [ "$ae" -lt 0 ] && ae=0
+h=$(($4 / 2)); r=$(($4 - ae)); [ "$r" -lt "$h" ] && r=$h
+n=$ao; [ "$n" -gt "$r" ] && n=$r
+m=$ae; [ "$m" -gt $(($4 - n)) ] && m=$(($4 - n))
+echo "$s $so $se $n $m"
+[ "$n" -gt 0 ] && tail -c +$(($2 + 1)) "$1/stdout" | head -c "$n"
+[ "$m" -gt 0 ] && tail -c +$(($3 + 1)) "$1/stderr" | head -c "$m"
+exit 0
+"""
+# $1 job directory. Ends the job's process group (TERM, then KILL after 5 s); idempotent.
+JOB_CANCEL_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
+[ -e "$1/exit" ] && exit 0
+p=$(cat "$1/pid")
+kill -0 "$p" 2>/dev/null || exit 0
+: >"$1/cancelled"
+kill -TERM -"$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null
+n=0; while [ ! -e "$1/exit" ] && [ "$n" -lt 50 ]; do sleep 0.1; n=$((n + 1)); done
+[ -e "$1/exit" ] || kill -KILL -"$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null
+n=0; while [ ! -e "$1/exit" ] && [ "$n" -lt 30 ]; do sleep 0.1; n=$((n + 1)); done
+exit 0
+"""
+# $1 the jobs directory: one "jobId state code" line per job, oldest first.
+JOB_LIST_SCRIPT = JOB_STATE_FUNCTION + r"""[ -d "$1" ] || exit 0
+for d in $(ls -tr "$1"); do [ -s "$1/$d/pid" ] && echo "$d $(st "$1/$d")"; done
+exit 0
+"""
+
+
+@dataclass
+class JobPage:
+    """One read of a job: its state and a page of each output stream."""
+
+    state: str  # running, exited or lost
+    exit_code: int | None
+    stdout: bytes
+    stderr: bytes
+    sizes: tuple[int, int]  # bytes of stdout and stderr written so far
+
+
+def local_exec_body(argv: list[str], timeout_secs: int, workdir: str | None,
+                    env: dict[str, str] | None, stdin: str | None) -> dict:
+    """The local exec body. autoStart false: a stopped machine is reported,
+    so the tool can say it started it."""
+    body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
+    if workdir:
+        body["workdir"] = workdir
+    if env:
+        body["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    if stdin is not None:
+        body["stdin"] = stdin
+    return body
+
+
+def helper_output(name: str, action: str, result: ExecResult) -> bytes:
+    """The stdout of one of this server's guest scripts, or the reason it failed."""
+    if result.exit_code == 0:
+        return bytes(result.stdout)
+    why = bytes(result.stderr).decode("utf-8", "replace").strip() or f"exit code {result.exit_code}"
+    if "no such job" in why:
+        raise SmolError(
+            f"machine '{name}' has no such job (while trying to {action}); get-machine lists "
+            "its jobs"
+        )
+    raise SmolError(
+        f"could not {action} in machine '{name}': {why}. The job tools need a POSIX shell "
+        "(sh) with kill, tail, head and wc in the image."
+    )
+
+
+def local_job_page(name: str, job_id: str, data: bytes, offsets: tuple[int, int]) -> JobPage:
+    header, _, rest = data.partition(b"\n")
+    try:
+        state, code, out_size, err_size, n, m = header.decode().split()
+        n, m = int(n), int(m)
+    except ValueError:
+        raise SmolError(
+            f"the guest of machine '{name}' answered a read of job {job_id} in a form this "
+            f"server could not read ({header[:200]!r})"
+        ) from None
+    return JobPage(
+        state=state,
+        exit_code=int(code) if code.lstrip("-").isdigit() else None,
+        stdout=rest[:n],
+        stderr=rest[n : n + m],
+        sizes=(int(out_size), int(err_size)),
+    )
+
+
 class LocalFleet:
     """The machines of ``smolvm serve`` on this host.
 
@@ -799,13 +938,7 @@ class LocalFleet:
              env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
         """Run a command in a running machine; NotRunning if it is not running.
         (The engine would boot it itself, but then nobody could report that it did.)"""
-        body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
-        if workdir:
-            body["workdir"] = workdir
-        if env:
-            body["env"] = [{"name": k, "value": v} for k, v in env.items()]
-        if stdin is not None:
-            body["stdin"] = stdin
+        body = local_exec_body(argv, timeout_secs, workdir, env, stdin)
         started = time.monotonic()
         try:
             # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
@@ -820,6 +953,131 @@ class LocalFleet:
                             f"not read ({err})") from None
         return ExecResult(exit_code=int(data["exitCode"]), stdout=data["stdoutB64"], stderr=data["stderrB64"],
                           seconds=time.monotonic() - started)
+
+    def exec_stream(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        on_output: Callable[[str, str], None],
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult:
+        """``exec`` through the stream route: each piece of output goes to
+        ``on_output`` as the guest prints it; the result is the same."""
+        self.ensure_serve()
+        action = f"run a command in machine '{name}'"
+        body = json.dumps(local_exec_body(argv, timeout_secs, workdir, env, stdin)).encode()
+        # Its own connection: the stream holds it until the end.
+        conn = self._connection(timeout=timeout_secs + 30)
+        started = time.monotonic()
+        try:
+            try:
+                conn.request(
+                    "POST",
+                    f"/api/v1/machines/{_q(name)}/exec/stream",
+                    body=body,
+                    headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+                )
+                response = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                raise serve_dropped(action, exc) from None
+            if response.status >= 400:
+                err = api_error(
+                    "local",
+                    action,
+                    response.status,
+                    response.getheader("Content-Type", ""),
+                    response.read(),
+                )
+                if err.status == 409 and "not running" in err.api_message:
+                    raise NotRunning(f"machine '{name}' is not running")
+                raise err
+            pieces = iter(lambda: response.read1(1 << 16), b"")
+            return collect_exec_stream(
+                sse_events(pieces), name, on_output, started, (OSError, http.client.HTTPException)
+            )
+        finally:
+            conn.close()
+
+    def exec_helper(
+        self, name: str, action: str, script: str, *args: str, timeout_secs: int = 60
+    ) -> bytes:
+        """Run a helper script of this server in the guest (sh -c) and return
+        its stdout; a non-zero exit is an error carrying its stderr."""
+        try:
+            result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=timeout_secs)
+        except NotRunning:
+            raise SmolError(
+                f"machine '{name}' is not running, and its jobs ended when it stopped; "
+                "start-machine, then read-job, shows what they wrote"
+            ) from None
+        return helper_output(name, action, result)
+
+    # -- jobs: processes this server starts in the guest -------------------
+
+    def start_job(
+        self,
+        name: str,
+        job_id: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict:
+        result = self.exec(
+            name,
+            [
+                "sh",
+                "-c",
+                JOB_START_SCRIPT,
+                "sh",
+                JOB_WAITER_SCRIPT,
+                f"{JOB_DIR}/{job_id}",
+                str(timeout_secs),
+                *argv,
+            ],
+            timeout_secs=60,
+            workdir=workdir,
+            env=env,
+        )
+        helper_output(name, f"start job {job_id}", result)
+        return {"jobId": job_id, "state": "running"}
+
+    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> "JobPage":
+        data = self.exec_helper(
+            name,
+            f"read job {job_id}",
+            JOB_READ_SCRIPT,
+            f"{JOB_DIR}/{job_id}",
+            str(offsets[0]),
+            str(offsets[1]),
+            str(limit),
+        )
+        return local_job_page(name, job_id, data, offsets)
+
+    def cancel_job(self, name: str, job_id: str) -> None:
+        self.exec_helper(name, f"cancel job {job_id}", JOB_CANCEL_SCRIPT, f"{JOB_DIR}/{job_id}")
+
+    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
+        text = self.exec_helper(name, "list jobs", JOB_LIST_SCRIPT, JOB_DIR).decode(
+            "utf-8", "replace"
+        )
+        jobs = []
+        for line in text.splitlines():
+            job_id, state, code = (line.split() + ["", "", ""])[:3]
+            if job_id:
+                jobs.append(
+                    {
+                        "jobId": job_id,
+                        "state": state,
+                        "exitCode": int(code) if code.isdigit() else None,
+                    }
+                )
+        return jobs
 
     def probe_ready(self, name: str) -> str | None:
         """None once a command runs in the guest; while it is still coming up,
@@ -961,6 +1219,7 @@ LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
     ("POST", "/api/v1/machines/{name}/start"): None,
     ("POST", "/api/v1/machines/{name}/stop"): None,
     ("POST", "/api/v1/machines/{id}/exec"): None,
+    ("POST", "/api/v1/machines/{id}/exec/stream"): None,  # live output, given a progress token
     ("GET", "/api/v1/machines/{id}/files/{path}"): None,
     ("PUT", "/api/v1/machines/{id}/files/{path}"): None,
     ("GET", "/api/v1/machines/{id}/logs"): None,
@@ -969,7 +1228,6 @@ LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
     ("POST", "/api/v1/machines/{name}/egress"): None,
     ("GET", "/api/v1/machines/{name}/egress-events"): None,
     ("GET", "/capacity"): "host scheduling numbers; no tool reports capacity",
-    ("POST", "/api/v1/machines/{id}/exec/stream"): "results are returned whole, with the output budget",
     ("GET", "/api/v1/machines/{id}/images"): "no tool lists a machine's images",
     ("POST", "/api/v1/machines/{id}/run"): "running another image on an overlay is not in the tool vocabulary",
     ("POST", "/api/v1/machines/{name}/fork"): "the legacy name of branches",
@@ -1047,6 +1305,89 @@ def parse_sse_lines(data: bytes) -> list[str]:
         if raw.startswith("data:"):
             lines.append(raw[5:].removeprefix(" "))
     return lines
+
+
+def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
+    """(event, data) pairs of a server-sent-event stream read in pieces. A
+    line ends at CR, LF or CRLF, data lines of one event join with LF, as the
+    SSE standard says, so a multi-line chunk of output arrives whole."""
+    pending, event, data, last_cr = b"", "message", [], False
+    for chunk in chunks:
+        if last_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]  # the LF of a CRLF split across two pieces
+        last_cr = chunk.endswith(b"\r")
+        pending += chunk
+        *lines, pending = re.split(rb"\r\n|\r|\n", pending)
+        for raw in lines:
+            line = raw.decode("utf-8", "replace")
+            if not line:
+                if data:
+                    yield event, "\n".join(data)
+                event, data = "message", []
+            elif not line.startswith(":"):
+                key, _, value = line.partition(":")
+                value = value.removeprefix(" ")
+                if key == "event":
+                    event = value
+                elif key == "data":
+                    data.append(value)
+    if data:
+        yield event, "\n".join(data)
+
+
+class StreamBroke(SmolError):
+    """An exec stream ended before its exit event."""
+
+
+def collect_exec_stream(
+    events: Iterable[tuple[str, str]],
+    name: str,
+    on_output: Callable[[str, str], None],
+    started: float,
+    broken: tuple[type[BaseException], ...],
+) -> ExecResult:
+    """Gather an exec stream into the result a plain exec would give, passing
+    each piece of output to ``on_output`` as it arrives. A stream that ends
+    without its exit event, or whose connection fails (``broken``), is a
+    broken stream, never a short success."""
+    out = {"stdout": bytearray(), "stderr": bytearray()}
+    try:
+        for event, data in events:
+            if event in out:
+                out[event] += data.encode("utf-8")
+                on_output(event, data)
+            elif event == "error":
+                raise SmolError(
+                    f"the command in machine '{name}' failed while its output streamed: {data}"
+                )
+            elif event == "exit":
+                try:
+                    code = int(json.loads(data)["exitCode"])
+                except (ValueError, KeyError, TypeError):
+                    raise SmolError(
+                        f"the output stream of machine '{name}' ended with an exit event this "
+                        f"server could not read ({data[:200]!r})"
+                    ) from None
+                return ExecResult(
+                    exit_code=code,
+                    stdout=bytes(out["stdout"]),
+                    stderr=bytes(out["stderr"]),
+                    seconds=time.monotonic() - started,
+                )
+    except broken as exc:
+        raise stream_broke(
+            name, len(out["stdout"]) + len(out["stderr"]), type(exc).__name__
+        ) from None
+    raise stream_broke(name, len(out["stdout"]) + len(out["stderr"]), "it ended")
+
+
+def stream_broke(name: str, got: int, how: str) -> StreamBroke:
+    return StreamBroke(
+        f"the output stream of the command in machine '{name}' broke after {got} bytes "
+        f"({how}) before its exit code arrived, so the command's result is unknown (it "
+        "may still be running). Check the machine with get-machine, and run the command "
+        "again, or as a job (start-job) if it needs longer."
+    )
 
 
 def free_loopback_port() -> int:
@@ -1247,6 +1588,7 @@ def _last_line(text: str) -> str:
 # ---------------------------------------------------------------------------
 
 CLOUD_TIMEOUT_SECS = 30
+CLOUD_LONG_TIMEOUT_SECS = 1800  # the official client's wait for a job start (and other long calls)
 LOG_WINDOW_LINES = 10000  # the most log lines one cloud read asks for
 CLOUD_RETRY_STATUSES = (408, 429, 502, 503, 504)
 CLOUD_BLOCKED = {"mode": "blocked"}
@@ -1401,9 +1743,7 @@ class CloudFleet:
 
     def _exec(self, machine_id: str, name: str, argv: list[str], timeout_secs: int, workdir: str | None = None,
               env: dict[str, str] | None = None, stdin: str | None = None) -> tuple[dict, float]:
-        body: dict[str, Any] = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
-        if stdin is not None:
-            body["stdin"] = stdin
+        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
         started = time.monotonic()
         answer = self.request(f"run a command in machine '{name}'", "POST", f"/v1/machines/{machine_id}/exec",
                               body, timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30))
@@ -1421,6 +1761,73 @@ class CloudFleet:
                     if answer.get(f"{stream}Truncated") and not answer.get(f"{stream}B64"))
         return ExecResult(exit_code=int(answer["exitCode"]), stdout=exec_stream(answer, "stdout"),
                           stderr=exec_stream(answer, "stderr"), seconds=seconds, cut_by_service=cut)
+
+    def exec_stream(self, name: str, argv: list[str], *, timeout_secs: int,
+                    on_output: Callable[[str, str], None], workdir: str | None = None,
+                    env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
+        """``exec`` through the SSE route. Never retried: the command may have run."""
+        import httpx2
+        record = self._find(name)
+        if record.get("state") not in RUNNING_STATES:
+            raise NotRunning(f"machine '{name}' is not running")
+        action = f"run a command in machine '{name}'"
+        started = time.monotonic()
+        try:
+            with self._client.stream(
+                    "POST", f"/v1/machines/{record['id']}/exec/stream",
+                    json=cloud_exec_body(argv, timeout_secs, workdir, env, stdin),
+                    headers={"Accept": "text/event-stream"},
+                    timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise cloud_error(action, response, self.config.secret_values())
+                return collect_exec_stream(sse_events(response.iter_bytes()), name, on_output,
+                                           started, (httpx2.TransportError,))
+        except httpx2.TransportError as exc:  # before the answer began
+            raise SmolError(f"could not reach the cloud API at {self.config.cloud_url} to "
+                            f"{action}: {type(exc).__name__}") from None
+
+    # -- jobs: the service's detached jobs ---------------------------------
+
+    def _jobs_path(self, name: str) -> str:
+        return f"/v1/machines/{self._find(name)['id']}/jobs"
+
+    def start_job(self, name: str, job_id: str, argv: list[str], *, timeout_secs: int,
+                  workdir: str | None = None, env: dict[str, str] | None = None) -> dict:
+        """The service names the job itself; ``job_id`` is the local fleet's."""
+        body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
+        job = self.request(f"start a job in machine '{name}'", "POST", self._jobs_path(name), body,
+                           timeout=CLOUD_LONG_TIMEOUT_SECS)
+        return {"jobId": job["id"], "state": job.get("state", "running")}
+
+    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
+        path = f"{self._jobs_path(name)}/{_q(job_id)}"
+        job = self.request(f"read job {job_id} of machine '{name}'", "GET", path)
+        sizes = (int(job.get("stdoutBytes") or 0), int(job.get("stderrBytes") or 0))
+        share = budget_split(max(0, sizes[0] - offsets[0]), max(0, sizes[1] - offsets[1]), limit)
+        pages = []
+        for stream, offset, count in zip(("stdout", "stderr"), offsets, share):
+            if count <= 0:
+                pages.append(b"")
+                continue
+            query = {"stream": stream, "offset": str(offset), "limit": str(count)}
+            page = self.request(f"read the {stream} of job {job_id}", "GET", f"{path}/output",
+                                params=query)
+            answer = {"x": page.get("data"), "xB64": page.get("dataB64")}
+            pages.append(exec_stream(answer, "x")[:count])
+        return JobPage(state=job.get("state", "lost"), exit_code=job.get("exitCode"),
+                       stdout=pages[0], stderr=pages[1], sizes=sizes)
+
+    def cancel_job(self, name: str, job_id: str) -> None:
+        self.request(f"cancel job {job_id} of machine '{name}'", "POST",
+                     f"{self._jobs_path(name)}/{_q(job_id)}/cancel")
+
+    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
+        """The machine's jobs; with its ``machine_id`` (mach-...), no list call to find it."""
+        path = f"/v1/machines/{machine_id}/jobs" if machine_id else self._jobs_path(name)
+        answer = self.request(f"list the jobs of machine '{name}'", "GET", path)
+        return [{"jobId": job.get("id"), "state": job.get("state"), "exitCode": job.get("exitCode")}
+                for job in reversed(answer.get("jobs", []))]  # the service lists newest first
 
     def probe_ready(self, name: str) -> str | None:
         """None once a command runs in the guest. The service's own `ready`
@@ -1537,6 +1944,26 @@ class CloudFleet:
     def pull_image(self, name: str, image: str) -> dict:
         raise ArgumentError("pull-image is local only: the cloud control plane pulls a machine's image itself when "
                             "the machine is created")
+
+
+def cloud_exec_body(argv: list[str], timeout_secs: int, workdir: str | None,
+                    env: dict[str, str] | None, stdin: str | None) -> dict:
+    body: dict[str, Any] = {
+        "command": argv,
+        "env": env or {},
+        "cwd": workdir,
+        "timeoutSeconds": timeout_secs,
+    }
+    if stdin is not None:
+        body["stdin"] = stdin
+    return body
+
+
+def budget_split(out_left: int, err_left: int, limit: int) -> tuple[int, int]:
+    """How many bytes of stdout and of stderr one job read returns: together at
+    most ``limit``, and neither starves while the other has plenty."""
+    out = min(out_left, max(limit // 2, limit - err_left))
+    return out, min(err_left, limit - out)
 
 
 def cloud_file_path(path: str) -> str:
@@ -1821,7 +2248,7 @@ def _check(schema: dict, value: Any, where: str) -> None:
 # ---------------------------------------------------------------------------
 # 8. Tools
 #
-# Thirteen tools with the names, arguments and result shapes of the TypeScript
+# Sixteen tools with the names, arguments and result shapes of the TypeScript
 # smol-mcp. Each handler gets a Call (its fleet, its session, a way to run a
 # blocking API call in a worker thread, a progress reporter) and the validated
 # arguments, and returns the structured result. A SmolError becomes a tool
@@ -1865,6 +2292,11 @@ ARG_WORKDIR = _string("Working directory inside the machine (an absolute path)."
 ARG_STDIN = _string("Text piped to the command's standard input.")
 ARG_PATH = _string("An absolute path of a file inside the machine.", pattern=FILE_PATH_PATTERN)
 ARG_ENCODING = _string("utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"])
+ARG_JOB_ID = _string("The job's id, as start-job returned it (get-machine lists a machine's "
+                     "jobs).", pattern=JOB_ID_PATTERN)
+ARG_JOB_OFFSET = {**_object({"stdout": _integer("Bytes of stdout already read.", minimum=0),
+                             "stderr": _integer("Bytes of stderr already read.", minimum=0)}),
+                  "description": "Where to continue: the nextOffset of the previous read-job."}
 ARG_WAIT = {"type": "boolean", "description": "Wait until a command has run in the guest before answering (default true)."}
 
 OUT_MACHINE = {
@@ -1929,6 +2361,9 @@ OUT_DENIALS = {
         },
     },
 }
+OUT_JOB_STATE = {"jobId": {"type": "string"}, "state": {"type": "string"},
+                 "exitCode": {"type": ["integer", "null"]}}
+OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
 OUT_EXEC_PROPERTIES = {
     "stdout": {"type": "string"}, "stderr": {"type": "string"}, "exitCode": {"type": "integer"},
     "truncated": {"type": "boolean"}, "timedOut": {"type": "boolean"},
@@ -2010,6 +2445,10 @@ class Call:
         with anyio.CancelScope(shield=True):
             return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=self.app.thread_limiter())
 
+    def progress_token(self) -> Any:
+        """The client's progress token, or None when it asked for no progress."""
+        return None if self.ctx is None else (self.ctx.meta or {}).get("progress_token")
+
     async def progress(self, total: float | None, message: str) -> None:
         """A progress notification (a no-op unless the client asked for them).
         The value is the call's elapsed seconds, so it only ever increases."""
@@ -2018,7 +2457,7 @@ class Call:
         done = max(round(time.monotonic() - self.started, 3), self._last_progress + 0.001)
         self._last_progress = done
         try:
-            token = (self.ctx.meta or {}).get("progress_token")
+            token = self.progress_token()
             if self.ctx.request is not None and token is not None:
                 # Plain-JSON HTTP replies cannot carry notifications, so these ride
                 # the client's GET stream (handshake era), matched by their token.
@@ -2143,6 +2582,124 @@ async def ensure_running(call: Call, name: str) -> bool:
     return True
 
 
+async def on_running(
+    call: Call, name: str, function: Callable, *args: Any, **kwargs: Any
+) -> tuple[Any, bool]:
+    """Run ``function`` against a running machine, starting a stopped one
+    first (and leaving it running, the way the cloud API does it); the second
+    value says whether this call started it."""
+    try:
+        return await function(*args, **kwargs), False
+    except NotRunning:
+        await start_and_wait(call, name)
+        return await function(*args, **kwargs), True
+
+
+# Live output (section 14). With a progress token a command runs through the
+# engine's exec stream route, under a wrapper that writes its pid in the guest
+# (RUN_PID_DIR/<runId>) and then becomes the command (exec "$@"), so a
+# cancelled call can end it with a second exec (RUN_KILL_SCRIPT).
+RUN_PID_DIR = "/tmp/smol-mcp-run"
+RUN_WRAPPER = '{ mkdir -p "${1%/*}" && echo "$$" >"$1"; } 2>/dev/null; shift; exec "$@"'
+RUN_KILL_SCRIPT = r"""n=0; while [ ! -s "$1" ] && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
+[ -s "$1" ] || exit 0
+p=$(cat "$1"); rm -f "$1"
+kill -TERM -"$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null
+n=0; while kill -0 "$p" 2>/dev/null && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
+kill -KILL -"$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null
+exit 0
+"""
+LIVE_OUTPUT_INTERVAL_SECS = 0.3  # at most about three output lines a second reach the client
+LIVE_LINE_CHARS = 200  # a progress message carries at most this much of a line
+
+
+def live_line(stream: str, line: str) -> str:
+    line = line.strip()
+    if len(line) > LIVE_LINE_CHARS:
+        line = line[: LIVE_LINE_CHARS - 1] + "…"
+    return f"{stream}: {line}"
+
+
+async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any) -> ExecResult:
+    """Run a command; with a progress token, through the stream route, each
+    new output line sent as a progress message (the newest, a few a second).
+    The result is the same either way."""
+    if call.progress_token() is None:
+        return await call.api(
+            call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options
+        )
+    import anyio
+
+    pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
+    newest: list[Any] = [0, None]  # lines seen and the last one, written by the worker thread
+
+    def on_output(stream: str, data: str) -> None:
+        lines = [line for line in data.splitlines() if line.strip()]
+        if lines:
+            newest[1] = (stream, lines[-1])
+            newest[0] += 1
+
+    shown = [0]  # how many of them were considered for a message
+
+    async def show_newest() -> None:
+        shown[0] = newest[0]
+        await call.progress(None, live_line(*newest[1]))
+
+    async def reporter() -> None:
+        quiet_since = time.monotonic()
+        while True:
+            await anyio.sleep(LIVE_OUTPUT_INTERVAL_SECS)
+            if newest[0] > shown[0]:
+                quiet_since = time.monotonic()
+                await show_newest()
+            elif time.monotonic() - quiet_since >= PROGRESS_INTERVAL_SECS:
+                quiet_since = time.monotonic()
+                await call.progress(
+                    None,
+                    f"running the command in '{name}': "
+                    f"{int(time.monotonic() - call.started)} s so far",
+                )
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(reporter)
+            try:
+                value, failure = (
+                    await call.api(
+                        call.fleet.exec_stream,
+                        name,
+                        ["sh", "-c", RUN_WRAPPER, "sh", pid_file, *argv],
+                        on_output=on_output,
+                        **options,
+                    ),
+                    None,
+                )
+            except (
+                Exception
+            ) as err:  # carried out of the group, which would wrap it in an ExceptionGroup
+                value, failure = None, err
+            group.cancel_scope.cancel()
+    except anyio.get_cancelled_exc_class():
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
+            try:
+                await anyio.to_thread.run_sync(
+                    functools.partial(
+                        call.fleet.exec,
+                        name,
+                        ["sh", "-c", RUN_KILL_SCRIPT, "sh", pid_file],
+                        timeout_secs=30,
+                    )
+                )
+            except Exception as err:
+                log.warning("could not end the cancelled command in machine %s: %s", name, err)
+        raise
+    if failure is not None:
+        raise failure
+    if newest[0] > shown[0]:
+        await show_newest()  # the last line, even if it came between two ticks
+    return value
+
+
 async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, keep_overflow: bool) -> dict:
     """The run-command result: both streams within the budget, and a stream
     that did not fit written whole into the machine, its path in ``overflow``."""
@@ -2257,15 +2814,24 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
 
 async def tool_get_machine(call: Call, args: dict) -> dict:
     if not getattr(call.fleet, "amends_egress", False):
-        return {"machine": await call.api(call.fleet.get_machine, args["name"])}
-    record, egress = await call.api(call.fleet.egress_policy, args["name"])
-    try:
-        events = await call.api(call.fleet.egress_events, args["name"], EGRESS_RECENT)
-        egress["recentDenials"] = group_denials(events)
-    except SmolError as err:
-        egress["recentDenials"] = []
-        egress["recentDenialsError"] = str(err)
-    return {"machine": record, "egress": egress}
+        machine, egress = await call.api(call.fleet.get_machine, args["name"]), None
+    else:
+        machine, egress = await call.api(call.fleet.egress_policy, args["name"])
+        try:
+            events = await call.api(call.fleet.egress_events, args["name"], EGRESS_RECENT)
+            egress["recentDenials"] = group_denials(events)
+        except SmolError as err:
+            egress["recentDenials"] = []
+            egress["recentDenialsError"] = str(err)
+    jobs: list[dict] | None = []  # a machine that is not running runs no job
+    if machine["state"] in RUNNING_STATES:
+        try:
+            jobs = await call.api(call.fleet.list_jobs, args["name"], machine["id"])
+        except SmolError as err:
+            log.info("could not list the jobs of %s: %s", args["name"], err)
+            jobs = None  # unknown, which is not the same as none
+    shown = {"machine": machine, "jobs": jobs}
+    return shown if egress is None else {**shown, "egress": egress}
 
 
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
@@ -2327,14 +2893,9 @@ async def create_recorded(call: Call, name: str, create: Callable, *args: Any,
 async def tool_run_command(call: Call, args: dict) -> dict:
     name, argv, timeout = args["name"], command_argv(args["command"]), exec_timeout(call.config, args)
     options = dict(timeout_secs=timeout, workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
-    started_machine, since = False, now_utc()
-    try:
-        result = await call.api(call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options)
-    except NotRunning:
-        # A stopped machine is started (and left running), the way the cloud API does it.
-        await start_and_wait(call, name)
-        started_machine = True
-        result = await call.api(call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options)
+    since = now_utc()
+    result, started_machine = await on_running(call, name, run_in_machine, call, name, argv,
+                                               **options)
     shaped = await budget_exec(call, name, result, timeout, keep_overflow=True)
     shaped = await note_egress_denials(call, name, shaped, since)
     return {**shaped, "startedMachine": started_machine}
@@ -2352,9 +2913,9 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         except Exception as err:
             raise explain_start_failure(err, spec.network) from None
         since = now_utc()
-        result = await call.api(call.fleet.exec, name, command_argv(args["command"]), timeout_secs=timeout,
-                                workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"),
-                                waiting=f"running the command in '{name}'")
+        result = await run_in_machine(call, name, command_argv(args["command"]),
+                                      timeout_secs=timeout, workdir=args.get("workdir"),
+                                      env=args.get("env"), stdin=args.get("stdin"))
         shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
         shaped = await note_egress_denials(call, name, shaped, since)
         return {**shaped, "startedMachine": False, "name": name}
@@ -2711,6 +3272,61 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
         raise
     # The lists the engine answered are the truth (and what an activity log records as "after").
     return {"machine": record, "before": before, "after": applied, "changed": True}
+JOB_DEFAULT_TIMEOUT_SECS = 3600
+JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day at most
+
+
+async def tool_start_job(call: Call, args: dict) -> dict:
+    name, argv = args["name"], command_argv(args["command"])
+    timeout = args.get("timeoutSecs", JOB_DEFAULT_TIMEOUT_SECS)
+    if timeout > JOB_MAX_TIMEOUT_SECS:
+        raise ArgumentError(
+            f'"timeoutSecs" is {timeout}, above the job ceiling of {JOB_MAX_TIMEOUT_SECS} s '
+            "(24 hours); ask for less, or have the job check in and start a new one"
+        )
+    job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
+    job, started_machine = await on_running(
+        call,
+        name,
+        call.api,
+        call.fleet.start_job,
+        name,
+        job_id,
+        argv,
+        timeout_secs=timeout,
+        workdir=args.get("workdir"),
+        env=args.get("env"),
+    )
+    return {**job, "timeoutSecs": timeout, "startedMachine": started_machine}
+
+
+async def tool_read_job(call: Call, args: dict) -> dict:
+    name, job_id = args["name"], args["jobId"]
+    offset = args.get("offset", {})
+    offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
+    page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
+    shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    next_offset = {}
+    for stream, data, start, size in zip(
+        ("stdout", "stderr"), (page.stdout, page.stderr), offsets, page.sizes
+    ):
+        if page.state == "running" or start + len(data) < size:
+            # the rest of a character comes with the next page
+            data = data[:utf8_prefix_end(data, len(data))]
+        shaped[stream] = data.decode("utf-8", "replace")
+        next_offset[stream] = start + len(data)
+    shaped["nextOffset"] = next_offset
+    shaped["eof"] = page.state != "running" and all(
+        next_offset[s] >= size for s, size in zip(("stdout", "stderr"), page.sizes)
+    )
+    return shaped
+
+
+async def tool_cancel_job(call: Call, args: dict) -> dict:
+    name, job_id = args["name"], args["jobId"]
+    await call.api(call.fleet.cancel_job, name, job_id)
+    page = await call.api(call.fleet.read_job, name, job_id, (0, 0), 0)
+    return {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
 
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -2721,11 +3337,14 @@ TOOLS: tuple[ToolSpec, ...] = (
         read_only=True, idempotent=True),
     ToolSpec(
         "get-machine", "Get a machine",
-        "Show one machine: state, image, size, egress, ports, pid and whether it can be branched. Changes nothing.",
+        "Show one machine: state, image, size, egress, ports, pid and whether it can be "
+        "branched, and the jobs (start-job) of a running machine. Changes nothing.",
         # (on the local fleet the result also has the egress allow list and recent refusals)
         _object({"name": ARG_NAME}, ("name",)),
-        _out({"machine": OUT_MACHINE}, {"egress": {**OUT_EGRESS, "properties": {
-            **OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS}}}), tool_get_machine,
+        _out({"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
+             {"egress": {**OUT_EGRESS, "properties": {
+                 **OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS}}}),
+        tool_get_machine,
         read_only=True, idempotent=True),
     ToolSpec(
         "create-machine", "Create a machine",
@@ -2838,6 +3457,39 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Pull an OCI image into the named machine's image store (local fleet only; the machine is started to do it).",
         _object({"name": ARG_NAME, "image": ARG_IMAGE}, ("name", "image")),
         _out({"image": {"type": "object"}}), tool_pull_image, idempotent=True, open_world=True),
+    ToolSpec(
+        "start-job", "Start a background job in a machine",
+        "Start a command inside the named machine (never on this host) and return at once "
+        "with its jobId. Use it for work longer than a tool call should wait (builds, test "
+        "suites, servers): it keeps running after this call, the client and this server have "
+        "gone, until it exits, its timeout (default 1 hour, at most 24) or cancel-job ends it, "
+        "or the machine stops or is deleted. Read its output with read-job. A stopped machine "
+        "is started first.",
+        _object({"name": ARG_NAME, "command": ARG_COMMAND,
+                 "timeoutSecs": _integer("Seconds before the job is ended (default 3600, at "
+                                         "most 86400)."),
+                 "workdir": ARG_WORKDIR, "env": ARG_ENV}, ("name", "command")),
+        _out({"jobId": {"type": "string"}, "state": {"type": "string"},
+              "timeoutSecs": {"type": "integer"}, "startedMachine": {"type": "boolean"}}),
+        tool_start_job, destructive=True, open_world=True),
+    ToolSpec(
+        "read-job", "Read a job's output",
+        "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
+        "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
+        "the next page; eof says the job has ended and everything was read. Changes nothing.",
+        _object({"name": ARG_NAME, "jobId": ARG_JOB_ID, "offset": ARG_JOB_OFFSET},
+                ("name", "jobId")),
+        _out({**OUT_JOB_STATE, "stdout": {"type": "string"}, "stderr": {"type": "string"},
+              "nextOffset": {"type": "object", "properties": {"stdout": {"type": "integer"},
+                                                              "stderr": {"type": "integer"}}},
+              "eof": {"type": "boolean"}}),
+        tool_read_job, read_only=True),
+    ToolSpec(
+        "cancel-job", "Cancel a job",
+        "End a running job and what it started (TERM, then KILL after a few seconds). A job "
+        "that has already ended is left as it is, so repeating the call is harmless.",
+        _object({"name": ARG_NAME, "jobId": ARG_JOB_ID}, ("name", "jobId")),
+        _out(OUT_JOB_STATE), tool_cancel_job, destructive=True, idempotent=True),
     ToolSpec(
         "allow-egress", "Change a machine's egress allow list",
         "Let a local machine reach more hosts, host patterns or address ranges (or take entries "

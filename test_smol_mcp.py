@@ -539,7 +539,7 @@ class ToolListTests(FakeServeCase):
                 self.assertEqual(sorted(tools), sorted([
                     "list-machines", "get-machine", "create-machine", "run-command", "run-once", "read-file",
                     "write-file", "start-machine", "branch-machine", "stop-machine", "delete-machine", "machine-logs",
-                    "pull-image", "allow-egress"]))
+                    "pull-image", "start-job", "read-job", "cancel-job", "allow-egress"]))
                 for tool in tools.values():
                     self.assertFalse(tool.input_schema.get("additionalProperties", True), tool.name)
                     self.assertNotIn("target", tool.input_schema["properties"], tool.name)
@@ -558,6 +558,12 @@ class ToolListTests(FakeServeCase):
                 self.assertEqual(
                     (egress.read_only_hint, egress.destructive_hint, egress.idempotent_hint),
                     (False, True, False))
+                self.assertTrue(tools["read-job"].annotations.read_only_hint)
+                self.assertFalse(tools["start-job"].annotations.read_only_hint)
+                # each start-job call starts another job
+                self.assertFalse(tools["start-job"].annotations.idempotent_hint)
+                self.assertTrue(tools["cancel-job"].annotations.destructive_hint)
+                self.assertTrue(tools["cancel-job"].annotations.idempotent_hint)
                 self.assertIn("network", c.instructions)
                 self.assertIn('network: "open"', c.instructions)
 
@@ -1160,7 +1166,9 @@ class CloudRuleTests(FakeCloudCase):
             self.assertIsNone(self.cloud_requests("", "POST")[0][3].get("ttlSeconds"))  # a chosen name persists
             self.cloud.requests.clear()
             got = await self.ok(c, "get-machine", {"name": "persist-1"})
-            self.assertEqual([r[:2] for r in self.cloud.requests], [("GET", "/v1/machines")])
+            jobs = f"/v1/machines/{got['machine']['id']}/jobs"
+            self.assertEqual([r[:2] for r in self.cloud.requests],  # the name, then its jobs
+                             [("GET", "/v1/machines"), ("GET", jobs)])
             by_id = await self.ok(c, "get-machine", {"name": got["machine"]["id"]})
             self.assertEqual(by_id["machine"]["name"], "persist-1")
             text = await self.refused(c, "get-machine", {"name": "ghost"})
@@ -2028,6 +2036,398 @@ class HttpProcessTests(unittest.TestCase):
 
 
 # ---------------------------------------------------------------------------
+# Long work: live output and jobs (section 14)
+# ---------------------------------------------------------------------------
+
+
+def processes_running(marker: str) -> list[int]:
+    """Host pids whose command line contains ``marker`` (a fake guest's processes are host
+    processes)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if marker.encode() in cmdline and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+async def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s: {what}")
+        await asyncio.sleep(0.1)
+
+
+async def ignore_progress(progress, total, message) -> None:
+    """A progress callback: its presence makes the client send a progress token."""
+
+
+PRINTS_SLOWLY = "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; echo warned >&2; exit 3"
+
+
+class LongWorkScenarios:
+    machine_name = "live"
+
+    async def machine(self, c) -> str:
+        """A running machine to work in, on the class's fleet."""
+        await self.ok(
+            c, "create-machine", {"name": self.machine_name, "image": "alpine", "network": "open"}
+        )
+        return self.machine_name
+
+
+class LiveOutputScenarios(LongWorkScenarios):
+    """Run against either fleet; ``stream_calls`` counts the stream requests."""
+
+    async def test_progress_carries_output_lines_in_order_and_the_result_is_unchanged(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            seen = []
+
+            async def on_progress(progress, total, message):
+                seen.append(message)
+
+            answer = await c.call_tool(
+                "run-command",
+                {"name": name, "command": PRINTS_SLOWLY},
+                progress_callback=on_progress,
+            )
+            streamed = result_of(answer)[1]
+            # A notification sent before the result may still be on its way to the callback.
+            for _ in range(50):
+                if seen and seen[-1] == "stderr: warned":
+                    break
+                await asyncio.sleep(0.1)
+            self.assertEqual(self.stream_calls(), 1)
+            plain = await self.ok(c, "run-command", {"name": name, "command": PRINTS_SLOWLY})
+            self.assertEqual(self.stream_calls(), 1, "without a progress token nothing streams")
+        self.assertEqual(streamed, plain)
+        self.assertEqual(
+            (streamed["stdout"], streamed["stderr"], streamed["exitCode"]),
+            ("".join(f"step {i}\n" for i in range(1, 7)), "warned\n", 3),
+        )
+        steps = [int(m.rsplit(" ", 1)[1]) for m in seen if m.startswith("stdout: step ")]
+        self.assertGreaterEqual(
+            len(steps), 3, seen
+        )  # lines arrive while the command runs, not at its end
+        self.assertEqual(steps, sorted(set(steps)), "newest line first, in order, never repeated")
+        self.assertEqual(seen[-1], "stderr: warned")  # the last line is always shown
+
+    async def test_the_budget_and_overflow_are_the_same_streamed(self):
+        command = (
+            "i=0; while [ $i -lt 400 ]; do echo line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; "
+            "i=$((i+1)); done"
+        )
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+
+            streamed = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {"name": name, "command": command},
+                    progress_callback=ignore_progress,
+                )
+            )[1]
+            plain = await self.ok(c, "run-command", {"name": name, "command": command})
+            saved = await self.ok(
+                c, "read-file", {"name": name, "path": streamed["overflow"][0], "length": 1024}
+            )
+        self.assertTrue(streamed["truncated"])
+        self.assertEqual(
+            {**streamed, "overflow": [], "stdout": ""}, {**plain, "overflow": [], "stdout": ""}
+        )
+        self.assertEqual(streamed["stdout"].split("[...")[0], plain["stdout"].split("[...")[0])
+        self.assertEqual(saved["size"], 400 * 38 + sum(len(str(i)) for i in range(400)))
+
+    async def test_a_timed_out_streamed_command_says_so(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+
+            result = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {"name": name, "command": "echo a; sleep 30", "timeoutSecs": 2},
+                    progress_callback=ignore_progress,
+                )
+            )[1]
+        self.assertEqual(
+            (result["exitCode"], result["timedOut"], result["stdout"]), (124, True, "a\n")
+        )
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
+    config_overrides = {"max_output_bytes": 1024}
+
+    def stream_calls(self) -> int:
+        return len(self.requests_to("/exec/stream"))
+
+    async def test_a_cancelled_streamed_command_leaves_no_process_in_the_guest(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            seen = []
+
+            async def on_progress(progress, total, message):
+                seen.append(message)
+
+            with anyio.move_on_after(3):
+                await c.call_tool(
+                    "run-command",
+                    {"name": "live", "command": "echo started; sleep 3171; echo never"},
+                    progress_callback=on_progress,
+                )
+            self.assertIn("stdout: started", seen)
+            await wait_for(
+                lambda: not processes_running("sleep 3171"), 20, "the cancelled command is gone"
+            )
+            kills = [
+                r for r in self.requests_to("/exec") if smol_mcp.RUN_KILL_SCRIPT in r[2]["command"]
+            ]
+            self.assertEqual(len(kills), 1)
+            # the machine is still there and usable
+            self.assertEqual(
+                (await self.ok(c, "run-command", {"name": "live", "command": "echo ok"}))["stdout"],
+                "ok\n",
+            )
+
+    async def test_a_broken_stream_is_reported_never_a_short_success(self):
+        from tests.fakes.fake_smolvm import Response, sse_event
+
+        def half_a_stream(*args):
+            return Response(
+                200, ctype="text/event-stream", stream=[sse_event("stdout", "half of it\n")]
+            )
+
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            self.fake._h_exec_stream = half_a_stream
+
+            text = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {"name": "live", "command": "echo all of it"},
+                    progress_callback=ignore_progress,
+                )
+            )[1]
+        self.assertIsInstance(text, str, "a broken stream must be a tool error")
+        self.assertIn("output stream of the command in machine 'live' broke after 11 bytes", text)
+        self.assertIn("result is unknown", text)
+
+    async def test_the_stream_route_refuses_as_exec_does(self):
+        fleet = self.app.local
+        with self.assertRaises(smol_mcp.ApiError) as caught:
+            await asyncio.to_thread(
+                fleet.exec_stream, "nobody", ["true"], timeout_secs=5, on_output=print
+            )
+        self.assertEqual((caught.exception.status, caught.exception.code), (404, "NOT_FOUND"))
+        with self.assertRaises(smol_mcp.ApiError) as caught:
+            await asyncio.to_thread(
+                fleet.request,
+                "stream",
+                "POST",
+                "/api/v1/machines/nobody/exec/stream",
+                {"command": ["true"], "timeout": 5},
+            )
+        self.assertEqual(caught.exception.status, 422)
+        self.assertIn("unknown field `timeout`", str(caught.exception))
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class CloudLiveOutputTests(LiveOutputScenarios, FakeCloudCase):
+    config_overrides = {"max_output_bytes": 1024}
+
+    def stream_calls(self) -> int:
+        return len(self.cloud_requests("/exec/stream"))
+
+    async def test_a_broken_stream_is_reported_never_a_short_success(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            self.cloud.break_streams = True
+
+            text = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {"name": "live", "command": PRINTS_SLOWLY},
+                    progress_callback=ignore_progress,
+                )
+            )[1]
+        self.assertIsInstance(text, str, "a broken stream must be a tool error")
+        self.assertIn("broke after 7 bytes", text)
+
+
+class JobScenarios(LongWorkScenarios):
+    """Jobs, the same vocabulary on either fleet."""
+
+    machine_name = "jobs"
+
+    JOB = (
+        "i=0; while [ $i -lt 60 ]; do echo out-line-$i-ééééééééééééééé; "
+        "echo err-$i-abcdefghijklmnopqrstuvwxyz >&2; i=$((i+1)); [ $((i % 20)) = 0 ] && sleep 1; "
+        "done; exit 7"
+    )
+    # two-byte characters throughout, so a page boundary falls inside one
+    EXPECTED_OUT = "".join(f"out-line-{i}-ééééééééééééééé\n" for i in range(60))
+    EXPECTED_ERR = "".join(f"err-{i}-abcdefghijklmnopqrstuvwxyz\n" for i in range(60))
+
+    async def read_whole(self, c, name: str, job_id: str) -> tuple[str, str, dict, int]:
+        out, err, offset, pages = "", "", {"stdout": 0, "stderr": 0}, 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            page = await self.ok(c, "read-job", {"name": name, "jobId": job_id, "offset": offset})
+            self.assertLessEqual(
+                len(page["stdout"].encode()) + len(page["stderr"].encode()),
+                self.config.max_output_bytes,
+            )
+            out, err, offset = out + page["stdout"], err + page["stderr"], page["nextOffset"]
+            pages += 1
+            if page["eof"]:
+                return out, err, page, pages
+            if not page["stdout"] and not page["stderr"]:
+                await asyncio.sleep(0.5)
+        self.fail("the job did not end")
+
+    async def test_a_job_outlives_the_client_and_the_server_and_reads_back_whole_in_pages(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            started = await self.ok(c, "start-job", {"name": name, "command": self.JOB})
+            self.assertEqual(started["state"], "running")
+        self.app = SmolMcp(self.config)  # a new server process, as far as state goes
+        async with self.client("auto") as c:
+            listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
+            self.assertIn(started["jobId"], [job["jobId"] for job in listed])
+            for _ in range(120):  # it ran on without any client; read it whole once it is done
+                listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
+                if listed[-1]["state"] != "running":
+                    break
+                await asyncio.sleep(0.5)
+            self.assertEqual(listed[-1], {"jobId": started["jobId"], "state": "exited", "exitCode": 7})
+            out, err, last, pages = await self.read_whole(c, name, started["jobId"])
+        self.assertEqual((out, err), (self.EXPECTED_OUT, self.EXPECTED_ERR))
+        self.assertGreater(pages, 2, "the budget must have split the output into pages")
+        self.assertEqual((last["state"], last["exitCode"]), ("exited", 7))
+
+    async def test_cancel_ends_the_job_and_is_idempotent(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            job = await self.ok(c, "start-job", {"name": name, "command": "echo begun; sleep 3172"})
+            await wait_for(lambda: processes_running("sleep 3172"), 20, "the job runs")
+            first = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
+            self.assertEqual((first["state"], first["exitCode"]), ("exited", 143))
+            await wait_for(
+                lambda: not processes_running("sleep 3172"), 20, "the cancelled job is gone"
+            )
+            again = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
+            self.assertEqual(again, first)
+            page = await self.ok(c, "read-job", {"name": name, "jobId": job["jobId"]})
+            self.assertEqual((page["stdout"], page["eof"]), ("begun\n", True))
+
+    async def test_refusals_name_the_limit_and_the_job(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            text = await self.refused(
+                c, "start-job", {"name": name, "command": "true", "timeoutSecs": 86401}
+            )
+            self.assertIn("above the job ceiling of 86400 s (24 hours)", text)
+            text = await self.refused(c, "read-job", {"name": name, "jobId": "../../etc"})
+            self.assertIn('"jobId"', text)
+            text = await self.refused(c, "read-job", {"name": name, "jobId": "job-000000000000"})
+            self.assertIn(self.no_such_job, text)
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class LocalJobTests(JobScenarios, FakeServeCase):
+    config_overrides = {"max_output_bytes": 1024}
+    no_such_job = (
+        "machine 'jobs' has no such job (while trying to read job job-000000000000); "
+        "get-machine lists"
+    )
+
+    async def test_a_job_ends_at_its_timeout_and_with_its_machine(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            job = await self.ok(
+                c, "start-job", {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2}
+            )
+            await wait_for(
+                lambda: not processes_running("sleep 3174"), 30, "the job's timeout ended it"
+            )
+            page = await self.ok(c, "read-job", {"name": "jobs", "jobId": job["jobId"]})
+            self.assertEqual((page["state"], page["exitCode"]), ("exited", 143))
+            await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3175"})
+            await wait_for(lambda: processes_running("sleep 3175"), 20, "the job runs")
+            await self.ok(c, "delete-machine", {"name": "jobs"})
+            await wait_for(
+                lambda: not processes_running("sleep 3175"),
+                20,
+                "deleting the machine ended its job",
+            )
+
+    async def test_an_ephemeral_machine_is_still_deleted_with_its_session_and_its_jobs_end(self):
+        async with self.client("legacy") as c:
+            created = await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
+            await self.ok(
+                c, "start-job", {"name": created["machine"]["name"], "command": "sleep 3176"}
+            )
+            await wait_for(lambda: processes_running("sleep 3176"), 20, "the job runs")
+        self.assertEqual(self.fake.machines, {})
+        await wait_for(
+            lambda: not processes_running("sleep 3176"), 20, "the job ended with its machine"
+        )
+
+    async def test_a_stopped_machine_lists_no_jobs_and_a_lost_job_reads_lost(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            job = await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3177"})
+            await self.ok(c, "stop-machine", {"name": "jobs"})
+            self.assertEqual((await self.ok(c, "get-machine", {"name": "jobs"}))["jobs"], [])
+            await self.ok(c, "start-machine", {"name": "jobs"})
+            page = await self.ok(c, "read-job", {"name": "jobs", "jobId": job["jobId"]})
+            self.assertEqual((page["state"], page["exitCode"], page["eof"]), ("lost", None, True))
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class CloudJobTests(JobScenarios, FakeCloudCase):
+    config_overrides = {"max_output_bytes": 1024}
+    no_such_job = "job job-000000000000 not found"
+
+    async def test_the_jobs_routes_are_the_ones_used(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            job = await self.ok(
+                c,
+                "start-job",
+                {
+                    "name": "jobs",
+                    "command": ["sh", "-c", "echo hi"],
+                    "timeoutSecs": 5000,
+                    "workdir": "/tmp",
+                    "env": {"A": "1"},
+                },
+            )
+        posted = self.cloud_requests("/jobs")
+        self.assertEqual(
+            posted[-1][3],
+            {
+                "command": ["sh", "-c", "echo hi"],
+                "env": {"A": "1"},
+                "cwd": "/tmp",
+                "timeoutSeconds": 5000,
+            },
+        )
+        self.assertTrue(job["jobId"].startswith("job_"))
+        commands = [r[3]["command"] for r in self.cloud_requests("/exec")]
+        self.assertEqual(
+            set(map(tuple, commands)), {("true",)}, "only readiness probes: a job is not an exec"
+        )
+
+
+# ---------------------------------------------------------------------------
 # The helper commands: doctor, setup, parity
 # ---------------------------------------------------------------------------
 
@@ -2050,7 +2450,7 @@ class HelperCommandTests(unittest.TestCase):
         spec = json.loads((HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json").read_text())
         report = smol_mcp.parity_report(spec)
         self.assertEqual((len(report["called"]), report["unknown"], report["missing"]),
-                         (15, [], []))
+                         (16, [], []))
         self.assertTrue(all(reason for _, reason in report["skipped"]))
         trimmed = {**spec, "paths": {k: v for k, v in spec["paths"].items() if k != "/api/v1/machines/{name}/branches"}}
         trimmed["paths"]["/api/v1/machines/{name}/teleport"] = {"post": {}}
@@ -2062,7 +2462,7 @@ class HelperCommandTests(unittest.TestCase):
     def test_parity_command_against_a_started_serve(self):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn("15 called, 38 skipped, 0 unknown, 0 missing", out.stdout)
+        self.assertIn("16 called, 37 skipped, 0 unknown, 0 missing", out.stdout)
         self.assertIn("skipped  POST   /api/v1/machines/{name}/export: needs a pushToken", out.stdout)
 
     def test_doctor_says_what_to_do_and_exits_non_zero_when_a_fleet_is_unusable(self):
@@ -2357,6 +2757,26 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
     def params(self) -> StdioServerParameters:
         return StdioServerParameters(command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=self.env)
 
+    async def test_live_output_reaches_a_stdio_client_in_both_eras(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                seen = []
+
+                async def on_progress(progress, total, message):
+                    seen.append(message)
+
+                async with Client(self.params(), mode=mode) as c:
+                    created = result_of(await c.call_tool("create-machine", {"image": "alpine",
+                                                                             "network": "open"}))[1]
+                    answer = await c.call_tool("run-command", {"name": created["machine"]["name"],
+                                                               "command": PRINTS_SLOWLY},
+                                               progress_callback=on_progress)
+                    self.assertEqual(result_of(answer)[1]["stdout"],
+                                     "".join(f"step {i}\n" for i in range(1, 7)))
+                steps = [m for m in seen if m.startswith("stdout: step ")]
+                self.assertGreaterEqual(len(steps), 3, seen)
+                self.assertEqual(seen[-1], "stderr: warned")
+
     async def test_sdk_client_over_stdio_in_both_eras_and_eof_cleans_up(self):
         for mode in MODES:
             with self.subTest(mode=mode):
@@ -2520,7 +2940,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
                                                               "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt-parity",
                                                               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}, timeout=120)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        self.assertIn("15 called, 38 skipped, 0 unknown, 0 missing", out.stdout)
+        self.assertIn("16 called, 37 skipped, 0 unknown, 0 missing", out.stdout)
 
     async def test_create_get_list_delete_a_record(self):
         async with Client(self.app.server, mode="legacy") as self.c:
@@ -2615,6 +3035,21 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(real[3][:2], (422, "text/plain; charset=utf-8"))
         self.assertEqual(real[5][:2], (404, "application/json"))
         self.assertEqual(fake, real)
+    async def test_the_stream_route_refuses_a_missing_machine_and_an_unknown_field(self):
+        async with Client(self.app.server, mode="legacy") as self.c:
+            await self.call("list-machines", {})
+            fleet = self.app.local
+            with self.assertRaises(smol_mcp.ApiError) as caught:
+                await asyncio.to_thread(fleet.exec_stream, "itest-nobody", ["true"], timeout_secs=5,
+                                        on_output=print)
+            self.assertEqual((caught.exception.status, caught.exception.code), (404, "NOT_FOUND"))
+            self.assertIn("machine 'itest-nobody' not found", str(caught.exception))
+            with self.assertRaises(smol_mcp.ApiError) as caught:
+                await asyncio.to_thread(fleet.request, "stream", "POST",
+                                        "/api/v1/machines/itest-nobody/exec/stream",
+                                        {"command": ["true"], "timeout": 5})
+            self.assertEqual(caught.exception.status, 422)
+            self.assertIn("unknown field `timeout`", str(caught.exception))
 
     async def test_a_start_that_cannot_boot_is_a_clear_error_and_leaves_nothing(self):
         async with Client(self.app.server, mode="legacy") as self.c:
@@ -2759,7 +3194,7 @@ def _walk(value):
 # ---------------------------------------------------------------------------
 
 SANDBOX = "sandbox.read,sandbox.manage,sandbox.exec"
-READ_TOOLS = ["list-machines", "get-machine", "machine-logs"]
+READ_TOOLS = ["list-machines", "get-machine", "machine-logs", "read-job"]
 
 
 class AccessPiecesTests(unittest.TestCase):
@@ -2975,7 +3410,8 @@ class AgentAccessHttpTests(HttpCase):
         expected = {
             "look": READ_TOOLS,
             "a": [t.name for t in smol_mcp.TOOLS],
-            "runner": ["run-command", "run-once", "read-file", "write-file"],
+            "runner": ["run-command", "run-once", "read-file", "write-file", "start-job",
+                       "cancel-job"],
         }
         for mode in MODES:
             for name, tools in expected.items():
@@ -3273,15 +3709,8 @@ class StdioScopesTests(FakeServeCase):
         async with Client(params, mode="auto") as c:
             self.assertEqual(
                 [t.name for t in (await c.list_tools()).tools],
-                [
-                    "list-machines",
-                    "get-machine",
-                    "run-command",
-                    "run-once",
-                    "read-file",
-                    "write-file",
-                    "machine-logs",
-                ],
+                [t.name for t in smol_mcp.TOOLS
+                 if smol_mcp.TOOL_LEVELS[t.name] in ("read", "exec")],
             )
             text = await self.refused(c, "delete-machine", {"name": "x"})
             self.assertTrue(text.startswith("scope_missing: delete-machine"), text)

@@ -35,6 +35,7 @@ import random
 import shutil
 import signal
 import socketserver
+import subprocess
 import sys
 import tempfile
 import threading
@@ -78,6 +79,7 @@ NETWORK_FIELDS = ["mode", "cidrs", "hosts"]
 PORT_FIELDS = ["port", "protocol"]
 CACHE_DISK_FIELDS = ["cache", "version", "mountPath", "slot"]
 EXEC_FIELDS = ["command", "env", "cwd", "timeoutSeconds", "user", "background", "stdin"]
+JOB_FIELDS = ["command", "env", "cwd", "timeoutSeconds", "user"]  # [reference: "Detached jobs"]
 BRANCH_FIELDS = ["name", "ports", "branchable", "forkable", "freezeSource"]
 BRANCH_PORT_FIELDS = ["port", "hostPort", "protocol"]
 
@@ -133,14 +135,15 @@ def _hex(n: int) -> str:
 
 
 class Resp:
-    __slots__ = ("status", "body", "ctype", "headers", "close")
+    __slots__ = ("status", "body", "ctype", "headers", "close", "stream")
 
-    def __init__(self, status, body=b"", ctype=None, headers=None, close=False):
+    def __init__(self, status, body=b"", ctype=None, headers=None, close=False, stream=None):
         self.status = status
         self.body = body
         self.ctype = ctype
         self.headers = list(headers or [])
-        self.close = close
+        self.close = close or stream is not None  # a stream ends with the connection
+        self.stream = stream  # an iterable of byte pieces, written as they come
 
 
 def json_resp(status, obj):
@@ -329,7 +332,12 @@ class FakeCloud:
     `.guest_root(id)`, `.append_log(id, line)`, `.usage(id)` (the usage report
     as `GET .../usage` answers it, also for a deleted machine), and
     `.set_port_listening(id, port, listening=True)` (something now listens on
-    a published port, so `ready` and `url` can flip).
+    a published port, so `ready` and `url` can flip), and `.break_streams`
+    (True: an exec stream ends after its first event, without `exit`).
+
+    `exec/stream` and the detached jobs routes follow the reference document
+    (smol-cloud-api.md, "exec/stream" and "Detached jobs") rather than an
+    observation.
     """
 
     def __init__(self, *, token="smk_test_token", blocked_spelling="accepted", files_route=True,
@@ -352,6 +360,7 @@ class FakeCloud:
         self.ready_delay = float(ready_delay)
         self.boot = boot
         self.exec_b64 = bool(exec_b64)
+        self.break_streams = False  # True: an exec stream ends after one event, without `exit`
         self.requests = []
         self.url = None
         self._machines = {}  # id -> record (insertion order = creation order)
@@ -477,7 +486,8 @@ class FakeCloud:
         h.send_response(resp.status)
         if resp.ctype:
             h.send_header("content-type", resp.ctype)
-        h.send_header("content-length", str(len(resp.body)))
+        if resp.stream is None:
+            h.send_header("content-length", str(len(resp.body)))
         # [sdk] the SDK quotes `x-request-id` in every error; its format is an
         # [assumption].
         h.send_header("x-request-id", "req_" + _hex(24))
@@ -491,6 +501,9 @@ class FakeCloud:
         if method != "HEAD" and resp.body:
             h.wfile.write(resp.body)
         h.wfile.flush()
+        for piece in resp.stream or ():
+            h.wfile.write(piece)
+            h.wfile.flush()
 
     def _rate_remaining(self):
         now = time.monotonic()
@@ -562,10 +575,19 @@ class FakeCloud:
             "stop": ("POST", lambda: self._h_stop(mid)),
             "usage": ("GET,HEAD", lambda: self._h_usage(mid)),
             "exec": ("POST", lambda: self._h_exec(mid, q, headers, body)),
+            "exec/stream": ("POST", lambda: self._h_exec(mid, q, headers, body, stream=True)),
+            "jobs": ("GET,HEAD,POST", lambda: self._h_jobs(method, mid, headers, body)),
             "logs": ("GET,HEAD", lambda: self._h_logs(mid, q)),
             "branches": ("POST", lambda: self._h_branch("branches", mid, headers, body)),
             "fork": ("POST", lambda: self._h_branch("fork", mid, headers, body)),
         }
+        job_id, job_sub = "", ""
+        if sub.startswith("jobs/"):
+            job_id, _, job_sub = sub[len("jobs/"):].partition("/")
+        if job_id and job_sub in ("", "output", "cancel"):
+            allowed = "POST" if job_sub == "cancel" else "GET,HEAD"
+            self._allow(method, allowed)
+            return self._h_job(mid, urllib.parse.unquote(job_id), job_sub, q)
         if sub not in routes or (sub == "branches" and self.branch_route == "fork"):
             raise self._no_route()
         allowed, fn = routes[sub]
@@ -648,7 +670,9 @@ class FakeCloud:
                 self._delete(m, now)
                 continue
             stop_after = m["autoStopSeconds"]
-            if (stop_after is not None and m["state"] == "running"
+            # [reference] no auto-stop while a job runs
+            running_job = any(j["state"] == "running" for j in m["_jobs"])
+            if (stop_after is not None and m["state"] == "running" and not running_job
                     and now - m["_lastActivity"] >= stop_after):
                 self._stop(m, now)
                 m["_console"].append("control-plane: idle for %ss, stopping" % stop_after)
@@ -735,8 +759,9 @@ class FakeCloud:
         if root:
             shutil.rmtree(root, ignore_errors=True)
 
-    @staticmethod
-    def _kill_background(m):
+    def _kill_background(self, m):
+        for job in m.get("_jobs", []):
+            self._end_job(job, "lost")
         for p in m.get("_bg", []):
             try:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -964,7 +989,8 @@ class FakeCloud:
                 "createdAt": _rfc3339(now),
                 "_created": now, "_startedAt": 0.0, "_bootDoneAt": 0.0, "_runSince": None,
                 "_uptime": 0.0, "_lastActivity": now, "_everStarted": False, "_bootForkable": False,
-                "_listening": set(), "_console": [], "_bg": [], "_node": "node-" + _hex(6),
+                "_listening": set(), "_console": [], "_bg": [], "_jobs": [],
+                "_node": "node-" + _hex(6),
                 "_deletedAt": None,
             }
             self._machines[mid] = m
@@ -1034,25 +1060,44 @@ class FakeCloud:
         if delay > 0:
             time.sleep(delay)  # exec waits for the agent itself [public docs]
 
-    def _h_exec(self, mid, q, headers, body):
-        output = q.get("output", ["both"])[-1]
-        if output not in ("text", "b64", "both"):
-            raise Bad(400, f"unknown output `{output}`, expected `text`, `b64` or `both`")  # [assumption]
-        req = self._json_body(headers, body)
-        _check_fields(req, EXEC_FIELDS)  # strict [assumption]; `workdir` is not an exec field [sdk]
+    @staticmethod
+    def _command(req):
+        """(argv, via_shell) of an exec or job body's `command`."""
         if "command" not in req:
             raise Bad(400, "missing field `command`")
         cmd = req["command"]
         if isinstance(cmd, str):
             if not cmd.strip():
                 raise Bad(400, "command must not be empty")
-            argv, via_shell = ["sh", "-c", cmd], True  # [public docs] a shell string
-        elif isinstance(cmd, list):
-            argv, via_shell = _want_str_list(cmd, "command"), False  # [sdk] argv
+            return ["sh", "-c", cmd], True  # [public docs] a shell string
+        if isinstance(cmd, list):
+            argv = _want_str_list(cmd, "command")  # [sdk] argv
             if not argv:
                 raise Bad(400, "command must not be empty")  # [assumption]
-        else:
-            raise _type_error("command", cmd, "an argv array or a string")
+            return argv, False
+        raise _type_error("command", cmd, "an argv array or a string")
+
+    def _guest_for(self, mid, cwd, env_req):
+        """Start the machine if needed and wait for its agent; returns
+        (machine, guest root, environment, working directory)."""
+        with self._lock:
+            m = self._get(mid)
+            boot_done = self._ensure_running(m)
+            root = self._root(mid)
+            env = {"PATH": PATH_ENV, "HOME": "/root"}
+            env.update(m["env"])
+            workdir = cwd or m["workdir"] or "/"
+        env.update(env_req)
+        self._wait_agent(boot_done)
+        return m, root, env, workdir
+
+    def _h_exec(self, mid, q, headers, body, stream=False):
+        output = q.get("output", ["both"])[-1]
+        if output not in ("text", "b64", "both"):
+            raise Bad(400, f"unknown output `{output}`, expected `text`, `b64` or `both`")  # [assumption]
+        req = self._json_body(headers, body)
+        _check_fields(req, EXEC_FIELDS)  # strict [assumption]; `workdir` is not an exec field [sdk]
+        argv, via_shell = self._command(req)
         env_req = _want_str_map(req.get("env"), "env", nullable=True) or {}
         cwd = _want_str(req.get("cwd"), "cwd", nullable=True)
         timeout = _want_int(req.get("timeoutSeconds"), "timeoutSeconds", nullable=True)
@@ -1063,21 +1108,15 @@ class FakeCloud:
             raise Bad(400, "user must not be empty")
         background = bool(_want_bool(req.get("background"), "background", nullable=True))
         stdin = _want_str(req.get("stdin"), "stdin", nullable=True)
-        with self._lock:
-            m = self._get(mid)
-            boot_done = self._ensure_running(m)
-            root = self._root(mid)
-            env = {"PATH": PATH_ENV, "HOME": "/root"}
-            env.update(m["env"])
-            workdir = cwd or m["workdir"] or "/"
-        env.update(env_req)
-        self._wait_agent(boot_done)
+        m, root, env, workdir = self._guest_for(mid, cwd, env_req)
         out_extra = {"user": user} if user is not None else {}  # [sdk] the echo it checks
         if not via_shell and not self._exe_exists(root, argv[0], env.get("PATH", PATH_ENV), workdir):
             # [public docs] a missing interpreter is 200 with exitCode 255;
             # the stderr text is an [assumption].
             err = f"failed to exec `{argv[0]}`: No such file or directory (os error 2)\n".encode()
             return json_resp(200, self._exec_result(255, b"", err, output, out_extra))
+        if stream:
+            return self._exec_stream(m, root, argv, env, workdir, stdin, timeout, user)
         try:
             r = _guest.run_in_guest(root, argv, env, workdir, stdin if not background else None,
                                     None if background else timeout, user, background)
@@ -1092,6 +1131,132 @@ class FakeCloud:
             return json_resp(200, self._exec_result(0, f"pid={r.pid}\n".encode(), b"", output, out_extra))
         # [public docs] non-zero exit and timeout (124) are 200 results.
         return json_resp(200, self._exec_result(r.exit_code, r.stdout, r.stderr, output, out_extra))
+
+    def _exec_stream(self, m, root, argv, env, workdir, stdin, timeout, user):
+        """[reference: exec/stream] the exec body, answered as SSE `stdout`,
+        `stderr`, `error` (message in data) and `exit` ({"exitCode":N}). How
+        output is cut into events is an [assumption] (one event per piece the
+        command writes, multi-line text as several data lines).
+        break_streams: True ends the stream after its first output event,
+        without `exit`, as a dropped connection would."""
+        def pieces():
+            try:
+                events = _guest.stream_in_guest(root, argv, env, workdir, stdin, timeout, user)
+                for event, value in events:
+                    if event == "exit":
+                        value = json.dumps({"exitCode": value})
+                    yield _guest.sse_event(event, value)
+                    if self.break_streams:
+                        return
+            except _guest.GuestUnavailable as e:
+                yield _guest.sse_event("error", str(e))
+            with self._lock:
+                m["_lastActivity"] = time.time()
+        return Resp(200, ctype="text/event-stream", headers=[("cache-control", "no-cache")],
+                    stream=pieces())
+
+    # ---- detached jobs [reference: "Detached jobs"]
+    def _h_jobs(self, method, mid, headers, body):
+        with self._lock:
+            m = self._get(mid)
+            if method != "POST":
+                # [reference] newest first, up to 100
+                newest = [self._job_public(j) for j in reversed(m["_jobs"][-100:])]
+                return json_resp(200, {"jobs": newest})
+        req = self._json_body(headers, body)
+        _check_fields(req, JOB_FIELDS)  # strict, as exec [assumption]
+        argv, _ = self._command(req)
+        env_req = _want_str_map(req.get("env"), "env", nullable=True) or {}
+        cwd = _want_str(req.get("cwd"), "cwd", nullable=True)
+        timeout = _want_int(req.get("timeoutSeconds"), "timeoutSeconds", nullable=True)
+        user = _want_str(req.get("user"), "user", nullable=True)
+        m, root, env, workdir = self._guest_for(mid, cwd, env_req)
+        job = {"id": "job_" + _hex(16), "machineId": mid, "command": req["command"],
+               "state": "running",
+               "createdAt": _rfc3339(time.time()), "exitCode": None, "finishedAt": None}
+        job["_dir"] = os.path.join(self._tmp, "jobs", job["id"])
+        os.makedirs(job["_dir"])
+        try:
+            command = _guest.guest_command(root, argv, workdir, user)
+        except _guest.GuestUnavailable as e:
+            raise Bad(500, str(e))
+        with open(os.path.join(job["_dir"], "stdout"), "wb") as out, \
+                open(os.path.join(job["_dir"], "stderr"), "wb") as err:
+            job["_proc"] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                            stderr=err, start_new_session=True)
+        with self._lock:
+            m["_jobs"].append(job)
+        threading.Thread(target=self._job_waiter, args=(m, job, timeout), daemon=True).start()
+        return json_resp(200, self._job_public(job))
+
+    def _job_waiter(self, m, job, timeout):
+        proc = job["_proc"]
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._end_job(job, "exited")  # [reference] a timed-out job exits 143
+            return
+        with self._lock:
+            if job["state"] == "running":
+                job.update(state="exited", exitCode=128 - code if code < 0 else code,
+                           finishedAt=_rfc3339(time.time()))
+                m["_lastActivity"] = time.time()
+
+    def _end_job(self, job, state):
+        """End a running job: TERM to its process group, KILL after 2 s. A
+        cancelled or timed-out job reads exited 143 [reference]; one whose
+        machine stopped under it reads lost [assumption]."""
+        with self._lock:
+            if job["state"] != "running":
+                return
+            job.update(state=state, exitCode=143 if state == "exited" else None,
+                       finishedAt=_rfc3339(time.time()))
+        proc = job["_proc"]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=2)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+            except OSError:
+                return
+
+    def _job_public(self, job):
+        out = {k: v for k, v in job.items() if not k.startswith("_")}
+        for stream in ("stdout", "stderr"):
+            try:
+                out[f"{stream}Bytes"] = os.path.getsize(os.path.join(job["_dir"], stream))
+            except OSError:
+                out[f"{stream}Bytes"] = 0
+        return out
+
+    def _h_job(self, mid, job_id, sub, q):
+        with self._lock:
+            m = self._get(mid)
+            job = next((j for j in m["_jobs"] if j["id"] == job_id), None)
+            if job is None:
+                raise Bad(404, f"job {job_id} not found")  # wording [assumption]
+        if sub == "cancel":
+            self._end_job(job, "exited")  # idempotent [reference]
+            return json_resp(200, self._job_public(job))
+        if sub == "":
+            return json_resp(200, self._job_public(job))
+        stream = q.get("stream", ["stdout"])[-1]
+        if stream not in ("stdout", "stderr"):
+            # [assumption] the wording
+            raise Bad(400, f"unknown stream `{stream}`, expected `stdout` or `stderr`")
+        offset = _want_int(int(q.get("offset", ["0"])[-1] or 0), "offset")
+        limit = q.get("limit", [None])[-1]
+        with open(os.path.join(job["_dir"], stream), "rb") as f:
+            f.seek(offset)
+            data = f.read(int(limit) if limit else -1)
+            size = os.fstat(f.fileno()).st_size
+        next_offset = offset + len(data)
+        return json_resp(200, {"stream": stream, "offset": offset, "nextOffset": next_offset,
+                               "data": data.decode("utf-8", "replace"),
+                               "dataB64": base64.b64encode(data).decode(),
+                               "eof": job["state"] != "running" and next_offset >= size})
 
     @staticmethod
     def _exe_exists(root, argv0, path_env, workdir):
@@ -1243,7 +1408,7 @@ class FakeCloud:
                 "_created": now, "_startedAt": now, "_bootDoneAt": now, "_runSince": now,
                 "_uptime": 0.0, "_lastActivity": now, "_everStarted": True, "_bootForkable": child_forkable,
                 "_listening": set(), "_console": list(src["_console"]) + ["smolvm-agent: branched from " + mid],
-                "_bg": [], "_node": src["_node"], "_deletedAt": None,
+                "_bg": [], "_jobs": [], "_node": src["_node"], "_deletedAt": None,
             })
             for p in c["ports"]:
                 p["hostPort"] = self._alloc_host_port()
