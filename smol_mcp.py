@@ -1628,6 +1628,48 @@ def utf8_suffix_start(data: bytes, start: int) -> int:
     return start
 
 
+def json_chars(text: str) -> int:
+    """How many characters ``text`` takes inside the JSON a client hands the
+    model (quotes and escapes included; non-ASCII kept as it is)."""
+    return len(json.dumps(text, ensure_ascii=False))
+
+
+def reply_json(result: dict) -> str:
+    """The text content of a structured tool result: the same JSON, with
+    non-ASCII kept as characters (escaping it would cost six per character)."""
+    return json.dumps(result, indent=2, ensure_ascii=False)
+
+
+def stream_shares(escaped: tuple[int, int], limit: int) -> tuple[int, int]:
+    """Split the reply budget (``limit`` JSON characters for both streams
+    together) between stdout and stderr: a stream that needs less than half
+    leaves the rest to the other."""
+    if sum(escaped) <= limit:
+        return escaped
+    half = limit // 2
+    if escaped[0] <= half:
+        return escaped[0], limit - escaped[0]
+    if escaped[1] <= half:
+        return limit - escaped[1], escaped[1]
+    return half, limit - half
+
+
+def fit_stream(data: bytes, limit: int, chars: int, where: str) -> tuple[str, int]:
+    """head_and_tail with the largest byte budget <= ``limit`` whose text,
+    escaped as JSON, takes at most ``chars`` characters (escapes such as \\n
+    make text longer than its bytes, so the bytes alone do not bound it)."""
+    low, high = 0, min(limit, len(data))
+    best = head_and_tail(data, 0, where)
+    while low <= high:
+        middle = (low + high) // 2
+        shaped = head_and_tail(data, middle, where)
+        if json_chars(shaped[0]) <= chars:
+            best, low = shaped, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
 def head_and_tail(data: bytes, limit: int, where: str) -> tuple[str, int]:
     """The text to return for one stream and how many bytes were left out.
     ``where`` finishes the marker sentence (where the whole stream is)."""
@@ -1999,19 +2041,25 @@ async def ensure_running(call: Call, name: str) -> bool:
 
 async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, keep_overflow: bool) -> dict:
     """The run-command result: both streams within the budget, and a stream
-    that did not fit written whole into the machine, its path in ``overflow``."""
+    that did not fit written whole into the machine, its path in ``overflow``.
+    The budget is maxOutputBytes twice over: each stream keeps at most that
+    many bytes, and both together, as the JSON a client shows the model, at
+    most that many characters (65536 by default: about 22,000 tokens at three
+    characters a token, under the 25,000 Claude Code accepts)."""
     limit = call.config.max_output_bytes
+    shares = stream_shares((json_chars(result.stdout.decode("utf-8", "replace")) - 2,
+                            json_chars(result.stderr.decode("utf-8", "replace")) - 2), limit)
     shaped: dict[str, Any] = {"stdout": "", "stderr": "", "exitCode": result.exit_code, "truncated": False,
                               # 124 is what the guest reports for a command it killed at its timeout
                               "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1, "overflow": []}
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
-    for stream, data in (("stdout", result.stdout), ("stderr", result.stderr)):
+    for (stream, data), share in zip((("stdout", result.stdout), ("stderr", result.stderr)), shares):
         lost = ""
         if stream in result.cut_by_service:
             shaped["truncated"] = True
             lost = (f"\n[... smol-mcp: the cloud API cut {stream} here, at {len(data)} bytes; what followed was not "
                     "returned by the service and is lost ...]\n")
-        if len(data) <= limit:
+        if len(data) <= limit and json_chars(data.decode("utf-8", "replace")) - 2 <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
             continue
         shaped["truncated"] = True
@@ -2026,7 +2074,7 @@ async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, k
                 where = f"{kept} {len(data)} bytes of the stream are in the machine at {path} (read it with read-file)"
             except SmolError as err:
                 where = f"the whole stream could not be saved in the machine: {err}"
-        shaped[stream], _ = head_and_tail(data, limit, where)
+        shaped[stream], _ = fit_stream(data, limit, share, where)
         shaped[stream] += lost
     return shaped
 
@@ -2972,7 +3020,7 @@ class SmolMcp:
             log.exception("tool %s failed unexpectedly", name)
             return tool_error(redact(f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
                                      "smol-mcp; the server log has the details.", self.config.secret_values()))
-        return types.CallToolResult(content=[types.TextContent(type="text", text=json.dumps(result, indent=2))],
+        return types.CallToolResult(content=[types.TextContent(type="text", text=reply_json(result))],
                                     structured_content=result)
 
     async def sweep_once(self) -> None:

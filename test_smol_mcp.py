@@ -947,6 +947,50 @@ class WaitTests(FakeServeCase):
             await asyncio.sleep(0.05)
 
 
+class ReplySizeTests(FakeServeCase):
+    """SPEC 6 output budget, with default settings: a run-command whose two
+    streams both overflow still fits what a client hands the model. Claude
+    Code refuses results over 25,000 tokens and passes JSON.stringify of
+    structuredContent when present (other clients pass the text content), so
+    each of the two is measured, at 3 characters a token."""
+
+    LIMIT_CHARS = 25_000 * 3
+
+    async def test_both_streams_full_of_escapes_fit_under_25000_tokens(self):
+        self.assertEqual(self.config.max_output_bytes, Config().max_output_bytes)  # the default
+        # newlines, quotes, backslashes, tabs and control bytes: each is longer as JSON than as bytes
+        noisy = r"""i=0; while [ $i -lt 9000 ]; do printf 'a"\\\t\001\002\n'; i=$((i+1)); done"""
+        command = f"{noisy}; ({noisy}) >&2; printf '\\351\\237\\263%.0s' $(seq 30000) >&2"
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-big", "image": "alpine"})
+            answer = await c.call_tool("run-command", {"name": "mcp-big", "command": command})
+            self.assertFalse(answer.is_error, answer.content[0].text)
+            out = answer.structured_content
+            shown = (answer.content[0].text,
+                     json.dumps(out, ensure_ascii=False, separators=(",", ":")))  # as JSON.stringify writes it
+            for text in shown:
+                self.assertLess(len(text), self.LIMIT_CHARS, "the reply would be refused by Claude Code")
+            self.assertTrue(out["truncated"])
+            self.assertEqual(len(out["overflow"]), 2)
+            root = Path(self.fake.guest_root("mcp-big"))
+            whole_out = (root / out["overflow"][0].lstrip("/")).read_bytes()
+            whole_err = (root / out["overflow"][1].lstrip("/")).read_bytes()
+            self.assertEqual(len(whole_out), 9000 * 7)
+            self.assertEqual(len(whole_err), 9000 * 7 + 30000 * 3)
+            self.assertTrue(out["stdout"].startswith('a"\\\t\x01\x02\n'.encode().decode("unicode_escape")))
+            self.assertIn(out["overflow"][0], out["stdout"])
+            self.assertIn(out["overflow"][1], out["stderr"])
+
+    async def test_a_small_stream_leaves_its_share_to_the_other(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-one", "image": "alpine"})
+            out = await self.ok(c, "run-command", {"name": "mcp-one", "command": "seq 100000; echo tiny >&2"})
+            self.assertEqual(out["stderr"], "tiny\n")
+            self.assertGreater(len(out["stdout"]), 50_000)  # most of the budget, not half of it
+            self.assertLessEqual(len(json.dumps(out["stdout"])) + len(json.dumps(out["stderr"])),
+                                 Config().max_output_bytes + 4)
+
+
 class StartFailureTests(FakeServeCase):
     fake_options = {"registry": "offline"}
 
