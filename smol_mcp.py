@@ -1817,8 +1817,8 @@ ARG_NAME = _string("The machine's name (list-machines shows them).", minLength=1
 ARG_IMAGE = _string("An OCI image reference, such as alpine or python:3.12-alpine.", minLength=1)
 ARG_CPUS = _integer("Virtual CPUs (default from SMOL_MCP_CPUS).", maximum=255)
 ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128)
-ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image on the local fleet needs "
-                      "\"open\" for its first pull.", enum=["open", "blocked"])
+ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image does not need it: the "
+                      "local engine fetches images on the host.", enum=["open", "blocked"])
 ARG_ALLOW_HOSTS = {"type": "array", "items": _string("A host name.", minLength=1),
                    "description": "Allow egress only to these host names (and their subdomains)."}
 ARG_ALLOW_CIDRS = {"type": "array", "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
@@ -1909,13 +1909,25 @@ class Call:
             raise failure
         return value
 
-    async def create(self, function: Callable, *args: Any) -> Any:
+    async def create(self, function: Callable, *args: Any, waiting: str = "creating the machine") -> Any:
         """Run a call that creates a machine to completion, even if the tool
         call is cancelled meanwhile: abandoned, it could create a machine after
-        the cleanup had already run, and nobody would delete it."""
+        the cleanup had already run, and nobody would delete it. A progress
+        notification goes out at once and every few seconds until it returns."""
         import anyio
         with anyio.CancelScope(shield=True):
-            return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=self.app.thread_limiter())
+            async with anyio.create_task_group() as group:
+                async def heartbeat() -> None:
+                    while True:
+                        await self.progress(None, f"{waiting}: {int(time.monotonic() - self.started)} s so far")
+                        await anyio.sleep(PROGRESS_INTERVAL_SECS)
+
+                group.start_soon(heartbeat)
+                try:
+                    return await anyio.to_thread.run_sync(functools.partial(function, *args),
+                                                          limiter=self.app.thread_limiter())
+                finally:
+                    group.cancel_scope.cancel()
 
     async def progress(self, total: float | None, message: str) -> None:
         """A progress notification (a no-op unless the client asked for them).
@@ -1986,20 +1998,56 @@ def command_argv(command: str | list[str]) -> list[str]:
     return ["sh", "-c", command] if isinstance(command, str) else list(command)
 
 
-def explain_start_failure(err: Exception, network: str | None) -> Exception:
-    """Add the one sentence that says what to do about a failed start."""
+HOST_UNREACHABLE_WORDS = ("dns error", "error sending request", "Connect", "connection refused", "timed out",
+                          "certificate")
+
+
+def is_boot_failure(err: Exception) -> bool:
+    text = err.api_message if isinstance(err, ApiError) else ""
+    return "did not become ready" in text or "before the agent was ready" in text or "KvmOpen" in text
+
+
+def explain_start_failure(err: Exception, network: str | None, log_lines: list[str] | None = None) -> Exception:
+    """Add the one sentence that says what to do about a failed start.
+    ``log_lines``, when given, are the console lines of a machine that has
+    been deleted since (so pointing at machine-logs would lead nowhere)."""
     if not isinstance(err, ApiError):
         return err
     text = err.api_message
-    if network != "open" and ("registry" in text or "must be pulled" in text or "manifests" in text):
-        return err.with_hint('The image has to be pulled from a registry and this machine has no egress; pass '
-                             'network: "open" to create-machine (or run-once) to allow the pull')
-    if "did not become ready" in text or "before the agent was ready" in text or "KvmOpen" in text:
-        return err.with_hint("The microVM could not boot on this host; the smol://targets resource says whether a "
-                             "usable hypervisor is present, and the machine's log (machine-logs) may say more")
+    if network != "open" and "must be pulled" in text:
+        # an older engine (1.14 line) refuses a registry image without guest egress
+        return err.with_hint('This engine pulls a registry image through the machine\'s own network, which is '
+                             'blocked; pass network: "open" to create-machine (or run-once) to allow the pull')
+    if ("manifests" in text or "registry" in text) and any(word in text for word in HOST_UNREACHABLE_WORDS):
+        # 1.32.2 fetches the image on the host: the guest's egress plays no part
+        return err.with_hint("The host this server runs on could not reach the image registry (the engine fetches "
+                             "images on the host, not in the machine, so opening the machine's network would not "
+                             "help); the operator has to fix the host's DNS, proxy or network access, or give an "
+                             "image that is already on the host")
+    if is_boot_failure(err):
+        if log_lines is None:
+            return err.with_hint("The microVM could not boot on this host; the smol://targets resource says whether "
+                                 "a usable hypervisor is present, and the machine's log (machine-logs) may say more")
+        tail = "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
+        return err.with_hint("The microVM could not boot on this host, and the machine was deleted; the "
+                             "smol://targets resource says whether a usable hypervisor is present. The last lines "
+                             f"of its console log:\n{tail}")
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
         return err.with_hint("Another machine or process holds that host port; pick another in ports[].host")
     return err
+
+
+BOOT_LOG_LINES = 20
+
+
+async def last_log_lines(call: Call, name: str) -> list[str]:
+    """The console lines of a machine about to be deleted after a failed
+    start, for the error (empty when the log cannot be read)."""
+    try:
+        return (await call.api(call.fleet.console_lines, name))[-BOOT_LOG_LINES:]
+    except Exception as err:  # the error being reported matters more than its log
+        log.debug("could not read the log of %s: %s", name, err)
+        return []
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
@@ -2116,9 +2164,10 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     try:
         record = await start_and_wait(call, name, spec.branchable)
     except BaseException as err:
+        lines = await last_log_lines(call, name) if is_boot_failure(err) else None
         await call.delete_quietly(name)
         if isinstance(err, Exception):
-            raise explain_start_failure(err, spec.network) from None
+            raise explain_start_failure(err, spec.network, lines) from None
         raise
     return {"machine": record, "ephemeral": ephemeral, "ready": True}
 
@@ -2130,7 +2179,7 @@ async def create_recorded(call: Call, name: str, create: Callable, *args: Any) -
     was the one that recorded it."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
     try:
-        return await call.create(create, *args)
+        return await call.create(create, *args, waiting=f"creating '{name}'")
     except SmolError:
         if added:
             call.session.forget(call.fleet.name, name)
@@ -2162,7 +2211,8 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         try:
             await start_and_wait(call, name)
         except Exception as err:
-            raise explain_start_failure(err, spec.network) from None
+            lines = await last_log_lines(call, name) if is_boot_failure(err) else None
+            raise explain_start_failure(err, spec.network, lines) from None
         result = await call.api(call.fleet.exec, name, command_argv(args["command"]), timeout_secs=timeout,
                                 workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"),
                                 waiting=f"running the command in '{name}'")
@@ -2774,8 +2824,9 @@ def server_instructions(app: "SmolMcp") -> str:
     if app.mode == "both":
         lines.append("- Every tool needs target: \"local\" or \"cloud\"; there is no default.")
     if "local" in app.fleets:
-        lines.append("- Local: a registry image needs network: \"open\" for its first pull; mounts, overlayGb, cmd and "
-                     "pull-image are local only; branch-machine needs a Linux or macOS host.")
+        lines.append("- Local: the engine fetches a registry image on the host, so a pull needs no egress in the "
+                     "machine: do not open the network for it. mounts, overlayGb, cmd and pull-image are local only; "
+                     "branch-machine needs a Linux or macOS host.")
     if "cloud" in app.fleets:
         lines.append("- Cloud: a command, read or write in a stopped machine starts it (startedMachine: true) and "
                      "leaves it running; published ports need open egress; delete-machine returns the settled usage.")

@@ -947,6 +947,51 @@ class WaitTests(FakeServeCase):
             await asyncio.sleep(0.05)
 
 
+class AdviceTests(FakeServeCase):
+    """SPEC 4 and 6: advice to the model matches the engine (1.32.2 fetches
+    registry images on the host), and create reports progress at once."""
+
+    async def test_instructions_and_schema_do_not_send_agents_to_open_egress_for_a_pull(self):
+        async with self.client("legacy") as c:
+            tools = {tool.name: tool for tool in (await c.list_tools()).tools}
+        for said in (smol_mcp.server_instructions(self.app),
+                     tools["create-machine"].input_schema["properties"]["network"]["description"]):
+            self.assertNotRegex(said, r"needs? (network: )?\\?\"open\\?\"")
+            self.assertIn("on the host", said)
+
+    def test_only_an_engine_that_refuses_without_egress_gets_the_network_hint(self):
+        old = smol_mcp.ApiError("local", "start machine 'm'", 400, "BAD_REQUEST",
+                                "image 'alpine' must be pulled from a registry, but this machine has no network")
+        self.assertIn('network: "open"', str(smol_mcp.explain_start_failure(old, "blocked")))
+        host = smol_mcp.ApiError("local", "start machine 'm'", 500, "INTERNAL_ERROR",
+                                 "HTTP request failed: error sending request for url (https://r.example/v2/a/"
+                                 "manifests/latest): client error (Connect): tcp connect error: Connection refused")
+        said = str(smol_mcp.explain_start_failure(host, "blocked"))
+        self.assertIn("could not reach the image registry", said)
+        self.assertNotIn('network: "open"', said)
+
+    async def test_create_reports_progress_within_its_first_second(self):
+        real_create = self.app.local.create_machine
+
+        def slow_create(spec):
+            time.sleep(2)
+            return real_create(spec)
+
+        self.app.local.create_machine = slow_create
+        for mode in MODES:
+            seen = []
+
+            async def on_progress(progress, total, message):
+                seen.append((progress, message))
+
+            async with self.client(mode) as c:
+                answer = await c.call_tool("create-machine", {"image": "alpine"}, progress_callback=on_progress)
+                self.assertFalse(answer.is_error, answer.content[0].text)
+            self.assertTrue(seen, "no progress at all")
+            self.assertLess(seen[0][0], 1.0, seen)
+            self.assertIn("creating 'mcp-", seen[0][1])
+
+
 class ReplySizeTests(FakeServeCase):
     """SPEC 6 output budget, with default settings: a run-command whose two
     streams both overflow still fits what a client hands the model. Claude
@@ -994,16 +1039,19 @@ class ReplySizeTests(FakeServeCase):
 class StartFailureTests(FakeServeCase):
     fake_options = {"registry": "offline"}
 
-    async def test_registry_refusal_passes_through_with_the_network_hint_and_nothing_is_left(self):
+    async def test_host_that_cannot_reach_the_registry_is_named_and_egress_is_not_suggested(self):
+        # 1.32.2 fetches a registry image on the host: opening the guest's egress would not help
         async with self.client("legacy") as c:
             text = await self.refused(c, "create-machine", {"image": "alpine"})
             self.assertIn("dns error: failed to lookup address information", text)  # the API's own words
-            self.assertIn('network: "open"', text)
+            self.assertIn("host this server runs on could not reach the image registry", text)
+            self.assertNotIn('network: "open"', text)
             self.assertEqual(self.fake.machines, {})
             body = self.requests_to("/api/v1/machines")[0][2]
             self.assertIs(body["network"], False)  # egress blocked by default
             text = await self.refused(c, "run-once", {"image": "alpine", "command": "true"})
-            self.assertIn('network: "open"', text)
+            self.assertIn("could not reach the image registry", text)
+            self.assertNotIn('network: "open"', text)
             self.assertEqual(self.fake.machines, {})
             out = await self.ok(c, "run-once", {"image": "alpine", "command": "echo ok", "network": "open"})
             self.assertEqual(out["stdout"], "ok\n")
@@ -1029,8 +1077,12 @@ class BootFailureTests(FakeServeCase):
             text = await self.refused(c, "create-machine", {"name": "keep-me-not", "image": "alpine", "network": "open"})
             self.assertIn("agent did not become ready", text)
             self.assertIn("could not boot on this host", text)
+            self.assertNotIn("machine-logs", text)  # the machine is gone: its log lines come in the error
+            self.assertIn("no boot progress for 30 seconds", text.split("console log:")[1])
             self.assertEqual(self.fake.machines, {})
-            await self.refused(c, "run-once", {"image": "alpine", "network": "open", "command": "true"})
+            text = await self.refused(c, "run-once", {"image": "alpine", "network": "open", "command": "true"})
+            self.assertNotIn("machine-logs", text)
+            self.assertIn("no boot progress for 30 seconds", text)
             self.assertEqual(self.fake.machines, {})
             await self.refused(c, "branch-machine", {"name": "nothing"})
 
