@@ -3424,11 +3424,33 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
 SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
 
 
+HELP_EPILOG = """\
+environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
+  SMOLVM                      the smolvm binary (default: smolvm on PATH, else the
+                              smol/smol-vmm of an installed smolmachines package)
+  SMOL_LOCAL_URL              use a running serve (unix:///abs.sock) instead of starting one
+  SMOL_MCP_TARGETS            auto | local | cloud | both (auto: both when a cloud key is set)
+  SMOL_CLOUD_TOKEN            the smol cloud account key (a secret: never copied anywhere)
+  SMOL_MCP_NETWORK_DEFAULT    blocked | open: egress of a machine when a call says nothing
+  SMOL_MCP_MAX_OUTPUT_BYTES   the reply budget of run-command (65536)
+  SMOL_MCP_AUTH_TOKEN         required by --http: the token clients send as a Bearer
+  SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root with /dev/kvm at mode 0600
+  SMOL_MCP_CONFIG             another config file; the README has every setting
+
+examples:
+  smol-mcp doctor                        what works on this host, and what to do if not
+  smol-mcp doctor --probe                create, start, run true in and delete a machine
+  smol-mcp setup claude-code --write     add the server to this project's .mcp.json
+  SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
+"""
+
+
 def parse_args(argv: list[str]):
     import argparse
     parser = argparse.ArgumentParser(
         prog="smol-mcp", description="An MCP server that gives an AI agent microVMs (smol machines) to work in. "
-                                     "Serves MCP over stdio by default.")
+                                     "Serves MCP over stdio by default.",
+        epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"smol-mcp {__version__}")
     parser.add_argument("--http", action="store_true", help="serve Streamable HTTP instead of stdio")
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
@@ -3655,6 +3677,10 @@ def main(argv: list[str] | None = None) -> int:
         anyio.run(run_http, app, args.host or config.http_host, args.port or config.http_port,
                   args.path or config.http_path)
     else:
+        if sys.stdin.isatty():
+            print("smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a client (Ctrl-C to "
+                  "stop); to check this host run `smol-mcp doctor`, to configure a client `smol-mcp setup "
+                  "CLIENT` (see --help)", file=sys.stderr, flush=True)
         anyio.run(run_stdio, app.server)
     return 0
 

@@ -1866,6 +1866,66 @@ class HelperCommandTests(unittest.TestCase):
         self.assertEqual(run_cli("setup", "codex", "--write", env=self.env, cwd=self.tmp).returncode, 2)
 
 
+class TerminalTests(unittest.TestCase):
+    """SPEC 10: a person who starts the server by hand, or asks for help,
+    learns what it is and what to run instead."""
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_a_terminal_on_stdin_gets_one_line_and_the_server_keeps_serving(self):
+        import pty
+        tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, tmp, True)
+        main_fd, tty_fd = pty.openpty()
+        self.addCleanup(os.close, main_fd)
+        env = {"PATH": os.environ["PATH"], "HOME": tmp, "SMOL_MCP_CONFIG": f"{tmp}/none.json",
+               "SMOL_MCP_RUNTIME_DIR": f"{tmp}/rt", "SMOLVM": str(FAKE_CLI)}
+        proc = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py")], stdin=tty_fd, stdout=tty_fd,
+                                stderr=subprocess.PIPE, env=env, text=True)
+        os.close(tty_fd)
+        try:
+            line = proc.stderr.readline()
+            self.assertIn("MCP server speaking JSON-RPC on stdin", line)
+            self.assertIn("smol-mcp doctor", line)
+            self.assertIn("smol-mcp setup", line)
+            time.sleep(1)
+            self.assertIsNone(proc.poll(), "it must keep serving")
+            os.write(main_fd, jsonrpc(1, "initialize", INITIALIZE).replace(b"\n", b"\r"))
+            deadline, echoed = time.monotonic() + 30, b""
+            while b'"smol-mcp"' not in echoed and time.monotonic() < deadline:
+                echoed += os.read(main_fd, 65536)
+            self.assertIn(b'"smol-mcp"', echoed)  # it answered the terminal as a client
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+            proc.stderr.close()
+
+    def test_a_pipe_on_stdin_gets_no_such_line(self):
+        out = subprocess.run([sys.executable, str(HERE / "smol_mcp.py")], input="", capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "SMOL_MCP_CONFIG": "/nonexistent/none.json"})
+        self.assertNotIn("JSON-RPC on stdin", out.stderr)
+
+    def test_help_lists_the_environment_that_matters_and_an_example(self):
+        out = run_cli("--help")
+        self.assertEqual(out.returncode, 0)
+        for name in ("SMOLVM", "SMOL_LOCAL_URL", "SMOL_MCP_TARGETS", "SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN",
+                     "SMOLVM_VM_UID_DROP", "examples:", "smol-mcp setup claude-code --write"):
+            self.assertIn(name, out.stdout)
+
+    def test_the_runner_says_why_each_test_skipped_and_how_long_the_suite_took(self):
+        class Sample(unittest.TestCase):
+            def test_skips(self):
+                self.skipTest("needs a hypervisor")
+
+            def test_passes(self):
+                pass
+
+        result = unittest.TestResult()
+        unittest.defaultTestLoader.loadTestsFromTestCase(Sample).run(result)
+        text = summary(result, 12.34, False)
+        self.assertRegex(text, r"skipped .*Sample\.test_skips: needs a hypervisor")
+        self.assertTrue(text.endswith("unit: 1 passed, 0 failed, 1 skipped in 12.3 s"), text)
+
+
 @unittest.skipUnless(os.environ.get("SMOL_MCP_DIST") == "1", "ways of running: set SMOL_MCP_DIST=1 (needs PyPI)")
 class DistributionTests(unittest.TestCase):
     """Every documented way to run it, from a clean directory."""
@@ -2389,12 +2449,21 @@ def main() -> int:
         suite = loader.loadTestsFromModule(sys.modules[__name__])
     if len(sys.argv) > 1:
         suite = loader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
+    started = time.monotonic()
     result = unittest.TextTestRunner(verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))).run(suite)
+    print(summary(result, time.monotonic() - started, os.environ.get("SMOL_MCP_IT") == "1"))
+    return 0 if result.wasSuccessful() else 1
+
+
+def summary(result: unittest.TestResult, seconds: float, integration: bool) -> str:
+    """The closing lines of a run: the counts, the time, and why each skipped
+    test skipped (a skip with no reason shown hides a gap)."""
     failed = len({str(test) for test, _ in result.failures + result.errors} | {str(t) for t in result.unexpectedSuccesses})
     passed = result.testsRun - failed - len(result.skipped)
-    label = "integration" if os.environ.get("SMOL_MCP_IT") == "1" else "unit"
-    print(f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped")
-    return 0 if result.wasSuccessful() else 1
+    lines = [f"skipped {test.id().removeprefix('__main__.')}: {reason}" for test, reason in result.skipped]
+    lines.append(f"{'integration' if integration else 'unit'}: {passed} passed, {failed} failed, "
+                 f"{len(result.skipped)} skipped in {seconds:.1f} s")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
