@@ -1883,6 +1883,9 @@ class TerminalTests(unittest.TestCase):
                                 stderr=subprocess.PIPE, env=env, text=True)
         os.close(tty_fd)
         try:
+            import select
+            ready, _, _ = select.select([proc.stderr], [], [], 30)
+            self.assertTrue(ready, "nothing on stderr within 30 s")
             line = proc.stderr.readline()
             self.assertIn("MCP server speaking JSON-RPC on stdin", line)
             self.assertIn("smol-mcp doctor", line)
