@@ -1929,6 +1929,37 @@ class TerminalTests(unittest.TestCase):
         self.assertTrue(text.endswith("unit: 1 passed, 0 failed, 1 skipped in 12.3 s"), text)
 
 
+class PublishTests(unittest.TestCase):
+    """SPEC 2: ready to publish. The metadata agrees with itself; the build
+    itself (with the oldest setuptools the pyproject accepts) is in
+    DistributionTests and CI."""
+
+    def setUp(self):
+        try:
+            import tomllib
+        except ImportError:
+            self.skipTest("reading pyproject.toml needs Python 3.11 (tomllib)")
+        self.pyproject = tomllib.loads((HERE / "pyproject.toml").read_text())
+        self.server = json.loads((HERE / "server.json").read_text())
+
+    def test_the_declared_setuptools_reads_the_license_expression(self):
+        (requirement,) = [r for r in self.pyproject["build-system"]["requires"] if r.startswith("setuptools")]
+        lowest = tuple(int(part) for part in requirement.split(">=")[1].split("."))
+        self.assertIsInstance(self.pyproject["project"]["license"], str)  # an SPDX expression (PEP 639) ...
+        self.assertGreaterEqual(lowest, (77,))  # ... which setuptools reads from 77 on
+
+    def test_server_json_matches_the_package_and_the_readme_marker(self):
+        package = self.server["packages"][0]
+        self.assertEqual((package["registryType"], package["identifier"]), ("pypi", self.pyproject["project"]["name"]))
+        self.assertEqual({self.server["version"], package["version"]}, {smol_mcp.__version__})
+        self.assertIn(f"mcp-name: {self.server['name']}", (HERE / "README.md").read_text())
+        self.assertLessEqual(len(self.server["description"]), 100)  # the registry's limit
+        settings = {setting.env for setting in smol_mcp.SETTINGS}
+        for variable in package["environmentVariables"]:
+            self.assertIn(variable["name"], settings)
+            self.assertEqual(variable["isSecret"], variable["name"] in ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN"))
+
+
 @unittest.skipUnless(os.environ.get("SMOL_MCP_DIST") == "1", "ways of running: set SMOL_MCP_DIST=1 (needs PyPI)")
 class DistributionTests(unittest.TestCase):
     """Every documented way to run it, from a clean directory."""
@@ -1972,6 +2003,22 @@ class DistributionTests(unittest.TestCase):
         out = subprocess.run([str(venv / "bin" / "smol-mcp"), "setup", "cursor"], env=self.env, capture_output=True,
                              text=True, timeout=60)
         self.assertEqual(json.loads(out.stdout)["mcpServers"]["smol"]["command"], str(venv / "bin" / "smol-mcp"))
+
+    def test_sdist_and_wheel_build_with_the_oldest_declared_setuptools_and_pass_twine_check(self):
+        import tomllib
+        requires = tomllib.loads((HERE / "pyproject.toml").read_text())["build-system"]["requires"]
+        (requirement,) = [r for r in requires if r.startswith("setuptools")]
+        major = int(requirement.split(">=")[1].split(".")[0])
+        Path(self.tmp, "constraints.txt").write_text(f"setuptools<{major + 1}\n")  # the oldest line it accepts
+        out = subprocess.run(["uv", "build", "--sdist", "--wheel", "--out-dir", f"{self.tmp}/dist", "--build-constraint",
+                              f"{self.tmp}/constraints.txt", str(HERE)], env=self.env, capture_output=True, text=True,
+                             timeout=600)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        built = sorted(str(p) for p in Path(self.tmp, "dist").iterdir() if p.suffix in (".whl", ".gz"))
+        self.assertEqual(len(built), 2, built)
+        out = subprocess.run(["uvx", "twine", "check", "--strict", *built],
+                             env=self.env, capture_output=True, text=True, timeout=600)
+        self.assertEqual(out.returncode, 0, out.stdout[-3000:] + out.stderr[-3000:])
 
     def test_uvx_from_the_checkout(self):
         out = subprocess.run(["uvx", "--from", str(HERE), "smol-mcp", "--version"], env=self.env, capture_output=True,
