@@ -377,6 +377,19 @@ RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024  # below this, streaming the file from i
 RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'  # -L: a link's target
 
 
+def wheel_engine() -> str | None:
+    """The smol/smol-vmm of a smolmachines package installed for the running
+    interpreter (``uv run --with smolmachines smol_mcp.py``): the full smolvm
+    CLI. Found through the package metadata, without importing the package."""
+    import importlib.metadata
+    try:
+        distribution = importlib.metadata.distribution("smolmachines")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(str(distribution.locate_file("smol/smol-vmm")))
+    return str(path.resolve()) if os.access(path, os.X_OK) else None
+
+
 def inside_smol_guest() -> bool:
     """True when this process runs inside a smol machine, where there is no
     hypervisor to start a nested fleet with."""
@@ -550,7 +563,10 @@ class LocalFleet:
         configured = self.config.smolvm
         if os.sep in configured:
             return configured if os.access(configured, os.X_OK) else None
-        return shutil.which(configured, path=self.environ.get("PATH"))
+        found = shutil.which(configured, path=self.environ.get("PATH"))
+        if found is None and configured == Config.smolvm:  # not set: the wheel's engine is the next best
+            found = wheel_engine()
+        return found
 
     def ensure_serve(self) -> None:
         """Make sure a serve answers, starting ours if needed, and check its version once."""
@@ -3461,6 +3477,7 @@ def parse_args(argv: list[str]):
     setup = helpers.add_parser("setup", help="print (or --write) the configuration for an MCP client")
     setup.add_argument("client", choices=SETUP_CLIENTS)
     setup.add_argument("--write", action="store_true", help="merge it into the client's config file (backup first)")
+    setup.add_argument("--force", action="store_true", help="with --write: replace an existing smol entry")
     setup.add_argument("--http", dest="http_url", metavar="URL",
                        help="an entry for a smol-mcp --http server at URL instead of a local stdio one")
     helpers.add_parser("parity", help="compare the routes this server calls with the running serve's OpenAPI")
@@ -3514,60 +3531,146 @@ def doctor(app: SmolMcp) -> int:
 
 
 def launch_command() -> list[str]:
-    """The command a client should run: the installed console script when this
-    module was installed as a package, else uv running this very file."""
+    """The command a client should run, absolute (a GUI client such as Claude
+    Desktop does not see the shell's PATH): the installed console script when
+    this module was installed as a package, else uv running this very file,
+    else the interpreter running this, which has the dependencies."""
     here = Path(__file__).resolve()
     if any(part in ("site-packages", "dist-packages") for part in here.parts):
         beside = Path(sys.executable).parent / "smol-mcp"  # works without the environment activated
         script = str(beside) if beside.exists() else shutil.which("smol-mcp")
         if script:
-            return [script]
-    return ["uv", "run", "--script", str(here)]
+            return [str(Path(script).absolute())]
+    uv = shutil.which("uv")
+    if uv:
+        return [str(Path(uv).absolute()), "run", "--script", str(here)]
+    return [str(Path(sys.executable).absolute()), str(here)]
 
 
-def client_entry(client: str, http_url: str | None) -> tuple[str, dict]:
+SECRET_ENVS = ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN")
+ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself, not by smol-mcp
+
+
+def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """(the settings to write into a stdio entry's env, the secrets it should
+    reference): every non-secret SMOL_* setting set here, the config file,
+    the engine's own switches, and the smolvm this process would run, so the
+    client starts the same server that doctor checked."""
+    env = {s.env: environ[s.env] for s in SETTINGS if s.kind != "secret" and s.env in environ}
+    env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
+    if config_file_path(environ).exists():  # perhaps found through XDG_CONFIG_HOME, which a client may not have
+        env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
+    if not environ.get("SMOL_LOCAL_URL"):
+        configured = environ.get("SMOLVM", Config.smolvm)
+        found = configured if os.sep in configured else shutil.which(configured, path=environ.get("PATH"))
+        if found is None and configured == Config.smolvm:
+            found = wheel_engine()
+        if found:
+            env["SMOLVM"] = str(Path(found).absolute())
+    return env, [name for name in SECRET_ENVS if environ.get(name)]
+
+
+CODEX_STARTUP_TIMEOUT_SECS = 60  # the first `uv run` of the file resolves its two packages before it answers
+
+
+def codex_timeouts(config: Config) -> dict[str, int]:
+    """Codex gives a server 10 s to start and a tool call 60 s; a create can
+    wait for the serve, then for readiness, and a command for its timeout."""
+    longest = config.serve_start_timeout_secs + config.ready_timeout_secs + config.max_exec_timeout_secs + 60
+    return {"startup_timeout_sec": CODEX_STARTUP_TIMEOUT_SECS, "tool_timeout_sec": longest}
+
+
+def secret_reference(client: str, name: str) -> str | None:
+    """How the client's config names an environment variable, or None when
+    it cannot (Claude Desktop reads no environment and expands nothing)."""
+    return {"claude-code": f"${{{name}}}", "cursor": f"${{env:{name}}}", "opencode": f"{{env:{name}}}"}.get(client)
+
+
+def client_entry(client: str, http_url: str | None, config: Config | None = None,
+                 environ: dict[str, str] | None = None) -> tuple[str, dict]:
     """(the top-level key, the server entry) in the client's own shape. Secrets
     are referenced through the client's environment syntax, never copied."""
-    command = launch_command()
-    if client == "opencode":
-        if http_url:
-            return "mcp", {"type": "remote", "url": http_url, "enabled": True,
-                           "headers": {"Authorization": "Bearer {env:SMOL_MCP_AUTH_TOKEN}"}}
-        return "mcp", {"type": "local", "command": command, "enabled": True}
-    if client == "codex":
-        if http_url:
-            return "mcp_servers", {"url": http_url, "bearer_token_env_var": "SMOL_MCP_AUTH_TOKEN"}
-        return "mcp_servers", {"command": command[0], "args": command[1:]}
+    config = config or Config()
+    environ = dict(os.environ if environ is None else environ)
     if http_url:
-        if client == "claude-desktop":
-            # It speaks stdio only, so the npm bridge carries HTTP; it reads no shell
-            # environment, so the token has to be pasted into its env block by hand.
-            return "mcpServers", {"command": "npx",
-                                  "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
-                                  "env": {"AUTH_HEADER": "Bearer <paste the SMOL_MCP_AUTH_TOKEN value here>"}}
-        reference = "${env:SMOL_MCP_AUTH_TOKEN}" if client == "cursor" else "${SMOL_MCP_AUTH_TOKEN}"
-        return "mcpServers", {"type": "http", "url": http_url, "headers": {"Authorization": f"Bearer {reference}"}}
-    return "mcpServers", {"command": command[0], "args": command[1:]}
+        return http_entry(client, http_url, config)
+    command = launch_command()
+    env, secrets = entry_environment(environ)
+    for name in secrets:
+        reference = secret_reference(client, name)
+        if reference:
+            env[name] = reference
+    if client == "opencode":
+        return "mcp", {"type": "local", "command": command, "enabled": True,
+                       **({"environment": env} if env else {})}
+    if client == "codex":
+        entry: dict[str, Any] = {"command": command[0], "args": command[1:], **codex_timeouts(config)}
+        if secrets:
+            entry["env_vars"] = secrets  # Codex forwards these from its own environment
+        if env:
+            entry["env"] = env
+        return "mcp_servers", entry
+    return "mcpServers", {"command": command[0], "args": command[1:], **({"env": env} if env else {})}
 
 
-def client_config_path(client: str) -> Path:
+def http_entry(client: str, http_url: str, config: Config) -> tuple[str, dict]:
+    if client == "opencode":
+        return "mcp", {"type": "remote", "url": http_url, "enabled": True,
+                       "headers": {"Authorization": "Bearer {env:SMOL_MCP_AUTH_TOKEN}"}}
+    if client == "codex":
+        return "mcp_servers", {"url": http_url, "bearer_token_env_var": "SMOL_MCP_AUTH_TOKEN",
+                               **codex_timeouts(config)}
+    if client == "claude-desktop":
+        # It speaks stdio only, so the npm bridge carries HTTP; it reads no shell
+        # environment, so the token has to be pasted into its env block by hand.
+        return "mcpServers", {"command": "npx",
+                              "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
+                              "env": {"AUTH_HEADER": "Bearer <paste the SMOL_MCP_AUTH_TOKEN value here>"}}
+    reference = "${env:SMOL_MCP_AUTH_TOKEN}" if client == "cursor" else "${SMOL_MCP_AUTH_TOKEN}"
+    return "mcpServers", {"type": "http", "url": http_url, "headers": {"Authorization": f"Bearer {reference}"}}
+
+
+def client_config_path(client: str) -> tuple[Path, str]:
+    """Where the client reads the entry, and whether that file is the
+    project's (the current directory) or the user's."""
     home = Path.home()
     if client == "claude-code":
-        return Path.cwd() / ".mcp.json"
+        return Path.cwd() / ".mcp.json", "project"
     if client == "cursor":
-        return Path.cwd() / ".cursor" / "mcp.json"
+        return Path.cwd() / ".cursor" / "mcp.json", "project"
     if client == "opencode":
-        return Path.cwd() / "opencode.json"
+        plain, commented = Path.cwd() / "opencode.json", Path.cwd() / "opencode.jsonc"
+        return (commented if commented.exists() and not plain.exists() else plain), "project"
     if client == "codex":
-        return home / ".codex" / "config.toml"
+        return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml", "user"
     if sys.platform == "darwin":
-        return home / "Library" / "Application Support" / "Claude" / "claude_desktop_config.json"
-    return Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "Claude" / "claude_desktop_config.json"
+        return home / "Library" / "Application Support" / "Claude" / "claude_desktop_config.json", "user"
+    return Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "Claude" / "claude_desktop_config.json", "user"
+
+
+def toml_value(value: Any) -> str:
+    """A TOML value for the types an entry holds (JSON strings are valid
+    TOML basic strings once non-ASCII is escaped, which json.dumps does)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(type(value).__name__)
+
+
+def toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def render_entry(client: str, key: str, entry: dict) -> str:
     if client == "codex":
-        lines = [f"[{key}.smol]"] + [f"{field} = {json.dumps(value)}" for field, value in entry.items()]
+        lines = [f"[{key}.smol]"] + [f"{field} = {toml_value(value)}" for field, value in entry.items()]
         return "\n".join(lines) + "\n"
     document = {key: {"smol": entry}}
     if client == "opencode":
@@ -3575,53 +3678,164 @@ def render_entry(client: str, key: str, entry: dict) -> str:
     return json.dumps(document, indent=2) + "\n"
 
 
-def setup(client: str, http_url: str | None, write: bool) -> int:
+def one_liner(client: str, entry: dict) -> str | None:
+    """The client's own command that adds the same entry, where it has one."""
+    import shlex
+    if client not in ("claude-code", "codex") or "command" not in entry:
+        return None
+    env = [f"{name}={value}" for name, value in entry.get("env", {}).items()]
+    argv = [entry["command"], *entry["args"]]
+    if client == "claude-code":
+        flags = [part for pair in env for part in ("-e", pair)]
+        return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv])
+    flags = [part for pair in env for part in ("--env", pair)]
+    return shlex.join(["codex", "mcp", "add", *flags, "smol", "--", *argv])
+
+
+def backup_dir(environ: dict[str, str]) -> Path:
+    """Backups go under the user's state directory, not beside a project
+    file where they would be committed or read by the client."""
+    base = environ.get("XDG_STATE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".local" / "state")
+    return Path(base) / "smol-mcp" / "backups"
+
+
+class SetupRefused(Exception):
+    """--write would not produce a file the client can read: nothing is written."""
+
+
+def strip_jsonc(text: str) -> str:
+    """The text without // and /* */ comments and trailing commas (strings kept)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i:j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            i = text.find("\n", i) if "\n" in text[i:] else n
+        elif text.startswith("/*", i):
+            end = text.find("*/", i + 2)
+            i = n if end < 0 else end + 2
+        else:
+            out.append(c)
+            i += 1
+    return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
+
+
+def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force: bool) -> tuple[str, bool]:
+    try:
+        existing = json.loads(text) if text.strip() else {}
+    except ValueError as err:
+        try:
+            json.loads(strip_jsonc(text))
+        except ValueError:
+            raise SetupRefused(f"{path} does not parse as JSON ({err}); fix it, or paste the entry by hand") from None
+        raise SetupRefused(f"{path} has comments or trailing commas (JSONC); rewriting it would drop them, so "
+                           "paste the entry printed by `setup` without --write into it by hand") from None
+    if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
+        raise SetupRefused(f'{path} does not hold a JSON object with an object under "{key}"; fix it, or paste the '
+                           "entry by hand")
+    if "smol" in existing.get(key, {}) and not force:
+        raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; run again with --force to replace it')
+    replacing = "smol" in existing.get(key, {})
+    existing.setdefault(key, {})["smol"] = entry
+    if client == "opencode":
+        existing.setdefault("$schema", "https://opencode.ai/config.json")
+    indent = re.search(r"\n([ \t]+)\S", text)
+    merged = json.dumps(existing, indent=indent.group(1) if indent else 2) + "\n"
+    if json.loads(merged)[key]["smol"] != entry:
+        raise SetupRefused(f"the merged {path} did not read back as written; nothing was written")
+    return merged, replacing
+
+
+SMOL_TABLE_RE = re.compile(r"^\s*\[\s*(mcp_servers|\"mcp_servers\")\s*\.\s*(smol|\"smol\")\s*(\.[^\]]*)?\]\s*(#.*)?$")
+
+
+def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tuple[str, bool]:
+    try:
+        import tomllib
+    except ImportError:
+        raise SetupRefused("checking the TOML before writing it needs Python 3.11 or newer (tomllib); print the "
+                           "entry without --write and paste it, or run this with a newer Python") from None
+    try:
+        existing = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise SetupRefused(f"{path} is not valid TOML ({err}); fix it, or paste the entry by hand") from None
+    if "smol" in existing.get(key, {}):
+        if not force:
+            raise SetupRefused(f"{path} already has [{key}.smol]; run again with --force to replace it")
+        kept, skipping = [], False
+        for line in text.splitlines(keepends=True):
+            if SMOL_TABLE_RE.match(line):
+                skipping = True
+                continue
+            if skipping and line.lstrip().startswith("["):
+                skipping = False
+            if not skipping:
+                kept.append(line)
+        text = "".join(kept)
+    block = render_entry("codex", key, entry)
+    merged = text + ("\n" if text and not text.endswith("\n") else "") + ("\n" if text.strip() else "") + block
+    try:
+        parsed = tomllib.loads(merged)
+    except tomllib.TOMLDecodeError:
+        parsed = None
+    others = {k: v for k, v in existing.get(key, {}).items() if k != "smol"}
+    if (parsed is None or parsed.get(key, {}).get("smol") != entry
+            or {k: v for k, v in parsed[key].items() if k != "smol"} != others
+            or {k: v for k, v in parsed.items() if k != key} != {k: v for k, v in existing.items() if k != key}):
+        raise SetupRefused(f"appending [{key}.smol] to {path} would not give valid TOML with every other setting "
+                           f"kept (for example when {key} is written as an inline table, {key} = {{...}}); nothing "
+                           "was written: paste the entry printed by `setup` without --write by hand")
+    return merged, "smol" in existing.get(key, {})
+
+
+def setup(client: str, http_url: str | None, write: bool, force: bool = False) -> int:
     """Print the client's configuration block, or merge it into its file
     without disturbing other entries (after a backup; never into a file that
-    does not parse)."""
-    key, entry = client_entry(client, http_url)
-    path = client_config_path(client)
+    does not parse, and never what would not parse again)."""
+    try:
+        config = load_config()
+    except ConfigError as err:
+        print(f"smol-mcp: {err}", file=sys.stderr)
+        return 2
+    key, entry = client_entry(client, http_url, config)
+    path, scope = client_config_path(client)
+    command = one_liner(client, entry)
+    if client == "claude-desktop" and not http_url and any(os.environ.get(n) for n in SECRET_ENVS):
+        print("# claude-desktop reads no environment: to serve the cloud fleet, add SMOL_CLOUD_TOKEN to the "
+              "entry's env by hand (the key is not copied for you)", file=sys.stderr)
     if not write:
-        print(f"# {client}: add this to {path}", file=sys.stderr)  # stdout stays pastable as it is
+        print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)  # stdout stays pastable
+        if command:
+            print(f"# or run: {command}", file=sys.stderr)
         print(render_entry(client, key, entry), end="")
         return 0
-    text = path.read_text() if path.exists() else ""
-    if client == "codex":
-        try:
-            import tomllib
-        except ImportError:
-            print("smol-mcp: setup codex --write needs Python 3.11 or newer to check the TOML; print it and paste it",
-                  file=sys.stderr)
-            return 2
-        try:
-            existing = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            print(f"smol-mcp: {path} is not valid TOML ({err}); not touching it", file=sys.stderr)
-            return 2
-        if "smol" in existing.get(key, {}):
-            print(f"smol-mcp: {path} already has [{key}.smol]; edit it by hand, or remove it and run this again",
-                  file=sys.stderr)
-            return 2
-        merged = text + ("\n" if text and not text.endswith("\n") else "") + "\n" + render_entry(client, key, entry)
-    else:
-        try:
-            existing = json.loads(text) if text.strip() else {}
-            if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
-                raise ValueError(f'"{key}" is not an object')
-        except ValueError as err:
-            print(f"smol-mcp: {path} does not parse as this client's JSON ({err}); not touching it", file=sys.stderr)
-            return 2
-        existing.setdefault(key, {})["smol"] = entry
-        if client == "opencode":
-            existing.setdefault("$schema", "https://opencode.ai/config.json")
-        merged = json.dumps(existing, indent=2) + "\n"
+    try:
+        text = path.read_text() if path.exists() else ""
+        if client == "codex":
+            merged, replacing = merge_toml(path, text, key, entry, force)
+        else:
+            merged, replacing = merge_json(path, text, key, entry, client, force)
+    except (SetupRefused, OSError) as err:
+        print(f"smol-mcp: {err}", file=sys.stderr)
+        return 2
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
-        backup = path.with_name(path.name + f".bak-{time.strftime('%Y%m%d%H%M%S')}")
+        folder = backup_dir(dict(os.environ))
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        flat = str(path.absolute()).strip("/").replace("/", "%")
+        backup = folder / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
         shutil.copy2(path, backup)
         print(f"backed up {path} to {backup}")
     path.write_text(merged)
-    print(f"wrote the smol entry into {path}")
+    print(f"{'replaced the smol entry in' if replacing else 'wrote the smol entry into'} {path} "
+          f"(the {scope} file {client} reads)")
+    if command:
+        print(f"(the same with the client's own command: {command})")
     return 0
 
 
@@ -3657,7 +3871,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
     log.setLevel(logging.INFO)  # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
     if args.command == "setup":
-        return setup(args.client, args.http_url, args.write)
+        return setup(args.client, args.http_url, args.write, args.force)
     try:
         config = load_config()
         if args.http and not args.command and not config.auth_token:

@@ -1823,7 +1823,7 @@ class HelperCommandTests(unittest.TestCase):
 
     def test_setup_prints_each_clients_own_shape(self):
         import tomllib
-        expected_command = ["uv", "run", "--script", str(HERE / "smol_mcp.py")]
+        expected_command = [shutil.which("uv", path=self.env["PATH"]), "run", "--script", str(HERE / "smol_mcp.py")]
         for client in smol_mcp.SETUP_CLIENTS:
             with self.subTest(client=client):
                 out = run_cli("setup", client, env=self.env, cwd=self.tmp)
@@ -1850,11 +1850,11 @@ class HelperCommandTests(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         merged = json.loads(config.read_text())
         self.assertEqual((sorted(merged["mcpServers"]), merged["keep"]), (["other", "smol"], 1))
-        self.assertEqual(len(list(Path(self.tmp).glob(".mcp.json.bak-*"))), 1)
+        self.assertEqual(len(list(Path(self.tmp, ".local", "state", "smol-mcp", "backups").iterdir())), 1)
         config.write_text("{broken")
         out = run_cli("setup", "claude-code", "--write", env=self.env, cwd=self.tmp)
         self.assertEqual(out.returncode, 2)
-        self.assertIn("not touching it", out.stderr)
+        self.assertIn("does not parse as JSON", out.stderr)
         self.assertEqual(config.read_text(), "{broken")
         codex = Path(self.tmp, ".codex", "config.toml")
         codex.parent.mkdir()
@@ -1927,6 +1927,136 @@ class TerminalTests(unittest.TestCase):
         text = summary(result, 12.34, False)
         self.assertRegex(text, r"skipped .*Sample\.test_skips: needs a hypervisor")
         self.assertTrue(text.endswith("unit: 1 passed, 0 failed, 1 skipped in 12.3 s"), text)
+
+
+class SetupEntryTests(unittest.TestCase):
+    """SPEC 10 setup: entries that work when a client starts them outside a
+    shell, and --write that never leaves a file the client cannot read."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.home, self.project = Path(self.tmp, "home"), Path(self.tmp, "project")
+        self.home.mkdir()
+        self.project.mkdir()
+        self.env = {"PATH": os.environ["PATH"], "HOME": str(self.home), "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def setup_cli(self, *args, **env):
+        return run_cli("setup", *args, env={**self.env, **env}, cwd=self.project)
+
+    def printed(self, client, **env) -> dict:
+        import tomllib
+        out = self.setup_cli(client, **env)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        if client == "codex":
+            return tomllib.loads(out.stdout)["mcp_servers"]["smol"]
+        return json.loads(out.stdout)["mcp" if client == "opencode" else "mcpServers"]["smol"]
+
+    def test_the_command_is_absolute_for_every_client(self):
+        for client in smol_mcp.SETUP_CLIENTS:
+            with self.subTest(client=client):
+                entry = self.printed(client)
+                command = entry["command"][0] if client == "opencode" else entry["command"]
+                self.assertTrue(os.path.isabs(command), command)  # a GUI client has no shell PATH
+                self.assertTrue(os.access(command, os.X_OK), command)
+
+    def test_settings_are_carried_and_secrets_only_referenced(self):
+        env = {"SMOLVM": str(FAKE_CLI), "SMOL_MCP_TARGETS": "both", "SMOL_MCP_MEMORY_MB": "4096",
+               "SMOL_CLOUD_TOKEN": "smk_do_not_copy", "SMOLVM_VM_UID_DROP": "off"}
+        expected = {"claude-code": "${SMOL_CLOUD_TOKEN}", "cursor": "${env:SMOL_CLOUD_TOKEN}",
+                    "opencode": "{env:SMOL_CLOUD_TOKEN}"}
+        for client in smol_mcp.SETUP_CLIENTS:
+            with self.subTest(client=client):
+                out = self.setup_cli(client, **env)
+                self.assertNotIn("smk_do_not_copy", out.stdout + out.stderr)
+                entry = self.printed(client, **env)
+                carried = entry["environment" if client == "opencode" else "env"]
+                self.assertEqual((carried["SMOLVM"], carried["SMOL_MCP_TARGETS"], carried["SMOL_MCP_MEMORY_MB"],
+                                  carried["SMOLVM_VM_UID_DROP"]), (str(FAKE_CLI), "both", "4096", "off"))
+                if client == "codex":
+                    self.assertEqual(entry["env_vars"], ["SMOL_CLOUD_TOKEN"])
+                    self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
+                elif client == "claude-desktop":
+                    self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
+                    self.assertIn("add SMOL_CLOUD_TOKEN to the entry's env by hand", out.stderr)
+                else:
+                    self.assertEqual(carried["SMOL_CLOUD_TOKEN"], expected[client])
+
+    def test_codex_timeouts_cover_readiness_and_the_longest_command(self):
+        entry = self.printed("codex")
+        config = Config()
+        self.assertGreater(entry["startup_timeout_sec"], 10)  # the Codex default
+        self.assertGreaterEqual(entry["tool_timeout_sec"], config.ready_timeout_secs + config.max_exec_timeout_secs)
+        longer = self.printed("codex", SMOL_MCP_MAX_EXEC_TIMEOUT_SECS="3600", SMOL_MCP_READY_TIMEOUT_SECS="300")
+        self.assertGreaterEqual(longer["tool_timeout_sec"], 3900)
+
+    def test_each_entry_comes_with_the_clients_own_one_liner(self):
+        out = self.setup_cli("claude-code", SMOL_MCP_TARGETS="local")
+        self.assertRegex(out.stderr, r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ ")
+        out = self.setup_cli("codex", SMOL_MCP_TARGETS="local")
+        self.assertRegex(out.stderr, r"codex mcp add --env SMOL_MCP_TARGETS=local smol -- /\S+ ")
+
+    def test_an_inline_mcp_servers_table_is_refused_untouched(self):
+        codex = self.home / ".codex" / "config.toml"
+        codex.parent.mkdir()
+        original = 'model = "o3"\nmcp_servers = { other = { command = "x" } }\n'
+        codex.write_text(original)
+        out = self.setup_cli("codex", "--write")
+        self.assertEqual(out.returncode, 2, out.stdout)
+        self.assertIn("inline table", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertEqual(codex.read_text(), original)
+
+    def test_a_smol_entry_is_replaced_only_with_force_and_the_rest_is_kept(self):
+        import tomllib
+        codex = self.home / ".codex" / "config.toml"
+        codex.parent.mkdir()
+        codex.write_text('model = "o3"\n\n[mcp_servers.smol]\ncommand = "old"\n\n[mcp_servers.smol.env]\nA = "1"\n\n'
+                         '[mcp_servers.other]\ncommand = "x"\n')
+        refused = self.setup_cli("codex", "--write")
+        self.assertEqual(refused.returncode, 2)
+        self.assertIn("--force", refused.stderr)
+        out = self.setup_cli("codex", "--write", "--force")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("replaced the smol entry", out.stdout)
+        parsed = tomllib.loads(codex.read_text())
+        self.assertEqual((parsed["model"], parsed["mcp_servers"]["other"]), ("o3", {"command": "x"}))
+        self.assertTrue(os.path.isabs(parsed["mcp_servers"]["smol"]["command"]))
+        self.assertNotIn("env", parsed["mcp_servers"]["smol"])
+        project = self.project / ".mcp.json"
+        project.write_text('{\n    "mcpServers": {"smol": {"command": "old"}, "other": {"command": "x"}}\n}\n')
+        self.assertEqual(self.setup_cli("claude-code", "--write").returncode, 2)
+        self.assertEqual(self.setup_cli("claude-code", "--write", "--force").returncode, 0)
+        merged = json.loads(project.read_text())
+        self.assertEqual(merged["mcpServers"]["other"], {"command": "x"})
+        self.assertNotEqual(merged["mcpServers"]["smol"]["command"], "old")
+        self.assertIn('\n    "mcpServers"', project.read_text())  # the file's own indent is kept
+
+    def test_jsonc_is_refused_with_a_sentence_and_plain_jsonc_is_written(self):
+        jsonc = self.project / "opencode.jsonc"
+        original = '{\n  // my servers\n  "mcp": {"other": {"type": "local", "command": ["x"]},},\n}\n'
+        jsonc.write_text(original)
+        out = self.setup_cli("opencode", "--write")
+        self.assertEqual(out.returncode, 2)
+        self.assertIn("comments or trailing commas (JSONC)", out.stderr)
+        self.assertEqual(jsonc.read_text(), original)
+        jsonc.write_text('{"mcp": {"other": {"type": "local", "command": ["x"]}}}\n')
+        out = self.setup_cli("opencode", "--write")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(sorted(json.loads(jsonc.read_text())["mcp"]), ["other", "smol"])
+        self.assertFalse((self.project / "opencode.json").exists())  # written where OpenCode reads it
+
+    def test_backups_stay_out_of_the_project(self):
+        (self.project / ".mcp.json").write_text('{"mcpServers": {"other": {"command": "x"}}}')
+        out = self.setup_cli("claude-code", "--write")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(sorted(p.name for p in self.project.iterdir()), [".mcp.json"])
+        backups = list((self.home / ".local" / "state" / "smol-mcp" / "backups").iterdir())
+        self.assertEqual(len(backups), 1)
+        self.assertIn(str(backups[0]), out.stdout)  # it says where
+        self.assertEqual(json.loads(backups[0].read_text()), {"mcpServers": {"other": {"command": "x"}}})
 
 
 class PublishTests(unittest.TestCase):
