@@ -2513,6 +2513,34 @@ LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
 LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs")
 
 
+def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) -> str | None:
+    """As root, smolvm runs each VM under a uid of its own, which cannot open
+    a /dev/kvm that only root may open: the start then fails much later with
+    KvmOpen(Error(13)). Say so now, with the switch that fixes it."""
+    if euid != 0 or kvm_mode is None or kvm_mode & 0o066 or environ.get("SMOLVM_VM_UID_DROP") == "off":
+        return None
+    return (f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops each VM to a uid of "
+            "its own, which cannot open /dev/kvm, so every start would fail with KvmOpen(Error(13)); set "
+            "SMOLVM_VM_UID_DROP=off in this server's environment (setup carries it into the client entry), or "
+            "let the kvm group read and write /dev/kvm")
+
+
+def engine_origin(configured: str, binary: str) -> str:
+    """How the engine in use was found, in words for doctor."""
+    if os.sep in configured:
+        return "SMOLVM"
+    if binary == wheel_engine() and not shutil.which(configured):
+        return "the smolmachines package of this Python (smolvm is not on PATH)"
+    return "PATH"
+
+
+def kvm_mode() -> int | None:
+    try:
+        return os.stat("/dev/kvm").st_mode
+    except OSError:
+        return None
+
+
 def hypervisor_status() -> tuple[bool, str]:
     """Whether this host can run microVMs, and if not, why and what to do."""
     if sys.platform == "darwin":
@@ -2534,7 +2562,8 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     facts.update({
         "insideGuest": guest,
         "hypervisor": {"present": hypervisor_ok, "detail": hypervisor_reason},
-        "smolvm": {"path": binary, "version": fleet.version},
+        "smolvm": {"path": binary, "version": fleet.version,
+                   "from": engine_origin(fleet.config.smolvm, binary) if binary else None},
         "serve": fleet.config.local_url or "started on the first local tool call",
         "minSmolvm": fleet.config.min_smolvm or None,
     })
@@ -2549,9 +2578,12 @@ def local_target_facts(fleet: LocalFleet) -> dict:
         else:
             facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
     elif binary is None:
-        facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); install it or set SMOLVM")
+        facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); get it with one of the "
+                                          "commands below, or set SMOLVM to its path")
     elif not hypervisor_ok:
         facts.update(usable=False, reason=hypervisor_reason)
+    elif uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
+        facts.update(usable=False, reason=uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ))
     elif running_version is None and rollout_port_taken():
         facts.update(usable=False, reason="another smolvm serve already runs on this host (127.0.0.1:10081 is "
                                           "taken); set SMOL_LOCAL_URL to its socket, or stop it")
@@ -3473,7 +3505,9 @@ def parse_args(argv: list[str]):
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
     helpers = parser.add_subparsers(dest="command", metavar="{doctor,setup,parity}")
-    helpers.add_parser("doctor", help="say whether each fleet works on this host, and what to do if not")
+    doctor_parser = helpers.add_parser("doctor", help="say whether each fleet works on this host, and what to do if not")
+    doctor_parser.add_argument("--probe", action="store_true",
+                               help="also create, start, run `true` in and delete a throwaway local machine")
     setup = helpers.add_parser("setup", help="print (or --write) the configuration for an MCP client")
     setup.add_argument("client", choices=SETUP_CLIENTS)
     setup.add_argument("--write", action="store_true", help="merge it into the client's config file (backup first)")
@@ -3496,9 +3530,21 @@ def parse_args(argv: list[str]):
 # -- doctor ------------------------------------------------------------------
 
 
-def doctor(app: SmolMcp) -> int:
+ENGINE_ON_RAMP = """\
+  get an engine (smolvm 1.32.2 is the smol/smol-vmm binary inside the smolmachines wheel):
+    uv run --with smolmachines==1.32.2 {script} doctor
+        (run the server the same way, or let `setup` carry the engine's path into the client entry)
+  or unpack the wheel once and point SMOLVM at it:
+    python3 -m pip download --no-deps smolmachines==1.32.2 -d /tmp/smolmachines-wheel
+    python3 -m zipfile -e /tmp/smolmachines-wheel/smolmachines-1.32.2-*.whl ~/.local/share/smolmachines
+    chmod +x ~/.local/share/smolmachines/smol/smol-vmm
+    export SMOLVM=~/.local/share/smolmachines/smol/smol-vmm"""
+
+
+def doctor(app: SmolMcp, probe: bool = False) -> int:
     """Print what smol://targets knows, for a person; 0 when every served
-    fleet is usable. The cloud key is tried with one list call."""
+    fleet is usable. The cloud key is tried with one list call; with
+    ``probe``, a throwaway local machine is created, started, run and deleted."""
     document = targets_document(app)
     print(f"smol-mcp {__version__}: mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})")
     healthy = True
@@ -3517,14 +3563,78 @@ def doctor(app: SmolMcp) -> int:
         if name == "local":
             smolvm = facts["smolvm"]
             print(f"  smolvm: {smolvm['path'] or '(not found)'}"
-                  + (f", version {smolvm['version']}" if smolvm["version"] else ""))
+                  + (f", version {smolvm['version']}" if smolvm["version"] else "")
+                  + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""))
             print(f"  hypervisor: {facts['hypervisor']['detail']}")
             print(f"  serve: {facts['serve']}")
         else:
             print(f"  url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}")
         if facts["reason"]:
             print(f"  {'note' if facts['usable'] else 'to do'}: {facts['reason']}")
+        if name == "local" and not facts["smolvm"]["path"] and not app.config.local_url:
+            print(ENGINE_ON_RAMP.format(script=Path(__file__).resolve()))
+    if probe:
+        if "local" not in app.fleets:
+            print("\nprobe: the local fleet is not served (SMOL_MCP_TARGETS), so there is nothing to probe")
+            return 1
+        healthy = probe_local(app) and healthy
     return 0 if healthy else 1
+
+
+def probe_local(app: SmolMcp) -> bool:
+    """Create, start, run `true` in and delete a throwaway imageless machine
+    (no registry needed), printing each step with its time: "usable" above is
+    what the host allows; this is what it does."""
+    fleet, config = app.local, app.config
+    name = f"{config.machine_prefix}probe-{secrets_module.token_hex(3)}"
+    print(f"\nprobe: machine {name} (no image, no network; deleted at the end)")
+
+    def step(label: str, action: Callable[[], Any]) -> bool:
+        started = time.monotonic()
+        try:
+            action()
+        except SmolError as err:
+            lines = None
+            if is_boot_failure(err):  # the machine is deleted below: its console goes in the report
+                try:
+                    lines = fleet.console_lines(name)[-BOOT_LOG_LINES:]
+                except SmolError:
+                    lines = []
+            explained = explain_start_failure(err, "blocked", lines)
+            print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: "
+                  f"{redact(str(explained), config.secret_values())}")
+            return False
+        print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
+        return True
+
+    def wait_ready() -> None:
+        deadline = time.monotonic() + config.ready_timeout_secs
+        while (answer := fleet.probe_ready(name)) is not None:
+            if time.monotonic() > deadline:
+                raise SmolError(f"the guest did not run a command within {config.ready_timeout_secs} s "
+                                f"(readyTimeoutSecs); its last answer: {answer}")
+            time.sleep(0.5)
+
+    def run_true() -> None:
+        result = fleet.exec(name, ["true"], timeout_secs=30)
+        if result.exit_code != 0:
+            raise SmolError(f"`true` exited with {result.exit_code}: {result.stderr.decode('utf-8', 'replace')}")
+
+    created = False
+    fleet.acquire()
+    try:
+        ok = step("serve", fleet.ensure_serve)
+        created = ok and step("create", lambda: fleet.request(
+            f"create machine '{name}'", "POST", "/api/v1/machines",
+            {"name": name, "cpus": 1, "memoryMb": 512, "network": False}))
+        ok = created and step("start", lambda: fleet.start_machine(name)) and step("ready", wait_ready)
+        ok = ok and step("run", run_true)
+    finally:
+        if created:
+            ok = step("delete", lambda: fleet.delete_machine(name)) and ok
+        fleet.release()
+    print(f"  result: {'the local fleet can run machines here' if ok else 'the local fleet cannot run machines here'}")
+    return ok
 
 
 # -- setup -------------------------------------------------------------------
@@ -3596,6 +3706,12 @@ def client_entry(client: str, http_url: str | None, config: Config | None = None
         return http_entry(client, http_url, config)
     command = launch_command()
     env, secrets = entry_environment(environ)
+    wheel = wheel_engine()
+    if wheel and env.get("SMOLVM") == wheel and command[1:3] == ["run", "--script"]:
+        # uv's environment of the moment may be pruned; the client's own `uv run` brings the wheel back
+        import importlib.metadata
+        command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
+        del env["SMOLVM"]
     for name in secrets:
         reference = secret_reference(client, name)
         if reference:
@@ -3880,7 +3996,7 @@ def main(argv: list[str] | None = None) -> int:
                               "clients send it as 'Authorization: Bearer <token>'")
         app = SmolMcp(config)
         if args.command == "doctor":
-            return doctor(app)
+            return doctor(app, args.probe)
         if args.command == "parity":
             return parity(app)
     except SmolError as err:

@@ -1789,7 +1789,7 @@ class HelperCommandTests(unittest.TestCase):
         self.assertIn("local: NOT USABLE", out.stdout)
         self.assertIn("to do: smolvm was not found", out.stdout)
         self.assertIn("cloud: not served", out.stdout)
-        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI)})
+        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOLVM_VM_UID_DROP": "off"})
         self.assertEqual(out.returncode, 0 if smol_mcp.hypervisor_status()[0] else 1, out.stdout)
         self.assertIn(f"smolvm: {FAKE_CLI}", out.stdout)
 
@@ -1927,6 +1927,85 @@ class TerminalTests(unittest.TestCase):
         text = summary(result, 12.34, False)
         self.assertRegex(text, r"skipped .*Sample\.test_skips: needs a hypervisor")
         self.assertTrue(text.endswith("unit: 1 passed, 0 failed, 1 skipped in 12.3 s"), text)
+
+
+class EngineOnRampTests(unittest.TestCase):
+    """SPEC 10 doctor: from no engine to a probed one."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.env = {"PATH": "/usr/bin:/bin", "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+                    "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt", "SMOLVM_VM_UID_DROP": "off"}
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def fake_wheel(self) -> Path:
+        """A smolmachines distribution as a wheel installs it: metadata plus smol/smol-vmm."""
+        site = Path(self.tmp, "site")
+        info = site / "smolmachines-1.32.2.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: smolmachines\nVersion: 1.32.2\n")
+        (info / "RECORD").write_text("")
+        (site / "smol").mkdir()
+        engine = site / "smol" / "smol-vmm"
+        shutil.copy(FAKE_CLI, engine)
+        return engine
+
+    def test_without_an_engine_doctor_prints_the_commands_that_get_one(self):
+        out = run_cli("doctor", env=self.env)
+        self.assertEqual(out.returncode, 1)
+        self.assertIn("uv run --with smolmachines==1.32.2 ", out.stdout)
+        self.assertIn("python3 -m pip download --no-deps smolmachines==1.32.2", out.stdout)
+        self.assertIn("export SMOLVM=", out.stdout)
+
+    def test_the_smolmachines_package_of_this_python_is_found_and_named(self):
+        engine = self.fake_wheel()
+        env = {**self.env, "PYTHONPATH": str(engine.parent.parent)}
+        out = run_cli("doctor", env=env)
+        self.assertIn(f"smolvm: {engine.resolve()}", out.stdout)
+        self.assertIn("found through the smolmachines package of this Python", out.stdout)
+        self.assertNotIn("get an engine", out.stdout)
+        out = run_cli("setup", "claude-code", env=env)
+        entry = json.loads(out.stdout)["mcpServers"]["smol"]
+        if entry["args"][:1] == ["run"]:  # uv runs the file: the client's uv brings the wheel back itself
+            self.assertEqual(entry["args"][1:3], ["--with", "smolmachines==1.32.2"])
+        else:
+            self.assertEqual(entry["env"]["SMOLVM"], str(engine.resolve()))
+
+    def test_root_with_a_root_only_kvm_is_told_about_the_uid_drop(self):
+        advice = smol_mcp.uid_drop_advice(0, 0o20600, {})
+        self.assertIn("SMOLVM_VM_UID_DROP=off", advice)
+        self.assertIn("KvmOpen(Error(13))", advice)
+        for euid, mode, environ in ((0, 0o20660, {}), (1000, 0o20600, {}), (0, 0o20600, {"SMOLVM_VM_UID_DROP": "off"}),
+                                    (0, None, {})):
+            self.assertIsNone(smol_mcp.uid_drop_advice(euid, mode, environ))
+        if os.geteuid() == 0 and smol_mcp.kvm_mode() is not None and not smol_mcp.kvm_mode() & 0o066:
+            env = {k: v for k, v in self.env.items() if k != "SMOLVM_VM_UID_DROP"}
+            out = run_cli("doctor", env={**env, "SMOLVM": str(FAKE_CLI)})
+            self.assertIn("set SMOLVM_VM_UID_DROP=off", out.stdout)
+            self.assertEqual(out.returncode, 1)
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_probe_reports_each_step_and_deletes_its_machine(self):
+        out = run_cli("doctor", "--probe", env={**self.env, "SMOLVM": str(FAKE_CLI)}, timeout=120)
+        for label in ("serve", "create", "start", "ready", "run", "delete"):
+            self.assertRegex(out.stdout, rf"\n  {label} +ok in \d+\.\d s")
+        self.assertIn("the local fleet can run machines here", out.stdout)
+        fake = FakeSmolvm(f"{self.tmp}/boot.sock", boot="fail")
+        fake.start()
+        try:
+            out = run_cli("doctor", "--probe", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/boot.sock"},
+                          timeout=120)
+            self.assertEqual(out.returncode, 1)
+            self.assertRegex(out.stdout, r"\n  start +FAILED after \d+\.\d s: .*agent did not become ready")
+            self.assertRegex(out.stdout, r"\n  delete +ok")
+            self.assertNotRegex(out.stdout, r"\n  run ")
+            self.assertNotIn("machine-logs", out.stdout)  # deleted: its console lines are in the report
+            self.assertIn("no boot progress for 30 seconds", out.stdout.split("console log:")[1])
+            self.assertEqual(fake.machines, {})
+        finally:
+            fake.stop()
 
 
 class SetupEntryTests(unittest.TestCase):
