@@ -993,9 +993,13 @@ def api_error(fleet: str, action: str, status: int, content_type: str, data: byt
             text, code = str(parsed.get("error") or text), str(parsed.get("code") or "")
         except (ValueError, AttributeError):
             pass
+    text = ANSI_ESCAPE_RE.sub("", text)  # the engine's log lines carry terminal colours into its messages
     if not text:
         text = "no such route on this serve (it may be older than this server expects)" if status == 404 else "no message"
     return ApiError(fleet, action, status, code, text)
+
+
+ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def parse_sse_lines(data: bytes) -> list[str]:
@@ -2045,7 +2049,7 @@ def explain_start_failure(err: Exception, network: str | None, log_lines: list[s
             return err.with_hint("The microVM could not boot on this host; the smol://targets resource says whether "
                                  "a usable hypervisor is present, and the machine's log (machine-logs) may say more")
         tail = "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
-        return err.with_hint("The microVM could not boot on this host, and the machine was deleted; the "
+        return err.with_hint("The microVM could not boot on this host, and the machine is deleted; the "
                              "smol://targets resource says whether a usable hypervisor is present. The last lines "
                              f"of its console log:\n{tail}")
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:

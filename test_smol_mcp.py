@@ -970,6 +970,12 @@ class AdviceTests(FakeServeCase):
         self.assertIn("could not reach the image registry", said)
         self.assertNotIn('network: "open"', said)
 
+    def test_terminal_colours_in_an_engine_message_are_removed(self):
+        body = json.dumps({"error": "monitor agent: \x1b[2m2026-12-01T01:21:07Z\x1b[0m \x1b[33m WARN\x1b[0m no resolver",
+                           "code": "INTERNAL_ERROR"}).encode()
+        err = smol_mcp.api_error("local", "start machine 'm'", 500, "application/json", body)
+        self.assertEqual(err.api_message, "monitor agent: 2026-12-01T01:21:07Z  WARN no resolver")
+
     async def test_create_reports_progress_within_its_first_second(self):
         real_create = self.app.local.create_machine
 
