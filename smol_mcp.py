@@ -1913,6 +1913,12 @@ class Call:
                                 abandon_on_cancel=True, limiter=self.app.thread_limiter())
         if waiting is None:
             return await run()
+        return await self.with_heartbeat(run, waiting)
+
+    async def with_heartbeat(self, run: Callable, waiting: str) -> Any:
+        """Await ``run()`` while a progress notification says what the call
+        waits on, at once and every few seconds until it returns."""
+        import anyio
         async with anyio.create_task_group() as group:
             async def heartbeat() -> None:
                 while True:
@@ -1932,22 +1938,13 @@ class Call:
     async def create(self, function: Callable, *args: Any, waiting: str = "creating the machine") -> Any:
         """Run a call that creates a machine to completion, even if the tool
         call is cancelled meanwhile: abandoned, it could create a machine after
-        the cleanup had already run, and nobody would delete it. A progress
-        notification goes out at once and every few seconds until it returns."""
+        the cleanup had already run, and nobody would delete it. Progress goes
+        out at once and every few seconds until it returns."""
         import anyio
+        run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args),
+                                limiter=self.app.thread_limiter())
         with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as group:
-                async def heartbeat() -> None:
-                    while True:
-                        await self.progress(None, f"{waiting}: {int(time.monotonic() - self.started)} s so far")
-                        await anyio.sleep(PROGRESS_INTERVAL_SECS)
-
-                group.start_soon(heartbeat)
-                try:
-                    return await anyio.to_thread.run_sync(functools.partial(function, *args),
-                                                          limiter=self.app.thread_limiter())
-                finally:
-                    group.cancel_scope.cancel()
+            return await self.with_heartbeat(run, waiting)
 
     async def progress(self, total: float | None, message: str) -> None:
         """A progress notification (a no-op unless the client asked for them).
