@@ -1035,11 +1035,13 @@ class ReplySizeTests(FakeServeCase):
     async def test_a_small_stream_leaves_its_share_to_the_other(self):
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "mcp-one", "image": "alpine"})
-            out = await self.ok(c, "run-command", {"name": "mcp-one", "command": "seq 100000; echo tiny >&2"})
-            self.assertEqual(out["stderr"], "tiny\n")
-            self.assertGreater(len(out["stdout"]), 50_000)  # most of the budget, not half of it
-            self.assertLessEqual(len(json.dumps(out["stdout"])) + len(json.dumps(out["stderr"])),
-                                 Config().max_output_bytes + 4)
+            for command, small, big in (("seq 100000; echo tiny >&2", "stderr", "stdout"),
+                                        ("echo tiny; seq 100000 >&2", "stdout", "stderr")):
+                out = await self.ok(c, "run-command", {"name": "mcp-one", "command": command})
+                self.assertEqual(out[small], "tiny\n")
+                self.assertGreater(len(out[big]), 50_000)  # most of the budget, not half of it
+                self.assertLessEqual(len(json.dumps(out["stdout"])) + len(json.dumps(out["stderr"])),
+                                     Config().max_output_bytes + 4)
 
 
 class StartFailureTests(FakeServeCase):
