@@ -1837,8 +1837,8 @@ ARG_NAME = _string("The machine's name (list-machines shows them).", minLength=1
 ARG_IMAGE = _string("An OCI image reference, such as alpine or python:3.12-alpine.", minLength=1)
 ARG_CPUS = _integer("Virtual CPUs (default from SMOL_MCP_CPUS).", maximum=255)
 ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128)
-ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image does not need it: the "
-                      "local engine fetches images on the host.", enum=["open", "blocked"])
+ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image does not "
+                      "need it: the local engine fetches images on the host.", enum=["open", "blocked"])
 ARG_ALLOW_HOSTS = {"type": "array", "items": _string("A host name.", minLength=1),
                    "description": "Allow egress only to these host names (and their subdomains)."}
 ARG_ALLOW_CIDRS = {"type": "array", "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
@@ -2015,8 +2015,8 @@ def command_argv(command: str | list[str]) -> list[str]:
     return ["sh", "-c", command] if isinstance(command, str) else list(command)
 
 
-HOST_UNREACHABLE_WORDS = ("dns error", "error sending request", "Connect", "connection refused", "timed out",
-                          "certificate")
+HOST_UNREACHABLE_WORDS = ("dns error", "error sending request", "Connect", "connection refused",
+                          "timed out", "certificate")
 
 
 def is_boot_failure(err: Exception) -> bool:
@@ -2033,22 +2033,25 @@ def explain_start_failure(err: Exception, network: str | None, log_lines: list[s
     text = err.api_message
     if network != "open" and "must be pulled" in text:
         # an older engine (1.14 line) refuses a registry image without guest egress
-        return err.with_hint('This engine pulls a registry image through the machine\'s own network, which is '
-                             'blocked; pass network: "open" to create-machine (or run-once) to allow the pull')
+        return err.with_hint('This engine pulls a registry image through the machine\'s own '
+                             'network, which is blocked; pass network: "open" to create-machine '
+                             '(or run-once) to allow the pull')
     if ("manifests" in text or "registry" in text) and any(word in text for word in HOST_UNREACHABLE_WORDS):
         # 1.32.2 fetches the image on the host: the guest's egress plays no part
-        return err.with_hint("The host this server runs on could not reach the image registry (the engine fetches "
-                             "images on the host, not in the machine, so opening the machine's network would not "
-                             "help); the operator has to fix the host's DNS, proxy or network access, or give an "
-                             "image that is already on the host")
+        return err.with_hint("The host this server runs on could not reach the image registry "
+                             "(the engine fetches images on the host, not in the machine, so "
+                             "opening the machine's network would not help); the operator has to "
+                             "fix the host's DNS, proxy or network access, or give an image that "
+                             "is already on the host")
     if is_boot_failure(err):
         if log_lines is None:
-            return err.with_hint("The microVM could not boot on this host; the smol://targets resource says whether "
-                                 "a usable hypervisor is present, and the machine's log (machine-logs) may say more")
+            return err.with_hint("The microVM could not boot on this host; the smol://targets "
+                                 "resource says whether a usable hypervisor is present, and the "
+                                 "machine's log (machine-logs) may say more")
         tail = "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
-        return err.with_hint("The microVM could not boot on this host, and the machine is deleted; the "
-                             "smol://targets resource says whether a usable hypervisor is present. The last lines "
-                             f"of its console log:\n{tail}")
+        return err.with_hint("The microVM could not boot on this host, and the machine is "
+                             "deleted; the smol://targets resource says whether a usable "
+                             f"hypervisor is present. The last lines of its console log:\n{tail}")
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
         return err.with_hint("Another machine or process holds that host port; pick another in ports[].host")
     return err
@@ -2520,10 +2523,11 @@ def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) ->
     KvmOpen(Error(13)). Say so now, with the switch that fixes it."""
     if euid != 0 or kvm_mode is None or kvm_mode & 0o066 or environ.get("SMOLVM_VM_UID_DROP") == "off":
         return None
-    return (f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops each VM to a uid of "
-            "its own, which cannot open /dev/kvm, so every start would fail with KvmOpen(Error(13)); set "
-            "SMOLVM_VM_UID_DROP=off in this server's environment (setup carries it into the client entry), or "
-            "let the kvm group read and write /dev/kvm")
+    return (f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops "
+            "each VM to a uid of its own, which cannot open /dev/kvm, so every start would fail "
+            "with KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment "
+            "(setup carries it into the client entry), or let the kvm group read and write "
+            "/dev/kvm")
 
 
 def engine_origin(configured: str, binary: str) -> str:
@@ -2579,8 +2583,9 @@ def local_target_facts(fleet: LocalFleet) -> dict:
         else:
             facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
     elif binary is None:
-        facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); get it with one of the "
-                                          "commands below, or set SMOLVM to its path")
+        facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); get "
+                                          "it with one of the commands below, or set SMOLVM to "
+                                          "its path")
     elif not hypervisor_ok:
         facts.update(usable=False, reason=hypervisor_reason)
     elif uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
@@ -2873,9 +2878,10 @@ def server_instructions(app: "SmolMcp") -> str:
     if app.mode == "both":
         lines.append("- Every tool needs target: \"local\" or \"cloud\"; there is no default.")
     if "local" in app.fleets:
-        lines.append("- Local: the engine fetches a registry image on the host, so a pull needs no egress in the "
-                     "machine: do not open the network for it. mounts, overlayGb, cmd and pull-image are local only; "
-                     "branch-machine needs a Linux or macOS host.")
+        lines.append("- Local: the engine fetches a registry image on the host, so a pull needs "
+                     "no egress in the machine: do not open the network for it. mounts, "
+                     "overlayGb, cmd and pull-image are local only; branch-machine needs a Linux "
+                     "or macOS host.")
     if "cloud" in app.fleets:
         lines.append("- Cloud: a command, read or write in a stopped machine starts it (startedMachine: true) and "
                      "leaves it running; published ports need open egress; delete-machine returns the settled usage.")
@@ -3506,13 +3512,16 @@ def parse_args(argv: list[str]):
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
     helpers = parser.add_subparsers(dest="command", metavar="{doctor,setup,parity}")
-    doctor_parser = helpers.add_parser("doctor", help="say whether each fleet works on this host, and what to do if not")
+    doctor_parser = helpers.add_parser(
+        "doctor", help="say whether each fleet works on this host, and what to do if not")
     doctor_parser.add_argument("--probe", action="store_true",
-                               help="also create, start, run `true` in and delete a throwaway local machine")
+                               help="also create, start, run `true` in and delete a throwaway "
+                                    "local machine")
     setup = helpers.add_parser("setup", help="print (or --write) the configuration for an MCP client")
     setup.add_argument("client", choices=SETUP_CLIENTS)
     setup.add_argument("--write", action="store_true", help="merge it into the client's config file (backup first)")
-    setup.add_argument("--force", action="store_true", help="with --write: replace an existing smol entry")
+    setup.add_argument("--force", action="store_true",
+                       help="with --write: replace an existing smol entry")
     setup.add_argument("--http", dest="http_url", metavar="URL",
                        help="an entry for a smol-mcp --http server at URL instead of a local stdio one")
     helpers.add_parser("parity", help="compare the routes this server calls with the running serve's OpenAPI")
@@ -3576,7 +3585,8 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
             print(ENGINE_ON_RAMP.format(script=Path(__file__).resolve()))
     if probe:
         if "local" not in app.fleets:
-            print("\nprobe: the local fleet is not served (SMOL_MCP_TARGETS), so there is nothing to probe")
+            print("\nprobe: the local fleet is not served (SMOL_MCP_TARGETS), so there is "
+                  "nothing to probe")
             return 1
         healthy = probe_local(app) and healthy
     return 0 if healthy else 1
@@ -3612,14 +3622,16 @@ def probe_local(app: SmolMcp) -> bool:
         deadline = time.monotonic() + config.ready_timeout_secs
         while (answer := fleet.probe_ready(name)) is not None:
             if time.monotonic() > deadline:
-                raise SmolError(f"the guest did not run a command within {config.ready_timeout_secs} s "
-                                f"(readyTimeoutSecs); its last answer: {answer}")
+                raise SmolError("the guest did not run a command within "
+                                f"{config.ready_timeout_secs} s (readyTimeoutSecs); its last "
+                                f"answer: {answer}")
             time.sleep(0.5)
 
     def run_true() -> None:
         result = fleet.exec(name, ["true"], timeout_secs=30)
         if result.exit_code != 0:
-            raise SmolError(f"`true` exited with {result.exit_code}: {result.stderr.decode('utf-8', 'replace')}")
+            raise SmolError(f"`true` exited with {result.exit_code}: "
+                            f"{result.stderr.decode('utf-8', 'replace')}")
 
     created = False
     fleet.acquire()
@@ -3634,7 +3646,8 @@ def probe_local(app: SmolMcp) -> bool:
         if created:
             ok = step("delete", lambda: fleet.delete_machine(name)) and ok
         fleet.release()
-    print(f"  result: {'the local fleet can run machines here' if ok else 'the local fleet cannot run machines here'}")
+    verdict = "can" if ok else "cannot"
+    print(f"  result: the local fleet {verdict} run machines here")
     return ok
 
 
@@ -3744,7 +3757,8 @@ def http_entry(client: str, http_url: str, config: Config) -> tuple[str, dict]:
                               "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
                               "env": {"AUTH_HEADER": "Bearer <paste the SMOL_MCP_AUTH_TOKEN value here>"}}
     reference = "${env:SMOL_MCP_AUTH_TOKEN}" if client == "cursor" else "${SMOL_MCP_AUTH_TOKEN}"
-    return "mcpServers", {"type": "http", "url": http_url, "headers": {"Authorization": f"Bearer {reference}"}}
+    return "mcpServers", {"type": "http", "url": http_url,
+                          "headers": {"Authorization": f"Bearer {reference}"}}
 
 
 def client_config_path(client: str) -> tuple[Path, str]:
@@ -3849,14 +3863,17 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
         try:
             json.loads(strip_jsonc(text))
         except ValueError:
-            raise SetupRefused(f"{path} does not parse as JSON ({err}); fix it, or paste the entry by hand") from None
-        raise SetupRefused(f"{path} has comments or trailing commas (JSONC); rewriting it would drop them, so "
-                           "paste the entry printed by `setup` without --write into it by hand") from None
+            raise SetupRefused(f"{path} does not parse as JSON ({err}); fix it, or paste the "
+                               "entry by hand") from None
+        raise SetupRefused(f"{path} has comments or trailing commas (JSONC); rewriting it would "
+                           "drop them, so paste the entry printed by `setup` without --write "
+                           "into it by hand") from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
         raise SetupRefused(f'{path} does not hold a JSON object with an object under "{key}"; fix it, or paste the '
                            "entry by hand")
     if "smol" in existing.get(key, {}) and not force:
-        raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; run again with --force to replace it')
+        raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; run again with '
+                           '--force to replace it')
     replacing = "smol" in existing.get(key, {})
     existing.setdefault(key, {})["smol"] = entry
     if client == "opencode":
@@ -3875,15 +3892,17 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     try:
         import tomllib
     except ImportError:
-        raise SetupRefused("checking the TOML before writing it needs Python 3.11 or newer (tomllib); print the "
-                           "entry without --write and paste it, or run this with a newer Python") from None
+        raise SetupRefused("checking the TOML before writing it needs Python 3.11 or newer "
+                           "(tomllib); print the entry without --write and paste it, or run this "
+                           "with a newer Python") from None
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise SetupRefused(f"{path} is not valid TOML ({err}); fix it, or paste the entry by hand") from None
     if "smol" in existing.get(key, {}):
         if not force:
-            raise SetupRefused(f"{path} already has [{key}.smol]; run again with --force to replace it")
+            raise SetupRefused(f"{path} already has [{key}.smol]; run again with --force to "
+                               "replace it")
         kept, skipping = [], False
         for line in text.splitlines(keepends=True):
             if SMOL_TABLE_RE.match(line):
@@ -3904,9 +3923,10 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     if (parsed is None or parsed.get(key, {}).get("smol") != entry
             or {k: v for k, v in parsed[key].items() if k != "smol"} != others
             or {k: v for k, v in parsed.items() if k != key} != {k: v for k, v in existing.items() if k != key}):
-        raise SetupRefused(f"appending [{key}.smol] to {path} would not give valid TOML with every other setting "
-                           f"kept (for example when {key} is written as an inline table, {key} = {{...}}); nothing "
-                           "was written: paste the entry printed by `setup` without --write by hand")
+        raise SetupRefused(f"appending [{key}.smol] to {path} would not give valid TOML with "
+                           f"every other setting kept (for example when {key} is written as an "
+                           f"inline table, {key} = {{...}}); nothing was written: paste the entry "
+                           "printed by `setup` without --write by hand")
     return merged, "smol" in existing.get(key, {})
 
 
@@ -3923,8 +3943,8 @@ def setup(client: str, http_url: str | None, write: bool, force: bool = False) -
     path, scope = client_config_path(client)
     command = one_liner(client, entry)
     if client == "claude-desktop" and not http_url and any(os.environ.get(n) for n in SECRET_ENVS):
-        print("# claude-desktop reads no environment: to serve the cloud fleet, add SMOL_CLOUD_TOKEN to the "
-              "entry's env by hand (the key is not copied for you)", file=sys.stderr)
+        print("# claude-desktop reads no environment: to serve the cloud fleet, add "
+              "SMOL_CLOUD_TOKEN to the entry's env by hand (the key is not copied for you)", file=sys.stderr)
     if not write:
         print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)  # stdout stays pastable
         if command:
@@ -4009,9 +4029,9 @@ def main(argv: list[str] | None = None) -> int:
                   args.path or config.http_path)
     else:
         if sys.stdin.isatty():
-            print("smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a client (Ctrl-C to "
-                  "stop); to check this host run `smol-mcp doctor`, to configure a client `smol-mcp setup "
-                  "CLIENT` (see --help)", file=sys.stderr, flush=True)
+            print("smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
+                  "client (Ctrl-C to stop); to check this host run `smol-mcp doctor`, to "
+                  "configure a client `smol-mcp setup CLIENT` (see --help)", file=sys.stderr, flush=True)
         anyio.run(run_stdio, app.server)
     return 0
 
