@@ -564,7 +564,7 @@ class LocalFleet:
         if os.sep in configured:
             return configured if os.access(configured, os.X_OK) else None
         found = shutil.which(configured, path=self.environ.get("PATH"))
-        if found is None and configured == Config.smolvm:  # not set: the wheel's engine is the next best
+        if found is None and configured == Config.smolvm:  # not set: next best, the wheel's engine
             found = wheel_engine()
         return found
 
@@ -993,7 +993,7 @@ def api_error(fleet: str, action: str, status: int, content_type: str, data: byt
             text, code = str(parsed.get("error") or text), str(parsed.get("code") or "")
         except (ValueError, AttributeError):
             pass
-    text = ANSI_ESCAPE_RE.sub("", text)  # the engine's log lines carry terminal colours into its messages
+    text = ANSI_ESCAPE_RE.sub("", text)  # engine log lines carry terminal colours into messages
     if not text:
         text = "no such route on this serve (it may be older than this server expects)" if status == 404 else "no message"
     return ApiError(fleet, action, status, code, text)
@@ -1838,7 +1838,8 @@ ARG_IMAGE = _string("An OCI image reference, such as alpine or python:3.12-alpin
 ARG_CPUS = _integer("Virtual CPUs (default from SMOL_MCP_CPUS).", maximum=255)
 ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128)
 ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image does not "
-                      "need it: the local engine fetches images on the host.", enum=["open", "blocked"])
+                      "need it: the local engine fetches images on the host.",
+                      enum=["open", "blocked"])
 ARG_ALLOW_HOSTS = {"type": "array", "items": _string("A host name.", minLength=1),
                    "description": "Allow egress only to these host names (and their subdomains)."}
 ARG_ALLOW_CIDRS = {"type": "array", "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
@@ -1935,7 +1936,8 @@ class Call:
             raise failure
         return value
 
-    async def create(self, function: Callable, *args: Any, waiting: str = "creating the machine") -> Any:
+    async def create(self, function: Callable, *args: Any,
+                     waiting: str = "creating the machine") -> Any:
         """Run a call that creates a machine to completion, even if the tool
         call is cancelled meanwhile: abandoned, it could create a machine after
         the cleanup had already run, and nobody would delete it. Progress goes
@@ -2021,10 +2023,12 @@ HOST_UNREACHABLE_WORDS = ("dns error", "error sending request", "Connect", "conn
 
 def is_boot_failure(err: Exception) -> bool:
     text = err.api_message if isinstance(err, ApiError) else ""
-    return "did not become ready" in text or "before the agent was ready" in text or "KvmOpen" in text
+    return any(words in text for words in ("did not become ready", "before the agent was ready",
+                                            "KvmOpen"))
 
 
-def explain_start_failure(err: Exception, network: str | None, log_lines: list[str] | None = None) -> Exception:
+def explain_start_failure(err: Exception, network: str | None,
+                          log_lines: list[str] | None = None) -> Exception:
     """Add the one sentence that says what to do about a failed start.
     ``log_lines``, when given, are the console lines of a machine that has
     been deleted since (so pointing at machine-logs would lead nowhere)."""
@@ -2036,7 +2040,8 @@ def explain_start_failure(err: Exception, network: str | None, log_lines: list[s
         return err.with_hint('This engine pulls a registry image through the machine\'s own '
                              'network, which is blocked; pass network: "open" to create-machine '
                              '(or run-once) to allow the pull')
-    if ("manifests" in text or "registry" in text) and any(word in text for word in HOST_UNREACHABLE_WORDS):
+    host_failed = any(word in text for word in HOST_UNREACHABLE_WORDS)
+    if ("manifests" in text or "registry" in text) and host_failed:
         # 1.32.2 fetches the image on the host: the guest's egress plays no part
         return err.with_hint("The host this server runs on could not reach the image registry "
                              "(the engine fetches images on the host, not in the machine, so "
@@ -2048,7 +2053,8 @@ def explain_start_failure(err: Exception, network: str | None, log_lines: list[s
             return err.with_hint("The microVM could not boot on this host; the smol://targets "
                                  "resource says whether a usable hypervisor is present, and the "
                                  "machine's log (machine-logs) may say more")
-        tail = "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
+        tail = ("\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines
+                else "(the console log was empty)")
         return err.with_hint("The microVM could not boot on this host, and the machine is "
                              "deleted; the smol://targets resource says whether a usable "
                              f"hypervisor is present. The last lines of its console log:\n{tail}")
@@ -2121,7 +2127,8 @@ async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, k
                               # 124 is what the guest reports for a command it killed at its timeout
                               "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1, "overflow": []}
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
-    for (stream, data), share in zip((("stdout", result.stdout), ("stderr", result.stderr)), shares):
+    streams = (("stdout", result.stdout), ("stderr", result.stderr))
+    for (stream, data), share in zip(streams, shares):
         lost = ""
         if stream in result.cut_by_service:
             shaped["truncated"] = True
@@ -2521,7 +2528,8 @@ def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) ->
     """As root, smolvm runs each VM under a uid of its own, which cannot open
     a /dev/kvm that only root may open: the start then fails much later with
     KvmOpen(Error(13)). Say so now, with the switch that fixes it."""
-    if euid != 0 or kvm_mode is None or kvm_mode & 0o066 or environ.get("SMOLVM_VM_UID_DROP") == "off":
+    if (euid != 0 or kvm_mode is None or kvm_mode & 0o066
+            or environ.get("SMOLVM_VM_UID_DROP") == "off"):
         return None
     return (f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops "
             "each VM to a uid of its own, which cannot open /dev/kvm, so every start would fail "
@@ -3640,7 +3648,8 @@ def probe_local(app: SmolMcp) -> bool:
         created = ok and step("create", lambda: fleet.request(
             f"create machine '{name}'", "POST", "/api/v1/machines",
             {"name": name, "cpus": 1, "memoryMb": 512, "network": False}))
-        ok = created and step("start", lambda: fleet.start_machine(name)) and step("ready", wait_ready)
+        ok = created and step("start", lambda: fleet.start_machine(name))
+        ok = ok and step("ready", wait_ready)
         ok = ok and step("run", run_true)
     finally:
         if created:
@@ -3682,11 +3691,12 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
     client starts the same server that doctor checked."""
     env = {s.env: environ[s.env] for s in SETTINGS if s.kind != "secret" and s.env in environ}
     env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
-    if config_file_path(environ).exists():  # perhaps found through XDG_CONFIG_HOME, which a client may not have
+    if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
         env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
     if not environ.get("SMOL_LOCAL_URL"):
         configured = environ.get("SMOLVM", Config.smolvm)
-        found = configured if os.sep in configured else shutil.which(configured, path=environ.get("PATH"))
+        found = (configured if os.sep in configured
+                 else shutil.which(configured, path=environ.get("PATH")))
         if found is None and configured == Config.smolvm:
             found = wheel_engine()
         if found:
@@ -3694,20 +3704,23 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
     return env, [name for name in SECRET_ENVS if environ.get(name)]
 
 
-CODEX_STARTUP_TIMEOUT_SECS = 60  # the first `uv run` of the file resolves its two packages before it answers
+CODEX_STARTUP_TIMEOUT_SECS = 60  # a first `uv run` of the file resolves packages before answering
 
 
 def codex_timeouts(config: Config) -> dict[str, int]:
     """Codex gives a server 10 s to start and a tool call 60 s; a create can
     wait for the serve, then for readiness, and a command for its timeout."""
-    longest = config.serve_start_timeout_secs + config.ready_timeout_secs + config.max_exec_timeout_secs + 60
+    longest = (config.serve_start_timeout_secs + config.ready_timeout_secs
+               + config.max_exec_timeout_secs + 60)
     return {"startup_timeout_sec": CODEX_STARTUP_TIMEOUT_SECS, "tool_timeout_sec": longest}
 
 
 def secret_reference(client: str, name: str) -> str | None:
     """How the client's config names an environment variable, or None when
     it cannot (Claude Desktop reads no environment and expands nothing)."""
-    return {"claude-code": f"${{{name}}}", "cursor": f"${{env:{name}}}", "opencode": f"{{env:{name}}}"}.get(client)
+    forms = {"claude-code": f"${{{name}}}", "cursor": f"${{env:{name}}}",
+             "opencode": f"{{env:{name}}}"}
+    return forms.get(client)
 
 
 def client_entry(client: str, http_url: str | None, config: Config | None = None,
@@ -3722,7 +3735,7 @@ def client_entry(client: str, http_url: str | None, config: Config | None = None
     env, secrets = entry_environment(environ)
     wheel = wheel_engine()
     if wheel and env.get("SMOLVM") == wheel and command[1:3] == ["run", "--script"]:
-        # uv's environment of the moment may be pruned; the client's own `uv run` brings the wheel back
+        # uv's environment of the moment may be pruned; the client's `uv run` brings the wheel back
         import importlib.metadata
         command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
         del env["SMOLVM"]
@@ -3734,13 +3747,15 @@ def client_entry(client: str, http_url: str | None, config: Config | None = None
         return "mcp", {"type": "local", "command": command, "enabled": True,
                        **({"environment": env} if env else {})}
     if client == "codex":
-        entry: dict[str, Any] = {"command": command[0], "args": command[1:], **codex_timeouts(config)}
+        entry: dict[str, Any] = {"command": command[0], "args": command[1:],
+                                 **codex_timeouts(config)}
         if secrets:
             entry["env_vars"] = secrets  # Codex forwards these from its own environment
         if env:
             entry["env"] = env
         return "mcp_servers", entry
-    return "mcpServers", {"command": command[0], "args": command[1:], **({"env": env} if env else {})}
+    return "mcpServers", {"command": command[0], "args": command[1:],
+                          **({"env": env} if env else {})}
 
 
 def http_entry(client: str, http_url: str, config: Config) -> tuple[str, dict]:
@@ -3775,8 +3790,10 @@ def client_config_path(client: str) -> tuple[Path, str]:
     if client == "codex":
         return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml", "user"
     if sys.platform == "darwin":
-        return home / "Library" / "Application Support" / "Claude" / "claude_desktop_config.json", "user"
-    return Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "Claude" / "claude_desktop_config.json", "user"
+        support = home / "Library" / "Application Support"
+        return support / "Claude" / "claude_desktop_config.json", "user"
+    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+    return config_home / "Claude" / "claude_desktop_config.json", "user"
 
 
 def toml_value(value: Any) -> str:
@@ -3801,7 +3818,8 @@ def toml_key(key: str) -> str:
 
 def render_entry(client: str, key: str, entry: dict) -> str:
     if client == "codex":
-        lines = [f"[{key}.smol]"] + [f"{field} = {toml_value(value)}" for field, value in entry.items()]
+        lines = [f"[{key}.smol]"]
+        lines += [f"{field} = {toml_value(value)}" for field, value in entry.items()]
         return "\n".join(lines) + "\n"
     document = {key: {"smol": entry}}
     if client == "opencode":
@@ -3818,7 +3836,8 @@ def one_liner(client: str, entry: dict) -> str | None:
     argv = [entry["command"], *entry["args"]]
     if client == "claude-code":
         flags = [part for pair in env for part in ("-e", pair)]
-        return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv])
+        return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--",
+                           *argv])
     flags = [part for pair in env for part in ("--env", pair)]
     return shlex.join(["codex", "mcp", "add", *flags, "smol", "--", *argv])
 
@@ -3826,7 +3845,8 @@ def one_liner(client: str, entry: dict) -> str | None:
 def backup_dir(environ: dict[str, str]) -> Path:
     """Backups go under the user's state directory, not beside a project
     file where they would be committed or read by the client."""
-    base = environ.get("XDG_STATE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".local" / "state")
+    home = Path(environ.get("HOME") or Path.home())
+    base = environ.get("XDG_STATE_HOME") or str(home / ".local" / "state")
     return Path(base) / "smol-mcp" / "backups"
 
 
@@ -3856,7 +3876,8 @@ def strip_jsonc(text: str) -> str:
     return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
 
 
-def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force: bool) -> tuple[str, bool]:
+def merge_json(path: Path, text: str, key: str, entry: dict, client: str,
+               force: bool) -> tuple[str, bool]:
     try:
         existing = json.loads(text) if text.strip() else {}
     except ValueError as err:
@@ -3869,8 +3890,8 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
                            "drop them, so paste the entry printed by `setup` without --write "
                            "into it by hand") from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
-        raise SetupRefused(f'{path} does not hold a JSON object with an object under "{key}"; fix it, or paste the '
-                           "entry by hand")
+        raise SetupRefused(f'{path} does not hold a JSON object with an object under "{key}"; '
+                           "fix it, or paste the entry by hand")
     if "smol" in existing.get(key, {}) and not force:
         raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; run again with '
                            '--force to replace it')
@@ -3885,7 +3906,8 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
     return merged, replacing
 
 
-SMOL_TABLE_RE = re.compile(r"^\s*\[\s*(mcp_servers|\"mcp_servers\")\s*\.\s*(smol|\"smol\")\s*(\.[^\]]*)?\]\s*(#.*)?$")
+SMOL_TABLE_RE = re.compile(r"^\s*\[\s*(mcp_servers|\"mcp_servers\")\s*\.\s*(smol|\"smol\")"
+                           r"\s*(\.[^\]]*)?\]\s*(#.*)?$")
 
 
 def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tuple[str, bool]:
@@ -3898,7 +3920,8 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise SetupRefused(f"{path} is not valid TOML ({err}); fix it, or paste the entry by hand") from None
+        raise SetupRefused(f"{path} is not valid TOML ({err}); fix it, or paste the entry by "
+                           "hand") from None
     if "smol" in existing.get(key, {}):
         if not force:
             raise SetupRefused(f"{path} already has [{key}.smol]; run again with --force to "
@@ -3914,7 +3937,8 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
                 kept.append(line)
         text = "".join(kept)
     block = render_entry("codex", key, entry)
-    merged = text + ("\n" if text and not text.endswith("\n") else "") + ("\n" if text.strip() else "") + block
+    separator = ("\n" if text and not text.endswith("\n") else "") + ("\n" if text.strip() else "")
+    merged = text + separator + block
     try:
         parsed = tomllib.loads(merged)
     except tomllib.TOMLDecodeError:
@@ -3922,7 +3946,8 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     others = {k: v for k, v in existing.get(key, {}).items() if k != "smol"}
     if (parsed is None or parsed.get(key, {}).get("smol") != entry
             or {k: v for k, v in parsed[key].items() if k != "smol"} != others
-            or {k: v for k, v in parsed.items() if k != key} != {k: v for k, v in existing.items() if k != key}):
+            or {k: v for k, v in parsed.items() if k != key}
+            != {k: v for k, v in existing.items() if k != key}):
         raise SetupRefused(f"appending [{key}.smol] to {path} would not give valid TOML with "
                            f"every other setting kept (for example when {key} is written as an "
                            f"inline table, {key} = {{...}}); nothing was written: paste the entry "
@@ -3944,9 +3969,11 @@ def setup(client: str, http_url: str | None, write: bool, force: bool = False) -
     command = one_liner(client, entry)
     if client == "claude-desktop" and not http_url and any(os.environ.get(n) for n in SECRET_ENVS):
         print("# claude-desktop reads no environment: to serve the cloud fleet, add "
-              "SMOL_CLOUD_TOKEN to the entry's env by hand (the key is not copied for you)", file=sys.stderr)
+              "SMOL_CLOUD_TOKEN to the entry's env by hand (the key is not copied for you)",
+              file=sys.stderr)
     if not write:
-        print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)  # stdout stays pastable
+        # on stderr, so that stdout stays pastable as it is
+        print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)
         if command:
             print(f"# or run: {command}", file=sys.stderr)
         print(render_entry(client, key, entry), end="")
@@ -4031,7 +4058,8 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdin.isatty():
             print("smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
                   "client (Ctrl-C to stop); to check this host run `smol-mcp doctor`, to "
-                  "configure a client `smol-mcp setup CLIENT` (see --help)", file=sys.stderr, flush=True)
+                  "configure a client `smol-mcp setup CLIENT` (see --help)",
+                  file=sys.stderr, flush=True)
         anyio.run(run_stdio, app.server)
     return 0
 
