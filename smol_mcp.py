@@ -406,6 +406,19 @@ RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024  # below this, streaming the file from i
 RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'  # -L: a link's target
 
 
+def wheel_engine() -> str | None:
+    """The smol/smol-vmm of a smolmachines package installed for the running
+    interpreter (``uv run --with smolmachines smol_mcp.py``): the full smolvm
+    CLI. Found through the package metadata, without importing the package."""
+    import importlib.metadata
+    try:
+        distribution = importlib.metadata.distribution("smolmachines")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = Path(str(distribution.locate_file("smol/smol-vmm")))
+    return str(path.resolve()) if os.access(path, os.X_OK) else None
+
+
 def inside_smol_guest() -> bool:
     """True when this process runs inside a smol machine, where there is no
     hypervisor to start a nested fleet with."""
@@ -717,7 +730,10 @@ class LocalFleet:
         configured = self.config.smolvm
         if os.sep in configured:
             return configured if os.access(configured, os.X_OK) else None
-        return shutil.which(configured, path=self.environ.get("PATH"))
+        found = shutil.which(configured, path=self.environ.get("PATH"))
+        if found is None and configured == Config.smolvm:  # not set: next best, the wheel's engine
+            found = wheel_engine()
+        return found
 
     def ensure_serve(self) -> None:
         """Make sure a serve answers, starting ours if needed, and check its version once."""
@@ -1293,9 +1309,13 @@ def api_error(fleet: str, action: str, status: int, content_type: str, data: byt
             text, code = str(parsed.get("error") or text), str(parsed.get("code") or "")
         except (ValueError, AttributeError):
             pass
+    text = ANSI_ESCAPE_RE.sub("", text)  # engine log lines carry terminal colours into messages
     if not text:
         text = "no such route on this serve (it may be older than this server expects)" if status == 404 else "no message"
     return ApiError(fleet, action, status, code, text)
+
+
+ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def parse_sse_lines(data: bytes) -> list[str]:
@@ -2128,6 +2148,48 @@ def utf8_suffix_start(data: bytes, start: int) -> int:
     return start
 
 
+def json_chars(text: str) -> int:
+    """How many characters ``text`` takes inside the JSON a client hands the
+    model (quotes and escapes included; non-ASCII kept as it is)."""
+    return len(json.dumps(text, ensure_ascii=False))
+
+
+def reply_json(result: dict) -> str:
+    """The text content of a structured tool result: the same JSON, with
+    non-ASCII kept as characters (escaping it would cost six per character)."""
+    return json.dumps(result, indent=2, ensure_ascii=False)
+
+
+def stream_shares(escaped: tuple[int, int], limit: int) -> tuple[int, int]:
+    """Split the reply budget (``limit`` JSON characters for both streams
+    together) between stdout and stderr: a stream that needs less than half
+    leaves the rest to the other."""
+    if sum(escaped) <= limit:
+        return escaped
+    half = limit // 2
+    if escaped[0] <= half:
+        return escaped[0], limit - escaped[0]
+    if escaped[1] <= half:
+        return limit - escaped[1], escaped[1]
+    return half, limit - half
+
+
+def fit_stream(data: bytes, limit: int, chars: int, where: str) -> tuple[str, int]:
+    """head_and_tail with the largest byte budget <= ``limit`` whose text,
+    escaped as JSON, takes at most ``chars`` characters (escapes such as \\n
+    make text longer than its bytes, so the bytes alone do not bound it)."""
+    low, high = 0, min(limit, len(data))
+    best = head_and_tail(data, 0, where)
+    while low <= high:
+        middle = (low + high) // 2
+        shaped = head_and_tail(data, middle, where)
+        if json_chars(shaped[0]) <= chars:
+            best, low = shaped, middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
 def head_and_tail(data: bytes, limit: int, where: str) -> tuple[str, int]:
     """The text to return for one stream and how many bytes were left out.
     ``where`` finishes the marker sentence (where the whole stream is)."""
@@ -2275,8 +2337,9 @@ ARG_NAME = _string("The machine's name (list-machines shows them).", minLength=1
 ARG_IMAGE = _string("An OCI image reference, such as alpine or python:3.12-alpine.", minLength=1)
 ARG_CPUS = _integer("Virtual CPUs (default from SMOL_MCP_CPUS).", maximum=255)
 ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128)
-ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image on the local fleet needs "
-                      "\"open\" for its first pull.", enum=["open", "blocked"])
+ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image does not "
+                      "need it: the local engine fetches images on the host.",
+                      enum=["open", "blocked"])
 ARG_ALLOW_HOSTS = {"type": "array", "items": _string("A host name.", minLength=1),
                    "description": "Allow egress only to these host names (and their subdomains)."}
 ARG_ALLOW_CIDRS = {"type": "array", "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
@@ -2421,6 +2484,12 @@ class Call:
                                 abandon_on_cancel=True, limiter=self.app.thread_limiter())
         if waiting is None:
             return await run()
+        return await self.with_heartbeat(run, waiting)
+
+    async def with_heartbeat(self, run: Callable, waiting: str) -> Any:
+        """Await ``run()`` while a progress notification says what the call
+        waits on, at once and every few seconds until it returns."""
+        import anyio
         async with anyio.create_task_group() as group:
             async def heartbeat() -> None:
                 while True:
@@ -2437,13 +2506,17 @@ class Call:
             raise failure
         return value
 
-    async def create(self, function: Callable, *args: Any) -> Any:
+    async def create(self, function: Callable, *args: Any,
+                     waiting: str = "creating the machine") -> Any:
         """Run a call that creates a machine to completion, even if the tool
         call is cancelled meanwhile: abandoned, it could create a machine after
-        the cleanup had already run, and nobody would delete it."""
+        the cleanup had already run, and nobody would delete it. Progress goes
+        out at once and every few seconds until it returns."""
         import anyio
+        run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args),
+                                limiter=self.app.thread_limiter())
         with anyio.CancelScope(shield=True):
-            return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=self.app.thread_limiter())
+            return await self.with_heartbeat(run, waiting)
 
     def progress_token(self) -> Any:
         """The client's progress token, or None when it asked for no progress."""
@@ -2529,20 +2602,63 @@ def command_argv(command: str | list[str]) -> list[str]:
     return ["sh", "-c", command] if isinstance(command, str) else list(command)
 
 
-def explain_start_failure(err: Exception, network: str | None) -> Exception:
-    """Add the one sentence that says what to do about a failed start."""
+HOST_UNREACHABLE_WORDS = ("dns error", "error sending request", "Connect", "connection refused",
+                          "timed out", "certificate")
+
+
+def is_boot_failure(err: Exception) -> bool:
+    text = err.api_message if isinstance(err, ApiError) else ""
+    return any(words in text for words in ("did not become ready", "before the agent was ready",
+                                            "KvmOpen"))
+
+
+def explain_start_failure(err: Exception, network: str | None,
+                          log_lines: list[str] | None = None) -> Exception:
+    """Add the one sentence that says what to do about a failed start.
+    ``log_lines``, when given, are the console lines of a machine that has
+    been deleted since (so pointing at machine-logs would lead nowhere)."""
     if not isinstance(err, ApiError):
         return err
     text = err.api_message
-    if network != "open" and ("registry" in text or "must be pulled" in text or "manifests" in text):
-        return err.with_hint('The image has to be pulled from a registry and this machine has no egress; pass '
-                             'network: "open" to create-machine (or run-once) to allow the pull')
-    if "did not become ready" in text or "before the agent was ready" in text or "KvmOpen" in text:
-        return err.with_hint("The microVM could not boot on this host; the smol://targets resource says whether a "
-                             "usable hypervisor is present, and the machine's log (machine-logs) may say more")
+    if network != "open" and "must be pulled" in text:
+        # an older engine (1.14 line) refuses a registry image without guest egress
+        return err.with_hint('This engine pulls a registry image through the machine\'s own '
+                             'network, which is blocked; pass network: "open" to create-machine '
+                             '(or run-once) to allow the pull')
+    host_failed = any(word in text for word in HOST_UNREACHABLE_WORDS)
+    if ("manifests" in text or "registry" in text) and host_failed:
+        # 1.32.2 fetches the image on the host: the guest's egress plays no part
+        return err.with_hint("The host this server runs on could not reach the image registry "
+                             "(the engine fetches images on the host, not in the machine, so "
+                             "opening the machine's network would not help); the operator has to "
+                             "fix the host's DNS, proxy or network access, or give an image that "
+                             "is already on the host")
+    if is_boot_failure(err):
+        if log_lines is None:
+            return err.with_hint("The microVM could not boot on this host; the smol://targets "
+                                 "resource says whether a usable hypervisor is present, and the "
+                                 "machine's log (machine-logs) may say more")
+        tail = ("\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines
+                else "(the console log was empty)")
+        return err.with_hint("The microVM could not boot on this host, and the machine is "
+                             "deleted; the smol://targets resource says whether a usable "
+                             f"hypervisor is present. The last lines of its console log:\n{tail}")
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
         return err.with_hint("Another machine or process holds that host port; pick another in ports[].host")
     return err
+
+
+BOOT_LOG_LINES = 20
+
+
+async def last_log_lines(call: Call, name: str) -> list[str]:
+    """The console lines of a machine about to be deleted after a failed
+    start, for the error (empty when the log cannot be read)."""
+    try:
+        return (await call.api(call.fleet.console_lines, name))[-BOOT_LOG_LINES:]
+    except Exception as err:  # the error being reported matters more than its log
+        log.debug("could not read the log of %s: %s", name, err)
+        return []
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
@@ -2702,19 +2818,26 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
 
 async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, keep_overflow: bool) -> dict:
     """The run-command result: both streams within the budget, and a stream
-    that did not fit written whole into the machine, its path in ``overflow``."""
+    that did not fit written whole into the machine, its path in ``overflow``.
+    The budget is maxOutputBytes twice over: each stream keeps at most that
+    many bytes, and both together, as the JSON a client shows the model, at
+    most that many characters (65536 by default: about 22,000 tokens at three
+    characters a token, under the 25,000 Claude Code accepts)."""
     limit = call.config.max_output_bytes
+    shares = stream_shares((json_chars(result.stdout.decode("utf-8", "replace")) - 2,
+                            json_chars(result.stderr.decode("utf-8", "replace")) - 2), limit)
     shaped: dict[str, Any] = {"stdout": "", "stderr": "", "exitCode": result.exit_code, "truncated": False,
                               # 124 is what the guest reports for a command it killed at its timeout
                               "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1, "overflow": []}
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
-    for stream, data in (("stdout", result.stdout), ("stderr", result.stderr)):
+    streams = (("stdout", result.stdout), ("stderr", result.stderr))
+    for (stream, data), share in zip(streams, shares):
         lost = ""
         if stream in result.cut_by_service:
             shaped["truncated"] = True
             lost = (f"\n[... smol-mcp: the cloud API cut {stream} here, at {len(data)} bytes; what followed was not "
                     "returned by the service and is lost ...]\n")
-        if len(data) <= limit:
+        if len(data) <= limit and json_chars(data.decode("utf-8", "replace")) - 2 <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
             continue
         shaped["truncated"] = True
@@ -2729,7 +2852,7 @@ async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, k
                 where = f"{kept} {len(data)} bytes of the stream are in the machine at {path} (read it with read-file)"
             except SmolError as err:
                 where = f"the whole stream could not be saved in the machine: {err}"
-        shaped[stream], _ = head_and_tail(data, limit, where)
+        shaped[stream], _ = fit_stream(data, limit, share, where)
         shaped[stream] += lost
     return shaped
 
@@ -2861,9 +2984,10 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     try:
         record = await start_and_wait(call, name, spec.branchable)
     except BaseException as err:
+        lines = await last_log_lines(call, name) if is_boot_failure(err) else None
         await call.delete_quietly(name)
         if isinstance(err, Exception):
-            raise explain_start_failure(err, spec.network) from None
+            raise explain_start_failure(err, spec.network, lines) from None
         raise
     return {"machine": record, "ephemeral": ephemeral, "ready": True}
 
@@ -2881,7 +3005,7 @@ async def create_recorded(call: Call, name: str, create: Callable, *args: Any,
     if claimed:
         owners.claim(call.fleet.name, name, owner or call.principal.name)
     try:
-        return await call.create(create, *args)
+        return await call.create(create, *args, waiting=f"creating '{name}'")
     except SmolError:
         if added:
             call.session.forget(call.fleet.name, name)
@@ -2911,7 +3035,8 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         try:
             await start_and_wait(call, name)
         except Exception as err:
-            raise explain_start_failure(err, spec.network) from None
+            lines = await last_log_lines(call, name) if is_boot_failure(err) else None
+            raise explain_start_failure(err, spec.network, lines) from None
         since = now_utc()
         result = await run_in_machine(call, name, command_argv(args["command"]),
                                       timeout_secs=timeout, workdir=args.get("workdir"),
@@ -3520,6 +3645,36 @@ LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
 LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs")
 
 
+def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) -> str | None:
+    """As root, smolvm runs each VM under a uid of its own, which cannot open
+    a /dev/kvm that only root may open: the start then fails much later with
+    KvmOpen(Error(13)). Say so now, with the switch that fixes it."""
+    if (euid != 0 or kvm_mode is None or kvm_mode & 0o066
+            or environ.get("SMOLVM_VM_UID_DROP") == "off"):
+        return None
+    return (f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops "
+            "each VM to a uid of its own, which cannot open /dev/kvm, so every start would fail "
+            "with KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment "
+            "(setup carries it into the client entry), or let the kvm group read and write "
+            "/dev/kvm")
+
+
+def engine_origin(configured: str, binary: str) -> str:
+    """How the engine in use was found, in words for doctor."""
+    if os.sep in configured:
+        return "SMOLVM"
+    if binary == wheel_engine() and not shutil.which(configured):
+        return "the smolmachines package of this Python (smolvm is not on PATH)"
+    return "PATH"
+
+
+def kvm_mode() -> int | None:
+    try:
+        return os.stat("/dev/kvm").st_mode
+    except OSError:
+        return None
+
+
 def hypervisor_status() -> tuple[bool, str]:
     """Whether this host can run microVMs, and if not, why and what to do."""
     if sys.platform == "darwin":
@@ -3541,7 +3696,8 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     facts.update({
         "insideGuest": guest,
         "hypervisor": {"present": hypervisor_ok, "detail": hypervisor_reason},
-        "smolvm": {"path": binary, "version": fleet.version},
+        "smolvm": {"path": binary, "version": fleet.version,
+                   "from": engine_origin(fleet.config.smolvm, binary) if binary else None},
         "serve": fleet.config.local_url or "started on the first local tool call",
         "minSmolvm": fleet.config.min_smolvm or None,
     })
@@ -3556,9 +3712,13 @@ def local_target_facts(fleet: LocalFleet) -> dict:
         else:
             facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
     elif binary is None:
-        facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); install it or set SMOLVM")
+        facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); get "
+                                          "it with one of the commands below, or set SMOLVM to "
+                                          "its path")
     elif not hypervisor_ok:
         facts.update(usable=False, reason=hypervisor_reason)
+    elif uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
+        facts.update(usable=False, reason=uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ))
     elif running_version is None and rollout_port_taken():
         facts.update(usable=False, reason="another smolvm serve already runs on this host (127.0.0.1:10081 is "
                                           "taken); set SMOL_LOCAL_URL to its socket, or stop it")
@@ -4341,8 +4501,10 @@ def server_instructions(app: "SmolMcp") -> str:
     if app.mode == "both":
         lines.append("- Every tool needs target: \"local\" or \"cloud\"; there is no default.")
     if "local" in app.fleets:
-        lines.append("- Local: a registry image needs network: \"open\" for its first pull; mounts, overlayGb, cmd and "
-                     "pull-image are local only; branch-machine needs a Linux or macOS host.")
+        lines.append("- Local: the engine fetches a registry image on the host, so a pull needs "
+                     "no egress in the machine: do not open the network for it. mounts, "
+                     "overlayGb, cmd and pull-image are local only; branch-machine needs a Linux "
+                     "or macOS host.")
     if "cloud" in app.fleets:
         lines.append("- Cloud: a command, read or write in a stopped machine starts it (startedMachine: true) and "
                      "leaves it running; published ports need open egress; delete-machine returns the settled usage.")
@@ -4638,7 +4800,7 @@ class SmolMcp:
             log.exception("tool %s failed unexpectedly", name)
             return tool_error(redact(f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
                                      "smol-mcp; the server log has the details.", self.config.secret_values()))
-        return types.CallToolResult(content=[types.TextContent(type="text", text=json.dumps(result, indent=2))],
+        return types.CallToolResult(content=[types.TextContent(type="text", text=reply_json(result))],
                                     structured_content=result)
 
     async def sweep_once(self) -> None:
@@ -5044,21 +5206,49 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
 SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
 
 
+HELP_EPILOG = """\
+environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
+  SMOLVM                      the smolvm binary (default: smolvm on PATH, else the
+                              smol/smol-vmm of an installed smolmachines package)
+  SMOL_LOCAL_URL              use a running serve (unix:///abs.sock) instead of starting one
+  SMOL_MCP_TARGETS            auto | local | cloud | both (auto: both when a cloud key is set)
+  SMOL_CLOUD_TOKEN            the smol cloud account key (a secret: never copied anywhere)
+  SMOL_MCP_NETWORK_DEFAULT    blocked | open: egress of a machine when a call says nothing
+  SMOL_MCP_MAX_OUTPUT_BYTES   the reply budget of run-command (65536)
+  SMOL_MCP_AUTH_TOKEN         required by --http: the token clients send as a Bearer
+  SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root with /dev/kvm at mode 0600
+  SMOL_MCP_CONFIG             another config file; the README has every setting
+
+examples:
+  smol-mcp doctor                        what works on this host, and what to do if not
+  smol-mcp doctor --probe                create, start, run true in and delete a machine
+  smol-mcp setup claude-code --write     add the server to this project's .mcp.json
+  SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
+"""
+
+
 def parse_args(argv: list[str]):
     import argparse
     parser = argparse.ArgumentParser(
         prog="smol-mcp", description="An MCP server that gives an AI agent microVMs (smol machines) to work in. "
-                                     "Serves MCP over stdio by default.")
+                                     "Serves MCP over stdio by default.",
+        epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"smol-mcp {__version__}")
     parser.add_argument("--http", action="store_true", help="serve Streamable HTTP instead of stdio")
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
     helpers = parser.add_subparsers(dest="command", metavar="{doctor,setup,parity,tokens}")
-    helpers.add_parser("doctor", help="say whether each fleet works on this host, and what to do if not")
+    doctor_parser = helpers.add_parser(
+        "doctor", help="say whether each fleet works on this host, and what to do if not")
+    doctor_parser.add_argument("--probe", action="store_true",
+                               help="also create, start, run `true` in and delete a throwaway "
+                                    "local machine")
     setup = helpers.add_parser("setup", help="print (or --write) the configuration for an MCP client")
     setup.add_argument("client", choices=SETUP_CLIENTS)
     setup.add_argument("--write", action="store_true", help="merge it into the client's config file (backup first)")
+    setup.add_argument("--force", action="store_true",
+                       help="with --write: replace an existing smol entry")
     setup.add_argument("--http", dest="http_url", metavar="URL",
                        help="an entry for a smol-mcp --http server at URL instead of a local stdio one")
     helpers.add_parser("parity", help="compare the routes this server calls with the running serve's OpenAPI")
@@ -5098,9 +5288,21 @@ def parse_args(argv: list[str]):
 # -- doctor ------------------------------------------------------------------
 
 
-def doctor(app: SmolMcp) -> int:
+ENGINE_ON_RAMP = """\
+  get an engine (smolvm 1.32.2 is the smol/smol-vmm binary inside the smolmachines wheel):
+    uv run --with smolmachines==1.32.2 {script} doctor
+        (run the server the same way, or let `setup` carry the engine's path into the client entry)
+  or unpack the wheel once and point SMOLVM at it:
+    python3 -m pip download --no-deps smolmachines==1.32.2 -d /tmp/smolmachines-wheel
+    python3 -m zipfile -e /tmp/smolmachines-wheel/smolmachines-1.32.2-*.whl ~/.local/share/smolmachines
+    chmod +x ~/.local/share/smolmachines/smol/smol-vmm
+    export SMOLVM=~/.local/share/smolmachines/smol/smol-vmm"""
+
+
+def doctor(app: SmolMcp, probe: bool = False) -> int:
     """Print what smol://targets knows, for a person; 0 when every served
-    fleet is usable. The cloud key is tried with one list call."""
+    fleet is usable. The cloud key is tried with one list call; with
+    ``probe``, a throwaway local machine is created, started, run and deleted."""
     document = targets_document(app)
     print(f"smol-mcp {__version__}: mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})")
     healthy = True
@@ -5119,78 +5321,249 @@ def doctor(app: SmolMcp) -> int:
         if name == "local":
             smolvm = facts["smolvm"]
             print(f"  smolvm: {smolvm['path'] or '(not found)'}"
-                  + (f", version {smolvm['version']}" if smolvm["version"] else ""))
+                  + (f", version {smolvm['version']}" if smolvm["version"] else "")
+                  + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""))
             print(f"  hypervisor: {facts['hypervisor']['detail']}")
             print(f"  serve: {facts['serve']}")
         else:
             print(f"  url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}")
         if facts["reason"]:
             print(f"  {'note' if facts['usable'] else 'to do'}: {facts['reason']}")
+        if name == "local" and not facts["smolvm"]["path"] and not app.config.local_url:
+            print(ENGINE_ON_RAMP.format(script=Path(__file__).resolve()))
+    if probe:
+        if "local" not in app.fleets:
+            print("\nprobe: the local fleet is not served (SMOL_MCP_TARGETS), so there is "
+                  "nothing to probe")
+            return 1
+        healthy = probe_local(app) and healthy
     print(f"\ntokens: {tokens_file_report(app.config)}")
     return 0 if healthy else 1
+
+
+def probe_local(app: SmolMcp) -> bool:
+    """Create, start, run `true` in and delete a throwaway imageless machine
+    (no registry needed), printing each step with its time: "usable" above is
+    what the host allows; this is what it does."""
+    fleet, config = app.local, app.config
+    name = f"{config.machine_prefix}probe-{secrets_module.token_hex(3)}"
+    print(f"\nprobe: machine {name} (no image, no network; deleted at the end)")
+
+    def step(label: str, action: Callable[[], Any]) -> bool:
+        started = time.monotonic()
+        try:
+            action()
+        except SmolError as err:
+            lines = None
+            if is_boot_failure(err):  # the machine is deleted below: its console goes in the report
+                try:
+                    lines = fleet.console_lines(name)[-BOOT_LOG_LINES:]
+                except SmolError:
+                    lines = []
+            explained = explain_start_failure(err, "blocked", lines)
+            print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: "
+                  f"{redact(str(explained), config.secret_values())}")
+            return False
+        print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
+        return True
+
+    def wait_ready() -> None:
+        deadline = time.monotonic() + config.ready_timeout_secs
+        while (answer := fleet.probe_ready(name)) is not None:
+            if time.monotonic() > deadline:
+                raise SmolError("the guest did not run a command within "
+                                f"{config.ready_timeout_secs} s (readyTimeoutSecs); its last "
+                                f"answer: {answer}")
+            time.sleep(0.5)
+
+    def run_true() -> None:
+        result = fleet.exec(name, ["true"], timeout_secs=30)
+        if result.exit_code != 0:
+            raise SmolError(f"`true` exited with {result.exit_code}: "
+                            f"{result.stderr.decode('utf-8', 'replace')}")
+
+    created = False
+    fleet.acquire()
+    try:
+        ok = step("serve", fleet.ensure_serve)
+        created = ok and step("create", lambda: fleet.request(
+            f"create machine '{name}'", "POST", "/api/v1/machines",
+            {"name": name, "cpus": 1, "memoryMb": 512, "network": False}))
+        ok = created and step("start", lambda: fleet.start_machine(name))
+        ok = ok and step("ready", wait_ready)
+        ok = ok and step("run", run_true)
+    finally:
+        if created:
+            ok = step("delete", lambda: fleet.delete_machine(name)) and ok
+        fleet.release()
+    verdict = "can" if ok else "cannot"
+    print(f"  result: the local fleet {verdict} run machines here")
+    return ok
 
 
 # -- setup -------------------------------------------------------------------
 
 
 def launch_command() -> list[str]:
-    """The command a client should run: the installed console script when this
-    module was installed as a package, else uv running this very file."""
+    """The command a client should run, absolute (a GUI client such as Claude
+    Desktop does not see the shell's PATH): the installed console script when
+    this module was installed as a package, else uv running this very file,
+    else the interpreter running this, which has the dependencies."""
     here = Path(__file__).resolve()
     if any(part in ("site-packages", "dist-packages") for part in here.parts):
         beside = Path(sys.executable).parent / "smol-mcp"  # works without the environment activated
         script = str(beside) if beside.exists() else shutil.which("smol-mcp")
         if script:
-            return [script]
-    return ["uv", "run", "--script", str(here)]
+            return [str(Path(script).absolute())]
+    uv = shutil.which("uv")
+    if uv:
+        return [str(Path(uv).absolute()), "run", "--script", str(here)]
+    return [str(Path(sys.executable).absolute()), str(here)]
 
 
-def client_entry(client: str, http_url: str | None,
-                 variable: str = "SMOL_MCP_AUTH_TOKEN") -> tuple[str, dict]:
+SECRET_ENVS = ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN")
+ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself, not by smol-mcp
+
+
+def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """(the settings to write into a stdio entry's env, the secrets it should
+    reference): every non-secret SMOL_* setting set here, the config file,
+    the engine's own switches, and the smolvm this process would run, so the
+    client starts the same server that doctor checked."""
+    env = {s.env: environ[s.env] for s in SETTINGS if s.kind != "secret" and s.env in environ}
+    env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
+    if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
+        env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
+    if not environ.get("SMOL_LOCAL_URL"):
+        configured = environ.get("SMOLVM", Config.smolvm)
+        found = (configured if os.sep in configured
+                 else shutil.which(configured, path=environ.get("PATH")))
+        if found is None and configured == Config.smolvm:
+            found = wheel_engine()
+        if found:
+            env["SMOLVM"] = str(Path(found).absolute())
+    return env, [name for name in SECRET_ENVS if environ.get(name)]
+
+
+CODEX_STARTUP_TIMEOUT_SECS = 60  # a first `uv run` of the file resolves packages before answering
+
+
+def codex_timeouts(config: Config) -> dict[str, int]:
+    """Codex gives a server 10 s to start and a tool call 60 s; a create can
+    wait for the serve, then for readiness, and a command for its timeout."""
+    longest = (config.serve_start_timeout_secs + config.ready_timeout_secs
+               + config.max_exec_timeout_secs + 60)
+    return {"startup_timeout_sec": CODEX_STARTUP_TIMEOUT_SECS, "tool_timeout_sec": longest}
+
+
+def secret_reference(client: str, name: str) -> str | None:
+    """How the client's config names an environment variable, or None when
+    it cannot (Claude Desktop reads no environment and expands nothing)."""
+    forms = {"claude-code": f"${{{name}}}", "cursor": f"${{env:{name}}}",
+             "opencode": f"{{env:{name}}}"}
+    return forms.get(client)
+
+
+def client_entry(client: str, http_url: str | None, config: Config | None = None,
+                 environ: dict[str, str] | None = None) -> tuple[str, dict]:
     """(the top-level key, the server entry) in the client's own shape. Secrets
-    are referenced through the client's environment syntax (``variable``
-    holds the token), never copied."""
-    command = launch_command()
-    if client == "opencode":
-        if http_url:
-            return "mcp", {"type": "remote", "url": http_url, "enabled": True,
-                           "headers": {"Authorization": f"Bearer {{env:{variable}}}"}}
-        return "mcp", {"type": "local", "command": command, "enabled": True}
-    if client == "codex":
-        if http_url:
-            return "mcp_servers", {"url": http_url, "bearer_token_env_var": variable}
-        return "mcp_servers", {"command": command[0], "args": command[1:]}
+    are referenced through the client's environment syntax, never copied."""
+    config = config or Config()
+    environ = dict(os.environ if environ is None else environ)
     if http_url:
-        if client == "claude-desktop":
-            # It speaks stdio only, so the npm bridge carries HTTP; it reads no shell
-            # environment, so the token has to be pasted into its env block by hand.
-            return "mcpServers", {"command": "npx",
-                                  "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
-                                  "env": {"AUTH_HEADER":
-                                          f"Bearer <paste the {variable} value here>"}}
-        reference = f"${{env:{variable}}}" if client == "cursor" else f"${{{variable}}}"
-        return "mcpServers", {"type": "http", "url": http_url, "headers": {"Authorization": f"Bearer {reference}"}}
-    return "mcpServers", {"command": command[0], "args": command[1:]}
+        return http_entry(client, http_url, config)
+    command = launch_command()
+    env, secrets = entry_environment(environ)
+    wheel = wheel_engine()
+    if wheel and env.get("SMOLVM") == wheel and command[1:3] == ["run", "--script"]:
+        # uv's environment of the moment may be pruned; the client's `uv run` brings the wheel back
+        import importlib.metadata
+        command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
+        del env["SMOLVM"]
+    for name in secrets:
+        reference = secret_reference(client, name)
+        if reference:
+            env[name] = reference
+    if client == "opencode":
+        return "mcp", {"type": "local", "command": command, "enabled": True,
+                       **({"environment": env} if env else {})}
+    if client == "codex":
+        entry: dict[str, Any] = {"command": command[0], "args": command[1:],
+                                 **codex_timeouts(config)}
+        if secrets:
+            entry["env_vars"] = secrets  # Codex forwards these from its own environment
+        if env:
+            entry["env"] = env
+        return "mcp_servers", entry
+    return "mcpServers", {"command": command[0], "args": command[1:],
+                          **({"env": env} if env else {})}
 
 
-def client_config_path(client: str) -> Path:
+def http_entry(client: str, http_url: str, config: Config,
+               variable: str = "SMOL_MCP_AUTH_TOKEN") -> tuple[str, dict]:
+    """An entry for a smol-mcp --http server; ``variable`` holds the token."""
+    if client == "opencode":
+        return "mcp", {"type": "remote", "url": http_url, "enabled": True,
+                       "headers": {"Authorization": f"Bearer {{env:{variable}}}"}}
+    if client == "codex":
+        return "mcp_servers", {"url": http_url, "bearer_token_env_var": variable,
+                               **codex_timeouts(config)}
+    if client == "claude-desktop":
+        # It speaks stdio only, so the npm bridge carries HTTP; it reads no shell
+        # environment, so the token has to be pasted into its env block by hand.
+        return "mcpServers", {"command": "npx",
+                              "args": ["-y", "mcp-remote", http_url, "--header",
+                                       "Authorization:${AUTH_HEADER}"],
+                              "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>"}}
+    reference = secret_reference(client, variable)
+    return "mcpServers", {"type": "http", "url": http_url,
+                          "headers": {"Authorization": f"Bearer {reference}"}}
+
+
+def client_config_path(client: str) -> tuple[Path, str]:
+    """Where the client reads the entry, and whether that file is the
+    project's (the current directory) or the user's."""
     home = Path.home()
     if client == "claude-code":
-        return Path.cwd() / ".mcp.json"
+        return Path.cwd() / ".mcp.json", "project"
     if client == "cursor":
-        return Path.cwd() / ".cursor" / "mcp.json"
+        return Path.cwd() / ".cursor" / "mcp.json", "project"
     if client == "opencode":
-        return Path.cwd() / "opencode.json"
+        plain, commented = Path.cwd() / "opencode.json", Path.cwd() / "opencode.jsonc"
+        return (commented if commented.exists() and not plain.exists() else plain), "project"
     if client == "codex":
-        return home / ".codex" / "config.toml"
+        return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml", "user"
     if sys.platform == "darwin":
-        return home / "Library" / "Application Support" / "Claude" / "claude_desktop_config.json"
-    return Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config") / "Claude" / "claude_desktop_config.json"
+        support = home / "Library" / "Application Support"
+        return support / "Claude" / "claude_desktop_config.json", "user"
+    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+    return config_home / "Claude" / "claude_desktop_config.json", "user"
+
+
+def toml_value(value: Any) -> str:
+    """A TOML value for the types an entry holds (JSON strings are valid
+    TOML basic strings once non-ASCII is escaped, which json.dumps does)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(type(value).__name__)
+
+
+def toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def render_entry(client: str, key: str, entry: dict) -> str:
     if client == "codex":
-        lines = [f"[{key}.smol]"] + [f"{field} = {json.dumps(value)}" for field, value in entry.items()]
+        lines = [f"[{key}.smol]"]
+        lines += [f"{field} = {toml_value(value)}" for field, value in entry.items()]
         return "\n".join(lines) + "\n"
     document = {key: {"smol": entry}}
     if client == "opencode":
@@ -5198,53 +5571,179 @@ def render_entry(client: str, key: str, entry: dict) -> str:
     return json.dumps(document, indent=2) + "\n"
 
 
-def setup(client: str, http_url: str | None, write: bool) -> int:
+def one_liner(client: str, entry: dict) -> str | None:
+    """The client's own command that adds the same entry, where it has one."""
+    import shlex
+    if client not in ("claude-code", "codex") or "command" not in entry:
+        return None
+    env = [f"{name}={value}" for name, value in entry.get("env", {}).items()]
+    argv = [entry["command"], *entry["args"]]
+    if client == "claude-code":
+        flags = [part for pair in env for part in ("-e", pair)]
+        return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--",
+                           *argv])
+    flags = [part for pair in env for part in ("--env", pair)]
+    return shlex.join(["codex", "mcp", "add", *flags, "smol", "--", *argv])
+
+
+def backup_dir(environ: dict[str, str]) -> Path:
+    """Backups go under the user's state directory, not beside a project
+    file where they would be committed or read by the client."""
+    home = Path(environ.get("HOME") or Path.home())
+    base = environ.get("XDG_STATE_HOME") or str(home / ".local" / "state")
+    return Path(base) / "smol-mcp" / "backups"
+
+
+class SetupRefused(Exception):
+    """--write would not produce a file the client can read: nothing is written."""
+
+
+def strip_jsonc(text: str) -> str:
+    """The text without // and /* */ comments and trailing commas (strings kept)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i:j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            i = text.find("\n", i) if "\n" in text[i:] else n
+        elif text.startswith("/*", i):
+            end = text.find("*/", i + 2)
+            i = n if end < 0 else end + 2
+        else:
+            out.append(c)
+            i += 1
+    return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
+
+
+def merge_json(path: Path, text: str, key: str, entry: dict, client: str,
+               force: bool) -> tuple[str, bool]:
+    try:
+        existing = json.loads(text) if text.strip() else {}
+    except ValueError as err:
+        try:
+            json.loads(strip_jsonc(text))
+        except ValueError:
+            raise SetupRefused(f"{path} does not parse as JSON ({err}); fix it, or paste the "
+                               "entry by hand") from None
+        raise SetupRefused(f"{path} has comments or trailing commas (JSONC); rewriting it would "
+                           "drop them, so paste the entry printed by `setup` without --write "
+                           "into it by hand") from None
+    if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
+        raise SetupRefused(f'{path} does not hold a JSON object with an object under "{key}"; '
+                           "fix it, or paste the entry by hand")
+    if "smol" in existing.get(key, {}) and not force:
+        raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; run again with '
+                           '--force to replace it')
+    replacing = "smol" in existing.get(key, {})
+    existing.setdefault(key, {})["smol"] = entry
+    if client == "opencode":
+        existing.setdefault("$schema", "https://opencode.ai/config.json")
+    indent = re.search(r"\n([ \t]+)\S", text)
+    merged = json.dumps(existing, indent=indent.group(1) if indent else 2) + "\n"
+    if json.loads(merged)[key]["smol"] != entry:
+        raise SetupRefused(f"the merged {path} did not read back as written; nothing was written")
+    return merged, replacing
+
+
+SMOL_TABLE_RE = re.compile(r"^\s*\[\s*(mcp_servers|\"mcp_servers\")\s*\.\s*(smol|\"smol\")"
+                           r"\s*(\.[^\]]*)?\]\s*(#.*)?$")
+
+
+def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tuple[str, bool]:
+    try:
+        import tomllib
+    except ImportError:
+        raise SetupRefused("checking the TOML before writing it needs Python 3.11 or newer "
+                           "(tomllib); print the entry without --write and paste it, or run this "
+                           "with a newer Python") from None
+    try:
+        existing = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise SetupRefused(f"{path} is not valid TOML ({err}); fix it, or paste the entry by "
+                           "hand") from None
+    if "smol" in existing.get(key, {}):
+        if not force:
+            raise SetupRefused(f"{path} already has [{key}.smol]; run again with --force to "
+                               "replace it")
+        kept, skipping = [], False
+        for line in text.splitlines(keepends=True):
+            if SMOL_TABLE_RE.match(line):
+                skipping = True
+                continue
+            if skipping and line.lstrip().startswith("["):
+                skipping = False
+            if not skipping:
+                kept.append(line)
+        text = "".join(kept)
+    block = render_entry("codex", key, entry)
+    separator = ("\n" if text and not text.endswith("\n") else "") + ("\n" if text.strip() else "")
+    merged = text + separator + block
+    try:
+        parsed = tomllib.loads(merged)
+    except tomllib.TOMLDecodeError:
+        parsed = None
+    others = {k: v for k, v in existing.get(key, {}).items() if k != "smol"}
+    if (parsed is None or parsed.get(key, {}).get("smol") != entry
+            or {k: v for k, v in parsed[key].items() if k != "smol"} != others
+            or {k: v for k, v in parsed.items() if k != key}
+            != {k: v for k, v in existing.items() if k != key}):
+        raise SetupRefused(f"appending [{key}.smol] to {path} would not give valid TOML with "
+                           f"every other setting kept (for example when {key} is written as an "
+                           f"inline table, {key} = {{...}}); nothing was written: paste the entry "
+                           "printed by `setup` without --write by hand")
+    return merged, "smol" in existing.get(key, {})
+
+
+def setup(client: str, http_url: str | None, write: bool, force: bool = False) -> int:
     """Print the client's configuration block, or merge it into its file
     without disturbing other entries (after a backup; never into a file that
-    does not parse)."""
-    key, entry = client_entry(client, http_url)
-    path = client_config_path(client)
+    does not parse, and never what would not parse again)."""
+    try:
+        config = load_config()
+    except ConfigError as err:
+        print(f"smol-mcp: {err}", file=sys.stderr)
+        return 2
+    key, entry = client_entry(client, http_url, config)
+    path, scope = client_config_path(client)
+    command = one_liner(client, entry)
+    if client == "claude-desktop" and not http_url and any(os.environ.get(n) for n in SECRET_ENVS):
+        print("# claude-desktop reads no environment: to serve the cloud fleet, add "
+              "SMOL_CLOUD_TOKEN to the entry's env by hand (the key is not copied for you)",
+              file=sys.stderr)
     if not write:
-        print(f"# {client}: add this to {path}", file=sys.stderr)  # stdout stays pastable as it is
+        # on stderr, so that stdout stays pastable as it is
+        print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)
+        if command:
+            print(f"# or run: {command}", file=sys.stderr)
         print(render_entry(client, key, entry), end="")
         return 0
-    text = path.read_text() if path.exists() else ""
-    if client == "codex":
-        try:
-            import tomllib
-        except ImportError:
-            print("smol-mcp: setup codex --write needs Python 3.11 or newer to check the TOML; print it and paste it",
-                  file=sys.stderr)
-            return 2
-        try:
-            existing = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as err:
-            print(f"smol-mcp: {path} is not valid TOML ({err}); not touching it", file=sys.stderr)
-            return 2
-        if "smol" in existing.get(key, {}):
-            print(f"smol-mcp: {path} already has [{key}.smol]; edit it by hand, or remove it and run this again",
-                  file=sys.stderr)
-            return 2
-        merged = text + ("\n" if text and not text.endswith("\n") else "") + "\n" + render_entry(client, key, entry)
-    else:
-        try:
-            existing = json.loads(text) if text.strip() else {}
-            if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
-                raise ValueError(f'"{key}" is not an object')
-        except ValueError as err:
-            print(f"smol-mcp: {path} does not parse as this client's JSON ({err}); not touching it", file=sys.stderr)
-            return 2
-        existing.setdefault(key, {})["smol"] = entry
-        if client == "opencode":
-            existing.setdefault("$schema", "https://opencode.ai/config.json")
-        merged = json.dumps(existing, indent=2) + "\n"
+    try:
+        text = path.read_text() if path.exists() else ""
+        if client == "codex":
+            merged, replacing = merge_toml(path, text, key, entry, force)
+        else:
+            merged, replacing = merge_json(path, text, key, entry, client, force)
+    except (SetupRefused, OSError) as err:
+        print(f"smol-mcp: {err}", file=sys.stderr)
+        return 2
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
-        backup = path.with_name(path.name + f".bak-{time.strftime('%Y%m%d%H%M%S')}")
+        folder = backup_dir(dict(os.environ))
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        flat = str(path.absolute()).strip("/").replace("/", "%")
+        backup = folder / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
         shutil.copy2(path, backup)
         print(f"backed up {path} to {backup}")
     path.write_text(merged)
-    print(f"wrote the smol entry into {path}")
+    print(f"{'replaced the smol entry in' if replacing else 'wrote the smol entry into'} {path} "
+          f"(the {scope} file {client} reads)")
+    if command:
+        print(f"(the same with the client's own command: {command})")
     return 0
 
 
@@ -5273,8 +5772,8 @@ def tokens_command(args: Any, config: Config) -> int:
         if args.client:
             url = args.url or f"http://{config.http_host}:{config.http_port}{config.http_path}"
             variable = token_variable(record["name"])
-            key, entry = client_entry(args.client, url, variable)
-            print(f"\n# {args.client}: add this to {client_config_path(args.client)}, and give the "
+            key, entry = http_entry(args.client, url, config, variable)
+            print(f"\n# {args.client}: add this to {client_config_path(args.client)[0]}, and give the "
                   f"client the secret as {variable}:")
             print(f"#   export {variable}='{secret}'")
             print(render_entry(args.client, key, entry), end="")
@@ -5354,7 +5853,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
     log.setLevel(logging.INFO)  # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
     if args.command == "setup":
-        return setup(args.client, args.http_url, args.write)
+        return setup(args.client, args.http_url, args.write, args.force)
     try:
         config = load_config()
         if args.command == "tokens":
@@ -5367,7 +5866,7 @@ def main(argv: list[str] | None = None) -> int:
                 "and have clients send it as 'Authorization: Bearer <token>'")
         app = SmolMcp(config)
         if args.command == "doctor":
-            return doctor(app)
+            return doctor(app, args.probe)
         if args.command == "parity":
             return parity(app)
     except SmolError as err:
@@ -5378,6 +5877,11 @@ def main(argv: list[str] | None = None) -> int:
         anyio.run(run_http, app, args.host or config.http_host, args.port or config.http_port,
                   args.path or config.http_path)
     else:
+        if sys.stdin.isatty():
+            print("smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
+                  "client (Ctrl-C to stop); to check this host run `smol-mcp doctor`, to "
+                  "configure a client `smol-mcp setup CLIENT` (see --help)",
+                  file=sys.stderr, flush=True)
         anyio.run(run_stdio, app.server)
     return 0
 

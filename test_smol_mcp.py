@@ -964,19 +964,119 @@ class WaitTests(FakeServeCase):
             await asyncio.sleep(0.05)
 
 
+class AdviceTests(FakeServeCase):
+    """SPEC 4 and 6: advice to the model matches the engine (1.32.2 fetches
+    registry images on the host), and create reports progress at once."""
+
+    async def test_instructions_and_schema_do_not_send_agents_to_open_egress_for_a_pull(self):
+        async with self.client("legacy") as c:
+            tools = {tool.name: tool for tool in (await c.list_tools()).tools}
+        for said in (smol_mcp.server_instructions(self.app),
+                     tools["create-machine"].input_schema["properties"]["network"]["description"]):
+            self.assertNotRegex(said, r"needs? (network: )?\\?\"open\\?\"")
+            self.assertIn("on the host", said)
+
+    def test_only_an_engine_that_refuses_without_egress_gets_the_network_hint(self):
+        old = smol_mcp.ApiError("local", "start machine 'm'", 400, "BAD_REQUEST",
+                                "image 'alpine' must be pulled from a registry, but this machine has no network")
+        self.assertIn('network: "open"', str(smol_mcp.explain_start_failure(old, "blocked")))
+        host = smol_mcp.ApiError("local", "start machine 'm'", 500, "INTERNAL_ERROR",
+                                 "HTTP request failed: error sending request for url (https://r.example/v2/a/"
+                                 "manifests/latest): client error (Connect): tcp connect error: Connection refused")
+        said = str(smol_mcp.explain_start_failure(host, "blocked"))
+        self.assertIn("could not reach the image registry", said)
+        self.assertNotIn('network: "open"', said)
+
+    def test_terminal_colours_in_an_engine_message_are_removed(self):
+        body = json.dumps({"error": "monitor agent: \x1b[2m2026-12-01T01:21:07Z\x1b[0m \x1b[33m WARN\x1b[0m no resolver",
+                           "code": "INTERNAL_ERROR"}).encode()
+        err = smol_mcp.api_error("local", "start machine 'm'", 500, "application/json", body)
+        self.assertEqual(err.api_message, "monitor agent: 2026-12-01T01:21:07Z  WARN no resolver")
+
+    async def test_create_reports_progress_within_its_first_second(self):
+        real_create = self.app.local.create_machine
+
+        def slow_create(spec):
+            time.sleep(2)
+            return real_create(spec)
+
+        self.app.local.create_machine = slow_create
+        for mode in MODES:
+            seen = []
+
+            async def on_progress(progress, total, message):
+                seen.append((progress, message))
+
+            async with self.client(mode) as c:
+                answer = await c.call_tool("create-machine", {"image": "alpine"}, progress_callback=on_progress)
+                self.assertFalse(answer.is_error, answer.content[0].text)
+            self.assertTrue(seen, "no progress at all")
+            self.assertLess(seen[0][0], 1.0, seen)
+            self.assertIn("creating 'mcp-", seen[0][1])
+
+
+class ReplySizeTests(FakeServeCase):
+    """SPEC 6 output budget, with default settings: a run-command whose two
+    streams both overflow still fits what a client hands the model. Claude
+    Code refuses results over 25,000 tokens and passes JSON.stringify of
+    structuredContent when present (other clients pass the text content), so
+    each of the two is measured, at 3 characters a token."""
+
+    LIMIT_CHARS = 25_000 * 3
+
+    async def test_both_streams_full_of_escapes_fit_under_25000_tokens(self):
+        self.assertEqual(self.config.max_output_bytes, Config().max_output_bytes)  # the default
+        # newlines, quotes, backslashes, tabs and control bytes: each is longer as JSON than as bytes
+        noisy = r"""i=0; while [ $i -lt 9000 ]; do printf 'a"\\\t\001\002\n'; i=$((i+1)); done"""
+        command = f"{noisy}; ({noisy}) >&2; printf '\\351\\237\\263%.0s' $(seq 30000) >&2"
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-big", "image": "alpine"})
+            answer = await c.call_tool("run-command", {"name": "mcp-big", "command": command})
+            self.assertFalse(answer.is_error, answer.content[0].text)
+            out = answer.structured_content
+            shown = (answer.content[0].text,
+                     json.dumps(out, ensure_ascii=False, separators=(",", ":")))  # as JSON.stringify writes it
+            for text in shown:
+                self.assertLess(len(text), self.LIMIT_CHARS, "the reply would be refused by Claude Code")
+            self.assertTrue(out["truncated"])
+            self.assertEqual(len(out["overflow"]), 2)
+            root = Path(self.fake.guest_root("mcp-big"))
+            whole_out = (root / out["overflow"][0].lstrip("/")).read_bytes()
+            whole_err = (root / out["overflow"][1].lstrip("/")).read_bytes()
+            self.assertEqual(len(whole_out), 9000 * 7)
+            self.assertEqual(len(whole_err), 9000 * 7 + 30000 * 3)
+            self.assertTrue(out["stdout"].startswith('a"\\\t\x01\x02\n'.encode().decode("unicode_escape")))
+            self.assertIn(out["overflow"][0], out["stdout"])
+            self.assertIn(out["overflow"][1], out["stderr"])
+
+    async def test_a_small_stream_leaves_its_share_to_the_other(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-one", "image": "alpine"})
+            for command, small, big in (("seq 100000; echo tiny >&2", "stderr", "stdout"),
+                                        ("echo tiny; seq 100000 >&2", "stdout", "stderr")):
+                out = await self.ok(c, "run-command", {"name": "mcp-one", "command": command})
+                self.assertEqual(out[small], "tiny\n")
+                self.assertGreater(len(out[big]), 50_000)  # most of the budget, not half of it
+                self.assertLessEqual(len(json.dumps(out["stdout"])) + len(json.dumps(out["stderr"])),
+                                     Config().max_output_bytes + 4)
+
+
 class StartFailureTests(FakeServeCase):
     fake_options = {"registry": "offline"}
 
-    async def test_registry_refusal_passes_through_with_the_network_hint_and_nothing_is_left(self):
+    async def test_host_that_cannot_reach_the_registry_is_named_and_egress_is_not_suggested(self):
+        # 1.32.2 fetches a registry image on the host: opening the guest's egress would not help
         async with self.client("legacy") as c:
             text = await self.refused(c, "create-machine", {"image": "alpine"})
             self.assertIn("dns error: failed to lookup address information", text)  # the API's own words
-            self.assertIn('network: "open"', text)
+            self.assertIn("host this server runs on could not reach the image registry", text)
+            self.assertNotIn('network: "open"', text)
             self.assertEqual(self.fake.machines, {})
             body = self.requests_to("/api/v1/machines")[0][2]
             self.assertIs(body["network"], False)  # egress blocked by default
             text = await self.refused(c, "run-once", {"image": "alpine", "command": "true"})
-            self.assertIn('network: "open"', text)
+            self.assertIn("could not reach the image registry", text)
+            self.assertNotIn('network: "open"', text)
             self.assertEqual(self.fake.machines, {})
             out = await self.ok(c, "run-once", {"image": "alpine", "command": "echo ok", "network": "open"})
             self.assertEqual(out["stdout"], "ok\n")
@@ -1002,8 +1102,12 @@ class BootFailureTests(FakeServeCase):
             text = await self.refused(c, "create-machine", {"name": "keep-me-not", "image": "alpine", "network": "open"})
             self.assertIn("agent did not become ready", text)
             self.assertIn("could not boot on this host", text)
+            self.assertNotIn("machine-logs", text)  # the machine is gone: its log lines come in the error
+            self.assertIn("no boot progress for 30 seconds", text.split("console log:")[1])
             self.assertEqual(self.fake.machines, {})
-            await self.refused(c, "run-once", {"image": "alpine", "network": "open", "command": "true"})
+            text = await self.refused(c, "run-once", {"image": "alpine", "network": "open", "command": "true"})
+            self.assertNotIn("machine-logs", text)
+            self.assertIn("no boot progress for 30 seconds", text)
             self.assertEqual(self.fake.machines, {})
             await self.refused(c, "branch-machine", {"name": "nothing"})
 
@@ -2471,7 +2575,7 @@ class HelperCommandTests(unittest.TestCase):
         self.assertIn("local: NOT USABLE", out.stdout)
         self.assertIn("to do: smolvm was not found", out.stdout)
         self.assertIn("cloud: not served", out.stdout)
-        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI)})
+        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOLVM_VM_UID_DROP": "off"})
         self.assertEqual(out.returncode, 0 if smol_mcp.hypervisor_status()[0] else 1, out.stdout)
         self.assertIn(f"smolvm: {FAKE_CLI}", out.stdout)
 
@@ -2505,7 +2609,7 @@ class HelperCommandTests(unittest.TestCase):
 
     def test_setup_prints_each_clients_own_shape(self):
         import tomllib
-        expected_command = ["uv", "run", "--script", str(HERE / "smol_mcp.py")]
+        expected_command = [shutil.which("uv", path=self.env["PATH"]), "run", "--script", str(HERE / "smol_mcp.py")]
         for client in smol_mcp.SETUP_CLIENTS:
             with self.subTest(client=client):
                 out = run_cli("setup", client, env=self.env, cwd=self.tmp)
@@ -2532,11 +2636,11 @@ class HelperCommandTests(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         merged = json.loads(config.read_text())
         self.assertEqual((sorted(merged["mcpServers"]), merged["keep"]), (["other", "smol"], 1))
-        self.assertEqual(len(list(Path(self.tmp).glob(".mcp.json.bak-*"))), 1)
+        self.assertEqual(len(list(Path(self.tmp, ".local", "state", "smol-mcp", "backups").iterdir())), 1)
         config.write_text("{broken")
         out = run_cli("setup", "claude-code", "--write", env=self.env, cwd=self.tmp)
         self.assertEqual(out.returncode, 2)
-        self.assertIn("not touching it", out.stderr)
+        self.assertIn("does not parse as JSON", out.stderr)
         self.assertEqual(config.read_text(), "{broken")
         codex = Path(self.tmp, ".codex", "config.toml")
         codex.parent.mkdir()
@@ -2546,6 +2650,309 @@ class HelperCommandTests(unittest.TestCase):
         self.assertIn('model = "o3"', codex.read_text())
         self.assertIn("[mcp_servers.smol]", codex.read_text())
         self.assertEqual(run_cli("setup", "codex", "--write", env=self.env, cwd=self.tmp).returncode, 2)
+
+
+class TerminalTests(unittest.TestCase):
+    """SPEC 10: a person who starts the server by hand, or asks for help,
+    learns what it is and what to run instead."""
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_a_terminal_on_stdin_gets_one_line_and_the_server_keeps_serving(self):
+        import pty
+        tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, tmp, True)
+        main_fd, tty_fd = pty.openpty()
+        self.addCleanup(os.close, main_fd)
+        env = {"PATH": os.environ["PATH"], "HOME": tmp, "SMOL_MCP_CONFIG": f"{tmp}/none.json",
+               "SMOL_MCP_RUNTIME_DIR": f"{tmp}/rt", "SMOLVM": str(FAKE_CLI)}
+        proc = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py")], stdin=tty_fd, stdout=tty_fd,
+                                stderr=subprocess.PIPE, env=env, text=True)
+        os.close(tty_fd)
+        try:
+            import select
+            ready, _, _ = select.select([proc.stderr], [], [], 30)
+            self.assertTrue(ready, "nothing on stderr within 30 s")
+            line = proc.stderr.readline()
+            self.assertIn("MCP server speaking JSON-RPC on stdin", line)
+            self.assertIn("smol-mcp doctor", line)
+            self.assertIn("smol-mcp setup", line)
+            time.sleep(1)
+            self.assertIsNone(proc.poll(), "it must keep serving")
+            os.write(main_fd, jsonrpc(1, "initialize", INITIALIZE).replace(b"\n", b"\r"))
+            deadline, echoed = time.monotonic() + 30, b""
+            while b'"smol-mcp"' not in echoed and time.monotonic() < deadline:
+                echoed += os.read(main_fd, 65536)
+            self.assertIn(b'"smol-mcp"', echoed)  # it answered the terminal as a client
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+            proc.stderr.close()
+
+    def test_a_pipe_on_stdin_gets_no_such_line(self):
+        out = subprocess.run([sys.executable, str(HERE / "smol_mcp.py")], input="", capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "SMOL_MCP_CONFIG": "/nonexistent/none.json"})
+        self.assertNotIn("JSON-RPC on stdin", out.stderr)
+
+    def test_help_lists_the_environment_that_matters_and_an_example(self):
+        out = run_cli("--help")
+        self.assertEqual(out.returncode, 0)
+        for name in ("SMOLVM", "SMOL_LOCAL_URL", "SMOL_MCP_TARGETS", "SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN",
+                     "SMOLVM_VM_UID_DROP", "examples:", "smol-mcp setup claude-code --write"):
+            self.assertIn(name, out.stdout)
+
+    def test_the_runner_says_why_each_test_skipped_and_how_long_the_suite_took(self):
+        class Sample(unittest.TestCase):
+            def test_skips(self):
+                self.skipTest("needs a hypervisor")
+
+            def test_passes(self):
+                pass
+
+        result = unittest.TestResult()
+        unittest.defaultTestLoader.loadTestsFromTestCase(Sample).run(result)
+        text = summary(result, 12.34, False)
+        self.assertRegex(text, r"skipped .*Sample\.test_skips: needs a hypervisor")
+        self.assertTrue(text.endswith("unit: 1 passed, 0 failed, 1 skipped in 12.3 s"), text)
+
+
+class EngineOnRampTests(unittest.TestCase):
+    """SPEC 10 doctor: from no engine to a probed one."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.env = {"PATH": "/usr/bin:/bin", "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+                    "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt", "SMOLVM_VM_UID_DROP": "off"}
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def fake_wheel(self) -> Path:
+        """A smolmachines distribution as a wheel installs it: metadata plus smol/smol-vmm."""
+        site = Path(self.tmp, "site")
+        info = site / "smolmachines-1.32.2.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: smolmachines\nVersion: 1.32.2\n")
+        (info / "RECORD").write_text("")
+        (site / "smol").mkdir()
+        engine = site / "smol" / "smol-vmm"
+        shutil.copy(FAKE_CLI, engine)
+        return engine
+
+    def test_without_an_engine_doctor_prints_the_commands_that_get_one(self):
+        out = run_cli("doctor", env=self.env)
+        self.assertEqual(out.returncode, 1)
+        self.assertIn("uv run --with smolmachines==1.32.2 ", out.stdout)
+        self.assertIn("python3 -m pip download --no-deps smolmachines==1.32.2", out.stdout)
+        self.assertIn("export SMOLVM=", out.stdout)
+
+    def test_the_smolmachines_package_of_this_python_is_found_and_named(self):
+        engine = self.fake_wheel()
+        env = {**self.env, "PYTHONPATH": str(engine.parent.parent)}
+        out = run_cli("doctor", env=env)
+        self.assertIn(f"smolvm: {engine.resolve()}", out.stdout)
+        self.assertIn("found through the smolmachines package of this Python", out.stdout)
+        self.assertNotIn("get an engine", out.stdout)
+        out = run_cli("setup", "claude-code", env=env)
+        entry = json.loads(out.stdout)["mcpServers"]["smol"]
+        if entry["args"][:1] == ["run"]:  # uv runs the file: the client's uv brings the wheel back itself
+            self.assertEqual(entry["args"][1:3], ["--with", "smolmachines==1.32.2"])
+        else:
+            self.assertEqual(entry["env"]["SMOLVM"], str(engine.resolve()))
+
+    def test_root_with_a_root_only_kvm_is_told_about_the_uid_drop(self):
+        advice = smol_mcp.uid_drop_advice(0, 0o20600, {})
+        self.assertIn("SMOLVM_VM_UID_DROP=off", advice)
+        self.assertIn("KvmOpen(Error(13))", advice)
+        for euid, mode, environ in ((0, 0o20660, {}), (1000, 0o20600, {}), (0, 0o20600, {"SMOLVM_VM_UID_DROP": "off"}),
+                                    (0, None, {})):
+            self.assertIsNone(smol_mcp.uid_drop_advice(euid, mode, environ))
+        if os.geteuid() == 0 and smol_mcp.kvm_mode() is not None and not smol_mcp.kvm_mode() & 0o066:
+            env = {k: v for k, v in self.env.items() if k != "SMOLVM_VM_UID_DROP"}
+            out = run_cli("doctor", env={**env, "SMOLVM": str(FAKE_CLI)})
+            self.assertIn("set SMOLVM_VM_UID_DROP=off", out.stdout)
+            self.assertEqual(out.returncode, 1)
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_probe_reports_each_step_and_deletes_its_machine(self):
+        out = run_cli("doctor", "--probe", env={**self.env, "SMOLVM": str(FAKE_CLI)}, timeout=120)
+        for label in ("serve", "create", "start", "ready", "run", "delete"):
+            self.assertRegex(out.stdout, rf"\n  {label} +ok in \d+\.\d s")
+        self.assertIn("the local fleet can run machines here", out.stdout)
+        fake = FakeSmolvm(f"{self.tmp}/boot.sock", boot="fail")
+        fake.start()
+        try:
+            out = run_cli("doctor", "--probe", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/boot.sock"},
+                          timeout=120)
+            self.assertEqual(out.returncode, 1)
+            self.assertRegex(out.stdout, r"\n  start +FAILED after \d+\.\d s: .*agent did not become ready")
+            self.assertRegex(out.stdout, r"\n  delete +ok")
+            self.assertNotRegex(out.stdout, r"\n  run ")
+            self.assertNotIn("machine-logs", out.stdout)  # deleted: its console lines are in the report
+            self.assertIn("no boot progress for 30 seconds", out.stdout.split("console log:")[1])
+            self.assertEqual(fake.machines, {})
+        finally:
+            fake.stop()
+
+
+class SetupEntryTests(unittest.TestCase):
+    """SPEC 10 setup: entries that work when a client starts them outside a
+    shell, and --write that never leaves a file the client cannot read."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.home, self.project = Path(self.tmp, "home"), Path(self.tmp, "project")
+        self.home.mkdir()
+        self.project.mkdir()
+        self.env = {"PATH": os.environ["PATH"], "HOME": str(self.home), "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def setup_cli(self, *args, **env):
+        return run_cli("setup", *args, env={**self.env, **env}, cwd=self.project)
+
+    def printed(self, client, **env) -> dict:
+        import tomllib
+        out = self.setup_cli(client, **env)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        if client == "codex":
+            return tomllib.loads(out.stdout)["mcp_servers"]["smol"]
+        return json.loads(out.stdout)["mcp" if client == "opencode" else "mcpServers"]["smol"]
+
+    def test_the_command_is_absolute_for_every_client(self):
+        for client in smol_mcp.SETUP_CLIENTS:
+            with self.subTest(client=client):
+                entry = self.printed(client)
+                command = entry["command"][0] if client == "opencode" else entry["command"]
+                self.assertTrue(os.path.isabs(command), command)  # a GUI client has no shell PATH
+                self.assertTrue(os.access(command, os.X_OK), command)
+
+    def test_settings_are_carried_and_secrets_only_referenced(self):
+        env = {"SMOLVM": str(FAKE_CLI), "SMOL_MCP_TARGETS": "both", "SMOL_MCP_MEMORY_MB": "4096",
+               "SMOL_CLOUD_TOKEN": "smk_do_not_copy", "SMOLVM_VM_UID_DROP": "off"}
+        expected = {"claude-code": "${SMOL_CLOUD_TOKEN}", "cursor": "${env:SMOL_CLOUD_TOKEN}",
+                    "opencode": "{env:SMOL_CLOUD_TOKEN}"}
+        for client in smol_mcp.SETUP_CLIENTS:
+            with self.subTest(client=client):
+                out = self.setup_cli(client, **env)
+                self.assertNotIn("smk_do_not_copy", out.stdout + out.stderr)
+                entry = self.printed(client, **env)
+                carried = entry["environment" if client == "opencode" else "env"]
+                self.assertEqual((carried["SMOLVM"], carried["SMOL_MCP_TARGETS"], carried["SMOL_MCP_MEMORY_MB"],
+                                  carried["SMOLVM_VM_UID_DROP"]), (str(FAKE_CLI), "both", "4096", "off"))
+                if client == "codex":
+                    self.assertEqual(entry["env_vars"], ["SMOL_CLOUD_TOKEN"])
+                    self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
+                elif client == "claude-desktop":
+                    self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
+                    self.assertIn("add SMOL_CLOUD_TOKEN to the entry's env by hand", out.stderr)
+                else:
+                    self.assertEqual(carried["SMOL_CLOUD_TOKEN"], expected[client])
+
+    def test_codex_timeouts_cover_readiness_and_the_longest_command(self):
+        entry = self.printed("codex")
+        config = Config()
+        self.assertGreater(entry["startup_timeout_sec"], 10)  # the Codex default
+        self.assertGreaterEqual(entry["tool_timeout_sec"], config.ready_timeout_secs + config.max_exec_timeout_secs)
+        longer = self.printed("codex", SMOL_MCP_MAX_EXEC_TIMEOUT_SECS="3600", SMOL_MCP_READY_TIMEOUT_SECS="300")
+        self.assertGreaterEqual(longer["tool_timeout_sec"], 3900)
+
+    def test_each_entry_comes_with_the_clients_own_one_liner(self):
+        out = self.setup_cli("claude-code", SMOL_MCP_TARGETS="local")
+        self.assertRegex(out.stderr, r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ ")
+        out = self.setup_cli("codex", SMOL_MCP_TARGETS="local")
+        self.assertRegex(out.stderr, r"codex mcp add --env SMOL_MCP_TARGETS=local smol -- /\S+ ")
+
+    def test_an_inline_mcp_servers_table_is_refused_untouched(self):
+        codex = self.home / ".codex" / "config.toml"
+        codex.parent.mkdir()
+        original = 'model = "o3"\nmcp_servers = { other = { command = "x" } }\n'
+        codex.write_text(original)
+        out = self.setup_cli("codex", "--write")
+        self.assertEqual(out.returncode, 2, out.stdout)
+        self.assertIn("inline table", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+        self.assertEqual(codex.read_text(), original)
+
+    def test_a_smol_entry_is_replaced_only_with_force_and_the_rest_is_kept(self):
+        import tomllib
+        codex = self.home / ".codex" / "config.toml"
+        codex.parent.mkdir()
+        codex.write_text('model = "o3"\n\n[mcp_servers.smol]\ncommand = "old"\n\n[mcp_servers.smol.env]\nA = "1"\n\n'
+                         '[mcp_servers.other]\ncommand = "x"\n')
+        refused = self.setup_cli("codex", "--write")
+        self.assertEqual(refused.returncode, 2)
+        self.assertIn("--force", refused.stderr)
+        out = self.setup_cli("codex", "--write", "--force")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("replaced the smol entry", out.stdout)
+        parsed = tomllib.loads(codex.read_text())
+        self.assertEqual((parsed["model"], parsed["mcp_servers"]["other"]), ("o3", {"command": "x"}))
+        self.assertTrue(os.path.isabs(parsed["mcp_servers"]["smol"]["command"]))
+        self.assertNotIn("env", parsed["mcp_servers"]["smol"])
+        project = self.project / ".mcp.json"
+        project.write_text('{\n    "mcpServers": {"smol": {"command": "old"}, "other": {"command": "x"}}\n}\n')
+        self.assertEqual(self.setup_cli("claude-code", "--write").returncode, 2)
+        self.assertEqual(self.setup_cli("claude-code", "--write", "--force").returncode, 0)
+        merged = json.loads(project.read_text())
+        self.assertEqual(merged["mcpServers"]["other"], {"command": "x"})
+        self.assertNotEqual(merged["mcpServers"]["smol"]["command"], "old")
+        self.assertIn('\n    "mcpServers"', project.read_text())  # the file's own indent is kept
+
+    def test_jsonc_is_refused_with_a_sentence_and_plain_jsonc_is_written(self):
+        jsonc = self.project / "opencode.jsonc"
+        original = '{\n  // my servers\n  "mcp": {"other": {"type": "local", "command": ["x"]},},\n}\n'
+        jsonc.write_text(original)
+        out = self.setup_cli("opencode", "--write")
+        self.assertEqual(out.returncode, 2)
+        self.assertIn("comments or trailing commas (JSONC)", out.stderr)
+        self.assertEqual(jsonc.read_text(), original)
+        jsonc.write_text('{"mcp": {"other": {"type": "local", "command": ["x"]}}}\n')
+        out = self.setup_cli("opencode", "--write")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(sorted(json.loads(jsonc.read_text())["mcp"]), ["other", "smol"])
+        self.assertFalse((self.project / "opencode.json").exists())  # written where OpenCode reads it
+
+    def test_backups_stay_out_of_the_project(self):
+        (self.project / ".mcp.json").write_text('{"mcpServers": {"other": {"command": "x"}}}')
+        out = self.setup_cli("claude-code", "--write")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(sorted(p.name for p in self.project.iterdir()), [".mcp.json"])
+        backups = list((self.home / ".local" / "state" / "smol-mcp" / "backups").iterdir())
+        self.assertEqual(len(backups), 1)
+        self.assertIn(str(backups[0]), out.stdout)  # it says where
+        self.assertEqual(json.loads(backups[0].read_text()), {"mcpServers": {"other": {"command": "x"}}})
+
+
+class PublishTests(unittest.TestCase):
+    """SPEC 2: ready to publish. The metadata agrees with itself; the build
+    itself (with the oldest setuptools the pyproject accepts) is in
+    DistributionTests and CI."""
+
+    def setUp(self):
+        try:
+            import tomllib
+        except ImportError:
+            self.skipTest("reading pyproject.toml needs Python 3.11 (tomllib)")
+        self.pyproject = tomllib.loads((HERE / "pyproject.toml").read_text())
+        self.server = json.loads((HERE / "server.json").read_text())
+
+    def test_the_declared_setuptools_reads_the_license_expression(self):
+        (requirement,) = [r for r in self.pyproject["build-system"]["requires"] if r.startswith("setuptools")]
+        lowest = tuple(int(part) for part in requirement.split(">=")[1].split("."))
+        self.assertIsInstance(self.pyproject["project"]["license"], str)  # an SPDX expression (PEP 639) ...
+        self.assertGreaterEqual(lowest, (77,))  # ... which setuptools reads from 77 on
+
+    def test_server_json_matches_the_package_and_the_readme_marker(self):
+        package = self.server["packages"][0]
+        self.assertEqual((package["registryType"], package["identifier"]), ("pypi", self.pyproject["project"]["name"]))
+        self.assertEqual({self.server["version"], package["version"]}, {smol_mcp.__version__})
+        self.assertIn(f"mcp-name: {self.server['name']}", (HERE / "README.md").read_text())
+        self.assertLessEqual(len(self.server["description"]), 100)  # the registry's limit
+        settings = {setting.env for setting in smol_mcp.SETTINGS}
+        for variable in package["environmentVariables"]:
+            self.assertIn(variable["name"], settings)
+            self.assertEqual(variable["isSecret"], variable["name"] in ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN"))
 
 
 @unittest.skipUnless(os.environ.get("SMOL_MCP_DIST") == "1", "ways of running: set SMOL_MCP_DIST=1 (needs PyPI)")
@@ -2591,6 +2998,22 @@ class DistributionTests(unittest.TestCase):
         out = subprocess.run([str(venv / "bin" / "smol-mcp"), "setup", "cursor"], env=self.env, capture_output=True,
                              text=True, timeout=60)
         self.assertEqual(json.loads(out.stdout)["mcpServers"]["smol"]["command"], str(venv / "bin" / "smol-mcp"))
+
+    def test_sdist_and_wheel_build_with_the_oldest_declared_setuptools_and_pass_twine_check(self):
+        import tomllib
+        requires = tomllib.loads((HERE / "pyproject.toml").read_text())["build-system"]["requires"]
+        (requirement,) = [r for r in requires if r.startswith("setuptools")]
+        major = int(requirement.split(">=")[1].split(".")[0])
+        Path(self.tmp, "constraints.txt").write_text(f"setuptools<{major + 1}\n")  # the oldest line it accepts
+        out = subprocess.run(["uv", "build", "--sdist", "--wheel", "--out-dir", f"{self.tmp}/dist", "--build-constraint",
+                              f"{self.tmp}/constraints.txt", str(HERE)], env=self.env, capture_output=True, text=True,
+                             timeout=600)
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        built = sorted(str(p) for p in Path(self.tmp, "dist").iterdir() if p.suffix in (".whl", ".gz"))
+        self.assertEqual(len(built), 2, built)
+        out = subprocess.run(["uvx", "twine", "check", "--strict", *built],
+                             env=self.env, capture_output=True, text=True, timeout=600)
+        self.assertEqual(out.returncode, 0, out.stdout[-3000:] + out.stderr[-3000:])
 
     def test_uvx_from_the_checkout(self):
         out = subprocess.run(["uvx", "--from", str(HERE), "smol-mcp", "--version"], env=self.env, capture_output=True,
@@ -3728,12 +4151,21 @@ def main() -> int:
         suite = loader.loadTestsFromModule(sys.modules[__name__])
     if len(sys.argv) > 1:
         suite = loader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
+    started = time.monotonic()
     result = unittest.TextTestRunner(verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))).run(suite)
+    print(summary(result, time.monotonic() - started, os.environ.get("SMOL_MCP_IT") == "1"))
+    return 0 if result.wasSuccessful() else 1
+
+
+def summary(result: unittest.TestResult, seconds: float, integration: bool) -> str:
+    """The closing lines of a run: the counts, the time, and why each skipped
+    test skipped (a skip with no reason shown hides a gap)."""
     failed = len({str(test) for test, _ in result.failures + result.errors} | {str(t) for t in result.unexpectedSuccesses})
     passed = result.testsRun - failed - len(result.skipped)
-    label = "integration" if os.environ.get("SMOL_MCP_IT") == "1" else "unit"
-    print(f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped")
-    return 0 if result.wasSuccessful() else 1
+    lines = [f"skipped {test.id().removeprefix('__main__.')}: {reason}" for test, reason in result.skipped]
+    lines.append(f"{'integration' if integration else 'unit'}: {passed} passed, {failed} failed, "
+                 f"{len(result.skipped)} skipped in {seconds:.1f} s")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
