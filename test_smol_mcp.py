@@ -1967,8 +1967,11 @@ class HttpFrontProcessTests(unittest.TestCase):
             if fd_limit:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
 
+        # stderr goes to a file: a pipe nobody reads would fill and stall the server
+        self.stderr = open(f"{self.tmp}/stderr", "w+b")
+        self.addCleanup(self.stderr.close)
         server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(self.port)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limit)
+                                  env=env, stdout=subprocess.DEVNULL, stderr=self.stderr, preexec_fn=limit)
         self.addCleanup(lambda: server.poll() is None and (server.kill(), server.wait()))
         return server
 
@@ -2024,9 +2027,10 @@ class HttpFrontProcessTests(unittest.TestCase):
                                 ("ñ" * 40, "printable ASCII"), ("a b" * 20, "printable ASCII")):
             with self.subTest(token=token):
                 server = self.start_server(token, fd_limit=None)
-                _, err = server.communicate(timeout=60)
-                self.assertEqual(server.returncode, 2, err)
-                text = err.decode()
+                server.wait(timeout=60)
+                self.stderr.seek(0)
+                text = self.stderr.read().decode()
+                self.assertEqual(server.returncode, 2, text)
                 self.assertIn(expected, text)
                 self.assertIn("secrets.token_urlsafe(32)", text)
                 if len(token) > 8:
