@@ -141,8 +141,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ephemeralTtlSecs", "SMOL_MCP_EPHEMERAL_TTL_SECS", "ephemeral_ttl_secs", "int", minimum=60),
     Setting("ephemeralAutoStopSecs", "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", "ephemeral_auto_stop_secs", "int", minimum=60),
     Setting("execTimeoutSecs", "SMOL_MCP_EXEC_TIMEOUT_SECS", "exec_timeout_secs", "int", minimum=1),
-    Setting("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "max_exec_timeout_secs", "int", minimum=1,
-            maximum=86400),
+    Setting("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "max_exec_timeout_secs", "int",
+            minimum=1, maximum=86400),
     Setting("maxOutputBytes", "SMOL_MCP_MAX_OUTPUT_BYTES", "max_output_bytes", "int", minimum=1024, maximum=64 * 1024 * 1024),
     Setting("readyTimeoutSecs", "SMOL_MCP_READY_TIMEOUT_SECS", "ready_timeout_secs", "int", minimum=1),
     Setting("serveStartTimeoutSecs", "SMOL_MCP_SERVE_START_TIMEOUT_SECS", "serve_start_timeout_secs", "int", minimum=1),
@@ -301,8 +301,8 @@ def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
         writable = root.endswith(MOUNT_ROOT_WRITABLE)
         directory = root[:-len(MOUNT_ROOT_WRITABLE)] if writable else root.removesuffix(":ro")
         if not directory.startswith("/") or any(c in directory for c in "\0\n\r"):
-            raise ConfigError(f"mountRoots entries must be absolute host directories, optionally ending in "
-                              f"\":rw\" to allow writing (for example /srv/work:rw); got {root!r}")
+            raise ConfigError("mountRoots entries must be absolute host directories, optionally "
+                              f"ending in \":rw\" to allow writing (for example /srv/work:rw); got {root!r}")
         parsed.append((os.path.realpath(directory), writable))
     return parsed
 
@@ -769,8 +769,8 @@ class LocalFleet:
         if spec.ports:
             body["ports"] = [{"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports]
         if spec.mounts:
-            body["mounts"] = [{"source": m["source"], "target": m["target"], "readonly": m.get("readonly", True) is not False}
-                              for m in spec.mounts]
+            body["mounts"] = [{"source": m["source"], "target": m["target"],
+                               "readonly": m.get("readonly", True) is not False} for m in spec.mounts]
         if spec.storage_gb is not None:
             body["storageGb"] = spec.storage_gb
         if spec.overlay_gb is not None:
@@ -893,7 +893,8 @@ class LocalFleet:
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
         answer = self.request(f"write {path} in machine '{name}'", "PUT",
-                              f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}", raw=data,
+                              f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
+                              raw=data,
                               timeout=120 + len(data) / (1 << 20))
         return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
 
@@ -1279,12 +1280,14 @@ class CloudFleet:
                 attempt += 1
                 delay = _retry_after(response)
                 if delay is not None and delay > CLOUD_MAX_RETRY_WAIT_SECS:
-                    raise SmolError(f"the cloud API is busy (HTTP {response.status_code}) and asks to wait "
-                                    f"{delay:.0f} s before trying to {action} again, longer than this server "
-                                    f"waits ({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later")
-                log.info("the cloud API answered HTTP %d to %s: trying again in %.1f s", response.status_code,
-                         action, 0.5 * 2 ** attempt if delay is None else delay)
-                time.sleep(0.5 * 2 ** attempt if delay is None else delay)
+                    raise SmolError(
+                        f"the cloud API is busy (HTTP {response.status_code}) and asks to wait "
+                        f"{delay:.0f} s before trying to {action} again, longer than this server "
+                        f"waits ({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later")
+                delay = 0.5 * 2 ** attempt if delay is None else delay
+                log.info("the cloud API answered HTTP %d to %s: trying again in %.1f s",
+                         response.status_code, action, delay)
+                time.sleep(delay)
                 continue
             break
         if response.status_code >= 400:
@@ -1304,9 +1307,11 @@ class CloudFleet:
         answer = self.request("list machines", "GET", "/v1/machines", expect=(dict, list))
         # The official client accepts either shape; the service has sent a bare array.
         machines = answer.get("machines", []) if isinstance(answer, dict) else answer
-        if not isinstance(machines, list) or not all(isinstance(m, dict) and "id" in m for m in machines):
-            raise bad_cloud_answer("list machines", 200, "application/json", json.dumps(answer).encode(),
-                                   "not a list of machine records", self.config.secret_values())
+        if not isinstance(machines, list) or not all(isinstance(m, dict) and "id" in m
+                                                     for m in machines):
+            raise bad_cloud_answer("list machines", 200, "application/json",
+                                   json.dumps(answer).encode(), "not a list of machine records",
+                                   self.config.secret_values())
         return machines
 
     def list_machines(self) -> list[dict]:

@@ -1960,8 +1960,9 @@ class HttpFrontProcessTests(unittest.TestCase):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        env = {**os.environ, "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt", "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-               "SMOL_MCP_AUTH_TOKEN": token, "SMOL_MCP_TARGETS": "local"}
+        env = {**os.environ, "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_AUTH_TOKEN": token,
+               "SMOL_MCP_TARGETS": "local", "SMOL_MCP_MOUNT_ROOTS": "/srv,/var/tmp:rw"}
 
         def limit() -> None:
             if fd_limit:
@@ -2021,6 +2022,10 @@ class HttpFrontProcessTests(unittest.TestCase):
             for sock in idle:
                 sock.close()
         self.assertIsNone(server.poll())
+        self.stderr.seek(0)
+        log_text = self.stderr.read().decode()  # the startup log names the exposed host directories
+        self.assertIn("host directories exposed to agents (mountRoots): /srv (read-only), "
+                      "/var/tmp (read-write on request)", log_text)
 
     def test_weak_tokens_are_refused_at_startup_with_how_to_make_one(self):
         for token, expected in (("x", "at least 32"), ("short-token-123", "at least 32"),
@@ -2086,6 +2091,9 @@ class HelperCommandTests(unittest.TestCase):
         out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0 if smol_mcp.hypervisor_status()[0] else 1, out.stdout)
         self.assertIn(f"smolvm: {FAKE_CLI}", out.stdout)
+        self.assertIn("host directories exposed to agents: none", out.stdout)  # mountRoots, shown
+        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOL_MCP_MOUNT_ROOTS": "/srv:rw"})
+        self.assertIn("/srv (read-write on request)", out.stdout)
 
     def test_doctor_reports_a_dead_local_url_and_a_running_serve_s_version(self):
         out = run_cli("doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"})
