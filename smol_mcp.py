@@ -302,7 +302,8 @@ def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
         directory = root[:-len(MOUNT_ROOT_WRITABLE)] if writable else root.removesuffix(":ro")
         if not directory.startswith("/") or any(c in directory for c in "\0\n\r"):
             raise ConfigError("mountRoots entries must be absolute host directories, optionally "
-                              f"ending in \":rw\" to allow writing (for example /srv/work:rw); got {root!r}")
+                              'ending in ":rw" to allow writing (for example /srv/work:rw); '
+                              f"got {root!r}")
         parsed.append((os.path.realpath(directory), writable))
     return parsed
 
@@ -770,7 +771,8 @@ class LocalFleet:
             body["ports"] = [{"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports]
         if spec.mounts:
             body["mounts"] = [{"source": m["source"], "target": m["target"],
-                               "readonly": m.get("readonly", True) is not False} for m in spec.mounts]
+                               "readonly": m.get("readonly", True) is not False}
+                              for m in spec.mounts]
         if spec.storage_gb is not None:
             body["storageGb"] = spec.storage_gb
         if spec.overlay_gb is not None:
@@ -1375,8 +1377,8 @@ class CloudFleet:
 
     def stop_machine(self, name: str) -> dict:
         record = self._find(name)
-        self.request(f"stop machine '{name}'", "POST", f"/v1/machines/{record['id']}/stop", timeout=360,
-                     expect=None)
+        self.request(f"stop machine '{name}'", "POST", f"/v1/machines/{record['id']}/stop",
+                     timeout=360, expect=None)
         return cloud_record(self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}"))
 
     def delete_machine(self, name: str) -> dict:
@@ -1490,8 +1492,9 @@ class CloudFleet:
         except ApiError as err:
             if err.status != 404:
                 raise
-            # The machine was just found and a PUT cannot 404 for a missing file, so this service has
-            # no files route: write through exec. Decided per request, never for the whole process.
+            # The machine was just found and a PUT cannot 404 for a missing file, so this
+            # service has no files route: write through exec. Decided per request, never for
+            # the whole process.
         answer, _ = self._exec(record["id"], name, ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path], 120,
                                stdin=base64.b64encode(data).decode("ascii"))
         if answer.get("exitCode") != 0:
@@ -1597,9 +1600,10 @@ def bad_cloud_answer(action: str, status: int, ctype: str, body: bytes, why: str
                      secret_values: list[str]) -> SmolError:
     """A sentence about an answer the cloud API should not have given."""
     head = redact(body[:120].decode("utf-8", "replace"), secret_values)
-    return SmolError(f"the cloud API answered the request to {action} with {why}: HTTP {status}, content type "
-                     f"{ctype or '(none)'}, starting {head!r}. That is the service's (or a proxy's) answer, not "
-                     "this call's: check SMOL_CLOUD_URL points at the API, and try again later")
+    return SmolError(f"the cloud API answered the request to {action} with {why}: HTTP {status}, "
+                     f"content type {ctype or '(none)'}, starting {head!r}. That is the service's "
+                     "(or a proxy's) answer, not this call's: check SMOL_CLOUD_URL points at the "
+                     "API, and try again later")
 
 
 def _retry_after(response: Any) -> float | None:
@@ -1748,10 +1752,10 @@ TYPE_WORDS = {"string": "a string", "integer": "a whole number", "boolean": "tru
               "object": "an object"}
 
 
-MAX_TIMEOUT_SECS = 86400  # a day: the schema's ceiling; maxExecTimeoutSecs (at most this) is the real one
+MAX_TIMEOUT_SECS = 86400  # the schema's ceiling; maxExecTimeoutSecs (at most this) is the real one
 MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
 MAX_DISK_GB = 4096  # storageGb and overlayGb
-MAX_FILE_OFFSET = 1 << 40  # 1 TiB into a file; also keeps shell arithmetic in the exec fallback exact
+MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
 MAX_READ_LENGTH = 64 * 1024 * 1024  # the largest output budget the settings allow
 GUEST_PATH_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -1771,19 +1775,19 @@ def guest_path(path: str, where: str = "path") -> str:
     above `/`, or holds a control character, is refused: on an HTTP route such a
     path could name another route rather than a file."""
     if not path.startswith("/"):
-        raise ArgumentError(f'"{where}" must be an absolute path inside the machine (starting with /); got '
-                            f"{json.dumps(path)[:60]}")
+        raise ArgumentError(f'"{where}" must be an absolute path inside the machine (starting '
+                            f"with /); got {json.dumps(path)[:60]}")
     if GUEST_PATH_FORBIDDEN.search(path):
-        raise ArgumentError(f'"{where}" holds a control character (such as a newline or NUL), which no file name '
-                            "should; pass the path without it")
+        raise ArgumentError(f'"{where}" holds a control character (such as a newline or NUL), '
+                            "which no file name should; pass the path without it")
     parts: list[str] = []
     for segment in path.split("/"):
         if segment in ("", "."):
             continue
         if segment == "..":
             if not parts:
-                raise ArgumentError(f'"{where}" climbs above / with ".."; pass the plain absolute path of the file, '
-                                    f"got {json.dumps(path)[:60]}")
+                raise ArgumentError(f'"{where}" climbs above / with ".."; pass the plain '
+                                    f"absolute path of the file, got {json.dumps(path)[:60]}")
             parts.pop()
             continue
         parts.append(segment)
@@ -1794,7 +1798,8 @@ def guest_route_suffix(path: str) -> str:
     """The path as the suffix of a files route: normalised, every segment
     percent-encoded on its own (no `/`, `?`, `#` or `%` of the path survives as
     syntax), without the leading slash."""
-    return "/".join(urllib.parse.quote(segment, safe="") for segment in guest_path(path).split("/")[1:])
+    segments = guest_path(path).split("/")[1:]
+    return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
 
 
 def looks_like_host_path(image: str) -> bool:
@@ -1810,9 +1815,10 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
     resolved path is what the engine is given."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
-        raise ArgumentError(f'"{where}" names a host path ({source!r}), and this server exposes no host directory: '
-                            "the operator can allow some with the mountRoots setting (SMOL_MCP_MOUNT_ROOTS). "
-                            "Otherwise copy files in with write-file, or use a registry image")
+        raise ArgumentError(f'"{where}" names a host path ({source!r}), and this server exposes '
+                            "no host directory: the operator can allow some with the mountRoots "
+                            "setting (SMOL_MCP_MOUNT_ROOTS). Otherwise copy files in with "
+                            "write-file, or use a registry image")
     if not source.startswith(("/", "~")) and not source.startswith("file:"):
         raise ArgumentError(f'"{where}" must be an absolute host path, got {source!r}')
     plain = source.removeprefix("file://").removeprefix("file:")
@@ -1820,12 +1826,14 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
     for root, writable in roots:
         if resolved == root or resolved.startswith(root.rstrip("/") + "/"):
             if want_write and not writable:
-                raise ArgumentError(f'"{where}" asks for write access under {root}, which mountRoots opens read-only; '
-                                    'leave "readonly" out (or true), or have the operator add ":rw" to that root')
+                raise ArgumentError(f'"{where}" asks for write access under {root}, which '
+                                    'mountRoots opens read-only; leave "readonly" out (or true), '
+                                    'or have the operator add ":rw" to that root')
             return resolved
     listed = ", ".join(root + (MOUNT_ROOT_WRITABLE if writable else "") for root, writable in roots)
-    raise ArgumentError(f'"{where}" resolves to {resolved}, which is outside the host directories this server '
-                        f"exposes ({listed}; the mountRoots setting); pick a path under one of them")
+    raise ArgumentError(f'"{where}" resolves to {resolved}, which is outside the host '
+                        f"directories this server exposes ({listed}; the mountRoots setting); "
+                        "pick a path under one of them")
 
 
 def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
@@ -1956,7 +1964,8 @@ def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
 ARG_NAME = _string("The machine's name (list-machines shows them).", minLength=1, pattern=NAME_PATTERN)
 ARG_IMAGE = _string("An OCI image reference, such as alpine or python:3.12-alpine.", minLength=1)
 ARG_CPUS = _integer("Virtual CPUs (default from SMOL_MCP_CPUS).", maximum=255)
-ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128, maximum=MAX_MEMORY_MB)
+ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128,
+                      maximum=MAX_MEMORY_MB)
 ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image on the local fleet needs "
                       "\"open\" for its first pull.", enum=["open", "blocked"])
 ARG_ALLOW_HOSTS = {"type": "array", "items": _string("A host name.", minLength=1),
@@ -2228,10 +2237,11 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
 
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
     network, hosts, cidrs = resolve_network(args, network_default)
-    mounts = args.get("mounts", [])
     # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
-    image, contained = contain_host_paths(call.config, args["image"], mounts if call.fleet.name == "local" else [])
-    mounts = contained if call.fleet.name == "local" else mounts
+    local = call.fleet.name == "local"
+    mounts = args.get("mounts", [])
+    image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
+    mounts = contained if local else mounts
     return MachineSpec(
         name=name, image=image, ephemeral=call.session.is_ephemeral(name), cpus=args.get("cpus", call.config.cpus),
         memory_mb=args.get("memoryMb", call.config.memory_mb), network=network, allow_hosts=hosts, allow_cidrs=cidrs,
@@ -2475,17 +2485,20 @@ TOOLS: tuple[ToolSpec, ...] = (
                       "items": _object({"guest": _integer("Port inside the machine.", maximum=65535),
                                         "host": _integer("Port on the host (default: a free one).", maximum=65535)},
                                        ("guest",))},
-            "mounts": {"type": "array", "description": "Host directories to attach (local fleet only), only "
-                                                       "under the operator's mountRoots; read-only by default.",
+            "mounts": {"type": "array",
+                       "description": "Host directories to attach (local fleet only), only under the "
+                                      "operator's mountRoots; read-only by default.",
                        "items": _object({"source": _string("Absolute host path."),
                                          "target": _string("Absolute path inside the machine.",
                                                            pattern=ABSOLUTE_PATH_PATTERN),
                                          "readonly": {"type": "boolean", "description":
-                                              "Mount read-only (the default); false asks for write, which "
-                                              "only a root opened with :rw grants."}},
+                                                      "Mount read-only (the default); false asks "
+                                                      "for write, which only a root opened with "
+                                                      ":rw grants."}},
                                         ("source", "target"))},
             "storageGb": _integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
-            "overlayGb": _integer("Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB),
+            "overlayGb": _integer("Overlay disk size in GiB (local fleet only).",
+                                  maximum=MAX_DISK_GB),
             "cmd": {"type": "array", "items": {"type": "string"}, "description": "Workload command (local fleet only)."},
             "env": ARG_ENV,
             "branchable": {"type": "boolean", "description": "Make it a branch source for branch-machine."},
@@ -2515,7 +2528,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "file, eof says whether this page reached its end. Never returns more than the output budget. Starts a "
         "stopped machine.",
         _object({"name": ARG_NAME, "path": ARG_PATH, "encoding": ARG_ENCODING,
-                 "offset": _integer("First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET),
+                 "offset": _integer("First byte to read (default 0).", minimum=0,
+                                    maximum=MAX_FILE_OFFSET),
                  "length": _integer("Bytes to read (default and maximum: the output budget).",
                                     maximum=MAX_READ_LENGTH)}, ("name", "path")),
         _out({"path": {"type": "string"}, "content": {"type": "string"}, "encoding": {"type": "string"},
@@ -3323,15 +3337,15 @@ async def run_stdio(server) -> None:
 # ---------------------------------------------------------------------------
 
 HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and all; more is a 413
-HTTP_MAX_BODIES_IN_FLIGHT = 8  # bodies buffered at once: at most 8 x 16 MiB of memory; more wait their turn
+HTTP_MAX_BODIES_IN_FLIGHT = 8  # bodies buffered at once (8 x 16 MiB at most); more wait their turn
 HTTP_BODY_TIMEOUT_SECS = 60  # a body still arriving after this is a 408
 HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
 HTTP_HEADER_TIMEOUT_SECS = 10  # a connection whose request headers are not in by then is closed
 HTTP_KEEP_ALIVE_SECS = 5  # an idle connection between requests is closed after this
-HTTP_MAX_HEADER_BYTES = 64 * 1024  # request line and headers; more is a 400 and the connection closes
-HTTP_MAX_CONNECTIONS = 128  # open connections; beyond it the oldest one still without headers is closed
-HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS  # uvicorn's own backstop: requests beyond it get 503
+HTTP_MAX_HEADER_BYTES = 64 * 1024  # request line and headers; more is a 400 and a close
+HTTP_MAX_CONNECTIONS = 128  # beyond it the oldest connection still without headers is closed
+HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS  # uvicorn's own backstop: beyond it, 503
 HTTP_CLOSE = [(b"connection", b"close")]
 HTTP_UNAUTHORIZED = json.dumps({"error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
                                          "'X-Smol-Mcp-Token: <token>'"}).encode()
@@ -3349,12 +3363,12 @@ def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> Non
     spaces (a header is Latin-1 on the wire, so anything else would never match
     what a UTF-8 client sends). The message never shows the token."""
     if not all("!" <= ch <= "~" for ch in secret):
-        raise ConfigError(f"{where} must hold only printable ASCII characters without spaces, so every client "
-                          f"sends it byte for byte; {HTTP_TOKEN_ADVICE}")
+        raise ConfigError(f"{where} must hold only printable ASCII characters without spaces, "
+                          f"so every client sends it byte for byte; {HTTP_TOKEN_ADVICE}")
     if len(secret) < HTTP_MIN_TOKEN_CHARS:
         raise ConfigError(f"{where} is {len(secret)} characters long; --http needs at least "
-                          f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can try to guess it; "
-                          f"{HTTP_TOKEN_ADVICE}")
+                          f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can "
+                          f"try to guess it; {HTTP_TOKEN_ADVICE}")
 
 
 def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | None:
@@ -3376,7 +3390,7 @@ class HttpGate:
                  allowed_origins: tuple[str, ...]):
         self.app, self.tokens, self.path = app, tokens, path
         self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
-        self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's event loop
+        self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
 
     def principal(self, headers: dict[bytes, bytes]) -> str | None:
         """The name of the token the request carries, compared in constant time."""
@@ -3399,7 +3413,8 @@ class HttpGate:
         principal = self.principal(headers)
         if principal is None:
             # Connection: close makes the server stop reading whatever body is still coming.
-            await _respond(send, 401, HTTP_UNAUTHORIZED, [(b"www-authenticate", b"Bearer"), *HTTP_CLOSE])
+            await _respond(send, 401, HTTP_UNAUTHORIZED,
+                           [(b"www-authenticate", b"Bearer"), *HTTP_CLOSE])
             return
         host = headers.get(b"host", b"").decode("latin-1")
         if self.allowed_hosts is not None and host not in self.allowed_hosts:
@@ -3420,7 +3435,8 @@ class HttpGate:
             return
         await self.app(scope, replay_body(body, receive), send)
 
-    async def read_body(self, headers: dict[bytes, bytes], receive: Callable, send: Callable) -> bytes | None:
+    async def read_body(self, headers: dict[bytes, bytes], receive: Callable,
+                        send: Callable) -> bytes | None:
         """The whole request body, read here so what is held is bounded as it
         arrives: past HTTP_MAX_BODY_BYTES nothing more is kept and the answer is
         a 413 (the rest is read and dropped, up to as much again, so the client
@@ -3429,12 +3445,12 @@ class HttpGate:
         HTTP_MAX_BODIES_IN_FLIGHT bodies are read at a time. None when an answer
         has been sent here."""
         import anyio
-        too_big = json.dumps({"error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; send a smaller "
-                                       "one (a large file goes in pieces)"}).encode()
+        too_big = json.dumps({"error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; "
+                                       "send a smaller one (a large file goes in pieces)"}).encode()
         declared = headers.get(b"content-length", b"0").strip()
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
         if over and headers.get(b"expect", b"").lower() == b"100-continue":
-            await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked: never ask
+            await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
             return None
         if self.bodies is None:
             self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
@@ -3456,8 +3472,8 @@ class HttpGate:
                     if not message.get("more_body", False) or size > 2 * HTTP_MAX_BODY_BYTES:
                         break
         if deadline.cancelled_caught:
-            await _respond(send, 408, json.dumps({"error": f"the request body did not arrive within "
-                                                 f"{HTTP_BODY_TIMEOUT_SECS} s"}).encode(), HTTP_CLOSE)
+            late = {"error": f"the request body did not arrive within {HTTP_BODY_TIMEOUT_SECS} s"}
+            await _respond(send, 408, json.dumps(late).encode(), HTTP_CLOSE)
             return None
         if over:
             await _respond(send, 413, too_big, HTTP_CLOSE)
@@ -3500,7 +3516,8 @@ def guarded_protocol() -> type:
             self.opened = time.monotonic()
             self.watch_headers()
             if len(self.connections) > HTTP_MAX_CONNECTIONS:
-                idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol)
+                idle = [c for c in self.connections
+                        if c is not self and isinstance(c, GuardedH11Protocol)
                         and c.awaiting_headers() and not c.transport.is_closing()]
                 victim = min(idle, key=lambda c: c.opened) if idle else self
                 victim.transport.close()
@@ -3517,7 +3534,8 @@ def guarded_protocol() -> type:
             """Arm the header deadline while no request has arrived, disarm it once one has."""
             if self.awaiting_headers():
                 if self.header_deadline is None:
-                    self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS, self.headers_overdue)
+                    self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS,
+                                                                self.headers_overdue)
             elif self.header_deadline is not None:
                 self.header_deadline.cancel()
                 self.header_deadline = None
@@ -3543,8 +3561,10 @@ _GUARDED_PROTOCOL: type | None = None
 def uvicorn_options() -> dict:
     """The uvicorn settings --http runs with (the tests use the same)."""
     return dict(http=guarded_protocol(), lifespan="on", log_level="warning",
-                timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS, timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
-                h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES, limit_concurrency=HTTP_LIMIT_CONCURRENCY)
+                timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS,
+                timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
+                h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
+                limit_concurrency=HTTP_LIMIT_CONCURRENCY)
 
 
 async def _respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
@@ -3657,9 +3677,11 @@ def describe_mount_roots(config: Config) -> str:
     """One line on the host directories an agent can mount, for the startup log and doctor."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
-        return "host directories exposed to agents: none (mounts and host-path images are refused; mountRoots)"
+        return ("host directories exposed to agents: none (mounts and host-path images are "
+                "refused; mountRoots)")
     return "host directories exposed to agents (mountRoots): " + ", ".join(
-        f"{root} ({'read-write on request' if writable else 'read-only'})" for root, writable in roots)
+        f"{root} ({'read-write on request' if writable else 'read-only'})"
+        for root, writable in roots)
 
 
 async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
@@ -3898,9 +3920,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config()
         if args.http and not args.command and not config.auth_token:
-            raise ConfigError("--http refuses to start without a token, because these tools run machines: set "
-                              "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>'; "
-                              + HTTP_TOKEN_ADVICE)
+            raise ConfigError("--http refuses to start without a token, because these tools run "
+                              "machines: set SMOL_MCP_AUTH_TOKEN and have clients send it as "
+                              "'Authorization: Bearer <token>'; " + HTTP_TOKEN_ADVICE)
         if args.http and not args.command:
             check_token_strength(config.auth_token)
         app = SmolMcp(config)
