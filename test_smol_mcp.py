@@ -158,7 +158,8 @@ class ConfigTests(unittest.TestCase):
             "maxOutputBytes": 4096, "readyTimeoutSecs": 30, "serveStartTimeoutSecs": 30, "logsTail": 10,
             "logsPollSecs": 5, "cloudUrl": "https://example.test", "cloudToken": "t", "targets": "local",
             "httpHost": "0.0.0.0", "httpPort": 9000, "httpPath": "/x", "authToken": "a", "httpSessionIdleSecs": 60,
-            "httpAllowedHosts": ["h"], "httpAllowedOrigins": ["o"], "mountRoots": ["/srv", "/work:rw"],
+            "httpAllowedHosts": ["h"], "httpAllowedOrigins": ["o"],
+            "mountRoots": ["/srv", "/work:rw"],
         }
         for setting in smol_mcp.SETTINGS:  # every key is read from the file, and from the environment
             value = samples[setting.key]
@@ -251,10 +252,12 @@ class ConfigTests(unittest.TestCase):
 
     def test_child_environment_is_minimal_and_has_no_secrets(self):
         environ = {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off", "SMOL_CLOUD_TOKEN": "tok-1",
-                   "SMOL_MCP_AUTH_TOKEN": "tok-2", "AWS_SECRET_ACCESS_KEY": "aws", "SMOLVM_LEAK": "tok-1",
-                   "SMOLVM_EXTRA": "prefix-tok-1", "XDG_DATA_HOME": "/data/tok-2/x", "LANG": "C.UTF-8"}
+                   "SMOL_MCP_AUTH_TOKEN": "tok-2", "AWS_SECRET_ACCESS_KEY": "aws",
+                   "SMOLVM_LEAK": "tok-1", "SMOLVM_EXTRA": "prefix-tok-1",
+                   "XDG_DATA_HOME": "/data/tok-2/x", "LANG": "C.UTF-8"}
         env = smol_mcp.minimal_child_env(environ, ["tok-1", "tok-2"])
-        self.assertEqual(env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off", "LANG": "C.UTF-8"})
+        self.assertEqual(env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off",
+                               "LANG": "C.UTF-8"})
 
 
 class ImportTests(unittest.TestCase):
@@ -1685,7 +1688,8 @@ class MountRootTests(FakeServeCase):
         ro, rw = str(base / "ro"), str(base / "rw")
         self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=(ro, rw + ":rw")))
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "m1", "image": "alpine", "start": False, "mounts": [
+            await self.ok(c, "create-machine", {"name": "m1", "image": "alpine", "start": False,
+                                                "mounts": [
                 {"source": f"{ro}/data", "target": "/data"},
                 {"source": f"{rw}/work/../work", "target": "/work", "readonly": False}]})
             body = self.creates()[-1][2]
@@ -1702,13 +1706,14 @@ class MountRootTests(FakeServeCase):
             ]
             for mount, expected in refusals:
                 with self.subTest(mount=mount):
-                    text = await self.refused(c, "create-machine", {"image": "alpine", "start": False,
-                                                                    "mounts": [mount]})
+                    args = {"image": "alpine", "start": False, "mounts": [mount]}
+                    text = await self.refused(c, "create-machine", args)
                     self.assertIn(expected, text)
                     self.assertIn("mountRoots", text)
             self.assertEqual(len(self.creates()), 1)
-            # a host-path image under a root goes to the serve resolved (1.32.2 then refuses it itself)
-            text = await self.refused(c, "create-machine", {"image": f"{ro}/data/../data", "start": False})
+            # a host-path image under a root goes to the serve resolved (1.32.2 then refuses it)
+            text = await self.refused(c, "create-machine",
+                                      {"image": f"{ro}/data/../data", "start": False})
             self.assertEqual(self.creates()[-1][2]["image"], f"{ro}/data")
             self.assertIn("local-image-dir", text)
 
@@ -1722,7 +1727,8 @@ class MountRootTests(FakeServeCase):
         self.assertIn("/work (read-write on request)", line)
 
 
-TRAVERSALS = ("/../../../../account", "/../../../../x", "/root/../../../v1/account", "/./../machines")
+TRAVERSALS = ("/../../../../account", "/../../../../x", "/root/../../../v1/account",
+              "/./../machines")
 
 
 class GuestPathLocalTests(FakeServeCase):
@@ -1775,26 +1781,35 @@ class GuestPathCloudTests(FakeCloudCase):
                         self.assertIn('climbs above /', text)
                         self.assertNotIn("billing", text)
             self.assertEqual(self.cloud.requests, [])
-            wrote = await self.ok(c, "write-file", {"name": "mcp-t", "path": "/root/x/../q?a=1#f", "content": "v"})
+            wrote = await self.ok(c, "write-file",
+                                  {"name": "mcp-t", "path": "/root/x/../q?a=1#f", "content": "v"})
             self.assertEqual(wrote["path"], "/root/q?a=1#f")
             page = await self.ok(c, "read-file", {"name": "mcp-t", "path": "/root/q?a=1#f"})
             self.assertEqual(page["content"], "v")
             self.assertEqual(self.outside_files_route(), [])
+            mid = self.by_name("mcp-t")["id"]
             self.assertEqual({r[1] for r in self.cloud.requests if "/files/" in r[1]},
-                             {f"/v1/machines/{self.by_name('mcp-t')['id']}/files//root/q%3Fa%3D1%23f"})
+                             {f"/v1/machines/{mid}/files//root/q%3Fa%3D1%23f"})
 
     async def test_one_404_never_turns_the_files_route_off_for_everyone(self):
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "mcp-f", "image": "alpine"})
             mid = self.by_name("mcp-f")["id"]
             self.cloud.fail_next("PUT", f"/v1/machines/{mid}/files", 404)
-            await self.ok(c, "write-file", {"name": "mcp-f", "path": "/root/one", "content": "1"})  # via exec
-            self.assertTrue([r for r in self.cloud_requests("/exec") if "base64 -d" in json.dumps(r[3])])
+            # this one goes through exec
+            await self.ok(c, "write-file", {"name": "mcp-f", "path": "/root/one", "content": "1"})
+            self.assertTrue(self.writes_by_exec())
             self.cloud.requests.clear()
             await self.ok(c, "write-file", {"name": "mcp-f", "path": "/root/two", "content": "2"})
-            self.assertEqual(len(self.cloud_requests("/root/two", "PUT")), 1, "the files route must still be used")
-            writes_by_exec = [r for r in self.cloud_requests("/exec") if "base64 -d" in json.dumps(r[3])]
-            self.assertEqual(writes_by_exec, [])
+            self.assertEqual(len(self.cloud_requests("/root/two", "PUT")), 1,
+                             "the files route must still be used")
+            self.assertEqual(self.writes_by_exec(), [])
+
+    def writes_by_exec(self) -> list:
+        return [r for r in self.cloud_requests("/exec") if "base64 -d" in json.dumps(r[3])]
+
+
+HUGE = 2 ** 63  # forwarded as is before the bounds
 
 
 class ExactInputTests(FakeServeCase):
@@ -1815,12 +1830,12 @@ class ExactInputTests(FakeServeCase):
                 ("get-machine", {"name": "m\n"}, '"name"'),
                 ("read-file", {"name": "m", "path": "/etc/passwd\n"}, '"path"'),
                 ("run-command", {"name": "m", "command": "true", "workdir": "/\n"}, '"workdir"'),
-                ("create-machine", {"image": "alpine", "memoryMb": 2 ** 63}, '"memoryMb" must be at most'),
-                ("create-machine", {"image": "alpine", "storageGb": 2 ** 63}, '"storageGb" must be at most'),
-                ("create-machine", {"image": "alpine", "overlayGb": 2 ** 63}, '"overlayGb" must be at most'),
-                ("run-once", {"image": "alpine", "command": "true", "memoryMb": 2 ** 63}, "at most"),
-                ("read-file", {"name": "m", "path": "/a", "offset": 2 ** 63}, '"offset" must be at most'),
-                ("run-command", {"name": "m", "command": "true", "timeoutSecs": 2 ** 63}, "at most"),
+                ("create-machine", {"image": "alpine", "memoryMb": HUGE}, '"memoryMb" must be'),
+                ("create-machine", {"image": "alpine", "storageGb": HUGE}, '"storageGb" must'),
+                ("create-machine", {"image": "alpine", "overlayGb": HUGE}, '"overlayGb" must'),
+                ("run-once", {"image": "alpine", "command": "true", "memoryMb": HUGE}, "at most"),
+                ("read-file", {"name": "m", "path": "/a", "offset": HUGE}, '"offset" must be'),
+                ("run-command", {"name": "m", "command": "true", "timeoutSecs": HUGE}, "at most"),
             ]
             for tool, args, expected in cases:
                 with self.subTest(tool=tool, args=args):
@@ -1830,8 +1845,9 @@ class ExactInputTests(FakeServeCase):
         self.assertEqual(self.fake.requests, [], "nothing refused here may reach the engine")
 
     def test_python_reads_a_final_dollar_as_the_end(self):
-        self.assertIsNone(smol_mcp.re.search(smol_mcp.python_pattern(smol_mcp.NAME_PATTERN), "nl1\n"))
-        self.assertIsNotNone(smol_mcp.re.search(smol_mcp.python_pattern(smol_mcp.NAME_PATTERN), "nl1"))
+        name_pattern = smol_mcp.python_pattern(smol_mcp.NAME_PATTERN)
+        self.assertIsNone(smol_mcp.re.search(name_pattern, "nl1\n"))
+        self.assertIsNotNone(smol_mcp.re.search(name_pattern, "nl1"))
         self.assertEqual(smol_mcp.python_pattern(r"^a\$"), r"^a\$")
 
 
@@ -1840,7 +1856,8 @@ class CloudAnswerTests(FakeCloudCase):
 
     async def test_bad_answers_are_sentences_naming_status_type_and_first_bytes(self):
         cases = [
-            (b"<html><body>Sign in to the hotel wifi</body></html>", "text/html; charset=utf-8", "not JSON"),
+            (b"<html><body>Sign in to the hotel wifi</body></html>", "text/html; charset=utf-8",
+             "not JSON"),
             (b"", "application/json", "an empty body"),
             (b'{"machines": [', "application/json", "malformed JSON"),
             (b'"machines"', "application/json", "wrong shape"),
@@ -1856,9 +1873,10 @@ class CloudAnswerTests(FakeCloudCase):
                     self.assertIn(ctype.split(";")[0], text)
                     self.assertIn(body[:10].decode(), text)
                     self.assertNotIn("bug", text)
-            name = (await self.ok(c, "create-machine", {"name": "mcp-a", "image": "alpine"}))["machine"]["name"]
-            self.cloud.fail_next("POST", "/v1/machines/", 200, body=b'{"ok": true}', content_type="application/json")
-            text = await self.refused(c, "run-command", {"name": name, "command": "true"})
+            await self.ok(c, "create-machine", {"name": "mcp-a", "image": "alpine"})
+            self.cloud.fail_next("POST", "/v1/machines/", 200, body=b'{"ok": true}',
+                                 content_type="application/json")
+            text = await self.refused(c, "run-command", {"name": "mcp-a", "command": "true"})
             self.assertIn("no whole-number exitCode", text)
             self.assertNotIn("bug", text)
 
@@ -1923,7 +1941,8 @@ class HttpFrontTests(HttpCase):
         self.assertLess(time.monotonic() - started, 5)
 
     async def test_an_endless_unauthenticated_body_gets_401_and_the_connection_closes(self):
-        results = [asyncio.create_task(asyncio.to_thread(endless_body, self.port, "", 15)) for _ in range(2)]
+        results = [asyncio.create_task(asyncio.to_thread(endless_body, self.port, "", 15))
+                   for _ in range(2)]
         await asyncio.sleep(0.5)
         await self.assert_still_answers()
         for answer, sent, closed in [await task for task in results]:
@@ -1937,7 +1956,7 @@ class HttpFrontTests(HttpCase):
             endless_body, self.port, f"Authorization: Bearer {HTTP_TOKEN}\r\n", 30)
         self.assertTrue(closed, "the server must end an endless body")
         self.assertLess(sent, 3 * smol_mcp.HTTP_MAX_BODY_BYTES + 16 * 1024 * 1024)
-        if answer:  # the answer can be lost to the reset that ends the read; when it came, it is a 413
+        if answer:  # the answer can be lost to the reset that ends the read; if it came, a 413
             self.assertTrue(answer.startswith(b"HTTP/1.1 413"), answer[:100])
         await self.assert_still_answers()
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}",
@@ -1945,7 +1964,8 @@ class HttpFrontTests(HttpCase):
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
         writer.write(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n{head}\r\n".encode())
-        reply = await asyncio.wait_for(reader.read(), 10)  # answered and closed without sending a byte of body
+        # answered and closed without sending a byte of body
+        reply = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         self.assertTrue(reply.startswith(b"HTTP/1.1 413"), reply[:100])
 
@@ -1971,8 +1991,9 @@ class HttpFrontProcessTests(unittest.TestCase):
         # stderr goes to a file: a pipe nobody reads would fill and stall the server
         self.stderr = open(f"{self.tmp}/stderr", "w+b")
         self.addCleanup(self.stderr.close)
-        server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(self.port)],
-                                  env=env, stdout=subprocess.DEVNULL, stderr=self.stderr, preexec_fn=limit)
+        command = [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(self.port)]
+        server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr,
+                                  preexec_fn=limit)
         self.addCleanup(lambda: server.poll() is None and (server.kill(), server.wait()))
         return server
 
@@ -1980,7 +2001,8 @@ class HttpFrontProcessTests(unittest.TestCase):
         import httpx2
         headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
         with httpx2.Client(timeout=timeout) as http:
-            return http.post(f"http://127.0.0.1:{self.port}/mcp", headers=headers, content=INIT_BODY).status_code
+            return http.post(f"http://127.0.0.1:{self.port}/mcp", headers=headers,
+                             content=INIT_BODY).status_code
 
     def test_300_idle_unauthenticated_connections_do_not_starve_a_client(self):
         import httpx2
@@ -1996,7 +2018,8 @@ class HttpFrontProcessTests(unittest.TestCase):
             for index in range(300):
                 sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
                 if index % 2:
-                    sock.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers never finished
+                    # headers never finished
+                    sock.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")
                 idle.append(sock)
             started = time.monotonic()
             self.assertEqual(self.initialize(10), 200)
@@ -2092,7 +2115,8 @@ class HelperCommandTests(unittest.TestCase):
         self.assertEqual(out.returncode, 0 if smol_mcp.hypervisor_status()[0] else 1, out.stdout)
         self.assertIn(f"smolvm: {FAKE_CLI}", out.stdout)
         self.assertIn("host directories exposed to agents: none", out.stdout)  # mountRoots, shown
-        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOL_MCP_MOUNT_ROOTS": "/srv:rw"})
+        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI),
+                                     "SMOL_MCP_MOUNT_ROOTS": "/srv:rw"})
         self.assertIn("/srv (read-write on request)", out.stdout)
 
     def test_doctor_reports_a_dead_local_url_and_a_running_serve_s_version(self):
@@ -2248,7 +2272,8 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         config = fake_config(self.tmp, None, smolvm=str(self.wrapper), cloud_token="smk_cloud_secret",
                              auth_token="http_secret", targets="local", **overrides)
         return SmolMcp(config, environ={**os.environ, "SMOL_CLOUD_TOKEN": "smk_cloud_secret",
-                                        "SMOL_MCP_AUTH_TOKEN": "http_secret", "SMOLVM_VM_UID_DROP": "off",
+                                        "SMOL_MCP_AUTH_TOKEN": "http_secret",
+                                        "SMOLVM_VM_UID_DROP": "off",
                                         "SMOLVM_EXTRA": "prefix-smk_cloud_secret-suffix",
                                         "TMPDIR": "/tmp/http_secret/.."})
 
@@ -2265,7 +2290,8 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             child_env = json.loads(Path(self.envfile).read_text())
             self.assertNotIn("SMOL_CLOUD_TOKEN", child_env)
             self.assertNotIn("SMOL_MCP_AUTH_TOKEN", child_env)
-            self.assertNotIn("smk_cloud_secret", json.dumps(child_env))  # not even inside another value
+            # not even inside another value
+            self.assertNotIn("smk_cloud_secret", json.dumps(child_env))
             self.assertNotIn("http_secret", json.dumps(child_env))
             self.assertNotIn("SMOLVM_EXTRA", child_env)
             self.assertEqual(child_env.get("SMOLVM_VM_UID_DROP"), "off")
