@@ -112,6 +112,7 @@ class Config:
     http_allowed_origins: tuple[str, ...] = ()
     state_dir: str = ""
     scopes: tuple[str, ...] = ()  # empty: every scope (section 11)
+    mount_roots: tuple[str, ...] = ()
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
@@ -144,7 +145,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ephemeralTtlSecs", "SMOL_MCP_EPHEMERAL_TTL_SECS", "ephemeral_ttl_secs", "int", minimum=60),
     Setting("ephemeralAutoStopSecs", "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", "ephemeral_auto_stop_secs", "int", minimum=60),
     Setting("execTimeoutSecs", "SMOL_MCP_EXEC_TIMEOUT_SECS", "exec_timeout_secs", "int", minimum=1),
-    Setting("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "max_exec_timeout_secs", "int", minimum=1),
+    Setting("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "max_exec_timeout_secs", "int",
+            minimum=1, maximum=86400),
     Setting("maxOutputBytes", "SMOL_MCP_MAX_OUTPUT_BYTES", "max_output_bytes", "int", minimum=1024, maximum=64 * 1024 * 1024),
     Setting("readyTimeoutSecs", "SMOL_MCP_READY_TIMEOUT_SECS", "ready_timeout_secs", "int", minimum=1),
     Setting("serveStartTimeoutSecs", "SMOL_MCP_SERVE_START_TIMEOUT_SECS", "serve_start_timeout_secs", "int", minimum=1),
@@ -162,6 +164,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", "http_allowed_origins", "list"),
     Setting("stateDir", "SMOL_MCP_STATE_DIR", "state_dir", "str"),
     Setting("scopes", "SMOL_MCP_SCOPES", "scopes", "list"),
+    Setting("mountRoots", "SMOL_MCP_MOUNT_ROOTS", "mount_roots", "list"),
 )
 
 
@@ -267,6 +270,7 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         named = ", ".join(map(repr, unknown))
         raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, which is not a scope; "
                           f"the scopes are: {', '.join(SCOPES)}")
+    parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
     if not config.runtime_dir:
         config = dataclasses.replace(config, runtime_dir=default_runtime_dir(environ))
     if not config.state_dir:
@@ -312,6 +316,25 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
                         "open, "
                         "for example one made with mkdir -m 700")
     return directory
+
+
+MOUNT_ROOT_WRITABLE = ":rw"
+
+
+def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
+    """The configured mount roots as (resolved directory, writable). A root is an
+    absolute host directory, read-only unless it ends in ":rw". Symlinks in the
+    root itself are resolved here, so a source is compared with the real place."""
+    parsed = []
+    for root in roots:
+        writable = root.endswith(MOUNT_ROOT_WRITABLE)
+        directory = root[:-len(MOUNT_ROOT_WRITABLE)] if writable else root.removesuffix(":ro")
+        if not directory.startswith("/") or any(c in directory for c in "\0\n\r"):
+            raise ConfigError("mountRoots entries must be absolute host directories, optionally "
+                              'ending in ":rw" to allow writing (for example /srv/work:rw); '
+                              f"got {root!r}")
+        parsed.append((os.path.realpath(directory), writable))
+    return parsed
 
 
 def parse_local_url(url: str) -> tuple[str, str | int]:
@@ -397,7 +420,10 @@ ADDRESS_IN_USE_HINT = (
     "already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock (smolvm's own default is "
     "unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or stop it."
 )
-# Engine settings the serve child may need; nothing else of ours is passed on.
+# The serve child's environment is an allow-list: PATH to find its helpers, HOME and
+# XDG_* for its data, cache and socket directories, the locale and TZ for its messages,
+# TMPDIR for its scratch files, RUST_LOG for its log level, and SMOLVM_* (added in
+# minimal_child_env), the engine's own settings. Nothing else of ours is passed on.
 CHILD_ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ", "XDG_RUNTIME_DIR",
                    "XDG_DATA_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "RUST_LOG")
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
@@ -434,7 +460,10 @@ def minimal_child_env(environ: dict[str, str], secret_values: list[str]) -> dict
     settings, never a token (SPEC 3), even one that hides in an allowed name."""
     env = {name: environ[name] for name in CHILD_ENV_NAMES if name in environ}
     env.update({name: value for name, value in environ.items() if name.startswith("SMOLVM_")})
-    return {name: value for name, value in env.items() if value not in secret_values}
+    # A secret can hide inside another value (SMOLVM_EXTRA=prefix-<token>): any value or
+    # name that contains one is dropped whole, however it is spelled around it.
+    return {name: value for name, value in env.items()
+            if not any(secret and (secret in value or secret in name) for secret in secret_values)}
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -924,7 +953,8 @@ class LocalFleet:
         if spec.ports:
             body["ports"] = [{"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports]
         if spec.mounts:
-            body["mounts"] = [{"source": m["source"], "target": m["target"], "readonly": bool(m.get("readonly"))}
+            body["mounts"] = [{"source": m["source"], "target": m["target"],
+                               "readonly": m.get("readonly", True) is not False}
                               for m in spec.mounts]
         if spec.storage_gb is not None:
             body["storageGb"] = spec.storage_gb
@@ -1140,7 +1170,7 @@ class LocalFleet:
 
     def _read_page(self, conn: http.client.HTTPConnection, action: str, name: str, path: str, offset: int,
                    length: int) -> FilePage:
-        conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{_q(path.lstrip('/'), '/')}")
+        conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}")
         response = conn.getresponse()
         ctype = response.getheader("Content-Type", "")
         if response.status >= 400:
@@ -1167,7 +1197,8 @@ class LocalFleet:
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
         answer = self.request(f"write {path} in machine '{name}'", "PUT",
-                              f"/api/v1/machines/{_q(name)}/files/{_q(path.lstrip('/'), '/')}", raw=data,
+                              f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
+                              raw=data,
                               timeout=120 + len(data) / (1 << 20))
         return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
 
@@ -1611,6 +1642,7 @@ CLOUD_TIMEOUT_SECS = 30
 CLOUD_LONG_TIMEOUT_SECS = 1800  # the official client's wait for a job start (and other long calls)
 LOG_WINDOW_LINES = 10000  # the most log lines one cloud read asks for
 CLOUD_RETRY_STATUSES = (408, 429, 502, 503, 504)
+CLOUD_MAX_RETRY_WAIT_SECS = 30  # a longer Retry-After is not waited out: the call says so and ends
 CLOUD_BLOCKED = {"mode": "blocked"}
 # A deny-all for a service that refuses the "blocked" spelling: RFC 5737
 # TEST-NET-1, reserved for documentation and routed nowhere. An empty
@@ -1633,7 +1665,6 @@ class CloudFleet:
             base_url=config.cloud_url.rstrip("/"), timeout=CLOUD_TIMEOUT_SECS,
             headers={"Authorization": f"Bearer {config.cloud_token}", "User-Agent": f"smol-mcp/{__version__}"})
         self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
-        self._files_route = True  # False once the service has answered 404 for the suffix route
 
     def acquire(self) -> None:
         """Sessions share one HTTP client; nothing to start."""
@@ -1644,9 +1675,12 @@ class CloudFleet:
     # -- HTTP --------------------------------------------------------------
 
     def request(self, action: str, method: str, path: str, payload: Any = None, *, raw: bytes | None = None,
-                params: dict | None = None, timeout: float = CLOUD_TIMEOUT_SECS) -> Any:
+                params: dict | None = None, timeout: float = CLOUD_TIMEOUT_SECS,
+                expect: type | tuple[type, ...] | None = dict) -> Any:
         """One call with retries where they are safe: 429 always (it never ran),
-        the other retryable statuses only for idempotent methods."""
+        the other retryable statuses only for idempotent methods. ``expect`` is
+        the JSON shape a success must have (None: any body, JSON or bytes); any
+        other answer is the service's fault and says so (cloud_answer)."""
         import httpx2
         if not self.config.cloud_token:
             raise SmolError("the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
@@ -1667,14 +1701,20 @@ class CloudFleet:
             if retryable and attempt < 3:
                 attempt += 1
                 delay = _retry_after(response)
-                time.sleep(min(0.5 * 2 ** attempt if delay is None else delay, 30))
+                if delay is not None and delay > CLOUD_MAX_RETRY_WAIT_SECS:
+                    raise SmolError(
+                        f"the cloud API is busy (HTTP {response.status_code}) and asks to wait "
+                        f"{delay:.0f} s before trying to {action} again, longer than this server "
+                        f"waits ({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later")
+                delay = 0.5 * 2 ** attempt if delay is None else delay
+                log.info("the cloud API answered HTTP %d to %s: trying again in %.1f s",
+                         response.status_code, action, delay)
+                time.sleep(delay)
                 continue
             break
         if response.status_code >= 400:
             raise cloud_error(action, response, self.config.secret_values())
-        if "application/json" in response.headers.get("content-type", ""):
-            return response.json() if response.content else None
-        return response.content
+        return cloud_answer(action, response, expect, self.config.secret_values())
 
     # -- machines (normalised) ---------------------------------------------
 
@@ -1686,9 +1726,15 @@ class CloudFleet:
         raise ApiError("cloud", f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found")
 
     def _list_raw(self) -> list[dict]:
-        answer = self.request("list machines", "GET", "/v1/machines")
+        answer = self.request("list machines", "GET", "/v1/machines", expect=(dict, list))
         # The official client accepts either shape; the service has sent a bare array.
-        return answer.get("machines", []) if isinstance(answer, dict) else answer
+        machines = answer.get("machines", []) if isinstance(answer, dict) else answer
+        if not isinstance(machines, list) or not all(isinstance(m, dict) and "id" in m
+                                                     for m in machines):
+            raise bad_cloud_answer("list machines", 200, "application/json",
+                                   json.dumps(answer).encode(), "not a list of machine records",
+                                   self.config.secret_values())
+        return machines
 
     def list_machines(self) -> list[dict]:
         return [cloud_record(r) for r in self._list_raw()]
@@ -1746,27 +1792,32 @@ class CloudFleet:
         # The official client repeats branchability on the first start of a branch source.
         params = {"forkable": "true"} if branchable else None
         self.request(f"start machine '{name}'", "POST", f"/v1/machines/{record['id']}/start", params=params,
-                     timeout=self.config.ready_timeout_secs + 60)
+                     timeout=self.config.ready_timeout_secs + 60, expect=None)
         return cloud_record(self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}"))
 
     def stop_machine(self, name: str) -> dict:
         record = self._find(name)
-        self.request(f"stop machine '{name}'", "POST", f"/v1/machines/{record['id']}/stop", timeout=360)
+        self.request(f"stop machine '{name}'", "POST", f"/v1/machines/{record['id']}/stop",
+                     timeout=360, expect=None)
         return cloud_record(self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}"))
 
     def delete_machine(self, name: str) -> dict:
         """Delete and return the settled bill, which the service computes at teardown."""
         record = self._find(name)
         usage = self.request(f"delete machine '{name}'", "DELETE", f"/v1/machines/{record['id']}",
-                             params={"includeUsage": "true"}, timeout=120)
+                             params={"includeUsage": "true"}, timeout=120, expect=None)
         return {"deleted": name, **({"usage": usage} if isinstance(usage, dict) else {})}
 
     def _exec(self, machine_id: str, name: str, argv: list[str], timeout_secs: int, workdir: str | None = None,
               env: dict[str, str] | None = None, stdin: str | None = None) -> tuple[dict, float]:
         body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
         started = time.monotonic()
-        answer = self.request(f"run a command in machine '{name}'", "POST", f"/v1/machines/{machine_id}/exec",
-                              body, timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30))
+        action = f"run a command in machine '{name}'"
+        answer = self.request(action, "POST", f"/v1/machines/{machine_id}/exec", body,
+                              timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30))
+        if isinstance(answer.get("exitCode"), bool) or not isinstance(answer.get("exitCode"), int):
+            raise bad_cloud_answer(action, 200, "application/json", json.dumps(answer).encode(),
+                                   "no whole-number exitCode", self.config.secret_values())
         return answer, time.monotonic() - started
 
     def exec(self, name: str, argv: list[str], *, timeout_secs: int, workdir: str | None = None,
@@ -1868,13 +1919,13 @@ class CloudFleet:
 
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
         record = self._find(name)
-        if self._files_route:
-            try:
-                return self._read_by_route(record["id"], name, path, offset, length)
-            except ApiError as err:
-                if err.status != 404:
-                    raise
-                # 404 is a missing file or a service without the suffix route; exec tells which.
+        try:
+            return self._read_by_route(record["id"], name, path, offset, length)
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            # 404 is a missing file or a service without the suffix route; exec tells which. The
+            # choice is this request's alone: one answer never turns the route off for others.
         return self._read_by_exec(record["id"], name, path, offset, length)
 
     def _read_by_route(self, machine_id: str, name: str, path: str, offset: int, length: int) -> FilePage:
@@ -1918,17 +1969,17 @@ class CloudFleet:
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
         record = self._find(name)
-        if self._files_route:
-            try:
-                self.request(f"write {path} in machine '{name}'", "PUT",
-                             f"/v1/machines/{record['id']}/files/{cloud_file_path(path)}", raw=data,
-                             timeout=CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024))
-                return len(data)
-            except ApiError as err:
-                if err.status != 404:
-                    raise
-                self._files_route = False  # a PUT cannot 404 for a missing file: the route is missing
-                log.info("the cloud API has no files route here; reading and writing files through exec")
+        try:
+            self.request(f"write {path} in machine '{name}'", "PUT",
+                         f"/v1/machines/{record['id']}/files/{cloud_file_path(path)}", raw=data,
+                         timeout=CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024), expect=None)
+            return len(data)
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            # The machine was just found and a PUT cannot 404 for a missing file, so this
+            # service has no files route: write through exec. Decided per request, never for
+            # the whole process.
         answer, _ = self._exec(record["id"], name, ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path], 120,
                                stdin=base64.b64encode(data).decode("ascii"))
         if answer.get("exitCode") != 0:
@@ -1941,7 +1992,7 @@ class CloudFleet:
         text, the last lines only)."""
         record = self._find(name)
         text = self.request(f"read the log of machine '{name}'", "GET", f"/v1/machines/{record['id']}/logs",
-                            params={"tail": str(LOG_WINDOW_LINES)})
+                            params={"tail": str(LOG_WINDOW_LINES)}, expect=None)
         if isinstance(text, (dict, list)):
             text = json.dumps(text)
         return (text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")).splitlines()
@@ -1987,9 +2038,9 @@ def budget_split(out_left: int, err_left: int, limit: int) -> tuple[int, int]:
 
 
 def cloud_file_path(path: str) -> str:
-    """The files route takes the path as a suffix, each segment percent-encoded
-    and the leading slash kept, as the official client sends it."""
-    return "/".join(urllib.parse.quote(segment, safe="") for segment in path.split("/"))
+    """The files route takes the path as a suffix, normalised, each segment
+    percent-encoded and the leading slash kept, as the official client sends it."""
+    return "/" + guest_route_suffix(path)
 
 
 def exec_stream(answer: dict, stream: str) -> bytes:
@@ -2021,6 +2072,45 @@ def cloud_error(action: str, response: Any, secret_values: list[str]) -> ApiErro
     if request_id:
         err.args = (f"{err.args[0]} [request id {request_id}]",)
     return err
+
+
+def cloud_answer(action: str, response: Any, expect: type | tuple[type, ...] | None,
+                 secret_values: list[str]) -> Any:
+    """The body of a successful cloud answer: JSON of the expected shape, or,
+    with ``expect`` None, whatever came (JSON decoded when it parses)."""
+    ctype = response.headers.get("content-type", "")
+    body = response.content
+    if expect is None:
+        if "application/json" in ctype and body:
+            try:
+                return json.loads(body)
+            except ValueError:
+                return body
+        return body if body else None
+    if "application/json" not in ctype:
+        why = "not JSON"
+    elif not body:
+        why = "an empty body"
+    else:
+        try:
+            value = json.loads(body)
+        except ValueError:
+            why = "malformed JSON"
+        else:
+            if isinstance(value, expect):
+                return value
+            why = f"JSON of the wrong shape ({_json_type(value)})"
+    raise bad_cloud_answer(action, response.status_code, ctype, body, why, secret_values)
+
+
+def bad_cloud_answer(action: str, status: int, ctype: str, body: bytes, why: str,
+                     secret_values: list[str]) -> SmolError:
+    """A sentence about an answer the cloud API should not have given."""
+    head = redact(body[:120].decode("utf-8", "replace"), secret_values)
+    return SmolError(f"the cloud API answered the request to {action} with {why}: HTTP {status}, "
+                     f"content type {ctype or '(none)'}, starting {head!r}. That is the service's "
+                     "(or a proxy's) answer, not this call's: check SMOL_CLOUD_URL points at the "
+                     "API, and try again later")
 
 
 def _retry_after(response: Any) -> float | None:
@@ -2212,16 +2302,116 @@ def head_and_tail(data: bytes, limit: int, where: str) -> tuple[str, int]:
 # ---------------------------------------------------------------------------
 
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
-ABSOLUTE_PATH_PATTERN = "^/"
+ABSOLUTE_PATH_PATTERN = "^/[^\\x00-\\x1f\\x7f]*$"
 FILE_PATH_PATTERN = "^/.*[^/]$"
 PATTERN_RULES = {
     FILE_PATH_PATTERN: "must be the absolute path of a file (starting with /, not ending with /)",
     NAME_PATTERN: "must start with a letter or digit and hold only letters, digits, '-' and '_' (at most 128)",
-    ABSOLUTE_PATH_PATTERN: "must be an absolute path (starting with /)",
+    ABSOLUTE_PATH_PATTERN: "must be an absolute path (starting with /, without control characters)",
     "^[A-Za-z_][A-Za-z0-9_]*$": "must be a variable name: letters, digits and '_', not starting with a digit",
 }
 TYPE_WORDS = {"string": "a string", "integer": "a whole number", "boolean": "true or false", "array": "a list",
               "object": "an object"}
+
+
+MAX_TIMEOUT_SECS = 86400  # the schema's ceiling; maxExecTimeoutSecs (at most this) is the real one
+MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
+MAX_DISK_GB = 4096  # storageGb and overlayGb
+MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
+MAX_READ_LENGTH = 64 * 1024 * 1024  # the largest output budget the settings allow
+GUEST_PATH_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def python_pattern(pattern: str) -> str:
+    """A schema pattern as Python must read it. The schema is ECMAScript, where a
+    final `$` is the end of the string; Python's `$` also matches before a final
+    newline, which let "name\\n" through. So a final `$` is read as `\\Z`."""
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        return pattern[:-1] + r"\Z"
+    return pattern
+
+
+def guest_path(path: str, where: str = "path") -> str:
+    """An absolute guest path in its plain form: `.` and `..` resolved the way
+    the guest's POSIX file system would, no empty segments. A path that climbs
+    above `/`, or holds a control character, is refused: on an HTTP route such a
+    path could name another route rather than a file."""
+    if not path.startswith("/"):
+        raise ArgumentError(f'"{where}" must be an absolute path inside the machine (starting '
+                            f"with /); got {json.dumps(path)[:60]}")
+    if GUEST_PATH_FORBIDDEN.search(path):
+        raise ArgumentError(f'"{where}" holds a control character (such as a newline or NUL), '
+                            "which no file name should; pass the path without it")
+    parts: list[str] = []
+    for segment in path.split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if not parts:
+                raise ArgumentError(f'"{where}" climbs above / with ".."; pass the plain '
+                                    f"absolute path of the file, got {json.dumps(path)[:60]}")
+            parts.pop()
+            continue
+        parts.append(segment)
+    return "/" + "/".join(parts)
+
+
+def guest_route_suffix(path: str) -> str:
+    """The path as the suffix of a files route: normalised, every segment
+    percent-encoded on its own (no `/`, `?`, `#` or `%` of the path survives as
+    syntax), without the leading slash."""
+    segments = guest_path(path).split("/")[1:]
+    return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
+
+
+def looks_like_host_path(image: str) -> bool:
+    """True when an image names a place on this host rather than a registry:
+    an absolute or relative path, a home path, or a file: URL."""
+    return image.startswith(("/", "./", "../", "~", "file:")) or image in (".", "..")
+
+
+def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
+    """The resolved host path when it lies under a configured mount root that
+    allows what is asked; else ArgumentError naming mountRoots. Symlinks and
+    `..` are resolved first, so a link inside a root cannot lead out of it; the
+    resolved path is what the engine is given."""
+    roots = parse_mount_roots(config.mount_roots)
+    if not roots:
+        raise ArgumentError(f'"{where}" names a host path ({source!r}), and this server exposes '
+                            "no host directory: the operator can allow some with the mountRoots "
+                            "setting (SMOL_MCP_MOUNT_ROOTS). Otherwise copy files in with "
+                            "write-file, or use a registry image")
+    if not source.startswith(("/", "~")) and not source.startswith("file:"):
+        raise ArgumentError(f'"{where}" must be an absolute host path, got {source!r}')
+    plain = source.removeprefix("file://").removeprefix("file:")
+    resolved = os.path.realpath(os.path.expanduser(plain))
+    for root, writable in roots:
+        if resolved == root or resolved.startswith(root.rstrip("/") + "/"):
+            if want_write and not writable:
+                raise ArgumentError(f'"{where}" asks for write access under {root}, which '
+                                    'mountRoots opens read-only; leave "readonly" out (or true), '
+                                    'or have the operator add ":rw" to that root')
+            return resolved
+    listed = ", ".join(root + (MOUNT_ROOT_WRITABLE if writable else "") for root, writable in roots)
+    raise ArgumentError(f'"{where}" resolves to {resolved}, which is outside the host '
+                        f"directories this server exposes ({listed}; the mountRoots setting); "
+                        "pick a path under one of them")
+
+
+def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
+    """Hold a host-path image and every mount to mountRoots (closed by default);
+    return the image (resolved when it is a host path) and the mounts with
+    resolved sources and an explicit readonly, which is true unless the mount
+    asked for `readonly: false` under a writable root."""
+    if looks_like_host_path(image):
+        image = contained_host_path(config, image, "image", want_write=False)
+    checked = []
+    for index, mount in enumerate(mounts):
+        want_write = mount.get("readonly") is False
+        source = contained_host_path(config, mount["source"], f"mounts[{index}].source", want_write)
+        target = guest_path(mount["target"], f"mounts[{index}].target")
+        checked.append({"source": source, "target": target, "readonly": not want_write})
+    return image, checked
 
 
 def validate_arguments(tool: str, schema: dict, arguments: dict) -> dict:
@@ -2278,7 +2468,7 @@ def _check(schema: dict, value: Any, where: str) -> None:
             raise ArgumentError(f'"{where}" must not be empty')
         if "maxLength" in schema and len(value) > schema["maxLength"]:
             raise ArgumentError(f'"{where}" must be at most {schema["maxLength"]} characters long')
-        if "pattern" in schema and not re.search(schema["pattern"], value):
+        if "pattern" in schema and not re.search(python_pattern(schema["pattern"]), value):
             rule = PATTERN_RULES.get(schema["pattern"], f"must match {schema['pattern']}")
             raise ArgumentError(f'"{where}" {rule}; got {json.dumps(value)[:60]}')
     if kind == "array":
@@ -2336,7 +2526,8 @@ def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
 ARG_NAME = _string("The machine's name (list-machines shows them).", minLength=1, pattern=NAME_PATTERN)
 ARG_IMAGE = _string("An OCI image reference, such as alpine or python:3.12-alpine.", minLength=1)
 ARG_CPUS = _integer("Virtual CPUs (default from SMOL_MCP_CPUS).", maximum=255)
-ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128)
+ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128,
+                      maximum=MAX_MEMORY_MB)
 ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image does not "
                       "need it: the local engine fetches images on the host.",
                       enum=["open", "blocked"])
@@ -2350,7 +2541,7 @@ ARG_ENV = {"type": "object", "description": "Environment variables, as a map of 
 ARG_COMMAND = {"description": "The command: a list of arguments run as is, or a string run with sh -c.",
                "oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]}
 ARG_TIMEOUT = _integer("Seconds before the command is killed (default SMOL_MCP_EXEC_TIMEOUT_SECS, at most "
-                       "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).")
+                       "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).", maximum=MAX_TIMEOUT_SECS)
 ARG_WORKDIR = _string("Working directory inside the machine (an absolute path).", pattern=ABSOLUTE_PATH_PATTERN)
 ARG_STDIN = _string("Text piped to the command's standard input.")
 ARG_PATH = _string("An absolute path of a file inside the machine.", pattern=FILE_PATH_PATTERN)
@@ -2478,20 +2669,24 @@ class Call:
     async def api(self, function: Callable, *args: Any, waiting: str | None = None, **kwargs: Any) -> Any:
         """Run one blocking API call in a worker thread. A cancelled call stops
         waiting at once (the thread finishes on its own). With ``waiting``, a
-        progress notification says so every few seconds until it returns."""
+        progress notification says so every few seconds until it returns;
+        without it, only a call that takes longer than that (an API that asked
+        us to wait and retry, say) sends progress, so a client sees it alive."""
         import anyio
         run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args, **kwargs),
                                 abandon_on_cancel=True, limiter=self.app.thread_limiter())
-        if waiting is None:
-            return await run()
         return await self.with_heartbeat(run, waiting)
 
-    async def with_heartbeat(self, run: Callable, waiting: str) -> Any:
+    async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
         """Await ``run()`` while a progress notification says what the call
-        waits on, at once and every few seconds until it returns."""
+        waits on: with ``waiting``, at once and every few seconds until it
+        returns; without, only once it has taken longer than that."""
         import anyio
+        first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
+        waiting = waiting or f"waiting for the {self.fleet.name} API"
         async with anyio.create_task_group() as group:
             async def heartbeat() -> None:
+                await anyio.sleep(first_beat)
                 while True:
                     await self.progress(None, f"{waiting}: {int(time.monotonic() - self.started)} s so far")
                     await anyio.sleep(PROGRESS_INTERVAL_SECS)
@@ -2959,10 +3154,15 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
 
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
     network, hosts, cidrs = resolve_network(args, network_default)
+    # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
+    local = call.fleet.name == "local"
+    mounts = args.get("mounts", [])
+    image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
+    mounts = contained if local else mounts
     return MachineSpec(
-        name=name, image=args["image"], ephemeral=call.session.is_ephemeral(name), cpus=args.get("cpus", call.config.cpus),
+        name=name, image=image, ephemeral=call.session.is_ephemeral(name), cpus=args.get("cpus", call.config.cpus),
         memory_mb=args.get("memoryMb", call.config.memory_mb), network=network, allow_hosts=hosts, allow_cidrs=cidrs,
-        ports=args.get("ports", []), mounts=args.get("mounts", []), storage_gb=args.get("storageGb"),
+        ports=args.get("ports", []), mounts=mounts, storage_gb=args.get("storageGb"),
         overlay_gb=args.get("overlayGb"), cmd=args.get("cmd"), env=args.get("env", {}),
         branchable=args.get("branchable", False))
 
@@ -2974,9 +3174,6 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     if spec.branchable and not start and call.fleet.name == "local":
         raise ArgumentError('"branchable": true needs "start": true on the local fleet: the engine makes a machine '
                             "a branch source when it starts it")
-    for index, mount in enumerate(spec.mounts):
-        if not mount["source"].startswith("/"):
-            raise ArgumentError(f'"mounts[{index}].source" must be an absolute host path, got {mount["source"]!r}')
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
     ephemeral = call.session.is_ephemeral(name)
     if not start:
@@ -3049,7 +3246,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
 
 
 async def tool_read_file(call: Call, args: dict) -> dict:
-    name, path, encoding = args["name"], args["path"], args.get("encoding", "utf8")
+    name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
     offset = args.get("offset", 0)
     # base64 grows by a third, so its page is smaller to keep the reply within the budget
     limit = call.config.max_output_bytes if encoding == "utf8" else call.config.max_output_bytes * 3 // 4
@@ -3075,7 +3272,7 @@ async def tool_read_file(call: Call, args: dict) -> dict:
 
 
 async def tool_write_file(call: Call, args: dict) -> dict:
-    name, path, encoding = args["name"], args["path"], args.get("encoding", "utf8")
+    name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
     if encoding == "base64":
         try:
             data = base64.b64decode(args["content"], validate=True)
@@ -3485,14 +3682,20 @@ TOOLS: tuple[ToolSpec, ...] = (
                       "items": _object({"guest": _integer("Port inside the machine.", maximum=65535),
                                         "host": _integer("Port on the host (default: a free one).", maximum=65535)},
                                        ("guest",))},
-            "mounts": {"type": "array", "description": "Host directories to attach (local fleet only).",
+            "mounts": {"type": "array",
+                       "description": "Host directories to attach (local fleet only), only under the "
+                                      "operator's mountRoots; read-only by default.",
                        "items": _object({"source": _string("Absolute host path."),
                                          "target": _string("Absolute path inside the machine.",
                                                            pattern=ABSOLUTE_PATH_PATTERN),
-                                         "readonly": {"type": "boolean", "description": "Mount read-only."}},
+                                         "readonly": {"type": "boolean", "description":
+                                                      "Mount read-only (the default); false asks "
+                                                      "for write, which only a root opened with "
+                                                      ":rw grants."}},
                                         ("source", "target"))},
-            "storageGb": _integer("Storage disk size in GiB."),
-            "overlayGb": _integer("Overlay disk size in GiB (local fleet only)."),
+            "storageGb": _integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
+            "overlayGb": _integer("Overlay disk size in GiB (local fleet only).",
+                                  maximum=MAX_DISK_GB),
             "cmd": {"type": "array", "items": {"type": "string"}, "description": "Workload command (local fleet only)."},
             "env": ARG_ENV,
             "branchable": {"type": "boolean", "description": "Make it a branch source for branch-machine."},
@@ -3526,8 +3729,10 @@ TOOLS: tuple[ToolSpec, ...] = (
         "file, eof says whether this page reached its end. Never returns more than the output budget. Starts a "
         "stopped machine.",
         _object({"name": ARG_NAME, "path": ARG_PATH, "encoding": ARG_ENCODING,
-                 "offset": _integer("First byte to read (default 0).", minimum=0),
-                 "length": _integer("Bytes to read (default and maximum: the output budget).")}, ("name", "path")),
+                 "offset": _integer("First byte to read (default 0).", minimum=0,
+                                    maximum=MAX_FILE_OFFSET),
+                 "length": _integer("Bytes to read (default and maximum: the output budget).",
+                                    maximum=MAX_READ_LENGTH)}, ("name", "path")),
         _out({"path": {"type": "string"}, "content": {"type": "string"}, "encoding": {"type": "string"},
               "size": {"type": "integer"}, "offset": {"type": "integer"}, "bytes": {"type": "integer"},
               "eof": {"type": "boolean"}, "startedMachine": {"type": "boolean"}}),
@@ -4973,11 +5178,38 @@ async def run_stdio(server) -> None:
 # ---------------------------------------------------------------------------
 
 HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and all; more is a 413
+HTTP_MAX_BODIES_IN_FLIGHT = 8  # bodies buffered at once (8 x 16 MiB at most); more wait their turn
+HTTP_BODY_TIMEOUT_SECS = 60  # a body still arriving after this is a 408
 HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
+HTTP_HEADER_TIMEOUT_SECS = 10  # a connection whose request headers are not in by then is closed
+HTTP_KEEP_ALIVE_SECS = 5  # an idle connection between requests is closed after this
+HTTP_MAX_HEADER_BYTES = 64 * 1024  # request line and headers; more is a 400 and a close
+HTTP_MAX_CONNECTIONS = 128  # beyond it the oldest connection still without headers is closed
+HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS  # uvicorn's own backstop: beyond it, 503
+HTTP_CLOSE = [(b"connection", b"close")]
 HTTP_UNAUTHORIZED = json.dumps({"error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
                                          "'X-Smol-Mcp-Token: <token>'"}).encode()
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+HTTP_MIN_TOKEN_CHARS = 32
+HTTP_TOKEN_ADVICE = ('make one with: python3 -c "import secrets; print(secrets.token_urlsafe(32))" '
+                     "(or openssl rand -hex 24)")
+
+
+def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> None:
+    """Refuse a token that is easy to guess, or that a client cannot send as
+    written: at least HTTP_MIN_TOKEN_CHARS characters of printable ASCII without
+    spaces (a header is Latin-1 on the wire, so anything else would never match
+    what a UTF-8 client sends). The message never shows the token."""
+    if not all("!" <= ch <= "~" for ch in secret):
+        raise ConfigError(f"{where} must hold only printable ASCII characters without spaces, "
+                          f"so every client sends it byte for byte; {HTTP_TOKEN_ADVICE}")
+    if len(secret) < HTTP_MIN_TOKEN_CHARS:
+        raise ConfigError(f"{where} is {len(secret)} characters long; --http needs at least "
+                          f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can "
+                          f"try to guess it; {HTTP_TOKEN_ADVICE}")
 
 
 def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | None:
@@ -4999,6 +5231,7 @@ class HttpGate:
                  allowed_origins: tuple[str, ...]):
         self.app, self.access, self.path = app, access, path
         self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
+        self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
 
     def principal(self, headers: dict[bytes, bytes]) -> Principal | None:
         """The principal of the token the request carries (Access compares
@@ -5016,7 +5249,9 @@ class HttpGate:
         headers = dict(scope["headers"])
         principal = self.principal(headers)
         if principal is None:
-            await _respond(send, 401, HTTP_UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
+            # Connection: close makes the server stop reading whatever body is still coming.
+            await _respond(send, 401, HTTP_UNAUTHORIZED,
+                           [(b"www-authenticate", b"Bearer"), *HTTP_CLOSE])
             return
         host = headers.get(b"host", b"").decode("latin-1")
         if self.allowed_hosts is not None and host not in self.allowed_hosts:
@@ -5039,7 +5274,141 @@ class HttpGate:
         scope["user"] = AuthenticatedUser(AccessToken(token=principal.id, client_id=principal.name,
                                                       scopes=sorted(principal.scopes),
                                                       subject=principal.id))
-        await self.app(scope, receive, send)
+        body = await self.read_body(headers, receive, send)
+        if body is None:
+            return
+        await self.app(scope, replay_body(body, receive), send)
+
+    async def read_body(self, headers: dict[bytes, bytes], receive: Callable,
+                        send: Callable) -> bytes | None:
+        """The whole request body, read here so what is held is bounded as it
+        arrives: past HTTP_MAX_BODY_BYTES nothing more is kept and the answer is
+        a 413 (the rest is read and dropped, up to as much again, so the client
+        sees the answer rather than a reset; then the connection closes), a body
+        still coming after HTTP_BODY_TIMEOUT_SECS is a 408, and at most
+        HTTP_MAX_BODIES_IN_FLIGHT bodies are read at a time. None when an answer
+        has been sent here."""
+        import anyio
+        too_big = json.dumps({"error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; "
+                                       "send a smaller one (a large file goes in pieces)"}).encode()
+        declared = headers.get(b"content-length", b"0").strip()
+        over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
+        if over and headers.get(b"expect", b"").lower() == b"100-continue":
+            await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
+            return None
+        if self.bodies is None:
+            self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
+        chunks: list[bytes] = []
+        size = 0
+        async with self.bodies:
+            with anyio.move_on_after(HTTP_BODY_TIMEOUT_SECS) as deadline:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return None
+                    data = message.get("body", b"")
+                    size += len(data)
+                    over = over or size > HTTP_MAX_BODY_BYTES
+                    if over:
+                        chunks.clear()
+                    else:
+                        chunks.append(data)
+                    if not message.get("more_body", False) or size > 2 * HTTP_MAX_BODY_BYTES:
+                        break
+        if deadline.cancelled_caught:
+            late = {"error": f"the request body did not arrive within {HTTP_BODY_TIMEOUT_SECS} s"}
+            await _respond(send, 408, json.dumps(late).encode(), HTTP_CLOSE)
+            return None
+        if over:
+            await _respond(send, 413, too_big, HTTP_CLOSE)
+            return None
+        return b"".join(chunks)
+
+
+def replay_body(body: bytes, receive: Callable) -> Callable:
+    """A receive that hands the inner app the body already read, then passes
+    on whatever comes next (the disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def again() -> dict:
+        return pending.pop() if pending else await receive()
+
+    return again
+
+
+def guarded_protocol() -> type:
+    """uvicorn's h11 protocol with the bounds uvicorn lacks: a deadline for the
+    request headers (a connection that sends nothing, or half a request line,
+    is closed after HTTP_HEADER_TIMEOUT_SECS), and a cap on open connections
+    (past HTTP_MAX_CONNECTIONS the oldest connection still waiting for its
+    headers is closed; one busy with a request is never taken). Built on first
+    use so importing this module does not import uvicorn."""
+    global _GUARDED_PROTOCOL
+    if _GUARDED_PROTOCOL is not None:
+        return _GUARDED_PROTOCOL
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        header_deadline: Any = None
+
+        def awaiting_headers(self) -> bool:
+            return self.conn.their_state is h11.IDLE
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.opened = time.monotonic()
+            self.watch_headers()
+            if len(self.connections) > HTTP_MAX_CONNECTIONS:
+                idle = [c for c in self.connections
+                        if c is not self and isinstance(c, GuardedH11Protocol)
+                        and c.awaiting_headers() and not c.transport.is_closing()]
+                victim = min(idle, key=lambda c: c.opened) if idle else self
+                victim.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self.watch_headers()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.watch_headers()
+
+        def watch_headers(self) -> None:
+            """Arm the header deadline while no request has arrived, disarm it once one has."""
+            if self.awaiting_headers():
+                if self.header_deadline is None:
+                    self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS,
+                                                                self.headers_overdue)
+            elif self.header_deadline is not None:
+                self.header_deadline.cancel()
+                self.header_deadline = None
+
+        def headers_overdue(self) -> None:
+            self.header_deadline = None
+            if self.awaiting_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self.header_deadline is not None:
+                self.header_deadline.cancel()
+                self.header_deadline = None
+            super().connection_lost(exc)
+
+    _GUARDED_PROTOCOL = GuardedH11Protocol
+    return _GUARDED_PROTOCOL
+
+
+_GUARDED_PROTOCOL: type | None = None
+
+
+def uvicorn_options() -> dict:
+    """The uvicorn settings --http runs with (the tests use the same)."""
+    return dict(http=guarded_protocol(), lifespan="on", log_level="warning",
+                timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS,
+                timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
+                h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
+                limit_concurrency=HTTP_LIMIT_CONCURRENCY)
 
 
 async def _respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
@@ -5186,6 +5555,17 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
                     allowed_origins=config.http_allowed_origins)
 
 
+def describe_mount_roots(config: Config) -> str:
+    """One line on the host directories an agent can mount, for the startup log and doctor."""
+    roots = parse_mount_roots(config.mount_roots)
+    if not roots:
+        return ("host directories exposed to agents: none (mounts and host-path images are "
+                "refused; mountRoots)")
+    return "host directories exposed to agents (mountRoots): " + ", ".join(
+        f"{root} ({'read-write on request' if writable else 'read-only'})"
+        for root, writable in roots)
+
+
 async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     import uvicorn
     asgi = build_http_app(app, host, port, path)
@@ -5193,8 +5573,8 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
         log.warning("bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: the Host check is off, because the name "
                     "clients dial is not knowable here; set it to that name", host)
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
-    config = uvicorn.Config(asgi, host=host, port=port, lifespan="on", log_level="warning",
-                            timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
+    log.info("%s", describe_mount_roots(app.config))
+    config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
     await uvicorn.Server(config).serve()  # SIGTERM and SIGINT end the lifespan, which cleans up
 
 
@@ -5325,6 +5705,7 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
                   + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""))
             print(f"  hypervisor: {facts['hypervisor']['detail']}")
             print(f"  serve: {facts['serve']}")
+            print(f"  {describe_mount_roots(app.config)}")
         else:
             print(f"  url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}")
         if facts["reason"]:
@@ -5862,8 +6243,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 "--http refuses to start without a token, because these tools run machines: "
                 "create one with `smol_mcp.py tokens create NAME --scopes LIST`, or set "
-                "SMOL_MCP_AUTH_TOKEN (for example to the output of `openssl rand -hex 16`), "
-                "and have clients send it as 'Authorization: Bearer <token>'")
+                "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>'; "
+                + HTTP_TOKEN_ADVICE)
+        if args.http and not args.command and config.auth_token:
+            check_token_strength(config.auth_token)
         app = SmolMcp(config)
         if args.command == "doctor":
             return doctor(app, args.probe)

@@ -150,6 +150,7 @@ class ConfigTests(unittest.TestCase):
             ("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", ()),
             ("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", ()),
             ("stateDir", "SMOL_MCP_STATE_DIR", None), ("scopes", "SMOL_MCP_SCOPES", ()),
+            ("mountRoots", "SMOL_MCP_MOUNT_ROOTS", ()),
         ]
         self.assertEqual([(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table])
         defaults = Config()
@@ -165,6 +166,7 @@ class ConfigTests(unittest.TestCase):
             "httpHost": "0.0.0.0", "httpPort": 9000, "httpPath": "/x", "authToken": "a", "httpSessionIdleSecs": 60,
             "httpAllowedHosts": ["h"], "httpAllowedOrigins": ["o"], "stateDir": "/tmp/s",
             "scopes": ["machines.read", "sandbox.exec"],
+            "mountRoots": ["/srv", "/work:rw"],
         }
         for setting in smol_mcp.SETTINGS:  # every key is read from the file, and from the environment
             value = samples[setting.key]
@@ -257,9 +259,12 @@ class ConfigTests(unittest.TestCase):
 
     def test_child_environment_is_minimal_and_has_no_secrets(self):
         environ = {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off", "SMOL_CLOUD_TOKEN": "tok-1",
-                   "SMOL_MCP_AUTH_TOKEN": "tok-2", "AWS_SECRET_ACCESS_KEY": "aws", "SMOLVM_LEAK": "tok-1"}
+                   "SMOL_MCP_AUTH_TOKEN": "tok-2", "AWS_SECRET_ACCESS_KEY": "aws",
+                   "SMOLVM_LEAK": "tok-1", "SMOLVM_EXTRA": "prefix-tok-1",
+                   "XDG_DATA_HOME": "/data/tok-2/x", "LANG": "C.UTF-8"}
         env = smol_mcp.minimal_child_env(environ, ["tok-1", "tok-2"])
-        self.assertEqual(env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off"})
+        self.assertEqual(env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off",
+                               "LANG": "C.UTF-8"})
 
 
 class ImportTests(unittest.TestCase):
@@ -1902,7 +1907,7 @@ class LogSubscriptionTests(FakeServeCase):
 # Streamable HTTP on a real loopback listener
 # ---------------------------------------------------------------------------
 
-HTTP_TOKEN = "http-token-for-tests"
+HTTP_TOKEN = "http-token-for-tests-0123456789abcdef"  # long enough for check_token_strength
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
@@ -1921,8 +1926,7 @@ class HttpCase(FakeServeCase):
         self.config = dataclasses_replace(self.config, auth_token=HTTP_TOKEN, http_allowed_origins=self.allowed_origins)
         self.app = SmolMcp(self.config)
         asgi = smol_mcp.build_http_app(self.app, "127.0.0.1", self.port, "/mcp")
-        self.uvicorn = uvicorn.Server(uvicorn.Config(asgi, lifespan="on", log_level="warning",
-                                                     timeout_graceful_shutdown=5))
+        self.uvicorn = uvicorn.Server(uvicorn.Config(asgi, **smol_mcp.uvicorn_options()))
         self.serving = asyncio.create_task(self.uvicorn.serve(sockets=[sock]))
         while not self.uvicorn.started:
             await asyncio.sleep(0.01)
@@ -2529,6 +2533,417 @@ class CloudJobTests(JobScenarios, FakeCloudCase):
         self.assertEqual(
             set(map(tuple, commands)), {("true",)}, "only readiness probes: a job is not an exec"
         )
+# Containment (SPEC 16): host paths, guest paths, inputs, tokens, the HTTP front
+# ---------------------------------------------------------------------------
+
+
+class MountRootTests(FakeServeCase):
+    """Host directories reach a guest only under mountRoots, read-only unless
+    the root is ":rw" and the mount asks for write; a host-path image alike."""
+
+    def creates(self) -> list:
+        return self.requests_to("/api/v1/machines")
+
+    async def test_host_paths_are_refused_by_default(self):
+        for mode in MODES:
+            async with self.client(mode) as c:
+                for args in ({"mounts": [{"source": "/", "target": "/host"}]},
+                             {"mounts": [{"source": "/etc", "target": "/e", "readonly": True}]},
+                             {"image": "/"}, {"image": "./rootfs"}, {"image": "~/images/x.tar"}):
+                    with self.subTest(mode=mode, args=args):
+                        text = await self.refused(c, "create-machine", {"image": "alpine", **args})
+                        self.assertIn("mountRoots", text)
+                        self.assertIn("SMOL_MCP_MOUNT_ROOTS", text)
+                text = await self.refused(c, "run-once", {"image": "/", "command": "ls /"})
+                self.assertIn("mountRoots", text)
+        self.assertEqual(self.creates(), [], "a refused host path must not reach the serve")
+
+    async def test_under_a_root_mounts_are_read_only_resolved_and_contained(self):
+        base = Path(self.tmp, "roots")
+        (base / "ro" / "data").mkdir(parents=True)
+        (base / "rw" / "work").mkdir(parents=True)
+        (base / "ro" / "escape").symlink_to("/")  # a link inside a root that leads out of it
+        ro, rw = str(base / "ro"), str(base / "rw")
+        self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=(ro, rw + ":rw")))
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "m1", "image": "alpine", "start": False,
+                                                "mounts": [
+                {"source": f"{ro}/data", "target": "/data"},
+                {"source": f"{rw}/work/../work", "target": "/work", "readonly": False}]})
+            body = self.creates()[-1][2]
+            self.assertEqual(body["mounts"], [
+                {"source": f"{ro}/data", "target": "/data", "readonly": True},
+                {"source": f"{rw}/work", "target": "/work", "readonly": False}])
+            refusals = [
+                ({"source": "/", "target": "/host"}, "outside the host directories"),
+                ({"source": f"{ro}/escape", "target": "/h"}, "resolves to /,"),
+                ({"source": f"{ro}/escape/etc", "target": "/h"}, "resolves to /etc"),
+                ({"source": f"{ro}/../../", "target": "/h"}, "outside the host directories"),
+                ({"source": f"{ro}/data", "target": "/d", "readonly": False}, "opens read-only"),
+                ({"source": f"{ro}-sibling", "target": "/h"}, "outside the host directories"),
+            ]
+            for mount, expected in refusals:
+                with self.subTest(mount=mount):
+                    args = {"image": "alpine", "start": False, "mounts": [mount]}
+                    text = await self.refused(c, "create-machine", args)
+                    self.assertIn(expected, text)
+                    self.assertIn("mountRoots", text)
+            self.assertEqual(len(self.creates()), 1)
+            # a host-path image under a root goes to the serve resolved (1.32.2 then refuses it)
+            text = await self.refused(c, "create-machine",
+                                      {"image": f"{ro}/data/../data", "start": False})
+            self.assertEqual(self.creates()[-1][2]["image"], f"{ro}/data")
+            self.assertIn("local-image-dir", text)
+
+    def test_roots_are_checked_at_startup_and_shown(self):
+        with self.assertRaises(ConfigError) as caught:
+            load_config({"SMOL_MCP_CONFIG": "/nonexistent.json", "SMOL_MCP_MOUNT_ROOTS": "srv"})
+        self.assertIn(":rw", str(caught.exception))
+        self.assertIn("none", smol_mcp.describe_mount_roots(Config()))
+        line = smol_mcp.describe_mount_roots(Config(mount_roots=("/srv", "/work:rw")))
+        self.assertIn("/srv (read-only)", line)
+        self.assertIn("/work (read-write on request)", line)
+
+
+TRAVERSALS = ("/../../../../account", "/../../../../x", "/root/../../../v1/account",
+              "/./../machines")
+
+
+class GuestPathLocalTests(FakeServeCase):
+    """Guest paths are normalised and encoded per segment on the local fleet."""
+
+    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(self):
+        self.fake.requests.clear()
+        async with self.client("legacy") as c:
+            for path in TRAVERSALS:
+                for tool, extra in (("read-file", {}), ("write-file", {"content": "x"})):
+                    with self.subTest(path=path, tool=tool):
+                        text = await self.refused(c, tool, {"name": "m", "path": path, **extra})
+                        self.assertIn('climbs above /', text)
+            for path in ("/root/a\nb", "/root/a\x00", "/root/a\r"):
+                text = await self.refused(c, "read-file", {"name": "m", "path": path})
+                self.assertIn('"path"', text)
+        self.assertEqual(self.fake.requests, [], "a refused path must send nothing")
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+    async def test_paths_are_normalised_and_every_segment_encoded(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-p", "image": "alpine"})
+            self.fake.requests.clear()
+            odd = "/root/./sub/../a?b#c%2e d"
+            wrote = await self.ok(c, "write-file", {"name": "mcp-p", "path": odd, "content": "hi"})
+            self.assertEqual(wrote["path"], "/root/a?b#c%2e d")
+            page = await self.ok(c, "read-file", {"name": "mcp-p", "path": "/root/a?b#c%2e d"})
+            self.assertEqual(page["content"], "hi")
+            file_requests = [r for r in self.fake.requests if "/files/" in r[1]]
+            self.assertEqual({r[1] for r in file_requests},
+                             {"/api/v1/machines/mcp-p/files/root/a%3Fb%23c%252e%20d"})
+
+
+class GuestPathCloudTests(FakeCloudCase):
+    """The same on the cloud, where `/../../../../account` once read the account."""
+
+    def outside_files_route(self) -> list:
+        return [r[:2] for r in self.cloud.requests if "/files/" not in r[1]
+                and not (r[0] == "GET" and r[1].split("?")[0] == "/v1/machines")
+                and not r[1].endswith("/exec")]
+
+    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-t", "image": "alpine"})
+            self.cloud.requests.clear()
+            for path in TRAVERSALS:
+                for tool, extra in (("read-file", {}), ("write-file", {"content": "x"})):
+                    with self.subTest(path=path, tool=tool):
+                        text = await self.refused(c, tool, {"name": "mcp-t", "path": path, **extra})
+                        self.assertIn('climbs above /', text)
+                        self.assertNotIn("billing", text)
+            self.assertEqual(self.cloud.requests, [])
+            wrote = await self.ok(c, "write-file",
+                                  {"name": "mcp-t", "path": "/root/x/../q?a=1#f", "content": "v"})
+            self.assertEqual(wrote["path"], "/root/q?a=1#f")
+            page = await self.ok(c, "read-file", {"name": "mcp-t", "path": "/root/q?a=1#f"})
+            self.assertEqual(page["content"], "v")
+            self.assertEqual(self.outside_files_route(), [])
+            mid = self.by_name("mcp-t")["id"]
+            self.assertEqual({r[1] for r in self.cloud.requests if "/files/" in r[1]},
+                             {f"/v1/machines/{mid}/files//root/q%3Fa%3D1%23f"})
+
+    async def test_one_404_never_turns_the_files_route_off_for_everyone(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-f", "image": "alpine"})
+            mid = self.by_name("mcp-f")["id"]
+            self.cloud.fail_next("PUT", f"/v1/machines/{mid}/files", 404)
+            # this one goes through exec
+            await self.ok(c, "write-file", {"name": "mcp-f", "path": "/root/one", "content": "1"})
+            self.assertTrue(self.writes_by_exec())
+            self.cloud.requests.clear()
+            await self.ok(c, "write-file", {"name": "mcp-f", "path": "/root/two", "content": "2"})
+            self.assertEqual(len(self.cloud_requests("/root/two", "PUT")), 1,
+                             "the files route must still be used")
+            self.assertEqual(self.writes_by_exec(), [])
+
+    def writes_by_exec(self) -> list:
+        return [r for r in self.cloud_requests("/exec") if "base64 -d" in json.dumps(r[3])]
+
+
+HUGE = 2 ** 63  # forwarded as is before the bounds
+
+
+class ExactInputTests(FakeServeCase):
+    """Patterns match the whole value and numbers have stated upper bounds."""
+
+    async def test_trailing_newlines_and_huge_numbers_are_refused_before_the_engine(self):
+        async with self.client("legacy") as c:
+            tools = {t.name: t.input_schema for t in (await c.list_tools()).tools}
+            create = tools["create-machine"]["properties"]
+            self.assertEqual(create["memoryMb"]["maximum"], smol_mcp.MAX_MEMORY_MB)
+            self.assertEqual(create["storageGb"]["maximum"], smol_mcp.MAX_DISK_GB)
+            self.assertEqual(create["overlayGb"]["maximum"], smol_mcp.MAX_DISK_GB)
+            self.assertIn("maximum", tools["read-file"]["properties"]["offset"])
+            self.assertIn("maximum", tools["run-command"]["properties"]["timeoutSecs"])
+            cases = [
+                ("create-machine", {"name": "nl1\n", "image": "alpine"}, '"name"'),
+                ("create-machine", {"image": "alpine", "env": {"A\n": "x"}}, '"env.A'),
+                ("get-machine", {"name": "m\n"}, '"name"'),
+                ("read-file", {"name": "m", "path": "/etc/passwd\n"}, '"path"'),
+                ("run-command", {"name": "m", "command": "true", "workdir": "/\n"}, '"workdir"'),
+                ("create-machine", {"image": "alpine", "memoryMb": HUGE}, '"memoryMb" must be'),
+                ("create-machine", {"image": "alpine", "storageGb": HUGE}, '"storageGb" must'),
+                ("create-machine", {"image": "alpine", "overlayGb": HUGE}, '"overlayGb" must'),
+                ("run-once", {"image": "alpine", "command": "true", "memoryMb": HUGE}, "at most"),
+                ("read-file", {"name": "m", "path": "/a", "offset": HUGE}, '"offset" must be'),
+                ("run-command", {"name": "m", "command": "true", "timeoutSecs": HUGE}, "at most"),
+            ]
+            for tool, args, expected in cases:
+                with self.subTest(tool=tool, args=args):
+                    text = await self.refused(c, tool, args)
+                    if expected:
+                        self.assertIn(expected, text)
+        self.assertEqual(self.fake.requests, [], "nothing refused here may reach the engine")
+
+    def test_python_reads_a_final_dollar_as_the_end(self):
+        name_pattern = smol_mcp.python_pattern(smol_mcp.NAME_PATTERN)
+        self.assertIsNone(smol_mcp.re.search(name_pattern, "nl1\n"))
+        self.assertIsNotNone(smol_mcp.re.search(name_pattern, "nl1"))
+        self.assertEqual(smol_mcp.python_pattern(r"^a\$"), r"^a\$")
+
+
+class CloudAnswerTests(FakeCloudCase):
+    """An answer the cloud should not give is a sentence about the answer."""
+
+    async def test_bad_answers_are_sentences_naming_status_type_and_first_bytes(self):
+        cases = [
+            (b"<html><body>Sign in to the hotel wifi</body></html>", "text/html; charset=utf-8",
+             "not JSON"),
+            (b"", "application/json", "an empty body"),
+            (b'{"machines": [', "application/json", "malformed JSON"),
+            (b'"machines"', "application/json", "wrong shape"),
+            (b'{"machines": ["x"]}', "application/json", "not a list of machine records"),
+        ]
+        async with self.client("legacy") as c:
+            for body, ctype, expected in cases:
+                with self.subTest(body=body):
+                    self.cloud.fail_next("GET", "/v1/machines", 200, body=body, content_type=ctype)
+                    text = await self.refused(c, "list-machines", {})
+                    self.assertIn(expected, text)
+                    self.assertIn("HTTP 200", text)
+                    self.assertIn(ctype.split(";")[0], text)
+                    self.assertIn(body[:10].decode(), text)
+                    self.assertNotIn("bug", text)
+            await self.ok(c, "create-machine", {"name": "mcp-a", "image": "alpine"})
+            self.cloud.fail_next("POST", "/v1/machines/", 200, body=b'{"ok": true}',
+                                 content_type="application/json")
+            text = await self.refused(c, "run-command", {"name": "mcp-a", "command": "true"})
+            self.assertIn("no whole-number exitCode", text)
+            self.assertNotIn("bug", text)
+
+    async def test_a_long_retry_after_is_capped_and_a_wait_sends_progress(self):
+        async with self.client("legacy") as c:
+            self.cloud.fail_next("GET", "/v1/machines", 429, retry_after="3600")
+            started = time.monotonic()
+            text = await self.refused(c, "list-machines", {})
+            self.assertLess(time.monotonic() - started, 20)
+            self.assertIn("3600 s", text)
+            self.assertIn("try the call again later", text)
+            seen = []
+
+            async def on_progress(progress, total, message):
+                seen.append(message)
+
+            wait = smol_mcp.PROGRESS_INTERVAL_SECS + 1
+            self.cloud.fail_next("GET", "/v1/machines", 503, retry_after=str(wait))
+            answer = await c.call_tool("list-machines", {}, progress_callback=on_progress)
+            self.assertFalse(answer.is_error, answer.content[0].text)
+            self.assertTrue(any("waiting for the cloud API" in m for m in seen), seen)
+
+
+def endless_body(port: int, headers: str, seconds: float) -> tuple[bytes, int, bool]:
+    """Send a chunked body that never ends, for at most ``seconds``: (what the
+    server answered, bytes sent, whether the server ended the connection)."""
+    import select
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setblocking(False)
+    request = (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+               f"Transfer-Encoding: chunked\r\n{headers}\r\n").encode()
+    chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"
+    sent, answer, closed = 0, b"", False
+    deadline = time.monotonic() + seconds
+    try:
+        sock.setblocking(True)
+        sock.sendall(request)
+        sock.setblocking(False)
+        while time.monotonic() < deadline and not closed:
+            readable, writable, _ = select.select([sock], [sock], [], 0.5)
+            if readable:
+                data = sock.recv(65536)
+                answer += data
+                closed = not data
+            if writable and not closed:
+                sent += sock.send(chunk)
+    except (BrokenPipeError, ConnectionResetError):
+        closed = True
+    finally:
+        sock.close()
+    return answer, sent, closed
+
+
+class HttpFrontTests(HttpCase):
+    """An unauthenticated or endless body cannot hold the server."""
+
+    async def assert_still_answers(self) -> None:
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        started = time.monotonic()
+        response = await self.raw("POST", "/mcp", auth, INIT_BODY)
+        self.assertEqual(response.status_code, 200)
+        self.assertLess(time.monotonic() - started, 5)
+
+    async def test_an_endless_unauthenticated_body_gets_401_and_the_connection_closes(self):
+        results = [asyncio.create_task(asyncio.to_thread(endless_body, self.port, "", 15))
+                   for _ in range(2)]
+        await asyncio.sleep(0.5)
+        await self.assert_still_answers()
+        for answer, sent, closed in [await task for task in results]:
+            self.assertTrue(answer.startswith(b"HTTP/1.1 401"), answer[:100])
+            self.assertIn(b"connection: close", answer.lower())
+            self.assertTrue(closed, "the server must end the connection after its 401")
+            self.assertLess(sent, 64 * 1024 * 1024, "the server kept reading after its 401")
+
+    async def test_an_endless_authenticated_body_gets_413_with_a_bounded_read(self):
+        answer, sent, closed = await asyncio.to_thread(
+            endless_body, self.port, f"Authorization: Bearer {HTTP_TOKEN}\r\n", 30)
+        self.assertTrue(closed, "the server must end an endless body")
+        self.assertLess(sent, 3 * smol_mcp.HTTP_MAX_BODY_BYTES + 16 * 1024 * 1024)
+        if answer:  # the answer can be lost to the reset that ends the read; if it came, a 413
+            self.assertTrue(answer.startswith(b"HTTP/1.1 413"), answer[:100])
+        await self.assert_still_answers()
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}",
+                "Content-Length": str(smol_mcp.HTTP_MAX_BODY_BYTES + 1), "Expect": "100-continue"}
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
+        writer.write(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n{head}\r\n".encode())
+        # answered and closed without sending a byte of body
+        reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        self.assertTrue(reply.startswith(b"HTTP/1.1 413"), reply[:100])
+
+
+class HttpFrontProcessTests(unittest.TestCase):
+    """The HTTP front in its own process, with the usual fd limit of 256."""
+
+    def start_server(self, token: str, fd_limit: int | None = 256):
+        import resource
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        env = {**os.environ, "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_AUTH_TOKEN": token,
+               "SMOL_MCP_TARGETS": "local", "SMOL_MCP_MOUNT_ROOTS": "/srv,/var/tmp:rw"}
+
+        def limit() -> None:
+            if fd_limit:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
+        # stderr goes to a file: a pipe nobody reads would fill and stall the server
+        self.stderr = open(f"{self.tmp}/stderr", "w+b")
+        self.addCleanup(self.stderr.close)
+        command = [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(self.port)]
+        server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr,
+                                  preexec_fn=limit)
+        self.addCleanup(lambda: server.poll() is None and (server.kill(), server.wait()))
+        return server
+
+    def initialize(self, timeout: float) -> int:
+        import httpx2
+        headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        with httpx2.Client(timeout=timeout) as http:
+            return http.post(f"http://127.0.0.1:{self.port}/mcp", headers=headers,
+                             content=INIT_BODY).status_code
+
+    def test_300_idle_unauthenticated_connections_do_not_starve_a_client(self):
+        import httpx2
+        server = self.start_server(HTTP_TOKEN)
+        for _ in range(200):
+            try:
+                self.assertEqual(self.initialize(5), 200)
+                break
+            except httpx2.TransportError:
+                time.sleep(0.05)
+        idle = []
+        try:
+            for index in range(300):
+                sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+                if index % 2:
+                    # headers never finished
+                    sock.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                idle.append(sock)
+            started = time.monotonic()
+            self.assertEqual(self.initialize(10), 200)
+            self.assertLess(time.monotonic() - started, 5)
+            # and every one of them is closed by the server within the header deadline
+            deadline = time.monotonic() + smol_mcp.HTTP_HEADER_TIMEOUT_SECS + 10
+            open_ones = list(idle)
+            while open_ones and time.monotonic() < deadline:
+                still = []
+                for sock in open_ones:
+                    sock.setblocking(False)
+                    try:
+                        if sock.recv(4096):
+                            still.append(sock)
+                    except BlockingIOError:
+                        still.append(sock)
+                    except OSError:
+                        pass
+                open_ones = still
+                time.sleep(0.2)
+            self.assertEqual(len(open_ones), 0, "idle connections must be closed by the server")
+        finally:
+            for sock in idle:
+                sock.close()
+        self.assertIsNone(server.poll())
+        self.stderr.seek(0)
+        log_text = self.stderr.read().decode()  # the startup log names the exposed host directories
+        self.assertIn("host directories exposed to agents (mountRoots): /srv (read-only), "
+                      "/var/tmp (read-write on request)", log_text)
+
+    def test_weak_tokens_are_refused_at_startup_with_how_to_make_one(self):
+        for token, expected in (("x", "at least 32"), ("short-token-123", "at least 32"),
+                                ("ñ" * 40, "printable ASCII"), ("a b" * 20, "printable ASCII")):
+            with self.subTest(token=token):
+                server = self.start_server(token, fd_limit=None)
+                server.wait(timeout=60)
+                self.stderr.seek(0)
+                text = self.stderr.read().decode()
+                self.assertEqual(server.returncode, 2, text)
+                self.assertIn(expected, text)
+                self.assertIn("secrets.token_urlsafe(32)", text)
+                if len(token) > 8:
+                    self.assertNotIn(token, text)
+        with self.assertRaises(ConfigError):
+            smol_mcp.check_token_strength("é" * 40)
+        smol_mcp.check_token_strength(HTTP_TOKEN)  # a good one passes
 
 
 # ---------------------------------------------------------------------------
@@ -2578,6 +2993,10 @@ class HelperCommandTests(unittest.TestCase):
         out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOLVM_VM_UID_DROP": "off"})
         self.assertEqual(out.returncode, 0 if smol_mcp.hypervisor_status()[0] else 1, out.stdout)
         self.assertIn(f"smolvm: {FAKE_CLI}", out.stdout)
+        self.assertIn("host directories exposed to agents: none", out.stdout)  # mountRoots, shown
+        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI),
+                                     "SMOL_MCP_MOUNT_ROOTS": "/srv:rw"})
+        self.assertIn("/srv (read-write on request)", out.stdout)
 
     def test_doctor_reports_a_dead_local_url_and_a_running_serve_s_version(self):
         out = run_cli("doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"})
@@ -3051,7 +3470,10 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         config = fake_config(self.tmp, None, smolvm=str(self.wrapper), cloud_token="smk_cloud_secret",
                              auth_token="http_secret", targets="local", **overrides)
         return SmolMcp(config, environ={**os.environ, "SMOL_CLOUD_TOKEN": "smk_cloud_secret",
-                                        "SMOL_MCP_AUTH_TOKEN": "http_secret", "SMOLVM_VM_UID_DROP": "off"})
+                                        "SMOL_MCP_AUTH_TOKEN": "http_secret",
+                                        "SMOLVM_VM_UID_DROP": "off",
+                                        "SMOLVM_EXTRA": "prefix-smk_cloud_secret-suffix",
+                                        "TMPDIR": "/tmp/http_secret/.."})
 
     async def test_spawned_on_first_call_minimal_env_private_dir_and_stopped_by_the_last_session(self):
         app = self.app()
@@ -3066,7 +3488,10 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             child_env = json.loads(Path(self.envfile).read_text())
             self.assertNotIn("SMOL_CLOUD_TOKEN", child_env)
             self.assertNotIn("SMOL_MCP_AUTH_TOKEN", child_env)
+            # not even inside another value
             self.assertNotIn("smk_cloud_secret", json.dumps(child_env))
+            self.assertNotIn("http_secret", json.dumps(child_env))
+            self.assertNotIn("SMOLVM_EXTRA", child_env)
             self.assertEqual(child_env.get("SMOLVM_VM_UID_DROP"), "off")
             process = app.local._process
             self.assertIsNone(process.poll())

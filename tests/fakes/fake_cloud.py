@@ -511,12 +511,20 @@ class FakeCloud:
             self._hits = [t for t in self._hits if now - t < 60] + [now]
             return max(0, RATE_LIMIT_PER_MINUTE - len(self._hits))
 
-    def fail_next(self, method, path_prefix, status, times=1):
+    def fail_next(self, method, path_prefix, status, times=1, *,
+                  body=b"service temporarily unavailable", content_type=None, retry_after="0"):
         """Answer the next `times` matching requests with `status` and a plain
         text body, as a busy or restarting service would [assumption: the
-        wording], with `retry-after: 0` so a retrying client does not wait."""
+        wording], with `retry-after: 0` so a retrying client does not wait.
+        `body`, `content_type` and `retry_after` stand in for what a proxy or
+        a captive portal in front of the service can answer instead (a 200
+        HTML page, an empty or broken JSON body, a long Retry-After): not the
+        service's own answers, but answers a client meets [assumption]."""
         with self._lock:
-            self._failures.append({"method": method, "prefix": path_prefix, "status": status, "times": times})
+            self._failures.append({"method": method, "prefix": path_prefix, "status": status,
+                                   "times": times, "body": body,
+                                   "content_type": content_type or TEXT_CT,
+                                   "retry_after": retry_after})
 
     # ---- routing
     def _handle(self, method, target, headers, body, too_big):
@@ -534,8 +542,9 @@ class FakeCloud:
             for rule in self._failures:
                 if rule["times"] > 0 and rule["method"] == method and path.startswith(rule["prefix"]):
                     rule["times"] -= 1
-                    return Resp(rule["status"], b"service temporarily unavailable", TEXT_CT,
-                                headers=[("retry-after", "0")])
+                    wait = rule["retry_after"]
+                    extra = [("retry-after", wait)] if wait is not None else []
+                    return Resp(rule["status"], rule["body"], rule["content_type"], headers=extra)
         q = urllib.parse.parse_qs(qs, keep_blank_values=True)
         if path == "/v1/account":
             self._allow(method, "GET,HEAD")
