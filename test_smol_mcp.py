@@ -2414,12 +2414,14 @@ class AccessCliTests(unittest.TestCase):
                     "scopes": ["machines.read"],
                     "targets": ["local"],
                     "approval": "changes",
+                    "autoApprove": "off",
                 },
                 {
                     "name": "agent",
                     "scopes": SANDBOX.split(","),
                     "targets": ["local", "cloud"],
                     "approval": "none",
+                    "autoApprove": "off",
                 },
             ],
         )
