@@ -2924,6 +2924,62 @@ class ActivityLogTests(unittest.TestCase):
             desk.respond("../tokens", {})
 
 
+class ActivityCliTests(unittest.TestCase):
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.env = {"PATH": os.environ["PATH"], "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+                    "SMOL_MCP_STATE_DIR": f"{self.tmp}/state"}
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_activity_filters_and_token_events_and_auto_approval_shown_by_tokens_list(self):
+        created = json.loads(run_cli("tokens", "create", "bot", "--scopes", "machines.exec", "--approval",
+                                     "changes", "--json", env=self.env).stdout)
+        run_cli("tokens", "create", "gone", "--scopes", "machines.read", env=self.env)
+        run_cli("tokens", "delete", "gone", env=self.env)
+        log_file = smol_mcp.ActivityLog(f"{self.tmp}/state")
+        log_file.append({"event": "tool", "principal": "bot", "tool": "run-command", "machine": "m1",
+                         "outcome": "ok", "exitCode": 0, "approvedBy": "alice"})
+        log_file.append({"event": "tool", "principal": "stdio", "user": "bob", "tool": "delete-machine",
+                         "machine": "m2", "outcome": "ok"})
+        with log_file.path.open("a") as old:
+            old.write(json.dumps({"time": "2020-01-01T00:00:00Z", "event": "tool", "principal": "bot",
+                                  "tool": "stop-machine", "machine": "m1", "outcome": "ok"}) + "\n")
+        everything = json.loads(run_cli("activity", "--json", env=self.env).stdout)
+        self.assertEqual([(e["event"], e.get("outcome")) for e in everything[:3]],
+                         [("token", "created"), ("token", "created"), ("token", "deleted")])
+        self.assertEqual(everything[0]["user"], smol_mcp.os_user())
+        self.assertNotIn(created["secret"], log_file.path.read_text())
+        self.assertEqual([e["tool"] for e in json.loads(run_cli("activity", "--token", "bot", "--json",
+                                                                 env=self.env).stdout)],
+                         ["run-command", "stop-machine"])
+        self.assertEqual([e["tool"] for e in json.loads(run_cli("activity", "--machine", "m1", "--since", "1h",
+                                                                 "--json", env=self.env).stdout)],
+                         ["run-command"])
+        table = run_cli("activity", "--token", "bot", env=self.env).stdout
+        self.assertIn("TIME", table)
+        self.assertIn("ok (exit 0), approved by alice", table)
+        bad = run_cli("activity", "--since", "yesterday", env=self.env)
+        self.assertEqual(bad.returncode, 2)
+        self.assertIn("--since: 'yesterday' is not a period", bad.stderr)
+        self.assertEqual(json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0]["autoApprove"], "off")
+        record = smol_mcp.TokenStore(f"{self.tmp}/state").records()[0]
+        smol_mcp.AutoApprovals(f"{self.tmp}/state").grant("bot", record["id"], "7d")
+        shown = json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0]["autoApprove"]
+        self.assertAlmostEqual(smol_mcp.parse_time(shown) - time.time(), 7 * 86400, delta=120)
+        self.assertIn(shown, run_cli("tokens", "list", env=self.env).stdout)
+        run_cli("tokens", "delete", "bot", env=self.env)  # deleting a token ends its auto-approval
+        self.assertEqual(json.loads(Path(self.tmp, "state", smol_mcp.AUTO_APPROVE_FILE).read_text()), {})
+        out = run_cli("tokens", "auto-approve", "bot", "off", env=self.env)
+        self.assertEqual(out.returncode, 1)
+        self.assertIn("has no auto-approval", out.stderr)
+        out = run_cli("approvals", "approve", "0123456789ab", env=self.env)
+        self.assertEqual(out.returncode, 2)
+        self.assertIn("no call waits for approval 0123456789ab", out.stderr)
+        self.assertEqual(run_cli("approvals", "list", env=self.env).stdout.strip(), "no call waits for approval")
+
+
 class ActivityToolTests(FakeServeCase):
     def entries(self, **where):
         return smol_mcp.select_activity(self.app.access.activity.entries(), **where)
