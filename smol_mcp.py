@@ -3403,7 +3403,7 @@ class ApprovalDesk:
     def __init__(self, state_dir: str | Path):
         self.directory = Path(state_dir) / APPROVALS_DIR
 
-    def _path(self, approval_id: str, kind: str) -> Path:
+    def path_of(self, approval_id: str, kind: str) -> Path:
         if not re.fullmatch(r"[a-f0-9]{12}", approval_id):
             raise SmolError(f"{approval_id!r} is not an approval id; `approvals list` shows them")
         return self.directory / f"{approval_id}.{kind}.json"
@@ -3415,19 +3415,19 @@ class ApprovalDesk:
         approval_id = secrets_module.token_hex(6)
         request = dict(request, id=approval_id, pid=os.getpid(),
                        pidStart=process_start_ticks(os.getpid()))
-        write_private_json(self._path(approval_id, "request"), request)
+        write_private_json(self.path_of(approval_id, "request"), request)
         return approval_id
 
     def answer(self, approval_id: str) -> dict | None:
         try:
-            answer = json.loads(self._path(approval_id, "answer").read_text())
+            answer = json.loads(self.path_of(approval_id, "answer").read_text())
         except (OSError, ValueError):
             return None
         return answer if isinstance(answer, dict) else None
 
     def close(self, approval_id: str) -> None:
         for kind in ("request", "answer"):
-            self._path(approval_id, kind).unlink(missing_ok=True)
+            self.path_of(approval_id, kind).unlink(missing_ok=True)
 
     def pending(self) -> list[dict]:
         """Requests whose process still waits and nobody answered, oldest first;
@@ -3437,10 +3437,14 @@ class ApprovalDesk:
             try:
                 request = json.loads(path.read_text())
                 approval_id = str(request["id"])
-                answered = self._path(approval_id, "answer").exists()
+                answered = self.path_of(approval_id, "answer").exists()
             except (OSError, ValueError, KeyError, TypeError, SmolError):
                 continue
-            if not waiting_process_alive(request):
+            try:
+                expired = parse_time(request["expiresAt"]) < time.time()
+            except (KeyError, TypeError, ValueError):
+                expired = True
+            if expired or not waiting_process_alive(request):  # nobody can act on it any more
                 self.close(approval_id)
             elif not answered:
                 found.append(request)
@@ -3450,7 +3454,7 @@ class ApprovalDesk:
         """Answer a waiting request and return it; a SmolError for an unknown,
         stale or answered id."""
         try:
-            request = json.loads(self._path(approval_id, "request").read_text())
+            request = json.loads(self.path_of(approval_id, "request").read_text())
         except (OSError, ValueError):
             raise SmolError(f"no call waits for approval {approval_id}; `approvals list` shows the "
                             "calls that wait") from None
@@ -3458,7 +3462,7 @@ class ApprovalDesk:
             self.close(approval_id)
             raise SmolError(f"the server that held {approval_id} has stopped, so that call was "
                             "refused (approval_interrupted); there is nothing to answer")
-        answer_path = self._path(approval_id, "answer")
+        answer_path = self.path_of(approval_id, "answer")
         if answer_path.exists():
             raise SmolError(f"{approval_id} was answered already")
         write_private_json(answer_path, answer)
@@ -3818,7 +3822,7 @@ class SmolMcp:
             await self.announce_tools_changed(ctx, session, modern)
         return None
 
-    async def elicit(self, ctx, question):
+    async def elicit(self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS):
         """Send an elicitation and wait for the answer, within a bound: a client
         that never answers must not hold the call forever."""
         import mcp_types as types
@@ -3826,10 +3830,10 @@ class SmolMcp:
         related = ctx.request_id if ctx.session.can_send_request else None
         try:
             return await ctx.session.send_request(
-                question, types.ElicitResult, request_read_timeout_seconds=ELICIT_TIMEOUT_SECS,
+                question, types.ElicitResult, request_read_timeout_seconds=timeout,
                 metadata=ServerMessageMetadata(related_request_id=related))
-        except Exception as err:  # timed out, or no way back to the client: keep both fleets
-            log.info("the fleet question got no answer (%s); the session keeps the target argument", err)
+        except Exception as err:  # timed out, or no way back to the client: the caller goes on
+            log.info("the question got no answer (%s)", err)
             return None
 
     async def announce_tools_changed(self, ctx, session: Session, modern: bool) -> None:
@@ -3867,7 +3871,9 @@ class SmolMcp:
             validate_arguments(name, tool.input_schema, arguments)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             call = Call(self, session, self.access.fleet_for(principal, grant, fleet), ctx, principal)
-            held = None if tool.read_only else await self.hold(call, entry)
+            held = None if tool.read_only else await self.hold(call, entry, params)
+            if held is not None and not isinstance(held, str):
+                return held  # the approval question, as a 2026-era input-required result
             if held is not None:
                 entry["approvedBy"] = held
             if fleet is self.local:
@@ -3926,9 +3932,11 @@ class SmolMcp:
         except SmolError:
             return False
 
-    async def hold(self, call: Call, entry: dict) -> str | None:
+    async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
         """Before a changing tool runs: None when the principal needs no approval,
-        "auto" or the approving user once a person allowed it, else ApprovalRefused."""
+        "auto" or who approved once a person allowed it, else ApprovalRefused. With
+        approvalVia client in the 2026 era, the question itself (an input-required
+        result) the first time; the client's answer comes back with the retry."""
         principal = call.principal
         if principal.approval != "changes":
             return None
@@ -3939,7 +3947,32 @@ class SmolMcp:
             self.record({**event, "approval": "auto-approved",
                          "until": self.access.auto.until(principal)})
             return "auto"
-        timeout = self.config.approval_timeout_secs
+        asks_client, modern = self.client_channel(call)
+        request = self.resumed_request(call, entry, params) if asks_client and modern else None
+        client_answer = None
+        if request is not None:  # the 2026-era retry that carries the client's answer
+            approval_id = request["id"]
+            client_answer = (params.input_responses or {}).get("approval")
+            event["id"] = approval_id
+            timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
+        else:
+            timeout = self.config.approval_timeout_secs
+            approval_id = self.file_request(call, entry, event, timeout)
+            if asks_client and modern:  # the request stays filed: the terminal may answer meanwhile
+                import mcp_types as types
+                return types.InputRequiredResult(request_state=f"smol-mcp:approval:{approval_id}",
+                                                 input_requests={"approval": self.approval_question(event)})
+        self.waiting_approvals += 1
+        try:
+            return await self._await_answer(call, approval_id, event, timeout,
+                                            asks_client and not modern, client_answer)
+        finally:
+            self.waiting_approvals -= 1
+            self.access.desk.close(approval_id)
+
+    def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
+        """Write the request where `approvals list` finds it, log it and tell the webhook."""
+        principal = call.principal
         request = {"token": principal.name, "principalId": principal.id, "tool": entry["tool"],
                    "target": entry.get("target"), "machine": entry.get("machine"),
                    "arguments": entry.get("arguments", {}), "session": entry.get("session"),
@@ -3960,14 +3993,78 @@ class SmolMcp:
             self.notify_webhook({"id": approval_id, "token": principal.name, "tool": entry["tool"],
                                  "machine": entry.get("machine"),
                                  "expiresAt": request["expiresAt"]}, event)
-        self.waiting_approvals += 1
-        try:
-            return await self._await_answer(call, approval_id, event, timeout)
-        finally:
-            self.waiting_approvals -= 1
-            self.access.desk.close(approval_id)
+        return approval_id
 
-    async def _await_answer(self, call: Call, approval_id: str, event: dict, timeout: int) -> str:
+    def client_channel(self, call: Call) -> tuple[bool, bool]:
+        """(whether the person at the client is asked too, whether the 2026 era is
+        spoken): approvalVia client, on stdio, with a client that takes forms."""
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+        ctx = call.ctx
+        if self.config.approval_via != "client" or call.principal.kind != "stdio" or ctx is None:
+            return False, False
+        capabilities = ctx.session.client_capabilities
+        if capabilities is None or capabilities.elicitation is None or (
+                capabilities.elicitation.form is None and capabilities.elicitation.url is not None):
+            return False, False
+        return True, ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+
+    def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
+        """The request a 2026-era retry answers: named by its request state, filed
+        by this process for the same principal, tool and arguments, still open."""
+        state = getattr(params, "request_state", None) or ""
+        if not state.startswith("smol-mcp:approval:"):
+            return None
+        try:
+            path = self.access.desk.path_of(state.rsplit(":", 1)[1], "request")
+            request = json.loads(path.read_text())
+        except (OSError, ValueError, SmolError):
+            return None
+        same = (request.get("pid") == os.getpid() and request.get("principalId") == call.principal.id
+                and request.get("tool") == entry["tool"]
+                and request.get("arguments") == entry.get("arguments", {}))
+        return request if same else None
+
+    def approval_question(self, event: dict):
+        import mcp_types as types
+        on = f" on {event['machine']}" if event.get("machine") else ""
+        message = (f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
+                   "let it run once; decline to refuse it. `approvals list` on the server's host "
+                   "shows its arguments.")
+        schema = {"type": "object", "properties": {"note": {
+            "type": "string", "title": "Note", "description": "Optional; kept in the activity log"}}}
+        return types.ElicitRequest(params=types.ElicitRequestFormParams(message=message,
+                                                                        requested_schema=schema))
+
+    async def _await_answer(self, call: Call, approval_id: str, event: dict, timeout: int,
+                            ask_now: bool, client_answer: Any) -> str:
+        """Wait for the terminal (and, with ``ask_now``, an elicitation in this
+        call), the token's deletion, an auto-approval, the timeout or a stop."""
+        import anyio
+        import mcp_types as types
+        answers: dict = {}
+        if client_answer is not None:
+            answers["client"] = types.ElicitResult.model_validate(client_answer) \
+                if isinstance(client_answer, dict) else client_answer
+
+        async def ask() -> None:
+            answer = await self.elicit(call.ctx, self.approval_question(event), timeout)
+            if answer is not None:
+                answers["client"] = answer
+
+        async with anyio.create_task_group() as asking:
+            if ask_now:
+                asking.start_soon(ask)
+            try:
+                outcome, failure = await self._poll_answer(call, approval_id, event, timeout, answers), None
+            except Exception as err:  # carried out of the group, which would wrap it
+                outcome, failure = None, err
+            asking.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return outcome
+
+    async def _poll_answer(self, call: Call, approval_id: str, event: dict, timeout: int,
+                           answers: dict) -> str:
         import anyio
         principal, tool = call.principal, event["tool"]
         deadline = time.monotonic() + timeout
@@ -3976,7 +4073,7 @@ class SmolMcp:
         next_progress = 0.0
         try:
             while True:
-                answer = self.access.desk.answer(approval_id)
+                answer = self.access.desk.answer(approval_id) or self.client_decision(answers)
                 if answer is not None:
                     break
                 if self.stopping:
@@ -4010,13 +4107,26 @@ class SmolMcp:
                 self.record({**event, "approval": "cancelled"})
             raise
         by = str(answer.get("by") or "unknown")
+        note = {"reason": str(answer["reason"])[:500]} if answer.get("reason") else {}
         if answer.get("decision") == "approve":
             extra = {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
-            self.record({**event, "approval": "approved", "by": by, **extra})
+            self.record({**event, "approval": "approved", "by": by, **extra, **note})
             return by
-        reason = str(answer.get("reason") or "no reason given")[:500]
+        reason = note.get("reason", "no reason given")
         raise self.refuse(event, "rejected", "approval_rejected",
                           f"{by} rejected {tool}: {reason}. Nothing ran.", by=by, reason=reason)
+
+    @staticmethod
+    def client_decision(answers: dict) -> dict | None:
+        """The person at the client's answer as a terminal answer: accept approves,
+        decline rejects; a dismissed form leaves the terminal to answer."""
+        answer = answers.get("client")
+        if answer is None or answer.action not in ("accept", "decline"):
+            return None
+        note = str((answer.content or {}).get("note") or "") if answer.action == "accept" else ""
+        return {"decision": "approve" if answer.action == "accept" else "deny",
+                "by": "the person at the client (approvalVia client)",
+                "reason": note or ("declined at the client" if answer.action == "decline" else "")}
 
     def refuse(self, event: dict, outcome: str, code: str, detail: str, **extra: Any) -> ApprovalRefused:
         self.record({**event, "approval": outcome, **extra})

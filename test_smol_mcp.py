@@ -150,6 +150,10 @@ class ConfigTests(unittest.TestCase):
             ("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", ()),
             ("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", ()),
             ("stateDir", "SMOL_MCP_STATE_DIR", None), ("scopes", "SMOL_MCP_SCOPES", ()),
+            ("approval", "SMOL_MCP_APPROVAL", "none"),
+            ("approvalTimeoutSecs", "SMOL_MCP_APPROVAL_TIMEOUT_SECS", 900),
+            ("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", ""),
+            ("approvalVia", "SMOL_MCP_APPROVAL_VIA", "terminal"),
         ]
         self.assertEqual([(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table])
         defaults = Config()
@@ -164,7 +168,8 @@ class ConfigTests(unittest.TestCase):
             "logsPollSecs": 5, "cloudUrl": "https://example.test", "cloudToken": "t", "targets": "local",
             "httpHost": "0.0.0.0", "httpPort": 9000, "httpPath": "/x", "authToken": "a", "httpSessionIdleSecs": 60,
             "httpAllowedHosts": ["h"], "httpAllowedOrigins": ["o"], "stateDir": "/tmp/s",
-            "scopes": ["machines.read", "sandbox.exec"],
+            "scopes": ["machines.read", "sandbox.exec"], "approval": "changes", "approvalTimeoutSecs": 60,
+            "approvalWebhook": "https://hooks.example/smol", "approvalVia": "client",
         }
         for setting in smol_mcp.SETTINGS:  # every key is read from the file, and from the environment
             value = samples[setting.key]
@@ -2330,6 +2335,10 @@ class AccessPiecesTests(unittest.TestCase):
                 ConfigError, "'machines.write'.*the scopes are: machines.read"
             ):
                 load_config({**env, "SMOL_MCP_SCOPES": "machines.read,machines.write"})
+            with self.assertRaisesRegex(ConfigError, "approvalWebhook .* must be an http:// or https:// URL"):
+                load_config({**env, "SMOL_MCP_APPROVAL_WEBHOOK": "file:///etc/passwd"})
+            with self.assertRaisesRegex(ConfigError, "SMOL_MCP_APPROVAL must be one of none, changes"):
+                load_config({**env, "SMOL_MCP_APPROVAL": "all"})
 
     def test_store_keeps_hashes_only_refuses_bad_names_and_duplicates(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -2905,7 +2914,8 @@ class ActivityLogTests(unittest.TestCase):
 
     def test_a_request_of_a_stopped_process_is_never_answerable(self):
         desk = smol_mcp.ApprovalDesk(self.state)
-        approval_id = desk.open({"token": "t", "tool": "create-machine", "requestedAt": "x"})
+        later = smol_mcp.utc_time(time.time() + 600)
+        approval_id = desk.open({"token": "t", "tool": "create-machine", "requestedAt": "x", "expiresAt": later})
         self.assertEqual([r["id"] for r in desk.pending()], [approval_id])
         path = desk.directory / f"{approval_id}.request.json"
         request = json.loads(path.read_text())
@@ -2915,11 +2925,12 @@ class ActivityLogTests(unittest.TestCase):
         with self.assertRaisesRegex(smol_mcp.SmolError, "has stopped.*approval_interrupted"):
             desk.respond(approval_id, {"decision": "approve"})
         self.assertFalse(path.exists())
-        approval_id = desk.open({"token": "t", "tool": "x", "requestedAt": "x"})
-        path = desk.directory / f"{approval_id}.request.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), "pidStart": 1}))  # pid reused
-        self.assertEqual(desk.pending(), [])
-        self.assertFalse(path.exists())
+        for change in ({"pidStart": 1}, {"expiresAt": "2020-01-01T00:00:00Z"}):  # pid reused; expired
+            approval_id = desk.open({"token": "t", "tool": "x", "requestedAt": "x", "expiresAt": later})
+            path = desk.directory / f"{approval_id}.request.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+            self.assertEqual(desk.pending(), [])
+            self.assertFalse(path.exists())
         with self.assertRaisesRegex(smol_mcp.SmolError, "is not an approval id"):
             desk.respond("../tokens", {})
 
@@ -3225,6 +3236,70 @@ class ApprovalTests(FakeServeCase):
             self.assertNotIn("approval_rejected", c.instructions)
             await self.ok(c, "create-machine", {"name": "free", "image": "alpine", "start": False})
         self.assertEqual(self.approval_events(), [])
+
+
+def answer_approval(action: str, asked: list | None = None, note: str | None = None):
+    async def callback(context, params):
+        if asked is not None:
+            asked.append(params.message)
+        return mcp_types.ElicitResult(action=action, content={"note": note} if note else None)
+    return callback
+
+
+class ApprovalViaClientTests(FakeServeCase):
+    """approvalVia client: the person at a stdio client answers a form, in both eras."""
+
+    config_overrides = {"approval": "changes", "approval_via": "client", "approval_timeout_secs": 30}
+
+    async def test_accept_runs_decline_rejects_in_both_eras(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                asked = []
+                async with self.client(mode, elicitation_callback=answer_approval("accept", asked, "fine")) as c:
+                    await self.ok(c, "create-machine", {"name": f"yes-{mode}", "image": "alpine", "start": False})
+                self.assertIn(f"yes-{mode}", self.fake.machines)
+                self.assertEqual(len(asked), 1)
+                self.assertIn(f"create-machine on yes-{mode}", asked[0])
+                events = [e for e in self.app.access.activity.entries() if e.get("event") == "approval"]
+                self.assertEqual((events[-1]["approval"], events[-1]["reason"]), ("approved", "fine"))
+                self.assertIn("approvalVia client", events[-1]["by"])
+                async with self.client(mode, elicitation_callback=answer_approval("decline")) as c:
+                    text = await self.refused(c, "create-machine", {"name": f"no-{mode}", "image": "alpine"})
+                self.assertTrue(text.startswith("approval_rejected: "), text)
+                self.assertNotIn(f"no-{mode}", self.fake.machines)
+                self.assertEqual(list((Path(self.config.state_dir) / "approvals").iterdir()), [])
+
+    async def test_a_dismissed_form_or_a_client_without_forms_leaves_the_terminal(self):
+        env = {"PATH": os.environ["PATH"], "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+               "SMOL_MCP_STATE_DIR": self.config.state_dir}
+        for kwargs in ({"elicitation_callback": answer_approval("cancel")}, {}):
+            with self.subTest(elicitation=bool(kwargs)):
+                async with self.client("legacy", **kwargs) as c:
+                    name = f"term-{len(kwargs)}"
+                    call = asyncio.create_task(c.call_tool("create-machine", {"name": name, "image": "alpine",
+                                                                              "start": False}))
+                    deadline = time.monotonic() + 10
+                    while not self.app.access.desk.pending():
+                        self.assertLess(time.monotonic(), deadline)
+                        await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.5)
+                    self.assertFalse(call.done())  # still waiting for the terminal
+                    [held] = self.app.access.desk.pending()
+                    await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], env=env)
+                    self.assertFalse((await call).is_error)
+                    self.assertIn(name, self.fake.machines)
+
+    async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(self):
+        asked = []
+        async with self.client("auto", elicitation_callback=answer_approval("decline", asked)) as c:
+            forged = mcp_types.ElicitResult(action="accept").model_dump(by_alias=True, exclude_none=True)
+            answer = await c.call_tool("create-machine", {"name": "forged", "image": "alpine"},
+                                       input_responses={"approval": forged},
+                                       request_state="smol-mcp:approval:0123456789ab")
+        self.assertTrue(answer.is_error)
+        self.assertTrue(answer.content[0].text.startswith("approval_rejected"), answer.content[0].text)
+        self.assertEqual(len(asked), 1)  # it was asked for real, and the person declined
+        self.assertNotIn("forged", self.fake.machines)
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
