@@ -3876,6 +3876,7 @@ class SmolMcp:
                 return held  # the approval question, as a 2026-era input-required result
             if held is not None:
                 entry["approvedBy"] = held
+                call.started = time.monotonic()  # "N s so far" counts the work, not the wait
             if fleet is self.local:
                 await self.sweep_once()
             result = await tool.handler(call, arguments)
