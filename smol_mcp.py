@@ -3313,8 +3313,7 @@ class ActivityLog:
             return
         if size == 0 or size + adding <= ACTIVITY_ROTATE_BYTES:
             return
-        self.older(ACTIVITY_KEEP_FILES).unlink(missing_ok=True)
-        for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):
+        for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):  # .4 replaces .5: the oldest goes
             if self.older(index).exists():
                 self.older(index).replace(self.older(index + 1))
         self.path.replace(self.older(1))

@@ -3140,7 +3140,8 @@ class ApprovalTests(FakeServeCase):
     async def test_nobody_answering_times_out(self):
         self.app = SmolMcp(dataclasses_replace(self.config, approval_timeout_secs=1))
         async with self.client("auto") as c:
-            text = await self.refused(c, "create-machine", {"name": "late", "image": "alpine"})
+            with anyio.fail_after(20):  # a wait without an end fails here instead of hanging
+                text = await self.refused(c, "create-machine", {"name": "late", "image": "alpine"})
         self.assertTrue(text.startswith("approval_timed_out: "), text)
         self.assertNotIn("late", self.fake.machines)
         self.assertEqual(self.approval_events()[-1][0], "timed out")
@@ -3165,8 +3166,10 @@ class ApprovalTests(FakeServeCase):
             [held] = await self.waiting()
             await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], "--auto-for", "1h", env=self.env())
             self.assertFalse((await call).is_error)
+            requested = self.approval_events().count(("requested", None))
             await self.ok(c, "create-machine", {"name": "a2", "image": "alpine", "start": False})  # no wait
             self.assertEqual(self.approval_events()[-1][0], "auto-approved")
+            self.assertEqual(self.approval_events().count(("requested", None)), requested)  # never listed
             auto_file = Path(self.config.state_dir, smol_mcp.AUTO_APPROVE_FILE)
             granted = json.loads(auto_file.read_text())["stdio"]
             self.assertAlmostEqual(smol_mcp.parse_time(granted["until"]) - time.time(), 3600, delta=60)
@@ -3197,24 +3200,27 @@ class ApprovalTests(FakeServeCase):
 
     async def test_the_webhook_carries_no_arguments_and_a_failing_one_blocks_nothing(self):
         import http.server
-        received = []
+        received, release = [], threading.Event()
 
         class Hook(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                if self.path == "/slow":
+                    release.wait(30)  # held until the call has been answered
                 self.send_response(204)
                 self.end_headers()
 
             def log_message(self, *args):
                 pass
 
-        hook = http.server.HTTPServer(("127.0.0.1", 0), Hook)
+        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
         threading.Thread(target=hook.serve_forever, daemon=True).start()
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             closed = probe.getsockname()[1]
         try:
-            for url in (f"http://127.0.0.1:{hook.server_port}/hook", f"http://127.0.0.1:{closed}/hook"):
+            for url in (f"http://127.0.0.1:{hook.server_port}/hook", f"http://127.0.0.1:{closed}/hook",
+                        f"http://127.0.0.1:{hook.server_port}/slow"):
                 self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
                 async with self.client("legacy") as c:
                     call = asyncio.create_task(c.call_tool("create-machine", {
@@ -3222,9 +3228,14 @@ class ApprovalTests(FakeServeCase):
                     [held] = await self.waiting()
                     await asyncio.to_thread(run_cli, "approvals", "deny", held["id"], env=self.env())
                     self.assertTrue((await call).is_error)
+                    failed = [e for e in self.app.access.activity.entries()
+                              if e.get("id") == held["id"] and e.get("approval") == "webhook failed"]
+                    if url.endswith("/slow"):  # answered while the webhook still hung: it held nothing
+                        self.assertEqual(failed, [])
         finally:
+            release.set()
             hook.shutdown()
-        self.assertEqual(len(received), 1)
+        self.assertEqual(len(received), 2)
         self.assertEqual(set(received[0]), {"id", "token", "tool", "machine", "expiresAt"})
         self.assertEqual((received[0]["tool"], received[0]["machine"]), ("create-machine", "hooked"))
         self.assertNotIn("WEBHOOK-SECRET", json.dumps(received))
@@ -3290,16 +3301,26 @@ class ApprovalViaClientTests(FakeServeCase):
                     self.assertIn(name, self.fake.machines)
 
     async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(self):
-        asked = []
-        async with self.client("auto", elicitation_callback=answer_approval("decline", asked)) as c:
-            forged = mcp_types.ElicitResult(action="accept").model_dump(by_alias=True, exclude_none=True)
-            answer = await c.call_tool("create-machine", {"name": "forged", "image": "alpine"},
-                                       input_responses={"approval": forged},
-                                       request_state="smol-mcp:approval:0123456789ab")
-        self.assertTrue(answer.is_error)
-        self.assertTrue(answer.content[0].text.startswith("approval_rejected"), answer.content[0].text)
-        self.assertEqual(len(asked), 1)  # it was asked for real, and the person declined
-        self.assertNotIn("forged", self.fake.machines)
+        forged = mcp_types.ElicitResult(action="accept").model_dump(by_alias=True, exclude_none=True)
+        async with self.client("legacy") as other:  # cannot show forms: its call waits for the terminal
+            waiting = asyncio.create_task(other.call_tool("create-machine", {"name": "real", "image": "alpine"}))
+            deadline = time.monotonic() + 10
+            while not self.app.access.desk.pending():
+                self.assertLess(time.monotonic(), deadline)
+                await asyncio.sleep(0.1)
+            [held] = self.app.access.desk.pending()
+            for state in ("smol-mcp:approval:0123456789ab", f"smol-mcp:approval:{held['id']}"):
+                with self.subTest(state=state):
+                    asked = []
+                    async with self.client("auto", elicitation_callback=answer_approval("decline", asked)) as c:
+                        answer = await c.call_tool("create-machine", {"name": "forged", "image": "alpine"},
+                                                   input_responses={"approval": forged}, request_state=state)
+                    self.assertTrue(answer.content[0].text.startswith("approval_rejected"),
+                                    answer.content[0].text)
+                    self.assertEqual(len(asked), 1)  # it was asked for real, and the person declined
+                    self.assertNotIn("forged", self.fake.machines)
+            self.app.access.desk.respond(held["id"], {"decision": "deny", "by": "test"})
+            self.assertTrue((await waiting).is_error)
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
