@@ -3209,8 +3209,13 @@ ACTIVITY_URI = "smol://activity"
 APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
 APPROVAL_POLL_SECS = 0.25  # a terminal answer is seen within a second
 APPROVAL_PROGRESS_SECS = 5
-AUTO_APPROVE_PERIODS = {"1h": 3600, "1d": 86400, "7d": 7 * 86400, "30d": 30 * 86400,
-                        "forever": None}
+AUTO_APPROVE_PERIODS = {
+    "1h": 3600,
+    "1d": 86400,
+    "7d": 7 * 86400,
+    "30d": 30 * 86400,
+    "forever": None,
+}
 # Arguments that are the agent's data rather than a description of the call:
 # the log keeps their size and digest, so a reader can match them without
 # holding them (a file written with a key in it must not copy the key here).
@@ -3339,8 +3344,12 @@ class ActivityLog:
         return found
 
 
-def select_activity(entries: list[dict], principal: str | None = None,
-                    machine: str | None = None, since_secs: int | None = None) -> list[dict]:
+def select_activity(
+    entries: list[dict],
+    principal: str | None = None,
+    machine: str | None = None,
+    since_secs: int | None = None,
+) -> list[dict]:
     """The entries one reader asked for: by principal, by machine, by age."""
     cutoff = time.time() - since_secs if since_secs is not None else None
     chosen = []
@@ -3363,7 +3372,8 @@ def sees_own_activity_only(principal: Principal) -> bool:
     """A sandbox.* principal (one without any machines.* scope) reads only its own entries."""
     scopes = principal.scopes
     return any(s.startswith("sandbox.") for s in scopes) and not any(
-        s.startswith("machines.") for s in scopes)
+        s.startswith("machines.") for s in scopes
+    )
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -3373,7 +3383,7 @@ def process_start_ticks(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rfind(")") + 2:].split()
+    fields = stat[stat.rfind(")") + 2 :].split()
     return int(fields[19]) if len(fields) > 19 else None
 
 
@@ -3412,8 +3422,9 @@ class ApprovalDesk:
         ensure_state_dir(self.directory.parent)
         self.directory.mkdir(mode=0o700, exist_ok=True)
         approval_id = secrets_module.token_hex(6)
-        request = dict(request, id=approval_id, pid=os.getpid(),
-                       pidStart=process_start_ticks(os.getpid()))
+        request = dict(
+            request, id=approval_id, pid=os.getpid(), pidStart=process_start_ticks(os.getpid())
+        )
         write_private_json(self.path_of(approval_id, "request"), request)
         return approval_id
 
@@ -3455,12 +3466,16 @@ class ApprovalDesk:
         try:
             request = json.loads(self.path_of(approval_id, "request").read_text())
         except (OSError, ValueError):
-            raise SmolError(f"no call waits for approval {approval_id}; `approvals list` shows the "
-                            "calls that wait") from None
+            raise SmolError(
+                f"no call waits for approval {approval_id}; `approvals list` shows the "
+                "calls that wait"
+            ) from None
         if not waiting_process_alive(request):
             self.close(approval_id)
-            raise SmolError(f"the server that held {approval_id} has stopped, so that call was "
-                            "refused (approval_interrupted); there is nothing to answer")
+            raise SmolError(
+                f"the server that held {approval_id} has stopped, so that call was "
+                "refused (approval_interrupted); there is nothing to answer"
+            )
         answer_path = self.path_of(approval_id, "answer")
         if answer_path.exists():
             raise SmolError(f"{approval_id} was answered already")
@@ -3477,7 +3492,7 @@ class AutoApprovals:
         self.file = StateFile(Path(state_dir) / AUTO_APPROVE_FILE, dict)
 
     def until(self, principal: Principal) -> str | None:
-        """"forever", the RFC 3339 end, or None when it must ask."""
+        """Until when it may run without asking: "forever", an RFC 3339 time, or None."""
         try:
             granted = self.file.read().get(principal.name)
         except SmolError:
@@ -3601,14 +3616,14 @@ def server_instructions(app: "SmolMcp") -> str:
     lines.append("- smol://targets says whether each fleet is usable right now, and why not.")
     if app.approvals_apply():
         lines.append(
-            "- Approvals: a tool that changes something may wait for a person on the server's host "
-            f"to approve it (up to {c.approval_timeout_secs} s; progress notifications say so and "
-            "name the command that approves it). Read-only tools answer at once. You cannot approve "
-            "anything yourself. A refusal starts with a code: approval_rejected (a person said no; "
-            "the reason follows), approval_timed_out (nobody answered), approval_cancelled (the call "
-            "stopped waiting), approval_interrupted (the server stopped), approval_token_deleted, "
-            "approval_unavailable (approvals cannot be asked for here). Nothing ran in any of these "
-            "cases; ask the person before trying again.")
+            "- Approvals: a tool that changes something may wait for a person on the server's "
+            f"host to approve it (up to {c.approval_timeout_secs} s; progress notifications say "
+            "so and name the command that approves it). Read-only tools answer at once. You "
+            "cannot approve anything yourself. A refusal starts with a code: approval_rejected "
+            "(a person said no; the reason follows), approval_timed_out (nobody answered), "
+            "approval_cancelled (the call stopped waiting), approval_interrupted (the server "
+            "stopped), approval_token_deleted, approval_unavailable (approvals cannot be asked "
+            "for here). Nothing ran in any of these cases; ask the person before trying again.")
     return "\n".join(lines)
 
 
@@ -3698,7 +3713,8 @@ class SmolMcp:
             resources = [types.Resource(
                 uri=TARGETS_URI, name="targets", title="Fleets served and whether they are usable",
                 mime_type="application/json",
-                description="The mode, each fleet this process serves, and whether it is usable on this host now.")]
+                description="The mode, each fleet this process serves, and whether it is usable on "
+                            "this host now.")]
             if "activity.read" in app.principal_for(ctx).scopes:
                 resources.append(types.Resource(
                     uri=ACTIVITY_URI, name="activity", title="What agents changed",
@@ -3869,7 +3885,8 @@ class SmolMcp:
                          arguments=redact_arguments(arguments))
             validate_arguments(name, tool.input_schema, arguments)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
-            call = Call(self, session, self.access.fleet_for(principal, grant, fleet), ctx, principal)
+            reach = self.access.fleet_for(principal, grant, fleet)
+            call = Call(self, session, reach, ctx, principal)
             held = None if tool.read_only else await self.hold(call, entry, params)
             if held is not None and not isinstance(held, str):
                 return held  # the approval question, as a 2026-era input-required result
@@ -3890,8 +3907,9 @@ class SmolMcp:
             return tool_error(message)
         except Exception as err:
             log.exception("tool %s failed unexpectedly", name)
-            message = redact(f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
-                             "smol-mcp; the server log has the details.", self.config.secret_values())
+            message = redact(f"{name} failed unexpectedly ({type(err).__name__}: {err}). This "
+                             "is a bug in smol-mcp; the server log has the details.",
+                             self.config.secret_values())
             if tool is not None and not tool.read_only:
                 self.record({**entry, "outcome": message, **elapsed(started)})
             return tool_error(message)
@@ -3918,9 +3936,13 @@ class SmolMcp:
             self.access.activity.append(entry, self.config.secret_values())
         except (OSError, SmolError) as err:
             reason = getattr(err, "strerror", None) or str(err)
-            log.warning("could not write the activity log %s (%s); entry lost: %s %s",
-                        self.access.activity.path, reason, entry.get("event"),
-                        entry.get("tool") or entry.get("approval") or "")
+            log.warning(
+                "could not write the activity log %s (%s); entry lost: %s %s",
+                self.access.activity.path,
+                reason,
+                entry.get("event"),
+                entry.get("tool") or entry.get("approval") or "",
+            )
 
     def approvals_apply(self) -> bool:
         """Whether any call of this process may be held: stdio approval is on, or
@@ -3940,12 +3962,16 @@ class SmolMcp:
         principal = call.principal
         if principal.approval != "changes":
             return None
-        event = {k: entry.get(k) for k in ("principal", "user", "session", "tool", "target", "machine")
-                 if entry.get(k) is not None}
+        event = {
+            k: entry.get(k)
+            for k in ("principal", "user", "session", "tool", "target", "machine")
+            if entry.get(k) is not None
+        }
         event["event"] = "approval"
         if self.access.auto.until(principal):
-            self.record({**event, "approval": "auto-approved",
-                         "until": self.access.auto.until(principal)})
+            self.record(
+                {**event, "approval": "auto-approved", "until": self.access.auto.until(principal)}
+            )
             return "auto"
         asks_client, modern = self.client_channel(call)
         request = self.resumed_request(call, entry, params) if asks_client and modern else None
@@ -3960,12 +3986,16 @@ class SmolMcp:
             approval_id = self.file_request(call, entry, event, timeout)
             if asks_client and modern:  # the request stays filed: the terminal may answer meanwhile
                 import mcp_types as types
-                return types.InputRequiredResult(request_state=f"smol-mcp:approval:{approval_id}",
-                                                 input_requests={"approval": self.approval_question(event)})
+
+                return types.InputRequiredResult(
+                    request_state=f"smol-mcp:approval:{approval_id}",
+                    input_requests={"approval": self.approval_question(event)},
+                )
         self.waiting_approvals += 1
         try:
-            return await self._await_answer(call, approval_id, event, timeout,
-                                            asks_client and not modern, client_answer)
+            return await self._await_answer(
+                call, approval_id, event, timeout, asks_client and not modern, client_answer
+            )
         finally:
             self.waiting_approvals -= 1
             self.access.desk.close(approval_id)
@@ -3973,10 +4003,17 @@ class SmolMcp:
     def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
         """Write the request where `approvals list` finds it, log it and tell the webhook."""
         principal = call.principal
-        request = {"token": principal.name, "principalId": principal.id, "tool": entry["tool"],
-                   "target": entry.get("target"), "machine": entry.get("machine"),
-                   "arguments": entry.get("arguments", {}), "session": entry.get("session"),
-                   "requestedAt": utc_now(), "expiresAt": utc_time(time.time() + timeout)}
+        request = {
+            "token": principal.name,
+            "principalId": principal.id,
+            "tool": entry["tool"],
+            "target": entry.get("target"),
+            "machine": entry.get("machine"),
+            "arguments": entry.get("arguments", {}),
+            "session": entry.get("session"),
+            "requestedAt": utc_now(),
+            "expiresAt": utc_time(time.time() + timeout),
+        }
         try:
             approval_id = self.access.desk.open(request)
         except (OSError, SmolError) as err:
@@ -3986,25 +4023,37 @@ class SmolMcp:
                 "approval_unavailable",
                 f"{entry['tool']} needs a person's approval, but the request could not be filed in "
                 f"{self.access.desk.directory} ({reason}); nothing ran. The operator must make the "
-                "state directory writable (SMOL_MCP_STATE_DIR).") from None
+                "state directory writable (SMOL_MCP_STATE_DIR).",
+            ) from None
         event["id"] = approval_id
         self.record({**event, "approval": "requested", "expiresAt": request["expiresAt"]})
         if self.config.approval_webhook:
-            self.notify_webhook({"id": approval_id, "token": principal.name, "tool": entry["tool"],
-                                 "machine": entry.get("machine"),
-                                 "expiresAt": request["expiresAt"]}, event)
+            self.notify_webhook(
+                {
+                    "id": approval_id,
+                    "token": principal.name,
+                    "tool": entry["tool"],
+                    "machine": entry.get("machine"),
+                    "expiresAt": request["expiresAt"],
+                },
+                event,
+            )
         return approval_id
 
     def client_channel(self, call: Call) -> tuple[bool, bool]:
         """(whether the person at the client is asked too, whether the 2026 era is
         spoken): approvalVia client, on stdio, with a client that takes forms."""
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
         ctx = call.ctx
         if self.config.approval_via != "client" or call.principal.kind != "stdio" or ctx is None:
             return False, False
         capabilities = ctx.session.client_capabilities
-        if capabilities is None or capabilities.elicitation is None or (
-                capabilities.elicitation.form is None and capabilities.elicitation.url is not None):
+        if (
+            capabilities is None
+            or capabilities.elicitation is None
+            or (capabilities.elicitation.form is None and capabilities.elicitation.url is not None)
+        ):
             return False, False
         return True, ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
 
@@ -4019,32 +4068,58 @@ class SmolMcp:
             request = json.loads(path.read_text())
         except (OSError, ValueError, SmolError):
             return None
-        same = (request.get("pid") == os.getpid() and request.get("principalId") == call.principal.id
-                and request.get("tool") == entry["tool"]
-                and request.get("arguments") == entry.get("arguments", {}))
+        same = (
+            request.get("pid") == os.getpid()
+            and request.get("principalId") == call.principal.id
+            and request.get("tool") == entry["tool"]
+            and request.get("arguments") == entry.get("arguments", {})
+        )
         return request if same else None
 
     def approval_question(self, event: dict):
         import mcp_types as types
-        on = f" on {event['machine']}" if event.get("machine") else ""
-        message = (f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
-                   "let it run once; decline to refuse it. `approvals list` on the server's host "
-                   "shows its arguments.")
-        schema = {"type": "object", "properties": {"note": {
-            "type": "string", "title": "Note", "description": "Optional; kept in the activity log"}}}
-        return types.ElicitRequest(params=types.ElicitRequestFormParams(message=message,
-                                                                        requested_schema=schema))
 
-    async def _await_answer(self, call: Call, approval_id: str, event: dict, timeout: int,
-                            ask_now: bool, client_answer: Any) -> str:
+        on = f" on {event['machine']}" if event.get("machine") else ""
+        message = (
+            f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
+            "let it run once; decline to refuse it. `approvals list` on the server's host "
+            "shows its arguments."
+        )
+        schema = {
+            "type": "object",
+            "properties": {
+                "note": {
+                    "type": "string",
+                    "title": "Note",
+                    "description": "Optional; kept in the activity log",
+                }
+            },
+        }
+        return types.ElicitRequest(
+            params=types.ElicitRequestFormParams(message=message, requested_schema=schema)
+        )
+
+    async def _await_answer(
+        self,
+        call: Call,
+        approval_id: str,
+        event: dict,
+        timeout: int,
+        ask_now: bool,
+        client_answer: Any,
+    ) -> str:
         """Wait for the terminal (and, with ``ask_now``, an elicitation in this
         call), the token's deletion, an auto-approval, the timeout or a stop."""
         import anyio
         import mcp_types as types
+
         answers: dict = {}
         if client_answer is not None:
-            answers["client"] = types.ElicitResult.model_validate(client_answer) \
-                if isinstance(client_answer, dict) else client_answer
+            answers["client"] = (
+                types.ElicitResult.model_validate(client_answer)
+                if isinstance(client_answer, dict)
+                else client_answer
+            )
 
         async def ask() -> None:
             answer = await self.elicit(call.ctx, self.approval_question(event), timeout)
@@ -4055,7 +4130,10 @@ class SmolMcp:
             if ask_now:
                 asking.start_soon(ask)
             try:
-                outcome, failure = await self._poll_answer(call, approval_id, event, timeout, answers), None
+                outcome, failure = (
+                    await self._poll_answer(call, approval_id, event, timeout, answers),
+                    None,
+                )
             except Exception as err:  # carried out of the group, which would wrap it
                 outcome, failure = None, err
             asking.cancel_scope.cancel()
@@ -4063,9 +4141,11 @@ class SmolMcp:
             raise failure
         return outcome
 
-    async def _poll_answer(self, call: Call, approval_id: str, event: dict, timeout: int,
-                           answers: dict) -> str:
+    async def _poll_answer(
+        self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict
+    ) -> str:
         import anyio
+
         principal, tool = call.principal, event["tool"]
         deadline = time.monotonic() + timeout
         command = " ".join(launch_command() + ["approvals", "approve", approval_id])
@@ -4077,28 +4157,51 @@ class SmolMcp:
                 if answer is not None:
                     break
                 if self.stopping:
-                    raise self.refuse(event, "interrupted", "approval_interrupted",
-                                      f"the server stopped while {tool} waited for approval; "
-                                      "nothing ran. Call it again once the server is back.")
-                if principal.kind == "token" and self.access.live_ids().get(principal.name) != principal.id:
-                    raise self.refuse(event, "token deleted", "approval_token_deleted",
-                                      f"the token '{principal.name}' was deleted while {tool} "
-                                      "waited for approval; nothing ran.")
+                    raise self.refuse(
+                        event,
+                        "interrupted",
+                        "approval_interrupted",
+                        f"the server stopped while {tool} waited for approval; "
+                        "nothing ran. Call it again once the server is back.",
+                    )
+                if (
+                    principal.kind == "token"
+                    and self.access.live_ids().get(principal.name) != principal.id
+                ):
+                    raise self.refuse(
+                        event,
+                        "token deleted",
+                        "approval_token_deleted",
+                        f"the token '{principal.name}' was deleted while {tool} "
+                        "waited for approval; nothing ran.",
+                    )
                 if self.access.auto.until(principal):
-                    self.record({**event, "approval": "auto-approved",
-                                 "until": self.access.auto.until(principal)})
+                    self.record(
+                        {
+                            **event,
+                            "approval": "auto-approved",
+                            "until": self.access.auto.until(principal),
+                        }
+                    )
                     return "auto"
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self.refuse(event, "timed out", "approval_timed_out",
-                                      f"nobody approved {tool} within {timeout} s; nothing ran. "
-                                      "Ask the person on the server's host to watch for it, then "
-                                      "call it again.")
+                    raise self.refuse(
+                        event,
+                        "timed out",
+                        "approval_timed_out",
+                        f"nobody approved {tool} within {timeout} s; nothing ran. "
+                        "Ask the person on the server's host to watch for it, then "
+                        "call it again.",
+                    )
                 if time.monotonic() >= next_progress:
                     next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
-                    await call.progress(None, f"{tool}{on} waits for a person to approve it "
-                                              f"({int(left)} s left): on the server's host run "
-                                              f"`{command}` (or `approvals deny {approval_id}`)")
+                    await call.progress(
+                        None,
+                        f"{tool}{on} waits for a person to approve it "
+                        f"({int(left)} s left): on the server's host run "
+                        f"`{command}` (or `approvals deny {approval_id}`)",
+                    )
                 await anyio.sleep(APPROVAL_POLL_SECS)
         except anyio.get_cancelled_exc_class():
             if self.stopping:
@@ -4113,8 +4216,14 @@ class SmolMcp:
             self.record({**event, "approval": "approved", "by": by, **extra, **note})
             return by
         reason = note.get("reason", "no reason given")
-        raise self.refuse(event, "rejected", "approval_rejected",
-                          f"{by} rejected {tool}: {reason}. Nothing ran.", by=by, reason=reason)
+        raise self.refuse(
+            event,
+            "rejected",
+            "approval_rejected",
+            f"{by} rejected {tool}: {reason}. Nothing ran.",
+            by=by,
+            reason=reason,
+        )
 
     @staticmethod
     def client_decision(answers: dict) -> dict | None:
@@ -4124,17 +4233,22 @@ class SmolMcp:
         if answer is None or answer.action not in ("accept", "decline"):
             return None
         note = str((answer.content or {}).get("note") or "") if answer.action == "accept" else ""
-        return {"decision": "approve" if answer.action == "accept" else "deny",
-                "by": "the person at the client (approvalVia client)",
-                "reason": note or ("declined at the client" if answer.action == "decline" else "")}
+        return {
+            "decision": "approve" if answer.action == "accept" else "deny",
+            "by": "the person at the client (approvalVia client)",
+            "reason": note or ("declined at the client" if answer.action == "decline" else ""),
+        }
 
-    def refuse(self, event: dict, outcome: str, code: str, detail: str, **extra: Any) -> ApprovalRefused:
+    def refuse(
+        self, event: dict, outcome: str, code: str, detail: str, **extra: Any
+    ) -> ApprovalRefused:
         self.record({**event, "approval": outcome, **extra})
         return ApprovalRefused(code, detail)
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
         """POST the notice in a thread of its own: a slow or failing webhook never
         holds the call or the terminal channel; a failure is logged."""
+
         def send() -> None:
             failure = post_webhook(self.config.approval_webhook, payload)
             if failure is not None:
@@ -4164,7 +4278,8 @@ class SmolMcp:
             document["access"] = self.principal_for(ctx).describe()
             text, mime = json.dumps(document, indent=2), "application/json"
         elif uri == ACTIVITY_URI:
-            text, mime = json.dumps(self.activity_document(self.principal_for(ctx)), indent=1), "application/json"
+            document = self.activity_document(self.principal_for(ctx))
+            text, mime = json.dumps(document, indent=1), "application/json"
         elif LOGS_URI_RE.fullmatch(uri):
             fleet, name = self.log_resource(uri, self.principal_for(ctx))
             try:
@@ -4181,9 +4296,9 @@ class SmolMcp:
         """smol://activity for ``principal``: it needs activity.read; a sandbox.*
         principal gets its own entries only."""
         if "activity.read" not in principal.scopes:
-            raise_resource_error(f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
-                                 f"{principal.label()} does not have. Ask the operator for a token "
-                                 "with that scope.")
+            raise_resource_error(f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, "
+                                 f"which {principal.label()} does not have. Ask the operator for "
+                                 "a token with that scope.")
         entries = self.access.activity.entries()
         if sees_own_activity_only(principal):
             entries = select_activity(entries, principal=principal.name)
@@ -4911,18 +5026,27 @@ def activity_command(args: Any, config: Config) -> int:
         print(json.dumps(entries))
         return 0
     if not entries:
-        print(f"no activity recorded{' that matches' if (args.token or args.machine or since) else ''} "
-              f"(log: {log_file.path})")
+        matching = " that matches" if (args.token or args.machine or since) else ""
+        print(f"no activity recorded{matching} (log: {log_file.path})")
         return 0
     rows = [("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME")]
     for entry in entries:
         who = entry.get("principal", "?") + (f" ({entry['user']})" if entry.get("user") else "")
         what = entry.get("tool") or entry.get("event", "?")
         if entry.get("event") == "approval":
-            what = f"approval {entry.get('approval', '?')} {entry.get('tool') or entry.get('token', '')}"
-            outcome = " ".join(filter(None, (f"id {entry['id']}" if entry.get("id") else "",
-                                             f"by {entry['by']}" if entry.get("by") else "",
-                                             entry.get("reason", ""), entry.get("error", ""))))
+            subject = entry.get("tool") or entry.get("token", "")
+            what = f"approval {entry.get('approval', '?')} {subject}"
+            outcome = " ".join(
+                filter(
+                    None,
+                    (
+                        f"id {entry['id']}" if entry.get("id") else "",
+                        f"by {entry['by']}" if entry.get("by") else "",
+                        entry.get("reason", ""),
+                        entry.get("error", ""),
+                    ),
+                )
+            )
         elif entry.get("event") == "token":
             what, outcome = f"token {entry.get('outcome')}", entry.get("token", "")
         else:
@@ -4941,9 +5065,17 @@ def approvals_command(args: Any, config: Config) -> int:
     desk = ApprovalDesk(config.state_dir)
     if args.approvals_command == "list":
         waiting = desk.pending() if desk.directory.exists() else []
-        shown = [{"id": r.get("id"), "token": r.get("token"), "tool": r.get("tool"),
-                  "machine": r.get("machine"), "expiresAt": r.get("expiresAt"),
-                  "arguments": r.get("arguments", {})} for r in waiting]
+        shown = [
+            {
+                "id": r.get("id"),
+                "token": r.get("token"),
+                "tool": r.get("tool"),
+                "machine": r.get("machine"),
+                "expiresAt": r.get("expiresAt"),
+                "arguments": r.get("arguments", {}),
+            }
+            for r in waiting
+        ]
         if args.json:
             print(json.dumps(shown))
             return 0
@@ -4956,11 +5088,21 @@ def approvals_command(args: Any, config: Config) -> int:
                 left = f"{max(0, int(parse_time(r['expiresAt']) - time.time()))} s"
             except (ValueError, TypeError):
                 left = "?"
-            rows.append((r["id"], r["token"], r["tool"], r["machine"] or "-", left,
-                         json.dumps(r["arguments"])[:120]))
+            rows.append(
+                (
+                    r["id"],
+                    r["token"],
+                    r["tool"],
+                    r["machine"] or "-",
+                    left,
+                    json.dumps(r["arguments"])[:120],
+                )
+            )
         print_table(rows)
-        print("\nanswer with: approvals approve ID [--auto-for 1h|1d|7d|30d|forever], or "
-              "approvals deny ID [--reason TEXT]")
+        print(
+            "\nanswer with: approvals approve ID [--auto-for 1h|1d|7d|30d|forever], or "
+            "approvals deny ID [--reason TEXT]"
+        )
         return 0
     user = os_user()
     if args.approvals_command == "approve":
@@ -4971,14 +5113,26 @@ def approvals_command(args: Any, config: Config) -> int:
         print(f"approved {args.id}: {request.get('tool')} by {request.get('token')} runs now")
         if args.auto_for:
             until = AutoApprovals(config.state_dir).grant(
-                str(request.get("token")), str(request.get("principalId", "")), args.auto_for)
-            cli_record(config, {"event": "approval", "approval": "auto-approval started",
-                                "token": request.get("token"), "until": until, "id": args.id})
-            print(f"{request.get('token')} runs changing tools without asking until {until}; "
-                  f"end it with: tokens auto-approve {request.get('token')} off")
+                str(request.get("token")), str(request.get("principalId", "")), args.auto_for
+            )
+            cli_record(
+                config,
+                {
+                    "event": "approval",
+                    "approval": "auto-approval started",
+                    "token": request.get("token"),
+                    "until": until,
+                    "id": args.id,
+                },
+            )
+            print(
+                f"{request.get('token')} runs changing tools without asking until {until}; "
+                f"end it with: tokens auto-approve {request.get('token')} off"
+            )
         return 0
-    request = desk.respond(args.id, {"decision": "deny", "by": user, "answeredAt": utc_now(),
-                                     "reason": args.reason})
+    request = desk.respond(
+        args.id, {"decision": "deny", "by": user, "answeredAt": utc_now(), "reason": args.reason}
+    )
     print(f"denied {args.id}: {request.get('tool')} by {request.get('token')} does not run")
     return 0
 

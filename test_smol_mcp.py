@@ -168,7 +168,8 @@ class ConfigTests(unittest.TestCase):
             "logsPollSecs": 5, "cloudUrl": "https://example.test", "cloudToken": "t", "targets": "local",
             "httpHost": "0.0.0.0", "httpPort": 9000, "httpPath": "/x", "authToken": "a", "httpSessionIdleSecs": 60,
             "httpAllowedHosts": ["h"], "httpAllowedOrigins": ["o"], "stateDir": "/tmp/s",
-            "scopes": ["machines.read", "sandbox.exec"], "approval": "changes", "approvalTimeoutSecs": 60,
+            "scopes": ["machines.read", "sandbox.exec"], "approval": "changes",
+            "approvalTimeoutSecs": 60,
             "approvalWebhook": "https://hooks.example/smol", "approvalVia": "client",
         }
         for setting in smol_mcp.SETTINGS:  # every key is read from the file, and from the environment
@@ -2335,9 +2336,9 @@ class AccessPiecesTests(unittest.TestCase):
                 ConfigError, "'machines.write'.*the scopes are: machines.read"
             ):
                 load_config({**env, "SMOL_MCP_SCOPES": "machines.read,machines.write"})
-            with self.assertRaisesRegex(ConfigError, "approvalWebhook .* must be an http:// or https:// URL"):
+            with self.assertRaisesRegex(ConfigError, "approvalWebhook .* must be an http"):
                 load_config({**env, "SMOL_MCP_APPROVAL_WEBHOOK": "file:///etc/passwd"})
-            with self.assertRaisesRegex(ConfigError, "SMOL_MCP_APPROVAL must be one of none, changes"):
+            with self.assertRaisesRegex(ConfigError, "SMOL_MCP_APPROVAL must be one of none"):
                 load_config({**env, "SMOL_MCP_APPROVAL": "all"})
 
     def test_store_keeps_hashes_only_refuses_bad_names_and_duplicates(self):
@@ -2858,12 +2859,22 @@ class ActivityLogTests(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def test_two_processes_appending_1000_lines_each_lose_none_and_interleave_none(self):
-        writers = [subprocess.Popen([sys.executable, "-c", APPEND_SCRIPT.format(
-            here=str(HERE), state=self.state, writer=w, pad=w)]) for w in ("a", "b")]
+        writers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    APPEND_SCRIPT.format(here=str(HERE), state=self.state, writer=w, pad=w),
+                ]
+            )
+            for w in ("a", "b")
+        ]
         for writer in writers:
             self.assertEqual(writer.wait(timeout=300), 0)
         log_file = smol_mcp.ActivityLog(self.state)
-        paths = [log_file.path] + [log_file.older(i) for i in range(1, smol_mcp.ACTIVITY_KEEP_FILES + 1)]
+        paths = [log_file.path] + [
+            log_file.older(i) for i in range(1, smol_mcp.ACTIVITY_KEEP_FILES + 1)
+        ]
         lines = []
         for path in paths:
             if path.exists():
@@ -2877,17 +2888,22 @@ class ActivityLogTests(unittest.TestCase):
             seen[entry["writer"]].append(entry["n"])
         for writer in ("a", "b"):
             self.assertEqual(sorted(seen[writer]), list(range(1000)))
-            self.assertEqual([e["n"] for e in log_file.entries() if e.get("writer") == writer],
-                             list(range(1000)))  # entries() reads the rotated files oldest first
+            self.assertEqual(
+                [e["n"] for e in log_file.entries() if e.get("writer") == writer], list(range(1000))
+            )  # entries() reads the rotated files oldest first
 
     def test_rotation_keeps_the_stated_number_of_files_under_the_bound(self):
         log_file = smol_mcp.ActivityLog(self.state)
-        with unittest.mock.patch.multiple(smol_mcp, ACTIVITY_ROTATE_BYTES=1000, ACTIVITY_KEEP_FILES=2):
+        with unittest.mock.patch.multiple(
+            smol_mcp, ACTIVITY_ROTATE_BYTES=1000, ACTIVITY_KEEP_FILES=2
+        ):
             for n in range(100):
                 log_file.append({"event": "test", "n": n, "pad": "x" * 100})
             names = sorted(p.name for p in Path(self.state).glob("activity.jsonl*"))
-            self.assertEqual(names, ["activity.jsonl", "activity.jsonl.1", "activity.jsonl.2",
-                                     "activity.jsonl.lock"])
+            self.assertEqual(
+                names,
+                ["activity.jsonl", "activity.jsonl.1", "activity.jsonl.2", "activity.jsonl.lock"],
+            )
             for name in names[:3]:
                 self.assertLessEqual(Path(self.state, name).stat().st_size, 1000)
             kept = [e["n"] for e in log_file.entries()]
@@ -2897,17 +2913,29 @@ class ActivityLogTests(unittest.TestCase):
 
     def test_redaction_keeps_size_and_digest_only(self):
         import hashlib
-        shown = smol_mcp.redact_arguments({"name": "m", "content": "top secret", "stdin": "pw",
-                                           "env": {"KEY": "sk-123"}, "command": "ls"})
-        self.assertEqual(shown["content"], {"bytes": 10, "sha256": hashlib.sha256(b"top secret").hexdigest()})
+
+        shown = smol_mcp.redact_arguments(
+            {
+                "name": "m",
+                "content": "top secret",
+                "stdin": "pw",
+                "env": {"KEY": "sk-123"},
+                "command": "ls",
+            }
+        )
+        self.assertEqual(
+            shown["content"], {"bytes": 10, "sha256": hashlib.sha256(b"top secret").hexdigest()}
+        )
         self.assertEqual(shown["env"]["KEY"]["bytes"], 6)
         self.assertEqual((shown["name"], shown["command"]), ("m", "ls"))
         self.assertNotIn("sk-123", json.dumps(shown))
         self.assertNotIn("top secret", json.dumps(shown))
 
     def test_periods(self):
-        self.assertEqual([smol_mcp.parse_period(p) for p in ("90s", "15m", "1h", "2d", "1w")],
-                         [90, 900, 3600, 172800, 604800])
+        self.assertEqual(
+            [smol_mcp.parse_period(p) for p in ("90s", "15m", "1h", "2d", "1w")],
+            [90, 900, 3600, 172800, 604800],
+        )
         for bad in ("", "1", "h", "1y", "-1h"):
             with self.assertRaises(ValueError):
                 smol_mcp.parse_period(bad)
@@ -2915,7 +2943,9 @@ class ActivityLogTests(unittest.TestCase):
     def test_a_request_of_a_stopped_process_is_never_answerable(self):
         desk = smol_mcp.ApprovalDesk(self.state)
         later = smol_mcp.utc_time(time.time() + 600)
-        approval_id = desk.open({"token": "t", "tool": "create-machine", "requestedAt": "x", "expiresAt": later})
+        approval_id = desk.open(
+            {"token": "t", "tool": "create-machine", "requestedAt": "x", "expiresAt": later}
+        )
         self.assertEqual([r["id"] for r in desk.pending()], [approval_id])
         path = desk.directory / f"{approval_id}.request.json"
         request = json.loads(path.read_text())
@@ -2925,8 +2955,13 @@ class ActivityLogTests(unittest.TestCase):
         with self.assertRaisesRegex(smol_mcp.SmolError, "has stopped.*approval_interrupted"):
             desk.respond(approval_id, {"decision": "approve"})
         self.assertFalse(path.exists())
-        for change in ({"pidStart": 1}, {"expiresAt": "2020-01-01T00:00:00Z"}):  # pid reused; expired
-            approval_id = desk.open({"token": "t", "tool": "x", "requestedAt": "x", "expiresAt": later})
+        for change in (
+            {"pidStart": 1},
+            {"expiresAt": "2020-01-01T00:00:00Z"},
+        ):  # pid reused; expired
+            approval_id = desk.open(
+                {"token": "t", "tool": "x", "requestedAt": "x", "expiresAt": later}
+            )
             path = desk.directory / f"{approval_id}.request.json"
             path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
             self.assertEqual(desk.pending(), [])
@@ -2938,87 +2973,191 @@ class ActivityLogTests(unittest.TestCase):
 class ActivityCliTests(unittest.TestCase):
     def setUp(self):
         self.tmp = short_tempdir()
-        self.env = {"PATH": os.environ["PATH"], "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-                    "SMOL_MCP_STATE_DIR": f"{self.tmp}/state"}
+        self.env = {
+            "PATH": os.environ["PATH"],
+            "HOME": self.tmp,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
+        }
 
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def test_activity_filters_and_token_events_and_auto_approval_shown_by_tokens_list(self):
-        created = json.loads(run_cli("tokens", "create", "bot", "--scopes", "machines.exec", "--approval",
-                                     "changes", "--json", env=self.env).stdout)
+        created = json.loads(
+            run_cli(
+                "tokens",
+                "create",
+                "bot",
+                "--scopes",
+                "machines.exec",
+                "--approval",
+                "changes",
+                "--json",
+                env=self.env,
+            ).stdout
+        )
         run_cli("tokens", "create", "gone", "--scopes", "machines.read", env=self.env)
         run_cli("tokens", "delete", "gone", env=self.env)
         log_file = smol_mcp.ActivityLog(f"{self.tmp}/state")
-        log_file.append({"event": "tool", "principal": "bot", "tool": "run-command", "machine": "m1",
-                         "outcome": "ok", "exitCode": 0, "approvedBy": "alice"})
-        log_file.append({"event": "tool", "principal": "stdio", "user": "bob", "tool": "delete-machine",
-                         "machine": "m2", "outcome": "ok"})
+        log_file.append(
+            {
+                "event": "tool",
+                "principal": "bot",
+                "tool": "run-command",
+                "machine": "m1",
+                "outcome": "ok",
+                "exitCode": 0,
+                "approvedBy": "alice",
+            }
+        )
+        log_file.append(
+            {
+                "event": "tool",
+                "principal": "stdio",
+                "user": "bob",
+                "tool": "delete-machine",
+                "machine": "m2",
+                "outcome": "ok",
+            }
+        )
         with log_file.path.open("a") as old:
-            old.write(json.dumps({"time": "2020-01-01T00:00:00Z", "event": "tool", "principal": "bot",
-                                  "tool": "stop-machine", "machine": "m1", "outcome": "ok"}) + "\n")
+            old.write(
+                json.dumps(
+                    {
+                        "time": "2020-01-01T00:00:00Z",
+                        "event": "tool",
+                        "principal": "bot",
+                        "tool": "stop-machine",
+                        "machine": "m1",
+                        "outcome": "ok",
+                    }
+                )
+                + "\n"
+            )
         everything = json.loads(run_cli("activity", "--json", env=self.env).stdout)
-        self.assertEqual([(e["event"], e.get("outcome")) for e in everything[:3]],
-                         [("token", "created"), ("token", "created"), ("token", "deleted")])
+        self.assertEqual(
+            [(e["event"], e.get("outcome")) for e in everything[:3]],
+            [("token", "created"), ("token", "created"), ("token", "deleted")],
+        )
         self.assertEqual(everything[0]["user"], smol_mcp.os_user())
         self.assertNotIn(created["secret"], log_file.path.read_text())
-        self.assertEqual([e["tool"] for e in json.loads(run_cli("activity", "--token", "bot", "--json",
-                                                                 env=self.env).stdout)],
-                         ["run-command", "stop-machine"])
-        self.assertEqual([e["tool"] for e in json.loads(run_cli("activity", "--machine", "m1", "--since", "1h",
-                                                                 "--json", env=self.env).stdout)],
-                         ["run-command"])
+        self.assertEqual(
+            [
+                e["tool"]
+                for e in json.loads(
+                    run_cli("activity", "--token", "bot", "--json", env=self.env).stdout
+                )
+            ],
+            ["run-command", "stop-machine"],
+        )
+        self.assertEqual(
+            [
+                e["tool"]
+                for e in json.loads(
+                    run_cli(
+                        "activity", "--machine", "m1", "--since", "1h", "--json", env=self.env
+                    ).stdout
+                )
+            ],
+            ["run-command"],
+        )
         table = run_cli("activity", "--token", "bot", env=self.env).stdout
         self.assertIn("TIME", table)
         self.assertIn("ok (exit 0), approved by alice", table)
         bad = run_cli("activity", "--since", "yesterday", env=self.env)
         self.assertEqual(bad.returncode, 2)
         self.assertIn("--since: 'yesterday' is not a period", bad.stderr)
-        self.assertEqual(json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0]["autoApprove"], "off")
+        self.assertEqual(
+            json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0]["autoApprove"],
+            "off",
+        )
         record = smol_mcp.TokenStore(f"{self.tmp}/state").records()[0]
         smol_mcp.AutoApprovals(f"{self.tmp}/state").grant("bot", record["id"], "7d")
-        shown = json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0]["autoApprove"]
+        shown = json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0][
+            "autoApprove"
+        ]
         self.assertAlmostEqual(smol_mcp.parse_time(shown) - time.time(), 7 * 86400, delta=120)
         self.assertIn(shown, run_cli("tokens", "list", env=self.env).stdout)
         run_cli("tokens", "delete", "bot", env=self.env)  # deleting a token ends its auto-approval
-        self.assertEqual(json.loads(Path(self.tmp, "state", smol_mcp.AUTO_APPROVE_FILE).read_text()), {})
+        self.assertEqual(
+            json.loads(Path(self.tmp, "state", smol_mcp.AUTO_APPROVE_FILE).read_text()), {}
+        )
         out = run_cli("tokens", "auto-approve", "bot", "off", env=self.env)
         self.assertEqual(out.returncode, 1)
         self.assertIn("has no auto-approval", out.stderr)
         out = run_cli("approvals", "approve", "0123456789ab", env=self.env)
         self.assertEqual(out.returncode, 2)
         self.assertIn("no call waits for approval 0123456789ab", out.stderr)
-        self.assertEqual(run_cli("approvals", "list", env=self.env).stdout.strip(), "no call waits for approval")
+        self.assertEqual(
+            run_cli("approvals", "list", env=self.env).stdout.strip(), "no call waits for approval"
+        )
 
 
 class ActivityToolTests(FakeServeCase):
     def entries(self, **where):
         return smol_mcp.select_activity(self.app.access.activity.entries(), **where)
 
-    async def test_changes_are_recorded_before_the_answer_reads_are_not_and_contents_are_redacted(self):
+    async def test_changes_are_recorded_before_the_answer_reads_are_not_and_contents_are_redacted(
+        self,
+    ):
         for mode in MODES:
             with self.subTest(mode=mode):
                 shutil.rmtree(self.config.state_dir, ignore_errors=True)
                 async with self.client(mode) as c:
-                    await self.ok(c, "create-machine", {"name": "mcp-act", "image": "alpine", "network": "open"})
+                    await self.ok(
+                        c,
+                        "create-machine",
+                        {"name": "mcp-act", "image": "alpine", "network": "open"},
+                    )
                     self.assertEqual([e["tool"] for e in self.entries()], ["create-machine"])
                     await self.ok(c, "list-machines", {})
                     await self.ok(c, "get-machine", {"name": "mcp-act"})
                     await self.ok(c, "machine-logs", {"name": "mcp-act"})
                     self.assertEqual(len(self.entries()), 1)  # reads write nothing
-                    await self.ok(c, "write-file", {"name": "mcp-act", "path": "/tmp/key",
-                                                    "content": "FILE-SECRET-41"})
-                    ran = await self.ok(c, "run-command", {"name": "mcp-act", "command": "cat; exit 3",
-                                                           "env": {"API_KEY": "ENV-SECRET-42"},
-                                                           "stdin": "STDIN-SECRET-43"})
+                    await self.ok(
+                        c,
+                        "write-file",
+                        {"name": "mcp-act", "path": "/tmp/key", "content": "FILE-SECRET-41"},
+                    )
+                    ran = await self.ok(
+                        c,
+                        "run-command",
+                        {
+                            "name": "mcp-act",
+                            "command": "cat; exit 3",
+                            "env": {"API_KEY": "ENV-SECRET-42"},
+                            "stdin": "STDIN-SECRET-43",
+                        },
+                    )
                     self.assertEqual(ran["exitCode"], 3)
                     entry = self.entries()[-1]  # there before the answer came back
                     self.assertEqual(
-                        {k: entry[k] for k in ("event", "principal", "tool", "target", "machine", "outcome",
-                                               "exitCode")},
-                        {"event": "tool", "principal": "stdio", "tool": "run-command", "target": "local",
-                         "machine": "mcp-act", "outcome": "ok", "exitCode": 3})
-                    self.assertTrue(entry["user"] and entry["session"] and entry["time"].endswith("Z"))
+                        {
+                            k: entry[k]
+                            for k in (
+                                "event",
+                                "principal",
+                                "tool",
+                                "target",
+                                "machine",
+                                "outcome",
+                                "exitCode",
+                            )
+                        },
+                        {
+                            "event": "tool",
+                            "principal": "stdio",
+                            "tool": "run-command",
+                            "target": "local",
+                            "machine": "mcp-act",
+                            "outcome": "ok",
+                            "exitCode": 3,
+                        },
+                    )
+                    self.assertTrue(
+                        entry["user"] and entry["session"] and entry["time"].endswith("Z")
+                    )
                     self.assertIsInstance(entry["durationMs"], int)
                     self.assertEqual(entry["arguments"]["env"]["API_KEY"]["bytes"], 13)
                     text = await self.refused(c, "stop-machine", {"name": "nope"})
@@ -3027,15 +3166,19 @@ class ActivityToolTests(FakeServeCase):
                 for secret in ("FILE-SECRET-41", "ENV-SECRET-42", "STDIN-SECRET-43"):
                     self.assertNotIn(secret, log_text)
                 cleanup = self.entries()[-1]
-                self.assertEqual((cleanup["event"], cleanup["machine"], cleanup["outcome"]),
-                                 ("session-cleanup", "mcp-act", "deleted"))
+                self.assertEqual(
+                    (cleanup["event"], cleanup["machine"], cleanup["outcome"]),
+                    ("session-cleanup", "mcp-act", "deleted"),
+                )
 
     async def test_a_log_that_cannot_be_written_is_one_warning_and_the_result_stands(self):
         Path(self.config.state_dir).mkdir(mode=0o700, parents=True)
         Path(self.config.state_dir, smol_mcp.ACTIVITY_FILE).mkdir()  # appending to it fails
         async with self.client("legacy") as c:
             with self.assertLogs("smol_mcp", "WARNING") as logged:
-                made = await self.ok(c, "create-machine", {"name": "kept", "image": "alpine", "start": False})
+                made = await self.ok(
+                    c, "create-machine", {"name": "kept", "image": "alpine", "start": False}
+                )
             self.assertEqual(made["machine"]["name"], "kept")
             self.assertEqual(len(logged.output), 1)
             self.assertIn("could not write the activity log", logged.output[0])
@@ -3046,22 +3189,32 @@ class ActivityToolTests(FakeServeCase):
         self.app.record({"event": "tool", "principal": "someone-else", "tool": "delete-machine"})
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "mine", "image": "alpine", "start": False})
-            self.assertIn(smol_mcp.ACTIVITY_URI, [str(r.uri) for r in (await c.list_resources()).resources])
+            self.assertIn(
+                smol_mcp.ACTIVITY_URI, [str(r.uri) for r in (await c.list_resources()).resources]
+            )
             got = json.loads((await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text)
             self.assertEqual([e["principal"] for e in got["entries"]], ["someone-else", "stdio"])
-        self.app.access.stdio = smol_mcp.Principal("stdio", frozenset({"sandbox.read", "activity.read"}),
-                                                   kind="stdio")
+        self.app.access.stdio = smol_mcp.Principal(
+            "stdio", frozenset({"sandbox.read", "activity.read"}), kind="stdio"
+        )
         async with self.client("auto") as c:
             got = json.loads((await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text)
             self.assertEqual([e["principal"] for e in got["entries"]], ["stdio"])
-        self.app.access.stdio = smol_mcp.Principal("stdio", frozenset({"machines.read"}), kind="stdio")
+        self.app.access.stdio = smol_mcp.Principal(
+            "stdio", frozenset({"machines.read"}), kind="stdio"
+        )
         for mode in MODES:
             async with self.client(mode) as c:
-                self.assertNotIn(smol_mcp.ACTIVITY_URI,
-                                 [str(r.uri) for r in (await c.list_resources()).resources])
+                self.assertNotIn(
+                    smol_mcp.ACTIVITY_URI,
+                    [str(r.uri) for r in (await c.list_resources()).resources],
+                )
                 with self.assertRaises(MCPError) as refused:
                     await c.read_resource(smol_mcp.ACTIVITY_URI)
-                self.assertIn("scope_missing: smol://activity needs the activity.read scope", str(refused.exception))
+                self.assertIn(
+                    "scope_missing: smol://activity needs the activity.read scope",
+                    str(refused.exception),
+                )
 
 
 class ApprovalTests(FakeServeCase):
@@ -3070,8 +3223,12 @@ class ApprovalTests(FakeServeCase):
     config_overrides = {"approval": "changes", "approval_timeout_secs": 30}
 
     def env(self) -> dict:
-        return {"PATH": os.environ["PATH"], "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-                "SMOL_MCP_STATE_DIR": self.config.state_dir}
+        return {
+            "PATH": os.environ["PATH"],
+            "HOME": self.tmp,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": self.config.state_dir,
+        }
 
     async def waiting(self, count=1, timeout=10.0) -> list[dict]:
         deadline = time.monotonic() + timeout
@@ -3084,8 +3241,11 @@ class ApprovalTests(FakeServeCase):
             await asyncio.sleep(0.2)
 
     def approval_events(self) -> list[tuple]:
-        return [(e["approval"], e.get("by")) for e in self.app.access.activity.entries()
-                if e.get("event") == "approval"]
+        return [
+            (e["approval"], e.get("by"))
+            for e in self.app.access.activity.entries()
+            if e.get("event") == "approval"
+        ]
 
     async def test_a_changing_call_waits_until_a_person_approves_it_from_a_terminal(self):
         progress = []
@@ -3098,36 +3258,57 @@ class ApprovalTests(FakeServeCase):
                 async with self.client(mode) as c:
                     self.assertIn("approval_rejected", c.instructions)
                     await self.ok(c, "list-machines", {})  # reads answer at once
-                    call = asyncio.create_task(c.call_tool("create-machine", {"name": f"ok-{mode}", "image": "alpine",
-                                                                              "start": False},
-                                                           progress_callback=on_progress))
+                    call = asyncio.create_task(
+                        c.call_tool(
+                            "create-machine",
+                            {"name": f"ok-{mode}", "image": "alpine", "start": False},
+                            progress_callback=on_progress,
+                        )
+                    )
                     [held] = await self.waiting()
-                    self.assertEqual((held["token"], held["tool"], held["machine"]),
-                                     ("stdio", "create-machine", f"ok-{mode}"))
-                    self.assertEqual(set(held), {"id", "token", "tool", "machine", "expiresAt", "arguments"})
+                    self.assertEqual(
+                        (held["token"], held["tool"], held["machine"]),
+                        ("stdio", "create-machine", f"ok-{mode}"),
+                    )
+                    self.assertEqual(
+                        set(held), {"id", "token", "tool", "machine", "expiresAt", "arguments"}
+                    )
                     self.assertNotIn(f"ok-{mode}", self.fake.machines)  # nothing ran yet
                     table = await asyncio.to_thread(run_cli, "approvals", "list", env=self.env())
                     self.assertIn(held["id"], table.stdout)
                     answered = time.monotonic()
-                    out = await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], env=self.env())
+                    out = await asyncio.to_thread(
+                        run_cli, "approvals", "approve", held["id"], env=self.env()
+                    )
                     self.assertEqual(out.returncode, 0, out.stderr)
                     is_error, made = result_of(await call)
-                    self.assertLess(time.monotonic() - answered, 3)  # seen within a second, plus the create
+                    self.assertLess(
+                        time.monotonic() - answered, 3
+                    )  # seen within a second, plus the create
                     self.assertFalse(is_error, made)
                     self.assertIn(f"ok-{mode}", self.fake.machines)
-                    again = await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], env=self.env())
+                    again = await asyncio.to_thread(
+                        run_cli, "approvals", "approve", held["id"], env=self.env()
+                    )
                     self.assertIn("no call waits for approval", again.stderr)
-        self.assertTrue(any("approvals approve" in m and "waits for a person" in m for m in progress), progress)
-        self.assertEqual(self.approval_events()[-2:], [("requested", None), ("approved", smol_mcp.os_user())])
+        self.assertTrue(
+            any("approvals approve" in m and "waits for a person" in m for m in progress), progress
+        )
+        self.assertEqual(
+            self.approval_events()[-2:], [("requested", None), ("approved", smol_mcp.os_user())]
+        )
         tool_entry = [e for e in self.app.access.activity.entries() if e.get("event") == "tool"][-1]
         self.assertEqual(tool_entry["approvedBy"], smol_mcp.os_user())
 
     async def test_a_denied_create_creates_nothing_and_says_why(self):
         async with self.client("legacy") as c:
-            call = asyncio.create_task(c.call_tool("create-machine", {"name": "never", "image": "alpine"}))
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "never", "image": "alpine"})
+            )
             [held] = await self.waiting()
-            await asyncio.to_thread(run_cli, "approvals", "deny", held["id"], "--reason", "not today",
-                                    env=self.env())
+            await asyncio.to_thread(
+                run_cli, "approvals", "deny", held["id"], "--reason", "not today", env=self.env()
+            )
             is_error, text = result_of(await call)
         self.assertTrue(is_error)
         self.assertTrue(text.startswith("approval_rejected: "), text)
@@ -3154,36 +3335,59 @@ class ApprovalTests(FakeServeCase):
             while self.approval_events()[-1][0] != "cancelled":
                 self.assertLess(time.monotonic(), deadline, self.approval_events())
                 await asyncio.sleep(0.1)
-            self.assertEqual(json.loads((await asyncio.to_thread(
-                run_cli, "approvals", "list", "--json", env=self.env())).stdout), [])
+            self.assertEqual(
+                json.loads(
+                    (
+                        await asyncio.to_thread(
+                            run_cli, "approvals", "list", "--json", env=self.env()
+                        )
+                    ).stdout
+                ),
+                [],
+            )
         self.assertNotIn("gave-up", self.fake.machines)
         self.assertEqual(self.app.access.activity.entries()[-1]["outcome"], "cancelled")
 
     async def test_auto_approval_for_a_period_then_it_ends(self):
         async with self.client("legacy") as c:
-            call = asyncio.create_task(c.call_tool("create-machine", {"name": "a1", "image": "alpine",
-                                                                      "start": False}))
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "a1", "image": "alpine", "start": False})
+            )
             [held] = await self.waiting()
-            await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], "--auto-for", "1h", env=self.env())
+            await asyncio.to_thread(
+                run_cli, "approvals", "approve", held["id"], "--auto-for", "1h", env=self.env()
+            )
             self.assertFalse((await call).is_error)
             requested = self.approval_events().count(("requested", None))
-            await self.ok(c, "create-machine", {"name": "a2", "image": "alpine", "start": False})  # no wait
+            await self.ok(
+                c, "create-machine", {"name": "a2", "image": "alpine", "start": False}
+            )  # no wait
             self.assertEqual(self.approval_events()[-1][0], "auto-approved")
-            self.assertEqual(self.approval_events().count(("requested", None)), requested)  # never listed
+            self.assertEqual(
+                self.approval_events().count(("requested", None)), requested
+            )  # never listed
             auto_file = Path(self.config.state_dir, smol_mcp.AUTO_APPROVE_FILE)
             granted = json.loads(auto_file.read_text())["stdio"]
-            self.assertAlmostEqual(smol_mcp.parse_time(granted["until"]) - time.time(), 3600, delta=60)
-            auto_file.write_text(json.dumps({"stdio": {**granted, "until": "2020-01-01T00:00:00Z"}}))  # expired
+            self.assertAlmostEqual(
+                smol_mcp.parse_time(granted["until"]) - time.time(), 3600, delta=60
+            )
+            auto_file.write_text(
+                json.dumps({"stdio": {**granted, "until": "2020-01-01T00:00:00Z"}})
+            )  # expired
             self.app.access.auto.file._signature = None
             self.app = self.app
-            call = asyncio.create_task(c.call_tool("create-machine", {"name": "a3", "image": "alpine",
-                                                                      "start": False}))
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "a3", "image": "alpine", "start": False})
+            )
             [held] = await self.waiting()
-            await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], "--auto-for", "forever",
-                                    env=self.env())
+            await asyncio.to_thread(
+                run_cli, "approvals", "approve", held["id"], "--auto-for", "forever", env=self.env()
+            )
             self.assertFalse((await call).is_error)
             await self.ok(c, "delete-machine", {"name": "a3"})
-            out = await asyncio.to_thread(run_cli, "tokens", "auto-approve", "stdio", "off", env=self.env())
+            out = await asyncio.to_thread(
+                run_cli, "tokens", "auto-approve", "stdio", "off", env=self.env()
+            )
             self.assertEqual(out.returncode, 0, out.stderr)
             call = asyncio.create_task(c.call_tool("delete-machine", {"name": "a2"}))
             await self.waiting()  # asks again
@@ -3200,6 +3404,7 @@ class ApprovalTests(FakeServeCase):
 
     async def test_the_webhook_carries_no_arguments_and_a_failing_one_blocks_nothing(self):
         import http.server
+
         received, release = [], threading.Event()
 
         class Hook(http.server.BaseHTTPRequestHandler):
@@ -3219,25 +3424,46 @@ class ApprovalTests(FakeServeCase):
             probe.bind(("127.0.0.1", 0))
             closed = probe.getsockname()[1]
         try:
-            for url in (f"http://127.0.0.1:{hook.server_port}/hook", f"http://127.0.0.1:{closed}/hook",
-                        f"http://127.0.0.1:{hook.server_port}/slow"):
+            for url in (
+                f"http://127.0.0.1:{hook.server_port}/hook",
+                f"http://127.0.0.1:{closed}/hook",
+                f"http://127.0.0.1:{hook.server_port}/slow",
+            ):
                 self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
                 async with self.client("legacy") as c:
-                    call = asyncio.create_task(c.call_tool("create-machine", {
-                        "name": "hooked", "image": "alpine", "start": False, "env": {"K": "WEBHOOK-SECRET"}}))
+                    call = asyncio.create_task(
+                        c.call_tool(
+                            "create-machine",
+                            {
+                                "name": "hooked",
+                                "image": "alpine",
+                                "start": False,
+                                "env": {"K": "WEBHOOK-SECRET"},
+                            },
+                        )
+                    )
                     [held] = await self.waiting()
-                    await asyncio.to_thread(run_cli, "approvals", "deny", held["id"], env=self.env())
+                    await asyncio.to_thread(
+                        run_cli, "approvals", "deny", held["id"], env=self.env()
+                    )
                     self.assertTrue((await call).is_error)
-                    failed = [e for e in self.app.access.activity.entries()
-                              if e.get("id") == held["id"] and e.get("approval") == "webhook failed"]
-                    if url.endswith("/slow"):  # answered while the webhook still hung: it held nothing
+                    failed = [
+                        e
+                        for e in self.app.access.activity.entries()
+                        if e.get("id") == held["id"] and e.get("approval") == "webhook failed"
+                    ]
+                    if url.endswith(
+                        "/slow"
+                    ):  # answered while the webhook still hung: it held nothing
                         self.assertEqual(failed, [])
         finally:
             release.set()
             hook.shutdown()
         self.assertEqual(len(received), 2)
         self.assertEqual(set(received[0]), {"id", "token", "tool", "machine", "expiresAt"})
-        self.assertEqual((received[0]["tool"], received[0]["machine"]), ("create-machine", "hooked"))
+        self.assertEqual(
+            (received[0]["tool"], received[0]["machine"]), ("create-machine", "hooked")
+        )
         self.assertNotIn("WEBHOOK-SECRET", json.dumps(received))
         self.assertIn("webhook failed", [e[0] for e in self.approval_events()])
 
@@ -3254,41 +3480,65 @@ def answer_approval(action: str, asked: list | None = None, note: str | None = N
         if asked is not None:
             asked.append(params.message)
         return mcp_types.ElicitResult(action=action, content={"note": note} if note else None)
+
     return callback
 
 
 class ApprovalViaClientTests(FakeServeCase):
     """approvalVia client: the person at a stdio client answers a form, in both eras."""
 
-    config_overrides = {"approval": "changes", "approval_via": "client", "approval_timeout_secs": 30}
+    config_overrides = {
+        "approval": "changes",
+        "approval_via": "client",
+        "approval_timeout_secs": 30,
+    }
 
     async def test_accept_runs_decline_rejects_in_both_eras(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 asked = []
-                async with self.client(mode, elicitation_callback=answer_approval("accept", asked, "fine")) as c:
-                    await self.ok(c, "create-machine", {"name": f"yes-{mode}", "image": "alpine", "start": False})
+                async with self.client(
+                    mode, elicitation_callback=answer_approval("accept", asked, "fine")
+                ) as c:
+                    await self.ok(
+                        c,
+                        "create-machine",
+                        {"name": f"yes-{mode}", "image": "alpine", "start": False},
+                    )
                 self.assertIn(f"yes-{mode}", self.fake.machines)
                 self.assertEqual(len(asked), 1)
                 self.assertIn(f"create-machine on yes-{mode}", asked[0])
-                events = [e for e in self.app.access.activity.entries() if e.get("event") == "approval"]
-                self.assertEqual((events[-1]["approval"], events[-1]["reason"]), ("approved", "fine"))
+                events = [
+                    e for e in self.app.access.activity.entries() if e.get("event") == "approval"
+                ]
+                self.assertEqual(
+                    (events[-1]["approval"], events[-1]["reason"]), ("approved", "fine")
+                )
                 self.assertIn("approvalVia client", events[-1]["by"])
                 async with self.client(mode, elicitation_callback=answer_approval("decline")) as c:
-                    text = await self.refused(c, "create-machine", {"name": f"no-{mode}", "image": "alpine"})
+                    text = await self.refused(
+                        c, "create-machine", {"name": f"no-{mode}", "image": "alpine"}
+                    )
                 self.assertTrue(text.startswith("approval_rejected: "), text)
                 self.assertNotIn(f"no-{mode}", self.fake.machines)
                 self.assertEqual(list((Path(self.config.state_dir) / "approvals").iterdir()), [])
 
     async def test_a_dismissed_form_or_a_client_without_forms_leaves_the_terminal(self):
-        env = {"PATH": os.environ["PATH"], "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-               "SMOL_MCP_STATE_DIR": self.config.state_dir}
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": self.tmp,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": self.config.state_dir,
+        }
         for kwargs in ({"elicitation_callback": answer_approval("cancel")}, {}):
             with self.subTest(elicitation=bool(kwargs)):
                 async with self.client("legacy", **kwargs) as c:
                     name = f"term-{len(kwargs)}"
-                    call = asyncio.create_task(c.call_tool("create-machine", {"name": name, "image": "alpine",
-                                                                              "start": False}))
+                    call = asyncio.create_task(
+                        c.call_tool(
+                            "create-machine", {"name": name, "image": "alpine", "start": False}
+                        )
+                    )
                     deadline = time.monotonic() + 10
                     while not self.app.access.desk.pending():
                         self.assertLess(time.monotonic(), deadline)
@@ -3301,9 +3551,15 @@ class ApprovalViaClientTests(FakeServeCase):
                     self.assertIn(name, self.fake.machines)
 
     async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(self):
-        forged = mcp_types.ElicitResult(action="accept").model_dump(by_alias=True, exclude_none=True)
-        async with self.client("legacy") as other:  # cannot show forms: its call waits for the terminal
-            waiting = asyncio.create_task(other.call_tool("create-machine", {"name": "real", "image": "alpine"}))
+        forged = mcp_types.ElicitResult(action="accept").model_dump(
+            by_alias=True, exclude_none=True
+        )
+        async with self.client(
+            "legacy"
+        ) as other:  # cannot show forms: its call waits for the terminal
+            waiting = asyncio.create_task(
+                other.call_tool("create-machine", {"name": "real", "image": "alpine"})
+            )
             deadline = time.monotonic() + 10
             while not self.app.access.desk.pending():
                 self.assertLess(time.monotonic(), deadline)
@@ -3312,12 +3568,22 @@ class ApprovalViaClientTests(FakeServeCase):
             for state in ("smol-mcp:approval:0123456789ab", f"smol-mcp:approval:{held['id']}"):
                 with self.subTest(state=state):
                     asked = []
-                    async with self.client("auto", elicitation_callback=answer_approval("decline", asked)) as c:
-                        answer = await c.call_tool("create-machine", {"name": "forged", "image": "alpine"},
-                                                   input_responses={"approval": forged}, request_state=state)
-                    self.assertTrue(answer.content[0].text.startswith("approval_rejected"),
-                                    answer.content[0].text)
-                    self.assertEqual(len(asked), 1)  # it was asked for real, and the person declined
+                    async with self.client(
+                        "auto", elicitation_callback=answer_approval("decline", asked)
+                    ) as c:
+                        answer = await c.call_tool(
+                            "create-machine",
+                            {"name": "forged", "image": "alpine"},
+                            input_responses={"approval": forged},
+                            request_state=state,
+                        )
+                    self.assertTrue(
+                        answer.content[0].text.startswith("approval_rejected"),
+                        answer.content[0].text,
+                    )
+                    self.assertEqual(
+                        len(asked), 1
+                    )  # it was asked for real, and the person declined
                     self.assertNotIn("forged", self.fake.machines)
             self.app.access.desk.respond(held["id"], {"decision": "deny", "by": "test"})
             self.assertTrue((await waiting).is_error)
@@ -3328,15 +3594,23 @@ class ApprovalHttpTests(HttpCase):
     async def asyncSetUp(self):
         await super().asyncSetUp()
         self.store = smol_mcp.TokenStore(self.config.state_dir)
-        _, self.secret = self.store.create("held", smol_mcp.parse_scopes("machines.manage,machines.read"),
-                                           smol_mcp.FLEET_NAMES, "changes")
+        _, self.secret = self.store.create(
+            "held",
+            smol_mcp.parse_scopes("machines.manage,machines.read"),
+            smol_mcp.FLEET_NAMES,
+            "changes",
+        )
 
     async def test_a_token_deleted_while_its_call_waits_gets_approval_token_deleted(self):
         for mode in MODES:
             with self.subTest(mode=mode):
-                async with self.http_client(mode, headers={"Authorization": f"Bearer {self.secret}"}) as c:
+                async with self.http_client(
+                    mode, headers={"Authorization": f"Bearer {self.secret}"}
+                ) as c:
                     await self.ok(c, "list-machines", {})
-                    call = asyncio.create_task(c.call_tool("create-machine", {"name": "orphan", "image": "alpine"}))
+                    call = asyncio.create_task(
+                        c.call_tool("create-machine", {"name": "orphan", "image": "alpine"})
+                    )
                     deadline = time.monotonic() + 10
                     while not self.app.access.desk.pending():
                         self.assertLess(time.monotonic(), deadline)
@@ -3345,12 +3619,18 @@ class ApprovalHttpTests(HttpCase):
                     is_error, text = result_of(await call)
                 self.assertTrue(text.startswith("approval_token_deleted: "), text)
                 self.assertNotIn("orphan", self.fake.machines)
-                _, self.secret = self.store.create("held", smol_mcp.parse_scopes(
-                    "machines.manage,machines.read"), smol_mcp.FLEET_NAMES, "changes")
+                _, self.secret = self.store.create(
+                    "held",
+                    smol_mcp.parse_scopes("machines.manage,machines.read"),
+                    smol_mcp.FLEET_NAMES,
+                    "changes",
+                )
 
     async def test_a_plain_token_never_waits(self):
         async with self.http_client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "direct", "image": "alpine", "start": False})
+            await self.ok(
+                c, "create-machine", {"name": "direct", "image": "alpine", "start": False}
+            )
         self.assertEqual(self.app.access.desk.pending(), [])
 
 
@@ -3361,9 +3641,14 @@ class ApprovalSigtermTests(unittest.TestCase):
         self.tmp = short_tempdir()
         self.fake = FakeSmolvm(f"{self.tmp}/fake.sock")
         self.fake.start()
-        self.env = {**os.environ, "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
-                    "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt", "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-                    "SMOL_MCP_STATE_DIR": f"{self.tmp}/state", "HOME": self.tmp}
+        self.env = {
+            **os.environ,
+            "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
+            "HOME": self.tmp,
+        }
         self.env.pop("SMOL_MCP_AUTH_TOKEN", None)
 
     def tearDown(self):
@@ -3388,13 +3673,29 @@ class ApprovalSigtermTests(unittest.TestCase):
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     def test_http(self):
         import httpx2
-        secret = json.loads(run_cli("tokens", "create", "held", "--scopes", "machines.manage", "--approval",
-                                    "changes", "--json", env=self.env).stdout)["secret"]
+
+        secret = json.loads(
+            run_cli(
+                "tokens",
+                "create",
+                "held",
+                "--scopes",
+                "machines.manage",
+                "--approval",
+                "changes",
+                "--json",
+                env=self.env,
+            ).stdout
+        )["secret"]
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
-                                  env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             url = f"http://127.0.0.1:{port}/mcp"
             headers = {**JSON_HEADERS, "Authorization": f"Bearer {secret}"}
@@ -3405,14 +3706,27 @@ class ApprovalSigtermTests(unittest.TestCase):
                         break
                     except httpx2.TransportError:
                         time.sleep(0.05)
-                session = {**headers, "mcp-session-id": answer.headers["mcp-session-id"],
-                           "mcp-protocol-version": "2025-06-18"}
+                session = {
+                    **headers,
+                    "mcp-session-id": answer.headers["mcp-session-id"],
+                    "mcp-protocol-version": "2025-06-18",
+                }
                 http.post(url, headers=session, content=jsonrpc(None, "notifications/initialized"))
                 result = {}
 
                 def call():
-                    result["answer"] = http.post(url, headers=session, content=jsonrpc(2, "tools/call", {
-                        "name": "create-machine", "arguments": {"name": "held-up", "image": "alpine"}})).json()
+                    result["answer"] = http.post(
+                        url,
+                        headers=session,
+                        content=jsonrpc(
+                            2,
+                            "tools/call",
+                            {
+                                "name": "create-machine",
+                                "arguments": {"name": "held-up", "image": "alpine"},
+                            },
+                        ),
+                    ).json()
 
                 caller = threading.Thread(target=call)
                 caller.start()
@@ -3428,14 +3742,23 @@ class ApprovalSigtermTests(unittest.TestCase):
                 server.kill()
 
     def test_stdio(self):
-        server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py")],
-                                  env={**self.env, "SMOL_MCP_APPROVAL": "changes"}, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py")],
+            env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             server.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
             server.stdin.write(jsonrpc(None, "notifications/initialized"))
-            server.stdin.write(jsonrpc(2, "tools/call", {"name": "create-machine",
-                                                         "arguments": {"name": "held-up", "image": "alpine"}}))
+            server.stdin.write(
+                jsonrpc(
+                    2,
+                    "tools/call",
+                    {"name": "create-machine", "arguments": {"name": "held-up", "image": "alpine"}},
+                )
+            )
             server.stdin.flush()
             self.wait_for_request(server)
             server.send_signal(signal.SIGTERM)
