@@ -1624,15 +1624,7 @@ class HttpProcessTests(unittest.TestCase):
             url = f"http://127.0.0.1:{port}/mcp"
             headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
             with httpx2.Client(timeout=30) as http:
-                for _ in range(200):
-                    try:
-                        answer = http.post(url, headers=headers, content=INIT_BODY)
-                        break
-                    except httpx2.TransportError:
-                        time.sleep(0.05)
-                session = {**headers, "mcp-session-id": answer.headers["mcp-session-id"],
-                           "mcp-protocol-version": "2025-06-18"}
-                http.post(url, headers=session, content=jsonrpc(None, "notifications/initialized"))
+                session = open_raw_session(http, url, headers, 200)
                 created = http.post(url, headers=session, content=jsonrpc(2, "tools/call", {
                     "name": "create-machine", "arguments": {"image": "alpine", "network": "open"}})).json()
             self.assertFalse(created["result"].get("isError"), created)
@@ -1673,6 +1665,32 @@ class HttpProcessTests(unittest.TestCase):
 def run_cli(*args, env=None, cwd=None, timeout=60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(HERE / "smol_mcp.py"), *args], cwd=cwd or HERE, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
+    """`smol_mcp.py --http` as a real process on a free loopback port: (process, port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
+                              env=env, stdout=output, stderr=output)
+    return server, port
+
+
+def open_raw_session(http, url: str, headers: dict, tries: int = 400) -> dict:
+    """Initialize a handshake-era session over raw HTTP as soon as the server
+    answers; the headers that carry it."""
+    import httpx2
+    for _ in range(tries):
+        try:
+            answer = http.post(url, headers=headers, content=INIT_BODY)
+            break
+        except httpx2.TransportError:
+            time.sleep(0.05)
+    session = {**headers, "mcp-session-id": answer.headers["mcp-session-id"],
+               "mcp-protocol-version": "2025-06-18"}
+    http.post(url, headers=session, content=jsonrpc(None, "notifications/initialized"))
+    return session
 
 
 class HelperCommandTests(unittest.TestCase):
@@ -2470,15 +2488,7 @@ class AccessCliTests(unittest.TestCase):
 
     def test_http_starts_with_a_created_token_alone(self):
         run_cli("tokens", "create", "only", "--scopes", "machines.read", env=self.env)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        server = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        server, port = spawn_http(self.env)
         try:
             import httpx2
 
@@ -3687,31 +3697,12 @@ class ApprovalSigtermTests(unittest.TestCase):
                 env=self.env,
             ).stdout
         )["secret"]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        server = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
-            env=self.env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        server, port = spawn_http(self.env, subprocess.DEVNULL)
         try:
             url = f"http://127.0.0.1:{port}/mcp"
             headers = {**JSON_HEADERS, "Authorization": f"Bearer {secret}"}
             with httpx2.Client(timeout=60) as http:
-                for _ in range(400):
-                    try:
-                        answer = http.post(url, headers=headers, content=INIT_BODY)
-                        break
-                    except httpx2.TransportError:
-                        time.sleep(0.05)
-                session = {
-                    **headers,
-                    "mcp-session-id": answer.headers["mcp-session-id"],
-                    "mcp-protocol-version": "2025-06-18",
-                }
-                http.post(url, headers=session, content=jsonrpc(None, "notifications/initialized"))
+                session = open_raw_session(http, url, headers)
                 result = {}
 
                 def call():
