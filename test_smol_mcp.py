@@ -3364,10 +3364,15 @@ class ApprovalTests(FakeServeCase):
                 c.call_tool("create-machine", {"name": "a1", "image": "alpine", "start": False})
             )
             [held] = await self.waiting()
+            other = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "a1b", "image": "alpine", "start": False})
+            )
+            await self.waiting(2)
             await asyncio.to_thread(
                 run_cli, "approvals", "approve", held["id"], "--auto-for", "1h", env=self.env()
             )
             self.assertFalse((await call).is_error)
+            self.assertFalse((await other).is_error)  # one already waiting runs too
             requested = self.approval_events().count(("requested", None))
             await self.ok(
                 c, "create-machine", {"name": "a2", "image": "alpine", "start": False}
