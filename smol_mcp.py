@@ -113,6 +113,10 @@ class Config:
     state_dir: str = ""
     scopes: tuple[str, ...] = ()  # empty: every scope (section 11)
     mount_roots: tuple[str, ...] = ()
+    approval: str = "none"  # stdio: "changes" holds every changing call for a person
+    approval_timeout_secs: int = 900
+    approval_webhook: str = ""
+    approval_via: str = "terminal"
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
@@ -165,6 +169,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("stateDir", "SMOL_MCP_STATE_DIR", "state_dir", "str"),
     Setting("scopes", "SMOL_MCP_SCOPES", "scopes", "list"),
     Setting("mountRoots", "SMOL_MCP_MOUNT_ROOTS", "mount_roots", "list"),
+    Setting("approval", "SMOL_MCP_APPROVAL", "approval", "choice", ("none", "changes")),
+    Setting("approvalTimeoutSecs", "SMOL_MCP_APPROVAL_TIMEOUT_SECS", "approval_timeout_secs", "int",
+            minimum=1, maximum=7 * 86400),
+    Setting("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", "approval_webhook", "str"),
+    Setting("approvalVia", "SMOL_MCP_APPROVAL_VIA", "approval_via", "choice",
+            ("terminal", "client")),
 )
 
 
@@ -271,6 +281,10 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, which is not a scope; "
                           f"the scopes are: {', '.join(SCOPES)}")
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
+    if config.approval_webhook and urllib.parse.urlsplit(config.approval_webhook).scheme not in (
+            "http", "https"):
+        raise ConfigError("approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) must be an http:// or "
+                          f"https:// URL, got {config.approval_webhook!r}")
     if not config.runtime_dir:
         config = dataclasses.replace(config, runtime_dir=default_runtime_dir(environ))
     if not config.state_dir:
@@ -4076,6 +4090,10 @@ class Session:
             for name in deleted:
                 log.info("session %s ended: deleted %s", self.id, name)
                 self.forget(fleet_name, name)
+                principal = self.principal or self.app.access.stdio
+                self.app.record({"event": "session-cleanup", **self.app.who(principal),
+                                 "session": self.id, "target": fleet_name, "machine": name,
+                                 "outcome": "deleted"})
             self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
@@ -4201,7 +4219,7 @@ class Principal:
     name: str
     scopes: frozenset
     targets: tuple[str, ...] = FLEET_NAMES
-    approval: str = "none"  # recorded now; approvals act on it (SPEC 13)
+    approval: str = "none"  # "changes": every changing call waits for a person (SPEC 13)
     kind: str = "token"  # "token" or "stdio"
     user: str | None = None  # stdio: the OS user the server runs as
     id: str = ""  # a token's own id: a new token under an old name is another principal
@@ -4279,13 +4297,8 @@ def authorize(principal: Principal, tool: str, target: str | None, machine: str 
 
 
 def stdio_principal(config: Config) -> Principal:
-    import getpass
-
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = str(os.getuid())
-    return Principal("stdio", frozenset(config.scopes or SCOPES), kind="stdio", user=user)
+    return Principal("stdio", frozenset(config.scopes or SCOPES), approval=config.approval,
+                     kind="stdio", user=os_user(), id="stdio")
 
 
 def ensure_state_dir(path: str | Path) -> Path:
@@ -4442,6 +4455,8 @@ class TokenStore:
         removed = self.file.update(remove) if self.file.path.exists() else False
         if removed and self.usage.path.exists():
             self.usage.update(lambda data: data.pop(name, None))
+        if removed:  # its auto-approval goes with it
+            AutoApprovals(self.file.path.parent).end(name)
         return removed
 
     def match(self, offered: list[str]) -> dict | None:
@@ -4570,6 +4585,9 @@ class Access:
         )
         self.tokens = TokenStore(self.state_dir)
         self.owners = Owners(self.state_dir)
+        self.activity = ActivityLog(self.state_dir)
+        self.desk = ApprovalDesk(self.state_dir)
+        self.auto = AutoApprovals(self.state_dir)
         self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
         self.default = Principal("default", frozenset(SCOPES), id="default")
         self.stdio = stdio_principal(config)
@@ -4611,6 +4629,351 @@ class Access:
 
     def fleet_for(self, principal: Principal, grant: Grant, fleet: Any) -> Any:
         return OwnedFleet(fleet, self.owners, principal.name) if grant.owned_only else fleet
+
+
+# -- Activity log and approvals (SPEC 13) ------------------------------------
+#
+# What an agent changed is written down before it is told the result, and any
+# change can be held until a person on the host answers. Both are plain files
+# in the state directory (0700), so several server processes and the terminal
+# commands share them without a daemon: the log is appended under a file lock,
+# and an approval is a request file the waiting server writes (0600) and an
+# answer file `approvals approve|deny` writes next to it. A request names the
+# process that waits (pid and start time), so a request left by a process that
+# has stopped is never answerable: approvals do not survive into a new process.
+
+ACTIVITY_FILE = "activity.jsonl"
+ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
+ACTIVITY_KEEP_FILES = 5
+ACTIVITY_RESOURCE_ENTRIES = 200  # what smol://activity returns: the latest entries
+ACTIVITY_URI = "smol://activity"
+APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
+APPROVAL_POLL_SECS = 0.25  # a terminal answer is seen within a second
+APPROVAL_PROGRESS_SECS = 5
+AUTO_APPROVE_PERIODS = {
+    "1h": 3600,
+    "1d": 86400,
+    "7d": 7 * 86400,
+    "30d": 30 * 86400,
+    "forever": None,
+}
+# Arguments that are the agent's data rather than a description of the call:
+# the log keeps their size and digest, so a reader can match them without
+# holding them (a file written with a key in it must not copy the key here).
+REDACTED_ARGUMENTS = ("content", "stdin")
+REDACTED_MAPS = ("env",)
+
+
+class ApprovalRefused(SmolError):
+    """A held call that got no approval; the text starts with its code."""
+
+    def __init__(self, code: str, detail: str):
+        self.code = code
+        super().__init__(f"{code}: {detail}")
+
+
+def parse_time(text: str) -> float:
+    """Seconds since the epoch of an RFC 3339 UTC time such as utc_now() writes."""
+    return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+
+
+def utc_time(seconds: float) -> str:
+    when = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def fingerprint(value: str) -> dict:
+    """What the log keeps of a value it must not copy: its size and SHA-256."""
+    import hashlib
+
+    data = value.encode("utf-8", "surrogatepass")
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def redact_arguments(arguments: dict) -> dict:
+    """The arguments as the log and the approval list show them: contents,
+    stdin and environment values become their size and digest."""
+    shown: dict = {}
+    for key, value in arguments.items():
+        if key in REDACTED_ARGUMENTS and isinstance(value, str):
+            shown[key] = fingerprint(value)
+        elif key in REDACTED_MAPS and isinstance(value, dict):
+            shown[key] = {name: fingerprint(str(item)) for name, item in value.items()}
+        else:
+            shown[key] = value
+    return shown
+
+
+def parse_period(text: str) -> int:
+    """A period such as 90s, 15m, 1h, 2d or 1w as seconds; ValueError otherwise."""
+    match = re.fullmatch(r"(\d{1,6})([smhdw])", text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w")
+    return int(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
+
+
+def os_user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+class ActivityLog:
+    """activity.jsonl in the state directory: one JSON object a line, written
+    with one write() under an exclusive lock, so lines from several processes
+    never interleave; rotated at ACTIVITY_ROTATE_BYTES, keeping
+    ACTIVITY_KEEP_FILES older files (activity.jsonl.1 is the newest of them)."""
+
+    def __init__(self, state_dir: str | Path):
+        self.path = Path(state_dir) / ACTIVITY_FILE
+
+    def append(self, entry: dict, secret_values: list[str] = ()) -> None:
+        """Write one entry; raises OSError or SmolError when the state directory cannot take it."""
+        import fcntl
+
+        text = json.dumps({"time": utc_now(), **entry}, ensure_ascii=False, separators=(",", ":"))
+        line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
+        ensure_state_dir(self.path.parent)
+        lock = os.open(self.path.with_name(ACTIVITY_FILE + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._rotate_if_full(len(line))
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                written = os.write(fd, line)
+                if written != len(line):  # a full disk: never leave half a line behind
+                    os.ftruncate(fd, os.fstat(fd).st_size - written)
+                    raise OSError(28, "No space left on device")
+            finally:
+                os.close(fd)
+        finally:
+            os.close(lock)  # closing releases the lock
+
+    def _rotate_if_full(self, adding: int) -> None:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size == 0 or size + adding <= ACTIVITY_ROTATE_BYTES:
+            return
+        for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):  # .4 replaces .5: the oldest goes
+            if self.older(index).exists():
+                self.older(index).replace(self.older(index + 1))
+        self.path.replace(self.older(1))
+
+    def older(self, index: int) -> Path:
+        return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
+
+    def entries(self) -> list[dict]:
+        """Every entry still kept, oldest first (a line that does not parse is skipped)."""
+        found = []
+        for path in [self.older(i) for i in range(ACTIVITY_KEEP_FILES, 0, -1)] + [self.path]:
+            try:
+                text = path.read_text(encoding="utf-8", errors="replace")
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for line in text.splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(entry, dict):
+                    found.append(entry)
+        return found
+
+
+def select_activity(
+    entries: list[dict],
+    principal: str | None = None,
+    machine: str | None = None,
+    since_secs: int | None = None,
+) -> list[dict]:
+    """The entries one reader asked for: by principal, by machine, by age."""
+    cutoff = time.time() - since_secs if since_secs is not None else None
+    chosen = []
+    for entry in entries:
+        if principal is not None and entry.get("principal") != principal:
+            continue
+        if machine is not None and entry.get("machine") != machine:
+            continue
+        if cutoff is not None:
+            try:
+                if parse_time(entry.get("time", "")) < cutoff:
+                    continue
+            except ValueError:
+                continue
+        chosen.append(entry)
+    return chosen
+
+
+def sees_own_activity_only(principal: Principal) -> bool:
+    """A sandbox.* principal (one without any machines.* scope) reads only its own entries."""
+    scopes = principal.scopes
+    return any(s.startswith("sandbox.") for s in scopes) and not any(
+        s.startswith("machines.") for s in scopes
+    )
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When a process started (clock ticks since boot, from /proc), or None:
+    with the pid it names one process for good."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def waiting_process_alive(request: dict) -> bool:
+    """Whether the process named in an approval request is the one still running."""
+    pid = request.get("pid")
+    if not isinstance(pid, int) or not process_alive(pid):
+        return False
+    started = process_start_ticks(pid)
+    return started == request.get("pidStart")  # both None where /proc is missing
+
+
+def write_private_json(path: Path, value: Any) -> None:
+    """Write a JSON file readable by this user only, atomically."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(value, handle)
+    temporary.replace(path)
+
+
+class ApprovalDesk:
+    """The approvals directory: <id>.request.json written by the waiting server,
+    <id>.answer.json written by `approvals approve|deny`."""
+
+    def __init__(self, state_dir: str | Path):
+        self.directory = Path(state_dir) / APPROVALS_DIR
+
+    def path_of(self, approval_id: str, kind: str) -> Path:
+        if not re.fullmatch(r"[a-f0-9]{12}", approval_id):
+            raise SmolError(f"{approval_id!r} is not an approval id; `approvals list` shows them")
+        return self.directory / f"{approval_id}.{kind}.json"
+
+    def open(self, request: dict) -> str:
+        """File a request for this process and return its id."""
+        ensure_state_dir(self.directory.parent)
+        self.directory.mkdir(mode=0o700, exist_ok=True)
+        approval_id = secrets_module.token_hex(6)
+        request = dict(
+            request, id=approval_id, pid=os.getpid(), pidStart=process_start_ticks(os.getpid())
+        )
+        write_private_json(self.path_of(approval_id, "request"), request)
+        return approval_id
+
+    def answer(self, approval_id: str) -> dict | None:
+        try:
+            answer = json.loads(self.path_of(approval_id, "answer").read_text())
+        except (OSError, ValueError):
+            return None
+        return answer if isinstance(answer, dict) else None
+
+    def close(self, approval_id: str) -> None:
+        for kind in ("request", "answer"):
+            self.path_of(approval_id, kind).unlink(missing_ok=True)
+
+    def pending(self) -> list[dict]:
+        """Requests whose process still waits and nobody answered, oldest first;
+        those of a process that stopped are removed."""
+        found = []
+        for path in self.directory.glob("*.request.json"):
+            try:
+                request = json.loads(path.read_text())
+                approval_id = str(request["id"])
+                answered = self.path_of(approval_id, "answer").exists()
+            except (OSError, ValueError, KeyError, TypeError, SmolError):
+                continue
+            try:
+                expired = parse_time(request["expiresAt"]) < time.time()
+            except (KeyError, TypeError, ValueError):
+                expired = True
+            if expired or not waiting_process_alive(request):  # nobody can act on it any more
+                self.close(approval_id)
+            elif not answered:
+                found.append(request)
+        return sorted(found, key=lambda request: str(request.get("requestedAt", "")))
+
+    def respond(self, approval_id: str, answer: dict) -> dict:
+        """Answer a waiting request and return it; a SmolError for an unknown,
+        stale or answered id."""
+        try:
+            request = json.loads(self.path_of(approval_id, "request").read_text())
+        except (OSError, ValueError):
+            raise SmolError(
+                f"no call waits for approval {approval_id}; `approvals list` shows the "
+                "calls that wait"
+            ) from None
+        if not waiting_process_alive(request):
+            self.close(approval_id)
+            raise SmolError(
+                f"the server that held {approval_id} has stopped, so that call was "
+                "refused (approval_interrupted); there is nothing to answer"
+            )
+        answer_path = self.path_of(approval_id, "answer")
+        if answer_path.exists():
+            raise SmolError(f"{approval_id} was answered already")
+        write_private_json(answer_path, answer)
+        return request
+
+
+class AutoApprovals:
+    """Which principals may run changing tools without asking, until when:
+    name -> {"id": the principal's id, "until": RFC 3339 or null for ever}.
+    The id makes a token deleted and made again under the same name ask again."""
+
+    def __init__(self, state_dir: str | Path):
+        self.file = StateFile(Path(state_dir) / AUTO_APPROVE_FILE, dict)
+
+    def until(self, principal: Principal) -> str | None:
+        """Until when it may run without asking: "forever", an RFC 3339 time, or None."""
+        try:
+            granted = self.file.read().get(principal.name)
+        except SmolError:
+            return None
+        if not isinstance(granted, dict) or granted.get("id") != principal.id:
+            return None
+        if granted.get("until") is None:
+            return "forever"
+        try:
+            return granted["until"] if parse_time(granted["until"]) > time.time() else None
+        except (ValueError, TypeError):
+            return None
+
+    def grant(self, name: str, principal_id: str, period: str) -> str:
+        seconds = AUTO_APPROVE_PERIODS[period]
+        until = None if seconds is None else utc_time(time.time() + seconds)
+        self.file.update(lambda data: data.__setitem__(name, {"id": principal_id, "until": until}))
+        return until or "forever"
+
+    def end(self, name: str) -> bool:
+        if not self.file.path.exists():
+            return False
+        return self.file.update(lambda data: data.pop(name, None) is not None)
+
+    def shown(self, name: str, principal_id: str) -> str:
+        """What `tokens list` says about a principal's auto-approval."""
+        return self.until(Principal(name, frozenset(), id=principal_id)) or "off"
+
+
+def post_webhook(url: str, payload: dict) -> str | None:
+    """POST an approval notice (never the arguments); the failure as a sentence, or None."""
+    try:
+        import httpx2
+
+        response = httpx2.post(url, json=payload, timeout=10)
+        if response.status_code >= 300:
+            return f"the approval webhook answered HTTP {response.status_code}"
+    except Exception as err:  # any failure is reported, never raised into the waiting call
+        return f"the approval webhook failed ({type(err).__name__}: {err})"
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -4714,6 +5077,16 @@ def server_instructions(app: "SmolMcp") -> str:
         lines.append("- Cloud: a command, read or write in a stopped machine starts it (startedMachine: true) and "
                      "leaves it running; published ports need open egress; delete-machine returns the settled usage.")
     lines.append("- smol://targets says whether each fleet is usable right now, and why not.")
+    if app.approvals_apply():
+        lines.append(
+            "- Approvals: a tool that changes something may wait for a person on the server's "
+            f"host to approve it (up to {c.approval_timeout_secs} s; progress notifications say "
+            "so and name the command that approves it). Read-only tools answer at once. You "
+            "cannot approve anything yourself. A refusal starts with a code: approval_rejected "
+            "(a person said no; the reason follows), approval_timed_out (nobody answered), "
+            "approval_cancelled (the call stopped waiting), approval_interrupted (the server "
+            "stopped), approval_token_deleted, approval_unavailable (approvals cannot be asked "
+            "for here). Nothing ran in any of these cases; ask the person before trying again.")
     return "\n".join(lines)
 
 
@@ -4733,6 +5106,9 @@ class SmolMcp:
         self._tool_lists: dict[tuple, list] = {}
         self.state_key = secrets_module.token_bytes(32)  # seals the state of 2026-era questions
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
+        self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
+        self.waiting_approvals = 0
+        self._warned_activity = False
         self.server = self._build_server()
 
     def thread_limiter(self):
@@ -4798,10 +5174,19 @@ class SmolMcp:
             return await app.listen(ctx, params)
 
         async def list_resources(ctx, params):
-            return types.ListResourcesResult(resources=[types.Resource(
+            resources = [types.Resource(
                 uri=TARGETS_URI, name="targets", title="Fleets served and whether they are usable",
                 mime_type="application/json",
-                description="The mode, each fleet this process serves, and whether it is usable on this host now.")])
+                description="The mode, each fleet this process serves, and whether it is usable on "
+                            "this host now.")]
+            if "activity.read" in app.principal_for(ctx).scopes:
+                resources.append(types.Resource(
+                    uri=ACTIVITY_URI, name="activity", title="What agents changed",
+                    mime_type="application/json",
+                    description=f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity "
+                                "log: changing calls, approvals, cleanups (a sandbox token sees "
+                                "its own)."))
+            return types.ListResourcesResult(resources=resources)
 
         async def list_resource_templates(ctx, params):
             return types.ListResourceTemplatesResult(resource_templates=[types.ResourceTemplate(
@@ -4949,7 +5334,7 @@ class SmolMcp:
             and (answer.content or {}).get("allow") is True
         )
 
-    async def elicit(self, ctx, question):
+    async def elicit(self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS):
         """Send an elicitation and wait for the answer, within a bound: a client
         that never answers must not hold the call forever."""
         import mcp_types as types
@@ -4957,7 +5342,7 @@ class SmolMcp:
         related = ctx.request_id if ctx.session.can_send_request else None
         try:
             return await ctx.session.send_request(
-                question, types.ElicitResult, request_read_timeout_seconds=ELICIT_TIMEOUT_SECS,
+                question, types.ElicitResult, request_read_timeout_seconds=timeout,
                 metadata=ServerMessageMetadata(related_request_id=related))
         except Exception as err:  # timed out, or no way back to the client
             log.info("a question to the person got no answer (%s)", err)
@@ -4972,41 +5357,404 @@ class SmolMcp:
             await ctx.session.send_tool_list_changed()
 
     async def call_tool(self, ctx, params):
-        """Validate, dispatch, and turn every failure into a readable tool error."""
+        """Validate, dispatch, and turn every failure into a readable tool error.
+        A changing tool is written to the activity log before its answer leaves."""
         import anyio
         import mcp_types as types
         name = params.name
         tool = TOOLS_BY_NAME.get(name)
+        principal = self.principal_for(ctx)
+        entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
+        started = time.monotonic()
         try:
-            principal = self.principal_for(ctx)
             if tool is None:  # named from the caller's own list: it learns of no other tool
                 raise ArgumentError(f"there is no tool named {name!r}; the tools are: "
                                     f"{', '.join(principal.tools())}")
             check_scope(principal, name)  # before any question is asked or argument read
             session = self.session_for(ctx)
+            entry["session"] = session.id
             question = await self.ask_fleet(ctx, session, params)
             if question is not None:
                 return question
             arguments = dict(params.arguments or {})
             fleet = self.fleet_for(session, name, arguments, params)
+            entry.update(target=fleet.name, machine=arguments.get("name"),
+                         arguments=redact_arguments(arguments))
             validate_arguments(name, tool.input_schema, arguments)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
+            reach = self.access.fleet_for(principal, grant, fleet)
+            call = Call(self, session, reach, ctx, principal, params)
+            held = None if tool.read_only else await self.hold(call, entry, params)
+            if held is not None and not isinstance(held, str):
+                return held  # the approval question, as a 2026-era input-required result
+            if held is not None:
+                entry["approvedBy"] = held
+                call.started = time.monotonic()  # "N s so far" counts the work, not the wait
             if fleet is self.local:
                 await self.sweep_once()
-            fleet = self.access.fleet_for(principal, grant, fleet)
-            result = await tool.handler(Call(self, session, fleet, ctx, principal, params), arguments)
+            result = await tool.handler(call, arguments)
         except anyio.get_cancelled_exc_class():
+            if tool is not None and not tool.read_only:
+                self.record({**entry, "outcome": "cancelled", **elapsed(started)})
             raise
         except AskClient as ask:
             return ask.question
         except SmolError as err:
-            return tool_error(redact(explain(err), self.config.secret_values()))
+            message = redact(explain(err), self.config.secret_values())
+            if tool is not None and not tool.read_only:
+                self.record({**entry, "outcome": message.splitlines()[0], **elapsed(started)})
+            return tool_error(message)
         except Exception as err:
             log.exception("tool %s failed unexpectedly", name)
-            return tool_error(redact(f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
-                                     "smol-mcp; the server log has the details.", self.config.secret_values()))
+            message = redact(f"{name} failed unexpectedly ({type(err).__name__}: {err}). This "
+                             "is a bug in smol-mcp; the server log has the details.",
+                             self.config.secret_values())
+            if tool is not None and not tool.read_only:
+                self.record({**entry, "outcome": message, **elapsed(started)})
+            return tool_error(message)
+        if not tool.read_only:
+            made = result.get("machine") if isinstance(result.get("machine"), dict) else {}
+            entry["machine"] = made.get("name") or result.get("name") or entry.get("machine")
+            if isinstance(result.get("exitCode"), int):
+                entry["exitCode"] = result["exitCode"]
+            self.record({**entry, "outcome": "ok", **elapsed(started)})
         return types.CallToolResult(content=[types.TextContent(type="text", text=reply_json(result))],
                                     structured_content=result)
+
+    # -- activity log and approvals ---------------------------------------
+
+    def who(self, principal: Principal) -> dict:
+        """The principal as the activity log names it."""
+        return {"principal": principal.name, **({"user": principal.user} if principal.user else {})}
+
+    def record(self, entry: dict) -> None:
+        """Append to the activity log. A log that cannot be written (a full disk,
+        a read-only state directory) costs one warning line on stderr per
+        failed entry; the call's result is never changed by it."""
+        try:
+            self.access.activity.append(entry, self.config.secret_values())
+        except (OSError, SmolError) as err:
+            reason = getattr(err, "strerror", None) or str(err)
+            log.warning(
+                "could not write the activity log %s (%s); entry lost: %s %s",
+                self.access.activity.path,
+                reason,
+                entry.get("event"),
+                entry.get("tool") or entry.get("approval") or "",
+            )
+
+    def approvals_apply(self) -> bool:
+        """Whether any call of this process may be held: stdio approval is on, or
+        a token that needs approval exists."""
+        if self.config.approval == "changes":
+            return True
+        try:
+            return any(r.get("approval") == "changes" for r in self.access.tokens.records())
+        except SmolError:
+            return False
+
+    async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
+        """Before a changing tool runs: None when the principal needs no approval,
+        "auto" or who approved once a person allowed it, else ApprovalRefused. With
+        approvalVia client in the 2026 era, the question itself (an input-required
+        result) the first time; the client's answer comes back with the retry."""
+        principal = call.principal
+        if principal.approval != "changes":
+            return None
+        event = {
+            k: entry.get(k)
+            for k in ("principal", "user", "session", "tool", "target", "machine")
+            if entry.get(k) is not None
+        }
+        event["event"] = "approval"
+        if self.access.auto.until(principal):
+            self.record(
+                {**event, "approval": "auto-approved", "until": self.access.auto.until(principal)}
+            )
+            return "auto"
+        asks_client, modern = self.client_channel(call)
+        request = self.resumed_request(call, entry, params) if asks_client and modern else None
+        client_answer = None
+        if request is not None:  # the 2026-era retry that carries the client's answer
+            approval_id = request["id"]
+            client_answer = (params.input_responses or {}).get("approval")
+            event["id"] = approval_id
+            timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
+        else:
+            timeout = self.config.approval_timeout_secs
+            approval_id = self.file_request(call, entry, event, timeout)
+            if asks_client and modern:  # the request stays filed: the terminal may answer meanwhile
+                import mcp_types as types
+
+                return types.InputRequiredResult(
+                    request_state=f"smol-mcp:approval:{approval_id}",
+                    input_requests={"approval": self.approval_question(event)},
+                )
+        self.waiting_approvals += 1
+        try:
+            return await self._await_answer(
+                call, approval_id, event, timeout, asks_client and not modern, client_answer
+            )
+        finally:
+            self.waiting_approvals -= 1
+            self.access.desk.close(approval_id)
+
+    def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
+        """Write the request where `approvals list` finds it, log it and tell the webhook."""
+        principal = call.principal
+        request = {
+            "token": principal.name,
+            "principalId": principal.id,
+            "tool": entry["tool"],
+            "target": entry.get("target"),
+            "machine": entry.get("machine"),
+            "arguments": entry.get("arguments", {}),
+            "session": entry.get("session"),
+            "requestedAt": utc_now(),
+            "expiresAt": utc_time(time.time() + timeout),
+        }
+        try:
+            approval_id = self.access.desk.open(request)
+        except (OSError, SmolError) as err:
+            reason = getattr(err, "strerror", None) or str(err)
+            self.record({**event, "approval": "unavailable", "error": reason})
+            raise ApprovalRefused(
+                "approval_unavailable",
+                f"{entry['tool']} needs a person's approval, but the request could not be filed in "
+                f"{self.access.desk.directory} ({reason}); nothing ran. The operator must make the "
+                "state directory writable (SMOL_MCP_STATE_DIR).",
+            ) from None
+        event["id"] = approval_id
+        self.record({**event, "approval": "requested", "expiresAt": request["expiresAt"]})
+        if self.config.approval_webhook:
+            self.notify_webhook(
+                {
+                    "id": approval_id,
+                    "token": principal.name,
+                    "tool": entry["tool"],
+                    "machine": entry.get("machine"),
+                    "expiresAt": request["expiresAt"],
+                },
+                event,
+            )
+        return approval_id
+
+    def client_channel(self, call: Call) -> tuple[bool, bool]:
+        """(whether the person at the client is asked too, whether the 2026 era is
+        spoken): approvalVia client, on stdio, with a client that takes forms."""
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+        ctx = call.ctx
+        if self.config.approval_via != "client" or call.principal.kind != "stdio" or ctx is None:
+            return False, False
+        capabilities = ctx.session.client_capabilities
+        if (
+            capabilities is None
+            or capabilities.elicitation is None
+            or (capabilities.elicitation.form is None and capabilities.elicitation.url is not None)
+        ):
+            return False, False
+        return True, ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+
+    def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
+        """The request a 2026-era retry answers: named by its request state, filed
+        by this process for the same principal, tool and arguments, still open."""
+        state = getattr(params, "request_state", None) or ""
+        if not state.startswith("smol-mcp:approval:"):
+            return None
+        try:
+            path = self.access.desk.path_of(state.rsplit(":", 1)[1], "request")
+            request = json.loads(path.read_text())
+        except (OSError, ValueError, SmolError):
+            return None
+        same = (
+            request.get("pid") == os.getpid()
+            and request.get("principalId") == call.principal.id
+            and request.get("tool") == entry["tool"]
+            and request.get("arguments") == entry.get("arguments", {})
+        )
+        return request if same else None
+
+    def approval_question(self, event: dict):
+        import mcp_types as types
+
+        on = f" on {event['machine']}" if event.get("machine") else ""
+        message = (
+            f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
+            "let it run once; decline to refuse it. `approvals list` on the server's host "
+            "shows its arguments."
+        )
+        schema = {
+            "type": "object",
+            "properties": {
+                "note": {
+                    "type": "string",
+                    "title": "Note",
+                    "description": "Optional; kept in the activity log",
+                }
+            },
+        }
+        return types.ElicitRequest(
+            params=types.ElicitRequestFormParams(message=message, requested_schema=schema)
+        )
+
+    async def _await_answer(
+        self,
+        call: Call,
+        approval_id: str,
+        event: dict,
+        timeout: int,
+        ask_now: bool,
+        client_answer: Any,
+    ) -> str:
+        """Wait for the terminal (and, with ``ask_now``, an elicitation in this
+        call), the token's deletion, an auto-approval, the timeout or a stop."""
+        import anyio
+        import mcp_types as types
+
+        answers: dict = {}
+        if client_answer is not None:
+            answers["client"] = (
+                types.ElicitResult.model_validate(client_answer)
+                if isinstance(client_answer, dict)
+                else client_answer
+            )
+
+        async def ask() -> None:
+            answer = await self.elicit(call.ctx, self.approval_question(event), timeout)
+            if answer is not None:
+                answers["client"] = answer
+
+        async with anyio.create_task_group() as asking:
+            if ask_now:
+                asking.start_soon(ask)
+            try:
+                outcome, failure = (
+                    await self._poll_answer(call, approval_id, event, timeout, answers),
+                    None,
+                )
+            except Exception as err:  # carried out of the group, which would wrap it
+                outcome, failure = None, err
+            asking.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return outcome
+
+    async def _poll_answer(
+        self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict
+    ) -> str:
+        import anyio
+
+        principal, tool = call.principal, event["tool"]
+        deadline = time.monotonic() + timeout
+        command = " ".join(launch_command() + ["approvals", "approve", approval_id])
+        on = f" on {event['machine']}" if event.get("machine") else ""
+        next_progress = 0.0
+        try:
+            while True:
+                answer = self.access.desk.answer(approval_id) or self.client_decision(answers)
+                if answer is not None:
+                    break
+                if self.stopping:
+                    raise self.refuse(
+                        event,
+                        "interrupted",
+                        "approval_interrupted",
+                        f"the server stopped while {tool} waited for approval; "
+                        "nothing ran. Call it again once the server is back.",
+                    )
+                if (
+                    principal.kind == "token"
+                    and self.access.live_ids().get(principal.name) != principal.id
+                ):
+                    raise self.refuse(
+                        event,
+                        "token deleted",
+                        "approval_token_deleted",
+                        f"the token '{principal.name}' was deleted while {tool} "
+                        "waited for approval; nothing ran.",
+                    )
+                if self.access.auto.until(principal):
+                    self.record(
+                        {
+                            **event,
+                            "approval": "auto-approved",
+                            "until": self.access.auto.until(principal),
+                        }
+                    )
+                    return "auto"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self.refuse(
+                        event,
+                        "timed out",
+                        "approval_timed_out",
+                        f"nobody approved {tool} within {timeout} s; nothing ran. "
+                        "Ask the person on the server's host to watch for it, then "
+                        "call it again.",
+                    )
+                if time.monotonic() >= next_progress:
+                    next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
+                    await call.progress(
+                        None,
+                        f"{tool}{on} waits for a person to approve it "
+                        f"({int(left)} s left): on the server's host run "
+                        f"`{command}` (or `approvals deny {approval_id}`)",
+                    )
+                await anyio.sleep(APPROVAL_POLL_SECS)
+        except anyio.get_cancelled_exc_class():
+            if self.stopping:
+                self.record({**event, "approval": "interrupted"})
+            else:
+                self.record({**event, "approval": "cancelled"})
+            raise
+        by = str(answer.get("by") or "unknown")
+        note = {"reason": str(answer["reason"])[:500]} if answer.get("reason") else {}
+        if answer.get("decision") == "approve":
+            extra = {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
+            self.record({**event, "approval": "approved", "by": by, **extra, **note})
+            return by
+        reason = note.get("reason", "no reason given")
+        raise self.refuse(
+            event,
+            "rejected",
+            "approval_rejected",
+            f"{by} rejected {tool}: {reason}. Nothing ran.",
+            by=by,
+            reason=reason,
+        )
+
+    @staticmethod
+    def client_decision(answers: dict) -> dict | None:
+        """The person at the client's answer as a terminal answer: accept approves,
+        decline rejects; a dismissed form leaves the terminal to answer."""
+        answer = answers.get("client")
+        if answer is None or answer.action not in ("accept", "decline"):
+            return None
+        note = str((answer.content or {}).get("note") or "") if answer.action == "accept" else ""
+        return {
+            "decision": "approve" if answer.action == "accept" else "deny",
+            "by": "the person at the client (approvalVia client)",
+            "reason": note or ("declined at the client" if answer.action == "decline" else ""),
+        }
+
+    def refuse(
+        self, event: dict, outcome: str, code: str, detail: str, **extra: Any
+    ) -> ApprovalRefused:
+        self.record({**event, "approval": outcome, **extra})
+        return ApprovalRefused(code, detail)
+
+    def notify_webhook(self, payload: dict, event: dict) -> None:
+        """POST the notice in a thread of its own: a slow or failing webhook never
+        holds the call or the terminal channel; a failure is logged."""
+
+        def send() -> None:
+            failure = post_webhook(self.config.approval_webhook, payload)
+            if failure is not None:
+                log.warning("%s; the terminal channel still works", failure)
+                self.record({**event, "approval": "webhook failed", "error": failure})
+
+        threading.Thread(target=send, name="smol-mcp-webhook", daemon=True).start()
 
     async def sweep_once(self) -> None:
         """Before the first local call of this process: delete what a crashed
@@ -5016,6 +5764,9 @@ class SmolMcp:
             swept = await anyio.to_thread.run_sync(sweep_orphans, self.local,
                                                    self.config.runtime_dir)
             self.access.owners.clear("local", swept)
+            for name in swept:
+                self.record({"event": "orphan-cleanup", "principal": "smol-mcp", "target": "local",
+                             "machine": name, "outcome": "deleted (left by a stopped process)"})
             self._swept = True
 
     async def read_resource(self, ctx, uri: str):
@@ -5025,6 +5776,9 @@ class SmolMcp:
             document = await anyio.to_thread.run_sync(targets_document, self)  # it probes a socket and a port
             document["access"] = self.principal_for(ctx).describe()
             text, mime = json.dumps(document, indent=2), "application/json"
+        elif uri == ACTIVITY_URI:
+            document = self.activity_document(self.principal_for(ctx))
+            text, mime = json.dumps(document, indent=1), "application/json"
         elif LOGS_URI_RE.fullmatch(uri):
             fleet, name = self.log_resource(uri, self.principal_for(ctx))
             try:
@@ -5036,6 +5790,19 @@ class SmolMcp:
         else:
             raise_resource_error(f"unknown resource {uri}; the resources are {TARGETS_URI} and {LOGS_URI_TEMPLATE}")
         return types.ReadResourceResult(contents=[types.TextResourceContents(uri=uri, mime_type=mime, text=text)])
+
+    def activity_document(self, principal: Principal) -> dict:
+        """smol://activity for ``principal``: it needs activity.read; a sandbox.*
+        principal gets its own entries only."""
+        if "activity.read" not in principal.scopes:
+            raise_resource_error(f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, "
+                                 f"which {principal.label()} does not have. Ask the operator for "
+                                 "a token with that scope.")
+        entries = self.access.activity.entries()
+        if sees_own_activity_only(principal):
+            entries = select_activity(entries, principal=principal.name)
+        return {"entries": entries[-ACTIVITY_RESOURCE_ENTRIES:],
+                "ownOnly": sees_own_activity_only(principal)}
 
     def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
         """(fleet, machine name) of a log resource URI as ``principal`` may see
@@ -5103,6 +5870,10 @@ class SmolMcp:
                 await anyio.to_thread.run_sync(fleet.release)
 
 
+def elapsed(started: float) -> dict:
+    return {"durationMs": int((time.monotonic() - started) * 1000)}
+
+
 def explain(err: SmolError) -> str:
     """The error text, plus what to do for the API refusals every tool can meet."""
     if isinstance(err, ApiError):
@@ -5141,7 +5912,7 @@ def build_server(config: Config | None = None):
 # ---------------------------------------------------------------------------
 
 
-async def run_stdio(server) -> None:
+async def run_stdio(server, app: "SmolMcp | None" = None) -> None:
     import anyio
     from mcp.server.stdio import stdio_server
 
@@ -5152,6 +5923,12 @@ async def run_stdio(server) -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
                 async for _ in received:
                     signalled = True
+                    if app is not None and app.waiting_approvals:
+                        app.stopping = True  # calls that wait answer approval_interrupted
+                        with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
+                            while app.waiting_approvals:
+                                await anyio.sleep(0.05)
+                        await anyio.sleep(0.2)  # their answers reach stdout
                     group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
                     return
 
@@ -5575,7 +6352,13 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
-    await uvicorn.Server(config).serve()  # SIGTERM and SIGINT end the lifespan, which cleans up
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.stopping = True  # a call waiting for approval answers approval_interrupted
+            super().handle_exit(sig, frame)
+
+    await Server(config).serve()  # SIGTERM and SIGINT end the lifespan, which cleans up
 
 
 # ---------------------------------------------------------------------------
@@ -5618,7 +6401,8 @@ def parse_args(argv: list[str]):
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
-    helpers = parser.add_subparsers(dest="command", metavar="{doctor,setup,parity,tokens}")
+    helpers = parser.add_subparsers(dest="command",
+                                    metavar="{doctor,setup,parity,tokens,activity,approvals}")
     doctor_parser = helpers.add_parser(
         "doctor", help="say whether each fleet works on this host, and what to do if not")
     doctor_parser.add_argument("--probe", action="store_true",
@@ -5633,7 +6417,8 @@ def parse_args(argv: list[str]):
                        help="an entry for a smol-mcp --http server at URL instead of a local stdio one")
     helpers.add_parser("parity", help="compare the routes this server calls with the running serve's OpenAPI")
     tokens = helpers.add_parser("tokens", help="create, list and delete the named tokens of --http")
-    token_commands = tokens.add_subparsers(dest="tokens_command", metavar="{create,list,delete}",
+    token_commands = tokens.add_subparsers(dest="tokens_command",
+                                           metavar="{create,list,delete,auto-approve}",
                                            required=True)
     create = token_commands.add_parser("create", help="make a token; its secret is shown once")
     create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
@@ -5653,6 +6438,28 @@ def parse_args(argv: list[str]):
     delete = token_commands.add_parser("delete",
                                        help="cut a token off; a running server refuses it at once")
     delete.add_argument("name")
+    auto = token_commands.add_parser("auto-approve",
+                                     help="end a token's auto-approval (`approvals approve "
+                                          "--auto-for` starts one)")
+    auto.add_argument("name", help="a token name, or stdio")
+    auto.add_argument("state", choices=("off",))
+    activity = helpers.add_parser("activity", help="show what agents changed (the activity log)")
+    activity.add_argument("--token", help="only this principal (a token name, or stdio)")
+    activity.add_argument("--machine", help="only entries about this machine")
+    activity.add_argument("--since", help="only the last period, such as 15m, 1h or 7d")
+    activity.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
+    approvals = helpers.add_parser("approvals", help="list, approve and deny calls that wait")
+    approval_commands = approvals.add_subparsers(dest="approvals_command",
+                                                 metavar="{list,approve,deny}", required=True)
+    waiting = approval_commands.add_parser("list", help="the calls that wait for a person")
+    waiting.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
+    approve = approval_commands.add_parser("approve", help="let a waiting call run")
+    approve.add_argument("id")
+    approve.add_argument("--auto-for", choices=tuple(AUTO_APPROVE_PERIODS),
+                         help="also let this token run changing tools without asking for this long")
+    deny = approval_commands.add_parser("deny", help="refuse a waiting call; nothing runs")
+    deny.add_argument("id")
+    deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
     args = parser.parse_args(argv)
     if (args.command or not args.http) and (args.host or args.port or args.path):
         parser.error("--host, --port and --path go with --http")
@@ -6144,6 +6951,9 @@ def tokens_command(args: Any, config: Config) -> int:
                                       parse_targets(args.targets), args.approval)
         shown = {"name": record["name"], "secret": secret, "scopes": record["scopes"],
                  "targets": record["targets"], "approval": record["approval"]}
+        cli_record(config, {"event": "token", "outcome": "created", "token": record["name"],
+                            "scopes": record["scopes"], "targets": record["targets"],
+                            "approval": record["approval"]})
         if args.json:
             print(json.dumps(shown))
             return 0
@@ -6159,19 +6969,31 @@ def tokens_command(args: Any, config: Config) -> int:
             print(f"#   export {variable}='{secret}'")
             print(render_entry(args.client, key, entry), end="")
         return 0
+    auto = AutoApprovals(config.state_dir)
+    if args.tokens_command == "auto-approve":
+        if not auto.end(args.name):
+            print(f"smol-mcp: {args.name!r} has no auto-approval; nothing changed", file=sys.stderr)
+            return 1
+        cli_record(config, {"event": "approval", "approval": "auto-approval ended",
+                            "token": args.name})
+        print(f"auto-approval of {args.name!r} is off: its changing calls wait for a person again")
+        return 0
     if args.tokens_command == "list":
         records, used = store.records(), store.last_used()
         if args.json:
             print(json.dumps([{"name": r["name"], "scopes": r["scopes"], "targets": r["targets"],
-                               "approval": r["approval"]} for r in records]))
+                               "approval": r["approval"],
+                               "autoApprove": auto.shown(r["name"], r.get("id", ""))}
+                              for r in records]))
             return 0
         if not records:
             print(f"no tokens yet (create one with: smol_mcp.py tokens create NAME --scopes LIST); "
                   f"file {store.file.path}")
             return 0
-        rows = [("NAME", "SCOPES", "FLEETS", "APPROVAL", "CREATED", "LAST USED")]
+        rows = [("NAME", "SCOPES", "FLEETS", "APPROVAL", "AUTO-APPROVE", "CREATED", "LAST USED")]
         rows += [(r["name"], ",".join(r["scopes"]), ",".join(r["targets"]), r["approval"],
-                  r.get("createdAt", "-"), used.get(r["name"], "never")) for r in records]
+                  auto.shown(r["name"], r.get("id", "")), r.get("createdAt", "-"),
+                  used.get(r["name"], "never")) for r in records]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         for row in rows:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
@@ -6181,8 +7003,149 @@ def tokens_command(args: Any, config: Config) -> int:
         print(f"smol-mcp: there is no token named {args.name!r} (the tokens: {names})",
               file=sys.stderr)
         return 1
+    cli_record(config, {"event": "token", "outcome": "deleted", "token": args.name})
     print(f"deleted token '{args.name}': a running server refuses it within a second and ends its "
           "sessions (their ephemeral machines are deleted)")
+    return 0
+
+
+def cli_record(config: Config, entry: dict) -> None:
+    """An activity entry made at the terminal, in the name of the OS user."""
+    try:
+        ActivityLog(config.state_dir).append({"principal": "cli", "user": os_user(), **entry})
+    except (OSError, SmolError) as err:
+        print(f"smol-mcp: warning: could not write the activity log ({err})", file=sys.stderr)
+
+
+# -- activity and approvals --------------------------------------------------
+
+
+def print_table(rows: list[tuple]) -> None:
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def activity_command(args: Any, config: Config) -> int:
+    """activity: the log for a person (a table) or a script (--json)."""
+    try:
+        since = parse_period(args.since) if args.since else None
+    except ValueError as err:
+        raise ConfigError(f"--since: {err}") from None
+    log_file = ActivityLog(config.state_dir)
+    entries = select_activity(log_file.entries(), args.token, args.machine, since)
+    if args.json:
+        print(json.dumps(entries))
+        return 0
+    if not entries:
+        matching = " that matches" if (args.token or args.machine or since) else ""
+        print(f"no activity recorded{matching} (log: {log_file.path})")
+        return 0
+    rows = [("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME")]
+    for entry in entries:
+        who = entry.get("principal", "?") + (f" ({entry['user']})" if entry.get("user") else "")
+        what = entry.get("tool") or entry.get("event", "?")
+        if entry.get("event") == "approval":
+            subject = entry.get("tool") or entry.get("token", "")
+            what = f"approval {entry.get('approval', '?')} {subject}"
+            outcome = " ".join(
+                filter(
+                    None,
+                    (
+                        f"id {entry['id']}" if entry.get("id") else "",
+                        f"by {entry['by']}" if entry.get("by") else "",
+                        entry.get("reason", ""),
+                        entry.get("error", ""),
+                    ),
+                )
+            )
+        elif entry.get("event") == "token":
+            what, outcome = f"token {entry.get('outcome')}", entry.get("token", "")
+        else:
+            outcome = str(entry.get("outcome", ""))
+            if "exitCode" in entry:
+                outcome += f" (exit {entry['exitCode']})"
+            if entry.get("approvedBy"):
+                outcome += f", approved by {entry['approvedBy']}"
+        rows.append((entry.get("time", "?"), who, what, entry.get("machine") or "-", outcome[:100]))
+    print_table(rows)
+    return 0
+
+
+def approvals_command(args: Any, config: Config) -> int:
+    """approvals list / approve / deny: answer the calls that wait, from the host."""
+    desk = ApprovalDesk(config.state_dir)
+    if args.approvals_command == "list":
+        waiting = desk.pending() if desk.directory.exists() else []
+        shown = [
+            {
+                "id": r.get("id"),
+                "token": r.get("token"),
+                "tool": r.get("tool"),
+                "machine": r.get("machine"),
+                "expiresAt": r.get("expiresAt"),
+                "arguments": r.get("arguments", {}),
+            }
+            for r in waiting
+        ]
+        if args.json:
+            print(json.dumps(shown))
+            return 0
+        if not shown:
+            print("no call waits for approval")
+            return 0
+        rows = [("ID", "TOKEN", "TOOL", "MACHINE", "TIME LEFT", "ARGUMENTS")]
+        for r in shown:
+            try:
+                left = f"{max(0, int(parse_time(r['expiresAt']) - time.time()))} s"
+            except (ValueError, TypeError):
+                left = "?"
+            rows.append(
+                (
+                    r["id"],
+                    r["token"],
+                    r["tool"],
+                    r["machine"] or "-",
+                    left,
+                    json.dumps(r["arguments"])[:120],
+                )
+            )
+        print_table(rows)
+        print(
+            "\nanswer with: approvals approve ID [--auto-for 1h|1d|7d|30d|forever], or "
+            "approvals deny ID [--reason TEXT]"
+        )
+        return 0
+    user = os_user()
+    if args.approvals_command == "approve":
+        answer = {"decision": "approve", "by": user, "answeredAt": utc_now()}
+        if args.auto_for:
+            answer["autoFor"] = args.auto_for
+        request = desk.respond(args.id, answer)
+        print(f"approved {args.id}: {request.get('tool')} by {request.get('token')} runs now")
+        if args.auto_for:
+            until = AutoApprovals(config.state_dir).grant(
+                str(request.get("token")), str(request.get("principalId", "")), args.auto_for
+            )
+            cli_record(
+                config,
+                {
+                    "event": "approval",
+                    "approval": "auto-approval started",
+                    "token": request.get("token"),
+                    "until": until,
+                    "id": args.id,
+                },
+            )
+            print(
+                f"{request.get('token')} runs changing tools without asking until {until}; "
+                f"end it with: tokens auto-approve {request.get('token')} off"
+            )
+        return 0
+    request = desk.respond(
+        args.id, {"decision": "deny", "by": user, "answeredAt": utc_now(), "reason": args.reason}
+    )
+    print(f"denied {args.id}: {request.get('tool')} by {request.get('token')} does not run")
     return 0
 
 
@@ -6239,6 +7202,10 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config()
         if args.command == "tokens":
             return tokens_command(args, config)
+        if args.command == "activity":
+            return activity_command(args, config)
+        if args.command == "approvals":
+            return approvals_command(args, config)
         if args.http and not args.command and not Access(config).has_any_token():
             raise ConfigError(
                 "--http refuses to start without a token, because these tools run machines: "
@@ -6265,7 +7232,7 @@ def main(argv: list[str] | None = None) -> int:
                   "client (Ctrl-C to stop); to check this host run `smol-mcp doctor`, to "
                   "configure a client `smol-mcp setup CLIENT` (see --help)",
                   file=sys.stderr, flush=True)
-        anyio.run(run_stdio, app.server)
+        anyio.run(run_stdio, app.server, app)
     return 0
 
 

@@ -42,6 +42,7 @@ import textwrap
 import threading
 import time
 import unittest
+import unittest.mock
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -151,6 +152,10 @@ class ConfigTests(unittest.TestCase):
             ("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", ()),
             ("stateDir", "SMOL_MCP_STATE_DIR", None), ("scopes", "SMOL_MCP_SCOPES", ()),
             ("mountRoots", "SMOL_MCP_MOUNT_ROOTS", ()),
+            ("approval", "SMOL_MCP_APPROVAL", "none"),
+            ("approvalTimeoutSecs", "SMOL_MCP_APPROVAL_TIMEOUT_SECS", 900),
+            ("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", ""),
+            ("approvalVia", "SMOL_MCP_APPROVAL_VIA", "terminal"),
         ]
         self.assertEqual([(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table])
         defaults = Config()
@@ -165,7 +170,9 @@ class ConfigTests(unittest.TestCase):
             "logsPollSecs": 5, "cloudUrl": "https://example.test", "cloudToken": "t", "targets": "local",
             "httpHost": "0.0.0.0", "httpPort": 9000, "httpPath": "/x", "authToken": "a", "httpSessionIdleSecs": 60,
             "httpAllowedHosts": ["h"], "httpAllowedOrigins": ["o"], "stateDir": "/tmp/s",
-            "scopes": ["machines.read", "sandbox.exec"],
+            "scopes": ["machines.read", "sandbox.exec"], "approval": "changes",
+            "approvalTimeoutSecs": 60,
+            "approvalWebhook": "https://hooks.example/smol", "approvalVia": "client",
             "mountRoots": ["/srv", "/work:rw"],
         }
         for setting in smol_mcp.SETTINGS:  # every key is read from the file, and from the environment
@@ -2102,15 +2109,7 @@ class HttpProcessTests(unittest.TestCase):
             url = f"http://127.0.0.1:{port}/mcp"
             headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
             with httpx2.Client(timeout=30) as http:
-                for _ in range(200):
-                    try:
-                        answer = http.post(url, headers=headers, content=INIT_BODY)
-                        break
-                    except httpx2.TransportError:
-                        time.sleep(0.05)
-                session = {**headers, "mcp-session-id": answer.headers["mcp-session-id"],
-                           "mcp-protocol-version": "2025-06-18"}
-                http.post(url, headers=session, content=jsonrpc(None, "notifications/initialized"))
+                session = open_raw_session(http, url, headers, 200)
                 created = http.post(url, headers=session, content=jsonrpc(2, "tools/call", {
                     "name": "create-machine", "arguments": {"image": "alpine", "network": "open"}})).json()
             self.assertFalse(created["result"].get("isError"), created)
@@ -2954,6 +2953,32 @@ class HttpFrontProcessTests(unittest.TestCase):
 def run_cli(*args, env=None, cwd=None, timeout=60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(HERE / "smol_mcp.py"), *args], cwd=cwd or HERE, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
+    """`smol_mcp.py --http` as a real process on a free loopback port: (process, port)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
+                              env=env, stdout=output, stderr=output)
+    return server, port
+
+
+def open_raw_session(http, url: str, headers: dict, tries: int = 400) -> dict:
+    """Initialize a handshake-era session over raw HTTP as soon as the server
+    answers; the headers that carry it."""
+    import httpx2
+    for _ in range(tries):
+        try:
+            answer = http.post(url, headers=headers, content=INIT_BODY)
+            break
+        except httpx2.TransportError:
+            time.sleep(0.05)
+    session = {**headers, "mcp-session-id": answer.headers["mcp-session-id"],
+               "mcp-protocol-version": "2025-06-18"}
+    http.post(url, headers=session, content=jsonrpc(None, "notifications/initialized"))
+    return session
 
 
 class HelperCommandTests(unittest.TestCase):
@@ -4077,6 +4102,10 @@ class AccessPiecesTests(unittest.TestCase):
                 ConfigError, "'machines.write'.*the scopes are: machines.read"
             ):
                 load_config({**env, "SMOL_MCP_SCOPES": "machines.read,machines.write"})
+            with self.assertRaisesRegex(ConfigError, "approvalWebhook .* must be an http"):
+                load_config({**env, "SMOL_MCP_APPROVAL_WEBHOOK": "file:///etc/passwd"})
+            with self.assertRaisesRegex(ConfigError, "SMOL_MCP_APPROVAL must be one of none"):
+                load_config({**env, "SMOL_MCP_APPROVAL": "all"})
 
     def test_store_keeps_hashes_only_refuses_bad_names_and_duplicates(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -4163,12 +4192,14 @@ class AccessCliTests(unittest.TestCase):
                     "scopes": ["machines.read"],
                     "targets": ["local"],
                     "approval": "changes",
+                    "autoApprove": "off",
                 },
                 {
                     "name": "agent",
                     "scopes": SANDBOX.split(","),
                     "targets": ["local", "cloud"],
                     "approval": "none",
+                    "autoApprove": "off",
                 },
             ],
         )
@@ -4205,15 +4236,7 @@ class AccessCliTests(unittest.TestCase):
 
     def test_http_starts_with_a_created_token_alone(self):
         run_cli("tokens", "create", "only", "--scopes", "machines.read", env=self.env)
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        server = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        server, port = spawn_http(self.env)
         try:
             import httpx2
 
@@ -4562,6 +4585,931 @@ class StdioScopesTests(FakeServeCase):
             )
             text = await self.refused(c, "delete-machine", {"name": "x"})
             self.assertTrue(text.startswith("scope_missing: delete-machine"), text)
+
+
+# ---------------------------------------------------------------------------
+# Agent access II: the activity log and approvals (SPEC 13)
+# ---------------------------------------------------------------------------
+
+APPEND_SCRIPT = """
+import sys
+sys.path.insert(0, {here!r})
+import smol_mcp
+log = smol_mcp.ActivityLog({state!r})
+pad = {pad!r} * 5000  # past PIPE_BUF: a line split in two writes would show
+for n in range(1000):
+    log.append({{"event": "test", "writer": {writer!r}, "n": n, "pad": pad}})
+"""
+
+
+class ActivityLogTests(unittest.TestCase):
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.state = f"{self.tmp}/state"
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_two_processes_appending_1000_lines_each_lose_none_and_interleave_none(self):
+        writers = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    APPEND_SCRIPT.format(here=str(HERE), state=self.state, writer=w, pad=w),
+                ]
+            )
+            for w in ("a", "b")
+        ]
+        for writer in writers:
+            self.assertEqual(writer.wait(timeout=300), 0)
+        log_file = smol_mcp.ActivityLog(self.state)
+        paths = [log_file.path] + [
+            log_file.older(i) for i in range(1, smol_mcp.ACTIVITY_KEEP_FILES + 1)
+        ]
+        lines = []
+        for path in paths:
+            if path.exists():
+                lines += path.read_bytes().split(b"\n")[:-1]
+        self.assertEqual(len(lines), 2000)  # 10 MB in all: rotated once, nothing dropped
+        self.assertTrue(log_file.older(1).exists())
+        seen = {"a": [], "b": []}
+        for line in lines:
+            entry = json.loads(line)  # a torn or interleaved line would not parse
+            self.assertEqual(entry["pad"], entry["writer"] * 5000)
+            seen[entry["writer"]].append(entry["n"])
+        for writer in ("a", "b"):
+            self.assertEqual(sorted(seen[writer]), list(range(1000)))
+            self.assertEqual(
+                [e["n"] for e in log_file.entries() if e.get("writer") == writer], list(range(1000))
+            )  # entries() reads the rotated files oldest first
+
+    def test_rotation_keeps_the_stated_number_of_files_under_the_bound(self):
+        log_file = smol_mcp.ActivityLog(self.state)
+        with unittest.mock.patch.multiple(
+            smol_mcp, ACTIVITY_ROTATE_BYTES=1000, ACTIVITY_KEEP_FILES=2
+        ):
+            for n in range(100):
+                log_file.append({"event": "test", "n": n, "pad": "x" * 100})
+            names = sorted(p.name for p in Path(self.state).glob("activity.jsonl*"))
+            self.assertEqual(
+                names,
+                ["activity.jsonl", "activity.jsonl.1", "activity.jsonl.2", "activity.jsonl.lock"],
+            )
+            for name in names[:3]:
+                self.assertLessEqual(Path(self.state, name).stat().st_size, 1000)
+            kept = [e["n"] for e in log_file.entries()]
+        self.assertEqual(kept, list(range(kept[0], 100)))  # the newest, in order; the oldest gone
+        self.assertGreater(kept[0], 0)
+        self.assertEqual(stat.S_IMODE(log_file.path.stat().st_mode), 0o600)
+
+    def test_redaction_keeps_size_and_digest_only(self):
+        import hashlib
+
+        shown = smol_mcp.redact_arguments(
+            {
+                "name": "m",
+                "content": "top secret",
+                "stdin": "pw",
+                "env": {"KEY": "sk-123"},
+                "command": "ls",
+            }
+        )
+        self.assertEqual(
+            shown["content"], {"bytes": 10, "sha256": hashlib.sha256(b"top secret").hexdigest()}
+        )
+        self.assertEqual(shown["env"]["KEY"]["bytes"], 6)
+        self.assertEqual((shown["name"], shown["command"]), ("m", "ls"))
+        self.assertNotIn("sk-123", json.dumps(shown))
+        self.assertNotIn("top secret", json.dumps(shown))
+
+    def test_periods(self):
+        self.assertEqual(
+            [smol_mcp.parse_period(p) for p in ("90s", "15m", "1h", "2d", "1w")],
+            [90, 900, 3600, 172800, 604800],
+        )
+        for bad in ("", "1", "h", "1y", "-1h"):
+            with self.assertRaises(ValueError):
+                smol_mcp.parse_period(bad)
+
+    def test_a_request_of_a_stopped_process_is_never_answerable(self):
+        desk = smol_mcp.ApprovalDesk(self.state)
+        later = smol_mcp.utc_time(time.time() + 600)
+        approval_id = desk.open(
+            {"token": "t", "tool": "create-machine", "requestedAt": "x", "expiresAt": later}
+        )
+        self.assertEqual([r["id"] for r in desk.pending()], [approval_id])
+        path = desk.directory / f"{approval_id}.request.json"
+        request = json.loads(path.read_text())
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        path.write_text(json.dumps({**request, "pid": dead.pid}))  # as if its server had stopped
+        with self.assertRaisesRegex(smol_mcp.SmolError, "has stopped.*approval_interrupted"):
+            desk.respond(approval_id, {"decision": "approve"})
+        self.assertFalse(path.exists())
+        for change in (
+            {"pidStart": 1},
+            {"expiresAt": "2020-01-01T00:00:00Z"},
+        ):  # pid reused; expired
+            approval_id = desk.open(
+                {"token": "t", "tool": "x", "requestedAt": "x", "expiresAt": later}
+            )
+            path = desk.directory / f"{approval_id}.request.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+            self.assertEqual(desk.pending(), [])
+            self.assertFalse(path.exists())
+        with self.assertRaisesRegex(smol_mcp.SmolError, "is not an approval id"):
+            desk.respond("../tokens", {})
+
+
+class ActivityCliTests(unittest.TestCase):
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.env = {
+            "PATH": os.environ["PATH"],
+            "HOME": self.tmp,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
+        }
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_activity_filters_and_token_events_and_auto_approval_shown_by_tokens_list(self):
+        created = json.loads(
+            run_cli(
+                "tokens",
+                "create",
+                "bot",
+                "--scopes",
+                "machines.exec",
+                "--approval",
+                "changes",
+                "--json",
+                env=self.env,
+            ).stdout
+        )
+        run_cli("tokens", "create", "gone", "--scopes", "machines.read", env=self.env)
+        run_cli("tokens", "delete", "gone", env=self.env)
+        log_file = smol_mcp.ActivityLog(f"{self.tmp}/state")
+        log_file.append(
+            {
+                "event": "tool",
+                "principal": "bot",
+                "tool": "run-command",
+                "machine": "m1",
+                "outcome": "ok",
+                "exitCode": 0,
+                "approvedBy": "alice",
+            }
+        )
+        log_file.append(
+            {
+                "event": "tool",
+                "principal": "stdio",
+                "user": "bob",
+                "tool": "delete-machine",
+                "machine": "m2",
+                "outcome": "ok",
+            }
+        )
+        with log_file.path.open("a") as old:
+            old.write(
+                json.dumps(
+                    {
+                        "time": "2020-01-01T00:00:00Z",
+                        "event": "tool",
+                        "principal": "bot",
+                        "tool": "stop-machine",
+                        "machine": "m1",
+                        "outcome": "ok",
+                    }
+                )
+                + "\n"
+            )
+        everything = json.loads(run_cli("activity", "--json", env=self.env).stdout)
+        self.assertEqual(
+            [(e["event"], e.get("outcome")) for e in everything[:3]],
+            [("token", "created"), ("token", "created"), ("token", "deleted")],
+        )
+        self.assertEqual(everything[0]["user"], smol_mcp.os_user())
+        self.assertNotIn(created["secret"], log_file.path.read_text())
+        self.assertEqual(
+            [
+                e["tool"]
+                for e in json.loads(
+                    run_cli("activity", "--token", "bot", "--json", env=self.env).stdout
+                )
+            ],
+            ["run-command", "stop-machine"],
+        )
+        self.assertEqual(
+            [
+                e["tool"]
+                for e in json.loads(
+                    run_cli(
+                        "activity", "--machine", "m1", "--since", "1h", "--json", env=self.env
+                    ).stdout
+                )
+            ],
+            ["run-command"],
+        )
+        table = run_cli("activity", "--token", "bot", env=self.env).stdout
+        self.assertIn("TIME", table)
+        self.assertIn("ok (exit 0), approved by alice", table)
+        bad = run_cli("activity", "--since", "yesterday", env=self.env)
+        self.assertEqual(bad.returncode, 2)
+        self.assertIn("--since: 'yesterday' is not a period", bad.stderr)
+        self.assertEqual(
+            json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0]["autoApprove"],
+            "off",
+        )
+        record = smol_mcp.TokenStore(f"{self.tmp}/state").records()[0]
+        smol_mcp.AutoApprovals(f"{self.tmp}/state").grant("bot", record["id"], "7d")
+        shown = json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0][
+            "autoApprove"
+        ]
+        self.assertAlmostEqual(smol_mcp.parse_time(shown) - time.time(), 7 * 86400, delta=120)
+        self.assertIn(shown, run_cli("tokens", "list", env=self.env).stdout)
+        run_cli("tokens", "delete", "bot", env=self.env)  # deleting a token ends its auto-approval
+        self.assertEqual(
+            json.loads(Path(self.tmp, "state", smol_mcp.AUTO_APPROVE_FILE).read_text()), {}
+        )
+        out = run_cli("tokens", "auto-approve", "bot", "off", env=self.env)
+        self.assertEqual(out.returncode, 1)
+        self.assertIn("has no auto-approval", out.stderr)
+        out = run_cli("approvals", "approve", "0123456789ab", env=self.env)
+        self.assertEqual(out.returncode, 2)
+        self.assertIn("no call waits for approval 0123456789ab", out.stderr)
+        self.assertEqual(
+            run_cli("approvals", "list", env=self.env).stdout.strip(), "no call waits for approval"
+        )
+
+
+class ActivityToolTests(FakeServeCase):
+    def entries(self, **where):
+        return smol_mcp.select_activity(self.app.access.activity.entries(), **where)
+
+    async def test_changes_are_recorded_before_the_answer_reads_are_not_and_contents_are_redacted(
+        self,
+    ):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                shutil.rmtree(self.config.state_dir, ignore_errors=True)
+                async with self.client(mode) as c:
+                    await self.ok(
+                        c,
+                        "create-machine",
+                        {"name": "mcp-act", "image": "alpine", "network": "open"},
+                    )
+                    self.assertEqual([e["tool"] for e in self.entries()], ["create-machine"])
+                    await self.ok(c, "list-machines", {})
+                    await self.ok(c, "get-machine", {"name": "mcp-act"})
+                    await self.ok(c, "machine-logs", {"name": "mcp-act"})
+                    self.assertEqual(len(self.entries()), 1)  # reads write nothing
+                    await self.ok(
+                        c,
+                        "write-file",
+                        {"name": "mcp-act", "path": "/tmp/key", "content": "FILE-SECRET-41"},
+                    )
+                    ran = await self.ok(
+                        c,
+                        "run-command",
+                        {
+                            "name": "mcp-act",
+                            "command": "cat; exit 3",
+                            "env": {"API_KEY": "ENV-SECRET-42"},
+                            "stdin": "STDIN-SECRET-43",
+                        },
+                    )
+                    self.assertEqual(ran["exitCode"], 3)
+                    entry = self.entries()[-1]  # there before the answer came back
+                    self.assertEqual(
+                        {
+                            k: entry[k]
+                            for k in (
+                                "event",
+                                "principal",
+                                "tool",
+                                "target",
+                                "machine",
+                                "outcome",
+                                "exitCode",
+                            )
+                        },
+                        {
+                            "event": "tool",
+                            "principal": "stdio",
+                            "tool": "run-command",
+                            "target": "local",
+                            "machine": "mcp-act",
+                            "outcome": "ok",
+                            "exitCode": 3,
+                        },
+                    )
+                    self.assertTrue(
+                        entry["user"] and entry["session"] and entry["time"].endswith("Z")
+                    )
+                    self.assertIsInstance(entry["durationMs"], int)
+                    self.assertEqual(entry["arguments"]["env"]["API_KEY"]["bytes"], 13)
+                    text = await self.refused(c, "stop-machine", {"name": "nope"})
+                    self.assertEqual(self.entries()[-1]["outcome"], text.splitlines()[0])
+                log_text = self.app.access.activity.path.read_text()
+                for secret in ("FILE-SECRET-41", "ENV-SECRET-42", "STDIN-SECRET-43"):
+                    self.assertNotIn(secret, log_text)
+                cleanup = self.entries()[-1]
+                self.assertEqual(
+                    (cleanup["event"], cleanup["machine"], cleanup["outcome"]),
+                    ("session-cleanup", "mcp-act", "deleted"),
+                )
+
+    async def test_a_log_that_cannot_be_written_is_one_warning_and_the_result_stands(self):
+        Path(self.config.state_dir).mkdir(mode=0o700, parents=True)
+        Path(self.config.state_dir, smol_mcp.ACTIVITY_FILE).mkdir()  # appending to it fails
+        async with self.client("legacy") as c:
+            with self.assertLogs("smol_mcp", "WARNING") as logged:
+                made = await self.ok(
+                    c, "create-machine", {"name": "kept", "image": "alpine", "start": False}
+                )
+            self.assertEqual(made["machine"]["name"], "kept")
+            self.assertEqual(len(logged.output), 1)
+            self.assertIn("could not write the activity log", logged.output[0])
+            self.assertNotIn("Traceback", logged.output[0])
+            await self.ok(c, "delete-machine", {"name": "kept"})
+
+    async def test_the_resource_needs_activity_read_and_a_sandbox_principal_reads_its_own(self):
+        self.app.record({"event": "tool", "principal": "someone-else", "tool": "delete-machine"})
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mine", "image": "alpine", "start": False})
+            self.assertIn(
+                smol_mcp.ACTIVITY_URI, [str(r.uri) for r in (await c.list_resources()).resources]
+            )
+            got = json.loads((await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text)
+            self.assertEqual([e["principal"] for e in got["entries"]], ["someone-else", "stdio"])
+        self.app.access.stdio = smol_mcp.Principal(
+            "stdio", frozenset({"sandbox.read", "activity.read"}), kind="stdio"
+        )
+        async with self.client("auto") as c:
+            got = json.loads((await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text)
+            self.assertEqual([e["principal"] for e in got["entries"]], ["stdio"])
+        self.app.access.stdio = smol_mcp.Principal(
+            "stdio", frozenset({"machines.read"}), kind="stdio"
+        )
+        for mode in MODES:
+            async with self.client(mode) as c:
+                self.assertNotIn(
+                    smol_mcp.ACTIVITY_URI,
+                    [str(r.uri) for r in (await c.list_resources()).resources],
+                )
+                with self.assertRaises(MCPError) as refused:
+                    await c.read_resource(smol_mcp.ACTIVITY_URI)
+                self.assertIn(
+                    "scope_missing: smol://activity needs the activity.read scope",
+                    str(refused.exception),
+                )
+
+
+class ApprovalTests(FakeServeCase):
+    """A stdio server with SMOL_MCP_APPROVAL=changes, answered as a person would."""
+
+    config_overrides = {"approval": "changes", "approval_timeout_secs": 30}
+
+    def env(self) -> dict:
+        return {
+            "PATH": os.environ["PATH"],
+            "HOME": self.tmp,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": self.config.state_dir,
+        }
+
+    async def waiting(self, count=1, timeout=10.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            out = await asyncio.to_thread(run_cli, "approvals", "list", "--json", env=self.env())
+            listed = json.loads(out.stdout)
+            if len(listed) >= count:
+                return listed
+            self.assertLess(time.monotonic(), deadline, "no call came to wait for approval")
+            await asyncio.sleep(0.2)
+
+    def approval_events(self) -> list[tuple]:
+        return [
+            (e["approval"], e.get("by"))
+            for e in self.app.access.activity.entries()
+            if e.get("event") == "approval"
+        ]
+
+    async def test_a_changing_call_waits_until_a_person_approves_it_from_a_terminal(self):
+        progress = []
+
+        async def on_progress(done, total, message):
+            progress.append(message)
+
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                async with self.client(mode) as c:
+                    self.assertIn("approval_rejected", c.instructions)
+                    await self.ok(c, "list-machines", {})  # reads answer at once
+                    call = asyncio.create_task(
+                        c.call_tool(
+                            "create-machine",
+                            {"name": f"ok-{mode}", "image": "alpine", "start": False},
+                            progress_callback=on_progress,
+                        )
+                    )
+                    [held] = await self.waiting()
+                    self.assertEqual(
+                        (held["token"], held["tool"], held["machine"]),
+                        ("stdio", "create-machine", f"ok-{mode}"),
+                    )
+                    self.assertEqual(
+                        set(held), {"id", "token", "tool", "machine", "expiresAt", "arguments"}
+                    )
+                    self.assertNotIn(f"ok-{mode}", self.fake.machines)  # nothing ran yet
+                    table = await asyncio.to_thread(run_cli, "approvals", "list", env=self.env())
+                    self.assertIn(held["id"], table.stdout)
+                    answered = time.monotonic()
+                    out = await asyncio.to_thread(
+                        run_cli, "approvals", "approve", held["id"], env=self.env()
+                    )
+                    self.assertEqual(out.returncode, 0, out.stderr)
+                    is_error, made = result_of(await call)
+                    self.assertLess(
+                        time.monotonic() - answered, 3
+                    )  # seen within a second, plus the create
+                    self.assertFalse(is_error, made)
+                    self.assertIn(f"ok-{mode}", self.fake.machines)
+                    again = await asyncio.to_thread(
+                        run_cli, "approvals", "approve", held["id"], env=self.env()
+                    )
+                    self.assertIn("no call waits for approval", again.stderr)
+        self.assertTrue(
+            any("approvals approve" in m and "waits for a person" in m for m in progress), progress
+        )
+        self.assertEqual(
+            self.approval_events()[-2:], [("requested", None), ("approved", smol_mcp.os_user())]
+        )
+        tool_entry = [e for e in self.app.access.activity.entries() if e.get("event") == "tool"][-1]
+        self.assertEqual(tool_entry["approvedBy"], smol_mcp.os_user())
+
+    async def test_a_denied_create_creates_nothing_and_says_why(self):
+        async with self.client("legacy") as c:
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "never", "image": "alpine"})
+            )
+            [held] = await self.waiting()
+            await asyncio.to_thread(
+                run_cli, "approvals", "deny", held["id"], "--reason", "not today", env=self.env()
+            )
+            is_error, text = result_of(await call)
+        self.assertTrue(is_error)
+        self.assertTrue(text.startswith("approval_rejected: "), text)
+        self.assertIn("not today", text)
+        self.assertNotIn("never", self.fake.machines)
+        self.assertEqual(self.requests_to("/machines"), [])
+        self.assertEqual(self.approval_events()[-1], ("rejected", smol_mcp.os_user()))
+        self.assertEqual(list((Path(self.config.state_dir) / "approvals").iterdir()), [])
+
+    async def test_nobody_answering_times_out(self):
+        self.app = SmolMcp(dataclasses_replace(self.config, approval_timeout_secs=1))
+        async with self.client("auto") as c:
+            with anyio.fail_after(20):  # a wait without an end fails here instead of hanging
+                text = await self.refused(c, "create-machine", {"name": "late", "image": "alpine"})
+        self.assertTrue(text.startswith("approval_timed_out: "), text)
+        self.assertNotIn("late", self.fake.machines)
+        self.assertEqual(self.approval_events()[-1][0], "timed out")
+
+    async def test_a_client_that_stops_waiting_cancels_the_request(self):
+        async with self.client("legacy") as c:
+            with anyio.move_on_after(1.5):
+                await c.call_tool("create-machine", {"name": "gave-up", "image": "alpine"})
+            deadline = time.monotonic() + 5
+            while self.approval_events()[-1][0] != "cancelled":
+                self.assertLess(time.monotonic(), deadline, self.approval_events())
+                await asyncio.sleep(0.1)
+            self.assertEqual(
+                json.loads(
+                    (
+                        await asyncio.to_thread(
+                            run_cli, "approvals", "list", "--json", env=self.env()
+                        )
+                    ).stdout
+                ),
+                [],
+            )
+        self.assertNotIn("gave-up", self.fake.machines)
+        self.assertEqual(self.app.access.activity.entries()[-1]["outcome"], "cancelled")
+
+    async def test_auto_approval_for_a_period_then_it_ends(self):
+        async with self.client("legacy") as c:
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "a1", "image": "alpine", "start": False})
+            )
+            [held] = await self.waiting()
+            other = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "a1b", "image": "alpine", "start": False})
+            )
+            await self.waiting(2)
+            await asyncio.to_thread(
+                run_cli, "approvals", "approve", held["id"], "--auto-for", "1h", env=self.env()
+            )
+            self.assertFalse((await call).is_error)
+            self.assertFalse((await other).is_error)  # one already waiting runs too
+            requested = self.approval_events().count(("requested", None))
+            await self.ok(
+                c, "create-machine", {"name": "a2", "image": "alpine", "start": False}
+            )  # no wait
+            self.assertEqual(self.approval_events()[-1][0], "auto-approved")
+            self.assertEqual(
+                self.approval_events().count(("requested", None)), requested
+            )  # never listed
+            auto_file = Path(self.config.state_dir, smol_mcp.AUTO_APPROVE_FILE)
+            granted = json.loads(auto_file.read_text())["stdio"]
+            self.assertAlmostEqual(
+                smol_mcp.parse_time(granted["until"]) - time.time(), 3600, delta=60
+            )
+            auto_file.write_text(
+                json.dumps({"stdio": {**granted, "until": "2020-01-01T00:00:00Z"}})
+            )  # expired
+            self.app.access.auto.file._signature = None
+            self.app = self.app
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "a3", "image": "alpine", "start": False})
+            )
+            [held] = await self.waiting()
+            await asyncio.to_thread(
+                run_cli, "approvals", "approve", held["id"], "--auto-for", "forever", env=self.env()
+            )
+            self.assertFalse((await call).is_error)
+            await self.ok(c, "delete-machine", {"name": "a3"})
+            out = await asyncio.to_thread(
+                run_cli, "tokens", "auto-approve", "stdio", "off", env=self.env()
+            )
+            self.assertEqual(out.returncode, 0, out.stderr)
+            call = asyncio.create_task(c.call_tool("delete-machine", {"name": "a2"}))
+            await self.waiting()  # asks again
+            self.assertIn("a2", self.fake.machines)
+            call.cancel()
+
+    async def test_an_unwritable_state_dir_is_approval_unavailable(self):
+        Path(self.tmp, "file").write_text("")
+        self.app = SmolMcp(dataclasses_replace(self.config, state_dir=f"{self.tmp}/file/st"))
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "create-machine", {"name": "nope", "image": "alpine"})
+        self.assertTrue(text.startswith("approval_unavailable: "), text)
+        self.assertEqual(self.requests_to("/machines"), [])
+
+    async def test_the_webhook_carries_no_arguments_and_a_failing_one_blocks_nothing(self):
+        import http.server
+
+        received, release = [], threading.Event()
+
+        class Hook(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                if self.path == "/slow":
+                    release.wait(30)  # held until the call has been answered
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            closed = probe.getsockname()[1]
+        try:
+            for url in (
+                f"http://127.0.0.1:{hook.server_port}/hook",
+                f"http://127.0.0.1:{closed}/hook",
+                f"http://127.0.0.1:{hook.server_port}/slow",
+            ):
+                self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
+                async with self.client("legacy") as c:
+                    call = asyncio.create_task(
+                        c.call_tool(
+                            "create-machine",
+                            {
+                                "name": "hooked",
+                                "image": "alpine",
+                                "start": False,
+                                "env": {"K": "WEBHOOK-SECRET"},
+                            },
+                        )
+                    )
+                    [held] = await self.waiting()
+                    await asyncio.to_thread(
+                        run_cli, "approvals", "deny", held["id"], env=self.env()
+                    )
+                    self.assertTrue((await call).is_error)
+                    failed = [
+                        e
+                        for e in self.app.access.activity.entries()
+                        if e.get("id") == held["id"] and e.get("approval") == "webhook failed"
+                    ]
+                    if url.endswith(
+                        "/slow"
+                    ):  # answered while the webhook still hung: it held nothing
+                        self.assertEqual(failed, [])
+        finally:
+            release.set()
+            hook.shutdown()
+        self.assertEqual(len(received), 2)
+        self.assertEqual(set(received[0]), {"id", "token", "tool", "machine", "expiresAt"})
+        self.assertEqual(
+            (received[0]["tool"], received[0]["machine"]), ("create-machine", "hooked")
+        )
+        self.assertNotIn("WEBHOOK-SECRET", json.dumps(received))
+        self.assertIn("webhook failed", [e[0] for e in self.approval_events()])
+
+    async def test_no_approval_no_instructions_and_no_wait(self):
+        self.app = SmolMcp(dataclasses_replace(self.config, approval="none"))
+        async with self.client("legacy") as c:
+            self.assertNotIn("approval_rejected", c.instructions)
+            await self.ok(c, "create-machine", {"name": "free", "image": "alpine", "start": False})
+        self.assertEqual(self.approval_events(), [])
+
+
+def answer_approval(action: str, asked: list | None = None, note: str | None = None):
+    async def callback(context, params):
+        if asked is not None:
+            asked.append(params.message)
+        return mcp_types.ElicitResult(action=action, content={"note": note} if note else None)
+
+    return callback
+
+
+class ApprovalViaClientTests(FakeServeCase):
+    """approvalVia client: the person at a stdio client answers a form, in both eras."""
+
+    config_overrides = {
+        "approval": "changes",
+        "approval_via": "client",
+        "approval_timeout_secs": 30,
+    }
+
+    async def test_accept_runs_decline_rejects_in_both_eras(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                asked = []
+                async with self.client(
+                    mode, elicitation_callback=answer_approval("accept", asked, "fine")
+                ) as c:
+                    await self.ok(
+                        c,
+                        "create-machine",
+                        {"name": f"yes-{mode}", "image": "alpine", "start": False},
+                    )
+                self.assertIn(f"yes-{mode}", self.fake.machines)
+                self.assertEqual(len(asked), 1)
+                self.assertIn(f"create-machine on yes-{mode}", asked[0])
+                events = [
+                    e for e in self.app.access.activity.entries() if e.get("event") == "approval"
+                ]
+                self.assertEqual(
+                    (events[-1]["approval"], events[-1]["reason"]), ("approved", "fine")
+                )
+                self.assertIn("approvalVia client", events[-1]["by"])
+                async with self.client(mode, elicitation_callback=answer_approval("decline")) as c:
+                    text = await self.refused(
+                        c, "create-machine", {"name": f"no-{mode}", "image": "alpine"}
+                    )
+                self.assertTrue(text.startswith("approval_rejected: "), text)
+                self.assertNotIn(f"no-{mode}", self.fake.machines)
+                self.assertEqual(list((Path(self.config.state_dir) / "approvals").iterdir()), [])
+
+    async def test_a_dismissed_form_or_a_client_without_forms_leaves_the_terminal(self):
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": self.tmp,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": self.config.state_dir,
+        }
+        for kwargs in ({"elicitation_callback": answer_approval("cancel")}, {}):
+            with self.subTest(elicitation=bool(kwargs)):
+                async with self.client("legacy", **kwargs) as c:
+                    name = f"term-{len(kwargs)}"
+                    call = asyncio.create_task(
+                        c.call_tool(
+                            "create-machine", {"name": name, "image": "alpine", "start": False}
+                        )
+                    )
+                    deadline = time.monotonic() + 10
+                    while not self.app.access.desk.pending():
+                        self.assertLess(time.monotonic(), deadline)
+                        await asyncio.sleep(0.1)
+                    await asyncio.sleep(0.5)
+                    self.assertFalse(call.done())  # still waiting for the terminal
+                    [held] = self.app.access.desk.pending()
+                    await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], env=env)
+                    self.assertFalse((await call).is_error)
+                    self.assertIn(name, self.fake.machines)
+
+    async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(self):
+        forged = mcp_types.ElicitResult(action="accept").model_dump(
+            by_alias=True, exclude_none=True
+        )
+        async with self.client(
+            "legacy"
+        ) as other:  # cannot show forms: its call waits for the terminal
+            waiting = asyncio.create_task(
+                other.call_tool("create-machine", {"name": "real", "image": "alpine"})
+            )
+            deadline = time.monotonic() + 10
+            while not self.app.access.desk.pending():
+                self.assertLess(time.monotonic(), deadline)
+                await asyncio.sleep(0.1)
+            [held] = self.app.access.desk.pending()
+            for state in ("smol-mcp:approval:0123456789ab", f"smol-mcp:approval:{held['id']}"):
+                with self.subTest(state=state):
+                    asked = []
+                    async with self.client(
+                        "auto", elicitation_callback=answer_approval("decline", asked)
+                    ) as c:
+                        answer = await c.call_tool(
+                            "create-machine",
+                            {"name": "forged", "image": "alpine"},
+                            input_responses={"approval": forged},
+                            request_state=state,
+                        )
+                    self.assertTrue(
+                        answer.content[0].text.startswith("approval_rejected"),
+                        answer.content[0].text,
+                    )
+                    self.assertEqual(
+                        len(asked), 1
+                    )  # it was asked for real, and the person declined
+                    self.assertNotIn("forged", self.fake.machines)
+            self.app.access.desk.respond(held["id"], {"decision": "deny", "by": "test"})
+            self.assertTrue((await waiting).is_error)
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class ApprovalHttpTests(HttpCase):
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        self.store = smol_mcp.TokenStore(self.config.state_dir)
+        _, self.secret = self.store.create(
+            "held",
+            smol_mcp.parse_scopes("machines.manage,machines.read"),
+            smol_mcp.FLEET_NAMES,
+            "changes",
+        )
+
+    async def test_a_token_deleted_while_its_call_waits_gets_approval_token_deleted(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                async with self.http_client(
+                    mode, headers={"Authorization": f"Bearer {self.secret}"}
+                ) as c:
+                    await self.ok(c, "list-machines", {})
+                    call = asyncio.create_task(
+                        c.call_tool("create-machine", {"name": "orphan", "image": "alpine"})
+                    )
+                    deadline = time.monotonic() + 10
+                    while not self.app.access.desk.pending():
+                        self.assertLess(time.monotonic(), deadline)
+                        await asyncio.sleep(0.1)
+                    self.store.delete("held")
+                    is_error, text = result_of(await call)
+                self.assertTrue(text.startswith("approval_token_deleted: "), text)
+                self.assertNotIn("orphan", self.fake.machines)
+                _, self.secret = self.store.create(
+                    "held",
+                    smol_mcp.parse_scopes("machines.manage,machines.read"),
+                    smol_mcp.FLEET_NAMES,
+                    "changes",
+                )
+
+    async def test_a_plain_token_never_waits(self):
+        async with self.http_client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "direct", "image": "alpine", "start": False}
+            )
+        self.assertEqual(self.app.access.desk.pending(), [])
+
+
+class ApprovalSigtermTests(unittest.TestCase):
+    """A real server process stopped while a call waits: approval_interrupted."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.fake = FakeSmolvm(f"{self.tmp}/fake.sock")
+        self.fake.start()
+        self.env = {
+            **os.environ,
+            "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
+            "HOME": self.tmp,
+        }
+        self.env.pop("SMOL_MCP_AUTH_TOKEN", None)
+
+    def tearDown(self):
+        self.fake.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def wait_for_request(self, server) -> None:
+        desk = smol_mcp.ApprovalDesk(f"{self.tmp}/state")
+        deadline = time.monotonic() + 60
+        while not (desk.directory.exists() and desk.pending()):
+            self.assertIsNone(server.poll(), "the server exited")
+            self.assertLess(time.monotonic(), deadline, "no request was filed")
+            time.sleep(0.1)
+
+    def assert_interrupted(self, text: str) -> None:
+        self.assertTrue(text.startswith("approval_interrupted: "), text)
+        self.assertEqual(self.fake.machines, {})
+        entries = smol_mcp.ActivityLog(f"{self.tmp}/state").entries()
+        self.assertIn("interrupted", [e.get("approval") for e in entries])
+        self.assertEqual(list(Path(self.tmp, "state", "approvals").glob("*.json")), [])
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+    def test_http(self):
+        import httpx2
+
+        secret = json.loads(
+            run_cli(
+                "tokens",
+                "create",
+                "held",
+                "--scopes",
+                "machines.manage",
+                "--approval",
+                "changes",
+                "--json",
+                env=self.env,
+            ).stdout
+        )["secret"]
+        server, port = spawn_http(self.env, subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}/mcp"
+            headers = {**JSON_HEADERS, "Authorization": f"Bearer {secret}"}
+            with httpx2.Client(timeout=60) as http:
+                session = open_raw_session(http, url, headers)
+                result = {}
+
+                def call():
+                    result["answer"] = http.post(
+                        url,
+                        headers=session,
+                        content=jsonrpc(
+                            2,
+                            "tools/call",
+                            {
+                                "name": "create-machine",
+                                "arguments": {"name": "held-up", "image": "alpine"},
+                            },
+                        ),
+                    ).json()
+
+                caller = threading.Thread(target=call)
+                caller.start()
+                self.wait_for_request(server)
+                server.send_signal(signal.SIGTERM)
+                caller.join(30)
+                server.wait(timeout=30)
+            answer = result["answer"]["result"]
+            self.assertTrue(answer["isError"])
+            self.assert_interrupted(answer["content"][0]["text"])
+        finally:
+            if server.poll() is None:
+                server.kill()
+
+    def test_stdio(self):
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py")],
+            env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            server.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
+            server.stdin.write(jsonrpc(None, "notifications/initialized"))
+            server.stdin.write(
+                jsonrpc(
+                    2,
+                    "tools/call",
+                    {"name": "create-machine", "arguments": {"name": "held-up", "image": "alpine"}},
+                )
+            )
+            server.stdin.flush()
+            self.wait_for_request(server)
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=30)  # stdin stays open: an EOF would be the client going away
+            out = server.stdout.read()
+            answers = [json.loads(line) for line in out.splitlines() if line.strip()]
+            answer = next(a for a in answers if a.get("id") == 2)
+            answer = answer.get("result", answer)
+            self.assertTrue(answer["isError"])
+            self.assert_interrupted(answer["content"][0]["text"])
+        finally:
+            if server.poll() is None:
+                server.kill()
 
 
 # ---------------------------------------------------------------------------
