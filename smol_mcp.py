@@ -3209,20 +3209,26 @@ async def create_recorded(call: Call, name: str, create: Callable, *args: Any,
     an ephemeral name is recorded before the call, so a crash right after it
     still cleans up, and forgotten only if the API refused it and this call
     was the one that recorded it. Its owner (the caller, or for a branch the
-    source's owner) is recorded the same way."""
+    source's owner) is recorded the same way. A record the engine proves stale
+    (it accepted the name, so no machine had it) is replaced: a machine deleted
+    behind this server's back must not hand its name's next machine to the
+    old owner."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
-    owners = call.app.access.owners
+    owners, owner = call.app.access.owners, owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
     if claimed:
-        owners.claim(call.fleet.name, name, owner or call.principal.name)
+        owners.claim(call.fleet.name, name, owner)
     try:
-        return await call.create(create, *args, waiting=f"creating '{name}'")
+        record = await call.create(create, *args, waiting=f"creating '{name}'")
     except SmolError:
         if added:
             call.session.forget(call.fleet.name, name)
         if claimed:
             owners.clear(call.fleet.name, [name])
         raise
+    if owners.owner(call.fleet.name, name) != owner:
+        owners.claim(call.fleet.name, name, owner)
+    return record
 
 
 async def tool_run_command(call: Call, args: dict) -> dict:

@@ -4536,6 +4536,21 @@ class SandboxBothFleetsTests(FakeCloudCase):
         self.assertEqual(self.by_name("ops-cloud")["name"], "ops-cloud")
 
 
+    async def test_a_name_freed_behind_the_servers_back_goes_to_its_next_creator(self):
+        """A machine deleted outside this server leaves its owner on record; the
+        engine accepting the name again proves the record stale."""
+        self.app = SmolMcp(dataclasses_replace(self.config, scopes=(), targets="cloud"))
+        mine = smol_mcp.Principal("b", frozenset(SANDBOX.split(",")), kind="stdio")
+        self.app.access.stdio = mine
+        self.app.access.owners.claim("cloud", "dev", "a")  # a's machine, deleted on the service
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "dev", "image": "alpine", "start": False})
+            self.assertEqual(self.app.access.owners.owner("cloud", "dev"), "b")
+            listed = await self.ok(c, "list-machines", {})
+            self.assertEqual([m["name"] for m in listed["machines"]], ["dev"])
+            await self.ok(c, "delete-machine", {"name": "dev"})
+
+
 class StdioScopesTests(FakeServeCase):
     config_overrides = {"scopes": ("machines.read",)}
 
