@@ -2258,6 +2258,24 @@ def json_chars(text: str) -> int:
     return len(json.dumps(text, ensure_ascii=False))
 
 
+def prefix_within_chars(data: bytes, chars: int) -> int:
+    """The longest prefix of ``data``, ended on a character boundary, whose
+    text takes at most ``chars`` JSON characters: a page of bytes that are
+    all escapes (NUL is six characters) must still fit the reply."""
+    if json_chars(data.decode("utf-8", "replace")) <= chars:
+        return len(data)
+    low, high = 0, len(data)
+    while low < high:
+        middle = utf8_prefix_end(data, (low + high + 1) // 2)
+        if middle <= low:  # no boundary between them: the low end is the answer
+            break
+        if json_chars(data[:middle].decode("utf-8", "replace")) <= chars:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def reply_json(result: dict) -> str:
     """The text content of a structured tool result: the same JSON, with
     non-ASCII kept as characters (escaping it would cost six per character)."""
@@ -2562,8 +2580,10 @@ ARG_PATH = _string("An absolute path of a file inside the machine.", pattern=FIL
 ARG_ENCODING = _string("utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"])
 ARG_JOB_ID = _string("The job's id, as start-job returned it (get-machine lists a machine's "
                      "jobs).", pattern=JOB_ID_PATTERN)
-ARG_JOB_OFFSET = {**_object({"stdout": _integer("Bytes of stdout already read.", minimum=0),
-                             "stderr": _integer("Bytes of stderr already read.", minimum=0)}),
+ARG_JOB_OFFSET = {**_object({"stdout": _integer("Bytes of stdout already read.", minimum=0,
+                                                maximum=MAX_FILE_OFFSET),
+                             "stderr": _integer("Bytes of stderr already read.", minimum=0,
+                                                maximum=MAX_FILE_OFFSET)}),
                   "description": "Where to continue: the nextOffset of the previous read-job."}
 ARG_WAIT = {"type": "boolean", "description": "Wait until a command has run in the guest before answering (default true)."}
 
@@ -3280,6 +3300,7 @@ async def tool_read_file(call: Call, args: dict) -> dict:
             if not data and page.data:
                 raise ArgumentError(f'"length" {length} is too short for the character at offset {offset}; ask for '
                                     "at least 4 bytes")
+        data = data[:prefix_within_chars(data, call.config.max_output_bytes)]
         try:
             content = data.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -3649,12 +3670,17 @@ async def tool_read_job(call: Call, args: dict) -> dict:
     page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
     shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
     next_offset = {}
-    for stream, data, start, size in zip(
-        ("stdout", "stderr"), (page.stdout, page.stderr), offsets, page.sizes
-    ):
+    pages = []
+    for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
         if page.state == "running" or start + len(data) < size:
             # the rest of a character comes with the next page
             data = data[:utf8_prefix_end(data, len(data))]
+        pages.append(data)
+    # Like run-command, both streams share one budget of JSON characters.
+    escaped = tuple(json_chars(data.decode("utf-8", "replace")) for data in pages)
+    shares = stream_shares(escaped, call.config.max_output_bytes)
+    for stream, data, share, start in zip(("stdout", "stderr"), pages, shares, offsets):
+        data = data[:prefix_within_chars(data, share)]
         shaped[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
     shaped["nextOffset"] = next_offset

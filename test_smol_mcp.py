@@ -1073,6 +1073,43 @@ class ReplySizeTests(FakeServeCase):
                                      Config().max_output_bytes + 4)
 
 
+    async def test_pages_of_escapes_fit_and_read_back_whole(self):
+        """read-file and read-job pages are bounded in JSON characters too: a
+        page of NUL bytes (six characters each) must not be six times the budget."""
+        budget = Config().max_output_bytes
+        size = 70_000
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-nul", "image": "alpine"})
+            make = f"head -c {size} /dev/zero > /z; head -c {size} /dev/zero"
+            await self.ok(c, "run-command", {"name": "mcp-nul", "command": make})
+            offset, whole = 0, ""
+            while True:
+                page = await self.ok(c, "read-file", {"name": "mcp-nul", "path": "/z",
+                                                      "offset": offset})
+                self.assertLessEqual(json_chars_of(page["content"]), budget)
+                whole, offset = whole + page["content"], offset + page["bytes"]
+                if page["eof"]:
+                    break
+            self.assertEqual(whole, "\0" * size)
+            job = await self.ok(c, "start-job", {"name": "mcp-nul", "command": f"{make}; {make} >&2"})
+            out, err, offset = "", "", {"stdout": 0, "stderr": 0}
+            for _ in range(200):
+                page = await self.ok(c, "read-job", {"name": "mcp-nul", "jobId": job["jobId"],
+                                                     "offset": offset})
+                self.assertLessEqual(json_chars_of(page["stdout"]) + json_chars_of(page["stderr"]),
+                                     budget)
+                out, err, offset = out + page["stdout"], err + page["stderr"], page["nextOffset"]
+                if page["eof"]:
+                    break
+                if not page["stdout"] and not page["stderr"]:
+                    await asyncio.sleep(0.2)
+            self.assertEqual((out, err), ("\0" * size, "\0" * size))
+
+
+def json_chars_of(text: str) -> int:
+    return len(json.dumps(text, ensure_ascii=False))
+
+
 class StartFailureTests(FakeServeCase):
     fake_options = {"registry": "offline"}
 
