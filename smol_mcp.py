@@ -3094,6 +3094,12 @@ EGRESS_HINT = (
     'If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it used]}} (or '
     'cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
 )
+# For a caller that cannot call allow-egress: pointing at it would only earn a refusal.
+EGRESS_HINT_NO_SCOPE = (
+    "egressDenied lists the connections this machine's egress policy refused while the "
+    "command ran. Widening the allow list needs the manage scope, which this caller does not "
+    "have: ask the operator (allow-egress, or a machine created with the hosts it needs)."
+)
 
 
 def parse_event_time(value: Any) -> datetime.datetime | None:
@@ -3150,7 +3156,9 @@ async def note_egress_denials(
         return shaped
     denied = group_denials(events, since)
     if denied:
-        shaped = {**shaped, "egressDenied": denied, "egressHint": EGRESS_HINT.format(name=name)}
+        may_amend = granting_scope(call.principal, "allow-egress") is not None
+        hint = EGRESS_HINT.format(name=name) if may_amend else EGRESS_HINT_NO_SCOPE
+        shaped = {**shaped, "egressDenied": denied, "egressHint": hint}
     return shaped
 
 

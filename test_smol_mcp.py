@@ -1623,6 +1623,16 @@ class EgressTests(FakeServeCase):
     def egress_posts(self, name: str = "") -> list:
         return self.requests_to(f"{name}/egress")
 
+    async def test_a_caller_without_the_manage_scope_is_not_pointed_at_allow_egress(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "egress-exec", "image": "alpine"})
+            self.app.access.stdio = smol_mcp.Principal(
+                "runner", frozenset({"machines.exec"}), kind="stdio")
+            ran = await self.ok(c, "run-command", {"name": "egress-exec", "command": self.fetch})
+        self.assertEqual([d["dest"] for d in ran["egressDenied"]], [self.dest])
+        self.assertNotIn("allow-egress {", ran["egressHint"])
+        self.assertIn("ask the operator", ran["egressHint"])
+
     async def test_a_blocked_host_is_named_then_allowed_then_reached(self):
         for mode in MODES:
             with self.subTest(mode=mode):
