@@ -9,8 +9,8 @@
 """smol-mcp: an MCP server that gives an AI agent microVMs to work in.
 
 The agent creates a machine from an OCI image, runs commands in it, reads and
-writes its files, branches it, follows its log and deletes it, through sixteen
-MCP tools (long commands show their output as they run, or run as jobs). Every
+writes its files, branches it, follows its log and deletes it, through MCP
+tools (long commands show their output as they run, or run as jobs). Every
 command a tool runs executes inside a guest; the only host
 process this server ever spawns is ``smolvm serve``, and only when a local tool
 is first called.
@@ -2532,8 +2532,8 @@ def _check(schema: dict, value: Any, where: str) -> None:
 # ---------------------------------------------------------------------------
 # 8. Tools
 #
-# Sixteen tools with the names, arguments and result shapes of the TypeScript
-# smol-mcp. Each handler gets a Call (its fleet, its session, a way to run a
+# The tools: the thirteen of the TypeScript smol-mcp with its names, arguments
+# and result shapes, then jobs and allow-egress (SPEC 14, 15). Each handler gets a Call (its fleet, its session, a way to run a
 # blocking API call in a worker thread, a progress reporter) and the validated
 # arguments, and returns the structured result. A SmolError becomes a tool
 # error; anything else is logged and reported without a stack trace.

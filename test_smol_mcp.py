@@ -544,7 +544,7 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
 
 
 class ToolListTests(FakeServeCase):
-    async def test_thirteen_tools_with_truthful_annotations_and_strict_schemas(self):
+    async def test_every_tool_has_truthful_annotations_and_a_strict_schema(self):
         for mode in MODES:
             async with self.client(mode) as c:
                 tools = {t.name: t for t in (await c.list_tools()).tools}
