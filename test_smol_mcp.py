@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # /// script
-# requires-python = ">=3.10"
+# requires-python = ">=3.11"
 # dependencies = [
 #     "mcp==2.3.0",
 #     "httpx2==2.16.2",
@@ -316,7 +316,10 @@ class ImportTests(unittest.TestCase):
         for pin in ('"mcp==2.3.0"', '"httpx2==2.16.2"'):
             self.assertIn(pin, head)
             self.assertIn(pin, pyproject)
-        self.assertIn('requires-python = ">=3.10"', head)
+        # httpx2 2.16.2 itself requires Python 3.11, so a lower floor would be a promise
+        # no installer can keep
+        self.assertIn('requires-python = ">=3.11"', head)
+        self.assertIn('requires-python = ">=3.11"', pyproject)
         self.assertIn('smol-mcp = "smol_mcp:main"', pyproject)
         self.assertIn('smol-mcp-http = "smol_mcp:main_http"', pyproject)
 

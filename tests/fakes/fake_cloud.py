@@ -16,7 +16,7 @@ Where a behaviour comes from, the code says so with one of these tags:
   [assumption]  no source says; the most plausible choice, to be checked
                 against the live service before a client relies on it
 
-Standard library only, Python 3.10+.
+Standard library only, Python 3.11+.
 
     with FakeCloud(token="smk_test_token") as cloud:
         ...  # cloud.url == "http://127.0.0.1:PORT"
