@@ -7004,9 +7004,14 @@ def tokens_command(args: Any, config: Config) -> int:
             url = args.url or f"http://{config.http_host}:{config.http_port}{config.http_path}"
             variable = token_variable(record["name"])
             key, entry = http_entry(args.client, url, config, variable)
-            print(f"\n# {args.client}: add this to {client_config_path(args.client)[0]}, and give the "
-                  f"client the secret as {variable}:")
-            print(f"#   export {variable}='{secret}'")
+            where = client_config_path(args.client)[0]
+            if secret_reference(args.client, variable) or args.client == "codex":
+                print(f"\n# {args.client}: add this to {where}, and give the client the "
+                      f"secret as {variable}:")
+                print(f"#   export {variable}='{secret}'")
+            else:  # it reads no environment: the value goes into the entry itself
+                print(f"\n# {args.client}: add this to {where}, with the secret pasted in "
+                      f"place of <paste the {variable} value here>:")
             print(render_entry(args.client, key, entry), end="")
         return 0
     auto = AutoApprovals(config.state_dir)

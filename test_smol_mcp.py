@@ -4233,6 +4233,14 @@ class AccessCliTests(unittest.TestCase):
             '"Authorization": "Bearer ${SMOL_MCP_TOKEN_AGENT}"', out.stdout
         )  # a reference
         self.assertIn('"url": "http://b.local:8080/mcp"', out.stdout)
+        self.assertIn("export SMOL_MCP_TOKEN_AGENT=", out.stdout)
+        desktop = run_cli("tokens", "create", "desk", "--scopes", SANDBOX, "--client",
+                          "claude-desktop", env=self.env, cwd=self.tmp)
+        self.assertEqual(desktop.returncode, 0, desktop.stderr)
+        # it reads no environment, so no export is suggested: the value is pasted into the entry
+        self.assertNotIn("export ", desktop.stdout)
+        self.assertIn("with the secret pasted in place of", desktop.stdout)
+        run_cli("tokens", "delete", "desk", env=self.env)
         listed = json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)
         self.assertEqual(
             listed,
