@@ -253,8 +253,7 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         by_key = {s.key: s for s in SETTINGS}
         for key, raw in data.items():
             if key not in by_key:
-                hint = difflib.get_close_matches(key, by_key, n=1)
-                maybe = f' (did you mean "{hint[0]}"?)' if hint else ""
+                maybe = did_you_mean(key, by_key)
                 raise ConfigError(f'unknown key "{key}" in the config file {path}{maybe}; '
                                   f"the accepted keys are: {', '.join(by_key)}")
             values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
@@ -2446,87 +2445,118 @@ def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[
     return image, checked
 
 
+def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
+    """' (did you mean "x"?)' naming the closest choice, or "" when none is close."""
+    hint = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
+    return f' (did you mean "{hint[0]}"?)' if hint else ""
+
+
+@functools.cache
+def argument_validator() -> Any:
+    """jsonschema's Draft 2020-12 validator, with two keywords read as the schema's
+    ECMAScript readers read them: a whole number is never 1.0, and a final `$` in
+    a pattern is the end of the string (python_pattern)."""
+    import jsonschema  # installed with mcp
+
+    def whole_number(checker: Any, value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
+
+    def ecma_pattern(validator: Any, pattern: str, instance: Any, schema: dict) -> Iterator[Any]:
+        if validator.is_type(instance, "string") and not re.search(python_pattern(pattern), instance):
+            yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+    base = jsonschema.Draft202012Validator
+    return jsonschema.validators.extend(
+        base, validators={"pattern": ecma_pattern},
+        type_checker=base.TYPE_CHECKER.redefine("integer", whole_number))
+
+
+# Which refusal is told when a value breaks several rules: the first in this order.
+_KEYWORD_ORDER = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
+                  "minItems", "additionalProperties", "required", "oneOf")
+
+
 def validate_arguments(tool: str, schema: dict, arguments: dict) -> dict:
     """Check ``arguments`` against the tool's input schema; raise ArgumentError
     naming the first argument that is unknown, missing, mistyped or out of range."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
-    properties = schema.get("properties", {})
-    for key in arguments:
-        if key not in properties:
-            hint = difflib.get_close_matches(key, properties, n=1, cutoff=0.5)
-            maybe = f' (did you mean "{hint[0]}"?)' if hint else ""
-            raise ArgumentError(f'{tool} has no argument "{key}"{maybe}; it accepts: {", ".join(properties) or "none"}')
-    for key in schema.get("required", []):
-        if key not in arguments:
-            raise ArgumentError(f'{tool} needs the argument "{key}": {properties[key].get("description", "")}'.rstrip(": "))
-    for key, value in arguments.items():
-        _check(properties[key], value, key)
+    errors = list(argument_validator()(schema).iter_errors(arguments))
+    if errors:
+        raise ArgumentError(_refusal(_first_error(errors, arguments), tool, arguments))
     return arguments
 
 
-def _type_ok(kind: str, value: Any) -> bool:
-    if kind == "integer":
-        return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
-    return isinstance(value, {"string": str, "boolean": bool, "array": list, "object": dict}[kind])
+def _error_where(error: Any) -> tuple[list, Any]:
+    """The path of the value an error is about, and that value. A property-name
+    error is about the name, which jsonschema reports at the object holding it."""
+    path = list(error.absolute_path)
+    if "propertyNames" in error.absolute_schema_path:
+        path.append(error.instance)
+    return path, error.instance
 
 
-def _check(schema: dict, value: Any, where: str) -> None:
-    if "oneOf" in schema:
-        errors = []
-        for option in schema["oneOf"]:
-            try:
-                _check(option, value, where)
-                return
-            except ArgumentError as err:
-                errors.append(str(err))
-        for option, error in zip(schema["oneOf"], errors):
-            if _type_ok(option["type"], value):
-                raise ArgumentError(error)  # the right kind of value, wrong in its details: say which
+def _first_error(errors: list, arguments: dict) -> Any:
+    """The error to tell: the first value in argument order, a parent's own rule
+    before its items', and among one value's rules the first in _KEYWORD_ORDER."""
+    def order(error: Any) -> tuple:
+        positions, node = [], arguments
+        for step in _error_where(error)[0]:
+            if isinstance(node, dict):
+                positions.append(list(node).index(step))
+                node = node.get(step)
+            else:
+                positions.append(step)
+                node = node[step]
+        by_name = "propertyNames" in error.absolute_schema_path  # a name before its value
+        return tuple(positions), -1 if by_name else _KEYWORD_ORDER.index(error.validator)
+    return min(errors, key=order)
+
+
+def _where(path: list) -> str:
+    text = ""
+    for step in path:
+        text += f"[{step}]" if isinstance(step, int) else (f".{step}" if text else str(step))
+    return text
+
+
+def _refusal(error: Any, tool: str, arguments: dict) -> str:
+    """One jsonschema error as the sentence the user is shown."""
+    path, value = _error_where(error)
+    where, rule, schema = _where(path), error.validator, error.schema
+    if rule == "additionalProperties":
+        accepted = schema.get("properties", {})
+        key = next(key for key in value if key not in accepted)
+        maybe = did_you_mean(key, accepted, cutoff=0.5)
+        if not path:
+            return f'{tool} has no argument "{key}"{maybe}; it accepts: {", ".join(accepted) or "none"}'
+        return f'"{where}" has no field "{key}"{maybe}; it accepts: {", ".join(accepted)}'
+    if rule == "required":
+        key = next(key for key in schema["required"] if key not in value)
+        if not path:
+            description = schema["properties"][key].get("description", "")
+            return f'{tool} needs the argument "{key}": {description}'.rstrip(": ")
+        return f'"{where}" needs the field "{key}"'
+    if rule == "oneOf":
+        for index, option in enumerate(schema["oneOf"]):
+            if argument_validator()(option).is_type(value, option["type"]):
+                # The right kind of value, wrong in its details: say which.
+                inner = [e for e in error.context if e.relative_schema_path[0] == index]
+                return _refusal(_first_error(inner, arguments), tool, arguments)
         kinds = " or ".join(TYPE_WORDS[option["type"]] for option in schema["oneOf"])
-        raise ArgumentError(f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}')
-    kind = schema.get("type")
-    if kind and not _type_ok(kind, value):
-        raise ArgumentError(f'"{where}" must be {TYPE_WORDS[kind]}, got {json.dumps(value)[:60]}')
-    if "enum" in schema and value not in schema["enum"]:
-        raise ArgumentError(f'"{where}" must be one of {", ".join(json.dumps(v) for v in schema["enum"])}; got {json.dumps(value)[:60]}')
-    if kind == "integer":
-        if "minimum" in schema and value < schema["minimum"]:
-            raise ArgumentError(f'"{where}" must be at least {schema["minimum"]}, got {value}')
-        if "maximum" in schema and value > schema["maximum"]:
-            raise ArgumentError(f'"{where}" must be at most {schema["maximum"]}, got {value}')
-    if kind == "string":
-        if len(value) < schema.get("minLength", 0):
-            raise ArgumentError(f'"{where}" must not be empty')
-        if "maxLength" in schema and len(value) > schema["maxLength"]:
-            raise ArgumentError(f'"{where}" must be at most {schema["maxLength"]} characters long')
-        if "pattern" in schema and not re.search(python_pattern(schema["pattern"]), value):
-            rule = PATTERN_RULES.get(schema["pattern"], f"must match {schema['pattern']}")
-            raise ArgumentError(f'"{where}" {rule}; got {json.dumps(value)[:60]}')
-    if kind == "array":
-        if "minItems" in schema and len(value) < schema["minItems"]:
-            raise ArgumentError(f'"{where}" must hold at least {schema["minItems"]} item(s)')
-        for index, item in enumerate(value):
-            _check(schema.get("items", {}), item, f"{where}[{index}]")
-    if kind == "object":
-        properties = schema.get("properties")
-        if properties is not None:
-            for key in value:
-                if key not in properties:
-                    hint = difflib.get_close_matches(key, properties, n=1, cutoff=0.5)
-                    maybe = f' (did you mean "{hint[0]}"?)' if hint else ""
-                    raise ArgumentError(f'"{where}" has no field "{key}"{maybe}; it accepts: {", ".join(properties)}')
-            for key in schema.get("required", []):
-                if key not in value:
-                    raise ArgumentError(f'"{where}" needs the field "{key}"')
-            for key, item in value.items():
-                _check(properties[key], item, f"{where}.{key}")
-        if isinstance(schema.get("additionalProperties"), dict):
-            names = schema.get("propertyNames", {})
-            for key, item in value.items():
-                if names:
-                    _check(names, key, f"{where}.{key}")
-                _check(schema["additionalProperties"], item, f"{where}.{key}")
+        return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'
+    got = json.dumps(value)[:60]
+    limit = error.validator_value
+    return {
+        "type": lambda: f'"{where}" must be {TYPE_WORDS.get(limit, limit)}, got {got}',
+        "enum": lambda: f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}',
+        "minimum": lambda: f'"{where}" must be at least {limit}, got {value}',
+        "maximum": lambda: f'"{where}" must be at most {limit}, got {value}',
+        "minLength": lambda: f'"{where}" must not be empty',
+        "maxLength": lambda: f'"{where}" must be at most {limit} characters long',
+        "pattern": lambda: f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}',
+        "minItems": lambda: f'"{where}" must hold at least {limit} item(s)',
+    }[rule]()
 
 
 # ---------------------------------------------------------------------------
@@ -5297,7 +5327,7 @@ class SmolMcp:
                                 "there is no default, because a machine on one fleet is invisible on the other "
                                 "and the two bill differently.")
         target = arguments.pop("target")
-        _check(ARG_TARGET, target, "target")
+        validate_arguments(name, _object({"target": ARG_TARGET}), {"target": target})
         return self.fleets[target]
 
     async def ask_fleet(self, ctx, session: Session, params):

@@ -387,6 +387,8 @@ class PiecesTests(unittest.TestCase):
              '"mounts[0]" has no field "readOnly" (did you mean "readonly"?)'),
             ({"image": "a", "env": {"A=B": "x"}}, '"env.A=B" must be a variable name'),
             ({"image": "a", "env": {"A": 1}}, '"env.A" must be a string'),
+            ({"image": "a", "env": {"A=B": 1}}, '"env.A=B" must be a variable name'),
+            ({"image": "a", "name": "Bad Name!", "cpus": 0}, '"name" must start with a letter'),
         ]
         for args, expected in cases:
             with self.subTest(args=args):
@@ -2776,6 +2778,19 @@ class ExactInputTests(FakeServeCase):
         self.assertIsNone(smol_mcp.re.search(name_pattern, "nl1\n"))
         self.assertIsNotNone(smol_mcp.re.search(name_pattern, "nl1"))
         self.assertEqual(smol_mcp.python_pattern(r"^a\$"), r"^a\$")
+        schema = smol_mcp.TOOLS_BY_NAME["get-machine"].input_schema
+        with self.assertRaises(smol_mcp.ArgumentError) as caught:  # the validator reads it so too
+            smol_mcp.validate_arguments("get-machine", schema, {"name": "nl1\n"})
+        self.assertIn('"name" must start with a letter or digit', str(caught.exception))
+        self.assertEqual(smol_mcp.validate_arguments("get-machine", schema, {"name": "nl1"}),
+                         {"name": "nl1"})
+
+    def test_a_whole_number_is_never_a_float_or_a_boolean(self):
+        schema = smol_mcp.TOOLS_BY_NAME["create-machine"].input_schema
+        for value, shown in ((2.0, "2.0"), (True, "true")):
+            with self.subTest(value=value), self.assertRaises(smol_mcp.ArgumentError) as caught:
+                smol_mcp.validate_arguments("create-machine", schema, {"image": "a", "cpus": value})
+            self.assertIn(f'"cpus" must be a whole number, got {shown}', str(caught.exception))
 
 
 class CloudAnswerTests(FakeCloudCase):
