@@ -78,104 +78,96 @@ log = logging.getLogger("smol_mcp")
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 
 
+def setting_field(default: Any, env: str, kind: str = "str", choices: tuple[str, ...] = (),
+                  minimum: int | None = None, maximum: int | None = None) -> Any:
+    """Declare one setting as a Config field: its default, its environment
+    variable, and how a raw value is read (kind: "str", "int", "choice",
+    "version", "list" or "secret"). Its config-file key is the field's name in
+    camelCase; SETTINGS, the docs check and the tests all derive from this."""
+    rule = {"env": env, "kind": kind, "choices": choices, "minimum": minimum, "maximum": maximum}
+    return field(default=default, repr=kind != "secret", metadata={"setting": rule})
+
+
 @dataclass(frozen=True)
 class Config:
     """Every setting, already validated. Build one with ``load_config()``."""
 
-    smolvm: str = "smolvm"
-    min_smolvm: str = "1.14.0"
-    local_url: str = ""
-    runtime_dir: str = ""
-    machine_prefix: str = "mcp-"
-    memory_mb: int = 2048
-    cpus: int = 2
-    network_default: str = "blocked"
-    run_once_network: str = "blocked"
-    ephemeral_ttl_secs: int = 3600
-    ephemeral_auto_stop_secs: int = 900
-    exec_timeout_secs: int = 120
-    max_exec_timeout_secs: int = 900
-    max_output_bytes: int = 65536
-    ready_timeout_secs: int = 120
-    serve_start_timeout_secs: int = 60
-    logs_tail: int = 100
-    logs_poll_secs: int = 2
-    cloud_url: str = DEFAULT_CLOUD_URL
-    cloud_token: str = field(default="", repr=False)
-    targets: str = "auto"
-    http_host: str = "127.0.0.1"
-    http_port: int = 8080
-    http_path: str = "/mcp"
-    auth_token: str = field(default="", repr=False)
-    http_session_idle_secs: int = 1800
-    http_allowed_hosts: tuple[str, ...] = ()
-    http_allowed_origins: tuple[str, ...] = ()
-    state_dir: str = ""
-    scopes: tuple[str, ...] = ()  # empty: every scope (section 11)
-    mount_roots: tuple[str, ...] = ()
-    approval: str = "none"  # stdio: "changes" holds every changing call for a person
-    approval_timeout_secs: int = 900
-    approval_webhook: str = ""
-    approval_via: str = "terminal"
+    smolvm: str = setting_field("smolvm", "SMOLVM")
+    min_smolvm: str = setting_field("1.14.0", "SMOL_MCP_MIN_SMOLVM", "version")
+    local_url: str = setting_field("", "SMOL_LOCAL_URL")
+    runtime_dir: str = setting_field("", "SMOL_MCP_RUNTIME_DIR")
+    machine_prefix: str = setting_field("mcp-", "SMOL_MCP_MACHINE_PREFIX")
+    memory_mb: int = setting_field(2048, "SMOL_MCP_MEMORY_MB", "int", minimum=128, maximum=1048576)
+    cpus: int = setting_field(2, "SMOL_MCP_CPUS", "int", minimum=1, maximum=255)
+    network_default: str = setting_field("blocked", "SMOL_MCP_NETWORK_DEFAULT", "choice",
+                                         choices=("blocked", "open"))
+    run_once_network: str = setting_field("blocked", "SMOL_MCP_RUN_ONCE_NETWORK", "choice",
+                                          choices=("blocked", "open"))
+    ephemeral_ttl_secs: int = setting_field(3600, "SMOL_MCP_EPHEMERAL_TTL_SECS", "int", minimum=60)
+    ephemeral_auto_stop_secs: int = setting_field(900, "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", "int",
+                                                  minimum=60)
+    exec_timeout_secs: int = setting_field(120, "SMOL_MCP_EXEC_TIMEOUT_SECS", "int", minimum=1)
+    max_exec_timeout_secs: int = setting_field(900, "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "int",
+                                               minimum=1, maximum=86400)
+    max_output_bytes: int = setting_field(65536, "SMOL_MCP_MAX_OUTPUT_BYTES", "int", minimum=1024,
+                                          maximum=64 * 1024 * 1024)
+    ready_timeout_secs: int = setting_field(120, "SMOL_MCP_READY_TIMEOUT_SECS", "int", minimum=1)
+    serve_start_timeout_secs: int = setting_field(60, "SMOL_MCP_SERVE_START_TIMEOUT_SECS", "int",
+                                                  minimum=1)
+    logs_tail: int = setting_field(100, "SMOL_MCP_LOGS_TAIL", "int", minimum=1, maximum=100000)
+    logs_poll_secs: int = setting_field(2, "SMOL_MCP_LOGS_POLL_SECS", "int", minimum=1)
+    cloud_url: str = setting_field(DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL")
+    cloud_token: str = setting_field("", "SMOL_CLOUD_TOKEN", "secret")
+    targets: str = setting_field("auto", "SMOL_MCP_TARGETS", "choice",
+                                 choices=("auto", "local", "cloud", "both"))
+    http_host: str = setting_field("127.0.0.1", "SMOL_MCP_HTTP_HOST")
+    http_port: int = setting_field(8080, "SMOL_MCP_HTTP_PORT", "int", minimum=1, maximum=65535)
+    http_path: str = setting_field("/mcp", "SMOL_MCP_HTTP_PATH")
+    auth_token: str = setting_field("", "SMOL_MCP_AUTH_TOKEN", "secret")
+    http_session_idle_secs: int = setting_field(1800, "SMOL_MCP_HTTP_SESSION_IDLE_SECS", "int",
+                                                minimum=1)
+    http_allowed_hosts: tuple[str, ...] = setting_field((), "SMOL_MCP_HTTP_ALLOWED_HOSTS", "list")
+    http_allowed_origins: tuple[str, ...] = setting_field((), "SMOL_MCP_HTTP_ALLOWED_ORIGINS",
+                                                          "list")
+    state_dir: str = setting_field("", "SMOL_MCP_STATE_DIR")
+    # empty: every scope (section 11)
+    scopes: tuple[str, ...] = setting_field((), "SMOL_MCP_SCOPES", "list")
+    mount_roots: tuple[str, ...] = setting_field((), "SMOL_MCP_MOUNT_ROOTS", "list")
+    # stdio: "changes" holds every changing call for a person
+    approval: str = setting_field("none", "SMOL_MCP_APPROVAL", "choice",
+                                  choices=("none", "changes"))
+    approval_timeout_secs: int = setting_field(900, "SMOL_MCP_APPROVAL_TIMEOUT_SECS", "int",
+                                               minimum=1, maximum=7 * 86400)
+    approval_webhook: str = setting_field("", "SMOL_MCP_APPROVAL_WEBHOOK")
+    approval_via: str = setting_field("terminal", "SMOL_MCP_APPROVAL_VIA", "choice",
+                                      choices=("terminal", "client"))
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
-        return [s for s in (self.cloud_token, self.auth_token) if s]
+        values = (getattr(self, s.attr) for s in SETTINGS if s.kind == "secret")
+        return [value for value in values if value]
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One row of the settings table: file key, environment variable, parser."""
+    """One setting as the loader reads it, derived from its Config field."""
 
     key: str
     env: str
     attr: str
-    kind: str  # "str", "int", "choice", "version", "list", "secret"
+    kind: str
     choices: tuple[str, ...] = ()
     minimum: int | None = None
     maximum: int | None = None
 
 
-SETTINGS: tuple[Setting, ...] = (
-    Setting("smolvm", "SMOLVM", "smolvm", "str"),
-    Setting("minSmolvm", "SMOL_MCP_MIN_SMOLVM", "min_smolvm", "version"),
-    Setting("localUrl", "SMOL_LOCAL_URL", "local_url", "str"),
-    Setting("runtimeDir", "SMOL_MCP_RUNTIME_DIR", "runtime_dir", "str"),
-    Setting("machinePrefix", "SMOL_MCP_MACHINE_PREFIX", "machine_prefix", "str"),
-    Setting("memoryMb", "SMOL_MCP_MEMORY_MB", "memory_mb", "int", minimum=128, maximum=1048576),
-    Setting("cpus", "SMOL_MCP_CPUS", "cpus", "int", minimum=1, maximum=255),
-    Setting("networkDefault", "SMOL_MCP_NETWORK_DEFAULT", "network_default", "choice", ("blocked", "open")),
-    Setting("runOnceNetwork", "SMOL_MCP_RUN_ONCE_NETWORK", "run_once_network", "choice", ("blocked", "open")),
-    Setting("ephemeralTtlSecs", "SMOL_MCP_EPHEMERAL_TTL_SECS", "ephemeral_ttl_secs", "int", minimum=60),
-    Setting("ephemeralAutoStopSecs", "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", "ephemeral_auto_stop_secs", "int", minimum=60),
-    Setting("execTimeoutSecs", "SMOL_MCP_EXEC_TIMEOUT_SECS", "exec_timeout_secs", "int", minimum=1),
-    Setting("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "max_exec_timeout_secs", "int",
-            minimum=1, maximum=86400),
-    Setting("maxOutputBytes", "SMOL_MCP_MAX_OUTPUT_BYTES", "max_output_bytes", "int", minimum=1024, maximum=64 * 1024 * 1024),
-    Setting("readyTimeoutSecs", "SMOL_MCP_READY_TIMEOUT_SECS", "ready_timeout_secs", "int", minimum=1),
-    Setting("serveStartTimeoutSecs", "SMOL_MCP_SERVE_START_TIMEOUT_SECS", "serve_start_timeout_secs", "int", minimum=1),
-    Setting("logsTail", "SMOL_MCP_LOGS_TAIL", "logs_tail", "int", minimum=1, maximum=100000),
-    Setting("logsPollSecs", "SMOL_MCP_LOGS_POLL_SECS", "logs_poll_secs", "int", minimum=1),
-    Setting("cloudUrl", "SMOL_CLOUD_URL", "cloud_url", "str"),
-    Setting("cloudToken", "SMOL_CLOUD_TOKEN", "cloud_token", "secret"),
-    Setting("targets", "SMOL_MCP_TARGETS", "targets", "choice", ("auto", "local", "cloud", "both")),
-    Setting("httpHost", "SMOL_MCP_HTTP_HOST", "http_host", "str"),
-    Setting("httpPort", "SMOL_MCP_HTTP_PORT", "http_port", "int", minimum=1, maximum=65535),
-    Setting("httpPath", "SMOL_MCP_HTTP_PATH", "http_path", "str"),
-    Setting("authToken", "SMOL_MCP_AUTH_TOKEN", "auth_token", "secret"),
-    Setting("httpSessionIdleSecs", "SMOL_MCP_HTTP_SESSION_IDLE_SECS", "http_session_idle_secs", "int", minimum=1),
-    Setting("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", "http_allowed_hosts", "list"),
-    Setting("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", "http_allowed_origins", "list"),
-    Setting("stateDir", "SMOL_MCP_STATE_DIR", "state_dir", "str"),
-    Setting("scopes", "SMOL_MCP_SCOPES", "scopes", "list"),
-    Setting("mountRoots", "SMOL_MCP_MOUNT_ROOTS", "mount_roots", "list"),
-    Setting("approval", "SMOL_MCP_APPROVAL", "approval", "choice", ("none", "changes")),
-    Setting("approvalTimeoutSecs", "SMOL_MCP_APPROVAL_TIMEOUT_SECS", "approval_timeout_secs", "int",
-            minimum=1, maximum=7 * 86400),
-    Setting("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", "approval_webhook", "str"),
-    Setting("approvalVia", "SMOL_MCP_APPROVAL_VIA", "approval_via", "choice",
-            ("terminal", "client")),
-)
+def _camel(attr: str) -> str:
+    return re.sub(r"_([a-z])", lambda match: match.group(1).upper(), attr)
+
+
+SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(_camel(f.name), attr=f.name, **f.metadata["setting"])
+    for f in dataclasses.fields(Config))
 
 
 def config_file_path(environ: dict[str, str]) -> Path:
