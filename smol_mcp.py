@@ -59,7 +59,7 @@ import urllib.parse
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 __version__ = "0.1.0"
 
@@ -685,6 +685,28 @@ class LocalFleet:
     """
 
     name = "local"
+    served_as = ("local (smolvm on the host this server runs on, started on the first local call; "
+                 "nothing billed)")
+    instruction = ("- Local: the engine fetches a registry image on the host, so a pull needs "
+                   "no egress in the machine: do not open the network for it. mounts, "
+                   "overlayGb, cmd and pull-image are local only; branch-machine needs a Linux "
+                   "or macOS host.")
+
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        return local_target_facts(app.local)
+
+    @classmethod
+    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
+        smolvm = facts["smolvm"]
+        details = [f"smolvm: {smolvm['path'] or '(not found)'}"
+                   + (f", version {smolvm['version']}" if smolvm["version"] else "")
+                   + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""),
+                   f"hypervisor: {facts['hypervisor']['detail']}",
+                   f"serve: {facts['serve']}",
+                   describe_mount_roots(app.config)]
+        lacking = not smolvm["path"] and not app.config.local_url
+        return details, [ENGINE_ON_RAMP.format(script=Path(__file__).resolve())] if lacking else []
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
@@ -1226,6 +1248,8 @@ class LocalFleet:
     # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
 
     amends_egress = True
+    mounts_host_paths = True
+    branch_needs_start = True
 
     def egress_policy(self, name: str) -> tuple[dict, dict]:
         """(the machine's record, its egress policy as egress_lists has it)."""
@@ -1662,8 +1686,26 @@ class CloudFleet:
     tool layer calls it from worker threads."""
 
     name = "cloud"
+    served_as = "cloud (the smol cloud account; machines are billed while they exist)"
+    instruction = ("- Cloud: a command, read or write in a stopped machine starts it "
+                   "(startedMachine: true) and leaves it running; published ports need open "
+                   "egress; delete-machine returns the settled usage.")
 
-    def __init__(self, config: Config):
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        return cloud_target_facts(app.config)
+
+    @classmethod
+    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
+        if facts["usable"]:  # the key is tried with one list call
+            try:
+                count = len(app.fleets[cls.name].list_machines())
+                facts["reason"] = f"the account key works ({count} machine(s) on the fleet)"
+            except SmolError as err:
+                facts.update(usable=False, reason=redact(str(err), app.config.secret_values()))
+        return [f"url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}"], []
+
+    def __init__(self, config: Config, environ: dict[str, str] | None = None):
         import httpx2
         self.config = config
         self._client = httpx2.Client(
@@ -2016,6 +2058,8 @@ class CloudFleet:
         return cloud_record(created)
 
     amends_egress = False  # the reference has no route to amend or read a cloud machine's egress
+    mounts_host_paths = False  # the cloud has no host directories: its own refusal of mounts says so
+    branch_needs_start = False
 
     def pull_image(self, name: str, image: str) -> dict:
         raise ArgumentError("pull-image is local only: the cloud control plane pulls a machine's image itself when "
@@ -2121,6 +2165,72 @@ def bad_cloud_answer(action: str, status: int, ctype: str, body: bytes, why: str
 def _retry_after(response: Any) -> float | None:
     value = response.headers.get("retry-after", "")
     return float(value) if value.replace(".", "", 1).isdigit() else None
+
+
+# -- the fleet contract ---------------------------------------------------------
+
+
+class Fleet(Protocol):
+    """What the tools, resources, sessions and doctor ask of a fleet. LocalFleet
+    and CloudFleet both satisfy it (a test compares every signature); a new
+    fleet is one class with these members and one row in FLEETS."""
+
+    name: str
+    config: Config
+    amends_egress: bool  # has egress_policy, egress_events and update_egress (allow-egress)
+    mounts_host_paths: bool  # create-machine's mounts name host directories (held to mountRoots)
+    branch_needs_start: bool  # the engine makes a branch source when it starts the machine
+    served_as: str  # how the server's instructions name the fleet
+    instruction: str  # the fleet's own line in the server's instructions
+
+    def __init__(self, config: Config, environ: dict[str, str] | None = None) -> None: ...
+    def acquire(self) -> None: ...
+    def release(self) -> None: ...
+    def list_machines(self) -> list[dict]: ...
+    def get_machine(self, name: str) -> dict: ...
+    def machine_state(self, name: str) -> str | None: ...
+    def create_machine(self, spec: MachineSpec) -> dict: ...
+    def start_machine(self, name: str, branchable: bool = False) -> dict: ...
+    def stop_machine(self, name: str) -> dict: ...
+    def delete_machine(self, name: str) -> dict: ...
+    def branch_machine(self, name: str, child: str) -> dict: ...
+    def pull_image(self, name: str, image: str) -> dict: ...
+    def probe_ready(self, name: str) -> str | None: ...
+
+    def exec(self, name: str, argv: list[str], *, timeout_secs: int, workdir: str | None = None,
+             env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult: ...
+
+    def exec_stream(self, name: str, argv: list[str], *, timeout_secs: int,
+                    on_output: Callable[[str, str], None], workdir: str | None = None,
+                    env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult: ...
+
+    def start_job(self, name: str, job_id: str, argv: list[str], *, timeout_secs: int,
+                  workdir: str | None = None, env: dict[str, str] | None = None) -> dict: ...
+
+    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage: ...
+    def cancel_job(self, name: str, job_id: str) -> None: ...
+    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]: ...
+    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage: ...
+    def write_file(self, name: str, path: str, data: bytes) -> int: ...
+    def console_lines(self, name: str) -> list[str]: ...
+
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        """What smol://targets says about this fleet (it may not be served)."""
+        ...
+
+    @classmethod
+    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
+        """For `doctor`: check what a person should know (facts may change),
+        and return the detail lines under the fleet's heading and the advice
+        printed after its reason."""
+        ...
+
+
+# name -> fleet class: the one place a fleet is registered (the order is the
+# order instructions and smol://targets list them in).
+FLEETS: dict[str, type[Fleet]] = {"local": LocalFleet, "cloud": CloudFleet}
+FLEET_NAMES = tuple(FLEETS)
 
 
 # ---------------------------------------------------------------------------
@@ -2713,7 +2823,7 @@ class Call:
     """What one tool call needs: its fleet, its session, worker threads for the
     blocking API, and progress notifications for the long waits."""
 
-    def __init__(self, app: "SmolMcp", session: "Session", fleet: Any, ctx: Any,
+    def __init__(self, app: "SmolMcp", session: "Session", fleet: Fleet, ctx: Any,
                  principal: "Principal | None" = None, params: Any = None):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
         self.principal = principal or app.access.stdio
@@ -3167,7 +3277,7 @@ async def note_egress_denials(
     """Add egressDenied (and its hint) to the result of a command that failed
     or timed out, on a fleet whose engine records denials. Reading them is a
     courtesy: a failure to read leaves the result as it is."""
-    if not getattr(call.fleet, "amends_egress", False) or (
+    if not call.fleet.amends_egress or (
         shaped["exitCode"] == 0 and not shaped["timedOut"]
     ):
         return shaped
@@ -3195,7 +3305,7 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
 
 
 async def tool_get_machine(call: Call, args: dict) -> dict:
-    if not getattr(call.fleet, "amends_egress", False):
+    if not call.fleet.amends_egress:
         machine, egress = await call.api(call.fleet.get_machine, args["name"]), None
     else:
         machine, egress = await call.api(call.fleet.egress_policy, args["name"])
@@ -3219,7 +3329,7 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
     network, hosts, cidrs = resolve_network(args, network_default)
     # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
-    local = call.fleet.name == "local"
+    local = call.fleet.mounts_host_paths
     mounts = args.get("mounts", [])
     image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
     mounts = contained if local else mounts
@@ -3235,7 +3345,7 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     name = args.get("name") or call.new_ephemeral_name()
     spec = machine_spec(call, args, name, call.config.network_default)
     start = args.get("start", True)
-    if spec.branchable and not start and call.fleet.name == "local":
+    if spec.branchable and not start and call.fleet.branch_needs_start:
         raise ArgumentError('"branchable": true needs "start": true on the local fleet: the engine makes a machine '
                             "a branch source when it starts it")
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
@@ -3626,7 +3736,7 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
 
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
-    if not getattr(call.fleet, "amends_egress", False):
+    if not call.fleet.amends_egress:
         raise ArgumentError(
             "allow-egress is local only: the smol cloud API has no route to amend a machine's "
             'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
@@ -4027,7 +4137,7 @@ def rollout_port_taken() -> bool:
         return probe.connect_ex(("127.0.0.1", 10081)) == 0
 
 
-async def follow_log(app: "SmolMcp", fleet: Any, name: str, notify: Callable) -> None:
+async def follow_log(app: "SmolMcp", fleet: Fleet, name: str, notify: Callable) -> None:
     """Poll a machine's console every logsPollSecs and call ``notify`` when
     lines arrived since the last look (neither log route pushes to us)."""
     import anyio
@@ -4056,7 +4166,7 @@ def cloud_target_facts(config: Config) -> dict:
 
 def targets_document(app: "SmolMcp") -> dict:
     """The mode and, per fleet, whether it is served and usable now, with the reason when not."""
-    facts = {"local": local_target_facts(app.local), "cloud": cloud_target_facts(app.config)}
+    facts = {name: kind.target_facts(app) for name, kind in FLEETS.items()}
     for name, fleet_facts in facts.items():
         if name not in app.fleets:
             fleet_facts.update(served=False, usable=False,
@@ -4161,7 +4271,7 @@ class Session:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
 
 
-def delete_in_passes(fleet: Any, names: list[str]) -> tuple[list[str], list[tuple[str, Exception]]]:
+def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list[tuple[str, Exception]]]:
     """Delete machines, children before their branch sources: a source with
     live children refuses (409), so deletes repeat in passes until one makes no
     progress. Returns what is gone (a 404 counts) and what was refused, why."""
@@ -4261,7 +4371,6 @@ TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is gr
     "cancel-job": "exec",
 }
 APPROVAL_MODES = ("none", "changes")
-FLEET_NAMES = ("local", "cloud")
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_TOKEN_NAMES = ("default", "stdio")  # SMOL_MCP_AUTH_TOKEN and the stdio principal
 TOKEN_SECRET_PREFIX = "smolmcp_"
@@ -4689,7 +4798,7 @@ class Access:
     def has_any_token(self) -> bool:
         return bool(self.live_ids())
 
-    def fleet_for(self, principal: Principal, grant: Grant, fleet: Any) -> Any:
+    def fleet_for(self, principal: Principal, grant: Grant, fleet: Fleet) -> Fleet:
         return OwnedFleet(fleet, self.owners, principal.name) if grant.owned_only else fleet
 
 
@@ -5048,17 +5157,17 @@ def post_webhook(url: str, payload: dict) -> str | None:
 # ---------------------------------------------------------------------------
 
 
-MODE_FLEETS = {"local": ("local",), "cloud": ("cloud",), "both": ("local", "cloud")}
+MODE_FLEETS = {**{name: (name,) for name in FLEETS}, "both": FLEET_NAMES}
 ELICIT_TIMEOUT_SECS = 120
 FLEET_QUESTION = ("This smol-mcp server reaches two fleets of machines: local (smolvm on the server's host; nothing "
                   "is billed) and cloud (your smol cloud account; machines are billed while they exist). Which one "
                   "is this session for? Choose both to name the fleet on every call.")
 FLEET_QUESTION_SCHEMA = {
     "type": "object", "required": ["fleet"],
-    "properties": {"fleet": {"type": "string", "title": "Fleet", "enum": ["local", "cloud", "both"],
+    "properties": {"fleet": {"type": "string", "title": "Fleet", "enum": [*FLEETS, "both"],
                              "description": "local, cloud, or both (decide per call)"}},
 }
-ARG_TARGET = {"type": "string", "enum": ["local", "cloud"],
+ARG_TARGET = {"type": "string", "enum": list(FLEETS),
               "description": "Which fleet: \"local\" (smolvm on the server's host, nothing billed) or \"cloud\" (the "
                              "smol cloud account, billed while machines exist). Required: a machine on one fleet is "
                              "invisible on the other, so there is no default."}
@@ -5109,11 +5218,7 @@ def tool_schema(tool: ToolSpec, with_target: bool) -> dict:
 
 def server_instructions(app: "SmolMcp") -> str:
     c = app.config
-    fleets = {
-        "local": "local (smolvm on the host this server runs on, started on the first local call; nothing billed)",
-        "cloud": "cloud (the smol cloud account; machines are billed while they exist)",
-    }
-    served = " and ".join(fleets[name] for name in app.fleets)
+    served = " and ".join(fleet.served_as for fleet in app.fleets.values())
     lines = [
         "smol-mcp gives you microVMs (smol machines) to work in instead of this computer: every command you run with "
         f"these tools executes inside a guest, never on the host. This process serves {served}.",
@@ -5130,14 +5235,7 @@ def server_instructions(app: "SmolMcp") -> str:
     ]
     if app.mode == "both":
         lines.append("- Every tool needs target: \"local\" or \"cloud\"; there is no default.")
-    if "local" in app.fleets:
-        lines.append("- Local: the engine fetches a registry image on the host, so a pull needs "
-                     "no egress in the machine: do not open the network for it. mounts, "
-                     "overlayGb, cmd and pull-image are local only; branch-machine needs a Linux "
-                     "or macOS host.")
-    if "cloud" in app.fleets:
-        lines.append("- Cloud: a command, read or write in a stopped machine starts it (startedMachine: true) and "
-                     "leaves it running; published ports need open egress; delete-machine returns the settled usage.")
+    lines.extend(fleet.instruction for fleet in app.fleets.values())
     lines.append("- smol://targets says whether each fleet is usable right now, and why not.")
     if app.approvals_apply():
         lines.append(
@@ -5160,9 +5258,10 @@ class SmolMcp:
         self.mode = resolve_mode(config)
         self.access = Access(config, environ)
         self.local = LocalFleet(config, environ)  # always built (it is inert) so smol://targets can describe it
-        self.fleets: dict[str, Any] = {}
-        for name in MODE_FLEETS[self.mode]:
-            self.fleets[name] = self.local if name == "local" else CloudFleet(config)
+        self.fleets: dict[str, Fleet] = {}
+        for name in MODE_FLEETS[self.mode]:  # the local fleet is the one built above
+            kind = FLEETS[name]
+            self.fleets[name] = self.local if kind is LocalFleet else kind(config, environ)
         self._limiter = None
         self._swept = False
         self._tool_lists: dict[tuple, list] = {}
@@ -6559,28 +6658,15 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
         if not facts["served"]:
             print(f"\n{name}: not served ({facts['reason']})")
             continue
-        if name == "cloud" and facts["usable"]:
-            try:
-                count = len(app.fleets["cloud"].list_machines())
-                facts["reason"] = f"the account key works ({count} machine(s) on the fleet)"
-            except SmolError as err:
-                facts.update(usable=False, reason=redact(str(err), app.config.secret_values()))
+        details, advice = FLEETS[name].doctor_report(app, facts)
         healthy = healthy and facts["usable"]
         print(f"\n{name}: {'usable' if facts['usable'] else 'NOT USABLE'}")
-        if name == "local":
-            smolvm = facts["smolvm"]
-            print(f"  smolvm: {smolvm['path'] or '(not found)'}"
-                  + (f", version {smolvm['version']}" if smolvm["version"] else "")
-                  + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""))
-            print(f"  hypervisor: {facts['hypervisor']['detail']}")
-            print(f"  serve: {facts['serve']}")
-            print(f"  {describe_mount_roots(app.config)}")
-        else:
-            print(f"  url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}")
+        for line in details:
+            print(f"  {line}")
         if facts["reason"]:
             print(f"  {'note' if facts['usable'] else 'to do'}: {facts['reason']}")
-        if name == "local" and not facts["smolvm"]["path"] and not app.config.local_url:
-            print(ENGINE_ON_RAMP.format(script=Path(__file__).resolve()))
+        for line in advice:
+            print(line)
     if probe:
         if "local" not in app.fleets:
             print("\nprobe: the local fleet is not served (SMOL_MCP_TARGETS), so there is "

@@ -27,6 +27,7 @@ import ast
 import contextlib
 import base64
 from dataclasses import replace as dataclasses_replace
+import inspect
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import typing
 import unittest
 import unittest.mock
 from pathlib import Path
@@ -339,6 +341,30 @@ class ImportTests(unittest.TestCase):
 # ---------------------------------------------------------------------------
 # Pure pieces: budget, validation, error parsing
 # ---------------------------------------------------------------------------
+
+
+class FleetContractTests(unittest.TestCase):
+    """Every fleet in the registry offers the whole contract, with the same signatures."""
+
+    def test_every_fleet_has_every_member_of_the_contract_with_its_signature(self):
+        contract = smol_mcp.Fleet
+        members = [name for name in dir(contract) if not name.startswith("_") or name == "__init__"]
+        members = [name for name in members if name not in dir(typing.Protocol)] + ["__init__"]
+        attributes = list(contract.__annotations__)
+        self.assertGreater(len(members), 20)
+        self.assertEqual(list(smol_mcp.FLEETS), ["local", "cloud"])
+        for name, fleet in smol_mcp.FLEETS.items():
+            self.assertEqual(fleet.name, name)
+            for attribute in attributes:
+                with self.subTest(fleet=name, attribute=attribute):
+                    self.assertTrue(attribute == "config" or hasattr(fleet, attribute))
+            for member in members:
+                with self.subTest(fleet=name, member=member):
+                    wanted = inspect.signature(getattr(contract, member))
+                    offered = inspect.signature(getattr(fleet, member))
+                    self.assertEqual(
+                        [(p.name, p.kind, p.default) for p in offered.parameters.values()],
+                        [(p.name, p.kind, p.default) for p in wanted.parameters.values()])
 
 
 class PiecesTests(unittest.TestCase):
