@@ -2803,7 +2803,7 @@ def _out(properties: dict, optional: dict | None = None) -> dict:
 OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}}
 
 
-@dataclass(eq=False)  # compared and hashed by identity: tool_schema caches per tool
+@dataclass(eq=False)  # a tool is one object: compared and hashed by identity
 class ToolSpec:
     """One tool: what the client is shown, and the handler that answers it."""
 
@@ -5204,10 +5204,9 @@ def resolve_mode(config: Config) -> str:
     return config.targets
 
 
-@functools.lru_cache(maxsize=None)
 def tool_schema(tool: ToolSpec, with_target: bool) -> dict:
     """The input schema a client is shown: with a required target in both mode.
-    (Cached: a 2026-era HTTP client has the tool list built before every call.)"""
+    (Built once per list shape: SmolMcp.tool_list is the one tool-list cache.)"""
     if not with_target:
         return tool.input_schema
     schema = json.loads(json.dumps(tool.input_schema))
@@ -5365,8 +5364,8 @@ class SmolMcp:
 
     def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
         """The tools as the client sees them: only those its scopes grant. Built
-        once per shape: a 2026-era HTTP client has the list built before every
-        tool call."""
+        once per shape, here and nowhere else: a 2026-era HTTP client has the
+        list built before every tool call."""
         names = (principal or self.access.stdio).tools()
         if (with_target, names) not in self._tool_lists:
             self._tool_lists[(with_target, names)] = [
