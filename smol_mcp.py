@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -505,7 +505,8 @@ class LocalFleet:
             self._users = max(0, self._users - 1)
             if self._users or self.config.local_url:
                 return
-            (self._users_dir / str(os.getpid())).unlink(missing_ok=True)
+            with bookkeeping(self.config.runtime_dir):
+                (self._users_dir / str(os.getpid())).unlink(missing_ok=True)
             if self._other_processes_use_serve():
                 self._process, self._ready = None, False  # theirs to stop now
                 return
@@ -521,9 +522,14 @@ class LocalFleet:
         for marker in self._users_dir.glob("*"):
             pid = int(marker.name) if marker.name.isdigit() else 0
             if pid != os.getpid():
-                if process_alive(pid):
+                try:
+                    started = int(marker.read_text() or 0) or None
+                except (OSError, ValueError):
+                    started = None
+                if process_alive(pid, started):
                     return True
-                marker.unlink(missing_ok=True)  # a process that died without letting go
+                with bookkeeping(self.config.runtime_dir):
+                    marker.unlink(missing_ok=True)  # a process that died without letting go
         return False
 
     def stop_serve(self) -> None:
@@ -544,7 +550,8 @@ class LocalFleet:
             pid = int(pid_file.read_text().strip() or 0)
             if serve_process_on(pid, self._address):
                 os.kill(pid, signal.SIGTERM)
-        pid_file.unlink(missing_ok=True)
+        with bookkeeping(self.config.runtime_dir):
+            pid_file.unlink(missing_ok=True)
 
     def smolvm_path(self) -> str | None:
         configured = self.config.smolvm
@@ -573,8 +580,9 @@ class LocalFleet:
                                 f"log is {Path(self.config.runtime_dir) / 'serve.log'}") from None
             self.version = str(health.get("version", ""))
             if not self.config.local_url:
-                self._users_dir.mkdir(mode=0o700, exist_ok=True)
-                (self._users_dir / str(os.getpid())).touch()
+                with bookkeeping(self.config.runtime_dir):
+                    self._users_dir.mkdir(mode=0o700, exist_ok=True)
+                    (self._users_dir / str(os.getpid())).write_text(str(process_start_time(os.getpid()) or ""))
             if self.config.min_smolvm and version_tuple(self.version) < version_tuple(self.config.min_smolvm):
                 raise SmolError(f"smolvm {self.version} is older than the minimum {self.config.min_smolvm} this server "
                                 "needs (older serves reject fields it sends). Upgrade smolvm, or set "
@@ -626,7 +634,8 @@ class LocalFleet:
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
                 start_new_session=True, close_fds=True)
         log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
-        (runtime_dir / "serve.pid").write_text(str(self._process.pid))
+        with bookkeeping(self.config.runtime_dir):
+            (runtime_dir / "serve.pid").write_text(str(self._process.pid))
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -1756,6 +1765,7 @@ def _check(schema: dict, value: Any, where: str) -> None:
 # ---------------------------------------------------------------------------
 
 CLEANUP_TIMEOUT_SECS = 20
+DELETE_RETRY_PAUSE_SECS = 1
 PROGRESS_INTERVAL_SECS = 5
 
 
@@ -2526,7 +2536,7 @@ class Session:
         self.tasks = tasks  # the task group its log pollers run in
         self.subscriptions: dict[str, Any] = {}  # uri -> the CancelScope of its poller (handshake era)
         self._bus = self._listener = None
-        self.in_flight, self.last_seen = 0, time.monotonic()  # for the 2026-era HTTP idle timeout
+        self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
 
     def question_lock(self):
         import anyio
@@ -2566,25 +2576,35 @@ class Session:
             self._save()
 
     def _save(self) -> None:
-        """Write the local record atomically (a crash mid-write must not lose it)."""
+        """Write the local record atomically (a crash mid-write must not lose it).
+        The record is bookkeeping: a runtime directory that is read-only or full
+        costs a warning, never the machine operation that changed it."""
         names = sorted(self.machines.get("local", set()))
-        if not names:
-            self.record_path.unlink(missing_ok=True)
-            return
-        ensure_runtime_dir(self.app.config.runtime_dir)  # the parent first: it is what keeps others out
-        self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
-        record = {"pid": os.getpid(), "endpoint": self.app.local.endpoint, "machines": names}
-        temporary = self.record_path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(record))
-        temporary.replace(self.record_path)
+        with bookkeeping(self.app.config.runtime_dir):
+            if not names:
+                self.record_path.unlink(missing_ok=True)
+                return
+            ensure_runtime_dir(self.app.config.runtime_dir)  # the parent first: it is what keeps others out
+            self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
+            record = {"pid": os.getpid(), "started": process_start_time(os.getpid()),
+                      "endpoint": self.app.local.endpoint, "machines": names}
+            temporary = self.record_path.with_suffix(".tmp")
+            temporary.write_text(json.dumps(record))
+            temporary.replace(self.record_path)
 
     async def close(self) -> None:
         """Delete every ephemeral machine this session still holds; what cannot
-        be deleted stays in the record for the next start to try again."""
+        be deleted stays in the record for the next start to try again. A fleet
+        that fails in any way is logged and the next one is still cleaned."""
         import anyio
         for fleet_name, names in list(self.machines.items()):
-            deleted, refused = await anyio.to_thread.run_sync(delete_in_passes, self.app.fleets[fleet_name],
-                                                              sorted(names), abandon_on_cancel=True)
+            try:
+                deleted, refused = await anyio.to_thread.run_sync(delete_in_passes, self.app.fleets[fleet_name],
+                                                                  sorted(names), abandon_on_cancel=True)
+            except Exception as err:
+                log.warning("session %s ended: could not clean up its %s machines (%s): %s", self.id, fleet_name,
+                            ", ".join(sorted(names)), describe(err))
+                continue
             for name in deleted:
                 log.info("session %s ended: deleted %s", self.id, name)
                 self.forget(fleet_name, name)
@@ -2595,8 +2615,10 @@ class Session:
 def delete_in_passes(fleet: Any, names: list[str]) -> tuple[list[str], list[tuple[str, Exception]]]:
     """Delete machines, children before their branch sources: a source with
     live children refuses (409), so deletes repeat in passes until one makes no
-    progress. Returns what is gone (a 404 counts) and what was refused, why."""
-    pending, gone = list(names), []
+    progress. A pass that makes none is tried once more after a pause, as a
+    transient fault (a 5xx, a proxy page) should not leave a machine billing.
+    Returns what is gone (a 404 counts) and what was refused, why."""
+    pending, gone, retried = list(names), [], False
     while pending:
         refused: list[tuple[str, Exception]] = []
         for name in pending:
@@ -2606,17 +2628,60 @@ def delete_in_passes(fleet: Any, names: list[str]) -> tuple[list[str], list[tupl
                 if err.status != 404:
                     refused.append((name, err))
                     continue
-            except SmolError as err:
+            except Exception as err:  # a cleanup goes on past any one machine's failure
                 refused.append((name, err))
                 continue
             gone.append(name)
         if len(refused) == len(pending):
-            return gone, refused
+            if retried:
+                return gone, refused
+            retried = True
+            time.sleep(DELETE_RETRY_PAUSE_SECS)
         pending = [name for name, _ in refused]
     return gone, []
 
 
-def process_alive(pid: int) -> bool:
+def describe(err: BaseException) -> str:
+    """An error for a log line: our sentence as it is, anything else with its type."""
+    return str(err) if isinstance(err, SmolError) else f"{type(err).__name__}: {err}"
+
+
+_warned_dirs: set[str] = set()
+
+
+@contextmanager
+def bookkeeping(runtime_dir: str):
+    """Around a write of our own records in the runtime directory: an OSError
+    (read-only, full, gone) becomes one warning line naming it, once."""
+    try:
+        yield
+    except OSError as err:
+        if runtime_dir not in _warned_dirs:
+            _warned_dirs.add(runtime_dir)
+            log.warning("cannot write to the runtime directory %s (%s); machines work on, but one this process "
+                        "cannot delete will not be found by the next start. Make it writable (or set "
+                        "SMOL_MCP_RUNTIME_DIR).", runtime_dir, err.strerror or err)
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat from the state field on (field 3 is [0]), None without it."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2:].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (field 22): with the
+    pid it names one process, where a pid alone may have been reused."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def process_alive(pid: int, started: int | None = None) -> bool:
+    """Whether pid is a running process (a zombie is dead: it only waits to be
+    reaped) and, when started is known, the same one that wrote it down."""
     if pid <= 0:
         return False  # a record without a real pid belongs to nobody
     try:
@@ -2624,8 +2689,13 @@ def process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    fields = _proc_stat(pid)
+    if fields is None:
+        return not Path("/proc/self/stat").exists()  # no /proc at all (macOS): the signal answered
+    if fields[0] in ("Z", "X"):
+        return False
+    return started is None or (len(fields) > 19 and int(fields[19]) == started)
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
@@ -2637,17 +2707,19 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if process_alive(int(record.get("pid", 0))) or record.get("endpoint") != fleet.endpoint:
+        if process_alive(int(record.get("pid", 0)), record.get("started")) or \
+                record.get("endpoint") != fleet.endpoint:
             continue
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
         kept = [name for name, _ in refused]
         for name, err in refused:
             log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
-        if kept:  # try again at the next start rather than forget them
-            path.write_text(json.dumps({**record, "machines": kept}))
-        else:
-            path.unlink(missing_ok=True)
+        with bookkeeping(runtime_dir):
+            if kept:  # try again at the next start rather than forget them
+                path.write_text(json.dumps({**record, "machines": kept}))
+            else:
+                path.unlink(missing_ok=True)
     if deleted:
         log.info("deleted %d machine(s) left by an earlier process: %s", len(deleted), ", ".join(deleted))
     return deleted
@@ -3050,12 +3122,19 @@ class SmolMcp:
         """Delete the session's ephemeral machines and let go of the fleets, even
         while being cancelled (a signal), within a bounded time."""
         import anyio
-        session.stop_polling()
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
-                await session.close()
+            try:  # nothing here may escape: over HTTP it would end the listener and every other session
+                session.stop_polling()
+                with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
+                    await session.close()
+            except Exception as err:
+                log.warning("session %s: its cleanup failed (%s)", session.id, describe(err))
             for fleet in self.fleets.values():
-                await anyio.to_thread.run_sync(fleet.release)
+                try:
+                    await anyio.to_thread.run_sync(fleet.release)
+                except Exception as err:
+                    log.warning("session %s: letting go of the %s fleet failed (%s)", session.id, fleet.name,
+                                describe(err))
 
 
 def explain(err: SmolError) -> str:

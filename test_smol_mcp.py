@@ -893,6 +893,45 @@ class SessionRecordTests(FakeServeCase):
         self.assertEqual(sorted(self.fake.machines), ["mcp-live", "mcp-other"])
         self.assertEqual(sorted(p.name for p in sessions.glob("*.json")), ["live.json", "other.json"])
 
+    async def test_a_zombie_or_a_reused_pid_is_not_the_owner(self):
+        for name in ("mcp-zombie", "mcp-reused", "mcp-mine"):
+            EraScenarios.fake_direct_create(self, name)
+        sessions = Path(self.config.runtime_dir) / "sessions"
+        sessions.mkdir(parents=True)
+        zombie = subprocess.Popen(["sleep", "60"])
+        zombie.kill()  # not reaped until poll(): a zombie, as under a PID 1 that never reaps
+        for _ in range(100):
+            if proc_stat(zombie.pid)[2] == "Z":
+                break
+            await asyncio.sleep(0.02)
+        me, started = os.getpid(), int(proc_stat(os.getpid())[21])
+        records = {"zombie": (zombie.pid, None, "mcp-zombie"), "reused": (me, started + 1, "mcp-reused"),
+                   "mine": (me, started, "mcp-mine")}
+        endpoint = self.app.local.endpoint
+        for key, (pid, when, name) in records.items():
+            (sessions / f"{key}.json").write_text(json.dumps({"pid": pid, "started": when, "endpoint": endpoint,
+                                                              "machines": [name]}))
+        try:
+            deleted = await asyncio.to_thread(smol_mcp.sweep_orphans, self.app.local, self.config.runtime_dir)
+        finally:
+            zombie.wait()
+        self.assertEqual(sorted(deleted), ["mcp-reused", "mcp-zombie"])
+        self.assertEqual(sorted(self.fake.machines), ["mcp-mine"])
+
+    async def test_a_session_record_names_its_process_start_time(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
+            record, = (Path(self.config.runtime_dir) / "sessions").glob("*.json")
+            written = json.loads(record.read_text())
+        self.assertEqual(written["pid"], os.getpid())
+        self.assertEqual(written["started"], int(proc_stat(os.getpid())[21]))
+
+
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat, numbered from 1 as in proc(5) less one."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return [text[:text.index(" ")], text[text.index("(") + 1:text.rindex(")")], *text[text.rindex(")") + 2:].split()]
+
 
 class WaitTests(FakeServeCase):
     fake_options = {"boot_delay": 1.0}
@@ -1592,6 +1631,46 @@ class HttpSessionTests(HttpCase):
             await asyncio.sleep(0.1)
 
 
+class HttpCloudCleanupTests(HttpCase, FakeCloudCase):
+    """Item 1: one session's failed cleanup ends neither the listener nor the
+    other sessions, and the shutdown still cleans what is left."""
+
+    async def raw_session(self) -> dict:
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        response = await self.raw("POST", "/mcp", auth, INIT_BODY)
+        self.assertEqual(response.status_code, 200, response.text)
+        session = {**auth, "mcp-session-id": response.headers["mcp-session-id"],
+                   "mcp-protocol-version": "2025-06-18"}
+        await self.raw("POST", "/mcp", session, jsonrpc(None, "notifications/initialized"))
+        return session
+
+    async def raw_tool(self, session: dict, tool: str, args: dict) -> dict:
+        answer = (await self.raw("POST", "/mcp", session, jsonrpc(7, "tools/call", {
+            "name": tool, "arguments": args}))).json()
+        self.assertFalse(answer["result"].get("isError"), answer)
+        return answer["result"]["structuredContent"]
+
+    def cloud_names(self) -> list:
+        return sorted(m["name"] for m in self.cloud.machines.values())
+
+    async def test_a_cleanup_that_meets_a_proxy_page_ends_nothing_else(self):
+        a, b = await self.raw_session(), await self.raw_session()
+        in_a = (await self.raw_tool(a, "create-machine", {"image": "alpine"}))["machine"]["name"]
+        in_b = (await self.raw_tool(b, "create-machine", {"image": "alpine"}))["machine"]["name"]
+        self.cloud.fail_next("GET", "/v1/machines", 200, times=1, body=b"<html>Sign in to the Wi-Fi</html>",
+                             ctype="text/html")
+        FaultCounts.faults += 1
+        self.assertEqual((await self.raw("DELETE", "/mcp", a)).status_code, 200)
+        await HttpSessionTests.wait_until(self, lambda: in_a not in self.cloud_names(), 20)  # tried again
+        c = await self.raw_session()  # the listener still takes new sessions and calls
+        self.assertEqual((await self.raw_tool(c, "list-machines", {}))["machines"][0]["name"], in_b)
+        self.assertEqual(self.cloud_names(), [in_b])
+        self.uvicorn.should_exit = True  # SIGTERM's path: the bystander is still cleaned
+        await self.serving
+        self.assertEqual(self.cloud_names(), [])
+        FaultCounts.calls += 5
+
+
 class HttpProcessTests(unittest.TestCase):
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     def test_sigterm_ends_every_session_and_deletes_their_machines(self):
@@ -2069,6 +2148,136 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
             is_error, listed = result_of(await c.call_tool("list-machines", {}))
             self.assertNotIn(name, [m["name"] for m in listed["machines"]])
         self.assertEqual(list(Path(self.tmp, "rt", "sessions").glob("*.json")), [])
+
+
+# ---------------------------------------------------------------------------
+# Faults: nothing takes the server down, no session outlives its end, no
+# answer is lost. Each fault is real (a read-only or full mount, a stopped or
+# killed process, a proxy page from the cloud), not a patched function.
+# ---------------------------------------------------------------------------
+
+
+def _mount(*args: str) -> bool:
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def broken_dir(path: str, kind: str):
+    """Make a directory read-only ("ro", contents kept) or full ("full": a
+    small tmpfs mounted on it, filled up) while the block runs."""
+    Path(path).mkdir(parents=True, exist_ok=True, mode=0o700)
+    if kind == "ro":
+        ok = _mount("--bind", path, path) and (_mount("-o", "remount,ro,bind", path) or _mount("-l", path) and False)
+    else:
+        ok = _mount("-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", path)
+        if ok:
+            with contextlib.suppress(OSError), open(f"{path}/filler", "wb") as filler:
+                filler.write(b"x" * (1 << 20))
+    if not ok:
+        raise unittest.SkipTest("making a directory read-only or full needs mount (root with CAP_SYS_ADMIN)")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+class FaultCounts:
+    """What the fault suite did, reported at the end of the run."""
+    calls = faults = leaks = 0
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class RuntimeDirFaultTests(FakeServeCase):
+    """Item 3: the runtime directory is bookkeeping; its failure is one warning."""
+
+    async def check_machines_work_with(self, kind: str) -> None:
+        rt = f"{self.tmp}/rt"
+        with self.assertLogs("smol_mcp", "WARNING") as logs, broken_dir(rt, kind):
+            smol_mcp._warned_dirs.clear()
+            FaultCounts.faults += 1
+            async with self.client("legacy") as c:
+                name = (await self.ok(c, "create-machine", {"image": "alpine", "network": "open"}))["machine"]["name"]
+                self.assertIn(name, self.fake.machines)
+                await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
+                await self.ok(c, "delete-machine", {"name": name})
+                FaultCounts.calls += 3
+            self.assertEqual(self.fake.machines, {})  # the session's end deleted the other one
+        warnings = [line for line in logs.output if "cannot write to" in line]
+        self.assertEqual(len(warnings), 1, logs.output)
+        self.assertIn(f"runtime directory {rt} ", warnings[0])
+
+    async def test_a_read_only_runtime_dir_costs_a_warning_not_the_machine(self):
+        await self.check_machines_work_with("ro")
+
+    async def test_a_full_runtime_dir_costs_a_warning_not_the_machine(self):
+        await self.check_machines_work_with("full")
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
+    """Faults seen from a real stdio process with a serve it spawned."""
+
+    async def asyncSetUp(self):
+        self.tmp = short_tempdir()
+        self.rt = f"{self.tmp}/rt"
+        self.env = {"SMOLVM": str(FAKE_CLI), "SMOL_MCP_RUNTIME_DIR": self.rt, "SMOL_MCP_TARGETS": "local",
+                    "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_READY_TIMEOUT_SECS": "10",
+                    "FAKE_SMOLVM_STATE_FILE": f"{self.tmp}/state.json",
+                    "PATH": os.environ.get("PATH", ""), "HOME": self.tmp}
+
+    async def asyncTearDown(self):
+        pid = self.serve_pid()
+        if pid and smol_mcp.process_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def serve_pid(self) -> int:
+        with contextlib.suppress(OSError, ValueError):
+            return int(Path(self.rt, "serve.pid").read_text())
+        return 0
+
+    async def start(self) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "smol_mcp.py"), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE)
+
+    async def read_answer(self, process, id_) -> dict:
+        while True:
+            line = await asyncio.wait_for(process.stdout.readline(), 60)
+            self.assertTrue(line, "the server closed stdout")
+            message = json.loads(line)
+            if message.get("id") == id_:
+                return message
+
+    async def handshake_and_create(self, process) -> str:
+        process.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
+        await self.read_answer(process, 1)
+        process.stdin.write(jsonrpc(None, "notifications/initialized"))
+        process.stdin.write(jsonrpc(2, "tools/call", {"name": "create-machine",
+                                                      "arguments": {"image": "alpine", "network": "open"}}))
+        answer = await self.read_answer(process, 2)
+        self.assertFalse(answer["result"].get("isError"), answer)
+        return answer["result"]["structuredContent"]["machine"]["name"]
+
+    async def test_a_read_only_runtime_dir_at_the_end_still_exits_zero_and_stops_the_serve(self):
+        process = await self.start()
+        await self.handshake_and_create(process)
+        serve = self.serve_pid()
+        self.assertTrue(smol_mcp.process_alive(serve))
+        with broken_dir(self.rt, "ro"):
+            FaultCounts.faults += 1
+            process.stdin.close()
+            code = await asyncio.wait_for(process.wait(), 60)
+            stderr = (await process.stderr.read()).decode()
+            self.assertEqual(code, 0, stderr)
+            self.assertNotIn("Traceback", stderr)
+            self.assertEqual(len([line for line in stderr.splitlines() if "cannot write to" in line]), 1, stderr)
+            for _ in range(100):
+                if not smol_mcp.process_alive(serve):
+                    break
+                await asyncio.sleep(0.05)
+            self.assertFalse(smol_mcp.process_alive(serve), "the serve was left running")
+        FaultCounts.calls += 1
 
 
 # ---------------------------------------------------------------------------
