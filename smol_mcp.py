@@ -36,6 +36,7 @@ import base64
 import dataclasses
 import datetime
 import difflib
+import errno
 import functools
 import hmac
 import http.client
@@ -403,7 +404,7 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.socket_path = socket_path
 
     def connect(self) -> None:
-        for attempt in range(100):
+        for attempt in range(20):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout)
             try:
@@ -417,7 +418,8 @@ class UnixHTTPConnection(http.client.HTTPConnection):
             except OSError:
                 sock.close()
                 raise
-        raise ConnectionRefusedError(f"the serve at {self.socket_path} kept its listen backlog full")
+        # Busy (or stopped), not gone: the caller waits for it rather than start another serve.
+        raise BlockingIOError(errno.EAGAIN, f"the serve at {self.socket_path} kept its listen backlog full")
 
 
 @dataclass
@@ -611,8 +613,42 @@ class LocalFleet:
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
         with open(runtime_dir / "serve.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not self._answers():
+            if self._answers():
+                return
+            pid = self._live_serve_pid()
+            if pid is None or not self._wait_while_busy(pid):
                 self._start_serve()
+
+    def _live_serve_pid(self) -> int | None:
+        """The serve process on our socket that still runs, whether it answers
+        or not: ours, or the one another smol-mcp process started (serve.pid)."""
+        if self._process is not None and self._process.poll() is None:
+            return self._process.pid
+        try:
+            pid = int((Path(self.config.runtime_dir) / "serve.pid").read_text().strip() or 0)
+        except (OSError, ValueError):
+            return None
+        return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
+
+    def _wait_while_busy(self, pid: int) -> bool:
+        """A serve that runs but does not answer is busy (or stopped), not dead:
+        replacing it would orphan it and fight it for its port. Wait for it,
+        within serveStartTimeoutSecs; False if it died meanwhile."""
+        deadline = time.monotonic() + self.config.serve_start_timeout_secs
+        while time.monotonic() < deadline:
+            if not process_alive(pid):
+                return False
+            if self._answers():
+                return True
+            time.sleep(0.2)
+        raise self._busy_error(pid)
+
+    def _busy_error(self, pid: int | None) -> SmolError:
+        which = f"the smolvm serve (pid {pid})" if pid else "the smolvm serve"
+        return SmolError(f"{which} is running but did not answer on {self._address} within "
+                         f"{self.config.serve_start_timeout_secs} s: it is busy or stopped. It was left running, not "
+                         "replaced. Try again shortly; if it stays this way, see "
+                         f"{Path(self.config.runtime_dir) / 'serve.log'}, or end that process so a new one starts.")
 
     def _start_serve(self) -> None:
         binary = self.smolvm_path()
@@ -691,6 +727,19 @@ class LocalFleet:
             self._pool.conn = None
             raise
 
+    def _send_when_accepted(self, send: Callable) -> tuple[int, str, Any]:
+        """Send; while the serve's listen backlog is full (EAGAIN on connect:
+        it is busy or stopped, not gone) wait and resend, within a bound. The
+        connection never opened, so the request was not received."""
+        deadline = time.monotonic() + self.config.serve_start_timeout_secs
+        while True:
+            try:
+                return send()
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise self._busy_error(self._live_serve_pid()) from None
+                time.sleep(0.2)
+
     def request(self, action: str, method: str, path: str, payload: Any = None, *, raw: bytes | None = None,
                 timeout: float = 30, read: Callable | None = None) -> Any:
         """One API call. Returns the parsed JSON body (or bytes for a raw
@@ -707,7 +756,7 @@ class LocalFleet:
         send = functools.partial(self._raw_request, method, path, body, content_type=content_type, timeout=timeout,
                                  read=read)
         try:
-            status, ctype, data = send()
+            status, ctype, data = self._send_when_accepted(send)
         except (ConnectionRefusedError, FileNotFoundError):
             # The connection never opened, so the request was not received: safe to resend.
             self._ready = False

@@ -2016,6 +2016,35 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         self.assertFalse(targets["fleets"]["local"]["usable"])
         self.assertIn("smolvm was not found", targets["fleets"]["local"]["reason"])
 
+    async def test_a_stopped_serve_is_waited_for_not_replaced(self):
+        """Item 2: with the serve stopped (SIGSTOP) and calls queued past its
+        listen backlog, connect() fails with EAGAIN; that is busy, not dead."""
+        app = self.app(serve_start_timeout_secs=3)
+        async with Client(app.server, mode="legacy") as c:
+            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+            serve = app.local._process
+            os.kill(serve.pid, signal.SIGSTOP)
+            FaultCounts.faults += 1
+            try:
+                calls = [asyncio.create_task(c.call_tool("list-machines", {})) for _ in range(14)]
+                done, _ = await asyncio.wait(calls, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+                is_error, text = result_of(next(iter(done)).result())
+                self.assertTrue(is_error, text)
+                self.assertIn("busy or stopped", text)
+                self.assertIn(f"pid {serve.pid}", text)
+                self.assertIs(app.local._process, serve)  # no second serve
+                self.assertTrue(Path(self.tmp, "rt", "serve.sock").exists())  # its socket kept
+                self.assertEqual(Path(self.tmp, "rt", "serve.pid").read_text(), str(serve.pid))
+            finally:
+                os.kill(serve.pid, signal.SIGCONT)
+            answers = [result_of(answer) for answer in await asyncio.gather(*calls)]
+            FaultCounts.calls += len(answers) + 1
+            for is_error, text in answers:  # every call answered: a list, or the busy sentence
+                self.assertTrue(not is_error or "busy or stopped" in text, text)
+            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+            self.assertIs(app.local._process, serve)
+        await asyncio.to_thread(serve.wait, 10)  # and the last session out still stops it
+
     async def test_inside_a_guest_the_local_target_says_so(self):
         marker = Path(self.tmp, "smolvm-agent")
         marker.write_text("")
