@@ -2586,6 +2586,8 @@ class Session:
         self.subscriptions: dict[str, Any] = {}  # uri -> the CancelScope of its poller (handshake era)
         self._bus = self._listener = None
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
+        self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
+        self.http_id = self.protocol = None  # handshake era over HTTP: its Mcp-Session-Id and version
 
     def question_lock(self):
         import anyio
@@ -3263,6 +3265,9 @@ async def run_stdio(server) -> None:
 HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and all; more is a 413
 HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
+HTTP_UNUSED_SESSION_SECS = 300  # a session that made no call since it opened is ended after this (or idle, if less)
+# Requests that use a session; initialize, listings and pings alone do not.
+SESSION_USES = ("tools/call", "resources/read", "resources/subscribe", "subscriptions/listen")
 HTTP_UNAUTHORIZED = json.dumps({"error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
                                          "'X-Smol-Mcp-Token: <token>'"}).encode()
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -3343,7 +3348,10 @@ class HttpSessions:
     def __init__(self, app: SmolMcp):
         self.app = app
         self.by_principal: dict[str, Session] = {}
+        self.by_id: dict[str, Session] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
         self.tasks: Any = None
+        self.manager: Any = None
+        self.path = "/mcp"
 
     @asynccontextmanager
     async def running(self, tasks: Any):
@@ -3355,7 +3363,10 @@ class HttpSessions:
             with reaper:
                 while True:
                     await anyio.sleep(min(self.app.config.http_session_idle_secs / 4, 30))
-                    await self.end_idle()
+                    try:
+                        await self.end_idle()
+                    except Exception as err:  # the reaper must outlive any one session's trouble
+                        log.warning("ending idle sessions failed (%s)", describe(err))
 
         tasks.start_soon(reap)
         try:
@@ -3378,20 +3389,27 @@ class HttpSessions:
         if session is None:
             session = connection.state["smol_session"] = self.app.open_session(
                 (connection.session_id or secrets_module.token_hex(4))[:8], self.tasks)
+            if connection.session_id:
+                session.http_id, session.protocol = connection.session_id, ctx.protocol_version
+                self.by_id[connection.session_id] = session
 
             async def end() -> None:
                 # The SDK bounds this exit stack at 5 s; the cleanup gets its own bound in the task group.
+                self.by_id.pop(session.http_id or "", None)
                 self.tasks.start_soon(self.app.end_session, session)
 
             connection.exit_stack.push_async_callback(end)
         return session
 
     async def track(self, ctx, call_next):
-        """Server middleware: a 2026-era session is busy while a call runs."""
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-        if ctx.request is None or ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+        """Server middleware, both eras: a session is busy while a request runs.
+        A listen stream is not a request in flight: it stays open while idle."""
+        if ctx.request is None:
             return await call_next(ctx)
         session = self.session_for(ctx)
+        session.used = session.used or ctx.method in SESSION_USES
+        if ctx.method == "subscriptions/listen":
+            return await call_next(ctx)
         session.in_flight += 1
         try:
             return await call_next(ctx)
@@ -3400,12 +3418,47 @@ class HttpSessions:
             session.last_seen = time.monotonic()
 
     async def end_idle(self) -> None:
-        limit = self.app.config.http_session_idle_secs
-        for principal, session in list(self.by_principal.items()):
-            if session.in_flight == 0 and time.monotonic() - session.last_seen >= limit:
-                log.info("session %s idle for %d s: ending it", session.id, limit)
-                del self.by_principal[principal]
+        """End every session with no request in flight and none for
+        httpSessionIdleSecs (HTTP_UNUSED_SESSION_SECS if it never made a call),
+        whatever streams its client holds open."""
+        idle = self.app.config.http_session_idle_secs
+        for session in [*self.by_principal.values(), *self.by_id.values()]:
+            limit = idle if session.used else min(idle, HTTP_UNUSED_SESSION_SECS)
+            if session.in_flight or time.monotonic() - session.last_seen < limit:
+                continue
+            log.info("session %s %s for %d s: ending it", session.id, "idle" if session.used else "unused", limit)
+            if session.http_id is None:
+                self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
                 await self.app.end_session(session)
+            else:
+                self.by_id.pop(session.http_id, None)
+                await self.close_handshake_session(session)
+
+    async def close_handshake_session(self, session: Session) -> None:
+        """End a handshake-era session as its client's DELETE would, through the
+        manager's public entry point: the SDK closes its streams and the
+        connection's exit stack runs our cleanup."""
+        headers = [(b"mcp-session-id", session.http_id.encode()),
+                   (b"mcp-protocol-version", (session.protocol or "2025-06-18").encode())]
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "DELETE",
+                 "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "query_string": b"",
+                 "root_path": "", "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+                 "state": {}}
+        statuses = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        try:
+            await self.manager.handle_request(scope, receive, send)
+        except Exception as err:
+            statuses.append(describe(err))
+        if statuses != [200]:
+            log.warning("session %s: ending it for idleness answered %s", session.id, statuses)
 
 
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
@@ -3421,6 +3474,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     manager = StreamableHTTPSessionManager(
         app.server, json_response=True, session_idle_timeout=config.http_session_idle_secs,
         max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
+    app.http.manager, app.http.path = manager, path
 
     @asynccontextmanager
     async def lifespan(_):

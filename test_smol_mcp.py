@@ -1668,9 +1668,8 @@ class HostPortTests(HttpCase):
             self.assertEqual(response.status_code, 200, host)
 
 
-class HttpCloudCleanupTests(HttpCase, FakeCloudCase):
-    """Item 1: one session's failed cleanup ends neither the listener nor the
-    other sessions, and the shutdown still cleans what is left."""
+class RawHttpCase(HttpCase):
+    """Sessions driven with plain HTTP requests, as any client would send them."""
 
     async def raw_session(self) -> dict:
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
@@ -1686,6 +1685,12 @@ class HttpCloudCleanupTests(HttpCase, FakeCloudCase):
             "name": tool, "arguments": args}))).json()
         self.assertFalse(answer["result"].get("isError"), answer)
         return answer["result"]["structuredContent"]
+
+
+
+class HttpCloudCleanupTests(RawHttpCase, FakeCloudCase):
+    """Item 1: one session's failed cleanup ends neither the listener nor the
+    other sessions, and the shutdown still cleans what is left."""
 
     def cloud_names(self) -> list:
         return sorted(m["name"] for m in self.cloud.machines.values())
@@ -1706,6 +1711,55 @@ class HttpCloudCleanupTests(HttpCase, FakeCloudCase):
         await self.serving
         self.assertEqual(self.cloud_names(), [])
         FaultCounts.calls += 5
+
+
+class HttpIdleTests(RawHttpCase):
+    """Item 4: idle is no request in flight and none for httpSessionIdleSecs,
+    whatever stream the client holds open; a running call keeps the session."""
+
+    config_overrides = {"http_session_idle_secs": 2}
+
+    async def test_a_held_get_stream_does_not_keep_a_handshake_session_alive(self):
+        import httpx2
+        session = await self.raw_session()
+        name = (await self.raw_tool(session, "create-machine", {"image": "alpine", "network": "open"}))["machine"]
+        name = name["name"]
+        async with httpx2.AsyncClient(timeout=60) as http:
+            async with http.stream("GET", self.url, headers={**session, "Accept": "text/event-stream"}) as stream:
+                self.assertEqual(stream.status_code, 200)
+                ran = await self.raw_tool(session, "run-command", {"name": name, "command": "sleep 4; echo kept"})
+                self.assertEqual(ran["stdout"], "kept\n")  # a call longer than the idle time keeps the session
+                self.assertIn(name, self.fake.machines)
+                await HttpSessionTests.wait_until(self, lambda: name not in self.fake.machines, 20)
+        self.assertEqual((await self.raw("POST", "/mcp", session, jsonrpc(9, "tools/list"))).status_code, 404)
+
+    async def test_a_held_listen_stream_does_not_keep_a_2026_era_session_alive(self):
+        async with self.http_client("auto") as c:
+            async with c.listen(tools_list_changed=True):
+                name = (await self.ok(c, "create-machine", {"image": "alpine", "network": "open"}))["machine"]["name"]
+                ran = await self.ok(c, "run-command", {"name": name, "command": "sleep 4; echo kept"})
+                self.assertEqual(ran["stdout"], "kept\n")
+                self.assertIn(name, self.fake.machines)
+                await HttpSessionTests.wait_until(self, lambda: name not in self.fake.machines, 20)
+
+
+class HttpUnusedSessionTests(RawHttpCase):
+    """Item 7: a session that made no call since it opened is ended sooner."""
+
+    config_overrides = {"http_session_idle_secs": 20}
+
+    async def test_an_unused_session_is_reclaimed_before_the_idle_time(self):
+        saved, smol_mcp.HTTP_UNUSED_SESSION_SECS = smol_mcp.HTTP_UNUSED_SESSION_SECS, 1
+        try:
+            unused, used = await self.raw_session(), await self.raw_session()
+            await self.raw_tool(used, "list-machines", {})
+            sessions = self.app.http.by_id  # watched, not asked: a request would be a use of it
+            self.assertIn(unused["mcp-session-id"], sessions)
+            await HttpSessionTests.wait_until(self, lambda: unused["mcp-session-id"] not in sessions, 20)
+            self.assertEqual((await self.raw("POST", "/mcp", unused, jsonrpc(9, "tools/list"))).status_code, 404)
+            await self.raw_tool(used, "list-machines", {})  # the used one lives on until its idle time
+        finally:
+            smol_mcp.HTTP_UNUSED_SESSION_SECS = saved
 
 
 class HttpProcessTests(unittest.TestCase):
