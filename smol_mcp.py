@@ -1814,6 +1814,7 @@ def _check(schema: dict, value: Any, where: str) -> None:
 # ---------------------------------------------------------------------------
 
 CLEANUP_TIMEOUT_SECS = 20
+SESSION_CALL_SLOTS = 8  # blocking calls of one session that run at once; more wait their turn
 DELETE_RETRY_PAUSE_SECS = 1
 PROGRESS_INTERVAL_SECS = 5
 
@@ -1907,7 +1908,7 @@ class Call:
         progress notification says so every few seconds until it returns."""
         import anyio
         run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args, **kwargs),
-                                abandon_on_cancel=True, limiter=self.app.thread_limiter())
+                                abandon_on_cancel=True, limiter=self.session.call_slots())
         if waiting is None:
             return await run()
         async with anyio.create_task_group() as group:
@@ -1932,7 +1933,7 @@ class Call:
         the cleanup had already run, and nobody would delete it."""
         import anyio
         with anyio.CancelScope(shield=True):
-            return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=self.app.thread_limiter())
+            return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=self.session.call_slots())
 
     async def progress(self, total: float | None, message: str) -> None:
         """A progress notification (a no-op unless the client asked for them).
@@ -2581,13 +2582,21 @@ class Session:
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
         self.asked_fleet = False
         self.chose_during: Any = None  # the call whose question made the choice
-        self._question_lock = None
+        self._question_lock = self._slots = None
         self.tasks = tasks  # the task group its log pollers run in
         self.subscriptions: dict[str, Any] = {}  # uri -> the CancelScope of its poller (handshake era)
         self._bus = self._listener = None
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
         self.http_id = self.protocol = None  # handshake era over HTTP: its Mcp-Session-Id and version
+
+    def call_slots(self):
+        """The worker threads this session's blocking calls run in: a share of
+        the process's pool, so one session's flood of long calls waits its turn
+        in its own queue instead of holding every thread."""
+        if self._slots is None:
+            self._slots = SessionSlots(self.app.thread_limiter(), SESSION_CALL_SLOTS)
+        return self._slots
 
     def question_lock(self):
         import anyio
@@ -2661,6 +2670,28 @@ class Session:
                 self.forget(fleet_name, name)
             for name, err in refused:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
+
+
+class SessionSlots:
+    """A limiter for anyio's to_thread: a slot of the session first, then a
+    thread of the shared pool. At most ``slots`` of one session's calls hold
+    threads at once; the rest wait in order in that session's queue."""
+
+    def __init__(self, shared: Any, slots: int):
+        import anyio
+        self.shared, self.own = shared, anyio.CapacityLimiter(slots)
+
+    async def __aenter__(self) -> None:
+        await self.own.acquire()
+        try:
+            await self.shared.acquire()
+        except BaseException:
+            self.own.release()
+            raise
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.shared.release()
+        self.own.release()
 
 
 def delete_in_passes(fleet: Any, names: list[str]) -> tuple[list[str], list[tuple[str, Exception]]]:
@@ -2879,7 +2910,7 @@ class SmolMcp:
         some sessions never queue the short calls of others."""
         import anyio
         if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(64)
+            self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
 
     # -- handlers ----------------------------------------------------------

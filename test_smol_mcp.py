@@ -1749,7 +1749,7 @@ class HttpUnusedSessionTests(RawHttpCase):
     config_overrides = {"http_session_idle_secs": 20}
 
     async def test_an_unused_session_is_reclaimed_before_the_idle_time(self):
-        saved, smol_mcp.HTTP_UNUSED_SESSION_SECS = smol_mcp.HTTP_UNUSED_SESSION_SECS, 1
+        saved, smol_mcp.HTTP_UNUSED_SESSION_SECS = getattr(smol_mcp, "HTTP_UNUSED_SESSION_SECS", 300), 1
         try:
             unused, used = await self.raw_session(), await self.raw_session()
             await self.raw_tool(used, "list-machines", {})
@@ -1760,6 +1760,27 @@ class HttpUnusedSessionTests(RawHttpCase):
             await self.raw_tool(used, "list-machines", {})  # the used one lives on until its idle time
         finally:
             smol_mcp.HTTP_UNUSED_SESSION_SECS = saved
+
+
+class SessionShareTests(FakeServeCase):
+    """Item 7: one session's flood of long calls does not starve another."""
+
+    async def test_a_flood_in_one_session_leaves_threads_for_another(self):
+        saved, smol_mcp.SESSION_CALL_SLOTS = getattr(smol_mcp, "SESSION_CALL_SLOTS", 8), 2
+        self.app._limiter = anyio.CapacityLimiter(4)  # the process pool, made small to flood it cheaply
+        try:
+            async with self.client("legacy") as a, self.client("legacy") as b:
+                name = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))["machine"]["name"]
+                flood = [asyncio.create_task(a.call_tool("run-command", {"name": name, "command": "sleep 3"}))
+                         for _ in range(6)]
+                await asyncio.sleep(0.5)
+                for _ in range(5):
+                    await self.ok(b, "list-machines", {})
+                self.assertFalse(any(call.done() for call in flood), "the other session waited for the flood")
+                answers = await asyncio.gather(*flood)
+                self.assertEqual([result_of(answer)[0] for answer in answers], [False] * 6)  # all answered, in turn
+        finally:
+            smol_mcp.SESSION_CALL_SLOTS = saved
 
 
 class HttpProcessTests(unittest.TestCase):
