@@ -3383,6 +3383,7 @@ class HttpSessions:
         self.tasks: Any = None
         self.manager: Any = None
         self.path = "/mcp"
+        self.stopping: Any = None  # an anyio Event, set when the process is told to stop
 
     @asynccontextmanager
     async def running(self, tasks: Any):
@@ -3492,6 +3493,63 @@ class HttpSessions:
             log.warning("session %s: ending it for idleness answered %s", session.id, statuses)
 
 
+HTTP_SHUTDOWN_MESSAGE = ("the smol-mcp server is shutting down, so this call was stopped before it finished (what "
+                         "it started may have run in part). Reconnect once the server is back, and check the "
+                         "machine with get-machine before trying again.")
+
+
+class ShutdownAnswers:
+    """ASGI middleware: when the process is told to stop (SIGTERM, SIGINT), a
+    POST still being served is stopped and answered with a JSON-RPC error that
+    says so, rather than held until the server's grace period ends and then
+    cut off with a plain-text 500."""
+
+    def __init__(self, app: Any, stopping: Callable[[], Any]):
+        self.app, self.stopping = app, stopping  # stopping(): the Event set at shutdown, or None
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        stopping = self.stopping()
+        if scope["type"] != "http" or scope["method"] != "POST" or stopping is None:
+            await self.app(scope, receive, send)
+            return
+        import anyio
+        body, started = bytearray(), False
+
+        async def receive_copy() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                body.extend(message.get("body", b""))
+            return message
+
+        async def send_watch(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        async with anyio.create_task_group() as group:
+            async def stop_on_shutdown() -> None:
+                await stopping.wait()
+                group.cancel_scope.cancel()
+
+            group.start_soon(stop_on_shutdown)
+            await self.app(scope, receive_copy, send_watch)
+            group.cancel_scope.cancel()
+        if stopping.is_set() and not started:
+            await _respond(send, 200, json.dumps(shutdown_errors(bytes(body))).encode())
+
+
+def shutdown_errors(body: bytes) -> Any:
+    """The JSON-RPC error answer to a request body (one, or a batch)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        request = None
+    requests = request if isinstance(request, list) else [request]
+    answers = [{"jsonrpc": "2.0", "id": r.get("id") if isinstance(r, dict) else None,
+                "error": {"code": -32000, "message": HTTP_SHUTDOWN_MESSAGE}} for r in requests]
+    return answers if isinstance(request, list) else answers[0]
+
+
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     """The ASGI application for --http: HttpGate in front of the SDK's
     Streamable HTTP session manager."""
@@ -3513,6 +3571,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
             yield
 
     inner = Starlette(routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan)
+    inner = ShutdownAnswers(inner, lambda: app.http.stopping)
     return HttpGate(inner, tokens={"default": config.auth_token}, path=path,
                     allowed_hosts=default_allowed_hosts(config, host, port),
                     allowed_origins=config.http_allowed_origins)
@@ -3527,7 +3586,28 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     config = uvicorn.Config(asgi, host=host, port=port, lifespan="on", log_level="warning",
                             timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
-    await uvicorn.Server(config).serve()  # SIGTERM and SIGINT end the lifespan, which cleans up
+    await stopping_server(config, app.http).serve()  # SIGTERM and SIGINT end the lifespan, which cleans up
+
+
+def stopping_server(config: Any, sessions: HttpSessions):
+    """uvicorn's Server, told about a stop signal the moment it arrives (so
+    calls in flight are answered at once, see ShutdownAnswers), and exiting 0
+    afterwards: uvicorn re-raises the signal once it is done, which would end
+    the process by that signal after a clean shutdown."""
+    import asyncio
+    import anyio
+    import uvicorn
+    loop, stopping = asyncio.get_running_loop(), anyio.Event()
+    sessions.stopping = stopping
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            loop.call_soon_threadsafe(stopping.set)  # in a signal handler: let the loop do the set
+            super().handle_exit(sig, frame)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)  # what uvicorn restores and re-raises into: handled already
+    return Server(config)
 
 
 # ---------------------------------------------------------------------------

@@ -1783,6 +1783,85 @@ class SessionShareTests(FakeServeCase):
             smol_mcp.SESSION_CALL_SLOTS = saved
 
 
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
+    """Item 8: SIGTERM mid-call answers the call with a JSON-RPC error that
+    says the server is shutting down, cleans up, and exits 0; both eras."""
+
+    async def asyncSetUp(self):
+        self.tmp = short_tempdir()
+        self.fake = FakeSmolvm(f"{self.tmp}/fake.sock")
+        self.fake.start()
+
+    async def asyncTearDown(self):
+        await asyncio.to_thread(self.fake.stop)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    async def start_server(self) -> tuple[asyncio.subprocess.Process, str]:
+        import httpx2
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {**os.environ, "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock", "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN}
+        server = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port), env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        url = f"http://127.0.0.1:{port}/mcp"
+        async with httpx2.AsyncClient(timeout=5) as http:
+            for _ in range(400):
+                with contextlib.suppress(httpx2.TransportError):
+                    await http.get(url)
+                    break
+                await asyncio.sleep(0.05)
+        return server, url
+
+    async def signal_mid_call(self, mode: str, sig: int) -> tuple[object, int, str]:
+        """Start a server, make a call that runs for long, send sig while it
+        runs; (what the call got, the exit code, stderr)."""
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+        server, url = await self.start_server()
+        stack = contextlib.AsyncExitStack()
+        try:
+            http = await stack.enter_async_context(httpx2.AsyncClient(
+                headers={"Authorization": f"Bearer {HTTP_TOKEN}"}, timeout=60))
+            client = await stack.enter_async_context(Client(streamable_http_client(url, http_client=http),
+                                                            mode=mode))
+            created = result_of(await client.call_tool("create-machine", {"image": "alpine", "network": "open"}))
+            self.assertFalse(created[0], created)
+            name = created[1]["machine"]["name"]
+            call = asyncio.create_task(client.call_tool("run-command", {"name": name, "command": "sleep 30"}))
+            while not [r for r in self.fake.requests if r[1].endswith("/exec")]:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)
+            server.send_signal(sig)
+            try:
+                got = await asyncio.wait_for(call, 20)
+            except MCPError as err:
+                got = err
+            code = await asyncio.wait_for(server.wait(), 30)
+        finally:
+            with contextlib.suppress(Exception):  # the server is gone: the client's goodbye fails
+                await stack.aclose()
+            if server.returncode is None:
+                server.kill()
+                await server.wait()
+        return got, code, (await server.stderr.read()).decode()
+
+    async def test_sigterm_mid_call_answers_it_and_exits_zero_in_both_eras(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                got, code, stderr = await self.signal_mid_call(mode, signal.SIGTERM)
+                FaultCounts.faults += 1
+                FaultCounts.calls += 2
+                self.assertIsInstance(got, MCPError, got)
+                self.assertIn("shutting down", str(got))
+                self.assertEqual(code, 0, stderr)
+                self.assertNotIn("Traceback", stderr)
+                self.assertEqual(self.fake.machines, {})  # the session's machine went with it
+
+
 class HttpProcessTests(unittest.TestCase):
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     def test_sigterm_ends_every_session_and_deletes_their_machines(self):
