@@ -3273,6 +3273,8 @@ async def run_stdio(server) -> None:
 
         group.start_soon(watch_signals)
         async with stdio_server() as (read, write):
+            read, write = AnsweredReads(read, write), AnsweredWrites(write)
+            read.writes = write
             try:
                 await server.run(read, write, server.create_initialization_options())
             finally:
@@ -3280,6 +3282,107 @@ async def run_stdio(server) -> None:
                     logging.shutdown()
                     os._exit(0)  # the stdin reader thread would block a normal exit
         group.cancel_scope.cancel()
+
+
+class AnsweredReads:
+    """The stdio read stream, kept open at stdin's end until every request
+    read before it has been answered: the SDK would end the session at EOF and
+    drop an answer still being made. A line the SDK cannot parse is answered
+    with a JSON-RPC parse error (with its id, when the line has one) rather
+    than left unanswered."""
+
+    def __init__(self, inner: Any, write: Any):
+        self.inner, self.write = inner, write
+        self.writes: AnsweredWrites | None = None
+
+    @property
+    def last_context(self) -> Any:
+        return getattr(self.inner, "last_context", None)
+
+    async def receive(self) -> Any:
+        import anyio
+        import mcp_types as types
+        from mcp.shared.message import SessionMessage
+        try:
+            item = await self.inner.receive()
+        except anyio.EndOfStream:
+            while self.writes.pending:
+                await self.writes.changed()
+            raise
+        if isinstance(item, SessionMessage) and isinstance(item.message, types.JSONRPCRequest):
+            self.writes.pending.add(item.message.id)
+        elif isinstance(item, Exception):
+            await self.write.send(SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=unparsed_id(item), error=(
+                types.ErrorData(code=types.PARSE_ERROR, message=f"this message could not be read ({item_error(item)})"
+                                "; send one JSON-RPC message per line, as UTF-8 JSON without lone surrogates")))))
+        return item
+
+    def __aiter__(self) -> "AnsweredReads":
+        return self
+
+    async def __anext__(self) -> Any:
+        import anyio
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> "AnsweredReads":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+
+class AnsweredWrites:
+    """The stdio write stream, counting off the requests it answers."""
+
+    def __init__(self, inner: Any):
+        import anyio
+        self.inner, self.pending = inner, set()
+        self._changed = anyio.Event()
+
+    async def changed(self) -> None:
+        import anyio
+        await self._changed.wait()
+        self._changed = anyio.Event()
+
+    async def send(self, item: Any) -> None:
+        await self.inner.send(item)
+        answer_id = getattr(getattr(item, "message", None), "id", None)
+        if answer_id in self.pending and not hasattr(item.message, "method"):
+            self.pending.discard(answer_id)
+            self._changed.set()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> "AnsweredWrites":
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+
+def unparsed_id(err: Exception) -> Any:
+    """The id of a request the SDK could not parse, read leniently, else None."""
+    for detail in getattr(err, "errors", lambda: [])():
+        if isinstance(detail.get("input"), str):
+            try:
+                request = json.loads(detail["input"])
+            except ValueError:
+                return None
+            found = request.get("id") if isinstance(request, dict) else None
+            return found if isinstance(found, (str, int)) and not isinstance(found, bool) else None
+    return None
+
+
+def item_error(err: Exception) -> str:
+    details = getattr(err, "errors", lambda: [])()
+    return details[0].get("msg", type(err).__name__) if details else type(err).__name__
 
 
 # ---------------------------------------------------------------------------

@@ -2479,6 +2479,38 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         self.assertFalse(answer["result"].get("isError"), answer)
         return answer["result"]["structuredContent"]["machine"]["name"]
 
+    async def test_every_request_read_before_eof_is_answered(self):
+        """Item 6: requests piped in and stdin closed at once: every answer
+        comes back, under load (24 processes at a time on a small machine)."""
+        lines = b"".join([jsonrpc(1, "initialize", INITIALIZE), jsonrpc(None, "notifications/initialized"),
+                          jsonrpc(2, "tools/list"), jsonrpc(3, "resources/list")])
+        env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"}
+
+        async def one() -> list:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL)
+            out, _ = await asyncio.wait_for(process.communicate(lines), 120)
+            return sorted(json.loads(line)["id"] for line in out.splitlines())
+
+        answers = await asyncio.gather(*(one() for _ in range(24)))
+        FaultCounts.calls += 3 * len(answers)
+        self.assertEqual(answers, [[1, 2, 3]] * len(answers))
+
+    async def test_a_request_the_sdk_cannot_parse_gets_a_json_rpc_error(self):
+        env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"}
+        lines = jsonrpc(1, "initialize", INITIALIZE) + b'{"jsonrpc":"2.0","id":5,"method":"tools/list",' \
+            b'"params":{"x":"\\udc80"}}\n' + b"not json\n" + jsonrpc(6, "tools/list")
+        out = subprocess.run([sys.executable, str(HERE / "smol_mcp.py")], input=lines, env=env, capture_output=True,
+                             timeout=60)
+        answers = {json.loads(line)["id"]: json.loads(line) for line in out.stdout.splitlines()}
+        FaultCounts.calls += 4
+        self.assertEqual(sorted(answers, key=str), [1, 5, 6, None])
+        self.assertEqual(answers[5]["error"]["code"], -32700)
+        self.assertIn("lone leading surrogate", answers[5]["error"]["message"])
+        self.assertEqual(answers[None]["error"]["code"], -32700)
+        self.assertIn("tools", answers[6]["result"])
+
     async def test_a_read_only_runtime_dir_at_the_end_still_exits_zero_and_stops_the_serve(self):
         process = await self.start()
         await self.handshake_and_create(process)
