@@ -3261,20 +3261,22 @@ async def run_stdio(server) -> None:
     import anyio
     from mcp.server.stdio import stdio_server
 
-    signalled = False
+    signalled, answers = False, None
     async with anyio.create_task_group() as group:
         async def watch_signals() -> None:
             nonlocal signalled
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
                 async for _ in received:
                     signalled = True
+                    if answers is not None:
+                        await answers.refuse_pending()  # every call in flight hears why it stopped
                     group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
                     return
 
         group.start_soon(watch_signals)
         async with stdio_server() as (read, write):
             read, write = AnsweredReads(read, write), AnsweredWrites(write)
-            read.writes = write
+            read.writes = answers = write
             try:
                 await server.run(read, write, server.create_initialization_options())
             finally:
@@ -3356,6 +3358,17 @@ class AnsweredWrites:
         if answer_id in self.pending and not hasattr(item.message, "method"):
             self.pending.discard(answer_id)
             self._changed.set()
+
+    async def refuse_pending(self) -> None:
+        """Answer every request still in flight with the shutdown error."""
+        import anyio
+        import mcp_types as types
+        from mcp.shared.message import SessionMessage
+        with anyio.move_on_after(2):
+            for request_id in list(self.pending):
+                await self.send(SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=(
+                    types.ErrorData(code=-32000, message=SHUTDOWN_MESSAGE)))))
+            await anyio.sleep(0.2)  # the transport's writer flushes the last one
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -3596,7 +3609,7 @@ class HttpSessions:
             log.warning("session %s: ending it for idleness answered %s", session.id, statuses)
 
 
-HTTP_SHUTDOWN_MESSAGE = ("the smol-mcp server is shutting down, so this call was stopped before it finished (what "
+SHUTDOWN_MESSAGE = ("the smol-mcp server is shutting down, so this call was stopped before it finished (what "
                          "it started may have run in part). Reconnect once the server is back, and check the "
                          "machine with get-machine before trying again.")
 
@@ -3649,7 +3662,7 @@ def shutdown_errors(body: bytes) -> Any:
         request = None
     requests = request if isinstance(request, list) else [request]
     answers = [{"jsonrpc": "2.0", "id": r.get("id") if isinstance(r, dict) else None,
-                "error": {"code": -32000, "message": HTTP_SHUTDOWN_MESSAGE}} for r in requests]
+                "error": {"code": -32000, "message": SHUTDOWN_MESSAGE}} for r in requests]
     return answers if isinstance(request, list) else answers[0]
 
 
@@ -3951,6 +3964,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.http:
         anyio.run(run_http, app, args.host or config.http_host, args.port or config.http_port,
                   args.path or config.http_path)
+        # Cleaned up and done: a worker thread a stopped call abandoned must not hold the exit.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     else:
         anyio.run(run_stdio, app.server)
     return 0

@@ -1840,10 +1840,14 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 got = await asyncio.wait_for(call, 20)
             except MCPError as err:
                 got = err
-            code = await asyncio.wait_for(server.wait(), 30)
+            except asyncio.CancelledError as err:  # the client's own scope ended with its connection
+                got = err
+            if not isinstance(got, asyncio.CancelledError):
+                await asyncio.wait_for(server.wait(), 30)  # with the client still connected
         finally:
             with contextlib.suppress(Exception):  # the server is gone: the client's goodbye fails
                 await stack.aclose()
+            code = await asyncio.wait_for(server.wait(), 30)
             if server.returncode is None:
                 server.kill()
                 await server.wait()
@@ -2532,6 +2536,178 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         FaultCounts.calls += 1
 
 
+class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
+    """Item 10: a serve this process spawned is killed or stopped mid-command;
+    two processes start at once. Every call is answered, nothing leaks, and
+    no serve outlives its last user."""
+
+    asyncSetUp, asyncTearDown = SpawnTests.asyncSetUp, SpawnTests.asyncTearDown
+    write_wrapper, app = SpawnTests.write_wrapper, SpawnTests.app
+
+    def state(self) -> dict:
+        with contextlib.suppress(OSError, ValueError):
+            return json.loads(Path(self.tmp, "state.json").read_text())
+        return {}
+
+    def assert_nothing_left(self, serve: int) -> None:
+        machines = self.state().get("machines", self.state())
+        leaked = [name for name in machines if str(name).startswith("mcp-")]
+        FaultCounts.leaks += len(leaked)
+        self.assertEqual(leaked, [], "machines leaked")
+        self.assertFalse(smol_mcp.process_alive(serve), "a serve was left running")
+
+    async def test_serve_killed_then_stopped_mid_command(self):
+        self.write_wrapper(FAKE_SMOLVM_STATE_FILE=f"{self.tmp}/state.json", FAKE_SMOLVM_SETTLE_SECS="0")
+        app = self.app(serve_start_timeout_secs=5)
+        async with Client(app.server, mode="legacy") as c:
+            name = result_of(await c.call_tool("create-machine", {"image": "alpine", "network": "open"}))[1]
+            name = name["machine"]["name"]
+            call = asyncio.create_task(c.call_tool("run-command", {"name": name, "command": "sleep 5"}))
+            await asyncio.sleep(1)
+            app.local._process.kill()  # SIGKILL mid-command
+            FaultCounts.faults += 1
+            is_error, text = result_of(await asyncio.wait_for(call, 30))
+            self.assertTrue(is_error)
+            self.assertIn("closed the connection", text)
+            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])  # a new serve, same machines
+            serve = app.local._process
+            self.assertFalse(result_of(await c.call_tool("start-machine", {"name": name}))[0])
+            call = asyncio.create_task(c.call_tool("run-command", {"name": name, "command": "sleep 1; echo ok"}))
+            await asyncio.sleep(0.5)
+            os.kill(serve.pid, signal.SIGSTOP)  # stopped mid-command, for longer than the command
+            FaultCounts.faults += 1
+            await asyncio.sleep(3)
+            os.kill(serve.pid, signal.SIGCONT)
+            is_error, ran = result_of(await asyncio.wait_for(call, 30))
+            self.assertFalse(is_error, ran)
+            self.assertEqual(ran["stdout"], "ok\n")
+            FaultCounts.calls += 6
+        await asyncio.to_thread(serve.wait, 10)
+        self.assert_nothing_left(serve.pid)
+
+    async def test_two_processes_starting_at_once_share_one_serve(self):
+        self.write_wrapper(FAKE_SMOLVM_STATE_FILE=f"{self.tmp}/state.json")
+        env = {"SMOLVM": str(self.wrapper), "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt", "SMOL_MCP_TARGETS": "local",
+               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "PATH": os.environ.get("PATH", ""), "HOME": self.tmp}
+        lines = b"".join([jsonrpc(1, "initialize", INITIALIZE), jsonrpc(None, "notifications/initialized"),
+                          jsonrpc(2, "tools/call", {"name": "create-machine", "arguments": {"image": "alpine"}}),
+                          jsonrpc(3, "tools/call", {"name": "list-machines", "arguments": {}})])
+
+        async def one() -> list:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE)
+            out, err = await asyncio.wait_for(process.communicate(lines), 120)
+            self.assertEqual(process.returncode, 0, err)
+            starts.append(err.decode().count("started smolvm serve"))
+            return [json.loads(line) for line in out.splitlines()]
+
+        starts: list = []
+        FaultCounts.faults += 1
+        runs = await asyncio.gather(one(), one())
+        for answers in runs:
+            self.assertEqual(sorted(a["id"] for a in answers), [1, 2, 3])
+            self.assertTrue(all(not a.get("error") and not a["result"].get("isError") for a in answers), answers)
+        FaultCounts.calls += 6
+        self.assertEqual(sum(starts), 1, "one serve for both processes")
+        self.assert_nothing_left(self.serve_pid_left())
+
+    def serve_pid_left(self) -> int:
+        out = subprocess.run(["pgrep", "-f", f"--listen {self.tmp}/rt/serve.sock"], capture_output=True, text=True)
+        return int(out.stdout.split()[0]) if out.stdout.split() else 0
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class CloudFaults(FakeCloudCase):
+    """Item 10: the cloud answers 5xx, 429, an HTML page, or nothing at all."""
+
+    async def test_transient_answers_are_retried_and_cleanup_still_happens(self):
+        async with self.client("legacy") as c:
+            self.cloud.fail_next("POST", "/v1/machines", 429, times=2)
+            name = (await self.ok(c, "create-machine", {"image": "alpine"}))["machine"]["name"]
+            self.cloud.fail_next("GET", "/v1/machines", 503, times=2)
+            await self.ok(c, "list-machines", {})
+            self.cloud.fail_next("GET", "/v1/machines", 200, times=1, body=b"<html>proxy</html>", ctype="text/html")
+            text = await self.refused(c, "get-machine", {"name": name})
+            self.cloud.fail_next("DELETE", "/v1/machines", 502, times=2)  # and the session's cleanup meets 502s
+            FaultCounts.faults += 4
+            FaultCounts.calls += 3
+        self.assertNotIn("Traceback", text)
+        leaked = [m["name"] for m in self.cloud.machines.values()]
+        FaultCounts.leaks += len(leaked)
+        self.assertEqual(leaked, [])
+
+    async def test_a_refused_or_silent_cloud_is_a_sentence(self):
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)  # accepts, never answers
+            port = silent.getsockname()[1]
+            for url, expected in ((f"http://127.0.0.1:{port}", "did not answer within"),
+                                  ("http://127.0.0.1:9", "could not reach the cloud API")):
+                fleet = smol_mcp.CloudFleet(dataclasses_replace(self.config, cloud_url=url))
+                with self.assertRaises(smol_mcp.SmolError) as caught:
+                    await asyncio.to_thread(fleet.request, "list machines", "GET", "/v1/machines", timeout=1)
+                self.assertIn(expected, str(caught.exception))
+                FaultCounts.faults += 1
+                FaultCounts.calls += 1
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
+    """Item 10: SIGKILL mid-call on both transports leaves records that the
+    next start cleans up; SIGTERM mid-call on stdio answers the call."""
+
+    asyncSetUp, asyncTearDown = HttpSignalTests.asyncSetUp, HttpSignalTests.asyncTearDown
+    start_server, signal_mid_call = HttpSignalTests.start_server, HttpSignalTests.signal_mid_call
+
+    async def test_sigkill_mid_call_on_http_is_swept_by_the_next_start(self):
+        got, code, _ = await self.signal_mid_call("legacy", signal.SIGKILL)
+        FaultCounts.faults += 1
+        FaultCounts.calls += 2
+        self.assertEqual(code, -signal.SIGKILL)
+        self.assertIsInstance(got, BaseException)  # the client learns the connection went, not left waiting
+        self.assertEqual(len(self.fake.machines), 1)  # left by the killed process, on record
+        await self.next_start_sweeps()
+
+    async def test_sigkill_and_sigterm_mid_call_on_stdio(self):
+        for sig in (signal.SIGKILL, signal.SIGTERM):
+            with self.subTest(signal=sig.name):
+                env = {"SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock", "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+                       "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "PATH": os.environ.get("PATH", "")}
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                process.stdin.write(jsonrpc(1, "initialize", INITIALIZE) + jsonrpc(None, "notifications/initialized")
+                                    + jsonrpc(2, "tools/call", {"name": "run-once", "arguments": {
+                                        "image": "alpine", "command": "sleep 30"}}))
+                while not [r for r in self.fake.requests if r[1].endswith("/exec")]:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
+                process.send_signal(sig)
+                out = (await asyncio.wait_for(process.stdout.read(), 30)).splitlines()
+                code = await asyncio.wait_for(process.wait(), 30)
+                FaultCounts.faults += 1
+                FaultCounts.calls += 1
+                if sig == signal.SIGTERM:
+                    self.assertEqual(code, 0)
+                    answer = json.loads(out[-1])
+                    self.assertEqual(answer["id"], 2)
+                    self.assertIn("shutting down", answer["error"]["message"])
+                    self.assertEqual(self.fake.machines, {})
+                else:
+                    self.assertEqual(code, -signal.SIGKILL)
+                    await self.next_start_sweeps()
+                self.fake.requests.clear()
+
+    async def next_start_sweeps(self) -> None:
+        app = SmolMcp(fake_config(self.tmp, f"{self.tmp}/fake.sock"))
+        async with Client(app.server, mode="legacy") as c:
+            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+        leaked = list(self.fake.machines)
+        FaultCounts.leaks += len(leaked)
+        self.assertEqual(leaked, [])
+
+
 # ---------------------------------------------------------------------------
 # Integration: a real smolvm serve (SMOL_MCP_IT=1)
 # ---------------------------------------------------------------------------
@@ -2761,6 +2937,8 @@ def main() -> int:
     passed = result.testsRun - failed - len(result.skipped)
     label = "integration" if os.environ.get("SMOL_MCP_IT") == "1" else "unit"
     print(f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped")
+    if FaultCounts.faults:
+        print(f"fault suite: {FaultCounts.calls} calls, {FaultCounts.faults} faults, {FaultCounts.leaks} leaks")
     return 0 if result.wasSuccessful() else 1
 
 
