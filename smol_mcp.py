@@ -419,7 +419,8 @@ class UnixHTTPConnection(http.client.HTTPConnection):
                 sock.close()
                 raise
         # Busy (or stopped), not gone: the caller waits for it rather than start another serve.
-        raise BlockingIOError(errno.EAGAIN, f"the serve at {self.socket_path} kept its listen backlog full")
+        full = f"the serve at {self.socket_path} kept its listen backlog full"
+        raise BlockingIOError(errno.EAGAIN, full)
 
 
 @dataclass
@@ -584,7 +585,8 @@ class LocalFleet:
             if not self.config.local_url:
                 with bookkeeping(self.config.runtime_dir):
                     self._users_dir.mkdir(mode=0o700, exist_ok=True)
-                    (self._users_dir / str(os.getpid())).write_text(str(process_start_time(os.getpid()) or ""))
+                    started = process_start_time(os.getpid())
+                    (self._users_dir / str(os.getpid())).write_text(str(started or ""))
             if self.config.min_smolvm and version_tuple(self.version) < version_tuple(self.config.min_smolvm):
                 raise SmolError(f"smolvm {self.version} is older than the minimum {self.config.min_smolvm} this server "
                                 "needs (older serves reject fields it sends). Upgrade smolvm, or set "
@@ -645,10 +647,13 @@ class LocalFleet:
 
     def _busy_error(self, pid: int | None) -> SmolError:
         which = f"the smolvm serve (pid {pid})" if pid else "the smolvm serve"
-        return SmolError(f"{which} is running but did not answer on {self._address} within "
-                         f"{self.config.serve_start_timeout_secs} s: it is busy or stopped. It was left running, not "
-                         "replaced. Try again shortly; if it stays this way, see "
-                         f"{Path(self.config.runtime_dir) / 'serve.log'}, or end that process so a new one starts.")
+        return SmolError(
+            f"{which} is running but did not answer on {self._address} within "
+            f"{self.config.serve_start_timeout_secs} s: it is busy or stopped. It was left "
+            "running, not replaced. Try again shortly; if it stays this way, see "
+            f"{Path(self.config.runtime_dir) / 'serve.log'}, or end that process so a new one "
+            "starts."
+        )
 
     def _start_serve(self) -> None:
         binary = self.smolvm_path()
@@ -1933,7 +1938,8 @@ class Call:
         the cleanup had already run, and nobody would delete it."""
         import anyio
         with anyio.CancelScope(shield=True):
-            return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=self.session.call_slots())
+            work = functools.partial(function, *args)
+            return await anyio.to_thread.run_sync(work, limiter=self.session.call_slots())
 
     async def progress(self, total: float | None, message: str) -> None:
         """A progress notification (a no-op unless the client asked for them).
@@ -2588,7 +2594,8 @@ class Session:
         self._bus = self._listener = None
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
-        self.http_id = self.protocol = None  # handshake era over HTTP: its Mcp-Session-Id and version
+        # Handshake era over HTTP: its Mcp-Session-Id and protocol version.
+        self.http_id = self.protocol = None
 
     def call_slots(self):
         """The worker threads this session's blocking calls run in: a share of
@@ -2644,10 +2651,15 @@ class Session:
             if not names:
                 self.record_path.unlink(missing_ok=True)
                 return
-            ensure_runtime_dir(self.app.config.runtime_dir)  # the parent first: it is what keeps others out
+            # The parent first: it is what keeps others out.
+            ensure_runtime_dir(self.app.config.runtime_dir)
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
-            record = {"pid": os.getpid(), "started": process_start_time(os.getpid()),
-                      "endpoint": self.app.local.endpoint, "machines": names}
+            record = {
+                "pid": os.getpid(),
+                "started": process_start_time(os.getpid()),
+                "endpoint": self.app.local.endpoint,
+                "machines": names,
+            }
             temporary = self.record_path.with_suffix(".tmp")
             temporary.write_text(json.dumps(record))
             temporary.replace(self.record_path)
@@ -2659,11 +2671,20 @@ class Session:
         import anyio
         for fleet_name, names in list(self.machines.items()):
             try:
-                deleted, refused = await anyio.to_thread.run_sync(delete_in_passes, self.app.fleets[fleet_name],
-                                                                  sorted(names), abandon_on_cancel=True)
+                deleted, refused = await anyio.to_thread.run_sync(
+                    delete_in_passes,
+                    self.app.fleets[fleet_name],
+                    sorted(names),
+                    abandon_on_cancel=True,
+                )
             except Exception as err:
-                log.warning("session %s ended: could not clean up its %s machines (%s): %s", self.id, fleet_name,
-                            ", ".join(sorted(names)), describe(err))
+                log.warning(
+                    "session %s ended: could not clean up its %s machines (%s): %s",
+                    self.id,
+                    fleet_name,
+                    ", ".join(sorted(names)),
+                    describe(err),
+                )
                 continue
             for name in deleted:
                 log.info("session %s ended: deleted %s", self.id, name)
@@ -2679,6 +2700,7 @@ class SessionSlots:
 
     def __init__(self, shared: Any, slots: int):
         import anyio
+
         self.shared, self.own = shared, anyio.CapacityLimiter(slots)
 
     async def __aenter__(self) -> None:
@@ -2740,9 +2762,13 @@ def bookkeeping(runtime_dir: str):
     except OSError as err:
         if runtime_dir not in _warned_dirs:
             _warned_dirs.add(runtime_dir)
-            log.warning("cannot write to the runtime directory %s (%s); machines work on, but one this process "
-                        "cannot delete will not be found by the next start. Make it writable (or set "
-                        "SMOL_MCP_RUNTIME_DIR).", runtime_dir, err.strerror or err)
+            log.warning(
+                "cannot write to the runtime directory %s (%s); machines work on, but one this "
+                "process cannot delete will not be found by the next start. Make it writable (or "
+                "set SMOL_MCP_RUNTIME_DIR).",
+                runtime_dir,
+                err.strerror or err,
+            )
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -2751,7 +2777,7 @@ def _proc_stat(pid: int) -> list[str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return text[text.rfind(")") + 2:].split()
+    return text[text.rfind(")") + 2 :].split()
 
 
 def process_start_time(pid: int) -> int | None:
@@ -2789,8 +2815,10 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if process_alive(int(record.get("pid", 0)), record.get("started")) or \
-                record.get("endpoint") != fleet.endpoint:
+        if (
+            process_alive(int(record.get("pid", 0)), record.get("started"))
+            or record.get("endpoint") != fleet.endpoint
+        ):
             continue
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
@@ -3205,7 +3233,8 @@ class SmolMcp:
         while being cancelled (a signal), within a bounded time."""
         import anyio
         with anyio.CancelScope(shield=True):
-            try:  # nothing here may escape: over HTTP it would end the listener and every other session
+            # Nothing here may escape: over HTTP it would end the listener and every other session.
+            try:
                 session.stop_polling()
                 with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
                     await session.close()
@@ -3215,8 +3244,12 @@ class SmolMcp:
                 try:
                     await anyio.to_thread.run_sync(fleet.release)
                 except Exception as err:
-                    log.warning("session %s: letting go of the %s fleet failed (%s)", session.id, fleet.name,
-                                describe(err))
+                    log.warning(
+                        "session %s: letting go of the %s fleet failed (%s)",
+                        session.id,
+                        fleet.name,
+                        describe(err),
+                    )
 
 
 def explain(err: SmolError) -> str:
@@ -3286,7 +3319,23 @@ async def run_stdio(server) -> None:
         group.cancel_scope.cancel()
 
 
-class AnsweredReads:
+class StreamWrapper:
+    """A stream of the SDK's transport with something added; closing closes it."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+
+class AnsweredReads(StreamWrapper):
     """The stdio read stream, kept open at stdin's end until every request
     read before it has been answered: the SDK would end the session at EOF and
     drop an answer still being made. A line the SDK cannot parse is answered
@@ -3294,7 +3343,8 @@ class AnsweredReads:
     than left unanswered."""
 
     def __init__(self, inner: Any, write: Any):
-        self.inner, self.write = inner, write
+        super().__init__(inner)
+        self.write = write
         self.writes: AnsweredWrites | None = None
 
     @property
@@ -3305,6 +3355,7 @@ class AnsweredReads:
         import anyio
         import mcp_types as types
         from mcp.shared.message import SessionMessage
+
         try:
             item = await self.inner.receive()
         except anyio.EndOfStream:
@@ -3314,9 +3365,14 @@ class AnsweredReads:
         if isinstance(item, SessionMessage) and isinstance(item.message, types.JSONRPCRequest):
             self.writes.pending.add(item.message.id)
         elif isinstance(item, Exception):
-            await self.write.send(SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=unparsed_id(item), error=(
-                types.ErrorData(code=types.PARSE_ERROR, message=f"this message could not be read ({item_error(item)})"
-                                "; send one JSON-RPC message per line, as UTF-8 JSON without lone surrogates")))))
+            message = (
+                f"this message could not be read ({item_error(item)}); send one JSON-RPC "
+                "message per line, as UTF-8 JSON without lone surrogates"
+            )
+            error = types.ErrorData(code=types.PARSE_ERROR, message=message)
+            await self.write.send(
+                SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=unparsed_id(item), error=error))
+            )
         return item
 
     def __aiter__(self) -> "AnsweredReads":
@@ -3324,31 +3380,26 @@ class AnsweredReads:
 
     async def __anext__(self) -> Any:
         import anyio
+
         try:
             return await self.receive()
         except anyio.EndOfStream:
             raise StopAsyncIteration from None
 
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
-    async def __aenter__(self) -> "AnsweredReads":
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.aclose()
-
-
-class AnsweredWrites:
+class AnsweredWrites(StreamWrapper):
     """The stdio write stream, counting off the requests it answers."""
 
     def __init__(self, inner: Any):
         import anyio
-        self.inner, self.pending = inner, set()
+
+        super().__init__(inner)
+        self.pending: set = set()
         self._changed = anyio.Event()
 
     async def changed(self) -> None:
         import anyio
+
         await self._changed.wait()
         self._changed = anyio.Event()
 
@@ -3364,20 +3415,19 @@ class AnsweredWrites:
         import anyio
         import mcp_types as types
         from mcp.shared.message import SessionMessage
+
         with anyio.move_on_after(2):
             for request_id in list(self.pending):
-                await self.send(SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=(
-                    types.ErrorData(code=-32000, message=SHUTDOWN_MESSAGE)))))
+                await self.send(
+                    SessionMessage(
+                        types.JSONRPCError(
+                            jsonrpc="2.0",
+                            id=request_id,
+                            error=(types.ErrorData(code=-32000, message=SHUTDOWN_MESSAGE)),
+                        )
+                    )
+                )
             await anyio.sleep(0.2)  # the transport's writer flushes the last one
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-    async def __aenter__(self) -> "AnsweredWrites":
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.aclose()
 
 
 def unparsed_id(err: Exception) -> Any:
@@ -3412,7 +3462,8 @@ def item_error(err: Exception) -> str:
 HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and all; more is a 413
 HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
-HTTP_UNUSED_SESSION_SECS = 300  # a session that made no call since it opened is ended after this (or idle, if less)
+# A session that made no call since it opened is ended after this (or the idle time, if less).
+HTTP_UNUSED_SESSION_SECS = 300
 # Requests that use a session; initialize, listings and pings alone do not.
 SESSION_USES = ("tools/call", "resources/read", "resources/subscribe", "subscriptions/listen")
 HTTP_UNAUTHORIZED = json.dumps({"error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
@@ -3574,7 +3625,12 @@ class HttpSessions:
             limit = idle if session.used else min(idle, HTTP_UNUSED_SESSION_SECS)
             if session.in_flight or time.monotonic() - session.last_seen < limit:
                 continue
-            log.info("session %s %s for %d s: ending it", session.id, "idle" if session.used else "unused", limit)
+            log.info(
+                "session %s %s for %d s: ending it",
+                session.id,
+                "idle" if session.used else "unused",
+                limit,
+            )
             if session.http_id is None:
                 self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
                 await self.app.end_session(session)
@@ -3586,12 +3642,25 @@ class HttpSessions:
         """End a handshake-era session as its client's DELETE would, through the
         manager's public entry point: the SDK closes its streams and the
         connection's exit stack runs our cleanup."""
-        headers = [(b"mcp-session-id", session.http_id.encode()),
-                   (b"mcp-protocol-version", (session.protocol or "2025-06-18").encode())]
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "DELETE",
-                 "scheme": "http", "path": self.path, "raw_path": self.path.encode(), "query_string": b"",
-                 "root_path": "", "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
-                 "state": {}}
+        headers = [
+            (b"mcp-session-id", session.http_id.encode()),
+            (b"mcp-protocol-version", (session.protocol or "2025-06-18").encode()),
+        ]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "DELETE",
+            "scheme": "http",
+            "path": self.path,
+            "raw_path": self.path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 0),
+            "server": ("127.0.0.1", 0),
+            "state": {},
+        }
         statuses = []
 
         async def receive() -> dict:
@@ -3609,9 +3678,11 @@ class HttpSessions:
             log.warning("session %s: ending it for idleness answered %s", session.id, statuses)
 
 
-SHUTDOWN_MESSAGE = ("the smol-mcp server is shutting down, so this call was stopped before it finished (what "
-                         "it started may have run in part). Reconnect once the server is back, and check the "
-                         "machine with get-machine before trying again.")
+SHUTDOWN_MESSAGE = (
+    "the smol-mcp server is shutting down, so this call was stopped before it finished (what "
+    "it started may have run in part). Reconnect once the server is back, and check the "
+    "machine with get-machine before trying again."
+)
 
 
 class ShutdownAnswers:
@@ -3629,6 +3700,7 @@ class ShutdownAnswers:
             await self.app(scope, receive, send)
             return
         import anyio
+
         body, started = bytearray(), False
 
         async def receive_copy() -> dict:
@@ -3643,6 +3715,7 @@ class ShutdownAnswers:
             await send(message)
 
         async with anyio.create_task_group() as group:
+
             async def stop_on_shutdown() -> None:
                 await stopping.wait()
                 group.cancel_scope.cancel()
@@ -3661,8 +3734,14 @@ def shutdown_errors(body: bytes) -> Any:
     except ValueError:
         request = None
     requests = request if isinstance(request, list) else [request]
-    answers = [{"jsonrpc": "2.0", "id": r.get("id") if isinstance(r, dict) else None,
-                "error": {"code": -32000, "message": SHUTDOWN_MESSAGE}} for r in requests]
+    answers = [
+        {
+            "jsonrpc": "2.0",
+            "id": r.get("id") if isinstance(r, dict) else None,
+            "error": {"code": -32000, "message": SHUTDOWN_MESSAGE},
+        }
+        for r in requests
+    ]
     return answers if isinstance(request, list) else answers[0]
 
 
@@ -3702,7 +3781,8 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     config = uvicorn.Config(asgi, host=host, port=port, lifespan="on", log_level="warning",
                             timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
-    await stopping_server(config, app.http).serve()  # SIGTERM and SIGINT end the lifespan, which cleans up
+    # SIGTERM and SIGINT end the lifespan, which cleans up.
+    await stopping_server(config, app.http).serve()
 
 
 def stopping_server(config: Any, sessions: HttpSessions):
@@ -3713,6 +3793,7 @@ def stopping_server(config: Any, sessions: HttpSessions):
     import asyncio
     import anyio
     import uvicorn
+
     loop, stopping = asyncio.get_running_loop(), anyio.Event()
     sessions.stopping = stopping
 
@@ -3722,7 +3803,8 @@ def stopping_server(config: Any, sessions: HttpSessions):
             super().handle_exit(sig, frame)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)  # what uvicorn restores and re-raises into: handled already
+        # What uvicorn restores and re-raises into: handled already.
+        signal.signal(sig, lambda *_: None)
     return Server(config)
 
 

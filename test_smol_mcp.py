@@ -526,13 +526,20 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
 
 # (readOnly, destructive, idempotent, openWorld) of each tool, from what each does.
 ANNOTATIONS = {
-    "list-machines": (True, False, True, False), "get-machine": (True, False, True, False),
-    "create-machine": (False, False, False, True), "run-command": (False, True, False, True),
-    "run-once": (False, False, False, True), "read-file": (False, False, True, False),
-    "write-file": (False, True, True, False), "start-machine": (False, False, True, True),
-    "branch-machine": (False, False, False, False), "stop-machine": (False, True, True, False),
-    "delete-machine": (False, True, False, False), "machine-logs": (True, False, False, False),
-    "pull-image": (False, False, True, True)}
+    "list-machines": (True, False, True, False),
+    "get-machine": (True, False, True, False),
+    "create-machine": (False, False, False, True),
+    "run-command": (False, True, False, True),
+    "run-once": (False, False, False, True),
+    "read-file": (False, False, True, False),
+    "write-file": (False, True, True, False),
+    "start-machine": (False, False, True, True),
+    "branch-machine": (False, False, False, False),
+    "stop-machine": (False, True, True, False),
+    "delete-machine": (False, True, False, False),
+    "machine-logs": (True, False, False, False),
+    "pull-image": (False, False, True, True),
+}
 
 
 class ToolListTests(FakeServeCase):
@@ -550,8 +557,16 @@ class ToolListTests(FakeServeCase):
                     self.assertIsNotNone(tool.output_schema, tool.name)
                     self.assertGreater(len(tool.description), 60, tool.name)
                     a = tool.annotations  # exactly the table below, as the client sees it
-                    self.assertEqual((a.read_only_hint, a.destructive_hint, a.idempotent_hint, a.open_world_hint),
-                                     ANNOTATIONS[tool.name], tool.name)
+                    self.assertEqual(
+                        (
+                            a.read_only_hint,
+                            a.destructive_hint,
+                            a.idempotent_hint,
+                            a.open_world_hint,
+                        ),
+                        ANNOTATIONS[tool.name],
+                        tool.name,
+                    )
                 self.assertTrue(tools["list-machines"].annotations.read_only_hint)
                 self.assertTrue(tools["machine-logs"].annotations.read_only_hint)
                 self.assertFalse(tools["read-file"].annotations.read_only_hint)  # it starts a stopped machine
@@ -689,7 +704,8 @@ class ToolRuleTests(FakeServeCase):
             text = await self.refused(c, "run-command", {"name": name, "command": "true", "timeoutSecs": 901})
             self.assertIn("above the limit of 900 s", text)
             self.assertIn("SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", text)
-            await self.ok(c, "run-command", {"name": name, "command": "true", "timeoutSecs": 900})  # the ceiling is in
+            # the ceiling itself is allowed
+            await self.ok(c, "run-command", {"name": name, "command": "true", "timeoutSecs": 900})
             self.assertEqual(self.requests_to("/exec")[-1][2]["timeoutSecs"], 900)
             out = await self.ok(c, "run-command", {"name": name, "command": "sleep 5", "timeoutSecs": 1})
             self.assertEqual((out["timedOut"], out["exitCode"]), (True, 124))
@@ -918,14 +934,20 @@ class SessionRecordTests(FakeServeCase):
                 break
             await asyncio.sleep(0.02)
         me, started = os.getpid(), int(proc_stat(os.getpid())[21])
-        records = {"zombie": (zombie.pid, None, "mcp-zombie"), "reused": (me, started + 1, "mcp-reused"),
-                   "mine": (me, started, "mcp-mine")}
+        records = {
+            "zombie": (zombie.pid, None, "mcp-zombie"),
+            "reused": (me, started + 1, "mcp-reused"),
+            "mine": (me, started, "mcp-mine"),
+        }
         endpoint = self.app.local.endpoint
         for key, (pid, when, name) in records.items():
-            (sessions / f"{key}.json").write_text(json.dumps({"pid": pid, "started": when, "endpoint": endpoint,
-                                                              "machines": [name]}))
+            (sessions / f"{key}.json").write_text(
+                json.dumps({"pid": pid, "started": when, "endpoint": endpoint, "machines": [name]})
+            )
         try:
-            deleted = await asyncio.to_thread(smol_mcp.sweep_orphans, self.app.local, self.config.runtime_dir)
+            deleted = await asyncio.to_thread(
+                smol_mcp.sweep_orphans, self.app.local, self.config.runtime_dir
+            )
         finally:
             zombie.wait()
         self.assertEqual(sorted(deleted), ["mcp-reused", "mcp-zombie"])
@@ -934,7 +956,7 @@ class SessionRecordTests(FakeServeCase):
     async def test_a_session_record_names_its_process_start_time(self):
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
-            record, = (Path(self.config.runtime_dir) / "sessions").glob("*.json")
+            (record,) = (Path(self.config.runtime_dir) / "sessions").glob("*.json")
             written = json.loads(record.read_text())
         self.assertEqual(written["pid"], os.getpid())
         self.assertEqual(written["started"], int(proc_stat(os.getpid())[21]))
@@ -943,7 +965,11 @@ class SessionRecordTests(FakeServeCase):
 def proc_stat(pid: int) -> list[str]:
     """The fields of /proc/PID/stat, numbered from 1 as in proc(5) less one."""
     text = Path(f"/proc/{pid}/stat").read_text()
-    return [text[:text.index(" ")], text[text.index("(") + 1:text.rindex(")")], *text[text.rindex(")") + 2:].split()]
+    return [
+        text[: text.index(" ")],
+        text[text.index("(") + 1 : text.rindex(")")],
+        *text[text.rindex(")") + 2 :].split(),
+    ]
 
 
 class WaitTests(FakeServeCase):
@@ -1053,8 +1079,8 @@ class NetworkDefaultTests(FakeServeCase):
             await self.ok(c, "create-machine", {"name": "n2", "image": "alpine", "start": False, "network": "blocked"})
             self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], False)
             await self.ok(c, "run-once", {"image": "alpine", "command": "true"})
-            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], False)  # runOnceNetwork, its own
-
+            # run-once follows runOnceNetwork, not networkDefault
+            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], False)
 
 
 class RunOnceNetworkTests(FakeServeCase):
@@ -1659,8 +1685,13 @@ class HttpSessionTests(HttpCase):
 class HostPortTests(HttpCase):
     async def test_the_host_check_includes_the_port(self):
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
-        for host in (f"localhost:{self.port + 1}", "localhost", "127.0.0.1", f"127.0.0.1:{self.port}0",
-                     f"evil.example:{self.port}"):
+        for host in (
+            f"localhost:{self.port + 1}",
+            "localhost",
+            "127.0.0.1",
+            f"127.0.0.1:{self.port}0",
+            f"evil.example:{self.port}",
+        ):
             response = await self.raw("POST", "/mcp", {**auth, "Host": host}, INIT_BODY)
             self.assertEqual(response.status_code, 421, host)
         for host in (f"127.0.0.1:{self.port}", f"localhost:{self.port}", f"[::1]:{self.port}"):
@@ -1675,17 +1706,22 @@ class RawHttpCase(HttpCase):
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
         response = await self.raw("POST", "/mcp", auth, INIT_BODY)
         self.assertEqual(response.status_code, 200, response.text)
-        session = {**auth, "mcp-session-id": response.headers["mcp-session-id"],
-                   "mcp-protocol-version": "2025-06-18"}
+        session = {
+            **auth,
+            "mcp-session-id": response.headers["mcp-session-id"],
+            "mcp-protocol-version": "2025-06-18",
+        }
         await self.raw("POST", "/mcp", session, jsonrpc(None, "notifications/initialized"))
         return session
 
     async def raw_tool(self, session: dict, tool: str, args: dict) -> dict:
-        answer = (await self.raw("POST", "/mcp", session, jsonrpc(7, "tools/call", {
-            "name": tool, "arguments": args}))).json()
+        answer = (
+            await self.raw(
+                "POST", "/mcp", session, jsonrpc(7, "tools/call", {"name": tool, "arguments": args})
+            )
+        ).json()
         self.assertFalse(answer["result"].get("isError"), answer)
         return answer["result"]["structuredContent"]
-
 
 
 class HttpCloudCleanupTests(RawHttpCase, FakeCloudCase):
@@ -1699,11 +1735,18 @@ class HttpCloudCleanupTests(RawHttpCase, FakeCloudCase):
         a, b = await self.raw_session(), await self.raw_session()
         in_a = (await self.raw_tool(a, "create-machine", {"image": "alpine"}))["machine"]["name"]
         in_b = (await self.raw_tool(b, "create-machine", {"image": "alpine"}))["machine"]["name"]
-        self.cloud.fail_next("GET", "/v1/machines", 200, times=1, body=b"<html>Sign in to the Wi-Fi</html>",
-                             ctype="text/html")
+        self.cloud.fail_next(
+            "GET",
+            "/v1/machines",
+            200,
+            times=1,
+            body=b"<html>Sign in to the Wi-Fi</html>",
+            ctype="text/html",
+        )
         FaultCounts.faults += 1
         self.assertEqual((await self.raw("DELETE", "/mcp", a)).status_code, 200)
-        await HttpSessionTests.wait_until(self, lambda: in_a not in self.cloud_names(), 20)  # tried again
+        # tried again
+        await HttpSessionTests.wait_until(self, lambda: in_a not in self.cloud_names(), 20)
         c = await self.raw_session()  # the listener still takes new sessions and calls
         self.assertEqual((await self.raw_tool(c, "list-machines", {}))["machines"][0]["name"], in_b)
         self.assertEqual(self.cloud_names(), [in_b])
@@ -1721,23 +1764,37 @@ class HttpIdleTests(RawHttpCase):
 
     async def test_a_held_get_stream_does_not_keep_a_handshake_session_alive(self):
         import httpx2
+
         session = await self.raw_session()
-        name = (await self.raw_tool(session, "create-machine", {"image": "alpine", "network": "open"}))["machine"]
+        name = (
+            await self.raw_tool(session, "create-machine", {"image": "alpine", "network": "open"})
+        )["machine"]
         name = name["name"]
         async with httpx2.AsyncClient(timeout=60) as http:
-            async with http.stream("GET", self.url, headers={**session, "Accept": "text/event-stream"}) as stream:
+            async with http.stream(
+                "GET", self.url, headers={**session, "Accept": "text/event-stream"}
+            ) as stream:
                 self.assertEqual(stream.status_code, 200)
-                ran = await self.raw_tool(session, "run-command", {"name": name, "command": "sleep 4; echo kept"})
-                self.assertEqual(ran["stdout"], "kept\n")  # a call longer than the idle time keeps the session
+                ran = await self.raw_tool(
+                    session, "run-command", {"name": name, "command": "sleep 4; echo kept"}
+                )
+                # a call longer than the idle time keeps the session
+                self.assertEqual(ran["stdout"], "kept\n")
                 self.assertIn(name, self.fake.machines)
                 await HttpSessionTests.wait_until(self, lambda: name not in self.fake.machines, 20)
-        self.assertEqual((await self.raw("POST", "/mcp", session, jsonrpc(9, "tools/list"))).status_code, 404)
+        self.assertEqual(
+            (await self.raw("POST", "/mcp", session, jsonrpc(9, "tools/list"))).status_code, 404
+        )
 
     async def test_a_held_listen_stream_does_not_keep_a_2026_era_session_alive(self):
         async with self.http_client("auto") as c:
             async with c.listen(tools_list_changed=True):
-                name = (await self.ok(c, "create-machine", {"image": "alpine", "network": "open"}))["machine"]["name"]
-                ran = await self.ok(c, "run-command", {"name": name, "command": "sleep 4; echo kept"})
+                name = (await self.ok(c, "create-machine", {"image": "alpine", "network": "open"}))[
+                    "machine"
+                ]["name"]
+                ran = await self.ok(
+                    c, "run-command", {"name": name, "command": "sleep 4; echo kept"}
+                )
                 self.assertEqual(ran["stdout"], "kept\n")
                 self.assertIn(name, self.fake.machines)
                 await HttpSessionTests.wait_until(self, lambda: name not in self.fake.machines, 20)
@@ -1749,15 +1806,23 @@ class HttpUnusedSessionTests(RawHttpCase):
     config_overrides = {"http_session_idle_secs": 20}
 
     async def test_an_unused_session_is_reclaimed_before_the_idle_time(self):
-        saved, smol_mcp.HTTP_UNUSED_SESSION_SECS = getattr(smol_mcp, "HTTP_UNUSED_SESSION_SECS", 300), 1
+        saved, smol_mcp.HTTP_UNUSED_SESSION_SECS = (
+            getattr(smol_mcp, "HTTP_UNUSED_SESSION_SECS", 300),
+            1,
+        )
         try:
             unused, used = await self.raw_session(), await self.raw_session()
             await self.raw_tool(used, "list-machines", {})
             sessions = self.app.http.by_id  # watched, not asked: a request would be a use of it
             self.assertIn(unused["mcp-session-id"], sessions)
-            await HttpSessionTests.wait_until(self, lambda: unused["mcp-session-id"] not in sessions, 20)
-            self.assertEqual((await self.raw("POST", "/mcp", unused, jsonrpc(9, "tools/list"))).status_code, 404)
-            await self.raw_tool(used, "list-machines", {})  # the used one lives on until its idle time
+            await HttpSessionTests.wait_until(
+                self, lambda: unused["mcp-session-id"] not in sessions, 20
+            )
+            self.assertEqual(
+                (await self.raw("POST", "/mcp", unused, jsonrpc(9, "tools/list"))).status_code, 404
+            )
+            # the used one lives on until its idle time
+            await self.raw_tool(used, "list-machines", {})
         finally:
             smol_mcp.HTTP_UNUSED_SESSION_SECS = saved
 
@@ -1767,18 +1832,28 @@ class SessionShareTests(FakeServeCase):
 
     async def test_a_flood_in_one_session_leaves_threads_for_another(self):
         saved, smol_mcp.SESSION_CALL_SLOTS = getattr(smol_mcp, "SESSION_CALL_SLOTS", 8), 2
-        self.app._limiter = anyio.CapacityLimiter(4)  # the process pool, made small to flood it cheaply
+        # the process pool, made small to flood it cheaply
+        self.app._limiter = anyio.CapacityLimiter(4)
         try:
             async with self.client("legacy") as a, self.client("legacy") as b:
-                name = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))["machine"]["name"]
-                flood = [asyncio.create_task(a.call_tool("run-command", {"name": name, "command": "sleep 3"}))
-                         for _ in range(6)]
+                name = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))[
+                    "machine"
+                ]["name"]
+                flood = [
+                    asyncio.create_task(
+                        a.call_tool("run-command", {"name": name, "command": "sleep 3"})
+                    )
+                    for _ in range(6)
+                ]
                 await asyncio.sleep(0.5)
                 for _ in range(5):
                     await self.ok(b, "list-machines", {})
-                self.assertFalse(any(call.done() for call in flood), "the other session waited for the flood")
+                self.assertFalse(
+                    any(call.done() for call in flood), "the other session waited for the flood"
+                )
                 answers = await asyncio.gather(*flood)
-                self.assertEqual([result_of(answer)[0] for answer in answers], [False] * 6)  # all answered, in turn
+                # all answered, in turn
+                self.assertEqual([result_of(answer)[0] for answer in answers], [False] * 6)
         finally:
             smol_mcp.SESSION_CALL_SLOTS = saved
 
@@ -1799,14 +1874,27 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
 
     async def start_server(self) -> tuple[asyncio.subprocess.Process, str]:
         import httpx2
+
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        env = {**os.environ, "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock", "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN}
+        env = {
+            **os.environ,
+            "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN,
+        }
         server = await asyncio.create_subprocess_exec(
-            sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port), env=env,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            sys.executable,
+            str(HERE / "smol_mcp.py"),
+            "--http",
+            "--port",
+            str(port),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         url = f"http://127.0.0.1:{port}/mcp"
         async with httpx2.AsyncClient(timeout=5) as http:
             for _ in range(400):
@@ -1821,17 +1909,24 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
         runs; (what the call got, the exit code, stderr)."""
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
+
         server, url = await self.start_server()
         stack = contextlib.AsyncExitStack()
         try:
-            http = await stack.enter_async_context(httpx2.AsyncClient(
-                headers={"Authorization": f"Bearer {HTTP_TOKEN}"}, timeout=60))
-            client = await stack.enter_async_context(Client(streamable_http_client(url, http_client=http),
-                                                            mode=mode))
-            created = result_of(await client.call_tool("create-machine", {"image": "alpine", "network": "open"}))
+            http = await stack.enter_async_context(
+                httpx2.AsyncClient(headers={"Authorization": f"Bearer {HTTP_TOKEN}"}, timeout=60)
+            )
+            client = await stack.enter_async_context(
+                Client(streamable_http_client(url, http_client=http), mode=mode)
+            )
+            created = result_of(
+                await client.call_tool("create-machine", {"image": "alpine", "network": "open"})
+            )
             self.assertFalse(created[0], created)
             name = created[1]["machine"]["name"]
-            call = asyncio.create_task(client.call_tool("run-command", {"name": name, "command": "sleep 30"}))
+            call = asyncio.create_task(
+                client.call_tool("run-command", {"name": name, "command": "sleep 30"})
+            )
             while not [r for r in self.fake.requests if r[1].endswith("/exec")]:
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.3)
@@ -1840,7 +1935,8 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 got = await asyncio.wait_for(call, 20)
             except MCPError as err:
                 got = err
-            except asyncio.CancelledError as err:  # the client's own scope ended with its connection
+            # the client's own scope ended with its connection
+            except asyncio.CancelledError as err:
                 got = err
             if not isinstance(got, asyncio.CancelledError):
                 await asyncio.wait_for(server.wait(), 30)  # with the client still connected
@@ -2391,14 +2487,18 @@ def broken_dir(path: str, kind: str):
     small tmpfs mounted on it, filled up) while the block runs."""
     Path(path).mkdir(parents=True, exist_ok=True, mode=0o700)
     if kind == "ro":
-        ok = _mount("--bind", path, path) and (_mount("-o", "remount,ro,bind", path) or _mount("-l", path) and False)
+        ok = _mount("--bind", path, path) and (
+            _mount("-o", "remount,ro,bind", path) or _mount("-l", path) and False
+        )
     else:
         ok = _mount("-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", path)
         if ok:
             with contextlib.suppress(OSError), open(f"{path}/filler", "wb") as filler:
                 filler.write(b"x" * (1 << 20))
     if not ok:
-        raise unittest.SkipTest("making a directory read-only or full needs mount (root with CAP_SYS_ADMIN)")
+        raise unittest.SkipTest(
+            "making a directory read-only or full needs mount (root with CAP_SYS_ADMIN)"
+        )
     try:
         yield
     finally:
@@ -2407,6 +2507,7 @@ def broken_dir(path: str, kind: str):
 
 class FaultCounts:
     """What the fault suite did, reported at the end of the run."""
+
     calls = faults = leaks = 0
 
 
@@ -2420,7 +2521,9 @@ class RuntimeDirFaultTests(FakeServeCase):
             smol_mcp._warned_dirs.clear()
             FaultCounts.faults += 1
             async with self.client("legacy") as c:
-                name = (await self.ok(c, "create-machine", {"image": "alpine", "network": "open"}))["machine"]["name"]
+                name = (await self.ok(c, "create-machine", {"image": "alpine", "network": "open"}))[
+                    "machine"
+                ]["name"]
                 self.assertIn(name, self.fake.machines)
                 await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
                 await self.ok(c, "delete-machine", {"name": name})
@@ -2444,10 +2547,16 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
     async def asyncSetUp(self):
         self.tmp = short_tempdir()
         self.rt = f"{self.tmp}/rt"
-        self.env = {"SMOLVM": str(FAKE_CLI), "SMOL_MCP_RUNTIME_DIR": self.rt, "SMOL_MCP_TARGETS": "local",
-                    "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_READY_TIMEOUT_SECS": "10",
-                    "FAKE_SMOLVM_STATE_FILE": f"{self.tmp}/state.json",
-                    "PATH": os.environ.get("PATH", ""), "HOME": self.tmp}
+        self.env = {
+            "SMOLVM": str(FAKE_CLI),
+            "SMOL_MCP_RUNTIME_DIR": self.rt,
+            "SMOL_MCP_TARGETS": "local",
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_READY_TIMEOUT_SECS": "10",
+            "FAKE_SMOLVM_STATE_FILE": f"{self.tmp}/state.json",
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": self.tmp,
+        }
 
     async def asyncTearDown(self):
         pid = self.serve_pid()
@@ -2460,40 +2569,30 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
             return int(Path(self.rt, "serve.pid").read_text())
         return 0
 
-    async def start(self) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            sys.executable, str(HERE / "smol_mcp.py"), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE)
-
-    async def read_answer(self, process, id_) -> dict:
-        while True:
-            line = await asyncio.wait_for(process.stdout.readline(), 60)
-            self.assertTrue(line, "the server closed stdout")
-            message = json.loads(line)
-            if message.get("id") == id_:
-                return message
-
-    async def handshake_and_create(self, process) -> str:
-        process.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
-        await self.read_answer(process, 1)
-        process.stdin.write(jsonrpc(None, "notifications/initialized"))
-        process.stdin.write(jsonrpc(2, "tools/call", {"name": "create-machine",
-                                                      "arguments": {"image": "alpine", "network": "open"}}))
-        answer = await self.read_answer(process, 2)
-        self.assertFalse(answer["result"].get("isError"), answer)
-        return answer["result"]["structuredContent"]["machine"]["name"]
+    start_raw, read_answer = StdioTests.start_raw, StdioTests.read_answer
 
     async def test_every_request_read_before_eof_is_answered(self):
         """Item 6: requests piped in and stdin closed at once: every answer
         comes back, under load (24 processes at a time on a small machine)."""
-        lines = b"".join([jsonrpc(1, "initialize", INITIALIZE), jsonrpc(None, "notifications/initialized"),
-                          jsonrpc(2, "tools/list"), jsonrpc(3, "resources/list")])
+        lines = b"".join(
+            [
+                jsonrpc(1, "initialize", INITIALIZE),
+                jsonrpc(None, "notifications/initialized"),
+                jsonrpc(2, "tools/list"),
+                jsonrpc(3, "resources/list"),
+            ]
+        )
         env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"}
 
         async def one() -> list:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL)
+                sys.executable,
+                str(HERE / "smol_mcp.py"),
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
             out, _ = await asyncio.wait_for(process.communicate(lines), 120)
             return sorted(json.loads(line)["id"] for line in out.splitlines())
 
@@ -2503,10 +2602,17 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
 
     async def test_a_request_the_sdk_cannot_parse_gets_a_json_rpc_error(self):
         env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"}
-        lines = jsonrpc(1, "initialize", INITIALIZE) + b'{"jsonrpc":"2.0","id":5,"method":"tools/list",' \
+        lines = (
+            jsonrpc(1, "initialize", INITIALIZE) + b'{"jsonrpc":"2.0","id":5,"method":"tools/list",'
             b'"params":{"x":"\\udc80"}}\n' + b"not json\n" + jsonrpc(6, "tools/list")
-        out = subprocess.run([sys.executable, str(HERE / "smol_mcp.py")], input=lines, env=env, capture_output=True,
-                             timeout=60)
+        )
+        out = subprocess.run(
+            [sys.executable, str(HERE / "smol_mcp.py")],
+            input=lines,
+            env=env,
+            capture_output=True,
+            timeout=60,
+        )
         answers = {json.loads(line)["id"]: json.loads(line) for line in out.stdout.splitlines()}
         FaultCounts.calls += 4
         self.assertEqual(sorted(answers, key=str), [1, 5, 6, None])
@@ -2516,8 +2622,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         self.assertIn("tools", answers[6]["result"])
 
     async def test_a_read_only_runtime_dir_at_the_end_still_exits_zero_and_stops_the_serve(self):
-        process = await self.start()
-        await self.handshake_and_create(process)
+        process = await self.start_raw()
         serve = self.serve_pid()
         self.assertTrue(smol_mcp.process_alive(serve))
         with broken_dir(self.rt, "ro"):
@@ -2527,7 +2632,9 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
             stderr = (await process.stderr.read()).decode()
             self.assertEqual(code, 0, stderr)
             self.assertNotIn("Traceback", stderr)
-            self.assertEqual(len([line for line in stderr.splitlines() if "cannot write to" in line]), 1, stderr)
+            self.assertEqual(
+                len([line for line in stderr.splitlines() if "cannot write to" in line]), 1, stderr
+            )
             for _ in range(100):
                 if not smol_mcp.process_alive(serve):
                     break
@@ -2557,22 +2664,31 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
         self.assertFalse(smol_mcp.process_alive(serve), "a serve was left running")
 
     async def test_serve_killed_then_stopped_mid_command(self):
-        self.write_wrapper(FAKE_SMOLVM_STATE_FILE=f"{self.tmp}/state.json", FAKE_SMOLVM_SETTLE_SECS="0")
+        self.write_wrapper(
+            FAKE_SMOLVM_STATE_FILE=f"{self.tmp}/state.json", FAKE_SMOLVM_SETTLE_SECS="0"
+        )
         app = self.app(serve_start_timeout_secs=5)
         async with Client(app.server, mode="legacy") as c:
-            name = result_of(await c.call_tool("create-machine", {"image": "alpine", "network": "open"}))[1]
+            name = result_of(
+                await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
+            )[1]
             name = name["machine"]["name"]
-            call = asyncio.create_task(c.call_tool("run-command", {"name": name, "command": "sleep 5"}))
+            call = asyncio.create_task(
+                c.call_tool("run-command", {"name": name, "command": "sleep 5"})
+            )
             await asyncio.sleep(1)
             app.local._process.kill()  # SIGKILL mid-command
             FaultCounts.faults += 1
             is_error, text = result_of(await asyncio.wait_for(call, 30))
             self.assertTrue(is_error)
             self.assertIn("closed the connection", text)
-            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])  # a new serve, same machines
+            # a new serve, same machines
+            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
             serve = app.local._process
             self.assertFalse(result_of(await c.call_tool("start-machine", {"name": name}))[0])
-            call = asyncio.create_task(c.call_tool("run-command", {"name": name, "command": "sleep 1; echo ok"}))
+            call = asyncio.create_task(
+                c.call_tool("run-command", {"name": name, "command": "sleep 1; echo ok"})
+            )
             await asyncio.sleep(0.5)
             os.kill(serve.pid, signal.SIGSTOP)  # stopped mid-command, for longer than the command
             FaultCounts.faults += 1
@@ -2587,16 +2703,34 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
 
     async def test_two_processes_starting_at_once_share_one_serve(self):
         self.write_wrapper(FAKE_SMOLVM_STATE_FILE=f"{self.tmp}/state.json")
-        env = {"SMOLVM": str(self.wrapper), "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt", "SMOL_MCP_TARGETS": "local",
-               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "PATH": os.environ.get("PATH", ""), "HOME": self.tmp}
-        lines = b"".join([jsonrpc(1, "initialize", INITIALIZE), jsonrpc(None, "notifications/initialized"),
-                          jsonrpc(2, "tools/call", {"name": "create-machine", "arguments": {"image": "alpine"}}),
-                          jsonrpc(3, "tools/call", {"name": "list-machines", "arguments": {}})])
+        env = {
+            "SMOLVM": str(self.wrapper),
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_TARGETS": "local",
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": self.tmp,
+        }
+        lines = b"".join(
+            [
+                jsonrpc(1, "initialize", INITIALIZE),
+                jsonrpc(None, "notifications/initialized"),
+                jsonrpc(
+                    2, "tools/call", {"name": "create-machine", "arguments": {"image": "alpine"}}
+                ),
+                jsonrpc(3, "tools/call", {"name": "list-machines", "arguments": {}}),
+            ]
+        )
 
         async def one() -> list:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE)
+                sys.executable,
+                str(HERE / "smol_mcp.py"),
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
             out, err = await asyncio.wait_for(process.communicate(lines), 120)
             self.assertEqual(process.returncode, 0, err)
             starts.append(err.decode().count("started smolvm serve"))
@@ -2607,13 +2741,17 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
         runs = await asyncio.gather(one(), one())
         for answers in runs:
             self.assertEqual(sorted(a["id"] for a in answers), [1, 2, 3])
-            self.assertTrue(all(not a.get("error") and not a["result"].get("isError") for a in answers), answers)
+            self.assertTrue(
+                all(not a.get("error") and not a["result"].get("isError") for a in answers), answers
+            )
         FaultCounts.calls += 6
         self.assertEqual(sum(starts), 1, "one serve for both processes")
         self.assert_nothing_left(self.serve_pid_left())
 
     def serve_pid_left(self) -> int:
-        out = subprocess.run(["pgrep", "-f", f"--listen {self.tmp}/rt/serve.sock"], capture_output=True, text=True)
+        out = subprocess.run(
+            ["pgrep", "-f", f"--listen {self.tmp}/rt/serve.sock"], capture_output=True, text=True
+        )
         return int(out.stdout.split()[0]) if out.stdout.split() else 0
 
 
@@ -2627,9 +2765,12 @@ class CloudFaults(FakeCloudCase):
             name = (await self.ok(c, "create-machine", {"image": "alpine"}))["machine"]["name"]
             self.cloud.fail_next("GET", "/v1/machines", 503, times=2)
             await self.ok(c, "list-machines", {})
-            self.cloud.fail_next("GET", "/v1/machines", 200, times=1, body=b"<html>proxy</html>", ctype="text/html")
+            self.cloud.fail_next(
+                "GET", "/v1/machines", 200, times=1, body=b"<html>proxy</html>", ctype="text/html"
+            )
             text = await self.refused(c, "get-machine", {"name": name})
-            self.cloud.fail_next("DELETE", "/v1/machines", 502, times=2)  # and the session's cleanup meets 502s
+            # and the session's cleanup meets 502s
+            self.cloud.fail_next("DELETE", "/v1/machines", 502, times=2)
             FaultCounts.faults += 4
             FaultCounts.calls += 3
         self.assertNotIn("Traceback", text)
@@ -2642,11 +2783,15 @@ class CloudFaults(FakeCloudCase):
             silent.bind(("127.0.0.1", 0))
             silent.listen(8)  # accepts, never answers
             port = silent.getsockname()[1]
-            for url, expected in ((f"http://127.0.0.1:{port}", "did not answer within"),
-                                  ("http://127.0.0.1:9", "could not reach the cloud API")):
+            for url, expected in (
+                (f"http://127.0.0.1:{port}", "did not answer within"),
+                ("http://127.0.0.1:9", "could not reach the cloud API"),
+            ):
                 fleet = smol_mcp.CloudFleet(dataclasses_replace(self.config, cloud_url=url))
                 with self.assertRaises(smol_mcp.SmolError) as caught:
-                    await asyncio.to_thread(fleet.request, "list machines", "GET", "/v1/machines", timeout=1)
+                    await asyncio.to_thread(
+                        fleet.request, "list machines", "GET", "/v1/machines", timeout=1
+                    )
                 self.assertIn(expected, str(caught.exception))
                 FaultCounts.faults += 1
                 FaultCounts.calls += 1
@@ -2665,21 +2810,40 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
         FaultCounts.faults += 1
         FaultCounts.calls += 2
         self.assertEqual(code, -signal.SIGKILL)
-        self.assertIsInstance(got, BaseException)  # the client learns the connection went, not left waiting
+        # the client learns the connection went, not left waiting
+        self.assertIsInstance(got, BaseException)
         self.assertEqual(len(self.fake.machines), 1)  # left by the killed process, on record
         await self.next_start_sweeps()
 
     async def test_sigkill_and_sigterm_mid_call_on_stdio(self):
         for sig in (signal.SIGKILL, signal.SIGTERM):
             with self.subTest(signal=sig.name):
-                env = {"SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock", "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-                       "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "PATH": os.environ.get("PATH", "")}
+                env = {
+                    "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
+                    "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+                    "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+                    "PATH": os.environ.get("PATH", ""),
+                }
                 process = await asyncio.create_subprocess_exec(
-                    sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-                process.stdin.write(jsonrpc(1, "initialize", INITIALIZE) + jsonrpc(None, "notifications/initialized")
-                                    + jsonrpc(2, "tools/call", {"name": "run-once", "arguments": {
-                                        "image": "alpine", "command": "sleep 30"}}))
+                    sys.executable,
+                    str(HERE / "smol_mcp.py"),
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                )
+                process.stdin.write(
+                    jsonrpc(1, "initialize", INITIALIZE)
+                    + jsonrpc(None, "notifications/initialized")
+                    + jsonrpc(
+                        2,
+                        "tools/call",
+                        {
+                            "name": "run-once",
+                            "arguments": {"image": "alpine", "command": "sleep 30"},
+                        },
+                    )
+                )
                 while not [r for r in self.fake.requests if r[1].endswith("/exec")]:
                     await asyncio.sleep(0.05)
                 await asyncio.sleep(0.3)
@@ -2938,7 +3102,8 @@ def main() -> int:
     label = "integration" if os.environ.get("SMOL_MCP_IT") == "1" else "unit"
     print(f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped")
     if FaultCounts.faults:
-        print(f"fault suite: {FaultCounts.calls} calls, {FaultCounts.faults} faults, {FaultCounts.leaks} leaks")
+        counts = FaultCounts
+        print(f"fault suite: {counts.calls} calls, {counts.faults} faults, {counts.leaks} leaks")
     return 0 if result.wasSuccessful() else 1
 
 

@@ -498,16 +498,16 @@ class FakeCloud:
             self._hits = [t for t in self._hits if now - t < 60] + [now]
             return max(0, RATE_LIMIT_PER_MINUTE - len(self._hits))
 
-    def fail_next(self, method, path_prefix, status, times=1, body=b"service temporarily unavailable",
-                  ctype=None):
+    def fail_next(self, method, path_prefix, status, times=1,
+                  body=b"service temporarily unavailable", ctype=None):
         """Answer the next `times` matching requests with `status` and a plain
         text body, as a busy or restarting service would [assumption: the
         wording], with `retry-after: 0` so a retrying client does not wait.
         `body` and `ctype` make it something else in the way, such as a proxy
         or captive portal answering 200 with an HTML page [assumption]."""
         with self._lock:
-            self._failures.append({"method": method, "prefix": path_prefix, "status": status, "times": times,
-                                   "body": body, "ctype": ctype or TEXT_CT})
+            self._failures.append({"method": method, "prefix": path_prefix, "status": status,
+                                   "times": times, "body": body, "ctype": ctype or TEXT_CT})
 
     # ---- routing
     def _handle(self, method, target, headers, body, too_big):
@@ -525,7 +525,8 @@ class FakeCloud:
             for rule in self._failures:
                 if rule["times"] > 0 and rule["method"] == method and path.startswith(rule["prefix"]):
                     rule["times"] -= 1
-                    return Resp(rule["status"], rule["body"], rule["ctype"], headers=[("retry-after", "0")])
+                    return Resp(rule["status"], rule["body"], rule["ctype"],
+                                headers=[("retry-after", "0")])
         q = urllib.parse.parse_qs(qs, keep_blank_values=True)
         if path == "/v1/account":
             self._allow(method, "GET,HEAD")
