@@ -2505,6 +2505,15 @@ def broken_dir(path: str, kind: str):
         subprocess.run(["umount", "-l", path], capture_output=True)
 
 
+async def piped_server(env: dict, lines: bytes) -> tuple[int, bytes, bytes]:
+    """Run the stdio server with these lines on stdin, then EOF; (exit code, stdout, stderr)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(lines), 120)
+    return process.returncode, out, err
+
+
 class FaultCounts:
     """What the fault suite did, reported at the end of the run."""
 
@@ -2585,15 +2594,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"}
 
         async def one() -> list:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(HERE / "smol_mcp.py"),
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-            )
-            out, _ = await asyncio.wait_for(process.communicate(lines), 120)
+            _, out, _ = await piped_server(env, lines)
             return sorted(json.loads(line)["id"] for line in out.splitlines())
 
         answers = await asyncio.gather(*(one() for _ in range(24)))
@@ -2723,16 +2724,8 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
         )
 
         async def one() -> list:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                str(HERE / "smol_mcp.py"),
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-            out, err = await asyncio.wait_for(process.communicate(lines), 120)
-            self.assertEqual(process.returncode, 0, err)
+            code, out, err = await piped_server(env, lines)
+            self.assertEqual(code, 0, err)
             starts.append(err.decode().count("started smolvm serve"))
             return [json.loads(line) for line in out.splitlines()]
 
