@@ -2326,6 +2326,17 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
                 self.assertIs(app.local._process, serve)  # no second serve
                 self.assertTrue(Path(self.tmp, "rt", "serve.sock").exists())  # its socket kept
                 self.assertEqual(Path(self.tmp, "rt", "serve.pid").read_text(), str(serve.pid))
+                # Another process's first call finds the stopped serve by serve.pid: waited for, too.
+                env = {"SMOLVM": str(self.wrapper), "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+                       "SMOL_MCP_TARGETS": "local", "SMOL_MCP_SERVE_START_TIMEOUT_SECS": "3",
+                       "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "PATH": os.environ.get("PATH", "")}
+                code, out, err = await piped_server(env, jsonrpc(1, "initialize", INITIALIZE) + jsonrpc(
+                    2, "tools/call", {"name": "list-machines", "arguments": {}}))
+                answer = [json.loads(line) for line in out.splitlines()][-1]
+                self.assertTrue(answer["result"]["isError"], answer)
+                self.assertIn(f"pid {serve.pid}", answer["result"]["content"][0]["text"])
+                self.assertNotIn(b"started smolvm serve", err)  # it started none of its own
+                self.assertEqual(Path(self.tmp, "rt", "serve.pid").read_text(), str(serve.pid))
             finally:
                 os.kill(serve.pid, signal.SIGCONT)
             answers = [result_of(answer) for answer in await asyncio.gather(*calls)]
