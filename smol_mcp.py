@@ -1331,7 +1331,12 @@ class CloudFleet:
     def _list_raw(self) -> list[dict]:
         answer = self.request("list machines", "GET", "/v1/machines")
         # The official client accepts either shape; the service has sent a bare array.
-        return answer.get("machines", []) if isinstance(answer, dict) else answer
+        machines = answer.get("machines", []) if isinstance(answer, dict) else answer
+        if not isinstance(machines, list):  # a proxy's or captive portal's page, say
+            raise SmolError(f"the cloud API at {self.config.cloud_url} answered the machine list with "
+                            "something other than JSON (a proxy or captive portal in the way?); check "
+                            "SMOL_CLOUD_URL and the network, then try again")
+        return machines
 
     def list_machines(self) -> list[dict]:
         return [cloud_record(r) for r in self._list_raw()]

@@ -2778,6 +2778,7 @@ class CloudFaults(FakeCloudCase):
             FaultCounts.faults += 4
             FaultCounts.calls += 3
         self.assertNotIn("Traceback", text)
+        self.assertIn("something other than JSON", text)
         leaked = [m["name"] for m in self.cloud.machines.values()]
         FaultCounts.leaks += len(leaked)
         self.assertEqual(leaked, [])
