@@ -2734,22 +2734,31 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
             ]
         )
 
-        async def one() -> list:
-            code, out, err = await piped_server(env, lines)
-            self.assertEqual(code, 0, err)
-            starts.append(err.decode().count("started smolvm serve"))
-            return [json.loads(line) for line in out.splitlines()]
+        async def one() -> tuple:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            process.stdin.write(lines)
+            answers: dict = {}
+            while len(answers) < 3:  # the answers come in any order
+                line = await asyncio.wait_for(process.stdout.readline(), 60)
+                self.assertTrue(line, "the server closed stdout")
+                answers[json.loads(line)["id"]] = json.loads(line)
+            return process, list(answers.values())
 
-        starts: list = []
         FaultCounts.faults += 1
-        runs = await asyncio.gather(one(), one())
-        for answers in runs:
-            self.assertEqual(sorted(a["id"] for a in answers), [1, 2, 3])
+        runs = await asyncio.gather(one(), one())  # both alive until both are answered
+        starts = 0
+        for process, answers in runs:
             self.assertTrue(
                 all(not a.get("error") and not a["result"].get("isError") for a in answers), answers
             )
+            process.stdin.close()
+            _, err = await asyncio.wait_for(process.communicate(), 60)
+            self.assertEqual(process.returncode, 0, err)
+            starts += err.decode().count("started smolvm serve")
         FaultCounts.calls += 6
-        self.assertEqual(sum(starts), 1, "one serve for both processes")
+        self.assertEqual(starts, 1, "one serve for both processes")
         self.assert_nothing_left(self.serve_pid_left())
 
     def serve_pid_left(self) -> int:
