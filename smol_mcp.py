@@ -1333,9 +1333,9 @@ class CloudFleet:
         # The official client accepts either shape; the service has sent a bare array.
         machines = answer.get("machines", []) if isinstance(answer, dict) else answer
         if not isinstance(machines, list):  # a proxy's or captive portal's page, say
-            raise SmolError(f"the cloud API at {self.config.cloud_url} answered the machine list with "
-                            "something other than JSON (a proxy or captive portal in the way?); check "
-                            "SMOL_CLOUD_URL and the network, then try again")
+            raise SmolError(f"the cloud API at {self.config.cloud_url} answered the machine list "
+                            "with something other than JSON (a proxy or captive portal in the "
+                            "way?); check SMOL_CLOUD_URL and the network, then try again")
         return machines
 
     def list_machines(self) -> list[dict]:

@@ -2326,12 +2326,13 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
                 self.assertIs(app.local._process, serve)  # no second serve
                 self.assertTrue(Path(self.tmp, "rt", "serve.sock").exists())  # its socket kept
                 self.assertEqual(Path(self.tmp, "rt", "serve.pid").read_text(), str(serve.pid))
-                # Another process's first call finds the stopped serve by serve.pid: waited for, too.
+                # Another process's first call finds the stopped serve by serve.pid: waited for.
                 env = {"SMOLVM": str(self.wrapper), "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
                        "SMOL_MCP_TARGETS": "local", "SMOL_MCP_SERVE_START_TIMEOUT_SECS": "3",
-                       "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "PATH": os.environ.get("PATH", "")}
-                code, out, err = await piped_server(env, jsonrpc(1, "initialize", INITIALIZE) + jsonrpc(
-                    2, "tools/call", {"name": "list-machines", "arguments": {}}))
+                       "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+                       "PATH": os.environ.get("PATH", "")}
+                listing = jsonrpc(2, "tools/call", {"name": "list-machines", "arguments": {}})
+                code, out, err = await piped_server(env, jsonrpc(1, "initialize", INITIALIZE) + listing)
                 answer = [json.loads(line) for line in out.splitlines()][-1]
                 self.assertTrue(answer["result"]["isError"], answer)
                 self.assertIn(f"pid {serve.pid}", answer["result"]["content"][0]["text"])
