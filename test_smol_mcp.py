@@ -2332,7 +2332,8 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
                        "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
                        "PATH": os.environ.get("PATH", "")}
                 listing = jsonrpc(2, "tools/call", {"name": "list-machines", "arguments": {}})
-                code, out, err = await piped_server(env, jsonrpc(1, "initialize", INITIALIZE) + listing)
+                hello = jsonrpc(1, "initialize", INITIALIZE)
+                code, out, err = await piped_server(env, hello + listing)
                 answer = [json.loads(line) for line in out.splitlines()][-1]
                 self.assertTrue(answer["result"]["isError"], answer)
                 self.assertIn(f"pid {serve.pid}", answer["result"]["content"][0]["text"])
