@@ -5674,7 +5674,6 @@ class SmolMcp:
         except SmolError:
             return False
 
-
     async def interrupt_approvals(self) -> None:
         """At a stop signal: calls waiting for approval answer approval_interrupted
         (within a bound) before anything else ends them."""
