@@ -38,6 +38,7 @@ import base64
 import dataclasses
 import datetime
 import difflib
+import errno
 import functools
 import hmac
 import http.client
@@ -56,7 +57,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol
@@ -479,7 +480,7 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.socket_path = socket_path
 
     def connect(self) -> None:
-        for attempt in range(100):
+        for attempt in range(20):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout)
             try:
@@ -493,7 +494,9 @@ class UnixHTTPConnection(http.client.HTTPConnection):
             except OSError:
                 sock.close()
                 raise
-        raise ConnectionRefusedError(f"the serve at {self.socket_path} kept its listen backlog full")
+        # Busy (or stopped), not gone: the caller waits for it rather than start another serve.
+        full = f"the serve at {self.socket_path} kept its listen backlog full"
+        raise BlockingIOError(errno.EAGAIN, full)
 
 
 @dataclass
@@ -741,7 +744,8 @@ class LocalFleet:
             self._users = max(0, self._users - 1)
             if self._users or self.config.local_url:
                 return
-            (self._users_dir / str(os.getpid())).unlink(missing_ok=True)
+            with bookkeeping(self.config.runtime_dir):
+                (self._users_dir / str(os.getpid())).unlink(missing_ok=True)
             if self._other_processes_use_serve():
                 self._process, self._ready = None, False  # theirs to stop now
                 return
@@ -757,9 +761,14 @@ class LocalFleet:
         for marker in self._users_dir.glob("*"):
             pid = int(marker.name) if marker.name.isdigit() else 0
             if pid != os.getpid():
-                if process_alive(pid):
+                try:
+                    started = int(marker.read_text() or 0) or None
+                except (OSError, ValueError):
+                    started = None
+                if process_alive(pid, started):
                     return True
-                marker.unlink(missing_ok=True)  # a process that died without letting go
+                with bookkeeping(self.config.runtime_dir):
+                    marker.unlink(missing_ok=True)  # a process that died without letting go
         return False
 
     def stop_serve(self) -> None:
@@ -780,7 +789,8 @@ class LocalFleet:
             pid = int(pid_file.read_text().strip() or 0)
             if serve_process_on(pid, self._address):
                 os.kill(pid, signal.SIGTERM)
-        pid_file.unlink(missing_ok=True)
+        with bookkeeping(self.config.runtime_dir):
+            pid_file.unlink(missing_ok=True)
 
     def smolvm_path(self) -> str | None:
         configured = self.config.smolvm
@@ -812,8 +822,10 @@ class LocalFleet:
                                 f"log is {Path(self.config.runtime_dir) / 'serve.log'}") from None
             self.version = str(health.get("version", ""))
             if not self.config.local_url:
-                self._users_dir.mkdir(mode=0o700, exist_ok=True)
-                (self._users_dir / str(os.getpid())).touch()
+                with bookkeeping(self.config.runtime_dir):
+                    self._users_dir.mkdir(mode=0o700, exist_ok=True)
+                    started = process_start_time(os.getpid())
+                    (self._users_dir / str(os.getpid())).write_text(str(started or ""))
             if self.config.min_smolvm and version_tuple(self.version) < version_tuple(self.config.min_smolvm):
                 raise SmolError(f"smolvm {self.version} is older than the minimum {self.config.min_smolvm} this server "
                                 "needs (older serves reject fields it sends). Upgrade smolvm, or set "
@@ -842,8 +854,45 @@ class LocalFleet:
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
         with open(runtime_dir / "serve.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if not self._answers():
+            if self._answers():
+                return
+            pid = self._live_serve_pid()
+            if pid is None or not self._wait_while_busy(pid):
                 self._start_serve()
+
+    def _live_serve_pid(self) -> int | None:
+        """The serve process on our socket that still runs, whether it answers
+        or not: ours, or the one another smol-mcp process started (serve.pid)."""
+        if self._process is not None and self._process.poll() is None:
+            return self._process.pid
+        try:
+            pid = int((Path(self.config.runtime_dir) / "serve.pid").read_text().strip() or 0)
+        except (OSError, ValueError):
+            return None
+        return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
+
+    def _wait_while_busy(self, pid: int) -> bool:
+        """A serve that runs but does not answer is busy (or stopped), not dead:
+        replacing it would orphan it and fight it for its port. Wait for it,
+        within serveStartTimeoutSecs; False if it died meanwhile."""
+        deadline = time.monotonic() + self.config.serve_start_timeout_secs
+        while time.monotonic() < deadline:
+            if not process_alive(pid):
+                return False
+            if self._answers():
+                return True
+            time.sleep(0.2)
+        raise self._busy_error(pid)
+
+    def _busy_error(self, pid: int | None) -> SmolError:
+        which = f"the smolvm serve (pid {pid})" if pid else "the smolvm serve"
+        return SmolError(
+            f"{which} is running but did not answer on {self._address} within "
+            f"{self.config.serve_start_timeout_secs} s: it is busy or stopped. It was left "
+            "running, not replaced. Try again shortly; if it stays this way, see "
+            f"{Path(self.config.runtime_dir) / 'serve.log'}, or end that process so a new one "
+            "starts."
+        )
 
     def _start_serve(self) -> None:
         binary = self.smolvm_path()
@@ -865,7 +914,8 @@ class LocalFleet:
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
                 start_new_session=True, close_fds=True)
         log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
-        (runtime_dir / "serve.pid").write_text(str(self._process.pid))
+        with bookkeeping(self.config.runtime_dir):
+            (runtime_dir / "serve.pid").write_text(str(self._process.pid))
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -921,6 +971,19 @@ class LocalFleet:
             self._pool.conn = None
             raise
 
+    def _send_when_accepted(self, send: Callable) -> tuple[int, str, Any]:
+        """Send; while the serve's listen backlog is full (EAGAIN on connect:
+        it is busy or stopped, not gone) wait and resend, within a bound. The
+        connection never opened, so the request was not received."""
+        deadline = time.monotonic() + self.config.serve_start_timeout_secs
+        while True:
+            try:
+                return send()
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise self._busy_error(self._live_serve_pid()) from None
+                time.sleep(0.2)
+
     def request(self, action: str, method: str, path: str, payload: Any = None, *, raw: bytes | None = None,
                 timeout: float = 30, read: Callable | None = None) -> Any:
         """One API call. Returns the parsed JSON body (or bytes for a raw
@@ -937,7 +1000,7 @@ class LocalFleet:
         send = functools.partial(self._raw_request, method, path, body, content_type=content_type, timeout=timeout,
                                  read=read)
         try:
-            status, ctype, data = send()
+            status, ctype, data = self._send_when_accepted(send)
         except (ConnectionRefusedError, FileNotFoundError):
             # The connection never opened, so the request was not received: safe to resend.
             self._ready = False
@@ -952,7 +1015,7 @@ class LocalFleet:
             self._ready = False
             raise serve_dropped(action, exc) from None
         if status >= 400:
-            raise api_error("local", action, status, ctype, data)
+            raise api_error(self.name, action, status, ctype, data)
         if read is not None and status == 200:
             return data
         if "application/json" in ctype:
@@ -1059,7 +1122,7 @@ class LocalFleet:
                 raise serve_dropped(action, exc) from None
             if response.status >= 400:
                 err = api_error(
-                    "local",
+                    self.name,
                     action,
                     response.status,
                     response.getheader("Content-Type", ""),
@@ -1201,7 +1264,7 @@ class LocalFleet:
         response = conn.getresponse()
         ctype = response.getheader("Content-Type", "")
         if response.status >= 400:
-            raise api_error("local", action, response.status, ctype, response.read())
+            raise api_error(self.name, action, response.status, ctype, response.read())
         if "application/json" in ctype:
             listing = json.loads(response.read() or b"{}")
             names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
@@ -1770,7 +1833,7 @@ class CloudFleet:
         for record in self._list_raw():
             if record.get("name") == name or record.get("id") == name:
                 return record
-        raise ApiError("cloud", f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found")
+        raise ApiError(self.name, f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found")
 
     def _list_raw(self) -> list[dict]:
         answer = self.request("list machines", "GET", "/v1/machines", expect=(dict, list))
@@ -2672,6 +2735,8 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # ---------------------------------------------------------------------------
 
 CLEANUP_TIMEOUT_SECS = 20
+SESSION_CALL_SLOTS = 8  # blocking calls of one session that run at once; more wait their turn
+DELETE_RETRY_PAUSE_SECS = 1
 PROGRESS_INTERVAL_SECS = 5
 
 
@@ -2840,7 +2905,7 @@ class Call:
         us to wait and retry, say) sends progress, so a client sees it alive."""
         import anyio
         run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args, **kwargs),
-                                abandon_on_cancel=True, limiter=self.app.thread_limiter())
+                                abandon_on_cancel=True, limiter=self.session.call_slots())
         return await self.with_heartbeat(run, waiting)
 
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
@@ -2875,7 +2940,7 @@ class Call:
         out at once and every few seconds until it returns."""
         import anyio
         run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args),
-                                limiter=self.app.thread_limiter())
+                                limiter=self.session.call_slots())
         with anyio.CancelScope(shield=True):
             return await self.with_heartbeat(run, waiting)
 
@@ -4194,13 +4259,24 @@ class Session:
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
         self.asked_fleet = False
         self.chose_during: Any = None  # the call whose question made the choice
-        self._question_lock = None
+        self._question_lock = self._slots = None
         self.tasks = tasks  # the task group its log pollers run in
         self.subscriptions: dict[str, Any] = {}  # uri -> the CancelScope of its poller (handshake era)
         self._bus = self._listener = None
-        self.in_flight, self.last_seen = 0, time.monotonic()  # for the 2026-era HTTP idle timeout
+        self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
         self.ended = False
+        self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
+        # Handshake era over HTTP: its Mcp-Session-Id and protocol version.
+        self.http_id = self.protocol = None
+
+    def call_slots(self):
+        """The worker threads this session's blocking calls run in: a share of
+        the process's pool, so one session's flood of long calls waits its turn
+        in its own queue instead of holding every thread."""
+        if self._slots is None:
+            self._slots = SessionSlots(self.app.thread_limiter(), SESSION_CALL_SLOTS)
+        return self._slots
 
     def question_lock(self):
         import anyio
@@ -4240,25 +4316,49 @@ class Session:
             self._save()
 
     def _save(self) -> None:
-        """Write the local record atomically (a crash mid-write must not lose it)."""
+        """Write the local record atomically (a crash mid-write must not lose it).
+        The record is bookkeeping: a runtime directory that is read-only or full
+        costs a warning, never the machine operation that changed it."""
         names = sorted(self.machines.get("local", set()))
-        if not names:
-            self.record_path.unlink(missing_ok=True)
-            return
-        ensure_runtime_dir(self.app.config.runtime_dir)  # the parent first: it is what keeps others out
-        self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
-        record = {"pid": os.getpid(), "endpoint": self.app.local.endpoint, "machines": names}
-        temporary = self.record_path.with_suffix(".tmp")
-        temporary.write_text(json.dumps(record))
-        temporary.replace(self.record_path)
+        with bookkeeping(self.app.config.runtime_dir):
+            if not names:
+                self.record_path.unlink(missing_ok=True)
+                return
+            # The parent first: it is what keeps others out.
+            ensure_runtime_dir(self.app.config.runtime_dir)
+            self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
+            record = {
+                "pid": os.getpid(),
+                "started": process_start_time(os.getpid()),
+                "endpoint": self.app.local.endpoint,
+                "machines": names,
+            }
+            temporary = self.record_path.with_suffix(".tmp")
+            temporary.write_text(json.dumps(record))
+            temporary.replace(self.record_path)
 
     async def close(self) -> None:
         """Delete every ephemeral machine this session still holds; what cannot
-        be deleted stays in the record for the next start to try again."""
+        be deleted stays in the record for the next start to try again. A fleet
+        that fails in any way is logged and the next one is still cleaned."""
         import anyio
         for fleet_name, names in list(self.machines.items()):
-            deleted, refused = await anyio.to_thread.run_sync(delete_in_passes, self.app.fleets[fleet_name],
-                                                              sorted(names), abandon_on_cancel=True)
+            try:
+                deleted, refused = await anyio.to_thread.run_sync(
+                    delete_in_passes,
+                    self.app.fleets[fleet_name],
+                    sorted(names),
+                    abandon_on_cancel=True,
+                )
+            except Exception as err:
+                log.warning(
+                    "session %s ended: could not clean up its %s machines (%s): %s",
+                    self.id,
+                    fleet_name,
+                    ", ".join(sorted(names)),
+                    describe(err),
+                )
+                continue
             for name in deleted:
                 log.info("session %s ended: deleted %s", self.id, name)
                 self.forget(fleet_name, name)
@@ -4271,11 +4371,36 @@ class Session:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
 
 
+class SessionSlots:
+    """A limiter for anyio's to_thread: a slot of the session first, then a
+    thread of the shared pool. At most ``slots`` of one session's calls hold
+    threads at once; the rest wait in order in that session's queue."""
+
+    def __init__(self, shared: Any, slots: int):
+        import anyio
+
+        self.shared, self.own = shared, anyio.CapacityLimiter(slots)
+
+    async def __aenter__(self) -> None:
+        await self.own.acquire()
+        try:
+            await self.shared.acquire()
+        except BaseException:
+            self.own.release()
+            raise
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.shared.release()
+        self.own.release()
+
+
 def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list[tuple[str, Exception]]]:
     """Delete machines, children before their branch sources: a source with
     live children refuses (409), so deletes repeat in passes until one makes no
-    progress. Returns what is gone (a 404 counts) and what was refused, why."""
-    pending, gone = list(names), []
+    progress. A pass that makes none is tried once more after a pause, as a
+    transient fault (a 5xx, a proxy page) should not leave a machine billing.
+    Returns what is gone (a 404 counts) and what was refused, why."""
+    pending, gone, retried = list(names), [], False
     while pending:
         refused: list[tuple[str, Exception]] = []
         for name in pending:
@@ -4285,17 +4410,64 @@ def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list[tu
                 if err.status != 404:
                     refused.append((name, err))
                     continue
-            except SmolError as err:
+            except Exception as err:  # a cleanup goes on past any one machine's failure
                 refused.append((name, err))
                 continue
             gone.append(name)
         if len(refused) == len(pending):
-            return gone, refused
+            if retried:
+                return gone, refused
+            retried = True
+            time.sleep(DELETE_RETRY_PAUSE_SECS)
         pending = [name for name, _ in refused]
     return gone, []
 
 
-def process_alive(pid: int) -> bool:
+def describe(err: BaseException) -> str:
+    """An error for a log line: our sentence as it is, anything else with its type."""
+    return str(err) if isinstance(err, SmolError) else f"{type(err).__name__}: {err}"
+
+
+_warned_dirs: set[str] = set()
+
+
+@contextmanager
+def bookkeeping(runtime_dir: str):
+    """Around a write of our own records in the runtime directory: an OSError
+    (read-only, full, gone) becomes one warning line naming it, once."""
+    try:
+        yield
+    except OSError as err:
+        if runtime_dir not in _warned_dirs:
+            _warned_dirs.add(runtime_dir)
+            log.warning(
+                "cannot write to the runtime directory %s (%s); machines work on, but one this "
+                "process cannot delete will not be found by the next start. Make it writable (or "
+                "set SMOL_MCP_RUNTIME_DIR).",
+                runtime_dir,
+                err.strerror or err,
+            )
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat from the state field on (field 3 is [0]), None without it."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (field 22): with the
+    pid it names one process, where a pid alone may have been reused."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def process_alive(pid: int, started: int | None = None) -> bool:
+    """Whether pid is a running process (a zombie is dead: it only waits to be
+    reaped) and, when started is known, the same one that wrote it down."""
     if pid <= 0:
         return False  # a record without a real pid belongs to nobody
     try:
@@ -4303,8 +4475,13 @@ def process_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    fields = _proc_stat(pid)
+    if fields is None:
+        return not Path("/proc/self/stat").exists()  # no /proc at all (macOS): the signal answered
+    if fields[0] in ("Z", "X"):
+        return False
+    return started is None or (len(fields) > 19 and int(fields[19]) == started)
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
@@ -4316,17 +4493,21 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if process_alive(int(record.get("pid", 0))) or record.get("endpoint") != fleet.endpoint:
+        if (
+            process_alive(int(record.get("pid", 0)), record.get("started"))
+            or record.get("endpoint") != fleet.endpoint
+        ):
             continue
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
         kept = [name for name, _ in refused]
         for name, err in refused:
             log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
-        if kept:  # try again at the next start rather than forget them
-            path.write_text(json.dumps({**record, "machines": kept}))
-        else:
-            path.unlink(missing_ok=True)
+        with bookkeeping(runtime_dir):
+            if kept:  # try again at the next start rather than forget them
+                path.write_text(json.dumps({**record, "machines": kept}))
+            else:
+                path.unlink(missing_ok=True)
     if deleted:
         log.info("deleted %d machine(s) left by an earlier process: %s", len(deleted), ", ".join(deleted))
     return deleted
@@ -5276,7 +5457,7 @@ class SmolMcp:
         some sessions never queue the short calls of others."""
         import anyio
         if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(64)
+            self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
 
     # -- handlers ----------------------------------------------------------
@@ -5612,6 +5793,18 @@ class SmolMcp:
             return any(r.get("approval") == "changes" for r in self.access.tokens.records())
         except SmolError:
             return False
+
+    async def interrupt_approvals(self) -> None:
+        """At a stop signal: calls waiting for approval answer approval_interrupted
+        (within a bound) before anything else ends them."""
+        import anyio
+        self.stopping = True
+        if not self.waiting_approvals:
+            return
+        with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
+            while self.waiting_approvals:
+                await anyio.sleep(0.05)
+        await anyio.sleep(0.2)  # their answers on their way out
 
     async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
         """Before a changing tool runs: None when the principal needs no approval,
@@ -6022,12 +6215,24 @@ class SmolMcp:
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
-        session.stop_polling()
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
-                await session.close()
+            # Nothing here may escape: over HTTP it would end the listener and every other session.
+            try:
+                session.stop_polling()
+                with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
+                    await session.close()
+            except Exception as err:
+                log.warning("session %s: its cleanup failed (%s)", session.id, describe(err))
             for fleet in self.fleets.values():
-                await anyio.to_thread.run_sync(fleet.release)
+                try:
+                    await anyio.to_thread.run_sync(fleet.release)
+                except Exception as err:
+                    log.warning(
+                        "session %s: letting go of the %s fleet failed (%s)",
+                        session.id,
+                        fleet.name,
+                        describe(err),
+                    )
 
 
 def elapsed(started: float) -> dict:
@@ -6076,24 +6281,24 @@ async def run_stdio(server, app: "SmolMcp | None" = None) -> None:
     import anyio
     from mcp.server.stdio import stdio_server
 
-    signalled = False
+    signalled, answers = False, None
     async with anyio.create_task_group() as group:
         async def watch_signals() -> None:
             nonlocal signalled
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
                 async for _ in received:
                     signalled = True
-                    if app is not None and app.waiting_approvals:
-                        app.stopping = True  # calls that wait answer approval_interrupted
-                        with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
-                            while app.waiting_approvals:
-                                await anyio.sleep(0.05)
-                        await anyio.sleep(0.2)  # their answers reach stdout
+                    if app is not None:
+                        await app.interrupt_approvals()
+                    if answers is not None:
+                        await answers.refuse_pending()  # every call in flight hears why it stopped
                     group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
                     return
 
         group.start_soon(watch_signals)
         async with stdio_server() as (read, write):
+            read, write = AnsweredReads(read, write), AnsweredWrites(write)
+            read.writes = answers = write
             try:
                 await server.run(read, write, server.create_initialization_options())
             finally:
@@ -6101,6 +6306,135 @@ async def run_stdio(server, app: "SmolMcp | None" = None) -> None:
                     logging.shutdown()
                     os._exit(0)  # the stdin reader thread would block a normal exit
         group.cancel_scope.cancel()
+
+
+class StreamWrapper:
+    """A stream of the SDK's transport with something added; closing closes it."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+
+class AnsweredReads(StreamWrapper):
+    """The stdio read stream, kept open at stdin's end until every request
+    read before it has been answered: the SDK would end the session at EOF and
+    drop an answer still being made. A line the SDK cannot parse is answered
+    with a JSON-RPC parse error (with its id, when the line has one) rather
+    than left unanswered."""
+
+    def __init__(self, inner: Any, write: Any):
+        super().__init__(inner)
+        self.write = write
+        self.writes: AnsweredWrites | None = None
+
+    @property
+    def last_context(self) -> Any:
+        return getattr(self.inner, "last_context", None)
+
+    async def receive(self) -> Any:
+        import anyio
+        import mcp_types as types
+        from mcp.shared.message import SessionMessage
+
+        try:
+            item = await self.inner.receive()
+        except anyio.EndOfStream:
+            while self.writes.pending:
+                await self.writes.changed()
+            raise
+        if isinstance(item, SessionMessage) and isinstance(item.message, types.JSONRPCRequest):
+            self.writes.pending.add(item.message.id)
+        elif isinstance(item, Exception):
+            message = (
+                f"this message could not be read ({item_error(item)}); send one JSON-RPC "
+                "message per line, as UTF-8 JSON without lone surrogates"
+            )
+            error = types.ErrorData(code=types.PARSE_ERROR, message=message)
+            await self.write.send(
+                SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=unparsed_id(item), error=error))
+            )
+        return item
+
+    def __aiter__(self) -> "AnsweredReads":
+        return self
+
+    async def __anext__(self) -> Any:
+        import anyio
+
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+
+class AnsweredWrites(StreamWrapper):
+    """The stdio write stream, counting off the requests it answers."""
+
+    def __init__(self, inner: Any):
+        import anyio
+
+        super().__init__(inner)
+        self.pending: set = set()
+        self._changed = anyio.Event()
+
+    async def changed(self) -> None:
+        import anyio
+
+        await self._changed.wait()
+        self._changed = anyio.Event()
+
+    async def send(self, item: Any) -> None:
+        await self.inner.send(item)
+        answer_id = getattr(getattr(item, "message", None), "id", None)
+        if answer_id in self.pending and not hasattr(item.message, "method"):
+            self.pending.discard(answer_id)
+            self._changed.set()
+
+    async def refuse_pending(self) -> None:
+        """Answer every request still in flight with the shutdown error."""
+        import anyio
+        import mcp_types as types
+        from mcp.shared.message import SessionMessage
+
+        with anyio.move_on_after(2):
+            for request_id in list(self.pending):
+                await self.send(
+                    SessionMessage(
+                        types.JSONRPCError(
+                            jsonrpc="2.0",
+                            id=request_id,
+                            error=(types.ErrorData(code=-32000, message=SHUTDOWN_MESSAGE)),
+                        )
+                    )
+                )
+            await anyio.sleep(0.2)  # the transport's writer flushes the last one
+
+
+def unparsed_id(err: Exception) -> Any:
+    """The id of a request the SDK could not parse, read leniently, else None."""
+    for detail in getattr(err, "errors", lambda: [])():
+        if isinstance(detail.get("input"), str):
+            try:
+                request = json.loads(detail["input"])
+            except ValueError:
+                return None
+            found = request.get("id") if isinstance(request, dict) else None
+            return found if isinstance(found, (str, int)) and not isinstance(found, bool) else None
+    return None
+
+
+def item_error(err: Exception) -> str:
+    details = getattr(err, "errors", lambda: [])()
+    return details[0].get("msg", type(err).__name__) if details else type(err).__name__
 
 
 # ---------------------------------------------------------------------------
@@ -6125,6 +6459,10 @@ HTTP_MAX_HEADER_BYTES = 64 * 1024  # request line and headers; more is a 400 and
 HTTP_MAX_CONNECTIONS = 128  # beyond it the oldest connection still without headers is closed
 HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS  # uvicorn's own backstop: beyond it, 503
 HTTP_CLOSE = [(b"connection", b"close")]
+# A session that made no call since it opened is ended after this (or the idle time, if less).
+HTTP_UNUSED_SESSION_SECS = 300
+# Requests that use a session; initialize, listings and pings alone do not.
+SESSION_USES = ("tools/call", "resources/read", "resources/subscribe", "subscriptions/listen")
 HTTP_UNAUTHORIZED = json.dumps({"error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
                                          "'X-Smol-Mcp-Token: <token>'"}).encode()
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -6206,11 +6544,7 @@ class HttpGate:
         scope.setdefault("state", {})["smol_principal"] = principal
         # The SDK binds a handshake-era session to the user that opened it: the
         # same Mcp-Session-Id with another token answers 404, as an unknown one.
-        from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
-        from mcp.server.auth.provider import AccessToken
-        scope["user"] = AuthenticatedUser(AccessToken(token=principal.id, client_id=principal.name,
-                                                      scopes=sorted(principal.scopes),
-                                                      subject=principal.id))
+        scope["user"] = authenticated_user(principal)
         body = await self.read_body(headers, receive, send)
         if body is None:
             return
@@ -6260,6 +6594,14 @@ class HttpGate:
             await _respond(send, 413, too_big, HTTP_CLOSE)
             return None
         return b"".join(chunks)
+
+
+def authenticated_user(principal: Principal):
+    """The principal as the SDK's request user (by the token's id, never its secret)."""
+    from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+    from mcp.server.auth.provider import AccessToken
+    return AuthenticatedUser(AccessToken(token=principal.id, client_id=principal.name,
+                                         scopes=sorted(principal.scopes), subject=principal.id))
 
 
 def replay_body(body: bytes, receive: Callable) -> Callable:
@@ -6364,8 +6706,11 @@ class HttpSessions:
     def __init__(self, app: SmolMcp):
         self.app = app
         self.by_principal: dict[str, Session] = {}
-        self.handshake: set[Session] = set()  # the open handshake-era sessions
+        self.by_id: dict[str, Session] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
         self.tasks: Any = None
+        self.manager: Any = None
+        self.path = "/mcp"
+        self.stopping: Any = None  # an anyio Event, set when the process is told to stop
 
     @asynccontextmanager
     async def running(self, tasks: Any):
@@ -6377,7 +6722,10 @@ class HttpSessions:
             with reaper:
                 while True:
                     await anyio.sleep(min(self.app.config.http_session_idle_secs / 4, 30))
-                    await self.end_idle()
+                    try:
+                        await self.end_idle()
+                    except Exception as err:  # the reaper must outlive any one session's trouble
+                        log.warning("ending idle sessions failed (%s)", describe(err))
 
         watcher = anyio.CancelScope()
 
@@ -6419,11 +6767,13 @@ class HttpSessions:
             session = connection.state["smol_session"] = self.app.open_session(
                 (connection.session_id or secrets_module.token_hex(4))[:8], self.tasks)
             session.principal = principal
-            self.handshake.add(session)
+            if connection.session_id:
+                session.http_id, session.protocol = connection.session_id, ctx.protocol_version
+                self.by_id[connection.session_id] = session
 
             async def end() -> None:
                 # The SDK bounds this exit stack at 5 s; the cleanup gets its own bound in the task group.
-                self.handshake.discard(session)
+                self.by_id.pop(session.http_id or "", None)
                 self.tasks.start_soon(self.app.end_session, session)
 
             connection.exit_stack.push_async_callback(end)
@@ -6438,19 +6788,23 @@ class HttpSessions:
                 log.info("token %s was deleted: ending its session %s", name, session.id)
                 del self.by_principal[name]
                 await self.app.end_session(session)
-        for session in list(self.handshake):
+        for session in list(self.by_id.values()):
             if live.get(session.principal.name) != session.principal.id:
                 log.info("token %s was deleted: ending its session %s", session.principal.name,
                          session.id)
-                self.handshake.discard(session)
+                self.by_id.pop(session.http_id, None)
+                await self.close_handshake_session(session)  # the SDK lets go of it too
                 await self.app.end_session(session)
 
     async def track(self, ctx, call_next):
-        """Server middleware: a 2026-era session is busy while a call runs."""
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-        if ctx.request is None or ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+        """Server middleware, both eras: a session is busy while a request runs.
+        A listen stream is not a request in flight: it stays open while idle."""
+        if ctx.request is None:
             return await call_next(ctx)
         session = self.session_for(ctx)
+        session.used = session.used or ctx.method in SESSION_USES
+        if ctx.method == "subscriptions/listen":
+            return await call_next(ctx)
         session.in_flight += 1
         try:
             return await call_next(ctx)
@@ -6459,12 +6813,135 @@ class HttpSessions:
             session.last_seen = time.monotonic()
 
     async def end_idle(self) -> None:
-        limit = self.app.config.http_session_idle_secs
-        for principal, session in list(self.by_principal.items()):
-            if session.in_flight == 0 and time.monotonic() - session.last_seen >= limit:
-                log.info("session %s idle for %d s: ending it", session.id, limit)
-                del self.by_principal[principal]
+        """End every session with no request in flight and none for
+        httpSessionIdleSecs (HTTP_UNUSED_SESSION_SECS if it never made a call),
+        whatever streams its client holds open."""
+        idle = self.app.config.http_session_idle_secs
+        for session in [*self.by_principal.values(), *self.by_id.values()]:
+            limit = idle if session.used else min(idle, HTTP_UNUSED_SESSION_SECS)
+            if session.in_flight or time.monotonic() - session.last_seen < limit:
+                continue
+            log.info(
+                "session %s %s for %d s: ending it",
+                session.id,
+                "idle" if session.used else "unused",
+                limit,
+            )
+            if session.http_id is None:
+                self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
                 await self.app.end_session(session)
+            else:
+                self.by_id.pop(session.http_id, None)
+                await self.close_handshake_session(session)
+
+    async def close_handshake_session(self, session: Session) -> None:
+        """End a handshake-era session as its client's DELETE would, through the
+        manager's public entry point: the SDK closes its streams and the
+        connection's exit stack runs our cleanup."""
+        headers = [
+            (b"mcp-session-id", session.http_id.encode()),
+            (b"mcp-protocol-version", (session.protocol or "2025-06-18").encode()),
+        ]
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "DELETE",
+            "scheme": "http",
+            "path": self.path,
+            "raw_path": self.path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 0),
+            "server": ("127.0.0.1", 0),
+            "state": {},
+            "user": authenticated_user(session.principal),  # the SDK checks whose session it is
+        }
+        statuses = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        try:
+            await self.manager.handle_request(scope, receive, send)
+        except Exception as err:
+            statuses.append(describe(err))
+        if statuses != [200]:
+            log.warning("session %s: ending it for idleness answered %s", session.id, statuses)
+
+
+SHUTDOWN_MESSAGE = (
+    "the smol-mcp server is shutting down, so this call was stopped before it finished (what "
+    "it started may have run in part). Reconnect once the server is back, and check the "
+    "machine with get-machine before trying again."
+)
+
+
+class ShutdownAnswers:
+    """ASGI middleware: when the process is told to stop (SIGTERM, SIGINT), a
+    POST still being served is stopped and answered with a JSON-RPC error that
+    says so, rather than held until the server's grace period ends and then
+    cut off with a plain-text 500."""
+
+    def __init__(self, app: Any, stopping: Callable[[], Any], settle: Callable):
+        self.app, self.stopping = app, stopping  # stopping(): the Event set at shutdown, or None
+        self.settle = settle  # awaited first: calls that can answer for themselves do
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        stopping = self.stopping()
+        if scope["type"] != "http" or scope["method"] != "POST" or stopping is None:
+            await self.app(scope, receive, send)
+            return
+        import anyio
+
+        body, started = bytearray(), False
+
+        async def receive_copy() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                body.extend(message.get("body", b""))
+            return message
+
+        async def send_watch(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        async with anyio.create_task_group() as group:
+
+            async def stop_on_shutdown() -> None:
+                await stopping.wait()
+                await self.settle()
+                group.cancel_scope.cancel()
+
+            group.start_soon(stop_on_shutdown)
+            await self.app(scope, receive_copy, send_watch)
+            group.cancel_scope.cancel()
+        if stopping.is_set() and not started:
+            await _respond(send, 200, json.dumps(shutdown_errors(bytes(body))).encode())
+
+
+def shutdown_errors(body: bytes) -> Any:
+    """The JSON-RPC error answer to a request body (one, or a batch)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        request = None
+    requests = request if isinstance(request, list) else [request]
+    answers = [
+        {
+            "jsonrpc": "2.0",
+            "id": r.get("id") if isinstance(r, dict) else None,
+            "error": {"code": -32000, "message": SHUTDOWN_MESSAGE},
+        }
+        for r in requests
+    ]
+    return answers if isinstance(request, list) else answers[0]
 
 
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
@@ -6480,6 +6957,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     manager = StreamableHTTPSessionManager(
         app.server, json_response=True, session_idle_timeout=config.http_session_idle_secs,
         max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
+    app.http.manager, app.http.path = manager, path
 
     @asynccontextmanager
     async def lifespan(_):
@@ -6487,6 +6965,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
             yield
 
     inner = Starlette(routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan)
+    inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
     return HttpGate(inner, access=app.access, path=path,
                     allowed_hosts=default_allowed_hosts(config, host, port),
                     allowed_origins=config.http_allowed_origins)
@@ -6512,13 +6991,33 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
+    # SIGTERM and SIGINT end the lifespan, which cleans up.
+    await stopping_server(config, app).serve()
+
+
+def stopping_server(config: Any, app: SmolMcp):
+    """uvicorn's Server, told about a stop signal the moment it arrives (so
+    calls in flight are answered at once, see ShutdownAnswers), and exiting 0
+    afterwards: uvicorn re-raises the signal once it is done, which would end
+    the process by that signal after a clean shutdown."""
+    import asyncio
+    import anyio
+    import uvicorn
+
+    loop, stopping = asyncio.get_running_loop(), anyio.Event()
+    app.http.stopping = stopping
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             app.stopping = True  # a call waiting for approval answers approval_interrupted
+            loop.call_soon_threadsafe(stopping.set)  # in a signal handler: let the loop do the set
             super().handle_exit(sig, frame)
 
-    await Server(config).serve()  # SIGTERM and SIGINT end the lifespan, which cleans up
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # What uvicorn restores and re-raises into: handled already.
+        signal.signal(sig, lambda *_: None)
+    return Server(config)
+
 
 
 # ---------------------------------------------------------------------------
@@ -7378,6 +7877,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.http:
         anyio.run(run_http, app, args.host or config.http_host, args.port or config.http_port,
                   args.path or config.http_path)
+        # Cleaned up and done: a worker thread a stopped call abandoned must not hold the exit.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
     else:
         if sys.stdin.isatty():
             print("smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
