@@ -6500,11 +6500,17 @@ def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | N
 
 class HttpGate:
     """ASGI middleware in front of everything: the token, then Host and Origin,
-    then the path. Lifespan events pass straight through."""
+    then the path. Lifespan events pass straight through.
+
+    Host and Origin are checked here rather than with the SDK's
+    TransportSecuritySettings: that check runs inside the transport, where it
+    answers 421/403 with a bare "Invalid Host header" (and a POST's
+    Content-Type before either), while ours names the setting to change and
+    comes right after the token, for every path."""
 
     def __init__(self, app: Any, *, access: Access, path: str, allowed_hosts: list[str] | None,
-                 allowed_origins: tuple[str, ...]):
-        self.app, self.access, self.path = app, access, path
+                 allowed_origins: tuple[str, ...], sessions: HttpSessions | None = None):
+        self.app, self.access, self.path, self.sessions = app, access, path, sessions
         self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
         self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
 
@@ -6548,7 +6554,11 @@ class HttpGate:
         body = await self.read_body(headers, receive, send)
         if body is None:
             return
-        await self.app(scope, replay_body(body, receive), send)
+        if self.sessions is None:
+            await self.app(scope, replay_body(body, receive), send)
+        else:
+            await self.sessions.forward(self.app, scope, replay_body(body, receive), send,
+                                        principal, body)
 
     async def read_body(self, headers: dict[bytes, bytes], receive: Callable,
                         send: Callable) -> bytes | None:
@@ -6602,6 +6612,27 @@ def authenticated_user(principal: Principal):
     from mcp.server.auth.provider import AccessToken
     return AuthenticatedUser(AccessToken(token=principal.id, client_id=principal.name,
                                          scopes=sorted(principal.scopes), subject=principal.id))
+
+
+def request_methods(body: bytes) -> list[str]:
+    """The methods of the JSON-RPC requests in a body (one, or a batch);
+    notifications and answers are not requests."""
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return []
+    messages = message if isinstance(message, list) else [message]
+    return [m["method"] for m in messages
+            if isinstance(m, dict) and isinstance(m.get("method"), str) and "id" in m]
+
+
+def initialize_version(body: bytes) -> str | None:
+    """The protocol version an initialize answer settled on."""
+    try:
+        version = json.loads(body)["result"]["protocolVersion"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return version if isinstance(version, str) else None
 
 
 def replay_body(body: bytes, receive: Callable) -> Callable:
@@ -6698,10 +6729,12 @@ async def _respond(send: Callable, status: int, body: bytes, headers: list | Non
 
 
 class HttpSessions:
-    """Sessions over HTTP. Handshake era: one per Mcp-Session-Id, ended by the
-    SDK (DELETE, idle timeout, shutdown) through its connection's exit stack.
-    2026 era: one per token, ended when it has made no request and has no call
-    in flight for httpSessionIdleSecs, and at shutdown."""
+    """Sessions over HTTP, kept from what HttpGate sees of each request (the
+    SDK's public surface: headers, bodies, statuses). Handshake era: one per
+    Mcp-Session-Id, opened when initialize's answer names the id, ended by the
+    client's DELETE, by the idle reaper (through the manager, as a DELETE) and
+    at shutdown. 2026 era: one per token. Either ends when it has made no
+    request and has no call in flight for httpSessionIdleSecs."""
 
     def __init__(self, app: SmolMcp):
         self.app = app
@@ -6746,38 +6779,90 @@ class HttpSessions:
             self.app.access.tokens.flush_usage(force=True)
             for principal in list(self.by_principal):
                 await self.app.end_session(self.by_principal.pop(principal))
+            for http_id in list(self.by_id):
+                await self.app.end_session(self.by_id.pop(http_id))
 
     def session_for(self, ctx) -> Session:
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
         principal = self.app.principal_for(ctx)
         if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:  # state per token name
-            earlier = self.by_principal.get(principal.name)
-            if earlier is not None and earlier.principal.id != principal.id:  # deleted, made again
-                del self.by_principal[principal.name]
-                self.tasks.start_soon(self.app.end_session, earlier)
-            if principal.name not in self.by_principal:
-                label = f"token-{principal.name}-{secrets_module.token_hex(3)}"
-                session = self.app.open_session(label, self.tasks)
-                session.principal = principal
-                self.by_principal[principal.name] = session
-            return self.by_principal[principal.name]
-        connection = ctx.session._connection  # private in mcp 2.3.0, which is pinned exactly
-        session = connection.state.get("smol_session")
-        if session is None:
-            session = connection.state["smol_session"] = self.app.open_session(
-                (connection.session_id or secrets_module.token_hex(4))[:8], self.tasks)
+            return self.modern_session(principal)
+        http_id = ctx.request.headers.get("mcp-session-id", "")
+        # Opened when initialize was answered; a request the SDK let through after
+        # ours ended (a deleted token's session, closing) gets one of its own.
+        return self.by_id.get(http_id) or self.open_handshake(principal, http_id, ctx.protocol_version)
+
+    def modern_session(self, principal: Principal) -> Session:
+        """The 2026-era session of a token (made again if the token was)."""
+        earlier = self.by_principal.get(principal.name)
+        if earlier is not None and earlier.principal.id != principal.id:  # deleted, made again
+            del self.by_principal[principal.name]
+            self.tasks.start_soon(self.app.end_session, earlier)
+        if principal.name not in self.by_principal:
+            label = f"token-{principal.name}-{secrets_module.token_hex(3)}"
+            session = self.app.open_session(label, self.tasks)
             session.principal = principal
-            if connection.session_id:
-                session.http_id, session.protocol = connection.session_id, ctx.protocol_version
-                self.by_id[connection.session_id] = session
+            self.by_principal[principal.name] = session
+        return self.by_principal[principal.name]
 
-            async def end() -> None:
-                # The SDK bounds this exit stack at 5 s; the cleanup gets its own bound in the task group.
-                self.by_id.pop(session.http_id or "", None)
-                self.tasks.start_soon(self.app.end_session, session)
-
-            connection.exit_stack.push_async_callback(end)
+    def open_handshake(self, principal: Principal, http_id: str, protocol: str | None) -> Session:
+        session = self.app.open_session((http_id or secrets_module.token_hex(4))[:8], self.tasks)
+        session.principal = principal
+        if http_id:
+            session.http_id, session.protocol = http_id, protocol
+            self.by_id[http_id] = session
         return session
+
+    def end_handshake(self, session: Session) -> None:
+        """Forget a handshake session and clean it up in the background (the
+        request or reaper that ended it does not wait for the machines)."""
+        self.by_id.pop(session.http_id or "", None)
+        self.tasks.start_soon(self.app.end_session, session)
+
+    async def forward(self, inner: Callable, scope: dict, receive: Callable, send: Callable,
+                      principal: Principal, body: bytes) -> None:
+        """Hand one request to the SDK and keep the books of its session: a POST
+        carrying requests is in flight while it is served (a listen stream is
+        not: it stays open while idle), initialize's answer opens a handshake
+        session, and an accepted DELETE ends one."""
+        from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        http_id, version = headers.get("mcp-session-id"), headers.get("mcp-protocol-version")
+        methods = request_methods(body) if scope["method"] == "POST" else []
+        answer: dict = {"status": None, "headers": {}, "body": b""}
+
+        async def watch(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                answer["status"] = message["status"]
+                answer["headers"] = {k.decode("latin-1").lower(): v.decode("latin-1")
+                                     for k, v in message.get("headers", [])}
+            elif message["type"] == "http.response.body" and "initialize" in methods:
+                answer["body"] += message.get("body", b"")
+            await send(message)
+
+        if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
+            session = self.modern_session(principal) if methods else None
+        else:
+            session = self.by_id.get(http_id or "")
+        if session is not None and http_id and version:
+            session.protocol = version
+        if session is None or not methods or set(methods) == {"subscriptions/listen"}:
+            if session is not None:
+                session.used = session.used or "subscriptions/listen" in methods
+            await inner(scope, receive, watch)
+        else:
+            session.used = session.used or any(method in SESSION_USES for method in methods)
+            session.in_flight += 1
+            try:
+                await inner(scope, receive, watch)
+            finally:
+                session.in_flight -= 1
+                session.last_seen = time.monotonic()
+        opened = answer["headers"].get("mcp-session-id")
+        if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
+            self.open_handshake(principal, opened, initialize_version(answer["body"]))
+        if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
+            self.end_handshake(self.by_id[http_id])
 
     async def end_revoked(self) -> None:
         """End the sessions of tokens deleted since the last look (or deleted and
@@ -6795,22 +6880,6 @@ class HttpSessions:
                 self.by_id.pop(session.http_id, None)
                 await self.close_handshake_session(session)  # the SDK lets go of it too
                 await self.app.end_session(session)
-
-    async def track(self, ctx, call_next):
-        """Server middleware, both eras: a session is busy while a request runs.
-        A listen stream is not a request in flight: it stays open while idle."""
-        if ctx.request is None:
-            return await call_next(ctx)
-        session = self.session_for(ctx)
-        session.used = session.used or ctx.method in SESSION_USES
-        if ctx.method == "subscriptions/listen":
-            return await call_next(ctx)
-        session.in_flight += 1
-        try:
-            return await call_next(ctx)
-        finally:
-            session.in_flight -= 1
-            session.last_seen = time.monotonic()
 
     async def end_idle(self) -> None:
         """End every session with no request in flight and none for
@@ -6833,6 +6902,7 @@ class HttpSessions:
             else:
                 self.by_id.pop(session.http_id, None)
                 await self.close_handshake_session(session)
+                self.end_handshake(session)
 
     async def close_handshake_session(self, session: Session) -> None:
         """End a handshake-era session as its client's DELETE would, through the
@@ -6953,7 +7023,6 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
 
     config = app.config
     app.http = HttpSessions(app)
-    app.server.middleware.append(app.http.track)
     manager = StreamableHTTPSessionManager(
         app.server, json_response=True, session_idle_timeout=config.http_session_idle_secs,
         max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
@@ -6966,7 +7035,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
 
     inner = Starlette(routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan)
     inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
-    return HttpGate(inner, access=app.access, path=path,
+    return HttpGate(inner, access=app.access, path=path, sessions=app.http,
                     allowed_hosts=default_allowed_hosts(config, host, port),
                     allowed_origins=config.http_allowed_origins)
 

@@ -367,6 +367,55 @@ class FleetContractTests(unittest.TestCase):
                         [(p.name, p.kind, p.default) for p in wanted.parameters.values()])
 
 
+class PublicSdkTests(unittest.TestCase):
+    """smol_mcp.py uses the MCP SDK's public names only: nothing starting with
+    "_" is imported from mcp or mcp_types, or read off an SDK object (the
+    request context, the server, its session, its manager, an SDK module)."""
+
+    SDK_OBJECTS = ("ctx", "types", "server", "session", "manager", "request", "connection")
+
+    @staticmethod
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    def private_uses(self, source: str) -> list[str]:
+        found, sdk_names = [], set(self.SDK_OBJECTS)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                module = getattr(node, "module", None) or ""
+                modules = [module] if module else [alias.name for alias in node.names]
+                if not any(m.split(".")[0] in ("mcp", "mcp_types") for m in modules):
+                    continue
+                names = [*".".join(modules).split("."),
+                         *(alias.name for alias in node.names if module)]
+                found += [f"line {node.lineno}: imports {n}" for n in names if self.private(n)]
+                sdk_names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Attribute) and self.private(node.attr):
+                chain, inner = [], node.value
+                while isinstance(inner, ast.Attribute):
+                    chain.append(inner.attr)
+                    inner = inner.value
+                root = inner.id if isinstance(inner, ast.Name) else ""
+                if root in sdk_names or any(link in self.SDK_OBJECTS for link in chain):
+                    found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        return found
+
+    def test_no_private_sdk_name_is_used(self):
+        source = (HERE / "smol_mcp.py").read_text()
+        self.assertEqual(self.private_uses(source), [])
+
+    def test_the_check_sees_what_it_looks_for(self):
+        for bad in ("connection = ctx.session._connection",
+                    "app.server._session_manager = None",
+                    "from mcp.server._streamable_http_modern import x",
+                    "from mcp.shared.context import _private",
+                    "import mcp_types as types\ntypes._hidden"):
+            with self.subTest(bad=bad):
+                self.assertEqual(len(self.private_uses(bad)), 1)
+        self.assertEqual(self.private_uses("self._fleet._health()\nfrom mcp.server import Server"), [])
+
+
 class PiecesTests(unittest.TestCase):
     def test_head_and_tail_keeps_both_ends_and_counts_the_gap(self):
         data = b"A" * 1000 + b"M" * 5000 + b"Z" * 1000
