@@ -537,7 +537,6 @@ class FilePage:
 
     data: bytes
     size: int
-    offset: int
 
 
 # Jobs on the local fleet, which has no job API: a job is a process this server
@@ -1240,7 +1239,7 @@ class LocalFleet:
                                    timeout_secs=120)
                 size_line, newline, data = bytes(result.stdout).partition(b"\n")
                 if result.exit_code == 0 and newline and size_line.strip().isdigit():
-                    return FilePage(data=data, size=int(size_line), offset=offset)
+                    return FilePage(data=data, size=int(size_line))
             except ApiError:
                 pass  # no shell in this image, say: the download below still works
         return self._stream_page(name, path, offset, length)
@@ -1283,7 +1282,7 @@ class LocalFleet:
             while chunk := response.read(1 << 20):
                 rest += len(chunk)
             size = skipped + len(data) + rest
-        return FilePage(data=data, size=size, offset=offset)
+        return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
         answer = self.request(f"write {path} in machine '{name}'", "PUT",
@@ -2053,7 +2052,7 @@ class CloudFleet:
                 seen += len(chunk)
                 if len(page) >= length and size >= 0:
                     break
-            return FilePage(data=bytes(page), size=size if size >= 0 else seen, offset=offset)
+            return FilePage(data=bytes(page), size=size if size >= 0 else seen)
 
     def _read_by_exec(self, machine_id: str, name: str, path: str, offset: int, length: int) -> FilePage:
         """The fallback for a service without the files route: the size and one
@@ -2075,7 +2074,7 @@ class CloudFleet:
             # The service caps exec output; a page cut short would read as the end of the file.
             raise SmolError(f"the cloud API cut the output of the read of {path} short (its exec output cap), so "
                             "the page is not returned; ask for a smaller length")
-        return FilePage(data=data, size=size, offset=offset)
+        return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
         record = self._find(name)
@@ -2727,7 +2726,7 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # ---------------------------------------------------------------------------
 # 8. Tools
 #
-# The tools: the thirteen of the TypeScript smol-mcp with its names, arguments
+# The tools: those of the TypeScript smol-mcp with its names, arguments
 # and result shapes, then jobs and allow-egress (SPEC 14, 15). Each handler gets a Call (its fleet, its session, a way to run a
 # blocking API call in a worker thread, a progress reporter) and the validated
 # arguments, and returns the structured result. A SmolError becomes a tool
@@ -5449,7 +5448,6 @@ class SmolMcp:
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
         self.waiting_approvals = 0
-        self._warned_activity = False
         self.server = self._build_server()
 
     def thread_limiter(self):
