@@ -463,7 +463,7 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 def minimal_child_env(environ: dict[str, str], secret_values: list[str]) -> dict[str, str]:
     """The environment the serve child gets: a few basics and SMOLVM_* engine
-    settings, never a token (SPEC 3), even one that hides in an allowed name."""
+    settings, never a token, even one that hides in an allowed name."""
     env = {name: environ[name] for name in CHILD_ENV_NAMES if name in environ}
     env.update({name: value for name, value in environ.items() if name.startswith("SMOLVM_")})
     # A secret can hide inside another value (SMOLVM_EXTRA=prefix-<token>): any value or
@@ -1723,10 +1723,10 @@ def _last_line(text: str) -> str:
 # 4. Cloud fleet: the smol cloud REST API
 #
 # httpx2 to $SMOL_CLOUD_URL with a bearer token. The cloud names a machine by a
-# mach-... id; a name is resolved with one list call. Routes, bodies and the
-# places where the official client and the live service disagree are in
-# reference/smol-cloud-api.md: the client is followed, the service's observed
-# behaviour is kept as a fallback.
+# mach-... id; a name is resolved with one list call. Routes and bodies follow
+# the official Python client (smolmachines 1.32.2, smol/transport.py); where
+# the live service was seen to differ, the client is followed and the
+# service's observed behaviour is kept as a fallback.
 # ---------------------------------------------------------------------------
 
 CLOUD_TIMEOUT_SECS = 30
@@ -2726,9 +2726,10 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # ---------------------------------------------------------------------------
 # 8. Tools
 #
-# The tools: those of the TypeScript smol-mcp with its names, arguments
-# and result shapes, then jobs and allow-egress (SPEC 14, 15). Each handler gets a Call (its fleet, its session, a way to run a
-# blocking API call in a worker thread, a progress reporter) and the validated
+# The tools: those of the TypeScript smol-mcp with its names, arguments and
+# result shapes, then jobs and allow-egress. Each handler gets a Call (its
+# fleet, its session, a way to run a blocking API call in a worker thread, a
+# progress reporter) and the validated
 # arguments, and returns the structured result. A SmolError becomes a tool
 # error; anything else is logged and reported without a stack trace.
 # ---------------------------------------------------------------------------
@@ -4570,7 +4571,7 @@ class Principal:
     name: str
     scopes: frozenset
     targets: tuple[str, ...] = FLEET_NAMES
-    approval: str = "none"  # "changes": every changing call waits for a person (SPEC 13)
+    approval: str = "none"  # "changes": every changing call waits for a person
     kind: str = "token"  # "token" or "stdio"
     user: str | None = None  # stdio: the OS user the server runs as
     id: str = ""  # a token's own id: a new token under an old name is another principal
@@ -4982,7 +4983,7 @@ class Access:
         return OwnedFleet(fleet, self.owners, principal.name) if grant.owned_only else fleet
 
 
-# -- Activity log and approvals (SPEC 13) ------------------------------------
+# -- Activity log and approvals ------------------------------------------------
 #
 # What an agent changed is written down before it is told the result, and any
 # change can be held until a person on the host answers. Both are plain files

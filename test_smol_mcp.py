@@ -115,14 +115,14 @@ class ConfigTests(unittest.TestCase):
         self.file.write_text(json.dumps(data) if not isinstance(data, str) else data)
 
     def test_defaults_are_the_table(self):
-        # Every other default is checked against SPEC's table, in the next test.
+        # Every other default is checked against the specification's table, in the next test.
         c = load_config(self.env)
         self.assertEqual(c.runtime_dir, f"{self.tmp}/smol-mcp")
         self.assertEqual((c.state_dir, c.scopes), (f"{self.tmp}/.local/state/smol-mcp", ()))
         self.assertEqual(load_config({**self.env, "XDG_STATE_HOME": "/x"}).state_dir, "/x/smol-mcp")
 
     def test_settings_match_the_spec_table_key_for_key(self):
-        spec_table = [  # SPEC section 3, copied: key, environment variable, default
+        spec_table = [  # the specification's settings table (kept outside this repository), copied
             ("smolvm", "SMOLVM", "smolvm"), ("minSmolvm", "SMOL_MCP_MIN_SMOLVM", "1.14.0"),
             ("localUrl", "SMOL_LOCAL_URL", ""), ("runtimeDir", "SMOL_MCP_RUNTIME_DIR", None),
             ("machinePrefix", "SMOL_MCP_MACHINE_PREFIX", "mcp-"), ("memoryMb", "SMOL_MCP_MEMORY_MB", 2048),
@@ -771,7 +771,7 @@ class ModernEra(EraScenarios, FakeServeCase):
 
 
 class ToolRuleTests(FakeServeCase):
-    """One rule of SPEC 6 each (handshake era; the era scenarios cover both)."""
+    """One rule of the tools each (handshake era; the era scenarios cover both)."""
 
     config_overrides = {"max_output_bytes": 2048}
 
@@ -1126,7 +1126,7 @@ class WaitTests(FakeServeCase):
 
 
 class AdviceTests(FakeServeCase):
-    """SPEC 4 and 6: advice to the model matches the engine (1.32.2 fetches
+    """Advice to the model matches the engine (1.32.2 fetches
     registry images on the host), and create reports progress at once."""
 
     async def test_instructions_and_schema_do_not_send_agents_to_open_egress_for_a_pull(self):
@@ -1177,7 +1177,7 @@ class AdviceTests(FakeServeCase):
 
 
 class ReplySizeTests(FakeServeCase):
-    """SPEC 6 output budget, with default settings: a run-command whose two
+    """The output budget, with default settings: a run-command whose two
     streams both overflow still fits what a client hands the model. Claude
     Code refuses results over 25,000 tokens and passes JSON.stringify of
     structuredContent when present (other clients pass the text content), so
@@ -3020,7 +3020,7 @@ class CloudJobTests(JobScenarios, FakeCloudCase):
         self.assertEqual(
             set(map(tuple, commands)), {("true",)}, "only readiness probes: a job is not an exec"
         )
-# Containment (SPEC 16): host paths, guest paths, inputs, tokens, the HTTP front
+# Containment: host paths, guest paths, inputs, tokens, the HTTP front
 # ---------------------------------------------------------------------------
 
 
@@ -3598,7 +3598,7 @@ class HelperCommandTests(unittest.TestCase):
 
 
 class TerminalTests(unittest.TestCase):
-    """SPEC 10: a person who starts the server by hand, or asks for help,
+    """The first hour: a person who starts the server by hand, or asks for help,
     learns what it is and what to run instead."""
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
@@ -3661,7 +3661,7 @@ class TerminalTests(unittest.TestCase):
 
 
 class EngineOnRampTests(unittest.TestCase):
-    """SPEC 10 doctor: from no engine to a probed one."""
+    """doctor: from no engine to a probed one."""
 
     def setUp(self):
         self.tmp = short_tempdir()
@@ -3740,7 +3740,7 @@ class EngineOnRampTests(unittest.TestCase):
 
 
 class SetupEntryTests(unittest.TestCase):
-    """SPEC 10 setup: entries that work when a client starts them outside a
+    """setup: entries that work when a client starts them outside a
     shell, and --write that never leaves a file the client cannot read."""
 
     def setUp(self):
@@ -3870,7 +3870,7 @@ class SetupEntryTests(unittest.TestCase):
 
 
 class PublishTests(unittest.TestCase):
-    """SPEC 2: ready to publish. The metadata agrees with itself; the build
+    """Ready to publish. The metadata agrees with itself; the build
     itself (with the oldest setuptools the pyproject accepts) is in
     DistributionTests and CI."""
 
@@ -5013,7 +5013,7 @@ def _walk(value):
 
 
 # ---------------------------------------------------------------------------
-# Agent access: named tokens, scopes, ownership (SPEC 13)
+# Agent access: named tokens, scopes, ownership
 # ---------------------------------------------------------------------------
 
 SANDBOX = "sandbox.read,sandbox.manage,sandbox.exec"
@@ -5561,7 +5561,7 @@ class StdioScopesTests(FakeServeCase):
 
 
 # ---------------------------------------------------------------------------
-# Agent access II: the activity log and approvals (SPEC 13)
+# Agent access II: the activity log and approvals
 # ---------------------------------------------------------------------------
 
 APPEND_SCRIPT = """

@@ -13,6 +13,9 @@ Where a behaviour comes from, the code says so with one of these tags:
                 in a comment about the control plane)
   [seed]        observed on the live service in 2026-09 by the seed's author
   [public docs] smol-machines/docs (cloud/api-reference.md, traps.md)
+  [reference]   the project's notes on the cloud API (kept with its
+                specification, outside this repository): the official
+                client's routes and bodies, read section by section
   [assumption]  no source says; the most plausible choice, to be checked
                 against the live service before a client relies on it
 
@@ -335,8 +338,8 @@ class FakeCloud:
     a published port, so `ready` and `url` can flip), and `.break_streams`
     (True: an exec stream ends after its first event, without `exit`).
 
-    `exec/stream` and the detached jobs routes follow the reference document
-    (smol-cloud-api.md, "exec/stream" and "Detached jobs") rather than an
+    `exec/stream` and the detached jobs routes follow the project's notes on
+    the cloud API (its sections "exec/stream" and "Detached jobs"), not an
     observation.
     """
 
