@@ -5430,6 +5430,23 @@ def server_instructions(app: "SmolMcp") -> str:
     return "\n".join(lines)
 
 
+@functools.cache
+def dual_era_server_class() -> type:
+    """The SDK's Server, advertising tools.listChanged however it is asked for
+    its options (the HTTP manager and Client(server) ask without arguments).
+    Built on first use, so importing this module does not import mcp."""
+    from mcp.server import NotificationOptions, Server
+
+    class DualEraServer(Server):
+        def create_initialization_options(self, notification_options=None,
+                                          experimental_capabilities=None, extensions=None):
+            return super().create_initialization_options(
+                notification_options or NotificationOptions(tools_changed=True),
+                experimental_capabilities, extensions)
+
+    return DualEraServer
+
+
 class SmolMcp:
     """Everything one process serves: the config, the fleets, and the MCP server."""
 
@@ -5462,85 +5479,74 @@ class SmolMcp:
     # -- handlers ----------------------------------------------------------
 
     def _build_server(self):
+        """The SDK's low-level Server, with this object's bound methods as handlers."""
+        return dual_era_server_class()(
+            "smol-mcp", version=__version__, title="smol machines",
+            instructions=server_instructions(self), lifespan=self.lifespan,
+            on_list_tools=self.on_list_tools, on_call_tool=self.call_tool,
+            on_list_resources=self.on_list_resources,
+            on_list_resource_templates=self.on_list_resource_templates,
+            on_read_resource=self.on_read_resource, on_subscribe_resource=self.on_subscribe,
+            on_unsubscribe_resource=self.on_unsubscribe, on_subscriptions_listen=self.listen)
+
+    @asynccontextmanager
+    async def lifespan(self, server: Any):
+        # stdio and in memory: entered once per connection, so it is the session.
+        # HTTP: entered once for the whole listener, which holds many sessions.
+        import anyio
+        async with anyio.create_task_group() as tasks:
+            if self.http is not None:
+                async with self.http.running(tasks):
+                    yield {}
+                return
+            session = self.open_session(secrets_module.token_hex(4), tasks)
+            try:
+                yield {"session": session}
+            finally:
+                tasks.cancel_scope.cancel()  # its log pollers end with it
+                await self.end_session(session)
+
+    async def on_list_tools(self, ctx, params):
         import mcp_types as types
-        from mcp.server import NotificationOptions, Server
+        with_target = self.mode == "both" and self.session_for(ctx).target is None
+        return types.ListToolsResult(tools=self.tool_list(with_target, self.principal_for(ctx)))
 
-        app = self
+    async def on_subscribe(self, ctx, params):
+        import mcp_types as types
+        await self.subscribe(ctx, str(params.uri))
+        return types.EmptyResult()
 
-        class DualEraServer(Server):
-            # The HTTP manager and Client(server) call this without arguments;
-            # advertise tools.listChanged everywhere.
-            def create_initialization_options(self, notification_options=None, experimental_capabilities=None,
-                                              extensions=None):
-                return super().create_initialization_options(
-                    notification_options or NotificationOptions(tools_changed=True), experimental_capabilities,
-                    extensions)
+    async def on_unsubscribe(self, ctx, params):
+        import mcp_types as types
+        scope = self.session_for(ctx).subscriptions.pop(str(params.uri), None)
+        if scope is not None:
+            scope.cancel()
+        return types.EmptyResult()
 
-        @asynccontextmanager
-        async def lifespan(server):
-            # stdio and in memory: entered once per connection, so it is the session.
-            # HTTP: entered once for the whole listener, which holds many sessions.
-            import anyio
-            async with anyio.create_task_group() as tasks:
-                if app.http is not None:
-                    async with app.http.running(tasks):
-                        yield {}
-                    return
-                session = app.open_session(secrets_module.token_hex(4), tasks)
-                try:
-                    yield {"session": session}
-                finally:
-                    tasks.cancel_scope.cancel()  # its log pollers end with it
-                    await app.end_session(session)
-
-        async def list_tools(ctx, params):
-            with_target = app.mode == "both" and app.session_for(ctx).target is None
-            return types.ListToolsResult(tools=app.tool_list(with_target, app.principal_for(ctx)))
-
-        async def call_tool(ctx, params):
-            return await app.call_tool(ctx, params)
-
-        async def subscribe(ctx, params):
-            await app.subscribe(ctx, str(params.uri))
-            return types.EmptyResult()
-
-        async def unsubscribe(ctx, params):
-            scope = app.session_for(ctx).subscriptions.pop(str(params.uri), None)
-            if scope is not None:
-                scope.cancel()
-            return types.EmptyResult()
-
-        async def listen(ctx, params):
-            return await app.listen(ctx, params)
-
-        async def list_resources(ctx, params):
-            resources = [types.Resource(
-                uri=TARGETS_URI, name="targets", title="Fleets served and whether they are usable",
+    async def on_list_resources(self, ctx, params):
+        import mcp_types as types
+        resources = [types.Resource(
+            uri=TARGETS_URI, name="targets", title="Fleets served and whether they are usable",
+            mime_type="application/json",
+            description="The mode, each fleet this process serves, and whether it is usable on "
+                        "this host now.")]
+        if "activity.read" in self.principal_for(ctx).scopes:
+            resources.append(types.Resource(
+                uri=ACTIVITY_URI, name="activity", title="What agents changed",
                 mime_type="application/json",
-                description="The mode, each fleet this process serves, and whether it is usable on "
-                            "this host now.")]
-            if "activity.read" in app.principal_for(ctx).scopes:
-                resources.append(types.Resource(
-                    uri=ACTIVITY_URI, name="activity", title="What agents changed",
-                    mime_type="application/json",
-                    description=f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity "
-                                "log: changing calls, approvals, cleanups (a sandbox token sees "
-                                "its own)."))
-            return types.ListResourcesResult(resources=resources)
+                description=f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity "
+                            "log: changing calls, approvals, cleanups (a sandbox token sees "
+                            "its own)."))
+        return types.ListResourcesResult(resources=resources)
 
-        async def list_resource_templates(ctx, params):
-            return types.ListResourceTemplatesResult(resource_templates=[types.ResourceTemplate(
-                uri_template=LOGS_URI_TEMPLATE, name="machine-logs", title="A machine's console log",
-                mime_type="text/plain", description="The latest lines of a machine's guest console.")])
+    async def on_list_resource_templates(self, ctx, params):
+        import mcp_types as types
+        return types.ListResourceTemplatesResult(resource_templates=[types.ResourceTemplate(
+            uri_template=LOGS_URI_TEMPLATE, name="machine-logs", title="A machine's console log",
+            mime_type="text/plain", description="The latest lines of a machine's guest console.")])
 
-        async def read_resource(ctx, params):
-            return await app.read_resource(ctx, str(params.uri))
-
-        return DualEraServer(
-            "smol-mcp", version=__version__, title="smol machines", instructions=server_instructions(self),
-            lifespan=lifespan, on_list_tools=list_tools, on_call_tool=call_tool, on_list_resources=list_resources,
-            on_list_resource_templates=list_resource_templates, on_read_resource=read_resource,
-            on_subscribe_resource=subscribe, on_unsubscribe_resource=unsubscribe, on_subscriptions_listen=listen)
+    async def on_read_resource(self, ctx, params):
+        return await self.read_resource(ctx, str(params.uri))
 
     def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
         """The tools as the client sees them: only those its scopes grant. Built

@@ -629,6 +629,10 @@ ANNOTATIONS = {
     "delete-machine": (False, True, False, False),
     "machine-logs": (True, False, False, False),
     "pull-image": (False, False, True, True),
+    "start-job": (False, True, False, True),  # runs a command, as run-command does
+    "read-job": (True, False, False, False),  # the output grows while the job runs
+    "cancel-job": (False, True, True, False),
+    "allow-egress": (False, True, False, False),  # removals narrow a security posture
 }
 
 
