@@ -178,6 +178,15 @@ class ConfigTests(unittest.TestCase):
             self.assertEqual(getattr(load_config({**self.env, setting.env: as_text}), setting.attr), expected,
                              setting.env)
 
+    def test_every_setting_is_in_the_readme_defaults_table(self):
+        readme = (HERE / "README.md").read_text()
+        table = readme[readme.index("## Defaults, and why"):readme.index("## Security defaults")]
+        for setting in smol_mcp.SETTINGS:  # a shared prefix may be shortened: `_PORT`
+            with self.subTest(setting=setting.key):
+                self.assertIn(f"`{setting.key}`", table)
+                short = "_" + setting.env.rsplit("_", 1)[-1]
+                self.assertTrue(f"`{setting.env}`" in table or f"`{short}`" in table)
+
     def test_runtime_dir_without_xdg_is_per_user_temp(self):
         del self.env["XDG_RUNTIME_DIR"]
         self.assertEqual(load_config(self.env).runtime_dir, str(Path(tempfile.gettempdir()) / f"smol-mcp-{os.getuid()}"))
