@@ -677,6 +677,11 @@ def local_job_page(name: str, job_id: str, data: bytes, offsets: tuple[int, int]
     )
 
 
+INSIDE_GUEST = ("The local target is unavailable inside a smol machine: there is no hypervisor "
+                "here to start a nested machine with. Use the cloud target, or run smol-mcp on "
+                "the host.")
+
+
 class LocalFleet:
     """The machines of ``smolvm serve`` on this host.
 
@@ -807,8 +812,7 @@ class LocalFleet:
                 return
             self._ready = False
             if inside_smol_guest():
-                raise SmolError("The local target is unavailable inside a smol machine: there is no hypervisor here "
-                                "to start a nested machine with. Use the cloud target, or run smol-mcp on the host.")
+                raise SmolError(INSIDE_GUEST)
             if not self.config.local_url and not self._answers():
                 self._start_serve_once()
             try:
@@ -1743,6 +1747,15 @@ CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$
 CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
 
 
+CLOUD_LOCAL_ONLY_ARGUMENT = ('"{argument}" is local only: the cloud fleet has no host directories, '
+                             "overlay disk or workload command to set; leave it out for a cloud "
+                             "machine")
+CLOUD_NO_HOST_PORT = ('"ports[].host" is local only: the cloud control plane picks the host port; '
+                      "pass only the guest port")
+CLOUD_NO_PULL = ("pull-image is local only: the cloud control plane pulls a machine's image itself "
+                 "when the machine is created")
+
+
 class CloudFleet:
     """The machines of a smol cloud account. Blocking, like LocalFleet: the
     tool layer calls it from worker threads."""
@@ -1857,11 +1870,9 @@ class CloudFleet:
     def create_machine(self, spec: MachineSpec) -> dict:
         for argument, given in (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb), ("cmd", spec.cmd)):
             if given:
-                raise ArgumentError(f'"{argument}" is local only: the cloud fleet has no host directories, overlay '
-                                    "disk or workload command to set; leave it out for a cloud machine")
+                raise ArgumentError(CLOUD_LOCAL_ONLY_ARGUMENT.format(argument=argument))
         if any(port.get("host") for port in spec.ports):
-            raise ArgumentError('"ports[].host" is local only: the cloud control plane picks the host port; pass only '
-                                "the guest port")
+            raise ArgumentError(CLOUD_NO_HOST_PORT)
         open_egress = spec.network == "open" or spec.allow_hosts or spec.allow_cidrs
         if spec.ports and not open_egress:
             raise ArgumentError('a cloud machine that publishes ports cannot also block egress; pass network: "open" '
@@ -2124,8 +2135,7 @@ class CloudFleet:
     branch_needs_start = False
 
     def pull_image(self, name: str, image: str) -> dict:
-        raise ArgumentError("pull-image is local only: the cloud control plane pulls a machine's image itself when "
-                            "the machine is created")
+        raise ArgumentError(CLOUD_NO_PULL)
 
 
 def cloud_exec_body(argv: list[str], timeout_secs: int, workdir: str | None,
@@ -3406,13 +3416,16 @@ def machine_spec(call: Call, args: dict, name: str, network_default: str) -> Mac
         branchable=args.get("branchable", False))
 
 
+BRANCHABLE_NEEDS_START = ('"branchable": true needs "start": true on the local fleet: the engine '
+                          "makes a machine a branch source when it starts it")
+
+
 async def tool_create_machine(call: Call, args: dict) -> dict:
     name = args.get("name") or call.new_ephemeral_name()
     spec = machine_spec(call, args, name, call.config.network_default)
     start = args.get("start", True)
     if spec.branchable and not start and call.fleet.branch_needs_start:
-        raise ArgumentError('"branchable": true needs "start": true on the local fleet: the engine makes a machine '
-                            "a branch source when it starts it")
+        raise ArgumentError(BRANCHABLE_NEEDS_START)
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
     ephemeral = call.session.is_ephemeral(name)
     if not start:
@@ -3799,14 +3812,17 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
     )
 
 
+EGRESS_LOCAL_ONLY = (
+    "allow-egress is local only: the smol cloud API has no route to amend a machine's "
+    'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
+    "instead"
+)
+
+
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
     if not call.fleet.amends_egress:
-        raise ArgumentError(
-            "allow-egress is local only: the smol cloud API has no route to amend a machine's "
-            'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
-            "instead"
-        )
+        raise ArgumentError(EGRESS_LOCAL_ONLY)
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before)
     result = {
@@ -5354,6 +5370,14 @@ ARG_TARGET = {"type": "string", "enum": list(FLEETS),
                              "invisible on the other, so there is no default."}
 
 
+SESSION_CHOSE_FLEET = ('this session chose the {chosen} fleet at its first call, so target '
+                       '"{given}" is not available in it; use a new session (over HTTP with the '
+                       "2026-07-28 protocol, the session is the token) for the other fleet")
+TARGET_NEEDED = ('{tool} needs "target": "local" or "cloud". This server serves both fleets and '
+                 "there is no default, because a machine on one fleet is invisible on the other "
+                 "and the two bill differently.")
+
+
 class AskClient(Exception):
     """A 2026-era question for the person: the tool call answers with it (an
     InputRequiredResult) and is called again with the answer."""
@@ -5374,14 +5398,17 @@ def can_elicit(ctx) -> bool:
     )
 
 
+TARGETS_NEED_TOKEN = ("SMOL_MCP_TARGETS={targets} needs the cloud account key: set "
+                      "SMOL_CLOUD_TOKEN (or cloudToken in the config file)")
+
+
 def resolve_mode(config: Config) -> str:
     """The fleets this process serves, decided once at startup: auto means
     both when a cloud token is configured, else local."""
     if config.targets == "auto":
         return "both" if config.cloud_token else "local"
     if config.targets in ("cloud", "both") and not config.cloud_token:
-        raise ConfigError(f"SMOL_MCP_TARGETS={config.targets} needs the cloud account key: set SMOL_CLOUD_TOKEN (or "
-                          "cloudToken in the config file)")
+        raise ConfigError(TARGETS_NEED_TOKEN.format(targets=config.targets))
     return config.targets
 
 
@@ -5594,14 +5621,10 @@ class SmolMcp:
                                                and "target" in arguments):
             given = arguments.pop("target", session.target)
             if given != session.target:
-                raise ArgumentError(f'this session chose the {session.target} fleet at its first call, so target '
-                                    f'"{given}" is not available in it; use a new session (over HTTP with the '
-                                    "2026-07-28 protocol, the session is the token) for the other fleet")
+                raise ArgumentError(SESSION_CHOSE_FLEET.format(chosen=session.target, given=given))
             return self.fleets[session.target]
         if "target" not in arguments:
-            raise ArgumentError(f'{name} needs "target": "local" or "cloud". This server serves both fleets and '
-                                "there is no default, because a machine on one fleet is invisible on the other "
-                                "and the two bill differently.")
+            raise ArgumentError(TARGET_NEEDED.format(tool=name))
         target = arguments.pop("target")
         validate_arguments(name, _object({"target": ARG_TARGET}), {"target": target})
         return self.fleets[target]
