@@ -488,7 +488,8 @@ class UnixHTTPConnection(http.client.HTTPConnection):
                 self.sock = sock
                 return
             except BlockingIOError:
-                # The serve's listen backlog is full: nothing was sent, so wait a moment and try again.
+                # The serve's listen backlog is full: nothing was sent, so wait a moment and
+                # try again.
                 sock.close()
                 time.sleep(0.01 * min(attempt + 1, 10))
             except OSError:
@@ -1080,7 +1081,8 @@ class LocalFleet:
         body = local_exec_body(argv, timeout_secs, workdir, env, stdin)
         started = time.monotonic()
         try:
-            # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
+            # The HTTP wait outlives the command's own timeout so the guest, not the
+            # socket, decides.
             data = self.request(f"run a command in machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/exec",
                                 body, timeout=timeout_secs + 30, read=read_exec_answer)
         except ApiError as err:
@@ -7231,6 +7233,7 @@ def parse_args(argv: list[str]):
 # -- doctor ------------------------------------------------------------------
 
 
+# Commands a person copies whole, so a line may be longer than the code's 100 columns.
 ENGINE_ON_RAMP = """\
   get an engine (smolvm 1.32.2 is the smol/smol-vmm binary inside the smolmachines wheel):
     uv run --with smolmachines==1.32.2 {script} doctor
@@ -7239,7 +7242,7 @@ ENGINE_ON_RAMP = """\
     python3 -m pip download --no-deps smolmachines==1.32.2 -d /tmp/smolmachines-wheel
     python3 -m zipfile -e /tmp/smolmachines-wheel/smolmachines-1.32.2-*.whl ~/.local/share/smolmachines
     chmod +x ~/.local/share/smolmachines/smol/smol-vmm
-    export SMOLVM=~/.local/share/smolmachines/smol/smol-vmm"""
+    export SMOLVM=~/.local/share/smolmachines/smol/smol-vmm"""  # noqa: E501
 
 
 def doctor(app: SmolMcp, probe: bool = False) -> int:

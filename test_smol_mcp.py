@@ -287,7 +287,8 @@ class ImportTests(unittest.TestCase):
                 import logging, os, sys, threading
                 before = set(os.listdir(os.environ["XDG_RUNTIME_DIR"]))
                 import smol_mcp
-                assert set(os.listdir(os.environ["XDG_RUNTIME_DIR"])) == before, "runtime dir touched"
+                after = set(os.listdir(os.environ["XDG_RUNTIME_DIR"]))
+                assert after == before, "runtime dir touched"
                 assert not logging.getLogger().handlers, "logging configured at import"
                 assert threading.active_count() == 1, "threads started at import"
                 print("ok")
@@ -1200,7 +1201,8 @@ class ReplySizeTests(FakeServeCase):
 
     async def test_both_streams_full_of_escapes_fit_under_25000_tokens(self):
         self.assertEqual(self.config.max_output_bytes, Config().max_output_bytes)  # the default
-        # newlines, quotes, backslashes, tabs and control bytes: each is longer as JSON than as bytes
+        # newlines, quotes, backslashes, tabs and control bytes: each is longer as JSON than
+        # as bytes
         noisy = r"""i=0; while [ $i -lt 9000 ]; do printf 'a"\\\t\001\002\n'; i=$((i+1)); done"""
         command = f"{noisy}; ({noisy}) >&2; printf '\\351\\237\\263%.0s' $(seq 30000) >&2"
         async with self.client("legacy") as c:

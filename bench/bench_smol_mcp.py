@@ -186,7 +186,8 @@ conn.request('POST', f'/api/v1/machines/{name}/exec', body=json.dumps(
 answer = json.loads(conn.getresponse().read())
 stdout = base64.b64decode(answer.get('stdoutB64') or '')
 seconds = time.perf_counter() - t
-print(json.dumps({'seconds': seconds, 'bytes': len(stdout), 'rss0': before['VmRSS'], 'hwm': status()['VmHWM']}))
+print(json.dumps({'seconds': seconds, 'bytes': len(stdout), 'rss0': before['VmRSS'],
+                  'hwm': status()['VmHWM']}))
 """
 
 
