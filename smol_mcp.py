@@ -57,10 +57,11 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Protocol
 
 __version__ = "0.1.0"
 
@@ -79,8 +80,14 @@ log = logging.getLogger("smol_mcp")
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 
 
-def setting_field(default: Any, env: str, kind: str = "str", choices: tuple[str, ...] = (),
-                  minimum: int | None = None, maximum: int | None = None) -> Any:
+def setting_field(
+    default: Any,
+    env: str,
+    kind: str = "str",
+    choices: tuple[str, ...] = (),
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> Any:
     """Declare one setting as a Config field: its default, its environment
     variable, and how a raw value is read (kind: "str", "int", "choice",
     "version", "list" or "secret"). Its config-file key is the field's name in
@@ -100,48 +107,60 @@ class Config:
     machine_prefix: str = setting_field("mcp-", "SMOL_MCP_MACHINE_PREFIX")
     memory_mb: int = setting_field(2048, "SMOL_MCP_MEMORY_MB", "int", minimum=128, maximum=1048576)
     cpus: int = setting_field(2, "SMOL_MCP_CPUS", "int", minimum=1, maximum=255)
-    network_default: str = setting_field("blocked", "SMOL_MCP_NETWORK_DEFAULT", "choice",
-                                         choices=("blocked", "open"))
-    run_once_network: str = setting_field("blocked", "SMOL_MCP_RUN_ONCE_NETWORK", "choice",
-                                          choices=("blocked", "open"))
+    network_default: str = setting_field(
+        "blocked", "SMOL_MCP_NETWORK_DEFAULT", "choice", choices=("blocked", "open")
+    )
+    run_once_network: str = setting_field(
+        "blocked", "SMOL_MCP_RUN_ONCE_NETWORK", "choice", choices=("blocked", "open")
+    )
     ephemeral_ttl_secs: int = setting_field(3600, "SMOL_MCP_EPHEMERAL_TTL_SECS", "int", minimum=60)
-    ephemeral_auto_stop_secs: int = setting_field(900, "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", "int",
-                                                  minimum=60)
+    ephemeral_auto_stop_secs: int = setting_field(
+        900, "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", "int", minimum=60
+    )
     exec_timeout_secs: int = setting_field(120, "SMOL_MCP_EXEC_TIMEOUT_SECS", "int", minimum=1)
-    max_exec_timeout_secs: int = setting_field(900, "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "int",
-                                               minimum=1, maximum=86400)
-    max_output_bytes: int = setting_field(65536, "SMOL_MCP_MAX_OUTPUT_BYTES", "int", minimum=1024,
-                                          maximum=64 * 1024 * 1024)
+    max_exec_timeout_secs: int = setting_field(
+        900, "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "int", minimum=1, maximum=86400
+    )
+    max_output_bytes: int = setting_field(
+        65536, "SMOL_MCP_MAX_OUTPUT_BYTES", "int", minimum=1024, maximum=64 * 1024 * 1024
+    )
     ready_timeout_secs: int = setting_field(120, "SMOL_MCP_READY_TIMEOUT_SECS", "int", minimum=1)
-    serve_start_timeout_secs: int = setting_field(60, "SMOL_MCP_SERVE_START_TIMEOUT_SECS", "int",
-                                                  minimum=1)
+    serve_start_timeout_secs: int = setting_field(
+        60, "SMOL_MCP_SERVE_START_TIMEOUT_SECS", "int", minimum=1
+    )
     logs_tail: int = setting_field(100, "SMOL_MCP_LOGS_TAIL", "int", minimum=1, maximum=100000)
     logs_poll_secs: int = setting_field(2, "SMOL_MCP_LOGS_POLL_SECS", "int", minimum=1)
     cloud_url: str = setting_field(DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL")
     cloud_token: str = setting_field("", "SMOL_CLOUD_TOKEN", "secret")
-    targets: str = setting_field("auto", "SMOL_MCP_TARGETS", "choice",
-                                 choices=("auto", "local", "cloud", "both"))
+    targets: str = setting_field(
+        "auto", "SMOL_MCP_TARGETS", "choice", choices=("auto", "local", "cloud", "both")
+    )
     http_host: str = setting_field("127.0.0.1", "SMOL_MCP_HTTP_HOST")
     http_port: int = setting_field(8080, "SMOL_MCP_HTTP_PORT", "int", minimum=1, maximum=65535)
     http_path: str = setting_field("/mcp", "SMOL_MCP_HTTP_PATH")
     auth_token: str = setting_field("", "SMOL_MCP_AUTH_TOKEN", "secret")
-    http_session_idle_secs: int = setting_field(1800, "SMOL_MCP_HTTP_SESSION_IDLE_SECS", "int",
-                                                minimum=1)
+    http_session_idle_secs: int = setting_field(
+        1800, "SMOL_MCP_HTTP_SESSION_IDLE_SECS", "int", minimum=1
+    )
     http_allowed_hosts: tuple[str, ...] = setting_field((), "SMOL_MCP_HTTP_ALLOWED_HOSTS", "list")
-    http_allowed_origins: tuple[str, ...] = setting_field((), "SMOL_MCP_HTTP_ALLOWED_ORIGINS",
-                                                          "list")
+    http_allowed_origins: tuple[str, ...] = setting_field(
+        (), "SMOL_MCP_HTTP_ALLOWED_ORIGINS", "list"
+    )
     state_dir: str = setting_field("", "SMOL_MCP_STATE_DIR")
     # empty: every scope (section 11)
     scopes: tuple[str, ...] = setting_field((), "SMOL_MCP_SCOPES", "list")
     mount_roots: tuple[str, ...] = setting_field((), "SMOL_MCP_MOUNT_ROOTS", "list")
     # stdio: "changes" holds every changing call for a person
-    approval: str = setting_field("none", "SMOL_MCP_APPROVAL", "choice",
-                                  choices=("none", "changes"))
-    approval_timeout_secs: int = setting_field(900, "SMOL_MCP_APPROVAL_TIMEOUT_SECS", "int",
-                                               minimum=1, maximum=7 * 86400)
+    approval: str = setting_field(
+        "none", "SMOL_MCP_APPROVAL", "choice", choices=("none", "changes")
+    )
+    approval_timeout_secs: int = setting_field(
+        900, "SMOL_MCP_APPROVAL_TIMEOUT_SECS", "int", minimum=1, maximum=7 * 86400
+    )
     approval_webhook: str = setting_field("", "SMOL_MCP_APPROVAL_WEBHOOK")
-    approval_via: str = setting_field("terminal", "SMOL_MCP_APPROVAL_VIA", "choice",
-                                      choices=("terminal", "client"))
+    approval_via: str = setting_field(
+        "terminal", "SMOL_MCP_APPROVAL_VIA", "choice", choices=("terminal", "client")
+    )
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
@@ -168,14 +187,17 @@ def _camel(attr: str) -> str:
 
 SETTINGS: tuple[Setting, ...] = tuple(
     Setting(_camel(f.name), attr=f.name, **f.metadata["setting"])
-    for f in dataclasses.fields(Config))
+    for f in dataclasses.fields(Config)
+)
 
 
 def config_file_path(environ: dict[str, str]) -> Path:
     """Where the config file is looked for: $SMOL_MCP_CONFIG, else the XDG path."""
     if environ.get("SMOL_MCP_CONFIG"):
         return Path(environ["SMOL_MCP_CONFIG"]).expanduser()
-    base = environ.get("XDG_CONFIG_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".config")
+    base = environ.get("XDG_CONFIG_HOME") or str(
+        Path(environ.get("HOME") or Path.home()) / ".config"
+    )
     return Path(base) / "smol-mcp" / "config.json"
 
 
@@ -188,7 +210,10 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
             raise ConfigError(f"{where} must be a string, got {_json_type(value)}")
         value = value.strip()
         if setting.kind == "version" and value and not re.fullmatch(r"\d+(\.\d+){0,2}", value):
-            raise ConfigError(f"{where} must be a version such as 1.14.0 (or empty to skip the check), got {value!r}")
+            raise ConfigError(
+                f"{where} must be a version such as 1.14.0 (or empty to skip the check), got "
+                f"{value!r}"
+            )
         return value
     if setting.kind == "choice":
         if not isinstance(value, str) or value.strip() not in setting.choices:
@@ -216,8 +241,15 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
 
 
 def _json_type(value: Any) -> str:
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def load_config(environ: dict[str, str] | None = None) -> Config:
@@ -240,15 +272,20 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"the config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+            raise ConfigError(
+                f"the config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                f"column {exc.colno}"
+            ) from None
         if not isinstance(data, dict):
             raise ConfigError(f"the config file {path} must hold a JSON object of settings")
         by_key = {s.key: s for s in SETTINGS}
         for key, raw in data.items():
             if key not in by_key:
                 maybe = did_you_mean(key, by_key)
-                raise ConfigError(f'unknown key "{key}" in the config file {path}{maybe}; '
-                                  f"the accepted keys are: {', '.join(by_key)}")
+                raise ConfigError(
+                    f'unknown key "{key}" in the config file {path}{maybe}; '
+                    f"the accepted keys are: {', '.join(by_key)}"
+                )
             values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
     for setting in SETTINGS:
         if setting.env in environ:
@@ -256,27 +293,41 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
 
     config = Config(**values)
     if config.exec_timeout_secs > config.max_exec_timeout_secs:
-        raise ConfigError(f"execTimeoutSecs ({config.exec_timeout_secs}) must not be above "
-                          f"maxExecTimeoutSecs ({config.max_exec_timeout_secs})")
+        raise ConfigError(
+            f"execTimeoutSecs ({config.exec_timeout_secs}) must not be above "
+            f"maxExecTimeoutSecs ({config.max_exec_timeout_secs})"
+        )
     if not NAME_RE.fullmatch(config.machine_prefix + "x"):
-        raise ConfigError("machinePrefix must start with a letter or digit and hold only letters, digits, "
-                          f"'-' and '_', got {config.machine_prefix!r}")
+        raise ConfigError(
+            "machinePrefix must start with a letter or digit and hold only letters, digits, "
+            f"'-' and '_', got {config.machine_prefix!r}"
+        )
     if not config.machine_prefix:
-        raise ConfigError("machinePrefix must not be empty: it is what marks a machine as ephemeral")
+        raise ConfigError(
+            "machinePrefix must not be empty: it is what marks a machine as ephemeral"
+        )
     if not config.http_path.startswith("/"):
         raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
     if config.local_url:
-        parse_local_url(config.local_url)  # raises ConfigError when it is not a loopback or unix URL
+        parse_local_url(
+            config.local_url
+        )  # raises ConfigError when it is not a loopback or unix URL
     unknown = [scope for scope in config.scopes if scope not in SCOPES]
     if unknown:
         named = ", ".join(map(repr, unknown))
-        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, which is not a scope; "
-                          f"the scopes are: {', '.join(SCOPES)}")
+        raise ConfigError(
+            f"SMOL_MCP_SCOPES (scopes) names {named}, which is not a scope; "
+            f"the scopes are: {', '.join(SCOPES)}"
+        )
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
     if config.approval_webhook and urllib.parse.urlsplit(config.approval_webhook).scheme not in (
-            "http", "https"):
-        raise ConfigError("approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) must be an http:// or "
-                          f"https:// URL, got {config.approval_webhook!r}")
+        "http",
+        "https",
+    ):
+        raise ConfigError(
+            "approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) must be an http:// or "
+            f"https:// URL, got {config.approval_webhook!r}"
+        )
     if not config.runtime_dir:
         config = dataclasses.replace(config, runtime_dir=default_runtime_dir(environ))
     if not config.state_dir:
@@ -313,14 +364,17 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = directory.stat()
     if info.st_uid != os.getuid():
-        raise SmolError(f"the {what} {directory} belongs to another user; set {env} "
-                        "to a directory of your own")
+        raise SmolError(
+            f"the {what} {directory} belongs to another user; set {env} to a directory of your own"
+        )
     if info.st_mode & 0o077:
         # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
-        raise SmolError(f"the {what} {directory} can be opened by other users (mode "
-                        f"{oct(info.st_mode & 0o777)}); set {env} to a directory only you can "
-                        "open, "
-                        "for example one made with mkdir -m 700")
+        raise SmolError(
+            f"the {what} {directory} can be opened by other users (mode "
+            f"{oct(info.st_mode & 0o777)}); set {env} to a directory only you can "
+            "open, "
+            "for example one made with mkdir -m 700"
+        )
     return directory
 
 
@@ -334,11 +388,13 @@ def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
     parsed = []
     for root in roots:
         writable = root.endswith(MOUNT_ROOT_WRITABLE)
-        directory = root[:-len(MOUNT_ROOT_WRITABLE)] if writable else root.removesuffix(":ro")
+        directory = root[: -len(MOUNT_ROOT_WRITABLE)] if writable else root.removesuffix(":ro")
         if not directory.startswith("/") or any(c in directory for c in "\0\n\r"):
-            raise ConfigError("mountRoots entries must be absolute host directories, optionally "
-                              'ending in ":rw" to allow writing (for example /srv/work:rw); '
-                              f"got {root!r}")
+            raise ConfigError(
+                "mountRoots entries must be absolute host directories, optionally "
+                'ending in ":rw" to allow writing (for example /srv/work:rw); '
+                f"got {root!r}"
+            )
         parsed.append((os.path.realpath(directory), writable))
     return parsed
 
@@ -353,12 +409,22 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
     if parsed.scheme == "unix":
         path = parsed.path or parsed.netloc
         if not path.startswith("/"):
-            raise ConfigError(f"SMOL_LOCAL_URL must name an absolute socket path, as unix:///path/to/serve.sock; got {url!r}")
+            raise ConfigError(
+                "SMOL_LOCAL_URL must name an absolute socket path, as "
+                f"unix:///path/to/serve.sock; got {url!r}"
+            )
         return "unix", path
-    if parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "localhost", "::1") and parsed.port:
+    if (
+        parsed.scheme == "http"
+        and parsed.hostname in ("127.0.0.1", "localhost", "::1")
+        and parsed.port
+    ):
         return "tcp", parsed.port
-    raise ConfigError("SMOL_LOCAL_URL must be unix:///absolute/path.sock or http://127.0.0.1:PORT (loopback only, "
-                      f"because the local API has no authentication); got {url!r}")
+    raise ConfigError(
+        "SMOL_LOCAL_URL must be unix:///absolute/path.sock or http://127.0.0.1:PORT (loopback "
+        "only, "
+        f"because the local API has no authentication); got {url!r}"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -391,11 +457,17 @@ class ApiError(SmolError):
     code and message so callers can branch on them and pass the text through."""
 
     def __init__(self, fleet: str, action: str, status: int, code: str, message: str):
-        self.fleet, self.action, self.status, self.code, self.api_message = fleet, action, status, code, message
+        self.fleet, self.action, self.status, self.code, self.api_message = (
+            fleet,
+            action,
+            status,
+            code,
+            message,
+        )
         label = f"HTTP {status} {code}".strip()
         super().__init__(f"The {fleet} machine API refused to {action}: {message} ({label})")
 
-    def with_hint(self, hint: str) -> "ApiError":
+    def with_hint(self, hint: str) -> ApiError:
         """The same error with one more sentence telling the caller what to do."""
         err = ApiError(self.fleet, self.action, self.status, self.code, self.api_message)
         err.args = (f"{self.args[0]}. {hint}",)
@@ -422,20 +494,41 @@ def redact(text: str, secret_values: list[str]) -> str:
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 ADDRESS_IN_USE_HINT = (
-    "Only one smolvm serve can run per host with the default settings (it binds 127.0.0.1:10081), and one is "
-    "already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock (smolvm's own default is "
+    "Only one smolvm serve can run per host with the default settings (it binds "
+    "127.0.0.1:10081), and one is "
+    "already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock "
+    "(smolvm's own default is "
     "unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or stop it."
 )
 # The serve child's environment is an allow-list: PATH to find its helpers, HOME and
 # XDG_* for its data, cache and socket directories, the locale and TZ for its messages,
 # TMPDIR for its scratch files, RUST_LOG for its log level, and SMOLVM_* (added in
 # minimal_child_env), the engine's own settings. Nothing else of ours is passed on.
-CHILD_ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE", "TMPDIR", "TZ", "XDG_RUNTIME_DIR",
-                   "XDG_DATA_HOME", "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_STATE_HOME", "RUST_LOG")
+CHILD_ENV_NAMES = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TMPDIR",
+    "TZ",
+    "XDG_RUNTIME_DIR",
+    "XDG_DATA_HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_CACHE_HOME",
+    "XDG_STATE_HOME",
+    "RUST_LOG",
+)
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
 READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
-RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024  # below this, streaming the file from its start is cheap enough
-RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'  # -L: a link's target
+RANGE_READ_MIN_OFFSET = (
+    4 * 1024 * 1024
+)  # below this, streaming the file from its start is cheap enough
+RANGE_READ_SCRIPT = (
+    'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'  # -L: a link's target
+)
 
 
 def wheel_engine() -> str | None:
@@ -443,6 +536,7 @@ def wheel_engine() -> str | None:
     interpreter (``uv run --with smolmachines smol_mcp.py``): the full smolvm
     CLI. Found through the package metadata, without importing the package."""
     import importlib.metadata
+
     try:
         distribution = importlib.metadata.distribution("smolmachines")
     except importlib.metadata.PackageNotFoundError:
@@ -468,8 +562,11 @@ def minimal_child_env(environ: dict[str, str], secret_values: list[str]) -> dict
     env.update({name: value for name, value in environ.items() if name.startswith("SMOLVM_")})
     # A secret can hide inside another value (SMOLVM_EXTRA=prefix-<token>): any value or
     # name that contains one is dropped whole, however it is spelled around it.
-    return {name: value for name, value in env.items()
-            if not any(secret and (secret in value or secret in name) for secret in secret_values)}
+    return {
+        name: value
+        for name, value in env.items()
+        if not any(secret and (secret in value or secret in name) for secret in secret_values)
+    }
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -512,7 +609,9 @@ class MachineSpec:
     allow_hosts: list[str] = field(default_factory=list)
     allow_cidrs: list[str] = field(default_factory=list)
     ports: list[dict[str, int]] = field(default_factory=list)  # [{"guest", "host"?}]
-    mounts: list[dict[str, Any]] = field(default_factory=list)  # [{"source", "target", "readonly"?}]
+    mounts: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # [{"source", "target", "readonly"?}]
     storage_gb: int | None = None
     overlay_gb: int | None = None
     cmd: list[str] | None = None
@@ -585,7 +684,9 @@ JOB_STATE_FUNCTION = r"""st() {
 # $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints
 # "state code stdoutSize stderrSize n m", a newline, then n bytes of stdout and
 # m of stderr from the offsets; the budget is shared, neither side starves.
-JOB_READ_SCRIPT = JOB_STATE_FUNCTION + r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
+JOB_READ_SCRIPT = (
+    JOB_STATE_FUNCTION
+    + r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 s=$(st "$1")
 so=0; [ -f "$1/stdout" ] && so=$(wc -c <"$1/stdout")
 se=0; [ -f "$1/stderr" ] && se=$(wc -c <"$1/stderr")
@@ -599,6 +700,7 @@ echo "$s $so $se $n $m"
 [ "$m" -gt 0 ] && tail -c +$(($3 + 1)) "$1/stderr" | head -c "$m"
 exit 0
 """
+)
 # $1 job directory. Ends the job's process group (TERM, then KILL after 5 s); idempotent.
 JOB_CANCEL_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 [ -e "$1/exit" ] && exit 0
@@ -612,10 +714,13 @@ n=0; while [ ! -e "$1/exit" ] && [ "$n" -lt 30 ]; do sleep 0.1; n=$((n + 1)); do
 exit 0
 """
 # $1 the jobs directory: one "jobId state code" line per job, oldest first.
-JOB_LIST_SCRIPT = JOB_STATE_FUNCTION + r"""[ -d "$1" ] || exit 0
+JOB_LIST_SCRIPT = (
+    JOB_STATE_FUNCTION
+    + r"""[ -d "$1" ] || exit 0
 for d in $(ls -tr "$1"); do [ -s "$1/$d/pid" ] && echo "$d $(st "$1/$d")"; done
 exit 0
 """
+)
 
 
 @dataclass
@@ -629,8 +734,13 @@ class JobPage:
     sizes: tuple[int, int]  # bytes of stdout and stderr written so far
 
 
-def local_exec_body(argv: list[str], timeout_secs: int, workdir: str | None,
-                    env: dict[str, str] | None, stdin: str | None) -> dict:
+def local_exec_body(
+    argv: list[str],
+    timeout_secs: int,
+    workdir: str | None,
+    env: dict[str, str] | None,
+    stdin: str | None,
+) -> dict:
     """The local exec body. autoStart false: a stopped machine is reported,
     so the tool can say it started it."""
     body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
@@ -678,9 +788,11 @@ def local_job_page(name: str, job_id: str, data: bytes, offsets: tuple[int, int]
     )
 
 
-INSIDE_GUEST = ("The local target is unavailable inside a smol machine: there is no hypervisor "
-                "here to start a nested machine with. Use the cloud target, or run smol-mcp on "
-                "the host.")
+INSIDE_GUEST = (
+    "The local target is unavailable inside a smol machine: there is no hypervisor "
+    "here to start a nested machine with. Use the cloud target, or run smol-mcp on "
+    "the host."
+)
 
 
 class LocalFleet:
@@ -693,12 +805,16 @@ class LocalFleet:
     """
 
     name = "local"
-    served_as = ("local (smolvm on the host this server runs on, started on the first local call; "
-                 "nothing billed)")
-    instruction = ("- Local: the engine fetches a registry image on the host, so a pull needs "
-                   "no egress in the machine: do not open the network for it. mounts, "
-                   "overlayGb, cmd and pull-image are local only; branch-machine needs a Linux "
-                   "or macOS host.")
+    served_as = (
+        "local (smolvm on the host this server runs on, started on the first local call; "
+        "nothing billed)"
+    )
+    instruction = (
+        "- Local: the engine fetches a registry image on the host, so a pull needs "
+        "no egress in the machine: do not open the network for it. mounts, "
+        "overlayGb, cmd and pull-image are local only; branch-machine needs a Linux "
+        "or macOS host."
+    )
 
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
@@ -707,12 +823,14 @@ class LocalFleet:
     @classmethod
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
         smolvm = facts["smolvm"]
-        details = [f"smolvm: {smolvm['path'] or '(not found)'}"
-                   + (f", version {smolvm['version']}" if smolvm["version"] else "")
-                   + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""),
-                   f"hypervisor: {facts['hypervisor']['detail']}",
-                   f"serve: {facts['serve']}",
-                   describe_mount_roots(app.config)]
+        details = [
+            f"smolvm: {smolvm['path'] or '(not found)'}"
+            + (f", version {smolvm['version']}" if smolvm["version"] else "")
+            + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""),
+            f"hypervisor: {facts['hypervisor']['detail']}",
+            f"serve: {facts['serve']}",
+            describe_mount_roots(app.config),
+        ]
         lacking = not smolvm["path"] and not app.config.local_url
         return details, [ENGINE_ON_RAMP.format(script=Path(__file__).resolve())] if lacking else []
 
@@ -820,20 +938,32 @@ class LocalFleet:
                 health = self._health()
             except OSError as exc:
                 if self.config.local_url:
-                    raise SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url} ({exc.strerror or exc}); "
-                                    "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start its own") from None
-                raise SmolError(f"the smolvm serve stopped answering on {self._address} ({exc.strerror or exc}); its "
-                                f"log is {Path(self.config.runtime_dir) / 'serve.log'}") from None
+                    raise SmolError(
+                        f"nothing answers at SMOL_LOCAL_URL={self.config.local_url} "
+                        f"({exc.strerror or exc}); "
+                        "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start "
+                        "its own"
+                    ) from None
+                raise SmolError(
+                    f"the smolvm serve stopped answering on {self._address} "
+                    f"({exc.strerror or exc}); its "
+                    f"log is {Path(self.config.runtime_dir) / 'serve.log'}"
+                ) from None
             self.version = str(health.get("version", ""))
             if not self.config.local_url:
                 with bookkeeping(self.config.runtime_dir):
                     self._users_dir.mkdir(mode=0o700, exist_ok=True)
                     started = process_start_time(os.getpid())
                     (self._users_dir / str(os.getpid())).write_text(str(started or ""))
-            if self.config.min_smolvm and version_tuple(self.version) < version_tuple(self.config.min_smolvm):
-                raise SmolError(f"smolvm {self.version} is older than the minimum {self.config.min_smolvm} this server "
-                                "needs (older serves reject fields it sends). Upgrade smolvm, or set "
-                                "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check.")
+            if self.config.min_smolvm and version_tuple(self.version) < version_tuple(
+                self.config.min_smolvm
+            ):
+                raise SmolError(
+                    f"smolvm {self.version} is older than the minimum {self.config.min_smolvm} "
+                    "this server "
+                    "needs (older serves reject fields it sends). Upgrade smolvm, or set "
+                    "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check."
+                )
             self._ready = True
 
     def _answers(self) -> bool:
@@ -855,6 +985,7 @@ class LocalFleet:
         """Start the serve unless another smol-mcp process sharing the runtime
         directory is starting it right now: a file lock makes them take turns."""
         import fcntl
+
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
         with open(runtime_dir / "serve.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -901,13 +1032,19 @@ class LocalFleet:
     def _start_serve(self) -> None:
         binary = self.smolvm_path()
         if binary is None:
-            raise SmolError(f"smolvm was not found (looked for {self.config.smolvm!r} on PATH). Install smolvm, set "
-                            "SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve.")
+            raise SmolError(
+                f"smolvm was not found (looked for {self.config.smolvm!r} on PATH). Install "
+                "smolvm, set "
+                "SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve."
+            )
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
         socket_path = Path(self._address)
         if len(str(socket_path).encode()) > 100:
-            raise SmolError(f"the socket path {socket_path} is too long for a Unix socket; set SMOL_MCP_RUNTIME_DIR "
-                            "to a shorter directory")
+            raise SmolError(
+                f"the socket path {socket_path} is too long for a Unix socket; set "
+                "SMOL_MCP_RUNTIME_DIR "
+                "to a shorter directory"
+            )
         socket_path.unlink(missing_ok=True)
         log_path = runtime_dir / "serve.log"
         env = minimal_child_env(self.environ, self.config.secret_values())
@@ -915,8 +1052,13 @@ class LocalFleet:
             log_start = log_file.tell()
             self._process = subprocess.Popen(
                 [binary, "serve", "start", "--listen", str(socket_path)],
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, env=env,
-                start_new_session=True, close_fds=True)
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+            )
         log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
         with bookkeeping(self.config.runtime_dir):
             (runtime_dir / "serve.pid").write_text(str(self._process.pid))
@@ -926,15 +1068,21 @@ class LocalFleet:
                 output = _read_from(log_path, log_start)
                 self._process = None
                 if "Address already in use" in output:
-                    raise SmolError(f"smolvm serve could not start: {_last_line(output)}. {ADDRESS_IN_USE_HINT}")
-                raise SmolError(f"smolvm serve exited at once: {_last_line(output) or 'no output'} "
-                                f"(its log is {log_path})")
+                    raise SmolError(
+                        f"smolvm serve could not start: {_last_line(output)}. {ADDRESS_IN_USE_HINT}"
+                    )
+                raise SmolError(
+                    f"smolvm serve exited at once: {_last_line(output) or 'no output'} "
+                    f"(its log is {log_path})"
+                )
             if self._answers():
                 return
             time.sleep(0.05)
         self.stop_serve()
-        raise SmolError(f"smolvm serve did not answer within {self.config.serve_start_timeout_secs} s "
-                        f"(serveStartTimeoutSecs); its log is {log_path}")
+        raise SmolError(
+            f"smolvm serve did not answer within {self.config.serve_start_timeout_secs} s "
+            f"(serveStartTimeoutSecs); its log is {log_path}"
+        )
 
     # -- HTTP --------------------------------------------------------------
 
@@ -958,8 +1106,16 @@ class LocalFleet:
             conn.sock.settimeout(timeout)
         return conn
 
-    def _raw_request(self, method: str, path: str, body: bytes | None = None, *, content_type: str | None = None,
-                     timeout: float = 30, read: Callable | None = None) -> tuple[int, str, Any]:
+    def _raw_request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        *,
+        content_type: str | None = None,
+        timeout: float = 30,
+        read: Callable | None = None,
+    ) -> tuple[int, str, Any]:
         """Send one request on the pooled connection; ``read`` consumes a 200
         answer itself (for answers too large to hold whole)."""
         conn = self._pooled(timeout)
@@ -968,7 +1124,9 @@ class LocalFleet:
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             ctype = response.getheader("Content-Type", "")
-            value = read(response) if read is not None and response.status == 200 else response.read()
+            value = (
+                read(response) if read is not None and response.status == 200 else response.read()
+            )
             return response.status, ctype, value
         except BaseException:
             conn.close()  # half-used: never hand it to the next call
@@ -988,8 +1146,17 @@ class LocalFleet:
                     raise self._busy_error(self._live_serve_pid()) from None
                 time.sleep(0.2)
 
-    def request(self, action: str, method: str, path: str, payload: Any = None, *, raw: bytes | None = None,
-                timeout: float = 30, read: Callable | None = None) -> Any:
+    def request(
+        self,
+        action: str,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        raw: bytes | None = None,
+        timeout: float = 30,
+        read: Callable | None = None,
+    ) -> Any:
         """One API call. Returns the parsed JSON body (or bytes for a raw
         response, or what ``read`` made of a 200); raises ApiError with the
         API's own message on a refusal. A serve that stopped answering is
@@ -1001,20 +1168,33 @@ class LocalFleet:
             body, content_type = raw, "application/octet-stream"
         else:
             body, content_type = None, None
-        send = functools.partial(self._raw_request, method, path, body, content_type=content_type, timeout=timeout,
-                                 read=read)
+        send = functools.partial(
+            self._raw_request,
+            method,
+            path,
+            body,
+            content_type=content_type,
+            timeout=timeout,
+            read=read,
+        )
         try:
             status, ctype, data = self._send_when_accepted(send)
         except (ConnectionRefusedError, FileNotFoundError):
             # The connection never opened, so the request was not received: safe to resend.
             self._ready = False
             if self.config.local_url:
-                raise SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}; start the serve there, "
-                                "or unset SMOL_LOCAL_URL to let smol-mcp start its own") from None
+                raise SmolError(
+                    f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}; start the serve "
+                    "there, "
+                    "or unset SMOL_LOCAL_URL to let smol-mcp start its own"
+                ) from None
             self.ensure_serve()
             status, ctype, data = send()
-        except socket.timeout:
-            raise SmolError(f"the local machine API did not answer within {timeout:.0f} s while trying to {action}") from None
+        except TimeoutError:
+            raise SmolError(
+                f"the local machine API did not answer within {timeout:.0f} s while trying to "
+                f"{action}"
+            ) from None
         except (OSError, http.client.HTTPException) as exc:
             self._ready = False
             raise serve_dropped(action, exc) from None
@@ -1029,27 +1209,45 @@ class LocalFleet:
     # -- machines (normalised) ---------------------------------------------
 
     def list_machines(self) -> list[dict]:
-        return [local_record(m) for m in self.request("list machines", "GET", "/api/v1/machines")["machines"]]
+        return [
+            local_record(m)
+            for m in self.request("list machines", "GET", "/api/v1/machines")["machines"]
+        ]
 
     def get_machine(self, name: str) -> dict:
-        return local_record(self.request(f"get machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}"))
+        return local_record(
+            self.request(f"get machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}")
+        )
 
     def machine_state(self, name: str) -> str:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        body: dict[str, Any] = {"name": spec.name, "image": spec.image, "cpus": spec.cpus, "memoryMb": spec.memory_mb,
-                                "network": spec.network == "open"}
+        body: dict[str, Any] = {
+            "name": spec.name,
+            "image": spec.image,
+            "cpus": spec.cpus,
+            "memoryMb": spec.memory_mb,
+            "network": spec.network == "open",
+        }
         if spec.allow_hosts:
             body["allowedHosts"] = spec.allow_hosts
         if spec.allow_cidrs:
             body["allowedCidrs"] = spec.allow_cidrs
         if spec.ports:
-            body["ports"] = [{"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports]
+            body["ports"] = [
+                {"host": p.get("host") or free_loopback_port(), "guest": p["guest"]}
+                for p in spec.ports
+            ]
         if spec.mounts:
-            body["mounts"] = [{"source": m["source"], "target": m["target"],
-                               "readonly": m.get("readonly", True) is not False}
-                              for m in spec.mounts]
+            body["mounts"] = [
+                {
+                    "source": m["source"],
+                    "target": m["target"],
+                    "readonly": m.get("readonly", True) is not False,
+                }
+                for m in spec.mounts
+            ]
         if spec.storage_gb is not None:
             body["storageGb"] = spec.storage_gb
         if spec.overlay_gb is not None:
@@ -1058,24 +1256,45 @@ class LocalFleet:
             body["cmd"] = spec.cmd
         if spec.env:
             body["env"] = [{"name": k, "value": v} for k, v in spec.env.items()]
-        return local_record(self.request(f"create machine '{spec.name}'", "POST", "/api/v1/machines", body))
+        return local_record(
+            self.request(f"create machine '{spec.name}'", "POST", "/api/v1/machines", body)
+        )
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
         # Branchability is a start option locally (a create field on cloud).
         query = "?branchable=true" if branchable else ""
-        return local_record(self.request(f"start machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/start{query}",
-                                         timeout=self.config.ready_timeout_secs + 60))
+        return local_record(
+            self.request(
+                f"start machine '{name}'",
+                "POST",
+                f"/api/v1/machines/{_q(name)}/start{query}",
+                timeout=self.config.ready_timeout_secs + 60,
+            )
+        )
 
     def stop_machine(self, name: str) -> dict:
-        return local_record(self.request(f"stop machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/stop",
-                                         timeout=360))
+        return local_record(
+            self.request(
+                f"stop machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/stop", timeout=360
+            )
+        )
 
     def delete_machine(self, name: str) -> dict:
-        self.request(f"delete machine '{name}'", "DELETE", f"/api/v1/machines/{_q(name)}", timeout=120)
+        self.request(
+            f"delete machine '{name}'", "DELETE", f"/api/v1/machines/{_q(name)}", timeout=120
+        )
         return {"deleted": name}
 
-    def exec(self, name: str, argv: list[str], *, timeout_secs: int, workdir: str | None = None,
-             env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
+    def exec(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult:
         """Run a command in a running machine; NotRunning if it is not running.
         (The engine would boot it itself, but then nobody could report that it did.)"""
         body = local_exec_body(argv, timeout_secs, workdir, env, stdin)
@@ -1083,17 +1302,30 @@ class LocalFleet:
         try:
             # The HTTP wait outlives the command's own timeout so the guest, not the
             # socket, decides.
-            data = self.request(f"run a command in machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/exec",
-                                body, timeout=timeout_secs + 30, read=read_exec_answer)
+            data = self.request(
+                f"run a command in machine '{name}'",
+                "POST",
+                f"/api/v1/machines/{_q(name)}/exec",
+                body,
+                timeout=timeout_secs + 30,
+                read=read_exec_answer,
+            )
         except ApiError as err:
             if err.status == 409 and "not running" in err.api_message:
                 raise NotRunning(f"machine '{name}' is not running") from None
             raise
         except ValueError as err:
-            raise SmolError(f"the local serve answered a command in machine '{name}' with a body this server could "
-                            f"not read ({err})") from None
-        return ExecResult(exit_code=int(data["exitCode"]), stdout=data["stdoutB64"], stderr=data["stderrB64"],
-                          seconds=time.monotonic() - started)
+            raise SmolError(
+                f"the local serve answered a command in machine '{name}' with a body this server "
+                "could "
+                f"not read ({err})"
+            ) from None
+        return ExecResult(
+            exit_code=int(data["exitCode"]),
+            stdout=data["stdoutB64"],
+            stderr=data["stderrB64"],
+            seconds=time.monotonic() - started,
+        )
 
     def exec_stream(
         self,
@@ -1188,7 +1420,7 @@ class LocalFleet:
         helper_output(name, f"start job {job_id}", result)
         return {"jobId": job_id, "state": "running"}
 
-    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> "JobPage":
+    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
         data = self.exec_helper(
             name,
             f"read job {job_id}",
@@ -1227,8 +1459,10 @@ class LocalFleet:
             self.exec(name, READY_PROBE, timeout_secs=10)
             return None
         except NotRunning:
-            raise SmolError(f"machine '{name}' stopped while waiting for its guest to answer; its log "
-                            "(machine-logs) may say why") from None
+            raise SmolError(
+                f"machine '{name}' stopped while waiting for its guest to answer; its log "
+                "(machine-logs) may say why"
+            ) from None
         except ApiError as err:
             if err.status in (400, 404):
                 raise
@@ -1241,8 +1475,11 @@ class LocalFleet:
         falls back to streaming the file and keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
             try:
-                result = self.exec(name, ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)],
-                                   timeout_secs=120)
+                result = self.exec(
+                    name,
+                    ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)],
+                    timeout_secs=120,
+                )
                 size_line, newline, data = bytes(result.stdout).partition(b"\n")
                 if result.exit_code == 0 and newline and size_line.strip().isdigit():
                     return FilePage(data=data, size=int(size_line))
@@ -1256,15 +1493,24 @@ class LocalFleet:
         conn = self._connection(timeout=self.config.ready_timeout_secs + 60)
         try:
             return self._read_page(conn, action, name, path, offset, length)
-        except socket.timeout:
-            raise SmolError(f"the local machine API stopped answering while trying to {action}") from None
+        except TimeoutError:
+            raise SmolError(
+                f"the local machine API stopped answering while trying to {action}"
+            ) from None
         except (OSError, http.client.HTTPException) as exc:
             raise serve_dropped(action, exc) from None
         finally:
             conn.close()
 
-    def _read_page(self, conn: http.client.HTTPConnection, action: str, name: str, path: str, offset: int,
-                   length: int) -> FilePage:
+    def _read_page(
+        self,
+        conn: http.client.HTTPConnection,
+        action: str,
+        name: str,
+        path: str,
+        offset: int,
+        length: int,
+    ) -> FilePage:
         conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}")
         response = conn.getresponse()
         ctype = response.getheader("Content-Type", "")
@@ -1273,8 +1519,10 @@ class LocalFleet:
         if "application/json" in ctype:
             listing = json.loads(response.read() or b"{}")
             names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
-            raise SmolError(f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
-                            "Pass the path of a file inside it.")
+            raise SmolError(
+                f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
+                "Pass the path of a file inside it."
+            )
         size = int(response.getheader("Content-Length") or -1)
         skipped = 0
         while skipped < offset:
@@ -1291,17 +1539,23 @@ class LocalFleet:
         return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
-        answer = self.request(f"write {path} in machine '{name}'", "PUT",
-                              f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
-                              raw=data,
-                              timeout=120 + len(data) / (1 << 20))
+        answer = self.request(
+            f"write {path} in machine '{name}'",
+            "PUT",
+            f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
+            raw=data,
+            timeout=120 + len(data) / (1 << 20),
+        )
         return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
 
     def console_lines(self, name: str) -> list[str]:
         """Every line of the guest console log (the API streams it as SSE)."""
         try:
-            data = self.request(f"read the log of machine '{name}'", "GET",
-                                f"/api/v1/machines/{_q(name)}/logs?source=console")
+            data = self.request(
+                f"read the log of machine '{name}'",
+                "GET",
+                f"/api/v1/machines/{_q(name)}/logs?source=console",
+            )
         except ApiError as err:
             if err.status == 404 and "no logs yet" in err.api_message:
                 return []  # never started: nothing logged yet, which is an answer, not a failure
@@ -1309,9 +1563,15 @@ class LocalFleet:
         return parse_sse_lines(data if isinstance(data, bytes) else json.dumps(data).encode())
 
     def branch_machine(self, name: str, child: str) -> dict:
-        return local_record(self.request(f"branch machine '{name}' into '{child}'", "POST",
-                                         f"/api/v1/machines/{_q(name)}/branches", {"name": child},
-                                         timeout=self.config.ready_timeout_secs + 60))
+        return local_record(
+            self.request(
+                f"branch machine '{name}' into '{child}'",
+                "POST",
+                f"/api/v1/machines/{_q(name)}/branches",
+                {"name": child},
+                timeout=self.config.ready_timeout_secs + 60,
+            )
+        )
 
     # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
 
@@ -1346,8 +1606,13 @@ class LocalFleet:
         return local_record(info), egress_lists(info)
 
     def pull_image(self, name: str, image: str) -> dict:
-        answer = self.request(f"pull {image} into machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/images/pull",
-                              {"image": image}, timeout=self.config.max_exec_timeout_secs + 60)
+        answer = self.request(
+            f"pull {image} into machine '{name}'",
+            "POST",
+            f"/api/v1/machines/{_q(name)}/images/pull",
+            {"image": image},
+            timeout=self.config.max_exec_timeout_secs + 60,
+        )
         return answer.get("image", answer)
 
 
@@ -1373,13 +1638,21 @@ LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
     ("GET", "/api/v1/machines/{name}/egress-events"): None,
     ("GET", "/capacity"): "host scheduling numbers; no tool reports capacity",
     ("GET", "/api/v1/machines/{id}/images"): "no tool lists a machine's images",
-    ("POST", "/api/v1/machines/{id}/run"): "running another image on an overlay is not in the tool vocabulary",
+    (
+        "POST",
+        "/api/v1/machines/{id}/run",
+    ): "running another image on an overlay is not in the tool vocabulary",
     ("POST", "/api/v1/machines/{name}/fork"): "the legacy name of branches",
-    ("POST", "/api/v1/machines/{name}/fork-release"): "branch pools; this server has no pool vocabulary",
+    (
+        "POST",
+        "/api/v1/machines/{name}/fork-release",
+    ): "branch pools; this server has no pool vocabulary",
     ("POST", "/api/v1/machines/{name}/pause"): "no tool pauses or resumes a machine",
     ("POST", "/api/v1/machines/{name}/resume"): "no tool pauses or resumes a machine",
-    ("POST", "/api/v1/machines/{name}/export"): "needs a pushToken minted by the control plane, which a local user "
-                                                "cannot produce",
+    (
+        "POST",
+        "/api/v1/machines/{name}/export",
+    ): "needs a pushToken minted by the control plane, which a local user cannot produce",
     ("POST", "/api/v1/machines/{name}/resize"): "no tool grows a machine after it exists",
     ("POST", "/api/v1/machines/{name}/sync"): "mounts are a create-time argument",
     ("GET", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
@@ -1390,40 +1663,72 @@ LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
     ("PUT", "/api/v1/machines/{name}/credential-values"): "credential bindings are not used",
     ("POST", "/api/v1/machines/{name}/cache-disk/publish"): "cache disks are not used",
     ("DELETE", "/api/v1/cache-bases/{base}"): "cache disks are not used",
-    **{(method, path): "fork pools and leases are a fleet surface, not an agent one" for method, path in (
-        ("GET", "/api/v1/pools"), ("POST", "/api/v1/pools"), ("GET", "/api/v1/pools/{name}"),
-        ("DELETE", "/api/v1/pools/{name}"), ("PUT", "/api/v1/pools/{name}/size"),
-        ("POST", "/api/v1/pools/{name}/leases"), ("POST", "/api/v1/pools/{name}/lease-batches"),
-        ("GET", "/api/v1/pools/{name}/leases/{lease}"), ("POST", "/api/v1/pools/{name}/leases/{lease}/heartbeat"),
-        ("POST", "/api/v1/pools/{name}/leases/{lease}/complete"))},
-    **{(method, path): "RL rollout executors are a batch surface, not an agent one" for method, path in (
-        ("GET", "/api/v1/rollout-executors"), ("POST", "/api/v1/rollout-executors"),
-        ("GET", "/api/v1/rollout-executors/{name}"), ("DELETE", "/api/v1/rollout-executors/{name}"),
-        ("POST", "/api/v1/rollout-executors/{name}/generate"), ("POST", "/api/v1/rollout-executors/{name}/batches"),
-        ("POST", "/api/v1/rollout-executors/{name}/policies"),
-        ("POST", "/api/v1/rollout-executors/{name}/device-policies"),
-        ("DELETE", "/api/v1/rollout-executors/{name}/policies/{policy}/{version}"))},
+    **{
+        (method, path): "fork pools and leases are a fleet surface, not an agent one"
+        for method, path in (
+            ("GET", "/api/v1/pools"),
+            ("POST", "/api/v1/pools"),
+            ("GET", "/api/v1/pools/{name}"),
+            ("DELETE", "/api/v1/pools/{name}"),
+            ("PUT", "/api/v1/pools/{name}/size"),
+            ("POST", "/api/v1/pools/{name}/leases"),
+            ("POST", "/api/v1/pools/{name}/lease-batches"),
+            ("GET", "/api/v1/pools/{name}/leases/{lease}"),
+            ("POST", "/api/v1/pools/{name}/leases/{lease}/heartbeat"),
+            ("POST", "/api/v1/pools/{name}/leases/{lease}/complete"),
+        )
+    },
+    **{
+        (method, path): "RL rollout executors are a batch surface, not an agent one"
+        for method, path in (
+            ("GET", "/api/v1/rollout-executors"),
+            ("POST", "/api/v1/rollout-executors"),
+            ("GET", "/api/v1/rollout-executors/{name}"),
+            ("DELETE", "/api/v1/rollout-executors/{name}"),
+            ("POST", "/api/v1/rollout-executors/{name}/generate"),
+            ("POST", "/api/v1/rollout-executors/{name}/batches"),
+            ("POST", "/api/v1/rollout-executors/{name}/policies"),
+            ("POST", "/api/v1/rollout-executors/{name}/device-policies"),
+            ("DELETE", "/api/v1/rollout-executors/{name}/policies/{policy}/{version}"),
+        )
+    },
 }
 
 
 def parity_report(spec: dict) -> dict[str, list]:
     """Compare the serve's OpenAPI with LOCAL_ROUTES: what we call, what we
     skip and why, what is new (unknown) and what we call but it lacks (missing)."""
-    offered = {(method.upper(), path) for path, operations in spec.get("paths", {}).items()
-               for method in operations if method.lower() in ("get", "post", "put", "delete", "patch")}
+    offered = {
+        (method.upper(), path)
+        for path, operations in spec.get("paths", {}).items()
+        for method in operations
+        if method.lower() in ("get", "post", "put", "delete", "patch")
+    }
     return {
-        "called": sorted(route for route, reason in LOCAL_ROUTES.items() if reason is None and route in offered),
-        "skipped": sorted((route, reason) for route, reason in LOCAL_ROUTES.items()
-                          if reason is not None and route in offered),
+        "called": sorted(
+            route for route, reason in LOCAL_ROUTES.items() if reason is None and route in offered
+        ),
+        "skipped": sorted(
+            (route, reason)
+            for route, reason in LOCAL_ROUTES.items()
+            if reason is not None and route in offered
+        ),
         "unknown": sorted(offered - set(LOCAL_ROUTES)),
-        "missing": sorted(route for route, reason in LOCAL_ROUTES.items() if reason is None and route not in offered),
+        "missing": sorted(
+            route
+            for route, reason in LOCAL_ROUTES.items()
+            if reason is None and route not in offered
+        ),
     }
 
 
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
-    return SmolError(f"the local serve closed the connection while trying to {action} ({type(exc).__name__}); it may "
-                     "have stopped or restarted. Check the machine with get-machine before trying again.")
+    return SmolError(
+        f"the local serve closed the connection while trying to {action} ({type(exc).__name__}); "
+        "it may "
+        "have stopped or restarted. Check the machine with get-machine before trying again."
+    )
 
 
 def api_error(fleet: str, action: str, status: int, content_type: str, data: bytes) -> ApiError:
@@ -1439,7 +1744,11 @@ def api_error(fleet: str, action: str, status: int, content_type: str, data: byt
             pass
     text = ANSI_ESCAPE_RE.sub("", text)  # engine log lines carry terminal colours into messages
     if not text:
-        text = "no such route on this serve (it may be older than this server expects)" if status == 404 else "no message"
+        text = (
+            "no such route on this serve (it may be older than this server expects)"
+            if status == 404
+            else "no message"
+        )
     return ApiError(fleet, action, status, code, text)
 
 
@@ -1553,6 +1862,7 @@ def peer_closed(sock: socket.socket) -> bool:
     """Whether an idle kept-alive socket was closed by the other end (it then
     reads as ready, with nothing to read)."""
     import select
+
     readable, _, _ = select.select([sock], [], [], 0)
     return bool(readable)
 
@@ -1569,7 +1879,7 @@ class JsonStream:
 
     def _fill(self) -> bool:
         if self.pos > self.CHUNK:  # drop what was consumed, so the buffer stays a chunk or two
-            del self.buf[:self.pos]
+            del self.buf[: self.pos]
             self.pos = 0
         chunk = self.stream.read(self.CHUNK)
         self.buf += chunk
@@ -1582,7 +1892,7 @@ class JsonStream:
                 self.pos += 1
             if self.pos < len(self.buf):
                 self.pos += 1
-                return bytes(self.buf[self.pos - 1:self.pos])
+                return bytes(self.buf[self.pos - 1 : self.pos])
             if not self._fill():
                 raise ValueError("the answer ended early")
 
@@ -1593,7 +1903,7 @@ class JsonStream:
             found = self.SPECIAL.search(self.buf, self.pos)
             if found is None:
                 if sink is not None:
-                    sink(bytes(self.buf[self.pos:]))
+                    sink(bytes(self.buf[self.pos :]))
                 self.pos = len(self.buf)
                 if not self._fill():
                     raise ValueError("a string did not end")
@@ -1606,11 +1916,11 @@ class JsonStream:
                         raise ValueError("a string did not end")
                     end -= consumed - self.pos  # _fill may have dropped the consumed part
                 if sink is not None:
-                    sink(bytes(self.buf[self.pos:end + 2]))
+                    sink(bytes(self.buf[self.pos : end + 2]))
                 self.pos = end + 2
                 continue
             if sink is not None:
-                sink(bytes(self.buf[self.pos:end]))
+                sink(bytes(self.buf[self.pos : end]))
             self.pos = end + 1
             return
 
@@ -1622,14 +1932,14 @@ class JsonStream:
         while True:
             quote = self.buf.find(b'"', self.pos)
             if quote < 0:
-                rest = bytes(self.buf[self.pos:])
+                rest = bytes(self.buf[self.pos :])
                 run = len(rest) - len(rest.rstrip(b"\\"))
                 carried = run + carried if run == len(rest) else run
                 self.pos = len(self.buf)
                 if not self._fill():
                     raise ValueError("a string did not end")
                 continue
-            before = bytes(self.buf[self.pos:quote])
+            before = bytes(self.buf[self.pos : quote])
             run = len(before) - len(before.rstrip(b"\\"))
             if run == len(before):
                 run += carried
@@ -1721,7 +2031,9 @@ def _read_from(path: Path, offset: int) -> str:
 
 
 def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("note:")]
+    lines = [
+        line.strip() for line in text.splitlines() if line.strip() and not line.startswith("note:")
+    ]
     return lines[-1] if lines else ""
 
 
@@ -1749,13 +2061,19 @@ CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$
 CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
 
 
-CLOUD_LOCAL_ONLY_ARGUMENT = ('"{argument}" is local only: the cloud fleet has no host directories, '
-                             "overlay disk or workload command to set; leave it out for a cloud "
-                             "machine")
-CLOUD_NO_HOST_PORT = ('"ports[].host" is local only: the cloud control plane picks the host port; '
-                      "pass only the guest port")
-CLOUD_NO_PULL = ("pull-image is local only: the cloud control plane pulls a machine's image itself "
-                 "when the machine is created")
+CLOUD_LOCAL_ONLY_ARGUMENT = (
+    '"{argument}" is local only: the cloud fleet has no host directories, '
+    "overlay disk or workload command to set; leave it out for a cloud "
+    "machine"
+)
+CLOUD_NO_HOST_PORT = (
+    '"ports[].host" is local only: the cloud control plane picks the host port; '
+    "pass only the guest port"
+)
+CLOUD_NO_PULL = (
+    "pull-image is local only: the cloud control plane pulls a machine's image itself "
+    "when the machine is created"
+)
 
 
 class CloudFleet:
@@ -1764,9 +2082,11 @@ class CloudFleet:
 
     name = "cloud"
     served_as = "cloud (the smol cloud account; machines are billed while they exist)"
-    instruction = ("- Cloud: a command, read or write in a stopped machine starts it "
-                   "(startedMachine: true) and leaves it running; published ports need open "
-                   "egress; delete-machine returns the settled usage.")
+    instruction = (
+        "- Cloud: a command, read or write in a stopped machine starts it "
+        "(startedMachine: true) and leaves it running; published ports need open "
+        "egress; delete-machine returns the settled usage."
+    )
 
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
@@ -1784,10 +2104,16 @@ class CloudFleet:
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         import httpx2
+
         self.config = config
         self._client = httpx2.Client(
-            base_url=config.cloud_url.rstrip("/"), timeout=CLOUD_TIMEOUT_SECS,
-            headers={"Authorization": f"Bearer {config.cloud_token}", "User-Agent": f"smol-mcp/{__version__}"})
+            base_url=config.cloud_url.rstrip("/"),
+            timeout=CLOUD_TIMEOUT_SECS,
+            headers={
+                "Authorization": f"Bearer {config.cloud_token}",
+                "User-Agent": f"smol-mcp/{__version__}",
+            },
+        )
         self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
 
     def acquire(self) -> None:
@@ -1798,30 +2124,55 @@ class CloudFleet:
 
     # -- HTTP --------------------------------------------------------------
 
-    def request(self, action: str, method: str, path: str, payload: Any = None, *, raw: bytes | None = None,
-                params: dict | None = None, timeout: float = CLOUD_TIMEOUT_SECS,
-                expect: type | tuple[type, ...] | None = dict) -> Any:
+    def request(
+        self,
+        action: str,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        raw: bytes | None = None,
+        params: dict | None = None,
+        timeout: float = CLOUD_TIMEOUT_SECS,
+        expect: type | tuple[type, ...] | None = dict,
+    ) -> Any:
         """One call with retries where they are safe: 429 always (it never ran),
         the other retryable statuses only for idempotent methods. ``expect`` is
         the JSON shape a success must have (None: any body, JSON or bytes); any
         other answer is the service's fault and says so (cloud_answer)."""
         import httpx2
+
         if not self.config.cloud_token:
-            raise SmolError("the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
-                            "config file)")
+            raise SmolError(
+                "the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
+                "config file)"
+            )
         attempt = 0
         while True:
             try:
                 response = self._client.request(
-                    method, path, json=payload, content=raw, params=params, timeout=timeout,
-                    headers={"Content-Type": "application/octet-stream"} if raw is not None else None)
+                    method,
+                    path,
+                    json=payload,
+                    content=raw,
+                    params=params,
+                    timeout=timeout,
+                    headers={"Content-Type": "application/octet-stream"}
+                    if raw is not None
+                    else None,
+                )
             except httpx2.TimeoutException:
-                raise SmolError(f"the cloud API did not answer within {timeout:.0f} s while trying to {action}") from None
+                raise SmolError(
+                    f"the cloud API did not answer within {timeout:.0f} s while trying to {action}"
+                ) from None
             except httpx2.TransportError as exc:
-                raise SmolError(f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
-                                f"{redact(str(exc), self.config.secret_values()) or type(exc).__name__}") from None
+                raise SmolError(
+                    f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
+                    f"{redact(str(exc), self.config.secret_values()) or type(exc).__name__}"
+                ) from None
             retryable = response.status_code == 429 or (
-                response.status_code in CLOUD_RETRY_STATUSES and method in ("GET", "PUT", "DELETE"))
+                response.status_code in CLOUD_RETRY_STATUSES and method in ("GET", "PUT", "DELETE")
+            )
             if retryable and attempt < 3:
                 attempt += 1
                 delay = _retry_after(response)
@@ -1829,10 +2180,15 @@ class CloudFleet:
                     raise SmolError(
                         f"the cloud API is busy (HTTP {response.status_code}) and asks to wait "
                         f"{delay:.0f} s before trying to {action} again, longer than this server "
-                        f"waits ({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later")
-                delay = 0.5 * 2 ** attempt if delay is None else delay
-                log.info("the cloud API answered HTTP %d to %s: trying again in %.1f s",
-                         response.status_code, action, delay)
+                        f"waits ({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later"
+                    )
+                delay = 0.5 * 2**attempt if delay is None else delay
+                log.info(
+                    "the cloud API answered HTTP %d to %s: trying again in %.1f s",
+                    response.status_code,
+                    action,
+                    delay,
+                )
                 time.sleep(delay)
                 continue
             break
@@ -1847,17 +2203,25 @@ class CloudFleet:
         for record in self._list_raw():
             if record.get("name") == name or record.get("id") == name:
                 return record
-        raise ApiError(self.name, f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found")
+        raise ApiError(
+            self.name, f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found"
+        )
 
     def _list_raw(self) -> list[dict]:
         answer = self.request("list machines", "GET", "/v1/machines", expect=(dict, list))
         # The official client accepts either shape; the service has sent a bare array.
         machines = answer.get("machines", []) if isinstance(answer, dict) else answer
-        if not isinstance(machines, list) or not all(isinstance(m, dict) and "id" in m
-                                                     for m in machines):
-            raise bad_cloud_answer("list machines", 200, "application/json",
-                                   json.dumps(answer).encode(), "not a list of machine records",
-                                   self.config.secret_values())
+        if not isinstance(machines, list) or not all(
+            isinstance(m, dict) and "id" in m for m in machines
+        ):
+            raise bad_cloud_answer(
+                "list machines",
+                200,
+                "application/json",
+                json.dumps(answer).encode(),
+                "not a list of machine records",
+                self.config.secret_values(),
+            )
         return machines
 
     def list_machines(self) -> list[dict]:
@@ -1870,15 +2234,22 @@ class CloudFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        for argument, given in (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb), ("cmd", spec.cmd)):
+        for argument, given in (
+            ("mounts", spec.mounts),
+            ("overlayGb", spec.overlay_gb),
+            ("cmd", spec.cmd),
+        ):
             if given:
                 raise ArgumentError(CLOUD_LOCAL_ONLY_ARGUMENT.format(argument=argument))
         if any(port.get("host") for port in spec.ports):
             raise ArgumentError(CLOUD_NO_HOST_PORT)
         open_egress = spec.network == "open" or spec.allow_hosts or spec.allow_cidrs
         if spec.ports and not open_egress:
-            raise ArgumentError('a cloud machine that publishes ports cannot also block egress; pass network: "open" '
-                                "(or an allow-list) with ports, or leave the ports out")
+            raise ArgumentError(
+                "a cloud machine that publishes ports cannot also block egress; pass network: "
+                '"open" '
+                "(or an allow-list) with ports, or leave the ports out"
+            )
         body: dict[str, Any] = {
             "name": spec.name,
             "source": {"type": "image", "reference": spec.image},
@@ -1896,10 +2267,17 @@ class CloudFleet:
         try:
             return cloud_record(self.request(action, "POST", "/v1/machines", body))
         except ApiError as err:
-            if body["network"] is not CLOUD_BLOCKED or err.status not in (400, 422) or "blocked" not in err.api_message:
+            if (
+                body["network"] is not CLOUD_BLOCKED
+                or err.status not in (400, 422)
+                or "blocked" not in err.api_message
+            ):
                 raise
         # This service predates the "blocked" spelling: deny with the allow-list form from now on.
-        log.info("the cloud API refused network mode \"blocked\"; denying egress with an allow-list of 192.0.2.0/24")
+        log.info(
+            'the cloud API refused network mode "blocked"; denying egress with an allow-list of '
+            "192.0.2.0/24"
+        )
         self._blocked = body["network"] = CLOUD_BLOCKED_FALLBACK
         return cloud_record(self.request(action, "POST", "/v1/machines", body))
 
@@ -1913,53 +2291,118 @@ class CloudFleet:
         record = self._find(name)
         # The official client repeats branchability on the first start of a branch source.
         params = {"forkable": "true"} if branchable else None
-        self.request(f"start machine '{name}'", "POST", f"/v1/machines/{record['id']}/start", params=params,
-                     timeout=self.config.ready_timeout_secs + 60, expect=None)
-        return cloud_record(self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}"))
+        self.request(
+            f"start machine '{name}'",
+            "POST",
+            f"/v1/machines/{record['id']}/start",
+            params=params,
+            timeout=self.config.ready_timeout_secs + 60,
+            expect=None,
+        )
+        return cloud_record(
+            self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}")
+        )
 
     def stop_machine(self, name: str) -> dict:
         record = self._find(name)
-        self.request(f"stop machine '{name}'", "POST", f"/v1/machines/{record['id']}/stop",
-                     timeout=360, expect=None)
-        return cloud_record(self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}"))
+        self.request(
+            f"stop machine '{name}'",
+            "POST",
+            f"/v1/machines/{record['id']}/stop",
+            timeout=360,
+            expect=None,
+        )
+        return cloud_record(
+            self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}")
+        )
 
     def delete_machine(self, name: str) -> dict:
         """Delete and return the settled bill, which the service computes at teardown."""
         record = self._find(name)
-        usage = self.request(f"delete machine '{name}'", "DELETE", f"/v1/machines/{record['id']}",
-                             params={"includeUsage": "true"}, timeout=120, expect=None)
+        usage = self.request(
+            f"delete machine '{name}'",
+            "DELETE",
+            f"/v1/machines/{record['id']}",
+            params={"includeUsage": "true"},
+            timeout=120,
+            expect=None,
+        )
         return {"deleted": name, **({"usage": usage} if isinstance(usage, dict) else {})}
 
-    def _exec(self, machine_id: str, name: str, argv: list[str], timeout_secs: int, workdir: str | None = None,
-              env: dict[str, str] | None = None, stdin: str | None = None) -> tuple[dict, float]:
+    def _exec(
+        self,
+        machine_id: str,
+        name: str,
+        argv: list[str],
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> tuple[dict, float]:
         body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
         started = time.monotonic()
         action = f"run a command in machine '{name}'"
-        answer = self.request(action, "POST", f"/v1/machines/{machine_id}/exec", body,
-                              timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30))
+        answer = self.request(
+            action,
+            "POST",
+            f"/v1/machines/{machine_id}/exec",
+            body,
+            timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30),
+        )
         if isinstance(answer.get("exitCode"), bool) or not isinstance(answer.get("exitCode"), int):
-            raise bad_cloud_answer(action, 200, "application/json", json.dumps(answer).encode(),
-                                   "no whole-number exitCode", self.config.secret_values())
+            raise bad_cloud_answer(
+                action,
+                200,
+                "application/json",
+                json.dumps(answer).encode(),
+                "no whole-number exitCode",
+                self.config.secret_values(),
+            )
         return answer, time.monotonic() - started
 
-    def exec(self, name: str, argv: list[str], *, timeout_secs: int, workdir: str | None = None,
-             env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
+    def exec(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult:
         """Run a command in a running machine; NotRunning if it is not running
         (cloud exec would start it silently)."""
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
         answer, seconds = self._exec(record["id"], name, argv, timeout_secs, workdir, env, stdin)
-        cut = tuple(stream for stream in ("stdout", "stderr")
-                    if answer.get(f"{stream}Truncated") and not answer.get(f"{stream}B64"))
-        return ExecResult(exit_code=int(answer["exitCode"]), stdout=exec_stream(answer, "stdout"),
-                          stderr=exec_stream(answer, "stderr"), seconds=seconds, cut_by_service=cut)
+        cut = tuple(
+            stream
+            for stream in ("stdout", "stderr")
+            if answer.get(f"{stream}Truncated") and not answer.get(f"{stream}B64")
+        )
+        return ExecResult(
+            exit_code=int(answer["exitCode"]),
+            stdout=exec_stream(answer, "stdout"),
+            stderr=exec_stream(answer, "stderr"),
+            seconds=seconds,
+            cut_by_service=cut,
+        )
 
-    def exec_stream(self, name: str, argv: list[str], *, timeout_secs: int,
-                    on_output: Callable[[str, str], None], workdir: str | None = None,
-                    env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult:
+    def exec_stream(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        on_output: Callable[[str, str], None],
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult:
         """``exec`` through the SSE route. Never retried: the command may have run."""
         import httpx2
+
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
@@ -1967,30 +2410,52 @@ class CloudFleet:
         started = time.monotonic()
         try:
             with self._client.stream(
-                    "POST", f"/v1/machines/{record['id']}/exec/stream",
-                    json=cloud_exec_body(argv, timeout_secs, workdir, env, stdin),
-                    headers={"Accept": "text/event-stream"},
-                    timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)) as response:
+                "POST",
+                f"/v1/machines/{record['id']}/exec/stream",
+                json=cloud_exec_body(argv, timeout_secs, workdir, env, stdin),
+                headers={"Accept": "text/event-stream"},
+                timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30),
+            ) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise cloud_error(action, response, self.config.secret_values())
-                return collect_exec_stream(sse_events(response.iter_bytes()), name, on_output,
-                                           started, (httpx2.TransportError,))
+                return collect_exec_stream(
+                    sse_events(response.iter_bytes()),
+                    name,
+                    on_output,
+                    started,
+                    (httpx2.TransportError,),
+                )
         except httpx2.TransportError as exc:  # before the answer began
-            raise SmolError(f"could not reach the cloud API at {self.config.cloud_url} to "
-                            f"{action}: {type(exc).__name__}") from None
+            raise SmolError(
+                f"could not reach the cloud API at {self.config.cloud_url} to "
+                f"{action}: {type(exc).__name__}"
+            ) from None
 
     # -- jobs: the service's detached jobs ---------------------------------
 
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
 
-    def start_job(self, name: str, job_id: str, argv: list[str], *, timeout_secs: int,
-                  workdir: str | None = None, env: dict[str, str] | None = None) -> dict:
+    def start_job(
+        self,
+        name: str,
+        job_id: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict:
         """The service names the job itself; ``job_id`` is the local fleet's."""
         body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
-        job = self.request(f"start a job in machine '{name}'", "POST", self._jobs_path(name), body,
-                           timeout=CLOUD_LONG_TIMEOUT_SECS)
+        job = self.request(
+            f"start a job in machine '{name}'",
+            "POST",
+            self._jobs_path(name),
+            body,
+            timeout=CLOUD_LONG_TIMEOUT_SECS,
+        )
         return {"jobId": job["id"], "state": job.get("state", "running")}
 
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
@@ -2004,23 +2469,34 @@ class CloudFleet:
                 pages.append(b"")
                 continue
             query = {"stream": stream, "offset": str(offset), "limit": str(count)}
-            page = self.request(f"read the {stream} of job {job_id}", "GET", f"{path}/output",
-                                params=query)
+            page = self.request(
+                f"read the {stream} of job {job_id}", "GET", f"{path}/output", params=query
+            )
             answer = {"x": page.get("data"), "xB64": page.get("dataB64")}
             pages.append(exec_stream(answer, "x")[:count])
-        return JobPage(state=job.get("state", "lost"), exit_code=job.get("exitCode"),
-                       stdout=pages[0], stderr=pages[1], sizes=sizes)
+        return JobPage(
+            state=job.get("state", "lost"),
+            exit_code=job.get("exitCode"),
+            stdout=pages[0],
+            stderr=pages[1],
+            sizes=sizes,
+        )
 
     def cancel_job(self, name: str, job_id: str) -> None:
-        self.request(f"cancel job {job_id} of machine '{name}'", "POST",
-                     f"{self._jobs_path(name)}/{_q(job_id)}/cancel")
+        self.request(
+            f"cancel job {job_id} of machine '{name}'",
+            "POST",
+            f"{self._jobs_path(name)}/{_q(job_id)}/cancel",
+        )
 
     def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
         """The machine's jobs; with its ``machine_id`` (mach-...), no list call to find it."""
         path = f"/v1/machines/{machine_id}/jobs" if machine_id else self._jobs_path(name)
         answer = self.request(f"list the jobs of machine '{name}'", "GET", path)
-        return [{"jobId": job.get("id"), "state": job.get("state"), "exitCode": job.get("exitCode")}
-                for job in reversed(answer.get("jobs", []))]  # the service lists newest first
+        return [
+            {"jobId": job.get("id"), "state": job.get("state"), "exitCode": job.get("exitCode")}
+            for job in reversed(answer.get("jobs", []))
+        ]  # the service lists newest first
 
     def probe_ready(self, name: str) -> str | None:
         """None once a command runs in the guest. The service's own `ready`
@@ -2028,7 +2504,10 @@ class CloudFleet:
         record = self._find(name)
         state = record.get("state")
         if state in ("error", "stopped", "deleted"):
-            raise SmolError(f"machine '{name}' is {state} instead of starting; its log (machine-logs) may say why")
+            raise SmolError(
+                f"machine '{name}' is {state} instead of starting; its log (machine-logs) may "
+                "say why"
+            )
         if state not in RUNNING_STATES:
             return f"state {state}"
         try:
@@ -2050,33 +2529,46 @@ class CloudFleet:
             # choice is this request's alone: one answer never turns the route off for others.
         return self._read_by_exec(record["id"], name, path, offset, length)
 
-    def _read_by_route(self, machine_id: str, name: str, path: str, offset: int, length: int) -> FilePage:
+    def _read_by_route(
+        self, machine_id: str, name: str, path: str, offset: int, length: int
+    ) -> FilePage:
         url = f"/v1/machines/{machine_id}/files/{cloud_file_path(path)}"
         with self._client.stream("GET", url, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
             if response.status_code >= 400:
                 response.read()
-                raise cloud_error(f"read {path} in machine '{name}'", response, self.config.secret_values())
+                raise cloud_error(
+                    f"read {path} in machine '{name}'", response, self.config.secret_values()
+                )
             size = int(response.headers.get("content-length", -1))
             page, seen = bytearray(), 0
             for chunk in response.iter_bytes():
                 if seen + len(chunk) > offset and len(page) < length:
                     start = max(0, offset - seen)
-                    page += chunk[start:start + length - len(page)]
+                    page += chunk[start : start + length - len(page)]
                 seen += len(chunk)
                 if len(page) >= length and size >= 0:
                     break
             return FilePage(data=bytes(page), size=size if size >= 0 else seen)
 
-    def _read_by_exec(self, machine_id: str, name: str, path: str, offset: int, length: int) -> FilePage:
+    def _read_by_exec(
+        self, machine_id: str, name: str, path: str, offset: int, length: int
+    ) -> FilePage:
         """The fallback for a service without the files route: the size and one
         page, base64 on stdout. A page the exec response cap cut is refused:
         returning it short would look like the end of the file."""
-        answer, _ = self._exec(machine_id, name, ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset),
-                                                  str(length)], 120)
+        answer, _ = self._exec(
+            machine_id,
+            name,
+            ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset), str(length)],
+            120,
+        )
         stdout = exec_stream(answer, "stdout")
         if answer.get("exitCode") != 0:
             error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
-            raise SmolError(f"could not read {path} in machine '{name}': {error or 'exit code ' + str(answer.get('exitCode'))}")
+            raise SmolError(
+                f"could not read {path} in machine '{name}': "
+                f"{error or 'exit code ' + str(answer.get('exitCode'))}"
+            )
         size_line, _, encoded = stdout.partition(b"\n")
         size = int(size_line.strip() or 0)
         try:
@@ -2085,16 +2577,24 @@ class CloudFleet:
             data = b""
         if len(data) != max(0, min(length, size - offset)):
             # The service caps exec output; a page cut short would read as the end of the file.
-            raise SmolError(f"the cloud API cut the output of the read of {path} short (its exec output cap), so "
-                            "the page is not returned; ask for a smaller length")
+            raise SmolError(
+                f"the cloud API cut the output of the read of {path} short (its exec output "
+                "cap), so "
+                "the page is not returned; ask for a smaller length"
+            )
         return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
         record = self._find(name)
         try:
-            self.request(f"write {path} in machine '{name}'", "PUT",
-                         f"/v1/machines/{record['id']}/files/{cloud_file_path(path)}", raw=data,
-                         timeout=CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024), expect=None)
+            self.request(
+                f"write {path} in machine '{name}'",
+                "PUT",
+                f"/v1/machines/{record['id']}/files/{cloud_file_path(path)}",
+                raw=data,
+                timeout=CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024),
+                expect=None,
+            )
             return len(data)
         except ApiError as err:
             if err.status != 404:
@@ -2102,8 +2602,13 @@ class CloudFleet:
             # The machine was just found and a PUT cannot 404 for a missing file, so this
             # service has no files route: write through exec. Decided per request, never for
             # the whole process.
-        answer, _ = self._exec(record["id"], name, ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path], 120,
-                               stdin=base64.b64encode(data).decode("ascii"))
+        answer, _ = self._exec(
+            record["id"],
+            name,
+            ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path],
+            120,
+            stdin=base64.b64encode(data).decode("ascii"),
+        )
         if answer.get("exitCode") != 0:
             error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
             raise SmolError(f"could not write {path} in machine '{name}': {error}")
@@ -2113,35 +2618,53 @@ class CloudFleet:
         """The machine's console log, as the official client reads it (plain
         text, the last lines only)."""
         record = self._find(name)
-        text = self.request(f"read the log of machine '{name}'", "GET", f"/v1/machines/{record['id']}/logs",
-                            params={"tail": str(LOG_WINDOW_LINES)}, expect=None)
+        text = self.request(
+            f"read the log of machine '{name}'",
+            "GET",
+            f"/v1/machines/{record['id']}/logs",
+            params={"tail": str(LOG_WINDOW_LINES)},
+            expect=None,
+        )
         if isinstance(text, (dict, list)):
             text = json.dumps(text)
-        return (text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")).splitlines()
+        return (
+            text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")
+        ).splitlines()
 
     def branch_machine(self, name: str, child: str) -> dict:
         record = self._find(name)
         body = {"name": child, "ports": []}
         action = f"branch machine '{name}' into '{child}'"
         try:
-            created = self.request(action, "POST", f"/v1/machines/{record['id']}/branches", body, timeout=1800)
+            created = self.request(
+                action, "POST", f"/v1/machines/{record['id']}/branches", body, timeout=1800
+            )
         except ApiError as err:
             if err.status != 404:
                 raise
             # Older control planes only have the fork route (the source exists: it was just found).
-            created = self.request(action, "POST", f"/v1/machines/{record['id']}/fork", body, timeout=1800)
+            created = self.request(
+                action, "POST", f"/v1/machines/{record['id']}/fork", body, timeout=1800
+            )
         return cloud_record(created)
 
     amends_egress = False  # the reference has no route to amend or read a cloud machine's egress
-    mounts_host_paths = False  # the cloud has no host directories: its own refusal of mounts says so
+    mounts_host_paths = (
+        False  # the cloud has no host directories: its own refusal of mounts says so
+    )
     branch_needs_start = False
 
     def pull_image(self, name: str, image: str) -> dict:
         raise ArgumentError(CLOUD_NO_PULL)
 
 
-def cloud_exec_body(argv: list[str], timeout_secs: int, workdir: str | None,
-                    env: dict[str, str] | None, stdin: str | None) -> dict:
+def cloud_exec_body(
+    argv: list[str],
+    timeout_secs: int,
+    workdir: str | None,
+    env: dict[str, str] | None,
+    stdin: str | None,
+) -> dict:
     body: dict[str, Any] = {
         "command": argv,
         "env": env or {},
@@ -2183,11 +2706,14 @@ def cloud_error(action: str, response: Any, secret_values: list[str]) -> ApiErro
     if "application/json" in response.headers.get("content-type", ""):
         try:
             parsed = response.json()
-            text, code = str(parsed.get("error") or parsed.get("message") or text), str(parsed.get("code") or "")
+            text, code = (
+                str(parsed.get("error") or parsed.get("message") or text),
+                str(parsed.get("code") or ""),
+            )
         except (ValueError, AttributeError):
             pass
     if status == 401:
-        text = (f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN")
+        text = f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN"
     elif not text:
         text = "no message"
     err = ApiError("cloud", action, status, code, redact(text, secret_values))
@@ -2197,8 +2723,9 @@ def cloud_error(action: str, response: Any, secret_values: list[str]) -> ApiErro
     return err
 
 
-def cloud_answer(action: str, response: Any, expect: type | tuple[type, ...] | None,
-                 secret_values: list[str]) -> Any:
+def cloud_answer(
+    action: str, response: Any, expect: type | tuple[type, ...] | None, secret_values: list[str]
+) -> Any:
     """The body of a successful cloud answer: JSON of the expected shape, or,
     with ``expect`` None, whatever came (JSON decoded when it parses)."""
     ctype = response.headers.get("content-type", "")
@@ -2226,14 +2753,17 @@ def cloud_answer(action: str, response: Any, expect: type | tuple[type, ...] | N
     raise bad_cloud_answer(action, response.status_code, ctype, body, why, secret_values)
 
 
-def bad_cloud_answer(action: str, status: int, ctype: str, body: bytes, why: str,
-                     secret_values: list[str]) -> SmolError:
+def bad_cloud_answer(
+    action: str, status: int, ctype: str, body: bytes, why: str, secret_values: list[str]
+) -> SmolError:
     """A sentence about an answer the cloud API should not have given."""
     head = redact(body[:120].decode("utf-8", "replace"), secret_values)
-    return SmolError(f"the cloud API answered the request to {action} with {why}: HTTP {status}, "
-                     f"content type {ctype or '(none)'}, starting {head!r}. That is the service's "
-                     "(or a proxy's) answer, not this call's: check SMOL_CLOUD_URL points at the "
-                     "API, and try again later")
+    return SmolError(
+        f"the cloud API answered the request to {action} with {why}: HTTP {status}, "
+        f"content type {ctype or '(none)'}, starting {head!r}. That is the service's "
+        "(or a proxy's) answer, not this call's: check SMOL_CLOUD_URL points at the "
+        "API, and try again later"
+    )
 
 
 def _retry_after(response: Any) -> float | None:
@@ -2271,15 +2801,39 @@ class Fleet(Protocol):
     def pull_image(self, name: str, image: str) -> dict: ...
     def probe_ready(self, name: str) -> str | None: ...
 
-    def exec(self, name: str, argv: list[str], *, timeout_secs: int, workdir: str | None = None,
-             env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult: ...
+    def exec(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult: ...
 
-    def exec_stream(self, name: str, argv: list[str], *, timeout_secs: int,
-                    on_output: Callable[[str, str], None], workdir: str | None = None,
-                    env: dict[str, str] | None = None, stdin: str | None = None) -> ExecResult: ...
+    def exec_stream(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        on_output: Callable[[str, str], None],
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult: ...
 
-    def start_job(self, name: str, job_id: str, argv: list[str], *, timeout_secs: int,
-                  workdir: str | None = None, env: dict[str, str] | None = None) -> dict: ...
+    def start_job(
+        self,
+        name: str,
+        job_id: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict: ...
 
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage: ...
     def cancel_job(self, name: str, job_id: str) -> None: ...
@@ -2314,8 +2868,21 @@ FLEET_NAMES = tuple(FLEETS)
 # value, so no tool handler (and no agent) needs to know which API answered.
 # ---------------------------------------------------------------------------
 
-MACHINE_KEYS = ("id", "name", "state", "image", "cpus", "memoryMb", "network", "ports", "createdAt", "pid", "url",
-                "branchable", "parent")
+MACHINE_KEYS = (
+    "id",
+    "name",
+    "state",
+    "image",
+    "cpus",
+    "memoryMb",
+    "network",
+    "ports",
+    "createdAt",
+    "pid",
+    "url",
+    "branchable",
+    "parent",
+)
 
 
 def local_record(info: dict) -> dict:
@@ -2337,7 +2904,9 @@ def local_record(info: dict) -> dict:
         "cpus": info.get("cpus"),
         "memoryMb": info.get("memoryMb"),
         "network": network,
-        "ports": [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []],
+        "ports": [
+            {"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []
+        ],
         "createdAt": iso_time(info.get("createdAt")),
         "pid": info.get("pid"),
         "url": None,  # the local fleet has no public ingress
@@ -2363,8 +2932,11 @@ def cloud_record(info: dict) -> dict:
     mode = network.get("mode")
     if mode == "open":
         egress = "open"
-    elif mode == "blocked" or (mode == "allowCidrs" and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]
-                               and not network.get("hosts")):
+    elif mode == "blocked" or (
+        mode == "allowCidrs"
+        and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]
+        and not network.get("hosts")
+    ):
         egress = "blocked"
     elif mode == "allowCidrs":
         egress = "allowlist"
@@ -2380,7 +2952,9 @@ def cloud_record(info: dict) -> dict:
         "cpus": resources.get("cpus"),
         "memoryMb": resources.get("memoryMb"),
         "network": egress,
-        "ports": [{"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []],
+        "ports": [
+            {"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []
+        ],
         "createdAt": iso_time(info.get("createdAt")),
         "pid": None,  # the VM process runs on a node we cannot see
         "url": info.get("url"),
@@ -2392,7 +2966,7 @@ def cloud_record(info: dict) -> dict:
 def iso_time(value: Any) -> str | None:
     """Unix seconds as RFC 3339 UTC, the form the cloud API uses."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return datetime.datetime.fromtimestamp(value, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return datetime.datetime.fromtimestamp(value, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return value if isinstance(value, str) else None
 
 
@@ -2413,7 +2987,9 @@ def utf8_prefix_end(data: bytes, end: int) -> int:
     cut = end
     while cut > 0 and cut > end - 4 and (data[cut - 1] & 0xC0) == 0x80:
         cut -= 1
-    if cut > 0 and data[cut - 1] >= 0xC0:  # a lead byte whose character is not complete before `end`
+    if (
+        cut > 0 and data[cut - 1] >= 0xC0
+    ):  # a lead byte whose character is not complete before `end`
         need = 2 if data[cut - 1] < 0xE0 else 3 if data[cut - 1] < 0xF0 else 4
         if end - (cut - 1) < need:
             return cut - 1
@@ -2496,7 +3072,9 @@ def head_and_tail(data: bytes, limit: int, where: str) -> tuple[str, int]:
     tail_start = utf8_suffix_start(data, len(data) - (limit - limit // 2))
     omitted = tail_start - head_end
     marker = f"\n[... smol-mcp: {omitted} bytes omitted here; {where} ...]\n"
-    return data[:head_end].decode("utf-8", "replace") + marker + data[tail_start:].decode("utf-8", "replace"), omitted
+    return data[:head_end].decode("utf-8", "replace") + marker + data[tail_start:].decode(
+        "utf-8", "replace"
+    ), omitted
 
 
 # ---------------------------------------------------------------------------
@@ -2513,12 +3091,19 @@ ABSOLUTE_PATH_PATTERN = "^/[^\\x00-\\x1f\\x7f]*$"
 FILE_PATH_PATTERN = "^/.*[^/]$"
 PATTERN_RULES = {
     FILE_PATH_PATTERN: "must be the absolute path of a file (starting with /, not ending with /)",
-    NAME_PATTERN: "must start with a letter or digit and hold only letters, digits, '-' and '_' (at most 128)",
+    NAME_PATTERN: "must start with a letter or digit and hold only letters, digits, '-' and '_' "
+    "(at most 128)",
     ABSOLUTE_PATH_PATTERN: "must be an absolute path (starting with /, without control characters)",
-    "^[A-Za-z_][A-Za-z0-9_]*$": "must be a variable name: letters, digits and '_', not starting with a digit",
+    "^[A-Za-z_][A-Za-z0-9_]*$": "must be a variable name: letters, digits and '_', not starting "
+    "with a digit",
 }
-TYPE_WORDS = {"string": "a string", "integer": "a whole number", "boolean": "true or false", "array": "a list",
-              "object": "an object"}
+TYPE_WORDS = {
+    "string": "a string",
+    "integer": "a whole number",
+    "boolean": "true or false",
+    "array": "a list",
+    "object": "an object",
+}
 
 
 MAX_TIMEOUT_SECS = 86400  # the schema's ceiling; maxExecTimeoutSecs (at most this) is the real one
@@ -2544,19 +3129,25 @@ def guest_path(path: str, where: str = "path") -> str:
     above `/`, or holds a control character, is refused: on an HTTP route such a
     path could name another route rather than a file."""
     if not path.startswith("/"):
-        raise ArgumentError(f'"{where}" must be an absolute path inside the machine (starting '
-                            f"with /); got {json.dumps(path)[:60]}")
+        raise ArgumentError(
+            f'"{where}" must be an absolute path inside the machine (starting '
+            f"with /); got {json.dumps(path)[:60]}"
+        )
     if GUEST_PATH_FORBIDDEN.search(path):
-        raise ArgumentError(f'"{where}" holds a control character (such as a newline or NUL), '
-                            "which no file name should; pass the path without it")
+        raise ArgumentError(
+            f'"{where}" holds a control character (such as a newline or NUL), '
+            "which no file name should; pass the path without it"
+        )
     parts: list[str] = []
     for segment in path.split("/"):
         if segment in ("", "."):
             continue
         if segment == "..":
             if not parts:
-                raise ArgumentError(f'"{where}" climbs above / with ".."; pass the plain '
-                                    f"absolute path of the file, got {json.dumps(path)[:60]}")
+                raise ArgumentError(
+                    f'"{where}" climbs above / with ".."; pass the plain '
+                    f"absolute path of the file, got {json.dumps(path)[:60]}"
+                )
             parts.pop()
             continue
         parts.append(segment)
@@ -2584,10 +3175,12 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
     resolved path is what the engine is given."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
-        raise ArgumentError(f'"{where}" names a host path ({source!r}), and this server exposes '
-                            "no host directory: the operator can allow some with the mountRoots "
-                            "setting (SMOL_MCP_MOUNT_ROOTS). Otherwise copy files in with "
-                            "write-file, or use a registry image")
+        raise ArgumentError(
+            f'"{where}" names a host path ({source!r}), and this server exposes '
+            "no host directory: the operator can allow some with the mountRoots "
+            "setting (SMOL_MCP_MOUNT_ROOTS). Otherwise copy files in with "
+            "write-file, or use a registry image"
+        )
     if not source.startswith(("/", "~")) and not source.startswith("file:"):
         raise ArgumentError(f'"{where}" must be an absolute host path, got {source!r}')
     plain = source.removeprefix("file://").removeprefix("file:")
@@ -2595,14 +3188,18 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
     for root, writable in roots:
         if resolved == root or resolved.startswith(root.rstrip("/") + "/"):
             if want_write and not writable:
-                raise ArgumentError(f'"{where}" asks for write access under {root}, which '
-                                    'mountRoots opens read-only; leave "readonly" out (or true), '
-                                    'or have the operator add ":rw" to that root')
+                raise ArgumentError(
+                    f'"{where}" asks for write access under {root}, which '
+                    'mountRoots opens read-only; leave "readonly" out (or true), '
+                    'or have the operator add ":rw" to that root'
+                )
             return resolved
     listed = ", ".join(root + (MOUNT_ROOT_WRITABLE if writable else "") for root, writable in roots)
-    raise ArgumentError(f'"{where}" resolves to {resolved}, which is outside the host '
-                        f"directories this server exposes ({listed}; the mountRoots setting); "
-                        "pick a path under one of them")
+    raise ArgumentError(
+        f'"{where}" resolves to {resolved}, which is outside the host '
+        f"directories this server exposes ({listed}; the mountRoots setting); "
+        "pick a path under one of them"
+    )
 
 
 def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
@@ -2638,18 +3235,33 @@ def argument_validator() -> Any:
         return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
 
     def ecma_pattern(validator: Any, pattern: str, instance: Any, schema: dict) -> Iterator[Any]:
-        if validator.is_type(instance, "string") and not re.search(python_pattern(pattern), instance):
+        if validator.is_type(instance, "string") and not re.search(
+            python_pattern(pattern), instance
+        ):
             yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
 
     base = jsonschema.Draft202012Validator
     return jsonschema.validators.extend(
-        base, validators={"pattern": ecma_pattern},
-        type_checker=base.TYPE_CHECKER.redefine("integer", whole_number))
+        base,
+        validators={"pattern": ecma_pattern},
+        type_checker=base.TYPE_CHECKER.redefine("integer", whole_number),
+    )
 
 
 # Which refusal is told when a value breaks several rules: the first in this order.
-_KEYWORD_ORDER = ("type", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
-                  "minItems", "additionalProperties", "required", "oneOf")
+_KEYWORD_ORDER = (
+    "type",
+    "enum",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "additionalProperties",
+    "required",
+    "oneOf",
+)
 
 
 def validate_arguments(tool: str, schema: dict, arguments: dict) -> dict:
@@ -2675,6 +3287,7 @@ def _error_where(error: Any) -> tuple[list, Any]:
 def _first_error(errors: list, arguments: dict) -> Any:
     """The error to tell: the first value in argument order, a parent's own rule
     before its items', and among one value's rules the first in _KEYWORD_ORDER."""
+
     def order(error: Any) -> tuple:
         positions, node = [], arguments
         for step in _error_where(error)[0]:
@@ -2686,6 +3299,7 @@ def _first_error(errors: list, arguments: dict) -> Any:
                 node = node[step]
         by_name = "propertyNames" in error.absolute_schema_path  # a name before its value
         return tuple(positions), -1 if by_name else _KEYWORD_ORDER.index(error.validator)
+
     return min(errors, key=order)
 
 
@@ -2705,7 +3319,10 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
         key = next(key for key in value if key not in accepted)
         maybe = did_you_mean(key, accepted, cutoff=0.5)
         if not path:
-            return f'{tool} has no argument "{key}"{maybe}; it accepts: {", ".join(accepted) or "none"}'
+            return (
+                f'{tool} has no argument "{key}"{maybe}; it accepts: '
+                f"{', '.join(accepted) or 'none'}"
+            )
         return f'"{where}" has no field "{key}"{maybe}; it accepts: {", ".join(accepted)}'
     if rule == "required":
         key = next(key for key in schema["required"] if key not in value)
@@ -2725,12 +3342,16 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
     limit = error.validator_value
     return {
         "type": lambda: f'"{where}" must be {TYPE_WORDS.get(limit, limit)}, got {got}',
-        "enum": lambda: f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}',
+        "enum": lambda: (
+            f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
+        ),
         "minimum": lambda: f'"{where}" must be at least {limit}, got {value}',
         "maximum": lambda: f'"{where}" must be at most {limit}, got {value}',
         "minLength": lambda: f'"{where}" must not be empty',
         "maxLength": lambda: f'"{where}" must be at most {limit} characters long',
-        "pattern": lambda: f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}',
+        "pattern": lambda: (
+            f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}'
+        ),
         "minItems": lambda: f'"{where}" must hold at least {limit} item(s)',
     }[rule]()
 
@@ -2761,49 +3382,96 @@ def _integer(description: str, minimum: int = 1, **extra: Any) -> dict:
 
 
 def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
-    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(required),
+        "additionalProperties": False,
+    }
 
 
-ARG_NAME = _string("The machine's name (list-machines shows them).", minLength=1, pattern=NAME_PATTERN)
+ARG_NAME = _string(
+    "The machine's name (list-machines shows them).", minLength=1, pattern=NAME_PATTERN
+)
 ARG_IMAGE = _string("An OCI image reference, such as alpine or python:3.12-alpine.", minLength=1)
 ARG_CPUS = _integer("Virtual CPUs (default from SMOL_MCP_CPUS).", maximum=255)
-ARG_MEMORY = _integer("Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128,
-                      maximum=MAX_MEMORY_MB)
-ARG_NETWORK = _string("Egress: \"blocked\" (the default) or \"open\". A registry image does not "
-                      "need it: the local engine fetches images on the host.",
-                      enum=["open", "blocked"])
-ARG_ALLOW_HOSTS = {"type": "array", "items": _string("A host name.", minLength=1),
-                   "description": "Allow egress only to these host names (and their subdomains)."}
-ARG_ALLOW_CIDRS = {"type": "array", "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
-                   "description": "Allow egress only to these address ranges."}
-ARG_ENV = {"type": "object", "description": "Environment variables, as a map of name to value.",
-           "propertyNames": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
-           "additionalProperties": {"type": "string"}}
-ARG_COMMAND = {"description": "The command: a list of arguments run as is, or a string run with sh -c.",
-               "oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]}
-ARG_TIMEOUT = _integer("Seconds before the command is killed (default SMOL_MCP_EXEC_TIMEOUT_SECS, at most "
-                       "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).", maximum=MAX_TIMEOUT_SECS)
-ARG_WORKDIR = _string("Working directory inside the machine (an absolute path).", pattern=ABSOLUTE_PATH_PATTERN)
+ARG_MEMORY = _integer(
+    "Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128, maximum=MAX_MEMORY_MB
+)
+ARG_NETWORK = _string(
+    'Egress: "blocked" (the default) or "open". A registry image does not '
+    "need it: the local engine fetches images on the host.",
+    enum=["open", "blocked"],
+)
+ARG_ALLOW_HOSTS = {
+    "type": "array",
+    "items": _string("A host name.", minLength=1),
+    "description": "Allow egress only to these host names (and their subdomains).",
+}
+ARG_ALLOW_CIDRS = {
+    "type": "array",
+    "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
+    "description": "Allow egress only to these address ranges.",
+}
+ARG_ENV = {
+    "type": "object",
+    "description": "Environment variables, as a map of name to value.",
+    "propertyNames": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+    "additionalProperties": {"type": "string"},
+}
+ARG_COMMAND = {
+    "description": "The command: a list of arguments run as is, or a string run with sh -c.",
+    "oneOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "string"}},
+    ],
+}
+ARG_TIMEOUT = _integer(
+    "Seconds before the command is killed (default SMOL_MCP_EXEC_TIMEOUT_SECS, at most "
+    "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).",
+    maximum=MAX_TIMEOUT_SECS,
+)
+ARG_WORKDIR = _string(
+    "Working directory inside the machine (an absolute path).", pattern=ABSOLUTE_PATH_PATTERN
+)
 ARG_STDIN = _string("Text piped to the command's standard input.")
 ARG_PATH = _string("An absolute path of a file inside the machine.", pattern=FILE_PATH_PATTERN)
 ARG_ENCODING = _string("utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"])
-ARG_JOB_ID = _string("The job's id, as start-job returned it (get-machine lists a machine's "
-                     "jobs).", pattern=JOB_ID_PATTERN)
-ARG_JOB_OFFSET = {**_object({"stdout": _integer("Bytes of stdout already read.", minimum=0,
-                                                maximum=MAX_FILE_OFFSET),
-                             "stderr": _integer("Bytes of stderr already read.", minimum=0,
-                                                maximum=MAX_FILE_OFFSET)}),
-                  "description": "Where to continue: the nextOffset of the previous read-job."}
-ARG_WAIT = {"type": "boolean", "description": "Wait until a command has run in the guest before answering (default true)."}
+ARG_JOB_ID = _string(
+    "The job's id, as start-job returned it (get-machine lists a machine's jobs).",
+    pattern=JOB_ID_PATTERN,
+)
+ARG_JOB_OFFSET = {
+    **_object(
+        {
+            "stdout": _integer("Bytes of stdout already read.", minimum=0, maximum=MAX_FILE_OFFSET),
+            "stderr": _integer("Bytes of stderr already read.", minimum=0, maximum=MAX_FILE_OFFSET),
+        }
+    ),
+    "description": "Where to continue: the nextOffset of the previous read-job.",
+}
+ARG_WAIT = {
+    "type": "boolean",
+    "description": "Wait until a command has run in the guest before answering (default true).",
+}
 
 OUT_MACHINE = {
-    "type": "object", "description": "A machine, with the same keys on every fleet.",
+    "type": "object",
+    "description": "A machine, with the same keys on every fleet.",
     "properties": {
-        "id": {"type": "string"}, "name": {"type": "string"}, "state": {"type": ["string", "null"]},
-        "image": {"type": ["string", "null"]}, "cpus": {"type": ["integer", "null"]},
-        "memoryMb": {"type": ["integer", "null"]}, "network": {"type": ["string", "null"]}, "ports": {"type": "array"},
-        "createdAt": {"type": ["string", "null"]}, "pid": {"type": ["integer", "null"]},
-        "url": {"type": ["string", "null"]}, "branchable": {"type": "boolean"}, "parent": {"type": ["string", "null"]},
+        "id": {"type": "string"},
+        "name": {"type": "string"},
+        "state": {"type": ["string", "null"]},
+        "image": {"type": ["string", "null"]},
+        "cpus": {"type": ["integer", "null"]},
+        "memoryMb": {"type": ["integer", "null"]},
+        "network": {"type": ["string", "null"]},
+        "ports": {"type": "array"},
+        "createdAt": {"type": ["string", "null"]},
+        "pid": {"type": ["integer", "null"]},
+        "url": {"type": ["string", "null"]},
+        "branchable": {"type": "boolean"},
+        "parent": {"type": ["string", "null"]},
     },
     "required": list(MACHINE_KEYS),
 }
@@ -2825,13 +3493,20 @@ ARG_EGRESS_CIDRS = {
     "items": _string("An address range.", minLength=1, maxLength=64),
 }
 ARG_EGRESS_REMOVE = {
-    **_object({
-        "hosts": {**ARG_EGRESS_LIST, "items": _string("A listed entry.", minLength=1,
-                                                      maxLength=255),
-                  "description": "Host names or patterns to take off, as get-machine lists them."},
-        "cidrs": {**ARG_EGRESS_LIST, "items": _string("A listed range.", minLength=1, maxLength=64),
-                  "description": "Address ranges to take off, as get-machine lists them."},
-    }),
+    **_object(
+        {
+            "hosts": {
+                **ARG_EGRESS_LIST,
+                "items": _string("A listed entry.", minLength=1, maxLength=255),
+                "description": "Host names or patterns to take off, as get-machine lists them.",
+            },
+            "cidrs": {
+                **ARG_EGRESS_LIST,
+                "items": _string("A listed range.", minLength=1, maxLength=64),
+                "description": "Address ranges to take off, as get-machine lists them.",
+            },
+        }
+    ),
     "description": "Entries to take off the allow list; at least one entry must remain.",
 }
 OUT_EGRESS = {
@@ -2858,13 +3533,20 @@ OUT_DENIALS = {
         },
     },
 }
-OUT_JOB_STATE = {"jobId": {"type": "string"}, "state": {"type": "string"},
-                 "exitCode": {"type": ["integer", "null"]}}
+OUT_JOB_STATE = {
+    "jobId": {"type": "string"},
+    "state": {"type": "string"},
+    "exitCode": {"type": ["integer", "null"]},
+}
 OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
 OUT_EXEC_PROPERTIES = {
-    "stdout": {"type": "string"}, "stderr": {"type": "string"}, "exitCode": {"type": "integer"},
-    "truncated": {"type": "boolean"}, "timedOut": {"type": "boolean"},
-    "overflow": {"type": "array", "items": {"type": "string"}}, "startedMachine": {"type": "boolean"},
+    "stdout": {"type": "string"},
+    "stderr": {"type": "string"},
+    "exitCode": {"type": "integer"},
+    "truncated": {"type": "boolean"},
+    "timedOut": {"type": "boolean"},
+    "overflow": {"type": "array", "items": {"type": "string"}},
+    "startedMachine": {"type": "boolean"},
 }
 
 
@@ -2900,8 +3582,15 @@ class Call:
     """What one tool call needs: its fleet, its session, worker threads for the
     blocking API, and progress notifications for the long waits."""
 
-    def __init__(self, app: "SmolMcp", session: "Session", fleet: Fleet, ctx: Any,
-                 principal: "Principal | None" = None, params: Any = None):
+    def __init__(
+        self,
+        app: SmolMcp,
+        session: Session,
+        fleet: Fleet,
+        ctx: Any,
+        principal: Principal | None = None,
+        params: Any = None,
+    ):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
         self.principal = principal or app.access.stdio
         self.params = params
@@ -2909,15 +3598,22 @@ class Call:
         self.started = time.monotonic()
         self._last_progress = -1.0
 
-    async def api(self, function: Callable, *args: Any, waiting: str | None = None, **kwargs: Any) -> Any:
+    async def api(
+        self, function: Callable, *args: Any, waiting: str | None = None, **kwargs: Any
+    ) -> Any:
         """Run one blocking API call in a worker thread. A cancelled call stops
         waiting at once (the thread finishes on its own). With ``waiting``, a
         progress notification says so every few seconds until it returns;
         without it, only a call that takes longer than that (an API that asked
         us to wait and retry, say) sends progress, so a client sees it alive."""
         import anyio
-        run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args, **kwargs),
-                                abandon_on_cancel=True, limiter=self.session.call_slots())
+
+        run = functools.partial(
+            anyio.to_thread.run_sync,
+            functools.partial(function, *args, **kwargs),
+            abandon_on_cancel=True,
+            limiter=self.session.call_slots(),
+        )
         return await self.with_heartbeat(run, waiting)
 
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
@@ -2925,34 +3621,45 @@ class Call:
         waits on: with ``waiting``, at once and every few seconds until it
         returns; without, only once it has taken longer than that."""
         import anyio
+
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
         waiting = waiting or f"waiting for the {self.fleet.name} API"
         async with anyio.create_task_group() as group:
+
             async def heartbeat() -> None:
                 await anyio.sleep(first_beat)
                 while True:
-                    await self.progress(None, f"{waiting}: {int(time.monotonic() - self.started)} s so far")
+                    await self.progress(
+                        None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
+                    )
                     await anyio.sleep(PROGRESS_INTERVAL_SECS)
 
             group.start_soon(heartbeat)
             try:
                 value, failure = await run(), None
-            except Exception as err:  # carried out of the group, which would wrap it in an ExceptionGroup
+            except (
+                Exception
+            ) as err:  # carried out of the group, which would wrap it in an ExceptionGroup
                 value, failure = None, err
             group.cancel_scope.cancel()
         if failure is not None:
             raise failure
         return value
 
-    async def create(self, function: Callable, *args: Any,
-                     waiting: str = "creating the machine") -> Any:
+    async def create(
+        self, function: Callable, *args: Any, waiting: str = "creating the machine"
+    ) -> Any:
         """Run a call that creates a machine to completion, even if the tool
         call is cancelled meanwhile: abandoned, it could create a machine after
         the cleanup had already run, and nobody would delete it. Progress goes
         out at once and every few seconds until it returns."""
         import anyio
-        run = functools.partial(anyio.to_thread.run_sync, functools.partial(function, *args),
-                                limiter=self.session.call_slots())
+
+        run = functools.partial(
+            anyio.to_thread.run_sync,
+            functools.partial(function, *args),
+            limiter=self.session.call_slots(),
+        )
         with anyio.CancelScope(shield=True):
             return await self.with_heartbeat(run, waiting)
 
@@ -2997,10 +3704,13 @@ class Call:
         cancelled, and forget it; a failure here is logged, not raised over the
         error that got us here (the session's cleanup tries again)."""
         import anyio
+
         with anyio.CancelScope(shield=True):
             try:
                 with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
-                    await anyio.to_thread.run_sync(self.fleet.delete_machine, name, abandon_on_cancel=True)
+                    await anyio.to_thread.run_sync(
+                        self.fleet.delete_machine, name, abandon_on_cancel=True
+                    )
                 self.forget(name)
             except ApiError as err:
                 if err.status == 404:
@@ -3019,10 +3729,14 @@ def resolve_network(args: dict, default: str) -> tuple[str, list[str], list[str]
         try:
             ipaddress.ip_network(cidr, strict=False)
         except ValueError:
-            raise ArgumentError(f'"allowCidrs[{index}]" must be an address range such as 10.0.0.0/8, got {cidr!r}') from None
+            raise ArgumentError(
+                f'"allowCidrs[{index}]" must be an address range such as 10.0.0.0/8, got {cidr!r}'
+            ) from None
     if (hosts or cidrs) and "network" in args:
-        raise ArgumentError(f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
-                            "allow-list already means egress to those destinations only. Pass one or the other.")
+        raise ArgumentError(
+            f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
+            "allow-list already means egress to those destinations only. Pass one or the other."
+        )
     if hosts or cidrs:
         return "blocked", hosts, cidrs
     return args.get("network", default), [], []
@@ -3031,8 +3745,10 @@ def resolve_network(args: dict, default: str) -> tuple[str, list[str], list[str]
 def exec_timeout(config: Config, args: dict) -> int:
     timeout = args.get("timeoutSecs", config.exec_timeout_secs)
     if timeout > config.max_exec_timeout_secs:
-        raise ArgumentError(f'"timeoutSecs" is {timeout}, above the limit of {config.max_exec_timeout_secs} s '
-                            "(SMOL_MCP_MAX_EXEC_TIMEOUT_SECS); ask for less, or split the work")
+        raise ArgumentError(
+            f'"timeoutSecs" is {timeout}, above the limit of {config.max_exec_timeout_secs} s '
+            "(SMOL_MCP_MAX_EXEC_TIMEOUT_SECS); ask for less, or split the work"
+        )
     return timeout
 
 
@@ -3040,18 +3756,26 @@ def command_argv(command: str | list[str]) -> list[str]:
     return ["sh", "-c", command] if isinstance(command, str) else list(command)
 
 
-HOST_UNREACHABLE_WORDS = ("dns error", "error sending request", "Connect", "connection refused",
-                          "timed out", "certificate")
+HOST_UNREACHABLE_WORDS = (
+    "dns error",
+    "error sending request",
+    "Connect",
+    "connection refused",
+    "timed out",
+    "certificate",
+)
 
 
 def is_boot_failure(err: Exception) -> bool:
     text = err.api_message if isinstance(err, ApiError) else ""
-    return any(words in text for words in ("did not become ready", "before the agent was ready",
-                                            "KvmOpen"))
+    return any(
+        words in text for words in ("did not become ready", "before the agent was ready", "KvmOpen")
+    )
 
 
-def explain_start_failure(err: Exception, network: str | None,
-                          log_lines: list[str] | None = None) -> Exception:
+def explain_start_failure(
+    err: Exception, network: str | None, log_lines: list[str] | None = None
+) -> Exception:
     """Add the one sentence that says what to do about a failed start.
     ``log_lines``, when given, are the console lines of a machine that has
     been deleted since (so pointing at machine-logs would lead nowhere)."""
@@ -3060,29 +3784,40 @@ def explain_start_failure(err: Exception, network: str | None,
     text = err.api_message
     if network != "open" and "must be pulled" in text:
         # an older engine (1.14 line) refuses a registry image without guest egress
-        return err.with_hint('This engine pulls a registry image through the machine\'s own '
-                             'network, which is blocked; pass network: "open" to create-machine '
-                             '(or run-once) to allow the pull')
+        return err.with_hint(
+            "This engine pulls a registry image through the machine's own "
+            'network, which is blocked; pass network: "open" to create-machine '
+            "(or run-once) to allow the pull"
+        )
     host_failed = any(word in text for word in HOST_UNREACHABLE_WORDS)
     if ("manifests" in text or "registry" in text) and host_failed:
         # 1.32.2 fetches the image on the host: the guest's egress plays no part
-        return err.with_hint("The host this server runs on could not reach the image registry "
-                             "(the engine fetches images on the host, not in the machine, so "
-                             "opening the machine's network would not help); the operator has to "
-                             "fix the host's DNS, proxy or network access, or give an image that "
-                             "is already on the host")
+        return err.with_hint(
+            "The host this server runs on could not reach the image registry "
+            "(the engine fetches images on the host, not in the machine, so "
+            "opening the machine's network would not help); the operator has to "
+            "fix the host's DNS, proxy or network access, or give an image that "
+            "is already on the host"
+        )
     if is_boot_failure(err):
         if log_lines is None:
-            return err.with_hint("The microVM could not boot on this host; the smol://targets "
-                                 "resource says whether a usable hypervisor is present, and the "
-                                 "machine's log (machine-logs) may say more")
-        tail = ("\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines
-                else "(the console log was empty)")
-        return err.with_hint("The microVM could not boot on this host, and the machine is "
-                             "deleted; the smol://targets resource says whether a usable "
-                             f"hypervisor is present. The last lines of its console log:\n{tail}")
+            return err.with_hint(
+                "The microVM could not boot on this host; the smol://targets "
+                "resource says whether a usable hypervisor is present, and the "
+                "machine's log (machine-logs) may say more"
+            )
+        tail = (
+            "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
+        )
+        return err.with_hint(
+            "The microVM could not boot on this host, and the machine is "
+            "deleted; the smol://targets resource says whether a usable "
+            f"hypervisor is present. The last lines of its console log:\n{tail}"
+        )
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
-        return err.with_hint("Another machine or process holds that host port; pick another in ports[].host")
+        return err.with_hint(
+            "Another machine or process holds that host port; pick another in ports[].host"
+        )
     return err
 
 
@@ -3103,24 +3838,31 @@ async def wait_until_ready(call: Call, name: str) -> None:
     """Return once a command has actually run in the guest. The probe never
     boots a machine, so one stopped meanwhile is reported, not restarted."""
     import anyio
+
     limit = call.config.ready_timeout_secs
     started = time.monotonic()
     delay = 0.1
     while True:
         elapsed = time.monotonic() - started
-        await call.progress(None, f"waiting for the guest of '{name}': {int(elapsed)} s of {limit} s")
+        await call.progress(
+            None, f"waiting for the guest of '{name}': {int(elapsed)} s of {limit} s"
+        )
         not_ready = await call.api(call.fleet.probe_ready, name)
         if not_ready is None:
             return
         if time.monotonic() - started >= limit:
-            raise SmolError(f"the guest of machine '{name}' did not run a command within {limit} s "
-                            f"(readyTimeoutSecs); its last answer: {not_ready}")
+            raise SmolError(
+                f"the guest of machine '{name}' did not run a command within {limit} s "
+                f"(readyTimeoutSecs); its last answer: {not_ready}"
+            )
         await anyio.sleep(delay)
         delay = min(delay * 2, 2.0)
 
 
 async def start_and_wait(call: Call, name: str, branchable: bool = False) -> dict:
-    record = await call.api(call.fleet.start_machine, name, branchable, waiting=f"starting '{name}'")
+    record = await call.api(
+        call.fleet.start_machine, name, branchable, waiting=f"starting '{name}'"
+    )
     await wait_until_ready(call, name)
     return record
 
@@ -3254,7 +3996,9 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
     return value
 
 
-async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, keep_overflow: bool) -> dict:
+async def budget_exec(
+    call: Call, name: str, result: ExecResult, timeout: int, keep_overflow: bool
+) -> dict:
     """The run-command result: both streams within the budget, and a stream
     that did not fit written whole into the machine, its path in ``overflow``.
     The budget is maxOutputBytes twice over: each stream keeps at most that
@@ -3262,32 +4006,52 @@ async def budget_exec(call: Call, name: str, result: ExecResult, timeout: int, k
     most that many characters (65536 by default: about 22,000 tokens at three
     characters a token, under the 25,000 Claude Code accepts)."""
     limit = call.config.max_output_bytes
-    shares = stream_shares((json_chars(result.stdout.decode("utf-8", "replace")) - 2,
-                            json_chars(result.stderr.decode("utf-8", "replace")) - 2), limit)
-    shaped: dict[str, Any] = {"stdout": "", "stderr": "", "exitCode": result.exit_code, "truncated": False,
-                              # 124 is what the guest reports for a command it killed at its timeout
-                              "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1, "overflow": []}
+    shares = stream_shares(
+        (
+            json_chars(result.stdout.decode("utf-8", "replace")) - 2,
+            json_chars(result.stderr.decode("utf-8", "replace")) - 2,
+        ),
+        limit,
+    )
+    shaped: dict[str, Any] = {
+        "stdout": "",
+        "stderr": "",
+        "exitCode": result.exit_code,
+        "truncated": False,
+        # 124 is what the guest reports for a command it killed at its timeout
+        "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1,
+        "overflow": [],
+    }
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
     streams = (("stdout", result.stdout), ("stderr", result.stderr))
     for (stream, data), share in zip(streams, shares):
         lost = ""
         if stream in result.cut_by_service:
             shaped["truncated"] = True
-            lost = (f"\n[... smol-mcp: the cloud API cut {stream} here, at {len(data)} bytes; what followed was not "
-                    "returned by the service and is lost ...]\n")
+            lost = (
+                f"\n[... smol-mcp: the cloud API cut {stream} here, at {len(data)} bytes; what "
+                "followed was not "
+                "returned by the service and is lost ...]\n"
+            )
         if len(data) <= limit and json_chars(data.decode("utf-8", "replace")) - 2 <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
             continue
         shaped["truncated"] = True
-        where = ("run-once deletes its machine, so the whole stream was not kept; use create-machine and "
-                 "run-command to keep it")
+        where = (
+            "run-once deletes its machine, so the whole stream was not kept; use create-machine "
+            "and "
+            "run-command to keep it"
+        )
         if keep_overflow:
             path = f"{OVERFLOW_DIR}/{stamp}.{stream}"
             try:
                 await call.api(call.fleet.write_file, name, path, data)
                 shaped["overflow"].append(path)
                 kept = "the first" if lost else "the whole"
-                where = f"{kept} {len(data)} bytes of the stream are in the machine at {path} (read it with read-file)"
+                where = (
+                    f"{kept} {len(data)} bytes of the stream are in the machine at {path} "
+                    "(read it with read-file)"
+                )
             except SmolError as err:
                 where = f"the whole stream could not be saved in the machine: {err}"
         shaped[stream], _ = fit_stream(data, limit, share, where)
@@ -3354,9 +4118,7 @@ async def note_egress_denials(
     """Add egressDenied (and its hint) to the result of a command that failed
     or timed out, on a fleet whose engine records denials. Reading them is a
     courtesy: a failure to read leaves the result as it is."""
-    if not call.fleet.amends_egress or (
-        shaped["exitCode"] == 0 and not shaped["timedOut"]
-    ):
+    if not call.fleet.amends_egress or (shaped["exitCode"] == 0 and not shaped["timedOut"]):
         return shaped
     try:
         events = await call.api(call.fleet.egress_events, name, EGRESS_EVENTS_LIMIT)
@@ -3372,10 +4134,11 @@ async def note_egress_denials(
 
 
 def now_utc() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 # -- the handlers, in the order of the tools table ---------------------------
+
 
 async def tool_list_machines(call: Call, args: dict) -> dict:
     return {"machines": await call.api(call.fleet.list_machines)}
@@ -3411,15 +4174,28 @@ def machine_spec(call: Call, args: dict, name: str, network_default: str) -> Mac
     image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
     mounts = contained if local else mounts
     return MachineSpec(
-        name=name, image=image, ephemeral=call.session.is_ephemeral(name), cpus=args.get("cpus", call.config.cpus),
-        memory_mb=args.get("memoryMb", call.config.memory_mb), network=network, allow_hosts=hosts, allow_cidrs=cidrs,
-        ports=args.get("ports", []), mounts=mounts, storage_gb=args.get("storageGb"),
-        overlay_gb=args.get("overlayGb"), cmd=args.get("cmd"), env=args.get("env", {}),
-        branchable=args.get("branchable", False))
+        name=name,
+        image=image,
+        ephemeral=call.session.is_ephemeral(name),
+        cpus=args.get("cpus", call.config.cpus),
+        memory_mb=args.get("memoryMb", call.config.memory_mb),
+        network=network,
+        allow_hosts=hosts,
+        allow_cidrs=cidrs,
+        ports=args.get("ports", []),
+        mounts=mounts,
+        storage_gb=args.get("storageGb"),
+        overlay_gb=args.get("overlayGb"),
+        cmd=args.get("cmd"),
+        env=args.get("env", {}),
+        branchable=args.get("branchable", False),
+    )
 
 
-BRANCHABLE_NEEDS_START = ('"branchable": true needs "start": true on the local fleet: the engine '
-                          "makes a machine a branch source when it starts it")
+BRANCHABLE_NEEDS_START = (
+    '"branchable": true needs "start": true on the local fleet: the engine '
+    "makes a machine a branch source when it starts it"
+)
 
 
 async def tool_create_machine(call: Call, args: dict) -> dict:
@@ -3443,8 +4219,9 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     return {"machine": record, "ephemeral": ephemeral, "ready": True}
 
 
-async def create_recorded(call: Call, name: str, create: Callable, *args: Any,
-                          owner: str | None = None) -> dict:
+async def create_recorded(
+    call: Call, name: str, create: Callable, *args: Any, owner: str | None = None
+) -> dict:
     """Create a machine (or a branch child) so the session's record stays true:
     an ephemeral name is recorded before the call, so a crash right after it
     still cleans up, and forgotten only if the API refused it and this call
@@ -3472,11 +4249,21 @@ async def create_recorded(call: Call, name: str, create: Callable, *args: Any,
 
 
 async def tool_run_command(call: Call, args: dict) -> dict:
-    name, argv, timeout = args["name"], command_argv(args["command"]), exec_timeout(call.config, args)
-    options = dict(timeout_secs=timeout, workdir=args.get("workdir"), env=args.get("env"), stdin=args.get("stdin"))
+    name, argv, timeout = (
+        args["name"],
+        command_argv(args["command"]),
+        exec_timeout(call.config, args),
+    )
+    options = dict(
+        timeout_secs=timeout,
+        workdir=args.get("workdir"),
+        env=args.get("env"),
+        stdin=args.get("stdin"),
+    )
     since = now_utc()
-    result, started_machine = await on_running(call, name, run_in_machine, call, name, argv,
-                                               **options)
+    result, started_machine = await on_running(
+        call, name, run_in_machine, call, name, argv, **options
+    )
     shaped = await budget_exec(call, name, result, timeout, keep_overflow=True)
     shaped = await note_egress_denials(call, name, shaped, since)
     return {**shaped, "startedMachine": started_machine}
@@ -3495,9 +4282,15 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             lines = await last_log_lines(call, name) if is_boot_failure(err) else None
             raise explain_start_failure(err, spec.network, lines) from None
         since = now_utc()
-        result = await run_in_machine(call, name, command_argv(args["command"]),
-                                      timeout_secs=timeout, workdir=args.get("workdir"),
-                                      env=args.get("env"), stdin=args.get("stdin"))
+        result = await run_in_machine(
+            call,
+            name,
+            command_argv(args["command"]),
+            timeout_secs=timeout,
+            workdir=args.get("workdir"),
+            env=args.get("env"),
+            stdin=args.get("stdin"),
+        )
         shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
         shaped = await note_egress_denials(call, name, shaped, since)
         return {**shaped, "startedMachine": False, "name": name}
@@ -3509,27 +4302,43 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
     offset = args.get("offset", 0)
     # base64 grows by a third, so its page is smaller to keep the reply within the budget
-    limit = call.config.max_output_bytes if encoding == "utf8" else call.config.max_output_bytes * 3 // 4
+    limit = (
+        call.config.max_output_bytes
+        if encoding == "utf8"
+        else call.config.max_output_bytes * 3 // 4
+    )
     length = min(args.get("length", limit), limit)
     started_machine = await ensure_running(call, name)
     page = await call.api(call.fleet.read_file, name, path, offset, length)
     data = page.data
     if encoding == "utf8":
         if offset + len(data) < page.size:
-            data = data[:utf8_prefix_end(data, len(data))]  # end the page on a character boundary
+            data = data[: utf8_prefix_end(data, len(data))]  # end the page on a character boundary
             if not data and page.data:
-                raise ArgumentError(f'"length" {length} is too short for the character at offset {offset}; ask for '
-                                    "at least 4 bytes")
-        data = data[:prefix_within_chars(data, call.config.max_output_bytes)]
+                raise ArgumentError(
+                    f'"length" {length} is too short for the character at offset {offset}; ask for '
+                    "at least 4 bytes"
+                )
+        data = data[: prefix_within_chars(data, call.config.max_output_bytes)]
         try:
             content = data.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise ArgumentError(f"{path} is not UTF-8 text (byte {offset + err.start} is not); read it with "
-                                'encoding: "base64", or start at another offset') from None
+            raise ArgumentError(
+                f"{path} is not UTF-8 text (byte {offset + err.start} is not); read it with "
+                'encoding: "base64", or start at another offset'
+            ) from None
     else:
         content = base64.b64encode(data).decode("ascii")
-    return {"path": path, "content": content, "encoding": encoding, "size": page.size, "offset": offset,
-            "bytes": len(data), "eof": offset + len(data) >= page.size, "startedMachine": started_machine}
+    return {
+        "path": path,
+        "content": content,
+        "encoding": encoding,
+        "size": page.size,
+        "offset": offset,
+        "bytes": len(data),
+        "eof": offset + len(data) >= page.size,
+        "startedMachine": started_machine,
+    }
 
 
 async def tool_write_file(call: Call, args: dict) -> dict:
@@ -3538,8 +4347,10 @@ async def tool_write_file(call: Call, args: dict) -> dict:
         try:
             data = base64.b64decode(args["content"], validate=True)
         except ValueError:
-            raise ArgumentError('"content" is not valid base64; send the bytes base64-encoded, or pass '
-                                'encoding: "utf8" for text') from None
+            raise ArgumentError(
+                '"content" is not valid base64; send the bytes base64-encoded, or pass '
+                'encoding: "utf8" for text'
+            ) from None
     else:
         data = args["content"].encode("utf-8")
     # Readiness first: a file written before the workload's file system is up
@@ -3569,12 +4380,17 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
     child = args.get("childName") or call.new_ephemeral_name()
     try:
         owner = call.app.access.owners.owner(call.fleet.name, source)
-        record = await create_recorded(call, child, call.fleet.branch_machine, source, child,
-                                       owner=owner)
+        record = await create_recorded(
+            call, child, call.fleet.branch_machine, source, child, owner=owner
+        )
     except ApiError as err:
-        if err.status == 409 and any(word in err.api_message for word in ("forkable", "control socket", "branchable")):
-            raise err.with_hint("The source must be running and created as a branch source: create-machine with "
-                                "branchable: true, then branch it while it runs") from None
+        if err.status == 409 and any(
+            word in err.api_message for word in ("forkable", "control socket", "branchable")
+        ):
+            raise err.with_hint(
+                "The source must be running and created as a branch source: create-machine with "
+                "branchable: true, then branch it while it runs"
+            ) from None
         raise
     ephemeral = call.session.is_ephemeral(child)
     if wait:
@@ -3598,6 +4414,7 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
 
 def line_digest(line: str) -> str:
     import hashlib
+
     return hashlib.sha256(line.encode()).hexdigest()[:12]
 
 
@@ -3609,7 +4426,9 @@ def log_cursor(lines: list[str], end: int) -> str:
     last few, so the place is found again when the cloud's tail window has
     moved on (the cloud log route has no cursor of its own). Several lines,
     because one blank or repeated line is found in many places."""
-    return f"{end}:{line_digest(chr(10).join(lines[max(0, end - CURSOR_LINES):end])) if end else ''}"
+    return (
+        f"{end}:{line_digest(chr(10).join(lines[max(0, end - CURSOR_LINES) : end])) if end else ''}"
+    )
 
 
 def lines_after_cursor(lines: list[str], cursor: str) -> int:
@@ -3838,8 +4657,10 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
     if record["state"] in RUNNING_STATES and not (before["hosts"] or before["cidrs"]):
         # The engine would answer 409: say so now rather than ask the person for nothing.
         kind = "open" if before["open"] else "blocked"
-        raise SmolError(f"machine '{name}' is running with {kind} egress and no allow list yet, "
-                        f"so nothing was changed or asked. {EGRESS_409_HINT}")
+        raise SmolError(
+            f"machine '{name}' is running with {kind} egress and no allow list yet, "
+            f"so nothing was changed or asked. {EGRESS_409_HINT}"
+        )
     confirmed = await call.confirm(
         egress_question(name, call.fleet.name, before, body, after),
         json.dumps([name, body], sort_keys=True),
@@ -3858,6 +4679,8 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
         raise
     # The lists the engine answered are the truth (and what an activity log records as "after").
     return {"machine": record, "before": before, "after": applied, "changed": True}
+
+
 JOB_DEFAULT_TIMEOUT_SECS = 3600
 JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day at most
 
@@ -3897,13 +4720,13 @@ async def tool_read_job(call: Call, args: dict) -> dict:
     for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
         if page.state == "running" or start + len(data) < size:
             # the rest of a character comes with the next page
-            data = data[:utf8_prefix_end(data, len(data))]
+            data = data[: utf8_prefix_end(data, len(data))]
         pages.append(data)
     # Like run-command, both streams share one budget of JSON characters.
     escaped = tuple(json_chars(data.decode("utf-8", "replace")) for data in pages)
     shares = stream_shares(escaped, call.config.max_output_bytes)
     for stream, data, share, start in zip(("stdout", "stderr"), pages, shares, offsets):
-        data = data[:prefix_within_chars(data, share)]
+        data = data[: prefix_within_chars(data, share)]
         shaped[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
     shaped["nextOffset"] = next_offset
@@ -3922,186 +4745,427 @@ async def tool_cancel_job(call: Call, args: dict) -> dict:
 
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
-        "list-machines", "List machines",
-        "List every machine on the fleet, with its state, image, size, egress and published ports. Changes nothing.",
-        _object({}), _out({"machines": {"type": "array", "items": OUT_MACHINE}}), tool_list_machines,
-        read_only=True, idempotent=True),
+        "list-machines",
+        "List machines",
+        "List every machine on the fleet, with its state, image, size, egress and published "
+        "ports. Changes nothing.",
+        _object({}),
+        _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
+        tool_list_machines,
+        read_only=True,
+        idempotent=True,
+    ),
     ToolSpec(
-        "get-machine", "Get a machine",
+        "get-machine",
+        "Get a machine",
         "Show one machine: state, image, size, egress, ports, pid and whether it can be "
         "branched, and the jobs (start-job) of a running machine. Changes nothing.",
         # (on the local fleet the result also has the egress allow list and recent refusals)
         _object({"name": ARG_NAME}, ("name",)),
-        _out({"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
-             {"egress": {**OUT_EGRESS, "properties": {
-                 **OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS}}}),
+        _out(
+            {"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
+            {
+                "egress": {
+                    **OUT_EGRESS,
+                    "properties": {**OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS},
+                }
+            },
+        ),
         tool_get_machine,
-        read_only=True, idempotent=True),
+        read_only=True,
+        idempotent=True,
+    ),
     ToolSpec(
-        "create-machine", "Create a machine",
-        "Create a new microVM from an OCI image and (by default) start it, answering once a command has run in it. "
-        "Egress is blocked unless network is \"open\" or an allow-list is given. A name starting with the ephemeral "
-        "prefix (mcp- by default), or no name, makes a machine that is deleted when this session ends; any other "
+        "create-machine",
+        "Create a machine",
+        "Create a new microVM from an OCI image and (by default) start it, answering once a "
+        "command has run in it. "
+        'Egress is blocked unless network is "open" or an allow-list is given. A name starting '
+        "with the ephemeral "
+        "prefix (mcp- by default), or no name, makes a machine that is deleted when this session "
+        "ends; any other "
         "name persists. Uses host CPU, memory and disk while it exists.",
-        _object({
-            "name": {**ARG_NAME, "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx)."},
-            "image": ARG_IMAGE, "cpus": ARG_CPUS, "memoryMb": ARG_MEMORY, "network": ARG_NETWORK,
-            "allowHosts": ARG_ALLOW_HOSTS, "allowCidrs": ARG_ALLOW_CIDRS,
-            "ports": {"type": "array", "description": "Ports to publish: guest port, and optionally the host port.",
-                      "items": _object({"guest": _integer("Port inside the machine.", maximum=65535),
-                                        "host": _integer("Port on the host (default: a free one).", maximum=65535)},
-                                       ("guest",))},
-            "mounts": {"type": "array",
-                       "description": "Host directories to attach (local fleet only), only under the "
-                                      "operator's mountRoots; read-only by default.",
-                       "items": _object({"source": _string("Absolute host path."),
-                                         "target": _string("Absolute path inside the machine.",
-                                                           pattern=ABSOLUTE_PATH_PATTERN),
-                                         "readonly": {"type": "boolean", "description":
-                                                      "Mount read-only (the default); false asks "
-                                                      "for write, which only a root opened with "
-                                                      ":rw grants."}},
-                                        ("source", "target"))},
-            "storageGb": _integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
-            "overlayGb": _integer("Overlay disk size in GiB (local fleet only).",
-                                  maximum=MAX_DISK_GB),
-            "cmd": {"type": "array", "items": {"type": "string"}, "description": "Workload command (local fleet only)."},
-            "env": ARG_ENV,
-            "branchable": {"type": "boolean", "description": "Make it a branch source for branch-machine."},
-            "start": {"type": "boolean", "description": "Start it and wait for the guest (default true)."},
-        }, ("image",)),
-        _out({"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}),
-        tool_create_machine, open_world=True),
+        _object(
+            {
+                "name": {
+                    **ARG_NAME,
+                    "description": "Name for the machine; omit for an ephemeral one "
+                    "(mcp-xxxxxxxx).",
+                },
+                "image": ARG_IMAGE,
+                "cpus": ARG_CPUS,
+                "memoryMb": ARG_MEMORY,
+                "network": ARG_NETWORK,
+                "allowHosts": ARG_ALLOW_HOSTS,
+                "allowCidrs": ARG_ALLOW_CIDRS,
+                "ports": {
+                    "type": "array",
+                    "description": "Ports to publish: guest port, and optionally the host port.",
+                    "items": _object(
+                        {
+                            "guest": _integer("Port inside the machine.", maximum=65535),
+                            "host": _integer(
+                                "Port on the host (default: a free one).", maximum=65535
+                            ),
+                        },
+                        ("guest",),
+                    ),
+                },
+                "mounts": {
+                    "type": "array",
+                    "description": "Host directories to attach (local fleet only), only under the "
+                    "operator's mountRoots; read-only by default.",
+                    "items": _object(
+                        {
+                            "source": _string("Absolute host path."),
+                            "target": _string(
+                                "Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN
+                            ),
+                            "readonly": {
+                                "type": "boolean",
+                                "description": "Mount read-only (the default); false asks "
+                                "for write, which only a root opened with "
+                                ":rw grants.",
+                            },
+                        },
+                        ("source", "target"),
+                    ),
+                },
+                "storageGb": _integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
+                "overlayGb": _integer(
+                    "Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB
+                ),
+                "cmd": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "description": "Workload command (local fleet only).",
+                },
+                "env": ARG_ENV,
+                "branchable": {
+                    "type": "boolean",
+                    "description": "Make it a branch source for branch-machine.",
+                },
+                "start": {
+                    "type": "boolean",
+                    "description": "Start it and wait for the guest (default true).",
+                },
+            },
+            ("image",),
+        ),
+        _out(
+            {"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}
+        ),
+        tool_create_machine,
+        open_world=True,
+    ),
     ToolSpec(
-        "run-command", "Run a command in a machine",
-        "Run a command inside the named machine (never on this host) and return its stdout, stderr and exit code. "
-        "A non-zero exit is a result, not an error. Output beyond the budget keeps its head and tail, and the whole "
+        "run-command",
+        "Run a command in a machine",
+        "Run a command inside the named machine (never on this host) and return its stdout, "
+        "stderr and exit code. "
+        "A non-zero exit is a result, not an error. Output beyond the budget keeps its head and "
+        "tail, and the whole "
         "stream is saved in the machine at the path listed in overflow. A stopped machine is "
         "started first. On the local fleet a failed command lists the connections the egress "
         "policy refused (egressDenied).",
-        _object({"name": ARG_NAME, "command": ARG_COMMAND, "timeoutSecs": ARG_TIMEOUT, "workdir": ARG_WORKDIR,
-                 "env": ARG_ENV, "stdin": ARG_STDIN}, ("name", "command")),
-        _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS), tool_run_command, destructive=True,
-        open_world=True),
+        _object(
+            {
+                "name": ARG_NAME,
+                "command": ARG_COMMAND,
+                "timeoutSecs": ARG_TIMEOUT,
+                "workdir": ARG_WORKDIR,
+                "env": ARG_ENV,
+                "stdin": ARG_STDIN,
+            },
+            ("name", "command"),
+        ),
+        _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
+        tool_run_command,
+        destructive=True,
+        open_world=True,
+    ),
     ToolSpec(
-        "run-once", "Run a command in a throwaway machine",
-        "Create a machine from an image, run one command in it, and delete the machine on every path (success, "
-        "failure, timeout, cancellation). Egress is blocked unless network is \"open\" or an allow-list is given.",
-        _object({"image": ARG_IMAGE, "command": ARG_COMMAND, "timeoutSecs": ARG_TIMEOUT, "workdir": ARG_WORKDIR,
-                 "env": ARG_ENV, "stdin": ARG_STDIN, "cpus": ARG_CPUS, "memoryMb": ARG_MEMORY, "network": ARG_NETWORK,
-                 "allowHosts": ARG_ALLOW_HOSTS, "allowCidrs": ARG_ALLOW_CIDRS}, ("image", "command")),
-        _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS), tool_run_once,
-        open_world=True),
+        "run-once",
+        "Run a command in a throwaway machine",
+        "Create a machine from an image, run one command in it, and delete the machine on every "
+        "path (success, "
+        'failure, timeout, cancellation). Egress is blocked unless network is "open" or an '
+        "allow-list is given.",
+        _object(
+            {
+                "image": ARG_IMAGE,
+                "command": ARG_COMMAND,
+                "timeoutSecs": ARG_TIMEOUT,
+                "workdir": ARG_WORKDIR,
+                "env": ARG_ENV,
+                "stdin": ARG_STDIN,
+                "cpus": ARG_CPUS,
+                "memoryMb": ARG_MEMORY,
+                "network": ARG_NETWORK,
+                "allowHosts": ARG_ALLOW_HOSTS,
+                "allowCidrs": ARG_ALLOW_CIDRS,
+            },
+            ("image", "command"),
+        ),
+        _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
+        tool_run_once,
+        open_world=True,
+    ),
     ToolSpec(
-        "read-file", "Read a file from a machine",
-        "Read a file inside the named machine, a page at a time: offset and length pick the bytes, size is the whole "
-        "file, eof says whether this page reached its end. Never returns more than the output budget. Starts a "
+        "read-file",
+        "Read a file from a machine",
+        "Read a file inside the named machine, a page at a time: offset and length pick the "
+        "bytes, size is the whole "
+        "file, eof says whether this page reached its end. Never returns more than the output "
+        "budget. Starts a "
         "stopped machine.",
-        _object({"name": ARG_NAME, "path": ARG_PATH, "encoding": ARG_ENCODING,
-                 "offset": _integer("First byte to read (default 0).", minimum=0,
-                                    maximum=MAX_FILE_OFFSET),
-                 "length": _integer("Bytes to read (default and maximum: the output budget).",
-                                    maximum=MAX_READ_LENGTH)}, ("name", "path")),
-        _out({"path": {"type": "string"}, "content": {"type": "string"}, "encoding": {"type": "string"},
-              "size": {"type": "integer"}, "offset": {"type": "integer"}, "bytes": {"type": "integer"},
-              "eof": {"type": "boolean"}, "startedMachine": {"type": "boolean"}}),
-        tool_read_file, idempotent=True),  # not read-only: it starts a stopped machine
+        _object(
+            {
+                "name": ARG_NAME,
+                "path": ARG_PATH,
+                "encoding": ARG_ENCODING,
+                "offset": _integer(
+                    "First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET
+                ),
+                "length": _integer(
+                    "Bytes to read (default and maximum: the output budget).",
+                    maximum=MAX_READ_LENGTH,
+                ),
+            },
+            ("name", "path"),
+        ),
+        _out(
+            {
+                "path": {"type": "string"},
+                "content": {"type": "string"},
+                "encoding": {"type": "string"},
+                "size": {"type": "integer"},
+                "offset": {"type": "integer"},
+                "bytes": {"type": "integer"},
+                "eof": {"type": "boolean"},
+                "startedMachine": {"type": "boolean"},
+            }
+        ),
+        tool_read_file,
+        idempotent=True,
+    ),  # not read-only: it starts a stopped machine
     ToolSpec(
-        "write-file", "Write a file into a machine",
-        "Write a file inside the named machine, replacing any file at that path and creating parent directories. "
-        "Waits until the guest runs commands first, so the file is not hidden by the workload's file system.",
-        _object({"name": ARG_NAME, "path": ARG_PATH, "content": _string("The file's content."),
-                 "encoding": ARG_ENCODING}, ("name", "path", "content")),
-        _out({"path": {"type": "string"}, "bytes": {"type": "integer"}, "startedMachine": {"type": "boolean"}}),
-        tool_write_file, destructive=True, idempotent=True),
+        "write-file",
+        "Write a file into a machine",
+        "Write a file inside the named machine, replacing any file at that path and creating "
+        "parent directories. "
+        "Waits until the guest runs commands first, so the file is not hidden by the workload's "
+        "file system.",
+        _object(
+            {
+                "name": ARG_NAME,
+                "path": ARG_PATH,
+                "content": _string("The file's content."),
+                "encoding": ARG_ENCODING,
+            },
+            ("name", "path", "content"),
+        ),
+        _out(
+            {
+                "path": {"type": "string"},
+                "bytes": {"type": "integer"},
+                "startedMachine": {"type": "boolean"},
+            }
+        ),
+        tool_write_file,
+        destructive=True,
+        idempotent=True,
+    ),
     ToolSpec(
-        "start-machine", "Start a machine",
-        "Start a stopped machine and (by default) wait until a command has run in it. A running machine is left as it is.",
+        "start-machine",
+        "Start a machine",
+        "Start a stopped machine and (by default) wait until a command has run in it. A running "
+        "machine is left as it is.",
         _object({"name": ARG_NAME, "wait": ARG_WAIT}, ("name",)),
-        _out({"machine": OUT_MACHINE, "ready": {"type": "boolean"}}), tool_start_machine, idempotent=True,
-        open_world=True),
+        _out({"machine": OUT_MACHINE, "ready": {"type": "boolean"}}),
+        tool_start_machine,
+        idempotent=True,
+        open_world=True,
+    ),
     ToolSpec(
-        "branch-machine", "Branch a machine",
-        "Copy a running branch source (created with branchable: true), memory and disks included, into a new child "
-        "machine that starts where the source is. Without childName the child is ephemeral. Branching on the local "
+        "branch-machine",
+        "Branch a machine",
+        "Copy a running branch source (created with branchable: true), memory and disks "
+        "included, into a new child "
+        "machine that starts where the source is. Without childName the child is ephemeral. "
+        "Branching on the local "
         "fleet needs a Linux or macOS host.",
-        _object({"name": {**ARG_NAME, "description": "The running, branchable source machine."},
-                 "childName": {**ARG_NAME, "description": "Name for the child; omit for an ephemeral one."},
-                 "wait": ARG_WAIT}, ("name",)),
-        _out({"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}),
-        tool_branch_machine),
+        _object(
+            {
+                "name": {**ARG_NAME, "description": "The running, branchable source machine."},
+                "childName": {
+                    **ARG_NAME,
+                    "description": "Name for the child; omit for an ephemeral one.",
+                },
+                "wait": ARG_WAIT,
+            },
+            ("name",),
+        ),
+        _out(
+            {"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}
+        ),
+        tool_branch_machine,
+    ),
     ToolSpec(
-        "stop-machine", "Stop a machine",
-        "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever runs in it is ended.",
-        _object({"name": ARG_NAME}, ("name",)), _out({"machine": OUT_MACHINE}), tool_stop_machine,
-        destructive=True, idempotent=True),
+        "stop-machine",
+        "Stop a machine",
+        "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
+        "runs in it is ended.",
+        _object({"name": ARG_NAME}, ("name",)),
+        _out({"machine": OUT_MACHINE}),
+        tool_stop_machine,
+        destructive=True,
+        idempotent=True,
+    ),
     ToolSpec(
-        "delete-machine", "Delete a machine",
+        "delete-machine",
+        "Delete a machine",
         "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
         _object({"name": ARG_NAME}, ("name",)),
-        {"type": "object", "properties": {"deleted": {"type": "string"}, "usage": {"type": "object"}},
-         "required": ["deleted"]},
-        tool_delete_machine, destructive=True),
+        {
+            "type": "object",
+            "properties": {"deleted": {"type": "string"}, "usage": {"type": "object"}},
+            "required": ["deleted"],
+        },
+        tool_delete_machine,
+        destructive=True,
+    ),
     ToolSpec(
-        "machine-logs", "Read a machine's log",
-        "Read the latest lines of the machine's guest console. Pass the cursor from the last call to get only what "
+        "machine-logs",
+        "Read a machine's log",
+        "Read the latest lines of the machine's guest console. Pass the cursor from the last "
+        "call to get only what "
         "arrived since. Changes nothing.",
-        _object({"name": ARG_NAME, "tail": _integer("How many of the latest lines (default SMOL_MCP_LOGS_TAIL).",
-                                                    maximum=100000),
-                 "cursor": _string("The cursor from the previous machine-logs call.")}, ("name",)),
-        _out({"lines": {"type": "array", "items": {"type": "string"}}, "cursor": {"type": "string"}}),
-        tool_machine_logs, read_only=True),
+        _object(
+            {
+                "name": ARG_NAME,
+                "tail": _integer(
+                    "How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000
+                ),
+                "cursor": _string("The cursor from the previous machine-logs call."),
+            },
+            ("name",),
+        ),
+        _out(
+            {"lines": {"type": "array", "items": {"type": "string"}}, "cursor": {"type": "string"}}
+        ),
+        tool_machine_logs,
+        read_only=True,
+    ),
     ToolSpec(
-        "pull-image", "Pull an image into a machine",
-        "Pull an OCI image into the named machine's image store (local fleet only; the machine is started to do it).",
+        "pull-image",
+        "Pull an image into a machine",
+        "Pull an OCI image into the named machine's image store (local fleet only; the machine "
+        "is started to do it).",
         _object({"name": ARG_NAME, "image": ARG_IMAGE}, ("name", "image")),
-        _out({"image": {"type": "object"}}), tool_pull_image, idempotent=True, open_world=True),
+        _out({"image": {"type": "object"}}),
+        tool_pull_image,
+        idempotent=True,
+        open_world=True,
+    ),
     ToolSpec(
-        "start-job", "Start a background job in a machine",
+        "start-job",
+        "Start a background job in a machine",
         "Start a command inside the named machine (never on this host) and return at once "
         "with its jobId. Use it for work longer than a tool call should wait (builds, test "
         "suites, servers): it keeps running after this call, the client and this server have "
         "gone, until it exits, its timeout (default 1 hour, at most 24) or cancel-job ends it, "
         "or the machine stops or is deleted. Read its output with read-job. A stopped machine "
         "is started first.",
-        _object({"name": ARG_NAME, "command": ARG_COMMAND,
-                 "timeoutSecs": _integer("Seconds before the job is ended (default 3600, at "
-                                         "most 86400)."),
-                 "workdir": ARG_WORKDIR, "env": ARG_ENV}, ("name", "command")),
-        _out({"jobId": {"type": "string"}, "state": {"type": "string"},
-              "timeoutSecs": {"type": "integer"}, "startedMachine": {"type": "boolean"}}),
-        tool_start_job, destructive=True, open_world=True),
+        _object(
+            {
+                "name": ARG_NAME,
+                "command": ARG_COMMAND,
+                "timeoutSecs": _integer(
+                    "Seconds before the job is ended (default 3600, at most 86400)."
+                ),
+                "workdir": ARG_WORKDIR,
+                "env": ARG_ENV,
+            },
+            ("name", "command"),
+        ),
+        _out(
+            {
+                "jobId": {"type": "string"},
+                "state": {"type": "string"},
+                "timeoutSecs": {"type": "integer"},
+                "startedMachine": {"type": "boolean"},
+            }
+        ),
+        tool_start_job,
+        destructive=True,
+        open_world=True,
+    ),
     ToolSpec(
-        "read-job", "Read a job's output",
+        "read-job",
+        "Read a job's output",
         "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
         "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
         "the next page; eof says the job has ended and everything was read. Changes nothing.",
-        _object({"name": ARG_NAME, "jobId": ARG_JOB_ID, "offset": ARG_JOB_OFFSET},
-                ("name", "jobId")),
-        _out({**OUT_JOB_STATE, "stdout": {"type": "string"}, "stderr": {"type": "string"},
-              "nextOffset": {"type": "object", "properties": {"stdout": {"type": "integer"},
-                                                              "stderr": {"type": "integer"}}},
-              "eof": {"type": "boolean"}}),
-        tool_read_job, read_only=True),
+        _object(
+            {"name": ARG_NAME, "jobId": ARG_JOB_ID, "offset": ARG_JOB_OFFSET}, ("name", "jobId")
+        ),
+        _out(
+            {
+                **OUT_JOB_STATE,
+                "stdout": {"type": "string"},
+                "stderr": {"type": "string"},
+                "nextOffset": {
+                    "type": "object",
+                    "properties": {"stdout": {"type": "integer"}, "stderr": {"type": "integer"}},
+                },
+                "eof": {"type": "boolean"},
+            }
+        ),
+        tool_read_job,
+        read_only=True,
+    ),
     ToolSpec(
-        "cancel-job", "Cancel a job",
+        "cancel-job",
+        "Cancel a job",
         "End a running job and what it started (TERM, then KILL after a few seconds). A job "
         "that has already ended is left as it is, so repeating the call is harmless.",
         _object({"name": ARG_NAME, "jobId": ARG_JOB_ID}, ("name", "jobId")),
-        _out(OUT_JOB_STATE), tool_cancel_job, destructive=True, idempotent=True),
+        _out(OUT_JOB_STATE),
+        tool_cancel_job,
+        destructive=True,
+        idempotent=True,
+    ),
     ToolSpec(
-        "allow-egress", "Change a machine's egress allow list",
+        "allow-egress",
+        "Change a machine's egress allow list",
         "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
         "off its allow list), without opening egress to everything: an empty list is never sent "
         "and allowAll is not offered. When the client can ask, the person confirms exactly what "
         "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
         "open) must be stopped first, and this tool never stops one. The result has the allow "
         "list before and after. Local fleet only.",
-        _object({"name": ARG_NAME, "hosts": ARG_EGRESS_HOSTS, "hostPatterns": ARG_EGRESS_PATTERNS,
-                 "cidrs": ARG_EGRESS_CIDRS, "remove": ARG_EGRESS_REMOVE}, ("name",)),
-        _out({"machine": OUT_MACHINE, "before": OUT_EGRESS, "after": OUT_EGRESS,
-              "changed": {"type": "boolean"}}),
-        tool_allow_egress, destructive=True),  # removals narrow it; a repeated removal is refused
+        _object(
+            {
+                "name": ARG_NAME,
+                "hosts": ARG_EGRESS_HOSTS,
+                "hostPatterns": ARG_EGRESS_PATTERNS,
+                "cidrs": ARG_EGRESS_CIDRS,
+                "remove": ARG_EGRESS_REMOVE,
+            },
+            ("name",),
+        ),
+        _out(
+            {
+                "machine": OUT_MACHINE,
+                "before": OUT_EGRESS,
+                "after": OUT_EGRESS,
+                "changed": {"type": "boolean"},
+            }
+        ),
+        tool_allow_egress,
+        destructive=True,
+    ),  # removals narrow it; a repeated removal is refused
 )
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
@@ -4123,14 +5187,20 @@ def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) ->
     """As root, smolvm runs each VM under a uid of its own, which cannot open
     a /dev/kvm that only root may open: the start then fails much later with
     KvmOpen(Error(13)). Say so now, with the switch that fixes it."""
-    if (euid != 0 or kvm_mode is None or kvm_mode & 0o066
-            or environ.get("SMOLVM_VM_UID_DROP") == "off"):
+    if (
+        euid != 0
+        or kvm_mode is None
+        or kvm_mode & 0o066
+        or environ.get("SMOLVM_VM_UID_DROP") == "off"
+    ):
         return None
-    return (f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops "
-            "each VM to a uid of its own, which cannot open /dev/kvm, so every start would fail "
-            "with KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment "
-            "(setup carries it into the client entry), or let the kvm group read and write "
-            "/dev/kvm")
+    return (
+        f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops "
+        "each VM to a uid of its own, which cannot open /dev/kvm, so every start would fail "
+        "with KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment "
+        "(setup carries it into the client entry), or let the kvm group read and write "
+        "/dev/kvm"
+    )
 
 
 def engine_origin(configured: str, binary: str) -> str:
@@ -4154,9 +5224,16 @@ def hypervisor_status() -> tuple[bool, str]:
     if sys.platform == "darwin":
         return True, "Hypervisor.framework (macOS)"
     if not os.path.exists("/dev/kvm"):
-        return False, "/dev/kvm does not exist: enable KVM (or nested virtualisation on this VM) and load the kvm module"
+        return (
+            False,
+            "/dev/kvm does not exist: enable KVM (or nested virtualisation on this VM) and load "
+            "the kvm module",
+        )
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return False, "/dev/kvm is not readable and writable by this user: add the user to the kvm group"
+        return (
+            False,
+            "/dev/kvm is not readable and writable by this user: add the user to the kvm group",
+        )
     return True, "/dev/kvm is usable"
 
 
@@ -4167,41 +5244,65 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     guest = inside_smol_guest()
     hypervisor_ok, hypervisor_reason = hypervisor_status()
     binary = fleet.smolvm_path() if not fleet.config.local_url else None
-    facts.update({
-        "insideGuest": guest,
-        "hypervisor": {"present": hypervisor_ok, "detail": hypervisor_reason},
-        "smolvm": {"path": binary, "version": fleet.version,
-                   "from": engine_origin(fleet.config.smolvm, binary) if binary else None},
-        "serve": fleet.config.local_url or "started on the first local tool call",
-        "minSmolvm": fleet.config.min_smolvm or None,
-    })
-    running_version = fleet.version or serve_version(fleet)  # asks a serve that already runs; starts none
+    facts.update(
+        {
+            "insideGuest": guest,
+            "hypervisor": {"present": hypervisor_ok, "detail": hypervisor_reason},
+            "smolvm": {
+                "path": binary,
+                "version": fleet.version,
+                "from": engine_origin(fleet.config.smolvm, binary) if binary else None,
+            },
+            "serve": fleet.config.local_url or "started on the first local tool call",
+            "minSmolvm": fleet.config.min_smolvm or None,
+        }
+    )
+    running_version = fleet.version or serve_version(
+        fleet
+    )  # asks a serve that already runs; starts none
     facts["smolvm"]["version"] = running_version
     if guest:
-        facts.update(usable=False, reason="running inside a smol machine, which cannot start machines of its own")
+        facts.update(
+            usable=False,
+            reason="running inside a smol machine, which cannot start machines of its own",
+        )
     elif fleet.config.local_url:
         if running_version is None:
-            facts.update(usable=False, reason=f"nothing answers at SMOL_LOCAL_URL={fleet.config.local_url}; start "
-                                              "that serve, or unset SMOL_LOCAL_URL to let smol-mcp start its own")
+            facts.update(
+                usable=False,
+                reason=f"nothing answers at SMOL_LOCAL_URL={fleet.config.local_url}; start "
+                "that serve, or unset SMOL_LOCAL_URL to let smol-mcp start its own",
+            )
         else:
             facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
     elif binary is None:
-        facts.update(usable=False, reason=f"smolvm was not found ({fleet.config.smolvm!r}); get "
-                                          "it with one of the commands below, or set SMOLVM to "
-                                          "its path")
+        facts.update(
+            usable=False,
+            reason=f"smolvm was not found ({fleet.config.smolvm!r}); get "
+            "it with one of the commands below, or set SMOLVM to "
+            "its path",
+        )
     elif not hypervisor_ok:
         facts.update(usable=False, reason=hypervisor_reason)
     elif uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
         facts.update(usable=False, reason=uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ))
     elif running_version is None and rollout_port_taken():
-        facts.update(usable=False, reason="another smolvm serve already runs on this host (127.0.0.1:10081 is "
-                                          "taken); set SMOL_LOCAL_URL to its socket, or stop it")
+        facts.update(
+            usable=False,
+            reason="another smolvm serve already runs on this host (127.0.0.1:10081 is "
+            "taken); set SMOL_LOCAL_URL to its socket, or stop it",
+        )
     minimum = fleet.config.min_smolvm
     if running_version and minimum and version_tuple(running_version) < version_tuple(minimum):
-        facts.update(usable=False, reason=f"smolvm {running_version} is older than {minimum}; upgrade it, or set "
-                                          "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check")
+        facts.update(
+            usable=False,
+            reason=f"smolvm {running_version} is older than {minimum}; upgrade it, or set "
+            "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check",
+        )
     elif not running_version and facts["usable"] and minimum:
-        facts["reason"] = f"its version is checked against {minimum} when the first local call starts the serve"
+        facts["reason"] = (
+            f"its version is checked against {minimum} when the first local call starts the serve"
+        )
     return facts
 
 
@@ -4220,40 +5321,53 @@ def rollout_port_taken() -> bool:
         return probe.connect_ex(("127.0.0.1", 10081)) == 0
 
 
-async def follow_log(app: "SmolMcp", fleet: Fleet, name: str, notify: Callable) -> None:
+async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable) -> None:
     """Poll a machine's console every logsPollSecs and call ``notify`` when
     lines arrived since the last look (neither log route pushes to us)."""
     import anyio
+
     last = None
     while True:
         try:
-            lines = await anyio.to_thread.run_sync(fleet.console_lines, name, abandon_on_cancel=True,
-                                                   limiter=app.thread_limiter())
+            lines = await anyio.to_thread.run_sync(
+                fleet.console_lines, name, abandon_on_cancel=True, limiter=app.thread_limiter()
+            )
             seen = log_cursor(lines, len(lines))
             if last is not None and seen != last:
                 await notify()
             last = seen
-        except SmolError as err:  # a machine that is gone or stopped: keep looking, it may come back
+        except (
+            SmolError
+        ) as err:  # a machine that is gone or stopped: keep looking, it may come back
             log.debug("log poll of %s: %s", name, err)
         await anyio.sleep(app.config.logs_poll_secs)
 
 
 def cloud_target_facts(config: Config) -> dict:
     """What smol://targets says about the cloud fleet, without calling it."""
-    facts = {"served": True, "usable": bool(config.cloud_token), "reason": None, "url": config.cloud_url,
-             "tokenSet": bool(config.cloud_token)}
+    facts = {
+        "served": True,
+        "usable": bool(config.cloud_token),
+        "reason": None,
+        "url": config.cloud_url,
+        "tokenSet": bool(config.cloud_token),
+    }
     if not config.cloud_token:
         facts["reason"] = "no account key: set SMOL_CLOUD_TOKEN"
     return facts
 
 
-def targets_document(app: "SmolMcp") -> dict:
+def targets_document(app: SmolMcp) -> dict:
     """The mode and, per fleet, whether it is served and usable now, with the reason when not."""
     facts = {name: kind.target_facts(app) for name, kind in FLEETS.items()}
     for name, fleet_facts in facts.items():
         if name not in app.fleets:
-            fleet_facts.update(served=False, usable=False,
-                               reason=f"this process runs in {app.mode} mode (SMOL_MCP_TARGETS={app.config.targets})")
+            fleet_facts.update(
+                served=False,
+                usable=False,
+                reason=f"this process runs in {app.mode} mode "
+                f"(SMOL_MCP_TARGETS={app.config.targets})",
+            )
     return {"mode": app.mode, "fleets": facts}
 
 
@@ -4270,16 +5384,20 @@ class Session:
     """One client's state: its ephemeral machines per fleet (and their record
     on disk), the fleet it chose in both mode, and its log subscriptions."""
 
-    def __init__(self, app: "SmolMcp", session_id: str, tasks: Any = None):
+    def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
         self.app, self.id = app, session_id
         self.machines: dict[str, set[str]] = {}
-        self.record_path = Path(app.config.runtime_dir) / "sessions" / f"{os.getpid()}-{session_id}.json"
+        self.record_path = (
+            Path(app.config.runtime_dir) / "sessions" / f"{os.getpid()}-{session_id}.json"
+        )
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
         self.asked_fleet = False
         self.chose_during: Any = None  # the call whose question made the choice
         self._question_lock = self._slots = None
         self.tasks = tasks  # the task group its log pollers run in
-        self.subscriptions: dict[str, Any] = {}  # uri -> the CancelScope of its poller (handshake era)
+        self.subscriptions: dict[
+            str, Any
+        ] = {}  # uri -> the CancelScope of its poller (handshake era)
         self._bus = self._listener = None
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
@@ -4298,6 +5416,7 @@ class Session:
 
     def question_lock(self):
         import anyio
+
         if self._question_lock is None:
             self._question_lock = anyio.Lock()
         return self._question_lock
@@ -4307,6 +5426,7 @@ class Session:
         notifications travel on a subscriptions/listen stream)."""
         if self._bus is None:
             from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
+
             self._bus = InMemorySubscriptionBus()
             self._listener = ListenHandler(self._bus)
         return self._bus, self._listener
@@ -4360,6 +5480,7 @@ class Session:
         be deleted stays in the record for the next start to try again. A fleet
         that fails in any way is logged and the next one is still cleaned."""
         import anyio
+
         for fleet_name, names in list(self.machines.items()):
             try:
                 deleted, refused = await anyio.to_thread.run_sync(
@@ -4381,9 +5502,16 @@ class Session:
                 log.info("session %s ended: deleted %s", self.id, name)
                 self.forget(fleet_name, name)
                 principal = self.principal or self.app.access.stdio
-                self.app.record({"event": "session-cleanup", **self.app.who(principal),
-                                 "session": self.id, "target": fleet_name, "machine": name,
-                                 "outcome": "deleted"})
+                self.app.record(
+                    {
+                        "event": "session-cleanup",
+                        **self.app.who(principal),
+                        "session": self.id,
+                        "target": fleet_name,
+                        "machine": name,
+                        "outcome": "deleted",
+                    }
+                )
             self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
@@ -4412,7 +5540,9 @@ class SessionSlots:
         self.own.release()
 
 
-def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list[tuple[str, Exception]]]:
+def delete_in_passes(
+    fleet: Fleet, names: list[str]
+) -> tuple[list[str], list[tuple[str, Exception]]]:
     """Delete machines, children before their branch sources: a source with
     live children refuses (409), so deletes repeat in passes until one makes no
     progress. A pass that makes none is tried once more after a pause, as a
@@ -4527,7 +5657,9 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             else:
                 path.unlink(missing_ok=True)
     if deleted:
-        log.info("deleted %d machine(s) left by an earlier process: %s", len(deleted), ", ".join(deleted))
+        log.info(
+            "deleted %d machine(s) left by an earlier process: %s", len(deleted), ", ".join(deleted)
+        )
     return deleted
 
 
@@ -4667,8 +5799,14 @@ def authorize(principal: Principal, tool: str, target: str | None, machine: str 
 
 
 def stdio_principal(config: Config) -> Principal:
-    return Principal("stdio", frozenset(config.scopes or SCOPES), approval=config.approval,
-                     kind="stdio", user=os_user(), id="stdio")
+    return Principal(
+        "stdio",
+        frozenset(config.scopes or SCOPES),
+        approval=config.approval,
+        kind="stdio",
+        user=os_user(),
+        id="stdio",
+    )
 
 
 def ensure_state_dir(path: str | Path) -> Path:
@@ -4710,8 +5848,10 @@ class StateFile:
         try:
             return self._update(change)
         except OSError as exc:
-            raise SmolError(f"cannot write {self.path} ({exc.strerror}); set SMOL_MCP_STATE_DIR "
-                            "to a directory this user can write") from None
+            raise SmolError(
+                f"cannot write {self.path} ({exc.strerror}); set SMOL_MCP_STATE_DIR "
+                "to a directory this user can write"
+            ) from None
 
     def _update(self, change: Callable[[Any], Any]) -> Any:
         import fcntl
@@ -4864,7 +6004,7 @@ class TokenStore:
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def token_principal(record: dict) -> Principal:
@@ -5048,7 +6188,7 @@ def parse_time(text: str) -> float:
 
 
 def utc_time(seconds: float) -> str:
-    when = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    when = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
     return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -5358,26 +6498,45 @@ def post_webhook(url: str, payload: dict) -> str | None:
 
 MODE_FLEETS = {**{name: (name,) for name in FLEETS}, "both": FLEET_NAMES}
 ELICIT_TIMEOUT_SECS = 120
-FLEET_QUESTION = ("This smol-mcp server reaches two fleets of machines: local (smolvm on the server's host; nothing "
-                  "is billed) and cloud (your smol cloud account; machines are billed while they exist). Which one "
-                  "is this session for? Choose both to name the fleet on every call.")
+FLEET_QUESTION = (
+    "This smol-mcp server reaches two fleets of machines: local (smolvm on the server's host; "
+    "nothing "
+    "is billed) and cloud (your smol cloud account; machines are billed while they exist). Which "
+    "one "
+    "is this session for? Choose both to name the fleet on every call."
+)
 FLEET_QUESTION_SCHEMA = {
-    "type": "object", "required": ["fleet"],
-    "properties": {"fleet": {"type": "string", "title": "Fleet", "enum": [*FLEETS, "both"],
-                             "description": "local, cloud, or both (decide per call)"}},
+    "type": "object",
+    "required": ["fleet"],
+    "properties": {
+        "fleet": {
+            "type": "string",
+            "title": "Fleet",
+            "enum": [*FLEETS, "both"],
+            "description": "local, cloud, or both (decide per call)",
+        }
+    },
 }
-ARG_TARGET = {"type": "string", "enum": list(FLEETS),
-              "description": "Which fleet: \"local\" (smolvm on the server's host, nothing billed) or \"cloud\" (the "
-                             "smol cloud account, billed while machines exist). Required: a machine on one fleet is "
-                             "invisible on the other, so there is no default."}
+ARG_TARGET = {
+    "type": "string",
+    "enum": list(FLEETS),
+    "description": 'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or '
+    '"cloud" (the '
+    "smol cloud account, billed while machines exist). Required: a machine on one fleet is "
+    "invisible on the other, so there is no default.",
+}
 
 
-SESSION_CHOSE_FLEET = ('this session chose the {chosen} fleet at its first call, so target '
-                       '"{given}" is not available in it; use a new session (over HTTP with the '
-                       "2026-07-28 protocol, the session is the token) for the other fleet")
-TARGET_NEEDED = ('{tool} needs "target": "local" or "cloud". This server serves both fleets and '
-                 "there is no default, because a machine on one fleet is invisible on the other "
-                 "and the two bill differently.")
+SESSION_CHOSE_FLEET = (
+    "this session chose the {chosen} fleet at its first call, so target "
+    '"{given}" is not available in it; use a new session (over HTTP with the '
+    "2026-07-28 protocol, the session is the token) for the other fleet"
+)
+TARGET_NEEDED = (
+    '{tool} needs "target": "local" or "cloud". This server serves both fleets and '
+    "there is no default, because a machine on one fleet is invisible on the other "
+    "and the two bill differently."
+)
 
 
 class AskClient(Exception):
@@ -5400,8 +6559,10 @@ def can_elicit(ctx) -> bool:
     )
 
 
-TARGETS_NEED_TOKEN = ("SMOL_MCP_TARGETS={targets} needs the cloud account key: set "
-                      "SMOL_CLOUD_TOKEN (or cloudToken in the config file)")
+TARGETS_NEED_TOKEN = (
+    "SMOL_MCP_TARGETS={targets} needs the cloud account key: set "
+    "SMOL_CLOUD_TOKEN (or cloudToken in the config file)"
+)
 
 
 def resolve_mode(config: Config) -> str:
@@ -5425,25 +6586,30 @@ def tool_schema(tool: ToolSpec, with_target: bool) -> dict:
     return schema
 
 
-def server_instructions(app: "SmolMcp") -> str:
+def server_instructions(app: SmolMcp) -> str:
     c = app.config
     served = " and ".join(fleet.served_as for fleet in app.fleets.values())
     lines = [
-        "smol-mcp gives you microVMs (smol machines) to work in instead of this computer: every command you run with "
+        "smol-mcp gives you microVMs (smol machines) to work in instead of this computer: every "
+        "command you run with "
         f"these tools executes inside a guest, never on the host. This process serves {served}.",
-        "- Typical flow: create-machine (waits until the guest runs commands), run-command, write-file/read-file, "
+        "- Typical flow: create-machine (waits until the guest runs commands), run-command, "
+        "write-file/read-file, "
         "delete-machine. run-once does create, run and delete in one call.",
-        "- Egress is blocked unless you pass network: \"open\" or allowHosts/allowCidrs.",
-        f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when this session ends. Any "
+        '- Egress is blocked unless you pass network: "open" or allowHosts/allowCidrs.',
+        f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when "
+        "this session ends. Any "
         "other name persists.",
-        f"- Output beyond {c.max_output_bytes} bytes per stream keeps its head and tail; the whole stream is saved in "
+        f"- Output beyond {c.max_output_bytes} bytes per stream keeps its head and tail; the "
+        "whole stream is saved in "
         "the machine at the path in overflow. read-file pages with offset/length.",
-        f"- A non-zero exit code is a result, not an error. Commands time out after {c.exec_timeout_secs} s by "
+        "- A non-zero exit code is a result, not an error. Commands time out after "
+        f"{c.exec_timeout_secs} s by "
         f"default (timeoutSecs up to {c.max_exec_timeout_secs}).",
         "- branch-machine needs a running source created with branchable: true.",
     ]
     if app.mode == "both":
-        lines.append("- Every tool needs target: \"local\" or \"cloud\"; there is no default.")
+        lines.append('- Every tool needs target: "local" or "cloud"; there is no default.')
     lines.extend(fleet.instruction for fleet in app.fleets.values())
     lines.append("- smol://targets says whether each fleet is usable right now, and why not.")
     if app.approvals_apply():
@@ -5455,7 +6621,8 @@ def server_instructions(app: "SmolMcp") -> str:
             "(a person said no; the reason follows), approval_timed_out (nobody answered), "
             "approval_cancelled (the call stopped waiting), approval_interrupted (the server "
             "stopped), approval_token_deleted, approval_unavailable (approvals cannot be asked "
-            "for here). Nothing ran in any of these cases; ask the person before trying again.")
+            "for here). Nothing ran in any of these cases; ask the person before trying again."
+        )
     return "\n".join(lines)
 
 
@@ -5467,11 +6634,14 @@ def dual_era_server_class() -> type:
     from mcp.server import NotificationOptions, Server
 
     class DualEraServer(Server):
-        def create_initialization_options(self, notification_options=None,
-                                          experimental_capabilities=None, extensions=None):
+        def create_initialization_options(
+            self, notification_options=None, experimental_capabilities=None, extensions=None
+        ):
             return super().create_initialization_options(
                 notification_options or NotificationOptions(tools_changed=True),
-                experimental_capabilities, extensions)
+                experimental_capabilities,
+                extensions,
+            )
 
     return DualEraServer
 
@@ -5483,7 +6653,9 @@ class SmolMcp:
         self.config = config
         self.mode = resolve_mode(config)
         self.access = Access(config, environ)
-        self.local = LocalFleet(config, environ)  # always built (it is inert) so smol://targets can describe it
+        self.local = LocalFleet(
+            config, environ
+        )  # always built (it is inert) so smol://targets can describe it
         self.fleets: dict[str, Fleet] = {}
         for name in MODE_FLEETS[self.mode]:  # the local fleet is the one built above
             kind = FLEETS[name]
@@ -5501,6 +6673,7 @@ class SmolMcp:
         """Worker threads for blocking API calls: enough that long commands in
         some sessions never queue the short calls of others."""
         import anyio
+
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
@@ -5510,19 +6683,27 @@ class SmolMcp:
     def _build_server(self):
         """The SDK's low-level Server, with this object's bound methods as handlers."""
         return dual_era_server_class()(
-            "smol-mcp", version=__version__, title="smol machines",
-            instructions=server_instructions(self), lifespan=self.lifespan,
-            on_list_tools=self.on_list_tools, on_call_tool=self.call_tool,
+            "smol-mcp",
+            version=__version__,
+            title="smol machines",
+            instructions=server_instructions(self),
+            lifespan=self.lifespan,
+            on_list_tools=self.on_list_tools,
+            on_call_tool=self.call_tool,
             on_list_resources=self.on_list_resources,
             on_list_resource_templates=self.on_list_resource_templates,
-            on_read_resource=self.on_read_resource, on_subscribe_resource=self.on_subscribe,
-            on_unsubscribe_resource=self.on_unsubscribe, on_subscriptions_listen=self.listen)
+            on_read_resource=self.on_read_resource,
+            on_subscribe_resource=self.on_subscribe,
+            on_unsubscribe_resource=self.on_unsubscribe,
+            on_subscriptions_listen=self.listen,
+        )
 
     @asynccontextmanager
     async def lifespan(self, server: Any):
         # stdio and in memory: entered once per connection, so it is the session.
         # HTTP: entered once for the whole listener, which holds many sessions.
         import anyio
+
         async with anyio.create_task_group() as tasks:
             if self.http is not None:
                 async with self.http.running(tasks):
@@ -5537,16 +6718,19 @@ class SmolMcp:
 
     async def on_list_tools(self, ctx, params):
         import mcp_types as types
+
         with_target = self.mode == "both" and self.session_for(ctx).target is None
         return types.ListToolsResult(tools=self.tool_list(with_target, self.principal_for(ctx)))
 
     async def on_subscribe(self, ctx, params):
         import mcp_types as types
+
         await self.subscribe(ctx, str(params.uri))
         return types.EmptyResult()
 
     async def on_unsubscribe(self, ctx, params):
         import mcp_types as types
+
         scope = self.session_for(ctx).subscriptions.pop(str(params.uri), None)
         if scope is not None:
             scope.cancel()
@@ -5554,25 +6738,45 @@ class SmolMcp:
 
     async def on_list_resources(self, ctx, params):
         import mcp_types as types
-        resources = [types.Resource(
-            uri=TARGETS_URI, name="targets", title="Fleets served and whether they are usable",
-            mime_type="application/json",
-            description="The mode, each fleet this process serves, and whether it is usable on "
-                        "this host now.")]
-        if "activity.read" in self.principal_for(ctx).scopes:
-            resources.append(types.Resource(
-                uri=ACTIVITY_URI, name="activity", title="What agents changed",
+
+        resources = [
+            types.Resource(
+                uri=TARGETS_URI,
+                name="targets",
+                title="Fleets served and whether they are usable",
                 mime_type="application/json",
-                description=f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity "
-                            "log: changing calls, approvals, cleanups (a sandbox token sees "
-                            "its own)."))
+                description="The mode, each fleet this process serves, and whether it is usable on "
+                "this host now.",
+            )
+        ]
+        if "activity.read" in self.principal_for(ctx).scopes:
+            resources.append(
+                types.Resource(
+                    uri=ACTIVITY_URI,
+                    name="activity",
+                    title="What agents changed",
+                    mime_type="application/json",
+                    description=f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity "
+                    "log: changing calls, approvals, cleanups (a sandbox token sees "
+                    "its own).",
+                )
+            )
         return types.ListResourcesResult(resources=resources)
 
     async def on_list_resource_templates(self, ctx, params):
         import mcp_types as types
-        return types.ListResourceTemplatesResult(resource_templates=[types.ResourceTemplate(
-            uri_template=LOGS_URI_TEMPLATE, name="machine-logs", title="A machine's console log",
-            mime_type="text/plain", description="The latest lines of a machine's guest console.")])
+
+        return types.ListResourceTemplatesResult(
+            resource_templates=[
+                types.ResourceTemplate(
+                    uri_template=LOGS_URI_TEMPLATE,
+                    name="machine-logs",
+                    title="A machine's console log",
+                    mime_type="text/plain",
+                    description="The latest lines of a machine's guest console.",
+                )
+            ]
+        )
 
     async def on_read_resource(self, ctx, params):
         return await self.read_resource(ctx, str(params.uri))
@@ -5584,7 +6788,8 @@ class SmolMcp:
         names = (principal or self.access.stdio).tools()
         if (with_target, names) not in self._tool_lists:
             self._tool_lists[(with_target, names)] = [
-                self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in names]
+                self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in names
+            ]
         return self._tool_lists[(with_target, names)]
 
     def principal_for(self, ctx) -> Principal:
@@ -5595,12 +6800,21 @@ class SmolMcp:
 
     def mcp_tool(self, tool: ToolSpec, with_target: bool):
         import mcp_types as types
+
         return types.Tool(
-            name=tool.name, title=tool.title, description=tool.description,
-            input_schema=tool_schema(tool, with_target), output_schema=tool.output_schema,
+            name=tool.name,
+            title=tool.title,
+            description=tool.description,
+            input_schema=tool_schema(tool, with_target),
+            output_schema=tool.output_schema,
             annotations=types.ToolAnnotations(
-                title=tool.title, read_only_hint=tool.read_only, destructive_hint=tool.destructive,
-                idempotent_hint=tool.idempotent, open_world_hint=tool.open_world))
+                title=tool.title,
+                read_only_hint=tool.read_only,
+                destructive_hint=tool.destructive,
+                idempotent_hint=tool.idempotent,
+                open_world_hint=tool.open_world,
+            ),
+        )
 
     def session_for(self, ctx) -> Session:
         """The session a request belongs to: on stdio and in memory, the one the
@@ -5619,8 +6833,9 @@ class SmolMcp:
         """The fleet a call goes to, taking `target` out of the arguments."""
         if self.mode != "both":
             return next(iter(self.fleets.values()))
-        if session.target is not None and not (params is not None and params is session.chose_during
-                                               and "target" in arguments):
+        if session.target is not None and not (
+            params is not None and params is session.chose_during and "target" in arguments
+        ):
             given = arguments.pop("target", session.target)
             if given != session.target:
                 raise ArgumentError(SESSION_CHOSE_FLEET.format(chosen=session.target, given=given))
@@ -5639,27 +6854,37 @@ class SmolMcp:
         input-required result; None when the call can go on."""
         if self.mode != "both" or session.asked_fleet:
             return None
-        async with session.question_lock():  # calls racing in at the start get one question between them
+        async with (
+            session.question_lock()
+        ):  # calls racing in at the start get one question between them
             return await self._ask_fleet_once(ctx, session, params)
 
     async def _ask_fleet_once(self, ctx, session: Session, params):
         import mcp_types as types
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
         if session.asked_fleet:
             return None
         if not can_elicit(ctx):
             session.asked_fleet = True  # a client that cannot answer keeps the argument
             return None
         modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
-        answer = await self.ask(ctx, params, "fleet", "smol-mcp:fleet", FLEET_QUESTION,
-                                FLEET_QUESTION_SCHEMA)
+        answer = await self.ask(
+            ctx, params, "fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA
+        )
         if isinstance(answer, types.InputRequiredResult):
             return answer
         session.asked_fleet = True
-        choice = (answer.content or {}).get("fleet") if answer is not None and answer.action == "accept" else None
+        choice = (
+            (answer.content or {}).get("fleet")
+            if answer is not None and answer.action == "accept"
+            else None
+        )
         if choice in self.fleets and session.target is None:
             session.target = choice
-            session.chose_during = params  # the call that asked may still name the other fleet explicitly
+            session.chose_during = (
+                params  # the call that asked may still name the other fleet explicitly
+            )
             log.info("session %s chose the %s fleet", session.id, choice)
             await self.announce_tools_changed(ctx, session, modern)
         return None
@@ -5710,11 +6935,15 @@ class SmolMcp:
         that never answers must not hold the call forever."""
         import mcp_types as types
         from mcp.shared.message import ServerMessageMetadata
+
         related = ctx.request_id if ctx.session.can_send_request else None
         try:
             return await ctx.session.send_request(
-                question, types.ElicitResult, request_read_timeout_seconds=timeout,
-                metadata=ServerMessageMetadata(related_request_id=related))
+                question,
+                types.ElicitResult,
+                request_read_timeout_seconds=timeout,
+                metadata=ServerMessageMetadata(related_request_id=related),
+            )
         except Exception as err:  # timed out, or no way back to the client
             log.info("a question to the person got no answer (%s)", err)
             return None
@@ -5722,8 +6951,11 @@ class SmolMcp:
     async def announce_tools_changed(self, ctx, session: Session, modern: bool) -> None:
         if modern:
             from mcp.server.subscriptions import ToolsListChanged
+
             bus, _ = session.events()
-            await bus.publish(ToolsListChanged())  # reaches the session's subscriptions/listen stream
+            await bus.publish(
+                ToolsListChanged()
+            )  # reaches the session's subscriptions/listen stream
         else:
             await ctx.session.send_tool_list_changed()
 
@@ -5732,6 +6964,7 @@ class SmolMcp:
         A changing tool is written to the activity log before its answer leaves."""
         import anyio
         import mcp_types as types
+
         name = params.name
         tool = TOOLS_BY_NAME.get(name)
         principal = self.principal_for(ctx)
@@ -5739,8 +6972,10 @@ class SmolMcp:
         started = time.monotonic()
         try:
             if tool is None:  # named from the caller's own list: it learns of no other tool
-                raise ArgumentError(f"there is no tool named {name!r}; the tools are: "
-                                    f"{', '.join(principal.tools())}")
+                raise ArgumentError(
+                    f"there is no tool named {name!r}; the tools are: "
+                    f"{', '.join(principal.tools())}"
+                )
             check_scope(principal, name)  # before any question is asked or argument read
             session = self.session_for(ctx)
             entry["session"] = session.id
@@ -5749,8 +6984,11 @@ class SmolMcp:
                 return question
             arguments = dict(params.arguments or {})
             fleet = self.fleet_for(session, name, arguments, params)
-            entry.update(target=fleet.name, machine=arguments.get("name"),
-                         arguments=redact_arguments(arguments))
+            entry.update(
+                target=fleet.name,
+                machine=arguments.get("name"),
+                arguments=redact_arguments(arguments),
+            )
             validate_arguments(name, tool.input_schema, arguments)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             reach = self.access.fleet_for(principal, grant, fleet)
@@ -5777,9 +7015,11 @@ class SmolMcp:
             return tool_error(message)
         except Exception as err:
             log.exception("tool %s failed unexpectedly", name)
-            message = redact(f"{name} failed unexpectedly ({type(err).__name__}: {err}). This "
-                             "is a bug in smol-mcp; the server log has the details.",
-                             self.config.secret_values())
+            message = redact(
+                f"{name} failed unexpectedly ({type(err).__name__}: {err}). This "
+                "is a bug in smol-mcp; the server log has the details.",
+                self.config.secret_values(),
+            )
             if tool is not None and not tool.read_only:
                 self.record({**entry, "outcome": message, **elapsed(started)})
             return tool_error(message)
@@ -5789,8 +7029,10 @@ class SmolMcp:
             if isinstance(result.get("exitCode"), int):
                 entry["exitCode"] = result["exitCode"]
             self.record({**entry, "outcome": "ok", **elapsed(started)})
-        return types.CallToolResult(content=[types.TextContent(type="text", text=reply_json(result))],
-                                    structured_content=result)
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=reply_json(result))],
+            structured_content=result,
+        )
 
     # -- activity log and approvals ---------------------------------------
 
@@ -5828,6 +7070,7 @@ class SmolMcp:
         """At a stop signal: calls waiting for approval answer approval_interrupted
         (within a bound) before anything else ends them."""
         import anyio
+
         self.stopping = True
         if not self.waiting_approvals:
             return
@@ -6144,19 +7387,32 @@ class SmolMcp:
         earlier process left behind."""
         if not self._swept:
             import anyio
-            swept = await anyio.to_thread.run_sync(sweep_orphans, self.local,
-                                                   self.config.runtime_dir)
+
+            swept = await anyio.to_thread.run_sync(
+                sweep_orphans, self.local, self.config.runtime_dir
+            )
             self.access.owners.clear("local", swept)
             for name in swept:
-                self.record({"event": "orphan-cleanup", "principal": "smol-mcp", "target": "local",
-                             "machine": name, "outcome": "deleted (left by a stopped process)"})
+                self.record(
+                    {
+                        "event": "orphan-cleanup",
+                        "principal": "smol-mcp",
+                        "target": "local",
+                        "machine": name,
+                        "outcome": "deleted (left by a stopped process)",
+                    }
+                )
             self._swept = True
 
     async def read_resource(self, ctx, uri: str):
         import mcp_types as types
+
         if uri == TARGETS_URI:
             import anyio
-            document = await anyio.to_thread.run_sync(targets_document, self)  # it probes a socket and a port
+
+            document = await anyio.to_thread.run_sync(
+                targets_document, self
+            )  # it probes a socket and a port
             document["access"] = self.principal_for(ctx).describe()
             text, mime = json.dumps(document, indent=2), "application/json"
         elif uri == ACTIVITY_URI:
@@ -6169,31 +7425,41 @@ class SmolMcp:
                 lines = await call.api(fleet.console_lines, name)
             except SmolError as err:
                 raise_resource_error(redact(str(err), self.config.secret_values()))
-            text, mime = "\n".join(lines[-self.config.logs_tail:]), "text/plain"
+            text, mime = "\n".join(lines[-self.config.logs_tail :]), "text/plain"
         else:
-            raise_resource_error(f"unknown resource {uri}; the resources are {TARGETS_URI} and {LOGS_URI_TEMPLATE}")
-        return types.ReadResourceResult(contents=[types.TextResourceContents(uri=uri, mime_type=mime, text=text)])
+            raise_resource_error(
+                f"unknown resource {uri}; the resources are {TARGETS_URI} and {LOGS_URI_TEMPLATE}"
+            )
+        return types.ReadResourceResult(
+            contents=[types.TextResourceContents(uri=uri, mime_type=mime, text=text)]
+        )
 
     def activity_document(self, principal: Principal) -> dict:
         """smol://activity for ``principal``: it needs activity.read; a sandbox.*
         principal gets its own entries only."""
         if "activity.read" not in principal.scopes:
-            raise_resource_error(f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, "
-                                 f"which {principal.label()} does not have. Ask the operator for "
-                                 "a token with that scope.")
+            raise_resource_error(
+                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, "
+                f"which {principal.label()} does not have. Ask the operator for "
+                "a token with that scope."
+            )
         entries = self.access.activity.entries()
         if sees_own_activity_only(principal):
             entries = select_activity(entries, principal=principal.name)
-        return {"entries": entries[-ACTIVITY_RESOURCE_ENTRIES:],
-                "ownOnly": sees_own_activity_only(principal)}
+        return {
+            "entries": entries[-ACTIVITY_RESOURCE_ENTRIES:],
+            "ownOnly": sees_own_activity_only(principal),
+        }
 
     def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
         """(fleet, machine name) of a log resource URI as ``principal`` may see
         it (authorized as machine-logs), or a protocol error."""
         match = LOGS_URI_RE.fullmatch(uri)
         if match is None or match["target"] not in self.fleets:
-            raise_resource_error(f"{uri} is not a log resource of this server; the form is {LOGS_URI_TEMPLATE} with "
-                                 f"target {' or '.join(self.fleets)}")
+            raise_resource_error(
+                f"{uri} is not a log resource of this server; the form is {LOGS_URI_TEMPLATE} with "
+                f"target {' or '.join(self.fleets)}"
+            )
         name = urllib.parse.unquote(match["name"])
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
@@ -6205,6 +7471,7 @@ class SmolMcp:
         """Handshake era: follow a log in a poller that lives until unsubscribe
         or the end of the session, notifying through this connection."""
         import anyio
+
         fleet, name = self.log_resource(uri, self.principal_for(ctx))
         session = self.session_for(ctx)
         if uri in session.subscriptions:
@@ -6224,15 +7491,23 @@ class SmolMcp:
         its pollers live exactly as long as it does."""
         import anyio
         from mcp.server.subscriptions import ResourceUpdated
+
         session = self.session_for(ctx)
         bus, handler = session.events()
         principal = self.principal_for(ctx)
-        followed = [(uri, *self.log_resource(uri, principal))
-                    for uri in params.notifications.resource_subscriptions or []]
+        followed = [
+            (uri, *self.log_resource(uri, principal))
+            for uri in params.notifications.resource_subscriptions or []
+        ]
         async with anyio.create_task_group() as pollers:
             for uri, fleet, name in followed:
-                pollers.start_soon(follow_log, self, fleet, name,
-                                   lambda uri=uri: bus.publish(ResourceUpdated(uri=uri)))
+                pollers.start_soon(
+                    follow_log,
+                    self,
+                    fleet,
+                    name,
+                    lambda uri=uri: bus.publish(ResourceUpdated(uri=uri)),
+                )
             try:
                 return await handler(ctx, params)
             finally:
@@ -6242,6 +7517,7 @@ class SmolMcp:
         """Delete the session's ephemeral machines and let go of the fleets, even
         while being cancelled (a signal), within a bounded time."""
         import anyio
+
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
@@ -6272,23 +7548,33 @@ def elapsed(started: float) -> dict:
 def explain(err: SmolError) -> str:
     """The error text, plus what to do for the API refusals every tool can meet."""
     if isinstance(err, ApiError):
-        if err.status == 404 and ("machine '" in err.api_message or "vm not found" in err.api_message):
+        if err.status == 404 and (
+            "machine '" in err.api_message or "vm not found" in err.api_message
+        ):
             return str(err.with_hint("Check the name with list-machines"))
         if err.status == 404 and err.action.startswith(("read ", "write ")):
             return str(err.with_hint("Check the path: run-command with ls shows what is there"))
         if err.status == 409 and "already exists" in err.api_message:
-            return str(err.with_hint("Pick another name, or use start-machine to start the existing machine"))
+            return str(
+                err.with_hint(
+                    "Pick another name, or use start-machine to start the existing machine"
+                )
+            )
     return str(err)
 
 
 def tool_error(message: str):
     import mcp_types as types
-    return types.CallToolResult(content=[types.TextContent(type="text", text=message)], is_error=True)
+
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=message)], is_error=True
+    )
 
 
 def raise_resource_error(message: str):
     import mcp_types as types
     from mcp import MCPError
+
     raise MCPError(code=types.INVALID_PARAMS, message=message)
 
 
@@ -6307,12 +7593,13 @@ def build_server(config: Config | None = None):
 # ---------------------------------------------------------------------------
 
 
-async def run_stdio(server, app: "SmolMcp | None" = None) -> None:
+async def run_stdio(server, app: SmolMcp | None = None) -> None:
     import anyio
     from mcp.server.stdio import stdio_server
 
     signalled, answers = False, None
     async with anyio.create_task_group() as group:
+
         async def watch_signals() -> None:
             nonlocal signalled
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
@@ -6394,7 +7681,7 @@ class AnsweredReads(StreamWrapper):
             )
         return item
 
-    def __aiter__(self) -> "AnsweredReads":
+    def __aiter__(self) -> AnsweredReads:
         return self
 
     async def __anext__(self) -> Any:
@@ -6493,14 +7780,20 @@ HTTP_CLOSE = [(b"connection", b"close")]
 HTTP_UNUSED_SESSION_SECS = 300
 # Requests that use a session; initialize, listings and pings alone do not.
 SESSION_USES = ("tools/call", "resources/read", "resources/subscribe", "subscriptions/listen")
-HTTP_UNAUTHORIZED = json.dumps({"error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
-                                         "'X-Smol-Mcp-Token: <token>'"}).encode()
+HTTP_UNAUTHORIZED = json.dumps(
+    {
+        "error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
+        "'X-Smol-Mcp-Token: <token>'"
+    }
+).encode()
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 HTTP_MIN_TOKEN_CHARS = 32
-HTTP_TOKEN_ADVICE = ('make one with: python3 -c "import secrets; print(secrets.token_urlsafe(32))" '
-                     "(or openssl rand -hex 24)")
+HTTP_TOKEN_ADVICE = (
+    'make one with: python3 -c "import secrets; print(secrets.token_urlsafe(32))" '
+    "(or openssl rand -hex 24)"
+)
 
 
 def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> None:
@@ -6509,12 +7802,16 @@ def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> Non
     spaces (a header is Latin-1 on the wire, so anything else would never match
     what a UTF-8 client sends). The message never shows the token."""
     if not all("!" <= ch <= "~" for ch in secret):
-        raise ConfigError(f"{where} must hold only printable ASCII characters without spaces, "
-                          f"so every client sends it byte for byte; {HTTP_TOKEN_ADVICE}")
+        raise ConfigError(
+            f"{where} must hold only printable ASCII characters without spaces, "
+            f"so every client sends it byte for byte; {HTTP_TOKEN_ADVICE}"
+        )
     if len(secret) < HTTP_MIN_TOKEN_CHARS:
-        raise ConfigError(f"{where} is {len(secret)} characters long; --http needs at least "
-                          f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can "
-                          f"try to guess it; {HTTP_TOKEN_ADVICE}")
+        raise ConfigError(
+            f"{where} is {len(secret)} characters long; --http needs at least "
+            f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can "
+            f"try to guess it; {HTTP_TOKEN_ADVICE}"
+        )
 
 
 def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | None:
@@ -6538,8 +7835,16 @@ class HttpGate:
     Content-Type before either), while ours names the setting to change and
     comes right after the token, for every path."""
 
-    def __init__(self, app: Any, *, access: Access, path: str, allowed_hosts: list[str] | None,
-                 allowed_origins: tuple[str, ...], sessions: HttpSessions | None = None):
+    def __init__(
+        self,
+        app: Any,
+        *,
+        access: Access,
+        path: str,
+        allowed_hosts: list[str] | None,
+        allowed_origins: tuple[str, ...],
+        sessions: HttpSessions | None = None,
+    ):
         self.app, self.access, self.path, self.sessions = app, access, path, sessions
         self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
         self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
@@ -6561,21 +7866,39 @@ class HttpGate:
         principal = self.principal(headers)
         if principal is None:
             # Connection: close makes the server stop reading whatever body is still coming.
-            await _respond(send, 401, HTTP_UNAUTHORIZED,
-                           [(b"www-authenticate", b"Bearer"), *HTTP_CLOSE])
+            await _respond(
+                send, 401, HTTP_UNAUTHORIZED, [(b"www-authenticate", b"Bearer"), *HTTP_CLOSE]
+            )
             return
         host = headers.get(b"host", b"").decode("latin-1")
         if self.allowed_hosts is not None and host not in self.allowed_hosts:
-            await _respond(send, 421, json.dumps({"error": f"Host {host!r} is not allowed; set "
-                                                  "SMOL_MCP_HTTP_ALLOWED_HOSTS to the name clients dial"}).encode())
+            await _respond(
+                send,
+                421,
+                json.dumps(
+                    {
+                        "error": f"Host {host!r} is not allowed; set "
+                        "SMOL_MCP_HTTP_ALLOWED_HOSTS to the name clients dial"
+                    }
+                ).encode(),
+            )
             return
         origin = headers.get(b"origin", b"").decode("latin-1")
         if origin and self.allowed_origins and origin not in self.allowed_origins:
-            await _respond(send, 403, json.dumps({"error": f"Origin {origin!r} is not allowed "
-                                                  "(SMOL_MCP_HTTP_ALLOWED_ORIGINS)"}).encode())
+            await _respond(
+                send,
+                403,
+                json.dumps(
+                    {"error": f"Origin {origin!r} is not allowed (SMOL_MCP_HTTP_ALLOWED_ORIGINS)"}
+                ).encode(),
+            )
             return
         if scope["path"] != self.path:
-            await _respond(send, 404, json.dumps({"error": f"not found; the MCP endpoint is {self.path}"}).encode())
+            await _respond(
+                send,
+                404,
+                json.dumps({"error": f"not found; the MCP endpoint is {self.path}"}).encode(),
+            )
             return
         scope.setdefault("state", {})["smol_principal"] = principal
         # The SDK binds a handshake-era session to the user that opened it: the
@@ -6587,11 +7910,13 @@ class HttpGate:
         if self.sessions is None:
             await self.app(scope, replay_body(body, receive), send)
         else:
-            await self.sessions.forward(self.app, scope, replay_body(body, receive), send,
-                                        principal, body)
+            await self.sessions.forward(
+                self.app, scope, replay_body(body, receive), send, principal, body
+            )
 
-    async def read_body(self, headers: dict[bytes, bytes], receive: Callable,
-                        send: Callable) -> bytes | None:
+    async def read_body(
+        self, headers: dict[bytes, bytes], receive: Callable, send: Callable
+    ) -> bytes | None:
         """The whole request body, read here so what is held is bounded as it
         arrives: past HTTP_MAX_BODY_BYTES nothing more is kept and the answer is
         a 413 (the rest is read and dropped, up to as much again, so the client
@@ -6600,8 +7925,13 @@ class HttpGate:
         HTTP_MAX_BODIES_IN_FLIGHT bodies are read at a time. None when an answer
         has been sent here."""
         import anyio
-        too_big = json.dumps({"error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; "
-                                       "send a smaller one (a large file goes in pieces)"}).encode()
+
+        too_big = json.dumps(
+            {
+                "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; "
+                "send a smaller one (a large file goes in pieces)"
+            }
+        ).encode()
         declared = headers.get(b"content-length", b"0").strip()
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
         if over and headers.get(b"expect", b"").lower() == b"100-continue":
@@ -6640,8 +7970,15 @@ def authenticated_user(principal: Principal):
     """The principal as the SDK's request user (by the token's id, never its secret)."""
     from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
     from mcp.server.auth.provider import AccessToken
-    return AuthenticatedUser(AccessToken(token=principal.id, client_id=principal.name,
-                                         scopes=sorted(principal.scopes), subject=principal.id))
+
+    return AuthenticatedUser(
+        AccessToken(
+            token=principal.id,
+            client_id=principal.name,
+            scopes=sorted(principal.scopes),
+            subject=principal.id,
+        )
+    )
 
 
 def request_methods(body: bytes) -> list[str]:
@@ -6652,8 +7989,11 @@ def request_methods(body: bytes) -> list[str]:
     except ValueError:
         return []
     messages = message if isinstance(message, list) else [message]
-    return [m["method"] for m in messages
-            if isinstance(m, dict) and isinstance(m.get("method"), str) and "id" in m]
+    return [
+        m["method"]
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("method"), str) and "id" in m
+    ]
 
 
 def initialize_version(body: bytes) -> str | None:
@@ -6700,9 +8040,14 @@ def guarded_protocol() -> type:
             self.opened = time.monotonic()
             self.watch_headers()
             if len(self.connections) > HTTP_MAX_CONNECTIONS:
-                idle = [c for c in self.connections
-                        if c is not self and isinstance(c, GuardedH11Protocol)
-                        and c.awaiting_headers() and not c.transport.is_closing()]
+                idle = [
+                    c
+                    for c in self.connections
+                    if c is not self
+                    and isinstance(c, GuardedH11Protocol)
+                    and c.awaiting_headers()
+                    and not c.transport.is_closing()
+                ]
                 victim = min(idle, key=lambda c: c.opened) if idle else self
                 victim.transport.close()
 
@@ -6718,8 +8063,9 @@ def guarded_protocol() -> type:
             """Arm the header deadline while no request has arrived, disarm it once one has."""
             if self.awaiting_headers():
                 if self.header_deadline is None:
-                    self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS,
-                                                                self.headers_overdue)
+                    self.header_deadline = self.loop.call_later(
+                        HTTP_HEADER_TIMEOUT_SECS, self.headers_overdue
+                    )
             elif self.header_deadline is not None:
                 self.header_deadline.cancel()
                 self.header_deadline = None
@@ -6744,17 +8090,29 @@ _GUARDED_PROTOCOL: type | None = None
 
 def uvicorn_options() -> dict:
     """The uvicorn settings --http runs with (the tests use the same)."""
-    return dict(http=guarded_protocol(), lifespan="on", log_level="warning",
-                timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS,
-                timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
-                h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
-                limit_concurrency=HTTP_LIMIT_CONCURRENCY)
+    return dict(
+        http=guarded_protocol(),
+        lifespan="on",
+        log_level="warning",
+        timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS,
+        timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
+        h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
+        limit_concurrency=HTTP_LIMIT_CONCURRENCY,
+    )
 
 
 async def _respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *(headers or [])]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -6778,6 +8136,7 @@ class HttpSessions:
     @asynccontextmanager
     async def running(self, tasks: Any):
         import anyio
+
         self.tasks = tasks
         reaper = anyio.CancelScope()
 
@@ -6814,13 +8173,16 @@ class HttpSessions:
 
     def session_for(self, ctx) -> Session:
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
         principal = self.app.principal_for(ctx)
         if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:  # state per token name
             return self.modern_session(principal)
         http_id = ctx.request.headers.get("mcp-session-id", "")
         # Opened when initialize was answered; a request the SDK let through after
         # ours ended (a deleted token's session, closing) gets one of its own.
-        return self.by_id.get(http_id) or self.open_handshake(principal, http_id, ctx.protocol_version)
+        return self.by_id.get(http_id) or self.open_handshake(
+            principal, http_id, ctx.protocol_version
+        )
 
     def modern_session(self, principal: Principal) -> Session:
         """The 2026-era session of a token (made again if the token was)."""
@@ -6849,13 +8211,21 @@ class HttpSessions:
         self.by_id.pop(session.http_id or "", None)
         self.tasks.start_soon(self.app.end_session, session)
 
-    async def forward(self, inner: Callable, scope: dict, receive: Callable, send: Callable,
-                      principal: Principal, body: bytes) -> None:
+    async def forward(
+        self,
+        inner: Callable,
+        scope: dict,
+        receive: Callable,
+        send: Callable,
+        principal: Principal,
+        body: bytes,
+    ) -> None:
         """Hand one request to the SDK and keep the books of its session: a POST
         carrying requests is in flight while it is served (a listen stream is
         not: it stays open while idle), initialize's answer opens a handshake
         session, and an accepted DELETE ends one."""
         from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         http_id, version = headers.get("mcp-session-id"), headers.get("mcp-protocol-version")
         methods = request_methods(body) if scope["method"] == "POST" else []
@@ -6864,8 +8234,10 @@ class HttpSessions:
         async def watch(message: dict) -> None:
             if message["type"] == "http.response.start":
                 answer["status"] = message["status"]
-                answer["headers"] = {k.decode("latin-1").lower(): v.decode("latin-1")
-                                     for k, v in message.get("headers", [])}
+                answer["headers"] = {
+                    k.decode("latin-1").lower(): v.decode("latin-1")
+                    for k, v in message.get("headers", [])
+                }
             elif message["type"] == "http.response.body" and "initialize" in methods:
                 answer["body"] += message.get("body", b"")
             await send(message)
@@ -6905,8 +8277,11 @@ class HttpSessions:
                 await self.app.end_session(session)
         for session in list(self.by_id.values()):
             if live.get(session.principal.name) != session.principal.id:
-                log.info("token %s was deleted: ending its session %s", session.principal.name,
-                         session.id)
+                log.info(
+                    "token %s was deleted: ending its session %s",
+                    session.principal.name,
+                    session.id,
+                )
                 self.by_id.pop(session.http_id, None)
                 await self.close_handshake_session(session)  # the SDK lets go of it too
                 await self.app.end_session(session)
@@ -7047,15 +8422,22 @@ def shutdown_errors(body: bytes) -> Any:
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     """The ASGI application for --http: HttpGate in front of the SDK's
     Streamable HTTP session manager."""
-    from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
+    from mcp.server.streamable_http_manager import (
+        StreamableHTTPASGIApp,
+        StreamableHTTPSessionManager,
+    )
     from starlette.applications import Starlette
     from starlette.routing import Route
 
     config = app.config
     app.http = HttpSessions(app)
     manager = StreamableHTTPSessionManager(
-        app.server, json_response=True, session_idle_timeout=config.http_session_idle_secs,
-        max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
+        app.server,
+        json_response=True,
+        session_idle_timeout=config.http_session_idle_secs,
+        max_request_body_size=HTTP_MAX_BODY_BYTES,
+        max_sessions=HTTP_MAX_SESSIONS,
+    )
     app.http.manager, app.http.path = manager, path
 
     @asynccontextmanager
@@ -7063,30 +8445,45 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
         async with manager.run():  # enters the server's lifespan once; ends every session at exit
             yield
 
-    inner = Starlette(routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan)
+    inner = Starlette(
+        routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan
+    )
     inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
-    return HttpGate(inner, access=app.access, path=path, sessions=app.http,
-                    allowed_hosts=default_allowed_hosts(config, host, port),
-                    allowed_origins=config.http_allowed_origins)
+    return HttpGate(
+        inner,
+        access=app.access,
+        path=path,
+        sessions=app.http,
+        allowed_hosts=default_allowed_hosts(config, host, port),
+        allowed_origins=config.http_allowed_origins,
+    )
 
 
 def describe_mount_roots(config: Config) -> str:
     """One line on the host directories an agent can mount, for the startup log and doctor."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
-        return ("host directories exposed to agents: none (mounts and host-path images are "
-                "refused; mountRoots)")
+        return (
+            "host directories exposed to agents: none (mounts and host-path images are "
+            "refused; mountRoots)"
+        )
     return "host directories exposed to agents (mountRoots): " + ", ".join(
         f"{root} ({'read-write on request' if writable else 'read-only'})"
-        for root, writable in roots)
+        for root, writable in roots
+    )
 
 
 async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     import uvicorn
+
     asgi = build_http_app(app, host, port, path)
     if asgi.allowed_hosts is None:
-        log.warning("bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: the Host check is off, because the name "
-                    "clients dial is not knowable here; set it to that name", host)
+        log.warning(
+            "bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: the Host check is off, because the "
+            "name "
+            "clients dial is not knowable here; set it to that name",
+            host,
+        )
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
@@ -7100,6 +8497,7 @@ def stopping_server(config: Any, app: SmolMcp):
     afterwards: uvicorn re-raises the signal once it is done, which would end
     the process by that signal after a clean shutdown."""
     import asyncio
+
     import anyio
     import uvicorn
 
@@ -7116,7 +8514,6 @@ def stopping_server(config: Any, app: SmolMcp):
         # What uvicorn restores and re-raises into: handled already.
         signal.signal(sig, lambda *_: None)
     return Server(config)
-
 
 
 # ---------------------------------------------------------------------------
@@ -7150,55 +8547,86 @@ examples:
 
 def parse_args(argv: list[str]):
     import argparse
+
     parser = argparse.ArgumentParser(
-        prog="smol-mcp", description="An MCP server that gives an AI agent microVMs (smol machines) to work in. "
-                                     "Serves MCP over stdio by default.",
-        epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="smol-mcp",
+        description="An MCP server that gives an AI agent microVMs (smol machines) to work in. "
+        "Serves MCP over stdio by default.",
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"smol-mcp {__version__}")
-    parser.add_argument("--http", action="store_true", help="serve Streamable HTTP instead of stdio")
+    parser.add_argument(
+        "--http", action="store_true", help="serve Streamable HTTP instead of stdio"
+    )
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
-    helpers = parser.add_subparsers(dest="command",
-                                    metavar="{doctor,setup,parity,tokens,activity,approvals}")
+    helpers = parser.add_subparsers(
+        dest="command", metavar="{doctor,setup,parity,tokens,activity,approvals}"
+    )
     doctor_parser = helpers.add_parser(
-        "doctor", help="say whether each fleet works on this host, and what to do if not")
-    doctor_parser.add_argument("--probe", action="store_true",
-                               help="also create, start, run `true` in and delete a throwaway "
-                                    "local machine")
-    setup = helpers.add_parser("setup", help="print (or --write) the configuration for an MCP client")
+        "doctor", help="say whether each fleet works on this host, and what to do if not"
+    )
+    doctor_parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="also create, start, run `true` in and delete a throwaway local machine",
+    )
+    setup = helpers.add_parser(
+        "setup", help="print (or --write) the configuration for an MCP client"
+    )
     setup.add_argument("client", choices=SETUP_CLIENTS)
-    setup.add_argument("--write", action="store_true", help="merge it into the client's config file (backup first)")
-    setup.add_argument("--force", action="store_true",
-                       help="with --write: replace an existing smol entry")
-    setup.add_argument("--http", dest="http_url", metavar="URL",
-                       help="an entry for a smol-mcp --http server at URL instead of a local stdio one")
-    helpers.add_parser("parity", help="compare the routes this server calls with the running serve's OpenAPI")
+    setup.add_argument(
+        "--write", action="store_true", help="merge it into the client's config file (backup first)"
+    )
+    setup.add_argument(
+        "--force", action="store_true", help="with --write: replace an existing smol entry"
+    )
+    setup.add_argument(
+        "--http",
+        dest="http_url",
+        metavar="URL",
+        help="an entry for a smol-mcp --http server at URL instead of a local stdio one",
+    )
+    helpers.add_parser(
+        "parity", help="compare the routes this server calls with the running serve's OpenAPI"
+    )
     tokens = helpers.add_parser("tokens", help="create, list and delete the named tokens of --http")
-    token_commands = tokens.add_subparsers(dest="tokens_command",
-                                           metavar="{create,list,delete,auto-approve}",
-                                           required=True)
+    token_commands = tokens.add_subparsers(
+        dest="tokens_command", metavar="{create,list,delete,auto-approve}", required=True
+    )
     create = token_commands.add_parser("create", help="make a token; its secret is shown once")
     create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
-    create.add_argument("--scopes", required=True,
-                        help=f"comma-separated, from: {', '.join(SCOPES)}")
-    create.add_argument("--targets",
-                        help="the fleets it may use: local, cloud or local,cloud (default both)")
-    create.add_argument("--approval", choices=APPROVAL_MODES, default="none",
-                        help="changes: changing calls wait for a person (recorded with the token)")
-    create.add_argument("--client", choices=SETUP_CLIENTS,
-                        help="also print that client's entry for it")
-    create.add_argument("--url",
-                        help="the server URL for --client (default: httpHost, httpPort, httpPath)")
+    create.add_argument(
+        "--scopes", required=True, help=f"comma-separated, from: {', '.join(SCOPES)}"
+    )
+    create.add_argument(
+        "--targets", help="the fleets it may use: local, cloud or local,cloud (default both)"
+    )
+    create.add_argument(
+        "--approval",
+        choices=APPROVAL_MODES,
+        default="none",
+        help="changes: changing calls wait for a person (recorded with the token)",
+    )
+    create.add_argument(
+        "--client", choices=SETUP_CLIENTS, help="also print that client's entry for it"
+    )
+    create.add_argument(
+        "--url", help="the server URL for --client (default: httpHost, httpPort, httpPath)"
+    )
     create.add_argument("--json", action="store_true", help="print one JSON object, for scripts")
     listing = token_commands.add_parser("list", help="show every token, never a secret")
     listing.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
-    delete = token_commands.add_parser("delete",
-                                       help="cut a token off; a running server refuses it at once")
+    delete = token_commands.add_parser(
+        "delete", help="cut a token off; a running server refuses it at once"
+    )
     delete.add_argument("name")
-    auto = token_commands.add_parser("auto-approve",
-                                     help="end a token's auto-approval (`approvals approve "
-                                          "--auto-for` starts one)")
+    auto = token_commands.add_parser(
+        "auto-approve",
+        help="end a token's auto-approval (`approvals approve --auto-for` starts one)",
+    )
     auto.add_argument("name", help="a token name, or stdio")
     auto.add_argument("state", choices=("off",))
     activity = helpers.add_parser("activity", help="show what agents changed (the activity log)")
@@ -7207,14 +8635,18 @@ def parse_args(argv: list[str]):
     activity.add_argument("--since", help="only the last period, such as 15m, 1h or 7d")
     activity.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
     approvals = helpers.add_parser("approvals", help="list, approve and deny calls that wait")
-    approval_commands = approvals.add_subparsers(dest="approvals_command",
-                                                 metavar="{list,approve,deny}", required=True)
+    approval_commands = approvals.add_subparsers(
+        dest="approvals_command", metavar="{list,approve,deny}", required=True
+    )
     waiting = approval_commands.add_parser("list", help="the calls that wait for a person")
     waiting.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
     approve = approval_commands.add_parser("approve", help="let a waiting call run")
     approve.add_argument("id")
-    approve.add_argument("--auto-for", choices=tuple(AUTO_APPROVE_PERIODS),
-                         help="also let this token run changing tools without asking for this long")
+    approve.add_argument(
+        "--auto-for",
+        choices=tuple(AUTO_APPROVE_PERIODS),
+        help="also let this token run changing tools without asking for this long",
+    )
     deny = approval_commands.add_parser("deny", help="refuse a waiting call; nothing runs")
     deny.add_argument("id")
     deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
@@ -7225,8 +8657,15 @@ def parse_args(argv: list[str]):
         parser.error(f"--path must start with '/', got {args.path!r}")
     if args.port is not None and not 1 <= args.port <= 65535:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
-    if args.command == "setup" and args.http_url and not args.http_url.startswith(("http://", "https://")):
-        parser.error(f"setup --http takes the server's URL, such as http://b.local:8080/mcp; got {args.http_url!r}")
+    if (
+        args.command == "setup"
+        and args.http_url
+        and not args.http_url.startswith(("http://", "https://"))
+    ):
+        parser.error(
+            "setup --http takes the server's URL, such as http://b.local:8080/mcp; got "
+            f"{args.http_url!r}"
+        )
     return args
 
 
@@ -7250,7 +8689,9 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
     fleet is usable. The cloud key is tried with one list call; with
     ``probe``, a throwaway local machine is created, started, run and deleted."""
     document = targets_document(app)
-    print(f"smol-mcp {__version__}: mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})")
+    print(
+        f"smol-mcp {__version__}: mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})"
+    )
     healthy = True
     for name, facts in document["fleets"].items():
         if not facts["served"]:
@@ -7267,8 +8708,10 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
             print(line)
     if probe:
         if "local" not in app.fleets:
-            print("\nprobe: the local fleet is not served (SMOL_MCP_TARGETS), so there is "
-                  "nothing to probe")
+            print(
+                "\nprobe: the local fleet is not served (SMOL_MCP_TARGETS), so there is "
+                "nothing to probe"
+            )
             return 1
         healthy = probe_local(app) and healthy
     print(f"\ntokens: {tokens_file_report(app.config)}")
@@ -7295,8 +8738,10 @@ def probe_local(app: SmolMcp) -> bool:
                 except SmolError:
                     lines = []
             explained = explain_start_failure(err, "blocked", lines)
-            print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: "
-                  f"{redact(str(explained), config.secret_values())}")
+            print(
+                f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: "
+                f"{redact(str(explained), config.secret_values())}"
+            )
             return False
         print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
         return True
@@ -7305,24 +8750,33 @@ def probe_local(app: SmolMcp) -> bool:
         deadline = time.monotonic() + config.ready_timeout_secs
         while (answer := fleet.probe_ready(name)) is not None:
             if time.monotonic() > deadline:
-                raise SmolError("the guest did not run a command within "
-                                f"{config.ready_timeout_secs} s (readyTimeoutSecs); its last "
-                                f"answer: {answer}")
+                raise SmolError(
+                    "the guest did not run a command within "
+                    f"{config.ready_timeout_secs} s (readyTimeoutSecs); its last "
+                    f"answer: {answer}"
+                )
             time.sleep(0.5)
 
     def run_true() -> None:
         result = fleet.exec(name, ["true"], timeout_secs=30)
         if result.exit_code != 0:
-            raise SmolError(f"`true` exited with {result.exit_code}: "
-                            f"{result.stderr.decode('utf-8', 'replace')}")
+            raise SmolError(
+                f"`true` exited with {result.exit_code}: {result.stderr.decode('utf-8', 'replace')}"
+            )
 
     created = False
     fleet.acquire()
     try:
         ok = step("serve", fleet.ensure_serve)
-        created = ok and step("create", lambda: fleet.request(
-            f"create machine '{name}'", "POST", "/api/v1/machines",
-            {"name": name, "cpus": 1, "memoryMb": 512, "network": False}))
+        created = ok and step(
+            "create",
+            lambda: fleet.request(
+                f"create machine '{name}'",
+                "POST",
+                "/api/v1/machines",
+                {"name": name, "cpus": 1, "memoryMb": 512, "network": False},
+            ),
+        )
         ok = created and step("start", lambda: fleet.start_machine(name))
         ok = ok and step("ready", wait_ready)
         ok = ok and step("run", run_true)
@@ -7370,8 +8824,11 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
         env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
     if not environ.get("SMOL_LOCAL_URL"):
         configured = environ.get("SMOLVM", Config.smolvm)
-        found = (configured if os.sep in configured
-                 else shutil.which(configured, path=environ.get("PATH")))
+        found = (
+            configured
+            if os.sep in configured
+            else shutil.which(configured, path=environ.get("PATH"))
+        )
         if found is None and configured == Config.smolvm:
             found = wheel_engine()
         if found:
@@ -7385,21 +8842,32 @@ CODEX_STARTUP_TIMEOUT_SECS = 60  # a first `uv run` of the file resolves package
 def codex_timeouts(config: Config) -> dict[str, int]:
     """Codex gives a server 10 s to start and a tool call 60 s; a create can
     wait for the serve, then for readiness, and a command for its timeout."""
-    longest = (config.serve_start_timeout_secs + config.ready_timeout_secs
-               + config.max_exec_timeout_secs + 60)
+    longest = (
+        config.serve_start_timeout_secs
+        + config.ready_timeout_secs
+        + config.max_exec_timeout_secs
+        + 60
+    )
     return {"startup_timeout_sec": CODEX_STARTUP_TIMEOUT_SECS, "tool_timeout_sec": longest}
 
 
 def secret_reference(client: str, name: str) -> str | None:
     """How the client's config names an environment variable, or None when
     it cannot (Claude Desktop reads no environment and expands nothing)."""
-    forms = {"claude-code": f"${{{name}}}", "cursor": f"${{env:{name}}}",
-             "opencode": f"{{env:{name}}}"}
+    forms = {
+        "claude-code": f"${{{name}}}",
+        "cursor": f"${{env:{name}}}",
+        "opencode": f"{{env:{name}}}",
+    }
     return forms.get(client)
 
 
-def client_entry(client: str, http_url: str | None, config: Config | None = None,
-                 environ: dict[str, str] | None = None) -> tuple[str, dict]:
+def client_entry(
+    client: str,
+    http_url: str | None,
+    config: Config | None = None,
+    environ: dict[str, str] | None = None,
+) -> tuple[str, dict]:
     """(the top-level key, the server entry) in the client's own shape. Secrets
     are referenced through the client's environment syntax, never copied."""
     config = config or Config()
@@ -7412,6 +8880,7 @@ def client_entry(client: str, http_url: str | None, config: Config | None = None
     if wheel and env.get("SMOLVM") == wheel and command[1:3] == ["run", "--script"]:
         # uv's environment of the moment may be pruned; the client's `uv run` brings the wheel back
         import importlib.metadata
+
         command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
         del env["SMOLVM"]
     for name in secrets:
@@ -7419,39 +8888,61 @@ def client_entry(client: str, http_url: str | None, config: Config | None = None
         if reference:
             env[name] = reference
     if client == "opencode":
-        return "mcp", {"type": "local", "command": command, "enabled": True,
-                       **({"environment": env} if env else {})}
+        return "mcp", {
+            "type": "local",
+            "command": command,
+            "enabled": True,
+            **({"environment": env} if env else {}),
+        }
     if client == "codex":
-        entry: dict[str, Any] = {"command": command[0], "args": command[1:],
-                                 **codex_timeouts(config)}
+        entry: dict[str, Any] = {
+            "command": command[0],
+            "args": command[1:],
+            **codex_timeouts(config),
+        }
         if secrets:
             entry["env_vars"] = secrets  # Codex forwards these from its own environment
         if env:
             entry["env"] = env
         return "mcp_servers", entry
-    return "mcpServers", {"command": command[0], "args": command[1:],
-                          **({"env": env} if env else {})}
+    return "mcpServers", {
+        "command": command[0],
+        "args": command[1:],
+        **({"env": env} if env else {}),
+    }
 
 
-def http_entry(client: str, http_url: str, config: Config,
-               variable: str = "SMOL_MCP_AUTH_TOKEN") -> tuple[str, dict]:
+def http_entry(
+    client: str, http_url: str, config: Config, variable: str = "SMOL_MCP_AUTH_TOKEN"
+) -> tuple[str, dict]:
     """An entry for a smol-mcp --http server; ``variable`` holds the token."""
     if client == "opencode":
-        return "mcp", {"type": "remote", "url": http_url, "enabled": True,
-                       "headers": {"Authorization": f"Bearer {{env:{variable}}}"}}
+        return "mcp", {
+            "type": "remote",
+            "url": http_url,
+            "enabled": True,
+            "headers": {"Authorization": f"Bearer {{env:{variable}}}"},
+        }
     if client == "codex":
-        return "mcp_servers", {"url": http_url, "bearer_token_env_var": variable,
-                               **codex_timeouts(config)}
+        return "mcp_servers", {
+            "url": http_url,
+            "bearer_token_env_var": variable,
+            **codex_timeouts(config),
+        }
     if client == "claude-desktop":
         # It speaks stdio only, so the npm bridge carries HTTP; it reads no shell
         # environment, so the token has to be pasted into its env block by hand.
-        return "mcpServers", {"command": "npx",
-                              "args": ["-y", "mcp-remote", http_url, "--header",
-                                       "Authorization:${AUTH_HEADER}"],
-                              "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>"}}
+        return "mcpServers", {
+            "command": "npx",
+            "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
+            "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>"},
+        }
     reference = secret_reference(client, variable)
-    return "mcpServers", {"type": "http", "url": http_url,
-                          "headers": {"Authorization": f"Bearer {reference}"}}
+    return "mcpServers", {
+        "type": "http",
+        "url": http_url,
+        "headers": {"Authorization": f"Bearer {reference}"},
+    }
 
 
 def client_config_path(client: str) -> tuple[Path, str]:
@@ -7508,14 +8999,16 @@ def render_entry(client: str, key: str, entry: dict) -> str:
 def one_liner(client: str, entry: dict) -> str | None:
     """The client's own command that adds the same entry, where it has one."""
     import shlex
+
     if client not in ("claude-code", "codex") or "command" not in entry:
         return None
     env = [f"{name}={value}" for name, value in entry.get("env", {}).items()]
     argv = [entry["command"], *entry["args"]]
     if client == "claude-code":
         flags = [part for pair in env for part in ("-e", pair)]
-        return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--",
-                           *argv])
+        return shlex.join(
+            ["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv]
+        )
     flags = [part for pair in env for part in ("--env", pair)]
     return shlex.join(["codex", "mcp", "add", *flags, "smol", "--", *argv])
 
@@ -7541,7 +9034,7 @@ def strip_jsonc(text: str) -> str:
             j = i + 1
             while j < n and text[j] != '"':
                 j += 2 if text[j] == "\\" else 1
-            out.append(text[i:j + 1])
+            out.append(text[i : j + 1])
             i = j + 1
         elif text.startswith("//", i):
             i = text.find("\n", i) if "\n" in text[i:] else n
@@ -7554,25 +9047,32 @@ def strip_jsonc(text: str) -> str:
     return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
 
 
-def merge_json(path: Path, text: str, key: str, entry: dict, client: str,
-               force: bool) -> tuple[str, bool]:
+def merge_json(
+    path: Path, text: str, key: str, entry: dict, client: str, force: bool
+) -> tuple[str, bool]:
     try:
         existing = json.loads(text) if text.strip() else {}
     except ValueError as err:
         try:
             json.loads(strip_jsonc(text))
         except ValueError:
-            raise SetupRefused(f"{path} does not parse as JSON ({err}); fix it, or paste the "
-                               "entry by hand") from None
-        raise SetupRefused(f"{path} has comments or trailing commas (JSONC); rewriting it would "
-                           "drop them, so paste the entry printed by `setup` without --write "
-                           "into it by hand") from None
+            raise SetupRefused(
+                f"{path} does not parse as JSON ({err}); fix it, or paste the entry by hand"
+            ) from None
+        raise SetupRefused(
+            f"{path} has comments or trailing commas (JSONC); rewriting it would "
+            "drop them, so paste the entry printed by `setup` without --write "
+            "into it by hand"
+        ) from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
-        raise SetupRefused(f'{path} does not hold a JSON object with an object under "{key}"; '
-                           "fix it, or paste the entry by hand")
+        raise SetupRefused(
+            f'{path} does not hold a JSON object with an object under "{key}"; '
+            "fix it, or paste the entry by hand"
+        )
     if "smol" in existing.get(key, {}) and not force:
-        raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; run again with '
-                           '--force to replace it')
+        raise SetupRefused(
+            f'{path} already has a "smol" entry under "{key}"; run again with --force to replace it'
+        )
     replacing = "smol" in existing.get(key, {})
     existing.setdefault(key, {})["smol"] = entry
     if client == "opencode":
@@ -7584,26 +9084,32 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str,
     return merged, replacing
 
 
-SMOL_TABLE_RE = re.compile(r"^\s*\[\s*(mcp_servers|\"mcp_servers\")\s*\.\s*(smol|\"smol\")"
-                           r"\s*(\.[^\]]*)?\]\s*(#.*)?$")
+SMOL_TABLE_RE = re.compile(
+    r"^\s*\[\s*(mcp_servers|\"mcp_servers\")\s*\.\s*(smol|\"smol\")"
+    r"\s*(\.[^\]]*)?\]\s*(#.*)?$"
+)
 
 
 def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tuple[str, bool]:
     try:
         import tomllib
     except ImportError:
-        raise SetupRefused("checking the TOML before writing it needs Python 3.11 or newer "
-                           "(tomllib); print the entry without --write and paste it, or run this "
-                           "with a newer Python") from None
+        raise SetupRefused(
+            "checking the TOML before writing it needs Python 3.11 or newer "
+            "(tomllib); print the entry without --write and paste it, or run this "
+            "with a newer Python"
+        ) from None
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise SetupRefused(f"{path} is not valid TOML ({err}); fix it, or paste the entry by "
-                           "hand") from None
+        raise SetupRefused(
+            f"{path} is not valid TOML ({err}); fix it, or paste the entry by hand"
+        ) from None
     if "smol" in existing.get(key, {}):
         if not force:
-            raise SetupRefused(f"{path} already has [{key}.smol]; run again with --force to "
-                               "replace it")
+            raise SetupRefused(
+                f"{path} already has [{key}.smol]; run again with --force to replace it"
+            )
         kept, skipping = [], False
         for line in text.splitlines(keepends=True):
             if SMOL_TABLE_RE.match(line):
@@ -7622,14 +9128,19 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     except tomllib.TOMLDecodeError:
         parsed = None
     others = {k: v for k, v in existing.get(key, {}).items() if k != "smol"}
-    if (parsed is None or parsed.get(key, {}).get("smol") != entry
-            or {k: v for k, v in parsed[key].items() if k != "smol"} != others
-            or {k: v for k, v in parsed.items() if k != key}
-            != {k: v for k, v in existing.items() if k != key}):
-        raise SetupRefused(f"appending [{key}.smol] to {path} would not give valid TOML with "
-                           f"every other setting kept (for example when {key} is written as an "
-                           f"inline table, {key} = {{...}}); nothing was written: paste the entry "
-                           "printed by `setup` without --write by hand")
+    if (
+        parsed is None
+        or parsed.get(key, {}).get("smol") != entry
+        or {k: v for k, v in parsed[key].items() if k != "smol"} != others
+        or {k: v for k, v in parsed.items() if k != key}
+        != {k: v for k, v in existing.items() if k != key}
+    ):
+        raise SetupRefused(
+            f"appending [{key}.smol] to {path} would not give valid TOML with "
+            f"every other setting kept (for example when {key} is written as an "
+            f"inline table, {key} = {{...}}); nothing was written: paste the entry "
+            "printed by `setup` without --write by hand"
+        )
     return merged, "smol" in existing.get(key, {})
 
 
@@ -7646,9 +9157,11 @@ def setup(client: str, http_url: str | None, write: bool, force: bool = False) -
     path, scope = client_config_path(client)
     command = one_liner(client, entry)
     if client == "claude-desktop" and not http_url and any(os.environ.get(n) for n in SECRET_ENVS):
-        print("# claude-desktop reads no environment: to serve the cloud fleet, add "
-              "SMOL_CLOUD_TOKEN to the entry's env by hand (the key is not copied for you)",
-              file=sys.stderr)
+        print(
+            "# claude-desktop reads no environment: to serve the cloud fleet, add "
+            "SMOL_CLOUD_TOKEN to the entry's env by hand (the key is not copied for you)",
+            file=sys.stderr,
+        )
     if not write:
         # on stderr, so that stdout stays pastable as it is
         print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)
@@ -7674,8 +9187,10 @@ def setup(client: str, http_url: str | None, write: bool, force: bool = False) -
         shutil.copy2(path, backup)
         print(f"backed up {path} to {backup}")
     path.write_text(merged)
-    print(f"{'replaced the smol entry in' if replacing else 'wrote the smol entry into'} {path} "
-          f"(the {scope} file {client} reads)")
+    print(
+        f"{'replaced the smol entry in' if replacing else 'wrote the smol entry into'} {path} "
+        f"(the {scope} file {client} reads)"
+    )
     if command:
         print(f"(the same with the client's own command: {command})")
     return 0
@@ -7693,18 +9208,34 @@ def tokens_command(args: Any, config: Config) -> int:
     """tokens create / list / delete: the named tokens of --http, in the state directory."""
     store = TokenStore(config.state_dir)
     if args.tokens_command == "create":
-        record, secret = store.create(args.name, parse_scopes(args.scopes),
-                                      parse_targets(args.targets), args.approval)
-        shown = {"name": record["name"], "secret": secret, "scopes": record["scopes"],
-                 "targets": record["targets"], "approval": record["approval"]}
-        cli_record(config, {"event": "token", "outcome": "created", "token": record["name"],
-                            "scopes": record["scopes"], "targets": record["targets"],
-                            "approval": record["approval"]})
+        record, secret = store.create(
+            args.name, parse_scopes(args.scopes), parse_targets(args.targets), args.approval
+        )
+        shown = {
+            "name": record["name"],
+            "secret": secret,
+            "scopes": record["scopes"],
+            "targets": record["targets"],
+            "approval": record["approval"],
+        }
+        cli_record(
+            config,
+            {
+                "event": "token",
+                "outcome": "created",
+                "token": record["name"],
+                "scopes": record["scopes"],
+                "targets": record["targets"],
+                "approval": record["approval"],
+            },
+        )
         if args.json:
             print(json.dumps(shown))
             return 0
-        print(f"created token '{record['name']}': scopes {', '.join(record['scopes'])}; fleets "
-              f"{', '.join(record['targets'])}; approval {record['approval']}")
+        print(
+            f"created token '{record['name']}': scopes {', '.join(record['scopes'])}; fleets "
+            f"{', '.join(record['targets'])}; approval {record['approval']}"
+        )
         print(f"secret (shown this once; only its hash is kept): {secret}")
         if args.client:
             url = args.url or f"http://{config.http_host}:{config.http_port}{config.http_path}"
@@ -7712,12 +9243,16 @@ def tokens_command(args: Any, config: Config) -> int:
             key, entry = http_entry(args.client, url, config, variable)
             where = client_config_path(args.client)[0]
             if secret_reference(args.client, variable) or args.client == "codex":
-                print(f"\n# {args.client}: add this to {where}, and give the client the "
-                      f"secret as {variable}:")
+                print(
+                    f"\n# {args.client}: add this to {where}, and give the client the "
+                    f"secret as {variable}:"
+                )
                 print(f"#   export {variable}='{secret}'")
             else:  # it reads no environment: the value goes into the entry itself
-                print(f"\n# {args.client}: add this to {where}, with the secret pasted in "
-                      f"place of <paste the {variable} value here>:")
+                print(
+                    f"\n# {args.client}: add this to {where}, with the secret pasted in "
+                    f"place of <paste the {variable} value here>:"
+                )
             print(render_entry(args.client, key, entry), end="")
         return 0
     auto = AutoApprovals(config.state_dir)
@@ -7725,38 +9260,64 @@ def tokens_command(args: Any, config: Config) -> int:
         if not auto.end(args.name):
             print(f"smol-mcp: {args.name!r} has no auto-approval; nothing changed", file=sys.stderr)
             return 1
-        cli_record(config, {"event": "approval", "approval": "auto-approval ended",
-                            "token": args.name})
+        cli_record(
+            config, {"event": "approval", "approval": "auto-approval ended", "token": args.name}
+        )
         print(f"auto-approval of {args.name!r} is off: its changing calls wait for a person again")
         return 0
     if args.tokens_command == "list":
         records, used = store.records(), store.last_used()
         if args.json:
-            print(json.dumps([{"name": r["name"], "scopes": r["scopes"], "targets": r["targets"],
-                               "approval": r["approval"],
-                               "autoApprove": auto.shown(r["name"], r.get("id", ""))}
-                              for r in records]))
+            print(
+                json.dumps(
+                    [
+                        {
+                            "name": r["name"],
+                            "scopes": r["scopes"],
+                            "targets": r["targets"],
+                            "approval": r["approval"],
+                            "autoApprove": auto.shown(r["name"], r.get("id", "")),
+                        }
+                        for r in records
+                    ]
+                )
+            )
             return 0
         if not records:
-            print(f"no tokens yet (create one with: smol_mcp.py tokens create NAME --scopes LIST); "
-                  f"file {store.file.path}")
+            print(
+                f"no tokens yet (create one with: smol_mcp.py tokens create NAME --scopes LIST); "
+                f"file {store.file.path}"
+            )
             return 0
         rows = [("NAME", "SCOPES", "FLEETS", "APPROVAL", "AUTO-APPROVE", "CREATED", "LAST USED")]
-        rows += [(r["name"], ",".join(r["scopes"]), ",".join(r["targets"]), r["approval"],
-                  auto.shown(r["name"], r.get("id", "")), r.get("createdAt", "-"),
-                  used.get(r["name"], "never")) for r in records]
+        rows += [
+            (
+                r["name"],
+                ",".join(r["scopes"]),
+                ",".join(r["targets"]),
+                r["approval"],
+                auto.shown(r["name"], r.get("id", "")),
+                r.get("createdAt", "-"),
+                used.get(r["name"], "never"),
+            )
+            for r in records
+        ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         for row in rows:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         return 0
     if not store.delete(args.name):
         names = ", ".join(r["name"] for r in store.records()) or "none"
-        print(f"smol-mcp: there is no token named {args.name!r} (the tokens: {names})",
-              file=sys.stderr)
+        print(
+            f"smol-mcp: there is no token named {args.name!r} (the tokens: {names})",
+            file=sys.stderr,
+        )
         return 1
     cli_record(config, {"event": "token", "outcome": "deleted", "token": args.name})
-    print(f"deleted token '{args.name}': a running server refuses it within a second and ends its "
-          "sessions (their ephemeral machines are deleted)")
+    print(
+        f"deleted token '{args.name}': a running server refuses it within a second and ends its "
+        "sessions (their ephemeral machines are deleted)"
+    )
     return 0
 
 
@@ -7929,14 +9490,20 @@ def parity(app: SmolMcp) -> int:
     finally:
         fleet.release()
     report = parity_report(spec)
-    print(f"smolvm {fleet.version}: {len(report['called'])} called, {len(report['skipped'])} skipped, "
-          f"{len(report['unknown'])} unknown, {len(report['missing'])} missing")
+    print(
+        f"smolvm {fleet.version}: {len(report['called'])} called, {len(report['skipped'])} "
+        "skipped, "
+        f"{len(report['unknown'])} unknown, {len(report['missing'])} missing"
+    )
     for method, path in report["called"]:
         print(f"  called   {method:6} {path}")
     for (method, path), reason in report["skipped"]:
         print(f"  skipped  {method:6} {path}: {reason}")
     for method, path in report["unknown"]:
-        print(f"  UNKNOWN  {method:6} {path}: new in this smolvm; decide whether a tool should call it")
+        print(
+            f"  UNKNOWN  {method:6} {path}: new in this smolvm; decide whether a tool should "
+            "call it"
+        )
     for method, path in report["missing"]:
         print(f"  MISSING  {method:6} {path}: called by smol-mcp but absent from this serve")
     return 1 if report["missing"] else 0
@@ -7946,7 +9513,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``smol-mcp`` and ``python3 smol_mcp.py``."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
-    log.setLevel(logging.INFO)  # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
+    log.setLevel(
+        logging.INFO
+    )  # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
     if args.command == "setup":
         return setup(args.client, args.http_url, args.write, args.force)
     try:
@@ -7962,7 +9531,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--http refuses to start without a token, because these tools run machines: "
                 "create one with `smol_mcp.py tokens create NAME --scopes LIST`, or set "
                 "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>'; "
-                + HTTP_TOKEN_ADVICE)
+                + HTTP_TOKEN_ADVICE
+            )
         if args.http and not args.command and config.auth_token:
             check_token_strength(config.auth_token)
         app = SmolMcp(config)
@@ -7974,19 +9544,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
     import anyio
+
     if args.http:
-        anyio.run(run_http, app, args.host or config.http_host, args.port or config.http_port,
-                  args.path or config.http_path)
+        anyio.run(
+            run_http,
+            app,
+            args.host or config.http_host,
+            args.port or config.http_port,
+            args.path or config.http_path,
+        )
         # Cleaned up and done: a worker thread a stopped call abandoned must not hold the exit.
         logging.shutdown()
         sys.stdout.flush()
         os._exit(0)
     else:
         if sys.stdin.isatty():
-            print("smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
-                  "client (Ctrl-C to stop); to check this host run `smol-mcp doctor`, to "
-                  "configure a client `smol-mcp setup CLIENT` (see --help)",
-                  file=sys.stderr, flush=True)
+            print(
+                "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
+                "client (Ctrl-C to stop); to check this host run `smol-mcp doctor`, to "
+                "configure a client `smol-mcp setup CLIENT` (see --help)",
+                file=sys.stderr,
+                flush=True,
+            )
         anyio.run(run_stdio, app.server, app)
     return 0
 

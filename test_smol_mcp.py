@@ -22,11 +22,10 @@ reason, on a host where no microVM can boot.
 
 from __future__ import annotations
 
-import asyncio
 import ast
-import contextlib
+import asyncio
 import base64
-from dataclasses import replace as dataclasses_replace
+import contextlib
 import inspect
 import json
 import logging
@@ -45,6 +44,7 @@ import time
 import typing
 import unittest
 import unittest.mock
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -60,7 +60,9 @@ from tests.fakes.fake_cloud import FakeCloud  # noqa: E402
 from tests.fakes.fake_smolvm import FakeSmolvm  # noqa: E402
 
 FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
-logging.getLogger("smol_mcp").setLevel(logging.CRITICAL)  # the server's own log lines are not what is tested
+logging.getLogger("smol_mcp").setLevel(
+    logging.CRITICAL
+)  # the server's own log lines are not what is tested
 MODES = ("legacy", "auto")  # the handshake era, and the SDK default (2026-07-28)
 CAN_CHROOT = os.geteuid() == 0 or shutil.which("unshare") is not None
 
@@ -71,9 +73,13 @@ def short_tempdir() -> str:
 
 
 def fake_config(tmp: str, socket_path: str | None, **overrides) -> Config:
-    values = dict(local_url=f"unix://{socket_path}" if socket_path else "", runtime_dir=f"{tmp}/rt",
-                  state_dir=f"{tmp}/state",
-                  ready_timeout_secs=10, serve_start_timeout_secs=10)
+    values = dict(
+        local_url=f"unix://{socket_path}" if socket_path else "",
+        runtime_dir=f"{tmp}/rt",
+        state_dir=f"{tmp}/state",
+        ready_timeout_secs=10,
+        serve_start_timeout_secs=10,
+    )
     values.update(overrides)
     return Config(**values)
 
@@ -85,7 +91,11 @@ def jsonrpc(id_, method, params=None) -> bytes:
     return (json.dumps(message) + "\n").encode()
 
 
-INITIALIZE = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "raw", "version": "1"}}
+INITIALIZE = {
+    "protocolVersion": "2025-06-18",
+    "capabilities": {},
+    "clientInfo": {"name": "raw", "version": "1"},
+}
 
 
 def result_of(answer) -> tuple[bool, object]:
@@ -93,7 +103,9 @@ def result_of(answer) -> tuple[bool, object]:
     if answer.is_error:
         return True, answer.content[0].text
     text = json.loads(answer.content[0].text)
-    assert text == answer.structured_content, "the text content must be the same JSON as the structured content"
+    assert text == answer.structured_content, (
+        "the text content must be the same JSON as the structured content"
+    )
     return False, answer.structured_content
 
 
@@ -106,7 +118,11 @@ class ConfigTests(unittest.TestCase):
     def setUp(self):
         self.tmp = short_tempdir()
         self.file = Path(self.tmp) / "config.json"
-        self.env = {"SMOL_MCP_CONFIG": str(self.file), "HOME": self.tmp, "XDG_RUNTIME_DIR": self.tmp}
+        self.env = {
+            "SMOL_MCP_CONFIG": str(self.file),
+            "HOME": self.tmp,
+            "XDG_RUNTIME_DIR": self.tmp,
+        }
 
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -123,10 +139,14 @@ class ConfigTests(unittest.TestCase):
 
     def test_settings_match_the_spec_table_key_for_key(self):
         spec_table = [  # the specification's settings table (kept outside this repository), copied
-            ("smolvm", "SMOLVM", "smolvm"), ("minSmolvm", "SMOL_MCP_MIN_SMOLVM", "1.14.0"),
-            ("localUrl", "SMOL_LOCAL_URL", ""), ("runtimeDir", "SMOL_MCP_RUNTIME_DIR", None),
-            ("machinePrefix", "SMOL_MCP_MACHINE_PREFIX", "mcp-"), ("memoryMb", "SMOL_MCP_MEMORY_MB", 2048),
-            ("cpus", "SMOL_MCP_CPUS", 2), ("networkDefault", "SMOL_MCP_NETWORK_DEFAULT", "blocked"),
+            ("smolvm", "SMOLVM", "smolvm"),
+            ("minSmolvm", "SMOL_MCP_MIN_SMOLVM", "1.14.0"),
+            ("localUrl", "SMOL_LOCAL_URL", ""),
+            ("runtimeDir", "SMOL_MCP_RUNTIME_DIR", None),
+            ("machinePrefix", "SMOL_MCP_MACHINE_PREFIX", "mcp-"),
+            ("memoryMb", "SMOL_MCP_MEMORY_MB", 2048),
+            ("cpus", "SMOL_MCP_CPUS", 2),
+            ("networkDefault", "SMOL_MCP_NETWORK_DEFAULT", "blocked"),
             ("runOnceNetwork", "SMOL_MCP_RUN_ONCE_NETWORK", "blocked"),
             ("ephemeralTtlSecs", "SMOL_MCP_EPHEMERAL_TTL_SECS", 3600),
             ("ephemeralAutoStopSecs", "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", 900),
@@ -135,52 +155,88 @@ class ConfigTests(unittest.TestCase):
             ("maxOutputBytes", "SMOL_MCP_MAX_OUTPUT_BYTES", 65536),
             ("readyTimeoutSecs", "SMOL_MCP_READY_TIMEOUT_SECS", 120),
             ("serveStartTimeoutSecs", "SMOL_MCP_SERVE_START_TIMEOUT_SECS", 60),
-            ("logsTail", "SMOL_MCP_LOGS_TAIL", 100), ("logsPollSecs", "SMOL_MCP_LOGS_POLL_SECS", 2),
-            ("cloudUrl", "SMOL_CLOUD_URL", "https://api.smolmachines.com"), ("cloudToken", "SMOL_CLOUD_TOKEN", ""),
-            ("targets", "SMOL_MCP_TARGETS", "auto"), ("httpHost", "SMOL_MCP_HTTP_HOST", "127.0.0.1"),
-            ("httpPort", "SMOL_MCP_HTTP_PORT", 8080), ("httpPath", "SMOL_MCP_HTTP_PATH", "/mcp"),
+            ("logsTail", "SMOL_MCP_LOGS_TAIL", 100),
+            ("logsPollSecs", "SMOL_MCP_LOGS_POLL_SECS", 2),
+            ("cloudUrl", "SMOL_CLOUD_URL", "https://api.smolmachines.com"),
+            ("cloudToken", "SMOL_CLOUD_TOKEN", ""),
+            ("targets", "SMOL_MCP_TARGETS", "auto"),
+            ("httpHost", "SMOL_MCP_HTTP_HOST", "127.0.0.1"),
+            ("httpPort", "SMOL_MCP_HTTP_PORT", 8080),
+            ("httpPath", "SMOL_MCP_HTTP_PATH", "/mcp"),
             ("authToken", "SMOL_MCP_AUTH_TOKEN", ""),
             ("httpSessionIdleSecs", "SMOL_MCP_HTTP_SESSION_IDLE_SECS", 1800),
             ("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", ()),
             ("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", ()),
-            ("stateDir", "SMOL_MCP_STATE_DIR", None), ("scopes", "SMOL_MCP_SCOPES", ()),
+            ("stateDir", "SMOL_MCP_STATE_DIR", None),
+            ("scopes", "SMOL_MCP_SCOPES", ()),
             ("mountRoots", "SMOL_MCP_MOUNT_ROOTS", ()),
             ("approval", "SMOL_MCP_APPROVAL", "none"),
             ("approvalTimeoutSecs", "SMOL_MCP_APPROVAL_TIMEOUT_SECS", 900),
             ("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", ""),
             ("approvalVia", "SMOL_MCP_APPROVAL_VIA", "terminal"),
         ]
-        self.assertEqual([(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table])
+        self.assertEqual(
+            [(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table]
+        )
         defaults = Config()
         for setting, (key, _, default) in zip(smol_mcp.SETTINGS, spec_table):
             if default is not None:
                 self.assertEqual(getattr(defaults, setting.attr), default, key)
         samples = {  # a valid value other than the default, for every key
-            "smolvm": "/opt/smolvm", "minSmolvm": "1.2.3", "localUrl": "unix:///x.sock", "runtimeDir": "/tmp/x",
-            "machinePrefix": "tmp-", "memoryMb": 4096, "cpus": 4, "networkDefault": "open", "runOnceNetwork": "open",
-            "ephemeralTtlSecs": 7200, "ephemeralAutoStopSecs": 600, "execTimeoutSecs": 60, "maxExecTimeoutSecs": 1200,
-            "maxOutputBytes": 4096, "readyTimeoutSecs": 30, "serveStartTimeoutSecs": 30, "logsTail": 10,
-            "logsPollSecs": 5, "cloudUrl": "https://example.test", "cloudToken": "t", "targets": "local",
-            "httpHost": "0.0.0.0", "httpPort": 9000, "httpPath": "/x", "authToken": "a", "httpSessionIdleSecs": 60,
-            "httpAllowedHosts": ["h"], "httpAllowedOrigins": ["o"], "stateDir": "/tmp/s",
-            "scopes": ["machines.read", "sandbox.exec"], "approval": "changes",
+            "smolvm": "/opt/smolvm",
+            "minSmolvm": "1.2.3",
+            "localUrl": "unix:///x.sock",
+            "runtimeDir": "/tmp/x",
+            "machinePrefix": "tmp-",
+            "memoryMb": 4096,
+            "cpus": 4,
+            "networkDefault": "open",
+            "runOnceNetwork": "open",
+            "ephemeralTtlSecs": 7200,
+            "ephemeralAutoStopSecs": 600,
+            "execTimeoutSecs": 60,
+            "maxExecTimeoutSecs": 1200,
+            "maxOutputBytes": 4096,
+            "readyTimeoutSecs": 30,
+            "serveStartTimeoutSecs": 30,
+            "logsTail": 10,
+            "logsPollSecs": 5,
+            "cloudUrl": "https://example.test",
+            "cloudToken": "t",
+            "targets": "local",
+            "httpHost": "0.0.0.0",
+            "httpPort": 9000,
+            "httpPath": "/x",
+            "authToken": "a",
+            "httpSessionIdleSecs": 60,
+            "httpAllowedHosts": ["h"],
+            "httpAllowedOrigins": ["o"],
+            "stateDir": "/tmp/s",
+            "scopes": ["machines.read", "sandbox.exec"],
+            "approval": "changes",
             "approvalTimeoutSecs": 60,
-            "approvalWebhook": "https://hooks.example/smol", "approvalVia": "client",
+            "approvalWebhook": "https://hooks.example/smol",
+            "approvalVia": "client",
             "mountRoots": ["/srv", "/work:rw"],
         }
-        for setting in smol_mcp.SETTINGS:  # every key is read from the file, and from the environment
+        for (
+            setting
+        ) in smol_mcp.SETTINGS:  # every key is read from the file, and from the environment
             value = samples[setting.key]
             expected = tuple(value) if isinstance(value, list) else value
             self.write({setting.key: value})
             self.assertEqual(getattr(load_config(self.env), setting.attr), expected, setting.key)
             self.file.unlink()
             as_text = ",".join(value) if isinstance(value, list) else str(value)
-            self.assertEqual(getattr(load_config({**self.env, setting.env: as_text}), setting.attr), expected,
-                             setting.env)
+            self.assertEqual(
+                getattr(load_config({**self.env, setting.env: as_text}), setting.attr),
+                expected,
+                setting.env,
+            )
 
     def test_every_setting_is_in_the_readme_defaults_table(self):
         readme = (HERE / "README.md").read_text()
-        table = readme[readme.index("## Defaults, and why"):readme.index("## Security defaults")]
+        table = readme[readme.index("## Defaults, and why") : readme.index("## Security defaults")]
         for setting in smol_mcp.SETTINGS:  # a shared prefix may be shortened: `_PORT`
             with self.subTest(setting=setting.key):
                 self.assertIn(f"`{setting.key}`", table)
@@ -189,12 +245,20 @@ class ConfigTests(unittest.TestCase):
 
     def test_runtime_dir_without_xdg_is_per_user_temp(self):
         del self.env["XDG_RUNTIME_DIR"]
-        self.assertEqual(load_config(self.env).runtime_dir, str(Path(tempfile.gettempdir()) / f"smol-mcp-{os.getuid()}"))
+        self.assertEqual(
+            load_config(self.env).runtime_dir,
+            str(Path(tempfile.gettempdir()) / f"smol-mcp-{os.getuid()}"),
+        )
 
     def test_every_key_is_read_from_file_and_env_wins(self):
-        self.write({"memoryMb": 1024, "cpus": 3, "networkDefault": "open", "httpAllowedHosts": ["a", "b"]})
+        self.write(
+            {"memoryMb": 1024, "cpus": 3, "networkDefault": "open", "httpAllowedHosts": ["a", "b"]}
+        )
         c = load_config({**self.env, "SMOL_MCP_CPUS": "4"})
-        self.assertEqual((c.memory_mb, c.cpus, c.network_default, c.http_allowed_hosts), (1024, 4, "open", ("a", "b")))
+        self.assertEqual(
+            (c.memory_mb, c.cpus, c.network_default, c.http_allowed_hosts),
+            (1024, 4, "open", ("a", "b")),
+        )
         c = load_config({**self.env, "SMOL_MCP_HTTP_ALLOWED_HOSTS": "x.example, y.example"})
         self.assertEqual(c.http_allowed_hosts, ("x.example", "y.example"))
 
@@ -267,13 +331,22 @@ class ConfigTests(unittest.TestCase):
         self.assertEqual(smol_mcp.redact(f"oops {token} here", [token]), "oops [redacted] here")
 
     def test_child_environment_is_minimal_and_has_no_secrets(self):
-        environ = {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off", "SMOL_CLOUD_TOKEN": "tok-1",
-                   "SMOL_MCP_AUTH_TOKEN": "tok-2", "AWS_SECRET_ACCESS_KEY": "aws",
-                   "SMOLVM_LEAK": "tok-1", "SMOLVM_EXTRA": "prefix-tok-1",
-                   "XDG_DATA_HOME": "/data/tok-2/x", "LANG": "C.UTF-8"}
+        environ = {
+            "PATH": "/bin",
+            "HOME": "/h",
+            "SMOLVM_VM_UID_DROP": "off",
+            "SMOL_CLOUD_TOKEN": "tok-1",
+            "SMOL_MCP_AUTH_TOKEN": "tok-2",
+            "AWS_SECRET_ACCESS_KEY": "aws",
+            "SMOLVM_LEAK": "tok-1",
+            "SMOLVM_EXTRA": "prefix-tok-1",
+            "XDG_DATA_HOME": "/data/tok-2/x",
+            "LANG": "C.UTF-8",
+        }
         env = smol_mcp.minimal_child_env(environ, ["tok-1", "tok-2"])
-        self.assertEqual(env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off",
-                               "LANG": "C.UTF-8"})
+        self.assertEqual(
+            env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off", "LANG": "C.UTF-8"}
+        )
 
 
 class ImportTests(unittest.TestCase):
@@ -293,9 +366,20 @@ class ImportTests(unittest.TestCase):
                 assert threading.active_count() == 1, "threads started at import"
                 print("ok")
             """)
-            env = {**os.environ, "SMOL_MCP_CONFIG": f"{tmp}/bad.json", "XDG_RUNTIME_DIR": tmp, "SMOLVM": "/nonexistent"}
-            out = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
-                                 timeout=60)
+            env = {
+                **os.environ,
+                "SMOL_MCP_CONFIG": f"{tmp}/bad.json",
+                "XDG_RUNTIME_DIR": tmp,
+                "SMOLVM": "/nonexistent",
+            }
+            out = subprocess.run(
+                [sys.executable, "-c", code],
+                cwd=HERE,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             self.assertEqual(out.stdout.strip(), "ok", out.stderr)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -311,7 +395,9 @@ class ImportTests(unittest.TestCase):
                 top_level.update(alias.name.split(".")[0] for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
                 top_level.add((node.module or "").split(".")[0])
-        self.assertFalse(top_level & {"mcp", "mcp_types", "starlette", "uvicorn", "httpx2", "anyio"}, top_level)
+        self.assertFalse(
+            top_level & {"mcp", "mcp_types", "starlette", "uvicorn", "httpx2", "anyio"}, top_level
+        )
 
     def test_pep723_and_pyproject_pin_the_same_versions(self):
         head = (HERE / "smol_mcp.py").read_text().split("# ///", 2)[1]
@@ -327,20 +413,39 @@ class ImportTests(unittest.TestCase):
         self.assertIn('smol-mcp-http = "smol_mcp:main_http"', pyproject)
 
     def test_bad_flag_exits_with_usage(self):
-        out = subprocess.run([sys.executable, "smol_mcp.py", "--bogus"], cwd=HERE, capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [sys.executable, "smol_mcp.py", "--bogus"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         self.assertEqual(out.returncode, 2)
         self.assertIn("usage: smol-mcp", out.stderr)
-        out = subprocess.run([sys.executable, "smol_mcp.py", "--version"], cwd=HERE, capture_output=True, text=True,
-                             timeout=60)
-        self.assertEqual((out.returncode, out.stdout.strip()), (0, f"smol-mcp {smol_mcp.__version__}"))
+        out = subprocess.run(
+            [sys.executable, "smol_mcp.py", "--version"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        self.assertEqual(
+            (out.returncode, out.stdout.strip()), (0, f"smol-mcp {smol_mcp.__version__}")
+        )
 
     def test_bad_config_exits_non_zero_with_the_sentence(self):
         tmp = short_tempdir()
         try:
             Path(tmp, "c.json").write_text('{"cpu": 2}')
-            out = subprocess.run([sys.executable, "smol_mcp.py"], cwd=HERE, capture_output=True, text=True, timeout=60,
-                                 env={**os.environ, "SMOL_MCP_CONFIG": f"{tmp}/c.json"}, stdin=subprocess.DEVNULL)
+            out = subprocess.run(
+                [sys.executable, "smol_mcp.py"],
+                cwd=HERE,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={**os.environ, "SMOL_MCP_CONFIG": f"{tmp}/c.json"},
+                stdin=subprocess.DEVNULL,
+            )
             self.assertEqual(out.returncode, 2)
             self.assertIn('unknown key "cpu"', out.stderr)
             self.assertIn('did you mean "cpus"', out.stderr)
@@ -374,7 +479,8 @@ class FleetContractTests(unittest.TestCase):
                     offered = inspect.signature(getattr(fleet, member))
                     self.assertEqual(
                         [(p.name, p.kind, p.default) for p in offered.parameters.values()],
-                        [(p.name, p.kind, p.default) for p in wanted.parameters.values()])
+                        [(p.name, p.kind, p.default) for p in wanted.parameters.values()],
+                    )
 
 
 class PublicSdkTests(unittest.TestCase):
@@ -396,8 +502,10 @@ class PublicSdkTests(unittest.TestCase):
                 modules = [module] if module else [alias.name for alias in node.names]
                 if not any(m.split(".")[0] in ("mcp", "mcp_types") for m in modules):
                     continue
-                names = [*".".join(modules).split("."),
-                         *(alias.name for alias in node.names if module)]
+                names = [
+                    *".".join(modules).split("."),
+                    *(alias.name for alias in node.names if module),
+                ]
                 found += [f"line {node.lineno}: imports {n}" for n in names if self.private(n)]
                 sdk_names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
         for node in ast.walk(ast.parse(source)):
@@ -416,14 +524,18 @@ class PublicSdkTests(unittest.TestCase):
         self.assertEqual(self.private_uses(source), [])
 
     def test_the_check_sees_what_it_looks_for(self):
-        for bad in ("connection = ctx.session._connection",
-                    "app.server._session_manager = None",
-                    "from mcp.server._streamable_http_modern import x",
-                    "from mcp.shared.context import _private",
-                    "import mcp_types as types\ntypes._hidden"):
+        for bad in (
+            "connection = ctx.session._connection",
+            "app.server._session_manager = None",
+            "from mcp.server._streamable_http_modern import x",
+            "from mcp.shared.context import _private",
+            "import mcp_types as types\ntypes._hidden",
+        ):
             with self.subTest(bad=bad):
                 self.assertEqual(len(self.private_uses(bad)), 1)
-        self.assertEqual(self.private_uses("self._fleet._health()\nfrom mcp.server import Server"), [])
+        self.assertEqual(
+            self.private_uses("self._fleet._health()\nfrom mcp.server import Server"), []
+        )
 
 
 class PiecesTests(unittest.TestCase):
@@ -440,16 +552,25 @@ class PiecesTests(unittest.TestCase):
         data = "é".encode() * 3000  # two bytes each
         text, omitted = smol_mcp.head_and_tail(data, 1001, "w")
         self.assertNotIn("\ufffd", text)
-        self.assertEqual(len(text.split("\n[")[0].encode()) + len(text.rsplit("]\n", 1)[1].encode()) + omitted, len(data))
+        self.assertEqual(
+            len(text.split("\n[")[0].encode()) + len(text.rsplit("]\n", 1)[1].encode()) + omitted,
+            len(data),
+        )
 
     def test_utf8_prefix_end(self):
         data = "aé€😀".encode()  # 1 + 2 + 3 + 4 bytes
-        self.assertEqual([smol_mcp.utf8_prefix_end(data, n) for n in range(11)], [0, 1, 1, 3, 3, 3, 6, 6, 6, 6, 10])
+        self.assertEqual(
+            [smol_mcp.utf8_prefix_end(data, n) for n in range(11)],
+            [0, 1, 1, 3, 3, 3, 6, 6, 6, 6, 10],
+        )
 
     def test_validation_names_the_argument(self):
         schema = smol_mcp.TOOLS_BY_NAME["create-machine"].input_schema
         cases = [
-            ({"image": "a", "memory": 512}, 'create-machine has no argument "memory" (did you mean "memoryMb"?)'),
+            (
+                {"image": "a", "memory": 512},
+                'create-machine has no argument "memory" (did you mean "memoryMb"?)',
+            ),
             ({"image": "a", "net": True}, 'no argument "net" (did you mean "network"?)'),
             ({}, 'create-machine needs the argument "image"'),
             ({"image": "a", "cpus": "2"}, '"cpus" must be a whole number, got "2"'),
@@ -457,10 +578,15 @@ class PiecesTests(unittest.TestCase):
             ({"image": "a", "cpus": 0}, '"cpus" must be at least 1'),
             ({"image": "a", "network": "yes"}, '"network" must be one of "open", "blocked"'),
             ({"image": "a", "name": "Bad Name!"}, '"name" must start with a letter or digit'),
-            ({"image": "a", "ports": [{"hostPort": 1, "guest": 2}]}, '"ports[0]" has no field "hostPort"'),
+            (
+                {"image": "a", "ports": [{"hostPort": 1, "guest": 2}]},
+                '"ports[0]" has no field "hostPort"',
+            ),
             ({"image": "a", "ports": [{"host": 1}]}, '"ports[0]" needs the field "guest"'),
-            ({"image": "a", "mounts": [{"source": "/a", "target": "/b", "readOnly": True}]},
-             '"mounts[0]" has no field "readOnly" (did you mean "readonly"?)'),
+            (
+                {"image": "a", "mounts": [{"source": "/a", "target": "/b", "readOnly": True}]},
+                '"mounts[0]" has no field "readOnly" (did you mean "readonly"?)',
+            ),
             ({"image": "a", "env": {"A=B": "x"}}, '"env.A=B" must be a variable name'),
             ({"image": "a", "env": {"A": 1}}, '"env.A" must be a string'),
             ({"image": "a", "env": {"A=B": 1}}, '"env.A=B" must be a variable name'),
@@ -506,15 +632,17 @@ class PiecesTests(unittest.TestCase):
         old = ["a", "b", "", "x", ""]
         cursor = smol_mcp.log_cursor(old, len(old))
         window = ["", "x", "", "y", ""]  # moved on by two lines, blank lines everywhere
-        self.assertEqual(window[smol_mcp.lines_after_cursor(window, cursor):], ["y", ""])
+        self.assertEqual(window[smol_mcp.lines_after_cursor(window, cursor) :], ["y", ""])
 
     def test_log_cursor_survives_a_moving_window(self):
         lines = [f"l{i}" for i in range(10)]
         cursor = smol_mcp.log_cursor(lines, 10)
         self.assertEqual(smol_mcp.lines_after_cursor(lines + ["new"], cursor), 10)
         window = lines[5:] + ["new"]  # the cloud tail window moved on
-        self.assertEqual(window[smol_mcp.lines_after_cursor(window, cursor):], ["new"])
-        self.assertEqual(smol_mcp.lines_after_cursor(["fresh"], cursor), 0)  # a log that started again
+        self.assertEqual(window[smol_mcp.lines_after_cursor(window, cursor) :], ["new"])
+        self.assertEqual(
+            smol_mcp.lines_after_cursor(["fresh"], cursor), 0
+        )  # a log that started again
         with self.assertRaises(smol_mcp.ArgumentError):
             smol_mcp.lines_after_cursor(lines, "garbage")
 
@@ -533,28 +661,53 @@ class PiecesTests(unittest.TestCase):
         for trial in range(200):
             out = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300)))
             err = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
-            fields = [("exitCode", rng.randrange(-3, 300)),
-                      ("stdout", out.decode("utf-8", "replace") + "\\" * rng.randrange(7) + '"stdoutB64":"AAAA"'
-                       + "\\" * rng.randrange(7)),
-                      ("stderr", err.decode("utf-8", "replace")),
-                      ("stdoutB64", base64.b64encode(out).decode()), ("stderrB64", base64.b64encode(err).decode())]
+            fields = [
+                ("exitCode", rng.randrange(-3, 300)),
+                (
+                    "stdout",
+                    out.decode("utf-8", "replace")
+                    + "\\" * rng.randrange(7)
+                    + '"stdoutB64":"AAAA"'
+                    + "\\" * rng.randrange(7),
+                ),
+                ("stderr", err.decode("utf-8", "replace")),
+                ("stdoutB64", base64.b64encode(out).decode()),
+                ("stderrB64", base64.b64encode(err).decode()),
+            ]
             rng.shuffle(fields)
-            body = json.dumps(dict(fields), indent=rng.choice([None, 1]), ensure_ascii=rng.choice([True, False]))
+            body = json.dumps(
+                dict(fields), indent=rng.choice([None, 1]), ensure_ascii=rng.choice([True, False])
+            )
             for stream in (io.BytesIO(body.encode()), Trickle(body.encode())):
                 got = smol_mcp.read_exec_answer(stream)
-                self.assertEqual((bytes(got["stdoutB64"]), bytes(got["stderrB64"]), got["exitCode"]),
-                                 (out, err, dict(fields)["exitCode"]), trial)
+                self.assertEqual(
+                    (bytes(got["stdoutB64"]), bytes(got["stderrB64"]), got["exitCode"]),
+                    (out, err, dict(fields)["exitCode"]),
+                    trial,
+                )
         for broken in (b"", b"[1]", b'{"exitCode": 1, "stdoutB64": "AAA"}', b'{"stdout": "x"}'):
             with self.assertRaises(ValueError):
                 smol_mcp.read_exec_answer(io.BytesIO(broken))
 
     def test_api_error_reads_both_error_shapes(self):
-        err = smol_mcp.api_error("local", "create machine 'x'", 409, "application/json",
-                                 b'{"error":"machine \'x\' already exists","code":"CONFLICT"}')
-        self.assertEqual((err.status, err.code, err.api_message), (409, "CONFLICT", "machine 'x' already exists"))
+        err = smol_mcp.api_error(
+            "local",
+            "create machine 'x'",
+            409,
+            "application/json",
+            b'{"error":"machine \'x\' already exists","code":"CONFLICT"}',
+        )
+        self.assertEqual(
+            (err.status, err.code, err.api_message), (409, "CONFLICT", "machine 'x' already exists")
+        )
         self.assertIn("(HTTP 409 CONFLICT)", str(err))
-        err = smol_mcp.api_error("local", "create machine 'x'", 422, "text/plain; charset=utf-8",
-                                 b"Failed to deserialize the JSON body into the target type: net: unknown field `net`")
+        err = smol_mcp.api_error(
+            "local",
+            "create machine 'x'",
+            422,
+            "text/plain; charset=utf-8",
+            b"Failed to deserialize the JSON body into the target type: net: unknown field `net`",
+        )
         self.assertIn("unknown field `net`", str(err))
         self.assertIn("HTTP 422", str(err))
         err = smol_mcp.api_error("local", "branch", 404, "", b"")
@@ -566,7 +719,9 @@ class PiecesTests(unittest.TestCase):
 # ---------------------------------------------------------------------------
 
 
-@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare to chroot into its busybox root")
+@unittest.skipUnless(
+    CAN_CHROOT, "the fake guest needs root or unshare to chroot into its busybox root"
+)
 class FakeServeCase(unittest.IsolatedAsyncioTestCase):
     """A FakeSmolvm on a temp socket, and a server configured to use it."""
 
@@ -621,7 +776,9 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(finished, ["quick", "slow"])
 
     def requests_to(self, suffix: str, method: str = "POST") -> list:
-        return [r for r in self.fake.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)]
+        return [
+            r for r in self.fake.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)
+        ]
 
 
 # (readOnly, destructive, idempotent, openWorld) of each tool, from what each does.
@@ -651,10 +808,30 @@ class ToolListTests(FakeServeCase):
         for mode in MODES:
             async with self.client(mode) as c:
                 tools = {t.name: t for t in (await c.list_tools()).tools}
-                self.assertEqual(sorted(tools), sorted([
-                    "list-machines", "get-machine", "create-machine", "run-command", "run-once", "read-file",
-                    "write-file", "start-machine", "branch-machine", "stop-machine", "delete-machine", "machine-logs",
-                    "pull-image", "start-job", "read-job", "cancel-job", "allow-egress"]))
+                self.assertEqual(
+                    sorted(tools),
+                    sorted(
+                        [
+                            "list-machines",
+                            "get-machine",
+                            "create-machine",
+                            "run-command",
+                            "run-once",
+                            "read-file",
+                            "write-file",
+                            "start-machine",
+                            "branch-machine",
+                            "stop-machine",
+                            "delete-machine",
+                            "machine-logs",
+                            "pull-image",
+                            "start-job",
+                            "read-job",
+                            "cancel-job",
+                            "allow-egress",
+                        ]
+                    ),
+                )
                 for tool in tools.values():
                     self.assertFalse(tool.input_schema.get("additionalProperties", True), tool.name)
                     self.assertNotIn("target", tool.input_schema["properties"], tool.name)
@@ -673,14 +850,19 @@ class ToolListTests(FakeServeCase):
                     )
                 self.assertTrue(tools["list-machines"].annotations.read_only_hint)
                 self.assertTrue(tools["machine-logs"].annotations.read_only_hint)
-                self.assertFalse(tools["read-file"].annotations.read_only_hint)  # it starts a stopped machine
+                self.assertFalse(
+                    tools["read-file"].annotations.read_only_hint
+                )  # it starts a stopped machine
                 self.assertTrue(tools["delete-machine"].annotations.destructive_hint)
-                self.assertFalse(tools["delete-machine"].annotations.idempotent_hint)  # a second delete is a 404
+                self.assertFalse(
+                    tools["delete-machine"].annotations.idempotent_hint
+                )  # a second delete is a 404
                 self.assertFalse(tools["create-machine"].annotations.read_only_hint)
                 egress = tools["allow-egress"].annotations  # removals narrow a security posture
                 self.assertEqual(
                     (egress.read_only_hint, egress.destructive_hint, egress.idempotent_hint),
-                    (False, True, False))
+                    (False, True, False),
+                )
                 self.assertTrue(tools["read-job"].annotations.read_only_hint)
                 self.assertFalse(tools["start-job"].annotations.read_only_hint)
                 # each start-job call starts another job
@@ -694,7 +876,9 @@ class ToolListTests(FakeServeCase):
         async with self.client("legacy") as c:
             await c.list_tools()
             self.assertEqual(self.fake.requests, [])
-            await c.read_resource(smol_mcp.TARGETS_URI)  # a serve that already runs is asked its version
+            await c.read_resource(
+                smol_mcp.TARGETS_URI
+            )  # a serve that already runs is asked its version
             self.assertEqual([r[:2] for r in self.fake.requests], [("GET", "/health")])
             await c.call_tool("list-machines", {})
             self.assertIn(("GET", "/api/v1/machines"), [r[:2] for r in self.fake.requests])
@@ -707,36 +891,95 @@ class EraScenarios:
 
     async def test_worked_example(self):
         async with self.client(self.mode) as c:
-            created = await self.ok(c, "create-machine", {"name": "mcp-walkthrough", "image": "python:3.12-alpine",
-                                                          "cpus": 2, "memoryMb": 1024, "network": "open"})
+            created = await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": "mcp-walkthrough",
+                    "image": "python:3.12-alpine",
+                    "cpus": 2,
+                    "memoryMb": 1024,
+                    "network": "open",
+                },
+            )
             self.assertEqual((created["ephemeral"], created["ready"]), (True, True))
             machine = created["machine"]
             self.assertEqual(sorted(machine), sorted(smol_mcp.MACHINE_KEYS))
-            self.assertEqual((machine["name"], machine["state"], machine["cpus"], machine["memoryMb"], machine["network"]),
-                             ("mcp-walkthrough", "running", 2, 1024, "open"))
+            self.assertEqual(
+                (
+                    machine["name"],
+                    machine["state"],
+                    machine["cpus"],
+                    machine["memoryMb"],
+                    machine["network"],
+                ),
+                ("mcp-walkthrough", "running", 2, 1024, "open"),
+            )
             body = self.requests_to("/api/v1/machines")[0][2]
-            self.assertEqual(body, {"name": "mcp-walkthrough", "image": "python:3.12-alpine", "cpus": 2,
-                                    "memoryMb": 1024, "network": True})
+            self.assertEqual(
+                body,
+                {
+                    "name": "mcp-walkthrough",
+                    "image": "python:3.12-alpine",
+                    "cpus": 2,
+                    "memoryMb": 1024,
+                    "network": True,
+                },
+            )
             # ready means a command ran: the probe was an exec with autoStart false
             probe = self.requests_to("/exec")[0][2]
             self.assertEqual((probe["command"], probe["autoStart"]), (["true"], False))
 
-            ran = await self.ok(c, "run-command", {"name": "mcp-walkthrough", "timeoutSecs": 30,
-                                                   "command": "mkdir -p /workspace && echo cloned && echo warn >&2"})
-            self.assertEqual(ran, {"stdout": "cloned\n", "stderr": "warn\n", "exitCode": 0, "truncated": False,
-                                   "timedOut": False, "overflow": [], "startedMachine": False})
-            failed = await self.ok(c, "run-command", {"name": "mcp-walkthrough", "command": ["sh", "-c", "exit 3"]})
+            ran = await self.ok(
+                c,
+                "run-command",
+                {
+                    "name": "mcp-walkthrough",
+                    "timeoutSecs": 30,
+                    "command": "mkdir -p /workspace && echo cloned && echo warn >&2",
+                },
+            )
+            self.assertEqual(
+                ran,
+                {
+                    "stdout": "cloned\n",
+                    "stderr": "warn\n",
+                    "exitCode": 0,
+                    "truncated": False,
+                    "timedOut": False,
+                    "overflow": [],
+                    "startedMachine": False,
+                },
+            )
+            failed = await self.ok(
+                c, "run-command", {"name": "mcp-walkthrough", "command": ["sh", "-c", "exit 3"]}
+            )
             self.assertEqual(failed["exitCode"], 3)  # a result, not a tool error
 
             report = "".join(f"line {i}\n" for i in range(2000))
-            wrote = await self.ok(c, "write-file", {"name": "mcp-walkthrough", "path": "/workspace/report.txt",
-                                                    "content": report})
-            self.assertEqual(wrote, {"path": "/workspace/report.txt", "bytes": len(report), "startedMachine": False})
-            first = await self.ok(c, "read-file", {"name": "mcp-walkthrough", "path": "/workspace/report.txt",
-                                                   "length": 4000})
-            self.assertEqual((first["size"], first["offset"], first["bytes"], first["eof"]), (len(report), 0, 4000, False))
-            rest = await self.ok(c, "read-file", {"name": "mcp-walkthrough", "path": "/workspace/report.txt",
-                                                  "offset": 4000})
+            wrote = await self.ok(
+                c,
+                "write-file",
+                {"name": "mcp-walkthrough", "path": "/workspace/report.txt", "content": report},
+            )
+            self.assertEqual(
+                wrote,
+                {"path": "/workspace/report.txt", "bytes": len(report), "startedMachine": False},
+            )
+            first = await self.ok(
+                c,
+                "read-file",
+                {"name": "mcp-walkthrough", "path": "/workspace/report.txt", "length": 4000},
+            )
+            self.assertEqual(
+                (first["size"], first["offset"], first["bytes"], first["eof"]),
+                (len(report), 0, 4000, False),
+            )
+            rest = await self.ok(
+                c,
+                "read-file",
+                {"name": "mcp-walkthrough", "path": "/workspace/report.txt", "offset": 4000},
+            )
             self.assertTrue(rest["eof"])
             self.assertEqual(first["content"] + rest["content"], report)
 
@@ -750,7 +993,9 @@ class EraScenarios:
             self.assertIn('"memory" (did you mean "memoryMb"?)', text)
             text = await self.refused(c, "create-machine", {"image": "alpine", "net": True})
             self.assertIn('"net" (did you mean "network"?)', text)
-            text = await self.refused(c, "run-command", {"name": "x", "command": "true", "timeoutSecs": "5"})
+            text = await self.refused(
+                c, "run-command", {"name": "x", "command": "true", "timeoutSecs": "5"}
+            )
             self.assertIn('"timeoutSecs" must be a whole number', text)
             self.assertEqual(self.fake.requests, [])  # nothing reached the API
 
@@ -758,20 +1003,32 @@ class EraScenarios:
         self.fake_direct_create("mcp-not-ours")
         async with self.client(self.mode) as c:
             await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
-            await self.ok(c, "create-machine", {"image": "alpine", "network": "open", "name": "keeper"})
-            await self.ok(c, "create-machine", {"image": "alpine", "network": "open", "name": "mcp-mine"})
-            ephemeral = [n for n in self.fake.machines if n.startswith("mcp-") and n != "mcp-not-ours"]
+            await self.ok(
+                c, "create-machine", {"image": "alpine", "network": "open", "name": "keeper"}
+            )
+            await self.ok(
+                c, "create-machine", {"image": "alpine", "network": "open", "name": "mcp-mine"}
+            )
+            ephemeral = [
+                n for n in self.fake.machines if n.startswith("mcp-") and n != "mcp-not-ours"
+            ]
             self.assertEqual(len(ephemeral), 2)
             record = list((Path(self.config.runtime_dir) / "sessions").glob("*.json"))
             self.assertEqual(len(record), 1)
-            self.assertEqual(sorted(json.loads(record[0].read_text())["machines"]), sorted(ephemeral))
+            self.assertEqual(
+                sorted(json.loads(record[0].read_text())["machines"]), sorted(ephemeral)
+            )
         self.assertEqual(sorted(self.fake.machines), ["keeper", "mcp-not-ours"])
         self.assertEqual(list((Path(self.config.runtime_dir) / "sessions").glob("*.json")), [])
 
     def fake_direct_create(self, name: str) -> None:
         conn = smol_mcp.UnixHTTPConnection(self.socket_path, 10)
-        conn.request("POST", "/api/v1/machines", body=json.dumps({"name": name}),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/api/v1/machines",
+            body=json.dumps({"name": name}),
+            headers={"Content-Type": "application/json"},
+        )
         self.assertEqual(conn.getresponse().status, 200)
         conn.close()
 
@@ -790,14 +1047,23 @@ class ToolRuleTests(FakeServeCase):
     config_overrides = {"max_output_bytes": 2048}
 
     async def machine(self, c, name="mcp-t", **extra):
-        await self.ok(c, "create-machine", {"name": name, "image": "alpine", "network": "open", **extra})
+        await self.ok(
+            c, "create-machine", {"name": name, "image": "alpine", "network": "open", **extra}
+        )
         return name
 
     async def test_output_budget_keeps_head_and_tail_and_saves_the_whole_stream(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            out = await self.ok(c, "run-command", {"name": name, "command": "i=0; while [ $i -lt 3000 ]; do echo line$i; "
-                                                                            "i=$((i+1)); done; echo small >&2"})
+            out = await self.ok(
+                c,
+                "run-command",
+                {
+                    "name": name,
+                    "command": "i=0; while [ $i -lt 3000 ]; do echo line$i; "
+                    "i=$((i+1)); done; echo small >&2",
+                },
+            )
             self.assertTrue(out["truncated"])
             self.assertTrue(out["stdout"].startswith("line0\nline1\n"))
             self.assertTrue(out["stdout"].endswith("line2999\n"))
@@ -810,29 +1076,47 @@ class ToolRuleTests(FakeServeCase):
             head, rest = out["stdout"].split("\n[... smol-mcp: ")
             omitted, tail = rest.split(" ...]\n")
             self.assertLessEqual(len(head.encode()) + len(tail.encode()), 2048)
-            self.assertEqual(len(head.encode()) + len(tail.encode()) + int(omitted.split()[0]), len(whole.encode()))
+            self.assertEqual(
+                len(head.encode()) + len(tail.encode()) + int(omitted.split()[0]),
+                len(whole.encode()),
+            )
 
     async def test_timeout_ceiling_and_timed_out_flag(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            text = await self.refused(c, "run-command", {"name": name, "command": "true", "timeoutSecs": 901})
+            text = await self.refused(
+                c, "run-command", {"name": name, "command": "true", "timeoutSecs": 901}
+            )
             self.assertIn("above the limit of 900 s", text)
             self.assertIn("SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", text)
             # the ceiling itself is allowed
             await self.ok(c, "run-command", {"name": name, "command": "true", "timeoutSecs": 900})
             self.assertEqual(self.requests_to("/exec")[-1][2]["timeoutSecs"], 900)
-            out = await self.ok(c, "run-command", {"name": name, "command": "sleep 5", "timeoutSecs": 1})
+            out = await self.ok(
+                c, "run-command", {"name": name, "command": "sleep 5", "timeoutSecs": 1}
+            )
             self.assertEqual((out["timedOut"], out["exitCode"]), (True, 124))
 
     async def test_command_forms_workdir_env_stdin(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            out = await self.ok(c, "run-command", {"name": name, "command": ["sh", "-c", "pwd; echo $GREETING; cat"],
-                                                   "workdir": "/tmp", "env": {"GREETING": "hello"}, "stdin": "piped"})
+            out = await self.ok(
+                c,
+                "run-command",
+                {
+                    "name": name,
+                    "command": ["sh", "-c", "pwd; echo $GREETING; cat"],
+                    "workdir": "/tmp",
+                    "env": {"GREETING": "hello"},
+                    "stdin": "piped",
+                },
+            )
             self.assertEqual(out["stdout"], "/tmp\nhello\npiped")
             body = self.requests_to("/exec")[-1][2]
             self.assertEqual(body["env"], [{"name": "GREETING", "value": "hello"}])
-            self.assertEqual((body["workdir"], body["stdin"], body["timeoutSecs"]), ("/tmp", "piped", 120))
+            self.assertEqual(
+                (body["workdir"], body["stdin"], body["timeoutSecs"]), ("/tmp", "piped", 120)
+            )
 
     async def test_stopped_machine_is_started_for_a_command_and_a_write(self):
         async with self.client("legacy") as c:
@@ -841,7 +1125,9 @@ class ToolRuleTests(FakeServeCase):
             out = await self.ok(c, "run-command", {"name": name, "command": "echo up"})
             self.assertEqual((out["stdout"], out["startedMachine"]), ("up\n", True))
             await self.ok(c, "stop-machine", {"name": name})
-            wrote = await self.ok(c, "write-file", {"name": name, "path": "/root/a.txt", "content": "x"})
+            wrote = await self.ok(
+                c, "write-file", {"name": name, "path": "/root/a.txt", "content": "x"}
+            )
             self.assertTrue(wrote["startedMachine"])
             read = await self.ok(c, "read-file", {"name": name, "path": "/root/a.txt"})
             self.assertEqual((read["content"], read["startedMachine"]), ("x", False))
@@ -850,11 +1136,24 @@ class ToolRuleTests(FakeServeCase):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             self.fake.requests.clear()
-            await self.ok(c, "write-file", {"name": name, "path": "/workspace/f.bin",
-                                            "content": base64.b64encode(b"\x00\xff\x10").decode(), "encoding": "base64"})
-            kinds = [(m, p.split("?")[0].rsplit("/", 1)[-1] if "/files/" not in p else "files") for m, p, _ in self.fake.requests]
+            await self.ok(
+                c,
+                "write-file",
+                {
+                    "name": name,
+                    "path": "/workspace/f.bin",
+                    "content": base64.b64encode(b"\x00\xff\x10").decode(),
+                    "encoding": "base64",
+                },
+            )
+            kinds = [
+                (m, p.split("?")[0].rsplit("/", 1)[-1] if "/files/" not in p else "files")
+                for m, p, _ in self.fake.requests
+            ]
             self.assertLess(kinds.index(("POST", "exec")), kinds.index(("PUT", "files")))
-            self.assertEqual((Path(self.fake.guest_root(name)) / "workspace/f.bin").read_bytes(), b"\x00\xff\x10")
+            self.assertEqual(
+                (Path(self.fake.guest_root(name)) / "workspace/f.bin").read_bytes(), b"\x00\xff\x10"
+            )
 
     async def test_read_file_pages_encodings_and_refusals(self):
         async with self.client("legacy") as c:
@@ -862,16 +1161,31 @@ class ToolRuleTests(FakeServeCase):
             root = Path(self.fake.guest_root(name))
             (root / "data.bin").write_bytes(bytes(range(256)) * 40)  # 10240 bytes, not UTF-8
             (root / "text.txt").write_bytes("é".encode() * 3000)  # 6000 bytes
-            page = await self.ok(c, "read-file", {"name": name, "path": "/data.bin", "encoding": "base64",
-                                                  "offset": 100, "length": 100000})
+            page = await self.ok(
+                c,
+                "read-file",
+                {
+                    "name": name,
+                    "path": "/data.bin",
+                    "encoding": "base64",
+                    "offset": 100,
+                    "length": 100000,
+                },
+            )
             self.assertEqual(page["bytes"], 2048 * 3 // 4)  # clamped to the budget, base64 included
-            self.assertEqual(base64.b64decode(page["content"]), (bytes(range(256)) * 40)[100:100 + 1536])
+            self.assertEqual(
+                base64.b64decode(page["content"]), (bytes(range(256)) * 40)[100 : 100 + 1536]
+            )
             self.assertEqual((page["size"], page["eof"]), (10240, False))
             text = await self.refused(c, "read-file", {"name": name, "path": "/data.bin"})
             self.assertIn('encoding: "base64"', text)
             got, offset = b"", 0
             while True:
-                page = await self.ok(c, "read-file", {"name": name, "path": "/text.txt", "offset": offset, "length": 1001})
+                page = await self.ok(
+                    c,
+                    "read-file",
+                    {"name": name, "path": "/text.txt", "offset": offset, "length": 1001},
+                )
                 self.assertEqual(page["bytes"] % 2, 0)  # never a split character
                 got += page["content"].encode()
                 offset += page["bytes"]
@@ -882,19 +1196,45 @@ class ToolRuleTests(FakeServeCase):
             smol_mcp.RANGE_READ_MIN_OFFSET = 1000  # deep pages are cut in the guest
             try:
                 os.symlink("/data.bin", root / "link.bin")
-                linked = await self.ok(c, "read-file", {"name": name, "path": "/link.bin", "encoding": "base64",
-                                                        "offset": 2000, "length": 10})
-                self.assertEqual((linked["size"], base64.b64decode(linked["content"])),
-                                 (10240, (bytes(range(256)) * 40)[2000:2010]))  # the target's size, not the link's
+                linked = await self.ok(
+                    c,
+                    "read-file",
+                    {
+                        "name": name,
+                        "path": "/link.bin",
+                        "encoding": "base64",
+                        "offset": 2000,
+                        "length": 10,
+                    },
+                )
+                self.assertEqual(
+                    (linked["size"], base64.b64decode(linked["content"])),
+                    (10240, (bytes(range(256)) * 40)[2000:2010]),
+                )  # the target's size, not the link's
                 self.fake.requests.clear()
-                deep = await self.ok(c, "read-file", {"name": name, "path": "/data.bin", "encoding": "base64",
-                                                      "offset": 5000, "length": 1000})
-                self.assertEqual(base64.b64decode(deep["content"]), (bytes(range(256)) * 40)[5000:6000])
+                deep = await self.ok(
+                    c,
+                    "read-file",
+                    {
+                        "name": name,
+                        "path": "/data.bin",
+                        "encoding": "base64",
+                        "offset": 5000,
+                        "length": 1000,
+                    },
+                )
+                self.assertEqual(
+                    base64.b64decode(deep["content"]), (bytes(range(256)) * 40)[5000:6000]
+                )
                 self.assertEqual((deep["size"], deep["eof"]), (10240, False))
-                self.assertFalse([r for r in self.fake.requests if "/files/" in r[1]])  # no download from byte 0
+                self.assertFalse(
+                    [r for r in self.fake.requests if "/files/" in r[1]]
+                )  # no download from byte 0
             finally:
                 smol_mcp.RANGE_READ_MIN_OFFSET = saved
-            past = await self.ok(c, "read-file", {"name": name, "path": "/text.txt", "offset": 99999})
+            past = await self.ok(
+                c, "read-file", {"name": name, "path": "/text.txt", "offset": 99999}
+            )
             self.assertEqual((past["content"], past["bytes"], past["eof"]), ("", 0, True))
             text = await self.refused(c, "read-file", {"name": name, "path": "/nope.txt"})
             self.assertIn("read /nope.txt in machine", text)
@@ -913,14 +1253,20 @@ class ToolRuleTests(FakeServeCase):
             child = await self.ok(c, "branch-machine", {"name": source})
             self.assertTrue(child["ephemeral"] and child["ready"])
             self.assertEqual(child["machine"]["parent"], source)
-            out = await self.ok(c, "run-command", {"name": child["machine"]["name"], "command": "cat /root/state.txt"})
+            out = await self.ok(
+                c,
+                "run-command",
+                {"name": child["machine"]["name"], "command": "cat /root/state.txt"},
+            )
             self.assertEqual(out["stdout"], "parent")
             plain = await self.machine(c, "mcp-plain")
             text = await self.refused(c, "branch-machine", {"name": plain, "childName": "kid"})
             self.assertIn("(HTTP 409 CONFLICT)", text)  # the engine's own words, then what to do
             self.assertIn("create-machine with branchable: true", text)
             self.assertNotIn("kid", self.fake.machines)
-            text = await self.refused(c, "create-machine", {"image": "alpine", "branchable": True, "start": False})
+            text = await self.refused(
+                c, "create-machine", {"image": "alpine", "branchable": True, "start": False}
+            )
             self.assertIn('"branchable": true needs "start": true', text)
 
     async def test_logs_with_cursor_return_only_what_is_new(self):
@@ -935,7 +1281,9 @@ class ToolRuleTests(FakeServeCase):
             self.assertEqual(newer["lines"], ["something new"])
             tail = await self.ok(c, "machine-logs", {"name": name, "tail": 1})
             self.assertEqual(tail["lines"], ["something new"])
-            never = await self.ok(c, "create-machine", {"name": "mcp-cold", "image": "alpine", "start": False})
+            never = await self.ok(
+                c, "create-machine", {"name": "mcp-cold", "image": "alpine", "start": False}
+            )
             self.assertEqual((await self.ok(c, "machine-logs", {"name": "mcp-cold"}))["lines"], [])
             self.assertFalse(never["ready"])
 
@@ -959,18 +1307,31 @@ class ToolRuleTests(FakeServeCase):
             text = await self.refused(c, "delete-machine", {"name": name})
             self.assertIn("not found", text)
             await self.ok(c, "create-machine", {"name": "dup", "image": "alpine", "start": False})
-            text = await self.refused(c, "create-machine", {"name": "dup", "image": "alpine", "start": False})
+            text = await self.refused(
+                c, "create-machine", {"name": "dup", "image": "alpine", "start": False}
+            )
             self.assertIn("already exists", text)
 
     async def test_run_once_deletes_its_machine_and_returns_its_name(self):
         async with self.client("legacy") as c:
-            out = await self.ok(c, "run-once", {"image": "alpine", "network": "open", "command": "echo once; exit 4"})
+            out = await self.ok(
+                c,
+                "run-once",
+                {"image": "alpine", "network": "open", "command": "echo once; exit 4"},
+            )
             self.assertEqual((out["stdout"], out["exitCode"]), ("once\n", 4))
             self.assertTrue(out["name"].startswith("mcp-"))
-            timed = await self.ok(c, "run-once", {"image": "alpine", "network": "open", "command": "sleep 5",
-                                                  "timeoutSecs": 1})
+            timed = await self.ok(
+                c,
+                "run-once",
+                {"image": "alpine", "network": "open", "command": "sleep 5", "timeoutSecs": 1},
+            )
             self.assertTrue(timed["timedOut"])
-            big = await self.ok(c, "run-once", {"image": "alpine", "network": "open", "command": "yes | head -c 10000"})
+            big = await self.ok(
+                c,
+                "run-once",
+                {"image": "alpine", "network": "open", "command": "yes | head -c 10000"},
+            )
             self.assertTrue(big["truncated"])
             self.assertEqual(big["overflow"], [])
             self.assertIn("run-once deletes its machine", big["stdout"])
@@ -979,8 +1340,10 @@ class ToolRuleTests(FakeServeCase):
     async def test_blocking_calls_never_stall_other_calls(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            await self.assert_not_stalled(lambda: c.call_tool("run-command", {"name": name, "command": "sleep 3"}),
-                                          lambda: c.call_tool("list-machines", {}))
+            await self.assert_not_stalled(
+                lambda: c.call_tool("run-command", {"name": name, "command": "sleep 3"}),
+                lambda: c.call_tool("list-machines", {}),
+            )
 
     async def test_an_unexpected_exception_is_a_tool_error_without_a_traceback(self):
         def broken():
@@ -1000,7 +1363,9 @@ class ToolRuleTests(FakeServeCase):
             targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
             self.assertEqual(targets["mode"], "local")
             local = targets["fleets"]["local"]
-            self.assertEqual((local["served"], local["usable"], local["insideGuest"]), (True, True, False))
+            self.assertEqual(
+                (local["served"], local["usable"], local["insideGuest"]), (True, True, False)
+            )
             self.assertEqual(local["smolvm"]["version"], "1.32.2")
             self.assertFalse(targets["fleets"]["cloud"]["served"])
 
@@ -1008,15 +1373,22 @@ class ToolRuleTests(FakeServeCase):
 class SessionRecordTests(FakeServeCase):
     async def test_a_refused_create_under_a_held_name_keeps_the_record(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-dup", "image": "alpine", "network": "open"})
-            text = await self.refused(c, "create-machine", {"name": "mcp-dup", "image": "alpine", "network": "open"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-dup", "image": "alpine", "network": "open"}
+            )
+            text = await self.refused(
+                c, "create-machine", {"name": "mcp-dup", "image": "alpine", "network": "open"}
+            )
             self.assertIn("already exists", text)
         self.assertEqual(self.fake.machines, {})  # still deleted at the end
 
     async def test_children_are_deleted_before_their_branch_source(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-0src", "image": "alpine", "network": "open",
-                                                "branchable": True})
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "mcp-0src", "image": "alpine", "network": "open", "branchable": True},
+            )
             await self.ok(c, "branch-machine", {"name": "mcp-0src", "childName": "mcp-1kid"})
         self.assertEqual(self.fake.machines, {})
 
@@ -1026,15 +1398,26 @@ class SessionRecordTests(FakeServeCase):
         sessions = Path(self.config.runtime_dir) / "sessions"
         sessions.mkdir(parents=True)
         endpoint = self.app.local.endpoint
-        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-        records = {"dead": (int(dead.stdout), endpoint, "mcp-dead"), "live": (os.getppid(), endpoint, "mcp-live"),
-                   "other": (int(dead.stdout), "unix:///elsewhere.sock", "mcp-other")}
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        )
+        records = {
+            "dead": (int(dead.stdout), endpoint, "mcp-dead"),
+            "live": (os.getppid(), endpoint, "mcp-live"),
+            "other": (int(dead.stdout), "unix:///elsewhere.sock", "mcp-other"),
+        }
         for key, (pid, where, name) in records.items():
-            (sessions / f"{key}.json").write_text(json.dumps({"pid": pid, "endpoint": where, "machines": [name]}))
-        deleted = await asyncio.to_thread(smol_mcp.sweep_orphans, self.app.local, self.config.runtime_dir)
+            (sessions / f"{key}.json").write_text(
+                json.dumps({"pid": pid, "endpoint": where, "machines": [name]})
+            )
+        deleted = await asyncio.to_thread(
+            smol_mcp.sweep_orphans, self.app.local, self.config.runtime_dir
+        )
         self.assertEqual(deleted, ["mcp-dead"])
         self.assertEqual(sorted(self.fake.machines), ["mcp-live", "mcp-other"])
-        self.assertEqual(sorted(p.name for p in sessions.glob("*.json")), ["live.json", "other.json"])
+        self.assertEqual(
+            sorted(p.name for p in sessions.glob("*.json")), ["live.json", "other.json"]
+        )
 
     async def test_a_zombie_or_a_reused_pid_is_not_the_owner(self):
         for name in ("mcp-zombie", "mcp-reused", "mcp-mine"):
@@ -1101,8 +1484,11 @@ class WaitTests(FakeServeCase):
                     seen.append((progress, message))
 
                 async with self.client(mode) as c:
-                    answer = await c.call_tool("run-once", {"image": "alpine", "network": "open", "command": "sleep 1"},
-                                               progress_callback=on_progress)
+                    answer = await c.call_tool(
+                        "run-once",
+                        {"image": "alpine", "network": "open", "command": "sleep 1"},
+                        progress_callback=on_progress,
+                    )
                     self.assertFalse(answer.is_error, answer.content[0].text)
                 values = [value for value, _ in seen]
                 self.assertGreaterEqual(len(values), 4, seen)
@@ -1116,8 +1502,10 @@ class WaitTests(FakeServeCase):
 
     async def test_a_cancelled_call_still_deletes_its_machine(self):
         for mode in MODES:
-            for tool, args in (("run-once", {"image": "alpine", "network": "open", "command": "true"}),
-                               ("create-machine", {"image": "alpine", "network": "open"})):
+            for tool, args in (
+                ("run-once", {"image": "alpine", "network": "open", "command": "true"}),
+                ("create-machine", {"image": "alpine", "network": "open"}),
+            ):
                 with self.subTest(mode=mode, tool=tool):
                     async with self.client(mode) as c:
                         with anyio.move_on_after(0.5):  # cancelled during the 1 s boot
@@ -1127,7 +1515,9 @@ class WaitTests(FakeServeCase):
     async def test_readiness_timeout_says_so_and_deletes_the_machine(self):
         self.app.local.probe_ready = lambda name: "the guest agent is still coming up"
         async with self.client("legacy") as c:
-            text = await self.refused(c, "create-machine", {"name": "slowpoke", "image": "alpine", "network": "open"})
+            text = await self.refused(
+                c, "create-machine", {"name": "slowpoke", "image": "alpine", "network": "open"}
+            )
         self.assertIn("did not run a command within 5 s (readyTimeoutSecs)", text)
         self.assertIn("the guest agent is still coming up", text)
         self.assertEqual(self.fake.machines, {})
@@ -1146,25 +1536,42 @@ class AdviceTests(FakeServeCase):
     async def test_instructions_and_schema_do_not_send_agents_to_open_egress_for_a_pull(self):
         async with self.client("legacy") as c:
             tools = {tool.name: tool for tool in (await c.list_tools()).tools}
-        for said in (smol_mcp.server_instructions(self.app),
-                     tools["create-machine"].input_schema["properties"]["network"]["description"]):
+        for said in (
+            smol_mcp.server_instructions(self.app),
+            tools["create-machine"].input_schema["properties"]["network"]["description"],
+        ):
             self.assertNotRegex(said, r"needs? (network: )?\\?\"open\\?\"")
             self.assertIn("on the host", said)
 
     def test_only_an_engine_that_refuses_without_egress_gets_the_network_hint(self):
-        old = smol_mcp.ApiError("local", "start machine 'm'", 400, "BAD_REQUEST",
-                                "image 'alpine' must be pulled from a registry, but this machine has no network")
+        old = smol_mcp.ApiError(
+            "local",
+            "start machine 'm'",
+            400,
+            "BAD_REQUEST",
+            "image 'alpine' must be pulled from a registry, but this machine has no network",
+        )
         self.assertIn('network: "open"', str(smol_mcp.explain_start_failure(old, "blocked")))
-        host = smol_mcp.ApiError("local", "start machine 'm'", 500, "INTERNAL_ERROR",
-                                 "HTTP request failed: error sending request for url (https://r.example/v2/a/"
-                                 "manifests/latest): client error (Connect): tcp connect error: Connection refused")
+        host = smol_mcp.ApiError(
+            "local",
+            "start machine 'm'",
+            500,
+            "INTERNAL_ERROR",
+            "HTTP request failed: error sending request for url (https://r.example/v2/a/"
+            "manifests/latest): client error (Connect): tcp connect error: Connection refused",
+        )
         said = str(smol_mcp.explain_start_failure(host, "blocked"))
         self.assertIn("could not reach the image registry", said)
         self.assertNotIn('network: "open"', said)
 
     def test_terminal_colours_in_an_engine_message_are_removed(self):
-        body = json.dumps({"error": "monitor agent: \x1b[2m2026-12-01T01:21:07Z\x1b[0m \x1b[33m WARN\x1b[0m no resolver",
-                           "code": "INTERNAL_ERROR"}).encode()
+        body = json.dumps(
+            {
+                "error": "monitor agent: \x1b[2m2026-12-01T01:21:07Z\x1b[0m \x1b[33m WARN\x1b[0m "
+                "no resolver",
+                "code": "INTERNAL_ERROR",
+            }
+        ).encode()
         err = smol_mcp.api_error("local", "start machine 'm'", 500, "application/json", body)
         self.assertEqual(err.api_message, "monitor agent: 2026-12-01T01:21:07Z  WARN no resolver")
 
@@ -1183,7 +1590,9 @@ class AdviceTests(FakeServeCase):
                 seen.append((progress, message))
 
             async with self.client(mode) as c:
-                answer = await c.call_tool("create-machine", {"image": "alpine"}, progress_callback=on_progress)
+                answer = await c.call_tool(
+                    "create-machine", {"image": "alpine"}, progress_callback=on_progress
+                )
                 self.assertFalse(answer.is_error, answer.content[0].text)
             self.assertTrue(seen, "no progress at all")
             self.assertLess(seen[0][0], 1.0, seen)
@@ -1210,10 +1619,14 @@ class ReplySizeTests(FakeServeCase):
             answer = await c.call_tool("run-command", {"name": "mcp-big", "command": command})
             self.assertFalse(answer.is_error, answer.content[0].text)
             out = answer.structured_content
-            shown = (answer.content[0].text,
-                     json.dumps(out, ensure_ascii=False, separators=(",", ":")))  # as JSON.stringify writes it
+            shown = (
+                answer.content[0].text,
+                json.dumps(out, ensure_ascii=False, separators=(",", ":")),
+            )  # as JSON.stringify writes it
             for text in shown:
-                self.assertLess(len(text), self.LIMIT_CHARS, "the reply would be refused by Claude Code")
+                self.assertLess(
+                    len(text), self.LIMIT_CHARS, "the reply would be refused by Claude Code"
+                )
             self.assertTrue(out["truncated"])
             self.assertEqual(len(out["overflow"]), 2)
             root = Path(self.fake.guest_root("mcp-big"))
@@ -1221,21 +1634,24 @@ class ReplySizeTests(FakeServeCase):
             whole_err = (root / out["overflow"][1].lstrip("/")).read_bytes()
             self.assertEqual(len(whole_out), 9000 * 7)
             self.assertEqual(len(whole_err), 9000 * 7 + 30000 * 3)
-            self.assertTrue(out["stdout"].startswith('a"\\\t\x01\x02\n'.encode().decode("unicode_escape")))
+            self.assertTrue(out["stdout"].startswith(b'a"\\\t\x01\x02\n'.decode("unicode_escape")))
             self.assertIn(out["overflow"][0], out["stdout"])
             self.assertIn(out["overflow"][1], out["stderr"])
 
     async def test_a_small_stream_leaves_its_share_to_the_other(self):
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "mcp-one", "image": "alpine"})
-            for command, small, big in (("seq 100000; echo tiny >&2", "stderr", "stdout"),
-                                        ("echo tiny; seq 100000 >&2", "stdout", "stderr")):
+            for command, small, big in (
+                ("seq 100000; echo tiny >&2", "stderr", "stdout"),
+                ("echo tiny; seq 100000 >&2", "stdout", "stderr"),
+            ):
                 out = await self.ok(c, "run-command", {"name": "mcp-one", "command": command})
                 self.assertEqual(out[small], "tiny\n")
                 self.assertGreater(len(out[big]), 50_000)  # most of the budget, not half of it
-                self.assertLessEqual(len(json.dumps(out["stdout"])) + len(json.dumps(out["stderr"])),
-                                     Config().max_output_bytes + 4)
-
+                self.assertLessEqual(
+                    len(json.dumps(out["stdout"])) + len(json.dumps(out["stderr"])),
+                    Config().max_output_bytes + 4,
+                )
 
     async def test_pages_of_escapes_fit_and_read_back_whole(self):
         """read-file and read-job pages are bounded in JSON characters too: a
@@ -1248,20 +1664,25 @@ class ReplySizeTests(FakeServeCase):
             await self.ok(c, "run-command", {"name": "mcp-nul", "command": make})
             offset, whole = 0, ""
             while True:
-                page = await self.ok(c, "read-file", {"name": "mcp-nul", "path": "/z",
-                                                      "offset": offset})
+                page = await self.ok(
+                    c, "read-file", {"name": "mcp-nul", "path": "/z", "offset": offset}
+                )
                 self.assertLessEqual(json_chars_of(page["content"]), budget)
                 whole, offset = whole + page["content"], offset + page["bytes"]
                 if page["eof"]:
                     break
             self.assertEqual(whole, "\0" * size)
-            job = await self.ok(c, "start-job", {"name": "mcp-nul", "command": f"{make}; {make} >&2"})
+            job = await self.ok(
+                c, "start-job", {"name": "mcp-nul", "command": f"{make}; {make} >&2"}
+            )
             out, err, offset = "", "", {"stdout": 0, "stderr": 0}
             for _ in range(200):
-                page = await self.ok(c, "read-job", {"name": "mcp-nul", "jobId": job["jobId"],
-                                                     "offset": offset})
-                self.assertLessEqual(json_chars_of(page["stdout"]) + json_chars_of(page["stderr"]),
-                                     budget)
+                page = await self.ok(
+                    c, "read-job", {"name": "mcp-nul", "jobId": job["jobId"], "offset": offset}
+                )
+                self.assertLessEqual(
+                    json_chars_of(page["stdout"]) + json_chars_of(page["stderr"]), budget
+                )
                 out, err, offset = out + page["stdout"], err + page["stderr"], page["nextOffset"]
                 if page["eof"]:
                     break
@@ -1281,7 +1702,9 @@ class StartFailureTests(FakeServeCase):
         # 1.32.2 fetches a registry image on the host: opening the guest's egress would not help
         async with self.client("legacy") as c:
             text = await self.refused(c, "create-machine", {"image": "alpine"})
-            self.assertIn("dns error: failed to lookup address information", text)  # the API's own words
+            self.assertIn(
+                "dns error: failed to lookup address information", text
+            )  # the API's own words
             self.assertIn("host this server runs on could not reach the image registry", text)
             self.assertNotIn('network: "open"', text)
             self.assertEqual(self.fake.machines, {})
@@ -1291,19 +1714,36 @@ class StartFailureTests(FakeServeCase):
             self.assertIn("could not reach the image registry", text)
             self.assertNotIn('network: "open"', text)
             self.assertEqual(self.fake.machines, {})
-            out = await self.ok(c, "run-once", {"image": "alpine", "command": "echo ok", "network": "open"})
+            out = await self.ok(
+                c, "run-once", {"image": "alpine", "command": "echo ok", "network": "open"}
+            )
             self.assertEqual(out["stdout"], "ok\n")
 
     async def test_network_arguments_map_to_the_local_fields(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "scoped", "image": "alpine", "allowHosts": ["pypi.org"],
-                                                "allowCidrs": ["10.0.0.0/8"], "start": False})
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": "scoped",
+                    "image": "alpine",
+                    "allowHosts": ["pypi.org"],
+                    "allowCidrs": ["10.0.0.0/8"],
+                    "start": False,
+                },
+            )
             body = self.requests_to("/api/v1/machines")[-1][2]
-            self.assertEqual((body["network"], body["allowedHosts"], body["allowedCidrs"]),
-                             (False, ["pypi.org"], ["10.0.0.0/8"]))
-            text = await self.refused(c, "create-machine", {"image": "alpine", "network": "open", "allowHosts": ["a.b"]})
+            self.assertEqual(
+                (body["network"], body["allowedHosts"], body["allowedCidrs"]),
+                (False, ["pypi.org"], ["10.0.0.0/8"]),
+            )
+            text = await self.refused(
+                c, "create-machine", {"image": "alpine", "network": "open", "allowHosts": ["a.b"]}
+            )
             self.assertIn("cannot be combined with allowHosts/allowCidrs", text)
-            text = await self.refused(c, "create-machine", {"image": "alpine", "allowCidrs": ["nonsense"]})
+            text = await self.refused(
+                c, "create-machine", {"image": "alpine", "allowCidrs": ["nonsense"]}
+            )
             self.assertIn('"allowCidrs[0]" must be an address range', text)
 
 
@@ -1312,13 +1752,19 @@ class BootFailureTests(FakeServeCase):
 
     async def test_failed_start_deletes_what_it_created(self):
         async with self.client("legacy") as c:
-            text = await self.refused(c, "create-machine", {"name": "keep-me-not", "image": "alpine", "network": "open"})
+            text = await self.refused(
+                c, "create-machine", {"name": "keep-me-not", "image": "alpine", "network": "open"}
+            )
             self.assertIn("agent did not become ready", text)
             self.assertIn("could not boot on this host", text)
-            self.assertNotIn("machine-logs", text)  # the machine is gone: its log lines come in the error
+            self.assertNotIn(
+                "machine-logs", text
+            )  # the machine is gone: its log lines come in the error
             self.assertIn("no boot progress for 30 seconds", text.split("console log:")[1])
             self.assertEqual(self.fake.machines, {})
-            text = await self.refused(c, "run-once", {"image": "alpine", "network": "open", "command": "true"})
+            text = await self.refused(
+                c, "run-once", {"image": "alpine", "network": "open", "command": "true"}
+            )
             self.assertNotIn("machine-logs", text)
             self.assertIn("no boot progress for 30 seconds", text)
             self.assertEqual(self.fake.machines, {})
@@ -1332,7 +1778,11 @@ class NetworkDefaultTests(FakeServeCase):
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "n1", "image": "alpine", "start": False})
             self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], True)
-            await self.ok(c, "create-machine", {"name": "n2", "image": "alpine", "start": False, "network": "blocked"})
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "n2", "image": "alpine", "start": False, "network": "blocked"},
+            )
             self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], False)
             await self.ok(c, "run-once", {"image": "alpine", "command": "true"})
             # run-once follows runOnceNetwork, not networkDefault
@@ -1372,7 +1822,9 @@ class LocalUrlTests(FakeServeCase):
 CLOUD_TOKEN = "smk_test_token_do_not_echo"
 
 
-@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare to chroot into its busybox root")
+@unittest.skipUnless(
+    CAN_CHROOT, "the fake guest needs root or unshare to chroot into its busybox root"
+)
 class FakeCloudCase(FakeServeCase):
     """A FakeCloud (and the local fake beside it, for both mode), and a server using it."""
 
@@ -1382,8 +1834,14 @@ class FakeCloudCase(FakeServeCase):
     async def asyncSetUp(self):
         await super().asyncSetUp()
         self.cloud = FakeCloud(token=CLOUD_TOKEN, **self.cloud_options).start()
-        self.config = fake_config(self.tmp, self.socket_path, cloud_url=self.cloud.url, cloud_token=CLOUD_TOKEN,
-                                  targets=self.targets, **self.config_overrides)
+        self.config = fake_config(
+            self.tmp,
+            self.socket_path,
+            cloud_url=self.cloud.url,
+            cloud_token=CLOUD_TOKEN,
+            targets=self.targets,
+            **self.config_overrides,
+        )
         self.app = SmolMcp(self.config)
 
     async def asyncTearDown(self):
@@ -1391,7 +1849,9 @@ class FakeCloudCase(FakeServeCase):
         await super().asyncTearDown()
 
     def cloud_requests(self, suffix: str, method: str = "POST") -> list:
-        return [r for r in self.cloud.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)]
+        return [
+            r for r in self.cloud.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)
+        ]
 
     def by_name(self, name: str) -> dict:
         return next(m for m in self.cloud.machines.values() if m["name"] == name)
@@ -1403,56 +1863,122 @@ class CloudWorkedExample(FakeCloudCase):
             with self.subTest(mode=mode):
                 self.cloud.requests.clear()
                 async with self.client(mode) as c:
-                    created = await self.ok(c, "create-machine", {"name": "mcp-walk", "image": "python:3.12-alpine",
-                                                                  "cpus": 2, "memoryMb": 1024, "branchable": True})
+                    created = await self.ok(
+                        c,
+                        "create-machine",
+                        {
+                            "name": "mcp-walk",
+                            "image": "python:3.12-alpine",
+                            "cpus": 2,
+                            "memoryMb": 1024,
+                            "branchable": True,
+                        },
+                    )
                     self.assertEqual((created["ephemeral"], created["ready"]), (True, True))
                     machine = created["machine"]
                     self.assertEqual(sorted(machine), sorted(smol_mcp.MACHINE_KEYS))
                     self.assertTrue(machine["id"].startswith("mach-"))
-                    self.assertEqual((machine["image"], machine["cpus"], machine["network"], machine["branchable"]),
-                                     ("python:3.12-alpine", 2, "blocked", True))
+                    self.assertEqual(
+                        (
+                            machine["image"],
+                            machine["cpus"],
+                            machine["network"],
+                            machine["branchable"],
+                        ),
+                        ("python:3.12-alpine", 2, "blocked", True),
+                    )
                     body = self.cloud_requests("/v1/machines")[0][3]
-                    self.assertEqual(body["source"], {"type": "image", "reference": "python:3.12-alpine"})
-                    self.assertEqual((body["resources"]["cpus"], body["resources"]["memoryMb"]), (2, 1024))
-                    self.assertEqual(body["network"], {"mode": "blocked"})  # always sent: omitted means open
+                    self.assertEqual(
+                        body["source"], {"type": "image", "reference": "python:3.12-alpine"}
+                    )
+                    self.assertEqual(
+                        (body["resources"]["cpus"], body["resources"]["memoryMb"]), (2, 1024)
+                    )
+                    self.assertEqual(
+                        body["network"], {"mode": "blocked"}
+                    )  # always sent: omitted means open
                     self.assertEqual((body["ttlSeconds"], body["autoStopSeconds"]), (3600, 900))
                     self.assertNotIn("ephemeral", body)
                     self.assertIs(body["forkable"], True)  # a create field on the cloud
-                    self.assertIn("forkable=true", self.cloud_requests("/start")[0][1])  # and, as the client does, on its start
-                    ran = await self.ok(c, "run-command", {"name": "mcp-walk", "command": "echo cloned"})
-                    self.assertEqual((ran["stdout"], ran["exitCode"], ran["startedMachine"]), ("cloned\n", 0, False))
+                    self.assertIn(
+                        "forkable=true", self.cloud_requests("/start")[0][1]
+                    )  # and, as the client does, on its start
+                    ran = await self.ok(
+                        c, "run-command", {"name": "mcp-walk", "command": "echo cloned"}
+                    )
+                    self.assertEqual(
+                        (ran["stdout"], ran["exitCode"], ran["startedMachine"]),
+                        ("cloned\n", 0, False),
+                    )
                     exec_body = self.cloud_requests("/exec")[-1][3]
-                    self.assertEqual((exec_body["command"], exec_body["timeoutSeconds"]), (["sh", "-c", "echo cloned"], 120))
+                    self.assertEqual(
+                        (exec_body["command"], exec_body["timeoutSeconds"]),
+                        (["sh", "-c", "echo cloned"], 120),
+                    )
                     self.assertNotIn("workdir", exec_body)
-                    failed = await self.ok(c, "run-command", {"name": "mcp-walk", "command": ["sh", "-c", "exit 42"],
-                                                              "workdir": "/tmp", "env": {"A": "1"}})
+                    failed = await self.ok(
+                        c,
+                        "run-command",
+                        {
+                            "name": "mcp-walk",
+                            "command": ["sh", "-c", "exit 42"],
+                            "workdir": "/tmp",
+                            "env": {"A": "1"},
+                        },
+                    )
                     self.assertEqual(failed["exitCode"], 42)
                     exec_body = self.cloud_requests("/exec")[-1][3]
                     self.assertEqual((exec_body["cwd"], exec_body["env"]), ("/tmp", {"A": "1"}))
                     report = "".join(f"test {i} ok\n" for i in range(500))
-                    await self.ok(c, "write-file", {"name": "mcp-walk", "path": "/workspace/report.txt", "content": report})
-                    first = await self.ok(c, "read-file", {"name": "mcp-walk", "path": "/workspace/report.txt",
-                                                           "length": 1000})
-                    rest = await self.ok(c, "read-file", {"name": "mcp-walk", "path": "/workspace/report.txt",
-                                                          "offset": first["bytes"]})
+                    await self.ok(
+                        c,
+                        "write-file",
+                        {"name": "mcp-walk", "path": "/workspace/report.txt", "content": report},
+                    )
+                    first = await self.ok(
+                        c,
+                        "read-file",
+                        {"name": "mcp-walk", "path": "/workspace/report.txt", "length": 1000},
+                    )
+                    rest = await self.ok(
+                        c,
+                        "read-file",
+                        {
+                            "name": "mcp-walk",
+                            "path": "/workspace/report.txt",
+                            "offset": first["bytes"],
+                        },
+                    )
                     self.assertEqual((first["eof"], rest["eof"]), (False, True))
                     self.assertEqual(first["content"] + rest["content"], report)
                     child = await self.ok(c, "branch-machine", {"name": "mcp-walk"})
                     self.assertTrue(child["ephemeral"] and child["ready"])
-                    got = await self.ok(c, "run-command", {"name": child["machine"]["name"],
-                                                           "command": "wc -l < /workspace/report.txt"})
+                    got = await self.ok(
+                        c,
+                        "run-command",
+                        {
+                            "name": child["machine"]["name"],
+                            "command": "wc -l < /workspace/report.txt",
+                        },
+                    )
                     self.assertEqual(got["stdout"].strip(), "500")
                     logs = await self.ok(c, "machine-logs", {"name": "mcp-walk"})
                     self.cloud.append_log(self.by_name("mcp-walk")["id"], "a new console line")
-                    newer = await self.ok(c, "machine-logs", {"name": "mcp-walk", "cursor": logs["cursor"]})
+                    newer = await self.ok(
+                        c, "machine-logs", {"name": "mcp-walk", "cursor": logs["cursor"]}
+                    )
                     self.assertEqual(newer["lines"], ["a new console line"])
-                    again = await self.ok(c, "machine-logs", {"name": "mcp-walk", "cursor": newer["cursor"]})
+                    again = await self.ok(
+                        c, "machine-logs", {"name": "mcp-walk", "cursor": newer["cursor"]}
+                    )
                     self.assertEqual(again["lines"], [])
                     deleted = await self.ok(c, "delete-machine", {"name": "mcp-walk"})
                     self.assertEqual(deleted["deleted"], "mcp-walk")
                     self.assertIn("totalMicros", json.dumps(deleted["usage"]))
                     self.assertIn("includeUsage=true", self.cloud_requests("", "DELETE")[0][1])
-                    self.assertEqual(len(self.cloud.machines), 1)  # the ephemeral child, until the session ends
+                    self.assertEqual(
+                        len(self.cloud.machines), 1
+                    )  # the ephemeral child, until the session ends
                 self.assertEqual(self.cloud.machines, {})  # closing the client deleted it
 
 
@@ -1480,24 +2006,33 @@ class CloudRuleTests(FakeCloudCase):
                     self.assertFalse([r for r in self.cloud.requests if "egress" in r[1]])
 
     async def test_a_stream_the_service_cut_is_reported_not_passed_off_as_whole(self):
-        self.cloud.exec_b64, self.cloud.exec_output_cap = False, 3000  # an older service: capped text only
+        self.cloud.exec_b64, self.cloud.exec_output_cap = (
+            False,
+            3000,
+        )  # an older service: capped text only
         async with self.client("legacy") as c:
             name = await self.machine(c)
             out = await self.ok(c, "run-command", {"name": name, "command": "seq 1 2000; echo END"})
             self.assertTrue(out["truncated"])
             self.assertIn("the cloud API cut stdout here", out["stdout"])
             self.assertNotIn("END", out["stdout"])
-            self.assertIn("the first", out["stdout"])  # the overflow file is not claimed to be whole
+            self.assertIn(
+                "the first", out["stdout"]
+            )  # the overflow file is not claimed to be whole
 
     async def test_names_resolve_with_one_list_call_and_ids_work_too(self):
         async with self.client("legacy") as c:
             await self.machine(c, "persist-1")
-            self.assertIsNone(self.cloud_requests("", "POST")[0][3].get("ttlSeconds"))  # a chosen name persists
+            self.assertIsNone(
+                self.cloud_requests("", "POST")[0][3].get("ttlSeconds")
+            )  # a chosen name persists
             self.cloud.requests.clear()
             got = await self.ok(c, "get-machine", {"name": "persist-1"})
             jobs = f"/v1/machines/{got['machine']['id']}/jobs"
-            self.assertEqual([r[:2] for r in self.cloud.requests],  # the name, then its jobs
-                             [("GET", "/v1/machines"), ("GET", jobs)])
+            self.assertEqual(
+                [r[:2] for r in self.cloud.requests],  # the name, then its jobs
+                [("GET", "/v1/machines"), ("GET", jobs)],
+            )
             by_id = await self.ok(c, "get-machine", {"name": got["machine"]["id"]})
             self.assertEqual(by_id["machine"]["name"], "persist-1")
             text = await self.refused(c, "get-machine", {"name": "ghost"})
@@ -1514,15 +2049,22 @@ class CloudRuleTests(FakeCloudCase):
             text = await self.refused(c, "run-command", {"name": name, "command": "echo once"})
             self.assertIn("HTTP 503", text)  # an exec is never repeated: it may have run
             self.cloud.fail_next("POST", "/v1/machines", 429)
-            await self.ok(c, "create-machine", {"name": "mcp-after-429", "image": "alpine", "start": False})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-after-429", "image": "alpine", "start": False}
+            )
             creates = [r for r in self.cloud.requests if r[:2] == ("POST", "/v1/machines")]
-            self.assertEqual(len(creates), 3)  # two creates of ours, one of them repeated after its 429
+            self.assertEqual(
+                len(creates), 3
+            )  # two creates of ours, one of them repeated after its 429
 
     async def test_stopped_machine_is_started_by_a_command_read_or_write(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            for tool, args in (("run-command", {"command": "true"}), ("write-file", {"path": "/root/a", "content": "x"}),
-                               ("read-file", {"path": "/root/a"})):
+            for tool, args in (
+                ("run-command", {"command": "true"}),
+                ("write-file", {"path": "/root/a", "content": "x"}),
+                ("read-file", {"path": "/root/a"}),
+            ):
                 await self.ok(c, "stop-machine", {"name": name})
                 self.assertEqual(self.by_name(name)["state"], "stopped")
                 result = await self.ok(c, tool, {"name": name, **args})
@@ -1535,7 +2077,10 @@ class CloudRuleTests(FakeCloudCase):
             out = await self.ok(c, "run-command", {"name": name, "command": "seq 1 3000"})
             self.assertTrue(out["truncated"])
             self.assertEqual(len(out["overflow"]), 1)
-            whole = (Path(self.cloud.guest_root(self.by_name(name)["id"])) / out["overflow"][0].lstrip("/")).read_text()
+            whole = (
+                Path(self.cloud.guest_root(self.by_name(name)["id"]))
+                / out["overflow"][0].lstrip("/")
+            ).read_text()
             self.assertEqual(whole, "".join(f"{i}\n" for i in range(1, 3001)))
 
     async def test_blocked_is_sent_explicitly_and_an_allow_list_never_empty(self):
@@ -1545,14 +2090,21 @@ class CloudRuleTests(FakeCloudCase):
             await self.machine(c, "mcp-o", network="open", ports=[{"guest": 8080}])
             bodies = [r[3] for r in self.cloud_requests("/v1/machines")]
             self.assertEqual(bodies[0]["network"], {"mode": "blocked"})
-            self.assertEqual(bodies[1]["network"], {"mode": "allowCidrs", "cidrs": [], "hosts": ["pypi.org"]})
-            self.assertEqual((bodies[2]["network"], bodies[2]["ports"]), ({"mode": "open"}, [{"port": 8080}]))
+            self.assertEqual(
+                bodies[1]["network"], {"mode": "allowCidrs", "cidrs": [], "hosts": ["pypi.org"]}
+            )
+            self.assertEqual(
+                (bodies[2]["network"], bodies[2]["ports"]), ({"mode": "open"}, [{"port": 8080}])
+            )
 
     async def test_refusals_before_anything_is_sent(self):
         async with self.client("legacy") as c:
             cases = [
                 ({"ports": [{"guest": 80}]}, "cannot also block egress"),
-                ({"ports": [{"guest": 80, "host": 8080}], "network": "open"}, '"ports[].host" is local only'),
+                (
+                    {"ports": [{"guest": 80, "host": 8080}], "network": "open"},
+                    '"ports[].host" is local only',
+                ),
                 ({"mounts": [{"source": "/srv", "target": "/srv"}]}, '"mounts" is local only'),
                 ({"overlayGb": 4}, '"overlayGb" is local only'),
                 ({"cmd": ["sleep", "1"]}, '"cmd" is local only'),
@@ -1587,27 +2139,54 @@ class CloudRuleTests(FakeCloudCase):
 
 
 class CloudServiceVariants(FakeCloudCase):
-    cloud_options = {"blocked_spelling": "refused", "files_route": False, "list_shape": "object",
-                     "branch_route": "fork", "exec_output_cap": 4096, "exec_b64": False}
+    cloud_options = {
+        "blocked_spelling": "refused",
+        "files_route": False,
+        "list_shape": "object",
+        "branch_route": "fork",
+        "exec_output_cap": 4096,
+        "exec_b64": False,
+    }
 
     async def test_fallbacks_for_an_older_service(self):
         async with self.client("legacy") as c:
-            created = await self.ok(c, "create-machine", {"name": "mcp-old", "image": "alpine", "branchable": True})
+            created = await self.ok(
+                c, "create-machine", {"name": "mcp-old", "image": "alpine", "branchable": True}
+            )
             bodies = [r[3]["network"] for r in self.cloud_requests("/v1/machines")]
             # blocked first, as the official client spells it; then the seed's deny-all allow-list
             self.assertEqual(bodies, [{"mode": "blocked"}, smol_mcp.CLOUD_BLOCKED_FALLBACK])
             self.assertEqual(created["machine"]["network"], "blocked")
             # files: the suffix route answers 404, so write and read go through exec with base64
             data = bytes(range(256)) * 4
-            wrote = await self.ok(c, "write-file", {"name": "mcp-old", "path": "/root/blob.bin",
-                                                    "content": base64.b64encode(data).decode(), "encoding": "base64"})
+            wrote = await self.ok(
+                c,
+                "write-file",
+                {
+                    "name": "mcp-old",
+                    "path": "/root/blob.bin",
+                    "content": base64.b64encode(data).decode(),
+                    "encoding": "base64",
+                },
+            )
             self.assertEqual(wrote["bytes"], len(data))
-            page = await self.ok(c, "read-file", {"name": "mcp-old", "path": "/root/blob.bin", "encoding": "base64",
-                                                  "offset": 10, "length": 100})
+            page = await self.ok(
+                c,
+                "read-file",
+                {
+                    "name": "mcp-old",
+                    "path": "/root/blob.bin",
+                    "encoding": "base64",
+                    "offset": 10,
+                    "length": 100,
+                },
+            )
             self.assertEqual(base64.b64decode(page["content"]), data[10:110])
             self.assertEqual(page["size"], len(data))
             # a page larger than the exec response cap is refused rather than returned short
-            (Path(self.cloud.guest_root(self.by_name("mcp-old")["id"])) / "root/big.txt").write_text("y" * 20000)
+            (
+                Path(self.cloud.guest_root(self.by_name("mcp-old")["id"])) / "root/big.txt"
+            ).write_text("y" * 20000)
             text = await self.refused(c, "read-file", {"name": "mcp-old", "path": "/root/big.txt"})
             self.assertIn("cut the output of the read", text)
             child = await self.ok(c, "branch-machine", {"name": "mcp-old", "childName": "mcp-kid"})
@@ -1623,15 +2202,29 @@ class BothModeTests(FakeCloudCase):
             async with self.client(mode) as c:
                 tools = (await c.list_tools()).tools
                 for tool in tools:
-                    self.assertEqual(tool.input_schema["properties"]["target"]["enum"], ["local", "cloud"])
+                    self.assertEqual(
+                        tool.input_schema["properties"]["target"]["enum"], ["local", "cloud"]
+                    )
                     self.assertIn("target", tool.input_schema["required"])
                 text = await self.refused(c, "list-machines", {})
                 self.assertIn('needs "target": "local" or "cloud"', text)
                 self.assertIn("there is no default", text)
-                await self.ok(c, "create-machine", {"target": "local", "name": "on-local", "image": "alpine",
-                                                    "network": "open", "start": False})
-                await self.ok(c, "create-machine", {"target": "cloud", "name": "on-cloud", "image": "alpine",
-                                                    "start": False})
+                await self.ok(
+                    c,
+                    "create-machine",
+                    {
+                        "target": "local",
+                        "name": "on-local",
+                        "image": "alpine",
+                        "network": "open",
+                        "start": False,
+                    },
+                )
+                await self.ok(
+                    c,
+                    "create-machine",
+                    {"target": "cloud", "name": "on-cloud", "image": "alpine", "start": False},
+                )
                 local = await self.ok(c, "list-machines", {"target": "local"})
                 cloud = await self.ok(c, "list-machines", {"target": "cloud"})
                 self.assertEqual([m["name"] for m in local["machines"]], ["on-local"])
@@ -1642,7 +2235,9 @@ class BothModeTests(FakeCloudCase):
                 await self.ok(c, "delete-machine", {"target": "cloud", "name": "on-cloud"})
                 targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
                 self.assertEqual(targets["mode"], "both")
-                self.assertTrue(targets["fleets"]["cloud"]["served"] and targets["fleets"]["cloud"]["tokenSet"])
+                self.assertTrue(
+                    targets["fleets"]["cloud"]["served"] and targets["fleets"]["cloud"]["tokenSet"]
+                )
                 self.assertNotIn(CLOUD_TOKEN, json.dumps(targets))
                 self.assertIn("target", c.instructions)
 
@@ -1656,10 +2251,14 @@ class BothModeTests(FakeCloudCase):
 
 def answer_fleet(action: str, fleet: str | None = None, asked: list | None = None):
     """An elicitation callback that answers the fleet question."""
+
     async def callback(context, params):
         if asked is not None:
             asked.append(params.message)
-        return mcp_types.ElicitResult(action=action, content={"fleet": fleet} if action == "accept" else None)
+        return mcp_types.ElicitResult(
+            action=action, content={"fleet": fleet} if action == "accept" else None
+        )
+
     return callback
 
 
@@ -1684,8 +2283,11 @@ class ElicitationTests(FakeCloudCase):
 
     async def test_handshake_era_answer_narrows_the_session(self):
         inbox, asked = Inbox(), []
-        async with self.client("legacy", elicitation_callback=answer_fleet("accept", "local", asked),
-                               message_handler=inbox) as c:
+        async with self.client(
+            "legacy",
+            elicitation_callback=answer_fleet("accept", "local", asked),
+            message_handler=inbox,
+        ) as c:
             self.assertTrue(c.server_capabilities.tools.list_changed)
             listed = await self.ok(c, "list-machines", {})  # no target: the answer supplies it
             self.assertEqual(listed, {"machines": []})
@@ -1696,23 +2298,33 @@ class ElicitationTests(FakeCloudCase):
             self.assertIn("here", self.fake.machines)
             text = await self.refused(c, "list-machines", {"target": "cloud"})
             self.assertIn("this session chose the local fleet", text)
-            await self.ok(c, "list-machines", {"target": "local"})  # a stale client naming the same fleet is fine
+            await self.ok(
+                c, "list-machines", {"target": "local"}
+            )  # a stale client naming the same fleet is fine
             self.assertEqual(len(asked), 1)  # asked once
             self.assertIn("Which one is this session for?", asked[0])
 
     async def test_calls_racing_in_get_one_question_and_the_asking_call_keeps_its_target(self):
         asked = []
-        async with self.client("legacy", elicitation_callback=answer_fleet("accept", "local", asked)) as c:
-            answers = await asyncio.gather(*[c.call_tool("list-machines", {"target": "cloud"}) for _ in range(3)])
+        async with self.client(
+            "legacy", elicitation_callback=answer_fleet("accept", "local", asked)
+        ) as c:
+            answers = await asyncio.gather(
+                *[c.call_tool("list-machines", {"target": "cloud"}) for _ in range(3)]
+            )
             self.assertEqual(len(asked), 1)
-            self.assertEqual([a.is_error for a in answers].count(False), 1, [a.content[0].text for a in answers])
+            self.assertEqual(
+                [a.is_error for a in answers].count(False), 1, [a.content[0].text for a in answers]
+            )
             # the call that asked ran where it said (cloud); the session is local from then on
             self.assertTrue(self.cloud_requests("/v1/machines", "GET"))
 
     async def test_2026_era_answer_narrows_and_the_listen_stream_hears_it(self):
         async with self.client("auto", elicitation_callback=answer_fleet("accept", "cloud")) as c:
             async with c.listen(tools_list_changed=True) as events:
-                await self.ok(c, "create-machine", {"name": "up-there", "image": "alpine", "start": False})
+                await self.ok(
+                    c, "create-machine", {"name": "up-there", "image": "alpine", "start": False}
+                )
                 with anyio.fail_after(5):
                     event = await events.__anext__()
                 self.assertEqual(type(event).__name__, "ToolsListChanged")
@@ -1803,7 +2415,8 @@ class EgressTests(FakeServeCase):
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "egress-exec", "image": "alpine"})
             self.app.access.stdio = smol_mcp.Principal(
-                "runner", frozenset({"machines.exec"}), kind="stdio")
+                "runner", frozenset({"machines.exec"}), kind="stdio"
+            )
             ran = await self.ok(c, "run-command", {"name": "egress-exec", "command": self.fetch})
         self.assertEqual([d["dest"] for d in ran["egressDenied"]], [self.dest])
         self.assertNotIn("allow-egress {", ran["egressHint"])
@@ -1866,10 +2479,12 @@ class EgressTests(FakeServeCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with self.client(mode, elicitation_callback=started_meanwhile) as c:
-                    await self.ok(c, "create-machine", {"name": "raced", "image": "alpine",
-                                                        "start": False})
-                    text = await self.refused(c, "allow-egress", {"name": "raced",
-                                                                  "hosts": ["pypi.test"]})
+                    await self.ok(
+                        c, "create-machine", {"name": "raced", "image": "alpine", "start": False}
+                    )
+                    text = await self.refused(
+                        c, "allow-egress", {"name": "raced", "hosts": ["pypi.test"]}
+                    )
                     # handshake era: the engine's 409; 2026 era: the call runs again with the
                     # answer, sees the machine running, and refuses before sending
                     self.assertIn("HTTP 409" if mode == "legacy" else "no allow list yet", text)
@@ -2016,8 +2631,12 @@ class EgressTests(FakeServeCase):
 
             async def answered(host: str):  # the first question's answer and state, sent back
                 return await c.session.call_tool(
-                    "allow-egress", {"name": "sealed", "hosts": [host]}, allow_input_required=True,
-                    input_responses={"confirm": yes}, request_state=first.request_state)
+                    "allow-egress",
+                    {"name": "sealed", "hosts": [host]},
+                    allow_input_required=True,
+                    input_responses={"confirm": yes},
+                    request_state=first.request_state,
+                )
 
             other = await answered("evil.test")
             self.assertIsInstance(other, mcp_types.InputRequiredResult)  # asked again, not applied
@@ -2101,7 +2720,9 @@ class LogSubscriptionTests(FakeServeCase):
         inbox = Inbox()
         async with self.client("legacy", message_handler=inbox) as c:
             self.assertTrue(c.server_capabilities.resources.subscribe)
-            await self.ok(c, "create-machine", {"name": "mcp-log", "image": "alpine", "network": "open"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-log", "image": "alpine", "network": "open"}
+            )
             uri = "smol://machine/local/mcp-log/logs"
             await c.subscribe_resource(uri)
             await anyio.sleep(1.2)  # the poller has had its first look
@@ -2118,9 +2739,13 @@ class LogSubscriptionTests(FakeServeCase):
                 await c.subscribe_resource("smol://machine/mars/x/logs")
             self.assertIn("is not a log resource of this server", str(caught.exception))
 
-    async def test_2026_era_listen_stream_carries_log_updates_and_polling_ends_with_the_session(self):
+    async def test_2026_era_listen_stream_carries_log_updates_and_polling_ends_with_the_session(
+        self,
+    ):
         async with self.client("auto") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-log2", "image": "alpine", "network": "open"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-log2", "image": "alpine", "network": "open"}
+            )
             uri = "smol://machine/local/mcp-log2/logs"
             async with c.listen(resource_subscriptions=[uri]) as events:
                 await anyio.sleep(1.2)
@@ -2130,7 +2755,9 @@ class LogSubscriptionTests(FakeServeCase):
                 self.assertEqual((type(event).__name__, event.uri), ("ResourceUpdated", uri))
         polls = len(self.requests_to("/logs", "GET"))
         await anyio.sleep(2.5)
-        self.assertEqual(len(self.requests_to("/logs", "GET")), polls)  # no poller outlives its session
+        self.assertEqual(
+            len(self.requests_to("/logs", "GET")), polls
+        )  # no poller outlives its session
 
 
 # ---------------------------------------------------------------------------
@@ -2149,11 +2776,14 @@ class HttpCase(FakeServeCase):
     async def asyncSetUp(self):
         await super().asyncSetUp()
         import uvicorn
+
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/mcp"
-        self.config = dataclasses_replace(self.config, auth_token=HTTP_TOKEN, http_allowed_origins=self.allowed_origins)
+        self.config = dataclasses_replace(
+            self.config, auth_token=HTTP_TOKEN, http_allowed_origins=self.allowed_origins
+        )
         self.app = SmolMcp(self.config)
         asgi = smol_mcp.build_http_app(self.app, "127.0.0.1", self.port, "/mcp")
         self.uvicorn = uvicorn.Server(uvicorn.Config(asgi, **smol_mcp.uvicorn_options()))
@@ -2170,6 +2800,7 @@ class HttpCase(FakeServeCase):
     async def http_client(self, mode="legacy", headers=None, **kwargs):
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
+
         headers = {"Authorization": f"Bearer {HTTP_TOKEN}"} if headers is None else headers
 
         @contextlib.asynccontextmanager
@@ -2183,12 +2814,16 @@ class HttpCase(FakeServeCase):
 
     async def raw(self, method, path="/mcp", headers=None, body=None):
         import httpx2
+
         async with httpx2.AsyncClient(timeout=30) as http:
-            return await http.request(method, f"http://127.0.0.1:{self.port}{path}", headers=headers or {},
-                                      content=body)
+            return await http.request(
+                method, f"http://127.0.0.1:{self.port}{path}", headers=headers or {}, content=body
+            )
 
 
-INIT_BODY = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": INITIALIZE}).encode()
+INIT_BODY = json.dumps(
+    {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": INITIALIZE}
+).encode()
 JSON_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
 
 
@@ -2198,8 +2833,12 @@ class HttpSecurityTests(HttpCase):
     async def test_the_token_is_checked_before_anything_with_one_answer_for_all(self):
         answers = set()
         for path in ("/mcp", "/", "/elsewhere", "/mcp/"):
-            for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Smol-Mcp-Token": "wrong"},
-                            {"Authorization": HTTP_TOKEN}):  # no Bearer prefix
+            for headers in (
+                {},
+                {"Authorization": "Bearer wrong"},
+                {"X-Smol-Mcp-Token": "wrong"},
+                {"Authorization": HTTP_TOKEN},
+            ):  # no Bearer prefix
                 response = await self.raw("POST", path, {**JSON_HEADERS, **headers}, INIT_BODY)
                 self.assertEqual(response.status_code, 401, (path, headers))
                 answers.add((response.content, response.headers.get("www-authenticate")))
@@ -2207,11 +2846,16 @@ class HttpSecurityTests(HttpCase):
         self.assertNotIn(HTTP_TOKEN.encode(), next(iter(answers))[0])
 
     async def test_both_header_forms_work_and_other_paths_are_404_once_authenticated(self):
-        for headers in ({"Authorization": f"Bearer {HTTP_TOKEN}"}, {"X-Smol-Mcp-Token": HTTP_TOKEN},
-                        {"Authorization": "Basic ingress-credential", "X-Smol-Mcp-Token": HTTP_TOKEN}):
+        for headers in (
+            {"Authorization": f"Bearer {HTTP_TOKEN}"},
+            {"X-Smol-Mcp-Token": HTTP_TOKEN},
+            {"Authorization": "Basic ingress-credential", "X-Smol-Mcp-Token": HTTP_TOKEN},
+        ):
             response = await self.raw("POST", "/mcp", {**JSON_HEADERS, **headers}, INIT_BODY)
             self.assertEqual(response.status_code, 200, (headers, response.text))
-            self.assertEqual(response.headers["content-type"].split(";")[0], "application/json")  # plain JSON
+            self.assertEqual(
+                response.headers["content-type"].split(";")[0], "application/json"
+            )  # plain JSON
             self.assertEqual((await self.raw("GET", "/other", headers)).status_code, 404)
 
     async def test_host_and_origin_are_checked(self):
@@ -2219,31 +2863,49 @@ class HttpSecurityTests(HttpCase):
         response = await self.raw("POST", "/mcp", {**auth, "Host": "evil.example"}, INIT_BODY)
         self.assertEqual(response.status_code, 421)
         self.assertIn("SMOL_MCP_HTTP_ALLOWED_HOSTS", response.text)
-        response = await self.raw("POST", "/mcp", {**auth, "Origin": "https://evil.example"}, INIT_BODY)
+        response = await self.raw(
+            "POST", "/mcp", {**auth, "Origin": "https://evil.example"}, INIT_BODY
+        )
         self.assertEqual(response.status_code, 403)
-        response = await self.raw("POST", "/mcp", {**auth, "Origin": "https://allowed.example"}, INIT_BODY)
+        response = await self.raw(
+            "POST", "/mcp", {**auth, "Origin": "https://allowed.example"}, INIT_BODY
+        )
         self.assertEqual(response.status_code, 200)
-        response = await self.raw("POST", "/mcp", {**auth, "Host": f"localhost:{self.port}"}, INIT_BODY)
+        response = await self.raw(
+            "POST", "/mcp", {**auth, "Host": f"localhost:{self.port}"}, INIT_BODY
+        )
         self.assertEqual(response.status_code, 200)
 
     async def test_oversized_bodies_get_413(self):
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
-        response = await self.raw("POST", "/mcp", auth, b"{" + b" " * (smol_mcp.HTTP_MAX_BODY_BYTES + 10) + b"}")
+        response = await self.raw(
+            "POST", "/mcp", auth, b"{" + b" " * (smol_mcp.HTTP_MAX_BODY_BYTES + 10) + b"}"
+        )
         self.assertEqual(response.status_code, 413)
 
     async def test_too_many_sessions_get_503(self):
-        limit = smol_mcp.HTTP_MAX_SESSIONS  # this class keeps the default idle timeout: nothing expires here
+        limit = (
+            smol_mcp.HTTP_MAX_SESSIONS
+        )  # this class keeps the default idle timeout: nothing expires here
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
-        statuses = [(await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code for _ in range(limit + 1)]
+        statuses = [
+            (await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code for _ in range(limit + 1)
+        ]
         self.assertEqual(statuses[:limit], [200] * limit)
         self.assertEqual(statuses[limit], 503)
 
     def test_default_host_list_and_the_off_loopback_case(self):
-        self.assertEqual(smol_mcp.default_allowed_hosts(Config(), "127.0.0.1", 8080),
-                         ["127.0.0.1:8080", "localhost:8080", "[::1]:8080"])
+        self.assertEqual(
+            smol_mcp.default_allowed_hosts(Config(), "127.0.0.1", 8080),
+            ["127.0.0.1:8080", "localhost:8080", "[::1]:8080"],
+        )
         self.assertIsNone(smol_mcp.default_allowed_hosts(Config(), "0.0.0.0", 8080))
-        self.assertEqual(smol_mcp.default_allowed_hosts(Config(http_allowed_hosts=("b.local:8080",)), "0.0.0.0", 80),
-                         ["b.local:8080"])
+        self.assertEqual(
+            smol_mcp.default_allowed_hosts(
+                Config(http_allowed_hosts=("b.local:8080",)), "0.0.0.0", 80
+            ),
+            ["b.local:8080"],
+        )
 
 
 class HttpSessionTests(HttpCase):
@@ -2254,11 +2916,17 @@ class HttpSessionTests(HttpCase):
             with self.subTest(mode=mode):
                 async with self.http_client(mode) as c:
                     self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
-                    created = await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
+                    created = await self.ok(
+                        c, "create-machine", {"image": "alpine", "network": "open"}
+                    )
                     name = created["machine"]["name"]
-                    ran = await self.ok(c, "run-command", {"name": name, "command": "echo over http"})
+                    ran = await self.ok(
+                        c, "run-command", {"name": name, "command": "echo over http"}
+                    )
                     self.assertEqual(ran["stdout"], "over http\n")
-                    await self.ok(c, "write-file", {"name": name, "path": "/root/f", "content": "x"})
+                    await self.ok(
+                        c, "write-file", {"name": name, "path": "/root/f", "content": "x"}
+                    )
                     self.assertIn(name, self.fake.machines)
                 if mode == "legacy":  # the client's DELETE ended the session
                     await self.wait_until(lambda: name not in self.fake.machines, 10)
@@ -2275,9 +2943,14 @@ class HttpSessionTests(HttpCase):
 
         try:
             async with self.http_client("legacy") as c:
-                await self.ok(c, "create-machine", {"name": "mcp-prog", "image": "alpine", "network": "open"})
-                answer = await c.call_tool("run-command", {"name": "mcp-prog", "command": "sleep 1.5"},
-                                           progress_callback=on_progress)
+                await self.ok(
+                    c, "create-machine", {"name": "mcp-prog", "image": "alpine", "network": "open"}
+                )
+                answer = await c.call_tool(
+                    "run-command",
+                    {"name": "mcp-prog", "command": "sleep 1.5"},
+                    progress_callback=on_progress,
+                )
                 self.assertFalse(answer.is_error)
         finally:
             smol_mcp.PROGRESS_INTERVAL_SECS = saved
@@ -2289,22 +2962,42 @@ class HttpSessionTests(HttpCase):
         sid = response.headers["mcp-session-id"]
         session = {**auth, "mcp-session-id": sid, "mcp-protocol-version": "2025-06-18"}
         await self.raw("POST", "/mcp", session, jsonrpc(None, "notifications/initialized"))
-        call = lambda id_, tool, args: self.raw("POST", "/mcp", session, jsonrpc(  # noqa: E731
-            id_, "tools/call", {"name": tool, "arguments": args}))
-        answer = (await call(2, "create-machine", {"name": "mcp-idle", "image": "alpine", "network": "open"})).json()
+        call = lambda id_, tool, args: self.raw(
+            "POST",
+            "/mcp",
+            session,
+            jsonrpc(  # noqa: E731
+                id_, "tools/call", {"name": tool, "arguments": args}
+            ),
+        )
+        answer = (
+            await call(
+                2, "create-machine", {"name": "mcp-idle", "image": "alpine", "network": "open"}
+            )
+        ).json()
         self.assertFalse(answer["result"].get("isError"), answer)
-        long_call = await call(3, "run-command", {"name": "mcp-idle", "command": "sleep 4; echo survived"})
-        self.assertEqual(long_call.json()["result"]["structuredContent"]["stdout"], "survived\n")  # 4 s > 2 s idle
+        long_call = await call(
+            3, "run-command", {"name": "mcp-idle", "command": "sleep 4; echo survived"}
+        )
+        self.assertEqual(
+            long_call.json()["result"]["structuredContent"]["stdout"], "survived\n"
+        )  # 4 s > 2 s idle
         self.assertIn("mcp-idle", self.fake.machines)
-        await self.wait_until(lambda: "mcp-idle" not in self.fake.machines, 10)  # then idle: closed, cleaned
+        await self.wait_until(
+            lambda: "mcp-idle" not in self.fake.machines, 10
+        )  # then idle: closed, cleaned
         gone = await call(4, "list-machines", {})
         self.assertEqual(gone.status_code, 404)  # the expired session id
 
     async def test_a_long_command_in_one_session_does_not_delay_another(self):
         async with self.http_client() as a, self.http_client() as b:
-            await self.ok(a, "create-machine", {"name": "mcp-slow", "image": "alpine", "network": "open"})
-            await self.assert_not_stalled(lambda: a.call_tool("run-command", {"name": "mcp-slow", "command": "sleep 5"}),
-                                          lambda: b.call_tool("list-machines", {}))
+            await self.ok(
+                a, "create-machine", {"name": "mcp-slow", "image": "alpine", "network": "open"}
+            )
+            await self.assert_not_stalled(
+                lambda: a.call_tool("run-command", {"name": "mcp-slow", "command": "sleep 5"}),
+                lambda: b.call_tool("list-machines", {}),
+            )
 
     async def wait_until(self, predicate, timeout):
         deadline = time.monotonic() + timeout
@@ -2597,24 +3290,44 @@ class HttpProcessTests(unittest.TestCase):
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     def test_sigterm_ends_every_session_and_deletes_their_machines(self):
         import httpx2
+
         tmp = short_tempdir()
         fake = FakeSmolvm(f"{tmp}/fake.sock")
         fake.start()
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        env = {**os.environ, "SMOL_LOCAL_URL": f"unix://{tmp}/fake.sock", "SMOL_MCP_RUNTIME_DIR": f"{tmp}/rt",
-               "SMOL_MCP_CONFIG": f"{tmp}/none.json", "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN,
-               "SMOL_MCP_STATE_DIR": f"{tmp}/state"}
-        server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        env = {
+            **os.environ,
+            "SMOL_LOCAL_URL": f"unix://{tmp}/fake.sock",
+            "SMOL_MCP_RUNTIME_DIR": f"{tmp}/rt",
+            "SMOL_MCP_CONFIG": f"{tmp}/none.json",
+            "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN,
+            "SMOL_MCP_STATE_DIR": f"{tmp}/state",
+        }
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         try:
             url = f"http://127.0.0.1:{port}/mcp"
             headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
             with httpx2.Client(timeout=30) as http:
                 session = open_raw_session(http, url, headers, 200)
-                created = http.post(url, headers=session, content=jsonrpc(2, "tools/call", {
-                    "name": "create-machine", "arguments": {"image": "alpine", "network": "open"}})).json()
+                created = http.post(
+                    url,
+                    headers=session,
+                    content=jsonrpc(
+                        2,
+                        "tools/call",
+                        {
+                            "name": "create-machine",
+                            "arguments": {"image": "alpine", "network": "open"},
+                        },
+                    ),
+                ).json()
             self.assertFalse(created["result"].get("isError"), created)
             self.assertEqual(len(fake.machines), 1)
             server.send_signal(signal.SIGTERM)
@@ -2629,16 +3342,31 @@ class HttpProcessTests(unittest.TestCase):
     def test_http_refuses_to_start_without_a_token(self):
         tmp = short_tempdir()
         try:
-            env = {**os.environ, "SMOL_MCP_CONFIG": f"{tmp}/none.json",
-                   "SMOL_MCP_STATE_DIR": f"{tmp}/state"}
+            env = {
+                **os.environ,
+                "SMOL_MCP_CONFIG": f"{tmp}/none.json",
+                "SMOL_MCP_STATE_DIR": f"{tmp}/state",
+            }
             env.pop("SMOL_MCP_AUTH_TOKEN", None)
-            out = subprocess.run([sys.executable, "smol_mcp.py", "--http"], cwd=HERE, env=env, capture_output=True,
-                                 text=True, timeout=60)
+            out = subprocess.run(
+                [sys.executable, "smol_mcp.py", "--http"],
+                cwd=HERE,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             self.assertEqual(out.returncode, 2)
             self.assertIn("refuses to start without a token", out.stderr)
             self.assertIn("SMOL_MCP_AUTH_TOKEN", out.stderr)
-            out = subprocess.run([sys.executable, "smol_mcp.py", "--http", "--path", "mcp"], cwd=HERE, env=env,
-                                 capture_output=True, text=True, timeout=60)
+            out = subprocess.run(
+                [sys.executable, "smol_mcp.py", "--http", "--path", "mcp"],
+                cwd=HERE,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             self.assertEqual(out.returncode, 2)
             self.assertIn("--path must start with '/'", out.stderr)
         finally:
@@ -2916,7 +3644,9 @@ class JobScenarios(LongWorkScenarios):
                 if listed[-1]["state"] != "running":
                     break
                 await asyncio.sleep(0.5)
-            self.assertEqual(listed[-1], {"jobId": started["jobId"], "state": "exited", "exitCode": 7})
+            self.assertEqual(
+                listed[-1], {"jobId": started["jobId"], "state": "exited", "exitCode": 7}
+            )
             out, err, last, pages = await self.read_whole(c, name, started["jobId"])
         self.assertEqual((out, err), (self.EXPECTED_OUT, self.EXPECTED_ERR))
         self.assertGreater(pages, 2, "the budget must have split the output into pages")
@@ -3035,6 +3765,8 @@ class CloudJobTests(JobScenarios, FakeCloudCase):
         self.assertEqual(
             set(map(tuple, commands)), {("true",)}, "only readiness probes: a job is not an exec"
         )
+
+
 # Containment: host paths, guest paths, inputs, tokens, the HTTP front
 # ---------------------------------------------------------------------------
 
@@ -3049,9 +3781,13 @@ class MountRootTests(FakeServeCase):
     async def test_host_paths_are_refused_by_default(self):
         for mode in MODES:
             async with self.client(mode) as c:
-                for args in ({"mounts": [{"source": "/", "target": "/host"}]},
-                             {"mounts": [{"source": "/etc", "target": "/e", "readonly": True}]},
-                             {"image": "/"}, {"image": "./rootfs"}, {"image": "~/images/x.tar"}):
+                for args in (
+                    {"mounts": [{"source": "/", "target": "/host"}]},
+                    {"mounts": [{"source": "/etc", "target": "/e", "readonly": True}]},
+                    {"image": "/"},
+                    {"image": "./rootfs"},
+                    {"image": "~/images/x.tar"},
+                ):
                     with self.subTest(mode=mode, args=args):
                         text = await self.refused(c, "create-machine", {"image": "alpine", **args})
                         self.assertIn("mountRoots", text)
@@ -3068,14 +3804,27 @@ class MountRootTests(FakeServeCase):
         ro, rw = str(base / "ro"), str(base / "rw")
         self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=(ro, rw + ":rw")))
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "m1", "image": "alpine", "start": False,
-                                                "mounts": [
-                {"source": f"{ro}/data", "target": "/data"},
-                {"source": f"{rw}/work/../work", "target": "/work", "readonly": False}]})
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": "m1",
+                    "image": "alpine",
+                    "start": False,
+                    "mounts": [
+                        {"source": f"{ro}/data", "target": "/data"},
+                        {"source": f"{rw}/work/../work", "target": "/work", "readonly": False},
+                    ],
+                },
+            )
             body = self.creates()[-1][2]
-            self.assertEqual(body["mounts"], [
-                {"source": f"{ro}/data", "target": "/data", "readonly": True},
-                {"source": f"{rw}/work", "target": "/work", "readonly": False}])
+            self.assertEqual(
+                body["mounts"],
+                [
+                    {"source": f"{ro}/data", "target": "/data", "readonly": True},
+                    {"source": f"{rw}/work", "target": "/work", "readonly": False},
+                ],
+            )
             refusals = [
                 ({"source": "/", "target": "/host"}, "outside the host directories"),
                 ({"source": f"{ro}/escape", "target": "/h"}, "resolves to /,"),
@@ -3092,8 +3841,9 @@ class MountRootTests(FakeServeCase):
                     self.assertIn("mountRoots", text)
             self.assertEqual(len(self.creates()), 1)
             # a host-path image under a root goes to the serve resolved (1.32.2 then refuses it)
-            text = await self.refused(c, "create-machine",
-                                      {"image": f"{ro}/data/../data", "start": False})
+            text = await self.refused(
+                c, "create-machine", {"image": f"{ro}/data/../data", "start": False}
+            )
             self.assertEqual(self.creates()[-1][2]["image"], f"{ro}/data")
             self.assertIn("local-image-dir", text)
 
@@ -3107,8 +3857,12 @@ class MountRootTests(FakeServeCase):
         self.assertIn("/work (read-write on request)", line)
 
 
-TRAVERSALS = ("/../../../../account", "/../../../../x", "/root/../../../v1/account",
-              "/./../machines")
+TRAVERSALS = (
+    "/../../../../account",
+    "/../../../../x",
+    "/root/../../../v1/account",
+    "/./../machines",
+)
 
 
 class GuestPathLocalTests(FakeServeCase):
@@ -3121,7 +3875,7 @@ class GuestPathLocalTests(FakeServeCase):
                 for tool, extra in (("read-file", {}), ("write-file", {"content": "x"})):
                     with self.subTest(path=path, tool=tool):
                         text = await self.refused(c, tool, {"name": "m", "path": path, **extra})
-                        self.assertIn('climbs above /', text)
+                        self.assertIn("climbs above /", text)
             for path in ("/root/a\nb", "/root/a\x00", "/root/a\r"):
                 text = await self.refused(c, "read-file", {"name": "m", "path": path})
                 self.assertIn('"path"', text)
@@ -3138,17 +3892,23 @@ class GuestPathLocalTests(FakeServeCase):
             page = await self.ok(c, "read-file", {"name": "mcp-p", "path": "/root/a?b#c%2e d"})
             self.assertEqual(page["content"], "hi")
             file_requests = [r for r in self.fake.requests if "/files/" in r[1]]
-            self.assertEqual({r[1] for r in file_requests},
-                             {"/api/v1/machines/mcp-p/files/root/a%3Fb%23c%252e%20d"})
+            self.assertEqual(
+                {r[1] for r in file_requests},
+                {"/api/v1/machines/mcp-p/files/root/a%3Fb%23c%252e%20d"},
+            )
 
 
 class GuestPathCloudTests(FakeCloudCase):
     """The same on the cloud, where `/../../../../account` once read the account."""
 
     def outside_files_route(self) -> list:
-        return [r[:2] for r in self.cloud.requests if "/files/" not in r[1]
-                and not (r[0] == "GET" and r[1].split("?")[0] == "/v1/machines")
-                and not r[1].endswith("/exec")]
+        return [
+            r[:2]
+            for r in self.cloud.requests
+            if "/files/" not in r[1]
+            and not (r[0] == "GET" and r[1].split("?")[0] == "/v1/machines")
+            and not r[1].endswith("/exec")
+        ]
 
     async def test_traversal_is_refused_and_nothing_leaves_the_files_route(self):
         async with self.client("legacy") as c:
@@ -3158,18 +3918,21 @@ class GuestPathCloudTests(FakeCloudCase):
                 for tool, extra in (("read-file", {}), ("write-file", {"content": "x"})):
                     with self.subTest(path=path, tool=tool):
                         text = await self.refused(c, tool, {"name": "mcp-t", "path": path, **extra})
-                        self.assertIn('climbs above /', text)
+                        self.assertIn("climbs above /", text)
                         self.assertNotIn("billing", text)
             self.assertEqual(self.cloud.requests, [])
-            wrote = await self.ok(c, "write-file",
-                                  {"name": "mcp-t", "path": "/root/x/../q?a=1#f", "content": "v"})
+            wrote = await self.ok(
+                c, "write-file", {"name": "mcp-t", "path": "/root/x/../q?a=1#f", "content": "v"}
+            )
             self.assertEqual(wrote["path"], "/root/q?a=1#f")
             page = await self.ok(c, "read-file", {"name": "mcp-t", "path": "/root/q?a=1#f"})
             self.assertEqual(page["content"], "v")
             self.assertEqual(self.outside_files_route(), [])
             mid = self.by_name("mcp-t")["id"]
-            self.assertEqual({r[1] for r in self.cloud.requests if "/files/" in r[1]},
-                             {f"/v1/machines/{mid}/files//root/q%3Fa%3D1%23f"})
+            self.assertEqual(
+                {r[1] for r in self.cloud.requests if "/files/" in r[1]},
+                {f"/v1/machines/{mid}/files//root/q%3Fa%3D1%23f"},
+            )
 
     async def test_one_404_never_turns_the_files_route_off_for_everyone(self):
         async with self.client("legacy") as c:
@@ -3181,15 +3944,18 @@ class GuestPathCloudTests(FakeCloudCase):
             self.assertTrue(self.writes_by_exec())
             self.cloud.requests.clear()
             await self.ok(c, "write-file", {"name": "mcp-f", "path": "/root/two", "content": "2"})
-            self.assertEqual(len(self.cloud_requests("/root/two", "PUT")), 1,
-                             "the files route must still be used")
+            self.assertEqual(
+                len(self.cloud_requests("/root/two", "PUT")),
+                1,
+                "the files route must still be used",
+            )
             self.assertEqual(self.writes_by_exec(), [])
 
     def writes_by_exec(self) -> list:
         return [r for r in self.cloud_requests("/exec") if "base64 -d" in json.dumps(r[3])]
 
 
-HUGE = 2 ** 63  # forwarded as is before the bounds
+HUGE = 2**63  # forwarded as is before the bounds
 
 
 class ExactInputTests(FakeServeCase):
@@ -3233,8 +3999,9 @@ class ExactInputTests(FakeServeCase):
         with self.assertRaises(smol_mcp.ArgumentError) as caught:  # the validator reads it so too
             smol_mcp.validate_arguments("get-machine", schema, {"name": "nl1\n"})
         self.assertIn('"name" must start with a letter or digit', str(caught.exception))
-        self.assertEqual(smol_mcp.validate_arguments("get-machine", schema, {"name": "nl1"}),
-                         {"name": "nl1"})
+        self.assertEqual(
+            smol_mcp.validate_arguments("get-machine", schema, {"name": "nl1"}), {"name": "nl1"}
+        )
 
     def test_a_whole_number_is_never_a_float_or_a_boolean(self):
         schema = smol_mcp.TOOLS_BY_NAME["create-machine"].input_schema
@@ -3249,8 +4016,11 @@ class CloudAnswerTests(FakeCloudCase):
 
     async def test_bad_answers_are_sentences_naming_status_type_and_first_bytes(self):
         cases = [
-            (b"<html><body>Sign in to the hotel wifi</body></html>", "text/html; charset=utf-8",
-             "not JSON"),
+            (
+                b"<html><body>Sign in to the hotel wifi</body></html>",
+                "text/html; charset=utf-8",
+                "not JSON",
+            ),
             (b"", "application/json", "an empty body"),
             (b'{"machines": [', "application/json", "malformed JSON"),
             (b'"machines"', "application/json", "wrong shape"),
@@ -3267,8 +4037,9 @@ class CloudAnswerTests(FakeCloudCase):
                     self.assertIn(body[:10].decode(), text)
                     self.assertNotIn("bug", text)
             await self.ok(c, "create-machine", {"name": "mcp-a", "image": "alpine"})
-            self.cloud.fail_next("POST", "/v1/machines/", 200, body=b'{"ok": true}',
-                                 content_type="application/json")
+            self.cloud.fail_next(
+                "POST", "/v1/machines/", 200, body=b'{"ok": true}', content_type="application/json"
+            )
             text = await self.refused(c, "run-command", {"name": "mcp-a", "command": "true"})
             self.assertIn("no whole-number exitCode", text)
             self.assertNotIn("bug", text)
@@ -3297,10 +4068,13 @@ def endless_body(port: int, headers: str, seconds: float) -> tuple[bytes, int, b
     """Send a chunked body that never ends, for at most ``seconds``: (what the
     server answered, bytes sent, whether the server ended the connection)."""
     import select
+
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setblocking(False)
-    request = (f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-               f"Transfer-Encoding: chunked\r\n{headers}\r\n").encode()
+    request = (
+        f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Transfer-Encoding: chunked\r\n{headers}\r\n"
+    ).encode()
     chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"
     sent, answer, closed = 0, b"", False
     deadline = time.monotonic() + seconds
@@ -3334,8 +4108,10 @@ class HttpFrontTests(HttpCase):
         self.assertLess(time.monotonic() - started, 5)
 
     async def test_an_endless_unauthenticated_body_gets_401_and_the_connection_closes(self):
-        results = [asyncio.create_task(asyncio.to_thread(endless_body, self.port, "", 15))
-                   for _ in range(2)]
+        results = [
+            asyncio.create_task(asyncio.to_thread(endless_body, self.port, "", 15))
+            for _ in range(2)
+        ]
         await asyncio.sleep(0.5)
         await self.assert_still_answers()
         for answer, sent, closed in [await task for task in results]:
@@ -3349,9 +4125,11 @@ class HttpFrontTests(HttpCase):
         # a client that sent its whole (small) body always reads the 401 and the close
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         body = b'{"jsonrpc": "2.0"}'
-        writer.write(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-                     .encode() + body)
+        writer.write(
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         reply = await asyncio.wait_for(reader.read(), 10)  # read() to EOF: the server closed
         writer.close()
         self.assertTrue(reply.startswith(b"HTTP/1.1 401"), reply[:100])
@@ -3359,14 +4137,19 @@ class HttpFrontTests(HttpCase):
 
     async def test_an_endless_authenticated_body_gets_413_with_a_bounded_read(self):
         answer, sent, closed = await asyncio.to_thread(
-            endless_body, self.port, f"Authorization: Bearer {HTTP_TOKEN}\r\n", 30)
+            endless_body, self.port, f"Authorization: Bearer {HTTP_TOKEN}\r\n", 30
+        )
         self.assertTrue(closed, "the server must end an endless body")
         self.assertLess(sent, 3 * smol_mcp.HTTP_MAX_BODY_BYTES + 16 * 1024 * 1024)
         if answer:  # the answer can be lost to the reset that ends the read; if it came, a 413
             self.assertTrue(answer.startswith(b"HTTP/1.1 413"), answer[:100])
         await self.assert_still_answers()
-        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}",
-                "Content-Length": str(smol_mcp.HTTP_MAX_BODY_BYTES + 1), "Expect": "100-continue"}
+        auth = {
+            **JSON_HEADERS,
+            "Authorization": f"Bearer {HTTP_TOKEN}",
+            "Content-Length": str(smol_mcp.HTTP_MAX_BODY_BYTES + 1),
+            "Expect": "100-continue",
+        }
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
         writer.write(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n{head}\r\n".encode())
@@ -3381,14 +4164,20 @@ class HttpFrontProcessTests(unittest.TestCase):
 
     def start_server(self, token: str, fd_limit: int | None = 256):
         import resource
+
         self.tmp = short_tempdir()
         self.addCleanup(shutil.rmtree, self.tmp, True)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        env = {**os.environ, "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-               "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_AUTH_TOKEN": token,
-               "SMOL_MCP_TARGETS": "local", "SMOL_MCP_MOUNT_ROOTS": "/srv,/var/tmp:rw"}
+        env = {
+            **os.environ,
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_AUTH_TOKEN": token,
+            "SMOL_MCP_TARGETS": "local",
+            "SMOL_MCP_MOUNT_ROOTS": "/srv,/var/tmp:rw",
+        }
 
         def limit() -> None:
             if fd_limit:
@@ -3398,20 +4187,24 @@ class HttpFrontProcessTests(unittest.TestCase):
         self.stderr = open(f"{self.tmp}/stderr", "w+b")
         self.addCleanup(self.stderr.close)
         command = [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(self.port)]
-        server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr,
-                                  preexec_fn=limit)
+        server = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr, preexec_fn=limit
+        )
         self.addCleanup(lambda: server.poll() is None and (server.kill(), server.wait()))
         return server
 
     def initialize(self, timeout: float) -> int:
         import httpx2
+
         headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
         with httpx2.Client(timeout=timeout) as http:
-            return http.post(f"http://127.0.0.1:{self.port}/mcp", headers=headers,
-                             content=INIT_BODY).status_code
+            return http.post(
+                f"http://127.0.0.1:{self.port}/mcp", headers=headers, content=INIT_BODY
+            ).status_code
 
     def test_300_idle_unauthenticated_connections_do_not_starve_a_client(self):
         import httpx2
+
         server = self.start_server(HTTP_TOKEN)
         for _ in range(200):
             try:
@@ -3453,12 +4246,19 @@ class HttpFrontProcessTests(unittest.TestCase):
         self.assertIsNone(server.poll())
         self.stderr.seek(0)
         log_text = self.stderr.read().decode()  # the startup log names the exposed host directories
-        self.assertIn("host directories exposed to agents (mountRoots): /srv (read-only), "
-                      "/var/tmp (read-write on request)", log_text)
+        self.assertIn(
+            "host directories exposed to agents (mountRoots): /srv (read-only), "
+            "/var/tmp (read-write on request)",
+            log_text,
+        )
 
     def test_weak_tokens_are_refused_at_startup_with_how_to_make_one(self):
-        for token, expected in (("x", "at least 32"), ("short-token-123", "at least 32"),
-                                ("ñ" * 40, "printable ASCII"), ("a b" * 20, "printable ASCII")):
+        for token, expected in (
+            ("x", "at least 32"),
+            ("short-token-123", "at least 32"),
+            ("ñ" * 40, "printable ASCII"),
+            ("a b" * 20, "printable ASCII"),
+        ):
             with self.subTest(token=token):
                 server = self.start_server(token, fd_limit=None)
                 server.wait(timeout=60)
@@ -3480,8 +4280,14 @@ class HttpFrontProcessTests(unittest.TestCase):
 
 
 def run_cli(*args, env=None, cwd=None, timeout=60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(HERE / "smol_mcp.py"), *args], cwd=cwd or HERE, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(HERE / "smol_mcp.py"), *args],
+        cwd=cwd or HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
@@ -3489,8 +4295,12 @@ def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
-                              env=env, stdout=output, stderr=output)
+    server = subprocess.Popen(
+        [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
+        env=env,
+        stdout=output,
+        stderr=output,
+    )
     return server, port
 
 
@@ -3498,14 +4308,18 @@ def open_raw_session(http, url: str, headers: dict, tries: int = 400) -> dict:
     """Initialize a handshake-era session over raw HTTP as soon as the server
     answers; the headers that carry it."""
     import httpx2
+
     for _ in range(tries):
         try:
             answer = http.post(url, headers=headers, content=INIT_BODY)
             break
         except httpx2.TransportError:
             time.sleep(0.05)
-    session = {**headers, "mcp-session-id": answer.headers["mcp-session-id"],
-               "mcp-protocol-version": "2025-06-18"}
+    session = {
+        **headers,
+        "mcp-session-id": answer.headers["mcp-session-id"],
+        "mcp-protocol-version": "2025-06-18",
+    }
     http.post(url, headers=session, content=jsonrpc(None, "notifications/initialized"))
     return session
 
@@ -3513,8 +4327,13 @@ def open_raw_session(http, url: str, headers: dict, tries: int = 400) -> dict:
 class HelperCommandTests(unittest.TestCase):
     def setUp(self):
         self.tmp = short_tempdir()
-        self.env = {"PATH": os.environ["PATH"], "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-                    "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt", "XDG_CONFIG_HOME": f"{self.tmp}/.config"}
+        self.env = {
+            "PATH": os.environ["PATH"],
+            "HOME": self.tmp,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "XDG_CONFIG_HOME": f"{self.tmp}/.config",
+        }
 
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -3522,10 +4341,16 @@ class HelperCommandTests(unittest.TestCase):
     def test_parity_table_covers_the_1_32_2_spec_exactly(self):
         spec = json.loads((HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json").read_text())
         report = smol_mcp.parity_report(spec)
-        self.assertEqual((len(report["called"]), report["unknown"], report["missing"]),
-                         (16, [], []))
+        self.assertEqual(
+            (len(report["called"]), report["unknown"], report["missing"]), (16, [], [])
+        )
         self.assertTrue(all(reason for _, reason in report["skipped"]))
-        trimmed = {**spec, "paths": {k: v for k, v in spec["paths"].items() if k != "/api/v1/machines/{name}/branches"}}
+        trimmed = {
+            **spec,
+            "paths": {
+                k: v for k, v in spec["paths"].items() if k != "/api/v1/machines/{name}/branches"
+            },
+        }
         trimmed["paths"]["/api/v1/machines/{name}/teleport"] = {"post": {}}
         report = smol_mcp.parity_report(trimmed)
         self.assertEqual(report["missing"], [("POST", "/api/v1/machines/{name}/branches")])
@@ -3536,7 +4361,9 @@ class HelperCommandTests(unittest.TestCase):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("16 called, 37 skipped, 0 unknown, 0 missing", out.stdout)
-        self.assertIn("skipped  POST   /api/v1/machines/{name}/export: needs a pushToken", out.stdout)
+        self.assertIn(
+            "skipped  POST   /api/v1/machines/{name}/export: needs a pushToken", out.stdout
+        )
 
     def test_doctor_says_what_to_do_and_exits_non_zero_when_a_fleet_is_unusable(self):
         out = run_cli("doctor", env={**self.env, "SMOLVM": "/nonexistent/smolvm"})
@@ -3544,23 +4371,30 @@ class HelperCommandTests(unittest.TestCase):
         self.assertIn("local: NOT USABLE", out.stdout)
         self.assertIn("to do: smolvm was not found", out.stdout)
         self.assertIn("cloud: not served", out.stdout)
-        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOLVM_VM_UID_DROP": "off"})
+        out = run_cli(
+            "doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOLVM_VM_UID_DROP": "off"}
+        )
         self.assertEqual(out.returncode, 0 if smol_mcp.hypervisor_status()[0] else 1, out.stdout)
         self.assertIn(f"smolvm: {FAKE_CLI}", out.stdout)
         self.assertIn("host directories exposed to agents: none", out.stdout)  # mountRoots, shown
-        out = run_cli("doctor", env={**self.env, "SMOLVM": str(FAKE_CLI),
-                                     "SMOL_MCP_MOUNT_ROOTS": "/srv:rw"})
+        out = run_cli(
+            "doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOL_MCP_MOUNT_ROOTS": "/srv:rw"}
+        )
         self.assertIn("/srv (read-write on request)", out.stdout)
 
     def test_doctor_reports_a_dead_local_url_and_a_running_serve_s_version(self):
-        out = run_cli("doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"})
+        out = run_cli(
+            "doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"}
+        )
         self.assertEqual(out.returncode, 1)
         self.assertIn("nothing answers at SMOL_LOCAL_URL", out.stdout)
         if CAN_CHROOT:
             fake = FakeSmolvm(f"{self.tmp}/old.sock", version="1.10.0")
             fake.start()
             try:
-                out = run_cli("doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/old.sock"})
+                out = run_cli(
+                    "doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/old.sock"}
+                )
             finally:
                 fake.stop()
             self.assertEqual(out.returncode, 1)
@@ -3582,7 +4416,13 @@ class HelperCommandTests(unittest.TestCase):
 
     def test_setup_prints_each_clients_own_shape(self):
         import tomllib
-        expected_command = [shutil.which("uv", path=self.env["PATH"]), "run", "--script", str(HERE / "smol_mcp.py")]
+
+        expected_command = [
+            shutil.which("uv", path=self.env["PATH"]),
+            "run",
+            "--script",
+            str(HERE / "smol_mcp.py"),
+        ]
         for client in smol_mcp.SETUP_CLIENTS:
             with self.subTest(client=client):
                 out = run_cli("setup", client, env=self.env, cwd=self.tmp)
@@ -3596,8 +4436,14 @@ class HelperCommandTests(unittest.TestCase):
                 else:
                     entry = json.loads(out.stdout)["mcpServers"]["smol"]
                     self.assertEqual([entry["command"], *entry["args"]], expected_command)
-                http = run_cli("setup", client, "--http", "http://b.local:8080/mcp",
-                               env={**self.env, "SMOL_MCP_AUTH_TOKEN": "do-not-copy-me"}, cwd=self.tmp)
+                http = run_cli(
+                    "setup",
+                    client,
+                    "--http",
+                    "http://b.local:8080/mcp",
+                    env={**self.env, "SMOL_MCP_AUTH_TOKEN": "do-not-copy-me"},
+                    cwd=self.tmp,
+                )
                 self.assertIn("SMOL_MCP_AUTH_TOKEN", http.stdout)  # referenced ...
                 self.assertNotIn("do-not-copy-me", http.stdout)  # ... never copied
                 self.assertIn("http://b.local:8080/mcp", http.stdout)
@@ -3609,7 +4455,9 @@ class HelperCommandTests(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         merged = json.loads(config.read_text())
         self.assertEqual((sorted(merged["mcpServers"]), merged["keep"]), (["other", "smol"], 1))
-        self.assertEqual(len(list(Path(self.tmp, ".local", "state", "smol-mcp", "backups").iterdir())), 1)
+        self.assertEqual(
+            len(list(Path(self.tmp, ".local", "state", "smol-mcp", "backups").iterdir())), 1
+        )
         config.write_text("{broken")
         out = run_cli("setup", "claude-code", "--write", env=self.env, cwd=self.tmp)
         self.assertEqual(out.returncode, 2)
@@ -3622,7 +4470,9 @@ class HelperCommandTests(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn('model = "o3"', codex.read_text())
         self.assertIn("[mcp_servers.smol]", codex.read_text())
-        self.assertEqual(run_cli("setup", "codex", "--write", env=self.env, cwd=self.tmp).returncode, 2)
+        self.assertEqual(
+            run_cli("setup", "codex", "--write", env=self.env, cwd=self.tmp).returncode, 2
+        )
 
 
 class TerminalTests(unittest.TestCase):
@@ -3632,17 +4482,30 @@ class TerminalTests(unittest.TestCase):
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
     def test_a_terminal_on_stdin_gets_one_line_and_the_server_keeps_serving(self):
         import pty
+
         tmp = short_tempdir()
         self.addCleanup(shutil.rmtree, tmp, True)
         main_fd, tty_fd = pty.openpty()
         self.addCleanup(os.close, main_fd)
-        env = {"PATH": os.environ["PATH"], "HOME": tmp, "SMOL_MCP_CONFIG": f"{tmp}/none.json",
-               "SMOL_MCP_RUNTIME_DIR": f"{tmp}/rt", "SMOLVM": str(FAKE_CLI)}
-        proc = subprocess.Popen([sys.executable, str(HERE / "smol_mcp.py")], stdin=tty_fd, stdout=tty_fd,
-                                stderr=subprocess.PIPE, env=env, text=True)
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": tmp,
+            "SMOL_MCP_CONFIG": f"{tmp}/none.json",
+            "SMOL_MCP_RUNTIME_DIR": f"{tmp}/rt",
+            "SMOLVM": str(FAKE_CLI),
+        }
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py")],
+            stdin=tty_fd,
+            stdout=tty_fd,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         os.close(tty_fd)
         try:
             import select
+
             ready, _, _ = select.select([proc.stderr], [], [], 30)
             self.assertTrue(ready, "nothing on stderr within 30 s")
             line = proc.stderr.readline()
@@ -3662,15 +4525,29 @@ class TerminalTests(unittest.TestCase):
             proc.stderr.close()
 
     def test_a_pipe_on_stdin_gets_no_such_line(self):
-        out = subprocess.run([sys.executable, str(HERE / "smol_mcp.py")], input="", capture_output=True, text=True,
-                             timeout=60, env={**os.environ, "SMOL_MCP_CONFIG": "/nonexistent/none.json"})
+        out = subprocess.run(
+            [sys.executable, str(HERE / "smol_mcp.py")],
+            input="",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "SMOL_MCP_CONFIG": "/nonexistent/none.json"},
+        )
         self.assertNotIn("JSON-RPC on stdin", out.stderr)
 
     def test_help_lists_the_environment_that_matters_and_an_example(self):
         out = run_cli("--help")
         self.assertEqual(out.returncode, 0)
-        for name in ("SMOLVM", "SMOL_LOCAL_URL", "SMOL_MCP_TARGETS", "SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN",
-                     "SMOLVM_VM_UID_DROP", "examples:", "smol-mcp setup claude-code --write"):
+        for name in (
+            "SMOLVM",
+            "SMOL_LOCAL_URL",
+            "SMOL_MCP_TARGETS",
+            "SMOL_CLOUD_TOKEN",
+            "SMOL_MCP_AUTH_TOKEN",
+            "SMOLVM_VM_UID_DROP",
+            "examples:",
+            "smol-mcp setup claude-code --write",
+        ):
             self.assertIn(name, out.stdout)
 
     def test_the_runner_says_why_each_test_skipped_and_how_long_the_suite_took(self):
@@ -3695,8 +4572,13 @@ class EngineOnRampTests(unittest.TestCase):
 
     def setUp(self):
         self.tmp = short_tempdir()
-        self.env = {"PATH": "/usr/bin:/bin", "HOME": self.tmp, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-                    "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt", "SMOLVM_VM_UID_DROP": "off"}
+        self.env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": self.tmp,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOLVM_VM_UID_DROP": "off",
+        }
 
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -3706,7 +4588,9 @@ class EngineOnRampTests(unittest.TestCase):
         site = Path(self.tmp, "site")
         info = site / "smolmachines-1.32.2.dist-info"
         info.mkdir(parents=True)
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: smolmachines\nVersion: 1.32.2\n")
+        (info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: smolmachines\nVersion: 1.32.2\n"
+        )
         (info / "RECORD").write_text("")
         (site / "smol").mkdir()
         engine = site / "smol" / "smol-vmm"
@@ -3729,7 +4613,9 @@ class EngineOnRampTests(unittest.TestCase):
         self.assertNotIn("get an engine", out.stdout)
         out = run_cli("setup", "claude-code", env=env)
         entry = json.loads(out.stdout)["mcpServers"]["smol"]
-        if entry["args"][:1] == ["run"]:  # uv runs the file: the client's uv brings the wheel back itself
+        if entry["args"][:1] == [
+            "run"
+        ]:  # uv runs the file: the client's uv brings the wheel back itself
             self.assertEqual(entry["args"][1:3], ["--with", "smolmachines==1.32.2"])
         else:
             self.assertEqual(entry["env"]["SMOLVM"], str(engine.resolve()))
@@ -3738,10 +4624,18 @@ class EngineOnRampTests(unittest.TestCase):
         advice = smol_mcp.uid_drop_advice(0, 0o20600, {})
         self.assertIn("SMOLVM_VM_UID_DROP=off", advice)
         self.assertIn("KvmOpen(Error(13))", advice)
-        for euid, mode, environ in ((0, 0o20660, {}), (1000, 0o20600, {}), (0, 0o20600, {"SMOLVM_VM_UID_DROP": "off"}),
-                                    (0, None, {})):
+        for euid, mode, environ in (
+            (0, 0o20660, {}),
+            (1000, 0o20600, {}),
+            (0, 0o20600, {"SMOLVM_VM_UID_DROP": "off"}),
+            (0, None, {}),
+        ):
             self.assertIsNone(smol_mcp.uid_drop_advice(euid, mode, environ))
-        if os.geteuid() == 0 and smol_mcp.kvm_mode() is not None and not smol_mcp.kvm_mode() & 0o066:
+        if (
+            os.geteuid() == 0
+            and smol_mcp.kvm_mode() is not None
+            and not smol_mcp.kvm_mode() & 0o066
+        ):
             env = {k: v for k, v in self.env.items() if k != "SMOLVM_VM_UID_DROP"}
             out = run_cli("doctor", env={**env, "SMOLVM": str(FAKE_CLI)})
             self.assertIn("set SMOLVM_VM_UID_DROP=off", out.stdout)
@@ -3756,13 +4650,21 @@ class EngineOnRampTests(unittest.TestCase):
         fake = FakeSmolvm(f"{self.tmp}/boot.sock", boot="fail")
         fake.start()
         try:
-            out = run_cli("doctor", "--probe", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/boot.sock"},
-                          timeout=120)
+            out = run_cli(
+                "doctor",
+                "--probe",
+                env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/boot.sock"},
+                timeout=120,
+            )
             self.assertEqual(out.returncode, 1)
-            self.assertRegex(out.stdout, r"\n  start +FAILED after \d+\.\d s: .*agent did not become ready")
+            self.assertRegex(
+                out.stdout, r"\n  start +FAILED after \d+\.\d s: .*agent did not become ready"
+            )
             self.assertRegex(out.stdout, r"\n  delete +ok")
             self.assertNotRegex(out.stdout, r"\n  run ")
-            self.assertNotIn("machine-logs", out.stdout)  # deleted: its console lines are in the report
+            self.assertNotIn(
+                "machine-logs", out.stdout
+            )  # deleted: its console lines are in the report
             self.assertIn("no boot progress for 30 seconds", out.stdout.split("console log:")[1])
             self.assertEqual(fake.machines, {})
         finally:
@@ -3778,7 +4680,11 @@ class SetupEntryTests(unittest.TestCase):
         self.home, self.project = Path(self.tmp, "home"), Path(self.tmp, "project")
         self.home.mkdir()
         self.project.mkdir()
-        self.env = {"PATH": os.environ["PATH"], "HOME": str(self.home), "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}
+        self.env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(self.home),
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+        }
 
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -3788,6 +4694,7 @@ class SetupEntryTests(unittest.TestCase):
 
     def printed(self, client, **env) -> dict:
         import tomllib
+
         out = self.setup_cli(client, **env)
         self.assertEqual(out.returncode, 0, out.stderr)
         if client == "codex":
@@ -3803,18 +4710,33 @@ class SetupEntryTests(unittest.TestCase):
                 self.assertTrue(os.access(command, os.X_OK), command)
 
     def test_settings_are_carried_and_secrets_only_referenced(self):
-        env = {"SMOLVM": str(FAKE_CLI), "SMOL_MCP_TARGETS": "both", "SMOL_MCP_MEMORY_MB": "4096",
-               "SMOL_CLOUD_TOKEN": "smk_do_not_copy", "SMOLVM_VM_UID_DROP": "off"}
-        expected = {"claude-code": "${SMOL_CLOUD_TOKEN}", "cursor": "${env:SMOL_CLOUD_TOKEN}",
-                    "opencode": "{env:SMOL_CLOUD_TOKEN}"}
+        env = {
+            "SMOLVM": str(FAKE_CLI),
+            "SMOL_MCP_TARGETS": "both",
+            "SMOL_MCP_MEMORY_MB": "4096",
+            "SMOL_CLOUD_TOKEN": "smk_do_not_copy",
+            "SMOLVM_VM_UID_DROP": "off",
+        }
+        expected = {
+            "claude-code": "${SMOL_CLOUD_TOKEN}",
+            "cursor": "${env:SMOL_CLOUD_TOKEN}",
+            "opencode": "{env:SMOL_CLOUD_TOKEN}",
+        }
         for client in smol_mcp.SETUP_CLIENTS:
             with self.subTest(client=client):
                 out = self.setup_cli(client, **env)
                 self.assertNotIn("smk_do_not_copy", out.stdout + out.stderr)
                 entry = self.printed(client, **env)
                 carried = entry["environment" if client == "opencode" else "env"]
-                self.assertEqual((carried["SMOLVM"], carried["SMOL_MCP_TARGETS"], carried["SMOL_MCP_MEMORY_MB"],
-                                  carried["SMOLVM_VM_UID_DROP"]), (str(FAKE_CLI), "both", "4096", "off"))
+                self.assertEqual(
+                    (
+                        carried["SMOLVM"],
+                        carried["SMOL_MCP_TARGETS"],
+                        carried["SMOL_MCP_MEMORY_MB"],
+                        carried["SMOLVM_VM_UID_DROP"],
+                    ),
+                    (str(FAKE_CLI), "both", "4096", "off"),
+                )
                 if client == "codex":
                     self.assertEqual(entry["env_vars"], ["SMOL_CLOUD_TOKEN"])
                     self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
@@ -3828,13 +4750,19 @@ class SetupEntryTests(unittest.TestCase):
         entry = self.printed("codex")
         config = Config()
         self.assertGreater(entry["startup_timeout_sec"], 10)  # the Codex default
-        self.assertGreaterEqual(entry["tool_timeout_sec"], config.ready_timeout_secs + config.max_exec_timeout_secs)
-        longer = self.printed("codex", SMOL_MCP_MAX_EXEC_TIMEOUT_SECS="3600", SMOL_MCP_READY_TIMEOUT_SECS="300")
+        self.assertGreaterEqual(
+            entry["tool_timeout_sec"], config.ready_timeout_secs + config.max_exec_timeout_secs
+        )
+        longer = self.printed(
+            "codex", SMOL_MCP_MAX_EXEC_TIMEOUT_SECS="3600", SMOL_MCP_READY_TIMEOUT_SECS="300"
+        )
         self.assertGreaterEqual(longer["tool_timeout_sec"], 3900)
 
     def test_each_entry_comes_with_the_clients_own_one_liner(self):
         out = self.setup_cli("claude-code", SMOL_MCP_TARGETS="local")
-        self.assertRegex(out.stderr, r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ ")
+        self.assertRegex(
+            out.stderr, r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ "
+        )
         out = self.setup_cli("codex", SMOL_MCP_TARGETS="local")
         self.assertRegex(out.stderr, r"codex mcp add --env SMOL_MCP_TARGETS=local smol -- /\S+ ")
 
@@ -3851,10 +4779,14 @@ class SetupEntryTests(unittest.TestCase):
 
     def test_a_smol_entry_is_replaced_only_with_force_and_the_rest_is_kept(self):
         import tomllib
+
         codex = self.home / ".codex" / "config.toml"
         codex.parent.mkdir()
-        codex.write_text('model = "o3"\n\n[mcp_servers.smol]\ncommand = "old"\n\n[mcp_servers.smol.env]\nA = "1"\n\n'
-                         '[mcp_servers.other]\ncommand = "x"\n')
+        codex.write_text(
+            'model = "o3"\n\n[mcp_servers.smol]\ncommand = "old"\n\n[mcp_servers.smol.env]\nA = '
+            '"1"\n\n'
+            '[mcp_servers.other]\ncommand = "x"\n'
+        )
         refused = self.setup_cli("codex", "--write")
         self.assertEqual(refused.returncode, 2)
         self.assertIn("--force", refused.stderr)
@@ -3862,11 +4794,15 @@ class SetupEntryTests(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("replaced the smol entry", out.stdout)
         parsed = tomllib.loads(codex.read_text())
-        self.assertEqual((parsed["model"], parsed["mcp_servers"]["other"]), ("o3", {"command": "x"}))
+        self.assertEqual(
+            (parsed["model"], parsed["mcp_servers"]["other"]), ("o3", {"command": "x"})
+        )
         self.assertTrue(os.path.isabs(parsed["mcp_servers"]["smol"]["command"]))
         self.assertNotIn("env", parsed["mcp_servers"]["smol"])
         project = self.project / ".mcp.json"
-        project.write_text('{\n    "mcpServers": {"smol": {"command": "old"}, "other": {"command": "x"}}\n}\n')
+        project.write_text(
+            '{\n    "mcpServers": {"smol": {"command": "old"}, "other": {"command": "x"}}\n}\n'
+        )
         self.assertEqual(self.setup_cli("claude-code", "--write").returncode, 2)
         self.assertEqual(self.setup_cli("claude-code", "--write", "--force").returncode, 0)
         merged = json.loads(project.read_text())
@@ -3876,7 +4812,9 @@ class SetupEntryTests(unittest.TestCase):
 
     def test_jsonc_is_refused_with_a_sentence_and_plain_jsonc_is_written(self):
         jsonc = self.project / "opencode.jsonc"
-        original = '{\n  // my servers\n  "mcp": {"other": {"type": "local", "command": ["x"]},},\n}\n'
+        original = (
+            '{\n  // my servers\n  "mcp": {"other": {"type": "local", "command": ["x"]},},\n}\n'
+        )
         jsonc.write_text(original)
         out = self.setup_cli("opencode", "--write")
         self.assertEqual(out.returncode, 2)
@@ -3886,7 +4824,9 @@ class SetupEntryTests(unittest.TestCase):
         out = self.setup_cli("opencode", "--write")
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertEqual(sorted(json.loads(jsonc.read_text())["mcp"]), ["other", "smol"])
-        self.assertFalse((self.project / "opencode.json").exists())  # written where OpenCode reads it
+        self.assertFalse(
+            (self.project / "opencode.json").exists()
+        )  # written where OpenCode reads it
 
     def test_backups_stay_out_of_the_project(self):
         (self.project / ".mcp.json").write_text('{"mcpServers": {"other": {"command": "x"}}}')
@@ -3896,7 +4836,9 @@ class SetupEntryTests(unittest.TestCase):
         backups = list((self.home / ".local" / "state" / "smol-mcp" / "backups").iterdir())
         self.assertEqual(len(backups), 1)
         self.assertIn(str(backups[0]), out.stdout)  # it says where
-        self.assertEqual(json.loads(backups[0].read_text()), {"mcpServers": {"other": {"command": "x"}}})
+        self.assertEqual(
+            json.loads(backups[0].read_text()), {"mcpServers": {"other": {"command": "x"}}}
+        )
 
 
 class PublishTests(unittest.TestCase):
@@ -3913,24 +4855,36 @@ class PublishTests(unittest.TestCase):
         self.server = json.loads((HERE / "server.json").read_text())
 
     def test_the_declared_setuptools_reads_the_license_expression(self):
-        (requirement,) = [r for r in self.pyproject["build-system"]["requires"] if r.startswith("setuptools")]
+        (requirement,) = [
+            r for r in self.pyproject["build-system"]["requires"] if r.startswith("setuptools")
+        ]
         lowest = tuple(int(part) for part in requirement.split(">=")[1].split("."))
-        self.assertIsInstance(self.pyproject["project"]["license"], str)  # an SPDX expression (PEP 639) ...
+        self.assertIsInstance(
+            self.pyproject["project"]["license"], str
+        )  # an SPDX expression (PEP 639) ...
         self.assertGreaterEqual(lowest, (77,))  # ... which setuptools reads from 77 on
 
     def test_server_json_matches_the_package_and_the_readme_marker(self):
         package = self.server["packages"][0]
-        self.assertEqual((package["registryType"], package["identifier"]), ("pypi", self.pyproject["project"]["name"]))
+        self.assertEqual(
+            (package["registryType"], package["identifier"]),
+            ("pypi", self.pyproject["project"]["name"]),
+        )
         self.assertEqual({self.server["version"], package["version"]}, {smol_mcp.__version__})
         self.assertIn(f"mcp-name: {self.server['name']}", (HERE / "README.md").read_text())
         self.assertLessEqual(len(self.server["description"]), 100)  # the registry's limit
         settings = {setting.env for setting in smol_mcp.SETTINGS}
         for variable in package["environmentVariables"]:
             self.assertIn(variable["name"], settings)
-            self.assertEqual(variable["isSecret"], variable["name"] in ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN"))
+            self.assertEqual(
+                variable["isSecret"],
+                variable["name"] in ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN"),
+            )
 
 
-@unittest.skipUnless(os.environ.get("SMOL_MCP_DIST") == "1", "ways of running: set SMOL_MCP_DIST=1 (needs PyPI)")
+@unittest.skipUnless(
+    os.environ.get("SMOL_MCP_DIST") == "1", "ways of running: set SMOL_MCP_DIST=1 (needs PyPI)"
+)
 class DistributionTests(unittest.TestCase):
     """Every documented way to run it, from a clean directory."""
 
@@ -3943,8 +4897,15 @@ class DistributionTests(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def initialize(self, command: list[str], cwd: str) -> str:
-        out = subprocess.run(command, input=jsonrpc(1, "initialize", INITIALIZE).decode(), cwd=cwd, env=self.env,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            command,
+            input=jsonrpc(1, "initialize", INITIALIZE).decode(),
+            cwd=cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         self.assertIn('"name":"smol-mcp"', out.stdout.replace(" ", ""), out.stderr[-2000:])
         return out.stdout
 
@@ -3956,43 +4917,94 @@ class DistributionTests(unittest.TestCase):
         shutil.copy(HERE / "smol_mcp.py", self.tmp)
         if shutil.which("pipx") is None:
             self.skipTest("pipx is not installed (.ci/run installs it)")
-        out = subprocess.run(["pipx", "run", "./smol_mcp.py", "--version"], cwd=self.tmp,
-                             env=self.env, capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            ["pipx", "run", "./smol_mcp.py", "--version"],
+            cwd=self.tmp,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         self.assertIn(f"smol-mcp {smol_mcp.__version__}", out.stdout, out.stderr[-2000:])
 
     def test_pip_install_gives_both_commands_and_setup_names_them(self):
         venv = Path(self.tmp, "venv")
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(HERE)], check=True, timeout=600,
-                       capture_output=True)
+        subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "-q", str(HERE)],
+            check=True,
+            timeout=600,
+            capture_output=True,
+        )
         self.initialize([str(venv / "bin" / "smol-mcp")], self.tmp)
-        out = subprocess.run([str(venv / "bin" / "smol-mcp-http")], env=self.env, capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [str(venv / "bin" / "smol-mcp-http")],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         self.assertEqual(out.returncode, 2)
         self.assertIn("refuses to start without a token", out.stderr)
-        out = subprocess.run([str(venv / "bin" / "smol-mcp"), "setup", "cursor"], env=self.env, capture_output=True,
-                             text=True, timeout=60)
-        self.assertEqual(json.loads(out.stdout)["mcpServers"]["smol"]["command"], str(venv / "bin" / "smol-mcp"))
+        out = subprocess.run(
+            [str(venv / "bin" / "smol-mcp"), "setup", "cursor"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        self.assertEqual(
+            json.loads(out.stdout)["mcpServers"]["smol"]["command"], str(venv / "bin" / "smol-mcp")
+        )
 
     def test_sdist_and_wheel_build_with_the_oldest_declared_setuptools_and_pass_twine_check(self):
         import tomllib
+
         requires = tomllib.loads((HERE / "pyproject.toml").read_text())["build-system"]["requires"]
         (requirement,) = [r for r in requires if r.startswith("setuptools")]
         major = int(requirement.split(">=")[1].split(".")[0])
-        Path(self.tmp, "constraints.txt").write_text(f"setuptools<{major + 1}\n")  # the oldest line it accepts
-        out = subprocess.run(["uv", "build", "--sdist", "--wheel", "--out-dir", f"{self.tmp}/dist", "--build-constraint",
-                              f"{self.tmp}/constraints.txt", str(HERE)], env=self.env, capture_output=True, text=True,
-                             timeout=600)
+        Path(self.tmp, "constraints.txt").write_text(
+            f"setuptools<{major + 1}\n"
+        )  # the oldest line it accepts
+        out = subprocess.run(
+            [
+                "uv",
+                "build",
+                "--sdist",
+                "--wheel",
+                "--out-dir",
+                f"{self.tmp}/dist",
+                "--build-constraint",
+                f"{self.tmp}/constraints.txt",
+                str(HERE),
+            ],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
-        built = sorted(str(p) for p in Path(self.tmp, "dist").iterdir() if p.suffix in (".whl", ".gz"))
+        built = sorted(
+            str(p) for p in Path(self.tmp, "dist").iterdir() if p.suffix in (".whl", ".gz")
+        )
         self.assertEqual(len(built), 2, built)
-        out = subprocess.run(["uvx", "twine", "check", "--strict", *built],
-                             env=self.env, capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            ["uvx", "twine", "check", "--strict", *built],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         self.assertEqual(out.returncode, 0, out.stdout[-3000:] + out.stderr[-3000:])
 
     def test_uvx_from_the_checkout(self):
-        out = subprocess.run(["uvx", "--from", str(HERE), "smol-mcp", "--version"], env=self.env, capture_output=True,
-                             text=True, timeout=600)
+        out = subprocess.run(
+            ["uvx", "--from", str(HERE), "smol-mcp", "--version"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         self.assertIn(f"smol-mcp {smol_mcp.__version__}", out.stdout, out.stderr[-2000:])
 
 
@@ -4014,24 +5026,41 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         its child, sets the fake's knobs (the server passes none of ours on),
         then runs the fake CLI."""
         exports = "".join(f"export {key}={value}\n" for key, value in knobs.items())
-        self.wrapper.write_text(f"#!/bin/sh\n{sys.executable} -c 'import json,os; json.dump(dict(os.environ), "
-                                f"open(\"{self.envfile}\", \"w\"))'\n{exports}"
-                                f"exec {sys.executable} {FAKE_CLI} \"$@\"\n")
+        self.wrapper.write_text(
+            f"#!/bin/sh\n{sys.executable} -c 'import json,os; json.dump(dict(os.environ), "
+            f'open("{self.envfile}", "w"))\'\n{exports}'
+            f'exec {sys.executable} {FAKE_CLI} "$@"\n'
+        )
         self.wrapper.chmod(0o755)
 
     async def asyncTearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def app(self, **overrides) -> SmolMcp:
-        config = fake_config(self.tmp, None, smolvm=str(self.wrapper), cloud_token="smk_cloud_secret",
-                             auth_token="http_secret", targets="local", **overrides)
-        return SmolMcp(config, environ={**os.environ, "SMOL_CLOUD_TOKEN": "smk_cloud_secret",
-                                        "SMOL_MCP_AUTH_TOKEN": "http_secret",
-                                        "SMOLVM_VM_UID_DROP": "off",
-                                        "SMOLVM_EXTRA": "prefix-smk_cloud_secret-suffix",
-                                        "TMPDIR": "/tmp/http_secret/.."})
+        config = fake_config(
+            self.tmp,
+            None,
+            smolvm=str(self.wrapper),
+            cloud_token="smk_cloud_secret",
+            auth_token="http_secret",
+            targets="local",
+            **overrides,
+        )
+        return SmolMcp(
+            config,
+            environ={
+                **os.environ,
+                "SMOL_CLOUD_TOKEN": "smk_cloud_secret",
+                "SMOL_MCP_AUTH_TOKEN": "http_secret",
+                "SMOLVM_VM_UID_DROP": "off",
+                "SMOLVM_EXTRA": "prefix-smk_cloud_secret-suffix",
+                "TMPDIR": "/tmp/http_secret/..",
+            },
+        )
 
-    async def test_spawned_on_first_call_minimal_env_private_dir_and_stopped_by_the_last_session(self):
+    async def test_spawned_on_first_call_minimal_env_private_dir_and_stopped_by_the_last_session(
+        self,
+    ):
         app = self.app()
         async with Client(app.server, mode="legacy") as c:
             await c.list_tools()
@@ -4062,10 +5091,14 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
 
     async def test_a_first_call_that_records_a_machine_makes_a_private_runtime_dir(self):
         async with Client(self.app().server, mode="legacy") as c:
-            is_error, value = result_of(await c.call_tool("create-machine", {"image": "alpine", "network": "open"}))
+            is_error, value = result_of(
+                await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
+            )
             self.assertFalse(is_error, value)
             for folder in ("rt", "rt/sessions"):
-                self.assertEqual(stat.S_IMODE(os.stat(f"{self.tmp}/{folder}").st_mode), 0o700, folder)
+                self.assertEqual(
+                    stat.S_IMODE(os.stat(f"{self.tmp}/{folder}").st_mode), 0o700, folder
+                )
 
     async def test_sessions_share_one_serve_and_the_last_one_out_stops_it(self):
         app = self.app()
@@ -4084,7 +5117,9 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         async with Client(app.server, mode="legacy") as c:
             self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
             process = app.local._process
-            (Path(self.tmp, "rt", "serve-users") / str(os.getppid())).touch()  # a live "other smol-mcp process"
+            (
+                Path(self.tmp, "rt", "serve-users") / str(os.getppid())
+            ).touch()  # a live "other smol-mcp process"
         self.assertIsNone(process.poll())  # left running for the other process
         (Path(self.tmp, "rt", "serve-users") / str(os.getppid())).unlink()
         await asyncio.to_thread(app.local.stop_serve)  # the last user stops it through serve.pid
@@ -4139,10 +5174,14 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
                 self.assertTrue(Path(self.tmp, "rt", "serve.sock").exists())  # its socket kept
                 self.assertEqual(Path(self.tmp, "rt", "serve.pid").read_text(), str(serve.pid))
                 # Another process's first call finds the stopped serve by serve.pid: waited for.
-                env = {"SMOLVM": str(self.wrapper), "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-                       "SMOL_MCP_TARGETS": "local", "SMOL_MCP_SERVE_START_TIMEOUT_SECS": "3",
-                       "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-                       "PATH": os.environ.get("PATH", "")}
+                env = {
+                    "SMOLVM": str(self.wrapper),
+                    "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+                    "SMOL_MCP_TARGETS": "local",
+                    "SMOL_MCP_SERVE_START_TIMEOUT_SECS": "3",
+                    "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+                    "PATH": os.environ.get("PATH", ""),
+                }
                 listing = jsonrpc(2, "tools/call", {"name": "list-machines", "arguments": {}})
                 hello = jsonrpc(1, "initialize", INITIALIZE)
                 code, out, err = await piped_server(env, hello + listing)
@@ -4183,8 +5222,6 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
 # ---------------------------------------------------------------------------
 
 
-
-
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
 class StdioTests(unittest.IsolatedAsyncioTestCase):
     async def asyncSetUp(self):
@@ -4192,16 +5229,23 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
         self.socket_path = f"{self.tmp}/fake.sock"
         self.fake = FakeSmolvm(self.socket_path)
         self.fake.start()
-        self.env = {"SMOL_LOCAL_URL": f"unix://{self.socket_path}", "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-                    "SMOL_MCP_CONFIG": f"{self.tmp}/none.json", "SMOL_MCP_READY_TIMEOUT_SECS": "10",
-                    "PATH": os.environ.get("PATH", ""), "HOME": self.tmp}
+        self.env = {
+            "SMOL_LOCAL_URL": f"unix://{self.socket_path}",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_READY_TIMEOUT_SECS": "10",
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": self.tmp,
+        }
 
     async def asyncTearDown(self):
         await asyncio.to_thread(self.fake.stop)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def params(self) -> StdioServerParameters:
-        return StdioServerParameters(command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=self.env)
+        return StdioServerParameters(
+            command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=self.env
+        )
 
     async def test_live_output_reaches_a_stdio_client_in_both_eras(self):
         for mode in MODES:
@@ -4212,13 +5256,17 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     seen.append(message)
 
                 async with Client(self.params(), mode=mode) as c:
-                    created = result_of(await c.call_tool("create-machine", {"image": "alpine",
-                                                                             "network": "open"}))[1]
-                    answer = await c.call_tool("run-command", {"name": created["machine"]["name"],
-                                                               "command": PRINTS_SLOWLY},
-                                               progress_callback=on_progress)
-                    self.assertEqual(result_of(answer)[1]["stdout"],
-                                     "".join(f"step {i}\n" for i in range(1, 7)))
+                    created = result_of(
+                        await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
+                    )[1]
+                    answer = await c.call_tool(
+                        "run-command",
+                        {"name": created["machine"]["name"], "command": PRINTS_SLOWLY},
+                        progress_callback=on_progress,
+                    )
+                    self.assertEqual(
+                        result_of(answer)[1]["stdout"], "".join(f"step {i}\n" for i in range(1, 7))
+                    )
                 steps = [m for m in seen if m.startswith("stdout: step ")]
                 self.assertGreaterEqual(len(steps), 3, seen)
                 self.assertEqual(seen[-1], "stderr: warned")
@@ -4228,13 +5276,20 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
             with self.subTest(mode=mode):
                 async with Client(self.params(), mode=mode) as c:
                     self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
-                    is_error, created = result_of(await c.call_tool("create-machine", {"image": "alpine",
-                                                                                       "network": "open"}))
+                    is_error, created = result_of(
+                        await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
+                    )
                     self.assertFalse(is_error, created)
-                    is_error, ran = result_of(await c.call_tool("run-command", {"name": created["machine"]["name"],
-                                                                                "command": "echo $((6*7))"}))
+                    is_error, ran = result_of(
+                        await c.call_tool(
+                            "run-command",
+                            {"name": created["machine"]["name"], "command": "echo $((6*7))"},
+                        )
+                    )
                     self.assertEqual(ran["stdout"], "42\n")
-                    is_error, text = result_of(await c.call_tool("create-machine", {"image": "alpine", "memory": 1}))
+                    is_error, text = result_of(
+                        await c.call_tool("create-machine", {"image": "alpine", "memory": 1})
+                    )
                     self.assertTrue(is_error)
                     self.assertIn('did you mean "memoryMb"', text)
                     self.assertIn(created["machine"]["name"], self.fake.machines)
@@ -4244,10 +5299,14 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
         cloud = FakeCloud(token=CLOUD_TOKEN).start()
         try:
             env = {**self.env, "SMOL_CLOUD_URL": cloud.url, "SMOL_CLOUD_TOKEN": CLOUD_TOKEN}
-            params = StdioServerParameters(command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=env)
+            params = StdioServerParameters(
+                command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=env
+            )
             for mode in MODES:
                 with self.subTest(mode=mode):
-                    async with Client(params, mode=mode, elicitation_callback=answer_fleet("accept", "cloud")) as c:
+                    async with Client(
+                        params, mode=mode, elicitation_callback=answer_fleet("accept", "cloud")
+                    ) as c:
                         tools = (await c.list_tools()).tools
                         self.assertIn("target", tools[0].input_schema["required"])
                         is_error, listed = result_of(await c.call_tool("list-machines", {}))
@@ -4268,13 +5327,23 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
 
     async def start_raw(self) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, str(HERE / "smol_mcp.py"), env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE)
+            sys.executable,
+            str(HERE / "smol_mcp.py"),
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         process.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
         await self.read_answer(process, 1)
         process.stdin.write(jsonrpc(None, "notifications/initialized"))
-        process.stdin.write(jsonrpc(2, "tools/call", {"name": "create-machine",
-                                                      "arguments": {"image": "alpine", "network": "open"}}))
+        process.stdin.write(
+            jsonrpc(
+                2,
+                "tools/call",
+                {"name": "create-machine", "arguments": {"image": "alpine", "network": "open"}},
+            )
+        )
         answer = await self.read_answer(process, 2)
         self.assertFalse(answer["result"].get("isError"), answer)
         return process
@@ -4353,8 +5422,13 @@ def broken_dir(path: str, kind: str):
 async def piped_server(env: dict, lines: bytes) -> tuple[int, bytes, bytes]:
     """Run the stdio server with these lines on stdin, then EOF; (exit code, stdout, stderr)."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        sys.executable,
+        str(HERE / "smol_mcp.py"),
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(process.communicate(lines), 120)
     return process.returncode, out, err
 
@@ -4570,8 +5644,13 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
 
         async def one() -> tuple:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, str(HERE / "smol_mcp.py"), env=env, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                sys.executable,
+                str(HERE / "smol_mcp.py"),
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
             process.stdin.write(lines)
             answers: dict = {}
             while len(answers) < 3:  # the answers come in any order
@@ -4613,7 +5692,12 @@ class CloudFaults(FakeCloudCase):
             self.cloud.fail_next("GET", "/v1/machines", 503, times=2)
             await self.ok(c, "list-machines", {})
             self.cloud.fail_next(
-                "GET", "/v1/machines", 200, times=1, body=b"<html>proxy</html>", content_type="text/html"
+                "GET",
+                "/v1/machines",
+                200,
+                times=1,
+                body=b"<html>proxy</html>",
+                content_type="text/html",
             )
             text = await self.refused(c, "get-machine", {"name": name})
             # and the session's cleanup meets 502s
@@ -4727,10 +5811,16 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
 
 def real_smolvm() -> str | None:
     configured = os.environ.get("SMOLVM", "smolvm")
-    return configured if os.sep in configured and os.access(configured, os.X_OK) else shutil.which(configured)
+    return (
+        configured
+        if os.sep in configured and os.access(configured, os.X_OK)
+        else shutil.which(configured)
+    )
 
 
-@unittest.skipUnless(os.environ.get("SMOL_MCP_IT") == "1", "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)")
+@unittest.skipUnless(
+    os.environ.get("SMOL_MCP_IT") == "1", "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)"
+)
 class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
     """Against the real engine. The server spawns the serve itself, with HOME
     pointed at a temp dir so the engine's state is isolated from the user's."""
@@ -4741,19 +5831,28 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
     @classmethod
     def setUpClass(cls):
         if real_smolvm() is None:
-            raise unittest.SkipTest("SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to smol/smol-vmm from the wheel")
+            raise unittest.SkipTest(
+                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to smol/smol-vmm from the wheel"
+            )
         cls.tmp = short_tempdir()
-        cls.environ = {**os.environ, "HOME": cls.tmp, "XDG_DATA_HOME": f"{cls.tmp}/data",
-                       "XDG_CONFIG_HOME": f"{cls.tmp}/config", "XDG_CACHE_HOME": f"{cls.tmp}/cache",
-                       "XDG_RUNTIME_DIR": cls.tmp, "SMOLVM_VM_UID_DROP": os.environ.get("SMOLVM_VM_UID_DROP", "off")}
+        cls.environ = {
+            **os.environ,
+            "HOME": cls.tmp,
+            "XDG_DATA_HOME": f"{cls.tmp}/data",
+            "XDG_CONFIG_HOME": f"{cls.tmp}/config",
+            "XDG_CACHE_HOME": f"{cls.tmp}/cache",
+            "XDG_RUNTIME_DIR": cls.tmp,
+            "SMOLVM_VM_UID_DROP": os.environ.get("SMOLVM_VM_UID_DROP", "off"),
+        }
 
     @classmethod
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
     async def asyncSetUp(self):
-        config = fake_config(self.tmp, None, smolvm=real_smolvm(), ready_timeout_secs=90,
-                             serve_start_timeout_secs=60)
+        config = fake_config(
+            self.tmp, None, smolvm=real_smolvm(), ready_timeout_secs=90, serve_start_timeout_secs=60
+        )
         self.app = SmolMcp(config, environ=self.environ)
 
     async def asyncTearDown(self):
@@ -4769,8 +5868,10 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         cls = type(self)
         if cls.guest_boots is None:
             async with Client(self.app.server, mode="legacy") as self.c:
-                is_error, value = await self.call("create-machine", {"name": "mcp-boot-probe", "image": "alpine",
-                                                                     "network": "open"})
+                is_error, value = await self.call(
+                    "create-machine",
+                    {"name": "mcp-boot-probe", "image": "alpine", "network": "open"},
+                )
             cls.guest_boots, cls.boot_failure = not is_error, value if is_error else ""
         if not cls.guest_boots:
             self.skipTest(f"no microVM can boot on this host: {cls.boot_failure[:300]}")
@@ -4784,30 +5885,58 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             self.assertEqual(self.app.local.version, health["version"])
             self.assertGreaterEqual(smol_mcp.version_tuple(health["version"]), (1, 14, 0))
             spec = self.app.local.request("read the spec", "GET", "/api-docs/openapi.json")
-            self.assertNotEqual(spec["info"]["version"], health["version"])  # never check the version from the spec
+            self.assertNotEqual(
+                spec["info"]["version"], health["version"]
+            )  # never check the version from the spec
 
     async def test_parity_with_the_real_serve(self):
-        out = await asyncio.to_thread(run_cli, "parity", env={**self.environ, "SMOLVM": real_smolvm(),
-                                                              "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt-parity",
-                                                              "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}, timeout=120)
+        out = await asyncio.to_thread(
+            run_cli,
+            "parity",
+            env={
+                **self.environ,
+                "SMOLVM": real_smolvm(),
+                "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt-parity",
+                "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            },
+            timeout=120,
+        )
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn("16 called, 37 skipped, 0 unknown, 0 missing", out.stdout)
 
     async def test_create_get_list_delete_a_record(self):
         async with Client(self.app.server, mode="legacy") as self.c:
-            is_error, created = await self.call("create-machine", {"name": "itest-rec", "image": "alpine",
-                                                                   "start": False, "cpus": 1, "memoryMb": 512})
+            is_error, created = await self.call(
+                "create-machine",
+                {
+                    "name": "itest-rec",
+                    "image": "alpine",
+                    "start": False,
+                    "cpus": 1,
+                    "memoryMb": 512,
+                },
+            )
             self.assertFalse(is_error, created)
             try:
-                self.assertEqual((created["machine"]["name"], created["machine"]["image"], created["machine"]["cpus"],
-                                  created["machine"]["memoryMb"], created["machine"]["network"], created["ready"]),
-                                 ("itest-rec", "alpine", 1, 512, "blocked", False))
+                self.assertEqual(
+                    (
+                        created["machine"]["name"],
+                        created["machine"]["image"],
+                        created["machine"]["cpus"],
+                        created["machine"]["memoryMb"],
+                        created["machine"]["network"],
+                        created["ready"],
+                    ),
+                    ("itest-rec", "alpine", 1, 512, "blocked", False),
+                )
                 self.assertEqual(sorted(created["machine"]), sorted(smol_mcp.MACHINE_KEYS))
                 is_error, got = await self.call("get-machine", {"name": "itest-rec"})
                 self.assertIn(got["machine"]["state"], ("created", "stopped"))
                 is_error, listed = await self.call("list-machines", {})
                 self.assertIn("itest-rec", [m["name"] for m in listed["machines"]])
-                is_error, text = await self.call("create-machine", {"name": "itest-rec", "image": "alpine", "start": False})
+                is_error, text = await self.call(
+                    "create-machine", {"name": "itest-rec", "image": "alpine", "start": False}
+                )
                 self.assertTrue(is_error)
                 self.assertIn("machine 'itest-rec' already exists (HTTP 409 CONFLICT)", text)
             finally:
@@ -4822,7 +5951,9 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             await self.call("list-machines", {})
             fleet = self.app.local
             with self.assertRaises(smol_mcp.ApiError) as caught:  # 422 text body
-                fleet.request("create machine 'x'", "POST", "/api/v1/machines", {"name": "x", "net": True})
+                fleet.request(
+                    "create machine 'x'", "POST", "/api/v1/machines", {"name": "x", "net": True}
+                )
             self.assertEqual(caught.exception.status, 422)
             self.assertIn("unknown field `net`", str(caught.exception))
             with self.assertRaises(smol_mcp.ApiError) as caught:  # JSON body
@@ -4886,27 +6017,37 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(real[3][:2], (422, "text/plain; charset=utf-8"))
         self.assertEqual(real[5][:2], (404, "application/json"))
         self.assertEqual(fake, real)
+
     async def test_the_stream_route_refuses_a_missing_machine_and_an_unknown_field(self):
         async with Client(self.app.server, mode="legacy") as self.c:
             await self.call("list-machines", {})
             fleet = self.app.local
             with self.assertRaises(smol_mcp.ApiError) as caught:
-                await asyncio.to_thread(fleet.exec_stream, "itest-nobody", ["true"], timeout_secs=5,
-                                        on_output=print)
+                await asyncio.to_thread(
+                    fleet.exec_stream, "itest-nobody", ["true"], timeout_secs=5, on_output=print
+                )
             self.assertEqual((caught.exception.status, caught.exception.code), (404, "NOT_FOUND"))
             self.assertIn("machine 'itest-nobody' not found", str(caught.exception))
             with self.assertRaises(smol_mcp.ApiError) as caught:
-                await asyncio.to_thread(fleet.request, "stream", "POST",
-                                        "/api/v1/machines/itest-nobody/exec/stream",
-                                        {"command": ["true"], "timeout": 5})
+                await asyncio.to_thread(
+                    fleet.request,
+                    "stream",
+                    "POST",
+                    "/api/v1/machines/itest-nobody/exec/stream",
+                    {"command": ["true"], "timeout": 5},
+                )
             self.assertEqual(caught.exception.status, 422)
             self.assertIn("unknown field `timeout`", str(caught.exception))
 
     async def test_a_start_that_cannot_boot_is_a_clear_error_and_leaves_nothing(self):
         async with Client(self.app.server, mode="legacy") as self.c:
-            is_error, value = await self.call("create-machine", {"name": "mcp-itest-boot", "image": "alpine",
-                                                                 "network": "open"})
-            type(self).guest_boots, type(self).boot_failure = not is_error, value if is_error else ""
+            is_error, value = await self.call(
+                "create-machine", {"name": "mcp-itest-boot", "image": "alpine", "network": "open"}
+            )
+            type(self).guest_boots, type(self).boot_failure = (
+                not is_error,
+                value if is_error else "",
+            )
             if is_error:
                 self.assertIn("refused to start machine 'mcp-itest-boot'", value)
                 is_error, listed = await self.call("list-machines", {})
@@ -4920,12 +6061,18 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
     async def test_guest_commands_files_and_cleanup(self):
         await self.require_guest()
         async with Client(self.app.server, mode="legacy") as self.c:
-            is_error, created = await self.call("create-machine", {"image": "alpine", "network": "open"})
+            is_error, created = await self.call(
+                "create-machine", {"image": "alpine", "network": "open"}
+            )
             self.assertFalse(is_error, created)
             name = created["machine"]["name"]
-            is_error, ran = await self.call("run-command", {"name": name, "command": "echo hi; exit 42"})
+            is_error, ran = await self.call(
+                "run-command", {"name": name, "command": "echo hi; exit 42"}
+            )
             self.assertEqual((ran["stdout"], ran["exitCode"]), ("hi\n", 42))
-            await self.call("write-file", {"name": name, "path": "/root/x.txt", "content": "bytes back"})
+            await self.call(
+                "write-file", {"name": name, "path": "/root/x.txt", "content": "bytes back"}
+            )
             is_error, read = await self.call("read-file", {"name": name, "path": "/root/x.txt"})
             self.assertEqual(read["content"], "bytes back")
 
@@ -4971,8 +6118,10 @@ def egress_exchange(fleet) -> list[tuple[int, str, str]]:
     return answers
 
 
-@unittest.skipUnless(os.environ.get("SMOL_MCP_IT") == "1" and os.environ.get("SMOL_CLOUD_TOKEN"),
-                     "live cloud suite: set SMOL_MCP_IT=1 and a real SMOL_CLOUD_TOKEN (it spends money)")
+@unittest.skipUnless(
+    os.environ.get("SMOL_MCP_IT") == "1" and os.environ.get("SMOL_CLOUD_TOKEN"),
+    "live cloud suite: set SMOL_MCP_IT=1 and a real SMOL_CLOUD_TOKEN (it spends money)",
+)
 class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
     """Against the real smol cloud, opt-in. Reads the account before and after
     every test, stops once period spend passes SMOL_MCP_IT_SPEND_CEILING_MICROS,
@@ -4985,37 +6134,56 @@ class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
         """The period's spend in micros. The account route's shape is not in the
         official client, so any spend-like number in it is taken (the largest)."""
         account = smol_mcp.CloudFleet(self.config).request("read the account", "GET", "/v1/account")
-        spends = [value for key, value in _walk(account)
-                  if key.lower().endswith("micros") and isinstance(value, (int, float))]
+        spends = [
+            value
+            for key, value in _walk(account)
+            if key.lower().endswith("micros") and isinstance(value, (int, float))
+        ]
         return int(max(spends)) if spends else 0
 
     async def asyncSetUp(self):
-        self.config = Config(targets="cloud", cloud_token=os.environ["SMOL_CLOUD_TOKEN"],
-                             cloud_url=os.environ.get("SMOL_CLOUD_URL", smol_mcp.DEFAULT_CLOUD_URL),
-                             runtime_dir=short_tempdir())
+        self.config = Config(
+            targets="cloud",
+            cloud_token=os.environ["SMOL_CLOUD_TOKEN"],
+            cloud_url=os.environ.get("SMOL_CLOUD_URL", smol_mcp.DEFAULT_CLOUD_URL),
+            runtime_dir=short_tempdir(),
+        )
         spend = await asyncio.to_thread(self.account_spend)
         if type(self).spent_at_start is None:
             type(self).spent_at_start = spend
         if spend - type(self).spent_at_start > self.ceiling:
-            self.skipTest(f"spend ceiling reached: {spend - type(self).spent_at_start} micros this run")
+            self.skipTest(
+                f"spend ceiling reached: {spend - type(self).spent_at_start} micros this run"
+            )
 
     async def asyncTearDown(self):
         machines = await asyncio.to_thread(smol_mcp.CloudFleet(self.config).list_machines)
-        leftovers = [m["name"] for m in machines if m["name"].startswith(self.config.machine_prefix)]
+        leftovers = [
+            m["name"] for m in machines if m["name"].startswith(self.config.machine_prefix)
+        ]
         self.assertEqual(leftovers, [], "an mcp- machine was left on the fleet")
         await asyncio.to_thread(self.account_spend)
 
     async def test_create_command_files_branch_logs_delete(self):
         async with Client(SmolMcp(self.config).server, mode="legacy") as c:
-            is_error, created = result_of(await c.call_tool("create-machine", {"image": "alpine",
-                                                                               "branchable": True}))
+            is_error, created = result_of(
+                await c.call_tool("create-machine", {"image": "alpine", "branchable": True})
+            )
             self.assertFalse(is_error, created)
             name = created["machine"]["name"]
             try:
-                is_error, ran = result_of(await c.call_tool("run-command", {"name": name, "command": "exit 42"}))
+                is_error, ran = result_of(
+                    await c.call_tool("run-command", {"name": name, "command": "exit 42"})
+                )
                 self.assertEqual(ran["exitCode"], 42)
-                result_of(await c.call_tool("write-file", {"name": name, "path": "/workspace/a.txt", "content": "hi"}))
-                is_error, read = result_of(await c.call_tool("read-file", {"name": name, "path": "/workspace/a.txt"}))
+                result_of(
+                    await c.call_tool(
+                        "write-file", {"name": name, "path": "/workspace/a.txt", "content": "hi"}
+                    )
+                )
+                is_error, read = result_of(
+                    await c.call_tool("read-file", {"name": name, "path": "/workspace/a.txt"})
+                )
                 self.assertEqual(read["content"], "hi")
                 is_error, logs = result_of(await c.call_tool("machine-logs", {"name": name}))
                 self.assertFalse(is_error, logs)
@@ -5025,8 +6193,9 @@ class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
 
     async def test_blocked_with_ports_is_refused_before_sending(self):
         async with Client(SmolMcp(self.config).server, mode="legacy") as c:
-            is_error, text = result_of(await c.call_tool("create-machine", {"image": "alpine",
-                                                                            "ports": [{"guest": 8080}]}))
+            is_error, text = result_of(
+                await c.call_tool("create-machine", {"image": "alpine", "ports": [{"guest": 8080}]})
+            )
         self.assertTrue(is_error)
         self.assertIn("cannot also block egress", text)
 
@@ -5164,8 +6333,17 @@ class AccessCliTests(unittest.TestCase):
         )  # a reference
         self.assertIn('"url": "http://b.local:8080/mcp"', out.stdout)
         self.assertIn("export SMOL_MCP_TOKEN_AGENT=", out.stdout)
-        desktop = run_cli("tokens", "create", "desk", "--scopes", SANDBOX, "--client",
-                          "claude-desktop", env=self.env, cwd=self.tmp)
+        desktop = run_cli(
+            "tokens",
+            "create",
+            "desk",
+            "--scopes",
+            SANDBOX,
+            "--client",
+            "claude-desktop",
+            env=self.env,
+            cwd=self.tmp,
+        )
         self.assertEqual(desktop.returncode, 0, desktop.stderr)
         # it reads no environment, so no export is suggested: the value is pasted into the entry
         self.assertNotIn("export ", desktop.stdout)
@@ -5269,8 +6447,14 @@ class AgentAccessHttpTests(HttpCase):
         expected = {
             "look": READ_TOOLS,
             "a": [t.name for t in smol_mcp.TOOLS],
-            "runner": ["run-command", "run-once", "read-file", "write-file", "start-job",
-                       "cancel-job"],
+            "runner": [
+                "run-command",
+                "run-once",
+                "read-file",
+                "write-file",
+                "start-job",
+                "cancel-job",
+            ],
         }
         for mode in MODES:
             for name, tools in expected.items():
@@ -5499,30 +6683,41 @@ class SandboxBothFleetsTests(FakeCloudCase):
         admin = SmolMcp(dataclasses_replace(self.config, scopes=()))  # same state directory
         admin.access.stdio = smol_mcp.Principal("ops", frozenset(smol_mcp.SCOPES), kind="stdio")
         asked = []
-        async with Client(admin.server, mode="legacy") as a, \
-                self.client("legacy", elicitation_callback=answer_fleet("accept", "cloud", asked)) as c:
+        async with (
+            Client(admin.server, mode="legacy") as a,
+            self.client("legacy", elicitation_callback=answer_fleet("accept", "cloud", asked)) as c,
+        ):
             text = await self.refused(c, "run-command", {"name": "x", "command": "id"})
-            self.assertTrue(text.startswith("scope_missing: run-command needs the machines.exec"), text)
+            self.assertTrue(
+                text.startswith("scope_missing: run-command needs the machines.exec"), text
+            )
             self.assertEqual(asked, [])  # refused before the fleet question
             for target in ("local", "cloud"):
-                await self.ok(a, "create-machine", {"target": target, "name": f"ops-{target}",
-                                                    "image": "alpine", "start": False})
+                await self.ok(
+                    a,
+                    "create-machine",
+                    {"target": target, "name": f"ops-{target}", "image": "alpine", "start": False},
+                )
         async with self.client("legacy") as c:  # no elicitation: target on every call
             for target in ("local", "cloud"):
                 with self.subTest(target=target):
                     own = f"own-{target}"
-                    await self.ok(c, "create-machine", {"target": target, "name": own,
-                                                        "image": "alpine", "start": False})
+                    await self.ok(
+                        c,
+                        "create-machine",
+                        {"target": target, "name": own, "image": "alpine", "start": False},
+                    )
                     listed = await self.ok(c, "list-machines", {"target": target})
                     self.assertEqual([m["name"] for m in listed["machines"]], [own])
                     for tool in ("get-machine", "stop-machine", "delete-machine"):
-                        other = await self.refused(c, tool, {"target": target, "name": f"ops-{target}"})
+                        other = await self.refused(
+                            c, tool, {"target": target, "name": f"ops-{target}"}
+                        )
                         ghost = await self.refused(c, tool, {"target": target, "name": "never-was"})
                         self.assertEqual(other, ghost.replace("never-was", f"ops-{target}"), tool)
                     await self.ok(c, "delete-machine", {"target": target, "name": own})
         self.assertIn("ops-local", self.fake.machines)
         self.assertEqual(self.by_name("ops-cloud")["name"], "ops-cloud")
-
 
     async def test_a_name_freed_behind_the_servers_back_goes_to_its_next_creator(self):
         """A machine deleted outside this server leaves its owner on record; the
@@ -5562,7 +6757,9 @@ class StdioScopesTests(FakeServeCase):
 
     async def test_an_unwritable_state_dir_is_a_sentence_and_nothing_is_created(self):
         Path(self.tmp, "file").write_text("")
-        self.app = SmolMcp(dataclasses_replace(self.config, scopes=(), state_dir=f"{self.tmp}/file/st"))
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, scopes=(), state_dir=f"{self.tmp}/file/st")
+        )
         async with self.client("legacy") as c:
             text = await self.refused(c, "create-machine", {"name": "kept-out", "image": "alpine"})
         self.assertIn("set SMOL_MCP_STATE_DIR to a directory this user can write", text)
@@ -5583,8 +6780,11 @@ class StdioScopesTests(FakeServeCase):
         async with Client(params, mode="auto") as c:
             self.assertEqual(
                 [t.name for t in (await c.list_tools()).tools],
-                [t.name for t in smol_mcp.TOOLS
-                 if smol_mcp.TOOL_LEVELS[t.name] in ("read", "exec")],
+                [
+                    t.name
+                    for t in smol_mcp.TOOLS
+                    if smol_mcp.TOOL_LEVELS[t.name] in ("read", "exec")
+                ],
             )
             text = await self.refused(c, "delete-machine", {"name": "x"})
             self.assertTrue(text.startswith("scope_missing: delete-machine"), text)
@@ -6520,15 +7720,23 @@ class ApprovalSigtermTests(unittest.TestCase):
 
 def main() -> int:
     loader = unittest.defaultTestLoader
-    if os.environ.get("SMOL_MCP_IT") == "1":  # the integration suites alone; the unit suite is its own run
-        suite = unittest.TestSuite([loader.loadTestsFromTestCase(RealServeIntegration),
-                                    loader.loadTestsFromTestCase(CloudLiveIntegration)])
+    if (
+        os.environ.get("SMOL_MCP_IT") == "1"
+    ):  # the integration suites alone; the unit suite is its own run
+        suite = unittest.TestSuite(
+            [
+                loader.loadTestsFromTestCase(RealServeIntegration),
+                loader.loadTestsFromTestCase(CloudLiveIntegration),
+            ]
+        )
     else:
         suite = loader.loadTestsFromModule(sys.modules[__name__])
     if len(sys.argv) > 1:
         suite = loader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
     started = time.monotonic()
-    result = unittest.TextTestRunner(verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))).run(suite)
+    result = unittest.TextTestRunner(
+        verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))
+    ).run(suite)
     print(summary(result, time.monotonic() - started, os.environ.get("SMOL_MCP_IT") == "1"))
     return 0 if result.wasSuccessful() else 1
 
@@ -6537,15 +7745,21 @@ def summary(result: unittest.TestResult, seconds: float, integration: bool) -> s
     """The closing lines of a run: the counts, the time, and why each skipped
     test skipped (a skip with no reason shown hides a gap)."""
     # A failing subtest is reported under its own name: count the test it belongs to, once.
-    failed = len({getattr(test, "test_case", test).id()
-                  for test, _ in result.failures + result.errors}
-                 | {t.id() for t in result.unexpectedSuccesses})
+    failed = len(
+        {getattr(test, "test_case", test).id() for test, _ in result.failures + result.errors}
+        | {t.id() for t in result.unexpectedSuccesses}
+    )
     passed = result.testsRun - failed - len(result.skipped)
-    lines = [f"skipped {test.id().removeprefix('__main__.')}: {reason}" for test, reason in result.skipped]
+    lines = [
+        f"skipped {test.id().removeprefix('__main__.')}: {reason}"
+        for test, reason in result.skipped
+    ]
     label = "integration" if integration else "unit"
     if FaultCounts.faults:
         counts = FaultCounts
-        lines.append(f"fault suite: {counts.calls} calls, {counts.faults} faults, {counts.leaks} leaks")
+        lines.append(
+            f"fault suite: {counts.calls} calls, {counts.faults} faults, {counts.leaks} leaks"
+        )
     lines.append(f"the {label} suite took {seconds:.1f} s")
     lines.append(f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped")
     return "\n".join(lines)

@@ -36,7 +36,6 @@ target is missed.
 from __future__ import annotations
 
 import argparse
-import base64
 import http.client
 import json
 import math
@@ -66,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 # ---------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------
+
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -118,6 +118,7 @@ def free_port() -> int:
 # the API, straight (the floors)
 # ---------------------------------------------------------------------------
 
+
 class UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float = 300):
         super().__init__("localhost", timeout=timeout)
@@ -136,7 +137,7 @@ class Api:
     def __init__(self, url: str):
         self.url = url
         if url.startswith("unix://"):
-            self.kind, self.address = "unix", url[len("unix://"):]
+            self.kind, self.address = "unix", url[len("unix://") :]
         else:
             self.kind, self.address = "tcp", int(url.rsplit(":", 1)[1].strip("/"))
 
@@ -195,12 +196,17 @@ print(json.dumps({'seconds': seconds, 'bytes': len(stdout), 'rss0': before['VmRS
 # lean MCP clients
 # ---------------------------------------------------------------------------
 
+
 class McpError(Exception):
     pass
 
 
 def initialize_params() -> dict:
-    return {"protocolVersion": PROTOCOL, "capabilities": {}, "clientInfo": {"name": "bench", "version": "0"}}
+    return {
+        "protocolVersion": PROTOCOL,
+        "capabilities": {},
+        "clientInfo": {"name": "bench", "version": "0"},
+    }
 
 
 def tool_result(answer: dict) -> dict:
@@ -219,8 +225,14 @@ class StdioPeer:
     def __init__(self, argv: list[str], env: dict[str, str], stderr_path: str):
         self.stderr = open(stderr_path, "ab")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                     env=env, cwd=str(ROOT))
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env=env,
+            cwd=str(ROOT),
+        )
         self.next_id = 0
 
     def send(self, message: dict) -> None:
@@ -233,7 +245,9 @@ class StdioPeer:
         while True:
             line = self.proc.stdout.readline()
             if not line:
-                raise McpError(f"the server exited (code {self.proc.poll()}); see {self.stderr.name}")
+                raise McpError(
+                    f"the server exited (code {self.proc.poll()}); see {self.stderr.name}"
+                )
             answer = json.loads(line)
             if answer.get("id") == self.next_id and "method" not in answer:
                 return answer
@@ -266,7 +280,10 @@ class HttpPeer:
 
     def __init__(self, port: int, token: str | None = TOKEN):
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        self.headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        self.headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+        }
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
         self.next_id = 0
@@ -279,16 +296,23 @@ class HttpPeer:
 
     def request(self, method: str, params: dict | None = None) -> dict:
         self.next_id += 1
-        status, answer, _ = self.post({"jsonrpc": "2.0", "id": self.next_id, "method": method,
-                                       "params": params or {}})
+        status, answer, _ = self.post(
+            {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params or {}}
+        )
         if status != 200 or answer is None:
             raise McpError(f"HTTP {status}: {answer}")
         return answer
 
-    def initialize(self) -> "HttpPeer":
+    def initialize(self) -> HttpPeer:
         self.next_id += 1
-        status, answer, response = self.post({"jsonrpc": "2.0", "id": self.next_id, "method": "initialize",
-                                              "params": initialize_params()})
+        status, answer, response = self.post(
+            {
+                "jsonrpc": "2.0",
+                "id": self.next_id,
+                "method": "initialize",
+                "params": initialize_params(),
+            }
+        )
         if status != 200 or "error" in (answer or {}):
             raise McpError(f"initialize: HTTP {status}: {answer}")
         self.headers["mcp-session-id"] = response.getheader("mcp-session-id")
@@ -325,17 +349,21 @@ def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float =
 # the bench
 # ---------------------------------------------------------------------------
 
+
 class Bench:
     def __init__(self, args):
         self.args = args
         self.quick = args.quick
-        self.tmp = tempfile.mkdtemp(prefix="smb-", dir="/tmp")  # short: a unix socket path is limited
+        self.tmp = tempfile.mkdtemp(
+            prefix="smb-", dir="/tmp"
+        )  # short: a unix socket path is limited
         self.rows: list[tuple[str, str, str, str, str, str]] = []
         self.fake: subprocess.Popen | None = None
         self.children: list = []
         self.can_exec = False
         self.machine = ""
         import smol_mcp  # the repo root is on sys.path; for its defaults only
+
         self.budget = smol_mcp.Config().max_output_bytes
         if args.serve:
             self.url = args.serve
@@ -349,15 +377,20 @@ class Bench:
     def start_fake(self) -> None:
         """tests/fakes' FakeSmolvm in a child process of its own."""
         path = f"{self.tmp}/fake.sock"
-        code = ("import sys, time; sys.path.insert(0, sys.argv[1]);"
-                "import tests.fakes.fake_smolvm as m; from tests.fakes.fake_smolvm import FakeSmolvm;"
-                # socketserver listens with a backlog of 5; a real serve's is far deeper, and with more
-                # clients than that connecting at once a unix-socket connect fails with EAGAIN
-                "m._Server.request_queue_size = 1024;"
-                "f = FakeSmolvm(sys.argv[2], settle_secs=1e9).start();"
-                "sys.stdin.read(); f.stop()")
-        self.fake = subprocess.Popen([sys.executable, "-c", code, str(ROOT), path], stdin=subprocess.PIPE,
-                                     stderr=open(f"{self.tmp}/fake.log", "ab"))
+        code = (
+            "import sys, time; sys.path.insert(0, sys.argv[1]);"
+            "import tests.fakes.fake_smolvm as m; from tests.fakes.fake_smolvm import FakeSmolvm;"
+            # socketserver listens with a backlog of 5; a real serve's is far deeper, and with more
+            # clients than that connecting at once a unix-socket connect fails with EAGAIN
+            "m._Server.request_queue_size = 1024;"
+            "f = FakeSmolvm(sys.argv[2], settle_secs=1e9).start();"
+            "sys.stdin.read(); f.stop()"
+        )
+        self.fake = subprocess.Popen(
+            [sys.executable, "-c", code, str(ROOT), path],
+            stdin=subprocess.PIPE,
+            stderr=open(f"{self.tmp}/fake.log", "ab"),
+        )
         deadline = time.monotonic() + 30
         while not os.path.exists(path):
             if self.fake.poll() is not None or time.monotonic() > deadline:
@@ -365,9 +398,14 @@ class Bench:
             time.sleep(0.02)
 
     def server_env(self, **extra: str) -> dict[str, str]:
-        env = {"SMOL_LOCAL_URL": self.url, "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-               "SMOL_MCP_CONFIG": "/nonexistent", "PATH": os.environ.get("PATH", ""), "HOME": self.tmp,
-               "SMOL_MCP_TARGETS": "local"}
+        env = {
+            "SMOL_LOCAL_URL": self.url,
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_CONFIG": "/nonexistent",
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": self.tmp,
+            "SMOL_MCP_TARGETS": "local",
+        }
         env.update(extra)
         return env
 
@@ -381,12 +419,21 @@ class Bench:
     def spawn_http(self, minimal: bool = False) -> tuple[subprocess.Popen, int]:
         port = free_port()
         if minimal:
-            argv, env = [sys.executable, str(MINIMAL), "--http", str(port)], {"PATH": os.environ.get("PATH", "")}
+            argv, env = (
+                [sys.executable, str(MINIMAL), "--http", str(port)],
+                {"PATH": os.environ.get("PATH", "")},
+            )
         else:
             argv = [sys.executable, str(SERVER), "--http", "--port", str(port)]
             env = self.server_env(SMOL_MCP_AUTH_TOKEN=TOKEN)
-        proc = subprocess.Popen(argv, env=env, cwd=str(ROOT), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=open(f"{self.tmp}/http.log", "ab"))
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=str(ROOT),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=open(f"{self.tmp}/http.log", "ab"),
+        )
         self.children.append(proc)
         wait_for_port(port, proc, "the HTTP server")
         return proc, port
@@ -403,15 +450,22 @@ class Bench:
     def setup_machine(self) -> None:
         """A machine of our own to call get-machine on and run commands in."""
         name = "smolbench-" + secrets.token_hex(3)
-        status, answer = self.api.call("POST", "/api/v1/machines",
-                                       {"name": name, "image": "alpine", "network": True}, timeout=600)
+        status, answer = self.api.call(
+            "POST",
+            "/api/v1/machines",
+            {"name": name, "image": "alpine", "network": True},
+            timeout=600,
+        )
         if status >= 400:
             status, listing = self.api.call("GET", "/api/v1/machines")
             machines = (listing or {}).get("machines") or []
             if not machines:
                 raise RuntimeError(f"cannot create a machine ({answer}) and there is none to use")
             self.machine = machines[0]["name"]
-            log(f"could not create a machine ({answer}); using {self.machine} for get-machine, no exec")
+            log(
+                f"could not create a machine ({answer}); using {self.machine} for get-machine, "
+                "no exec"
+            )
             return
         self.machine, self.own_machine = name, True
         status, answer = self.api.call("POST", f"/api/v1/machines/{name}/start", timeout=600)
@@ -422,9 +476,12 @@ class Bench:
             log(f"exec in {name} failed ({str(answer)[:300]}); skipping what needs a booted guest")
 
     def exec_direct(self, command: str, conn=None):
-        return self.api.call("POST", f"/api/v1/machines/{self.machine}/exec",
-                             {"command": ["sh", "-c", command], "timeoutSecs": 300, "autoStart": False},
-                             conn=conn)
+        return self.api.call(
+            "POST",
+            f"/api/v1/machines/{self.machine}/exec",
+            {"command": ["sh", "-c", command], "timeoutSecs": 300, "autoStart": False},
+            conn=conn,
+        )
 
     def teardown(self) -> None:
         for proc in self.children:
@@ -473,8 +530,14 @@ class Bench:
                     times[which][1].append(t_list)
         for k, label in ((0, "initialize"), (1, "tools/list")):
             ours, floor = median(times["smol"][k]), median(times["minimal"][k])
-            self.row(f"startup: spawn to {label} answered (stdio, median of {runs})", ms(ours), ms(floor),
-                     f"{ours / floor:.2f}x", "<= 1.20x", self.check(ours / floor <= 1.2))
+            self.row(
+                f"startup: spawn to {label} answered (stdio, median of {runs})",
+                ms(ours),
+                ms(floor),
+                f"{ours / floor:.2f}x",
+                "<= 1.20x",
+                self.check(ours / floor <= 1.2),
+            )
 
     # -- 2. per-call overhead ---------------------------------------------------
 
@@ -506,7 +569,10 @@ class Bench:
             assert status == 200, status
 
         try:
-            for tool, (arguments, path) in requests.items():  # warm every path (and the first-call sweep)
+            for tool, (
+                arguments,
+                path,
+            ) in requests.items():  # warm every path (and the first-call sweep)
                 for _ in range(20):
                     stdio.call(tool, arguments)
                     http.call(tool, arguments)
@@ -544,24 +610,58 @@ class Bench:
             for transport, limit in (("stdio", 0.0005), ("http", 0.0015)):
                 ours = samples[(tool, transport)]
                 delta = median(ours) - median(floor)
-                self.row(f"per call: {tool} over {transport}, median of {len(ours)}", ms(median(ours)),
-                         ms(median(floor)), f"{delta * 1000:+.3f} ms", f"<= +{limit * 1000:.1f} ms",
-                         self.check(delta <= limit))
-                self.row(f"per call: {tool} over {transport}, p95", ms(p95(ours)), ms(p95(floor)),
-                         f"{(p95(ours) - p95(floor)) * 1000:+.3f} ms", "-", "INFO")
+                self.row(
+                    f"per call: {tool} over {transport}, median of {len(ours)}",
+                    ms(median(ours)),
+                    ms(median(floor)),
+                    f"{delta * 1000:+.3f} ms",
+                    f"<= +{limit * 1000:.1f} ms",
+                    self.check(delta <= limit),
+                )
+                self.row(
+                    f"per call: {tool} over {transport}, p95",
+                    ms(p95(ours)),
+                    ms(p95(floor)),
+                    f"{(p95(ours) - p95(floor)) * 1000:+.3f} ms",
+                    "-",
+                    "INFO",
+                )
         for tool in requests:
             fresh_floor, kept_floor = samples[(tool, "floor")], samples[(tool, "floor-keepalive")]
-            self.row(f"per call: {tool} straight to the API, a new connection each time", ms(median(fresh_floor)),
-                     ms(median(kept_floor)), f"{(median(fresh_floor) - median(kept_floor)) * 1000:+.3f} ms", "-",
-                     "INFO")
+            self.row(
+                f"per call: {tool} straight to the API, a new connection each time",
+                ms(median(fresh_floor)),
+                ms(median(kept_floor)),
+                f"{(median(fresh_floor) - median(kept_floor)) * 1000:+.3f} ms",
+                "-",
+                "INFO",
+            )
         for transport in ("stdio", "http"):
             s = samples[("list-machines", f"sdk-{transport}")]
-            self.row(f"per call: minimal SDK server's trivial tool over {transport} (SDK floor)", ms(median(s)),
-                     "-", f"p95 {ms(p95(s))}", "-", "INFO")
-            for tool in requests:  # what is left once the API call and the SDK's own round trip are taken out
-                own = median(samples[(tool, transport)]) - median(samples[(tool, "floor-keepalive")]) - median(s)
-                self.row(f"per call: {tool} over {transport}, smol-mcp's own share", f"{own * 1000:+.3f} ms",
-                         "-", "value - API floor - SDK floor", "-", "INFO")
+            self.row(
+                f"per call: minimal SDK server's trivial tool over {transport} (SDK floor)",
+                ms(median(s)),
+                "-",
+                f"p95 {ms(p95(s))}",
+                "-",
+                "INFO",
+            )
+            for tool in (
+                requests
+            ):  # what is left once the API call and the SDK's own round trip are taken out
+                own = (
+                    median(samples[(tool, transport)])
+                    - median(samples[(tool, "floor-keepalive")])
+                    - median(s)
+                )
+                self.row(
+                    f"per call: {tool} over {transport}, smol-mcp's own share",
+                    f"{own * 1000:+.3f} ms",
+                    "-",
+                    "value - API floor - SDK floor",
+                    "-",
+                    "INFO",
+                )
 
     # -- 3. output handling -----------------------------------------------------
 
@@ -574,10 +674,17 @@ class Bench:
         results = []
         for size in sizes:
             nbytes = size * MiB
-            command = f"yes 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ | head -c {nbytes}"
+            command = (
+                "yes 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ | "
+                f"head -c {nbytes}"
+            )
             # the floor: the same exec, straight to the API, in a fresh process
-            out = subprocess.run([sys.executable, "-c", EXEC_FLOOR, self.url, self.machine, command],
-                                 capture_output=True, text=True, timeout=900)
+            out = subprocess.run(
+                [sys.executable, "-c", EXEC_FLOOR, self.url, self.machine, command],
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             if out.returncode:
                 raise RuntimeError(f"exec floor failed: {out.stderr[-2000:]}")
             floor = json.loads(out.stdout)
@@ -588,9 +695,13 @@ class Bench:
                 peer.call("run-command", {"name": self.machine, "command": "echo warm"})
                 before = proc_status(peer.proc.pid)
                 t = time.perf_counter()
-                answer = peer.request("tools/call", {"name": "run-command",
-                                                     "arguments": {"name": self.machine, "command": command,
-                                                                   "timeoutSecs": 300}})
+                answer = peer.request(
+                    "tools/call",
+                    {
+                        "name": "run-command",
+                        "arguments": {"name": self.machine, "command": command, "timeoutSecs": 300},
+                    },
+                )
                 seconds = time.perf_counter() - t
                 after = proc_status(peer.proc.pid)
                 result = tool_result(answer)
@@ -602,19 +713,41 @@ class Bench:
             stdout_len = len(result["stdout"].encode())
             within = result["truncated"] and stdout_len <= self.budget + 400
             results.append((nbytes, seconds, growth))
-            self.row(f"output: run-command {size} MiB, wall time", ms(seconds), ms(floor["seconds"]),
-                     f"{seconds / floor['seconds']:.2f}x", "-", "INFO")
-            self.row(f"output: run-command {size} MiB, server peak memory growth", mib(growth), mib(floor_growth),
-                     f"{growth / nbytes:.2f}x output", "<= 3x output", self.check(growth <= 3 * nbytes))
-            self.row(f"output: run-command {size} MiB, result within the budget", f"{stdout_len} B stdout",
-                     f"budget {self.budget} B", f"reply {reply_bytes} B, overflow {len(result['overflow'])}",
-                     "head+tail, saved", self.check(within and len(result["overflow"]) == 1))
+            self.row(
+                f"output: run-command {size} MiB, wall time",
+                ms(seconds),
+                ms(floor["seconds"]),
+                f"{seconds / floor['seconds']:.2f}x",
+                "-",
+                "INFO",
+            )
+            self.row(
+                f"output: run-command {size} MiB, server peak memory growth",
+                mib(growth),
+                mib(floor_growth),
+                f"{growth / nbytes:.2f}x output",
+                "<= 3x output",
+                self.check(growth <= 3 * nbytes),
+            )
+            self.row(
+                f"output: run-command {size} MiB, result within the budget",
+                f"{stdout_len} B stdout",
+                f"budget {self.budget} B",
+                f"reply {reply_bytes} B, overflow {len(result['overflow'])}",
+                "head+tail, saved",
+                self.check(within and len(result["overflow"]) == 1),
+            )
         (s1, t1, m1), (s2, t2, m2) = results[-2], results[-1]
         for what, a, b in (("wall time", t1, t2), ("peak memory growth", m1, m2)):
             exponent = math.log(max(b, 1e-9) / max(a, 1e-9)) / math.log(s2 / s1)
-            self.row(f"output: {what}, {s1 // MiB} -> {s2 // MiB} MiB", f"x{b / a:.2f}",
-                     f"x{s2 / s1:.0f} (linear)", f"exponent {exponent:.2f}", "<= 1.15 (linear)",
-                     self.check(exponent <= 1.15))
+            self.row(
+                f"output: {what}, {s1 // MiB} -> {s2 // MiB} MiB",
+                f"x{b / a:.2f}",
+                f"x{s2 / s1:.0f} (linear)",
+                f"exponent {exponent:.2f}",
+                "<= 1.15 (linear)",
+                self.check(exponent <= 1.15),
+            )
 
     # -- 4. paging --------------------------------------------------------------
 
@@ -625,7 +758,9 @@ class Bench:
         size = (32 if self.quick else 256) * MiB
         path = "/root/bench-paging.txt"
         status, answer = self.exec_direct(
-            f"yes 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ | head -c {size} > {path}")
+            "yes 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ | head -c "
+            f"{size} > {path}"
+        )
         assert status == 200 and answer["exitCode"] == 0, answer
         pages = math.ceil(size / self.budget)
         log(f"paging: a {size // MiB} MiB file, {pages} pages of {self.budget} B")
@@ -643,6 +778,7 @@ class Bench:
             conn.close()
             assert got == size, got
         floor = median(floor_times)
+
         # what any client of this API pays for one page (it has no range parameter):
         # download up to the end of the page, then hang up
         def api_page(offset: int) -> float:
@@ -663,14 +799,18 @@ class Bench:
 
             def page(offset: int) -> float:
                 t = time.perf_counter()
-                result = peer.call("read-file", {"name": self.machine, "path": path, "offset": offset})
+                result = peer.call(
+                    "read-file", {"name": self.machine, "path": path, "offset": offset}
+                )
                 seconds = time.perf_counter() - t
                 assert result["bytes"] == min(self.budget, size - offset), (offset, result["bytes"])
                 return seconds
 
             page(0)
             samples = 8 if self.quick else 24
-            offsets = [min(pages - 1, round(i * pages / samples)) * self.budget for i in range(samples)]
+            offsets = [
+                min(pages - 1, round(i * pages / samples)) * self.budget for i in range(samples)
+            ]
             offsets.append((pages - 1) * self.budget)
             ours = [page(o) for o in offsets]
             api = [api_page(o) for o in offsets]
@@ -687,20 +827,43 @@ class Bench:
             peer.close()
         total = measured if measured is not None else estimate
         how = "measured" if measured is not None else f"extrapolated from {len(offsets)} pages"
-        self.row(f"paging: read-file {size // MiB} MiB in {pages} pages ({how})", ms(total), ms(floor),
-                 f"{total / floor:.1f}x", "-", "INFO")
-        self.row("paging: one page, median (first / middle / last)", ms(median(ours)), ms(median(api)),
-                 f"{ms(ours[0])} / {ms(ours[len(ours) // 2])} / {ms(ours[-1])}", "-", "INFO")
-        self.row(f"paging: the same pages straight from the API ({how.split(' ')[0]})", ms(api_estimate), ms(floor),
-                 f"{api_estimate / floor:.1f}x", "-", "INFO")
+        self.row(
+            f"paging: read-file {size // MiB} MiB in {pages} pages ({how})",
+            ms(total),
+            ms(floor),
+            f"{total / floor:.1f}x",
+            "-",
+            "INFO",
+        )
+        self.row(
+            "paging: one page, median (first / middle / last)",
+            ms(median(ours)),
+            ms(median(api)),
+            f"{ms(ours[0])} / {ms(ours[len(ours) // 2])} / {ms(ours[-1])}",
+            "-",
+            "INFO",
+        )
+        self.row(
+            f"paging: the same pages straight from the API ({how.split(' ')[0]})",
+            ms(api_estimate),
+            ms(floor),
+            f"{api_estimate / floor:.1f}x",
+            "-",
+            "INFO",
+        )
 
     # -- 5. concurrency over HTTP -----------------------------------------------
 
     def bench_concurrency(self) -> None:
         levels = [1, 8, 32]
         window = 3.0 if self.quick else 8.0
-        hold = 4.5 if self.quick else 10.0  # the issue's 10 s command; the window ends before it does
-        log(f"concurrency: {levels} sessions over HTTP, windows of {window} s, a held command of {hold:.1f} s")
+        hold = (
+            4.5 if self.quick else 10.0
+        )  # the issue's 10 s command; the window ends before it does
+        log(
+            f"concurrency: {levels} sessions over HTTP, windows of {window} s, a held command of "
+            f"{hold:.1f} s"
+        )
         proc, port = self.spawn_http()
         try:
             for level in levels:
@@ -724,20 +887,47 @@ class Bench:
                         s.close()
                 base = [x for b in bases for x in b[0]]
                 base_rate = statistics.mean(len(b[0]) / b[1] for b in bases)
-                self.row(f"concurrency: {level} sessions, throughput", f"{base_rate:.0f} calls/s", "-",
-                         f"p50 {ms(median(base))}, server CPU {ms(cpu)}/call", "-", "INFO")
-                self.row(f"concurrency: {level} sessions, p95", ms(p95(base)), "-",
-                         "windows " + " / ".join(ms(p95(b[0])) for b in bases), "-", "INFO")
+                self.row(
+                    f"concurrency: {level} sessions, throughput",
+                    f"{base_rate:.0f} calls/s",
+                    "-",
+                    f"p50 {ms(median(base))}, server CPU {ms(cpu)}/call",
+                    "-",
+                    "INFO",
+                )
+                self.row(
+                    f"concurrency: {level} sessions, p95",
+                    ms(p95(base)),
+                    "-",
+                    "windows " + " / ".join(ms(p95(b[0])) for b in bases),
+                    "-",
+                    "INFO",
+                )
                 if not helds:
-                    self.row(f"concurrency: {level} sessions, p95 while one holds a command", "-", "-", "-",
-                             "<= +20%", "SKIP")
+                    self.row(
+                        f"concurrency: {level} sessions, p95 while one holds a command",
+                        "-",
+                        "-",
+                        "-",
+                        "<= +20%",
+                        "SKIP",
+                    )
                     continue
-                held = ([x for h in helds for x in h[0]], sum(h[1] for h in helds), all(h[2] for h in helds))
+                held = (
+                    [x for h in helds for x in h[0]],
+                    sum(h[1] for h in helds),
+                    all(h[2] for h in helds),
+                )
                 lat, seconds, long_ok = held
                 change = p95(lat) / p95(base) - 1
-                self.row(f"concurrency: {level} sessions, p95 while one holds a {hold:.0f} s command",
-                         f"{ms(p95(lat))} ({len(lat) / seconds:.0f}/s)", ms(p95(base)), f"{change * 100:+.1f}%",
-                         "<= +20%", self.check(change <= 0.20 and long_ok))
+                self.row(
+                    f"concurrency: {level} sessions, p95 while one holds a {hold:.0f} s command",
+                    f"{ms(p95(lat))} ({len(lat) / seconds:.0f}/s)",
+                    ms(p95(base)),
+                    f"{change * 100:+.1f}%",
+                    "<= +20%",
+                    self.check(change <= 0.20 and long_ok),
+                )
         finally:
             self.stop_child(proc)
 
@@ -756,8 +946,14 @@ class Bench:
                 try:
                     t = time.perf_counter()
                     started.set()
-                    holder.call("run-command", {"name": self.machine, "command": f"sleep {hold}",
-                                                "timeoutSecs": int(hold) + 30})
+                    holder.call(
+                        "run-command",
+                        {
+                            "name": self.machine,
+                            "command": f"sleep {hold}",
+                            "timeoutSecs": int(hold) + 30,
+                        },
+                    )
                     long_ok[0] = time.perf_counter() - t >= hold - 0.5
                 except BaseException as err:
                     long_ok[0] = False
@@ -785,7 +981,9 @@ class Bench:
             except BaseException as err:
                 errors.append(err)
 
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(sessions))]
+        threads = [
+            threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(sessions))
+        ]
         for t in threads:
             t.start()
         stop_at[0] = time.perf_counter() + seconds
@@ -807,8 +1005,10 @@ class Bench:
     def table(self) -> str:
         header = ("measurement", "value", "floor", "ratio / delta", "target", "result")
         widths = [max(len(r[i]) for r in [header, *self.rows]) for i in range(6)]
-        lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-                 "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+        lines = [
+            "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+            "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+        ]
         for r in self.rows:
             lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
         return "\n".join(lines)
@@ -816,13 +1016,24 @@ class Bench:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short smoke run (under two minutes)")
-    parser.add_argument("--serve", metavar="URL", help="a real serve (unix:///path or http://127.0.0.1:PORT) "
-                                                       "instead of the fake")
-    parser.add_argument("--only", help="comma-separated sections: startup,per-call,output,paging,concurrency")
-    parser.add_argument("--smoke", action="store_true",
-                        help="CI: a quick run that reports the targets but fails only if the benchmark itself breaks "
-                             "(these machines are shared and noisy, so absolute times gate nothing)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a short smoke run (under two minutes)"
+    )
+    parser.add_argument(
+        "--serve",
+        metavar="URL",
+        help="a real serve (unix:///path or http://127.0.0.1:PORT) instead of the fake",
+    )
+    parser.add_argument(
+        "--only", help="comma-separated sections: startup,per-call,output,paging,concurrency"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI: a quick run that reports the targets but fails only if the benchmark itself "
+        "breaks "
+        "(these machines are shared and noisy, so absolute times gate nothing)",
+    )
     args = parser.parse_args(argv)
     args.quick = args.quick or args.smoke
     sections = ["startup", "per-call", "output", "paging", "concurrency"]
@@ -831,9 +1042,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     try:
         bench.setup_machine()
-        log(f"smol-mcp benchmark ({'quick' if args.quick else 'full'}) against "
+        log(
+            f"smol-mcp benchmark ({'quick' if args.quick else 'full'}) against "
             f"{'the fake serve' if not args.serve else args.serve}, machine {bench.machine}; "
-            f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+            f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+        )
         for section in sections:
             if section in chosen:
                 getattr(bench, "bench_" + section.replace("-", "_"))()
@@ -842,10 +1055,15 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in bench.rows if r[5] == "FAIL"]
     print()
     import hashlib
+
     digest = hashlib.sha256(SERVER.read_bytes()).hexdigest()[:12]
-    print(f"smol-mcp benchmark of smol_mcp.py sha256:{digest}, {'quick' if args.quick else 'full'} run against "
-          f"{'the fake serve (tests/fakes)' if not args.serve else args.serve}, "
-          f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, {time.monotonic() - started:.0f} s")
+    print(
+        f"smol-mcp benchmark of smol_mcp.py sha256:{digest}, {'quick' if args.quick else 'full'} "
+        "run against "
+        f"{'the fake serve (tests/fakes)' if not args.serve else args.serve}, "
+        f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
+        f"{time.monotonic() - started:.0f} s"
+    )
     print(bench.table())
     print(f"\ntargets met: {sum(r[5] == 'PASS' for r in bench.rows)}, missed: {len(failed)}")
     return 1 if failed and not args.smoke else 0

@@ -23,9 +23,15 @@ import mcp_types as types
 from mcp.server import Server
 
 ECHO = types.Tool(
-    name="echo", description="Return the text it is given",
+    name="echo",
+    description="Return the text it is given",
     input_schema={"type": "object", "properties": {"text": {"type": "string"}}},
-    output_schema={"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
+    output_schema={
+        "type": "object",
+        "properties": {"text": {"type": "string"}},
+        "required": ["text"],
+    },
+)
 
 
 async def list_tools(ctx, params):
@@ -34,8 +40,9 @@ async def list_tools(ctx, params):
 
 async def call_tool(ctx, params):
     text = str((params.arguments or {}).get("text", ""))
-    return types.CallToolResult(content=[types.TextContent(type="text", text=text)],
-                                structured_content={"text": text})
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=text)], structured_content={"text": text}
+    )
 
 
 server = Server("minimal", version="1.0", on_list_tools=list_tools, on_call_tool=call_tool)
@@ -43,6 +50,7 @@ server = Server("minimal", version="1.0", on_list_tools=list_tools, on_call_tool
 
 async def run_stdio() -> None:
     from mcp.server.stdio import stdio_server
+
     async with stdio_server() as (read, write):
         await server.run(read, write, server.create_initialization_options())
 
@@ -51,7 +59,10 @@ async def run_http(port: int) -> None:
     from contextlib import asynccontextmanager
 
     import uvicorn
-    from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
+    from mcp.server.streamable_http_manager import (
+        StreamableHTTPASGIApp,
+        StreamableHTTPSessionManager,
+    )
     from starlette.applications import Starlette
     from starlette.routing import Route
 
@@ -62,9 +73,17 @@ async def run_http(port: int) -> None:
         async with manager.run():
             yield
 
-    app = Starlette(routes=[Route("/mcp", endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="on", log_level="warning",
-                            timeout_graceful_shutdown=2)
+    app = Starlette(
+        routes=[Route("/mcp", endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan
+    )
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        lifespan="on",
+        log_level="warning",
+        timeout_graceful_shutdown=2,
+    )
     await uvicorn.Server(config).serve()
 
 

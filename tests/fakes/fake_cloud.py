@@ -32,7 +32,6 @@ import calendar
 import http.server
 import ipaddress
 import json
-import math
 import os
 import random
 import shutil
@@ -74,9 +73,23 @@ UNKNOWN_KEY_BODY = {"code": "unknown_key", "error": "unknown API key"}
 # [seed] the exact text of the empty allow-list refusal (HTTP 400).
 EMPTY_ALLOW_LIST = "allowCidrs network mode requires at least one CIDR or host"
 
-CREATE_FIELDS = ["name", "source", "resources", "autoStopSeconds", "ttlSeconds", "forkable",
-                 "branchable", "network", "ports", "env", "workdir", "command", "credentials",
-                 "labels", "cacheDisk"]
+CREATE_FIELDS = [
+    "name",
+    "source",
+    "resources",
+    "autoStopSeconds",
+    "ttlSeconds",
+    "forkable",
+    "branchable",
+    "network",
+    "ports",
+    "env",
+    "workdir",
+    "command",
+    "credentials",
+    "labels",
+    "cacheDisk",
+]
 RESOURCE_FIELDS = ["diskGb", "cpus", "memoryMb", "diskDurability"]
 NETWORK_FIELDS = ["mode", "cidrs", "hosts"]
 PORT_FIELDS = ["port", "protocol"]
@@ -110,13 +123,16 @@ PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # [assumption] the 500 text of a failed boot: the control plane relaying the
 # node's agent error (wording from the local serve's failed boot).
-BOOT_FAIL_TEXT = ("failed to start machine {id} on node {node}: agent did not become ready within "
-                  "30 seconds: no boot progress for 30 seconds")
+BOOT_FAIL_TEXT = (
+    "failed to start machine {id} on node {node}: agent did not become ready within "
+    "30 seconds: no boot progress for 30 seconds"
+)
 
 
 # --------------------------------------------------------------------------
 # small helpers
 # --------------------------------------------------------------------------
+
 
 def _rfc3339(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int((t % 1) * 1000):03d}Z"
@@ -261,6 +277,7 @@ def _want_str_map(v, field, nullable=False):
 # HTTP plumbing
 # --------------------------------------------------------------------------
 
+
 class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -303,6 +320,7 @@ def _read_chunked(rfile, cap):
 # the fake
 # --------------------------------------------------------------------------
 
+
 class FakeCloud:
     """A fake smol cloud control plane.
 
@@ -343,9 +361,19 @@ class FakeCloud:
     observation.
     """
 
-    def __init__(self, *, token="smk_test_token", blocked_spelling="accepted", files_route=True,
-                 exec_output_cap=1 << 20, list_shape="array", branch_route="branches",
-                 ready_delay=0.0, boot="ok", exec_b64=True):
+    def __init__(
+        self,
+        *,
+        token="smk_test_token",
+        blocked_spelling="accepted",
+        files_route=True,
+        exec_output_cap=1 << 20,
+        list_shape="array",
+        branch_route="branches",
+        ready_delay=0.0,
+        boot="ok",
+        exec_b64=True,
+    ):
         if blocked_spelling not in ("accepted", "refused"):
             raise ValueError("blocked_spelling must be 'accepted' or 'refused'")
         if list_shape not in ("array", "object"):
@@ -385,8 +413,12 @@ class FakeCloud:
         self._server.fake = self
         host, port = self._server.server_address[:2]
         self.url = f"http://{host}:{port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-cloud",
-                                        kwargs={"poll_interval": 0.1}, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            name="fake-cloud",
+            kwargs={"poll_interval": 0.1},
+            daemon=True,
+        )
         self._thread.start()
         return self
 
@@ -514,8 +546,17 @@ class FakeCloud:
             self._hits = [t for t in self._hits if now - t < 60] + [now]
             return max(0, RATE_LIMIT_PER_MINUTE - len(self._hits))
 
-    def fail_next(self, method, path_prefix, status, times=1, *,
-                  body=b"service temporarily unavailable", content_type=None, retry_after="0"):
+    def fail_next(
+        self,
+        method,
+        path_prefix,
+        status,
+        times=1,
+        *,
+        body=b"service temporarily unavailable",
+        content_type=None,
+        retry_after="0",
+    ):
         """Answer the next `times` matching requests with `status` and a plain
         text body, as a busy or restarting service would [assumption: the
         wording], with `retry-after: 0` so a retrying client does not wait.
@@ -524,10 +565,17 @@ class FakeCloud:
         HTML page, an empty or broken JSON body, a long Retry-After): not the
         service's own answers, but answers a client meets [assumption]."""
         with self._lock:
-            self._failures.append({"method": method, "prefix": path_prefix, "status": status,
-                                   "times": times, "body": body,
-                                   "content_type": content_type or TEXT_CT,
-                                   "retry_after": retry_after})
+            self._failures.append(
+                {
+                    "method": method,
+                    "prefix": path_prefix,
+                    "status": status,
+                    "times": times,
+                    "body": body,
+                    "content_type": content_type or TEXT_CT,
+                    "retry_after": retry_after,
+                }
+            )
 
     # ---- routing
     def _handle(self, method, target, headers, body, too_big):
@@ -543,7 +591,11 @@ class FakeCloud:
         path, _, qs = target.partition("?")
         with self._lock:
             for rule in self._failures:
-                if rule["times"] > 0 and rule["method"] == method and path.startswith(rule["prefix"]):
+                if (
+                    rule["times"] > 0
+                    and rule["method"] == method
+                    and path.startswith(rule["prefix"])
+                ):
                     rule["times"] -= 1
                     wait = rule["retry_after"]
                     extra = [("retry-after", wait)] if wait is not None else []
@@ -562,7 +614,7 @@ class FakeCloud:
         prefix = "/v1/machines/"
         if not path.startswith(prefix):
             raise self._no_route()
-        mid, slash, sub = path[len(prefix):].partition("/")
+        mid, slash, sub = path[len(prefix) :].partition("/")
         mid = urllib.parse.unquote(mid)
         if not mid:
             raise self._no_route()
@@ -579,7 +631,7 @@ class FakeCloud:
                 self._get(mid)
                 # [assumption] wording; the cap itself is [sdk].
                 raise Bad(413, f"file exceeds the {FILE_CAP >> 20} MiB limit")
-            return self._h_files(method, mid, urllib.parse.unquote(sub[len("files/"):]), body)
+            return self._h_files(method, mid, urllib.parse.unquote(sub[len("files/") :]), body)
         if too_big:
             raise Bad(413, "request body too large")
         routes = {
@@ -595,7 +647,7 @@ class FakeCloud:
         }
         job_id, job_sub = "", ""
         if sub.startswith("jobs/"):
-            job_id, _, job_sub = sub[len("jobs/"):].partition("/")
+            job_id, _, job_sub = sub[len("jobs/") :].partition("/")
         if job_id and job_sub in ("", "output", "cancel"):
             allowed = "POST" if job_sub == "cancel" else "GET,HEAD"
             self._allow(method, allowed)
@@ -684,8 +736,12 @@ class FakeCloud:
             stop_after = m["autoStopSeconds"]
             # [reference] no auto-stop while a job runs
             running_job = any(j["state"] == "running" for j in m["_jobs"])
-            if (stop_after is not None and m["state"] == "running" and not running_job
-                    and now - m["_lastActivity"] >= stop_after):
+            if (
+                stop_after is not None
+                and m["state"] == "running"
+                and not running_job
+                and now - m["_lastActivity"] >= stop_after
+            ):
                 self._stop(m, now)
                 m["_console"].append("control-plane: idle for %ss, stopping" % stop_after)
 
@@ -787,10 +843,33 @@ class FakeCloud:
 
     def _public(self, m):
         """The record as the API returns it [sdk: section 4 fields]."""
-        order = ["id", "name", "state", "ready", "readyAt", "url", "source", "resources", "network",
-                 "ports", "labels", "env", "workdir", "command", "credentials", "cacheDisk",
-                 "autoStopSeconds", "ttlSeconds", "expiresAt", "ephemeral", "forkable", "branchable",
-                 "parent", "sourceMachineId", "createdAt"]
+        order = [
+            "id",
+            "name",
+            "state",
+            "ready",
+            "readyAt",
+            "url",
+            "source",
+            "resources",
+            "network",
+            "ports",
+            "labels",
+            "env",
+            "workdir",
+            "command",
+            "credentials",
+            "cacheDisk",
+            "autoStopSeconds",
+            "ttlSeconds",
+            "expiresAt",
+            "ephemeral",
+            "forkable",
+            "branchable",
+            "parent",
+            "sourceMachineId",
+            "createdAt",
+        ]
         out = {}
         for k in order:
             if k in m:
@@ -838,18 +917,23 @@ class FakeCloud:
         # `GET /v1/account` for the period spend, and the SDK never calls it.
         now = time.time()
         with self._lock:
-            spend = sum(self._usage_report(m)["cost"]["totalMicros"]
-                        for m in list(self._machines.values()) + list(self._deleted.values()))
-        return json_resp(200, {
-            "id": self._account_id,
-            "email": "test@example.com",
-            "plan": "payg",
-            "periodStart": _rfc3339(_period_start(now)),
-            "periodEnd": _rfc3339(_period_end(now)),
-            "periodSpendMicros": spend,
-            "spendLimitMicros": None,
-            "machineCount": len(self._machines),
-        })
+            spend = sum(
+                self._usage_report(m)["cost"]["totalMicros"]
+                for m in list(self._machines.values()) + list(self._deleted.values())
+            )
+        return json_resp(
+            200,
+            {
+                "id": self._account_id,
+                "email": "test@example.com",
+                "plan": "payg",
+                "periodStart": _rfc3339(_period_start(now)),
+                "periodEnd": _rfc3339(_period_end(now)),
+                "periodSpendMicros": spend,
+                "spendLimitMicros": None,
+                "machineCount": len(self._machines),
+            },
+        )
 
     def _h_list(self, q):
         want = []
@@ -910,7 +994,9 @@ class FakeCloud:
                 # [sdk] TCP only on cloud; the status/wording is [assumption].
                 raise Bad(400, f"{field}[{i}].protocol: only tcp ports can be published")
             if "hostPort" in p:
-                _want_int(p["hostPort"], f"{field}[{i}].hostPort", 0, 65535, nullable=True, kind="u16")
+                _want_int(
+                    p["hostPort"], f"{field}[{i}].hostPort", 0, 65535, nullable=True, kind="u16"
+                )
             if port not in ports:
                 ports.append(port)
         return ports
@@ -931,7 +1017,9 @@ class FakeCloud:
         # [sdk] builds type "image"; [public docs] a `.smolmachine` registry
         # reference is also a source (its type name is an [assumption]).
         if stype not in ("image", "smolmachine"):
-            raise Bad(400, f"source.type: unknown variant `{stype}`, expected `image` or `smolmachine`")
+            raise Bad(
+                400, f"source.type: unknown variant `{stype}`, expected `image` or `smolmachine`"
+            )
         ref = _want_str(src.get("reference"), "source.reference")
         if not ref.strip():
             raise Bad(400, "source.reference must not be empty")
@@ -940,19 +1028,34 @@ class FakeCloud:
             raise Bad(400, f"invalid machine name {json.dumps(name)}")  # [assumption]
         res_in = _want_obj(req.get("resources"), "resources", nullable=True) or {}
         _check_fields(res_in, RESOURCE_FIELDS, "resources")
-        disk = _want_int(res_in.get("diskGb"), "resources.diskGb", 1, 2048, nullable=True, kind="u32")
+        disk = _want_int(
+            res_in.get("diskGb"), "resources.diskGb", 1, 2048, nullable=True, kind="u32"
+        )
         cpus = _want_int(res_in.get("cpus"), "resources.cpus", 1, 64, nullable=True, kind="u8")
-        mem = _want_int(res_in.get("memoryMb"), "resources.memoryMb", 128, 262144, nullable=True, kind="u32")
+        mem = _want_int(
+            res_in.get("memoryMb"), "resources.memoryMb", 128, 262144, nullable=True, kind="u32"
+        )
         dur = _want_str(res_in.get("diskDurability"), "resources.diskDurability", nullable=True)
         if dur is not None and dur not in ("full", "deferred"):
-            raise Bad(400, f"resources.diskDurability: unknown variant `{dur}`, expected `full` or `deferred`")
+            raise Bad(
+                400,
+                f"resources.diskDurability: unknown variant `{dur}`, expected `full` or `deferred`",
+            )
         auto_stop = _want_int(req.get("autoStopSeconds"), "autoStopSeconds", nullable=True)
         ttl = _want_int(req.get("ttlSeconds"), "ttlSeconds", nullable=True)
         forkable = req.get("forkable", req.get("branchable", False))
         forkable = bool(_want_bool(forkable, "forkable", nullable=True))
         # [sdk][public docs] an omitted network opens egress; echoed as open.
-        network = self._parse_network(req["network"]) if req.get("network") is not None else {"mode": "open"}
-        ports = self._parse_ports(req["ports"], "ports", PORT_FIELDS) if req.get("ports") is not None else []
+        network = (
+            self._parse_network(req["network"])
+            if req.get("network") is not None
+            else {"mode": "open"}
+        )
+        ports = (
+            self._parse_ports(req["ports"], "ports", PORT_FIELDS)
+            if req.get("ports") is not None
+            else []
+        )
         # Ports together with a blocked network are accepted: the seed's
         # product refuses that pair client-side, the SDK sends it without
         # complaint, and no source says the service refuses it [assumption].
@@ -973,7 +1076,9 @@ class FakeCloud:
             if name is None:
                 name = mid  # [assumption] the service names an unnamed machine by its id
             if any(x["name"] == name for x in self._machines.values()):
-                raise Bad(409, f"machine named `{name}` already exists")  # [public docs] 409 text; wording [assumption]
+                raise Bad(
+                    409, f"machine named `{name}` already exists"
+                )  # [public docs] 409 text; wording [assumption]
             m = {
                 "id": mid,
                 "name": name,
@@ -982,8 +1087,12 @@ class FakeCloud:
                 "readyAt": None,
                 "url": None,
                 "source": {"type": stype, "reference": ref},
-                "resources": {"cpus": cpus or DEFAULT_CPUS, "memoryMb": mem or DEFAULT_MEMORY_MB,
-                              "diskGb": disk or DEFAULT_DISK_GB, "diskDurability": dur or "full"},
+                "resources": {
+                    "cpus": cpus or DEFAULT_CPUS,
+                    "memoryMb": mem or DEFAULT_MEMORY_MB,
+                    "diskGb": disk or DEFAULT_DISK_GB,
+                    "diskDurability": dur or "full",
+                },
                 "network": network,
                 "ports": [{"port": p, "hostPort": None} for p in ports],
                 "labels": labels,
@@ -999,9 +1108,18 @@ class FakeCloud:
                 "forkable": forkable,  # [sdk] reads branchable, then forkable
                 "branchable": forkable,
                 "createdAt": _rfc3339(now),
-                "_created": now, "_startedAt": 0.0, "_bootDoneAt": 0.0, "_runSince": None,
-                "_uptime": 0.0, "_lastActivity": now, "_everStarted": False, "_bootForkable": False,
-                "_listening": set(), "_console": [], "_bg": [], "_jobs": [],
+                "_created": now,
+                "_startedAt": 0.0,
+                "_bootDoneAt": 0.0,
+                "_runSince": None,
+                "_uptime": 0.0,
+                "_lastActivity": now,
+                "_everStarted": False,
+                "_bootForkable": False,
+                "_listening": set(),
+                "_console": [],
+                "_bg": [],
+                "_jobs": [],
                 "_node": "node-" + _hex(6),
                 "_deletedAt": None,
             }
@@ -1019,7 +1137,9 @@ class FakeCloud:
         with self._lock:
             m = self._get(mid)
             if m["state"] == "frozen":
-                raise Bad(409, f"machine {mid} is frozen as a branch base and cannot be started")  # [assumption]
+                raise Bad(
+                    409, f"machine {mid} is frozen as a branch base and cannot be started"
+                )  # [assumption]
             # [sdk] `?forkable=true` only affects the boot; the stored create
             # flag is what branching checks [sdk comment], and the seed
             # branched without it. Recorded, not required.
@@ -1106,7 +1226,9 @@ class FakeCloud:
     def _h_exec(self, mid, q, headers, body, stream=False):
         output = q.get("output", ["both"])[-1]
         if output not in ("text", "b64", "both"):
-            raise Bad(400, f"unknown output `{output}`, expected `text`, `b64` or `both`")  # [assumption]
+            raise Bad(
+                400, f"unknown output `{output}`, expected `text`, `b64` or `both`"
+            )  # [assumption]
         req = self._json_body(headers, body)
         _check_fields(req, EXEC_FIELDS)  # strict [assumption]; `workdir` is not an exec field [sdk]
         argv, via_shell = self._command(req)
@@ -1114,7 +1236,9 @@ class FakeCloud:
         cwd = _want_str(req.get("cwd"), "cwd", nullable=True)
         timeout = _want_int(req.get("timeoutSeconds"), "timeoutSeconds", nullable=True)
         if timeout == 0:
-            raise Bad(400, "timeoutSeconds must be greater than zero")  # [sdk] > 0; wording [assumption]
+            raise Bad(
+                400, "timeoutSeconds must be greater than zero"
+            )  # [sdk] > 0; wording [assumption]
         user = _want_str(req.get("user"), "user", nullable=True)
         if user is not None and not user.strip():
             raise Bad(400, "user must not be empty")
@@ -1122,7 +1246,9 @@ class FakeCloud:
         stdin = _want_str(req.get("stdin"), "stdin", nullable=True)
         m, root, env, workdir = self._guest_for(mid, cwd, env_req)
         out_extra = {"user": user} if user is not None else {}  # [sdk] the echo it checks
-        if not via_shell and not self._exe_exists(root, argv[0], env.get("PATH", PATH_ENV), workdir):
+        if not via_shell and not self._exe_exists(
+            root, argv[0], env.get("PATH", PATH_ENV), workdir
+        ):
             # [public docs] a missing interpreter is 200 with exitCode 255;
             # the stderr text is an [assumption].
             err = f"failed to exec `{argv[0]}`: No such file or directory (os error 2)\n".encode()
@@ -1130,8 +1256,16 @@ class FakeCloud:
         if stream:
             return self._exec_stream(m, root, argv, env, workdir, stdin, timeout, user)
         try:
-            r = _guest.run_in_guest(root, argv, env, workdir, stdin if not background else None,
-                                    None if background else timeout, user, background)
+            r = _guest.run_in_guest(
+                root,
+                argv,
+                env,
+                workdir,
+                stdin if not background else None,
+                None if background else timeout,
+                user,
+                background,
+            )
         except _guest.GuestUnavailable as e:
             raise Bad(500, str(e))
         with self._lock:
@@ -1140,7 +1274,9 @@ class FakeCloud:
                 m["_bg"].append(r.proc)
         if background:
             # [sdk] a detached command reports `pid=<n>` on stdout.
-            return json_resp(200, self._exec_result(0, f"pid={r.pid}\n".encode(), b"", output, out_extra))
+            return json_resp(
+                200, self._exec_result(0, f"pid={r.pid}\n".encode(), b"", output, out_extra)
+            )
         # [public docs] non-zero exit and timeout (124) are 200 results.
         return json_resp(200, self._exec_result(r.exit_code, r.stdout, r.stderr, output, out_extra))
 
@@ -1151,6 +1287,7 @@ class FakeCloud:
         command writes, multi-line text as several data lines).
         break_streams: True ends the stream after its first output event,
         without `exit`, as a dropped connection would."""
+
         def pieces():
             try:
                 events = _guest.stream_in_guest(root, argv, env, workdir, stdin, timeout, user)
@@ -1164,8 +1301,10 @@ class FakeCloud:
                 yield _guest.sse_event("error", str(e))
             with self._lock:
                 m["_lastActivity"] = time.time()
-        return Resp(200, ctype="text/event-stream", headers=[("cache-control", "no-cache")],
-                    stream=pieces())
+
+        return Resp(
+            200, ctype="text/event-stream", headers=[("cache-control", "no-cache")], stream=pieces()
+        )
 
     # ---- detached jobs [reference: "Detached jobs"]
     def _h_jobs(self, method, mid, headers, body):
@@ -1183,19 +1322,33 @@ class FakeCloud:
         timeout = _want_int(req.get("timeoutSeconds"), "timeoutSeconds", nullable=True)
         user = _want_str(req.get("user"), "user", nullable=True)
         m, root, env, workdir = self._guest_for(mid, cwd, env_req)
-        job = {"id": "job_" + _hex(16), "machineId": mid, "command": req["command"],
-               "state": "running",
-               "createdAt": _rfc3339(time.time()), "exitCode": None, "finishedAt": None}
+        job = {
+            "id": "job_" + _hex(16),
+            "machineId": mid,
+            "command": req["command"],
+            "state": "running",
+            "createdAt": _rfc3339(time.time()),
+            "exitCode": None,
+            "finishedAt": None,
+        }
         job["_dir"] = os.path.join(self._tmp, "jobs", job["id"])
         os.makedirs(job["_dir"])
         try:
             command = _guest.guest_command(root, argv, workdir, user)
         except _guest.GuestUnavailable as e:
             raise Bad(500, str(e))
-        with open(os.path.join(job["_dir"], "stdout"), "wb") as out, \
-                open(os.path.join(job["_dir"], "stderr"), "wb") as err:
-            job["_proc"] = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                            stderr=err, start_new_session=True)
+        with (
+            open(os.path.join(job["_dir"], "stdout"), "wb") as out,
+            open(os.path.join(job["_dir"], "stderr"), "wb") as err,
+        ):
+            job["_proc"] = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
         with self._lock:
             m["_jobs"].append(job)
         threading.Thread(target=self._job_waiter, args=(m, job, timeout), daemon=True).start()
@@ -1210,8 +1363,11 @@ class FakeCloud:
             return
         with self._lock:
             if job["state"] == "running":
-                job.update(state="exited", exitCode=128 - code if code < 0 else code,
-                           finishedAt=_rfc3339(time.time()))
+                job.update(
+                    state="exited",
+                    exitCode=128 - code if code < 0 else code,
+                    finishedAt=_rfc3339(time.time()),
+                )
                 m["_lastActivity"] = time.time()
 
     def _end_job(self, job, state):
@@ -1221,8 +1377,11 @@ class FakeCloud:
         with self._lock:
             if job["state"] != "running":
                 return
-            job.update(state=state, exitCode=143 if state == "exited" else None,
-                       finishedAt=_rfc3339(time.time()))
+            job.update(
+                state=state,
+                exitCode=143 if state == "exited" else None,
+                finishedAt=_rfc3339(time.time()),
+            )
         proc = job["_proc"]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
@@ -1265,10 +1424,17 @@ class FakeCloud:
             data = f.read(int(limit) if limit else -1)
             size = os.fstat(f.fileno()).st_size
         next_offset = offset + len(data)
-        return json_resp(200, {"stream": stream, "offset": offset, "nextOffset": next_offset,
-                               "data": data.decode("utf-8", "replace"),
-                               "dataB64": base64.b64encode(data).decode(),
-                               "eof": job["state"] != "running" and next_offset >= size})
+        return json_resp(
+            200,
+            {
+                "stream": stream,
+                "offset": offset,
+                "nextOffset": next_offset,
+                "data": data.decode("utf-8", "replace"),
+                "dataB64": base64.b64encode(data).decode(),
+                "eof": job["state"] != "running" and next_offset >= size,
+            },
+        )
 
     @staticmethod
     def _exe_exists(root, argv0, path_env, workdir):
@@ -1296,10 +1462,13 @@ class FakeCloud:
         se, se_cut = self._cap_text(err)
         res = {
             "exitCode": code,
-            "stdout": so, "stderr": se,
-            "stdoutTruncated": so_cut, "stderrTruncated": se_cut,
+            "stdout": so,
+            "stderr": se,
+            "stdoutTruncated": so_cut,
+            "stderrTruncated": se_cut,
             # [sdk] byte-exact and untruncated
-            "stdoutB64": base64.b64encode(out).decode(), "stderrB64": base64.b64encode(err).decode(),
+            "stdoutB64": base64.b64encode(out).decode(),
+            "stderrB64": base64.b64encode(err).decode(),
         }
         # [sdk] `?output=` drops the other family: its fields stay present but
         # empty (the SDK reads an empty B64 beside non-empty text that way).
@@ -1352,9 +1521,13 @@ class FakeCloud:
         if os.path.isdir(host):
             raise Bad(400, f"{gpath} is a directory")  # [assumption]
         if not os.path.isfile(host):
-            raise Bad(404, f"file not found: {gpath}")  # plain text [public docs]; wording [assumption]
+            raise Bad(
+                404, f"file not found: {gpath}"
+            )  # plain text [public docs]; wording [assumption]
         if os.path.getsize(host) > FILE_CAP:
-            raise Bad(413, f"file exceeds the {FILE_CAP >> 20} MiB limit")  # [sdk] cap; [assumption] status
+            raise Bad(
+                413, f"file exceeds the {FILE_CAP >> 20} MiB limit"
+            )  # [sdk] cap; [assumption] status
         with open(host, "rb") as f:
             data = f.read()
         return Resp(200, data, BYTES_CT)  # [sdk] raw bytes
@@ -1378,10 +1551,16 @@ class FakeCloud:
         if "forkable" in req and "branchable" in req:
             raise Bad(400, "duplicate field `branchable`")  # serde alias [assumption]
         name = _want_str(req.get("name"), "name", nullable=True)
-        ports = self._parse_ports(req["ports"], "ports", BRANCH_PORT_FIELDS) if req.get("ports") is not None else None
+        ports = (
+            self._parse_ports(req["ports"], "ports", BRANCH_PORT_FIELDS)
+            if req.get("ports") is not None
+            else None
+        )
         # [sdk] `branchable` on /branches, `forkable` on /fork; both spellings
         # accepted on both routes [assumption].
-        child_forkable = bool(_want_bool(req.get("branchable", req.get("forkable")), "branchable", nullable=True))
+        child_forkable = bool(
+            _want_bool(req.get("branchable", req.get("forkable")), "branchable", nullable=True)
+        )
         freeze = bool(_want_bool(req.get("freezeSource"), "freezeSource", nullable=True))
         now = time.time()
         with self._lock:
@@ -1408,20 +1587,43 @@ class FakeCloud:
                 ports = [p["port"] for p in src["ports"]]
             # [assumption] the child inherits the source's settings; requested
             # host ports are ignored (the node picks them [sdk]).
-            c.update({
-                "id": cid, "name": name, "state": "running", "ready": False, "readyAt": None,
-                "url": None, "ports": [{"port": p, "hostPort": None} for p in ports],
-                "forkable": child_forkable, "branchable": child_forkable,
-                "parent": mid, "sourceMachineId": mid,  # [assumption] field names
-                "createdAt": _rfc3339(now),
-                "expiresAt": _rfc3339(now + c["ttlSeconds"]) if c.get("ttlSeconds") is not None else None,
-            })
-            c.update({
-                "_created": now, "_startedAt": now, "_bootDoneAt": now, "_runSince": now,
-                "_uptime": 0.0, "_lastActivity": now, "_everStarted": True, "_bootForkable": child_forkable,
-                "_listening": set(), "_console": list(src["_console"]) + ["smolvm-agent: branched from " + mid],
-                "_bg": [], "_jobs": [], "_node": src["_node"], "_deletedAt": None,
-            })
+            c.update(
+                {
+                    "id": cid,
+                    "name": name,
+                    "state": "running",
+                    "ready": False,
+                    "readyAt": None,
+                    "url": None,
+                    "ports": [{"port": p, "hostPort": None} for p in ports],
+                    "forkable": child_forkable,
+                    "branchable": child_forkable,
+                    "parent": mid,
+                    "sourceMachineId": mid,  # [assumption] field names
+                    "createdAt": _rfc3339(now),
+                    "expiresAt": _rfc3339(now + c["ttlSeconds"])
+                    if c.get("ttlSeconds") is not None
+                    else None,
+                }
+            )
+            c.update(
+                {
+                    "_created": now,
+                    "_startedAt": now,
+                    "_bootDoneAt": now,
+                    "_runSince": now,
+                    "_uptime": 0.0,
+                    "_lastActivity": now,
+                    "_everStarted": True,
+                    "_bootForkable": child_forkable,
+                    "_listening": set(),
+                    "_console": list(src["_console"]) + ["smolvm-agent: branched from " + mid],
+                    "_bg": [],
+                    "_jobs": [],
+                    "_node": src["_node"],
+                    "_deletedAt": None,
+                }
+            )
             for p in c["ports"]:
                 p["hostPort"] = self._alloc_host_port()
             self._machines[cid] = c

@@ -120,8 +120,14 @@ def MAP(t):
 def STRUCT(name, fields, deny=True, aliases=None, listed=None):
     """fields: list of (key, type, required). listed: names serde reports as
     expected (the declared fields plus aliases, in declaration order)."""
-    return ("struct", name, fields, deny, aliases or {},
-            listed if listed is not None else [f[0] for f in fields])
+    return (
+        "struct",
+        name,
+        fields,
+        deny,
+        aliases or {},
+        listed if listed is not None else [f[0] for f in fields],
+    )
 
 
 def ENUM(name, variants):
@@ -133,95 +139,146 @@ def ANYSTRUCT(name):
 
 
 _INT_RANGES = {
-    "u8": (0, 2**8 - 1), "u16": (0, 2**16 - 1), "u32": (0, 2**32 - 1),
-    "u64": (0, 2**64 - 1), "usize": (0, 2**64 - 1),
-    "i32": (-(2**31), 2**31 - 1), "i64": (-(2**63), 2**63 - 1),
+    "u8": (0, 2**8 - 1),
+    "u16": (0, 2**16 - 1),
+    "u32": (0, 2**32 - 1),
+    "u64": (0, 2**64 - 1),
+    "usize": (0, 2**64 - 1),
+    "i32": (-(2**31), 2**31 - 1),
+    "i64": (-(2**63), 2**63 - 1),
 }
 
 ENVVAR = STRUCT("EnvVar", [("name", STR, True), ("value", STR, True)], deny=False)
-PORTSPEC = STRUCT("PortSpec", [("host", INT("u16"), True), ("guest", INT("u16"), True),
-                               ("protocol", ENUM("PortProtocol", ["tcp", "udp"]), False)])
-MOUNTSPEC = STRUCT("MountSpec", [("source", STR, True), ("target", STR, True),
-                                 ("readonly", BOOL, False), ("staged", BOOL, False)])
-RESTARTSPEC = STRUCT("RestartSpec", [("policy", OPT(STR), False), ("maxRetries", OPT(INT("u32")), False)])
-CACHEDISKSPEC = STRUCT("CacheDiskSpec", [("base", OPT(STR), False), ("mountPath", STR, True),
-                                         ("sourceUrl", OPT(STR), False), ("sha256", OPT(STR), False),
-                                         ("slot", ANY, False)])
+PORTSPEC = STRUCT(
+    "PortSpec",
+    [
+        ("host", INT("u16"), True),
+        ("guest", INT("u16"), True),
+        ("protocol", ENUM("PortProtocol", ["tcp", "udp"]), False),
+    ],
+)
+MOUNTSPEC = STRUCT(
+    "MountSpec",
+    [
+        ("source", STR, True),
+        ("target", STR, True),
+        ("readonly", BOOL, False),
+        ("staged", BOOL, False),
+    ],
+)
+RESTARTSPEC = STRUCT(
+    "RestartSpec", [("policy", OPT(STR), False), ("maxRetries", OPT(INT("u32")), False)]
+)
+CACHEDISKSPEC = STRUCT(
+    "CacheDiskSpec",
+    [
+        ("base", OPT(STR), False),
+        ("mountPath", STR, True),
+        ("sourceUrl", OPT(STR), False),
+        ("sha256", OPT(STR), False),
+        ("slot", ANY, False),
+    ],
+)
 CREDENTIALPOLICY = STRUCT("CredentialPolicy", [("credentials", ANY, False)])
 SECRETS = MAP(ANYSTRUCT("SecretRef"))
 
-CREATE_REQUEST = STRUCT("CreateMachineRequest", [
-    ("name", OPT(STR), False),
-    ("cpus", OPT(INT("u8")), False),
-    ("memoryMb", OPT(INT("u32")), False),
-    ("mounts", SEQ(MOUNTSPEC), False),
-    ("ports", SEQ(PORTSPEC), False),
-    ("network", BOOL, False),
-    ("gpu", BOOL, False),
-    ("cuda", BOOL, False),
-    ("nestedVirt", BOOL, False),
-    ("autoGraph", BOOL, False),
-    ("entrypoint", SEQ(STR), False),
-    ("cmd", SEQ(STR), False),
-    ("dockerSocket", BOOL, False),
-    ("stopSignal", OPT(STR), False),
-    ("stopTimeoutSecs", OPT(INT("u64")), False),
-    ("storageGb", OPT(INT("u64")), False),
-    ("overlayGb", OPT(INT("u64")), False),
-    ("blockIo", OPT(ENUM("BlockIoEngine", ["sync", "async"])), False),
-    ("diskDurability", OPT(ENUM("DiskDurability", ["full", "deferred"])), False),
-    ("cacheDisk", OPT(CACHEDISKSPEC), False),
-    ("allowedCidrs", OPT(SEQ(STR)), False),
-    ("egressRules", SEQ(ANYSTRUCT("EgressRule")), False),
-    ("allowedHosts", OPT(SEQ(STR)), False),
-    ("credentials", OPT(CREDENTIALPOLICY), False),
-    ("networkBackend", OPT(ENUM("NetworkBackend", ["tsi", "virtio-net"])), False),
-    ("guestSubnet", OPT(STR), False),
-    ("restart", OPT(RESTARTSPEC), False),
-    ("image", OPT(STR), False),
-    ("from", OPT(STR), False),
-    ("registryRef", OPT(STR), False),
-    ("registryIdentityToken", OPT(STR), False),
-    ("blobPeers", SEQ(STR), False),
-    ("secrets", SECRETS, False),
-    ("env", SEQ(ENVVAR), False),
-    ("workdir", OPT(STR), False),
-])
+CREATE_REQUEST = STRUCT(
+    "CreateMachineRequest",
+    [
+        ("name", OPT(STR), False),
+        ("cpus", OPT(INT("u8")), False),
+        ("memoryMb", OPT(INT("u32")), False),
+        ("mounts", SEQ(MOUNTSPEC), False),
+        ("ports", SEQ(PORTSPEC), False),
+        ("network", BOOL, False),
+        ("gpu", BOOL, False),
+        ("cuda", BOOL, False),
+        ("nestedVirt", BOOL, False),
+        ("autoGraph", BOOL, False),
+        ("entrypoint", SEQ(STR), False),
+        ("cmd", SEQ(STR), False),
+        ("dockerSocket", BOOL, False),
+        ("stopSignal", OPT(STR), False),
+        ("stopTimeoutSecs", OPT(INT("u64")), False),
+        ("storageGb", OPT(INT("u64")), False),
+        ("overlayGb", OPT(INT("u64")), False),
+        ("blockIo", OPT(ENUM("BlockIoEngine", ["sync", "async"])), False),
+        ("diskDurability", OPT(ENUM("DiskDurability", ["full", "deferred"])), False),
+        ("cacheDisk", OPT(CACHEDISKSPEC), False),
+        ("allowedCidrs", OPT(SEQ(STR)), False),
+        ("egressRules", SEQ(ANYSTRUCT("EgressRule")), False),
+        ("allowedHosts", OPT(SEQ(STR)), False),
+        ("credentials", OPT(CREDENTIALPOLICY), False),
+        ("networkBackend", OPT(ENUM("NetworkBackend", ["tsi", "virtio-net"])), False),
+        ("guestSubnet", OPT(STR), False),
+        ("restart", OPT(RESTARTSPEC), False),
+        ("image", OPT(STR), False),
+        ("from", OPT(STR), False),
+        ("registryRef", OPT(STR), False),
+        ("registryIdentityToken", OPT(STR), False),
+        ("blobPeers", SEQ(STR), False),
+        ("secrets", SECRETS, False),
+        ("env", SEQ(ENVVAR), False),
+        ("workdir", OPT(STR), False),
+    ],
+)
 
-EXEC_REQUEST = STRUCT("ExecRequest", [
-    ("command", SEQ(STR), True),
-    ("env", SEQ(ENVVAR), False),
-    ("secrets", SECRETS, False),
-    ("workdir", OPT(STR), False),
-    ("user", OPT(STR), False),
-    ("timeoutSecs", OPT(INT("u64")), False),
-    ("stdin", OPT(STR), False),
-    ("background", BOOL, False),
-    ("autoStart", BOOL, False),
-])
+EXEC_REQUEST = STRUCT(
+    "ExecRequest",
+    [
+        ("command", SEQ(STR), True),
+        ("env", SEQ(ENVVAR), False),
+        ("secrets", SECRETS, False),
+        ("workdir", OPT(STR), False),
+        ("user", OPT(STR), False),
+        ("timeoutSecs", OPT(INT("u64")), False),
+        ("stdin", OPT(STR), False),
+        ("background", BOOL, False),
+        ("autoStart", BOOL, False),
+    ],
+)
 
-FORK_REQUEST = STRUCT("ForkRequest", [
-    ("name", STR, True),
-    ("branchable", BOOL, False),
-    ("ports", SEQ(PORTSPEC), False),
-    ("shareWeights", BOOL, False),
-    ("waitReady", BOOL, False),
-    ("hold", BOOL, False),
-    ("freezeSource", BOOL, False),
-    ("readyTimeoutSecs", OPT(INT("u64")), False),
-    ("env", SEQ(STR), False),
-    ("secrets", SECRETS, False),
-    ("labels", MAP(STR), False),
-], aliases={"forkable": "branchable"},
-    listed=["name", "branchable", "forkable", "ports", "shareWeights", "waitReady", "hold",
-            "freezeSource", "readyTimeoutSecs", "env", "secrets", "labels"])
+FORK_REQUEST = STRUCT(
+    "ForkRequest",
+    [
+        ("name", STR, True),
+        ("branchable", BOOL, False),
+        ("ports", SEQ(PORTSPEC), False),
+        ("shareWeights", BOOL, False),
+        ("waitReady", BOOL, False),
+        ("hold", BOOL, False),
+        ("freezeSource", BOOL, False),
+        ("readyTimeoutSecs", OPT(INT("u64")), False),
+        ("env", SEQ(STR), False),
+        ("secrets", SECRETS, False),
+        ("labels", MAP(STR), False),
+    ],
+    aliases={"forkable": "branchable"},
+    listed=[
+        "name",
+        "branchable",
+        "forkable",
+        "ports",
+        "shareWeights",
+        "waitReady",
+        "hold",
+        "freezeSource",
+        "readyTimeoutSecs",
+        "env",
+        "secrets",
+        "labels",
+    ],
+)
 
-PULL_REQUEST = STRUCT("PullImageRequest", [
-    ("image", STR, True),
-    ("ociPlatform", OPT(STR), False),
-    ("proxy", OPT(STR), False),
-    ("noProxy", OPT(STR), False),
-])
+PULL_REQUEST = STRUCT(
+    "PullImageRequest",
+    [
+        ("image", STR, True),
+        ("ociPlatform", OPT(STR), False),
+        ("proxy", OPT(STR), False),
+        ("noProxy", OPT(STR), False),
+    ],
+)
 
 # Field order as the real serve lists them in its unknown-field refusal (observed).
 UPDATE_EGRESS_REQUEST = STRUCT(
@@ -240,13 +297,17 @@ UPDATE_EGRESS_REQUEST = STRUCT(
     ],
 )
 
-START_REQUEST = STRUCT("StartMachineRequest", [
-    ("branchable", BOOL, False),
-    ("branchPoolSize", OPT(INT("u32")), False),
-    ("cudaVramLimitMib", OPT(INT("u64")), False),
-    ("registryAuth", ANY, False),
-    ("egressInterceptor", ANY, False),
-], deny=False)
+START_REQUEST = STRUCT(
+    "StartMachineRequest",
+    [
+        ("branchable", BOOL, False),
+        ("branchPoolSize", OPT(INT("u32")), False),
+        ("cudaVramLimitMib", OPT(INT("u64")), False),
+        ("registryAuth", ANY, False),
+        ("egressInterceptor", ANY, False),
+    ],
+    deny=False,
+)
 
 
 class SerdeError(Exception):
@@ -432,8 +493,16 @@ class _Deserializer:
                 e = self.next_char()
                 if e is None:
                     raise self.error("EOF while parsing a string", "eof")
-                simple = {0x22: b'"', 0x5C: b"\\", 0x2F: b"/", 0x62: b"\b", 0x66: b"\f",
-                          0x6E: b"\n", 0x72: b"\r", 0x74: b"\t"}
+                simple = {
+                    0x22: b'"',
+                    0x5C: b"\\",
+                    0x2F: b"/",
+                    0x62: b"\b",
+                    0x66: b"\f",
+                    0x6E: b"\n",
+                    0x72: b"\r",
+                    0x74: b"\t",
+                }
                 if e in simple:
                     out += simple[e]
                 elif e == 0x75:
@@ -468,7 +537,7 @@ class _Deserializer:
         if self.i + 4 > len(self.b):
             self.i = len(self.b)
             raise self.error("EOF while parsing a string", "eof")
-        chunk = self.b[self.i:self.i + 4]
+        chunk = self.b[self.i : self.i + 4]
         self.i += 4
         try:
             text = chunk.decode("ascii")
@@ -516,7 +585,7 @@ class _Deserializer:
                 raise self.error("invalid number")
             while self.peek() is not None and 0x30 <= self.peek() <= 0x39:
                 self.i += 1
-        text = self.b[start:self.i].decode()
+        text = self.b[start : self.i].decode()
         if is_float:
             v = float(text)
             if v in (float("inf"), float("-inf")):
@@ -709,7 +778,9 @@ class _Deserializer:
             self.eat()
         elif p == 0x2C:
             self.eat()
-            end_err = self.peek_error("trailing comma" if self.ws() == 0x5D else "trailing characters")
+            end_err = self.peek_error(
+                "trailing comma" if self.ws() == 0x5D else "trailing characters"
+            )
         elif p is None:
             end_err = self.peek_error("EOF while parsing a list", "eof")
         else:
@@ -777,7 +848,10 @@ class _Deserializer:
                 for f in fields:
                     if not self._has_next_element(idx == 0):
                         if f[2]:
-                            raise _Pending(f"invalid length {idx}, expected struct {name} with {len(fields)} elements")
+                            raise _Pending(
+                                f"invalid length {idx}, expected struct {name} with "
+                                f"{len(fields)} elements"
+                            )
                         continue
                     self.path.append(idx)
                     try:
@@ -932,6 +1006,7 @@ def serde_parse(data: bytes, schema):
 
 # ---- serde_urlencoded (axum Query) emulation
 
+
 class QueryError(Exception):
     pass
 
@@ -987,8 +1062,10 @@ VARY = "origin, access-control-request-method, access-control-request-headers"
 JSON_CT = "application/json"
 TEXT_CT = "text/plain; charset=utf-8"
 
-BOOT_FAIL_START = ("failed to start machine: agent operation failed: wait for ready: agent did not "
-                   "become ready within 30 seconds: no boot progress for 30 seconds")
+BOOT_FAIL_START = (
+    "failed to start machine: agent operation failed: wait for ready: agent did not "
+    "become ready within 30 seconds: no boot progress for 30 seconds"
+)
 BOOT_FAIL_AUTO = "agent did not become ready within 30 seconds: no boot progress for 30 seconds"
 
 NAME_MAX = 128
@@ -1091,9 +1168,11 @@ def registry_manifest_url(image):
 
 
 def registry_offline_error(image):
-    return ("HTTP request failed: error sending request for url ("
-            f"{registry_manifest_url(image)}): client error (Connect): dns error: "
-            "failed to lookup address information: Name or service not known")
+    return (
+        "HTTP request failed: error sending request for url ("
+        f"{registry_manifest_url(image)}): client error (Connect): dns error: "
+        "failed to lookup address information: Name or service not known"
+    )
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -1159,6 +1238,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 resp = fake._dispatch(method, target, headers, body)
             except Exception as exc:  # a bug in the fake: say so loudly
                 import traceback
+
                 traceback.print_exc()
                 resp = api_error(500, "INTERNAL_ERROR", f"fake smolvm bug: {exc!r}")
             try:
@@ -1211,9 +1291,14 @@ class _Handler(socketserver.StreamRequestHandler):
 # the guest stand-in
 # --------------------------------------------------------------------------
 
+
 def find_busybox():
-    for cand in (os.environ.get("FAKE_SMOLVM_BUSYBOX"), "/usr/bin/busybox", "/bin/busybox",
-                 shutil.which("busybox")):
+    for cand in (
+        os.environ.get("FAKE_SMOLVM_BUSYBOX"),
+        "/usr/bin/busybox",
+        "/bin/busybox",
+        shutil.which("busybox"),
+    ):
         if cand and os.path.isfile(cand):
             return cand
     return None
@@ -1233,8 +1318,19 @@ def populate_guest_root(root: str):
     """A tiny Linux userland: a static busybox, /bin applet links, and the
     usual directories. Without busybox the root is left with directories only
     and exec answers 500."""
-    for d in ("bin", "usr/bin", "sbin", "tmp", "root", "workspace", "etc/smolvm", "dev", "proc",
-              "var/tmp", "home"):
+    for d in (
+        "bin",
+        "usr/bin",
+        "sbin",
+        "tmp",
+        "root",
+        "workspace",
+        "etc/smolvm",
+        "dev",
+        "proc",
+        "var/tmp",
+        "home",
+    ):
         os.makedirs(os.path.join(root, d), exist_ok=True)
     os.chmod(os.path.join(root, "tmp"), 0o1777)
     with open(os.path.join(root, "etc/passwd"), "w") as f:
@@ -1255,8 +1351,12 @@ def populate_guest_root(root: str):
             if not os.path.lexists(link):
                 os.symlink("/usr/bin/busybox", link)
     if os.geteuid() == 0:
-        for name, minor, mode in (("null", 3, 0o666), ("zero", 5, 0o666), ("random", 8, 0o666),
-                                  ("urandom", 9, 0o666)):
+        for name, minor, mode in (
+            ("null", 3, 0o666),
+            ("zero", 5, 0o666),
+            ("random", 8, 0o666),
+            ("urandom", 9, 0o666),
+        ):
             path = os.path.join(root, "dev", name)
             try:
                 os.mknod(path, mode | stat.S_IFCHR, os.makedev(1, minor))
@@ -1321,10 +1421,20 @@ def guest_command(root, argv, workdir, user, netns=None):
     `workdir`, as `user`, in the network namespace `netns` when the guest has
     one of its own. Raises GuestUnavailable when the root has no busybox."""
     if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
-        raise GuestUnavailable("fake smolvm: no static busybox on this host (install busybox-static)")
+        raise GuestUnavailable(
+            "fake smolvm: no static busybox on this host (install busybox-static)"
+        )
     chroot = shutil.which("chroot") or "/usr/sbin/chroot"
     pre = [chroot] + ([f"--userspec={user}"] if user else [])
-    pre += [root, "/usr/bin/busybox", "sh", "-c", 'cd -- "$1" || exit 1; shift; exec "$@"', "sh", workdir]
+    pre += [
+        root,
+        "/usr/bin/busybox",
+        "sh",
+        "-c",
+        'cd -- "$1" || exit 1; shift; exec "$@"',
+        "sh",
+        workdir,
+    ]
     if os.geteuid() != 0:
         pre = ["unshare", "-r"] + pre
     if netns:
@@ -1342,11 +1452,23 @@ def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background, net
     GuestUnavailable when the root has no busybox."""
     cmd = guest_command(root, argv, workdir, user, netns)
     if background:
-        p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         return GuestRun(pid=p.pid, proc=p)
-    p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        env=env,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     data = stdin.encode() if stdin is not None else None
     timed_out = False
     try:
@@ -1545,14 +1667,22 @@ class GuestNet:
         if self.holder.poll() is None:
             self.holder.kill()
         self.holder.wait()
+
+
 def stream_in_guest(root, argv, env, workdir, stdin, timeout, user, netns=None):
     """Run argv in the guest like run_in_guest, yielding ("stdout"|"stderr",
     text) as the command writes, then ("exit", code). Raises GuestUnavailable."""
     import codecs
     import queue
-    p = subprocess.Popen(guest_command(root, argv, workdir, user, netns), env=env,
-                         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+    p = subprocess.Popen(
+        guest_command(root, argv, workdir, user, netns),
+        env=env,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     pieces = queue.Queue()
 
     def pump(pipe, event):
@@ -1633,10 +1763,34 @@ def copy_guest_root(src, dst):
 # the fake serve
 # --------------------------------------------------------------------------
 
-INFO_ORDER = ["name", "image", "state", "stateReason", "pid", "cpus", "memoryMb", "mounts", "ports",
-              "network", "gpu", "cuda", "networkBackend", "allowedCidrs", "allowedHosts", "storageGb",
-              "overlayGb", "blockIo", "diskDurability", "parentMachine", "branchable", "forkable",
-              "branchpointHeld", "forkpointHeld", "diskUsedMb", "createdAt"]
+INFO_ORDER = [
+    "name",
+    "image",
+    "state",
+    "stateReason",
+    "pid",
+    "cpus",
+    "memoryMb",
+    "mounts",
+    "ports",
+    "network",
+    "gpu",
+    "cuda",
+    "networkBackend",
+    "allowedCidrs",
+    "allowedHosts",
+    "storageGb",
+    "overlayGb",
+    "blockIo",
+    "diskDurability",
+    "parentMachine",
+    "branchable",
+    "forkable",
+    "branchpointHeld",
+    "forkpointHeld",
+    "diskUsedMb",
+    "createdAt",
+]
 
 BOOT_LINES = [
     "[    0.000000] Linux version 6.12.34 (smolvm@builder) #1 SMP PREEMPT_DYNAMIC",
@@ -1647,11 +1801,23 @@ BOOT_LINES = [
 ]
 
 ROUTE_METHODS = {
-    "health": "GET,HEAD", "machines": "GET,HEAD,POST", "machine": "GET,HEAD,DELETE",
-    "start": "POST", "stop": "POST", "exec": "POST", "exec_stream": "POST", "files": "PUT,GET,HEAD",
+    "health": "GET,HEAD",
+    "machines": "GET,HEAD,POST",
+    "machine": "GET,HEAD,DELETE",
+    "start": "POST",
+    "stop": "POST",
+    "exec": "POST",
+    "exec_stream": "POST",
+    "files": "PUT,GET,HEAD",
     "logs": "GET,HEAD",
-    "images": "GET,HEAD", "pull": "POST", "branches": "POST", "fork": "POST",
-    "openapi": "GET,HEAD", "readyz": "GET,HEAD", "egress": "POST", "egress_events": "GET,HEAD",
+    "images": "GET,HEAD",
+    "pull": "POST",
+    "branches": "POST",
+    "fork": "POST",
+    "openapi": "GET,HEAD",
+    "readyz": "GET,HEAD",
+    "egress": "POST",
+    "egress_events": "GET,HEAD",
 }
 
 
@@ -1669,8 +1835,19 @@ class FakeSmolvm:
     can try (name -> 127.x address, and the ports); see GuestNet.
     """
 
-    def __init__(self, socket_path, *, version="1.32.2", boot="ok", boot_delay=0.0, registry="ok",
-                 settle_secs=3.5, state_file=None, guest_hosts=None, guest_ports=()):
+    def __init__(
+        self,
+        socket_path,
+        *,
+        version="1.32.2",
+        boot="ok",
+        boot_delay=0.0,
+        registry="ok",
+        settle_secs=3.5,
+        state_file=None,
+        guest_hosts=None,
+        guest_ports=(),
+    ):
         if boot not in ("ok", "fail"):
             raise ValueError("boot must be 'ok' or 'fail'")
         if registry not in ("ok", "offline"):
@@ -1715,8 +1892,12 @@ class FakeSmolvm:
                 os.umask(old)
         self._server.fake = self
         self._started_at = time.monotonic()
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-smolvm",
-                                        kwargs={"poll_interval": 0.1}, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            name="fake-smolvm",
+            kwargs={"poll_interval": 0.1},
+            daemon=True,
+        )
         self._thread.start()
         return self
 
@@ -1806,8 +1987,11 @@ class FakeSmolvm:
         return root
 
     def _settle(self, m):
-        if (m["state"] == "created" and not m["_start_attempted"]
-                and time.time() - m["_created"] >= self.settle_secs):
+        if (
+            m["state"] == "created"
+            and not m["_start_attempted"]
+            and time.time() - m["_created"] >= self.settle_secs
+        ):
             m["state"] = "stopped"
 
     def _get(self, name):
@@ -1834,8 +2018,14 @@ class FakeSmolvm:
         Response. for_route: 'start' or 'auto' (exec/files/pull)."""
         m["_start_attempted"] = True
         self._save_state()
-        if (self.registry == "offline" and m.get("image") and not m["network"]
-                and "allowedHosts" not in m and "allowedCidrs" not in m and not m["_imageFetched"]):
+        if (
+            self.registry == "offline"
+            and m.get("image")
+            and not m["network"]
+            and "allowedHosts" not in m
+            and "allowedCidrs" not in m
+            and not m["_imageFetched"]
+        ):
             return api_error(500, "INTERNAL_ERROR", registry_offline_error(m["image"]))
         if self.boot_delay:
             self._lock.release()
@@ -1853,8 +2043,9 @@ class FakeSmolvm:
             m["state"] = "stopped"
             m.pop("pid", None)
             self._save_state()
-            return api_error(500, "INTERNAL_ERROR",
-                             BOOT_FAIL_START if for_route == "start" else BOOT_FAIL_AUTO)
+            return api_error(
+                500, "INTERNAL_ERROR", BOOT_FAIL_START if for_route == "start" else BOOT_FAIL_AUTO
+            )
         m["_console"].extend(BOOT_LINES[3:])
         m["_imageFetched"] = True
         m["state"] = "running"
@@ -1866,17 +2057,24 @@ class FakeSmolvm:
     # ---- request parsing
     def _json_body(self, headers, body, schema):
         if not _is_json_ctype(headers.get("content-type")):
-            raise _HTTPError(Response(415, "Expected request with `Content-Type: application/json`",
-                                      TEXT_CT))
+            raise _HTTPError(
+                Response(415, "Expected request with `Content-Type: application/json`", TEXT_CT)
+            )
         try:
             return serde_parse(body, schema)
         except SerdeError as e:
             if e.category == "data":
-                raise _HTTPError(Response(
-                    422, "Failed to deserialize the JSON body into the target type: " + e.with_path(),
-                    TEXT_CT))
-            raise _HTTPError(Response(400, "Failed to parse the request body as JSON: " + e.with_path(),
-                                      TEXT_CT))
+                raise _HTTPError(
+                    Response(
+                        422,
+                        "Failed to deserialize the JSON body into the target type: "
+                        + e.with_path(),
+                        TEXT_CT,
+                    )
+                )
+            raise _HTTPError(
+                Response(400, "Failed to parse the request body as JSON: " + e.with_path(), TEXT_CT)
+            )
 
     @staticmethod
     def _query(qs, schema):
@@ -1921,7 +2119,7 @@ class FakeSmolvm:
         prefix = "/api/v1/machines/"
         if not path.startswith(prefix):
             return None, ()
-        rest = path[len(prefix):]
+        rest = path[len(prefix) :]
         name_raw, _, tail = rest.partition("/")
         if not name_raw:
             return None, ()
@@ -1929,14 +2127,23 @@ class FakeSmolvm:
         if tail == "" and "/" not in rest:
             return "machine", (name,)
         if tail.startswith("files/"):
-            fpath = tail[len("files/"):]
+            fpath = tail[len("files/") :]
             if not fpath:
                 return None, ()
             return "files", (name, urllib.parse.unquote(fpath))
-        simple = {"start": "start", "stop": "stop", "exec": "exec", "exec/stream": "exec_stream",
-                  "logs": "logs", "images": "images",
-                  "images/pull": "pull", "branches": "branches", "fork": "fork",
-                  "egress": "egress", "egress-events": "egress_events"}
+        simple = {
+            "start": "start",
+            "stop": "stop",
+            "exec": "exec",
+            "exec/stream": "exec_stream",
+            "logs": "logs",
+            "images": "images",
+            "images/pull": "pull",
+            "branches": "branches",
+            "fork": "fork",
+            "egress": "egress",
+            "egress-events": "egress_events",
+        }
         if tail in simple:
             return simple[tail], (name,)
         return None, ()
@@ -1946,11 +2153,16 @@ class FakeSmolvm:
         with self._lock:
             ms = [self._get(n) for n in list(self._machines)]
             running = sum(1 for m in ms if m["state"] == "running")
-            return json_response(200, {
-                "status": "ok", "version": self.version,
-                "machines": {"total": len(ms), "running": running},
-                "uptime_seconds": int(time.monotonic() - self._started_at),
-                "nested_virt": False})
+            return json_response(
+                200,
+                {
+                    "status": "ok",
+                    "version": self.version,
+                    "machines": {"total": len(ms), "running": running},
+                    "uptime_seconds": int(time.monotonic() - self._started_at),
+                    "nested_virt": False,
+                },
+            )
 
     def _h_readyz(self, method, qs, headers, body):
         return Response(200)
@@ -1964,8 +2176,9 @@ class FakeSmolvm:
     def _h_machines(self, method, qs, headers, body):
         if method in ("GET", "HEAD"):
             with self._lock:
-                return json_response(200, {"machines": [
-                    self._info(self._get(n)) for n in sorted(self._machines)]})
+                return json_response(
+                    200, {"machines": [self._info(self._get(n)) for n in sorted(self._machines)]}
+                )
         req = self._json_body(headers, body, CREATE_REQUEST)
         return self._create(req)
 
@@ -1984,68 +2197,118 @@ class FakeSmolvm:
         if cpus == 0:
             return api_error(400, "BAD_REQUEST", pre + "CPU count must be at least 1")
         if mem is not None and mem < 64:
-            return api_error(400, "BAD_REQUEST", pre + f"memory must be at least 64 MiB (got {mem} MiB)")
+            return api_error(
+                400, "BAD_REQUEST", pre + f"memory must be at least 64 MiB (got {mem} MiB)"
+            )
         if storage == 0:
-            return api_error(400, "BAD_REQUEST", pre + "storage disk size must be greater than 0 GiB")
+            return api_error(
+                400, "BAD_REQUEST", pre + "storage disk size must be greater than 0 GiB"
+            )
         if overlay == 0:
-            return api_error(400, "BAD_REQUEST", pre + "overlay disk size must be greater than 0 GiB")
+            return api_error(
+                400, "BAD_REQUEST", pre + "overlay disk size must be greater than 0 GiB"
+            )
         if req.get("nestedVirt"):
-            return api_error(403, "FORBIDDEN", "nested virtualization is disabled on this server; start "
-                             "`smolvm serve` with --allow-nested-virt to enable it")
+            return api_error(
+                403,
+                "FORBIDDEN",
+                "nested virtualization is disabled on this server; start "
+                "`smolvm serve` with --allow-nested-virt to enable it",
+            )
         sources = [k for k in ("registryRef", "from", "image") if req.get(k) is not None]
         if len(sources) > 1:
-            return api_error(400, "BAD_REQUEST", "'registryRef', 'from', and 'image' are mutually exclusive")
+            return api_error(
+                400, "BAD_REQUEST", "'registryRef', 'from', and 'image' are mutually exclusive"
+            )
         for ev in req.get("env", []):
             n = ev["name"]
             if not n or not all(c.isascii() and (c.isalnum() or c == "_") for c in n):
-                return api_error(400, "BAD_REQUEST",
-                                 f"env entry with {len(n.encode())}-byte name rejected: env key must "
-                                 "contain only ASCII alphanumeric and underscore")
+                return api_error(
+                    400,
+                    "BAD_REQUEST",
+                    f"env entry with {len(n.encode())}-byte name rejected: env key must "
+                    "contain only ASCII alphanumeric and underscore",
+                )
         for sname, ref in req.get("secrets", {}).items():
             kind = "env"
             if isinstance(ref, dict) and ref:
                 k0 = next(iter(ref))
                 kind = k0[5:] if k0.startswith("from_") else k0
-            return api_error(400, "BAD_REQUEST",
-                             f"secret '{sname}': source kind '{kind}' is not allowed in scope Untrusted; "
-                             "secret refs may only be resolved on the trusted local host")
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                f"secret '{sname}': source kind '{kind}' is not allowed in scope Untrusted; "
+                "secret refs may only be resolved on the trusted local host",
+            )
         if (req.get("cmd") or req.get("entrypoint")) and not sources:
-            return api_error(400, "BAD_REQUEST",
-                             "cmd/entrypoint require an image, from, or registryRef; an imageless machine "
-                             "has no workload to launch them in (use exec instead)")
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                "cmd/entrypoint require an image, from, or registryRef; an imageless machine "
+                "has no workload to launch them in (use exec instead)",
+            )
         image = req.get("image")
-        if image is not None and (image.startswith("/") or image.startswith("./")
-                                  or image.startswith("../")):
-            return api_error(400, "BAD_REQUEST",
-                             "local images are disabled on this server; start `smolvm serve` with "
-                             "--local-image-dir to accept archives and rootfs directories under it")
+        if image is not None and (
+            image.startswith("/") or image.startswith("./") or image.startswith("../")
+        ):
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                "local images are disabled on this server; start `smolvm serve` with "
+                "--local-image-dir to accept archives and rootfs directories under it",
+            )
         if req.get("from") is not None:
             return api_error(400, "BAD_REQUEST", f"sidecar file not found: {req['from']}")
         if req.get("registryRef") is not None:
-            return api_error(500, "INTERNAL_ERROR", "registry pull failed: " + registry_offline_error(
-                "registry.smolmachines.com/" + req["registryRef"]))
+            return api_error(
+                500,
+                "INTERNAL_ERROR",
+                "registry pull failed: "
+                + registry_offline_error("registry.smolmachines.com/" + req["registryRef"]),
+            )
         if req.get("cacheDisk") is not None:
-            return api_error(400, "BAD_REQUEST", "cache disks are disabled on this server; start "
-                             "`smolvm serve` with --cache-disk-dir to enable them")
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                "cache disks are disabled on this server; start "
+                "`smolvm serve` with --cache-disk-dir to enable them",
+            )
         restart = req.get("restart") or {}
         if restart.get("policy") is not None and restart["policy"] not in (
-                "never", "always", "on-failure", "unless-stopped"):
+            "never",
+            "always",
+            "on-failure",
+            "unless-stopped",
+        ):
             return api_error(400, "BAD_REQUEST", f"invalid restart policy: {restart['policy']}")
         ports = req.get("ports", [])
         if ports and req.get("networkBackend") == "tsi":
-            return api_error(400, "BAD_REQUEST",
-                             "published ports require networkBackend 'virtio-net' (TSI is outbound-only); "
-                             "omit networkBackend or set it to 'virtio-net'")
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                "published ports require networkBackend 'virtio-net' (TSI is outbound-only); "
+                "omit networkBackend or set it to 'virtio-net'",
+            )
         mounts = []
         for i, mt in enumerate(req.get("mounts", [])):
             src = mt["source"]
             if not src.startswith("/"):
-                return api_error(400, "BAD_REQUEST",
-                                 f"mount operation failed: validate source: path must be absolute: {src}")
+                return api_error(
+                    400,
+                    "BAD_REQUEST",
+                    f"mount operation failed: validate source: path must be absolute: {src}",
+                )
             if not os.path.exists(src):
                 return api_error(400, "BAD_REQUEST", f"mount source not found: {src}")
-            mounts.append({"tag": f"smolvm{i}", "source": os.path.normpath(src), "target": mt["target"],
-                           "readonly": mt.get("readonly", False), "staged": mt.get("staged", False)})
+            mounts.append(
+                {
+                    "tag": f"smolvm{i}",
+                    "source": os.path.normpath(src),
+                    "target": mt["target"],
+                    "readonly": mt.get("readonly", False),
+                    "staged": mt.get("staged", False),
+                }
+            )
         out_ports = []
         for p in ports:
             e = {"host": p["host"], "guest": p["guest"]}
@@ -2059,29 +2322,49 @@ class FakeSmolvm:
             m = {"name": name}
             if image is not None:
                 m["image"] = image
-            m.update({
-                "state": "created", "cpus": 4 if cpus is None else cpus,
-                "memoryMb": 8192 if mem is None else mem, "mounts": mounts, "ports": out_ports,
-                "network": req.get("network", False), "gpu": req.get("gpu", False),
-                "cuda": req.get("cuda", False)})
+            m.update(
+                {
+                    "state": "created",
+                    "cpus": 4 if cpus is None else cpus,
+                    "memoryMb": 8192 if mem is None else mem,
+                    "mounts": mounts,
+                    "ports": out_ports,
+                    "network": req.get("network", False),
+                    "gpu": req.get("gpu", False),
+                    "cuda": req.get("cuda", False),
+                }
+            )
             if req.get("networkBackend") is not None:
                 m["networkBackend"] = req["networkBackend"]
             if req.get("allowedCidrs") is not None:
                 m["allowedCidrs"] = req["allowedCidrs"]
             if req.get("allowedHosts") is not None:
                 m["allowedHosts"] = req["allowedHosts"]
-            m.update({
-                "storageGb": 20 if storage is None else storage,
-                "overlayGb": 10 if overlay is None else overlay,
-                "blockIo": req.get("blockIo") or "sync",
-                "diskDurability": req.get("diskDurability") or "full",
-                "branchable": False, "forkable": False, "branchpointHeld": False,
-                "forkpointHeld": False, "diskUsedMb": 0, "createdAt": int(time.time()),
-                "_created": time.time(), "_start_attempted": False, "_everStarted": False,
-                "_has_logs": False, "_imageFetched": False, "_chainDepth": 1,
-                "_env": [[e["name"], e["value"]] for e in req.get("env", [])],
-                "_workdir": req.get("workdir"), "_console": [], "_workload": [], "_images": [],
-            })
+            m.update(
+                {
+                    "storageGb": 20 if storage is None else storage,
+                    "overlayGb": 10 if overlay is None else overlay,
+                    "blockIo": req.get("blockIo") or "sync",
+                    "diskDurability": req.get("diskDurability") or "full",
+                    "branchable": False,
+                    "forkable": False,
+                    "branchpointHeld": False,
+                    "forkpointHeld": False,
+                    "diskUsedMb": 0,
+                    "createdAt": int(time.time()),
+                    "_created": time.time(),
+                    "_start_attempted": False,
+                    "_everStarted": False,
+                    "_has_logs": False,
+                    "_imageFetched": False,
+                    "_chainDepth": 1,
+                    "_env": [[e["name"], e["value"]] for e in req.get("env", [])],
+                    "_workdir": req.get("workdir"),
+                    "_console": [],
+                    "_workload": [],
+                    "_images": [],
+                }
+            )
             self._machines[name] = m
             self._root(name)
             self._save_state()
@@ -2103,10 +2386,13 @@ class FakeSmolvm:
             live = [c for c in children if self._get(c["name"])["state"] == "running"]
             if live and not q.get("cascade"):
                 # Not observed on the real serve (no branch could be made there).
-                return api_error(409, "CONFLICT",
-                                 f"machine '{name}' has {len(live)} branched child machine(s) "
-                                 f"({', '.join(c['name'] for c in live)}); delete them first or pass "
-                                 "cascade=true")
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    f"machine '{name}' has {len(live)} branched child machine(s) "
+                    f"({', '.join(c['name'] for c in live)}); delete them first or pass "
+                    "cascade=true",
+                )
             if q.get("cascade"):
                 self._delete_tree(name)
             else:
@@ -2130,8 +2416,16 @@ class FakeSmolvm:
             shutil.rmtree(root, ignore_errors=True)
 
     def _h_start(self, method, qs, headers, body, name):
-        q = self._query(qs, {"branchable": "bool", "forkable": "bool", "branchPoolSize": "u32",
-                             "forkPoolSize": "u32", "cudaVramLimitMib": "u64"})
+        q = self._query(
+            qs,
+            {
+                "branchable": "bool",
+                "forkable": "bool",
+                "branchPoolSize": "u32",
+                "forkPoolSize": "u32",
+                "cudaVramLimitMib": "u64",
+            },
+        )
         req = {}
         if body and _is_json_ctype(headers.get("content-type")):
             try:
@@ -2140,8 +2434,14 @@ class FakeSmolvm:
                 return api_error(400, "BAD_REQUEST", f"invalid JSON request body: {e.inner()}")
             if req is None:
                 req = {}
-        branchable = bool(q.get("branchable") or q.get("forkable") or req.get("branchable")
-                          or q.get("branchPoolSize") or q.get("forkPoolSize") or req.get("branchPoolSize"))
+        branchable = bool(
+            q.get("branchable")
+            or q.get("forkable")
+            or req.get("branchable")
+            or q.get("branchPoolSize")
+            or q.get("forkPoolSize")
+            or req.get("branchPoolSize")
+        )
         with self._lock:
             m = self._get(name)
             if m is None:
@@ -2175,7 +2475,9 @@ class FakeSmolvm:
             return None, not_found_machine(name)
         if m["state"] != "running":
             if not auto_start:
-                return None, api_error(409, "CONFLICT", "machine is not running and autoStart is false")
+                return None, api_error(
+                    409, "CONFLICT", "machine is not running and autoStart is false"
+                )
             err = self._boot(m, "auto")
             if err is not None:
                 return None, err
@@ -2190,9 +2492,12 @@ class FakeSmolvm:
             if isinstance(ref, dict) and ref:
                 k0 = next(iter(ref))
                 kind = k0[5:] if k0.startswith("from_") else k0
-            return api_error(400, "BAD_REQUEST",
-                             f"secret '{sname}': source kind '{kind}' is not allowed in scope Untrusted; "
-                             "secret refs may only be resolved on the trusted local host")
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                f"secret '{sname}': source kind '{kind}' is not allowed in scope Untrusted; "
+                "secret refs may only be resolved on the trusted local host",
+            )
         with self._lock:
             m, err = self._ensure_running(name, req.get("autoStart", True))
             if err is not None:
@@ -2208,20 +2513,42 @@ class FakeSmolvm:
         if stream:
             # Per the documents (see the module docstring); background is not meaningful here.
             if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
-                return api_error(500, "INTERNAL_ERROR",
-                                 "fake smolvm: no static busybox on this host")
-            events = stream_in_guest(root, req["command"], env, workdir, req.get("stdin"),
-                                     req.get("timeoutSecs"), user, netns)
-            chunks = (sse_event(e, _dumps({"exitCode": v}) if e == "exit" else v)
-                      for e, v in events)
-            return Response(200, ctype="text/event-stream", headers=[("cache-control", "no-cache")],
-                            stream=chunks)
-        return self._run_in_guest(root, req["command"], env, workdir, req.get("stdin"),
-                                  req.get("timeoutSecs"), user, req.get("background", False), netns)
+                return api_error(
+                    500, "INTERNAL_ERROR", "fake smolvm: no static busybox on this host"
+                )
+            events = stream_in_guest(
+                root,
+                req["command"],
+                env,
+                workdir,
+                req.get("stdin"),
+                req.get("timeoutSecs"),
+                user,
+                netns,
+            )
+            chunks = (
+                sse_event(e, _dumps({"exitCode": v}) if e == "exit" else v) for e, v in events
+            )
+            return Response(
+                200,
+                ctype="text/event-stream",
+                headers=[("cache-control", "no-cache")],
+                stream=chunks,
+            )
+        return self._run_in_guest(
+            root,
+            req["command"],
+            env,
+            workdir,
+            req.get("stdin"),
+            req.get("timeoutSecs"),
+            user,
+            req.get("background", False),
+            netns,
+        )
 
     def _h_exec_stream(self, method, qs, headers, body, name):
         return self._h_exec(method, qs, headers, body, name, stream=True)
-
 
     def _guest_netns(self, m):
         """The network namespace a restricted guest's commands run in (root
@@ -2258,7 +2585,7 @@ class FakeSmolvm:
             names = [host for host, host_ip in self.guest_hosts.items() if host_ip == ip]
             if any(host_allowed(host, m.get("allowedHosts", [])) for host in names):
                 return True
-            stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
             m.setdefault("_egressEvents", []).append(
                 {"timestamp": stamp, "operation": "connect", "dest": f"{ip}:{port}"}
             )
@@ -2273,12 +2600,27 @@ class FakeSmolvm:
         if background:
             # Not observed: the real answer carries the PID of the detached process.
             out = f"{r.pid}\n".encode()
-            return json_response(200, {"exitCode": 0, "stdout": _lossy(out), "stderr": "",
-                                       "stdoutB64": base64.b64encode(out).decode(), "stderrB64": ""})
+            return json_response(
+                200,
+                {
+                    "exitCode": 0,
+                    "stdout": _lossy(out),
+                    "stderr": "",
+                    "stdoutB64": base64.b64encode(out).decode(),
+                    "stderrB64": "",
+                },
+            )
         out, err = r.stdout, r.stderr
-        return json_response(200, {"exitCode": r.exit_code, "stdout": _lossy(out), "stderr": _lossy(err),
-                                   "stdoutB64": base64.b64encode(out).decode(),
-                                   "stderrB64": base64.b64encode(err).decode()})
+        return json_response(
+            200,
+            {
+                "exitCode": r.exit_code,
+                "stdout": _lossy(out),
+                "stderr": _lossy(err),
+                "stdoutB64": base64.b64encode(out).decode(),
+                "stderrB64": base64.b64encode(err).decode(),
+            },
+        )
 
     def _h_files(self, method, qs, headers, body, name, fpath):
         if method == "PUT":
@@ -2287,8 +2629,11 @@ class FakeSmolvm:
             if q.get("mode"):
                 s = q["mode"]
                 if not s or len(s) > 5 or any(c not in "01234567" for c in s) or int(s, 8) > 0o7777:
-                    return api_error(400, "BAD_REQUEST",
-                                     f"mode must be octal permission bits such as 0644, got '{s}'")
+                    return api_error(
+                        400,
+                        "BAD_REQUEST",
+                        f"mode must be octal permission bits such as 0644, got '{s}'",
+                    )
                 mode = int(s, 8)
         gpath = "/" + fpath.lstrip("/")
         with self._lock:
@@ -2345,15 +2690,19 @@ class FakeSmolvm:
         q = self._query(qs, {"tail": "usize", "follow": "bool", "source": "str", "format": "str"})
         source = q.get("source") or "console"
         if source not in ("console", "workload"):
-            return api_error(400, "BAD_REQUEST",
-                             f"unknown log source '{source}': use \"console\" or \"workload\"")
+            return api_error(
+                400, "BAD_REQUEST", f'unknown log source \'{source}\': use "console" or "workload"'
+            )
         with self._lock:
             m = self._get(name)
             if m is None:
                 return not_found_machine(name)
             if not m["_has_logs"]:
-                return api_error(404, "NOT_FOUND",
-                                 f"machine '{name}' has no logs yet — it may not have been started")
+                return api_error(
+                    404,
+                    "NOT_FOUND",
+                    f"machine '{name}' has no logs yet — it may not have been started",
+                )
             lines = list(m["_workload" if source == "workload" else "_console"])
         if q.get("format") == "json":
             keep = []
@@ -2365,11 +2714,12 @@ class FakeSmolvm:
                     pass
             lines = keep
         if "tail" in q:
-            lines = lines[-q["tail"]:] if q["tail"] else []
+            lines = lines[-q["tail"] :] if q["tail"] else []
         # follow=true: the real serve keeps the stream open; the fake ends it.
         chunks = [f"data: {ln}\n\n".encode() for ln in lines]
-        return Response(200, ctype="text/event-stream", headers=[("cache-control", "no-cache")],
-                        stream=chunks)
+        return Response(
+            200, ctype="text/event-stream", headers=[("cache-control", "no-cache")], stream=chunks
+        )
 
     def _h_images(self, method, qs, headers, body, name):
         with self._lock:
@@ -2505,10 +2855,14 @@ class FakeSmolvm:
             arch = "amd64"
             if req.get("ociPlatform") and "/" in req["ociPlatform"]:
                 arch = req["ociPlatform"].split("/")[1]
-            info = {"reference": req["image"],
-                    "digest": "sha256:" + hashlib.sha256(req["image"].encode()).hexdigest(),
-                    "size": 3_600_000 + len(req["image"]) * 1000, "architecture": arch, "os": "linux",
-                    "layerCount": 1}
+            info = {
+                "reference": req["image"],
+                "digest": "sha256:" + hashlib.sha256(req["image"].encode()).hexdigest(),
+                "size": 3_600_000 + len(req["image"]) * 1000,
+                "architecture": arch,
+                "os": "linux",
+                "layerCount": 1,
+            }
             m["_images"] = [i for i in m["_images"] if i["reference"] != req["image"]] + [info]
             self._save_state()
             return json_response(200, {"image": info})
@@ -2533,13 +2887,20 @@ class FakeSmolvm:
                 return api_error(404, "NOT_FOUND", f"vm not found: {name}")
             hint = f"start it with `machine start --forkable --name {name}`"
             if src["state"] != "running" and (src["branchable"] or not src["_everStarted"]):
-                return api_error(409, "CONFLICT",
-                                 f"agent operation failed: fork: golden '{name}' is not running forkable; {hint}")
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    f"agent operation failed: fork: golden '{name}' is not running forkable; "
+                    f"{hint}",
+                )
             if not src["branchable"]:
-                return api_error(409, "CONFLICT",
-                                 f"agent operation failed: fork: golden '{name}' control socket not "
-                                 "responding (agent operation failed: connect control socket: Connection "
-                                 f"refused (os error 111)); {hint}")
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    f"agent operation failed: fork: golden '{name}' control socket not "
+                    "responding (agent operation failed: connect control socket: Connection "
+                    f"refused (os error 111)); {hint}",
+                )
             src_root = self._root(name)
             dst_root = tempfile.mkdtemp(prefix=f"{child}-", dir=self._tmp)
             os.rmdir(dst_root)
@@ -2552,19 +2913,37 @@ class FakeSmolvm:
                     for k, v in fork_env:
                         f.write(f"{k}={_dumps(v)}\n")
             if "ports" in req:
-                ports = [{"host": p["host"], "guest": p["guest"], **(
-                    {"protocol": "udp"} if p.get("protocol") == "udp" else {})} for p in req["ports"]]
+                ports = [
+                    {
+                        "host": p["host"],
+                        "guest": p["guest"],
+                        **({"protocol": "udp"} if p.get("protocol") == "udp" else {}),
+                    }
+                    for p in req["ports"]
+                ]
             else:
                 ports = [dict(p, host=_free_port()) for p in src["ports"]]
             c = json.loads(json.dumps(src))
-            c.update({
-                "name": child, "state": "running", "pid": self._new_pid(), "ports": ports,
-                "parentMachine": name, "branchable": req.get("branchable", False),
-                "forkable": req.get("branchable", False), "createdAt": int(time.time()),
-                "_created": time.time(), "_start_attempted": True, "_everStarted": True,
-                "_has_logs": True, "_console": [], "_workload": [], "_chainDepth": src["_chainDepth"] + 1,
-                "_forkEnv": src.get("_forkEnv", []) + fork_env,
-            })
+            c.update(
+                {
+                    "name": child,
+                    "state": "running",
+                    "pid": self._new_pid(),
+                    "ports": ports,
+                    "parentMachine": name,
+                    "branchable": req.get("branchable", False),
+                    "forkable": req.get("branchable", False),
+                    "createdAt": int(time.time()),
+                    "_created": time.time(),
+                    "_start_attempted": True,
+                    "_everStarted": True,
+                    "_has_logs": True,
+                    "_console": [],
+                    "_workload": [],
+                    "_chainDepth": src["_chainDepth"] + 1,
+                    "_forkEnv": src.get("_forkEnv", []) + fork_env,
+                }
+            )
             self._machines[child] = c
             self._save_state()
             return json_response(200, self._info(c))
@@ -2594,11 +2973,12 @@ def _free_port():
 # the CLI (`tests/fakes/smolvm`)
 # --------------------------------------------------------------------------
 
+
 def _parse_listen(value):
     """Returns a socket path or a (host, port) tuple; raises ValueError for a
     non-loopback TCP address."""
     if value.startswith("unix://"):
-        return value[len("unix://"):]
+        return value[len("unix://") :]
     if "/" in value or not value.rsplit(":", 1)[-1].isdigit():
         return value
     host, _, port = value.rpartition(":")
@@ -2619,8 +2999,11 @@ def main(argv=None):
             sys.stdout.write(json.dumps(json.load(f), indent=2, ensure_ascii=False) + "\n")
         return 0
     if argv[:2] != ["serve", "start"]:
-        print(f"error: fake smolvm supports only --version, serve start and serve openapi (got {argv})",
-              file=sys.stderr)
+        print(
+            "error: fake smolvm supports only --version, serve start and serve openapi (got "
+            f"{argv})",
+            file=sys.stderr,
+        )
         return 2
     opts = {"--listen": None, "--state-dir": None, "--guest-rollout-port": None}
     rest = argv[2:]
@@ -2634,17 +3017,24 @@ def main(argv=None):
             if not eq:
                 i += 1
                 if i >= len(rest):
-                    print(f"error: a value is required for '{key} <VALUE>' but none was supplied",
-                          file=sys.stderr)
+                    print(
+                        f"error: a value is required for '{key} <VALUE>' but none was supplied",
+                        file=sys.stderr,
+                    )
                     return 2
                 val = rest[i]
             opts[key] = val
         # every other flag of the real serve is accepted and ignored
         i += 1
-    port = opts["--guest-rollout-port"] or os.environ.get("SMOLVM_GUEST_ROLLOUT_HOST_PORT") or "10081"
+    port = (
+        opts["--guest-rollout-port"] or os.environ.get("SMOLVM_GUEST_ROLLOUT_HOST_PORT") or "10081"
+    )
     if os.environ.get("FAKE_SMOLVM_PORT_IN_USE") == "1":
-        print(f"Error: config operation failed: bind guest rollout ingress: 127.0.0.1:{port}: "
-              "Address already in use (os error 98)", file=sys.stderr)
+        print(
+            f"Error: config operation failed: bind guest rollout ingress: 127.0.0.1:{port}: "
+            "Address already in use (os error 98)",
+            file=sys.stderr,
+        )
         return 1
     listen = opts["--listen"]
     if listen is None:
@@ -2653,21 +3043,28 @@ def main(argv=None):
     try:
         addr = _parse_listen(listen)
     except ValueError:
-        print(f"Error: refusing to listen on non-loopback address {listen}: the API has no "
-              "authentication; use a Unix socket or a loopback address", file=sys.stderr)
+        print(
+            f"Error: refusing to listen on non-loopback address {listen}: the API has no "
+            "authentication; use a Unix socket or a loopback address",
+            file=sys.stderr,
+        )
         return 1
     state_file = os.environ.get("FAKE_SMOLVM_STATE_FILE") or None
-    fake = FakeSmolvm(addr, version=version,
-                      boot=os.environ.get("FAKE_SMOLVM_BOOT", "ok"),
-                      boot_delay=float(os.environ.get("FAKE_SMOLVM_BOOT_DELAY", "0") or 0),
-                      registry=os.environ.get("FAKE_SMOLVM_REGISTRY", "ok"),
-                      settle_secs=float(os.environ.get("FAKE_SMOLVM_SETTLE_SECS", "3.5") or 3.5),
-                      state_file=state_file,
-                      guest_hosts=dict(pair.split("=", 1) for pair in
-                                       os.environ.get("FAKE_SMOLVM_GUEST_HOSTS", "").split(",")
-                                       if pair),
-                      guest_ports=[int(p) for p in
-                                   os.environ.get("FAKE_SMOLVM_GUEST_PORTS", "").split(",") if p])
+    fake = FakeSmolvm(
+        addr,
+        version=version,
+        boot=os.environ.get("FAKE_SMOLVM_BOOT", "ok"),
+        boot_delay=float(os.environ.get("FAKE_SMOLVM_BOOT_DELAY", "0") or 0),
+        registry=os.environ.get("FAKE_SMOLVM_REGISTRY", "ok"),
+        settle_secs=float(os.environ.get("FAKE_SMOLVM_SETTLE_SECS", "3.5") or 3.5),
+        state_file=state_file,
+        guest_hosts=dict(
+            pair.split("=", 1)
+            for pair in os.environ.get("FAKE_SMOLVM_GUEST_HOSTS", "").split(",")
+            if pair
+        ),
+        guest_ports=[int(p) for p in os.environ.get("FAKE_SMOLVM_GUEST_PORTS", "").split(",") if p],
+    )
     stop = threading.Event()
 
     def on_signal(signum, frame):
