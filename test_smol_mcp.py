@@ -3426,10 +3426,10 @@ class LiveOutputScenarios(LongWorkScenarios):
     async def test_progress_carries_output_lines_in_order_and_the_result_is_unchanged(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            seen = []
+            received = []
 
             async def on_progress(progress, total, message):
-                seen.append(message)
+                received.append((progress, message))
 
             answer = await c.call_tool(
                 "run-command",
@@ -3437,11 +3437,16 @@ class LiveOutputScenarios(LongWorkScenarios):
                 progress_callback=on_progress,
             )
             streamed = result_of(answer)[1]
-            # A notification sent before the result may still be on its way to the callback.
+            # A notification sent before the result may still be on its way to the callback,
+            # and the SDK client runs each callback in a task of its own, so they can reach it
+            # out of order: the server's order is that of the progress values, which only grow.
             for _ in range(50):
-                if seen and seen[-1] == "stderr: warned":
+                if "stderr: warned" in [message for _, message in received]:
                     break
                 await asyncio.sleep(0.1)
+            progress = [value for value, _ in received]
+            self.assertEqual(len(set(progress)), len(progress), "each progress value is new")
+            seen = [message for _, message in sorted(received)]
             self.assertEqual(self.stream_calls(), 1)
             plain = await self.ok(c, "run-command", {"name": name, "command": PRINTS_SLOWLY})
             self.assertEqual(self.stream_calls(), 1, "without a progress token nothing streams")
