@@ -804,7 +804,10 @@ class Bench:
                 )
                 seconds = time.perf_counter() - t
                 # a page is the budget in bytes, or less where its text escapes longer as JSON
-                assert 0 < result["bytes"] <= min(self.budget, size - offset), (offset, result["bytes"])
+                assert 0 < result["bytes"] <= min(self.budget, size - offset), (
+                    offset,
+                    result["bytes"],
+                )
                 return seconds
 
             page(0)
