@@ -7641,6 +7641,18 @@ class StreamWrapper:
         await self.aclose()
 
 
+def is_cancellation(message: Any) -> bool:
+    """Whether a JSON-RPC message is the client's notifications/cancelled."""
+    import mcp_types as types
+
+    return (
+        isinstance(message, types.JSONRPCNotification)
+        and message.method == "notifications/cancelled"
+        and isinstance(message.params, dict)
+        and "requestId" in message.params
+    )
+
+
 class AnsweredReads(StreamWrapper):
     """The stdio read stream, kept open at stdin's end until every request
     read before it has been answered: the SDK would end the session at EOF and
@@ -7670,6 +7682,10 @@ class AnsweredReads(StreamWrapper):
             raise
         if isinstance(item, SessionMessage) and isinstance(item.message, types.JSONRPCRequest):
             self.writes.pending.add(item.message.id)
+        elif isinstance(item, SessionMessage) and is_cancellation(item.message):
+            # A cancelled request gets no answer (the SDK sends none): stop waiting for one.
+            self.writes.pending.discard(item.message.params["requestId"])
+            self.writes.wake()
         elif isinstance(item, Exception):
             message = (
                 f"this message could not be read ({item_error(item)}); send one JSON-RPC "
@@ -7708,6 +7724,10 @@ class AnsweredWrites(StreamWrapper):
 
         await self._changed.wait()
         self._changed = anyio.Event()
+
+    def wake(self) -> None:
+        """Tell whoever waits in changed() that the pending set changed."""
+        self._changed.set()
 
     async def send(self, item: Any) -> None:
         await self.inner.send(item)

@@ -5525,6 +5525,54 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         FaultCounts.calls += 3 * len(answers)
         self.assertEqual(answers, [[1, 2, 3]] * len(answers))
 
+    @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+    async def test_a_cancelled_request_does_not_hold_the_exit_at_eof(self):
+        """The SDK answers no cancelled request, so the EOF wait must not wait for it."""
+        process = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py")],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            send = lambda line: (process.stdin.write(line), process.stdin.flush())  # noqa: E731
+            send(jsonrpc(1, "initialize", INITIALIZE) + jsonrpc(None, "notifications/initialized"))
+            process.stdout.readline()
+            send(
+                jsonrpc(
+                    2,
+                    "tools/call",
+                    {
+                        "name": "create-machine",
+                        "arguments": {"name": "mcp-held", "image": "alpine"},
+                    },
+                )
+            )
+            self.assertIn(b'"result"', process.stdout.readline())
+            send(
+                jsonrpc(
+                    3,
+                    "tools/call",
+                    {
+                        "name": "run-command",
+                        "arguments": {"name": "mcp-held", "command": "sleep 30"},
+                    },
+                )
+            )
+            time.sleep(1)
+            send(jsonrpc(None, "notifications/cancelled", {"requestId": 3, "reason": "user"}))
+            time.sleep(0.5)
+            process.stdin.close()
+            self.assertEqual(process.wait(timeout=25), 0)  # not held by the cancelled call
+            rest = process.stdout.read().decode()
+            self.assertNotIn('"id": 3', rest.replace('"id":3', '"id": 3'))  # no answer to it
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        FaultCounts.calls += 3
+
     async def test_a_request_the_sdk_cannot_parse_gets_a_json_rpc_error(self):
         env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"}
         lines = (
