@@ -4241,11 +4241,22 @@ async def create_recorded(
         if added:
             call.session.forget(call.fleet.name, name)
         if claimed:
-            owners.clear(call.fleet.name, [name])
+            owners.release(call.fleet.name, name, owner)  # only if nobody claimed it since
         raise
+    if call.session.ended and call.session.is_ephemeral(name):
+        # The session ended (its client went, its token was deleted) while this
+        # create ran, so its cleanup came too early to see the machine: do it here.
+        await call.delete_quietly(name)
+        raise SmolError(SESSION_ENDED_DURING_CREATE.format(name=name))
     if owners.owner(call.fleet.name, name) != owner:
         owners.claim(call.fleet.name, name, owner)
     return record
+
+
+SESSION_ENDED_DURING_CREATE = (
+    "the session ended while '{name}' was being created, so the machine was deleted at "
+    "once (its session's cleanup had already run); open a new session and create it again"
+)
 
 
 async def tool_run_command(call: Call, args: dict) -> dict:
@@ -6035,6 +6046,17 @@ class Owners:
         if not any(self.owner(fleet, name) for name in names):
             return
         self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
+
+    def release(self, fleet: str, name: str, owner: str) -> None:
+        """Forget a claim that came to nothing, unless another owner holds the
+        name by now (its create won the race): in one locked update."""
+
+        def drop(data: dict) -> None:
+            if data.get(fleet, {}).get(name) == owner:
+                del data[fleet][name]
+
+        if self.owner(fleet, name) == owner:
+            self.file.update(drop)
 
 
 class OwnedFleet:

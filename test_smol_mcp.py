@@ -1370,6 +1370,70 @@ class ToolRuleTests(FakeServeCase):
             self.assertFalse(targets["fleets"]["cloud"]["served"])
 
 
+class CreateRaceTests(FakeServeCase):
+    """A session that ends, or a rival create, while a create is on its way."""
+
+    def slow_creates(self, seconds: float) -> None:
+        fleet = self.app.local
+        real = fleet.create_machine
+
+        def slow(*args, **kwargs):
+            time.sleep(seconds)
+            return real(*args, **kwargs)
+
+        fleet.create_machine = slow
+
+    async def test_a_session_ended_during_a_create_leaves_no_machine(self):
+        opened = []
+        open_session = self.app.open_session
+        self.app.open_session = lambda *a: opened.append(open_session(*a)) or opened[-1]
+        self.slow_creates(1.5)
+        async with self.client("legacy") as c:
+            call = asyncio.create_task(
+                c.call_tool(
+                    "create-machine", {"name": "mcp-late", "image": "alpine", "start": False}
+                )
+            )
+            await asyncio.sleep(0.5)
+            await self.app.end_session(opened[0])  # as a token deletion or DELETE would
+            answer = await call
+        self.assertTrue(answer.is_error)
+        self.assertIn(
+            "the session ended while 'mcp-late' was being created", answer.content[0].text
+        )
+        self.assertNotIn("mcp-late", self.fake.machines)
+
+    async def test_a_refused_create_keeps_the_winners_ownership(self):
+        access = self.app.access
+        self.slow_creates(1.0)
+        async with self.client("legacy") as c:
+            call = asyncio.create_task(
+                c.call_tool(
+                    "create-machine", {"name": "contested", "image": "alpine", "start": False}
+                )
+            )
+            await asyncio.sleep(0.3)
+            # another principal's create of the same name wins meanwhile
+            await asyncio.to_thread(self.fake_create, "contested")
+            access.owners.claim("local", "contested", "bob")
+            answer = await call
+        self.assertTrue(answer.is_error, "the engine refuses the second create of a name")
+        self.assertEqual(access.owners.owner("local", "contested"), "bob")
+
+    def fake_create(self, name: str) -> None:
+        conn = smol_mcp.UnixHTTPConnection(self.socket_path, timeout=10)
+        conn.request(
+            "POST",
+            "/api/v1/machines",
+            json.dumps({"name": name}),
+            {"content-type": "application/json"},
+        )
+        response = conn.getresponse()
+        response.read()
+        conn.close()
+        self.assertEqual(response.status // 100, 2)
+
+
 class SessionRecordTests(FakeServeCase):
     async def test_a_refused_create_under_a_held_name_keeps_the_record(self):
         async with self.client("legacy") as c:
