@@ -4067,6 +4067,12 @@ EGRESS_HINT = (
     'If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it used]}} (or '
     'cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
 )
+# run-once deletes its machine as it answers: there is nothing left to amend.
+EGRESS_HINT_RUN_ONCE = (
+    "egressDenied lists the connections the machine's egress policy refused while the "
+    "command ran. That machine is deleted already; to let the command reach a host, run it "
+    'again with allowHosts: ["<the host name it used>"] (or allowCidrs: ["<address>/32"]).'
+)
 # For a caller that cannot call allow-egress: pointing at it would only earn a refusal.
 EGRESS_HINT_NO_SCOPE = (
     "egressDenied lists the connections this machine's egress policy refused while the "
@@ -4113,11 +4119,12 @@ def group_denials(events: list[dict], since: datetime.datetime | None = None) ->
 
 
 async def note_egress_denials(
-    call: Call, name: str, shaped: dict, since: datetime.datetime
+    call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool = False
 ) -> dict:
     """Add egressDenied (and its hint) to the result of a command that failed
     or timed out, on a fleet whose engine records denials. Reading them is a
-    courtesy: a failure to read leaves the result as it is."""
+    courtesy: a failure to read leaves the result as it is. ``once``: the
+    machine is run-once's, deleted right after, so the hint is to run again."""
     if not call.fleet.amends_egress or (shaped["exitCode"] == 0 and not shaped["timedOut"]):
         return shaped
     try:
@@ -4129,6 +4136,8 @@ async def note_egress_denials(
     if denied:
         may_amend = granting_scope(call.principal, "allow-egress") is not None
         hint = EGRESS_HINT.format(name=name) if may_amend else EGRESS_HINT_NO_SCOPE
+        if once:
+            hint = EGRESS_HINT_RUN_ONCE
         shaped = {**shaped, "egressDenied": denied, "egressHint": hint}
     return shaped
 
@@ -4303,7 +4312,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             stdin=args.get("stdin"),
         )
         shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
-        shaped = await note_egress_denials(call, name, shaped, since)
+        shaped = await note_egress_denials(call, name, shaped, since, once=True)
         return {**shaped, "startedMachine": False, "name": name}
     finally:
         await call.delete_quietly(name)  # every path: success, error, timeout, cancellation

@@ -2577,6 +2577,9 @@ class EgressTests(FakeServeCase):
             self.assertNotEqual(ran["exitCode"], 0)
             self.assertEqual([d["dest"] for d in ran["egressDenied"]], [self.dest])
             self.assertNotIn(ran["name"], self.fake.machines)
+            # the machine is gone: the hint is to run again, not to amend it
+            self.assertNotIn("allow-egress", ran["egressHint"])
+            self.assertIn("allowHosts", ran["egressHint"])
 
     async def test_decline_changes_nothing_in_either_era(self):
         for mode in MODES:
