@@ -3655,13 +3655,16 @@ class Call:
         out at once and every few seconds until it returns."""
         import anyio
 
-        run = functools.partial(
-            anyio.to_thread.run_sync,
-            functools.partial(function, *args),
-            limiter=self.session.call_slots(),
-        )
-        with anyio.CancelScope(shield=True):
-            return await self.with_heartbeat(run, waiting)
+        # The wait for one of the session's slots can be cancelled (nothing exists
+        # yet); once it has one, the create runs to its end whatever happens.
+        async with self.session.call_slots():
+            run = functools.partial(
+                anyio.to_thread.run_sync,
+                functools.partial(function, *args),
+                limiter=anyio.CapacityLimiter(1),  # the slot above is the real bound
+            )
+            with anyio.CancelScope(shield=True):
+                return await self.with_heartbeat(run, waiting)
 
     def progress_token(self) -> Any:
         """The client's progress token, or None when it asked for no progress."""

@@ -1420,6 +1420,23 @@ class CreateRaceTests(FakeServeCase):
         self.assertTrue(answer.is_error, "the engine refuses the second create of a name")
         self.assertEqual(access.owners.owner("local", "contested"), "bob")
 
+    async def test_a_create_still_waiting_for_a_slot_can_be_cancelled(self):
+        self.addCleanup(setattr, smol_mcp, "SESSION_CALL_SLOTS", smol_mcp.SESSION_CALL_SLOTS)
+        smol_mcp.SESSION_CALL_SLOTS = 1
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "busy", "image": "alpine"})
+            holder = asyncio.create_task(
+                c.call_tool("run-command", {"name": "busy", "command": "sleep 3"})
+            )
+            await asyncio.sleep(0.5)  # it holds the session's only slot
+            with anyio.move_on_after(0.5):
+                await c.call_tool(
+                    "create-machine", {"name": "queued", "image": "alpine", "start": False}
+                )
+            await holder
+            await asyncio.sleep(1)  # a create that ignored its cancel would run now
+        self.assertNotIn("queued", self.fake.machines)
+
     def fake_create(self, name: str) -> None:
         conn = smol_mcp.UnixHTTPConnection(self.socket_path, timeout=10)
         conn.request(
