@@ -5339,10 +5339,10 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
     async def test_live_output_reaches_a_stdio_client_in_both_eras(self):
         for mode in MODES:
             with self.subTest(mode=mode):
-                seen = []
+                got = []
 
                 async def on_progress(progress, total, message):
-                    seen.append(message)
+                    got.append((progress, message))
 
                 async with Client(self.params(), mode=mode) as c:
                     created = result_of(
@@ -5356,6 +5356,13 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     self.assertEqual(
                         result_of(answer)[1]["stdout"], "".join(f"step {i}\n" for i in range(1, 7))
                     )
+                    for _ in range(50):  # the last notification may still be on its way
+                        if "stderr: warned" in [m for _, m in got]:
+                            break
+                        await asyncio.sleep(0.1)
+                # The SDK client runs each progress callback in a task of its own, so they
+                # can arrive out of order under load; the server's order is the values'.
+                seen = [message for _, message in sorted(got)]
                 steps = [m for m in seen if m.startswith("stdout: step ")]
                 self.assertGreaterEqual(len(steps), 3, seen)
                 self.assertEqual(seen[-1], "stderr: warned")
