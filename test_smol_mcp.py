@@ -2330,17 +2330,23 @@ class BothModeTests(FakeCloudCase):
         self.assertIn("SMOL_CLOUD_TOKEN", str(caught.exception))
 
 
-def answer_fleet(action: str, fleet: str | None = None, asked: list | None = None):
-    """An elicitation callback that answers the fleet question."""
+def answer_form(action: str, content: dict, asked: list | None = None):
+    """An elicitation callback: ``action``, with ``content`` when it accepts;
+    each question's message is kept in ``asked``."""
 
     async def callback(context, params):
         if asked is not None:
             asked.append(params.message)
         return mcp_types.ElicitResult(
-            action=action, content={"fleet": fleet} if action == "accept" else None
+            action=action, content=content if action == "accept" else None
         )
 
     return callback
+
+
+def answer_fleet(action: str, fleet: str | None = None, asked: list | None = None):
+    """An elicitation callback that answers the fleet question."""
+    return answer_form(action, {"fleet": fleet}, asked)
 
 
 class Inbox:
@@ -2431,15 +2437,7 @@ class ElicitationTests(FakeCloudCase):
 
 def answer_allow(action: str, allow: bool = True, asked: list | None = None):
     """An elicitation callback that answers allow-egress's confirmation."""
-
-    async def callback(context, params):
-        if asked is not None:
-            asked.append(params.message)
-        return mcp_types.ElicitResult(
-            action=action, content={"allow": allow} if action == "accept" else None
-        )
-
-    return callback
+    return answer_form(action, {"allow": allow}, asked)
 
 
 class GuestWebServer:
