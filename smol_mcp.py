@@ -7043,6 +7043,8 @@ class SmolMcp:
         except AskClient as ask:
             return ask.question
         except SmolError as err:
+            if isinstance(ctx, PlainRequest):
+                ctx.failure = err
             message = redact(explain(err), self.config.secret_values())
             if tool is not None and not tool.read_only:
                 self.record({**entry, "outcome": message.splitlines()[0], **elapsed(started)})
@@ -7900,6 +7902,7 @@ class HttpGate:
         sessions: HttpSessions | None = None,
     ):
         self.app, self.access, self.path, self.sessions = app, access, path, sessions
+        self.api = path.rsplit("/", 1)[0] + "/api/tools"  # the plain API, beside the MCP path
         self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
         self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
 
@@ -7947,7 +7950,8 @@ class HttpGate:
                 ).encode(),
             )
             return
-        if scope["path"] != self.path:
+        api = self.sessions is not None and scope["path"].startswith(self.api)
+        if scope["path"] != self.path and not api:
             await _respond(
                 send,
                 404,
@@ -7961,7 +7965,9 @@ class HttpGate:
         body = await self.read_body(headers, receive, send)
         if body is None:
             return
-        if self.sessions is None:
+        if api:
+            await self.sessions.plain_api(scope, receive, send, principal, body, self.api)
+        elif self.sessions is None:
             await self.app(scope, replay_body(body, receive), send)
         else:
             await self.sessions.forward(
@@ -8170,6 +8176,36 @@ async def _respond(send: Callable, status: int, body: bytes, headers: list | Non
     await send({"type": "http.response.body", "body": body})
 
 
+class PlainRequest:
+    """What call_tool reads of a request, for a plain API call: the HTTP request
+    (which carries the principal), the protocol era, and a client that asks
+    nothing and takes no progress. ``failure`` is the SmolError the call ended
+    with, for the HTTP status."""
+
+    meta = client_capabilities = failure = None
+
+    def __init__(self, scope: dict, protocol_version: str):
+        from starlette.requests import Request
+
+        self.request, self.protocol_version, self.session = Request(scope), protocol_version, self
+
+    async def report_progress(self, *_: Any) -> None:
+        pass
+
+
+def plain_status(err: SmolError | None) -> int:
+    """The plain API's status for a tool error (see the README's table)."""
+    if isinstance(err, ScopeMissing):
+        return 403
+    if isinstance(err, ApprovalRefused):
+        return 409
+    if isinstance(err, ApiError):
+        return err.status if 400 <= err.status < 500 else 502
+    if isinstance(err, ArgumentError):
+        return 400
+    return 500 if err is None else 422
+
+
 class HttpSessions:
     """Sessions over HTTP, kept from what HttpGate sees of each request (the
     SDK's public surface: headers, bodies, statuses). Handshake era: one per
@@ -8258,6 +8294,69 @@ class HttpSessions:
             session.http_id, session.protocol = http_id, protocol
             self.by_id[http_id] = session
         return session
+
+    async def plain_api(
+        self,
+        scope: dict,
+        receive: Callable,
+        send: Callable,
+        principal: Principal,
+        body: bytes,
+        api: str,
+    ) -> None:
+        """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME
+        with a JSON object of arguments calls one through call_tool, as the
+        token's 2026-era session, so scopes, ownership, approvals and the
+        activity log are the MCP path's own. A call ends, as cancelled, when
+        its client goes away."""
+        import anyio
+        import mcp_types as types
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+        name, method = scope["path"][len(api) :].lstrip("/"), scope["method"]
+        if not name and method == "GET":
+            tools = self.app.tool_list(self.app.mode == "both", principal)
+            listed = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools]
+            return await _respond(send, 200, json.dumps({"tools": listed}).encode())
+        try:
+            arguments = json.loads(body or b"{}")  # no body: no arguments
+        except ValueError:
+            arguments = None
+        refusal = (
+            (405, f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools")
+            if method != "POST" or not name
+            else (404, f"there is no tool named {name!r}; GET {api} lists yours")
+            if name not in TOOLS_BY_NAME
+            else (400, "the body must be a JSON object of the tool's arguments")
+            if not isinstance(arguments, dict)
+            else None
+        )
+        if refusal is not None:
+            return await _respond(send, refusal[0], json.dumps({"error": refusal[1]}).encode())
+        ctx = PlainRequest(scope, MODERN_PROTOCOL_VERSIONS[0])
+        session = self.modern_session(principal)
+        session.used, session.in_flight, result = True, session.in_flight + 1, None
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def watch_client() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    group.cancel_scope.cancel()  # the call ends as a client that went away
+
+                group.start_soon(watch_client)
+                params = types.CallToolRequestParams(name=name, arguments=arguments)
+                result = await self.app.call_tool(ctx, params)
+                group.cancel_scope.cancel()
+        finally:
+            session.in_flight -= 1
+            session.last_seen = time.monotonic()
+        if result is None:  # the client went away: nobody to answer
+            return
+        if result.is_error:
+            answer = {"error": result.content[0].text}
+            return await _respond(send, plain_status(ctx.failure), json.dumps(answer).encode())
+        await _respond(send, 200, json.dumps(result.structured_content).encode())
 
     def end_handshake(self, session: Session) -> None:
         """Forget a handshake session and clean it up in the background (the

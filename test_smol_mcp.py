@@ -6814,6 +6814,135 @@ class AgentAccessHttpTests(HttpCase):
             await asyncio.sleep(0.1)
 
 
+class PlainApiTests(HttpCase):
+    """POST /api/tools/NAME and GET /api/tools: the same tools, scopes, ownership,
+    approvals, limits and activity log as the MCP endpoint, without an MCP client."""
+
+    as_token, wait_until = AgentAccessHttpTests.as_token, AgentAccessHttpTests.wait_until
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        self.store = smol_mcp.TokenStore(self.config.state_dir)
+        self.secrets = {}
+        for name, scopes in (("look", "machines.read"), ("a", SANDBOX), ("b", SANDBOX)):
+            self.secrets[name] = self.store.create(
+                name, smol_mcp.parse_scopes(scopes), smol_mcp.FLEET_NAMES, "none"
+            )[1]
+
+    async def api(self, token, tool="", arguments=None, body=None, method="POST"):
+        secret = HTTP_TOKEN if token == "default" else self.secrets.get(token, token)
+        if body is None and arguments is not None:
+            body = json.dumps(arguments).encode()
+        response = await self.raw(
+            method, f"/api/tools/{tool}".rstrip("/"), {"Authorization": f"Bearer {secret}"}, body
+        )
+        return response.status_code, response.json()
+
+    async def test_a_read_a_change_and_the_listing_answer_as_json(self):
+        status, listed = await self.api("look", method="GET")
+        self.assertEqual(status, 200)
+        self.assertEqual([t["name"] for t in listed["tools"]], READ_TOOLS)
+        self.assertIn("inputSchema", listed["tools"][0])
+        status, made = await self.api(
+            "default", "create-machine", {"name": "plain", "image": "alpine", "start": False}
+        )
+        self.assertEqual((status, made["machine"]["name"]), (200, "plain"), made)
+        status, got = await self.api("look", "get-machine", {"name": "plain"})
+        self.assertEqual((status, got["machine"]["name"]), (200, "plain"), got)
+        [entry] = [e for e in self.app.access.activity.entries() if e.get("tool")]
+        self.assertEqual(
+            (entry["tool"], entry["principal"], entry["machine"], entry["outcome"]),
+            ("create-machine", "default", "plain", "ok"),
+        )
+        status, listing = await self.api("default", "list-machines")  # no body: no arguments
+        self.assertEqual((status, [m["name"] for m in listing["machines"]]), (200, ["plain"]))
+
+    async def test_refusals_have_their_status_and_the_mcp_text(self):
+        status, answer = await self.api("look", "create-machine", {"image": "alpine"})
+        self.assertEqual(status, 403)
+        self.assertTrue(answer["error"].startswith("scope_missing: create-machine needs"), answer)
+        status, mine = await self.api("a", "create-machine", {"image": "alpine", "start": False})
+        mine = mine["machine"]["name"]
+        async with self.as_token("b", MODES[-1]) as b:
+            over_mcp = await self.refused(b, "get-machine", {"name": mine})
+        self.assertEqual(
+            await self.api("b", "get-machine", {"name": mine}), (404, {"error": over_mcp})
+        )
+        status, answer = await self.api("default", "create-machine", {"image": 5})
+        self.assertEqual(status, 400)
+        self.assertIn("image", answer["error"])
+        for args in ([], "x"):
+            status, answer = await self.api(
+                "default", "create-machine", body=json.dumps(args).encode()
+            )
+            self.assertEqual(status, 400, answer)
+        self.assertEqual((await self.api("default", "create-machine", body=b"{"))[0], 400)
+        self.assertEqual((await self.api("default", "no-such-tool", {}))[0], 404)
+        self.assertEqual((await self.api("default", "list-machines", method="GET"))[0], 405)
+        self.assertEqual((await self.api("default", method="POST", body=b"{}"))[0], 405)
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = await self.raw("POST", "/api/tools/list-machines", headers, b"{}")
+            self.assertEqual(
+                (response.status_code, response.content), (401, smol_mcp.HTTP_UNAUTHORIZED)
+            )
+        self.assertEqual(len(self.requests_to("/machines")), 1)  # a's create; no refused call
+
+    async def test_a_body_over_the_bound_is_a_413(self):
+        with socket.create_connection(("127.0.0.1", self.port)) as sock:
+            sock.sendall(
+                (
+                    f"POST /api/tools/write-file HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+                    f"Authorization: Bearer {HTTP_TOKEN}\r\nExpect: 100-continue\r\n"
+                    f"Content-Length: {smol_mcp.HTTP_MAX_BODY_BYTES + 1}\r\n\r\n"
+                ).encode()
+            )
+            reply = await asyncio.to_thread(sock.recv, 4096)
+        self.assertTrue(reply.startswith(b"HTTP/1.1 413"), reply)
+
+    async def test_a_held_call_waits_for_its_answer_and_ends_when_its_client_goes(self):
+        _, secret = self.store.create(
+            "held", smol_mcp.parse_scopes("machines.manage"), smol_mcp.FLEET_NAMES, "changes"
+        )
+        self.secrets["held"] = secret
+        desk = self.app.access.desk
+
+        async def waiting():
+            await self.wait_until(desk.pending, 10)
+            return desk.pending()[0]
+
+        for decision, reason in (("approve", None), ("deny", "not today")):
+            call = asyncio.create_task(
+                self.api("held", "create-machine", {"name": decision, "image": "alpine"})
+            )
+            held = await waiting()
+            self.assertEqual(
+                (held["token"], held["tool"], held["machine"]), ("held", "create-machine", decision)
+            )
+            self.assertNotIn(decision, self.fake.machines)
+            desk.respond(held["id"], {"decision": decision, "by": "pat", "reason": reason})
+            status, answer = await call
+            if decision == "approve":
+                self.assertEqual((status, answer["machine"]["name"]), (200, "approve"))
+            else:
+                self.assertEqual(status, 409)
+                self.assertEqual(
+                    answer["error"],
+                    "approval_rejected: pat rejected create-machine: not today. Nothing ran.",
+                )
+        self.assertNotIn("deny", self.fake.machines)
+        call = asyncio.create_task(self.api("held", "delete-machine", {"name": "approve"}))
+        await waiting()
+        call.cancel()  # the client goes away: its call ends, and leaves the list
+        await self.wait_until(lambda: not desk.pending(), 10)
+        await self.wait_until(
+            lambda: [
+                e for e in self.app.access.activity.entries() if e.get("approval") == "cancelled"
+            ],
+            10,
+        )
+        self.assertIn("approve", self.fake.machines)
+
+
 class SandboxBothFleetsTests(FakeCloudCase):
     """A sandbox.* principal in both mode: ownership holds on the cloud fleet
     too, and a call it has no scope for is refused before any question."""
