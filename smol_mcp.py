@@ -7372,9 +7372,10 @@ class SmolMcp:
             raise
         by = str(answer.get("by") or "unknown")
         note = {"reason": str(answer["reason"])[:500]} if answer.get("reason") else {}
+        channel = {"via": str(answer["via"])[:40]} if answer.get("via") else {}
         if answer.get("decision") == "approve":
             extra = {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
-            self.record({**event, "approval": "approved", "by": by, **extra, **note})
+            self.record({**event, "approval": "approved", "by": by, **extra, **note, **channel})
             return by
         reason = note.get("reason", "no reason given")
         raise self.refuse(
@@ -7384,6 +7385,7 @@ class SmolMcp:
             f"{by} rejected {tool}: {reason}. Nothing ran.",
             by=by,
             reason=reason,
+            **channel,
         )
 
     @staticmethod
@@ -9357,6 +9359,19 @@ def token_variable(name: str) -> str:
     return "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
 
 
+def token_entry(client: str, url: str, config: Config, name: str, secret: str) -> str:
+    """A new token's ready-to-paste entry for ``client``, with where it goes and
+    how the client gets the secret (for `tokens create --client` and the console)."""
+    variable = token_variable(name)
+    key, entry = http_entry(client, url, config, variable)
+    where = client_config_path(client)[0]
+    if secret_reference(client, variable) or client == "codex":
+        how = f"and give the client the secret as {variable}:\n#   export {variable}='{secret}'"
+    else:  # it reads no environment: the value goes into the entry itself
+        how = f"with the secret pasted in place of <paste the {variable} value here>:"
+    return f"# {client}: add this to {where}, {how}\n" + render_entry(client, key, entry)
+
+
 def tokens_command(args: Any, config: Config) -> int:
     """tokens create / list / delete: the named tokens of --http, in the state directory."""
     store = TokenStore(config.state_dir)
@@ -9392,21 +9407,7 @@ def tokens_command(args: Any, config: Config) -> int:
         print(f"secret (shown this once; only its hash is kept): {secret}")
         if args.client:
             url = args.url or f"http://{config.http_host}:{config.http_port}{config.http_path}"
-            variable = token_variable(record["name"])
-            key, entry = http_entry(args.client, url, config, variable)
-            where = client_config_path(args.client)[0]
-            if secret_reference(args.client, variable) or args.client == "codex":
-                print(
-                    f"\n# {args.client}: add this to {where}, and give the client the "
-                    f"secret as {variable}:"
-                )
-                print(f"#   export {variable}='{secret}'")
-            else:  # it reads no environment: the value goes into the entry itself
-                print(
-                    f"\n# {args.client}: add this to {where}, with the secret pasted in "
-                    f"place of <paste the {variable} value here>:"
-                )
-            print(render_entry(args.client, key, entry), end="")
+            print("\n" + token_entry(args.client, url, config, record["name"], secret), end="")
         return 0
     auto = AutoApprovals(config.state_dir)
     if args.tokens_command == "auto-approve":
@@ -9474,10 +9475,12 @@ def tokens_command(args: Any, config: Config) -> int:
     return 0
 
 
-def cli_record(config: Config, entry: dict) -> None:
-    """An activity entry made at the terminal, in the name of the OS user."""
+def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
+    """An activity entry made at the terminal, in the name of the OS user (or
+    by ``who``: the operator in the console)."""
     try:
-        ActivityLog(config.state_dir).append({"principal": "cli", "user": os_user(), **entry})
+        who = who or {"principal": "cli", "user": os_user()}
+        ActivityLog(config.state_dir).append({**who, **entry})
     except (OSError, SmolError) as err:
         print(f"smol-mcp: warning: could not write the activity log ({err})", file=sys.stderr)
 
@@ -9506,53 +9509,47 @@ def activity_command(args: Any, config: Config) -> int:
         matching = " that matches" if (args.token or args.machine or since) else ""
         print(f"no activity recorded{matching} (log: {log_file.path})")
         return 0
-    rows = [("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME")]
-    for entry in entries:
-        who = entry.get("principal", "?") + (f" ({entry['user']})" if entry.get("user") else "")
-        what = entry.get("tool") or entry.get("event", "?")
-        if entry.get("event") == "approval":
-            subject = entry.get("tool") or entry.get("token", "")
-            what = f"approval {entry.get('approval', '?')} {subject}"
-            outcome = " ".join(
-                filter(
-                    None,
-                    (
-                        f"id {entry['id']}" if entry.get("id") else "",
-                        f"by {entry['by']}" if entry.get("by") else "",
-                        entry.get("reason", ""),
-                        entry.get("error", ""),
-                    ),
-                )
-            )
-        elif entry.get("event") == "token":
-            what, outcome = f"token {entry.get('outcome')}", entry.get("token", "")
-        else:
-            outcome = str(entry.get("outcome", ""))
-            if "exitCode" in entry:
-                outcome += f" (exit {entry['exitCode']})"
-            if entry.get("approvedBy"):
-                outcome += f", approved by {entry['approvedBy']}"
-        rows.append((entry.get("time", "?"), who, what, entry.get("machine") or "-", outcome[:100]))
-    print_table(rows)
+    print_table([ACTIVITY_COLUMNS, *map(activity_row, entries)])
     return 0
+
+
+ACTIVITY_COLUMNS = ("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME")
+
+
+def activity_row(entry: dict) -> tuple:
+    """An activity entry as a person reads it, in the `activity` table and the console."""
+    who = entry.get("principal", "?") + (f" ({entry['user']})" if entry.get("user") else "")
+    who += f" via {entry['via']}" if entry.get("via") else ""
+    what = entry.get("tool") or entry.get("event", "?")
+    if entry.get("event") == "approval":
+        subject = entry.get("tool") or entry.get("token", "")
+        what = f"approval {entry.get('approval', '?')} {subject}"
+        outcome = " ".join(
+            filter(
+                None,
+                (
+                    f"id {entry['id']}" if entry.get("id") else "",
+                    f"by {entry['by']}" if entry.get("by") else "",
+                    entry.get("reason", ""),
+                    entry.get("error", ""),
+                ),
+            )
+        )
+    elif entry.get("event") == "token":
+        what, outcome = f"token {entry.get('outcome')}", entry.get("token", "")
+    else:
+        outcome = str(entry.get("outcome", ""))
+        if "exitCode" in entry:
+            outcome += f" (exit {entry['exitCode']})"
+        if entry.get("approvedBy"):
+            outcome += f", approved by {entry['approvedBy']}"
+    return entry.get("time", "?"), who, what, entry.get("machine") or "-", outcome[:100]
 
 
 def approvals_command(args: Any, config: Config) -> int:
     """approvals list / approve / deny: answer the calls that wait, from the host."""
-    desk = ApprovalDesk(config.state_dir)
     if args.approvals_command == "list":
-        waiting = desk.pending() if desk.directory.exists() else []
-        shown = [
-            {
-                "id": r.get("id"),
-                "token": r.get("token"),
-                "tool": r.get("tool"),
-                "machine": r.get("machine"),
-                "expiresAt": r.get("expiresAt"),
-                "arguments": r.get("arguments", {}),
-            }
-            for r in waiting
-        ]
+        shown = waiting_calls(config)
         if args.json:
             print(json.dumps(shown))
             return 0
@@ -9581,37 +9578,60 @@ def approvals_command(args: Any, config: Config) -> int:
             "approvals deny ID [--reason TEXT]"
         )
         return 0
-    user = os_user()
-    if args.approvals_command == "approve":
-        answer = {"decision": "approve", "by": user, "answeredAt": utc_now()}
-        if args.auto_for:
-            answer["autoFor"] = args.auto_for
-        request = desk.respond(args.id, answer)
-        print(f"approved {args.id}: {request.get('tool')} by {request.get('token')} runs now")
-        if args.auto_for:
-            until = AutoApprovals(config.state_dir).grant(
-                str(request.get("token")), str(request.get("principalId", "")), args.auto_for
-            )
-            cli_record(
-                config,
-                {
-                    "event": "approval",
-                    "approval": "auto-approval started",
-                    "token": request.get("token"),
-                    "until": until,
-                    "id": args.id,
-                },
-            )
-            print(
-                f"{request.get('token')} runs changing tools without asking until {until}; "
-                f"end it with: tokens auto-approve {request.get('token')} off"
-            )
-        return 0
-    request = desk.respond(
-        args.id, {"decision": "deny", "by": user, "answeredAt": utc_now(), "reason": args.reason}
+    approve = args.approvals_command == "approve"
+    request, until = answer_approval(
+        config,
+        args.id,
+        approve,
+        None,
+        args.auto_for if approve else None,
+        getattr(args, "reason", ""),
     )
-    print(f"denied {args.id}: {request.get('tool')} by {request.get('token')} does not run")
+    if not approve:
+        print(f"denied {args.id}: {request.get('tool')} by {request.get('token')} does not run")
+        return 0
+    print(f"approved {args.id}: {request.get('tool')} by {request.get('token')} runs now")
+    if until:
+        print(
+            f"{request.get('token')} runs changing tools without asking until {until}; "
+            f"end it with: tokens auto-approve {request.get('token')} off"
+        )
     return 0
+
+
+def waiting_calls(config: Config) -> list[dict]:
+    """The calls that wait for approval, as `approvals list` and the console show them."""
+    desk = ApprovalDesk(config.state_dir)
+    keys = ("id", "token", "tool", "machine", "expiresAt", "arguments")
+    return [
+        {key: r.get(key) for key in keys}
+        for r in (desk.pending() if desk.directory.exists() else [])
+    ]
+
+
+def answer_approval(
+    config: Config, approval_id: str, approve: bool, who: dict | None, auto_for=None, reason=""
+) -> tuple[dict, str | None]:
+    """Answer a waiting call, from the terminal (``who`` None) or the console
+    (``who`` names the person and the channel), as one event: (the request,
+    until when its token now runs without asking, if it does)."""
+    who = who or {"principal": "cli", "user": os_user(), "via": "terminal"}
+    answer = {
+        "decision": "approve" if approve else "deny",
+        "by": who.get("user") or who["principal"],
+    }
+    answer.update(answeredAt=utc_now(), via=who["via"])
+    answer.update({"autoFor": auto_for} if auto_for else {} if approve else {"reason": reason})
+    request = ApprovalDesk(config.state_dir).respond(approval_id, answer)
+    if not auto_for:
+        return request, None
+    token = str(request.get("token"))
+    until = AutoApprovals(config.state_dir).grant(
+        token, str(request.get("principalId", "")), auto_for
+    )
+    started = {"event": "approval", "approval": "auto-approval started", "token": token}
+    cli_record(config, {**started, "until": until, "id": approval_id}, who)
+    return request, until
 
 
 def tokens_file_report(config: Config) -> str:
