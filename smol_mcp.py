@@ -8614,6 +8614,217 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     )
 
 
+# -- the operator's console (section 18) -----------------------------------------
+#
+# /console: the tokens, the calls waiting for approval and the activity log, for
+# the operator signed in as in section 17 (a bearer token opens none of it, and
+# the session cookie calls no tool). Plain HTML through Pages.page, no script;
+# every form carries the CSRF token, every value an agent chose is escaped, and
+# each change is the terminal's own event (answer_approval, cli_record) naming
+# the operator and the console.
+
+CONSOLE_WHO = {"principal": "operator", "via": "console"}
+CONSOLE_REFRESH_SECS = 5  # the approvals list reloads itself this often while open
+CONSOLE_PAGE_ROWS = 50
+CONSOLE_PERIODS = {"1h": "1 hour", "1d": "1 day", "7d": "7 days", "30d": "30 days"}
+CONSOLE_PERIODS["forever"] = "forever"
+CONSOLE_NAV = "".join(
+    f'<a href="/console/{part}">{label}</a> '
+    for part, label in (("tokens", "Access tokens"), ("approvals", "Approvals"))
+    + (("activity", "Activity"),)
+)
+
+
+def console_routes(app: SmolMcp) -> list:
+    """The console's pages and forms (see above)."""
+    from starlette.responses import RedirectResponse
+    from starlette.routing import Route
+
+    pages, config, access = app.pages, app.config, app.access
+
+    def show(request: Any, title: str, body: str, status: int = 200, head: str = "") -> Any:
+        pages.require_operator(request)
+        return pages.page(request, title, f"<nav>{CONSOLE_NAV}</nav>{body}", status, head=head)
+
+    def form_to(request: Any, action: str, fields: str) -> str:
+        return f'<form method="post" action="{action}">{pages.csrf_input(request)}{fields}</form>'
+
+    def waiting_card(request: Any, call: dict) -> str:
+        try:
+            left = f"{max(0, int(parse_time(call['expiresAt']) - time.time()))} s left"
+        except (ValueError, TypeError):
+            left = "time left unknown"
+        on = f" on {esc(call['machine'])}" if call.get("machine") else ""
+        options = "".join(f'<option value="{k}">{v}</option>' for k, v in CONSOLE_PERIODS.items())
+        arguments = json.dumps(call.get("arguments") or {}, indent=1, ensure_ascii=False)
+        review = f"/console/approvals/{esc(call['id'])}"
+        buttons = (
+            '<button name="answer" value="approve">Approve</button> <label>Auto-approve for '
+            f'<select name="auto">{options}</select></label><button name="answer" value="auto">'
+            'Approve + auto-approve</button><label>Reason <input type="text" name="reason" '
+            'maxlength="500"></label><button name="answer" value="reject">Reject</button>'
+        )
+        return (
+            f"<section><h2>{esc(call['tool'])}{on}</h2><p>token <b>{esc(call['token'])}</b>, "
+            f'{left}, <a href="{review}">review {esc(call["id"])}</a></p>'
+            f"<pre>{esc(arguments)}</pre>{form_to(request, review, buttons)}</section>"
+        )
+
+    async def approvals(request: Any) -> Any:
+        calls = sorted(waiting_calls(config), key=lambda c: str(c["expiresAt"]), reverse=True)
+        wanted = request.path_params.get("id")
+        if wanted is not None:  # one call's review page, which does not reload under the person
+            calls = [call for call in calls if call["id"] == wanted]
+        body = "".join(waiting_card(request, call) for call in calls) or (
+            f"<p>No call waits as {esc(wanted)}: it was answered, it timed out, or its client "
+            'went away. <a href="/console/approvals">All waiting calls</a></p>'
+            if wanted
+            else "<p>No call waits for approval.</p>"
+        )
+        refresh = f'<meta http-equiv="refresh" content="{CONSOLE_REFRESH_SECS}">'
+        status = 404 if wanted and not calls else 200
+        return show(request, "Approvals", body, status, "" if wanted else refresh)
+
+    async def answer(request: Any) -> Any:
+        pages.require_operator(request)
+        form, approval_id = await pages.form(request), request.path_params["id"]
+        choice, auto = str(form.get("answer")), str(form.get("auto"))
+        if choice not in ("approve", "auto", "reject") or (
+            choice == "auto" and auto not in CONSOLE_PERIODS
+        ):
+            return show(
+                request,
+                "Approvals",
+                "<p>Choose Approve, Approve + auto-approve or Reject.</p>",
+                400,
+            )
+        try:
+            reason = str(form.get("reason", ""))[:500]
+            auto_for = auto if choice == "auto" else None
+            answer_approval(config, approval_id, choice != "reject", CONSOLE_WHO, auto_for, reason)
+        except SmolError as err:
+            return show(request, "Approvals", f'<p class="error">{esc(err)}</p>', 409)
+        return RedirectResponse("/console/approvals", 303)
+
+    def token_card(request: Any, record: dict, used: dict) -> str:
+        name = record["name"]
+        until = access.auto.shown(name, record.get("id", ""))
+        auto = {"off": "off", "forever": "forever"}.get(until, f"until {until}")
+        end = '<button name="action" value="auto-off">End auto-approval</button> ' * (
+            until != "off"
+        )
+        buttons = f'{end}<button name="action" value="delete">Delete</button>'
+        return (
+            f"<section><h2>{esc(name)}</h2><p>scopes {esc(', '.join(record['scopes']))}; fleets "
+            f"{esc(', '.join(record['targets']))}; client {esc(record.get('client') or '-')}<br>"
+            f"approval {esc(record['approval'])}; auto-approval {esc(auto)}<br>created "
+            f"{esc(record.get('createdAt', '-'))}; last used {esc(used.get(name, 'never'))}</p>"
+            f"{form_to(request, f'/console/tokens/{urllib.parse.quote(name)}', buttons)}</section>"
+        )
+
+    def new_token_form(request: Any) -> str:
+        boxes = "".join(
+            f'<label><input type="checkbox" name="{field}" value="{value}"{on}> {value}</label>'
+            for field, values, on in (
+                ("scope", SCOPES, ""),
+                ("target", FLEET_NAMES, " checked"),
+            )
+            for value in values
+        )
+        fields = (
+            '<label>Name <input type="text" name="name" maxlength="64" required></label>'
+            f'{boxes}<label><input type="checkbox" name="approval" value="changes"> Require '
+            "approval for changes</label><button>Create token</button>"
+        )
+        return f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
+
+    async def tokens(request: Any) -> Any:
+        pages.require_operator(request)
+        shown = ""
+        if request.method == "POST":
+            form = await pages.form(request)
+            try:
+                name = str(form.get("name", "")).strip()
+                scopes = parse_scopes(",".join(form.getlist("scope")))
+                targets = parse_targets(",".join(form.getlist("target")))
+                approval = "changes" if form.get("approval") == "changes" else "none"
+                record, secret = access.tokens.create(name, scopes, targets, approval)
+            except SmolError as err:
+                shown = f'<p class="error">{esc(err)}</p>'
+            else:
+                made = {"event": "token", "outcome": "created", "token": name, "scopes": scopes}
+                cli_record(config, {**made, "targets": targets, "approval": approval}, CONSOLE_WHO)
+                url = pages.issuer + app.http.path
+                entries = "".join(
+                    f"<h3>{c}</h3><pre>{esc(token_entry(c, url, config, name, secret))}</pre>"
+                    for c in SETUP_CLIENTS
+                )
+                shown = (
+                    f"<p>Created <b>{esc(name)}</b>. Its secret, shown this once (only its hash "
+                    f"is kept):</p><pre>{esc(secret)}</pre>{entries}<h3>curl</h3><pre>curl -H "
+                    f"'Authorization: Bearer {esc(secret)}' {esc(url.rsplit('/', 1)[0])}/api/tools"
+                    "</pre>"
+                )
+        used = {**access.tokens.last_used(), **access.tokens._used}
+        cards = "".join(token_card(request, r, used) for r in access.tokens.records())
+        body = f"{shown}{cards or '<p>No tokens yet.</p>'}{new_token_form(request)}"
+        return show(request, "Access tokens", body, 400 if "error" in shown[:20] else 200)
+
+    async def token_action(request: Any) -> Any:
+        pages.require_operator(request)
+        form, name = await pages.form(request), request.path_params["name"]
+        if form.get("action") == "delete" and access.tokens.delete(name):
+            cli_record(config, {"event": "token", "outcome": "deleted", "token": name}, CONSOLE_WHO)
+        elif form.get("action") == "auto-off" and access.auto.end(name):
+            ended = {"event": "approval", "approval": "auto-approval ended", "token": name}
+            cli_record(config, ended, CONSOLE_WHO)
+        else:
+            return show(request, "Access tokens", f"<p>Nothing to do for {esc(name)}.</p>", 404)
+        return RedirectResponse("/console/tokens", 303)
+
+    async def activity(request: Any) -> Any:
+        query = request.query_params
+        asked = {key: query.get(key, "").strip()[:100] for key in ("token", "machine", "since")}
+        error, page = "", int(query["page"]) if query.get("page", "")[:6].isdigit() else 1
+        try:
+            since = parse_period(asked["since"]) if asked["since"] else None
+        except ValueError as err:
+            since, error = None, f'<p class="error">{esc(err)}</p>'
+        entries = access.activity.entries()
+        entries = select_activity(entries, asked["token"] or None, asked["machine"] or None, since)
+        pages_in_all = max(1, -(-len(entries) // CONSOLE_PAGE_ROWS))
+        page = max(1, min(page, pages_in_all))
+        rows = "".join(
+            "<li>" + " &middot; ".join(esc(cell) for cell in activity_row(entry)) + "</li>"
+            for entry in entries[::-1][(page - 1) * CONSOLE_PAGE_ROWS :][:CONSOLE_PAGE_ROWS]
+        )
+        inputs = "".join(
+            f'<label>{key.title()} <input type="text" name="{key}" value="{esc(value)}"></label>'
+            for key, value in asked.items()
+        )
+        links = "".join(
+            f' <a href="?{esc(urllib.parse.urlencode({**asked, "page": n}))}">{label}</a>'
+            for n, label in ((page - 1, "Newer"), (page + 1, "Older"))
+            if 0 < n <= pages_in_all
+        )
+        body = (
+            f'<form method="get" action="/console/activity">{inputs}<button>Filter</button>'
+            f"</form>{error}<p>{len(entries)} entries, newest first (since: 90s, 15m, 1h, 2d, 1w);"
+            f" page {page} of {pages_in_all}.{links}</p><ol>{rows}</ol>"
+        )
+        return show(request, "Activity", body)
+
+    return [
+        Route("/console", lambda request: RedirectResponse("/console/approvals", 303)),
+        Route("/console/approvals", approvals),
+        Route("/console/approvals/{id}", approvals),
+        Route("/console/approvals/{id}", answer, methods=["POST"]),
+        Route("/console/tokens", tokens, methods=["GET", "POST"]),
+        Route("/console/tokens/{name}", token_action, methods=["POST"]),
+        Route("/console/activity", activity),
+    ]
+
+
 def describe_mount_roots(config: Config) -> str:
     """One line on the host directories an agent can mount, for the startup log and doctor."""
     roots = parse_mount_roots(config.mount_roots)
