@@ -147,6 +147,7 @@ class Config:
         (), "SMOL_MCP_HTTP_ALLOWED_ORIGINS", "list"
     )
     state_dir: str = setting_field("", "SMOL_MCP_STATE_DIR")
+    public_url: str = setting_field("", "SMOL_MCP_PUBLIC_URL")  # --http behind a proxy or TLS
     # empty: every scope (section 11)
     scopes: tuple[str, ...] = setting_field((), "SMOL_MCP_SCOPES", "list")
     mount_roots: tuple[str, ...] = setting_field((), "SMOL_MCP_MOUNT_ROOTS", "list")
@@ -327,6 +328,18 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         raise ConfigError(
             "approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) must be an http:// or "
             f"https:// URL, got {config.approval_webhook!r}"
+        )
+    public = urllib.parse.urlsplit(config.public_url)
+    if config.public_url and (
+        public.scheme not in ("http", "https")
+        or (public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS)
+        or public.path.strip("/")
+        or public.query
+        or public.fragment
+    ):
+        raise ConfigError(
+            "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at, "
+            f"without a path, such as https://mcp.example.com; got {config.public_url!r}"
         )
     if not config.runtime_dir:
         config = dataclasses.replace(config, runtime_dir=default_runtime_dir(environ))
@@ -5946,7 +5959,7 @@ class TokenStore:
         return list(self.file.read().get("tokens", []))
 
     def create(
-        self, name: str, scopes: tuple[str, ...], targets: tuple[str, ...], approval: str
+        self, name: str, scopes: tuple[str, ...], targets: tuple[str, ...], approval: str, **extra
     ) -> tuple[dict, str]:
         if not TOKEN_NAME_RE.fullmatch(name) or name in RESERVED_TOKEN_NAMES:
             raise ConfigError(
@@ -5965,6 +5978,7 @@ class TokenStore:
             "targets": list(targets),
             "approval": approval,
             "createdAt": utc_now(),
+            **extra,  # an OAuth grant's client
         }
 
         def add(data: dict) -> None:
@@ -5993,14 +6007,17 @@ class TokenStore:
         return removed
 
     def match(self, offered: list[str]) -> dict | None:
-        """The record whose hash matches one of the offered secrets. Every
-        comparison runs (constant time, on hashes), whatever matched."""
+        """The record whose hash (or a live OAuth access token's) matches one
+        of the offered secrets. Every comparison runs (constant time, on
+        hashes), whatever matched."""
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
-        found = None
+        found, now = None, time.time()
         for record in self.records():
-            for digest in hashes:
-                if hmac.compare_digest(digest, str(record.get("sha256", ""))):
-                    found = record
+            access = [a["sha256"] for a in record.get("access", []) if a["expiresAt"] > now]
+            for known in (str(record.get("sha256", "")), *access):
+                for digest in hashes:
+                    if hmac.compare_digest(digest, known):
+                        found = record
         return found
 
     def touch(self, name: str) -> None:
@@ -6699,6 +6716,7 @@ class SmolMcp:
         self._tool_lists: dict[tuple, list] = {}
         self.state_key = secrets_module.token_bytes(32)  # seals the state of 2026-era questions
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
+        self.pages: Pages | None = None  # the sign-in pages of --http (section 14b)
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
         self.waiting_approvals = 0
         self.server = self._build_server()
@@ -7196,6 +7214,11 @@ class SmolMcp:
                     "tool": entry["tool"],
                     "machine": entry.get("machine"),
                     "expiresAt": request["expiresAt"],
+                    **(
+                        {"review": self.pages.issuer + REVIEW_PAGE + approval_id}
+                        if self.pages
+                        else {}
+                    ),
                 },
                 event,
             )
@@ -7879,7 +7902,8 @@ def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | N
     if config.http_allowed_hosts:
         return list(config.http_allowed_hosts)
     if host in LOOPBACK_HOSTS:
-        return [f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"]
+        public = [urllib.parse.urlsplit(config.public_url).netloc] if config.public_url else []
+        return [f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", *public]
     return None
 
 
@@ -7902,11 +7926,24 @@ class HttpGate:
         allowed_hosts: list[str] | None,
         allowed_origins: tuple[str, ...],
         sessions: HttpSessions | None = None,
+        pages: Pages | None = None,
+        public: Any = None,
     ):
         self.app, self.access, self.path, self.sessions = app, access, path, sessions
         self.api = path.rsplit("/", 1)[0] + "/api/tools"  # the plain API, beside the MCP path
         self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
+        self.pages, self.public = pages, public  # the sign-in, OAuth and console routes
         self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
+
+    def is_public(self, path: str) -> bool:
+        """A path reached without a bearer token: the pages and the OAuth
+        routes, while OAuth is on (an operator password or link exists)."""
+        if self.pages is None or not self.pages.operator.enabled():
+            return False
+        well_known = ("/.well-known/oauth-authorization-server", RESOURCE_METADATA + self.path)
+        return path in (*PAGE_PATHS, *OAUTH_PATHS, *well_known, "/console") or path.startswith(
+            "/console/"
+        )
 
     def principal(self, headers: dict[bytes, bytes]) -> Principal | None:
         """The principal of the token the request carries (Access compares
@@ -7922,11 +7959,16 @@ class HttpGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        principal = self.principal(headers)
-        if principal is None:
+        public = self.is_public(scope["path"])
+        principal = None if public else self.principal(headers)
+        if principal is None and not public:
+            challenge = b"Bearer"
+            if self.pages is not None and self.pages.operator.enabled():
+                metadata = self.pages.issuer + RESOURCE_METADATA + self.path
+                challenge = f'Bearer resource_metadata="{metadata}"'.encode()
             # Connection: close makes the server stop reading whatever body is still coming.
             await _respond(
-                send, 401, HTTP_UNAUTHORIZED, [(b"www-authenticate", b"Bearer"), *HTTP_CLOSE]
+                send, 401, HTTP_UNAUTHORIZED, [(b"www-authenticate", challenge), *HTTP_CLOSE]
             )
             return
         host = headers.get(b"host", b"").decode("latin-1")
@@ -7941,6 +7983,11 @@ class HttpGate:
                     }
                 ).encode(),
             )
+            return
+        if public:  # a browser's own pages, and the OAuth routes (CORS for browser clients)
+            body = await self.read_body(headers, receive, send)
+            if body is not None:
+                await self.public(scope, replay_body(body, receive), send)
             return
         origin = headers.get(b"origin", b"").decode("latin-1")
         if origin and self.allowed_origins and origin not in self.allowed_origins:
@@ -8604,6 +8651,11 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
         routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan
     )
     inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
+    issuer = oauth_issuer(config, host, port)
+    if issuer:
+        app.pages = Pages(app.access.state_dir, issuer)
+        routes = page_routes(app.pages) + oauth_routes(app, issuer, path) + console_routes(app)
+        public = pages_app(app.pages, routes)
     return HttpGate(
         inner,
         access=app.access,
@@ -8611,6 +8663,8 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
         sessions=app.http,
         allowed_hosts=default_allowed_hosts(config, host, port),
         allowed_origins=config.http_allowed_origins,
+        pages=app.pages,
+        public=public if issuer else None,
     )
 
 
@@ -8624,6 +8678,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
 # the operator and the console.
 
 CONSOLE_WHO = {"principal": "operator", "via": "console"}
+REVIEW_PAGE = "/console/approvals/"  # + the id: one waiting call, linked from the webhook
 CONSOLE_REFRESH_SECS = 5  # the approvals list reloads itself this often while open
 CONSOLE_PAGE_ROWS = 50
 CONSOLE_PERIODS = {"1h": "1 hour", "1d": "1 day", "7d": "7 days", "30d": "30 days"}
@@ -8657,7 +8712,7 @@ def console_routes(app: SmolMcp) -> list:
         on = f" on {esc(call['machine'])}" if call.get("machine") else ""
         options = "".join(f'<option value="{k}">{v}</option>' for k, v in CONSOLE_PERIODS.items())
         arguments = json.dumps(call.get("arguments") or {}, indent=1, ensure_ascii=False)
-        review = f"/console/approvals/{esc(call['id'])}"
+        review = REVIEW_PAGE + esc(call["id"])
         buttons = (
             '<button name="answer" value="approve">Approve</button> <label>Auto-approve for '
             f'<select name="auto">{options}</select></label><button name="answer" value="auto">'
@@ -8883,6 +8938,689 @@ def stopping_server(config: Any, app: SmolMcp):
 
 
 # ---------------------------------------------------------------------------
+# 14b. Sign-in and OAuth (--http)
+#
+# A client connects by URL alone: this server is its own OAuth authorization
+# server (the SDK's routes over a provider kept in the state directory), and
+# the person who consents is the operator, signed in to the server's own pages
+# with a password or a one-time link made on the host. A grant is a named
+# token, so all section 11 says of tokens holds for it. Pages are plain HTML
+# made here: no JavaScript, no files beside the module.
+# ---------------------------------------------------------------------------
+
+OPERATOR_FILE = "operator.json"
+SIGNIN_LINK_SECS = 600  # a one-time sign-in link is good for this long, and once
+SIGNIN_SESSION_SECS = 12 * 3600
+SIGNIN_TRIES, SIGNIN_WINDOW_SECS = 5, 300  # failed sign-ins per address, then it waits
+SIGNIN_MAX_SESSIONS = 16  # signed-in browsers kept; past it the oldest is signed out
+SESSION_COOKIE, FORM_COOKIE = "smol_session", "smol_form"
+MIN_PASSWORD_CHARS = 12
+PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
+RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
+PAGE_STYLE = (
+    "body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:0 auto;padding:0 1em}"
+    "header{display:flex;flex-wrap:wrap;justify-content:space-between;align-items:center;"
+    "gap:.5em;border-bottom:1px solid #ccc;padding:.5em 0}"
+    "input,button{font:inherit;padding:.3em .6em}label{display:block;margin:.4em 0}"
+    "input[type=text],input[type=password]{width:100%;box-sizing:border-box}"
+    "fieldset{border:1px solid #ccc;margin:1em 0}.error{color:#a00}.note{color:#555}"
+    "nav a{margin-right:1em}section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
+    "pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;padding:.5em}"
+)
+
+
+def esc(value: Any) -> str:
+    """Text made safe inside HTML: every value a page shows goes through this."""
+    import html
+
+    return html.escape(str(value), quote=True)
+
+
+def page_headers(form_to: str = "") -> dict[str, str]:
+    """What every page is sent with: a CSP that allows only the page's own
+    style and forms posting here (and to ``form_to``, where a form's answer
+    redirects), no framing, nothing cached."""
+    import hashlib
+
+    style = base64.b64encode(hashlib.sha256(PAGE_STYLE.encode()).digest()).decode()
+    return {
+        "content-security-policy": f"default-src 'none'; style-src 'sha256-{style}'; "
+        f"form-action 'self' {form_to}".rstrip()
+        + "; frame-ancestors 'none'; base-uri 'none'",
+        "x-frame-options": "DENY",
+        "cache-control": "no-store",
+        "referrer-policy": "no-referrer",
+        "x-content-type-options": "nosniff",
+    }
+
+
+class SignInRequired(Exception):
+    """Pages.require_operator found no signed-in operator: answered with the sign-in page."""
+
+
+class FormRefused(Exception):
+    """A form without this browser's CSRF token: answered 403."""
+
+
+class Operator:
+    """The operator's password (scrypt, salted) and one-time sign-in links, in
+    the state directory; neither is ever kept in clear."""
+
+    def __init__(self, state_dir: str | Path):
+        self.file = StateFile(Path(state_dir) / OPERATOR_FILE, dict)
+
+    @staticmethod
+    def _scrypt(password: str, salt: str) -> str:
+        import hashlib
+
+        return hashlib.scrypt(password.encode(), salt=bytes.fromhex(salt), n=2**14, r=8, p=1).hex()
+
+    def set_password(self, password: str) -> None:
+        if len(password) < MIN_PASSWORD_CHARS:
+            raise ConfigError(
+                f"the password has {len(password)} characters; use at least "
+                f"{MIN_PASSWORD_CHARS} (a few words work well)"
+            )
+        salt = secrets_module.token_hex(16)
+        hashed = {"salt": salt, "scrypt": self._scrypt(password, salt)}
+        self.file.update(lambda data: data.__setitem__("password", hashed))
+
+    def check_password(self, password: str) -> bool:
+        saved = self.file.read().get("password")
+        if not saved or not password or len(password) > 1024:
+            return False
+        return hmac.compare_digest(self._scrypt(password, saved["salt"]), saved["scrypt"])
+
+    def new_link(self) -> str:
+        secret = secrets_module.token_urlsafe(32)
+        link = {"sha256": secret_hash(secret), "expiresAt": time.time() + SIGNIN_LINK_SECS}
+
+        def add(data: dict) -> None:
+            live = [old for old in data.get("links", []) if old["expiresAt"] > time.time()]
+            data["links"] = [*live[-9:], link]
+
+        self.file.update(add)
+        return secret
+
+    def use_link(self, secret: str) -> bool:
+        """Whether ``secret`` is a live link; it is spent either way."""
+        digest, now = secret_hash(secret), time.time()
+
+        def take(data: dict) -> bool:
+            links = data.get("links", [])
+            found = [k for k in links if hmac.compare_digest(k["sha256"], digest)]
+            data["links"] = [k for k in links if k not in found and k["expiresAt"] > now]
+            return any(k["expiresAt"] > now for k in found)
+
+        return bool(secret) and self.file.path.exists() and self.file.update(take)
+
+    def enabled(self) -> bool:
+        """A password or a live link exists: OAuth and the pages are on."""
+        try:
+            data = self.file.read()
+        except SmolError:
+            return False
+        links = data.get("links", [])
+        return bool(data.get("password")) or any(k["expiresAt"] > time.time() for k in links)
+
+
+class Pages:
+    """The server's own pages: who is signed in (sessions of this process, by
+    an HttpOnly SameSite=Strict cookie), the sign-in rate limit per client
+    address, CSRF tokens, and the renderer every page goes through."""
+
+    def __init__(self, state_dir: str | Path, issuer: str):
+        self.operator, self.issuer = Operator(state_dir), issuer
+        self.secure = issuer.startswith("https:")
+        self.sessions: dict[str, dict] = {}  # the cookie's SHA-256 -> expires, csrf, how
+        self.failures: dict[str, list[float]] = {}  # client address -> times of failed sign-ins
+
+    def session(self, request: Any) -> dict | None:
+        cookie = request.cookies.get(SESSION_COOKIE)
+        found = self.sessions.get(secret_hash(cookie)) if cookie else None
+        return found if found and found["expires"] > time.time() else None
+
+    def require_operator(self, request: Any) -> dict:
+        """The signed-in operator's session, or SignInRequired, which sends
+        the browser to the sign-in page and back to this URL after it. Every
+        handler of a page for the operator calls this first."""
+        session = self.session(request)
+        if session is None:
+            raise SignInRequired()
+        return session
+
+    def csrf_input(self, request: Any) -> str:
+        """The hidden CSRF field every form carries: the session's token, or
+        before sign-in one kept in a cookie of its own (double submit)."""
+        session = self.session(request)
+        token = session["csrf"] if session else request.cookies.get(FORM_COOKIE)
+        if not token:
+            token = request.state.new_form_token = secrets_module.token_urlsafe(32)
+        return f'<input type="hidden" name="csrf" value="{esc(token)}">'
+
+    async def form(self, request: Any) -> Any:
+        """The posted form once its CSRF token matched, else FormRefused (403)."""
+        form = await request.form()
+        session = self.session(request)
+        expected = session["csrf"] if session else request.cookies.get(FORM_COOKIE, "")
+        if not expected or not hmac.compare_digest(str(form.get("csrf", "")), expected):
+            raise FormRefused()
+        return form
+
+    def page(
+        self, request: Any, title: str, body: str, status: int = 200, form_to: str = "", head=""
+    ) -> Any:
+        """A whole page around ``body`` (HTML the caller built with esc() on
+        every value): who is signed in with a Sign out button, the headers of
+        page_headers(), readable on a phone."""
+        from starlette.responses import HTMLResponse
+
+        who = ""
+        if self.session(request):
+            who = (
+                f'<form method="post" action="/signout">Signed in as the operator of '
+                f"{esc(self.issuer)} {self.csrf_input(request)}<button>Sign out</button></form>"
+            )
+        text = (
+            '<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
+            f'content="width=device-width,initial-scale=1">{head}<title>{esc(title)} - smol-mcp'
+            f"</title><style>{PAGE_STYLE}</style></head><body><header><strong>smol-mcp</strong>"
+            f"{who}</header><h1>{esc(title)}</h1>{body}</body></html>"
+        )
+        response = HTMLResponse(text, status, headers=page_headers(form_to))
+        new_token = getattr(request.state, "new_form_token", None)
+        if new_token:
+            response.set_cookie(
+                FORM_COOKIE, new_token, httponly=True, samesite="strict", secure=self.secure
+            )
+        return response
+
+    def wait_secs(self, address: str) -> int:
+        """How long ``address`` must wait before it may try to sign in again."""
+        now = time.time()
+        recent = [t for t in self.failures.pop(address, []) if now - t < SIGNIN_WINDOW_SECS]
+        if recent:
+            self.failures[address] = recent
+        if len(self.failures) > 1024:  # bounded: the oldest addresses are forgotten
+            self.failures = dict(list(self.failures.items())[-512:])
+        return int(recent[0] + SIGNIN_WINDOW_SECS - now) + 1 if len(recent) >= SIGNIN_TRIES else 0
+
+    def start_session(self, response: Any, how: str) -> None:
+        cookie, now = secrets_module.token_urlsafe(32), time.time()
+        self.sessions = {k: v for k, v in self.sessions.items() if v["expires"] > now}
+        while len(self.sessions) >= SIGNIN_MAX_SESSIONS:
+            del self.sessions[min(self.sessions, key=lambda k: self.sessions[k]["expires"])]
+        self.sessions[secret_hash(cookie)] = {
+            "expires": now + SIGNIN_SESSION_SECS,
+            "csrf": secrets_module.token_urlsafe(32),
+            "how": how,
+        }
+        response.set_cookie(
+            SESSION_COOKIE,
+            cookie,
+            max_age=SIGNIN_SESSION_SECS,
+            httponly=True,
+            samesite="strict",
+            secure=self.secure,
+        )
+
+
+def oauth_issuer(config: Config, host: str, port: int) -> str | None:
+    """The address the pages and OAuth name this server by: publicUrl, else
+    the loopback address it is bound to; None off loopback without publicUrl
+    (the name clients dial is not knowable here)."""
+    if config.public_url:
+        return config.public_url.rstrip("/")
+    if host in LOOPBACK_HOSTS:
+        return f"http://{'[::1]' if host == '::1' else host}:{port}"
+    return None
+
+
+def back_to(target: str) -> str:
+    """Where to go after signing in: a path on this server, nowhere else."""
+    if target.startswith("/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/signin"
+
+
+def page_routes(pages: Pages) -> list:
+    """The sign-in and sign-out pages."""
+    import anyio
+    from starlette.responses import RedirectResponse
+    from starlette.routing import Route
+
+    def signin_page(request: Any, target: str, link: str, error: str = "", status=200) -> Any:
+        url = "/signin?" + urllib.parse.urlencode({"next": target})
+        head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
+        if "hop" not in request.query_params and request.method == "GET" and not error:
+            # A SameSite=Strict cookie is not sent along a chain of redirects from
+            # another site (the client's): reloading from this page sends it.
+            again = request.url.include_query_params(hop=1)
+            head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
+        if link:
+            field = (
+                f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
+                "one-time link made by <code>operator link</code> on the host.</p>"
+            )
+        else:
+            field = (
+                '<label>Password <input type="password" name="password" maxlength="1024" '
+                'autocomplete="current-password" required autofocus></label>'
+            )
+        body = (
+            f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
+            '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
+            "the host: <code>smol_mcp.py operator set-password</code>, or "
+            "<code>smol_mcp.py operator link</code> for a one-time link.</p>"
+        )
+        return pages.page(request, "Sign in", body, status, head=head)
+
+    async def signin(request: Any) -> Any:
+        target = back_to(request.query_params.get("next", "/signin"))
+        if request.method == "GET":
+            if pages.session(request) is None:
+                return signin_page(request, target, request.query_params.get("link", ""))
+            if target != "/signin":
+                return RedirectResponse(target, 303)
+            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
+        form = await pages.form(request)
+        address = request.client.host if request.client else "unknown"
+        link = str(form.get("link", ""))
+        wait = pages.wait_secs(address)
+        if wait:
+            message = f"Too many failed sign-ins from {address}: try again in {wait} s."
+            return signin_page(request, target, link, message, 429)
+        if link:
+            how = (
+                "one-time link"
+                if await anyio.to_thread.run_sync(pages.operator.use_link, link)
+                else ""
+            )
+        else:
+            password = str(form.get("password", ""))
+            ok = await anyio.to_thread.run_sync(pages.operator.check_password, password)
+            how = "password" if ok else ""
+        if not how:
+            pages.failures.setdefault(address, []).append(time.time())
+            message = (
+                "That sign-in link is used, expired (links last 10 minutes) or wrong: make "
+                "another with `smol_mcp.py operator link`."
+                if link
+                else "That password is not right. Set a new one on the host with "
+                "`smol_mcp.py operator set-password`."
+            )
+            return signin_page(request, target, link, message, 401)
+        response = RedirectResponse(target, 303)
+        pages.start_session(response, how)
+        return response
+
+    async def signout(request: Any) -> Any:
+        await pages.form(request)
+        pages.sessions.pop(secret_hash(request.cookies.get(SESSION_COOKIE, "")), None)
+        response = RedirectResponse("/signin?hop=1", 303)
+        response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
+        return response
+
+    return [
+        Route("/signin", signin, methods=["GET", "POST"]),
+        Route("/signout", signout, methods=["POST"]),
+    ]
+
+
+OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's routes
+OAUTH_CLIENTS_FILE = "oauth-clients.json"
+OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
+OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
+OAUTH_MAX_PENDING = 32  # consent pages open at once
+GRANTS = {  # the consent page's grants, besides Choose scopes
+    "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
+    "Read-only": ("machines.read", "activity.read"),
+    "Sandbox": ("sandbox.read", "sandbox.manage", "sandbox.exec"),
+}
+GRANT_NOTES = {
+    "Full": "every tool, on every machine",
+    "Read-only": "list machines, read their details and logs, and the activity log",
+    "Sandbox": "create and use machines of its own; it never sees the others",
+    "Choose scopes": "exactly the scopes ticked here",
+}
+
+
+@functools.cache
+def oauth_client_class() -> type:
+    """The SDK's client record, with the redirect check of RFC 8252 7.3: a
+    loopback redirect may come back on another port (a native app listens on
+    whichever is free); anything else must be registered exactly."""
+    from mcp.shared.auth import OAuthClientInformationFull
+
+    class OAuthClient(OAuthClientInformationFull):
+        def validate_redirect_uri(self, redirect_uri: Any) -> Any:
+            if redirect_uri is not None and redirect_uri.scheme == "http":
+                same = (redirect_uri.host, redirect_uri.path, redirect_uri.query)
+                for known in self.redirect_uris or []:
+                    if known.host in (*LOOPBACK_HOSTS, "[::1]") and same == (
+                        known.host,
+                        known.path,
+                        known.query,
+                    ):
+                        return redirect_uri
+            return super().validate_redirect_uri(redirect_uri)
+
+    return OAuthClient
+
+
+class OAuthProvider:
+    """The SDK's OAuthAuthorizationServerProvider over the state directory:
+    registered clients in a file of their own (OAUTH_MAX_CLIENTS at most),
+    consent requests and codes in memory (minutes long), and each grant a
+    named token whose record holds its client and the hashes of its access
+    and refresh tokens, so `tokens delete` ends all of them at once."""
+
+    def __init__(self, app: SmolMcp, issuer: str, resource: str):
+        self.tokens, self.activity = app.access.tokens, app.access.activity
+        self.clients = StateFile(Path(app.access.state_dir) / OAUTH_CLIENTS_FILE, dict)
+        self.issuer, self.resource = issuer, resource
+        self.pending: dict[str, tuple] = {}  # consent request id -> (client, params, expires)
+        self.codes: dict[str, Any] = {}  # code -> its AuthorizationCode (subject: the grant's id)
+
+    async def get_client(self, client_id: str) -> Any:
+        info = self.clients.read().get(client_id)
+        return oauth_client_class().model_validate(info) if info else None
+
+    async def register_client(self, client_info: Any) -> None:
+        from mcp.server.auth.provider import RegistrationError
+
+        uris = client_info.redirect_uris or []
+        unsafe = [
+            str(uri)
+            for uri in uris
+            if len(str(uri)) > 512
+            or uri.scheme in ("javascript", "data", "file", "vbscript")
+            or (uri.scheme == "http" and uri.host not in (*LOOPBACK_HOSTS, "[::1]"))
+        ]
+        if unsafe or not 1 <= len(uris) <= 8 or len(client_info.client_name or "") > 100:
+            raise RegistrationError(
+                "invalid_redirect_uri" if unsafe else "invalid_client_metadata",
+                "register 1 to 8 redirect URIs, each https, http on loopback or an app's own "
+                f"scheme (refused: {', '.join(unsafe) or 'none'}), and a name of 100 characters "
+                "at most",
+            )
+
+        def add(data: dict) -> None:
+            if len(data) >= OAUTH_MAX_CLIENTS:
+                granted = {record.get("clientId") for record in self.tokens.records()}
+                spare = [client_id for client_id in data if client_id not in granted]
+                if not spare:
+                    raise RegistrationError(
+                        "invalid_client_metadata",
+                        f"{OAUTH_MAX_CLIENTS} clients with grants are registered: the operator "
+                        "must delete one (`tokens delete NAME`) first",
+                    )
+                del data[spare[0]]
+            data[client_info.client_id] = client_info.model_dump(mode="json", exclude_none=True)
+
+        self.clients.update(add)
+
+    async def authorize(self, client: Any, params: Any) -> str:
+        """Hold the request for the consent page, and send the browser there."""
+        from mcp.server.auth.provider import AuthorizeError
+
+        if params.resource is not None and params.resource.rstrip("/") != self.resource:
+            raise AuthorizeError(
+                "invalid_target",
+                f"this server is the resource {self.resource}, not {params.resource}",
+            )
+        now = time.time()
+        self.pending = {k: v for k, v in self.pending.items() if v[2] > now}
+        if len(self.pending) >= OAUTH_MAX_PENDING:
+            raise AuthorizeError(
+                "temporarily_unavailable", "too many consent pages are open; try again later"
+            )
+        request_id = secrets_module.token_urlsafe(16)
+        self.pending[request_id] = (client, params, now + SIGNIN_LINK_SECS)
+        return f"{self.issuer}/consent?request={request_id}"
+
+    def new_code(self, client: Any, params: Any, record: dict) -> str:
+        from mcp.server.auth.provider import AuthorizationCode
+
+        code, now = secrets_module.token_urlsafe(32), time.time()
+        self.codes = {k: v for k, v in self.codes.items() if v.expires_at > now}
+        self.codes[code] = AuthorizationCode(
+            code=code,
+            scopes=record["scopes"],
+            expires_at=now + OAUTH_CODE_SECS,
+            client_id=client.client_id,
+            code_challenge=params.code_challenge,
+            redirect_uri=params.redirect_uri,
+            redirect_uri_provided_explicitly=params.redirect_uri_provided_explicitly,
+            resource=self.resource,
+            subject=record["id"],
+        )
+        return code
+
+    async def load_authorization_code(self, client: Any, code: str) -> Any:
+        found = self.codes.get(code)
+        return found if found is not None and found.client_id == client.client_id else None
+
+    async def exchange_authorization_code(self, client: Any, code: Any) -> Any:
+        self.codes.pop(code.code, None)  # used once
+        return self.issue(code.subject, None)
+
+    async def load_refresh_token(self, client: Any, token: str) -> Any:
+        from mcp.server.auth.provider import RefreshToken
+
+        digest = secret_hash(token)
+        for record in self.tokens.records():
+            for kept in record.get("refresh", []):
+                if hmac.compare_digest(kept["sha256"], digest):
+                    if record.get("clientId") == client.client_id:
+                        return RefreshToken(
+                            token=token,
+                            client_id=client.client_id,
+                            scopes=record["scopes"],
+                            expires_at=int(kept["expiresAt"]),
+                            resource=self.resource,
+                            subject=record["id"],
+                        )
+        return None
+
+    async def exchange_refresh_token(self, client: Any, refresh_token: Any, scopes: list) -> Any:
+        return self.issue(refresh_token.subject, refresh_token.token)
+
+    def issue(self, grant_id: str, spent: str | None) -> Any:
+        """New access and refresh tokens for a grant, only their hashes kept;
+        ``spent``, the refresh token they replace, stops working."""
+        from mcp.server.auth.provider import TokenError
+        from mcp.shared.auth import OAuthToken
+
+        access, refresh, now = new_token_secret(), new_token_secret(), time.time()
+
+        def rotate(data: dict) -> dict | None:
+            for record in data.get("tokens", []):
+                if record.get("id") != grant_id:
+                    continue
+                refreshes = [kept["sha256"] for kept in record.get("refresh", [])]
+                if spent is not None and secret_hash(spent) not in refreshes:
+                    return None  # used already: by the client, or by whoever stole it
+                live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now]
+                record["access"] = [
+                    *live[-3:],
+                    {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS},
+                ]
+                record["refresh"] = [
+                    {"sha256": secret_hash(refresh), "expiresAt": now + OAUTH_REFRESH_SECS}
+                ]
+                return record
+            return None
+
+        record = self.tokens.file.update(rotate)
+        if record is None:
+            raise TokenError("invalid_grant", "this grant was deleted, or the token used already")
+        return OAuthToken(
+            access_token=access,
+            expires_in=OAUTH_ACCESS_SECS,
+            refresh_token=refresh,
+            scope=" ".join(record["scopes"]),
+        )
+
+    async def load_access_token(self, token: str) -> Any:
+        from mcp.server.auth.provider import AccessToken
+
+        record = self.tokens.match([token])
+        if record is None or not record.get("clientId"):
+            return None
+        return AccessToken(
+            token=token,
+            client_id=record["clientId"],
+            scopes=record["scopes"],
+            resource=self.resource,
+            subject=record["id"],
+        )
+
+    async def revoke_token(self, token: Any) -> None:
+        """A client that revokes a token ends its whole grant, as `tokens delete` does."""
+        for record in self.tokens.records():
+            if record.get("id") == token.subject and self.tokens.delete(record["name"]):
+                self.activity.append(
+                    {"principal": record["name"], "event": "token", "outcome": "revoked"}
+                )
+
+
+def default_token_name(client_name: str, taken: Iterable[str]) -> str:
+    """A free token name made from a client's name."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", client_name).strip("-._")[:56] or "client"
+    names = set(taken) | set(RESERVED_TOKEN_NAMES)
+    return next(
+        name for name in (base, *(f"{base}-{i}" for i in range(2, 999))) if name not in names
+    )
+
+
+def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
+    """The SDK's OAuth routes on our provider, and the consent page."""
+    from mcp.server.auth.provider import construct_redirect_uri
+    from mcp.server.auth.routes import create_auth_routes, create_protected_resource_routes
+    from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
+    from pydantic import AnyHttpUrl
+    from starlette.responses import RedirectResponse
+    from starlette.routing import Route
+
+    pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
+
+    def back(params: Any, **answer: str) -> Any:
+        url = construct_redirect_uri(str(params.redirect_uri), state=params.state, **answer)
+        return RedirectResponse(url, 303)
+
+    async def consent(request: Any) -> Any:
+        pages.require_operator(request)
+        request_id = request.query_params.get("request", "")
+        client, params, expires = provider.pending.get(request_id, (None, None, 0))
+        if expires < time.time():
+            body = (
+                "<p>This request is unknown or over 10 minutes old: connect the client again.</p>"
+            )
+            return pages.page(request, "No such request", body, 404)
+        name = client.client_name or client.client_id
+        target = urllib.parse.urlsplit(str(params.redirect_uri))
+        error, chosen = "", {"grant": "Sandbox", "name": "", "approval": ""}
+        if request.method == "POST":
+            form = await pages.form(request)
+            if form.get("action") != "Allow":
+                del provider.pending[request_id]
+                return back(params, error="access_denied", error_description="the operator said no")
+            chosen = {key: str(form.get(key, "")) for key in chosen}
+            scopes = GRANTS.get(chosen["grant"]) or tuple(
+                scope for scope in SCOPES if scope in form.getlist("scope")
+            )
+            try:
+                if not scopes:
+                    raise ConfigError("Tick at least one scope, or pick another grant.")
+                record, _ = provider.tokens.create(
+                    chosen["name"].strip(),
+                    scopes,
+                    FLEET_NAMES,
+                    "changes" if chosen["approval"] else "none",
+                    client=name,
+                    clientId=client.client_id,
+                )
+            except ConfigError as err:
+                error = str(err)
+            else:
+                del provider.pending[request_id]
+                entry = {"event": "token", "outcome": "granted", "client": name}
+                provider.activity.append(
+                    {"principal": "operator", "token": record["name"], **entry}
+                )
+                return back(params, code=provider.new_code(client, params, record))
+        taken = (record["name"] for record in provider.tokens.records())
+        grants = "".join(
+            f'<label><input type="radio" name="grant" value="{esc(grant)}"'
+            f"{' checked' if grant == chosen['grant'] else ''}> {esc(grant)} "
+            f'<span class="note">({esc(note)})</span></label>'
+            for grant, note in GRANT_NOTES.items()
+        )
+        boxes = "".join(
+            f'<label><input type="checkbox" name="scope" value="{scope}"> {scope}</label>'
+            for scope in SCOPES
+        )
+        body = (
+            (f'<p class="error">{esc(error)}</p>' if error else "")
+            + f"<p><strong>{esc(name)}</strong>, returning to <strong>"
+            f"{esc(target.hostname or target.scheme)}</strong>, asks to use the machines of this "
+            f"server (it asked for: {esc(' '.join(params.scopes or []) or 'nothing in particular')}"
+            f').</p><form method="post" action="/consent?request={esc(request_id)}">'
+            f"{pages.csrf_input(request)}<fieldset><legend>Grant</legend>{grants}<fieldset>"
+            f"<legend>Scopes, with Choose scopes</legend>{boxes}</fieldset></fieldset><label>"
+            f'Token name <input type="text" name="name" maxlength="64" required value="'
+            f'{esc(chosen["name"] or default_token_name(name, taken))}"></label><label><input '
+            f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}'
+            '> Require approval for changes</label><p><button type="submit" name="action" '
+            'value="Allow">Allow</button> <button type="submit" name="action" value="Deny" '
+            "formnovalidate>Deny</button></p></form>"
+        )
+        form_to = f"{target.scheme}://{target.netloc}" if target.netloc else f"{target.scheme}:"
+        return pages.page(request, f"Connect {name}?", body, 400 if error else 200, form_to)
+
+    return [
+        *create_auth_routes(
+            provider,
+            AnyHttpUrl(issuer),
+            client_registration_options=ClientRegistrationOptions(
+                enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES)
+            ),
+            revocation_options=RevocationOptions(enabled=True),
+        ),
+        *create_protected_resource_routes(
+            AnyHttpUrl(issuer + path), [AnyHttpUrl(issuer)], list(SCOPES), "smol-mcp"
+        ),
+        Route("/consent", consent, methods=["GET", "POST"]),
+    ]
+
+
+def pages_app(pages: Pages, routes: list) -> Any:
+    """The Starlette app of the pages and OAuth routes: a page that needs the
+    operator sends a signed-out browser to sign in, and a form without its
+    CSRF token is refused."""
+    from starlette.applications import Starlette
+    from starlette.responses import RedirectResponse
+
+    def sign_in_first(request: Any, _: Exception) -> Any:
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        if request.method != "GET":  # the form is lost: its page is the place to go back to
+            target = request.headers.get("referer", "/signin")
+        return RedirectResponse("/signin?" + urllib.parse.urlencode({"next": back_to(target)}), 303)
+
+    def refused(request: Any, _: Exception) -> Any:
+        body = (
+            "<p>This form was not sent from this site's page, or the page is out of date. "
+            'Go back, reload the page and send it again, or <a href="/signin">sign in</a>.</p>'
+        )
+        return pages.page(request, "Form refused", body, 403)
+
+    return Starlette(
+        routes=routes, exception_handlers={SignInRequired: sign_in_first, FormRefused: refused}
+    )
+
+
+# ---------------------------------------------------------------------------
 # 15. Command line
 # ---------------------------------------------------------------------------
 
@@ -8929,7 +9667,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
     helpers = parser.add_subparsers(
-        dest="command", metavar="{doctor,setup,parity,tokens,activity,approvals}"
+        dest="command", metavar="{doctor,setup,parity,tokens,activity,approvals,operator}"
     )
     doctor_parser = helpers.add_parser(
         "doctor", help="say whether each fleet works on this host, and what to do if not"
@@ -9016,6 +9754,15 @@ def parse_args(argv: list[str]):
     deny = approval_commands.add_parser("deny", help="refuse a waiting call; nothing runs")
     deny.add_argument("id")
     deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
+    operator = helpers.add_parser(
+        "operator", help="the person who signs in to the pages of --http and consents to clients"
+    )
+    operator.add_argument(
+        "operator_command",
+        choices=("set-password", "link"),
+        help="set-password: read a password from stdin (no echo at a terminal); "
+        "link: print a one-time sign-in URL, good for 10 minutes",
+    )
     args = parser.parse_args(argv)
     if (args.command or not args.http) and (args.host or args.port or args.path):
         parser.error("--host, --port and --path go with --http")
@@ -9686,6 +10433,33 @@ def tokens_command(args: Any, config: Config) -> int:
     return 0
 
 
+def operator_command(args: Any, config: Config) -> int:
+    """operator set-password / link: how the operator signs in to the pages of --http."""
+    operator = Operator(config.state_dir)
+    if args.operator_command == "link":
+        issuer = oauth_issuer(config, config.http_host, config.http_port)
+        if issuer is None:
+            raise ConfigError(
+                "--http is bound off loopback, so the address a browser reaches it at is not "
+                "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
+            )
+        print(f"{issuer}/signin?link={operator.new_link()}")
+        print("(good for 10 minutes, once; then sign in with the password)", file=sys.stderr)
+        return 0
+    if sys.stdin.isatty():
+        import getpass
+
+        password = getpass.getpass("operator password: ")
+        if getpass.getpass("again: ") != password:
+            raise ConfigError("the two passwords differ; nothing changed")
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    operator.set_password(password)
+    cli_record(config, {"event": "operator", "outcome": "password set"})
+    print(f"operator password set (scrypt hash in {operator.file.path}); sign in at /signin")
+    return 0
+
+
 def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
     """An activity entry made at the terminal, in the name of the OS user (or
     by ``who``: the operator in the console)."""
@@ -9910,7 +10684,10 @@ def main(argv: list[str] | None = None) -> int:
             return activity_command(args, config)
         if args.command == "approvals":
             return approvals_command(args, config)
-        if args.http and not args.command and not Access(config).has_any_token():
+        if args.command == "operator":
+            return operator_command(args, config)
+        operator_on = Operator(config.state_dir).enabled()
+        if args.http and not args.command and not (Access(config).has_any_token() or operator_on):
             raise ConfigError(
                 "--http refuses to start without a token, because these tools run machines: "
                 "create one with `smol_mcp.py tokens create NAME --scopes LIST`, or set "
