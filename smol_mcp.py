@@ -8779,12 +8779,16 @@ def console_routes(app: SmolMcp) -> list:
 
     def new_token_form(request: Any) -> str:
         boxes = "".join(
-            f'<label><input type="checkbox" name="{field}" value="{value}"{on}> {value}</label>'
-            for field, values, on in (
-                ("scope", SCOPES, ""),
-                ("target", FLEET_NAMES, " checked"),
+            f"<fieldset><legend>{legend}</legend>"
+            + "".join(
+                f'<label><input type="checkbox" name="{field}" value="{v}"{on}> {v}</label>'
+                for v in values
             )
-            for value in values
+            + "</fieldset>"
+            for legend, field, values, on in (
+                ("Scopes", "scope", SCOPES, ""),
+                ("Fleets", "target", FLEET_NAMES, " checked"),
+            )
         )
         fields = (
             '<label>Name <input type="text" name="name" maxlength="64" required></label>'

@@ -4,6 +4,7 @@
 # dependencies = [
 #     "mcp==2.3.0",
 #     "httpx2==2.16.2",
+#     "playwright==1.65.2",
 # ]
 # ///
 """Tests for smol_mcp.py: ``uv run test_smol_mcp.py``.
@@ -7863,6 +7864,132 @@ class ApprovalHttpTests(HttpCase):
                 c, "create-machine", {"name": "direct", "image": "alpine", "start": False}
             )
         self.assertEqual(self.app.access.desk.pending(), [])
+
+
+OPERATOR_PASSWORD = "operator-password-for-tests"
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SCREENSHOTS = HERE / "docs" / "screenshots"
+PHONE, DESKTOP = {"width": 390, "height": 844}, {"width": 1280, "height": 900}
+
+
+class ConsoleBrowserTests(HttpCase):
+    """The operator's console in real headless Chromium, against SDK clients
+    whose calls wait for it (section 18)."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        from playwright.async_api import async_playwright
+
+        smol_mcp.Operator(self.config.state_dir).set_password(OPERATOR_PASSWORD)
+        self.store = smol_mcp.TokenStore(self.config.state_dir)
+        scopes = smol_mcp.parse_scopes("machines.manage,machines.read,machines.exec")
+        self.held = self.store.create("held", scopes, smol_mcp.FLEET_NAMES, "changes")[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.playwright = await async_playwright().start()
+        self.browser = await self.playwright.chromium.launch(
+            executable_path="/usr/bin/chromium", args=BROWSER_ARGS
+        )
+        self.dialogs = []  # a page that ran an agent's script would open one
+
+    async def asyncTearDown(self):
+        await self.browser.close()
+        await self.playwright.stop()
+        self.assertEqual(self.dialogs, [])
+        await super().asyncTearDown()
+
+    async def signed_in(self, viewport=PHONE):
+        """A new browser signed in as the operator, as a person would, on /console."""
+        page = await self.browser.new_page(viewport=viewport)
+        page.on("dialog", lambda dialog: self.dialogs.append(dialog.message))
+        await page.goto(self.base + "/console")
+        await page.wait_for_url("**hop=1")  # the sign-in page, reloaded once for its cookie
+        await page.get_by_label("Password").fill(OPERATOR_PASSWORD)
+        async with page.expect_navigation():
+            await page.get_by_role("button", name="Sign in").click()
+        self.assertTrue(page.url.endswith("/console/approvals"), page.url)
+        return page
+
+    async def screenshots(self, page, name):
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        for size, viewport in (("phone", PHONE), ("desktop", DESKTOP)):
+            await page.set_viewport_size(viewport)
+            await page.screenshot(path=SCREENSHOTS / f"{name}-{size}.png", full_page=True)
+        await page.set_viewport_size(PHONE)
+
+    async def post(self, path, token, arguments):
+        response = await self.raw(
+            "POST", path, {"Authorization": f"Bearer {token}"}, json.dumps(arguments).encode()
+        )
+        return response.status_code
+
+    def approvals(self, kind=None):
+        entries = self.app.access.activity.entries()
+        return [
+            e for e in entries if e.get("event") == "approval" and kind in (None, e["approval"])
+        ]
+
+    async def test_approve_reject_and_auto_approve_a_waiting_call_on_a_phone(self):
+        await self.post("/api/tools/create-machine", HTTP_TOKEN, {"name": "box", "image": "alpine"})
+        page = await self.signed_in()
+        self.assertIn("No call waits for approval.", await page.content())
+        agent = {"Authorization": f"Bearer {self.held}"}
+        async with self.http_client(MODES[-1], headers=agent) as c:
+            command = "echo '<img src=x onerror=alert(1)>'"
+            call = asyncio.create_task(
+                c.call_tool("run-command", {"name": "box", "command": command})
+            )
+            card = page.locator("section", has_text="run-command on box")
+            await card.wait_for(timeout=20000)  # the page, open before the call, reloads itself
+            self.assertIn(command, await card.locator("pre").inner_text())  # shown, never run
+            self.assertEqual(await page.locator("section img").count(), 0)
+            await self.screenshots(page, "approvals")
+            await card.get_by_role("button", name="Approve", exact=True).click()
+            is_error, result = result_of(await call)
+            self.assertFalse(is_error, result)
+            self.assertEqual(result["stdout"], "<img src=x onerror=alert(1)>\n")
+
+            call = asyncio.create_task(c.call_tool("stop-machine", {"name": "box"}))
+            card = page.locator("section", has_text="stop-machine on box")
+            await card.wait_for(timeout=20000)
+            await card.get_by_label("Reason").fill("not while I watch")
+            await card.get_by_role("button", name="Reject").click()
+            is_error, text = result_of(await call)
+            self.assertEqual(
+                text,
+                "approval_rejected: operator rejected stop-machine: not while I watch. "
+                "Nothing ran.",
+            )
+
+            call = asyncio.create_task(c.call_tool("stop-machine", {"name": "box"}))
+            await card.wait_for(timeout=20000)
+            await card.get_by_label("Auto-approve for").select_option(label="1 hour")
+            await card.get_by_role("button", name="Approve + auto-approve").click()
+            self.assertFalse(result_of(await call)[0])
+            self.assertFalse((await self.call(c, "start-machine", {"name": "box"}))[0])
+        answers = [(e["approval"], e.get("by"), e.get("via")) for e in self.approvals()]
+        self.assertEqual(
+            [a for a in answers if a[0] in ("approved", "rejected", "auto-approved")],
+            [
+                ("approved", "operator", "console"),
+                ("rejected", "operator", "console"),
+                ("approved", "operator", "console"),
+                ("auto-approved", None, None),  # start-machine never asked
+            ],
+        )
+        [started] = self.approvals("auto-approval started")
+        self.assertEqual((started["principal"], started["via"]), ("operator", "console"))
+        await page.goto(self.base + "/console/tokens")
+        held = page.locator("section", has_text="held")
+        self.assertIn(f"auto-approval until {started['until']}", await held.inner_text())
+        await self.screenshots(page, "tokens")
 
 
 class ApprovalSigtermTests(unittest.TestCase):
