@@ -7991,6 +7991,91 @@ class ConsoleBrowserTests(HttpCase):
         self.assertIn(f"auto-approval until {started['until']}", await held.inner_text())
         await self.screenshots(page, "tokens")
 
+    async def test_a_token_made_in_the_page_works_at_once_and_one_deleted_there_is_cut_off(self):
+        page = await self.signed_in()
+        await page.goto(self.base + "/console/tokens")
+        await page.get_by_label("Name").fill("from-page")
+        await page.get_by_label("machines.read").check()
+        await page.get_by_role("button", name="Create token").click()
+        secret = await page.locator("pre").first.inner_text()
+        self.assertIn(f'"url": "{self.base}/mcp"', await page.content())  # claude-code's entry
+        self.assertIn("[mcp_servers.smol]", await page.content())  # codex's
+        async with self.http_client(MODES[-1], headers={"Authorization": f"Bearer {secret}"}) as c:
+            self.assertEqual([t.name for t in (await c.list_tools()).tools], READ_TOOLS)
+            await self.ok(c, "list-machines", {})
+        await page.reload()
+        card = page.locator("section", has_text="from-page")
+        self.assertIn("last used 20", await card.inner_text())
+        await card.get_by_role("button", name="Delete").click()
+        await page.wait_for_url("**/console/tokens")
+        self.assertEqual(await page.locator("section", has_text="from-page").count(), 0)
+        self.assertEqual(await self.post("/api/tools/list-machines", secret, {}), 401)
+        self.assertEqual(
+            [
+                (e["event"], e.get("outcome"), e["principal"], e.get("via"))
+                for e in self.app.access.activity.entries()
+                if e.get("token") == "from-page"
+            ],
+            [
+                ("token", "created", "operator", "console"),
+                ("token", "deleted", "operator", "console"),
+            ],
+        )
+
+    async def test_the_activity_page_finds_an_entry_by_machine(self):
+        for name in ("alpha", "beta"):
+            args = {"name": name, "image": "alpine", "start": False}
+            self.assertEqual(await self.post("/api/tools/create-machine", HTTP_TOKEN, args), 200)
+        page = await self.signed_in()
+        await page.goto(self.base + "/console/activity")
+        await page.get_by_label("Machine").fill("alpha")
+        await page.get_by_role("button", name="Filter").click()
+        await page.wait_for_url("**machine=alpha**")
+        rows = await page.locator("ol li").all_inner_texts()
+        self.assertEqual(len(rows), 1, rows)
+        self.assertIn("default · create-machine · alpha · ok", rows[0])
+        await self.screenshots(page, "activity")
+
+    async def test_a_bearer_token_opens_no_page_a_session_calls_no_tool_and_forms_need_csrf(self):
+        agent = {"Authorization": f"Bearer {HTTP_TOKEN}"}
+        for path in (
+            "/console/approvals",
+            "/console/approvals/0",
+            "/console/tokens",
+            "/console/activity",
+        ):
+            response = await self.raw("GET", path, agent)
+            self.assertEqual(response.status_code, 303, path)
+            self.assertTrue(response.headers["location"].startswith("/signin?"), path)
+        page = await self.signed_in()
+        for path in ("/mcp", "/api/tools", "/api/tools/list-machines"):
+            response = await page.request.post(self.base + path, data="{}")
+            self.assertEqual(response.status, 401, path)  # the cookie is no token
+        async with self.http_client(
+            MODES[-1], headers={"Authorization": f"Bearer {self.held}"}
+        ) as c:
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "x", "image": "alpine"})
+            )
+            await self.wait_until(self.app.access.desk.pending, 10)
+            [held] = self.app.access.desk.pending()
+            forged = {"answer": "approve"}
+            for form in (forged, {**forged, "csrf": "guessed"}):
+                response = await page.request.post(
+                    f"{self.base}/console/approvals/{held['id']}", form=form
+                )
+                self.assertEqual(response.status, 403)
+            response = await page.request.post(
+                f"{self.base}/console/tokens/held", form={"action": "delete"}
+            )
+            self.assertEqual(response.status, 403)
+            self.assertEqual(self.app.access.desk.pending(), [held])  # nothing was answered
+            self.assertIn("held", [r["name"] for r in self.store.records()])
+            smol_mcp.answer_approval(self.config, held["id"], False, None, reason="test over")
+            self.assertTrue(result_of(await call)[0])
+
+    wait_until = AgentAccessHttpTests.wait_until
+
 
 class ApprovalSigtermTests(unittest.TestCase):
     """A real server process stopped while a call waits: approval_interrupted."""
