@@ -8074,6 +8074,38 @@ class ConsoleBrowserTests(HttpCase):
             smol_mcp.answer_approval(self.config, held["id"], False, None, reason="test over")
             self.assertTrue(result_of(await call)[0])
 
+    async def test_the_webhook_links_to_the_calls_review_page(self):
+        import http.server
+
+        received = []
+
+        class Hook(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        self.addCleanup(hook.shutdown)
+        url = f"http://127.0.0.1:{hook.server_port}/hook"
+        self.app.config = dataclasses_replace(self.app.config, approval_webhook=url)
+        args = {"name": "hooked", "image": "alpine", "start": False}
+        call = asyncio.create_task(self.post("/api/tools/create-machine", self.held, args))
+        await self.wait_until(lambda: received, 10)
+        [notice] = received
+        self.assertEqual(notice["review"], f"{self.base}/console/approvals/{notice['id']}")
+        page = await self.signed_in()
+        await page.goto(notice["review"])
+        self.assertEqual(await page.locator('meta[http-equiv="refresh"]').count(), 0)
+        await page.get_by_role("button", name="Approve", exact=True).click()
+        self.assertEqual(await call, 200)
+        await page.goto(notice["review"])
+        self.assertIn("No call waits as", await page.content())
+
     wait_until = AgentAccessHttpTests.wait_until
 
 
