@@ -8681,12 +8681,12 @@ CONSOLE_WHO = {"principal": "operator", "via": "console"}
 REVIEW_PAGE = "/console/approvals/"  # + the id: one waiting call, linked from the webhook
 CONSOLE_REFRESH_SECS = 5  # the approvals list reloads itself this often while open
 CONSOLE_PAGE_ROWS = 50
-CONSOLE_PERIODS = {"1h": "1 hour", "1d": "1 day", "7d": "7 days", "30d": "30 days"}
-CONSOLE_PERIODS["forever"] = "forever"
-CONSOLE_NAV = "".join(
-    f'<a href="/console/{part}">{label}</a> '
-    for part, label in (("tokens", "Access tokens"), ("approvals", "Approvals"))
-    + (("activity", "Activity"),)
+CONSOLE_PERIODS = dict(
+    zip(AUTO_APPROVE_PERIODS, ("1 hour", "1 day", "7 days", "30 days", "forever"))
+)
+CONSOLE_NAV = (
+    '<a href="/console/tokens">Access tokens</a> <a href="/console/approvals">Approvals</a> '
+    '<a href="/console/activity">Activity</a>'
 )
 
 
@@ -8743,19 +8743,14 @@ def console_routes(app: SmolMcp) -> list:
     async def answer(request: Any) -> Any:
         pages.require_operator(request)
         form, approval_id = await pages.form(request), request.path_params["id"]
-        choice, auto = str(form.get("answer")), str(form.get("auto"))
-        if choice not in ("approve", "auto", "reject") or (
-            choice == "auto" and auto not in CONSOLE_PERIODS
-        ):
-            return show(
-                request,
-                "Approvals",
-                "<p>Choose Approve, Approve + auto-approve or Reject.</p>",
-                400,
-            )
+        choice, reason = str(form.get("answer")), str(form.get("reason", ""))[:500]
+        auto_for = str(form.get("auto")) if choice == "auto" else None
         try:
-            reason = str(form.get("reason", ""))[:500]
-            auto_for = auto if choice == "auto" else None
+            if choice not in ("approve", "auto", "reject") or auto_for not in (
+                None,
+                *CONSOLE_PERIODS,
+            ):
+                raise SmolError("Choose Approve, Approve + auto-approve (for a period) or Reject.")
             answer_approval(config, approval_id, choice != "reject", CONSOLE_WHO, auto_for, reason)
         except SmolError as err:
             return show(request, "Approvals", f'<p class="error">{esc(err)}</p>', 409)
@@ -8799,7 +8794,7 @@ def console_routes(app: SmolMcp) -> list:
 
     async def tokens(request: Any) -> Any:
         pages.require_operator(request)
-        shown = ""
+        shown, status = "", 200
         if request.method == "POST":
             form = await pages.form(request)
             try:
@@ -8809,7 +8804,7 @@ def console_routes(app: SmolMcp) -> list:
                 approval = "changes" if form.get("approval") == "changes" else "none"
                 record, secret = access.tokens.create(name, scopes, targets, approval)
             except SmolError as err:
-                shown = f'<p class="error">{esc(err)}</p>'
+                shown, status = f'<p class="error">{esc(err)}</p>', 400
             else:
                 made = {"event": "token", "outcome": "created", "token": name, "scopes": scopes}
                 cli_record(config, {**made, "targets": targets, "approval": approval}, CONSOLE_WHO)
@@ -8827,7 +8822,7 @@ def console_routes(app: SmolMcp) -> list:
         used = {**access.tokens.last_used(), **access.tokens._used}
         cards = "".join(token_card(request, r, used) for r in access.tokens.records())
         body = f"{shown}{cards or '<p>No tokens yet.</p>'}{new_token_form(request)}"
-        return show(request, "Access tokens", body, 400 if "error" in shown[:20] else 200)
+        return show(request, "Access tokens", body, status)
 
     async def token_action(request: Any) -> Any:
         pages.require_operator(request)
