@@ -171,6 +171,7 @@ class ConfigTests(unittest.TestCase):
             ("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", ()),
             ("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", ()),
             ("stateDir", "SMOL_MCP_STATE_DIR", None),
+            ("publicUrl", "SMOL_MCP_PUBLIC_URL", ""),
             ("scopes", "SMOL_MCP_SCOPES", ()),
             ("mountRoots", "SMOL_MCP_MOUNT_ROOTS", ()),
             ("approval", "SMOL_MCP_APPROVAL", "none"),
@@ -215,6 +216,7 @@ class ConfigTests(unittest.TestCase):
             "httpAllowedHosts": ["h"],
             "httpAllowedOrigins": ["o"],
             "stateDir": "/tmp/s",
+            "publicUrl": "https://mcp.example.com",
             "scopes": ["machines.read", "sandbox.exec"],
             "approval": "changes",
             "approvalTimeoutSecs": 60,
@@ -6504,6 +6506,8 @@ class AccessCliTests(unittest.TestCase):
                     "targets": ["local"],
                     "approval": "changes",
                     "autoApprove": "off",
+                    "client": None,  # an OAuth grant's client
+                    "lastUsed": None,
                 },
                 {
                     "name": "agent",
@@ -6511,6 +6515,8 @@ class AccessCliTests(unittest.TestCase):
                     "targets": ["local", "cloud"],
                     "approval": "none",
                     "autoApprove": "off",
+                    "client": None,
+                    "lastUsed": None,
                 },
             ],
         )
@@ -7311,6 +7317,97 @@ class SignInTests(OAuthCase):
         operator = await self.operator()
         self.assertEqual((await operator.post("/signout", data={})).status_code, 403)
         self.assertIn("Sign out", (await operator.get("/signin")).text)  # still signed in
+
+
+class OAuthCliTests(unittest.TestCase):
+    """operator set-password / link, setup --oauth, publicUrl, and --http
+    starting on an operator password alone."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.env = {
+            **os.environ,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
+        }
+        self.env.pop("SMOL_MCP_AUTH_TOKEN", None)
+
+    def cli(self, *args, stdin=None):
+        return subprocess.run(
+            [sys.executable, str(HERE / "smol_mcp.py"), *args],
+            env=self.env,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def test_the_password_comes_from_stdin_never_an_argument_and_is_kept_as_scrypt(self):
+        self.assertEqual(self.cli("operator", "set-password", "hunter2hunter2").returncode, 2)
+        short = self.cli("operator", "set-password", stdin="short\n")
+        self.assertEqual(short.returncode, 2)
+        self.assertIn("at least 12", short.stderr)
+        done = self.cli("operator", "set-password", stdin=OPERATOR_PASSWORD + "\n")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        path = Path(self.tmp, "state", "operator.json")
+        self.assertEqual(stat.S_IMODE(path.stat().st_mode), 0o600)
+        self.assertNotIn(OPERATOR_PASSWORD, path.read_text())
+        self.assertIn("scrypt", path.read_text())
+        operator = smol_mcp.Operator(f"{self.tmp}/state")
+        self.assertTrue(operator.check_password(OPERATOR_PASSWORD))
+        self.assertFalse(operator.check_password(OPERATOR_PASSWORD + "x"))
+        config = Config(state_dir=f"{self.tmp}/state")
+        self.assertIn("on with --http, issuer http://127.0.0.1:8080", smol_mcp.oauth_report(config))
+
+    def test_http_starts_on_an_operator_password_alone_and_names_its_metadata(self):
+        self.cli("operator", "set-password", stdin=OPERATOR_PASSWORD + "\n")
+        server, port = spawn_http(self.env)
+        self.addCleanup(server.wait, 10)
+        self.addCleanup(server.terminate)
+        import httpx2
+
+        for _ in range(400):
+            try:
+                answer = httpx2.get(f"http://127.0.0.1:{port}/mcp")
+                break
+            except httpx2.TransportError:
+                time.sleep(0.05)
+        self.assertEqual(answer.status_code, 401)
+        metadata = f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"
+        self.assertEqual(
+            answer.headers["www-authenticate"], f'Bearer resource_metadata="{metadata}"'
+        )
+        self.assertEqual(httpx2.get(metadata).json()["resource"], f"http://127.0.0.1:{port}/mcp")
+
+    def test_setup_oauth_prints_entries_without_a_secret(self):
+        url = "https://mcp.example.com/mcp"
+        code = self.cli("setup", "claude-code", "--http", url, "--oauth")
+        self.assertEqual(
+            json.loads(code.stdout)["mcpServers"]["smol"], {"type": "http", "url": url}
+        )
+        self.assertIn(f"claude mcp add --transport http smol {url}", code.stderr)
+        desktop = self.cli("setup", "claude-desktop", "--http", url, "--oauth")
+        self.assertIn("Settings > Connectors > Add custom connector", desktop.stdout)
+        self.assertIn(url, desktop.stdout)
+        codex = self.cli("setup", "codex", "--http", url, "--oauth")
+        self.assertNotIn("bearer_token_env_var", codex.stdout)
+        self.assertIn("codex mcp login smol", codex.stderr)
+        self.assertNotIn("headers", self.cli("setup", "opencode", "--http", url, "--oauth").stdout)
+        self.assertIn("goes with --http", self.cli("setup", "cursor", "--oauth").stderr)
+
+    def test_public_url_is_the_issuer_and_a_wrong_one_stops_startup(self):
+        for bad in ("http://mcp.example.com", "https://mcp.example.com/mcp", "ftp://x", "x"):
+            with self.subTest(bad=bad), self.assertRaises(ConfigError) as refused:
+                load_config({**self.env, "SMOL_MCP_PUBLIC_URL": bad})
+            self.assertIn("publicUrl (SMOL_MCP_PUBLIC_URL)", str(refused.exception))
+        config = load_config({**self.env, "SMOL_MCP_PUBLIC_URL": "https://mcp.example.com/"})
+        self.assertEqual(smol_mcp.oauth_issuer(config, "0.0.0.0", 80), "https://mcp.example.com")
+        self.assertIn("mcp.example.com", smol_mcp.default_allowed_hosts(config, "127.0.0.1", 8080))
+        self.assertIsNone(smol_mcp.oauth_issuer(Config(), "0.0.0.0", 80))
+        smol_mcp.Operator(f"{self.tmp}/state").new_link()
+        off = smol_mcp.oauth_report(Config(state_dir=f"{self.tmp}/state", http_host="0.0.0.0"))
+        self.assertIn("needs publicUrl", off)
 
 
 CHROMIUM = "/usr/bin/chromium"
