@@ -6999,6 +6999,18 @@ class OAuthTests(OAuthCase):
         async with httpx2.AsyncClient(base_url=self.base, timeout=30) as http:
             return await http.post(path, data=form)
 
+    async def test_a_refresh_token_is_spent_once_even_when_two_exchanges_race(self):
+        from mcp.server.auth.provider import TokenError
+
+        record, _ = self.store.create(
+            "raced", ("machines.read",), smol_mcp.FLEET_NAMES, "none", clientId="c"
+        )
+        provider = smol_mcp.OAuthProvider(self.app, self.base, self.url)  # as another process
+        first = provider.issue(record["id"], None)
+        provider.issue(record["id"], first.refresh_token)  # both loaded it; this one won
+        with self.assertRaises(TokenError):
+            provider.issue(record["id"], first.refresh_token)
+
     async def test_each_grant_gives_its_tools_and_a_sandbox_sees_only_its_machines(self):
         async with self.http_client() as admin:
             await self.ok(admin, "create-machine", {"name": "ops-box", "image": "alpine"})
@@ -7116,6 +7128,9 @@ class OAuthTests(OAuthCase):
         self.assertEqual((reused.status_code, reused.json()["error"]), (400, "invalid_grant"))
         bearer = {**JSON_HEADERS, "Authorization": f"Bearer {good.json()['access_token']}"}
         self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 200)
+        an_hour_on = time.time() + 3601
+        with unittest.mock.patch.object(smol_mcp.time, "time", return_value=an_hour_on):
+            self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
         # a native app's loopback redirect may come back on another port (RFC 8252 7.3)
         other_port = self.authorize_url(
             client, challenge, redirect_uri="http://127.0.0.1:4444/callback"
