@@ -8906,6 +8906,9 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
         )
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
+    log.info(
+        "oauth: %s", oauth_report(dataclasses.replace(app.config, http_host=host, http_port=port))
+    )
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
     # SIGTERM and SIGINT end the lifespan, which cleans up.
     await stopping_server(config, app).serve()
@@ -9692,6 +9695,11 @@ def parse_args(argv: list[str]):
         metavar="URL",
         help="an entry for a smol-mcp --http server at URL instead of a local stdio one",
     )
+    setup.add_argument(
+        "--oauth",
+        action="store_true",
+        help="with --http: an entry without a secret; the client signs in through the browser",
+    )
     helpers.add_parser(
         "parity", help="compare the routes this server calls with the running serve's OpenAPI"
     )
@@ -9765,6 +9773,8 @@ def parse_args(argv: list[str]):
     args = parser.parse_args(argv)
     if (args.command or not args.http) and (args.host or args.port or args.path):
         parser.error("--host, --port and --path go with --http")
+    if args.command == "setup" and args.oauth and not args.http_url:
+        parser.error("setup --oauth goes with --http URL")
     if args.path is not None and not args.path.startswith("/"):
         parser.error(f"--path must start with '/', got {args.path!r}")
     if args.port is not None and not 1 <= args.port <= 65535:
@@ -9827,6 +9837,7 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
             return 1
         healthy = probe_local(app) and healthy
     print(f"\ntokens: {tokens_file_report(app.config)}")
+    print(f"oauth: {oauth_report(app.config)}")
     return 0 if healthy else 1
 
 
@@ -10112,6 +10123,8 @@ def one_liner(client: str, entry: dict) -> str | None:
     """The client's own command that adds the same entry, where it has one."""
     import shlex
 
+    if client == "claude-code" and "url" in entry and "headers" not in entry:
+        return shlex.join(["claude", "mcp", "add", "--transport", "http", "smol", entry["url"]])
     if client not in ("claude-code", "codex") or "command" not in entry:
         return None
     env = [f"{name}={value}" for name, value in entry.get("env", {}).items()]
@@ -10256,7 +10269,18 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     return merged, "smol" in existing.get(key, {})
 
 
-def setup(client: str, http_url: str | None, write: bool, force: bool = False) -> int:
+CONNECTOR_STEPS = """\
+# claude-desktop connects to a URL through its Connectors, not a file:
+#   1. Settings > Connectors > Add custom connector
+#   2. Name: smol    Remote MCP server URL: {url}
+#   3. Add, then Connect: a browser opens this server's sign-in and consent pages; Allow.
+# Claude connects from Anthropic's servers: the URL must be https and reachable from the
+# internet (run --http behind TLS, with publicUrl set to that address)."""
+
+
+def setup(
+    client: str, http_url: str | None, write: bool, force: bool = False, oauth: bool = False
+) -> int:
     """Print the client's configuration block, or merge it into its file
     without disturbing other entries (after a backup; never into a file that
     does not parse, and never what would not parse again)."""
@@ -10265,9 +10289,16 @@ def setup(client: str, http_url: str | None, write: bool, force: bool = False) -
     except ConfigError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
+    if oauth and client == "claude-desktop":
+        print(CONNECTOR_STEPS.format(url=http_url))
+        return 0
     key, entry = client_entry(client, http_url, config)
+    if oauth:  # the client signs in through the browser: the entry holds no secret
+        entry = {k: v for k, v in entry.items() if k not in ("headers", "bearer_token_env_var")}
     path, scope = client_config_path(client)
     command = one_liner(client, entry)
+    if oauth and client == "codex":
+        print("# then sign in once with: codex mcp login smol", file=sys.stderr)
     if client == "claude-desktop" and not http_url and any(os.environ.get(n) for n in SECRET_ENVS):
         print(
             "# claude-desktop reads no environment: to serve the cloud fleet, add "
@@ -10388,6 +10419,8 @@ def tokens_command(args: Any, config: Config) -> int:
                             "targets": r["targets"],
                             "approval": r["approval"],
                             "autoApprove": auto.shown(r["name"], r.get("id", "")),
+                            "client": r.get("client"),
+                            "lastUsed": used.get(r["name"]),
                         }
                         for r in records
                     ]
@@ -10400,7 +10433,7 @@ def tokens_command(args: Any, config: Config) -> int:
                 f"file {store.file.path}"
             )
             return 0
-        rows = [("NAME", "SCOPES", "FLEETS", "APPROVAL", "AUTO-APPROVE", "CREATED", "LAST USED")]
+        rows = [(*"NAME SCOPES FLEETS APPROVAL AUTO-APPROVE CLIENT CREATED".split(), "LAST USED")]
         rows += [
             (
                 r["name"],
@@ -10408,6 +10441,7 @@ def tokens_command(args: Any, config: Config) -> int:
                 ",".join(r["targets"]),
                 r["approval"],
                 auto.shown(r["name"], r.get("id", "")),
+                r.get("client", "-"),  # an OAuth grant's client (by its registered name)
                 r.get("createdAt", "-"),
                 used.get(r["name"], "never"),
             )
@@ -10618,6 +10652,18 @@ def answer_approval(
     return request, until
 
 
+def oauth_report(config: Config) -> str:
+    """Whether --http (with httpHost, httpPort) runs OAuth, and the issuer it advertises."""
+    issuer = oauth_issuer(config, config.http_host, config.http_port)
+    if not Operator(config.state_dir).enabled():
+        return "off: no operator password or link (`operator set-password` turns it on)"
+    if issuer is None:
+        return (
+            f"off: --http on {config.http_host} needs publicUrl, the https:// address clients reach"
+        )
+    return f"on with --http, issuer {issuer} (clients connect by URL; sign-in at {issuer}/signin)"
+
+
 def tokens_file_report(config: Config) -> str:
     """What doctor says about the tokens file: where, how many, its mode; never a secret."""
     store = TokenStore(config.state_dir)
@@ -10674,7 +10720,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.INFO
     )  # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
     if args.command == "setup":
-        return setup(args.client, args.http_url, args.write, args.force)
+        return setup(args.client, args.http_url, args.write, args.force, args.oauth)
     try:
         config = load_config()
         if args.command == "tokens":
@@ -10690,8 +10736,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 "--http refuses to start without a token, because these tools run machines: "
                 "create one with `smol_mcp.py tokens create NAME --scopes LIST`, or set "
-                "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>'; "
+                "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>' ("
                 + HTTP_TOKEN_ADVICE
+                + "), or let clients connect by URL: `smol_mcp.py operator set-password`"
             )
         if args.http and not args.command and config.auth_token:
             check_token_strength(config.auth_token)

@@ -27,6 +27,7 @@ import ast
 import asyncio
 import base64
 import contextlib
+import hashlib
 import inspect
 import json
 import logging
@@ -45,6 +46,7 @@ import time
 import typing
 import unittest
 import unittest.mock
+import urllib.parse
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
@@ -169,6 +171,7 @@ class ConfigTests(unittest.TestCase):
             ("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", ()),
             ("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", ()),
             ("stateDir", "SMOL_MCP_STATE_DIR", None),
+            ("publicUrl", "SMOL_MCP_PUBLIC_URL", ""),
             ("scopes", "SMOL_MCP_SCOPES", ()),
             ("mountRoots", "SMOL_MCP_MOUNT_ROOTS", ()),
             ("approval", "SMOL_MCP_APPROVAL", "none"),
@@ -213,6 +216,7 @@ class ConfigTests(unittest.TestCase):
             "httpAllowedHosts": ["h"],
             "httpAllowedOrigins": ["o"],
             "stateDir": "/tmp/s",
+            "publicUrl": "https://mcp.example.com",
             "scopes": ["machines.read", "sandbox.exec"],
             "approval": "changes",
             "approvalTimeoutSecs": 60,
@@ -6502,6 +6506,8 @@ class AccessCliTests(unittest.TestCase):
                     "targets": ["local"],
                     "approval": "changes",
                     "autoApprove": "off",
+                    "client": None,  # an OAuth grant's client
+                    "lastUsed": None,
                 },
                 {
                     "name": "agent",
@@ -6509,6 +6515,8 @@ class AccessCliTests(unittest.TestCase):
                     "targets": ["local", "cloud"],
                     "approval": "none",
                     "autoApprove": "off",
+                    "client": None,
+                    "lastUsed": None,
                 },
             ],
         )
@@ -6942,6 +6950,764 @@ class PlainApiTests(HttpCase):
             10,
         )
         self.assertIn("approve", self.fake.machines)
+
+
+OPERATOR_PASSWORD = "correct horse battery staple"
+CALLBACK = "http://127.0.0.1:9/callback"  # nothing listens: each answer is read from its Location
+
+
+class MemoryTokens:
+    """An OAuth client's TokenStorage (mcp.client.auth), in memory."""
+
+    tokens = info = None
+
+    async def get_tokens(self):
+        return self.tokens
+
+    async def set_tokens(self, tokens):
+        self.tokens = tokens
+
+    async def get_client_info(self):
+        return self.info
+
+    async def set_client_info(self, info):
+        self.info = info
+
+
+def csrf_of(page: str) -> str:
+    return re.search(r'name="csrf" value="([^"]*)"', page).group(1)
+
+
+def query_of(url: str) -> dict:
+    return dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+
+
+def pkce() -> tuple[str, str]:
+    verifier = base64.urlsafe_b64encode(os.urandom(40)).decode().rstrip("=")
+    digest = hashlib.sha256(verifier.encode()).digest()
+    return verifier, base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+class OAuthCase(HttpCase):
+    """--http with an operator password, so OAuth is on. A client connects by
+    URL through the SDK's OAuthClientProvider; its browser step is the
+    operator answering the consent page over plain HTTP (a browser does the
+    same in BrowserTests)."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        smol_mcp.Operator(self.config.state_dir).set_password(OPERATOR_PASSWORD)
+        logging.getLogger("mcp.client.auth").setLevel(logging.CRITICAL)  # refusals are expected
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.answers = []  # the Location of each consent answer
+        self.store = smol_mcp.TokenStore(self.config.state_dir)
+
+    async def operator(self):
+        """An HTTP client signed in as the operator."""
+        import httpx2
+
+        http = httpx2.AsyncClient(base_url=self.base, timeout=30)
+        self.addAsyncCleanup(http.aclose)
+        page = await http.get("/signin?hop=1")
+        form = {"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD}
+        self.assertEqual((await http.post("/signin", data=form)).status_code, 303)
+        return http
+
+    async def consent(self, url: str, answer: dict) -> str:
+        """Follow an authorization URL to the consent page, answer it; the redirect."""
+        http = await self.operator()
+        page = await http.get(url, follow_redirects=True)
+        self.assertEqual(page.status_code, 200, page.text)
+        reply = await http.post(str(page.url), data={"csrf": csrf_of(page.text), **answer})
+        self.assertEqual(reply.status_code, 303, reply.text)
+        self.answers.append(reply.headers["location"])
+        return reply.headers["location"]
+
+    def oauth(self, answer: dict, storage=None, name="Test Client"):
+        """The SDK's OAuth client for our URL; the operator answers with ``answer``."""
+        from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
+        from mcp.shared.auth import OAuthClientMetadata
+
+        async def browse(url):
+            await self.consent(url, answer)
+
+        async def callback():
+            query = query_of(self.answers[-1])
+            if "code" not in query:
+                raise RuntimeError(f"consent refused: {query}")
+            return AuthorizationCodeResult(code=query["code"], state=query.get("state"))
+
+        metadata = OAuthClientMetadata(client_name=name, redirect_uris=[CALLBACK])
+        return OAuthClientProvider(self.url, metadata, storage or MemoryTokens(), browse, callback)
+
+    @contextlib.asynccontextmanager
+    async def connected(self, provider, mode="legacy"):
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+
+        @contextlib.asynccontextmanager
+        async def transport():
+            async with httpx2.AsyncClient(auth=provider, timeout=60) as http:
+                async with streamable_http_client(self.url, http_client=http) as streams:
+                    yield streams
+
+        async with Client(transport(), mode=mode) as client:
+            yield client
+
+    def grant(self, name: str) -> dict:
+        return next(r for r in self.store.records() if r["name"] == name)
+
+    async def tool_names(self, client) -> list:
+        return [tool.name for tool in (await client.list_tools()).tools]
+
+
+class OAuthTests(OAuthCase):
+    async def test_discovery_registration_consent_token_refresh_and_revocation(self):
+        resource = await self.raw("GET", "/.well-known/oauth-protected-resource/mcp")
+        self.assertEqual(resource.json()["resource"], self.url)
+        self.assertEqual(resource.json()["authorization_servers"], [f"{self.base}/"])
+        server = (await self.raw("GET", "/.well-known/oauth-authorization-server")).json()
+        self.assertEqual(server["code_challenge_methods_supported"], ["S256"])
+        self.assertEqual(server["registration_endpoint"], f"{self.base}/register")
+        challenge = (await self.raw("POST", "/mcp", JSON_HEADERS, INIT_BODY)).headers
+        self.assertEqual(
+            challenge["www-authenticate"],
+            f'Bearer resource_metadata="{self.base}/.well-known/oauth-protected-resource/mcp"',
+        )
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                storage = MemoryTokens()
+                provider = self.oauth({"action": "Allow", "grant": "Full", "name": mode}, storage)
+                async with self.connected(provider, mode) as client:
+                    self.assertEqual(
+                        await self.tool_names(client), [t.name for t in smol_mcp.TOOLS]
+                    )
+                    await self.ok(client, "list-machines", {})
+                    record = self.grant(mode)
+                    self.assertEqual(record["scopes"], list(smol_mcp.GRANTS["Full"]))
+                    self.assertEqual(
+                        (record["client"], record["clientId"]),
+                        ("Test Client", storage.info.client_id),
+                    )
+                    kept = self.store.file.path.read_text()
+                    first = storage.tokens
+                    for secret in (first.access_token, first.refresh_token):
+                        self.assertNotIn(secret, kept)  # hashes only
+                    provider.context.token_expiry_time = 1.0  # as if the hour had passed
+                    await self.ok(client, "list-machines", {})
+                    self.assertNotEqual(storage.tokens.access_token, first.access_token)
+                    self.assertNotEqual(storage.tokens.refresh_token, first.refresh_token)
+                    client_auth = {
+                        "client_id": storage.info.client_id,
+                        "client_secret": storage.info.client_secret,
+                    }
+                    again = await self.post_form(
+                        "/token",
+                        {"grant_type": "refresh_token", "refresh_token": first.refresh_token}
+                        | client_auth,
+                    )
+                    self.assertEqual(
+                        (again.status_code, again.json()["error"]), (400, "invalid_grant")
+                    )  # rotated: the old refresh token is spent
+                    revoked = await self.post_form(
+                        "/revoke", {"token": storage.tokens.refresh_token} | client_auth
+                    )
+                    self.assertEqual(revoked.status_code, 200)
+                    self.assertNotIn(mode, [r["name"] for r in self.store.records()])
+                    bearer = {
+                        **JSON_HEADERS,
+                        "Authorization": f"Bearer {storage.tokens.access_token}",
+                    }
+                    self.assertEqual(
+                        (await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401
+                    )
+
+    async def post_form(self, path: str, form: dict):
+        import httpx2
+
+        async with httpx2.AsyncClient(base_url=self.base, timeout=30) as http:
+            return await http.post(path, data=form)
+
+    async def test_a_refresh_token_is_spent_once_even_when_two_exchanges_race(self):
+        from mcp.server.auth.provider import TokenError
+
+        record, _ = self.store.create(
+            "raced", ("machines.read",), smol_mcp.FLEET_NAMES, "none", clientId="c"
+        )
+        provider = smol_mcp.OAuthProvider(self.app, self.base, self.url)  # as another process
+        first = provider.issue(record["id"], None)
+        provider.issue(record["id"], first.refresh_token)  # both loaded it; this one won
+        with self.assertRaises(TokenError):
+            provider.issue(record["id"], first.refresh_token)
+
+    async def test_each_grant_gives_its_tools_and_a_sandbox_sees_only_its_machines(self):
+        async with self.http_client() as admin:
+            await self.ok(admin, "create-machine", {"name": "ops-box", "image": "alpine"})
+            for mode in MODES:
+                with self.subTest(mode=mode):
+                    answer = {"action": "Allow", "grant": "Read-only", "name": f"ro-{mode}"}
+                    async with self.connected(self.oauth(answer), mode) as client:
+                        self.assertEqual(await self.tool_names(client), READ_TOOLS)
+                    answer = {"action": "Allow", "grant": "Sandbox", "name": f"box-{mode}"}
+                    async with self.connected(self.oauth(answer), mode) as client:
+                        self.assertEqual(
+                            await self.tool_names(client), [t.name for t in smol_mcp.TOOLS]
+                        )
+                        mine = await self.ok(client, "create-machine", {"image": "alpine"})
+                        listed = (await self.ok(client, "list-machines", {}))["machines"]
+                        self.assertEqual([m["name"] for m in listed], [mine["machine"]["name"]])
+                        text = await self.refused(client, "get-machine", {"name": "ops-box"})
+                        self.assertIn("not found", text)
+            picked = {
+                "action": "Allow",
+                "grant": "Choose scopes",
+                "scope": ["machines.read", "machines.exec"],
+                "name": "picked",
+                "approval": "on",
+            }
+            async with self.connected(self.oauth(picked)) as client:
+                levels = ("read", "exec")
+                expected = [
+                    t.name for t in smol_mcp.TOOLS if smol_mcp.TOOL_LEVELS[t.name] in levels
+                ]
+                self.assertEqual(await self.tool_names(client), expected)
+            self.assertEqual(
+                (self.grant("picked")["scopes"], self.grant("picked")["approval"]),
+                (["machines.read", "machines.exec"], "changes"),
+            )
+            await self.ok(admin, "delete-machine", {"name": "ops-box"})
+
+    async def test_a_denied_consent_redirects_with_access_denied_and_grants_nothing(self):
+        for mode in MODES:
+            with self.subTest(mode=mode), self.assertRaises(Exception):
+                async with self.connected(self.oauth({"action": "Deny"}), mode):
+                    pass
+            answer = query_of(self.answers[-1])
+            self.assertEqual(answer["error"], "access_denied")
+            self.assertTrue(answer["state"])
+            self.assertTrue(self.answers[-1].startswith(CALLBACK + "?"))
+        self.assertEqual(self.store.records(), [])
+
+    async def register(self, redirect: str = CALLBACK) -> dict:
+        answer = await self.raw(
+            "POST",
+            "/register",
+            {"Content-Type": "application/json"},
+            json.dumps({"client_name": "by hand", "redirect_uris": [redirect]}).encode(),
+        )
+        self.assertEqual(answer.status_code, 201, answer.text)
+        return answer.json()
+
+    def authorize_url(self, client: dict, challenge: str, **extra) -> str:
+        query = {
+            "response_type": "code",
+            "client_id": client["client_id"],
+            "redirect_uri": CALLBACK,
+            "code_challenge": challenge,
+            "code_challenge_method": "S256",
+            "state": "s1",
+            "resource": self.url,
+            **extra,
+        }
+        return f"{self.base}/authorize?{urllib.parse.urlencode(query)}"
+
+    async def test_wrong_resource_reused_code_pkce_mismatch_and_redirects_are_refused(self):
+        client = await self.register()
+        verifier, challenge = pkce()
+        wrong = await self.raw(
+            "GET",
+            self.authorize_url(client, challenge, resource="http://elsewhere.example/mcp")[
+                len(self.base) :
+            ],
+        )
+        self.assertEqual(wrong.status_code, 302)
+        self.assertEqual(query_of(wrong.headers["location"])["error"], "invalid_target")
+        elsewhere = await self.raw(
+            "GET",
+            self.authorize_url(client, challenge, redirect_uri="http://127.0.0.1:9/other")[
+                len(self.base) :
+            ],
+        )
+        self.assertEqual(elsewhere.status_code, 400)  # never redirected to an unregistered URI
+        plain = await self.raw(
+            "GET",
+            self.authorize_url(client, challenge, code_challenge_method="plain")[len(self.base) :],
+        )
+        self.assertEqual(query_of(plain.headers["location"])["error"], "invalid_request")
+        code = query_of(
+            await self.consent(
+                self.authorize_url(client, challenge),
+                {"action": "Allow", "grant": "Full", "name": "byhand"},
+            )
+        )["code"]
+        exchange = {
+            "grant_type": "authorization_code",
+            "code": code,
+            "redirect_uri": CALLBACK,
+            "client_id": client["client_id"],
+            "client_secret": client["client_secret"],
+            "resource": self.url,
+        }
+        mismatch = await self.post_form("/token", exchange | {"code_verifier": pkce()[0]})
+        self.assertEqual((mismatch.status_code, mismatch.json()["error"]), (400, "invalid_grant"))
+        good = await self.post_form("/token", exchange | {"code_verifier": verifier})
+        self.assertEqual(good.status_code, 200, good.text)
+        self.assertEqual(good.json()["expires_in"], 3600)
+        reused = await self.post_form("/token", exchange | {"code_verifier": verifier})
+        self.assertEqual((reused.status_code, reused.json()["error"]), (400, "invalid_grant"))
+        bearer = {**JSON_HEADERS, "Authorization": f"Bearer {good.json()['access_token']}"}
+        self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 200)
+        an_hour_on = time.time() + 3601
+        with unittest.mock.patch.object(smol_mcp.time, "time", return_value=an_hour_on):
+            self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
+        # a native app's loopback redirect may come back on another port (RFC 8252 7.3)
+        other_port = self.authorize_url(
+            client, challenge, redirect_uri="http://127.0.0.1:4444/callback"
+        )
+        moved = await self.raw("GET", other_port[len(self.base) :])
+        self.assertEqual(moved.status_code, 302)
+        self.assertIn("/consent?request=", moved.headers["location"])
+
+    async def test_deleting_a_grant_cuts_its_client_off_and_ends_its_sessions(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                answer = {"action": "Allow", "grant": "Sandbox", "name": f"gone-{mode}"}
+                storage = MemoryTokens()
+                async with self.connected(self.oauth(answer, storage), mode) as client:
+                    made = await self.ok(client, "create-machine", {"image": "alpine"})
+                    name, held = made["machine"]["name"], storage.tokens
+                    answer["action"] = "Deny"  # the client will ask again: the operator says no
+                    result = run_cli("tokens", "delete", f"gone-{mode}", env=self.cli_env())
+                    self.assertEqual(result.returncode, 0, result.stderr)
+                    started = time.monotonic()
+                    bearer = {**JSON_HEADERS, "Authorization": f"Bearer {held.access_token}"}
+                    self.assertEqual(
+                        (await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401
+                    )
+                    while name in self.fake.machines:  # its session ended, its machine deleted
+                        self.assertLess(time.monotonic() - started, 3, "its session did not end")
+                        await asyncio.sleep(0.05)
+                refresh = await self.post_form(
+                    "/token",
+                    {
+                        "grant_type": "refresh_token",
+                        "refresh_token": held.refresh_token,
+                        "client_id": storage.info.client_id,
+                        "client_secret": storage.info.client_secret,
+                    },
+                )
+                self.assertEqual(
+                    (refresh.status_code, refresh.json()["error"]), (400, "invalid_grant")
+                )
+                self.assertEqual(self.store.records(), [])
+
+    def cli_env(self) -> dict:
+        return {
+            **os.environ,
+            "SMOL_MCP_STATE_DIR": self.config.state_dir,
+            "SMOL_MCP_CONFIG": "/nonexistent",
+        }
+
+    async def test_registrations_are_bounded_and_oauth_is_off_without_an_operator(self):
+        with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_CLIENTS", 3):
+            first = await self.register()
+            for _ in range(3):
+                await self.register()
+            known = smol_mcp.StateFile(
+                Path(self.config.state_dir) / "oauth-clients.json", dict
+            ).read()
+            self.assertEqual(len(known), 3)
+            self.assertNotIn(first["client_id"], known)  # the oldest without a grant went
+            for client_id in known:
+                self.store.create(
+                    f"g{client_id[:8]}",
+                    ("machines.read",),
+                    smol_mcp.FLEET_NAMES,
+                    "none",
+                    clientId=client_id,
+                )
+            full = await self.raw(
+                "POST",
+                "/register",
+                {"Content-Type": "application/json"},
+                json.dumps({"client_name": "one more", "redirect_uris": [CALLBACK]}).encode(),
+            )
+            self.assertEqual(full.status_code, 400)
+            self.assertIn("tokens delete", full.json()["error_description"])
+        unsafe = await self.raw(
+            "POST",
+            "/register",
+            {"Content-Type": "application/json"},
+            json.dumps({"client_name": "x", "redirect_uris": ["http://evil.example/cb"]}).encode(),
+        )
+        self.assertEqual(
+            (unsafe.status_code, unsafe.json()["error"]), (400, "invalid_redirect_uri")
+        )
+        Path(self.config.state_dir, "operator.json").unlink()
+        for path in (
+            "/.well-known/oauth-protected-resource/mcp",
+            "/register",
+            "/signin",
+            "/consent",
+        ):
+            answer = await self.raw("GET", path)
+            self.assertEqual(
+                (answer.status_code, answer.headers["www-authenticate"]), (401, "Bearer"), path
+            )
+
+
+class SignInTests(OAuthCase):
+    """The operator's pages over plain HTTP: headers, cookies, links, CSRF, rate limit."""
+
+    async def page_client(self):
+        import httpx2
+
+        http = httpx2.AsyncClient(base_url=self.base, timeout=30)
+        self.addAsyncCleanup(http.aclose)
+        return http
+
+    async def test_pages_are_strict_and_the_session_cookie_is_httponly_samesite_strict(self):
+        http = await self.page_client()
+        page = await http.get("/signin?hop=1")
+        policy = page.headers["content-security-policy"]
+        self.assertIn("default-src 'none'", policy)
+        self.assertIn("frame-ancestors 'none'", policy)
+        self.assertNotIn("unsafe-inline", policy)
+        self.assertNotIn("<script", page.text)
+        self.assertEqual(page.headers["x-frame-options"], "DENY")
+        self.assertIn('name="viewport"', page.text)
+        self.assertIn('<label>Password <input type="password"', page.text)
+        signed = await http.post(
+            "/signin", data={"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD}
+        )
+        cookie = signed.headers["set-cookie"]
+        self.assertIn("HttpOnly", cookie)
+        self.assertIn("SameSite=strict", cookie)
+        self.assertNotIn("Secure", cookie)  # plain http on loopback: a Secure cookie would be lost
+        self.assertIn("Sign out", (await http.get("/signin")).text)
+        behind_tls = smol_mcp.Pages(self.config.state_dir, "https://mcp.example.com")
+        from starlette.responses import Response
+
+        response = Response()
+        behind_tls.start_session(response, "password")
+        self.assertIn("Secure", response.headers["set-cookie"])
+        page = await http.get("/signin")
+        out = await http.post("/signout", data={"csrf": csrf_of(page.text)})
+        self.assertEqual(out.status_code, 303)
+        self.assertNotIn("Sign out", (await http.get("/signin?hop=1")).text)
+
+    async def test_a_page_for_the_operator_sends_a_signed_out_browser_to_sign_in_and_back(self):
+        http = await self.page_client()
+        answer = await http.get("/consent?request=abc")
+        self.assertEqual(answer.status_code, 303)
+        self.assertEqual(answer.headers["location"], "/signin?next=%2Fconsent%3Frequest%3Dabc")
+        page = await http.get(answer.headers["location"] + "&hop=1")
+        signed = await http.post(
+            answer.headers["location"],
+            data={"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD},
+        )
+        self.assertEqual(signed.headers["location"], "/consent?request=abc")
+        for target in ("//evil.example/x", "https://evil.example/", "/\\evil.example"):
+            self.assertEqual(smol_mcp.back_to(target), "/signin")
+
+    async def test_a_one_time_link_signs_in_once_and_only_within_its_minutes(self):
+        result = run_cli("operator", "link", env=self.cli_env())
+        self.assertEqual(result.returncode, 0, result.stderr)
+        link = result.stdout.strip()
+        self.assertTrue(link.startswith("http://127.0.0.1:8080/signin?link="), link)
+        secret = query_of(link)["link"]
+        for attempt in ("first", "second"):
+            http = await self.page_client()
+            page = await http.get(f"/signin?link={secret}&hop=1")
+            self.assertIn("one-time link", page.text)
+            answer = await http.post("/signin", data={"csrf": csrf_of(page.text), "link": secret})
+            self.assertEqual(answer.status_code, 303 if attempt == "first" else 401, attempt)
+        self.assertIn("used, expired", answer.text)
+        operator = smol_mcp.Operator(self.config.state_dir)
+        late = operator.new_link()
+        with unittest.mock.patch.object(smol_mcp.time, "time", return_value=time.time() + 601):
+            self.assertFalse(operator.use_link(late))
+
+    def cli_env(self) -> dict:
+        return {
+            **os.environ,
+            "SMOL_MCP_STATE_DIR": self.config.state_dir,
+            "SMOL_MCP_CONFIG": "/nonexistent",
+        }
+
+    async def test_wrong_passwords_are_rate_limited_per_address(self):
+        http = await self.page_client()
+        page = await http.get("/signin?hop=1")
+        wrong = {"csrf": csrf_of(page.text), "password": "not the password at all"}
+        statuses = [
+            (await http.post("/signin", data=wrong)).status_code
+            for _ in range(smol_mcp.SIGNIN_TRIES)
+        ]
+        self.assertEqual(statuses, [401] * smol_mcp.SIGNIN_TRIES)
+        right = await http.post("/signin", data={**wrong, "password": OPERATOR_PASSWORD})
+        self.assertEqual(right.status_code, 429)  # even the right password waits now
+        self.assertIn("Too many failed sign-ins from 127.0.0.1", right.text)
+        self.assertEqual(self.app.pages.wait_secs("10.0.0.9"), 0)  # another address is not held
+
+    async def test_a_form_without_its_csrf_token_is_refused(self):
+        http = await self.page_client()
+        self.assertEqual(
+            (await http.post("/signin", data={"password": OPERATOR_PASSWORD})).status_code, 403
+        )
+        await http.get("/signin?hop=1")  # the browser now holds a form token: a guess still fails
+        forged = await http.post("/signin", data={"csrf": "forged", "password": OPERATOR_PASSWORD})
+        self.assertEqual(forged.status_code, 403)
+        self.assertIn("Form refused", forged.text)
+        operator = await self.operator()
+        self.assertEqual((await operator.post("/signout", data={})).status_code, 403)
+        self.assertIn("Sign out", (await operator.get("/signin")).text)  # still signed in
+
+
+class OAuthCliTests(unittest.TestCase):
+    """operator set-password / link, setup --oauth, publicUrl, and --http
+    starting on an operator password alone."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.env = {
+            **os.environ,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
+        }
+        self.env.pop("SMOL_MCP_AUTH_TOKEN", None)
+
+    def cli(self, *args, stdin=None):
+        return subprocess.run(
+            [sys.executable, str(HERE / "smol_mcp.py"), *args],
+            env=self.env,
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def test_the_password_comes_from_stdin_never_an_argument_and_is_kept_as_scrypt(self):
+        self.assertEqual(self.cli("operator", "set-password", "hunter2hunter2").returncode, 2)
+        short = self.cli("operator", "set-password", stdin="short\n")
+        self.assertEqual(short.returncode, 2)
+        self.assertIn("at least 12", short.stderr)
+        done = self.cli("operator", "set-password", stdin=OPERATOR_PASSWORD + "\n")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        path = Path(self.tmp, "state", "operator.json")
+        self.assertEqual(stat.S_IMODE(path.stat().st_mode), 0o600)
+        self.assertNotIn(OPERATOR_PASSWORD, path.read_text())
+        self.assertIn("scrypt", path.read_text())
+        operator = smol_mcp.Operator(f"{self.tmp}/state")
+        self.assertTrue(operator.check_password(OPERATOR_PASSWORD))
+        self.assertFalse(operator.check_password(OPERATOR_PASSWORD + "x"))
+        config = Config(state_dir=f"{self.tmp}/state")
+        self.assertIn("on with --http, issuer http://127.0.0.1:8080", smol_mcp.oauth_report(config))
+
+    def test_http_starts_on_an_operator_password_alone_and_names_its_metadata(self):
+        self.cli("operator", "set-password", stdin=OPERATOR_PASSWORD + "\n")
+        server, port = spawn_http(self.env)
+        self.addCleanup(server.wait, 10)
+        self.addCleanup(server.terminate)
+        import httpx2
+
+        for _ in range(400):
+            try:
+                answer = httpx2.get(f"http://127.0.0.1:{port}/mcp")
+                break
+            except httpx2.TransportError:
+                time.sleep(0.05)
+        self.assertEqual(answer.status_code, 401)
+        metadata = f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"
+        self.assertEqual(
+            answer.headers["www-authenticate"], f'Bearer resource_metadata="{metadata}"'
+        )
+        self.assertEqual(httpx2.get(metadata).json()["resource"], f"http://127.0.0.1:{port}/mcp")
+
+    def test_setup_oauth_prints_entries_without_a_secret(self):
+        url = "https://mcp.example.com/mcp"
+        code = self.cli("setup", "claude-code", "--http", url, "--oauth")
+        self.assertEqual(
+            json.loads(code.stdout)["mcpServers"]["smol"], {"type": "http", "url": url}
+        )
+        self.assertIn(f"claude mcp add --transport http smol {url}", code.stderr)
+        desktop = self.cli("setup", "claude-desktop", "--http", url, "--oauth")
+        self.assertIn("Settings > Connectors > Add custom connector", desktop.stdout)
+        self.assertIn(url, desktop.stdout)
+        codex = self.cli("setup", "codex", "--http", url, "--oauth")
+        self.assertNotIn("bearer_token_env_var", codex.stdout)
+        self.assertIn("codex mcp login smol", codex.stderr)
+        self.assertNotIn("headers", self.cli("setup", "opencode", "--http", url, "--oauth").stdout)
+        self.assertIn("goes with --http", self.cli("setup", "cursor", "--oauth").stderr)
+
+    def test_public_url_is_the_issuer_and_a_wrong_one_stops_startup(self):
+        for bad in ("http://mcp.example.com", "https://mcp.example.com/mcp", "ftp://x", "x"):
+            with self.subTest(bad=bad), self.assertRaises(ConfigError) as refused:
+                load_config({**self.env, "SMOL_MCP_PUBLIC_URL": bad})
+            self.assertIn("publicUrl (SMOL_MCP_PUBLIC_URL)", str(refused.exception))
+        config = load_config({**self.env, "SMOL_MCP_PUBLIC_URL": "https://mcp.example.com/"})
+        self.assertEqual(smol_mcp.oauth_issuer(config, "0.0.0.0", 80), "https://mcp.example.com")
+        self.assertIn("mcp.example.com", smol_mcp.default_allowed_hosts(config, "127.0.0.1", 8080))
+        self.assertIsNone(smol_mcp.oauth_issuer(Config(), "0.0.0.0", 80))
+        smol_mcp.Operator(f"{self.tmp}/state").new_link()
+        off = smol_mcp.oauth_report(Config(state_dir=f"{self.tmp}/state", http_host="0.0.0.0"))
+        self.assertIn("needs publicUrl", off)
+
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SCREENSHOTS = HERE / "docs" / "screenshots"
+
+
+@unittest.skipUnless(
+    os.path.exists(CHROMIUM), f"no Chromium at {CHROMIUM} (apt-get install chromium)"
+)
+class BrowserTests(OAuthCase):
+    """The pages in a real headless Chromium, driven by Playwright: what a
+    person sees and clicks, from the sign-in to the client's redirect."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        from playwright.async_api import async_playwright
+
+        self.playwright = await async_playwright().start()
+        self.addAsyncCleanup(self.playwright.stop)
+        browser = await self.playwright.chromium.launch(
+            executable_path=CHROMIUM, args=CHROMIUM_ARGS
+        )
+        self.addAsyncCleanup(browser.close)
+        self.browser = await browser.new_context(viewport={"width": 420, "height": 860})
+        self.page = await self.browser.new_page()
+        self.callbacks = []
+
+        async def callback(route):  # the client's redirect URI: remember it, answer it
+            self.callbacks.append(route.request.url)
+            await route.fulfill(body="back at the client", content_type="text/plain")
+
+        await self.browser.route("http://127.0.0.1:9/**", callback)
+
+    async def sign_in(self, password=OPERATOR_PASSWORD):
+        await self.page.goto(f"{self.base}/signin")
+        await self.page.get_by_label("Password").fill(password)
+        await self.page.get_by_role("button", name="Sign in").click()
+
+    def browser_oauth(
+        self, grant: str, name: str, *, scopes=(), approval=False, allow=True, shot=None
+    ):
+        """The SDK's OAuth client whose browser step happens in Chromium."""
+        from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
+        from mcp.shared.auth import OAuthClientMetadata
+
+        async def browse(url):
+            await self.page.goto(url)
+            await self.page.get_by_role("heading", name="Connect Claude <Desktop>?").wait_for()
+            await self.page.get_by_label(grant, exact=False).first.check()
+            for scope in scopes:
+                await self.page.get_by_label(scope).check()
+            await self.page.get_by_label("Token name").fill(name)
+            if approval:
+                await self.page.get_by_label("Require approval for changes").check()
+            if shot:
+                await self.page.screenshot(path=str(SCREENSHOTS / shot), full_page=True)
+            await self.page.get_by_role("button", name="Allow" if allow else "Deny").click()
+            await self.page.wait_for_url("http://127.0.0.1:9/**")
+
+        async def callback():
+            query = query_of(self.callbacks[-1])
+            if "code" not in query:
+                raise RuntimeError(f"consent refused: {query}")
+            return AuthorizationCodeResult(code=query["code"], state=query.get("state"))
+
+        metadata = OAuthClientMetadata(client_name="Claude <Desktop>", redirect_uris=[CALLBACK])
+        return OAuthClientProvider(self.url, metadata, MemoryTokens(), browse, callback)
+
+    async def test_sign_in_with_the_password_then_consent_to_each_grant(self):
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        await self.page.goto(f"{self.base}/signin")
+        await self.page.screenshot(path=str(SCREENSHOTS / "signin.png"), full_page=True)
+        await self.sign_in()
+        await self.page.get_by_text("You are signed in.").wait_for()
+        self.assertIn("Signed in as the operator", await self.page.inner_text("header"))
+        cookie = next(c for c in await self.browser.cookies() if c["name"] == "smol_session")
+        self.assertEqual((cookie["httpOnly"], cookie["sameSite"]), (True, "Strict"))
+        all_tools = [t.name for t in smol_mcp.TOOLS]
+        cases = [
+            ("Full", {}, all_tools, list(smol_mcp.GRANTS["Full"])),
+            ("Read-only", {}, READ_TOOLS, list(smol_mcp.GRANTS["Read-only"])),
+            ("Sandbox", {}, all_tools, list(smol_mcp.GRANTS["Sandbox"])),
+            (
+                "Choose scopes",
+                {"scopes": ["machines.read"], "approval": True},
+                READ_TOOLS,
+                ["machines.read"],
+            ),
+        ]
+        for grant, options, tools, scopes in cases:
+            with self.subTest(grant=grant):
+                name = grant.lower().replace(" ", "-")
+                shot = "consent.png" if grant == "Full" else None
+                async with self.connected(
+                    self.browser_oauth(grant, name, shot=shot, **options)
+                ) as client:
+                    self.assertEqual(await self.tool_names(client), tools)
+                self.assertEqual(self.grant(name)["scopes"], scopes)
+                self.assertEqual(self.grant(name)["client"], "Claude <Desktop>")
+        self.assertEqual(self.grant("choose-scopes")["approval"], "changes")
+        self.assertEqual(self.grant("full")["approval"], "none")
+
+    async def test_deny_in_the_browser_sends_access_denied_back(self):
+        await self.sign_in()
+        with self.assertRaises(Exception):
+            async with self.connected(self.browser_oauth("Full", "nope", allow=False)):
+                pass
+        self.assertEqual(query_of(self.callbacks[-1])["error"], "access_denied")
+        self.assertEqual(self.store.records(), [])
+
+    async def test_a_one_time_link_in_the_browser_and_a_wrong_password_rate_limited(self):
+        secret = smol_mcp.Operator(self.config.state_dir).new_link()
+        await self.page.goto(f"{self.base}/signin?link={secret}")
+        await self.page.get_by_role("button", name="Sign in").click()
+        await self.page.get_by_text("You are signed in.").wait_for()
+        other = await (
+            await self.playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        ).new_page()
+        self.addAsyncCleanup(other.context.browser.close)
+        await other.goto(f"{self.base}/signin?link={secret}")  # the same link again: spent
+        await other.get_by_role("button", name="Sign in").click()
+        await other.get_by_text("That sign-in link is used").wait_for()
+        for _ in range(smol_mcp.SIGNIN_TRIES - 1):  # the spent link counted as one failure
+            await other.goto(f"{self.base}/signin")
+            await other.get_by_label("Password").fill("wrong wrong wrong")
+            await other.get_by_role("button", name="Sign in").click()
+            await other.get_by_text("That password is not right").wait_for()
+        await other.goto(f"{self.base}/signin")
+        await other.get_by_label("Password").fill(OPERATOR_PASSWORD)
+        await other.get_by_role("button", name="Sign in").click()
+        await other.get_by_text("Too many failed sign-ins").wait_for()
+
+    async def test_a_forged_form_from_another_site_is_refused(self):
+        await self.sign_in()
+        await self.page.get_by_text("You are signed in.").wait_for()
+        forged = (
+            f'<form method="post" action="{self.base}/signout"><input name="csrf" value="x">'
+            "<button>go</button></form>"
+        )
+        await self.page.goto(
+            f"http://localhost:{self.port}/nowhere"
+        )  # another site (the name differs)
+        await self.page.set_content(forged)
+        await self.page.get_by_role("button", name="go").click()
+        await self.page.get_by_text("This form was not sent from this site").wait_for()
+        await self.page.goto(f"{self.base}/signin")
+        await self.page.get_by_text("You are signed in.").wait_for()  # the forgery changed nothing
 
 
 class SandboxBothFleetsTests(FakeCloudCase):
@@ -7866,20 +8632,12 @@ class ApprovalHttpTests(HttpCase):
         self.assertEqual(self.app.access.desk.pending(), [])
 
 
-OPERATOR_PASSWORD = "operator-password-for-tests"
-BROWSER_ARGS = [
-    "--no-sandbox",
-    "--headless",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-SCREENSHOTS = HERE / "docs" / "screenshots"
 PHONE, DESKTOP = {"width": 390, "height": 844}, {"width": 1280, "height": 900}
 
 
+@unittest.skipUnless(
+    os.path.exists(CHROMIUM), f"no Chromium at {CHROMIUM} (apt-get install chromium)"
+)
 class ConsoleBrowserTests(HttpCase):
     """The operator's console in real headless Chromium, against SDK clients
     whose calls wait for it (section 18)."""
@@ -7895,7 +8653,7 @@ class ConsoleBrowserTests(HttpCase):
         self.base = f"http://127.0.0.1:{self.port}"
         self.playwright = await async_playwright().start()
         self.browser = await self.playwright.chromium.launch(
-            executable_path="/usr/bin/chromium", args=BROWSER_ARGS
+            executable_path=CHROMIUM, args=CHROMIUM_ARGS
         )
         self.dialogs = []  # a page that ran an agent's script would open one
 
