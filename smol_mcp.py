@@ -7384,7 +7384,12 @@ class SmolMcp:
                         None,
                         f"{tool}{on} waits for a person to approve it "
                         f"({int(left)} s left): on the server's host run "
-                        f"`{command}` (or `approvals deny {approval_id}`)",
+                        f"`{command}` (or `approvals deny {approval_id}`)"
+                        + (
+                            f", or answer at {self.pages.issuer}{REVIEW_PAGE}{approval_id}"
+                            if self.pages
+                            else ""
+                        ),
                     )
                 await anyio.sleep(APPROVAL_POLL_SECS)
         except anyio.get_cancelled_exc_class():
@@ -8737,6 +8742,8 @@ def console_routes(app: SmolMcp) -> list:
             else "<p>No call waits for approval.</p>"
         )
         refresh = f'<meta http-equiv="refresh" content="{CONSOLE_REFRESH_SECS}">'
+        notice = pages.require_operator(request).pop("notice", "")  # the last answer, shown once
+        body = (f'<p class="note">{esc(notice)}</p>' if notice else "") + body
         status = 404 if wanted and not calls else 200
         return show(request, "Approvals", body, status, "" if wanted else refresh)
 
@@ -8751,9 +8758,14 @@ def console_routes(app: SmolMcp) -> list:
                 *CONSOLE_PERIODS,
             ):
                 raise SmolError("Choose Approve, Approve + auto-approve (for a period) or Reject.")
-            answer_approval(config, approval_id, choice != "reject", CONSOLE_WHO, auto_for, reason)
+            held, until = answer_approval(
+                config, approval_id, choice != "reject", CONSOLE_WHO, auto_for, reason
+            )
         except SmolError as err:
             return show(request, "Approvals", f'<p class="error">{esc(err)}</p>', 409)
+        done = "rejected: it does not run" if choice == "reject" else "approved: it runs now"
+        done += f"; {held['token']} runs without asking until {until}" if until else ""
+        pages.session(request)["notice"] = f"{held['tool']} by {held['token']} {done}."
         return RedirectResponse("/console/approvals", 303)
 
     def token_card(request: Any, record: dict, used: dict) -> str:

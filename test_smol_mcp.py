@@ -8699,10 +8699,19 @@ class ConsoleBrowserTests(HttpCase):
         page = await self.signed_in()
         self.assertIn("No call waits for approval.", await page.content())
         agent = {"Authorization": f"Bearer {self.held}"}
-        async with self.http_client(MODES[-1], headers=agent) as c:
+        told = []
+
+        async def on_progress(done, total, message):
+            told.append(message)
+
+        async with self.http_client("legacy", headers=agent) as c:
             command = "echo '<img src=x onerror=alert(1)>'"
             call = asyncio.create_task(
-                c.call_tool("run-command", {"name": "box", "command": command})
+                c.call_tool(
+                    "run-command",
+                    {"name": "box", "command": command},
+                    progress_callback=on_progress,
+                )
             )
             card = page.locator("section", has_text="run-command on box")
             await card.wait_for(timeout=20000)  # the page, open before the call, reloads itself
@@ -8713,6 +8722,10 @@ class ConsoleBrowserTests(HttpCase):
             is_error, result = result_of(await call)
             self.assertFalse(is_error, result)
             self.assertEqual(result["stdout"], "<img src=x onerror=alert(1)>\n")
+            [first] = [m for m in told if "waits for a person" in m][:1]
+            self.assertIn(f", or answer at {self.base}/console/approvals/", first)
+            notice = "run-command by held approved: it runs now."
+            self.assertIn(notice, await page.locator("p.note").all_inner_texts())
 
             call = asyncio.create_task(c.call_tool("stop-machine", {"name": "box"}))
             card = page.locator("section", has_text="stop-machine on box")
