@@ -9302,6 +9302,7 @@ examples:
   smol-mcp doctor                        what works on this host, and what to do if not
   smol-mcp doctor --probe                create, start, run true in and delete a machine
   smol-mcp setup claude-code --write     add the server to this project's .mcp.json
+  smol-mcp operator set-password         let --http clients connect by URL (OAuth, a consent page)
   SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
 """
 
@@ -10133,7 +10134,10 @@ def operator_command(args: Any, config: Config) -> int:
                 "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
             )
         print(f"{issuer}/signin?link={operator.new_link()}")
-        print("(good for 10 minutes, once; then sign in with the password)", file=sys.stderr)
+        print(
+            "(good for 10 minutes, once; for a server on another address keep the path and query)",
+            file=sys.stderr,
+        )
         return 0
     if sys.stdin.isatty():
         import getpass
