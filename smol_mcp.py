@@ -8990,24 +8990,6 @@ def esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def page_headers(form_to: str = "") -> dict[str, str]:
-    """What every page is sent with: a CSP that allows only the page's own
-    style and forms posting here (and to ``form_to``, where a form's answer
-    redirects), no framing, nothing cached."""
-    import hashlib
-
-    style = base64.b64encode(hashlib.sha256(PAGE_STYLE.encode()).digest()).decode()
-    return {
-        "content-security-policy": f"default-src 'none'; style-src 'sha256-{style}'; "
-        f"form-action 'self' {form_to}".rstrip()
-        + "; frame-ancestors 'none'; base-uri 'none'",
-        "x-frame-options": "DENY",
-        "cache-control": "no-store",
-        "referrer-policy": "no-referrer",
-        "x-content-type-options": "nosniff",
-    }
-
-
 class SignInRequired(Exception):
     """Pages.require_operator found no signed-in operator: answered with the sign-in page."""
 
@@ -9125,10 +9107,21 @@ class Pages:
         self, request: Any, title: str, body: str, status: int = 200, form_to: str = "", head=""
     ) -> Any:
         """A whole page around ``body`` (HTML the caller built with esc() on
-        every value): who is signed in with a Sign out button, the headers of
-        page_headers(), readable on a phone."""
+        every value), readable on a phone: who is signed in with a Sign out
+        button; a CSP that allows only the page's own style and forms posting
+        here (and to ``form_to``, where a form's answer redirects); no framing."""
+        import hashlib
+
         from starlette.responses import HTMLResponse
 
+        style = base64.b64encode(hashlib.sha256(PAGE_STYLE.encode()).digest()).decode()
+        policy = f"default-src 'none'; style-src 'sha256-{style}'; form-action 'self' {form_to}"
+        headers = {
+            "content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'",
+            "x-frame-options": "DENY",
+            "cache-control": "no-store",
+            "referrer-policy": "no-referrer",
+        }
         who = ""
         if self.session(request):
             who = (
@@ -9141,13 +9134,15 @@ class Pages:
             f"</title><style>{PAGE_STYLE}</style></head><body><header><strong>smol-mcp</strong>"
             f"{who}</header><h1>{esc(title)}</h1>{body}</body></html>"
         )
-        response = HTMLResponse(text, status, headers=page_headers(form_to))
-        new_token = getattr(request.state, "new_form_token", None)
-        if new_token:
-            response.set_cookie(
-                FORM_COOKIE, new_token, httponly=True, samesite="strict", secure=self.secure
-            )
+        response = HTMLResponse(text, status, headers=headers)
+        if getattr(request.state, "new_form_token", None):
+            self.cookie(response, FORM_COOKIE, request.state.new_form_token)
         return response
+
+    def cookie(self, response: Any, name: str, value: str, **options: Any) -> None:
+        response.set_cookie(
+            name, value, httponly=True, samesite="strict", secure=self.secure, **options
+        )
 
     def wait_secs(self, address: str) -> int:
         """How long ``address`` must wait before it may try to sign in again."""
@@ -9169,14 +9164,7 @@ class Pages:
             "csrf": secrets_module.token_urlsafe(32),
             "how": how,
         }
-        response.set_cookie(
-            SESSION_COOKIE,
-            cookie,
-            max_age=SIGNIN_SESSION_SECS,
-            httponly=True,
-            samesite="strict",
-            secure=self.secure,
-        )
+        self.cookie(response, SESSION_COOKIE, cookie, max_age=SIGNIN_SESSION_SECS)
 
 
 def oauth_issuer(config: Config, host: str, port: int) -> str | None:
@@ -9244,17 +9232,9 @@ def page_routes(pages: Pages) -> list:
         if wait:
             message = f"Too many failed sign-ins from {address}: try again in {wait} s."
             return signin_page(request, target, link, message, 429)
-        if link:
-            how = (
-                "one-time link"
-                if await anyio.to_thread.run_sync(pages.operator.use_link, link)
-                else ""
-            )
-        else:
-            password = str(form.get("password", ""))
-            ok = await anyio.to_thread.run_sync(pages.operator.check_password, password)
-            how = "password" if ok else ""
-        if not how:
+        check = pages.operator.use_link if link else pages.operator.check_password
+        how = "one-time link" if link else "password"  # scrypt takes a while: not in the loop
+        if not await anyio.to_thread.run_sync(check, link or str(form.get("password", ""))):
             pages.failures.setdefault(address, []).append(time.time())
             message = (
                 "That sign-in link is used, expired (links last 10 minutes) or wrong: make "
@@ -9308,15 +9288,13 @@ def oauth_client_class() -> type:
 
     class OAuthClient(OAuthClientInformationFull):
         def validate_redirect_uri(self, redirect_uri: Any) -> Any:
-            if redirect_uri is not None and redirect_uri.scheme == "http":
-                same = (redirect_uri.host, redirect_uri.path, redirect_uri.query)
-                for known in self.redirect_uris or []:
-                    if known.host in (*LOOPBACK_HOSTS, "[::1]") and same == (
-                        known.host,
-                        known.path,
-                        known.query,
-                    ):
-                        return redirect_uri
+            def but_port(uri: Any) -> tuple:
+                return uri.scheme, uri.host, uri.path, uri.query
+
+            known = [but_port(uri) for uri in self.redirect_uris or []]
+            if redirect_uri is not None and redirect_uri.host in (*LOOPBACK_HOSTS, "[::1]"):
+                if but_port(redirect_uri) in known:
+                    return redirect_uri
             return super().validate_redirect_uri(redirect_uri)
 
     return OAuthClient
@@ -9424,17 +9402,19 @@ class OAuthProvider:
 
         digest = secret_hash(token)
         for record in self.tokens.records():
-            for kept in record.get("refresh", []):
-                if hmac.compare_digest(kept["sha256"], digest):
-                    if record.get("clientId") == client.client_id:
-                        return RefreshToken(
-                            token=token,
-                            client_id=client.client_id,
-                            scopes=record["scopes"],
-                            expires_at=int(kept["expiresAt"]),
-                            resource=self.resource,
-                            subject=record["id"],
-                        )
+            kept = [
+                k for k in record.get("refresh", []) if hmac.compare_digest(k["sha256"], digest)
+            ]
+            if kept and record.get("clientId") == client.client_id:
+                expires, scopes = int(kept[0]["expiresAt"]), record["scopes"]
+                return RefreshToken(
+                    token=token,
+                    client_id=client.client_id,
+                    scopes=scopes,
+                    expires_at=expires,
+                    resource=self.resource,
+                    subject=record["id"],
+                )
         return None
 
     async def exchange_refresh_token(self, client: Any, refresh_token: Any, scopes: list) -> Any:
@@ -9455,14 +9435,11 @@ class OAuthProvider:
                 refreshes = [kept["sha256"] for kept in record.get("refresh", [])]
                 if spent is not None and secret_hash(spent) not in refreshes:
                     return None  # used already: by the client, or by whoever stole it
-                live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now]
-                record["access"] = [
-                    *live[-3:],
-                    {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS},
-                ]
-                record["refresh"] = [
-                    {"sha256": secret_hash(refresh), "expiresAt": now + OAUTH_REFRESH_SECS}
-                ]
+                live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
+                new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
+                record["access"] = [*live, new]
+                new = {"sha256": secret_hash(refresh), "expiresAt": now + OAUTH_REFRESH_SECS}
+                record["refresh"] = [new]
                 return record
             return None
 
@@ -9618,8 +9595,6 @@ def pages_app(pages: Pages, routes: list) -> Any:
 
     def sign_in_first(request: Any, _: Exception) -> Any:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        if request.method != "GET":  # the form is lost: its page is the place to go back to
-            target = request.headers.get("referer", "/signin")
         return RedirectResponse("/signin?" + urllib.parse.urlencode({"next": back_to(target)}), 303)
 
     def refused(request: Any, _: Exception) -> Any:
@@ -9659,6 +9634,7 @@ examples:
   smol-mcp doctor                        what works on this host, and what to do if not
   smol-mcp doctor --probe                create, start, run true in and delete a machine
   smol-mcp setup claude-code --write     add the server to this project's .mcp.json
+  smol-mcp operator set-password         let --http clients connect by URL (OAuth, a consent page)
   SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
 """
 
@@ -10489,7 +10465,10 @@ def operator_command(args: Any, config: Config) -> int:
                 "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
             )
         print(f"{issuer}/signin?link={operator.new_link()}")
-        print("(good for 10 minutes, once; then sign in with the password)", file=sys.stderr)
+        print(
+            "(good for 10 minutes, once; for a server on another address keep the path and query)",
+            file=sys.stderr,
+        )
         return 0
     if sys.stdin.isatty():
         import getpass

@@ -7054,6 +7054,29 @@ class OAuthCase(HttpCase):
         async with Client(transport(), mode=mode) as client:
             yield client
 
+    async def register(self, redirect: str = CALLBACK) -> dict:
+        answer = await self.raw(
+            "POST",
+            "/register",
+            {"Content-Type": "application/json"},
+            json.dumps({"client_name": "by hand", "redirect_uris": [redirect]}).encode(),
+        )
+        self.assertEqual(answer.status_code, 201, answer.text)
+        return answer.json()
+
+    def authorize_url(self, client: dict, challenge: str, **extra) -> str:
+        query = {
+            "response_type": "code",
+            "client_id": client["client_id"],
+            "redirect_uri": CALLBACK,
+            "code_challenge": challenge,
+            "code_challenge_method": "S256",
+            "state": "s1",
+            "resource": self.url,
+            **extra,
+        }
+        return f"{self.base}/authorize?{urllib.parse.urlencode(query)}"
+
     def grant(self, name: str) -> dict:
         return next(r for r in self.store.records() if r["name"] == name)
 
@@ -7187,29 +7210,6 @@ class OAuthTests(OAuthCase):
             self.assertTrue(answer["state"])
             self.assertTrue(self.answers[-1].startswith(CALLBACK + "?"))
         self.assertEqual(self.store.records(), [])
-
-    async def register(self, redirect: str = CALLBACK) -> dict:
-        answer = await self.raw(
-            "POST",
-            "/register",
-            {"Content-Type": "application/json"},
-            json.dumps({"client_name": "by hand", "redirect_uris": [redirect]}).encode(),
-        )
-        self.assertEqual(answer.status_code, 201, answer.text)
-        return answer.json()
-
-    def authorize_url(self, client: dict, challenge: str, **extra) -> str:
-        query = {
-            "response_type": "code",
-            "client_id": client["client_id"],
-            "redirect_uri": CALLBACK,
-            "code_challenge": challenge,
-            "code_challenge_method": "S256",
-            "state": "s1",
-            "resource": self.url,
-            **extra,
-        }
-        return f"{self.base}/authorize?{urllib.parse.urlencode(query)}"
 
     async def test_wrong_resource_reused_code_pkce_mismatch_and_redirects_are_refused(self):
         client = await self.register()
@@ -7692,6 +7692,15 @@ class BrowserTests(OAuthCase):
         await other.get_by_label("Password").fill(OPERATOR_PASSWORD)
         await other.get_by_role("button", name="Sign in").click()
         await other.get_by_text("Too many failed sign-ins").wait_for()
+
+    async def test_a_signed_in_operator_sent_from_another_site_is_not_asked_again(self):
+        await self.sign_in()
+        await self.page.get_by_text("You are signed in.").wait_for()
+        url = self.authorize_url(await self.register(), pkce()[1])
+        await self.page.goto(f"http://localhost:{self.port}/nowhere")  # another site
+        await self.page.set_content(f'<a href="{url}">connect</a>')
+        await self.page.get_by_role("link", name="connect").click()
+        await self.page.get_by_role("button", name="Allow").wait_for()  # no sign-in asked
 
     async def test_a_forged_form_from_another_site_is_refused(self):
         await self.sign_in()
