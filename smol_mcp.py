@@ -8248,16 +8248,11 @@ class PlainRequest:
 
 
 def plain_status(err: SmolError | None) -> int:
-    """The plain API's status for a tool error (see the README's table)."""
-    if isinstance(err, ScopeMissing):
-        return 403
-    if isinstance(err, ApprovalRefused):
-        return 409
+    """The plain API's status for a tool error (see the README)."""
     if isinstance(err, ApiError):
         return err.status if 400 <= err.status < 500 else 502
-    if isinstance(err, ArgumentError):
-        return 400
-    return 500 if err is None else 422
+    kinds = ((ScopeMissing, 403), (ApprovalRefused, 409), (ArgumentError, 400), (SmolError, 422))
+    return next((status for kind, status in kinds if isinstance(err, kind)), 500)
 
 
 class HttpSessions:
