@@ -8828,6 +8828,9 @@ def console_routes(app: SmolMcp) -> list:
                 )
         used = {**access.tokens.last_used(), **access.tokens._used}
         cards = "".join(token_card(request, r, used) for r in access.tokens.records())
+        if config.auth_token:  # not in the tokens file: the page can show it, not change it
+            cards += "<section><h2>default</h2><p>SMOL_MCP_AUTH_TOKEN: every scope and fleet, "
+            cards += "no approval; set in the server's environment</p></section>"
         body = f"{shown}{cards or '<p>No tokens yet.</p>'}{new_token_form(request)}"
         return show(request, "Access tokens", body, status)
 

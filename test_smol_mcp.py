@@ -8770,6 +8770,11 @@ class ConsoleBrowserTests(HttpCase):
         held = page.locator("section", has_text="held")
         self.assertIn(f"auto-approval until {started['until']}", await held.inner_text())
         await self.screenshots(page, "tokens")
+        await held.get_by_role("button", name="End auto-approval").click()
+        await page.get_by_text("auto-approval off").wait_for()
+        [ended] = self.approvals("auto-approval ended")
+        self.assertEqual((ended["token"], ended["via"]), ("held", "console"))
+        self.assertIsNone(self.app.access.auto.until(self.app.access.token_for([self.held])))
 
     async def test_a_token_made_in_the_page_works_at_once_and_one_deleted_there_is_cut_off(self):
         page = await self.signed_in()
@@ -8780,6 +8785,13 @@ class ConsoleBrowserTests(HttpCase):
         secret = await page.locator("pre").first.inner_text()
         self.assertIn(f'"url": "{self.base}/mcp"', await page.content())  # claude-code's entry
         self.assertIn("[mcp_servers.smol]", await page.content())  # codex's
+        self.assertIn("SMOL_MCP_AUTH_TOKEN: every scope", await page.content())  # "default"
+        scopes = smol_mcp.parse_scopes("machines.read")
+        self.store.create("granted", scopes, smol_mcp.FLEET_NAMES, "none", client="<b>Claude")
+        await page.reload()  # an OAuth grant is listed with its client, as the client named it
+        self.assertIn(
+            "client <b>Claude", await page.locator("section", has_text="granted").inner_text()
+        )
         async with self.http_client(MODES[-1], headers={"Authorization": f"Bearer {secret}"}) as c:
             self.assertEqual([t.name for t in (await c.list_tools()).tools], READ_TOOLS)
             await self.ok(c, "list-machines", {})
@@ -8815,6 +8827,17 @@ class ConsoleBrowserTests(HttpCase):
         self.assertEqual(len(rows), 1, rows)
         self.assertIn("default · create-machine · alpha · ok", rows[0])
         await self.screenshots(page, "activity")
+        log, old = self.app.access.activity, "2020-01-01T00:00:00Z"
+        for i in range(60):  # 60 by the token "bot", the first of them years ago
+            log.append({"principal": "bot", "tool": "run-command", "machine": f"m{i}", "time": old})
+            old = smol_mcp.utc_now()
+        await page.goto(self.base + "/console/activity?token=bot")
+        self.assertEqual(len(await page.locator("ol li").all_inner_texts()), 50)  # a page
+        self.assertIn("m59", (await page.locator("ol li").all_inner_texts())[0])  # newest first
+        await page.get_by_role("link", name="Older").click()
+        self.assertEqual(len(await page.locator("ol li").all_inner_texts()), 10)
+        await page.goto(self.base + "/console/activity?token=bot&since=1d")
+        self.assertIn("59 entries", await page.content())
 
     async def test_a_bearer_token_opens_no_page_a_session_calls_no_tool_and_forms_need_csrf(self):
         agent = {"Authorization": f"Bearer {HTTP_TOKEN}"}
