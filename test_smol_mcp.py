@@ -6959,6 +6959,10 @@ class OAuthTests(OAuthCase):
     async def test_discovery_registration_consent_token_refresh_and_revocation(self):
         resource = await self.raw("GET", "/.well-known/oauth-protected-resource/mcp")
         self.assertEqual(resource.json()["resource"], self.url)
+        root = await self.raw("GET", "/.well-known/oauth-protected-resource", {"Origin": "x"})
+        self.assertEqual(
+            (root.json(), root.headers["access-control-allow-origin"]), (resource.json(), "*")
+        )
         self.assertEqual(resource.json()["authorization_servers"], [f"{self.base}/"])
         server = (await self.raw("GET", "/.well-known/oauth-authorization-server")).json()
         self.assertEqual(server["code_challenge_methods_supported"], ["S256"])
