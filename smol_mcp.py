@@ -7945,7 +7945,8 @@ class HttpGate:
         routes, while OAuth is on (an operator password or link exists)."""
         if self.pages is None or not self.pages.operator.enabled():
             return False
-        well_known = ("/.well-known/oauth-authorization-server", RESOURCE_METADATA + self.path)
+        well_known = ("/.well-known/oauth-authorization-server", RESOURCE_METADATA)
+        well_known += (RESOURCE_METADATA + self.path,)
         return path in (*PAGE_PATHS, *OAUTH_PATHS, *well_known, "/console") or path.startswith(
             "/console/"
         )
@@ -9493,6 +9494,9 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     from starlette.routing import Route
 
     pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
+    resource = create_protected_resource_routes(
+        AnyHttpUrl(issuer + path), [AnyHttpUrl(issuer)], list(SCOPES), "smol-mcp"
+    )
 
     def back(params: Any, **answer: str) -> Any:
         url = construct_redirect_uri(str(params.redirect_uri), state=params.state, **answer)
@@ -9577,9 +9581,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             ),
             revocation_options=RevocationOptions(enabled=True),
         ),
-        *create_protected_resource_routes(
-            AnyHttpUrl(issuer + path), [AnyHttpUrl(issuer)], list(SCOPES), "smol-mcp"
-        ),
+        *resource,  # RFC 9728's place for it, and the root some clients look at first
+        Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
         Route("/consent", consent, methods=["GET", "POST"]),
     ]
 
