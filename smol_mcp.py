@@ -1261,6 +1261,19 @@ class LocalFleet:
         )
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
+        """Start a machine once each mount source still resolves under its root
+        (a guest with a writable share may have swapped in a symlink since)."""
+        info = self.request(f"start machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}")
+        for mount in info.get("mounts") or []:
+            try:
+                want_write = mount.get("readonly") is False
+                contained_host_path(self.config, mount["source"], "source", want_write)
+            except ArgumentError as err:
+                raise ArgumentError(
+                    f"machine '{name}' was not started: the source of its mount at "
+                    f"{mount.get('target')} is checked again at every start, and now {err}. "
+                    "Restore the directory, or delete the machine"
+                ) from None
         # Branchability is a start option locally (a create field on cloud).
         query = "?branchable=true" if branchable else ""
         return local_record(
@@ -3186,7 +3199,14 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
     plain = source.removeprefix("file://").removeprefix("file:")
     resolved = os.path.realpath(os.path.expanduser(plain))
     for root, writable in roots:
-        if resolved == root or resolved.startswith(root.rstrip("/") + "/"):
+        if within(resolved, root):
+            for own in server_directories(config):
+                if within(resolved, own) or within(own, resolved):
+                    raise ArgumentError(
+                        f'"{where}" resolves to {resolved}, which is or holds {own}, a directory '
+                        "of this server itself (tokens, approvals, sockets): never mountable, "
+                        "whatever mountRoots says; pick another directory"
+                    )
             if want_write and not writable:
                 raise ArgumentError(
                     f'"{where}" asks for write access under {root}, which '
@@ -3200,6 +3220,18 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
         f"directories this server exposes ({listed}; the mountRoots setting); "
         "pick a path under one of them"
     )
+
+
+def within(path: str, directory: str) -> bool:
+    """True when ``path`` is ``directory`` or lies under it (both resolved)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def server_directories(config: Config) -> list[str]:
+    """The state, runtime and config directories, resolved (section 16)."""
+    config_dir = str(config_file_path(dict(os.environ)).parent)
+    places = (config.state_dir, config.runtime_dir, config_dir)
+    return [os.path.realpath(os.path.expanduser(place)) for place in places if place]
 
 
 def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
@@ -8521,9 +8553,14 @@ def describe_mount_roots(config: Config) -> str:
             "host directories exposed to agents: none (mounts and host-path images are "
             "refused; mountRoots)"
         )
-    return "host directories exposed to agents (mountRoots): " + ", ".join(
-        f"{root} ({'read-write on request' if writable else 'read-only'})"
-        for root, writable in roots
+    covered = [own for own in server_directories(config) if any(within(own, r) for r, _ in roots)]
+    return (
+        "host directories exposed to agents (mountRoots): "
+        + ", ".join(
+            f"{root} ({'read-write on request' if writable else 'read-only'})"
+            for root, writable in roots
+        )
+        + (f"; never mountable, being this server's own: {', '.join(covered)}" if covered else "")
     )
 
 

@@ -3934,6 +3934,46 @@ class MountRootTests(FakeServeCase):
             self.assertEqual(self.creates()[-1][2]["image"], f"{ro}/data")
             self.assertIn("local-image-dir", text)
 
+    async def test_the_servers_own_directories_and_their_parents_are_never_mounted(self):
+        # A root covering "$HOME" (here: the temp dir holding state and runtime directories).
+        self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=(self.tmp + ":rw",)))
+        Path(self.config.state_dir, "sub").mkdir(parents=True)
+        Path(self.tmp, "link").symlink_to(self.config.state_dir)
+        async with self.client("legacy") as c:
+            for source in ("state", "state/sub", "rt", ".", "link"):
+                for readonly in (True, False):
+                    with self.subTest(source=source, readonly=readonly):
+                        mount = {"source": f"{self.tmp}/{source}", "target": "/s"}
+                        args = {"image": "alpine", "start": False, "mounts": [mount]}
+                        text = await self.refused(c, "create-machine", args)
+                        self.assertIn("of this server itself", text)
+            await self.refused(c, "create-machine", {"image": f"{self.tmp}/state"})
+        self.assertEqual(self.creates(), [])
+        doctor = smol_mcp.describe_mount_roots(self.app.config)
+        self.assertIn(f"never mountable, being this server's own: {self.config.state_dir}", doctor)
+
+    async def test_a_source_swapped_for_a_symlink_after_create_refuses_every_start(self):
+        share = Path(self.tmp, "home", "share")
+        (share / "sub").mkdir(parents=True)
+        self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=(f"{share}:rw",)))
+        async with self.client("legacy") as c:
+            mount = {"source": f"{share}/sub", "target": "/sub", "readonly": False}
+            for name in ("m1", "m2"):
+                args = {"name": name, "image": "alpine", "start": False, "mounts": [mount]}
+                await self.ok(c, "create-machine", args)
+            (share / "sub").rmdir()  # what a guest with the share writable can do
+            (share / "sub").symlink_to("/")
+            for tool, args in (
+                ("start-machine", {"name": "m1"}),
+                ("run-command", {"name": "m1", "command": "true"}),
+                ("read-file", {"name": "m2", "path": "/etc/hostname"}),
+            ):
+                with self.subTest(tool=tool):
+                    text = await self.refused(c, tool, args)
+                    self.assertIn("was not started", text)
+                    self.assertIn("resolves to /,", text)
+        self.assertEqual(self.requests_to("/start"), [])
+
     def test_roots_are_checked_at_startup_and_shown(self):
         with self.assertRaises(ConfigError) as caught:
             load_config({"SMOL_MCP_CONFIG": "/nonexistent.json", "SMOL_MCP_MOUNT_ROOTS": "srv"})
