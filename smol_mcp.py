@@ -150,6 +150,9 @@ class Config:
     # empty: every scope (section 11)
     scopes: tuple[str, ...] = setting_field((), "SMOL_MCP_SCOPES", "list")
     mount_roots: tuple[str, ...] = setting_field((), "SMOL_MCP_MOUNT_ROOTS", "list")
+    egress_private_cidrs: tuple[str, ...] = setting_field(
+        (), "SMOL_MCP_EGRESS_PRIVATE_CIDRS", "list"
+    )
     # stdio: "changes" holds every changing call for a person
     approval: str = setting_field(
         "none", "SMOL_MCP_APPROVAL", "choice", choices=("none", "changes")
@@ -320,6 +323,11 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             f"the scopes are: {', '.join(SCOPES)}"
         )
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
+    for cidr in config.egress_private_cidrs:
+        try:
+            ipaddress.ip_network(cidr)
+        except ValueError as err:
+            raise ConfigError(f"egressPrivateCidrs holds {cidr!r}, not an address range: {err}")
     if config.approval_webhook and urllib.parse.urlsplit(config.approval_webhook).scheme not in (
         "http",
         "https",
@@ -3442,7 +3450,7 @@ ARG_ALLOW_HOSTS = {
 }
 ARG_ALLOW_CIDRS = {
     "type": "array",
-    "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
+    "items": _string("A CIDR such as 198.51.100.0/24.", minLength=1),
     "description": "Allow egress only to these address ranges.",
 }
 ARG_ENV = {
@@ -3520,8 +3528,8 @@ ARG_EGRESS_PATTERNS = {
 }
 ARG_EGRESS_CIDRS = {
     **ARG_EGRESS_LIST,
-    "description": "Address ranges to allow, such as 203.0.113.7/32 or 10.0.0.0/8 (/8 or "
-    "narrower; IPv6 /32 or narrower).",
+    "description": "Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 "
+    "or narrower); never loopback, link-local or private ranges.",
     "items": _string("An address range.", minLength=1, maxLength=64),
 }
 ARG_EGRESS_REMOVE = {
@@ -3756,17 +3764,18 @@ class Call:
                 log.warning("could not delete machine %s: %s", name, err)
 
 
-def resolve_network(args: dict, default: str) -> tuple[str, list[str], list[str]]:
-    """(network, allowHosts, allowCidrs) for a create. An allow-list narrows
-    egress, so it cannot be combined with an explicit open or blocked."""
-    hosts, cidrs = list(args.get("allowHosts") or []), list(args.get("allowCidrs") or [])
-    for index, cidr in enumerate(cidrs):
-        try:
-            ipaddress.ip_network(cidr, strict=False)
-        except ValueError:
-            raise ArgumentError(
-                f'"allowCidrs[{index}]" must be an address range such as 10.0.0.0/8, got {cidr!r}'
-            ) from None
+def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list[str], list[str]]:
+    """(network, allowHosts, allowCidrs) for a create, each entry held to
+    allow-egress's rules. An allow-list narrows egress, so it cannot be
+    combined with an explicit open or blocked."""
+    hosts = [
+        egress_host(h, f"allowHosts[{i}]", True, config)
+        for i, h in enumerate(args.get("allowHosts") or [])
+    ]
+    cidrs = [
+        egress_cidr(c, f"allowCidrs[{i}]", config)
+        for i, c in enumerate(args.get("allowCidrs") or [])
+    ]
     if (hosts or cidrs) and "network" in args:
         raise ArgumentError(
             f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
@@ -4211,7 +4220,7 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
 
 
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
-    network, hosts, cidrs = resolve_network(args, network_default)
+    network, hosts, cidrs = resolve_network(args, call.config, network_default)
     # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
     local = call.fleet.mounts_host_paths
     mounts = args.get("mounts", [])
@@ -4542,20 +4551,78 @@ EGRESS_409_HINT = (
 )
 
 
-def egress_host(value: str, where: str, pattern: bool) -> str:
+# Never reachable through an allow list (section 16): the host itself, the cloud's
+# metadata service, and spellings of them. Private ranges only as egressPrivateCidrs allows.
+EGRESS_FORBIDDEN = tuple(
+    (ipaddress.ip_network(cidr), why)
+    for cidr, why in (
+        ("0.0.0.0/8", "unspecified"),
+        ("127.0.0.0/8", "loopback: the host's own services"),
+        ("169.254.0.0/16", "link-local, where cloud metadata (169.254.169.254) lives"),
+        ("224.0.0.0/4", "multicast"),
+        ("240.0.0.0/4", "reserved or broadcast"),
+        ("::/96", "unspecified, loopback or IPv4-compatible"),
+        ("::ffff:0:0/96", "IPv4-mapped (it reaches IPv4, loopback included)"),
+        ("64:ff9b::/96", "NAT64 (it reaches IPv4, loopback included)"),
+        ("64:ff9b:1::/48", "NAT64 (it reaches IPv4, loopback included)"),
+        ("fe80::/10", "link-local"),
+        ("ff00::/8", "multicast"),
+        ("10.0.0.0/8", "private"),
+        ("172.16.0.0/12", "private"),
+        ("192.168.0.0/16", "private"),
+        ("100.64.0.0/10", "private (carrier-grade NAT)"),
+        ("fc00::/7", "private"),
+    )
+)
+# Bare public suffixes: a name under one is someone else's site, the suffix is everyone's.
+PUBLIC_SUFFIXES = frozenset(
+    "co.uk org.uk ac.uk gov.uk me.uk com.au net.au org.au co.nz co.jp ne.jp co.kr co.in "
+    "co.za com.br com.cn com.mx com.tr com.tw com.hk com.sg github.io gitlab.io pages.dev "
+    "workers.dev netlify.app vercel.app web.app firebaseapp.com appspot.com herokuapp.com "
+    "blogspot.com cloudfront.net amazonaws.com s3.amazonaws.com azurewebsites.net "
+    "fly.dev onrender.com ngrok.io ngrok-free.app repl.co glitch.me".split()
+)
+
+
+def egress_refusal(network: Any, config: Config) -> str | None:
+    """Why an allow list may not hold this range, or None: it touches a
+    forbidden range and no egressPrivateCidrs entry holds it."""
+    for cidr in config.egress_private_cidrs:
+        allowed = ipaddress.ip_network(cidr)
+        if allowed.version == network.version and network.subnet_of(allowed):
+            return None
+    for forbidden, why in EGRESS_FORBIDDEN:
+        if forbidden.version == network.version and network.overlaps(forbidden):
+            return f"{forbidden} is {why}"
+    return None
+
+
+def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
     """A host name (or, with ``pattern``, `*.domain`) the engine will accept,
-    lower-cased; refused when it is an address or would cover a whole
-    top-level domain."""
+    lower-cased; refused when it is an address in any spelling, a loopback
+    name, or would cover a whole top-level domain or public suffix."""
     host = value.lower()
     wildcard = pattern and host.startswith("*.")
     name = host[2:] if wildcard else host
     try:
-        ipaddress.ip_address(name)
-        raise ArgumentError(
-            f'"{where}" is an address ({value!r}); pass it in cidrs as {name}/32 (or /128) instead'
-        )
+        address = ipaddress.ip_address(name)
     except ValueError:
-        pass
+        address = None
+        if re.fullmatch(r"[0-9a-fx.]+", name) and re.search(r"\d", name):
+            try:  # the spellings a resolver accepts: 2130706433, 0x7f.1, 0177.0.0.1
+                address = ipaddress.ip_address(socket.inet_aton(name))
+            except OSError:
+                pass
+    if address is not None:
+        why = egress_refusal(ipaddress.ip_network(address), config)
+        raise ArgumentError(
+            f'"{where}" is the address {address} ({value!r})'
+            + (
+                f", which no allow list may reach: {why}"
+                if why
+                else f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
+            )
+        )
     labels = name.split(".")
     if "*" in name:
         what = (
@@ -4569,15 +4636,18 @@ def egress_host(value: str, where: str, pattern: bool) -> str:
             f'"{where}" is not a host name: {value!r}. Pass a name such as pypi.org: letters, '
             "digits and hyphens in dot-separated labels"
         )
-    if len(labels) < 2:
-        covers = "every host under it" if not wildcard else "every host in that top-level domain"
+    if len(labels) < 2 or name in PUBLIC_SUFFIXES:
+        covers = "every host under it" if not wildcard else "every host in that domain"
         raise ArgumentError(
-            f'"{where}" is {value!r}, which would cover {covers}; name a host such as pypi.org'
+            f'"{where}" is {value!r}, which would cover {covers} (a top-level domain or public '
+            "suffix, with sites of many owners); name a host such as pypi.org"
         )
+    if name == "localhost" or name.endswith(".localhost"):
+        raise ArgumentError(f'"{where}" is {value!r}, a name of the host itself (loopback)')
     return host
 
 
-def egress_cidr(value: str, where: str) -> str:
+def egress_cidr(value: str, where: str, config: Config) -> str:
     """An address range narrow enough to be an allow-list entry."""
     try:
         network = ipaddress.ip_network(value)
@@ -4593,21 +4663,29 @@ def egress_cidr(value: str, where: str) -> str:
             f"takes ranges of /{widest} or narrower. For open egress, create a new machine with "
             'network: "open" instead'
         )
+    why = egress_refusal(network, config)
+    if why:
+        raise ArgumentError(
+            f'"{where}" is {value!r}, which no allow list may reach: {why}. An operator who '
+            "needs a private range lists it in egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
+        )
     return value
 
 
-def egress_change(args: dict, before: dict) -> tuple[dict, dict]:
+def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]:
     """(the UpdateEgressRequest body, the allow list it should leave) for
     allow-egress's arguments against the machine's current policy. Entries
     already listed are dropped; removals must name listed entries; a change
     that would leave no entry (which the engine reads as allow everything) is
     refused."""
-    hosts = [egress_host(h, f"hosts[{i}]", False) for i, h in enumerate(args.get("hosts", []))]
+    hosts = [
+        egress_host(h, f"hosts[{i}]", False, config) for i, h in enumerate(args.get("hosts", []))
+    ]
     patterns = [
-        egress_host(h, f"hostPatterns[{i}]", True)
+        egress_host(h, f"hostPatterns[{i}]", True, config)
         for i, h in enumerate(args.get("hostPatterns", []))
     ]
-    cidrs = [egress_cidr(c, f"cidrs[{i}]") for i, c in enumerate(args.get("cidrs", []))]
+    cidrs = [egress_cidr(c, f"cidrs[{i}]", config) for i, c in enumerate(args.get("cidrs", []))]
     remove = args.get("remove", {})
     if not (hosts or patterns or cidrs or remove.get("hosts") or remove.get("cidrs")):
         raise ArgumentError(
@@ -4700,7 +4778,7 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
     if not call.fleet.amends_egress:
         raise ArgumentError(EGRESS_LOCAL_ONLY)
     record, before = await call.api(call.fleet.egress_policy, name)
-    body, after = egress_change(args, before)
+    body, after = egress_change(args, before, call.config)
     result = {
         "machine": record,
         "before": before,

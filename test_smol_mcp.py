@@ -218,6 +218,7 @@ class ConfigTests(unittest.TestCase):
             "approvalWebhook": "https://hooks.example/smol",
             "approvalVia": "client",
             "mountRoots": ["/srv", "/work:rw"],
+            "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
         }
         for (
             setting
@@ -1809,14 +1810,14 @@ class StartFailureTests(FakeServeCase):
                     "name": "scoped",
                     "image": "alpine",
                     "allowHosts": ["pypi.org"],
-                    "allowCidrs": ["10.0.0.0/8"],
+                    "allowCidrs": ["198.51.100.0/24"],
                     "start": False,
                 },
             )
             body = self.requests_to("/api/v1/machines")[-1][2]
             self.assertEqual(
                 (body["network"], body["allowedHosts"], body["allowedCidrs"]),
-                (False, ["pypi.org"], ["10.0.0.0/8"]),
+                (False, ["pypi.org"], ["198.51.100.0/24"]),
             )
             text = await self.refused(
                 c, "create-machine", {"image": "alpine", "network": "open", "allowHosts": ["a.b"]}
@@ -1825,7 +1826,7 @@ class StartFailureTests(FakeServeCase):
             text = await self.refused(
                 c, "create-machine", {"image": "alpine", "allowCidrs": ["nonsense"]}
             )
-            self.assertIn('"allowCidrs[0]" must be an address range', text)
+            self.assertIn('"allowCidrs[0]" is not an address range', text)
 
 
 class BootFailureTests(FakeServeCase):
@@ -2085,6 +2086,22 @@ class CloudRuleTests(FakeCloudCase):
                     got = await self.ok(c, "get-machine", {"name": name})
                     self.assertNotIn("egress", got)
                     self.assertFalse([r for r in self.cloud.requests if "egress" in r[1]])
+
+    async def test_create_time_allow_lists_refuse_the_host_and_public_suffixes(self):
+        async with self.client("legacy") as c:
+            for field, values in (
+                ("allowHosts", REFUSED_EGRESS_HOSTS),
+                ("allowCidrs", REFUSED_CIDRS),
+            ):
+                for value in values:
+                    with self.subTest(value=value):
+                        args = {"image": "alpine", "start": False, field: [value]}
+                        self.assertIn(value, await self.refused(c, "create-machine", args))
+                        args = {"image": "alpine", "command": "true", field: [value]}
+                        self.assertIn(value, await self.refused(c, "run-once", args))
+            await self.machine(c, allowHosts=["pypi.org"], allowCidrs=["198.51.100.0/24"])
+        creates = [r for r in self.cloud.requests if r[:2] == ("POST", "/v1/machines")]
+        self.assertEqual(len(creates), 1)
 
     async def test_a_stream_the_service_cut_is_reported_not_passed_off_as_whole(self):
         self.cloud.exec_b64, self.cloud.exec_output_cap = (
@@ -2467,6 +2484,55 @@ class GuestWebServer:
 GUEST_HOST_IP = "127.0.0.5"
 
 
+# Each reaches the host, its metadata service or a public suffix; inet_aton reads them all.
+REFUSED_EGRESS_HOSTS = (
+    "127.0.0.1",
+    "0x7f.0.0.1",
+    "0x7F.0.0.1",
+    "2130706433",
+    "0177.0.0.1",
+    "127.1",
+    "0x7f000001",
+    "169.254.169.254",
+    "0xa9.0xfe.0xa9.0xfe",
+    "2852039166",
+    "0251.0376.0251.0376",
+    "0.0.0.0",
+    "0",
+    "::1",
+    "::ffff:127.0.0.1",
+    "64:ff9b::7f00:1",
+    "224.0.0.1",
+    "255.255.255.255",
+    "fe80::1",
+    "10.1.2.3",
+    "localhost",
+    "api.localhost",
+    "co.uk",
+    "CO.UK",
+    "github.io",
+)
+REFUSED_CIDRS = (
+    "127.0.0.0/8",
+    "127.0.0.1/32",
+    "::1/128",
+    "::/128",
+    "::ffff:127.0.0.1/128",
+    "::ffff:0:0/96",
+    "64:ff9b::/96",
+    "169.254.169.254/32",
+    "169.254.0.0/16",
+    "0.0.0.0/8",
+    "239.0.0.0/8",
+    "255.255.255.255/32",
+    "fe80::/64",
+    "10.0.0.0/8",
+    "192.168.1.0/24",
+    "172.16.0.0/12",
+    "fd00::/64",
+)
+
+
 @unittest.skipUnless(
     os.geteuid() == 0, "the fake guest's egress filter needs a network namespace (root)"
 )
@@ -2629,7 +2695,12 @@ class EgressTests(FakeServeCase):
             await self.ok(
                 c,
                 "create-machine",
-                {"name": "plain", "image": "alpine", "start": False, "allowCidrs": ["10.0.0.0/8"]},
+                {
+                    "name": "plain",
+                    "image": "alpine",
+                    "start": False,
+                    "allowCidrs": ["198.51.100.0/24"],
+                },
             )
             changed = await self.ok(
                 c,
@@ -2637,23 +2708,23 @@ class EgressTests(FakeServeCase):
                 {
                     "name": "plain",
                     "hostPatterns": ["*.pypi.test"],
-                    "cidrs": ["192.168.1.7/32"],
-                    "remove": {"cidrs": ["10.0.0.0/8"]},
+                    "cidrs": ["203.0.113.7/32"],
+                    "remove": {"cidrs": ["198.51.100.0/24"]},
                 },
             )
             self.assertEqual(
                 changed["after"],
-                {"open": False, "hosts": ["*.pypi.test"], "cidrs": ["192.168.1.7/32"]},
+                {"open": False, "hosts": ["*.pypi.test"], "cidrs": ["203.0.113.7/32"]},
             )
             self.assertEqual(
                 self.egress_posts()[0][2],
                 {
                     "allowHostPatterns": ["*.pypi.test"],
-                    "allowCidrs": ["192.168.1.7/32"],
-                    "removeAllowCidrs": ["10.0.0.0/8"],
+                    "allowCidrs": ["203.0.113.7/32"],
+                    "removeAllowCidrs": ["198.51.100.0/24"],
                 },
             )
-            again = await self.ok(c, "allow-egress", {"name": "plain", "cidrs": ["192.168.1.7/32"]})
+            again = await self.ok(c, "allow-egress", {"name": "plain", "cidrs": ["203.0.113.7/32"]})
             self.assertFalse(again["changed"])  # already listed: nothing is sent
             self.assertEqual(len(self.egress_posts()), 1)
 
@@ -2666,10 +2737,10 @@ class EgressTests(FakeServeCase):
             )
             cases = [
                 ({"hosts": ["bad host!"]}, '"hosts[0]" is not a host name'),
-                ({"hosts": ["10.1.2.3"]}, "pass it in cidrs as 10.1.2.3/32"),
+                ({"hosts": ["8.8.4.4"]}, "pass it in cidrs as 8.8.4.4/32"),
                 ({"hosts": ["*.pypi.test"]}, "use hostPatterns"),
                 ({"hosts": ["com"]}, "would cover every host under it"),
-                ({"hostPatterns": ["*.com"]}, "every host in that top-level domain"),
+                ({"hostPatterns": ["*.com"]}, "every host in that domain"),
                 ({"hostPatterns": ["foo.*.com"]}, "hostPatterns takes only *.domain"),
                 ({"cidrs": ["300.1.1.1/8"]}, '"cidrs[0]" is not an address range'),
                 ({"cidrs": ["10.0.0.1/8"]}, "has host bits set"),
@@ -2690,6 +2761,40 @@ class EgressTests(FakeServeCase):
             self.assertEqual(self.fake.machines["strict"]["allowedHosts"], ["pypi.test"])
             text = await self.refused(c, "allow-egress", {"name": "nobody", "hosts": ["pypi.test"]})
             self.assertIn("machine 'nobody' not found", text)
+
+    async def test_the_host_loopback_metadata_and_public_suffixes_are_refused_in_any_spelling(self):
+        async with self.client("legacy", elicitation_callback=answer_allow("accept")) as c:
+            args = {"name": "w", "image": "alpine", "start": False, "allowHosts": ["pypi.test"]}
+            await self.ok(c, "create-machine", args)
+            for field, values in (("hosts", REFUSED_EGRESS_HOSTS), ("cidrs", REFUSED_CIDRS)):
+                for value in values:
+                    with self.subTest(value=value):
+                        text = await self.refused(c, "allow-egress", {"name": "w", field: [value]})
+                        self.assertIn(value, text)
+                        self.assertRegex(text, "no allow list may reach|public suffix|loopback")
+                        args = {"image": "alpine", "start": False, f"allow{field.title()}": [value]}
+                        await self.refused(c, "create-machine", args)
+            for pattern in ("*.github.io", "*.co.uk", "*.CO.UK"):
+                text = await self.refused(
+                    c, "allow-egress", {"name": "w", "hostPatterns": [pattern]}
+                )
+                self.assertIn("public suffix", text)
+        self.assertEqual(self.egress_posts(), [])
+        self.assertEqual(len(self.requests_to("/api/v1/machines")), 1)
+
+    async def test_the_operator_alone_opens_a_private_range(self):
+        config = dataclasses_replace(self.config, egress_private_cidrs=("10.0.0.0/8",))
+        self.app = SmolMcp(config)
+        async with self.client("legacy") as c:
+            args = {"name": "p", "image": "alpine", "start": False, "allowCidrs": ["10.1.0.0/16"]}
+            await self.ok(c, "create-machine", args)
+            changed = await self.ok(c, "allow-egress", {"name": "p", "cidrs": ["10.2.3.4/32"]})
+            self.assertEqual(changed["after"]["cidrs"], ["10.1.0.0/16", "10.2.3.4/32"])
+            for cidr in ("192.168.0.0/24", "127.0.0.0/8", "0.0.0.0/8"):
+                text = await self.refused(c, "allow-egress", {"name": "p", "cidrs": [cidr]})
+                self.assertIn("egressPrivateCidrs", text)
+        with self.assertRaises(ConfigError):
+            load_config({"SMOL_MCP_CONFIG": "/none.json", "SMOL_MCP_EGRESS_PRIVATE_CIDRS": "10/x"})
 
     async def test_a_2026_answer_is_not_carried_over_to_other_arguments(self):
         async with self.client("auto", elicitation_callback=answer_allow("accept")) as c:
@@ -6159,14 +6264,18 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
                 )
                 is_error, changed = await self.call(
                     "allow-egress",
-                    {"name": "itest-egress-tool", "hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]},
+                    {
+                        "name": "itest-egress-tool",
+                        "hosts": ["pypi.org"],
+                        "cidrs": ["198.51.100.0/24"],
+                    },
                 )
                 self.assertFalse(is_error, changed)
                 self.assertEqual(
                     (changed["before"], changed["after"], changed["machine"]["network"]),
                     (
                         {"open": False, "hosts": [], "cidrs": []},
-                        {"open": False, "hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]},
+                        {"open": False, "hosts": ["pypi.org"], "cidrs": ["198.51.100.0/24"]},
                         "allowlist",
                     ),
                 )
@@ -6174,7 +6283,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
                     "allow-egress",
                     {
                         "name": "itest-egress-tool",
-                        "remove": {"hosts": ["pypi.org"], "cidrs": ["10.9.0.0/16"]},
+                        "remove": {"hosts": ["pypi.org"], "cidrs": ["198.51.100.0/24"]},
                     },
                 )
                 self.assertTrue(is_error)
