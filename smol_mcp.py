@@ -150,9 +150,6 @@ class Config:
     # empty: every scope (section 11)
     scopes: tuple[str, ...] = setting_field((), "SMOL_MCP_SCOPES", "list")
     mount_roots: tuple[str, ...] = setting_field((), "SMOL_MCP_MOUNT_ROOTS", "list")
-    egress_private_cidrs: tuple[str, ...] = setting_field(
-        (), "SMOL_MCP_EGRESS_PRIVATE_CIDRS", "list"
-    )
     # stdio: "changes" holds every changing call for a person
     approval: str = setting_field(
         "none", "SMOL_MCP_APPROVAL", "choice", choices=("none", "changes")
@@ -163,6 +160,9 @@ class Config:
     approval_webhook: str = setting_field("", "SMOL_MCP_APPROVAL_WEBHOOK")
     approval_via: str = setting_field(
         "terminal", "SMOL_MCP_APPROVAL_VIA", "choice", choices=("terminal", "client")
+    )
+    egress_private_cidrs: tuple[str, ...] = setting_field(
+        (), "SMOL_MCP_EGRESS_PRIVATE_CIDRS", "list"
     )
 
     def secret_values(self) -> list[str]:
@@ -327,7 +327,9 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         try:
             ipaddress.ip_network(cidr)
         except ValueError as err:
-            raise ConfigError(f"egressPrivateCidrs holds {cidr!r}, not an address range: {err}")
+            raise ConfigError(
+                f"egressPrivateCidrs holds {cidr!r}, not an address range: {err}"
+            ) from None
     if config.approval_webhook and urllib.parse.urlsplit(config.approval_webhook).scheme not in (
         "http",
         "https",

@@ -174,6 +174,7 @@ class ConfigTests(unittest.TestCase):
             ("approvalTimeoutSecs", "SMOL_MCP_APPROVAL_TIMEOUT_SECS", 900),
             ("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", ""),
             ("approvalVia", "SMOL_MCP_APPROVAL_VIA", "terminal"),
+            ("egressPrivateCidrs", "SMOL_MCP_EGRESS_PRIVATE_CIDRS", ()),
         ]
         self.assertEqual(
             [(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table]
