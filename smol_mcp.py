@@ -3937,18 +3937,27 @@ async def on_running(
         return await function(*args, **kwargs), True
 
 
-# Live output (section 14). With a progress token a command runs through the
-# engine's exec stream route, under a wrapper that writes its pid in the guest
-# (RUN_PID_DIR/<runId>) and then becomes the command (exec "$@"), so a
-# cancelled call can end it with a second exec (RUN_KILL_SCRIPT).
+# Every command runs under a wrapper that writes its pid in the guest
+# (RUN_PID_DIR/<runId>) and then becomes the command (exec "$@"), so a cancelled
+# call, streamed or not, can end its process group with a second exec
+# (RUN_KILL_SCRIPT). With a progress token it runs through the engine's exec
+# stream route, under RUN_TEE_WRAPPER: SSE cannot carry a bare CR, a NUL or
+# invalid UTF-8, so the stream only feeds progress, and the result is the
+# guest's own copy of the output, read back whole (RUN_READ_BACK).
 RUN_PID_DIR = "/tmp/smol-mcp-run"
 RUN_WRAPPER = '{ mkdir -p "${1%/*}" && echo "$$" >"$1"; } 2>/dev/null; shift; exec "$@"'
+RUN_TEE_WRAPPER = r"""f=$1; shift
+{ mkdir -p "${f%/*}" && echo "$$" >"$f" && mkfifo "$f.o" "$f.e"; } 2>/dev/null || exec "$@"
+tee "$f.out" <"$f.o" & tee "$f.err" <"$f.e" >&2 &
+(exec "$@") >"$f.o" 2>"$f.e"; c=$?; wait; exit $c
+"""
+RUN_READ_BACK = '[ -e "$1.out" ] || exit 3; cat "$1.out"; cat "$1.err" >&2; rm -f "$1" "$1".*'
 RUN_KILL_SCRIPT = r"""n=0; while [ ! -s "$1" ] && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
 [ -s "$1" ] || exit 0
-p=$(cat "$1"); rm -f "$1"
-kill -TERM -"$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null
+p=$(cat "$1"); rm -f "$1" "$1".*
+kill -TERM -"$p" 2>/dev/null; pkill -TERM -P "$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null
 n=0; while kill -0 "$p" 2>/dev/null && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
-kill -KILL -"$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null
+kill -KILL -"$p" 2>/dev/null; pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null
 exit 0
 """
 LIVE_OUTPUT_INTERVAL_SECS = 0.3  # at most about three output lines a second reach the client
@@ -3965,14 +3974,39 @@ def live_line(stream: str, line: str) -> str:
 async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any) -> ExecResult:
     """Run a command; with a progress token, through the stream route, each
     new output line sent as a progress message (the newest, a few a second).
-    The result is the same either way."""
-    if call.progress_token() is None:
-        return await call.api(
-            call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options
-        )
+    The result is the same either way, and a cancelled call ends the command."""
     import anyio
 
     pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
+    try:
+        if call.progress_token() is None:
+            wrapped = ["sh", "-c", RUN_WRAPPER, "sh", pid_file, *argv]
+            waiting = f"running the command in '{name}'"
+            return await call.api(call.fleet.exec, name, wrapped, waiting=waiting, **options)
+        return await stream_in_machine(call, name, pid_file, argv, options)
+    except anyio.get_cancelled_exc_class():
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
+            try:
+                await anyio.to_thread.run_sync(
+                    functools.partial(
+                        call.fleet.exec,
+                        name,
+                        ["sh", "-c", RUN_KILL_SCRIPT, "sh", pid_file],
+                        timeout_secs=30,
+                    )
+                )
+            except Exception as err:
+                log.warning("could not end the cancelled command in machine %s: %s", name, err)
+        raise
+
+
+async def stream_in_machine(
+    call: Call, name: str, pid_file: str, argv: list[str], options: dict
+) -> ExecResult:
+    """run_in_machine's stream route: progress from the stream, the result
+    from the guest's copy (the stream's own when the guest kept none)."""
+    import anyio
+
     newest: list[Any] = [0, None]  # lines seen and the last one, written by the worker thread
 
     def on_output(stream: str, data: str) -> None:
@@ -4002,44 +4036,37 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
                     f"{int(time.monotonic() - call.started)} s so far",
                 )
 
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(reporter)
-            try:
-                value, failure = (
-                    await call.api(
-                        call.fleet.exec_stream,
-                        name,
-                        ["sh", "-c", RUN_WRAPPER, "sh", pid_file, *argv],
-                        on_output=on_output,
-                        **options,
-                    ),
-                    None,
-                )
-            except (
-                Exception
-            ) as err:  # carried out of the group, which would wrap it in an ExceptionGroup
-                value, failure = None, err
-            group.cancel_scope.cancel()
-    except anyio.get_cancelled_exc_class():
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
-            try:
-                await anyio.to_thread.run_sync(
-                    functools.partial(
-                        call.fleet.exec,
-                        name,
-                        ["sh", "-c", RUN_KILL_SCRIPT, "sh", pid_file],
-                        timeout_secs=30,
-                    )
-                )
-            except Exception as err:
-                log.warning("could not end the cancelled command in machine %s: %s", name, err)
-        raise
+    async with anyio.create_task_group() as group:
+        group.start_soon(reporter)
+        try:
+            value, failure = (
+                await call.api(
+                    call.fleet.exec_stream,
+                    name,
+                    ["sh", "-c", RUN_TEE_WRAPPER, "sh", pid_file, *argv],
+                    on_output=on_output,
+                    **options,
+                ),
+                None,
+            )
+        except Exception as err:  # carried out of the group, which would wrap it in a group
+            value, failure = None, err
+        group.cancel_scope.cancel()
     if failure is not None:
         raise failure
     if newest[0] > shown[0]:
         await show_newest()  # the last line, even if it came between two ticks
-    return value
+    try:
+        read_back = ["sh", "-c", RUN_READ_BACK, "sh", pid_file]
+        copy = await call.api(call.fleet.exec, name, read_back, timeout_secs=60)
+    except SmolError as err:
+        log.warning("could not read back the output of a command in %s: %s", name, err)
+        return value
+    if copy.exit_code != 0:
+        return value  # the guest could not keep a copy (no mkfifo or tee): the stream is all
+    return dataclasses.replace(
+        value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=copy.cut_by_service
+    )
 
 
 async def budget_exec(

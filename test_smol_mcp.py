@@ -1995,9 +1995,9 @@ class CloudWorkedExample(FakeCloudCase):
                     )
                     exec_body = self.cloud_requests("/exec")[-1][3]
                     self.assertEqual(
-                        (exec_body["command"], exec_body["timeoutSeconds"]),
+                        (exec_body["command"][-3:], exec_body["timeoutSeconds"]),
                         (["sh", "-c", "echo cloned"], 120),
-                    )
+                    )  # under the wrapper that lets a cancelled call end it
                     self.assertNotIn("workdir", exec_body)
                     failed = await self.ok(
                         c,
@@ -3597,6 +3597,17 @@ async def ignore_progress(progress, total, message) -> None:
 PRINTS_SLOWLY = "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; echo warned >&2; exit 3"
 
 
+# What SSE framing cannot carry: a bare CR (a line end to SSE), NUL, invalid UTF-8, no
+# final newline; the streamed result must still be the plain one, byte for byte.
+EXACT_OUTPUTS = (
+    "printf 'p 10%%\\rp 100%%\\n'",
+    "printf 'a\\000b\\r\\r\\nc'; printf 'e\\rr' >&2",
+    "printf '\\377\\376x\\303'; printf '\\r' >&2",
+    "printf 'no newline'",
+    "printf '\\n\\n\\r\\n'; exit 5",
+)
+
+
 class LongWorkScenarios:
     machine_name = "live"
 
@@ -3675,6 +3686,43 @@ class LiveOutputScenarios(LongWorkScenarios):
         )
         self.assertEqual(streamed["stdout"].split("[...")[0], plain["stdout"].split("[...")[0])
         self.assertEqual(saved["size"], 400 * 38 + sum(len(str(i)) for i in range(400)))
+
+    async def test_a_streamed_result_is_byte_identical_to_the_plain_one(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            for command in EXACT_OUTPUTS:
+                with self.subTest(command=command):
+                    args = {"name": name, "command": command}
+                    streamed = result_of(
+                        await c.call_tool("run-command", args, progress_callback=ignore_progress)
+                    )[1]
+                    self.assertEqual(streamed, await self.ok(c, "run-command", args))
+            once = {"image": "alpine", "command": EXACT_OUTPUTS[0]}
+            streamed = result_of(
+                await c.call_tool("run-once", once, progress_callback=ignore_progress)
+            )[1]
+            self.assertEqual(streamed["stdout"], "p 10%\rp 100%\n")
+        self.assertEqual(streamed["stdout"], "p 10%\rp 100%\n")
+
+    async def test_a_cancelled_command_ends_in_the_guest_on_every_route(self):
+        async with self.client("legacy") as c:
+            name = await self.machine(c)
+            for n, (tool, callback) in enumerate(
+                [(t, cb) for t in ("run-command", "run-once") for cb in (None, ignore_progress)]
+            ):
+                marker = f"sleep 31{n}7"
+                with self.subTest(tool=tool, streamed=callback is not None):
+                    args = {"command": f"echo started; {marker}; echo never"}
+                    args.update({"name": name} if tool == "run-command" else {"image": "alpine"})
+                    async with anyio.create_task_group() as group:
+                        group.start_soon(
+                            lambda: c.call_tool(tool, args, progress_callback=callback)
+                        )
+                        await wait_for(lambda: processes_running(marker), 30, f"{marker} runs")
+                        group.cancel_scope.cancel()
+                    await wait_for(lambda: not processes_running(marker), 20, f"{marker} ended")
+            ran = await self.ok(c, "run-command", {"name": name, "command": "echo ok"})
+            self.assertEqual(ran["stdout"], "ok\n")  # the machine is still there and usable
 
     async def test_a_timed_out_streamed_command_says_so(self):
         async with self.client("legacy") as c:
