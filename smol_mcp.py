@@ -3129,7 +3129,9 @@ TYPE_WORDS = {
 }
 
 
-MAX_TIMEOUT_SECS = 86400  # the schema's ceiling; maxExecTimeoutSecs (at most this) is the real one
+MAX_TIMEOUT_SECS = (
+    86400  # the built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
+)
 MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
 MAX_DISK_GB = 4096  # storageGb and overlayGb
 MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
@@ -6748,12 +6750,22 @@ def resolve_mode(config: Config) -> str:
     return config.targets
 
 
-def tool_schema(tool: ToolSpec, with_target: bool) -> dict:
+def configured_schema(tool: ToolSpec, config: Config) -> dict:
+    """A tool's input schema with the configured ceiling in place of the built-in
+    one (section 6), so a model never reads a maximum the server would refuse."""
+    schema = tool.input_schema
+    if schema["properties"].get("timeoutSecs") is not ARG_TIMEOUT:
+        return schema
+    ceiling = {**ARG_TIMEOUT, "maximum": config.max_exec_timeout_secs}
+    return {**schema, "properties": {**schema["properties"], "timeoutSecs": ceiling}}
+
+
+def tool_schema(tool: ToolSpec, with_target: bool, config: Config) -> dict:
     """The input schema a client is shown: with a required target in both mode.
     (Built once per list shape: SmolMcp.tool_list is the one tool-list cache.)"""
     if not with_target:
-        return tool.input_schema
-    schema = json.loads(json.dumps(tool.input_schema))
+        return configured_schema(tool, config)
+    schema = json.loads(json.dumps(configured_schema(tool, config)))
     schema["properties"] = {"target": ARG_TARGET, **schema["properties"]}
     schema["required"] = ["target", *schema["required"]]
     return schema
@@ -6978,7 +6990,7 @@ class SmolMcp:
             name=tool.name,
             title=tool.title,
             description=tool.description,
-            input_schema=tool_schema(tool, with_target),
+            input_schema=tool_schema(tool, with_target, self.config),
             output_schema=tool.output_schema,
             annotations=types.ToolAnnotations(
                 title=tool.title,
@@ -7162,7 +7174,7 @@ class SmolMcp:
                 machine=arguments.get("name"),
                 arguments=redact_arguments(arguments),
             )
-            validate_arguments(name, tool.input_schema, arguments)
+            validate_arguments(name, configured_schema(tool, self.config), arguments)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)

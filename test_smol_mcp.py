@@ -1083,14 +1083,39 @@ class ToolRuleTests(FakeServeCase):
                 len(whole.encode()),
             )
 
+    async def test_the_schema_states_the_configured_timeout_ceiling(self):
+        for targets in ("local", "both"):
+            config = dataclasses_replace(
+                self.config, max_exec_timeout_secs=600, targets=targets, cloud_token="k"
+            )
+            self.app = SmolMcp(config)
+            for mode in MODES:
+                async with self.client(mode) as c:
+                    tools = {t.name: t for t in (await c.list_tools()).tools}
+                    for tool in ("run-command", "run-once"):
+                        with self.subTest(targets=targets, mode=mode, tool=tool):
+                            schema = tools[tool].input_schema["properties"]["timeoutSecs"]
+                            self.assertEqual(schema["maximum"], 600)
+                            args = {"name": "m", "image": "alpine", "command": "true"}
+                            args = {
+                                k: v
+                                for k, v in args.items()
+                                if k in tools[tool].input_schema["properties"]
+                            }
+                            if targets == "both":
+                                args["target"] = "local"
+                            for asked in (100000, 601):
+                                text = await self.refused(c, tool, {**args, "timeoutSecs": asked})
+                                self.assertIn(f"must be at most 600, got {asked}", text)
+        self.assertEqual(self.requests_to("/exec"), [])
+
     async def test_timeout_ceiling_and_timed_out_flag(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             text = await self.refused(
                 c, "run-command", {"name": name, "command": "true", "timeoutSecs": 901}
             )
-            self.assertIn("above the limit of 900 s", text)
-            self.assertIn("SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", text)
+            self.assertIn('"timeoutSecs" must be at most 900, got 901', text)
             # the ceiling itself is allowed
             await self.ok(c, "run-command", {"name": name, "command": "true", "timeoutSecs": 900})
             self.assertEqual(self.requests_to("/exec")[-1][2]["timeoutSecs"], 900)
