@@ -5981,8 +5981,9 @@ class StateFile:
     """A JSON file in the state directory: mode 0600, written whole and atomically
     under a lock (several processes share it), read again only when it changed."""
 
-    def __init__(self, path: Path, empty: Callable[[], Any]):
+    def __init__(self, path: Path, empty: Callable[[], Any], valid: Callable | None = None):
         self.path, self.empty = path, empty
+        self.valid = valid or (lambda data: isinstance(data, type(empty())))
         self._signature: Any = None
         self._data = empty()
         self._lock = threading.Lock()
@@ -6001,11 +6002,18 @@ class StateFile:
 
     def _load(self) -> Any:
         try:
-            return json.loads(self.path.read_text(encoding="utf-8"))
+            data = json.loads(self.path.read_text(encoding="utf-8"))
         except (FileNotFoundError, NotADirectoryError):
             return self.empty()
         except (OSError, ValueError) as exc:
             raise SmolError(f"cannot read {self.path} ({exc}); fix or remove that file") from None
+        if not self.valid(data):
+            raise SmolError(
+                f"{self.path} is not shaped as this server writes it (it holds "
+                f"{_json_type(data)}: {json.dumps(data)[:60]}); fix it, or move it aside to "
+                "start afresh (what it recorded is forgotten then)"
+            )
+        return data
 
     def update(self, change: Callable[[Any], Any]) -> Any:
         """Apply ``change`` to the current content and write it back; returns its result."""
@@ -6078,7 +6086,17 @@ class TokenStore:
     so a request never rewrites the tokens file."""
 
     def __init__(self, state_dir: str):
-        self.file = StateFile(Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []})
+        self.file = StateFile(
+            Path(state_dir) / TOKENS_FILE,
+            lambda: {"tokens": []},
+            lambda data: (
+                isinstance(data, dict)
+                and isinstance(data.get("tokens", []), list)
+                and all(
+                    isinstance(r, dict) and isinstance(r.get("name"), str) for r in data["tokens"]
+                )
+            ),
+        )
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
         self._used: dict[str, str] = {}
         self._flushed = time.monotonic()
@@ -6187,7 +6205,17 @@ class Owners:
     owner; a deleted machine is forgotten."""
 
     def __init__(self, state_dir: str):
-        self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict)
+        self.file = StateFile(
+            Path(state_dir) / OWNERS_FILE,
+            dict,
+            lambda data: (
+                isinstance(data, dict)
+                and all(
+                    isinstance(names, dict) and all(isinstance(o, str) for o in names.values())
+                    for names in data.values()
+                )
+            ),
+        )
 
     def owner(self, fleet: str, name: str) -> str | None:
         return self.file.read().get(fleet, {}).get(name)

@@ -6808,6 +6808,31 @@ class AgentAccessHttpTests(HttpCase):
     def as_token(self, name, mode="legacy"):
         return self.http_client(mode, headers={"Authorization": f"Bearer {self.secrets[name]}"})
 
+    async def test_a_wrong_shaped_state_file_is_named_with_the_fix_never_a_500(self):
+        state = Path(self.config.state_dir)
+        for shape in ("[]", '{"tokens": {}}', '{"tokens": [1]}'):
+            with self.subTest(tokens=shape):
+                (state / "tokens.json").write_text(shape)
+                async with self.http_client() as c:  # the operator's own token still works
+                    self.assertTrue((await c.list_tools()).tools)
+                named = {"Authorization": f"Bearer {self.secrets['look']}"}
+                self.assertEqual(
+                    (await self.raw("POST", headers=named, body=INIT_BODY)).status_code, 401
+                )
+                with self.assertRaises(smol_mcp.SmolError) as caught:
+                    self.store.records()
+                self.assertIn(
+                    "tokens.json is not shaped as this server writes it", str(caught.exception)
+                )
+                self.assertIn("move it aside", str(caught.exception))
+        for shape in ("[]", '{"local": []}', '{"local": {"m": 3}}'):
+            with self.subTest(owners=shape):
+                (state / "owners.json").write_text(shape)
+                async with self.http_client() as c:
+                    text = result_of(await c.call_tool("create-machine", {"image": "alpine"}))[1]
+                self.assertIn("owners.json is not shaped as this server writes it", text)
+                self.assertNotIn("bug", text)
+
     async def test_each_token_sees_exactly_its_tools_and_each_refusal_names_its_scope(self):
         expected = {
             "look": READ_TOOLS,
