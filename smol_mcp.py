@@ -7674,6 +7674,11 @@ class SmolMcp:
                 f"target {' or '.join(self.fleets)}"
             )
         name = urllib.parse.unquote(match["name"])
+        if not NAME_RE.fullmatch(name):  # held to the tool's rule: "..", "a/b" reach no route
+            raise_resource_error(
+                f"{uri} names the machine {name!r}, which is no machine name: it "
+                f"{PATTERN_RULES[NAME_PATTERN]}"
+            )
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
         except ScopeMissing as err:

@@ -1381,6 +1381,16 @@ class ToolRuleTests(FakeServeCase):
             text = await self.refused(c, "list-machines", {})
             self.assertIn("list-machines failed unexpectedly (RuntimeError: kaboom)", text)
 
+    async def test_a_log_resource_names_a_machine_as_the_tool_would(self):
+        for mode in MODES:
+            async with self.client(mode) as c:
+                for name in ("..", "%2E%2E", "a%2Fb", ".hidden", "a%0Ab", "%2E%2E%2F%2E%2E%2Fx"):
+                    with self.subTest(mode=mode, name=name):
+                        with self.assertRaises(Exception) as caught:
+                            await c.read_resource(f"smol://machine/local/{name}/logs")
+                        self.assertIn("which is no machine name", str(caught.exception))
+        self.assertEqual([r for r in self.fake.requests if "/machines/" in r[1]], [])
+
     async def test_logs_resource_and_targets_resource(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
