@@ -3187,10 +3187,16 @@ def guest_route_suffix(path: str) -> str:
     return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
 
 
+# Image transports that read from this host (file: URLs and containers-transports(5)).
+HOST_TRANSPORTS = ("file:", "dir:", "oci:", "oci-archive:", "docker-archive:", "docker-daemon:")
+
+
 def looks_like_host_path(image: str) -> bool:
-    """True when an image names a place on this host rather than a registry:
-    an absolute or relative path, a home path, or a file: URL."""
-    return image.startswith(("/", "./", "../", "~", "file:")) or image in (".", "..")
+    """True when an image names a place on this host rather than a registry: a
+    path (absolute, relative, home) or a host-side transport, in any letter
+    case and after any blank."""
+    plain = image.strip().lower()
+    return plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", "..")
 
 
 def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
@@ -3206,9 +3212,19 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
             "setting (SMOL_MCP_MOUNT_ROOTS). Otherwise copy files in with "
             "write-file, or use a registry image"
         )
-    if not source.startswith(("/", "~")) and not source.startswith("file:"):
+    if GUEST_PATH_FORBIDDEN.search(source):
+        raise ArgumentError(
+            f'"{where}" holds a control character (such as a newline or NUL), which no host '
+            "path should; pass the path without it"
+        )
+    plain = re.sub(r"(?i)^file:(//)?", "", source.strip())
+    if plain.lower().startswith(HOST_TRANSPORTS):
+        raise ArgumentError(
+            f'"{where}" names the host-side transport {plain.split(":")[0]}: ({source!r}); '
+            "give the plain host path (under mountRoots) or a registry image instead"
+        )
+    if not plain.startswith(("/", "~")):
         raise ArgumentError(f'"{where}" must be an absolute host path, got {source!r}')
-    plain = source.removeprefix("file://").removeprefix("file:")
     resolved = os.path.realpath(os.path.expanduser(plain))
     for root, writable in roots:
         if within(resolved, root):
@@ -3302,6 +3318,7 @@ _KEYWORD_ORDER = (
     "maxLength",
     "pattern",
     "minItems",
+    "maxItems",
     "additionalProperties",
     "required",
     "oneOf",
@@ -3397,6 +3414,7 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
             f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}'
         ),
         "minItems": lambda: f'"{where}" must hold at least {limit} item(s)',
+        "maxItems": lambda: f'"{where}" may hold at most {limit} items, got {len(value)}',
     }[rule]()
 
 
@@ -3449,12 +3467,14 @@ ARG_NETWORK = _string(
 )
 ARG_ALLOW_HOSTS = {
     "type": "array",
-    "items": _string("A host name.", minLength=1),
+    "maxItems": 32,
+    "items": _string("A host name.", minLength=1, maxLength=255),
     "description": "Allow egress only to these host names (and their subdomains).",
 }
 ARG_ALLOW_CIDRS = {
     "type": "array",
-    "items": _string("A CIDR such as 198.51.100.0/24.", minLength=1),
+    "maxItems": 32,
+    "items": _string("A CIDR such as 198.51.100.0/24.", minLength=1, maxLength=64),
     "description": "Allow egress only to these address ranges.",
 }
 ARG_ENV = {

@@ -2135,6 +2135,13 @@ class CloudRuleTests(FakeCloudCase):
                         self.assertIn(value, await self.refused(c, "create-machine", args))
                         args = {"image": "alpine", "command": "true", field: [value]}
                         self.assertIn(value, await self.refused(c, "run-once", args))
+            many = [f"h{i}.example.org" for i in range(33)]
+            for tool, args in (
+                ("create-machine", {"image": "alpine", "allowHosts": many}),
+                ("allow-egress", {"name": "mcp-c", "hosts": many}),
+            ):
+                text = await self.refused(c, tool, args)
+                self.assertIn("may hold at most 32 items, got 33", text)
             await self.machine(c, allowHosts=["pypi.org"], allowCidrs=["198.51.100.0/24"])
         creates = [r for r in self.cloud.requests if r[:2] == ("POST", "/v1/machines")]
         self.assertEqual(len(creates), 1)
@@ -4063,6 +4070,20 @@ class MountRootTests(FakeServeCase):
                     {"image": "/"},
                     {"image": "./rootfs"},
                     {"image": "~/images/x.tar"},
+                    *(
+                        {"image": image}
+                        for image in (
+                            "FILE:///etc",
+                            "File:/etc",
+                            " /etc",
+                            "\t./rootfs",
+                            "oci-archive:/tmp/x.tar",
+                            "OCI:/srv/layout",
+                            "dir:/etc",
+                            "docker-archive:/tmp/x.tar",
+                        )
+                    ),
+                    {"mounts": [{"source": "/etc\u0000", "target": "/e"}]},
                 ):
                     with self.subTest(mode=mode, args=args):
                         text = await self.refused(c, "create-machine", {"image": "alpine", **args})
@@ -4108,6 +4129,8 @@ class MountRootTests(FakeServeCase):
                 ({"source": f"{ro}/../../", "target": "/h"}, "outside the host directories"),
                 ({"source": f"{ro}/data", "target": "/d", "readonly": False}, "opens read-only"),
                 ({"source": f"{ro}-sibling", "target": "/h"}, "outside the host directories"),
+                ({"source": f"dir:{ro}/data", "target": "/h"}, "host-side transport dir:"),
+                ({"source": f"FILE://{ro}/../..", "target": "/h"}, "outside the host directories"),
             ]
             for mount, expected in refusals:
                 with self.subTest(mount=mount):
@@ -4115,6 +4138,9 @@ class MountRootTests(FakeServeCase):
                     text = await self.refused(c, "create-machine", args)
                     self.assertIn(expected, text)
                     self.assertIn("mountRoots", text)
+            mounts = [{"source": f"{ro}/data\u0000", "target": "/h"}]
+            text = await self.refused(c, "create-machine", {"image": "alpine", "mounts": mounts})
+            self.assertIn('"mounts[0].source" holds a control character', text)
             self.assertEqual(len(self.creates()), 1)
             # a host-path image under a root goes to the serve resolved (1.32.2 then refuses it)
             text = await self.refused(
