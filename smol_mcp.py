@@ -4604,27 +4604,19 @@ EGRESS_409_HINT = (
 
 # Never reachable through an allow list (section 16): the host itself, the cloud's
 # metadata service, and spellings of them. Private ranges only as egressPrivateCidrs allows.
-EGRESS_FORBIDDEN = tuple(
+EGRESS_FORBIDDEN = [
     (ipaddress.ip_network(cidr), why)
-    for cidr, why in (
-        ("0.0.0.0/8", "unspecified"),
-        ("127.0.0.0/8", "loopback: the host's own services"),
-        ("169.254.0.0/16", "link-local, where cloud metadata (169.254.169.254) lives"),
-        ("224.0.0.0/4", "multicast"),
-        ("240.0.0.0/4", "reserved or broadcast"),
-        ("::/96", "unspecified, loopback or IPv4-compatible"),
-        ("::ffff:0:0/96", "IPv4-mapped (it reaches IPv4, loopback included)"),
-        ("64:ff9b::/96", "NAT64 (it reaches IPv4, loopback included)"),
-        ("64:ff9b:1::/48", "NAT64 (it reaches IPv4, loopback included)"),
-        ("fe80::/10", "link-local"),
-        ("ff00::/8", "multicast"),
-        ("10.0.0.0/8", "private"),
-        ("172.16.0.0/12", "private"),
-        ("192.168.0.0/16", "private"),
-        ("100.64.0.0/10", "private (carrier-grade NAT)"),
-        ("fc00::/7", "private"),
+    for why, cidrs in (
+        ("unspecified", "0.0.0.0/8"),
+        ("loopback: the host's own services", "127.0.0.0/8"),
+        ("link-local, where cloud metadata (169.254.169.254) lives", "169.254.0.0/16 fe80::/10"),
+        ("multicast, reserved or broadcast", "224.0.0.0/3 ff00::/8"),
+        ("unspecified, loopback or IPv4-compatible", "::/96"),
+        ("IPv4-mapped or NAT64: it reaches IPv4", "::ffff:0:0/96 64:ff9b::/96 64:ff9b:1::/48"),
+        ("private", "10.0.0.0/8 172.16.0.0/12 192.168.0.0/16 100.64.0.0/10 fc00::/7"),
     )
-)
+    for cidr in cidrs.split()
+]
 # Bare public suffixes: a name under one is someone else's site, the suffix is everyone's.
 PUBLIC_SUFFIXES = frozenset(
     "co.uk org.uk ac.uk gov.uk me.uk com.au net.au org.au co.nz co.jp ne.jp co.kr co.in "
