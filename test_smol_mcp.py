@@ -3701,7 +3701,10 @@ class LiveOutputScenarios(LongWorkScenarios):
             len(steps), 3, seen
         )  # lines arrive while the command runs, not at its end
         self.assertEqual(steps, sorted(set(steps)), "newest line first, in order, never repeated")
-        self.assertEqual(seen[-1], "stderr: warned")  # the last line is always shown
+        # The last line is always shown. stdout and stderr are two pipes (each through its own
+        # tee in the guest), so under load their lines may reach the server in either order.
+        self.assertIn("stderr: warned", seen)
+        self.assertIn(seen[-1], ("stderr: warned", "stdout: step 6"))
 
     async def test_the_budget_and_overflow_are_the_same_streamed(self):
         command = (
