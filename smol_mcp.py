@@ -1270,20 +1270,23 @@ class LocalFleet:
             self.request(f"create machine '{spec.name}'", "POST", "/api/v1/machines", body)
         )
 
-    def start_machine(self, name: str, branchable: bool = False) -> dict:
-        """Start a machine once each mount source still resolves under its root
-        (a guest with a writable share may have swapped in a symlink since)."""
-        info = self.request(f"start machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}")
+    def recheck_mounts(self, name: str, action: str) -> None:
+        """Refuse ``action`` unless each mount source of the machine still resolves
+        under its root (a guest with a writable share may have swapped in a symlink)."""
+        info = self.request(action, "GET", f"/api/v1/machines/{_q(name)}")
         for mount in info.get("mounts") or []:
             try:
                 want_write = mount.get("readonly") is False
                 contained_host_path(self.config, mount["source"], "source", want_write)
             except ArgumentError as err:
                 raise ArgumentError(
-                    f"machine '{name}' was not started: the source of its mount at "
-                    f"{mount.get('target')} is checked again at every start, and now {err}. "
-                    "Restore the directory, or delete the machine"
+                    f"could not {action}: the source of its mount at {mount.get('target')} is "
+                    f"checked again at every start, and now {err}. Restore the directory, or "
+                    "delete the machine"
                 ) from None
+
+    def start_machine(self, name: str, branchable: bool = False) -> dict:
+        self.recheck_mounts(name, f"start machine '{name}'")
         # Branchability is a start option locally (a create field on cloud).
         query = "?branchable=true" if branchable else ""
         return local_record(
@@ -1586,6 +1589,7 @@ class LocalFleet:
         return parse_sse_lines(data if isinstance(data, bytes) else json.dumps(data).encode())
 
     def branch_machine(self, name: str, child: str) -> dict:
+        self.recheck_mounts(name, f"branch machine '{name}' into '{child}'")
         return local_record(
             self.request(
                 f"branch machine '{name}' into '{child}'",

@@ -4179,6 +4179,9 @@ class MountRootTests(FakeServeCase):
             for name in ("m1", "m2"):
                 args = {"name": name, "image": "alpine", "start": False, "mounts": [mount]}
                 await self.ok(c, "create-machine", args)
+            args = {"name": "src", "image": "alpine", "branchable": True, "mounts": [mount]}
+            await self.ok(c, "create-machine", args)
+            starts = len(self.requests_to("/start"))
             (share / "sub").rmdir()  # what a guest with the share writable can do
             (share / "sub").symlink_to("/")
             for tool, args in (
@@ -4188,9 +4191,12 @@ class MountRootTests(FakeServeCase):
             ):
                 with self.subTest(tool=tool):
                     text = await self.refused(c, tool, args)
-                    self.assertIn("was not started", text)
+                    self.assertIn("could not start machine", text)
                     self.assertIn("resolves to /,", text)
-        self.assertEqual(self.requests_to("/start"), [])
+            text = await self.refused(c, "branch-machine", {"name": "src", "childName": "kid"})
+            self.assertIn("could not branch machine 'src' into 'kid'", text)
+        self.assertEqual(len(self.requests_to("/start")), starts)
+        self.assertEqual(self.requests_to("/branches"), [])
 
     def test_roots_are_checked_at_startup_and_shown(self):
         with self.assertRaises(ConfigError) as caught:
