@@ -4166,6 +4166,12 @@ class MountRootTests(FakeServeCase):
                         text = await self.refused(c, "create-machine", args)
                         self.assertIn("of this server itself", text)
             await self.refused(c, "create-machine", {"image": f"{self.tmp}/state"})
+            config_file = {"SMOL_MCP_CONFIG": f"{self.tmp}/conf/config.json"}
+            with unittest.mock.patch.dict(os.environ, config_file):
+                mounts = [{"source": f"{self.tmp}/conf", "target": "/c"}]
+                args = {"image": "alpine", "start": False, "mounts": mounts}
+                text = await self.refused(c, "create-machine", args)
+                self.assertIn(f"holds {self.tmp}/conf, a directory of this server itself", text)
         self.assertEqual(self.creates(), [])
         doctor = smol_mcp.describe_mount_roots(self.app.config)
         self.assertIn(f"never mountable, being this server's own: {self.config.state_dir}", doctor)
