@@ -3815,13 +3815,8 @@ def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list
 
 
 def exec_timeout(config: Config, args: dict) -> int:
-    timeout = args.get("timeoutSecs", config.exec_timeout_secs)
-    if timeout > config.max_exec_timeout_secs:
-        raise ArgumentError(
-            f'"timeoutSecs" is {timeout}, above the limit of {config.max_exec_timeout_secs} s '
-            "(SMOL_MCP_MAX_EXEC_TIMEOUT_SECS); ask for less, or split the work"
-        )
-    return timeout
+    """The command's timeout: the schema already held it to maxExecTimeoutSecs."""
+    return args.get("timeoutSecs", config.exec_timeout_secs)
 
 
 def command_argv(command: str | list[str]) -> list[str]:
