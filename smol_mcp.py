@@ -162,6 +162,9 @@ class Config:
     approval_via: str = setting_field(
         "terminal", "SMOL_MCP_APPROVAL_VIA", "choice", choices=("terminal", "client")
     )
+    egress_private_cidrs: tuple[str, ...] = setting_field(
+        (), "SMOL_MCP_EGRESS_PRIVATE_CIDRS", "list"
+    )
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
@@ -321,6 +324,13 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             f"the scopes are: {', '.join(SCOPES)}"
         )
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
+    for cidr in config.egress_private_cidrs:
+        try:
+            ipaddress.ip_network(cidr)
+        except ValueError as err:
+            raise ConfigError(
+                f"egressPrivateCidrs holds {cidr!r}, not an address range: {err}"
+            ) from None
     if config.approval_webhook and urllib.parse.urlsplit(config.approval_webhook).scheme not in (
         "http",
         "https",
@@ -1273,7 +1283,23 @@ class LocalFleet:
             self.request(f"create machine '{spec.name}'", "POST", "/api/v1/machines", body)
         )
 
+    def recheck_mounts(self, name: str, action: str) -> None:
+        """Refuse ``action`` unless each mount source of the machine still resolves
+        under its root (a guest with a writable share may have swapped in a symlink)."""
+        info = self.request(action, "GET", f"/api/v1/machines/{_q(name)}")
+        for mount in info.get("mounts") or []:
+            try:
+                want_write = mount.get("readonly") is False
+                contained_host_path(self.config, mount["source"], "source", want_write)
+            except ArgumentError as err:
+                raise ArgumentError(
+                    f"could not {action}: the source of its mount at {mount.get('target')} is "
+                    f"checked again at every start, and now {err}. Restore the directory, or "
+                    "delete the machine"
+                ) from None
+
     def start_machine(self, name: str, branchable: bool = False) -> dict:
+        self.recheck_mounts(name, f"start machine '{name}'")
         # Branchability is a start option locally (a create field on cloud).
         query = "?branchable=true" if branchable else ""
         return local_record(
@@ -1576,6 +1602,7 @@ class LocalFleet:
         return parse_sse_lines(data if isinstance(data, bytes) else json.dumps(data).encode())
 
     def branch_machine(self, name: str, child: str) -> dict:
+        self.recheck_mounts(name, f"branch machine '{name}' into '{child}'")
         return local_record(
             self.request(
                 f"branch machine '{name}' into '{child}'",
@@ -3119,7 +3146,9 @@ TYPE_WORDS = {
 }
 
 
-MAX_TIMEOUT_SECS = 86400  # the schema's ceiling; maxExecTimeoutSecs (at most this) is the real one
+MAX_TIMEOUT_SECS = (
+    86400  # the built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
+)
 MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
 MAX_DISK_GB = 4096  # storageGb and overlayGb
 MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
@@ -3175,10 +3204,16 @@ def guest_route_suffix(path: str) -> str:
     return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
 
 
+# Image transports that read from this host (file: URLs and containers-transports(5)).
+HOST_TRANSPORTS = ("file:", "dir:", "oci:", "oci-archive:", "docker-archive:", "docker-daemon:")
+
+
 def looks_like_host_path(image: str) -> bool:
-    """True when an image names a place on this host rather than a registry:
-    an absolute or relative path, a home path, or a file: URL."""
-    return image.startswith(("/", "./", "../", "~", "file:")) or image in (".", "..")
+    """True when an image names a place on this host rather than a registry: a
+    path (absolute, relative, home) or a host-side transport, in any letter
+    case and after any blank."""
+    plain = image.strip().lower()
+    return plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", "..")
 
 
 def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
@@ -3194,12 +3229,29 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
             "setting (SMOL_MCP_MOUNT_ROOTS). Otherwise copy files in with "
             "write-file, or use a registry image"
         )
-    if not source.startswith(("/", "~")) and not source.startswith("file:"):
+    if GUEST_PATH_FORBIDDEN.search(source):
+        raise ArgumentError(
+            f'"{where}" holds a control character (such as a newline or NUL), which no host '
+            "path should; pass the path without it"
+        )
+    plain = re.sub(r"(?i)^file:(//)?", "", source.strip())
+    if plain.lower().startswith(HOST_TRANSPORTS):
+        raise ArgumentError(
+            f'"{where}" names the host-side transport {plain.split(":")[0]}: ({source!r}); '
+            "give the plain host path (under mountRoots) or a registry image instead"
+        )
+    if not plain.startswith(("/", "~")):
         raise ArgumentError(f'"{where}" must be an absolute host path, got {source!r}')
-    plain = source.removeprefix("file://").removeprefix("file:")
     resolved = os.path.realpath(os.path.expanduser(plain))
     for root, writable in roots:
-        if resolved == root or resolved.startswith(root.rstrip("/") + "/"):
+        if within(resolved, root):
+            for own in server_directories(config):
+                if within(resolved, own) or within(own, resolved):
+                    raise ArgumentError(
+                        f'"{where}" resolves to {resolved}, which is or holds {own}, a directory '
+                        "of this server itself (tokens, approvals, sockets): never mountable, "
+                        "whatever mountRoots says; pick another directory"
+                    )
             if want_write and not writable:
                 raise ArgumentError(
                     f'"{where}" asks for write access under {root}, which '
@@ -3213,6 +3265,18 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
         f"directories this server exposes ({listed}; the mountRoots setting); "
         "pick a path under one of them"
     )
+
+
+def within(path: str, directory: str) -> bool:
+    """True when ``path`` is ``directory`` or lies under it (both resolved)."""
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def server_directories(config: Config) -> list[str]:
+    """The state, runtime and config directories, resolved (section 16)."""
+    config_dir = str(config_file_path(dict(os.environ)).parent)
+    places = (config.state_dir, config.runtime_dir, config_dir)
+    return [os.path.realpath(os.path.expanduser(place)) for place in places if place]
 
 
 def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
@@ -3271,6 +3335,7 @@ _KEYWORD_ORDER = (
     "maxLength",
     "pattern",
     "minItems",
+    "maxItems",
     "additionalProperties",
     "required",
     "oneOf",
@@ -3366,6 +3431,7 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
             f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}'
         ),
         "minItems": lambda: f'"{where}" must hold at least {limit} item(s)',
+        "maxItems": lambda: f'"{where}" may hold at most {limit} items, got {len(value)}',
     }[rule]()
 
 
@@ -3418,12 +3484,14 @@ ARG_NETWORK = _string(
 )
 ARG_ALLOW_HOSTS = {
     "type": "array",
-    "items": _string("A host name.", minLength=1),
+    "maxItems": 32,
+    "items": _string("A host name.", minLength=1, maxLength=255),
     "description": "Allow egress only to these host names (and their subdomains).",
 }
 ARG_ALLOW_CIDRS = {
     "type": "array",
-    "items": _string("A CIDR such as 10.0.0.0/8.", minLength=1),
+    "maxItems": 32,
+    "items": _string("A CIDR such as 198.51.100.0/24.", minLength=1, maxLength=64),
     "description": "Allow egress only to these address ranges.",
 }
 ARG_ENV = {
@@ -3501,8 +3569,8 @@ ARG_EGRESS_PATTERNS = {
 }
 ARG_EGRESS_CIDRS = {
     **ARG_EGRESS_LIST,
-    "description": "Address ranges to allow, such as 203.0.113.7/32 or 10.0.0.0/8 (/8 or "
-    "narrower; IPv6 /32 or narrower).",
+    "description": "Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 "
+    "or narrower); never loopback, link-local or private ranges.",
     "items": _string("An address range.", minLength=1, maxLength=64),
 }
 ARG_EGRESS_REMOVE = {
@@ -3737,17 +3805,18 @@ class Call:
                 log.warning("could not delete machine %s: %s", name, err)
 
 
-def resolve_network(args: dict, default: str) -> tuple[str, list[str], list[str]]:
-    """(network, allowHosts, allowCidrs) for a create. An allow-list narrows
-    egress, so it cannot be combined with an explicit open or blocked."""
-    hosts, cidrs = list(args.get("allowHosts") or []), list(args.get("allowCidrs") or [])
-    for index, cidr in enumerate(cidrs):
-        try:
-            ipaddress.ip_network(cidr, strict=False)
-        except ValueError:
-            raise ArgumentError(
-                f'"allowCidrs[{index}]" must be an address range such as 10.0.0.0/8, got {cidr!r}'
-            ) from None
+def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list[str], list[str]]:
+    """(network, allowHosts, allowCidrs) for a create, each entry held to
+    allow-egress's rules. An allow-list narrows egress, so it cannot be
+    combined with an explicit open or blocked."""
+    hosts = [
+        egress_host(h, f"allowHosts[{i}]", True, config)
+        for i, h in enumerate(args.get("allowHosts") or [])
+    ]
+    cidrs = [
+        egress_cidr(c, f"allowCidrs[{i}]", config)
+        for i, c in enumerate(args.get("allowCidrs") or [])
+    ]
     if (hosts or cidrs) and "network" in args:
         raise ArgumentError(
             f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
@@ -3759,13 +3828,8 @@ def resolve_network(args: dict, default: str) -> tuple[str, list[str], list[str]
 
 
 def exec_timeout(config: Config, args: dict) -> int:
-    timeout = args.get("timeoutSecs", config.exec_timeout_secs)
-    if timeout > config.max_exec_timeout_secs:
-        raise ArgumentError(
-            f'"timeoutSecs" is {timeout}, above the limit of {config.max_exec_timeout_secs} s '
-            "(SMOL_MCP_MAX_EXEC_TIMEOUT_SECS); ask for less, or split the work"
-        )
-    return timeout
+    """The command's timeout: the schema already held it to maxExecTimeoutSecs."""
+    return args.get("timeoutSecs", config.exec_timeout_secs)
 
 
 def command_argv(command: str | list[str]) -> list[str]:
@@ -3907,18 +3971,27 @@ async def on_running(
         return await function(*args, **kwargs), True
 
 
-# Live output (section 14). With a progress token a command runs through the
-# engine's exec stream route, under a wrapper that writes its pid in the guest
-# (RUN_PID_DIR/<runId>) and then becomes the command (exec "$@"), so a
-# cancelled call can end it with a second exec (RUN_KILL_SCRIPT).
+# Every command runs under a wrapper that writes its pid in the guest
+# (RUN_PID_DIR/<runId>) and then becomes the command (exec "$@"), so a cancelled
+# call, streamed or not, can end its process group with a second exec
+# (RUN_KILL_SCRIPT). With a progress token it runs through the engine's exec
+# stream route, under RUN_TEE_WRAPPER: SSE cannot carry a bare CR, a NUL or
+# invalid UTF-8, so the stream only feeds progress, and the result is the
+# guest's own copy of the output, read back whole (RUN_READ_BACK).
 RUN_PID_DIR = "/tmp/smol-mcp-run"
 RUN_WRAPPER = '{ mkdir -p "${1%/*}" && echo "$$" >"$1"; } 2>/dev/null; shift; exec "$@"'
+RUN_TEE_WRAPPER = r"""f=$1; shift
+{ mkdir -p "${f%/*}" && echo "$$" >"$f" && mkfifo "$f.o" "$f.e"; } 2>/dev/null || exec "$@"
+tee "$f.out" <"$f.o" & tee "$f.err" <"$f.e" >&2 &
+(exec "$@") >"$f.o" 2>"$f.e"; c=$?; wait; exit $c
+"""
+RUN_READ_BACK = '[ -e "$1.out" ] || exit 3; cat "$1.out"; cat "$1.err" >&2; rm -f "$1" "$1".*'
 RUN_KILL_SCRIPT = r"""n=0; while [ ! -s "$1" ] && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
 [ -s "$1" ] || exit 0
-p=$(cat "$1"); rm -f "$1"
-kill -TERM -"$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null
+p=$(cat "$1"); rm -f "$1" "$1".*
+kill -TERM -"$p" 2>/dev/null; pkill -TERM -P "$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null
 n=0; while kill -0 "$p" 2>/dev/null && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
-kill -KILL -"$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null
+kill -KILL -"$p" 2>/dev/null; pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null
 exit 0
 """
 LIVE_OUTPUT_INTERVAL_SECS = 0.3  # at most about three output lines a second reach the client
@@ -3935,14 +4008,39 @@ def live_line(stream: str, line: str) -> str:
 async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any) -> ExecResult:
     """Run a command; with a progress token, through the stream route, each
     new output line sent as a progress message (the newest, a few a second).
-    The result is the same either way."""
-    if call.progress_token() is None:
-        return await call.api(
-            call.fleet.exec, name, argv, waiting=f"running the command in '{name}'", **options
-        )
+    The result is the same either way, and a cancelled call ends the command."""
     import anyio
 
     pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
+    try:
+        if call.progress_token() is None:
+            wrapped = ["sh", "-c", RUN_WRAPPER, "sh", pid_file, *argv]
+            waiting = f"running the command in '{name}'"
+            return await call.api(call.fleet.exec, name, wrapped, waiting=waiting, **options)
+        return await stream_in_machine(call, name, pid_file, argv, options)
+    except anyio.get_cancelled_exc_class():
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
+            try:
+                await anyio.to_thread.run_sync(
+                    functools.partial(
+                        call.fleet.exec,
+                        name,
+                        ["sh", "-c", RUN_KILL_SCRIPT, "sh", pid_file],
+                        timeout_secs=30,
+                    )
+                )
+            except Exception as err:
+                log.warning("could not end the cancelled command in machine %s: %s", name, err)
+        raise
+
+
+async def stream_in_machine(
+    call: Call, name: str, pid_file: str, argv: list[str], options: dict
+) -> ExecResult:
+    """run_in_machine's stream route: progress from the stream, the result
+    from the guest's copy (the stream's own when the guest kept none)."""
+    import anyio
+
     newest: list[Any] = [0, None]  # lines seen and the last one, written by the worker thread
 
     def on_output(stream: str, data: str) -> None:
@@ -3972,44 +4070,37 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
                     f"{int(time.monotonic() - call.started)} s so far",
                 )
 
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(reporter)
-            try:
-                value, failure = (
-                    await call.api(
-                        call.fleet.exec_stream,
-                        name,
-                        ["sh", "-c", RUN_WRAPPER, "sh", pid_file, *argv],
-                        on_output=on_output,
-                        **options,
-                    ),
-                    None,
-                )
-            except (
-                Exception
-            ) as err:  # carried out of the group, which would wrap it in an ExceptionGroup
-                value, failure = None, err
-            group.cancel_scope.cancel()
-    except anyio.get_cancelled_exc_class():
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
-            try:
-                await anyio.to_thread.run_sync(
-                    functools.partial(
-                        call.fleet.exec,
-                        name,
-                        ["sh", "-c", RUN_KILL_SCRIPT, "sh", pid_file],
-                        timeout_secs=30,
-                    )
-                )
-            except Exception as err:
-                log.warning("could not end the cancelled command in machine %s: %s", name, err)
-        raise
+    async with anyio.create_task_group() as group:
+        group.start_soon(reporter)
+        try:
+            value, failure = (
+                await call.api(
+                    call.fleet.exec_stream,
+                    name,
+                    ["sh", "-c", RUN_TEE_WRAPPER, "sh", pid_file, *argv],
+                    on_output=on_output,
+                    **options,
+                ),
+                None,
+            )
+        except Exception as err:  # carried out of the group, which would wrap it in a group
+            value, failure = None, err
+        group.cancel_scope.cancel()
     if failure is not None:
         raise failure
     if newest[0] > shown[0]:
         await show_newest()  # the last line, even if it came between two ticks
-    return value
+    try:
+        read_back = ["sh", "-c", RUN_READ_BACK, "sh", pid_file]
+        copy = await call.api(call.fleet.exec, name, read_back, timeout_secs=60)
+    except SmolError as err:
+        log.warning("could not read back the output of a command in %s: %s", name, err)
+        return value
+    if copy.exit_code != 0:
+        return value  # the guest could not keep a copy (no mkfifo or tee): the stream is all
+    return dataclasses.replace(
+        value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=copy.cut_by_service
+    )
 
 
 async def budget_exec(
@@ -4192,7 +4283,7 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
 
 
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
-    network, hosts, cidrs = resolve_network(args, network_default)
+    network, hosts, cidrs = resolve_network(args, call.config, network_default)
     # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
     local = call.fleet.mounts_host_paths
     mounts = args.get("mounts", [])
@@ -4523,20 +4614,70 @@ EGRESS_409_HINT = (
 )
 
 
-def egress_host(value: str, where: str, pattern: bool) -> str:
+# Never reachable through an allow list (section 16): the host itself, the cloud's
+# metadata service, and spellings of them. Private ranges only as egressPrivateCidrs allows.
+EGRESS_FORBIDDEN = [
+    (ipaddress.ip_network(cidr), why)
+    for why, cidrs in (
+        ("unspecified", "0.0.0.0/8"),
+        ("loopback: the host's own services", "127.0.0.0/8"),
+        ("link-local, where cloud metadata (169.254.169.254) lives", "169.254.0.0/16 fe80::/10"),
+        ("multicast, reserved or broadcast", "224.0.0.0/3 ff00::/8"),
+        ("unspecified, loopback or IPv4-compatible", "::/96"),
+        ("IPv4-mapped or NAT64: it reaches IPv4", "::ffff:0:0/96 64:ff9b::/96 64:ff9b:1::/48"),
+        ("private", "10.0.0.0/8 172.16.0.0/12 192.168.0.0/16 100.64.0.0/10 fc00::/7"),
+    )
+    for cidr in cidrs.split()
+]
+# Bare public suffixes: a name under one is someone else's site, the suffix is everyone's.
+PUBLIC_SUFFIXES = frozenset(
+    "co.uk org.uk ac.uk gov.uk me.uk com.au net.au org.au co.nz co.jp ne.jp co.kr co.in "
+    "co.za com.br com.cn com.mx com.tr com.tw com.hk com.sg github.io gitlab.io pages.dev "
+    "workers.dev netlify.app vercel.app web.app firebaseapp.com appspot.com herokuapp.com "
+    "blogspot.com cloudfront.net amazonaws.com s3.amazonaws.com azurewebsites.net "
+    "fly.dev onrender.com ngrok.io ngrok-free.app repl.co glitch.me".split()
+)
+
+
+def egress_refusal(network: Any, config: Config) -> str | None:
+    """Why an allow list may not hold this range, or None: it touches a
+    forbidden range and no egressPrivateCidrs entry holds it."""
+    for cidr in config.egress_private_cidrs:
+        allowed = ipaddress.ip_network(cidr)
+        if allowed.version == network.version and network.subnet_of(allowed):
+            return None
+    for forbidden, why in EGRESS_FORBIDDEN:
+        if forbidden.version == network.version and network.overlaps(forbidden):
+            return f"{forbidden} is {why}"
+    return None
+
+
+def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
     """A host name (or, with ``pattern``, `*.domain`) the engine will accept,
-    lower-cased; refused when it is an address or would cover a whole
-    top-level domain."""
+    lower-cased; refused when it is an address in any spelling, a loopback
+    name, or would cover a whole top-level domain or public suffix."""
     host = value.lower()
     wildcard = pattern and host.startswith("*.")
     name = host[2:] if wildcard else host
     try:
-        ipaddress.ip_address(name)
-        raise ArgumentError(
-            f'"{where}" is an address ({value!r}); pass it in cidrs as {name}/32 (or /128) instead'
-        )
+        address = ipaddress.ip_address(name)
     except ValueError:
-        pass
+        address = None
+        if re.fullmatch(r"[0-9a-fx.]+", name) and re.search(r"\d", name):
+            try:  # the spellings a resolver accepts: 2130706433, 0x7f.1, 0177.0.0.1
+                address = ipaddress.ip_address(socket.inet_aton(name))
+            except OSError:
+                pass
+    if address is not None:
+        why = egress_refusal(ipaddress.ip_network(address), config)
+        raise ArgumentError(
+            f'"{where}" is the address {address} ({value!r})'
+            + (
+                f", which no allow list may reach: {why}"
+                if why
+                else f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
+            )
+        )
     labels = name.split(".")
     if "*" in name:
         what = (
@@ -4550,15 +4691,18 @@ def egress_host(value: str, where: str, pattern: bool) -> str:
             f'"{where}" is not a host name: {value!r}. Pass a name such as pypi.org: letters, '
             "digits and hyphens in dot-separated labels"
         )
-    if len(labels) < 2:
-        covers = "every host under it" if not wildcard else "every host in that top-level domain"
+    if len(labels) < 2 or name in PUBLIC_SUFFIXES:
+        covers = "every host under it" if not wildcard else "every host in that domain"
         raise ArgumentError(
-            f'"{where}" is {value!r}, which would cover {covers}; name a host such as pypi.org'
+            f'"{where}" is {value!r}, which would cover {covers} (a top-level domain or public '
+            "suffix, with sites of many owners); name a host such as pypi.org"
         )
+    if name == "localhost" or name.endswith(".localhost"):
+        raise ArgumentError(f'"{where}" is {value!r}, a name of the host itself (loopback)')
     return host
 
 
-def egress_cidr(value: str, where: str) -> str:
+def egress_cidr(value: str, where: str, config: Config) -> str:
     """An address range narrow enough to be an allow-list entry."""
     try:
         network = ipaddress.ip_network(value)
@@ -4574,21 +4718,29 @@ def egress_cidr(value: str, where: str) -> str:
             f"takes ranges of /{widest} or narrower. For open egress, create a new machine with "
             'network: "open" instead'
         )
+    why = egress_refusal(network, config)
+    if why:
+        raise ArgumentError(
+            f'"{where}" is {value!r}, which no allow list may reach: {why}. An operator who '
+            "needs a private range lists it in egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
+        )
     return value
 
 
-def egress_change(args: dict, before: dict) -> tuple[dict, dict]:
+def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]:
     """(the UpdateEgressRequest body, the allow list it should leave) for
     allow-egress's arguments against the machine's current policy. Entries
     already listed are dropped; removals must name listed entries; a change
     that would leave no entry (which the engine reads as allow everything) is
     refused."""
-    hosts = [egress_host(h, f"hosts[{i}]", False) for i, h in enumerate(args.get("hosts", []))]
+    hosts = [
+        egress_host(h, f"hosts[{i}]", False, config) for i, h in enumerate(args.get("hosts", []))
+    ]
     patterns = [
-        egress_host(h, f"hostPatterns[{i}]", True)
+        egress_host(h, f"hostPatterns[{i}]", True, config)
         for i, h in enumerate(args.get("hostPatterns", []))
     ]
-    cidrs = [egress_cidr(c, f"cidrs[{i}]") for i, c in enumerate(args.get("cidrs", []))]
+    cidrs = [egress_cidr(c, f"cidrs[{i}]", config) for i, c in enumerate(args.get("cidrs", []))]
     remove = args.get("remove", {})
     if not (hosts or patterns or cidrs or remove.get("hosts") or remove.get("cidrs")):
         raise ArgumentError(
@@ -4681,7 +4833,7 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
     if not call.fleet.amends_egress:
         raise ArgumentError(EGRESS_LOCAL_ONLY)
     record, before = await call.api(call.fleet.egress_policy, name)
-    body, after = egress_change(args, before)
+    body, after = egress_change(args, before, call.config)
     result = {
         "machine": record,
         "before": before,
@@ -5853,8 +6005,9 @@ class StateFile:
     """A JSON file in the state directory: mode 0600, written whole and atomically
     under a lock (several processes share it), read again only when it changed."""
 
-    def __init__(self, path: Path, empty: Callable[[], Any]):
+    def __init__(self, path: Path, empty: Callable[[], Any], valid: Callable | None = None):
         self.path, self.empty = path, empty
+        self.valid = valid or (lambda data: isinstance(data, type(empty())))
         self._signature: Any = None
         self._data = empty()
         self._lock = threading.Lock()
@@ -5873,11 +6026,18 @@ class StateFile:
 
     def _load(self) -> Any:
         try:
-            return json.loads(self.path.read_text(encoding="utf-8"))
+            data = json.loads(self.path.read_text(encoding="utf-8"))
         except (FileNotFoundError, NotADirectoryError):
             return self.empty()
         except (OSError, ValueError) as exc:
             raise SmolError(f"cannot read {self.path} ({exc}); fix or remove that file") from None
+        if not self.valid(data):
+            raise SmolError(
+                f"{self.path} is not shaped as this server writes it (it holds "
+                f"{_json_type(data)}: {json.dumps(data)[:60]}); fix it, or move it aside to "
+                "start afresh (what it recorded is forgotten then)"
+            )
+        return data
 
     def update(self, change: Callable[[Any], Any]) -> Any:
         """Apply ``change`` to the current content and write it back; returns its result."""
@@ -5950,7 +6110,17 @@ class TokenStore:
     so a request never rewrites the tokens file."""
 
     def __init__(self, state_dir: str):
-        self.file = StateFile(Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []})
+        self.file = StateFile(
+            Path(state_dir) / TOKENS_FILE,
+            lambda: {"tokens": []},
+            lambda data: (
+                isinstance(data, dict)
+                and isinstance(data.get("tokens", []), list)
+                and all(
+                    isinstance(r, dict) and isinstance(r.get("name"), str) for r in data["tokens"]
+                )
+            ),
+        )
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
         self._used: dict[str, str] = {}
         self._flushed = time.monotonic()
@@ -6063,7 +6233,17 @@ class Owners:
     owner; a deleted machine is forgotten."""
 
     def __init__(self, state_dir: str):
-        self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict)
+        self.file = StateFile(
+            Path(state_dir) / OWNERS_FILE,
+            dict,
+            lambda data: (
+                isinstance(data, dict)
+                and all(
+                    isinstance(names, dict) and all(isinstance(o, str) for o in names.values())
+                    for names in data.values()
+                )
+            ),
+        )
 
     def owner(self, fleet: str, name: str) -> str | None:
         return self.file.read().get(fleet, {}).get(name)
@@ -6626,12 +6806,22 @@ def resolve_mode(config: Config) -> str:
     return config.targets
 
 
-def tool_schema(tool: ToolSpec, with_target: bool) -> dict:
+def configured_schema(tool: ToolSpec, config: Config) -> dict:
+    """A tool's input schema with the configured ceiling in place of the built-in
+    one (section 6), so a model never reads a maximum the server would refuse."""
+    schema = tool.input_schema
+    if schema["properties"].get("timeoutSecs") is not ARG_TIMEOUT:
+        return schema
+    ceiling = {**ARG_TIMEOUT, "maximum": config.max_exec_timeout_secs}
+    return {**schema, "properties": {**schema["properties"], "timeoutSecs": ceiling}}
+
+
+def tool_schema(tool: ToolSpec, with_target: bool, config: Config) -> dict:
     """The input schema a client is shown: with a required target in both mode.
     (Built once per list shape: SmolMcp.tool_list is the one tool-list cache.)"""
     if not with_target:
-        return tool.input_schema
-    schema = json.loads(json.dumps(tool.input_schema))
+        return configured_schema(tool, config)
+    schema = json.loads(json.dumps(configured_schema(tool, config)))
     schema["properties"] = {"target": ARG_TARGET, **schema["properties"]}
     schema["required"] = ["target", *schema["required"]]
     return schema
@@ -6857,7 +7047,7 @@ class SmolMcp:
             name=tool.name,
             title=tool.title,
             description=tool.description,
-            input_schema=tool_schema(tool, with_target),
+            input_schema=tool_schema(tool, with_target, self.config),
             output_schema=tool.output_schema,
             annotations=types.ToolAnnotations(
                 title=tool.title,
@@ -7041,7 +7231,7 @@ class SmolMcp:
                 machine=arguments.get("name"),
                 arguments=redact_arguments(arguments),
             )
-            validate_arguments(name, tool.input_schema, arguments)
+            validate_arguments(name, configured_schema(tool, self.config), arguments)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
@@ -7527,6 +7717,11 @@ class SmolMcp:
                 f"target {' or '.join(self.fleets)}"
             )
         name = urllib.parse.unquote(match["name"])
+        if not NAME_RE.fullmatch(name):  # held to the tool's rule: "..", "a/b" reach no route
+            raise_resource_error(
+                f"{uri} names the machine {name!r}, which is no machine name: it "
+                f"{PATTERN_RULES[NAME_PATTERN]}"
+            )
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
         except ScopeMissing as err:
@@ -8898,9 +9093,14 @@ def describe_mount_roots(config: Config) -> str:
             "host directories exposed to agents: none (mounts and host-path images are "
             "refused; mountRoots)"
         )
-    return "host directories exposed to agents (mountRoots): " + ", ".join(
-        f"{root} ({'read-write on request' if writable else 'read-only'})"
-        for root, writable in roots
+    covered = [own for own in server_directories(config) if any(within(own, r) for r, _ in roots)]
+    return (
+        "host directories exposed to agents (mountRoots): "
+        + ", ".join(
+            f"{root} ({'read-write on request' if writable else 'read-only'})"
+            for root, writable in roots
+        )
+        + (f"; never mountable, being this server's own: {', '.join(covered)}" if covered else "")
     )
 
 
