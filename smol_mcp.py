@@ -6653,7 +6653,8 @@ def server_instructions(app: SmolMcp) -> str:
         f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when "
         "this session ends. Any "
         "other name persists.",
-        f"- Output beyond {c.max_output_bytes} bytes per stream keeps its head and tail; the "
+        f"- Output beyond {c.max_output_bytes} bytes per stream or {c.reply_tokens} tokens per "
+        "result keeps its head and tail; the "
         "whole stream is saved in "
         "the machine at the path in overflow. read-file pages with offset/length.",
         "- A non-zero exit code is a result, not an error. Commands time out after "

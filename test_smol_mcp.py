@@ -176,6 +176,7 @@ class ConfigTests(unittest.TestCase):
             ("approvalTimeoutSecs", "SMOL_MCP_APPROVAL_TIMEOUT_SECS", 900),
             ("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", ""),
             ("approvalVia", "SMOL_MCP_APPROVAL_VIA", "terminal"),
+            ("replyTokens", "SMOL_MCP_REPLY_TOKENS", 20000),
         ]
         self.assertEqual(
             [(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table]
@@ -220,6 +221,7 @@ class ConfigTests(unittest.TestCase):
             "approvalWebhook": "https://hooks.example/smol",
             "approvalVia": "client",
             "mountRoots": ["/srv", "/work:rw"],
+            "replyTokens": 50000,
         }
         for (
             setting
@@ -1174,9 +1176,9 @@ class ToolRuleTests(FakeServeCase):
                     "length": 100000,
                 },
             )
-            self.assertEqual(page["bytes"], 2048 * 3 // 4)  # clamped to the budget, base64 included
+            self.assertEqual(page["bytes"], 2048)  # clamped to maxOutputBytes, in bytes read
             self.assertEqual(
-                base64.b64decode(page["content"]), (bytes(range(256)) * 40)[100 : 100 + 1536]
+                base64.b64decode(page["content"]), (bytes(range(256)) * 40)[100 : 100 + 2048]
             )
             self.assertEqual((page["size"], page["eof"]), (10240, False))
             text = await self.refused(c, "read-file", {"name": name, "path": "/data.bin"})
