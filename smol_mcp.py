@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import secrets as secrets_module
+import shlex
 import shutil
 import signal
 import socket
@@ -1157,14 +1158,17 @@ class LocalFleet:
         payload: Any = None,
         *,
         raw: bytes | None = None,
-        timeout: float = 30,
+        timeout: float | None = None,
+        setting: str = "readyTimeoutSecs",
         read: Callable | None = None,
     ) -> Any:
         """One API call. Returns the parsed JSON body (or bytes for a raw
         response, or what ``read`` made of a 200); raises ApiError with the
         API's own message on a refusal. A serve that stopped answering is
-        started again once."""
+        started again once. ``timeout`` (readyTimeoutSecs when None) follows
+        ``setting``, which a timeout message names."""
         self.ensure_serve()
+        timeout = self.config.ready_timeout_secs if timeout is None else timeout
         if payload is not None:
             body, content_type = json.dumps(payload).encode(), "application/json"
         elif raw is not None:
@@ -1196,7 +1200,8 @@ class LocalFleet:
         except TimeoutError:
             raise SmolError(
                 f"the local machine API did not answer within {timeout:.0f} s while trying to "
-                f"{action}"
+                f"{action}. A busy host or a large image can take that long: raise {setting} "
+                f"to wait longer, and check the engine with `{invocation()} doctor`"
             ) from None
         except (OSError, http.client.HTTPException) as exc:
             self._ready = False
@@ -1278,14 +1283,15 @@ class LocalFleet:
     def stop_machine(self, name: str) -> dict:
         return local_record(
             self.request(
-                f"stop machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/stop", timeout=360
+                f"stop machine '{name}'",
+                "POST",
+                f"/api/v1/machines/{_q(name)}/stop",
+                timeout=self.config.ready_timeout_secs * 3,  # a guest's shutdown grace, then kill
             )
         )
 
     def delete_machine(self, name: str) -> dict:
-        self.request(
-            f"delete machine '{name}'", "DELETE", f"/api/v1/machines/{_q(name)}", timeout=120
-        )
+        self.request(f"delete machine '{name}'", "DELETE", f"/api/v1/machines/{_q(name)}")
         return {"deleted": name}
 
     def exec(
@@ -1311,6 +1317,7 @@ class LocalFleet:
                 f"/api/v1/machines/{_q(name)}/exec",
                 body,
                 timeout=timeout_secs + 30,
+                setting="the call's timeoutSecs (up to maxExecTimeoutSecs)",
                 read=read_exec_answer,
             )
         except ApiError as err:
@@ -1547,7 +1554,7 @@ class LocalFleet:
             "PUT",
             f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
             raw=data,
-            timeout=120 + len(data) / (1 << 20),
+            timeout=self.config.ready_timeout_secs + len(data) / (1 << 20),
         )
         return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
 
@@ -1615,6 +1622,7 @@ class LocalFleet:
             f"/api/v1/machines/{_q(name)}/images/pull",
             {"image": image},
             timeout=self.config.max_exec_timeout_secs + 60,
+            setting="maxExecTimeoutSecs",
         )
         return answer.get("image", answer)
 
@@ -2166,7 +2174,9 @@ class CloudFleet:
                 )
             except httpx2.TimeoutException:
                 raise SmolError(
-                    f"the cloud API did not answer within {timeout:.0f} s while trying to {action}"
+                    f"the cloud API did not answer within {timeout:.0f} s while trying to "
+                    f"{action}; check the service's status and this host's connection to "
+                    f"{self.config.cloud_url}"
                 ) from None
             except httpx2.TransportError as exc:
                 raise SmolError(
@@ -8598,6 +8608,15 @@ def stopping_server(config: Any, app: SmolMcp):
 SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
 
 
+def invocation() -> str:
+    """The command the user ran this program as, for help and hints to name:
+    `smol-mcp` installed, `uv run smol_mcp.py` or `python3 smol_mcp.py` as a file."""
+    arg0 = sys.argv[0] if sys.argv and sys.argv[0] else "smol-mcp"
+    if not arg0.endswith(".py"):
+        return "smol-mcp"
+    return f"{'uv run' if os.environ.get('UV') else 'python3'} {shlex.quote(arg0)}"
+
+
 HELP_EPILOG = """\
 environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
   SMOLVM                      the smolvm binary (default: smolvm on PATH, else the
@@ -8606,7 +8625,7 @@ environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
   SMOL_MCP_TARGETS            auto | local | cloud | both (auto: both when a cloud key is set)
   SMOL_CLOUD_TOKEN            the smol cloud account key (a secret: never copied anywhere)
   SMOL_MCP_NETWORK_DEFAULT    blocked | open: egress of a machine when a call says nothing
-  SMOL_MCP_MAX_OUTPUT_BYTES   the reply budget of run-command (65536)
+  SMOL_MCP_REPLY_TOKENS       the most a tool result may cost a model, in tokens (20000)
   SMOL_MCP_AUTH_TOKEN         required by --http: the token clients send as a Bearer
   SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root with /dev/kvm at mode 0600
   SMOL_MCP_CONFIG             another config file; the README has every setting
@@ -8623,10 +8642,10 @@ def parse_args(argv: list[str]):
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="smol-mcp",
+        prog=invocation(),
         description="An MCP server that gives an AI agent microVMs (smol machines) to work in. "
         "Serves MCP over stdio by default.",
-        epilog=HELP_EPILOG,
+        epilog=HELP_EPILOG.replace("smol-mcp ", invocation() + " "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"smol-mcp {__version__}")
@@ -9635,8 +9654,8 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdin.isatty():
             print(
                 "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
-                "client (Ctrl-C to stop); to check this host run `smol-mcp doctor`, to "
-                "configure a client `smol-mcp setup CLIENT` (see --help)",
+                f"client (Ctrl-C to stop); to check this host run `{invocation()} doctor`, to "
+                f"configure a client `{invocation()} setup CLIENT` (see --help)",
                 file=sys.stderr,
                 flush=True,
             )

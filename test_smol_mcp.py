@@ -1585,6 +1585,19 @@ class WaitTests(FakeServeCase):
         finally:
             smol_mcp.PROGRESS_INTERVAL_SECS = saved
 
+    async def test_a_stalled_create_waits_readyTimeoutSecs_and_names_it(self):
+        """No hard-coded 30 s: a create the engine does not answer is given
+        readyTimeoutSecs (5 here), and the message says what to raise."""
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})  # the serve is up
+            started = time.monotonic()
+            with self.fake._lock:  # the engine stalls: every route waits on this lock
+                text = await self.refused(c, "create-machine", {"name": "slow", "image": "alpine"})
+            self.assertLess(abs(time.monotonic() - started - 5), 2)
+            self.assertIn("did not answer within 5 s while trying to create machine 'slow'", text)
+            self.assertIn("raise readyTimeoutSecs", text)
+            self.assertIn(" doctor`", text)
+
     async def test_a_cancelled_call_still_deletes_its_machine(self):
         for mode in MODES:
             for tool, args in (
