@@ -425,7 +425,7 @@ class ImportTests(unittest.TestCase):
             timeout=60,
         )
         self.assertEqual(out.returncode, 2)
-        self.assertIn("usage: smol-mcp", out.stderr)
+        self.assertRegex(out.stderr, "^usage: (uv run|python3) smol_mcp.py ")
         out = subprocess.run(
             [sys.executable, "smol_mcp.py", "--version"],
             cwd=HERE,
@@ -545,16 +545,23 @@ class PublicSdkTests(unittest.TestCase):
 class PiecesTests(unittest.TestCase):
     def test_head_and_tail_keeps_both_ends_and_counts_the_gap(self):
         data = b"A" * 1000 + b"M" * 5000 + b"Z" * 1000
-        text, omitted = smol_mcp.head_and_tail(data, 2000, "see /x")
+        text, omitted = smol_mcp.fit_stream(data, 2000, 10**6, "see /x")
         self.assertTrue(text.startswith("A" * 1000))
         self.assertTrue(text.endswith("Z" * 1000))
         self.assertEqual(omitted, 5000)
         self.assertIn("5000 bytes omitted here; see /x", text)
-        self.assertEqual(smol_mcp.head_and_tail(b"short", 2000, "")[1], 0)
+        self.assertEqual(smol_mcp.fit_stream(b"short", 2000, 10**6, "")[1], 0)
+        # within a token budget too: CJK costs up to three tokens a character
+        data = "一".encode() * 10_000 + b"\x01" * 10_000 + "二".encode() * 10_000
+        text, omitted = smol_mcp.fit_stream(data, len(data), 3000, "see /x")
+        self.assertLessEqual(smol_mcp.est_tokens(text), 3000)
+        self.assertTrue(text.startswith("一" * 400) and text.endswith("二" * 400), text)
+        head, tail = text.split("\n[")[0], text.rsplit("]\n", 1)[1]
+        self.assertEqual(len(head.encode()) + len(tail.encode()) + omitted, len(data))
 
     def test_head_and_tail_never_splits_a_character(self):
         data = "é".encode() * 3000  # two bytes each
-        text, omitted = smol_mcp.head_and_tail(data, 1001, "w")
+        text, omitted = smol_mcp.fit_stream(data, 1001, 10**6, "w")
         self.assertNotIn("\ufffd", text)
         self.assertEqual(
             len(text.split("\n[")[0].encode()) + len(text.rsplit("]\n", 1)[1].encode()) + omitted,
