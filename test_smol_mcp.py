@@ -46,6 +46,7 @@ import time
 import typing
 import unittest
 import unittest.mock
+import warnings
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
@@ -55,6 +56,7 @@ sys.path.insert(0, str(HERE))
 import anyio  # noqa: E402
 import mcp_types  # noqa: E402
 from mcp import Client, MCPError, StdioServerParameters  # noqa: E402
+from mcp.client.stdio import stdio_client  # noqa: E402
 
 import smol_mcp  # noqa: E402
 from smol_mcp import Config, ConfigError, SmolMcp, load_config  # noqa: E402
@@ -65,8 +67,22 @@ FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
 logging.getLogger("smol_mcp").setLevel(
     logging.CRITICAL
 )  # the server's own log lines are not what is tested
+# Nor are the SDK's (it warns of the refusals tests provoke: a 401, a session cap) or the
+# event loop's reports of slow steps (IsolatedAsyncioTestCase runs it in debug mode, which
+# still reports what matters: a coroutine never awaited, a task's exception never read).
+logging.getLogger("mcp").setLevel(logging.ERROR)
+logging.getLogger("asyncio").addFilter(lambda r: not r.getMessage().startswith("Executing <"))
 MODES = ("legacy", "auto")  # the handshake era, and the SDK default (2026-07-28)
 CAN_CHROOT = os.geteuid() == 0 or shutil.which("unshare") is not None
+
+
+def quiet_stdio(params: StdioServerParameters):
+    """A stdio transport whose server's stderr (its log lines) goes to /dev/null,
+    not into the test run's output."""
+    return stdio_client(params, errlog=QUIET)
+
+
+QUIET = open(os.devnull, "w")  # noqa: SIM115 (for the whole run)
 
 
 def short_tempdir() -> str:
@@ -5426,7 +5442,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                 async def on_progress(progress, total, message):
                     got.append((progress, message))
 
-                async with Client(self.params(), mode=mode) as c:
+                async with Client(quiet_stdio(self.params()), mode=mode) as c:
                     created = result_of(
                         await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
                     )[1]
@@ -5452,7 +5468,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
     async def test_sdk_client_over_stdio_in_both_eras_and_eof_cleans_up(self):
         for mode in MODES:
             with self.subTest(mode=mode):
-                async with Client(self.params(), mode=mode) as c:
+                async with Client(quiet_stdio(self.params()), mode=mode) as c:
                     self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
                     is_error, created = result_of(
                         await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
@@ -5483,7 +5499,9 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
             for mode in MODES:
                 with self.subTest(mode=mode):
                     async with Client(
-                        params, mode=mode, elicitation_callback=answer_fleet("accept", "cloud")
+                        quiet_stdio(params),
+                        mode=mode,
+                        elicitation_callback=answer_fleet("accept", "cloud"),
                     ) as c:
                         tools = (await c.list_tools()).tools
                         self.assertIn("target", tools[0].input_schema["required"])
@@ -5554,7 +5572,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(len(records), 1)
         self.assertIn(name, json.loads(records[0].read_text())["machines"])
         self.assertIn(name, self.fake.machines)  # still there after the crash
-        async with Client(self.params(), mode="legacy") as c:
+        async with Client(quiet_stdio(self.params()), mode="legacy") as c:
             await c.list_tools()
             self.assertIn(name, self.fake.machines)  # nothing happens at connect
             is_error, listed = result_of(await c.call_tool("list-machines", {}))
@@ -7003,7 +7021,7 @@ class StdioScopesTests(FakeServeCase):
         params = StdioServerParameters(
             command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=env
         )
-        async with Client(params, mode="auto") as c:
+        async with Client(quiet_stdio(params), mode="auto") as c:
             self.assertEqual(
                 [t.name for t in (await c.list_tools()).tools],
                 [
@@ -7944,8 +7962,24 @@ class ApprovalSigtermTests(unittest.TestCase):
 # ---------------------------------------------------------------------------
 
 
+# `--quick`: the core paths in under two minutes (tools, validation, budget, cloud, HTTP
+# security, access) without the spawned servers, signals, faults and long waits.
+QUICK = (
+    "ConfigTests ImportTests FleetContractTests PublicSdkTests PiecesTests ToolListTests "
+    "HandshakeEra ModernEra ToolRuleTests ReplySizeTests StartFailureTests CloudWorkedExample "
+    "CloudRuleTests BothModeTests HttpSecurityTests AccessPiecesTests EgressPiecesTests "
+    "ElicitationTests LocalJobTests StdioScopesTests ActivityToolTests"
+).split()
+
+
 def main() -> int:
     loader = unittest.defaultTestLoader
+    if sys.argv[1:] == ["--quick"]:
+        sys.argv[1:] = QUICK
+    # A warning is a failure, not a line to read past ("" keeps the runner from resetting
+    # this); an unclosed socket's ResourceWarning comes from the collector and cannot fail.
+    warnings.simplefilter("error")
+    warnings.simplefilter("ignore", ResourceWarning)
     if (
         os.environ.get("SMOL_MCP_IT") == "1"
     ):  # the integration suites alone; the unit suite is its own run
@@ -7961,7 +7995,7 @@ def main() -> int:
         suite = loader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
     started = time.monotonic()
     result = unittest.TextTestRunner(
-        verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))
+        verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1")), warnings=""
     ).run(suite)
     print(summary(result, time.monotonic() - started, os.environ.get("SMOL_MCP_IT") == "1"))
     return 0 if result.wasSuccessful() else 1
