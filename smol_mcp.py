@@ -3343,6 +3343,10 @@ def _where(path: list) -> str:
     return text
 
 
+# Names other tools use for an argument, too far from ours for difflib to find.
+ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "workdir"}
+
+
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
     path, value = _error_where(error)
@@ -3350,7 +3354,9 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
     if rule == "additionalProperties":
         accepted = schema.get("properties", {})
         key = next(key for key in value if key not in accepted)
-        maybe = did_you_mean(key, accepted, cutoff=0.5)
+        slip = ARGUMENT_SLIPS.get(key.lower())
+        maybe = f' (did you mean "{slip}"?)' if slip in accepted else ""
+        maybe = maybe or did_you_mean(key, accepted, cutoff=0.5)
         if not path:
             return (
                 f'{tool} has no argument "{key}"{maybe}; it accepts: '
@@ -3374,7 +3380,15 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
     got = json.dumps(value)[:60]
     limit = error.validator_value
     return {
-        "type": lambda: f'"{where}" must be {TYPE_WORDS.get(limit, limit)}, got {got}',
+        "type": lambda: (
+            f'"{where}" must be {TYPE_WORDS.get(limit, limit)}'
+            + (
+                f" ({' or '.join(json.dumps(v) for v in schema['enum'])})"
+                if "enum" in schema
+                else ""
+            )
+            + f", got {got}"
+        ),
         "enum": lambda: (
             f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
         ),

@@ -604,6 +604,7 @@ class PiecesTests(unittest.TestCase):
             ({"image": "a", "cpus": True}, '"cpus" must be a whole number, got true'),
             ({"image": "a", "cpus": 0}, '"cpus" must be at least 1'),
             ({"image": "a", "network": "yes"}, '"network" must be one of "open", "blocked"'),
+            ({"image": "a", "network": True}, '"network" must be a string ("open" or "blocked")'),
             ({"image": "a", "name": "Bad Name!"}, '"name" must start with a letter or digit'),
             (
                 {"image": "a", "ports": [{"hostPort": 1, "guest": 2}]},
@@ -631,6 +632,11 @@ class PiecesTests(unittest.TestCase):
         with self.assertRaises(smol_mcp.ArgumentError) as caught:
             smol_mcp.validate_arguments("run-command", run, {"name": "m", "command": ["ls", 3]})
         self.assertIn('"command[1]" must be a string', str(caught.exception))
+        for slip, ours in (("machine", "name"), ("cwd", "workdir")):  # other tools' names
+            with self.assertRaises(smol_mcp.ArgumentError) as caught:
+                args = {"name": "m", "command": "ls", slip: "x"}
+                smol_mcp.validate_arguments("run-command", run, args)
+            self.assertIn(f'no argument "{slip}" (did you mean "{ours}"?)', str(caught.exception))
 
     def test_empty_command_and_tiny_utf8_pages_are_explained(self):
         run = smol_mcp.TOOLS_BY_NAME["run-command"].input_schema
