@@ -5768,6 +5768,11 @@ TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is gr
     "cancel-job": "exec",
 }
 APPROVAL_MODES = ("none", "changes")
+SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
+    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
+    "read": "machines.read,activity.read",
+    "full": ",".join(SCOPES),
+}
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_TOKEN_NAMES = ("default", "stdio")  # SMOL_MCP_AUTH_TOKEN and the stdio principal
 TOKEN_SECRET_PREFIX = "smolmcp_"
@@ -8705,8 +8710,12 @@ def parse_args(argv: list[str]):
     )
     create = token_commands.add_parser("create", help="make a token; its secret is shown once")
     create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
-    create.add_argument(
-        "--scopes", required=True, help=f"comma-separated, from: {', '.join(SCOPES)}"
+    chosen = create.add_mutually_exclusive_group()
+    chosen.add_argument("--scopes", help=f"comma-separated, from: {', '.join(SCOPES)}")
+    chosen.add_argument(
+        "--preset",
+        choices=SCOPE_PRESETS,
+        help="; ".join(f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items()),
     )
     create.add_argument(
         "--targets", help="the fleets it may use: local, cloud or local,cloud (default both)"
@@ -9315,8 +9324,14 @@ def tokens_command(args: Any, config: Config) -> int:
     """tokens create / list / delete: the named tokens of --http, in the state directory."""
     store = TokenStore(config.state_dir)
     if args.tokens_command == "create":
+        if not args.scopes and not args.preset:
+            presets = "; ".join(f"--preset {name} ({s})" for name, s in SCOPE_PRESETS.items())
+            raise ArgumentError(f"say what the token may do: --scopes LIST, or {presets}")
         record, secret = store.create(
-            args.name, parse_scopes(args.scopes), parse_targets(args.targets), args.approval
+            args.name,
+            parse_scopes(args.scopes or SCOPE_PRESETS[args.preset]),
+            parse_targets(args.targets),
+            args.approval,
         )
         shown = {
             "name": record["name"],
@@ -9636,7 +9651,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.http and not args.command and not Access(config).has_any_token():
             raise ConfigError(
                 "--http refuses to start without a token, because these tools run machines: "
-                "create one with `smol_mcp.py tokens create NAME --scopes LIST`, or set "
+                f"create one with `{invocation()} tokens create NAME --preset sandbox`, or set "
                 "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>'; "
                 + HTTP_TOKEN_ADVICE
             )

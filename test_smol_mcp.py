@@ -6628,11 +6628,16 @@ class AccessCliTests(unittest.TestCase):
             (("create", "x y", "--scopes", "machines.read"), "cannot be a token name"),
             (("create", "x", "--scopes", "machines.read", "--targets", "moon"), "--targets"),
             (("delete", "nobody"), "no token named 'nobody'"),
+            (("create", "x", "--approval", "changes"), f"--preset sandbox ({SANDBOX})"),
+            (("create", "x", "--preset", "all"), "choose from 'sandbox', 'read', 'full'"),
         ):
             out = run_cli("tokens", *argv, env=self.env)
             self.assertNotEqual(out.returncode, 0, argv)
             self.assertIn(words, out.stderr, argv)
             self.assertNotIn("Traceback", out.stderr)
+        out = run_cli("tokens", "create", "r", "--preset", "read", "--json", env=self.env)
+        self.assertEqual(json.loads(out.stdout)["scopes"], ["machines.read", "activity.read"])
+        self.assertEqual(run_cli("tokens", "delete", "r", env=self.env).returncode, 0)
         doctor = run_cli("doctor", env=self.env).stdout
         self.assertIn("2 token(s) in", doctor)
         self.assertIn("mode 600 (ok)", doctor)
