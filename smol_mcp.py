@@ -3666,9 +3666,12 @@ class Call:
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
         """Await ``run()`` while a progress notification says what the call
         waits on: with ``waiting``, at once and every few seconds until it
-        returns; without, only once it has taken longer than that."""
+        returns; without, only once it has taken longer than that; with "",
+        never (the caller reports progress itself: one heartbeat per wait)."""
         import anyio
 
+        if waiting == "":
+            return await run()
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
         waiting = waiting or f"waiting for the {self.fleet.name} API"
         async with anyio.create_task_group() as group:
@@ -4015,6 +4018,7 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
                         call.fleet.exec_stream,
                         name,
                         ["sh", "-c", RUN_WRAPPER, "sh", pid_file, *argv],
+                        waiting="",
                         on_output=on_output,
                         **options,
                     ),

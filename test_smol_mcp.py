@@ -1614,6 +1614,26 @@ class WaitTests(FakeServeCase):
         finally:
             smol_mcp.PROGRESS_INTERVAL_SECS = saved
 
+    async def test_a_quiet_command_gets_one_heartbeat_not_two(self):
+        saved = smol_mcp.PROGRESS_INTERVAL_SECS
+        smol_mcp.PROGRESS_INTERVAL_SECS = 0.3
+        self.addCleanup(setattr, smol_mcp, "PROGRESS_INTERVAL_SECS", saved)
+        seen = []
+
+        async def on_progress(progress, total, message):
+            seen.append(message)
+
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "quiet", "image": "alpine"})
+            answer = await c.call_tool(
+                "run-command",
+                {"name": "quiet", "command": "sleep 2"},
+                progress_callback=on_progress,
+            )
+            self.assertFalse(answer.is_error, answer.content[0].text)
+        self.assertTrue(any("running the command in 'quiet'" in m for m in seen), seen)
+        self.assertFalse([m for m in seen if "waiting for the local API" in m], seen)
+
     async def test_a_stalled_create_waits_readyTimeoutSecs_and_names_it(self):
         """No hard-coded 30 s: a create the engine does not answer is given
         readyTimeoutSecs (5 here), and the message says what to raise."""
