@@ -5370,7 +5370,7 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
     async def test_a_stopped_serve_is_waited_for_not_replaced(self):
         """Item 2: with the serve stopped (SIGSTOP) and calls queued past its
         listen backlog, connect() fails with EAGAIN; that is busy, not dead."""
-        app = self.app(serve_start_timeout_secs=3)
+        app = self.app(serve_start_timeout_secs=3, ready_timeout_secs=60)  # queued calls wait
         async with Client(app.server, mode="legacy") as c:
             self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
             serve = app.local._process
