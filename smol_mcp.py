@@ -9032,6 +9032,9 @@ def client_entry(
     }
 
 
+MCP_REMOTE = "mcp-remote@0.15.1"  # the stdio-to-HTTP bridge, pinned: npx runs what it fetches
+
+
 def http_entry(
     client: str, http_url: str, config: Config, variable: str = "SMOL_MCP_AUTH_TOKEN"
 ) -> tuple[str, dict]:
@@ -9050,12 +9053,15 @@ def http_entry(
             **codex_timeouts(config),
         }
     if client == "claude-desktop":
-        # It speaks stdio only, so the npm bridge carries HTTP; it reads no shell
-        # environment, so the token has to be pasted into its env block by hand.
+        # It speaks stdio only, so the npm bridge carries HTTP, pinned; it reads no
+        # shell environment, so npx is absolute, node is found beside it, and the
+        # token has to be pasted into its env block by hand.
+        npx = shutil.which("npx")
+        path = {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"} if npx else {}
         return "mcpServers", {
-            "command": "npx",
-            "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
-            "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>"},
+            "command": str(Path(npx).absolute()) if npx else "npx",
+            "args": ["-y", MCP_REMOTE, http_url, "--header", "Authorization:${AUTH_HEADER}"],
+            "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>", **path},
         }
     reference = secret_reference(client, variable)
     return "mcpServers", {

@@ -4653,6 +4653,11 @@ class HelperCommandTests(unittest.TestCase):
                 self.assertIn("SMOL_MCP_AUTH_TOKEN", http.stdout)  # referenced ...
                 self.assertNotIn("do-not-copy-me", http.stdout)  # ... never copied
                 self.assertIn("http://b.local:8080/mcp", http.stdout)
+                if client == "claude-desktop":  # no shell PATH there: absolute, and pinned
+                    entry = json.loads(http.stdout)["mcpServers"]["smol"]
+                    npx = shutil.which("npx", path=self.env["PATH"])
+                    self.assertEqual(entry["command"], npx or "npx")
+                    self.assertRegex(entry["args"][1], r"^mcp-remote@\d+\.\d+\.\d+$")
 
     def test_setup_write_merges_backs_up_and_refuses_what_it_cannot_parse(self):
         config = Path(self.tmp, ".mcp.json")
