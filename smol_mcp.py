@@ -9123,20 +9123,16 @@ def render_entry(client: str, key: str, entry: dict) -> str:
 
 
 def one_liner(client: str, entry: dict) -> str | None:
-    """The client's own command that adds the same entry, where it has one."""
-    import shlex
-
-    if client not in ("claude-code", "codex") or "command" not in entry:
+    """One command that adds the same entry, where there is one."""
+    if client == "codex":  # `codex mcp add` cannot set the timeouts or env_vars an entry needs
+        return f"{invocation()} setup codex --write"
+    if client != "claude-code" or "command" not in entry:
         return None
-    env = [f"{name}={value}" for name, value in entry.get("env", {}).items()]
+    flags = [
+        part for name, value in entry.get("env", {}).items() for part in ("-e", f"{name}={value}")
+    ]
     argv = [entry["command"], *entry["args"]]
-    if client == "claude-code":
-        flags = [part for pair in env for part in ("-e", pair)]
-        return shlex.join(
-            ["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv]
-        )
-    flags = [part for pair in env for part in ("--env", pair)]
-    return shlex.join(["codex", "mcp", "add", *flags, "smol", "--", *argv])
+    return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv])
 
 
 def backup_dir(environ: dict[str, str]) -> Path:
@@ -9231,6 +9227,23 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
         raise SetupRefused(
             f"{path} is not valid TOML ({err}); fix it, or paste the entry by hand"
         ) from None
+    lines = text.splitlines(keepends=True)
+    top = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
+    inline = [i for i in range(top) if re.match(rf'\s*("?){key}\1\s*=', lines[i])]
+    if inline and isinstance(existing.get(key), dict):
+        # `key = {...}` takes no [key.smol] after it: write its servers as tables instead
+        del lines[inline[0]]
+        try:
+            tables = [
+                f"[{key}.{toml_key(name)}]\n"
+                + "".join(f"{toml_key(f)} = {toml_value(v)}\n" for f, v in server.items())
+                for name, server in existing[key].items()
+                if name != "smol"
+            ]
+        except TypeError:
+            tables = None  # a value type toml_value does not write: refused below
+        if tables is not None:
+            text = "".join(lines).rstrip("\n") + "\n\n" + "\n".join(tables)
     if "smol" in existing.get(key, {}):
         if not force:
             raise SetupRefused(

@@ -4981,19 +4981,29 @@ class SetupEntryTests(unittest.TestCase):
         self.assertRegex(
             out.stderr, r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ "
         )
+        # `codex mcp add` cannot carry the timeouts and env_vars: the line that can is named
         out = self.setup_cli("codex", SMOL_MCP_TARGETS="local")
-        self.assertRegex(out.stderr, r"codex mcp add --env SMOL_MCP_TARGETS=local smol -- /\S+ ")
+        self.assertIn("# or run: python3 ", out.stderr)
+        self.assertIn("smol_mcp.py setup codex --write", out.stderr)
+        self.assertNotIn("codex mcp add", out.stderr)
 
-    def test_an_inline_mcp_servers_table_is_refused_untouched(self):
+    def test_an_inline_mcp_servers_table_is_rewritten_as_tables(self):
+        import tomllib
+
         codex = self.home / ".codex" / "config.toml"
         codex.parent.mkdir()
-        original = 'model = "o3"\nmcp_servers = { other = { command = "x" } }\n'
-        codex.write_text(original)
+        other = {"command": "x", "args": ["-y"], "env": {"A": "1"}, "enabled": True}
+        codex.write_text(
+            'model = "o3"\nmcp_servers = { other = { command = "x", args = ["-y"], '
+            'env = { A = "1" }, enabled = true } }\n\n[profiles.p]\nmodel = "o4"\n'
+        )
         out = self.setup_cli("codex", "--write")
-        self.assertEqual(out.returncode, 2, out.stdout)
-        self.assertIn("inline table", out.stderr)
-        self.assertNotIn("Traceback", out.stderr)
-        self.assertEqual(codex.read_text(), original)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        written = tomllib.loads(codex.read_text())
+        self.assertEqual(written["mcp_servers"]["other"], other)
+        self.assertEqual((written["model"], written["profiles"]), ("o3", {"p": {"model": "o4"}}))
+        self.assertIn("startup_timeout_sec", written["mcp_servers"]["smol"])
+        self.assertIn("[mcp_servers.other]", codex.read_text())
 
     def test_a_smol_entry_is_replaced_only_with_force_and_the_rest_is_kept(self):
         import tomllib
