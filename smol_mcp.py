@@ -8591,11 +8591,29 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
             "clients dial is not knowable here; set it to that name",
             host,
         )
+    listening = listen_socket(host, port)  # before saying "serving": a taken port says so
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
     # SIGTERM and SIGINT end the lifespan, which cleans up.
-    await stopping_server(config, app).serve()
+    await stopping_server(config, app).serve(sockets=[listening])
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The listening socket of --http, or a SmolError saying what to do."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as err:
+        advice = (
+            f"another program is listening there (find it with `ss -ltnp 'sport = :{port}'`): "
+            "stop it, or choose another port with --port or SMOL_MCP_HTTP_PORT"
+            if err.errno == errno.EADDRINUSE
+            else "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
+        )
+        raise SmolError(
+            f"cannot listen on {host}:{port}: {os.strerror(err.errno)}; {advice}"
+        ) from None
 
 
 def stopping_server(config: Any, app: SmolMcp):
@@ -9691,13 +9709,17 @@ def main(argv: list[str] | None = None) -> int:
     import anyio
 
     if args.http:
-        anyio.run(
-            run_http,
-            app,
-            args.host or config.http_host,
-            args.port or config.http_port,
-            args.path or config.http_path,
-        )
+        try:
+            anyio.run(
+                run_http,
+                app,
+                args.host or config.http_host,
+                args.port or config.http_port,
+                args.path or config.http_path,
+            )
+        except SmolError as err:  # the port: nothing was served yet
+            print(f"smol-mcp: {err}", file=sys.stderr)
+            return 2
         # Cleaned up and done: a worker thread a stopped call abandoned must not hold the exit.
         logging.shutdown()
         sys.stdout.flush()

@@ -3488,6 +3488,24 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
 
 
 class HttpProcessTests(unittest.TestCase):
+    def test_a_port_in_use_is_named_before_any_serving_line(self):
+        tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, tmp, True)
+        env = {
+            **os.environ,
+            "SMOL_MCP_CONFIG": f"{tmp}/none.json",
+            "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN,
+            "SMOL_MCP_STATE_DIR": f"{tmp}/state",
+        }
+        with socket.create_server(("127.0.0.1", 0)) as taken:
+            port = taken.getsockname()[1]
+            out = run_cli("--http", "--port", str(port), env=env)
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn(f"cannot listen on 127.0.0.1:{port}: Address already in use", out.stderr)
+        self.assertIn("choose another port with --port", out.stderr)
+        self.assertNotIn("serving", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     def test_sigterm_ends_every_session_and_deletes_their_machines(self):
         import httpx2
