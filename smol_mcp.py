@@ -827,16 +827,18 @@ class LocalFleet:
     @classmethod
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
         smolvm = facts["smolvm"]
+        found = smolvm["path"] or ("not found here" if smolvm["version"] else "(not found)")
         details = [
-            f"smolvm: {smolvm['path'] or '(not found)'}"
+            f"smolvm: {found}"
             + (f", version {smolvm['version']}" if smolvm["version"] else "")
             + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""),
             f"hypervisor: {facts['hypervisor']['detail']}",
             f"serve: {facts['serve']}",
             describe_mount_roots(app.config),
         ]
-        lacking = not smolvm["path"] and not app.config.local_url
-        return details, [ENGINE_ON_RAMP.format(script=Path(__file__).resolve())] if lacking else []
+        lacking = not smolvm["path"] and not app.config.local_url and not smolvm["version"]
+        get = engine_get_command(Path(__file__).resolve(), sys.prefix)
+        return details, [ENGINE_ON_RAMP.format(get=get)] if lacking else []
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
@@ -5331,6 +5333,8 @@ def local_target_facts(fleet: LocalFleet) -> dict:
         fleet
     )  # asks a serve that already runs; starts none
     facts["smolvm"]["version"] = running_version
+    if running_version and not fleet.config.local_url:
+        facts["serve"] = f"running at {fleet.endpoint} (smolvm {running_version})"
     if guest:
         facts.update(
             usable=False,
@@ -5345,6 +5349,11 @@ def local_target_facts(fleet: LocalFleet) -> dict:
             )
         else:
             facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
+    elif binary is None and running_version:  # another smol-mcp's serve, in our runtime dir
+        facts["reason"] = (
+            f"uses the serve already running at {fleet.endpoint}; when it stops, starting a "
+            "new one needs smolvm: set SMOLVM to its path"
+        )
     elif binary is None:
         facts.update(
             usable=False,
@@ -8811,10 +8820,19 @@ def parse_args(argv: list[str]):
 
 
 # Commands a person copies whole, so a line may be longer than the code's 100 columns.
+def engine_get_command(here: Path, prefix: str) -> str:
+    """How to add the engine wheel to this server the way it was installed."""
+    if not any(part in ("site-packages", "dist-packages") for part in here.parts):
+        return f"uv run --with smolmachines==1.32.2 {here} doctor"
+    if "/uv/tools/" in prefix + "/":
+        return "uv tool install --force --with smolmachines==1.32.2 smol-mcp  # or your source"
+    return f"{Path(prefix) / 'bin' / 'python'} -m pip install smolmachines==1.32.2"
+
+
 ENGINE_ON_RAMP = """\
   get an engine (smolvm 1.32.2 is the smol/smol-vmm binary inside the smolmachines wheel):
-    uv run --with smolmachines==1.32.2 {script} doctor
-        (run the server the same way, or let `setup` carry the engine's path into the client entry)
+    {get}
+        (then run the server the same way, or let `setup` carry the engine's path into the entry)
   or unpack the wheel once and point SMOLVM at it:
     python3 -m pip download --no-deps smolmachines==1.32.2 -d /tmp/smolmachines-wheel
     python3 -m zipfile -e /tmp/smolmachines-wheel/smolmachines-1.32.2-*.whl ~/.local/share/smolmachines
@@ -8851,12 +8869,15 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
                 "nothing to probe"
             )
             return 1
-        healthy = probe_local(app) and healthy
+        # what a machine did outranks what the checks above expected
+        fleets = document["fleets"].items()
+        others = all(f["usable"] for n, f in fleets if f["served"] and n != "local")
+        healthy = probe_local(app, document["fleets"]["local"]) and others
     print(f"\ntokens: {tokens_file_report(app.config)}")
     return 0 if healthy else 1
 
 
-def probe_local(app: SmolMcp) -> bool:
+def probe_local(app: SmolMcp, facts: dict) -> bool:
     """Create, start, run `true` in and delete a throwaway imageless machine
     (no registry needed), printing each step with its time: "usable" above is
     what the host allows; this is what it does."""
@@ -8923,7 +8944,8 @@ def probe_local(app: SmolMcp) -> bool:
             ok = step("delete", lambda: fleet.delete_machine(name)) and ok
         fleet.release()
     verdict = "can" if ok else "cannot"
-    print(f"  result: the local fleet {verdict} run machines here")
+    doubt = f" (the check above said NOT USABLE: {facts['reason']})" * (ok and not facts["usable"])
+    print(f"  result: the local fleet {verdict} run machines here{doubt}")
     return ok
 
 

@@ -29,6 +29,7 @@ import asyncio
 import base64
 import contextlib
 import inspect
+import io
 import json
 import logging
 import os
@@ -4839,6 +4840,50 @@ class EngineOnRampTests(unittest.TestCase):
         self.assertIn("uv run --with smolmachines==1.32.2 ", out.stdout)
         self.assertIn("python3 -m pip download --no-deps smolmachines==1.32.2", out.stdout)
         self.assertIn("export SMOLVM=", out.stdout)
+
+    def test_the_engine_advice_follows_how_the_server_was_installed(self):
+        get = smol_mcp.engine_get_command
+        here = Path("/home/u/smol_mcp.py")
+        self.assertEqual(get(here, sys.prefix), f"uv run --with smolmachines==1.32.2 {here} doctor")
+        tool = "/home/u/.local/share/uv/tools/smol-mcp"
+        self.assertIn(
+            "uv tool install --force --with smolmachines==1.32.2",
+            get(Path(tool, "lib/python3.12/site-packages/smol_mcp.py"), tool),
+        )
+        self.assertEqual(
+            get(Path("/v/lib/python3.12/site-packages/smol_mcp.py"), "/v"),
+            "/v/bin/python -m pip install smolmachines==1.32.2",
+        )
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_a_serve_already_running_here_is_usable_without_smolvm_on_path(self):
+        Path(self.tmp, "rt").mkdir(mode=0o700)
+        fake = FakeSmolvm(f"{self.tmp}/rt/serve.sock")  # another smol-mcp's serve
+        fake.start()
+        self.addCleanup(fake.stop)
+        out = run_cli("doctor", env=self.env)
+        self.assertEqual(out.returncode, 0, out.stdout)
+        self.assertIn("local: usable", out.stdout)
+        self.assertIn("smolvm: not found here, version 1.32.2", out.stdout)
+        self.assertIn(f"serve: running at unix://{self.tmp}/rt/serve.sock", out.stdout)
+        self.assertNotIn("(not found)", out.stdout)
+        self.assertNotIn("get an engine", out.stdout)
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_a_probe_that_runs_a_machine_outranks_a_cautious_check(self):
+        app = SmolMcp(fake_config(self.tmp, None, smolvm=str(FAKE_CLI)))
+        printed = io.StringIO()
+        with (
+            unittest.mock.patch.object(smol_mcp, "hypervisor_status", return_value=(False, "no")),
+            contextlib.redirect_stdout(printed),
+        ):
+            code = smol_mcp.doctor(app, probe=True)
+        self.assertIn("local: NOT USABLE", printed.getvalue())
+        self.assertIn(
+            "result: the local fleet can run machines here (the check above said NOT USABLE: no)",
+            printed.getvalue(),
+        )
+        self.assertEqual(code, 0)
 
     def test_the_smolmachines_package_of_this_python_is_found_and_named(self):
         engine = self.fake_wheel()
