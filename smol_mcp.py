@@ -8969,7 +8969,9 @@ def launch_command() -> list[str]:
     return [str(Path(sys.executable).absolute()), str(here)]
 
 
-SECRET_ENVS = ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN")
+# Referenced from the client's environment in an entry, never copied into it (project
+# files get committed): the keys, and the approval webhook, often a chat's secret URL.
+SECRET_ENVS = ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK")
 ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself, not by smol-mcp
 
 
@@ -8978,7 +8980,7 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
     reference): every non-secret SMOL_* setting set here, the config file,
     the engine's own switches, and the smolvm this process would run, so the
     client starts the same server that doctor checked."""
-    env = {s.env: environ[s.env] for s in SETTINGS if s.kind != "secret" and s.env in environ}
+    env = {s.env: environ[s.env] for s in SETTINGS if s.env in environ and s.env not in SECRET_ENVS}
     env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
     if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
         env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
@@ -9335,10 +9337,10 @@ def setup(client: str, http_url: str | None, write: bool, force: bool = False) -
     key, entry = client_entry(client, http_url, config)
     path, scope = client_config_path(client)
     command = one_liner(client, entry)
-    if client == "claude-desktop" and not http_url and any(os.environ.get(n) for n in SECRET_ENVS):
+    if client == "claude-desktop" and not http_url and (held := entry_environment(os.environ)[1]):
         print(
-            "# claude-desktop reads no environment: to serve the cloud fleet, add "
-            "SMOL_CLOUD_TOKEN to the entry's env by hand (the key is not copied for you)",
+            "# claude-desktop reads no environment: add "
+            f"{', '.join(held)} to the entry's env by hand (secrets are not copied for you)",
             file=sys.stderr,
         )
     if not write:

@@ -4997,6 +4997,8 @@ class SetupEntryTests(unittest.TestCase):
             "SMOL_MCP_MEMORY_MB": "4096",
             "SMOL_CLOUD_TOKEN": "smk_do_not_copy",
             "SMOLVM_VM_UID_DROP": "off",
+            # a chat webhook's URL is its secret, and project files get committed
+            "SMOL_MCP_APPROVAL_WEBHOOK": "https://hooks.example/T0/do-not-copy-either",
         }
         expected = {
             "claude-code": "${SMOL_CLOUD_TOKEN}",
@@ -5007,6 +5009,7 @@ class SetupEntryTests(unittest.TestCase):
             with self.subTest(client=client):
                 out = self.setup_cli(client, **env)
                 self.assertNotIn("smk_do_not_copy", out.stdout + out.stderr)
+                self.assertNotIn("do-not-copy-either", out.stdout + out.stderr)
                 entry = self.printed(client, **env)
                 carried = entry["environment" if client == "opencode" else "env"]
                 self.assertEqual(
@@ -5019,13 +5022,22 @@ class SetupEntryTests(unittest.TestCase):
                     (str(FAKE_CLI), "both", "4096", "off"),
                 )
                 if client == "codex":
-                    self.assertEqual(entry["env_vars"], ["SMOL_CLOUD_TOKEN"])
+                    self.assertEqual(
+                        entry["env_vars"], ["SMOL_CLOUD_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK"]
+                    )
                     self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
                 elif client == "claude-desktop":
                     self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
-                    self.assertIn("add SMOL_CLOUD_TOKEN to the entry's env by hand", out.stderr)
+                    self.assertIn(
+                        "add SMOL_CLOUD_TOKEN, SMOL_MCP_APPROVAL_WEBHOOK to the entry's env",
+                        out.stderr,
+                    )
                 else:
                     self.assertEqual(carried["SMOL_CLOUD_TOKEN"], expected[client])
+                    self.assertEqual(
+                        carried["SMOL_MCP_APPROVAL_WEBHOOK"],
+                        expected[client].replace("SMOL_CLOUD_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK"),
+                    )
 
     def test_codex_timeouts_cover_readiness_and_the_longest_command(self):
         entry = self.printed("codex")
