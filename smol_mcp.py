@@ -8923,7 +8923,14 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
                 f"`true` exited with {result.exit_code}: {result.stderr.decode('utf-8', 'replace')}"
             )
 
-    created = False
+    def delete() -> None:
+        try:
+            fleet.delete_machine(name)
+        except ApiError as err:
+            if created or err.status != 404:  # interrupted before the machine was made
+                raise
+
+    created = ok = interrupted = False
     fleet.acquire()
     try:
         ok = step("serve", fleet.ensure_serve)
@@ -8939,9 +8946,12 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         ok = created and step("start", lambda: fleet.start_machine(name))
         ok = ok and step("ready", wait_ready)
         ok = ok and step("run", run_true)
+    except KeyboardInterrupt:
+        interrupted = True  # Ctrl-C: perhaps mid-create, so the machine may exist
+        raise
     finally:
-        if created:
-            ok = step("delete", lambda: fleet.delete_machine(name)) and ok
+        if created or interrupted:
+            ok = step("delete", delete) and ok
         fleet.release()
     verdict = "can" if ok else "cannot"
     doubt = f" (the check above said NOT USABLE: {facts['reason']})" * (ok and not facts["usable"])
@@ -9724,7 +9734,11 @@ def main(argv: list[str] | None = None) -> int:
             check_token_strength(config.auth_token)
         app = SmolMcp(config)
         if args.command == "doctor":
-            return doctor(app, args.probe)
+            try:
+                return doctor(app, args.probe)
+            except KeyboardInterrupt:
+                print("smol-mcp: interrupted", file=sys.stderr)
+                return 130
         if args.command == "parity":
             return parity(app)
     except SmolError as err:

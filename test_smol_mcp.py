@@ -4885,6 +4885,30 @@ class EngineOnRampTests(unittest.TestCase):
         )
         self.assertEqual(code, 0)
 
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_ctrl_c_during_a_probe_is_one_line_and_the_machine_is_deleted(self):
+        fake = FakeSmolvm(f"{self.tmp}/slow.sock", boot_delay=30)
+        fake.start()
+        self.addCleanup(fake.stop)
+        env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/slow.sock"}
+        probe = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py"), "doctor", "--probe"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while not fake.machines and time.monotonic() < deadline:  # the probe is booting
+            time.sleep(0.1)
+        self.assertTrue(fake.machines, "no probe machine within 60 s")
+        probe.send_signal(signal.SIGINT)
+        out, err = probe.communicate(timeout=60)
+        self.assertEqual(probe.returncode, 130, err)
+        self.assertEqual(err.strip(), "smol-mcp: interrupted")
+        self.assertRegex(out, r"\n  delete +ok")
+        self.assertEqual(fake.machines, {})
+
     def test_the_smolmachines_package_of_this_python_is_found_and_named(self):
         engine = self.fake_wheel()
         env = {**self.env, "PYTHONPATH": str(engine.parent.parent)}
