@@ -1075,7 +1075,8 @@ class LocalFleet:
                 self._process = None
                 if "Address already in use" in output:
                     raise SmolError(
-                        f"smolvm serve could not start: {_last_line(output)}. {ADDRESS_IN_USE_HINT}"
+                        f"smolvm serve could not start: {_last_line(output)}. "
+                        + other_serve_hint(str(socket_path))
                     )
                 raise SmolError(
                     f"smolvm serve exited at once: {_last_line(output) or 'no output'} "
@@ -2035,6 +2036,26 @@ def serve_process_on(pid: int, socket_path: str) -> bool:
     except OSError:
         return False  # gone, or no /proc (macOS): leave it be
     return b"serve" in cmdline and socket_path.encode() in cmdline
+
+
+def other_serve_hint(own: str) -> str:
+    """Where another smolvm serve on this host listens, read from /proc (Linux),
+    as the SMOL_LOCAL_URL that would use it; the generic hint when none is found."""
+    for entry in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = entry.read_bytes().decode("utf-8", "replace").split("\0")
+        except OSError:
+            continue
+        if "serve" in argv and "--listen" in argv[:-1]:
+            where = argv[argv.index("--listen") + 1]
+            url = where if "://" in where else f"unix://{os.path.abspath(where)}"
+            if where != own:
+                return (
+                    f"Another smolvm serve runs on this host (pid {entry.parent.name}, listening "
+                    f"on {where}): use it with SMOL_LOCAL_URL={url} (it is then left running), "
+                    "or stop it."
+                )
+    return ADDRESS_IN_USE_HINT
 
 
 def _read_from(path: Path, offset: int) -> str:
@@ -5368,8 +5389,8 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     elif running_version is None and rollout_port_taken():
         facts.update(
             usable=False,
-            reason="another smolvm serve already runs on this host (127.0.0.1:10081 is "
-            "taken); set SMOL_LOCAL_URL to its socket, or stop it",
+            reason="127.0.0.1:10081, which every serve binds, is taken. "
+            + other_serve_hint(fleet.endpoint.removeprefix("unix://")),
         )
     minimum = fleet.config.min_smolvm
     if running_version and minimum and version_tuple(running_version) < version_tuple(minimum):

@@ -5459,6 +5459,18 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         self.assertTrue(is_error)
         self.assertIn("Address already in use", text)
         self.assertIn("SMOL_LOCAL_URL", text)
+        # another engine, started for another runtime dir: its socket is named
+        other = subprocess.Popen(
+            [sys.executable, str(FAKE_CLI), "serve", "start", "--listen", f"{self.tmp}/o.sock"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.addCleanup(other.wait, 10)
+        self.addCleanup(other.terminate)
+        async with Client(self.app().server, mode="legacy") as c:
+            is_error, text = result_of(await c.call_tool("list-machines", {}))
+        self.assertIn("Another smolvm serve runs on this host (pid ", text)
+        self.assertRegex(text, r"use it with SMOL_LOCAL_URL=unix:///\S+\.sock ")
 
     async def test_minimum_version_is_checked_against_health(self):
         self.write_wrapper(FAKE_SMOLVM_VERSION="1.10.3")
