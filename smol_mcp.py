@@ -3886,9 +3886,10 @@ def explain_start_failure(
             "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
         )
         return err.with_hint(
-            "The microVM could not boot on this host, and the machine is "
-            "deleted; the smol://targets resource says whether a usable "
-            f"hypervisor is present. The last lines of its console log:\n{tail}"
+            "The microVM could not boot on this host, and the machine is deleted. "
+            "A usable /dev/kvm can still fail to boot a guest (in a VM without nested "
+            "virtualization, say): the engine's message above says why. The last lines of "
+            f"its console log:\n{tail}"
         )
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
         return err.with_hint(
