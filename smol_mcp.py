@@ -3888,8 +3888,7 @@ def explain_start_failure(
         return err.with_hint(
             "The microVM could not boot on this host, and the machine is deleted. "
             "A usable /dev/kvm can still fail to boot a guest (in a VM without nested "
-            "virtualization, say): the engine's message above says why. The last lines of "
-            f"its console log:\n{tail}"
+            f"virtualization, say). The last lines of its console log:\n{tail}"
         )
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
         return err.with_hint(
