@@ -9403,7 +9403,7 @@ def setup(client: str, http_url: str | None, write: bool, force: bool = False) -
         f"{'replaced the smol entry in' if replacing else 'wrote the smol entry into'} {path} "
         f"(the {scope} file {client} reads)"
     )
-    if command:
+    if command and client != "codex":  # its one-liner is this very command
         print(f"(the same with the client's own command: {command})")
     return 0
 

@@ -5098,6 +5098,7 @@ class SetupEntryTests(unittest.TestCase):
         )
         out = self.setup_cli("codex", "--write")
         self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertNotIn("setup codex --write", out.stdout)  # no "the same with" itself
         written = tomllib.loads(codex.read_text())
         self.assertEqual(written["mcp_servers"]["other"], other)
         self.assertEqual((written["model"], written["profiles"]), ("o3", {"p": {"model": "o4"}}))
