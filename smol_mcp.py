@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import secrets as secrets_module
+import shlex
 import shutil
 import signal
 import socket
@@ -164,6 +165,9 @@ class Config:
     )
     egress_private_cidrs: tuple[str, ...] = setting_field(
         (), "SMOL_MCP_EGRESS_PRIVATE_CIDRS", "list"
+    )
+    reply_tokens: int = setting_field(
+        20000, "SMOL_MCP_REPLY_TOKENS", "int", minimum=4000, maximum=1_000_000
     )
 
     def secret_values(self) -> list[str]:
@@ -846,16 +850,18 @@ class LocalFleet:
     @classmethod
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
         smolvm = facts["smolvm"]
+        found = smolvm["path"] or ("not found here" if smolvm["version"] else "(not found)")
         details = [
-            f"smolvm: {smolvm['path'] or '(not found)'}"
+            f"smolvm: {found}"
             + (f", version {smolvm['version']}" if smolvm["version"] else "")
             + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""),
             f"hypervisor: {facts['hypervisor']['detail']}",
             f"serve: {facts['serve']}",
             describe_mount_roots(app.config),
         ]
-        lacking = not smolvm["path"] and not app.config.local_url
-        return details, [ENGINE_ON_RAMP.format(script=Path(__file__).resolve())] if lacking else []
+        lacking = not smolvm["path"] and not app.config.local_url and not smolvm["version"]
+        get = engine_get_command(Path(__file__).resolve(), sys.prefix)
+        return details, [ENGINE_ON_RAMP.format(get=get)] if lacking else []
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
@@ -1092,7 +1098,8 @@ class LocalFleet:
                 self._process = None
                 if "Address already in use" in output:
                     raise SmolError(
-                        f"smolvm serve could not start: {_last_line(output)}. {ADDRESS_IN_USE_HINT}"
+                        f"smolvm serve could not start: {_last_line(output)}. "
+                        + other_serve_hint(str(socket_path))
                     )
                 raise SmolError(
                     f"smolvm serve exited at once: {_last_line(output) or 'no output'} "
@@ -1177,14 +1184,17 @@ class LocalFleet:
         payload: Any = None,
         *,
         raw: bytes | None = None,
-        timeout: float = 30,
+        timeout: float | None = None,
+        setting: str = "readyTimeoutSecs",
         read: Callable | None = None,
     ) -> Any:
         """One API call. Returns the parsed JSON body (or bytes for a raw
         response, or what ``read`` made of a 200); raises ApiError with the
         API's own message on a refusal. A serve that stopped answering is
-        started again once."""
+        started again once. ``timeout`` (readyTimeoutSecs when None) follows
+        ``setting``, which a timeout message names."""
         self.ensure_serve()
+        timeout = self.config.ready_timeout_secs if timeout is None else timeout
         if payload is not None:
             body, content_type = json.dumps(payload).encode(), "application/json"
         elif raw is not None:
@@ -1216,7 +1226,8 @@ class LocalFleet:
         except TimeoutError:
             raise SmolError(
                 f"the local machine API did not answer within {timeout:.0f} s while trying to "
-                f"{action}"
+                f"{action}. A busy host or a large image can take that long: raise {setting} "
+                f"to wait longer, and check the engine with `{invocation()} doctor`"
             ) from None
         except (OSError, http.client.HTTPException) as exc:
             self._ready = False
@@ -1314,14 +1325,15 @@ class LocalFleet:
     def stop_machine(self, name: str) -> dict:
         return local_record(
             self.request(
-                f"stop machine '{name}'", "POST", f"/api/v1/machines/{_q(name)}/stop", timeout=360
+                f"stop machine '{name}'",
+                "POST",
+                f"/api/v1/machines/{_q(name)}/stop",
+                timeout=self.config.ready_timeout_secs * 3,  # a guest's shutdown grace, then kill
             )
         )
 
     def delete_machine(self, name: str) -> dict:
-        self.request(
-            f"delete machine '{name}'", "DELETE", f"/api/v1/machines/{_q(name)}", timeout=120
-        )
+        self.request(f"delete machine '{name}'", "DELETE", f"/api/v1/machines/{_q(name)}")
         return {"deleted": name}
 
     def exec(
@@ -1347,6 +1359,7 @@ class LocalFleet:
                 f"/api/v1/machines/{_q(name)}/exec",
                 body,
                 timeout=timeout_secs + 30,
+                setting="the call's timeoutSecs (up to maxExecTimeoutSecs)",
                 read=read_exec_answer,
             )
         except ApiError as err:
@@ -1583,7 +1596,7 @@ class LocalFleet:
             "PUT",
             f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
             raw=data,
-            timeout=120 + len(data) / (1 << 20),
+            timeout=self.config.ready_timeout_secs + len(data) / (1 << 20),
         )
         return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
 
@@ -1652,6 +1665,7 @@ class LocalFleet:
             f"/api/v1/machines/{_q(name)}/images/pull",
             {"image": image},
             timeout=self.config.max_exec_timeout_secs + 60,
+            setting="maxExecTimeoutSecs",
         )
         return answer.get("image", answer)
 
@@ -2064,6 +2078,26 @@ def serve_process_on(pid: int, socket_path: str) -> bool:
     return b"serve" in cmdline and socket_path.encode() in cmdline
 
 
+def other_serve_hint(own: str) -> str:
+    """Where another smolvm serve on this host listens, read from /proc (Linux),
+    as the SMOL_LOCAL_URL that would use it; the generic hint when none is found."""
+    for entry in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = entry.read_bytes().decode("utf-8", "replace").split("\0")
+        except OSError:
+            continue
+        if "serve" in argv and "--listen" in argv[:-1]:
+            where = argv[argv.index("--listen") + 1]
+            url = where if "://" in where else f"unix://{os.path.abspath(where)}"
+            if where != own:
+                return (
+                    f"Another smolvm serve runs on this host (pid {entry.parent.name}, listening "
+                    f"on {where}): use it with SMOL_LOCAL_URL={url} (it is then left running), "
+                    "or stop it."
+                )
+    return ADDRESS_IN_USE_HINT
+
+
 def _read_from(path: Path, offset: int) -> str:
     with open(path, "rb") as f:
         f.seek(offset)
@@ -2203,7 +2237,9 @@ class CloudFleet:
                 )
             except httpx2.TimeoutException:
                 raise SmolError(
-                    f"the cloud API did not answer within {timeout:.0f} s while trying to {action}"
+                    f"the cloud API did not answer within {timeout:.0f} s while trying to "
+                    f"{action}; check the service's status and this host's connection to "
+                    f"{self.config.cloud_url}"
                 ) from None
             except httpx2.TransportError as exc:
                 raise SmolError(
@@ -3013,9 +3049,10 @@ def iso_time(value: Any) -> str | None:
 # ---------------------------------------------------------------------------
 # 6. Output budget
 #
-# A tool result is read by a model with a context budget. A stream longer than
-# maxOutputBytes keeps its head and its tail, says how much fell between, and
-# the whole stream is written into the machine so nothing is lost.
+# A tool result is read by a model that pays in tokens (Claude Code refuses a
+# result over 25,000). A stream longer than maxOutputBytes, or estimated above
+# replyTokens, keeps its head and its tail, says how much fell between, and the
+# whole stream is written into the machine so nothing is lost.
 # ---------------------------------------------------------------------------
 
 OVERFLOW_DIR = "/tmp/smol-mcp-output"
@@ -3043,28 +3080,52 @@ def utf8_suffix_start(data: bytes, start: int) -> int:
     return start
 
 
-def json_chars(text: str) -> int:
-    """How many characters ``text`` takes inside the JSON a client hands the
-    model (quotes and escapes included; non-ASCII kept as it is)."""
-    return len(json.dumps(text, ensure_ascii=False))
+# One piece a tokenizer cannot merge across: a run of letters and digits, a run of
+# spaces, a character JSON escapes, other ASCII, one non-ASCII character.
+TOKEN_PIECE_RE = re.compile(r'[A-Za-z0-9]+| +|[\x00-\x1f"\\]|[!-~\x7f]|[^\x00-\x7f]')
+PLAIN_WORD_RE = re.compile(r"(?:[A-Z]?[a-z]{2,}){1,4}|[A-Z]+|[a-z]|[0-9]+")
+REPLY_RESERVE_TOKENS = 2000  # of replyTokens, for the fields around the content and the marker
 
 
-def prefix_within_chars(data: bytes, chars: int) -> int:
+def piece_tokens(piece: str) -> int:
+    """The most tokens one TOKEN_PIECE_RE piece is taken to cost, as the JSON
+    of a reply shows it. Measured against real BPE tokenizers: English about
+    3.5 characters a token, base64 and random identifiers 1.4, CJK up to 2.3
+    tokens a character, emoji 2.9, a control character's \\u00XX escape 3."""
+    first, size = piece[0], len(piece)
+    if first.isascii() and first.isalnum():
+        if size > 12 or not PLAIN_WORD_RE.fullmatch(piece):
+            return (size * 3 + 3) // 4  # base64, hex, random: barely merged
+        return (size + 2) // 3 if not first.isdigit() else (size + 1) // 2
+    if first == " ":
+        return (size + 3) // 4
+    if first < " " or first in '"\\':
+        return 2 if first in '\n\t\r\b\f"\\' else 4
+    # every byte of a non-ASCII character may be a token of its own
+    return len(first.encode("utf-8", "surrogatepass")) if not first.isascii() else 1
+
+
+def est_tokens(text: str) -> int:
+    """A conservative estimate of what ``text`` costs a model inside a JSON reply."""
+    return sum(piece_tokens(m.group()) for m in TOKEN_PIECE_RE.finditer(text))
+
+
+def within_tokens(text: str, tokens: int) -> int:
+    """How many leading characters of ``text`` are estimated at most ``tokens``."""
+    used = 0
+    for match in TOKEN_PIECE_RE.finditer(text):
+        cost = piece_tokens(match.group())
+        if used + cost > tokens:  # a long word is cut: it costs at most one token a character
+            return match.start() + max(0, tokens - used) * (match.end() > match.start() + 1)
+        used += cost
+    return len(text)
+
+
+def prefix_within_tokens(data: bytes, tokens: int) -> int:
     """The longest prefix of ``data``, ended on a character boundary, whose
-    text takes at most ``chars`` JSON characters: a page of bytes that are
-    all escapes (NUL is six characters) must still fit the reply."""
-    if json_chars(data.decode("utf-8", "replace")) <= chars:
-        return len(data)
-    low, high = 0, len(data)
-    while low < high:
-        middle = utf8_prefix_end(data, (low + high + 1) // 2)
-        if middle <= low:  # no boundary between them: the low end is the answer
-            break
-        if json_chars(data[:middle].decode("utf-8", "replace")) <= chars:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    text is estimated at most ``tokens``."""
+    text = data.decode("utf-8", "surrogateescape")
+    return len(text[: within_tokens(text, tokens)].encode("utf-8", "surrogateescape"))
 
 
 def reply_json(result: dict) -> str:
@@ -3073,48 +3134,43 @@ def reply_json(result: dict) -> str:
     return json.dumps(result, indent=2, ensure_ascii=False)
 
 
-def stream_shares(escaped: tuple[int, int], limit: int) -> tuple[int, int]:
-    """Split the reply budget (``limit`` JSON characters for both streams
-    together) between stdout and stderr: a stream that needs less than half
-    leaves the rest to the other."""
-    if sum(escaped) <= limit:
-        return escaped
+def reply_tokens(config: Config) -> int:
+    """The tokens a result's content (its streams or its page) may cost together."""
+    return config.reply_tokens - REPLY_RESERVE_TOKENS
+
+
+def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
+    """Split ``limit`` tokens between stdout and stderr: a stream that needs
+    less than half leaves the rest to the other."""
+    if sum(costs) <= limit:
+        return costs
     half = limit // 2
-    if escaped[0] <= half:
-        return escaped[0], limit - escaped[0]
-    if escaped[1] <= half:
-        return limit - escaped[1], escaped[1]
+    if costs[0] <= half:
+        return costs[0], limit - costs[0]
+    if costs[1] <= half:
+        return limit - costs[1], costs[1]
     return half, limit - half
 
 
-def fit_stream(data: bytes, limit: int, chars: int, where: str) -> tuple[str, int]:
-    """head_and_tail with the largest byte budget <= ``limit`` whose text,
-    escaped as JSON, takes at most ``chars`` characters (escapes such as \\n
-    make text longer than its bytes, so the bytes alone do not bound it)."""
-    low, high = 0, min(limit, len(data))
-    best = head_and_tail(data, 0, where)
-    while low <= high:
-        middle = (low + high) // 2
-        shaped = head_and_tail(data, middle, where)
-        if json_chars(shaped[0]) <= chars:
-            best, low = shaped, middle + 1
-        else:
-            high = middle - 1
-    return best
-
-
-def head_and_tail(data: bytes, limit: int, where: str) -> tuple[str, int]:
-    """The text to return for one stream and how many bytes were left out.
+def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, int]:
+    """The text to return for one stream and how many bytes were left out: its
+    head and its tail, each within half of ``limit`` bytes and of ``tokens``.
     ``where`` finishes the marker sentence (where the whole stream is)."""
-    if len(data) <= limit:
+    text = data.decode("utf-8", "surrogateescape")
+    if len(data) <= limit and est_tokens(text) <= tokens:
         return data.decode("utf-8", "replace"), 0
-    head_end = utf8_prefix_end(data, limit // 2)
-    tail_start = utf8_suffix_start(data, len(data) - (limit - limit // 2))
-    omitted = tail_start - head_end
+    marker = f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n"
+    tokens -= est_tokens(marker)
+    head = data[: utf8_prefix_end(data, limit // 2)]
+    head = head[: prefix_within_tokens(head, tokens // 2)]
+    tail = data[utf8_suffix_start(data, len(data) - (limit - limit // 2)) :]
+    tail_text = tail.decode("utf-8", "surrogateescape")[::-1]
+    tail = tail_text[: within_tokens(tail_text, tokens - tokens // 2)][::-1].encode(
+        "utf-8", "surrogateescape"
+    )
+    omitted = len(data) - len(head) - len(tail)
     marker = f"\n[... smol-mcp: {omitted} bytes omitted here; {where} ...]\n"
-    return data[:head_end].decode("utf-8", "replace") + marker + data[tail_start:].decode(
-        "utf-8", "replace"
-    ), omitted
+    return head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), omitted
 
 
 # ---------------------------------------------------------------------------
@@ -3388,6 +3444,10 @@ def _where(path: list) -> str:
     return text
 
 
+# Names other tools use for an argument, too far from ours for difflib to find.
+ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "workdir"}
+
+
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
     path, value = _error_where(error)
@@ -3395,7 +3455,9 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
     if rule == "additionalProperties":
         accepted = schema.get("properties", {})
         key = next(key for key in value if key not in accepted)
-        maybe = did_you_mean(key, accepted, cutoff=0.5)
+        slip = ARGUMENT_SLIPS.get(key.lower())
+        maybe = f' (did you mean "{slip}"?)' if slip in accepted else ""
+        maybe = maybe or did_you_mean(key, accepted, cutoff=0.5)
         if not path:
             return (
                 f'{tool} has no argument "{key}"{maybe}; it accepts: '
@@ -3419,7 +3481,15 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
     got = json.dumps(value)[:60]
     limit = error.validator_value
     return {
-        "type": lambda: f'"{where}" must be {TYPE_WORDS.get(limit, limit)}, got {got}',
+        "type": lambda: (
+            f'"{where}" must be {TYPE_WORDS.get(limit, limit)}'
+            + (
+                f" ({' or '.join(json.dumps(v) for v in schema['enum'])})"
+                if "enum" in schema
+                else ""
+            )
+            + f", got {got}"
+        ),
         "enum": lambda: (
             f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
         ),
@@ -3700,9 +3770,12 @@ class Call:
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
         """Await ``run()`` while a progress notification says what the call
         waits on: with ``waiting``, at once and every few seconds until it
-        returns; without, only once it has taken longer than that."""
+        returns; without, only once it has taken longer than that; with "",
+        never (the caller reports progress itself: one heartbeat per wait)."""
         import anyio
 
+        if waiting == "":
+            return await run()
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
         waiting = waiting or f"waiting for the {self.fleet.name} API"
         async with anyio.create_task_group() as group:
@@ -3890,9 +3963,9 @@ def explain_start_failure(
             "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
         )
         return err.with_hint(
-            "The microVM could not boot on this host, and the machine is "
-            "deleted; the smol://targets resource says whether a usable "
-            f"hypervisor is present. The last lines of its console log:\n{tail}"
+            "The microVM could not boot on this host, and the machine is deleted. "
+            "A usable /dev/kvm can still fail to boot a guest (in a VM without nested "
+            f"virtualization, say). The last lines of its console log:\n{tail}"
         )
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
         return err.with_hint(
@@ -4078,6 +4151,7 @@ async def stream_in_machine(
                     call.fleet.exec_stream,
                     name,
                     ["sh", "-c", RUN_TEE_WRAPPER, "sh", pid_file, *argv],
+                    waiting="",
                     on_output=on_output,
                     **options,
                 ),
@@ -4108,18 +4182,14 @@ async def budget_exec(
 ) -> dict:
     """The run-command result: both streams within the budget, and a stream
     that did not fit written whole into the machine, its path in ``overflow``.
-    The budget is maxOutputBytes twice over: each stream keeps at most that
-    many bytes, and both together, as the JSON a client shows the model, at
-    most that many characters (65536 by default: about 22,000 tokens at three
-    characters a token, under the 25,000 Claude Code accepts)."""
+    Each stream keeps at most maxOutputBytes, and both together are estimated
+    within replyTokens (less a reserve for the other fields)."""
     limit = call.config.max_output_bytes
-    shares = stream_shares(
-        (
-            json_chars(result.stdout.decode("utf-8", "replace")) - 2,
-            json_chars(result.stderr.decode("utf-8", "replace")) - 2,
-        ),
-        limit,
-    )
+    costs = [
+        est_tokens(data.decode("utf-8", "surrogateescape"))
+        for data in (result.stdout, result.stderr)
+    ]
+    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
     shaped: dict[str, Any] = {
         "stdout": "",
         "stderr": "",
@@ -4140,7 +4210,7 @@ async def budget_exec(
                 "followed was not "
                 "returned by the service and is lost ...]\n"
             )
-        if len(data) <= limit and json_chars(data.decode("utf-8", "replace")) - 2 <= share:
+        if len(data) <= limit and costs[stream == "stderr"] <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
             continue
         shaped["truncated"] = True
@@ -4428,12 +4498,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
 async def tool_read_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
     offset = args.get("offset", 0)
-    # base64 grows by a third, so its page is smaller to keep the reply within the budget
-    limit = (
-        call.config.max_output_bytes
-        if encoding == "utf8"
-        else call.config.max_output_bytes * 3 // 4
-    )
+    limit = call.config.max_output_bytes
     length = min(args.get("length", limit), limit)
     started_machine = await ensure_running(call, name)
     page = await call.api(call.fleet.read_file, name, path, offset, length)
@@ -4446,7 +4511,7 @@ async def tool_read_file(call: Call, args: dict) -> dict:
                     f'"length" {length} is too short for the character at offset {offset}; ask for '
                     "at least 4 bytes"
                 )
-        data = data[: prefix_within_chars(data, call.config.max_output_bytes)]
+        data = data[: prefix_within_tokens(data, reply_tokens(call.config))]
         try:
             content = data.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -4454,8 +4519,11 @@ async def tool_read_file(call: Call, args: dict) -> dict:
                 f"{path} is not UTF-8 text (byte {offset + err.start} is not); read it with "
                 'encoding: "base64", or start at another offset'
             ) from None
-    else:
+    else:  # a base64 prefix of 4k characters is the encoding of the first 3k bytes
         content = base64.b64encode(data).decode("ascii")
+        fits = within_tokens(content, reply_tokens(call.config))
+        if fits < len(content):
+            data, content = data[: fits // 4 * 3], content[: fits // 4 * 4]
     return {
         "path": path,
         "content": content,
@@ -4581,12 +4649,14 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
         start = lines_after_cursor(lines, args["cursor"])
     else:
         start = max(0, len(lines) - args.get("tail", call.config.logs_tail))
-    picked, used = [], 0
+    picked, used, budget = [], 0, reply_tokens(call.config)
     for line in lines[start:]:
         used += len(line.encode()) + 1
-        if used > call.config.max_output_bytes and picked:
+        cost = est_tokens(line) + 3  # its quotes, comma and indent
+        if picked and (used > call.config.max_output_bytes or cost > budget):
             break  # the rest comes with the next cursor
-        picked.append(line)
+        picked.append(line[: within_tokens(line, budget - 3)])  # a line alone over the budget
+        budget -= cost
     return {"lines": picked, "cursor": log_cursor(lines, start + len(picked))}
 
 
@@ -4910,11 +4980,11 @@ async def tool_read_job(call: Call, args: dict) -> dict:
             # the rest of a character comes with the next page
             data = data[: utf8_prefix_end(data, len(data))]
         pages.append(data)
-    # Like run-command, both streams share one budget of JSON characters.
-    escaped = tuple(json_chars(data.decode("utf-8", "replace")) for data in pages)
-    shares = stream_shares(escaped, call.config.max_output_bytes)
+    # Like run-command, both streams share one budget of tokens.
+    costs = tuple(est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages)
+    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
     for stream, data, share, start in zip(("stdout", "stderr"), pages, shares, offsets):
-        data = data[: prefix_within_chars(data, share)]
+        data = data[: prefix_within_tokens(data, share)]
         shaped[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
     shaped["nextOffset"] = next_offset
@@ -5449,6 +5519,8 @@ def local_target_facts(fleet: LocalFleet) -> dict:
         fleet
     )  # asks a serve that already runs; starts none
     facts["smolvm"]["version"] = running_version
+    if running_version and not fleet.config.local_url:
+        facts["serve"] = f"running at {fleet.endpoint} (smolvm {running_version})"
     if guest:
         facts.update(
             usable=False,
@@ -5463,6 +5535,11 @@ def local_target_facts(fleet: LocalFleet) -> dict:
             )
         else:
             facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
+    elif binary is None and running_version:  # another smol-mcp's serve, in our runtime dir
+        facts["reason"] = (
+            f"uses the serve already running at {fleet.endpoint}; when it stops, starting a "
+            "new one needs smolvm: set SMOLVM to its path"
+        )
     elif binary is None:
         facts.update(
             usable=False,
@@ -5477,8 +5554,8 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     elif running_version is None and rollout_port_taken():
         facts.update(
             usable=False,
-            reason="another smolvm serve already runs on this host (127.0.0.1:10081 is "
-            "taken); set SMOL_LOCAL_URL to its socket, or stop it",
+            reason="127.0.0.1:10081, which every serve binds, is taken. "
+            + other_serve_hint(fleet.endpoint.removeprefix("unix://")),
         )
     minimum = fleet.config.min_smolvm
     if running_version and minimum and version_tuple(running_version) < version_tuple(minimum):
@@ -5890,6 +5967,11 @@ TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is gr
     "cancel-job": "exec",
 }
 APPROVAL_MODES = ("none", "changes")
+SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
+    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
+    "read": "machines.read,activity.read",
+    "full": ",".join(SCOPES),
+}
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_TOKEN_NAMES = ("default", "stdio")  # SMOL_MCP_AUTH_TOKEN and the stdio principal
 TOKEN_SECRET_PREFIX = "smolmcp_"
@@ -6841,7 +6923,8 @@ def server_instructions(app: SmolMcp) -> str:
         f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when "
         "this session ends. Any "
         "other name persists.",
-        f"- Output beyond {c.max_output_bytes} bytes per stream keeps its head and tail; the "
+        f"- Output beyond {c.max_output_bytes} bytes per stream or {c.reply_tokens} tokens per "
+        "result keeps its head and tail; the "
         "whole stream is saved in "
         "the machine at the path in overflow. read-file pages with offset/length.",
         "- A non-zero exit code is a result, not an error. Commands time out after "
@@ -9115,6 +9198,7 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
             "clients dial is not knowable here; set it to that name",
             host,
         )
+    listening = listen_socket(host, port)  # before saying "serving": a taken port says so
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
     log.info(
@@ -9122,7 +9206,24 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     )
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
     # SIGTERM and SIGINT end the lifespan, which cleans up.
-    await stopping_server(config, app).serve()
+    await stopping_server(config, app).serve(sockets=[listening])
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The listening socket of --http, or a SmolError saying what to do."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as err:
+        advice = (
+            f"another program is listening there (find it with `ss -ltnp 'sport = :{port}'`): "
+            "stop it, or choose another port with --port or SMOL_MCP_HTTP_PORT"
+            if err.errno == errno.EADDRINUSE
+            else "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
+        )
+        raise SmolError(
+            f"cannot listen on {host}:{port}: {os.strerror(err.errno)}; {advice}"
+        ) from None
 
 
 def stopping_server(config: Any, app: SmolMcp):
@@ -9818,6 +9919,15 @@ def pages_app(pages: Pages, routes: list) -> Any:
 SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
 
 
+def invocation() -> str:
+    """The command the user ran this program as, for help and hints to name:
+    `smol-mcp` installed, `uv run smol_mcp.py` or `python3 smol_mcp.py` as a file."""
+    arg0 = sys.argv[0] if sys.argv and sys.argv[0] else "smol-mcp"
+    if not arg0.endswith(".py"):
+        return "smol-mcp"
+    return f"{'uv run' if os.environ.get('UV') else 'python3'} {shlex.quote(arg0)}"
+
+
 HELP_EPILOG = """\
 environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
   SMOLVM                      the smolvm binary (default: smolvm on PATH, else the
@@ -9826,7 +9936,7 @@ environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
   SMOL_MCP_TARGETS            auto | local | cloud | both (auto: both when a cloud key is set)
   SMOL_CLOUD_TOKEN            the smol cloud account key (a secret: never copied anywhere)
   SMOL_MCP_NETWORK_DEFAULT    blocked | open: egress of a machine when a call says nothing
-  SMOL_MCP_MAX_OUTPUT_BYTES   the reply budget of run-command (65536)
+  SMOL_MCP_REPLY_TOKENS       the most a tool result may cost a model, in tokens (20000)
   SMOL_MCP_AUTH_TOKEN         required by --http: the token clients send as a Bearer
   SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root with /dev/kvm at mode 0600
   SMOL_MCP_CONFIG             another config file; the README has every setting
@@ -9844,10 +9954,10 @@ def parse_args(argv: list[str]):
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="smol-mcp",
+        prog=invocation(),
         description="An MCP server that gives an AI agent microVMs (smol machines) to work in. "
         "Serves MCP over stdio by default.",
-        epilog=HELP_EPILOG,
+        epilog=HELP_EPILOG.replace("smol-mcp ", invocation() + " "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"smol-mcp {__version__}")
@@ -9898,8 +10008,12 @@ def parse_args(argv: list[str]):
     )
     create = token_commands.add_parser("create", help="make a token; its secret is shown once")
     create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
-    create.add_argument(
-        "--scopes", required=True, help=f"comma-separated, from: {', '.join(SCOPES)}"
+    chosen = create.add_mutually_exclusive_group()
+    chosen.add_argument("--scopes", help=f"comma-separated, from: {', '.join(SCOPES)}")
+    chosen.add_argument(
+        "--preset",
+        choices=SCOPE_PRESETS,
+        help="; ".join(f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items()),
     )
     create.add_argument(
         "--targets", help="the fleets it may use: local, cloud or local,cloud (default both)"
@@ -9984,10 +10098,19 @@ def parse_args(argv: list[str]):
 
 
 # Commands a person copies whole, so a line may be longer than the code's 100 columns.
+def engine_get_command(here: Path, prefix: str) -> str:
+    """How to add the engine wheel to this server the way it was installed."""
+    if not any(part in ("site-packages", "dist-packages") for part in here.parts):
+        return f"uv run --with smolmachines==1.32.2 {here} doctor"
+    if "/uv/tools/" in prefix + "/":
+        return "uv tool install --force --with smolmachines==1.32.2 smol-mcp  # or your source"
+    return f"{Path(prefix) / 'bin' / 'python'} -m pip install smolmachines==1.32.2"
+
+
 ENGINE_ON_RAMP = """\
   get an engine (smolvm 1.32.2 is the smol/smol-vmm binary inside the smolmachines wheel):
-    uv run --with smolmachines==1.32.2 {script} doctor
-        (run the server the same way, or let `setup` carry the engine's path into the client entry)
+    {get}
+        (then run the server the same way, or let `setup` carry the engine's path into the entry)
   or unpack the wheel once and point SMOLVM at it:
     python3 -m pip download --no-deps smolmachines==1.32.2 -d /tmp/smolmachines-wheel
     python3 -m zipfile -e /tmp/smolmachines-wheel/smolmachines-1.32.2-*.whl ~/.local/share/smolmachines
@@ -10024,13 +10147,16 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
                 "nothing to probe"
             )
             return 1
-        healthy = probe_local(app) and healthy
+        # what a machine did outranks what the checks above expected
+        fleets = document["fleets"].items()
+        others = all(f["usable"] for n, f in fleets if f["served"] and n != "local")
+        healthy = probe_local(app, document["fleets"]["local"]) and others
     print(f"\ntokens: {tokens_file_report(app.config)}")
     print(f"oauth: {oauth_report(app.config)}")
     return 0 if healthy else 1
 
 
-def probe_local(app: SmolMcp) -> bool:
+def probe_local(app: SmolMcp, facts: dict) -> bool:
     """Create, start, run `true` in and delete a throwaway imageless machine
     (no registry needed), printing each step with its time: "usable" above is
     what the host allows; this is what it does."""
@@ -10076,7 +10202,14 @@ def probe_local(app: SmolMcp) -> bool:
                 f"`true` exited with {result.exit_code}: {result.stderr.decode('utf-8', 'replace')}"
             )
 
-    created = False
+    def delete() -> None:
+        try:
+            fleet.delete_machine(name)
+        except ApiError as err:
+            if created or err.status != 404:  # interrupted before the machine was made
+                raise
+
+    created = ok = interrupted = False
     fleet.acquire()
     try:
         ok = step("serve", fleet.ensure_serve)
@@ -10092,12 +10225,16 @@ def probe_local(app: SmolMcp) -> bool:
         ok = created and step("start", lambda: fleet.start_machine(name))
         ok = ok and step("ready", wait_ready)
         ok = ok and step("run", run_true)
+    except KeyboardInterrupt:
+        interrupted = True  # Ctrl-C: perhaps mid-create, so the machine may exist
+        raise
     finally:
-        if created:
-            ok = step("delete", lambda: fleet.delete_machine(name)) and ok
+        if created or interrupted:
+            ok = step("delete", delete) and ok
         fleet.release()
     verdict = "can" if ok else "cannot"
-    print(f"  result: the local fleet {verdict} run machines here")
+    doubt = f" (the check above said NOT USABLE: {facts['reason']})" * (ok and not facts["usable"])
+    print(f"  result: the local fleet {verdict} run machines here{doubt}")
     return ok
 
 
@@ -10121,7 +10258,9 @@ def launch_command() -> list[str]:
     return [str(Path(sys.executable).absolute()), str(here)]
 
 
-SECRET_ENVS = ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN")
+# Referenced from the client's environment in an entry, never copied into it (project
+# files get committed): the keys, and the approval webhook, often a chat's secret URL.
+SECRET_ENVS = ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK")
 ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself, not by smol-mcp
 
 
@@ -10130,7 +10269,7 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
     reference): every non-secret SMOL_* setting set here, the config file,
     the engine's own switches, and the smolvm this process would run, so the
     client starts the same server that doctor checked."""
-    env = {s.env: environ[s.env] for s in SETTINGS if s.kind != "secret" and s.env in environ}
+    env = {s.env: environ[s.env] for s in SETTINGS if s.env in environ and s.env not in SECRET_ENVS}
     env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
     if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
         env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
@@ -10224,6 +10363,9 @@ def client_entry(
     }
 
 
+MCP_REMOTE = "mcp-remote@0.15.1"  # the stdio-to-HTTP bridge, pinned: npx runs what it fetches
+
+
 def http_entry(
     client: str, http_url: str, config: Config, variable: str = "SMOL_MCP_AUTH_TOKEN"
 ) -> tuple[str, dict]:
@@ -10242,12 +10384,15 @@ def http_entry(
             **codex_timeouts(config),
         }
     if client == "claude-desktop":
-        # It speaks stdio only, so the npm bridge carries HTTP; it reads no shell
-        # environment, so the token has to be pasted into its env block by hand.
+        # It speaks stdio only, so the npm bridge carries HTTP, pinned; it reads no
+        # shell environment, so npx is absolute, node is found beside it, and the
+        # token has to be pasted into its env block by hand.
+        npx = shutil.which("npx")
+        path = {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"} if npx else {}
         return "mcpServers", {
-            "command": "npx",
-            "args": ["-y", "mcp-remote", http_url, "--header", "Authorization:${AUTH_HEADER}"],
-            "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>"},
+            "command": str(Path(npx).absolute()) if npx else "npx",
+            "args": ["-y", MCP_REMOTE, http_url, "--header", "Authorization:${AUTH_HEADER}"],
+            "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>", **path},
         }
     reference = secret_reference(client, variable)
     return "mcpServers", {
@@ -10310,21 +10455,17 @@ def render_entry(client: str, key: str, entry: dict) -> str:
 
 def one_liner(client: str, entry: dict) -> str | None:
     """The client's own command that adds the same entry, where it has one."""
-    import shlex
-
+    if client == "codex":  # `codex mcp add` cannot set the timeouts or env_vars an entry needs
+        return f"{invocation()} setup codex --write"
     if client == "claude-code" and "url" in entry and "headers" not in entry:
         return shlex.join(["claude", "mcp", "add", "--transport", "http", "smol", entry["url"]])
-    if client not in ("claude-code", "codex") or "command" not in entry:
+    if client != "claude-code" or "command" not in entry:
         return None
-    env = [f"{name}={value}" for name, value in entry.get("env", {}).items()]
+    flags = [
+        part for name, value in entry.get("env", {}).items() for part in ("-e", f"{name}={value}")
+    ]
     argv = [entry["command"], *entry["args"]]
-    if client == "claude-code":
-        flags = [part for pair in env for part in ("-e", pair)]
-        return shlex.join(
-            ["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv]
-        )
-    flags = [part for pair in env for part in ("--env", pair)]
-    return shlex.join(["codex", "mcp", "add", *flags, "smol", "--", *argv])
+    return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv])
 
 
 def backup_dir(environ: dict[str, str]) -> Path:
@@ -10419,6 +10560,23 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
         raise SetupRefused(
             f"{path} is not valid TOML ({err}); fix it, or paste the entry by hand"
         ) from None
+    lines = text.splitlines(keepends=True)
+    top = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
+    inline = [i for i in range(top) if re.match(rf'\s*("?){key}\1\s*=', lines[i])]
+    if inline and isinstance(existing.get(key), dict):
+        # `key = {...}` takes no [key.smol] after it: write its servers as tables instead
+        del lines[inline[0]]
+        try:
+            tables = [
+                f"[{key}.{toml_key(name)}]\n"
+                + "".join(f"{toml_key(f)} = {toml_value(v)}\n" for f, v in server.items())
+                for name, server in existing[key].items()
+                if name != "smol"
+            ]
+        except TypeError:
+            tables = None  # a value type toml_value does not write: refused below
+        if tables is not None:
+            text = "".join(lines).rstrip("\n") + "\n\n" + "\n".join(tables)
     if "smol" in existing.get(key, {}):
         if not force:
             raise SetupRefused(
@@ -10488,10 +10646,10 @@ def setup(
     command = one_liner(client, entry)
     if oauth and client == "codex":
         print("# then sign in once with: codex mcp login smol", file=sys.stderr)
-    if client == "claude-desktop" and not http_url and any(os.environ.get(n) for n in SECRET_ENVS):
+    if client == "claude-desktop" and not http_url and (held := entry_environment(os.environ)[1]):
         print(
-            "# claude-desktop reads no environment: to serve the cloud fleet, add "
-            "SMOL_CLOUD_TOKEN to the entry's env by hand (the key is not copied for you)",
+            "# claude-desktop reads no environment: add "
+            f"{', '.join(held)} to the entry's env by hand (secrets are not copied for you)",
             file=sys.stderr,
         )
     if not write:
@@ -10523,7 +10681,7 @@ def setup(
         f"{'replaced the smol entry in' if replacing else 'wrote the smol entry into'} {path} "
         f"(the {scope} file {client} reads)"
     )
-    if command:
+    if command and client != "codex":  # its one-liner is this very command
         print(f"(the same with the client's own command: {command})")
     return 0
 
@@ -10553,8 +10711,14 @@ def tokens_command(args: Any, config: Config) -> int:
     """tokens create / list / delete: the named tokens of --http, in the state directory."""
     store = TokenStore(config.state_dir)
     if args.tokens_command == "create":
+        if not args.scopes and not args.preset:
+            presets = "; ".join(f"--preset {name} ({s})" for name, s in SCOPE_PRESETS.items())
+            raise ArgumentError(f"say what the token may do: --scopes LIST, or {presets}")
         record, secret = store.create(
-            args.name, parse_scopes(args.scopes), parse_targets(args.targets), args.approval
+            args.name,
+            parse_scopes(args.scopes or SCOPE_PRESETS[args.preset]),
+            parse_targets(args.targets),
+            args.approval,
         )
         shown = {
             "name": record["name"],
@@ -10927,16 +11091,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.http and not args.command and not (Access(config).has_any_token() or operator_on):
             raise ConfigError(
                 "--http refuses to start without a token, because these tools run machines: "
-                "create one with `smol_mcp.py tokens create NAME --scopes LIST`, or set "
+                f"create one with `{invocation()} tokens create NAME --preset sandbox`, or set "
                 "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>' ("
                 + HTTP_TOKEN_ADVICE
-                + "), or let clients connect by URL: `smol_mcp.py operator set-password`"
+                + f"), or let clients connect by URL: `{invocation()} operator set-password`"
             )
         if args.http and not args.command and config.auth_token:
             check_token_strength(config.auth_token)
         app = SmolMcp(config)
         if args.command == "doctor":
-            return doctor(app, args.probe)
+            try:
+                return doctor(app, args.probe)
+            except KeyboardInterrupt:
+                print("smol-mcp: interrupted", file=sys.stderr)
+                return 130
         if args.command == "parity":
             return parity(app)
     except SmolError as err:
@@ -10945,13 +11113,17 @@ def main(argv: list[str] | None = None) -> int:
     import anyio
 
     if args.http:
-        anyio.run(
-            run_http,
-            app,
-            args.host or config.http_host,
-            args.port or config.http_port,
-            args.path or config.http_path,
-        )
+        try:
+            anyio.run(
+                run_http,
+                app,
+                args.host or config.http_host,
+                args.port or config.http_port,
+                args.path or config.http_path,
+            )
+        except SmolError as err:  # the port: nothing was served yet
+            print(f"smol-mcp: {err}", file=sys.stderr)
+            return 2
         # Cleaned up and done: a worker thread a stopped call abandoned must not hold the exit.
         logging.shutdown()
         sys.stdout.flush()
@@ -10960,8 +11132,8 @@ def main(argv: list[str] | None = None) -> int:
         if sys.stdin.isatty():
             print(
                 "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
-                "client (Ctrl-C to stop); to check this host run `smol-mcp doctor`, to "
-                "configure a client `smol-mcp setup CLIENT` (see --help)",
+                f"client (Ctrl-C to stop); to check this host run `{invocation()} doctor`, to "
+                f"configure a client `{invocation()} setup CLIENT` (see --help)",
                 file=sys.stderr,
                 flush=True,
             )

