@@ -5425,6 +5425,8 @@ class Session:
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
         self.ended = False
+        self.held = 0  # its calls waiting for approval: a revoked token's are answered first
+        self.revoked_at: float | None = None
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
         # Handshake era over HTTP: its Mcp-Session-Id and protocol version.
         self.http_id = self.protocol = None
@@ -5731,6 +5733,7 @@ TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
 USAGE_FLUSH_SECS = 60
 TOKEN_WATCH_SECS = 0.5
+TOKEN_END_GRACE_SECS = 5  # a deleted token's calls in flight may finish answering
 
 
 class ScopeMissing(SmolError):
@@ -7151,12 +7154,14 @@ class SmolMcp:
                     input_requests={"approval": self.approval_question(event)},
                 )
         self.waiting_approvals += 1
+        call.session.held += 1
         try:
             return await self._await_answer(
                 call, approval_id, event, timeout, asks_client and not modern, client_answer
             )
         finally:
             self.waiting_approvals -= 1
+            call.session.held -= 1
             self.access.desk.close(approval_id)
 
     def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
@@ -8322,23 +8327,28 @@ class HttpSessions:
 
     async def end_revoked(self) -> None:
         """End the sessions of tokens deleted since the last look (or deleted and
-        made again under the same name: that is another token)."""
+        made again under the same name: that is another token). A session whose
+        calls wait for approval is ended once they have answered approval_token_deleted
+        (their poll sees the deletion within APPROVAL_POLL_SECS), and its other calls
+        get TOKEN_END_GRACE_SECS to send their answers."""
         live = self.app.access.live_ids()
-        for name, session in list(self.by_principal.items()):
-            if live.get(name) != session.principal.id:
-                log.info("token %s was deleted: ending its session %s", name, session.id)
-                del self.by_principal[name]
-                await self.app.end_session(session)
-        for session in list(self.by_id.values()):
-            if live.get(session.principal.name) != session.principal.id:
-                log.info(
-                    "token %s was deleted: ending its session %s",
-                    session.principal.name,
-                    session.id,
-                )
+        for session in [*self.by_principal.values(), *self.by_id.values()]:
+            if live.get(session.principal.name) == session.principal.id:
+                continue
+            session.revoked_at = session.revoked_at or time.monotonic()
+            if session.held or (
+                session.in_flight and time.monotonic() - session.revoked_at < TOKEN_END_GRACE_SECS
+            ):
+                continue
+            log.info(
+                "token %s was deleted: ending its session %s", session.principal.name, session.id
+            )
+            if session.http_id is None:
+                self.by_principal.pop(session.principal.name, None)
+            else:
                 self.by_id.pop(session.http_id, None)
                 await self.close_handshake_session(session)  # the SDK lets go of it too
-                await self.app.end_session(session)
+            await self.app.end_session(session)
 
     async def end_idle(self) -> None:
         """End every session with no request in flight and none for
