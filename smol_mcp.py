@@ -2199,10 +2199,12 @@ class CloudFleet:
     # -- machines (normalised) ---------------------------------------------
 
     def _find(self, name: str) -> dict:
-        """The raw record of a machine given its name or its mach-... id."""
-        for record in self._list_raw():
-            if record.get("name") == name or record.get("id") == name:
-                return record
+        """The raw record of the machine named ``name``. A name is never taken
+        as an id (SPEC 16): a machine without a name is listed, and found, under
+        its id, and a machine named so wins over it."""
+        found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
+        for record in sorted(found, key=lambda r: not r.get("name")):
+            return record
         raise ApiError(
             self.name, f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found"
         )
@@ -2961,6 +2963,12 @@ def cloud_record(info: dict) -> dict:
         "branchable": bool(info.get("branchable", info.get("forkable", False))),
         "parent": info.get("parent") or info.get("sourceMachineId"),
     }
+
+
+def machine_identity(record: dict) -> str:
+    """Which machine a record is, not only what it is called: a machine made
+    again under the same name is another machine (another id or creation time)."""
+    return f"{record.get('id')}@{record.get('createdAt')}"
 
 
 def iso_time(value: Any) -> str | None:
@@ -4260,8 +4268,8 @@ async def create_recorded(
         # create ran, so its cleanup came too early to see the machine: do it here.
         await call.delete_quietly(name)
         raise SmolError(SESSION_ENDED_DURING_CREATE.format(name=name))
-    if owners.owner(call.fleet.name, name) != owner:
-        owners.claim(call.fleet.name, name, owner)
+    owners.claim(call.fleet.name, name, owner, machine_identity(record))
+    call.session.identities[(call.fleet.name, name)] = machine_identity(record)
     return record
 
 
@@ -5425,6 +5433,7 @@ class Session:
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
         self.ended = False
+        self.identities: dict[tuple[str, str], str] = {}  # (fleet, name) -> machine_identity()
         self.held = 0  # its calls waiting for approval: a revoked token's are answered first
         self.revoked_at: float | None = None
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
@@ -5506,12 +5515,29 @@ class Session:
         that fails in any way is logged and the next one is still cleaned."""
         import anyio
 
+        principal = self.principal or self.app.access.stdio
         for fleet_name, names in list(self.machines.items()):
             try:
+                replaced = await anyio.to_thread.run_sync(
+                    self.replaced, self.app.fleets[fleet_name], sorted(names)
+                )
+                for name in replaced:  # someone else's machine by now: never deleted here
+                    self.forget(fleet_name, name)
+                    self.app.record(
+                        {
+                            "event": "session-cleanup",
+                            **self.app.who(principal),
+                            "session": self.id,
+                            "target": fleet_name,
+                            "machine": name,
+                            "outcome": "not deleted: the machine of that name is no longer "
+                            "the one this session created",
+                        }
+                    )
                 deleted, refused = await anyio.to_thread.run_sync(
                     delete_in_passes,
                     self.app.fleets[fleet_name],
-                    sorted(names),
+                    sorted(set(names) - set(replaced)),
                     abandon_on_cancel=True,
                 )
             except Exception as err:
@@ -5526,7 +5552,6 @@ class Session:
             for name in deleted:
                 log.info("session %s ended: deleted %s", self.id, name)
                 self.forget(fleet_name, name)
-                principal = self.principal or self.app.access.stdio
                 self.app.record(
                     {
                         "event": "session-cleanup",
@@ -5540,6 +5565,18 @@ class Session:
             self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
+
+    def replaced(self, fleet: Fleet, names: list[str]) -> list[str]:
+        """The names now held by another machine than the one this session made."""
+        found = []
+        for name in names:
+            made = self.identities.get((fleet.name, name))
+            try:
+                if made is not None and machine_identity(fleet.get_machine(name)) != made:
+                    found.append(name)
+            except SmolError:  # gone, or unreadable: the delete says which
+                pass
+        return found
 
 
 class SessionSlots:
@@ -6052,10 +6089,17 @@ class Owners:
         self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict)
 
     def owner(self, fleet: str, name: str) -> str | None:
-        return self.file.read().get(fleet, {}).get(name)
+        held = self.file.read().get(fleet, {}).get(name)
+        return held.get("owner") if isinstance(held, dict) else held
 
-    def claim(self, fleet: str, name: str, owner: str) -> None:
-        self.file.update(lambda data: data.setdefault(fleet, {}).__setitem__(name, owner))
+    def identity(self, fleet: str, name: str) -> str | None:
+        """machine_identity() of the machine claimed, once its create answered."""
+        held = self.file.read().get(fleet, {}).get(name)
+        return held.get("id") if isinstance(held, dict) else None
+
+    def claim(self, fleet: str, name: str, owner: str, identity: str | None = None) -> None:
+        held = {"owner": owner, "id": identity} if identity else owner
+        self.file.update(lambda data: data.setdefault(fleet, {}).__setitem__(name, held))
 
     def clear(self, fleet: str, names: list[str]) -> None:
         if not any(self.owner(fleet, name) for name in names):
@@ -6067,7 +6111,7 @@ class Owners:
         name by now (its create won the race): in one locked update."""
 
         def drop(data: dict) -> None:
-            if data.get(fleet, {}).get(name) == owner:
+            if data.get(fleet, {}).get(name) == owner:  # a bare claim, made before the create
                 del data[fleet][name]
 
         if self.owner(fleet, name) == owner:
@@ -6083,15 +6127,25 @@ class OwnedFleet:
     def __init__(self, fleet: Any, owners: Owners, owner: str):
         self._fleet, self._owners, self._owner = fleet, owners, owner
 
-    def mine(self, name: str) -> bool:
-        return self._owners.owner(self._fleet.name, name) == self._owner
+    def mine(self, name: str, record: dict | None = None) -> bool:
+        """Whether ``name`` is this owner's, and (once its create answered) still
+        the very machine it created: a machine made again under that name is not."""
+        if self._owners.owner(self._fleet.name, name) != self._owner:
+            return False
+        identity = self._owners.identity(self._fleet.name, name)
+        if identity is None:
+            return True
+        try:
+            return machine_identity(record or self._fleet.get_machine(name)) == identity
+        except SmolError:  # gone: the method itself answers as for any missing machine
+            return True
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._fleet, attr)
         if not callable(value) or attr in ("acquire", "release", "create_machine"):
             return value
         if attr == "list_machines":
-            return lambda: [machine for machine in value() if self.mine(machine["name"])]
+            return lambda: [m for m in value() if self.mine(m["name"], m)]
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if args and isinstance(args[0], str) and not self.mine(args[0]):

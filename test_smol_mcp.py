@@ -6876,6 +6876,48 @@ class SandboxBothFleetsTests(FakeCloudCase):
             await self.ok(c, "delete-machine", {"name": "dev"})
 
 
+class CloudNamesAreNamesTests(FakeCloudCase):
+    """SPEC 16: on the cloud a name is never an id, and ownership and session
+    cleanup compare which machine it is, not only what it is called."""
+
+    def sandbox_app(self, name: str) -> SmolMcp:
+        app = SmolMcp(dataclasses_replace(self.config, scopes=()))  # one state directory
+        app.access.stdio = smol_mcp.Principal(name, frozenset(SANDBOX.split(",")), kind="stdio")
+        return app
+
+    async def test_a_machine_named_after_anothers_id_reaches_only_itself(self):
+        a, b = self.sandbox_app("a"), self.sandbox_app("b")
+        async with Client(a.server, mode="legacy") as ca, Client(b.server, mode=MODES[-1]) as cb:
+            await self.ok(ca, "create-machine", {"name": "alpha", "image": "alpine"})
+            await self.ok(ca, "write-file", {"name": "alpha", "path": "/s", "content": "A-SECRET"})
+            victim = self.by_name("alpha")["id"]
+            await self.ok(cb, "create-machine", {"name": victim, "image": "alpine"})
+            got = await self.ok(cb, "get-machine", {"name": victim})
+            self.assertNotEqual(got["machine"]["id"], victim)
+            ran = await self.ok(cb, "run-command", {"name": victim, "command": "cat /s || true"})
+            self.assertNotIn("A-SECRET", json.dumps(ran))
+            await self.ok(cb, "delete-machine", {"name": victim})
+            self.assertEqual(self.by_name("alpha")["id"], victim)
+            self.assertFalse(any(m["name"] == victim for m in self.cloud.machines.values()))
+            await self.ok(ca, "delete-machine", {"name": "alpha"})
+
+    async def test_a_name_made_again_behind_the_servers_back_is_not_the_owners(self):
+        a = self.sandbox_app("a")
+        cloud = a.fleets["cloud"]
+        spec = smol_mcp.MachineSpec("mcp-kept", "alpine", 1, 512, "blocked")
+        async with Client(a.server, mode="legacy") as ca:
+            await self.ok(ca, "create-machine", {"name": "mcp-kept", "image": "alpine"})
+            first = self.by_name("mcp-kept")["id"]
+            await asyncio.to_thread(cloud.delete_machine, "mcp-kept")  # outside this server
+            await asyncio.to_thread(cloud.create_machine, spec)
+            text = await self.refused(ca, "get-machine", {"name": "mcp-kept"})
+            self.assertIn("not found", text)
+        second = self.by_name("mcp-kept")["id"]  # the session's cleanup left it alone
+        self.assertNotEqual(first, second)
+        cleanup = [e for e in a.access.activity.entries() if e.get("event") == "session-cleanup"]
+        self.assertIn("no longer the one this session created", cleanup[-1]["outcome"])
+
+
 class StdioScopesTests(FakeServeCase):
     config_overrides = {"scopes": ("machines.read",)}
 
