@@ -3345,8 +3345,9 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
                 inner = [e for e in error.context if e.relative_schema_path[0] == index]
                 return _refusal(_first_error(inner, arguments), tool, arguments)
         kinds = " or ".join(TYPE_WORDS[option["type"]] for option in schema["oneOf"])
-        return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'
-    got = json.dumps(value)[:60]
+        return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'  # no oneOf is secret
+    secret = bool(path) and path[0] in (*REDACTED_ARGUMENTS, *REDACTED_MAPS)
+    got = "a value not repeated here" if secret else json.dumps(value)[:60]
     limit = error.validator_value
     return {
         "type": lambda: f'"{where}" must be {TYPE_WORDS.get(limit, limit)}, got {got}',
@@ -6246,7 +6247,9 @@ class Access:
 ACTIVITY_FILE = "activity.jsonl"
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
 ACTIVITY_KEEP_FILES = 5
-ACTIVITY_RESOURCE_ENTRIES = 200  # what smol://activity returns: the latest entries
+ACTIVITY_RESOURCE_ENTRIES = 200  # a page: what smol://activity and `activity` show at most
+ACTIVITY_PAGE_BYTES = 512 * 1024  # and what a page of smol://activity holds at most
+ACTIVITY_FIELD_BYTES = 2048  # a longer value is cut, keeping its byte count and SHA-256
 ACTIVITY_URI = "smol://activity"
 APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
 APPROVAL_POLL_SECS = 0.25  # a terminal answer is seen within a second
@@ -6291,18 +6294,41 @@ def fingerprint(value: str) -> dict:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def redact_arguments(arguments: dict) -> dict:
-    """The arguments as the log and the approval list show them: contents,
-    stdin and environment values become their size and digest."""
+def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
+    """The arguments as the log and the webhook show them: contents, stdin and
+    environment values become their size and digest, and so does the value of
+    an argument the schema does not have or of a redacted one of the wrong type
+    (`Stdin`, `contents`, `env` as a list are the agent's data all the same)."""
     shown: dict = {}
+    known = (schema or {}).get("properties")
     for key, value in arguments.items():
-        if key in REDACTED_ARGUMENTS and isinstance(value, str):
-            shown[key] = fingerprint(value)
-        elif key in REDACTED_MAPS and isinstance(value, dict):
+        if key in REDACTED_MAPS and isinstance(value, dict):
             shown[key] = {name: fingerprint(str(item)) for name, item in value.items()}
+        elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in (known or arguments):
+            shown[key] = fingerprint(value if isinstance(value, str) else json.dumps(value))
         else:
             shown[key] = value
     return shown
+
+
+def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
+    """``value`` with no string in it over ``limit`` bytes, nor the whole over
+    four times that as JSON: what is longer is cut to its head, keeping the byte
+    count and SHA-256 of the whole (SPEC 13: a record nobody can flush)."""
+    if isinstance(value, str):
+        data = value.encode("utf-8", "surrogatepass")
+        if len(data) <= limit:
+            return value
+        return {"cut": data[: limit // 2].decode("utf-8", "ignore"), **fingerprint(value)}
+    if isinstance(value, (dict, list)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        inner = {str(k)[:128]: bounded(v, limit) for k, v in list(items)[:64]}
+        inner = inner if isinstance(value, dict) else list(inner.values())
+        text = json.dumps(value, default=str)
+        if len(inner) == len(value) and len(json.dumps(inner)) <= 4 * limit:
+            return inner
+        return {"cut": text[: limit // 2], **fingerprint(text)}
+    return value
 
 
 def parse_period(text: str) -> int:
@@ -6335,7 +6361,8 @@ class ActivityLog:
         """Write one entry; raises OSError or SmolError when the state directory cannot take it."""
         import fcntl
 
-        text = json.dumps({"time": utc_now(), **entry}, ensure_ascii=False, separators=(",", ":"))
+        entry = {"time": utc_now(), **{key: bounded(value) for key, value in entry.items()}}
+        text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
         lock = os.open(self.path.with_name(ACTIVITY_FILE + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -6368,46 +6395,50 @@ class ActivityLog:
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
 
-    def entries(self) -> list[dict]:
-        """Every entry still kept, oldest first (a line that does not parse is skipped)."""
-        found = []
-        for path in [self.older(i) for i in range(ACTIVITY_KEEP_FILES, 0, -1)] + [self.path]:
+    def entries(
+        self, keep: Callable[[dict], bool] = bool, limit: int | None = None, max_bytes: int = 0
+    ) -> list[dict]:
+        """The latest ``limit`` entries ``keep`` accepts (all of them with None),
+        oldest first, in at most ``max_bytes`` of lines if given. Files are read
+        newest first and no further than needed; lines split on "\n" only, never
+        on U+2028 and its kin (a line that does not parse is skipped)."""
+        found, size = [], 0
+        for path in [self.path] + [self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)]:
             try:
-                text = path.read_text(encoding="utf-8", errors="replace")
+                lines = path.read_bytes().split(b"\n")
             except (FileNotFoundError, NotADirectoryError):
                 continue
-            for line in text.splitlines():
+            for line in reversed(lines):
                 try:
-                    entry = json.loads(line)
+                    entry = json.loads(line.decode("utf-8", "replace"))
                 except ValueError:
                     continue
-                if isinstance(entry, dict):
-                    found.append(entry)
-        return found
-
-
-def select_activity(
-    entries: list[dict],
-    principal: str | None = None,
-    machine: str | None = None,
-    since_secs: int | None = None,
-) -> list[dict]:
-    """The entries one reader asked for: by principal, by machine, by age."""
-    cutoff = time.time() - since_secs if since_secs is not None else None
-    chosen = []
-    for entry in entries:
-        if principal is not None and entry.get("principal") != principal:
-            continue
-        if machine is not None and entry.get("machine") != machine:
-            continue
-        if cutoff is not None:
-            try:
-                if parse_time(entry.get("time", "")) < cutoff:
+                if not isinstance(entry, dict) or not keep(entry):
                     continue
-            except ValueError:
-                continue
-        chosen.append(entry)
-    return chosen
+                size += len(line) + 1
+                if (limit is not None and len(found) >= limit) or (max_bytes and size > max_bytes):
+                    return found[::-1]
+                found.append(entry)
+        return found[::-1]
+
+
+def activity_filter(
+    principal: str | None = None, machine: str | None = None, since_secs: int | None = None
+) -> Callable[[dict], bool]:
+    """Which entries one reader asked for: by principal, by machine, by age."""
+    cutoff = time.time() - since_secs if since_secs is not None else None
+
+    def keep(entry: dict) -> bool:
+        if principal is not None and entry.get("principal") != principal:
+            return False
+        if machine is not None and entry.get("machine") != machine:
+            return False
+        try:
+            return cutoff is None or parse_time(entry.get("time", "")) >= cutoff
+        except ValueError:
+            return False
+
+    return keep
 
 
 def sees_own_activity_only(principal: Principal) -> bool:
@@ -7078,7 +7109,7 @@ class SmolMcp:
             entry.update(
                 target=fleet.name,
                 machine=arguments.get("name"),
-                arguments=redact_arguments(arguments),
+                arguments=redact_arguments(arguments, tool.input_schema),
             )
             validate_arguments(name, tool.input_schema, arguments)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
@@ -7536,11 +7567,10 @@ class SmolMcp:
                 f"which {principal.label()} does not have. Ask the operator for "
                 "a token with that scope."
             )
-        entries = self.access.activity.entries()
-        if sees_own_activity_only(principal):
-            entries = select_activity(entries, principal=principal.name)
+        own = activity_filter(principal.name) if sees_own_activity_only(principal) else bool
+        entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
         return {
-            "entries": entries[-ACTIVITY_RESOURCE_ENTRIES:],
+            "entries": entries,
             "ownOnly": sees_own_activity_only(principal),
         }
 
@@ -8752,6 +8782,9 @@ def parse_args(argv: list[str]):
     activity.add_argument("--machine", help="only entries about this machine")
     activity.add_argument("--since", help="only the last period, such as 15m, 1h or 7d")
     activity.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
+    activity.add_argument(
+        "--limit", type=int, default=ACTIVITY_RESOURCE_ENTRIES, help="the latest N entries"
+    )
     approvals = helpers.add_parser("approvals", help="list, approve and deny calls that wait")
     approval_commands = approvals.add_subparsers(
         dest="approvals_command", metavar="{list,approve,deny}", required=True
@@ -9450,7 +9483,15 @@ def cli_record(config: Config, entry: dict) -> None:
 # -- activity and approvals --------------------------------------------------
 
 
+def printable(text: Any) -> str:
+    """``text`` safe for a terminal: every control and format character (ESC, BEL,
+    a newline, a bidi override) escaped, so what an agent chose cannot move the
+    cursor or forge a row."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
+
+
 def print_table(rows: list[tuple]) -> None:
+    rows = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
@@ -9463,7 +9504,8 @@ def activity_command(args: Any, config: Config) -> int:
     except ValueError as err:
         raise ConfigError(f"--since: {err}") from None
     log_file = ActivityLog(config.state_dir)
-    entries = select_activity(log_file.entries(), args.token, args.machine, since)
+    keep = activity_filter(args.token, args.machine, since)
+    entries = log_file.entries(keep, args.limit)
     if args.json:
         print(json.dumps(entries))
         return 0
@@ -9499,6 +9541,8 @@ def activity_command(args: Any, config: Config) -> int:
                 outcome += f", approved by {entry['approvedBy']}"
         rows.append((entry.get("time", "?"), who, what, entry.get("machine") or "-", outcome[:100]))
     print_table(rows)
+    if len(entries) == args.limit:
+        print(f"(the latest {args.limit} entries; --limit N shows more)")
     return 0
 
 

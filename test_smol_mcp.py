@@ -6983,7 +6983,7 @@ import sys
 sys.path.insert(0, {here!r})
 import smol_mcp
 log = smol_mcp.ActivityLog({state!r})
-pad = {pad!r} * 5000  # past PIPE_BUF: a line split in two writes would show
+pad = [{pad!r} * 1500] * 3  # past PIPE_BUF, and each string under the field bound
 for n in range(1000):
     log.append({{"event": "test", "writer": {writer!r}, "n": n, "pad": pad}})
 """
@@ -7023,7 +7023,7 @@ class ActivityLogTests(unittest.TestCase):
         seen = {"a": [], "b": []}
         for line in lines:
             entry = json.loads(line)  # a torn or interleaved line would not parse
-            self.assertEqual(entry["pad"], entry["writer"] * 5000)
+            self.assertEqual(entry["pad"], [entry["writer"] * 1500] * 3)
             seen[entry["writer"]].append(entry["n"])
         for writer in ("a", "b"):
             self.assertEqual(sorted(seen[writer]), list(range(1000)))
@@ -7235,7 +7235,7 @@ class ActivityCliTests(unittest.TestCase):
 
 class ActivityToolTests(FakeServeCase):
     def entries(self, **where):
-        return smol_mcp.select_activity(self.app.access.activity.entries(), **where)
+        return self.app.access.activity.entries(smol_mcp.activity_filter(**where))
 
     async def test_changes_are_recorded_before_the_answer_reads_are_not_and_contents_are_redacted(
         self,
@@ -7354,6 +7354,79 @@ class ActivityToolTests(FakeServeCase):
                     "scope_missing: smol://activity needs the activity.read scope",
                     str(refused.exception),
                 )
+
+
+class ActivityHoldsTests(FakeServeCase):
+    """SPEC 13: the record holds against the agent it records."""
+
+    def cli(self, *args) -> subprocess.CompletedProcess:
+        env = {**os.environ, "SMOL_MCP_STATE_DIR": self.config.state_dir, "HOME": self.tmp}
+        return run_cli("activity", *args, env={**env, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"})
+
+    async def test_a_line_separator_hides_no_entry_from_any_reader(self):
+        async with self.client("legacy") as c:
+            for sep in ("\u2028", "\u2029", "\x85"):
+                await self.refused(c, "run-command", {"name": "nope", "command": f"x{sep}y"})
+            page = json.loads((await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text)
+        self.assertEqual(len(page["entries"]), 3)
+        self.assertEqual(len(json.loads(self.cli("--json").stdout)), 3)
+        self.assertEqual(len(self.cli().stdout.strip().splitlines()), 4)  # a header and 3 rows
+
+    async def test_a_9_mib_argument_is_cut_and_flushes_no_history(self):
+        import hashlib
+
+        huge = "a" * (9 * 1024 * 1024)
+        async with self.client("legacy") as c:
+            for _ in range(3):
+                await self.refused(c, "delete-machine", {"name": huge, "Stdin": huge})
+        log_file = self.app.access.activity
+        self.assertLess(log_file.path.stat().st_size, 3 * 16 * 1024)
+        self.assertFalse(log_file.older(1).exists())
+        entry = log_file.entries()[-1]
+        self.assertEqual(entry["machine"]["bytes"], len(huge))
+        self.assertEqual(entry["machine"]["sha256"], hashlib.sha256(huge.encode()).hexdigest())
+        self.assertLess(len(entry["outcome"]), 4096)
+        for _ in range(300):
+            log_file.append({"event": "test", "pad": ["p" * 2000] * 3})
+        async with self.client("legacy") as c:
+            page = (await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text
+        self.assertLess(len(page), smol_mcp.ACTIVITY_PAGE_BYTES + 64 * 1024)
+        self.assertGreater(len(json.loads(page)["entries"]), 50)
+
+    async def test_an_argument_outside_the_schema_is_redacted_in_the_log_and_the_answer(self):
+        async with self.client("legacy") as c:
+            for tool, args in (
+                ("run-command", {"name": "m", "command": "sh", "Stdin": "SECRET-1"}),
+                ("write-file", {"name": "m", "path": "/k", "contents": "SECRET-2"}),
+                ("run-command", {"name": "m", "command": "sh", "env": ["K=SECRET-3"]}),
+                ("run-command", {"name": "m", "command": "sh", "env": {"K": 77777}}),
+            ):
+                self.assertNotIn("SECRET", await self.refused(c, tool, args))
+                self.assertNotIn("77777", await self.refused(c, tool, args))
+        text = self.app.access.activity.path.read_text()
+        self.assertEqual(text.count("\n"), 8)
+        self.assertNotIn("SECRET", text)
+        self.assertNotIn("77777", text)
+
+    async def test_activity_escapes_what_the_agent_chose_and_reads_a_page_lazily(self):
+        forged = "x\x1b]0;t\x07\x1b[2J\nFAKE 2026 admin delete-machine prod ok\u202e"
+        async with self.client("legacy") as c:
+            await self.refused(c, "delete-machine", {"name": forged})
+        out = self.cli().stdout
+        self.assertEqual(len(out.strip().splitlines()), 2, out)
+        self.assertFalse(any(ch in out for ch in "\x1b\x07\u202e"), out)
+        self.assertIn("\\x1b]0;t\\x07", out)
+        log_file = self.app.access.activity
+        for n in range(300):
+            log_file.append({"event": "test", "n": n})
+        log_file.older(1).mkdir()  # reading it would fail: a page never needs it
+        self.assertEqual(
+            [e["n"] for e in json.loads(self.cli("--json", "--limit", "5").stdout)],
+            list(range(295, 300)),
+        )
+        out = self.cli().stdout
+        self.assertIn("the latest 200 entries", out)
+        self.assertEqual(len(out.strip().splitlines()), 202)
 
 
 class ApprovalTests(FakeServeCase):
