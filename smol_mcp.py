@@ -5212,6 +5212,7 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 TARGETS_URI = "smol://targets"
 LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
+SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN = 16, 64  # logs followed: one token's share
 LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs")
 
 
@@ -5353,26 +5354,33 @@ def rollout_port_taken() -> bool:
         return probe.connect_ex(("127.0.0.1", 10081)) == 0
 
 
-async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable) -> None:
+async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str) -> None:
     """Poll a machine's console every logsPollSecs and call ``notify`` when
-    lines arrived since the last look (neither log route pushes to us)."""
+    lines arrived since the last look (neither log route pushes to us); counted
+    in app.polling under ``who``, and ended when the machine is gone."""
     import anyio
 
     last = None
-    while True:
-        try:
-            lines = await anyio.to_thread.run_sync(
-                fleet.console_lines, name, abandon_on_cancel=True, limiter=app.thread_limiter()
-            )
-            seen = log_cursor(lines, len(lines))
-            if last is not None and seen != last:
-                await notify()
-            last = seen
-        except (
-            SmolError
-        ) as err:  # a machine that is gone or stopped: keep looking, it may come back
-            log.debug("log poll of %s: %s", name, err)
-        await anyio.sleep(app.config.logs_poll_secs)
+    app.polling[who] = app.polling.get(who, 0) + 1
+    try:
+        while True:
+            try:
+                lines = await anyio.to_thread.run_sync(
+                    fleet.console_lines, name, abandon_on_cancel=True, limiter=app.thread_limiter()
+                )
+                seen = log_cursor(lines, len(lines))
+                if last is not None and seen != last:
+                    await notify()
+                last = seen
+            except ApiError as err:  # stopped: it may start again; gone: nothing more to follow
+                if err.status == 404:
+                    return
+                log.debug("log poll of %s: %s", name, err)
+            except SmolError as err:
+                log.debug("log poll of %s: %s", name, err)
+            await anyio.sleep(app.config.logs_poll_secs)
+    finally:
+        app.polling[who] -= 1
 
 
 def cloud_target_facts(config: Config) -> dict:
@@ -5435,6 +5443,8 @@ class Session:
         self.principal: Principal | None = None  # over HTTP: the token that opened it
         self.ended = False
         self.identities: dict[tuple[str, str], str] = {}  # (fleet, name) -> machine_identity()
+        self.spent: set[str] = set()  # nonces of 2026-era confirmations already answered
+        self.gone_requests: set = set()  # over HTTP: ids of requests whose client hung up
         self.held = 0  # its calls waiting for approval: a revoked token's are answered first
         self.revoked_at: float | None = None
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
@@ -5766,7 +5776,8 @@ TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is gr
 }
 APPROVAL_MODES = ("none", "changes")
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-RESERVED_TOKEN_NAMES = ("default", "stdio")  # SMOL_MCP_AUTH_TOKEN and the stdio principal
+# SMOL_MCP_AUTH_TOKEN, the stdio principal, the terminal and the server itself, in any case
+RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")
 TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
 USAGE_FLUSH_SECS = 60
@@ -5989,7 +6000,7 @@ class TokenStore:
     def create(
         self, name: str, scopes: tuple[str, ...], targets: tuple[str, ...], approval: str
     ) -> tuple[dict, str]:
-        if not TOKEN_NAME_RE.fullmatch(name) or name in RESERVED_TOKEN_NAMES:
+        if not TOKEN_NAME_RE.fullmatch(name) or name.lower() in RESERVED_TOKEN_NAMES:
             raise ConfigError(
                 f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' "
                 f"or '-', starting with a letter or digit, and not "
@@ -6254,6 +6265,10 @@ ACTIVITY_URI = "smol://activity"
 APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
 APPROVAL_POLL_SECS = 0.25  # a terminal answer is seen within a second
 APPROVAL_PROGRESS_SECS = 5
+APPROVAL_MAX_WAITING = 16  # calls one token (or stdio server) may hold waiting; more are refused
+APPROVAL_SHOW_BYTES = 4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
+WEBHOOK_THREADS, WEBHOOK_QUEUE = 2, 64  # approval notices post from one bounded pool
+CONFIRM_TTL_SECS = 600  # a 2026-era confirmation (allow-egress) answers within this, once
 AUTO_APPROVE_PERIODS = {
     "1h": 3600,
     "1d": 86400,
@@ -6309,6 +6324,12 @@ def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
         else:
             shown[key] = value
     return shown
+
+
+def approval_arguments(call: Any) -> dict:
+    """The arguments a person judges a waiting call by (SPEC 13): all of them,
+    stdin, env and content too, each cut at APPROVAL_SHOW_BYTES."""
+    return bounded(dict(getattr(call.params, "arguments", None) or {}), APPROVAL_SHOW_BYTES)
 
 
 def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
@@ -6788,7 +6809,11 @@ class SmolMcp:
         self.state_key = secrets_module.token_bytes(32)  # seals the state of 2026-era questions
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
-        self.waiting_approvals = 0
+        self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
+        self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
+        self.stdin_closed = False  # stdio: the client went away; its waiting calls end
+        self._webhooks: Any = None  # the one bounded pool approval notices are posted from
+        self._webhooks_queued = 0
         self.server = self._build_server()
 
     def thread_limiter(self):
@@ -7037,15 +7062,32 @@ class SmolMcp:
         """Ask the person to allow a change (a form with one boolean, `allow`).
         None when the client cannot ask; else True only for an accepted form
         with allow: true. The 2026-era state is sealed to this session and
-        ``binding``, so an answer cannot be carried over to other arguments."""
+        ``binding``, so an answer cannot be carried over to other arguments, and
+        carries a nonce and an expiry: it answers once, within CONFIRM_TTL_SECS."""
         import mcp_types as types
 
         if not can_elicit(ctx):
             return None
-        seal = hmac.new(self.state_key, f"{session.id}\0{binding}".encode(), "sha256").hexdigest()
-        answer = await self.ask(ctx, params, "confirm", f"smol-mcp:confirm:{seal}", message, schema)
+
+        def sealed(expires: str, nonce: str) -> str:
+            text = f"{session.id}\0{binding}\0{expires}\0{nonce}".encode()
+            seal = hmac.new(self.state_key, text, "sha256").hexdigest()
+            return f"smol-mcp:confirm:{expires}:{nonce}:{seal}"
+
+        state = str(getattr(params, "request_state", None) or "")
+        parts = state.split(":")
+        if not (
+            len(parts) == 5
+            and parts[2].isdigit()
+            and int(parts[2]) > time.time()
+            and parts[3] not in session.spent
+            and hmac.compare_digest(state, sealed(parts[2], parts[3]))
+        ):
+            state = sealed(str(int(time.time()) + CONFIRM_TTL_SECS), secrets_module.token_hex(8))
+        answer = await self.ask(ctx, params, "confirm", state, message, schema)
         if isinstance(answer, types.InputRequiredResult):
             raise AskClient(answer)
+        session.spent.add(state.split(":")[3])
         return bool(
             answer is not None
             and answer.action == "accept"
@@ -7194,10 +7236,10 @@ class SmolMcp:
         import anyio
 
         self.stopping = True
-        if not self.waiting_approvals:
+        if not any(self.held_by.values()):
             return
         with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
-            while self.waiting_approvals:
+            while any(self.held_by.values()):
                 await anyio.sleep(0.05)
         await anyio.sleep(0.2)  # their answers on their way out
 
@@ -7220,6 +7262,15 @@ class SmolMcp:
                 {**event, "approval": "auto-approved", "until": self.access.auto.until(principal)}
             )
             return "auto"
+        if self.held_by.get(principal.id, 0) >= APPROVAL_MAX_WAITING:
+            raise self.refuse(
+                event,
+                "unavailable",
+                "approval_unavailable",
+                f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
+                f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
+                "once the person on the server's host has answered those.",
+            )
         asks_client, modern = self.client_channel(call)
         request = self.resumed_request(call, entry, params) if asks_client and modern else None
         client_answer = None
@@ -7238,14 +7289,14 @@ class SmolMcp:
                     request_state=f"smol-mcp:approval:{approval_id}",
                     input_requests={"approval": self.approval_question(event)},
                 )
-        self.waiting_approvals += 1
+        self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
         call.session.held += 1
         try:
             return await self._await_answer(
                 call, approval_id, event, timeout, asks_client and not modern, client_answer
             )
         finally:
-            self.waiting_approvals -= 1
+            self.held_by[principal.id] -= 1
             call.session.held -= 1
             self.access.desk.close(approval_id)
 
@@ -7258,7 +7309,7 @@ class SmolMcp:
             "tool": entry["tool"],
             "target": entry.get("target"),
             "machine": entry.get("machine"),
-            "arguments": entry.get("arguments", {}),
+            "arguments": approval_arguments(call),  # for the person; log and webhook redact
             "session": entry.get("session"),
             "requestedAt": utc_now(),
             "expiresAt": utc_time(time.time() + timeout),
@@ -7321,7 +7372,8 @@ class SmolMcp:
             request.get("pid") == os.getpid()
             and request.get("principalId") == call.principal.id
             and request.get("tool") == entry["tool"]
-            and request.get("arguments") == entry.get("arguments", {})
+            and request.get("target") == entry.get("target")
+            and request.get("arguments") == approval_arguments(call)
         )
         return request if same else None
 
@@ -7405,6 +7457,17 @@ class SmolMcp:
                 answer = self.access.desk.answer(approval_id) or self.client_decision(answers)
                 if answer is not None:
                     break
+                if (
+                    call.session.ended
+                    or (principal.kind == "stdio" and self.stdin_closed)
+                    or getattr(call.ctx, "request_id", None) in call.session.gone_requests
+                ):
+                    raise self.refuse(
+                        event,
+                        "cancelled",
+                        "approval_cancelled",
+                        f"the client went away while {tool} waited for approval; nothing ran.",
+                    )
                 if self.stopping:
                     raise self.refuse(
                         event,
@@ -7495,16 +7558,27 @@ class SmolMcp:
         return ApprovalRefused(code, detail)
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
-        """POST the notice in a thread of its own: a slow or failing webhook never
-        holds the call or the terminal channel; a failure is logged."""
+        """POST the notice from one small pool with a bounded queue: a slow or
+        failing webhook never holds the call or the terminal channel, nor takes
+        a thread a call; a failure (or a notice the full queue drops) is logged."""
+        from concurrent.futures import ThreadPoolExecutor
 
         def send() -> None:
-            failure = post_webhook(self.config.approval_webhook, payload)
+            try:
+                failure = post_webhook(self.config.approval_webhook, payload)
+            finally:
+                self._webhooks_queued -= 1
             if failure is not None:
                 log.warning("%s; the terminal channel still works", failure)
                 self.record({**event, "approval": "webhook failed", "error": failure})
 
-        threading.Thread(target=send, name="smol-mcp-webhook", daemon=True).start()
+        if self._webhooks_queued >= WEBHOOK_QUEUE:
+            self.record({**event, "approval": "webhook failed", "error": "too many notices queued"})
+            return
+        if self._webhooks is None:
+            self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")
+        self._webhooks_queued += 1
+        self._webhooks.submit(send)
 
     async def sweep_once(self) -> None:
         """Before the first local call of this process: delete what a crashed
@@ -7595,17 +7669,19 @@ class SmolMcp:
         or the end of the session, notifying through this connection."""
         import anyio
 
-        fleet, name = self.log_resource(uri, self.principal_for(ctx))
+        principal = self.principal_for(ctx)
+        fleet, name = self.log_resource(uri, principal)
         session = self.session_for(ctx)
         if uri in session.subscriptions:
             return
+        self.check_share(principal, len(session.subscriptions) + 1, 1)
         scope = anyio.CancelScope()
         session.subscriptions[uri] = scope
         notify = ctx.session.send_resource_updated  # the captured session outlives this request
 
         async def poll() -> None:
             with scope:
-                await follow_log(self, fleet, name, lambda: notify(uri))
+                await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
 
         session.tasks.start_soon(poll)
 
@@ -7618,10 +7694,9 @@ class SmolMcp:
         session = self.session_for(ctx)
         bus, handler = session.events()
         principal = self.principal_for(ctx)
-        followed = [
-            (uri, *self.log_resource(uri, principal))
-            for uri in params.notifications.resource_subscriptions or []
-        ]
+        uris = list(dict.fromkeys(params.notifications.resource_subscriptions or []))
+        self.check_share(principal, len(uris), len(uris))
+        followed = [(uri, *self.log_resource(uri, principal)) for uri in uris]
         async with anyio.create_task_group() as pollers:
             for uri, fleet, name in followed:
                 pollers.start_soon(
@@ -7630,11 +7705,23 @@ class SmolMcp:
                     fleet,
                     name,
                     lambda uri=uri: bus.publish(ResourceUpdated(uri=uri)),
+                    principal.id,
                 )
             try:
                 return await handler(ctx, params)
             finally:
                 pollers.cancel_scope.cancel()
+
+    def check_share(self, principal: Principal, in_session: int, adding: int) -> None:
+        """Refuse log subscriptions past a session's or a token's share (SPEC 13)."""
+        if in_session > SUBSCRIPTIONS_PER_SESSION or (
+            self.polling.get(principal.id, 0) + adding > SUBSCRIPTIONS_PER_TOKEN
+        ):
+            raise_resource_error(
+                f"{principal.label()} may follow {SUBSCRIPTIONS_PER_SESSION} logs per session "
+                f"and {SUBSCRIPTIONS_PER_TOKEN} in all; unsubscribe from one (or end a listen "
+                "stream) first"
+            )
 
     async def end_session(self, session: Session) -> None:
         """Delete the session's ephemeral machines and let go of the fleets, even
@@ -7644,6 +7731,8 @@ class SmolMcp:
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
+        if session._listener is not None:  # its subscriptions/listen streams end too
+            session._listener.close()
         with anyio.CancelScope(shield=True):
             # Nothing here may escape: over HTTP it would end the listener and every other session.
             try:
@@ -7739,6 +7828,7 @@ async def run_stdio(server, app: SmolMcp | None = None) -> None:
         async with stdio_server() as (read, write):
             read, write = AnsweredReads(read, write), AnsweredWrites(write)
             read.writes = answers = write
+            read.app = app
             try:
                 await server.run(read, write, server.create_initialization_options())
             finally:
@@ -7787,6 +7877,7 @@ class AnsweredReads(StreamWrapper):
         super().__init__(inner)
         self.write = write
         self.writes: AnsweredWrites | None = None
+        self.app: SmolMcp | None = None
 
     @property
     def last_context(self) -> Any:
@@ -7800,6 +7891,8 @@ class AnsweredReads(StreamWrapper):
         try:
             item = await self.inner.receive()
         except anyio.EndOfStream:
+            if self.app is not None:  # the client is gone: its waiting calls end, then so do we
+                self.app.stdin_closed = True
             while self.writes.pending:
                 await self.writes.changed()
             raise
@@ -7912,6 +8005,7 @@ HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and 
 HTTP_MAX_BODIES_IN_FLIGHT = 8  # bodies buffered at once (8 x 16 MiB at most); more wait their turn
 HTTP_BODY_TIMEOUT_SECS = 60  # a body still arriving after this is a 408
 HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
+HTTP_SESSIONS_PER_TOKEN = 16  # one token's share of them: another token can always open one
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
 HTTP_HEADER_TIMEOUT_SECS = 10  # a connection whose request headers are not in by then is closed
 HTTP_KEEP_ALIVE_SECS = 5  # an idle connection between requests is closed after this
@@ -8124,18 +8218,20 @@ def authenticated_user(principal: Principal):
     )
 
 
-def request_methods(body: bytes) -> list[str]:
-    """The methods of the JSON-RPC requests in a body (one, or a batch);
-    notifications and answers are not requests."""
+def request_methods(body: bytes, key: str = "method") -> list:
+    """The methods (or ids) of the JSON-RPC requests in a body (one, or a
+    batch); notifications and answers are not requests."""
     try:
         message = json.loads(body)
     except ValueError:
         return []
     messages = message if isinstance(message, list) else [message]
     return [
-        m["method"]
+        m[key]
         for m in messages
-        if isinstance(m, dict) and isinstance(m.get("method"), str) and "id" in m
+        if isinstance(m, dict)
+        and isinstance(m.get("method"), str)
+        and isinstance(m.get("id"), (str, int))
     ]
 
 
@@ -8385,6 +8481,15 @@ class HttpSessions:
                 answer["body"] += message.get("body", b"")
             await send(message)
 
+        if (
+            "initialize" in methods
+            and not http_id
+            and self.sessions_of(principal) >= (HTTP_SESSIONS_PER_TOKEN)
+        ):
+            busy = f"{principal.label()} has {HTTP_SESSIONS_PER_TOKEN} sessions open, its share"
+            busy += "; end one (a client's DELETE, or let it idle out) before opening another"
+            await _respond(send, 503, json.dumps({"error": busy}).encode())
+            return
         if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
             session = self.modern_session(principal) if methods else None
         else:
@@ -8399,7 +8504,7 @@ class HttpSessions:
             session.used = session.used or any(method in SESSION_USES for method in methods)
             session.in_flight += 1
             try:
-                await inner(scope, receive, watch)
+                await self.serve_calls(inner, scope, receive, watch, session, body)
             finally:
                 session.in_flight -= 1
                 session.last_seen = time.monotonic()
@@ -8408,6 +8513,38 @@ class HttpSessions:
             self.open_handshake(principal, opened, initialize_version(answer["body"]))
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
             self.end_handshake(self.by_id[http_id])
+
+    def sessions_of(self, principal: Principal) -> int:
+        return sum(1 for s in self.by_id.values() if s.principal.id == principal.id)
+
+    async def serve_calls(
+        self, inner: Callable, scope: dict, receive: Callable, send: Callable, session, body
+    ) -> None:
+        """Serve a POST of calls, listening for its client to hang up meanwhile:
+        then its calls are gone, and one waiting for approval ends (SPEC 13)."""
+        import anyio
+
+        ids, first, gone = request_methods(body, "id"), [await receive()], anyio.Event()
+
+        async def inner_receive() -> dict:
+            if first:
+                return first.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            session.gone_requests.update(ids)
+            gone.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(listen)
+            try:
+                await inner(scope, inner_receive, send)
+            finally:
+                group.cancel_scope.cancel()
+                session.gone_requests.difference_update(ids)
 
     async def end_revoked(self) -> None:
         """End the sessions of tokens deleted since the last look (or deleted and
@@ -8798,6 +8935,7 @@ def parse_args(argv: list[str]):
         choices=tuple(AUTO_APPROVE_PERIODS),
         help="also let this token run changing tools without asking for this long",
     )
+    approve.add_argument("--yes", action="store_true", help="with --auto-for: release the rest")
     deny = approval_commands.add_parser("deny", help="refuse a waiting call; nothing runs")
     deny.add_argument("id")
     deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
@@ -9546,6 +9684,26 @@ def activity_command(args: Any, config: Config) -> int:
     return 0
 
 
+def print_waiting(shown: list[dict]) -> None:
+    """Waiting calls for the person who answers them: a row each, then every
+    argument on a line of its own, escaped, a cut one with its size and SHA-256."""
+    rows = [("ID", "TOKEN", "TOOL", "MACHINE", "TIME LEFT")]
+    for r in shown:
+        try:
+            left = f"{max(0, int(parse_time(r['expiresAt']) - time.time()))} s"
+        except (ValueError, TypeError):
+            left = "?"
+        rows.append((r["id"], r["token"], r["tool"], r["machine"] or "-", left))
+    print_table(rows[:1])
+    for row, r in zip(rows[1:], shown):
+        print_table([row])
+        for key, value in (r.get("arguments") or {}).items():
+            if isinstance(value, dict) and set(value) == {"cut", "bytes", "sha256"}:
+                value = f"{value['cut']}... ({value['bytes']} bytes, sha256 {value['sha256']})"
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            print(f"    {printable(key)}: {printable(text)}")
+
+
 def approvals_command(args: Any, config: Config) -> int:
     """approvals list / approve / deny: answer the calls that wait, from the host."""
     desk = ApprovalDesk(config.state_dir)
@@ -9568,23 +9726,7 @@ def approvals_command(args: Any, config: Config) -> int:
         if not shown:
             print("no call waits for approval")
             return 0
-        rows = [("ID", "TOKEN", "TOOL", "MACHINE", "TIME LEFT", "ARGUMENTS")]
-        for r in shown:
-            try:
-                left = f"{max(0, int(parse_time(r['expiresAt']) - time.time()))} s"
-            except (ValueError, TypeError):
-                left = "?"
-            rows.append(
-                (
-                    r["id"],
-                    r["token"],
-                    r["tool"],
-                    r["machine"] or "-",
-                    left,
-                    json.dumps(r["arguments"])[:120],
-                )
-            )
-        print_table(rows)
+        print_waiting(shown)
         print(
             "\nanswer with: approvals approve ID [--auto-for 1h|1d|7d|30d|forever], or "
             "approvals deny ID [--reason TEXT]"
@@ -9592,6 +9734,16 @@ def approvals_command(args: Any, config: Config) -> int:
         return 0
     user = os_user()
     if args.approvals_command == "approve":
+        mine = [r for r in desk.pending() if r["id"] == args.id]
+        if args.auto_for and mine:  # it releases the token's other waiting calls: show them
+            token = mine[0].get("principalId")
+            others = [
+                r for r in desk.pending() if r.get("principalId") == token and r["id"] != args.id
+            ]
+            if others and not args.yes:
+                print_waiting(others)
+                print(f"\n--auto-for also lets these {len(others)} calls run; add --yes to go on")
+                return 1
         answer = {"decision": "approve", "by": user, "answeredAt": utc_now()}
         if args.auto_for:
             answer["autoFor"] = args.auto_for

@@ -2729,6 +2729,18 @@ class EgressTests(FakeServeCase):
             self.assertEqual(
                 self.fake.machines["sealed"]["allowedHosts"], ["example.org", "pypi.test"]
             )
+            self.fake.machines["sealed"]["allowedHosts"] = ["example.org"]
+            again = await answered("pypi.test")  # replayed: its nonce is spent
+            self.assertIsInstance(again, mcp_types.InputRequiredResult)
+            with unittest.mock.patch.object(smol_mcp, "CONFIRM_TTL_SECS", 0):
+                first = await c.session.call_tool(
+                    "allow-egress",
+                    {"name": "sealed", "hosts": ["late.test"]},
+                    allow_input_required=True,
+                )
+            late = await answered("late.test")  # its question expired: asked again
+            self.assertIsInstance(late, mcp_types.InputRequiredResult)
+            self.assertEqual(len(self.egress_posts()), 1)
 
 
 class EgressPiecesTests(unittest.TestCase):
@@ -2840,6 +2852,25 @@ class LogSubscriptionTests(FakeServeCase):
         self.assertEqual(
             len(self.requests_to("/logs", "GET")), polls
         )  # no poller outlives its session
+
+    async def test_subscriptions_are_bounded_and_a_gone_machine_stops_its_poller(self):
+        uris = [f"smol://machine/local/m{n}/logs" for n in range(20)]
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-sub", "image": "alpine"})
+            await c.subscribe_resource("smol://machine/local/mcp-sub/logs")
+            for uri in uris[: smol_mcp.SUBSCRIPTIONS_PER_SESSION - 1]:
+                await c.subscribe_resource(uri)
+            with self.assertRaises(MCPError) as caught:
+                await c.subscribe_resource(uris[-1])
+            self.assertIn("unsubscribe from one", str(caught.exception))
+            await self.ok(c, "delete-machine", {"name": "mcp-sub"})
+            with anyio.fail_after(10):  # every poller's machine is gone: all of them stop
+                while sum(self.app.polling.values()):
+                    await anyio.sleep(0.1)
+        async with self.client("auto") as c:
+            with self.assertRaises(MCPError):
+                async with c.listen(resource_subscriptions=uris):
+                    pass
 
 
 # ---------------------------------------------------------------------------
@@ -6419,6 +6450,16 @@ class AccessPiecesTests(unittest.TestCase):
             self.assertFalse(store.delete("agent-1"))
 
 
+class ReservedTokenNameTests(unittest.TestCase):
+    def test_the_servers_own_names_are_refused_in_any_case(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            store = smol_mcp.TokenStore(tmp)
+            for name in ("cli", "Default", "STDIO", "Smol-Mcp"):
+                with self.assertRaisesRegex(smol_mcp.ConfigError, "cannot be a token name"):
+                    store.create(name, ("machines.read",), smol_mcp.FLEET_NAMES, "none")
+            self.assertEqual(store.records(), [])
+
+
 class AccessCliTests(unittest.TestCase):
     def setUp(self):
         self.tmp = short_tempdir()
@@ -6764,6 +6805,34 @@ class AgentAccessHttpTests(HttpCase):
                     INIT_BODY,
                 )
                 self.assertEqual(response.status_code, 401)
+
+    async def test_deleting_a_token_ends_its_listen_streams_and_pollers(self):
+        record, self.secrets["gone2"] = self.store.create(
+            "gone2", smol_mcp.parse_scopes("machines.read,machines.manage"), ("local",), "none"
+        )
+        uri = "smol://machine/local/watched/logs"
+        async with self.as_token("gone2", "legacy") as old, self.as_token("gone2", "auto") as new:
+            await self.ok(old, "create-machine", {"name": "watched", "image": "alpine"})
+            await old.subscribe_resource(uri)
+            async with new.listen(resource_subscriptions=[uri]) as events:
+                self.assertEqual(self.app.polling[record["id"]], 2)
+                self.store.delete("gone2")
+                with anyio.fail_after(10):  # the stream ends, rather than hearing on
+                    async for _ in events:
+                        pass
+                await self.wait_until(lambda: self.app.polling[record["id"]] == 0, 10)
+
+    async def test_one_token_cannot_take_every_handshake_session(self):
+        def opening(name):
+            headers = {**JSON_HEADERS, "Authorization": f"Bearer {self.secrets[name]}"}
+            return self.raw("POST", "/mcp", headers, INIT_BODY)
+
+        for _ in range(smol_mcp.HTTP_SESSIONS_PER_TOKEN):
+            self.assertEqual((await opening("look")).status_code, 200)
+        refused = await opening("look")
+        self.assertEqual(refused.status_code, 503)
+        self.assertIn("its share", refused.json()["error"])
+        self.assertEqual((await opening("a")).status_code, 200)
 
     async def test_two_tokens_keep_separate_ephemeral_machines_in_the_2026_era(self):
         async with (
@@ -7560,6 +7629,38 @@ class ApprovalTests(FakeServeCase):
         self.assertNotIn("gave-up", self.fake.machines)
         self.assertEqual(self.app.access.activity.entries()[-1]["outcome"], "cancelled")
 
+    async def test_the_person_sees_what_decides_the_call_and_the_log_does_not(self):
+        big = "B" * 10000
+        args = {
+            "name": "m",
+            "command": "sh\x1b[2J",
+            "stdin": "rm -rf /srv # STDIN-SEEN",
+            "env": {"TOKEN": "ENV-SEEN"},
+        }
+        async with self.client("legacy") as c:
+            calls = [
+                asyncio.create_task(c.call_tool("run-command", args)),
+                asyncio.create_task(
+                    c.call_tool("write-file", {"name": "m", "path": "/x", "content": big})
+                ),
+            ]
+            await self.waiting(2)
+            with unittest.mock.patch.object(smol_mcp, "APPROVAL_MAX_WAITING", 2):
+                text = await self.refused(c, "stop-machine", {"name": "m"})  # past the bound
+            self.assertTrue(text.startswith("approval_unavailable: "), text)
+            shown = (await asyncio.to_thread(run_cli, "approvals", "list", env=self.env())).stdout
+            for seen in ("STDIN-SEEN", "ENV-SEEN", "sh\\x1b[2J", "10000 bytes"):
+                self.assertIn(seen, shown)
+            self.assertNotIn("\x1b", shown)
+            self.assertLess(len(shown), 8000)  # the 10,000 bytes are cut
+            for held in await self.waiting(2):
+                await asyncio.to_thread(run_cli, "approvals", "deny", held["id"], env=self.env())
+            for call in calls:
+                self.assertTrue((await call).is_error)
+        log_text = self.app.access.activity.path.read_text()
+        self.assertNotIn("STDIN-SEEN", log_text)
+        self.assertNotIn("ENV-SEEN", log_text)
+
     async def test_auto_approval_for_a_period_then_it_ends(self):
         async with self.client("legacy") as c:
             call = asyncio.create_task(
@@ -7570,9 +7671,13 @@ class ApprovalTests(FakeServeCase):
                 c.call_tool("create-machine", {"name": "a1b", "image": "alpine", "start": False})
             )
             await self.waiting(2)
-            await asyncio.to_thread(
-                run_cli, "approvals", "approve", held["id"], "--auto-for", "1h", env=self.env()
-            )
+            approve = ("approvals", "approve", held["id"], "--auto-for", "1h")
+            shown = await asyncio.to_thread(run_cli, *approve, env=self.env())
+            self.assertEqual(shown.returncode, 1, shown.stderr)  # it shows what it would release
+            self.assertIn("a1b", shown.stdout)
+            self.assertIn("add --yes", shown.stdout)
+            self.assertEqual(len(await self.waiting(2)), 2)  # nothing released, nothing approved
+            await asyncio.to_thread(run_cli, *approve, "--yes", env=self.env())
             self.assertFalse((await call).is_error)
             self.assertFalse((await other).is_error)  # one already waiting runs too
             requested = self.approval_events().count(("requested", None))
@@ -7843,6 +7948,41 @@ class ApprovalHttpTests(HttpCase):
                     "changes",
                 )
 
+    async def test_a_client_that_hangs_up_leaves_no_call_waiting(self):
+        import httpx2
+
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {self.secret}"}
+        for era in ("2025-06-18", "2026-07-28"):
+            with self.subTest(era=era):
+                headers = {**auth, "Mcp-Protocol-Version": era}
+                headers.update({"Mcp-Method": "tools/call", "Mcp-Name": "create-machine"})
+                meta = {  # the 2026 era's envelope; the handshake era ignores it
+                    "io.modelcontextprotocol/protocolVersion": era,
+                    "io.modelcontextprotocol/clientCapabilities": {},
+                }
+                arguments = {"name": "gone", "image": "alpine"}
+                call = jsonrpc(
+                    7,
+                    "tools/call",
+                    {"name": "create-machine", "arguments": arguments, "_meta": meta},
+                )
+                async with httpx2.AsyncClient(timeout=30) as http:
+                    if era == "2025-06-18":
+                        opened = await http.post(self.url, headers=auth, content=INIT_BODY)
+                        headers["Mcp-Session-Id"] = opened.headers["mcp-session-id"]
+                    held = asyncio.create_task(http.post(self.url, headers=headers, content=call))
+                    deadline = time.monotonic() + 10
+                    while not self.app.access.desk.pending():
+                        self.assertLess(time.monotonic(), deadline)
+                        await asyncio.sleep(0.1)
+                    held.cancel()  # the client hangs up: the connection closes
+                while self.app.access.desk.pending():
+                    self.assertLess(time.monotonic(), deadline + 10, "the call still waits")
+                    await asyncio.sleep(0.1)
+                events = [e.get("approval") for e in self.app.access.activity.entries()]
+                self.assertEqual(events[-2:], ["cancelled", None])  # then the call's own entry
+                self.assertNotIn("gone", self.fake.machines)
+
     async def test_a_plain_token_never_waits(self):
         async with self.http_client("legacy") as c:
             await self.ok(
@@ -7935,6 +8075,44 @@ class ApprovalSigtermTests(unittest.TestCase):
             answer = result["answer"]["result"]
             self.assertTrue(answer["isError"])
             self.assert_interrupted(answer["content"][0]["text"])
+        finally:
+            if server.poll() is None:
+                server.kill()
+
+    def test_stdin_eof_ends_every_held_call_and_the_server_exits(self):
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py")],
+            env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            server.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
+            server.stdin.write(jsonrpc(None, "notifications/initialized"))
+            for n in range(smol_mcp.APPROVAL_MAX_WAITING + 4):
+                arguments = {"name": f"held-{n}", "image": "alpine"}
+                call = {"name": "create-machine", "arguments": arguments}
+                server.stdin.write(jsonrpc(n + 2, "tools/call", call))
+            server.stdin.flush()
+            desk = smol_mcp.ApprovalDesk(f"{self.tmp}/state")
+            deadline = time.monotonic() + 60
+            while len(desk.pending()) < smol_mcp.APPROVAL_MAX_WAITING:
+                self.assertLess(time.monotonic(), deadline, "the calls did not come to wait")
+                time.sleep(0.1)
+            server.stdin.close()  # the client goes away
+            self.assertEqual(server.wait(timeout=30), 0)
+            answers = [json.loads(line) for line in server.stdout.read().splitlines()]
+            codes = sorted(
+                a["result"]["content"][0]["text"].split(":")[0] for a in answers if a["id"] != 1
+            )
+            self.assertEqual(
+                codes,
+                ["approval_cancelled"] * smol_mcp.APPROVAL_MAX_WAITING
+                + ["approval_unavailable"] * 4,
+            )
+            self.assertEqual(desk.pending(), [])
+            self.assertEqual(self.fake.machines, {})
         finally:
             if server.poll() is None:
                 server.kill()
