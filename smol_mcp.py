@@ -8484,7 +8484,7 @@ class HttpSessions:
         if (
             "initialize" in methods
             and not http_id
-            and self.sessions_of(principal) >= (HTTP_SESSIONS_PER_TOKEN)
+            and self.sessions_of(principal) >= HTTP_SESSIONS_PER_TOKEN
         ):
             busy = f"{principal.label()} has {HTTP_SESSIONS_PER_TOKEN} sessions open, its share"
             busy += "; end one (a client's DELETE, or let it idle out) before opening another"
