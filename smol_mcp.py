@@ -8481,10 +8481,14 @@ class HttpSessions:
                 answer["body"] += message.get("body", b"")
             await send(message)
 
+        # A token's share of sessions; named tokens leave one share for the operator's own.
+        named = principal.name != "default" and len(self.by_id) >= HTTP_MAX_SESSIONS - (
+            HTTP_SESSIONS_PER_TOKEN
+        )
         if (
             "initialize" in methods
             and not http_id
-            and self.sessions_of(principal) >= HTTP_SESSIONS_PER_TOKEN
+            and (self.sessions_of(principal) >= HTTP_SESSIONS_PER_TOKEN or named)
         ):
             busy = f"{principal.label()} has {HTTP_SESSIONS_PER_TOKEN} sessions open, its share"
             busy += "; end one (a client's DELETE, or let it idle out) before opening another"

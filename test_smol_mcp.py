@@ -3001,9 +3001,11 @@ class HttpSecurityTests(HttpCase):
             smol_mcp.HTTP_MAX_SESSIONS
         )  # this class keeps the default idle timeout: nothing expires here
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
-        statuses = [
-            (await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code for _ in range(limit + 1)
-        ]
+        with unittest.mock.patch.object(smol_mcp, "HTTP_SESSIONS_PER_TOKEN", limit + 1):
+            statuses = [
+                (await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code
+                for _ in range(limit + 1)
+            ]
         self.assertEqual(statuses[:limit], [200] * limit)
         self.assertEqual(statuses[limit], 503)
 
@@ -6833,6 +6835,22 @@ class AgentAccessHttpTests(HttpCase):
         self.assertEqual(refused.status_code, 503)
         self.assertIn("its share", refused.json()["error"])
         self.assertEqual((await opening("a")).status_code, 200)
+        for name in ("b", "runner"):
+            for _ in range(smol_mcp.HTTP_SESSIONS_PER_TOKEN):
+                await opening(name)
+        self.assertEqual((await opening("cloudy")).status_code, 503)  # the rest is the operator's
+        for _ in range(smol_mcp.HTTP_SESSIONS_PER_TOKEN):
+            self.assertEqual(
+                (
+                    await self.raw(
+                        "POST",
+                        "/mcp",
+                        JSON_HEADERS | {"Authorization": f"Bearer {HTTP_TOKEN}"},
+                        INIT_BODY,
+                    )
+                ).status_code,
+                200,
+            )
 
     async def test_two_tokens_keep_separate_ephemeral_machines_in_the_2026_era(self):
         async with (
