@@ -2101,7 +2101,7 @@ class CloudRuleTests(FakeCloudCase):
                 "the first", out["stdout"]
             )  # the overflow file is not claimed to be whole
 
-    async def test_names_resolve_with_one_list_call_and_ids_work_too(self):
+    async def test_names_resolve_with_one_list_call_and_an_id_is_not_a_name(self):
         async with self.client("legacy") as c:
             await self.machine(c, "persist-1")
             self.assertIsNone(
@@ -2114,8 +2114,8 @@ class CloudRuleTests(FakeCloudCase):
                 [r[:2] for r in self.cloud.requests],  # the name, then its jobs
                 [("GET", "/v1/machines"), ("GET", jobs)],
             )
-            by_id = await self.ok(c, "get-machine", {"name": got["machine"]["id"]})
-            self.assertEqual(by_id["machine"]["name"], "persist-1")
+            by_id = await self.refused(c, "get-machine", {"name": got["machine"]["id"]})
+            self.assertIn(f"machine '{got['machine']['id']}' not found", by_id)  # SPEC 16
             text = await self.refused(c, "get-machine", {"name": "ghost"})
             self.assertIn("machine 'ghost' not found", text)
             self.assertIn("list-machines", text)
