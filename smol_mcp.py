@@ -9632,11 +9632,13 @@ def printable(text: Any) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
 
 
-def print_table(rows: list[tuple]) -> None:
+def print_table(rows: list[tuple], after: Callable[[int], None] = lambda index: None) -> None:
+    """Rows in aligned columns, escaped; ``after(i)`` prints what follows row i."""
     rows = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
+    for index, row in enumerate(rows):
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        after(index)
 
 
 def activity_command(args: Any, config: Config) -> int:
@@ -9698,14 +9700,15 @@ def print_waiting(shown: list[dict]) -> None:
         except (ValueError, TypeError):
             left = "?"
         rows.append((r["id"], r["token"], r["tool"], r["machine"] or "-", left))
-    print_table(rows[:1])
-    for row, r in zip(rows[1:], shown):
-        print_table([row])
-        for key, value in (r.get("arguments") or {}).items():
+
+    def arguments(index: int) -> None:
+        for key, value in (shown[index - 1].get("arguments") or {}).items() if index else ():
             if isinstance(value, dict) and set(value) == {"cut", "bytes", "sha256"}:
                 value = f"{value['cut']}... ({value['bytes']} bytes, sha256 {value['sha256']})"
             text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
             print(f"    {printable(key)}: {printable(text)}")
+
+    print_table(rows, arguments)
 
 
 def approvals_command(args: Any, config: Config) -> int:
