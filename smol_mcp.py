@@ -6812,6 +6812,7 @@ class SmolMcp:
         self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
         self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
         self.stdin_closed = False  # stdio: the client went away; its waiting calls end
+        self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
         self._webhooks: Any = None  # the one bounded pool approval notices are posted from
         self._webhooks_queued = 0
         self.server = self._build_server()
@@ -7230,6 +7231,14 @@ class SmolMcp:
         except SmolError:
             return False
 
+    def client_gone(self) -> None:
+        """stdin closed: waiting calls end as approval_cancelled (they look at
+        stdin_closed), and the questions left with the client are withdrawn."""
+        self.stdin_closed = True
+        for approval_id in list(self.asked):
+            self.access.desk.close(approval_id)
+        self.asked.clear()
+
     async def interrupt_approvals(self) -> None:
         """At a stop signal: calls waiting for approval answer approval_interrupted
         (within a bound) before anything else ends them."""
@@ -7262,7 +7271,8 @@ class SmolMcp:
                 {**event, "approval": "auto-approved", "until": self.access.auto.until(principal)}
             )
             return "auto"
-        if self.held_by.get(principal.id, 0) >= APPROVAL_MAX_WAITING:
+        asked = len(self.asked) if principal.kind == "stdio" else 0  # only stdio asks its client
+        if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
             raise self.refuse(
                 event,
                 "unavailable",
@@ -7276,6 +7286,7 @@ class SmolMcp:
         client_answer = None
         if request is not None:  # the 2026-era retry that carries the client's answer
             approval_id = request["id"]
+            self.asked.discard(approval_id)
             client_answer = (params.input_responses or {}).get("approval")
             event["id"] = approval_id
             timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
@@ -7284,6 +7295,8 @@ class SmolMcp:
             approval_id = self.file_request(call, entry, event, timeout)
             if asks_client and modern:  # the request stays filed: the terminal may answer meanwhile
                 import mcp_types as types
+
+                self.asked.add(approval_id)
 
                 return types.InputRequiredResult(
                     request_state=f"smol-mcp:approval:{approval_id}",
@@ -7892,7 +7905,7 @@ class AnsweredReads(StreamWrapper):
             item = await self.inner.receive()
         except anyio.EndOfStream:
             if self.app is not None:  # the client is gone: its waiting calls end, then so do we
-                self.app.stdin_closed = True
+                self.app.client_gone()
             while self.writes.pending:
                 await self.writes.changed()
             raise

@@ -7890,6 +7890,23 @@ class ApprovalViaClientTests(FakeServeCase):
                     self.assertFalse((await call).is_error)
                     self.assertIn(name, self.fake.machines)
 
+    async def test_questions_left_with_a_2026_client_are_bounded_and_withdrawn_when_it_goes(self):
+        asked = []
+        async with self.client("auto", elicitation_callback=answer_approval("accept", asked)) as c:
+            with unittest.mock.patch.object(smol_mcp, "APPROVAL_MAX_WAITING", 2):
+                for n in range(3):
+                    answer = await c.session.call_tool(
+                        "create-machine",
+                        {"name": f"q{n}", "image": "alpine"},
+                        allow_input_required=True,
+                    )
+            self.assertIsInstance(answer, mcp_types.CallToolResult)  # the third: refused at once
+            self.assertTrue(answer.content[0].text.startswith("approval_unavailable: "))
+            self.assertEqual(len(self.app.access.desk.pending()), 2)
+            self.app.client_gone()  # as at stdin's end
+            self.assertEqual(self.app.access.desk.pending(), [])
+        self.assertEqual(self.fake.machines, {})
+
     async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(self):
         forged = mcp_types.ElicitResult(action="accept").model_dump(
             by_alias=True, exclude_none=True
