@@ -7983,6 +7983,20 @@ class ApprovalHttpTests(HttpCase):
                     "changes",
                 )
 
+    async def test_a_revoked_tokens_session_ends_only_once_its_waiting_call_answered(self):
+        async with self.http_client(headers={"Authorization": f"Bearer {self.secret}"}) as c:
+            await self.ok(c, "list-machines", {})
+            call = asyncio.create_task(c.call_tool("create-machine", {"name": "o", "image": "a"}))
+            while not self.app.access.desk.pending():
+                await asyncio.sleep(0.05)
+            [session] = self.app.http.by_id.values()
+            self.store.delete("held")
+            await self.app.http.end_revoked()  # the watcher's look, before the call's poll
+            self.assertFalse(session.ended)
+            self.assertTrue(result_of(await call)[1].startswith("approval_token_deleted: "))
+        await self.app.http.end_revoked()
+        self.assertTrue(session.ended)
+
     async def test_a_client_that_hangs_up_leaves_no_call_waiting(self):
         import httpx2
 
