@@ -5420,6 +5420,9 @@ def targets_document(app: SmolMcp) -> dict:
 # ---------------------------------------------------------------------------
 
 
+NOT_THE_SESSIONS_MACHINE = "not deleted: a machine of that name is no longer the one it made"
+
+
 class Session:
     """One client's state: its ephemeral machines per fleet (and their record
     on disk), the fleet it chose in both mode, and its log subscriptions."""
@@ -5528,23 +5531,10 @@ class Session:
 
         principal = self.principal or self.app.access.stdio
         for fleet_name, names in list(self.machines.items()):
-            try:
+            try:  # a name held by another machine by now is never deleted here
                 replaced = await anyio.to_thread.run_sync(
                     self.replaced, self.app.fleets[fleet_name], sorted(names)
                 )
-                for name in replaced:  # someone else's machine by now: never deleted here
-                    self.forget(fleet_name, name)
-                    self.app.record(
-                        {
-                            "event": "session-cleanup",
-                            **self.app.who(principal),
-                            "session": self.id,
-                            "target": fleet_name,
-                            "machine": name,
-                            "outcome": "not deleted: the machine of that name is no longer "
-                            "the one this session created",
-                        }
-                    )
                 deleted, refused = await anyio.to_thread.run_sync(
                     delete_in_passes,
                     self.app.fleets[fleet_name],
@@ -5560,8 +5550,9 @@ class Session:
                     describe(err),
                 )
                 continue
-            for name in deleted:
-                log.info("session %s ended: deleted %s", self.id, name)
+            for name in [*deleted, *replaced]:
+                outcome = "deleted" if name in deleted else NOT_THE_SESSIONS_MACHINE
+                log.info("session %s ended: %s: %s", self.id, name, outcome)
                 self.forget(fleet_name, name)
                 self.app.record(
                     {
@@ -5570,7 +5561,7 @@ class Session:
                         "session": self.id,
                         "target": fleet_name,
                         "machine": name,
-                        "outcome": "deleted",
+                        "outcome": outcome,
                     }
                 )
             self.app.access.owners.clear(fleet_name, deleted)

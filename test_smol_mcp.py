@@ -7002,7 +7002,7 @@ class CloudNamesAreNamesTests(FakeCloudCase):
         second = self.by_name("mcp-kept")["id"]  # the session's cleanup left it alone
         self.assertNotEqual(first, second)
         cleanup = [e for e in a.access.activity.entries() if e.get("event") == "session-cleanup"]
-        self.assertIn("no longer the one this session created", cleanup[-1]["outcome"])
+        self.assertEqual(cleanup[-1]["outcome"], smol_mcp.NOT_THE_SESSIONS_MACHINE)
 
 
 class StdioScopesTests(FakeServeCase):
