@@ -6805,7 +6805,7 @@ class SmolMcp:
         self.stdin_closed = False  # stdio: the client went away; its waiting calls end
         self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
         self._webhooks: Any = None  # the one bounded pool approval notices are posted from
-        self._webhooks_queued = 0
+        self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
         self.server = self._build_server()
 
     def thread_limiter(self):
@@ -7571,17 +7571,16 @@ class SmolMcp:
             try:
                 failure = post_webhook(self.config.approval_webhook, payload)
             finally:
-                self._webhooks_queued -= 1
+                self._webhook_slots.release()
             if failure is not None:
                 log.warning("%s; the terminal channel still works", failure)
                 self.record({**event, "approval": "webhook failed", "error": failure})
 
-        if self._webhooks_queued >= WEBHOOK_QUEUE:
+        if not self._webhook_slots.acquire(blocking=False):
             self.record({**event, "approval": "webhook failed", "error": "too many notices queued"})
             return
         if self._webhooks is None:
             self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")
-        self._webhooks_queued += 1
         self._webhooks.submit(send)
 
     async def sweep_once(self) -> None:

@@ -7807,6 +7807,51 @@ class ApprovalTests(FakeServeCase):
         self.assertNotIn("WEBHOOK-SECRET", json.dumps(received))
         self.assertIn("webhook failed", [e[0] for e in self.approval_events()])
 
+    async def test_webhook_notices_post_from_one_bounded_pool(self):
+        import http.server
+
+        release = threading.Event()
+
+        class Hung(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                release.wait(30)
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hung)
+        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{hook.server_port}/hook"
+        self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
+        self.app._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
+        try:
+            async with self.client("legacy") as c:
+                calls = [
+                    asyncio.create_task(
+                        c.call_tool("create-machine", {"name": f"w{n}", "image": "alpine"})
+                    )
+                    for n in range(6)
+                ]
+                for held in await self.waiting(6):
+                    await asyncio.to_thread(
+                        run_cli, "approvals", "deny", held["id"], env=self.env()
+                    )
+                for call in calls:
+                    await call
+            posting = [t for t in threading.enumerate() if t.name.startswith("smol-mcp-webhook")]
+            self.assertEqual(len(posting), smol_mcp.WEBHOOK_THREADS)
+            dropped = [
+                e
+                for e in self.app.access.activity.entries()
+                if e.get("error") == ("too many notices queued")
+            ]
+            self.assertEqual(len(dropped), 3)
+        finally:
+            release.set()
+            hook.shutdown()
+
     async def test_no_approval_no_instructions_and_no_wait(self):
         self.app = SmolMcp(dataclasses_replace(self.config, approval="none"))
         async with self.client("legacy") as c:
