@@ -6310,7 +6310,9 @@ def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
     for key, value in arguments.items():
         if key in REDACTED_MAPS and isinstance(value, dict):
             shown[key] = {name: fingerprint(str(item)) for name, item in value.items()}
-        elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in (known or arguments):
+        elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in (
+            arguments if known is None else known
+        ):
             shown[key] = fingerprint(value if isinstance(value, str) else json.dumps(value))
         else:
             shown[key] = value
