@@ -7826,6 +7826,7 @@ class ApprovalTests(FakeServeCase):
         url = f"http://127.0.0.1:{hook.server_port}/hook"
         self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
         self.app._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
+        before = set(threading.enumerate())  # other tests' apps have pools of their own
         try:
             async with self.client("legacy") as c:
                 calls = [
@@ -7840,7 +7841,11 @@ class ApprovalTests(FakeServeCase):
                     )
                 for call in calls:
                     await call
-            posting = [t for t in threading.enumerate() if t.name.startswith("smol-mcp-webhook")]
+            posting = [
+                t
+                for t in set(threading.enumerate()) - before
+                if t.name.startswith("smol-mcp-webhook")
+            ]
             self.assertEqual(len(posting), smol_mcp.WEBHOOK_THREADS)
             dropped = [
                 e
