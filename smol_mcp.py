@@ -2275,10 +2275,12 @@ class CloudFleet:
     # -- machines (normalised) ---------------------------------------------
 
     def _find(self, name: str) -> dict:
-        """The raw record of a machine given its name or its mach-... id."""
-        for record in self._list_raw():
-            if record.get("name") == name or record.get("id") == name:
-                return record
+        """The raw record of the machine named ``name``. A name is never taken
+        as an id (SPEC 16): a machine without a name is listed, and found, under
+        its id, and a machine named so wins over it."""
+        found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
+        for record in sorted(found, key=lambda r: not r.get("name")):
+            return record
         raise ApiError(
             self.name, f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found"
         )
@@ -3039,6 +3041,12 @@ def cloud_record(info: dict) -> dict:
     }
 
 
+def machine_identity(record: dict) -> str:
+    """Which machine a record is, not only what it is called: a machine made
+    again under the same name is another machine (another id or creation time)."""
+    return f"{record.get('id')}@{record.get('createdAt')}"
+
+
 def iso_time(value: Any) -> str | None:
     """Unix seconds as RFC 3339 UTC, the form the cloud API uses."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -3477,8 +3485,9 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
                 inner = [e for e in error.context if e.relative_schema_path[0] == index]
                 return _refusal(_first_error(inner, arguments), tool, arguments)
         kinds = " or ".join(TYPE_WORDS[option["type"]] for option in schema["oneOf"])
-        return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'
-    got = json.dumps(value)[:60]
+        return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'  # no oneOf is secret
+    secret = bool(path) and path[0] in (*REDACTED_ARGUMENTS, *REDACTED_MAPS)
+    got = "a value not repeated here" if secret else json.dumps(value)[:60]
     limit = error.validator_value
     return {
         "type": lambda: (
@@ -4434,8 +4443,8 @@ async def create_recorded(
         # create ran, so its cleanup came too early to see the machine: do it here.
         await call.delete_quietly(name)
         raise SmolError(SESSION_ENDED_DURING_CREATE.format(name=name))
-    if owners.owner(call.fleet.name, name) != owner:
-        owners.claim(call.fleet.name, name, owner)
+    owners.claim(call.fleet.name, name, owner, machine_identity(record))
+    call.session.identities[(call.fleet.name, name)] = machine_identity(record)
     return record
 
 
@@ -5438,6 +5447,7 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 TARGETS_URI = "smol://targets"
 LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
+SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN = 16, 64  # logs followed: one token's share
 LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs")
 
 
@@ -5586,26 +5596,33 @@ def rollout_port_taken() -> bool:
         return probe.connect_ex(("127.0.0.1", 10081)) == 0
 
 
-async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable) -> None:
+async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str) -> None:
     """Poll a machine's console every logsPollSecs and call ``notify`` when
-    lines arrived since the last look (neither log route pushes to us)."""
+    lines arrived since the last look (neither log route pushes to us); counted
+    in app.polling under ``who``, and ended when the machine is gone."""
     import anyio
 
     last = None
-    while True:
-        try:
-            lines = await anyio.to_thread.run_sync(
-                fleet.console_lines, name, abandon_on_cancel=True, limiter=app.thread_limiter()
-            )
-            seen = log_cursor(lines, len(lines))
-            if last is not None and seen != last:
-                await notify()
-            last = seen
-        except (
-            SmolError
-        ) as err:  # a machine that is gone or stopped: keep looking, it may come back
-            log.debug("log poll of %s: %s", name, err)
-        await anyio.sleep(app.config.logs_poll_secs)
+    app.polling[who] = app.polling.get(who, 0) + 1
+    try:
+        while True:
+            try:
+                lines = await anyio.to_thread.run_sync(
+                    fleet.console_lines, name, abandon_on_cancel=True, limiter=app.thread_limiter()
+                )
+                seen = log_cursor(lines, len(lines))
+                if last is not None and seen != last:
+                    await notify()
+                last = seen
+            except ApiError as err:  # stopped: it may start again; gone: nothing more to follow
+                if err.status == 404:
+                    return
+                log.debug("log poll of %s: %s", name, err)
+            except SmolError as err:
+                log.debug("log poll of %s: %s", name, err)
+            await anyio.sleep(app.config.logs_poll_secs)
+    finally:
+        app.polling[who] -= 1
 
 
 def cloud_target_facts(config: Config) -> dict:
@@ -5645,6 +5662,9 @@ def targets_document(app: SmolMcp) -> dict:
 # ---------------------------------------------------------------------------
 
 
+NOT_THE_SESSIONS_MACHINE = "not deleted: a machine of that name is no longer the one it made"
+
+
 class Session:
     """One client's state: its ephemeral machines per fleet (and their record
     on disk), the fleet it chose in both mode, and its log subscriptions."""
@@ -5667,6 +5687,11 @@ class Session:
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
         self.ended = False
+        self.identities: dict[tuple[str, str], str] = {}  # (fleet, name) -> machine_identity()
+        self.spent: set[str] = set()  # nonces of 2026-era confirmations already answered
+        self.gone_requests: set = set()  # over HTTP: ids of requests whose client hung up
+        self.held = 0  # its calls waiting for approval: a revoked token's are answered first
+        self.revoked_at: float | None = None
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
         # Handshake era over HTTP: its Mcp-Session-Id and protocol version.
         self.http_id = self.protocol = None
@@ -5746,12 +5771,16 @@ class Session:
         that fails in any way is logged and the next one is still cleaned."""
         import anyio
 
+        principal = self.principal or self.app.access.stdio
         for fleet_name, names in list(self.machines.items()):
-            try:
+            try:  # a name held by another machine by now is never deleted here
+                replaced = await anyio.to_thread.run_sync(
+                    self.replaced, self.app.fleets[fleet_name], sorted(names)
+                )
                 deleted, refused = await anyio.to_thread.run_sync(
                     delete_in_passes,
                     self.app.fleets[fleet_name],
-                    sorted(names),
+                    sorted(set(names) - set(replaced)),
                     abandon_on_cancel=True,
                 )
             except Exception as err:
@@ -5763,10 +5792,10 @@ class Session:
                     describe(err),
                 )
                 continue
-            for name in deleted:
-                log.info("session %s ended: deleted %s", self.id, name)
+            for name in [*deleted, *replaced]:
+                outcome = "deleted" if name in deleted else NOT_THE_SESSIONS_MACHINE
+                log.info("session %s ended: %s: %s", self.id, name, outcome)
                 self.forget(fleet_name, name)
-                principal = self.principal or self.app.access.stdio
                 self.app.record(
                     {
                         "event": "session-cleanup",
@@ -5774,12 +5803,24 @@ class Session:
                         "session": self.id,
                         "target": fleet_name,
                         "machine": name,
-                        "outcome": "deleted",
+                        "outcome": outcome,
                     }
                 )
             self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
+
+    def replaced(self, fleet: Fleet, names: list[str]) -> list[str]:
+        """The names now held by another machine than the one this session made."""
+        found = []
+        for name in names:
+            made = self.identities.get((fleet.name, name))
+            try:
+                if made is not None and machine_identity(fleet.get_machine(name)) != made:
+                    found.append(name)
+            except SmolError:  # gone, or unreadable: the delete says which
+                pass
+        return found
 
 
 class SessionSlots:
@@ -5973,11 +6014,13 @@ SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the age
     "full": ",".join(SCOPES),
 }
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-RESERVED_TOKEN_NAMES = ("default", "stdio")  # SMOL_MCP_AUTH_TOKEN and the stdio principal
+# SMOL_MCP_AUTH_TOKEN, the stdio principal, the terminal and the server itself, in any case
+RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")
 TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
 USAGE_FLUSH_SECS = 60
 TOKEN_WATCH_SECS = 0.5
+TOKEN_END_GRACE_SECS = 5  # a deleted token's calls in flight may finish answering
 
 
 class ScopeMissing(SmolError):
@@ -6213,7 +6256,7 @@ class TokenStore:
     def create(
         self, name: str, scopes: tuple[str, ...], targets: tuple[str, ...], approval: str, **extra
     ) -> tuple[dict, str]:
-        if not TOKEN_NAME_RE.fullmatch(name) or name in RESERVED_TOKEN_NAMES:
+        if not TOKEN_NAME_RE.fullmatch(name) or name.lower() in RESERVED_TOKEN_NAMES:
             raise ConfigError(
                 f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' "
                 f"or '-', starting with a letter or digit, and not "
@@ -6328,10 +6371,17 @@ class Owners:
         )
 
     def owner(self, fleet: str, name: str) -> str | None:
-        return self.file.read().get(fleet, {}).get(name)
+        held = self.file.read().get(fleet, {}).get(name)
+        return held.get("owner") if isinstance(held, dict) else held
 
-    def claim(self, fleet: str, name: str, owner: str) -> None:
-        self.file.update(lambda data: data.setdefault(fleet, {}).__setitem__(name, owner))
+    def identity(self, fleet: str, name: str) -> str | None:
+        """machine_identity() of the machine claimed, once its create answered."""
+        held = self.file.read().get(fleet, {}).get(name)
+        return held.get("id") if isinstance(held, dict) else None
+
+    def claim(self, fleet: str, name: str, owner: str, identity: str | None = None) -> None:
+        held = {"owner": owner, "id": identity} if identity else owner
+        self.file.update(lambda data: data.setdefault(fleet, {}).__setitem__(name, held))
 
     def clear(self, fleet: str, names: list[str]) -> None:
         if not any(self.owner(fleet, name) for name in names):
@@ -6343,7 +6393,7 @@ class Owners:
         name by now (its create won the race): in one locked update."""
 
         def drop(data: dict) -> None:
-            if data.get(fleet, {}).get(name) == owner:
+            if data.get(fleet, {}).get(name) == owner:  # a bare claim, made before the create
                 del data[fleet][name]
 
         if self.owner(fleet, name) == owner:
@@ -6359,15 +6409,25 @@ class OwnedFleet:
     def __init__(self, fleet: Any, owners: Owners, owner: str):
         self._fleet, self._owners, self._owner = fleet, owners, owner
 
-    def mine(self, name: str) -> bool:
-        return self._owners.owner(self._fleet.name, name) == self._owner
+    def mine(self, name: str, record: dict | None = None) -> bool:
+        """Whether ``name`` is this owner's, and (once its create answered) still
+        the very machine it created: a machine made again under that name is not."""
+        if self._owners.owner(self._fleet.name, name) != self._owner:
+            return False
+        identity = self._owners.identity(self._fleet.name, name)
+        if identity is None:
+            return True
+        try:
+            return machine_identity(record or self._fleet.get_machine(name)) == identity
+        except SmolError:  # gone: the method itself answers as for any missing machine
+            return True
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._fleet, attr)
         if not callable(value) or attr in ("acquire", "release", "create_machine"):
             return value
         if attr == "list_machines":
-            return lambda: [machine for machine in value() if self.mine(machine["name"])]
+            return lambda: [m for m in value() if self.mine(m["name"], m)]
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if args and isinstance(args[0], str) and not self.mine(args[0]):
@@ -6468,11 +6528,17 @@ class Access:
 ACTIVITY_FILE = "activity.jsonl"
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
 ACTIVITY_KEEP_FILES = 5
-ACTIVITY_RESOURCE_ENTRIES = 200  # what smol://activity returns: the latest entries
+ACTIVITY_RESOURCE_ENTRIES = 200  # a page: what smol://activity and `activity` show at most
+ACTIVITY_PAGE_BYTES = 512 * 1024  # and what a page of smol://activity holds at most
+ACTIVITY_FIELD_BYTES = 2048  # a longer value is cut, keeping its byte count and SHA-256
 ACTIVITY_URI = "smol://activity"
 APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
 APPROVAL_POLL_SECS = 0.25  # a terminal answer is seen within a second
 APPROVAL_PROGRESS_SECS = 5
+APPROVAL_MAX_WAITING = 16  # calls one token (or stdio server) may hold waiting; more are refused
+APPROVAL_SHOW_BYTES = 4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
+WEBHOOK_THREADS, WEBHOOK_QUEUE = 2, 64  # approval notices post from one bounded pool
+CONFIRM_TTL_SECS = 600  # a 2026-era confirmation (allow-egress) answers within this, once
 AUTO_APPROVE_PERIODS = {
     "1h": 3600,
     "1d": 86400,
@@ -6513,18 +6579,49 @@ def fingerprint(value: str) -> dict:
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def redact_arguments(arguments: dict) -> dict:
-    """The arguments as the log and the approval list show them: contents,
-    stdin and environment values become their size and digest."""
+def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
+    """The arguments as the log and the webhook show them: contents, stdin and
+    environment values become their size and digest, and so does the value of
+    an argument the schema does not have or of a redacted one of the wrong type
+    (`Stdin`, `contents`, `env` as a list are the agent's data all the same)."""
     shown: dict = {}
+    known = (schema or {}).get("properties")
     for key, value in arguments.items():
-        if key in REDACTED_ARGUMENTS and isinstance(value, str):
-            shown[key] = fingerprint(value)
-        elif key in REDACTED_MAPS and isinstance(value, dict):
+        if key in REDACTED_MAPS and isinstance(value, dict):
             shown[key] = {name: fingerprint(str(item)) for name, item in value.items()}
+        elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in (
+            arguments if known is None else known
+        ):
+            shown[key] = fingerprint(value if isinstance(value, str) else json.dumps(value))
         else:
             shown[key] = value
     return shown
+
+
+def approval_arguments(call: Any) -> dict:
+    """The arguments a person judges a waiting call by (SPEC 13): all of them,
+    stdin, env and content too, each cut at APPROVAL_SHOW_BYTES."""
+    return bounded(dict(getattr(call.params, "arguments", None) or {}), APPROVAL_SHOW_BYTES)
+
+
+def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
+    """``value`` with no string in it over ``limit`` bytes, nor the whole over
+    four times that as JSON: what is longer is cut to its head, keeping the byte
+    count and SHA-256 of the whole (SPEC 13: a record nobody can flush)."""
+    if isinstance(value, str):
+        data = value.encode("utf-8", "surrogatepass")
+        if len(data) <= limit:
+            return value
+        return {"cut": data[: limit // 2].decode("utf-8", "ignore"), **fingerprint(value)}
+    if isinstance(value, (dict, list)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        inner = {str(k)[:128]: bounded(v, limit) for k, v in list(items)[:64]}
+        inner = inner if isinstance(value, dict) else list(inner.values())
+        text = json.dumps(value, default=str)
+        if len(inner) == len(value) and len(json.dumps(inner)) <= 4 * limit:
+            return inner
+        return {"cut": text[: limit // 2], **fingerprint(text)}
+    return value
 
 
 def parse_period(text: str) -> int:
@@ -6557,7 +6654,8 @@ class ActivityLog:
         """Write one entry; raises OSError or SmolError when the state directory cannot take it."""
         import fcntl
 
-        text = json.dumps({"time": utc_now(), **entry}, ensure_ascii=False, separators=(",", ":"))
+        entry = {"time": utc_now(), **{key: bounded(value) for key, value in entry.items()}}
+        text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
         lock = os.open(self.path.with_name(ACTIVITY_FILE + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -6590,46 +6688,50 @@ class ActivityLog:
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
 
-    def entries(self) -> list[dict]:
-        """Every entry still kept, oldest first (a line that does not parse is skipped)."""
-        found = []
-        for path in [self.older(i) for i in range(ACTIVITY_KEEP_FILES, 0, -1)] + [self.path]:
+    def entries(
+        self, keep: Callable[[dict], bool] = bool, limit: int | None = None, max_bytes: int = 0
+    ) -> list[dict]:
+        """The latest ``limit`` entries ``keep`` accepts (all of them with None),
+        oldest first, in at most ``max_bytes`` of lines if given. Files are read
+        newest first and no further than needed; lines split on "\n" only, never
+        on U+2028 and its kin (a line that does not parse is skipped)."""
+        found, size = [], 0
+        for path in [self.path] + [self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)]:
             try:
-                text = path.read_text(encoding="utf-8", errors="replace")
+                lines = path.read_bytes().split(b"\n")
             except (FileNotFoundError, NotADirectoryError):
                 continue
-            for line in text.splitlines():
+            for line in reversed(lines):
                 try:
-                    entry = json.loads(line)
+                    entry = json.loads(line.decode("utf-8", "replace"))
                 except ValueError:
                     continue
-                if isinstance(entry, dict):
-                    found.append(entry)
-        return found
-
-
-def select_activity(
-    entries: list[dict],
-    principal: str | None = None,
-    machine: str | None = None,
-    since_secs: int | None = None,
-) -> list[dict]:
-    """The entries one reader asked for: by principal, by machine, by age."""
-    cutoff = time.time() - since_secs if since_secs is not None else None
-    chosen = []
-    for entry in entries:
-        if principal is not None and entry.get("principal") != principal:
-            continue
-        if machine is not None and entry.get("machine") != machine:
-            continue
-        if cutoff is not None:
-            try:
-                if parse_time(entry.get("time", "")) < cutoff:
+                if not isinstance(entry, dict) or not keep(entry):
                     continue
-            except ValueError:
-                continue
-        chosen.append(entry)
-    return chosen
+                size += len(line) + 1
+                if (limit is not None and len(found) >= limit) or (max_bytes and size > max_bytes):
+                    return found[::-1]
+                found.append(entry)
+        return found[::-1]
+
+
+def activity_filter(
+    principal: str | None = None, machine: str | None = None, since_secs: int | None = None
+) -> Callable[[dict], bool]:
+    """Which entries one reader asked for: by principal, by machine, by age."""
+    cutoff = time.time() - since_secs if since_secs is not None else None
+
+    def keep(entry: dict) -> bool:
+        if principal is not None and entry.get("principal") != principal:
+            return False
+        if machine is not None and entry.get("machine") != machine:
+            return False
+        try:
+            return cutoff is None or parse_time(entry.get("time", "")) >= cutoff
+        except ValueError:
+            return False
+
+    return keep
 
 
 def sees_own_activity_only(principal: Principal) -> bool:
@@ -6991,7 +7093,12 @@ class SmolMcp:
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
         self.pages: Pages | None = None  # the sign-in pages of --http (section 14b)
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
-        self.waiting_approvals = 0
+        self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
+        self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
+        self.stdin_closed = False  # stdio: the client went away; its waiting calls end
+        self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
+        self._webhooks: Any = None  # the one bounded pool approval notices are posted from
+        self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
         self.server = self._build_server()
 
     def thread_limiter(self):
@@ -7240,15 +7347,32 @@ class SmolMcp:
         """Ask the person to allow a change (a form with one boolean, `allow`).
         None when the client cannot ask; else True only for an accepted form
         with allow: true. The 2026-era state is sealed to this session and
-        ``binding``, so an answer cannot be carried over to other arguments."""
+        ``binding``, so an answer cannot be carried over to other arguments, and
+        carries a nonce and an expiry: it answers once, within CONFIRM_TTL_SECS."""
         import mcp_types as types
 
         if not can_elicit(ctx):
             return None
-        seal = hmac.new(self.state_key, f"{session.id}\0{binding}".encode(), "sha256").hexdigest()
-        answer = await self.ask(ctx, params, "confirm", f"smol-mcp:confirm:{seal}", message, schema)
+
+        def sealed(expires: str, nonce: str) -> str:
+            text = f"{session.id}\0{binding}\0{expires}\0{nonce}".encode()
+            seal = hmac.new(self.state_key, text, "sha256").hexdigest()
+            return f"smol-mcp:confirm:{expires}:{nonce}:{seal}"
+
+        state = str(getattr(params, "request_state", None) or "")
+        parts = state.split(":")
+        if not (
+            len(parts) == 5
+            and parts[2].isdigit()
+            and int(parts[2]) > time.time()
+            and parts[3] not in session.spent
+            and hmac.compare_digest(state, sealed(parts[2], parts[3]))
+        ):
+            state = sealed(str(int(time.time()) + CONFIRM_TTL_SECS), secrets_module.token_hex(8))
+        answer = await self.ask(ctx, params, "confirm", state, message, schema)
         if isinstance(answer, types.InputRequiredResult):
             raise AskClient(answer)
+        session.spent.add(state.split(":")[3])
         return bool(
             answer is not None
             and answer.action == "accept"
@@ -7312,7 +7436,7 @@ class SmolMcp:
             entry.update(
                 target=fleet.name,
                 machine=arguments.get("name"),
-                arguments=redact_arguments(arguments),
+                arguments=redact_arguments(arguments, tool.input_schema),
             )
             validate_arguments(name, configured_schema(tool, self.config), arguments)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
@@ -7393,16 +7517,24 @@ class SmolMcp:
         except SmolError:
             return False
 
+    def client_gone(self) -> None:
+        """stdin closed: waiting calls end as approval_cancelled (they look at
+        stdin_closed), and the questions left with the client are withdrawn."""
+        self.stdin_closed = True
+        for approval_id in list(self.asked):
+            self.access.desk.close(approval_id)
+        self.asked.clear()
+
     async def interrupt_approvals(self) -> None:
         """At a stop signal: calls waiting for approval answer approval_interrupted
         (within a bound) before anything else ends them."""
         import anyio
 
         self.stopping = True
-        if not self.waiting_approvals:
+        if not any(self.held_by.values()):
             return
         with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
-            while self.waiting_approvals:
+            while any(self.held_by.values()):
                 await anyio.sleep(0.05)
         await anyio.sleep(0.2)  # their answers on their way out
 
@@ -7425,11 +7557,22 @@ class SmolMcp:
                 {**event, "approval": "auto-approved", "until": self.access.auto.until(principal)}
             )
             return "auto"
+        asked = len(self.asked) if principal.kind == "stdio" else 0  # only stdio asks its client
+        if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
+            raise self.refuse(
+                event,
+                "unavailable",
+                "approval_unavailable",
+                f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
+                f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
+                "once the person on the server's host has answered those.",
+            )
         asks_client, modern = self.client_channel(call)
         request = self.resumed_request(call, entry, params) if asks_client and modern else None
         client_answer = None
         if request is not None:  # the 2026-era retry that carries the client's answer
             approval_id = request["id"]
+            self.asked.discard(approval_id)
             client_answer = (params.input_responses or {}).get("approval")
             event["id"] = approval_id
             timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
@@ -7439,17 +7582,21 @@ class SmolMcp:
             if asks_client and modern:  # the request stays filed: the terminal may answer meanwhile
                 import mcp_types as types
 
+                self.asked.add(approval_id)
+
                 return types.InputRequiredResult(
                     request_state=f"smol-mcp:approval:{approval_id}",
                     input_requests={"approval": self.approval_question(event)},
                 )
-        self.waiting_approvals += 1
+        self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
+        call.session.held += 1
         try:
             return await self._await_answer(
                 call, approval_id, event, timeout, asks_client and not modern, client_answer
             )
         finally:
-            self.waiting_approvals -= 1
+            self.held_by[principal.id] -= 1
+            call.session.held -= 1
             self.access.desk.close(approval_id)
 
     def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
@@ -7461,7 +7608,7 @@ class SmolMcp:
             "tool": entry["tool"],
             "target": entry.get("target"),
             "machine": entry.get("machine"),
-            "arguments": entry.get("arguments", {}),
+            "arguments": approval_arguments(call),  # for the person; log and webhook redact
             "session": entry.get("session"),
             "requestedAt": utc_now(),
             "expiresAt": utc_time(time.time() + timeout),
@@ -7529,7 +7676,8 @@ class SmolMcp:
             request.get("pid") == os.getpid()
             and request.get("principalId") == call.principal.id
             and request.get("tool") == entry["tool"]
-            and request.get("arguments") == entry.get("arguments", {})
+            and request.get("target") == entry.get("target")
+            and request.get("arguments") == approval_arguments(call)
         )
         return request if same else None
 
@@ -7613,6 +7761,17 @@ class SmolMcp:
                 answer = self.access.desk.answer(approval_id) or self.client_decision(answers)
                 if answer is not None:
                     break
+                if (
+                    call.session.ended
+                    or (principal.kind == "stdio" and self.stdin_closed)
+                    or getattr(call.ctx, "request_id", None) in call.session.gone_requests
+                ):
+                    raise self.refuse(
+                        event,
+                        "cancelled",
+                        "approval_cancelled",
+                        f"the client went away while {tool} waited for approval; nothing ran.",
+                    )
                 if self.stopping:
                     raise self.refuse(
                         event,
@@ -7710,16 +7869,26 @@ class SmolMcp:
         return ApprovalRefused(code, detail)
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
-        """POST the notice in a thread of its own: a slow or failing webhook never
-        holds the call or the terminal channel; a failure is logged."""
+        """POST the notice from one small pool with a bounded queue: a slow or
+        failing webhook never holds the call or the terminal channel, nor takes
+        a thread a call; a failure (or a notice the full queue drops) is logged."""
+        from concurrent.futures import ThreadPoolExecutor
 
         def send() -> None:
-            failure = post_webhook(self.config.approval_webhook, payload)
+            try:
+                failure = post_webhook(self.config.approval_webhook, payload)
+            finally:
+                self._webhook_slots.release()
             if failure is not None:
                 log.warning("%s; the terminal channel still works", failure)
                 self.record({**event, "approval": "webhook failed", "error": failure})
 
-        threading.Thread(target=send, name="smol-mcp-webhook", daemon=True).start()
+        if not self._webhook_slots.acquire(blocking=False):
+            self.record({**event, "approval": "webhook failed", "error": "too many notices queued"})
+            return
+        if self._webhooks is None:
+            self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")
+        self._webhooks.submit(send)
 
     async def sweep_once(self) -> None:
         """Before the first local call of this process: delete what a crashed
@@ -7782,11 +7951,10 @@ class SmolMcp:
                 f"which {principal.label()} does not have. Ask the operator for "
                 "a token with that scope."
             )
-        entries = self.access.activity.entries()
-        if sees_own_activity_only(principal):
-            entries = select_activity(entries, principal=principal.name)
+        own = activity_filter(principal.name) if sees_own_activity_only(principal) else bool
+        entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
         return {
-            "entries": entries[-ACTIVITY_RESOURCE_ENTRIES:],
+            "entries": entries,
             "ownOnly": sees_own_activity_only(principal),
         }
 
@@ -7816,17 +7984,19 @@ class SmolMcp:
         or the end of the session, notifying through this connection."""
         import anyio
 
-        fleet, name = self.log_resource(uri, self.principal_for(ctx))
+        principal = self.principal_for(ctx)
+        fleet, name = self.log_resource(uri, principal)
         session = self.session_for(ctx)
         if uri in session.subscriptions:
             return
+        self.check_share(principal, len(session.subscriptions) + 1, 1)
         scope = anyio.CancelScope()
         session.subscriptions[uri] = scope
         notify = ctx.session.send_resource_updated  # the captured session outlives this request
 
         async def poll() -> None:
             with scope:
-                await follow_log(self, fleet, name, lambda: notify(uri))
+                await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
 
         session.tasks.start_soon(poll)
 
@@ -7839,10 +8009,9 @@ class SmolMcp:
         session = self.session_for(ctx)
         bus, handler = session.events()
         principal = self.principal_for(ctx)
-        followed = [
-            (uri, *self.log_resource(uri, principal))
-            for uri in params.notifications.resource_subscriptions or []
-        ]
+        uris = list(dict.fromkeys(params.notifications.resource_subscriptions or []))
+        self.check_share(principal, len(uris), len(uris))
+        followed = [(uri, *self.log_resource(uri, principal)) for uri in uris]
         async with anyio.create_task_group() as pollers:
             for uri, fleet, name in followed:
                 pollers.start_soon(
@@ -7851,11 +8020,23 @@ class SmolMcp:
                     fleet,
                     name,
                     lambda uri=uri: bus.publish(ResourceUpdated(uri=uri)),
+                    principal.id,
                 )
             try:
                 return await handler(ctx, params)
             finally:
                 pollers.cancel_scope.cancel()
+
+    def check_share(self, principal: Principal, in_session: int, adding: int) -> None:
+        """Refuse log subscriptions past a session's or a token's share (SPEC 13)."""
+        if in_session > SUBSCRIPTIONS_PER_SESSION or (
+            self.polling.get(principal.id, 0) + adding > SUBSCRIPTIONS_PER_TOKEN
+        ):
+            raise_resource_error(
+                f"{principal.label()} may follow {SUBSCRIPTIONS_PER_SESSION} logs per session "
+                f"and {SUBSCRIPTIONS_PER_TOKEN} in all; unsubscribe from one (or end a listen "
+                "stream) first"
+            )
 
     async def end_session(self, session: Session) -> None:
         """Delete the session's ephemeral machines and let go of the fleets, even
@@ -7865,6 +8046,8 @@ class SmolMcp:
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
+        if session._listener is not None:  # its subscriptions/listen streams end too
+            session._listener.close()
         with anyio.CancelScope(shield=True):
             # Nothing here may escape: over HTTP it would end the listener and every other session.
             try:
@@ -7960,6 +8143,7 @@ async def run_stdio(server, app: SmolMcp | None = None) -> None:
         async with stdio_server() as (read, write):
             read, write = AnsweredReads(read, write), AnsweredWrites(write)
             read.writes = answers = write
+            read.app = app
             try:
                 await server.run(read, write, server.create_initialization_options())
             finally:
@@ -8008,6 +8192,7 @@ class AnsweredReads(StreamWrapper):
         super().__init__(inner)
         self.write = write
         self.writes: AnsweredWrites | None = None
+        self.app: SmolMcp | None = None
 
     @property
     def last_context(self) -> Any:
@@ -8021,6 +8206,8 @@ class AnsweredReads(StreamWrapper):
         try:
             item = await self.inner.receive()
         except anyio.EndOfStream:
+            if self.app is not None:  # the client is gone: its waiting calls end, then so do we
+                self.app.client_gone()
             while self.writes.pending:
                 await self.writes.changed()
             raise
@@ -8133,6 +8320,7 @@ HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and 
 HTTP_MAX_BODIES_IN_FLIGHT = 8  # bodies buffered at once (8 x 16 MiB at most); more wait their turn
 HTTP_BODY_TIMEOUT_SECS = 60  # a body still arriving after this is a 408
 HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
+HTTP_SESSIONS_PER_TOKEN = 16  # one token's share of them: another token can always open one
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
 HTTP_HEADER_TIMEOUT_SECS = 10  # a connection whose request headers are not in by then is closed
 HTTP_KEEP_ALIVE_SECS = 5  # an idle connection between requests is closed after this
@@ -8374,18 +8562,20 @@ def authenticated_user(principal: Principal):
     )
 
 
-def request_methods(body: bytes) -> list[str]:
-    """The methods of the JSON-RPC requests in a body (one, or a batch);
-    notifications and answers are not requests."""
+def request_methods(body: bytes, key: str = "method") -> list:
+    """The methods (or ids) of the JSON-RPC requests in a body (one, or a
+    batch); notifications and answers are not requests."""
     try:
         message = json.loads(body)
     except ValueError:
         return []
     messages = message if isinstance(message, list) else [message]
     return [
-        m["method"]
+        m[key]
         for m in messages
-        if isinstance(m, dict) and isinstance(m.get("method"), str) and "id" in m
+        if isinstance(m, dict)
+        and isinstance(m.get("method"), str)
+        and isinstance(m.get("id"), (str, int))
     ]
 
 
@@ -8723,6 +8913,19 @@ class HttpSessions:
                 answer["body"] += message.get("body", b"")
             await send(message)
 
+        # A token's share of sessions; named tokens leave one share for the operator's own.
+        named = principal.name != "default" and len(self.by_id) >= HTTP_MAX_SESSIONS - (
+            HTTP_SESSIONS_PER_TOKEN
+        )
+        if (
+            "initialize" in methods
+            and not http_id
+            and (self.sessions_of(principal) >= HTTP_SESSIONS_PER_TOKEN or named)
+        ):
+            busy = f"{principal.label()} has {HTTP_SESSIONS_PER_TOKEN} sessions open, its share"
+            busy += "; end one (a client's DELETE, or let it idle out) before opening another"
+            await _respond(send, 503, json.dumps({"error": busy}).encode())
+            return
         if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
             session = self.modern_session(principal) if methods else None
         else:
@@ -8737,7 +8940,7 @@ class HttpSessions:
             session.used = session.used or any(method in SESSION_USES for method in methods)
             session.in_flight += 1
             try:
-                await inner(scope, receive, watch)
+                await self.serve_calls(inner, scope, receive, watch, session, body)
             finally:
                 session.in_flight -= 1
                 session.last_seen = time.monotonic()
@@ -8747,25 +8950,62 @@ class HttpSessions:
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
             self.end_handshake(self.by_id[http_id])
 
+    def sessions_of(self, principal: Principal) -> int:
+        return sum(1 for s in self.by_id.values() if s.principal.id == principal.id)
+
+    async def serve_calls(
+        self, inner: Callable, scope: dict, receive: Callable, send: Callable, session, body
+    ) -> None:
+        """Serve a POST of calls, listening for its client to hang up meanwhile:
+        then its calls are gone, and one waiting for approval ends (SPEC 13)."""
+        import anyio
+
+        ids, first, gone = request_methods(body, "id"), [await receive()], anyio.Event()
+
+        async def inner_receive() -> dict:
+            if first:
+                return first.pop()
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def listen() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            session.gone_requests.update(ids)
+            gone.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(listen)
+            try:
+                await inner(scope, inner_receive, send)
+            finally:
+                group.cancel_scope.cancel()
+                session.gone_requests.difference_update(ids)
+
     async def end_revoked(self) -> None:
         """End the sessions of tokens deleted since the last look (or deleted and
-        made again under the same name: that is another token)."""
+        made again under the same name: that is another token). A session whose
+        calls wait for approval is ended once they have answered approval_token_deleted
+        (their poll sees the deletion within APPROVAL_POLL_SECS), and its other calls
+        get TOKEN_END_GRACE_SECS to send their answers."""
         live = self.app.access.live_ids()
-        for name, session in list(self.by_principal.items()):
-            if live.get(name) != session.principal.id:
-                log.info("token %s was deleted: ending its session %s", name, session.id)
-                del self.by_principal[name]
-                await self.app.end_session(session)
-        for session in list(self.by_id.values()):
-            if live.get(session.principal.name) != session.principal.id:
-                log.info(
-                    "token %s was deleted: ending its session %s",
-                    session.principal.name,
-                    session.id,
-                )
+        for session in [*self.by_principal.values(), *self.by_id.values()]:
+            if live.get(session.principal.name) == session.principal.id:
+                continue
+            session.revoked_at = session.revoked_at or time.monotonic()
+            if session.held or (
+                session.in_flight and time.monotonic() - session.revoked_at < TOKEN_END_GRACE_SECS
+            ):
+                continue
+            log.info(
+                "token %s was deleted: ending its session %s", session.principal.name, session.id
+            )
+            if session.http_id is None:
+                self.by_principal.pop(session.principal.name, None)
+            else:
                 self.by_id.pop(session.http_id, None)
                 await self.close_handshake_session(session)  # the SDK lets go of it too
-                await self.app.end_session(session)
+            await self.app.end_session(session)
 
     async def end_idle(self) -> None:
         """End every session with no request in flight and none for
@@ -9128,32 +9368,32 @@ def console_routes(app: SmolMcp) -> list:
     async def activity(request: Any) -> Any:
         query = request.query_params
         asked = {key: query.get(key, "").strip()[:100] for key in ("token", "machine", "since")}
-        error, page = "", int(query["page"]) if query.get("page", "")[:6].isdigit() else 1
+        error, page = "", max(1, int(query["page"]) if query.get("page", "")[:6].isdigit() else 1)
         try:
             since = parse_period(asked["since"]) if asked["since"] else None
         except ValueError as err:
             since, error = None, f'<p class="error">{esc(err)}</p>'
-        entries = access.activity.entries()
-        entries = select_activity(entries, asked["token"] or None, asked["machine"] or None, since)
-        pages_in_all = max(1, -(-len(entries) // CONSOLE_PAGE_ROWS))
-        page = max(1, min(page, pages_in_all))
+        keep = activity_filter(asked["token"] or None, asked["machine"] or None, since)
+        # read no further back than this page and one more entry (a full log is large)
+        entries = access.activity.entries(keep, limit=page * CONSOLE_PAGE_ROWS + 1)[::-1]
         rows = "".join(
             "<li>" + " &middot; ".join(esc(cell) for cell in activity_row(entry)) + "</li>"
-            for entry in entries[::-1][(page - 1) * CONSOLE_PAGE_ROWS :][:CONSOLE_PAGE_ROWS]
+            for entry in entries[(page - 1) * CONSOLE_PAGE_ROWS :][:CONSOLE_PAGE_ROWS]
         )
         inputs = "".join(
             f'<label>{key.title()} <input type="text" name="{key}" value="{esc(value)}"></label>'
             for key, value in asked.items()
         )
+        older = len(entries) > page * CONSOLE_PAGE_ROWS
         links = "".join(
             f' <a href="?{esc(urllib.parse.urlencode({**asked, "page": n}))}">{label}</a>'
-            for n, label in ((page - 1, "Newer"), (page + 1, "Older"))
-            if 0 < n <= pages_in_all
+            for n, label, shown in ((page - 1, "Newer", page > 1), (page + 1, "Older", older))
+            if shown
         )
         body = (
             f'<form method="get" action="/console/activity">{inputs}<button>Filter</button>'
-            f"</form>{error}<p>{len(entries)} entries, newest first (since: 90s, 15m, 1h, 2d, 1w);"
-            f" page {page} of {pages_in_all}.{links}</p><ol>{rows}</ol>"
+            f"</form>{error}<p>Newest first (since: 90s, 15m, 1h, 2d, 1w); page {page}.{links}"
+            f"</p><ol>{rows}</ol>"
         )
         return show(request, "Activity", body)
 
@@ -10048,6 +10288,9 @@ def parse_args(argv: list[str]):
     activity.add_argument("--machine", help="only entries about this machine")
     activity.add_argument("--since", help="only the last period, such as 15m, 1h or 7d")
     activity.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
+    activity.add_argument(
+        "--limit", type=int, default=ACTIVITY_RESOURCE_ENTRIES, help="the latest N entries"
+    )
     approvals = helpers.add_parser("approvals", help="list, approve and deny calls that wait")
     approval_commands = approvals.add_subparsers(
         dest="approvals_command", metavar="{list,approve,deny}", required=True
@@ -10061,6 +10304,7 @@ def parse_args(argv: list[str]):
         choices=tuple(AUTO_APPROVE_PERIODS),
         help="also let this token run changing tools without asking for this long",
     )
+    approve.add_argument("--yes", action="store_true", help="with --auto-for: release the rest")
     deny = approval_commands.add_parser("deny", help="refuse a waiting call; nothing runs")
     deny.add_argument("id")
     deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
@@ -10862,10 +11106,20 @@ def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
 # -- activity and approvals --------------------------------------------------
 
 
-def print_table(rows: list[tuple]) -> None:
+def printable(text: Any) -> str:
+    """``text`` safe for a terminal: every control and format character (ESC, BEL,
+    a newline, a bidi override) escaped, so what an agent chose cannot move the
+    cursor or forge a row."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
+
+
+def print_table(rows: list[tuple], after: Callable[[int], None] = lambda index: None) -> None:
+    """Rows in aligned columns, escaped; ``after(i)`` prints what follows row i."""
+    rows = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
+    for index, row in enumerate(rows):
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        after(index)
 
 
 def activity_command(args: Any, config: Config) -> int:
@@ -10875,7 +11129,8 @@ def activity_command(args: Any, config: Config) -> int:
     except ValueError as err:
         raise ConfigError(f"--since: {err}") from None
     log_file = ActivityLog(config.state_dir)
-    entries = select_activity(log_file.entries(), args.token, args.machine, since)
+    keep = activity_filter(args.token, args.machine, since)
+    entries = log_file.entries(keep, args.limit)
     if args.json:
         print(json.dumps(entries))
         return 0
@@ -10884,6 +11139,8 @@ def activity_command(args: Any, config: Config) -> int:
         print(f"no activity recorded{matching} (log: {log_file.path})")
         return 0
     print_table([ACTIVITY_COLUMNS, *map(activity_row, entries)])
+    if len(entries) == args.limit:
+        print(f"(the latest {args.limit} entries; --limit N shows more)")
     return 0
 
 
@@ -10920,6 +11177,27 @@ def activity_row(entry: dict) -> tuple:
     return entry.get("time", "?"), who, what, entry.get("machine") or "-", outcome[:100]
 
 
+def print_waiting(shown: list[dict]) -> None:
+    """Waiting calls for the person who answers them: a row each, then every
+    argument on a line of its own, escaped, a cut one with its size and SHA-256."""
+    rows = [("ID", "TOKEN", "TOOL", "MACHINE", "TIME LEFT")]
+    for r in shown:
+        try:
+            left = f"{max(0, int(parse_time(r['expiresAt']) - time.time()))} s"
+        except (ValueError, TypeError):
+            left = "?"
+        rows.append((r["id"], r["token"], r["tool"], r["machine"] or "-", left))
+
+    def arguments(index: int) -> None:
+        for key, value in (shown[index - 1].get("arguments") or {}).items() if index else ():
+            if isinstance(value, dict) and set(value) == {"cut", "bytes", "sha256"}:
+                value = f"{value['cut']}... ({value['bytes']} bytes, sha256 {value['sha256']})"
+            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            print(f"    {printable(key)}: {printable(text)}")
+
+    print_table(rows, arguments)
+
+
 def approvals_command(args: Any, config: Config) -> int:
     """approvals list / approve / deny: answer the calls that wait, from the host."""
     if args.approvals_command == "list":
@@ -10930,29 +11208,21 @@ def approvals_command(args: Any, config: Config) -> int:
         if not shown:
             print("no call waits for approval")
             return 0
-        rows = [("ID", "TOKEN", "TOOL", "MACHINE", "TIME LEFT", "ARGUMENTS")]
-        for r in shown:
-            try:
-                left = f"{max(0, int(parse_time(r['expiresAt']) - time.time()))} s"
-            except (ValueError, TypeError):
-                left = "?"
-            rows.append(
-                (
-                    r["id"],
-                    r["token"],
-                    r["tool"],
-                    r["machine"] or "-",
-                    left,
-                    json.dumps(r["arguments"])[:120],
-                )
-            )
-        print_table(rows)
+        print_waiting(shown)
         print(
             "\nanswer with: approvals approve ID [--auto-for 1h|1d|7d|30d|forever], or "
             "approvals deny ID [--reason TEXT]"
         )
         return 0
     approve = args.approvals_command == "approve"
+    if approve and args.auto_for:  # it releases the token's other waiting calls: show them
+        pending = ApprovalDesk(config.state_dir).pending()
+        token = next((r.get("principalId") for r in pending if r["id"] == args.id), None)
+        others = [r for r in pending if r["id"] != args.id and r.get("principalId") == token]
+        if token and others and not args.yes:
+            print_waiting(others)
+            print(f"\n--auto-for also lets these {len(others)} calls run; add --yes to go on")
+            return 1
     request, until = answer_approval(
         config,
         args.id,

@@ -2287,7 +2287,7 @@ class CloudRuleTests(FakeCloudCase):
                 "the first", out["stdout"]
             )  # the overflow file is not claimed to be whole
 
-    async def test_names_resolve_with_one_list_call_and_ids_work_too(self):
+    async def test_names_resolve_with_one_list_call_and_an_id_is_not_a_name(self):
         async with self.client("legacy") as c:
             await self.machine(c, "persist-1")
             self.assertIsNone(
@@ -2300,8 +2300,8 @@ class CloudRuleTests(FakeCloudCase):
                 [r[:2] for r in self.cloud.requests],  # the name, then its jobs
                 [("GET", "/v1/machines"), ("GET", jobs)],
             )
-            by_id = await self.ok(c, "get-machine", {"name": got["machine"]["id"]})
-            self.assertEqual(by_id["machine"]["name"], "persist-1")
+            by_id = await self.refused(c, "get-machine", {"name": got["machine"]["id"]})
+            self.assertIn(f"machine '{got['machine']['id']}' not found", by_id)  # SPEC 16
             text = await self.refused(c, "get-machine", {"name": "ghost"})
             self.assertIn("machine 'ghost' not found", text)
             self.assertIn("list-machines", text)
@@ -3003,6 +3003,18 @@ class EgressTests(FakeServeCase):
             self.assertEqual(
                 self.fake.machines["sealed"]["allowedHosts"], ["example.org", "pypi.test"]
             )
+            self.fake.machines["sealed"]["allowedHosts"] = ["example.org"]
+            again = await answered("pypi.test")  # replayed: its nonce is spent
+            self.assertIsInstance(again, mcp_types.InputRequiredResult)
+            with unittest.mock.patch.object(smol_mcp, "CONFIRM_TTL_SECS", 0):
+                first = await c.session.call_tool(
+                    "allow-egress",
+                    {"name": "sealed", "hosts": ["late.test"]},
+                    allow_input_required=True,
+                )
+            late = await answered("late.test")  # its question expired: asked again
+            self.assertIsInstance(late, mcp_types.InputRequiredResult)
+            self.assertEqual(len(self.egress_posts()), 1)
 
 
 class EgressPiecesTests(unittest.TestCase):
@@ -3114,6 +3126,25 @@ class LogSubscriptionTests(FakeServeCase):
         self.assertEqual(
             len(self.requests_to("/logs", "GET")), polls
         )  # no poller outlives its session
+
+    async def test_subscriptions_are_bounded_and_a_gone_machine_stops_its_poller(self):
+        uris = [f"smol://machine/local/m{n}/logs" for n in range(20)]
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "mcp-sub", "image": "alpine"})
+            await c.subscribe_resource("smol://machine/local/mcp-sub/logs")
+            for uri in uris[: smol_mcp.SUBSCRIPTIONS_PER_SESSION - 1]:
+                await c.subscribe_resource(uri)
+            with self.assertRaises(MCPError) as caught:
+                await c.subscribe_resource(uris[-1])
+            self.assertIn("unsubscribe from one", str(caught.exception))
+            await self.ok(c, "delete-machine", {"name": "mcp-sub"})
+            with anyio.fail_after(10):  # every poller's machine is gone: all of them stop
+                while sum(self.app.polling.values()):
+                    await anyio.sleep(0.1)
+        async with self.client("auto") as c:
+            with self.assertRaises(MCPError):
+                async with c.listen(resource_subscriptions=uris):
+                    pass
 
 
 # ---------------------------------------------------------------------------
@@ -3244,9 +3275,11 @@ class HttpSecurityTests(HttpCase):
             smol_mcp.HTTP_MAX_SESSIONS
         )  # this class keeps the default idle timeout: nothing expires here
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
-        statuses = [
-            (await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code for _ in range(limit + 1)
-        ]
+        with unittest.mock.patch.object(smol_mcp, "HTTP_SESSIONS_PER_TOKEN", limit + 1):
+            statuses = [
+                (await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code
+                for _ in range(limit + 1)
+            ]
         self.assertEqual(statuses[:limit], [200] * limit)
         self.assertEqual(statuses[limit], 503)
 
@@ -6954,6 +6987,16 @@ class AccessPiecesTests(unittest.TestCase):
             self.assertFalse(store.delete("agent-1"))
 
 
+class ReservedTokenNameTests(unittest.TestCase):
+    def test_the_servers_own_names_are_refused_in_any_case(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            store = smol_mcp.TokenStore(tmp)
+            for name in ("cli", "Default", "STDIO", "Smol-Mcp"):
+                with self.assertRaisesRegex(smol_mcp.ConfigError, "cannot be a token name"):
+                    store.create(name, ("machines.read",), smol_mcp.FLEET_NAMES, "none")
+            self.assertEqual(store.records(), [])
+
+
 class AccessCliTests(unittest.TestCase):
     def setUp(self):
         self.tmp = short_tempdir()
@@ -7333,6 +7376,50 @@ class AgentAccessHttpTests(HttpCase):
                     INIT_BODY,
                 )
                 self.assertEqual(response.status_code, 401)
+
+    async def test_deleting_a_token_ends_its_listen_streams_and_pollers(self):
+        record, self.secrets["gone2"] = self.store.create(
+            "gone2", smol_mcp.parse_scopes("machines.read,machines.manage"), ("local",), "none"
+        )
+        uri = "smol://machine/local/watched/logs"
+        async with self.as_token("gone2", "legacy") as old, self.as_token("gone2", "auto") as new:
+            await self.ok(old, "create-machine", {"name": "watched", "image": "alpine"})
+            await old.subscribe_resource(uri)
+            async with new.listen(resource_subscriptions=[uri]) as events:
+                self.assertEqual(self.app.polling[record["id"]], 2)
+                self.store.delete("gone2")
+                with anyio.fail_after(10):  # the stream ends, rather than hearing on
+                    async for _ in events:
+                        pass
+                await self.wait_until(lambda: self.app.polling[record["id"]] == 0, 10)
+
+    async def test_one_token_cannot_take_every_handshake_session(self):
+        def opening(name):
+            headers = {**JSON_HEADERS, "Authorization": f"Bearer {self.secrets[name]}"}
+            return self.raw("POST", "/mcp", headers, INIT_BODY)
+
+        for _ in range(smol_mcp.HTTP_SESSIONS_PER_TOKEN):
+            self.assertEqual((await opening("look")).status_code, 200)
+        refused = await opening("look")
+        self.assertEqual(refused.status_code, 503)
+        self.assertIn("its share", refused.json()["error"])
+        self.assertEqual((await opening("a")).status_code, 200)
+        for name in ("b", "runner"):
+            for _ in range(smol_mcp.HTTP_SESSIONS_PER_TOKEN):
+                await opening(name)
+        self.assertEqual((await opening("cloudy")).status_code, 503)  # the rest is the operator's
+        for _ in range(smol_mcp.HTTP_SESSIONS_PER_TOKEN):
+            self.assertEqual(
+                (
+                    await self.raw(
+                        "POST",
+                        "/mcp",
+                        JSON_HEADERS | {"Authorization": f"Bearer {HTTP_TOKEN}"},
+                        INIT_BODY,
+                    )
+                ).status_code,
+                200,
+            )
 
     async def test_two_tokens_keep_separate_ephemeral_machines_in_the_2026_era(self):
         async with (
@@ -8348,6 +8435,48 @@ class SandboxBothFleetsTests(FakeCloudCase):
             await self.ok(c, "delete-machine", {"name": "dev"})
 
 
+class CloudNamesAreNamesTests(FakeCloudCase):
+    """SPEC 16: on the cloud a name is never an id, and ownership and session
+    cleanup compare which machine it is, not only what it is called."""
+
+    def sandbox_app(self, name: str) -> SmolMcp:
+        app = SmolMcp(dataclasses_replace(self.config, scopes=()))  # one state directory
+        app.access.stdio = smol_mcp.Principal(name, frozenset(SANDBOX.split(",")), kind="stdio")
+        return app
+
+    async def test_a_machine_named_after_anothers_id_reaches_only_itself(self):
+        a, b = self.sandbox_app("a"), self.sandbox_app("b")
+        async with Client(a.server, mode="legacy") as ca, Client(b.server, mode=MODES[-1]) as cb:
+            await self.ok(ca, "create-machine", {"name": "alpha", "image": "alpine"})
+            await self.ok(ca, "write-file", {"name": "alpha", "path": "/s", "content": "A-SECRET"})
+            victim = self.by_name("alpha")["id"]
+            await self.ok(cb, "create-machine", {"name": victim, "image": "alpine"})
+            got = await self.ok(cb, "get-machine", {"name": victim})
+            self.assertNotEqual(got["machine"]["id"], victim)
+            ran = await self.ok(cb, "run-command", {"name": victim, "command": "cat /s || true"})
+            self.assertNotIn("A-SECRET", json.dumps(ran))
+            await self.ok(cb, "delete-machine", {"name": victim})
+            self.assertEqual(self.by_name("alpha")["id"], victim)
+            self.assertFalse(any(m["name"] == victim for m in self.cloud.machines.values()))
+            await self.ok(ca, "delete-machine", {"name": "alpha"})
+
+    async def test_a_name_made_again_behind_the_servers_back_is_not_the_owners(self):
+        a = self.sandbox_app("a")
+        cloud = a.fleets["cloud"]
+        spec = smol_mcp.MachineSpec("mcp-kept", "alpine", 1, 512, "blocked")
+        async with Client(a.server, mode="legacy") as ca:
+            await self.ok(ca, "create-machine", {"name": "mcp-kept", "image": "alpine"})
+            first = self.by_name("mcp-kept")["id"]
+            await asyncio.to_thread(cloud.delete_machine, "mcp-kept")  # outside this server
+            await asyncio.to_thread(cloud.create_machine, spec)
+            text = await self.refused(ca, "get-machine", {"name": "mcp-kept"})
+            self.assertIn("not found", text)
+        second = self.by_name("mcp-kept")["id"]  # the session's cleanup left it alone
+        self.assertNotEqual(first, second)
+        cleanup = [e for e in a.access.activity.entries() if e.get("event") == "session-cleanup"]
+        self.assertEqual(cleanup[-1]["outcome"], smol_mcp.NOT_THE_SESSIONS_MACHINE)
+
+
 class StdioScopesTests(FakeServeCase):
     config_overrides = {"scopes": ("machines.read",)}
 
@@ -8413,7 +8542,7 @@ import sys
 sys.path.insert(0, {here!r})
 import smol_mcp
 log = smol_mcp.ActivityLog({state!r})
-pad = {pad!r} * 5000  # past PIPE_BUF: a line split in two writes would show
+pad = [{pad!r} * 1500] * 3  # past PIPE_BUF, and each string under the field bound
 for n in range(1000):
     log.append({{"event": "test", "writer": {writer!r}, "n": n, "pad": pad}})
 """
@@ -8453,7 +8582,7 @@ class ActivityLogTests(unittest.TestCase):
         seen = {"a": [], "b": []}
         for line in lines:
             entry = json.loads(line)  # a torn or interleaved line would not parse
-            self.assertEqual(entry["pad"], entry["writer"] * 5000)
+            self.assertEqual(entry["pad"], [entry["writer"] * 1500] * 3)
             seen[entry["writer"]].append(entry["n"])
         for writer in ("a", "b"):
             self.assertEqual(sorted(seen[writer]), list(range(1000)))
@@ -8665,7 +8794,7 @@ class ActivityCliTests(unittest.TestCase):
 
 class ActivityToolTests(FakeServeCase):
     def entries(self, **where):
-        return smol_mcp.select_activity(self.app.access.activity.entries(), **where)
+        return self.app.access.activity.entries(smol_mcp.activity_filter(**where))
 
     async def test_changes_are_recorded_before_the_answer_reads_are_not_and_contents_are_redacted(
         self,
@@ -8784,6 +8913,79 @@ class ActivityToolTests(FakeServeCase):
                     "scope_missing: smol://activity needs the activity.read scope",
                     str(refused.exception),
                 )
+
+
+class ActivityHoldsTests(FakeServeCase):
+    """SPEC 13: the record holds against the agent it records."""
+
+    def cli(self, *args) -> subprocess.CompletedProcess:
+        env = {**os.environ, "SMOL_MCP_STATE_DIR": self.config.state_dir, "HOME": self.tmp}
+        return run_cli("activity", *args, env={**env, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"})
+
+    async def test_a_line_separator_hides_no_entry_from_any_reader(self):
+        async with self.client("legacy") as c:
+            for sep in ("\u2028", "\u2029", "\x85"):
+                await self.refused(c, "run-command", {"name": "nope", "command": f"x{sep}y"})
+            page = json.loads((await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text)
+        self.assertEqual(len(page["entries"]), 3)
+        self.assertEqual(len(json.loads(self.cli("--json").stdout)), 3)
+        self.assertEqual(len(self.cli().stdout.strip().splitlines()), 4)  # a header and 3 rows
+
+    async def test_a_9_mib_argument_is_cut_and_flushes_no_history(self):
+        import hashlib
+
+        huge = "a" * (9 * 1024 * 1024)
+        async with self.client("legacy") as c:
+            for _ in range(3):
+                await self.refused(c, "delete-machine", {"name": huge, "Stdin": huge})
+        log_file = self.app.access.activity
+        self.assertLess(log_file.path.stat().st_size, 3 * 16 * 1024)
+        self.assertFalse(log_file.older(1).exists())
+        entry = log_file.entries()[-1]
+        self.assertEqual(entry["machine"]["bytes"], len(huge))
+        self.assertEqual(entry["machine"]["sha256"], hashlib.sha256(huge.encode()).hexdigest())
+        self.assertLess(len(entry["outcome"]), 4096)
+        for _ in range(300):
+            log_file.append({"event": "test", "pad": ["p" * 2000] * 3})
+        async with self.client("legacy") as c:
+            page = (await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text
+        self.assertLess(len(page), smol_mcp.ACTIVITY_PAGE_BYTES + 64 * 1024)
+        self.assertGreater(len(json.loads(page)["entries"]), 50)
+
+    async def test_an_argument_outside_the_schema_is_redacted_in_the_log_and_the_answer(self):
+        async with self.client("legacy") as c:
+            for tool, args in (
+                ("run-command", {"name": "m", "command": "sh", "Stdin": "SECRET-1"}),
+                ("write-file", {"name": "m", "path": "/k", "contents": "SECRET-2"}),
+                ("run-command", {"name": "m", "command": "sh", "env": ["K=SECRET-3"]}),
+                ("run-command", {"name": "m", "command": "sh", "env": {"K": 77777}}),
+            ):
+                self.assertNotIn("SECRET", await self.refused(c, tool, args))
+                self.assertNotIn("77777", await self.refused(c, tool, args))
+        text = self.app.access.activity.path.read_text()
+        self.assertEqual(text.count("\n"), 8)
+        self.assertNotIn("SECRET", text)
+        self.assertNotIn("77777", text)
+
+    async def test_activity_escapes_what_the_agent_chose_and_reads_a_page_lazily(self):
+        forged = "x\x1b]0;t\x07\x1b[2J\nFAKE 2026 admin delete-machine prod ok\u202e"
+        async with self.client("legacy") as c:
+            await self.refused(c, "delete-machine", {"name": forged})
+        out = self.cli().stdout
+        self.assertEqual(len(out.strip().splitlines()), 2, out)
+        self.assertFalse(any(ch in out for ch in "\x1b\x07\u202e"), out)
+        self.assertIn("\\x1b]0;t\\x07", out)
+        log_file = self.app.access.activity
+        for n in range(300):
+            log_file.append({"event": "test", "n": n})
+        log_file.older(1).mkdir()  # reading it would fail: a page never needs it
+        self.assertEqual(
+            [e["n"] for e in json.loads(self.cli("--json", "--limit", "5").stdout)],
+            list(range(295, 300)),
+        )
+        out = self.cli().stdout
+        self.assertIn("the latest 200 entries", out)
+        self.assertEqual(len(out.strip().splitlines()), 202)
 
 
 class ApprovalTests(FakeServeCase):
@@ -8917,6 +9119,38 @@ class ApprovalTests(FakeServeCase):
         self.assertNotIn("gave-up", self.fake.machines)
         self.assertEqual(self.app.access.activity.entries()[-1]["outcome"], "cancelled")
 
+    async def test_the_person_sees_what_decides_the_call_and_the_log_does_not(self):
+        big = "B" * 10000
+        args = {
+            "name": "m",
+            "command": "sh\x1b[2J",
+            "stdin": "rm -rf /srv # STDIN-SEEN",
+            "env": {"TOKEN": "ENV-SEEN"},
+        }
+        async with self.client("legacy") as c:
+            calls = [
+                asyncio.create_task(c.call_tool("run-command", args)),
+                asyncio.create_task(
+                    c.call_tool("write-file", {"name": "m", "path": "/x", "content": big})
+                ),
+            ]
+            await self.waiting(2)
+            with unittest.mock.patch.object(smol_mcp, "APPROVAL_MAX_WAITING", 2):
+                text = await self.refused(c, "stop-machine", {"name": "m"})  # past the bound
+            self.assertTrue(text.startswith("approval_unavailable: "), text)
+            shown = (await asyncio.to_thread(run_cli, "approvals", "list", env=self.env())).stdout
+            for seen in ("STDIN-SEEN", "ENV-SEEN", "sh\\x1b[2J", "10000 bytes"):
+                self.assertIn(seen, shown)
+            self.assertNotIn("\x1b", shown)
+            self.assertLess(len(shown), 8000)  # the 10,000 bytes are cut
+            for held in await self.waiting(2):
+                await asyncio.to_thread(run_cli, "approvals", "deny", held["id"], env=self.env())
+            for call in calls:
+                self.assertTrue((await call).is_error)
+        log_text = self.app.access.activity.path.read_text()
+        self.assertNotIn("STDIN-SEEN", log_text)
+        self.assertNotIn("ENV-SEEN", log_text)
+
     async def test_auto_approval_for_a_period_then_it_ends(self):
         async with self.client("legacy") as c:
             call = asyncio.create_task(
@@ -8927,9 +9161,13 @@ class ApprovalTests(FakeServeCase):
                 c.call_tool("create-machine", {"name": "a1b", "image": "alpine", "start": False})
             )
             await self.waiting(2)
-            await asyncio.to_thread(
-                run_cli, "approvals", "approve", held["id"], "--auto-for", "1h", env=self.env()
-            )
+            approve = ("approvals", "approve", held["id"], "--auto-for", "1h")
+            shown = await asyncio.to_thread(run_cli, *approve, env=self.env())
+            self.assertEqual(shown.returncode, 1, shown.stderr)  # it shows what it would release
+            self.assertIn("a1b", shown.stdout)
+            self.assertIn("add --yes", shown.stdout)
+            self.assertEqual(len(await self.waiting(2)), 2)  # nothing released, nothing approved
+            await asyncio.to_thread(run_cli, *approve, "--yes", env=self.env())
             self.assertFalse((await call).is_error)
             self.assertFalse((await other).is_error)  # one already waiting runs too
             requested = self.approval_events().count(("requested", None))
@@ -9041,6 +9279,56 @@ class ApprovalTests(FakeServeCase):
         self.assertNotIn("WEBHOOK-SECRET", json.dumps(received))
         self.assertIn("webhook failed", [e[0] for e in self.approval_events()])
 
+    async def test_webhook_notices_post_from_one_bounded_pool(self):
+        import http.server
+
+        release = threading.Event()
+
+        class Hung(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                release.wait(30)
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hung)
+        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{hook.server_port}/hook"
+        self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
+        self.app._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
+        before = set(threading.enumerate())  # other tests' apps have pools of their own
+        try:
+            async with self.client("legacy") as c:
+                calls = [
+                    asyncio.create_task(
+                        c.call_tool("create-machine", {"name": f"w{n}", "image": "alpine"})
+                    )
+                    for n in range(6)
+                ]
+                for held in await self.waiting(6):
+                    await asyncio.to_thread(
+                        run_cli, "approvals", "deny", held["id"], env=self.env()
+                    )
+                for call in calls:
+                    await call
+            posting = [
+                t
+                for t in set(threading.enumerate()) - before
+                if t.name.startswith("smol-mcp-webhook")
+            ]
+            self.assertEqual(len(posting), smol_mcp.WEBHOOK_THREADS)
+            dropped = [
+                e
+                for e in self.app.access.activity.entries()
+                if e.get("error") == ("too many notices queued")
+            ]
+            self.assertEqual(len(dropped), 3)
+        finally:
+            release.set()
+            hook.shutdown()
+
     async def test_no_approval_no_instructions_and_no_wait(self):
         self.app = SmolMcp(dataclasses_replace(self.config, approval="none"))
         async with self.client("legacy") as c:
@@ -9124,6 +9412,23 @@ class ApprovalViaClientTests(FakeServeCase):
                     self.assertFalse((await call).is_error)
                     self.assertIn(name, self.fake.machines)
 
+    async def test_questions_left_with_a_2026_client_are_bounded_and_withdrawn_when_it_goes(self):
+        asked = []
+        async with self.client("auto", elicitation_callback=answer_approval("accept", asked)) as c:
+            with unittest.mock.patch.object(smol_mcp, "APPROVAL_MAX_WAITING", 2):
+                for n in range(3):
+                    answer = await c.session.call_tool(
+                        "create-machine",
+                        {"name": f"q{n}", "image": "alpine"},
+                        allow_input_required=True,
+                    )
+            self.assertIsInstance(answer, mcp_types.CallToolResult)  # the third: refused at once
+            self.assertTrue(answer.content[0].text.startswith("approval_unavailable: "))
+            self.assertEqual(len(self.app.access.desk.pending()), 2)
+            self.app.client_gone()  # as at stdin's end
+            self.assertEqual(self.app.access.desk.pending(), [])
+        self.assertEqual(self.fake.machines, {})
+
     async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(self):
         forged = mcp_types.ElicitResult(action="accept").model_dump(
             by_alias=True, exclude_none=True
@@ -9199,6 +9504,55 @@ class ApprovalHttpTests(HttpCase):
                     smol_mcp.FLEET_NAMES,
                     "changes",
                 )
+
+    async def test_a_revoked_tokens_session_ends_only_once_its_waiting_call_answered(self):
+        async with self.http_client(headers={"Authorization": f"Bearer {self.secret}"}) as c:
+            await self.ok(c, "list-machines", {})
+            call = asyncio.create_task(c.call_tool("create-machine", {"name": "o", "image": "a"}))
+            while not self.app.access.desk.pending():
+                await asyncio.sleep(0.05)
+            [session] = self.app.http.by_id.values()
+            self.store.delete("held")
+            await self.app.http.end_revoked()  # the watcher's look, before the call's poll
+            self.assertFalse(session.ended)
+            self.assertTrue(result_of(await call)[1].startswith("approval_token_deleted: "))
+        await self.app.http.end_revoked()
+        self.assertTrue(session.ended)
+
+    async def test_a_client_that_hangs_up_leaves_no_call_waiting(self):
+        import httpx2
+
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {self.secret}"}
+        for era in ("2025-06-18", "2026-07-28"):
+            with self.subTest(era=era):
+                headers = {**auth, "Mcp-Protocol-Version": era}
+                headers.update({"Mcp-Method": "tools/call", "Mcp-Name": "create-machine"})
+                meta = {  # the 2026 era's envelope; the handshake era ignores it
+                    "io.modelcontextprotocol/protocolVersion": era,
+                    "io.modelcontextprotocol/clientCapabilities": {},
+                }
+                arguments = {"name": "gone", "image": "alpine"}
+                call = jsonrpc(
+                    7,
+                    "tools/call",
+                    {"name": "create-machine", "arguments": arguments, "_meta": meta},
+                )
+                async with httpx2.AsyncClient(timeout=30) as http:
+                    if era == "2025-06-18":
+                        opened = await http.post(self.url, headers=auth, content=INIT_BODY)
+                        headers["Mcp-Session-Id"] = opened.headers["mcp-session-id"]
+                    held = asyncio.create_task(http.post(self.url, headers=headers, content=call))
+                    deadline = time.monotonic() + 10
+                    while not self.app.access.desk.pending():
+                        self.assertLess(time.monotonic(), deadline)
+                        await asyncio.sleep(0.1)
+                    held.cancel()  # the client hangs up: the connection closes
+                while self.app.access.desk.pending():
+                    self.assertLess(time.monotonic(), deadline + 10, "the call still waits")
+                    await asyncio.sleep(0.1)
+                events = [e.get("approval") for e in self.app.access.activity.entries()]
+                self.assertEqual(events[-2:], ["cancelled", None])  # then the call's own entry
+                self.assertNotIn("gone", self.fake.machines)
 
     async def test_a_plain_token_never_waits(self):
         async with self.http_client("legacy") as c:
@@ -9563,6 +9917,44 @@ class ApprovalSigtermTests(unittest.TestCase):
             answer = result["answer"]["result"]
             self.assertTrue(answer["isError"])
             self.assert_interrupted(answer["content"][0]["text"])
+        finally:
+            if server.poll() is None:
+                server.kill()
+
+    def test_stdin_eof_ends_every_held_call_and_the_server_exits(self):
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py")],
+            env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            server.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
+            server.stdin.write(jsonrpc(None, "notifications/initialized"))
+            for n in range(smol_mcp.APPROVAL_MAX_WAITING + 4):
+                arguments = {"name": f"held-{n}", "image": "alpine"}
+                call = {"name": "create-machine", "arguments": arguments}
+                server.stdin.write(jsonrpc(n + 2, "tools/call", call))
+            server.stdin.flush()
+            desk = smol_mcp.ApprovalDesk(f"{self.tmp}/state")
+            deadline = time.monotonic() + 60
+            while len(desk.pending()) < smol_mcp.APPROVAL_MAX_WAITING:
+                self.assertLess(time.monotonic(), deadline, "the calls did not come to wait")
+                time.sleep(0.1)
+            server.stdin.close()  # the client goes away
+            self.assertEqual(server.wait(timeout=30), 0)
+            answers = [json.loads(line) for line in server.stdout.read().splitlines()]
+            codes = sorted(
+                a["result"]["content"][0]["text"].split(":")[0] for a in answers if a["id"] != 1
+            )
+            self.assertEqual(
+                codes,
+                ["approval_cancelled"] * smol_mcp.APPROVAL_MAX_WAITING
+                + ["approval_unavailable"] * 4,
+            )
+            self.assertEqual(desk.pending(), [])
+            self.assertEqual(self.fake.machines, {})
         finally:
             if server.poll() is None:
                 server.kill()
