@@ -3028,9 +3028,10 @@ def prefix_within_chars(data: bytes, chars: int) -> int:
 
 
 def reply_json(result: dict) -> str:
-    """The text content of a structured tool result: the same JSON, with
-    non-ASCII kept as characters (escaping it would cost six per character)."""
-    return json.dumps(result, indent=2, ensure_ascii=False)
+    """The text content of a structured tool result: the same JSON, compact (no
+    whitespace a model pays for, and CPython's C encoder runs only without an
+    indent), with non-ASCII kept as characters (escaped, each costs six)."""
+    return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
 
 
 def stream_shares(escaped: tuple[int, int], limit: int) -> tuple[int, int]:
@@ -3258,6 +3259,7 @@ _KEYWORD_ORDER = (
     "maxLength",
     "pattern",
     "minItems",
+    "maxItems",
     "additionalProperties",
     "required",
     "oneOf",
@@ -3353,6 +3355,7 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
             f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}'
         ),
         "minItems": lambda: f'"{where}" must hold at least {limit} item(s)',
+        "maxItems": lambda: f'"{where}" must hold at most {limit} item(s)',
     }[rule]()
 
 
@@ -3701,6 +3704,7 @@ class Call:
         """A machine this call deleted: out of the session's record and the ownership store."""
         self.session.forget(self.fleet.name, name)
         self.app.access.owners.clear(self.fleet.name, [name])
+        self.app.failed_last.discard((self.fleet.name, name))
 
     async def delete_quietly(self, name: str) -> None:
         """Delete a machine this call created, even while the call is being
@@ -4128,7 +4132,10 @@ async def note_egress_denials(
     or timed out, on a fleet whose engine records denials. Reading them is a
     courtesy: a failure to read leaves the result as it is. ``once``: the
     machine is run-once's, deleted right after, so the hint is to run again."""
-    if not call.fleet.amends_egress or (shaped["exitCode"] == 0 and not shaped["timedOut"]):
+    failed = shaped["exitCode"] != 0 or shaped["timedOut"]
+    if call.fleet.amends_egress:  # get-machine reads the refusals after a failed command
+        getattr(call.app.failed_last, "add" if failed else "discard")((call.fleet.name, name))
+    if not call.fleet.amends_egress or not failed:
         return shaped
     try:
         events = await call.api(call.fleet.egress_events, name, EGRESS_EVENTS_LIMIT)
@@ -4157,23 +4164,34 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
 
 
 async def tool_get_machine(call: Call, args: dict) -> dict:
+    """One engine request: the record, which holds the egress policy too. Jobs
+    come from the server's record unless `include` asks the guest; refusals
+    are read for a restricted policy only, when asked or after a failed command."""
+    name, include = args["name"], args.get("include", [])
     if not call.fleet.amends_egress:
-        machine, egress = await call.api(call.fleet.get_machine, args["name"]), None
+        machine, egress = await call.api(call.fleet.get_machine, name), None
     else:
-        machine, egress = await call.api(call.fleet.egress_policy, args["name"])
+        machine, egress = await call.api(call.fleet.egress_policy, name)
+    jobs: list[dict] | None = []  # a machine that is not running runs no job
+    if machine["state"] in RUNNING_STATES:
         try:
-            events = await call.api(call.fleet.egress_events, args["name"], EGRESS_RECENT)
+            if "jobs" in include:
+                jobs = await call.api(call.fleet.list_jobs, name, machine["id"])
+            else:
+                jobs = list(
+                    call.app.access.owners.jobs.read().get(call.fleet.name, {}).get(name, [])
+                )
+        except SmolError as err:
+            log.info("could not list the jobs of %s: %s", name, err)
+            jobs = None  # unknown, which is not the same as none
+    failed = (call.fleet.name, name) in call.app.failed_last
+    if egress is not None and not egress["open"] and ("egress" in include or failed):
+        try:
+            events = await call.api(call.fleet.egress_events, name, EGRESS_RECENT)
             egress["recentDenials"] = group_denials(events)
         except SmolError as err:
             egress["recentDenials"] = []
             egress["recentDenialsError"] = str(err)
-    jobs: list[dict] | None = []  # a machine that is not running runs no job
-    if machine["state"] in RUNNING_STATES:
-        try:
-            jobs = await call.api(call.fleet.list_jobs, args["name"], machine["id"])
-        except SmolError as err:
-            log.info("could not list the jobs of %s: %s", args["name"], err)
-            jobs = None  # unknown, which is not the same as none
     shown = {"machine": machine, "jobs": jobs}
     return shown if egress is None else {**shown, "egress": egress}
 
@@ -4729,6 +4747,7 @@ async def tool_start_job(call: Call, args: dict) -> dict:
         workdir=args.get("workdir"),
         env=args.get("env"),
     )
+    call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
     return {**job, "timeoutSecs": timeout, "startedMachine": started_machine}
 
 
@@ -4756,6 +4775,7 @@ async def tool_read_job(call: Call, args: dict) -> dict:
     shaped["eof"] = page.state != "running" and all(
         next_offset[s] >= size for s, size in zip(("stdout", "stderr"), page.sizes)
     )
+    call.app.access.owners.note_job(call.fleet.name, name, shaped)
     return shaped
 
 
@@ -4763,7 +4783,9 @@ async def tool_cancel_job(call: Call, args: dict) -> dict:
     name, job_id = args["name"], args["jobId"]
     await call.api(call.fleet.cancel_job, name, job_id)
     page = await call.api(call.fleet.read_job, name, job_id, (0, 0), 0)
-    return {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    shown = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    call.app.access.owners.note_job(call.fleet.name, name, shown)
+    return shown
 
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -4782,9 +4804,22 @@ TOOLS: tuple[ToolSpec, ...] = (
         "get-machine",
         "Get a machine",
         "Show one machine: state, image, size, egress, ports, pid and whether it can be "
-        "branched, and the jobs (start-job) of a running machine. Changes nothing.",
-        # (on the local fleet the result also has the egress allow list and recent refusals)
-        _object({"name": ARG_NAME}, ("name",)),
+        "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
+        # (on the local fleet the result also has the egress allow list and, under a
+        # restricted policy when asked or after a failed command, the recent refusals)
+        _object(
+            {
+                "name": ARG_NAME,
+                "include": {
+                    "type": "array",
+                    "description": '"jobs": read the jobs\' states from the machine itself; '
+                    '"egress": its recent refused connections (local). Each costs a request.',
+                    "items": {"type": "string", "enum": ["jobs", "egress"]},
+                    "maxItems": 2,
+                },
+            },
+            ("name",),
+        ),
         _out(
             {"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
             {
@@ -5729,6 +5764,7 @@ TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_TOKEN_NAMES = ("default", "stdio")  # SMOL_MCP_AUTH_TOKEN and the stdio principal
 TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
+JOBS_FILE, JOBS_KEPT = "jobs.json", 100  # the jobs get-machine shows, the newest 100 a machine
 USAGE_FLUSH_SECS = 60
 TOKEN_WATCH_SECS = 0.5
 
@@ -6043,10 +6079,12 @@ def token_principal(record: dict) -> Principal:
 class Owners:
     """Which principal created each machine, per fleet, in the state directory:
     a sandbox.* token reaches only its own. A branch is owned by its source's
-    owner; a deleted machine is forgotten."""
+    owner; a deleted machine is forgotten, and with it the jobs this server
+    started in it (their state as last seen: what get-machine shows)."""
 
     def __init__(self, state_dir: str):
         self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict)
+        self.jobs = StateFile(Path(state_dir) / JOBS_FILE, dict)
 
     def owner(self, fleet: str, name: str) -> str | None:
         return self.file.read().get(fleet, {}).get(name)
@@ -6055,9 +6093,30 @@ class Owners:
         self.file.update(lambda data: data.setdefault(fleet, {}).__setitem__(name, owner))
 
     def clear(self, fleet: str, names: list[str]) -> None:
+        if set(names) & set(self.jobs.read().get(fleet, {})):
+            self.jobs.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
         if not any(self.owner(fleet, name) for name in names):
             return
         self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
+
+    def note_job(self, fleet: str, name: str, job: dict, started: bool = False) -> None:
+        """Record the state last seen of a job this server ``started`` (or already
+        records); one that cannot be written costs a log line, not the call."""
+        seen = {"jobId": job["jobId"], "state": job["state"], "exitCode": job.get("exitCode")}
+
+        def change(data: dict) -> None:
+            jobs = data.setdefault(fleet, {}).setdefault(name, [])
+            ids = [job["jobId"] for job in jobs]
+            at = ids.index(seen["jobId"]) if seen["jobId"] in ids else len(jobs)
+            jobs[at : at + 1] = [seen]
+            del jobs[:-JOBS_KEPT]
+
+        try:
+            known = self.jobs.read().get(fleet, {}).get(name, [])
+            if seen not in known and (started or seen["jobId"] in [j["jobId"] for j in known]):
+                self.jobs.update(change)
+        except SmolError as err:
+            log.warning("could not record job %s of %s: %s", seen["jobId"], name, err)
 
     def release(self, fleet: str, name: str, owner: str) -> None:
         """Forget a claim that came to nothing, unless another owner holds the
@@ -6699,6 +6758,7 @@ class SmolMcp:
         self._tool_lists: dict[tuple, list] = {}
         self.state_key = secrets_module.token_bytes(32)  # seals the state of 2026-era questions
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
+        self.failed_last: set[tuple[str, str]] = set()  # machines whose last command failed
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
         self.waiting_approvals = 0
         self.server = self._build_server()

@@ -884,6 +884,83 @@ class ToolListTests(FakeServeCase):
             self.assertIn(("GET", "/api/v1/machines"), [r[:2] for r in self.fake.requests])
 
 
+def engine_requests_table() -> dict[str, dict[str, int]]:
+    """The README tools table's engine requests of each tool, per fleet: a cell
+    reads `N` (both fleets) or `N (cloud M)`; what follows a `;` is a note."""
+    table, readme = {}, (HERE / "README.md").read_text()
+    rows = readme[readme.index("| Tool | What it does |") : readme.index("A machine record has")]
+    for row in re.findall(r"^\| `([a-z-]+)` \|.*\| ([^|]+) \|$", rows, re.M):
+        tool, cell = row[0], row[1].split(";")[0]
+        local = int(re.match(r"\d+", cell)[0])
+        cloud = re.search(r"cloud (\d+)", cell)
+        table[tool] = {"local": local, "cloud": int(cloud[1]) if cloud else local}
+    return table
+
+
+class EngineRequestScenarios:
+    """Each tool's engine requests, counted in the fake's journal, are the
+    README tools table's: the table cannot go stale."""
+
+    def journal(self) -> list:
+        return self.cloud.requests if self.fleet == "cloud" else self.fake.requests
+
+    async def test_each_tool_makes_the_requests_the_tools_table_says(self):
+        table, counted = engine_requests_table(), {}
+        self.assertEqual(sorted(table), sorted(smol_mcp.TOOLS_BY_NAME))
+        name, hosts = "rq-1", {"allowHosts": ["example.com"]}
+        calls = [
+            ("create-machine", {"name": name, "image": "alpine", "branchable": True, **hosts}),
+            ("list-machines", {}),
+            ("get-machine", {"name": name}),
+            ("run-command", {"name": name, "command": "true"}),
+            ("write-file", {"name": name, "path": "/root/f", "content": "x"}),
+            ("read-file", {"name": name, "path": "/root/f"}),
+            ("machine-logs", {"name": name}),
+            ("start-job", {"name": name, "command": "sleep 30"}),
+            ("read-job", {"name": name, "jobId": None}),
+            ("cancel-job", {"name": name, "jobId": None}),
+            ("pull-image", {"name": name, "image": "alpine"}),
+            ("allow-egress", {"name": name, "hosts": ["pypi.org"]}),
+            ("branch-machine", {"name": name, "childName": "rq-2"}),
+            ("stop-machine", {"name": name}),
+            ("start-machine", {"name": name}),
+            ("delete-machine", {"name": "rq-2"}),
+            ("delete-machine", {"name": name}),
+            ("run-once", {"image": "alpine", "command": "true"}),
+        ]
+        local_only = {"pull-image", "allow-egress"}
+        async with self.client("legacy", elicitation_callback=answer_allow("accept")) as c:
+            await self.ok(c, "list-machines", {})  # the first local call checks the serve once
+            job = None
+            for tool, args in calls:
+                if self.fleet == "cloud" and tool in local_only:
+                    continue
+                args = {**args, "jobId": job} if "jobId" in args else args
+                before = len(self.journal())
+                got = await self.ok(c, tool, args)
+                job = got.get("jobId", job)
+                counted[tool] = len(self.journal()) - before
+        self.assertEqual(counted, {t: table[t][self.fleet] for t in counted})
+
+
+class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
+    fleet = "local"
+
+    async def test_get_machine_asks_more_only_when_asked(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "rq-3", "image": "alpine"})
+            for include, more in (([], 0), (["jobs"], 1), (["egress"], 1), (["jobs", "egress"], 2)):
+                before = len(self.fake.requests)
+                await self.ok(c, "get-machine", {"name": "rq-3", "include": include})
+                self.assertEqual(len(self.fake.requests) - before, 1 + more, include)
+            text = await self.refused(
+                c, "get-machine", {"name": "rq-3", "include": ["jobs", "egress", "jobs"]}
+            )
+            self.assertIn('"include" must hold at most 2 item(s)', text)
+            text = await self.refused(c, "get-machine", {"name": "rq-3", "include": ["logs"]})
+            self.assertIn('"include[0]" must be one of "jobs", "egress"', text)
+
+
 class EraScenarios:
     """The worked example and each tool rule, run once per protocol era."""
 
@@ -1938,6 +2015,10 @@ class FakeCloudCase(FakeServeCase):
         return next(m for m in self.cloud.machines.values() if m["name"] == name)
 
 
+class CloudEngineRequestTests(EngineRequestScenarios, FakeCloudCase):
+    fleet = "cloud"
+
+
 class CloudWorkedExample(FakeCloudCase):
     async def test_worked_example_runs_unchanged_on_the_cloud(self):
         for mode in MODES:
@@ -2108,10 +2189,10 @@ class CloudRuleTests(FakeCloudCase):
                 self.cloud_requests("", "POST")[0][3].get("ttlSeconds")
             )  # a chosen name persists
             self.cloud.requests.clear()
-            got = await self.ok(c, "get-machine", {"name": "persist-1"})
+            got = await self.ok(c, "get-machine", {"name": "persist-1", "include": ["jobs"]})
             jobs = f"/v1/machines/{got['machine']['id']}/jobs"
             self.assertEqual(
-                [r[:2] for r in self.cloud.requests],  # the name, then its jobs
+                [r[:2] for r in self.cloud.requests],  # the name, then (asked for) its jobs
                 [("GET", "/v1/machines"), ("GET", jobs)],
             )
             by_id = await self.ok(c, "get-machine", {"name": got["machine"]["id"]})
@@ -3725,9 +3806,11 @@ class JobScenarios(LongWorkScenarios):
         self.app = SmolMcp(self.config)  # a new server process, as far as state goes
         async with self.client("auto") as c:
             listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
-            self.assertIn(started["jobId"], [job["jobId"] for job in listed])
+            recorded = {"jobId": started["jobId"], "state": "running", "exitCode": None}
+            self.assertEqual(listed, [recorded])  # the server's record, kept on disk
             for _ in range(120):  # it ran on without any client; read it whole once it is done
-                listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
+                asked = {"name": name, "include": ["jobs"]}  # the guest's own list
+                listed = (await self.ok(c, "get-machine", asked))["jobs"]
                 if listed[-1]["state"] != "running":
                     break
                 await asyncio.sleep(0.5)
@@ -3735,6 +3818,8 @@ class JobScenarios(LongWorkScenarios):
                 listed[-1], {"jobId": started["jobId"], "state": "exited", "exitCode": 7}
             )
             out, err, last, pages = await self.read_whole(c, name, started["jobId"])
+            listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
+            self.assertEqual(listed, [{**recorded, "state": "exited", "exitCode": 7}])  # read-job's
         self.assertEqual((out, err), (self.EXPECTED_OUT, self.EXPECTED_ERR))
         self.assertGreater(pages, 2, "the budget must have split the output into pages")
         self.assertEqual((last["state"], last["exitCode"]), ("exited", 7))
@@ -6113,7 +6198,9 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             )
             self.assertFalse(is_error, created)
             try:
-                is_error, got = await self.call("get-machine", {"name": "itest-egress-tool"})
+                is_error, got = await self.call(
+                    "get-machine", {"name": "itest-egress-tool", "include": ["egress"]}
+                )
                 self.assertEqual(
                     got["egress"], {"open": False, "hosts": [], "cidrs": [], "recentDenials": []}
                 )
