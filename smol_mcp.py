@@ -3266,12 +3266,13 @@ _KEYWORD_ORDER = (
 )
 
 
-def validate_arguments(tool: str, schema: dict, arguments: dict) -> dict:
-    """Check ``arguments`` against the tool's input schema; raise ArgumentError
-    naming the first argument that is unknown, missing, mistyped or out of range."""
+def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = None) -> dict:
+    """Check ``arguments`` against the tool's input schema (or its ``checker``,
+    built once); raise ArgumentError naming the first argument that is unknown,
+    missing, mistyped or out of range."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
-    errors = list(argument_validator()(schema).iter_errors(arguments))
+    errors = list((checker or argument_validator()(schema)).iter_errors(arguments))
     if errors:
         raise ArgumentError(_refusal(_first_error(errors, arguments), tool, arguments))
     return arguments
@@ -3579,6 +3580,11 @@ class ToolSpec:
     destructive: bool = False
     idempotent: bool = False
     open_world: bool = False
+
+    @functools.cached_property
+    def checker(self) -> Any:
+        """The input schema's validator, built at the first call, not at each."""
+        return argument_validator()(self.input_schema)
 
 
 class Call:
@@ -5874,15 +5880,21 @@ def ensure_state_dir(path: str | Path) -> Path:
 
 class StateFile:
     """A JSON file in the state directory: mode 0600, written whole and atomically
-    under a lock (several processes share it), read again only when it changed."""
+    under a lock (several processes share it), read again only when it changed;
+    with ``recheck_secs``, another process's change is looked for at most that
+    often (this process's own writes are seen at once)."""
 
-    def __init__(self, path: Path, empty: Callable[[], Any]):
-        self.path, self.empty = path, empty
+    def __init__(self, path: Path, empty: Callable[[], Any], recheck_secs: float = 0.0):
+        self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
         self._signature: Any = None
         self._data = empty()
         self._lock = threading.Lock()
+        self._checked = -recheck_secs  # monotonic time of the last look
 
     def read(self) -> Any:
+        if time.monotonic() - self._checked < self.recheck_secs:
+            return self._data
+        self._checked = time.monotonic()
         try:
             info = os.stat(self.path)
             signature = (info.st_mtime_ns, info.st_size, info.st_ino)
@@ -5893,6 +5905,10 @@ class StateFile:
                 self._data = self._load() if signature else self.empty()
                 self._signature = signature
             return self._data
+
+    def expire(self) -> None:
+        """The next read looks at the file again."""
+        self._checked = -self.recheck_secs
 
     def _load(self) -> Any:
         try:
@@ -5930,6 +5946,7 @@ class StateFile:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(temporary, self.path)
+            self.expire()
         finally:
             os.close(descriptor)  # releases the lock
         return result
@@ -5973,7 +5990,8 @@ class TokenStore:
     so a request never rewrites the tokens file."""
 
     def __init__(self, state_dir: str):
-        self.file = StateFile(Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []})
+        # read on every HTTP request: looked at again at most twice a second
+        self.file = StateFile(Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []}, 0.5)
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
         self._used: dict[str, str] = {}
         self._flushed = time.monotonic()
@@ -6028,15 +6046,19 @@ class TokenStore:
             AutoApprovals(self.file.path.parent).end(name)
         return removed
 
-    def match(self, offered: list[str]) -> dict | None:
+    def match(self, offered: list[str], again: bool = True) -> dict | None:
         """The record whose hash matches one of the offered secrets. Every
-        comparison runs (constant time, on hashes), whatever matched."""
+        comparison runs (constant time, on hashes), whatever matched. A miss
+        looks at the file again at once, so a token just created works."""
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
         found = None
         for record in self.records():
             for digest in hashes:
                 if hmac.compare_digest(digest, str(record.get("sha256", ""))):
                     found = record
+        if found is None and again:
+            self.file.expire()
+            return self.match(offered, again=False)
         return found
 
     def touch(self, name: str) -> None:
@@ -7083,7 +7105,7 @@ class SmolMcp:
                 machine=arguments.get("name"),
                 arguments=redact_arguments(arguments),
             )
-            validate_arguments(name, tool.input_schema, arguments)
+            validate_arguments(name, tool.input_schema, arguments, tool.checker)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)

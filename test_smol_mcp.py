@@ -106,6 +106,9 @@ def result_of(answer) -> tuple[bool, object]:
     assert text == answer.structured_content, (
         "the text content must be the same JSON as the structured content"
     )
+    assert answer.content[0].text == json.dumps(text, ensure_ascii=False, separators=(",", ":")), (
+        "the text content must be compact JSON: whitespace costs the model tokens"
+    )
     return False, answer.structured_content
 
 
@@ -945,6 +948,16 @@ class EngineRequestScenarios:
 
 class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
     fleet = "local"
+
+    async def test_arguments_are_checked_by_a_validator_built_once_per_tool(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
+            with unittest.mock.patch.object(
+                smol_mcp, "argument_validator", side_effect=AssertionError
+            ):
+                await self.ok(c, "list-machines", {})
+                text = await self.refused(c, "list-machines", {"nmae": "x"})
+                self.assertIn('list-machines has no argument "nmae"', text)
 
     async def test_get_machine_asks_more_only_when_asked(self):
         async with self.client("legacy") as c:
@@ -6505,6 +6518,23 @@ class AccessPiecesTests(unittest.TestCase):
             self.assertIsNone(store.match([secret]))
             self.assertFalse(store.delete("agent-1"))
 
+    def test_the_tokens_file_is_looked_at_at_most_twice_a_second(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            store, other = (smol_mcp.TokenStore(f"{tmp}/state") for _ in range(2))
+            _, mine = store.create("mine", ("machines.read",), ("local",), "none")
+            self.assertEqual(store.match([mine])["name"], "mine")  # its own write, at once
+            with unittest.mock.patch("smol_mcp.os.stat", wraps=os.stat) as stats:
+                for _ in range(200):
+                    store.match([mine])
+            self.assertLessEqual(stats.call_count, 1)
+            _, theirs = other.create("theirs", ("machines.read",), ("local",), "none")
+            self.assertEqual(store.match([theirs])["name"], "theirs")  # a miss looks again
+            other.delete("mine")  # in another process: refused within half a second
+            deleted = time.monotonic()
+            while store.match([mine]) is not None:
+                self.assertLess(time.monotonic() - deleted, 0.6)
+                time.sleep(0.01)
+
 
 class AccessCliTests(unittest.TestCase):
     def setUp(self):
@@ -6839,9 +6869,10 @@ class AgentAccessHttpTests(HttpCase):
                     )
                     name = name["machine"]["name"]
                     self.assertTrue(self.store.delete("gone"))
-                    with self.assertRaises(
-                        Exception
-                    ):  # the very next request: 401, no restart needed
+                    deleted = time.monotonic()
+                    with self.assertRaises(Exception):  # a 401 within 0.5 s, no restart needed
+                        while time.monotonic() - deleted < 0.5:
+                            await c.list_tools()
                         await c.list_tools()
                     await self.wait_until(lambda: name not in self.fake.machines, 10)
                 response = await self.raw(
