@@ -3628,32 +3628,28 @@ class Call:
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
         """Await ``run()`` while a progress notification says what the call
         waits on: with ``waiting``, at once and every few seconds until it
-        returns; without, only once it has taken longer than that."""
-        import anyio
+        returns; without, only once it has taken longer than that. Until it is
+        due the beat is a timer, so a quick call starts no task."""
+        import asyncio
 
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
         waiting = waiting or f"waiting for the {self.fleet.name} API"
-        async with anyio.create_task_group() as group:
+        loop, beats = asyncio.get_running_loop(), []
 
-            async def heartbeat() -> None:
-                await anyio.sleep(first_beat)
-                while True:
-                    await self.progress(
-                        None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
-                    )
-                    await anyio.sleep(PROGRESS_INTERVAL_SECS)
+        async def heartbeat() -> None:
+            while True:
+                await self.progress(
+                    None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
+                )
+                await asyncio.sleep(PROGRESS_INTERVAL_SECS)
 
-            group.start_soon(heartbeat)
-            try:
-                value, failure = await run(), None
-            except (
-                Exception
-            ) as err:  # carried out of the group, which would wrap it in an ExceptionGroup
-                value, failure = None, err
-            group.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-        return value
+        timer = loop.call_later(first_beat, lambda: beats.append(loop.create_task(heartbeat())))
+        try:
+            return await run()
+        finally:
+            timer.cancel()
+            for beat in beats:
+                beat.cancel()
 
     async def create(
         self, function: Callable, *args: Any, waiting: str = "creating the machine"
