@@ -3003,10 +3003,21 @@ def utf8_suffix_start(data: bytes, start: int) -> int:
     return start
 
 
-def json_chars(text: str) -> int:
-    """How many characters ``text`` takes inside the JSON a client hands the
-    model (quotes and escapes included; non-ASCII kept as it is)."""
-    return len(json.dumps(text, ensure_ascii=False))
+def json_chars(text: str | bytes | bytearray) -> int:
+    """How many characters ``text`` (bytes: read as UTF-8, what is not as U+FFFD)
+    takes inside the JSON a client hands the model (quotes and escapes included;
+    non-ASCII kept as it is). Counted a piece at a time, so a stream of many
+    MiB is never held again as text and again as JSON."""
+    total, start = 2, 0
+    while start < len(text):
+        end = min(len(text), start + (1 << 18))
+        if not isinstance(text, str):  # a piece ends where a character begins
+            end = utf8_prefix_end(text, end) if end < len(text) else end
+            piece = text[start:end].decode("utf-8", "replace")
+        else:
+            piece = text[start:end]
+        total, start = total + len(json.dumps(piece, ensure_ascii=False)) - 2, end
+    return total
 
 
 def prefix_within_chars(data: bytes, chars: int) -> int:
@@ -4017,8 +4028,8 @@ async def budget_exec(
     limit = call.config.max_output_bytes
     shares = stream_shares(
         (
-            json_chars(result.stdout.decode("utf-8", "replace")) - 2,
-            json_chars(result.stderr.decode("utf-8", "replace")) - 2,
+            json_chars(result.stdout) - 2,
+            json_chars(result.stderr) - 2,
         ),
         limit,
     )
@@ -4042,7 +4053,7 @@ async def budget_exec(
                 "followed was not "
                 "returned by the service and is lost ...]\n"
             )
-        if len(data) <= limit and json_chars(data.decode("utf-8", "replace")) - 2 <= share:
+        if len(data) <= limit and json_chars(data) - 2 <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
             continue
         shaped["truncated"] = True

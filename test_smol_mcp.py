@@ -551,6 +551,21 @@ class PiecesTests(unittest.TestCase):
         self.assertIn("5000 bytes omitted here; see /x", text)
         self.assertEqual(smol_mcp.head_and_tail(b"short", 2000, "")[1], 0)
 
+    def test_a_large_stream_is_measured_as_json_without_being_held_twice(self):
+        import tracemalloc
+
+        data = ('line é\t\x00 "q"\n' * 400_000).encode() + b"\xff\xe2\x82"  # 7 MiB, odd tail
+        text = data.decode("utf-8", "replace")
+        self.assertEqual(smol_mcp.json_chars(data), len(json.dumps(text, ensure_ascii=False)))
+        self.assertEqual(smol_mcp.json_chars(text), len(json.dumps(text, ensure_ascii=False)))
+        tracemalloc.start()
+        try:
+            smol_mcp.json_chars(data)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        self.assertLess(peak, len(data) // 2)  # a piece at a time, not the stream again
+
     def test_head_and_tail_never_splits_a_character(self):
         data = "é".encode() * 3000  # two bytes each
         text, omitted = smol_mcp.head_and_tail(data, 1001, "w")
