@@ -296,8 +296,14 @@ class HttpPeer:
         self.next_id = 0
 
     def post(self, message: dict) -> tuple[int, dict | None, http.client.HTTPResponse]:
-        self.conn.request("POST", "/mcp", body=json.dumps(message).encode(), headers=self.headers)
-        response = self.conn.getresponse()
+        body = json.dumps(message).encode()
+        try:
+            self.conn.request("POST", "/mcp", body=body, headers=self.headers)
+            response = self.conn.getresponse()
+        except ConnectionError:  # the server closed the connection while it sat idle
+            self.conn.close()
+            self.conn.request("POST", "/mcp", body=body, headers=self.headers)
+            response = self.conn.getresponse()
         data = response.read()
         return response.status, (json.loads(data) if data else None), response
 
