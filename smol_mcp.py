@@ -5599,12 +5599,18 @@ class SessionSlots:
         self.shared, self.own = shared, anyio.CapacityLimiter(slots)
 
     async def __aenter__(self) -> None:
-        await self.own.acquire()
-        try:
-            await self.shared.acquire()
-        except BaseException:
-            self.own.release()
-            raise
+        import anyio
+
+        for taken, limiter in enumerate((self.own, self.shared)):
+            try:  # a free slot is taken without a pass through the event loop
+                limiter.acquire_nowait()
+            except anyio.WouldBlock:
+                try:
+                    await limiter.acquire()
+                except BaseException:
+                    if taken:
+                        self.own.release()
+                    raise
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.shared.release()
