@@ -551,6 +551,15 @@ class PiecesTests(unittest.TestCase):
         self.assertIn("5000 bytes omitted here; see /x", text)
         self.assertEqual(smol_mcp.head_and_tail(b"short", 2000, "")[1], 0)
 
+    def test_importing_the_module_loads_no_http_stack_or_sdk(self):
+        # what stdio needs of the SDK it imports when it serves; uvicorn and starlette only --http
+        code = "import smol_mcp, sys; print(sorted({m.split('.')[0] for m in sys.modules}))"
+        loaded = subprocess.run(
+            [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True
+        ).stdout
+        for heavy in ("uvicorn", "starlette", "httpx2", "mcp", "mcp_types", "jsonschema"):
+            self.assertNotIn(f"'{heavy}'", loaded)
+
     def test_a_large_stream_is_measured_as_json_without_being_held_twice(self):
         import tracemalloc
 
