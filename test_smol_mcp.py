@@ -6558,6 +6558,15 @@ class AccessPiecesTests(unittest.TestCase):
             while store.match([mine]) is not None:
                 self.assertLess(time.monotonic() - deleted, 0.6)
                 time.sleep(0.01)
+            secret = "d" * 40  # SMOL_MCP_AUTH_TOKEN is not in the file: no second look for it
+            env = {"SMOL_MCP_CONFIG": f"{tmp}/none.json", "HOME": tmp}
+            env.update(SMOL_MCP_AUTH_TOKEN=secret, SMOL_MCP_STATE_DIR=f"{tmp}/state")
+            access = smol_mcp.Access(load_config(env), env)
+            access.token_for([secret])
+            with unittest.mock.patch("smol_mcp.os.stat", wraps=os.stat) as stats:
+                for _ in range(200):
+                    self.assertEqual(access.token_for([secret]).name, "default")
+            self.assertLessEqual(stats.call_count, 1)
 
 
 class AccessCliTests(unittest.TestCase):
