@@ -6119,7 +6119,7 @@ class Owners:
 
     def __init__(self, state_dir: str):
         self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict)
-        self.jobs = StateFile(Path(state_dir) / JOBS_FILE, dict)
+        self.jobs = StateFile(Path(state_dir) / JOBS_FILE, dict, 0.5)  # read by every get-machine
 
     def owner(self, fleet: str, name: str) -> str | None:
         return self.file.read().get(fleet, {}).get(name)
