@@ -3137,9 +3137,10 @@ def prefix_within_tokens(data: bytes, tokens: int) -> int:
 
 
 def reply_json(result: dict) -> str:
-    """The text content of a structured tool result: the same JSON, with
-    non-ASCII kept as characters (escaping it would cost six per character)."""
-    return json.dumps(result, indent=2, ensure_ascii=False)
+    """The text content of a structured tool result: the same JSON, compact (no
+    whitespace a model pays for, and CPython's C encoder runs only without an
+    indent), with non-ASCII kept as characters (escaped, each costs six)."""
+    return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
 
 
 def reply_tokens(config: Config) -> int:
@@ -3164,9 +3165,8 @@ def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, i
     """The text to return for one stream and how many bytes were left out: its
     head and its tail, each within half of ``limit`` bytes and of ``tokens``.
     ``where`` finishes the marker sentence (where the whole stream is)."""
-    text = data.decode("utf-8", "surrogateescape")
-    if len(data) <= limit and est_tokens(text) <= tokens:
-        return data.decode("utf-8", "replace"), 0
+    if len(data) <= limit and est_tokens(data.decode("utf-8", "surrogateescape")) <= tokens:
+        return data.decode("utf-8", "replace"), 0  # (a longer stream is never decoded whole)
     marker = f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n"
     tokens -= est_tokens(marker)
     head = data[: utf8_prefix_end(data, limit // 2)]
@@ -3406,12 +3406,13 @@ _KEYWORD_ORDER = (
 )
 
 
-def validate_arguments(tool: str, schema: dict, arguments: dict) -> dict:
-    """Check ``arguments`` against the tool's input schema; raise ArgumentError
-    naming the first argument that is unknown, missing, mistyped or out of range."""
+def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = None) -> dict:
+    """Check ``arguments`` against the tool's input schema (or its ``checker``,
+    built once); raise ArgumentError naming the first argument that is unknown,
+    missing, mistyped or out of range."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
-    errors = list(argument_validator()(schema).iter_errors(arguments))
+    errors = list((checker or argument_validator()(schema)).iter_errors(arguments))
     if errors:
         raise ArgumentError(_refusal(_first_error(errors, arguments), tool, arguments))
     return arguments
@@ -3780,34 +3781,30 @@ class Call:
         """Await ``run()`` while a progress notification says what the call
         waits on: with ``waiting``, at once and every few seconds until it
         returns; without, only once it has taken longer than that; with "",
-        never (the caller reports progress itself: one heartbeat per wait)."""
-        import anyio
+        never (the caller reports progress itself: one heartbeat per wait).
+        Until a beat is due it is a timer, so a quick call starts no task."""
+        import asyncio
 
         if waiting == "":
             return await run()
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
         waiting = waiting or f"waiting for the {self.fleet.name} API"
-        async with anyio.create_task_group() as group:
+        loop, beats = asyncio.get_running_loop(), []
 
-            async def heartbeat() -> None:
-                await anyio.sleep(first_beat)
-                while True:
-                    await self.progress(
-                        None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
-                    )
-                    await anyio.sleep(PROGRESS_INTERVAL_SECS)
+        async def heartbeat() -> None:
+            while True:
+                await self.progress(
+                    None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
+                )
+                await asyncio.sleep(PROGRESS_INTERVAL_SECS)
 
-            group.start_soon(heartbeat)
-            try:
-                value, failure = await run(), None
-            except (
-                Exception
-            ) as err:  # carried out of the group, which would wrap it in an ExceptionGroup
-                value, failure = None, err
-            group.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-        return value
+        timer = loop.call_later(first_beat, lambda: beats.append(loop.create_task(heartbeat())))
+        try:
+            return await run()
+        finally:
+            timer.cancel()
+            for beat in beats:
+                beat.cancel()
 
     async def create(
         self, function: Callable, *args: Any, waiting: str = "creating the machine"
@@ -3864,6 +3861,7 @@ class Call:
         """A machine this call deleted: out of the session's record and the ownership store."""
         self.session.forget(self.fleet.name, name)
         self.app.access.owners.clear(self.fleet.name, [name])
+        self.app.failed_last.discard((self.fleet.name, name))
 
     async def delete_quietly(self, name: str) -> None:
         """Delete a machine this call created, even while the call is being
@@ -4194,8 +4192,10 @@ async def budget_exec(
     Each stream keeps at most maxOutputBytes, and both together are estimated
     within replyTokens (less a reserve for the other fields)."""
     limit = call.config.max_output_bytes
+    # A stream longer than twice the byte limit is cut whatever it costs: its
+    # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
     costs = [
-        est_tokens(data.decode("utf-8", "surrogateescape"))
+        est_tokens(data[: 2 * limit].decode("utf-8", "surrogateescape"))
         for data in (result.stdout, result.stderr)
     ]
     shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
@@ -4311,7 +4311,10 @@ async def note_egress_denials(
     or timed out, on a fleet whose engine records denials. Reading them is a
     courtesy: a failure to read leaves the result as it is. ``once``: the
     machine is run-once's, deleted right after, so the hint is to run again."""
-    if not call.fleet.amends_egress or (shaped["exitCode"] == 0 and not shaped["timedOut"]):
+    failed = shaped["exitCode"] != 0 or shaped["timedOut"]
+    if call.fleet.amends_egress:  # get-machine reads the refusals after a failed command
+        getattr(call.app.failed_last, "add" if failed else "discard")((call.fleet.name, name))
+    if not call.fleet.amends_egress or not failed:
         return shaped
     try:
         events = await call.api(call.fleet.egress_events, name, EGRESS_EVENTS_LIMIT)
@@ -4340,23 +4343,34 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
 
 
 async def tool_get_machine(call: Call, args: dict) -> dict:
+    """One engine request: the record, which holds the egress policy too. Jobs
+    come from the server's record unless `include` asks the guest; refusals
+    are read for a restricted policy only, when asked or after a failed command."""
+    name, include = args["name"], args.get("include", [])
     if not call.fleet.amends_egress:
-        machine, egress = await call.api(call.fleet.get_machine, args["name"]), None
+        machine, egress = await call.api(call.fleet.get_machine, name), None
     else:
-        machine, egress = await call.api(call.fleet.egress_policy, args["name"])
+        machine, egress = await call.api(call.fleet.egress_policy, name)
+    jobs: list[dict] | None = []  # a machine that is not running runs no job
+    if machine["state"] in RUNNING_STATES:
         try:
-            events = await call.api(call.fleet.egress_events, args["name"], EGRESS_RECENT)
+            if "jobs" in include:
+                jobs = await call.api(call.fleet.list_jobs, name, machine["id"])
+            else:
+                jobs = list(
+                    call.app.access.owners.jobs.read().get(call.fleet.name, {}).get(name, [])
+                )
+        except SmolError as err:
+            log.info("could not list the jobs of %s: %s", name, err)
+            jobs = None  # unknown, which is not the same as none
+    failed = (call.fleet.name, name) in call.app.failed_last
+    if egress is not None and not egress["open"] and ("egress" in include or failed):
+        try:
+            events = await call.api(call.fleet.egress_events, name, EGRESS_RECENT)
             egress["recentDenials"] = group_denials(events)
         except SmolError as err:
             egress["recentDenials"] = []
             egress["recentDenialsError"] = str(err)
-    jobs: list[dict] | None = []  # a machine that is not running runs no job
-    if machine["state"] in RUNNING_STATES:
-        try:
-            jobs = await call.api(call.fleet.list_jobs, args["name"], machine["id"])
-        except SmolError as err:
-            log.info("could not list the jobs of %s: %s", args["name"], err)
-            jobs = None  # unknown, which is not the same as none
     shown = {"machine": machine, "jobs": jobs}
     return shown if egress is None else {**shown, "egress": egress}
 
@@ -4973,6 +4987,7 @@ async def tool_start_job(call: Call, args: dict) -> dict:
         workdir=args.get("workdir"),
         env=args.get("env"),
     )
+    call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
     return {**job, "timeoutSecs": timeout, "startedMachine": started_machine}
 
 
@@ -5000,6 +5015,7 @@ async def tool_read_job(call: Call, args: dict) -> dict:
     shaped["eof"] = page.state != "running" and all(
         next_offset[s] >= size for s, size in zip(("stdout", "stderr"), page.sizes)
     )
+    call.app.access.owners.note_job(call.fleet.name, name, shaped)
     return shaped
 
 
@@ -5007,7 +5023,9 @@ async def tool_cancel_job(call: Call, args: dict) -> dict:
     name, job_id = args["name"], args["jobId"]
     await call.api(call.fleet.cancel_job, name, job_id)
     page = await call.api(call.fleet.read_job, name, job_id, (0, 0), 0)
-    return {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    shown = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    call.app.access.owners.note_job(call.fleet.name, name, shown)
+    return shown
 
 
 TOOLS: tuple[ToolSpec, ...] = (
@@ -5026,9 +5044,22 @@ TOOLS: tuple[ToolSpec, ...] = (
         "get-machine",
         "Get a machine",
         "Show one machine: state, image, size, egress, ports, pid and whether it can be "
-        "branched, and the jobs (start-job) of a running machine. Changes nothing.",
-        # (on the local fleet the result also has the egress allow list and recent refusals)
-        _object({"name": ARG_NAME}, ("name",)),
+        "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
+        # (on the local fleet the result also has the egress allow list and, under a
+        # restricted policy when asked or after a failed command, the recent refusals)
+        _object(
+            {
+                "name": ARG_NAME,
+                "include": {
+                    "type": "array",
+                    "description": '"jobs": read the jobs\' states from the machine itself; '
+                    '"egress": its recent refused connections (local). Each costs a request.',
+                    "items": {"type": "string", "enum": ["jobs", "egress"]},
+                    "maxItems": 2,
+                },
+            },
+            ("name",),
+        ),
         _out(
             {"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
             {
@@ -5834,12 +5865,18 @@ class SessionSlots:
         self.shared, self.own = shared, anyio.CapacityLimiter(slots)
 
     async def __aenter__(self) -> None:
-        await self.own.acquire()
-        try:
-            await self.shared.acquire()
-        except BaseException:
-            self.own.release()
-            raise
+        import anyio
+
+        for taken, limiter in enumerate((self.own, self.shared)):
+            try:  # a free slot is taken without a pass through the event loop
+                limiter.acquire_nowait()
+            except anyio.WouldBlock:
+                try:
+                    await limiter.acquire()
+                except BaseException:
+                    if taken:
+                        self.own.release()
+                    raise
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.shared.release()
@@ -6018,6 +6055,7 @@ TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")
 TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
+JOBS_FILE, JOBS_KEPT = "jobs.json", 100  # the jobs get-machine shows, the newest 100 a machine
 USAGE_FLUSH_SECS = 60
 TOKEN_WATCH_SECS = 0.5
 TOKEN_END_GRACE_SECS = 5  # a deleted token's calls in flight may finish answering
@@ -6128,16 +6166,24 @@ def ensure_state_dir(path: str | Path) -> Path:
 
 class StateFile:
     """A JSON file in the state directory: mode 0600, written whole and atomically
-    under a lock (several processes share it), read again only when it changed."""
+    under a lock (several processes share it), read again only when it changed;
+    with ``recheck_secs``, another process's change is looked for at most that
+    often (this process's own writes are seen at once)."""
 
-    def __init__(self, path: Path, empty: Callable[[], Any], valid: Callable | None = None):
-        self.path, self.empty = path, empty
+    def __init__(
+        self, path: Path, empty: Callable[[], Any], valid: Callable | None = None, recheck_secs=0.0
+    ):
+        self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
         self.valid = valid or (lambda data: isinstance(data, type(empty())))
         self._signature: Any = None
         self._data = empty()
         self._lock = threading.Lock()
+        self._checked = -recheck_secs  # monotonic time of the last look
 
     def read(self) -> Any:
+        if time.monotonic() - self._checked < self.recheck_secs:
+            return self._data
+        self._checked = time.monotonic()
         try:
             info = os.stat(self.path)
             signature = (info.st_mtime_ns, info.st_size, info.st_ino)
@@ -6148,6 +6194,10 @@ class StateFile:
                 self._data = self._load() if signature else self.empty()
                 self._signature = signature
             return self._data
+
+    def expire(self) -> None:
+        """The next read looks at the file again."""
+        self._checked = -self.recheck_secs
 
     def _load(self) -> Any:
         try:
@@ -6192,6 +6242,7 @@ class StateFile:
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(temporary, self.path)
+            self.expire()
         finally:
             os.close(descriptor)  # releases the lock
         return result
@@ -6245,6 +6296,7 @@ class TokenStore:
                     isinstance(r, dict) and isinstance(r.get("name"), str) for r in data["tokens"]
                 )
             ),
+            recheck_secs=0.5,  # read on every HTTP request: looked at again at most twice a second
         )
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
         self._used: dict[str, str] = {}
@@ -6301,10 +6353,11 @@ class TokenStore:
             AutoApprovals(self.file.path.parent).end(name)
         return removed
 
-    def match(self, offered: list[str]) -> dict | None:
+    def match(self, offered: list[str], again: bool = True) -> dict | None:
         """The record whose hash (or a live OAuth access token's) matches one
         of the offered secrets. Every comparison runs (constant time, on
-        hashes), whatever matched."""
+        hashes), whatever matched. A miss looks at the file again at once, so
+        a token just created works."""
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
         found, now = None, time.time()
         for record in self.records():
@@ -6313,6 +6366,9 @@ class TokenStore:
                 for digest in hashes:
                     if hmac.compare_digest(digest, known):
                         found = record
+        if found is None and again:
+            self.file.expire()
+            return self.match(offered, again=False)
         return found
 
     def touch(self, name: str) -> None:
@@ -6355,7 +6411,8 @@ def token_principal(record: dict) -> Principal:
 class Owners:
     """Which principal created each machine, per fleet, in the state directory:
     a sandbox.* token reaches only its own. A branch is owned by its source's
-    owner; a deleted machine is forgotten."""
+    owner; a deleted machine is forgotten, and with it the jobs this server
+    started in it (their state as last seen: what get-machine shows)."""
 
     def __init__(self, state_dir: str):
         self.file = StateFile(
@@ -6364,11 +6421,14 @@ class Owners:
             lambda data: (
                 isinstance(data, dict)
                 and all(
-                    isinstance(names, dict) and all(isinstance(o, str) for o in names.values())
+                    isinstance(names, dict)
+                    and all(isinstance(o, (str, dict)) for o in names.values())
                     for names in data.values()
                 )
             ),
         )
+        # read by every get-machine: looked at again at most twice a second
+        self.jobs = StateFile(Path(state_dir) / JOBS_FILE, dict, recheck_secs=0.5)
 
     def owner(self, fleet: str, name: str) -> str | None:
         held = self.file.read().get(fleet, {}).get(name)
@@ -6384,9 +6444,30 @@ class Owners:
         self.file.update(lambda data: data.setdefault(fleet, {}).__setitem__(name, held))
 
     def clear(self, fleet: str, names: list[str]) -> None:
+        if set(names) & set(self.jobs.read().get(fleet, {})):
+            self.jobs.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
         if not any(self.owner(fleet, name) for name in names):
             return
         self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
+
+    def note_job(self, fleet: str, name: str, job: dict, started: bool = False) -> None:
+        """Record the state last seen of a job this server ``started`` (or already
+        records); one that cannot be written costs a log line, not the call."""
+        seen = {"jobId": job["jobId"], "state": job["state"], "exitCode": job.get("exitCode")}
+
+        def change(data: dict) -> None:
+            jobs = data.setdefault(fleet, {}).setdefault(name, [])
+            ids = [job["jobId"] for job in jobs]
+            at = ids.index(seen["jobId"]) if seen["jobId"] in ids else len(jobs)
+            jobs[at : at + 1] = [seen]
+            del jobs[:-JOBS_KEPT]
+
+        try:
+            known = self.jobs.read().get(fleet, {}).get(name, [])
+            if seen not in known and (started or seen["jobId"] in [j["jobId"] for j in known]):
+                self.jobs.update(change)
+        except SmolError as err:
+            log.warning("could not record job %s of %s: %s", seen["jobId"], name, err)
 
     def release(self, fleet: str, name: str, owner: str) -> None:
         """Forget a claim that came to nothing, unless another owner holds the
@@ -6478,15 +6559,15 @@ class Access:
 
     def token_for(self, offered: list[str]) -> Principal | None:
         """The principal whose secret is among ``offered``, or None. The tokens
-        file is read again when it changed, so a deleted token stops working
-        at its next request."""
+        file is read again when it changed (looked at twice a second, and at
+        once for a secret it lacks, unless that is the default token's)."""
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
         is_default = False
         for digest in hashes:
             if self._default_hash is not None and hmac.compare_digest(digest, self._default_hash):
                 is_default = True
         try:
-            record = self.tokens.match(offered)
+            record = self.tokens.match(offered, again=not is_default)
         except SmolError as err:  # a damaged tokens file lets no named token in
             if not self._warned:
                 log.warning("%s; named tokens are refused until then", err)
@@ -7089,9 +7170,11 @@ class SmolMcp:
         self._limiter = None
         self._swept = False
         self._tool_lists: dict[tuple, list] = {}
+        self.checkers: dict[str, Any] = {}  # tool name -> its argument validator, built once
         self.state_key = secrets_module.token_bytes(32)  # seals the state of 2026-era questions
         self.http: HttpSessions | None = None  # set when serving Streamable HTTP
         self.pages: Pages | None = None  # the sign-in pages of --http (section 14b)
+        self.failed_last: set[tuple[str, str]] = set()  # machines whose last command failed
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
         self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
         self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
@@ -7438,7 +7521,10 @@ class SmolMcp:
                 machine=arguments.get("name"),
                 arguments=redact_arguments(arguments, tool.input_schema),
             )
-            validate_arguments(name, configured_schema(tool, self.config), arguments)
+            checker = self.checkers.get(name) or self.checkers.setdefault(
+                name, argument_validator()(configured_schema(tool, self.config))
+            )
+            validate_arguments(name, tool.input_schema, arguments, checker)
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)

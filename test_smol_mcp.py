@@ -129,6 +129,9 @@ def result_of(answer) -> tuple[bool, object]:
     assert text == answer.structured_content, (
         "the text content must be the same JSON as the structured content"
     )
+    assert answer.content[0].text == json.dumps(text, ensure_ascii=False, separators=(",", ":")), (
+        "the text content must be compact JSON: whitespace costs the model tokens"
+    )
     return False, answer.structured_content
 
 
@@ -584,6 +587,28 @@ class PiecesTests(unittest.TestCase):
         head, tail = text.split("\n[")[0], text.rsplit("]\n", 1)[1]
         self.assertEqual(len(head.encode()) + len(tail.encode()) + omitted, len(data))
 
+    def test_importing_the_module_loads_no_http_stack_or_sdk(self):
+        # what stdio needs of the SDK it imports when it serves; uvicorn and starlette only --http
+        code = "import smol_mcp, sys; print(sorted({m.split('.')[0] for m in sys.modules}))"
+        loaded = subprocess.run(
+            [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True
+        ).stdout
+        for heavy in ("uvicorn", "starlette", "httpx2", "mcp", "mcp_types", "jsonschema"):
+            self.assertNotIn(f"'{heavy}'", loaded)
+
+    def test_a_large_stream_is_cut_without_being_held_twice(self):
+        import tracemalloc
+
+        data = ('line é\t\x00 "q"\n' * 1_000_000).encode() + b"\xff\xe2\x82"  # 17 MiB, odd tail
+        tracemalloc.start()
+        try:
+            text, omitted = smol_mcp.fit_stream(data, 65536, 18000, "x")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        self.assertGreater(omitted, len(data) - 65536)
+        self.assertLess(peak, len(data) // 4)  # the head and the tail, not the stream again
+
     def test_head_and_tail_never_splits_a_character(self):
         data = "é".encode() * 3000  # two bytes each
         text, omitted = smol_mcp.fit_stream(data, 1001, 10**6, "w")
@@ -924,6 +949,93 @@ class ToolListTests(FakeServeCase):
             self.assertEqual([r[:2] for r in self.fake.requests], [("GET", "/health")])
             await c.call_tool("list-machines", {})
             self.assertIn(("GET", "/api/v1/machines"), [r[:2] for r in self.fake.requests])
+
+
+def engine_requests_table() -> dict[str, dict[str, int]]:
+    """The README tools table's engine requests of each tool, per fleet: a cell
+    reads `N` (both fleets) or `N (cloud M)`; what follows a `;` is a note."""
+    table, readme = {}, (HERE / "README.md").read_text()
+    rows = readme[readme.index("| Tool | What it does |") : readme.index("A machine record has")]
+    for row in re.findall(r"^\| `([a-z-]+)` \|.*\| ([^|]+) \|$", rows, re.M):
+        tool, cell = row[0], row[1].split(";")[0]
+        local = int(re.match(r"\d+", cell)[0])
+        cloud = re.search(r"cloud (\d+)", cell)
+        table[tool] = {"local": local, "cloud": int(cloud[1]) if cloud else local}
+    return table
+
+
+class EngineRequestScenarios:
+    """Each tool's engine requests, counted in the fake's journal, are the
+    README tools table's: the table cannot go stale."""
+
+    def journal(self) -> list:
+        return self.cloud.requests if self.fleet == "cloud" else self.fake.requests
+
+    async def test_each_tool_makes_the_requests_the_tools_table_says(self):
+        table, counted = engine_requests_table(), {}
+        self.assertEqual(sorted(table), sorted(smol_mcp.TOOLS_BY_NAME))
+        name, hosts = "rq-1", {"allowHosts": ["example.com"]}
+        calls = [
+            ("create-machine", {"name": name, "image": "alpine", "branchable": True, **hosts}),
+            ("list-machines", {}),
+            ("get-machine", {"name": name}),
+            ("run-command", {"name": name, "command": "true"}),
+            ("write-file", {"name": name, "path": "/root/f", "content": "x"}),
+            ("read-file", {"name": name, "path": "/root/f"}),
+            ("machine-logs", {"name": name}),
+            ("start-job", {"name": name, "command": "sleep 30"}),
+            ("read-job", {"name": name, "jobId": None}),
+            ("cancel-job", {"name": name, "jobId": None}),
+            ("pull-image", {"name": name, "image": "alpine"}),
+            ("allow-egress", {"name": name, "hosts": ["pypi.org"]}),
+            ("branch-machine", {"name": name, "childName": "rq-2"}),
+            ("stop-machine", {"name": name}),
+            ("start-machine", {"name": name}),
+            ("delete-machine", {"name": "rq-2"}),
+            ("delete-machine", {"name": name}),
+            ("run-once", {"image": "alpine", "command": "true"}),
+        ]
+        local_only = {"pull-image", "allow-egress"}
+        async with self.client("legacy", elicitation_callback=answer_allow("accept")) as c:
+            await self.ok(c, "list-machines", {})  # the first local call checks the serve once
+            job = None
+            for tool, args in calls:
+                if self.fleet == "cloud" and tool in local_only:
+                    continue
+                args = {**args, "jobId": job} if "jobId" in args else args
+                before = len(self.journal())
+                got = await self.ok(c, tool, args)
+                job = got.get("jobId", job)
+                counted[tool] = len(self.journal()) - before
+        self.assertEqual(counted, {t: table[t][self.fleet] for t in counted})
+
+
+class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
+    fleet = "local"
+
+    async def test_arguments_are_checked_by_a_validator_built_once_per_tool(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
+            with unittest.mock.patch.object(
+                smol_mcp, "argument_validator", side_effect=AssertionError
+            ):
+                await self.ok(c, "list-machines", {})
+                text = await self.refused(c, "list-machines", {"nmae": "x"})
+                self.assertIn('list-machines has no argument "nmae"', text)
+
+    async def test_get_machine_asks_more_only_when_asked(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "rq-3", "image": "alpine"})
+            for include, more in (([], 0), (["jobs"], 1), (["egress"], 1), (["jobs", "egress"], 2)):
+                before = len(self.fake.requests)
+                await self.ok(c, "get-machine", {"name": "rq-3", "include": include})
+                self.assertEqual(len(self.fake.requests) - before, 1 + more, include)
+            text = await self.refused(
+                c, "get-machine", {"name": "rq-3", "include": ["jobs", "egress", "jobs"]}
+            )
+            self.assertIn('"include" may hold at most 2 items, got 3', text)
+            text = await self.refused(c, "get-machine", {"name": "rq-3", "include": ["logs"]})
+            self.assertIn('"include[0]" must be one of "jobs", "egress"', text)
 
 
 class EraScenarios:
@@ -2101,6 +2213,10 @@ class FakeCloudCase(FakeServeCase):
         return next(m for m in self.cloud.machines.values() if m["name"] == name)
 
 
+class CloudEngineRequestTests(EngineRequestScenarios, FakeCloudCase):
+    fleet = "cloud"
+
+
 class CloudWorkedExample(FakeCloudCase):
     async def test_worked_example_runs_unchanged_on_the_cloud(self):
         for mode in MODES:
@@ -2294,10 +2410,10 @@ class CloudRuleTests(FakeCloudCase):
                 self.cloud_requests("", "POST")[0][3].get("ttlSeconds")
             )  # a chosen name persists
             self.cloud.requests.clear()
-            got = await self.ok(c, "get-machine", {"name": "persist-1"})
+            got = await self.ok(c, "get-machine", {"name": "persist-1", "include": ["jobs"]})
             jobs = f"/v1/machines/{got['machine']['id']}/jobs"
             self.assertEqual(
-                [r[:2] for r in self.cloud.requests],  # the name, then its jobs
+                [r[:2] for r in self.cloud.requests],  # the name, then (asked for) its jobs
                 [("GET", "/v1/machines"), ("GET", jobs)],
             )
             by_id = await self.refused(c, "get-machine", {"name": got["machine"]["id"]})
@@ -4101,9 +4217,11 @@ class JobScenarios(LongWorkScenarios):
         self.app = SmolMcp(self.config)  # a new server process, as far as state goes
         async with self.client("auto") as c:
             listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
-            self.assertIn(started["jobId"], [job["jobId"] for job in listed])
+            recorded = {"jobId": started["jobId"], "state": "running", "exitCode": None}
+            self.assertEqual(listed, [recorded])  # the server's record, kept on disk
             for _ in range(120):  # it ran on without any client; read it whole once it is done
-                listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
+                asked = {"name": name, "include": ["jobs"]}  # the guest's own list
+                listed = (await self.ok(c, "get-machine", asked))["jobs"]
                 if listed[-1]["state"] != "running":
                     break
                 await asyncio.sleep(0.5)
@@ -4111,6 +4229,8 @@ class JobScenarios(LongWorkScenarios):
                 listed[-1], {"jobId": started["jobId"], "state": "exited", "exitCode": 7}
             )
             out, err, last, pages = await self.read_whole(c, name, started["jobId"])
+            listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
+            self.assertEqual(listed, [{**recorded, "state": "exited", "exitCode": 7}])  # read-job's
         self.assertEqual((out, err), (self.EXPECTED_OUT, self.EXPECTED_ERR))
         self.assertGreater(pages, 2, "the budget must have split the output into pages")
         self.assertEqual((last["state"], last["exitCode"]), ("exited", 7))
@@ -6677,7 +6797,9 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             )
             self.assertFalse(is_error, created)
             try:
-                is_error, got = await self.call("get-machine", {"name": "itest-egress-tool"})
+                is_error, got = await self.call(
+                    "get-machine", {"name": "itest-egress-tool", "include": ["egress"]}
+                )
                 self.assertEqual(
                     got["egress"], {"open": False, "hosts": [], "cidrs": [], "recentDenials": []}
                 )
@@ -6985,6 +7107,32 @@ class AccessPiecesTests(unittest.TestCase):
             self.assertTrue(store.delete("agent-1"))
             self.assertIsNone(store.match([secret]))
             self.assertFalse(store.delete("agent-1"))
+
+    def test_the_tokens_file_is_looked_at_at_most_twice_a_second(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            store, other = (smol_mcp.TokenStore(f"{tmp}/state") for _ in range(2))
+            _, mine = store.create("mine", ("machines.read",), ("local",), "none")
+            self.assertEqual(store.match([mine])["name"], "mine")  # its own write, at once
+            with unittest.mock.patch("smol_mcp.os.stat", wraps=os.stat) as stats:
+                for _ in range(200):
+                    store.match([mine])
+            self.assertLessEqual(stats.call_count, 1)
+            _, theirs = other.create("theirs", ("machines.read",), ("local",), "none")
+            self.assertEqual(store.match([theirs])["name"], "theirs")  # a miss looks again
+            other.delete("mine")  # in another process: refused within half a second
+            deleted = time.monotonic()
+            while store.match([mine]) is not None:
+                self.assertLess(time.monotonic() - deleted, 0.6)
+                time.sleep(0.01)
+            secret = "d" * 40  # SMOL_MCP_AUTH_TOKEN is not in the file: no second look for it
+            env = {"SMOL_MCP_CONFIG": f"{tmp}/none.json", "HOME": tmp}
+            env.update(SMOL_MCP_AUTH_TOKEN=secret, SMOL_MCP_STATE_DIR=f"{tmp}/state")
+            access = smol_mcp.Access(load_config(env), env)
+            access.token_for([secret])
+            with unittest.mock.patch("smol_mcp.os.stat", wraps=os.stat) as stats:
+                for _ in range(200):
+                    self.assertEqual(access.token_for([secret]).name, "default")
+            self.assertLessEqual(stats.call_count, 1)
 
 
 class ReservedTokenNameTests(unittest.TestCase):
@@ -7364,9 +7512,10 @@ class AgentAccessHttpTests(HttpCase):
                     )
                     name = name["machine"]["name"]
                     self.assertTrue(self.store.delete("gone"))
-                    with self.assertRaises(
-                        Exception
-                    ):  # the very next request: 401, no restart needed
+                    deleted = time.monotonic()
+                    with self.assertRaises(Exception):  # a 401 within 0.5 s, no restart needed
+                        while time.monotonic() - deleted < 0.5:
+                            await c.list_tools()
                         await c.list_tools()
                     await self.wait_until(lambda: name not in self.fake.machines, 10)
                 response = await self.raw(

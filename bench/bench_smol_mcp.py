@@ -11,15 +11,20 @@
     uv run bench/bench_smol_mcp.py            # the full run (a few minutes)
     uv run bench/bench_smol_mcp.py --quick    # a smoke run (under two minutes)
     uv run bench/bench_smol_mcp.py --serve unix:///run/smolvm.sock   # a real serve
+    uv run bench/bench_smol_mcp.py --quick --baseline old/smol_mcp.py  # before and after
 
 Every number is a RATIO (or a difference) against a floor measured side by
 side in the same run, because these machines are noisy; absolute times are
 printed for information only. The floors:
 
-- startup: bench/minimal_server.py, the same SDK with one trivial tool;
-- per call: the same request made straight to the same API socket with
-  http.client on a kept-alive connection, as smol_mcp keeps one per worker
-  thread (a connection-per-request floor is printed for information);
+- startup and idle memory: bench/minimal_server.py, the same SDK with one
+  trivial tool (the server is started as its installed command does, by
+  importing the module; `python smol_mcp.py`, compiled at every start, is
+  printed for information);
+- per call: the bare SDK server's round trip over the same transport, and the
+  same request made straight to the same API socket with http.client on a
+  kept-alive connection, as smol_mcp keeps one per worker thread; what is left
+  is smol-mcp's own share (a connection-per-request floor is printed too);
 - output and paging: the same exec or file download made straight to the API.
 
 The clients are deliberately lean (JSON-RPC lines on the stdio pipes, JSON
@@ -29,13 +34,15 @@ run in a child process of its own so that its threads do not share a GIL (or a
 peak-memory figure) with the benchmark or with the server under test.
 
 The table at the end has one row per measurement: value, floor, ratio or
-delta, target, and PASS / FAIL / INFO / SKIP. The exit code is 1 if any
-target is missed.
+delta, target, and PASS / FAIL / INFO / SKIP. A section that missed a target
+runs once more (a shared machine has bad moments) and its second reading
+stands; the exit code is 1 if a target is still missed, --smoke included.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
 import math
@@ -222,7 +229,7 @@ def tool_result(answer: dict) -> dict:
 class StdioPeer:
     """An MCP server subprocess spoken to in JSON-RPC lines on its pipes."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], stderr_path: str):
+    def __init__(self, argv: list[str], env: dict[str, str], stderr_path: str, cwd: Path = ROOT):
         self.stderr = open(stderr_path, "ab")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
@@ -231,7 +238,7 @@ class StdioPeer:
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             env=env,
-            cwd=str(ROOT),
+            cwd=str(cwd),
         )
         self.next_id = 0
 
@@ -289,8 +296,14 @@ class HttpPeer:
         self.next_id = 0
 
     def post(self, message: dict) -> tuple[int, dict | None, http.client.HTTPResponse]:
-        self.conn.request("POST", "/mcp", body=json.dumps(message).encode(), headers=self.headers)
-        response = self.conn.getresponse()
+        body = json.dumps(message).encode()
+        try:
+            self.conn.request("POST", "/mcp", body=body, headers=self.headers)
+            response = self.conn.getresponse()
+        except ConnectionError:  # the server closed the connection while it sat idle
+            self.conn.close()
+            self.conn.request("POST", "/mcp", body=body, headers=self.headers)
+            response = self.conn.getresponse()
         data = response.read()
         return response.status, (json.loads(data) if data else None), response
 
@@ -354,6 +367,7 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.quick = args.quick
+        self.baseline = Path(args.baseline).resolve() if args.baseline else None
         self.tmp = tempfile.mkdtemp(
             prefix="smb-", dir="/tmp"
         )  # short: a unix socket path is limited
@@ -409,27 +423,38 @@ class Bench:
         env.update(extra)
         return env
 
-    def spawn_stdio(self) -> StdioPeer:
-        return StdioPeer([sys.executable, str(SERVER)], self.server_env(), f"{self.tmp}/server.log")
+    def server_argv(self, server: Path | None = None, script: bool = False) -> list[str]:
+        """How a client starts the server: by default as the installed `smol-mcp`
+        command does, importing the module (so its bytecode is cached in
+        __pycache__); with ``script``, as `python smol_mcp.py`, compiled at each start."""
+        server = server or SERVER
+        return [sys.executable, str(server)] if script else [sys.executable, "-m", server.stem]
+
+    def spawn_stdio(self, server: Path | None = None, script: bool = False) -> StdioPeer:
+        server = server or SERVER
+        argv, log_path = self.server_argv(server, script), f"{self.tmp}/server.log"
+        return StdioPeer(argv, self.server_env(), log_path, cwd=server.parent)
 
     def spawn_minimal_stdio(self) -> StdioPeer:
         env = {"PATH": os.environ.get("PATH", ""), "HOME": self.tmp}
         return StdioPeer([sys.executable, str(MINIMAL)], env, f"{self.tmp}/minimal.log")
 
-    def spawn_http(self, minimal: bool = False) -> tuple[subprocess.Popen, int]:
-        port = free_port()
+    def spawn_http(
+        self, minimal: bool = False, server: Path | None = None
+    ) -> tuple[subprocess.Popen, int]:
+        port, server = free_port(), server or SERVER
         if minimal:
             argv, env = (
                 [sys.executable, str(MINIMAL), "--http", str(port)],
                 {"PATH": os.environ.get("PATH", "")},
             )
         else:
-            argv = [sys.executable, str(SERVER), "--http", "--port", str(port)]
+            argv = [*self.server_argv(server), "--http", "--port", str(port)]
             env = self.server_env(SMOL_MCP_AUTH_TOKEN=TOKEN)
         proc = subprocess.Popen(
             argv,
             env=env,
-            cwd=str(ROOT),
+            cwd=str(server.parent),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=open(f"{self.tmp}/http.log", "ab"),
@@ -511,51 +536,100 @@ class Bench:
     # -- 1. startup -------------------------------------------------------------
 
     def bench_startup(self) -> None:
+        """Spawn to answers, and the memory held once idle, against the bare SDK
+        server; the script run directly (compiled at each start) for information."""
         runs = 10 if self.quick else 15
-        log(f"startup: {runs} spawns of each server over stdio, alternating")
-        times = {"smol": ([], []), "minimal": ([], [])}
+        kinds = {
+            "smol": lambda: self.spawn_stdio(),
+            "script": lambda: self.spawn_stdio(script=True),
+            "minimal": self.spawn_minimal_stdio,
+        }
+        if self.baseline:
+            kinds["before"] = lambda: self.spawn_stdio(self.baseline)
+        log(f"startup: {runs} spawns of each of {', '.join(kinds)} over stdio, interleaved")
+        times = {kind: ([], [], []) for kind in kinds}  # initialize, tools/list, idle RSS
         for i in range(runs + 1):  # the first round warms the page cache and is dropped
-            for which in ("smol", "minimal") if i % 2 else ("minimal", "smol"):
-                peer = self.spawn_stdio() if which == "smol" else self.spawn_minimal_stdio()
+            order = list(kinds)[i % len(kinds) :] + list(kinds)[: i % len(kinds)]
+            for which in order:
+                peer = kinds[which]()
                 try:
                     t_init = peer.initialize()
                     answer = peer.request("tools/list")
                     t_list = time.perf_counter() - peer.started
                     if "error" in answer or not answer["result"]["tools"]:
                         raise McpError(f"tools/list: {answer}")
+                    rss = proc_status(peer.proc.pid)["VmRSS"]
                 finally:
                     peer.close()
                 if i:
-                    times[which][0].append(t_init)
-                    times[which][1].append(t_list)
-        for k, label in ((0, "initialize"), (1, "tools/list")):
-            ours, floor = median(times["smol"][k]), median(times["minimal"][k])
+                    for bucket, value in zip(times[which], (t_init, t_list, rss)):
+                        bucket.append(value)
+        floor = times["minimal"]
+        for k, label in ((0, "initialize"), (1, "tools/list")):  # ratios of each round's pair
+            ratio = median([a / b for a, b in zip(times["smol"][k], floor[k])])
             self.row(
                 f"startup: spawn to {label} answered (stdio, median of {runs})",
-                ms(ours),
-                ms(floor),
-                f"{ours / floor:.2f}x",
-                "<= 1.20x",
-                self.check(ours / floor <= 1.2),
+                ms(median(times["smol"][k])),
+                ms(median(floor[k])),
+                f"{ratio:.2f}x",
+                "<= 1.05x",
+                self.check(ratio <= 1.05),
+            )
+        script, ours = median(times["script"][0]), median(times["smol"][0])
+        self.row(
+            "startup: `python smol_mcp.py` to initialize (the script compiled at each start)",
+            ms(script),
+            ms(median(floor[0])),
+            f"{script / median(floor[0]):.2f}x; compile {ms(script - ours)}",
+            "-",
+            "INFO",
+        )
+        rss, base = median(times["smol"][2]), median(floor[2])
+        self.row(
+            "startup: idle memory after tools/list (RSS)",
+            mib(rss),
+            mib(base),
+            f"{(rss - base) / MiB:+.1f} MiB",
+            "<= +10 MiB",
+            self.check(rss - base <= 10 * MiB),
+        )
+        if self.baseline:
+            before = times["before"]
+            self.row(
+                "startup: before (--baseline), spawn to initialize / idle memory",
+                ms(median(before[0])),
+                ms(median(floor[0])),
+                f"{median(before[0]) / median(floor[0]):.2f}x; "
+                f"{(median(before[2]) - base) / MiB:+.1f} MiB",
+                "-",
+                "INFO",
             )
 
     # -- 2. per-call overhead ---------------------------------------------------
 
     def bench_per_call(self) -> None:
-        calls = 100 if self.quick else 500
-        chunk = 50
-        log(f"per call: {calls} calls of each tool on each path, interleaved in chunks of {chunk}")
+        """Each tool's round trip on each transport, paired call by call with the
+        same request straight to the API and the bare SDK server's trivial tool:
+        smol-mcp's own share is the median over the rounds of what is left once
+        both are taken out (a busy moment of the machine hits all three alike)."""
+        calls = 200 if self.quick else 500
+        log(f"per call: {calls} rounds of each tool, one call on every path per round")
         requests = {
             "list-machines": ({}, "/api/v1/machines"),
             "get-machine": ({"name": self.machine}, f"/api/v1/machines/{self.machine}"),
         }
-        stdio = self.spawn_stdio()
-        stdio.initialize()
-        http_proc, http_port = self.spawn_http()
-        http = HttpPeer(http_port).initialize()
+        servers = {"": None, "before ": self.baseline} if self.baseline else {"": None}
+        peers, procs = {}, []
+        for prefix, server in servers.items():
+            peers[prefix + "stdio"] = self.spawn_stdio(server)
+            peers[prefix + "stdio"].initialize()
+            proc, port = self.spawn_http(server=server)
+            procs.append(proc)
+            peers[prefix + "http"] = HttpPeer(port).initialize()
         min_stdio = self.spawn_minimal_stdio()
         min_stdio.initialize()
         min_proc, min_port = self.spawn_http(minimal=True)
+        procs.append(min_proc)
         min_http = HttpPeer(min_port, token=None).initialize()
         keep = self.api.connection()
         samples: dict[tuple[str, str], list[float]] = {}
@@ -568,61 +642,67 @@ class Bench:
             status, _ = self.api.call("GET", path, conn=keep)
             assert status == 200, status
 
+        paths = {
+            "floor": lambda tool, a, p: fresh(p),
+            "floor-keepalive": lambda tool, a, p: kept(p),
+            **{label: functools.partial(self.tool_call, peer) for label, peer in peers.items()},
+            "sdk-stdio": lambda tool, a, p: min_stdio.call("echo", {"text": "x"}),
+            "sdk-http": lambda tool, a, p: min_http.call("echo", {"text": "x"}),
+        }
         try:
-            for tool, (
-                arguments,
-                path,
-            ) in requests.items():  # warm every path (and the first-call sweep)
-                for _ in range(20):
-                    stdio.call(tool, arguments)
-                    http.call(tool, arguments)
-                    fresh(path)
-                    kept(path)
-            for _ in range(20):
-                min_stdio.call("echo", {"text": "x"})
-                min_http.call("echo", {"text": "x"})
-            paths = {
-                "floor": lambda tool, a, p: fresh(p),
-                "floor-keepalive": lambda tool, a, p: kept(p),
-                "stdio": lambda tool, a, p: stdio.call(tool, a),
-                "http": lambda tool, a, p: http.call(tool, a),
-                "sdk-stdio": lambda tool, a, p: min_stdio.call("echo", {"text": "x"}),
-                "sdk-http": lambda tool, a, p: min_http.call("echo", {"text": "x"}),
-            }
-            for _ in range(calls // chunk):
+            for tool, (arguments, path) in requests.items():  # warm every path
+                for fn in paths.values():
+                    for _ in range(20):
+                        fn(tool, arguments, path)
+            for _ in range(calls):
                 for tool, (arguments, path) in requests.items():
                     for label, fn in paths.items():
-                        bucket = samples.setdefault((tool, label), [])
-                        for _ in range(chunk):
-                            t = time.perf_counter()
-                            fn(tool, arguments, path)
-                            bucket.append(time.perf_counter() - t)
+                        t = time.perf_counter()
+                        fn(tool, arguments, path)
+                        samples.setdefault((tool, label), []).append(time.perf_counter() - t)
         finally:
             keep.close()
-            for peer in (http, min_http):
+            for peer in (*peers.values(), min_stdio, min_http):
                 peer.close()
-            for peer in (stdio, min_stdio):
-                peer.close()
-            for proc in (http_proc, min_proc):
+            for proc in procs:
                 self.stop_child(proc)
         for tool in requests:
             floor = samples[(tool, "floor-keepalive")]
-            for transport, limit in (("stdio", 0.0005), ("http", 0.0015)):
-                ours = samples[(tool, transport)]
-                delta = median(ours) - median(floor)
+            for transport, limit in (("stdio", 0.0003), ("http", 0.0005)):
+                ours, sdk = samples[(tool, transport)], samples[(tool, f"sdk-{transport}")]
+                own = median([o - s - a for o, s, a in zip(ours, sdk, floor)])
                 self.row(
                     f"per call: {tool} over {transport}, median of {len(ours)}",
                     ms(median(ours)),
-                    ms(median(floor)),
-                    f"{delta * 1000:+.3f} ms",
-                    f"<= +{limit * 1000:.1f} ms",
-                    self.check(delta <= limit),
+                    f"{ms(median(sdk))} SDK",
+                    f"{(median(ours) - median(sdk)) * 1000:+.3f} ms over the SDK",
+                    "-",
+                    "INFO",
                 )
+                self.row(
+                    f"per call: {tool} over {transport}, smol-mcp's own share",
+                    f"{own * 1000:+.3f} ms",
+                    f"{ms(median(floor))} API",
+                    "median of (value - SDK - API)",
+                    f"<= +{limit * 1000:.1f} ms",
+                    self.check(own <= limit),
+                )
+                if self.baseline:
+                    before = samples[(tool, f"before {transport}")]
+                    was = median([b - s - a for b, s, a in zip(before, sdk, floor)])
+                    self.row(
+                        f"per call: {tool} over {transport}, before (--baseline)",
+                        ms(median(before)),
+                        f"{ms(median(sdk))} SDK",
+                        f"own share {was * 1000:+.3f} ms",
+                        "-",
+                        "INFO",
+                    )
                 self.row(
                     f"per call: {tool} over {transport}, p95",
                     ms(p95(ours)),
-                    ms(p95(floor)),
-                    f"{(p95(ours) - p95(floor)) * 1000:+.3f} ms",
+                    ms(p95(sdk)),
+                    f"{(p95(ours) - p95(sdk)) * 1000:+.3f} ms over the SDK",
                     "-",
                     "INFO",
                 )
@@ -636,32 +716,10 @@ class Bench:
                 "-",
                 "INFO",
             )
-        for transport in ("stdio", "http"):
-            s = samples[("list-machines", f"sdk-{transport}")]
-            self.row(
-                f"per call: minimal SDK server's trivial tool over {transport} (SDK floor)",
-                ms(median(s)),
-                "-",
-                f"p95 {ms(p95(s))}",
-                "-",
-                "INFO",
-            )
-            for tool in (
-                requests
-            ):  # what is left once the API call and the SDK's own round trip are taken out
-                own = (
-                    median(samples[(tool, transport)])
-                    - median(samples[(tool, "floor-keepalive")])
-                    - median(s)
-                )
-                self.row(
-                    f"per call: {tool} over {transport}, smol-mcp's own share",
-                    f"{own * 1000:+.3f} ms",
-                    "-",
-                    "value - API floor - SDK floor",
-                    "-",
-                    "INFO",
-                )
+
+    @staticmethod
+    def tool_call(peer, tool: str, arguments: dict, path: str) -> dict:
+        return peer.call(tool, arguments)
 
     # -- 3. output handling -----------------------------------------------------
 
@@ -669,7 +727,7 @@ class Bench:
         if not self.can_exec:
             self.row("output: run-command 1/16/64 MiB", "-", "-", "-", "<= 3x output", "SKIP")
             return
-        sizes = [1, 4, 16] if self.quick else [1, 16, 64]
+        sizes = [1, 4, 16] if self.quick else [1, 4, 16, 64]
         log(f"output: run-command printing {sizes} MiB, a fresh stdio server for each")
         results = []
         for size in sizes:
@@ -1034,9 +1092,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="CI: a quick run that reports the targets but fails only if the benchmark itself "
-        "breaks "
-        "(these machines are shared and noisy, so absolute times gate nothing)",
+        help="CI: the quick run; a missed target fails it, after one rerun of what missed",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="FILE",
+        help="an earlier smol_mcp.py, measured side by side (startup, per call) as 'before'",
     )
     args = parser.parse_args(argv)
     args.quick = args.quick or args.smoke
@@ -1044,6 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = args.only.split(",") if args.only else sections
     started = time.monotonic()
     bench = Bench(args)
+    reran = []
     try:
         bench.setup_machine()
         log(
@@ -1054,6 +1116,15 @@ def main(argv: list[str] | None = None) -> int:
         for section in sections:
             if section in chosen:
                 getattr(bench, "bench_" + section.replace("-", "_"))()
+        # A shared machine has bad moments: a section that missed a target runs once more,
+        # and its second reading stands.
+        reran = [
+            s for s in sections if any(section_of(r) == s for r in bench.rows if r[5] == "FAIL")
+        ]
+        for section in reran:
+            log(f"{section}: a target was missed; running it once more")
+            bench.rows = [r for r in bench.rows if section_of(r) != section]
+            getattr(bench, "bench_" + section.replace("-", "_"))()
     finally:
         bench.teardown()
     failed = [r for r in bench.rows if r[5] == "FAIL"]
@@ -1070,7 +1141,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(bench.table())
     print(f"\ntargets met: {sum(r[5] == 'PASS' for r in bench.rows)}, missed: {len(failed)}")
-    return 1 if failed and not args.smoke else 0
+    if reran:
+        print(f"run twice (a target missed the first time): {', '.join(reran)}")
+    return 1 if failed else 0
+
+
+def section_of(row: tuple) -> str:
+    return row[0].split(":")[0].replace(" ", "-")
 
 
 if __name__ == "__main__":
