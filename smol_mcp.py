@@ -8408,6 +8408,7 @@ def uvicorn_options() -> dict:
         timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
         h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
         limit_concurrency=HTTP_LIMIT_CONCURRENCY,
+        proxy_headers=False,  # the peer's own address: X-Forwarded-For would rotate the limits
     )
 
 
@@ -8991,7 +8992,8 @@ def console_routes(app: SmolMcp) -> list:
         fields = (
             '<label>Name <input type="text" name="name" maxlength="64" required></label>'
             f'{boxes}<label><input type="checkbox" name="approval" value="changes"> Require '
-            "approval for changes</label><button>Create token</button>"
+            f"approval for changes</label>{pages.confirm_field('a new token')}<button>Create token"
+            "</button>"
         )
         return f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
 
@@ -9001,6 +9003,8 @@ def console_routes(app: SmolMcp) -> list:
         if request.method == "POST":
             form = await pages.form(request)
             try:
+                if why := await pages.confirm(request, form):
+                    raise SmolError(why)
                 name = str(form.get("name", "")).strip()
                 scopes = parse_scopes(",".join(form.getlist("scope")))
                 targets = parse_targets(",".join(form.getlist("target")))
@@ -9163,8 +9167,12 @@ def stopping_server(config: Any, app: SmolMcp):
 
 OPERATOR_FILE = "operator.json"
 SIGNIN_LINK_SECS = 600  # a one-time sign-in link is good for this long, and once
-SIGNIN_SESSION_SECS = 12 * 3600
+SIGNIN_SESSION_SECS = 8 * 3600  # a session is bound to its browser's address and User-Agent
+SIGNIN_FRESH_SECS = 300  # no password: a grant wider than Sandbox needs a session this young
 SIGNIN_TRIES, SIGNIN_WINDOW_SECS = 5, 300  # failed sign-ins per address, then it waits
+SIGNIN_ALL_TRIES = 50  # failed sign-ins from all addresses in a window, then every one waits
+SIGNIN_CHECKS = 2  # password checks (16 MiB of scrypt each) running at once
+OAUTH_REGISTRATIONS = 10  # client registrations per address in a window
 SIGNIN_MAX_SESSIONS = 16  # signed-in browsers kept; past it the oldest is signed out
 SESSION_COOKIE, FORM_COOKIE = "smol_session", "smol_form"
 MIN_PASSWORD_CHARS = 12
@@ -9226,6 +9234,10 @@ class Operator:
             return False
         return hmac.compare_digest(self._scrypt(password, saved["salt"]), saved["scrypt"])
 
+    def generation(self) -> str | None:
+        """The password's salt: new with each password, so a session of the old one ends."""
+        return (self.file.read().get("password") or {}).get("salt")
+
     def new_link(self) -> str:
         secret = secrets_module.token_urlsafe(32)
         link = {"sha256": secret_hash(secret), "expiresAt": time.time() + SIGNIN_LINK_SECS}
@@ -9267,13 +9279,24 @@ class Pages:
     def __init__(self, state_dir: str | Path, issuer: str):
         self.operator, self.issuer = Operator(state_dir), issuer
         self.secure = issuer.startswith("https:")
-        self.sessions: dict[str, dict] = {}  # the cookie's SHA-256 -> expires, csrf, how
-        self.failures: dict[str, list[float]] = {}  # client address -> times of failed sign-ins
+        self.sessions: dict[str, dict] = {}  # the cookie's SHA-256 -> expires, csrf, how, who
+        self.failures: dict[str, list[float]] = {}  # address, "*" (all) -> times of failures
+        self.checking: set[str] = set()  # addresses with a password check under way
+        self.limiter: Any = None  # SIGNIN_CHECKS, made in the event loop
+
+    @staticmethod
+    def who(request: Any) -> list:
+        """The browser a session is bound to: a cookie replayed from another
+        address or program (one an agent's published loopback port caught) is
+        no session at all."""
+        return [request.client.host if request.client else "", request.headers.get("user-agent")]
 
     def session(self, request: Any) -> dict | None:
         cookie = request.cookies.get(SESSION_COOKIE)
         found = self.sessions.get(secret_hash(cookie)) if cookie else None
-        return found if found and found["expires"] > time.time() else None
+        if not found or found["expires"] < time.time() or found["who"] != self.who(request):
+            return None
+        return found if found["salt"] == self.operator.generation() else None
 
     def require_operator(self, request: Any) -> dict:
         """The signed-in operator's session, or SignInRequired, which sends
@@ -9314,6 +9337,7 @@ class Pages:
         from starlette.responses import HTMLResponse
 
         style = base64.b64encode(hashlib.sha256(PAGE_STYLE.encode()).digest()).decode()
+        form_to = "" if re.search(r"[;,\s'\"]", form_to) else form_to  # one source, or none
         policy = f"default-src 'none'; style-src 'sha256-{style}'; form-action 'self' {form_to}"
         headers = {
             "content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'",
@@ -9343,25 +9367,79 @@ class Pages:
             name, value, httponly=True, samesite="strict", secure=self.secure, **options
         )
 
-    def wait_secs(self, address: str) -> int:
-        """How long ``address`` must wait before it may try to sign in again."""
+    def wait_secs(self, key: str, tries: int = SIGNIN_TRIES) -> int:
+        """How long ``key`` (an address, or "*" for all) must wait before it may try again."""
         now = time.time()
-        recent = [t for t in self.failures.pop(address, []) if now - t < SIGNIN_WINDOW_SECS]
+        recent = [t for t in self.failures.pop(key, []) if now - t < SIGNIN_WINDOW_SECS]
         if recent:
-            self.failures[address] = recent
+            self.failures[key] = recent
         if len(self.failures) > 1024:  # bounded: the oldest addresses are forgotten
             self.failures = dict(list(self.failures.items())[-512:])
-        return int(recent[0] + SIGNIN_WINDOW_SECS - now) + 1 if len(recent) >= SIGNIN_TRIES else 0
+        return int(recent[-tries] + SIGNIN_WINDOW_SECS - now) + 1 if len(recent) >= tries else 0
 
-    def start_session(self, response: Any, how: str) -> None:
+    async def check_password(self, request: Any, password: str) -> tuple[int, str]:
+        """(0, "") when ``password`` is the operator's, else an HTTP status and
+        why not. The attempt counts as failed before scrypt runs (a success
+        takes it back), one check per address at a time and SIGNIN_CHECKS in
+        all, so neither concurrency nor a proxy's rotating addresses outrun it."""
+        import anyio
+
+        address, now = self.who(request)[0], time.time()
+        wait = max(self.wait_secs(address), self.wait_secs("*", SIGNIN_ALL_TRIES))
+        if wait or address in self.checking:
+            return 429, f"Too many failed sign-ins from {address} or all: wait {wait or 1} s."
+        self.limiter = self.limiter or anyio.CapacityLimiter(SIGNIN_CHECKS)
+        held = [self.failures.setdefault(key, []) for key in (address, "*")]
+        for times in held:
+            times.append(now)
+        self.checking.add(address)
+        try:
+            right = await anyio.to_thread.run_sync(
+                self.operator.check_password, password, limiter=self.limiter
+            )
+        finally:
+            self.checking.discard(address)
+        if not right:
+            return 401, "That password is not right (`smol_mcp.py operator set-password` sets one)."
+        for times in held:
+            if now in times:
+                times.remove(now)
+        return 0, ""
+
+    async def confirm(self, request: Any, form: Any) -> str:
+        """ "" when the operator proved to be here again for a wide change (a
+        grant beyond Sandbox, a new token): the password on this form, or with
+        no password set, a session signed in by link minutes ago; else why not."""
+        if self.operator.generation() is None:
+            if time.time() - self.session(request)["started"] < SIGNIN_FRESH_SECS:
+                return ""
+            return (
+                "Sign in again with a new `smol_mcp.py operator link` first: wider grants "
+                f"need a sign-in of the last {SIGNIN_FRESH_SECS // 60} minutes."
+            )
+        return (await self.check_password(request, str(form.get("password", ""))))[1]
+
+    def confirm_field(self, what: str) -> str:
+        """The password field of a form whose change confirm() checks."""
+        if self.operator.generation() is None:
+            return ""
+        return (
+            f'<label>Password, for {what} <input type="password" name="password" '
+            'maxlength="1024" autocomplete="current-password"></label>'
+        )
+
+    def start_session(self, request: Any, response: Any, how: str) -> None:
         cookie, now = secrets_module.token_urlsafe(32), time.time()
         self.sessions = {k: v for k, v in self.sessions.items() if v["expires"] > now}
         while len(self.sessions) >= SIGNIN_MAX_SESSIONS:
             del self.sessions[min(self.sessions, key=lambda k: self.sessions[k]["expires"])]
         self.sessions[secret_hash(cookie)] = {
             "expires": now + SIGNIN_SESSION_SECS,
+            "started": now,
             "csrf": secrets_module.token_urlsafe(32),
             "how": how,
+            "who": self.who(request),
+            "salt": self.operator.generation(),
         }
         self.cookie(response, SESSION_COOKIE, cookie, max_age=SIGNIN_SESSION_SECS)
 
@@ -9384,9 +9462,14 @@ def back_to(target: str) -> str:
     return "/signin"
 
 
+LINK_REFUSED = (
+    "That sign-in link is used, expired (links last 10 minutes) or wrong: make another with "
+    "`smol_mcp.py operator link`."
+)
+
+
 def page_routes(pages: Pages) -> list:
     """The sign-in and sign-out pages."""
-    import anyio
     from starlette.responses import RedirectResponse
     from starlette.routing import Route
 
@@ -9396,7 +9479,7 @@ def page_routes(pages: Pages) -> list:
         if "hop" not in request.query_params and request.method == "GET" and not error:
             # A SameSite=Strict cookie is not sent along a chain of redirects from
             # another site (the client's): reloading from this page sends it.
-            again = request.url.include_query_params(hop=1)
+            again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
             head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
         if link:
             field = (
@@ -9425,26 +9508,16 @@ def page_routes(pages: Pages) -> list:
                 return RedirectResponse(target, 303)
             return pages.page(request, "Signed in", "<p>You are signed in.</p>")
         form = await pages.form(request)
-        address = request.client.host if request.client else "unknown"
         link = str(form.get("link", ""))
-        wait = pages.wait_secs(address)
-        if wait:
-            message = f"Too many failed sign-ins from {address}: try again in {wait} s."
-            return signin_page(request, target, link, message, 429)
-        check = pages.operator.use_link if link else pages.operator.check_password
-        how = "one-time link" if link else "password"  # scrypt takes a while: not in the loop
-        if not await anyio.to_thread.run_sync(check, link or str(form.get("password", ""))):
-            pages.failures.setdefault(address, []).append(time.time())
-            message = (
-                "That sign-in link is used, expired (links last 10 minutes) or wrong: make "
-                "another with `smol_mcp.py operator link`."
-                if link
-                else "That password is not right. Set a new one on the host with "
-                "`smol_mcp.py operator set-password`."
-            )
-            return signin_page(request, target, link, message, 401)
+        # A link is 256 random bits made on the host: never rate limited, so it always works.
+        if link:
+            status, message = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
+        else:
+            status, message = await pages.check_password(request, str(form.get("password", "")))
+        if status:
+            return signin_page(request, target, link, message, status)
         response = RedirectResponse(target, 303)
-        pages.start_session(response, how)
+        pages.start_session(request, response, "one-time link" if link else "password")
         return response
 
     async def signout(request: Any) -> Any:
@@ -9726,6 +9799,9 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             try:
                 if not scopes:
                     raise ConfigError("Tick at least one scope, or pick another grant.")
+                wide = not set(scopes) <= set(GRANTS["Sandbox"])
+                if wide and (why := await pages.confirm(request, form)):
+                    raise ConfigError(why)
                 record, _ = provider.tokens.create(
                     chosen["name"].strip(),
                     scopes,
@@ -9765,7 +9841,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             f'Token name <input type="text" name="name" maxlength="64" required value="'
             f'{esc(chosen["name"] or default_token_name(name, taken))}"></label><label><input '
             f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}'
-            '> Require approval for changes</label><p><button type="submit" name="action" '
+            f"> Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
+            '<p><button type="submit" name="action" '
             'value="Allow">Allow</button> <button type="submit" name="action" value="Deny" '
             "formnovalidate>Deny</button></p></form>"
         )

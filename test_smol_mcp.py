@@ -7317,7 +7317,8 @@ class OAuthCase(HttpCase):
         http = await self.operator()
         page = await http.get(url, follow_redirects=True)
         self.assertEqual(page.status_code, 200, page.text)
-        reply = await http.post(str(page.url), data={"csrf": csrf_of(page.text), **answer})
+        form = {"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD, **answer}
+        reply = await http.post(str(page.url), data=form)
         self.assertEqual(reply.status_code, 303, reply.text)
         self.answers.append(reply.headers["location"])
         return reply.headers["location"]
@@ -7689,10 +7690,11 @@ class SignInTests(OAuthCase):
         self.assertNotIn("Secure", cookie)  # plain http on loopback: a Secure cookie would be lost
         self.assertIn("Sign out", (await http.get("/signin")).text)
         behind_tls = smol_mcp.Pages(self.config.state_dir, "https://mcp.example.com")
+        from starlette.requests import Request
         from starlette.responses import Response
 
-        response = Response()
-        behind_tls.start_session(response, "password")
+        response, request = Response(), Request({"type": "http", "headers": [], "client": None})
+        behind_tls.start_session(request, response, "password")
         self.assertIn("Secure", response.headers["set-cookie"])
         page = await http.get("/signin")
         out = await http.post("/signout", data={"csrf": csrf_of(page.text)})
@@ -7751,6 +7753,112 @@ class SignInTests(OAuthCase):
         self.assertEqual(right.status_code, 429)  # even the right password waits now
         self.assertIn("Too many failed sign-ins from 127.0.0.1", right.text)
         self.assertEqual(self.app.pages.wait_secs("10.0.0.9"), 0)  # another address is not held
+
+    async def test_a_session_is_bound_to_its_browser_and_wide_grants_ask_the_password_again(self):
+        operator = await self.operator()  # signed in: what a page on an agent's port could steal
+        cookie = operator.cookies["smol_session"]
+        self.assertIn("Max-Age=28800", (await self.signin_answer())[0].headers["set-cookie"])
+        thief = await self.page_client()
+        thief.cookies.set("smol_session", cookie)
+        thief.headers["user-agent"] = "curl/8.5.0"  # the replay comes from another program
+        self.assertNotIn("Sign out", (await thief.get("/signin?hop=1")).text)
+        self.assertEqual((await thief.get("/console/tokens")).status_code, 303)
+        client = await self.register()
+        for grant, password, status in (
+            ("Full", "", 400),
+            ("Read-only", "not the password at all", 400),
+            ("Sandbox", "", 303),
+            ("Full", OPERATOR_PASSWORD, 303),
+        ):
+            page = await operator.get(self.authorize_url(client, pkce()[1]), follow_redirects=True)
+            self.assertIn("Password, for a grant beyond Sandbox", page.text)
+            form = {"csrf": csrf_of(page.text), "action": "Allow", "grant": grant}
+            answer = await operator.post(
+                str(page.url), data={**form, "name": f"g{status}{grant}", "password": password}
+            )
+            self.assertEqual(answer.status_code, status, (grant, password))
+        self.assertEqual(
+            sorted(r["name"] for r in self.store.records()), ["g303Full", "g303Sandbox"]
+        )
+        page = await operator.get("/console/tokens")
+        form = {
+            "csrf": csrf_of(page.text),
+            "name": "made",
+            "scope": "machines.read",
+            "target": "local",
+        }
+        self.assertEqual((await operator.post("/console/tokens", data=form)).status_code, 400)
+        made = await operator.post("/console/tokens", data={**form, "password": OPERATOR_PASSWORD})
+        self.assertEqual(made.status_code, 200, made.text)
+        smol_mcp.Operator(self.config.state_dir).set_password(OPERATOR_PASSWORD)  # a new one
+        self.assertEqual((await operator.get("/console/tokens")).status_code, 303)
+
+    async def signin_answer(self, **form):
+        http = await self.page_client()
+        page = await http.get("/signin?hop=1")
+        form = form or {"password": OPERATOR_PASSWORD}
+        return await http.post("/signin", data={"csrf": csrf_of(page.text), **form}), http
+
+    async def test_signed_in_by_link_alone_a_wide_grant_needs_a_sign_in_minutes_old(self):
+        operator = smol_mcp.Operator(self.config.state_dir)
+        operator.file.update(lambda data: data.pop("password"))
+        operator.new_link()  # a live link keeps OAuth on once this one is spent
+        answer, http = await self.signin_answer(link=operator.new_link())
+        self.assertEqual(answer.status_code, 303)
+        client = await self.register()
+        page = await http.get(self.authorize_url(client, pkce()[1]), follow_redirects=True)
+        self.assertNotIn("Password, for", page.text)
+        form = {"csrf": csrf_of(page.text), "action": "Allow", "grant": "Full", "name": "late"}
+        later = time.time() + smol_mcp.SIGNIN_FRESH_SECS + 1
+        with unittest.mock.patch.object(smol_mcp.time, "time", return_value=later):
+            late = await http.post(str(page.url), data=form)
+        self.assertEqual(late.status_code, 400)
+        self.assertIn("operator link", late.text)
+        self.assertEqual((await http.post(str(page.url), data=form)).status_code, 303)
+
+    async def test_concurrent_and_forwarded_wrong_passwords_are_all_counted(self):
+        http = await self.page_client()
+        page = await http.get("/signin?hop=1")
+        wrong = {"csrf": csrf_of(page.text), "password": "not the password at all"}
+        answers = await asyncio.gather(*(http.post("/signin", data=wrong) for _ in range(20)))
+        statuses = [a.status_code for a in answers]
+        self.assertLessEqual(statuses.count(401), smol_mcp.SIGNIN_TRIES, statuses)
+        self.app.pages.failures.clear()
+        for i in range(smol_mcp.SIGNIN_TRIES + 1):  # uvicorn must not take the proxy's word
+            forwarded = {"X-Forwarded-For": f"10.0.0.{i}"}
+            answer = await http.post("/signin", data=wrong, headers=forwarded)
+        self.assertEqual(answer.status_code, 429)
+        self.assertIn("from 127.0.0.1", answer.text)
+
+    async def test_password_checks_are_bounded_in_all_and_a_link_always_signs_in(self):
+        from starlette.requests import Request
+
+        pages, running, most = self.app.pages, [0], [0]
+
+        def slow_check(password):
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            time.sleep(0.2)
+            running[0] -= 1
+            return False
+
+        def request(address):
+            return Request({"type": "http", "headers": [], "client": (address, 1)})
+
+        with (
+            unittest.mock.patch.object(smol_mcp, "SIGNIN_ALL_TRIES", 6),
+            unittest.mock.patch.object(pages.operator, "check_password", slow_check),
+        ):
+            checks = (pages.check_password(request(f"10.1.0.{i}"), "x") for i in range(8))
+            statuses = [status for status, _ in await asyncio.gather(*checks)]
+            self.assertEqual(most[0], smol_mcp.SIGNIN_CHECKS)
+            self.assertEqual(sorted(statuses), [401] * 6 + [429] * 2)  # the budget of all
+            self.assertEqual((await pages.check_password(request("10.2.0.1"), "x"))[0], 429)
+            pages.failures.clear()
+            same = (pages.check_password(request("10.3.0.1"), "x") for _ in range(2))
+            self.assertEqual(sorted(s for s, _ in await asyncio.gather(*same)), [401, 429])
+            link = smol_mcp.Operator(self.config.state_dir).new_link()
+            self.assertEqual((await self.signin_answer(link=link))[0].status_code, 303)
 
     async def test_a_form_without_its_csrf_token_is_refused(self):
         http = await self.page_client()
@@ -7917,6 +8025,7 @@ class BrowserTests(OAuthCase):
             for scope in scopes:
                 await self.page.get_by_label(scope).check()
             await self.page.get_by_label("Token name").fill(name)
+            await self.page.get_by_label("Password, for").fill(OPERATOR_PASSWORD)
             if approval:
                 await self.page.get_by_label("Require approval for changes").check()
             if shot:  # the address as in the README (the test's port varies from run to run)
@@ -9087,6 +9196,7 @@ class ConsoleBrowserTests(HttpCase):
         await page.goto(self.base + "/console/tokens")
         await page.get_by_label("Name").fill("from-page")
         await page.get_by_label("machines.read").check()
+        await page.get_by_label("Password, for").fill(OPERATOR_PASSWORD)
         await page.get_by_role("button", name="Create token").click()
         secret = await page.locator("pre").first.inner_text()
         self.assertIn(f'"url": "{self.base}/mcp"', await page.content())  # claude-code's entry
