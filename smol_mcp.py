@@ -9585,6 +9585,7 @@ class OAuthProvider:
         self.issuer, self.resource = issuer, resource
         self.pending: dict[str, tuple] = {}  # consent request id -> (client, params, expires)
         self.codes: dict[str, Any] = {}  # code -> its AuthorizationCode (subject: the grant's id)
+        self.used: set[str] = set()  # codes exchanged already: a second use ends their grant
 
     async def get_client(self, client_id: str) -> Any:
         info = self.clients.read().get(client_id)
@@ -9648,6 +9649,7 @@ class OAuthProvider:
 
         code, now = secrets_module.token_urlsafe(32), time.time()
         self.codes = {k: v for k, v in self.codes.items() if v.expires_at > now}
+        self.used &= self.codes.keys()
         self.codes[code] = AuthorizationCode(
             code=code,
             scopes=record["scopes"],
@@ -9663,10 +9665,14 @@ class OAuthProvider:
 
     async def load_authorization_code(self, client: Any, code: str) -> Any:
         found = self.codes.get(code)
-        return found if found is not None and found.client_id == client.client_id else None
+        if found is None or found.client_id != client.client_id:
+            return None
+        if code in self.used:  # replayed: whoever holds what it gave may be the thief
+            return self.end_grant(found.subject, "its authorization code was used twice")
+        return found
 
     async def exchange_authorization_code(self, client: Any, code: Any) -> Any:
-        self.codes.pop(code.code, None)  # used once
+        self.used.add(code.code)
         return self.issue(code.subject, None)
 
     async def load_refresh_token(self, client: Any, token: str) -> Any:
@@ -9674,6 +9680,8 @@ class OAuthProvider:
 
         digest = secret_hash(token)
         for record in self.tokens.records():
+            if digest in record.get("spent", []) and record.get("clientId") == client.client_id:
+                return self.end_grant(record["id"], "a spent refresh token was used again")
             kept = [
                 k for k in record.get("refresh", []) if hmac.compare_digest(k["sha256"], digest)
             ]
@@ -9707,6 +9715,7 @@ class OAuthProvider:
                 refreshes = [kept["sha256"] for kept in record.get("refresh", [])]
                 if spent is not None and secret_hash(spent) not in refreshes:
                     return None  # used already: by the client, or by whoever stole it
+                record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
                 live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
                 new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
                 record["access"] = [*live, new]
@@ -9716,6 +9725,8 @@ class OAuthProvider:
             return None
 
         record = self.tokens.file.update(rotate)
+        if record is None and spent is not None:
+            self.end_grant(grant_id, "a spent refresh token was used again")
         if record is None:
             raise TokenError("invalid_grant", "this grant was deleted, or the token used already")
         return OAuthToken(
@@ -9741,11 +9752,14 @@ class OAuthProvider:
 
     async def revoke_token(self, token: Any) -> None:
         """A client that revokes a token ends its whole grant, as `tokens delete` does."""
+        self.end_grant(token.subject, "")
+
+    def end_grant(self, grant_id: str | None, why: str) -> None:
+        """Delete the grant: its access and refresh tokens stop at once (OAuth 2.1 4.3.1)."""
         for record in self.tokens.records():
-            if record.get("id") == token.subject and self.tokens.delete(record["name"]):
-                self.activity.append(
-                    {"principal": record["name"], "event": "token", "outcome": "revoked"}
-                )
+            if record.get("id") == grant_id and self.tokens.delete(record["name"]):
+                entry = {"principal": record["name"], "event": "token", "outcome": "revoked"}
+                self.activity.append({**entry, "reason": why} if why else entry)
 
 
 def default_token_name(client_name: str, taken: Iterable[str]) -> str:

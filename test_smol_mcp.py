@@ -7455,6 +7455,26 @@ class OAuthTests(OAuthCase):
         async with httpx2.AsyncClient(base_url=self.base, timeout=30) as http:
             return await http.post(path, data=form)
 
+    async def test_a_spent_refresh_token_used_again_ends_the_whole_grant(self):
+        storage = MemoryTokens()
+        answer = {"action": "Allow", "grant": "Sandbox", "name": "stolen"}
+        async with self.connected(self.oauth(answer, storage)) as client:
+            first = storage.tokens
+            await self.ok(client, "list-machines", {})
+        auth = {"client_id": storage.info.client_id, "client_secret": storage.info.client_secret}
+        refresh = {"grant_type": "refresh_token", "refresh_token": first.refresh_token} | auth
+        rotated = await self.post_form("/token", refresh)  # the thief's, or the client's
+        self.assertEqual(rotated.status_code, 200, rotated.text)
+        again = await self.post_form("/token", refresh)
+        self.assertEqual((again.status_code, again.json()["error"]), (400, "invalid_grant"))
+        self.assertEqual(self.store.records(), [])
+        bearer = {**JSON_HEADERS, "Authorization": f"Bearer {rotated.json()['access_token']}"}
+        self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
+        newer = {**refresh, "refresh_token": rotated.json()["refresh_token"]}
+        self.assertEqual((await self.post_form("/token", newer)).status_code, 400)
+        [revoked] = [e for e in self.app.access.activity.entries() if e.get("outcome") == "revoked"]
+        self.assertEqual(revoked["reason"], "a spent refresh token was used again")
+
     async def test_a_refresh_token_is_spent_once_even_when_two_exchanges_race(self):
         from mcp.server.auth.provider import TokenError
 
@@ -7557,13 +7577,15 @@ class OAuthTests(OAuthCase):
         good = await self.post_form("/token", exchange | {"code_verifier": verifier})
         self.assertEqual(good.status_code, 200, good.text)
         self.assertEqual(good.json()["expires_in"], 3600)
-        reused = await self.post_form("/token", exchange | {"code_verifier": verifier})
-        self.assertEqual((reused.status_code, reused.json()["error"]), (400, "invalid_grant"))
         bearer = {**JSON_HEADERS, "Authorization": f"Bearer {good.json()['access_token']}"}
         self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 200)
         an_hour_on = time.time() + 3601
         with unittest.mock.patch.object(smol_mcp.time, "time", return_value=an_hour_on):
             self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
+        reused = await self.post_form("/token", exchange | {"code_verifier": verifier})
+        self.assertEqual((reused.status_code, reused.json()["error"]), (400, "invalid_grant"))
+        self.assertEqual(self.store.records(), [])  # a replayed code ends what it gave
+        self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
         # a native app's loopback redirect may come back on another port (RFC 8252 7.3)
         other_port = self.authorize_url(
             client, challenge, redirect_uri="http://127.0.0.1:4444/callback"
