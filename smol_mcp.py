@@ -9190,6 +9190,15 @@ PAGE_STYLE = (
 )
 
 
+def shown_text(text: str) -> str:
+    """``text`` fit for a terminal: control and format characters (ESC, U+202E) as \\u escapes."""
+    import unicodedata
+
+    return "".join(
+        f"\\u{ord(c):04x}" if unicodedata.category(c) in ("Cc", "Cf") else c for c in text
+    )
+
+
 def esc(value: Any) -> str:
     """Text made safe inside HTML: every value a page shows goes through this."""
     import html
@@ -9537,7 +9546,13 @@ OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's rout
 OAUTH_CLIENTS_FILE = "oauth-clients.json"
 OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
 OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
-OAUTH_MAX_PENDING = 32  # consent pages open at once
+OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
+OAUTH_MAX_REGISTRATION_BYTES = 8192
+OAUTH_CLIENT_FIELDS = {  # what is kept of a registration: what this server uses
+    *("client_id", "client_secret", "client_id_issued_at", "client_secret_expires_at"),
+    *("client_name", "redirect_uris", "token_endpoint_auth_method", "grant_types"),
+    *("response_types", "scope"),
+}
 GRANTS = {  # the consent page's grants, besides Choose scopes
     "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
     "Read-only": ("machines.read", "activity.read"),
@@ -9602,13 +9617,17 @@ class OAuthProvider:
             or uri.scheme in ("javascript", "data", "file", "vbscript")
             or (uri.scheme == "http" and uri.host not in (*LOOPBACK_HOSTS, "[::1]"))
         ]
-        if unsafe or not 1 <= len(uris) <= 8 or len(client_info.client_name or "") > 100:
+        name = client_info.client_name or ""
+        if unsafe or not 1 <= len(uris) <= 8 or len(name) > 100 or shown_text(name) != name:
             raise RegistrationError(
                 "invalid_redirect_uri" if unsafe else "invalid_client_metadata",
                 "register 1 to 8 redirect URIs, each https, http on loopback or an app's own "
                 f"scheme (refused: {', '.join(unsafe) or 'none'}), and a name of 100 characters "
-                "at most",
+                "at most, without control or format characters",
             )
+        kept = client_info.model_dump(mode="json", exclude_none=True, include=OAUTH_CLIENT_FIELDS)
+        if "client_secret" in kept:  # only its hash: the token routes hash what is sent
+            kept["client_secret"] = secret_hash(kept["client_secret"])
 
         def add(data: dict) -> None:
             if len(data) >= OAUTH_MAX_CLIENTS:
@@ -9621,7 +9640,7 @@ class OAuthProvider:
                         "must delete one (`tokens delete NAME`) first",
                     )
                 del data[spare[0]]
-            data[client_info.client_id] = client_info.model_dump(mode="json", exclude_none=True)
+            data[client_info.client_id] = kept
 
         self.clients.update(add)
 
@@ -9636,10 +9655,11 @@ class OAuthProvider:
             )
         now = time.time()
         self.pending = {k: v for k, v in self.pending.items() if v[2] > now}
-        if len(self.pending) >= OAUTH_MAX_PENDING:
-            raise AuthorizeError(
-                "temporarily_unavailable", "too many consent pages are open; try again later"
-            )
+        mine = [k for k, v in self.pending.items() if v[0].client_id == client.client_id]
+        for old in mine[::-1][OAUTH_CLIENT_PENDING - 1 :]:  # all but its newest few
+            del self.pending[old]
+        while len(self.pending) >= OAUTH_MAX_PENDING:  # the oldest go: a flood refuses no one
+            del self.pending[next(iter(self.pending))]
         request_id = secrets_module.token_urlsafe(16)
         self.pending[request_id] = (client, params, now + SIGNIN_LINK_SECS)
         return f"{self.issuer}/consent?request={request_id}"
@@ -9777,13 +9797,61 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     from mcp.server.auth.routes import create_auth_routes, create_protected_resource_routes
     from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
     from pydantic import AnyHttpUrl
-    from starlette.responses import RedirectResponse
+    from starlette.responses import JSONResponse, RedirectResponse
     from starlette.routing import Route
 
     pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
     resource = create_protected_resource_routes(
         AnyHttpUrl(issuer + path), [AnyHttpUrl(issuer)], list(SCOPES), "smol-mcp"
     )
+
+    async def screen(request: Any) -> Any:
+        """Before the SDK's /register, /token and /revoke: a registration
+        bounded and rate limited per address; a `resource` other than this
+        server refused (RFC 8707); the client's secret hashed, as only its hash
+        is kept. A refusal, or the body and headers the SDK's route gets."""
+        body, headers = await request.body(), request.scope["headers"]
+        if request.method != "POST":
+            return body, headers
+        if request.url.path == "/register":
+            key = "register " + pages.who(request)[0]
+            wait = pages.wait_secs(key, OAUTH_REGISTRATIONS)
+            if wait or len(body) > OAUTH_MAX_REGISTRATION_BYTES:
+                why = f"{OAUTH_REGISTRATIONS} registrations from this address: wait {wait} s"
+                why = why if wait else f"a registration is {OAUTH_MAX_REGISTRATION_BYTES} B at most"
+                answer = {"error": "invalid_client_metadata", "error_description": why}
+                return JSONResponse(answer, 429 if wait else 413)
+            pages.failures.setdefault(key, []).append(time.time())
+            return body, headers
+        form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
+        if form.get("resource", provider.resource).rstrip("/") != provider.resource:
+            why = f"this server is the resource {provider.resource}, not {form['resource']}"
+            return JSONResponse({"error": "invalid_target", "error_description": why}, 400)
+        if "client_secret" in form:
+            form["client_secret"] = secret_hash(form["client_secret"])
+        basic = request.headers.get("authorization", "")
+        if basic[:6].lower() == "basic ":
+            try:
+                who, _, secret = base64.b64decode(basic[6:]).decode().partition(":")
+            except ValueError:
+                who = secret = ""
+            basic = f"{who}:{secret_hash(urllib.parse.unquote(secret))}"
+            basic = b"Basic " + base64.b64encode(basic.encode())
+            headers = [(k, v) for k, v in headers if k != b"authorization"]
+            headers.append((b"authorization", basic))
+        body = urllib.parse.urlencode(form).encode()
+        headers = [(k, v) for k, v in headers if k != b"content-length"]
+        return body, [*headers, (b"content-length", str(len(body)).encode())]
+
+    def screened(route: Any) -> Any:
+        async def endpoint(request: Any) -> Any:
+            answer = await screen(request)
+            if not isinstance(answer, tuple):
+                return answer
+            scope = {**request.scope, "headers": answer[1]}
+            return lambda _, receive, send: route.app(scope, replay_body(answer[0], receive), send)
+
+        return Route(route.path, endpoint, methods=route.methods)
 
     def back(params: Any, **answer: str) -> Any:
         url = construct_redirect_uri(str(params.redirect_uri), state=params.state, **answer)
@@ -9864,13 +9932,16 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         return pages.page(request, f"Connect {name}?", body, 400 if error else 200, form_to)
 
     return [
-        *create_auth_routes(
-            provider,
-            AnyHttpUrl(issuer),
-            client_registration_options=ClientRegistrationOptions(
-                enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES)
-            ),
-            revocation_options=RevocationOptions(enabled=True),
+        *(
+            screened(route) if route.path in ("/register", "/token", "/revoke") else route
+            for route in create_auth_routes(
+                provider,
+                AnyHttpUrl(issuer),
+                client_registration_options=ClientRegistrationOptions(
+                    enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES)
+                ),
+                revocation_options=RevocationOptions(enabled=True),
+            )
         ),
         *resource,  # RFC 9728's place for it, and the root some clients look at first
         Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
@@ -10721,7 +10792,7 @@ def tokens_command(args: Any, config: Config) -> int:
                 ",".join(r["targets"]),
                 r["approval"],
                 auto.shown(r["name"], r.get("id", "")),
-                r.get("client", "-"),  # an OAuth grant's client (by its registered name)
+                shown_text(r.get("client", "-")),  # an OAuth grant's client, as it named itself
                 r.get("createdAt", "-"),
                 used.get(r["name"], "never"),
             )

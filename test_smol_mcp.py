@@ -7486,6 +7486,7 @@ class OAuthTests(OAuthCase):
         provider.issue(record["id"], first.refresh_token)  # both loaded it; this one won
         with self.assertRaises(TokenError):
             provider.issue(record["id"], first.refresh_token)
+        self.assertEqual(self.store.records(), [])  # the loser may be the thief: the grant ends
 
     async def test_each_grant_gives_its_tools_and_a_sandbox_sees_only_its_machines(self):
         async with self.http_client() as admin:
@@ -7633,6 +7634,79 @@ class OAuthTests(OAuthCase):
             "SMOL_MCP_STATE_DIR": self.config.state_dir,
             "SMOL_MCP_CONFIG": "/nonexistent",
         }
+
+    async def test_a_registration_is_small_lean_rate_limited_and_keeps_a_hash_of_its_secret(self):
+        def post(metadata):
+            headers = {"Content-Type": "application/json"}
+            return self.raw("POST", "/register", headers, json.dumps(metadata).encode())
+
+        meta = {"client_name": "lean", "redirect_uris": [CALLBACK]}
+        big = await post({**meta, "jwks": {"keys": [{"k": "x" * 9000}]}})
+        self.assertEqual((big.status_code, big.json()["error"]), (413, "invalid_client_metadata"))
+        for name in ("red\x1b[31m", "bell\x07", "two\r\nlines", "evil\u202egnp.exe"):
+            bad = await post({**meta, "client_name": name})
+            self.assertEqual(bad.status_code, 400, name)
+            self.assertIn("control or format characters", bad.json()["error_description"])
+        extra = {"contacts": ["a@b.example"], "software_id": "x", "logo_uri": "https://x.example/"}
+        extra["token_endpoint_auth_method"] = "client_secret_basic"
+        client = (await post({**meta, **extra})).json()
+        kept = smol_mcp.StateFile(Path(self.config.state_dir) / "oauth-clients.json", dict).read()
+        kept = kept[client["client_id"]]
+        self.assertLessEqual(set(kept), smol_mcp.OAUTH_CLIENT_FIELDS)
+        self.assertEqual(kept["client_secret"], smol_mcp.secret_hash(client["client_secret"]))
+        verifier, challenge = pkce()
+        answer = {"action": "Allow", "grant": "Sandbox", "name": "lean"}
+        code = query_of(await self.consent(self.authorize_url(client, challenge), answer))["code"]
+        exchange = {"grant_type": "authorization_code", "code": code, "redirect_uri": CALLBACK}
+        exchange |= {"client_id": client["client_id"], "code_verifier": verifier}
+        wrong = await self.post_form("/token", exchange | {"resource": "https://other.example/"})
+        self.assertEqual((wrong.status_code, wrong.json()["error"]), (400, "invalid_target"))
+        basic = base64.b64encode(f"{client['client_id']}:{client['client_secret']}".encode())
+        import httpx2
+
+        headers = {"Authorization": f"Basic {basic.decode()}"}
+        async with httpx2.AsyncClient(base_url=self.base, headers=headers, timeout=30) as http:
+            tokens = await http.post("/token", data=exchange)
+            self.assertEqual(tokens.status_code, 200, tokens.text)
+            refresh = {"grant_type": "refresh_token", "client_id": client["client_id"]}
+            refresh |= {"refresh_token": tokens.json()["refresh_token"]}
+            refresh["resource"] = "https://x.example"
+            wrong = await http.post("/token", data=refresh)
+            self.assertEqual((wrong.status_code, wrong.json()["error"]), (400, "invalid_target"))
+            self.assertEqual(
+                (await http.post("/token", data=refresh | {"resource": self.url})).status_code, 200
+            )
+        self.store.create(
+            "shown", ("machines.read",), ["local"], "none", client="a\x1b]0;t\x07\u202eb"
+        )
+        listed = run_cli("tokens", "list", env=self.cli_env()).stdout
+        self.assertIn("a\\u001b]0;t\\u0007\\u202eb", listed)
+        self.assertNotIn("\x1b", listed)
+        self.app.pages.failures.clear()
+        with unittest.mock.patch.object(smol_mcp, "OAUTH_REGISTRATIONS", 2):
+            statuses = [(await post(meta)).status_code for _ in range(3)]
+        self.assertEqual(statuses, [201, 201, 429])
+
+    async def test_consent_requests_past_the_bound_push_out_the_oldest_never_refuse(self):
+        first, second = await self.register(), await self.register()
+
+        async def authorize(client):
+            answer = await self.raw("GET", self.authorize_url(client, pkce()[1])[len(self.base) :])
+            self.assertEqual(answer.status_code, 302, answer.text)
+            return query_of(answer.headers["location"])["request"]
+
+        held = [await authorize(first) for _ in range(6)]
+        operator = await self.operator()
+
+        async def open_ones(ids):  # the consent page of each request still held
+            return [
+                i for i in ids if (await operator.get(f"/consent?request={i}")).status_code == 200
+            ]
+
+        self.assertEqual(await open_ones(held), held[2:])  # one client holds 4 at most
+        with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_PENDING", 5):
+            others = [await authorize(second) for _ in range(2)]
+        self.assertEqual(await open_ones(held + others), held[3:] + others)
 
     async def test_registrations_are_bounded_and_oauth_is_off_without_an_operator(self):
         with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_CLIENTS", 3):
