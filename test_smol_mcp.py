@@ -7777,6 +7777,15 @@ class SignInTests(OAuthCase):
         self.assertEqual(page.headers["x-frame-options"], "DENY")
         self.assertIn('name="viewport"', page.text)
         self.assertIn('<label>Password <input type="password"', page.text)
+        hop = (await http.get("/signin?next=/console")).text  # relative: right behind TLS too
+        self.assertIn('content="0;url=/signin?next=%2Fconsole&amp;hop=1"', hop)
+        from starlette.requests import Request
+        from starlette.responses import Response
+
+        request = Request({"type": "http", "headers": [], "client": None})
+        for form_to, kept in (("https://a.example", True), ("https://a;script-src *", False)):
+            shown = self.app.pages.page(request, "t", "", form_to=form_to)
+            self.assertEqual(form_to in shown.headers["content-security-policy"], kept, form_to)
         signed = await http.post(
             "/signin", data={"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD}
         )
@@ -7786,10 +7795,7 @@ class SignInTests(OAuthCase):
         self.assertNotIn("Secure", cookie)  # plain http on loopback: a Secure cookie would be lost
         self.assertIn("Sign out", (await http.get("/signin")).text)
         behind_tls = smol_mcp.Pages(self.config.state_dir, "https://mcp.example.com")
-        from starlette.requests import Request
-        from starlette.responses import Response
-
-        response, request = Response(), Request({"type": "http", "headers": [], "client": None})
+        response = Response()
         behind_tls.start_session(request, response, "password")
         self.assertIn("Secure", response.headers["set-cookie"])
         page = await http.get("/signin")
