@@ -9398,9 +9398,8 @@ class Pages:
         if wait or address in self.checking:
             return 429, f"Too many failed sign-ins from {address} or all: wait {wait or 1} s."
         self.limiter = self.limiter or anyio.CapacityLimiter(SIGNIN_CHECKS)
-        held = [self.failures.setdefault(key, []) for key in (address, "*")]
-        for times in held:
-            times.append(now)
+        for key in (address, "*"):
+            self.failures.setdefault(key, []).append(now)
         self.checking.add(address)
         try:
             right = await anyio.to_thread.run_sync(
@@ -9410,7 +9409,7 @@ class Pages:
             self.checking.discard(address)
         if not right:
             return 401, "That password is not right (`smol_mcp.py operator set-password` sets one)."
-        for times in held:
+        for times in (self.failures.get(key, []) for key in (address, "*")):  # as rebuilt
             if now in times:
                 times.remove(now)
         return 0, ""
