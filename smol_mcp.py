@@ -8767,6 +8767,7 @@ def uvicorn_options() -> dict:
         timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
         h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
         limit_concurrency=HTTP_LIMIT_CONCURRENCY,
+        proxy_headers=False,  # the peer's own address: X-Forwarded-For would rotate the limits
     )
 
 
@@ -9400,7 +9401,8 @@ def console_routes(app: SmolMcp) -> list:
         fields = (
             '<label>Name <input type="text" name="name" maxlength="64" required></label>'
             f'{boxes}<label><input type="checkbox" name="approval" value="changes"> Require '
-            "approval for changes</label><button>Create token</button>"
+            f"approval for changes</label>{pages.confirm_field('a new token')}<button>Create token"
+            "</button>"
         )
         return f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
 
@@ -9410,6 +9412,8 @@ def console_routes(app: SmolMcp) -> list:
         if request.method == "POST":
             form = await pages.form(request)
             try:
+                if why := await pages.confirm(request, form):
+                    raise SmolError(why)
                 name = str(form.get("name", "")).strip()
                 scopes = parse_scopes(",".join(form.getlist("scope")))
                 targets = parse_targets(",".join(form.getlist("target")))
@@ -9590,8 +9594,12 @@ def stopping_server(config: Any, app: SmolMcp):
 
 OPERATOR_FILE = "operator.json"
 SIGNIN_LINK_SECS = 600  # a one-time sign-in link is good for this long, and once
-SIGNIN_SESSION_SECS = 12 * 3600
+SIGNIN_SESSION_SECS = 8 * 3600  # a session is bound to its browser's address and User-Agent
+SIGNIN_FRESH_SECS = 300  # no password: a grant wider than Sandbox needs a session this young
 SIGNIN_TRIES, SIGNIN_WINDOW_SECS = 5, 300  # failed sign-ins per address, then it waits
+SIGNIN_ALL_TRIES = 50  # failed sign-ins from all addresses in a window, then every one waits
+SIGNIN_CHECKS = 2  # password checks (16 MiB of scrypt each) running at once
+OAUTH_REGISTRATIONS = 10  # client registrations per address in a window
 SIGNIN_MAX_SESSIONS = 16  # signed-in browsers kept; past it the oldest is signed out
 SESSION_COOKIE, FORM_COOKIE = "smol_session", "smol_form"
 MIN_PASSWORD_CHARS = 12
@@ -9607,6 +9615,15 @@ PAGE_STYLE = (
     "nav a{margin-right:1em}section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
     "pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;padding:.5em}"
 )
+
+
+def shown_text(text: str) -> str:
+    """``text`` fit for a terminal: control and format characters (ESC, U+202E) as \\u escapes."""
+    import unicodedata
+
+    return "".join(
+        f"\\u{ord(c):04x}" if unicodedata.category(c) in ("Cc", "Cf") else c for c in text
+    )
 
 
 def esc(value: Any) -> str:
@@ -9653,6 +9670,10 @@ class Operator:
             return False
         return hmac.compare_digest(self._scrypt(password, saved["salt"]), saved["scrypt"])
 
+    def generation(self) -> str | None:
+        """The password's salt: new with each password, so a session of the old one ends."""
+        return (self.file.read().get("password") or {}).get("salt")
+
     def new_link(self) -> str:
         secret = secrets_module.token_urlsafe(32)
         link = {"sha256": secret_hash(secret), "expiresAt": time.time() + SIGNIN_LINK_SECS}
@@ -9694,13 +9715,24 @@ class Pages:
     def __init__(self, state_dir: str | Path, issuer: str):
         self.operator, self.issuer = Operator(state_dir), issuer
         self.secure = issuer.startswith("https:")
-        self.sessions: dict[str, dict] = {}  # the cookie's SHA-256 -> expires, csrf, how
-        self.failures: dict[str, list[float]] = {}  # client address -> times of failed sign-ins
+        self.sessions: dict[str, dict] = {}  # the cookie's SHA-256 -> expires, csrf, how, who
+        self.failures: dict[str, list[float]] = {}  # address, "*" (all) -> times of failures
+        self.checking: set[str] = set()  # addresses with a password check under way
+        self.limiter: Any = None  # SIGNIN_CHECKS, made in the event loop
+
+    @staticmethod
+    def who(request: Any) -> list:
+        """The browser a session is bound to: a cookie replayed from another
+        address or program (one an agent's published loopback port caught) is
+        no session at all."""
+        return [request.client.host if request.client else "", request.headers.get("user-agent")]
 
     def session(self, request: Any) -> dict | None:
         cookie = request.cookies.get(SESSION_COOKIE)
         found = self.sessions.get(secret_hash(cookie)) if cookie else None
-        return found if found and found["expires"] > time.time() else None
+        if not found or found["expires"] < time.time() or found["who"] != self.who(request):
+            return None
+        return found if found["salt"] == self.operator.generation() else None
 
     def require_operator(self, request: Any) -> dict:
         """The signed-in operator's session, or SignInRequired, which sends
@@ -9741,6 +9773,7 @@ class Pages:
         from starlette.responses import HTMLResponse
 
         style = base64.b64encode(hashlib.sha256(PAGE_STYLE.encode()).digest()).decode()
+        form_to = "" if re.search(r"[;,\s'\"]", form_to) else form_to  # one source, or none
         policy = f"default-src 'none'; style-src 'sha256-{style}'; form-action 'self' {form_to}"
         headers = {
             "content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'",
@@ -9770,25 +9803,78 @@ class Pages:
             name, value, httponly=True, samesite="strict", secure=self.secure, **options
         )
 
-    def wait_secs(self, address: str) -> int:
-        """How long ``address`` must wait before it may try to sign in again."""
+    def wait_secs(self, key: str, tries: int = SIGNIN_TRIES) -> int:
+        """How long ``key`` (an address, or "*" for all) must wait before it may try again."""
         now = time.time()
-        recent = [t for t in self.failures.pop(address, []) if now - t < SIGNIN_WINDOW_SECS]
+        recent = [t for t in self.failures.pop(key, []) if now - t < SIGNIN_WINDOW_SECS]
         if recent:
-            self.failures[address] = recent
+            self.failures[key] = recent
         if len(self.failures) > 1024:  # bounded: the oldest addresses are forgotten
             self.failures = dict(list(self.failures.items())[-512:])
-        return int(recent[0] + SIGNIN_WINDOW_SECS - now) + 1 if len(recent) >= SIGNIN_TRIES else 0
+        return int(recent[-tries] + SIGNIN_WINDOW_SECS - now) + 1 if len(recent) >= tries else 0
 
-    def start_session(self, response: Any, how: str) -> None:
+    async def check_password(self, request: Any, password: str) -> tuple[int, str]:
+        """(0, "") when ``password`` is the operator's, else an HTTP status and
+        why not. The attempt counts as failed before scrypt runs (a success
+        takes it back), one check per address at a time and SIGNIN_CHECKS in
+        all, so neither concurrency nor a proxy's rotating addresses outrun it."""
+        import anyio
+
+        address, now = self.who(request)[0], time.time()
+        wait = max(self.wait_secs(address), self.wait_secs("*", SIGNIN_ALL_TRIES))
+        if wait or address in self.checking:
+            return 429, f"Too many failed sign-ins from {address} or all: wait {wait or 1} s."
+        self.limiter = self.limiter or anyio.CapacityLimiter(SIGNIN_CHECKS)
+        for key in (address, "*"):
+            self.failures.setdefault(key, []).append(now)
+        self.checking.add(address)
+        try:
+            right = await anyio.to_thread.run_sync(
+                self.operator.check_password, password, limiter=self.limiter
+            )
+        finally:
+            self.checking.discard(address)
+        if not right:
+            return 401, "That password is not right (`smol_mcp.py operator set-password` sets one)."
+        for times in (self.failures.get(key, []) for key in (address, "*")):  # as rebuilt
+            if now in times:
+                times.remove(now)
+        return 0, ""
+
+    async def confirm(self, request: Any, form: Any) -> str:
+        """ "" when the operator proved to be here again for a wide change (a
+        grant beyond Sandbox, a new token): the password on this form, or with
+        no password set, a session signed in by link minutes ago; else why not."""
+        if self.operator.generation() is None:
+            if time.time() - self.session(request)["started"] < SIGNIN_FRESH_SECS:
+                return ""
+            return (
+                "Sign in again with a new `smol_mcp.py operator link` first: wider grants "
+                f"need a sign-in of the last {SIGNIN_FRESH_SECS // 60} minutes."
+            )
+        return (await self.check_password(request, str(form.get("password", ""))))[1]
+
+    def confirm_field(self, what: str) -> str:
+        """The password field of a form whose change confirm() checks."""
+        if self.operator.generation() is None:
+            return ""
+        return (
+            f'<label>Password, for {what} <input type="password" name="password" '
+            'maxlength="1024" autocomplete="current-password"></label>'
+        )
+
+    def start_session(self, request: Any, response: Any, how: str) -> None:
         cookie, now = secrets_module.token_urlsafe(32), time.time()
         self.sessions = {k: v for k, v in self.sessions.items() if v["expires"] > now}
         while len(self.sessions) >= SIGNIN_MAX_SESSIONS:
             del self.sessions[min(self.sessions, key=lambda k: self.sessions[k]["expires"])]
         self.sessions[secret_hash(cookie)] = {
             "expires": now + SIGNIN_SESSION_SECS,
+            "started": now,
             "csrf": secrets_module.token_urlsafe(32),
             "how": how,
+            "who": self.who(request),
+            "salt": self.operator.generation(),
         }
         self.cookie(response, SESSION_COOKIE, cookie, max_age=SIGNIN_SESSION_SECS)
 
@@ -9811,9 +9897,14 @@ def back_to(target: str) -> str:
     return "/signin"
 
 
+LINK_REFUSED = (
+    "That sign-in link is used, expired (links last 10 minutes) or wrong: make another with "
+    "`smol_mcp.py operator link`."
+)
+
+
 def page_routes(pages: Pages) -> list:
     """The sign-in and sign-out pages."""
-    import anyio
     from starlette.responses import RedirectResponse
     from starlette.routing import Route
 
@@ -9823,7 +9914,7 @@ def page_routes(pages: Pages) -> list:
         if "hop" not in request.query_params and request.method == "GET" and not error:
             # A SameSite=Strict cookie is not sent along a chain of redirects from
             # another site (the client's): reloading from this page sends it.
-            again = request.url.include_query_params(hop=1)
+            again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
             head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
         if link:
             field = (
@@ -9852,26 +9943,16 @@ def page_routes(pages: Pages) -> list:
                 return RedirectResponse(target, 303)
             return pages.page(request, "Signed in", "<p>You are signed in.</p>")
         form = await pages.form(request)
-        address = request.client.host if request.client else "unknown"
         link = str(form.get("link", ""))
-        wait = pages.wait_secs(address)
-        if wait:
-            message = f"Too many failed sign-ins from {address}: try again in {wait} s."
-            return signin_page(request, target, link, message, 429)
-        check = pages.operator.use_link if link else pages.operator.check_password
-        how = "one-time link" if link else "password"  # scrypt takes a while: not in the loop
-        if not await anyio.to_thread.run_sync(check, link or str(form.get("password", ""))):
-            pages.failures.setdefault(address, []).append(time.time())
-            message = (
-                "That sign-in link is used, expired (links last 10 minutes) or wrong: make "
-                "another with `smol_mcp.py operator link`."
-                if link
-                else "That password is not right. Set a new one on the host with "
-                "`smol_mcp.py operator set-password`."
-            )
-            return signin_page(request, target, link, message, 401)
+        # A link is 256 random bits made on the host: never rate limited, so it always works.
+        if link:
+            status, message = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
+        else:
+            status, message = await pages.check_password(request, str(form.get("password", "")))
+        if status:
+            return signin_page(request, target, link, message, status)
         response = RedirectResponse(target, 303)
-        pages.start_session(response, how)
+        pages.start_session(request, response, "one-time link" if link else "password")
         return response
 
     async def signout(request: Any) -> Any:
@@ -9891,7 +9972,13 @@ OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's rout
 OAUTH_CLIENTS_FILE = "oauth-clients.json"
 OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
 OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
-OAUTH_MAX_PENDING = 32  # consent pages open at once
+OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
+OAUTH_MAX_REGISTRATION_BYTES = 8192
+OAUTH_CLIENT_FIELDS = {  # what is kept of a registration: what this server uses
+    *("client_id", "client_secret", "client_id_issued_at", "client_secret_expires_at"),
+    *("client_name", "redirect_uris", "token_endpoint_auth_method", "grant_types"),
+    *("response_types", "scope"),
+}
 GRANTS = {  # the consent page's grants, besides Choose scopes
     "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
     "Read-only": ("machines.read", "activity.read"),
@@ -9939,6 +10026,7 @@ class OAuthProvider:
         self.issuer, self.resource = issuer, resource
         self.pending: dict[str, tuple] = {}  # consent request id -> (client, params, expires)
         self.codes: dict[str, Any] = {}  # code -> its AuthorizationCode (subject: the grant's id)
+        self.used: set[str] = set()  # codes exchanged already: a second use ends their grant
 
     async def get_client(self, client_id: str) -> Any:
         info = self.clients.read().get(client_id)
@@ -9955,13 +10043,17 @@ class OAuthProvider:
             or uri.scheme in ("javascript", "data", "file", "vbscript")
             or (uri.scheme == "http" and uri.host not in (*LOOPBACK_HOSTS, "[::1]"))
         ]
-        if unsafe or not 1 <= len(uris) <= 8 or len(client_info.client_name or "") > 100:
+        name = client_info.client_name or ""
+        if unsafe or not 1 <= len(uris) <= 8 or len(name) > 100 or shown_text(name) != name:
             raise RegistrationError(
                 "invalid_redirect_uri" if unsafe else "invalid_client_metadata",
                 "register 1 to 8 redirect URIs, each https, http on loopback or an app's own "
                 f"scheme (refused: {', '.join(unsafe) or 'none'}), and a name of 100 characters "
-                "at most",
+                "at most, without control or format characters",
             )
+        kept = client_info.model_dump(mode="json", exclude_none=True, include=OAUTH_CLIENT_FIELDS)
+        if "client_secret" in kept:  # only its hash: the token routes hash what is sent
+            kept["client_secret"] = secret_hash(kept["client_secret"])
 
         def add(data: dict) -> None:
             if len(data) >= OAUTH_MAX_CLIENTS:
@@ -9974,7 +10066,7 @@ class OAuthProvider:
                         "must delete one (`tokens delete NAME`) first",
                     )
                 del data[spare[0]]
-            data[client_info.client_id] = client_info.model_dump(mode="json", exclude_none=True)
+            data[client_info.client_id] = kept
 
         self.clients.update(add)
 
@@ -9989,10 +10081,11 @@ class OAuthProvider:
             )
         now = time.time()
         self.pending = {k: v for k, v in self.pending.items() if v[2] > now}
-        if len(self.pending) >= OAUTH_MAX_PENDING:
-            raise AuthorizeError(
-                "temporarily_unavailable", "too many consent pages are open; try again later"
-            )
+        mine = [k for k, v in self.pending.items() if v[0].client_id == client.client_id]
+        for old in mine[::-1][OAUTH_CLIENT_PENDING - 1 :]:  # all but its newest few
+            del self.pending[old]
+        while len(self.pending) >= OAUTH_MAX_PENDING:  # the oldest go: a flood refuses no one
+            del self.pending[next(iter(self.pending))]
         request_id = secrets_module.token_urlsafe(16)
         self.pending[request_id] = (client, params, now + SIGNIN_LINK_SECS)
         return f"{self.issuer}/consent?request={request_id}"
@@ -10002,6 +10095,7 @@ class OAuthProvider:
 
         code, now = secrets_module.token_urlsafe(32), time.time()
         self.codes = {k: v for k, v in self.codes.items() if v.expires_at > now}
+        self.used &= self.codes.keys()
         self.codes[code] = AuthorizationCode(
             code=code,
             scopes=record["scopes"],
@@ -10017,10 +10111,14 @@ class OAuthProvider:
 
     async def load_authorization_code(self, client: Any, code: str) -> Any:
         found = self.codes.get(code)
-        return found if found is not None and found.client_id == client.client_id else None
+        if found is None or found.client_id != client.client_id:
+            return None
+        if code in self.used:  # replayed: whoever holds what it gave may be the thief
+            return self.end_grant(found.subject, "its authorization code was used twice")
+        return found
 
     async def exchange_authorization_code(self, client: Any, code: Any) -> Any:
-        self.codes.pop(code.code, None)  # used once
+        self.used.add(code.code)
         return self.issue(code.subject, None)
 
     async def load_refresh_token(self, client: Any, token: str) -> Any:
@@ -10028,6 +10126,8 @@ class OAuthProvider:
 
         digest = secret_hash(token)
         for record in self.tokens.records():
+            if digest in record.get("spent", []) and record.get("clientId") == client.client_id:
+                return self.end_grant(record["id"], "a spent refresh token was used again")
             kept = [
                 k for k in record.get("refresh", []) if hmac.compare_digest(k["sha256"], digest)
             ]
@@ -10061,6 +10161,7 @@ class OAuthProvider:
                 refreshes = [kept["sha256"] for kept in record.get("refresh", [])]
                 if spent is not None and secret_hash(spent) not in refreshes:
                     return None  # used already: by the client, or by whoever stole it
+                record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
                 live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
                 new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
                 record["access"] = [*live, new]
@@ -10070,6 +10171,8 @@ class OAuthProvider:
             return None
 
         record = self.tokens.file.update(rotate)
+        if record is None and spent is not None:
+            self.end_grant(grant_id, "a spent refresh token was used again")
         if record is None:
             raise TokenError("invalid_grant", "this grant was deleted, or the token used already")
         return OAuthToken(
@@ -10095,11 +10198,14 @@ class OAuthProvider:
 
     async def revoke_token(self, token: Any) -> None:
         """A client that revokes a token ends its whole grant, as `tokens delete` does."""
+        self.end_grant(token.subject, "")
+
+    def end_grant(self, grant_id: str | None, why: str) -> None:
+        """Delete the grant: its access and refresh tokens stop at once (OAuth 2.1 4.3.1)."""
         for record in self.tokens.records():
-            if record.get("id") == token.subject and self.tokens.delete(record["name"]):
-                self.activity.append(
-                    {"principal": record["name"], "event": "token", "outcome": "revoked"}
-                )
+            if record.get("id") == grant_id and self.tokens.delete(record["name"]):
+                entry = {"principal": record["name"], "event": "token", "outcome": "revoked"}
+                self.activity.append({**entry, "reason": why} if why else entry)
 
 
 def default_token_name(client_name: str, taken: Iterable[str]) -> str:
@@ -10117,13 +10223,61 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     from mcp.server.auth.routes import create_auth_routes, create_protected_resource_routes
     from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
     from pydantic import AnyHttpUrl
-    from starlette.responses import RedirectResponse
+    from starlette.responses import JSONResponse, RedirectResponse
     from starlette.routing import Route
 
     pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
     resource = create_protected_resource_routes(
         AnyHttpUrl(issuer + path), [AnyHttpUrl(issuer)], list(SCOPES), "smol-mcp"
     )
+
+    async def screen(request: Any) -> Any:
+        """Before the SDK's /register, /token and /revoke: a registration
+        bounded and rate limited per address; a `resource` other than this
+        server refused (RFC 8707); the client's secret hashed, as only its hash
+        is kept. A refusal, or the body and headers the SDK's route gets."""
+        body, headers = await request.body(), request.scope["headers"]
+        if request.method != "POST":
+            return body, headers
+        if request.url.path == "/register":
+            key = "register " + pages.who(request)[0]
+            wait = pages.wait_secs(key, OAUTH_REGISTRATIONS)
+            if wait or len(body) > OAUTH_MAX_REGISTRATION_BYTES:
+                why = f"{OAUTH_REGISTRATIONS} registrations from this address: wait {wait} s"
+                why = why if wait else f"a registration is {OAUTH_MAX_REGISTRATION_BYTES} B at most"
+                answer = {"error": "invalid_client_metadata", "error_description": why}
+                return JSONResponse(answer, 429 if wait else 413)
+            pages.failures.setdefault(key, []).append(time.time())
+            return body, headers
+        form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
+        if form.get("resource", provider.resource).rstrip("/") != provider.resource:
+            why = f"this server is the resource {provider.resource}, not {form['resource']}"
+            return JSONResponse({"error": "invalid_target", "error_description": why}, 400)
+        if "client_secret" in form:
+            form["client_secret"] = secret_hash(form["client_secret"])
+        basic = request.headers.get("authorization", "")
+        if basic[:6].lower() == "basic ":
+            try:
+                who, _, secret = base64.b64decode(basic[6:]).decode().partition(":")
+            except ValueError:
+                who = secret = ""
+            basic = f"{who}:{secret_hash(urllib.parse.unquote(secret))}"
+            basic = b"Basic " + base64.b64encode(basic.encode())
+            headers = [(k, v) for k, v in headers if k != b"authorization"]
+            headers.append((b"authorization", basic))
+        body = urllib.parse.urlencode(form).encode()
+        headers = [(k, v) for k, v in headers if k != b"content-length"]
+        return body, [*headers, (b"content-length", str(len(body)).encode())]
+
+    def screened(route: Any) -> Any:
+        async def endpoint(request: Any) -> Any:
+            answer = await screen(request)
+            if not isinstance(answer, tuple):
+                return answer
+            scope = {**request.scope, "headers": answer[1]}
+            return lambda _, receive, send: route.app(scope, replay_body(answer[0], receive), send)
+
+        return Route(route.path, endpoint, methods=route.methods)
 
     def back(params: Any, **answer: str) -> Any:
         url = construct_redirect_uri(str(params.redirect_uri), state=params.state, **answer)
@@ -10153,6 +10307,9 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             try:
                 if not scopes:
                     raise ConfigError("Tick at least one scope, or pick another grant.")
+                wide = not set(scopes) <= set(GRANTS["Sandbox"])
+                if wide and (why := await pages.confirm(request, form)):
+                    raise ConfigError(why)
                 record, _ = provider.tokens.create(
                     chosen["name"].strip(),
                     scopes,
@@ -10192,7 +10349,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             f'Token name <input type="text" name="name" maxlength="64" required value="'
             f'{esc(chosen["name"] or default_token_name(name, taken))}"></label><label><input '
             f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}'
-            '> Require approval for changes</label><p><button type="submit" name="action" '
+            f"> Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
+            '<p><button type="submit" name="action" '
             'value="Allow">Allow</button> <button type="submit" name="action" value="Deny" '
             "formnovalidate>Deny</button></p></form>"
         )
@@ -10200,13 +10358,16 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         return pages.page(request, f"Connect {name}?", body, 400 if error else 200, form_to)
 
     return [
-        *create_auth_routes(
-            provider,
-            AnyHttpUrl(issuer),
-            client_registration_options=ClientRegistrationOptions(
-                enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES)
-            ),
-            revocation_options=RevocationOptions(enabled=True),
+        *(
+            screened(route) if route.path in ("/register", "/token", "/revoke") else route
+            for route in create_auth_routes(
+                provider,
+                AnyHttpUrl(issuer),
+                client_registration_options=ClientRegistrationOptions(
+                    enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES)
+                ),
+                revocation_options=RevocationOptions(enabled=True),
+            )
         ),
         *resource,  # RFC 9728's place for it, and the root some clients look at first
         Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
@@ -11124,7 +11285,7 @@ def tokens_command(args: Any, config: Config) -> int:
                 ",".join(r["targets"]),
                 r["approval"],
                 auto.shown(r["name"], r.get("id", "")),
-                r.get("client", "-"),  # an OAuth grant's client (by its registered name)
+                shown_text(r.get("client", "-")),  # an OAuth grant's client, as it named itself
                 r.get("createdAt", "-"),
                 used.get(r["name"], "never"),
             )

@@ -7814,7 +7814,8 @@ class OAuthCase(HttpCase):
         http = await self.operator()
         page = await http.get(url, follow_redirects=True)
         self.assertEqual(page.status_code, 200, page.text)
-        reply = await http.post(str(page.url), data={"csrf": csrf_of(page.text), **answer})
+        form = {"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD, **answer}
+        reply = await http.post(str(page.url), data=form)
         self.assertEqual(reply.status_code, 303, reply.text)
         self.answers.append(reply.headers["location"])
         return reply.headers["location"]
@@ -7951,6 +7952,26 @@ class OAuthTests(OAuthCase):
         async with httpx2.AsyncClient(base_url=self.base, timeout=30) as http:
             return await http.post(path, data=form)
 
+    async def test_a_spent_refresh_token_used_again_ends_the_whole_grant(self):
+        storage = MemoryTokens()
+        answer = {"action": "Allow", "grant": "Sandbox", "name": "stolen"}
+        async with self.connected(self.oauth(answer, storage)) as client:
+            first = storage.tokens
+            await self.ok(client, "list-machines", {})
+        auth = {"client_id": storage.info.client_id, "client_secret": storage.info.client_secret}
+        refresh = {"grant_type": "refresh_token", "refresh_token": first.refresh_token} | auth
+        rotated = await self.post_form("/token", refresh)  # the thief's, or the client's
+        self.assertEqual(rotated.status_code, 200, rotated.text)
+        again = await self.post_form("/token", refresh)
+        self.assertEqual((again.status_code, again.json()["error"]), (400, "invalid_grant"))
+        self.assertEqual(self.store.records(), [])
+        bearer = {**JSON_HEADERS, "Authorization": f"Bearer {rotated.json()['access_token']}"}
+        self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
+        newer = {**refresh, "refresh_token": rotated.json()["refresh_token"]}
+        self.assertEqual((await self.post_form("/token", newer)).status_code, 400)
+        [revoked] = [e for e in self.app.access.activity.entries() if e.get("outcome") == "revoked"]
+        self.assertEqual(revoked["reason"], "a spent refresh token was used again")
+
     async def test_a_refresh_token_is_spent_once_even_when_two_exchanges_race(self):
         from mcp.server.auth.provider import TokenError
 
@@ -7962,6 +7983,7 @@ class OAuthTests(OAuthCase):
         provider.issue(record["id"], first.refresh_token)  # both loaded it; this one won
         with self.assertRaises(TokenError):
             provider.issue(record["id"], first.refresh_token)
+        self.assertEqual(self.store.records(), [])  # the loser may be the thief: the grant ends
 
     async def test_each_grant_gives_its_tools_and_a_sandbox_sees_only_its_machines(self):
         async with self.http_client() as admin:
@@ -8053,13 +8075,15 @@ class OAuthTests(OAuthCase):
         good = await self.post_form("/token", exchange | {"code_verifier": verifier})
         self.assertEqual(good.status_code, 200, good.text)
         self.assertEqual(good.json()["expires_in"], 3600)
-        reused = await self.post_form("/token", exchange | {"code_verifier": verifier})
-        self.assertEqual((reused.status_code, reused.json()["error"]), (400, "invalid_grant"))
         bearer = {**JSON_HEADERS, "Authorization": f"Bearer {good.json()['access_token']}"}
         self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 200)
         an_hour_on = time.time() + 3601
         with unittest.mock.patch.object(smol_mcp.time, "time", return_value=an_hour_on):
             self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
+        reused = await self.post_form("/token", exchange | {"code_verifier": verifier})
+        self.assertEqual((reused.status_code, reused.json()["error"]), (400, "invalid_grant"))
+        self.assertEqual(self.store.records(), [])  # a replayed code ends what it gave
+        self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
         # a native app's loopback redirect may come back on another port (RFC 8252 7.3)
         other_port = self.authorize_url(
             client, challenge, redirect_uri="http://127.0.0.1:4444/callback"
@@ -8107,6 +8131,79 @@ class OAuthTests(OAuthCase):
             "SMOL_MCP_STATE_DIR": self.config.state_dir,
             "SMOL_MCP_CONFIG": "/nonexistent",
         }
+
+    async def test_a_registration_is_small_lean_rate_limited_and_keeps_a_hash_of_its_secret(self):
+        def post(metadata):
+            headers = {"Content-Type": "application/json"}
+            return self.raw("POST", "/register", headers, json.dumps(metadata).encode())
+
+        meta = {"client_name": "lean", "redirect_uris": [CALLBACK]}
+        big = await post({**meta, "jwks": {"keys": [{"k": "x" * 9000}]}})
+        self.assertEqual((big.status_code, big.json()["error"]), (413, "invalid_client_metadata"))
+        for name in ("red\x1b[31m", "bell\x07", "two\r\nlines", "evil\u202egnp.exe"):
+            bad = await post({**meta, "client_name": name})
+            self.assertEqual(bad.status_code, 400, name)
+            self.assertIn("control or format characters", bad.json()["error_description"])
+        extra = {"contacts": ["a@b.example"], "software_id": "x", "logo_uri": "https://x.example/"}
+        extra["token_endpoint_auth_method"] = "client_secret_basic"
+        client = (await post({**meta, **extra})).json()
+        kept = smol_mcp.StateFile(Path(self.config.state_dir) / "oauth-clients.json", dict).read()
+        kept = kept[client["client_id"]]
+        self.assertLessEqual(set(kept), smol_mcp.OAUTH_CLIENT_FIELDS)
+        self.assertEqual(kept["client_secret"], smol_mcp.secret_hash(client["client_secret"]))
+        verifier, challenge = pkce()
+        answer = {"action": "Allow", "grant": "Sandbox", "name": "lean"}
+        code = query_of(await self.consent(self.authorize_url(client, challenge), answer))["code"]
+        exchange = {"grant_type": "authorization_code", "code": code, "redirect_uri": CALLBACK}
+        exchange |= {"client_id": client["client_id"], "code_verifier": verifier}
+        wrong = await self.post_form("/token", exchange | {"resource": "https://other.example/"})
+        self.assertEqual((wrong.status_code, wrong.json()["error"]), (400, "invalid_target"))
+        basic = base64.b64encode(f"{client['client_id']}:{client['client_secret']}".encode())
+        import httpx2
+
+        headers = {"Authorization": f"Basic {basic.decode()}"}
+        async with httpx2.AsyncClient(base_url=self.base, headers=headers, timeout=30) as http:
+            tokens = await http.post("/token", data=exchange)
+            self.assertEqual(tokens.status_code, 200, tokens.text)
+            refresh = {"grant_type": "refresh_token", "client_id": client["client_id"]}
+            refresh |= {"refresh_token": tokens.json()["refresh_token"]}
+            refresh["resource"] = "https://x.example"
+            wrong = await http.post("/token", data=refresh)
+            self.assertEqual((wrong.status_code, wrong.json()["error"]), (400, "invalid_target"))
+            self.assertEqual(
+                (await http.post("/token", data=refresh | {"resource": self.url})).status_code, 200
+            )
+        self.store.create(
+            "shown", ("machines.read",), ["local"], "none", client="a\x1b]0;t\x07\u202eb"
+        )
+        listed = run_cli("tokens", "list", env=self.cli_env()).stdout
+        self.assertIn("a\\u001b]0;t\\u0007\\u202eb", listed)
+        self.assertNotIn("\x1b", listed)
+        self.app.pages.failures.clear()
+        with unittest.mock.patch.object(smol_mcp, "OAUTH_REGISTRATIONS", 2):
+            statuses = [(await post(meta)).status_code for _ in range(3)]
+        self.assertEqual(statuses, [201, 201, 429])
+
+    async def test_consent_requests_past_the_bound_push_out_the_oldest_never_refuse(self):
+        first, second = await self.register(), await self.register()
+
+        async def authorize(client):
+            answer = await self.raw("GET", self.authorize_url(client, pkce()[1])[len(self.base) :])
+            self.assertEqual(answer.status_code, 302, answer.text)
+            return query_of(answer.headers["location"])["request"]
+
+        held = [await authorize(first) for _ in range(6)]
+        operator = await self.operator()
+
+        async def open_ones(ids):  # the consent page of each request still held
+            return [
+                i for i in ids if (await operator.get(f"/consent?request={i}")).status_code == 200
+            ]
+
+        self.assertEqual(await open_ones(held), held[2:])  # one client holds 4 at most
+        with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_PENDING", 5):
+            others = [await authorize(second) for _ in range(2)]
+        self.assertEqual(await open_ones(held + others), held[3:] + others)
 
     async def test_registrations_are_bounded_and_oauth_is_off_without_an_operator(self):
         with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_CLIENTS", 3):
@@ -8177,6 +8274,15 @@ class SignInTests(OAuthCase):
         self.assertEqual(page.headers["x-frame-options"], "DENY")
         self.assertIn('name="viewport"', page.text)
         self.assertIn('<label>Password <input type="password"', page.text)
+        hop = (await http.get("/signin?next=/console")).text  # relative: right behind TLS too
+        self.assertIn('content="0;url=/signin?next=%2Fconsole&amp;hop=1"', hop)
+        from starlette.requests import Request
+        from starlette.responses import Response
+
+        request = Request({"type": "http", "headers": [], "client": None})
+        for form_to, kept in (("https://a.example", True), ("https://a;script-src *", False)):
+            shown = self.app.pages.page(request, "t", "", form_to=form_to)
+            self.assertEqual(form_to in shown.headers["content-security-policy"], kept, form_to)
         signed = await http.post(
             "/signin", data={"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD}
         )
@@ -8186,10 +8292,8 @@ class SignInTests(OAuthCase):
         self.assertNotIn("Secure", cookie)  # plain http on loopback: a Secure cookie would be lost
         self.assertIn("Sign out", (await http.get("/signin")).text)
         behind_tls = smol_mcp.Pages(self.config.state_dir, "https://mcp.example.com")
-        from starlette.responses import Response
-
         response = Response()
-        behind_tls.start_session(response, "password")
+        behind_tls.start_session(request, response, "password")
         self.assertIn("Secure", response.headers["set-cookie"])
         page = await http.get("/signin")
         out = await http.post("/signout", data={"csrf": csrf_of(page.text)})
@@ -8248,6 +8352,112 @@ class SignInTests(OAuthCase):
         self.assertEqual(right.status_code, 429)  # even the right password waits now
         self.assertIn("Too many failed sign-ins from 127.0.0.1", right.text)
         self.assertEqual(self.app.pages.wait_secs("10.0.0.9"), 0)  # another address is not held
+
+    async def test_a_session_is_bound_to_its_browser_and_wide_grants_ask_the_password_again(self):
+        operator = await self.operator()  # signed in: what a page on an agent's port could steal
+        cookie = operator.cookies["smol_session"]
+        self.assertIn("Max-Age=28800", (await self.signin_answer())[0].headers["set-cookie"])
+        thief = await self.page_client()
+        thief.cookies.set("smol_session", cookie)
+        thief.headers["user-agent"] = "curl/8.5.0"  # the replay comes from another program
+        self.assertNotIn("Sign out", (await thief.get("/signin?hop=1")).text)
+        self.assertEqual((await thief.get("/console/tokens")).status_code, 303)
+        client = await self.register()
+        for grant, password, status in (
+            ("Full", "", 400),
+            ("Read-only", "not the password at all", 400),
+            ("Sandbox", "", 303),
+            ("Full", OPERATOR_PASSWORD, 303),
+        ):
+            page = await operator.get(self.authorize_url(client, pkce()[1]), follow_redirects=True)
+            self.assertIn("Password, for a grant beyond Sandbox", page.text)
+            form = {"csrf": csrf_of(page.text), "action": "Allow", "grant": grant}
+            answer = await operator.post(
+                str(page.url), data={**form, "name": f"g{status}{grant}", "password": password}
+            )
+            self.assertEqual(answer.status_code, status, (grant, password))
+        self.assertEqual(
+            sorted(r["name"] for r in self.store.records()), ["g303Full", "g303Sandbox"]
+        )
+        page = await operator.get("/console/tokens")
+        form = {
+            "csrf": csrf_of(page.text),
+            "name": "made",
+            "scope": "machines.read",
+            "target": "local",
+        }
+        self.assertEqual((await operator.post("/console/tokens", data=form)).status_code, 400)
+        made = await operator.post("/console/tokens", data={**form, "password": OPERATOR_PASSWORD})
+        self.assertEqual(made.status_code, 200, made.text)
+        smol_mcp.Operator(self.config.state_dir).set_password(OPERATOR_PASSWORD)  # a new one
+        self.assertEqual((await operator.get("/console/tokens")).status_code, 303)
+
+    async def signin_answer(self, **form):
+        http = await self.page_client()
+        page = await http.get("/signin?hop=1")
+        form = form or {"password": OPERATOR_PASSWORD}
+        return await http.post("/signin", data={"csrf": csrf_of(page.text), **form}), http
+
+    async def test_signed_in_by_link_alone_a_wide_grant_needs_a_sign_in_minutes_old(self):
+        operator = smol_mcp.Operator(self.config.state_dir)
+        operator.file.update(lambda data: data.pop("password"))
+        operator.new_link()  # a live link keeps OAuth on once this one is spent
+        answer, http = await self.signin_answer(link=operator.new_link())
+        self.assertEqual(answer.status_code, 303)
+        client = await self.register()
+        page = await http.get(self.authorize_url(client, pkce()[1]), follow_redirects=True)
+        self.assertNotIn("Password, for", page.text)
+        form = {"csrf": csrf_of(page.text), "action": "Allow", "grant": "Full", "name": "late"}
+        later = time.time() + smol_mcp.SIGNIN_FRESH_SECS + 1
+        with unittest.mock.patch.object(smol_mcp.time, "time", return_value=later):
+            late = await http.post(str(page.url), data=form)
+        self.assertEqual(late.status_code, 400)
+        self.assertIn("operator link", late.text)
+        self.assertEqual((await http.post(str(page.url), data=form)).status_code, 303)
+
+    async def test_concurrent_and_forwarded_wrong_passwords_are_all_counted(self):
+        http = await self.page_client()
+        page = await http.get("/signin?hop=1")
+        wrong = {"csrf": csrf_of(page.text), "password": "not the password at all"}
+        answers = await asyncio.gather(*(http.post("/signin", data=wrong) for _ in range(20)))
+        statuses = [a.status_code for a in answers]
+        self.assertLessEqual(statuses.count(401), smol_mcp.SIGNIN_TRIES, statuses)
+        self.app.pages.failures.clear()
+        for i in range(smol_mcp.SIGNIN_TRIES + 1):  # uvicorn must not take the proxy's word
+            forwarded = {"X-Forwarded-For": f"10.0.0.{i}"}
+            answer = await http.post("/signin", data=wrong, headers=forwarded)
+        self.assertEqual(answer.status_code, 429)
+        self.assertIn("from 127.0.0.1", answer.text)
+
+    async def test_password_checks_are_bounded_in_all_and_a_link_always_signs_in(self):
+        from starlette.requests import Request
+
+        pages, running, most = self.app.pages, [0], [0]
+
+        def slow_check(password):
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            time.sleep(0.2)
+            running[0] -= 1
+            return False
+
+        def request(address):
+            return Request({"type": "http", "headers": [], "client": (address, 1)})
+
+        with (
+            unittest.mock.patch.object(smol_mcp, "SIGNIN_ALL_TRIES", 6),
+            unittest.mock.patch.object(pages.operator, "check_password", slow_check),
+        ):
+            checks = (pages.check_password(request(f"10.1.0.{i}"), "x") for i in range(8))
+            statuses = [status for status, _ in await asyncio.gather(*checks)]
+            self.assertEqual(most[0], smol_mcp.SIGNIN_CHECKS)
+            self.assertEqual(sorted(statuses), [401] * 6 + [429] * 2)  # the budget of all
+            self.assertEqual((await pages.check_password(request("10.2.0.1"), "x"))[0], 429)
+            pages.failures.clear()
+            same = (pages.check_password(request("10.3.0.1"), "x") for _ in range(2))
+            self.assertEqual(sorted(s for s, _ in await asyncio.gather(*same)), [401, 429])
+            link = smol_mcp.Operator(self.config.state_dir).new_link()
+            self.assertEqual((await self.signin_answer(link=link))[0].status_code, 303)
 
     async def test_a_form_without_its_csrf_token_is_refused(self):
         http = await self.page_client()
@@ -8414,6 +8624,7 @@ class BrowserTests(OAuthCase):
             for scope in scopes:
                 await self.page.get_by_label(scope).check()
             await self.page.get_by_label("Token name").fill(name)
+            await self.page.get_by_label("Password, for").fill(OPERATOR_PASSWORD)
             if approval:
                 await self.page.get_by_label("Require approval for changes").check()
             if shot:  # the address as in the README (the test's port varies from run to run)
@@ -8486,7 +8697,7 @@ class BrowserTests(OAuthCase):
         await other.goto(f"{self.base}/signin?link={secret}")  # the same link again: spent
         await other.get_by_role("button", name="Sign in").click()
         await other.get_by_text("That sign-in link is used").wait_for()
-        for _ in range(smol_mcp.SIGNIN_TRIES - 1):  # the spent link counted as one failure
+        for _ in range(smol_mcp.SIGNIN_TRIES):  # links are never held back, nor counted
             await other.goto(f"{self.base}/signin")
             await other.get_by_label("Password").fill("wrong wrong wrong")
             await other.get_by_role("button", name="Sign in").click()
@@ -9851,6 +10062,7 @@ class ConsoleBrowserTests(HttpCase):
         await page.goto(self.base + "/console/tokens")
         await page.get_by_label("Name").fill("from-page")
         await page.get_by_label("machines.read").check()
+        await page.get_by_label("Password, for").fill(OPERATOR_PASSWORD)
         await page.get_by_role("button", name="Create token").click()
         secret = await page.locator("pre").first.inner_text()
         self.assertIn(f'"url": "{self.base}/mcp"', await page.content())  # claude-code's entry
