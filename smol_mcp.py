@@ -5714,7 +5714,7 @@ class Session:
         self.subscriptions: dict[
             str, Any
         ] = {}  # uri -> the CancelScope of its poller (handshake era)
-        self._bus = self._listener = None
+        self._bus = self.listener = None
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
         self.ended = False
@@ -5749,8 +5749,8 @@ class Session:
             from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
             self._bus = InMemorySubscriptionBus()
-            self._listener = ListenHandler(self._bus)
-        return self._bus, self._listener
+            self.listener = ListenHandler(self._bus)
+        return self._bus, self.listener
 
     def stop_polling(self) -> None:
         for scope in self.subscriptions.values():
@@ -8132,8 +8132,8 @@ class SmolMcp:
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
-        if session._listener is not None:  # its subscriptions/listen streams end too
-            session._listener.close()
+        if session.listener is not None:  # its subscriptions/listen streams end too
+            session.listener.close()
         with anyio.CancelScope(shield=True):
             # Nothing here may escape: over HTTP it would end the listener and every other session.
             try:
@@ -9435,6 +9435,7 @@ def console_routes(app: SmolMcp) -> list:
                     f"'Authorization: Bearer {esc(secret)}' {esc(url.rsplit('/', 1)[0])}/api/tools"
                     "</pre>"
                 )
+        access.tokens.file.expire()  # a person's page shows the file as it is now
         used = {**access.tokens.last_used(), **access.tokens._used}
         cards = "".join(token_card(request, r, used) for r in access.tokens.records())
         if config.auth_token:  # not in the tokens file: the page can show it, not change it
