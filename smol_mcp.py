@@ -81,19 +81,15 @@ log = logging.getLogger("smol_mcp")
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 
 
-def setting_field(
-    default: Any,
-    env: str,
-    kind: str = "str",
-    choices: tuple[str, ...] = (),
-    minimum: int | None = None,
-    maximum: int | None = None,
-) -> Any:
-    """Declare one setting as a Config field: its default, its environment
-    variable, and how a raw value is read (kind: "str", "int", "choice",
-    "version", "list" or "secret"). Its config-file key is the field's name in
-    camelCase; SETTINGS, the docs check and the tests all derive from this."""
-    rule = {"env": env, "kind": kind, "choices": choices, "minimum": minimum, "maximum": maximum}
+def setting_field(default: Any, env: str = "", kind: str = "", **limits: Any) -> Any:
+    """Declare one setting as a Config field: its default, its environment variable
+    (SMOL_MCP_ and the field's name in capitals unless given), and how a raw value is read
+    (kind: "str", "int", "choice", "version", "list" or "secret"; inferred from the default and
+    ``choices`` unless given; ints take ``minimum`` and ``maximum``). Its config-file key is the
+    field's name in camelCase; SETTINGS, the docs check and the tests all derive from this."""
+    if not kind:
+        kind = "choice" if "choices" in limits else {int: "int", tuple: "list"}.get(type(default))
+    rule = {"env": env, "kind": kind or "str", **limits}
     return field(default=default, repr=kind != "secret", metadata={"setting": rule})
 
 
@@ -102,73 +98,44 @@ class Config:
     """Every setting, already validated. Build one with ``load_config()``."""
 
     smolvm: str = setting_field("smolvm", "SMOLVM")
-    min_smolvm: str = setting_field("1.14.0", "SMOL_MCP_MIN_SMOLVM", "version")
+    min_smolvm: str = setting_field("1.14.0", kind="version")
     local_url: str = setting_field("", "SMOL_LOCAL_URL")
-    runtime_dir: str = setting_field("", "SMOL_MCP_RUNTIME_DIR")
-    machine_prefix: str = setting_field("mcp-", "SMOL_MCP_MACHINE_PREFIX")
-    memory_mb: int = setting_field(2048, "SMOL_MCP_MEMORY_MB", "int", minimum=128, maximum=1048576)
-    cpus: int = setting_field(2, "SMOL_MCP_CPUS", "int", minimum=1, maximum=255)
-    network_default: str = setting_field(
-        "blocked", "SMOL_MCP_NETWORK_DEFAULT", "choice", choices=("blocked", "open")
-    )
-    run_once_network: str = setting_field(
-        "blocked", "SMOL_MCP_RUN_ONCE_NETWORK", "choice", choices=("blocked", "open")
-    )
-    ephemeral_ttl_secs: int = setting_field(3600, "SMOL_MCP_EPHEMERAL_TTL_SECS", "int", minimum=60)
-    ephemeral_auto_stop_secs: int = setting_field(
-        900, "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", "int", minimum=60
-    )
-    exec_timeout_secs: int = setting_field(120, "SMOL_MCP_EXEC_TIMEOUT_SECS", "int", minimum=1)
-    max_exec_timeout_secs: int = setting_field(
-        900, "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "int", minimum=1, maximum=86400
-    )
-    max_output_bytes: int = setting_field(
-        65536, "SMOL_MCP_MAX_OUTPUT_BYTES", "int", minimum=1024, maximum=64 * 1024 * 1024
-    )
-    ready_timeout_secs: int = setting_field(120, "SMOL_MCP_READY_TIMEOUT_SECS", "int", minimum=1)
-    serve_start_timeout_secs: int = setting_field(
-        60, "SMOL_MCP_SERVE_START_TIMEOUT_SECS", "int", minimum=1
-    )
-    logs_tail: int = setting_field(100, "SMOL_MCP_LOGS_TAIL", "int", minimum=1, maximum=100000)
-    logs_poll_secs: int = setting_field(2, "SMOL_MCP_LOGS_POLL_SECS", "int", minimum=1)
+    runtime_dir: str = setting_field("")
+    machine_prefix: str = setting_field("mcp-")
+    memory_mb: int = setting_field(2048, minimum=128, maximum=1048576)
+    cpus: int = setting_field(2, minimum=1, maximum=255)
+    network_default: str = setting_field("blocked", choices=("blocked", "open"))
+    run_once_network: str = setting_field("blocked", choices=("blocked", "open"))
+    ephemeral_ttl_secs: int = setting_field(3600, minimum=60)
+    ephemeral_auto_stop_secs: int = setting_field(900, minimum=60)
+    exec_timeout_secs: int = setting_field(120, minimum=1)
+    max_exec_timeout_secs: int = setting_field(900, minimum=1, maximum=86400)
+    max_output_bytes: int = setting_field(65536, minimum=1024, maximum=64 * 1024 * 1024)
+    ready_timeout_secs: int = setting_field(120, minimum=1)
+    serve_start_timeout_secs: int = setting_field(60, minimum=1)
+    logs_tail: int = setting_field(100, minimum=1, maximum=100000)
+    logs_poll_secs: int = setting_field(2, minimum=1)
     cloud_url: str = setting_field(DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL")
     cloud_token: str = setting_field("", "SMOL_CLOUD_TOKEN", "secret")
-    targets: str = setting_field(
-        "auto", "SMOL_MCP_TARGETS", "choice", choices=("auto", "local", "cloud", "both")
-    )
-    http_host: str = setting_field("127.0.0.1", "SMOL_MCP_HTTP_HOST")
-    http_port: int = setting_field(8080, "SMOL_MCP_HTTP_PORT", "int", minimum=1, maximum=65535)
-    http_path: str = setting_field("/mcp", "SMOL_MCP_HTTP_PATH")
-    auth_token: str = setting_field("", "SMOL_MCP_AUTH_TOKEN", "secret")
-    http_session_idle_secs: int = setting_field(
-        1800, "SMOL_MCP_HTTP_SESSION_IDLE_SECS", "int", minimum=1
-    )
-    http_allowed_hosts: tuple[str, ...] = setting_field((), "SMOL_MCP_HTTP_ALLOWED_HOSTS", "list")
-    http_allowed_origins: tuple[str, ...] = setting_field(
-        (), "SMOL_MCP_HTTP_ALLOWED_ORIGINS", "list"
-    )
-    state_dir: str = setting_field("", "SMOL_MCP_STATE_DIR")
-    public_url: str = setting_field("", "SMOL_MCP_PUBLIC_URL")  # --http behind a proxy or TLS
-    # empty: every scope (section 11)
-    scopes: tuple[str, ...] = setting_field((), "SMOL_MCP_SCOPES", "list")
-    mount_roots: tuple[str, ...] = setting_field((), "SMOL_MCP_MOUNT_ROOTS", "list")
+    targets: str = setting_field("auto", choices=("auto", "local", "cloud", "both"))
+    http_host: str = setting_field("127.0.0.1")
+    http_port: int = setting_field(8080, minimum=1, maximum=65535)
+    http_path: str = setting_field("/mcp")
+    auth_token: str = setting_field("", kind="secret")
+    http_session_idle_secs: int = setting_field(1800, minimum=1)
+    http_allowed_hosts: tuple[str, ...] = setting_field(())
+    http_allowed_origins: tuple[str, ...] = setting_field(())
+    state_dir: str = setting_field("")
+    public_url: str = setting_field("")  # --http behind a proxy or TLS
+    scopes: tuple[str, ...] = setting_field(())  # empty: every scope (section 11)
+    mount_roots: tuple[str, ...] = setting_field(())
     # stdio: "changes" holds every changing call for a person
-    approval: str = setting_field(
-        "none", "SMOL_MCP_APPROVAL", "choice", choices=("none", "changes")
-    )
-    approval_timeout_secs: int = setting_field(
-        900, "SMOL_MCP_APPROVAL_TIMEOUT_SECS", "int", minimum=1, maximum=7 * 86400
-    )
-    approval_webhook: str = setting_field("", "SMOL_MCP_APPROVAL_WEBHOOK")
-    approval_via: str = setting_field(
-        "terminal", "SMOL_MCP_APPROVAL_VIA", "choice", choices=("terminal", "client")
-    )
-    egress_private_cidrs: tuple[str, ...] = setting_field(
-        (), "SMOL_MCP_EGRESS_PRIVATE_CIDRS", "list"
-    )
-    reply_tokens: int = setting_field(
-        20000, "SMOL_MCP_REPLY_TOKENS", "int", minimum=4000, maximum=1_000_000
-    )
+    approval: str = setting_field("none", choices=("none", "changes"))
+    approval_timeout_secs: int = setting_field(900, minimum=1, maximum=7 * 86400)
+    approval_webhook: str = setting_field("")
+    approval_via: str = setting_field("terminal", choices=("terminal", "client"))
+    egress_private_cidrs: tuple[str, ...] = setting_field(())
+    reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
@@ -194,8 +161,9 @@ def _camel(attr: str) -> str:
 
 
 SETTINGS: tuple[Setting, ...] = tuple(
-    Setting(_camel(f.name), attr=f.name, **f.metadata["setting"])
+    Setting(_camel(f.name), attr=f.name, **{**rule, "env": rule["env"] or f"SMOL_MCP_{upper}"})
     for f in dataclasses.fields(Config)
+    for rule, upper in [(f.metadata["setting"], f.name.upper())]
 )
 
 
@@ -203,10 +171,8 @@ def config_file_path(environ: dict[str, str]) -> Path:
     """Where the config file is looked for: $SMOL_MCP_CONFIG, else the XDG path."""
     if environ.get("SMOL_MCP_CONFIG"):
         return Path(environ["SMOL_MCP_CONFIG"]).expanduser()
-    base = environ.get("XDG_CONFIG_HOME") or str(
-        Path(environ.get("HOME") or Path.home()) / ".config"
-    )
-    return Path(base) / "smol-mcp" / "config.json"
+    home = Path(environ.get("HOME") or Path.home())
+    return Path(environ.get("XDG_CONFIG_HOME") or home / ".config") / "smol-mcp" / "config.json"
 
 
 def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
@@ -218,10 +184,8 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
             raise ConfigError(f"{where} must be a string, got {_json_type(value)}")
         value = value.strip()
         if setting.kind == "version" and value and not re.fullmatch(r"\d+(\.\d+){0,2}", value):
-            raise ConfigError(
-                f"{where} must be a version such as 1.14.0 (or empty to skip the check), got "
-                f"{value!r}"
-            )
+            why = "a version such as 1.14.0 (or empty to skip the check)"
+            raise ConfigError(f"{where} must be {why}, got {value!r}")
         return value
     if setting.kind == "choice":
         if not isinstance(value, str) or value.strip() not in setting.choices:
@@ -249,15 +213,9 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
 
 
 def _json_type(value: Any) -> str:
-    return {
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        str: "a string",
-        list: "a list",
-        dict: "an object",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+    names |= {list: "a list", dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def load_config(environ: dict[str, str] | None = None) -> Config:
@@ -280,10 +238,8 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"the config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                f"column {exc.colno}"
-            ) from None
+            where = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+            raise ConfigError(f"the config file {path} is not valid JSON: {where}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"the config file {path} must hold a JSON object of settings")
         by_key = {s.key: s for s in SETTINGS}
@@ -317,9 +273,7 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     if not config.http_path.startswith("/"):
         raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
     if config.local_url:
-        parse_local_url(
-            config.local_url
-        )  # raises ConfigError when it is not a loopback or unix URL
+        parse_local_url(config.local_url)  # raises ConfigError when not a loopback or unix URL
     unknown = [scope for scope in config.scopes if scope not in SCOPES]
     if unknown:
         named = ", ".join(map(repr, unknown))
@@ -332,16 +286,13 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         try:
             ipaddress.ip_network(cidr)
         except ValueError as err:
-            raise ConfigError(
-                f"egressPrivateCidrs holds {cidr!r}, not an address range: {err}"
-            ) from None
-    if config.approval_webhook and urllib.parse.urlsplit(config.approval_webhook).scheme not in (
-        "http",
-        "https",
-    ):
+            why = f"{cidr!r}, not an address range: {err}"
+            raise ConfigError(f"egressPrivateCidrs holds {why}") from None
+    webhook = config.approval_webhook
+    if webhook and urllib.parse.urlsplit(webhook).scheme not in ("http", "https"):
         raise ConfigError(
-            "approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) must be an http:// or "
-            f"https:// URL, got {config.approval_webhook!r}"
+            "approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) must be an http:// or https:// URL, "
+            f"got {webhook!r}"
         )
     public = urllib.parse.urlsplit(config.public_url)
     if config.public_url and (
@@ -397,10 +348,8 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
     if info.st_mode & 0o077:
         # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
         raise SmolError(
-            f"the {what} {directory} can be opened by other users (mode "
-            f"{oct(info.st_mode & 0o777)}); set {env} to a directory only you can "
-            "open, "
-            "for example one made with mkdir -m 700"
+            f"the {what} {directory} can be opened by other users (mode {oct(info.st_mode & 0o777)}"
+            f"); set {env} to a directory only you can open, for example one made with mkdir -m 700"
         )
     return directory
 
@@ -418,9 +367,8 @@ def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
         directory = root[: -len(MOUNT_ROOT_WRITABLE)] if writable else root.removesuffix(":ro")
         if not directory.startswith("/") or any(c in directory for c in "\0\n\r"):
             raise ConfigError(
-                "mountRoots entries must be absolute host directories, optionally "
-                'ending in ":rw" to allow writing (for example /srv/work:rw); '
-                f"got {root!r}"
+                'mountRoots entries must be absolute host directories, optionally ending in ":rw" '
+                f"to allow writing (for example /srv/work:rw); got {root!r}"
             )
         parsed.append((os.path.realpath(directory), writable))
     return parsed
@@ -436,21 +384,15 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
     if parsed.scheme == "unix":
         path = parsed.path or parsed.netloc
         if not path.startswith("/"):
-            raise ConfigError(
-                "SMOL_LOCAL_URL must name an absolute socket path, as "
-                f"unix:///path/to/serve.sock; got {url!r}"
-            )
+            why = f"an absolute socket path, as unix:///path/to/serve.sock; got {url!r}"
+            raise ConfigError(f"SMOL_LOCAL_URL must name {why}")
         return "unix", path
-    if (
-        parsed.scheme == "http"
-        and parsed.hostname in ("127.0.0.1", "localhost", "::1")
-        and parsed.port
-    ):
-        return "tcp", parsed.port
+    if parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "localhost", "::1"):
+        if parsed.port:
+            return "tcp", parsed.port
     raise ConfigError(
         "SMOL_LOCAL_URL must be unix:///absolute/path.sock or http://127.0.0.1:PORT (loopback "
-        "only, "
-        f"because the local API has no authentication); got {url!r}"
+        f"only, because the local API has no authentication); got {url!r}"
     )
 
 
@@ -484,13 +426,8 @@ class ApiError(SmolError):
     code and message so callers can branch on them and pass the text through."""
 
     def __init__(self, fleet: str, action: str, status: int, code: str, message: str):
-        self.fleet, self.action, self.status, self.code, self.api_message = (
-            fleet,
-            action,
-            status,
-            code,
-            message,
-        )
+        self.fleet, self.action, self.status = fleet, action, status
+        self.code, self.api_message = code, message
         label = f"HTTP {status} {code}".strip()
         super().__init__(f"The {fleet} machine API refused to {action}: {message} ({label})")
 
