@@ -458,41 +458,24 @@ def redact(text: str, secret_values: list[str]) -> str:
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 ADDRESS_IN_USE_HINT = (
-    "Only one smolvm serve can run per host with the default settings (it binds "
-    "127.0.0.1:10081), and one is "
-    "already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock "
-    "(smolvm's own default is "
-    "unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or stop it."
+    "Only one smolvm serve can run per host with the default settings (it binds 127.0.0.1:10081), "
+    "and one is already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock "
+    "(smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or "
+    "stop it."
 )
 # The serve child's environment is an allow-list: PATH to find its helpers, HOME and
 # XDG_* for its data, cache and socket directories, the locale and TZ for its messages,
 # TMPDIR for its scratch files, RUST_LOG for its log level, and SMOLVM_* (added in
 # minimal_child_env), the engine's own settings. Nothing else of ours is passed on.
-CHILD_ENV_NAMES = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TMPDIR",
-    "TZ",
-    "XDG_RUNTIME_DIR",
-    "XDG_DATA_HOME",
-    "XDG_CONFIG_HOME",
-    "XDG_CACHE_HOME",
-    "XDG_STATE_HOME",
-    "RUST_LOG",
+CHILD_ENV_NAMES = tuple(
+    "PATH HOME USER LOGNAME LANG LC_ALL LC_CTYPE TMPDIR TZ XDG_RUNTIME_DIR XDG_DATA_HOME "
+    "XDG_CONFIG_HOME XDG_CACHE_HOME XDG_STATE_HOME RUST_LOG".split()
 )
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
 READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
-RANGE_READ_MIN_OFFSET = (
-    4 * 1024 * 1024
-)  # below this, streaming the file from its start is cheap enough
-RANGE_READ_SCRIPT = (
-    'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'  # -L: a link's target
-)
+# Below this offset, streaming the file from its start is cheap enough. (-L: a link's target.)
+RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024
+RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
 
 
 def wheel_engine() -> str | None:
@@ -548,9 +531,7 @@ class UnixHTTPConnection(http.client.HTTPConnection):
                 sock.connect(self.socket_path)
                 self.sock = sock
                 return
-            except BlockingIOError:
-                # The serve's listen backlog is full: nothing was sent, so wait a moment and
-                # try again.
+            except BlockingIOError:  # the listen backlog is full: nothing was sent, so retry
                 sock.close()
                 time.sleep(0.01 * min(attempt + 1, 10))
             except OSError:
@@ -573,9 +554,7 @@ class MachineSpec:
     allow_hosts: list[str] = field(default_factory=list)
     allow_cidrs: list[str] = field(default_factory=list)
     ports: list[dict[str, int]] = field(default_factory=list)  # [{"guest", "host"?}]
-    mounts: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # [{"source", "target", "readonly"?}]
+    mounts: list[dict[str, Any]] = field(default_factory=list)  # [{"source", "target", ...}]
     storage_gb: int | None = None
     overlay_gb: int | None = None
     cmd: list[str] | None = None
@@ -698,15 +677,9 @@ class JobPage:
     sizes: tuple[int, int]  # bytes of stdout and stderr written so far
 
 
-def local_exec_body(
-    argv: list[str],
-    timeout_secs: int,
-    workdir: str | None,
-    env: dict[str, str] | None,
-    stdin: str | None,
-) -> dict:
-    """The local exec body. autoStart false: a stopped machine is reported,
-    so the tool can say it started it."""
+def local_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
+    """The local exec body (the options typed as Fleet.exec has them). autoStart
+    false: a stopped machine is reported, so the tool can say it started it."""
     body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
     if workdir:
         body["workdir"] = workdir
@@ -724,8 +697,8 @@ def helper_output(name: str, action: str, result: ExecResult) -> bytes:
     why = bytes(result.stderr).decode("utf-8", "replace").strip() or f"exit code {result.exit_code}"
     if "no such job" in why:
         raise SmolError(
-            f"machine '{name}' has no such job (while trying to {action}); get-machine lists "
-            "its jobs"
+            f"machine '{name}' has no such job (while trying to {action}); "
+            "get-machine lists its jobs"
         )
     raise SmolError(
         f"could not {action} in machine '{name}': {why}. The job tools need a POSIX shell "
@@ -733,7 +706,14 @@ def helper_output(name: str, action: str, result: ExecResult) -> bytes:
     )
 
 
-def local_job_page(name: str, job_id: str, data: bytes, offsets: tuple[int, int]) -> JobPage:
+def not_running(name: str, err: ApiError) -> SmolError:
+    """NotRunning for the engine's refusal to run a command in a stopped machine, else ``err``."""
+    if err.status == 409 and "not running" in err.api_message:
+        return NotRunning(f"machine '{name}' is not running")
+    return err
+
+
+def local_job_page(name: str, job_id: str, data: bytes) -> JobPage:
     header, _, rest = data.partition(b"\n")
     try:
         state, code, out_size, err_size, n, m = header.decode().split()
@@ -903,17 +883,12 @@ class LocalFleet:
             try:
                 health = self._health()
             except OSError as exc:
+                why = f"({exc.strerror or exc})"
                 if self.config.local_url:
-                    raise SmolError(
-                        f"nothing answers at SMOL_LOCAL_URL={self.config.local_url} "
-                        f"({exc.strerror or exc}); "
-                        "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start "
-                        "its own"
-                    ) from None
+                    raise self._nothing_answers(f" {why}") from None
                 raise SmolError(
-                    f"the smolvm serve stopped answering on {self._address} "
-                    f"({exc.strerror or exc}); its "
-                    f"log is {Path(self.config.runtime_dir) / 'serve.log'}"
+                    f"the smolvm serve stopped answering on {self._address} {why}; its log is "
+                    f"{Path(self.config.runtime_dir) / 'serve.log'}"
                 ) from None
             self.version = str(health.get("version", ""))
             if not self.config.local_url:
@@ -921,16 +896,20 @@ class LocalFleet:
                     self._users_dir.mkdir(mode=0o700, exist_ok=True)
                     started = process_start_time(os.getpid())
                     (self._users_dir / str(os.getpid())).write_text(str(started or ""))
-            if self.config.min_smolvm and version_tuple(self.version) < version_tuple(
-                self.config.min_smolvm
-            ):
+            minimum = self.config.min_smolvm
+            if minimum and version_tuple(self.version) < version_tuple(minimum):
                 raise SmolError(
-                    f"smolvm {self.version} is older than the minimum {self.config.min_smolvm} "
-                    "this server "
-                    "needs (older serves reject fields it sends). Upgrade smolvm, or set "
+                    f"smolvm {self.version} is older than the minimum {minimum} this server needs "
+                    "(older serves reject fields it sends). Upgrade smolvm, or set "
                     "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check."
                 )
             self._ready = True
+
+    def _nothing_answers(self, why: str = "") -> SmolError:
+        return SmolError(
+            f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; start the serve "
+            "there, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
+        )
 
     def _answers(self) -> bool:
         """True when something already serves the API on our socket (for example
@@ -1000,31 +979,24 @@ class LocalFleet:
         if binary is None:
             raise SmolError(
                 f"smolvm was not found (looked for {self.config.smolvm!r} on PATH). Install "
-                "smolvm, set "
-                "SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve."
+                "smolvm, set SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running "
+                "serve."
             )
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
         socket_path = Path(self._address)
         if len(str(socket_path).encode()) > 100:
             raise SmolError(
                 f"the socket path {socket_path} is too long for a Unix socket; set "
-                "SMOL_MCP_RUNTIME_DIR "
-                "to a shorter directory"
+                "SMOL_MCP_RUNTIME_DIR to a shorter directory"
             )
         socket_path.unlink(missing_ok=True)
         log_path = runtime_dir / "serve.log"
         env = minimal_child_env(self.environ, self.config.secret_values())
         with open(log_path, "ab") as log_file:
             log_start = log_file.tell()
-            self._process = subprocess.Popen(
-                [binary, "serve", "start", "--listen", str(socket_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-            )
+            argv = [binary, "serve", "start", "--listen", str(socket_path)]
+            to_log = {"stdin": subprocess.DEVNULL, "stdout": log_file, "stderr": log_file}
+            self._process = subprocess.Popen(argv, **to_log, env=env, start_new_session=True)
         log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
         with bookkeeping(self.config.runtime_dir):
             (runtime_dir / "serve.pid").write_text(str(self._process.pid))
@@ -1091,10 +1063,8 @@ class LocalFleet:
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             ctype = response.getheader("Content-Type", "")
-            value = (
-                read(response) if read is not None and response.status == 200 else response.read()
-            )
-            return response.status, ctype, value
+            ok = read is not None and response.status == 200
+            return response.status, ctype, read(response) if ok else response.read()
         except BaseException:
             conn.close()  # half-used: never hand it to the next call
             self._pool.conn = None
@@ -1138,26 +1108,15 @@ class LocalFleet:
             body, content_type = raw, "application/octet-stream"
         else:
             body, content_type = None, None
-        send = functools.partial(
-            self._raw_request,
-            method,
-            path,
-            body,
-            content_type=content_type,
-            timeout=timeout,
-            read=read,
-        )
+        options = {"content_type": content_type, "timeout": timeout, "read": read}
+        send = functools.partial(self._raw_request, method, path, body, **options)
         try:
             status, ctype, data = self._send_when_accepted(send)
         except (ConnectionRefusedError, FileNotFoundError):
             # The connection never opened, so the request was not received: safe to resend.
             self._ready = False
             if self.config.local_url:
-                raise SmolError(
-                    f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}; start the serve "
-                    "there, "
-                    "or unset SMOL_LOCAL_URL to let smol-mcp start its own"
-                ) from None
+                raise self._nothing_answers() from None
             self.ensure_serve()
             status, ctype, data = send()
         except TimeoutError:
@@ -1179,63 +1138,55 @@ class LocalFleet:
 
     # -- machines (normalised) ---------------------------------------------
 
+    def _machine(self, action: str, method: str, route: str, *payload: Any, **options: Any) -> Any:
+        """``request`` on a route under /api/v1/machines/ (quoted by the caller)."""
+        return self.request(action, method, f"/api/v1/machines/{route}", *payload, **options)
+
     def list_machines(self) -> list[dict]:
-        return [
-            local_record(m)
-            for m in self.request("list machines", "GET", "/api/v1/machines")["machines"]
-        ]
+        answer = self.request("list machines", "GET", "/api/v1/machines")
+        return [local_record(m) for m in answer["machines"]]
 
     def get_machine(self, name: str) -> dict:
-        return local_record(
-            self.request(f"get machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}")
-        )
+        return local_record(self._machine(f"get machine '{name}'", "GET", _q(name)))
 
     def machine_state(self, name: str) -> str:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        body: dict[str, Any] = {
+        ports = [
+            {"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports
+        ]
+        mounts = [
+            {
+                "source": m["source"],
+                "target": m["target"],
+                "readonly": m.get("readonly") is not False,
+            }
+            for m in spec.mounts
+        ]
+        body = {
             "name": spec.name,
             "image": spec.image,
             "cpus": spec.cpus,
             "memoryMb": spec.memory_mb,
             "network": spec.network == "open",
+            "allowedHosts": spec.allow_hosts or None,
+            "allowedCidrs": spec.allow_cidrs or None,
+            "ports": ports or None,
+            "mounts": mounts or None,
+            "storageGb": spec.storage_gb,
+            "overlayGb": spec.overlay_gb,
+            "cmd": spec.cmd,
+            "env": [{"name": k, "value": v} for k, v in spec.env.items()] or None,
         }
-        if spec.allow_hosts:
-            body["allowedHosts"] = spec.allow_hosts
-        if spec.allow_cidrs:
-            body["allowedCidrs"] = spec.allow_cidrs
-        if spec.ports:
-            body["ports"] = [
-                {"host": p.get("host") or free_loopback_port(), "guest": p["guest"]}
-                for p in spec.ports
-            ]
-        if spec.mounts:
-            body["mounts"] = [
-                {
-                    "source": m["source"],
-                    "target": m["target"],
-                    "readonly": m.get("readonly", True) is not False,
-                }
-                for m in spec.mounts
-            ]
-        if spec.storage_gb is not None:
-            body["storageGb"] = spec.storage_gb
-        if spec.overlay_gb is not None:
-            body["overlayGb"] = spec.overlay_gb
-        if spec.cmd is not None:
-            body["cmd"] = spec.cmd
-        if spec.env:
-            body["env"] = [{"name": k, "value": v} for k, v in spec.env.items()]
-        return local_record(
-            self.request(f"create machine '{spec.name}'", "POST", "/api/v1/machines", body)
-        )
+        body = {key: value for key, value in body.items() if value is not None}
+        action = f"create machine '{spec.name}'"
+        return local_record(self.request(action, "POST", "/api/v1/machines", body))
 
     def recheck_mounts(self, name: str, action: str) -> None:
         """Refuse ``action`` unless each mount source of the machine still resolves
         under its root (a guest with a writable share may have swapped in a symlink)."""
-        info = self.request(action, "GET", f"/api/v1/machines/{_q(name)}")
-        for mount in info.get("mounts") or []:
+        for mount in self._machine(action, "GET", _q(name)).get("mounts") or []:
             try:
                 want_write = mount.get("readonly") is False
                 contained_host_path(self.config, mount["source"], "source", want_write)
@@ -1247,67 +1198,41 @@ class LocalFleet:
                 ) from None
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
-        self.recheck_mounts(name, f"start machine '{name}'")
+        action = f"start machine '{name}'"
+        self.recheck_mounts(name, action)
         # Branchability is a start option locally (a create field on cloud).
-        query = "?branchable=true" if branchable else ""
-        return local_record(
-            self.request(
-                f"start machine '{name}'",
-                "POST",
-                f"/api/v1/machines/{_q(name)}/start{query}",
-                timeout=self.config.ready_timeout_secs + 60,
-            )
-        )
+        route = f"{_q(name)}/start" + ("?branchable=true" if branchable else "")
+        timeout = self.config.ready_timeout_secs + 60
+        return local_record(self._machine(action, "POST", route, timeout=timeout))
 
     def stop_machine(self, name: str) -> dict:
-        return local_record(
-            self.request(
-                f"stop machine '{name}'",
-                "POST",
-                f"/api/v1/machines/{_q(name)}/stop",
-                timeout=self.config.ready_timeout_secs * 3,  # a guest's shutdown grace, then kill
-            )
-        )
+        action, timeout = f"stop machine '{name}'", self.config.ready_timeout_secs * 3
+        # The timeout covers a guest's shutdown grace, then the kill.
+        return local_record(self._machine(action, "POST", f"{_q(name)}/stop", timeout=timeout))
 
     def delete_machine(self, name: str) -> dict:
-        self.request(f"delete machine '{name}'", "DELETE", f"/api/v1/machines/{_q(name)}")
+        self._machine(f"delete machine '{name}'", "DELETE", _q(name))
         return {"deleted": name}
 
     def exec(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
+        self, name: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None, stdin=None
     ) -> ExecResult:
-        """Run a command in a running machine; NotRunning if it is not running.
-        (The engine would boot it itself, but then nobody could report that it did.)"""
+        """Run a command in a running machine (typed as Fleet.exec); NotRunning if it is not
+        running. (The engine would boot it itself, but then nobody could report that it did.)"""
         body = local_exec_body(argv, timeout_secs, workdir, env, stdin)
+        action = f"run a command in machine '{name}'"
+        setting = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
+        # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
+        wait = {"timeout": timeout_secs + 30, "setting": setting, "read": read_exec_answer}
         started = time.monotonic()
         try:
-            # The HTTP wait outlives the command's own timeout so the guest, not the
-            # socket, decides.
-            data = self.request(
-                f"run a command in machine '{name}'",
-                "POST",
-                f"/api/v1/machines/{_q(name)}/exec",
-                body,
-                timeout=timeout_secs + 30,
-                setting="the call's timeoutSecs (up to maxExecTimeoutSecs)",
-                read=read_exec_answer,
-            )
+            data = self._machine(action, "POST", f"{_q(name)}/exec", body, **wait)
         except ApiError as err:
-            if err.status == 409 and "not running" in err.api_message:
-                raise NotRunning(f"machine '{name}' is not running") from None
-            raise
+            raise not_running(name, err) from None
         except ValueError as err:
             raise SmolError(
                 f"the local serve answered a command in machine '{name}' with a body this server "
-                "could "
-                f"not read ({err})"
+                f"could not read ({err})"
             ) from None
         return ExecResult(
             exit_code=int(data["exitCode"]),
@@ -1317,50 +1242,30 @@ class LocalFleet:
         )
 
     def exec_stream(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        on_output: Callable[[str, str], None],
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
+        self, name, argv, *, timeout_secs, on_output, workdir=None, env=None, stdin=None
     ) -> ExecResult:
         """``exec`` through the stream route: each piece of output goes to
-        ``on_output`` as the guest prints it; the result is the same."""
+        ``on_output(stream, text)`` as the guest prints it; the result is the same."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
         body = json.dumps(local_exec_body(argv, timeout_secs, workdir, env, stdin)).encode()
-        # Its own connection: the stream holds it until the end.
-        conn = self._connection(timeout=timeout_secs + 30)
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        conn = self._connection(timeout=timeout_secs + 30)  # its own: the stream holds it open
         started = time.monotonic()
         try:
             try:
-                conn.request(
-                    "POST",
-                    f"/api/v1/machines/{_q(name)}/exec/stream",
-                    body=body,
-                    headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
-                )
+                conn.request("POST", f"/api/v1/machines/{_q(name)}/exec/stream", body, headers)
                 response = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 raise serve_dropped(action, exc) from None
             if response.status >= 400:
-                err = api_error(
-                    self.name,
-                    action,
-                    response.status,
-                    response.getheader("Content-Type", ""),
-                    response.read(),
+                ctype = response.getheader("Content-Type", "")
+                raise not_running(
+                    name, api_error(self.name, action, response.status, ctype, response.read())
                 )
-                if err.status == 409 and "not running" in err.api_message:
-                    raise NotRunning(f"machine '{name}' is not running")
-                raise err
             pieces = iter(lambda: response.read1(1 << 16), b"")
-            return collect_exec_stream(
-                sse_events(pieces), name, on_output, started, (OSError, http.client.HTTPException)
-            )
+            broken = (OSError, http.client.HTTPException)
+            return collect_exec_stream(sse_events(pieces), name, on_output, started, broken)
         finally:
             conn.close()
 
@@ -1381,64 +1286,30 @@ class LocalFleet:
     # -- jobs: processes this server starts in the guest -------------------
 
     def start_job(
-        self,
-        name: str,
-        job_id: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
+        self, name: str, job_id: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None
     ) -> dict:
-        result = self.exec(
-            name,
-            [
-                "sh",
-                "-c",
-                JOB_START_SCRIPT,
-                "sh",
-                JOB_WAITER_SCRIPT,
-                f"{JOB_DIR}/{job_id}",
-                str(timeout_secs),
-                *argv,
-            ],
-            timeout_secs=60,
-            workdir=workdir,
-            env=env,
-        )
+        waiter = ["sh", "-c", JOB_START_SCRIPT, "sh", JOB_WAITER_SCRIPT, f"{JOB_DIR}/{job_id}"]
+        argv = [*waiter, str(timeout_secs), *argv]
+        result = self.exec(name, argv, timeout_secs=60, workdir=workdir, env=env)
         helper_output(name, f"start job {job_id}", result)
         return {"jobId": job_id, "state": "running"}
 
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
-        data = self.exec_helper(
-            name,
-            f"read job {job_id}",
-            JOB_READ_SCRIPT,
-            f"{JOB_DIR}/{job_id}",
-            str(offsets[0]),
-            str(offsets[1]),
-            str(limit),
-        )
-        return local_job_page(name, job_id, data, offsets)
+        args = (f"{JOB_DIR}/{job_id}", *map(str, offsets), str(limit))
+        data = self.exec_helper(name, f"read job {job_id}", JOB_READ_SCRIPT, *args)
+        return local_job_page(name, job_id, data)
 
     def cancel_job(self, name: str, job_id: str) -> None:
         self.exec_helper(name, f"cancel job {job_id}", JOB_CANCEL_SCRIPT, f"{JOB_DIR}/{job_id}")
 
     def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
-        text = self.exec_helper(name, "list jobs", JOB_LIST_SCRIPT, JOB_DIR).decode(
-            "utf-8", "replace"
-        )
+        answer = self.exec_helper(name, "list jobs", JOB_LIST_SCRIPT, JOB_DIR)
         jobs = []
-        for line in text.splitlines():
+        for line in answer.decode("utf-8", "replace").splitlines():
             job_id, state, code = (line.split() + ["", "", ""])[:3]
             if job_id:
-                jobs.append(
-                    {
-                        "jobId": job_id,
-                        "state": state,
-                        "exitCode": int(code) if code.isdigit() else None,
-                    }
-                )
+                exit_code = int(code) if code.isdigit() else None
+                jobs.append({"jobId": job_id, "state": state, "exitCode": exit_code})
         return jobs
 
     def probe_ready(self, name: str) -> str | None:
@@ -1463,88 +1334,65 @@ class LocalFleet:
         than downloading everything before it; an image without those tools
         falls back to streaming the file and keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
+            argv = ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)]
             try:
-                result = self.exec(
-                    name,
-                    ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)],
-                    timeout_secs=120,
-                )
+                result = self.exec(name, argv, timeout_secs=120)
                 size_line, newline, data = bytes(result.stdout).partition(b"\n")
                 if result.exit_code == 0 and newline and size_line.strip().isdigit():
                     return FilePage(data=data, size=int(size_line))
             except ApiError:
                 pass  # no shell in this image, say: the download below still works
-        return self._stream_page(name, path, offset, length)
-
-    def _stream_page(self, name: str, path: str, offset: int, length: int) -> FilePage:
         self.ensure_serve()
         action = f"read {path} in machine '{name}'"
         conn = self._connection(timeout=self.config.ready_timeout_secs + 60)
         try:
-            return self._read_page(conn, action, name, path, offset, length)
+            conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}")
+            response = conn.getresponse()
+            ctype = response.getheader("Content-Type", "")
+            if response.status >= 400:
+                raise api_error(self.name, action, response.status, ctype, response.read())
+            if "application/json" in ctype:
+                listing = json.loads(response.read() or b"{}")
+                names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
+                raise SmolError(
+                    f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
+                    "Pass the path of a file inside it."
+                )
+            size = int(response.getheader("Content-Length") or -1)
+            skipped = 0
+            while skipped < offset:
+                chunk = response.read(min(1 << 20, offset - skipped))
+                if not chunk:
+                    break
+                skipped += len(chunk)
+            data = response.read(length) if skipped == offset else b""
+            if size < 0:  # no length header (a streamed file): count what is left to learn the size
+                rest = 0
+                while chunk := response.read(1 << 20):
+                    rest += len(chunk)
+                size = skipped + len(data) + rest
+            return FilePage(data=data, size=size)
         except TimeoutError:
-            raise SmolError(
-                f"the local machine API stopped answering while trying to {action}"
-            ) from None
+            why = f"the local machine API stopped answering while trying to {action}"
+            raise SmolError(why) from None
         except (OSError, http.client.HTTPException) as exc:
             raise serve_dropped(action, exc) from None
         finally:
             conn.close()
 
-    def _read_page(
-        self,
-        conn: http.client.HTTPConnection,
-        action: str,
-        name: str,
-        path: str,
-        offset: int,
-        length: int,
-    ) -> FilePage:
-        conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}")
-        response = conn.getresponse()
-        ctype = response.getheader("Content-Type", "")
-        if response.status >= 400:
-            raise api_error(self.name, action, response.status, ctype, response.read())
-        if "application/json" in ctype:
-            listing = json.loads(response.read() or b"{}")
-            names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
-            raise SmolError(
-                f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
-                "Pass the path of a file inside it."
-            )
-        size = int(response.getheader("Content-Length") or -1)
-        skipped = 0
-        while skipped < offset:
-            chunk = response.read(min(1 << 20, offset - skipped))
-            if not chunk:
-                break
-            skipped += len(chunk)
-        data = response.read(length) if skipped == offset else b""
-        if size < 0:  # no length header (a streamed file): count what is left to learn the size
-            rest = 0
-            while chunk := response.read(1 << 20):
-                rest += len(chunk)
-            size = skipped + len(data) + rest
-        return FilePage(data=data, size=size)
-
     def write_file(self, name: str, path: str, data: bytes) -> int:
-        answer = self.request(
-            f"write {path} in machine '{name}'",
-            "PUT",
-            f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
-            raw=data,
-            timeout=self.config.ready_timeout_secs + len(data) / (1 << 20),
+        action, route = f"write {path} in machine '{name}'", f"{_q(name)}/files/"
+        timeout = self.config.ready_timeout_secs + len(data) / (1 << 20)
+        answer = self._machine(
+            action, "PUT", route + guest_route_suffix(path), raw=data, timeout=timeout
         )
         return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
 
     def console_lines(self, name: str) -> list[str]:
         """Every line of the guest console log (the API streams it as SSE)."""
+        action = f"read the log of machine '{name}'"
         try:
-            data = self.request(
-                f"read the log of machine '{name}'",
-                "GET",
-                f"/api/v1/machines/{_q(name)}/logs?source=console",
-            )
+            data = self._machine(action, "GET", f"{_q(name)}/logs?source=console")
         except ApiError as err:
             if err.status == 404 and "no logs yet" in err.api_message:
                 return []  # never started: nothing logged yet, which is an answer, not a failure
@@ -1552,16 +1400,11 @@ class LocalFleet:
         return parse_sse_lines(data if isinstance(data, bytes) else json.dumps(data).encode())
 
     def branch_machine(self, name: str, child: str) -> dict:
-        self.recheck_mounts(name, f"branch machine '{name}' into '{child}'")
-        return local_record(
-            self.request(
-                f"branch machine '{name}' into '{child}'",
-                "POST",
-                f"/api/v1/machines/{_q(name)}/branches",
-                {"name": child},
-                timeout=self.config.ready_timeout_secs + 60,
-            )
-        )
+        action = f"branch machine '{name}' into '{child}'"
+        self.recheck_mounts(name, action)
+        timeout = self.config.ready_timeout_secs + 60
+        route = f"{_q(name)}/branches"
+        return local_record(self._machine(action, "POST", route, {"name": child}, timeout=timeout))
 
     # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
 
@@ -1571,39 +1414,26 @@ class LocalFleet:
 
     def egress_policy(self, name: str) -> tuple[dict, dict]:
         """(the machine's record, its egress policy as egress_lists has it)."""
-        info = self.request(f"get machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}")
+        info = self._machine(f"get machine '{name}'", "GET", _q(name))
         return local_record(info), egress_lists(info)
 
     def egress_events(self, name: str, limit: int) -> list[dict]:
         """The machine's recorded egress denials, oldest first, the newest ``limit`` of them."""
-        answer = self.request(
-            f"read the egress denials of machine '{name}'",
-            "GET",
-            f"/api/v1/machines/{_q(name)}/egress-events?limit={limit}",
-        )
+        action = f"read the egress denials of machine '{name}'"
+        answer = self._machine(action, "GET", f"{_q(name)}/egress-events?limit={limit}")
         events = answer.get("events") if isinstance(answer, dict) else None
         return [e for e in events or [] if isinstance(e, dict)]
 
     def update_egress(self, name: str, change: dict) -> tuple[dict, dict]:
-        """Amend the allow list (an UpdateEgressRequest body); the engine answers the
-        updated record."""
-        info = self.request(
-            f"amend the egress allow list of machine '{name}'",
-            "POST",
-            f"/api/v1/machines/{_q(name)}/egress",
-            change,
-        )
+        """Amend the allow list (an UpdateEgressRequest body); the engine answers the record."""
+        action = f"amend the egress allow list of machine '{name}'"
+        info = self._machine(action, "POST", f"{_q(name)}/egress", change)
         return local_record(info), egress_lists(info)
 
     def pull_image(self, name: str, image: str) -> dict:
-        answer = self.request(
-            f"pull {image} into machine '{name}'",
-            "POST",
-            f"/api/v1/machines/{_q(name)}/images/pull",
-            {"image": image},
-            timeout=self.config.max_exec_timeout_secs + 60,
-            setting="maxExecTimeoutSecs",
-        )
+        action, route = f"pull {image} into machine '{name}'", f"{_q(name)}/images/pull"
+        wait = {"timeout": self.config.max_exec_timeout_secs + 60, "setting": "maxExecTimeoutSecs"}
+        answer = self._machine(action, "POST", route, {"image": image}, **wait)
         return answer.get("image", answer)
 
 
