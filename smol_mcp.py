@@ -788,6 +788,8 @@ class LocalFleet:
         self._users = 0
         self._ready = False
         self._pool = threading.local()  # one kept-alive connection per worker thread
+        self._serve_log = Path(config.runtime_dir) / "serve.log"
+        self._pid_file = Path(config.runtime_dir) / "serve.pid"
         self.version: str | None = None
         if config.local_url:
             self._kind, self._address = parse_local_url(config.local_url)
@@ -845,7 +847,6 @@ class LocalFleet:
         another smol-mcp process spawned and left to us (its pid is on file)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
-        pid_file = Path(self.config.runtime_dir) / "serve.pid"
         if process is not None:
             if process.poll() is None:
                 process.terminate()
@@ -854,12 +855,12 @@ class LocalFleet:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait(timeout=5)
-        elif not self.config.local_url and pid_file.exists():
-            pid = int(pid_file.read_text().strip() or 0)
+        elif not self.config.local_url and self._pid_file.exists():
+            pid = int(self._pid_file.read_text().strip() or 0)
             if serve_process_on(pid, self._address):
                 os.kill(pid, signal.SIGTERM)
         with bookkeeping(self.config.runtime_dir):
-            pid_file.unlink(missing_ok=True)
+            self._pid_file.unlink(missing_ok=True)
 
     def smolvm_path(self) -> str | None:
         configured = self.config.smolvm
@@ -886,10 +887,8 @@ class LocalFleet:
                 why = f"({exc.strerror or exc})"
                 if self.config.local_url:
                     raise self._nothing_answers(f" {why}") from None
-                raise SmolError(
-                    f"the smolvm serve stopped answering on {self._address} {why}; its log is "
-                    f"{Path(self.config.runtime_dir) / 'serve.log'}"
-                ) from None
+                why = f"stopped answering on {self._address} {why}; its log is {self._serve_log}"
+                raise SmolError(f"the smolvm serve {why}") from None
             self.version = str(health.get("version", ""))
             if not self.config.local_url:
                 with bookkeeping(self.config.runtime_dir):
@@ -946,7 +945,7 @@ class LocalFleet:
         if self._process is not None and self._process.poll() is None:
             return self._process.pid
         try:
-            pid = int((Path(self.config.runtime_dir) / "serve.pid").read_text().strip() or 0)
+            pid = int(self._pid_file.read_text().strip() or 0)
         except (OSError, ValueError):
             return None
         return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
@@ -970,8 +969,7 @@ class LocalFleet:
             f"{which} is running but did not answer on {self._address} within "
             f"{self.config.serve_start_timeout_secs} s: it is busy or stopped. It was left "
             "running, not replaced. Try again shortly; if it stays this way, see "
-            f"{Path(self.config.runtime_dir) / 'serve.log'}, or end that process so a new one "
-            "starts."
+            f"{self._serve_log}, or end that process so a new one starts."
         )
 
     def _start_serve(self) -> None:
@@ -999,7 +997,7 @@ class LocalFleet:
             self._process = subprocess.Popen(argv, **to_log, env=env, start_new_session=True)
         log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
         with bookkeeping(self.config.runtime_dir):
-            (runtime_dir / "serve.pid").write_text(str(self._process.pid))
+            self._pid_file.write_text(str(self._process.pid))
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -1437,83 +1435,74 @@ class LocalFleet:
         return answer.get("image", answer)
 
 
-# Every route of the local API, in its OpenAPI spelling: None for the ones this
-# server calls, else why it does not. `smol_mcp.py parity` compares this with
-# the running serve's spec, so a route a new smolvm adds shows up as a decision.
-LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
-    ("GET", "/health"): None,
-    ("GET", "/api/v1/machines"): None,
-    ("POST", "/api/v1/machines"): None,
-    ("GET", "/api/v1/machines/{name}"): None,
-    ("DELETE", "/api/v1/machines/{name}"): None,
-    ("POST", "/api/v1/machines/{name}/start"): None,
-    ("POST", "/api/v1/machines/{name}/stop"): None,
-    ("POST", "/api/v1/machines/{id}/exec"): None,
-    ("POST", "/api/v1/machines/{id}/exec/stream"): None,  # live output, given a progress token
-    ("GET", "/api/v1/machines/{id}/files/{path}"): None,
-    ("PUT", "/api/v1/machines/{id}/files/{path}"): None,
-    ("GET", "/api/v1/machines/{id}/logs"): None,
-    ("POST", "/api/v1/machines/{id}/images/pull"): None,
-    ("POST", "/api/v1/machines/{name}/branches"): None,
-    ("POST", "/api/v1/machines/{name}/egress"): None,
-    ("GET", "/api/v1/machines/{name}/egress-events"): None,
-    ("GET", "/capacity"): "host scheduling numbers; no tool reports capacity",
-    ("GET", "/api/v1/machines/{id}/images"): "no tool lists a machine's images",
-    (
-        "POST",
-        "/api/v1/machines/{id}/run",
-    ): "running another image on an overlay is not in the tool vocabulary",
-    ("POST", "/api/v1/machines/{name}/fork"): "the legacy name of branches",
-    (
-        "POST",
-        "/api/v1/machines/{name}/fork-release",
-    ): "branch pools; this server has no pool vocabulary",
-    ("POST", "/api/v1/machines/{name}/pause"): "no tool pauses or resumes a machine",
-    ("POST", "/api/v1/machines/{name}/resume"): "no tool pauses or resumes a machine",
-    (
-        "POST",
-        "/api/v1/machines/{name}/export",
-    ): "needs a pushToken minted by the control plane, which a local user cannot produce",
-    ("POST", "/api/v1/machines/{name}/resize"): "no tool grows a machine after it exists",
-    ("POST", "/api/v1/machines/{name}/sync"): "mounts are a create-time argument",
-    ("GET", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
-    ("POST", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
-    ("DELETE", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
-    ("PUT", "/api/v1/machines/{name}/ports"): "ports are a create-time argument",
-    ("GET", "/api/v1/machines/{name}/mediation-events"): "mediated egress is not used",
-    ("PUT", "/api/v1/machines/{name}/credential-values"): "credential bindings are not used",
-    ("POST", "/api/v1/machines/{name}/cache-disk/publish"): "cache disks are not used",
-    ("DELETE", "/api/v1/cache-bases/{base}"): "cache disks are not used",
-    **{
-        (method, path): "fork pools and leases are a fleet surface, not an agent one"
-        for method, path in (
-            ("GET", "/api/v1/pools"),
-            ("POST", "/api/v1/pools"),
-            ("GET", "/api/v1/pools/{name}"),
-            ("DELETE", "/api/v1/pools/{name}"),
-            ("PUT", "/api/v1/pools/{name}/size"),
-            ("POST", "/api/v1/pools/{name}/leases"),
-            ("POST", "/api/v1/pools/{name}/lease-batches"),
-            ("GET", "/api/v1/pools/{name}/leases/{lease}"),
-            ("POST", "/api/v1/pools/{name}/leases/{lease}/heartbeat"),
-            ("POST", "/api/v1/pools/{name}/leases/{lease}/complete"),
-        )
-    },
-    **{
-        (method, path): "RL rollout executors are a batch surface, not an agent one"
-        for method, path in (
-            ("GET", "/api/v1/rollout-executors"),
-            ("POST", "/api/v1/rollout-executors"),
-            ("GET", "/api/v1/rollout-executors/{name}"),
-            ("DELETE", "/api/v1/rollout-executors/{name}"),
-            ("POST", "/api/v1/rollout-executors/{name}/generate"),
-            ("POST", "/api/v1/rollout-executors/{name}/batches"),
-            ("POST", "/api/v1/rollout-executors/{name}/policies"),
-            ("POST", "/api/v1/rollout-executors/{name}/device-policies"),
-            ("DELETE", "/api/v1/rollout-executors/{name}/policies/{policy}/{version}"),
-        )
-    },
-}
+def route_table(text: str) -> dict[tuple[str, str], str | None]:
+    """{(method, path): reason} from ``text``: a line ending in ":" gives the reason for the
+    "METHOD /path" pairs on the lines below it ("called:" for None)."""
+    routes: dict[tuple[str, str], str | None] = {}
+    reason = None
+    for line in text.strip().splitlines():
+        if line.endswith(":"):
+            reason = None if line == "called:" else line[:-1]
+            continue
+        words = line.split()
+        routes.update(dict.fromkeys(zip(words[::2], words[1::2]), reason))
+    return routes
+
+
+# Every route of the local API, in its OpenAPI spelling, under why this server does not call it
+# ("called:" for the ones it does; exec/stream gives live output, given a progress token).
+# `smol_mcp.py parity` compares this with the running serve's spec, so a route a new smolvm
+# adds shows up as a decision.
+LOCAL_ROUTES = route_table("""
+called:
+    GET /health  GET /api/v1/machines  POST /api/v1/machines  GET /api/v1/machines/{name}
+    DELETE /api/v1/machines/{name}  POST /api/v1/machines/{name}/start
+    POST /api/v1/machines/{name}/stop  POST /api/v1/machines/{id}/exec
+    POST /api/v1/machines/{id}/exec/stream  GET /api/v1/machines/{id}/files/{path}
+    PUT /api/v1/machines/{id}/files/{path}  GET /api/v1/machines/{id}/logs
+    POST /api/v1/machines/{id}/images/pull  POST /api/v1/machines/{name}/branches
+    POST /api/v1/machines/{name}/egress  GET /api/v1/machines/{name}/egress-events
+host scheduling numbers; no tool reports capacity:
+    GET /capacity
+no tool lists a machine's images:
+    GET /api/v1/machines/{id}/images
+running another image on an overlay is not in the tool vocabulary:
+    POST /api/v1/machines/{id}/run
+the legacy name of branches:
+    POST /api/v1/machines/{name}/fork
+branch pools; this server has no pool vocabulary:
+    POST /api/v1/machines/{name}/fork-release
+no tool pauses or resumes a machine:
+    POST /api/v1/machines/{name}/pause  POST /api/v1/machines/{name}/resume
+needs a pushToken minted by the control plane, which a local user cannot produce:
+    POST /api/v1/machines/{name}/export
+no tool grows a machine after it exists:
+    POST /api/v1/machines/{name}/resize
+mounts are a create-time argument:
+    POST /api/v1/machines/{name}/sync  GET /api/v1/machines/{name}/mounts
+    POST /api/v1/machines/{name}/mounts  DELETE /api/v1/machines/{name}/mounts
+ports are a create-time argument:
+    PUT /api/v1/machines/{name}/ports
+mediated egress is not used:
+    GET /api/v1/machines/{name}/mediation-events
+credential bindings are not used:
+    PUT /api/v1/machines/{name}/credential-values
+cache disks are not used:
+    POST /api/v1/machines/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
+fork pools and leases are a fleet surface, not an agent one:
+    GET /api/v1/pools  POST /api/v1/pools  GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}
+    PUT /api/v1/pools/{name}/size  POST /api/v1/pools/{name}/leases
+    POST /api/v1/pools/{name}/lease-batches  GET /api/v1/pools/{name}/leases/{lease}
+    POST /api/v1/pools/{name}/leases/{lease}/heartbeat
+    POST /api/v1/pools/{name}/leases/{lease}/complete
+RL rollout executors are a batch surface, not an agent one:
+    GET /api/v1/rollout-executors  POST /api/v1/rollout-executors
+    GET /api/v1/rollout-executors/{name}  DELETE /api/v1/rollout-executors/{name}
+    POST /api/v1/rollout-executors/{name}/generate  POST /api/v1/rollout-executors/{name}/batches
+    POST /api/v1/rollout-executors/{name}/policies
+    POST /api/v1/rollout-executors/{name}/device-policies
+    DELETE /api/v1/rollout-executors/{name}/policies/{policy}/{version}
+""")
 
 
 def parity_report(spec: dict) -> dict[str, list]:
@@ -1525,30 +1514,18 @@ def parity_report(spec: dict) -> dict[str, list]:
         for method in operations
         if method.lower() in ("get", "post", "put", "delete", "patch")
     }
-    return {
-        "called": sorted(
-            route for route, reason in LOCAL_ROUTES.items() if reason is None and route in offered
-        ),
-        "skipped": sorted(
-            (route, reason)
-            for route, reason in LOCAL_ROUTES.items()
-            if reason is not None and route in offered
-        ),
-        "unknown": sorted(offered - set(LOCAL_ROUTES)),
-        "missing": sorted(
-            route
-            for route, reason in LOCAL_ROUTES.items()
-            if reason is None and route not in offered
-        ),
-    }
+    called = {route for route, reason in LOCAL_ROUTES.items() if reason is None}
+    skipped = [(route, why) for route, why in LOCAL_ROUTES.items() if why and route in offered]
+    unknown, missing = offered - set(LOCAL_ROUTES), called - offered
+    lists = {"called": called & offered, "skipped": skipped, "unknown": unknown, "missing": missing}
+    return {key: sorted(routes) for key, routes in lists.items()}
 
 
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
     return SmolError(
         f"the local serve closed the connection while trying to {action} ({type(exc).__name__}); "
-        "it may "
-        "have stopped or restarted. Check the machine with get-machine before trying again."
+        "it may have stopped or restarted. Check the machine with get-machine before trying again."
     )
 
 
@@ -1564,13 +1541,9 @@ def api_error(fleet: str, action: str, status: int, content_type: str, data: byt
         except (ValueError, AttributeError):
             pass
     text = ANSI_ESCAPE_RE.sub("", text)  # engine log lines carry terminal colours into messages
-    if not text:
-        text = (
-            "no such route on this serve (it may be older than this server expects)"
-            if status == 404
-            else "no message"
-        )
-    return ApiError(fleet, action, status, code, text)
+    if not text and status == 404:
+        text = "no such route on this serve (it may be older than this server expects)"
+    return ApiError(fleet, action, status, code, text or "no message")
 
 
 ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -1578,11 +1551,8 @@ ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 def parse_sse_lines(data: bytes) -> list[str]:
     """The data lines of a server-sent-event stream, one log line per event."""
-    lines = []
-    for raw in data.decode("utf-8", "replace").splitlines():
-        if raw.startswith("data:"):
-            lines.append(raw[5:].removeprefix(" "))
-    return lines
+    lines = data.decode("utf-8", "replace").splitlines()
+    return [raw[5:].removeprefix(" ") for raw in lines if raw.startswith("data:")]
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
@@ -1653,13 +1623,12 @@ def collect_exec_stream(
                     seconds=time.monotonic() - started,
                 )
     except broken as exc:
-        raise stream_broke(
-            name, len(out["stdout"]) + len(out["stderr"]), type(exc).__name__
-        ) from None
-    raise stream_broke(name, len(out["stdout"]) + len(out["stderr"]), "it ended")
+        raise stream_broke(name, out, type(exc).__name__) from None
+    raise stream_broke(name, out, "it ended")
 
 
-def stream_broke(name: str, got: int, how: str) -> StreamBroke:
+def stream_broke(name: str, out: dict[str, bytearray], how: str) -> StreamBroke:
+    got = len(out["stdout"]) + len(out["stderr"])
     return StreamBroke(
         f"the output stream of the command in machine '{name}' broke after {got} bytes "
         f"({how}) before its exit code arrived, so the command's result is unknown (it "
@@ -1872,10 +1841,8 @@ def _read_from(path: Path, offset: int) -> str:
 
 
 def _last_line(text: str) -> str:
-    lines = [
-        line.strip() for line in text.splitlines() if line.strip() and not line.startswith("note:")
-    ]
-    return lines[-1] if lines else ""
+    lines = [line.strip() for line in text.splitlines() if not line.startswith("note:")]
+    return ([line for line in lines if line] or [""])[-1]
 
 
 # ---------------------------------------------------------------------------
