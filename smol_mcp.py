@@ -219,38 +219,32 @@ def _json_type(value: Any) -> str:
 
 
 def load_config(environ: dict[str, str] | None = None) -> Config:
-    """Read the config file and the environment into a validated Config.
-
-    A missing file is fine; an unreadable or malformed one, an unknown key, a
-    wrong type or an out-of-range value raises ConfigError with a sentence that
-    names the key. Secrets never appear in those sentences.
-    """
+    """Read the config file and the environment into a validated Config. A missing file
+    is fine; an unreadable or malformed one, an unknown key, a wrong type or an out-of-range
+    value raises ConfigError with a sentence that names the key (never a secret)."""
     environ = dict(os.environ if environ is None else environ)
     values: dict[str, Any] = {}
     path = config_file_path(environ)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        text = None
+        data = {}
     except OSError as exc:
         raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
-    if text is not None:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            where = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
-            raise ConfigError(f"the config file {path} is not valid JSON: {where}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"the config file {path} must hold a JSON object of settings")
-        by_key = {s.key: s for s in SETTINGS}
-        for key, raw in data.items():
-            if key not in by_key:
-                maybe = did_you_mean(key, by_key)
-                raise ConfigError(
-                    f'unknown key "{key}" in the config file {path}{maybe}; '
-                    f"the accepted keys are: {', '.join(by_key)}"
-                )
-            values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
+    except json.JSONDecodeError as exc:
+        where = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+        raise ConfigError(f"the config file {path} is not valid JSON: {where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config file {path} must hold a JSON object of settings")
+    by_key = {s.key: s for s in SETTINGS}
+    for key, raw in data.items():
+        if key not in by_key:
+            maybe = did_you_mean(key, by_key)
+            raise ConfigError(
+                f'unknown key "{key}" in the config file {path}{maybe}; '
+                f"the accepted keys are: {', '.join(by_key)}"
+            )
+        values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
     for setting in SETTINGS:
         if setting.env in environ:
             values[setting.attr] = _parse_setting(setting, environ[setting.env], "env")
@@ -295,22 +289,16 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             f"got {webhook!r}"
         )
     public = urllib.parse.urlsplit(config.public_url)
-    if config.public_url and (
-        public.scheme not in ("http", "https")
-        or (public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS)
-        or public.path.strip("/")
-        or public.query
-        or public.fragment
-    ):
+    plain_http = public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS
+    more = public.path.strip("/") or public.query or public.fragment
+    if config.public_url and (public.scheme not in ("http", "https") or plain_http or more):
         raise ConfigError(
             "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at, "
             f"without a path, such as https://mcp.example.com; got {config.public_url!r}"
         )
-    if not config.runtime_dir:
-        config = dataclasses.replace(config, runtime_dir=default_runtime_dir(environ))
-    if not config.state_dir:
-        config = dataclasses.replace(config, state_dir=default_state_dir(environ))
-    return config
+    runtime_dir = config.runtime_dir or default_runtime_dir(environ)
+    state_dir = config.state_dir or default_state_dir(environ)
+    return dataclasses.replace(config, runtime_dir=runtime_dir, state_dir=state_dir)
 
 
 def default_runtime_dir(environ: dict[str, str]) -> str:
@@ -723,13 +711,8 @@ def local_job_page(name: str, job_id: str, data: bytes) -> JobPage:
             f"the guest of machine '{name}' answered a read of job {job_id} in a form this "
             f"server could not read ({header[:200]!r})"
         ) from None
-    return JobPage(
-        state=state,
-        exit_code=int(code) if code.lstrip("-").isdigit() else None,
-        stdout=rest[:n],
-        stderr=rest[n : n + m],
-        sizes=(int(out_size), int(err_size)),
-    )
+    exit_code = int(code) if code.lstrip("-").isdigit() else None
+    return JobPage(state, exit_code, rest[:n], rest[n : n + m], (int(out_size), int(err_size)))
 
 
 INSIDE_GUEST = (
@@ -831,15 +814,16 @@ class LocalFleet:
         serve (processes with the same runtime directory share one)."""
         for marker in self._users_dir.glob("*"):
             pid = int(marker.name) if marker.name.isdigit() else 0
-            if pid != os.getpid():
-                try:
-                    started = int(marker.read_text() or 0) or None
-                except (OSError, ValueError):
-                    started = None
-                if process_alive(pid, started):
-                    return True
-                with bookkeeping(self.config.runtime_dir):
-                    marker.unlink(missing_ok=True)  # a process that died without letting go
+            if pid == os.getpid():
+                continue
+            try:
+                started = int(marker.read_text() or 0) or None
+            except (OSError, ValueError):
+                started = None
+            if process_alive(pid, started):
+                return True
+            with bookkeeping(self.config.runtime_dir):
+                marker.unlink(missing_ok=True)  # a process that died without letting go
         return False
 
     def stop_serve(self) -> None:
@@ -1044,17 +1028,10 @@ class LocalFleet:
         return conn
 
     def _raw_request(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        *,
-        content_type: str | None = None,
-        timeout: float = 30,
-        read: Callable | None = None,
+        self, method: str, path: str, body=None, *, content_type=None, timeout=30.0, read=None
     ) -> tuple[int, str, Any]:
-        """Send one request on the pooled connection; ``read`` consumes a 200
-        answer itself (for answers too large to hold whole)."""
+        """Send one request (bytes ``body``) on the pooled connection; ``read(response)``
+        consumes a 200 answer itself (for answers too large to hold whole)."""
         conn = self._pooled(timeout)
         try:
             headers = {"Content-Type": content_type} if content_type else {}
@@ -1232,12 +1209,8 @@ class LocalFleet:
                 f"the local serve answered a command in machine '{name}' with a body this server "
                 f"could not read ({err})"
             ) from None
-        return ExecResult(
-            exit_code=int(data["exitCode"]),
-            stdout=data["stdoutB64"],
-            stderr=data["stderrB64"],
-            seconds=time.monotonic() - started,
-        )
+        seconds = time.monotonic() - started
+        return ExecResult(int(data["exitCode"]), data["stdoutB64"], data["stderrB64"], seconds)
 
     def exec_stream(
         self, name, argv, *, timeout_secs, on_output, workdir=None, env=None, stdin=None
@@ -1588,11 +1561,7 @@ class StreamBroke(SmolError):
 
 
 def collect_exec_stream(
-    events: Iterable[tuple[str, str]],
-    name: str,
-    on_output: Callable[[str, str], None],
-    started: float,
-    broken: tuple[type[BaseException], ...],
+    events: Iterable[tuple[str, str]], name: str, on_output: Callable, started: float, broken: tuple
 ) -> ExecResult:
     """Gather an exec stream into the result a plain exec would give, passing
     each piece of output to ``on_output`` as it arrives. A stream that ends
@@ -1616,12 +1585,8 @@ def collect_exec_stream(
                         f"the output stream of machine '{name}' ended with an exit event this "
                         f"server could not read ({data[:200]!r})"
                     ) from None
-                return ExecResult(
-                    exit_code=code,
-                    stdout=bytes(out["stdout"]),
-                    stderr=bytes(out["stderr"]),
-                    seconds=time.monotonic() - started,
-                )
+                seconds = time.monotonic() - started
+                return ExecResult(code, bytes(out["stdout"]), bytes(out["stderr"]), seconds)
     except broken as exc:
         raise stream_broke(name, out, type(exc).__name__) from None
     raise stream_broke(name, out, "it ended")
@@ -1826,10 +1791,10 @@ def other_serve_hint(own: str) -> str:
             where = argv[argv.index("--listen") + 1]
             url = where if "://" in where else f"unix://{os.path.abspath(where)}"
             if where != own:
+                pid = entry.parent.name
                 return (
-                    f"Another smolvm serve runs on this host (pid {entry.parent.name}, listening "
-                    f"on {where}): use it with SMOL_LOCAL_URL={url} (it is then left running), "
-                    "or stop it."
+                    f"Another smolvm serve runs on this host (pid {pid}, listening on {where}): "
+                    f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
                 )
     return ADDRESS_IN_USE_HINT
 
