@@ -1627,7 +1627,6 @@ class JsonStream:
     socket, a chunk at a time, without holding it whole."""
 
     CHUNK = 1 << 18  # big enough that a 64 MiB answer is a few hundred reads
-    SPECIAL = re.compile(rb'[\\"]')
 
     def __init__(self, stream: Any):
         self.stream, self.buf, self.pos = stream, bytearray(), 0
@@ -1651,53 +1650,28 @@ class JsonStream:
             if not self._fill():
                 raise ValueError("the answer ended early")
 
-    def string(self, sink: Callable[[bytes], None] | None) -> None:
-        """Pass the raw bytes of the string being read to ``sink`` (None skips
-        them) up to its closing quote; escapes are passed through undecoded."""
-        while True:
-            found = self.SPECIAL.search(self.buf, self.pos)
-            if found is None:
-                if sink is not None:
-                    sink(bytes(self.buf[self.pos :]))
-                self.pos = len(self.buf)
-                if not self._fill():
-                    raise ValueError("a string did not end")
-                continue
-            end = found.start()
-            if self.buf[end] == 0x5C:  # a backslash: the next byte is escaped, whatever it is
-                while end + 1 >= len(self.buf):
-                    consumed = self.pos
-                    if not self._fill():
-                        raise ValueError("a string did not end")
-                    end -= consumed - self.pos  # _fill may have dropped the consumed part
-                if sink is not None:
-                    sink(bytes(self.buf[self.pos : end + 2]))
-                self.pos = end + 2
-                continue
-            if sink is not None:
-                sink(bytes(self.buf[self.pos : end]))
-            self.pos = end + 1
-            return
-
-    def skip_string(self) -> None:
-        """Skip the string being read. Only quotes are looked at: one is the end
-        unless an odd run of backslashes comes before it. (Per-escape steps
-        would crawl through output with a newline every few bytes.)"""
+    def string(self, sink: Callable[[bytes], None] | None = None) -> None:
+        """Pass the raw bytes of the string being read to ``sink`` (None skips them) up to
+        its closing quote; escapes pass through undecoded. Only quotes are looked at: one is
+        the end unless an odd run of backslashes comes before it. (Per-escape steps would
+        crawl through output with a newline every few bytes.)"""
         carried = 0  # the backslashes that ended the part already consumed
         while True:
             quote = self.buf.find(b'"', self.pos)
+            part = bytes(self.buf[self.pos : None if quote < 0 else quote])
+            run = len(part) - len(part.rstrip(b"\\"))
+            if run == len(part):
+                run += carried
             if quote < 0:
-                rest = bytes(self.buf[self.pos :])
-                run = len(rest) - len(rest.rstrip(b"\\"))
-                carried = run + carried if run == len(rest) else run
+                carried = run
+                if sink is not None:
+                    sink(part)
                 self.pos = len(self.buf)
                 if not self._fill():
                     raise ValueError("a string did not end")
                 continue
-            before = bytes(self.buf[self.pos : quote])
-            run = len(before) - len(before.rstrip(b"\\"))
-            if run == len(before):
-                run += carried
+            if sink is not None:
+                sink(part if run % 2 == 0 else part + b'"')
             self.pos = quote + 1
             if run % 2 == 0:
                 return
@@ -1758,7 +1732,7 @@ def read_exec_answer(stream: Any) -> dict:
             reader.string(sink)
             sink.close()
         elif first == b'"':
-            reader.skip_string()  # the lossy text copy, or a field this server does not read
+            reader.string()  # the lossy text copy, or a field this server does not read
         else:
             value = reader.scalar(first)
             if key == "exitCode":
