@@ -615,9 +615,8 @@ JOB_STATE_FUNCTION = r"""st() {
 # $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints
 # "state code stdoutSize stderrSize n m", a newline, then n bytes of stdout and
 # m of stderr from the offsets; the budget is shared, neither side starves.
-JOB_READ_SCRIPT = (
-    JOB_STATE_FUNCTION
-    + r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
+# This one and JOB_LIST_SCRIPT run after JOB_STATE_FUNCTION.
+JOB_READ_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 s=$(st "$1")
 so=0; [ -f "$1/stdout" ] && so=$(wc -c <"$1/stdout")
 se=0; [ -f "$1/stderr" ] && se=$(wc -c <"$1/stderr")
@@ -631,7 +630,6 @@ echo "$s $so $se $n $m"
 [ "$m" -gt 0 ] && tail -c +$(($3 + 1)) "$1/stderr" | head -c "$m"
 exit 0
 """
-)
 # $1 job directory. Ends the job's process group (TERM, then KILL after 5 s); idempotent.
 JOB_CANCEL_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 [ -e "$1/exit" ] && exit 0
@@ -645,13 +643,10 @@ n=0; while [ ! -e "$1/exit" ] && [ "$n" -lt 30 ]; do sleep 0.1; n=$((n + 1)); do
 exit 0
 """
 # $1 the jobs directory: one "jobId state code" line per job, oldest first.
-JOB_LIST_SCRIPT = (
-    JOB_STATE_FUNCTION
-    + r"""[ -d "$1" ] || exit 0
+JOB_LIST_SCRIPT = r"""[ -d "$1" ] || exit 0
 for d in $(ls -tr "$1"); do [ -s "$1/$d/pid" ] && echo "$d $(st "$1/$d")"; done
 exit 0
 """
-)
 
 
 @dataclass
@@ -716,20 +711,16 @@ def local_job_page(name: str, job_id: str, data: bytes) -> JobPage:
 
 
 INSIDE_GUEST = (
-    "The local target is unavailable inside a smol machine: there is no hypervisor "
-    "here to start a nested machine with. Use the cloud target, or run smol-mcp on "
-    "the host."
+    "The local target is unavailable inside a smol machine: there is no hypervisor here to start "
+    "a nested machine with. Use the cloud target, or run smol-mcp on the host."
 )
 
 
 class LocalFleet:
-    """The machines of ``smolvm serve`` on this host.
-
-    The serve is started on first use, shared by every session of the process
-    (``acquire``/``release`` count them; the last release stops a serve we
-    started), restarted if it dies, and never started when SMOL_LOCAL_URL names
-    one to use instead.
-    """
+    """The machines of ``smolvm serve`` on this host. The serve is started on first use,
+    shared by every session of the process (``acquire``/``release`` count them; the last
+    release stops a serve we started), restarted if it dies, and never started when
+    SMOL_LOCAL_URL names one to use instead."""
 
     name = "local"
     served_as = (
@@ -737,10 +728,9 @@ class LocalFleet:
         "nothing billed)"
     )
     instruction = (
-        "- Local: the engine fetches a registry image on the host, so a pull needs "
-        "no egress in the machine: do not open the network for it. mounts, "
-        "overlayGb, cmd and pull-image are local only; branch-machine needs a Linux "
-        "or macOS host."
+        "- Local: the engine fetches a registry image on the host, so a pull needs no egress in "
+        "the machine: do not open the network for it. mounts, overlayGb, cmd and pull-image are "
+        "local only; branch-machine needs a Linux or macOS host."
     )
 
     @classmethod
@@ -1267,14 +1257,16 @@ class LocalFleet:
 
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
         args = (f"{JOB_DIR}/{job_id}", *map(str, offsets), str(limit))
-        data = self.exec_helper(name, f"read job {job_id}", JOB_READ_SCRIPT, *args)
+        script = JOB_STATE_FUNCTION + JOB_READ_SCRIPT
+        data = self.exec_helper(name, f"read job {job_id}", script, *args)
         return local_job_page(name, job_id, data)
 
     def cancel_job(self, name: str, job_id: str) -> None:
         self.exec_helper(name, f"cancel job {job_id}", JOB_CANCEL_SCRIPT, f"{JOB_DIR}/{job_id}")
 
     def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
-        answer = self.exec_helper(name, "list jobs", JOB_LIST_SCRIPT, JOB_DIR)
+        script = JOB_STATE_FUNCTION + JOB_LIST_SCRIPT
+        answer = self.exec_helper(name, "list jobs", script, JOB_DIR)
         jobs = []
         for line in answer.decode("utf-8", "replace").splitlines():
             job_id, state, code = (line.split() + ["", "", ""])[:3]
