@@ -570,13 +570,12 @@ class FilePage:
     size: int
 
 
-# Jobs on the local fleet, which has no job API: a job is a process this server
-# starts in the guest through exec, detached from the exec (its own session, HUP
-# ignored), with everything about it in files under JOB_DIR/<jobId>: pid,
-# stdout, stderr, exit (its exit code, written when it ends), timedout,
-# cancelled. So a job outlives the tool call, the client and this server, and
-# ends with its machine. A job whose process is gone without an exit file (the
-# machine stopped under it) reads "lost".
+# Jobs on the local fleet, which has no job API: a job is a process this server starts in the guest
+# through exec, detached from the exec (its own session, HUP ignored), with everything about it in
+# files under JOB_DIR/<jobId>: pid, stdout, stderr, exit (its exit code, written when it ends),
+# timedout, cancelled. So a job outlives the tool call, the client and this server, and ends with
+# its machine. A job whose process is gone without an exit file (the machine stopped under it) reads
+# "lost".
 JOB_DIR = "/var/tmp/smol-mcp/jobs"
 JOB_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
 # $1 job directory, $2 timeout in seconds, then the argv. Runs detached; writes pid, exit.
@@ -781,9 +780,8 @@ class LocalFleet:
             self._users += 1
 
     def release(self) -> None:
-        """One session let go. When the last session of the last smol-mcp
-        process using our serve lets go, the serve is stopped; a serve named by
-        SMOL_LOCAL_URL is never ours to stop."""
+        """One session let go. When the last session of the last smol-mcp process using our serve
+        lets go, the serve is stopped; a serve named by SMOL_LOCAL_URL is never ours to stop."""
         with self._lock:
             self._users = max(0, self._users - 1)
             if self._users or self.config.local_url:
@@ -1003,9 +1001,8 @@ class LocalFleet:
         return http.client.HTTPConnection("127.0.0.1", int(self._address), timeout=timeout)
 
     def _pooled(self, timeout: float) -> http.client.HTTPConnection:
-        """This worker thread's kept-alive connection: opening one per call
-        costs about as much as the call itself. One the serve closed while it
-        sat idle is replaced before it is used."""
+        """This worker thread's kept-alive connection: opening one per call costs about as much as
+        the call itself. One the serve closed while it sat idle is replaced before it is used."""
         conn = getattr(self._pool, "conn", None)
         if conn is not None and conn.sock is not None and peer_closed(conn.sock):
             conn.close()
@@ -1060,10 +1057,9 @@ class LocalFleet:
         setting: str = "readyTimeoutSecs",
         read: Callable | None = None,
     ) -> Any:
-        """One API call. Returns the parsed JSON body (or bytes for a raw
-        response, or what ``read`` made of a 200); raises ApiError with the
-        API's own message on a refusal. A serve that stopped answering is
-        started again once. ``timeout`` (readyTimeoutSecs when None) follows
+        """One API call. Returns the parsed JSON body (or bytes for a raw response, or what ``read``
+        made of a 200); raises ApiError with the API's own message on a refusal. A serve that
+        stopped answering is started again once. ``timeout`` (readyTimeoutSecs when None) follows
         ``setting``, which a timeout message names."""
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
@@ -1292,10 +1288,9 @@ class LocalFleet:
             return err.api_message
 
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
-        """One page of a file. The API has no range parameters, so a page deep
-        into a large file is cut inside the guest (stat, tail and head) rather
-        than downloading everything before it; an image without those tools
-        falls back to streaming the file and keeping only the page."""
+        """One page of a file. The API has no range parameters, so a page deep into a large file is
+        cut inside the guest (stat, tail and head) rather than downloading everything before it; an
+        image without those tools falls back to streaming the file and keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
             argv = ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)]
             try:
@@ -1555,10 +1550,9 @@ class StreamBroke(SmolError):
 def collect_exec_stream(
     events: Iterable[tuple[str, str]], name: str, on_output: Callable, started: float, broken: tuple
 ) -> ExecResult:
-    """Gather an exec stream into the result a plain exec would give, passing
-    each piece of output to ``on_output`` as it arrives. A stream that ends
-    without its exit event, or whose connection fails (``broken``), is a
-    broken stream, never a short success."""
+    """Gather an exec stream into the result a plain exec would give, passing each piece of output
+    to ``on_output`` as it arrives. A stream that ends without its exit event, or whose connection
+    fails (``broken``), is a broken stream, never a short success."""
     out = {"stdout": bytearray(), "stderr": bytearray()}
     try:
         for event, data in events:
@@ -1699,10 +1693,9 @@ class Base64Sink:
 
 
 def read_exec_answer(stream: Any) -> dict:
-    """Read a local exec answer keeping only exitCode and the byte-exact
-    stdoutB64 and stderrB64, decoded as they arrive. The lossy text copies of
-    the two streams are skipped: holding the whole answer would cost about seven
-    times the output's size in memory."""
+    """Read a local exec answer keeping only exitCode and the byte-exact stdoutB64 and stderrB64,
+    decoded as they arrive. The lossy text copies of the two streams are skipped: holding the whole
+    answer would cost about seven times the output's size in memory."""
     reader = JsonStream(stream)
     answer: dict[str, Any] = {"exitCode": None, "stdoutB64": bytearray(), "stderrB64": bytearray()}
     if reader.next_token() != b"{":
