@@ -740,14 +740,11 @@ class LocalFleet:
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
         smolvm = facts["smolvm"]
         found = smolvm["path"] or ("not found here" if smolvm["version"] else "(not found)")
-        details = [
-            f"smolvm: {found}"
-            + (f", version {smolvm['version']}" if smolvm["version"] else "")
-            + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""),
-            f"hypervisor: {facts['hypervisor']['detail']}",
-            f"serve: {facts['serve']}",
-            describe_mount_roots(app.config),
-        ]
+        found += f", version {smolvm['version']}" if smolvm["version"] else ""
+        found += f" (found through {smolvm['from']})" if smolvm.get("from") else ""
+        hypervisor, serve = facts["hypervisor"]["detail"], facts["serve"]
+        mounts = describe_mount_roots(app.config)
+        details = [f"smolvm: {found}", f"hypervisor: {hypervisor}", f"serve: {serve}", mounts]
         lacking = not smolvm["path"] and not app.config.local_url and not smolvm["version"]
         get = engine_get_command(Path(__file__).resolve(), sys.prefix)
         return details, [ENGINE_ON_RAMP.format(get=get)] if lacking else []
@@ -1063,12 +1060,9 @@ class LocalFleet:
         ``setting``, which a timeout message names."""
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
+        body, content_type = raw, None if raw is None else "application/octet-stream"
         if payload is not None:
             body, content_type = json.dumps(payload).encode(), "application/json"
-        elif raw is not None:
-            body, content_type = raw, "application/octet-stream"
-        else:
-            body, content_type = None, None
         options = {"content_type": content_type, "timeout": timeout, "read": read}
         send = functools.partial(self._raw_request, method, path, body, **options)
         try:
