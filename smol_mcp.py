@@ -271,10 +271,8 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     unknown = [scope for scope in config.scopes if scope not in SCOPES]
     if unknown:
         named = ", ".join(map(repr, unknown))
-        raise ConfigError(
-            f"SMOL_MCP_SCOPES (scopes) names {named}, which is not a scope; "
-            f"the scopes are: {', '.join(SCOPES)}"
-        )
+        why = f"which is not a scope; the scopes are: {', '.join(SCOPES)}"
+        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, {why}")
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
     for cidr in config.egress_private_cidrs:
         try:
@@ -284,10 +282,8 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             raise ConfigError(f"egressPrivateCidrs holds {why}") from None
     webhook = config.approval_webhook
     if webhook and urllib.parse.urlsplit(webhook).scheme not in ("http", "https"):
-        raise ConfigError(
-            "approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) must be an http:// or https:// URL, "
-            f"got {webhook!r}"
-        )
+        why = f"must be an http:// or https:// URL, got {webhook!r}"
+        raise ConfigError(f"approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) {why}")
     public = urllib.parse.urlsplit(config.public_url)
     plain_http = public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS
     more = public.path.strip("/") or public.query or public.fragment
@@ -952,10 +948,8 @@ class LocalFleet:
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
         socket_path = Path(self._address)
         if len(str(socket_path).encode()) > 100:
-            raise SmolError(
-                f"the socket path {socket_path} is too long for a Unix socket; set "
-                "SMOL_MCP_RUNTIME_DIR to a shorter directory"
-            )
+            why = "is too long for a Unix socket; set SMOL_MCP_RUNTIME_DIR to a shorter directory"
+            raise SmolError(f"the socket path {socket_path} {why}")
         socket_path.unlink(missing_ok=True)
         log_path = runtime_dir / "serve.log"
         env = minimal_child_env(self.environ, self.config.secret_values())
