@@ -81,19 +81,15 @@ log = logging.getLogger("smol_mcp")
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 
 
-def setting_field(
-    default: Any,
-    env: str,
-    kind: str = "str",
-    choices: tuple[str, ...] = (),
-    minimum: int | None = None,
-    maximum: int | None = None,
-) -> Any:
-    """Declare one setting as a Config field: its default, its environment
-    variable, and how a raw value is read (kind: "str", "int", "choice",
-    "version", "list" or "secret"). Its config-file key is the field's name in
-    camelCase; SETTINGS, the docs check and the tests all derive from this."""
-    rule = {"env": env, "kind": kind, "choices": choices, "minimum": minimum, "maximum": maximum}
+def setting_field(default: Any, env: str = "", kind: str = "", **limits: Any) -> Any:
+    """Declare one setting as a Config field: its default, its environment variable
+    (SMOL_MCP_ and the field's name in capitals unless given), and how a raw value is read
+    (kind: "str", "int", "choice", "version", "list" or "secret"; inferred from the default and
+    ``choices`` unless given; ints take ``minimum`` and ``maximum``). Its config-file key is the
+    field's name in camelCase; SETTINGS, the docs check and the tests all derive from this."""
+    if not kind:
+        kind = "choice" if "choices" in limits else {int: "int", tuple: "list"}.get(type(default))
+    rule = {"env": env, "kind": kind or "str", **limits}
     return field(default=default, repr=kind != "secret", metadata={"setting": rule})
 
 
@@ -102,73 +98,44 @@ class Config:
     """Every setting, already validated. Build one with ``load_config()``."""
 
     smolvm: str = setting_field("smolvm", "SMOLVM")
-    min_smolvm: str = setting_field("1.14.0", "SMOL_MCP_MIN_SMOLVM", "version")
+    min_smolvm: str = setting_field("1.14.0", kind="version")
     local_url: str = setting_field("", "SMOL_LOCAL_URL")
-    runtime_dir: str = setting_field("", "SMOL_MCP_RUNTIME_DIR")
-    machine_prefix: str = setting_field("mcp-", "SMOL_MCP_MACHINE_PREFIX")
-    memory_mb: int = setting_field(2048, "SMOL_MCP_MEMORY_MB", "int", minimum=128, maximum=1048576)
-    cpus: int = setting_field(2, "SMOL_MCP_CPUS", "int", minimum=1, maximum=255)
-    network_default: str = setting_field(
-        "blocked", "SMOL_MCP_NETWORK_DEFAULT", "choice", choices=("blocked", "open")
-    )
-    run_once_network: str = setting_field(
-        "blocked", "SMOL_MCP_RUN_ONCE_NETWORK", "choice", choices=("blocked", "open")
-    )
-    ephemeral_ttl_secs: int = setting_field(3600, "SMOL_MCP_EPHEMERAL_TTL_SECS", "int", minimum=60)
-    ephemeral_auto_stop_secs: int = setting_field(
-        900, "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", "int", minimum=60
-    )
-    exec_timeout_secs: int = setting_field(120, "SMOL_MCP_EXEC_TIMEOUT_SECS", "int", minimum=1)
-    max_exec_timeout_secs: int = setting_field(
-        900, "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", "int", minimum=1, maximum=86400
-    )
-    max_output_bytes: int = setting_field(
-        65536, "SMOL_MCP_MAX_OUTPUT_BYTES", "int", minimum=1024, maximum=64 * 1024 * 1024
-    )
-    ready_timeout_secs: int = setting_field(120, "SMOL_MCP_READY_TIMEOUT_SECS", "int", minimum=1)
-    serve_start_timeout_secs: int = setting_field(
-        60, "SMOL_MCP_SERVE_START_TIMEOUT_SECS", "int", minimum=1
-    )
-    logs_tail: int = setting_field(100, "SMOL_MCP_LOGS_TAIL", "int", minimum=1, maximum=100000)
-    logs_poll_secs: int = setting_field(2, "SMOL_MCP_LOGS_POLL_SECS", "int", minimum=1)
+    runtime_dir: str = setting_field("")
+    machine_prefix: str = setting_field("mcp-")
+    memory_mb: int = setting_field(2048, minimum=128, maximum=1048576)
+    cpus: int = setting_field(2, minimum=1, maximum=255)
+    network_default: str = setting_field("blocked", choices=("blocked", "open"))
+    run_once_network: str = setting_field("blocked", choices=("blocked", "open"))
+    ephemeral_ttl_secs: int = setting_field(3600, minimum=60)
+    ephemeral_auto_stop_secs: int = setting_field(900, minimum=60)
+    exec_timeout_secs: int = setting_field(120, minimum=1)
+    max_exec_timeout_secs: int = setting_field(900, minimum=1, maximum=86400)
+    max_output_bytes: int = setting_field(65536, minimum=1024, maximum=64 * 1024 * 1024)
+    ready_timeout_secs: int = setting_field(120, minimum=1)
+    serve_start_timeout_secs: int = setting_field(60, minimum=1)
+    logs_tail: int = setting_field(100, minimum=1, maximum=100000)
+    logs_poll_secs: int = setting_field(2, minimum=1)
     cloud_url: str = setting_field(DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL")
     cloud_token: str = setting_field("", "SMOL_CLOUD_TOKEN", "secret")
-    targets: str = setting_field(
-        "auto", "SMOL_MCP_TARGETS", "choice", choices=("auto", "local", "cloud", "both")
-    )
-    http_host: str = setting_field("127.0.0.1", "SMOL_MCP_HTTP_HOST")
-    http_port: int = setting_field(8080, "SMOL_MCP_HTTP_PORT", "int", minimum=1, maximum=65535)
-    http_path: str = setting_field("/mcp", "SMOL_MCP_HTTP_PATH")
-    auth_token: str = setting_field("", "SMOL_MCP_AUTH_TOKEN", "secret")
-    http_session_idle_secs: int = setting_field(
-        1800, "SMOL_MCP_HTTP_SESSION_IDLE_SECS", "int", minimum=1
-    )
-    http_allowed_hosts: tuple[str, ...] = setting_field((), "SMOL_MCP_HTTP_ALLOWED_HOSTS", "list")
-    http_allowed_origins: tuple[str, ...] = setting_field(
-        (), "SMOL_MCP_HTTP_ALLOWED_ORIGINS", "list"
-    )
-    state_dir: str = setting_field("", "SMOL_MCP_STATE_DIR")
-    public_url: str = setting_field("", "SMOL_MCP_PUBLIC_URL")  # --http behind a proxy or TLS
-    # empty: every scope (section 11)
-    scopes: tuple[str, ...] = setting_field((), "SMOL_MCP_SCOPES", "list")
-    mount_roots: tuple[str, ...] = setting_field((), "SMOL_MCP_MOUNT_ROOTS", "list")
+    targets: str = setting_field("auto", choices=("auto", "local", "cloud", "both"))
+    http_host: str = setting_field("127.0.0.1")
+    http_port: int = setting_field(8080, minimum=1, maximum=65535)
+    http_path: str = setting_field("/mcp")
+    auth_token: str = setting_field("", kind="secret")
+    http_session_idle_secs: int = setting_field(1800, minimum=1)
+    http_allowed_hosts: tuple[str, ...] = setting_field(())
+    http_allowed_origins: tuple[str, ...] = setting_field(())
+    state_dir: str = setting_field("")
+    public_url: str = setting_field("")  # --http behind a proxy or TLS
+    scopes: tuple[str, ...] = setting_field(())  # empty: every scope (section 11)
+    mount_roots: tuple[str, ...] = setting_field(())
     # stdio: "changes" holds every changing call for a person
-    approval: str = setting_field(
-        "none", "SMOL_MCP_APPROVAL", "choice", choices=("none", "changes")
-    )
-    approval_timeout_secs: int = setting_field(
-        900, "SMOL_MCP_APPROVAL_TIMEOUT_SECS", "int", minimum=1, maximum=7 * 86400
-    )
-    approval_webhook: str = setting_field("", "SMOL_MCP_APPROVAL_WEBHOOK")
-    approval_via: str = setting_field(
-        "terminal", "SMOL_MCP_APPROVAL_VIA", "choice", choices=("terminal", "client")
-    )
-    egress_private_cidrs: tuple[str, ...] = setting_field(
-        (), "SMOL_MCP_EGRESS_PRIVATE_CIDRS", "list"
-    )
-    reply_tokens: int = setting_field(
-        20000, "SMOL_MCP_REPLY_TOKENS", "int", minimum=4000, maximum=1_000_000
-    )
+    approval: str = setting_field("none", choices=("none", "changes"))
+    approval_timeout_secs: int = setting_field(900, minimum=1, maximum=7 * 86400)
+    approval_webhook: str = setting_field("")
+    approval_via: str = setting_field("terminal", choices=("terminal", "client"))
+    egress_private_cidrs: tuple[str, ...] = setting_field(())
+    reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
@@ -189,24 +156,22 @@ class Setting:
     maximum: int | None = None
 
 
-def _camel(attr: str) -> str:
-    return re.sub(r"_([a-z])", lambda match: match.group(1).upper(), attr)
+def _setting(f: dataclasses.Field) -> Setting:
+    """The Setting a Config field declares with setting_field."""
+    key = re.sub(r"_([a-z])", lambda match: match.group(1).upper(), f.name)  # camelCase
+    rule = f.metadata["setting"]
+    return Setting(key, attr=f.name, **{**rule, "env": rule["env"] or f"SMOL_MCP_{f.name.upper()}"})
 
 
-SETTINGS: tuple[Setting, ...] = tuple(
-    Setting(_camel(f.name), attr=f.name, **f.metadata["setting"])
-    for f in dataclasses.fields(Config)
-)
+SETTINGS: tuple[Setting, ...] = tuple(_setting(f) for f in dataclasses.fields(Config))
 
 
 def config_file_path(environ: dict[str, str]) -> Path:
     """Where the config file is looked for: $SMOL_MCP_CONFIG, else the XDG path."""
     if environ.get("SMOL_MCP_CONFIG"):
         return Path(environ["SMOL_MCP_CONFIG"]).expanduser()
-    base = environ.get("XDG_CONFIG_HOME") or str(
-        Path(environ.get("HOME") or Path.home()) / ".config"
-    )
-    return Path(base) / "smol-mcp" / "config.json"
+    home = Path(environ.get("HOME") or Path.home())
+    return Path(environ.get("XDG_CONFIG_HOME") or home / ".config") / "smol-mcp" / "config.json"
 
 
 def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
@@ -218,10 +183,8 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
             raise ConfigError(f"{where} must be a string, got {_json_type(value)}")
         value = value.strip()
         if setting.kind == "version" and value and not re.fullmatch(r"\d+(\.\d+){0,2}", value):
-            raise ConfigError(
-                f"{where} must be a version such as 1.14.0 (or empty to skip the check), got "
-                f"{value!r}"
-            )
+            why = "a version such as 1.14.0 (or empty to skip the check)"
+            raise ConfigError(f"{where} must be {why}, got {value!r}")
         return value
     if setting.kind == "choice":
         if not isinstance(value, str) or value.strip() not in setting.choices:
@@ -249,52 +212,38 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
 
 
 def _json_type(value: Any) -> str:
-    return {
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        str: "a string",
-        list: "a list",
-        dict: "an object",
-        type(None): "null",
-    }.get(type(value), type(value).__name__)
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+    names |= {list: "a list", dict: "an object", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def load_config(environ: dict[str, str] | None = None) -> Config:
-    """Read the config file and the environment into a validated Config.
-
-    A missing file is fine; an unreadable or malformed one, an unknown key, a
-    wrong type or an out-of-range value raises ConfigError with a sentence that
-    names the key. Secrets never appear in those sentences.
-    """
+    """Read the config file and the environment into a validated Config. A missing file
+    is fine; an unreadable or malformed one, an unknown key, a wrong type or an out-of-range
+    value raises ConfigError with a sentence that names the key (never a secret)."""
     environ = dict(os.environ if environ is None else environ)
     values: dict[str, Any] = {}
     path = config_file_path(environ)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        text = None
+        data = {}
     except OSError as exc:
         raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
-    if text is not None:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
+    except json.JSONDecodeError as exc:
+        where = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+        raise ConfigError(f"the config file {path} is not valid JSON: {where}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config file {path} must hold a JSON object of settings")
+    by_key = {s.key: s for s in SETTINGS}
+    for key, raw in data.items():
+        if key not in by_key:
+            maybe = did_you_mean(key, by_key)
             raise ConfigError(
-                f"the config file {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
-                f"column {exc.colno}"
-            ) from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"the config file {path} must hold a JSON object of settings")
-        by_key = {s.key: s for s in SETTINGS}
-        for key, raw in data.items():
-            if key not in by_key:
-                maybe = did_you_mean(key, by_key)
-                raise ConfigError(
-                    f'unknown key "{key}" in the config file {path}{maybe}; '
-                    f"the accepted keys are: {', '.join(by_key)}"
-                )
-            values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
+                f'unknown key "{key}" in the config file {path}{maybe}; '
+                f"the accepted keys are: {', '.join(by_key)}"
+            )
+        values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
     for setting in SETTINGS:
         if setting.env in environ:
             values[setting.attr] = _parse_setting(setting, environ[setting.env], "env")
@@ -317,49 +266,34 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     if not config.http_path.startswith("/"):
         raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
     if config.local_url:
-        parse_local_url(
-            config.local_url
-        )  # raises ConfigError when it is not a loopback or unix URL
+        parse_local_url(config.local_url)  # raises ConfigError when not a loopback or unix URL
     unknown = [scope for scope in config.scopes if scope not in SCOPES]
     if unknown:
         named = ", ".join(map(repr, unknown))
-        raise ConfigError(
-            f"SMOL_MCP_SCOPES (scopes) names {named}, which is not a scope; "
-            f"the scopes are: {', '.join(SCOPES)}"
-        )
+        why = f"which is not a scope; the scopes are: {', '.join(SCOPES)}"
+        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, {why}")
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
     for cidr in config.egress_private_cidrs:
         try:
             ipaddress.ip_network(cidr)
         except ValueError as err:
-            raise ConfigError(
-                f"egressPrivateCidrs holds {cidr!r}, not an address range: {err}"
-            ) from None
-    if config.approval_webhook and urllib.parse.urlsplit(config.approval_webhook).scheme not in (
-        "http",
-        "https",
-    ):
-        raise ConfigError(
-            "approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) must be an http:// or "
-            f"https:// URL, got {config.approval_webhook!r}"
-        )
+            why = f"{cidr!r}, not an address range: {err}"
+            raise ConfigError(f"egressPrivateCidrs holds {why}") from None
+    webhook = config.approval_webhook
+    if webhook and urllib.parse.urlsplit(webhook).scheme not in ("http", "https"):
+        why = f"must be an http:// or https:// URL, got {webhook!r}"
+        raise ConfigError(f"approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) {why}")
     public = urllib.parse.urlsplit(config.public_url)
-    if config.public_url and (
-        public.scheme not in ("http", "https")
-        or (public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS)
-        or public.path.strip("/")
-        or public.query
-        or public.fragment
-    ):
+    plain_http = public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS
+    more = public.path.strip("/") or public.query or public.fragment
+    if config.public_url and (public.scheme not in ("http", "https") or plain_http or more):
         raise ConfigError(
             "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at, "
             f"without a path, such as https://mcp.example.com; got {config.public_url!r}"
         )
-    if not config.runtime_dir:
-        config = dataclasses.replace(config, runtime_dir=default_runtime_dir(environ))
-    if not config.state_dir:
-        config = dataclasses.replace(config, state_dir=default_state_dir(environ))
-    return config
+    runtime_dir = config.runtime_dir or default_runtime_dir(environ)
+    state_dir = config.state_dir or default_state_dir(environ)
+    return dataclasses.replace(config, runtime_dir=runtime_dir, state_dir=state_dir)
 
 
 def default_runtime_dir(environ: dict[str, str]) -> str:
@@ -397,10 +331,8 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
     if info.st_mode & 0o077:
         # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
         raise SmolError(
-            f"the {what} {directory} can be opened by other users (mode "
-            f"{oct(info.st_mode & 0o777)}); set {env} to a directory only you can "
-            "open, "
-            "for example one made with mkdir -m 700"
+            f"the {what} {directory} can be opened by other users (mode {oct(info.st_mode & 0o777)}"
+            f"); set {env} to a directory only you can open, for example one made with mkdir -m 700"
         )
     return directory
 
@@ -418,9 +350,8 @@ def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
         directory = root[: -len(MOUNT_ROOT_WRITABLE)] if writable else root.removesuffix(":ro")
         if not directory.startswith("/") or any(c in directory for c in "\0\n\r"):
             raise ConfigError(
-                "mountRoots entries must be absolute host directories, optionally "
-                'ending in ":rw" to allow writing (for example /srv/work:rw); '
-                f"got {root!r}"
+                'mountRoots entries must be absolute host directories, optionally ending in ":rw" '
+                f"to allow writing (for example /srv/work:rw); got {root!r}"
             )
         parsed.append((os.path.realpath(directory), writable))
     return parsed
@@ -436,21 +367,15 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
     if parsed.scheme == "unix":
         path = parsed.path or parsed.netloc
         if not path.startswith("/"):
-            raise ConfigError(
-                "SMOL_LOCAL_URL must name an absolute socket path, as "
-                f"unix:///path/to/serve.sock; got {url!r}"
-            )
+            why = f"an absolute socket path, as unix:///path/to/serve.sock; got {url!r}"
+            raise ConfigError(f"SMOL_LOCAL_URL must name {why}")
         return "unix", path
-    if (
-        parsed.scheme == "http"
-        and parsed.hostname in ("127.0.0.1", "localhost", "::1")
-        and parsed.port
-    ):
-        return "tcp", parsed.port
+    if parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "localhost", "::1"):
+        if parsed.port:
+            return "tcp", parsed.port
     raise ConfigError(
         "SMOL_LOCAL_URL must be unix:///absolute/path.sock or http://127.0.0.1:PORT (loopback "
-        "only, "
-        f"because the local API has no authentication); got {url!r}"
+        f"only, because the local API has no authentication); got {url!r}"
     )
 
 
@@ -484,13 +409,8 @@ class ApiError(SmolError):
     code and message so callers can branch on them and pass the text through."""
 
     def __init__(self, fleet: str, action: str, status: int, code: str, message: str):
-        self.fleet, self.action, self.status, self.code, self.api_message = (
-            fleet,
-            action,
-            status,
-            code,
-            message,
-        )
+        self.fleet, self.action, self.status = fleet, action, status
+        self.code, self.api_message = code, message
         label = f"HTTP {status} {code}".strip()
         super().__init__(f"The {fleet} machine API refused to {action}: {message} ({label})")
 
@@ -521,41 +441,24 @@ def redact(text: str, secret_values: list[str]) -> str:
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 ADDRESS_IN_USE_HINT = (
-    "Only one smolvm serve can run per host with the default settings (it binds "
-    "127.0.0.1:10081), and one is "
-    "already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock "
-    "(smolvm's own default is "
-    "unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or stop it."
+    "Only one smolvm serve can run per host with the default settings (it binds 127.0.0.1:10081), "
+    "and one is already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock "
+    "(smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or "
+    "stop it."
 )
 # The serve child's environment is an allow-list: PATH to find its helpers, HOME and
 # XDG_* for its data, cache and socket directories, the locale and TZ for its messages,
 # TMPDIR for its scratch files, RUST_LOG for its log level, and SMOLVM_* (added in
 # minimal_child_env), the engine's own settings. Nothing else of ours is passed on.
-CHILD_ENV_NAMES = (
-    "PATH",
-    "HOME",
-    "USER",
-    "LOGNAME",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TMPDIR",
-    "TZ",
-    "XDG_RUNTIME_DIR",
-    "XDG_DATA_HOME",
-    "XDG_CONFIG_HOME",
-    "XDG_CACHE_HOME",
-    "XDG_STATE_HOME",
-    "RUST_LOG",
+CHILD_ENV_NAMES = tuple(
+    "PATH HOME USER LOGNAME LANG LC_ALL LC_CTYPE TMPDIR TZ XDG_RUNTIME_DIR XDG_DATA_HOME "
+    "XDG_CONFIG_HOME XDG_CACHE_HOME XDG_STATE_HOME RUST_LOG".split()
 )
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
 READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
-RANGE_READ_MIN_OFFSET = (
-    4 * 1024 * 1024
-)  # below this, streaming the file from its start is cheap enough
-RANGE_READ_SCRIPT = (
-    'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'  # -L: a link's target
-)
+# Below this offset, streaming the file from its start is cheap enough. (-L: a link's target.)
+RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024
+RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
 
 
 def wheel_engine() -> str | None:
@@ -611,9 +514,7 @@ class UnixHTTPConnection(http.client.HTTPConnection):
                 sock.connect(self.socket_path)
                 self.sock = sock
                 return
-            except BlockingIOError:
-                # The serve's listen backlog is full: nothing was sent, so wait a moment and
-                # try again.
+            except BlockingIOError:  # the listen backlog is full: nothing was sent, so retry
                 sock.close()
                 time.sleep(0.01 * min(attempt + 1, 10))
             except OSError:
@@ -636,9 +537,7 @@ class MachineSpec:
     allow_hosts: list[str] = field(default_factory=list)
     allow_cidrs: list[str] = field(default_factory=list)
     ports: list[dict[str, int]] = field(default_factory=list)  # [{"guest", "host"?}]
-    mounts: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # [{"source", "target", "readonly"?}]
+    mounts: list[dict[str, Any]] = field(default_factory=list)  # [{"source", "target", ...}]
     storage_gb: int | None = None
     overlay_gb: int | None = None
     cmd: list[str] | None = None
@@ -666,13 +565,12 @@ class FilePage:
     size: int
 
 
-# Jobs on the local fleet, which has no job API: a job is a process this server
-# starts in the guest through exec, detached from the exec (its own session, HUP
-# ignored), with everything about it in files under JOB_DIR/<jobId>: pid,
-# stdout, stderr, exit (its exit code, written when it ends), timedout,
-# cancelled. So a job outlives the tool call, the client and this server, and
-# ends with its machine. A job whose process is gone without an exit file (the
-# machine stopped under it) reads "lost".
+# Jobs on the local fleet, which has no job API: a job is a process this server starts in the guest
+# through exec, detached from the exec (its own session, HUP ignored), with everything about it in
+# files under JOB_DIR/<jobId>: pid, stdout, stderr, exit (its exit code, written when it ends),
+# timedout, cancelled. So a job outlives the tool call, the client and this server, and ends with
+# its machine. A job whose process is gone without an exit file (the machine stopped under it) reads
+# "lost".
 JOB_DIR = "/var/tmp/smol-mcp/jobs"
 JOB_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
 # $1 job directory, $2 timeout in seconds, then the argv. Runs detached; writes pid, exit.
@@ -711,9 +609,8 @@ JOB_STATE_FUNCTION = r"""st() {
 # $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints
 # "state code stdoutSize stderrSize n m", a newline, then n bytes of stdout and
 # m of stderr from the offsets; the budget is shared, neither side starves.
-JOB_READ_SCRIPT = (
-    JOB_STATE_FUNCTION
-    + r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
+# This one and JOB_LIST_SCRIPT run after JOB_STATE_FUNCTION.
+JOB_READ_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 s=$(st "$1")
 so=0; [ -f "$1/stdout" ] && so=$(wc -c <"$1/stdout")
 se=0; [ -f "$1/stderr" ] && se=$(wc -c <"$1/stderr")
@@ -727,7 +624,6 @@ echo "$s $so $se $n $m"
 [ "$m" -gt 0 ] && tail -c +$(($3 + 1)) "$1/stderr" | head -c "$m"
 exit 0
 """
-)
 # $1 job directory. Ends the job's process group (TERM, then KILL after 5 s); idempotent.
 JOB_CANCEL_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 [ -e "$1/exit" ] && exit 0
@@ -741,13 +637,10 @@ n=0; while [ ! -e "$1/exit" ] && [ "$n" -lt 30 ]; do sleep 0.1; n=$((n + 1)); do
 exit 0
 """
 # $1 the jobs directory: one "jobId state code" line per job, oldest first.
-JOB_LIST_SCRIPT = (
-    JOB_STATE_FUNCTION
-    + r"""[ -d "$1" ] || exit 0
+JOB_LIST_SCRIPT = r"""[ -d "$1" ] || exit 0
 for d in $(ls -tr "$1"); do [ -s "$1/$d/pid" ] && echo "$d $(st "$1/$d")"; done
 exit 0
 """
-)
 
 
 @dataclass
@@ -761,15 +654,9 @@ class JobPage:
     sizes: tuple[int, int]  # bytes of stdout and stderr written so far
 
 
-def local_exec_body(
-    argv: list[str],
-    timeout_secs: int,
-    workdir: str | None,
-    env: dict[str, str] | None,
-    stdin: str | None,
-) -> dict:
-    """The local exec body. autoStart false: a stopped machine is reported,
-    so the tool can say it started it."""
+def local_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
+    """The local exec body (the options typed as Fleet.exec has them). autoStart
+    false: a stopped machine is reported, so the tool can say it started it."""
     body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
     if workdir:
         body["workdir"] = workdir
@@ -787,8 +674,8 @@ def helper_output(name: str, action: str, result: ExecResult) -> bytes:
     why = bytes(result.stderr).decode("utf-8", "replace").strip() or f"exit code {result.exit_code}"
     if "no such job" in why:
         raise SmolError(
-            f"machine '{name}' has no such job (while trying to {action}); get-machine lists "
-            "its jobs"
+            f"machine '{name}' has no such job (while trying to {action}); "
+            "get-machine lists its jobs"
         )
     raise SmolError(
         f"could not {action} in machine '{name}': {why}. The job tools need a POSIX shell "
@@ -796,7 +683,14 @@ def helper_output(name: str, action: str, result: ExecResult) -> bytes:
     )
 
 
-def local_job_page(name: str, job_id: str, data: bytes, offsets: tuple[int, int]) -> JobPage:
+def not_running(name: str, err: ApiError) -> SmolError:
+    """NotRunning for the engine's refusal to run a command in a stopped machine, else ``err``."""
+    if err.status == 409 and "not running" in err.api_message:
+        return NotRunning(f"machine '{name}' is not running")
+    return err
+
+
+def local_job_page(name: str, job_id: str, data: bytes) -> JobPage:
     header, _, rest = data.partition(b"\n")
     try:
         state, code, out_size, err_size, n, m = header.decode().split()
@@ -806,30 +700,21 @@ def local_job_page(name: str, job_id: str, data: bytes, offsets: tuple[int, int]
             f"the guest of machine '{name}' answered a read of job {job_id} in a form this "
             f"server could not read ({header[:200]!r})"
         ) from None
-    return JobPage(
-        state=state,
-        exit_code=int(code) if code.lstrip("-").isdigit() else None,
-        stdout=rest[:n],
-        stderr=rest[n : n + m],
-        sizes=(int(out_size), int(err_size)),
-    )
+    exit_code = int(code) if code.lstrip("-").isdigit() else None
+    return JobPage(state, exit_code, rest[:n], rest[n : n + m], (int(out_size), int(err_size)))
 
 
 INSIDE_GUEST = (
-    "The local target is unavailable inside a smol machine: there is no hypervisor "
-    "here to start a nested machine with. Use the cloud target, or run smol-mcp on "
-    "the host."
+    "The local target is unavailable inside a smol machine: there is no hypervisor here to start "
+    "a nested machine with. Use the cloud target, or run smol-mcp on the host."
 )
 
 
 class LocalFleet:
-    """The machines of ``smolvm serve`` on this host.
-
-    The serve is started on first use, shared by every session of the process
-    (``acquire``/``release`` count them; the last release stops a serve we
-    started), restarted if it dies, and never started when SMOL_LOCAL_URL names
-    one to use instead.
-    """
+    """The machines of ``smolvm serve`` on this host. The serve is started on first use,
+    shared by every session of the process (``acquire``/``release`` count them; the last
+    release stops a serve we started), restarted if it dies, and never started when
+    SMOL_LOCAL_URL names one to use instead."""
 
     name = "local"
     served_as = (
@@ -837,10 +722,9 @@ class LocalFleet:
         "nothing billed)"
     )
     instruction = (
-        "- Local: the engine fetches a registry image on the host, so a pull needs "
-        "no egress in the machine: do not open the network for it. mounts, "
-        "overlayGb, cmd and pull-image are local only; branch-machine needs a Linux "
-        "or macOS host."
+        "- Local: the engine fetches a registry image on the host, so a pull needs no egress in "
+        "the machine: do not open the network for it. mounts, overlayGb, cmd and pull-image are "
+        "local only; branch-machine needs a Linux or macOS host."
     )
 
     @classmethod
@@ -851,14 +735,11 @@ class LocalFleet:
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
         smolvm = facts["smolvm"]
         found = smolvm["path"] or ("not found here" if smolvm["version"] else "(not found)")
-        details = [
-            f"smolvm: {found}"
-            + (f", version {smolvm['version']}" if smolvm["version"] else "")
-            + (f" (found through {smolvm['from']})" if smolvm.get("from") else ""),
-            f"hypervisor: {facts['hypervisor']['detail']}",
-            f"serve: {facts['serve']}",
-            describe_mount_roots(app.config),
-        ]
+        found += f", version {smolvm['version']}" if smolvm["version"] else ""
+        found += f" (found through {smolvm['from']})" if smolvm.get("from") else ""
+        hypervisor, serve = facts["hypervisor"]["detail"], facts["serve"]
+        mounts = describe_mount_roots(app.config)
+        details = [f"smolvm: {found}", f"hypervisor: {hypervisor}", f"serve: {serve}", mounts]
         lacking = not smolvm["path"] and not app.config.local_url and not smolvm["version"]
         get = engine_get_command(Path(__file__).resolve(), sys.prefix)
         return details, [ENGINE_ON_RAMP.format(get=get)] if lacking else []
@@ -871,6 +752,8 @@ class LocalFleet:
         self._users = 0
         self._ready = False
         self._pool = threading.local()  # one kept-alive connection per worker thread
+        self._serve_log = Path(config.runtime_dir) / "serve.log"
+        self._pid_file = Path(config.runtime_dir) / "serve.pid"
         self.version: str | None = None
         if config.local_url:
             self._kind, self._address = parse_local_url(config.local_url)
@@ -889,9 +772,8 @@ class LocalFleet:
             self._users += 1
 
     def release(self) -> None:
-        """One session let go. When the last session of the last smol-mcp
-        process using our serve lets go, the serve is stopped; a serve named by
-        SMOL_LOCAL_URL is never ours to stop."""
+        """One session let go. When the last session of the last smol-mcp process using our serve
+        lets go, the serve is stopped; a serve named by SMOL_LOCAL_URL is never ours to stop."""
         with self._lock:
             self._users = max(0, self._users - 1)
             if self._users or self.config.local_url:
@@ -912,15 +794,16 @@ class LocalFleet:
         serve (processes with the same runtime directory share one)."""
         for marker in self._users_dir.glob("*"):
             pid = int(marker.name) if marker.name.isdigit() else 0
-            if pid != os.getpid():
-                try:
-                    started = int(marker.read_text() or 0) or None
-                except (OSError, ValueError):
-                    started = None
-                if process_alive(pid, started):
-                    return True
-                with bookkeeping(self.config.runtime_dir):
-                    marker.unlink(missing_ok=True)  # a process that died without letting go
+            if pid == os.getpid():
+                continue
+            try:
+                started = int(marker.read_text() or 0) or None
+            except (OSError, ValueError):
+                started = None
+            if process_alive(pid, started):
+                return True
+            with bookkeeping(self.config.runtime_dir):
+                marker.unlink(missing_ok=True)  # a process that died without letting go
         return False
 
     def stop_serve(self) -> None:
@@ -928,7 +811,6 @@ class LocalFleet:
         another smol-mcp process spawned and left to us (its pid is on file)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
-        pid_file = Path(self.config.runtime_dir) / "serve.pid"
         if process is not None:
             if process.poll() is None:
                 process.terminate()
@@ -937,12 +819,12 @@ class LocalFleet:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait(timeout=5)
-        elif not self.config.local_url and pid_file.exists():
-            pid = int(pid_file.read_text().strip() or 0)
+        elif not self.config.local_url and self._pid_file.exists():
+            pid = int(self._pid_file.read_text().strip() or 0)
             if serve_process_on(pid, self._address):
                 os.kill(pid, signal.SIGTERM)
         with bookkeeping(self.config.runtime_dir):
-            pid_file.unlink(missing_ok=True)
+            self._pid_file.unlink(missing_ok=True)
 
     def smolvm_path(self) -> str | None:
         configured = self.config.smolvm
@@ -966,34 +848,31 @@ class LocalFleet:
             try:
                 health = self._health()
             except OSError as exc:
+                why = f"({exc.strerror or exc})"
                 if self.config.local_url:
-                    raise SmolError(
-                        f"nothing answers at SMOL_LOCAL_URL={self.config.local_url} "
-                        f"({exc.strerror or exc}); "
-                        "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start "
-                        "its own"
-                    ) from None
-                raise SmolError(
-                    f"the smolvm serve stopped answering on {self._address} "
-                    f"({exc.strerror or exc}); its "
-                    f"log is {Path(self.config.runtime_dir) / 'serve.log'}"
-                ) from None
+                    raise self._nothing_answers(f" {why}") from None
+                why = f"stopped answering on {self._address} {why}; its log is {self._serve_log}"
+                raise SmolError(f"the smolvm serve {why}") from None
             self.version = str(health.get("version", ""))
             if not self.config.local_url:
                 with bookkeeping(self.config.runtime_dir):
                     self._users_dir.mkdir(mode=0o700, exist_ok=True)
                     started = process_start_time(os.getpid())
                     (self._users_dir / str(os.getpid())).write_text(str(started or ""))
-            if self.config.min_smolvm and version_tuple(self.version) < version_tuple(
-                self.config.min_smolvm
-            ):
+            minimum = self.config.min_smolvm
+            if minimum and version_tuple(self.version) < version_tuple(minimum):
                 raise SmolError(
-                    f"smolvm {self.version} is older than the minimum {self.config.min_smolvm} "
-                    "this server "
-                    "needs (older serves reject fields it sends). Upgrade smolvm, or set "
+                    f"smolvm {self.version} is older than the minimum {minimum} this server needs "
+                    "(older serves reject fields it sends). Upgrade smolvm, or set "
                     "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check."
                 )
             self._ready = True
+
+    def _nothing_answers(self, why: str = "") -> SmolError:
+        return SmolError(
+            f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; start the serve "
+            "there, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
+        )
 
     def _answers(self) -> bool:
         """True when something already serves the API on our socket (for example
@@ -1030,7 +909,7 @@ class LocalFleet:
         if self._process is not None and self._process.poll() is None:
             return self._process.pid
         try:
-            pid = int((Path(self.config.runtime_dir) / "serve.pid").read_text().strip() or 0)
+            pid = int(self._pid_file.read_text().strip() or 0)
         except (OSError, ValueError):
             return None
         return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
@@ -1054,8 +933,7 @@ class LocalFleet:
             f"{which} is running but did not answer on {self._address} within "
             f"{self.config.serve_start_timeout_secs} s: it is busy or stopped. It was left "
             "running, not replaced. Try again shortly; if it stays this way, see "
-            f"{Path(self.config.runtime_dir) / 'serve.log'}, or end that process so a new one "
-            "starts."
+            f"{self._serve_log}, or end that process so a new one starts."
         )
 
     def _start_serve(self) -> None:
@@ -1063,34 +941,25 @@ class LocalFleet:
         if binary is None:
             raise SmolError(
                 f"smolvm was not found (looked for {self.config.smolvm!r} on PATH). Install "
-                "smolvm, set "
-                "SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve."
+                "smolvm, set SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running "
+                "serve."
             )
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
         socket_path = Path(self._address)
         if len(str(socket_path).encode()) > 100:
-            raise SmolError(
-                f"the socket path {socket_path} is too long for a Unix socket; set "
-                "SMOL_MCP_RUNTIME_DIR "
-                "to a shorter directory"
-            )
+            why = "is too long for a Unix socket; set SMOL_MCP_RUNTIME_DIR to a shorter directory"
+            raise SmolError(f"the socket path {socket_path} {why}")
         socket_path.unlink(missing_ok=True)
         log_path = runtime_dir / "serve.log"
         env = minimal_child_env(self.environ, self.config.secret_values())
         with open(log_path, "ab") as log_file:
             log_start = log_file.tell()
-            self._process = subprocess.Popen(
-                [binary, "serve", "start", "--listen", str(socket_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=log_file,
-                env=env,
-                start_new_session=True,
-                close_fds=True,
-            )
+            argv = [binary, "serve", "start", "--listen", str(socket_path)]
+            to_log = {"stdin": subprocess.DEVNULL, "stdout": log_file, "stderr": log_file}
+            self._process = subprocess.Popen(argv, **to_log, env=env, start_new_session=True)
         log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
         with bookkeeping(self.config.runtime_dir):
-            (runtime_dir / "serve.pid").write_text(str(self._process.pid))
+            self._pid_file.write_text(str(self._process.pid))
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -1122,9 +991,8 @@ class LocalFleet:
         return http.client.HTTPConnection("127.0.0.1", int(self._address), timeout=timeout)
 
     def _pooled(self, timeout: float) -> http.client.HTTPConnection:
-        """This worker thread's kept-alive connection: opening one per call
-        costs about as much as the call itself. One the serve closed while it
-        sat idle is replaced before it is used."""
+        """This worker thread's kept-alive connection: opening one per call costs about as much as
+        the call itself. One the serve closed while it sat idle is replaced before it is used."""
         conn = getattr(self._pool, "conn", None)
         if conn is not None and conn.sock is not None and peer_closed(conn.sock):
             conn.close()
@@ -1137,27 +1005,18 @@ class LocalFleet:
         return conn
 
     def _raw_request(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        *,
-        content_type: str | None = None,
-        timeout: float = 30,
-        read: Callable | None = None,
+        self, method: str, path: str, body=None, *, content_type=None, timeout=30.0, read=None
     ) -> tuple[int, str, Any]:
-        """Send one request on the pooled connection; ``read`` consumes a 200
-        answer itself (for answers too large to hold whole)."""
+        """Send one request (bytes ``body``) on the pooled connection; ``read(response)``
+        consumes a 200 answer itself (for answers too large to hold whole)."""
         conn = self._pooled(timeout)
         try:
             headers = {"Content-Type": content_type} if content_type else {}
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             ctype = response.getheader("Content-Type", "")
-            value = (
-                read(response) if read is not None and response.status == 200 else response.read()
-            )
-            return response.status, ctype, value
+            ok = read is not None and response.status == 200
+            return response.status, ctype, read(response) if ok else response.read()
         except BaseException:
             conn.close()  # half-used: never hand it to the next call
             self._pool.conn = None
@@ -1188,39 +1047,24 @@ class LocalFleet:
         setting: str = "readyTimeoutSecs",
         read: Callable | None = None,
     ) -> Any:
-        """One API call. Returns the parsed JSON body (or bytes for a raw
-        response, or what ``read`` made of a 200); raises ApiError with the
-        API's own message on a refusal. A serve that stopped answering is
-        started again once. ``timeout`` (readyTimeoutSecs when None) follows
+        """One API call. Returns the parsed JSON body (or bytes for a raw response, or what ``read``
+        made of a 200); raises ApiError with the API's own message on a refusal. A serve that
+        stopped answering is started again once. ``timeout`` (readyTimeoutSecs when None) follows
         ``setting``, which a timeout message names."""
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
+        body, content_type = raw, None if raw is None else "application/octet-stream"
         if payload is not None:
             body, content_type = json.dumps(payload).encode(), "application/json"
-        elif raw is not None:
-            body, content_type = raw, "application/octet-stream"
-        else:
-            body, content_type = None, None
-        send = functools.partial(
-            self._raw_request,
-            method,
-            path,
-            body,
-            content_type=content_type,
-            timeout=timeout,
-            read=read,
-        )
+        options = {"content_type": content_type, "timeout": timeout, "read": read}
+        send = functools.partial(self._raw_request, method, path, body, **options)
         try:
             status, ctype, data = self._send_when_accepted(send)
         except (ConnectionRefusedError, FileNotFoundError):
             # The connection never opened, so the request was not received: safe to resend.
             self._ready = False
             if self.config.local_url:
-                raise SmolError(
-                    f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}; start the serve "
-                    "there, "
-                    "or unset SMOL_LOCAL_URL to let smol-mcp start its own"
-                ) from None
+                raise self._nothing_answers() from None
             self.ensure_serve()
             status, ctype, data = send()
         except TimeoutError:
@@ -1242,63 +1086,55 @@ class LocalFleet:
 
     # -- machines (normalised) ---------------------------------------------
 
+    def _machine(self, action: str, method: str, route: str, *payload: Any, **options: Any) -> Any:
+        """``request`` on a route under /api/v1/machines/ (quoted by the caller)."""
+        return self.request(action, method, f"/api/v1/machines/{route}", *payload, **options)
+
     def list_machines(self) -> list[dict]:
-        return [
-            local_record(m)
-            for m in self.request("list machines", "GET", "/api/v1/machines")["machines"]
-        ]
+        answer = self.request("list machines", "GET", "/api/v1/machines")
+        return [local_record(m) for m in answer["machines"]]
 
     def get_machine(self, name: str) -> dict:
-        return local_record(
-            self.request(f"get machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}")
-        )
+        return local_record(self._machine(f"get machine '{name}'", "GET", _q(name)))
 
     def machine_state(self, name: str) -> str:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        body: dict[str, Any] = {
+        ports = [
+            {"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports
+        ]
+        mounts = [
+            {
+                "source": m["source"],
+                "target": m["target"],
+                "readonly": m.get("readonly") is not False,
+            }
+            for m in spec.mounts
+        ]
+        body = {
             "name": spec.name,
             "image": spec.image,
             "cpus": spec.cpus,
             "memoryMb": spec.memory_mb,
             "network": spec.network == "open",
+            "allowedHosts": spec.allow_hosts or None,
+            "allowedCidrs": spec.allow_cidrs or None,
+            "ports": ports or None,
+            "mounts": mounts or None,
+            "storageGb": spec.storage_gb,
+            "overlayGb": spec.overlay_gb,
+            "cmd": spec.cmd,
+            "env": [{"name": k, "value": v} for k, v in spec.env.items()] or None,
         }
-        if spec.allow_hosts:
-            body["allowedHosts"] = spec.allow_hosts
-        if spec.allow_cidrs:
-            body["allowedCidrs"] = spec.allow_cidrs
-        if spec.ports:
-            body["ports"] = [
-                {"host": p.get("host") or free_loopback_port(), "guest": p["guest"]}
-                for p in spec.ports
-            ]
-        if spec.mounts:
-            body["mounts"] = [
-                {
-                    "source": m["source"],
-                    "target": m["target"],
-                    "readonly": m.get("readonly", True) is not False,
-                }
-                for m in spec.mounts
-            ]
-        if spec.storage_gb is not None:
-            body["storageGb"] = spec.storage_gb
-        if spec.overlay_gb is not None:
-            body["overlayGb"] = spec.overlay_gb
-        if spec.cmd is not None:
-            body["cmd"] = spec.cmd
-        if spec.env:
-            body["env"] = [{"name": k, "value": v} for k, v in spec.env.items()]
-        return local_record(
-            self.request(f"create machine '{spec.name}'", "POST", "/api/v1/machines", body)
-        )
+        body = {key: value for key, value in body.items() if value is not None}
+        action = f"create machine '{spec.name}'"
+        return local_record(self.request(action, "POST", "/api/v1/machines", body))
 
     def recheck_mounts(self, name: str, action: str) -> None:
         """Refuse ``action`` unless each mount source of the machine still resolves
         under its root (a guest with a writable share may have swapped in a symlink)."""
-        info = self.request(action, "GET", f"/api/v1/machines/{_q(name)}")
-        for mount in info.get("mounts") or []:
+        for mount in self._machine(action, "GET", _q(name)).get("mounts") or []:
             try:
                 want_write = mount.get("readonly") is False
                 contained_host_path(self.config, mount["source"], "source", want_write)
@@ -1310,120 +1146,70 @@ class LocalFleet:
                 ) from None
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
-        self.recheck_mounts(name, f"start machine '{name}'")
+        action = f"start machine '{name}'"
+        self.recheck_mounts(name, action)
         # Branchability is a start option locally (a create field on cloud).
-        query = "?branchable=true" if branchable else ""
-        return local_record(
-            self.request(
-                f"start machine '{name}'",
-                "POST",
-                f"/api/v1/machines/{_q(name)}/start{query}",
-                timeout=self.config.ready_timeout_secs + 60,
-            )
-        )
+        route = f"{_q(name)}/start" + ("?branchable=true" if branchable else "")
+        timeout = self.config.ready_timeout_secs + 60
+        return local_record(self._machine(action, "POST", route, timeout=timeout))
 
     def stop_machine(self, name: str) -> dict:
-        return local_record(
-            self.request(
-                f"stop machine '{name}'",
-                "POST",
-                f"/api/v1/machines/{_q(name)}/stop",
-                timeout=self.config.ready_timeout_secs * 3,  # a guest's shutdown grace, then kill
-            )
-        )
+        action, timeout = f"stop machine '{name}'", self.config.ready_timeout_secs * 3
+        # The timeout covers a guest's shutdown grace, then the kill.
+        return local_record(self._machine(action, "POST", f"{_q(name)}/stop", timeout=timeout))
 
     def delete_machine(self, name: str) -> dict:
-        self.request(f"delete machine '{name}'", "DELETE", f"/api/v1/machines/{_q(name)}")
+        self._machine(f"delete machine '{name}'", "DELETE", _q(name))
         return {"deleted": name}
 
     def exec(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
+        self, name: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None, stdin=None
     ) -> ExecResult:
-        """Run a command in a running machine; NotRunning if it is not running.
-        (The engine would boot it itself, but then nobody could report that it did.)"""
+        """Run a command in a running machine (typed as Fleet.exec); NotRunning if it is not
+        running. (The engine would boot it itself, but then nobody could report that it did.)"""
         body = local_exec_body(argv, timeout_secs, workdir, env, stdin)
+        action = f"run a command in machine '{name}'"
+        setting = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
+        # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
+        wait = {"timeout": timeout_secs + 30, "setting": setting, "read": read_exec_answer}
         started = time.monotonic()
         try:
-            # The HTTP wait outlives the command's own timeout so the guest, not the
-            # socket, decides.
-            data = self.request(
-                f"run a command in machine '{name}'",
-                "POST",
-                f"/api/v1/machines/{_q(name)}/exec",
-                body,
-                timeout=timeout_secs + 30,
-                setting="the call's timeoutSecs (up to maxExecTimeoutSecs)",
-                read=read_exec_answer,
-            )
+            data = self._machine(action, "POST", f"{_q(name)}/exec", body, **wait)
         except ApiError as err:
-            if err.status == 409 and "not running" in err.api_message:
-                raise NotRunning(f"machine '{name}' is not running") from None
-            raise
+            raise not_running(name, err) from None
         except ValueError as err:
             raise SmolError(
                 f"the local serve answered a command in machine '{name}' with a body this server "
-                "could "
-                f"not read ({err})"
+                f"could not read ({err})"
             ) from None
-        return ExecResult(
-            exit_code=int(data["exitCode"]),
-            stdout=data["stdoutB64"],
-            stderr=data["stderrB64"],
-            seconds=time.monotonic() - started,
-        )
+        seconds = time.monotonic() - started
+        return ExecResult(int(data["exitCode"]), data["stdoutB64"], data["stderrB64"], seconds)
 
     def exec_stream(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        on_output: Callable[[str, str], None],
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
+        self, name, argv, *, timeout_secs, on_output, workdir=None, env=None, stdin=None
     ) -> ExecResult:
         """``exec`` through the stream route: each piece of output goes to
-        ``on_output`` as the guest prints it; the result is the same."""
+        ``on_output(stream, text)`` as the guest prints it; the result is the same."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
         body = json.dumps(local_exec_body(argv, timeout_secs, workdir, env, stdin)).encode()
-        # Its own connection: the stream holds it until the end.
-        conn = self._connection(timeout=timeout_secs + 30)
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        conn = self._connection(timeout=timeout_secs + 30)  # its own: the stream holds it open
         started = time.monotonic()
         try:
             try:
-                conn.request(
-                    "POST",
-                    f"/api/v1/machines/{_q(name)}/exec/stream",
-                    body=body,
-                    headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
-                )
+                conn.request("POST", f"/api/v1/machines/{_q(name)}/exec/stream", body, headers)
                 response = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 raise serve_dropped(action, exc) from None
             if response.status >= 400:
-                err = api_error(
-                    self.name,
-                    action,
-                    response.status,
-                    response.getheader("Content-Type", ""),
-                    response.read(),
+                ctype = response.getheader("Content-Type", "")
+                raise not_running(
+                    name, api_error(self.name, action, response.status, ctype, response.read())
                 )
-                if err.status == 409 and "not running" in err.api_message:
-                    raise NotRunning(f"machine '{name}' is not running")
-                raise err
             pieces = iter(lambda: response.read1(1 << 16), b"")
-            return collect_exec_stream(
-                sse_events(pieces), name, on_output, started, (OSError, http.client.HTTPException)
-            )
+            broken = (OSError, http.client.HTTPException)
+            return collect_exec_stream(sse_events(pieces), name, on_output, started, broken)
         finally:
             conn.close()
 
@@ -1444,64 +1230,32 @@ class LocalFleet:
     # -- jobs: processes this server starts in the guest -------------------
 
     def start_job(
-        self,
-        name: str,
-        job_id: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
+        self, name: str, job_id: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None
     ) -> dict:
-        result = self.exec(
-            name,
-            [
-                "sh",
-                "-c",
-                JOB_START_SCRIPT,
-                "sh",
-                JOB_WAITER_SCRIPT,
-                f"{JOB_DIR}/{job_id}",
-                str(timeout_secs),
-                *argv,
-            ],
-            timeout_secs=60,
-            workdir=workdir,
-            env=env,
-        )
+        waiter = ["sh", "-c", JOB_START_SCRIPT, "sh", JOB_WAITER_SCRIPT, f"{JOB_DIR}/{job_id}"]
+        argv = [*waiter, str(timeout_secs), *argv]
+        result = self.exec(name, argv, timeout_secs=60, workdir=workdir, env=env)
         helper_output(name, f"start job {job_id}", result)
         return {"jobId": job_id, "state": "running"}
 
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
-        data = self.exec_helper(
-            name,
-            f"read job {job_id}",
-            JOB_READ_SCRIPT,
-            f"{JOB_DIR}/{job_id}",
-            str(offsets[0]),
-            str(offsets[1]),
-            str(limit),
-        )
-        return local_job_page(name, job_id, data, offsets)
+        args = (f"{JOB_DIR}/{job_id}", *map(str, offsets), str(limit))
+        script = JOB_STATE_FUNCTION + JOB_READ_SCRIPT
+        data = self.exec_helper(name, f"read job {job_id}", script, *args)
+        return local_job_page(name, job_id, data)
 
     def cancel_job(self, name: str, job_id: str) -> None:
         self.exec_helper(name, f"cancel job {job_id}", JOB_CANCEL_SCRIPT, f"{JOB_DIR}/{job_id}")
 
     def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
-        text = self.exec_helper(name, "list jobs", JOB_LIST_SCRIPT, JOB_DIR).decode(
-            "utf-8", "replace"
-        )
+        script = JOB_STATE_FUNCTION + JOB_LIST_SCRIPT
+        answer = self.exec_helper(name, "list jobs", script, JOB_DIR)
         jobs = []
-        for line in text.splitlines():
+        for line in answer.decode("utf-8", "replace").splitlines():
             job_id, state, code = (line.split() + ["", "", ""])[:3]
             if job_id:
-                jobs.append(
-                    {
-                        "jobId": job_id,
-                        "state": state,
-                        "exitCode": int(code) if code.isdigit() else None,
-                    }
-                )
+                exit_code = int(code) if code.isdigit() else None
+                jobs.append({"jobId": job_id, "state": state, "exitCode": exit_code})
         return jobs
 
     def probe_ready(self, name: str) -> str | None:
@@ -1521,93 +1275,69 @@ class LocalFleet:
             return err.api_message
 
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
-        """One page of a file. The API has no range parameters, so a page deep
-        into a large file is cut inside the guest (stat, tail and head) rather
-        than downloading everything before it; an image without those tools
-        falls back to streaming the file and keeping only the page."""
+        """One page of a file. The API has no range parameters, so a page deep into a large file is
+        cut inside the guest (stat, tail and head) rather than downloading everything before it; an
+        image without those tools falls back to streaming the file and keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
+            argv = ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)]
             try:
-                result = self.exec(
-                    name,
-                    ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)],
-                    timeout_secs=120,
-                )
+                result = self.exec(name, argv, timeout_secs=120)
                 size_line, newline, data = bytes(result.stdout).partition(b"\n")
                 if result.exit_code == 0 and newline and size_line.strip().isdigit():
                     return FilePage(data=data, size=int(size_line))
             except ApiError:
                 pass  # no shell in this image, say: the download below still works
-        return self._stream_page(name, path, offset, length)
-
-    def _stream_page(self, name: str, path: str, offset: int, length: int) -> FilePage:
         self.ensure_serve()
         action = f"read {path} in machine '{name}'"
         conn = self._connection(timeout=self.config.ready_timeout_secs + 60)
         try:
-            return self._read_page(conn, action, name, path, offset, length)
+            conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}")
+            response = conn.getresponse()
+            ctype = response.getheader("Content-Type", "")
+            if response.status >= 400:
+                raise api_error(self.name, action, response.status, ctype, response.read())
+            if "application/json" in ctype:
+                listing = json.loads(response.read() or b"{}")
+                names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
+                raise SmolError(
+                    f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
+                    "Pass the path of a file inside it."
+                )
+            size = int(response.getheader("Content-Length") or -1)
+            skipped = 0
+            while skipped < offset:
+                chunk = response.read(min(1 << 20, offset - skipped))
+                if not chunk:
+                    break
+                skipped += len(chunk)
+            data = response.read(length) if skipped == offset else b""
+            if size < 0:  # no length header (a streamed file): count what is left to learn the size
+                rest = 0
+                while chunk := response.read(1 << 20):
+                    rest += len(chunk)
+                size = skipped + len(data) + rest
+            return FilePage(data=data, size=size)
         except TimeoutError:
-            raise SmolError(
-                f"the local machine API stopped answering while trying to {action}"
-            ) from None
+            why = f"the local machine API stopped answering while trying to {action}"
+            raise SmolError(why) from None
         except (OSError, http.client.HTTPException) as exc:
             raise serve_dropped(action, exc) from None
         finally:
             conn.close()
 
-    def _read_page(
-        self,
-        conn: http.client.HTTPConnection,
-        action: str,
-        name: str,
-        path: str,
-        offset: int,
-        length: int,
-    ) -> FilePage:
-        conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}")
-        response = conn.getresponse()
-        ctype = response.getheader("Content-Type", "")
-        if response.status >= 400:
-            raise api_error(self.name, action, response.status, ctype, response.read())
-        if "application/json" in ctype:
-            listing = json.loads(response.read() or b"{}")
-            names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
-            raise SmolError(
-                f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
-                "Pass the path of a file inside it."
-            )
-        size = int(response.getheader("Content-Length") or -1)
-        skipped = 0
-        while skipped < offset:
-            chunk = response.read(min(1 << 20, offset - skipped))
-            if not chunk:
-                break
-            skipped += len(chunk)
-        data = response.read(length) if skipped == offset else b""
-        if size < 0:  # no length header (a streamed file): count what is left to learn the size
-            rest = 0
-            while chunk := response.read(1 << 20):
-                rest += len(chunk)
-            size = skipped + len(data) + rest
-        return FilePage(data=data, size=size)
-
     def write_file(self, name: str, path: str, data: bytes) -> int:
-        answer = self.request(
-            f"write {path} in machine '{name}'",
-            "PUT",
-            f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
-            raw=data,
-            timeout=self.config.ready_timeout_secs + len(data) / (1 << 20),
+        action, route = f"write {path} in machine '{name}'", f"{_q(name)}/files/"
+        timeout = self.config.ready_timeout_secs + len(data) / (1 << 20)
+        answer = self._machine(
+            action, "PUT", route + guest_route_suffix(path), raw=data, timeout=timeout
         )
         return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
 
     def console_lines(self, name: str) -> list[str]:
         """Every line of the guest console log (the API streams it as SSE)."""
+        action = f"read the log of machine '{name}'"
         try:
-            data = self.request(
-                f"read the log of machine '{name}'",
-                "GET",
-                f"/api/v1/machines/{_q(name)}/logs?source=console",
-            )
+            data = self._machine(action, "GET", f"{_q(name)}/logs?source=console")
         except ApiError as err:
             if err.status == 404 and "no logs yet" in err.api_message:
                 return []  # never started: nothing logged yet, which is an answer, not a failure
@@ -1615,16 +1345,11 @@ class LocalFleet:
         return parse_sse_lines(data if isinstance(data, bytes) else json.dumps(data).encode())
 
     def branch_machine(self, name: str, child: str) -> dict:
-        self.recheck_mounts(name, f"branch machine '{name}' into '{child}'")
-        return local_record(
-            self.request(
-                f"branch machine '{name}' into '{child}'",
-                "POST",
-                f"/api/v1/machines/{_q(name)}/branches",
-                {"name": child},
-                timeout=self.config.ready_timeout_secs + 60,
-            )
-        )
+        action = f"branch machine '{name}' into '{child}'"
+        self.recheck_mounts(name, action)
+        timeout = self.config.ready_timeout_secs + 60
+        route = f"{_q(name)}/branches"
+        return local_record(self._machine(action, "POST", route, {"name": child}, timeout=timeout))
 
     # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
 
@@ -1634,119 +1359,97 @@ class LocalFleet:
 
     def egress_policy(self, name: str) -> tuple[dict, dict]:
         """(the machine's record, its egress policy as egress_lists has it)."""
-        info = self.request(f"get machine '{name}'", "GET", f"/api/v1/machines/{_q(name)}")
+        info = self._machine(f"get machine '{name}'", "GET", _q(name))
         return local_record(info), egress_lists(info)
 
     def egress_events(self, name: str, limit: int) -> list[dict]:
         """The machine's recorded egress denials, oldest first, the newest ``limit`` of them."""
-        answer = self.request(
-            f"read the egress denials of machine '{name}'",
-            "GET",
-            f"/api/v1/machines/{_q(name)}/egress-events?limit={limit}",
-        )
+        action = f"read the egress denials of machine '{name}'"
+        answer = self._machine(action, "GET", f"{_q(name)}/egress-events?limit={limit}")
         events = answer.get("events") if isinstance(answer, dict) else None
         return [e for e in events or [] if isinstance(e, dict)]
 
     def update_egress(self, name: str, change: dict) -> tuple[dict, dict]:
-        """Amend the allow list (an UpdateEgressRequest body); the engine answers the
-        updated record."""
-        info = self.request(
-            f"amend the egress allow list of machine '{name}'",
-            "POST",
-            f"/api/v1/machines/{_q(name)}/egress",
-            change,
-        )
+        """Amend the allow list (an UpdateEgressRequest body); the engine answers the record."""
+        action = f"amend the egress allow list of machine '{name}'"
+        info = self._machine(action, "POST", f"{_q(name)}/egress", change)
         return local_record(info), egress_lists(info)
 
     def pull_image(self, name: str, image: str) -> dict:
-        answer = self.request(
-            f"pull {image} into machine '{name}'",
-            "POST",
-            f"/api/v1/machines/{_q(name)}/images/pull",
-            {"image": image},
-            timeout=self.config.max_exec_timeout_secs + 60,
-            setting="maxExecTimeoutSecs",
-        )
+        action, route = f"pull {image} into machine '{name}'", f"{_q(name)}/images/pull"
+        wait = {"timeout": self.config.max_exec_timeout_secs + 60, "setting": "maxExecTimeoutSecs"}
+        answer = self._machine(action, "POST", route, {"image": image}, **wait)
         return answer.get("image", answer)
 
 
-# Every route of the local API, in its OpenAPI spelling: None for the ones this
-# server calls, else why it does not. `smol_mcp.py parity` compares this with
-# the running serve's spec, so a route a new smolvm adds shows up as a decision.
-LOCAL_ROUTES: dict[tuple[str, str], str | None] = {
-    ("GET", "/health"): None,
-    ("GET", "/api/v1/machines"): None,
-    ("POST", "/api/v1/machines"): None,
-    ("GET", "/api/v1/machines/{name}"): None,
-    ("DELETE", "/api/v1/machines/{name}"): None,
-    ("POST", "/api/v1/machines/{name}/start"): None,
-    ("POST", "/api/v1/machines/{name}/stop"): None,
-    ("POST", "/api/v1/machines/{id}/exec"): None,
-    ("POST", "/api/v1/machines/{id}/exec/stream"): None,  # live output, given a progress token
-    ("GET", "/api/v1/machines/{id}/files/{path}"): None,
-    ("PUT", "/api/v1/machines/{id}/files/{path}"): None,
-    ("GET", "/api/v1/machines/{id}/logs"): None,
-    ("POST", "/api/v1/machines/{id}/images/pull"): None,
-    ("POST", "/api/v1/machines/{name}/branches"): None,
-    ("POST", "/api/v1/machines/{name}/egress"): None,
-    ("GET", "/api/v1/machines/{name}/egress-events"): None,
-    ("GET", "/capacity"): "host scheduling numbers; no tool reports capacity",
-    ("GET", "/api/v1/machines/{id}/images"): "no tool lists a machine's images",
-    (
-        "POST",
-        "/api/v1/machines/{id}/run",
-    ): "running another image on an overlay is not in the tool vocabulary",
-    ("POST", "/api/v1/machines/{name}/fork"): "the legacy name of branches",
-    (
-        "POST",
-        "/api/v1/machines/{name}/fork-release",
-    ): "branch pools; this server has no pool vocabulary",
-    ("POST", "/api/v1/machines/{name}/pause"): "no tool pauses or resumes a machine",
-    ("POST", "/api/v1/machines/{name}/resume"): "no tool pauses or resumes a machine",
-    (
-        "POST",
-        "/api/v1/machines/{name}/export",
-    ): "needs a pushToken minted by the control plane, which a local user cannot produce",
-    ("POST", "/api/v1/machines/{name}/resize"): "no tool grows a machine after it exists",
-    ("POST", "/api/v1/machines/{name}/sync"): "mounts are a create-time argument",
-    ("GET", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
-    ("POST", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
-    ("DELETE", "/api/v1/machines/{name}/mounts"): "mounts are a create-time argument",
-    ("PUT", "/api/v1/machines/{name}/ports"): "ports are a create-time argument",
-    ("GET", "/api/v1/machines/{name}/mediation-events"): "mediated egress is not used",
-    ("PUT", "/api/v1/machines/{name}/credential-values"): "credential bindings are not used",
-    ("POST", "/api/v1/machines/{name}/cache-disk/publish"): "cache disks are not used",
-    ("DELETE", "/api/v1/cache-bases/{base}"): "cache disks are not used",
-    **{
-        (method, path): "fork pools and leases are a fleet surface, not an agent one"
-        for method, path in (
-            ("GET", "/api/v1/pools"),
-            ("POST", "/api/v1/pools"),
-            ("GET", "/api/v1/pools/{name}"),
-            ("DELETE", "/api/v1/pools/{name}"),
-            ("PUT", "/api/v1/pools/{name}/size"),
-            ("POST", "/api/v1/pools/{name}/leases"),
-            ("POST", "/api/v1/pools/{name}/lease-batches"),
-            ("GET", "/api/v1/pools/{name}/leases/{lease}"),
-            ("POST", "/api/v1/pools/{name}/leases/{lease}/heartbeat"),
-            ("POST", "/api/v1/pools/{name}/leases/{lease}/complete"),
-        )
-    },
-    **{
-        (method, path): "RL rollout executors are a batch surface, not an agent one"
-        for method, path in (
-            ("GET", "/api/v1/rollout-executors"),
-            ("POST", "/api/v1/rollout-executors"),
-            ("GET", "/api/v1/rollout-executors/{name}"),
-            ("DELETE", "/api/v1/rollout-executors/{name}"),
-            ("POST", "/api/v1/rollout-executors/{name}/generate"),
-            ("POST", "/api/v1/rollout-executors/{name}/batches"),
-            ("POST", "/api/v1/rollout-executors/{name}/policies"),
-            ("POST", "/api/v1/rollout-executors/{name}/device-policies"),
-            ("DELETE", "/api/v1/rollout-executors/{name}/policies/{policy}/{version}"),
-        )
-    },
-}
+def route_table(text: str) -> dict[tuple[str, str], str | None]:
+    """{(method, path): reason} from ``text``: a line ending in ":" gives the reason for the
+    "METHOD /path" pairs on the lines below it ("called:" for None)."""
+    routes: dict[tuple[str, str], str | None] = {}
+    reason = None
+    for line in text.strip().splitlines():
+        if line.endswith(":"):
+            reason = None if line == "called:" else line[:-1]
+            continue
+        words = line.split()
+        routes.update(dict.fromkeys(zip(words[::2], words[1::2]), reason))
+    return routes
+
+
+# Every route of the local API, in its OpenAPI spelling, under why this server does not call it
+# ("called:" for the ones it does; exec/stream gives live output, given a progress token).
+# `smol_mcp.py parity` compares this with the running serve's spec, so a route a new smolvm
+# adds shows up as a decision.
+LOCAL_ROUTES = route_table("""
+called:
+    GET /health  GET /api/v1/machines  POST /api/v1/machines  GET /api/v1/machines/{name}
+    DELETE /api/v1/machines/{name}  POST /api/v1/machines/{name}/start
+    POST /api/v1/machines/{name}/stop  POST /api/v1/machines/{id}/exec
+    POST /api/v1/machines/{id}/exec/stream  GET /api/v1/machines/{id}/files/{path}
+    PUT /api/v1/machines/{id}/files/{path}  GET /api/v1/machines/{id}/logs
+    POST /api/v1/machines/{id}/images/pull  POST /api/v1/machines/{name}/branches
+    POST /api/v1/machines/{name}/egress  GET /api/v1/machines/{name}/egress-events
+host scheduling numbers; no tool reports capacity:
+    GET /capacity
+no tool lists a machine's images:
+    GET /api/v1/machines/{id}/images
+running another image on an overlay is not in the tool vocabulary:
+    POST /api/v1/machines/{id}/run
+the legacy name of branches:
+    POST /api/v1/machines/{name}/fork
+branch pools; this server has no pool vocabulary:
+    POST /api/v1/machines/{name}/fork-release
+no tool pauses or resumes a machine:
+    POST /api/v1/machines/{name}/pause  POST /api/v1/machines/{name}/resume
+needs a pushToken minted by the control plane, which a local user cannot produce:
+    POST /api/v1/machines/{name}/export
+no tool grows a machine after it exists:
+    POST /api/v1/machines/{name}/resize
+mounts are a create-time argument:
+    POST /api/v1/machines/{name}/sync  GET /api/v1/machines/{name}/mounts
+    POST /api/v1/machines/{name}/mounts  DELETE /api/v1/machines/{name}/mounts
+ports are a create-time argument:
+    PUT /api/v1/machines/{name}/ports
+mediated egress is not used:
+    GET /api/v1/machines/{name}/mediation-events
+credential bindings are not used:
+    PUT /api/v1/machines/{name}/credential-values
+cache disks are not used:
+    POST /api/v1/machines/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
+fork pools and leases are a fleet surface, not an agent one:
+    GET /api/v1/pools  POST /api/v1/pools  GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}
+    PUT /api/v1/pools/{name}/size  POST /api/v1/pools/{name}/leases
+    POST /api/v1/pools/{name}/lease-batches  GET /api/v1/pools/{name}/leases/{lease}
+    POST /api/v1/pools/{name}/leases/{lease}/heartbeat
+    POST /api/v1/pools/{name}/leases/{lease}/complete
+RL rollout executors are a batch surface, not an agent one:
+    GET /api/v1/rollout-executors  POST /api/v1/rollout-executors
+    GET /api/v1/rollout-executors/{name}  DELETE /api/v1/rollout-executors/{name}
+    POST /api/v1/rollout-executors/{name}/generate  POST /api/v1/rollout-executors/{name}/batches
+    POST /api/v1/rollout-executors/{name}/policies
+    POST /api/v1/rollout-executors/{name}/device-policies
+    DELETE /api/v1/rollout-executors/{name}/policies/{policy}/{version}
+""")
 
 
 def parity_report(spec: dict) -> dict[str, list]:
@@ -1758,30 +1461,18 @@ def parity_report(spec: dict) -> dict[str, list]:
         for method in operations
         if method.lower() in ("get", "post", "put", "delete", "patch")
     }
-    return {
-        "called": sorted(
-            route for route, reason in LOCAL_ROUTES.items() if reason is None and route in offered
-        ),
-        "skipped": sorted(
-            (route, reason)
-            for route, reason in LOCAL_ROUTES.items()
-            if reason is not None and route in offered
-        ),
-        "unknown": sorted(offered - set(LOCAL_ROUTES)),
-        "missing": sorted(
-            route
-            for route, reason in LOCAL_ROUTES.items()
-            if reason is None and route not in offered
-        ),
-    }
+    called = {route for route, reason in LOCAL_ROUTES.items() if reason is None}
+    skipped = [(route, why) for route, why in LOCAL_ROUTES.items() if why and route in offered]
+    unknown, missing = offered - set(LOCAL_ROUTES), called - offered
+    lists = {"called": called & offered, "skipped": skipped, "unknown": unknown, "missing": missing}
+    return {key: sorted(routes) for key, routes in lists.items()}
 
 
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
     return SmolError(
         f"the local serve closed the connection while trying to {action} ({type(exc).__name__}); "
-        "it may "
-        "have stopped or restarted. Check the machine with get-machine before trying again."
+        "it may have stopped or restarted. Check the machine with get-machine before trying again."
     )
 
 
@@ -1797,13 +1488,9 @@ def api_error(fleet: str, action: str, status: int, content_type: str, data: byt
         except (ValueError, AttributeError):
             pass
     text = ANSI_ESCAPE_RE.sub("", text)  # engine log lines carry terminal colours into messages
-    if not text:
-        text = (
-            "no such route on this serve (it may be older than this server expects)"
-            if status == 404
-            else "no message"
-        )
-    return ApiError(fleet, action, status, code, text)
+    if not text and status == 404:
+        text = "no such route on this serve (it may be older than this server expects)"
+    return ApiError(fleet, action, status, code, text or "no message")
 
 
 ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -1811,11 +1498,8 @@ ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 def parse_sse_lines(data: bytes) -> list[str]:
     """The data lines of a server-sent-event stream, one log line per event."""
-    lines = []
-    for raw in data.decode("utf-8", "replace").splitlines():
-        if raw.startswith("data:"):
-            lines.append(raw[5:].removeprefix(" "))
-    return lines
+    lines = data.decode("utf-8", "replace").splitlines()
+    return [raw[5:].removeprefix(" ") for raw in lines if raw.startswith("data:")]
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
@@ -1851,16 +1535,11 @@ class StreamBroke(SmolError):
 
 
 def collect_exec_stream(
-    events: Iterable[tuple[str, str]],
-    name: str,
-    on_output: Callable[[str, str], None],
-    started: float,
-    broken: tuple[type[BaseException], ...],
+    events: Iterable[tuple[str, str]], name: str, on_output: Callable, started: float, broken: tuple
 ) -> ExecResult:
-    """Gather an exec stream into the result a plain exec would give, passing
-    each piece of output to ``on_output`` as it arrives. A stream that ends
-    without its exit event, or whose connection fails (``broken``), is a
-    broken stream, never a short success."""
+    """Gather an exec stream into the result a plain exec would give, passing each piece of output
+    to ``on_output`` as it arrives. A stream that ends without its exit event, or whose connection
+    fails (``broken``), is a broken stream, never a short success."""
     out = {"stdout": bytearray(), "stderr": bytearray()}
     try:
         for event, data in events:
@@ -1879,20 +1558,15 @@ def collect_exec_stream(
                         f"the output stream of machine '{name}' ended with an exit event this "
                         f"server could not read ({data[:200]!r})"
                     ) from None
-                return ExecResult(
-                    exit_code=code,
-                    stdout=bytes(out["stdout"]),
-                    stderr=bytes(out["stderr"]),
-                    seconds=time.monotonic() - started,
-                )
+                seconds = time.monotonic() - started
+                return ExecResult(code, bytes(out["stdout"]), bytes(out["stderr"]), seconds)
     except broken as exc:
-        raise stream_broke(
-            name, len(out["stdout"]) + len(out["stderr"]), type(exc).__name__
-        ) from None
-    raise stream_broke(name, len(out["stdout"]) + len(out["stderr"]), "it ended")
+        raise stream_broke(name, out, type(exc).__name__) from None
+    raise stream_broke(name, out, "it ended")
 
 
-def stream_broke(name: str, got: int, how: str) -> StreamBroke:
+def stream_broke(name: str, out: dict[str, bytearray], how: str) -> StreamBroke:
+    got = len(out["stdout"]) + len(out["stderr"])
     return StreamBroke(
         f"the output stream of the command in machine '{name}' broke after {got} bytes "
         f"({how}) before its exit code arrived, so the command's result is unknown (it "
@@ -1926,7 +1600,6 @@ class JsonStream:
     socket, a chunk at a time, without holding it whole."""
 
     CHUNK = 1 << 18  # big enough that a 64 MiB answer is a few hundred reads
-    SPECIAL = re.compile(rb'[\\"]')
 
     def __init__(self, stream: Any):
         self.stream, self.buf, self.pos = stream, bytearray(), 0
@@ -1950,53 +1623,28 @@ class JsonStream:
             if not self._fill():
                 raise ValueError("the answer ended early")
 
-    def string(self, sink: Callable[[bytes], None] | None) -> None:
-        """Pass the raw bytes of the string being read to ``sink`` (None skips
-        them) up to its closing quote; escapes are passed through undecoded."""
-        while True:
-            found = self.SPECIAL.search(self.buf, self.pos)
-            if found is None:
-                if sink is not None:
-                    sink(bytes(self.buf[self.pos :]))
-                self.pos = len(self.buf)
-                if not self._fill():
-                    raise ValueError("a string did not end")
-                continue
-            end = found.start()
-            if self.buf[end] == 0x5C:  # a backslash: the next byte is escaped, whatever it is
-                while end + 1 >= len(self.buf):
-                    consumed = self.pos
-                    if not self._fill():
-                        raise ValueError("a string did not end")
-                    end -= consumed - self.pos  # _fill may have dropped the consumed part
-                if sink is not None:
-                    sink(bytes(self.buf[self.pos : end + 2]))
-                self.pos = end + 2
-                continue
-            if sink is not None:
-                sink(bytes(self.buf[self.pos : end]))
-            self.pos = end + 1
-            return
-
-    def skip_string(self) -> None:
-        """Skip the string being read. Only quotes are looked at: one is the end
-        unless an odd run of backslashes comes before it. (Per-escape steps
-        would crawl through output with a newline every few bytes.)"""
+    def string(self, sink: Callable[[bytes], None] | None = None) -> None:
+        """Pass the raw bytes of the string being read to ``sink`` (None skips them) up to
+        its closing quote; escapes pass through undecoded. Only quotes are looked at: one is
+        the end unless an odd run of backslashes comes before it. (Per-escape steps would
+        crawl through output with a newline every few bytes.)"""
         carried = 0  # the backslashes that ended the part already consumed
         while True:
             quote = self.buf.find(b'"', self.pos)
+            part = bytes(self.buf[self.pos : None if quote < 0 else quote])
+            run = len(part) - len(part.rstrip(b"\\"))
+            if run == len(part):
+                run += carried
             if quote < 0:
-                rest = bytes(self.buf[self.pos :])
-                run = len(rest) - len(rest.rstrip(b"\\"))
-                carried = run + carried if run == len(rest) else run
+                carried = run
+                if sink is not None:
+                    sink(part)
                 self.pos = len(self.buf)
                 if not self._fill():
                     raise ValueError("a string did not end")
                 continue
-            before = bytes(self.buf[self.pos : quote])
-            run = len(before) - len(before.rstrip(b"\\"))
-            if run == len(before):
-                run += carried
+            if sink is not None:
+                sink(part if run % 2 == 0 else part + b'"')
             self.pos = quote + 1
             if run % 2 == 0:
                 return
@@ -2032,10 +1680,9 @@ class Base64Sink:
 
 
 def read_exec_answer(stream: Any) -> dict:
-    """Read a local exec answer keeping only exitCode and the byte-exact
-    stdoutB64 and stderrB64, decoded as they arrive. The lossy text copies of
-    the two streams are skipped: holding the whole answer would cost about seven
-    times the output's size in memory."""
+    """Read a local exec answer keeping only exitCode and the byte-exact stdoutB64 and stderrB64,
+    decoded as they arrive. The lossy text copies of the two streams are skipped: holding the whole
+    answer would cost about seven times the output's size in memory."""
     reader = JsonStream(stream)
     answer: dict[str, Any] = {"exitCode": None, "stdoutB64": bytearray(), "stderrB64": bytearray()}
     if reader.next_token() != b"{":
@@ -2057,7 +1704,7 @@ def read_exec_answer(stream: Any) -> dict:
             reader.string(sink)
             sink.close()
         elif first == b'"':
-            reader.skip_string()  # the lossy text copy, or a field this server does not read
+            reader.string()  # the lossy text copy, or a field this server does not read
         else:
             value = reader.scalar(first)
             if key == "exitCode":
@@ -2090,10 +1737,10 @@ def other_serve_hint(own: str) -> str:
             where = argv[argv.index("--listen") + 1]
             url = where if "://" in where else f"unix://{os.path.abspath(where)}"
             if where != own:
+                pid = entry.parent.name
                 return (
-                    f"Another smolvm serve runs on this host (pid {entry.parent.name}, listening "
-                    f"on {where}): use it with SMOL_LOCAL_URL={url} (it is then left running), "
-                    "or stop it."
+                    f"Another smolvm serve runs on this host (pid {pid}, listening on {where}): "
+                    f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
                 )
     return ADDRESS_IN_USE_HINT
 
@@ -2105,10 +1752,8 @@ def _read_from(path: Path, offset: int) -> str:
 
 
 def _last_line(text: str) -> str:
-    lines = [
-        line.strip() for line in text.splitlines() if line.strip() and not line.startswith("note:")
-    ]
-    return lines[-1] if lines else ""
+    lines = [line.strip() for line in text.splitlines() if not line.startswith("note:")]
+    return ([line for line in lines if line] or [""])[-1]
 
 
 # ---------------------------------------------------------------------------
