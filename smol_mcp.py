@@ -2127,26 +2127,14 @@ LOG_WINDOW_LINES = 10000  # the most log lines one cloud read asks for
 CLOUD_RETRY_STATUSES = (408, 429, 502, 503, 504)
 CLOUD_MAX_RETRY_WAIT_SECS = 30  # a longer Retry-After is not waited out: the call says so and ends
 CLOUD_BLOCKED = {"mode": "blocked"}
-# A deny-all for a service that refuses the "blocked" spelling: RFC 5737
-# TEST-NET-1, reserved for documentation and routed nowhere. An empty
-# allow-list is a 400 there, so the list is never sent empty.
+# A deny-all for a service that refuses the "blocked" spelling: RFC 5737 TEST-NET-1, routed
+# nowhere. An empty allow-list is a 400 there, so the list is never sent empty.
 CLOUD_BLOCKED_FALLBACK = {"mode": "allowCidrs", "cidrs": ["192.0.2.0/24"], "hosts": []}
 CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3" | base64'
 CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
-
-
 CLOUD_LOCAL_ONLY_ARGUMENT = (
-    '"{argument}" is local only: the cloud fleet has no host directories, '
-    "overlay disk or workload command to set; leave it out for a cloud "
-    "machine"
-)
-CLOUD_NO_HOST_PORT = (
-    '"ports[].host" is local only: the cloud control plane picks the host port; '
-    "pass only the guest port"
-)
-CLOUD_NO_PULL = (
-    "pull-image is local only: the cloud control plane pulls a machine's image itself "
-    "when the machine is created"
+    '"{argument}" is local only: the cloud fleet has no host directories, overlay disk or '
+    "workload command to set; leave it out for a cloud machine"
 )
 
 
@@ -2161,6 +2149,9 @@ class CloudFleet:
         "(startedMachine: true) and leaves it running; published ports need open "
         "egress; delete-machine returns the settled usage."
     )
+    amends_egress = False  # the reference has no route to amend or read a cloud machine's egress
+    mounts_host_paths = False  # no host directories: the cloud's own refusal of mounts says so
+    branch_needs_start = False
 
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
@@ -2180,14 +2171,10 @@ class CloudFleet:
         import httpx2
 
         self.config = config
-        self._client = httpx2.Client(
-            base_url=config.cloud_url.rstrip("/"),
-            timeout=CLOUD_TIMEOUT_SECS,
-            headers={
-                "Authorization": f"Bearer {config.cloud_token}",
-                "User-Agent": f"smol-mcp/{__version__}",
-            },
-        )
+        agent = f"smol-mcp/{__version__}"
+        headers = {"Authorization": f"Bearer {config.cloud_token}", "User-Agent": agent}
+        url = config.cloud_url.rstrip("/")
+        self._client = httpx2.Client(base_url=url, timeout=CLOUD_TIMEOUT_SECS, headers=headers)
         self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
 
     def acquire(self) -> None:
@@ -2205,14 +2192,14 @@ class CloudFleet:
         path: str,
         payload: Any = None,
         *,
-        raw: bytes | None = None,
         params: dict | None = None,
         timeout: float = CLOUD_TIMEOUT_SECS,
         expect: type | tuple[type, ...] | None = dict,
     ) -> Any:
         """One call with retries where they are safe: 429 always (it never ran),
-        the other retryable statuses only for idempotent methods. ``expect`` is
-        the JSON shape a success must have (None: any body, JSON or bytes); any
+        the other retryable statuses only for idempotent methods. A bytes
+        ``payload`` is sent as it is, anything else as JSON. ``expect`` is the
+        JSON shape a success must have (None: any body, JSON or bytes); any
         other answer is the service's fault and says so (cloud_answer)."""
         import httpx2
 
@@ -2221,19 +2208,12 @@ class CloudFleet:
                 "the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
                 "config file)"
             )
-        attempt = 0
-        while True:
+        body = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
+        headers = {"Content-Type": "application/octet-stream"} if "content" in body else None
+        for attempt in range(1, 5):
             try:
                 response = self._client.request(
-                    method,
-                    path,
-                    json=payload,
-                    content=raw,
-                    params=params,
-                    timeout=timeout,
-                    headers={"Content-Type": "application/octet-stream"}
-                    if raw is not None
-                    else None,
+                    method, path, params=params, timeout=timeout, headers=headers, **body
                 )
             except httpx2.TimeoutException:
                 raise SmolError(
@@ -2246,31 +2226,30 @@ class CloudFleet:
                     f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
                     f"{redact(str(exc), self.config.secret_values()) or type(exc).__name__}"
                 ) from None
-            retryable = response.status_code == 429 or (
-                response.status_code in CLOUD_RETRY_STATUSES and method in ("GET", "PUT", "DELETE")
-            )
-            if retryable and attempt < 3:
-                attempt += 1
-                delay = _retry_after(response)
-                if delay is not None and delay > CLOUD_MAX_RETRY_WAIT_SECS:
-                    raise SmolError(
-                        f"the cloud API is busy (HTTP {response.status_code}) and asks to wait "
-                        f"{delay:.0f} s before trying to {action} again, longer than this server "
-                        f"waits ({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later"
-                    )
-                delay = 0.5 * 2**attempt if delay is None else delay
-                log.info(
-                    "the cloud API answered HTTP %d to %s: trying again in %.1f s",
-                    response.status_code,
-                    action,
-                    delay,
+            code = response.status_code
+            idempotent = method in ("GET", "PUT", "DELETE")
+            if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
+                break
+            delay = _retry_after(response)
+            if delay is not None and delay > CLOUD_MAX_RETRY_WAIT_SECS:
+                raise SmolError(
+                    f"the cloud API is busy (HTTP {code}) and asks to wait {delay:.0f} s before "
+                    f"trying to {action} again, longer than this server waits "
+                    f"({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later"
                 )
-                time.sleep(delay)
-                continue
-            break
+            delay = 0.5 * 2**attempt if delay is None else delay
+            log.info(
+                "the cloud API answered HTTP %d to %s: trying again in %.1f s", code, action, delay
+            )
+            time.sleep(delay)
         if response.status_code >= 400:
             raise cloud_error(action, response, self.config.secret_values())
         return cloud_answer(action, response, expect, self.config.secret_values())
+
+    def _bad_json(self, action: str, answer: Any, why: str) -> SmolError:
+        """bad_cloud_answer for a JSON answer that is not what the service promises."""
+        body, secrets = json.dumps(answer).encode(), self.config.secret_values()
+        return bad_cloud_answer(action, 200, "application/json", body, why, secrets)
 
     # -- machines (normalised) ---------------------------------------------
 
@@ -2292,14 +2271,7 @@ class CloudFleet:
         if not isinstance(machines, list) or not all(
             isinstance(m, dict) and "id" in m for m in machines
         ):
-            raise bad_cloud_answer(
-                "list machines",
-                200,
-                "application/json",
-                json.dumps(answer).encode(),
-                "not a list of machine records",
-                self.config.secret_values(),
-            )
+            raise self._bad_json("list machines", answer, "not a list of machine records")
         return machines
 
     def list_machines(self) -> list[dict]:
@@ -2312,21 +2284,20 @@ class CloudFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        for argument, given in (
-            ("mounts", spec.mounts),
-            ("overlayGb", spec.overlay_gb),
-            ("cmd", spec.cmd),
-        ):
+        for argument, given in (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb)):
             if given:
                 raise ArgumentError(CLOUD_LOCAL_ONLY_ARGUMENT.format(argument=argument))
+        if spec.cmd:
+            raise ArgumentError(CLOUD_LOCAL_ONLY_ARGUMENT.format(argument="cmd"))
         if any(port.get("host") for port in spec.ports):
-            raise ArgumentError(CLOUD_NO_HOST_PORT)
-        open_egress = spec.network == "open" or spec.allow_hosts or spec.allow_cidrs
-        if spec.ports and not open_egress:
+            raise ArgumentError(
+                '"ports[].host" is local only: the cloud control plane picks the host port; '
+                "pass only the guest port"
+            )
+        if spec.ports and not (spec.network == "open" or spec.allow_hosts or spec.allow_cidrs):
             raise ArgumentError(
                 "a cloud machine that publishes ports cannot also block egress; pass network: "
-                '"open" '
-                "(or an allow-list) with ports, or leave the ports out"
+                '"open" (or an allow-list) with ports, or leave the ports out'
             )
         body: dict[str, Any] = {
             "name": spec.name,
@@ -2345,11 +2316,8 @@ class CloudFleet:
         try:
             return cloud_record(self.request(action, "POST", "/v1/machines", body))
         except ApiError as err:
-            if (
-                body["network"] is not CLOUD_BLOCKED
-                or err.status not in (400, 422)
-                or "blocked" not in err.api_message
-            ):
+            refused = err.status in (400, 422) and "blocked" in err.api_message
+            if body["network"] is not CLOUD_BLOCKED or not refused:
                 raise
         # This service predates the "blocked" spelling: deny with the allow-list form from now on.
         log.info(
@@ -2365,77 +2333,37 @@ class CloudFleet:
             return {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
         return {"mode": "open"} if spec.network == "open" else self._blocked
 
+    def _act(self, name: str, verb: str, timeout: float, params: dict | None = None) -> dict:
+        """POST ``verb`` (start, stop) to the machine; its record after."""
+        route = f"/v1/machines/{self._find(name)['id']}"
+        action = f"{verb} machine '{name}'"
+        self.request(action, "POST", f"{route}/{verb}", params=params, timeout=timeout, expect=None)
+        return cloud_record(self.request(f"get machine '{name}'", "GET", route))
+
     def start_machine(self, name: str, branchable: bool = False) -> dict:
-        record = self._find(name)
         # The official client repeats branchability on the first start of a branch source.
         params = {"forkable": "true"} if branchable else None
-        self.request(
-            f"start machine '{name}'",
-            "POST",
-            f"/v1/machines/{record['id']}/start",
-            params=params,
-            timeout=self.config.ready_timeout_secs + 60,
-            expect=None,
-        )
-        return cloud_record(
-            self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}")
-        )
+        return self._act(name, "start", self.config.ready_timeout_secs + 60, params)
 
     def stop_machine(self, name: str) -> dict:
-        record = self._find(name)
-        self.request(
-            f"stop machine '{name}'",
-            "POST",
-            f"/v1/machines/{record['id']}/stop",
-            timeout=360,
-            expect=None,
-        )
-        return cloud_record(
-            self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}")
-        )
+        return self._act(name, "stop", 360)
 
     def delete_machine(self, name: str) -> dict:
         """Delete and return the settled bill, which the service computes at teardown."""
-        record = self._find(name)
-        usage = self.request(
-            f"delete machine '{name}'",
-            "DELETE",
-            f"/v1/machines/{record['id']}",
-            params={"includeUsage": "true"},
-            timeout=120,
-            expect=None,
-        )
+        route, query = f"/v1/machines/{self._find(name)['id']}", {"includeUsage": "true"}
+        action = f"delete machine '{name}'"
+        usage = self.request(action, "DELETE", route, params=query, timeout=120, expect=None)
         return {"deleted": name, **({"usage": usage} if isinstance(usage, dict) else {})}
 
-    def _exec(
-        self,
-        machine_id: str,
-        name: str,
-        argv: list[str],
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
-    ) -> tuple[dict, float]:
-        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
-        started = time.monotonic()
-        action = f"run a command in machine '{name}'"
+    def _exec(self, machine_id: str, name: str, body: dict) -> tuple[dict, float]:
+        """One exec call (``body`` from cloud_exec_body): the answer and the seconds it took."""
+        action, started = f"run a command in machine '{name}'", time.monotonic()
+        timeout = max(CLOUD_TIMEOUT_SECS, body["timeoutSeconds"] + 30)
         answer = self.request(
-            action,
-            "POST",
-            f"/v1/machines/{machine_id}/exec",
-            body,
-            timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30),
+            action, "POST", f"/v1/machines/{machine_id}/exec", body, timeout=timeout
         )
         if isinstance(answer.get("exitCode"), bool) or not isinstance(answer.get("exitCode"), int):
-            raise bad_cloud_answer(
-                action,
-                200,
-                "application/json",
-                json.dumps(answer).encode(),
-                "no whole-number exitCode",
-                self.config.secret_values(),
-            )
+            raise self._bad_json(action, answer, "no whole-number exitCode")
         return answer, time.monotonic() - started
 
     def exec(
@@ -2453,19 +2381,13 @@ class CloudFleet:
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        answer, seconds = self._exec(record["id"], name, argv, timeout_secs, workdir, env, stdin)
-        cut = tuple(
-            stream
-            for stream in ("stdout", "stderr")
-            if answer.get(f"{stream}Truncated") and not answer.get(f"{stream}B64")
-        )
-        return ExecResult(
-            exit_code=int(answer["exitCode"]),
-            stdout=exec_stream(answer, "stdout"),
-            stderr=exec_stream(answer, "stderr"),
-            seconds=seconds,
-            cut_by_service=cut,
-        )
+        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
+        answer, seconds = self._exec(record["id"], name, body)
+        streams = ("stdout", "stderr")
+        cut = tuple(s for s in streams if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64"))
+        out, err = (exec_stream(answer, stream) for stream in streams)
+        code = int(answer["exitCode"])
+        return ExecResult(code, out, err, seconds=seconds, cut_by_service=cut)
 
     def exec_stream(
         self,
@@ -2484,26 +2406,19 @@ class CloudFleet:
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        action = f"run a command in machine '{name}'"
-        started = time.monotonic()
+        action, started = f"run a command in machine '{name}'", time.monotonic()
+        route = f"/v1/machines/{record['id']}/exec/stream"
+        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
+        sse, timeout = {"Accept": "text/event-stream"}, max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)
         try:
             with self._client.stream(
-                "POST",
-                f"/v1/machines/{record['id']}/exec/stream",
-                json=cloud_exec_body(argv, timeout_secs, workdir, env, stdin),
-                headers={"Accept": "text/event-stream"},
-                timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30),
+                "POST", route, json=body, headers=sse, timeout=timeout
             ) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise cloud_error(action, response, self.config.secret_values())
-                return collect_exec_stream(
-                    sse_events(response.iter_bytes()),
-                    name,
-                    on_output,
-                    started,
-                    (httpx2.TransportError,),
-                )
+                events, faults = sse_events(response.iter_bytes()), (httpx2.TransportError,)
+                return collect_exec_stream(events, name, on_output, started, faults)
         except httpx2.TransportError as exc:  # before the answer began
             raise SmolError(
                 f"could not reach the cloud API at {self.config.cloud_url} to "
@@ -2526,14 +2441,9 @@ class CloudFleet:
         env: dict[str, str] | None = None,
     ) -> dict:
         """The service names the job itself; ``job_id`` is the local fleet's."""
-        body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
-        job = self.request(
-            f"start a job in machine '{name}'",
-            "POST",
-            self._jobs_path(name),
-            body,
-            timeout=CLOUD_LONG_TIMEOUT_SECS,
-        )
+        body, path = cloud_exec_body(argv, timeout_secs, workdir, env), self._jobs_path(name)
+        action = f"start a job in machine '{name}'"
+        job = self.request(action, "POST", path, body, timeout=CLOUD_LONG_TIMEOUT_SECS)
         return {"jobId": job["id"], "state": job.get("state", "running")}
 
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
@@ -2541,31 +2451,20 @@ class CloudFleet:
         job = self.request(f"read job {job_id} of machine '{name}'", "GET", path)
         sizes = (int(job.get("stdoutBytes") or 0), int(job.get("stderrBytes") or 0))
         share = budget_split(max(0, sizes[0] - offsets[0]), max(0, sizes[1] - offsets[1]), limit)
-        pages = []
-        for stream, offset, count in zip(("stdout", "stderr"), offsets, share):
-            if count <= 0:
-                pages.append(b"")
-                continue
-            query = {"stream": stream, "offset": str(offset), "limit": str(count)}
-            page = self.request(
-                f"read the {stream} of job {job_id}", "GET", f"{path}/output", params=query
-            )
-            answer = {"x": page.get("data"), "xB64": page.get("dataB64")}
-            pages.append(exec_stream(answer, "x")[:count])
-        return JobPage(
-            state=job.get("state", "lost"),
-            exit_code=job.get("exitCode"),
-            stdout=pages[0],
-            stderr=pages[1],
-            sizes=sizes,
-        )
+        pages = [b"", b""]
+        for index, (stream, offset, count) in enumerate(zip(("stdout", "stderr"), offsets, share)):
+            if count > 0:
+                query = {"stream": stream, "offset": str(offset), "limit": str(count)}
+                action = f"read the {stream} of job {job_id}"
+                page = self.request(action, "GET", f"{path}/output", params=query)
+                answer = {"x": page.get("data"), "xB64": page.get("dataB64")}
+                pages[index] = exec_stream(answer, "x")[:count]
+        state, code = job.get("state", "lost"), job.get("exitCode")
+        return JobPage(state=state, exit_code=code, stdout=pages[0], stderr=pages[1], sizes=sizes)
 
     def cancel_job(self, name: str, job_id: str) -> None:
-        self.request(
-            f"cancel job {job_id} of machine '{name}'",
-            "POST",
-            f"{self._jobs_path(name)}/{_q(job_id)}/cancel",
-        )
+        path = f"{self._jobs_path(name)}/{_q(job_id)}/cancel"
+        self.request(f"cancel job {job_id} of machine '{name}'", "POST", path)
 
     def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
         """The machine's jobs; with its ``machine_id`` (mach-...), no list call to find it."""
@@ -2589,7 +2488,7 @@ class CloudFleet:
         if state not in RUNNING_STATES:
             return f"state {state}"
         try:
-            self._exec(record["id"], name, READY_PROBE, 10)
+            self._exec(record["id"], name, cloud_exec_body(READY_PROBE, 10))
             return None
         except ApiError as err:
             if err.status in (401, 403, 404):
@@ -2597,57 +2496,37 @@ class CloudFleet:
             return err.api_message
 
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
-        record = self._find(name)
+        machine_id = self._find(name)["id"]
+        route = f"/v1/machines/{machine_id}/files/{cloud_file_path(path)}"
         try:
-            return self._read_by_route(record["id"], name, path, offset, length)
+            with self._client.stream("GET", route, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    action = f"read {path} in machine '{name}'"
+                    raise cloud_error(action, response, self.config.secret_values())
+                size = int(response.headers.get("content-length", -1))
+                page, seen = bytearray(), 0
+                for chunk in response.iter_bytes():
+                    if seen + len(chunk) > offset and len(page) < length:
+                        start = max(0, offset - seen)
+                        page += chunk[start : start + length - len(page)]
+                    seen += len(chunk)
+                    if len(page) >= length and size >= 0:
+                        break
+                return FilePage(data=bytes(page), size=size if size >= 0 else seen)
         except ApiError as err:
             if err.status != 404:
                 raise
-            # 404 is a missing file or a service without the suffix route; exec tells which. The
-            # choice is this request's alone: one answer never turns the route off for others.
-        return self._read_by_exec(record["id"], name, path, offset, length)
-
-    def _read_by_route(
-        self, machine_id: str, name: str, path: str, offset: int, length: int
-    ) -> FilePage:
-        url = f"/v1/machines/{machine_id}/files/{cloud_file_path(path)}"
-        with self._client.stream("GET", url, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise cloud_error(
-                    f"read {path} in machine '{name}'", response, self.config.secret_values()
-                )
-            size = int(response.headers.get("content-length", -1))
-            page, seen = bytearray(), 0
-            for chunk in response.iter_bytes():
-                if seen + len(chunk) > offset and len(page) < length:
-                    start = max(0, offset - seen)
-                    page += chunk[start : start + length - len(page)]
-                seen += len(chunk)
-                if len(page) >= length and size >= 0:
-                    break
-            return FilePage(data=bytes(page), size=size if size >= 0 else seen)
-
-    def _read_by_exec(
-        self, machine_id: str, name: str, path: str, offset: int, length: int
-    ) -> FilePage:
-        """The fallback for a service without the files route: the size and one
-        page, base64 on stdout. A page the exec response cap cut is refused:
-        returning it short would look like the end of the file."""
-        answer, _ = self._exec(
-            machine_id,
-            name,
-            ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset), str(length)],
-            120,
-        )
-        stdout = exec_stream(answer, "stdout")
+        # 404 is a missing file or a service without the suffix route; exec tells which (the
+        # choice is this request's alone: one answer never turns the route off for others). Exec
+        # prints the size and one page, base64.
+        argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset), str(length)]
+        answer, _ = self._exec(machine_id, name, cloud_exec_body(argv, 120))
         if answer.get("exitCode") != 0:
             error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
-            raise SmolError(
-                f"could not read {path} in machine '{name}': "
-                f"{error or 'exit code ' + str(answer.get('exitCode'))}"
-            )
-        size_line, _, encoded = stdout.partition(b"\n")
+            error = error or f"exit code {answer.get('exitCode')}"
+            raise SmolError(f"could not read {path} in machine '{name}': {error}")
+        size_line, _, encoded = exec_stream(answer, "stdout").partition(b"\n")
         size = int(size_line.strip() or 0)
         try:
             data = base64.b64decode(encoded)
@@ -2656,23 +2535,20 @@ class CloudFleet:
         if len(data) != max(0, min(length, size - offset)):
             # The service caps exec output; a page cut short would read as the end of the file.
             raise SmolError(
-                f"the cloud API cut the output of the read of {path} short (its exec output "
-                "cap), so "
-                "the page is not returned; ask for a smaller length"
+                f"the cloud API cut the output of the read of {path} short (its exec output cap), "
+                "so the page is not returned; ask for a smaller length"
             )
         return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
-        record = self._find(name)
+        machine_id = self._find(name)["id"]
+        route = f"/v1/machines/{machine_id}/files/{cloud_file_path(path)}"
+        action, timeout = (
+            f"write {path} in machine '{name}'",
+            CLOUD_TIMEOUT_SECS + len(data) / 2**18,
+        )
         try:
-            self.request(
-                f"write {path} in machine '{name}'",
-                "PUT",
-                f"/v1/machines/{record['id']}/files/{cloud_file_path(path)}",
-                raw=data,
-                timeout=CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024),
-                expect=None,
-            )
+            self.request(action, "PUT", route, data, timeout=timeout, expect=None)
             return len(data)
         except ApiError as err:
             if err.status != 404:
@@ -2680,13 +2556,9 @@ class CloudFleet:
             # The machine was just found and a PUT cannot 404 for a missing file, so this
             # service has no files route: write through exec. Decided per request, never for
             # the whole process.
-        answer, _ = self._exec(
-            record["id"],
-            name,
-            ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path],
-            120,
-            stdin=base64.b64encode(data).decode("ascii"),
-        )
+        argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path]
+        body = cloud_exec_body(argv, 120, stdin=base64.b64encode(data).decode("ascii"))
+        answer, _ = self._exec(machine_id, name, body)
         if answer.get("exitCode") != 0:
             error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
             raise SmolError(f"could not write {path} in machine '{name}': {error}")
@@ -2695,13 +2567,12 @@ class CloudFleet:
     def console_lines(self, name: str) -> list[str]:
         """The machine's console log, as the official client reads it (plain
         text, the last lines only)."""
-        record = self._find(name)
+        route, query = (
+            f"/v1/machines/{self._find(name)['id']}/logs",
+            {"tail": str(LOG_WINDOW_LINES)},
+        )
         text = self.request(
-            f"read the log of machine '{name}'",
-            "GET",
-            f"/v1/machines/{record['id']}/logs",
-            params={"tail": str(LOG_WINDOW_LINES)},
-            expect=None,
+            f"read the log of machine '{name}'", "GET", route, params=query, expect=None
         )
         if isinstance(text, (dict, list)):
             text = json.dumps(text)
@@ -2710,48 +2581,35 @@ class CloudFleet:
         ).splitlines()
 
     def branch_machine(self, name: str, child: str) -> dict:
-        record = self._find(name)
-        body = {"name": child, "ports": []}
+        route, body = f"/v1/machines/{self._find(name)['id']}", {"name": child, "ports": []}
         action = f"branch machine '{name}' into '{child}'"
         try:
-            created = self.request(
-                action, "POST", f"/v1/machines/{record['id']}/branches", body, timeout=1800
+            return cloud_record(
+                self.request(action, "POST", f"{route}/branches", body, timeout=1800)
             )
         except ApiError as err:
             if err.status != 404:
                 raise
-            # Older control planes only have the fork route (the source exists: it was just found).
-            created = self.request(
-                action, "POST", f"/v1/machines/{record['id']}/fork", body, timeout=1800
-            )
-        return cloud_record(created)
-
-    amends_egress = False  # the reference has no route to amend or read a cloud machine's egress
-    mounts_host_paths = (
-        False  # the cloud has no host directories: its own refusal of mounts says so
-    )
-    branch_needs_start = False
+        # Older control planes only have the fork route (the source exists: it was just found).
+        return cloud_record(self.request(action, "POST", f"{route}/fork", body, timeout=1800))
 
     def pull_image(self, name: str, image: str) -> dict:
-        raise ArgumentError(CLOUD_NO_PULL)
+        raise ArgumentError(
+            "pull-image is local only: the cloud control plane pulls a machine's image itself "
+            "when the machine is created"
+        )
 
 
 def cloud_exec_body(
     argv: list[str],
     timeout_secs: int,
-    workdir: str | None,
-    env: dict[str, str] | None,
-    stdin: str | None,
+    workdir: str | None = None,
+    env: dict[str, str] | None = None,
+    stdin: str | None = None,
 ) -> dict:
-    body: dict[str, Any] = {
-        "command": argv,
-        "env": env or {},
-        "cwd": workdir,
-        "timeoutSeconds": timeout_secs,
-    }
-    if stdin is not None:
-        body["stdin"] = stdin
-    return body
+    """The body of a cloud exec or job start; ``stdin`` only when there is some."""
+    body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
+    return body if stdin is None else {**body, "stdin": stdin}
 
 
 def budget_split(out_left: int, err_left: int, limit: int) -> tuple[int, int]:
@@ -2784,19 +2642,14 @@ def cloud_error(action: str, response: Any, secret_values: list[str]) -> ApiErro
     if "application/json" in response.headers.get("content-type", ""):
         try:
             parsed = response.json()
-            text, code = (
-                str(parsed.get("error") or parsed.get("message") or text),
-                str(parsed.get("code") or ""),
-            )
+            text = str(parsed.get("error") or parsed.get("message") or text)
+            code = str(parsed.get("code") or "")
         except (ValueError, AttributeError):
             pass
     if status == 401:
         text = f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN"
-    elif not text:
-        text = "no message"
-    err = ApiError("cloud", action, status, code, redact(text, secret_values))
-    request_id = response.headers.get("x-request-id")
-    if request_id:
+    err = ApiError("cloud", action, status, code, redact(text or "no message", secret_values))
+    if request_id := response.headers.get("x-request-id"):
         err.args = (f"{err.args[0]} [request id {request_id}]",)
     return err
 
@@ -2806,15 +2659,14 @@ def cloud_answer(
 ) -> Any:
     """The body of a successful cloud answer: JSON of the expected shape, or,
     with ``expect`` None, whatever came (JSON decoded when it parses)."""
-    ctype = response.headers.get("content-type", "")
-    body = response.content
+    ctype, body = response.headers.get("content-type", ""), response.content
     if expect is None:
         if "application/json" in ctype and body:
             try:
                 return json.loads(body)
             except ValueError:
                 return body
-        return body if body else None
+        return body or None
     if "application/json" not in ctype:
         why = "not JSON"
     elif not body:
