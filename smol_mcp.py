@@ -2798,20 +2798,8 @@ FLEET_NAMES = tuple(FLEETS)
 # value, so no tool handler (and no agent) needs to know which API answered.
 # ---------------------------------------------------------------------------
 
-MACHINE_KEYS = (
-    "id",
-    "name",
-    "state",
-    "image",
-    "cpus",
-    "memoryMb",
-    "network",
-    "ports",
-    "createdAt",
-    "pid",
-    "url",
-    "branchable",
-    "parent",
+MACHINE_KEYS = tuple(
+    "id name state image cpus memoryMb network ports createdAt pid url branchable parent".split()
 )
 
 
@@ -2822,10 +2810,9 @@ def local_record(info: dict) -> dict:
     its list (observed on 1.32.2), and the list is what the engine enforces."""
     if info.get("allowedHosts") or info.get("allowedCidrs"):
         network = "allowlist"
-    elif info.get("network"):
-        network = "open"
     else:
-        network = "blocked"
+        network = "open" if info.get("network") else "blocked"
+    ports = [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []]
     return {
         "id": info["name"],
         "name": info["name"],
@@ -2834,9 +2821,7 @@ def local_record(info: dict) -> dict:
         "cpus": info.get("cpus"),
         "memoryMb": info.get("memoryMb"),
         "network": network,
-        "ports": [
-            {"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []
-        ],
+        "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
         "pid": info.get("pid"),
         "url": None,  # the local fleet has no public ingress
@@ -2849,31 +2834,22 @@ def egress_lists(info: dict) -> dict:
     """A local machine's egress policy: its allow lists (hosts and patterns
     share one list in the engine's record) and whether egress is open."""
     hosts, cidrs = list(info.get("allowedHosts") or []), list(info.get("allowedCidrs") or [])
-    return {
-        "open": bool(info.get("network")) and not hosts and not cidrs,
-        "hosts": hosts,
-        "cidrs": cidrs,
-    }
+    is_open = bool(info.get("network")) and not hosts and not cidrs
+    return {"open": is_open, "hosts": hosts, "cidrs": cidrs}
 
 
 def cloud_record(info: dict) -> dict:
-    """A cloud machine in the shared vocabulary."""
-    network = info.get("network") if isinstance(info.get("network"), dict) else {}
+    """A cloud machine in the shared vocabulary. A record that does not echo
+    its egress policy has network null: unknown, not guessed."""
+    network, source, resources = (
+        info.get(key) if isinstance(info.get(key), dict) else {}
+        for key in ("network", "source", "resources")
+    )
     mode = network.get("mode")
-    if mode == "open":
-        egress = "open"
-    elif mode == "blocked" or (
-        mode == "allowCidrs"
-        and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]
-        and not network.get("hosts")
-    ):
-        egress = "blocked"
-    elif mode == "allowCidrs":
-        egress = "allowlist"
-    else:
-        egress = None  # a record that does not echo its policy: unknown, not guessed
-    source = info.get("source") if isinstance(info.get("source"), dict) else {}
-    resources = info.get("resources") if isinstance(info.get("resources"), dict) else {}
+    if mode == "allowCidrs" and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]:
+        mode = "allowCidrs" if network.get("hosts") else "blocked"
+    egress = {"open": "open", "blocked": "blocked", "allowCidrs": "allowlist"}
+    ports = [{"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []]
     return {
         "id": info.get("id"),
         "name": info.get("name") or info.get("id"),
@@ -2881,10 +2857,8 @@ def cloud_record(info: dict) -> dict:
         "image": source.get("reference") or info.get("image"),
         "cpus": resources.get("cpus"),
         "memoryMb": resources.get("memoryMb"),
-        "network": egress,
-        "ports": [
-            {"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []
-        ],
+        "network": egress.get(mode) if isinstance(mode, str) else None,
+        "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
         "pid": None,  # the VM process runs on a node we cannot see
         "url": info.get("url"),
@@ -2920,24 +2894,15 @@ OVERFLOW_DIR = "/tmp/smol-mcp-output"
 
 def utf8_prefix_end(data: bytes, end: int) -> int:
     """Largest cut <= end that does not split a UTF-8 character."""
-    end = min(end, len(data))
-    cut = end
+    end = cut = min(end, len(data))
     while cut > 0 and cut > end - 4 and (data[cut - 1] & 0xC0) == 0x80:
         cut -= 1
-    if (
-        cut > 0 and data[cut - 1] >= 0xC0
-    ):  # a lead byte whose character is not complete before `end`
-        need = 2 if data[cut - 1] < 0xE0 else 3 if data[cut - 1] < 0xF0 else 4
+    lead = data[cut - 1] if cut > 0 else 0
+    if lead >= 0xC0:  # a lead byte: is its character complete before `end`?
+        need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
         if end - (cut - 1) < need:
             return cut - 1
     return end
-
-
-def utf8_suffix_start(data: bytes, start: int) -> int:
-    """Smallest cut >= start that begins a UTF-8 character."""
-    while start < len(data) and (data[start] & 0xC0) == 0x80:
-        start += 1
-    return start
 
 
 # One piece a tokenizer cannot merge across: a run of letters and digits, a run of
@@ -3003,14 +2968,12 @@ def reply_tokens(config: Config) -> int:
 def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
     """Split ``limit`` tokens between stdout and stderr: a stream that needs
     less than half leaves the rest to the other."""
+    half = limit // 2
     if sum(costs) <= limit:
         return costs
-    half = limit // 2
     if costs[0] <= half:
         return costs[0], limit - costs[0]
-    if costs[1] <= half:
-        return limit - costs[1], costs[1]
-    return half, limit - half
+    return (limit - costs[1], costs[1]) if costs[1] <= half else (half, limit - half)
 
 
 def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, int]:
@@ -3023,11 +2986,12 @@ def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, i
     tokens -= est_tokens(marker)
     head = data[: utf8_prefix_end(data, limit // 2)]
     head = head[: prefix_within_tokens(head, tokens // 2)]
-    tail = data[utf8_suffix_start(data, len(data) - (limit - limit // 2)) :]
-    tail_text = tail.decode("utf-8", "surrogateescape")[::-1]
-    tail = tail_text[: within_tokens(tail_text, tokens - tokens // 2)][::-1].encode(
-        "utf-8", "surrogateescape"
-    )
+    start = len(data) - (limit - limit // 2)
+    while start < len(data) and (data[start] & 0xC0) == 0x80:  # begin on a character
+        start += 1
+    tail_text = data[start:].decode("utf-8", "surrogateescape")[::-1]
+    tail_text = tail_text[: within_tokens(tail_text, tokens - tokens // 2)][::-1]
+    tail = tail_text.encode("utf-8", "surrogateescape")
     omitted = len(data) - len(head) - len(tail)
     marker = f"\n[... smol-mcp: {omitted} bytes omitted here; {where} ...]\n"
     return head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), omitted
@@ -3060,8 +3024,6 @@ TYPE_WORDS = {
     "array": "a list",
     "object": "an object",
 }
-
-
 MAX_TIMEOUT_SECS = (
     86400  # the built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
 )
@@ -3070,6 +3032,15 @@ MAX_DISK_GB = 4096  # storageGb and overlayGb
 MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
 MAX_READ_LENGTH = 64 * 1024 * 1024  # the largest output budget the settings allow
 GUEST_PATH_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
+# Image transports that read from this host (file: URLs and containers-transports(5)).
+HOST_TRANSPORTS = ("file:", "dir:", "oci:", "oci-archive:", "docker-archive:", "docker-daemon:")
+# Which refusal is told when a value breaks several rules: the first in this order.
+_KEYWORD_ORDER = tuple(
+    "type enum minimum maximum minLength maxLength pattern minItems maxItems additionalProperties "
+    "required oneOf".split()
+)
+# Names other tools use for an argument, too far from ours for difflib to find.
+ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "workdir"}
 
 
 def python_pattern(pattern: str) -> str:
@@ -3088,27 +3059,25 @@ def guest_path(path: str, where: str = "path") -> str:
     path could name another route rather than a file."""
     if not path.startswith("/"):
         raise ArgumentError(
-            f'"{where}" must be an absolute path inside the machine (starting '
-            f"with /); got {json.dumps(path)[:60]}"
+            f'"{where}" must be an absolute path inside the machine (starting with /); got '
+            f"{json.dumps(path)[:60]}"
         )
     if GUEST_PATH_FORBIDDEN.search(path):
         raise ArgumentError(
-            f'"{where}" holds a control character (such as a newline or NUL), '
-            "which no file name should; pass the path without it"
+            f'"{where}" holds a control character (such as a newline or NUL), which no file name '
+            "should; pass the path without it"
         )
     parts: list[str] = []
     for segment in path.split("/"):
-        if segment in ("", "."):
-            continue
+        if segment == ".." and not parts:
+            raise ArgumentError(
+                f'"{where}" climbs above / with ".."; pass the plain absolute path of the file, '
+                f"got {json.dumps(path)[:60]}"
+            )
         if segment == "..":
-            if not parts:
-                raise ArgumentError(
-                    f'"{where}" climbs above / with ".."; pass the plain '
-                    f"absolute path of the file, got {json.dumps(path)[:60]}"
-                )
             parts.pop()
-            continue
-        parts.append(segment)
+        elif segment not in ("", "."):
+            parts.append(segment)
     return "/" + "/".join(parts)
 
 
@@ -3120,18 +3089,6 @@ def guest_route_suffix(path: str) -> str:
     return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
 
 
-# Image transports that read from this host (file: URLs and containers-transports(5)).
-HOST_TRANSPORTS = ("file:", "dir:", "oci:", "oci-archive:", "docker-archive:", "docker-daemon:")
-
-
-def looks_like_host_path(image: str) -> bool:
-    """True when an image names a place on this host rather than a registry: a
-    path (absolute, relative, home) or a host-side transport, in any letter
-    case and after any blank."""
-    plain = image.strip().lower()
-    return plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", "..")
-
-
 def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
     """The resolved host path when it lies under a configured mount root that
     allows what is asked; else ArgumentError naming mountRoots. Symlinks and
@@ -3140,10 +3097,9 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
         raise ArgumentError(
-            f'"{where}" names a host path ({source!r}), and this server exposes '
-            "no host directory: the operator can allow some with the mountRoots "
-            "setting (SMOL_MCP_MOUNT_ROOTS). Otherwise copy files in with "
-            "write-file, or use a registry image"
+            f'"{where}" names a host path ({source!r}), and this server exposes no host directory: '
+            "the operator can allow some with the mountRoots setting (SMOL_MCP_MOUNT_ROOTS). "
+            "Otherwise copy files in with write-file, or use a registry image"
         )
     if GUEST_PATH_FORBIDDEN.search(source):
         raise ArgumentError(
@@ -3160,26 +3116,29 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
         raise ArgumentError(f'"{where}" must be an absolute host path, got {source!r}')
     resolved = os.path.realpath(os.path.expanduser(plain))
     for root, writable in roots:
-        if within(resolved, root):
-            for own in server_directories(config):
-                if within(resolved, own) or within(own, resolved):
-                    raise ArgumentError(
-                        f'"{where}" resolves to {resolved}, which is or holds {own}, a directory '
-                        "of this server itself (tokens, approvals, sockets): never mountable, "
-                        "whatever mountRoots says; pick another directory"
-                    )
-            if want_write and not writable:
+        if not within(resolved, root):
+            continue
+        # This server's own state, runtime and config directories (section 16).
+        config_dir = str(config_file_path(dict(os.environ)).parent)
+        own_places = (config.state_dir, config.runtime_dir, config_dir)
+        for own in (os.path.realpath(os.path.expanduser(place)) for place in own_places if place):
+            if within(resolved, own) or within(own, resolved):
                 raise ArgumentError(
-                    f'"{where}" asks for write access under {root}, which '
-                    'mountRoots opens read-only; leave "readonly" out (or true), '
-                    'or have the operator add ":rw" to that root'
+                    f'"{where}" resolves to {resolved}, which is or holds {own}, a directory '
+                    "of this server itself (tokens, approvals, sockets): never mountable, "
+                    "whatever mountRoots says; pick another directory"
                 )
-            return resolved
+        if want_write and not writable:
+            raise ArgumentError(
+                f'"{where}" asks for write access under {root}, which mountRoots opens '
+                'read-only; leave "readonly" out (or true), or have the operator add ":rw" to '
+                "that root"
+            )
+        return resolved
     listed = ", ".join(root + (MOUNT_ROOT_WRITABLE if writable else "") for root, writable in roots)
     raise ArgumentError(
-        f'"{where}" resolves to {resolved}, which is outside the host '
-        f"directories this server exposes ({listed}; the mountRoots setting); "
-        "pick a path under one of them"
+        f'"{where}" resolves to {resolved}, which is outside the host directories this server '
+        f"exposes ({listed}; the mountRoots setting); pick a path under one of them"
     )
 
 
@@ -3188,19 +3147,13 @@ def within(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
-def server_directories(config: Config) -> list[str]:
-    """The state, runtime and config directories, resolved (section 16)."""
-    config_dir = str(config_file_path(dict(os.environ)).parent)
-    places = (config.state_dir, config.runtime_dir, config_dir)
-    return [os.path.realpath(os.path.expanduser(place)) for place in places if place]
-
-
 def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
     """Hold a host-path image and every mount to mountRoots (closed by default);
     return the image (resolved when it is a host path) and the mounts with
     resolved sources and an explicit readonly, which is true unless the mount
     asked for `readonly: false` under a writable root."""
-    if looks_like_host_path(image):
+    plain = image.strip().lower()  # a path (absolute, relative, home) or a host-side transport
+    if plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", ".."):
         image = contained_host_path(config, image, "image", want_write=False)
     checked = []
     for index, mount in enumerate(mounts):
@@ -3234,28 +3187,8 @@ def argument_validator() -> Any:
             yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
 
     base = jsonschema.Draft202012Validator
-    return jsonschema.validators.extend(
-        base,
-        validators={"pattern": ecma_pattern},
-        type_checker=base.TYPE_CHECKER.redefine("integer", whole_number),
-    )
-
-
-# Which refusal is told when a value breaks several rules: the first in this order.
-_KEYWORD_ORDER = (
-    "type",
-    "enum",
-    "minimum",
-    "maximum",
-    "minLength",
-    "maxLength",
-    "pattern",
-    "minItems",
-    "maxItems",
-    "additionalProperties",
-    "required",
-    "oneOf",
-)
+    checker = base.TYPE_CHECKER.redefine("integer", whole_number)
+    return jsonschema.validators.extend(base, {"pattern": ecma_pattern}, type_checker=checker)
 
 
 def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = None) -> dict:
@@ -3286,45 +3219,31 @@ def _first_error(errors: list, arguments: dict) -> Any:
     def order(error: Any) -> tuple:
         positions, node = [], arguments
         for step in _error_where(error)[0]:
-            if isinstance(node, dict):
-                positions.append(list(node).index(step))
-                node = node.get(step)
-            else:
-                positions.append(step)
-                node = node[step]
+            positions.append(list(node).index(step) if isinstance(node, dict) else step)
+            node = node.get(step) if isinstance(node, dict) else node[step]
         by_name = "propertyNames" in error.absolute_schema_path  # a name before its value
         return tuple(positions), -1 if by_name else _KEYWORD_ORDER.index(error.validator)
 
     return min(errors, key=order)
 
 
-def _where(path: list) -> str:
-    text = ""
-    for step in path:
-        text += f"[{step}]" if isinstance(step, int) else (f".{step}" if text else str(step))
-    return text
-
-
-# Names other tools use for an argument, too far from ours for difflib to find.
-ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "workdir"}
-
-
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
     path, value = _error_where(error)
-    where, rule, schema = _where(path), error.validator, error.schema
+    where = "".join(
+        f"[{step}]" if isinstance(step, int) else f".{step}" if index else str(step)
+        for index, step in enumerate(path)
+    )
+    rule, schema, limit = error.validator, error.schema, error.validator_value
     if rule == "additionalProperties":
         accepted = schema.get("properties", {})
         key = next(key for key in value if key not in accepted)
         slip = ARGUMENT_SLIPS.get(key.lower())
         maybe = f' (did you mean "{slip}"?)' if slip in accepted else ""
-        maybe = maybe or did_you_mean(key, accepted, cutoff=0.5)
+        maybe, names = maybe or did_you_mean(key, accepted, cutoff=0.5), ", ".join(accepted)
         if not path:
-            return (
-                f'{tool} has no argument "{key}"{maybe}; it accepts: '
-                f"{', '.join(accepted) or 'none'}"
-            )
-        return f'"{where}" has no field "{key}"{maybe}; it accepts: {", ".join(accepted)}'
+            return f'{tool} has no argument "{key}"{maybe}; it accepts: {names or "none"}'
+        return f'"{where}" has no field "{key}"{maybe}; it accepts: {names}'
     if rule == "required":
         key = next(key for key in schema["required"] if key not in value)
         if not path:
@@ -3341,30 +3260,22 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
         return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'  # no oneOf is secret
     secret = bool(path) and path[0] in (*REDACTED_ARGUMENTS, *REDACTED_MAPS)
     got = "a value not repeated here" if secret else json.dumps(value)[:60]
-    limit = error.validator_value
+    if rule == "type":
+        choices = " or ".join(json.dumps(v) for v in schema.get("enum", ()))
+        choices = f" ({choices})" if "enum" in schema else ""
+        return f'"{where}" must be {TYPE_WORDS.get(limit, limit)}{choices}, got {got}'
+    if rule == "enum":
+        return f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
+    if rule == "maxItems":
+        return f'"{where}" may hold at most {limit} items, got {len(value)}'
     return {
-        "type": lambda: (
-            f'"{where}" must be {TYPE_WORDS.get(limit, limit)}'
-            + (
-                f" ({' or '.join(json.dumps(v) for v in schema['enum'])})"
-                if "enum" in schema
-                else ""
-            )
-            + f", got {got}"
-        ),
-        "enum": lambda: (
-            f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
-        ),
-        "minimum": lambda: f'"{where}" must be at least {limit}, got {value}',
-        "maximum": lambda: f'"{where}" must be at most {limit}, got {value}',
-        "minLength": lambda: f'"{where}" must not be empty',
-        "maxLength": lambda: f'"{where}" must be at most {limit} characters long',
-        "pattern": lambda: (
-            f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}'
-        ),
-        "minItems": lambda: f'"{where}" must hold at least {limit} item(s)',
-        "maxItems": lambda: f'"{where}" may hold at most {limit} items, got {len(value)}',
-    }[rule]()
+        "minimum": f'"{where}" must be at least {limit}, got {value}',
+        "maximum": f'"{where}" must be at most {limit}, got {value}',
+        "minLength": f'"{where}" must not be empty',
+        "maxLength": f'"{where}" must be at most {limit} characters long',
+        "pattern": f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}',
+        "minItems": f'"{where}" must hold at least {limit} item(s)',
+    }[rule]
 
 
 # ---------------------------------------------------------------------------
