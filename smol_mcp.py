@@ -2114,11 +2114,10 @@ def _last_line(text: str) -> str:
 # ---------------------------------------------------------------------------
 # 4. Cloud fleet: the smol cloud REST API
 #
-# httpx2 to $SMOL_CLOUD_URL with a bearer token. The cloud names a machine by a
-# mach-... id; a name is resolved with one list call. Routes and bodies follow
-# the official Python client (smolmachines 1.32.2, smol/transport.py); where
-# the live service was seen to differ, the client is followed and the
-# service's observed behaviour is kept as a fallback.
+# httpx2 to $SMOL_CLOUD_URL with a bearer token. The cloud names a machine by a mach-... id; a name
+# is resolved with one list call. Routes and bodies follow the official Python client (smolmachines
+# 1.32.2, smol/transport.py); where the live service was seen to differ, the client is followed and
+# the service's observed behaviour is kept as a fallback.
 # ---------------------------------------------------------------------------
 
 CLOUD_TIMEOUT_SECS = 30
@@ -2196,10 +2195,9 @@ class CloudFleet:
         timeout: float = CLOUD_TIMEOUT_SECS,
         expect: type | tuple[type, ...] | None = dict,
     ) -> Any:
-        """One call with retries where they are safe: 429 always (it never ran),
-        the other retryable statuses only for idempotent methods. A bytes
-        ``payload`` is sent as it is, anything else as JSON. ``expect`` is the
-        JSON shape a success must have (None: any body, JSON or bytes); any
+        """One call with retries where they are safe: 429 always (it never ran), the other retryable
+        statuses only for idempotent methods. A bytes ``payload`` is sent as it is, anything else as
+        JSON. ``expect`` is the JSON shape a success must have (None: any body, JSON or bytes); any
         other answer is the service's fault and says so (cloud_answer)."""
         import httpx2
 
@@ -2779,9 +2777,8 @@ class Fleet(Protocol):
 
     @classmethod
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
-        """For `doctor`: check what a person should know (facts may change),
-        and return the detail lines under the fleet's heading and the advice
-        printed after its reason."""
+        """For `doctor`: check what a person should know (facts may change), and return the detail
+        lines under the fleet's heading and the advice printed after its reason."""
         ...
 
 
@@ -2804,10 +2801,9 @@ MACHINE_KEYS = tuple(
 
 
 def local_record(info: dict) -> dict:
-    """A local MachineInfo in the shared vocabulary. The local API names a
-    machine only by its name, so ``id`` is the name too. An allow list wins
-    over the `network` flag: an amended machine reads `network: true` with
-    its list (observed on 1.32.2), and the list is what the engine enforces."""
+    """A local MachineInfo in the shared vocabulary. The local API names a machine only by its name,
+    so ``id`` is the name too. An allow list wins over the `network` flag: an amended machine reads
+    `network: true` with its list (observed on 1.32.2), and the list is what the engine enforces."""
     if info.get("allowedHosts") or info.get("allowedCidrs"):
         network = "allowlist"
     else:
@@ -2883,10 +2879,9 @@ def iso_time(value: Any) -> str | None:
 # ---------------------------------------------------------------------------
 # 6. Output budget
 #
-# A tool result is read by a model that pays in tokens (Claude Code refuses a
-# result over 25,000). A stream longer than maxOutputBytes, or estimated above
-# replyTokens, keeps its head and its tail, says how much fell between, and the
-# whole stream is written into the machine so nothing is lost.
+# A tool result is read by a model that pays in tokens (Claude Code refuses a result over 25,000). A
+# stream longer than maxOutputBytes, or estimated above replyTokens, keeps its head and its tail,
+# says how much fell between, and the whole stream is written into the machine so nothing is lost.
 # ---------------------------------------------------------------------------
 
 OVERFLOW_DIR = "/tmp/smol-mcp-output"
@@ -3082,18 +3077,16 @@ def guest_path(path: str, where: str = "path") -> str:
 
 
 def guest_route_suffix(path: str) -> str:
-    """The path as the suffix of a files route: normalised, every segment
-    percent-encoded on its own (no `/`, `?`, `#` or `%` of the path survives as
-    syntax), without the leading slash."""
+    """The path as the suffix of a files route: normalised, every segment percent-encoded on its own
+    (no `/`, `?`, `#` or `%` of the path survives as syntax), without the leading slash."""
     segments = guest_path(path).split("/")[1:]
     return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
 
 
 def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
-    """The resolved host path when it lies under a configured mount root that
-    allows what is asked; else ArgumentError naming mountRoots. Symlinks and
-    `..` are resolved first, so a link inside a root cannot lead out of it; the
-    resolved path is what the engine is given."""
+    """The resolved host path when it lies under a configured mount root that allows what is asked;
+    else ArgumentError naming mountRoots. Symlinks and `..` are resolved first, so a link inside a
+    root cannot lead out of it; the resolved path is what the engine is given."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
         raise ArgumentError(
@@ -3118,10 +3111,7 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
     for root, writable in roots:
         if not within(resolved, root):
             continue
-        # This server's own state, runtime and config directories (section 16).
-        config_dir = str(config_file_path(dict(os.environ)).parent)
-        own_places = (config.state_dir, config.runtime_dir, config_dir)
-        for own in (os.path.realpath(os.path.expanduser(place)) for place in own_places if place):
+        for own in server_directories(config):
             if within(resolved, own) or within(own, resolved):
                 raise ArgumentError(
                     f'"{where}" resolves to {resolved}, which is or holds {own}, a directory '
@@ -3147,11 +3137,17 @@ def within(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
+def server_directories(config: Config) -> list[str]:
+    """The state, runtime and config directories, resolved (section 16)."""
+    config_dir = str(config_file_path(dict(os.environ)).parent)
+    places = (config.state_dir, config.runtime_dir, config_dir)
+    return [os.path.realpath(os.path.expanduser(place)) for place in places if place]
+
+
 def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
-    """Hold a host-path image and every mount to mountRoots (closed by default);
-    return the image (resolved when it is a host path) and the mounts with
-    resolved sources and an explicit readonly, which is true unless the mount
-    asked for `readonly: false` under a writable root."""
+    """Hold a host-path image and every mount to mountRoots (closed by default); return the image
+    (resolved when it is a host path) and the mounts with resolved sources and an explicit readonly,
+    which is true unless the mount asked for `readonly: false` under a writable root."""
     plain = image.strip().lower()  # a path (absolute, relative, home) or a host-side transport
     if plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", ".."):
         image = contained_host_path(config, image, "image", want_write=False)
@@ -3192,9 +3188,8 @@ def argument_validator() -> Any:
 
 
 def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = None) -> dict:
-    """Check ``arguments`` against the tool's input schema (or its ``checker``,
-    built once); raise ArgumentError naming the first argument that is unknown,
-    missing, mistyped or out of range."""
+    """Check ``arguments`` against the tool's input schema (or its ``checker``, built once); raise
+    ArgumentError naming the first argument that is unknown, missing, mistyped or out of range."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
     errors = list((checker or argument_validator()(schema)).iter_errors(arguments))
