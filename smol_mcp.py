@@ -2138,8 +2138,7 @@ CLOUD_LOCAL_ONLY_ARGUMENT = (
 
 
 class CloudFleet:
-    """The machines of a smol cloud account. Blocking, like LocalFleet: the
-    tool layer calls it from worker threads."""
+    """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads."""
 
     name = "cloud"
     served_as = "cloud (the smol cloud account; machines are billed while they exist)"
@@ -2191,7 +2190,6 @@ class CloudFleet:
         path: str,
         payload: Any = None,
         *,
-        params: dict | None = None,
         timeout: float = CLOUD_TIMEOUT_SECS,
         expect: type | tuple[type, ...] | None = dict,
     ) -> Any:
@@ -2206,13 +2204,12 @@ class CloudFleet:
                 "the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
                 "config file)"
             )
-        body = {"content": payload} if isinstance(payload, bytes) else {"json": payload}
-        headers = {"Content-Type": "application/octet-stream"} if "content" in body else None
+        body: dict[str, Any] = {"json": payload}
+        if isinstance(payload, bytes):
+            body = {"content": payload, "headers": {"Content-Type": "application/octet-stream"}}
         for attempt in range(1, 5):
             try:
-                response = self._client.request(
-                    method, path, params=params, timeout=timeout, headers=headers, **body
-                )
+                response = self._client.request(method, path, timeout=timeout, **body)
             except httpx2.TimeoutException:
                 raise SmolError(
                     f"the cloud API did not answer within {timeout:.0f} s while trying to "
@@ -2228,7 +2225,8 @@ class CloudFleet:
             idempotent = method in ("GET", "PUT", "DELETE")
             if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
                 break
-            delay = _retry_after(response)
+            wait = response.headers.get("retry-after", "")
+            delay = float(wait) if wait.replace(".", "", 1).isdigit() else None
             if delay is not None and delay > CLOUD_MAX_RETRY_WAIT_SECS:
                 raise SmolError(
                     f"the cloud API is busy (HTTP {code}) and asks to wait {delay:.0f} s before "
@@ -2258,17 +2256,15 @@ class CloudFleet:
         found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
         for record in sorted(found, key=lambda r: not r.get("name")):
             return record
-        raise ApiError(
-            self.name, f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found"
-        )
+        missing = f"machine '{name}' not found"
+        raise ApiError(self.name, f"find machine '{name}'", 404, "NOT_FOUND", missing)
 
     def _list_raw(self) -> list[dict]:
         answer = self.request("list machines", "GET", "/v1/machines", expect=(dict, list))
         # The official client accepts either shape; the service has sent a bare array.
         machines = answer.get("machines", []) if isinstance(answer, dict) else answer
-        if not isinstance(machines, list) or not all(
-            isinstance(m, dict) and "id" in m for m in machines
-        ):
+        ok = isinstance(machines, list) and all(isinstance(m, dict) and "id" in m for m in machines)
+        if not ok:
             raise self._bad_json("list machines", answer, "not a list of machine records")
         return machines
 
@@ -2331,35 +2327,33 @@ class CloudFleet:
             return {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
         return {"mode": "open"} if spec.network == "open" else self._blocked
 
-    def _act(self, name: str, verb: str, timeout: float, params: dict | None = None) -> dict:
+    def _act(self, name: str, verb: str, timeout: float, query: str = "") -> dict:
         """POST ``verb`` (start, stop) to the machine; its record after."""
         route = f"/v1/machines/{self._find(name)['id']}"
         action = f"{verb} machine '{name}'"
-        self.request(action, "POST", f"{route}/{verb}", params=params, timeout=timeout, expect=None)
+        self.request(action, "POST", f"{route}/{verb}{query}", timeout=timeout, expect=None)
         return cloud_record(self.request(f"get machine '{name}'", "GET", route))
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
         # The official client repeats branchability on the first start of a branch source.
-        params = {"forkable": "true"} if branchable else None
-        return self._act(name, "start", self.config.ready_timeout_secs + 60, params)
+        query = "?forkable=true" if branchable else ""
+        return self._act(name, "start", self.config.ready_timeout_secs + 60, query)
 
     def stop_machine(self, name: str) -> dict:
         return self._act(name, "stop", 360)
 
     def delete_machine(self, name: str) -> dict:
         """Delete and return the settled bill, which the service computes at teardown."""
-        route, query = f"/v1/machines/{self._find(name)['id']}", {"includeUsage": "true"}
-        action = f"delete machine '{name}'"
-        usage = self.request(action, "DELETE", route, params=query, timeout=120, expect=None)
+        route = f"/v1/machines/{self._find(name)['id']}?includeUsage=true"
+        usage = self.request(f"delete machine '{name}'", "DELETE", route, timeout=120, expect=None)
         return {"deleted": name, **({"usage": usage} if isinstance(usage, dict) else {})}
 
     def _exec(self, machine_id: str, name: str, body: dict) -> tuple[dict, float]:
         """One exec call (``body`` from cloud_exec_body): the answer and the seconds it took."""
         action, started = f"run a command in machine '{name}'", time.monotonic()
         timeout = max(CLOUD_TIMEOUT_SECS, body["timeoutSeconds"] + 30)
-        answer = self.request(
-            action, "POST", f"/v1/machines/{machine_id}/exec", body, timeout=timeout
-        )
+        route = f"/v1/machines/{machine_id}/exec"
+        answer = self.request(action, "POST", route, body, timeout=timeout)
         if isinstance(answer.get("exitCode"), bool) or not isinstance(answer.get("exitCode"), int):
             raise self._bad_json(action, answer, "no whole-number exitCode")
         return answer, time.monotonic() - started
@@ -2374,8 +2368,7 @@ class CloudFleet:
         env: dict[str, str] | None = None,
         stdin: str | None = None,
     ) -> ExecResult:
-        """Run a command in a running machine; NotRunning if it is not running
-        (cloud exec would start it silently)."""
+        """Run a command; NotRunning unless the machine runs (cloud exec would start it)."""
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
@@ -2384,8 +2377,7 @@ class CloudFleet:
         streams = ("stdout", "stderr")
         cut = tuple(s for s in streams if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64"))
         out, err = (exec_stream(answer, stream) for stream in streams)
-        code = int(answer["exitCode"])
-        return ExecResult(code, out, err, seconds=seconds, cut_by_service=cut)
+        return ExecResult(int(answer["exitCode"]), out, err, seconds, cut)
 
     def exec_stream(
         self,
@@ -2407,15 +2399,13 @@ class CloudFleet:
         action, started = f"run a command in machine '{name}'", time.monotonic()
         route = f"/v1/machines/{record['id']}/exec/stream"
         body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
-        sse, timeout = {"Accept": "text/event-stream"}, max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)
+        sse, secs = {"Accept": "text/event-stream"}, max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)
         try:
-            with self._client.stream(
-                "POST", route, json=body, headers=sse, timeout=timeout
-            ) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise cloud_error(action, response, self.config.secret_values())
-                events, faults = sse_events(response.iter_bytes()), (httpx2.TransportError,)
+            with self._client.stream("POST", route, json=body, headers=sse, timeout=secs) as reply:
+                if reply.status_code >= 400:
+                    reply.read()
+                    raise cloud_error(action, reply, self.config.secret_values())
+                events, faults = sse_events(reply.iter_bytes()), (httpx2.TransportError,)
                 return collect_exec_stream(events, name, on_output, started, faults)
         except httpx2.TransportError as exc:  # before the answer began
             raise SmolError(
@@ -2448,13 +2438,15 @@ class CloudFleet:
         path = f"{self._jobs_path(name)}/{_q(job_id)}"
         job = self.request(f"read job {job_id} of machine '{name}'", "GET", path)
         sizes = (int(job.get("stdoutBytes") or 0), int(job.get("stderrBytes") or 0))
-        share = budget_split(max(0, sizes[0] - offsets[0]), max(0, sizes[1] - offsets[1]), limit)
+        # At most `limit` bytes together; neither stream starves while the other has plenty.
+        out_left, err_left = (max(0, size - offset) for size, offset in zip(sizes, offsets))
+        out = min(out_left, max(limit // 2, limit - err_left))
+        share = (out, min(err_left, limit - out))
         pages = [b"", b""]
         for index, (stream, offset, count) in enumerate(zip(("stdout", "stderr"), offsets, share)):
             if count > 0:
-                query = {"stream": stream, "offset": str(offset), "limit": str(count)}
-                action = f"read the {stream} of job {job_id}"
-                page = self.request(action, "GET", f"{path}/output", params=query)
+                query = f"output?stream={stream}&offset={offset}&limit={count}"
+                page = self.request(f"read the {stream} of job {job_id}", "GET", f"{path}/{query}")
                 answer = {"x": page.get("data"), "xB64": page.get("dataB64")}
                 pages[index] = exec_stream(answer, "x")[:count]
         state, code = job.get("state", "lost"), job.get("exitCode")
@@ -2493,9 +2485,14 @@ class CloudFleet:
                 raise
             return err.api_message
 
-    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
+    def _file_route(self, name: str, path: str) -> tuple[str, str]:
+        """The machine's id and the files route of ``path``: the path as a suffix, normalised,
+        each segment percent-encoded, the leading slash kept, as the official client sends it."""
         machine_id = self._find(name)["id"]
-        route = f"/v1/machines/{machine_id}/files/{cloud_file_path(path)}"
+        return machine_id, f"/v1/machines/{machine_id}/files//{guest_route_suffix(path)}"
+
+    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
+        machine_id, route = self._file_route(name, path)
         try:
             with self._client.stream("GET", route, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
                 if response.status_code >= 400:
@@ -2515,9 +2512,8 @@ class CloudFleet:
         except ApiError as err:
             if err.status != 404:
                 raise
-        # 404 is a missing file or a service without the suffix route; exec tells which (the
-        # choice is this request's alone: one answer never turns the route off for others). Exec
-        # prints the size and one page, base64.
+        # 404 is a missing file or a service without the suffix route: exec (the size and a page,
+        # base64) tells which. Decided per request: one answer never turns the route off.
         argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset), str(length)]
         answer, _ = self._exec(machine_id, name, cloud_exec_body(argv, 120))
         if answer.get("exitCode") != 0:
@@ -2539,21 +2535,17 @@ class CloudFleet:
         return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
-        machine_id = self._find(name)["id"]
-        route = f"/v1/machines/{machine_id}/files/{cloud_file_path(path)}"
-        action, timeout = (
-            f"write {path} in machine '{name}'",
-            CLOUD_TIMEOUT_SECS + len(data) / 2**18,
-        )
+        machine_id, route = self._file_route(name, path)
+        action = f"write {path} in machine '{name}'"
+        timeout = CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024)
         try:
             self.request(action, "PUT", route, data, timeout=timeout, expect=None)
             return len(data)
         except ApiError as err:
             if err.status != 404:
                 raise
-            # The machine was just found and a PUT cannot 404 for a missing file, so this
-            # service has no files route: write through exec. Decided per request, never for
-            # the whole process.
+            # The machine was just found and a PUT cannot 404 for a missing file, so this service
+            # has no files route: write through exec. Decided per request, not for the process.
         argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path]
         body = cloud_exec_body(argv, 120, stdin=base64.b64encode(data).decode("ascii"))
         answer, _ = self._exec(machine_id, name, body)
@@ -2563,33 +2555,26 @@ class CloudFleet:
         return int(exec_stream(answer, "stdout").strip() or len(data))
 
     def console_lines(self, name: str) -> list[str]:
-        """The machine's console log, as the official client reads it (plain
-        text, the last lines only)."""
-        route, query = (
-            f"/v1/machines/{self._find(name)['id']}/logs",
-            {"tail": str(LOG_WINDOW_LINES)},
-        )
-        text = self.request(
-            f"read the log of machine '{name}'", "GET", route, params=query, expect=None
-        )
+        """The console log's last lines, read as the official client reads them (plain text)."""
+        route = f"/v1/machines/{self._find(name)['id']}/logs?tail={LOG_WINDOW_LINES}"
+        text = self.request(f"read the log of machine '{name}'", "GET", route, expect=None)
+
         if isinstance(text, (dict, list)):
             text = json.dumps(text)
-        return (
-            text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")
-        ).splitlines()
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")
+        return text.splitlines()
 
     def branch_machine(self, name: str, child: str) -> dict:
         route, body = f"/v1/machines/{self._find(name)['id']}", {"name": child, "ports": []}
         action = f"branch machine '{name}' into '{child}'"
         try:
-            return cloud_record(
-                self.request(action, "POST", f"{route}/branches", body, timeout=1800)
-            )
+            created = self.request(action, "POST", f"{route}/branches", body, timeout=1800)
         except ApiError as err:
             if err.status != 404:
                 raise
-        # Older control planes only have the fork route (the source exists: it was just found).
-        return cloud_record(self.request(action, "POST", f"{route}/fork", body, timeout=1800))
+            # Older control planes only have the fork route (the source exists: it was just found).
+            created = self.request(action, "POST", f"{route}/fork", body, timeout=1800)
+        return cloud_record(created)
 
     def pull_image(self, name: str, image: str) -> dict:
         raise ArgumentError(
@@ -2610,22 +2595,8 @@ def cloud_exec_body(
     return body if stdin is None else {**body, "stdin": stdin}
 
 
-def budget_split(out_left: int, err_left: int, limit: int) -> tuple[int, int]:
-    """How many bytes of stdout and of stderr one job read returns: together at
-    most ``limit``, and neither starves while the other has plenty."""
-    out = min(out_left, max(limit // 2, limit - err_left))
-    return out, min(err_left, limit - out)
-
-
-def cloud_file_path(path: str) -> str:
-    """The files route takes the path as a suffix, normalised, each segment
-    percent-encoded and the leading slash kept, as the official client sends it."""
-    return "/" + guest_route_suffix(path)
-
-
 def exec_stream(answer: dict, stream: str) -> bytes:
-    """One output stream of a cloud exec: the byte-exact base64 family when the
-    service sent it, else the text (capped at 1 MiB by the service)."""
+    """One stream of a cloud exec: byte-exact base64 when sent, else the text (capped at 1 MiB)."""
     encoded = answer.get(f"{stream}B64")
     if encoded:
         return base64.b64decode(encoded)
@@ -2658,24 +2629,18 @@ def cloud_answer(
     """The body of a successful cloud answer: JSON of the expected shape, or,
     with ``expect`` None, whatever came (JSON decoded when it parses)."""
     ctype, body = response.headers.get("content-type", ""), response.content
-    if expect is None:
-        if "application/json" in ctype and body:
-            try:
-                return json.loads(body)
-            except ValueError:
-                return body
+    why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
+    if why and expect is None:
         return body or None
-    if "application/json" not in ctype:
-        why = "not JSON"
-    elif not body:
-        why = "an empty body"
-    else:
+    if not why:
         try:
             value = json.loads(body)
         except ValueError:
+            if expect is None:
+                return body
             why = "malformed JSON"
         else:
-            if isinstance(value, expect):
+            if expect is None or isinstance(value, expect):
                 return value
             why = f"JSON of the wrong shape ({_json_type(value)})"
     raise bad_cloud_answer(action, response.status_code, ctype, body, why, secret_values)
@@ -2692,11 +2657,6 @@ def bad_cloud_answer(
         "(or a proxy's) answer, not this call's: check SMOL_CLOUD_URL points at the "
         "API, and try again later"
     )
-
-
-def _retry_after(response: Any) -> float | None:
-    value = response.headers.get("retry-after", "")
-    return float(value) if value.replace(".", "", 1).isdigit() else None
 
 
 # -- the fleet contract ---------------------------------------------------------
@@ -2728,7 +2688,6 @@ class Fleet(Protocol):
     def branch_machine(self, name: str, child: str) -> dict: ...
     def pull_image(self, name: str, image: str) -> dict: ...
     def probe_ready(self, name: str) -> str | None: ...
-
     def exec(
         self,
         name: str,
@@ -2739,7 +2698,6 @@ class Fleet(Protocol):
         env: dict[str, str] | None = None,
         stdin: str | None = None,
     ) -> ExecResult: ...
-
     def exec_stream(
         self,
         name: str,
@@ -2751,7 +2709,6 @@ class Fleet(Protocol):
         env: dict[str, str] | None = None,
         stdin: str | None = None,
     ) -> ExecResult: ...
-
     def start_job(
         self,
         name: str,
@@ -2762,7 +2719,6 @@ class Fleet(Protocol):
         workdir: str | None = None,
         env: dict[str, str] | None = None,
     ) -> dict: ...
-
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage: ...
     def cancel_job(self, name: str, job_id: str) -> None: ...
     def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]: ...
@@ -2773,13 +2729,11 @@ class Fleet(Protocol):
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
         """What smol://targets says about this fleet (it may not be served)."""
-        ...
 
     @classmethod
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
         """For `doctor`: check what a person should know (facts may change), and return the detail
         lines under the fleet's heading and the advice printed after its reason."""
-        ...
 
 
 # name -> fleet class: the one place a fleet is registered (the order is the
@@ -2804,10 +2758,8 @@ def local_record(info: dict) -> dict:
     """A local MachineInfo in the shared vocabulary. The local API names a machine only by its name,
     so ``id`` is the name too. An allow list wins over the `network` flag: an amended machine reads
     `network: true` with its list (observed on 1.32.2), and the list is what the engine enforces."""
-    if info.get("allowedHosts") or info.get("allowedCidrs"):
-        network = "allowlist"
-    else:
-        network = "open" if info.get("network") else "blocked"
+    lists = info.get("allowedHosts") or info.get("allowedCidrs")
+    network = "allowlist" if lists else "open" if info.get("network") else "blocked"
     ports = [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []]
     return {
         "id": info["name"],
@@ -2942,8 +2894,7 @@ def within_tokens(text: str, tokens: int) -> int:
 
 
 def prefix_within_tokens(data: bytes, tokens: int) -> int:
-    """The longest prefix of ``data``, ended on a character boundary, whose
-    text is estimated at most ``tokens``."""
+    """The longest prefix of ``data`` in whole characters estimated at most ``tokens``."""
     text = data.decode("utf-8", "surrogateescape")
     return len(text[: within_tokens(text, tokens)].encode("utf-8", "surrogateescape"))
 
@@ -2961,8 +2912,7 @@ def reply_tokens(config: Config) -> int:
 
 
 def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
-    """Split ``limit`` tokens between stdout and stderr: a stream that needs
-    less than half leaves the rest to the other."""
+    """Split ``limit`` tokens between stdout and stderr; one needing under half leaves the rest."""
     half = limit // 2
     if sum(costs) <= limit:
         return costs
@@ -3019,9 +2969,8 @@ TYPE_WORDS = {
     "array": "a list",
     "object": "an object",
 }
-MAX_TIMEOUT_SECS = (
-    86400  # the built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
-)
+MAX_TIMEOUT_SECS = 86400  # built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
+
 MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
 MAX_DISK_GB = 4096  # storageGb and overlayGb
 MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
@@ -3176,11 +3125,9 @@ def argument_validator() -> Any:
     def whole_number(checker: Any, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
 
-    def ecma_pattern(validator: Any, pattern: str, instance: Any, schema: dict) -> Iterator[Any]:
-        if validator.is_type(instance, "string") and not re.search(
-            python_pattern(pattern), instance
-        ):
-            yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+    def ecma_pattern(validator: Any, pattern: str, value: Any, schema: dict) -> Iterator[Any]:
+        if validator.is_type(value, "string") and not re.search(python_pattern(pattern), value):
+            yield jsonschema.ValidationError(f"{value!r} does not match {pattern!r}")
 
     base = jsonschema.Draft202012Validator
     checker = base.TYPE_CHECKER.redefine("integer", whole_number)
@@ -3198,13 +3145,11 @@ def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = 
     return arguments
 
 
-def _error_where(error: Any) -> tuple[list, Any]:
-    """The path of the value an error is about, and that value. A property-name
-    error is about the name, which jsonschema reports at the object holding it."""
+def _error_path(error: Any) -> list:
+    """Where the value an error is about lies. A property-name error is about the
+    name, which jsonschema reports at the object holding it."""
     path = list(error.absolute_path)
-    if "propertyNames" in error.absolute_schema_path:
-        path.append(error.instance)
-    return path, error.instance
+    return [*path, error.instance] if "propertyNames" in error.absolute_schema_path else path
 
 
 def _first_error(errors: list, arguments: dict) -> Any:
@@ -3213,7 +3158,7 @@ def _first_error(errors: list, arguments: dict) -> Any:
 
     def order(error: Any) -> tuple:
         positions, node = [], arguments
-        for step in _error_where(error)[0]:
+        for step in _error_path(error):
             positions.append(list(node).index(step) if isinstance(node, dict) else step)
             node = node.get(step) if isinstance(node, dict) else node[step]
         by_name = "propertyNames" in error.absolute_schema_path  # a name before its value
@@ -3224,7 +3169,8 @@ def _first_error(errors: list, arguments: dict) -> Any:
 
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
-    path, value = _error_where(error)
+    path, value = _error_path(error), error.instance
+
     where = "".join(
         f"[{step}]" if isinstance(step, int) else f".{step}" if index else str(step)
         for index, step in enumerate(path)
