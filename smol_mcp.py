@@ -2447,10 +2447,8 @@ class CloudFleet:
             if count > 0:
                 query = f"output?stream={stream}&offset={offset}&limit={count}"
                 page = self.request(f"read the {stream} of job {job_id}", "GET", f"{path}/{query}")
-                answer = {"x": page.get("data"), "xB64": page.get("dataB64")}
-                pages[index] = exec_stream(answer, "x")[:count]
-        state, code = job.get("state", "lost"), job.get("exitCode")
-        return JobPage(state=state, exit_code=code, stdout=pages[0], stderr=pages[1], sizes=sizes)
+                pages[index] = exec_stream(page, "data")[:count]  # data, or dataB64 byte-exact
+        return JobPage(job.get("state", "lost"), job.get("exitCode"), *pages, sizes)
 
     def cancel_job(self, name: str, job_id: str) -> None:
         path = f"{self._jobs_path(name)}/{_q(job_id)}/cancel"
