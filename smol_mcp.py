@@ -2278,11 +2278,10 @@ class CloudFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        for argument, given in (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb)):
+        local_only = (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb), ("cmd", spec.cmd))
+        for argument, given in local_only:
             if given:
                 raise ArgumentError(CLOUD_LOCAL_ONLY_ARGUMENT.format(argument=argument))
-        if spec.cmd:
-            raise ArgumentError(CLOUD_LOCAL_ONLY_ARGUMENT.format(argument="cmd"))
         if any(port.get("host") for port in spec.ports):
             raise ArgumentError(
                 '"ports[].host" is local only: the cloud control plane picks the host port; '
@@ -2556,7 +2555,6 @@ class CloudFleet:
         """The console log's last lines, read as the official client reads them (plain text)."""
         route = f"/v1/machines/{self._find(name)['id']}/logs?tail={LOG_WINDOW_LINES}"
         text = self.request(f"read the log of machine '{name}'", "GET", route, expect=None)
-
         if isinstance(text, (dict, list)):
             text = json.dumps(text)
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")
@@ -2595,8 +2593,7 @@ def cloud_exec_body(
 
 def exec_stream(answer: dict, stream: str) -> bytes:
     """One stream of a cloud exec: byte-exact base64 when sent, else the text (capped at 1 MiB)."""
-    encoded = answer.get(f"{stream}B64")
-    if encoded:
+    if encoded := answer.get(f"{stream}B64"):
         return base64.b64decode(encoded)
     return str(answer.get(stream) or "").encode("utf-8")
 
@@ -3168,7 +3165,6 @@ def _first_error(errors: list, arguments: dict) -> Any:
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
     path, value = _error_path(error), error.instance
-
     where = "".join(
         f"[{step}]" if isinstance(step, int) else f".{step}" if index else str(step)
         for index, step in enumerate(path)
