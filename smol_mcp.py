@@ -1759,11 +1759,10 @@ def _last_line(text: str) -> str:
 # ---------------------------------------------------------------------------
 # 4. Cloud fleet: the smol cloud REST API
 #
-# httpx2 to $SMOL_CLOUD_URL with a bearer token. The cloud names a machine by a
-# mach-... id; a name is resolved with one list call. Routes and bodies follow
-# the official Python client (smolmachines 1.32.2, smol/transport.py); where
-# the live service was seen to differ, the client is followed and the
-# service's observed behaviour is kept as a fallback.
+# httpx2 to $SMOL_CLOUD_URL with a bearer token. The cloud names a machine by a mach-... id; a name
+# is resolved with one list call. Routes and bodies follow the official Python client (smolmachines
+# 1.32.2, smol/transport.py); where the live service was seen to differ, the client is followed and
+# the service's observed behaviour is kept as a fallback.
 # ---------------------------------------------------------------------------
 
 CLOUD_TIMEOUT_SECS = 30
@@ -1772,32 +1771,19 @@ LOG_WINDOW_LINES = 10000  # the most log lines one cloud read asks for
 CLOUD_RETRY_STATUSES = (408, 429, 502, 503, 504)
 CLOUD_MAX_RETRY_WAIT_SECS = 30  # a longer Retry-After is not waited out: the call says so and ends
 CLOUD_BLOCKED = {"mode": "blocked"}
-# A deny-all for a service that refuses the "blocked" spelling: RFC 5737
-# TEST-NET-1, reserved for documentation and routed nowhere. An empty
-# allow-list is a 400 there, so the list is never sent empty.
+# A deny-all for a service that refuses the "blocked" spelling: RFC 5737 TEST-NET-1, routed
+# nowhere. An empty allow-list is a 400 there, so the list is never sent empty.
 CLOUD_BLOCKED_FALLBACK = {"mode": "allowCidrs", "cidrs": ["192.0.2.0/24"], "hosts": []}
 CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3" | base64'
 CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
-
-
 CLOUD_LOCAL_ONLY_ARGUMENT = (
-    '"{argument}" is local only: the cloud fleet has no host directories, '
-    "overlay disk or workload command to set; leave it out for a cloud "
-    "machine"
-)
-CLOUD_NO_HOST_PORT = (
-    '"ports[].host" is local only: the cloud control plane picks the host port; '
-    "pass only the guest port"
-)
-CLOUD_NO_PULL = (
-    "pull-image is local only: the cloud control plane pulls a machine's image itself "
-    "when the machine is created"
+    '"{argument}" is local only: the cloud fleet has no host directories, overlay disk or '
+    "workload command to set; leave it out for a cloud machine"
 )
 
 
 class CloudFleet:
-    """The machines of a smol cloud account. Blocking, like LocalFleet: the
-    tool layer calls it from worker threads."""
+    """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads."""
 
     name = "cloud"
     served_as = "cloud (the smol cloud account; machines are billed while they exist)"
@@ -1806,6 +1792,9 @@ class CloudFleet:
         "(startedMachine: true) and leaves it running; published ports need open "
         "egress; delete-machine returns the settled usage."
     )
+    amends_egress = False  # the reference has no route to amend or read a cloud machine's egress
+    mounts_host_paths = False  # no host directories: the cloud's own refusal of mounts says so
+    branch_needs_start = False
 
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
@@ -1825,14 +1814,10 @@ class CloudFleet:
         import httpx2
 
         self.config = config
-        self._client = httpx2.Client(
-            base_url=config.cloud_url.rstrip("/"),
-            timeout=CLOUD_TIMEOUT_SECS,
-            headers={
-                "Authorization": f"Bearer {config.cloud_token}",
-                "User-Agent": f"smol-mcp/{__version__}",
-            },
-        )
+        agent = f"smol-mcp/{__version__}"
+        headers = {"Authorization": f"Bearer {config.cloud_token}", "User-Agent": agent}
+        url = config.cloud_url.rstrip("/")
+        self._client = httpx2.Client(base_url=url, timeout=CLOUD_TIMEOUT_SECS, headers=headers)
         self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
 
     def acquire(self) -> None:
@@ -1850,14 +1835,12 @@ class CloudFleet:
         path: str,
         payload: Any = None,
         *,
-        raw: bytes | None = None,
-        params: dict | None = None,
         timeout: float = CLOUD_TIMEOUT_SECS,
         expect: type | tuple[type, ...] | None = dict,
     ) -> Any:
-        """One call with retries where they are safe: 429 always (it never ran),
-        the other retryable statuses only for idempotent methods. ``expect`` is
-        the JSON shape a success must have (None: any body, JSON or bytes); any
+        """One call with retries where they are safe: 429 always (it never ran), the other retryable
+        statuses only for idempotent methods. A bytes ``payload`` is sent as it is, anything else as
+        JSON. ``expect`` is the JSON shape a success must have (None: any body, JSON or bytes); any
         other answer is the service's fault and says so (cloud_answer)."""
         import httpx2
 
@@ -1866,20 +1849,12 @@ class CloudFleet:
                 "the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
                 "config file)"
             )
-        attempt = 0
-        while True:
+        body: dict[str, Any] = {"json": payload}
+        if isinstance(payload, bytes):
+            body = {"content": payload, "headers": {"Content-Type": "application/octet-stream"}}
+        for attempt in range(1, 5):
             try:
-                response = self._client.request(
-                    method,
-                    path,
-                    json=payload,
-                    content=raw,
-                    params=params,
-                    timeout=timeout,
-                    headers={"Content-Type": "application/octet-stream"}
-                    if raw is not None
-                    else None,
-                )
+                response = self._client.request(method, path, timeout=timeout, **body)
             except httpx2.TimeoutException:
                 raise SmolError(
                     f"the cloud API did not answer within {timeout:.0f} s while trying to "
@@ -1891,31 +1866,31 @@ class CloudFleet:
                     f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
                     f"{redact(str(exc), self.config.secret_values()) or type(exc).__name__}"
                 ) from None
-            retryable = response.status_code == 429 or (
-                response.status_code in CLOUD_RETRY_STATUSES and method in ("GET", "PUT", "DELETE")
-            )
-            if retryable and attempt < 3:
-                attempt += 1
-                delay = _retry_after(response)
-                if delay is not None and delay > CLOUD_MAX_RETRY_WAIT_SECS:
-                    raise SmolError(
-                        f"the cloud API is busy (HTTP {response.status_code}) and asks to wait "
-                        f"{delay:.0f} s before trying to {action} again, longer than this server "
-                        f"waits ({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later"
-                    )
-                delay = 0.5 * 2**attempt if delay is None else delay
-                log.info(
-                    "the cloud API answered HTTP %d to %s: trying again in %.1f s",
-                    response.status_code,
-                    action,
-                    delay,
+            code = response.status_code
+            idempotent = method in ("GET", "PUT", "DELETE")
+            if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
+                break
+            wait = response.headers.get("retry-after", "")
+            delay = float(wait) if wait.replace(".", "", 1).isdigit() else None
+            if delay is not None and delay > CLOUD_MAX_RETRY_WAIT_SECS:
+                raise SmolError(
+                    f"the cloud API is busy (HTTP {code}) and asks to wait {delay:.0f} s before "
+                    f"trying to {action} again, longer than this server waits "
+                    f"({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later"
                 )
-                time.sleep(delay)
-                continue
-            break
+            delay = 0.5 * 2**attempt if delay is None else delay
+            log.info(
+                "the cloud API answered HTTP %d to %s: trying again in %.1f s", code, action, delay
+            )
+            time.sleep(delay)
         if response.status_code >= 400:
             raise cloud_error(action, response, self.config.secret_values())
         return cloud_answer(action, response, expect, self.config.secret_values())
+
+    def _bad_json(self, action: str, answer: Any, why: str) -> SmolError:
+        """bad_cloud_answer for a JSON answer that is not what the service promises."""
+        body, secrets = json.dumps(answer).encode(), self.config.secret_values()
+        return bad_cloud_answer(action, 200, "application/json", body, why, secrets)
 
     # -- machines (normalised) ---------------------------------------------
 
@@ -1926,25 +1901,16 @@ class CloudFleet:
         found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
         for record in sorted(found, key=lambda r: not r.get("name")):
             return record
-        raise ApiError(
-            self.name, f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found"
-        )
+        missing = f"machine '{name}' not found"
+        raise ApiError(self.name, f"find machine '{name}'", 404, "NOT_FOUND", missing)
 
     def _list_raw(self) -> list[dict]:
         answer = self.request("list machines", "GET", "/v1/machines", expect=(dict, list))
         # The official client accepts either shape; the service has sent a bare array.
         machines = answer.get("machines", []) if isinstance(answer, dict) else answer
-        if not isinstance(machines, list) or not all(
-            isinstance(m, dict) and "id" in m for m in machines
-        ):
-            raise bad_cloud_answer(
-                "list machines",
-                200,
-                "application/json",
-                json.dumps(answer).encode(),
-                "not a list of machine records",
-                self.config.secret_values(),
-            )
+        ok = isinstance(machines, list) and all(isinstance(m, dict) and "id" in m for m in machines)
+        if not ok:
+            raise self._bad_json("list machines", answer, "not a list of machine records")
         return machines
 
     def list_machines(self) -> list[dict]:
@@ -1957,21 +1923,19 @@ class CloudFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        for argument, given in (
-            ("mounts", spec.mounts),
-            ("overlayGb", spec.overlay_gb),
-            ("cmd", spec.cmd),
-        ):
+        local_only = (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb), ("cmd", spec.cmd))
+        for argument, given in local_only:
             if given:
                 raise ArgumentError(CLOUD_LOCAL_ONLY_ARGUMENT.format(argument=argument))
         if any(port.get("host") for port in spec.ports):
-            raise ArgumentError(CLOUD_NO_HOST_PORT)
-        open_egress = spec.network == "open" or spec.allow_hosts or spec.allow_cidrs
-        if spec.ports and not open_egress:
+            raise ArgumentError(
+                '"ports[].host" is local only: the cloud control plane picks the host port; '
+                "pass only the guest port"
+            )
+        if spec.ports and not (spec.network == "open" or spec.allow_hosts or spec.allow_cidrs):
             raise ArgumentError(
                 "a cloud machine that publishes ports cannot also block egress; pass network: "
-                '"open" '
-                "(or an allow-list) with ports, or leave the ports out"
+                '"open" (or an allow-list) with ports, or leave the ports out'
             )
         body: dict[str, Any] = {
             "name": spec.name,
@@ -1990,11 +1954,8 @@ class CloudFleet:
         try:
             return cloud_record(self.request(action, "POST", "/v1/machines", body))
         except ApiError as err:
-            if (
-                body["network"] is not CLOUD_BLOCKED
-                or err.status not in (400, 422)
-                or "blocked" not in err.api_message
-            ):
+            refused = err.status in (400, 422) and "blocked" in err.api_message
+            if body["network"] is not CLOUD_BLOCKED or not refused:
                 raise
         # This service predates the "blocked" spelling: deny with the allow-list form from now on.
         log.info(
@@ -2010,77 +1971,35 @@ class CloudFleet:
             return {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
         return {"mode": "open"} if spec.network == "open" else self._blocked
 
+    def _act(self, name: str, verb: str, timeout: float, query: str = "") -> dict:
+        """POST ``verb`` (start, stop) to the machine; its record after."""
+        route = f"/v1/machines/{self._find(name)['id']}"
+        action = f"{verb} machine '{name}'"
+        self.request(action, "POST", f"{route}/{verb}{query}", timeout=timeout, expect=None)
+        return cloud_record(self.request(f"get machine '{name}'", "GET", route))
+
     def start_machine(self, name: str, branchable: bool = False) -> dict:
-        record = self._find(name)
         # The official client repeats branchability on the first start of a branch source.
-        params = {"forkable": "true"} if branchable else None
-        self.request(
-            f"start machine '{name}'",
-            "POST",
-            f"/v1/machines/{record['id']}/start",
-            params=params,
-            timeout=self.config.ready_timeout_secs + 60,
-            expect=None,
-        )
-        return cloud_record(
-            self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}")
-        )
+        query = "?forkable=true" if branchable else ""
+        return self._act(name, "start", self.config.ready_timeout_secs + 60, query)
 
     def stop_machine(self, name: str) -> dict:
-        record = self._find(name)
-        self.request(
-            f"stop machine '{name}'",
-            "POST",
-            f"/v1/machines/{record['id']}/stop",
-            timeout=360,
-            expect=None,
-        )
-        return cloud_record(
-            self.request(f"get machine '{name}'", "GET", f"/v1/machines/{record['id']}")
-        )
+        return self._act(name, "stop", 360)
 
     def delete_machine(self, name: str) -> dict:
         """Delete and return the settled bill, which the service computes at teardown."""
-        record = self._find(name)
-        usage = self.request(
-            f"delete machine '{name}'",
-            "DELETE",
-            f"/v1/machines/{record['id']}",
-            params={"includeUsage": "true"},
-            timeout=120,
-            expect=None,
-        )
+        route = f"/v1/machines/{self._find(name)['id']}?includeUsage=true"
+        usage = self.request(f"delete machine '{name}'", "DELETE", route, timeout=120, expect=None)
         return {"deleted": name, **({"usage": usage} if isinstance(usage, dict) else {})}
 
-    def _exec(
-        self,
-        machine_id: str,
-        name: str,
-        argv: list[str],
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
-    ) -> tuple[dict, float]:
-        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
-        started = time.monotonic()
-        action = f"run a command in machine '{name}'"
-        answer = self.request(
-            action,
-            "POST",
-            f"/v1/machines/{machine_id}/exec",
-            body,
-            timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30),
-        )
+    def _exec(self, machine_id: str, name: str, body: dict) -> tuple[dict, float]:
+        """One exec call (``body`` from cloud_exec_body): the answer and the seconds it took."""
+        action, started = f"run a command in machine '{name}'", time.monotonic()
+        timeout = max(CLOUD_TIMEOUT_SECS, body["timeoutSeconds"] + 30)
+        route = f"/v1/machines/{machine_id}/exec"
+        answer = self.request(action, "POST", route, body, timeout=timeout)
         if isinstance(answer.get("exitCode"), bool) or not isinstance(answer.get("exitCode"), int):
-            raise bad_cloud_answer(
-                action,
-                200,
-                "application/json",
-                json.dumps(answer).encode(),
-                "no whole-number exitCode",
-                self.config.secret_values(),
-            )
+            raise self._bad_json(action, answer, "no whole-number exitCode")
         return answer, time.monotonic() - started
 
     def exec(
@@ -2093,24 +2012,16 @@ class CloudFleet:
         env: dict[str, str] | None = None,
         stdin: str | None = None,
     ) -> ExecResult:
-        """Run a command in a running machine; NotRunning if it is not running
-        (cloud exec would start it silently)."""
+        """Run a command; NotRunning unless the machine runs (cloud exec would start it)."""
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        answer, seconds = self._exec(record["id"], name, argv, timeout_secs, workdir, env, stdin)
-        cut = tuple(
-            stream
-            for stream in ("stdout", "stderr")
-            if answer.get(f"{stream}Truncated") and not answer.get(f"{stream}B64")
-        )
-        return ExecResult(
-            exit_code=int(answer["exitCode"]),
-            stdout=exec_stream(answer, "stdout"),
-            stderr=exec_stream(answer, "stderr"),
-            seconds=seconds,
-            cut_by_service=cut,
-        )
+        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
+        answer, seconds = self._exec(record["id"], name, body)
+        streams = ("stdout", "stderr")
+        cut = tuple(s for s in streams if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64"))
+        out, err = (exec_stream(answer, stream) for stream in streams)
+        return ExecResult(int(answer["exitCode"]), out, err, seconds, cut)
 
     def exec_stream(
         self,
@@ -2129,26 +2040,17 @@ class CloudFleet:
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        action = f"run a command in machine '{name}'"
-        started = time.monotonic()
+        action, started = f"run a command in machine '{name}'", time.monotonic()
+        route = f"/v1/machines/{record['id']}/exec/stream"
+        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
+        sse, secs = {"Accept": "text/event-stream"}, max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)
         try:
-            with self._client.stream(
-                "POST",
-                f"/v1/machines/{record['id']}/exec/stream",
-                json=cloud_exec_body(argv, timeout_secs, workdir, env, stdin),
-                headers={"Accept": "text/event-stream"},
-                timeout=max(CLOUD_TIMEOUT_SECS, timeout_secs + 30),
-            ) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    raise cloud_error(action, response, self.config.secret_values())
-                return collect_exec_stream(
-                    sse_events(response.iter_bytes()),
-                    name,
-                    on_output,
-                    started,
-                    (httpx2.TransportError,),
-                )
+            with self._client.stream("POST", route, json=body, headers=sse, timeout=secs) as reply:
+                if reply.status_code >= 400:
+                    reply.read()
+                    raise cloud_error(action, reply, self.config.secret_values())
+                events, faults = sse_events(reply.iter_bytes()), (httpx2.TransportError,)
+                return collect_exec_stream(events, name, on_output, started, faults)
         except httpx2.TransportError as exc:  # before the answer began
             raise SmolError(
                 f"could not reach the cloud API at {self.config.cloud_url} to "
@@ -2171,46 +2073,30 @@ class CloudFleet:
         env: dict[str, str] | None = None,
     ) -> dict:
         """The service names the job itself; ``job_id`` is the local fleet's."""
-        body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
-        job = self.request(
-            f"start a job in machine '{name}'",
-            "POST",
-            self._jobs_path(name),
-            body,
-            timeout=CLOUD_LONG_TIMEOUT_SECS,
-        )
+        body, path = cloud_exec_body(argv, timeout_secs, workdir, env), self._jobs_path(name)
+        action = f"start a job in machine '{name}'"
+        job = self.request(action, "POST", path, body, timeout=CLOUD_LONG_TIMEOUT_SECS)
         return {"jobId": job["id"], "state": job.get("state", "running")}
 
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
         path = f"{self._jobs_path(name)}/{_q(job_id)}"
         job = self.request(f"read job {job_id} of machine '{name}'", "GET", path)
         sizes = (int(job.get("stdoutBytes") or 0), int(job.get("stderrBytes") or 0))
-        share = budget_split(max(0, sizes[0] - offsets[0]), max(0, sizes[1] - offsets[1]), limit)
-        pages = []
-        for stream, offset, count in zip(("stdout", "stderr"), offsets, share):
-            if count <= 0:
-                pages.append(b"")
-                continue
-            query = {"stream": stream, "offset": str(offset), "limit": str(count)}
-            page = self.request(
-                f"read the {stream} of job {job_id}", "GET", f"{path}/output", params=query
-            )
-            answer = {"x": page.get("data"), "xB64": page.get("dataB64")}
-            pages.append(exec_stream(answer, "x")[:count])
-        return JobPage(
-            state=job.get("state", "lost"),
-            exit_code=job.get("exitCode"),
-            stdout=pages[0],
-            stderr=pages[1],
-            sizes=sizes,
-        )
+        # At most `limit` bytes together; neither stream starves while the other has plenty.
+        out_left, err_left = (max(0, size - offset) for size, offset in zip(sizes, offsets))
+        out = min(out_left, max(limit // 2, limit - err_left))
+        share = (out, min(err_left, limit - out))
+        pages = [b"", b""]
+        for index, (stream, offset, count) in enumerate(zip(("stdout", "stderr"), offsets, share)):
+            if count > 0:
+                query = f"output?stream={stream}&offset={offset}&limit={count}"
+                page = self.request(f"read the {stream} of job {job_id}", "GET", f"{path}/{query}")
+                pages[index] = exec_stream(page, "data")[:count]  # data, or dataB64 byte-exact
+        return JobPage(job.get("state", "lost"), job.get("exitCode"), *pages, sizes)
 
     def cancel_job(self, name: str, job_id: str) -> None:
-        self.request(
-            f"cancel job {job_id} of machine '{name}'",
-            "POST",
-            f"{self._jobs_path(name)}/{_q(job_id)}/cancel",
-        )
+        path = f"{self._jobs_path(name)}/{_q(job_id)}/cancel"
+        self.request(f"cancel job {job_id} of machine '{name}'", "POST", path)
 
     def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
         """The machine's jobs; with its ``machine_id`` (mach-...), no list call to find it."""
@@ -2234,65 +2120,49 @@ class CloudFleet:
         if state not in RUNNING_STATES:
             return f"state {state}"
         try:
-            self._exec(record["id"], name, READY_PROBE, 10)
+            self._exec(record["id"], name, cloud_exec_body(READY_PROBE, 10))
             return None
         except ApiError as err:
             if err.status in (401, 403, 404):
                 raise
             return err.api_message
 
+    def _file_route(self, name: str, path: str) -> tuple[str, str]:
+        """The machine's id and the files route of ``path``: the path as a suffix, normalised,
+        each segment percent-encoded, the leading slash kept, as the official client sends it."""
+        machine_id = self._find(name)["id"]
+        return machine_id, f"/v1/machines/{machine_id}/files//{guest_route_suffix(path)}"
+
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
-        record = self._find(name)
+        machine_id, route = self._file_route(name, path)
         try:
-            return self._read_by_route(record["id"], name, path, offset, length)
+            with self._client.stream("GET", route, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    action = f"read {path} in machine '{name}'"
+                    raise cloud_error(action, response, self.config.secret_values())
+                size = int(response.headers.get("content-length", -1))
+                page, seen = bytearray(), 0
+                for chunk in response.iter_bytes():
+                    if seen + len(chunk) > offset and len(page) < length:
+                        start = max(0, offset - seen)
+                        page += chunk[start : start + length - len(page)]
+                    seen += len(chunk)
+                    if len(page) >= length and size >= 0:
+                        break
+                return FilePage(data=bytes(page), size=size if size >= 0 else seen)
         except ApiError as err:
             if err.status != 404:
                 raise
-            # 404 is a missing file or a service without the suffix route; exec tells which. The
-            # choice is this request's alone: one answer never turns the route off for others.
-        return self._read_by_exec(record["id"], name, path, offset, length)
-
-    def _read_by_route(
-        self, machine_id: str, name: str, path: str, offset: int, length: int
-    ) -> FilePage:
-        url = f"/v1/machines/{machine_id}/files/{cloud_file_path(path)}"
-        with self._client.stream("GET", url, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise cloud_error(
-                    f"read {path} in machine '{name}'", response, self.config.secret_values()
-                )
-            size = int(response.headers.get("content-length", -1))
-            page, seen = bytearray(), 0
-            for chunk in response.iter_bytes():
-                if seen + len(chunk) > offset and len(page) < length:
-                    start = max(0, offset - seen)
-                    page += chunk[start : start + length - len(page)]
-                seen += len(chunk)
-                if len(page) >= length and size >= 0:
-                    break
-            return FilePage(data=bytes(page), size=size if size >= 0 else seen)
-
-    def _read_by_exec(
-        self, machine_id: str, name: str, path: str, offset: int, length: int
-    ) -> FilePage:
-        """The fallback for a service without the files route: the size and one
-        page, base64 on stdout. A page the exec response cap cut is refused:
-        returning it short would look like the end of the file."""
-        answer, _ = self._exec(
-            machine_id,
-            name,
-            ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset), str(length)],
-            120,
-        )
-        stdout = exec_stream(answer, "stdout")
+        # 404 is a missing file or a service without the suffix route: exec (the size and a page,
+        # base64) tells which. Decided per request: one answer never turns the route off.
+        argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset), str(length)]
+        answer, _ = self._exec(machine_id, name, cloud_exec_body(argv, 120))
         if answer.get("exitCode") != 0:
             error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
-            raise SmolError(
-                f"could not read {path} in machine '{name}': "
-                f"{error or 'exit code ' + str(answer.get('exitCode'))}"
-            )
-        size_line, _, encoded = stdout.partition(b"\n")
+            error = error or f"exit code {answer.get('exitCode')}"
+            raise SmolError(f"could not read {path} in machine '{name}': {error}")
+        size_line, _, encoded = exec_stream(answer, "stdout").partition(b"\n")
         size = int(size_line.strip() or 0)
         try:
             data = base64.b64decode(encoded)
@@ -2301,122 +2171,74 @@ class CloudFleet:
         if len(data) != max(0, min(length, size - offset)):
             # The service caps exec output; a page cut short would read as the end of the file.
             raise SmolError(
-                f"the cloud API cut the output of the read of {path} short (its exec output "
-                "cap), so "
-                "the page is not returned; ask for a smaller length"
+                f"the cloud API cut the output of the read of {path} short (its exec output cap), "
+                "so the page is not returned; ask for a smaller length"
             )
         return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
-        record = self._find(name)
+        machine_id, route = self._file_route(name, path)
+        action = f"write {path} in machine '{name}'"
+        timeout = CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024)
         try:
-            self.request(
-                f"write {path} in machine '{name}'",
-                "PUT",
-                f"/v1/machines/{record['id']}/files/{cloud_file_path(path)}",
-                raw=data,
-                timeout=CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024),
-                expect=None,
-            )
+            self.request(action, "PUT", route, data, timeout=timeout, expect=None)
             return len(data)
         except ApiError as err:
             if err.status != 404:
                 raise
-            # The machine was just found and a PUT cannot 404 for a missing file, so this
-            # service has no files route: write through exec. Decided per request, never for
-            # the whole process.
-        answer, _ = self._exec(
-            record["id"],
-            name,
-            ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path],
-            120,
-            stdin=base64.b64encode(data).decode("ascii"),
-        )
+            # The machine was just found and a PUT cannot 404 for a missing file, so this service
+            # has no files route: write through exec. Decided per request, not for the process.
+        argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path]
+        body = cloud_exec_body(argv, 120, stdin=base64.b64encode(data).decode("ascii"))
+        answer, _ = self._exec(machine_id, name, body)
         if answer.get("exitCode") != 0:
             error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
             raise SmolError(f"could not write {path} in machine '{name}': {error}")
         return int(exec_stream(answer, "stdout").strip() or len(data))
 
     def console_lines(self, name: str) -> list[str]:
-        """The machine's console log, as the official client reads it (plain
-        text, the last lines only)."""
-        record = self._find(name)
-        text = self.request(
-            f"read the log of machine '{name}'",
-            "GET",
-            f"/v1/machines/{record['id']}/logs",
-            params={"tail": str(LOG_WINDOW_LINES)},
-            expect=None,
-        )
+        """The console log's last lines, read as the official client reads them (plain text)."""
+        route = f"/v1/machines/{self._find(name)['id']}/logs?tail={LOG_WINDOW_LINES}"
+        text = self.request(f"read the log of machine '{name}'", "GET", route, expect=None)
         if isinstance(text, (dict, list)):
             text = json.dumps(text)
-        return (
-            text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")
-        ).splitlines()
+        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")
+        return text.splitlines()
 
     def branch_machine(self, name: str, child: str) -> dict:
-        record = self._find(name)
-        body = {"name": child, "ports": []}
+        route, body = f"/v1/machines/{self._find(name)['id']}", {"name": child, "ports": []}
         action = f"branch machine '{name}' into '{child}'"
         try:
-            created = self.request(
-                action, "POST", f"/v1/machines/{record['id']}/branches", body, timeout=1800
-            )
+            created = self.request(action, "POST", f"{route}/branches", body, timeout=1800)
         except ApiError as err:
             if err.status != 404:
                 raise
             # Older control planes only have the fork route (the source exists: it was just found).
-            created = self.request(
-                action, "POST", f"/v1/machines/{record['id']}/fork", body, timeout=1800
-            )
+            created = self.request(action, "POST", f"{route}/fork", body, timeout=1800)
         return cloud_record(created)
 
-    amends_egress = False  # the reference has no route to amend or read a cloud machine's egress
-    mounts_host_paths = (
-        False  # the cloud has no host directories: its own refusal of mounts says so
-    )
-    branch_needs_start = False
-
     def pull_image(self, name: str, image: str) -> dict:
-        raise ArgumentError(CLOUD_NO_PULL)
+        raise ArgumentError(
+            "pull-image is local only: the cloud control plane pulls a machine's image itself "
+            "when the machine is created"
+        )
 
 
 def cloud_exec_body(
     argv: list[str],
     timeout_secs: int,
-    workdir: str | None,
-    env: dict[str, str] | None,
-    stdin: str | None,
+    workdir: str | None = None,
+    env: dict[str, str] | None = None,
+    stdin: str | None = None,
 ) -> dict:
-    body: dict[str, Any] = {
-        "command": argv,
-        "env": env or {},
-        "cwd": workdir,
-        "timeoutSeconds": timeout_secs,
-    }
-    if stdin is not None:
-        body["stdin"] = stdin
-    return body
-
-
-def budget_split(out_left: int, err_left: int, limit: int) -> tuple[int, int]:
-    """How many bytes of stdout and of stderr one job read returns: together at
-    most ``limit``, and neither starves while the other has plenty."""
-    out = min(out_left, max(limit // 2, limit - err_left))
-    return out, min(err_left, limit - out)
-
-
-def cloud_file_path(path: str) -> str:
-    """The files route takes the path as a suffix, normalised, each segment
-    percent-encoded and the leading slash kept, as the official client sends it."""
-    return "/" + guest_route_suffix(path)
+    """The body of a cloud exec or job start; ``stdin`` only when there is some."""
+    body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
+    return body if stdin is None else {**body, "stdin": stdin}
 
 
 def exec_stream(answer: dict, stream: str) -> bytes:
-    """One output stream of a cloud exec: the byte-exact base64 family when the
-    service sent it, else the text (capped at 1 MiB by the service)."""
-    encoded = answer.get(f"{stream}B64")
-    if encoded:
+    """One stream of a cloud exec: byte-exact base64 when sent, else the text (capped at 1 MiB)."""
+    if encoded := answer.get(f"{stream}B64"):
         return base64.b64decode(encoded)
     return str(answer.get(stream) or "").encode("utf-8")
 
@@ -2429,19 +2251,14 @@ def cloud_error(action: str, response: Any, secret_values: list[str]) -> ApiErro
     if "application/json" in response.headers.get("content-type", ""):
         try:
             parsed = response.json()
-            text, code = (
-                str(parsed.get("error") or parsed.get("message") or text),
-                str(parsed.get("code") or ""),
-            )
+            text = str(parsed.get("error") or parsed.get("message") or text)
+            code = str(parsed.get("code") or "")
         except (ValueError, AttributeError):
             pass
     if status == 401:
         text = f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN"
-    elif not text:
-        text = "no message"
-    err = ApiError("cloud", action, status, code, redact(text, secret_values))
-    request_id = response.headers.get("x-request-id")
-    if request_id:
+    err = ApiError("cloud", action, status, code, redact(text or "no message", secret_values))
+    if request_id := response.headers.get("x-request-id"):
         err.args = (f"{err.args[0]} [request id {request_id}]",)
     return err
 
@@ -2451,26 +2268,19 @@ def cloud_answer(
 ) -> Any:
     """The body of a successful cloud answer: JSON of the expected shape, or,
     with ``expect`` None, whatever came (JSON decoded when it parses)."""
-    ctype = response.headers.get("content-type", "")
-    body = response.content
-    if expect is None:
-        if "application/json" in ctype and body:
-            try:
-                return json.loads(body)
-            except ValueError:
-                return body
-        return body if body else None
-    if "application/json" not in ctype:
-        why = "not JSON"
-    elif not body:
-        why = "an empty body"
-    else:
+    ctype, body = response.headers.get("content-type", ""), response.content
+    why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
+    if why and expect is None:
+        return body or None
+    if not why:
         try:
             value = json.loads(body)
         except ValueError:
+            if expect is None:
+                return body
             why = "malformed JSON"
         else:
-            if isinstance(value, expect):
+            if expect is None or isinstance(value, expect):
                 return value
             why = f"JSON of the wrong shape ({_json_type(value)})"
     raise bad_cloud_answer(action, response.status_code, ctype, body, why, secret_values)
@@ -2487,11 +2297,6 @@ def bad_cloud_answer(
         "(or a proxy's) answer, not this call's: check SMOL_CLOUD_URL points at the "
         "API, and try again later"
     )
-
-
-def _retry_after(response: Any) -> float | None:
-    value = response.headers.get("retry-after", "")
-    return float(value) if value.replace(".", "", 1).isdigit() else None
 
 
 # -- the fleet contract ---------------------------------------------------------
@@ -2523,7 +2328,6 @@ class Fleet(Protocol):
     def branch_machine(self, name: str, child: str) -> dict: ...
     def pull_image(self, name: str, image: str) -> dict: ...
     def probe_ready(self, name: str) -> str | None: ...
-
     def exec(
         self,
         name: str,
@@ -2534,7 +2338,6 @@ class Fleet(Protocol):
         env: dict[str, str] | None = None,
         stdin: str | None = None,
     ) -> ExecResult: ...
-
     def exec_stream(
         self,
         name: str,
@@ -2546,7 +2349,6 @@ class Fleet(Protocol):
         env: dict[str, str] | None = None,
         stdin: str | None = None,
     ) -> ExecResult: ...
-
     def start_job(
         self,
         name: str,
@@ -2557,7 +2359,6 @@ class Fleet(Protocol):
         workdir: str | None = None,
         env: dict[str, str] | None = None,
     ) -> dict: ...
-
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage: ...
     def cancel_job(self, name: str, job_id: str) -> None: ...
     def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]: ...
@@ -2568,14 +2369,11 @@ class Fleet(Protocol):
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
         """What smol://targets says about this fleet (it may not be served)."""
-        ...
 
     @classmethod
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
-        """For `doctor`: check what a person should know (facts may change),
-        and return the detail lines under the fleet's heading and the advice
-        printed after its reason."""
-        ...
+        """For `doctor`: check what a person should know (facts may change), and return the detail
+        lines under the fleet's heading and the advice printed after its reason."""
 
 
 # name -> fleet class: the one place a fleet is registered (the order is the
@@ -2591,34 +2389,18 @@ FLEET_NAMES = tuple(FLEETS)
 # value, so no tool handler (and no agent) needs to know which API answered.
 # ---------------------------------------------------------------------------
 
-MACHINE_KEYS = (
-    "id",
-    "name",
-    "state",
-    "image",
-    "cpus",
-    "memoryMb",
-    "network",
-    "ports",
-    "createdAt",
-    "pid",
-    "url",
-    "branchable",
-    "parent",
+MACHINE_KEYS = tuple(
+    "id name state image cpus memoryMb network ports createdAt pid url branchable parent".split()
 )
 
 
 def local_record(info: dict) -> dict:
-    """A local MachineInfo in the shared vocabulary. The local API names a
-    machine only by its name, so ``id`` is the name too. An allow list wins
-    over the `network` flag: an amended machine reads `network: true` with
-    its list (observed on 1.32.2), and the list is what the engine enforces."""
-    if info.get("allowedHosts") or info.get("allowedCidrs"):
-        network = "allowlist"
-    elif info.get("network"):
-        network = "open"
-    else:
-        network = "blocked"
+    """A local MachineInfo in the shared vocabulary. The local API names a machine only by its name,
+    so ``id`` is the name too. An allow list wins over the `network` flag: an amended machine reads
+    `network: true` with its list (observed on 1.32.2), and the list is what the engine enforces."""
+    lists = info.get("allowedHosts") or info.get("allowedCidrs")
+    network = "allowlist" if lists else "open" if info.get("network") else "blocked"
+    ports = [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []]
     return {
         "id": info["name"],
         "name": info["name"],
@@ -2627,9 +2409,7 @@ def local_record(info: dict) -> dict:
         "cpus": info.get("cpus"),
         "memoryMb": info.get("memoryMb"),
         "network": network,
-        "ports": [
-            {"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []
-        ],
+        "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
         "pid": info.get("pid"),
         "url": None,  # the local fleet has no public ingress
@@ -2642,31 +2422,22 @@ def egress_lists(info: dict) -> dict:
     """A local machine's egress policy: its allow lists (hosts and patterns
     share one list in the engine's record) and whether egress is open."""
     hosts, cidrs = list(info.get("allowedHosts") or []), list(info.get("allowedCidrs") or [])
-    return {
-        "open": bool(info.get("network")) and not hosts and not cidrs,
-        "hosts": hosts,
-        "cidrs": cidrs,
-    }
+    is_open = bool(info.get("network")) and not hosts and not cidrs
+    return {"open": is_open, "hosts": hosts, "cidrs": cidrs}
 
 
 def cloud_record(info: dict) -> dict:
-    """A cloud machine in the shared vocabulary."""
-    network = info.get("network") if isinstance(info.get("network"), dict) else {}
+    """A cloud machine in the shared vocabulary. A record that does not echo
+    its egress policy has network null: unknown, not guessed."""
+    network, source, resources = (
+        info.get(key) if isinstance(info.get(key), dict) else {}
+        for key in ("network", "source", "resources")
+    )
     mode = network.get("mode")
-    if mode == "open":
-        egress = "open"
-    elif mode == "blocked" or (
-        mode == "allowCidrs"
-        and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]
-        and not network.get("hosts")
-    ):
-        egress = "blocked"
-    elif mode == "allowCidrs":
-        egress = "allowlist"
-    else:
-        egress = None  # a record that does not echo its policy: unknown, not guessed
-    source = info.get("source") if isinstance(info.get("source"), dict) else {}
-    resources = info.get("resources") if isinstance(info.get("resources"), dict) else {}
+    if mode == "allowCidrs" and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]:
+        mode = "allowCidrs" if network.get("hosts") else "blocked"
+    egress = {"open": "open", "blocked": "blocked", "allowCidrs": "allowlist"}
+    ports = [{"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []]
     return {
         "id": info.get("id"),
         "name": info.get("name") or info.get("id"),
@@ -2674,10 +2445,8 @@ def cloud_record(info: dict) -> dict:
         "image": source.get("reference") or info.get("image"),
         "cpus": resources.get("cpus"),
         "memoryMb": resources.get("memoryMb"),
-        "network": egress,
-        "ports": [
-            {"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []
-        ],
+        "network": egress.get(mode) if isinstance(mode, str) else None,
+        "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
         "pid": None,  # the VM process runs on a node we cannot see
         "url": info.get("url"),
@@ -2702,10 +2471,9 @@ def iso_time(value: Any) -> str | None:
 # ---------------------------------------------------------------------------
 # 6. Output budget
 #
-# A tool result is read by a model that pays in tokens (Claude Code refuses a
-# result over 25,000). A stream longer than maxOutputBytes, or estimated above
-# replyTokens, keeps its head and its tail, says how much fell between, and the
-# whole stream is written into the machine so nothing is lost.
+# A tool result is read by a model that pays in tokens (Claude Code refuses a result over 25,000). A
+# stream longer than maxOutputBytes, or estimated above replyTokens, keeps its head and its tail,
+# says how much fell between, and the whole stream is written into the machine so nothing is lost.
 # ---------------------------------------------------------------------------
 
 OVERFLOW_DIR = "/tmp/smol-mcp-output"
@@ -2713,24 +2481,15 @@ OVERFLOW_DIR = "/tmp/smol-mcp-output"
 
 def utf8_prefix_end(data: bytes, end: int) -> int:
     """Largest cut <= end that does not split a UTF-8 character."""
-    end = min(end, len(data))
-    cut = end
+    end = cut = min(end, len(data))
     while cut > 0 and cut > end - 4 and (data[cut - 1] & 0xC0) == 0x80:
         cut -= 1
-    if (
-        cut > 0 and data[cut - 1] >= 0xC0
-    ):  # a lead byte whose character is not complete before `end`
-        need = 2 if data[cut - 1] < 0xE0 else 3 if data[cut - 1] < 0xF0 else 4
+    lead = data[cut - 1] if cut > 0 else 0
+    if lead >= 0xC0:  # a lead byte: is its character complete before `end`?
+        need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
         if end - (cut - 1) < need:
             return cut - 1
     return end
-
-
-def utf8_suffix_start(data: bytes, start: int) -> int:
-    """Smallest cut >= start that begins a UTF-8 character."""
-    while start < len(data) and (data[start] & 0xC0) == 0x80:
-        start += 1
-    return start
 
 
 # One piece a tokenizer cannot merge across: a run of letters and digits, a run of
@@ -2775,8 +2534,7 @@ def within_tokens(text: str, tokens: int) -> int:
 
 
 def prefix_within_tokens(data: bytes, tokens: int) -> int:
-    """The longest prefix of ``data``, ended on a character boundary, whose
-    text is estimated at most ``tokens``."""
+    """The longest prefix of ``data`` in whole characters estimated at most ``tokens``."""
     text = data.decode("utf-8", "surrogateescape")
     return len(text[: within_tokens(text, tokens)].encode("utf-8", "surrogateescape"))
 
@@ -2794,16 +2552,13 @@ def reply_tokens(config: Config) -> int:
 
 
 def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
-    """Split ``limit`` tokens between stdout and stderr: a stream that needs
-    less than half leaves the rest to the other."""
+    """Split ``limit`` tokens between stdout and stderr; one needing under half leaves the rest."""
+    half = limit // 2
     if sum(costs) <= limit:
         return costs
-    half = limit // 2
     if costs[0] <= half:
         return costs[0], limit - costs[0]
-    if costs[1] <= half:
-        return limit - costs[1], costs[1]
-    return half, limit - half
+    return (limit - costs[1], costs[1]) if costs[1] <= half else (half, limit - half)
 
 
 def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, int]:
@@ -2816,11 +2571,12 @@ def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, i
     tokens -= est_tokens(marker)
     head = data[: utf8_prefix_end(data, limit // 2)]
     head = head[: prefix_within_tokens(head, tokens // 2)]
-    tail = data[utf8_suffix_start(data, len(data) - (limit - limit // 2)) :]
-    tail_text = tail.decode("utf-8", "surrogateescape")[::-1]
-    tail = tail_text[: within_tokens(tail_text, tokens - tokens // 2)][::-1].encode(
-        "utf-8", "surrogateescape"
-    )
+    start = len(data) - (limit - limit // 2)
+    while start < len(data) and (data[start] & 0xC0) == 0x80:  # begin on a character
+        start += 1
+    tail_text = data[start:].decode("utf-8", "surrogateescape")[::-1]
+    tail_text = tail_text[: within_tokens(tail_text, tokens - tokens // 2)][::-1]
+    tail = tail_text.encode("utf-8", "surrogateescape")
     omitted = len(data) - len(head) - len(tail)
     marker = f"\n[... smol-mcp: {omitted} bytes omitted here; {where} ...]\n"
     return head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), omitted
@@ -2853,16 +2609,22 @@ TYPE_WORDS = {
     "array": "a list",
     "object": "an object",
 }
+MAX_TIMEOUT_SECS = 86400  # built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
 
-
-MAX_TIMEOUT_SECS = (
-    86400  # the built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
-)
 MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
 MAX_DISK_GB = 4096  # storageGb and overlayGb
 MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
 MAX_READ_LENGTH = 64 * 1024 * 1024  # the largest output budget the settings allow
 GUEST_PATH_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
+# Image transports that read from this host (file: URLs and containers-transports(5)).
+HOST_TRANSPORTS = ("file:", "dir:", "oci:", "oci-archive:", "docker-archive:", "docker-daemon:")
+# Which refusal is told when a value breaks several rules: the first in this order.
+_KEYWORD_ORDER = tuple(
+    "type enum minimum maximum minLength maxLength pattern minItems maxItems additionalProperties "
+    "required oneOf".split()
+)
+# Names other tools use for an argument, too far from ours for difflib to find.
+ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "workdir"}
 
 
 def python_pattern(pattern: str) -> str:
@@ -2881,62 +2643,45 @@ def guest_path(path: str, where: str = "path") -> str:
     path could name another route rather than a file."""
     if not path.startswith("/"):
         raise ArgumentError(
-            f'"{where}" must be an absolute path inside the machine (starting '
-            f"with /); got {json.dumps(path)[:60]}"
+            f'"{where}" must be an absolute path inside the machine (starting with /); got '
+            f"{json.dumps(path)[:60]}"
         )
     if GUEST_PATH_FORBIDDEN.search(path):
         raise ArgumentError(
-            f'"{where}" holds a control character (such as a newline or NUL), '
-            "which no file name should; pass the path without it"
+            f'"{where}" holds a control character (such as a newline or NUL), which no file name '
+            "should; pass the path without it"
         )
     parts: list[str] = []
     for segment in path.split("/"):
-        if segment in ("", "."):
-            continue
+        if segment == ".." and not parts:
+            raise ArgumentError(
+                f'"{where}" climbs above / with ".."; pass the plain absolute path of the file, '
+                f"got {json.dumps(path)[:60]}"
+            )
         if segment == "..":
-            if not parts:
-                raise ArgumentError(
-                    f'"{where}" climbs above / with ".."; pass the plain '
-                    f"absolute path of the file, got {json.dumps(path)[:60]}"
-                )
             parts.pop()
-            continue
-        parts.append(segment)
+        elif segment not in ("", "."):
+            parts.append(segment)
     return "/" + "/".join(parts)
 
 
 def guest_route_suffix(path: str) -> str:
-    """The path as the suffix of a files route: normalised, every segment
-    percent-encoded on its own (no `/`, `?`, `#` or `%` of the path survives as
-    syntax), without the leading slash."""
+    """The path as the suffix of a files route: normalised, every segment percent-encoded on its own
+    (no `/`, `?`, `#` or `%` of the path survives as syntax), without the leading slash."""
     segments = guest_path(path).split("/")[1:]
     return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
 
 
-# Image transports that read from this host (file: URLs and containers-transports(5)).
-HOST_TRANSPORTS = ("file:", "dir:", "oci:", "oci-archive:", "docker-archive:", "docker-daemon:")
-
-
-def looks_like_host_path(image: str) -> bool:
-    """True when an image names a place on this host rather than a registry: a
-    path (absolute, relative, home) or a host-side transport, in any letter
-    case and after any blank."""
-    plain = image.strip().lower()
-    return plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", "..")
-
-
 def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
-    """The resolved host path when it lies under a configured mount root that
-    allows what is asked; else ArgumentError naming mountRoots. Symlinks and
-    `..` are resolved first, so a link inside a root cannot lead out of it; the
-    resolved path is what the engine is given."""
+    """The resolved host path when it lies under a configured mount root that allows what is asked;
+    else ArgumentError naming mountRoots. Symlinks and `..` are resolved first, so a link inside a
+    root cannot lead out of it; the resolved path is what the engine is given."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
         raise ArgumentError(
-            f'"{where}" names a host path ({source!r}), and this server exposes '
-            "no host directory: the operator can allow some with the mountRoots "
-            "setting (SMOL_MCP_MOUNT_ROOTS). Otherwise copy files in with "
-            "write-file, or use a registry image"
+            f'"{where}" names a host path ({source!r}), and this server exposes no host directory: '
+            "the operator can allow some with the mountRoots setting (SMOL_MCP_MOUNT_ROOTS). "
+            "Otherwise copy files in with write-file, or use a registry image"
         )
     if GUEST_PATH_FORBIDDEN.search(source):
         raise ArgumentError(
@@ -2953,26 +2698,26 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
         raise ArgumentError(f'"{where}" must be an absolute host path, got {source!r}')
     resolved = os.path.realpath(os.path.expanduser(plain))
     for root, writable in roots:
-        if within(resolved, root):
-            for own in server_directories(config):
-                if within(resolved, own) or within(own, resolved):
-                    raise ArgumentError(
-                        f'"{where}" resolves to {resolved}, which is or holds {own}, a directory '
-                        "of this server itself (tokens, approvals, sockets): never mountable, "
-                        "whatever mountRoots says; pick another directory"
-                    )
-            if want_write and not writable:
+        if not within(resolved, root):
+            continue
+        for own in server_directories(config):
+            if within(resolved, own) or within(own, resolved):
                 raise ArgumentError(
-                    f'"{where}" asks for write access under {root}, which '
-                    'mountRoots opens read-only; leave "readonly" out (or true), '
-                    'or have the operator add ":rw" to that root'
+                    f'"{where}" resolves to {resolved}, which is or holds {own}, a directory '
+                    "of this server itself (tokens, approvals, sockets): never mountable, "
+                    "whatever mountRoots says; pick another directory"
                 )
-            return resolved
+        if want_write and not writable:
+            raise ArgumentError(
+                f'"{where}" asks for write access under {root}, which mountRoots opens '
+                'read-only; leave "readonly" out (or true), or have the operator add ":rw" to '
+                "that root"
+            )
+        return resolved
     listed = ", ".join(root + (MOUNT_ROOT_WRITABLE if writable else "") for root, writable in roots)
     raise ArgumentError(
-        f'"{where}" resolves to {resolved}, which is outside the host '
-        f"directories this server exposes ({listed}; the mountRoots setting); "
-        "pick a path under one of them"
+        f'"{where}" resolves to {resolved}, which is outside the host directories this server '
+        f"exposes ({listed}; the mountRoots setting); pick a path under one of them"
     )
 
 
@@ -2989,11 +2734,11 @@ def server_directories(config: Config) -> list[str]:
 
 
 def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
-    """Hold a host-path image and every mount to mountRoots (closed by default);
-    return the image (resolved when it is a host path) and the mounts with
-    resolved sources and an explicit readonly, which is true unless the mount
-    asked for `readonly: false` under a writable root."""
-    if looks_like_host_path(image):
+    """Hold a host-path image and every mount to mountRoots (closed by default); return the image
+    (resolved when it is a host path) and the mounts with resolved sources and an explicit readonly,
+    which is true unless the mount asked for `readonly: false` under a writable root."""
+    plain = image.strip().lower()  # a path (absolute, relative, home) or a host-side transport
+    if plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", ".."):
         image = contained_host_path(config, image, "image", want_write=False)
     checked = []
     for index, mount in enumerate(mounts):
@@ -3020,41 +2765,18 @@ def argument_validator() -> Any:
     def whole_number(checker: Any, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
 
-    def ecma_pattern(validator: Any, pattern: str, instance: Any, schema: dict) -> Iterator[Any]:
-        if validator.is_type(instance, "string") and not re.search(
-            python_pattern(pattern), instance
-        ):
-            yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+    def ecma_pattern(validator: Any, pattern: str, value: Any, schema: dict) -> Iterator[Any]:
+        if validator.is_type(value, "string") and not re.search(python_pattern(pattern), value):
+            yield jsonschema.ValidationError(f"{value!r} does not match {pattern!r}")
 
     base = jsonschema.Draft202012Validator
-    return jsonschema.validators.extend(
-        base,
-        validators={"pattern": ecma_pattern},
-        type_checker=base.TYPE_CHECKER.redefine("integer", whole_number),
-    )
-
-
-# Which refusal is told when a value breaks several rules: the first in this order.
-_KEYWORD_ORDER = (
-    "type",
-    "enum",
-    "minimum",
-    "maximum",
-    "minLength",
-    "maxLength",
-    "pattern",
-    "minItems",
-    "maxItems",
-    "additionalProperties",
-    "required",
-    "oneOf",
-)
+    checker = base.TYPE_CHECKER.redefine("integer", whole_number)
+    return jsonschema.validators.extend(base, {"pattern": ecma_pattern}, type_checker=checker)
 
 
 def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = None) -> dict:
-    """Check ``arguments`` against the tool's input schema (or its ``checker``,
-    built once); raise ArgumentError naming the first argument that is unknown,
-    missing, mistyped or out of range."""
+    """Check ``arguments`` against the tool's input schema (or its ``checker``, built once); raise
+    ArgumentError naming the first argument that is unknown, missing, mistyped or out of range."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
     errors = list((checker or argument_validator()(schema)).iter_errors(arguments))
@@ -3063,13 +2785,11 @@ def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = 
     return arguments
 
 
-def _error_where(error: Any) -> tuple[list, Any]:
-    """The path of the value an error is about, and that value. A property-name
-    error is about the name, which jsonschema reports at the object holding it."""
+def _error_path(error: Any) -> list:
+    """Where the value an error is about lies. A property-name error is about the
+    name, which jsonschema reports at the object holding it."""
     path = list(error.absolute_path)
-    if "propertyNames" in error.absolute_schema_path:
-        path.append(error.instance)
-    return path, error.instance
+    return [*path, error.instance] if "propertyNames" in error.absolute_schema_path else path
 
 
 def _first_error(errors: list, arguments: dict) -> Any:
@@ -3078,46 +2798,32 @@ def _first_error(errors: list, arguments: dict) -> Any:
 
     def order(error: Any) -> tuple:
         positions, node = [], arguments
-        for step in _error_where(error)[0]:
-            if isinstance(node, dict):
-                positions.append(list(node).index(step))
-                node = node.get(step)
-            else:
-                positions.append(step)
-                node = node[step]
+        for step in _error_path(error):
+            positions.append(list(node).index(step) if isinstance(node, dict) else step)
+            node = node.get(step) if isinstance(node, dict) else node[step]
         by_name = "propertyNames" in error.absolute_schema_path  # a name before its value
         return tuple(positions), -1 if by_name else _KEYWORD_ORDER.index(error.validator)
 
     return min(errors, key=order)
 
 
-def _where(path: list) -> str:
-    text = ""
-    for step in path:
-        text += f"[{step}]" if isinstance(step, int) else (f".{step}" if text else str(step))
-    return text
-
-
-# Names other tools use for an argument, too far from ours for difflib to find.
-ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "workdir"}
-
-
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
-    path, value = _error_where(error)
-    where, rule, schema = _where(path), error.validator, error.schema
+    path, value = _error_path(error), error.instance
+    where = "".join(
+        f"[{step}]" if isinstance(step, int) else f".{step}" if index else str(step)
+        for index, step in enumerate(path)
+    )
+    rule, schema, limit = error.validator, error.schema, error.validator_value
     if rule == "additionalProperties":
         accepted = schema.get("properties", {})
         key = next(key for key in value if key not in accepted)
         slip = ARGUMENT_SLIPS.get(key.lower())
         maybe = f' (did you mean "{slip}"?)' if slip in accepted else ""
-        maybe = maybe or did_you_mean(key, accepted, cutoff=0.5)
+        maybe, names = maybe or did_you_mean(key, accepted, cutoff=0.5), ", ".join(accepted)
         if not path:
-            return (
-                f'{tool} has no argument "{key}"{maybe}; it accepts: '
-                f"{', '.join(accepted) or 'none'}"
-            )
-        return f'"{where}" has no field "{key}"{maybe}; it accepts: {", ".join(accepted)}'
+            return f'{tool} has no argument "{key}"{maybe}; it accepts: {names or "none"}'
+        return f'"{where}" has no field "{key}"{maybe}; it accepts: {names}'
     if rule == "required":
         key = next(key for key in schema["required"] if key not in value)
         if not path:
@@ -3134,30 +2840,22 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
         return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'  # no oneOf is secret
     secret = bool(path) and path[0] in (*REDACTED_ARGUMENTS, *REDACTED_MAPS)
     got = "a value not repeated here" if secret else json.dumps(value)[:60]
-    limit = error.validator_value
+    if rule == "type":
+        choices = " or ".join(json.dumps(v) for v in schema.get("enum", ()))
+        choices = f" ({choices})" if "enum" in schema else ""
+        return f'"{where}" must be {TYPE_WORDS.get(limit, limit)}{choices}, got {got}'
+    if rule == "enum":
+        return f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
+    if rule == "maxItems":
+        return f'"{where}" may hold at most {limit} items, got {len(value)}'
     return {
-        "type": lambda: (
-            f'"{where}" must be {TYPE_WORDS.get(limit, limit)}'
-            + (
-                f" ({' or '.join(json.dumps(v) for v in schema['enum'])})"
-                if "enum" in schema
-                else ""
-            )
-            + f", got {got}"
-        ),
-        "enum": lambda: (
-            f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
-        ),
-        "minimum": lambda: f'"{where}" must be at least {limit}, got {value}',
-        "maximum": lambda: f'"{where}" must be at most {limit}, got {value}',
-        "minLength": lambda: f'"{where}" must not be empty',
-        "maxLength": lambda: f'"{where}" must be at most {limit} characters long',
-        "pattern": lambda: (
-            f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}'
-        ),
-        "minItems": lambda: f'"{where}" must hold at least {limit} item(s)',
-        "maxItems": lambda: f'"{where}" may hold at most {limit} items, got {len(value)}',
-    }[rule]()
+        "minimum": f'"{where}" must be at least {limit}, got {value}',
+        "maximum": f'"{where}" must be at most {limit}, got {value}',
+        "minLength": f'"{where}" must not be empty',
+        "maxLength": f'"{where}" must be at most {limit} characters long',
+        "pattern": f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}',
+        "minItems": f'"{where}" must hold at least {limit} item(s)',
+    }[rule]
 
 
 # ---------------------------------------------------------------------------
