@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
+
 __version__ = "0.1.0"
 
 log = logging.getLogger("smol_mcp")
@@ -3519,11 +3521,10 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # 8. Tools
 #
 # The tools: those of the TypeScript smol-mcp with its names, arguments and
-# result shapes, then jobs and allow-egress. Each handler gets a Call (its
-# fleet, its session, a way to run a blocking API call in a worker thread, a
-# progress reporter) and the validated
-# arguments, and returns the structured result. A SmolError becomes a tool
-# error; anything else is logged and reported without a stack trace.
+# result shapes, then jobs and allow-egress. Each handler gets a Call (its fleet, its session, a
+# way to run a blocking API call in a worker thread, a progress reporter) and the validated
+# arguments, and returns the structured result. A SmolError becomes a tool error; anything
+# else is logged and reported without a stack trace.
 # ---------------------------------------------------------------------------
 
 CLEANUP_TIMEOUT_SECS = 20
@@ -3540,6 +3541,10 @@ def _integer(description: str, minimum: int = 1, **extra: Any) -> dict:
     return {"type": "integer", "description": description, "minimum": minimum, **extra}
 
 
+def _boolean(description: str) -> dict:
+    return {"type": "boolean", "description": description}
+
+
 def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
     return {
         "type": "object",
@@ -3547,6 +3552,33 @@ def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
         "required": list(required),
         "additionalProperties": False,
     }
+
+
+def _types(fields: str) -> dict:
+    """Schema properties from "name:type" words: a type ending in ? may also be
+    null, one ending in [] is an array of that type."""
+    properties: dict[str, dict] = {}
+    for field_ in fields.split():
+        name, kind = field_.split(":")
+        if kind.endswith("[]"):
+            properties[name] = {"type": "array", "items": {"type": kind[:-2]}}
+        else:
+            properties[name] = {"type": [kind[:-1], "null"] if kind.endswith("?") else kind}
+    return properties
+
+
+def _out(properties: dict, optional: dict | None = None) -> dict:
+    """A result schema: ``properties`` always present, ``optional`` only sometimes."""
+    return {
+        "type": "object",
+        "properties": {**properties, **(optional or {})},
+        "required": list(properties),
+    }
+
+
+def _list(**parts: Any) -> dict:
+    """An array of at most 32 items; ``parts`` (items, description) in the order given."""
+    return {"type": "array", "maxItems": 32, **parts}
 
 
 ARG_NAME = _string(
@@ -3558,22 +3590,18 @@ ARG_MEMORY = _integer(
     "Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128, maximum=MAX_MEMORY_MB
 )
 ARG_NETWORK = _string(
-    'Egress: "blocked" (the default) or "open". A registry image does not '
-    "need it: the local engine fetches images on the host.",
+    'Egress: "blocked" (the default) or "open". A registry image does not need it: the local '
+    "engine fetches images on the host.",
     enum=["open", "blocked"],
 )
-ARG_ALLOW_HOSTS = {
-    "type": "array",
-    "maxItems": 32,
-    "items": _string("A host name.", minLength=1, maxLength=255),
-    "description": "Allow egress only to these host names (and their subdomains).",
-}
-ARG_ALLOW_CIDRS = {
-    "type": "array",
-    "maxItems": 32,
-    "items": _string("A CIDR such as 198.51.100.0/24.", minLength=1, maxLength=64),
-    "description": "Allow egress only to these address ranges.",
-}
+ARG_ALLOW_HOSTS = _list(
+    items=_string("A host name.", minLength=1, maxLength=255),
+    description="Allow egress only to these host names (and their subdomains).",
+)
+ARG_ALLOW_CIDRS = _list(
+    items=_string("A CIDR such as 198.51.100.0/24.", minLength=1, maxLength=64),
+    description="Allow egress only to these address ranges.",
+)
 ARG_ENV = {
     "type": "object",
     "description": "Environment variables, as a map of name to value.",
@@ -3611,61 +3639,49 @@ ARG_JOB_OFFSET = {
     ),
     "description": "Where to continue: the nextOffset of the previous read-job.",
 }
-ARG_WAIT = {
-    "type": "boolean",
-    "description": "Wait until a command has run in the guest before answering (default true).",
+ARG_WAIT = _boolean("Wait until a command has run in the guest before answering (default true).")
+ARG_EXEC = {  # run-command's and run-once's
+    "command": ARG_COMMAND,
+    "timeoutSecs": ARG_TIMEOUT,
+    "workdir": ARG_WORKDIR,
+    "env": ARG_ENV,
+    "stdin": ARG_STDIN,
 }
 
 OUT_MACHINE = {
     "type": "object",
     "description": "A machine, with the same keys on every fleet.",
-    "properties": {
-        "id": {"type": "string"},
-        "name": {"type": "string"},
-        "state": {"type": ["string", "null"]},
-        "image": {"type": ["string", "null"]},
-        "cpus": {"type": ["integer", "null"]},
-        "memoryMb": {"type": ["integer", "null"]},
-        "network": {"type": ["string", "null"]},
-        "ports": {"type": "array"},
-        "createdAt": {"type": ["string", "null"]},
-        "pid": {"type": ["integer", "null"]},
-        "url": {"type": ["string", "null"]},
-        "branchable": {"type": "boolean"},
-        "parent": {"type": ["string", "null"]},
-    },
+    "properties": _types(
+        "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
+        "network:string? ports:array createdAt:string? pid:integer? url:string? "
+        "branchable:boolean parent:string?"
+    ),
     "required": list(MACHINE_KEYS),
 }
-ARG_EGRESS_LIST = {"type": "array", "maxItems": 32}
-ARG_EGRESS_HOSTS = {
-    **ARG_EGRESS_LIST,
-    "description": "Host names to allow, such as pypi.org; each covers its subdomains too.",
-    "items": _string("A host name.", minLength=1, maxLength=253),
-}
-ARG_EGRESS_PATTERNS = {
-    **ARG_EGRESS_LIST,
-    "description": "Patterns to allow: an exact host name, or *.domain for its subdomains only.",
-    "items": _string("A host name or *.domain.", minLength=1, maxLength=255),
-}
-ARG_EGRESS_CIDRS = {
-    **ARG_EGRESS_LIST,
-    "description": "Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 "
-    "or narrower); never loopback, link-local or private ranges.",
-    "items": _string("An address range.", minLength=1, maxLength=64),
-}
+ARG_EGRESS_HOSTS = _list(
+    description="Host names to allow, such as pypi.org; each covers its subdomains too.",
+    items=_string("A host name.", minLength=1, maxLength=253),
+)
+ARG_EGRESS_PATTERNS = _list(
+    description="Patterns to allow: an exact host name, or *.domain for its subdomains only.",
+    items=_string("A host name or *.domain.", minLength=1, maxLength=255),
+)
+ARG_EGRESS_CIDRS = _list(
+    description="Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 or "
+    "narrower); never loopback, link-local or private ranges.",
+    items=_string("An address range.", minLength=1, maxLength=64),
+)
 ARG_EGRESS_REMOVE = {
     **_object(
         {
-            "hosts": {
-                **ARG_EGRESS_LIST,
-                "items": _string("A listed entry.", minLength=1, maxLength=255),
-                "description": "Host names or patterns to take off, as get-machine lists them.",
-            },
-            "cidrs": {
-                **ARG_EGRESS_LIST,
-                "items": _string("A listed range.", minLength=1, maxLength=64),
-                "description": "Address ranges to take off, as get-machine lists them.",
-            },
+            "hosts": _list(
+                items=_string("A listed entry.", minLength=1, maxLength=255),
+                description="Host names or patterns to take off, as get-machine lists them.",
+            ),
+            "cidrs": _list(
+                items=_string("A listed range.", minLength=1, maxLength=64),
+                description="Address ranges to take off, as get-machine lists them.",
+            ),
         }
     ),
     "description": "Entries to take off the allow list; at least one entry must remain.",
@@ -3673,11 +3689,7 @@ ARG_EGRESS_REMOVE = {
 OUT_EGRESS = {
     "type": "object",
     "description": "A local machine's egress policy.",
-    "properties": {
-        "open": {"type": "boolean"},
-        "hosts": {"type": "array", "items": {"type": "string"}},
-        "cidrs": {"type": "array", "items": {"type": "string"}},
-    },
+    "properties": _types("open:boolean hosts:string[] cidrs:string[]"),
     "required": ["open", "hosts", "cidrs"],
 }
 OUT_DENIALS = {
@@ -3685,41 +3697,17 @@ OUT_DENIALS = {
     "description": "Refused connections grouped by destination (local fleet).",
     "items": {
         "type": "object",
-        "properties": {
-            "dest": {"type": "string"},
-            "operation": {"type": "string"},
-            "count": {"type": "integer"},
-            "firstAt": {"type": ["string", "null"]},
-            "lastAt": {"type": ["string", "null"]},
-        },
+        "properties": _types(
+            "dest:string operation:string count:integer firstAt:string? lastAt:string?"
+        ),
     },
 }
-OUT_JOB_STATE = {
-    "jobId": {"type": "string"},
-    "state": {"type": "string"},
-    "exitCode": {"type": ["integer", "null"]},
-}
+OUT_JOB_STATE = _types("jobId:string state:string exitCode:integer?")
 OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
-OUT_EXEC_PROPERTIES = {
-    "stdout": {"type": "string"},
-    "stderr": {"type": "string"},
-    "exitCode": {"type": "integer"},
-    "truncated": {"type": "boolean"},
-    "timedOut": {"type": "boolean"},
-    "overflow": {"type": "array", "items": {"type": "string"}},
-    "startedMachine": {"type": "boolean"},
-}
-
-
-def _out(properties: dict, optional: dict | None = None) -> dict:
-    """A result schema: ``properties`` always present, ``optional`` only sometimes."""
-    return {
-        "type": "object",
-        "properties": {**properties, **(optional or {})},
-        "required": list(properties),
-    }
-
-
+OUT_EXEC_PROPERTIES = _types(
+    "stdout:string stderr:string exitCode:integer truncated:boolean timedOut:boolean "
+    "overflow:string[] startedMachine:boolean"
+)
 OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}}
 
 
