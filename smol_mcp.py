@@ -3750,27 +3750,22 @@ class Call:
     async def api(
         self, function: Callable, *args: Any, waiting: str | None = None, **kwargs: Any
     ) -> Any:
-        """Run one blocking API call in a worker thread. A cancelled call stops
-        waiting at once (the thread finishes on its own). With ``waiting``, a
-        progress notification says so every few seconds until it returns;
-        without it, only a call that takes longer than that (an API that asked
-        us to wait and retry, say) sends progress, so a client sees it alive."""
-        import anyio
-
+        """Run one blocking API call in a worker thread, with progress as
+        with_heartbeat says. A cancelled call stops waiting at once (the thread
+        finishes on its own)."""
+        work, slots = functools.partial(function, *args, **kwargs), self.session.call_slots()
         run = functools.partial(
-            anyio.to_thread.run_sync,
-            functools.partial(function, *args, **kwargs),
-            abandon_on_cancel=True,
-            limiter=self.session.call_slots(),
+            anyio.to_thread.run_sync, work, abandon_on_cancel=True, limiter=slots
         )
         return await self.with_heartbeat(run, waiting)
 
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
         """Await ``run()`` while a progress notification says what the call
         waits on: with ``waiting``, at once and every few seconds until it
-        returns; without, only once it has taken longer than that; with "",
-        never (the caller reports progress itself: one heartbeat per wait).
-        Until a beat is due it is a timer, so a quick call starts no task."""
+        returns; without, only once it has taken longer than that (an API that
+        asked us to wait and retry, say); with "", never (the caller reports
+        progress itself). Until a beat is due it is a timer, so a quick call
+        starts no task."""
         import asyncio
 
         if waiting == "":
@@ -3781,9 +3776,7 @@ class Call:
 
         async def heartbeat() -> None:
             while True:
-                await self.progress(
-                    None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
-                )
+                await self.so_far(waiting)
                 await asyncio.sleep(PROGRESS_INTERVAL_SECS)
 
         timer = loop.call_later(first_beat, lambda: beats.append(loop.create_task(heartbeat())))
@@ -3794,23 +3787,19 @@ class Call:
             for beat in beats:
                 beat.cancel()
 
-    async def create(
-        self, function: Callable, *args: Any, waiting: str = "creating the machine"
-    ) -> Any:
+    async def so_far(self, waiting: str) -> None:
+        await self.progress(None, f"{waiting}: {int(time.monotonic() - self.started)} s so far")
+
+    async def create(self, function: Callable, *args: Any, waiting: str) -> Any:
         """Run a call that creates a machine to completion, even if the tool
         call is cancelled meanwhile: abandoned, it could create a machine after
-        the cleanup had already run, and nobody would delete it. Progress goes
-        out at once and every few seconds until it returns."""
-        import anyio
-
+        the cleanup had already run, and nobody would delete it."""
         # The wait for one of the session's slots can be cancelled (nothing exists
         # yet); once it has one, the create runs to its end whatever happens.
         async with self.session.call_slots():
-            run = functools.partial(
-                anyio.to_thread.run_sync,
-                functools.partial(function, *args),
-                limiter=anyio.CapacityLimiter(1),  # the slot above is the real bound
-            )
+            limiter = anyio.CapacityLimiter(1)  # the slot above is the real bound
+            work = functools.partial(function, *args)
+            run = functools.partial(anyio.to_thread.run_sync, work, limiter=limiter)
             with anyio.CancelScope(shield=True):
                 return await self.with_heartbeat(run, waiting)
 
@@ -3855,8 +3844,6 @@ class Call:
         """Delete a machine this call created, even while the call is being
         cancelled, and forget it; a failure here is logged, not raised over the
         error that got us here (the session's cleanup tries again)."""
-        import anyio
-
         with anyio.CancelScope(shield=True):
             try:
                 with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
@@ -3864,27 +3851,28 @@ class Call:
                         self.fleet.delete_machine, name, abandon_on_cancel=True
                     )
                 self.forget(name)
-            except ApiError as err:
-                if err.status == 404:
+            except Exception as err:
+                if isinstance(err, ApiError) and err.status == 404:
                     self.forget(name)
                 else:
                     log.warning("could not delete machine %s: %s", name, err)
-            except Exception as err:
-                log.warning("could not delete machine %s: %s", name, err)
+
+
+def egress_entries(args: dict, key: str, config: Config, pattern: bool | None = None) -> list[str]:
+    """The entries of ``args[key]``, each held to allow-egress's rules: host
+    names (with ``pattern``, *.domain too), or without ``pattern``, address ranges."""
+    entries = enumerate(args.get(key) or [])
+    if pattern is None:
+        return [egress_cidr(value, f"{key}[{i}]", config) for i, value in entries]
+    return [egress_host(value, f"{key}[{i}]", pattern, config) for i, value in entries]
 
 
 def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list[str], list[str]]:
     """(network, allowHosts, allowCidrs) for a create, each entry held to
     allow-egress's rules. An allow-list narrows egress, so it cannot be
     combined with an explicit open or blocked."""
-    hosts = [
-        egress_host(h, f"allowHosts[{i}]", True, config)
-        for i, h in enumerate(args.get("allowHosts") or [])
-    ]
-    cidrs = [
-        egress_cidr(c, f"allowCidrs[{i}]", config)
-        for i, c in enumerate(args.get("allowCidrs") or [])
-    ]
+    hosts = egress_entries(args, "allowHosts", config, True)
+    cidrs = egress_entries(args, "allowCidrs", config)
     if (hosts or cidrs) and "network" in args:
         raise ArgumentError(
             f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
@@ -3895,30 +3883,25 @@ def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list
     return args.get("network", default), [], []
 
 
-def exec_timeout(config: Config, args: dict) -> int:
-    """The command's timeout: the schema already held it to maxExecTimeoutSecs."""
-    return args.get("timeoutSecs", config.exec_timeout_secs)
+def exec_options(args: dict, timeout: int) -> dict:
+    """A command's options, as a fleet's exec, exec_stream and start_job take
+    them; ``timeout`` unless the arguments name one (the schema held it to the ceiling)."""
+    given = {key: args[key] for key in ("workdir", "env", "stdin") if key in args}
+    return {"timeout_secs": args.get("timeoutSecs", timeout), **given}
 
 
 def command_argv(command: str | list[str]) -> list[str]:
     return ["sh", "-c", command] if isinstance(command, str) else list(command)
 
 
-HOST_UNREACHABLE_WORDS = (
-    "dns error",
-    "error sending request",
-    "Connect",
-    "connection refused",
-    "timed out",
-    "certificate",
+HOST_UNREACHABLE_RE = re.compile(
+    "dns error|error sending request|Connect|connection refused|timed out|certificate"
 )
+BOOT_FAILURE_RE = re.compile("did not become ready|before the agent was ready|KvmOpen")
 
 
-def is_boot_failure(err: Exception) -> bool:
-    text = err.api_message if isinstance(err, ApiError) else ""
-    return any(
-        words in text for words in ("did not become ready", "before the agent was ready", "KvmOpen")
-    )
+def is_boot_failure(err: BaseException) -> bool:
+    return isinstance(err, ApiError) and BOOT_FAILURE_RE.search(err.api_message) is not None
 
 
 def explain_start_failure(
@@ -3933,34 +3916,30 @@ def explain_start_failure(
     if network != "open" and "must be pulled" in text:
         # an older engine (1.14 line) refuses a registry image without guest egress
         return err.with_hint(
-            "This engine pulls a registry image through the machine's own "
-            'network, which is blocked; pass network: "open" to create-machine '
-            "(or run-once) to allow the pull"
+            "This engine pulls a registry image through the machine's own network, which is "
+            'blocked; pass network: "open" to create-machine (or run-once) to allow the pull'
         )
-    host_failed = any(word in text for word in HOST_UNREACHABLE_WORDS)
-    if ("manifests" in text or "registry" in text) and host_failed:
+    if ("manifests" in text or "registry" in text) and HOST_UNREACHABLE_RE.search(text):
         # 1.32.2 fetches the image on the host: the guest's egress plays no part
         return err.with_hint(
-            "The host this server runs on could not reach the image registry "
-            "(the engine fetches images on the host, not in the machine, so "
-            "opening the machine's network would not help); the operator has to "
-            "fix the host's DNS, proxy or network access, or give an image that "
-            "is already on the host"
+            "The host this server runs on could not reach the image registry (the engine fetches "
+            "images on the host, not in the machine, so opening the machine's network would not "
+            "help); the operator has to fix the host's DNS, proxy or network access, or give an "
+            "image that is already on the host"
+        )
+    if is_boot_failure(err) and log_lines is None:
+        return err.with_hint(
+            "The microVM could not boot on this host; the smol://targets resource says whether a "
+            "usable hypervisor is present, and the machine's log (machine-logs) may say more"
         )
     if is_boot_failure(err):
-        if log_lines is None:
-            return err.with_hint(
-                "The microVM could not boot on this host; the smol://targets "
-                "resource says whether a usable hypervisor is present, and the "
-                "machine's log (machine-logs) may say more"
-            )
         tail = (
             "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
         )
         return err.with_hint(
-            "The microVM could not boot on this host, and the machine is deleted. "
-            "A usable /dev/kvm can still fail to boot a guest (in a VM without nested "
-            f"virtualization, say). The last lines of its console log:\n{tail}"
+            "The microVM could not boot on this host, and the machine is deleted. A usable "
+            "/dev/kvm can still fail to boot a guest (in a VM without nested virtualization, "
+            f"say). The last lines of its console log:\n{tail}"
         )
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
         return err.with_hint(
@@ -3972,29 +3951,26 @@ def explain_start_failure(
 BOOT_LOG_LINES = 20
 
 
-async def last_log_lines(call: Call, name: str) -> list[str]:
-    """The console lines of a machine about to be deleted after a failed
-    start, for the error (empty when the log cannot be read)."""
+async def start_failure(call: Call, name: str, err: BaseException, network: str) -> BaseException:
+    """explain_start_failure for a machine about to be deleted: a boot failure
+    carries the last lines of its console log (none when the log cannot be read)."""
+    if not is_boot_failure(err):
+        return explain_start_failure(err, network) if isinstance(err, Exception) else err
     try:
-        return (await call.api(call.fleet.console_lines, name))[-BOOT_LOG_LINES:]
-    except Exception as err:  # the error being reported matters more than its log
-        log.debug("could not read the log of %s: %s", name, err)
-        return []
+        lines = (await call.api(call.fleet.console_lines, name))[-BOOT_LOG_LINES:]
+    except Exception as log_err:  # the error being reported matters more than its log
+        log.debug("could not read the log of %s: %s", name, log_err)
+        lines = []
+    return explain_start_failure(err, network, lines)
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
     """Return once a command has actually run in the guest. The probe never
     boots a machine, so one stopped meanwhile is reported, not restarted."""
-    import anyio
-
-    limit = call.config.ready_timeout_secs
-    started = time.monotonic()
-    delay = 0.1
+    limit, started, delay = call.config.ready_timeout_secs, time.monotonic(), 0.1
     while True:
-        elapsed = time.monotonic() - started
-        await call.progress(
-            None, f"waiting for the guest of '{name}': {int(elapsed)} s of {limit} s"
-        )
+        elapsed = int(time.monotonic() - started)
+        await call.progress(None, f"waiting for the guest of '{name}': {elapsed} s of {limit} s")
         not_ready = await call.api(call.fleet.probe_ready, name)
         if not_ready is None:
             return
@@ -4008,9 +3984,8 @@ async def wait_until_ready(call: Call, name: str) -> None:
 
 
 async def start_and_wait(call: Call, name: str, branchable: bool = False) -> dict:
-    record = await call.api(
-        call.fleet.start_machine, name, branchable, waiting=f"starting '{name}'"
-    )
+    waiting = f"starting '{name}'"
+    record = await call.api(call.fleet.start_machine, name, branchable, waiting=waiting)
     await wait_until_ready(call, name)
     return record
 
@@ -4026,17 +4001,15 @@ async def ensure_running(call: Call, name: str) -> bool:
     return True
 
 
-async def on_running(
-    call: Call, name: str, function: Callable, *args: Any, **kwargs: Any
-) -> tuple[Any, bool]:
-    """Run ``function`` against a running machine, starting a stopped one
-    first (and leaving it running, the way the cloud API does it); the second
-    value says whether this call started it."""
+async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
+    """Await ``run()`` against a running machine, starting a stopped one first
+    (and leaving it running, the way the cloud API does it); the second value
+    says whether this call started it."""
     try:
-        return await function(*args, **kwargs), False
+        return await run(), False
     except NotRunning:
         await start_and_wait(call, name)
-        return await function(*args, **kwargs), True
+        return await run(), True
 
 
 # Every command runs under a wrapper that writes its pid in the guest
@@ -4073,29 +4046,28 @@ def live_line(stream: str, line: str) -> str:
     return f"{stream}: {line}"
 
 
+def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
+    """The argv that runs one of the RUN_ scripts above with its pid file."""
+    return ["sh", "-c", script, "sh", pid_file, *argv]
+
+
 async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any) -> ExecResult:
     """Run a command; with a progress token, through the stream route, each
     new output line sent as a progress message (the newest, a few a second).
     The result is the same either way, and a cancelled call ends the command."""
-    import anyio
-
     pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
     try:
         if call.progress_token() is None:
-            wrapped = ["sh", "-c", RUN_WRAPPER, "sh", pid_file, *argv]
+            wrapped = guest_script(RUN_WRAPPER, pid_file, *argv)
             waiting = f"running the command in '{name}'"
             return await call.api(call.fleet.exec, name, wrapped, waiting=waiting, **options)
         return await stream_in_machine(call, name, pid_file, argv, options)
     except anyio.get_cancelled_exc_class():
+        kill = guest_script(RUN_KILL_SCRIPT, pid_file)
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
             try:
                 await anyio.to_thread.run_sync(
-                    functools.partial(
-                        call.fleet.exec,
-                        name,
-                        ["sh", "-c", RUN_KILL_SCRIPT, "sh", pid_file],
-                        timeout_secs=30,
-                    )
+                    functools.partial(call.fleet.exec, name, kill, timeout_secs=30)
                 )
             except Exception as err:
                 log.warning("could not end the cancelled command in machine %s: %s", name, err)
@@ -4107,8 +4079,6 @@ async def stream_in_machine(
 ) -> ExecResult:
     """run_in_machine's stream route: progress from the stream, the result
     from the guest's copy (the stream's own when the guest kept none)."""
-    import anyio
-
     newest: list[Any] = [0, None]  # lines seen and the last one, written by the worker thread
 
     def on_output(stream: str, data: str) -> None:
@@ -4132,35 +4102,23 @@ async def stream_in_machine(
                 await show_newest()
             elif time.monotonic() - quiet_since >= PROGRESS_INTERVAL_SECS:
                 quiet_since = time.monotonic()
-                await call.progress(
-                    None,
-                    f"running the command in '{name}': "
-                    f"{int(time.monotonic() - call.started)} s so far",
-                )
+                await call.so_far(f"running the command in '{name}'")
 
+    tee, failure = guest_script(RUN_TEE_WRAPPER, pid_file, *argv), None
     async with anyio.create_task_group() as group:
         group.start_soon(reporter)
         try:
-            value, failure = (
-                await call.api(
-                    call.fleet.exec_stream,
-                    name,
-                    ["sh", "-c", RUN_TEE_WRAPPER, "sh", pid_file, *argv],
-                    waiting="",
-                    on_output=on_output,
-                    **options,
-                ),
-                None,
-            )
+            stream = functools.partial(call.fleet.exec_stream, on_output=on_output, **options)
+            value = await call.api(stream, name, tee, waiting="")
         except Exception as err:  # carried out of the group, which would wrap it in a group
-            value, failure = None, err
+            failure = err
         group.cancel_scope.cancel()
     if failure is not None:
         raise failure
     if newest[0] > shown[0]:
         await show_newest()  # the last line, even if it came between two ticks
     try:
-        read_back = ["sh", "-c", RUN_READ_BACK, "sh", pid_file]
+        read_back = guest_script(RUN_READ_BACK, pid_file)
         copy = await call.api(call.fleet.exec, name, read_back, timeout_secs=60)
     except SmolError as err:
         log.warning("could not read back the output of a command in %s: %s", name, err)
@@ -4173,12 +4131,14 @@ async def stream_in_machine(
 
 
 async def budget_exec(
-    call: Call, name: str, result: ExecResult, timeout: int, keep_overflow: bool
+    call: Call, name: str, result: ExecResult, timeout: int, since: datetime.datetime, once: bool
 ) -> dict:
     """The run-command result: both streams within the budget, and a stream
-    that did not fit written whole into the machine, its path in ``overflow``.
-    Each stream keeps at most maxOutputBytes, and both together are estimated
-    within replyTokens (less a reserve for the other fields)."""
+    that did not fit written whole into the machine, its path in ``overflow``
+    (not for run-once, ``once``, whose machine is deleted as it answers), with
+    the egress denials of a failed command. Each stream keeps at most
+    maxOutputBytes, and both together are estimated within replyTokens (less a
+    reserve for the other fields)."""
     limit = call.config.max_output_bytes
     # A stream longer than twice the byte limit is cut whatever it costs: its
     # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
@@ -4204,8 +4164,7 @@ async def budget_exec(
             shaped["truncated"] = True
             lost = (
                 f"\n[... smol-mcp: the cloud API cut {stream} here, at {len(data)} bytes; what "
-                "followed was not "
-                "returned by the service and is lost ...]\n"
+                "followed was not returned by the service and is lost ...]\n"
             )
         if len(data) <= limit and costs[stream == "stderr"] <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
@@ -4213,10 +4172,9 @@ async def budget_exec(
         shaped["truncated"] = True
         where = (
             "run-once deletes its machine, so the whole stream was not kept; use create-machine "
-            "and "
-            "run-command to keep it"
+            "and run-command to keep it"
         )
-        if keep_overflow:
+        if not once:
             path = f"{OVERFLOW_DIR}/{stamp}.{stream}"
             try:
                 await call.api(call.fleet.write_file, name, path, data)
@@ -4230,16 +4188,15 @@ async def budget_exec(
                 where = f"the whole stream could not be saved in the machine: {err}"
         shaped[stream], _ = fit_stream(data, limit, share, where)
         shaped[stream] += lost
-    return shaped
+    return await note_egress_denials(call, name, shaped, since, once)
 
 
 EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
 EGRESS_RECENT = 50  # denials get-machine shows
 EGRESS_HINT = (
-    "egressDenied lists the connections this machine's egress policy refused while the "
-    "command ran. "
-    'If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it used]}} (or '
-    'cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
+    "egressDenied lists the connections this machine's egress policy refused while the command "
+    'ran. If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it '
+    'used]}} (or cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
 )
 # run-once deletes its machine as it answers: there is nothing left to amend.
 EGRESS_HINT_RUN_ONCE = (
@@ -4277,23 +4234,16 @@ def group_denials(events: list[dict], since: datetime.datetime | None = None) ->
         if since is not None and (when is None or when < since):
             continue
         key = (str(event.get("dest", "")), str(event.get("operation", "")))
-        group = groups.setdefault(
-            key,
-            {
-                "dest": key[0],
-                "operation": key[1],
-                "count": 0,
-                "firstAt": event.get("timestamp") or None,
-                "lastAt": None,
-            },
-        )
+        stamp = event.get("timestamp") or None
+        group = groups.setdefault(key, {"dest": key[0], "operation": key[1], "count": 0})
+        group.setdefault("firstAt", stamp)
         group["count"] += 1
-        group["lastAt"] = event.get("timestamp") or group["lastAt"]
+        group["lastAt"] = stamp or group.get("lastAt")
     return list(groups.values())
 
 
 async def note_egress_denials(
-    call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool = False
+    call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool
 ) -> dict:
     """Add egressDenied (and its hint) to the result of a command that failed
     or timed out, on a fleet whose engine records denials. Reading them is a
@@ -4345,9 +4295,8 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
             if "jobs" in include:
                 jobs = await call.api(call.fleet.list_jobs, name, machine["id"])
             else:
-                jobs = list(
-                    call.app.access.owners.jobs.read().get(call.fleet.name, {}).get(name, [])
-                )
+                recorded = call.app.access.owners.jobs.read().get(call.fleet.name, {})
+                jobs = list(recorded.get(name, []))
         except SmolError as err:
             log.info("could not list the jobs of %s: %s", name, err)
             jobs = None  # unknown, which is not the same as none
@@ -4403,17 +4352,16 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
         raise ArgumentError(BRANCHABLE_NEEDS_START)
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
     ephemeral = call.session.is_ephemeral(name)
-    if not start:
-        return {"machine": record, "ephemeral": ephemeral, "ready": False}
-    try:
-        record = await start_and_wait(call, name, spec.branchable)
-    except BaseException as err:
-        lines = await last_log_lines(call, name) if is_boot_failure(err) else None
-        await call.delete_quietly(name)
-        if isinstance(err, Exception):
-            raise explain_start_failure(err, spec.network, lines) from None
-        raise
-    return {"machine": record, "ephemeral": ephemeral, "ready": True}
+    if start:
+        try:
+            record = await start_and_wait(call, name, spec.branchable)
+        except BaseException as err:
+            failure = await start_failure(call, name, err, spec.network)
+            await call.delete_quietly(name)
+            if isinstance(err, Exception):
+                raise failure from None
+            raise
+    return {"machine": record, "ephemeral": ephemeral, "ready": start}
 
 
 async def create_recorded(
@@ -4422,11 +4370,10 @@ async def create_recorded(
     """Create a machine (or a branch child) so the session's record stays true:
     an ephemeral name is recorded before the call, so a crash right after it
     still cleans up, and forgotten only if the API refused it and this call
-    was the one that recorded it. Its owner (the caller, or for a branch the
-    source's owner) is recorded the same way. A record the engine proves stale
-    (it accepted the name, so no machine had it) is replaced: a machine deleted
-    behind this server's back must not hand its name's next machine to the
-    old owner."""
+    recorded it. Its owner (the caller, or for a branch the source's owner) is
+    recorded the same way. A record the engine proves stale (it accepted the
+    name) is replaced: a machine deleted behind this server's back must not
+    hand its name's next machine to the old owner."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
     owners, owner = call.app.access.owners, owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
@@ -4451,34 +4398,22 @@ async def create_recorded(
 
 
 SESSION_ENDED_DURING_CREATE = (
-    "the session ended while '{name}' was being created, so the machine was deleted at "
-    "once (its session's cleanup had already run); open a new session and create it again"
+    "the session ended while '{name}' was being created, so the machine was deleted at once (its "
+    "session's cleanup had already run); open a new session and create it again"
 )
 
 
 async def tool_run_command(call: Call, args: dict) -> dict:
-    name, argv, timeout = (
-        args["name"],
-        command_argv(args["command"]),
-        exec_timeout(call.config, args),
-    )
-    options = dict(
-        timeout_secs=timeout,
-        workdir=args.get("workdir"),
-        env=args.get("env"),
-        stdin=args.get("stdin"),
-    )
-    since = now_utc()
-    result, started_machine = await on_running(
-        call, name, run_in_machine, call, name, argv, **options
-    )
-    shaped = await budget_exec(call, name, result, timeout, keep_overflow=True)
-    shaped = await note_egress_denials(call, name, shaped, since)
+    name, options = args["name"], exec_options(args, call.config.exec_timeout_secs)
+    since, argv = now_utc(), command_argv(args["command"])
+    run = functools.partial(run_in_machine, call, name, argv, **options)
+    result, started_machine = await on_running(call, name, run)
+    shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=False)
     return {**shaped, "startedMachine": started_machine}
 
 
 async def tool_run_once(call: Call, args: dict) -> dict:
-    timeout = exec_timeout(call.config, args)
+    options = exec_options(args, call.config.exec_timeout_secs)
     name = call.new_ephemeral_name()
     spec = machine_spec(call, args, name, call.config.run_once_network)
     try:
@@ -4487,20 +4422,10 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         try:
             await start_and_wait(call, name)
         except Exception as err:
-            lines = await last_log_lines(call, name) if is_boot_failure(err) else None
-            raise explain_start_failure(err, spec.network, lines) from None
+            raise await start_failure(call, name, err, spec.network) from None
         since = now_utc()
-        result = await run_in_machine(
-            call,
-            name,
-            command_argv(args["command"]),
-            timeout_secs=timeout,
-            workdir=args.get("workdir"),
-            env=args.get("env"),
-            stdin=args.get("stdin"),
-        )
-        shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
-        shaped = await note_egress_denials(call, name, shaped, since, once=True)
+        result = await run_in_machine(call, name, command_argv(args["command"]), **options)
+        shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=True)
         return {**shaped, "startedMachine": False, "name": name}
     finally:
         await call.delete_quietly(name)  # every path: success, error, timeout, cancellation
@@ -4508,8 +4433,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
 
 async def tool_read_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
-    offset = args.get("offset", 0)
-    limit = call.config.max_output_bytes
+    offset, limit = args.get("offset", 0), call.config.max_output_bytes
     length = min(args.get("length", limit), limit)
     started_machine = await ensure_running(call, name)
     page = await call.api(call.fleet.read_file, name, path, offset, length)
@@ -4519,8 +4443,8 @@ async def tool_read_file(call: Call, args: dict) -> dict:
             data = data[: utf8_prefix_end(data, len(data))]  # end the page on a character boundary
             if not data and page.data:
                 raise ArgumentError(
-                    f'"length" {length} is too short for the character at offset {offset}; ask for '
-                    "at least 4 bytes"
+                    f'"length" {length} is too short for the character at offset {offset}; ask '
+                    "for at least 4 bytes"
                 )
         data = data[: prefix_within_tokens(data, reply_tokens(call.config))]
         try:
@@ -4584,15 +4508,13 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
 async def tool_branch_machine(call: Call, args: dict) -> dict:
     source, wait = args["name"], args.get("wait", True)
     child = args.get("childName") or call.new_ephemeral_name()
+    owner = call.app.access.owners.owner(call.fleet.name, source)
     try:
-        owner = call.app.access.owners.owner(call.fleet.name, source)
-        record = await create_recorded(
-            call, child, call.fleet.branch_machine, source, child, owner=owner
-        )
+        branch = call.fleet.branch_machine
+        record = await create_recorded(call, child, branch, source, child, owner=owner)
     except ApiError as err:
-        if err.status == 409 and any(
-            word in err.api_message for word in ("forkable", "control socket", "branchable")
-        ):
+        words = ("forkable", "control socket", "branchable")
+        if err.status == 409 and any(word in err.api_message for word in words):
             raise err.with_hint(
                 "The source must be running and created as a branch source: create-machine with "
                 "branchable: true, then branch it while it runs"
@@ -4618,12 +4540,6 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
     return result
 
 
-def line_digest(line: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(line.encode()).hexdigest()[:12]
-
-
 CURSOR_LINES = 3  # the run of lines a cursor recognises its place by
 
 
@@ -4632,9 +4548,10 @@ def log_cursor(lines: list[str], end: int) -> str:
     last few, so the place is found again when the cloud's tail window has
     moved on (the cloud log route has no cursor of its own). Several lines,
     because one blank or repeated line is found in many places."""
-    return (
-        f"{end}:{line_digest(chr(10).join(lines[max(0, end - CURSOR_LINES) : end])) if end else ''}"
-    )
+    import hashlib
+
+    last = "\n".join(lines[max(0, end - CURSOR_LINES) : end]).encode()
+    return f"{end}:{hashlib.sha256(last).hexdigest()[:12] if end else ''}"
 
 
 def lines_after_cursor(lines: list[str], cursor: str) -> int:
@@ -4690,8 +4607,7 @@ EGRESS_QUESTION_SCHEMA = {
 EGRESS_409_HINT = (
     "The engine applies this change only to a stopped machine (a running one keeps its current "
     "kind of policy). allow-egress never stops a machine itself: stop it with stop-machine "
-    "(whatever runs "
-    "in it ends), call allow-egress again, then start it with start-machine"
+    "(whatever runs in it ends), call allow-egress again, then start it with start-machine"
 )
 
 
@@ -4751,21 +4667,13 @@ def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
                 pass
     if address is not None:
         why = egress_refusal(ipaddress.ip_network(address), config)
-        raise ArgumentError(
-            f'"{where}" is the address {address} ({value!r})'
-            + (
-                f", which no allow list may reach: {why}"
-                if why
-                else f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
-            )
-        )
+        fix = f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
+        fix = f", which no allow list may reach: {why}" if why else fix
+        raise ArgumentError(f'"{where}" is the address {address} ({value!r}){fix}')
     labels = name.split(".")
     if "*" in name:
-        what = (
-            "hostPatterns takes only *.domain"
-            if pattern
-            else "hosts takes no wildcards; use hostPatterns"
-        )
+        what = "hosts takes no wildcards; use hostPatterns"
+        what = "hostPatterns takes only *.domain" if pattern else what
         raise ArgumentError(f'"{where}" is {value!r}: {what}')
     if len(name) > 253 or not all(HOST_LABEL_RE.fullmatch(label) for label in labels):
         raise ArgumentError(
@@ -4814,14 +4722,9 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
     already listed are dropped; removals must name listed entries; a change
     that would leave no entry (which the engine reads as allow everything) is
     refused."""
-    hosts = [
-        egress_host(h, f"hosts[{i}]", False, config) for i, h in enumerate(args.get("hosts", []))
-    ]
-    patterns = [
-        egress_host(h, f"hostPatterns[{i}]", True, config)
-        for i, h in enumerate(args.get("hostPatterns", []))
-    ]
-    cidrs = [egress_cidr(c, f"cidrs[{i}]", config) for i, c in enumerate(args.get("cidrs", []))]
+    hosts = egress_entries(args, "hosts", config, False)
+    patterns = egress_entries(args, "hostPatterns", config, True)
+    cidrs = egress_entries(args, "cidrs", config)
     remove = args.get("remove", {})
     if not (hosts or patterns or cidrs or remove.get("hosts") or remove.get("cidrs")):
         raise ArgumentError(
@@ -4855,22 +4758,17 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
     if not after["hosts"] and not after["cidrs"]:
         raise ArgumentError(
             "this would remove every entry of the allow list, and the engine reads an empty list "
-            "as "
-            "egress to every host; allow-egress never does that. Keep at least one entry, or "
+            "as egress to every host; allow-egress never does that. Keep at least one entry, or "
             'create a new machine with network: "open" if that is really wanted'
         )
-    body = {
-        key: value
-        for key, value in (
-            ("allowHosts", new_hosts),
-            ("allowHostPatterns", new_patterns),
-            ("allowCidrs", new_cidrs),
-            ("removeAllowHosts", removed_hosts),
-            ("removeAllowCidrs", removed_cidrs),
-        )
-        if value
-    }
-    return body, after
+    body = dict(
+        allowHosts=new_hosts,
+        allowHostPatterns=new_patterns,
+        allowCidrs=new_cidrs,
+        removeAllowHosts=removed_hosts,
+        removeAllowCidrs=removed_cidrs,
+    )
+    return {key: value for key, value in body.items() if value}, after
 
 
 def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict) -> str:
@@ -4882,22 +4780,17 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
         parts.append("reach " + ", ".join(body["allowHostPatterns"]))
     if body.get("allowCidrs"):
         parts.append("reach address ranges " + ", ".join(body["allowCidrs"]))
-    if body.get("removeAllowHosts") or body.get("removeAllowCidrs"):
-        parts.append(
-            "no longer reach "
-            + ", ".join(body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", []))
-        )
-    now = (
-        "open to every host (the allow list narrows it)"
-        if before["open"]
-        else "blocked (no egress at all)"
-        if not before["hosts"] and not before["cidrs"]
-        else "limited to " + ", ".join(before["hosts"] + before["cidrs"])
-    )
+    removed = body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", [])
+    if removed:
+        parts.append("no longer reach " + ", ".join(removed))
+    now = "limited to " + ", ".join(before["hosts"] + before["cidrs"])
+    if before["open"]:
+        now = "open to every host (the allow list narrows it)"
+    elif not before["hosts"] and not before["cidrs"]:
+        now = "blocked (no egress at all)"
     return (
-        f"The agent asks to change the egress of machine '{name}' on the {fleet} fleet so that "
-        "it may "
-        f"{'; and '.join(parts)}. Its egress is now {now}; afterwards it is limited to "
+        f"The agent asks to change the egress of machine '{name}' on the {fleet} fleet so that it "
+        f"may {'; and '.join(parts)}. Its egress is now {now}; afterwards it is limited to "
         f"{', '.join(after['hosts'] + after['cidrs'])}. Allow this change?"
     )
 
@@ -4915,14 +4808,13 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
         raise ArgumentError(EGRESS_LOCAL_ONLY)
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
-    result = {
-        "machine": record,
-        "before": before,
-        "after": {**after, "open": False},
-        "changed": False,
-    }
-    if not body:
-        return result  # everything asked for is already on the list
+    if not body:  # everything asked for is already on the list
+        return {
+            "machine": record,
+            "before": before,
+            "after": {**after, "open": False},
+            "changed": False,
+        }
     if record["state"] in RUNNING_STATES and not (before["hosts"] or before["cidrs"]):
         # The engine would answer 409: say so now rather than ask the person for nothing.
         kind = "open" if before["open"] else "blocked"
@@ -4930,15 +4822,12 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
             f"machine '{name}' is running with {kind} egress and no allow list yet, "
             f"so nothing was changed or asked. {EGRESS_409_HINT}"
         )
-    confirmed = await call.confirm(
-        egress_question(name, call.fleet.name, before, body, after),
-        json.dumps([name, body], sort_keys=True),
-        EGRESS_QUESTION_SCHEMA,
-    )
-    if confirmed is False:
+    question = egress_question(name, call.fleet.name, before, body, after)
+    binding = json.dumps([name, body], sort_keys=True)
+    if await call.confirm(question, binding, EGRESS_QUESTION_SCHEMA) is False:
         raise SmolError(
-            f"The person did not allow the egress change for machine '{name}'; nothing changed. Do "
-            "not ask again unless they say so."
+            f"The person did not allow the egress change for machine '{name}'; nothing changed. "
+            "Do not ask again unless they say so."
         )
     try:
         record, applied = await call.api(call.fleet.update_egress, name, body)
@@ -4956,27 +4845,18 @@ JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day
 
 async def tool_start_job(call: Call, args: dict) -> dict:
     name, argv = args["name"], command_argv(args["command"])
-    timeout = args.get("timeoutSecs", JOB_DEFAULT_TIMEOUT_SECS)
-    if timeout > JOB_MAX_TIMEOUT_SECS:
+    options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
+    if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
         raise ArgumentError(
-            f'"timeoutSecs" is {timeout}, above the job ceiling of {JOB_MAX_TIMEOUT_SECS} s '
-            "(24 hours); ask for less, or have the job check in and start a new one"
+            f'"timeoutSecs" is {options["timeout_secs"]}, above the job ceiling of '
+            f"{JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, or have the job check in and "
+            "start a new one"
         )
     job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
-    job, started_machine = await on_running(
-        call,
-        name,
-        call.api,
-        call.fleet.start_job,
-        name,
-        job_id,
-        argv,
-        timeout_secs=timeout,
-        workdir=args.get("workdir"),
-        env=args.get("env"),
-    )
+    start = functools.partial(call.api, call.fleet.start_job, name, job_id, argv, **options)
+    job, started_machine = await on_running(call, name, start)
     call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
-    return {**job, "timeoutSecs": timeout, "startedMachine": started_machine}
+    return {**job, "timeoutSecs": options["timeout_secs"], "startedMachine": started_machine}
 
 
 async def tool_read_job(call: Call, args: dict) -> dict:
