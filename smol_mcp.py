@@ -4896,6 +4896,35 @@ async def tool_cancel_job(call: Call, args: dict) -> dict:
     return shown
 
 
+ARG_NAME_ONLY = _object({"name": ARG_NAME}, ("name",))
+OUT_CREATED = _out({"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")})
+ARG_PORTS = {
+    "type": "array",
+    "description": "Ports to publish: guest port, and optionally the host port.",
+    "items": _object(
+        {
+            "guest": _integer("Port inside the machine.", maximum=65535),
+            "host": _integer("Port on the host (default: a free one).", maximum=65535),
+        },
+        ("guest",),
+    ),
+}
+ARG_MOUNTS = {
+    "type": "array",
+    "description": "Host directories to attach (local fleet only), only under the operator's "
+    "mountRoots; read-only by default.",
+    "items": _object(
+        {
+            "source": _string("Absolute host path."),
+            "target": _string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
+            "readonly": _boolean(
+                "Mount read-only (the default); false asks for write, which only a root opened "
+                "with :rw grants."
+            ),
+        },
+        ("source", "target"),
+    ),
+}
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "list-machines",
@@ -4945,18 +4974,15 @@ TOOLS: tuple[ToolSpec, ...] = (
         "create-machine",
         "Create a machine",
         "Create a new microVM from an OCI image and (by default) start it, answering once a "
-        "command has run in it. "
-        'Egress is blocked unless network is "open" or an allow-list is given. A name starting '
-        "with the ephemeral "
-        "prefix (mcp- by default), or no name, makes a machine that is deleted when this session "
-        "ends; any other "
-        "name persists. Uses host CPU, memory and disk while it exists.",
+        'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
+        "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
+        "machine that is deleted when this session ends; any other name persists. Uses host "
+        "CPU, memory and disk while it exists.",
         _object(
             {
                 "name": {
                     **ARG_NAME,
-                    "description": "Name for the machine; omit for an ephemeral one "
-                    "(mcp-xxxxxxxx).",
+                    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
                 },
                 "image": ARG_IMAGE,
                 "cpus": ARG_CPUS,
@@ -4964,39 +4990,8 @@ TOOLS: tuple[ToolSpec, ...] = (
                 "network": ARG_NETWORK,
                 "allowHosts": ARG_ALLOW_HOSTS,
                 "allowCidrs": ARG_ALLOW_CIDRS,
-                "ports": {
-                    "type": "array",
-                    "description": "Ports to publish: guest port, and optionally the host port.",
-                    "items": _object(
-                        {
-                            "guest": _integer("Port inside the machine.", maximum=65535),
-                            "host": _integer(
-                                "Port on the host (default: a free one).", maximum=65535
-                            ),
-                        },
-                        ("guest",),
-                    ),
-                },
-                "mounts": {
-                    "type": "array",
-                    "description": "Host directories to attach (local fleet only), only under the "
-                    "operator's mountRoots; read-only by default.",
-                    "items": _object(
-                        {
-                            "source": _string("Absolute host path."),
-                            "target": _string(
-                                "Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN
-                            ),
-                            "readonly": {
-                                "type": "boolean",
-                                "description": "Mount read-only (the default); false asks "
-                                "for write, which only a root opened with "
-                                ":rw grants.",
-                            },
-                        },
-                        ("source", "target"),
-                    ),
-                },
+                "ports": ARG_PORTS,
+                "mounts": ARG_MOUNTS,
                 "storageGb": _integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
                 "overlayGb": _integer(
                     "Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB
@@ -5007,20 +5002,12 @@ TOOLS: tuple[ToolSpec, ...] = (
                     "description": "Workload command (local fleet only).",
                 },
                 "env": ARG_ENV,
-                "branchable": {
-                    "type": "boolean",
-                    "description": "Make it a branch source for branch-machine.",
-                },
-                "start": {
-                    "type": "boolean",
-                    "description": "Start it and wait for the guest (default true).",
-                },
+                "branchable": _boolean("Make it a branch source for branch-machine."),
+                "start": _boolean("Start it and wait for the guest (default true)."),
             },
             ("image",),
         ),
-        _out(
-            {"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}
-        ),
+        OUT_CREATED,
         tool_create_machine,
         open_world=True,
     ),
@@ -5028,23 +5015,11 @@ TOOLS: tuple[ToolSpec, ...] = (
         "run-command",
         "Run a command in a machine",
         "Run a command inside the named machine (never on this host) and return its stdout, "
-        "stderr and exit code. "
-        "A non-zero exit is a result, not an error. Output beyond the budget keeps its head and "
-        "tail, and the whole "
-        "stream is saved in the machine at the path listed in overflow. A stopped machine is "
-        "started first. On the local fleet a failed command lists the connections the egress "
-        "policy refused (egressDenied).",
-        _object(
-            {
-                "name": ARG_NAME,
-                "command": ARG_COMMAND,
-                "timeoutSecs": ARG_TIMEOUT,
-                "workdir": ARG_WORKDIR,
-                "env": ARG_ENV,
-                "stdin": ARG_STDIN,
-            },
-            ("name", "command"),
-        ),
+        "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
+        "budget keeps its head and tail, and the whole stream is saved in the machine at the "
+        "path listed in overflow. A stopped machine is started first. On the local fleet a "
+        "failed command lists the connections the egress policy refused (egressDenied).",
+        _object({"name": ARG_NAME, **ARG_EXEC}, ("name", "command")),
         _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
         tool_run_command,
         destructive=True,
@@ -5054,17 +5029,12 @@ TOOLS: tuple[ToolSpec, ...] = (
         "run-once",
         "Run a command in a throwaway machine",
         "Create a machine from an image, run one command in it, and delete the machine on every "
-        "path (success, "
-        'failure, timeout, cancellation). Egress is blocked unless network is "open" or an '
-        "allow-list is given.",
+        'path (success, failure, timeout, cancellation). Egress is blocked unless network is "open" '
+        "or an allow-list is given.",
         _object(
             {
                 "image": ARG_IMAGE,
-                "command": ARG_COMMAND,
-                "timeoutSecs": ARG_TIMEOUT,
-                "workdir": ARG_WORKDIR,
-                "env": ARG_ENV,
-                "stdin": ARG_STDIN,
+                **ARG_EXEC,
                 "cpus": ARG_CPUS,
                 "memoryMb": ARG_MEMORY,
                 "network": ARG_NETWORK,
@@ -5081,10 +5051,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "read-file",
         "Read a file from a machine",
         "Read a file inside the named machine, a page at a time: offset and length pick the "
-        "bytes, size is the whole "
-        "file, eof says whether this page reached its end. Never returns more than the output "
-        "budget. Starts a "
-        "stopped machine.",
+        "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
+        "more than the output budget. Starts a stopped machine.",
         _object(
             {
                 "name": ARG_NAME,
@@ -5101,16 +5069,10 @@ TOOLS: tuple[ToolSpec, ...] = (
             ("name", "path"),
         ),
         _out(
-            {
-                "path": {"type": "string"},
-                "content": {"type": "string"},
-                "encoding": {"type": "string"},
-                "size": {"type": "integer"},
-                "offset": {"type": "integer"},
-                "bytes": {"type": "integer"},
-                "eof": {"type": "boolean"},
-                "startedMachine": {"type": "boolean"},
-            }
+            _types(
+                "path:string content:string encoding:string size:integer offset:integer "
+                "bytes:integer eof:boolean startedMachine:boolean"
+            )
         ),
         tool_read_file,
         idempotent=True,
@@ -5119,9 +5081,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "write-file",
         "Write a file into a machine",
         "Write a file inside the named machine, replacing any file at that path and creating "
-        "parent directories. "
-        "Waits until the guest runs commands first, so the file is not hidden by the workload's "
-        "file system.",
+        "parent directories. Waits until the guest runs commands first, so the file is not "
+        "hidden by the workload's file system.",
         _object(
             {
                 "name": ARG_NAME,
@@ -5131,13 +5092,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             },
             ("name", "path", "content"),
         ),
-        _out(
-            {
-                "path": {"type": "string"},
-                "bytes": {"type": "integer"},
-                "startedMachine": {"type": "boolean"},
-            }
-        ),
+        _out(_types("path:string bytes:integer startedMachine:boolean")),
         tool_write_file,
         destructive=True,
         idempotent=True,
@@ -5148,7 +5103,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Start a stopped machine and (by default) wait until a command has run in it. A running "
         "machine is left as it is.",
         _object({"name": ARG_NAME, "wait": ARG_WAIT}, ("name",)),
-        _out({"machine": OUT_MACHINE, "ready": {"type": "boolean"}}),
+        _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
         tool_start_machine,
         idempotent=True,
         open_world=True,
@@ -5157,10 +5112,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "branch-machine",
         "Branch a machine",
         "Copy a running branch source (created with branchable: true), memory and disks "
-        "included, into a new child "
-        "machine that starts where the source is. Without childName the child is ephemeral. "
-        "Branching on the local "
-        "fleet needs a Linux or macOS host.",
+        "included, into a new child machine that starts where the source is. Without childName "
+        "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
         _object(
             {
                 "name": {**ARG_NAME, "description": "The running, branchable source machine."},
@@ -5172,9 +5125,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             },
             ("name",),
         ),
-        _out(
-            {"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}
-        ),
+        OUT_CREATED,
         tool_branch_machine,
     ),
     ToolSpec(
@@ -5182,7 +5133,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Stop a machine",
         "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
         "runs in it is ended.",
-        _object({"name": ARG_NAME}, ("name",)),
+        ARG_NAME_ONLY,
         _out({"machine": OUT_MACHINE}),
         tool_stop_machine,
         destructive=True,
@@ -5192,12 +5143,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "delete-machine",
         "Delete a machine",
         "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
-        _object({"name": ARG_NAME}, ("name",)),
-        {
-            "type": "object",
-            "properties": {"deleted": {"type": "string"}, "usage": {"type": "object"}},
-            "required": ["deleted"],
-        },
+        ARG_NAME_ONLY,
+        _out(_types("deleted:string"), _types("usage:object")),
         tool_delete_machine,
         destructive=True,
     ),
@@ -5205,8 +5152,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "machine-logs",
         "Read a machine's log",
         "Read the latest lines of the machine's guest console. Pass the cursor from the last "
-        "call to get only what "
-        "arrived since. Changes nothing.",
+        "call to get only what arrived since. Changes nothing.",
         _object(
             {
                 "name": ARG_NAME,
@@ -5217,9 +5163,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             },
             ("name",),
         ),
-        _out(
-            {"lines": {"type": "array", "items": {"type": "string"}}, "cursor": {"type": "string"}}
-        ),
+        _out(_types("lines:string[] cursor:string")),
         tool_machine_logs,
         read_only=True,
     ),
@@ -5229,7 +5173,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Pull an OCI image into the named machine's image store (local fleet only; the machine "
         "is started to do it).",
         _object({"name": ARG_NAME, "image": ARG_IMAGE}, ("name", "image")),
-        _out({"image": {"type": "object"}}),
+        _out(_types("image:object")),
         tool_pull_image,
         idempotent=True,
         open_world=True,
@@ -5255,14 +5199,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             },
             ("name", "command"),
         ),
-        _out(
-            {
-                "jobId": {"type": "string"},
-                "state": {"type": "string"},
-                "timeoutSecs": {"type": "integer"},
-                "startedMachine": {"type": "boolean"},
-            }
-        ),
+        _out(_types("jobId:string state:string timeoutSecs:integer startedMachine:boolean")),
         tool_start_job,
         destructive=True,
         open_world=True,
@@ -5279,13 +5216,12 @@ TOOLS: tuple[ToolSpec, ...] = (
         _out(
             {
                 **OUT_JOB_STATE,
-                "stdout": {"type": "string"},
-                "stderr": {"type": "string"},
+                **_types("stdout:string stderr:string"),
                 "nextOffset": {
                     "type": "object",
-                    "properties": {"stdout": {"type": "integer"}, "stderr": {"type": "integer"}},
+                    "properties": _types("stdout:integer stderr:integer"),
                 },
-                "eof": {"type": "boolean"},
+                **_types("eof:boolean"),
             }
         ),
         tool_read_job,
