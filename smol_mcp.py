@@ -3531,6 +3531,17 @@ CLEANUP_TIMEOUT_SECS = 20
 SESSION_CALL_SLOTS = 8  # blocking calls of one session that run at once; more wait their turn
 DELETE_RETRY_PAUSE_SECS = 1
 PROGRESS_INTERVAL_SECS = 5
+RUNNING_STATES = ("running", "started")  # the cloud reports "started" once the VM process launched
+BOOT_LOG_LINES = 20  # the console lines quoted when a machine could not boot
+CURSOR_LINES = 3  # the run of lines a cursor recognises its place by
+JOB_DEFAULT_TIMEOUT_SECS = 3600
+JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day at most
+EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
+EGRESS_RECENT = 50  # denials get-machine shows
+HOST_UNREACHABLE_RE = re.compile(
+    "dns error|error sending request|Connect|connection refused|timed out|certificate"
+)
+BOOT_FAILURE_RE = re.compile("did not become ready|before the agent was ready|KvmOpen")
 
 
 def _string(description: str, **extra: Any) -> dict:
@@ -3894,12 +3905,6 @@ def command_argv(command: str | list[str]) -> list[str]:
     return ["sh", "-c", command] if isinstance(command, str) else list(command)
 
 
-HOST_UNREACHABLE_RE = re.compile(
-    "dns error|error sending request|Connect|connection refused|timed out|certificate"
-)
-BOOT_FAILURE_RE = re.compile("did not become ready|before the agent was ready|KvmOpen")
-
-
 def is_boot_failure(err: BaseException) -> bool:
     return isinstance(err, ApiError) and BOOT_FAILURE_RE.search(err.api_message) is not None
 
@@ -3948,9 +3953,6 @@ def explain_start_failure(
     return err
 
 
-BOOT_LOG_LINES = 20
-
-
 async def start_failure(call: Call, name: str, err: BaseException, network: str) -> BaseException:
     """explain_start_failure for a machine about to be deleted: a boot failure
     carries the last lines of its console log (none when the log cannot be read)."""
@@ -3988,9 +3990,6 @@ async def start_and_wait(call: Call, name: str, branchable: bool = False) -> dic
     record = await call.api(call.fleet.start_machine, name, branchable, waiting=waiting)
     await wait_until_ready(call, name)
     return record
-
-
-RUNNING_STATES = ("running", "started")  # the cloud reports "started" once the VM process launched
 
 
 async def ensure_running(call: Call, name: str) -> bool:
@@ -4191,8 +4190,6 @@ async def budget_exec(
     return await note_egress_denials(call, name, shaped, since, once)
 
 
-EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
-EGRESS_RECENT = 50  # denials get-machine shows
 EGRESS_HINT = (
     "egressDenied lists the connections this machine's egress policy refused while the command "
     'ran. If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it '
@@ -4209,6 +4206,19 @@ EGRESS_HINT_NO_SCOPE = (
     "egressDenied lists the connections this machine's egress policy refused while the "
     "command ran. Widening the allow list needs the manage scope, which this caller does not "
     "have: ask the operator (allow-egress, or a machine created with the hosts it needs)."
+)
+BRANCHABLE_NEEDS_START = (
+    '"branchable": true needs "start": true on the local fleet: the engine '
+    "makes a machine a branch source when it starts it"
+)
+SESSION_ENDED_DURING_CREATE = (
+    "the session ended while '{name}' was being created, so the machine was deleted at once (its "
+    "session's cleanup had already run); open a new session and create it again"
+)
+EGRESS_LOCAL_ONLY = (
+    "allow-egress is local only: the smol cloud API has no route to amend a machine's "
+    'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
+    "instead"
 )
 
 
@@ -4338,12 +4348,6 @@ def machine_spec(call: Call, args: dict, name: str, network_default: str) -> Mac
     )
 
 
-BRANCHABLE_NEEDS_START = (
-    '"branchable": true needs "start": true on the local fleet: the engine '
-    "makes a machine a branch source when it starts it"
-)
-
-
 async def tool_create_machine(call: Call, args: dict) -> dict:
     name = args.get("name") or call.new_ephemeral_name()
     spec = machine_spec(call, args, name, call.config.network_default)
@@ -4395,12 +4399,6 @@ async def create_recorded(
     owners.claim(call.fleet.name, name, owner, machine_identity(record))
     call.session.identities[(call.fleet.name, name)] = machine_identity(record)
     return record
-
-
-SESSION_ENDED_DURING_CREATE = (
-    "the session ended while '{name}' was being created, so the machine was deleted at once (its "
-    "session's cleanup had already run); open a new session and create it again"
-)
 
 
 async def tool_run_command(call: Call, args: dict) -> dict:
@@ -4538,9 +4536,6 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
     result = await call.api(call.fleet.delete_machine, args["name"])
     call.forget(args["name"])
     return result
-
-
-CURSOR_LINES = 3  # the run of lines a cursor recognises its place by
 
 
 def log_cursor(lines: list[str], end: int) -> str:
@@ -4795,13 +4790,6 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
     )
 
 
-EGRESS_LOCAL_ONLY = (
-    "allow-egress is local only: the smol cloud API has no route to amend a machine's "
-    'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
-    "instead"
-)
-
-
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
     if not call.fleet.amends_egress:
@@ -4837,10 +4825,6 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
         raise
     # The lists the engine answered are the truth (and what an activity log records as "after").
     return {"machine": record, "before": before, "after": applied, "changed": True}
-
-
-JOB_DEFAULT_TIMEOUT_SECS = 3600
-JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day at most
 
 
 async def tool_start_job(call: Call, args: dict) -> dict:
