@@ -3743,27 +3743,18 @@ class Call:
     blocking API, and progress notifications for the long waits."""
 
     def __init__(
-        self,
-        app: SmolMcp,
-        session: Session,
-        fleet: Fleet,
-        ctx: Any,
-        principal: Principal | None = None,
-        params: Any = None,
+        self, app: SmolMcp, session: Session, fleet: Fleet, ctx: Any, principal=None, params=None
     ):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
         self.principal = principal or app.access.stdio
-        self.params = params
-        self.config = app.config
-        self.started = time.monotonic()
-        self._last_progress = -1.0
+        self.params, self.config = params, app.config
+        self.started, self._last_progress = time.monotonic(), -1.0
 
     async def api(
         self, function: Callable, *args: Any, waiting: str | None = None, **kwargs: Any
     ) -> Any:
-        """Run one blocking API call in a worker thread, with progress as
-        with_heartbeat says. A cancelled call stops waiting at once (the thread
-        finishes on its own)."""
+        """Run one blocking API call in a worker thread, with progress as with_heartbeat says;
+        a cancelled call stops waiting at once (the thread finishes on its own)."""
         work, slots = functools.partial(function, *args, **kwargs), self.session.call_slots()
         run = functools.partial(
             anyio.to_thread.run_sync, work, abandon_on_cancel=True, limiter=slots
@@ -3771,12 +3762,10 @@ class Call:
         return await self.with_heartbeat(run, waiting)
 
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
-        """Await ``run()`` while a progress notification says what the call
-        waits on: with ``waiting``, at once and every few seconds until it
-        returns; without, only once it has taken longer than that (an API that
-        asked us to wait and retry, say); with "", never (the caller reports
-        progress itself). Until a beat is due it is a timer, so a quick call
-        starts no task."""
+        """Await ``run()`` while progress says what the call waits on: with ``waiting``, at
+        once and every few seconds until it returns; without, only once it has taken longer than
+        that (an API that asked us to wait and retry, say); with "", never (the caller reports
+        progress itself). Until a beat is due it is a timer, so a quick call starts no task."""
         import asyncio
 
         if waiting == "":
@@ -3913,7 +3902,7 @@ def explain_start_failure(
     err: Exception, network: str | None, log_lines: list[str] | None = None
 ) -> Exception:
     """Add the one sentence that says what to do about a failed start.
-    ``log_lines``, when given, are the console lines of a machine that has
+    ``log_lines``, when given, are the last console lines of a machine that has
     been deleted since (so pointing at machine-logs would lead nowhere)."""
     if not isinstance(err, ApiError):
         return err
@@ -3938,9 +3927,7 @@ def explain_start_failure(
             "usable hypervisor is present, and the machine's log (machine-logs) may say more"
         )
     if is_boot_failure(err):
-        tail = (
-            "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
-        )
+        tail = "\n".join(log_lines) if log_lines else "(the console log was empty)"
         return err.with_hint(
             "The microVM could not boot on this host, and the machine is deleted. A usable "
             "/dev/kvm can still fail to boot a guest (in a VM without nested virtualization, "
@@ -4038,13 +4025,6 @@ LIVE_OUTPUT_INTERVAL_SECS = 0.3  # at most about three output lines a second rea
 LIVE_LINE_CHARS = 200  # a progress message carries at most this much of a line
 
 
-def live_line(stream: str, line: str) -> str:
-    line = line.strip()
-    if len(line) > LIVE_LINE_CHARS:
-        line = line[: LIVE_LINE_CHARS - 1] + "…"
-    return f"{stream}: {line}"
-
-
 def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
     """The argv that runs one of the RUN_ scripts above with its pid file."""
     return ["sh", "-c", script, "sh", pid_file, *argv]
@@ -4078,19 +4058,20 @@ async def stream_in_machine(
 ) -> ExecResult:
     """run_in_machine's stream route: progress from the stream, the result
     from the guest's copy (the stream's own when the guest kept none)."""
-    newest: list[Any] = [0, None]  # lines seen and the last one, written by the worker thread
+    newest: list[Any] = [0, ""]  # lines seen and the last one, written by the worker thread
+    shown = [0]  # how many of them were considered for a message
 
     def on_output(stream: str, data: str) -> None:
         lines = [line for line in data.splitlines() if line.strip()]
         if lines:
-            newest[1] = (stream, lines[-1])
-            newest[0] += 1
-
-    shown = [0]  # how many of them were considered for a message
+            line = lines[-1].strip()
+            if len(line) > LIVE_LINE_CHARS:
+                line = line[: LIVE_LINE_CHARS - 1] + "…"
+            newest[1], newest[0] = f"{stream}: {line}", newest[0] + 1
 
     async def show_newest() -> None:
         shown[0] = newest[0]
-        await call.progress(None, live_line(*newest[1]))
+        await call.progress(None, newest[1])
 
     async def reporter() -> None:
         quiet_since = time.monotonic()
@@ -4124,20 +4105,17 @@ async def stream_in_machine(
         return value
     if copy.exit_code != 0:
         return value  # the guest could not keep a copy (no mkfifo or tee): the stream is all
-    return dataclasses.replace(
-        value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=copy.cut_by_service
-    )
+    cut = copy.cut_by_service
+    return dataclasses.replace(value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=cut)
 
 
 async def budget_exec(
     call: Call, name: str, result: ExecResult, timeout: int, since: datetime.datetime, once: bool
 ) -> dict:
-    """The run-command result: both streams within the budget, and a stream
-    that did not fit written whole into the machine, its path in ``overflow``
-    (not for run-once, ``once``, whose machine is deleted as it answers), with
-    the egress denials of a failed command. Each stream keeps at most
-    maxOutputBytes, and both together are estimated within replyTokens (less a
-    reserve for the other fields)."""
+    """The run-command result: each stream within maxOutputBytes and both within replyTokens
+    (less a reserve for the other fields); a stream that did not fit is written whole into the
+    machine, its path in ``overflow`` (not by run-once, ``once``, whose machine is deleted as it
+    answers); a failed command's egress denials added."""
     limit = call.config.max_output_bytes
     # A stream longer than twice the byte limit is cut whatever it costs: its
     # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
@@ -4225,19 +4203,16 @@ EGRESS_LOCAL_ONLY = (
 def parse_event_time(value: Any) -> datetime.datetime | None:
     """An RFC 3339 denial time; None for the empty string the engine writes
     when its log line had no parseable time."""
-    if not isinstance(value, str) or not value:
-        return None
     try:
         return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
+    except (AttributeError, TypeError, ValueError):
         return None
 
 
 def group_denials(events: list[dict], since: datetime.datetime | None = None) -> list[dict]:
-    """Denials grouped by destination and operation, in the order first seen:
-    {dest, operation, count, firstAt, lastAt}. With ``since``, only those
-    recorded from then on (a denial without a time cannot be placed, so it is
-    left out of a window)."""
+    """Denials grouped by destination and operation, in the order first seen: {dest,
+    operation, count, firstAt, lastAt}. With ``since``, only those recorded from then on (a
+    denial without a time cannot be placed, so it is left out of a window)."""
     groups: dict[tuple[str, str], dict] = {}
     for event in events:
         when = parse_event_time(event.get("timestamp"))
@@ -4255,10 +4230,9 @@ def group_denials(events: list[dict], since: datetime.datetime | None = None) ->
 async def note_egress_denials(
     call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool
 ) -> dict:
-    """Add egressDenied (and its hint) to the result of a command that failed
-    or timed out, on a fleet whose engine records denials. Reading them is a
-    courtesy: a failure to read leaves the result as it is. ``once``: the
-    machine is run-once's, deleted right after, so the hint is to run again."""
+    """Add egressDenied (and its hint) to the result of a command that failed or
+    timed out, on a fleet whose engine records denials; a failure to read them changes nothing.
+    ``once``: the machine is run-once's, deleted right after, so the hint is to run again."""
     failed = shaped["exitCode"] != 0 or shaped["timedOut"]
     if call.fleet.amends_egress:  # get-machine reads the refusals after a failed command
         getattr(call.app.failed_last, "add" if failed else "discard")((call.fleet.name, name))
@@ -4371,13 +4345,12 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
 async def create_recorded(
     call: Call, name: str, create: Callable, *args: Any, owner: str | None = None
 ) -> dict:
-    """Create a machine (or a branch child) so the session's record stays true:
-    an ephemeral name is recorded before the call, so a crash right after it
-    still cleans up, and forgotten only if the API refused it and this call
-    recorded it. Its owner (the caller, or for a branch the source's owner) is
-    recorded the same way. A record the engine proves stale (it accepted the
-    name) is replaced: a machine deleted behind this server's back must not
-    hand its name's next machine to the old owner."""
+    """Create a machine (or a branch child) so the session's record stays true: an
+    ephemeral name is recorded before the call (a crash right after it still cleans up), and
+    forgotten only if the API refused it and this call recorded it; its owner (the caller, or a
+    branch source's owner) likewise. A record the engine proves stale (it accepted the name) is
+    replaced: a machine deleted behind our back must not hand its name's next one to the old
+    owner."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
     owners, owner = call.app.access.owners, owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
@@ -4539,10 +4512,9 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
 
 
 def log_cursor(lines: list[str], end: int) -> str:
-    """Where a reader stopped: how many lines it has seen, and a digest of the
-    last few, so the place is found again when the cloud's tail window has
-    moved on (the cloud log route has no cursor of its own). Several lines,
-    because one blank or repeated line is found in many places."""
+    """Where a reader stopped: how many lines it has seen and a digest of the last few
+    (one blank or repeated line is found in many places), so the place is found again when the
+    cloud's tail window (the cloud log route has no cursor) has moved on."""
     import hashlib
 
     last = "\n".join(lines[max(0, end - CURSOR_LINES) : end]).encode()
@@ -4712,11 +4684,9 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
 
 
 def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]:
-    """(the UpdateEgressRequest body, the allow list it should leave) for
-    allow-egress's arguments against the machine's current policy. Entries
-    already listed are dropped; removals must name listed entries; a change
-    that would leave no entry (which the engine reads as allow everything) is
-    refused."""
+    """(the UpdateEgressRequest body, the allow list it should leave) for allow-egress's
+    arguments against the current policy. Entries already listed are dropped; removals must name
+    listed entries; a change that would leave no entry (to the engine: allow all) is refused."""
     hosts = egress_entries(args, "hosts", config, False)
     patterns = egress_entries(args, "hostPatterns", config, True)
     cidrs = egress_entries(args, "cidrs", config)
@@ -4844,13 +4814,11 @@ async def tool_start_job(call: Call, args: dict) -> dict:
 
 
 async def tool_read_job(call: Call, args: dict) -> dict:
-    name, job_id = args["name"], args["jobId"]
-    offset = args.get("offset", {})
+    name, job_id, offset = args["name"], args["jobId"], args.get("offset", {})
     offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
     page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
     shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
-    next_offset = {}
-    pages = []
+    next_offset, pages = {}, []
     for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
         if page.state == "running" or start + len(data) < size:
             # the rest of a character comes with the next page
@@ -4966,7 +4934,8 @@ TOOLS: tuple[ToolSpec, ...] = (
             {
                 "name": {
                     **ARG_NAME,
-                    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
+                    "description": "Name for the machine; omit for an ephemeral one "
+                    "(mcp-xxxxxxxx).",
                 },
                 "image": ARG_IMAGE,
                 "cpus": ARG_CPUS,
@@ -5013,8 +4982,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "run-once",
         "Run a command in a throwaway machine",
         "Create a machine from an image, run one command in it, and delete the machine on every "
-        'path (success, failure, timeout, cancellation). Egress is blocked unless network is "open" '
-        "or an allow-list is given.",
+        "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
+        '"open" or an allow-list is given.',
         _object(
             {
                 "image": ARG_IMAGE,
