@@ -4124,15 +4124,10 @@ async def budget_exec(
         for data in (result.stdout, result.stderr)
     ]
     shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
-    shaped: dict[str, Any] = {
-        "stdout": "",
-        "stderr": "",
-        "exitCode": result.exit_code,
-        "truncated": False,
-        # 124 is what the guest reports for a command it killed at its timeout
-        "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1,
-        "overflow": [],
-    }
+    # 124 is what the guest reports for a command it killed at its timeout
+    timed_out = result.exit_code == 124 and result.seconds >= timeout - 1
+    shaped: dict[str, Any] = dict.fromkeys(("stdout", "stderr"), "")
+    shaped.update(exitCode=result.exit_code, truncated=False, timedOut=timed_out, overflow=[])
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
     streams = (("stdout", result.stdout), ("stderr", result.stderr))
     for (stream, data), share in zip(streams, shares):
@@ -4302,24 +4297,12 @@ def machine_spec(call: Call, args: dict, name: str, network_default: str) -> Mac
     local = call.fleet.mounts_host_paths
     mounts = args.get("mounts", [])
     image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
-    mounts = contained if local else mounts
-    return MachineSpec(
-        name=name,
-        image=image,
-        ephemeral=call.session.is_ephemeral(name),
-        cpus=args.get("cpus", call.config.cpus),
-        memory_mb=args.get("memoryMb", call.config.memory_mb),
-        network=network,
-        allow_hosts=hosts,
-        allow_cidrs=cidrs,
-        ports=args.get("ports", []),
-        mounts=mounts,
-        storage_gb=args.get("storageGb"),
-        overlay_gb=args.get("overlayGb"),
-        cmd=args.get("cmd"),
-        env=args.get("env", {}),
-        branchable=args.get("branchable", False),
-    )
+    cpus, memory = args.get("cpus", call.config.cpus), args.get("memoryMb", call.config.memory_mb)
+    # the other arguments are MachineSpec's fields by their camelCase names, with its defaults
+    rest = ("ports", "storage_gb", "overlay_gb", "cmd", "env", "branchable")
+    given = {attr: args[_camel(attr)] for attr in rest if _camel(attr) in args}
+    given.update(mounts=contained if local else mounts, ephemeral=call.session.is_ephemeral(name))
+    return MachineSpec(name, image, cpus, memory, network, hosts, cidrs, **given)
 
 
 async def tool_create_machine(call: Call, args: dict) -> dict:
