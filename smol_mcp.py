@@ -3557,12 +3557,8 @@ def _boolean(description: str) -> dict:
 
 
 def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(required),
-        "additionalProperties": False,
-    }
+    closed = {"required": list(required), "additionalProperties": False}
+    return {"type": "object", "properties": properties, **closed}
 
 
 def _types(fields: str) -> dict:
@@ -3580,11 +3576,8 @@ def _types(fields: str) -> dict:
 
 def _out(properties: dict, optional: dict | None = None) -> dict:
     """A result schema: ``properties`` always present, ``optional`` only sometimes."""
-    return {
-        "type": "object",
-        "properties": {**properties, **(optional or {})},
-        "required": list(properties),
-    }
+    every = {**properties, **(optional or {})}
+    return {"type": "object", "properties": every, "required": list(properties)}
 
 
 def _list(**parts: Any) -> dict:
@@ -3703,15 +3696,11 @@ OUT_EGRESS = {
     "properties": _types("open:boolean hosts:string[] cidrs:string[]"),
     "required": ["open", "hosts", "cidrs"],
 }
+DENIAL = _types("dest:string operation:string count:integer firstAt:string? lastAt:string?")
 OUT_DENIALS = {
     "type": "array",
     "description": "Refused connections grouped by destination (local fleet).",
-    "items": {
-        "type": "object",
-        "properties": _types(
-            "dest:string operation:string count:integer firstAt:string? lastAt:string?"
-        ),
-    },
+    "items": {"type": "object", "properties": DENIAL},
 }
 OUT_JOB_STATE = _types("jobId:string state:string exitCode:integer?")
 OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
@@ -4413,16 +4402,9 @@ async def tool_read_file(call: Call, args: dict) -> dict:
         fits = within_tokens(content, reply_tokens(call.config))
         if fits < len(content):
             data, content = data[: fits // 4 * 3], content[: fits // 4 * 4]
-    return {
-        "path": path,
-        "content": content,
-        "encoding": encoding,
-        "size": page.size,
-        "offset": offset,
-        "bytes": len(data),
-        "eof": offset + len(data) >= page.size,
-        "startedMachine": started_machine,
-    }
+    shown = {"path": path, "content": content, "encoding": encoding, "size": page.size}
+    shown.update(offset=offset, bytes=len(data), eof=offset + len(data) >= page.size)
+    return {**shown, "startedMachine": started_machine}
 
 
 async def tool_write_file(call: Call, args: dict) -> dict:
@@ -4750,12 +4732,8 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
     if not body:  # everything asked for is already on the list
-        return {
-            "machine": record,
-            "before": before,
-            "after": {**after, "open": False},
-            "changed": False,
-        }
+        same = {**after, "open": False}
+        return {"machine": record, "before": before, "after": same, "changed": False}
     if record["state"] in RUNNING_STATES and not (before["hosts"] or before["cidrs"]):
         # The engine would answer 409: say so now rather than ask the person for nothing.
         kind = "open" if before["open"] else "blocked"
