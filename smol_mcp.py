@@ -3833,12 +3833,11 @@ class Call:
         """Delete a machine this call created, even while the call is being
         cancelled, and forget it; a failure here is logged, not raised over the
         error that got us here (the session's cleanup tries again)."""
+        delete = functools.partial(self.fleet.delete_machine, name)
         with anyio.CancelScope(shield=True):
             try:
                 with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
-                    await anyio.to_thread.run_sync(
-                        self.fleet.delete_machine, name, abandon_on_cancel=True
-                    )
+                    await anyio.to_thread.run_sync(delete, abandon_on_cancel=True)
                 self.forget(name)
             except Exception as err:
                 if isinstance(err, ApiError) and err.status == 404:
