@@ -3780,9 +3780,8 @@ class Call:
         await self.progress(None, f"{waiting}: {int(time.monotonic() - self.started)} s so far")
 
     async def create(self, function: Callable, *args: Any, waiting: str) -> Any:
-        """Run a call that creates a machine to completion, even if the tool
-        call is cancelled meanwhile: abandoned, it could create a machine after
-        the cleanup had already run, and nobody would delete it."""
+        """Run a call that creates a machine to its end, even if the tool call is cancelled:
+        abandoned, it could create a machine after the cleanup ran, and nobody would delete it."""
         # The wait for one of the session's slots can be cancelled (nothing exists
         # yet); once it has one, the create runs to its end whatever happens.
         async with self.session.call_slots():
@@ -3815,9 +3814,8 @@ class Call:
             log.debug("progress notification not sent", exc_info=True)
 
     async def confirm(self, message: str, binding: str, schema: dict) -> bool | None:
-        """Ask the person to confirm (see SmolMcp.confirm): True or False, or
-        None when the client cannot ask. ``binding`` names exactly what is
-        confirmed, so an answer cannot be replayed for something else."""
+        """Ask the person to confirm (see SmolMcp.confirm): True, False, or None when the
+        client cannot ask; ``binding`` names what is confirmed, so no answer is replayed."""
         return await self.app.confirm(self.ctx, self.params, self.session, message, binding, schema)
 
     def new_ephemeral_name(self) -> str:
@@ -3830,9 +3828,8 @@ class Call:
         self.app.failed_last.discard((self.fleet.name, name))
 
     async def delete_quietly(self, name: str) -> None:
-        """Delete a machine this call created, even while the call is being
-        cancelled, and forget it; a failure here is logged, not raised over the
-        error that got us here (the session's cleanup tries again)."""
+        """Delete a machine this call created, even while the call is cancelled, and forget it;
+        a failure is logged, not raised over the error that got us here (cleanup tries again)."""
         delete = functools.partial(self.fleet.delete_machine, name)
         with anyio.CancelScope(shield=True):
             try:
@@ -3856,9 +3853,8 @@ def egress_entries(args: dict, key: str, config: Config, pattern: bool | None = 
 
 
 def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list[str], list[str]]:
-    """(network, allowHosts, allowCidrs) for a create, each entry held to
-    allow-egress's rules. An allow-list narrows egress, so it cannot be
-    combined with an explicit open or blocked."""
+    """(network, allowHosts, allowCidrs) for a create, entries held to allow-egress's
+    rules. An allow-list narrows egress, so it cannot be combined with an explicit network."""
     hosts = egress_entries(args, "allowHosts", config, True)
     cidrs = egress_entries(args, "allowCidrs", config)
     if (hosts or cidrs) and "network" in args:
@@ -3976,9 +3972,8 @@ async def ensure_running(call: Call, name: str) -> bool:
 
 
 async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
-    """Await ``run()`` against a running machine, starting a stopped one first
-    (and leaving it running, the way the cloud API does it); the second value
-    says whether this call started it."""
+    """Await ``run()`` against a running machine, starting (and leaving running, as the
+    cloud API does) a stopped one first; the second value says whether this call started it."""
     try:
         return await run(), False
     except NotRunning:
@@ -4019,9 +4014,8 @@ def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
 
 
 async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any) -> ExecResult:
-    """Run a command; with a progress token, through the stream route, each
-    new output line sent as a progress message (the newest, a few a second).
-    The result is the same either way, and a cancelled call ends the command."""
+    """Run a command; with a progress token, through the stream route, the newest output
+    line a progress message a few times a second. Same result either way; cancelled, it is ended."""
     pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
     try:
         if call.progress_token() is None:
@@ -4248,9 +4242,8 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
 
 
 async def tool_get_machine(call: Call, args: dict) -> dict:
-    """One engine request: the record, which holds the egress policy too. Jobs
-    come from the server's record unless `include` asks the guest; refusals
-    are read for a restricted policy only, when asked or after a failed command."""
+    """One engine request: the record holds the egress policy. Jobs come from our record unless
+    `include` asks the guest; refusals only for a restricted policy, asked or after a failure."""
     name, include = args["name"], args.get("include", [])
     if not call.fleet.amends_egress:
         machine, egress = await call.api(call.fleet.get_machine, name), None
@@ -4581,9 +4574,8 @@ def egress_refusal(network: Any, config: Config) -> str | None:
 
 
 def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
-    """A host name (or, with ``pattern``, `*.domain`) the engine will accept,
-    lower-cased; refused when it is an address in any spelling, a loopback
-    name, or would cover a whole top-level domain or public suffix."""
+    """A host name (with ``pattern``, or `*.domain`) the engine accepts, lower-cased; never an
+    address in any spelling, a loopback name, or a whole top-level domain or public suffix."""
     host = value.lower()
     wildcard = pattern and host.startswith("*.")
     name = host[2:] if wildcard else host
