@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
+
 __version__ = "0.1.0"
 
 log = logging.getLogger("smol_mcp")
@@ -2862,17 +2864,27 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # 8. Tools
 #
 # The tools: those of the TypeScript smol-mcp with its names, arguments and
-# result shapes, then jobs and allow-egress. Each handler gets a Call (its
-# fleet, its session, a way to run a blocking API call in a worker thread, a
-# progress reporter) and the validated
-# arguments, and returns the structured result. A SmolError becomes a tool
-# error; anything else is logged and reported without a stack trace.
+# result shapes, then jobs and allow-egress. Each handler gets a Call (its fleet, its session, a
+# way to run a blocking API call in a worker thread, a progress reporter) and the validated
+# arguments, and returns the structured result. A SmolError becomes a tool error; anything
+# else is logged and reported without a stack trace.
 # ---------------------------------------------------------------------------
 
 CLEANUP_TIMEOUT_SECS = 20
 SESSION_CALL_SLOTS = 8  # blocking calls of one session that run at once; more wait their turn
 DELETE_RETRY_PAUSE_SECS = 1
 PROGRESS_INTERVAL_SECS = 5
+RUNNING_STATES = ("running", "started")  # the cloud reports "started" once the VM process launched
+BOOT_LOG_LINES = 20  # the console lines quoted when a machine could not boot
+CURSOR_LINES = 3  # the run of lines a cursor recognises its place by
+JOB_DEFAULT_TIMEOUT_SECS = 3600
+JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day at most
+EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
+EGRESS_RECENT = 50  # denials get-machine shows
+HOST_UNREACHABLE_RE = re.compile(
+    "dns error|error sending request|Connect|connection refused|timed out|certificate"
+)
+BOOT_FAILURE_RE = re.compile("did not become ready|before the agent was ready|KvmOpen")
 
 
 def _string(description: str, **extra: Any) -> dict:
@@ -2883,13 +2895,37 @@ def _integer(description: str, minimum: int = 1, **extra: Any) -> dict:
     return {"type": "integer", "description": description, "minimum": minimum, **extra}
 
 
+def _boolean(description: str) -> dict:
+    return {"type": "boolean", "description": description}
+
+
 def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(required),
-        "additionalProperties": False,
-    }
+    closed = {"required": list(required), "additionalProperties": False}
+    return {"type": "object", "properties": properties, **closed}
+
+
+def _types(fields: str) -> dict:
+    """Schema properties from "name:type" words: a type ending in ? may also be
+    null, one ending in [] is an array of that type."""
+    properties: dict[str, dict] = {}
+    for field_ in fields.split():
+        name, kind = field_.split(":")
+        if kind.endswith("[]"):
+            properties[name] = {"type": "array", "items": {"type": kind[:-2]}}
+        else:
+            properties[name] = {"type": [kind[:-1], "null"] if kind.endswith("?") else kind}
+    return properties
+
+
+def _out(properties: dict, optional: dict | None = None) -> dict:
+    """A result schema: ``properties`` always present, ``optional`` only sometimes."""
+    every = {**properties, **(optional or {})}
+    return {"type": "object", "properties": every, "required": list(properties)}
+
+
+def _list(**parts: Any) -> dict:
+    """An array of at most 32 items; ``parts`` (items, description) in the order given."""
+    return {"type": "array", "maxItems": 32, **parts}
 
 
 ARG_NAME = _string(
@@ -2901,22 +2937,18 @@ ARG_MEMORY = _integer(
     "Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128, maximum=MAX_MEMORY_MB
 )
 ARG_NETWORK = _string(
-    'Egress: "blocked" (the default) or "open". A registry image does not '
-    "need it: the local engine fetches images on the host.",
+    'Egress: "blocked" (the default) or "open". A registry image does not need it: the local '
+    "engine fetches images on the host.",
     enum=["open", "blocked"],
 )
-ARG_ALLOW_HOSTS = {
-    "type": "array",
-    "maxItems": 32,
-    "items": _string("A host name.", minLength=1, maxLength=255),
-    "description": "Allow egress only to these host names (and their subdomains).",
-}
-ARG_ALLOW_CIDRS = {
-    "type": "array",
-    "maxItems": 32,
-    "items": _string("A CIDR such as 198.51.100.0/24.", minLength=1, maxLength=64),
-    "description": "Allow egress only to these address ranges.",
-}
+ARG_ALLOW_HOSTS = _list(
+    items=_string("A host name.", minLength=1, maxLength=255),
+    description="Allow egress only to these host names (and their subdomains).",
+)
+ARG_ALLOW_CIDRS = _list(
+    items=_string("A CIDR such as 198.51.100.0/24.", minLength=1, maxLength=64),
+    description="Allow egress only to these address ranges.",
+)
 ARG_ENV = {
     "type": "object",
     "description": "Environment variables, as a map of name to value.",
@@ -2954,61 +2986,49 @@ ARG_JOB_OFFSET = {
     ),
     "description": "Where to continue: the nextOffset of the previous read-job.",
 }
-ARG_WAIT = {
-    "type": "boolean",
-    "description": "Wait until a command has run in the guest before answering (default true).",
+ARG_WAIT = _boolean("Wait until a command has run in the guest before answering (default true).")
+ARG_EXEC = {  # run-command's and run-once's
+    "command": ARG_COMMAND,
+    "timeoutSecs": ARG_TIMEOUT,
+    "workdir": ARG_WORKDIR,
+    "env": ARG_ENV,
+    "stdin": ARG_STDIN,
 }
 
 OUT_MACHINE = {
     "type": "object",
     "description": "A machine, with the same keys on every fleet.",
-    "properties": {
-        "id": {"type": "string"},
-        "name": {"type": "string"},
-        "state": {"type": ["string", "null"]},
-        "image": {"type": ["string", "null"]},
-        "cpus": {"type": ["integer", "null"]},
-        "memoryMb": {"type": ["integer", "null"]},
-        "network": {"type": ["string", "null"]},
-        "ports": {"type": "array"},
-        "createdAt": {"type": ["string", "null"]},
-        "pid": {"type": ["integer", "null"]},
-        "url": {"type": ["string", "null"]},
-        "branchable": {"type": "boolean"},
-        "parent": {"type": ["string", "null"]},
-    },
+    "properties": _types(
+        "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
+        "network:string? ports:array createdAt:string? pid:integer? url:string? "
+        "branchable:boolean parent:string?"
+    ),
     "required": list(MACHINE_KEYS),
 }
-ARG_EGRESS_LIST = {"type": "array", "maxItems": 32}
-ARG_EGRESS_HOSTS = {
-    **ARG_EGRESS_LIST,
-    "description": "Host names to allow, such as pypi.org; each covers its subdomains too.",
-    "items": _string("A host name.", minLength=1, maxLength=253),
-}
-ARG_EGRESS_PATTERNS = {
-    **ARG_EGRESS_LIST,
-    "description": "Patterns to allow: an exact host name, or *.domain for its subdomains only.",
-    "items": _string("A host name or *.domain.", minLength=1, maxLength=255),
-}
-ARG_EGRESS_CIDRS = {
-    **ARG_EGRESS_LIST,
-    "description": "Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 "
-    "or narrower); never loopback, link-local or private ranges.",
-    "items": _string("An address range.", minLength=1, maxLength=64),
-}
+ARG_EGRESS_HOSTS = _list(
+    description="Host names to allow, such as pypi.org; each covers its subdomains too.",
+    items=_string("A host name.", minLength=1, maxLength=253),
+)
+ARG_EGRESS_PATTERNS = _list(
+    description="Patterns to allow: an exact host name, or *.domain for its subdomains only.",
+    items=_string("A host name or *.domain.", minLength=1, maxLength=255),
+)
+ARG_EGRESS_CIDRS = _list(
+    description="Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 or "
+    "narrower); never loopback, link-local or private ranges.",
+    items=_string("An address range.", minLength=1, maxLength=64),
+)
 ARG_EGRESS_REMOVE = {
     **_object(
         {
-            "hosts": {
-                **ARG_EGRESS_LIST,
-                "items": _string("A listed entry.", minLength=1, maxLength=255),
-                "description": "Host names or patterns to take off, as get-machine lists them.",
-            },
-            "cidrs": {
-                **ARG_EGRESS_LIST,
-                "items": _string("A listed range.", minLength=1, maxLength=64),
-                "description": "Address ranges to take off, as get-machine lists them.",
-            },
+            "hosts": _list(
+                items=_string("A listed entry.", minLength=1, maxLength=255),
+                description="Host names or patterns to take off, as get-machine lists them.",
+            ),
+            "cidrs": _list(
+                items=_string("A listed range.", minLength=1, maxLength=64),
+                description="Address ranges to take off, as get-machine lists them.",
+            ),
         }
     ),
     "description": "Entries to take off the allow list; at least one entry must remain.",
@@ -3016,53 +3036,21 @@ ARG_EGRESS_REMOVE = {
 OUT_EGRESS = {
     "type": "object",
     "description": "A local machine's egress policy.",
-    "properties": {
-        "open": {"type": "boolean"},
-        "hosts": {"type": "array", "items": {"type": "string"}},
-        "cidrs": {"type": "array", "items": {"type": "string"}},
-    },
+    "properties": _types("open:boolean hosts:string[] cidrs:string[]"),
     "required": ["open", "hosts", "cidrs"],
 }
+DENIAL = _types("dest:string operation:string count:integer firstAt:string? lastAt:string?")
 OUT_DENIALS = {
     "type": "array",
     "description": "Refused connections grouped by destination (local fleet).",
-    "items": {
-        "type": "object",
-        "properties": {
-            "dest": {"type": "string"},
-            "operation": {"type": "string"},
-            "count": {"type": "integer"},
-            "firstAt": {"type": ["string", "null"]},
-            "lastAt": {"type": ["string", "null"]},
-        },
-    },
+    "items": {"type": "object", "properties": DENIAL},
 }
-OUT_JOB_STATE = {
-    "jobId": {"type": "string"},
-    "state": {"type": "string"},
-    "exitCode": {"type": ["integer", "null"]},
-}
+OUT_JOB_STATE = _types("jobId:string state:string exitCode:integer?")
 OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
-OUT_EXEC_PROPERTIES = {
-    "stdout": {"type": "string"},
-    "stderr": {"type": "string"},
-    "exitCode": {"type": "integer"},
-    "truncated": {"type": "boolean"},
-    "timedOut": {"type": "boolean"},
-    "overflow": {"type": "array", "items": {"type": "string"}},
-    "startedMachine": {"type": "boolean"},
-}
-
-
-def _out(properties: dict, optional: dict | None = None) -> dict:
-    """A result schema: ``properties`` always present, ``optional`` only sometimes."""
-    return {
-        "type": "object",
-        "properties": {**properties, **(optional or {})},
-        "required": list(properties),
-    }
-
-
+OUT_EXEC_PROPERTIES = _types(
+    "stdout:string stderr:string exitCode:integer truncated:boolean timedOut:boolean "
+    "overflow:string[] startedMachine:boolean"
+)
 OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}}
 
 
@@ -3087,45 +3075,29 @@ class Call:
     blocking API, and progress notifications for the long waits."""
 
     def __init__(
-        self,
-        app: SmolMcp,
-        session: Session,
-        fleet: Fleet,
-        ctx: Any,
-        principal: Principal | None = None,
-        params: Any = None,
+        self, app: SmolMcp, session: Session, fleet: Fleet, ctx: Any, principal=None, params=None
     ):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
         self.principal = principal or app.access.stdio
-        self.params = params
-        self.config = app.config
-        self.started = time.monotonic()
-        self._last_progress = -1.0
+        self.params, self.config = params, app.config
+        self.started, self._last_progress = time.monotonic(), -1.0
 
     async def api(
         self, function: Callable, *args: Any, waiting: str | None = None, **kwargs: Any
     ) -> Any:
-        """Run one blocking API call in a worker thread. A cancelled call stops
-        waiting at once (the thread finishes on its own). With ``waiting``, a
-        progress notification says so every few seconds until it returns;
-        without it, only a call that takes longer than that (an API that asked
-        us to wait and retry, say) sends progress, so a client sees it alive."""
-        import anyio
-
+        """Run one blocking API call in a worker thread, with progress as with_heartbeat says;
+        a cancelled call stops waiting at once (the thread finishes on its own)."""
+        work, slots = functools.partial(function, *args, **kwargs), self.session.call_slots()
         run = functools.partial(
-            anyio.to_thread.run_sync,
-            functools.partial(function, *args, **kwargs),
-            abandon_on_cancel=True,
-            limiter=self.session.call_slots(),
+            anyio.to_thread.run_sync, work, abandon_on_cancel=True, limiter=slots
         )
         return await self.with_heartbeat(run, waiting)
 
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
-        """Await ``run()`` while a progress notification says what the call
-        waits on: with ``waiting``, at once and every few seconds until it
-        returns; without, only once it has taken longer than that; with "",
-        never (the caller reports progress itself: one heartbeat per wait).
-        Until a beat is due it is a timer, so a quick call starts no task."""
+        """Await ``run()`` while progress says what the call waits on: with ``waiting``, at
+        once and every few seconds until it returns; without, only once it has taken longer than
+        that (an API that asked us to wait and retry, say); with "", never (the caller reports
+        progress itself). Until a beat is due it is a timer, so a quick call starts no task."""
         import asyncio
 
         if waiting == "":
@@ -3136,9 +3108,7 @@ class Call:
 
         async def heartbeat() -> None:
             while True:
-                await self.progress(
-                    None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
-                )
+                await self.so_far(waiting)
                 await asyncio.sleep(PROGRESS_INTERVAL_SECS)
 
         timer = loop.call_later(first_beat, lambda: beats.append(loop.create_task(heartbeat())))
@@ -3149,23 +3119,18 @@ class Call:
             for beat in beats:
                 beat.cancel()
 
-    async def create(
-        self, function: Callable, *args: Any, waiting: str = "creating the machine"
-    ) -> Any:
-        """Run a call that creates a machine to completion, even if the tool
-        call is cancelled meanwhile: abandoned, it could create a machine after
-        the cleanup had already run, and nobody would delete it. Progress goes
-        out at once and every few seconds until it returns."""
-        import anyio
+    async def so_far(self, waiting: str) -> None:
+        await self.progress(None, f"{waiting}: {int(time.monotonic() - self.started)} s so far")
 
+    async def create(self, function: Callable, *args: Any, waiting: str) -> Any:
+        """Run a call that creates a machine to its end, even if the tool call is cancelled:
+        abandoned, it could create a machine after the cleanup ran, and nobody would delete it."""
         # The wait for one of the session's slots can be cancelled (nothing exists
         # yet); once it has one, the create runs to its end whatever happens.
         async with self.session.call_slots():
-            run = functools.partial(
-                anyio.to_thread.run_sync,
-                functools.partial(function, *args),
-                limiter=anyio.CapacityLimiter(1),  # the slot above is the real bound
-            )
+            limiter = anyio.CapacityLimiter(1)  # the slot above is the real bound
+            work = functools.partial(function, *args)
+            run = functools.partial(anyio.to_thread.run_sync, work, limiter=limiter)
             with anyio.CancelScope(shield=True):
                 return await self.with_heartbeat(run, waiting)
 
@@ -3192,9 +3157,8 @@ class Call:
             log.debug("progress notification not sent", exc_info=True)
 
     async def confirm(self, message: str, binding: str, schema: dict) -> bool | None:
-        """Ask the person to confirm (see SmolMcp.confirm): True or False, or
-        None when the client cannot ask. ``binding`` names exactly what is
-        confirmed, so an answer cannot be replayed for something else."""
+        """Ask the person to confirm (see SmolMcp.confirm): True, False, or None when the
+        client cannot ask; ``binding`` names what is confirmed, so no answer is replayed."""
         return await self.app.confirm(self.ctx, self.params, self.session, message, binding, schema)
 
     def new_ephemeral_name(self) -> str:
@@ -3207,39 +3171,35 @@ class Call:
         self.app.failed_last.discard((self.fleet.name, name))
 
     async def delete_quietly(self, name: str) -> None:
-        """Delete a machine this call created, even while the call is being
-        cancelled, and forget it; a failure here is logged, not raised over the
-        error that got us here (the session's cleanup tries again)."""
-        import anyio
-
+        """Delete a machine this call created, even while the call is cancelled, and forget it;
+        a failure is logged, not raised over the error that got us here (cleanup tries again)."""
+        delete = functools.partial(self.fleet.delete_machine, name)
         with anyio.CancelScope(shield=True):
             try:
                 with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
-                    await anyio.to_thread.run_sync(
-                        self.fleet.delete_machine, name, abandon_on_cancel=True
-                    )
+                    await anyio.to_thread.run_sync(delete, abandon_on_cancel=True)
                 self.forget(name)
-            except ApiError as err:
-                if err.status == 404:
+            except Exception as err:
+                if isinstance(err, ApiError) and err.status == 404:
                     self.forget(name)
                 else:
                     log.warning("could not delete machine %s: %s", name, err)
-            except Exception as err:
-                log.warning("could not delete machine %s: %s", name, err)
+
+
+def egress_entries(args: dict, key: str, config: Config, pattern: bool | None = None) -> list[str]:
+    """The entries of ``args[key]``, each held to allow-egress's rules: host
+    names (with ``pattern``, *.domain too), or without ``pattern``, address ranges."""
+    entries = enumerate(args.get(key) or [])
+    if pattern is None:
+        return [egress_cidr(value, f"{key}[{i}]", config) for i, value in entries]
+    return [egress_host(value, f"{key}[{i}]", pattern, config) for i, value in entries]
 
 
 def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list[str], list[str]]:
-    """(network, allowHosts, allowCidrs) for a create, each entry held to
-    allow-egress's rules. An allow-list narrows egress, so it cannot be
-    combined with an explicit open or blocked."""
-    hosts = [
-        egress_host(h, f"allowHosts[{i}]", True, config)
-        for i, h in enumerate(args.get("allowHosts") or [])
-    ]
-    cidrs = [
-        egress_cidr(c, f"allowCidrs[{i}]", config)
-        for i, c in enumerate(args.get("allowCidrs") or [])
-    ]
+    """(network, allowHosts, allowCidrs) for a create, entries held to allow-egress's
+    rules. An allow-list narrows egress, so it cannot be combined with an explicit network."""
+    hosts = egress_entries(args, "allowHosts", config, True)
+    cidrs = egress_entries(args, "allowCidrs", config)
     if (hosts or cidrs) and "network" in args:
         raise ArgumentError(
             f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
@@ -3250,37 +3210,26 @@ def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list
     return args.get("network", default), [], []
 
 
-def exec_timeout(config: Config, args: dict) -> int:
-    """The command's timeout: the schema already held it to maxExecTimeoutSecs."""
-    return args.get("timeoutSecs", config.exec_timeout_secs)
+def exec_options(args: dict, timeout: int) -> dict:
+    """A command's options, as a fleet's exec, exec_stream and start_job take
+    them; ``timeout`` unless the arguments name one (the schema held it to the ceiling)."""
+    given = {key: args[key] for key in ("workdir", "env", "stdin") if key in args}
+    return {"timeout_secs": args.get("timeoutSecs", timeout), **given}
 
 
 def command_argv(command: str | list[str]) -> list[str]:
     return ["sh", "-c", command] if isinstance(command, str) else list(command)
 
 
-HOST_UNREACHABLE_WORDS = (
-    "dns error",
-    "error sending request",
-    "Connect",
-    "connection refused",
-    "timed out",
-    "certificate",
-)
-
-
-def is_boot_failure(err: Exception) -> bool:
-    text = err.api_message if isinstance(err, ApiError) else ""
-    return any(
-        words in text for words in ("did not become ready", "before the agent was ready", "KvmOpen")
-    )
+def is_boot_failure(err: BaseException) -> bool:
+    return isinstance(err, ApiError) and BOOT_FAILURE_RE.search(err.api_message) is not None
 
 
 def explain_start_failure(
     err: Exception, network: str | None, log_lines: list[str] | None = None
 ) -> Exception:
     """Add the one sentence that says what to do about a failed start.
-    ``log_lines``, when given, are the console lines of a machine that has
+    ``log_lines``, when given, are the last console lines of a machine that has
     been deleted since (so pointing at machine-logs would lead nowhere)."""
     if not isinstance(err, ApiError):
         return err
@@ -3288,34 +3237,28 @@ def explain_start_failure(
     if network != "open" and "must be pulled" in text:
         # an older engine (1.14 line) refuses a registry image without guest egress
         return err.with_hint(
-            "This engine pulls a registry image through the machine's own "
-            'network, which is blocked; pass network: "open" to create-machine '
-            "(or run-once) to allow the pull"
+            "This engine pulls a registry image through the machine's own network, which is "
+            'blocked; pass network: "open" to create-machine (or run-once) to allow the pull'
         )
-    host_failed = any(word in text for word in HOST_UNREACHABLE_WORDS)
-    if ("manifests" in text or "registry" in text) and host_failed:
+    if ("manifests" in text or "registry" in text) and HOST_UNREACHABLE_RE.search(text):
         # 1.32.2 fetches the image on the host: the guest's egress plays no part
         return err.with_hint(
-            "The host this server runs on could not reach the image registry "
-            "(the engine fetches images on the host, not in the machine, so "
-            "opening the machine's network would not help); the operator has to "
-            "fix the host's DNS, proxy or network access, or give an image that "
-            "is already on the host"
+            "The host this server runs on could not reach the image registry (the engine fetches "
+            "images on the host, not in the machine, so opening the machine's network would not "
+            "help); the operator has to fix the host's DNS, proxy or network access, or give an "
+            "image that is already on the host"
+        )
+    if is_boot_failure(err) and log_lines is None:
+        return err.with_hint(
+            "The microVM could not boot on this host; the smol://targets resource says whether a "
+            "usable hypervisor is present, and the machine's log (machine-logs) may say more"
         )
     if is_boot_failure(err):
-        if log_lines is None:
-            return err.with_hint(
-                "The microVM could not boot on this host; the smol://targets "
-                "resource says whether a usable hypervisor is present, and the "
-                "machine's log (machine-logs) may say more"
-            )
-        tail = (
-            "\n".join(log_lines[-BOOT_LOG_LINES:]) if log_lines else "(the console log was empty)"
-        )
+        tail = "\n".join(log_lines) if log_lines else "(the console log was empty)"
         return err.with_hint(
-            "The microVM could not boot on this host, and the machine is deleted. "
-            "A usable /dev/kvm can still fail to boot a guest (in a VM without nested "
-            f"virtualization, say). The last lines of its console log:\n{tail}"
+            "The microVM could not boot on this host, and the machine is deleted. A usable "
+            "/dev/kvm can still fail to boot a guest (in a VM without nested virtualization, "
+            f"say). The last lines of its console log:\n{tail}"
         )
     if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
         return err.with_hint(
@@ -3324,32 +3267,26 @@ def explain_start_failure(
     return err
 
 
-BOOT_LOG_LINES = 20
-
-
-async def last_log_lines(call: Call, name: str) -> list[str]:
-    """The console lines of a machine about to be deleted after a failed
-    start, for the error (empty when the log cannot be read)."""
+async def start_failure(call: Call, name: str, err: BaseException, network: str) -> BaseException:
+    """explain_start_failure for a machine about to be deleted: a boot failure
+    carries the last lines of its console log (none when the log cannot be read)."""
+    if not is_boot_failure(err):
+        return explain_start_failure(err, network) if isinstance(err, Exception) else err
     try:
-        return (await call.api(call.fleet.console_lines, name))[-BOOT_LOG_LINES:]
-    except Exception as err:  # the error being reported matters more than its log
-        log.debug("could not read the log of %s: %s", name, err)
-        return []
+        lines = (await call.api(call.fleet.console_lines, name))[-BOOT_LOG_LINES:]
+    except Exception as log_err:  # the error being reported matters more than its log
+        log.debug("could not read the log of %s: %s", name, log_err)
+        lines = []
+    return explain_start_failure(err, network, lines)
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
     """Return once a command has actually run in the guest. The probe never
     boots a machine, so one stopped meanwhile is reported, not restarted."""
-    import anyio
-
-    limit = call.config.ready_timeout_secs
-    started = time.monotonic()
-    delay = 0.1
+    limit, started, delay = call.config.ready_timeout_secs, time.monotonic(), 0.1
     while True:
-        elapsed = time.monotonic() - started
-        await call.progress(
-            None, f"waiting for the guest of '{name}': {int(elapsed)} s of {limit} s"
-        )
+        elapsed = int(time.monotonic() - started)
+        await call.progress(None, f"waiting for the guest of '{name}': {elapsed} s of {limit} s")
         not_ready = await call.api(call.fleet.probe_ready, name)
         if not_ready is None:
             return
@@ -3363,14 +3300,10 @@ async def wait_until_ready(call: Call, name: str) -> None:
 
 
 async def start_and_wait(call: Call, name: str, branchable: bool = False) -> dict:
-    record = await call.api(
-        call.fleet.start_machine, name, branchable, waiting=f"starting '{name}'"
-    )
+    waiting = f"starting '{name}'"
+    record = await call.api(call.fleet.start_machine, name, branchable, waiting=waiting)
     await wait_until_ready(call, name)
     return record
-
-
-RUNNING_STATES = ("running", "started")  # the cloud reports "started" once the VM process launched
 
 
 async def ensure_running(call: Call, name: str) -> bool:
@@ -3381,17 +3314,14 @@ async def ensure_running(call: Call, name: str) -> bool:
     return True
 
 
-async def on_running(
-    call: Call, name: str, function: Callable, *args: Any, **kwargs: Any
-) -> tuple[Any, bool]:
-    """Run ``function`` against a running machine, starting a stopped one
-    first (and leaving it running, the way the cloud API does it); the second
-    value says whether this call started it."""
+async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
+    """Await ``run()`` against a running machine, starting (and leaving running, as the
+    cloud API does) a stopped one first; the second value says whether this call started it."""
     try:
-        return await function(*args, **kwargs), False
+        return await run(), False
     except NotRunning:
         await start_and_wait(call, name)
-        return await function(*args, **kwargs), True
+        return await run(), True
 
 
 # Every command runs under a wrapper that writes its pid in the guest
@@ -3421,36 +3351,27 @@ LIVE_OUTPUT_INTERVAL_SECS = 0.3  # at most about three output lines a second rea
 LIVE_LINE_CHARS = 200  # a progress message carries at most this much of a line
 
 
-def live_line(stream: str, line: str) -> str:
-    line = line.strip()
-    if len(line) > LIVE_LINE_CHARS:
-        line = line[: LIVE_LINE_CHARS - 1] + "…"
-    return f"{stream}: {line}"
+def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
+    """The argv that runs one of the RUN_ scripts above with its pid file."""
+    return ["sh", "-c", script, "sh", pid_file, *argv]
 
 
 async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any) -> ExecResult:
-    """Run a command; with a progress token, through the stream route, each
-    new output line sent as a progress message (the newest, a few a second).
-    The result is the same either way, and a cancelled call ends the command."""
-    import anyio
-
+    """Run a command; with a progress token, through the stream route, the newest output
+    line a progress message a few times a second. Same result either way; cancelled, it is ended."""
     pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
     try:
         if call.progress_token() is None:
-            wrapped = ["sh", "-c", RUN_WRAPPER, "sh", pid_file, *argv]
+            wrapped = guest_script(RUN_WRAPPER, pid_file, *argv)
             waiting = f"running the command in '{name}'"
             return await call.api(call.fleet.exec, name, wrapped, waiting=waiting, **options)
         return await stream_in_machine(call, name, pid_file, argv, options)
     except anyio.get_cancelled_exc_class():
+        kill = guest_script(RUN_KILL_SCRIPT, pid_file)
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
             try:
                 await anyio.to_thread.run_sync(
-                    functools.partial(
-                        call.fleet.exec,
-                        name,
-                        ["sh", "-c", RUN_KILL_SCRIPT, "sh", pid_file],
-                        timeout_secs=30,
-                    )
+                    functools.partial(call.fleet.exec, name, kill, timeout_secs=30)
                 )
             except Exception as err:
                 log.warning("could not end the cancelled command in machine %s: %s", name, err)
@@ -3462,21 +3383,20 @@ async def stream_in_machine(
 ) -> ExecResult:
     """run_in_machine's stream route: progress from the stream, the result
     from the guest's copy (the stream's own when the guest kept none)."""
-    import anyio
-
-    newest: list[Any] = [0, None]  # lines seen and the last one, written by the worker thread
+    newest: list[Any] = [0, ""]  # lines seen and the last one, written by the worker thread
+    shown = [0]  # how many of them were considered for a message
 
     def on_output(stream: str, data: str) -> None:
         lines = [line for line in data.splitlines() if line.strip()]
         if lines:
-            newest[1] = (stream, lines[-1])
-            newest[0] += 1
-
-    shown = [0]  # how many of them were considered for a message
+            line = lines[-1].strip()
+            if len(line) > LIVE_LINE_CHARS:
+                line = line[: LIVE_LINE_CHARS - 1] + "…"
+            newest[1], newest[0] = f"{stream}: {line}", newest[0] + 1
 
     async def show_newest() -> None:
         shown[0] = newest[0]
-        await call.progress(None, live_line(*newest[1]))
+        await call.progress(None, newest[1])
 
     async def reporter() -> None:
         quiet_since = time.monotonic()
@@ -3487,53 +3407,40 @@ async def stream_in_machine(
                 await show_newest()
             elif time.monotonic() - quiet_since >= PROGRESS_INTERVAL_SECS:
                 quiet_since = time.monotonic()
-                await call.progress(
-                    None,
-                    f"running the command in '{name}': "
-                    f"{int(time.monotonic() - call.started)} s so far",
-                )
+                await call.so_far(f"running the command in '{name}'")
 
+    tee, failure = guest_script(RUN_TEE_WRAPPER, pid_file, *argv), None
     async with anyio.create_task_group() as group:
         group.start_soon(reporter)
         try:
-            value, failure = (
-                await call.api(
-                    call.fleet.exec_stream,
-                    name,
-                    ["sh", "-c", RUN_TEE_WRAPPER, "sh", pid_file, *argv],
-                    waiting="",
-                    on_output=on_output,
-                    **options,
-                ),
-                None,
-            )
+            stream = functools.partial(call.fleet.exec_stream, on_output=on_output, **options)
+            value = await call.api(stream, name, tee, waiting="")
         except Exception as err:  # carried out of the group, which would wrap it in a group
-            value, failure = None, err
+            failure = err
         group.cancel_scope.cancel()
     if failure is not None:
         raise failure
     if newest[0] > shown[0]:
         await show_newest()  # the last line, even if it came between two ticks
     try:
-        read_back = ["sh", "-c", RUN_READ_BACK, "sh", pid_file]
+        read_back = guest_script(RUN_READ_BACK, pid_file)
         copy = await call.api(call.fleet.exec, name, read_back, timeout_secs=60)
     except SmolError as err:
         log.warning("could not read back the output of a command in %s: %s", name, err)
         return value
     if copy.exit_code != 0:
         return value  # the guest could not keep a copy (no mkfifo or tee): the stream is all
-    return dataclasses.replace(
-        value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=copy.cut_by_service
-    )
+    cut = copy.cut_by_service
+    return dataclasses.replace(value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=cut)
 
 
 async def budget_exec(
-    call: Call, name: str, result: ExecResult, timeout: int, keep_overflow: bool
+    call: Call, name: str, result: ExecResult, timeout: int, since: datetime.datetime, once: bool
 ) -> dict:
-    """The run-command result: both streams within the budget, and a stream
-    that did not fit written whole into the machine, its path in ``overflow``.
-    Each stream keeps at most maxOutputBytes, and both together are estimated
-    within replyTokens (less a reserve for the other fields)."""
+    """The run-command result: each stream within maxOutputBytes and both within replyTokens
+    (less a reserve for the other fields); a stream that did not fit is written whole into the
+    machine, its path in ``overflow`` (not by run-once, ``once``, whose machine is deleted as it
+    answers); a failed command's egress denials added."""
     limit = call.config.max_output_bytes
     # A stream longer than twice the byte limit is cut whatever it costs: its
     # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
@@ -3542,15 +3449,10 @@ async def budget_exec(
         for data in (result.stdout, result.stderr)
     ]
     shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
-    shaped: dict[str, Any] = {
-        "stdout": "",
-        "stderr": "",
-        "exitCode": result.exit_code,
-        "truncated": False,
-        # 124 is what the guest reports for a command it killed at its timeout
-        "timedOut": result.exit_code == 124 and result.seconds >= timeout - 1,
-        "overflow": [],
-    }
+    # 124 is what the guest reports for a command it killed at its timeout
+    timed_out = result.exit_code == 124 and result.seconds >= timeout - 1
+    shaped: dict[str, Any] = dict.fromkeys(("stdout", "stderr"), "")
+    shaped.update(exitCode=result.exit_code, truncated=False, timedOut=timed_out, overflow=[])
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
     streams = (("stdout", result.stdout), ("stderr", result.stderr))
     for (stream, data), share in zip(streams, shares):
@@ -3559,8 +3461,7 @@ async def budget_exec(
             shaped["truncated"] = True
             lost = (
                 f"\n[... smol-mcp: the cloud API cut {stream} here, at {len(data)} bytes; what "
-                "followed was not "
-                "returned by the service and is lost ...]\n"
+                "followed was not returned by the service and is lost ...]\n"
             )
         if len(data) <= limit and costs[stream == "stderr"] <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
@@ -3568,10 +3469,9 @@ async def budget_exec(
         shaped["truncated"] = True
         where = (
             "run-once deletes its machine, so the whole stream was not kept; use create-machine "
-            "and "
-            "run-command to keep it"
+            "and run-command to keep it"
         )
-        if keep_overflow:
+        if not once:
             path = f"{OVERFLOW_DIR}/{stamp}.{stream}"
             try:
                 await call.api(call.fleet.write_file, name, path, data)
@@ -3585,16 +3485,13 @@ async def budget_exec(
                 where = f"the whole stream could not be saved in the machine: {err}"
         shaped[stream], _ = fit_stream(data, limit, share, where)
         shaped[stream] += lost
-    return shaped
+    return await note_egress_denials(call, name, shaped, since, once)
 
 
-EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
-EGRESS_RECENT = 50  # denials get-machine shows
 EGRESS_HINT = (
-    "egressDenied lists the connections this machine's egress policy refused while the "
-    "command ran. "
-    'If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it used]}} (or '
-    'cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
+    "egressDenied lists the connections this machine's egress policy refused while the command "
+    'ran. If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it '
+    'used]}} (or cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
 )
 # run-once deletes its machine as it answers: there is nothing left to amend.
 EGRESS_HINT_RUN_ONCE = (
@@ -3608,52 +3505,54 @@ EGRESS_HINT_NO_SCOPE = (
     "command ran. Widening the allow list needs the manage scope, which this caller does not "
     "have: ask the operator (allow-egress, or a machine created with the hosts it needs)."
 )
+BRANCHABLE_NEEDS_START = (
+    '"branchable": true needs "start": true on the local fleet: the engine '
+    "makes a machine a branch source when it starts it"
+)
+SESSION_ENDED_DURING_CREATE = (
+    "the session ended while '{name}' was being created, so the machine was deleted at once (its "
+    "session's cleanup had already run); open a new session and create it again"
+)
+EGRESS_LOCAL_ONLY = (
+    "allow-egress is local only: the smol cloud API has no route to amend a machine's "
+    'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
+    "instead"
+)
 
 
 def parse_event_time(value: Any) -> datetime.datetime | None:
     """An RFC 3339 denial time; None for the empty string the engine writes
     when its log line had no parseable time."""
-    if not isinstance(value, str) or not value:
-        return None
     try:
         return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
+    except (AttributeError, TypeError, ValueError):
         return None
 
 
 def group_denials(events: list[dict], since: datetime.datetime | None = None) -> list[dict]:
-    """Denials grouped by destination and operation, in the order first seen:
-    {dest, operation, count, firstAt, lastAt}. With ``since``, only those
-    recorded from then on (a denial without a time cannot be placed, so it is
-    left out of a window)."""
+    """Denials grouped by destination and operation, in the order first seen: {dest,
+    operation, count, firstAt, lastAt}. With ``since``, only those recorded from then on (a
+    denial without a time cannot be placed, so it is left out of a window)."""
     groups: dict[tuple[str, str], dict] = {}
     for event in events:
         when = parse_event_time(event.get("timestamp"))
         if since is not None and (when is None or when < since):
             continue
         key = (str(event.get("dest", "")), str(event.get("operation", "")))
-        group = groups.setdefault(
-            key,
-            {
-                "dest": key[0],
-                "operation": key[1],
-                "count": 0,
-                "firstAt": event.get("timestamp") or None,
-                "lastAt": None,
-            },
-        )
+        stamp = event.get("timestamp") or None
+        group = groups.setdefault(key, {"dest": key[0], "operation": key[1], "count": 0})
+        group.setdefault("firstAt", stamp)
         group["count"] += 1
-        group["lastAt"] = event.get("timestamp") or group["lastAt"]
+        group["lastAt"] = stamp or group.get("lastAt")
     return list(groups.values())
 
 
 async def note_egress_denials(
-    call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool = False
+    call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool
 ) -> dict:
-    """Add egressDenied (and its hint) to the result of a command that failed
-    or timed out, on a fleet whose engine records denials. Reading them is a
-    courtesy: a failure to read leaves the result as it is. ``once``: the
-    machine is run-once's, deleted right after, so the hint is to run again."""
+    """Add egressDenied (and its hint) to the result of a command that failed or
+    timed out, on a fleet whose engine records denials; a failure to read them changes nothing.
+    ``once``: the machine is run-once's, deleted right after, so the hint is to run again."""
     failed = shaped["exitCode"] != 0 or shaped["timedOut"]
     if call.fleet.amends_egress:  # get-machine reads the refusals after a failed command
         getattr(call.app.failed_last, "add" if failed else "discard")((call.fleet.name, name))
@@ -3686,9 +3585,8 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
 
 
 async def tool_get_machine(call: Call, args: dict) -> dict:
-    """One engine request: the record, which holds the egress policy too. Jobs
-    come from the server's record unless `include` asks the guest; refusals
-    are read for a restricted policy only, when asked or after a failed command."""
+    """One engine request: the record holds the egress policy. Jobs come from our record unless
+    `include` asks the guest; refusals only for a restricted policy, asked or after a failure."""
     name, include = args["name"], args.get("include", [])
     if not call.fleet.amends_egress:
         machine, egress = await call.api(call.fleet.get_machine, name), None
@@ -3700,9 +3598,8 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
             if "jobs" in include:
                 jobs = await call.api(call.fleet.list_jobs, name, machine["id"])
             else:
-                jobs = list(
-                    call.app.access.owners.jobs.read().get(call.fleet.name, {}).get(name, [])
-                )
+                recorded = call.app.access.owners.jobs.read().get(call.fleet.name, {})
+                jobs = list(recorded.get(name, []))
         except SmolError as err:
             log.info("could not list the jobs of %s: %s", name, err)
             jobs = None  # unknown, which is not the same as none
@@ -3724,30 +3621,12 @@ def machine_spec(call: Call, args: dict, name: str, network_default: str) -> Mac
     local = call.fleet.mounts_host_paths
     mounts = args.get("mounts", [])
     image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
-    mounts = contained if local else mounts
-    return MachineSpec(
-        name=name,
-        image=image,
-        ephemeral=call.session.is_ephemeral(name),
-        cpus=args.get("cpus", call.config.cpus),
-        memory_mb=args.get("memoryMb", call.config.memory_mb),
-        network=network,
-        allow_hosts=hosts,
-        allow_cidrs=cidrs,
-        ports=args.get("ports", []),
-        mounts=mounts,
-        storage_gb=args.get("storageGb"),
-        overlay_gb=args.get("overlayGb"),
-        cmd=args.get("cmd"),
-        env=args.get("env", {}),
-        branchable=args.get("branchable", False),
-    )
-
-
-BRANCHABLE_NEEDS_START = (
-    '"branchable": true needs "start": true on the local fleet: the engine '
-    "makes a machine a branch source when it starts it"
-)
+    cpus, memory = args.get("cpus", call.config.cpus), args.get("memoryMb", call.config.memory_mb)
+    # the other arguments are MachineSpec's fields by their camelCase names, with its defaults
+    rest = ("ports", "storage_gb", "overlay_gb", "cmd", "env", "branchable")
+    given = {attr: args[_camel(attr)] for attr in rest if _camel(attr) in args}
+    given.update(mounts=contained if local else mounts, ephemeral=call.session.is_ephemeral(name))
+    return MachineSpec(name, image, cpus, memory, network, hosts, cidrs, **given)
 
 
 async def tool_create_machine(call: Call, args: dict) -> dict:
@@ -3758,30 +3637,27 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
         raise ArgumentError(BRANCHABLE_NEEDS_START)
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
     ephemeral = call.session.is_ephemeral(name)
-    if not start:
-        return {"machine": record, "ephemeral": ephemeral, "ready": False}
-    try:
-        record = await start_and_wait(call, name, spec.branchable)
-    except BaseException as err:
-        lines = await last_log_lines(call, name) if is_boot_failure(err) else None
-        await call.delete_quietly(name)
-        if isinstance(err, Exception):
-            raise explain_start_failure(err, spec.network, lines) from None
-        raise
-    return {"machine": record, "ephemeral": ephemeral, "ready": True}
+    if start:
+        try:
+            record = await start_and_wait(call, name, spec.branchable)
+        except BaseException as err:
+            failure = await start_failure(call, name, err, spec.network)
+            await call.delete_quietly(name)
+            if isinstance(err, Exception):
+                raise failure from None
+            raise
+    return {"machine": record, "ephemeral": ephemeral, "ready": start}
 
 
 async def create_recorded(
     call: Call, name: str, create: Callable, *args: Any, owner: str | None = None
 ) -> dict:
-    """Create a machine (or a branch child) so the session's record stays true:
-    an ephemeral name is recorded before the call, so a crash right after it
-    still cleans up, and forgotten only if the API refused it and this call
-    was the one that recorded it. Its owner (the caller, or for a branch the
-    source's owner) is recorded the same way. A record the engine proves stale
-    (it accepted the name, so no machine had it) is replaced: a machine deleted
-    behind this server's back must not hand its name's next machine to the
-    old owner."""
+    """Create a machine (or a branch child) so the session's record stays true: an
+    ephemeral name is recorded before the call (a crash right after it still cleans up), and
+    forgotten only if the API refused it and this call recorded it; its owner (the caller, or a
+    branch source's owner) likewise. A record the engine proves stale (it accepted the name) is
+    replaced: a machine deleted behind our back must not hand its name's next one to the old
+    owner."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
     owners, owner = call.app.access.owners, owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
@@ -3805,35 +3681,17 @@ async def create_recorded(
     return record
 
 
-SESSION_ENDED_DURING_CREATE = (
-    "the session ended while '{name}' was being created, so the machine was deleted at "
-    "once (its session's cleanup had already run); open a new session and create it again"
-)
-
-
 async def tool_run_command(call: Call, args: dict) -> dict:
-    name, argv, timeout = (
-        args["name"],
-        command_argv(args["command"]),
-        exec_timeout(call.config, args),
-    )
-    options = dict(
-        timeout_secs=timeout,
-        workdir=args.get("workdir"),
-        env=args.get("env"),
-        stdin=args.get("stdin"),
-    )
-    since = now_utc()
-    result, started_machine = await on_running(
-        call, name, run_in_machine, call, name, argv, **options
-    )
-    shaped = await budget_exec(call, name, result, timeout, keep_overflow=True)
-    shaped = await note_egress_denials(call, name, shaped, since)
+    name, options = args["name"], exec_options(args, call.config.exec_timeout_secs)
+    since, argv = now_utc(), command_argv(args["command"])
+    run = functools.partial(run_in_machine, call, name, argv, **options)
+    result, started_machine = await on_running(call, name, run)
+    shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=False)
     return {**shaped, "startedMachine": started_machine}
 
 
 async def tool_run_once(call: Call, args: dict) -> dict:
-    timeout = exec_timeout(call.config, args)
+    options = exec_options(args, call.config.exec_timeout_secs)
     name = call.new_ephemeral_name()
     spec = machine_spec(call, args, name, call.config.run_once_network)
     try:
@@ -3842,20 +3700,10 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         try:
             await start_and_wait(call, name)
         except Exception as err:
-            lines = await last_log_lines(call, name) if is_boot_failure(err) else None
-            raise explain_start_failure(err, spec.network, lines) from None
+            raise await start_failure(call, name, err, spec.network) from None
         since = now_utc()
-        result = await run_in_machine(
-            call,
-            name,
-            command_argv(args["command"]),
-            timeout_secs=timeout,
-            workdir=args.get("workdir"),
-            env=args.get("env"),
-            stdin=args.get("stdin"),
-        )
-        shaped = await budget_exec(call, name, result, timeout, keep_overflow=False)
-        shaped = await note_egress_denials(call, name, shaped, since, once=True)
+        result = await run_in_machine(call, name, command_argv(args["command"]), **options)
+        shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=True)
         return {**shaped, "startedMachine": False, "name": name}
     finally:
         await call.delete_quietly(name)  # every path: success, error, timeout, cancellation
@@ -3863,8 +3711,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
 
 async def tool_read_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
-    offset = args.get("offset", 0)
-    limit = call.config.max_output_bytes
+    offset, limit = args.get("offset", 0), call.config.max_output_bytes
     length = min(args.get("length", limit), limit)
     started_machine = await ensure_running(call, name)
     page = await call.api(call.fleet.read_file, name, path, offset, length)
@@ -3874,8 +3721,8 @@ async def tool_read_file(call: Call, args: dict) -> dict:
             data = data[: utf8_prefix_end(data, len(data))]  # end the page on a character boundary
             if not data and page.data:
                 raise ArgumentError(
-                    f'"length" {length} is too short for the character at offset {offset}; ask for '
-                    "at least 4 bytes"
+                    f'"length" {length} is too short for the character at offset {offset}; ask '
+                    "for at least 4 bytes"
                 )
         data = data[: prefix_within_tokens(data, reply_tokens(call.config))]
         try:
@@ -3890,16 +3737,9 @@ async def tool_read_file(call: Call, args: dict) -> dict:
         fits = within_tokens(content, reply_tokens(call.config))
         if fits < len(content):
             data, content = data[: fits // 4 * 3], content[: fits // 4 * 4]
-    return {
-        "path": path,
-        "content": content,
-        "encoding": encoding,
-        "size": page.size,
-        "offset": offset,
-        "bytes": len(data),
-        "eof": offset + len(data) >= page.size,
-        "startedMachine": started_machine,
-    }
+    shown = {"path": path, "content": content, "encoding": encoding, "size": page.size}
+    shown.update(offset=offset, bytes=len(data), eof=offset + len(data) >= page.size)
+    return {**shown, "startedMachine": started_machine}
 
 
 async def tool_write_file(call: Call, args: dict) -> dict:
@@ -3939,15 +3779,13 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
 async def tool_branch_machine(call: Call, args: dict) -> dict:
     source, wait = args["name"], args.get("wait", True)
     child = args.get("childName") or call.new_ephemeral_name()
+    owner = call.app.access.owners.owner(call.fleet.name, source)
     try:
-        owner = call.app.access.owners.owner(call.fleet.name, source)
-        record = await create_recorded(
-            call, child, call.fleet.branch_machine, source, child, owner=owner
-        )
+        branch = call.fleet.branch_machine
+        record = await create_recorded(call, child, branch, source, child, owner=owner)
     except ApiError as err:
-        if err.status == 409 and any(
-            word in err.api_message for word in ("forkable", "control socket", "branchable")
-        ):
+        words = ("forkable", "control socket", "branchable")
+        if err.status == 409 and any(word in err.api_message for word in words):
             raise err.with_hint(
                 "The source must be running and created as a branch source: create-machine with "
                 "branchable: true, then branch it while it runs"
@@ -3973,23 +3811,14 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
     return result
 
 
-def line_digest(line: str) -> str:
+def log_cursor(lines: list[str], end: int) -> str:
+    """Where a reader stopped: how many lines it has seen and a digest of the last few
+    (one blank or repeated line is found in many places), so the place is found again when the
+    cloud's tail window (the cloud log route has no cursor) has moved on."""
     import hashlib
 
-    return hashlib.sha256(line.encode()).hexdigest()[:12]
-
-
-CURSOR_LINES = 3  # the run of lines a cursor recognises its place by
-
-
-def log_cursor(lines: list[str], end: int) -> str:
-    """Where a reader stopped: how many lines it has seen, and a digest of the
-    last few, so the place is found again when the cloud's tail window has
-    moved on (the cloud log route has no cursor of its own). Several lines,
-    because one blank or repeated line is found in many places."""
-    return (
-        f"{end}:{line_digest(chr(10).join(lines[max(0, end - CURSOR_LINES) : end])) if end else ''}"
-    )
+    last = "\n".join(lines[max(0, end - CURSOR_LINES) : end]).encode()
+    return f"{end}:{hashlib.sha256(last).hexdigest()[:12] if end else ''}"
 
 
 def lines_after_cursor(lines: list[str], cursor: str) -> int:
@@ -4045,8 +3874,7 @@ EGRESS_QUESTION_SCHEMA = {
 EGRESS_409_HINT = (
     "The engine applies this change only to a stopped machine (a running one keeps its current "
     "kind of policy). allow-egress never stops a machine itself: stop it with stop-machine "
-    "(whatever runs "
-    "in it ends), call allow-egress again, then start it with start-machine"
+    "(whatever runs in it ends), call allow-egress again, then start it with start-machine"
 )
 
 
@@ -4089,9 +3917,8 @@ def egress_refusal(network: Any, config: Config) -> str | None:
 
 
 def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
-    """A host name (or, with ``pattern``, `*.domain`) the engine will accept,
-    lower-cased; refused when it is an address in any spelling, a loopback
-    name, or would cover a whole top-level domain or public suffix."""
+    """A host name (with ``pattern``, or `*.domain`) the engine accepts, lower-cased; never an
+    address in any spelling, a loopback name, or a whole top-level domain or public suffix."""
     host = value.lower()
     wildcard = pattern and host.startswith("*.")
     name = host[2:] if wildcard else host
@@ -4106,21 +3933,13 @@ def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
                 pass
     if address is not None:
         why = egress_refusal(ipaddress.ip_network(address), config)
-        raise ArgumentError(
-            f'"{where}" is the address {address} ({value!r})'
-            + (
-                f", which no allow list may reach: {why}"
-                if why
-                else f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
-            )
-        )
+        fix = f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
+        fix = f", which no allow list may reach: {why}" if why else fix
+        raise ArgumentError(f'"{where}" is the address {address} ({value!r}){fix}')
     labels = name.split(".")
     if "*" in name:
-        what = (
-            "hostPatterns takes only *.domain"
-            if pattern
-            else "hosts takes no wildcards; use hostPatterns"
-        )
+        what = "hosts takes no wildcards; use hostPatterns"
+        what = "hostPatterns takes only *.domain" if pattern else what
         raise ArgumentError(f'"{where}" is {value!r}: {what}')
     if len(name) > 253 or not all(HOST_LABEL_RE.fullmatch(label) for label in labels):
         raise ArgumentError(
@@ -4164,19 +3983,12 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
 
 
 def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]:
-    """(the UpdateEgressRequest body, the allow list it should leave) for
-    allow-egress's arguments against the machine's current policy. Entries
-    already listed are dropped; removals must name listed entries; a change
-    that would leave no entry (which the engine reads as allow everything) is
-    refused."""
-    hosts = [
-        egress_host(h, f"hosts[{i}]", False, config) for i, h in enumerate(args.get("hosts", []))
-    ]
-    patterns = [
-        egress_host(h, f"hostPatterns[{i}]", True, config)
-        for i, h in enumerate(args.get("hostPatterns", []))
-    ]
-    cidrs = [egress_cidr(c, f"cidrs[{i}]", config) for i, c in enumerate(args.get("cidrs", []))]
+    """(the UpdateEgressRequest body, the allow list it should leave) for allow-egress's
+    arguments against the current policy. Entries already listed are dropped; removals must name
+    listed entries; a change that would leave no entry (to the engine: allow all) is refused."""
+    hosts = egress_entries(args, "hosts", config, False)
+    patterns = egress_entries(args, "hostPatterns", config, True)
+    cidrs = egress_entries(args, "cidrs", config)
     remove = args.get("remove", {})
     if not (hosts or patterns or cidrs or remove.get("hosts") or remove.get("cidrs")):
         raise ArgumentError(
@@ -4210,22 +4022,17 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
     if not after["hosts"] and not after["cidrs"]:
         raise ArgumentError(
             "this would remove every entry of the allow list, and the engine reads an empty list "
-            "as "
-            "egress to every host; allow-egress never does that. Keep at least one entry, or "
+            "as egress to every host; allow-egress never does that. Keep at least one entry, or "
             'create a new machine with network: "open" if that is really wanted'
         )
-    body = {
-        key: value
-        for key, value in (
-            ("allowHosts", new_hosts),
-            ("allowHostPatterns", new_patterns),
-            ("allowCidrs", new_cidrs),
-            ("removeAllowHosts", removed_hosts),
-            ("removeAllowCidrs", removed_cidrs),
-        )
-        if value
-    }
-    return body, after
+    body = dict(
+        allowHosts=new_hosts,
+        allowHostPatterns=new_patterns,
+        allowCidrs=new_cidrs,
+        removeAllowHosts=removed_hosts,
+        removeAllowCidrs=removed_cidrs,
+    )
+    return {key: value for key, value in body.items() if value}, after
 
 
 def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict) -> str:
@@ -4237,31 +4044,19 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
         parts.append("reach " + ", ".join(body["allowHostPatterns"]))
     if body.get("allowCidrs"):
         parts.append("reach address ranges " + ", ".join(body["allowCidrs"]))
-    if body.get("removeAllowHosts") or body.get("removeAllowCidrs"):
-        parts.append(
-            "no longer reach "
-            + ", ".join(body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", []))
-        )
-    now = (
-        "open to every host (the allow list narrows it)"
-        if before["open"]
-        else "blocked (no egress at all)"
-        if not before["hosts"] and not before["cidrs"]
-        else "limited to " + ", ".join(before["hosts"] + before["cidrs"])
-    )
+    removed = body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", [])
+    if removed:
+        parts.append("no longer reach " + ", ".join(removed))
+    now = "limited to " + ", ".join(before["hosts"] + before["cidrs"])
+    if before["open"]:
+        now = "open to every host (the allow list narrows it)"
+    elif not before["hosts"] and not before["cidrs"]:
+        now = "blocked (no egress at all)"
     return (
-        f"The agent asks to change the egress of machine '{name}' on the {fleet} fleet so that "
-        "it may "
-        f"{'; and '.join(parts)}. Its egress is now {now}; afterwards it is limited to "
+        f"The agent asks to change the egress of machine '{name}' on the {fleet} fleet so that it "
+        f"may {'; and '.join(parts)}. Its egress is now {now}; afterwards it is limited to "
         f"{', '.join(after['hosts'] + after['cidrs'])}. Allow this change?"
     )
-
-
-EGRESS_LOCAL_ONLY = (
-    "allow-egress is local only: the smol cloud API has no route to amend a machine's "
-    'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
-    "instead"
-)
 
 
 async def tool_allow_egress(call: Call, args: dict) -> dict:
@@ -4270,14 +4065,9 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
         raise ArgumentError(EGRESS_LOCAL_ONLY)
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
-    result = {
-        "machine": record,
-        "before": before,
-        "after": {**after, "open": False},
-        "changed": False,
-    }
-    if not body:
-        return result  # everything asked for is already on the list
+    if not body:  # everything asked for is already on the list
+        same = {**after, "open": False}
+        return {"machine": record, "before": before, "after": same, "changed": False}
     if record["state"] in RUNNING_STATES and not (before["hosts"] or before["cidrs"]):
         # The engine would answer 409: say so now rather than ask the person for nothing.
         kind = "open" if before["open"] else "blocked"
@@ -4285,15 +4075,12 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
             f"machine '{name}' is running with {kind} egress and no allow list yet, "
             f"so nothing was changed or asked. {EGRESS_409_HINT}"
         )
-    confirmed = await call.confirm(
-        egress_question(name, call.fleet.name, before, body, after),
-        json.dumps([name, body], sort_keys=True),
-        EGRESS_QUESTION_SCHEMA,
-    )
-    if confirmed is False:
+    question = egress_question(name, call.fleet.name, before, body, after)
+    binding = json.dumps([name, body], sort_keys=True)
+    if await call.confirm(question, binding, EGRESS_QUESTION_SCHEMA) is False:
         raise SmolError(
-            f"The person did not allow the egress change for machine '{name}'; nothing changed. Do "
-            "not ask again unless they say so."
+            f"The person did not allow the egress change for machine '{name}'; nothing changed. "
+            "Do not ask again unless they say so."
         )
     try:
         record, applied = await call.api(call.fleet.update_egress, name, body)
@@ -4305,43 +4092,28 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
     return {"machine": record, "before": before, "after": applied, "changed": True}
 
 
-JOB_DEFAULT_TIMEOUT_SECS = 3600
-JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day at most
-
-
 async def tool_start_job(call: Call, args: dict) -> dict:
     name, argv = args["name"], command_argv(args["command"])
-    timeout = args.get("timeoutSecs", JOB_DEFAULT_TIMEOUT_SECS)
-    if timeout > JOB_MAX_TIMEOUT_SECS:
+    options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
+    if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
         raise ArgumentError(
-            f'"timeoutSecs" is {timeout}, above the job ceiling of {JOB_MAX_TIMEOUT_SECS} s '
-            "(24 hours); ask for less, or have the job check in and start a new one"
+            f'"timeoutSecs" is {options["timeout_secs"]}, above the job ceiling of '
+            f"{JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, or have the job check in and "
+            "start a new one"
         )
     job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
-    job, started_machine = await on_running(
-        call,
-        name,
-        call.api,
-        call.fleet.start_job,
-        name,
-        job_id,
-        argv,
-        timeout_secs=timeout,
-        workdir=args.get("workdir"),
-        env=args.get("env"),
-    )
+    start = functools.partial(call.api, call.fleet.start_job, name, job_id, argv, **options)
+    job, started_machine = await on_running(call, name, start)
     call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
-    return {**job, "timeoutSecs": timeout, "startedMachine": started_machine}
+    return {**job, "timeoutSecs": options["timeout_secs"], "startedMachine": started_machine}
 
 
 async def tool_read_job(call: Call, args: dict) -> dict:
-    name, job_id = args["name"], args["jobId"]
-    offset = args.get("offset", {})
+    name, job_id, offset = args["name"], args["jobId"], args.get("offset", {})
     offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
     page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
     shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
-    next_offset = {}
-    pages = []
+    next_offset, pages = {}, []
     for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
         if page.state == "running" or start + len(data) < size:
             # the rest of a character comes with the next page
@@ -4371,6 +4143,35 @@ async def tool_cancel_job(call: Call, args: dict) -> dict:
     return shown
 
 
+ARG_NAME_ONLY = _object({"name": ARG_NAME}, ("name",))
+OUT_CREATED = _out({"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")})
+ARG_PORTS = {
+    "type": "array",
+    "description": "Ports to publish: guest port, and optionally the host port.",
+    "items": _object(
+        {
+            "guest": _integer("Port inside the machine.", maximum=65535),
+            "host": _integer("Port on the host (default: a free one).", maximum=65535),
+        },
+        ("guest",),
+    ),
+}
+ARG_MOUNTS = {
+    "type": "array",
+    "description": "Host directories to attach (local fleet only), only under the operator's "
+    "mountRoots; read-only by default.",
+    "items": _object(
+        {
+            "source": _string("Absolute host path."),
+            "target": _string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
+            "readonly": _boolean(
+                "Mount read-only (the default); false asks for write, which only a root opened "
+                "with :rw grants."
+            ),
+        },
+        ("source", "target"),
+    ),
+}
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "list-machines",
@@ -4420,12 +4221,10 @@ TOOLS: tuple[ToolSpec, ...] = (
         "create-machine",
         "Create a machine",
         "Create a new microVM from an OCI image and (by default) start it, answering once a "
-        "command has run in it. "
-        'Egress is blocked unless network is "open" or an allow-list is given. A name starting '
-        "with the ephemeral "
-        "prefix (mcp- by default), or no name, makes a machine that is deleted when this session "
-        "ends; any other "
-        "name persists. Uses host CPU, memory and disk while it exists.",
+        'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
+        "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
+        "machine that is deleted when this session ends; any other name persists. Uses host "
+        "CPU, memory and disk while it exists.",
         _object(
             {
                 "name": {
@@ -4439,39 +4238,8 @@ TOOLS: tuple[ToolSpec, ...] = (
                 "network": ARG_NETWORK,
                 "allowHosts": ARG_ALLOW_HOSTS,
                 "allowCidrs": ARG_ALLOW_CIDRS,
-                "ports": {
-                    "type": "array",
-                    "description": "Ports to publish: guest port, and optionally the host port.",
-                    "items": _object(
-                        {
-                            "guest": _integer("Port inside the machine.", maximum=65535),
-                            "host": _integer(
-                                "Port on the host (default: a free one).", maximum=65535
-                            ),
-                        },
-                        ("guest",),
-                    ),
-                },
-                "mounts": {
-                    "type": "array",
-                    "description": "Host directories to attach (local fleet only), only under the "
-                    "operator's mountRoots; read-only by default.",
-                    "items": _object(
-                        {
-                            "source": _string("Absolute host path."),
-                            "target": _string(
-                                "Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN
-                            ),
-                            "readonly": {
-                                "type": "boolean",
-                                "description": "Mount read-only (the default); false asks "
-                                "for write, which only a root opened with "
-                                ":rw grants.",
-                            },
-                        },
-                        ("source", "target"),
-                    ),
-                },
+                "ports": ARG_PORTS,
+                "mounts": ARG_MOUNTS,
                 "storageGb": _integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
                 "overlayGb": _integer(
                     "Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB
@@ -4482,20 +4250,12 @@ TOOLS: tuple[ToolSpec, ...] = (
                     "description": "Workload command (local fleet only).",
                 },
                 "env": ARG_ENV,
-                "branchable": {
-                    "type": "boolean",
-                    "description": "Make it a branch source for branch-machine.",
-                },
-                "start": {
-                    "type": "boolean",
-                    "description": "Start it and wait for the guest (default true).",
-                },
+                "branchable": _boolean("Make it a branch source for branch-machine."),
+                "start": _boolean("Start it and wait for the guest (default true)."),
             },
             ("image",),
         ),
-        _out(
-            {"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}
-        ),
+        OUT_CREATED,
         tool_create_machine,
         open_world=True,
     ),
@@ -4503,23 +4263,11 @@ TOOLS: tuple[ToolSpec, ...] = (
         "run-command",
         "Run a command in a machine",
         "Run a command inside the named machine (never on this host) and return its stdout, "
-        "stderr and exit code. "
-        "A non-zero exit is a result, not an error. Output beyond the budget keeps its head and "
-        "tail, and the whole "
-        "stream is saved in the machine at the path listed in overflow. A stopped machine is "
-        "started first. On the local fleet a failed command lists the connections the egress "
-        "policy refused (egressDenied).",
-        _object(
-            {
-                "name": ARG_NAME,
-                "command": ARG_COMMAND,
-                "timeoutSecs": ARG_TIMEOUT,
-                "workdir": ARG_WORKDIR,
-                "env": ARG_ENV,
-                "stdin": ARG_STDIN,
-            },
-            ("name", "command"),
-        ),
+        "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
+        "budget keeps its head and tail, and the whole stream is saved in the machine at the "
+        "path listed in overflow. A stopped machine is started first. On the local fleet a "
+        "failed command lists the connections the egress policy refused (egressDenied).",
+        _object({"name": ARG_NAME, **ARG_EXEC}, ("name", "command")),
         _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
         tool_run_command,
         destructive=True,
@@ -4529,17 +4277,12 @@ TOOLS: tuple[ToolSpec, ...] = (
         "run-once",
         "Run a command in a throwaway machine",
         "Create a machine from an image, run one command in it, and delete the machine on every "
-        "path (success, "
-        'failure, timeout, cancellation). Egress is blocked unless network is "open" or an '
-        "allow-list is given.",
+        "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
+        '"open" or an allow-list is given.',
         _object(
             {
                 "image": ARG_IMAGE,
-                "command": ARG_COMMAND,
-                "timeoutSecs": ARG_TIMEOUT,
-                "workdir": ARG_WORKDIR,
-                "env": ARG_ENV,
-                "stdin": ARG_STDIN,
+                **ARG_EXEC,
                 "cpus": ARG_CPUS,
                 "memoryMb": ARG_MEMORY,
                 "network": ARG_NETWORK,
@@ -4556,10 +4299,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "read-file",
         "Read a file from a machine",
         "Read a file inside the named machine, a page at a time: offset and length pick the "
-        "bytes, size is the whole "
-        "file, eof says whether this page reached its end. Never returns more than the output "
-        "budget. Starts a "
-        "stopped machine.",
+        "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
+        "more than the output budget. Starts a stopped machine.",
         _object(
             {
                 "name": ARG_NAME,
@@ -4576,16 +4317,10 @@ TOOLS: tuple[ToolSpec, ...] = (
             ("name", "path"),
         ),
         _out(
-            {
-                "path": {"type": "string"},
-                "content": {"type": "string"},
-                "encoding": {"type": "string"},
-                "size": {"type": "integer"},
-                "offset": {"type": "integer"},
-                "bytes": {"type": "integer"},
-                "eof": {"type": "boolean"},
-                "startedMachine": {"type": "boolean"},
-            }
+            _types(
+                "path:string content:string encoding:string size:integer offset:integer "
+                "bytes:integer eof:boolean startedMachine:boolean"
+            )
         ),
         tool_read_file,
         idempotent=True,
@@ -4594,9 +4329,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "write-file",
         "Write a file into a machine",
         "Write a file inside the named machine, replacing any file at that path and creating "
-        "parent directories. "
-        "Waits until the guest runs commands first, so the file is not hidden by the workload's "
-        "file system.",
+        "parent directories. Waits until the guest runs commands first, so the file is not "
+        "hidden by the workload's file system.",
         _object(
             {
                 "name": ARG_NAME,
@@ -4606,13 +4340,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             },
             ("name", "path", "content"),
         ),
-        _out(
-            {
-                "path": {"type": "string"},
-                "bytes": {"type": "integer"},
-                "startedMachine": {"type": "boolean"},
-            }
-        ),
+        _out(_types("path:string bytes:integer startedMachine:boolean")),
         tool_write_file,
         destructive=True,
         idempotent=True,
@@ -4623,7 +4351,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Start a stopped machine and (by default) wait until a command has run in it. A running "
         "machine is left as it is.",
         _object({"name": ARG_NAME, "wait": ARG_WAIT}, ("name",)),
-        _out({"machine": OUT_MACHINE, "ready": {"type": "boolean"}}),
+        _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
         tool_start_machine,
         idempotent=True,
         open_world=True,
@@ -4632,10 +4360,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "branch-machine",
         "Branch a machine",
         "Copy a running branch source (created with branchable: true), memory and disks "
-        "included, into a new child "
-        "machine that starts where the source is. Without childName the child is ephemeral. "
-        "Branching on the local "
-        "fleet needs a Linux or macOS host.",
+        "included, into a new child machine that starts where the source is. Without childName "
+        "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
         _object(
             {
                 "name": {**ARG_NAME, "description": "The running, branchable source machine."},
@@ -4647,9 +4373,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             },
             ("name",),
         ),
-        _out(
-            {"machine": OUT_MACHINE, "ephemeral": {"type": "boolean"}, "ready": {"type": "boolean"}}
-        ),
+        OUT_CREATED,
         tool_branch_machine,
     ),
     ToolSpec(
@@ -4657,7 +4381,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Stop a machine",
         "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
         "runs in it is ended.",
-        _object({"name": ARG_NAME}, ("name",)),
+        ARG_NAME_ONLY,
         _out({"machine": OUT_MACHINE}),
         tool_stop_machine,
         destructive=True,
@@ -4667,12 +4391,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "delete-machine",
         "Delete a machine",
         "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
-        _object({"name": ARG_NAME}, ("name",)),
-        {
-            "type": "object",
-            "properties": {"deleted": {"type": "string"}, "usage": {"type": "object"}},
-            "required": ["deleted"],
-        },
+        ARG_NAME_ONLY,
+        _out(_types("deleted:string"), _types("usage:object")),
         tool_delete_machine,
         destructive=True,
     ),
@@ -4680,8 +4400,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "machine-logs",
         "Read a machine's log",
         "Read the latest lines of the machine's guest console. Pass the cursor from the last "
-        "call to get only what "
-        "arrived since. Changes nothing.",
+        "call to get only what arrived since. Changes nothing.",
         _object(
             {
                 "name": ARG_NAME,
@@ -4692,9 +4411,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             },
             ("name",),
         ),
-        _out(
-            {"lines": {"type": "array", "items": {"type": "string"}}, "cursor": {"type": "string"}}
-        ),
+        _out(_types("lines:string[] cursor:string")),
         tool_machine_logs,
         read_only=True,
     ),
@@ -4704,7 +4421,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Pull an OCI image into the named machine's image store (local fleet only; the machine "
         "is started to do it).",
         _object({"name": ARG_NAME, "image": ARG_IMAGE}, ("name", "image")),
-        _out({"image": {"type": "object"}}),
+        _out(_types("image:object")),
         tool_pull_image,
         idempotent=True,
         open_world=True,
@@ -4730,14 +4447,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             },
             ("name", "command"),
         ),
-        _out(
-            {
-                "jobId": {"type": "string"},
-                "state": {"type": "string"},
-                "timeoutSecs": {"type": "integer"},
-                "startedMachine": {"type": "boolean"},
-            }
-        ),
+        _out(_types("jobId:string state:string timeoutSecs:integer startedMachine:boolean")),
         tool_start_job,
         destructive=True,
         open_world=True,
@@ -4754,13 +4464,12 @@ TOOLS: tuple[ToolSpec, ...] = (
         _out(
             {
                 **OUT_JOB_STATE,
-                "stdout": {"type": "string"},
-                "stderr": {"type": "string"},
+                **_types("stdout:string stderr:string"),
                 "nextOffset": {
                     "type": "object",
-                    "properties": {"stdout": {"type": "integer"}, "stderr": {"type": "integer"}},
+                    "properties": _types("stdout:integer stderr:integer"),
                 },
-                "eof": {"type": "boolean"},
+                **_types("eof:boolean"),
             }
         ),
         tool_read_job,
