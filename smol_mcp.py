@@ -158,11 +158,15 @@ class Setting:
     maximum: int | None = None
 
 
+def _camel(attr: str) -> str:
+    return re.sub(r"_([a-z])", lambda match: match.group(1).upper(), attr)
+
+
 def _setting(f: dataclasses.Field) -> Setting:
     """The Setting a Config field declares with setting_field."""
-    key = re.sub(r"_([a-z])", lambda match: match.group(1).upper(), f.name)  # camelCase
     rule = f.metadata["setting"]
-    return Setting(key, attr=f.name, **{**rule, "env": rule["env"] or f"SMOL_MCP_{f.name.upper()}"})
+    env = rule["env"] or f"SMOL_MCP_{f.name.upper()}"
+    return Setting(_camel(f.name), attr=f.name, **{**rule, "env": env})
 
 
 SETTINGS: tuple[Setting, ...] = tuple(_setting(f) for f in dataclasses.fields(Config))
