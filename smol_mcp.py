@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
+
 __version__ = "0.1.0"
 
 log = logging.getLogger("smol_mcp")
@@ -8418,15 +8420,9 @@ HTTP_CLOSE = [(b"connection", b"close")]
 HTTP_UNUSED_SESSION_SECS = 300
 # Requests that use a session; initialize, listings and pings alone do not.
 SESSION_USES = ("tools/call", "resources/read", "resources/subscribe", "subscriptions/listen")
-HTTP_UNAUTHORIZED = json.dumps(
-    {
-        "error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
-        "'X-Smol-Mcp-Token: <token>'"
-    }
-).encode()
+_SEND_TOKEN = "send the token as 'Authorization: Bearer <token>' or 'X-Smol-Mcp-Token: <token>'"
+HTTP_UNAUTHORIZED = json.dumps({"error": f"unauthorized: {_SEND_TOKEN}"}).encode()
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
 HTTP_MIN_TOKEN_CHARS = 32
 HTTP_TOKEN_ADVICE = (
     'make one with: python3 -c "import secrets; print(secrets.token_urlsafe(32))" '
@@ -8441,14 +8437,14 @@ def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> Non
     what a UTF-8 client sends). The message never shows the token."""
     if not all("!" <= ch <= "~" for ch in secret):
         raise ConfigError(
-            f"{where} must hold only printable ASCII characters without spaces, "
-            f"so every client sends it byte for byte; {HTTP_TOKEN_ADVICE}"
+            f"{where} must hold only printable ASCII characters without spaces, so every client "
+            f"sends it byte for byte; {HTTP_TOKEN_ADVICE}"
         )
     if len(secret) < HTTP_MIN_TOKEN_CHARS:
         raise ConfigError(
             f"{where} is {len(secret)} characters long; --http needs at least "
-            f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can "
-            f"try to guess it; {HTTP_TOKEN_ADVICE}"
+            f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can try to guess it; "
+            f"{HTTP_TOKEN_ADVICE}"
         )
 
 
@@ -8474,34 +8470,18 @@ class HttpGate:
     Content-Type before either), while ours names the setting to change and
     comes right after the token, for every path."""
 
-    def __init__(
-        self,
-        app: Any,
-        *,
-        access: Access,
-        path: str,
-        allowed_hosts: list[str] | None,
-        allowed_origins: tuple[str, ...],
-        sessions: HttpSessions | None = None,
-        pages: Pages | None = None,
-        public: Any = None,
-    ):
-        self.app, self.access, self.path, self.sessions = app, access, path, sessions
-        self.api = path.rsplit("/", 1)[0] + "/api/tools"  # the plain API, beside the MCP path
-        self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
-        self.pages, self.public = pages, public  # the sign-in, OAuth and console routes
+    def __init__(self, inner: Any, app: SmolMcp, allowed_hosts: list[str] | None, public: Any):
+        self.app, self.access, self.sessions, self.pages = inner, app.access, app.http, app.pages
+        self.path, self.api = app.http.path, app.http.api
+        self.allowed_hosts, self.allowed_origins = allowed_hosts, app.config.http_allowed_origins
+        self.public = public  # the sign-in, OAuth and console routes
         self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
 
     def is_public(self, path: str) -> bool:
-        """A path reached without a bearer token: the pages and the OAuth
-        routes, while OAuth is on (an operator password or link exists)."""
-        if self.pages is None or not self.pages.operator.enabled():
-            return False
+        """A path reached without a bearer token while OAuth is on: the pages, the OAuth routes."""
         well_known = ("/.well-known/oauth-authorization-server", RESOURCE_METADATA)
-        well_known += (RESOURCE_METADATA + self.path,)
-        return path in (*PAGE_PATHS, *OAUTH_PATHS, *well_known, "/console") or path.startswith(
-            "/console/"
-        )
+        paths = (*PAGE_PATHS, *OAUTH_PATHS, *well_known, RESOURCE_METADATA + self.path)
+        return path in paths or path == "/console" or path.startswith("/console/")
 
     def principal(self, headers: dict[bytes, bytes]) -> Principal | None:
         """The principal of the token the request carries (Access compares
@@ -8514,34 +8494,23 @@ class HttpGate:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        public = self.is_public(scope["path"])
+            return await self.app(scope, receive, send)
+        headers, path = dict(scope["headers"]), scope["path"]
+        oauth = self.pages is not None and self.pages.operator.enabled()
+        public = oauth and self.is_public(path)
         principal = None if public else self.principal(headers)
         if principal is None and not public:
             challenge = b"Bearer"
-            if self.pages is not None and self.pages.operator.enabled():
+            if oauth:
                 metadata = self.pages.issuer + RESOURCE_METADATA + self.path
                 challenge = f'Bearer resource_metadata="{metadata}"'.encode()
             # Connection: close makes the server stop reading whatever body is still coming.
-            await _respond(
-                send, 401, HTTP_UNAUTHORIZED, [(b"www-authenticate", challenge), *HTTP_CLOSE]
-            )
-            return
+            refusal = [(b"www-authenticate", challenge), *HTTP_CLOSE]
+            return await _respond(send, 401, HTTP_UNAUTHORIZED, refusal)
         host = headers.get(b"host", b"").decode("latin-1")
         if self.allowed_hosts is not None and host not in self.allowed_hosts:
-            await _respond(
-                send,
-                421,
-                json.dumps(
-                    {
-                        "error": f"Host {host!r} is not allowed; set "
-                        "SMOL_MCP_HTTP_ALLOWED_HOSTS to the name clients dial"
-                    }
-                ).encode(),
-            )
-            return
+            wrong = f"Host {host!r} is not allowed; set SMOL_MCP_HTTP_ALLOWED_HOSTS to the name"
+            return await _respond(send, 421, {"error": f"{wrong} clients dial"})
         if public:  # a browser's own pages, and the OAuth routes (CORS for browser clients)
             body = await self.read_body(headers, receive, send)
             if body is not None:
@@ -8549,41 +8518,24 @@ class HttpGate:
             return
         origin = headers.get(b"origin", b"").decode("latin-1")
         if origin and self.allowed_origins and origin not in self.allowed_origins:
-            await _respond(
-                send,
-                403,
-                json.dumps(
-                    {"error": f"Origin {origin!r} is not allowed (SMOL_MCP_HTTP_ALLOWED_ORIGINS)"}
-                ).encode(),
+            wrong = f"Origin {origin!r} is not allowed (SMOL_MCP_HTTP_ALLOWED_ORIGINS)"
+            return await _respond(send, 403, {"error": wrong})
+        api = path.startswith(self.api)
+        if path != self.path and not api:
+            return await _respond(
+                send, 404, {"error": f"not found; the MCP endpoint is {self.path}"}
             )
-            return
-        api = self.sessions is not None and scope["path"].startswith(self.api)
-        if scope["path"] != self.path and not api:
-            await _respond(
-                send,
-                404,
-                json.dumps({"error": f"not found; the MCP endpoint is {self.path}"}).encode(),
-            )
-            return
         scope.setdefault("state", {})["smol_principal"] = principal
         # The SDK binds a handshake-era session to the user that opened it: the
         # same Mcp-Session-Id with another token answers 404, as an unknown one.
         scope["user"] = authenticated_user(principal)
         body = await self.read_body(headers, receive, send)
-        if body is None:
-            return
-        if api:
-            await self.sessions.plain_api(scope, receive, send, principal, body, self.api)
-        elif self.sessions is None:
-            await self.app(scope, replay_body(body, receive), send)
-        else:
-            await self.sessions.forward(
-                self.app, scope, replay_body(body, receive), send, principal, body
-            )
+        if body is not None and api:
+            await self.sessions.plain_api(scope, receive, send, body)
+        elif body is not None:
+            await self.sessions.forward(self.app, scope, replay_body(body, receive), send, body)
 
-    async def read_body(
-        self, headers: dict[bytes, bytes], receive: Callable, send: Callable
-    ) -> bytes | None:
+    async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
         """The whole request body, read here so what is held is bounded as it
         arrives: past HTTP_MAX_BODY_BYTES nothing more is kept and the answer is
         a 413 (the rest is read and dropped, up to as much again, so the client
@@ -8591,19 +8543,14 @@ class HttpGate:
         still coming after HTTP_BODY_TIMEOUT_SECS is a 408, and at most
         HTTP_MAX_BODIES_IN_FLIGHT bodies are read at a time. None when an answer
         has been sent here."""
-        import anyio
-
-        too_big = json.dumps(
-            {
-                "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; "
-                "send a smaller one (a large file goes in pieces)"
-            }
-        ).encode()
+        too_big = {
+            "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; send a smaller one "
+            "(a large file goes in pieces)"
+        }
         declared = headers.get(b"content-length", b"0").strip()
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
         if over and headers.get(b"expect", b"").lower() == b"100-continue":
-            await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
-            return None
+            return await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
         if self.bodies is None:
             self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
         chunks: list[bytes] = []
@@ -8625,11 +8572,9 @@ class HttpGate:
                         break
         if deadline.cancelled_caught:
             late = {"error": f"the request body did not arrive within {HTTP_BODY_TIMEOUT_SECS} s"}
-            await _respond(send, 408, json.dumps(late).encode(), HTTP_CLOSE)
-            return None
+            return await _respond(send, 408, late, HTTP_CLOSE)
         if over:
-            await _respond(send, 413, too_big, HTTP_CLOSE)
-            return None
+            return await _respond(send, 413, too_big, HTTP_CLOSE)
         return b"".join(chunks)
 
 
@@ -8638,14 +8583,8 @@ def authenticated_user(principal: Principal):
     from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
     from mcp.server.auth.provider import AccessToken
 
-    return AuthenticatedUser(
-        AccessToken(
-            token=principal.id,
-            client_id=principal.name,
-            scopes=sorted(principal.scopes),
-            subject=principal.id,
-        )
-    )
+    token = dict(token=principal.id, subject=principal.id, client_id=principal.name)
+    return AuthenticatedUser(AccessToken(**token, scopes=sorted(principal.scopes)))
 
 
 def request_methods(body: bytes, key: str = "method") -> list:
@@ -8656,13 +8595,8 @@ def request_methods(body: bytes, key: str = "method") -> list:
     except ValueError:
         return []
     messages = message if isinstance(message, list) else [message]
-    return [
-        m[key]
-        for m in messages
-        if isinstance(m, dict)
-        and isinstance(m.get("method"), str)
-        and isinstance(m.get("id"), (str, int))
-    ]
+    requests = [m for m in messages if isinstance(m, dict) and isinstance(m.get("method"), str)]
+    return [m[key] for m in requests if isinstance(m.get("id"), (str, int))]
 
 
 def initialize_version(body: bytes) -> str | None:
@@ -8704,21 +8638,17 @@ def guarded_protocol() -> type:
         def awaiting_headers(self) -> bool:
             return self.conn.their_state is h11.IDLE
 
+        def waiting(self) -> bool:
+            """Open, and no request has arrived on it yet."""
+            return self.awaiting_headers() and not self.transport.is_closing()
+
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self.opened = time.monotonic()
             self.watch_headers()
-            if len(self.connections) > HTTP_MAX_CONNECTIONS:
-                idle = [
-                    c
-                    for c in self.connections
-                    if c is not self
-                    and isinstance(c, GuardedH11Protocol)
-                    and c.awaiting_headers()
-                    and not c.transport.is_closing()
-                ]
-                victim = min(idle, key=lambda c: c.opened) if idle else self
-                victim.transport.close()
+            if len(self.connections) > HTTP_MAX_CONNECTIONS:  # this one is the newest of them
+                idle = [c for c in self.connections if isinstance(c, type(self)) and c.waiting()]
+                min(idle, key=lambda c: c.opened).transport.close()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -8730,18 +8660,16 @@ def guarded_protocol() -> type:
 
         def watch_headers(self) -> None:
             """Arm the header deadline while no request has arrived, disarm it once one has."""
-            if self.awaiting_headers():
-                if self.header_deadline is None:
-                    self.header_deadline = self.loop.call_later(
-                        HTTP_HEADER_TIMEOUT_SECS, self.headers_overdue
-                    )
-            elif self.header_deadline is not None:
-                self.header_deadline.cancel()
+            deadline = self.header_deadline
+            if self.awaiting_headers() and deadline is None:
+                self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS, self.overdue)
+            elif not self.awaiting_headers() and deadline is not None:
+                deadline.cancel()
                 self.header_deadline = None
 
-        def headers_overdue(self) -> None:
+        def overdue(self) -> None:
             self.header_deadline = None
-            if self.awaiting_headers() and not self.transport.is_closing():
+            if self.waiting():
                 self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -8770,18 +8698,11 @@ def uvicorn_options() -> dict:
     )
 
 
-async def _respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *(headers or []),
-            ],
-        }
-    )
+async def _respond(send: Callable, status: int, answer: Any, headers: list | None = None) -> None:
+    """Send a whole answer: bytes as they are, anything else as JSON."""
+    body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": head + (headers or [])})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -8818,21 +8739,17 @@ class HttpSessions:
     at shutdown. 2026 era: one per token. Either ends when it has made no
     request and has no call in flight for httpSessionIdleSecs."""
 
-    def __init__(self, app: SmolMcp):
-        self.app = app
+    def __init__(self, app: SmolMcp, manager: Any, path: str):
+        self.app, self.manager, self.path = app, manager, path
+        self.api = path.rsplit("/", 1)[0] + "/api/tools"  # the plain API, beside the MCP path
         self.by_principal: dict[str, Session] = {}
         self.by_id: dict[str, Session] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
         self.tasks: Any = None
-        self.manager: Any = None
-        self.path = "/mcp"
         self.stopping: Any = None  # an anyio Event, set when the process is told to stop
 
     @asynccontextmanager
     async def running(self, tasks: Any):
-        import anyio
-
-        self.tasks = tasks
-        reaper = anyio.CancelScope()
+        self.tasks, reaper, watcher = tasks, anyio.CancelScope(), anyio.CancelScope()
 
         async def reap() -> None:
             with reaper:
@@ -8842,8 +8759,6 @@ class HttpSessions:
                         await self.end_idle()
                     except Exception as err:  # the reaper must outlive any one session's trouble
                         log.warning("ending idle sessions failed (%s)", describe(err))
-
-        watcher = anyio.CancelScope()
 
         async def watch_tokens() -> None:
             with watcher:
@@ -8860,23 +8775,20 @@ class HttpSessions:
             reaper.cancel()
             watcher.cancel()
             self.app.access.tokens.flush_usage(force=True)
-            for principal in list(self.by_principal):
-                await self.app.end_session(self.by_principal.pop(principal))
-            for http_id in list(self.by_id):
-                await self.app.end_session(self.by_id.pop(http_id))
+            for sessions in (self.by_principal, self.by_id):
+                while sessions:
+                    await self.app.end_session(sessions.pop(next(iter(sessions))))
 
     def session_for(self, ctx) -> Session:
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-        principal = self.app.principal_for(ctx)
-        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:  # state per token name
+        principal, version = self.app.principal_for(ctx), ctx.protocol_version
+        if version in MODERN_PROTOCOL_VERSIONS:  # state per token name
             return self.modern_session(principal)
         http_id = ctx.request.headers.get("mcp-session-id", "")
         # Opened when initialize was answered; a request the SDK let through after
         # ours ended (a deleted token's session, closing) gets one of its own.
-        return self.by_id.get(http_id) or self.open_handshake(
-            principal, http_id, ctx.protocol_version
-        )
+        return self.by_id.get(http_id) or self.open_handshake(principal, http_id, version)
 
     def modern_session(self, principal: Principal) -> Session:
         """The 2026-era session of a token (made again if the token was)."""
@@ -8899,44 +8811,34 @@ class HttpSessions:
             self.by_id[http_id] = session
         return session
 
-    async def plain_api(
-        self,
-        scope: dict,
-        receive: Callable,
-        send: Callable,
-        principal: Principal,
-        body: bytes,
-        api: str,
-    ) -> None:
+    async def plain_api(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
         """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME
         with a JSON object of arguments calls one through call_tool, as the
         token's 2026-era session, so scopes, ownership, approvals and the
         activity log are the MCP path's own. A call ends, as cancelled, when
         its client goes away."""
-        import anyio
         import mcp_types as types
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+        api, principal = self.api, scope["state"]["smol_principal"]
         name, method = scope["path"][len(api) :].lstrip("/"), scope["method"]
         if not name and method == "GET":
             tools = self.app.tool_list(self.app.mode == "both", principal)
             listed = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools]
-            return await _respond(send, 200, json.dumps({"tools": listed}).encode())
+            return await _respond(send, 200, {"tools": listed})
         try:
             arguments = json.loads(body or b"{}")  # no body: no arguments
         except ValueError:
             arguments = None
-        refusal = (
-            (405, f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools")
-            if method != "POST" or not name
-            else (404, f"there is no tool named {name!r}; GET {api} lists yours")
-            if name not in TOOLS_BY_NAME
-            else (400, "the body must be a JSON object of the tool's arguments")
-            if not isinstance(arguments, dict)
-            else None
-        )
+        refusal = None
+        if method != "POST" or not name:
+            refusal = 405, f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools"
+        elif name not in TOOLS_BY_NAME:
+            refusal = 404, f"there is no tool named {name!r}; GET {api} lists yours"
+        elif not isinstance(arguments, dict):
+            refusal = 400, "the body must be a JSON object of the tool's arguments"
         if refusal is not None:
-            return await _respond(send, refusal[0], json.dumps({"error": refusal[1]}).encode())
+            return await _respond(send, refusal[0], {"error": refusal[1]})
         ctx = PlainRequest(scope, MODERN_PROTOCOL_VERSIONS[0])
         session = self.modern_session(principal)
         session.used, session.in_flight, result = True, session.in_flight + 1, None
@@ -8958,9 +8860,10 @@ class HttpSessions:
         if result is None:  # the client went away: nobody to answer
             return
         if result.is_error:
-            answer = {"error": result.content[0].text}
-            return await _respond(send, plain_status(ctx.failure), json.dumps(answer).encode())
-        await _respond(send, 200, json.dumps(result.structured_content).encode())
+            return await _respond(
+                send, plain_status(ctx.failure), {"error": result.content[0].text}
+            )
+        await _respond(send, 200, result.structured_content)
 
     def end_handshake(self, session: Session) -> None:
         """Forget a handshake session and clean it up in the background (the
@@ -8969,13 +8872,7 @@ class HttpSessions:
         self.tasks.start_soon(self.app.end_session, session)
 
     async def forward(
-        self,
-        inner: Callable,
-        scope: dict,
-        receive: Callable,
-        send: Callable,
-        principal: Principal,
-        body: bytes,
+        self, inner: Callable, scope: dict, receive: Callable, send: Callable, body: bytes
     ) -> None:
         """Hand one request to the SDK and keep the books of its session: a POST
         carrying requests is in flight while it is served (a listen stream is
@@ -8983,6 +8880,7 @@ class HttpSessions:
         session, and an accepted DELETE ends one."""
         from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
+        principal = scope["state"]["smol_principal"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         http_id, version = headers.get("mcp-session-id"), headers.get("mcp-protocol-version")
         methods = request_methods(body) if scope["method"] == "POST" else []
@@ -9000,18 +8898,13 @@ class HttpSessions:
             await send(message)
 
         # A token's share of sessions; named tokens leave one share for the operator's own.
-        named = principal.name != "default" and len(self.by_id) >= HTTP_MAX_SESSIONS - (
-            HTTP_SESSIONS_PER_TOKEN
-        )
-        if (
-            "initialize" in methods
-            and not http_id
-            and (self.sessions_of(principal) >= HTTP_SESSIONS_PER_TOKEN or named)
-        ):
-            busy = f"{principal.label()} has {HTTP_SESSIONS_PER_TOKEN} sessions open, its share"
-            busy += "; end one (a client's DELETE, or let it idle out) before opening another"
-            await _respond(send, 503, json.dumps({"error": busy}).encode())
-            return
+        share, room = HTTP_SESSIONS_PER_TOKEN, HTTP_MAX_SESSIONS - len(self.by_id)
+        if "initialize" in methods and not http_id:
+            mine = sum(1 for s in self.by_id.values() if s.principal.id == principal.id)
+            if mine >= share or (principal.name != "default" and room <= share):
+                busy = f"{principal.label()} has {share} sessions open, its share; end one (a "
+                busy += "client's DELETE, or let it idle out) before opening another"
+                return await _respond(send, 503, {"error": busy})
         if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
             session = self.modern_session(principal) if methods else None
         else:
@@ -9036,16 +8929,11 @@ class HttpSessions:
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
             self.end_handshake(self.by_id[http_id])
 
-    def sessions_of(self, principal: Principal) -> int:
-        return sum(1 for s in self.by_id.values() if s.principal.id == principal.id)
-
     async def serve_calls(
         self, inner: Callable, scope: dict, receive: Callable, send: Callable, session, body
     ) -> None:
         """Serve a POST of calls, listening for its client to hang up meanwhile:
         then its calls are gone, and one waiting for approval ends (SPEC 13)."""
-        import anyio
-
         ids, first, gone = request_methods(body, "id"), [await receive()], anyio.Event()
 
         async def inner_receive() -> dict:
@@ -9076,18 +8964,16 @@ class HttpSessions:
         get TOKEN_END_GRACE_SECS to send their answers."""
         live = self.app.access.live_ids()
         for session in [*self.by_principal.values(), *self.by_id.values()]:
-            if live.get(session.principal.name) == session.principal.id:
+            name = session.principal.name
+            if live.get(name) == session.principal.id:
                 continue
             session.revoked_at = session.revoked_at or time.monotonic()
-            if session.held or (
-                session.in_flight and time.monotonic() - session.revoked_at < TOKEN_END_GRACE_SECS
-            ):
+            grace = time.monotonic() - session.revoked_at < TOKEN_END_GRACE_SECS
+            if session.held or (session.in_flight and grace):
                 continue
-            log.info(
-                "token %s was deleted: ending its session %s", session.principal.name, session.id
-            )
+            log.info("token %s was deleted: ending its session %s", name, session.id)
             if session.http_id is None:
-                self.by_principal.pop(session.principal.name, None)
+                self.by_principal.pop(name, None)
             else:
                 self.by_id.pop(session.http_id, None)
                 await self.close_handshake_session(session)  # the SDK lets go of it too
@@ -9102,12 +8988,8 @@ class HttpSessions:
             limit = idle if session.used else min(idle, HTTP_UNUSED_SESSION_SECS)
             if session.in_flight or time.monotonic() - session.last_seen < limit:
                 continue
-            log.info(
-                "session %s %s for %d s: ending it",
-                session.id,
-                "idle" if session.used else "unused",
-                limit,
-            )
+            why = "idle" if session.used else "unused"
+            log.info("session %s %s for %d s: ending it", session.id, why, limit)
             if session.http_id is None:
                 self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
                 await self.app.end_session(session)
@@ -9124,23 +9006,12 @@ class HttpSessions:
             (b"mcp-session-id", session.http_id.encode()),
             (b"mcp-protocol-version", (session.protocol or "2025-06-18").encode()),
         ]
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "DELETE",
-            "scheme": "http",
-            "path": self.path,
-            "raw_path": self.path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 0),
-            "server": ("127.0.0.1", 0),
-            "state": {},
-            "user": authenticated_user(session.principal),  # the SDK checks whose session it is
-        }
-        statuses = []
+        path, local, statuses = self.path, ("127.0.0.1", 0), []
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "state": {}}
+        scope |= {"method": "DELETE", "scheme": "http", "path": path, "raw_path": path.encode()}
+        scope |= {"query_string": b"", "root_path": "", "headers": headers}
+        scope |= {"client": local, "server": local}
+        scope["user"] = authenticated_user(session.principal)  # the SDK checks whose session it is
 
         async def receive() -> dict:
             return {"type": "http.request", "body": b"", "more_body": False}
@@ -9177,10 +9048,7 @@ class ShutdownAnswers:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         stopping = self.stopping()
         if scope["type"] != "http" or scope["method"] != "POST" or stopping is None:
-            await self.app(scope, receive, send)
-            return
-        import anyio
-
+            return await self.app(scope, receive, send)
         body, started = bytearray(), False
 
         async def receive_copy() -> dict:
@@ -9205,7 +9073,7 @@ class ShutdownAnswers:
             await self.app(scope, receive_copy, send_watch)
             group.cancel_scope.cancel()
         if stopping.is_set() and not started:
-            await _respond(send, 200, json.dumps(shutdown_errors(bytes(body))).encode())
+            await _respond(send, 200, shutdown_errors(bytes(body)))
 
 
 def shutdown_errors(body: bytes) -> Any:
@@ -9215,29 +9083,21 @@ def shutdown_errors(body: bytes) -> Any:
     except ValueError:
         request = None
     requests = request if isinstance(request, list) else [request]
-    answers = [
-        {
-            "jsonrpc": "2.0",
-            "id": r.get("id") if isinstance(r, dict) else None,
-            "error": {"code": -32000, "message": SHUTDOWN_MESSAGE},
-        }
-        for r in requests
-    ]
+    error = {"code": -32000, "message": SHUTDOWN_MESSAGE}
+    ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
+    answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
     return answers if isinstance(request, list) else answers[0]
 
 
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     """The ASGI application for --http: HttpGate in front of the SDK's
     Streamable HTTP session manager."""
-    from mcp.server.streamable_http_manager import (
-        StreamableHTTPASGIApp,
-        StreamableHTTPSessionManager,
-    )
+    from mcp.server.streamable_http_manager import StreamableHTTPASGIApp as Endpoint
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
     from starlette.applications import Starlette
     from starlette.routing import Route
 
     config = app.config
-    app.http = HttpSessions(app)
     manager = StreamableHTTPSessionManager(
         app.server,
         json_response=True,
@@ -9245,32 +9105,21 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
         max_request_body_size=HTTP_MAX_BODY_BYTES,
         max_sessions=HTTP_MAX_SESSIONS,
     )
-    app.http.manager, app.http.path = manager, path
+    app.http = HttpSessions(app, manager, path)
 
     @asynccontextmanager
     async def lifespan(_):
         async with manager.run():  # enters the server's lifespan once; ends every session at exit
             yield
 
-    inner = Starlette(
-        routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan
-    )
+    inner = Starlette(routes=[Route(path, endpoint=Endpoint(manager))], lifespan=lifespan)
     inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
-    issuer = oauth_issuer(config, host, port)
+    public, issuer = None, oauth_issuer(config, host, port)
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
         routes = page_routes(app.pages) + oauth_routes(app, issuer, path) + console_routes(app)
         public = pages_app(app.pages, routes)
-    return HttpGate(
-        inner,
-        access=app.access,
-        path=path,
-        sessions=app.http,
-        allowed_hosts=default_allowed_hosts(config, host, port),
-        allowed_origins=config.http_allowed_origins,
-        pages=app.pages,
-        public=public if issuer else None,
-    )
+    return HttpGate(inner, app, default_allowed_hosts(config, host, port), public)
 
 
 # -- the operator's console (section 18) -----------------------------------------
