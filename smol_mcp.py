@@ -8431,10 +8431,8 @@ HTTP_TOKEN_ADVICE = (
 
 
 def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> None:
-    """Refuse a token that is easy to guess, or that a client cannot send as
-    written: at least HTTP_MIN_TOKEN_CHARS characters of printable ASCII without
-    spaces (a header is Latin-1 on the wire, so anything else would never match
-    what a UTF-8 client sends). The message never shows the token."""
+    """Refuse a token shorter than HTTP_MIN_TOKEN_CHARS, or not printable ASCII without spaces
+    (a header is Latin-1 on the wire: a UTF-8 client's would never match). Never shows it."""
     if not all("!" <= ch <= "~" for ch in secret):
         raise ConfigError(
             f"{where} must hold only printable ASCII characters without spaces, so every client "
@@ -8449,9 +8447,8 @@ def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> Non
 
 
 def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | None:
-    """The Host values accepted: the configured list, else the loopback names of
-    the bound port. Off loopback the name clients dial is not knowable here, so
-    None: the check is off, and the startup log says so."""
+    """The Host values accepted: the configured list, else the bound port's loopback names.
+    Off loopback, None: the name clients dial is unknowable, so the check is off (and logged)."""
     if config.http_allowed_hosts:
         return list(config.http_allowed_hosts)
     if host in LOOPBACK_HOSTS:
@@ -8461,14 +8458,10 @@ def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | N
 
 
 class HttpGate:
-    """ASGI middleware in front of everything: the token, then Host and Origin,
-    then the path. Lifespan events pass straight through.
-
-    Host and Origin are checked here rather than with the SDK's
-    TransportSecuritySettings: that check runs inside the transport, where it
-    answers 421/403 with a bare "Invalid Host header" (and a POST's
-    Content-Type before either), while ours names the setting to change and
-    comes right after the token, for every path."""
+    """ASGI middleware in front of everything: the token, then Host and Origin, then the path
+    (lifespan events pass through). Host and Origin are not left to the SDK's
+    TransportSecuritySettings, whose bare "Invalid Host header" comes after a POST's
+    Content-Type check: ours names the setting to change and comes right after the token."""
 
     def __init__(self, inner: Any, app: SmolMcp, allowed_hosts: list[str] | None, public: Any):
         self.app, self.access, self.sessions, self.pages = inner, app.access, app.http, app.pages
@@ -8484,8 +8477,7 @@ class HttpGate:
         return path in paths or path == "/console" or path.startswith("/console/")
 
     def principal(self, headers: dict[bytes, bytes]) -> Principal | None:
-        """The principal of the token the request carries (Access compares
-        hashes, in constant time)."""
+        """The principal of the token the request carries (Access compares hashes)."""
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1")]
         if authorization[:7].lower() == "bearer ":
@@ -8512,8 +8504,7 @@ class HttpGate:
             wrong = f"Host {host!r} is not allowed; set SMOL_MCP_HTTP_ALLOWED_HOSTS to the name"
             return await _respond(send, 421, {"error": f"{wrong} clients dial"})
         if public:  # a browser's own pages, and the OAuth routes (CORS for browser clients)
-            body = await self.read_body(headers, receive, send)
-            if body is not None:
+            if (body := await self.read_body(headers, receive, send)) is not None:
                 await self.public(scope, replay_body(body, receive), send)
             return
         origin = headers.get(b"origin", b"").decode("latin-1")
@@ -8522,9 +8513,8 @@ class HttpGate:
             return await _respond(send, 403, {"error": wrong})
         api = path.startswith(self.api)
         if path != self.path and not api:
-            return await _respond(
-                send, 404, {"error": f"not found; the MCP endpoint is {self.path}"}
-            )
+            missing = f"not found; the MCP endpoint is {self.path}"
+            return await _respond(send, 404, {"error": missing})
         scope.setdefault("state", {})["smol_principal"] = principal
         # The SDK binds a handshake-era session to the user that opened it: the
         # same Mcp-Session-Id with another token answers 404, as an unknown one.
@@ -8536,13 +8526,10 @@ class HttpGate:
             await self.sessions.forward(self.app, scope, replay_body(body, receive), send, body)
 
     async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
-        """The whole request body, read here so what is held is bounded as it
-        arrives: past HTTP_MAX_BODY_BYTES nothing more is kept and the answer is
-        a 413 (the rest is read and dropped, up to as much again, so the client
-        sees the answer rather than a reset; then the connection closes), a body
-        still coming after HTTP_BODY_TIMEOUT_SECS is a 408, and at most
-        HTTP_MAX_BODIES_IN_FLIGHT bodies are read at a time. None when an answer
-        has been sent here."""
+        """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES nothing more is kept
+        and the answer is 413 (up to as much again is read and dropped, so the client sees the
+        answer, not a reset), still coming after HTTP_BODY_TIMEOUT_SECS is 408, and at most
+        HTTP_MAX_BODIES_IN_FLIGHT are read at once. None when an answer has been sent."""
         too_big = {
             "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; send a smaller one "
             "(a large file goes in pieces)"
@@ -8619,28 +8606,20 @@ def replay_body(body: bytes, receive: Callable) -> Callable:
     return again
 
 
+@functools.cache
 def guarded_protocol() -> type:
-    """uvicorn's h11 protocol with the bounds uvicorn lacks: a deadline for the
-    request headers (a connection that sends nothing, or half a request line,
-    is closed after HTTP_HEADER_TIMEOUT_SECS), and a cap on open connections
-    (past HTTP_MAX_CONNECTIONS the oldest connection still waiting for its
-    headers is closed; one busy with a request is never taken). Built on first
-    use so importing this module does not import uvicorn."""
-    global _GUARDED_PROTOCOL
-    if _GUARDED_PROTOCOL is not None:
-        return _GUARDED_PROTOCOL
+    """uvicorn's h11 protocol with the bounds uvicorn lacks: the request headers within
+    HTTP_HEADER_TIMEOUT_SECS, and past HTTP_MAX_CONNECTIONS the oldest connection still without
+    them is closed (never one busy with a request). Built on first use: no uvicorn at import."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
         header_deadline: Any = None
 
-        def awaiting_headers(self) -> bool:
-            return self.conn.their_state is h11.IDLE
-
         def waiting(self) -> bool:
             """Open, and no request has arrived on it yet."""
-            return self.awaiting_headers() and not self.transport.is_closing()
+            return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -8660,10 +8639,10 @@ def guarded_protocol() -> type:
 
         def watch_headers(self) -> None:
             """Arm the header deadline while no request has arrived, disarm it once one has."""
-            deadline = self.header_deadline
-            if self.awaiting_headers() and deadline is None:
+            deadline, idle = self.header_deadline, self.conn.their_state is h11.IDLE
+            if idle and deadline is None:
                 self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS, self.overdue)
-            elif not self.awaiting_headers() and deadline is not None:
+            elif not idle and deadline is not None:
                 deadline.cancel()
                 self.header_deadline = None
 
@@ -8675,14 +8654,9 @@ def guarded_protocol() -> type:
         def connection_lost(self, exc: Exception | None) -> None:
             if self.header_deadline is not None:
                 self.header_deadline.cancel()
-                self.header_deadline = None
             super().connection_lost(exc)
 
-    _GUARDED_PROTOCOL = GuardedH11Protocol
-    return _GUARDED_PROTOCOL
-
-
-_GUARDED_PROTOCOL: type | None = None
+    return GuardedH11Protocol
 
 
 def uvicorn_options() -> dict:
@@ -8707,10 +8681,9 @@ async def _respond(send: Callable, status: int, answer: Any, headers: list | Non
 
 
 class PlainRequest:
-    """What call_tool reads of a request, for a plain API call: the HTTP request
-    (which carries the principal), the protocol era, and a client that asks
-    nothing and takes no progress. ``failure`` is the SmolError the call ended
-    with, for the HTTP status."""
+    """What call_tool reads of a request, for a plain API call: the HTTP request (with the
+    principal), the era, and a client that asks nothing and takes no progress. ``failure`` is
+    the SmolError the call ended with, for the HTTP status."""
 
     meta = client_capabilities = failure = None
 
@@ -8732,12 +8705,10 @@ def plain_status(err: SmolError | None) -> int:
 
 
 class HttpSessions:
-    """Sessions over HTTP, kept from what HttpGate sees of each request (the
-    SDK's public surface: headers, bodies, statuses). Handshake era: one per
-    Mcp-Session-Id, opened when initialize's answer names the id, ended by the
-    client's DELETE, by the idle reaper (through the manager, as a DELETE) and
-    at shutdown. 2026 era: one per token. Either ends when it has made no
-    request and has no call in flight for httpSessionIdleSecs."""
+    """Sessions over HTTP, kept from what HttpGate sees (headers, bodies, statuses). Handshake
+    era: one per Mcp-Session-Id, opened by initialize's answer, ended by the client's DELETE, by
+    the idle reaper (as a DELETE through the manager) and at shutdown. 2026 era: one per token.
+    Either ends after httpSessionIdleSecs with no request and no call in flight."""
 
     def __init__(self, app: SmolMcp, manager: Any, path: str):
         self.app, self.manager, self.path = app, manager, path
@@ -8812,11 +8783,9 @@ class HttpSessions:
         return session
 
     async def plain_api(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
-        """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME
-        with a JSON object of arguments calls one through call_tool, as the
-        token's 2026-era session, so scopes, ownership, approvals and the
-        activity log are the MCP path's own. A call ends, as cancelled, when
-        its client goes away."""
+        """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME with a JSON
+        object of arguments calls one through call_tool as the token's 2026-era session (so the
+        MCP path's scopes, ownership, approvals and log); it is cancelled if its client goes."""
         import mcp_types as types
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
@@ -8866,18 +8835,16 @@ class HttpSessions:
         await _respond(send, 200, result.structured_content)
 
     def end_handshake(self, session: Session) -> None:
-        """Forget a handshake session and clean it up in the background (the
-        request or reaper that ended it does not wait for the machines)."""
+        """Forget a handshake session and clean it up in the background (not waited for)."""
         self.by_id.pop(session.http_id or "", None)
         self.tasks.start_soon(self.app.end_session, session)
 
     async def forward(
         self, inner: Callable, scope: dict, receive: Callable, send: Callable, body: bytes
     ) -> None:
-        """Hand one request to the SDK and keep the books of its session: a POST
-        carrying requests is in flight while it is served (a listen stream is
-        not: it stays open while idle), initialize's answer opens a handshake
-        session, and an accepted DELETE ends one."""
+        """Hand one request to the SDK and keep its session's books: a POST of requests is in
+        flight while served (a listen stream, open while idle, is not), initialize's answer
+        opens a handshake session, and an accepted DELETE ends one."""
         from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
         principal = scope["state"]["smol_principal"]
@@ -8889,10 +8856,7 @@ class HttpSessions:
         async def watch(message: dict) -> None:
             if message["type"] == "http.response.start":
                 answer["status"] = message["status"]
-                answer["headers"] = {
-                    k.decode("latin-1").lower(): v.decode("latin-1")
-                    for k, v in message.get("headers", [])
-                }
+                answer["headers"] = {k.lower(): v for k, v in message.get("headers", [])}
             elif message["type"] == "http.response.body" and "initialize" in methods:
                 answer["body"] += message.get("body", b"")
             await send(message)
@@ -8923,7 +8887,7 @@ class HttpSessions:
             finally:
                 session.in_flight -= 1
                 session.last_seen = time.monotonic()
-        opened = answer["headers"].get("mcp-session-id")
+        opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
         if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
             self.open_handshake(principal, opened, initialize_version(answer["body"]))
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
@@ -8957,11 +8921,9 @@ class HttpSessions:
                 session.gone_requests.difference_update(ids)
 
     async def end_revoked(self) -> None:
-        """End the sessions of tokens deleted since the last look (or deleted and
-        made again under the same name: that is another token). A session whose
-        calls wait for approval is ended once they have answered approval_token_deleted
-        (their poll sees the deletion within APPROVAL_POLL_SECS), and its other calls
-        get TOKEN_END_GRACE_SECS to send their answers."""
+        """End the sessions of tokens deleted (or made again) since the last look: once calls
+        waiting for approval have answered approval_token_deleted (within APPROVAL_POLL_SECS),
+        with TOKEN_END_GRACE_SECS for its other calls to answer."""
         live = self.app.access.live_ids()
         for session in [*self.by_principal.values(), *self.by_id.values()]:
             name = session.principal.name
@@ -8980,9 +8942,8 @@ class HttpSessions:
             await self.app.end_session(session)
 
     async def end_idle(self) -> None:
-        """End every session with no request in flight and none for
-        httpSessionIdleSecs (HTTP_UNUSED_SESSION_SECS if it never made a call),
-        whatever streams its client holds open."""
+        """End every session with no request in flight and none for httpSessionIdleSecs
+        (HTTP_UNUSED_SESSION_SECS if it never made a call), whatever streams it holds open."""
         idle = self.app.config.http_session_idle_secs
         for session in [*self.by_principal.values(), *self.by_id.values()]:
             limit = idle if session.used else min(idle, HTTP_UNUSED_SESSION_SECS)
@@ -8999,9 +8960,8 @@ class HttpSessions:
                 self.end_handshake(session)
 
     async def close_handshake_session(self, session: Session) -> None:
-        """End a handshake-era session as its client's DELETE would, through the
-        manager's public entry point: the SDK closes its streams and the
-        connection's exit stack runs our cleanup."""
+        """End a handshake-era session as its client's DELETE would, through the manager's
+        public entry point: the SDK closes its streams, its exit stack runs our cleanup."""
         headers = [
             (b"mcp-session-id", session.http_id.encode()),
             (b"mcp-protocol-version", (session.protocol or "2025-06-18").encode()),
@@ -9036,10 +8996,8 @@ SHUTDOWN_MESSAGE = (
 
 
 class ShutdownAnswers:
-    """ASGI middleware: when the process is told to stop (SIGTERM, SIGINT), a
-    POST still being served is stopped and answered with a JSON-RPC error that
-    says so, rather than held until the server's grace period ends and then
-    cut off with a plain-text 500."""
+    """ASGI middleware: when the process is told to stop (SIGTERM, SIGINT), a POST still served
+    is stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
 
     def __init__(self, app: Any, stopping: Callable[[], Any], settle: Callable):
         self.app, self.stopping = app, stopping  # stopping(): the Event set at shutdown, or None
@@ -9090,20 +9048,17 @@ def shutdown_errors(body: bytes) -> Any:
 
 
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
-    """The ASGI application for --http: HttpGate in front of the SDK's
-    Streamable HTTP session manager."""
+    """The ASGI application for --http: HttpGate in front of the SDK's session manager."""
     from mcp.server.streamable_http_manager import StreamableHTTPASGIApp as Endpoint
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
     from starlette.applications import Starlette
     from starlette.routing import Route
 
     config = app.config
+    limits = dict(max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
+    idle = config.http_session_idle_secs
     manager = StreamableHTTPSessionManager(
-        app.server,
-        json_response=True,
-        session_idle_timeout=config.http_session_idle_secs,
-        max_request_body_size=HTTP_MAX_BODY_BYTES,
-        max_sessions=HTTP_MAX_SESSIONS,
+        app.server, json_response=True, session_idle_timeout=idle, **limits
     )
     app.http = HttpSessions(app, manager, path)
 
@@ -9124,20 +9079,16 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
 
 # -- the operator's console (section 18) -----------------------------------------
 #
-# /console: the tokens, the calls waiting for approval and the activity log, for
-# the operator signed in as in section 17 (a bearer token opens none of it, and
-# the session cookie calls no tool). Plain HTML through Pages.page, no script;
-# every form carries the CSRF token, every value an agent chose is escaped, and
-# each change is the terminal's own event (answer_approval, cli_record) naming
-# the operator and the console.
+# /console: the tokens, the calls waiting for approval and the activity log, for the operator
+# signed in as in section 17 (a bearer token opens none of it, the session cookie calls no tool).
+# Plain HTML through Pages.page, no script; every form carries the CSRF token, every value an
+# agent chose is escaped, each change is the terminal's own event naming operator and console.
 
 CONSOLE_WHO = {"principal": "operator", "via": "console"}
 REVIEW_PAGE = "/console/approvals/"  # + the id: one waiting call, linked from the webhook
 CONSOLE_REFRESH_SECS = 5  # the approvals list reloads itself this often while open
 CONSOLE_PAGE_ROWS = 50
-CONSOLE_PERIODS = dict(
-    zip(AUTO_APPROVE_PERIODS, ("1 hour", "1 day", "7 days", "30 days", "forever"))
-)
+CONSOLE_PERIODS = dict(zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(",")))
 CONSOLE_NAV = (
     '<a href="/console/tokens">Access tokens</a> <a href="/console/approvals">Approvals</a> '
     '<a href="/console/activity">Activity</a>'
@@ -9202,10 +9153,8 @@ def console_routes(app: SmolMcp) -> list:
         choice, reason = str(form.get("answer")), str(form.get("reason", ""))[:500]
         auto_for = str(form.get("auto")) if choice == "auto" else None
         try:
-            if choice not in ("approve", "auto", "reject") or auto_for not in (
-                None,
-                *CONSOLE_PERIODS,
-            ):
+            periods = (None, *CONSOLE_PERIODS)
+            if choice not in ("approve", "auto", "reject") or auto_for not in periods:
                 raise SmolError("Choose Approve, Approve + auto-approve (for a period) or Reject.")
             held, until = answer_approval(
                 config, approval_id, choice != "reject", CONSOLE_WHO, auto_for, reason
@@ -9221,10 +9170,8 @@ def console_routes(app: SmolMcp) -> list:
         name = record["name"]
         until = access.auto.shown(name, record.get("id", ""))
         auto = {"off": "off", "forever": "forever"}.get(until, f"until {until}")
-        end = '<button name="action" value="auto-off">End auto-approval</button> ' * (
-            until != "off"
-        )
-        buttons = f'{end}<button name="action" value="delete">Delete</button>'
+        end = '<button name="action" value="auto-off">End auto-approval</button> '
+        buttons = f'{end * (until != "off")}<button name="action" value="delete">Delete</button>'
         return (
             f"<section><h2>{esc(name)}</h2><p>scopes {esc(', '.join(record['scopes']))}; fleets "
             f"{esc(', '.join(record['targets']))}; client {esc(record.get('client') or '-')}<br>"
@@ -9234,22 +9181,14 @@ def console_routes(app: SmolMcp) -> list:
         )
 
     def new_token_form(request: Any) -> str:
-        boxes = "".join(
-            f"<fieldset><legend>{legend}</legend>"
-            + "".join(
-                f'<label><input type="checkbox" name="{field}" value="{v}"{on}> {v}</label>'
-                for v in values
-            )
-            + "</fieldset>"
-            for legend, field, values, on in (
-                ("Scopes", "scope", SCOPES, ""),
-                ("Fleets", "target", FLEET_NAMES, " checked"),
-            )
-        )
+        box = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'
+        scopes = "".join(box.format("scope", v, "", v) for v in SCOPES)
+        fleets = "".join(box.format("target", v, " checked", v) for v in FLEET_NAMES)
         fields = (
             '<label>Name <input type="text" name="name" maxlength="64" required></label>'
-            f'{boxes}<label><input type="checkbox" name="approval" value="changes"> Require '
-            "approval for changes</label><button>Create token</button>"
+            f"<fieldset><legend>Scopes</legend>{scopes}</fieldset><fieldset><legend>Fleets</legend>"
+            f'{fleets}</fieldset><label><input type="checkbox" name="approval" value="changes"> '
+            "Require approval for changes</label><button>Create token</button>"
         )
         return f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
 
@@ -9277,7 +9216,7 @@ def console_routes(app: SmolMcp) -> list:
                 shown = (
                     f"<p>Created <b>{esc(name)}</b>. Its secret, shown this once (only its hash "
                     f"is kept):</p><pre>{esc(secret)}</pre>{entries}<h3>curl</h3><pre>curl -H "
-                    f"'Authorization: Bearer {esc(secret)}' {esc(url.rsplit('/', 1)[0])}/api/tools"
+                    f"'Authorization: Bearer {esc(secret)}' {esc(pages.issuer + app.http.api)}"
                     "</pre>"
                 )
         used = {**access.tokens.last_used(), **access.tokens._used}
@@ -9347,19 +9286,14 @@ def describe_mount_roots(config: Config) -> str:
     """One line on the host directories an agent can mount, for the startup log and doctor."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
-        return (
-            "host directories exposed to agents: none (mounts and host-path images are "
-            "refused; mountRoots)"
-        )
+        none = "none (mounts and host-path images are refused; mountRoots)"
+        return f"host directories exposed to agents: {none}"
     covered = [own for own in server_directories(config) if any(within(own, r) for r, _ in roots)]
-    return (
-        "host directories exposed to agents (mountRoots): "
-        + ", ".join(
-            f"{root} ({'read-write on request' if writable else 'read-only'})"
-            for root, writable in roots
-        )
-        + (f"; never mountable, being this server's own: {', '.join(covered)}" if covered else "")
+    shown = ", ".join(
+        f"{root} ({'read-write on request' if w else 'read-only'})" for root, w in roots
     )
+    own = f"; never mountable, being this server's own: {', '.join(covered)}" if covered else ""
+    return f"host directories exposed to agents (mountRoots): {shown}{own}"
 
 
 async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
@@ -9369,16 +9303,14 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     if asgi.allowed_hosts is None:
         log.warning(
             "bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: the Host check is off, because the "
-            "name "
-            "clients dial is not knowable here; set it to that name",
+            "name clients dial is not knowable here; set it to that name",
             host,
         )
     listening = listen_socket(host, port)  # before saying "serving": a taken port says so
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
-    log.info(
-        "oauth: %s", oauth_report(dataclasses.replace(app.config, http_host=host, http_port=port))
-    )
+    bound = dataclasses.replace(app.config, http_host=host, http_port=port)
+    log.info("oauth: %s", oauth_report(bound))
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
     # SIGTERM and SIGINT end the lifespan, which cleans up.
     await stopping_server(config, app).serve(sockets=[listening])
@@ -9396,19 +9328,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
             if err.errno == errno.EADDRINUSE
             else "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
         )
-        raise SmolError(
-            f"cannot listen on {host}:{port}: {os.strerror(err.errno)}; {advice}"
-        ) from None
+        why = f"cannot listen on {host}:{port}: {os.strerror(err.errno)}"
+        raise SmolError(f"{why}; {advice}") from None
 
 
 def stopping_server(config: Any, app: SmolMcp):
-    """uvicorn's Server, told about a stop signal the moment it arrives (so
-    calls in flight are answered at once, see ShutdownAnswers), and exiting 0
-    afterwards: uvicorn re-raises the signal once it is done, which would end
-    the process by that signal after a clean shutdown."""
+    """uvicorn's Server, told of a stop signal at once (so calls in flight are answered, see
+    ShutdownAnswers), and exiting 0 after: uvicorn re-raises the signal once it is done."""
     import asyncio
 
-    import anyio
     import uvicorn
 
     loop, stopping = asyncio.get_running_loop(), anyio.Event()
@@ -9420,9 +9348,8 @@ def stopping_server(config: Any, app: SmolMcp):
             loop.call_soon_threadsafe(stopping.set)  # in a signal handler: let the loop do the set
             super().handle_exit(sig, frame)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        # What uvicorn restores and re-raises into: handled already.
-        signal.signal(sig, lambda *_: None)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores and re-raises into
+        signal.signal(sig, lambda *_: None)  # handled already
     return Server(config)
 
 
