@@ -8467,30 +8467,22 @@ class HttpGate:
         self.app, self.access, self.sessions, self.pages = inner, app.access, app.http, app.pages
         self.path, self.api = app.http.path, app.http.api
         self.allowed_hosts, self.allowed_origins = allowed_hosts, app.config.http_allowed_origins
-        self.public = public  # the sign-in, OAuth and console routes
+        self.public = public  # the sign-in, OAuth and console routes, reached without a token
+        others = ("/.well-known/oauth-authorization-server", RESOURCE_METADATA, "/console")
+        self.public_paths = (*PAGE_PATHS, *OAUTH_PATHS, *others, RESOURCE_METADATA + self.path)
         self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
-
-    def is_public(self, path: str) -> bool:
-        """A path reached without a bearer token while OAuth is on: the pages, the OAuth routes."""
-        well_known = ("/.well-known/oauth-authorization-server", RESOURCE_METADATA)
-        paths = (*PAGE_PATHS, *OAUTH_PATHS, *well_known, RESOURCE_METADATA + self.path)
-        return path in paths or path == "/console" or path.startswith("/console/")
-
-    def principal(self, headers: dict[bytes, bytes]) -> Principal | None:
-        """The principal of the token the request carries (Access compares hashes)."""
-        authorization = headers.get(b"authorization", b"").decode("latin-1")
-        offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1")]
-        if authorization[:7].lower() == "bearer ":
-            offered.append(authorization[7:].strip())
-        return self.access.token_for(offered)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers, path = dict(scope["headers"]), scope["path"]
-        oauth = self.pages is not None and self.pages.operator.enabled()
-        public = oauth and self.is_public(path)
-        principal = None if public else self.principal(headers)
+        oauth = self.pages is not None and self.pages.operator.enabled()  # opens the public paths
+        public = oauth and (path in self.public_paths or path.startswith("/console/"))
+        authorization = headers.get(b"authorization", b"").decode("latin-1")
+        offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1")]
+        if authorization[:7].lower() == "bearer ":
+            offered.append(authorization[7:].strip())
+        principal = None if public else self.access.token_for(offered)  # compares hashes
         if principal is None and not public:
             challenge = b"Bearer"
             if oauth:
@@ -8829,9 +8821,8 @@ class HttpSessions:
         if result is None:  # the client went away: nobody to answer
             return
         if result.is_error:
-            return await _respond(
-                send, plain_status(ctx.failure), {"error": result.content[0].text}
-            )
+            error = {"error": result.content[0].text}
+            return await _respond(send, plain_status(ctx.failure), error)
         await _respond(send, 200, result.structured_content)
 
     def end_handshake(self, session: Session) -> None:
@@ -8881,12 +8872,7 @@ class HttpSessions:
             await inner(scope, receive, watch)
         else:
             session.used = session.used or any(method in SESSION_USES for method in methods)
-            session.in_flight += 1
-            try:
-                await self.serve_calls(inner, scope, receive, watch, session, body)
-            finally:
-                session.in_flight -= 1
-                session.last_seen = time.monotonic()
+            await self.serve_calls(inner, scope, receive, watch, session, body)
         opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
         if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
             self.open_handshake(principal, opened, initialize_version(answer["body"]))
@@ -8896,7 +8882,7 @@ class HttpSessions:
     async def serve_calls(
         self, inner: Callable, scope: dict, receive: Callable, send: Callable, session, body
     ) -> None:
-        """Serve a POST of calls, listening for its client to hang up meanwhile:
+        """Serve a POST of calls, in flight meanwhile, listening for its client to hang up:
         then its calls are gone, and one waiting for approval ends (SPEC 13)."""
         ids, first, gone = request_methods(body, "id"), [await receive()], anyio.Event()
 
@@ -8912,6 +8898,7 @@ class HttpSessions:
             session.gone_requests.update(ids)
             gone.set()
 
+        session.in_flight += 1
         async with anyio.create_task_group() as group:
             group.start_soon(listen)
             try:
@@ -8919,6 +8906,8 @@ class HttpSessions:
             finally:
                 group.cancel_scope.cancel()
                 session.gone_requests.difference_update(ids)
+                session.in_flight -= 1
+                session.last_seen = time.monotonic()
 
     async def end_revoked(self) -> None:
         """End the sessions of tokens deleted (or made again) since the last look: once calls
@@ -8962,10 +8951,8 @@ class HttpSessions:
     async def close_handshake_session(self, session: Session) -> None:
         """End a handshake-era session as its client's DELETE would, through the manager's
         public entry point: the SDK closes its streams, its exit stack runs our cleanup."""
-        headers = [
-            (b"mcp-session-id", session.http_id.encode()),
-            (b"mcp-protocol-version", (session.protocol or "2025-06-18").encode()),
-        ]
+        http_id, version = session.http_id.encode(), (session.protocol or "2025-06-18").encode()
+        headers = [(b"mcp-session-id", http_id), (b"mcp-protocol-version", version)]
         path, local, statuses = self.path, ("127.0.0.1", 0), []
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "state": {}}
         scope |= {"method": "DELETE", "scheme": "http", "path": path, "raw_path": path.encode()}
@@ -9055,11 +9042,9 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     from starlette.routing import Route
 
     config = app.config
-    limits = dict(max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
-    idle = config.http_session_idle_secs
-    manager = StreamableHTTPSessionManager(
-        app.server, json_response=True, session_idle_timeout=idle, **limits
-    )
+    settings = dict(max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
+    settings.update(json_response=True, session_idle_timeout=config.http_session_idle_secs)
+    manager = StreamableHTTPSessionManager(app.server, **settings)
     app.http = HttpSessions(app, manager, path)
 
     @asynccontextmanager
@@ -9289,9 +9274,7 @@ def describe_mount_roots(config: Config) -> str:
         none = "none (mounts and host-path images are refused; mountRoots)"
         return f"host directories exposed to agents: {none}"
     covered = [own for own in server_directories(config) if any(within(own, r) for r, _ in roots)]
-    shown = ", ".join(
-        f"{root} ({'read-write on request' if w else 'read-only'})" for root, w in roots
-    )
+    shown = ", ".join(f"{r} ({'read-write on request' if w else 'read-only'})" for r, w in roots)
     own = f"; never mountable, being this server's own: {', '.join(covered)}" if covered else ""
     return f"host directories exposed to agents (mountRoots): {shown}{own}"
 
