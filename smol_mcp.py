@@ -7474,15 +7474,9 @@ HTTP_CLOSE = [(b"connection", b"close")]
 HTTP_UNUSED_SESSION_SECS = 300
 # Requests that use a session; initialize, listings and pings alone do not.
 SESSION_USES = ("tools/call", "resources/read", "resources/subscribe", "subscriptions/listen")
-HTTP_UNAUTHORIZED = json.dumps(
-    {
-        "error": "unauthorized: send the token as 'Authorization: Bearer <token>' or "
-        "'X-Smol-Mcp-Token: <token>'"
-    }
-).encode()
+_SEND_TOKEN = "send the token as 'Authorization: Bearer <token>' or 'X-Smol-Mcp-Token: <token>'"
+HTTP_UNAUTHORIZED = json.dumps({"error": f"unauthorized: {_SEND_TOKEN}"}).encode()
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
 HTTP_MIN_TOKEN_CHARS = 32
 HTTP_TOKEN_ADVICE = (
     'make one with: python3 -c "import secrets; print(secrets.token_urlsafe(32))" '
@@ -7491,27 +7485,24 @@ HTTP_TOKEN_ADVICE = (
 
 
 def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> None:
-    """Refuse a token that is easy to guess, or that a client cannot send as
-    written: at least HTTP_MIN_TOKEN_CHARS characters of printable ASCII without
-    spaces (a header is Latin-1 on the wire, so anything else would never match
-    what a UTF-8 client sends). The message never shows the token."""
+    """Refuse a token shorter than HTTP_MIN_TOKEN_CHARS, or not printable ASCII without spaces
+    (a header is Latin-1 on the wire: a UTF-8 client's would never match). Never shows it."""
     if not all("!" <= ch <= "~" for ch in secret):
         raise ConfigError(
-            f"{where} must hold only printable ASCII characters without spaces, "
-            f"so every client sends it byte for byte; {HTTP_TOKEN_ADVICE}"
+            f"{where} must hold only printable ASCII characters without spaces, so every client "
+            f"sends it byte for byte; {HTTP_TOKEN_ADVICE}"
         )
     if len(secret) < HTTP_MIN_TOKEN_CHARS:
         raise ConfigError(
             f"{where} is {len(secret)} characters long; --http needs at least "
-            f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can "
-            f"try to guess it; {HTTP_TOKEN_ADVICE}"
+            f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can try to guess it; "
+            f"{HTTP_TOKEN_ADVICE}"
         )
 
 
 def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | None:
-    """The Host values accepted: the configured list, else the loopback names of
-    the bound port. Off loopback the name clients dial is not knowable here, so
-    None: the check is off, and the startup log says so."""
+    """The Host values accepted: the configured list, else the bound port's loopback names.
+    Off loopback, None: the name clients dial is unknowable, so the check is off (and logged)."""
     if config.http_allowed_hosts:
         return list(config.http_allowed_hosts)
     if host in LOOPBACK_HOSTS:
@@ -7521,145 +7512,78 @@ def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | N
 
 
 class HttpGate:
-    """ASGI middleware in front of everything: the token, then Host and Origin,
-    then the path. Lifespan events pass straight through.
+    """ASGI middleware in front of everything: the token, then Host and Origin, then the path
+    (lifespan events pass through). Host and Origin are not left to the SDK's
+    TransportSecuritySettings, whose bare "Invalid Host header" comes after a POST's
+    Content-Type check: ours names the setting to change and comes right after the token."""
 
-    Host and Origin are checked here rather than with the SDK's
-    TransportSecuritySettings: that check runs inside the transport, where it
-    answers 421/403 with a bare "Invalid Host header" (and a POST's
-    Content-Type before either), while ours names the setting to change and
-    comes right after the token, for every path."""
-
-    def __init__(
-        self,
-        app: Any,
-        *,
-        access: Access,
-        path: str,
-        allowed_hosts: list[str] | None,
-        allowed_origins: tuple[str, ...],
-        sessions: HttpSessions | None = None,
-        pages: Pages | None = None,
-        public: Any = None,
-    ):
-        self.app, self.access, self.path, self.sessions = app, access, path, sessions
-        self.api = path.rsplit("/", 1)[0] + "/api/tools"  # the plain API, beside the MCP path
-        self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
-        self.pages, self.public = pages, public  # the sign-in, OAuth and console routes
+    def __init__(self, inner: Any, app: SmolMcp, allowed_hosts: list[str] | None, public: Any):
+        self.app, self.access, self.sessions, self.pages = inner, app.access, app.http, app.pages
+        self.path, self.api = app.http.path, app.http.api
+        self.allowed_hosts, self.allowed_origins = allowed_hosts, app.config.http_allowed_origins
+        self.public = public  # the sign-in, OAuth and console routes, reached without a token
+        others = ("/.well-known/oauth-authorization-server", RESOURCE_METADATA, "/console")
+        self.public_paths = (*PAGE_PATHS, *OAUTH_PATHS, *others, RESOURCE_METADATA + self.path)
         self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
 
-    def is_public(self, path: str) -> bool:
-        """A path reached without a bearer token: the pages and the OAuth
-        routes, while OAuth is on (an operator password or link exists)."""
-        if self.pages is None or not self.pages.operator.enabled():
-            return False
-        well_known = ("/.well-known/oauth-authorization-server", RESOURCE_METADATA)
-        well_known += (RESOURCE_METADATA + self.path,)
-        return path in (*PAGE_PATHS, *OAUTH_PATHS, *well_known, "/console") or path.startswith(
-            "/console/"
-        )
-
-    def principal(self, headers: dict[bytes, bytes]) -> Principal | None:
-        """The principal of the token the request carries (Access compares
-        hashes, in constant time)."""
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers, path = dict(scope["headers"]), scope["path"]
+        oauth = self.pages is not None and self.pages.operator.enabled()  # opens the public paths
+        public = oauth and (path in self.public_paths or path.startswith("/console/"))
         authorization = headers.get(b"authorization", b"").decode("latin-1")
         offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1")]
         if authorization[:7].lower() == "bearer ":
             offered.append(authorization[7:].strip())
-        return self.access.token_for(offered)
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        public = self.is_public(scope["path"])
-        principal = None if public else self.principal(headers)
+        principal = None if public else self.access.token_for(offered)  # compares hashes
         if principal is None and not public:
             challenge = b"Bearer"
-            if self.pages is not None and self.pages.operator.enabled():
+            if oauth:
                 metadata = self.pages.issuer + RESOURCE_METADATA + self.path
                 challenge = f'Bearer resource_metadata="{metadata}"'.encode()
             # Connection: close makes the server stop reading whatever body is still coming.
-            await _respond(
-                send, 401, HTTP_UNAUTHORIZED, [(b"www-authenticate", challenge), *HTTP_CLOSE]
-            )
-            return
+            refusal = [(b"www-authenticate", challenge), *HTTP_CLOSE]
+            return await _respond(send, 401, HTTP_UNAUTHORIZED, refusal)
         host = headers.get(b"host", b"").decode("latin-1")
         if self.allowed_hosts is not None and host not in self.allowed_hosts:
-            await _respond(
-                send,
-                421,
-                json.dumps(
-                    {
-                        "error": f"Host {host!r} is not allowed; set "
-                        "SMOL_MCP_HTTP_ALLOWED_HOSTS to the name clients dial"
-                    }
-                ).encode(),
-            )
-            return
+            wrong = f"Host {host!r} is not allowed; set SMOL_MCP_HTTP_ALLOWED_HOSTS to the name"
+            return await _respond(send, 421, {"error": f"{wrong} clients dial"})
         if public:  # a browser's own pages, and the OAuth routes (CORS for browser clients)
-            body = await self.read_body(headers, receive, send)
-            if body is not None:
+            if (body := await self.read_body(headers, receive, send)) is not None:
                 await self.public(scope, replay_body(body, receive), send)
             return
         origin = headers.get(b"origin", b"").decode("latin-1")
         if origin and self.allowed_origins and origin not in self.allowed_origins:
-            await _respond(
-                send,
-                403,
-                json.dumps(
-                    {"error": f"Origin {origin!r} is not allowed (SMOL_MCP_HTTP_ALLOWED_ORIGINS)"}
-                ).encode(),
-            )
-            return
-        api = self.sessions is not None and scope["path"].startswith(self.api)
-        if scope["path"] != self.path and not api:
-            await _respond(
-                send,
-                404,
-                json.dumps({"error": f"not found; the MCP endpoint is {self.path}"}).encode(),
-            )
-            return
+            wrong = f"Origin {origin!r} is not allowed (SMOL_MCP_HTTP_ALLOWED_ORIGINS)"
+            return await _respond(send, 403, {"error": wrong})
+        api = path.startswith(self.api)
+        if path != self.path and not api:
+            missing = f"not found; the MCP endpoint is {self.path}"
+            return await _respond(send, 404, {"error": missing})
         scope.setdefault("state", {})["smol_principal"] = principal
         # The SDK binds a handshake-era session to the user that opened it: the
         # same Mcp-Session-Id with another token answers 404, as an unknown one.
         scope["user"] = authenticated_user(principal)
         body = await self.read_body(headers, receive, send)
-        if body is None:
-            return
-        if api:
-            await self.sessions.plain_api(scope, receive, send, principal, body, self.api)
-        elif self.sessions is None:
-            await self.app(scope, replay_body(body, receive), send)
-        else:
-            await self.sessions.forward(
-                self.app, scope, replay_body(body, receive), send, principal, body
-            )
+        if body is not None and api:
+            await self.sessions.plain_api(scope, receive, send, body)
+        elif body is not None:
+            await self.sessions.forward(self.app, scope, replay_body(body, receive), send, body)
 
-    async def read_body(
-        self, headers: dict[bytes, bytes], receive: Callable, send: Callable
-    ) -> bytes | None:
-        """The whole request body, read here so what is held is bounded as it
-        arrives: past HTTP_MAX_BODY_BYTES nothing more is kept and the answer is
-        a 413 (the rest is read and dropped, up to as much again, so the client
-        sees the answer rather than a reset; then the connection closes), a body
-        still coming after HTTP_BODY_TIMEOUT_SECS is a 408, and at most
-        HTTP_MAX_BODIES_IN_FLIGHT bodies are read at a time. None when an answer
-        has been sent here."""
-        import anyio
-
-        too_big = json.dumps(
-            {
-                "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; "
-                "send a smaller one (a large file goes in pieces)"
-            }
-        ).encode()
+    async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
+        """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES nothing more is kept
+        and the answer is 413 (up to as much again is read and dropped, so the client sees the
+        answer, not a reset), still coming after HTTP_BODY_TIMEOUT_SECS is 408, and at most
+        HTTP_MAX_BODIES_IN_FLIGHT are read at once. None when an answer has been sent."""
+        too_big = {
+            "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; send a smaller one "
+            "(a large file goes in pieces)"
+        }
         declared = headers.get(b"content-length", b"0").strip()
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
         if over and headers.get(b"expect", b"").lower() == b"100-continue":
-            await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
-            return None
+            return await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
         if self.bodies is None:
             self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
         chunks: list[bytes] = []
@@ -7681,11 +7605,9 @@ class HttpGate:
                         break
         if deadline.cancelled_caught:
             late = {"error": f"the request body did not arrive within {HTTP_BODY_TIMEOUT_SECS} s"}
-            await _respond(send, 408, json.dumps(late).encode(), HTTP_CLOSE)
-            return None
+            return await _respond(send, 408, late, HTTP_CLOSE)
         if over:
-            await _respond(send, 413, too_big, HTTP_CLOSE)
-            return None
+            return await _respond(send, 413, too_big, HTTP_CLOSE)
         return b"".join(chunks)
 
 
@@ -7694,14 +7616,8 @@ def authenticated_user(principal: Principal):
     from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
     from mcp.server.auth.provider import AccessToken
 
-    return AuthenticatedUser(
-        AccessToken(
-            token=principal.id,
-            client_id=principal.name,
-            scopes=sorted(principal.scopes),
-            subject=principal.id,
-        )
-    )
+    token = dict(token=principal.id, subject=principal.id, client_id=principal.name)
+    return AuthenticatedUser(AccessToken(**token, scopes=sorted(principal.scopes)))
 
 
 def request_methods(body: bytes, key: str = "method") -> list:
@@ -7712,13 +7628,8 @@ def request_methods(body: bytes, key: str = "method") -> list:
     except ValueError:
         return []
     messages = message if isinstance(message, list) else [message]
-    return [
-        m[key]
-        for m in messages
-        if isinstance(m, dict)
-        and isinstance(m.get("method"), str)
-        and isinstance(m.get("id"), (str, int))
-    ]
+    requests = [m for m in messages if isinstance(m, dict) and isinstance(m.get("method"), str)]
+    return [m[key] for m in requests if isinstance(m.get("id"), (str, int))]
 
 
 def initialize_version(body: bytes) -> str | None:
@@ -7741,40 +7652,28 @@ def replay_body(body: bytes, receive: Callable) -> Callable:
     return again
 
 
+@functools.cache
 def guarded_protocol() -> type:
-    """uvicorn's h11 protocol with the bounds uvicorn lacks: a deadline for the
-    request headers (a connection that sends nothing, or half a request line,
-    is closed after HTTP_HEADER_TIMEOUT_SECS), and a cap on open connections
-    (past HTTP_MAX_CONNECTIONS the oldest connection still waiting for its
-    headers is closed; one busy with a request is never taken). Built on first
-    use so importing this module does not import uvicorn."""
-    global _GUARDED_PROTOCOL
-    if _GUARDED_PROTOCOL is not None:
-        return _GUARDED_PROTOCOL
+    """uvicorn's h11 protocol with the bounds uvicorn lacks: the request headers within
+    HTTP_HEADER_TIMEOUT_SECS, and past HTTP_MAX_CONNECTIONS the oldest connection still without
+    them is closed (never one busy with a request). Built on first use: no uvicorn at import."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class GuardedH11Protocol(H11Protocol):
         header_deadline: Any = None
 
-        def awaiting_headers(self) -> bool:
-            return self.conn.their_state is h11.IDLE
+        def waiting(self) -> bool:
+            """Open, and no request has arrived on it yet."""
+            return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self.opened = time.monotonic()
             self.watch_headers()
-            if len(self.connections) > HTTP_MAX_CONNECTIONS:
-                idle = [
-                    c
-                    for c in self.connections
-                    if c is not self
-                    and isinstance(c, GuardedH11Protocol)
-                    and c.awaiting_headers()
-                    and not c.transport.is_closing()
-                ]
-                victim = min(idle, key=lambda c: c.opened) if idle else self
-                victim.transport.close()
+            if len(self.connections) > HTTP_MAX_CONNECTIONS:  # this one is the newest of them
+                idle = [c for c in self.connections if isinstance(c, type(self)) and c.waiting()]
+                min(idle, key=lambda c: c.opened).transport.close()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -7786,31 +7685,24 @@ def guarded_protocol() -> type:
 
         def watch_headers(self) -> None:
             """Arm the header deadline while no request has arrived, disarm it once one has."""
-            if self.awaiting_headers():
-                if self.header_deadline is None:
-                    self.header_deadline = self.loop.call_later(
-                        HTTP_HEADER_TIMEOUT_SECS, self.headers_overdue
-                    )
-            elif self.header_deadline is not None:
-                self.header_deadline.cancel()
+            deadline, idle = self.header_deadline, self.conn.their_state is h11.IDLE
+            if idle and deadline is None:
+                self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS, self.overdue)
+            elif not idle and deadline is not None:
+                deadline.cancel()
                 self.header_deadline = None
 
-        def headers_overdue(self) -> None:
+        def overdue(self) -> None:
             self.header_deadline = None
-            if self.awaiting_headers() and not self.transport.is_closing():
+            if self.waiting():
                 self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self.header_deadline is not None:
                 self.header_deadline.cancel()
-                self.header_deadline = None
             super().connection_lost(exc)
 
-    _GUARDED_PROTOCOL = GuardedH11Protocol
-    return _GUARDED_PROTOCOL
-
-
-_GUARDED_PROTOCOL: type | None = None
+    return GuardedH11Protocol
 
 
 def uvicorn_options() -> dict:
@@ -7827,26 +7719,18 @@ def uvicorn_options() -> dict:
     )
 
 
-async def _respond(send: Callable, status: int, body: bytes, headers: list | None = None) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *(headers or []),
-            ],
-        }
-    )
+async def _respond(send: Callable, status: int, answer: Any, headers: list | None = None) -> None:
+    """Send a whole answer: bytes as they are, anything else as JSON."""
+    body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": head + (headers or [])})
     await send({"type": "http.response.body", "body": body})
 
 
 class PlainRequest:
-    """What call_tool reads of a request, for a plain API call: the HTTP request
-    (which carries the principal), the protocol era, and a client that asks
-    nothing and takes no progress. ``failure`` is the SmolError the call ended
-    with, for the HTTP status."""
+    """What call_tool reads of a request, for a plain API call: the HTTP request (with the
+    principal), the era, and a client that asks nothing and takes no progress. ``failure`` is
+    the SmolError the call ended with, for the HTTP status."""
 
     meta = client_capabilities = failure = None
 
@@ -7868,28 +7752,22 @@ def plain_status(err: SmolError | None) -> int:
 
 
 class HttpSessions:
-    """Sessions over HTTP, kept from what HttpGate sees of each request (the
-    SDK's public surface: headers, bodies, statuses). Handshake era: one per
-    Mcp-Session-Id, opened when initialize's answer names the id, ended by the
-    client's DELETE, by the idle reaper (through the manager, as a DELETE) and
-    at shutdown. 2026 era: one per token. Either ends when it has made no
-    request and has no call in flight for httpSessionIdleSecs."""
+    """Sessions over HTTP, kept from what HttpGate sees (headers, bodies, statuses). Handshake
+    era: one per Mcp-Session-Id, opened by initialize's answer, ended by the client's DELETE, by
+    the idle reaper (as a DELETE through the manager) and at shutdown. 2026 era: one per token.
+    Either ends after httpSessionIdleSecs with no request and no call in flight."""
 
-    def __init__(self, app: SmolMcp):
-        self.app = app
+    def __init__(self, app: SmolMcp, manager: Any, path: str):
+        self.app, self.manager, self.path = app, manager, path
+        self.api = path.rsplit("/", 1)[0] + "/api/tools"  # the plain API, beside the MCP path
         self.by_principal: dict[str, Session] = {}
         self.by_id: dict[str, Session] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
         self.tasks: Any = None
-        self.manager: Any = None
-        self.path = "/mcp"
         self.stopping: Any = None  # an anyio Event, set when the process is told to stop
 
     @asynccontextmanager
     async def running(self, tasks: Any):
-        import anyio
-
-        self.tasks = tasks
-        reaper = anyio.CancelScope()
+        self.tasks, reaper, watcher = tasks, anyio.CancelScope(), anyio.CancelScope()
 
         async def reap() -> None:
             with reaper:
@@ -7899,8 +7777,6 @@ class HttpSessions:
                         await self.end_idle()
                     except Exception as err:  # the reaper must outlive any one session's trouble
                         log.warning("ending idle sessions failed (%s)", describe(err))
-
-        watcher = anyio.CancelScope()
 
         async def watch_tokens() -> None:
             with watcher:
@@ -7917,23 +7793,20 @@ class HttpSessions:
             reaper.cancel()
             watcher.cancel()
             self.app.access.tokens.flush_usage(force=True)
-            for principal in list(self.by_principal):
-                await self.app.end_session(self.by_principal.pop(principal))
-            for http_id in list(self.by_id):
-                await self.app.end_session(self.by_id.pop(http_id))
+            for sessions in (self.by_principal, self.by_id):
+                while sessions:
+                    await self.app.end_session(sessions.pop(next(iter(sessions))))
 
     def session_for(self, ctx) -> Session:
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-        principal = self.app.principal_for(ctx)
-        if ctx.protocol_version in MODERN_PROTOCOL_VERSIONS:  # state per token name
+        principal, version = self.app.principal_for(ctx), ctx.protocol_version
+        if version in MODERN_PROTOCOL_VERSIONS:  # state per token name
             return self.modern_session(principal)
         http_id = ctx.request.headers.get("mcp-session-id", "")
         # Opened when initialize was answered; a request the SDK let through after
         # ours ended (a deleted token's session, closing) gets one of its own.
-        return self.by_id.get(http_id) or self.open_handshake(
-            principal, http_id, ctx.protocol_version
-        )
+        return self.by_id.get(http_id) or self.open_handshake(principal, http_id, version)
 
     def modern_session(self, principal: Principal) -> Session:
         """The 2026-era session of a token (made again if the token was)."""
@@ -7956,44 +7829,32 @@ class HttpSessions:
             self.by_id[http_id] = session
         return session
 
-    async def plain_api(
-        self,
-        scope: dict,
-        receive: Callable,
-        send: Callable,
-        principal: Principal,
-        body: bytes,
-        api: str,
-    ) -> None:
-        """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME
-        with a JSON object of arguments calls one through call_tool, as the
-        token's 2026-era session, so scopes, ownership, approvals and the
-        activity log are the MCP path's own. A call ends, as cancelled, when
-        its client goes away."""
-        import anyio
+    async def plain_api(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
+        """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME with a JSON
+        object of arguments calls one through call_tool as the token's 2026-era session (so the
+        MCP path's scopes, ownership, approvals and log); it is cancelled if its client goes."""
         import mcp_types as types
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
+        api, principal = self.api, scope["state"]["smol_principal"]
         name, method = scope["path"][len(api) :].lstrip("/"), scope["method"]
         if not name and method == "GET":
             tools = self.app.tool_list(self.app.mode == "both", principal)
             listed = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools]
-            return await _respond(send, 200, json.dumps({"tools": listed}).encode())
+            return await _respond(send, 200, {"tools": listed})
         try:
             arguments = json.loads(body or b"{}")  # no body: no arguments
         except ValueError:
             arguments = None
-        refusal = (
-            (405, f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools")
-            if method != "POST" or not name
-            else (404, f"there is no tool named {name!r}; GET {api} lists yours")
-            if name not in TOOLS_BY_NAME
-            else (400, "the body must be a JSON object of the tool's arguments")
-            if not isinstance(arguments, dict)
-            else None
-        )
+        refusal = None
+        if method != "POST" or not name:
+            refusal = 405, f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools"
+        elif name not in TOOLS_BY_NAME:
+            refusal = 404, f"there is no tool named {name!r}; GET {api} lists yours"
+        elif not isinstance(arguments, dict):
+            refusal = 400, "the body must be a JSON object of the tool's arguments"
         if refusal is not None:
-            return await _respond(send, refusal[0], json.dumps({"error": refusal[1]}).encode())
+            return await _respond(send, refusal[0], {"error": refusal[1]})
         ctx = PlainRequest(scope, MODERN_PROTOCOL_VERSIONS[0])
         session = self.modern_session(principal)
         session.used, session.in_flight, result = True, session.in_flight + 1, None
@@ -8015,31 +7876,24 @@ class HttpSessions:
         if result is None:  # the client went away: nobody to answer
             return
         if result.is_error:
-            answer = {"error": result.content[0].text}
-            return await _respond(send, plain_status(ctx.failure), json.dumps(answer).encode())
-        await _respond(send, 200, json.dumps(result.structured_content).encode())
+            error = {"error": result.content[0].text}
+            return await _respond(send, plain_status(ctx.failure), error)
+        await _respond(send, 200, result.structured_content)
 
     def end_handshake(self, session: Session) -> None:
-        """Forget a handshake session and clean it up in the background (the
-        request or reaper that ended it does not wait for the machines)."""
+        """Forget a handshake session and clean it up in the background (not waited for)."""
         self.by_id.pop(session.http_id or "", None)
         self.tasks.start_soon(self.app.end_session, session)
 
     async def forward(
-        self,
-        inner: Callable,
-        scope: dict,
-        receive: Callable,
-        send: Callable,
-        principal: Principal,
-        body: bytes,
+        self, inner: Callable, scope: dict, receive: Callable, send: Callable, body: bytes
     ) -> None:
-        """Hand one request to the SDK and keep the books of its session: a POST
-        carrying requests is in flight while it is served (a listen stream is
-        not: it stays open while idle), initialize's answer opens a handshake
-        session, and an accepted DELETE ends one."""
+        """Hand one request to the SDK and keep its session's books: a POST of requests is in
+        flight while served (a listen stream, open while idle, is not), initialize's answer
+        opens a handshake session, and an accepted DELETE ends one."""
         from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
+        principal = scope["state"]["smol_principal"]
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         http_id, version = headers.get("mcp-session-id"), headers.get("mcp-protocol-version")
         methods = request_methods(body) if scope["method"] == "POST" else []
@@ -8048,27 +7902,19 @@ class HttpSessions:
         async def watch(message: dict) -> None:
             if message["type"] == "http.response.start":
                 answer["status"] = message["status"]
-                answer["headers"] = {
-                    k.decode("latin-1").lower(): v.decode("latin-1")
-                    for k, v in message.get("headers", [])
-                }
+                answer["headers"] = {k.lower(): v for k, v in message.get("headers", [])}
             elif message["type"] == "http.response.body" and "initialize" in methods:
                 answer["body"] += message.get("body", b"")
             await send(message)
 
         # A token's share of sessions; named tokens leave one share for the operator's own.
-        named = principal.name != "default" and len(self.by_id) >= HTTP_MAX_SESSIONS - (
-            HTTP_SESSIONS_PER_TOKEN
-        )
-        if (
-            "initialize" in methods
-            and not http_id
-            and (self.sessions_of(principal) >= HTTP_SESSIONS_PER_TOKEN or named)
-        ):
-            busy = f"{principal.label()} has {HTTP_SESSIONS_PER_TOKEN} sessions open, its share"
-            busy += "; end one (a client's DELETE, or let it idle out) before opening another"
-            await _respond(send, 503, json.dumps({"error": busy}).encode())
-            return
+        share, room = HTTP_SESSIONS_PER_TOKEN, HTTP_MAX_SESSIONS - len(self.by_id)
+        if "initialize" in methods and not http_id:
+            mine = sum(1 for s in self.by_id.values() if s.principal.id == principal.id)
+            if mine >= share or (principal.name != "default" and room <= share):
+                busy = f"{principal.label()} has {share} sessions open, its share; end one (a "
+                busy += "client's DELETE, or let it idle out) before opening another"
+                return await _respond(send, 503, {"error": busy})
         if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
             session = self.modern_session(principal) if methods else None
         else:
@@ -8081,28 +7927,18 @@ class HttpSessions:
             await inner(scope, receive, watch)
         else:
             session.used = session.used or any(method in SESSION_USES for method in methods)
-            session.in_flight += 1
-            try:
-                await self.serve_calls(inner, scope, receive, watch, session, body)
-            finally:
-                session.in_flight -= 1
-                session.last_seen = time.monotonic()
-        opened = answer["headers"].get("mcp-session-id")
+            await self.serve_calls(inner, scope, receive, watch, session, body)
+        opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
         if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
             self.open_handshake(principal, opened, initialize_version(answer["body"]))
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
             self.end_handshake(self.by_id[http_id])
 
-    def sessions_of(self, principal: Principal) -> int:
-        return sum(1 for s in self.by_id.values() if s.principal.id == principal.id)
-
     async def serve_calls(
         self, inner: Callable, scope: dict, receive: Callable, send: Callable, session, body
     ) -> None:
-        """Serve a POST of calls, listening for its client to hang up meanwhile:
+        """Serve a POST of calls, in flight meanwhile, listening for its client to hang up:
         then its calls are gone, and one waiting for approval ends (SPEC 13)."""
-        import anyio
-
         ids, first, gone = request_methods(body, "id"), [await receive()], anyio.Event()
 
         async def inner_receive() -> dict:
@@ -8117,6 +7953,7 @@ class HttpSessions:
             session.gone_requests.update(ids)
             gone.set()
 
+        session.in_flight += 1
         async with anyio.create_task_group() as group:
             group.start_soon(listen)
             try:
@@ -8124,47 +7961,40 @@ class HttpSessions:
             finally:
                 group.cancel_scope.cancel()
                 session.gone_requests.difference_update(ids)
+                session.in_flight -= 1
+                session.last_seen = time.monotonic()
 
     async def end_revoked(self) -> None:
-        """End the sessions of tokens deleted since the last look (or deleted and
-        made again under the same name: that is another token). A session whose
-        calls wait for approval is ended once they have answered approval_token_deleted
-        (their poll sees the deletion within APPROVAL_POLL_SECS), and its other calls
-        get TOKEN_END_GRACE_SECS to send their answers."""
+        """End the sessions of tokens deleted (or made again) since the last look: once calls
+        waiting for approval have answered approval_token_deleted (within APPROVAL_POLL_SECS),
+        with TOKEN_END_GRACE_SECS for its other calls to answer."""
         live = self.app.access.live_ids()
         for session in [*self.by_principal.values(), *self.by_id.values()]:
-            if live.get(session.principal.name) == session.principal.id:
+            name = session.principal.name
+            if live.get(name) == session.principal.id:
                 continue
             session.revoked_at = session.revoked_at or time.monotonic()
-            if session.held or (
-                session.in_flight and time.monotonic() - session.revoked_at < TOKEN_END_GRACE_SECS
-            ):
+            grace = time.monotonic() - session.revoked_at < TOKEN_END_GRACE_SECS
+            if session.held or (session.in_flight and grace):
                 continue
-            log.info(
-                "token %s was deleted: ending its session %s", session.principal.name, session.id
-            )
+            log.info("token %s was deleted: ending its session %s", name, session.id)
             if session.http_id is None:
-                self.by_principal.pop(session.principal.name, None)
+                self.by_principal.pop(name, None)
             else:
                 self.by_id.pop(session.http_id, None)
                 await self.close_handshake_session(session)  # the SDK lets go of it too
             await self.app.end_session(session)
 
     async def end_idle(self) -> None:
-        """End every session with no request in flight and none for
-        httpSessionIdleSecs (HTTP_UNUSED_SESSION_SECS if it never made a call),
-        whatever streams its client holds open."""
+        """End every session with no request in flight and none for httpSessionIdleSecs
+        (HTTP_UNUSED_SESSION_SECS if it never made a call), whatever streams it holds open."""
         idle = self.app.config.http_session_idle_secs
         for session in [*self.by_principal.values(), *self.by_id.values()]:
             limit = idle if session.used else min(idle, HTTP_UNUSED_SESSION_SECS)
             if session.in_flight or time.monotonic() - session.last_seen < limit:
                 continue
-            log.info(
-                "session %s %s for %d s: ending it",
-                session.id,
-                "idle" if session.used else "unused",
-                limit,
-            )
+            why = "idle" if session.used else "unused"
+            log.info("session %s %s for %d s: ending it", session.id, why, limit)
             if session.http_id is None:
                 self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
                 await self.app.end_session(session)
@@ -8174,30 +8004,16 @@ class HttpSessions:
                 self.end_handshake(session)
 
     async def close_handshake_session(self, session: Session) -> None:
-        """End a handshake-era session as its client's DELETE would, through the
-        manager's public entry point: the SDK closes its streams and the
-        connection's exit stack runs our cleanup."""
-        headers = [
-            (b"mcp-session-id", session.http_id.encode()),
-            (b"mcp-protocol-version", (session.protocol or "2025-06-18").encode()),
-        ]
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "DELETE",
-            "scheme": "http",
-            "path": self.path,
-            "raw_path": self.path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": headers,
-            "client": ("127.0.0.1", 0),
-            "server": ("127.0.0.1", 0),
-            "state": {},
-            "user": authenticated_user(session.principal),  # the SDK checks whose session it is
-        }
-        statuses = []
+        """End a handshake-era session as its client's DELETE would, through the manager's
+        public entry point: the SDK closes its streams, its exit stack runs our cleanup."""
+        http_id, version = session.http_id.encode(), (session.protocol or "2025-06-18").encode()
+        headers = [(b"mcp-session-id", http_id), (b"mcp-protocol-version", version)]
+        path, local, statuses = self.path, ("127.0.0.1", 0), []
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "state": {}}
+        scope |= {"method": "DELETE", "scheme": "http", "path": path, "raw_path": path.encode()}
+        scope |= {"query_string": b"", "root_path": "", "headers": headers}
+        scope |= {"client": local, "server": local}
+        scope["user"] = authenticated_user(session.principal)  # the SDK checks whose session it is
 
         async def receive() -> dict:
             return {"type": "http.request", "body": b"", "more_body": False}
@@ -8222,10 +8038,8 @@ SHUTDOWN_MESSAGE = (
 
 
 class ShutdownAnswers:
-    """ASGI middleware: when the process is told to stop (SIGTERM, SIGINT), a
-    POST still being served is stopped and answered with a JSON-RPC error that
-    says so, rather than held until the server's grace period ends and then
-    cut off with a plain-text 500."""
+    """ASGI middleware: when the process is told to stop (SIGTERM, SIGINT), a POST still served
+    is stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
 
     def __init__(self, app: Any, stopping: Callable[[], Any], settle: Callable):
         self.app, self.stopping = app, stopping  # stopping(): the Event set at shutdown, or None
@@ -8234,10 +8048,7 @@ class ShutdownAnswers:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         stopping = self.stopping()
         if scope["type"] != "http" or scope["method"] != "POST" or stopping is None:
-            await self.app(scope, receive, send)
-            return
-        import anyio
-
+            return await self.app(scope, receive, send)
         body, started = bytearray(), False
 
         async def receive_copy() -> dict:
@@ -8262,7 +8073,7 @@ class ShutdownAnswers:
             await self.app(scope, receive_copy, send_watch)
             group.cancel_scope.cancel()
         if stopping.is_set() and not started:
-            await _respond(send, 200, json.dumps(shutdown_errors(bytes(body))).encode())
+            await _respond(send, 200, shutdown_errors(bytes(body)))
 
 
 def shutdown_errors(body: bytes) -> Any:
@@ -8272,80 +8083,52 @@ def shutdown_errors(body: bytes) -> Any:
     except ValueError:
         request = None
     requests = request if isinstance(request, list) else [request]
-    answers = [
-        {
-            "jsonrpc": "2.0",
-            "id": r.get("id") if isinstance(r, dict) else None,
-            "error": {"code": -32000, "message": SHUTDOWN_MESSAGE},
-        }
-        for r in requests
-    ]
+    error = {"code": -32000, "message": SHUTDOWN_MESSAGE}
+    ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
+    answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
     return answers if isinstance(request, list) else answers[0]
 
 
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
-    """The ASGI application for --http: HttpGate in front of the SDK's
-    Streamable HTTP session manager."""
-    from mcp.server.streamable_http_manager import (
-        StreamableHTTPASGIApp,
-        StreamableHTTPSessionManager,
-    )
+    """The ASGI application for --http: HttpGate in front of the SDK's session manager."""
+    from mcp.server.streamable_http_manager import StreamableHTTPASGIApp as Endpoint
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
     from starlette.applications import Starlette
     from starlette.routing import Route
 
     config = app.config
-    app.http = HttpSessions(app)
-    manager = StreamableHTTPSessionManager(
-        app.server,
-        json_response=True,
-        session_idle_timeout=config.http_session_idle_secs,
-        max_request_body_size=HTTP_MAX_BODY_BYTES,
-        max_sessions=HTTP_MAX_SESSIONS,
-    )
-    app.http.manager, app.http.path = manager, path
+    settings = dict(max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
+    settings.update(json_response=True, session_idle_timeout=config.http_session_idle_secs)
+    manager = StreamableHTTPSessionManager(app.server, **settings)
+    app.http = HttpSessions(app, manager, path)
 
     @asynccontextmanager
     async def lifespan(_):
         async with manager.run():  # enters the server's lifespan once; ends every session at exit
             yield
 
-    inner = Starlette(
-        routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan
-    )
+    inner = Starlette(routes=[Route(path, endpoint=Endpoint(manager))], lifespan=lifespan)
     inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
-    issuer = oauth_issuer(config, host, port)
+    public, issuer = None, oauth_issuer(config, host, port)
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
         routes = page_routes(app.pages) + oauth_routes(app, issuer, path) + console_routes(app)
         public = pages_app(app.pages, routes)
-    return HttpGate(
-        inner,
-        access=app.access,
-        path=path,
-        sessions=app.http,
-        allowed_hosts=default_allowed_hosts(config, host, port),
-        allowed_origins=config.http_allowed_origins,
-        pages=app.pages,
-        public=public if issuer else None,
-    )
+    return HttpGate(inner, app, default_allowed_hosts(config, host, port), public)
 
 
 # -- the operator's console (section 18) -----------------------------------------
 #
-# /console: the tokens, the calls waiting for approval and the activity log, for
-# the operator signed in as in section 17 (a bearer token opens none of it, and
-# the session cookie calls no tool). Plain HTML through Pages.page, no script;
-# every form carries the CSRF token, every value an agent chose is escaped, and
-# each change is the terminal's own event (answer_approval, cli_record) naming
-# the operator and the console.
+# /console: the tokens, the calls waiting for approval and the activity log, for the operator
+# signed in as in section 17 (a bearer token opens none of it, the session cookie calls no tool).
+# Plain HTML through Pages.page, no script; every form carries the CSRF token, every value an
+# agent chose is escaped, each change is the terminal's own event naming operator and console.
 
 CONSOLE_WHO = {"principal": "operator", "via": "console"}
 REVIEW_PAGE = "/console/approvals/"  # + the id: one waiting call, linked from the webhook
 CONSOLE_REFRESH_SECS = 5  # the approvals list reloads itself this often while open
 CONSOLE_PAGE_ROWS = 50
-CONSOLE_PERIODS = dict(
-    zip(AUTO_APPROVE_PERIODS, ("1 hour", "1 day", "7 days", "30 days", "forever"))
-)
+CONSOLE_PERIODS = dict(zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(",")))
 CONSOLE_NAV = (
     '<a href="/console/tokens">Access tokens</a> <a href="/console/approvals">Approvals</a> '
     '<a href="/console/activity">Activity</a>'
@@ -8410,10 +8193,8 @@ def console_routes(app: SmolMcp) -> list:
         choice, reason = str(form.get("answer")), str(form.get("reason", ""))[:500]
         auto_for = str(form.get("auto")) if choice == "auto" else None
         try:
-            if choice not in ("approve", "auto", "reject") or auto_for not in (
-                None,
-                *CONSOLE_PERIODS,
-            ):
+            periods = (None, *CONSOLE_PERIODS)
+            if choice not in ("approve", "auto", "reject") or auto_for not in periods:
                 raise SmolError("Choose Approve, Approve + auto-approve (for a period) or Reject.")
             held, until = answer_approval(
                 config, approval_id, choice != "reject", CONSOLE_WHO, auto_for, reason
@@ -8429,10 +8210,8 @@ def console_routes(app: SmolMcp) -> list:
         name = record["name"]
         until = access.auto.shown(name, record.get("id", ""))
         auto = {"off": "off", "forever": "forever"}.get(until, f"until {until}")
-        end = '<button name="action" value="auto-off">End auto-approval</button> ' * (
-            until != "off"
-        )
-        buttons = f'{end}<button name="action" value="delete">Delete</button>'
+        end = '<button name="action" value="auto-off">End auto-approval</button> '
+        buttons = f'{end * (until != "off")}<button name="action" value="delete">Delete</button>'
         return (
             f"<section><h2>{esc(name)}</h2><p>scopes {esc(', '.join(record['scopes']))}; fleets "
             f"{esc(', '.join(record['targets']))}; client {esc(record.get('client') or '-')}<br>"
@@ -8442,23 +8221,15 @@ def console_routes(app: SmolMcp) -> list:
         )
 
     def new_token_form(request: Any) -> str:
-        boxes = "".join(
-            f"<fieldset><legend>{legend}</legend>"
-            + "".join(
-                f'<label><input type="checkbox" name="{field}" value="{v}"{on}> {v}</label>'
-                for v in values
-            )
-            + "</fieldset>"
-            for legend, field, values, on in (
-                ("Scopes", "scope", SCOPES, ""),
-                ("Fleets", "target", FLEET_NAMES, " checked"),
-            )
-        )
+        box = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'
+        scopes = "".join(box.format("scope", v, "", v) for v in SCOPES)
+        fleets = "".join(box.format("target", v, " checked", v) for v in FLEET_NAMES)
         fields = (
             '<label>Name <input type="text" name="name" maxlength="64" required></label>'
-            f'{boxes}<label><input type="checkbox" name="approval" value="changes"> Require '
-            f"approval for changes</label>{pages.confirm_field('a new token')}<button>Create token"
-            "</button>"
+            f"<fieldset><legend>Scopes</legend>{scopes}</fieldset><fieldset><legend>Fleets</legend>"
+            f'{fleets}</fieldset><label><input type="checkbox" name="approval" value="changes"> '
+            f"Require approval for changes</label>{pages.confirm_field('a new token')}"
+            "<button>Create token</button>"
         )
         return f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
 
@@ -8488,7 +8259,7 @@ def console_routes(app: SmolMcp) -> list:
                 shown = (
                     f"<p>Created <b>{esc(name)}</b>. Its secret, shown this once (only its hash "
                     f"is kept):</p><pre>{esc(secret)}</pre>{entries}<h3>curl</h3><pre>curl -H "
-                    f"'Authorization: Bearer {esc(secret)}' {esc(url.rsplit('/', 1)[0])}/api/tools"
+                    f"'Authorization: Bearer {esc(secret)}' {esc(pages.issuer + app.http.api)}"
                     "</pre>"
                 )
         access.tokens.file.expire()  # a person's page shows the file as it is now
@@ -8559,19 +8330,12 @@ def describe_mount_roots(config: Config) -> str:
     """One line on the host directories an agent can mount, for the startup log and doctor."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
-        return (
-            "host directories exposed to agents: none (mounts and host-path images are "
-            "refused; mountRoots)"
-        )
+        none = "none (mounts and host-path images are refused; mountRoots)"
+        return f"host directories exposed to agents: {none}"
     covered = [own for own in server_directories(config) if any(within(own, r) for r, _ in roots)]
-    return (
-        "host directories exposed to agents (mountRoots): "
-        + ", ".join(
-            f"{root} ({'read-write on request' if writable else 'read-only'})"
-            for root, writable in roots
-        )
-        + (f"; never mountable, being this server's own: {', '.join(covered)}" if covered else "")
-    )
+    shown = ", ".join(f"{r} ({'read-write on request' if w else 'read-only'})" for r, w in roots)
+    own = f"; never mountable, being this server's own: {', '.join(covered)}" if covered else ""
+    return f"host directories exposed to agents (mountRoots): {shown}{own}"
 
 
 async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
@@ -8581,16 +8345,14 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     if asgi.allowed_hosts is None:
         log.warning(
             "bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: the Host check is off, because the "
-            "name "
-            "clients dial is not knowable here; set it to that name",
+            "name clients dial is not knowable here; set it to that name",
             host,
         )
     listening = listen_socket(host, port)  # before saying "serving": a taken port says so
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
-    log.info(
-        "oauth: %s", oauth_report(dataclasses.replace(app.config, http_host=host, http_port=port))
-    )
+    bound = dataclasses.replace(app.config, http_host=host, http_port=port)
+    log.info("oauth: %s", oauth_report(bound))
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
     # SIGTERM and SIGINT end the lifespan, which cleans up.
     await stopping_server(config, app).serve(sockets=[listening])
@@ -8608,19 +8370,15 @@ def listen_socket(host: str, port: int) -> socket.socket:
             if err.errno == errno.EADDRINUSE
             else "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
         )
-        raise SmolError(
-            f"cannot listen on {host}:{port}: {os.strerror(err.errno)}; {advice}"
-        ) from None
+        why = f"cannot listen on {host}:{port}: {os.strerror(err.errno)}"
+        raise SmolError(f"{why}; {advice}") from None
 
 
 def stopping_server(config: Any, app: SmolMcp):
-    """uvicorn's Server, told about a stop signal the moment it arrives (so
-    calls in flight are answered at once, see ShutdownAnswers), and exiting 0
-    afterwards: uvicorn re-raises the signal once it is done, which would end
-    the process by that signal after a clean shutdown."""
+    """uvicorn's Server, told of a stop signal at once (so calls in flight are answered, see
+    ShutdownAnswers), and exiting 0 after: uvicorn re-raises the signal once it is done."""
     import asyncio
 
-    import anyio
     import uvicorn
 
     loop, stopping = asyncio.get_running_loop(), anyio.Event()
@@ -8632,9 +8390,8 @@ def stopping_server(config: Any, app: SmolMcp):
             loop.call_soon_threadsafe(stopping.set)  # in a signal handler: let the loop do the set
             super().handle_exit(sig, frame)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        # What uvicorn restores and re-raises into: handled already.
-        signal.signal(sig, lambda *_: None)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores and re-raises into
+        signal.signal(sig, lambda *_: None)  # handled already
     return Server(config)
 
 
@@ -9114,6 +8871,7 @@ class OAuthProvider:
 
         def add(data: dict) -> None:
             if len(data) >= OAUTH_MAX_CLIENTS:
+                self.tokens.file.expire()  # a grant made a moment ago counts
                 granted = {record.get("clientId") for record in self.tokens.records()}
                 spare = [client_id for client_id in data if client_id not in granted]
                 if not spare:
