@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
+
 __version__ = "0.1.0"
 
 log = logging.getLogger("smol_mcp")
@@ -5486,12 +5488,7 @@ def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) ->
     """As root, smolvm runs each VM under a uid of its own, which cannot open
     a /dev/kvm that only root may open: the start then fails much later with
     KvmOpen(Error(13)). Say so now, with the switch that fixes it."""
-    if (
-        euid != 0
-        or kvm_mode is None
-        or kvm_mode & 0o066
-        or environ.get("SMOLVM_VM_UID_DROP") == "off"
-    ):
+    if euid or kvm_mode is None or kvm_mode & 0o066 or environ.get("SMOLVM_VM_UID_DROP") == "off":
         return None
     return (
         f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops "
@@ -5523,92 +5520,68 @@ def hypervisor_status() -> tuple[bool, str]:
     if sys.platform == "darwin":
         return True, "Hypervisor.framework (macOS)"
     if not os.path.exists("/dev/kvm"):
-        return (
-            False,
-            "/dev/kvm does not exist: enable KVM (or nested virtualisation on this VM) and load "
-            "the kvm module",
-        )
+        enable = "enable KVM (or nested virtualisation on this VM) and load the kvm module"
+        return False, f"/dev/kvm does not exist: {enable}"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return (
-            False,
-            "/dev/kvm is not readable and writable by this user: add the user to the kvm group",
-        )
+        join = "add the user to the kvm group"
+        return False, f"/dev/kvm is not readable and writable by this user: {join}"
     return True, "/dev/kvm is usable"
 
 
 def local_target_facts(fleet: LocalFleet) -> dict:
     """What smol://targets says about the local fleet. Only reads: it never
     spawns the serve (that happens on the first local tool call)."""
-    facts: dict[str, Any] = {"served": True, "usable": True, "reason": None}
-    guest = inside_smol_guest()
+    config, guest = fleet.config, inside_smol_guest()
     hypervisor_ok, hypervisor_reason = hypervisor_status()
-    binary = fleet.smolvm_path() if not fleet.config.local_url else None
-    facts.update(
-        {
-            "insideGuest": guest,
-            "hypervisor": {"present": hypervisor_ok, "detail": hypervisor_reason},
-            "smolvm": {
-                "path": binary,
-                "version": fleet.version,
-                "from": engine_origin(fleet.config.smolvm, binary) if binary else None,
-            },
-            "serve": fleet.config.local_url or "started on the first local tool call",
-            "minSmolvm": fleet.config.min_smolvm or None,
-        }
-    )
-    running_version = fleet.version or serve_version(
-        fleet
-    )  # asks a serve that already runs; starts none
-    facts["smolvm"]["version"] = running_version
-    if running_version and not fleet.config.local_url:
-        facts["serve"] = f"running at {fleet.endpoint} (smolvm {running_version})"
+    binary = fleet.smolvm_path() if not config.local_url else None
+    running = fleet.version or serve_version(fleet)  # asks a serve that already runs; starts none
+    serve = config.local_url or "started on the first local tool call"
+    if running and not config.local_url:
+        serve = f"running at {fleet.endpoint} (smolvm {running})"
+    origin = engine_origin(config.smolvm, binary) if binary else None
+    facts: dict[str, Any] = {"served": True, "usable": True, "reason": None, "insideGuest": guest}
+    facts["hypervisor"] = {"present": hypervisor_ok, "detail": hypervisor_reason}
+    facts["smolvm"] = {"path": binary, "version": running, "from": origin}
+    facts.update(serve=serve, minSmolvm=config.min_smolvm or None)
+    why = None  # what makes it unusable
     if guest:
-        facts.update(
-            usable=False,
-            reason="running inside a smol machine, which cannot start machines of its own",
+        why = "running inside a smol machine, which cannot start machines of its own"
+    elif config.local_url and running is None:
+        why = (
+            f"nothing answers at SMOL_LOCAL_URL={config.local_url}; start that serve, or unset "
+            "SMOL_LOCAL_URL to let smol-mcp start its own"
         )
-    elif fleet.config.local_url:
-        if running_version is None:
-            facts.update(
-                usable=False,
-                reason=f"nothing answers at SMOL_LOCAL_URL={fleet.config.local_url}; start "
-                "that serve, or unset SMOL_LOCAL_URL to let smol-mcp start its own",
-            )
-        else:
-            facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
-    elif binary is None and running_version:  # another smol-mcp's serve, in our runtime dir
+    elif config.local_url:
+        facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
+    elif binary is None and running:  # another smol-mcp's serve, in our runtime dir
         facts["reason"] = (
             f"uses the serve already running at {fleet.endpoint}; when it stops, starting a "
             "new one needs smolvm: set SMOLVM to its path"
         )
     elif binary is None:
-        facts.update(
-            usable=False,
-            reason=f"smolvm was not found ({fleet.config.smolvm!r}); get "
-            "it with one of the commands below, or set SMOLVM to "
-            "its path",
+        why = (
+            f"smolvm was not found ({config.smolvm!r}); get it with one of the commands below, "
+            "or set SMOLVM to its path"
         )
     elif not hypervisor_ok:
-        facts.update(usable=False, reason=hypervisor_reason)
-    elif uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
-        facts.update(usable=False, reason=uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ))
-    elif running_version is None and rollout_port_taken():
-        facts.update(
-            usable=False,
-            reason="127.0.0.1:10081, which every serve binds, is taken. "
-            + other_serve_hint(fleet.endpoint.removeprefix("unix://")),
+        why = hypervisor_reason
+    elif advice := uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
+        why = advice
+    elif running is None and rollout_port_taken():
+        hint = other_serve_hint(fleet.endpoint.removeprefix("unix://"))
+        why = f"127.0.0.1:10081, which every serve binds, is taken. {hint}"
+    minimum = config.min_smolvm
+    if running and minimum and version_tuple(running) < version_tuple(minimum):
+        why = (
+            f"smolvm {running} is older than {minimum}; upgrade it, or set "
+            "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
         )
-    minimum = fleet.config.min_smolvm
-    if running_version and minimum and version_tuple(running_version) < version_tuple(minimum):
-        facts.update(
-            usable=False,
-            reason=f"smolvm {running_version} is older than {minimum}; upgrade it, or set "
-            "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check",
-        )
-    elif not running_version and facts["usable"] and minimum:
+    elif not running and not why and minimum:
         facts["reason"] = (
             f"its version is checked against {minimum} when the first local call starts the serve"
         )
+    if why:
+        facts.update(usable=False, reason=why)
     return facts
 
 
@@ -5631,8 +5604,6 @@ async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, wh
     """Poll a machine's console every logsPollSecs and call ``notify`` when
     lines arrived since the last look (neither log route pushes to us); counted
     in app.polling under ``who``, and ended when the machine is gone."""
-    import anyio
-
     last = None
     app.polling[who] = app.polling.get(who, 0) + 1
     try:
@@ -5658,29 +5629,18 @@ async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, wh
 
 def cloud_target_facts(config: Config) -> dict:
     """What smol://targets says about the cloud fleet, without calling it."""
-    facts = {
-        "served": True,
-        "usable": bool(config.cloud_token),
-        "reason": None,
-        "url": config.cloud_url,
-        "tokenSet": bool(config.cloud_token),
-    }
-    if not config.cloud_token:
-        facts["reason"] = "no account key: set SMOL_CLOUD_TOKEN"
-    return facts
+    keyed = bool(config.cloud_token)
+    reason = None if keyed else "no account key: set SMOL_CLOUD_TOKEN"
+    return dict(served=True, usable=keyed, reason=reason, url=config.cloud_url, tokenSet=keyed)
 
 
 def targets_document(app: SmolMcp) -> dict:
     """The mode and, per fleet, whether it is served and usable now, with the reason when not."""
     facts = {name: kind.target_facts(app) for name, kind in FLEETS.items()}
+    mode = f"this process runs in {app.mode} mode (SMOL_MCP_TARGETS={app.config.targets})"
     for name, fleet_facts in facts.items():
         if name not in app.fleets:
-            fleet_facts.update(
-                served=False,
-                usable=False,
-                reason=f"this process runs in {app.mode} mode "
-                f"(SMOL_MCP_TARGETS={app.config.targets})",
-            )
+            fleet_facts.update(served=False, usable=False, reason=mode)
     return {"mode": app.mode, "fleets": facts}
 
 
@@ -5701,23 +5661,17 @@ class Session:
     on disk), the fleet it chose in both mode, and its log subscriptions."""
 
     def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
-        self.app, self.id = app, session_id
+        self.app, self.id, self.tasks = app, session_id, tasks  # tasks: where its pollers run
         self.machines: dict[str, set[str]] = {}
-        self.record_path = (
-            Path(app.config.runtime_dir) / "sessions" / f"{os.getpid()}-{session_id}.json"
-        )
+        sessions = Path(app.config.runtime_dir) / "sessions"
+        self.record_path = sessions / f"{os.getpid()}-{session_id}.json"
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
-        self.asked_fleet = False
+        self.asked_fleet = self.ended = False
         self.chose_during: Any = None  # the call whose question made the choice
-        self._question_lock = self._slots = None
-        self.tasks = tasks  # the task group its log pollers run in
-        self.subscriptions: dict[
-            str, Any
-        ] = {}  # uri -> the CancelScope of its poller (handshake era)
-        self._bus = self._listener = None
+        self._question_lock = self._slots = self._bus = self._listener = None
+        self.subscriptions: dict[str, Any] = {}  # uri -> its poller's CancelScope (handshake era)
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
-        self.ended = False
         self.identities: dict[tuple[str, str], str] = {}  # (fleet, name) -> machine_identity()
         self.spent: set[str] = set()  # nonces of 2026-era confirmations already answered
         self.gone_requests: set = set()  # over HTTP: ids of requests whose client hung up
@@ -5736,8 +5690,6 @@ class Session:
         return self._slots
 
     def question_lock(self):
-        import anyio
-
         if self._question_lock is None:
             self._question_lock = anyio.Lock()
         return self._question_lock
@@ -5786,57 +5738,35 @@ class Session:
             # The parent first: it is what keeps others out.
             ensure_runtime_dir(self.app.config.runtime_dir)
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
-            record = {
-                "pid": os.getpid(),
-                "started": process_start_time(os.getpid()),
-                "endpoint": self.app.local.endpoint,
-                "machines": names,
-            }
-            temporary = self.record_path.with_suffix(".tmp")
-            temporary.write_text(json.dumps(record))
-            temporary.replace(self.record_path)
+            pid, endpoint = os.getpid(), self.app.local.endpoint
+            record = dict(
+                pid=pid, started=process_start_time(pid), endpoint=endpoint, machines=names
+            )
+            write_json(self.record_path, record, mode=0o666)  # the umask's mode, in a 0700 dir
 
     async def close(self) -> None:
         """Delete every ephemeral machine this session still holds; what cannot
         be deleted stays in the record for the next start to try again. A fleet
         that fails in any way is logged and the next one is still cleaned."""
-        import anyio
-
-        principal = self.principal or self.app.access.stdio
+        who = self.app.who(self.principal or self.app.access.stdio)
         for fleet_name, names in list(self.machines.items()):
             try:  # a name held by another machine by now is never deleted here
-                replaced = await anyio.to_thread.run_sync(
-                    self.replaced, self.app.fleets[fleet_name], sorted(names)
-                )
-                deleted, refused = await anyio.to_thread.run_sync(
-                    delete_in_passes,
-                    self.app.fleets[fleet_name],
-                    sorted(set(names) - set(replaced)),
-                    abandon_on_cancel=True,
-                )
+                fleet, run = self.app.fleets[fleet_name], anyio.to_thread.run_sync
+                replaced = await run(self.replaced, fleet, sorted(names))
+                kept = sorted(set(names) - set(replaced))
+                deleted, refused = await run(delete_in_passes, fleet, kept, abandon_on_cancel=True)
             except Exception as err:
+                what = f"its {fleet_name} machines ({', '.join(sorted(names))})"
                 log.warning(
-                    "session %s ended: could not clean up its %s machines (%s): %s",
-                    self.id,
-                    fleet_name,
-                    ", ".join(sorted(names)),
-                    describe(err),
+                    "session %s ended: could not clean up %s: %s", self.id, what, describe(err)
                 )
                 continue
             for name in [*deleted, *replaced]:
                 outcome = "deleted" if name in deleted else NOT_THE_SESSIONS_MACHINE
                 log.info("session %s ended: %s: %s", self.id, name, outcome)
                 self.forget(fleet_name, name)
-                self.app.record(
-                    {
-                        "event": "session-cleanup",
-                        **self.app.who(principal),
-                        "session": self.id,
-                        "target": fleet_name,
-                        "machine": name,
-                        "outcome": outcome,
-                    }
-                )
+                entry = dict(session=self.id, target=fleet_name, machine=name, outcome=outcome)
+                self.app.record({"event": "session-cleanup", **who, **entry})
             self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
@@ -5860,13 +5790,9 @@ class SessionSlots:
     threads at once; the rest wait in order in that session's queue."""
 
     def __init__(self, shared: Any, slots: int):
-        import anyio
-
         self.shared, self.own = shared, anyio.CapacityLimiter(slots)
 
     async def __aenter__(self) -> None:
-        import anyio
-
         for taken, limiter in enumerate((self.own, self.shared)):
             try:  # a free slot is taken without a pass through the event loop
                 limiter.acquire_nowait()
@@ -5883,9 +5809,7 @@ class SessionSlots:
         self.own.release()
 
 
-def delete_in_passes(
-    fleet: Fleet, names: list[str]
-) -> tuple[list[str], list[tuple[str, Exception]]]:
+def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
     """Delete machines, children before their branch sources: a source with
     live children refuses (409), so deletes repeat in passes until one makes no
     progress. A pass that makes none is tried once more after a pause, as a
@@ -5897,13 +5821,10 @@ def delete_in_passes(
         for name in pending:
             try:
                 fleet.delete_machine(name)
-            except ApiError as err:
-                if err.status != 404:
+            except Exception as err:  # a cleanup goes on past any one machine's failure
+                if not isinstance(err, ApiError) or err.status != 404:
                     refused.append((name, err))
                     continue
-            except Exception as err:  # a cleanup goes on past any one machine's failure
-                refused.append((name, err))
-                continue
             gone.append(name)
         if len(refused) == len(pending):
             if retried:
@@ -5917,6 +5838,16 @@ def delete_in_passes(
 def describe(err: BaseException) -> str:
     """An error for a log line: our sentence as it is, anything else with its type."""
     return str(err) if isinstance(err, SmolError) else f"{type(err).__name__}: {err}"
+
+
+def write_json(path: Path, value: Any, mode: int = 0o600, indent: int | None = None) -> None:
+    """Write a JSON file whole or not at all: a crash mid-write leaves the old one."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as out:
+        json.dump(value, out, indent=indent)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, path)
 
 
 _warned_dirs: set[str] = set()
@@ -5950,8 +5881,9 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def process_start_time(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot (field 22): with the
-    pid it names one process, where a pid alone may have been reused."""
+    """When the process started, in clock ticks since boot (field 22), or None
+    without /proc: with the pid it names one process, where a pid alone may
+    have been reused."""
     fields = _proc_stat(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 
@@ -5996,7 +5928,7 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
         with bookkeeping(runtime_dir):
             if kept:  # try again at the next start rather than forget them
-                path.write_text(json.dumps({**record, "machines": kept}))
+                write_json(path, {**record, "machines": kept}, mode=0o666)
             else:
                 path.unlink(missing_ok=True)
     if deleted:
@@ -6026,23 +5958,14 @@ SCOPES = (
     "activity.read",
 )
 TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is granted to nobody
-    "list-machines": "read",
-    "get-machine": "read",
-    "machine-logs": "read",
-    "read-job": "read",
-    "create-machine": "manage",
-    "start-machine": "manage",
-    "stop-machine": "manage",
-    "delete-machine": "manage",
-    "branch-machine": "manage",
-    "pull-image": "manage",
-    "allow-egress": "manage",
-    "run-command": "exec",
-    "run-once": "exec",
-    "read-file": "exec",
-    "write-file": "exec",
-    "start-job": "exec",
-    "cancel-job": "exec",
+    tool: level
+    for level, tools in (
+        ("read", "list-machines get-machine machine-logs read-job"),
+        ("manage", "create-machine start-machine stop-machine delete-machine branch-machine"),
+        ("manage", "pull-image allow-egress"),
+        ("exec", "run-command run-once read-file write-file start-job cancel-job"),
+    )
+    for tool in tools.split()
 }
 APPROVAL_MODES = ("none", "changes")
 SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
@@ -6088,16 +6011,9 @@ class Principal:
 
     def describe(self) -> dict:
         """What smol://targets tells the caller about itself."""
-        described = {
-            "principal": self.name,
-            "kind": self.kind,
-            "scopes": sorted(self.scopes),
-            "targets": list(self.targets),
-            "approval": self.approval,
-        }
-        if self.user:
-            described["user"] = self.user
-        return described
+        described = dict(principal=self.name, kind=self.kind, scopes=sorted(self.scopes))
+        described.update(targets=list(self.targets), approval=self.approval)
+        return described | ({"user": self.user} if self.user else {})
 
 
 @dataclass(frozen=True)
@@ -6128,9 +6044,9 @@ def check_scope(principal: Principal, tool: str) -> str:
         level = TOOL_LEVELS.get(tool, "unknown")
         held = ", ".join(sorted(principal.scopes)) or "none"
         raise ScopeMissing(
-            f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} "
-            f"for machines of its own), which {principal.label()} does not have (its "
-            f"scopes: {held}). Ask the operator for a token with that scope."
+            f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} for "
+            f"machines of its own), which {principal.label()} does not have (its scopes: {held})."
+            " Ask the operator for a token with that scope."
         )
     return scope
 
@@ -6142,22 +6058,15 @@ def authorize(principal: Principal, tool: str, target: str | None, machine: str 
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
         raise ScopeMissing(
-            f"scope_missing: {principal.label()} may use the "
-            f"{' and '.join(principal.targets)} fleet only, not {target}. Ask the "
-            f"operator for a token whose targets include {target}."
+            f"scope_missing: {principal.label()} may use the {' and '.join(principal.targets)} "
+            f"fleet only, not {target}. Ask the operator for a token whose targets include {target}."
         )
     return Grant(scope, scope.startswith("sandbox."))
 
 
 def stdio_principal(config: Config) -> Principal:
-    return Principal(
-        "stdio",
-        frozenset(config.scopes or SCOPES),
-        approval=config.approval,
-        kind="stdio",
-        user=os_user(),
-        id="stdio",
-    )
+    scopes, approval = frozenset(config.scopes or SCOPES), config.approval
+    return Principal("stdio", scopes, approval=approval, kind="stdio", user=os_user(), id="stdio")
 
 
 def ensure_state_dir(path: str | Path) -> Path:
@@ -6217,35 +6126,31 @@ class StateFile:
     def update(self, change: Callable[[Any], Any]) -> Any:
         """Apply ``change`` to the current content and write it back; returns its result."""
         try:
-            return self._update(change)
+            ensure_state_dir(self.path.parent)
+            with locked(self.path.with_name(self.path.name + ".lock")):
+                data = self._load()
+                result = change(data)
+                write_json(self.path, data, indent=1)
+                self.expire()
+            return result
         except OSError as exc:
             raise SmolError(
                 f"cannot write {self.path} ({exc.strerror}); set SMOL_MCP_STATE_DIR "
                 "to a directory this user can write"
             ) from None
 
-    def _update(self, change: Callable[[Any], Any]) -> Any:
-        import fcntl
 
-        ensure_state_dir(self.path.parent)
-        descriptor = os.open(
-            self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600
-        )
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX)
-            data = self._load()
-            result = change(data)
-            temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(data, out, indent=1)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, self.path)
-            self.expire()
-        finally:
-            os.close(descriptor)  # releases the lock
-        return result
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (made 0600), which other processes honour."""
+    import fcntl
+
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # closing releases the lock
 
 
 def secret_hash(secret: str) -> str:
@@ -6259,13 +6164,15 @@ def new_token_secret() -> str:
     return TOKEN_SECRET_PREFIX + secrets_module.token_urlsafe(32)
 
 
-def parse_scopes(text: str) -> tuple[str, ...]:
+def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
+    """The scopes a comma-separated text names, each checked; ``setting`` names
+    the setting the text comes from (which may then leave it empty)."""
     scopes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [scope for scope in scopes if scope not in SCOPES]
-    if unknown or not scopes:
-        named = (
-            f"{', '.join(map(repr, unknown))} is not a scope" if unknown else "no scope was given"
-        )
+    unknown = ", ".join(repr(scope) for scope in scopes if scope not in SCOPES)
+    if unknown or not (scopes or setting):
+        named = f"{unknown} is not a scope" if unknown else "no scope was given"
+        if unknown and setting:
+            named = f"{setting} names {unknown}, which is not a scope"
         raise ConfigError(f"{named}; the scopes are: {', '.join(SCOPES)}")
     return scopes
 
@@ -6286,18 +6193,13 @@ class TokenStore:
     so a request never rewrites the tokens file."""
 
     def __init__(self, state_dir: str):
-        self.file = StateFile(
-            Path(state_dir) / TOKENS_FILE,
-            lambda: {"tokens": []},
-            lambda data: (
-                isinstance(data, dict)
-                and isinstance(data.get("tokens", []), list)
-                and all(
-                    isinstance(r, dict) and isinstance(r.get("name"), str) for r in data["tokens"]
-                )
-            ),
-            recheck_secs=0.5,  # read on every HTTP request: looked at again at most twice a second
-        )
+        def valid(data: Any) -> bool:  # a list of records, each with a name
+            tokens = data.get("tokens", []) if isinstance(data, dict) else None
+            records = isinstance(tokens, list) and all(isinstance(r, dict) for r in tokens)
+            return records and all(isinstance(record.get("name"), str) for record in tokens)
+
+        # read on every HTTP request: looked at again at most twice a second
+        self.file = StateFile(Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []}, valid, 0.5)
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
         self._used: dict[str, str] = {}
         self._flushed = time.monotonic()
@@ -6310,23 +6212,15 @@ class TokenStore:
     ) -> tuple[dict, str]:
         if not TOKEN_NAME_RE.fullmatch(name) or name.lower() in RESERVED_TOKEN_NAMES:
             raise ConfigError(
-                f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' "
-                f"or '-', starting with a letter or digit, and not "
-                f"{' or '.join(RESERVED_TOKEN_NAMES)}"
+                f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' or '-', "
+                f"starting with a letter or digit, and not {' or '.join(RESERVED_TOKEN_NAMES)}"
             )
         if approval not in APPROVAL_MODES:
             raise ConfigError(f"--approval takes {' or '.join(APPROVAL_MODES)}; got {approval!r}")
         secret = new_token_secret()
-        record = {
-            "name": name,
-            "id": secrets_module.token_hex(8),
-            "sha256": secret_hash(secret),
-            "scopes": list(scopes),
-            "targets": list(targets),
-            "approval": approval,
-            "createdAt": utc_now(),
-            **extra,  # an OAuth grant's client
-        }
+        record = {"name": name, "id": secrets_module.token_hex(8), "sha256": secret_hash(secret)}
+        record.update(scopes=list(scopes), targets=list(targets), approval=approval)
+        record |= {"createdAt": utc_now(), **extra}  # extra: an OAuth grant's client
 
         def add(data: dict) -> None:
             if any(existing["name"] == name for existing in data.setdefault("tokens", [])):
@@ -6341,10 +6235,9 @@ class TokenStore:
 
     def delete(self, name: str) -> bool:
         def remove(data: dict) -> bool:
-            kept = [record for record in data.get("tokens", []) if record["name"] != name]
-            removed = len(kept) != len(data.get("tokens", []))
-            data["tokens"] = kept
-            return removed
+            tokens = data.get("tokens", [])
+            data["tokens"] = [record for record in tokens if record["name"] != name]
+            return len(data["tokens"]) != len(tokens)
 
         removed = self.file.update(remove) if self.file.path.exists() else False
         if removed and self.usage.path.exists():
@@ -6380,10 +6273,9 @@ class TokenStore:
             return
         used, self._used, self._flushed = self._used, {}, time.monotonic()
         names = {record["name"] for record in self.records()}
+        kept = {name: when for name, when in used.items() if name in names}
         try:
-            self.usage.update(
-                lambda data: data.update({k: v for k, v in used.items() if k in names})
-            )
+            self.usage.update(lambda data: data.update(kept))
         except (OSError, SmolError) as err:
             log.warning("could not record when tokens were last used: %s", err)
 
@@ -6395,17 +6287,31 @@ class TokenStore:
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return utc_time(time.time())
+
+
+def utc_time(seconds: float) -> str:
+    """Seconds since the epoch as the RFC 3339 UTC time the records hold, to the second."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str) -> float:
+    """Seconds since the epoch of an RFC 3339 UTC time such as utc_now() writes."""
+    return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+
+
+def parse_period(text: str) -> int:
+    """A period such as 90s, 15m, 1h, 2d or 1w as seconds; ValueError otherwise."""
+    match = re.fullmatch(r"(\d{1,6})([smhdw])", text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w")
+    return int(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
 
 
 def token_principal(record: dict) -> Principal:
-    return Principal(
-        record["name"],
-        frozenset(record.get("scopes", [])),
-        tuple(record.get("targets") or FLEET_NAMES),
-        record.get("approval", "none"),
-        id=record.get("id", ""),
-    )
+    targets = tuple(record.get("targets") or FLEET_NAMES)
+    scopes, approval = frozenset(record.get("scopes", [])), record.get("approval", "none")
+    return Principal(record["name"], scopes, targets, approval, id=record.get("id", ""))
 
 
 class Owners:
@@ -6415,18 +6321,13 @@ class Owners:
     started in it (their state as last seen: what get-machine shows)."""
 
     def __init__(self, state_dir: str):
-        self.file = StateFile(
-            Path(state_dir) / OWNERS_FILE,
-            dict,
-            lambda data: (
-                isinstance(data, dict)
-                and all(
-                    isinstance(names, dict)
-                    and all(isinstance(o, (str, dict)) for o in names.values())
-                    for names in data.values()
-                )
-            ),
-        )
+        def valid(data: Any) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
+            fleets = list(data.values()) if isinstance(data, dict) else [None]
+            if not all(isinstance(names, dict) for names in fleets):
+                return False
+            return all(isinstance(o, (str, dict)) for names in fleets for o in names.values())
+
+        self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict, valid)
         # read by every get-machine: looked at again at most twice a second
         self.jobs = StateFile(Path(state_dir) / JOBS_FILE, dict, recheck_secs=0.5)
 
@@ -6446,9 +6347,8 @@ class Owners:
     def clear(self, fleet: str, names: list[str]) -> None:
         if set(names) & set(self.jobs.read().get(fleet, {})):
             self.jobs.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
-        if not any(self.owner(fleet, name) for name in names):
-            return
-        self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
+        if any(self.owner(fleet, name) for name in names):
+            self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
 
     def note_job(self, fleet: str, name: str, job: dict, started: bool = False) -> None:
         """Record the state last seen of a job this server ``started`` (or already
@@ -6530,12 +6430,9 @@ class OwnedFleet:
                 arg.replace(stand_in, name) if isinstance(arg, str) else arg for arg in err.args
             )
             raise err from None
+        fleet = self._fleet.name
         raise ApiError(
-            self._fleet.name,
-            f"find machine '{name}'",
-            404,
-            "NOT_FOUND",
-            f"machine '{name}' not found",
+            fleet, f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found"
         )
 
 
@@ -6544,14 +6441,14 @@ class Access:
     ownership store, SMOL_MCP_AUTH_TOKEN as "default", and the stdio principal."""
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
-        self.state_dir = config.state_dir or default_state_dir(
-            dict(os.environ if environ is None else environ)
+        environ = os.environ if environ is None else environ
+        self.state_dir = state = config.state_dir or default_state_dir(dict(environ))
+        self.tokens, self.owners, self.activity = (
+            TokenStore(state),
+            Owners(state),
+            ActivityLog(state),
         )
-        self.tokens = TokenStore(self.state_dir)
-        self.owners = Owners(self.state_dir)
-        self.activity = ActivityLog(self.state_dir)
-        self.desk = ApprovalDesk(self.state_dir)
-        self.auto = AutoApprovals(self.state_dir)
+        self.desk, self.auto = ApprovalDesk(state), AutoApprovals(state)
         self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
         self.default = Principal("default", frozenset(SCOPES), id="default")
         self.stdio = stdio_principal(config)
@@ -6561,11 +6458,9 @@ class Access:
         """The principal whose secret is among ``offered``, or None. The tokens
         file is read again when it changed (looked at twice a second, and at
         once for a secret it lacks, unless that is the default token's)."""
-        hashes = [secret_hash(candidate) for candidate in offered if candidate]
-        is_default = False
-        for digest in hashes:
-            if self._default_hash is not None and hmac.compare_digest(digest, self._default_hash):
-                is_default = True
+        hashes, default = [secret_hash(one) for one in offered if one], self._default_hash
+        # every comparison runs (a list, not a generator), whichever matches
+        is_default = default is not None and any([hmac.compare_digest(h, default) for h in hashes])
         try:
             record = self.tokens.match(offered, again=not is_default)
         except SmolError as err:  # a damaged tokens file lets no named token in
@@ -6642,16 +6537,6 @@ class ApprovalRefused(SmolError):
         super().__init__(f"{code}: {detail}")
 
 
-def parse_time(text: str) -> float:
-    """Seconds since the epoch of an RFC 3339 UTC time such as utc_now() writes."""
-    return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
-
-
-def utc_time(seconds: float) -> str:
-    when = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def fingerprint(value: str) -> dict:
     """What the log keeps of a value it must not copy: its size and SHA-256."""
     import hashlib
@@ -6665,14 +6550,12 @@ def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
     environment values become their size and digest, and so does the value of
     an argument the schema does not have or of a redacted one of the wrong type
     (`Stdin`, `contents`, `env` as a list are the agent's data all the same)."""
-    shown: dict = {}
-    known = (schema or {}).get("properties")
+    shown, properties = {}, (schema or {}).get("properties")
+    known = arguments if properties is None else properties
     for key, value in arguments.items():
         if key in REDACTED_MAPS and isinstance(value, dict):
             shown[key] = {name: fingerprint(str(item)) for name, item in value.items()}
-        elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in (
-            arguments if known is None else known
-        ):
+        elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in known:
             shown[key] = fingerprint(value if isinstance(value, str) else json.dumps(value))
         else:
             shown[key] = value
@@ -6705,14 +6588,6 @@ def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
     return value
 
 
-def parse_period(text: str) -> int:
-    """A period such as 90s, 15m, 1h, 2d or 1w as seconds; ValueError otherwise."""
-    match = re.fullmatch(r"(\d{1,6})([smhdw])", text.strip())
-    if match is None:
-        raise ValueError(f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w")
-    return int(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
-
-
 def os_user() -> str:
     import getpass
 
@@ -6733,15 +6608,11 @@ class ActivityLog:
 
     def append(self, entry: dict, secret_values: list[str] = ()) -> None:
         """Write one entry; raises OSError or SmolError when the state directory cannot take it."""
-        import fcntl
-
         entry = {"time": utc_now(), **{key: bounded(value) for key, value in entry.items()}}
         text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
-        lock = os.open(self.path.with_name(ACTIVITY_FILE + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(self.path.with_name(ACTIVITY_FILE + ".lock")):
             self._rotate_if_full(len(line))
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
@@ -6751,8 +6622,6 @@ class ActivityLog:
                     raise OSError(28, "No space left on device")
             finally:
                 os.close(fd)
-        finally:
-            os.close(lock)  # closing releases the lock
 
     def _rotate_if_full(self, adding: int) -> None:
         try:
@@ -6823,33 +6692,12 @@ def sees_own_activity_only(principal: Principal) -> bool:
     )
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """When a process started (clock ticks since boot, from /proc), or None:
-    with the pid it names one process for good."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19]) if len(fields) > 19 else None
-
-
 def waiting_process_alive(request: dict) -> bool:
     """Whether the process named in an approval request is the one still running."""
     pid = request.get("pid")
     if not isinstance(pid, int) or not process_alive(pid):
         return False
-    started = process_start_ticks(pid)
-    return started == request.get("pidStart")  # both None where /proc is missing
-
-
-def write_private_json(path: Path, value: Any) -> None:
-    """Write a JSON file readable by this user only, atomically."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(value, handle)
-    temporary.replace(path)
+    return process_start_time(pid) == request.get("pidStart")  # both None without /proc
 
 
 class ApprovalDesk:
@@ -6868,11 +6716,9 @@ class ApprovalDesk:
         """File a request for this process and return its id."""
         ensure_state_dir(self.directory.parent)
         self.directory.mkdir(mode=0o700, exist_ok=True)
-        approval_id = secrets_module.token_hex(6)
-        request = dict(
-            request, id=approval_id, pid=os.getpid(), pidStart=process_start_ticks(os.getpid())
-        )
-        write_private_json(self.path_of(approval_id, "request"), request)
+        approval_id, pid = secrets_module.token_hex(6), os.getpid()
+        request = dict(request, id=approval_id, pid=pid, pidStart=process_start_time(pid))
+        write_json(self.path_of(approval_id, "request"), request)
         return approval_id
 
     def answer(self, approval_id: str) -> dict | None:
@@ -6926,7 +6772,7 @@ class ApprovalDesk:
         answer_path = self.path_of(approval_id, "answer")
         if answer_path.exists():
             raise SmolError(f"{approval_id} was answered already")
-        write_private_json(answer_path, answer)
+        write_json(answer_path, answer)
         return request
 
 
