@@ -5810,11 +5810,10 @@ class SessionSlots:
 
 
 def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
-    """Delete machines, children before their branch sources: a source with
-    live children refuses (409), so deletes repeat in passes until one makes no
-    progress. A pass that makes none is tried once more after a pause, as a
-    transient fault (a 5xx, a proxy page) should not leave a machine billing.
-    Returns what is gone (a 404 counts) and what was refused, why."""
+    """Delete machines, children before their branch sources: a source with live children refuses
+    (409), so deletes repeat in passes until one makes no progress. A pass that makes none is tried
+    once more after a pause, as a transient fault (a 5xx, a proxy page) should not leave a machine
+    billing. Returns what is gone (a 404 counts) and what was refused, why."""
     pending, gone, retried = list(names), [], False
     while pending:
         refused: list[tuple[str, Exception]] = []
@@ -5881,9 +5880,8 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def process_start_time(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot (field 22), or None
-    without /proc: with the pid it names one process, where a pid alone may
-    have been reused."""
+    """When the process started, in clock ticks since boot (field 22), or None without /proc: with
+    the pid it names one process, where a pid alone may have been reused."""
     fields = _proc_stat(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 
@@ -5953,10 +5951,7 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 # The wider domain first: when a principal holds both, its grant wins.
 SCOPE_DOMAINS = ("machines", "sandbox")
 SCOPE_LEVELS = ("read", "manage", "exec")
-SCOPES = (
-    *(f"{domain}.{level}" for domain in SCOPE_DOMAINS for level in SCOPE_LEVELS),
-    "activity.read",
-)
+SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "activity.read")
 TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is granted to nobody
     tool: level
     for level, tools in (
@@ -6029,12 +6024,8 @@ def granting_scope(principal: Principal, tool: str) -> str | None:
     """The scope of ``principal`` that grants ``tool``, or None. Fails closed:
     a tool without a row in TOOL_LEVELS is granted by no scope."""
     level = TOOL_LEVELS.get(tool)
-    if level is None:
-        return None
-    for domain in SCOPE_DOMAINS:
-        if f"{domain}.{level}" in principal.scopes:
-            return f"{domain}.{level}"
-    return None
+    granting = [f"{domain}.{level}" for domain in SCOPE_DOMAINS if level is not None]
+    return next((scope for scope in granting if scope in principal.scopes), None)
 
 
 def check_scope(principal: Principal, tool: str) -> str:
@@ -6057,9 +6048,10 @@ def authorize(principal: Principal, tool: str, target: str | None, machine: str 
     machine named, if any; ownership is enforced by OwnedFleet."""
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
+        fleets = " and ".join(principal.targets)
         raise ScopeMissing(
-            f"scope_missing: {principal.label()} may use the {' and '.join(principal.targets)} "
-            f"fleet only, not {target}. Ask the operator for a token whose targets include {target}."
+            f"scope_missing: {principal.label()} may use the {fleets} fleet only, not {target}. "
+            f"Ask the operator for a token whose targets include {target}."
         )
     return Grant(scope, scope.startswith("sandbox."))
 
@@ -6079,20 +6071,15 @@ class StateFile:
     with ``recheck_secs``, another process's change is looked for at most that
     often (this process's own writes are seen at once)."""
 
-    def __init__(
-        self, path: Path, empty: Callable[[], Any], valid: Callable | None = None, recheck_secs=0.0
-    ):
+    def __init__(self, path: Path, empty: Callable, valid: Callable | None = None, recheck_secs=0):
         self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
         self.valid = valid or (lambda data: isinstance(data, type(empty())))
-        self._signature: Any = None
-        self._data = empty()
-        self._lock = threading.Lock()
+        self._signature, self._data, self._lock = None, empty(), threading.Lock()
         self._checked = -recheck_secs  # monotonic time of the last look
 
     def read(self) -> Any:
         if time.monotonic() - self._checked < self.recheck_secs:
             return self._data
-        self._checked = time.monotonic()
         try:
             info = os.stat(self.path)
             signature = (info.st_mtime_ns, info.st_size, info.st_ino)
@@ -6102,6 +6089,7 @@ class StateFile:
             if signature != self._signature:
                 self._data = self._load() if signature else self.empty()
                 self._signature = signature
+            self._checked = time.monotonic()  # not after a failed load: that is seen every time
             return self._data
 
     def expire(self) -> None:
@@ -6117,9 +6105,9 @@ class StateFile:
             raise SmolError(f"cannot read {self.path} ({exc}); fix or remove that file") from None
         if not self.valid(data):
             raise SmolError(
-                f"{self.path} is not shaped as this server writes it (it holds "
-                f"{_json_type(data)}: {json.dumps(data)[:60]}); fix it, or move it aside to "
-                "start afresh (what it recorded is forgotten then)"
+                f"{self.path} is not shaped as this server writes it (it holds {_json_type(data)}: "
+                f"{json.dumps(data)[:60]}); fix it, or move it aside to start afresh (what it "
+                "recorded is forgotten then)"
             )
         return data
 
@@ -6187,10 +6175,9 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
 
 
 class TokenStore:
-    """The named tokens: name, id, scopes, targets, approval mode, creation time
-    and the SHA-256 of the secret (the secret itself is never stored). When
-    each was last used is kept in a file of its own, written now and then,
-    so a request never rewrites the tokens file."""
+    """The named tokens: name, id, scopes, targets, approval mode, creation time and the SHA-256 of
+    the secret (the secret itself is never stored). When each was last used is kept in a file of its
+    own, written now and then, so a request never rewrites the tokens file."""
 
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # a list of records, each with a name
@@ -6247,10 +6234,9 @@ class TokenStore:
         return removed
 
     def match(self, offered: list[str], again: bool = True) -> dict | None:
-        """The record whose hash (or a live OAuth access token's) matches one
-        of the offered secrets. Every comparison runs (constant time, on
-        hashes), whatever matched. A miss looks at the file again at once, so
-        a token just created works."""
+        """The record whose hash (or a live OAuth access token's) matches one of the offered
+        secrets. Every comparison runs (constant time, on hashes), whatever matched. A miss looks at
+        the file again at once, so a token just created works."""
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
         found, now = None, time.time()
         for record in self.records():
@@ -6382,10 +6368,9 @@ class Owners:
 
 
 class OwnedFleet:
-    """A fleet as a sandbox.* principal sees it: listing shows only its own
-    machines, and a method given another machine's name answers exactly as the
-    fleet answers for a machine that does not exist (it is asked about a name
-    nobody has, and that name is put back in the answer)."""
+    """A fleet as a sandbox.* principal sees it: listing shows only its own machines, and a method
+    given another machine's name answers exactly as the fleet answers for a machine that does not
+    exist (it is asked about a name nobody has, and that name is put back in the answer)."""
 
     def __init__(self, fleet: Any, owners: Owners, owner: str):
         self._fleet, self._owners, self._owner = fleet, owners, owner
@@ -6427,13 +6412,11 @@ class OwnedFleet:
                 err.action = err.action.replace(stand_in, name)
                 err.api_message = err.api_message.replace(stand_in, name)
             err.args = tuple(
-                arg.replace(stand_in, name) if isinstance(arg, str) else arg for arg in err.args
+                a.replace(stand_in, name) if isinstance(a, str) else a for a in err.args
             )
             raise err from None
-        fleet = self._fleet.name
-        raise ApiError(
-            fleet, f"find machine '{name}'", 404, "NOT_FOUND", f"machine '{name}' not found"
-        )
+        action = f"find machine '{name}'"
+        raise ApiError(self._fleet.name, action, 404, "NOT_FOUND", f"machine '{name}' not found")
 
 
 class Access:
@@ -6443,12 +6426,9 @@ class Access:
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         environ = os.environ if environ is None else environ
         self.state_dir = state = config.state_dir or default_state_dir(dict(environ))
-        self.tokens, self.owners, self.activity = (
-            TokenStore(state),
-            Owners(state),
-            ActivityLog(state),
-        )
-        self.desk, self.auto = ApprovalDesk(state), AutoApprovals(state)
+        self.tokens, self.owners = TokenStore(state), Owners(state)
+        self.activity, self.desk = ActivityLog(state), ApprovalDesk(state)
+        self.auto = AutoApprovals(state)
         self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
         self.default = Principal("default", frozenset(SCOPES), id="default")
         self.stdio = stdio_principal(config)
@@ -6515,13 +6495,7 @@ APPROVAL_MAX_WAITING = 16  # calls one token (or stdio server) may hold waiting;
 APPROVAL_SHOW_BYTES = 4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
 WEBHOOK_THREADS, WEBHOOK_QUEUE = 2, 64  # approval notices post from one bounded pool
 CONFIRM_TTL_SECS = 600  # a 2026-era confirmation (allow-egress) answers within this, once
-AUTO_APPROVE_PERIODS = {
-    "1h": 3600,
-    "1d": 86400,
-    "7d": 7 * 86400,
-    "30d": 30 * 86400,
-    "forever": None,
-}
+AUTO_APPROVE_PERIODS = {"1h": 3600, "1d": 86400, "7d": 604800, "30d": 2592000, "forever": None}
 # Arguments that are the agent's data rather than a description of the call:
 # the log keeps their size and digest, so a reader can match them without
 # holding them (a file written with a key in it must not copy the key here).
