@@ -5473,9 +5473,8 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 # ---------------------------------------------------------------------------
 # 9. Resources
 #
-# smol://targets says what this process serves and whether each fleet can work
-# on this host right now, without starting anything. The log template gives the
-# latest console lines of a machine.
+# smol://targets says what this process serves and whether each fleet can work on this host right
+# now, without starting anything. The log template gives the latest console lines of a machine.
 # ---------------------------------------------------------------------------
 
 TARGETS_URI = "smol://targets"
@@ -5485,17 +5484,15 @@ LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs
 
 
 def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) -> str | None:
-    """As root, smolvm runs each VM under a uid of its own, which cannot open
-    a /dev/kvm that only root may open: the start then fails much later with
-    KvmOpen(Error(13)). Say so now, with the switch that fixes it."""
+    """As root, smolvm drops each VM to a uid of its own, which cannot open a root-only /dev/kvm:
+    the start fails late with KvmOpen(Error(13)). Say so now, with the fix."""
     if euid or kvm_mode is None or kvm_mode & 0o066 or environ.get("SMOLVM_VM_UID_DROP") == "off":
         return None
     return (
-        f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops "
-        "each VM to a uid of its own, which cannot open /dev/kvm, so every start would fail "
-        "with KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment "
-        "(setup carries it into the client entry), or let the kvm group read and write "
-        "/dev/kvm"
+        f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops each VM "
+        "to a uid of its own, which cannot open /dev/kvm, so every start would fail with "
+        "KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment (setup carries "
+        "it into the client entry), or let the kvm group read and write /dev/kvm"
     )
 
 
@@ -5534,7 +5531,10 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     config, guest = fleet.config, inside_smol_guest()
     hypervisor_ok, hypervisor_reason = hypervisor_status()
     binary = fleet.smolvm_path() if not config.local_url else None
-    running = fleet.version or serve_version(fleet)  # asks a serve that already runs; starts none
+    try:  # asks a serve that already runs; starts none
+        running = fleet.version or str(fleet._health().get("version") or "") or None
+    except (OSError, SmolError, ValueError):
+        running = None
     serve = config.local_url or "started on the first local tool call"
     if running and not config.local_url:
         serve = f"running at {fleet.endpoint} (smolvm {running})"
@@ -5585,14 +5585,6 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     return facts
 
 
-def serve_version(fleet: LocalFleet) -> str | None:
-    """The version a serve already answering on the fleet's address reports."""
-    try:
-        return str(fleet._health().get("version") or "") or None
-    except (OSError, SmolError, ValueError):
-        return None
-
-
 def rollout_port_taken() -> bool:
     """Whether something listens on 127.0.0.1:10081, the port every serve binds."""
     with socket.socket() as probe:
@@ -5601,9 +5593,8 @@ def rollout_port_taken() -> bool:
 
 
 async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str) -> None:
-    """Poll a machine's console every logsPollSecs and call ``notify`` when
-    lines arrived since the last look (neither log route pushes to us); counted
-    in app.polling under ``who``, and ended when the machine is gone."""
+    """Call ``notify`` when a machine's console has new lines (polled every logsPollSecs: no log
+    route pushes); counted in app.polling[who]; ends when the machine is gone."""
     last = None
     app.polling[who] = app.polling.get(who, 0) + 1
     try:
@@ -5616,11 +5607,9 @@ async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, wh
                 if last is not None and seen != last:
                     await notify()
                 last = seen
-            except ApiError as err:  # stopped: it may start again; gone: nothing more to follow
-                if err.status == 404:
+            except SmolError as err:  # stopped: it may start again; gone: nothing more to follow
+                if isinstance(err, ApiError) and err.status == 404:
                     return
-                log.debug("log poll of %s: %s", name, err)
-            except SmolError as err:
                 log.debug("log poll of %s: %s", name, err)
             await anyio.sleep(app.config.logs_poll_secs)
     finally:
@@ -5682,9 +5671,8 @@ class Session:
         self.http_id = self.protocol = None
 
     def call_slots(self):
-        """The worker threads this session's blocking calls run in: a share of
-        the process's pool, so one session's flood of long calls waits its turn
-        in its own queue instead of holding every thread."""
+        """This session's share of the worker threads: its flood of long calls waits in its own
+        queue instead of holding every thread."""
         if self._slots is None:
             self._slots = SessionSlots(self.app.thread_limiter(), SESSION_CALL_SLOTS)
         return self._slots
@@ -5727,9 +5715,8 @@ class Session:
             self._save()
 
     def _save(self) -> None:
-        """Write the local record atomically (a crash mid-write must not lose it).
-        The record is bookkeeping: a runtime directory that is read-only or full
-        costs a warning, never the machine operation that changed it."""
+        """Write the local record atomically. It is bookkeeping: a read-only or full runtime
+        directory costs a warning, never the machine operation."""
         names = sorted(self.machines.get("local", set()))
         with bookkeeping(self.app.config.runtime_dir):
             if not names:
@@ -5739,15 +5726,13 @@ class Session:
             ensure_runtime_dir(self.app.config.runtime_dir)
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
             pid, endpoint = os.getpid(), self.app.local.endpoint
-            record = dict(
-                pid=pid, started=process_start_time(pid), endpoint=endpoint, machines=names
-            )
-            write_json(self.record_path, record, mode=0o666)  # the umask's mode, in a 0700 dir
+            record = dict(pid=pid, started=process_start_time(pid), endpoint=endpoint)
+            record["machines"] = names
+            write_json(self.record_path, record, mode=0o666)  # the umask decides, as ever
 
     async def close(self) -> None:
-        """Delete every ephemeral machine this session still holds; what cannot
-        be deleted stays in the record for the next start to try again. A fleet
-        that fails in any way is logged and the next one is still cleaned."""
+        """Delete every ephemeral machine this session holds; what is not deleted stays in the
+        record for the next start. One fleet's failure is logged; the next is still cleaned."""
         who = self.app.who(self.principal or self.app.access.stdio)
         for fleet_name, names in list(self.machines.items()):
             try:  # a name held by another machine by now is never deleted here
@@ -5785,9 +5770,8 @@ class Session:
 
 
 class SessionSlots:
-    """A limiter for anyio's to_thread: a slot of the session first, then a
-    thread of the shared pool. At most ``slots`` of one session's calls hold
-    threads at once; the rest wait in order in that session's queue."""
+    """A limiter for anyio's to_thread: a slot of the session, then a thread of the shared pool, so
+    one session holds at most ``slots`` threads; the rest queue in order."""
 
     def __init__(self, shared: Any, slots: int):
         self.shared, self.own = shared, anyio.CapacityLimiter(slots)
@@ -5810,10 +5794,9 @@ class SessionSlots:
 
 
 def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
-    """Delete machines, children before their branch sources: a source with live children refuses
-    (409), so deletes repeat in passes until one makes no progress. A pass that makes none is tried
-    once more after a pause, as a transient fault (a 5xx, a proxy page) should not leave a machine
-    billing. Returns what is gone (a 404 counts) and what was refused, why."""
+    """Delete machines in passes until one makes no progress (a branch source refuses, 409, while it
+    has children), and once more after a pause for a transient fault. Returns what is gone (a 404
+    counts) and what was refused, why."""
     pending, gone, retried = list(names), [], False
     while pending:
         refused: list[tuple[str, Exception]] = []
@@ -5880,8 +5863,8 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def process_start_time(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot (field 22), or None without /proc: with
-    the pid it names one process, where a pid alone may have been reused."""
+    """When the process started, in clock ticks since boot, or None without /proc: with the pid it
+    names one process, where a pid alone may have been reused."""
     fields = _proc_stat(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 
@@ -5914,10 +5897,8 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if (
-            process_alive(int(record.get("pid", 0)), record.get("started"))
-            or record.get("endpoint") != fleet.endpoint
-        ):
+        alive = process_alive(int(record.get("pid", 0)), record.get("started"))
+        if alive or record.get("endpoint") != fleet.endpoint:
             continue
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
@@ -5930,22 +5911,20 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             else:
                 path.unlink(missing_ok=True)
     if deleted:
-        log.info(
-            "deleted %d machine(s) left by an earlier process: %s", len(deleted), ", ".join(deleted)
-        )
+        names = ", ".join(deleted)
+        log.info("deleted %d machine(s) left by an earlier process: %s", len(deleted), names)
     return deleted
 
 
 # ---------------------------------------------------------------------------
 # 11. Agent access
 #
-# Who is calling, and what it may do. Over HTTP every request carries a token:
-# SMOL_MCP_AUTH_TOKEN (named "default", every scope) or one made with `tokens
-# create`, of which only a hash is kept in the state directory. A token's
-# scopes decide which tools it is shown and may call; a sandbox.* scope narrows
-# it to the machines it created, which the ownership store remembers across
-# restarts. stdio has no token: SMOL_MCP_SCOPES narrows it the same way. Every
-# call passes through authorize() before its handler runs.
+# Who is calling, and what it may do. Over HTTP every request carries a token: SMOL_MCP_AUTH_TOKEN
+# (named "default", every scope) or one made with `tokens create`, of which only a hash is kept in
+# the state directory. A token's scopes decide which tools it is shown and may call; a sandbox.*
+# scope narrows it to the machines it created, which the ownership store remembers across restarts.
+# stdio has no token: SMOL_MCP_SCOPES narrows it the same way. Every call passes through authorize()
+# before its handler runs.
 # ---------------------------------------------------------------------------
 
 # The wider domain first: when a principal holds both, its grant wins.
@@ -5953,14 +5932,11 @@ SCOPE_DOMAINS = ("machines", "sandbox")
 SCOPE_LEVELS = ("read", "manage", "exec")
 SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "activity.read")
 TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is granted to nobody
-    tool: level
-    for level, tools in (
-        ("read", "list-machines get-machine machine-logs read-job"),
-        ("manage", "create-machine start-machine stop-machine delete-machine branch-machine"),
-        ("manage", "pull-image allow-egress"),
-        ("exec", "run-command run-once read-file write-file start-job cancel-job"),
-    )
-    for tool in tools.split()
+    **dict.fromkeys("list-machines get-machine machine-logs read-job".split(), "read"),
+    **dict.fromkeys("create-machine start-machine stop-machine delete-machine".split(), "manage"),
+    **dict.fromkeys("branch-machine pull-image allow-egress".split(), "manage"),
+    **dict.fromkeys("run-command run-once read-file write-file".split(), "exec"),
+    **dict.fromkeys("start-job cancel-job".split(), "exec"),
 }
 APPROVAL_MODES = ("none", "changes")
 SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
@@ -6043,9 +6019,8 @@ def check_scope(principal: Principal, tool: str) -> str:
 
 
 def authorize(principal: Principal, tool: str, target: str | None, machine: str | None) -> Grant:
-    """The one check every tool call (and log resource) passes before its
-    handler runs: the scope for the tool, then the fleet. ``machine`` is the
-    machine named, if any; ownership is enforced by OwnedFleet."""
+    """The one check every tool call (and log resource) passes before its handler: the tool's scope,
+    then the fleet. Ownership is enforced by OwnedFleet."""
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
         fleets = " and ".join(principal.targets)
@@ -6066,10 +6041,9 @@ def ensure_state_dir(path: str | Path) -> Path:
 
 
 class StateFile:
-    """A JSON file in the state directory: mode 0600, written whole and atomically
-    under a lock (several processes share it), read again only when it changed;
-    with ``recheck_secs``, another process's change is looked for at most that
-    often (this process's own writes are seen at once)."""
+    """A JSON file in the state directory (0600), written whole under a lock (processes share it)
+    and read again only when it changed; another process's change is looked for at most every
+    ``recheck_secs``."""
 
     def __init__(self, path: Path, empty: Callable, valid: Callable | None = None, recheck_secs=0):
         self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
@@ -6144,7 +6118,7 @@ def locked(path: Path) -> Iterator[None]:
 def secret_hash(secret: str) -> str:
     import hashlib
 
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def new_token_secret() -> str:
@@ -6175,9 +6149,9 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
 
 
 class TokenStore:
-    """The named tokens: name, id, scopes, targets, approval mode, creation time and the SHA-256 of
-    the secret (the secret itself is never stored). When each was last used is kept in a file of its
-    own, written now and then, so a request never rewrites the tokens file."""
+    """The named tokens, each with the SHA-256 of its secret (never the secret). When each was last
+    used is kept in a file of its own, written now and then, so a request never rewrites the tokens
+    file."""
 
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # a list of records, each with a name
@@ -6194,9 +6168,7 @@ class TokenStore:
     def records(self) -> list[dict]:
         return list(self.file.read().get("tokens", []))
 
-    def create(
-        self, name: str, scopes: tuple[str, ...], targets: tuple[str, ...], approval: str, **extra
-    ) -> tuple[dict, str]:
+    def create(self, name: str, scopes: tuple, targets: tuple, approval: str, **extra) -> tuple:
         if not TOKEN_NAME_RE.fullmatch(name) or name.lower() in RESERVED_TOKEN_NAMES:
             raise ConfigError(
                 f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' or '-', "
@@ -6234,17 +6206,16 @@ class TokenStore:
         return removed
 
     def match(self, offered: list[str], again: bool = True) -> dict | None:
-        """The record whose hash (or a live OAuth access token's) matches one of the offered
-        secrets. Every comparison runs (constant time, on hashes), whatever matched. A miss looks at
-        the file again at once, so a token just created works."""
+        """The record whose hash (or live OAuth access token's) matches an offered secret; every
+        comparison runs, in constant time. A miss reads the file again, so a new token works at
+        once."""
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
         found, now = None, time.time()
         for record in self.records():
             access = [a["sha256"] for a in record.get("access", []) if a["expiresAt"] > now]
             for known in (str(record.get("sha256", "")), *access):
-                for digest in hashes:
-                    if hmac.compare_digest(digest, known):
-                        found = record
+                if [digest for digest in hashes if hmac.compare_digest(digest, known)]:
+                    found = record
         if found is None and again:
             self.file.expire()
             return self.match(offered, again=False)
@@ -6301,10 +6272,8 @@ def token_principal(record: dict) -> Principal:
 
 
 class Owners:
-    """Which principal created each machine, per fleet, in the state directory:
-    a sandbox.* token reaches only its own. A branch is owned by its source's
-    owner; a deleted machine is forgotten, and with it the jobs this server
-    started in it (their state as last seen: what get-machine shows)."""
+    """Which principal created each machine, per fleet (a branch is its source's owner's), and the
+    jobs this server started in it, as last seen; a deleted machine is forgotten."""
 
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
@@ -6368,9 +6337,8 @@ class Owners:
 
 
 class OwnedFleet:
-    """A fleet as a sandbox.* principal sees it: listing shows only its own machines, and a method
-    given another machine's name answers exactly as the fleet answers for a machine that does not
-    exist (it is asked about a name nobody has, and that name is put back in the answer)."""
+    """A fleet as a sandbox.* principal sees it: only its own machines; another's name is answered
+    exactly as the fleet answers for a name nobody has."""
 
     def __init__(self, fleet: Any, owners: Owners, owner: str):
         self._fleet, self._owners, self._owner = fleet, owners, owner
@@ -6435,9 +6403,8 @@ class Access:
         self._warned = False
 
     def token_for(self, offered: list[str]) -> Principal | None:
-        """The principal whose secret is among ``offered``, or None. The tokens
-        file is read again when it changed (looked at twice a second, and at
-        once for a secret it lacks, unless that is the default token's)."""
+        """The principal whose secret is among ``offered``, or None. A secret the tokens file lacks
+        (but not the default token's) reads the file again at once."""
         hashes, default = [secret_hash(one) for one in offered if one], self._default_hash
         # every comparison runs (a list, not a generator), whichever matches
         is_default = default is not None and any([hmac.compare_digest(h, default) for h in hashes])
@@ -6472,14 +6439,13 @@ class Access:
 
 # -- Activity log and approvals ------------------------------------------------
 #
-# What an agent changed is written down before it is told the result, and any
-# change can be held until a person on the host answers. Both are plain files
-# in the state directory (0700), so several server processes and the terminal
-# commands share them without a daemon: the log is appended under a file lock,
-# and an approval is a request file the waiting server writes (0600) and an
-# answer file `approvals approve|deny` writes next to it. A request names the
-# process that waits (pid and start time), so a request left by a process that
-# has stopped is never answerable: approvals do not survive into a new process.
+# What an agent changed is written down before it is told the result, and any change can be held
+# until a person on the host answers. Both are plain files in the state directory (0700), so several
+# server processes and the terminal commands share them without a daemon: the log is appended under
+# a file lock, and an approval is a request file the waiting server writes (0600) and an answer file
+# `approvals approve|deny` writes next to it. A request names the process that waits (pid and start
+# time), so a request left by a process that has stopped is never answerable: approvals do not
+# survive into a new process.
 
 ACTIVITY_FILE = "activity.jsonl"
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
@@ -6513,17 +6479,12 @@ class ApprovalRefused(SmolError):
 
 def fingerprint(value: str) -> dict:
     """What the log keeps of a value it must not copy: its size and SHA-256."""
-    import hashlib
-
-    data = value.encode("utf-8", "surrogatepass")
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"bytes": len(value.encode("utf-8", "surrogatepass")), "sha256": secret_hash(value)}
 
 
 def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
-    """The arguments as the log and the webhook show them: contents, stdin and
-    environment values become their size and digest, and so does the value of
-    an argument the schema does not have or of a redacted one of the wrong type
-    (`Stdin`, `contents`, `env` as a list are the agent's data all the same)."""
+    """The arguments as the log and the webhook show them: content, stdin and env values (of any
+    type), and arguments the schema lacks, as their size and digest."""
     shown, properties = {}, (schema or {}).get("properties")
     known = arguments if properties is None else properties
     for key, value in arguments.items():
@@ -6543,9 +6504,8 @@ def approval_arguments(call: Any) -> dict:
 
 
 def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
-    """``value`` with no string in it over ``limit`` bytes, nor the whole over
-    four times that as JSON: what is longer is cut to its head, keeping the byte
-    count and SHA-256 of the whole (SPEC 13: a record nobody can flush)."""
+    """``value`` with no string over ``limit`` bytes nor the whole over 4x that as JSON: longer is
+    cut to its head, with the byte count and SHA-256 of the whole (SPEC 13)."""
     if isinstance(value, str):
         data = value.encode("utf-8", "surrogatepass")
         if len(data) <= limit:
@@ -6572,10 +6532,8 @@ def os_user() -> str:
 
 
 class ActivityLog:
-    """activity.jsonl in the state directory: one JSON object a line, written
-    with one write() under an exclusive lock, so lines from several processes
-    never interleave; rotated at ACTIVITY_ROTATE_BYTES, keeping
-    ACTIVITY_KEEP_FILES older files (activity.jsonl.1 is the newest of them)."""
+    """activity.jsonl in the state directory: a JSON object a line, each one write() under a lock so
+    processes never interleave; rotated at ACTIVITY_ROTATE_BYTES into .1 (newest) to .5."""
 
     def __init__(self, state_dir: str | Path):
         self.path = Path(state_dir) / ACTIVITY_FILE
@@ -6598,10 +6556,7 @@ class ActivityLog:
                 os.close(fd)
 
     def _rotate_if_full(self, adding: int) -> None:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
+        size = self.path.stat().st_size if self.path.exists() else 0  # rotated only under the lock
         if size == 0 or size + adding <= ACTIVITY_ROTATE_BYTES:
             return
         for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):  # .4 replaces .5: the oldest goes
@@ -6612,13 +6567,9 @@ class ActivityLog:
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
 
-    def entries(
-        self, keep: Callable[[dict], bool] = bool, limit: int | None = None, max_bytes: int = 0
-    ) -> list[dict]:
-        """The latest ``limit`` entries ``keep`` accepts (all of them with None),
-        oldest first, in at most ``max_bytes`` of lines if given. Files are read
-        newest first and no further than needed; lines split on "\n" only, never
-        on U+2028 and its kin (a line that does not parse is skipped)."""
+    def entries(self, keep: Callable = bool, limit: int | None = None, max_bytes=0) -> list[dict]:
+        """The latest ``limit`` entries ``keep`` accepts, oldest first, in at most ``max_bytes`` of
+        lines; newest files first, no further than needed, split on "\n" only."""
         found, size = [], 0
         for path in [self.path] + [self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)]:
             try:
@@ -6646,10 +6597,9 @@ def activity_filter(
     cutoff = time.time() - since_secs if since_secs is not None else None
 
     def keep(entry: dict) -> bool:
-        if principal is not None and entry.get("principal") != principal:
-            return False
-        if machine is not None and entry.get("machine") != machine:
-            return False
+        for key, wanted in (("principal", principal), ("machine", machine)):
+            if wanted is not None and entry.get(key) != wanted:
+                return False
         try:
             return cutoff is None or parse_time(entry.get("time", "")) >= cutoff
         except ValueError:
@@ -6660,10 +6610,8 @@ def activity_filter(
 
 def sees_own_activity_only(principal: Principal) -> bool:
     """A sandbox.* principal (one without any machines.* scope) reads only its own entries."""
-    scopes = principal.scopes
-    return any(s.startswith("sandbox.") for s in scopes) and not any(
-        s.startswith("machines.") for s in scopes
-    )
+    domains = {scope.partition(".")[0] for scope in principal.scopes if "." in scope}
+    return "sandbox" in domains and "machines" not in domains
 
 
 def waiting_process_alive(request: dict) -> bool:
@@ -6751,9 +6699,8 @@ class ApprovalDesk:
 
 
 class AutoApprovals:
-    """Which principals may run changing tools without asking, until when:
-    name -> {"id": the principal's id, "until": RFC 3339 or null for ever}.
-    The id makes a token deleted and made again under the same name ask again."""
+    """Who may run changing tools without asking, until when: name -> {id, until (RFC 3339, or null
+    for ever)}; the id makes a token made again under that name ask again."""
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / AUTO_APPROVE_FILE, dict)
@@ -6762,15 +6709,12 @@ class AutoApprovals:
         """Until when it may run without asking: "forever", an RFC 3339 time, or None."""
         try:
             granted = self.file.read().get(principal.name)
-        except SmolError:
-            return None
-        if not isinstance(granted, dict) or granted.get("id") != principal.id:
-            return None
-        if granted.get("until") is None:
-            return "forever"
-        try:
+            if not isinstance(granted, dict) or granted.get("id") != principal.id:
+                return None
+            if granted.get("until") is None:
+                return "forever"
             return granted["until"] if parse_time(granted["until"]) > time.time() else None
-        except (ValueError, TypeError):
+        except (SmolError, ValueError, TypeError):
             return None
 
     def grant(self, name: str, principal_id: str, period: str) -> str:
@@ -6780,9 +6724,8 @@ class AutoApprovals:
         return until or "forever"
 
     def end(self, name: str) -> bool:
-        if not self.file.path.exists():
-            return False
-        return self.file.update(lambda data: data.pop(name, None) is not None)
+        there = self.file.path.exists()
+        return there and self.file.update(lambda data: data.pop(name, None) is not None)
 
     def shown(self, name: str, principal_id: str) -> str:
         """What `tokens list` says about a principal's auto-approval."""
