@@ -5491,8 +5491,8 @@ def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) ->
     return (
         f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops each VM "
         "to a uid of its own, which cannot open /dev/kvm, so every start would fail with "
-        "KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment (setup carries "
-        "it into the client entry), or let the kvm group read and write /dev/kvm"
+        "KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment (setup "
+        "carries it into the client entry), or let the kvm group read and write /dev/kvm"
     )
 
 
