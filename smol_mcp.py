@@ -5496,15 +5496,6 @@ def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) ->
     )
 
 
-def engine_origin(configured: str, binary: str) -> str:
-    """How the engine in use was found, in words for doctor."""
-    if os.sep in configured:
-        return "SMOLVM"
-    if binary == wheel_engine() and not shutil.which(configured):
-        return "the smolmachines package of this Python (smolvm is not on PATH)"
-    return "PATH"
-
-
 def kvm_mode() -> int | None:
     try:
         return os.stat("/dev/kvm").st_mode
@@ -5538,7 +5529,11 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     serve = config.local_url or "started on the first local tool call"
     if running and not config.local_url:
         serve = f"running at {fleet.endpoint} (smolvm {running})"
-    origin = engine_origin(config.smolvm, binary) if binary else None
+    origin = None  # how the engine in use was found
+    if binary:
+        origin = "SMOLVM" if os.sep in config.smolvm else "PATH"
+        if origin == "PATH" and binary == wheel_engine() and not shutil.which(config.smolvm):
+            origin = "the smolmachines package of this Python (smolvm is not on PATH)"
     facts: dict[str, Any] = {"served": True, "usable": True, "reason": None, "insideGuest": guest}
     facts["hypervisor"] = {"present": hypervisor_ok, "detail": hypervisor_reason}
     facts["smolvm"] = {"path": binary, "version": running, "from": origin}
@@ -5950,8 +5945,7 @@ RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")
 TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
 JOBS_FILE, JOBS_KEPT = "jobs.json", 100  # the jobs get-machine shows, the newest 100 a machine
-USAGE_FLUSH_SECS = 60
-TOKEN_WATCH_SECS = 0.5
+USAGE_FLUSH_SECS, TOKEN_WATCH_SECS = 60, 0.5
 TOKEN_END_GRACE_SECS = 5  # a deleted token's calls in flight may finish answering
 
 
@@ -6031,19 +6025,13 @@ def authorize(principal: Principal, tool: str, target: str | None, machine: str 
     return Grant(scope, scope.startswith("sandbox."))
 
 
-def stdio_principal(config: Config) -> Principal:
-    scopes, approval = frozenset(config.scopes or SCOPES), config.approval
-    return Principal("stdio", scopes, approval=approval, kind="stdio", user=os_user(), id="stdio")
-
-
 def ensure_state_dir(path: str | Path) -> Path:
     return ensure_private_dir(path, "state directory", "SMOL_MCP_STATE_DIR")
 
 
 class StateFile:
-    """A JSON file in the state directory (0600), written whole under a lock (processes share it)
-    and read again only when it changed; another process's change is looked for at most every
-    ``recheck_secs``."""
+    """A JSON file in the state directory (0600), written whole under a lock any process honours and
+    read again only when it changed (another process's change: looked for every ``recheck_secs``)."""
 
     def __init__(self, path: Path, empty: Callable, valid: Callable | None = None, recheck_secs=0):
         self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
@@ -6149,9 +6137,8 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
 
 
 class TokenStore:
-    """The named tokens, each with the SHA-256 of its secret (never the secret). When each was last
-    used is kept in a file of its own, written now and then, so a request never rewrites the tokens
-    file."""
+    """The named tokens, with the SHA-256 of each secret (never the secret). When each was last used
+    goes to a file of its own now and then, so a request never rewrites the tokens file."""
 
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # a list of records, each with a name
@@ -6162,7 +6149,7 @@ class TokenStore:
         # read on every HTTP request: looked at again at most twice a second
         self.file = StateFile(Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []}, valid, 0.5)
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
-        self._used: dict[str, str] = {}
+        self._used: dict[str, str] = {}  # name -> when, not yet written
         self._flushed = time.monotonic()
 
     def records(self) -> list[dict]:
@@ -6206,9 +6193,8 @@ class TokenStore:
         return removed
 
     def match(self, offered: list[str], again: bool = True) -> dict | None:
-        """The record whose hash (or live OAuth access token's) matches an offered secret; every
-        comparison runs, in constant time. A miss reads the file again, so a new token works at
-        once."""
+        """The record whose hash (or live OAuth access token's) matches an offered secret, all
+        compared in constant time; a miss reads the file again, so a new token works at once."""
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
         found, now = None, time.time()
         for record in self.records():
@@ -6263,12 +6249,6 @@ def parse_period(text: str) -> int:
     if match is None:
         raise ValueError(f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w")
     return int(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
-
-
-def token_principal(record: dict) -> Principal:
-    targets = tuple(record.get("targets") or FLEET_NAMES)
-    scopes, approval = frozenset(record.get("scopes", [])), record.get("approval", "none")
-    return Principal(record["name"], scopes, targets, approval, id=record.get("id", ""))
 
 
 class Owners:
@@ -6399,7 +6379,8 @@ class Access:
         self.auto = AutoApprovals(state)
         self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
         self.default = Principal("default", frozenset(SCOPES), id="default")
-        self.stdio = stdio_principal(config)
+        stdio = dict(approval=config.approval, kind="stdio", user=os_user(), id="stdio")
+        self.stdio = Principal("stdio", frozenset(config.scopes or SCOPES), **stdio)
         self._warned = False
 
     def token_for(self, offered: list[str]) -> Principal | None:
@@ -6415,20 +6396,20 @@ class Access:
                 log.warning("%s; named tokens are refused until then", err)
                 self._warned = True
             record = None
-        if record is not None:
-            self.tokens.touch(record["name"])
-            return token_principal(record)
-        return self.default if is_default else None
+        if record is None:
+            return self.default if is_default else None
+        self.tokens.touch(record["name"])
+        targets = tuple(record.get("targets") or FLEET_NAMES)
+        scopes, approval = frozenset(record.get("scopes", [])), record.get("approval", "none")
+        return Principal(record["name"], scopes, targets, approval, id=record.get("id", ""))
 
     def live_ids(self) -> dict[str, str]:
         """name -> id of every principal that may still make requests."""
+        default = {"default": "default"} if self._default_hash is not None else {}
         try:
-            ids = {record["name"]: record.get("id", "") for record in self.tokens.records()}
+            return {token["name"]: token.get("id", "") for token in self.tokens.records()} | default
         except SmolError:
-            ids = {}
-        if self._default_hash is not None:
-            ids["default"] = "default"
-        return ids
+            return default
 
     def has_any_token(self) -> bool:
         return bool(self.live_ids())
@@ -6447,9 +6428,8 @@ class Access:
 # time), so a request left by a process that has stopped is never answerable: approvals do not
 # survive into a new process.
 
-ACTIVITY_FILE = "activity.jsonl"
+ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "activity.jsonl", 5
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
-ACTIVITY_KEEP_FILES = 5
 ACTIVITY_RESOURCE_ENTRIES = 200  # a page: what smol://activity and `activity` show at most
 ACTIVITY_PAGE_BYTES = 512 * 1024  # and what a page of smol://activity holds at most
 ACTIVITY_FIELD_BYTES = 2048  # a longer value is cut, keeping its byte count and SHA-256
@@ -6465,8 +6445,7 @@ AUTO_APPROVE_PERIODS = {"1h": 3600, "1d": 86400, "7d": 604800, "30d": 2592000, "
 # Arguments that are the agent's data rather than a description of the call:
 # the log keeps their size and digest, so a reader can match them without
 # holding them (a file written with a key in it must not copy the key here).
-REDACTED_ARGUMENTS = ("content", "stdin")
-REDACTED_MAPS = ("env",)
+REDACTED_ARGUMENTS, REDACTED_MAPS = ("content", "stdin"), ("env",)
 
 
 class ApprovalRefused(SmolError):
