@@ -5517,8 +5517,7 @@ def hypervisor_status() -> tuple[bool, str]:
 
 
 def local_target_facts(fleet: LocalFleet) -> dict:
-    """What smol://targets says about the local fleet. Only reads: it never
-    spawns the serve (that happens on the first local tool call)."""
+    """What smol://targets says of the local fleet; only reads (a local call starts the serve)."""
     config, guest = fleet.config, inside_smol_guest()
     hypervisor_ok, hypervisor_reason = hypervisor_status()
     binary = fleet.smolvm_path() if not config.local_url else None
@@ -5641,8 +5640,7 @@ NOT_THE_SESSIONS_MACHINE = "not deleted: a machine of that name is no longer the
 
 
 class Session:
-    """One client's state: its ephemeral machines per fleet (and their record
-    on disk), the fleet it chose in both mode, and its log subscriptions."""
+    """One client's state: its ephemeral machines (recorded on disk), fleet, subscriptions."""
 
     def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
         self.app, self.id, self.tasks = app, session_id, tasks  # tasks: where its pollers run
@@ -5666,8 +5664,7 @@ class Session:
         self.http_id = self.protocol = None
 
     def call_slots(self):
-        """This session's share of the worker threads: its flood of long calls waits in its own
-        queue instead of holding every thread."""
+        """This session's share of the worker threads: its long calls queue apart from others'."""
         if self._slots is None:
             self._slots = SessionSlots(self.app.thread_limiter(), SESSION_CALL_SLOTS)
         return self._slots
@@ -5678,8 +5675,7 @@ class Session:
         return self._question_lock
 
     def events(self):
-        """This session's event bus and listen handler (2026 era change
-        notifications travel on a subscriptions/listen stream)."""
+        """This session's event bus and listen handler (2026-era notifications go on listen)."""
         if self._bus is None:
             from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
@@ -5710,8 +5706,7 @@ class Session:
             self._save()
 
     def _save(self) -> None:
-        """Write the local record atomically. It is bookkeeping: a read-only or full runtime
-        directory costs a warning, never the machine operation."""
+        """Write the local record atomically; a failure costs a warning, never the operation."""
         names = sorted(self.machines.get("local", set()))
         with bookkeeping(self.app.config.runtime_dir):
             if not names:
@@ -5832,8 +5827,7 @@ _warned_dirs: set[str] = set()
 
 @contextmanager
 def bookkeeping(runtime_dir: str):
-    """Around a write of our own records in the runtime directory: an OSError
-    (read-only, full, gone) becomes one warning line naming it, once."""
+    """Around a write of our records in the runtime directory: an OSError is one warning, once."""
     try:
         yield
     except OSError as err:
@@ -5858,15 +5852,13 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def process_start_time(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot, or None without /proc: with the pid it
-    names one process, where a pid alone may have been reused."""
+    """When a process started, in ticks since boot (None without /proc): with pid, one process."""
     fields = _proc_stat(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 
 
 def process_alive(pid: int, started: int | None = None) -> bool:
-    """Whether pid is a running process (a zombie is dead: it only waits to be
-    reaped) and, when started is known, the same one that wrote it down."""
+    """Whether pid runs (a zombie does not) and, when ``started`` is known, is the one noted."""
     if pid <= 0:
         return False  # a record without a real pid belongs to nobody
     try:
@@ -5884,8 +5876,7 @@ def process_alive(pid: int, started: int | None = None) -> bool:
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
-    """Delete the ephemeral machines recorded by processes that died without
-    cleaning up (SIGKILL, power loss), on the same serve; return their names."""
+    """Delete the ephemeral machines this serve holds for processes that died; their names."""
     deleted = []
     for path in sorted((Path(runtime_dir) / "sessions").glob("*.json")):
         try:
@@ -5983,16 +5974,14 @@ class Principal:
 
 @dataclass(frozen=True)
 class Grant:
-    """What authorize() allowed: the scope that grants the call, and whether it
-    reaches only the principal's own machines (a sandbox.* scope)."""
+    """What authorize() allowed: the granting scope, and whether only own machines (sandbox.*)."""
 
     scope: str
     owned_only: bool
 
 
 def granting_scope(principal: Principal, tool: str) -> str | None:
-    """The scope of ``principal`` that grants ``tool``, or None. Fails closed:
-    a tool without a row in TOOL_LEVELS is granted by no scope."""
+    """The scope of ``principal`` granting ``tool``, or None (also when TOOL_LEVELS lacks it)."""
     level = TOOL_LEVELS.get(tool)
     granting = [f"{domain}.{level}" for domain in SCOPE_DOMAINS if level is not None]
     return next((scope for scope in granting if scope in principal.scopes), None)
@@ -6031,7 +6020,7 @@ def ensure_state_dir(path: str | Path) -> Path:
 
 class StateFile:
     """A JSON file in the state directory (0600), written whole under a lock any process honours and
-    read again only when it changed (another process's change: looked for every ``recheck_secs``)."""
+    read again only when it changed (another process's change: looked for each ``recheck_secs``)."""
 
     def __init__(self, path: Path, empty: Callable, valid: Callable | None = None, recheck_secs=0):
         self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
@@ -6286,8 +6275,7 @@ class Owners:
             self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
 
     def note_job(self, fleet: str, name: str, job: dict, started: bool = False) -> None:
-        """Record the state last seen of a job this server ``started`` (or already
-        records); one that cannot be written costs a log line, not the call."""
+        """Note a job's last-seen state if this server ``started`` or notes it; logs a failure."""
         seen = {"jobId": job["jobId"], "state": job["state"], "exitCode": job.get("exitCode")}
 
         def change(data: dict) -> None:
@@ -6305,8 +6293,7 @@ class Owners:
             log.warning("could not record job %s of %s: %s", seen["jobId"], name, err)
 
     def release(self, fleet: str, name: str, owner: str) -> None:
-        """Forget a claim that came to nothing, unless another owner holds the
-        name by now (its create won the race): in one locked update."""
+        """Forget a claim that came to nothing, unless another owner holds the name by now."""
 
         def drop(data: dict) -> None:
             if data.get(fleet, {}).get(name) == owner:  # a bare claim, made before the create
@@ -6324,8 +6311,7 @@ class OwnedFleet:
         self._fleet, self._owners, self._owner = fleet, owners, owner
 
     def mine(self, name: str, record: dict | None = None) -> bool:
-        """Whether ``name`` is this owner's, and (once its create answered) still
-        the very machine it created: a machine made again under that name is not."""
+        """Whether ``name`` is this owner's and still the machine it created, not one made again."""
         if self._owners.owner(self._fleet.name, name) != self._owner:
             return False
         identity = self._owners.identity(self._fleet.name, name)
@@ -6368,8 +6354,7 @@ class OwnedFleet:
 
 
 class Access:
-    """The principals of this process and what they own: the tokens file, the
-    ownership store, SMOL_MCP_AUTH_TOKEN as "default", and the stdio principal."""
+    """This process's principals and what they own: tokens, owners, activity log and approvals."""
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         environ = os.environ if environ is None else environ
@@ -6477,8 +6462,7 @@ def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
 
 
 def approval_arguments(call: Any) -> dict:
-    """The arguments a person judges a waiting call by (SPEC 13): all of them,
-    stdin, env and content too, each cut at APPROVAL_SHOW_BYTES."""
+    """What a person judges a held call by (SPEC 13): all arguments, cut at APPROVAL_SHOW_BYTES."""
     return bounded(dict(getattr(call.params, "arguments", None) or {}), APPROVAL_SHOW_BYTES)
 
 
@@ -6602,8 +6586,7 @@ def waiting_process_alive(request: dict) -> bool:
 
 
 class ApprovalDesk:
-    """The approvals directory: <id>.request.json written by the waiting server,
-    <id>.answer.json written by `approvals approve|deny`."""
+    """The approvals directory: <id>.request.json of a waiting server, <id>.answer.json answers."""
 
     def __init__(self, state_dir: str | Path):
         self.directory = Path(state_dir) / APPROVALS_DIR
@@ -6634,8 +6617,7 @@ class ApprovalDesk:
             self.path_of(approval_id, kind).unlink(missing_ok=True)
 
     def pending(self) -> list[dict]:
-        """Requests whose process still waits and nobody answered, oldest first;
-        those of a process that stopped are removed."""
+        """Requests still waited on and unanswered, oldest first; a stopped process's go."""
         found = []
         for path in self.directory.glob("*.request.json"):
             try:
@@ -6655,8 +6637,7 @@ class ApprovalDesk:
         return sorted(found, key=lambda request: str(request.get("requestedAt", "")))
 
     def respond(self, approval_id: str, answer: dict) -> dict:
-        """Answer a waiting request and return it; a SmolError for an unknown,
-        stale or answered id."""
+        """Answer a waiting request and return it; SmolError for an unknown, stale, answered id."""
         try:
             request = json.loads(self.path_of(approval_id, "request").read_text())
         except (OSError, ValueError):
