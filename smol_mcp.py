@@ -5541,22 +5541,16 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     if guest:
         why = "running inside a smol machine, which cannot start machines of its own"
     elif config.local_url and running is None:
-        why = (
-            f"nothing answers at SMOL_LOCAL_URL={config.local_url}; start that serve, or unset "
-            "SMOL_LOCAL_URL to let smol-mcp start its own"
-        )
+        fix = "start that serve, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
+        why = f"nothing answers at SMOL_LOCAL_URL={config.local_url}; {fix}"
     elif config.local_url:
         facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
     elif binary is None and running:  # another smol-mcp's serve, in our runtime dir
-        facts["reason"] = (
-            f"uses the serve already running at {fleet.endpoint}; when it stops, starting a "
-            "new one needs smolvm: set SMOLVM to its path"
-        )
+        later = "when it stops, starting a new one needs smolvm: set SMOLVM to its path"
+        facts["reason"] = f"uses the serve already running at {fleet.endpoint}; {later}"
     elif binary is None:
-        why = (
-            f"smolvm was not found ({config.smolvm!r}); get it with one of the commands below, "
-            "or set SMOLVM to its path"
-        )
+        fix = "get it with one of the commands below, or set SMOLVM to its path"
+        why = f"smolvm was not found ({config.smolvm!r}); {fix}"
     elif not hypervisor_ok:
         why = hypervisor_reason
     elif advice := uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
@@ -5566,14 +5560,11 @@ def local_target_facts(fleet: LocalFleet) -> dict:
         why = f"127.0.0.1:10081, which every serve binds, is taken. {hint}"
     minimum = config.min_smolvm
     if running and minimum and version_tuple(running) < version_tuple(minimum):
-        why = (
-            f"smolvm {running} is older than {minimum}; upgrade it, or set "
-            "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
-        )
+        fix = "upgrade it, or set SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
+        why = f"smolvm {running} is older than {minimum}; {fix}"
     elif not running and not why and minimum:
-        facts["reason"] = (
-            f"its version is checked against {minimum} when the first local call starts the serve"
-        )
+        when = "when the first local call starts the serve"
+        facts["reason"] = f"its version is checked against {minimum} {when}"
     if why:
         facts.update(usable=False, reason=why)
     return facts
@@ -5634,7 +5625,6 @@ def targets_document(app: SmolMcp) -> dict:
 # created it deletes it when the session ends. Local records are files in the
 # runtime directory, so the next process deletes what a SIGKILLed one left.
 # ---------------------------------------------------------------------------
-
 
 NOT_THE_SESSIONS_MACHINE = "not deleted: a machine of that name is no longer the one it made"
 
@@ -6073,10 +6063,8 @@ class StateFile:
                 self.expire()
             return result
         except OSError as exc:
-            raise SmolError(
-                f"cannot write {self.path} ({exc.strerror}); set SMOL_MCP_STATE_DIR "
-                "to a directory this user can write"
-            ) from None
+            fix = "set SMOL_MCP_STATE_DIR to a directory this user can write"
+            raise SmolError(f"cannot write {self.path} ({exc.strerror}); {fix}") from None
 
 
 @contextmanager
@@ -6159,10 +6147,8 @@ class TokenStore:
 
         def add(data: dict) -> None:
             if any(existing["name"] == name for existing in data.setdefault("tokens", [])):
-                raise ConfigError(
-                    f"a token named {name!r} already exists; pick another name, or "
-                    f"`tokens delete {name}` first"
-                )
+                fix = f"pick another name, or `tokens delete {name}` first"
+                raise ConfigError(f"a token named {name!r} already exists; {fix}")
             data["tokens"].append(record)
 
         self.file.update(add)
@@ -6641,16 +6627,12 @@ class ApprovalDesk:
         try:
             request = json.loads(self.path_of(approval_id, "request").read_text())
         except (OSError, ValueError):
-            raise SmolError(
-                f"no call waits for approval {approval_id}; `approvals list` shows the "
-                "calls that wait"
-            ) from None
+            listed = "`approvals list` shows the calls that wait"
+            raise SmolError(f"no call waits for approval {approval_id}; {listed}") from None
         if not waiting_process_alive(request):
             self.close(approval_id)
-            raise SmolError(
-                f"the server that held {approval_id} has stopped, so that call was "
-                "refused (approval_interrupted); there is nothing to answer"
-            )
+            refused = "so that call was refused (approval_interrupted); there is nothing to answer"
+            raise SmolError(f"the server that held {approval_id} has stopped, {refused}")
         answer_path = self.path_of(approval_id, "answer")
         if answer_path.exists():
             raise SmolError(f"{approval_id} was answered already")
