@@ -5721,10 +5721,8 @@ class Session:
                 kept = sorted(set(names) - set(replaced))
                 deleted, refused = await run(delete_in_passes, fleet, kept, abandon_on_cancel=True)
             except Exception as err:
-                what = f"its {fleet_name} machines ({', '.join(sorted(names))})"
-                log.warning(
-                    "session %s ended: could not clean up %s: %s", self.id, what, describe(err)
-                )
+                what = f"{self.id} ended: could not clean up its {fleet_name} machines"
+                log.warning("session %s (%s): %s", what, ", ".join(sorted(names)), describe(err))
                 continue
             for name in [*deleted, *replaced]:
                 outcome = "deleted" if name in deleted else NOT_THE_SESSIONS_MACHINE
