@@ -428,7 +428,7 @@ class ImportTests(unittest.TestCase):
             elif isinstance(node, ast.ImportFrom):
                 top_level.add((node.module or "").split(".")[0])
         self.assertFalse(
-            top_level & {"mcp", "mcp_types", "starlette", "uvicorn", "httpx2", "anyio"}, top_level
+            top_level & {"mcp", "mcp_types", "starlette", "uvicorn", "httpx2"}, top_level
         )
 
     def test_pep723_and_pyproject_pin_the_same_versions(self):
@@ -7133,6 +7133,17 @@ class AccessPiecesTests(unittest.TestCase):
                 for _ in range(200):
                     self.assertEqual(access.token_for([secret]).name, "default")
             self.assertLessEqual(stats.call_count, 1)
+
+    def test_a_damaged_state_file_is_refused_on_every_read_never_hidden_by_the_recheck(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            file = smol_mcp.StateFile(Path(tmp) / "x.json", dict, recheck_secs=60)
+            file.update(lambda data: data.update(a=1))
+            self.assertEqual(file.read(), {"a": 1})
+            file.path.write_text("[]")
+            file.expire()
+            for _ in range(2):  # the second read, inside the recheck window, refuses too
+                with self.assertRaisesRegex(smol_mcp.SmolError, "not shaped as this server"):
+                    file.read()
 
 
 class ReservedTokenNameTests(unittest.TestCase):
