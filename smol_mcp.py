@@ -5981,11 +5981,10 @@ def check_scope(principal: Principal, tool: str) -> str:
     if scope is None:
         level = TOOL_LEVELS.get(tool, "unknown")
         held = ", ".join(sorted(principal.scopes)) or "none"
-        raise ScopeMissing(
-            f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} for "
-            f"machines of its own), which {principal.label()} does not have (its scopes: {held})."
-            " Ask the operator for a token with that scope."
-        )
+        needs = f"needs the machines.{level} scope (or sandbox.{level} for machines of its own)"
+        lacks = f"which {principal.label()} does not have (its scopes: {held})"
+        ask = "Ask the operator for a token with that scope."
+        raise ScopeMissing(f"scope_missing: {tool} {needs}, {lacks}. {ask}")
     return scope
 
 
@@ -5994,11 +5993,9 @@ def authorize(principal: Principal, tool: str, target: str | None, machine: str 
     then the fleet. Ownership is enforced by OwnedFleet."""
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
-        fleets = " and ".join(principal.targets)
-        raise ScopeMissing(
-            f"scope_missing: {principal.label()} may use the {fleets} fleet only, not {target}. "
-            f"Ask the operator for a token whose targets include {target}."
-        )
+        only = f"the {' and '.join(principal.targets)} fleet only, not {target}"
+        ask = f"Ask the operator for a token whose targets include {target}."
+        raise ScopeMissing(f"scope_missing: {principal.label()} may use {only}. {ask}")
     return Grant(scope, scope.startswith("sandbox."))
 
 
@@ -6322,16 +6319,14 @@ class OwnedFleet:
 
     def _as_missing(self, method: Callable, args: tuple, kwargs: dict) -> Any:
         name = args[0]
-        stand_in = f"{self._fleet.config.machine_prefix}absent-{secrets_module.token_hex(8)}"
+        absent = f"{self._fleet.config.machine_prefix}absent-{secrets_module.token_hex(8)}"
         try:
-            method(stand_in, *args[1:], **kwargs)
+            method(absent, *args[1:], **kwargs)
         except SmolError as err:
             if isinstance(err, ApiError):
-                err.action = err.action.replace(stand_in, name)
-                err.api_message = err.api_message.replace(stand_in, name)
-            err.args = tuple(
-                a.replace(stand_in, name) if isinstance(a, str) else a for a in err.args
-            )
+                err.action = err.action.replace(absent, name)
+                err.api_message = err.api_message.replace(absent, name)
+            err.args = tuple(a.replace(absent, name) if isinstance(a, str) else a for a in err.args)
             raise err from None
         action = f"find machine '{name}'"
         raise ApiError(self._fleet.name, action, 404, "NOT_FOUND", f"machine '{name}' not found")
