@@ -6129,10 +6129,9 @@ class TokenStore:
 
     def create(self, name: str, scopes: tuple, targets: tuple, approval: str, **extra) -> tuple:
         if not TOKEN_NAME_RE.fullmatch(name) or name.lower() in RESERVED_TOKEN_NAMES:
-            raise ConfigError(
-                f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' or '-', "
-                f"starting with a letter or digit, and not {' or '.join(RESERVED_TOKEN_NAMES)}"
-            )
+            rule = "use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            reserved = " or ".join(RESERVED_TOKEN_NAMES)
+            raise ConfigError(f"{name!r} cannot be a token name: {rule}, and not {reserved}")
         if approval not in APPROVAL_MODES:
             raise ConfigError(f"--approval takes {' or '.join(APPROVAL_MODES)}; got {approval!r}")
         secret = new_token_secret()
