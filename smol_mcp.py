@@ -4527,9 +4527,8 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 # ---------------------------------------------------------------------------
 # 9. Resources
 #
-# smol://targets says what this process serves and whether each fleet can work
-# on this host right now, without starting anything. The log template gives the
-# latest console lines of a machine.
+# smol://targets says what this process serves and whether each fleet can work on this host right
+# now, without starting anything. The log template gives the latest console lines of a machine.
 # ---------------------------------------------------------------------------
 
 TARGETS_URI = "smol://targets"
@@ -4539,32 +4538,16 @@ LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs
 
 
 def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) -> str | None:
-    """As root, smolvm runs each VM under a uid of its own, which cannot open
-    a /dev/kvm that only root may open: the start then fails much later with
-    KvmOpen(Error(13)). Say so now, with the switch that fixes it."""
-    if (
-        euid != 0
-        or kvm_mode is None
-        or kvm_mode & 0o066
-        or environ.get("SMOLVM_VM_UID_DROP") == "off"
-    ):
+    """As root, smolvm drops each VM to a uid of its own, which cannot open a root-only /dev/kvm:
+    the start fails late with KvmOpen(Error(13)). Say so now, with the fix."""
+    if euid or kvm_mode is None or kvm_mode & 0o066 or environ.get("SMOLVM_VM_UID_DROP") == "off":
         return None
     return (
-        f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops "
-        "each VM to a uid of its own, which cannot open /dev/kvm, so every start would fail "
-        "with KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment "
-        "(setup carries it into the client entry), or let the kvm group read and write "
-        "/dev/kvm"
+        f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops each VM "
+        "to a uid of its own, which cannot open /dev/kvm, so every start would fail with "
+        "KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment (setup "
+        "carries it into the client entry), or let the kvm group read and write /dev/kvm"
     )
-
-
-def engine_origin(configured: str, binary: str) -> str:
-    """How the engine in use was found, in words for doctor."""
-    if os.sep in configured:
-        return "SMOLVM"
-    if binary == wheel_engine() and not shutil.which(configured):
-        return "the smolmachines package of this Python (smolvm is not on PATH)"
-    return "PATH"
 
 
 def kvm_mode() -> int | None:
@@ -4579,101 +4562,66 @@ def hypervisor_status() -> tuple[bool, str]:
     if sys.platform == "darwin":
         return True, "Hypervisor.framework (macOS)"
     if not os.path.exists("/dev/kvm"):
-        return (
-            False,
-            "/dev/kvm does not exist: enable KVM (or nested virtualisation on this VM) and load "
-            "the kvm module",
-        )
+        enable = "enable KVM (or nested virtualisation on this VM) and load the kvm module"
+        return False, f"/dev/kvm does not exist: {enable}"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return (
-            False,
-            "/dev/kvm is not readable and writable by this user: add the user to the kvm group",
-        )
+        join = "add the user to the kvm group"
+        return False, f"/dev/kvm is not readable and writable by this user: {join}"
     return True, "/dev/kvm is usable"
 
 
 def local_target_facts(fleet: LocalFleet) -> dict:
-    """What smol://targets says about the local fleet. Only reads: it never
-    spawns the serve (that happens on the first local tool call)."""
-    facts: dict[str, Any] = {"served": True, "usable": True, "reason": None}
-    guest = inside_smol_guest()
+    """What smol://targets says of the local fleet; only reads (a local call starts the serve)."""
+    config, guest = fleet.config, inside_smol_guest()
     hypervisor_ok, hypervisor_reason = hypervisor_status()
-    binary = fleet.smolvm_path() if not fleet.config.local_url else None
-    facts.update(
-        {
-            "insideGuest": guest,
-            "hypervisor": {"present": hypervisor_ok, "detail": hypervisor_reason},
-            "smolvm": {
-                "path": binary,
-                "version": fleet.version,
-                "from": engine_origin(fleet.config.smolvm, binary) if binary else None,
-            },
-            "serve": fleet.config.local_url or "started on the first local tool call",
-            "minSmolvm": fleet.config.min_smolvm or None,
-        }
-    )
-    running_version = fleet.version or serve_version(
-        fleet
-    )  # asks a serve that already runs; starts none
-    facts["smolvm"]["version"] = running_version
-    if running_version and not fleet.config.local_url:
-        facts["serve"] = f"running at {fleet.endpoint} (smolvm {running_version})"
-    if guest:
-        facts.update(
-            usable=False,
-            reason="running inside a smol machine, which cannot start machines of its own",
-        )
-    elif fleet.config.local_url:
-        if running_version is None:
-            facts.update(
-                usable=False,
-                reason=f"nothing answers at SMOL_LOCAL_URL={fleet.config.local_url}; start "
-                "that serve, or unset SMOL_LOCAL_URL to let smol-mcp start its own",
-            )
-        else:
-            facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
-    elif binary is None and running_version:  # another smol-mcp's serve, in our runtime dir
-        facts["reason"] = (
-            f"uses the serve already running at {fleet.endpoint}; when it stops, starting a "
-            "new one needs smolvm: set SMOLVM to its path"
-        )
-    elif binary is None:
-        facts.update(
-            usable=False,
-            reason=f"smolvm was not found ({fleet.config.smolvm!r}); get "
-            "it with one of the commands below, or set SMOLVM to "
-            "its path",
-        )
-    elif not hypervisor_ok:
-        facts.update(usable=False, reason=hypervisor_reason)
-    elif uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
-        facts.update(usable=False, reason=uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ))
-    elif running_version is None and rollout_port_taken():
-        facts.update(
-            usable=False,
-            reason="127.0.0.1:10081, which every serve binds, is taken. "
-            + other_serve_hint(fleet.endpoint.removeprefix("unix://")),
-        )
-    minimum = fleet.config.min_smolvm
-    if running_version and minimum and version_tuple(running_version) < version_tuple(minimum):
-        facts.update(
-            usable=False,
-            reason=f"smolvm {running_version} is older than {minimum}; upgrade it, or set "
-            "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check",
-        )
-    elif not running_version and facts["usable"] and minimum:
-        facts["reason"] = (
-            f"its version is checked against {minimum} when the first local call starts the serve"
-        )
-    return facts
-
-
-def serve_version(fleet: LocalFleet) -> str | None:
-    """The version a serve already answering on the fleet's address reports."""
-    try:
-        return str(fleet._health().get("version") or "") or None
+    binary = fleet.smolvm_path() if not config.local_url else None
+    try:  # asks a serve that already runs; starts none
+        running = fleet.version or str(fleet._health().get("version") or "") or None
     except (OSError, SmolError, ValueError):
-        return None
+        running = None
+    serve = config.local_url or "started on the first local tool call"
+    if running and not config.local_url:
+        serve = f"running at {fleet.endpoint} (smolvm {running})"
+    origin = None  # how the engine in use was found
+    if binary:
+        origin = "SMOLVM" if os.sep in config.smolvm else "PATH"
+        if origin == "PATH" and binary == wheel_engine() and not shutil.which(config.smolvm):
+            origin = "the smolmachines package of this Python (smolvm is not on PATH)"
+    facts: dict[str, Any] = {"served": True, "usable": True, "reason": None, "insideGuest": guest}
+    facts["hypervisor"] = {"present": hypervisor_ok, "detail": hypervisor_reason}
+    facts["smolvm"] = {"path": binary, "version": running, "from": origin}
+    facts.update(serve=serve, minSmolvm=config.min_smolvm or None)
+    why = None  # what makes it unusable
+    if guest:
+        why = "running inside a smol machine, which cannot start machines of its own"
+    elif config.local_url and running is None:
+        fix = "start that serve, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
+        why = f"nothing answers at SMOL_LOCAL_URL={config.local_url}; {fix}"
+    elif config.local_url:
+        facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
+    elif binary is None and running:  # another smol-mcp's serve, in our runtime dir
+        later = "when it stops, starting a new one needs smolvm: set SMOLVM to its path"
+        facts["reason"] = f"uses the serve already running at {fleet.endpoint}; {later}"
+    elif binary is None:
+        fix = "get it with one of the commands below, or set SMOLVM to its path"
+        why = f"smolvm was not found ({config.smolvm!r}); {fix}"
+    elif not hypervisor_ok:
+        why = hypervisor_reason
+    elif advice := uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
+        why = advice
+    elif running is None and rollout_port_taken():
+        hint = other_serve_hint(fleet.endpoint.removeprefix("unix://"))
+        why = f"127.0.0.1:10081, which every serve binds, is taken. {hint}"
+    minimum = config.min_smolvm
+    if running and minimum and version_tuple(running) < version_tuple(minimum):
+        fix = "upgrade it, or set SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
+        why = f"smolvm {running} is older than {minimum}; {fix}"
+    elif not running and not why and minimum:
+        when = "when the first local call starts the serve"
+        facts["reason"] = f"its version is checked against {minimum} {when}"
+    if why:
+        facts.update(usable=False, reason=why)
+    return facts
 
 
 def rollout_port_taken() -> bool:
@@ -4684,11 +4632,8 @@ def rollout_port_taken() -> bool:
 
 
 async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str) -> None:
-    """Poll a machine's console every logsPollSecs and call ``notify`` when
-    lines arrived since the last look (neither log route pushes to us); counted
-    in app.polling under ``who``, and ended when the machine is gone."""
-    import anyio
-
+    """Call ``notify`` when a machine's console has new lines (polled every logsPollSecs: no log
+    route pushes); counted in app.polling[who]; ends when the machine is gone."""
     last = None
     app.polling[who] = app.polling.get(who, 0) + 1
     try:
@@ -4701,11 +4646,9 @@ async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, wh
                 if last is not None and seen != last:
                     await notify()
                 last = seen
-            except ApiError as err:  # stopped: it may start again; gone: nothing more to follow
-                if err.status == 404:
+            except SmolError as err:  # stopped: it may start again; gone: nothing more to follow
+                if isinstance(err, ApiError) and err.status == 404:
                     return
-                log.debug("log poll of %s: %s", name, err)
-            except SmolError as err:
                 log.debug("log poll of %s: %s", name, err)
             await anyio.sleep(app.config.logs_poll_secs)
     finally:
@@ -4714,29 +4657,18 @@ async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, wh
 
 def cloud_target_facts(config: Config) -> dict:
     """What smol://targets says about the cloud fleet, without calling it."""
-    facts = {
-        "served": True,
-        "usable": bool(config.cloud_token),
-        "reason": None,
-        "url": config.cloud_url,
-        "tokenSet": bool(config.cloud_token),
-    }
-    if not config.cloud_token:
-        facts["reason"] = "no account key: set SMOL_CLOUD_TOKEN"
-    return facts
+    keyed = bool(config.cloud_token)
+    reason = None if keyed else "no account key: set SMOL_CLOUD_TOKEN"
+    return dict(served=True, usable=keyed, reason=reason, url=config.cloud_url, tokenSet=keyed)
 
 
 def targets_document(app: SmolMcp) -> dict:
     """The mode and, per fleet, whether it is served and usable now, with the reason when not."""
     facts = {name: kind.target_facts(app) for name, kind in FLEETS.items()}
+    mode = f"this process runs in {app.mode} mode (SMOL_MCP_TARGETS={app.config.targets})"
     for name, fleet_facts in facts.items():
         if name not in app.fleets:
-            fleet_facts.update(
-                served=False,
-                usable=False,
-                reason=f"this process runs in {app.mode} mode "
-                f"(SMOL_MCP_TARGETS={app.config.targets})",
-            )
+            fleet_facts.update(served=False, usable=False, reason=mode)
     return {"mode": app.mode, "fleets": facts}
 
 
@@ -4748,32 +4680,24 @@ def targets_document(app: SmolMcp) -> dict:
 # runtime directory, so the next process deletes what a SIGKILLed one left.
 # ---------------------------------------------------------------------------
 
-
 NOT_THE_SESSIONS_MACHINE = "not deleted: a machine of that name is no longer the one it made"
 
 
 class Session:
-    """One client's state: its ephemeral machines per fleet (and their record
-    on disk), the fleet it chose in both mode, and its log subscriptions."""
+    """One client's state: its ephemeral machines (recorded on disk), fleet, subscriptions."""
 
     def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
-        self.app, self.id = app, session_id
+        self.app, self.id, self.tasks = app, session_id, tasks  # tasks: where its pollers run
         self.machines: dict[str, set[str]] = {}
-        self.record_path = (
-            Path(app.config.runtime_dir) / "sessions" / f"{os.getpid()}-{session_id}.json"
-        )
+        sessions = Path(app.config.runtime_dir) / "sessions"
+        self.record_path = sessions / f"{os.getpid()}-{session_id}.json"
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
-        self.asked_fleet = False
+        self.asked_fleet = self.ended = False
         self.chose_during: Any = None  # the call whose question made the choice
-        self._question_lock = self._slots = None
-        self.tasks = tasks  # the task group its log pollers run in
-        self.subscriptions: dict[
-            str, Any
-        ] = {}  # uri -> the CancelScope of its poller (handshake era)
-        self._bus = self.listener = None
+        self._question_lock = self._slots = self._bus = self.listener = None
+        self.subscriptions: dict[str, Any] = {}  # uri -> its poller's CancelScope (handshake era)
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
-        self.ended = False
         self.identities: dict[tuple[str, str], str] = {}  # (fleet, name) -> machine_identity()
         self.spent: set[str] = set()  # nonces of 2026-era confirmations already answered
         self.gone_requests: set = set()  # over HTTP: ids of requests whose client hung up
@@ -4784,23 +4708,18 @@ class Session:
         self.http_id = self.protocol = None
 
     def call_slots(self):
-        """The worker threads this session's blocking calls run in: a share of
-        the process's pool, so one session's flood of long calls waits its turn
-        in its own queue instead of holding every thread."""
+        """This session's share of the worker threads: its long calls queue apart from others'."""
         if self._slots is None:
             self._slots = SessionSlots(self.app.thread_limiter(), SESSION_CALL_SLOTS)
         return self._slots
 
     def question_lock(self):
-        import anyio
-
         if self._question_lock is None:
             self._question_lock = anyio.Lock()
         return self._question_lock
 
     def events(self):
-        """This session's event bus and listen handler (2026 era change
-        notifications travel on a subscriptions/listen stream)."""
+        """This session's event bus and listen handler (2026-era notifications go on listen)."""
         if self._bus is None:
             from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
 
@@ -4831,9 +4750,7 @@ class Session:
             self._save()
 
     def _save(self) -> None:
-        """Write the local record atomically (a crash mid-write must not lose it).
-        The record is bookkeeping: a runtime directory that is read-only or full
-        costs a warning, never the machine operation that changed it."""
+        """Write the local record atomically; a failure costs a warning, never the operation."""
         names = sorted(self.machines.get("local", set()))
         with bookkeeping(self.app.config.runtime_dir):
             if not names:
@@ -4842,57 +4759,31 @@ class Session:
             # The parent first: it is what keeps others out.
             ensure_runtime_dir(self.app.config.runtime_dir)
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
-            record = {
-                "pid": os.getpid(),
-                "started": process_start_time(os.getpid()),
-                "endpoint": self.app.local.endpoint,
-                "machines": names,
-            }
-            temporary = self.record_path.with_suffix(".tmp")
-            temporary.write_text(json.dumps(record))
-            temporary.replace(self.record_path)
+            pid, endpoint = os.getpid(), self.app.local.endpoint
+            record = dict(pid=pid, started=process_start_time(pid), endpoint=endpoint)
+            record["machines"] = names
+            write_json(self.record_path, record, mode=0o666)  # the umask decides, as ever
 
     async def close(self) -> None:
-        """Delete every ephemeral machine this session still holds; what cannot
-        be deleted stays in the record for the next start to try again. A fleet
-        that fails in any way is logged and the next one is still cleaned."""
-        import anyio
-
-        principal = self.principal or self.app.access.stdio
+        """Delete every ephemeral machine this session holds; what is not deleted stays in the
+        record for the next start. One fleet's failure is logged; the next is still cleaned."""
+        who = self.app.who(self.principal or self.app.access.stdio)
         for fleet_name, names in list(self.machines.items()):
             try:  # a name held by another machine by now is never deleted here
-                replaced = await anyio.to_thread.run_sync(
-                    self.replaced, self.app.fleets[fleet_name], sorted(names)
-                )
-                deleted, refused = await anyio.to_thread.run_sync(
-                    delete_in_passes,
-                    self.app.fleets[fleet_name],
-                    sorted(set(names) - set(replaced)),
-                    abandon_on_cancel=True,
-                )
+                fleet, run = self.app.fleets[fleet_name], anyio.to_thread.run_sync
+                replaced = await run(self.replaced, fleet, sorted(names))
+                kept = sorted(set(names) - set(replaced))
+                deleted, refused = await run(delete_in_passes, fleet, kept, abandon_on_cancel=True)
             except Exception as err:
-                log.warning(
-                    "session %s ended: could not clean up its %s machines (%s): %s",
-                    self.id,
-                    fleet_name,
-                    ", ".join(sorted(names)),
-                    describe(err),
-                )
+                what = f"{self.id} ended: could not clean up its {fleet_name} machines"
+                log.warning("session %s (%s): %s", what, ", ".join(sorted(names)), describe(err))
                 continue
             for name in [*deleted, *replaced]:
                 outcome = "deleted" if name in deleted else NOT_THE_SESSIONS_MACHINE
                 log.info("session %s ended: %s: %s", self.id, name, outcome)
                 self.forget(fleet_name, name)
-                self.app.record(
-                    {
-                        "event": "session-cleanup",
-                        **self.app.who(principal),
-                        "session": self.id,
-                        "target": fleet_name,
-                        "machine": name,
-                        "outcome": outcome,
-                    }
-                )
+                entry = dict(session=self.id, target=fleet_name, machine=name, outcome=outcome)
+                self.app.record({"event": "session-cleanup", **who, **entry})
             self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
                 log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
@@ -4911,18 +4802,13 @@ class Session:
 
 
 class SessionSlots:
-    """A limiter for anyio's to_thread: a slot of the session first, then a
-    thread of the shared pool. At most ``slots`` of one session's calls hold
-    threads at once; the rest wait in order in that session's queue."""
+    """A limiter for anyio's to_thread: a slot of the session, then a thread of the shared pool, so
+    one session holds at most ``slots`` threads; the rest queue in order."""
 
     def __init__(self, shared: Any, slots: int):
-        import anyio
-
         self.shared, self.own = shared, anyio.CapacityLimiter(slots)
 
     async def __aenter__(self) -> None:
-        import anyio
-
         for taken, limiter in enumerate((self.own, self.shared)):
             try:  # a free slot is taken without a pass through the event loop
                 limiter.acquire_nowait()
@@ -4939,27 +4825,20 @@ class SessionSlots:
         self.own.release()
 
 
-def delete_in_passes(
-    fleet: Fleet, names: list[str]
-) -> tuple[list[str], list[tuple[str, Exception]]]:
-    """Delete machines, children before their branch sources: a source with
-    live children refuses (409), so deletes repeat in passes until one makes no
-    progress. A pass that makes none is tried once more after a pause, as a
-    transient fault (a 5xx, a proxy page) should not leave a machine billing.
-    Returns what is gone (a 404 counts) and what was refused, why."""
+def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
+    """Delete machines in passes until one makes no progress (a branch source refuses, 409, while it
+    has children), and once more after a pause for a transient fault. Returns what is gone (a 404
+    counts) and what was refused, why."""
     pending, gone, retried = list(names), [], False
     while pending:
         refused: list[tuple[str, Exception]] = []
         for name in pending:
             try:
                 fleet.delete_machine(name)
-            except ApiError as err:
-                if err.status != 404:
+            except Exception as err:  # a cleanup goes on past any one machine's failure
+                if not isinstance(err, ApiError) or err.status != 404:
                     refused.append((name, err))
                     continue
-            except Exception as err:  # a cleanup goes on past any one machine's failure
-                refused.append((name, err))
-                continue
             gone.append(name)
         if len(refused) == len(pending):
             if retried:
@@ -4975,13 +4854,22 @@ def describe(err: BaseException) -> str:
     return str(err) if isinstance(err, SmolError) else f"{type(err).__name__}: {err}"
 
 
+def write_json(path: Path, value: Any, mode: int = 0o600, indent: int | None = None) -> None:
+    """Write a JSON file whole or not at all: a crash mid-write leaves the old one."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as out:
+        json.dump(value, out, indent=indent)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(temporary, path)
+
+
 _warned_dirs: set[str] = set()
 
 
 @contextmanager
 def bookkeeping(runtime_dir: str):
-    """Around a write of our own records in the runtime directory: an OSError
-    (read-only, full, gone) becomes one warning line naming it, once."""
+    """Around a write of our records in the runtime directory: an OSError is one warning, once."""
     try:
         yield
     except OSError as err:
@@ -5006,15 +4894,13 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def process_start_time(pid: int) -> int | None:
-    """When the process started, in clock ticks since boot (field 22): with the
-    pid it names one process, where a pid alone may have been reused."""
+    """When a process started, in ticks since boot (None without /proc): with pid, one process."""
     fields = _proc_stat(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 
 
 def process_alive(pid: int, started: int | None = None) -> bool:
-    """Whether pid is a running process (a zombie is dead: it only waits to be
-    reaped) and, when started is known, the same one that wrote it down."""
+    """Whether pid runs (a zombie does not) and, when ``started`` is known, is the one noted."""
     if pid <= 0:
         return False  # a record without a real pid belongs to nobody
     try:
@@ -5032,18 +4918,15 @@ def process_alive(pid: int, started: int | None = None) -> bool:
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
-    """Delete the ephemeral machines recorded by processes that died without
-    cleaning up (SIGKILL, power loss), on the same serve; return their names."""
+    """Delete the ephemeral machines this serve holds for processes that died; their names."""
     deleted = []
     for path in sorted((Path(runtime_dir) / "sessions").glob("*.json")):
         try:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if (
-            process_alive(int(record.get("pid", 0)), record.get("started"))
-            or record.get("endpoint") != fleet.endpoint
-        ):
+        alive = process_alive(int(record.get("pid", 0)), record.get("started"))
+        if alive or record.get("endpoint") != fleet.endpoint:
             continue
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
@@ -5052,53 +4935,36 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
         with bookkeeping(runtime_dir):
             if kept:  # try again at the next start rather than forget them
-                path.write_text(json.dumps({**record, "machines": kept}))
+                write_json(path, {**record, "machines": kept}, mode=0o666)
             else:
                 path.unlink(missing_ok=True)
     if deleted:
-        log.info(
-            "deleted %d machine(s) left by an earlier process: %s", len(deleted), ", ".join(deleted)
-        )
+        names = ", ".join(deleted)
+        log.info("deleted %d machine(s) left by an earlier process: %s", len(deleted), names)
     return deleted
 
 
 # ---------------------------------------------------------------------------
 # 11. Agent access
 #
-# Who is calling, and what it may do. Over HTTP every request carries a token:
-# SMOL_MCP_AUTH_TOKEN (named "default", every scope) or one made with `tokens
-# create`, of which only a hash is kept in the state directory. A token's
-# scopes decide which tools it is shown and may call; a sandbox.* scope narrows
-# it to the machines it created, which the ownership store remembers across
-# restarts. stdio has no token: SMOL_MCP_SCOPES narrows it the same way. Every
-# call passes through authorize() before its handler runs.
+# Who is calling, and what it may do. Over HTTP every request carries a token: SMOL_MCP_AUTH_TOKEN
+# (named "default", every scope) or one made with `tokens create`, of which only a hash is kept in
+# the state directory. A token's scopes decide which tools it is shown and may call; a sandbox.*
+# scope narrows it to the machines it created, which the ownership store remembers across restarts.
+# stdio has no token: SMOL_MCP_SCOPES narrows it the same way. Every call passes through authorize()
+# before its handler runs.
 # ---------------------------------------------------------------------------
 
 # The wider domain first: when a principal holds both, its grant wins.
 SCOPE_DOMAINS = ("machines", "sandbox")
 SCOPE_LEVELS = ("read", "manage", "exec")
-SCOPES = (
-    *(f"{domain}.{level}" for domain in SCOPE_DOMAINS for level in SCOPE_LEVELS),
-    "activity.read",
-)
+SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "activity.read")
 TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is granted to nobody
-    "list-machines": "read",
-    "get-machine": "read",
-    "machine-logs": "read",
-    "read-job": "read",
-    "create-machine": "manage",
-    "start-machine": "manage",
-    "stop-machine": "manage",
-    "delete-machine": "manage",
-    "branch-machine": "manage",
-    "pull-image": "manage",
-    "allow-egress": "manage",
-    "run-command": "exec",
-    "run-once": "exec",
-    "read-file": "exec",
-    "write-file": "exec",
-    "start-job": "exec",
-    "cancel-job": "exec",
+    **dict.fromkeys("list-machines get-machine machine-logs read-job".split(), "read"),
+    **dict.fromkeys("create-machine start-machine stop-machine delete-machine".split(), "manage"),
+    **dict.fromkeys("branch-machine pull-image allow-egress".split(), "manage"),
+    **dict.fromkeys("run-command run-once read-file write-file".split(), "exec"),
+    **dict.fromkeys("start-job cancel-job".split(), "exec"),
 }
 APPROVAL_MODES = ("none", "changes")
 SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
@@ -5112,8 +4978,7 @@ RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")
 TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
 JOBS_FILE, JOBS_KEPT = "jobs.json", 100  # the jobs get-machine shows, the newest 100 a machine
-USAGE_FLUSH_SECS = 60
-TOKEN_WATCH_SECS = 0.5
+USAGE_FLUSH_SECS, TOKEN_WATCH_SECS = 60, 0.5
 TOKEN_END_GRACE_SECS = 5  # a deleted token's calls in flight may finish answering
 
 
@@ -5144,37 +5009,24 @@ class Principal:
 
     def describe(self) -> dict:
         """What smol://targets tells the caller about itself."""
-        described = {
-            "principal": self.name,
-            "kind": self.kind,
-            "scopes": sorted(self.scopes),
-            "targets": list(self.targets),
-            "approval": self.approval,
-        }
-        if self.user:
-            described["user"] = self.user
-        return described
+        described = dict(principal=self.name, kind=self.kind, scopes=sorted(self.scopes))
+        described.update(targets=list(self.targets), approval=self.approval)
+        return described | ({"user": self.user} if self.user else {})
 
 
 @dataclass(frozen=True)
 class Grant:
-    """What authorize() allowed: the scope that grants the call, and whether it
-    reaches only the principal's own machines (a sandbox.* scope)."""
+    """What authorize() allowed: the granting scope, and whether only own machines (sandbox.*)."""
 
     scope: str
     owned_only: bool
 
 
 def granting_scope(principal: Principal, tool: str) -> str | None:
-    """The scope of ``principal`` that grants ``tool``, or None. Fails closed:
-    a tool without a row in TOOL_LEVELS is granted by no scope."""
+    """The scope of ``principal`` granting ``tool``, or None (also when TOOL_LEVELS lacks it)."""
     level = TOOL_LEVELS.get(tool)
-    if level is None:
-        return None
-    for domain in SCOPE_DOMAINS:
-        if f"{domain}.{level}" in principal.scopes:
-            return f"{domain}.{level}"
-    return None
+    granting = [f"{domain}.{level}" for domain in SCOPE_DOMAINS if level is not None]
+    return next((scope for scope in granting if scope in principal.scopes), None)
 
 
 def check_scope(principal: Principal, tool: str) -> str:
@@ -5183,37 +5035,22 @@ def check_scope(principal: Principal, tool: str) -> str:
     if scope is None:
         level = TOOL_LEVELS.get(tool, "unknown")
         held = ", ".join(sorted(principal.scopes)) or "none"
-        raise ScopeMissing(
-            f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} "
-            f"for machines of its own), which {principal.label()} does not have (its "
-            f"scopes: {held}). Ask the operator for a token with that scope."
-        )
+        needs = f"needs the machines.{level} scope (or sandbox.{level} for machines of its own)"
+        lacks = f"which {principal.label()} does not have (its scopes: {held})"
+        ask = "Ask the operator for a token with that scope."
+        raise ScopeMissing(f"scope_missing: {tool} {needs}, {lacks}. {ask}")
     return scope
 
 
 def authorize(principal: Principal, tool: str, target: str | None, machine: str | None) -> Grant:
-    """The one check every tool call (and log resource) passes before its
-    handler runs: the scope for the tool, then the fleet. ``machine`` is the
-    machine named, if any; ownership is enforced by OwnedFleet."""
+    """The one check every tool call (and log resource) passes before its handler: the tool's scope,
+    then the fleet. Ownership is enforced by OwnedFleet."""
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
-        raise ScopeMissing(
-            f"scope_missing: {principal.label()} may use the "
-            f"{' and '.join(principal.targets)} fleet only, not {target}. Ask the "
-            f"operator for a token whose targets include {target}."
-        )
+        only = f"the {' and '.join(principal.targets)} fleet only, not {target}"
+        ask = f"Ask the operator for a token whose targets include {target}."
+        raise ScopeMissing(f"scope_missing: {principal.label()} may use {only}. {ask}")
     return Grant(scope, scope.startswith("sandbox."))
-
-
-def stdio_principal(config: Config) -> Principal:
-    return Principal(
-        "stdio",
-        frozenset(config.scopes or SCOPES),
-        approval=config.approval,
-        kind="stdio",
-        user=os_user(),
-        id="stdio",
-    )
 
 
 def ensure_state_dir(path: str | Path) -> Path:
@@ -5221,25 +5058,18 @@ def ensure_state_dir(path: str | Path) -> Path:
 
 
 class StateFile:
-    """A JSON file in the state directory: mode 0600, written whole and atomically
-    under a lock (several processes share it), read again only when it changed;
-    with ``recheck_secs``, another process's change is looked for at most that
-    often (this process's own writes are seen at once)."""
+    """A JSON file in the state directory (0600), written whole under a lock any process honours and
+    read again only when it changed (another process's change: looked for each ``recheck_secs``)."""
 
-    def __init__(
-        self, path: Path, empty: Callable[[], Any], valid: Callable | None = None, recheck_secs=0.0
-    ):
+    def __init__(self, path: Path, empty: Callable, valid: Callable | None = None, recheck_secs=0):
         self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
         self.valid = valid or (lambda data: isinstance(data, type(empty())))
-        self._signature: Any = None
-        self._data = empty()
-        self._lock = threading.Lock()
+        self._signature, self._data, self._lock = None, empty(), threading.Lock()
         self._checked = -recheck_secs  # monotonic time of the last look
 
     def read(self) -> Any:
         if time.monotonic() - self._checked < self.recheck_secs:
             return self._data
-        self._checked = time.monotonic()
         try:
             info = os.stat(self.path)
             signature = (info.st_mtime_ns, info.st_size, info.st_ino)
@@ -5249,6 +5079,7 @@ class StateFile:
             if signature != self._signature:
                 self._data = self._load() if signature else self.empty()
                 self._signature = signature
+            self._checked = time.monotonic()  # not after a failed load: that is seen every time
             return self._data
 
     def expire(self) -> None:
@@ -5264,50 +5095,44 @@ class StateFile:
             raise SmolError(f"cannot read {self.path} ({exc}); fix or remove that file") from None
         if not self.valid(data):
             raise SmolError(
-                f"{self.path} is not shaped as this server writes it (it holds "
-                f"{_json_type(data)}: {json.dumps(data)[:60]}); fix it, or move it aside to "
-                "start afresh (what it recorded is forgotten then)"
+                f"{self.path} is not shaped as this server writes it (it holds {_json_type(data)}: "
+                f"{json.dumps(data)[:60]}); fix it, or move it aside to start afresh (what it "
+                "recorded is forgotten then)"
             )
         return data
 
     def update(self, change: Callable[[Any], Any]) -> Any:
         """Apply ``change`` to the current content and write it back; returns its result."""
         try:
-            return self._update(change)
+            ensure_state_dir(self.path.parent)
+            with locked(self.path.with_name(self.path.name + ".lock")):
+                data = self._load()
+                result = change(data)
+                write_json(self.path, data, indent=1)
+                self.expire()
+            return result
         except OSError as exc:
-            raise SmolError(
-                f"cannot write {self.path} ({exc.strerror}); set SMOL_MCP_STATE_DIR "
-                "to a directory this user can write"
-            ) from None
+            fix = "set SMOL_MCP_STATE_DIR to a directory this user can write"
+            raise SmolError(f"cannot write {self.path} ({exc.strerror}); {fix}") from None
 
-    def _update(self, change: Callable[[Any], Any]) -> Any:
-        import fcntl
 
-        ensure_state_dir(self.path.parent)
-        descriptor = os.open(
-            self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600
-        )
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX)
-            data = self._load()
-            result = change(data)
-            temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(data, out, indent=1)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, self.path)
-            self.expire()
-        finally:
-            os.close(descriptor)  # releases the lock
-        return result
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (made 0600), which other processes honour."""
+    import fcntl
+
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # closing releases the lock
 
 
 def secret_hash(secret: str) -> str:
     import hashlib
 
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def new_token_secret() -> str:
@@ -5315,13 +5140,15 @@ def new_token_secret() -> str:
     return TOKEN_SECRET_PREFIX + secrets_module.token_urlsafe(32)
 
 
-def parse_scopes(text: str) -> tuple[str, ...]:
+def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
+    """The scopes a comma-separated text names, each checked; ``setting`` names
+    the setting the text comes from (which may then leave it empty)."""
     scopes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [scope for scope in scopes if scope not in SCOPES]
-    if unknown or not scopes:
-        named = (
-            f"{', '.join(map(repr, unknown))} is not a scope" if unknown else "no scope was given"
-        )
+    unknown = ", ".join(repr(scope) for scope in scopes if scope not in SCOPES)
+    if unknown or not (scopes or setting):
+        named = f"{unknown} is not a scope" if unknown else "no scope was given"
+        if unknown and setting:
+            named = f"{setting} names {unknown}, which is not a scope"
         raise ConfigError(f"{named}; the scopes are: {', '.join(SCOPES)}")
     return scopes
 
@@ -5336,60 +5163,40 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
 
 
 class TokenStore:
-    """The named tokens: name, id, scopes, targets, approval mode, creation time
-    and the SHA-256 of the secret (the secret itself is never stored). When
-    each was last used is kept in a file of its own, written now and then,
-    so a request never rewrites the tokens file."""
+    """The named tokens, with the SHA-256 of each secret (never the secret). When each was last used
+    goes to a file of its own now and then, so a request never rewrites the tokens file."""
 
     def __init__(self, state_dir: str):
-        self.file = StateFile(
-            Path(state_dir) / TOKENS_FILE,
-            lambda: {"tokens": []},
-            lambda data: (
-                isinstance(data, dict)
-                and isinstance(data.get("tokens", []), list)
-                and all(
-                    isinstance(r, dict) and isinstance(r.get("name"), str) for r in data["tokens"]
-                )
-            ),
-            recheck_secs=0.5,  # read on every HTTP request: looked at again at most twice a second
-        )
+        def valid(data: Any) -> bool:  # a list of records, each with a name
+            tokens = data.get("tokens", []) if isinstance(data, dict) else None
+            records = isinstance(tokens, list) and all(isinstance(r, dict) for r in tokens)
+            return records and all(isinstance(record.get("name"), str) for record in tokens)
+
+        # read on every HTTP request: looked at again at most twice a second
+        self.file = StateFile(Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []}, valid, 0.5)
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
-        self._used: dict[str, str] = {}
+        self._used: dict[str, str] = {}  # name -> when, not yet written
         self._flushed = time.monotonic()
 
     def records(self) -> list[dict]:
         return list(self.file.read().get("tokens", []))
 
-    def create(
-        self, name: str, scopes: tuple[str, ...], targets: tuple[str, ...], approval: str, **extra
-    ) -> tuple[dict, str]:
+    def create(self, name: str, scopes: tuple, targets: tuple, approval: str, **extra) -> tuple:
         if not TOKEN_NAME_RE.fullmatch(name) or name.lower() in RESERVED_TOKEN_NAMES:
-            raise ConfigError(
-                f"{name!r} cannot be a token name: use 1 to 64 letters, digits, '.', '_' "
-                f"or '-', starting with a letter or digit, and not "
-                f"{' or '.join(RESERVED_TOKEN_NAMES)}"
-            )
+            rule = "use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+            reserved = " or ".join(RESERVED_TOKEN_NAMES)
+            raise ConfigError(f"{name!r} cannot be a token name: {rule}, and not {reserved}")
         if approval not in APPROVAL_MODES:
             raise ConfigError(f"--approval takes {' or '.join(APPROVAL_MODES)}; got {approval!r}")
         secret = new_token_secret()
-        record = {
-            "name": name,
-            "id": secrets_module.token_hex(8),
-            "sha256": secret_hash(secret),
-            "scopes": list(scopes),
-            "targets": list(targets),
-            "approval": approval,
-            "createdAt": utc_now(),
-            **extra,  # an OAuth grant's client
-        }
+        record = {"name": name, "id": secrets_module.token_hex(8), "sha256": secret_hash(secret)}
+        record.update(scopes=list(scopes), targets=list(targets), approval=approval)
+        record |= {"createdAt": utc_now(), **extra}  # extra: an OAuth grant's client
 
         def add(data: dict) -> None:
             if any(existing["name"] == name for existing in data.setdefault("tokens", [])):
-                raise ConfigError(
-                    f"a token named {name!r} already exists; pick another name, or "
-                    f"`tokens delete {name}` first"
-                )
+                fix = f"pick another name, or `tokens delete {name}` first"
+                raise ConfigError(f"a token named {name!r} already exists; {fix}")
             data["tokens"].append(record)
 
         self.file.update(add)
@@ -5397,10 +5204,9 @@ class TokenStore:
 
     def delete(self, name: str) -> bool:
         def remove(data: dict) -> bool:
-            kept = [record for record in data.get("tokens", []) if record["name"] != name]
-            removed = len(kept) != len(data.get("tokens", []))
-            data["tokens"] = kept
-            return removed
+            tokens = data.get("tokens", [])
+            data["tokens"] = [record for record in tokens if record["name"] != name]
+            return len(data["tokens"]) != len(tokens)
 
         removed = self.file.update(remove) if self.file.path.exists() else False
         if removed and self.usage.path.exists():
@@ -5410,18 +5216,15 @@ class TokenStore:
         return removed
 
     def match(self, offered: list[str], again: bool = True) -> dict | None:
-        """The record whose hash (or a live OAuth access token's) matches one
-        of the offered secrets. Every comparison runs (constant time, on
-        hashes), whatever matched. A miss looks at the file again at once, so
-        a token just created works."""
+        """The record whose hash (or live OAuth access token's) matches an offered secret, all
+        compared in constant time; a miss reads the file again, so a new token works at once."""
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
         found, now = None, time.time()
         for record in self.records():
             access = [a["sha256"] for a in record.get("access", []) if a["expiresAt"] > now]
             for known in (str(record.get("sha256", "")), *access):
-                for digest in hashes:
-                    if hmac.compare_digest(digest, known):
-                        found = record
+                if [digest for digest in hashes if hmac.compare_digest(digest, known)]:
+                    found = record
         if found is None and again:
             self.file.expire()
             return self.match(offered, again=False)
@@ -5436,10 +5239,9 @@ class TokenStore:
             return
         used, self._used, self._flushed = self._used, {}, time.monotonic()
         names = {record["name"] for record in self.records()}
+        kept = {name: when for name, when in used.items() if name in names}
         try:
-            self.usage.update(
-                lambda data: data.update({k: v for k, v in used.items() if k in names})
-            )
+            self.usage.update(lambda data: data.update(kept))
         except (OSError, SmolError) as err:
             log.warning("could not record when tokens were last used: %s", err)
 
@@ -5451,38 +5253,39 @@ class TokenStore:
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return utc_time(time.time())
 
 
-def token_principal(record: dict) -> Principal:
-    return Principal(
-        record["name"],
-        frozenset(record.get("scopes", [])),
-        tuple(record.get("targets") or FLEET_NAMES),
-        record.get("approval", "none"),
-        id=record.get("id", ""),
-    )
+def utc_time(seconds: float) -> str:
+    """Seconds since the epoch as the RFC 3339 UTC time the records hold, to the second."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str) -> float:
+    """Seconds since the epoch of an RFC 3339 UTC time such as utc_now() writes."""
+    return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+
+
+def parse_period(text: str) -> int:
+    """A period such as 90s, 15m, 1h, 2d or 1w as seconds; ValueError otherwise."""
+    match = re.fullmatch(r"(\d{1,6})([smhdw])", text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w")
+    return int(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
 
 
 class Owners:
-    """Which principal created each machine, per fleet, in the state directory:
-    a sandbox.* token reaches only its own. A branch is owned by its source's
-    owner; a deleted machine is forgotten, and with it the jobs this server
-    started in it (their state as last seen: what get-machine shows)."""
+    """Which principal created each machine, per fleet (a branch is its source's owner's), and the
+    jobs this server started in it, as last seen; a deleted machine is forgotten."""
 
     def __init__(self, state_dir: str):
-        self.file = StateFile(
-            Path(state_dir) / OWNERS_FILE,
-            dict,
-            lambda data: (
-                isinstance(data, dict)
-                and all(
-                    isinstance(names, dict)
-                    and all(isinstance(o, (str, dict)) for o in names.values())
-                    for names in data.values()
-                )
-            ),
-        )
+        def valid(data: Any) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
+            fleets = list(data.values()) if isinstance(data, dict) else [None]
+            if not all(isinstance(names, dict) for names in fleets):
+                return False
+            return all(isinstance(o, (str, dict)) for names in fleets for o in names.values())
+
+        self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict, valid)
         # read by every get-machine: looked at again at most twice a second
         self.jobs = StateFile(Path(state_dir) / JOBS_FILE, dict, recheck_secs=0.5)
 
@@ -5502,13 +5305,11 @@ class Owners:
     def clear(self, fleet: str, names: list[str]) -> None:
         if set(names) & set(self.jobs.read().get(fleet, {})):
             self.jobs.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
-        if not any(self.owner(fleet, name) for name in names):
-            return
-        self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
+        if any(self.owner(fleet, name) for name in names):
+            self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
 
     def note_job(self, fleet: str, name: str, job: dict, started: bool = False) -> None:
-        """Record the state last seen of a job this server ``started`` (or already
-        records); one that cannot be written costs a log line, not the call."""
+        """Note a job's last-seen state if this server ``started`` or notes it; logs a failure."""
         seen = {"jobId": job["jobId"], "state": job["state"], "exitCode": job.get("exitCode")}
 
         def change(data: dict) -> None:
@@ -5526,8 +5327,7 @@ class Owners:
             log.warning("could not record job %s of %s: %s", seen["jobId"], name, err)
 
     def release(self, fleet: str, name: str, owner: str) -> None:
-        """Forget a claim that came to nothing, unless another owner holds the
-        name by now (its create won the race): in one locked update."""
+        """Forget a claim that came to nothing, unless another owner holds the name by now."""
 
         def drop(data: dict) -> None:
             if data.get(fleet, {}).get(name) == owner:  # a bare claim, made before the create
@@ -5538,17 +5338,14 @@ class Owners:
 
 
 class OwnedFleet:
-    """A fleet as a sandbox.* principal sees it: listing shows only its own
-    machines, and a method given another machine's name answers exactly as the
-    fleet answers for a machine that does not exist (it is asked about a name
-    nobody has, and that name is put back in the answer)."""
+    """A fleet as a sandbox.* principal sees it: only its own machines; another's name is answered
+    exactly as the fleet answers for a name nobody has."""
 
     def __init__(self, fleet: Any, owners: Owners, owner: str):
         self._fleet, self._owners, self._owner = fleet, owners, owner
 
     def mine(self, name: str, record: dict | None = None) -> bool:
-        """Whether ``name`` is this owner's, and (once its create answered) still
-        the very machine it created: a machine made again under that name is not."""
+        """Whether ``name`` is this owner's and still the machine it created, not one made again."""
         if self._owners.owner(self._fleet.name, name) != self._owner:
             return False
         identity = self._owners.identity(self._fleet.name, name)
@@ -5575,53 +5372,40 @@ class OwnedFleet:
 
     def _as_missing(self, method: Callable, args: tuple, kwargs: dict) -> Any:
         name = args[0]
-        stand_in = f"{self._fleet.config.machine_prefix}absent-{secrets_module.token_hex(8)}"
+        absent = f"{self._fleet.config.machine_prefix}absent-{secrets_module.token_hex(8)}"
         try:
-            method(stand_in, *args[1:], **kwargs)
+            method(absent, *args[1:], **kwargs)
         except SmolError as err:
             if isinstance(err, ApiError):
-                err.action = err.action.replace(stand_in, name)
-                err.api_message = err.api_message.replace(stand_in, name)
-            err.args = tuple(
-                arg.replace(stand_in, name) if isinstance(arg, str) else arg for arg in err.args
-            )
+                err.action = err.action.replace(absent, name)
+                err.api_message = err.api_message.replace(absent, name)
+            err.args = tuple(a.replace(absent, name) if isinstance(a, str) else a for a in err.args)
             raise err from None
-        raise ApiError(
-            self._fleet.name,
-            f"find machine '{name}'",
-            404,
-            "NOT_FOUND",
-            f"machine '{name}' not found",
-        )
+        action = f"find machine '{name}'"
+        raise ApiError(self._fleet.name, action, 404, "NOT_FOUND", f"machine '{name}' not found")
 
 
 class Access:
-    """The principals of this process and what they own: the tokens file, the
-    ownership store, SMOL_MCP_AUTH_TOKEN as "default", and the stdio principal."""
+    """This process's principals and what they own: tokens, owners, activity log and approvals."""
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
-        self.state_dir = config.state_dir or default_state_dir(
-            dict(os.environ if environ is None else environ)
-        )
-        self.tokens = TokenStore(self.state_dir)
-        self.owners = Owners(self.state_dir)
-        self.activity = ActivityLog(self.state_dir)
-        self.desk = ApprovalDesk(self.state_dir)
-        self.auto = AutoApprovals(self.state_dir)
+        environ = os.environ if environ is None else environ
+        self.state_dir = state = config.state_dir or default_state_dir(dict(environ))
+        self.tokens, self.owners = TokenStore(state), Owners(state)
+        self.activity, self.desk = ActivityLog(state), ApprovalDesk(state)
+        self.auto = AutoApprovals(state)
         self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
         self.default = Principal("default", frozenset(SCOPES), id="default")
-        self.stdio = stdio_principal(config)
+        stdio = dict(approval=config.approval, kind="stdio", user=os_user(), id="stdio")
+        self.stdio = Principal("stdio", frozenset(config.scopes or SCOPES), **stdio)
         self._warned = False
 
     def token_for(self, offered: list[str]) -> Principal | None:
-        """The principal whose secret is among ``offered``, or None. The tokens
-        file is read again when it changed (looked at twice a second, and at
-        once for a secret it lacks, unless that is the default token's)."""
-        hashes = [secret_hash(candidate) for candidate in offered if candidate]
-        is_default = False
-        for digest in hashes:
-            if self._default_hash is not None and hmac.compare_digest(digest, self._default_hash):
-                is_default = True
+        """The principal whose secret is among ``offered``, or None. A secret the tokens file lacks
+        (but not the default token's) reads the file again at once."""
+        hashes, default = [secret_hash(one) for one in offered if one], self._default_hash
+        # every comparison runs (a list, not a generator), whichever matches
+        is_default = default is not None and any([hmac.compare_digest(h, default) for h in hashes])
         try:
             record = self.tokens.match(offered, again=not is_default)
         except SmolError as err:  # a damaged tokens file lets no named token in
@@ -5629,20 +5413,20 @@ class Access:
                 log.warning("%s; named tokens are refused until then", err)
                 self._warned = True
             record = None
-        if record is not None:
-            self.tokens.touch(record["name"])
-            return token_principal(record)
-        return self.default if is_default else None
+        if record is None:
+            return self.default if is_default else None
+        self.tokens.touch(record["name"])
+        targets = tuple(record.get("targets") or FLEET_NAMES)
+        scopes, approval = frozenset(record.get("scopes", [])), record.get("approval", "none")
+        return Principal(record["name"], scopes, targets, approval, id=record.get("id", ""))
 
     def live_ids(self) -> dict[str, str]:
         """name -> id of every principal that may still make requests."""
+        default = {"default": "default"} if self._default_hash is not None else {}
         try:
-            ids = {record["name"]: record.get("id", "") for record in self.tokens.records()}
+            return {token["name"]: token.get("id", "") for token in self.tokens.records()} | default
         except SmolError:
-            ids = {}
-        if self._default_hash is not None:
-            ids["default"] = "default"
-        return ids
+            return default
 
     def has_any_token(self) -> bool:
         return bool(self.live_ids())
@@ -5653,18 +5437,16 @@ class Access:
 
 # -- Activity log and approvals ------------------------------------------------
 #
-# What an agent changed is written down before it is told the result, and any
-# change can be held until a person on the host answers. Both are plain files
-# in the state directory (0700), so several server processes and the terminal
-# commands share them without a daemon: the log is appended under a file lock,
-# and an approval is a request file the waiting server writes (0600) and an
-# answer file `approvals approve|deny` writes next to it. A request names the
-# process that waits (pid and start time), so a request left by a process that
-# has stopped is never answerable: approvals do not survive into a new process.
+# What an agent changed is written down before it is told the result, and any change can be held
+# until a person on the host answers. Both are plain files in the state directory (0700), so several
+# server processes and the terminal commands share them without a daemon: the log is appended under
+# a file lock, and an approval is a request file the waiting server writes (0600) and an answer file
+# `approvals approve|deny` writes next to it. A request names the process that waits (pid and start
+# time), so a request left by a process that has stopped is never answerable: approvals do not
+# survive into a new process.
 
-ACTIVITY_FILE = "activity.jsonl"
+ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "activity.jsonl", 5
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
-ACTIVITY_KEEP_FILES = 5
 ACTIVITY_RESOURCE_ENTRIES = 200  # a page: what smol://activity and `activity` show at most
 ACTIVITY_PAGE_BYTES = 512 * 1024  # and what a page of smol://activity holds at most
 ACTIVITY_FIELD_BYTES = 2048  # a longer value is cut, keeping its byte count and SHA-256
@@ -5676,18 +5458,11 @@ APPROVAL_MAX_WAITING = 16  # calls one token (or stdio server) may hold waiting;
 APPROVAL_SHOW_BYTES = 4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
 WEBHOOK_THREADS, WEBHOOK_QUEUE = 2, 64  # approval notices post from one bounded pool
 CONFIRM_TTL_SECS = 600  # a 2026-era confirmation (allow-egress) answers within this, once
-AUTO_APPROVE_PERIODS = {
-    "1h": 3600,
-    "1d": 86400,
-    "7d": 7 * 86400,
-    "30d": 30 * 86400,
-    "forever": None,
-}
+AUTO_APPROVE_PERIODS = {"1h": 3600, "1d": 86400, "7d": 604800, "30d": 2592000, "forever": None}
 # Arguments that are the agent's data rather than a description of the call:
 # the log keeps their size and digest, so a reader can match them without
 # holding them (a file written with a key in it must not copy the key here).
-REDACTED_ARGUMENTS = ("content", "stdin")
-REDACTED_MAPS = ("env",)
+REDACTED_ARGUMENTS, REDACTED_MAPS = ("content", "stdin"), ("env",)
 
 
 class ApprovalRefused(SmolError):
@@ -5698,37 +5473,20 @@ class ApprovalRefused(SmolError):
         super().__init__(f"{code}: {detail}")
 
 
-def parse_time(text: str) -> float:
-    """Seconds since the epoch of an RFC 3339 UTC time such as utc_now() writes."""
-    return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
-
-
-def utc_time(seconds: float) -> str:
-    when = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def fingerprint(value: str) -> dict:
     """What the log keeps of a value it must not copy: its size and SHA-256."""
-    import hashlib
-
-    data = value.encode("utf-8", "surrogatepass")
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return {"bytes": len(value.encode("utf-8", "surrogatepass")), "sha256": secret_hash(value)}
 
 
 def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
-    """The arguments as the log and the webhook show them: contents, stdin and
-    environment values become their size and digest, and so does the value of
-    an argument the schema does not have or of a redacted one of the wrong type
-    (`Stdin`, `contents`, `env` as a list are the agent's data all the same)."""
-    shown: dict = {}
-    known = (schema or {}).get("properties")
+    """The arguments as the log and the webhook show them: content, stdin and env values (of any
+    type), and arguments the schema lacks, as their size and digest."""
+    shown, properties = {}, (schema or {}).get("properties")
+    known = arguments if properties is None else properties
     for key, value in arguments.items():
         if key in REDACTED_MAPS and isinstance(value, dict):
             shown[key] = {name: fingerprint(str(item)) for name, item in value.items()}
-        elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in (
-            arguments if known is None else known
-        ):
+        elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in known:
             shown[key] = fingerprint(value if isinstance(value, str) else json.dumps(value))
         else:
             shown[key] = value
@@ -5736,15 +5494,13 @@ def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
 
 
 def approval_arguments(call: Any) -> dict:
-    """The arguments a person judges a waiting call by (SPEC 13): all of them,
-    stdin, env and content too, each cut at APPROVAL_SHOW_BYTES."""
+    """What a person judges a held call by (SPEC 13): all arguments, cut at APPROVAL_SHOW_BYTES."""
     return bounded(dict(getattr(call.params, "arguments", None) or {}), APPROVAL_SHOW_BYTES)
 
 
 def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
-    """``value`` with no string in it over ``limit`` bytes, nor the whole over
-    four times that as JSON: what is longer is cut to its head, keeping the byte
-    count and SHA-256 of the whole (SPEC 13: a record nobody can flush)."""
+    """``value`` with no string over ``limit`` bytes nor the whole over 4x that as JSON: longer is
+    cut to its head, with the byte count and SHA-256 of the whole (SPEC 13)."""
     if isinstance(value, str):
         data = value.encode("utf-8", "surrogatepass")
         if len(data) <= limit:
@@ -5761,14 +5517,6 @@ def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
     return value
 
 
-def parse_period(text: str) -> int:
-    """A period such as 90s, 15m, 1h, 2d or 1w as seconds; ValueError otherwise."""
-    match = re.fullmatch(r"(\d{1,6})([smhdw])", text.strip())
-    if match is None:
-        raise ValueError(f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w")
-    return int(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
-
-
 def os_user() -> str:
     import getpass
 
@@ -5779,25 +5527,19 @@ def os_user() -> str:
 
 
 class ActivityLog:
-    """activity.jsonl in the state directory: one JSON object a line, written
-    with one write() under an exclusive lock, so lines from several processes
-    never interleave; rotated at ACTIVITY_ROTATE_BYTES, keeping
-    ACTIVITY_KEEP_FILES older files (activity.jsonl.1 is the newest of them)."""
+    """activity.jsonl in the state directory: a JSON object a line, each one write() under a lock so
+    processes never interleave; rotated at ACTIVITY_ROTATE_BYTES into .1 (newest) to .5."""
 
     def __init__(self, state_dir: str | Path):
         self.path = Path(state_dir) / ACTIVITY_FILE
 
     def append(self, entry: dict, secret_values: list[str] = ()) -> None:
         """Write one entry; raises OSError or SmolError when the state directory cannot take it."""
-        import fcntl
-
         entry = {"time": utc_now(), **{key: bounded(value) for key, value in entry.items()}}
         text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
-        lock = os.open(self.path.with_name(ACTIVITY_FILE + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(self.path.with_name(ACTIVITY_FILE + ".lock")):
             self._rotate_if_full(len(line))
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
@@ -5807,14 +5549,9 @@ class ActivityLog:
                     raise OSError(28, "No space left on device")
             finally:
                 os.close(fd)
-        finally:
-            os.close(lock)  # closing releases the lock
 
     def _rotate_if_full(self, adding: int) -> None:
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
+        size = self.path.stat().st_size if self.path.exists() else 0  # rotated only under the lock
         if size == 0 or size + adding <= ACTIVITY_ROTATE_BYTES:
             return
         for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):  # .4 replaces .5: the oldest goes
@@ -5825,13 +5562,9 @@ class ActivityLog:
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
 
-    def entries(
-        self, keep: Callable[[dict], bool] = bool, limit: int | None = None, max_bytes: int = 0
-    ) -> list[dict]:
-        """The latest ``limit`` entries ``keep`` accepts (all of them with None),
-        oldest first, in at most ``max_bytes`` of lines if given. Files are read
-        newest first and no further than needed; lines split on "\n" only, never
-        on U+2028 and its kin (a line that does not parse is skipped)."""
+    def entries(self, keep: Callable = bool, limit: int | None = None, max_bytes=0) -> list[dict]:
+        """The latest ``limit`` entries ``keep`` accepts, oldest first, in at most ``max_bytes`` of
+        lines; newest files first, no further than needed, split on "\n" only."""
         found, size = [], 0
         for path in [self.path] + [self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)]:
             try:
@@ -5859,10 +5592,9 @@ def activity_filter(
     cutoff = time.time() - since_secs if since_secs is not None else None
 
     def keep(entry: dict) -> bool:
-        if principal is not None and entry.get("principal") != principal:
-            return False
-        if machine is not None and entry.get("machine") != machine:
-            return False
+        for key, wanted in (("principal", principal), ("machine", machine)):
+            if wanted is not None and entry.get(key) != wanted:
+                return False
         try:
             return cutoff is None or parse_time(entry.get("time", "")) >= cutoff
         except ValueError:
@@ -5873,21 +5605,8 @@ def activity_filter(
 
 def sees_own_activity_only(principal: Principal) -> bool:
     """A sandbox.* principal (one without any machines.* scope) reads only its own entries."""
-    scopes = principal.scopes
-    return any(s.startswith("sandbox.") for s in scopes) and not any(
-        s.startswith("machines.") for s in scopes
-    )
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """When a process started (clock ticks since boot, from /proc), or None:
-    with the pid it names one process for good."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19]) if len(fields) > 19 else None
+    domains = {scope.partition(".")[0] for scope in principal.scopes if "." in scope}
+    return "sandbox" in domains and "machines" not in domains
 
 
 def waiting_process_alive(request: dict) -> bool:
@@ -5895,22 +5614,11 @@ def waiting_process_alive(request: dict) -> bool:
     pid = request.get("pid")
     if not isinstance(pid, int) or not process_alive(pid):
         return False
-    started = process_start_ticks(pid)
-    return started == request.get("pidStart")  # both None where /proc is missing
-
-
-def write_private_json(path: Path, value: Any) -> None:
-    """Write a JSON file readable by this user only, atomically."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(value, handle)
-    temporary.replace(path)
+    return process_start_time(pid) == request.get("pidStart")  # both None without /proc
 
 
 class ApprovalDesk:
-    """The approvals directory: <id>.request.json written by the waiting server,
-    <id>.answer.json written by `approvals approve|deny`."""
+    """The approvals directory: <id>.request.json of a waiting server, <id>.answer.json answers."""
 
     def __init__(self, state_dir: str | Path):
         self.directory = Path(state_dir) / APPROVALS_DIR
@@ -5924,11 +5632,9 @@ class ApprovalDesk:
         """File a request for this process and return its id."""
         ensure_state_dir(self.directory.parent)
         self.directory.mkdir(mode=0o700, exist_ok=True)
-        approval_id = secrets_module.token_hex(6)
-        request = dict(
-            request, id=approval_id, pid=os.getpid(), pidStart=process_start_ticks(os.getpid())
-        )
-        write_private_json(self.path_of(approval_id, "request"), request)
+        approval_id, pid = secrets_module.token_hex(6), os.getpid()
+        request = dict(request, id=approval_id, pid=pid, pidStart=process_start_time(pid))
+        write_json(self.path_of(approval_id, "request"), request)
         return approval_id
 
     def answer(self, approval_id: str) -> dict | None:
@@ -5943,8 +5649,7 @@ class ApprovalDesk:
             self.path_of(approval_id, kind).unlink(missing_ok=True)
 
     def pending(self) -> list[dict]:
-        """Requests whose process still waits and nobody answered, oldest first;
-        those of a process that stopped are removed."""
+        """Requests still waited on and unanswered, oldest first; a stopped process's go."""
         found = []
         for path in self.directory.glob("*.request.json"):
             try:
@@ -5964,32 +5669,26 @@ class ApprovalDesk:
         return sorted(found, key=lambda request: str(request.get("requestedAt", "")))
 
     def respond(self, approval_id: str, answer: dict) -> dict:
-        """Answer a waiting request and return it; a SmolError for an unknown,
-        stale or answered id."""
+        """Answer a waiting request and return it; SmolError for an unknown, stale, answered id."""
         try:
             request = json.loads(self.path_of(approval_id, "request").read_text())
         except (OSError, ValueError):
-            raise SmolError(
-                f"no call waits for approval {approval_id}; `approvals list` shows the "
-                "calls that wait"
-            ) from None
+            listed = "`approvals list` shows the calls that wait"
+            raise SmolError(f"no call waits for approval {approval_id}; {listed}") from None
         if not waiting_process_alive(request):
             self.close(approval_id)
-            raise SmolError(
-                f"the server that held {approval_id} has stopped, so that call was "
-                "refused (approval_interrupted); there is nothing to answer"
-            )
+            refused = "so that call was refused (approval_interrupted); there is nothing to answer"
+            raise SmolError(f"the server that held {approval_id} has stopped, {refused}")
         answer_path = self.path_of(approval_id, "answer")
         if answer_path.exists():
             raise SmolError(f"{approval_id} was answered already")
-        write_private_json(answer_path, answer)
+        write_json(answer_path, answer)
         return request
 
 
 class AutoApprovals:
-    """Which principals may run changing tools without asking, until when:
-    name -> {"id": the principal's id, "until": RFC 3339 or null for ever}.
-    The id makes a token deleted and made again under the same name ask again."""
+    """Who may run changing tools without asking, until when: name -> {id, until (RFC 3339, or null
+    for ever)}; the id makes a token made again under that name ask again."""
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / AUTO_APPROVE_FILE, dict)
@@ -5998,15 +5697,12 @@ class AutoApprovals:
         """Until when it may run without asking: "forever", an RFC 3339 time, or None."""
         try:
             granted = self.file.read().get(principal.name)
-        except SmolError:
-            return None
-        if not isinstance(granted, dict) or granted.get("id") != principal.id:
-            return None
-        if granted.get("until") is None:
-            return "forever"
-        try:
+            if not isinstance(granted, dict) or granted.get("id") != principal.id:
+                return None
+            if granted.get("until") is None:
+                return "forever"
             return granted["until"] if parse_time(granted["until"]) > time.time() else None
-        except (ValueError, TypeError):
+        except (SmolError, ValueError, TypeError):
             return None
 
     def grant(self, name: str, principal_id: str, period: str) -> str:
@@ -6016,9 +5712,8 @@ class AutoApprovals:
         return until or "forever"
 
     def end(self, name: str) -> bool:
-        if not self.file.path.exists():
-            return False
-        return self.file.update(lambda data: data.pop(name, None) is not None)
+        there = self.file.path.exists()
+        return there and self.file.update(lambda data: data.pop(name, None) is not None)
 
     def shown(self, name: str, principal_id: str) -> str:
         """What `tokens list` says about a principal's auto-approval."""

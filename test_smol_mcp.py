@@ -7134,6 +7134,17 @@ class AccessPiecesTests(unittest.TestCase):
                     self.assertEqual(access.token_for([secret]).name, "default")
             self.assertLessEqual(stats.call_count, 1)
 
+    def test_a_damaged_state_file_is_refused_on_every_read_never_hidden_by_the_recheck(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            file = smol_mcp.StateFile(Path(tmp) / "x.json", dict, recheck_secs=60)
+            file.update(lambda data: data.update(a=1))
+            self.assertEqual(file.read(), {"a": 1})
+            file.path.write_text("[]")
+            file.expire()
+            for _ in range(2):  # the second read, inside the recheck window, refuses too
+                with self.assertRaisesRegex(smol_mcp.SmolError, "not shaped as this server"):
+                    file.read()
+
 
 class ReservedTokenNameTests(unittest.TestCase):
     def test_the_servers_own_names_are_refused_in_any_case(self):
