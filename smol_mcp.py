@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
+
 __version__ = "0.1.0"
 
 log = logging.getLogger("smol_mcp")
@@ -6996,10 +6998,8 @@ MODE_FLEETS = {**{name: (name,) for name in FLEETS}, "both": FLEET_NAMES}
 ELICIT_TIMEOUT_SECS = 120
 FLEET_QUESTION = (
     "This smol-mcp server reaches two fleets of machines: local (smolvm on the server's host; "
-    "nothing "
-    "is billed) and cloud (your smol cloud account; machines are billed while they exist). Which "
-    "one "
-    "is this session for? Choose both to name the fleet on every call."
+    "nothing is billed) and cloud (your smol cloud account; machines are billed while they "
+    "exist). Which one is this session for? Choose both to name the fleet on every call."
 )
 FLEET_QUESTION_SCHEMA = {
     "type": "object",
@@ -7016,22 +7016,21 @@ FLEET_QUESTION_SCHEMA = {
 ARG_TARGET = {
     "type": "string",
     "enum": list(FLEETS),
-    "description": 'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or '
-    '"cloud" (the '
-    "smol cloud account, billed while machines exist). Required: a machine on one fleet is "
+    "description": 'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or "cloud" '
+    "(the smol cloud account, billed while machines exist). Required: a machine on one fleet is "
     "invisible on the other, so there is no default.",
 }
 
 
 SESSION_CHOSE_FLEET = (
-    "this session chose the {chosen} fleet at its first call, so target "
-    '"{given}" is not available in it; use a new session (over HTTP with the '
-    "2026-07-28 protocol, the session is the token) for the other fleet"
+    'this session chose the {chosen} fleet at its first call, so target "{given}" is not '
+    "available in it; use a new session (over HTTP with the 2026-07-28 protocol, the session is "
+    "the token) for the other fleet"
 )
 TARGET_NEEDED = (
-    '{tool} needs "target": "local" or "cloud". This server serves both fleets and '
-    "there is no default, because a machine on one fleet is invisible on the other "
-    "and the two bill differently."
+    '{tool} needs "target": "local" or "cloud". This server serves both fleets and there is no '
+    "default, because a machine on one fleet is invisible on the other and the two bill "
+    "differently."
 )
 
 
@@ -7048,11 +7047,29 @@ def can_elicit(ctx) -> bool:
     """Whether the client said it can show a form to the person (the
     capability comes from initialize, or from each 2026-era request)."""
     capabilities = ctx.session.client_capabilities if ctx is not None else None
-    return not (
-        capabilities is None
-        or capabilities.elicitation is None
-        or (capabilities.elicitation.form is None and capabilities.elicitation.url is not None)
-    )
+    asks = getattr(capabilities, "elicitation", None)
+    return asks is not None and not (asks.form is None and asks.url is not None)
+
+
+def modern(ctx) -> bool:
+    """Whether the request speaks the 2026 era (questions travel in the result)."""
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+    return ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+
+
+def form_question(message: str, schema: dict):
+    import mcp_types as types
+
+    params = types.ElicitRequestFormParams(message=message, requested_schema=schema)
+    return types.ElicitRequest(params=params)
+
+
+def elicit_result(answer: Any):
+    """A 2026-era answer as the client sent it (a dict) read as an ElicitResult."""
+    import mcp_types as types
+
+    return types.ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
 
 
 TARGETS_NEED_TOKEN = (
@@ -7097,38 +7114,34 @@ def server_instructions(app: SmolMcp) -> str:
     served = " and ".join(fleet.served_as for fleet in app.fleets.values())
     lines = [
         "smol-mcp gives you microVMs (smol machines) to work in instead of this computer: every "
-        "command you run with "
-        f"these tools executes inside a guest, never on the host. This process serves {served}.",
+        "command you run with these tools executes inside a guest, never on the host. This "
+        f"process serves {served}.",
         "- Typical flow: create-machine (waits until the guest runs commands), run-command, "
-        "write-file/read-file, "
-        "delete-machine. run-once does create, run and delete in one call.",
+        "write-file/read-file, delete-machine. run-once does create, run and delete in one call.",
         '- Egress is blocked unless you pass network: "open" or allowHosts/allowCidrs.',
         f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when "
-        "this session ends. Any "
-        "other name persists.",
+        "this session ends. Any other name persists.",
         f"- Output beyond {c.max_output_bytes} bytes per stream or {c.reply_tokens} tokens per "
-        "result keeps its head and tail; the "
-        "whole stream is saved in "
-        "the machine at the path in overflow. read-file pages with offset/length.",
+        "result keeps its head and tail; the whole stream is saved in the machine at the path in "
+        "overflow. read-file pages with offset/length.",
         "- A non-zero exit code is a result, not an error. Commands time out after "
-        f"{c.exec_timeout_secs} s by "
-        f"default (timeoutSecs up to {c.max_exec_timeout_secs}).",
+        f"{c.exec_timeout_secs} s by default (timeoutSecs up to {c.max_exec_timeout_secs}).",
         "- branch-machine needs a running source created with branchable: true.",
     ]
     if app.mode == "both":
         lines.append('- Every tool needs target: "local" or "cloud"; there is no default.')
     lines.extend(fleet.instruction for fleet in app.fleets.values())
     lines.append("- smol://targets says whether each fleet is usable right now, and why not.")
-    if app.approvals_apply():
+    if app.approvals.apply():
         lines.append(
-            "- Approvals: a tool that changes something may wait for a person on the server's "
-            f"host to approve it (up to {c.approval_timeout_secs} s; progress notifications say "
-            "so and name the command that approves it). Read-only tools answer at once. You "
-            "cannot approve anything yourself. A refusal starts with a code: approval_rejected "
-            "(a person said no; the reason follows), approval_timed_out (nobody answered), "
+            "- Approvals: a tool that changes something may wait for a person on the server's host "
+            f"to approve it (up to {c.approval_timeout_secs} s; progress notifications say so and "
+            "name the command that approves it). Read-only tools answer at once. You cannot "
+            "approve anything yourself. A refusal starts with a code: approval_rejected (a "
+            "person said no; the reason follows), approval_timed_out (nobody answered), "
             "approval_cancelled (the call stopped waiting), approval_interrupted (the server "
-            "stopped), approval_token_deleted, approval_unavailable (approvals cannot be asked "
-            "for here). Nothing ran in any of these cases; ask the person before trying again."
+            "stopped), approval_token_deleted, approval_unavailable (approvals cannot be asked for "
+            "here). Nothing ran in any of these cases; ask the person before trying again."
         )
     return "\n".join(lines)
 
@@ -7144,10 +7157,9 @@ def dual_era_server_class() -> type:
         def create_initialization_options(
             self, notification_options=None, experimental_capabilities=None, extensions=None
         ):
+            options = notification_options or NotificationOptions(tools_changed=True)
             return super().create_initialization_options(
-                notification_options or NotificationOptions(tools_changed=True),
-                experimental_capabilities,
-                extensions,
+                options, experimental_capabilities, extensions
             )
 
     return DualEraServer
@@ -7160,13 +7172,12 @@ class SmolMcp:
         self.config = config
         self.mode = resolve_mode(config)
         self.access = Access(config, environ)
-        self.local = LocalFleet(
-            config, environ
-        )  # always built (it is inert) so smol://targets can describe it
-        self.fleets: dict[str, Fleet] = {}
-        for name in MODE_FLEETS[self.mode]:  # the local fleet is the one built above
-            kind = FLEETS[name]
-            self.fleets[name] = self.local if kind is LocalFleet else kind(config, environ)
+        # Always built (it is inert) so smol://targets can describe it.
+        self.local = LocalFleet(config, environ)
+        self.fleets: dict[str, Fleet] = {
+            name: self.local if FLEETS[name] is LocalFleet else FLEETS[name](config, environ)
+            for name in MODE_FLEETS[self.mode]
+        }
         self._limiter = None
         self._swept = False
         self._tool_lists: dict[tuple, list] = {}
@@ -7176,19 +7187,14 @@ class SmolMcp:
         self.pages: Pages | None = None  # the sign-in pages of --http (section 14b)
         self.failed_last: set[tuple[str, str]] = set()  # machines whose last command failed
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
-        self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
         self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
-        self.stdin_closed = False  # stdio: the client went away; its waiting calls end
-        self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
-        self._webhooks: Any = None  # the one bounded pool approval notices are posted from
-        self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
+        self.approvals = Approvals(self)
+        self.interrupt_approvals = self.approvals.interrupt
         self.server = self._build_server()
 
     def thread_limiter(self):
         """Worker threads for blocking API calls: enough that long commands in
         some sessions never queue the short calls of others."""
-        import anyio
-
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
@@ -7217,8 +7223,6 @@ class SmolMcp:
     async def lifespan(self, server: Any):
         # stdio and in memory: entered once per connection, so it is the session.
         # HTTP: entered once for the whole listener, which holds many sessions.
-        import anyio
-
         async with anyio.create_task_group() as tasks:
             if self.http is not None:
                 async with self.http.running(tasks):
@@ -7238,9 +7242,24 @@ class SmolMcp:
         return types.ListToolsResult(tools=self.tool_list(with_target, self.principal_for(ctx)))
 
     async def on_subscribe(self, ctx, params):
+        """Handshake era: follow a log in a poller that lives until unsubscribe
+        or the end of the session, notifying through this connection."""
         import mcp_types as types
 
-        await self.subscribe(ctx, str(params.uri))
+        uri, principal = str(params.uri), self.principal_for(ctx)
+        fleet, name = self.log_resource(uri, principal)
+        session = self.session_for(ctx)
+        if uri in session.subscriptions:
+            return types.EmptyResult()
+        self.check_share(principal, len(session.subscriptions) + 1, 1)
+        scope = session.subscriptions[uri] = anyio.CancelScope()
+        notify = ctx.session.send_resource_updated  # the captured session outlives this request
+
+        async def poll() -> None:
+            with scope:
+                await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
+
+        session.tasks.start_soon(poll)
         return types.EmptyResult()
 
     async def on_unsubscribe(self, ctx, params):
@@ -7260,8 +7279,8 @@ class SmolMcp:
                 name="targets",
                 title="Fleets served and whether they are usable",
                 mime_type="application/json",
-                description="The mode, each fleet this process serves, and whether it is usable on "
-                "this host now.",
+                description="The mode, each fleet this process serves, and whether it is usable "
+                "on this host now.",
             )
         ]
         if "activity.read" in self.principal_for(ctx).scopes:
@@ -7272,8 +7291,7 @@ class SmolMcp:
                     title="What agents changed",
                     mime_type="application/json",
                     description=f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity "
-                    "log: changing calls, approvals, cleanups (a sandbox token sees "
-                    "its own).",
+                    "log: changing calls, approvals, cleanups (a sandbox token sees its own).",
                 )
             )
         return types.ListResourcesResult(resources=resources)
@@ -7281,31 +7299,25 @@ class SmolMcp:
     async def on_list_resource_templates(self, ctx, params):
         import mcp_types as types
 
-        return types.ListResourceTemplatesResult(
-            resource_templates=[
-                types.ResourceTemplate(
-                    uri_template=LOGS_URI_TEMPLATE,
-                    name="machine-logs",
-                    title="A machine's console log",
-                    mime_type="text/plain",
-                    description="The latest lines of a machine's guest console.",
-                )
-            ]
+        template = types.ResourceTemplate(
+            uri_template=LOGS_URI_TEMPLATE,
+            name="machine-logs",
+            title="A machine's console log",
+            mime_type="text/plain",
+            description="The latest lines of a machine's guest console.",
         )
-
-    async def on_read_resource(self, ctx, params):
-        return await self.read_resource(ctx, str(params.uri))
+        return types.ListResourceTemplatesResult(resource_templates=[template])
 
     def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
         """The tools as the client sees them: only those its scopes grant. Built
         once per shape, here and nowhere else: a 2026-era HTTP client has the
         list built before every tool call."""
-        names = (principal or self.access.stdio).tools()
-        if (with_target, names) not in self._tool_lists:
-            self._tool_lists[(with_target, names)] = [
-                self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in names
+        key = (with_target, (principal or self.access.stdio).tools())
+        if key not in self._tool_lists:
+            self._tool_lists[key] = [
+                self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in key[1]
             ]
-        return self._tool_lists[(with_target, names)]
+        return self._tool_lists[key]
 
     def principal_for(self, ctx) -> Principal:
         """Who sent the request: the token HttpGate found, or the stdio principal."""
@@ -7367,41 +7379,34 @@ class SmolMcp:
         session: `target` leaves every tool and the client is told the list
         changed. Returns the question itself when it travels as a 2026-era
         input-required result; None when the call can go on."""
+        import mcp_types as types
+
         if self.mode != "both" or session.asked_fleet:
             return None
-        async with (
-            session.question_lock()
-        ):  # calls racing in at the start get one question between them
-            return await self._ask_fleet_once(ctx, session, params)
-
-    async def _ask_fleet_once(self, ctx, session: Session, params):
-        import mcp_types as types
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-
-        if session.asked_fleet:
-            return None
-        if not can_elicit(ctx):
-            session.asked_fleet = True  # a client that cannot answer keeps the argument
-            return None
-        modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
-        answer = await self.ask(
-            ctx, params, "fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA
-        )
-        if isinstance(answer, types.InputRequiredResult):
-            return answer
-        session.asked_fleet = True
-        choice = (
-            (answer.content or {}).get("fleet")
-            if answer is not None and answer.action == "accept"
-            else None
-        )
-        if choice in self.fleets and session.target is None:
+        async with session.question_lock():  # calls racing in at the start get one question
+            if session.asked_fleet:
+                return None
+            if not can_elicit(ctx):
+                session.asked_fleet = True  # a client that cannot answer keeps the argument
+                return None
+            question = ("fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA)
+            answer = await self.ask(ctx, params, *question)
+            if isinstance(answer, types.InputRequiredResult):
+                return answer
+            session.asked_fleet = True
+            accepted = answer is not None and answer.action == "accept"
+            choice = (answer.content or {}).get("fleet") if accepted else None
+            if choice not in self.fleets or session.target is not None:
+                return None
             session.target = choice
-            session.chose_during = (
-                params  # the call that asked may still name the other fleet explicitly
-            )
+            session.chose_during = params  # the call that asked may still name the other fleet
             log.info("session %s chose the %s fleet", session.id, choice)
-            await self.announce_tools_changed(ctx, session, modern)
+            if modern(ctx):  # the session's subscriptions/listen stream hears of it
+                from mcp.server.subscriptions import ToolsListChanged
+
+                await session.events()[0].publish(ToolsListChanged())
+            else:
+                await ctx.session.send_tool_list_changed()
         return None
 
     async def ask(self, ctx, params, key: str, state: str, message: str, schema: dict):
@@ -7412,17 +7417,14 @@ class SmolMcp:
         the answer and ``state``; an answer that comes back with another state
         answered another question, so it is asked again."""
         import mcp_types as types
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-        question = types.ElicitRequest(
-            params=types.ElicitRequestFormParams(message=message, requested_schema=schema)
-        )
-        if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+        question = form_question(message, schema)
+        if not modern(ctx):
             return await self.elicit(ctx, question)
         answer = (params.input_responses or {}).get(key) if params is not None else None
         if answer is None or params.request_state != state:
             return types.InputRequiredResult(request_state=state, input_requests={key: question})
-        return types.ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
+        return elicit_result(answer)
 
     async def confirm(
         self, ctx, params, session: Session, message: str, binding: str, schema: dict
@@ -7456,11 +7458,8 @@ class SmolMcp:
         if isinstance(answer, types.InputRequiredResult):
             raise AskClient(answer)
         session.spent.add(state.split(":")[3])
-        return bool(
-            answer is not None
-            and answer.action == "accept"
-            and (answer.content or {}).get("allow") is True
-        )
+        accepted = answer is not None and answer.action == "accept"
+        return accepted and (answer.content or {}).get("allow") is True
 
     async def elicit(self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS):
         """Send an elicitation and wait for the answer, within a bound: a client
@@ -7480,21 +7479,9 @@ class SmolMcp:
             log.info("a question to the person got no answer (%s)", err)
             return None
 
-    async def announce_tools_changed(self, ctx, session: Session, modern: bool) -> None:
-        if modern:
-            from mcp.server.subscriptions import ToolsListChanged
-
-            bus, _ = session.events()
-            await bus.publish(
-                ToolsListChanged()
-            )  # reaches the session's subscriptions/listen stream
-        else:
-            await ctx.session.send_tool_list_changed()
-
     async def call_tool(self, ctx, params):
         """Validate, dispatch, and turn every failure into a readable tool error.
         A changing tool is written to the activity log before its answer leaves."""
-        import anyio
         import mcp_types as types
 
         name = params.name
@@ -7502,12 +7489,15 @@ class SmolMcp:
         principal = self.principal_for(ctx)
         entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
         started = time.monotonic()
+
+        def logged(outcome: str) -> None:
+            if tool is not None and not tool.read_only:
+                self.record({**entry, "outcome": outcome, **elapsed(started)})
+
         try:
             if tool is None:  # named from the caller's own list: it learns of no other tool
-                raise ArgumentError(
-                    f"there is no tool named {name!r}; the tools are: "
-                    f"{', '.join(principal.tools())}"
-                )
+                tools = ", ".join(principal.tools())
+                raise ArgumentError(f"there is no tool named {name!r}; the tools are: {tools}")
             check_scope(principal, name)  # before any question is asked or argument read
             session = self.session_for(ctx)
             entry["session"] = session.id
@@ -7516,11 +7506,8 @@ class SmolMcp:
                 return question
             arguments = dict(params.arguments or {})
             fleet = self.fleet_for(session, name, arguments, params)
-            entry.update(
-                target=fleet.name,
-                machine=arguments.get("name"),
-                arguments=redact_arguments(arguments, tool.input_schema),
-            )
+            shown = redact_arguments(arguments, tool.input_schema)
+            entry.update(target=fleet.name, machine=arguments.get("name"), arguments=shown)
             checker = self.checkers.get(name) or self.checkers.setdefault(
                 name, argument_validator()(configured_schema(tool, self.config))
             )
@@ -7528,7 +7515,7 @@ class SmolMcp:
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
-            held = None if tool.read_only else await self.hold(call, entry, params)
+            held = None if tool.read_only else await self.approvals.hold(call, entry, params)
             if held is not None and not isinstance(held, str):
                 return held  # the approval question, as a 2026-era input-required result
             if held is not None:
@@ -7538,8 +7525,7 @@ class SmolMcp:
                 await self.sweep_once()
             result = await tool.handler(call, arguments)
         except anyio.get_cancelled_exc_class():
-            if tool is not None and not tool.read_only:
-                self.record({**entry, "outcome": "cancelled", **elapsed(started)})
+            logged("cancelled")
             raise
         except AskClient as ask:
             return ask.question
@@ -7547,31 +7533,29 @@ class SmolMcp:
             if isinstance(ctx, PlainRequest):
                 ctx.failure = err
             message = redact(explain(err), self.config.secret_values())
-            if tool is not None and not tool.read_only:
-                self.record({**entry, "outcome": message.splitlines()[0], **elapsed(started)})
+            logged(message.splitlines()[0])
             return tool_error(message)
         except Exception as err:
             log.exception("tool %s failed unexpectedly", name)
             message = redact(
-                f"{name} failed unexpectedly ({type(err).__name__}: {err}). This "
-                "is a bug in smol-mcp; the server log has the details.",
+                f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
+                "smol-mcp; the server log has the details.",
                 self.config.secret_values(),
             )
-            if tool is not None and not tool.read_only:
-                self.record({**entry, "outcome": message, **elapsed(started)})
+            logged(message)
             return tool_error(message)
         if not tool.read_only:
             made = result.get("machine") if isinstance(result.get("machine"), dict) else {}
             entry["machine"] = made.get("name") or result.get("name") or entry.get("machine")
             if isinstance(result.get("exitCode"), int):
                 entry["exitCode"] = result["exitCode"]
-            self.record({**entry, "outcome": "ok", **elapsed(started)})
+            logged("ok")
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=reply_json(result))],
             structured_content=result,
         )
 
-    # -- activity log and approvals ---------------------------------------
+    # -- activity log ---------------------------------------------------------
 
     def who(self, principal: Principal) -> dict:
         """The principal as the activity log names it."""
@@ -7593,427 +7577,34 @@ class SmolMcp:
                 entry.get("tool") or entry.get("approval") or "",
             )
 
-    def approvals_apply(self) -> bool:
-        """Whether any call of this process may be held: stdio approval is on, or
-        a token that needs approval exists."""
-        if self.config.approval == "changes":
-            return True
-        try:
-            return any(r.get("approval") == "changes" for r in self.access.tokens.records())
-        except SmolError:
-            return False
-
-    def client_gone(self) -> None:
-        """stdin closed: waiting calls end as approval_cancelled (they look at
-        stdin_closed), and the questions left with the client are withdrawn."""
-        self.stdin_closed = True
-        for approval_id in list(self.asked):
-            self.access.desk.close(approval_id)
-        self.asked.clear()
-
-    async def interrupt_approvals(self) -> None:
-        """At a stop signal: calls waiting for approval answer approval_interrupted
-        (within a bound) before anything else ends them."""
-        import anyio
-
-        self.stopping = True
-        if not any(self.held_by.values()):
-            return
-        with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
-            while any(self.held_by.values()):
-                await anyio.sleep(0.05)
-        await anyio.sleep(0.2)  # their answers on their way out
-
-    async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
-        """Before a changing tool runs: None when the principal needs no approval,
-        "auto" or who approved once a person allowed it, else ApprovalRefused. With
-        approvalVia client in the 2026 era, the question itself (an input-required
-        result) the first time; the client's answer comes back with the retry."""
-        principal = call.principal
-        if principal.approval != "changes":
-            return None
-        event = {
-            k: entry.get(k)
-            for k in ("principal", "user", "session", "tool", "target", "machine")
-            if entry.get(k) is not None
-        }
-        event["event"] = "approval"
-        if self.access.auto.until(principal):
-            self.record(
-                {**event, "approval": "auto-approved", "until": self.access.auto.until(principal)}
-            )
-            return "auto"
-        asked = len(self.asked) if principal.kind == "stdio" else 0  # only stdio asks its client
-        if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
-            raise self.refuse(
-                event,
-                "unavailable",
-                "approval_unavailable",
-                f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
-                f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
-                "once the person on the server's host has answered those.",
-            )
-        asks_client, modern = self.client_channel(call)
-        request = self.resumed_request(call, entry, params) if asks_client and modern else None
-        client_answer = None
-        if request is not None:  # the 2026-era retry that carries the client's answer
-            approval_id = request["id"]
-            self.asked.discard(approval_id)
-            client_answer = (params.input_responses or {}).get("approval")
-            event["id"] = approval_id
-            timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
-        else:
-            timeout = self.config.approval_timeout_secs
-            approval_id = self.file_request(call, entry, event, timeout)
-            if asks_client and modern:  # the request stays filed: the terminal may answer meanwhile
-                import mcp_types as types
-
-                self.asked.add(approval_id)
-
-                return types.InputRequiredResult(
-                    request_state=f"smol-mcp:approval:{approval_id}",
-                    input_requests={"approval": self.approval_question(event)},
-                )
-        self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
-        call.session.held += 1
-        try:
-            return await self._await_answer(
-                call, approval_id, event, timeout, asks_client and not modern, client_answer
-            )
-        finally:
-            self.held_by[principal.id] -= 1
-            call.session.held -= 1
-            self.access.desk.close(approval_id)
-
-    def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
-        """Write the request where `approvals list` finds it, log it and tell the webhook."""
-        principal = call.principal
-        request = {
-            "token": principal.name,
-            "principalId": principal.id,
-            "tool": entry["tool"],
-            "target": entry.get("target"),
-            "machine": entry.get("machine"),
-            "arguments": approval_arguments(call),  # for the person; log and webhook redact
-            "session": entry.get("session"),
-            "requestedAt": utc_now(),
-            "expiresAt": utc_time(time.time() + timeout),
-        }
-        try:
-            approval_id = self.access.desk.open(request)
-        except (OSError, SmolError) as err:
-            reason = getattr(err, "strerror", None) or str(err)
-            self.record({**event, "approval": "unavailable", "error": reason})
-            raise ApprovalRefused(
-                "approval_unavailable",
-                f"{entry['tool']} needs a person's approval, but the request could not be filed in "
-                f"{self.access.desk.directory} ({reason}); nothing ran. The operator must make the "
-                "state directory writable (SMOL_MCP_STATE_DIR).",
-            ) from None
-        event["id"] = approval_id
-        self.record({**event, "approval": "requested", "expiresAt": request["expiresAt"]})
-        if self.config.approval_webhook:
-            self.notify_webhook(
-                {
-                    "id": approval_id,
-                    "token": principal.name,
-                    "tool": entry["tool"],
-                    "machine": entry.get("machine"),
-                    "expiresAt": request["expiresAt"],
-                    **(
-                        {"review": self.pages.issuer + REVIEW_PAGE + approval_id}
-                        if self.pages
-                        else {}
-                    ),
-                },
-                event,
-            )
-        return approval_id
-
-    def client_channel(self, call: Call) -> tuple[bool, bool]:
-        """(whether the person at the client is asked too, whether the 2026 era is
-        spoken): approvalVia client, on stdio, with a client that takes forms."""
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-
-        ctx = call.ctx
-        if self.config.approval_via != "client" or call.principal.kind != "stdio" or ctx is None:
-            return False, False
-        capabilities = ctx.session.client_capabilities
-        if (
-            capabilities is None
-            or capabilities.elicitation is None
-            or (capabilities.elicitation.form is None and capabilities.elicitation.url is not None)
-        ):
-            return False, False
-        return True, ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
-
-    def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
-        """The request a 2026-era retry answers: named by its request state, filed
-        by this process for the same principal, tool and arguments, still open."""
-        state = getattr(params, "request_state", None) or ""
-        if not state.startswith("smol-mcp:approval:"):
-            return None
-        try:
-            path = self.access.desk.path_of(state.rsplit(":", 1)[1], "request")
-            request = json.loads(path.read_text())
-        except (OSError, ValueError, SmolError):
-            return None
-        same = (
-            request.get("pid") == os.getpid()
-            and request.get("principalId") == call.principal.id
-            and request.get("tool") == entry["tool"]
-            and request.get("target") == entry.get("target")
-            and request.get("arguments") == approval_arguments(call)
-        )
-        return request if same else None
-
-    def approval_question(self, event: dict):
-        import mcp_types as types
-
-        on = f" on {event['machine']}" if event.get("machine") else ""
-        message = (
-            f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
-            "let it run once; decline to refuse it. `approvals list` on the server's host "
-            "shows its arguments."
-        )
-        schema = {
-            "type": "object",
-            "properties": {
-                "note": {
-                    "type": "string",
-                    "title": "Note",
-                    "description": "Optional; kept in the activity log",
-                }
-            },
-        }
-        return types.ElicitRequest(
-            params=types.ElicitRequestFormParams(message=message, requested_schema=schema)
-        )
-
-    async def _await_answer(
-        self,
-        call: Call,
-        approval_id: str,
-        event: dict,
-        timeout: int,
-        ask_now: bool,
-        client_answer: Any,
-    ) -> str:
-        """Wait for the terminal (and, with ``ask_now``, an elicitation in this
-        call), the token's deletion, an auto-approval, the timeout or a stop."""
-        import anyio
-        import mcp_types as types
-
-        answers: dict = {}
-        if client_answer is not None:
-            answers["client"] = (
-                types.ElicitResult.model_validate(client_answer)
-                if isinstance(client_answer, dict)
-                else client_answer
-            )
-
-        async def ask() -> None:
-            answer = await self.elicit(call.ctx, self.approval_question(event), timeout)
-            if answer is not None:
-                answers["client"] = answer
-
-        async with anyio.create_task_group() as asking:
-            if ask_now:
-                asking.start_soon(ask)
-            try:
-                outcome, failure = (
-                    await self._poll_answer(call, approval_id, event, timeout, answers),
-                    None,
-                )
-            except Exception as err:  # carried out of the group, which would wrap it
-                outcome, failure = None, err
-            asking.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-        return outcome
-
-    async def _poll_answer(
-        self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict
-    ) -> str:
-        import anyio
-
-        principal, tool = call.principal, event["tool"]
-        deadline = time.monotonic() + timeout
-        command = " ".join(launch_command() + ["approvals", "approve", approval_id])
-        on = f" on {event['machine']}" if event.get("machine") else ""
-        next_progress = 0.0
-        try:
-            while True:
-                answer = self.access.desk.answer(approval_id) or self.client_decision(answers)
-                if answer is not None:
-                    break
-                if (
-                    call.session.ended
-                    or (principal.kind == "stdio" and self.stdin_closed)
-                    or getattr(call.ctx, "request_id", None) in call.session.gone_requests
-                ):
-                    raise self.refuse(
-                        event,
-                        "cancelled",
-                        "approval_cancelled",
-                        f"the client went away while {tool} waited for approval; nothing ran.",
-                    )
-                if self.stopping:
-                    raise self.refuse(
-                        event,
-                        "interrupted",
-                        "approval_interrupted",
-                        f"the server stopped while {tool} waited for approval; "
-                        "nothing ran. Call it again once the server is back.",
-                    )
-                if (
-                    principal.kind == "token"
-                    and self.access.live_ids().get(principal.name) != principal.id
-                ):
-                    raise self.refuse(
-                        event,
-                        "token deleted",
-                        "approval_token_deleted",
-                        f"the token '{principal.name}' was deleted while {tool} "
-                        "waited for approval; nothing ran.",
-                    )
-                if self.access.auto.until(principal):
-                    self.record(
-                        {
-                            **event,
-                            "approval": "auto-approved",
-                            "until": self.access.auto.until(principal),
-                        }
-                    )
-                    return "auto"
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self.refuse(
-                        event,
-                        "timed out",
-                        "approval_timed_out",
-                        f"nobody approved {tool} within {timeout} s; nothing ran. "
-                        "Ask the person on the server's host to watch for it, then "
-                        "call it again.",
-                    )
-                if time.monotonic() >= next_progress:
-                    next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
-                    await call.progress(
-                        None,
-                        f"{tool}{on} waits for a person to approve it "
-                        f"({int(left)} s left): on the server's host run "
-                        f"`{command}` (or `approvals deny {approval_id}`)"
-                        + (
-                            f", or answer at {self.pages.issuer}{REVIEW_PAGE}{approval_id}"
-                            if self.pages
-                            else ""
-                        ),
-                    )
-                await anyio.sleep(APPROVAL_POLL_SECS)
-        except anyio.get_cancelled_exc_class():
-            if self.stopping:
-                self.record({**event, "approval": "interrupted"})
-            else:
-                self.record({**event, "approval": "cancelled"})
-            raise
-        by = str(answer.get("by") or "unknown")
-        note = {"reason": str(answer["reason"])[:500]} if answer.get("reason") else {}
-        channel = {"via": str(answer["via"])[:40]} if answer.get("via") else {}
-        if answer.get("decision") == "approve":
-            extra = {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
-            self.record({**event, "approval": "approved", "by": by, **extra, **note, **channel})
-            return by
-        reason = note.get("reason", "no reason given")
-        raise self.refuse(
-            event,
-            "rejected",
-            "approval_rejected",
-            f"{by} rejected {tool}: {reason}. Nothing ran.",
-            by=by,
-            reason=reason,
-            **channel,
-        )
-
-    @staticmethod
-    def client_decision(answers: dict) -> dict | None:
-        """The person at the client's answer as a terminal answer: accept approves,
-        decline rejects; a dismissed form leaves the terminal to answer."""
-        answer = answers.get("client")
-        if answer is None or answer.action not in ("accept", "decline"):
-            return None
-        note = str((answer.content or {}).get("note") or "") if answer.action == "accept" else ""
-        return {
-            "decision": "approve" if answer.action == "accept" else "deny",
-            "by": "the person at the client (approvalVia client)",
-            "reason": note or ("declined at the client" if answer.action == "decline" else ""),
-        }
-
-    def refuse(
-        self, event: dict, outcome: str, code: str, detail: str, **extra: Any
-    ) -> ApprovalRefused:
-        self.record({**event, "approval": outcome, **extra})
-        return ApprovalRefused(code, detail)
-
-    def notify_webhook(self, payload: dict, event: dict) -> None:
-        """POST the notice from one small pool with a bounded queue: a slow or
-        failing webhook never holds the call or the terminal channel, nor takes
-        a thread a call; a failure (or a notice the full queue drops) is logged."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        def send() -> None:
-            try:
-                failure = post_webhook(self.config.approval_webhook, payload)
-            finally:
-                self._webhook_slots.release()
-            if failure is not None:
-                log.warning("%s; the terminal channel still works", failure)
-                self.record({**event, "approval": "webhook failed", "error": failure})
-
-        if not self._webhook_slots.acquire(blocking=False):
-            self.record({**event, "approval": "webhook failed", "error": "too many notices queued"})
-            return
-        if self._webhooks is None:
-            self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")
-        self._webhooks.submit(send)
-
     async def sweep_once(self) -> None:
         """Before the first local call of this process: delete what a crashed
         earlier process left behind."""
-        if not self._swept:
-            import anyio
-
-            swept = await anyio.to_thread.run_sync(
-                sweep_orphans, self.local, self.config.runtime_dir
+        if self._swept:
+            return
+        swept = await anyio.to_thread.run_sync(sweep_orphans, self.local, self.config.runtime_dir)
+        self.access.owners.clear("local", swept)
+        cleanup = {"event": "orphan-cleanup", "principal": "smol-mcp", "target": "local"}
+        for name in swept:
+            self.record(
+                {**cleanup, "machine": name, "outcome": "deleted (left by a stopped process)"}
             )
-            self.access.owners.clear("local", swept)
-            for name in swept:
-                self.record(
-                    {
-                        "event": "orphan-cleanup",
-                        "principal": "smol-mcp",
-                        "target": "local",
-                        "machine": name,
-                        "outcome": "deleted (left by a stopped process)",
-                    }
-                )
-            self._swept = True
+        self._swept = True
 
-    async def read_resource(self, ctx, uri: str):
+    # -- resources ------------------------------------------------------------
+
+    async def on_read_resource(self, ctx, params):
         import mcp_types as types
 
+        uri, principal = str(params.uri), self.principal_for(ctx)
         if uri == TARGETS_URI:
-            import anyio
-
-            document = await anyio.to_thread.run_sync(
-                targets_document, self
-            )  # it probes a socket and a port
-            document["access"] = self.principal_for(ctx).describe()
+            document = await anyio.to_thread.run_sync(targets_document, self)  # probes the engines
+            document["access"] = principal.describe()
             text, mime = json.dumps(document, indent=2), "application/json"
         elif uri == ACTIVITY_URI:
-            document = self.activity_document(self.principal_for(ctx))
-            text, mime = json.dumps(document, indent=1), "application/json"
+            text, mime = json.dumps(self.activity_document(principal), indent=1), "application/json"
         elif LOGS_URI_RE.fullmatch(uri):
-            fleet, name = self.log_resource(uri, self.principal_for(ctx))
+            fleet, name = self.log_resource(uri, principal)
             try:
                 call = Call(self, self.session_for(ctx), fleet, ctx)
                 lines = await call.api(fleet.console_lines, name)
@@ -8024,25 +7615,21 @@ class SmolMcp:
             raise_resource_error(
                 f"unknown resource {uri}; the resources are {TARGETS_URI} and {LOGS_URI_TEMPLATE}"
             )
-        return types.ReadResourceResult(
-            contents=[types.TextResourceContents(uri=uri, mime_type=mime, text=text)]
-        )
+        content = types.TextResourceContents(uri=uri, mime_type=mime, text=text)
+        return types.ReadResourceResult(contents=[content])
 
     def activity_document(self, principal: Principal) -> dict:
         """smol://activity for ``principal``: it needs activity.read; a sandbox.*
         principal gets its own entries only."""
         if "activity.read" not in principal.scopes:
             raise_resource_error(
-                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, "
-                f"which {principal.label()} does not have. Ask the operator for "
-                "a token with that scope."
+                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
+                f"{principal.label()} does not have. Ask the operator for a token with that scope."
             )
-        own = activity_filter(principal.name) if sees_own_activity_only(principal) else bool
+        own_only = sees_own_activity_only(principal)
+        own = activity_filter(principal.name) if own_only else bool
         entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
-        return {
-            "entries": entries,
-            "ownOnly": sees_own_activity_only(principal),
-        }
+        return {"entries": entries, "ownOnly": own_only}
 
     def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
         """(fleet, machine name) of a log resource URI as ``principal`` may see
@@ -8065,31 +7652,9 @@ class SmolMcp:
             raise_resource_error(str(err))
         return self.access.fleet_for(principal, grant, self.fleets[match["target"]]), name
 
-    async def subscribe(self, ctx, uri: str) -> None:
-        """Handshake era: follow a log in a poller that lives until unsubscribe
-        or the end of the session, notifying through this connection."""
-        import anyio
-
-        principal = self.principal_for(ctx)
-        fleet, name = self.log_resource(uri, principal)
-        session = self.session_for(ctx)
-        if uri in session.subscriptions:
-            return
-        self.check_share(principal, len(session.subscriptions) + 1, 1)
-        scope = anyio.CancelScope()
-        session.subscriptions[uri] = scope
-        notify = ctx.session.send_resource_updated  # the captured session outlives this request
-
-        async def poll() -> None:
-            with scope:
-                await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
-
-        session.tasks.start_soon(poll)
-
     async def listen(self, ctx, params):
         """2026 era: change notifications and log updates travel on this stream;
         its pollers live exactly as long as it does."""
-        import anyio
         from mcp.server.subscriptions import ResourceUpdated
 
         session = self.session_for(ctx)
@@ -8100,14 +7665,8 @@ class SmolMcp:
         followed = [(uri, *self.log_resource(uri, principal)) for uri in uris]
         async with anyio.create_task_group() as pollers:
             for uri, fleet, name in followed:
-                pollers.start_soon(
-                    follow_log,
-                    self,
-                    fleet,
-                    name,
-                    lambda uri=uri: bus.publish(ResourceUpdated(uri=uri)),
-                    principal.id,
-                )
+                notify = functools.partial(bus.publish, ResourceUpdated(uri=uri))
+                pollers.start_soon(follow_log, self, fleet, name, notify, principal.id)
             try:
                 return await handler(ctx, params)
             finally:
@@ -8127,8 +7686,6 @@ class SmolMcp:
     async def end_session(self, session: Session) -> None:
         """Delete the session's ephemeral machines and let go of the fleets, even
         while being cancelled (a signal), within a bounded time."""
-        import anyio
-
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
@@ -8154,6 +7711,306 @@ class SmolMcp:
                     )
 
 
+class Approvals:
+    """Holding a changing call until a person answers it (SPEC 13): the request
+    is filed where `approvals list`, the review page and the webhook find it;
+    with approvalVia client the person at the client is asked too. Bounded per
+    principal; a stop, a departed client or a deleted token ends the wait."""
+
+    def __init__(self, app: SmolMcp):
+        self.app = app
+        self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
+        self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
+        self.stdin_closed = False  # stdio: the client went away; its waiting calls end
+        self._webhooks: Any = None  # the one bounded pool approval notices are posted from
+        self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
+
+    def apply(self) -> bool:
+        """Whether any call of this process may be held: stdio approval is on, or
+        a token that needs approval exists."""
+        if self.app.config.approval == "changes":
+            return True
+        try:
+            return any(r.get("approval") == "changes" for r in self.app.access.tokens.records())
+        except SmolError:
+            return False
+
+    def client_gone(self) -> None:
+        """stdin closed: waiting calls end as approval_cancelled (they look at
+        stdin_closed), and the questions left with the client are withdrawn."""
+        self.stdin_closed = True
+        for approval_id in list(self.asked):
+            self.app.access.desk.close(approval_id)
+        self.asked.clear()
+
+    async def interrupt(self) -> None:
+        """At a stop signal: calls waiting for approval answer approval_interrupted
+        (within a bound) before anything else ends them."""
+        self.app.stopping = True
+        if not any(self.held_by.values()):
+            return
+        with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
+            while any(self.held_by.values()):
+                await anyio.sleep(0.05)
+        await anyio.sleep(0.2)  # their answers on their way out
+
+    def refuse(self, event: dict, outcome: str, detail: str, **extra: Any) -> ApprovalRefused:
+        """Log the outcome; the refusal's code is approval_<outcome>."""
+        self.app.record({**event, "approval": outcome, **extra})
+        return ApprovalRefused("approval_" + outcome.replace(" ", "_"), detail)
+
+    def auto_approved(self, principal: Principal, event: dict) -> bool:
+        until = self.app.access.auto.until(principal)
+        if until:
+            self.app.record({**event, "approval": "auto-approved", "until": until})
+        return bool(until)
+
+    async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
+        """Before a changing tool runs: None when the principal needs no approval,
+        "auto" or who approved once a person allowed it, else ApprovalRefused. With
+        approvalVia client in the 2026 era, the question itself (an input-required
+        result) the first time; the client's answer comes back with the retry."""
+        principal = call.principal
+        if principal.approval != "changes":
+            return None
+        keys = ("principal", "user", "session", "tool", "target", "machine")
+        event = {key: entry[key] for key in keys if entry.get(key) is not None}
+        event["event"] = "approval"
+        if self.auto_approved(principal, event):
+            return "auto"
+        asked = len(self.asked) if principal.kind == "stdio" else 0  # only stdio asks its client
+        if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
+            raise self.refuse(
+                event,
+                "unavailable",
+                f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
+                f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
+                "once the person on the server's host has answered those.",
+            )
+        asks_client, in_2026 = self.client_channel(call)
+        request = self.resumed_request(call, entry, params) if asks_client and in_2026 else None
+        client_answer = None
+        if request is not None:  # the 2026-era retry that carries the client's answer
+            approval_id = event["id"] = request["id"]
+            self.asked.discard(approval_id)
+            client_answer = (params.input_responses or {}).get("approval")
+            timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
+        else:
+            timeout = self.app.config.approval_timeout_secs
+            approval_id = self.file_request(call, entry, event, timeout)
+            if asks_client and in_2026:  # the request stays filed: the terminal may answer too
+                import mcp_types as types
+
+                self.asked.add(approval_id)
+                state, question = f"smol-mcp:approval:{approval_id}", self.question(event)
+                return types.InputRequiredResult(
+                    request_state=state, input_requests={"approval": question}
+                )
+        self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
+        call.session.held += 1
+        try:
+            ask_now = asks_client and not in_2026
+            return await self.wait(call, approval_id, event, timeout, ask_now, client_answer)
+        finally:
+            self.held_by[principal.id] -= 1
+            call.session.held -= 1
+            self.app.access.desk.close(approval_id)
+
+    def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
+        """Write the request where `approvals list` finds it, log it and tell the webhook."""
+        app, principal, tool = self.app, call.principal, entry["tool"]
+        request = {
+            "token": principal.name,
+            "principalId": principal.id,
+            "tool": tool,
+            "target": entry.get("target"),
+            "machine": entry.get("machine"),
+            "arguments": approval_arguments(call),  # for the person; log and webhook redact
+            "session": entry.get("session"),
+            "requestedAt": utc_now(),
+            "expiresAt": utc_time(time.time() + timeout),
+        }
+        try:
+            approval_id = event["id"] = app.access.desk.open(request)
+        except (OSError, SmolError) as err:
+            reason = getattr(err, "strerror", None) or str(err)
+            raise self.refuse(
+                event,
+                "unavailable",
+                f"{tool} needs a person's approval, but the request could not be filed in "
+                f"{app.access.desk.directory} ({reason}); nothing ran. The operator must make the "
+                "state directory writable (SMOL_MCP_STATE_DIR).",
+                error=reason,
+            ) from None
+        app.record({**event, "approval": "requested", "expiresAt": request["expiresAt"]})
+        if app.config.approval_webhook:
+            review = {"review": app.pages.issuer + REVIEW_PAGE + approval_id} if app.pages else {}
+            notice = {"id": approval_id, "token": principal.name, "tool": tool}
+            notice.update(machine=entry.get("machine"), expiresAt=request["expiresAt"], **review)
+            self.notify_webhook(notice, event)
+        return approval_id
+
+    def client_channel(self, call: Call) -> tuple[bool, bool]:
+        """(whether the person at the client is asked too, whether the 2026 era is
+        spoken): approvalVia client, on stdio, with a client that takes forms."""
+        if self.app.config.approval_via != "client" or call.principal.kind != "stdio":
+            return False, False
+        return (True, modern(call.ctx)) if can_elicit(call.ctx) else (False, False)
+
+    def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
+        """The request a 2026-era retry answers: named by its request state, filed
+        by this process for the same principal, tool and arguments, still open."""
+        state = getattr(params, "request_state", None) or ""
+        if not state.startswith("smol-mcp:approval:"):
+            return None
+        try:
+            path = self.app.access.desk.path_of(state.rsplit(":", 1)[1], "request")
+            request = json.loads(path.read_text())
+        except (OSError, ValueError, SmolError):
+            return None
+        same = (
+            request.get("pid") == os.getpid()
+            and request.get("principalId") == call.principal.id
+            and request.get("tool") == entry["tool"]
+            and request.get("target") == entry.get("target")
+            and request.get("arguments") == approval_arguments(call)
+        )
+        return request if same else None
+
+    @staticmethod
+    def question(event: dict):
+        on = f" on {event['machine']}" if event.get("machine") else ""
+        message = (
+            f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to let it "
+            "run once; decline to refuse it. `approvals list` on the server's host shows its "
+            "arguments."
+        )
+        note = dict(type="string", title="Note", description="Optional; kept in the activity log")
+        return form_question(message, {"type": "object", "properties": {"note": note}})
+
+    async def wait(
+        self, call: Call, approval_id: str, event: dict, timeout: int, ask_now: bool, answer: Any
+    ) -> str:
+        """Wait for the terminal (and, with ``ask_now``, an elicitation in this
+        call), the token's deletion, an auto-approval, the timeout or a stop;
+        ``answer`` is the client's, when a 2026-era retry brought one."""
+        answers = {} if answer is None else {"client": elicit_result(answer)}
+
+        async def ask() -> None:
+            answer = await self.app.elicit(call.ctx, self.question(event), timeout)
+            if answer is not None:
+                answers["client"] = answer
+
+        async with anyio.create_task_group() as asking:
+            if ask_now:
+                asking.start_soon(ask)
+            try:
+                outcome, failure = await self.poll(call, approval_id, event, timeout, answers), None
+            except Exception as err:  # carried out of the group, which would wrap it
+                outcome, failure = None, err
+            asking.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return outcome
+
+    async def poll(self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict):
+        app, principal, tool = self.app, call.principal, event["tool"]
+        deadline = time.monotonic() + timeout
+        command = " ".join(launch_command() + ["approvals", "approve", approval_id])
+        on = f" on {event['machine']}" if event.get("machine") else ""
+        waited = f"while {tool} waited for approval; nothing ran."
+        review = f", or answer at {app.pages.issuer}{REVIEW_PAGE}{approval_id}" if app.pages else ""
+        live_ids = app.access.live_ids
+        next_progress = 0.0
+        try:
+            while True:
+                answer = app.access.desk.answer(approval_id) or self.client_decision(answers)
+                if answer is not None:
+                    break
+                if (
+                    call.session.ended
+                    or (principal.kind == "stdio" and self.stdin_closed)
+                    or getattr(call.ctx, "request_id", None) in call.session.gone_requests
+                ):
+                    raise self.refuse(event, "cancelled", f"the client went away {waited}")
+                if app.stopping:
+                    back = " Call it again once the server is back."
+                    raise self.refuse(event, "interrupted", f"the server stopped {waited}{back}")
+                if principal.kind == "token" and principal.id != live_ids().get(principal.name):
+                    deleted = f"the token '{principal.name}' was deleted {waited}"
+                    raise self.refuse(event, "token deleted", deleted)
+                if self.auto_approved(principal, event):
+                    return "auto"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self.refuse(
+                        event,
+                        "timed out",
+                        f"nobody approved {tool} within {timeout} s; nothing ran. Ask the person "
+                        "on the server's host to watch for it, then call it again.",
+                    )
+                if time.monotonic() >= next_progress:
+                    next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
+                    await call.progress(
+                        None,
+                        f"{tool}{on} waits for a person to approve it ({int(left)} s left): on "
+                        f"the server's host run `{command}` (or `approvals deny {approval_id}`)"
+                        + review,
+                    )
+                await anyio.sleep(APPROVAL_POLL_SECS)
+        except anyio.get_cancelled_exc_class():
+            app.record({**event, "approval": "interrupted" if app.stopping else "cancelled"})
+            raise
+        by = str(answer.get("by") or "unknown")
+        note = {"reason": str(answer["reason"])[:500]} if answer.get("reason") else {}
+        channel = {"via": str(answer["via"])[:40]} if answer.get("via") else {}
+        if answer.get("decision") == "approve":
+            extra = {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
+            app.record({**event, "approval": "approved", "by": by, **extra, **note, **channel})
+            return by
+        reason = note.get("reason", "no reason given")
+        rejected = f"{by} rejected {tool}: {reason}. Nothing ran."
+        raise self.refuse(event, "rejected", rejected, by=by, reason=reason, **channel)
+
+    @staticmethod
+    def client_decision(answers: dict) -> dict | None:
+        """The person at the client's answer as a terminal answer: accept approves,
+        decline rejects; a dismissed form leaves the terminal to answer."""
+        answer = answers.get("client")
+        if answer is None or answer.action not in ("accept", "decline"):
+            return None
+        note = str((answer.content or {}).get("note") or "") if answer.action == "accept" else ""
+        return {
+            "decision": "approve" if answer.action == "accept" else "deny",
+            "by": "the person at the client (approvalVia client)",
+            "reason": note or ("declined at the client" if answer.action == "decline" else ""),
+        }
+
+    def notify_webhook(self, payload: dict, event: dict) -> None:
+        """POST the notice from one small pool with a bounded queue: a slow or
+        failing webhook never holds the call or the terminal channel, nor takes
+        a thread a call; a failure (or a notice the full queue drops) is logged."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def failed(error: str) -> None:
+            self.app.record({**event, "approval": "webhook failed", "error": error})
+
+        def send() -> None:
+            try:
+                failure = post_webhook(self.app.config.approval_webhook, payload)
+            finally:
+                self._webhook_slots.release()
+            if failure is not None:
+                log.warning("%s; the terminal channel still works", failure)
+                failed(failure)
+
+        if not self._webhook_slots.acquire(blocking=False):
+            return failed("too many notices queued")
+        if self._webhooks is None:
+            self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")
+        self._webhooks.submit(send)
+
+
 def elapsed(started: float) -> dict:
     return {"durationMs": int((time.monotonic() - started) * 1000)}
 
@@ -8168,20 +8025,16 @@ def explain(err: SmolError) -> str:
         if err.status == 404 and err.action.startswith(("read ", "write ")):
             return str(err.with_hint("Check the path: run-command with ls shows what is there"))
         if err.status == 409 and "already exists" in err.api_message:
-            return str(
-                err.with_hint(
-                    "Pick another name, or use start-machine to start the existing machine"
-                )
-            )
+            hint = "Pick another name, or use start-machine to start the existing machine"
+            return str(err.with_hint(hint))
     return str(err)
 
 
 def tool_error(message: str):
     import mcp_types as types
 
-    return types.CallToolResult(
-        content=[types.TextContent(type="text", text=message)], is_error=True
-    )
+    text = types.TextContent(type="text", text=message)
+    return types.CallToolResult(content=[text], is_error=True)
 
 
 def raise_resource_error(message: str):
@@ -8207,7 +8060,6 @@ def build_server(config: Config | None = None):
 
 
 async def run_stdio(server, app: SmolMcp | None = None) -> None:
-    import anyio
     from mcp.server.stdio import stdio_server
 
     signalled, answers = False, None
@@ -8219,7 +8071,7 @@ async def run_stdio(server, app: SmolMcp | None = None) -> None:
                 async for _ in received:
                     signalled = True
                     if app is not None:
-                        await app.interrupt_approvals()
+                        await app.approvals.interrupt()
                     if answers is not None:
                         await answers.refuse_pending()  # every call in flight hears why it stopped
                     group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
@@ -8267,6 +8119,15 @@ def is_cancellation(message: Any) -> bool:
     )
 
 
+def rpc_error(request_id: Any, code: int, message: str) -> Any:
+    """A JSON-RPC error answer, as the transport sends it."""
+    import mcp_types as types
+    from mcp.shared.message import SessionMessage
+
+    error = types.ErrorData(code=code, message=message)
+    return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
+
+
 class AnsweredReads(StreamWrapper):
     """The stdio read stream, kept open at stdin's end until every request
     read before it has been answered: the SDK would end the session at EOF and
@@ -8285,7 +8146,6 @@ class AnsweredReads(StreamWrapper):
         return getattr(self.inner, "last_context", None)
 
     async def receive(self) -> Any:
-        import anyio
         import mcp_types as types
         from mcp.shared.message import SessionMessage
 
@@ -8293,7 +8153,7 @@ class AnsweredReads(StreamWrapper):
             item = await self.inner.receive()
         except anyio.EndOfStream:
             if self.app is not None:  # the client is gone: its waiting calls end, then so do we
-                self.app.client_gone()
+                self.app.approvals.client_gone()
             while self.writes.pending:
                 await self.writes.changed()
             raise
@@ -8308,18 +8168,13 @@ class AnsweredReads(StreamWrapper):
                 f"this message could not be read ({item_error(item)}); send one JSON-RPC "
                 "message per line, as UTF-8 JSON without lone surrogates"
             )
-            error = types.ErrorData(code=types.PARSE_ERROR, message=message)
-            await self.write.send(
-                SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=unparsed_id(item), error=error))
-            )
+            await self.write.send(rpc_error(unparsed_id(item), types.PARSE_ERROR, message))
         return item
 
     def __aiter__(self) -> AnsweredReads:
         return self
 
     async def __anext__(self) -> Any:
-        import anyio
-
         try:
             return await self.receive()
         except anyio.EndOfStream:
@@ -8330,15 +8185,11 @@ class AnsweredWrites(StreamWrapper):
     """The stdio write stream, counting off the requests it answers."""
 
     def __init__(self, inner: Any):
-        import anyio
-
         super().__init__(inner)
         self.pending: set = set()
         self._changed = anyio.Event()
 
     async def changed(self) -> None:
-        import anyio
-
         await self._changed.wait()
         self._changed = anyio.Event()
 
@@ -8355,21 +8206,9 @@ class AnsweredWrites(StreamWrapper):
 
     async def refuse_pending(self) -> None:
         """Answer every request still in flight with the shutdown error."""
-        import anyio
-        import mcp_types as types
-        from mcp.shared.message import SessionMessage
-
         with anyio.move_on_after(2):
             for request_id in list(self.pending):
-                await self.send(
-                    SessionMessage(
-                        types.JSONRPCError(
-                            jsonrpc="2.0",
-                            id=request_id,
-                            error=(types.ErrorData(code=-32000, message=SHUTDOWN_MESSAGE)),
-                        )
-                    )
-                )
+                await self.send(rpc_error(request_id, -32000, SHUTDOWN_MESSAGE))
             await anyio.sleep(0.2)  # the transport's writer flushes the last one
 
 

@@ -9446,7 +9446,7 @@ class ApprovalTests(FakeServeCase):
         threading.Thread(target=hook.serve_forever, daemon=True).start()
         url = f"http://127.0.0.1:{hook.server_port}/hook"
         self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
-        self.app._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
+        self.app.approvals._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
         before = set(threading.enumerate())  # other tests' apps have pools of their own
         try:
             async with self.client("legacy") as c:
@@ -9574,7 +9574,7 @@ class ApprovalViaClientTests(FakeServeCase):
             self.assertIsInstance(answer, mcp_types.CallToolResult)  # the third: refused at once
             self.assertTrue(answer.content[0].text.startswith("approval_unavailable: "))
             self.assertEqual(len(self.app.access.desk.pending()), 2)
-            self.app.client_gone()  # as at stdin's end
+            self.app.approvals.client_gone()  # as at stdin's end
             self.assertEqual(self.app.access.desk.pending(), [])
         self.assertEqual(self.fake.machines, {})
 
