@@ -7101,12 +7101,11 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
 def tool_schema(tool: ToolSpec, with_target: bool, config: Config) -> dict:
     """The input schema a client is shown: with a required target in both mode.
     (Built once per list shape: SmolMcp.tool_list is the one tool-list cache.)"""
+    schema = configured_schema(tool, config)
     if not with_target:
-        return configured_schema(tool, config)
-    schema = json.loads(json.dumps(configured_schema(tool, config)))
-    schema["properties"] = {"target": ARG_TARGET, **schema["properties"]}
-    schema["required"] = ["target", *schema["required"]]
-    return schema
+        return schema
+    properties = {"target": ARG_TARGET, **schema["properties"]}
+    return {**schema, "properties": properties, "required": ["target", *schema["required"]]}
 
 
 def server_instructions(app: SmolMcp) -> str:
@@ -7148,9 +7147,8 @@ def server_instructions(app: SmolMcp) -> str:
 
 @functools.cache
 def dual_era_server_class() -> type:
-    """The SDK's Server, advertising tools.listChanged however it is asked for
-    its options (the HTTP manager and Client(server) ask without arguments).
-    Built on first use, so importing this module does not import mcp."""
+    """The SDK's Server, advertising tools.listChanged however it is asked for its options
+    (Client(server) asks without any). Built on first use: importing this loads no mcp."""
     from mcp.server import NotificationOptions, Server
 
     class DualEraServer(Server):
@@ -7193,8 +7191,7 @@ class SmolMcp:
         self.server = self._build_server()
 
     def thread_limiter(self):
-        """Worker threads for blocking API calls: enough that long commands in
-        some sessions never queue the short calls of others."""
+        """Threads for blocking API calls: enough that long commands never queue short ones."""
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
@@ -7309,9 +7306,8 @@ class SmolMcp:
         return types.ListResourceTemplatesResult(resource_templates=[template])
 
     def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
-        """The tools as the client sees them: only those its scopes grant. Built
-        once per shape, here and nowhere else: a 2026-era HTTP client has the
-        list built before every tool call."""
+        """The tools its scopes grant, as the client sees them; built once per shape (a
+        2026-era HTTP client has the list built before every call)."""
         key = (with_target, (principal or self.access.stdio).tools())
         if key not in self._tool_lists:
             self._tool_lists[key] = [
@@ -7344,8 +7340,7 @@ class SmolMcp:
         )
 
     def session_for(self, ctx) -> Session:
-        """The session a request belongs to: on stdio and in memory, the one the
-        connection's lifespan made; over HTTP, see HttpSessions."""
+        """A request's session: the lifespan's on stdio and in memory, else HttpSessions'."""
         if ctx.request is None:
             return ctx.lifespan_context["session"]
         return self.http.session_for(ctx)
@@ -7374,11 +7369,9 @@ class SmolMcp:
         return self.fleets[target]
 
     async def ask_fleet(self, ctx, session: Session, params):
-        """In both mode, ask once per session which fleet it is for (when the
-        client can answer questions). An answer of local or cloud narrows the
-        session: `target` leaves every tool and the client is told the list
-        changed. Returns the question itself when it travels as a 2026-era
-        input-required result; None when the call can go on."""
+        """In both mode, ask once per session which fleet it is for, if the client can
+        answer; local or cloud narrows the session (`target` leaves every tool, the list
+        changes). The question when it travels as a 2026-era result, else None."""
         import mcp_types as types
 
         if self.mode != "both" or session.asked_fleet:
@@ -7410,12 +7403,9 @@ class SmolMcp:
         return None
 
     async def ask(self, ctx, params, key: str, state: str, message: str, schema: dict):
-        """One form question to the person, in either protocol era. Handshake
-        era: sent now, and the answer (an ElicitResult, or None when none came)
-        returned. 2026 era: the call is answered with an InputRequiredResult
-        carrying the question under ``key``, and the client calls again with
-        the answer and ``state``; an answer that comes back with another state
-        answered another question, so it is asked again."""
+        """One form question to the person. Handshake era: the answer (None if none came).
+        2026 era: an InputRequiredResult asking under ``key``, until the call comes again
+        with the answer and ``state`` (another state answered another question)."""
         import mcp_types as types
 
         question = form_question(message, schema)
@@ -7429,11 +7419,9 @@ class SmolMcp:
     async def confirm(
         self, ctx, params, session: Session, message: str, binding: str, schema: dict
     ) -> bool | None:
-        """Ask the person to allow a change (a form with one boolean, `allow`).
-        None when the client cannot ask; else True only for an accepted form
-        with allow: true. The 2026-era state is sealed to this session and
-        ``binding``, so an answer cannot be carried over to other arguments, and
-        carries a nonce and an expiry: it answers once, within CONFIRM_TTL_SECS."""
+        """Ask the person to allow a change: None when the client cannot ask, else whether
+        they accepted with allow: true. The 2026-era state is sealed to the session and
+        ``binding`` and carries a nonce: it answers once, within CONFIRM_TTL_SECS."""
         import mcp_types as types
 
         if not can_elicit(ctx):
@@ -7445,14 +7433,9 @@ class SmolMcp:
             return f"smol-mcp:confirm:{expires}:{nonce}:{seal}"
 
         state = str(getattr(params, "request_state", None) or "")
-        parts = state.split(":")
-        if not (
-            len(parts) == 5
-            and parts[2].isdigit()
-            and int(parts[2]) > time.time()
-            and parts[3] not in session.spent
-            and hmac.compare_digest(state, sealed(parts[2], parts[3]))
-        ):
+        _, _, expires, nonce, *_ = [*state.split(":"), "", "", "", ""]
+        fresh = expires.isdigit() and int(expires) > time.time() and nonce not in session.spent
+        if not (fresh and hmac.compare_digest(state, sealed(expires, nonce))):
             state = sealed(str(int(time.time()) + CONFIRM_TTL_SECS), secrets_module.token_hex(8))
         answer = await self.ask(ctx, params, "confirm", state, message, schema)
         if isinstance(answer, types.InputRequiredResult):
@@ -7462,8 +7445,7 @@ class SmolMcp:
         return accepted and (answer.content or {}).get("allow") is True
 
     async def elicit(self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS):
-        """Send an elicitation and wait for the answer, within a bound: a client
-        that never answers must not hold the call forever."""
+        """Send an elicitation; the answer, or None after ``timeout`` or a failure."""
         import mcp_types as types
         from mcp.shared.message import ServerMessageMetadata
 
@@ -7562,24 +7544,20 @@ class SmolMcp:
         return {"principal": principal.name, **({"user": principal.user} if principal.user else {})}
 
     def record(self, entry: dict) -> None:
-        """Append to the activity log. A log that cannot be written (a full disk,
-        a read-only state directory) costs one warning line on stderr per
-        failed entry; the call's result is never changed by it."""
+        """Append to the activity log. An entry that cannot be written costs a warning
+        on stderr; the call's result is never changed by it."""
         try:
             self.access.activity.append(entry, self.config.secret_values())
         except (OSError, SmolError) as err:
             reason = getattr(err, "strerror", None) or str(err)
+            what = (entry.get("event"), entry.get("tool") or entry.get("approval") or "")
+            path = self.access.activity.path
             log.warning(
-                "could not write the activity log %s (%s); entry lost: %s %s",
-                self.access.activity.path,
-                reason,
-                entry.get("event"),
-                entry.get("tool") or entry.get("approval") or "",
+                "could not write the activity log %s (%s); entry lost: %s %s", path, reason, *what
             )
 
     async def sweep_once(self) -> None:
-        """Before the first local call of this process: delete what a crashed
-        earlier process left behind."""
+        """Before this process's first local call: delete what a crashed one left behind."""
         if self._swept:
             return
         swept = await anyio.to_thread.run_sync(sweep_orphans, self.local, self.config.runtime_dir)
@@ -7619,8 +7597,7 @@ class SmolMcp:
         return types.ReadResourceResult(contents=[content])
 
     def activity_document(self, principal: Principal) -> dict:
-        """smol://activity for ``principal``: it needs activity.read; a sandbox.*
-        principal gets its own entries only."""
+        """smol://activity for ``principal`` (activity.read; a sandbox.* one sees its own)."""
         if "activity.read" not in principal.scopes:
             raise_resource_error(
                 f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
@@ -7632,8 +7609,7 @@ class SmolMcp:
         return {"entries": entries, "ownOnly": own_only}
 
     def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
-        """(fleet, machine name) of a log resource URI as ``principal`` may see
-        it (authorized as machine-logs), or a protocol error."""
+        """(fleet, machine name) of a log URI as ``principal`` may see it, or a protocol error."""
         match = LOGS_URI_RE.fullmatch(uri)
         if match is None or match["target"] not in self.fleets:
             raise_resource_error(
@@ -7653,8 +7629,7 @@ class SmolMcp:
         return self.access.fleet_for(principal, grant, self.fleets[match["target"]]), name
 
     async def listen(self, ctx, params):
-        """2026 era: change notifications and log updates travel on this stream;
-        its pollers live exactly as long as it does."""
+        """2026 era: notifications travel on this stream; its log pollers live as long."""
         from mcp.server.subscriptions import ResourceUpdated
 
         session = self.session_for(ctx)
@@ -7684,8 +7659,8 @@ class SmolMcp:
             )
 
     async def end_session(self, session: Session) -> None:
-        """Delete the session's ephemeral machines and let go of the fleets, even
-        while being cancelled (a signal), within a bounded time."""
+        """Delete the session's ephemeral machines and let go of the fleets, in bounded
+        time, even while being cancelled (a signal)."""
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
@@ -7703,19 +7678,13 @@ class SmolMcp:
                 try:
                     await anyio.to_thread.run_sync(fleet.release)
                 except Exception as err:
-                    log.warning(
-                        "session %s: letting go of the %s fleet failed (%s)",
-                        session.id,
-                        fleet.name,
-                        describe(err),
-                    )
+                    why = (session.id, fleet.name, describe(err))
+                    log.warning("session %s: letting go of the %s fleet failed (%s)", *why)
 
 
 class Approvals:
-    """Holding a changing call until a person answers it (SPEC 13): the request
-    is filed where `approvals list`, the review page and the webhook find it;
-    with approvalVia client the person at the client is asked too. Bounded per
-    principal; a stop, a departed client or a deleted token ends the wait."""
+    """Changing calls held until a person answers (SPEC 13): filed for the terminal, the
+    review page and the webhook, and with approvalVia client asked at the client too."""
 
     def __init__(self, app: SmolMcp):
         self.app = app
@@ -7726,8 +7695,7 @@ class Approvals:
         self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
 
     def apply(self) -> bool:
-        """Whether any call of this process may be held: stdio approval is on, or
-        a token that needs approval exists."""
+        """Whether any call may be held: stdio approval is on, or such a token exists."""
         if self.app.config.approval == "changes":
             return True
         try:
@@ -7736,16 +7704,14 @@ class Approvals:
             return False
 
     def client_gone(self) -> None:
-        """stdin closed: waiting calls end as approval_cancelled (they look at
-        stdin_closed), and the questions left with the client are withdrawn."""
+        """stdin closed: waiting calls end as approval_cancelled; its questions are withdrawn."""
         self.stdin_closed = True
         for approval_id in list(self.asked):
             self.app.access.desk.close(approval_id)
         self.asked.clear()
 
     async def interrupt(self) -> None:
-        """At a stop signal: calls waiting for approval answer approval_interrupted
-        (within a bound) before anything else ends them."""
+        """At a stop signal: waiting calls answer approval_interrupted before anything ends."""
         self.app.stopping = True
         if not any(self.held_by.values()):
             return
@@ -7789,11 +7755,12 @@ class Approvals:
             )
         asks_client, in_2026 = self.client_channel(call)
         request = self.resumed_request(call, entry, params) if asks_client and in_2026 else None
-        client_answer = None
+        answers = {}  # what the person at the client said, once they said it
         if request is not None:  # the 2026-era retry that carries the client's answer
             approval_id = event["id"] = request["id"]
             self.asked.discard(approval_id)
-            client_answer = (params.input_responses or {}).get("approval")
+            if (answer := (params.input_responses or {}).get("approval")) is not None:
+                answers["client"] = elicit_result(answer)
             timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
         else:
             timeout = self.app.config.approval_timeout_secs
@@ -7806,11 +7773,26 @@ class Approvals:
                 return types.InputRequiredResult(
                     request_state=state, input_requests={"approval": question}
                 )
+
+        async def ask() -> None:  # handshake era: the question travels during this call
+            answer = await self.app.elicit(call.ctx, self.question(event), timeout)
+            if answer is not None:
+                answers["client"] = answer
+
         self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
         call.session.held += 1
         try:
-            ask_now = asks_client and not in_2026
-            return await self.wait(call, approval_id, event, timeout, ask_now, client_answer)
+            async with anyio.create_task_group() as asking:
+                if asks_client and not in_2026:
+                    asking.start_soon(ask)
+                try:
+                    outcome = await self.poll(call, approval_id, event, timeout, answers)
+                except Exception as err:  # carried out of the group, which would wrap it
+                    outcome = err
+                asking.cancel_scope.cancel()
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
         finally:
             self.held_by[principal.id] -= 1
             call.session.held -= 1
@@ -7858,8 +7840,8 @@ class Approvals:
         return (True, modern(call.ctx)) if can_elicit(call.ctx) else (False, False)
 
     def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
-        """The request a 2026-era retry answers: named by its request state, filed
-        by this process for the same principal, tool and arguments, still open."""
+        """The open request a 2026-era retry names in its state, if this process filed it
+        for the same principal, tool and arguments."""
         state = getattr(params, "request_state", None) or ""
         if not state.startswith("smol-mcp:approval:"):
             return None
@@ -7888,32 +7870,9 @@ class Approvals:
         note = dict(type="string", title="Note", description="Optional; kept in the activity log")
         return form_question(message, {"type": "object", "properties": {"note": note}})
 
-    async def wait(
-        self, call: Call, approval_id: str, event: dict, timeout: int, ask_now: bool, answer: Any
-    ) -> str:
-        """Wait for the terminal (and, with ``ask_now``, an elicitation in this
-        call), the token's deletion, an auto-approval, the timeout or a stop;
-        ``answer`` is the client's, when a 2026-era retry brought one."""
-        answers = {} if answer is None else {"client": elicit_result(answer)}
-
-        async def ask() -> None:
-            answer = await self.app.elicit(call.ctx, self.question(event), timeout)
-            if answer is not None:
-                answers["client"] = answer
-
-        async with anyio.create_task_group() as asking:
-            if ask_now:
-                asking.start_soon(ask)
-            try:
-                outcome, failure = await self.poll(call, approval_id, event, timeout, answers), None
-            except Exception as err:  # carried out of the group, which would wrap it
-                outcome, failure = None, err
-            asking.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-        return outcome
-
     async def poll(self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict):
+        """Wait for the terminal or the client, the token's deletion, an
+        auto-approval, the timeout or a stop; the approver, else ApprovalRefused."""
         app, principal, tool = self.app, call.principal, event["tool"]
         deadline = time.monotonic() + timeout
         command = " ".join(launch_command() + ["approvals", "approve", approval_id])
@@ -7974,8 +7933,7 @@ class Approvals:
 
     @staticmethod
     def client_decision(answers: dict) -> dict | None:
-        """The person at the client's answer as a terminal answer: accept approves,
-        decline rejects; a dismissed form leaves the terminal to answer."""
+        """The client's answer as the terminal's: accept approves, decline rejects, else None."""
         answer = answers.get("client")
         if answer is None or answer.action not in ("accept", "decline"):
             return None
@@ -7987,9 +7945,8 @@ class Approvals:
         }
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
-        """POST the notice from one small pool with a bounded queue: a slow or
-        failing webhook never holds the call or the terminal channel, nor takes
-        a thread a call; a failure (or a notice the full queue drops) is logged."""
+        """POST the notice from one small pool with a bounded queue, so a slow webhook holds
+        no call nor a thread per call; a failure (or a dropped notice) is logged."""
         from concurrent.futures import ThreadPoolExecutor
 
         def failed(error: str) -> None:
@@ -8129,11 +8086,8 @@ def rpc_error(request_id: Any, code: int, message: str) -> Any:
 
 
 class AnsweredReads(StreamWrapper):
-    """The stdio read stream, kept open at stdin's end until every request
-    read before it has been answered: the SDK would end the session at EOF and
-    drop an answer still being made. A line the SDK cannot parse is answered
-    with a JSON-RPC parse error (with its id, when the line has one) rather
-    than left unanswered."""
+    """The stdio read stream, kept open at stdin's end until every request read has been
+    answered (the SDK would drop them at EOF); a line it cannot parse gets a parse error."""
 
     def __init__(self, inner: Any, write: Any):
         super().__init__(inner)
