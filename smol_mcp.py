@@ -7035,8 +7035,7 @@ TARGET_NEEDED = (
 
 
 class AskClient(Exception):
-    """A 2026-era question for the person: the tool call answers with it (an
-    InputRequiredResult) and is called again with the answer."""
+    """A 2026-era question for the person: the call answers with it and comes again."""
 
     def __init__(self, question: Any):
         super().__init__("input required")
@@ -7044,8 +7043,7 @@ class AskClient(Exception):
 
 
 def can_elicit(ctx) -> bool:
-    """Whether the client said it can show a form to the person (the
-    capability comes from initialize, or from each 2026-era request)."""
+    """Whether the client can show a form (said at initialize, or per 2026-era request)."""
     capabilities = ctx.session.client_capabilities if ctx is not None else None
     asks = getattr(capabilities, "elicitation", None)
     return asks is not None and not (asks.form is None and asks.url is not None)
@@ -7079,8 +7077,7 @@ TARGETS_NEED_TOKEN = (
 
 
 def resolve_mode(config: Config) -> str:
-    """The fleets this process serves, decided once at startup: auto means
-    both when a cloud token is configured, else local."""
+    """The fleets served, decided at startup: auto is both with a cloud token, else local."""
     if config.targets == "auto":
         return "both" if config.cloud_token else "local"
     if config.targets in ("cloud", "both") and not config.cloud_token:
@@ -7239,8 +7236,7 @@ class SmolMcp:
         return types.ListToolsResult(tools=self.tool_list(with_target, self.principal_for(ctx)))
 
     async def on_subscribe(self, ctx, params):
-        """Handshake era: follow a log in a poller that lives until unsubscribe
-        or the end of the session, notifying through this connection."""
+        """Handshake era: follow a log until unsubscribe or the end of the session."""
         import mcp_types as types
 
         uri, principal = str(params.uri), self.principal_for(ctx)
@@ -7310,9 +7306,8 @@ class SmolMcp:
         2026-era HTTP client has the list built before every call)."""
         key = (with_target, (principal or self.access.stdio).tools())
         if key not in self._tool_lists:
-            self._tool_lists[key] = [
-                self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in key[1]
-            ]
+            tools = [self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in key[1]]
+            self._tool_lists[key] = tools
         return self._tool_lists[key]
 
     def principal_for(self, ctx) -> Principal:
@@ -7474,7 +7469,8 @@ class SmolMcp:
 
         def logged(outcome: str) -> None:
             if tool is not None and not tool.read_only:
-                self.record({**entry, "outcome": outcome, **elapsed(started)})
+                took = int((time.monotonic() - started) * 1000)
+                self.record({**entry, "outcome": outcome, "durationMs": took})
 
         try:
             if tool is None:  # named from the caller's own list: it learns of no other tool
@@ -7532,12 +7528,10 @@ class SmolMcp:
             if isinstance(result.get("exitCode"), int):
                 entry["exitCode"] = result["exitCode"]
             logged("ok")
-        return types.CallToolResult(
-            content=[types.TextContent(type="text", text=reply_json(result))],
-            structured_content=result,
-        )
+        text = types.TextContent(type="text", text=reply_json(result))
+        return types.CallToolResult(content=[text], structured_content=result)
 
-    # -- activity log ---------------------------------------------------------
+    # -- activity log ------------------------------------------------------
 
     def who(self, principal: Principal) -> dict:
         """The principal as the activity log names it."""
@@ -7563,10 +7557,9 @@ class SmolMcp:
         swept = await anyio.to_thread.run_sync(sweep_orphans, self.local, self.config.runtime_dir)
         self.access.owners.clear("local", swept)
         cleanup = {"event": "orphan-cleanup", "principal": "smol-mcp", "target": "local"}
+        outcome = "deleted (left by a stopped process)"
         for name in swept:
-            self.record(
-                {**cleanup, "machine": name, "outcome": "deleted (left by a stopped process)"}
-            )
+            self.record({**cleanup, "machine": name, "outcome": outcome})
         self._swept = True
 
     # -- resources ------------------------------------------------------------
@@ -7732,10 +7725,8 @@ class Approvals:
         return bool(until)
 
     async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
-        """Before a changing tool runs: None when the principal needs no approval,
-        "auto" or who approved once a person allowed it, else ApprovalRefused. With
-        approvalVia client in the 2026 era, the question itself (an input-required
-        result) the first time; the client's answer comes back with the retry."""
+        """Before a changing tool runs: None when the principal needs no approval, "auto"
+        or who approved, else ApprovalRefused; or the 2026-era question (a result)."""
         principal = call.principal
         if principal.approval != "changes":
             return None
@@ -7753,8 +7744,12 @@ class Approvals:
                 f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
                 "once the person on the server's host has answered those.",
             )
-        asks_client, in_2026 = self.client_channel(call)
-        request = self.resumed_request(call, entry, params) if asks_client and in_2026 else None
+        # approvalVia client: on stdio, a client that takes forms is asked too; in the 2026
+        # era the question travels in the call's result and the answer with its retry.
+        asks = self.app.config.approval_via == "client" and principal.kind == "stdio"
+        asks = asks and can_elicit(call.ctx)
+        in_result = asks and modern(call.ctx)
+        request = self.resumed_request(call, entry, params) if in_result else None
         answers = {}  # what the person at the client said, once they said it
         if request is not None:  # the 2026-era retry that carries the client's answer
             approval_id = event["id"] = request["id"]
@@ -7765,7 +7760,7 @@ class Approvals:
         else:
             timeout = self.app.config.approval_timeout_secs
             approval_id = self.file_request(call, entry, event, timeout)
-            if asks_client and in_2026:  # the request stays filed: the terminal may answer too
+            if in_result:  # the request stays filed: the terminal may answer meanwhile
                 import mcp_types as types
 
                 self.asked.add(approval_id)
@@ -7783,7 +7778,7 @@ class Approvals:
         call.session.held += 1
         try:
             async with anyio.create_task_group() as asking:
-                if asks_client and not in_2026:
+                if asks and not in_result:
                     asking.start_soon(ask)
                 try:
                     outcome = await self.poll(call, approval_id, event, timeout, answers)
@@ -7832,13 +7827,6 @@ class Approvals:
             self.notify_webhook(notice, event)
         return approval_id
 
-    def client_channel(self, call: Call) -> tuple[bool, bool]:
-        """(whether the person at the client is asked too, whether the 2026 era is
-        spoken): approvalVia client, on stdio, with a client that takes forms."""
-        if self.app.config.approval_via != "client" or call.principal.kind != "stdio":
-            return False, False
-        return (True, modern(call.ctx)) if can_elicit(call.ctx) else (False, False)
-
     def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
         """The open request a 2026-era retry names in its state, if this process filed it
         for the same principal, tool and arguments."""
@@ -7850,13 +7838,9 @@ class Approvals:
             request = json.loads(path.read_text())
         except (OSError, ValueError, SmolError):
             return None
-        same = (
-            request.get("pid") == os.getpid()
-            and request.get("principalId") == call.principal.id
-            and request.get("tool") == entry["tool"]
-            and request.get("target") == entry.get("target")
-            and request.get("arguments") == approval_arguments(call)
-        )
+        keys = ("pid", "principalId", "tool", "target", "arguments")
+        mine = (os.getpid(), call.principal.id, entry["tool"], entry.get("target"))
+        same = tuple(request.get(key) for key in keys) == (*mine, approval_arguments(call))
         return request if same else None
 
     @staticmethod
@@ -7876,9 +7860,10 @@ class Approvals:
         app, principal, tool = self.app, call.principal, event["tool"]
         deadline = time.monotonic() + timeout
         command = " ".join(launch_command() + ["approvals", "approve", approval_id])
+        review = f", or answer at {app.pages.issuer}{REVIEW_PAGE}{approval_id}" if app.pages else ""
+        howto = f"on the server's host run `{command}` (or `approvals deny {approval_id}`){review}"
         on = f" on {event['machine']}" if event.get("machine") else ""
         waited = f"while {tool} waited for approval; nothing ran."
-        review = f", or answer at {app.pages.issuer}{REVIEW_PAGE}{approval_id}" if app.pages else ""
         live_ids = app.access.live_ids
         next_progress = 0.0
         try:
@@ -7902,20 +7887,15 @@ class Approvals:
                     return "auto"
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self.refuse(
-                        event,
-                        "timed out",
+                    late = (
                         f"nobody approved {tool} within {timeout} s; nothing ran. Ask the person "
-                        "on the server's host to watch for it, then call it again.",
                     )
+                    late += "on the server's host to watch for it, then call it again."
+                    raise self.refuse(event, "timed out", late)
                 if time.monotonic() >= next_progress:
                     next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
-                    await call.progress(
-                        None,
-                        f"{tool}{on} waits for a person to approve it ({int(left)} s left): on "
-                        f"the server's host run `{command}` (or `approvals deny {approval_id}`)"
-                        + review,
-                    )
+                    waits = f"{tool}{on} waits for a person to approve it ({int(left)} s left)"
+                    await call.progress(None, f"{waits}: {howto}")
                 await anyio.sleep(APPROVAL_POLL_SECS)
         except anyio.get_cancelled_exc_class():
             app.record({**event, "approval": "interrupted" if app.stopping else "cancelled"})
@@ -7968,16 +7948,10 @@ class Approvals:
         self._webhooks.submit(send)
 
 
-def elapsed(started: float) -> dict:
-    return {"durationMs": int((time.monotonic() - started) * 1000)}
-
-
 def explain(err: SmolError) -> str:
     """The error text, plus what to do for the API refusals every tool can meet."""
     if isinstance(err, ApiError):
-        if err.status == 404 and (
-            "machine '" in err.api_message or "vm not found" in err.api_message
-        ):
+        if err.status == 404 and any(s in err.api_message for s in ("machine '", "vm not found")):
             return str(err.with_hint("Check the name with list-machines"))
         if err.status == 404 and err.action.startswith(("read ", "write ")):
             return str(err.with_hint("Check the path: run-command with ls shows what is there"))
@@ -8036,9 +8010,8 @@ async def run_stdio(server, app: SmolMcp | None = None) -> None:
 
         group.start_soon(watch_signals)
         async with stdio_server() as (read, write):
-            read, write = AnsweredReads(read, write), AnsweredWrites(write)
-            read.writes = answers = write
-            read.app = app
+            answers = AnsweredWrites(write)
+            read, write = AnsweredReads(read, write, answers, app), answers
             try:
                 await server.run(read, write, server.create_initialization_options())
             finally:
@@ -8089,11 +8062,9 @@ class AnsweredReads(StreamWrapper):
     """The stdio read stream, kept open at stdin's end until every request read has been
     answered (the SDK would drop them at EOF); a line it cannot parse gets a parse error."""
 
-    def __init__(self, inner: Any, write: Any):
+    def __init__(self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp | None):
         super().__init__(inner)
-        self.write = write
-        self.writes: AnsweredWrites | None = None
-        self.app: SmolMcp | None = None
+        self.write, self.writes, self.app = write, writes, app  # write: the stream unwrapped
 
     @property
     def last_context(self) -> Any:
