@@ -7149,13 +7149,9 @@ def dual_era_server_class() -> type:
     from mcp.server import NotificationOptions, Server
 
     class DualEraServer(Server):
-        def create_initialization_options(
-            self, notification_options=None, experimental_capabilities=None, extensions=None
-        ):
+        def create_initialization_options(self, notification_options=None, *args, **kwargs):
             options = notification_options or NotificationOptions(tools_changed=True)
-            return super().create_initialization_options(
-                options, experimental_capabilities, extensions
-            )
+            return super().create_initialization_options(options, *args, **kwargs)
 
     return DualEraServer
 
@@ -7515,11 +7511,9 @@ class SmolMcp:
             return tool_error(message)
         except Exception as err:
             log.exception("tool %s failed unexpectedly", name)
-            message = redact(
-                f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
-                "smol-mcp; the server log has the details.",
-                self.config.secret_values(),
-            )
+            bug = f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
+            bug += "smol-mcp; the server log has the details."
+            message = redact(bug, self.config.secret_values())
             logged(message)
             return tool_error(message)
         if not tool.read_only:
@@ -7583,9 +7577,8 @@ class SmolMcp:
                 raise_resource_error(redact(str(err), self.config.secret_values()))
             text, mime = "\n".join(lines[-self.config.logs_tail :]), "text/plain"
         else:
-            raise_resource_error(
-                f"unknown resource {uri}; the resources are {TARGETS_URI} and {LOGS_URI_TEMPLATE}"
-            )
+            known = f"{TARGETS_URI} and {LOGS_URI_TEMPLATE}"
+            raise_resource_error(f"unknown resource {uri}; the resources are {known}")
         content = types.TextResourceContents(uri=uri, mime_type=mime, text=text)
         return types.ReadResourceResult(contents=[content])
 
@@ -7605,15 +7598,13 @@ class SmolMcp:
         """(fleet, machine name) of a log URI as ``principal`` may see it, or a protocol error."""
         match = LOGS_URI_RE.fullmatch(uri)
         if match is None or match["target"] not in self.fleets:
-            raise_resource_error(
-                f"{uri} is not a log resource of this server; the form is {LOGS_URI_TEMPLATE} with "
-                f"target {' or '.join(self.fleets)}"
-            )
+            form = f"{LOGS_URI_TEMPLATE} with target {' or '.join(self.fleets)}"
+            raise_resource_error(f"{uri} is not a log resource of this server; the form is {form}")
         name = urllib.parse.unquote(match["name"])
         if not NAME_RE.fullmatch(name):  # held to the tool's rule: "..", "a/b" reach no route
+            rule = PATTERN_RULES[NAME_PATTERN]
             raise_resource_error(
-                f"{uri} names the machine {name!r}, which is no machine name: it "
-                f"{PATTERN_RULES[NAME_PATTERN]}"
+                f"{uri} names the machine {name!r}, which is no machine name: it {rule}"
             )
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
@@ -7737,13 +7728,10 @@ class Approvals:
             return "auto"
         asked = len(self.asked) if principal.kind == "stdio" else 0  # only stdio asks its client
         if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
-            raise self.refuse(
-                event,
-                "unavailable",
-                f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
-                f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
-                "once the person on the server's host has answered those.",
-            )
+            busy = f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
+            busy += f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
+            busy += "once the person on the server's host has answered those."
+            raise self.refuse(event, "unavailable", busy)
         # approvalVia client: on stdio, a client that takes forms is asked too; in the 2026
         # era the question travels in the call's result and the answer with its retry.
         asks = self.app.config.approval_via == "client" and principal.kind == "stdio"
@@ -7811,14 +7799,10 @@ class Approvals:
             approval_id = event["id"] = app.access.desk.open(request)
         except (OSError, SmolError) as err:
             reason = getattr(err, "strerror", None) or str(err)
-            raise self.refuse(
-                event,
-                "unavailable",
-                f"{tool} needs a person's approval, but the request could not be filed in "
-                f"{app.access.desk.directory} ({reason}); nothing ran. The operator must make the "
-                "state directory writable (SMOL_MCP_STATE_DIR).",
-                error=reason,
-            ) from None
+            why = f"{tool} needs a person's approval, but the request could not be filed in "
+            why += f"{app.access.desk.directory} ({reason}); nothing ran. The operator must make "
+            why += "the state directory writable (SMOL_MCP_STATE_DIR)."
+            raise self.refuse(event, "unavailable", why, error=reason) from None
         app.record({**event, "approval": "requested", "expiresAt": request["expiresAt"]})
         if app.config.approval_webhook:
             review = {"review": app.pages.issuer + REVIEW_PAGE + approval_id} if app.pages else {}
