@@ -8073,11 +8073,9 @@ class AnsweredReads(StreamWrapper):
             self.writes.pending.discard(item.message.params["requestId"])
             self.writes.wake()
         elif isinstance(item, Exception):
-            message = (
-                f"this message could not be read ({item_error(item)}); send one JSON-RPC "
-                "message per line, as UTF-8 JSON without lone surrogates"
-            )
-            await self.write.send(rpc_error(unparsed_id(item), types.PARSE_ERROR, message))
+            why = f"this message could not be read ({item_error(item)}); send one JSON-RPC message "
+            why += "per line, as UTF-8 JSON without lone surrogates"
+            await self.write.send(rpc_error(unparsed_id(item), types.PARSE_ERROR, why))
         return item
 
     def __aiter__(self) -> AnsweredReads:
