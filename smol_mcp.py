@@ -7035,11 +7035,14 @@ TARGET_NEEDED = (
 
 
 class AskClient(Exception):
-    """A 2026-era question for the person: the call answers with it and comes again."""
+    """A 2026-era question for the person (an InputRequiredResult): the tool call answers
+    with it and is called again with the answer."""
 
-    def __init__(self, question: Any):
+    def __init__(self, state: str, requests: dict):
+        import mcp_types as types
+
         super().__init__("input required")
-        self.question = question
+        self.question = types.InputRequiredResult(request_state=state, input_requests=requests)
 
 
 def can_elicit(ctx) -> bool:
@@ -7362,9 +7365,7 @@ class SmolMcp:
     async def ask_fleet(self, ctx, session: Session, params):
         """In both mode, ask once per session which fleet it is for, if the client can
         answer; local or cloud narrows the session (`target` leaves every tool, the list
-        changes). The question when it travels as a 2026-era result, else None."""
-        import mcp_types as types
-
+        changes). Raises AskClient when the question travels as a 2026-era result."""
         if self.mode != "both" or session.asked_fleet:
             return None
         async with session.question_lock():  # calls racing in at the start get one question
@@ -7375,13 +7376,11 @@ class SmolMcp:
                 return None
             question = ("fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA)
             answer = await self.ask(ctx, params, *question)
-            if isinstance(answer, types.InputRequiredResult):
-                return answer
             session.asked_fleet = True
             accepted = answer is not None and answer.action == "accept"
             choice = (answer.content or {}).get("fleet") if accepted else None
             if choice not in self.fleets or session.target is not None:
-                return None
+                return
             session.target = choice
             session.chose_during = params  # the call that asked may still name the other fleet
             log.info("session %s chose the %s fleet", session.id, choice)
@@ -7391,20 +7390,17 @@ class SmolMcp:
                 await session.events()[0].publish(ToolsListChanged())
             else:
                 await ctx.session.send_tool_list_changed()
-        return None
 
     async def ask(self, ctx, params, key: str, state: str, message: str, schema: dict):
         """One form question to the person. Handshake era: the answer (None if none came).
-        2026 era: an InputRequiredResult asking under ``key``, until the call comes again
+        2026 era: AskClient with the question under ``key``, until the call comes again
         with the answer and ``state`` (another state answered another question)."""
-        import mcp_types as types
-
         question = form_question(message, schema)
         if not modern(ctx):
             return await self.elicit(ctx, question)
         answer = (params.input_responses or {}).get(key) if params is not None else None
         if answer is None or params.request_state != state:
-            return types.InputRequiredResult(request_state=state, input_requests={key: question})
+            raise AskClient(state, {key: question})
         return elicit_result(answer)
 
     async def confirm(
@@ -7413,8 +7409,6 @@ class SmolMcp:
         """Ask the person to allow a change: None when the client cannot ask, else whether
         they accepted with allow: true. The 2026-era state is sealed to the session and
         ``binding`` and carries a nonce: it answers once, within CONFIRM_TTL_SECS."""
-        import mcp_types as types
-
         if not can_elicit(ctx):
             return None
 
@@ -7429,8 +7423,6 @@ class SmolMcp:
         if not (fresh and hmac.compare_digest(state, sealed(expires, nonce))):
             state = sealed(str(int(time.time()) + CONFIRM_TTL_SECS), secrets_module.token_hex(8))
         answer = await self.ask(ctx, params, "confirm", state, message, schema)
-        if isinstance(answer, types.InputRequiredResult):
-            raise AskClient(answer)
         session.spent.add(state.split(":")[3])
         accepted = answer is not None and answer.action == "accept"
         return accepted and (answer.content or {}).get("allow") is True
@@ -7475,9 +7467,7 @@ class SmolMcp:
             check_scope(principal, name)  # before any question is asked or argument read
             session = self.session_for(ctx)
             entry["session"] = session.id
-            question = await self.ask_fleet(ctx, session, params)
-            if question is not None:
-                return question
+            await self.ask_fleet(ctx, session, params)
             arguments = dict(params.arguments or {})
             fleet = self.fleet_for(session, name, arguments, params)
             shown = redact_arguments(arguments, tool.input_schema)
@@ -7490,8 +7480,6 @@ class SmolMcp:
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
             held = None if tool.read_only else await self.approvals.hold(call, entry, params)
-            if held is not None and not isinstance(held, str):
-                return held  # the approval question, as a 2026-era input-required result
             if held is not None:
                 entry["approvedBy"] = held
                 call.started = time.monotonic()  # "N s so far" counts the work, not the wait
@@ -7501,7 +7489,7 @@ class SmolMcp:
         except anyio.get_cancelled_exc_class():
             logged("cancelled")
             raise
-        except AskClient as ask:
+        except AskClient as ask:  # the fleet or approval question, as a 2026-era result
             return ask.question
         except SmolError as err:
             if isinstance(ctx, PlainRequest):
@@ -7717,7 +7705,7 @@ class Approvals:
 
     async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
         """Before a changing tool runs: None when the principal needs no approval, "auto"
-        or who approved, else ApprovalRefused; or the 2026-era question (a result)."""
+        or who approved, else ApprovalRefused (or AskClient, the 2026-era question)."""
         principal = call.principal
         if principal.approval != "changes":
             return None
@@ -7749,12 +7737,9 @@ class Approvals:
             timeout = self.app.config.approval_timeout_secs
             approval_id = self.file_request(call, entry, event, timeout)
             if in_result:  # the request stays filed: the terminal may answer meanwhile
-                import mcp_types as types
-
                 self.asked.add(approval_id)
-                state, question = f"smol-mcp:approval:{approval_id}", self.question(event)
-                return types.InputRequiredResult(
-                    request_state=state, input_requests={"approval": question}
+                raise AskClient(
+                    f"smol-mcp:approval:{approval_id}", {"approval": self.question(event)}
                 )
 
         async def ask() -> None:  # handshake era: the question travels during this call
