@@ -5747,10 +5747,8 @@ MODE_FLEETS = {**{name: (name,) for name in FLEETS}, "both": FLEET_NAMES}
 ELICIT_TIMEOUT_SECS = 120
 FLEET_QUESTION = (
     "This smol-mcp server reaches two fleets of machines: local (smolvm on the server's host; "
-    "nothing "
-    "is billed) and cloud (your smol cloud account; machines are billed while they exist). Which "
-    "one "
-    "is this session for? Choose both to name the fleet on every call."
+    "nothing is billed) and cloud (your smol cloud account; machines are billed while they "
+    "exist). Which one is this session for? Choose both to name the fleet on every call."
 )
 FLEET_QUESTION_SCHEMA = {
     "type": "object",
@@ -5767,43 +5765,61 @@ FLEET_QUESTION_SCHEMA = {
 ARG_TARGET = {
     "type": "string",
     "enum": list(FLEETS),
-    "description": 'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or '
-    '"cloud" (the '
-    "smol cloud account, billed while machines exist). Required: a machine on one fleet is "
+    "description": 'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or "cloud" '
+    "(the smol cloud account, billed while machines exist). Required: a machine on one fleet is "
     "invisible on the other, so there is no default.",
 }
 
 
 SESSION_CHOSE_FLEET = (
-    "this session chose the {chosen} fleet at its first call, so target "
-    '"{given}" is not available in it; use a new session (over HTTP with the '
-    "2026-07-28 protocol, the session is the token) for the other fleet"
+    'this session chose the {chosen} fleet at its first call, so target "{given}" is not '
+    "available in it; use a new session (over HTTP with the 2026-07-28 protocol, the session is "
+    "the token) for the other fleet"
 )
 TARGET_NEEDED = (
-    '{tool} needs "target": "local" or "cloud". This server serves both fleets and '
-    "there is no default, because a machine on one fleet is invisible on the other "
-    "and the two bill differently."
+    '{tool} needs "target": "local" or "cloud". This server serves both fleets and there is no '
+    "default, because a machine on one fleet is invisible on the other and the two bill "
+    "differently."
 )
 
 
 class AskClient(Exception):
-    """A 2026-era question for the person: the tool call answers with it (an
-    InputRequiredResult) and is called again with the answer."""
+    """A 2026-era question for the person (an InputRequiredResult): the tool call answers
+    with it and is called again with the answer."""
 
-    def __init__(self, question: Any):
+    def __init__(self, state: str, requests: dict):
+        import mcp_types as types
+
         super().__init__("input required")
-        self.question = question
+        self.question = types.InputRequiredResult(request_state=state, input_requests=requests)
 
 
 def can_elicit(ctx) -> bool:
-    """Whether the client said it can show a form to the person (the
-    capability comes from initialize, or from each 2026-era request)."""
+    """Whether the client can show a form (said at initialize, or per 2026-era request)."""
     capabilities = ctx.session.client_capabilities if ctx is not None else None
-    return not (
-        capabilities is None
-        or capabilities.elicitation is None
-        or (capabilities.elicitation.form is None and capabilities.elicitation.url is not None)
-    )
+    asks = getattr(capabilities, "elicitation", None)
+    return asks is not None and not (asks.form is None and asks.url is not None)
+
+
+def modern(ctx) -> bool:
+    """Whether the request speaks the 2026 era (questions travel in the result)."""
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+    return ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+
+
+def form_question(message: str, schema: dict):
+    import mcp_types as types
+
+    params = types.ElicitRequestFormParams(message=message, requested_schema=schema)
+    return types.ElicitRequest(params=params)
+
+
+def elicit_result(answer: Any):
+    """A 2026-era answer as the client sent it (a dict) read as an ElicitResult."""
+    import mcp_types as types
+
+    return types.ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
 
 
 TARGETS_NEED_TOKEN = (
@@ -5813,8 +5829,7 @@ TARGETS_NEED_TOKEN = (
 
 
 def resolve_mode(config: Config) -> str:
-    """The fleets this process serves, decided once at startup: auto means
-    both when a cloud token is configured, else local."""
+    """The fleets served, decided at startup: auto is both with a cloud token, else local."""
     if config.targets == "auto":
         return "both" if config.cloud_token else "local"
     if config.targets in ("cloud", "both") and not config.cloud_token:
@@ -5835,12 +5850,11 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
 def tool_schema(tool: ToolSpec, with_target: bool, config: Config) -> dict:
     """The input schema a client is shown: with a required target in both mode.
     (Built once per list shape: SmolMcp.tool_list is the one tool-list cache.)"""
+    schema = configured_schema(tool, config)
     if not with_target:
-        return configured_schema(tool, config)
-    schema = json.loads(json.dumps(configured_schema(tool, config)))
-    schema["properties"] = {"target": ARG_TARGET, **schema["properties"]}
-    schema["required"] = ["target", *schema["required"]]
-    return schema
+        return schema
+    properties = {"target": ARG_TARGET, **schema["properties"]}
+    return {**schema, "properties": properties, "required": ["target", *schema["required"]]}
 
 
 def server_instructions(app: SmolMcp) -> str:
@@ -5848,58 +5862,48 @@ def server_instructions(app: SmolMcp) -> str:
     served = " and ".join(fleet.served_as for fleet in app.fleets.values())
     lines = [
         "smol-mcp gives you microVMs (smol machines) to work in instead of this computer: every "
-        "command you run with "
-        f"these tools executes inside a guest, never on the host. This process serves {served}.",
+        "command you run with these tools executes inside a guest, never on the host. This "
+        f"process serves {served}.",
         "- Typical flow: create-machine (waits until the guest runs commands), run-command, "
-        "write-file/read-file, "
-        "delete-machine. run-once does create, run and delete in one call.",
+        "write-file/read-file, delete-machine. run-once does create, run and delete in one call.",
         '- Egress is blocked unless you pass network: "open" or allowHosts/allowCidrs.',
         f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when "
-        "this session ends. Any "
-        "other name persists.",
+        "this session ends. Any other name persists.",
         f"- Output beyond {c.max_output_bytes} bytes per stream or {c.reply_tokens} tokens per "
-        "result keeps its head and tail; the "
-        "whole stream is saved in "
-        "the machine at the path in overflow. read-file pages with offset/length.",
+        "result keeps its head and tail; the whole stream is saved in the machine at the path in "
+        "overflow. read-file pages with offset/length.",
         "- A non-zero exit code is a result, not an error. Commands time out after "
-        f"{c.exec_timeout_secs} s by "
-        f"default (timeoutSecs up to {c.max_exec_timeout_secs}).",
+        f"{c.exec_timeout_secs} s by default (timeoutSecs up to {c.max_exec_timeout_secs}).",
         "- branch-machine needs a running source created with branchable: true.",
     ]
     if app.mode == "both":
         lines.append('- Every tool needs target: "local" or "cloud"; there is no default.')
     lines.extend(fleet.instruction for fleet in app.fleets.values())
     lines.append("- smol://targets says whether each fleet is usable right now, and why not.")
-    if app.approvals_apply():
+    if app.approvals.apply():
         lines.append(
-            "- Approvals: a tool that changes something may wait for a person on the server's "
-            f"host to approve it (up to {c.approval_timeout_secs} s; progress notifications say "
-            "so and name the command that approves it). Read-only tools answer at once. You "
-            "cannot approve anything yourself. A refusal starts with a code: approval_rejected "
-            "(a person said no; the reason follows), approval_timed_out (nobody answered), "
+            "- Approvals: a tool that changes something may wait for a person on the server's host "
+            f"to approve it (up to {c.approval_timeout_secs} s; progress notifications say so and "
+            "name the command that approves it). Read-only tools answer at once. You cannot "
+            "approve anything yourself. A refusal starts with a code: approval_rejected (a "
+            "person said no; the reason follows), approval_timed_out (nobody answered), "
             "approval_cancelled (the call stopped waiting), approval_interrupted (the server "
-            "stopped), approval_token_deleted, approval_unavailable (approvals cannot be asked "
-            "for here). Nothing ran in any of these cases; ask the person before trying again."
+            "stopped), approval_token_deleted, approval_unavailable (approvals cannot be asked for "
+            "here). Nothing ran in any of these cases; ask the person before trying again."
         )
     return "\n".join(lines)
 
 
 @functools.cache
 def dual_era_server_class() -> type:
-    """The SDK's Server, advertising tools.listChanged however it is asked for
-    its options (the HTTP manager and Client(server) ask without arguments).
-    Built on first use, so importing this module does not import mcp."""
+    """The SDK's Server, advertising tools.listChanged however it is asked for its options
+    (Client(server) asks without any). Built on first use: importing this loads no mcp."""
     from mcp.server import NotificationOptions, Server
 
     class DualEraServer(Server):
-        def create_initialization_options(
-            self, notification_options=None, experimental_capabilities=None, extensions=None
-        ):
-            return super().create_initialization_options(
-                notification_options or NotificationOptions(tools_changed=True),
-                experimental_capabilities,
-                extensions,
-            )
+        def create_initialization_options(self, notification_options=None, *args, **kwargs):
+            options = notification_options or NotificationOptions(tools_changed=True)
+            return super().create_initialization_options(options, *args, **kwargs)
 
     return DualEraServer
 
@@ -5911,13 +5915,12 @@ class SmolMcp:
         self.config = config
         self.mode = resolve_mode(config)
         self.access = Access(config, environ)
-        self.local = LocalFleet(
-            config, environ
-        )  # always built (it is inert) so smol://targets can describe it
-        self.fleets: dict[str, Fleet] = {}
-        for name in MODE_FLEETS[self.mode]:  # the local fleet is the one built above
-            kind = FLEETS[name]
-            self.fleets[name] = self.local if kind is LocalFleet else kind(config, environ)
+        # Always built (it is inert) so smol://targets can describe it.
+        self.local = LocalFleet(config, environ)
+        self.fleets: dict[str, Fleet] = {
+            name: self.local if FLEETS[name] is LocalFleet else FLEETS[name](config, environ)
+            for name in MODE_FLEETS[self.mode]
+        }
         self._limiter = None
         self._swept = False
         self._tool_lists: dict[tuple, list] = {}
@@ -5927,19 +5930,13 @@ class SmolMcp:
         self.pages: Pages | None = None  # the sign-in pages of --http (section 14b)
         self.failed_last: set[tuple[str, str]] = set()  # machines whose last command failed
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
-        self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
         self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
-        self.stdin_closed = False  # stdio: the client went away; its waiting calls end
-        self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
-        self._webhooks: Any = None  # the one bounded pool approval notices are posted from
-        self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
+        self.approvals = Approvals(self)
+        self.interrupt_approvals = self.approvals.interrupt
         self.server = self._build_server()
 
     def thread_limiter(self):
-        """Worker threads for blocking API calls: enough that long commands in
-        some sessions never queue the short calls of others."""
-        import anyio
-
+        """Threads for blocking API calls: enough that long commands never queue short ones."""
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
@@ -5968,8 +5965,6 @@ class SmolMcp:
     async def lifespan(self, server: Any):
         # stdio and in memory: entered once per connection, so it is the session.
         # HTTP: entered once for the whole listener, which holds many sessions.
-        import anyio
-
         async with anyio.create_task_group() as tasks:
             if self.http is not None:
                 async with self.http.running(tasks):
@@ -5989,9 +5984,23 @@ class SmolMcp:
         return types.ListToolsResult(tools=self.tool_list(with_target, self.principal_for(ctx)))
 
     async def on_subscribe(self, ctx, params):
+        """Handshake era: follow a log until unsubscribe or the end of the session."""
         import mcp_types as types
 
-        await self.subscribe(ctx, str(params.uri))
+        uri, principal = str(params.uri), self.principal_for(ctx)
+        fleet, name = self.log_resource(uri, principal)
+        session = self.session_for(ctx)
+        if uri in session.subscriptions:
+            return types.EmptyResult()
+        self.check_share(principal, len(session.subscriptions) + 1, 1)
+        scope = session.subscriptions[uri] = anyio.CancelScope()
+        notify = ctx.session.send_resource_updated  # the captured session outlives this request
+
+        async def poll() -> None:
+            with scope:
+                await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
+
+        session.tasks.start_soon(poll)
         return types.EmptyResult()
 
     async def on_unsubscribe(self, ctx, params):
@@ -6011,8 +6020,8 @@ class SmolMcp:
                 name="targets",
                 title="Fleets served and whether they are usable",
                 mime_type="application/json",
-                description="The mode, each fleet this process serves, and whether it is usable on "
-                "this host now.",
+                description="The mode, each fleet this process serves, and whether it is usable "
+                "on this host now.",
             )
         ]
         if "activity.read" in self.principal_for(ctx).scopes:
@@ -6023,8 +6032,7 @@ class SmolMcp:
                     title="What agents changed",
                     mime_type="application/json",
                     description=f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity "
-                    "log: changing calls, approvals, cleanups (a sandbox token sees "
-                    "its own).",
+                    "log: changing calls, approvals, cleanups (a sandbox token sees its own).",
                 )
             )
         return types.ListResourcesResult(resources=resources)
@@ -6032,31 +6040,23 @@ class SmolMcp:
     async def on_list_resource_templates(self, ctx, params):
         import mcp_types as types
 
-        return types.ListResourceTemplatesResult(
-            resource_templates=[
-                types.ResourceTemplate(
-                    uri_template=LOGS_URI_TEMPLATE,
-                    name="machine-logs",
-                    title="A machine's console log",
-                    mime_type="text/plain",
-                    description="The latest lines of a machine's guest console.",
-                )
-            ]
+        template = types.ResourceTemplate(
+            uri_template=LOGS_URI_TEMPLATE,
+            name="machine-logs",
+            title="A machine's console log",
+            mime_type="text/plain",
+            description="The latest lines of a machine's guest console.",
         )
-
-    async def on_read_resource(self, ctx, params):
-        return await self.read_resource(ctx, str(params.uri))
+        return types.ListResourceTemplatesResult(resource_templates=[template])
 
     def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
-        """The tools as the client sees them: only those its scopes grant. Built
-        once per shape, here and nowhere else: a 2026-era HTTP client has the
-        list built before every tool call."""
-        names = (principal or self.access.stdio).tools()
-        if (with_target, names) not in self._tool_lists:
-            self._tool_lists[(with_target, names)] = [
-                self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in names
-            ]
-        return self._tool_lists[(with_target, names)]
+        """The tools its scopes grant, as the client sees them; built once per shape (a
+        2026-era HTTP client has the list built before every call)."""
+        key = (with_target, (principal or self.access.stdio).tools())
+        if key not in self._tool_lists:
+            tools = [self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in key[1]]
+            self._tool_lists[key] = tools
+        return self._tool_lists[key]
 
     def principal_for(self, ctx) -> Principal:
         """Who sent the request: the token HttpGate found, or the stdio principal."""
@@ -6083,8 +6083,7 @@ class SmolMcp:
         )
 
     def session_for(self, ctx) -> Session:
-        """The session a request belongs to: on stdio and in memory, the one the
-        connection's lifespan made; over HTTP, see HttpSessions."""
+        """A request's session: the lifespan's on stdio and in memory, else HttpSessions'."""
         if ctx.request is None:
             return ctx.lifespan_context["session"]
         return self.http.session_for(ctx)
@@ -6113,78 +6112,52 @@ class SmolMcp:
         return self.fleets[target]
 
     async def ask_fleet(self, ctx, session: Session, params):
-        """In both mode, ask once per session which fleet it is for (when the
-        client can answer questions). An answer of local or cloud narrows the
-        session: `target` leaves every tool and the client is told the list
-        changed. Returns the question itself when it travels as a 2026-era
-        input-required result; None when the call can go on."""
+        """In both mode, ask once per session which fleet it is for, if the client can
+        answer; local or cloud narrows the session (`target` leaves every tool, the list
+        changes). Raises AskClient when the question travels as a 2026-era result."""
         if self.mode != "both" or session.asked_fleet:
             return None
-        async with (
-            session.question_lock()
-        ):  # calls racing in at the start get one question between them
-            return await self._ask_fleet_once(ctx, session, params)
-
-    async def _ask_fleet_once(self, ctx, session: Session, params):
-        import mcp_types as types
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-
-        if session.asked_fleet:
-            return None
-        if not can_elicit(ctx):
-            session.asked_fleet = True  # a client that cannot answer keeps the argument
-            return None
-        modern = ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
-        answer = await self.ask(
-            ctx, params, "fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA
-        )
-        if isinstance(answer, types.InputRequiredResult):
-            return answer
-        session.asked_fleet = True
-        choice = (
-            (answer.content or {}).get("fleet")
-            if answer is not None and answer.action == "accept"
-            else None
-        )
-        if choice in self.fleets and session.target is None:
+        async with session.question_lock():  # calls racing in at the start get one question
+            if session.asked_fleet:
+                return None
+            if not can_elicit(ctx):
+                session.asked_fleet = True  # a client that cannot answer keeps the argument
+                return None
+            question = ("fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA)
+            answer = await self.ask(ctx, params, *question)
+            session.asked_fleet = True
+            accepted = answer is not None and answer.action == "accept"
+            choice = (answer.content or {}).get("fleet") if accepted else None
+            if choice not in self.fleets or session.target is not None:
+                return
             session.target = choice
-            session.chose_during = (
-                params  # the call that asked may still name the other fleet explicitly
-            )
+            session.chose_during = params  # the call that asked may still name the other fleet
             log.info("session %s chose the %s fleet", session.id, choice)
-            await self.announce_tools_changed(ctx, session, modern)
-        return None
+            if modern(ctx):  # the session's subscriptions/listen stream hears of it
+                from mcp.server.subscriptions import ToolsListChanged
+
+                await session.events()[0].publish(ToolsListChanged())
+            else:
+                await ctx.session.send_tool_list_changed()
 
     async def ask(self, ctx, params, key: str, state: str, message: str, schema: dict):
-        """One form question to the person, in either protocol era. Handshake
-        era: sent now, and the answer (an ElicitResult, or None when none came)
-        returned. 2026 era: the call is answered with an InputRequiredResult
-        carrying the question under ``key``, and the client calls again with
-        the answer and ``state``; an answer that comes back with another state
-        answered another question, so it is asked again."""
-        import mcp_types as types
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-
-        question = types.ElicitRequest(
-            params=types.ElicitRequestFormParams(message=message, requested_schema=schema)
-        )
-        if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+        """One form question to the person. Handshake era: the answer (None if none came).
+        2026 era: AskClient with the question under ``key``, until the call comes again
+        with the answer and ``state`` (another state answered another question)."""
+        question = form_question(message, schema)
+        if not modern(ctx):
             return await self.elicit(ctx, question)
         answer = (params.input_responses or {}).get(key) if params is not None else None
         if answer is None or params.request_state != state:
-            return types.InputRequiredResult(request_state=state, input_requests={key: question})
-        return types.ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
+            raise AskClient(state, {key: question})
+        return elicit_result(answer)
 
     async def confirm(
         self, ctx, params, session: Session, message: str, binding: str, schema: dict
     ) -> bool | None:
-        """Ask the person to allow a change (a form with one boolean, `allow`).
-        None when the client cannot ask; else True only for an accepted form
-        with allow: true. The 2026-era state is sealed to this session and
-        ``binding``, so an answer cannot be carried over to other arguments, and
-        carries a nonce and an expiry: it answers once, within CONFIRM_TTL_SECS."""
-        import mcp_types as types
-
+        """Ask the person to allow a change: None when the client cannot ask, else whether
+        they accepted with allow: true. The 2026-era state is sealed to the session and
+        ``binding`` and carries a nonce: it answers once, within CONFIRM_TTL_SECS."""
         if not can_elicit(ctx):
             return None
 
@@ -6194,28 +6167,17 @@ class SmolMcp:
             return f"smol-mcp:confirm:{expires}:{nonce}:{seal}"
 
         state = str(getattr(params, "request_state", None) or "")
-        parts = state.split(":")
-        if not (
-            len(parts) == 5
-            and parts[2].isdigit()
-            and int(parts[2]) > time.time()
-            and parts[3] not in session.spent
-            and hmac.compare_digest(state, sealed(parts[2], parts[3]))
-        ):
+        _, _, expires, nonce, *_ = [*state.split(":"), "", "", "", ""]
+        fresh = expires.isdigit() and int(expires) > time.time() and nonce not in session.spent
+        if not (fresh and hmac.compare_digest(state, sealed(expires, nonce))):
             state = sealed(str(int(time.time()) + CONFIRM_TTL_SECS), secrets_module.token_hex(8))
         answer = await self.ask(ctx, params, "confirm", state, message, schema)
-        if isinstance(answer, types.InputRequiredResult):
-            raise AskClient(answer)
         session.spent.add(state.split(":")[3])
-        return bool(
-            answer is not None
-            and answer.action == "accept"
-            and (answer.content or {}).get("allow") is True
-        )
+        accepted = answer is not None and answer.action == "accept"
+        return accepted and (answer.content or {}).get("allow") is True
 
     async def elicit(self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS):
-        """Send an elicitation and wait for the answer, within a bound: a client
-        that never answers must not hold the call forever."""
+        """Send an elicitation; the answer, or None after ``timeout`` or a failure."""
         import mcp_types as types
         from mcp.shared.message import ServerMessageMetadata
 
@@ -6231,21 +6193,9 @@ class SmolMcp:
             log.info("a question to the person got no answer (%s)", err)
             return None
 
-    async def announce_tools_changed(self, ctx, session: Session, modern: bool) -> None:
-        if modern:
-            from mcp.server.subscriptions import ToolsListChanged
-
-            bus, _ = session.events()
-            await bus.publish(
-                ToolsListChanged()
-            )  # reaches the session's subscriptions/listen stream
-        else:
-            await ctx.session.send_tool_list_changed()
-
     async def call_tool(self, ctx, params):
         """Validate, dispatch, and turn every failure into a readable tool error.
         A changing tool is written to the activity log before its answer leaves."""
-        import anyio
         import mcp_types as types
 
         name = params.name
@@ -6253,25 +6203,24 @@ class SmolMcp:
         principal = self.principal_for(ctx)
         entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
         started = time.monotonic()
+
+        def logged(outcome: str) -> None:
+            if tool is not None and not tool.read_only:
+                took = int((time.monotonic() - started) * 1000)
+                self.record({**entry, "outcome": outcome, "durationMs": took})
+
         try:
             if tool is None:  # named from the caller's own list: it learns of no other tool
-                raise ArgumentError(
-                    f"there is no tool named {name!r}; the tools are: "
-                    f"{', '.join(principal.tools())}"
-                )
+                tools = ", ".join(principal.tools())
+                raise ArgumentError(f"there is no tool named {name!r}; the tools are: {tools}")
             check_scope(principal, name)  # before any question is asked or argument read
             session = self.session_for(ctx)
             entry["session"] = session.id
-            question = await self.ask_fleet(ctx, session, params)
-            if question is not None:
-                return question
+            await self.ask_fleet(ctx, session, params)
             arguments = dict(params.arguments or {})
             fleet = self.fleet_for(session, name, arguments, params)
-            entry.update(
-                target=fleet.name,
-                machine=arguments.get("name"),
-                arguments=redact_arguments(arguments, tool.input_schema),
-            )
+            shown = redact_arguments(arguments, tool.input_schema)
+            entry.update(target=fleet.name, machine=arguments.get("name"), arguments=shown)
             checker = self.checkers.get(name) or self.checkers.setdefault(
                 name, argument_validator()(configured_schema(tool, self.config))
             )
@@ -6279,9 +6228,7 @@ class SmolMcp:
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
-            held = None if tool.read_only else await self.hold(call, entry, params)
-            if held is not None and not isinstance(held, str):
-                return held  # the approval question, as a 2026-era input-required result
+            held = None if tool.read_only else await self.approvals.hold(call, entry, params)
             if held is not None:
                 entry["approvedBy"] = held
                 call.started = time.monotonic()  # "N s so far" counts the work, not the wait
@@ -6289,482 +6236,77 @@ class SmolMcp:
                 await self.sweep_once()
             result = await tool.handler(call, arguments)
         except anyio.get_cancelled_exc_class():
-            if tool is not None and not tool.read_only:
-                self.record({**entry, "outcome": "cancelled", **elapsed(started)})
+            logged("cancelled")
             raise
-        except AskClient as ask:
+        except AskClient as ask:  # the fleet or approval question, as a 2026-era result
             return ask.question
         except SmolError as err:
             if isinstance(ctx, PlainRequest):
                 ctx.failure = err
             message = redact(explain(err), self.config.secret_values())
-            if tool is not None and not tool.read_only:
-                self.record({**entry, "outcome": message.splitlines()[0], **elapsed(started)})
+            logged(message.splitlines()[0])
             return tool_error(message)
         except Exception as err:
             log.exception("tool %s failed unexpectedly", name)
-            message = redact(
-                f"{name} failed unexpectedly ({type(err).__name__}: {err}). This "
-                "is a bug in smol-mcp; the server log has the details.",
-                self.config.secret_values(),
-            )
-            if tool is not None and not tool.read_only:
-                self.record({**entry, "outcome": message, **elapsed(started)})
+            bug = f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
+            bug += "smol-mcp; the server log has the details."
+            message = redact(bug, self.config.secret_values())
+            logged(message)
             return tool_error(message)
         if not tool.read_only:
             made = result.get("machine") if isinstance(result.get("machine"), dict) else {}
             entry["machine"] = made.get("name") or result.get("name") or entry.get("machine")
             if isinstance(result.get("exitCode"), int):
                 entry["exitCode"] = result["exitCode"]
-            self.record({**entry, "outcome": "ok", **elapsed(started)})
-        return types.CallToolResult(
-            content=[types.TextContent(type="text", text=reply_json(result))],
-            structured_content=result,
-        )
+            logged("ok")
+        text = types.TextContent(type="text", text=reply_json(result))
+        return types.CallToolResult(content=[text], structured_content=result)
 
-    # -- activity log and approvals ---------------------------------------
+    # -- activity log ------------------------------------------------------
 
     def who(self, principal: Principal) -> dict:
         """The principal as the activity log names it."""
         return {"principal": principal.name, **({"user": principal.user} if principal.user else {})}
 
     def record(self, entry: dict) -> None:
-        """Append to the activity log. A log that cannot be written (a full disk,
-        a read-only state directory) costs one warning line on stderr per
-        failed entry; the call's result is never changed by it."""
+        """Append to the activity log. An entry that cannot be written costs a warning
+        on stderr; the call's result is never changed by it."""
         try:
             self.access.activity.append(entry, self.config.secret_values())
         except (OSError, SmolError) as err:
             reason = getattr(err, "strerror", None) or str(err)
+            what = (entry.get("event"), entry.get("tool") or entry.get("approval") or "")
+            path = self.access.activity.path
             log.warning(
-                "could not write the activity log %s (%s); entry lost: %s %s",
-                self.access.activity.path,
-                reason,
-                entry.get("event"),
-                entry.get("tool") or entry.get("approval") or "",
+                "could not write the activity log %s (%s); entry lost: %s %s", path, reason, *what
             )
-
-    def approvals_apply(self) -> bool:
-        """Whether any call of this process may be held: stdio approval is on, or
-        a token that needs approval exists."""
-        if self.config.approval == "changes":
-            return True
-        try:
-            return any(r.get("approval") == "changes" for r in self.access.tokens.records())
-        except SmolError:
-            return False
-
-    def client_gone(self) -> None:
-        """stdin closed: waiting calls end as approval_cancelled (they look at
-        stdin_closed), and the questions left with the client are withdrawn."""
-        self.stdin_closed = True
-        for approval_id in list(self.asked):
-            self.access.desk.close(approval_id)
-        self.asked.clear()
-
-    async def interrupt_approvals(self) -> None:
-        """At a stop signal: calls waiting for approval answer approval_interrupted
-        (within a bound) before anything else ends them."""
-        import anyio
-
-        self.stopping = True
-        if not any(self.held_by.values()):
-            return
-        with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
-            while any(self.held_by.values()):
-                await anyio.sleep(0.05)
-        await anyio.sleep(0.2)  # their answers on their way out
-
-    async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
-        """Before a changing tool runs: None when the principal needs no approval,
-        "auto" or who approved once a person allowed it, else ApprovalRefused. With
-        approvalVia client in the 2026 era, the question itself (an input-required
-        result) the first time; the client's answer comes back with the retry."""
-        principal = call.principal
-        if principal.approval != "changes":
-            return None
-        event = {
-            k: entry.get(k)
-            for k in ("principal", "user", "session", "tool", "target", "machine")
-            if entry.get(k) is not None
-        }
-        event["event"] = "approval"
-        if self.access.auto.until(principal):
-            self.record(
-                {**event, "approval": "auto-approved", "until": self.access.auto.until(principal)}
-            )
-            return "auto"
-        asked = len(self.asked) if principal.kind == "stdio" else 0  # only stdio asks its client
-        if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
-            raise self.refuse(
-                event,
-                "unavailable",
-                "approval_unavailable",
-                f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
-                f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
-                "once the person on the server's host has answered those.",
-            )
-        asks_client, modern = self.client_channel(call)
-        request = self.resumed_request(call, entry, params) if asks_client and modern else None
-        client_answer = None
-        if request is not None:  # the 2026-era retry that carries the client's answer
-            approval_id = request["id"]
-            self.asked.discard(approval_id)
-            client_answer = (params.input_responses or {}).get("approval")
-            event["id"] = approval_id
-            timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
-        else:
-            timeout = self.config.approval_timeout_secs
-            approval_id = self.file_request(call, entry, event, timeout)
-            if asks_client and modern:  # the request stays filed: the terminal may answer meanwhile
-                import mcp_types as types
-
-                self.asked.add(approval_id)
-
-                return types.InputRequiredResult(
-                    request_state=f"smol-mcp:approval:{approval_id}",
-                    input_requests={"approval": self.approval_question(event)},
-                )
-        self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
-        call.session.held += 1
-        try:
-            return await self._await_answer(
-                call, approval_id, event, timeout, asks_client and not modern, client_answer
-            )
-        finally:
-            self.held_by[principal.id] -= 1
-            call.session.held -= 1
-            self.access.desk.close(approval_id)
-
-    def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
-        """Write the request where `approvals list` finds it, log it and tell the webhook."""
-        principal = call.principal
-        request = {
-            "token": principal.name,
-            "principalId": principal.id,
-            "tool": entry["tool"],
-            "target": entry.get("target"),
-            "machine": entry.get("machine"),
-            "arguments": approval_arguments(call),  # for the person; log and webhook redact
-            "session": entry.get("session"),
-            "requestedAt": utc_now(),
-            "expiresAt": utc_time(time.time() + timeout),
-        }
-        try:
-            approval_id = self.access.desk.open(request)
-        except (OSError, SmolError) as err:
-            reason = getattr(err, "strerror", None) or str(err)
-            self.record({**event, "approval": "unavailable", "error": reason})
-            raise ApprovalRefused(
-                "approval_unavailable",
-                f"{entry['tool']} needs a person's approval, but the request could not be filed in "
-                f"{self.access.desk.directory} ({reason}); nothing ran. The operator must make the "
-                "state directory writable (SMOL_MCP_STATE_DIR).",
-            ) from None
-        event["id"] = approval_id
-        self.record({**event, "approval": "requested", "expiresAt": request["expiresAt"]})
-        if self.config.approval_webhook:
-            self.notify_webhook(
-                {
-                    "id": approval_id,
-                    "token": principal.name,
-                    "tool": entry["tool"],
-                    "machine": entry.get("machine"),
-                    "expiresAt": request["expiresAt"],
-                    **(
-                        {"review": self.pages.issuer + REVIEW_PAGE + approval_id}
-                        if self.pages
-                        else {}
-                    ),
-                },
-                event,
-            )
-        return approval_id
-
-    def client_channel(self, call: Call) -> tuple[bool, bool]:
-        """(whether the person at the client is asked too, whether the 2026 era is
-        spoken): approvalVia client, on stdio, with a client that takes forms."""
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-
-        ctx = call.ctx
-        if self.config.approval_via != "client" or call.principal.kind != "stdio" or ctx is None:
-            return False, False
-        capabilities = ctx.session.client_capabilities
-        if (
-            capabilities is None
-            or capabilities.elicitation is None
-            or (capabilities.elicitation.form is None and capabilities.elicitation.url is not None)
-        ):
-            return False, False
-        return True, ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
-
-    def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
-        """The request a 2026-era retry answers: named by its request state, filed
-        by this process for the same principal, tool and arguments, still open."""
-        state = getattr(params, "request_state", None) or ""
-        if not state.startswith("smol-mcp:approval:"):
-            return None
-        try:
-            path = self.access.desk.path_of(state.rsplit(":", 1)[1], "request")
-            request = json.loads(path.read_text())
-        except (OSError, ValueError, SmolError):
-            return None
-        same = (
-            request.get("pid") == os.getpid()
-            and request.get("principalId") == call.principal.id
-            and request.get("tool") == entry["tool"]
-            and request.get("target") == entry.get("target")
-            and request.get("arguments") == approval_arguments(call)
-        )
-        return request if same else None
-
-    def approval_question(self, event: dict):
-        import mcp_types as types
-
-        on = f" on {event['machine']}" if event.get("machine") else ""
-        message = (
-            f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
-            "let it run once; decline to refuse it. `approvals list` on the server's host "
-            "shows its arguments."
-        )
-        schema = {
-            "type": "object",
-            "properties": {
-                "note": {
-                    "type": "string",
-                    "title": "Note",
-                    "description": "Optional; kept in the activity log",
-                }
-            },
-        }
-        return types.ElicitRequest(
-            params=types.ElicitRequestFormParams(message=message, requested_schema=schema)
-        )
-
-    async def _await_answer(
-        self,
-        call: Call,
-        approval_id: str,
-        event: dict,
-        timeout: int,
-        ask_now: bool,
-        client_answer: Any,
-    ) -> str:
-        """Wait for the terminal (and, with ``ask_now``, an elicitation in this
-        call), the token's deletion, an auto-approval, the timeout or a stop."""
-        import anyio
-        import mcp_types as types
-
-        answers: dict = {}
-        if client_answer is not None:
-            answers["client"] = (
-                types.ElicitResult.model_validate(client_answer)
-                if isinstance(client_answer, dict)
-                else client_answer
-            )
-
-        async def ask() -> None:
-            answer = await self.elicit(call.ctx, self.approval_question(event), timeout)
-            if answer is not None:
-                answers["client"] = answer
-
-        async with anyio.create_task_group() as asking:
-            if ask_now:
-                asking.start_soon(ask)
-            try:
-                outcome, failure = (
-                    await self._poll_answer(call, approval_id, event, timeout, answers),
-                    None,
-                )
-            except Exception as err:  # carried out of the group, which would wrap it
-                outcome, failure = None, err
-            asking.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-        return outcome
-
-    async def _poll_answer(
-        self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict
-    ) -> str:
-        import anyio
-
-        principal, tool = call.principal, event["tool"]
-        deadline = time.monotonic() + timeout
-        command = " ".join(launch_command() + ["approvals", "approve", approval_id])
-        on = f" on {event['machine']}" if event.get("machine") else ""
-        next_progress = 0.0
-        try:
-            while True:
-                answer = self.access.desk.answer(approval_id) or self.client_decision(answers)
-                if answer is not None:
-                    break
-                if (
-                    call.session.ended
-                    or (principal.kind == "stdio" and self.stdin_closed)
-                    or getattr(call.ctx, "request_id", None) in call.session.gone_requests
-                ):
-                    raise self.refuse(
-                        event,
-                        "cancelled",
-                        "approval_cancelled",
-                        f"the client went away while {tool} waited for approval; nothing ran.",
-                    )
-                if self.stopping:
-                    raise self.refuse(
-                        event,
-                        "interrupted",
-                        "approval_interrupted",
-                        f"the server stopped while {tool} waited for approval; "
-                        "nothing ran. Call it again once the server is back.",
-                    )
-                if (
-                    principal.kind == "token"
-                    and self.access.live_ids().get(principal.name) != principal.id
-                ):
-                    raise self.refuse(
-                        event,
-                        "token deleted",
-                        "approval_token_deleted",
-                        f"the token '{principal.name}' was deleted while {tool} "
-                        "waited for approval; nothing ran.",
-                    )
-                if self.access.auto.until(principal):
-                    self.record(
-                        {
-                            **event,
-                            "approval": "auto-approved",
-                            "until": self.access.auto.until(principal),
-                        }
-                    )
-                    return "auto"
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise self.refuse(
-                        event,
-                        "timed out",
-                        "approval_timed_out",
-                        f"nobody approved {tool} within {timeout} s; nothing ran. "
-                        "Ask the person on the server's host to watch for it, then "
-                        "call it again.",
-                    )
-                if time.monotonic() >= next_progress:
-                    next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
-                    await call.progress(
-                        None,
-                        f"{tool}{on} waits for a person to approve it "
-                        f"({int(left)} s left): on the server's host run "
-                        f"`{command}` (or `approvals deny {approval_id}`)"
-                        + (
-                            f", or answer at {self.pages.issuer}{REVIEW_PAGE}{approval_id}"
-                            if self.pages
-                            else ""
-                        ),
-                    )
-                await anyio.sleep(APPROVAL_POLL_SECS)
-        except anyio.get_cancelled_exc_class():
-            if self.stopping:
-                self.record({**event, "approval": "interrupted"})
-            else:
-                self.record({**event, "approval": "cancelled"})
-            raise
-        by = str(answer.get("by") or "unknown")
-        note = {"reason": str(answer["reason"])[:500]} if answer.get("reason") else {}
-        channel = {"via": str(answer["via"])[:40]} if answer.get("via") else {}
-        if answer.get("decision") == "approve":
-            extra = {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
-            self.record({**event, "approval": "approved", "by": by, **extra, **note, **channel})
-            return by
-        reason = note.get("reason", "no reason given")
-        raise self.refuse(
-            event,
-            "rejected",
-            "approval_rejected",
-            f"{by} rejected {tool}: {reason}. Nothing ran.",
-            by=by,
-            reason=reason,
-            **channel,
-        )
-
-    @staticmethod
-    def client_decision(answers: dict) -> dict | None:
-        """The person at the client's answer as a terminal answer: accept approves,
-        decline rejects; a dismissed form leaves the terminal to answer."""
-        answer = answers.get("client")
-        if answer is None or answer.action not in ("accept", "decline"):
-            return None
-        note = str((answer.content or {}).get("note") or "") if answer.action == "accept" else ""
-        return {
-            "decision": "approve" if answer.action == "accept" else "deny",
-            "by": "the person at the client (approvalVia client)",
-            "reason": note or ("declined at the client" if answer.action == "decline" else ""),
-        }
-
-    def refuse(
-        self, event: dict, outcome: str, code: str, detail: str, **extra: Any
-    ) -> ApprovalRefused:
-        self.record({**event, "approval": outcome, **extra})
-        return ApprovalRefused(code, detail)
-
-    def notify_webhook(self, payload: dict, event: dict) -> None:
-        """POST the notice from one small pool with a bounded queue: a slow or
-        failing webhook never holds the call or the terminal channel, nor takes
-        a thread a call; a failure (or a notice the full queue drops) is logged."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        def send() -> None:
-            try:
-                failure = post_webhook(self.config.approval_webhook, payload)
-            finally:
-                self._webhook_slots.release()
-            if failure is not None:
-                log.warning("%s; the terminal channel still works", failure)
-                self.record({**event, "approval": "webhook failed", "error": failure})
-
-        if not self._webhook_slots.acquire(blocking=False):
-            self.record({**event, "approval": "webhook failed", "error": "too many notices queued"})
-            return
-        if self._webhooks is None:
-            self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")
-        self._webhooks.submit(send)
 
     async def sweep_once(self) -> None:
-        """Before the first local call of this process: delete what a crashed
-        earlier process left behind."""
-        if not self._swept:
-            import anyio
+        """Before this process's first local call: delete what a crashed one left behind."""
+        if self._swept:
+            return
+        swept = await anyio.to_thread.run_sync(sweep_orphans, self.local, self.config.runtime_dir)
+        self.access.owners.clear("local", swept)
+        cleanup = {"event": "orphan-cleanup", "principal": "smol-mcp", "target": "local"}
+        outcome = "deleted (left by a stopped process)"
+        for name in swept:
+            self.record({**cleanup, "machine": name, "outcome": outcome})
+        self._swept = True
 
-            swept = await anyio.to_thread.run_sync(
-                sweep_orphans, self.local, self.config.runtime_dir
-            )
-            self.access.owners.clear("local", swept)
-            for name in swept:
-                self.record(
-                    {
-                        "event": "orphan-cleanup",
-                        "principal": "smol-mcp",
-                        "target": "local",
-                        "machine": name,
-                        "outcome": "deleted (left by a stopped process)",
-                    }
-                )
-            self._swept = True
+    # -- resources ------------------------------------------------------------
 
-    async def read_resource(self, ctx, uri: str):
+    async def on_read_resource(self, ctx, params):
         import mcp_types as types
 
+        uri, principal = str(params.uri), self.principal_for(ctx)
         if uri == TARGETS_URI:
-            import anyio
-
-            document = await anyio.to_thread.run_sync(
-                targets_document, self
-            )  # it probes a socket and a port
-            document["access"] = self.principal_for(ctx).describe()
+            document = await anyio.to_thread.run_sync(targets_document, self)  # probes the engines
+            document["access"] = principal.describe()
             text, mime = json.dumps(document, indent=2), "application/json"
         elif uri == ACTIVITY_URI:
-            document = self.activity_document(self.principal_for(ctx))
-            text, mime = json.dumps(document, indent=1), "application/json"
+            text, mime = json.dumps(self.activity_document(principal), indent=1), "application/json"
         elif LOGS_URI_RE.fullmatch(uri):
-            fleet, name = self.log_resource(uri, self.principal_for(ctx))
+            fleet, name = self.log_resource(uri, principal)
             try:
                 call = Call(self, self.session_for(ctx), fleet, ctx)
                 lines = await call.api(fleet.console_lines, name)
@@ -6772,43 +6314,34 @@ class SmolMcp:
                 raise_resource_error(redact(str(err), self.config.secret_values()))
             text, mime = "\n".join(lines[-self.config.logs_tail :]), "text/plain"
         else:
-            raise_resource_error(
-                f"unknown resource {uri}; the resources are {TARGETS_URI} and {LOGS_URI_TEMPLATE}"
-            )
-        return types.ReadResourceResult(
-            contents=[types.TextResourceContents(uri=uri, mime_type=mime, text=text)]
-        )
+            known = f"{TARGETS_URI} and {LOGS_URI_TEMPLATE}"
+            raise_resource_error(f"unknown resource {uri}; the resources are {known}")
+        content = types.TextResourceContents(uri=uri, mime_type=mime, text=text)
+        return types.ReadResourceResult(contents=[content])
 
     def activity_document(self, principal: Principal) -> dict:
-        """smol://activity for ``principal``: it needs activity.read; a sandbox.*
-        principal gets its own entries only."""
+        """smol://activity for ``principal`` (activity.read; a sandbox.* one sees its own)."""
         if "activity.read" not in principal.scopes:
             raise_resource_error(
-                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, "
-                f"which {principal.label()} does not have. Ask the operator for "
-                "a token with that scope."
+                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
+                f"{principal.label()} does not have. Ask the operator for a token with that scope."
             )
-        own = activity_filter(principal.name) if sees_own_activity_only(principal) else bool
+        own_only = sees_own_activity_only(principal)
+        own = activity_filter(principal.name) if own_only else bool
         entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
-        return {
-            "entries": entries,
-            "ownOnly": sees_own_activity_only(principal),
-        }
+        return {"entries": entries, "ownOnly": own_only}
 
     def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
-        """(fleet, machine name) of a log resource URI as ``principal`` may see
-        it (authorized as machine-logs), or a protocol error."""
+        """(fleet, machine name) of a log URI as ``principal`` may see it, or a protocol error."""
         match = LOGS_URI_RE.fullmatch(uri)
         if match is None or match["target"] not in self.fleets:
-            raise_resource_error(
-                f"{uri} is not a log resource of this server; the form is {LOGS_URI_TEMPLATE} with "
-                f"target {' or '.join(self.fleets)}"
-            )
+            form = f"{LOGS_URI_TEMPLATE} with target {' or '.join(self.fleets)}"
+            raise_resource_error(f"{uri} is not a log resource of this server; the form is {form}")
         name = urllib.parse.unquote(match["name"])
         if not NAME_RE.fullmatch(name):  # held to the tool's rule: "..", "a/b" reach no route
+            rule = PATTERN_RULES[NAME_PATTERN]
             raise_resource_error(
-                f"{uri} names the machine {name!r}, which is no machine name: it "
-                f"{PATTERN_RULES[NAME_PATTERN]}"
+                f"{uri} names the machine {name!r}, which is no machine name: it {rule}"
             )
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
@@ -6816,31 +6349,8 @@ class SmolMcp:
             raise_resource_error(str(err))
         return self.access.fleet_for(principal, grant, self.fleets[match["target"]]), name
 
-    async def subscribe(self, ctx, uri: str) -> None:
-        """Handshake era: follow a log in a poller that lives until unsubscribe
-        or the end of the session, notifying through this connection."""
-        import anyio
-
-        principal = self.principal_for(ctx)
-        fleet, name = self.log_resource(uri, principal)
-        session = self.session_for(ctx)
-        if uri in session.subscriptions:
-            return
-        self.check_share(principal, len(session.subscriptions) + 1, 1)
-        scope = anyio.CancelScope()
-        session.subscriptions[uri] = scope
-        notify = ctx.session.send_resource_updated  # the captured session outlives this request
-
-        async def poll() -> None:
-            with scope:
-                await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
-
-        session.tasks.start_soon(poll)
-
     async def listen(self, ctx, params):
-        """2026 era: change notifications and log updates travel on this stream;
-        its pollers live exactly as long as it does."""
-        import anyio
+        """2026 era: notifications travel on this stream; its log pollers live as long."""
         from mcp.server.subscriptions import ResourceUpdated
 
         session = self.session_for(ctx)
@@ -6851,14 +6361,8 @@ class SmolMcp:
         followed = [(uri, *self.log_resource(uri, principal)) for uri in uris]
         async with anyio.create_task_group() as pollers:
             for uri, fleet, name in followed:
-                pollers.start_soon(
-                    follow_log,
-                    self,
-                    fleet,
-                    name,
-                    lambda uri=uri: bus.publish(ResourceUpdated(uri=uri)),
-                    principal.id,
-                )
+                notify = functools.partial(bus.publish, ResourceUpdated(uri=uri))
+                pollers.start_soon(follow_log, self, fleet, name, notify, principal.id)
             try:
                 return await handler(ctx, params)
             finally:
@@ -6876,10 +6380,8 @@ class SmolMcp:
             )
 
     async def end_session(self, session: Session) -> None:
-        """Delete the session's ephemeral machines and let go of the fleets, even
-        while being cancelled (a signal), within a bounded time."""
-        import anyio
-
+        """Delete the session's ephemeral machines and let go of the fleets, in bounded
+        time, even while being cancelled (a signal)."""
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
@@ -6897,42 +6399,291 @@ class SmolMcp:
                 try:
                     await anyio.to_thread.run_sync(fleet.release)
                 except Exception as err:
-                    log.warning(
-                        "session %s: letting go of the %s fleet failed (%s)",
-                        session.id,
-                        fleet.name,
-                        describe(err),
+                    why = (session.id, fleet.name, describe(err))
+                    log.warning("session %s: letting go of the %s fleet failed (%s)", *why)
+
+
+class Approvals:
+    """Changing calls held until a person answers (SPEC 13): filed for the terminal, the
+    review page and the webhook, and with approvalVia client asked at the client too."""
+
+    def __init__(self, app: SmolMcp):
+        self.app = app
+        self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
+        self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
+        self.stdin_closed = False  # stdio: the client went away; its waiting calls end
+        self._webhooks: Any = None  # the one bounded pool approval notices are posted from
+        self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
+
+    def apply(self) -> bool:
+        """Whether any call may be held: stdio approval is on, or such a token exists."""
+        if self.app.config.approval == "changes":
+            return True
+        try:
+            return any(r.get("approval") == "changes" for r in self.app.access.tokens.records())
+        except SmolError:
+            return False
+
+    def client_gone(self) -> None:
+        """stdin closed: waiting calls end as approval_cancelled; its questions are withdrawn."""
+        self.stdin_closed = True
+        for approval_id in list(self.asked):
+            self.app.access.desk.close(approval_id)
+        self.asked.clear()
+
+    async def interrupt(self) -> None:
+        """At a stop signal: waiting calls answer approval_interrupted before anything ends."""
+        self.app.stopping = True
+        if not any(self.held_by.values()):
+            return
+        with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
+            while any(self.held_by.values()):
+                await anyio.sleep(0.05)
+        await anyio.sleep(0.2)  # their answers on their way out
+
+    def refuse(self, event: dict, outcome: str, detail: str, **extra: Any) -> ApprovalRefused:
+        """Log the outcome; the refusal's code is approval_<outcome>."""
+        self.app.record({**event, "approval": outcome, **extra})
+        return ApprovalRefused("approval_" + outcome.replace(" ", "_"), detail)
+
+    def auto_approved(self, principal: Principal, event: dict) -> bool:
+        until = self.app.access.auto.until(principal)
+        if until:
+            self.app.record({**event, "approval": "auto-approved", "until": until})
+        return bool(until)
+
+    async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
+        """Before a changing tool runs: None when the principal needs no approval, "auto"
+        or who approved, else ApprovalRefused (or AskClient, the 2026-era question)."""
+        principal = call.principal
+        if principal.approval != "changes":
+            return None
+        keys = ("principal", "user", "session", "tool", "target", "machine")
+        event = {key: entry[key] for key in keys if entry.get(key) is not None}
+        event["event"] = "approval"
+        if self.auto_approved(principal, event):
+            return "auto"
+        asked = len(self.asked) if principal.kind == "stdio" else 0  # only stdio asks its client
+        if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
+            busy = f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
+            busy += f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
+            busy += "once the person on the server's host has answered those."
+            raise self.refuse(event, "unavailable", busy)
+        # approvalVia client: on stdio, a client that takes forms is asked too; in the 2026
+        # era the question travels in the call's result and the answer with its retry.
+        asks = self.app.config.approval_via == "client" and principal.kind == "stdio"
+        asks = asks and can_elicit(call.ctx)
+        in_result = asks and modern(call.ctx)
+        request = self.resumed_request(call, entry, params) if in_result else None
+        answers = {}  # what the person at the client said, once they said it
+        if request is not None:  # the 2026-era retry that carries the client's answer
+            approval_id = event["id"] = request["id"]
+            self.asked.discard(approval_id)
+            if (answer := (params.input_responses or {}).get("approval")) is not None:
+                answers["client"] = elicit_result(answer)
+            timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
+        else:
+            timeout = self.app.config.approval_timeout_secs
+            approval_id = self.file_request(call, entry, event, timeout)
+            if in_result:  # the request stays filed: the terminal may answer meanwhile
+                self.asked.add(approval_id)
+                raise AskClient(
+                    f"smol-mcp:approval:{approval_id}", {"approval": self.question(event)}
+                )
+
+        async def ask() -> None:  # handshake era: the question travels during this call
+            answer = await self.app.elicit(call.ctx, self.question(event), timeout)
+            if answer is not None:
+                answers["client"] = answer
+
+        self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
+        call.session.held += 1
+        try:
+            async with anyio.create_task_group() as asking:
+                if asks and not in_result:
+                    asking.start_soon(ask)
+                try:
+                    outcome = await self.poll(call, approval_id, event, timeout, answers)
+                except Exception as err:  # carried out of the group, which would wrap it
+                    outcome = err
+                asking.cancel_scope.cancel()
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        finally:
+            self.held_by[principal.id] -= 1
+            call.session.held -= 1
+            self.app.access.desk.close(approval_id)
+
+    def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
+        """Write the request where `approvals list` finds it, log it and tell the webhook."""
+        app, principal, tool = self.app, call.principal, entry["tool"]
+        request = {
+            "token": principal.name,
+            "principalId": principal.id,
+            "tool": tool,
+            "target": entry.get("target"),
+            "machine": entry.get("machine"),
+            "arguments": approval_arguments(call),  # for the person; log and webhook redact
+            "session": entry.get("session"),
+            "requestedAt": utc_now(),
+            "expiresAt": utc_time(time.time() + timeout),
+        }
+        try:
+            approval_id = event["id"] = app.access.desk.open(request)
+        except (OSError, SmolError) as err:
+            reason = getattr(err, "strerror", None) or str(err)
+            why = f"{tool} needs a person's approval, but the request could not be filed in "
+            why += f"{app.access.desk.directory} ({reason}); nothing ran. The operator must make "
+            why += "the state directory writable (SMOL_MCP_STATE_DIR)."
+            raise self.refuse(event, "unavailable", why, error=reason) from None
+        app.record({**event, "approval": "requested", "expiresAt": request["expiresAt"]})
+        if app.config.approval_webhook:
+            review = {"review": app.pages.issuer + REVIEW_PAGE + approval_id} if app.pages else {}
+            notice = {"id": approval_id, "token": principal.name, "tool": tool}
+            notice.update(machine=entry.get("machine"), expiresAt=request["expiresAt"], **review)
+            self.notify_webhook(notice, event)
+        return approval_id
+
+    def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
+        """The open request a 2026-era retry names in its state, if this process filed it
+        for the same principal, tool and arguments."""
+        state = getattr(params, "request_state", None) or ""
+        if not state.startswith("smol-mcp:approval:"):
+            return None
+        try:
+            path = self.app.access.desk.path_of(state.rsplit(":", 1)[1], "request")
+            request = json.loads(path.read_text())
+        except (OSError, ValueError, SmolError):
+            return None
+        keys = ("pid", "principalId", "tool", "target", "arguments")
+        mine = (os.getpid(), call.principal.id, entry["tool"], entry.get("target"))
+        same = tuple(request.get(key) for key in keys) == (*mine, approval_arguments(call))
+        return request if same else None
+
+    @staticmethod
+    def question(event: dict):
+        on = f" on {event['machine']}" if event.get("machine") else ""
+        message = (
+            f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to let it "
+            "run once; decline to refuse it. `approvals list` on the server's host shows its "
+            "arguments."
+        )
+        note = dict(type="string", title="Note", description="Optional; kept in the activity log")
+        return form_question(message, {"type": "object", "properties": {"note": note}})
+
+    async def poll(self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict):
+        """Wait for the terminal or the client, the token's deletion, an
+        auto-approval, the timeout or a stop; the approver, else ApprovalRefused."""
+        app, principal, tool = self.app, call.principal, event["tool"]
+        deadline = time.monotonic() + timeout
+        command = " ".join(launch_command() + ["approvals", "approve", approval_id])
+        review = f", or answer at {app.pages.issuer}{REVIEW_PAGE}{approval_id}" if app.pages else ""
+        howto = f"on the server's host run `{command}` (or `approvals deny {approval_id}`){review}"
+        on = f" on {event['machine']}" if event.get("machine") else ""
+        waited = f"while {tool} waited for approval; nothing ran."
+        live_ids = app.access.live_ids
+        next_progress = 0.0
+        try:
+            while True:
+                answer = app.access.desk.answer(approval_id) or self.client_decision(answers)
+                if answer is not None:
+                    break
+                if (
+                    call.session.ended
+                    or (principal.kind == "stdio" and self.stdin_closed)
+                    or getattr(call.ctx, "request_id", None) in call.session.gone_requests
+                ):
+                    raise self.refuse(event, "cancelled", f"the client went away {waited}")
+                if app.stopping:
+                    back = " Call it again once the server is back."
+                    raise self.refuse(event, "interrupted", f"the server stopped {waited}{back}")
+                if principal.kind == "token" and principal.id != live_ids().get(principal.name):
+                    deleted = f"the token '{principal.name}' was deleted {waited}"
+                    raise self.refuse(event, "token deleted", deleted)
+                if self.auto_approved(principal, event):
+                    return "auto"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    late = (
+                        f"nobody approved {tool} within {timeout} s; nothing ran. Ask the person "
                     )
+                    late += "on the server's host to watch for it, then call it again."
+                    raise self.refuse(event, "timed out", late)
+                if time.monotonic() >= next_progress:
+                    next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
+                    waits = f"{tool}{on} waits for a person to approve it ({int(left)} s left)"
+                    await call.progress(None, f"{waits}: {howto}")
+                await anyio.sleep(APPROVAL_POLL_SECS)
+        except anyio.get_cancelled_exc_class():
+            app.record({**event, "approval": "interrupted" if app.stopping else "cancelled"})
+            raise
+        by = str(answer.get("by") or "unknown")
+        note = {"reason": str(answer["reason"])[:500]} if answer.get("reason") else {}
+        channel = {"via": str(answer["via"])[:40]} if answer.get("via") else {}
+        if answer.get("decision") == "approve":
+            extra = {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
+            app.record({**event, "approval": "approved", "by": by, **extra, **note, **channel})
+            return by
+        reason = note.get("reason", "no reason given")
+        rejected = f"{by} rejected {tool}: {reason}. Nothing ran."
+        raise self.refuse(event, "rejected", rejected, by=by, reason=reason, **channel)
 
+    @staticmethod
+    def client_decision(answers: dict) -> dict | None:
+        """The client's answer as the terminal's: accept approves, decline rejects, else None."""
+        answer = answers.get("client")
+        if answer is None or answer.action not in ("accept", "decline"):
+            return None
+        note = str((answer.content or {}).get("note") or "") if answer.action == "accept" else ""
+        return {
+            "decision": "approve" if answer.action == "accept" else "deny",
+            "by": "the person at the client (approvalVia client)",
+            "reason": note or ("declined at the client" if answer.action == "decline" else ""),
+        }
 
-def elapsed(started: float) -> dict:
-    return {"durationMs": int((time.monotonic() - started) * 1000)}
+    def notify_webhook(self, payload: dict, event: dict) -> None:
+        """POST the notice from one small pool with a bounded queue, so a slow webhook holds
+        no call nor a thread per call; a failure (or a dropped notice) is logged."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def failed(error: str) -> None:
+            self.app.record({**event, "approval": "webhook failed", "error": error})
+
+        def send() -> None:
+            try:
+                failure = post_webhook(self.app.config.approval_webhook, payload)
+            finally:
+                self._webhook_slots.release()
+            if failure is not None:
+                log.warning("%s; the terminal channel still works", failure)
+                failed(failure)
+
+        if not self._webhook_slots.acquire(blocking=False):
+            return failed("too many notices queued")
+        if self._webhooks is None:
+            self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")
+        self._webhooks.submit(send)
 
 
 def explain(err: SmolError) -> str:
     """The error text, plus what to do for the API refusals every tool can meet."""
     if isinstance(err, ApiError):
-        if err.status == 404 and (
-            "machine '" in err.api_message or "vm not found" in err.api_message
-        ):
+        if err.status == 404 and any(s in err.api_message for s in ("machine '", "vm not found")):
             return str(err.with_hint("Check the name with list-machines"))
         if err.status == 404 and err.action.startswith(("read ", "write ")):
             return str(err.with_hint("Check the path: run-command with ls shows what is there"))
         if err.status == 409 and "already exists" in err.api_message:
-            return str(
-                err.with_hint(
-                    "Pick another name, or use start-machine to start the existing machine"
-                )
-            )
+            hint = "Pick another name, or use start-machine to start the existing machine"
+            return str(err.with_hint(hint))
     return str(err)
 
 
 def tool_error(message: str):
     import mcp_types as types
 
-    return types.CallToolResult(
-        content=[types.TextContent(type="text", text=message)], is_error=True
-    )
+    text = types.TextContent(type="text", text=message)
+    return types.CallToolResult(content=[text], is_error=True)
 
 
 def raise_resource_error(message: str):
@@ -6958,7 +6709,6 @@ def build_server(config: Config | None = None):
 
 
 async def run_stdio(server, app: SmolMcp | None = None) -> None:
-    import anyio
     from mcp.server.stdio import stdio_server
 
     signalled, answers = False, None
@@ -6970,7 +6720,7 @@ async def run_stdio(server, app: SmolMcp | None = None) -> None:
                 async for _ in received:
                     signalled = True
                     if app is not None:
-                        await app.interrupt_approvals()
+                        await app.approvals.interrupt()
                     if answers is not None:
                         await answers.refuse_pending()  # every call in flight hears why it stopped
                     group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
@@ -6978,9 +6728,8 @@ async def run_stdio(server, app: SmolMcp | None = None) -> None:
 
         group.start_soon(watch_signals)
         async with stdio_server() as (read, write):
-            read, write = AnsweredReads(read, write), AnsweredWrites(write)
-            read.writes = answers = write
-            read.app = app
+            answers = AnsweredWrites(write)
+            read, write = AnsweredReads(read, write, answers, app), answers
             try:
                 await server.run(read, write, server.create_initialization_options())
             finally:
@@ -7018,25 +6767,28 @@ def is_cancellation(message: Any) -> bool:
     )
 
 
-class AnsweredReads(StreamWrapper):
-    """The stdio read stream, kept open at stdin's end until every request
-    read before it has been answered: the SDK would end the session at EOF and
-    drop an answer still being made. A line the SDK cannot parse is answered
-    with a JSON-RPC parse error (with its id, when the line has one) rather
-    than left unanswered."""
+def rpc_error(request_id: Any, code: int, message: str) -> Any:
+    """A JSON-RPC error answer, as the transport sends it."""
+    import mcp_types as types
+    from mcp.shared.message import SessionMessage
 
-    def __init__(self, inner: Any, write: Any):
+    error = types.ErrorData(code=code, message=message)
+    return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
+
+
+class AnsweredReads(StreamWrapper):
+    """The stdio read stream, kept open at stdin's end until every request read has been
+    answered (the SDK would drop them at EOF); a line it cannot parse gets a parse error."""
+
+    def __init__(self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp | None):
         super().__init__(inner)
-        self.write = write
-        self.writes: AnsweredWrites | None = None
-        self.app: SmolMcp | None = None
+        self.write, self.writes, self.app = write, writes, app  # write: the stream unwrapped
 
     @property
     def last_context(self) -> Any:
         return getattr(self.inner, "last_context", None)
 
     async def receive(self) -> Any:
-        import anyio
         import mcp_types as types
         from mcp.shared.message import SessionMessage
 
@@ -7044,7 +6796,7 @@ class AnsweredReads(StreamWrapper):
             item = await self.inner.receive()
         except anyio.EndOfStream:
             if self.app is not None:  # the client is gone: its waiting calls end, then so do we
-                self.app.client_gone()
+                self.app.approvals.client_gone()
             while self.writes.pending:
                 await self.writes.changed()
             raise
@@ -7055,22 +6807,15 @@ class AnsweredReads(StreamWrapper):
             self.writes.pending.discard(item.message.params["requestId"])
             self.writes.wake()
         elif isinstance(item, Exception):
-            message = (
-                f"this message could not be read ({item_error(item)}); send one JSON-RPC "
-                "message per line, as UTF-8 JSON without lone surrogates"
-            )
-            error = types.ErrorData(code=types.PARSE_ERROR, message=message)
-            await self.write.send(
-                SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=unparsed_id(item), error=error))
-            )
+            why = f"this message could not be read ({item_error(item)}); send one JSON-RPC message "
+            why += "per line, as UTF-8 JSON without lone surrogates"
+            await self.write.send(rpc_error(unparsed_id(item), types.PARSE_ERROR, why))
         return item
 
     def __aiter__(self) -> AnsweredReads:
         return self
 
     async def __anext__(self) -> Any:
-        import anyio
-
         try:
             return await self.receive()
         except anyio.EndOfStream:
@@ -7081,15 +6826,11 @@ class AnsweredWrites(StreamWrapper):
     """The stdio write stream, counting off the requests it answers."""
 
     def __init__(self, inner: Any):
-        import anyio
-
         super().__init__(inner)
         self.pending: set = set()
         self._changed = anyio.Event()
 
     async def changed(self) -> None:
-        import anyio
-
         await self._changed.wait()
         self._changed = anyio.Event()
 
@@ -7106,21 +6847,9 @@ class AnsweredWrites(StreamWrapper):
 
     async def refuse_pending(self) -> None:
         """Answer every request still in flight with the shutdown error."""
-        import anyio
-        import mcp_types as types
-        from mcp.shared.message import SessionMessage
-
         with anyio.move_on_after(2):
             for request_id in list(self.pending):
-                await self.send(
-                    SessionMessage(
-                        types.JSONRPCError(
-                            jsonrpc="2.0",
-                            id=request_id,
-                            error=(types.ErrorData(code=-32000, message=SHUTDOWN_MESSAGE)),
-                        )
-                    )
-                )
+                await self.send(rpc_error(request_id, -32000, SHUTDOWN_MESSAGE))
             await anyio.sleep(0.2)  # the transport's writer flushes the last one
 
 

@@ -417,7 +417,7 @@ class ImportTests(unittest.TestCase):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def test_own_code_imports_the_http_stack_only_lazily(self):
-        """smol_mcp's own top-level imports are stdlib only: mcp and the HTTP
+        """smol_mcp's own top-level imports are stdlib and anyio: mcp and the HTTP
         stack are imported inside the functions that need them. (The mcp 2.3.0
         SDK itself imports starlette and uvicorn; that is outside our control.)"""
         tree = ast.parse((HERE / "smol_mcp.py").read_text())
@@ -9672,7 +9672,7 @@ class ApprovalTests(FakeServeCase):
         threading.Thread(target=hook.serve_forever, daemon=True).start()
         url = f"http://127.0.0.1:{hook.server_port}/hook"
         self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
-        self.app._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
+        self.app.approvals._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
         before = set(threading.enumerate())  # other tests' apps have pools of their own
         try:
             async with self.client("legacy") as c:
@@ -9800,7 +9800,7 @@ class ApprovalViaClientTests(FakeServeCase):
             self.assertIsInstance(answer, mcp_types.CallToolResult)  # the third: refused at once
             self.assertTrue(answer.content[0].text.startswith("approval_unavailable: "))
             self.assertEqual(len(self.app.access.desk.pending()), 2)
-            self.app.client_gone()  # as at stdin's end
+            self.app.approvals.client_gone()  # as at stdin's end
             self.assertEqual(self.app.access.desk.pending(), [])
         self.assertEqual(self.fake.machines, {})
 
