@@ -10254,16 +10254,27 @@ def invocation() -> str:
     return f"{'uv run' if os.environ.get('UV') else 'python3'} {shlex.quote(arg0)}"
 
 
-HELP_EPILOG = """\
-environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
-  SMOLVM                      the smolvm binary (default: smolvm on PATH, else the
-                              smol/smol-vmm of an installed smolmachines package)
-  SMOL_LOCAL_URL              use a running serve (unix:///abs.sock) instead of starting one
-  SMOL_MCP_TARGETS            auto | local | cloud | both (auto: both when a cloud key is set)
-  SMOL_CLOUD_TOKEN            the smol cloud account key (a secret: never copied anywhere)
-  SMOL_MCP_NETWORK_DEFAULT    blocked | open: egress of a machine when a call says nothing
-  SMOL_MCP_REPLY_TOKENS       the most a tool result may cost a model, in tokens (20000)
-  SMOL_MCP_AUTH_TOKEN         required by --http: the token clients send as a Bearer
+# The settings --help names, with a line for a person each; the README has every one.
+HELP_SETTINGS = {
+    "smolvm": "the smolvm binary (default: smolvm on PATH, else the\n"
+    + " " * 30
+    + "smol/smol-vmm of an installed smolmachines package)",
+    "local_url": "use a running serve (unix:///abs.sock) instead of starting one",
+    "targets": "auto | local | cloud | both (auto: both when a cloud key is set)",
+    "cloud_token": "the smol cloud account key (a secret: never copied anywhere)",
+    "network_default": "blocked | open: egress of a machine when a call says nothing",
+    "reply_tokens": f"the most a tool result may cost a model, in tokens ({Config.reply_tokens})",
+    "auth_token": "required by --http: the token clients send as a Bearer",
+}
+HELP_EPILOG = (
+    "environment (each also a camelCase key in ~/.config/smol-mcp/config.json):\n"
+    + "".join(
+        f"  {setting.env:<28}{text}\n"
+        for attr, text in HELP_SETTINGS.items()
+        for setting in SETTINGS
+        if setting.attr == attr
+    )
+    + """\
   SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root with /dev/kvm at mode 0600
   SMOL_MCP_CONFIG             another config file; the README has every setting
 
@@ -10274,6 +10285,7 @@ examples:
   smol-mcp operator set-password         let --http clients connect by URL (OAuth, a consent page)
   SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
 """
+)
 
 
 def parse_args(argv: list[str]):
@@ -10287,47 +10299,35 @@ def parse_args(argv: list[str]):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"smol-mcp {__version__}")
-    parser.add_argument(
-        "--http", action="store_true", help="serve Streamable HTTP instead of stdio"
-    )
+
+    def flag(command: argparse.ArgumentParser, name: str, text: str) -> None:
+        command.add_argument(name, action="store_true", help=text)
+
+    def json_flag(command: argparse.ArgumentParser, what: str = "a JSON array") -> None:
+        flag(command, "--json", f"print {what}, for scripts")
+
+    flag(parser, "--http", "serve Streamable HTTP instead of stdio")
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
     helpers = parser.add_subparsers(
         dest="command", metavar="{doctor,setup,parity,tokens,activity,approvals,operator}"
     )
-    doctor_parser = helpers.add_parser(
-        "doctor", help="say whether each fleet works on this host, and what to do if not"
-    )
-    doctor_parser.add_argument(
-        "--probe",
-        action="store_true",
-        help="also create, start, run `true` in and delete a throwaway local machine",
-    )
+    doctor_help = "say whether each fleet works on this host, and what to do if not"
+    probe_help = "also create, start, run `true` in and delete a throwaway local machine"
+    flag(helpers.add_parser("doctor", help=doctor_help), "--probe", probe_help)
     setup = helpers.add_parser(
         "setup", help="print (or --write) the configuration for an MCP client"
     )
     setup.add_argument("client", choices=SETUP_CLIENTS)
-    setup.add_argument(
-        "--write", action="store_true", help="merge it into the client's config file (backup first)"
-    )
-    setup.add_argument(
-        "--force", action="store_true", help="with --write: replace an existing smol entry"
-    )
-    setup.add_argument(
-        "--http",
-        dest="http_url",
-        metavar="URL",
-        help="an entry for a smol-mcp --http server at URL instead of a local stdio one",
-    )
-    setup.add_argument(
-        "--oauth",
-        action="store_true",
-        help="with --http: an entry without a secret; the client signs in through the browser",
-    )
-    helpers.add_parser(
-        "parity", help="compare the routes this server calls with the running serve's OpenAPI"
-    )
+    flag(setup, "--write", "merge it into the client's config file (backup first)")
+    flag(setup, "--force", "with --write: replace an existing smol entry")
+    url_help = "an entry for a smol-mcp --http server at URL instead of a local stdio one"
+    setup.add_argument("--http", dest="http_url", metavar="URL", help=url_help)
+    oauth_help = "with --http: an entry without a secret; the client signs in through the browser"
+    flag(setup, "--oauth", oauth_help)
+    parity_help = "compare the routes this server calls with the running serve's OpenAPI"
+    helpers.add_parser("parity", help=parity_help)
     tokens = helpers.add_parser("tokens", help="create, list and delete the named tokens of --http")
     token_commands = tokens.add_subparsers(
         dest="tokens_command", metavar="{create,list,delete,auto-approve}", required=True
@@ -10336,68 +10336,47 @@ def parse_args(argv: list[str]):
     create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
     chosen = create.add_mutually_exclusive_group()
     chosen.add_argument("--scopes", help=f"comma-separated, from: {', '.join(SCOPES)}")
-    chosen.add_argument(
-        "--preset",
-        choices=SCOPE_PRESETS,
-        help="; ".join(f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items()),
-    )
-    create.add_argument(
-        "--targets", help="the fleets it may use: local, cloud or local,cloud (default both)"
-    )
-    create.add_argument(
-        "--approval",
-        choices=APPROVAL_MODES,
-        default="none",
-        help="changes: changing calls wait for a person (recorded with the token)",
-    )
+    presets = "; ".join(f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items())
+    chosen.add_argument("--preset", choices=SCOPE_PRESETS, help=presets)
+    fleets_help = "the fleets it may use: local, cloud or local,cloud (default both)"
+    create.add_argument("--targets", help=fleets_help)
+    changes_help = "changes: changing calls wait for a person (recorded with the token)"
+    create.add_argument("--approval", choices=APPROVAL_MODES, default="none", help=changes_help)
     create.add_argument(
         "--client", choices=SETUP_CLIENTS, help="also print that client's entry for it"
     )
-    create.add_argument(
-        "--url", help="the server URL for --client (default: httpHost, httpPort, httpPath)"
-    )
-    create.add_argument("--json", action="store_true", help="print one JSON object, for scripts")
-    listing = token_commands.add_parser("list", help="show every token, never a secret")
-    listing.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
-    delete = token_commands.add_parser(
-        "delete", help="cut a token off; a running server refuses it at once"
-    )
-    delete.add_argument("name")
-    auto = token_commands.add_parser(
-        "auto-approve",
-        help="end a token's auto-approval (`approvals approve --auto-for` starts one)",
-    )
+    url_help = "the server URL for --client (default: httpHost, httpPort, httpPath)"
+    create.add_argument("--url", help=url_help)
+    json_flag(create, "one JSON object")
+    json_flag(token_commands.add_parser("list", help="show every token, never a secret"))
+    delete_help = "cut a token off; a running server refuses it at once"
+    token_commands.add_parser("delete", help=delete_help).add_argument("name")
+    auto_help = "end a token's auto-approval (`approvals approve --auto-for` starts one)"
+    auto = token_commands.add_parser("auto-approve", help=auto_help)
     auto.add_argument("name", help="a token name, or stdio")
     auto.add_argument("state", choices=("off",))
     activity = helpers.add_parser("activity", help="show what agents changed (the activity log)")
     activity.add_argument("--token", help="only this principal (a token name, or stdio)")
     activity.add_argument("--machine", help="only entries about this machine")
     activity.add_argument("--since", help="only the last period, such as 15m, 1h or 7d")
-    activity.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
-    activity.add_argument(
-        "--limit", type=int, default=ACTIVITY_RESOURCE_ENTRIES, help="the latest N entries"
-    )
+    json_flag(activity)
+    latest = ACTIVITY_RESOURCE_ENTRIES
+    activity.add_argument("--limit", type=int, default=latest, help="the latest N entries")
     approvals = helpers.add_parser("approvals", help="list, approve and deny calls that wait")
     approval_commands = approvals.add_subparsers(
         dest="approvals_command", metavar="{list,approve,deny}", required=True
     )
-    waiting = approval_commands.add_parser("list", help="the calls that wait for a person")
-    waiting.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
+    json_flag(approval_commands.add_parser("list", help="the calls that wait for a person"))
     approve = approval_commands.add_parser("approve", help="let a waiting call run")
     approve.add_argument("id")
-    approve.add_argument(
-        "--auto-for",
-        choices=tuple(AUTO_APPROVE_PERIODS),
-        help="also let this token run changing tools without asking for this long",
-    )
-    approve.add_argument("--yes", action="store_true", help="with --auto-for: release the rest")
+    auto_for_help = "also let this token run changing tools without asking for this long"
+    approve.add_argument("--auto-for", choices=tuple(AUTO_APPROVE_PERIODS), help=auto_for_help)
+    flag(approve, "--yes", "with --auto-for: release the rest")
     deny = approval_commands.add_parser("deny", help="refuse a waiting call; nothing runs")
     deny.add_argument("id")
     deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
-    operator = helpers.add_parser(
-        "operator", help="the person who signs in to the pages of --http and consents to clients"
-    )
-    operator.add_argument(
+    operator_help = "the person who signs in to the pages of --http and consents to clients"
+    helpers.add_parser("operator", help=operator_help).add_argument(
         "operator_command",
         choices=("set-password", "link"),
         help="set-password: read a password from stdin (no echo at a terminal); "
@@ -10412,14 +10391,10 @@ def parse_args(argv: list[str]):
         parser.error(f"--path must start with '/', got {args.path!r}")
     if args.port is not None and not 1 <= args.port <= 65535:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
-    if (
-        args.command == "setup"
-        and args.http_url
-        and not args.http_url.startswith(("http://", "https://"))
-    ):
+    url = args.command == "setup" and args.http_url
+    if url and not url.startswith(("http://", "https://")):
         parser.error(
-            "setup --http takes the server's URL, such as http://b.local:8080/mcp; got "
-            f"{args.http_url!r}"
+            f"setup --http takes the server's URL, such as http://b.local:8080/mcp; got {url!r}"
         )
     return args
 
