@@ -10447,10 +10447,8 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
             print(line)
     if probe:
         if "local" not in app.fleets:
-            print(
-                "\nprobe: the local fleet is not served (SMOL_MCP_TARGETS), so there is "
-                "nothing to probe"
-            )
+            unserved = "the local fleet is not served (SMOL_MCP_TARGETS)"
+            print(f"\nprobe: {unserved}, so there is nothing to probe")
             return 1
         # what a machine did outranks what the checks above expected
         fleets = document["fleets"].items()
@@ -10462,9 +10460,8 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
 
 
 def probe_local(app: SmolMcp, facts: dict) -> bool:
-    """Create, start, run `true` in and delete a throwaway imageless machine
-    (no registry needed), printing each step with its time: "usable" above is
-    what the host allows; this is what it does."""
+    """Create, start, run `true` in and delete a throwaway imageless machine, printing
+    each step with its time: "usable" above is what the host allows; this is what it does."""
     fleet, config = app.local, app.config
     name = f"{config.machine_prefix}probe-{secrets_module.token_hex(3)}"
     print(f"\nprobe: machine {name} (no image, no network; deleted at the end)")
@@ -10480,11 +10477,10 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
                     lines = fleet.console_lines(name)[-BOOT_LOG_LINES:]
                 except SmolError:
                     lines = []
-            explained = explain_start_failure(err, "blocked", lines)
-            print(
-                f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: "
-                f"{redact(str(explained), config.secret_values())}"
+            explained = redact(
+                str(explain_start_failure(err, "blocked", lines)), config.secret_values()
             )
+            print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: {explained}")
             return False
         print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
         return True
@@ -10494,18 +10490,16 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         while (answer := fleet.probe_ready(name)) is not None:
             if time.monotonic() > deadline:
                 raise SmolError(
-                    "the guest did not run a command within "
-                    f"{config.ready_timeout_secs} s (readyTimeoutSecs); its last "
-                    f"answer: {answer}"
+                    f"the guest did not run a command within {config.ready_timeout_secs} s "
+                    f"(readyTimeoutSecs); its last answer: {answer}"
                 )
             time.sleep(0.5)
 
     def run_true() -> None:
         result = fleet.exec(name, ["true"], timeout_secs=30)
         if result.exit_code != 0:
-            raise SmolError(
-                f"`true` exited with {result.exit_code}: {result.stderr.decode('utf-8', 'replace')}"
-            )
+            stderr = result.stderr.decode("utf-8", "replace")
+            raise SmolError(f"`true` exited with {result.exit_code}: {stderr}")
 
     def delete() -> None:
         try:
@@ -10515,18 +10509,14 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
                 raise
 
     created = ok = interrupted = False
+    machine = {"name": name, "cpus": 1, "memoryMb": 512, "network": False}
+    create = functools.partial(
+        fleet.request, f"create machine '{name}'", "POST", "/api/v1/machines", machine
+    )
     fleet.acquire()
     try:
         ok = step("serve", fleet.ensure_serve)
-        created = ok and step(
-            "create",
-            lambda: fleet.request(
-                f"create machine '{name}'",
-                "POST",
-                "/api/v1/machines",
-                {"name": name, "cpus": 1, "memoryMb": 512, "network": False},
-            ),
-        )
+        created = ok and step("create", create)
         ok = created and step("start", lambda: fleet.start_machine(name))
         ok = ok and step("ready", wait_ready)
         ok = ok and step("run", run_true)
@@ -10547,9 +10537,8 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
 
 
 def launch_command() -> list[str]:
-    """The command a client should run, absolute (a GUI client such as Claude
-    Desktop does not see the shell's PATH): the installed console script when
-    this module was installed as a package, else uv running this very file,
+    """The command a client should run, absolute (a GUI client such as Claude Desktop does
+    not see the shell's PATH): the installed console script, else uv running this very file,
     else the interpreter running this, which has the dependencies."""
     here = Path(__file__).resolve()
     if any(part in ("site-packages", "dist-packages") for part in here.parts):
@@ -10570,10 +10559,9 @@ ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself,
 
 
 def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """(the settings to write into a stdio entry's env, the secrets it should
-    reference): every non-secret SMOL_* setting set here, the config file,
-    the engine's own switches, and the smolvm this process would run, so the
-    client starts the same server that doctor checked."""
+    """(a stdio entry's env, the secrets it should reference): every non-secret setting set
+    here, the config file, the engine's own switches and the smolvm this process would run,
+    so the client starts the same server that doctor checked."""
     env = {s.env: environ[s.env] for s in SETTINGS if s.env in environ and s.env not in SECRET_ENVS}
     env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
     if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
@@ -10598,12 +10586,8 @@ CODEX_STARTUP_TIMEOUT_SECS = 60  # a first `uv run` of the file resolves package
 def codex_timeouts(config: Config) -> dict[str, int]:
     """Codex gives a server 10 s to start and a tool call 60 s; a create can
     wait for the serve, then for readiness, and a command for its timeout."""
-    longest = (
-        config.serve_start_timeout_secs
-        + config.ready_timeout_secs
-        + config.max_exec_timeout_secs
-        + 60
-    )
+    longest = config.serve_start_timeout_secs + config.ready_timeout_secs + 60
+    longest += config.max_exec_timeout_secs
     return {"startup_timeout_sec": CODEX_STARTUP_TIMEOUT_SECS, "tool_timeout_sec": longest}
 
 
@@ -10619,10 +10603,7 @@ def secret_reference(client: str, name: str) -> str | None:
 
 
 def client_entry(
-    client: str,
-    http_url: str | None,
-    config: Config | None = None,
-    environ: dict[str, str] | None = None,
+    client: str, http_url: str | None, config: Config | None = None, environ: dict | None = None
 ) -> tuple[str, dict]:
     """(the top-level key, the server entry) in the client's own shape. Secrets
     are referenced through the client's environment syntax, never copied."""
@@ -10644,18 +10625,10 @@ def client_entry(
         if reference:
             env[name] = reference
     if client == "opencode":
-        return "mcp", {
-            "type": "local",
-            "command": command,
-            "enabled": True,
-            **({"environment": env} if env else {}),
-        }
+        entry = {"type": "local", "command": command, "enabled": True}
+        return "mcp", {**entry, **({"environment": env} if env else {})}
     if client == "codex":
-        entry: dict[str, Any] = {
-            "command": command[0],
-            "args": command[1:],
-            **codex_timeouts(config),
-        }
+        entry = {"command": command[0], "args": command[1:], **codex_timeouts(config)}
         if secrets:
             entry["env_vars"] = secrets  # Codex forwards these from its own environment
         if env:
@@ -10683,11 +10656,8 @@ def http_entry(
             "headers": {"Authorization": f"Bearer {{env:{variable}}}"},
         }
     if client == "codex":
-        return "mcp_servers", {
-            "url": http_url,
-            "bearer_token_env_var": variable,
-            **codex_timeouts(config),
-        }
+        entry = {"url": http_url, "bearer_token_env_var": variable, **codex_timeouts(config)}
+        return "mcp_servers", entry
     if client == "claude-desktop":
         # It speaks stdio only, so the npm bridge carries HTTP, pinned; it reads no
         # shell environment, so npx is absolute, node is found beside it, and the
@@ -10699,12 +10669,8 @@ def http_entry(
             "args": ["-y", MCP_REMOTE, http_url, "--header", "Authorization:${AUTH_HEADER}"],
             "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>", **path},
         }
-    reference = secret_reference(client, variable)
-    return "mcpServers", {
-        "type": "http",
-        "url": http_url,
-        "headers": {"Authorization": f"Bearer {reference}"},
-    }
+    header = {"Authorization": f"Bearer {secret_reference(client, variable)}"}
+    return "mcpServers", {"type": "http", "url": http_url, "headers": header}
 
 
 def client_config_path(client: str) -> tuple[Path, str]:
