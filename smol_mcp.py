@@ -10674,8 +10674,7 @@ def http_entry(
 
 
 def client_config_path(client: str) -> tuple[Path, str]:
-    """Where the client reads the entry, and whether that file is the
-    project's (the current directory) or the user's."""
+    """Where the client reads the entry, and whether that file is the project's or the user's."""
     home = Path.home()
     if client == "claude-code":
         return Path.cwd() / ".mcp.json", "project"
@@ -10694,8 +10693,8 @@ def client_config_path(client: str) -> tuple[Path, str]:
 
 
 def toml_value(value: Any) -> str:
-    """A TOML value for the types an entry holds (JSON strings are valid
-    TOML basic strings once non-ASCII is escaped, which json.dumps does)."""
+    """A TOML value for the types an entry holds (JSON strings are valid TOML basic
+    strings once non-ASCII is escaped, which json.dumps does)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -10740,8 +10739,8 @@ def one_liner(client: str, entry: dict) -> str | None:
 
 
 def backup_dir(environ: dict[str, str]) -> Path:
-    """Backups go under the user's state directory, not beside a project
-    file where they would be committed or read by the client."""
+    """Backups go under the user's state directory, not beside a project file where
+    they would be committed or read by the client."""
     home = Path(environ.get("HOME") or Path.home())
     base = environ.get("XDG_STATE_HOME") or str(home / ".local" / "state")
     return Path(base) / "smol-mcp" / "backups"
@@ -10773,6 +10772,10 @@ def strip_jsonc(text: str) -> str:
     return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
 
 
+BY_HAND = "fix it, or paste the entry by hand"
+FORCE = "run again with --force to replace it"
+
+
 def merge_json(
     path: Path, text: str, key: str, entry: dict, client: str, force: bool
 ) -> tuple[str, bool]:
@@ -10782,24 +10785,18 @@ def merge_json(
         try:
             json.loads(strip_jsonc(text))
         except ValueError:
-            raise SetupRefused(
-                f"{path} does not parse as JSON ({err}); fix it, or paste the entry by hand"
-            ) from None
+            raise SetupRefused(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
         raise SetupRefused(
-            f"{path} has comments or trailing commas (JSONC); rewriting it would "
-            "drop them, so paste the entry printed by `setup` without --write "
-            "into it by hand"
+            f"{path} has comments or trailing commas (JSONC); rewriting it would drop them, so "
+            "paste the entry printed by `setup` without --write into it by hand"
         ) from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
         raise SetupRefused(
-            f'{path} does not hold a JSON object with an object under "{key}"; '
-            "fix it, or paste the entry by hand"
-        )
-    if "smol" in existing.get(key, {}) and not force:
-        raise SetupRefused(
-            f'{path} already has a "smol" entry under "{key}"; run again with --force to replace it'
+            f'{path} does not hold a JSON object with an object under "{key}"; {BY_HAND}'
         )
     replacing = "smol" in existing.get(key, {})
+    if replacing and not force:
+        raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; {FORCE}')
     existing.setdefault(key, {})["smol"] = entry
     if client == "opencode":
         existing.setdefault("$schema", "https://opencode.ai/config.json")
@@ -10821,16 +10818,13 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
         import tomllib
     except ImportError:
         raise SetupRefused(
-            "checking the TOML before writing it needs Python 3.11 or newer "
-            "(tomllib); print the entry without --write and paste it, or run this "
-            "with a newer Python"
+            "checking the TOML before writing it needs Python 3.11 or newer (tomllib); print the "
+            "entry without --write and paste it, or run this with a newer Python"
         ) from None
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise SetupRefused(
-            f"{path} is not valid TOML ({err}); fix it, or paste the entry by hand"
-        ) from None
+        raise SetupRefused(f"{path} is not valid TOML ({err}); {BY_HAND}") from None
     lines = text.splitlines(keepends=True)
     top = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
     inline = [i for i in range(top) if re.match(rf'\s*("?){key}\1\s*=', lines[i])]
@@ -10850,9 +10844,7 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
             text = "".join(lines).rstrip("\n") + "\n\n" + "\n".join(tables)
     if "smol" in existing.get(key, {}):
         if not force:
-            raise SetupRefused(
-                f"{path} already has [{key}.smol]; run again with --force to replace it"
-            )
+            raise SetupRefused(f"{path} already has [{key}.smol]; {FORCE}")
         kept, skipping = [], False
         for line in text.splitlines(keepends=True):
             if SMOL_TABLE_RE.match(line):
@@ -10869,20 +10861,16 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     try:
         parsed = tomllib.loads(merged)
     except tomllib.TOMLDecodeError:
-        parsed = None
-    others = {k: v for k, v in existing.get(key, {}).items() if k != "smol"}
-    if (
-        parsed is None
-        or parsed.get(key, {}).get("smol") != entry
-        or {k: v for k, v in parsed[key].items() if k != "smol"} != others
-        or {k: v for k, v in parsed.items() if k != key}
-        != {k: v for k, v in existing.items() if k != key}
-    ):
+        parsed = {}
+
+    def rest(document: dict) -> dict:  # all but the smol entry, which must read back as written
+        return {**document, key: {**document.get(key, {}), "smol": None}}
+
+    if parsed.get(key, {}).get("smol") != entry or rest(parsed) != rest(existing):
         raise SetupRefused(
-            f"appending [{key}.smol] to {path} would not give valid TOML with "
-            f"every other setting kept (for example when {key} is written as an "
-            f"inline table, {key} = {{...}}); nothing was written: paste the entry "
-            "printed by `setup` without --write by hand"
+            f"appending [{key}.smol] to {path} would not give valid TOML with every other setting "
+            f"kept (for example when {key} is written as an inline table, {key} = {{...}}); "
+            "nothing was written: paste the entry printed by `setup` without --write by hand"
         )
     return merged, "smol" in existing.get(key, {})
 
