@@ -10887,9 +10887,9 @@ CONNECTOR_STEPS = """\
 def setup(
     client: str, http_url: str | None, write: bool, force: bool = False, oauth: bool = False
 ) -> int:
-    """Print the client's configuration block, or merge it into its file
-    without disturbing other entries (after a backup; never into a file that
-    does not parse, and never what would not parse again)."""
+    """Print the client's configuration block, or merge it into its file without disturbing
+    other entries (after a backup; never into a file that does not parse, and never what
+    would not parse again)."""
     try:
         config = load_config()
     except ConfigError as err:
@@ -10907,8 +10907,8 @@ def setup(
         print("# then sign in once with: codex mcp login smol", file=sys.stderr)
     if client == "claude-desktop" and not http_url and (held := entry_environment(os.environ)[1]):
         print(
-            "# claude-desktop reads no environment: add "
-            f"{', '.join(held)} to the entry's env by hand (secrets are not copied for you)",
+            f"# claude-desktop reads no environment: add {', '.join(held)} to the entry's env by "
+            "hand (secrets are not copied for you)",
             file=sys.stderr,
         )
     if not write:
@@ -10936,10 +10936,8 @@ def setup(
         shutil.copy2(path, backup)
         print(f"backed up {path} to {backup}")
     path.write_text(merged)
-    print(
-        f"{'replaced the smol entry in' if replacing else 'wrote the smol entry into'} {path} "
-        f"(the {scope} file {client} reads)"
-    )
+    done = "replaced the smol entry in" if replacing else "wrote the smol entry into"
+    print(f"{done} {path} (the {scope} file {client} reads)")
     if command and client != "codex":  # its one-liner is this very command
         print(f"(the same with the client's own command: {command})")
     return 0
@@ -10954,8 +10952,8 @@ def token_variable(name: str) -> str:
 
 
 def token_entry(client: str, url: str, config: Config, name: str, secret: str) -> str:
-    """A new token's ready-to-paste entry for ``client``, with where it goes and
-    how the client gets the secret (for `tokens create --client` and the console)."""
+    """A new token's ready-to-paste entry for ``client``, with where it goes and how the
+    client gets the secret (for `tokens create --client` and the console)."""
     variable = token_variable(name)
     key, entry = http_entry(client, url, config, variable)
     where = client_config_path(client)[0]
@@ -10973,32 +10971,13 @@ def tokens_command(args: Any, config: Config) -> int:
         if not args.scopes and not args.preset:
             presets = "; ".join(f"--preset {name} ({s})" for name, s in SCOPE_PRESETS.items())
             raise ArgumentError(f"say what the token may do: --scopes LIST, or {presets}")
-        record, secret = store.create(
-            args.name,
-            parse_scopes(args.scopes or SCOPE_PRESETS[args.preset]),
-            parse_targets(args.targets),
-            args.approval,
-        )
-        shown = {
-            "name": record["name"],
-            "secret": secret,
-            "scopes": record["scopes"],
-            "targets": record["targets"],
-            "approval": record["approval"],
-        }
-        cli_record(
-            config,
-            {
-                "event": "token",
-                "outcome": "created",
-                "token": record["name"],
-                "scopes": record["scopes"],
-                "targets": record["targets"],
-                "approval": record["approval"],
-            },
-        )
+        scopes = parse_scopes(args.scopes or SCOPE_PRESETS[args.preset])
+        record, secret = store.create(args.name, scopes, parse_targets(args.targets), args.approval)
+        granted = {key: record[key] for key in ("scopes", "targets", "approval")}
+        created = {"event": "token", "outcome": "created", "token": record["name"]}
+        cli_record(config, {**created, **granted})
         if args.json:
-            print(json.dumps(shown))
+            print(json.dumps({"name": record["name"], "secret": secret, **granted}))
             return 0
         print(
             f"created token '{record['name']}': scopes {', '.join(record['scopes'])}; fleets "
@@ -11014,51 +10993,30 @@ def tokens_command(args: Any, config: Config) -> int:
         if not auto.end(args.name):
             print(f"smol-mcp: {args.name!r} has no auto-approval; nothing changed", file=sys.stderr)
             return 1
-        cli_record(
-            config, {"event": "approval", "approval": "auto-approval ended", "token": args.name}
-        )
+        ended = {"event": "approval", "approval": "auto-approval ended", "token": args.name}
+        cli_record(config, ended)
         print(f"auto-approval of {args.name!r} is off: its changing calls wait for a person again")
         return 0
     if args.tokens_command == "list":
         records, used = store.records(), store.last_used()
-        if args.json:
-            print(
-                json.dumps(
-                    [
-                        {
-                            "name": r["name"],
-                            "scopes": r["scopes"],
-                            "targets": r["targets"],
-                            "approval": r["approval"],
-                            "autoApprove": auto.shown(r["name"], r.get("id", "")),
-                            "client": r.get("client"),
-                            "lastUsed": used.get(r["name"]),
-                        }
-                        for r in records
-                    ]
-                )
-            )
-            return 0
-        if not records:
-            print(
-                f"no tokens yet (create one with: smol_mcp.py tokens create NAME --scopes LIST); "
-                f"file {store.file.path}"
-            )
-            return 0
-        rows = [(*"NAME SCOPES FLEETS APPROVAL AUTO-APPROVE CLIENT CREATED".split(), "LAST USED")]
-        rows += [
-            (
-                r["name"],
-                ",".join(r["scopes"]),
-                ",".join(r["targets"]),
-                r["approval"],
-                auto.shown(r["name"], r.get("id", "")),
-                r.get("client", "-"),  # an OAuth grant's client (by its registered name)
-                r.get("createdAt", "-"),
-                used.get(r["name"], "never"),
-            )
+        listed = [
+            {key: r[key] for key in ("name", "scopes", "targets", "approval")}
+            | {"autoApprove": auto.shown(r["name"], r.get("id", "")), "client": r.get("client")}
+            | {"lastUsed": used.get(r["name"])}
             for r in records
         ]
+        if args.json:
+            print(json.dumps(listed))
+            return 0
+        if not records:
+            create = "smol_mcp.py tokens create NAME --scopes LIST"
+            print(f"no tokens yet (create one with: {create}); file {store.file.path}")
+            return 0
+        rows = [(*"NAME SCOPES FLEETS APPROVAL AUTO-APPROVE CLIENT CREATED".split(), "LAST USED")]
+        for r, shown in zip(records, listed):  # CLIENT: an OAuth grant's, by its registered name
+            granted = (",".join(r["scopes"]), ",".join(r["targets"]), r["approval"])
+            when = (r.get("createdAt", "-"), used.get(r["name"], "never"))
+            rows.append((r["name"], *granted, shown["autoApprove"], r.get("client", "-"), *when))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         for row in rows:
             print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
