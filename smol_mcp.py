@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
+
 __version__ = "0.1.0"
 
 log = logging.getLogger("smol_mcp")
@@ -11023,10 +11025,8 @@ def tokens_command(args: Any, config: Config) -> int:
         return 0
     if not store.delete(args.name):
         names = ", ".join(r["name"] for r in store.records()) or "none"
-        print(
-            f"smol-mcp: there is no token named {args.name!r} (the tokens: {names})",
-            file=sys.stderr,
-        )
+        unknown = f"there is no token named {args.name!r} (the tokens: {names})"
+        print(f"smol-mcp: {unknown}", file=sys.stderr)
         return 1
     cli_record(config, {"event": "token", "outcome": "deleted", "token": args.name})
     print(
@@ -11047,10 +11047,8 @@ def operator_command(args: Any, config: Config) -> int:
                 "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
             )
         print(f"{issuer}/signin?link={operator.new_link()}")
-        print(
-            "(good for 10 minutes, once; for a server on another address keep the path and query)",
-            file=sys.stderr,
-        )
+        elsewhere = "for a server on another address keep the path and query"
+        print(f"(good for 10 minutes, once; {elsewhere})", file=sys.stderr)
         return 0
     if sys.stdin.isatty():
         import getpass
@@ -11067,8 +11065,8 @@ def operator_command(args: Any, config: Config) -> int:
 
 
 def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
-    """An activity entry made at the terminal, in the name of the OS user (or
-    by ``who``: the operator in the console)."""
+    """An activity entry made at the terminal, in the name of the OS user (or by ``who``:
+    the operator in the console)."""
     try:
         who = who or {"principal": "cli", "user": os_user()}
         ActivityLog(config.state_dir).append({**who, **entry})
@@ -11080,9 +11078,8 @@ def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
 
 
 def printable(text: Any) -> str:
-    """``text`` safe for a terminal: every control and format character (ESC, BEL,
-    a newline, a bidi override) escaped, so what an agent chose cannot move the
-    cursor or forge a row."""
+    """``text`` safe for a terminal: every control and format character (ESC, BEL, a newline,
+    a bidi override) escaped, so what an agent chose cannot move the cursor or forge a row."""
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
 
 
@@ -11128,17 +11125,8 @@ def activity_row(entry: dict) -> tuple:
     if entry.get("event") == "approval":
         subject = entry.get("tool") or entry.get("token", "")
         what = f"approval {entry.get('approval', '?')} {subject}"
-        outcome = " ".join(
-            filter(
-                None,
-                (
-                    f"id {entry['id']}" if entry.get("id") else "",
-                    f"by {entry['by']}" if entry.get("by") else "",
-                    entry.get("reason", ""),
-                    entry.get("error", ""),
-                ),
-            )
-        )
+        said = [f"{key} {entry[key]}" for key in ("id", "by") if entry.get(key)]
+        outcome = " ".join(filter(None, (*said, entry.get("reason", ""), entry.get("error", ""))))
     elif entry.get("event") == "token":
         what, outcome = f"token {entry.get('outcome')}", entry.get("token", "")
     else:
@@ -11151,8 +11139,8 @@ def activity_row(entry: dict) -> tuple:
 
 
 def print_waiting(shown: list[dict]) -> None:
-    """Waiting calls for the person who answers them: a row each, then every
-    argument on a line of its own, escaped, a cut one with its size and SHA-256."""
+    """Waiting calls for the person who answers them: a row each, then every argument on a
+    line of its own, escaped, a cut one with its size and SHA-256."""
     rows = [("ID", "TOKEN", "TOOL", "MACHINE", "TIME LEFT")]
     for r in shown:
         try:
@@ -11182,10 +11170,8 @@ def approvals_command(args: Any, config: Config) -> int:
             print("no call waits for approval")
             return 0
         print_waiting(shown)
-        print(
-            "\nanswer with: approvals approve ID [--auto-for 1h|1d|7d|30d|forever], or "
-            "approvals deny ID [--reason TEXT]"
-        )
+        approve = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
+        print(f"\nanswer with: {approve}, or approvals deny ID [--reason TEXT]")
         return 0
     approve = args.approvals_command == "approve"
     if approve and args.auto_for:  # it releases the token's other waiting calls: show them
@@ -11196,22 +11182,19 @@ def approvals_command(args: Any, config: Config) -> int:
             print_waiting(others)
             print(f"\n--auto-for also lets these {len(others)} calls run; add --yes to go on")
             return 1
+    auto_for = args.auto_for if approve else None
     request, until = answer_approval(
-        config,
-        args.id,
-        approve,
-        None,
-        args.auto_for if approve else None,
-        getattr(args, "reason", ""),
+        config, args.id, approve, None, auto_for, getattr(args, "reason", "")
     )
+    call, token = f"{request.get('tool')} by {request.get('token')}", request.get("token")
     if not approve:
-        print(f"denied {args.id}: {request.get('tool')} by {request.get('token')} does not run")
+        print(f"denied {args.id}: {call} does not run")
         return 0
-    print(f"approved {args.id}: {request.get('tool')} by {request.get('token')} runs now")
+    print(f"approved {args.id}: {call} runs now")
     if until:
         print(
-            f"{request.get('token')} runs changing tools without asking until {until}; "
-            f"end it with: tokens auto-approve {request.get('token')} off"
+            f"{token} runs changing tools without asking until {until}; "
+            f"end it with: tokens auto-approve {token} off"
         )
     return 0
 
@@ -11220,32 +11203,26 @@ def waiting_calls(config: Config) -> list[dict]:
     """The calls that wait for approval, as `approvals list` and the console show them."""
     desk = ApprovalDesk(config.state_dir)
     keys = ("id", "token", "tool", "machine", "expiresAt", "arguments")
-    return [
-        {key: r.get(key) for key in keys}
-        for r in (desk.pending() if desk.directory.exists() else [])
-    ]
+    pending = desk.pending() if desk.directory.exists() else []
+    return [{key: r.get(key) for key in keys} for r in pending]
 
 
 def answer_approval(
     config: Config, approval_id: str, approve: bool, who: dict | None, auto_for=None, reason=""
 ) -> tuple[dict, str | None]:
-    """Answer a waiting call, from the terminal (``who`` None) or the console
-    (``who`` names the person and the channel), as one event: (the request,
-    until when its token now runs without asking, if it does)."""
+    """Answer a waiting call, from the terminal (``who`` None) or the console (``who`` names
+    the person and the channel), as one event: (the request, until when its token now runs
+    without asking, if it does)."""
     who = who or {"principal": "cli", "user": os_user(), "via": "terminal"}
-    answer = {
-        "decision": "approve" if approve else "deny",
-        "by": who.get("user") or who["principal"],
-    }
+    decision = "approve" if approve else "deny"
+    answer = {"decision": decision, "by": who.get("user") or who["principal"]}
     answer.update(answeredAt=utc_now(), via=who["via"])
     answer.update({"autoFor": auto_for} if auto_for else {} if approve else {"reason": reason})
     request = ApprovalDesk(config.state_dir).respond(approval_id, answer)
     if not auto_for:
         return request, None
-    token = str(request.get("token"))
-    until = AutoApprovals(config.state_dir).grant(
-        token, str(request.get("principalId", "")), auto_for
-    )
+    token, principal = str(request.get("token")), str(request.get("principalId", ""))
+    until = AutoApprovals(config.state_dir).grant(token, principal, auto_for)
     started = {"event": "approval", "approval": "auto-approval started", "token": token}
     cli_record(config, {**started, "until": until, "id": approval_id}, who)
     return request, until
@@ -11292,20 +11269,17 @@ def parity(app: SmolMcp) -> int:
     finally:
         fleet.release()
     report = parity_report(spec)
-    print(
-        f"smolvm {fleet.version}: {len(report['called'])} called, {len(report['skipped'])} "
-        "skipped, "
-        f"{len(report['unknown'])} unknown, {len(report['missing'])} missing"
+    counts = ", ".join(
+        f"{len(report[kind])} {kind}" for kind in ("called", "skipped", "unknown", "missing")
     )
+    print(f"smolvm {fleet.version}: {counts}")
     for method, path in report["called"]:
         print(f"  called   {method:6} {path}")
     for (method, path), reason in report["skipped"]:
         print(f"  skipped  {method:6} {path}: {reason}")
     for method, path in report["unknown"]:
-        print(
-            f"  UNKNOWN  {method:6} {path}: new in this smolvm; decide whether a tool should "
-            "call it"
-        )
+        decide = "new in this smolvm; decide whether a tool should call it"
+        print(f"  UNKNOWN  {method:6} {path}: {decide}")
     for method, path in report["missing"]:
         print(f"  MISSING  {method:6} {path}: called by smol-mcp but absent from this serve")
     return 1 if report["missing"] else 0
@@ -11315,9 +11289,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``smol-mcp`` and ``python3 smol_mcp.py``."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
-    log.setLevel(
-        logging.INFO
-    )  # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
+    # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
+    log.setLevel(logging.INFO)
     if args.command == "setup":
         return setup(args.client, args.http_url, args.write, args.force, args.oauth)
     try:
@@ -11333,11 +11306,11 @@ def main(argv: list[str] | None = None) -> int:
         operator_on = Operator(config.state_dir).enabled()
         if args.http and not args.command and not (Access(config).has_any_token() or operator_on):
             raise ConfigError(
-                "--http refuses to start without a token, because these tools run machines: "
-                f"create one with `{invocation()} tokens create NAME --preset sandbox`, or set "
-                "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>' ("
-                + HTTP_TOKEN_ADVICE
-                + f"), or let clients connect by URL: `{invocation()} operator set-password`"
+                "--http refuses to start without a token, because these tools run machines: create "
+                f"one with `{invocation()} tokens create NAME --preset sandbox`, or set "
+                "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>' "
+                f"({HTTP_TOKEN_ADVICE}), or let clients connect by URL: "
+                f"`{invocation()} operator set-password`"
             )
         if args.http and not args.command and config.auth_token:
             check_token_strength(config.auth_token)
@@ -11353,17 +11326,10 @@ def main(argv: list[str] | None = None) -> int:
     except SmolError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
-    import anyio
-
     if args.http:
+        where = (args.host or config.http_host, args.port or config.http_port)
         try:
-            anyio.run(
-                run_http,
-                app,
-                args.host or config.http_host,
-                args.port or config.http_port,
-                args.path or config.http_path,
-            )
+            anyio.run(run_http, app, *where, args.path or config.http_path)
         except SmolError as err:  # the port: nothing was served yet
             print(f"smol-mcp: {err}", file=sys.stderr)
             return 2
@@ -11371,16 +11337,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.shutdown()
         sys.stdout.flush()
         os._exit(0)
-    else:
-        if sys.stdin.isatty():
-            print(
-                "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
-                f"client (Ctrl-C to stop); to check this host run `{invocation()} doctor`, to "
-                f"configure a client `{invocation()} setup CLIENT` (see --help)",
-                file=sys.stderr,
-                flush=True,
-            )
-        anyio.run(run_stdio, app.server, app)
+    if sys.stdin.isatty():
+        print(
+            "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a client "
+            f"(Ctrl-C to stop); to check this host run `{invocation()} doctor`, to configure a "
+            f"client `{invocation()} setup CLIENT` (see --help)",
+            file=sys.stderr,
+            flush=True,
+        )
+    anyio.run(run_stdio, app.server, app)
     return 0
 
 
