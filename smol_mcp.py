@@ -10426,13 +10426,11 @@ ENGINE_ON_RAMP = """\
 
 
 def doctor(app: SmolMcp, probe: bool = False) -> int:
-    """Print what smol://targets knows, for a person; 0 when every served
-    fleet is usable. The cloud key is tried with one list call; with
-    ``probe``, a throwaway local machine is created, started, run and deleted."""
+    """Print what smol://targets knows, for a person; 0 when every served fleet is usable.
+    With ``probe``, a throwaway local machine is created, started, run and deleted."""
     document = targets_document(app)
-    print(
-        f"smol-mcp {__version__}: mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})"
-    )
+    mode = f"mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})"
+    print(f"smol-mcp {__version__}: {mode}")
     healthy = True
     for name, facts in document["fleets"].items():
         if not facts["served"]:
@@ -10479,10 +10477,8 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
                     lines = fleet.console_lines(name)[-BOOT_LOG_LINES:]
                 except SmolError:
                     lines = []
-            explained = redact(
-                str(explain_start_failure(err, "blocked", lines)), config.secret_values()
-            )
-            print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: {explained}")
+            text = redact(str(explain_start_failure(err, "blocked", lines)), config.secret_values())
+            print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: {text}")
             return False
         print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
         return True
@@ -10570,11 +10566,8 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
         env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
     if not environ.get("SMOL_LOCAL_URL"):
         configured = environ.get("SMOLVM", Config.smolvm)
-        found = (
-            configured
-            if os.sep in configured
-            else shutil.which(configured, path=environ.get("PATH"))
-        )
+        on_path = shutil.which(configured, path=environ.get("PATH"))
+        found = configured if os.sep in configured else on_path
         if found is None and configured == Config.smolvm:
             found = wheel_engine()
         if found:
@@ -10596,12 +10589,8 @@ def codex_timeouts(config: Config) -> dict[str, int]:
 def secret_reference(client: str, name: str) -> str | None:
     """How the client's config names an environment variable, or None when
     it cannot (Claude Desktop reads no environment and expands nothing)."""
-    forms = {
-        "claude-code": f"${{{name}}}",
-        "cursor": f"${{env:{name}}}",
-        "opencode": f"{{env:{name}}}",
-    }
-    return forms.get(client)
+    form = {"claude-code": "${NAME}", "cursor": "${env:NAME}", "opencode": "{env:NAME}"}.get(client)
+    return form and form.replace("NAME", name)
 
 
 def client_entry(
@@ -10622,25 +10611,15 @@ def client_entry(
 
         command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
         del env["SMOLVM"]
-    for name in secrets:
-        reference = secret_reference(client, name)
-        if reference:
-            env[name] = reference
+    env.update({name: ref for name in secrets if (ref := secret_reference(client, name))})
     if client == "opencode":
         entry = {"type": "local", "command": command, "enabled": True}
         return "mcp", {**entry, **({"environment": env} if env else {})}
-    if client == "codex":
-        entry = {"command": command[0], "args": command[1:], **codex_timeouts(config)}
-        if secrets:
-            entry["env_vars"] = secrets  # Codex forwards these from its own environment
-        if env:
-            entry["env"] = env
-        return "mcp_servers", entry
-    return "mcpServers", {
-        "command": command[0],
-        "args": command[1:],
-        **({"env": env} if env else {}),
-    }
+    entry = {"command": command[0], "args": command[1:]}
+    if client == "codex":  # Codex forwards env_vars from its own environment
+        entry.update(codex_timeouts(config), **({"env_vars": secrets} if secrets else {}))
+    entry.update({"env": env} if env else {})
+    return ("mcp_servers" if client == "codex" else "mcpServers"), entry
 
 
 MCP_REMOTE = "mcp-remote@0.15.1"  # the stdio-to-HTTP bridge, pinned: npx runs what it fetches
@@ -10650,13 +10629,9 @@ def http_entry(
     client: str, http_url: str, config: Config, variable: str = "SMOL_MCP_AUTH_TOKEN"
 ) -> tuple[str, dict]:
     """An entry for a smol-mcp --http server; ``variable`` holds the token."""
+    header = {"Authorization": f"Bearer {secret_reference(client, variable)}"}
     if client == "opencode":
-        return "mcp", {
-            "type": "remote",
-            "url": http_url,
-            "enabled": True,
-            "headers": {"Authorization": f"Bearer {{env:{variable}}}"},
-        }
+        return "mcp", {"type": "remote", "url": http_url, "enabled": True, "headers": header}
     if client == "codex":
         entry = {"url": http_url, "bearer_token_env_var": variable, **codex_timeouts(config)}
         return "mcp_servers", entry
@@ -10671,7 +10646,6 @@ def http_entry(
             "args": ["-y", MCP_REMOTE, http_url, "--header", "Authorization:${AUTH_HEADER}"],
             "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>", **path},
         }
-    header = {"Authorization": f"Bearer {secret_reference(client, variable)}"}
     return "mcpServers", {"type": "http", "url": http_url, "headers": header}
 
 
@@ -10733,45 +10707,35 @@ def one_liner(client: str, entry: dict) -> str | None:
         return shlex.join(["claude", "mcp", "add", "--transport", "http", "smol", entry["url"]])
     if client != "claude-code" or "command" not in entry:
         return None
-    flags = [
-        part for name, value in entry.get("env", {}).items() for part in ("-e", f"{name}={value}")
-    ]
+    env = entry.get("env", {}).items()
+    flags = [part for name, value in env for part in ("-e", f"{name}={value}")]
     argv = [entry["command"], *entry["args"]]
     return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv])
 
 
-def backup_dir(environ: dict[str, str]) -> Path:
-    """Backups go under the user's state directory, not beside a project file where
-    they would be committed or read by the client."""
-    home = Path(environ.get("HOME") or Path.home())
-    base = environ.get("XDG_STATE_HOME") or str(home / ".local" / "state")
-    return Path(base) / "smol-mcp" / "backups"
+def back_up(path: Path) -> Path:
+    """Copy ``path`` under the user's state directory, not beside a project file where the
+    copy would be committed or read by the client."""
+    home = Path(os.environ.get("HOME") or Path.home())
+    folder = Path(os.environ.get("XDG_STATE_HOME") or home / ".local" / "state") / "smol-mcp"
+    (folder / "backups").mkdir(mode=0o700, parents=True, exist_ok=True)
+    flat = str(path.absolute()).strip("/").replace("/", "%")
+    backup = folder / "backups" / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
+    shutil.copy2(path, backup)
+    return backup
 
 
 class SetupRefused(Exception):
     """--write would not produce a file the client can read: nothing is written."""
 
 
+JSONC_COMMENT_RE = re.compile(r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)', re.S)
+
+
 def strip_jsonc(text: str) -> str:
     """The text without // and /* */ comments and trailing commas (strings kept)."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i : j + 1])
-            i = j + 1
-        elif text.startswith("//", i):
-            i = text.find("\n", i) if "\n" in text[i:] else n
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            i = n if end < 0 else end + 2
-        else:
-            out.append(c)
-            i += 1
-    return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
+    text = JSONC_COMMENT_RE.sub(lambda match: match.group(1) or "", text)
+    return re.sub(r",(\s*[}\]])", r"\1", text)
 
 
 BY_HAND = "fix it, or paste the entry by hand"
@@ -10849,11 +10813,8 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
             raise SetupRefused(f"{path} already has [{key}.smol]; {FORCE}")
         kept, skipping = [], False
         for line in text.splitlines(keepends=True):
-            if SMOL_TABLE_RE.match(line):
-                skipping = True
-                continue
-            if skipping and line.lstrip().startswith("["):
-                skipping = False
+            if line.lstrip().startswith("["):  # a table header starts or ends the smol table
+                skipping = bool(SMOL_TABLE_RE.match(line))
             if not skipping:
                 kept.append(line)
         text = "".join(kept)
@@ -10931,12 +10892,7 @@ def setup(
         return 2
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
-        folder = backup_dir(dict(os.environ))
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        flat = str(path.absolute()).strip("/").replace("/", "%")
-        backup = folder / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
-        shutil.copy2(path, backup)
-        print(f"backed up {path} to {backup}")
+        print(f"backed up {path} to {back_up(path)}")
     path.write_text(merged)
     done = "replaced the smol entry in" if replacing else "wrote the smol entry into"
     print(f"{done} {path} (the {scope} file {client} reads)")
@@ -11293,16 +11249,12 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     if args.command == "setup":
         return setup(args.client, args.http_url, args.write, args.force, args.oauth)
+    helpers = {"tokens": tokens_command, "activity": activity_command}
+    helpers.update(approvals=approvals_command, operator=operator_command)
     try:
         config = load_config()
-        if args.command == "tokens":
-            return tokens_command(args, config)
-        if args.command == "activity":
-            return activity_command(args, config)
-        if args.command == "approvals":
-            return approvals_command(args, config)
-        if args.command == "operator":
-            return operator_command(args, config)
+        if args.command in helpers:
+            return helpers[args.command](args, config)
         operator_on = Operator(config.state_dir).enabled()
         if args.http and not args.command and not (Access(config).has_any_token() or operator_on):
             raise ConfigError(
