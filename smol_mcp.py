@@ -10248,8 +10248,7 @@ SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
 
 
 def invocation() -> str:
-    """The command the user ran this program as, for help and hints to name:
-    `smol-mcp` installed, `uv run smol_mcp.py` or `python3 smol_mcp.py` as a file."""
+    """The command the user ran this program as (`smol-mcp`, `uv run` or `python3` a file)."""
     arg0 = sys.argv[0] if sys.argv and sys.argv[0] else "smol-mcp"
     if not arg0.endswith(".py"):
         return "smol-mcp"
@@ -10460,8 +10459,8 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
 
 
 def probe_local(app: SmolMcp, facts: dict) -> bool:
-    """Create, start, run `true` in and delete a throwaway imageless machine, printing
-    each step with its time: "usable" above is what the host allows; this is what it does."""
+    """Create, start, run `true` in and delete a throwaway machine, printing each step:
+    "usable" above is what the host allows; this is what it does."""
     fleet, config = app.local, app.config
     name = f"{config.machine_prefix}probe-{secrets_module.token_hex(3)}"
     print(f"\nprobe: machine {name} (no image, no network; deleted at the end)")
@@ -10535,9 +10534,8 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
 
 
 def launch_command() -> list[str]:
-    """The command a client should run, absolute (a GUI client such as Claude Desktop does
-    not see the shell's PATH): the installed console script, else uv running this very file,
-    else the interpreter running this, which has the dependencies."""
+    """The command a client should run, absolute (a GUI client does not see the shell's PATH):
+    the installed script, else uv running this file, else this interpreter running it."""
     here = Path(__file__).resolve()
     if any(part in ("site-packages", "dist-packages") for part in here.parts):
         beside = Path(sys.executable).parent / "smol-mcp"  # works without the environment activated
@@ -10557,9 +10555,8 @@ ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself,
 
 
 def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """(a stdio entry's env, the secrets it should reference): every non-secret setting set
-    here, the config file, the engine's own switches and the smolvm this process would run,
-    so the client starts the same server that doctor checked."""
+    """(a stdio entry's env, the secrets it references): what is set here, so the client
+    starts the same server that doctor checked."""
     env = {s.env: environ[s.env] for s in SETTINGS if s.env in environ and s.env not in SECRET_ENVS}
     env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
     if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
@@ -10575,20 +10572,17 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
     return env, [name for name in SECRET_ENVS if environ.get(name)]
 
 
-CODEX_STARTUP_TIMEOUT_SECS = 60  # a first `uv run` of the file resolves packages before answering
-
-
 def codex_timeouts(config: Config) -> dict[str, int]:
-    """Codex gives a server 10 s to start and a tool call 60 s; a create can
-    wait for the serve, then for readiness, and a command for its timeout."""
+    """Codex gives a server 10 s to start and a call 60 s; a create can wait for the serve
+    and then readiness, a command for its timeout."""
     longest = config.serve_start_timeout_secs + config.ready_timeout_secs + 60
     longest += config.max_exec_timeout_secs
-    return {"startup_timeout_sec": CODEX_STARTUP_TIMEOUT_SECS, "tool_timeout_sec": longest}
+    # a first `uv run` of the file resolves packages before answering: 60 s to start
+    return {"startup_timeout_sec": 60, "tool_timeout_sec": longest}
 
 
 def secret_reference(client: str, name: str) -> str | None:
-    """How the client's config names an environment variable, or None when
-    it cannot (Claude Desktop reads no environment and expands nothing)."""
+    """How the client's config names an environment variable (None: Claude Desktop cannot)."""
     form = {"claude-code": "${NAME}", "cursor": "${env:NAME}", "opencode": "{env:NAME}"}.get(client)
     return form and form.replace("NAME", name)
 
@@ -10596,8 +10590,8 @@ def secret_reference(client: str, name: str) -> str | None:
 def client_entry(
     client: str, http_url: str | None, config: Config | None = None, environ: dict | None = None
 ) -> tuple[str, dict]:
-    """(the top-level key, the server entry) in the client's own shape. Secrets
-    are referenced through the client's environment syntax, never copied."""
+    """(the top-level key, the server entry) in the client's shape; secrets referenced, never
+    copied."""
     config = config or Config()
     environ = dict(os.environ if environ is None else environ)
     if http_url:
@@ -10669,8 +10663,7 @@ def client_config_path(client: str) -> tuple[Path, str]:
 
 
 def toml_value(value: Any) -> str:
-    """A TOML value for the types an entry holds (JSON strings are valid TOML basic
-    strings once non-ASCII is escaped, which json.dumps does)."""
+    """A TOML value for the types an entry holds (json.dumps writes valid TOML strings)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -10847,17 +10840,9 @@ CONNECTOR_STEPS = """\
 # internet (run --http behind TLS, with publicUrl set to that address)."""
 
 
-def setup(
-    client: str, http_url: str | None, write: bool, force: bool = False, oauth: bool = False
-) -> int:
-    """Print the client's configuration block, or merge it into its file without disturbing
-    other entries (after a backup; never into a file that does not parse, and never what
-    would not parse again)."""
-    try:
-        config = load_config()
-    except ConfigError as err:
-        print(f"smol-mcp: {err}", file=sys.stderr)
-        return 2
+def setup(config: Config, client: str, http_url: str | None, write: bool, force: bool, oauth: bool):
+    """Print the client's entry, or merge it into its file after a backup (never into a file
+    that does not parse, never what would not parse again)."""
     if oauth and client == "claude-desktop":
         print(CONNECTOR_STEPS.format(url=http_url))
         return 0
@@ -10869,11 +10854,8 @@ def setup(
     if oauth and client == "codex":
         print("# then sign in once with: codex mcp login smol", file=sys.stderr)
     if client == "claude-desktop" and not http_url and (held := entry_environment(os.environ)[1]):
-        print(
-            f"# claude-desktop reads no environment: add {', '.join(held)} to the entry's env by "
-            "hand (secrets are not copied for you)",
-            file=sys.stderr,
-        )
+        hint = f"add {', '.join(held)} to the entry's env by hand (secrets are not copied for you)"
+        print(f"# claude-desktop reads no environment: {hint}", file=sys.stderr)
     if not write:
         # on stderr, so that stdout stays pastable as it is
         print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)
@@ -10904,15 +10886,10 @@ def setup(
 # -- tokens ------------------------------------------------------------------
 
 
-def token_variable(name: str) -> str:
-    """The environment variable a client entry reads a named token from."""
-    return "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
-
-
 def token_entry(client: str, url: str, config: Config, name: str, secret: str) -> str:
     """A new token's ready-to-paste entry for ``client``, with where it goes and how the
     client gets the secret (for `tokens create --client` and the console)."""
-    variable = token_variable(name)
+    variable = "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
     key, entry = http_entry(client, url, config, variable)
     where = client_config_path(client)[0]
     if secret_reference(client, variable) or client == "codex":
@@ -11021,8 +10998,7 @@ def operator_command(args: Any, config: Config) -> int:
 
 
 def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
-    """An activity entry made at the terminal, in the name of the OS user (or by ``who``:
-    the operator in the console)."""
+    """Log an entry made at the terminal by the OS user (or by ``who``: the console's operator)."""
     try:
         who = who or {"principal": "cli", "user": os_user()}
         ActivityLog(config.state_dir).append({**who, **entry})
@@ -11064,13 +11040,10 @@ def activity_command(args: Any, config: Config) -> int:
         matching = " that matches" if (args.token or args.machine or since) else ""
         print(f"no activity recorded{matching} (log: {log_file.path})")
         return 0
-    print_table([ACTIVITY_COLUMNS, *map(activity_row, entries)])
+    print_table([("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME"), *map(activity_row, entries)])
     if len(entries) == args.limit:
         print(f"(the latest {args.limit} entries; --limit N shows more)")
     return 0
-
-
-ACTIVITY_COLUMNS = ("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME")
 
 
 def activity_row(entry: dict) -> tuple:
@@ -11095,8 +11068,7 @@ def activity_row(entry: dict) -> tuple:
 
 
 def print_waiting(shown: list[dict]) -> None:
-    """Waiting calls for the person who answers them: a row each, then every argument on a
-    line of its own, escaped, a cut one with its size and SHA-256."""
+    """Waiting calls, a row each, then every argument on a line of its own, escaped."""
     rows = [("ID", "TOKEN", "TOOL", "MACHINE", "TIME LEFT")]
     for r in shown:
         try:
@@ -11166,9 +11138,8 @@ def waiting_calls(config: Config) -> list[dict]:
 def answer_approval(
     config: Config, approval_id: str, approve: bool, who: dict | None, auto_for=None, reason=""
 ) -> tuple[dict, str | None]:
-    """Answer a waiting call, from the terminal (``who`` None) or the console (``who`` names
-    the person and the channel), as one event: (the request, until when its token now runs
-    without asking, if it does)."""
+    """Answer a waiting call from the terminal (``who`` None) or the console: (the request,
+    until when its token now runs without asking, if it does)."""
     who = who or {"principal": "cli", "user": os_user(), "via": "terminal"}
     decision = "approve" if approve else "deny"
     answer = {"decision": decision, "by": who.get("user") or who["principal"]}
@@ -11216,8 +11187,7 @@ def tokens_file_report(config: Config) -> str:
 
 
 def parity(app: SmolMcp) -> int:
-    """Print called / skipped / unknown / missing against the serve's spec;
-    non-zero when a route this server calls is missing."""
+    """Print the routes against the serve's spec; non-zero when one this server calls is missing."""
     fleet = app.local
     fleet.acquire()
     try:
@@ -11247,12 +11217,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
     # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
     log.setLevel(logging.INFO)
-    if args.command == "setup":
-        return setup(args.client, args.http_url, args.write, args.force, args.oauth)
     helpers = {"tokens": tokens_command, "activity": activity_command}
     helpers.update(approvals=approvals_command, operator=operator_command)
     try:
         config = load_config()
+        if args.command == "setup":
+            return setup(config, args.client, args.http_url, args.write, args.force, args.oauth)
         if args.command in helpers:
             return helpers[args.command](args, config)
         operator_on = Operator(config.state_dir).enabled()
@@ -11275,16 +11245,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 130
         if args.command == "parity":
             return parity(app)
+        if args.http:  # a SmolError here is about the port: nothing was served yet
+            where = (args.host or config.http_host, args.port or config.http_port)
+            anyio.run(run_http, app, *where, args.path or config.http_path)
     except SmolError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
     if args.http:
-        where = (args.host or config.http_host, args.port or config.http_port)
-        try:
-            anyio.run(run_http, app, *where, args.path or config.http_path)
-        except SmolError as err:  # the port: nothing was served yet
-            print(f"smol-mcp: {err}", file=sys.stderr)
-            return 2
         # Cleaned up and done: a worker thread a stopped call abandoned must not hold the exit.
         logging.shutdown()
         sys.stdout.flush()
