@@ -10663,12 +10663,8 @@ def client_config_path(client: str) -> tuple[Path, str]:
 
 
 def toml_value(value: Any) -> str:
-    """A TOML value for the types an entry holds (json.dumps writes valid TOML strings)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
+    """A TOML value for the types an entry holds (json.dumps writes these as TOML does)."""
+    if isinstance(value, (bool, int, str)):
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
@@ -10681,11 +10677,13 @@ def toml_key(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
+def toml_table(name: str, fields: dict) -> str:
+    return f"[{name}]\n" + "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in fields.items())
+
+
 def render_entry(client: str, key: str, entry: dict) -> str:
     if client == "codex":
-        lines = [f"[{key}.smol]"]
-        lines += [f"{field} = {toml_value(value)}" for field, value in entry.items()]
-        return "\n".join(lines) + "\n"
+        return toml_table(f"{key}.smol", entry)
     document = {key: {"smol": entry}}
     if client == "opencode":
         document = {"$schema": "https://opencode.ai/config.json", **document}
@@ -10790,13 +10788,9 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     if inline and isinstance(existing.get(key), dict):
         # `key = {...}` takes no [key.smol] after it: write its servers as tables instead
         del lines[inline[0]]
+        servers = [(name, server) for name, server in existing[key].items() if name != "smol"]
         try:
-            tables = [
-                f"[{key}.{toml_key(name)}]\n"
-                + "".join(f"{toml_key(f)} = {toml_value(v)}\n" for f, v in server.items())
-                for name, server in existing[key].items()
-                if name != "smol"
-            ]
+            tables = [toml_table(f"{key}.{toml_key(name)}", server) for name, server in servers]
         except TypeError:
             tables = None  # a value type toml_value does not write: refused below
         if tables is not None:
