@@ -10317,9 +10317,8 @@ def parse_args(argv: list[str]):
     doctor_help = "say whether each fleet works on this host, and what to do if not"
     probe_help = "also create, start, run `true` in and delete a throwaway local machine"
     flag(helpers.add_parser("doctor", help=doctor_help), "--probe", probe_help)
-    setup = helpers.add_parser(
-        "setup", help="print (or --write) the configuration for an MCP client"
-    )
+    setup_help = "print (or --write) the configuration for an MCP client"
+    setup = helpers.add_parser("setup", help=setup_help)
     setup.add_argument("client", choices=SETUP_CLIENTS)
     flag(setup, "--write", "merge it into the client's config file (backup first)")
     flag(setup, "--force", "with --write: replace an existing smol entry")
@@ -10343,9 +10342,8 @@ def parse_args(argv: list[str]):
     create.add_argument("--targets", help=fleets_help)
     changes_help = "changes: changing calls wait for a person (recorded with the token)"
     create.add_argument("--approval", choices=APPROVAL_MODES, default="none", help=changes_help)
-    create.add_argument(
-        "--client", choices=SETUP_CLIENTS, help="also print that client's entry for it"
-    )
+    client_help = "also print that client's entry for it"
+    create.add_argument("--client", choices=SETUP_CLIENTS, help=client_help)
     url_help = "the server URL for --client (default: httpHost, httpPort, httpPath)"
     create.add_argument("--url", help=url_help)
     json_flag(create, "one JSON object")
@@ -10394,9 +10392,8 @@ def parse_args(argv: list[str]):
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
     url = args.command == "setup" and args.http_url
     if url and not url.startswith(("http://", "https://")):
-        parser.error(
-            f"setup --http takes the server's URL, such as http://b.local:8080/mcp; got {url!r}"
-        )
+        example = "http://b.local:8080/mcp"
+        parser.error(f"setup --http takes the server's URL, such as {example}; got {url!r}")
     return args
 
 
@@ -10908,10 +10905,9 @@ def tokens_command(args: Any, config: Config) -> int:
         if args.json:
             print(json.dumps({"name": record["name"], "secret": secret, **granted}))
             return 0
-        print(
-            f"created token '{record['name']}': scopes {', '.join(record['scopes'])}; fleets "
-            f"{', '.join(record['targets'])}; approval {record['approval']}"
-        )
+        scopes, fleets = ", ".join(record["scopes"]), ", ".join(record["targets"])
+        allowed = f"scopes {scopes}; fleets {fleets}; approval {record['approval']}"
+        print(f"created token '{record['name']}': {allowed}")
         print(f"secret (shown this once; only its hash is kept): {secret}")
         if args.client:
             url = args.url or f"http://{config.http_host}:{config.http_port}{config.http_path}"
@@ -10956,10 +10952,8 @@ def tokens_command(args: Any, config: Config) -> int:
         print(f"smol-mcp: {unknown}", file=sys.stderr)
         return 1
     cli_record(config, {"event": "token", "outcome": "deleted", "token": args.name})
-    print(
-        f"deleted token '{args.name}': a running server refuses it within a second and ends its "
-        "sessions (their ephemeral machines are deleted)"
-    )
+    ends = "ends its sessions (their ephemeral machines are deleted)"
+    print(f"deleted token '{args.name}': a running server refuses it within a second and {ends}")
     return 0
 
 
@@ -11104,20 +11098,16 @@ def approvals_command(args: Any, config: Config) -> int:
             print_waiting(others)
             print(f"\n--auto-for also lets these {len(others)} calls run; add --yes to go on")
             return 1
-    auto_for = args.auto_for if approve else None
-    request, until = answer_approval(
-        config, args.id, approve, None, auto_for, getattr(args, "reason", "")
-    )
+    auto_for, reason = args.auto_for if approve else None, getattr(args, "reason", "")
+    request, until = answer_approval(config, args.id, approve, None, auto_for, reason)
     call, token = f"{request.get('tool')} by {request.get('token')}", request.get("token")
     if not approve:
         print(f"denied {args.id}: {call} does not run")
         return 0
     print(f"approved {args.id}: {call} runs now")
     if until:
-        print(
-            f"{token} runs changing tools without asking until {until}; "
-            f"end it with: tokens auto-approve {token} off"
-        )
+        end = f"end it with: tokens auto-approve {token} off"
+        print(f"{token} runs changing tools without asking until {until}; {end}")
     return 0
 
 
@@ -11155,9 +11145,8 @@ def oauth_report(config: Config) -> str:
     if not Operator(config.state_dir).enabled():
         return "off: no operator password or link (`operator set-password` turns it on)"
     if issuer is None:
-        return (
-            f"off: --http on {config.http_host} needs publicUrl, the https:// address clients reach"
-        )
+        host = config.http_host
+        return f"off: --http on {host} needs publicUrl, the https:// address clients reach"
     return f"on with --http, issuer {issuer} (clients connect by URL; sign-in at {issuer}/signin)"
 
 
@@ -11189,9 +11178,8 @@ def parity(app: SmolMcp) -> int:
     finally:
         fleet.release()
     report = parity_report(spec)
-    counts = ", ".join(
-        f"{len(report[kind])} {kind}" for kind in ("called", "skipped", "unknown", "missing")
-    )
+    kinds = ("called", "skipped", "unknown", "missing")
+    counts = ", ".join(f"{len(report[kind])} {kind}" for kind in kinds)
     print(f"smolvm {fleet.version}: {counts}")
     for method, path in report["called"]:
         print(f"  called   {method:6} {path}")
