@@ -10768,13 +10768,8 @@ SMOL_TABLE_RE = re.compile(
 
 
 def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tuple[str, bool]:
-    try:
-        import tomllib
-    except ImportError:
-        raise SetupRefused(
-            "checking the TOML before writing it needs Python 3.11 or newer (tomllib); print the "
-            "entry without --write and paste it, or run this with a newer Python"
-        ) from None
+    import tomllib
+
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -11207,8 +11202,8 @@ def main(argv: list[str] | None = None) -> int:
             return setup(config, args.client, args.http_url, args.write, args.force, args.oauth)
         if args.command in helpers:
             return helpers[args.command](args, config)
-        operator_on = Operator(config.state_dir).enabled()
-        if args.http and not args.command and not (Access(config).has_any_token() or operator_on):
+        serving = args.http and not args.command
+        if serving and not (Access(config).has_any_token() or Operator(config.state_dir).enabled()):
             raise ConfigError(
                 "--http refuses to start without a token, because these tools run machines: create "
                 f"one with `{invocation()} tokens create NAME --preset sandbox`, or set "
@@ -11216,7 +11211,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"({HTTP_TOKEN_ADVICE}), or let clients connect by URL: "
                 f"`{invocation()} operator set-password`"
             )
-        if args.http and not args.command and config.auth_token:
+        if serving and config.auth_token:
             check_token_strength(config.auth_token)
         app = SmolMcp(config)
         if args.command == "doctor":
