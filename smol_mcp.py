@@ -10642,21 +10642,18 @@ def http_entry(
 
 def client_config_path(client: str) -> tuple[Path, str]:
     """Where the client reads the entry, and whether that file is the project's or the user's."""
-    home = Path.home()
-    if client == "claude-code":
-        return Path.cwd() / ".mcp.json", "project"
-    if client == "cursor":
-        return Path.cwd() / ".cursor" / "mcp.json", "project"
+    home, here = Path.home(), Path.cwd()
+    if client in ("claude-code", "cursor"):
+        return here / {"claude-code": ".mcp.json", "cursor": ".cursor/mcp.json"}[client], "project"
     if client == "opencode":
-        plain, commented = Path.cwd() / "opencode.json", Path.cwd() / "opencode.jsonc"
+        plain, commented = here / "opencode.json", here / "opencode.jsonc"
         return (commented if commented.exists() and not plain.exists() else plain), "project"
     if client == "codex":
         return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml", "user"
-    if sys.platform == "darwin":
-        support = home / "Library" / "Application Support"
-        return support / "Claude" / "claude_desktop_config.json", "user"
-    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
-    return config_home / "Claude" / "claude_desktop_config.json", "user"
+    support = home / "Library" / "Application Support"  # macOS; elsewhere the XDG directory
+    if sys.platform != "darwin":
+        support = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+    return support / "Claude" / "claude_desktop_config.json", "user"
 
 
 def toml_value(value: Any) -> str:
@@ -11081,8 +11078,8 @@ def approvals_command(args: Any, config: Config) -> int:
             print("no call waits for approval")
             return 0
         print_waiting(shown)
-        approve = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
-        print(f"\nanswer with: {approve}, or approvals deny ID [--reason TEXT]")
+        how = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
+        print(f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]")
         return 0
     approve = args.approvals_command == "approve"
     if approve and args.auto_for:  # it releases the token's other waiting calls: show them
@@ -11095,11 +11092,9 @@ def approvals_command(args: Any, config: Config) -> int:
             return 1
     auto_for, reason = args.auto_for if approve else None, getattr(args, "reason", "")
     request, until = answer_approval(config, args.id, approve, None, auto_for, reason)
-    call, token = f"{request.get('tool')} by {request.get('token')}", request.get("token")
-    if not approve:
-        print(f"denied {args.id}: {call} does not run")
-        return 0
-    print(f"approved {args.id}: {call} runs now")
+    token = request.get("token")
+    call = f"{args.id}: {request.get('tool')} by {token}"
+    print(f"approved {call} runs now" if approve else f"denied {call} does not run")
     if until:
         end = f"end it with: tokens auto-approve {token} off"
         print(f"{token} runs changing tools without asking until {until}; {end}")
