@@ -10536,11 +10536,9 @@ def launch_command() -> list[str]:
     here = Path(__file__).resolve()
     if any(part in ("site-packages", "dist-packages") for part in here.parts):
         beside = Path(sys.executable).parent / "smol-mcp"  # works without the environment activated
-        script = str(beside) if beside.exists() else shutil.which("smol-mcp")
-        if script:
+        if script := str(beside) if beside.exists() else shutil.which("smol-mcp"):
             return [str(Path(script).absolute())]
-    uv = shutil.which("uv")
-    if uv:
+    if uv := shutil.which("uv"):
         return [str(Path(uv).absolute()), "run", "--script", str(here)]
     return [str(Path(sys.executable).absolute()), str(here)]
 
@@ -10759,8 +10757,7 @@ def merge_json(
 
 
 SMOL_TABLE_RE = re.compile(
-    r"^\s*\[\s*(mcp_servers|\"mcp_servers\")\s*\.\s*(smol|\"smol\")"
-    r"\s*(\.[^\]]*)?\]\s*(#.*)?$"
+    r'^\s*\[\s*("?)mcp_servers\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
 )
 
 
@@ -10934,9 +10931,7 @@ def tokens_command(args: Any, config: Config) -> int:
             granted = (",".join(r["scopes"]), ",".join(r["targets"]), r["approval"])
             when = (r.get("createdAt", "-"), used.get(r["name"], "never"))
             rows.append((r["name"], *granted, shown["autoApprove"], r.get("client", "-"), *when))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print_table(rows)
         return 0
     if not store.delete(args.name):
         names = ", ".join(r["name"] for r in store.records()) or "none"
@@ -11229,13 +11224,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         os._exit(0)
     if sys.stdin.isatty():
-        print(
+        waiting = (
             "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a client "
             f"(Ctrl-C to stop); to check this host run `{invocation()} doctor`, to configure a "
-            f"client `{invocation()} setup CLIENT` (see --help)",
-            file=sys.stderr,
-            flush=True,
+            f"client `{invocation()} setup CLIENT` (see --help)"
         )
+        print(waiting, file=sys.stderr, flush=True)
     anyio.run(run_stdio, app.server, app)
     return 0
 
