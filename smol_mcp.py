@@ -10255,27 +10255,17 @@ def invocation() -> str:
     return f"{'uv run' if os.environ.get('UV') else 'python3'} {shlex.quote(arg0)}"
 
 
-# The settings --help names, with a line for a person each; the README has every one.
-HELP_SETTINGS = {
-    "smolvm": "the smolvm binary (default: smolvm on PATH, else the\n"
-    + " " * 30
-    + "smol/smol-vmm of an installed smolmachines package)",
-    "local_url": "use a running serve (unix:///abs.sock) instead of starting one",
-    "targets": "auto | local | cloud | both (auto: both when a cloud key is set)",
-    "cloud_token": "the smol cloud account key (a secret: never copied anywhere)",
-    "network_default": "blocked | open: egress of a machine when a call says nothing",
-    "reply_tokens": f"the most a tool result may cost a model, in tokens ({Config.reply_tokens})",
-    "auth_token": "required by --http: the token clients send as a Bearer",
-}
-HELP_EPILOG = (
-    "environment (each also a camelCase key in ~/.config/smol-mcp/config.json):\n"
-    + "".join(
-        f"  {setting.env:<28}{text}\n"
-        for attr, text in HELP_SETTINGS.items()
-        for setting in SETTINGS
-        if setting.attr == attr
-    )
-    + """\
+# The text after --help's options; each setting's variable comes from its declaration.
+HELP_EPILOG = """\
+environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
+  {smolvm:<28}the smolvm binary (default: smolvm on PATH, else the
+                              smol/smol-vmm of an installed smolmachines package)
+  {local_url:<28}use a running serve (unix:///abs.sock) instead of starting one
+  {targets:<28}auto | local | cloud | both (auto: both when a cloud key is set)
+  {cloud_token:<28}the smol cloud account key (a secret: never copied anywhere)
+  {network_default:<28}blocked | open: egress of a machine when a call says nothing
+  {reply_tokens:<28}the most a tool result may cost a model, in tokens ({tokens_default})
+  {auth_token:<28}required by --http: the token clients send as a Bearer
   SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root with /dev/kvm at mode 0600
   SMOL_MCP_CONFIG             another config file; the README has every setting
 
@@ -10285,8 +10275,7 @@ examples:
   smol-mcp setup claude-code --write     add the server to this project's .mcp.json
   smol-mcp operator set-password         let --http clients connect by URL (OAuth, a consent page)
   SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
-"""
-)
+""".format(tokens_default=Config.reply_tokens, **{s.attr: s.env for s in SETTINGS})
 
 
 def parse_args(argv: list[str]):
