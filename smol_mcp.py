@@ -64,8 +64,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import anyio
-
 __version__ = "0.1.0"
 
 log = logging.getLogger("smol_mcp")
@@ -11173,6 +11171,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
     # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
     log.setLevel(logging.INFO)
+    import anyio
+
     helpers = {"tokens": tokens_command, "activity": activity_command}
     helpers.update(approvals=approvals_command, operator=operator_command)
     try:
