@@ -10699,12 +10699,10 @@ class SetupRefused(Exception):
     """--write would not produce a file the client can read: nothing is written."""
 
 
-JSONC_COMMENT_RE = re.compile(r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)', re.S)
-
-
 def strip_jsonc(text: str) -> str:
     """The text without // and /* */ comments and trailing commas (strings kept)."""
-    text = JSONC_COMMENT_RE.sub(lambda match: match.group(1) or "", text)
+    comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'  # group 1: a string, kept
+    text = re.sub(comment, lambda match: match.group(1) or "", text, flags=re.S)
     return re.sub(r",(\s*[}\]])", r"\1", text)
 
 
@@ -10712,9 +10710,7 @@ BY_HAND = "fix it, or paste the entry by hand"
 FORCE = "run again with --force to replace it"
 
 
-def merge_json(
-    path: Path, text: str, key: str, entry: dict, client: str, force: bool
-) -> tuple[str, bool]:
+def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force: bool) -> tuple:
     try:
         existing = json.loads(text) if text.strip() else {}
     except ValueError as err:
@@ -10727,9 +10723,8 @@ def merge_json(
             "paste the entry printed by `setup` without --write into it by hand"
         ) from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
-        raise SetupRefused(
-            f'{path} does not hold a JSON object with an object under "{key}"; {BY_HAND}'
-        )
+        shape = f'a JSON object with an object under "{key}"'
+        raise SetupRefused(f"{path} does not hold {shape}; {BY_HAND}")
     replacing = "smol" in existing.get(key, {})
     if replacing and not force:
         raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; {FORCE}')
@@ -10993,8 +10988,7 @@ def activity_command(args: Any, config: Config) -> int:
     except ValueError as err:
         raise ConfigError(f"--since: {err}") from None
     log_file = ActivityLog(config.state_dir)
-    keep = activity_filter(args.token, args.machine, since)
-    entries = log_file.entries(keep, args.limit)
+    entries = log_file.entries(activity_filter(args.token, args.machine, since), args.limit)
     if args.json:
         print(json.dumps(entries))
         return 0
