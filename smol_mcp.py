@@ -10759,10 +10759,9 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
         servers = [(name, server) for name, server in existing[key].items() if name != "smol"]
         try:
             tables = [toml_table(f"{key}.{toml_key(name)}", server) for name, server in servers]
-        except TypeError:
-            tables = None  # a value type toml_value does not write: refused below
-        if tables is not None:
             text = "".join(lines).rstrip("\n") + "\n\n" + "\n".join(tables)
+        except TypeError:
+            pass  # a value type toml_value does not write: refused below
     if "smol" in existing.get(key, {}):
         if not force:
             raise SetupRefused(f"{path} already has [{key}.smol]; {FORCE}")
