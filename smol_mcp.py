@@ -10491,9 +10491,8 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
 
     created = ok = interrupted = False
     machine = {"name": name, "cpus": 1, "memoryMb": 512, "network": False}
-    create = functools.partial(
-        fleet.request, f"create machine '{name}'", "POST", "/api/v1/machines", machine
-    )
+    what = f"create machine '{name}'"
+    create = functools.partial(fleet.request, what, "POST", "/api/v1/machines", machine)
     fleet.acquire()
     try:
         ok = step("serve", fleet.ensure_serve)
