@@ -7855,15 +7855,6 @@ PAGE_STYLE = (
 )
 
 
-def shown_text(text: str) -> str:
-    """``text`` fit for a terminal: control and format characters (ESC, U+202E) as \\u escapes."""
-    import unicodedata
-
-    return "".join(
-        f"\\u{ord(c):04x}" if unicodedata.category(c) in ("Cc", "Cf") else c for c in text
-    )
-
-
 def esc(value: Any) -> str:
     """Text made safe inside HTML: every value a page shows goes through this."""
     import html
@@ -8282,7 +8273,7 @@ class OAuthProvider:
             or (uri.scheme == "http" and uri.host not in (*LOOPBACK_HOSTS, "[::1]"))
         ]
         name = client_info.client_name or ""
-        if unsafe or not 1 <= len(uris) <= 8 or len(name) > 100 or shown_text(name) != name:
+        if unsafe or not 1 <= len(uris) <= 8 or len(name) > 100 or printable(name) != name:
             raise RegistrationError(
                 "invalid_redirect_uri" if unsafe else "invalid_client_metadata",
                 "register 1 to 8 redirect URIs, each https, http on loopback or an app's own "
@@ -8646,24 +8637,24 @@ SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
 
 
 def invocation() -> str:
-    """The command the user ran this program as, for help and hints to name:
-    `smol-mcp` installed, `uv run smol_mcp.py` or `python3 smol_mcp.py` as a file."""
+    """The command the user ran this program as (`smol-mcp`, `uv run` or `python3` a file)."""
     arg0 = sys.argv[0] if sys.argv and sys.argv[0] else "smol-mcp"
     if not arg0.endswith(".py"):
         return "smol-mcp"
     return f"{'uv run' if os.environ.get('UV') else 'python3'} {shlex.quote(arg0)}"
 
 
+# The text after --help's options; each setting's variable comes from its declaration.
 HELP_EPILOG = """\
 environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
-  SMOLVM                      the smolvm binary (default: smolvm on PATH, else the
+  {smolvm:<28}the smolvm binary (default: smolvm on PATH, else the
                               smol/smol-vmm of an installed smolmachines package)
-  SMOL_LOCAL_URL              use a running serve (unix:///abs.sock) instead of starting one
-  SMOL_MCP_TARGETS            auto | local | cloud | both (auto: both when a cloud key is set)
-  SMOL_CLOUD_TOKEN            the smol cloud account key (a secret: never copied anywhere)
-  SMOL_MCP_NETWORK_DEFAULT    blocked | open: egress of a machine when a call says nothing
-  SMOL_MCP_REPLY_TOKENS       the most a tool result may cost a model, in tokens (20000)
-  SMOL_MCP_AUTH_TOKEN         required by --http: the token clients send as a Bearer
+  {local_url:<28}use a running serve (unix:///abs.sock) instead of starting one
+  {targets:<28}auto | local | cloud | both (auto: both when a cloud key is set)
+  {cloud_token:<28}the smol cloud account key (a secret: never copied anywhere)
+  {network_default:<28}blocked | open: egress of a machine when a call says nothing
+  {reply_tokens:<28}the most a tool result may cost a model, in tokens ({tokens_default})
+  {auth_token:<28}required by --http: the token clients send as a Bearer
   SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root with /dev/kvm at mode 0600
   SMOL_MCP_CONFIG             another config file; the README has every setting
 
@@ -8673,7 +8664,7 @@ examples:
   smol-mcp setup claude-code --write     add the server to this project's .mcp.json
   smol-mcp operator set-password         let --http clients connect by URL (OAuth, a consent page)
   SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
-"""
+""".format(tokens_default=Config.reply_tokens, **{s.attr: s.env for s in SETTINGS})
 
 
 def parse_args(argv: list[str]):
@@ -8687,47 +8678,34 @@ def parse_args(argv: list[str]):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"smol-mcp {__version__}")
-    parser.add_argument(
-        "--http", action="store_true", help="serve Streamable HTTP instead of stdio"
-    )
+
+    def flag(command: argparse.ArgumentParser, name: str, text: str) -> None:
+        command.add_argument(name, action="store_true", help=text)
+
+    def json_flag(command: argparse.ArgumentParser, what: str = "a JSON array") -> None:
+        flag(command, "--json", f"print {what}, for scripts")
+
+    flag(parser, "--http", "serve Streamable HTTP instead of stdio")
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
     helpers = parser.add_subparsers(
         dest="command", metavar="{doctor,setup,parity,tokens,activity,approvals,operator}"
     )
-    doctor_parser = helpers.add_parser(
-        "doctor", help="say whether each fleet works on this host, and what to do if not"
-    )
-    doctor_parser.add_argument(
-        "--probe",
-        action="store_true",
-        help="also create, start, run `true` in and delete a throwaway local machine",
-    )
-    setup = helpers.add_parser(
-        "setup", help="print (or --write) the configuration for an MCP client"
-    )
+    doctor_help = "say whether each fleet works on this host, and what to do if not"
+    probe_help = "also create, start, run `true` in and delete a throwaway local machine"
+    flag(helpers.add_parser("doctor", help=doctor_help), "--probe", probe_help)
+    setup_help = "print (or --write) the configuration for an MCP client"
+    setup = helpers.add_parser("setup", help=setup_help)
     setup.add_argument("client", choices=SETUP_CLIENTS)
-    setup.add_argument(
-        "--write", action="store_true", help="merge it into the client's config file (backup first)"
-    )
-    setup.add_argument(
-        "--force", action="store_true", help="with --write: replace an existing smol entry"
-    )
-    setup.add_argument(
-        "--http",
-        dest="http_url",
-        metavar="URL",
-        help="an entry for a smol-mcp --http server at URL instead of a local stdio one",
-    )
-    setup.add_argument(
-        "--oauth",
-        action="store_true",
-        help="with --http: an entry without a secret; the client signs in through the browser",
-    )
-    helpers.add_parser(
-        "parity", help="compare the routes this server calls with the running serve's OpenAPI"
-    )
+    flag(setup, "--write", "merge it into the client's config file (backup first)")
+    flag(setup, "--force", "with --write: replace an existing smol entry")
+    url_help = "an entry for a smol-mcp --http server at URL instead of a local stdio one"
+    setup.add_argument("--http", dest="http_url", metavar="URL", help=url_help)
+    oauth_help = "with --http: an entry without a secret; the client signs in through the browser"
+    flag(setup, "--oauth", oauth_help)
+    parity_help = "compare the routes this server calls with the running serve's OpenAPI"
+    helpers.add_parser("parity", help=parity_help)
     tokens = helpers.add_parser("tokens", help="create, list and delete the named tokens of --http")
     token_commands = tokens.add_subparsers(
         dest="tokens_command", metavar="{create,list,delete,auto-approve}", required=True
@@ -8736,68 +8714,46 @@ def parse_args(argv: list[str]):
     create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
     chosen = create.add_mutually_exclusive_group()
     chosen.add_argument("--scopes", help=f"comma-separated, from: {', '.join(SCOPES)}")
-    chosen.add_argument(
-        "--preset",
-        choices=SCOPE_PRESETS,
-        help="; ".join(f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items()),
-    )
-    create.add_argument(
-        "--targets", help="the fleets it may use: local, cloud or local,cloud (default both)"
-    )
-    create.add_argument(
-        "--approval",
-        choices=APPROVAL_MODES,
-        default="none",
-        help="changes: changing calls wait for a person (recorded with the token)",
-    )
-    create.add_argument(
-        "--client", choices=SETUP_CLIENTS, help="also print that client's entry for it"
-    )
-    create.add_argument(
-        "--url", help="the server URL for --client (default: httpHost, httpPort, httpPath)"
-    )
-    create.add_argument("--json", action="store_true", help="print one JSON object, for scripts")
-    listing = token_commands.add_parser("list", help="show every token, never a secret")
-    listing.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
-    delete = token_commands.add_parser(
-        "delete", help="cut a token off; a running server refuses it at once"
-    )
-    delete.add_argument("name")
-    auto = token_commands.add_parser(
-        "auto-approve",
-        help="end a token's auto-approval (`approvals approve --auto-for` starts one)",
-    )
+    presets = "; ".join(f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items())
+    chosen.add_argument("--preset", choices=SCOPE_PRESETS, help=presets)
+    fleets_help = "the fleets it may use: local, cloud or local,cloud (default both)"
+    create.add_argument("--targets", help=fleets_help)
+    changes_help = "changes: changing calls wait for a person (recorded with the token)"
+    create.add_argument("--approval", choices=APPROVAL_MODES, default="none", help=changes_help)
+    client_help = "also print that client's entry for it"
+    create.add_argument("--client", choices=SETUP_CLIENTS, help=client_help)
+    url_help = "the server URL for --client (default: httpHost, httpPort, httpPath)"
+    create.add_argument("--url", help=url_help)
+    json_flag(create, "one JSON object")
+    json_flag(token_commands.add_parser("list", help="show every token, never a secret"))
+    delete_help = "cut a token off; a running server refuses it at once"
+    token_commands.add_parser("delete", help=delete_help).add_argument("name")
+    auto_help = "end a token's auto-approval (`approvals approve --auto-for` starts one)"
+    auto = token_commands.add_parser("auto-approve", help=auto_help)
     auto.add_argument("name", help="a token name, or stdio")
     auto.add_argument("state", choices=("off",))
     activity = helpers.add_parser("activity", help="show what agents changed (the activity log)")
     activity.add_argument("--token", help="only this principal (a token name, or stdio)")
     activity.add_argument("--machine", help="only entries about this machine")
     activity.add_argument("--since", help="only the last period, such as 15m, 1h or 7d")
-    activity.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
-    activity.add_argument(
-        "--limit", type=int, default=ACTIVITY_RESOURCE_ENTRIES, help="the latest N entries"
-    )
+    json_flag(activity)
+    latest = ACTIVITY_RESOURCE_ENTRIES
+    activity.add_argument("--limit", type=int, default=latest, help="the latest N entries")
     approvals = helpers.add_parser("approvals", help="list, approve and deny calls that wait")
     approval_commands = approvals.add_subparsers(
         dest="approvals_command", metavar="{list,approve,deny}", required=True
     )
-    waiting = approval_commands.add_parser("list", help="the calls that wait for a person")
-    waiting.add_argument("--json", action="store_true", help="print a JSON array, for scripts")
+    json_flag(approval_commands.add_parser("list", help="the calls that wait for a person"))
     approve = approval_commands.add_parser("approve", help="let a waiting call run")
     approve.add_argument("id")
-    approve.add_argument(
-        "--auto-for",
-        choices=tuple(AUTO_APPROVE_PERIODS),
-        help="also let this token run changing tools without asking for this long",
-    )
-    approve.add_argument("--yes", action="store_true", help="with --auto-for: release the rest")
+    auto_for_help = "also let this token run changing tools without asking for this long"
+    approve.add_argument("--auto-for", choices=tuple(AUTO_APPROVE_PERIODS), help=auto_for_help)
+    flag(approve, "--yes", "with --auto-for: release the rest")
     deny = approval_commands.add_parser("deny", help="refuse a waiting call; nothing runs")
     deny.add_argument("id")
     deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
-    operator = helpers.add_parser(
-        "operator", help="the person who signs in to the pages of --http and consents to clients"
-    )
-    operator.add_argument(
+    operator_help = "the person who signs in to the pages of --http and consents to clients"
+    helpers.add_parser("operator", help=operator_help).add_argument(
         "operator_command",
         choices=("set-password", "link"),
         help="set-password: read a password from stdin (no echo at a terminal); "
@@ -8812,15 +8768,10 @@ def parse_args(argv: list[str]):
         parser.error(f"--path must start with '/', got {args.path!r}")
     if args.port is not None and not 1 <= args.port <= 65535:
         parser.error(f"--port must be between 1 and 65535, got {args.port}")
-    if (
-        args.command == "setup"
-        and args.http_url
-        and not args.http_url.startswith(("http://", "https://"))
-    ):
-        parser.error(
-            "setup --http takes the server's URL, such as http://b.local:8080/mcp; got "
-            f"{args.http_url!r}"
-        )
+    url = args.command == "setup" and args.http_url
+    if url and not url.startswith(("http://", "https://")):
+        example = "http://b.local:8080/mcp"
+        parser.error(f"setup --http takes the server's URL, such as {example}; got {url!r}")
     return args
 
 
@@ -8849,13 +8800,11 @@ ENGINE_ON_RAMP = """\
 
 
 def doctor(app: SmolMcp, probe: bool = False) -> int:
-    """Print what smol://targets knows, for a person; 0 when every served
-    fleet is usable. The cloud key is tried with one list call; with
-    ``probe``, a throwaway local machine is created, started, run and deleted."""
+    """Print what smol://targets knows, for a person; 0 when every served fleet is usable.
+    With ``probe``, a throwaway local machine is created, started, run and deleted."""
     document = targets_document(app)
-    print(
-        f"smol-mcp {__version__}: mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})"
-    )
+    mode = f"mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})"
+    print(f"smol-mcp {__version__}: {mode}")
     healthy = True
     for name, facts in document["fleets"].items():
         if not facts["served"]:
@@ -8872,10 +8821,8 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
             print(line)
     if probe:
         if "local" not in app.fleets:
-            print(
-                "\nprobe: the local fleet is not served (SMOL_MCP_TARGETS), so there is "
-                "nothing to probe"
-            )
+            unserved = "the local fleet is not served (SMOL_MCP_TARGETS)"
+            print(f"\nprobe: {unserved}, so there is nothing to probe")
             return 1
         # what a machine did outranks what the checks above expected
         fleets = document["fleets"].items()
@@ -8887,9 +8834,8 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
 
 
 def probe_local(app: SmolMcp, facts: dict) -> bool:
-    """Create, start, run `true` in and delete a throwaway imageless machine
-    (no registry needed), printing each step with its time: "usable" above is
-    what the host allows; this is what it does."""
+    """Create, start, run `true` in and delete a throwaway machine, printing each step:
+    "usable" above is what the host allows; this is what it does."""
     fleet, config = app.local, app.config
     name = f"{config.machine_prefix}probe-{secrets_module.token_hex(3)}"
     print(f"\nprobe: machine {name} (no image, no network; deleted at the end)")
@@ -8905,11 +8851,8 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
                     lines = fleet.console_lines(name)[-BOOT_LOG_LINES:]
                 except SmolError:
                     lines = []
-            explained = explain_start_failure(err, "blocked", lines)
-            print(
-                f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: "
-                f"{redact(str(explained), config.secret_values())}"
-            )
+            text = redact(str(explain_start_failure(err, "blocked", lines)), config.secret_values())
+            print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: {text}")
             return False
         print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
         return True
@@ -8919,18 +8862,16 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         while (answer := fleet.probe_ready(name)) is not None:
             if time.monotonic() > deadline:
                 raise SmolError(
-                    "the guest did not run a command within "
-                    f"{config.ready_timeout_secs} s (readyTimeoutSecs); its last "
-                    f"answer: {answer}"
+                    f"the guest did not run a command within {config.ready_timeout_secs} s "
+                    f"(readyTimeoutSecs); its last answer: {answer}"
                 )
             time.sleep(0.5)
 
     def run_true() -> None:
         result = fleet.exec(name, ["true"], timeout_secs=30)
         if result.exit_code != 0:
-            raise SmolError(
-                f"`true` exited with {result.exit_code}: {result.stderr.decode('utf-8', 'replace')}"
-            )
+            stderr = result.stderr.decode("utf-8", "replace")
+            raise SmolError(f"`true` exited with {result.exit_code}: {stderr}")
 
     def delete() -> None:
         try:
@@ -8940,18 +8881,13 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
                 raise
 
     created = ok = interrupted = False
+    machine = {"name": name, "cpus": 1, "memoryMb": 512, "network": False}
+    what = f"create machine '{name}'"
+    create = functools.partial(fleet.request, what, "POST", "/api/v1/machines", machine)
     fleet.acquire()
     try:
         ok = step("serve", fleet.ensure_serve)
-        created = ok and step(
-            "create",
-            lambda: fleet.request(
-                f"create machine '{name}'",
-                "POST",
-                "/api/v1/machines",
-                {"name": name, "cpus": 1, "memoryMb": 512, "network": False},
-            ),
-        )
+        created = ok and step("create", create)
         ok = created and step("start", lambda: fleet.start_machine(name))
         ok = ok and step("ready", wait_ready)
         ok = ok and step("run", run_true)
@@ -8972,18 +8908,14 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
 
 
 def launch_command() -> list[str]:
-    """The command a client should run, absolute (a GUI client such as Claude
-    Desktop does not see the shell's PATH): the installed console script when
-    this module was installed as a package, else uv running this very file,
-    else the interpreter running this, which has the dependencies."""
+    """The command a client should run, absolute (a GUI client does not see the shell's PATH):
+    the installed script, else uv running this file, else this interpreter running it."""
     here = Path(__file__).resolve()
     if any(part in ("site-packages", "dist-packages") for part in here.parts):
         beside = Path(sys.executable).parent / "smol-mcp"  # works without the environment activated
-        script = str(beside) if beside.exists() else shutil.which("smol-mcp")
-        if script:
+        if script := str(beside) if beside.exists() else shutil.which("smol-mcp"):
             return [str(Path(script).absolute())]
-    uv = shutil.which("uv")
-    if uv:
+    if uv := shutil.which("uv"):
         return [str(Path(uv).absolute()), "run", "--script", str(here)]
     return [str(Path(sys.executable).absolute()), str(here)]
 
@@ -8995,21 +8927,16 @@ ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself,
 
 
 def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """(the settings to write into a stdio entry's env, the secrets it should
-    reference): every non-secret SMOL_* setting set here, the config file,
-    the engine's own switches, and the smolvm this process would run, so the
-    client starts the same server that doctor checked."""
+    """(a stdio entry's env, the secrets it references): what is set here, so the client
+    starts the same server that doctor checked."""
     env = {s.env: environ[s.env] for s in SETTINGS if s.env in environ and s.env not in SECRET_ENVS}
     env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
     if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
         env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
     if not environ.get("SMOL_LOCAL_URL"):
         configured = environ.get("SMOLVM", Config.smolvm)
-        found = (
-            configured
-            if os.sep in configured
-            else shutil.which(configured, path=environ.get("PATH"))
-        )
+        on_path = shutil.which(configured, path=environ.get("PATH"))
+        found = configured if os.sep in configured else on_path
         if found is None and configured == Config.smolvm:
             found = wheel_engine()
         if found:
@@ -9017,40 +8944,26 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
     return env, [name for name in SECRET_ENVS if environ.get(name)]
 
 
-CODEX_STARTUP_TIMEOUT_SECS = 60  # a first `uv run` of the file resolves packages before answering
-
-
 def codex_timeouts(config: Config) -> dict[str, int]:
-    """Codex gives a server 10 s to start and a tool call 60 s; a create can
-    wait for the serve, then for readiness, and a command for its timeout."""
-    longest = (
-        config.serve_start_timeout_secs
-        + config.ready_timeout_secs
-        + config.max_exec_timeout_secs
-        + 60
-    )
-    return {"startup_timeout_sec": CODEX_STARTUP_TIMEOUT_SECS, "tool_timeout_sec": longest}
+    """Codex gives a server 10 s to start and a call 60 s; a create can wait for the serve
+    and then readiness, a command for its timeout."""
+    longest = config.serve_start_timeout_secs + config.ready_timeout_secs + 60
+    longest += config.max_exec_timeout_secs
+    # a first `uv run` of the file resolves packages before answering: 60 s to start
+    return {"startup_timeout_sec": 60, "tool_timeout_sec": longest}
 
 
 def secret_reference(client: str, name: str) -> str | None:
-    """How the client's config names an environment variable, or None when
-    it cannot (Claude Desktop reads no environment and expands nothing)."""
-    forms = {
-        "claude-code": f"${{{name}}}",
-        "cursor": f"${{env:{name}}}",
-        "opencode": f"{{env:{name}}}",
-    }
-    return forms.get(client)
+    """How the client's config names an environment variable (None: Claude Desktop cannot)."""
+    form = {"claude-code": "${NAME}", "cursor": "${env:NAME}", "opencode": "{env:NAME}"}.get(client)
+    return form and form.replace("NAME", name)
 
 
 def client_entry(
-    client: str,
-    http_url: str | None,
-    config: Config | None = None,
-    environ: dict[str, str] | None = None,
+    client: str, http_url: str | None, config: Config | None = None, environ: dict | None = None
 ) -> tuple[str, dict]:
-    """(the top-level key, the server entry) in the client's own shape. Secrets
-    are referenced through the client's environment syntax, never copied."""
+    """(the top-level key, the server entry) in the client's shape; secrets referenced, never
+    copied."""
     config = config or Config()
     environ = dict(os.environ if environ is None else environ)
     if http_url:
@@ -9064,33 +8977,15 @@ def client_entry(
 
         command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
         del env["SMOLVM"]
-    for name in secrets:
-        reference = secret_reference(client, name)
-        if reference:
-            env[name] = reference
+    env.update({name: ref for name in secrets if (ref := secret_reference(client, name))})
     if client == "opencode":
-        return "mcp", {
-            "type": "local",
-            "command": command,
-            "enabled": True,
-            **({"environment": env} if env else {}),
-        }
-    if client == "codex":
-        entry: dict[str, Any] = {
-            "command": command[0],
-            "args": command[1:],
-            **codex_timeouts(config),
-        }
-        if secrets:
-            entry["env_vars"] = secrets  # Codex forwards these from its own environment
-        if env:
-            entry["env"] = env
-        return "mcp_servers", entry
-    return "mcpServers", {
-        "command": command[0],
-        "args": command[1:],
-        **({"env": env} if env else {}),
-    }
+        entry = {"type": "local", "command": command, "enabled": True}
+        return "mcp", {**entry, **({"environment": env} if env else {})}
+    entry = {"command": command[0], "args": command[1:]}
+    if client == "codex":  # Codex forwards env_vars from its own environment
+        entry.update(codex_timeouts(config), **({"env_vars": secrets} if secrets else {}))
+    entry.update({"env": env} if env else {})
+    return ("mcp_servers" if client == "codex" else "mcpServers"), entry
 
 
 MCP_REMOTE = "mcp-remote@0.15.1"  # the stdio-to-HTTP bridge, pinned: npx runs what it fetches
@@ -9100,19 +8995,12 @@ def http_entry(
     client: str, http_url: str, config: Config, variable: str = "SMOL_MCP_AUTH_TOKEN"
 ) -> tuple[str, dict]:
     """An entry for a smol-mcp --http server; ``variable`` holds the token."""
+    header = {"Authorization": f"Bearer {secret_reference(client, variable)}"}
     if client == "opencode":
-        return "mcp", {
-            "type": "remote",
-            "url": http_url,
-            "enabled": True,
-            "headers": {"Authorization": f"Bearer {{env:{variable}}}"},
-        }
+        return "mcp", {"type": "remote", "url": http_url, "enabled": True, "headers": header}
     if client == "codex":
-        return "mcp_servers", {
-            "url": http_url,
-            "bearer_token_env_var": variable,
-            **codex_timeouts(config),
-        }
+        entry = {"url": http_url, "bearer_token_env_var": variable, **codex_timeouts(config)}
+        return "mcp_servers", entry
     if client == "claude-desktop":
         # It speaks stdio only, so the npm bridge carries HTTP, pinned; it reads no
         # shell environment, so npx is absolute, node is found beside it, and the
@@ -9124,42 +9012,28 @@ def http_entry(
             "args": ["-y", MCP_REMOTE, http_url, "--header", "Authorization:${AUTH_HEADER}"],
             "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>", **path},
         }
-    reference = secret_reference(client, variable)
-    return "mcpServers", {
-        "type": "http",
-        "url": http_url,
-        "headers": {"Authorization": f"Bearer {reference}"},
-    }
+    return "mcpServers", {"type": "http", "url": http_url, "headers": header}
 
 
 def client_config_path(client: str) -> tuple[Path, str]:
-    """Where the client reads the entry, and whether that file is the
-    project's (the current directory) or the user's."""
-    home = Path.home()
-    if client == "claude-code":
-        return Path.cwd() / ".mcp.json", "project"
-    if client == "cursor":
-        return Path.cwd() / ".cursor" / "mcp.json", "project"
+    """Where the client reads the entry, and whether that file is the project's or the user's."""
+    home, here = Path.home(), Path.cwd()
+    if client in ("claude-code", "cursor"):
+        return here / {"claude-code": ".mcp.json", "cursor": ".cursor/mcp.json"}[client], "project"
     if client == "opencode":
-        plain, commented = Path.cwd() / "opencode.json", Path.cwd() / "opencode.jsonc"
+        plain, commented = here / "opencode.json", here / "opencode.jsonc"
         return (commented if commented.exists() and not plain.exists() else plain), "project"
     if client == "codex":
         return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml", "user"
-    if sys.platform == "darwin":
-        support = home / "Library" / "Application Support"
-        return support / "Claude" / "claude_desktop_config.json", "user"
-    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
-    return config_home / "Claude" / "claude_desktop_config.json", "user"
+    support = home / "Library" / "Application Support"  # macOS; elsewhere the XDG directory
+    if sys.platform != "darwin":
+        support = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+    return support / "Claude" / "claude_desktop_config.json", "user"
 
 
 def toml_value(value: Any) -> str:
-    """A TOML value for the types an entry holds (JSON strings are valid
-    TOML basic strings once non-ASCII is escaped, which json.dumps does)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
+    """A TOML value for the types an entry holds (json.dumps writes these as TOML does)."""
+    if isinstance(value, (bool, int, str)):
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
@@ -9172,11 +9046,13 @@ def toml_key(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
+def toml_table(name: str, fields: dict) -> str:
+    return f"[{name}]\n" + "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in fields.items())
+
+
 def render_entry(client: str, key: str, entry: dict) -> str:
     if client == "codex":
-        lines = [f"[{key}.smol]"]
-        lines += [f"{field} = {toml_value(value)}" for field, value in entry.items()]
-        return "\n".join(lines) + "\n"
+        return toml_table(f"{key}.smol", entry)
     document = {key: {"smol": entry}}
     if client == "opencode":
         document = {"$schema": "https://opencode.ai/config.json", **document}
@@ -9191,19 +9067,22 @@ def one_liner(client: str, entry: dict) -> str | None:
         return shlex.join(["claude", "mcp", "add", "--transport", "http", "smol", entry["url"]])
     if client != "claude-code" or "command" not in entry:
         return None
-    flags = [
-        part for name, value in entry.get("env", {}).items() for part in ("-e", f"{name}={value}")
-    ]
+    env = entry.get("env", {}).items()
+    flags = [part for name, value in env for part in ("-e", f"{name}={value}")]
     argv = [entry["command"], *entry["args"]]
     return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv])
 
 
-def backup_dir(environ: dict[str, str]) -> Path:
-    """Backups go under the user's state directory, not beside a project
-    file where they would be committed or read by the client."""
-    home = Path(environ.get("HOME") or Path.home())
-    base = environ.get("XDG_STATE_HOME") or str(home / ".local" / "state")
-    return Path(base) / "smol-mcp" / "backups"
+def back_up(path: Path) -> Path:
+    """Copy ``path`` under the user's state directory, not beside a project file where the
+    copy would be committed or read by the client."""
+    home = Path(os.environ.get("HOME") or Path.home())
+    folder = Path(os.environ.get("XDG_STATE_HOME") or home / ".local" / "state") / "smol-mcp"
+    (folder / "backups").mkdir(mode=0o700, parents=True, exist_ok=True)
+    flat = str(path.absolute()).strip("/").replace("/", "%")
+    backup = folder / "backups" / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
+    shutil.copy2(path, backup)
+    return backup
 
 
 class SetupRefused(Exception):
@@ -9212,53 +9091,33 @@ class SetupRefused(Exception):
 
 def strip_jsonc(text: str) -> str:
     """The text without // and /* */ comments and trailing commas (strings kept)."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i : j + 1])
-            i = j + 1
-        elif text.startswith("//", i):
-            i = text.find("\n", i) if "\n" in text[i:] else n
-        elif text.startswith("/*", i):
-            end = text.find("*/", i + 2)
-            i = n if end < 0 else end + 2
-        else:
-            out.append(c)
-            i += 1
-    return re.sub(r",(\s*[}\]])", r"\1", "".join(out))
+    comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'  # group 1: a string, kept
+    text = re.sub(comment, lambda match: match.group(1) or "", text, flags=re.S)
+    return re.sub(r",(\s*[}\]])", r"\1", text)
 
 
-def merge_json(
-    path: Path, text: str, key: str, entry: dict, client: str, force: bool
-) -> tuple[str, bool]:
+BY_HAND = "fix it, or paste the entry by hand"
+FORCE = "run again with --force to replace it"
+
+
+def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force: bool) -> tuple:
     try:
         existing = json.loads(text) if text.strip() else {}
     except ValueError as err:
         try:
             json.loads(strip_jsonc(text))
         except ValueError:
-            raise SetupRefused(
-                f"{path} does not parse as JSON ({err}); fix it, or paste the entry by hand"
-            ) from None
+            raise SetupRefused(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
         raise SetupRefused(
-            f"{path} has comments or trailing commas (JSONC); rewriting it would "
-            "drop them, so paste the entry printed by `setup` without --write "
-            "into it by hand"
+            f"{path} has comments or trailing commas (JSONC); rewriting it would drop them, so "
+            "paste the entry printed by `setup` without --write into it by hand"
         ) from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
-        raise SetupRefused(
-            f'{path} does not hold a JSON object with an object under "{key}"; '
-            "fix it, or paste the entry by hand"
-        )
-    if "smol" in existing.get(key, {}) and not force:
-        raise SetupRefused(
-            f'{path} already has a "smol" entry under "{key}"; run again with --force to replace it'
-        )
+        shape = f'a JSON object with an object under "{key}"'
+        raise SetupRefused(f"{path} does not hold {shape}; {BY_HAND}")
     replacing = "smol" in existing.get(key, {})
+    if replacing and not force:
+        raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; {FORCE}')
     existing.setdefault(key, {})["smol"] = entry
     if client == "opencode":
         existing.setdefault("$schema", "https://opencode.ai/config.json")
@@ -9270,55 +9129,36 @@ def merge_json(
 
 
 SMOL_TABLE_RE = re.compile(
-    r"^\s*\[\s*(mcp_servers|\"mcp_servers\")\s*\.\s*(smol|\"smol\")"
-    r"\s*(\.[^\]]*)?\]\s*(#.*)?$"
+    r'^\s*\[\s*("?)mcp_servers\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
 )
 
 
 def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tuple[str, bool]:
-    try:
-        import tomllib
-    except ImportError:
-        raise SetupRefused(
-            "checking the TOML before writing it needs Python 3.11 or newer "
-            "(tomllib); print the entry without --write and paste it, or run this "
-            "with a newer Python"
-        ) from None
+    import tomllib
+
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise SetupRefused(
-            f"{path} is not valid TOML ({err}); fix it, or paste the entry by hand"
-        ) from None
+        raise SetupRefused(f"{path} is not valid TOML ({err}); {BY_HAND}") from None
     lines = text.splitlines(keepends=True)
     top = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
     inline = [i for i in range(top) if re.match(rf'\s*("?){key}\1\s*=', lines[i])]
     if inline and isinstance(existing.get(key), dict):
         # `key = {...}` takes no [key.smol] after it: write its servers as tables instead
         del lines[inline[0]]
+        servers = [(name, server) for name, server in existing[key].items() if name != "smol"]
         try:
-            tables = [
-                f"[{key}.{toml_key(name)}]\n"
-                + "".join(f"{toml_key(f)} = {toml_value(v)}\n" for f, v in server.items())
-                for name, server in existing[key].items()
-                if name != "smol"
-            ]
-        except TypeError:
-            tables = None  # a value type toml_value does not write: refused below
-        if tables is not None:
+            tables = [toml_table(f"{key}.{toml_key(name)}", server) for name, server in servers]
             text = "".join(lines).rstrip("\n") + "\n\n" + "\n".join(tables)
+        except TypeError:
+            pass  # a value type toml_value does not write: refused below
     if "smol" in existing.get(key, {}):
         if not force:
-            raise SetupRefused(
-                f"{path} already has [{key}.smol]; run again with --force to replace it"
-            )
+            raise SetupRefused(f"{path} already has [{key}.smol]; {FORCE}")
         kept, skipping = [], False
         for line in text.splitlines(keepends=True):
-            if SMOL_TABLE_RE.match(line):
-                skipping = True
-                continue
-            if skipping and line.lstrip().startswith("["):
-                skipping = False
+            if line.lstrip().startswith("["):  # a table header starts or ends the smol table
+                skipping = bool(SMOL_TABLE_RE.match(line))
             if not skipping:
                 kept.append(line)
         text = "".join(kept)
@@ -9328,20 +9168,16 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     try:
         parsed = tomllib.loads(merged)
     except tomllib.TOMLDecodeError:
-        parsed = None
-    others = {k: v for k, v in existing.get(key, {}).items() if k != "smol"}
-    if (
-        parsed is None
-        or parsed.get(key, {}).get("smol") != entry
-        or {k: v for k, v in parsed[key].items() if k != "smol"} != others
-        or {k: v for k, v in parsed.items() if k != key}
-        != {k: v for k, v in existing.items() if k != key}
-    ):
+        parsed = {}
+
+    def rest(document: dict) -> dict:  # all but the smol entry, which must read back as written
+        return {**document, key: {**document.get(key, {}), "smol": None}}
+
+    if parsed.get(key, {}).get("smol") != entry or rest(parsed) != rest(existing):
         raise SetupRefused(
-            f"appending [{key}.smol] to {path} would not give valid TOML with "
-            f"every other setting kept (for example when {key} is written as an "
-            f"inline table, {key} = {{...}}); nothing was written: paste the entry "
-            "printed by `setup` without --write by hand"
+            f"appending [{key}.smol] to {path} would not give valid TOML with every other setting "
+            f"kept (for example when {key} is written as an inline table, {key} = {{...}}); "
+            "nothing was written: paste the entry printed by `setup` without --write by hand"
         )
     return merged, "smol" in existing.get(key, {})
 
@@ -9355,17 +9191,9 @@ CONNECTOR_STEPS = """\
 # internet (run --http behind TLS, with publicUrl set to that address)."""
 
 
-def setup(
-    client: str, http_url: str | None, write: bool, force: bool = False, oauth: bool = False
-) -> int:
-    """Print the client's configuration block, or merge it into its file
-    without disturbing other entries (after a backup; never into a file that
-    does not parse, and never what would not parse again)."""
-    try:
-        config = load_config()
-    except ConfigError as err:
-        print(f"smol-mcp: {err}", file=sys.stderr)
-        return 2
+def setup(config: Config, client: str, http_url: str | None, write: bool, force: bool, oauth: bool):
+    """Print the client's entry, or merge it into its file after a backup (never into a file
+    that does not parse, never what would not parse again)."""
     if oauth and client == "claude-desktop":
         print(CONNECTOR_STEPS.format(url=http_url))
         return 0
@@ -9377,11 +9205,8 @@ def setup(
     if oauth and client == "codex":
         print("# then sign in once with: codex mcp login smol", file=sys.stderr)
     if client == "claude-desktop" and not http_url and (held := entry_environment(os.environ)[1]):
-        print(
-            "# claude-desktop reads no environment: add "
-            f"{', '.join(held)} to the entry's env by hand (secrets are not copied for you)",
-            file=sys.stderr,
-        )
+        hint = f"add {', '.join(held)} to the entry's env by hand (secrets are not copied for you)"
+        print(f"# claude-desktop reads no environment: {hint}", file=sys.stderr)
     if not write:
         # on stderr, so that stdout stays pastable as it is
         print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)
@@ -9400,17 +9225,10 @@ def setup(
         return 2
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
-        folder = backup_dir(dict(os.environ))
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        flat = str(path.absolute()).strip("/").replace("/", "%")
-        backup = folder / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
-        shutil.copy2(path, backup)
-        print(f"backed up {path} to {backup}")
+        print(f"backed up {path} to {back_up(path)}")
     path.write_text(merged)
-    print(
-        f"{'replaced the smol entry in' if replacing else 'wrote the smol entry into'} {path} "
-        f"(the {scope} file {client} reads)"
-    )
+    done = "replaced the smol entry in" if replacing else "wrote the smol entry into"
+    print(f"{done} {path} (the {scope} file {client} reads)")
     if command and client != "codex":  # its one-liner is this very command
         print(f"(the same with the client's own command: {command})")
     return 0
@@ -9419,15 +9237,10 @@ def setup(
 # -- tokens ------------------------------------------------------------------
 
 
-def token_variable(name: str) -> str:
-    """The environment variable a client entry reads a named token from."""
-    return "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
-
-
 def token_entry(client: str, url: str, config: Config, name: str, secret: str) -> str:
-    """A new token's ready-to-paste entry for ``client``, with where it goes and
-    how the client gets the secret (for `tokens create --client` and the console)."""
-    variable = token_variable(name)
+    """A new token's ready-to-paste entry for ``client``, with where it goes and how the
+    client gets the secret (for `tokens create --client` and the console)."""
+    variable = "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
     key, entry = http_entry(client, url, config, variable)
     where = client_config_path(client)[0]
     if secret_reference(client, variable) or client == "codex":
@@ -9444,37 +9257,17 @@ def tokens_command(args: Any, config: Config) -> int:
         if not args.scopes and not args.preset:
             presets = "; ".join(f"--preset {name} ({s})" for name, s in SCOPE_PRESETS.items())
             raise ArgumentError(f"say what the token may do: --scopes LIST, or {presets}")
-        record, secret = store.create(
-            args.name,
-            parse_scopes(args.scopes or SCOPE_PRESETS[args.preset]),
-            parse_targets(args.targets),
-            args.approval,
-        )
-        shown = {
-            "name": record["name"],
-            "secret": secret,
-            "scopes": record["scopes"],
-            "targets": record["targets"],
-            "approval": record["approval"],
-        }
-        cli_record(
-            config,
-            {
-                "event": "token",
-                "outcome": "created",
-                "token": record["name"],
-                "scopes": record["scopes"],
-                "targets": record["targets"],
-                "approval": record["approval"],
-            },
-        )
+        scopes = parse_scopes(args.scopes or SCOPE_PRESETS[args.preset])
+        record, secret = store.create(args.name, scopes, parse_targets(args.targets), args.approval)
+        granted = {key: record[key] for key in ("scopes", "targets", "approval")}
+        created = {"event": "token", "outcome": "created", "token": record["name"]}
+        cli_record(config, {**created, **granted})
         if args.json:
-            print(json.dumps(shown))
+            print(json.dumps({"name": record["name"], "secret": secret, **granted}))
             return 0
-        print(
-            f"created token '{record['name']}': scopes {', '.join(record['scopes'])}; fleets "
-            f"{', '.join(record['targets'])}; approval {record['approval']}"
-        )
+        scopes, fleets = ", ".join(record["scopes"]), ", ".join(record["targets"])
+        allowed = f"scopes {scopes}; fleets {fleets}; approval {record['approval']}"
+        print(f"created token '{record['name']}': {allowed}")
         print(f"secret (shown this once; only its hash is kept): {secret}")
         if args.client:
             url = args.url or f"http://{config.http_host}:{config.http_port}{config.http_path}"
@@ -9485,67 +9278,40 @@ def tokens_command(args: Any, config: Config) -> int:
         if not auto.end(args.name):
             print(f"smol-mcp: {args.name!r} has no auto-approval; nothing changed", file=sys.stderr)
             return 1
-        cli_record(
-            config, {"event": "approval", "approval": "auto-approval ended", "token": args.name}
-        )
+        ended = {"event": "approval", "approval": "auto-approval ended", "token": args.name}
+        cli_record(config, ended)
         print(f"auto-approval of {args.name!r} is off: its changing calls wait for a person again")
         return 0
     if args.tokens_command == "list":
         records, used = store.records(), store.last_used()
-        if args.json:
-            print(
-                json.dumps(
-                    [
-                        {
-                            "name": r["name"],
-                            "scopes": r["scopes"],
-                            "targets": r["targets"],
-                            "approval": r["approval"],
-                            "autoApprove": auto.shown(r["name"], r.get("id", "")),
-                            "client": r.get("client"),
-                            "lastUsed": used.get(r["name"]),
-                        }
-                        for r in records
-                    ]
-                )
-            )
-            return 0
-        if not records:
-            print(
-                f"no tokens yet (create one with: smol_mcp.py tokens create NAME --scopes LIST); "
-                f"file {store.file.path}"
-            )
-            return 0
-        rows = [(*"NAME SCOPES FLEETS APPROVAL AUTO-APPROVE CLIENT CREATED".split(), "LAST USED")]
-        rows += [
-            (
-                r["name"],
-                ",".join(r["scopes"]),
-                ",".join(r["targets"]),
-                r["approval"],
-                auto.shown(r["name"], r.get("id", "")),
-                shown_text(r.get("client", "-")),  # an OAuth grant's client, as it named itself
-                r.get("createdAt", "-"),
-                used.get(r["name"], "never"),
-            )
+        listed = [
+            {key: r[key] for key in ("name", "scopes", "targets", "approval")}
+            | {"autoApprove": auto.shown(r["name"], r.get("id", "")), "client": r.get("client")}
+            | {"lastUsed": used.get(r["name"])}
             for r in records
         ]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        if args.json:
+            print(json.dumps(listed))
+            return 0
+        if not records:
+            create = "smol_mcp.py tokens create NAME --scopes LIST"
+            print(f"no tokens yet (create one with: {create}); file {store.file.path}")
+            return 0
+        rows = [(*"NAME SCOPES FLEETS APPROVAL AUTO-APPROVE CLIENT CREATED".split(), "LAST USED")]
+        for r, shown in zip(records, listed):  # CLIENT: an OAuth grant's, by its registered name
+            granted = (",".join(r["scopes"]), ",".join(r["targets"]), r["approval"])
+            when = (r.get("createdAt", "-"), used.get(r["name"], "never"))
+            rows.append((r["name"], *granted, shown["autoApprove"], r.get("client", "-"), *when))
+        print_table(rows)
         return 0
     if not store.delete(args.name):
         names = ", ".join(r["name"] for r in store.records()) or "none"
-        print(
-            f"smol-mcp: there is no token named {args.name!r} (the tokens: {names})",
-            file=sys.stderr,
-        )
+        unknown = f"there is no token named {args.name!r} (the tokens: {names})"
+        print(f"smol-mcp: {unknown}", file=sys.stderr)
         return 1
     cli_record(config, {"event": "token", "outcome": "deleted", "token": args.name})
-    print(
-        f"deleted token '{args.name}': a running server refuses it within a second and ends its "
-        "sessions (their ephemeral machines are deleted)"
-    )
+    ends = "ends its sessions (their ephemeral machines are deleted)"
+    print(f"deleted token '{args.name}': a running server refuses it within a second and {ends}")
     return 0
 
 
@@ -9560,10 +9326,8 @@ def operator_command(args: Any, config: Config) -> int:
                 "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
             )
         print(f"{issuer}/signin?link={operator.new_link()}")
-        print(
-            "(good for 10 minutes, once; for a server on another address keep the path and query)",
-            file=sys.stderr,
-        )
+        elsewhere = "for a server on another address keep the path and query"
+        print(f"(good for 10 minutes, once; {elsewhere})", file=sys.stderr)
         return 0
     if sys.stdin.isatty():
         import getpass
@@ -9580,8 +9344,7 @@ def operator_command(args: Any, config: Config) -> int:
 
 
 def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
-    """An activity entry made at the terminal, in the name of the OS user (or
-    by ``who``: the operator in the console)."""
+    """Log an entry made at the terminal by the OS user (or by ``who``: the console's operator)."""
     try:
         who = who or {"principal": "cli", "user": os_user()}
         ActivityLog(config.state_dir).append({**who, **entry})
@@ -9593,9 +9356,8 @@ def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
 
 
 def printable(text: Any) -> str:
-    """``text`` safe for a terminal: every control and format character (ESC, BEL,
-    a newline, a bidi override) escaped, so what an agent chose cannot move the
-    cursor or forge a row."""
+    """``text`` safe for a terminal: every control and format character (ESC, BEL, a newline,
+    a bidi override) escaped, so what an agent chose cannot move the cursor or forge a row."""
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
 
 
@@ -9615,8 +9377,7 @@ def activity_command(args: Any, config: Config) -> int:
     except ValueError as err:
         raise ConfigError(f"--since: {err}") from None
     log_file = ActivityLog(config.state_dir)
-    keep = activity_filter(args.token, args.machine, since)
-    entries = log_file.entries(keep, args.limit)
+    entries = log_file.entries(activity_filter(args.token, args.machine, since), args.limit)
     if args.json:
         print(json.dumps(entries))
         return 0
@@ -9624,13 +9385,10 @@ def activity_command(args: Any, config: Config) -> int:
         matching = " that matches" if (args.token or args.machine or since) else ""
         print(f"no activity recorded{matching} (log: {log_file.path})")
         return 0
-    print_table([ACTIVITY_COLUMNS, *map(activity_row, entries)])
+    print_table([("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME"), *map(activity_row, entries)])
     if len(entries) == args.limit:
         print(f"(the latest {args.limit} entries; --limit N shows more)")
     return 0
-
-
-ACTIVITY_COLUMNS = ("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME")
 
 
 def activity_row(entry: dict) -> tuple:
@@ -9641,17 +9399,8 @@ def activity_row(entry: dict) -> tuple:
     if entry.get("event") == "approval":
         subject = entry.get("tool") or entry.get("token", "")
         what = f"approval {entry.get('approval', '?')} {subject}"
-        outcome = " ".join(
-            filter(
-                None,
-                (
-                    f"id {entry['id']}" if entry.get("id") else "",
-                    f"by {entry['by']}" if entry.get("by") else "",
-                    entry.get("reason", ""),
-                    entry.get("error", ""),
-                ),
-            )
-        )
+        said = [f"{key} {entry[key]}" for key in ("id", "by") if entry.get(key)]
+        outcome = " ".join(filter(None, (*said, entry.get("reason", ""), entry.get("error", ""))))
     elif entry.get("event") == "token":
         what, outcome = f"token {entry.get('outcome')}", entry.get("token", "")
     else:
@@ -9664,8 +9413,7 @@ def activity_row(entry: dict) -> tuple:
 
 
 def print_waiting(shown: list[dict]) -> None:
-    """Waiting calls for the person who answers them: a row each, then every
-    argument on a line of its own, escaped, a cut one with its size and SHA-256."""
+    """Waiting calls, a row each, then every argument on a line of its own, escaped."""
     rows = [("ID", "TOKEN", "TOOL", "MACHINE", "TIME LEFT")]
     for r in shown:
         try:
@@ -9695,10 +9443,8 @@ def approvals_command(args: Any, config: Config) -> int:
             print("no call waits for approval")
             return 0
         print_waiting(shown)
-        print(
-            "\nanswer with: approvals approve ID [--auto-for 1h|1d|7d|30d|forever], or "
-            "approvals deny ID [--reason TEXT]"
-        )
+        how = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
+        print(f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]")
         return 0
     approve = args.approvals_command == "approve"
     if approve and args.auto_for:  # it releases the token's other waiting calls: show them
@@ -9709,23 +9455,14 @@ def approvals_command(args: Any, config: Config) -> int:
             print_waiting(others)
             print(f"\n--auto-for also lets these {len(others)} calls run; add --yes to go on")
             return 1
-    request, until = answer_approval(
-        config,
-        args.id,
-        approve,
-        None,
-        args.auto_for if approve else None,
-        getattr(args, "reason", ""),
-    )
-    if not approve:
-        print(f"denied {args.id}: {request.get('tool')} by {request.get('token')} does not run")
-        return 0
-    print(f"approved {args.id}: {request.get('tool')} by {request.get('token')} runs now")
+    auto_for, reason = args.auto_for if approve else None, getattr(args, "reason", "")
+    request, until = answer_approval(config, args.id, approve, None, auto_for, reason)
+    token = request.get("token")
+    call = f"{args.id}: {request.get('tool')} by {token}"
+    print(f"approved {call} runs now" if approve else f"denied {call} does not run")
     if until:
-        print(
-            f"{request.get('token')} runs changing tools without asking until {until}; "
-            f"end it with: tokens auto-approve {request.get('token')} off"
-        )
+        end = f"end it with: tokens auto-approve {token} off"
+        print(f"{token} runs changing tools without asking until {until}; {end}")
     return 0
 
 
@@ -9733,32 +9470,25 @@ def waiting_calls(config: Config) -> list[dict]:
     """The calls that wait for approval, as `approvals list` and the console show them."""
     desk = ApprovalDesk(config.state_dir)
     keys = ("id", "token", "tool", "machine", "expiresAt", "arguments")
-    return [
-        {key: r.get(key) for key in keys}
-        for r in (desk.pending() if desk.directory.exists() else [])
-    ]
+    pending = desk.pending() if desk.directory.exists() else []
+    return [{key: r.get(key) for key in keys} for r in pending]
 
 
 def answer_approval(
     config: Config, approval_id: str, approve: bool, who: dict | None, auto_for=None, reason=""
 ) -> tuple[dict, str | None]:
-    """Answer a waiting call, from the terminal (``who`` None) or the console
-    (``who`` names the person and the channel), as one event: (the request,
+    """Answer a waiting call from the terminal (``who`` None) or the console: (the request,
     until when its token now runs without asking, if it does)."""
     who = who or {"principal": "cli", "user": os_user(), "via": "terminal"}
-    answer = {
-        "decision": "approve" if approve else "deny",
-        "by": who.get("user") or who["principal"],
-    }
+    decision = "approve" if approve else "deny"
+    answer = {"decision": decision, "by": who.get("user") or who["principal"]}
     answer.update(answeredAt=utc_now(), via=who["via"])
     answer.update({"autoFor": auto_for} if auto_for else {} if approve else {"reason": reason})
     request = ApprovalDesk(config.state_dir).respond(approval_id, answer)
     if not auto_for:
         return request, None
-    token = str(request.get("token"))
-    until = AutoApprovals(config.state_dir).grant(
-        token, str(request.get("principalId", "")), auto_for
-    )
+    token, principal = str(request.get("token")), str(request.get("principalId", ""))
+    until = AutoApprovals(config.state_dir).grant(token, principal, auto_for)
     started = {"event": "approval", "approval": "auto-approval started", "token": token}
     cli_record(config, {**started, "until": until, "id": approval_id}, who)
     return request, until
@@ -9770,9 +9500,8 @@ def oauth_report(config: Config) -> str:
     if not Operator(config.state_dir).enabled():
         return "off: no operator password or link (`operator set-password` turns it on)"
     if issuer is None:
-        return (
-            f"off: --http on {config.http_host} needs publicUrl, the https:// address clients reach"
-        )
+        host = config.http_host
+        return f"off: --http on {host} needs publicUrl, the https:// address clients reach"
     return f"on with --http, issuer {issuer} (clients connect by URL; sign-in at {issuer}/signin)"
 
 
@@ -9796,8 +9525,7 @@ def tokens_file_report(config: Config) -> str:
 
 
 def parity(app: SmolMcp) -> int:
-    """Print called / skipped / unknown / missing against the serve's spec;
-    non-zero when a route this server calls is missing."""
+    """Print the routes against the serve's spec; non-zero when one this server calls is missing."""
     fleet = app.local
     fleet.acquire()
     try:
@@ -9805,20 +9533,16 @@ def parity(app: SmolMcp) -> int:
     finally:
         fleet.release()
     report = parity_report(spec)
-    print(
-        f"smolvm {fleet.version}: {len(report['called'])} called, {len(report['skipped'])} "
-        "skipped, "
-        f"{len(report['unknown'])} unknown, {len(report['missing'])} missing"
-    )
+    kinds = ("called", "skipped", "unknown", "missing")
+    counts = ", ".join(f"{len(report[kind])} {kind}" for kind in kinds)
+    print(f"smolvm {fleet.version}: {counts}")
     for method, path in report["called"]:
         print(f"  called   {method:6} {path}")
     for (method, path), reason in report["skipped"]:
         print(f"  skipped  {method:6} {path}: {reason}")
     for method, path in report["unknown"]:
-        print(
-            f"  UNKNOWN  {method:6} {path}: new in this smolvm; decide whether a tool should "
-            "call it"
-        )
+        decide = "new in this smolvm; decide whether a tool should call it"
+        print(f"  UNKNOWN  {method:6} {path}: {decide}")
     for method, path in report["missing"]:
         print(f"  MISSING  {method:6} {path}: called by smol-mcp but absent from this serve")
     return 1 if report["missing"] else 0
@@ -9828,31 +9552,28 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``smol-mcp`` and ``python3 smol_mcp.py``."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
-    log.setLevel(
-        logging.INFO
-    )  # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
-    if args.command == "setup":
-        return setup(args.client, args.http_url, args.write, args.force, args.oauth)
+    # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
+    log.setLevel(logging.INFO)
+    import anyio
+
+    helpers = {"tokens": tokens_command, "activity": activity_command}
+    helpers.update(approvals=approvals_command, operator=operator_command)
     try:
         config = load_config()
-        if args.command == "tokens":
-            return tokens_command(args, config)
-        if args.command == "activity":
-            return activity_command(args, config)
-        if args.command == "approvals":
-            return approvals_command(args, config)
-        if args.command == "operator":
-            return operator_command(args, config)
-        operator_on = Operator(config.state_dir).enabled()
-        if args.http and not args.command and not (Access(config).has_any_token() or operator_on):
+        if args.command == "setup":
+            return setup(config, args.client, args.http_url, args.write, args.force, args.oauth)
+        if args.command in helpers:
+            return helpers[args.command](args, config)
+        serving = args.http and not args.command
+        if serving and not (Access(config).has_any_token() or Operator(config.state_dir).enabled()):
             raise ConfigError(
-                "--http refuses to start without a token, because these tools run machines: "
-                f"create one with `{invocation()} tokens create NAME --preset sandbox`, or set "
-                "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>' ("
-                + HTTP_TOKEN_ADVICE
-                + f"), or let clients connect by URL: `{invocation()} operator set-password`"
+                "--http refuses to start without a token, because these tools run machines: create "
+                f"one with `{invocation()} tokens create NAME --preset sandbox`, or set "
+                "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>' "
+                f"({HTTP_TOKEN_ADVICE}), or let clients connect by URL: "
+                f"`{invocation()} operator set-password`"
             )
-        if args.http and not args.command and config.auth_token:
+        if serving and config.auth_token:
             check_token_strength(config.auth_token)
         app = SmolMcp(config)
         if args.command == "doctor":
@@ -9863,37 +9584,25 @@ def main(argv: list[str] | None = None) -> int:
                 return 130
         if args.command == "parity":
             return parity(app)
+        if args.http:  # a SmolError here is about the port: nothing was served yet
+            where = (args.host or config.http_host, args.port or config.http_port)
+            anyio.run(run_http, app, *where, args.path or config.http_path)
     except SmolError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
-    import anyio
-
     if args.http:
-        try:
-            anyio.run(
-                run_http,
-                app,
-                args.host or config.http_host,
-                args.port or config.http_port,
-                args.path or config.http_path,
-            )
-        except SmolError as err:  # the port: nothing was served yet
-            print(f"smol-mcp: {err}", file=sys.stderr)
-            return 2
         # Cleaned up and done: a worker thread a stopped call abandoned must not hold the exit.
         logging.shutdown()
         sys.stdout.flush()
         os._exit(0)
-    else:
-        if sys.stdin.isatty():
-            print(
-                "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a "
-                f"client (Ctrl-C to stop); to check this host run `{invocation()} doctor`, to "
-                f"configure a client `{invocation()} setup CLIENT` (see --help)",
-                file=sys.stderr,
-                flush=True,
-            )
-        anyio.run(run_stdio, app.server, app)
+    if sys.stdin.isatty():
+        waiting = (
+            "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a client "
+            f"(Ctrl-C to stop); to check this host run `{invocation()} doctor`, to configure a "
+            f"client `{invocation()} setup CLIENT` (see --help)"
+        )
+        print(waiting, file=sys.stderr, flush=True)
+    anyio.run(run_stdio, app.server, app)
     return 0
 
 
