@@ -5116,17 +5116,25 @@ class StateFile:
             raise SmolError(f"cannot write {self.path} ({exc.strerror}); {fix}") from None
 
 
-@contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on the file ``path`` (made 0600), which other processes honour."""
-    import fcntl
+class locked:
+    """Hold an exclusive lock on the file ``path`` (made 0600), which other processes
+    honour. A class, not @contextmanager: that one writes ``__traceback__`` onto an
+    exception passing through, which a frozen one (the SDK's RegistrationError) refuses."""
 
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(descriptor)  # closing releases the lock
+    def __init__(self, path: Path):
+        self.descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+    def __enter__(self) -> None:
+        import fcntl
+
+        try:
+            fcntl.flock(self.descriptor, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(self.descriptor)
+            raise
+
+    def __exit__(self, *exc_info: Any) -> None:
+        os.close(self.descriptor)  # closing releases the lock
 
 
 def secret_hash(secret: str) -> str:

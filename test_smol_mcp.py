@@ -8190,7 +8190,7 @@ class OAuthTests(OAuthCase):
             "shown", ("machines.read",), ["local"], "none", client="a\x1b]0;t\x07\u202eb"
         )
         listed = run_cli("tokens", "list", env=self.cli_env()).stdout
-        self.assertIn("a\\u001b]0;t\\u0007\\u202eb", listed)
+        self.assertIn("a\\x1b]0;t\\x07\\u202eb", listed)
         self.assertNotIn("\x1b", listed)
         self.app.pages.failures.clear()
         with unittest.mock.patch.object(smol_mcp, "OAUTH_REGISTRATIONS", 2):
