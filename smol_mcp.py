@@ -1782,14 +1782,11 @@ CLOUD_BLOCKED = {"mode": "blocked"}
 CLOUD_BLOCKED_FALLBACK = {"mode": "allowCidrs", "cidrs": ["192.0.2.0/24"], "hosts": []}
 CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3" | base64'
 CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
-CLOUD_LOCAL_ONLY_ARGUMENT = (
-    '"{argument}" is local only: the cloud fleet has no host directories, overlay disk or '
-    "workload command to set; leave it out for a cloud machine"
-)
 
 
 class CloudFleet:
-    """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads."""
+    """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads.
+    The long signatures are Fleet's; its annotations are not repeated here."""
 
     name = "cloud"
     served_as = "cloud (the smol cloud account; machines are billed while they exist)"
@@ -1877,14 +1874,13 @@ class CloudFleet:
             if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
                 break
             wait = response.headers.get("retry-after", "")
-            delay = float(wait) if wait.replace(".", "", 1).isdigit() else None
-            if delay is not None and delay > CLOUD_MAX_RETRY_WAIT_SECS:
+            delay = float(wait) if wait.replace(".", "", 1).isdigit() else 0.5 * 2**attempt
+            if delay > CLOUD_MAX_RETRY_WAIT_SECS:
                 raise SmolError(
                     f"the cloud API is busy (HTTP {code}) and asks to wait {delay:.0f} s before "
                     f"trying to {action} again, longer than this server waits "
                     f"({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later"
                 )
-            delay = 0.5 * 2**attempt if delay is None else delay
             log.info(
                 "the cloud API answered HTTP %d to %s: trying again in %.1f s", code, action, delay
             )
@@ -1901,12 +1897,11 @@ class CloudFleet:
     # -- machines (normalised) ---------------------------------------------
 
     def _find(self, name: str) -> dict:
-        """The raw record of the machine named ``name``. A name is never taken
-        as an id (SPEC 16): a machine without a name is listed, and found, under
-        its id, and a machine named so wins over it."""
+        """The raw record of the machine named ``name``. A name is never taken as an id (SPEC 16):
+        a machine without a name is listed, and found, under its id; a machine named so wins."""
         found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
-        for record in sorted(found, key=lambda r: not r.get("name")):
-            return record
+        if found:
+            return min(found, key=lambda r: not r.get("name"))
         missing = f"machine '{name}' not found"
         raise ApiError(self.name, f"find machine '{name}'", 404, "NOT_FOUND", missing)
 
@@ -1932,7 +1927,10 @@ class CloudFleet:
         local_only = (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb), ("cmd", spec.cmd))
         for argument, given in local_only:
             if given:
-                raise ArgumentError(CLOUD_LOCAL_ONLY_ARGUMENT.format(argument=argument))
+                raise ArgumentError(
+                    f'"{argument}" is local only: the cloud fleet has no host directories, overlay '
+                    "disk or workload command to set; leave it out for a cloud machine"
+                )
         if any(port.get("host") for port in spec.ports):
             raise ArgumentError(
                 '"ports[].host" is local only: the cloud control plane picks the host port; '
@@ -2008,16 +2006,7 @@ class CloudFleet:
             raise self._bad_json(action, answer, "no whole-number exitCode")
         return answer, time.monotonic() - started
 
-    def exec(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
-    ) -> ExecResult:
+    def exec(self, name, argv, *, timeout_secs, workdir=None, env=None, stdin=None) -> ExecResult:
         """Run a command; NotRunning unless the machine runs (cloud exec would start it)."""
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
@@ -2030,15 +2019,7 @@ class CloudFleet:
         return ExecResult(int(answer["exitCode"]), out, err, seconds, cut)
 
     def exec_stream(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        on_output: Callable[[str, str], None],
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
+        self, name, argv, *, timeout_secs, on_output, workdir=None, env=None, stdin=None
     ) -> ExecResult:
         """``exec`` through the SSE route. Never retried: the command may have run."""
         import httpx2
@@ -2068,16 +2049,7 @@ class CloudFleet:
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
 
-    def start_job(
-        self,
-        name: str,
-        job_id: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-    ) -> dict:
+    def start_job(self, name, job_id, argv, *, timeout_secs, workdir=None, env=None) -> dict:
         """The service names the job itself; ``job_id`` is the local fleet's."""
         body, path = cloud_exec_body(argv, timeout_secs, workdir, env), self._jobs_path(name)
         action = f"start a job in machine '{name}'"
@@ -2088,10 +2060,8 @@ class CloudFleet:
         path = f"{self._jobs_path(name)}/{_q(job_id)}"
         job = self.request(f"read job {job_id} of machine '{name}'", "GET", path)
         sizes = (int(job.get("stdoutBytes") or 0), int(job.get("stderrBytes") or 0))
-        # At most `limit` bytes together; neither stream starves while the other has plenty.
-        out_left, err_left = (max(0, size - offset) for size, offset in zip(sizes, offsets))
-        out = min(out_left, max(limit // 2, limit - err_left))
-        share = (out, min(err_left, limit - out))
+        left = tuple(max(0, size - offset) for size, offset in zip(sizes, offsets))
+        share = stream_shares(left, limit)  # at most `limit` bytes together
         pages = [b"", b""]
         for index, (stream, offset, count) in enumerate(zip(("stdout", "stderr"), offsets, share)):
             if count > 0:
@@ -2276,19 +2246,14 @@ def cloud_answer(
     with ``expect`` None, whatever came (JSON decoded when it parses)."""
     ctype, body = response.headers.get("content-type", ""), response.content
     why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
-    if why and expect is None:
-        return body or None
     if not why:
         try:
             value = json.loads(body)
         except ValueError:
-            if expect is None:
-                return body
             why = "malformed JSON"
-        else:
-            if expect is None or isinstance(value, expect):
-                return value
-            why = f"JSON of the wrong shape ({_json_type(value)})"
+    if expect is None or not why and isinstance(value, expect):
+        return (body or None) if why else value
+    why = why or f"JSON of the wrong shape ({_json_type(value)})"
     raise bad_cloud_answer(action, response.status_code, ctype, body, why, secret_values)
 
 
@@ -2407,17 +2372,13 @@ def local_record(info: dict) -> dict:
     lists = info.get("allowedHosts") or info.get("allowedCidrs")
     network = "allowlist" if lists else "open" if info.get("network") else "blocked"
     ports = [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []]
-    return {
+    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # state image cpus memoryMb pid
+    return named_alike | {
         "id": info["name"],
         "name": info["name"],
-        "state": info.get("state"),
-        "image": info.get("image"),
-        "cpus": info.get("cpus"),
-        "memoryMb": info.get("memoryMb"),
         "network": network,
         "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
-        "pid": info.get("pid"),
         "url": None,  # the local fleet has no public ingress
         "branchable": bool(info.get("branchable") or info.get("forkable")),
         "parent": info.get("parentMachine"),
@@ -2444,10 +2405,9 @@ def cloud_record(info: dict) -> dict:
         mode = "allowCidrs" if network.get("hosts") else "blocked"
     egress = {"open": "open", "blocked": "blocked", "allowCidrs": "allowlist"}
     ports = [{"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []]
-    return {
-        "id": info.get("id"),
+    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # id state url
+    return named_alike | {
         "name": info.get("name") or info.get("id"),
-        "state": info.get("state"),
         "image": source.get("reference") or info.get("image"),
         "cpus": resources.get("cpus"),
         "memoryMb": resources.get("memoryMb"),
@@ -2455,7 +2415,6 @@ def cloud_record(info: dict) -> dict:
         "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
         "pid": None,  # the VM process runs on a node we cannot see
-        "url": info.get("url"),
         "branchable": bool(info.get("branchable", info.get("forkable", False))),
         "parent": info.get("parent") or info.get("sourceMachineId"),
     }
@@ -2506,10 +2465,9 @@ REPLY_RESERVE_TOKENS = 2000  # of replyTokens, for the fields around the content
 
 
 def piece_tokens(piece: str) -> int:
-    """The most tokens one TOKEN_PIECE_RE piece is taken to cost, as the JSON
-    of a reply shows it. Measured against real BPE tokenizers: English about
-    3.5 characters a token, base64 and random identifiers 1.4, CJK up to 2.3
-    tokens a character, emoji 2.9, a control character's \\u00XX escape 3."""
+    """The most tokens one TOKEN_PIECE_RE piece is taken to cost in a reply's JSON. Measured against
+    real BPE tokenizers: English about 3.5 characters a token, base64 and random identifiers 1.4,
+    CJK up to 2.3 tokens a character, emoji 2.9, a control character's \\u00XX escape 3."""
     first, size = piece[0], len(piece)
     if first.isascii() and first.isalnum():
         if size > 12 or not PLAIN_WORD_RE.fullmatch(piece):
@@ -2546,9 +2504,8 @@ def prefix_within_tokens(data: bytes, tokens: int) -> int:
 
 
 def reply_json(result: dict) -> str:
-    """The text content of a structured tool result: the same JSON, compact (no
-    whitespace a model pays for, and CPython's C encoder runs only without an
-    indent), with non-ASCII kept as characters (escaped, each costs six)."""
+    """A structured tool result's text content: the same JSON, compact (no whitespace a model pays
+    for; CPython's C encoder runs only without an indent), non-ASCII kept (escaped costs six)."""
     return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -2558,13 +2515,9 @@ def reply_tokens(config: Config) -> int:
 
 
 def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
-    """Split ``limit`` tokens between stdout and stderr; one needing under half leaves the rest."""
-    half = limit // 2
-    if sum(costs) <= limit:
-        return costs
-    if costs[0] <= half:
-        return costs[0], limit - costs[0]
-    return (limit - costs[1], costs[1]) if costs[1] <= half else (half, limit - half)
+    """Split ``limit`` between stdout and stderr; one needing under half leaves the rest."""
+    first = min(costs[0], max(limit // 2, limit - costs[1]))
+    return first, min(costs[1], limit - first)
 
 
 def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, int]:
@@ -2616,7 +2569,6 @@ TYPE_WORDS = {
     "object": "an object",
 }
 MAX_TIMEOUT_SECS = 86400  # built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
-
 MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
 MAX_DISK_GB = 4096  # storageGb and overlayGb
 MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
