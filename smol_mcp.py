@@ -1823,11 +1823,9 @@ class CloudFleet:
         self._client = httpx2.Client(base_url=url, timeout=CLOUD_TIMEOUT_SECS, headers=headers)
         self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
 
-    def acquire(self) -> None:
-        """Sessions share one HTTP client; nothing to start."""
-
-    def release(self) -> None:
-        """Nothing to stop: the cloud keeps no connection state of ours."""
+    # Sessions share one HTTP client, and the cloud keeps no connection state of ours.
+    def acquire(self) -> None: ...
+    def release(self) -> None: ...
 
     # -- HTTP --------------------------------------------------------------
 
@@ -2200,14 +2198,9 @@ class CloudFleet:
         )
 
 
-def cloud_exec_body(
-    argv: list[str],
-    timeout_secs: int,
-    workdir: str | None = None,
-    env: dict[str, str] | None = None,
-    stdin: str | None = None,
-) -> dict:
-    """The body of a cloud exec or job start; ``stdin`` only when there is some."""
+def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
+    """The body of a cloud exec or job start (the options typed in Fleet.exec); ``stdin`` only when
+    there is some."""
     body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
     return body if stdin is None else {**body, "stdin": stdin}
 
@@ -2347,8 +2340,7 @@ class Fleet(Protocol):
         lines under the fleet's heading and the advice printed after its reason."""
 
 
-# name -> fleet class: the one place a fleet is registered (the order is the
-# order instructions and smol://targets list them in).
+# The one place a fleet is registered; instructions and smol://targets list fleets in this order.
 FLEETS: dict[str, type[Fleet]] = {"local": LocalFleet, "cloud": CloudFleet}
 FLEET_NAMES = tuple(FLEETS)
 
@@ -2544,10 +2536,9 @@ def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, i
 # ---------------------------------------------------------------------------
 # 7. Argument validation
 #
-# The SDK does not validate tool arguments, so this does, against the same
-# JSON Schema the client is shown. Every refusal names the argument, and an
-# unknown one gets the nearest accepted name, because `memory` for `memoryMb`
-# is the usual mistake and the API's own message would not say which tool.
+# The SDK does not validate tool arguments, so this does, against the JSON Schema the client sees.
+# Every refusal names the argument; an unknown one gets the nearest accepted name, because `memory`
+# for `memoryMb` is the usual mistake and the API's own message would not say which tool.
 # ---------------------------------------------------------------------------
 
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
