@@ -1839,10 +1839,9 @@ class CloudFleet:
         timeout: float = CLOUD_TIMEOUT_SECS,
         expect: type | tuple[type, ...] | None = dict,
     ) -> Any:
-        """One call with retries where they are safe: 429 always (it never ran), the other retryable
-        statuses only for idempotent methods. A bytes ``payload`` is sent as it is, anything else as
-        JSON. ``expect`` is the JSON shape a success must have (None: any body, JSON or bytes); any
-        other answer is the service's fault and says so (cloud_answer)."""
+        """One call, retried where safe: 429 always (it never ran), other retryable statuses only
+        for idempotent methods. A bytes ``payload`` is sent as it is, else JSON. ``expect`` is the
+        JSON shape a success must have (None: any body, JSON or bytes); cloud_answer holds to it."""
         import httpx2
 
         if not self.config.cloud_token:
@@ -1959,7 +1958,6 @@ class CloudFleet:
             refused = err.status in (400, 422) and "blocked" in err.api_message
             if body["network"] is not CLOUD_BLOCKED or not refused:
                 raise
-        # This service predates the "blocked" spelling: deny with the allow-list form from now on.
         log.info(
             'the cloud API refused network mode "blocked"; denying egress with an allow-list of '
             "192.0.2.0/24"
@@ -2199,8 +2197,7 @@ class CloudFleet:
 
 
 def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
-    """The body of a cloud exec or job start (the options typed in Fleet.exec); ``stdin`` only when
-    there is some."""
+    """A cloud exec's or job start's body (the options as typed in Fleet.exec); ``stdin`` if any."""
     body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
     return body if stdin is None else {**body, "stdin": stdin}
 
@@ -2513,9 +2510,8 @@ def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
 
 
 def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, int]:
-    """The text to return for one stream and how many bytes were left out: its
-    head and its tail, each within half of ``limit`` bytes and of ``tokens``.
-    ``where`` finishes the marker sentence (where the whole stream is)."""
+    """The text to return for one stream and the bytes left out: its head and its tail, each within
+    half of ``limit`` bytes and of ``tokens``; ``where`` ends the marker (where the stream is)."""
     if len(data) <= limit and est_tokens(data.decode("utf-8", "surrogateescape")) <= tokens:
         return data.decode("utf-8", "replace"), 0  # (a longer stream is never decoded whole)
     marker = f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n"
@@ -2577,19 +2573,17 @@ ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "wor
 
 
 def python_pattern(pattern: str) -> str:
-    """A schema pattern as Python must read it. The schema is ECMAScript, where a
-    final `$` is the end of the string; Python's `$` also matches before a final
-    newline, which let "name\\n" through. So a final `$` is read as `\\Z`."""
+    """A schema pattern as Python must read it: in ECMAScript a final `$` ends the string, but in
+    Python it also matches before a final newline (it let "name\\n" through): it becomes `\\Z`."""
     if pattern.endswith("$") and not pattern.endswith("\\$"):
         return pattern[:-1] + r"\Z"
     return pattern
 
 
 def guest_path(path: str, where: str = "path") -> str:
-    """An absolute guest path in its plain form: `.` and `..` resolved the way
-    the guest's POSIX file system would, no empty segments. A path that climbs
-    above `/`, or holds a control character, is refused: on an HTTP route such a
-    path could name another route rather than a file."""
+    """An absolute guest path in its plain form: `.` and `..` resolved as the guest's POSIX file
+    system would, no empty segments. A path that climbs above `/`, or holds a control character, is
+    refused: on an HTTP route such a path could name another route rather than a file."""
     if not path.startswith("/"):
         raise ArgumentError(
             f'"{where}" must be an absolute path inside the machine (starting with /); got '
@@ -2706,9 +2700,8 @@ def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
 
 @functools.cache
 def argument_validator() -> Any:
-    """jsonschema's Draft 2020-12 validator, with two keywords read as the schema's
-    ECMAScript readers read them: a whole number is never 1.0, and a final `$` in
-    a pattern is the end of the string (python_pattern)."""
+    """jsonschema's Draft 2020-12 validator, reading two keywords as the schema's ECMAScript readers
+    do: a whole number is never 1.0, and a pattern's final `$` ends the string (python_pattern)."""
     import jsonschema  # installed with mcp
 
     def whole_number(checker: Any, value: Any) -> bool:
