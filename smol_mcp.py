@@ -1841,7 +1841,7 @@ class CloudFleet:
     ) -> Any:
         """One call, retried where safe: 429 always (it never ran), other retryable statuses only
         for idempotent methods. A bytes ``payload`` is sent as it is, else JSON. ``expect`` is the
-        JSON shape a success must have (None: any body, JSON or bytes); cloud_answer holds to it."""
+        JSON shape a success must have (None: any body, JSON or bytes); _answer holds to it."""
         import httpx2
 
         if not self.config.cloud_token:
@@ -1883,13 +1883,55 @@ class CloudFleet:
             )
             time.sleep(delay)
         if response.status_code >= 400:
-            raise cloud_error(action, response, self.config.secret_values())
-        return cloud_answer(action, response, expect, self.config.secret_values())
+            raise self._error(action, response)
+        return self._answer(action, response, expect)
 
-    def _bad_json(self, action: str, answer: Any, why: str) -> SmolError:
-        """bad_cloud_answer for a JSON answer that is not what the service promises."""
-        body, secrets = json.dumps(answer).encode(), self.config.secret_values()
-        return bad_cloud_answer(action, 200, "application/json", body, why, secrets)
+    def _error(self, action: str, response: Any) -> ApiError:
+        """An ApiError from the cloud's error bodies: plain text for most statuses,
+        JSON with code and error for some, an empty body for a missing key."""
+        status = response.status_code
+        text, code = response.text.strip(), ""
+        if "application/json" in response.headers.get("content-type", ""):
+            try:
+                parsed = response.json()
+                text = str(parsed.get("error") or parsed.get("message") or text)
+                code = str(parsed.get("code") or "")
+            except (ValueError, AttributeError):
+                pass
+        if status == 401:
+            text = f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN"
+        text = redact(text or "no message", self.config.secret_values())
+        err = ApiError(self.name, action, status, code, text)
+        if request_id := response.headers.get("x-request-id"):
+            err.args = (f"{err.args[0]} [request id {request_id}]",)
+        return err
+
+    def _answer(self, action: str, response: Any, expect: type | tuple[type, ...] | None) -> Any:
+        """The body of a successful answer: JSON of the expected shape, or, with ``expect`` None,
+        whatever came (JSON decoded when it parses)."""
+        ctype, body = response.headers.get("content-type", ""), response.content
+        why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
+        if not why:
+            try:
+                value = json.loads(body)
+            except ValueError:
+                why = "malformed JSON"
+        if expect is None or not why and isinstance(value, expect):
+            return (body or None) if why else value
+        why = why or f"JSON of the wrong shape ({_json_type(value)})"
+        raise self._bad_answer(action, why, body, response.status_code, ctype)
+
+    def _bad_answer(
+        self, action: str, why: str, body: Any, status: int = 200, ctype: str = "application/json"
+    ) -> SmolError:
+        """A sentence about an answer the cloud should not have given; ``body`` is bytes or JSON."""
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        head = redact(body[:120].decode("utf-8", "replace"), self.config.secret_values())
+        return SmolError(
+            f"the cloud API answered the request to {action} with {why}: HTTP {status}, content "
+            f"type {ctype or '(none)'}, starting {head!r}. That is the service's (or a proxy's) "
+            "answer, not this call's: check SMOL_CLOUD_URL points at the API, and try again later"
+        )
 
     # -- machines (normalised) ---------------------------------------------
 
@@ -1908,7 +1950,7 @@ class CloudFleet:
         machines = answer.get("machines", []) if isinstance(answer, dict) else answer
         ok = isinstance(machines, list) and all(isinstance(m, dict) and "id" in m for m in machines)
         if not ok:
-            raise self._bad_json("list machines", answer, "not a list of machine records")
+            raise self._bad_answer("list machines", "not a list of machine records", answer)
         return machines
 
     def list_machines(self) -> list[dict]:
@@ -1999,7 +2041,7 @@ class CloudFleet:
         route = f"/v1/machines/{machine_id}/exec"
         answer = self.request(action, "POST", route, body, timeout=timeout)
         if isinstance(answer.get("exitCode"), bool) or not isinstance(answer.get("exitCode"), int):
-            raise self._bad_json(action, answer, "no whole-number exitCode")
+            raise self._bad_answer(action, "no whole-number exitCode", answer)
         return answer, time.monotonic() - started
 
     def exec(self, name, argv, *, timeout_secs, workdir=None, env=None, stdin=None) -> ExecResult:
@@ -2031,7 +2073,7 @@ class CloudFleet:
             with self._client.stream("POST", route, json=body, headers=sse, timeout=secs) as reply:
                 if reply.status_code >= 400:
                     reply.read()
-                    raise cloud_error(action, reply, self.config.secret_values())
+                    raise self._error(action, reply)
                 events, faults = sse_events(reply.iter_bytes()), (httpx2.TransportError,)
                 return collect_exec_stream(events, name, on_output, started, faults)
         except httpx2.TransportError as exc:  # before the answer began
@@ -2111,8 +2153,7 @@ class CloudFleet:
             with self._client.stream("GET", route, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
                 if response.status_code >= 400:
                     response.read()
-                    action = f"read {path} in machine '{name}'"
-                    raise cloud_error(action, response, self.config.secret_values())
+                    raise self._error(f"read {path} in machine '{name}'", response)
                 size = int(response.headers.get("content-length", -1))
                 page, seen = bytearray(), 0
                 for chunk in response.iter_bytes():
@@ -2207,57 +2248,6 @@ def exec_stream(answer: dict, stream: str) -> bytes:
     if encoded := answer.get(f"{stream}B64"):
         return base64.b64decode(encoded)
     return str(answer.get(stream) or "").encode("utf-8")
-
-
-def cloud_error(action: str, response: Any, secret_values: list[str]) -> ApiError:
-    """An ApiError from the cloud's error bodies: plain text for most statuses,
-    JSON with code and error for some, an empty body for a missing key."""
-    status = response.status_code
-    text, code = response.text.strip(), ""
-    if "application/json" in response.headers.get("content-type", ""):
-        try:
-            parsed = response.json()
-            text = str(parsed.get("error") or parsed.get("message") or text)
-            code = str(parsed.get("code") or "")
-        except (ValueError, AttributeError):
-            pass
-    if status == 401:
-        text = f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN"
-    err = ApiError("cloud", action, status, code, redact(text or "no message", secret_values))
-    if request_id := response.headers.get("x-request-id"):
-        err.args = (f"{err.args[0]} [request id {request_id}]",)
-    return err
-
-
-def cloud_answer(
-    action: str, response: Any, expect: type | tuple[type, ...] | None, secret_values: list[str]
-) -> Any:
-    """The body of a successful cloud answer: JSON of the expected shape, or,
-    with ``expect`` None, whatever came (JSON decoded when it parses)."""
-    ctype, body = response.headers.get("content-type", ""), response.content
-    why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
-    if not why:
-        try:
-            value = json.loads(body)
-        except ValueError:
-            why = "malformed JSON"
-    if expect is None or not why and isinstance(value, expect):
-        return (body or None) if why else value
-    why = why or f"JSON of the wrong shape ({_json_type(value)})"
-    raise bad_cloud_answer(action, response.status_code, ctype, body, why, secret_values)
-
-
-def bad_cloud_answer(
-    action: str, status: int, ctype: str, body: bytes, why: str, secret_values: list[str]
-) -> SmolError:
-    """A sentence about an answer the cloud API should not have given."""
-    head = redact(body[:120].decode("utf-8", "replace"), secret_values)
-    return SmolError(
-        f"the cloud API answered the request to {action} with {why}: HTTP {status}, "
-        f"content type {ctype or '(none)'}, starting {head!r}. That is the service's "
-        "(or a proxy's) answer, not this call's: check SMOL_CLOUD_URL points at the "
-        "API, and try again later"
-    )
 
 
 # -- the fleet contract ---------------------------------------------------------
