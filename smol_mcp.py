@@ -1782,14 +1782,11 @@ CLOUD_BLOCKED = {"mode": "blocked"}
 CLOUD_BLOCKED_FALLBACK = {"mode": "allowCidrs", "cidrs": ["192.0.2.0/24"], "hosts": []}
 CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3" | base64'
 CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
-CLOUD_LOCAL_ONLY_ARGUMENT = (
-    '"{argument}" is local only: the cloud fleet has no host directories, overlay disk or '
-    "workload command to set; leave it out for a cloud machine"
-)
 
 
 class CloudFleet:
-    """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads."""
+    """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads.
+    The long signatures are Fleet's; its annotations are not repeated here."""
 
     name = "cloud"
     served_as = "cloud (the smol cloud account; machines are billed while they exist)"
@@ -1826,11 +1823,9 @@ class CloudFleet:
         self._client = httpx2.Client(base_url=url, timeout=CLOUD_TIMEOUT_SECS, headers=headers)
         self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
 
-    def acquire(self) -> None:
-        """Sessions share one HTTP client; nothing to start."""
-
-    def release(self) -> None:
-        """Nothing to stop: the cloud keeps no connection state of ours."""
+    # Sessions share one HTTP client, and the cloud keeps no connection state of ours.
+    def acquire(self) -> None: ...
+    def release(self) -> None: ...
 
     # -- HTTP --------------------------------------------------------------
 
@@ -1844,10 +1839,9 @@ class CloudFleet:
         timeout: float = CLOUD_TIMEOUT_SECS,
         expect: type | tuple[type, ...] | None = dict,
     ) -> Any:
-        """One call with retries where they are safe: 429 always (it never ran), the other retryable
-        statuses only for idempotent methods. A bytes ``payload`` is sent as it is, anything else as
-        JSON. ``expect`` is the JSON shape a success must have (None: any body, JSON or bytes); any
-        other answer is the service's fault and says so (cloud_answer)."""
+        """One call, retried where safe: 429 always (it never ran), other retryable statuses only
+        for idempotent methods. A bytes ``payload`` is sent as it is, else JSON. ``expect`` is the
+        JSON shape a success must have (None: any body, JSON or bytes); _answer holds to it."""
         import httpx2
 
         if not self.config.cloud_token:
@@ -1877,36 +1871,76 @@ class CloudFleet:
             if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
                 break
             wait = response.headers.get("retry-after", "")
-            delay = float(wait) if wait.replace(".", "", 1).isdigit() else None
-            if delay is not None and delay > CLOUD_MAX_RETRY_WAIT_SECS:
+            delay = float(wait) if wait.replace(".", "", 1).isdigit() else 0.5 * 2**attempt
+            if delay > CLOUD_MAX_RETRY_WAIT_SECS:
                 raise SmolError(
                     f"the cloud API is busy (HTTP {code}) and asks to wait {delay:.0f} s before "
                     f"trying to {action} again, longer than this server waits "
                     f"({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later"
                 )
-            delay = 0.5 * 2**attempt if delay is None else delay
             log.info(
                 "the cloud API answered HTTP %d to %s: trying again in %.1f s", code, action, delay
             )
             time.sleep(delay)
         if response.status_code >= 400:
-            raise cloud_error(action, response, self.config.secret_values())
-        return cloud_answer(action, response, expect, self.config.secret_values())
+            raise self._error(action, response)
+        return self._answer(action, response, expect)
 
-    def _bad_json(self, action: str, answer: Any, why: str) -> SmolError:
-        """bad_cloud_answer for a JSON answer that is not what the service promises."""
-        body, secrets = json.dumps(answer).encode(), self.config.secret_values()
-        return bad_cloud_answer(action, 200, "application/json", body, why, secrets)
+    def _error(self, action: str, response: Any) -> ApiError:
+        """An ApiError from the cloud's error bodies: plain text for most statuses,
+        JSON with code and error for some, an empty body for a missing key."""
+        status = response.status_code
+        text, code = response.text.strip(), ""
+        if "application/json" in response.headers.get("content-type", ""):
+            try:
+                parsed = response.json()
+                text = str(parsed.get("error") or parsed.get("message") or text)
+                code = str(parsed.get("code") or "")
+            except (ValueError, AttributeError):
+                pass
+        if status == 401:
+            text = f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN"
+        text = redact(text or "no message", self.config.secret_values())
+        err = ApiError(self.name, action, status, code, text)
+        if request_id := response.headers.get("x-request-id"):
+            err.args = (f"{err.args[0]} [request id {request_id}]",)
+        return err
+
+    def _answer(self, action: str, response: Any, expect: type | tuple[type, ...] | None) -> Any:
+        """The body of a successful answer: JSON of the expected shape, or, with ``expect`` None,
+        whatever came (JSON decoded when it parses)."""
+        ctype, body = response.headers.get("content-type", ""), response.content
+        why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
+        if not why:
+            try:
+                value = json.loads(body)
+            except ValueError:
+                why = "malformed JSON"
+        if expect is None or not why and isinstance(value, expect):
+            return (body or None) if why else value
+        why = why or f"JSON of the wrong shape ({_json_type(value)})"
+        raise self._bad_answer(action, why, body, response.status_code, ctype)
+
+    def _bad_answer(
+        self, action: str, why: str, body: Any, status: int = 200, ctype: str = "application/json"
+    ) -> SmolError:
+        """A sentence about an answer the cloud should not have given; ``body`` is bytes or JSON."""
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        head = redact(body[:120].decode("utf-8", "replace"), self.config.secret_values())
+        return SmolError(
+            f"the cloud API answered the request to {action} with {why}: HTTP {status}, content "
+            f"type {ctype or '(none)'}, starting {head!r}. That is the service's (or a proxy's) "
+            "answer, not this call's: check SMOL_CLOUD_URL points at the API, and try again later"
+        )
 
     # -- machines (normalised) ---------------------------------------------
 
     def _find(self, name: str) -> dict:
-        """The raw record of the machine named ``name``. A name is never taken
-        as an id (SPEC 16): a machine without a name is listed, and found, under
-        its id, and a machine named so wins over it."""
+        """The raw record of the machine named ``name``. A name is never taken as an id (SPEC 16):
+        a machine without a name is listed, and found, under its id; a machine named so wins."""
         found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
-        for record in sorted(found, key=lambda r: not r.get("name")):
-            return record
+        if found:
+            return min(found, key=lambda r: not r.get("name"))
         missing = f"machine '{name}' not found"
         raise ApiError(self.name, f"find machine '{name}'", 404, "NOT_FOUND", missing)
 
@@ -1916,7 +1950,7 @@ class CloudFleet:
         machines = answer.get("machines", []) if isinstance(answer, dict) else answer
         ok = isinstance(machines, list) and all(isinstance(m, dict) and "id" in m for m in machines)
         if not ok:
-            raise self._bad_json("list machines", answer, "not a list of machine records")
+            raise self._bad_answer("list machines", "not a list of machine records", answer)
         return machines
 
     def list_machines(self) -> list[dict]:
@@ -1932,7 +1966,10 @@ class CloudFleet:
         local_only = (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb), ("cmd", spec.cmd))
         for argument, given in local_only:
             if given:
-                raise ArgumentError(CLOUD_LOCAL_ONLY_ARGUMENT.format(argument=argument))
+                raise ArgumentError(
+                    f'"{argument}" is local only: the cloud fleet has no host directories, overlay '
+                    "disk or workload command to set; leave it out for a cloud machine"
+                )
         if any(port.get("host") for port in spec.ports):
             raise ArgumentError(
                 '"ports[].host" is local only: the cloud control plane picks the host port; '
@@ -1963,7 +2000,6 @@ class CloudFleet:
             refused = err.status in (400, 422) and "blocked" in err.api_message
             if body["network"] is not CLOUD_BLOCKED or not refused:
                 raise
-        # This service predates the "blocked" spelling: deny with the allow-list form from now on.
         log.info(
             'the cloud API refused network mode "blocked"; denying egress with an allow-list of '
             "192.0.2.0/24"
@@ -2005,19 +2041,10 @@ class CloudFleet:
         route = f"/v1/machines/{machine_id}/exec"
         answer = self.request(action, "POST", route, body, timeout=timeout)
         if isinstance(answer.get("exitCode"), bool) or not isinstance(answer.get("exitCode"), int):
-            raise self._bad_json(action, answer, "no whole-number exitCode")
+            raise self._bad_answer(action, "no whole-number exitCode", answer)
         return answer, time.monotonic() - started
 
-    def exec(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
-    ) -> ExecResult:
+    def exec(self, name, argv, *, timeout_secs, workdir=None, env=None, stdin=None) -> ExecResult:
         """Run a command; NotRunning unless the machine runs (cloud exec would start it)."""
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
@@ -2030,15 +2057,7 @@ class CloudFleet:
         return ExecResult(int(answer["exitCode"]), out, err, seconds, cut)
 
     def exec_stream(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        on_output: Callable[[str, str], None],
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
+        self, name, argv, *, timeout_secs, on_output, workdir=None, env=None, stdin=None
     ) -> ExecResult:
         """``exec`` through the SSE route. Never retried: the command may have run."""
         import httpx2
@@ -2054,7 +2073,7 @@ class CloudFleet:
             with self._client.stream("POST", route, json=body, headers=sse, timeout=secs) as reply:
                 if reply.status_code >= 400:
                     reply.read()
-                    raise cloud_error(action, reply, self.config.secret_values())
+                    raise self._error(action, reply)
                 events, faults = sse_events(reply.iter_bytes()), (httpx2.TransportError,)
                 return collect_exec_stream(events, name, on_output, started, faults)
         except httpx2.TransportError as exc:  # before the answer began
@@ -2068,16 +2087,7 @@ class CloudFleet:
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
 
-    def start_job(
-        self,
-        name: str,
-        job_id: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-    ) -> dict:
+    def start_job(self, name, job_id, argv, *, timeout_secs, workdir=None, env=None) -> dict:
         """The service names the job itself; ``job_id`` is the local fleet's."""
         body, path = cloud_exec_body(argv, timeout_secs, workdir, env), self._jobs_path(name)
         action = f"start a job in machine '{name}'"
@@ -2088,10 +2098,8 @@ class CloudFleet:
         path = f"{self._jobs_path(name)}/{_q(job_id)}"
         job = self.request(f"read job {job_id} of machine '{name}'", "GET", path)
         sizes = (int(job.get("stdoutBytes") or 0), int(job.get("stderrBytes") or 0))
-        # At most `limit` bytes together; neither stream starves while the other has plenty.
-        out_left, err_left = (max(0, size - offset) for size, offset in zip(sizes, offsets))
-        out = min(out_left, max(limit // 2, limit - err_left))
-        share = (out, min(err_left, limit - out))
+        left = tuple(max(0, size - offset) for size, offset in zip(sizes, offsets))
+        share = stream_shares(left, limit)  # at most `limit` bytes together
         pages = [b"", b""]
         for index, (stream, offset, count) in enumerate(zip(("stdout", "stderr"), offsets, share)):
             if count > 0:
@@ -2145,8 +2153,7 @@ class CloudFleet:
             with self._client.stream("GET", route, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
                 if response.status_code >= 400:
                     response.read()
-                    action = f"read {path} in machine '{name}'"
-                    raise cloud_error(action, response, self.config.secret_values())
+                    raise self._error(f"read {path} in machine '{name}'", response)
                 size = int(response.headers.get("content-length", -1))
                 page, seen = bytearray(), 0
                 for chunk in response.iter_bytes():
@@ -2230,14 +2237,8 @@ class CloudFleet:
         )
 
 
-def cloud_exec_body(
-    argv: list[str],
-    timeout_secs: int,
-    workdir: str | None = None,
-    env: dict[str, str] | None = None,
-    stdin: str | None = None,
-) -> dict:
-    """The body of a cloud exec or job start; ``stdin`` only when there is some."""
+def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
+    """A cloud exec's or job start's body (the options as typed in Fleet.exec); ``stdin`` if any."""
     body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
     return body if stdin is None else {**body, "stdin": stdin}
 
@@ -2247,62 +2248,6 @@ def exec_stream(answer: dict, stream: str) -> bytes:
     if encoded := answer.get(f"{stream}B64"):
         return base64.b64decode(encoded)
     return str(answer.get(stream) or "").encode("utf-8")
-
-
-def cloud_error(action: str, response: Any, secret_values: list[str]) -> ApiError:
-    """An ApiError from the cloud's error bodies: plain text for most statuses,
-    JSON with code and error for some, an empty body for a missing key."""
-    status = response.status_code
-    text, code = response.text.strip(), ""
-    if "application/json" in response.headers.get("content-type", ""):
-        try:
-            parsed = response.json()
-            text = str(parsed.get("error") or parsed.get("message") or text)
-            code = str(parsed.get("code") or "")
-        except (ValueError, AttributeError):
-            pass
-    if status == 401:
-        text = f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN"
-    err = ApiError("cloud", action, status, code, redact(text or "no message", secret_values))
-    if request_id := response.headers.get("x-request-id"):
-        err.args = (f"{err.args[0]} [request id {request_id}]",)
-    return err
-
-
-def cloud_answer(
-    action: str, response: Any, expect: type | tuple[type, ...] | None, secret_values: list[str]
-) -> Any:
-    """The body of a successful cloud answer: JSON of the expected shape, or,
-    with ``expect`` None, whatever came (JSON decoded when it parses)."""
-    ctype, body = response.headers.get("content-type", ""), response.content
-    why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
-    if why and expect is None:
-        return body or None
-    if not why:
-        try:
-            value = json.loads(body)
-        except ValueError:
-            if expect is None:
-                return body
-            why = "malformed JSON"
-        else:
-            if expect is None or isinstance(value, expect):
-                return value
-            why = f"JSON of the wrong shape ({_json_type(value)})"
-    raise bad_cloud_answer(action, response.status_code, ctype, body, why, secret_values)
-
-
-def bad_cloud_answer(
-    action: str, status: int, ctype: str, body: bytes, why: str, secret_values: list[str]
-) -> SmolError:
-    """A sentence about an answer the cloud API should not have given."""
-    head = redact(body[:120].decode("utf-8", "replace"), secret_values)
-    return SmolError(
-        f"the cloud API answered the request to {action} with {why}: HTTP {status}, "
-        f"content type {ctype or '(none)'}, starting {head!r}. That is the service's "
-        "(or a proxy's) answer, not this call's: check SMOL_CLOUD_URL points at the "
-        "API, and try again later"
-    )
 
 
 # -- the fleet contract ---------------------------------------------------------
@@ -2382,8 +2327,7 @@ class Fleet(Protocol):
         lines under the fleet's heading and the advice printed after its reason."""
 
 
-# name -> fleet class: the one place a fleet is registered (the order is the
-# order instructions and smol://targets list them in).
+# The one place a fleet is registered; instructions and smol://targets list fleets in this order.
 FLEETS: dict[str, type[Fleet]] = {"local": LocalFleet, "cloud": CloudFleet}
 FLEET_NAMES = tuple(FLEETS)
 
@@ -2407,17 +2351,13 @@ def local_record(info: dict) -> dict:
     lists = info.get("allowedHosts") or info.get("allowedCidrs")
     network = "allowlist" if lists else "open" if info.get("network") else "blocked"
     ports = [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []]
-    return {
+    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # state image cpus memoryMb pid
+    return named_alike | {
         "id": info["name"],
         "name": info["name"],
-        "state": info.get("state"),
-        "image": info.get("image"),
-        "cpus": info.get("cpus"),
-        "memoryMb": info.get("memoryMb"),
         "network": network,
         "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
-        "pid": info.get("pid"),
         "url": None,  # the local fleet has no public ingress
         "branchable": bool(info.get("branchable") or info.get("forkable")),
         "parent": info.get("parentMachine"),
@@ -2444,10 +2384,9 @@ def cloud_record(info: dict) -> dict:
         mode = "allowCidrs" if network.get("hosts") else "blocked"
     egress = {"open": "open", "blocked": "blocked", "allowCidrs": "allowlist"}
     ports = [{"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []]
-    return {
-        "id": info.get("id"),
+    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # id state url
+    return named_alike | {
         "name": info.get("name") or info.get("id"),
-        "state": info.get("state"),
         "image": source.get("reference") or info.get("image"),
         "cpus": resources.get("cpus"),
         "memoryMb": resources.get("memoryMb"),
@@ -2455,7 +2394,6 @@ def cloud_record(info: dict) -> dict:
         "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
         "pid": None,  # the VM process runs on a node we cannot see
-        "url": info.get("url"),
         "branchable": bool(info.get("branchable", info.get("forkable", False))),
         "parent": info.get("parent") or info.get("sourceMachineId"),
     }
@@ -2506,10 +2444,9 @@ REPLY_RESERVE_TOKENS = 2000  # of replyTokens, for the fields around the content
 
 
 def piece_tokens(piece: str) -> int:
-    """The most tokens one TOKEN_PIECE_RE piece is taken to cost, as the JSON
-    of a reply shows it. Measured against real BPE tokenizers: English about
-    3.5 characters a token, base64 and random identifiers 1.4, CJK up to 2.3
-    tokens a character, emoji 2.9, a control character's \\u00XX escape 3."""
+    """The most tokens one TOKEN_PIECE_RE piece is taken to cost in a reply's JSON. Measured against
+    real BPE tokenizers: English about 3.5 characters a token, base64 and random identifiers 1.4,
+    CJK up to 2.3 tokens a character, emoji 2.9, a control character's \\u00XX escape 3."""
     first, size = piece[0], len(piece)
     if first.isascii() and first.isalnum():
         if size > 12 or not PLAIN_WORD_RE.fullmatch(piece):
@@ -2546,9 +2483,8 @@ def prefix_within_tokens(data: bytes, tokens: int) -> int:
 
 
 def reply_json(result: dict) -> str:
-    """The text content of a structured tool result: the same JSON, compact (no
-    whitespace a model pays for, and CPython's C encoder runs only without an
-    indent), with non-ASCII kept as characters (escaped, each costs six)."""
+    """A structured tool result's text content: the same JSON, compact (no whitespace a model pays
+    for; CPython's C encoder runs only without an indent), non-ASCII kept (escaped costs six)."""
     return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -2558,19 +2494,14 @@ def reply_tokens(config: Config) -> int:
 
 
 def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
-    """Split ``limit`` tokens between stdout and stderr; one needing under half leaves the rest."""
-    half = limit // 2
-    if sum(costs) <= limit:
-        return costs
-    if costs[0] <= half:
-        return costs[0], limit - costs[0]
-    return (limit - costs[1], costs[1]) if costs[1] <= half else (half, limit - half)
+    """Split ``limit`` between stdout and stderr; one needing under half leaves the rest."""
+    first = min(costs[0], max(limit // 2, limit - costs[1]))
+    return first, min(costs[1], limit - first)
 
 
 def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, int]:
-    """The text to return for one stream and how many bytes were left out: its
-    head and its tail, each within half of ``limit`` bytes and of ``tokens``.
-    ``where`` finishes the marker sentence (where the whole stream is)."""
+    """The text to return for one stream and the bytes left out: its head and its tail, each within
+    half of ``limit`` bytes and of ``tokens``; ``where`` ends the marker (where the stream is)."""
     if len(data) <= limit and est_tokens(data.decode("utf-8", "surrogateescape")) <= tokens:
         return data.decode("utf-8", "replace"), 0  # (a longer stream is never decoded whole)
     marker = f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n"
@@ -2591,10 +2522,9 @@ def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, i
 # ---------------------------------------------------------------------------
 # 7. Argument validation
 #
-# The SDK does not validate tool arguments, so this does, against the same
-# JSON Schema the client is shown. Every refusal names the argument, and an
-# unknown one gets the nearest accepted name, because `memory` for `memoryMb`
-# is the usual mistake and the API's own message would not say which tool.
+# The SDK does not validate tool arguments, so this does, against the JSON Schema the client sees.
+# Every refusal names the argument; an unknown one gets the nearest accepted name, because `memory`
+# for `memoryMb` is the usual mistake and the API's own message would not say which tool.
 # ---------------------------------------------------------------------------
 
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
@@ -2616,7 +2546,6 @@ TYPE_WORDS = {
     "object": "an object",
 }
 MAX_TIMEOUT_SECS = 86400  # built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
-
 MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
 MAX_DISK_GB = 4096  # storageGb and overlayGb
 MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
@@ -2634,19 +2563,17 @@ ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "wor
 
 
 def python_pattern(pattern: str) -> str:
-    """A schema pattern as Python must read it. The schema is ECMAScript, where a
-    final `$` is the end of the string; Python's `$` also matches before a final
-    newline, which let "name\\n" through. So a final `$` is read as `\\Z`."""
+    """A schema pattern as Python must read it: in ECMAScript a final `$` ends the string, but in
+    Python it also matches before a final newline (it let "name\\n" through): it becomes `\\Z`."""
     if pattern.endswith("$") and not pattern.endswith("\\$"):
         return pattern[:-1] + r"\Z"
     return pattern
 
 
 def guest_path(path: str, where: str = "path") -> str:
-    """An absolute guest path in its plain form: `.` and `..` resolved the way
-    the guest's POSIX file system would, no empty segments. A path that climbs
-    above `/`, or holds a control character, is refused: on an HTTP route such a
-    path could name another route rather than a file."""
+    """An absolute guest path in its plain form: `.` and `..` resolved as the guest's POSIX file
+    system would, no empty segments. A path that climbs above `/`, or holds a control character, is
+    refused: on an HTTP route such a path could name another route rather than a file."""
     if not path.startswith("/"):
         raise ArgumentError(
             f'"{where}" must be an absolute path inside the machine (starting with /); got '
@@ -2763,9 +2690,8 @@ def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
 
 @functools.cache
 def argument_validator() -> Any:
-    """jsonschema's Draft 2020-12 validator, with two keywords read as the schema's
-    ECMAScript readers read them: a whole number is never 1.0, and a final `$` in
-    a pattern is the end of the string (python_pattern)."""
+    """jsonschema's Draft 2020-12 validator, reading two keywords as the schema's ECMAScript readers
+    do: a whole number is never 1.0, and a pattern's final `$` ends the string (python_pattern)."""
     import jsonschema  # installed with mcp
 
     def whole_number(checker: Any, value: Any) -> bool:
