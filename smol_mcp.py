@@ -2908,6 +2908,11 @@ def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
     return {"type": "object", "properties": properties, **closed}
 
 
+def _input(required: str, **properties: dict) -> dict:
+    """A tool's arguments: ``properties`` in the order given, the ``required`` names required."""
+    return _object(properties, tuple(required.split()))
+
+
 def _types(fields: str) -> dict:
     """Schema properties from "name:type" words: a type ending in ? may also be
     null, one ending in [] is an array of that type."""
@@ -3068,10 +3073,11 @@ class ToolSpec:
     input_schema: dict
     output_schema: dict
     handler: Callable
-    read_only: bool = False
-    destructive: bool = False
-    idempotent: bool = False
-    open_world: bool = False
+    hints: str = ""  # its annotations, as the names of those that are true
+
+    def __post_init__(self) -> None:
+        for hint in ("read_only", "destructive", "idempotent", "open_world"):
+            setattr(self, hint, hint in self.hints.split())
 
 
 class Call:
@@ -4147,35 +4153,49 @@ async def tool_cancel_job(call: Call, args: dict) -> dict:
     return shown
 
 
-ARG_NAME_ONLY = _object({"name": ARG_NAME}, ("name",))
+ARG_NAME_ONLY = _input("name", name=ARG_NAME)
 OUT_CREATED = _out({"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")})
 ARG_PORTS = {
     "type": "array",
     "description": "Ports to publish: guest port, and optionally the host port.",
-    "items": _object(
-        {
-            "guest": _integer("Port inside the machine.", maximum=65535),
-            "host": _integer("Port on the host (default: a free one).", maximum=65535),
-        },
-        ("guest",),
+    "items": _input(
+        "guest",
+        guest=_integer("Port inside the machine.", maximum=65535),
+        host=_integer("Port on the host (default: a free one).", maximum=65535),
     ),
 }
 ARG_MOUNTS = {
     "type": "array",
     "description": "Host directories to attach (local fleet only), only under the operator's "
     "mountRoots; read-only by default.",
-    "items": _object(
-        {
-            "source": _string("Absolute host path."),
-            "target": _string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
-            "readonly": _boolean(
-                "Mount read-only (the default); false asks for write, which only a root opened "
-                "with :rw grants."
-            ),
-        },
-        ("source", "target"),
+    "items": _input(
+        "source target",
+        source=_string("Absolute host path."),
+        target=_string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
+        readonly=_boolean(
+            "Mount read-only (the default); false asks for write, which only a root opened with "
+            ":rw grants."
+        ),
     ),
 }
+EGRESS_WITH_DENIALS = {
+    **OUT_EGRESS,
+    "properties": {**OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS},
+}
+ARG_INCLUDE = {
+    "type": "array",
+    "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
+    "refused connections (local). Each costs a request.",
+    "items": {"type": "string", "enum": ["jobs", "egress"]},
+    "maxItems": 2,
+}
+ARG_CREATE_NAME = {
+    **ARG_NAME,
+    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
+}
+ARG_CREATE_NETWORK = dict(
+    network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS
+)
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         "list-machines",
@@ -4185,8 +4205,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         _object({}),
         _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
         tool_list_machines,
-        read_only=True,
-        idempotent=True,
+        "read_only idempotent",
     ),
     ToolSpec(
         "get-machine",
@@ -4195,31 +4214,13 @@ TOOLS: tuple[ToolSpec, ...] = (
         "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
         # (on the local fleet the result also has the egress allow list and, under a
         # restricted policy when asked or after a failed command, the recent refusals)
-        _object(
-            {
-                "name": ARG_NAME,
-                "include": {
-                    "type": "array",
-                    "description": '"jobs": read the jobs\' states from the machine itself; '
-                    '"egress": its recent refused connections (local). Each costs a request.',
-                    "items": {"type": "string", "enum": ["jobs", "egress"]},
-                    "maxItems": 2,
-                },
-            },
-            ("name",),
-        ),
+        _input("name", name=ARG_NAME, include=ARG_INCLUDE),
         _out(
             {"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
-            {
-                "egress": {
-                    **OUT_EGRESS,
-                    "properties": {**OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS},
-                }
-            },
+            {"egress": EGRESS_WITH_DENIALS},
         ),
         tool_get_machine,
-        read_only=True,
-        idempotent=True,
+        "read_only idempotent",
     ),
     ToolSpec(
         "create-machine",
@@ -4229,39 +4230,29 @@ TOOLS: tuple[ToolSpec, ...] = (
         "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
         "machine that is deleted when this session ends; any other name persists. Uses host "
         "CPU, memory and disk while it exists.",
-        _object(
-            {
-                "name": {
-                    **ARG_NAME,
-                    "description": "Name for the machine; omit for an ephemeral one "
-                    "(mcp-xxxxxxxx).",
-                },
-                "image": ARG_IMAGE,
-                "cpus": ARG_CPUS,
-                "memoryMb": ARG_MEMORY,
-                "network": ARG_NETWORK,
-                "allowHosts": ARG_ALLOW_HOSTS,
-                "allowCidrs": ARG_ALLOW_CIDRS,
-                "ports": ARG_PORTS,
-                "mounts": ARG_MOUNTS,
-                "storageGb": _integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
-                "overlayGb": _integer(
-                    "Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB
-                ),
-                "cmd": {
-                    "type": "array",
-                    "items": {"type": "string"},
-                    "description": "Workload command (local fleet only).",
-                },
-                "env": ARG_ENV,
-                "branchable": _boolean("Make it a branch source for branch-machine."),
-                "start": _boolean("Start it and wait for the guest (default true)."),
+        _input(
+            "image",
+            name=ARG_CREATE_NAME,
+            image=ARG_IMAGE,
+            cpus=ARG_CPUS,
+            memoryMb=ARG_MEMORY,
+            **ARG_CREATE_NETWORK,
+            ports=ARG_PORTS,
+            mounts=ARG_MOUNTS,
+            storageGb=_integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
+            overlayGb=_integer("Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB),
+            cmd={
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Workload command (local fleet only).",
             },
-            ("image",),
+            env=ARG_ENV,
+            branchable=_boolean("Make it a branch source for branch-machine."),
+            start=_boolean("Start it and wait for the guest (default true)."),
         ),
         OUT_CREATED,
         tool_create_machine,
-        open_world=True,
+        "open_world",
     ),
     ToolSpec(
         "run-command",
@@ -4271,11 +4262,10 @@ TOOLS: tuple[ToolSpec, ...] = (
         "budget keeps its head and tail, and the whole stream is saved in the machine at the "
         "path listed in overflow. A stopped machine is started first. On the local fleet a "
         "failed command lists the connections the egress policy refused (egressDenied).",
-        _object({"name": ARG_NAME, **ARG_EXEC}, ("name", "command")),
+        _input("name command", name=ARG_NAME, **ARG_EXEC),
         _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
         tool_run_command,
-        destructive=True,
-        open_world=True,
+        "destructive open_world",
     ),
     ToolSpec(
         "run-once",
@@ -4283,21 +4273,17 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Create a machine from an image, run one command in it, and delete the machine on every "
         "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
         '"open" or an allow-list is given.',
-        _object(
-            {
-                "image": ARG_IMAGE,
-                **ARG_EXEC,
-                "cpus": ARG_CPUS,
-                "memoryMb": ARG_MEMORY,
-                "network": ARG_NETWORK,
-                "allowHosts": ARG_ALLOW_HOSTS,
-                "allowCidrs": ARG_ALLOW_CIDRS,
-            },
-            ("image", "command"),
+        _input(
+            "image command",
+            image=ARG_IMAGE,
+            **ARG_EXEC,
+            cpus=ARG_CPUS,
+            memoryMb=ARG_MEMORY,
+            **ARG_CREATE_NETWORK,
         ),
         _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
         tool_run_once,
-        open_world=True,
+        "open_world",
     ),
     ToolSpec(
         "read-file",
@@ -4305,20 +4291,15 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Read a file inside the named machine, a page at a time: offset and length pick the "
         "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
         "more than the output budget. Starts a stopped machine.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "path": ARG_PATH,
-                "encoding": ARG_ENCODING,
-                "offset": _integer(
-                    "First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET
-                ),
-                "length": _integer(
-                    "Bytes to read (default and maximum: the output budget).",
-                    maximum=MAX_READ_LENGTH,
-                ),
-            },
-            ("name", "path"),
+        _input(
+            "name path",
+            name=ARG_NAME,
+            path=ARG_PATH,
+            encoding=ARG_ENCODING,
+            offset=_integer("First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET),
+            length=_integer(
+                "Bytes to read (default and maximum: the output budget).", maximum=MAX_READ_LENGTH
+            ),
         ),
         _out(
             _types(
@@ -4327,38 +4308,34 @@ TOOLS: tuple[ToolSpec, ...] = (
             )
         ),
         tool_read_file,
-        idempotent=True,
-    ),  # not read-only: it starts a stopped machine
+        "idempotent",  # not read-only: it starts a stopped machine
+    ),
     ToolSpec(
         "write-file",
         "Write a file into a machine",
         "Write a file inside the named machine, replacing any file at that path and creating "
         "parent directories. Waits until the guest runs commands first, so the file is not "
         "hidden by the workload's file system.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "path": ARG_PATH,
-                "content": _string("The file's content."),
-                "encoding": ARG_ENCODING,
-            },
-            ("name", "path", "content"),
+        _input(
+            "name path content",
+            name=ARG_NAME,
+            path=ARG_PATH,
+            content=_string("The file's content."),
+            encoding=ARG_ENCODING,
         ),
         _out(_types("path:string bytes:integer startedMachine:boolean")),
         tool_write_file,
-        destructive=True,
-        idempotent=True,
+        "destructive idempotent",
     ),
     ToolSpec(
         "start-machine",
         "Start a machine",
         "Start a stopped machine and (by default) wait until a command has run in it. A running "
         "machine is left as it is.",
-        _object({"name": ARG_NAME, "wait": ARG_WAIT}, ("name",)),
+        _input("name", name=ARG_NAME, wait=ARG_WAIT),
         _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
         tool_start_machine,
-        idempotent=True,
-        open_world=True,
+        "idempotent open_world",
     ),
     ToolSpec(
         "branch-machine",
@@ -4366,16 +4343,11 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Copy a running branch source (created with branchable: true), memory and disks "
         "included, into a new child machine that starts where the source is. Without childName "
         "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
-        _object(
-            {
-                "name": {**ARG_NAME, "description": "The running, branchable source machine."},
-                "childName": {
-                    **ARG_NAME,
-                    "description": "Name for the child; omit for an ephemeral one.",
-                },
-                "wait": ARG_WAIT,
-            },
-            ("name",),
+        _input(
+            "name",
+            name={**ARG_NAME, "description": "The running, branchable source machine."},
+            childName={**ARG_NAME, "description": "Name for the child; omit for an ephemeral one."},
+            wait=ARG_WAIT,
         ),
         OUT_CREATED,
         tool_branch_machine,
@@ -4388,8 +4360,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         ARG_NAME_ONLY,
         _out({"machine": OUT_MACHINE}),
         tool_stop_machine,
-        destructive=True,
-        idempotent=True,
+        "destructive idempotent",
     ),
     ToolSpec(
         "delete-machine",
@@ -4398,37 +4369,34 @@ TOOLS: tuple[ToolSpec, ...] = (
         ARG_NAME_ONLY,
         _out(_types("deleted:string"), _types("usage:object")),
         tool_delete_machine,
-        destructive=True,
+        "destructive",
     ),
     ToolSpec(
         "machine-logs",
         "Read a machine's log",
         "Read the latest lines of the machine's guest console. Pass the cursor from the last "
         "call to get only what arrived since. Changes nothing.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "tail": _integer(
-                    "How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000
-                ),
-                "cursor": _string("The cursor from the previous machine-logs call."),
-            },
-            ("name",),
+        _input(
+            "name",
+            name=ARG_NAME,
+            tail=_integer(
+                "How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000
+            ),
+            cursor=_string("The cursor from the previous machine-logs call."),
         ),
         _out(_types("lines:string[] cursor:string")),
         tool_machine_logs,
-        read_only=True,
+        "read_only",
     ),
     ToolSpec(
         "pull-image",
         "Pull an image into a machine",
         "Pull an OCI image into the named machine's image store (local fleet only; the machine "
         "is started to do it).",
-        _object({"name": ARG_NAME, "image": ARG_IMAGE}, ("name", "image")),
+        _input("name image", name=ARG_NAME, image=ARG_IMAGE),
         _out(_types("image:object")),
         tool_pull_image,
-        idempotent=True,
-        open_world=True,
+        "idempotent open_world",
     ),
     ToolSpec(
         "start-job",
@@ -4439,22 +4407,17 @@ TOOLS: tuple[ToolSpec, ...] = (
         "gone, until it exits, its timeout (default 1 hour, at most 24) or cancel-job ends it, "
         "or the machine stops or is deleted. Read its output with read-job. A stopped machine "
         "is started first.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "command": ARG_COMMAND,
-                "timeoutSecs": _integer(
-                    "Seconds before the job is ended (default 3600, at most 86400)."
-                ),
-                "workdir": ARG_WORKDIR,
-                "env": ARG_ENV,
-            },
-            ("name", "command"),
+        _input(
+            "name command",
+            name=ARG_NAME,
+            command=ARG_COMMAND,
+            timeoutSecs=_integer("Seconds before the job is ended (default 3600, at most 86400)."),
+            workdir=ARG_WORKDIR,
+            env=ARG_ENV,
         ),
         _out(_types("jobId:string state:string timeoutSecs:integer startedMachine:boolean")),
         tool_start_job,
-        destructive=True,
-        open_world=True,
+        "destructive open_world",
     ),
     ToolSpec(
         "read-job",
@@ -4462,9 +4425,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
         "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
         "the next page; eof says the job has ended and everything was read. Changes nothing.",
-        _object(
-            {"name": ARG_NAME, "jobId": ARG_JOB_ID, "offset": ARG_JOB_OFFSET}, ("name", "jobId")
-        ),
+        _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET),
         _out(
             {
                 **OUT_JOB_STATE,
@@ -4477,18 +4438,17 @@ TOOLS: tuple[ToolSpec, ...] = (
             }
         ),
         tool_read_job,
-        read_only=True,
+        "read_only",
     ),
     ToolSpec(
         "cancel-job",
         "Cancel a job",
         "End a running job and what it started (TERM, then KILL after a few seconds). A job "
         "that has already ended is left as it is, so repeating the call is harmless.",
-        _object({"name": ARG_NAME, "jobId": ARG_JOB_ID}, ("name", "jobId")),
+        _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
         _out(OUT_JOB_STATE),
         tool_cancel_job,
-        destructive=True,
-        idempotent=True,
+        "destructive idempotent",
     ),
     ToolSpec(
         "allow-egress",
@@ -4499,27 +4459,25 @@ TOOLS: tuple[ToolSpec, ...] = (
         "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
         "open) must be stopped first, and this tool never stops one. The result has the allow "
         "list before and after. Local fleet only.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "hosts": ARG_EGRESS_HOSTS,
-                "hostPatterns": ARG_EGRESS_PATTERNS,
-                "cidrs": ARG_EGRESS_CIDRS,
-                "remove": ARG_EGRESS_REMOVE,
-            },
-            ("name",),
+        _input(
+            "name",
+            name=ARG_NAME,
+            hosts=ARG_EGRESS_HOSTS,
+            hostPatterns=ARG_EGRESS_PATTERNS,
+            cidrs=ARG_EGRESS_CIDRS,
+            remove=ARG_EGRESS_REMOVE,
         ),
         _out(
             {
                 "machine": OUT_MACHINE,
                 "before": OUT_EGRESS,
                 "after": OUT_EGRESS,
-                "changed": {"type": "boolean"},
+                **_types("changed:boolean"),
             }
         ),
         tool_allow_egress,
-        destructive=True,
-    ),  # removals narrow it; a repeated removal is refused
+        "destructive",  # removals narrow it; a repeated removal is refused
+    ),
 )
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
