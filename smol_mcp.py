@@ -34,12 +34,14 @@ The file reads top to bottom in the order a request flows:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import datetime
 import difflib
 import errno
 import functools
+import hashlib
 import hmac
 import http.client
 import ipaddress
@@ -3108,8 +3110,6 @@ class Call:
         once and every few seconds until it returns; without, only once it has taken longer than
         that (an API that asked us to wait and retry, say); with "", never (the caller reports
         progress itself). Until a beat is due it is a timer, so a quick call starts no task."""
-        import asyncio
-
         if waiting == "":
             return await run()
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
@@ -3583,10 +3583,6 @@ async def note_egress_denials(
     return shaped
 
 
-def now_utc() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
-
-
 # -- the handlers, in the order of the tools table ---------------------------
 
 
@@ -3693,7 +3689,7 @@ async def create_recorded(
 
 async def tool_run_command(call: Call, args: dict) -> dict:
     name, options = args["name"], exec_options(args, call.config.exec_timeout_secs)
-    since, argv = now_utc(), command_argv(args["command"])
+    since, argv = datetime.datetime.now(datetime.UTC), command_argv(args["command"])
     run = functools.partial(run_in_machine, call, name, argv, **options)
     result, started_machine = await on_running(call, name, run)
     shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=False)
@@ -3711,7 +3707,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             await start_and_wait(call, name)
         except Exception as err:
             raise await start_failure(call, name, err, spec.network) from None
-        since = now_utc()
+        since = datetime.datetime.now(datetime.UTC)
         result = await run_in_machine(call, name, command_argv(args["command"]), **options)
         shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=True)
         return {**shaped, "startedMachine": False, "name": name}
@@ -3825,8 +3821,6 @@ def log_cursor(lines: list[str], end: int) -> str:
     """Where a reader stopped: how many lines it has seen and a digest of the last few
     (one blank or repeated line is found in many places), so the place is found again when the
     cloud's tail window (the cloud log route has no cursor) has moved on."""
-    import hashlib
-
     last = "\n".join(lines[max(0, end - CURSOR_LINES) : end]).encode()
     return f"{end}:{hashlib.sha256(last).hexdigest()[:12] if end else ''}"
 
@@ -4005,22 +3999,18 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
             "allow-egress needs something to change: hosts, hostPatterns, cidrs, or remove "
             "{hosts, cidrs}"
         )
-    listed_hosts = {h.lower(): h for h in before["hosts"]}
-    removed_hosts, removed_cidrs = [], []
-    for i, host in enumerate(remove.get("hosts", [])):
-        if host.lower() not in listed_hosts:
-            raise ArgumentError(
-                f'"remove.hosts[{i}]" ({host!r}) is not on the allow list of this machine, which '
-                f"lists hosts {before['hosts'] or 'none'}; get-machine shows it"
-            )
-        removed_hosts.append(listed_hosts[host.lower()])  # written as the engine lists it
-    for i, cidr in enumerate(remove.get("cidrs", [])):
-        if cidr not in before["cidrs"]:
-            raise ArgumentError(
-                f'"remove.cidrs[{i}]" ({cidr!r}) is not on the allow list of this machine, which '
-                f"lists ranges {before['cidrs'] or 'none'}; get-machine shows it"
-            )
-        removed_cidrs.append(cidr)
+    removed_hosts, removed_cidrs = [], []  # written as the engine lists them
+    # host names match in any case, address ranges only as listed
+    for key, fold, removed in (("hosts", str.lower, removed_hosts), ("cidrs", str, removed_cidrs)):
+        listed = {fold(entry): entry for entry in before[key]}
+        for i, entry in enumerate(remove.get(key, [])):
+            if fold(entry) not in listed:
+                raise ArgumentError(
+                    f'"remove.{key}[{i}]" ({entry!r}) is not on the allow list of this machine, '
+                    f"which lists {'hosts' if fold is str.lower else 'ranges'} "
+                    f"{before[key] or 'none'}; get-machine shows it"
+                )
+            removed.append(listed[fold(entry)])
     kept_hosts = [h for h in before["hosts"] if h not in removed_hosts]
     kept_cidrs = [c for c in before["cidrs"] if c not in removed_cidrs]
     new_hosts = [h for h in dict.fromkeys(hosts) if h not in (k.lower() for k in kept_hosts)]
@@ -4035,13 +4025,8 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
             "as egress to every host; allow-egress never does that. Keep at least one entry, or "
             'create a new machine with network: "open" if that is really wanted'
         )
-    body = dict(
-        allowHosts=new_hosts,
-        allowHostPatterns=new_patterns,
-        allowCidrs=new_cidrs,
-        removeAllowHosts=removed_hosts,
-        removeAllowCidrs=removed_cidrs,
-    )
+    body = dict(allowHosts=new_hosts, allowHostPatterns=new_patterns, allowCidrs=new_cidrs)
+    body.update(removeAllowHosts=removed_hosts, removeAllowCidrs=removed_cidrs)
     return {key: value for key, value in body.items() if value}, after
 
 
