@@ -2989,11 +2989,10 @@ ARG_JOB_ID = _string(
     pattern=JOB_ID_PATTERN,
 )
 ARG_JOB_OFFSET = {
-    **_object(
-        {
-            "stdout": _integer("Bytes of stdout already read.", minimum=0, maximum=MAX_FILE_OFFSET),
-            "stderr": _integer("Bytes of stderr already read.", minimum=0, maximum=MAX_FILE_OFFSET),
-        }
+    **_input(
+        "",
+        stdout=_integer("Bytes of stdout already read.", minimum=0, maximum=MAX_FILE_OFFSET),
+        stderr=_integer("Bytes of stderr already read.", minimum=0, maximum=MAX_FILE_OFFSET),
     ),
     "description": "Where to continue: the nextOffset of the previous read-job.",
 }
@@ -3030,17 +3029,16 @@ ARG_EGRESS_CIDRS = _list(
     items=_string("An address range.", minLength=1, maxLength=64),
 )
 ARG_EGRESS_REMOVE = {
-    **_object(
-        {
-            "hosts": _list(
-                items=_string("A listed entry.", minLength=1, maxLength=255),
-                description="Host names or patterns to take off, as get-machine lists them.",
-            ),
-            "cidrs": _list(
-                items=_string("A listed range.", minLength=1, maxLength=64),
-                description="Address ranges to take off, as get-machine lists them.",
-            ),
-        }
+    **_input(
+        "",
+        hosts=_list(
+            items=_string("A listed entry.", minLength=1, maxLength=255),
+            description="Host names or patterns to take off, as get-machine lists them.",
+        ),
+        cidrs=_list(
+            items=_string("A listed range.", minLength=1, maxLength=64),
+            description="Address ranges to take off, as get-machine lists them.",
+        ),
     ),
     "description": "Entries to take off the allow list; at least one entry must remain.",
 }
@@ -3864,17 +3862,12 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
 
 
 HOST_LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
-EGRESS_QUESTION_SCHEMA = {
-    "type": "object",
-    "required": ["allow"],
-    "properties": {
-        "allow": {
-            "type": "boolean",
-            "title": "Allow this egress change",
-            "description": "true to apply it; false (or decline) leaves the machine as it is",
-        }
-    },
+EGRESS_ALLOW = {
+    "type": "boolean",
+    "title": "Allow this egress change",
+    "description": "true to apply it; false (or decline) leaves the machine as it is",
 }
+EGRESS_QUESTION_SCHEMA = dict(type="object", required=["allow"], properties={"allow": EGRESS_ALLOW})
 EGRESS_409_HINT = (
     "The engine applies this change only to a stopped machine (a running one keeps its current "
     "kind of policy). allow-egress never stops a machine itself: stop it with stop-machine "
