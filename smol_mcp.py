@@ -3065,17 +3065,19 @@ OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}
 
 @dataclass(eq=False)  # a tool is one object: compared and hashed by identity
 class ToolSpec:
-    """One tool: what the client is shown, and the handler that answers it."""
+    """One tool: the handler that answers it (tool_list_machines answers list-machines), and
+    what the client is shown: ``hints`` names the annotations that are true."""
 
-    name: str
+    handler: Callable
     title: str
     description: str
     input_schema: dict
     output_schema: dict
-    handler: Callable
-    hints: str = ""  # its annotations, as the names of those that are true
+    hints: str = ""
+    name: str = field(init=False)
 
     def __post_init__(self) -> None:
+        self.name = self.handler.__name__.removeprefix("tool_").replace("_", "-")
         for hint in ("read_only", "destructive", "idempotent", "open_world"):
             setattr(self, hint, hint in self.hints.split())
 
@@ -4176,17 +4178,16 @@ ARG_CREATE_NETWORK = dict(
 )
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
-        "list-machines",
+        tool_list_machines,
         "List machines",
         "List every machine on the fleet, with its state, image, size, egress and published "
         "ports. Changes nothing.",
         _object({}),
         _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
-        tool_list_machines,
         "read_only idempotent",
     ),
     ToolSpec(
-        "get-machine",
+        tool_get_machine,
         "Get a machine",
         "Show one machine: state, image, size, egress, ports, pid and whether it can be "
         "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
@@ -4197,11 +4198,10 @@ TOOLS: tuple[ToolSpec, ...] = (
             {"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
             {"egress": EGRESS_WITH_DENIALS},
         ),
-        tool_get_machine,
         "read_only idempotent",
     ),
     ToolSpec(
-        "create-machine",
+        tool_create_machine,
         "Create a machine",
         "Create a new microVM from an OCI image and (by default) start it, answering once a "
         'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
@@ -4229,11 +4229,10 @@ TOOLS: tuple[ToolSpec, ...] = (
             start=_boolean("Start it and wait for the guest (default true)."),
         ),
         OUT_CREATED,
-        tool_create_machine,
         "open_world",
     ),
     ToolSpec(
-        "run-command",
+        tool_run_command,
         "Run a command in a machine",
         "Run a command inside the named machine (never on this host) and return its stdout, "
         "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
@@ -4242,11 +4241,10 @@ TOOLS: tuple[ToolSpec, ...] = (
         "failed command lists the connections the egress policy refused (egressDenied).",
         _input("name command", name=ARG_NAME, **ARG_EXEC),
         _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
-        tool_run_command,
         "destructive open_world",
     ),
     ToolSpec(
-        "run-once",
+        tool_run_once,
         "Run a command in a throwaway machine",
         "Create a machine from an image, run one command in it, and delete the machine on every "
         "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
@@ -4260,11 +4258,10 @@ TOOLS: tuple[ToolSpec, ...] = (
             **ARG_CREATE_NETWORK,
         ),
         _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
-        tool_run_once,
         "open_world",
     ),
     ToolSpec(
-        "read-file",
+        tool_read_file,
         "Read a file from a machine",
         "Read a file inside the named machine, a page at a time: offset and length pick the "
         "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
@@ -4285,11 +4282,10 @@ TOOLS: tuple[ToolSpec, ...] = (
                 "bytes:integer eof:boolean startedMachine:boolean"
             )
         ),
-        tool_read_file,
         "idempotent",  # not read-only: it starts a stopped machine
     ),
     ToolSpec(
-        "write-file",
+        tool_write_file,
         "Write a file into a machine",
         "Write a file inside the named machine, replacing any file at that path and creating "
         "parent directories. Waits until the guest runs commands first, so the file is not "
@@ -4302,21 +4298,19 @@ TOOLS: tuple[ToolSpec, ...] = (
             encoding=ARG_ENCODING,
         ),
         _out(_types("path:string bytes:integer startedMachine:boolean")),
-        tool_write_file,
         "destructive idempotent",
     ),
     ToolSpec(
-        "start-machine",
+        tool_start_machine,
         "Start a machine",
         "Start a stopped machine and (by default) wait until a command has run in it. A running "
         "machine is left as it is.",
         _input("name", name=ARG_NAME, wait=ARG_WAIT),
         _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
-        tool_start_machine,
         "idempotent open_world",
     ),
     ToolSpec(
-        "branch-machine",
+        tool_branch_machine,
         "Branch a machine",
         "Copy a running branch source (created with branchable: true), memory and disks "
         "included, into a new child machine that starts where the source is. Without childName "
@@ -4328,29 +4322,26 @@ TOOLS: tuple[ToolSpec, ...] = (
             wait=ARG_WAIT,
         ),
         OUT_CREATED,
-        tool_branch_machine,
     ),
     ToolSpec(
-        "stop-machine",
+        tool_stop_machine,
         "Stop a machine",
         "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
         "runs in it is ended.",
         ARG_NAME_ONLY,
         _out({"machine": OUT_MACHINE}),
-        tool_stop_machine,
         "destructive idempotent",
     ),
     ToolSpec(
-        "delete-machine",
+        tool_delete_machine,
         "Delete a machine",
         "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
         ARG_NAME_ONLY,
         _out(_types("deleted:string"), _types("usage:object")),
-        tool_delete_machine,
         "destructive",
     ),
     ToolSpec(
-        "machine-logs",
+        tool_machine_logs,
         "Read a machine's log",
         "Read the latest lines of the machine's guest console. Pass the cursor from the last "
         "call to get only what arrived since. Changes nothing.",
@@ -4363,21 +4354,19 @@ TOOLS: tuple[ToolSpec, ...] = (
             cursor=_string("The cursor from the previous machine-logs call."),
         ),
         _out(_types("lines:string[] cursor:string")),
-        tool_machine_logs,
         "read_only",
     ),
     ToolSpec(
-        "pull-image",
+        tool_pull_image,
         "Pull an image into a machine",
         "Pull an OCI image into the named machine's image store (local fleet only; the machine "
         "is started to do it).",
         _input("name image", name=ARG_NAME, image=ARG_IMAGE),
         _out(_types("image:object")),
-        tool_pull_image,
         "idempotent open_world",
     ),
     ToolSpec(
-        "start-job",
+        tool_start_job,
         "Start a background job in a machine",
         "Start a command inside the named machine (never on this host) and return at once "
         "with its jobId. Use it for work longer than a tool call should wait (builds, test "
@@ -4394,11 +4383,10 @@ TOOLS: tuple[ToolSpec, ...] = (
             env=ARG_ENV,
         ),
         _out(_types("jobId:string state:string timeoutSecs:integer startedMachine:boolean")),
-        tool_start_job,
         "destructive open_world",
     ),
     ToolSpec(
-        "read-job",
+        tool_read_job,
         "Read a job's output",
         "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
         "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
@@ -4415,21 +4403,19 @@ TOOLS: tuple[ToolSpec, ...] = (
                 **_types("eof:boolean"),
             }
         ),
-        tool_read_job,
         "read_only",
     ),
     ToolSpec(
-        "cancel-job",
+        tool_cancel_job,
         "Cancel a job",
         "End a running job and what it started (TERM, then KILL after a few seconds). A job "
         "that has already ended is left as it is, so repeating the call is harmless.",
         _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
         _out(OUT_JOB_STATE),
-        tool_cancel_job,
         "destructive idempotent",
     ),
     ToolSpec(
-        "allow-egress",
+        tool_allow_egress,
         "Change a machine's egress allow list",
         "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
         "off its allow list), without opening egress to everything: an empty list is never sent "
@@ -4453,7 +4439,6 @@ TOOLS: tuple[ToolSpec, ...] = (
                 **_types("changed:boolean"),
             }
         ),
-        tool_allow_egress,
         "destructive",  # removals narrow it; a repeated removal is refused
     ),
 )
