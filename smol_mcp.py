@@ -3378,11 +3378,10 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
         return await stream_in_machine(call, name, pid_file, argv, options)
     except anyio.get_cancelled_exc_class():
         kill = guest_script(RUN_KILL_SCRIPT, pid_file)
+        end = functools.partial(call.fleet.exec, name, kill, timeout_secs=30)
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
             try:
-                await anyio.to_thread.run_sync(
-                    functools.partial(call.fleet.exec, name, kill, timeout_secs=30)
-                )
+                await anyio.to_thread.run_sync(end)
             except Exception as err:
                 log.warning("could not end the cancelled command in machine %s: %s", name, err)
         raise
@@ -4117,9 +4116,8 @@ async def tool_read_job(call: Call, args: dict) -> dict:
         shaped[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
     shaped["nextOffset"] = next_offset
-    shaped["eof"] = page.state != "running" and all(
-        next_offset[s] >= size for s, size in zip(("stdout", "stderr"), page.sizes)
-    )
+    ends = zip(next_offset.values(), page.sizes)
+    shaped["eof"] = page.state != "running" and all(at >= size for at, size in ends)
     call.app.access.owners.note_job(call.fleet.name, name, shaped)
     return shaped
 
@@ -4173,9 +4171,7 @@ ARG_CREATE_NAME = {
     **ARG_NAME,
     "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
 }
-ARG_CREATE_NETWORK = dict(
-    network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS
-)
+NETWORK_ARGS = dict(network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS)
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
         tool_list_machines,
@@ -4214,7 +4210,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             image=ARG_IMAGE,
             cpus=ARG_CPUS,
             memoryMb=ARG_MEMORY,
-            **ARG_CREATE_NETWORK,
+            **NETWORK_ARGS,
             ports=ARG_PORTS,
             mounts=ARG_MOUNTS,
             storageGb=_integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
@@ -4255,7 +4251,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             **ARG_EXEC,
             cpus=ARG_CPUS,
             memoryMb=ARG_MEMORY,
-            **ARG_CREATE_NETWORK,
+            **NETWORK_ARGS,
         ),
         _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
         "open_world",
