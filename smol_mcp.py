@@ -3657,12 +3657,11 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
 async def create_recorded(
     call: Call, name: str, create: Callable, *args: Any, owner: str | None = None
 ) -> dict:
-    """Create a machine (or a branch child) so the session's record stays true: an
-    ephemeral name is recorded before the call (a crash right after it still cleans up), and
-    forgotten only if the API refused it and this call recorded it; its owner (the caller, or a
-    branch source's owner) likewise. A record the engine proves stale (it accepted the name) is
-    replaced: a machine deleted behind our back must not hand its name's next one to the old
-    owner."""
+    """Create a machine (or a branch child) so the session's record stays true: an ephemeral name
+    is recorded before the call (a crash right after it still cleans up), and forgotten only if the
+    API refused it and this call recorded it; its owner (the caller, or a branch source's owner)
+    likewise. A record the engine proves stale (it accepted the name) is replaced: a machine
+    deleted behind our back must not hand its name's next one to the old owner."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
     owners, owner = call.app.access.owners, owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
@@ -4026,16 +4025,14 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
 
 def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict) -> str:
     """What the person is asked: exactly what changes, for which machine, and the list it leaves."""
-    parts = []
-    if body.get("allowHosts"):
-        parts.append("reach hosts " + ", ".join(body["allowHosts"]) + " (each with its subdomains)")
-    if body.get("allowHostPatterns"):
-        parts.append("reach " + ", ".join(body["allowHostPatterns"]))
-    if body.get("allowCidrs"):
-        parts.append("reach address ranges " + ", ".join(body["allowCidrs"]))
     removed = body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", [])
-    if removed:
-        parts.append("no longer reach " + ", ".join(removed))
+    wording = (
+        ("reach hosts {} (each with its subdomains)", body.get("allowHosts")),
+        ("reach {}", body.get("allowHostPatterns")),
+        ("reach address ranges {}", body.get("allowCidrs")),
+        ("no longer reach {}", removed),
+    )
+    parts = [text.format(", ".join(entries)) for text, entries in wording if entries]
     now = "limited to " + ", ".join(before["hosts"] + before["cidrs"])
     if before["open"]:
         now = "open to every host (the allow list narrows it)"
