@@ -2928,10 +2928,10 @@ def _types(fields: str) -> dict:
     return properties
 
 
-def _out(properties: dict, optional: dict | None = None) -> dict:
+def _out(properties: dict, optional: dict | None = None, description: str = "") -> dict:
     """A result schema: ``properties`` always present, ``optional`` only sometimes."""
-    every = {**properties, **(optional or {})}
-    return {"type": "object", "properties": every, "required": list(properties)}
+    head = {"type": "object", "description": description} if description else {"type": "object"}
+    return {**head, "properties": {**properties, **(optional or {})}, "required": list(properties)}
 
 
 def _list(**parts: Any) -> dict:
@@ -3005,16 +3005,14 @@ ARG_EXEC = {  # run-command's and run-once's
     "stdin": ARG_STDIN,
 }
 
-OUT_MACHINE = {
-    "type": "object",
-    "description": "A machine, with the same keys on every fleet.",
-    "properties": _types(
+OUT_MACHINE = _out(
+    _types(
         "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
         "network:string? ports:array createdAt:string? pid:integer? url:string? "
         "branchable:boolean parent:string?"
     ),
-    "required": list(MACHINE_KEYS),
-}
+    description="A machine, with the same keys on every fleet.",
+)
 ARG_EGRESS_HOSTS = _list(
     description="Host names to allow, such as pypi.org; each covers its subdomains too.",
     items=_string("A host name.", minLength=1, maxLength=253),
@@ -3042,12 +3040,10 @@ ARG_EGRESS_REMOVE = {
     ),
     "description": "Entries to take off the allow list; at least one entry must remain.",
 }
-OUT_EGRESS = {
-    "type": "object",
-    "description": "A local machine's egress policy.",
-    "properties": _types("open:boolean hosts:string[] cidrs:string[]"),
-    "required": ["open", "hosts", "cidrs"],
-}
+OUT_EGRESS = _out(
+    _types("open:boolean hosts:string[] cidrs:string[]"),
+    description="A local machine's egress policy.",
+)
 DENIAL = _types("dest:string operation:string count:integer firstAt:string? lastAt:string?")
 OUT_DENIALS = {
     "type": "array",
@@ -3165,11 +3161,6 @@ class Call:
                 await self.ctx.session.report_progress(done, total, message)
         except Exception:  # progress is a courtesy; a client that went away must not fail the call
             log.debug("progress notification not sent", exc_info=True)
-
-    async def confirm(self, message: str, binding: str, schema: dict) -> bool | None:
-        """Ask the person to confirm (see SmolMcp.confirm): True, False, or None when the
-        client cannot ask; ``binding`` names what is confirmed, so no answer is replayed."""
-        return await self.app.confirm(self.ctx, self.params, self.session, message, binding, schema)
 
     def new_ephemeral_name(self) -> str:
         return f"{self.config.machine_prefix}{secrets_module.token_hex(4)}"
@@ -4062,8 +4053,9 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
             f"so nothing was changed or asked. {EGRESS_409_HINT}"
         )
     question = egress_question(name, call.fleet.name, before, body, after)
-    binding = json.dumps([name, body], sort_keys=True)
-    if await call.confirm(question, binding, EGRESS_QUESTION_SCHEMA) is False:
+    binding = json.dumps([name, body], sort_keys=True)  # what is confirmed: no answer is replayed
+    ask = (call.ctx, call.params, call.session, question, binding, EGRESS_QUESTION_SCHEMA)
+    if await call.app.confirm(*ask) is False:  # None: the client cannot ask
         raise SmolError(
             f"The person did not allow the egress change for machine '{name}'; nothing changed. "
             "Do not ask again unless they say so."
