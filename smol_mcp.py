@@ -3505,19 +3505,6 @@ EGRESS_HINT_NO_SCOPE = (
     "command ran. Widening the allow list needs the manage scope, which this caller does not "
     "have: ask the operator (allow-egress, or a machine created with the hosts it needs)."
 )
-BRANCHABLE_NEEDS_START = (
-    '"branchable": true needs "start": true on the local fleet: the engine '
-    "makes a machine a branch source when it starts it"
-)
-SESSION_ENDED_DURING_CREATE = (
-    "the session ended while '{name}' was being created, so the machine was deleted at once (its "
-    "session's cleanup had already run); open a new session and create it again"
-)
-EGRESS_LOCAL_ONLY = (
-    "allow-egress is local only: the smol cloud API has no route to amend a machine's "
-    'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
-    "instead"
-)
 
 
 def parse_event_time(value: Any) -> datetime.datetime | None:
@@ -3630,7 +3617,10 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     spec = machine_spec(call, args, name, call.config.network_default)
     start = args.get("start", True)
     if spec.branchable and not start and call.fleet.branch_needs_start:
-        raise ArgumentError(BRANCHABLE_NEEDS_START)
+        raise ArgumentError(
+            '"branchable": true needs "start": true on the local fleet: the engine makes a machine '
+            "a branch source when it starts it"
+        )
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
     ephemeral = call.session.is_ephemeral(name)
     if start:
@@ -3670,7 +3660,10 @@ async def create_recorded(
         # The session ended (its client went, its token was deleted) while this
         # create ran, so its cleanup came too early to see the machine: do it here.
         await call.delete_quietly(name)
-        raise SmolError(SESSION_ENDED_DURING_CREATE.format(name=name))
+        raise SmolError(
+            f"the session ended while '{name}' was being created, so the machine was deleted at "
+            "once (its session's cleanup had already run); open a new session and create it again"
+        )
     owners.claim(call.fleet.name, name, owner, machine_identity(record))
     call.session.identities[(call.fleet.name, name)] = machine_identity(record)
     return record
@@ -4039,7 +4032,11 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
     if not call.fleet.amends_egress:
-        raise ArgumentError(EGRESS_LOCAL_ONLY)
+        raise ArgumentError(
+            "allow-egress is local only: the smol cloud API has no route to amend a machine's "
+            'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
+            "instead"
+        )
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
     if not body:  # everything asked for is already on the list
