@@ -2997,13 +2997,9 @@ ARG_JOB_OFFSET = {
     "description": "Where to continue: the nextOffset of the previous read-job.",
 }
 ARG_WAIT = _boolean("Wait until a command has run in the guest before answering (default true).")
-ARG_EXEC = {  # run-command's and run-once's
-    "command": ARG_COMMAND,
-    "timeoutSecs": ARG_TIMEOUT,
-    "workdir": ARG_WORKDIR,
-    "env": ARG_ENV,
-    "stdin": ARG_STDIN,
-}
+ARG_EXEC = dict(  # run-command's and run-once's
+    command=ARG_COMMAND, timeoutSecs=ARG_TIMEOUT, workdir=ARG_WORKDIR, env=ARG_ENV, stdin=ARG_STDIN
+)
 
 OUT_MACHINE = _out(
     _types(
@@ -4157,6 +4153,7 @@ ARG_CREATE_NAME = {
     **ARG_NAME,
     "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
 }
+SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
 NETWORK_ARGS = dict(network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS)
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
@@ -4194,8 +4191,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             "image",
             name=ARG_CREATE_NAME,
             image=ARG_IMAGE,
-            cpus=ARG_CPUS,
-            memoryMb=ARG_MEMORY,
+            **SIZE_ARGS,
             **NETWORK_ARGS,
             ports=ARG_PORTS,
             mounts=ARG_MOUNTS,
@@ -4231,14 +4227,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Create a machine from an image, run one command in it, and delete the machine on every "
         "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
         '"open" or an allow-list is given.',
-        _input(
-            "image command",
-            image=ARG_IMAGE,
-            **ARG_EXEC,
-            cpus=ARG_CPUS,
-            memoryMb=ARG_MEMORY,
-            **NETWORK_ARGS,
-        ),
+        _input("image command", image=ARG_IMAGE, **ARG_EXEC, **SIZE_ARGS, **NETWORK_ARGS),
         _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
         "open_world",
     ),
