@@ -3048,6 +3048,7 @@ OUT_DENIALS = {
 }
 OUT_JOB_STATE = _types("jobId:string state:string exitCode:integer?")
 OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
+OUT_NEXT_OFFSET = {"type": "object", "properties": _types("stdout:integer stderr:integer")}
 OUT_EXEC_PROPERTIES = _types(
     "stdout:string stderr:string exitCode:integer truncated:boolean timedOut:boolean "
     "overflow:string[] startedMachine:boolean"
@@ -4367,10 +4368,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             {
                 **OUT_JOB_STATE,
                 **_types("stdout:string stderr:string"),
-                "nextOffset": {
-                    "type": "object",
-                    "properties": _types("stdout:integer stderr:integer"),
-                },
+                "nextOffset": OUT_NEXT_OFFSET,
                 **_types("eof:boolean"),
             }
         ),
@@ -4403,12 +4401,12 @@ TOOLS: tuple[ToolSpec, ...] = (
             remove=ARG_EGRESS_REMOVE,
         ),
         _out(
-            {
-                "machine": OUT_MACHINE,
-                "before": OUT_EGRESS,
-                "after": OUT_EGRESS,
-                **_types("changed:boolean"),
-            }
+            dict(
+                machine=OUT_MACHINE,
+                before=OUT_EGRESS,
+                after=OUT_EGRESS,
+                changed={"type": "boolean"},
+            )
         ),
         "destructive",  # removals narrow it; a repeated removal is refused
     ),
