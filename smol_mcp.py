@@ -34,12 +34,14 @@ The file reads top to bottom in the order a request flows:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import datetime
 import difflib
 import errno
 import functools
+import hashlib
 import hmac
 import http.client
 import ipaddress
@@ -2834,6 +2836,11 @@ def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
     return {"type": "object", "properties": properties, **closed}
 
 
+def _input(required: str, **properties: dict) -> dict:
+    """A tool's arguments: ``properties`` in the order given, the ``required`` names required."""
+    return _object(properties, tuple(required.split()))
+
+
 def _types(fields: str) -> dict:
     """Schema properties from "name:type" words: a type ending in ? may also be
     null, one ending in [] is an array of that type."""
@@ -2847,10 +2854,10 @@ def _types(fields: str) -> dict:
     return properties
 
 
-def _out(properties: dict, optional: dict | None = None) -> dict:
+def _out(properties: dict, optional: dict | None = None, description: str = "") -> dict:
     """A result schema: ``properties`` always present, ``optional`` only sometimes."""
-    every = {**properties, **(optional or {})}
-    return {"type": "object", "properties": every, "required": list(properties)}
+    head = {"type": "object", "description": description} if description else {"type": "object"}
+    return {**head, "properties": {**properties, **(optional or {})}, "required": list(properties)}
 
 
 def _list(**parts: Any) -> dict:
@@ -2908,33 +2915,26 @@ ARG_JOB_ID = _string(
     pattern=JOB_ID_PATTERN,
 )
 ARG_JOB_OFFSET = {
-    **_object(
-        {
-            "stdout": _integer("Bytes of stdout already read.", minimum=0, maximum=MAX_FILE_OFFSET),
-            "stderr": _integer("Bytes of stderr already read.", minimum=0, maximum=MAX_FILE_OFFSET),
-        }
+    **_input(
+        "",
+        stdout=_integer("Bytes of stdout already read.", minimum=0, maximum=MAX_FILE_OFFSET),
+        stderr=_integer("Bytes of stderr already read.", minimum=0, maximum=MAX_FILE_OFFSET),
     ),
     "description": "Where to continue: the nextOffset of the previous read-job.",
 }
 ARG_WAIT = _boolean("Wait until a command has run in the guest before answering (default true).")
-ARG_EXEC = {  # run-command's and run-once's
-    "command": ARG_COMMAND,
-    "timeoutSecs": ARG_TIMEOUT,
-    "workdir": ARG_WORKDIR,
-    "env": ARG_ENV,
-    "stdin": ARG_STDIN,
-}
+ARG_EXEC = dict(  # run-command's and run-once's
+    command=ARG_COMMAND, timeoutSecs=ARG_TIMEOUT, workdir=ARG_WORKDIR, env=ARG_ENV, stdin=ARG_STDIN
+)
 
-OUT_MACHINE = {
-    "type": "object",
-    "description": "A machine, with the same keys on every fleet.",
-    "properties": _types(
+OUT_MACHINE = _out(
+    _types(
         "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
         "network:string? ports:array createdAt:string? pid:integer? url:string? "
         "branchable:boolean parent:string?"
     ),
-    "required": list(MACHINE_KEYS),
-}
+    description="A machine, with the same keys on every fleet.",
+)
 ARG_EGRESS_HOSTS = _list(
     description="Host names to allow, such as pypi.org; each covers its subdomains too.",
     items=_string("A host name.", minLength=1, maxLength=253),
@@ -2949,26 +2949,23 @@ ARG_EGRESS_CIDRS = _list(
     items=_string("An address range.", minLength=1, maxLength=64),
 )
 ARG_EGRESS_REMOVE = {
-    **_object(
-        {
-            "hosts": _list(
-                items=_string("A listed entry.", minLength=1, maxLength=255),
-                description="Host names or patterns to take off, as get-machine lists them.",
-            ),
-            "cidrs": _list(
-                items=_string("A listed range.", minLength=1, maxLength=64),
-                description="Address ranges to take off, as get-machine lists them.",
-            ),
-        }
+    **_input(
+        "",
+        hosts=_list(
+            items=_string("A listed entry.", minLength=1, maxLength=255),
+            description="Host names or patterns to take off, as get-machine lists them.",
+        ),
+        cidrs=_list(
+            items=_string("A listed range.", minLength=1, maxLength=64),
+            description="Address ranges to take off, as get-machine lists them.",
+        ),
     ),
     "description": "Entries to take off the allow list; at least one entry must remain.",
 }
-OUT_EGRESS = {
-    "type": "object",
-    "description": "A local machine's egress policy.",
-    "properties": _types("open:boolean hosts:string[] cidrs:string[]"),
-    "required": ["open", "hosts", "cidrs"],
-}
+OUT_EGRESS = _out(
+    _types("open:boolean hosts:string[] cidrs:string[]"),
+    description="A local machine's egress policy.",
+)
 DENIAL = _types("dest:string operation:string count:integer firstAt:string? lastAt:string?")
 OUT_DENIALS = {
     "type": "array",
@@ -2977,6 +2974,7 @@ OUT_DENIALS = {
 }
 OUT_JOB_STATE = _types("jobId:string state:string exitCode:integer?")
 OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
+OUT_NEXT_OFFSET = {"type": "object", "properties": _types("stdout:integer stderr:integer")}
 OUT_EXEC_PROPERTIES = _types(
     "stdout:string stderr:string exitCode:integer truncated:boolean timedOut:boolean "
     "overflow:string[] startedMachine:boolean"
@@ -2986,18 +2984,21 @@ OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}
 
 @dataclass(eq=False)  # a tool is one object: compared and hashed by identity
 class ToolSpec:
-    """One tool: what the client is shown, and the handler that answers it."""
+    """One tool: the handler that answers it (tool_list_machines answers list-machines), and
+    what the client is shown: ``hints`` names the annotations that are true."""
 
-    name: str
+    handler: Callable
     title: str
     description: str
     input_schema: dict
     output_schema: dict
-    handler: Callable
-    read_only: bool = False
-    destructive: bool = False
-    idempotent: bool = False
-    open_world: bool = False
+    hints: str = ""
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.name = self.handler.__name__.removeprefix("tool_").replace("_", "-")
+        for hint in ("read_only", "destructive", "idempotent", "open_world"):
+            setattr(self, hint, hint in self.hints.split())
 
 
 class Call:
@@ -3028,8 +3029,6 @@ class Call:
         once and every few seconds until it returns; without, only once it has taken longer than
         that (an API that asked us to wait and retry, say); with "", never (the caller reports
         progress itself). Until a beat is due it is a timer, so a quick call starts no task."""
-        import asyncio
-
         if waiting == "":
             return await run()
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
@@ -3085,11 +3084,6 @@ class Call:
                 await self.ctx.session.report_progress(done, total, message)
         except Exception:  # progress is a courtesy; a client that went away must not fail the call
             log.debug("progress notification not sent", exc_info=True)
-
-    async def confirm(self, message: str, binding: str, schema: dict) -> bool | None:
-        """Ask the person to confirm (see SmolMcp.confirm): True, False, or None when the
-        client cannot ask; ``binding`` names what is confirmed, so no answer is replayed."""
-        return await self.app.confirm(self.ctx, self.params, self.session, message, binding, schema)
 
     def new_ephemeral_name(self) -> str:
         return f"{self.config.machine_prefix}{secrets_module.token_hex(4)}"
@@ -3298,11 +3292,10 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
         return await stream_in_machine(call, name, pid_file, argv, options)
     except anyio.get_cancelled_exc_class():
         kill = guest_script(RUN_KILL_SCRIPT, pid_file)
+        end = functools.partial(call.fleet.exec, name, kill, timeout_secs=30)
         with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
             try:
-                await anyio.to_thread.run_sync(
-                    functools.partial(call.fleet.exec, name, kill, timeout_secs=30)
-                )
+                await anyio.to_thread.run_sync(end)
             except Exception as err:
                 log.warning("could not end the cancelled command in machine %s: %s", name, err)
         raise
@@ -3435,19 +3428,6 @@ EGRESS_HINT_NO_SCOPE = (
     "command ran. Widening the allow list needs the manage scope, which this caller does not "
     "have: ask the operator (allow-egress, or a machine created with the hosts it needs)."
 )
-BRANCHABLE_NEEDS_START = (
-    '"branchable": true needs "start": true on the local fleet: the engine '
-    "makes a machine a branch source when it starts it"
-)
-SESSION_ENDED_DURING_CREATE = (
-    "the session ended while '{name}' was being created, so the machine was deleted at once (its "
-    "session's cleanup had already run); open a new session and create it again"
-)
-EGRESS_LOCAL_ONLY = (
-    "allow-egress is local only: the smol cloud API has no route to amend a machine's "
-    'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
-    "instead"
-)
 
 
 def parse_event_time(value: Any) -> datetime.datetime | None:
@@ -3501,10 +3481,6 @@ async def note_egress_denials(
             hint = EGRESS_HINT_RUN_ONCE
         shaped = {**shaped, "egressDenied": denied, "egressHint": hint}
     return shaped
-
-
-def now_utc() -> datetime.datetime:
-    return datetime.datetime.now(datetime.UTC)
 
 
 # -- the handlers, in the order of the tools table ---------------------------
@@ -3564,7 +3540,10 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     spec = machine_spec(call, args, name, call.config.network_default)
     start = args.get("start", True)
     if spec.branchable and not start and call.fleet.branch_needs_start:
-        raise ArgumentError(BRANCHABLE_NEEDS_START)
+        raise ArgumentError(
+            '"branchable": true needs "start": true on the local fleet: the engine makes a machine '
+            "a branch source when it starts it"
+        )
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
     ephemeral = call.session.is_ephemeral(name)
     if start:
@@ -3582,12 +3561,11 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
 async def create_recorded(
     call: Call, name: str, create: Callable, *args: Any, owner: str | None = None
 ) -> dict:
-    """Create a machine (or a branch child) so the session's record stays true: an
-    ephemeral name is recorded before the call (a crash right after it still cleans up), and
-    forgotten only if the API refused it and this call recorded it; its owner (the caller, or a
-    branch source's owner) likewise. A record the engine proves stale (it accepted the name) is
-    replaced: a machine deleted behind our back must not hand its name's next one to the old
-    owner."""
+    """Create a machine (or a branch child) so the session's record stays true: an ephemeral name
+    is recorded before the call (a crash right after it still cleans up), and forgotten only if the
+    API refused it and this call recorded it; its owner (the caller, or a branch source's owner)
+    likewise. A record the engine proves stale (it accepted the name) is replaced: a machine
+    deleted behind our back must not hand its name's next one to the old owner."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
     owners, owner = call.app.access.owners, owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
@@ -3605,7 +3583,10 @@ async def create_recorded(
         # The session ended (its client went, its token was deleted) while this
         # create ran, so its cleanup came too early to see the machine: do it here.
         await call.delete_quietly(name)
-        raise SmolError(SESSION_ENDED_DURING_CREATE.format(name=name))
+        raise SmolError(
+            f"the session ended while '{name}' was being created, so the machine was deleted at "
+            "once (its session's cleanup had already run); open a new session and create it again"
+        )
     owners.claim(call.fleet.name, name, owner, machine_identity(record))
     call.session.identities[(call.fleet.name, name)] = machine_identity(record)
     return record
@@ -3613,7 +3594,7 @@ async def create_recorded(
 
 async def tool_run_command(call: Call, args: dict) -> dict:
     name, options = args["name"], exec_options(args, call.config.exec_timeout_secs)
-    since, argv = now_utc(), command_argv(args["command"])
+    since, argv = datetime.datetime.now(datetime.UTC), command_argv(args["command"])
     run = functools.partial(run_in_machine, call, name, argv, **options)
     result, started_machine = await on_running(call, name, run)
     shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=False)
@@ -3631,7 +3612,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
             await start_and_wait(call, name)
         except Exception as err:
             raise await start_failure(call, name, err, spec.network) from None
-        since = now_utc()
+        since = datetime.datetime.now(datetime.UTC)
         result = await run_in_machine(call, name, command_argv(args["command"]), **options)
         shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=True)
         return {**shaped, "startedMachine": False, "name": name}
@@ -3745,8 +3726,6 @@ def log_cursor(lines: list[str], end: int) -> str:
     """Where a reader stopped: how many lines it has seen and a digest of the last few
     (one blank or repeated line is found in many places), so the place is found again when the
     cloud's tail window (the cloud log route has no cursor) has moved on."""
-    import hashlib
-
     last = "\n".join(lines[max(0, end - CURSOR_LINES) : end]).encode()
     return f"{end}:{hashlib.sha256(last).hexdigest()[:12] if end else ''}"
 
@@ -3790,17 +3769,12 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
 
 
 HOST_LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
-EGRESS_QUESTION_SCHEMA = {
-    "type": "object",
-    "required": ["allow"],
-    "properties": {
-        "allow": {
-            "type": "boolean",
-            "title": "Allow this egress change",
-            "description": "true to apply it; false (or decline) leaves the machine as it is",
-        }
-    },
+EGRESS_ALLOW = {
+    "type": "boolean",
+    "title": "Allow this egress change",
+    "description": "true to apply it; false (or decline) leaves the machine as it is",
 }
+EGRESS_QUESTION_SCHEMA = dict(type="object", required=["allow"], properties={"allow": EGRESS_ALLOW})
 EGRESS_409_HINT = (
     "The engine applies this change only to a stopped machine (a running one keeps its current "
     "kind of policy). allow-egress never stops a machine itself: stop it with stop-machine "
@@ -3925,22 +3899,18 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
             "allow-egress needs something to change: hosts, hostPatterns, cidrs, or remove "
             "{hosts, cidrs}"
         )
-    listed_hosts = {h.lower(): h for h in before["hosts"]}
-    removed_hosts, removed_cidrs = [], []
-    for i, host in enumerate(remove.get("hosts", [])):
-        if host.lower() not in listed_hosts:
-            raise ArgumentError(
-                f'"remove.hosts[{i}]" ({host!r}) is not on the allow list of this machine, which '
-                f"lists hosts {before['hosts'] or 'none'}; get-machine shows it"
-            )
-        removed_hosts.append(listed_hosts[host.lower()])  # written as the engine lists it
-    for i, cidr in enumerate(remove.get("cidrs", [])):
-        if cidr not in before["cidrs"]:
-            raise ArgumentError(
-                f'"remove.cidrs[{i}]" ({cidr!r}) is not on the allow list of this machine, which '
-                f"lists ranges {before['cidrs'] or 'none'}; get-machine shows it"
-            )
-        removed_cidrs.append(cidr)
+    removed_hosts, removed_cidrs = [], []  # written as the engine lists them
+    # host names match in any case, address ranges only as listed
+    for key, fold, removed in (("hosts", str.lower, removed_hosts), ("cidrs", str, removed_cidrs)):
+        listed = {fold(entry): entry for entry in before[key]}
+        for i, entry in enumerate(remove.get(key, [])):
+            if fold(entry) not in listed:
+                raise ArgumentError(
+                    f'"remove.{key}[{i}]" ({entry!r}) is not on the allow list of this machine, '
+                    f"which lists {'hosts' if fold is str.lower else 'ranges'} "
+                    f"{before[key] or 'none'}; get-machine shows it"
+                )
+            removed.append(listed[fold(entry)])
     kept_hosts = [h for h in before["hosts"] if h not in removed_hosts]
     kept_cidrs = [c for c in before["cidrs"] if c not in removed_cidrs]
     new_hosts = [h for h in dict.fromkeys(hosts) if h not in (k.lower() for k in kept_hosts)]
@@ -3955,28 +3925,21 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
             "as egress to every host; allow-egress never does that. Keep at least one entry, or "
             'create a new machine with network: "open" if that is really wanted'
         )
-    body = dict(
-        allowHosts=new_hosts,
-        allowHostPatterns=new_patterns,
-        allowCidrs=new_cidrs,
-        removeAllowHosts=removed_hosts,
-        removeAllowCidrs=removed_cidrs,
-    )
+    body = dict(allowHosts=new_hosts, allowHostPatterns=new_patterns, allowCidrs=new_cidrs)
+    body.update(removeAllowHosts=removed_hosts, removeAllowCidrs=removed_cidrs)
     return {key: value for key, value in body.items() if value}, after
 
 
 def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict) -> str:
     """What the person is asked: exactly what changes, for which machine, and the list it leaves."""
-    parts = []
-    if body.get("allowHosts"):
-        parts.append("reach hosts " + ", ".join(body["allowHosts"]) + " (each with its subdomains)")
-    if body.get("allowHostPatterns"):
-        parts.append("reach " + ", ".join(body["allowHostPatterns"]))
-    if body.get("allowCidrs"):
-        parts.append("reach address ranges " + ", ".join(body["allowCidrs"]))
     removed = body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", [])
-    if removed:
-        parts.append("no longer reach " + ", ".join(removed))
+    wording = (
+        ("reach hosts {} (each with its subdomains)", body.get("allowHosts")),
+        ("reach {}", body.get("allowHostPatterns")),
+        ("reach address ranges {}", body.get("allowCidrs")),
+        ("no longer reach {}", removed),
+    )
+    parts = [text.format(", ".join(entries)) for text, entries in wording if entries]
     now = "limited to " + ", ".join(before["hosts"] + before["cidrs"])
     if before["open"]:
         now = "open to every host (the allow list narrows it)"
@@ -3992,7 +3955,11 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
     if not call.fleet.amends_egress:
-        raise ArgumentError(EGRESS_LOCAL_ONLY)
+        raise ArgumentError(
+            "allow-egress is local only: the smol cloud API has no route to amend a machine's "
+            'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
+            "instead"
+        )
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
     if not body:  # everything asked for is already on the list
@@ -4006,8 +3973,9 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
             f"so nothing was changed or asked. {EGRESS_409_HINT}"
         )
     question = egress_question(name, call.fleet.name, before, body, after)
-    binding = json.dumps([name, body], sort_keys=True)
-    if await call.confirm(question, binding, EGRESS_QUESTION_SCHEMA) is False:
+    binding = json.dumps([name, body], sort_keys=True)  # what is confirmed: no answer is replayed
+    ask = (call.ctx, call.params, call.session, question, binding, EGRESS_QUESTION_SCHEMA)
+    if await call.app.confirm(*ask) is False:  # None: the client cannot ask
         raise SmolError(
             f"The person did not allow the egress change for machine '{name}'; nothing changed. "
             "Do not ask again unless they say so."
@@ -4057,9 +4025,8 @@ async def tool_read_job(call: Call, args: dict) -> dict:
         shaped[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
     shaped["nextOffset"] = next_offset
-    shaped["eof"] = page.state != "running" and all(
-        next_offset[s] >= size for s, size in zip(("stdout", "stderr"), page.sizes)
-    )
+    ends = zip(next_offset.values(), page.sizes)
+    shaped["eof"] = page.state != "running" and all(at >= size for at, size in ends)
     call.app.access.owners.note_job(call.fleet.name, name, shaped)
     return shaped
 
@@ -4073,178 +4040,139 @@ async def tool_cancel_job(call: Call, args: dict) -> dict:
     return shown
 
 
-ARG_NAME_ONLY = _object({"name": ARG_NAME}, ("name",))
+ARG_NAME_ONLY = _input("name", name=ARG_NAME)
 OUT_CREATED = _out({"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")})
 ARG_PORTS = {
     "type": "array",
     "description": "Ports to publish: guest port, and optionally the host port.",
-    "items": _object(
-        {
-            "guest": _integer("Port inside the machine.", maximum=65535),
-            "host": _integer("Port on the host (default: a free one).", maximum=65535),
-        },
-        ("guest",),
+    "items": _input(
+        "guest",
+        guest=_integer("Port inside the machine.", maximum=65535),
+        host=_integer("Port on the host (default: a free one).", maximum=65535),
     ),
 }
 ARG_MOUNTS = {
     "type": "array",
     "description": "Host directories to attach (local fleet only), only under the operator's "
     "mountRoots; read-only by default.",
-    "items": _object(
-        {
-            "source": _string("Absolute host path."),
-            "target": _string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
-            "readonly": _boolean(
-                "Mount read-only (the default); false asks for write, which only a root opened "
-                "with :rw grants."
-            ),
-        },
-        ("source", "target"),
+    "items": _input(
+        "source target",
+        source=_string("Absolute host path."),
+        target=_string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
+        readonly=_boolean(
+            "Mount read-only (the default); false asks for write, which only a root opened with "
+            ":rw grants."
+        ),
     ),
 }
+EGRESS_WITH_DENIALS = {
+    **OUT_EGRESS,
+    "properties": {**OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS},
+}
+ARG_INCLUDE = {
+    "type": "array",
+    "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
+    "refused connections (local). Each costs a request.",
+    "items": {"type": "string", "enum": ["jobs", "egress"]},
+    "maxItems": 2,
+}
+ARG_CREATE_NAME = {
+    **ARG_NAME,
+    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
+}
+SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
+NETWORK_ARGS = dict(network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS)
 TOOLS: tuple[ToolSpec, ...] = (
     ToolSpec(
-        "list-machines",
+        tool_list_machines,
         "List machines",
         "List every machine on the fleet, with its state, image, size, egress and published "
         "ports. Changes nothing.",
         _object({}),
         _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
-        tool_list_machines,
-        read_only=True,
-        idempotent=True,
+        "read_only idempotent",
     ),
     ToolSpec(
-        "get-machine",
+        tool_get_machine,
         "Get a machine",
         "Show one machine: state, image, size, egress, ports, pid and whether it can be "
         "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
         # (on the local fleet the result also has the egress allow list and, under a
         # restricted policy when asked or after a failed command, the recent refusals)
-        _object(
-            {
-                "name": ARG_NAME,
-                "include": {
-                    "type": "array",
-                    "description": '"jobs": read the jobs\' states from the machine itself; '
-                    '"egress": its recent refused connections (local). Each costs a request.',
-                    "items": {"type": "string", "enum": ["jobs", "egress"]},
-                    "maxItems": 2,
-                },
-            },
-            ("name",),
-        ),
+        _input("name", name=ARG_NAME, include=ARG_INCLUDE),
         _out(
             {"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
-            {
-                "egress": {
-                    **OUT_EGRESS,
-                    "properties": {**OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS},
-                }
-            },
+            {"egress": EGRESS_WITH_DENIALS},
         ),
-        tool_get_machine,
-        read_only=True,
-        idempotent=True,
+        "read_only idempotent",
     ),
     ToolSpec(
-        "create-machine",
+        tool_create_machine,
         "Create a machine",
         "Create a new microVM from an OCI image and (by default) start it, answering once a "
         'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
         "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
         "machine that is deleted when this session ends; any other name persists. Uses host "
         "CPU, memory and disk while it exists.",
-        _object(
-            {
-                "name": {
-                    **ARG_NAME,
-                    "description": "Name for the machine; omit for an ephemeral one "
-                    "(mcp-xxxxxxxx).",
-                },
-                "image": ARG_IMAGE,
-                "cpus": ARG_CPUS,
-                "memoryMb": ARG_MEMORY,
-                "network": ARG_NETWORK,
-                "allowHosts": ARG_ALLOW_HOSTS,
-                "allowCidrs": ARG_ALLOW_CIDRS,
-                "ports": ARG_PORTS,
-                "mounts": ARG_MOUNTS,
-                "storageGb": _integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
-                "overlayGb": _integer(
-                    "Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB
-                ),
-                "cmd": {
-                    "type": "array",
-                    "items": {"type": "string"},
-                    "description": "Workload command (local fleet only).",
-                },
-                "env": ARG_ENV,
-                "branchable": _boolean("Make it a branch source for branch-machine."),
-                "start": _boolean("Start it and wait for the guest (default true)."),
+        _input(
+            "image",
+            name=ARG_CREATE_NAME,
+            image=ARG_IMAGE,
+            **SIZE_ARGS,
+            **NETWORK_ARGS,
+            ports=ARG_PORTS,
+            mounts=ARG_MOUNTS,
+            storageGb=_integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
+            overlayGb=_integer("Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB),
+            cmd={
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Workload command (local fleet only).",
             },
-            ("image",),
+            env=ARG_ENV,
+            branchable=_boolean("Make it a branch source for branch-machine."),
+            start=_boolean("Start it and wait for the guest (default true)."),
         ),
         OUT_CREATED,
-        tool_create_machine,
-        open_world=True,
+        "open_world",
     ),
     ToolSpec(
-        "run-command",
+        tool_run_command,
         "Run a command in a machine",
         "Run a command inside the named machine (never on this host) and return its stdout, "
         "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
         "budget keeps its head and tail, and the whole stream is saved in the machine at the "
         "path listed in overflow. A stopped machine is started first. On the local fleet a "
         "failed command lists the connections the egress policy refused (egressDenied).",
-        _object({"name": ARG_NAME, **ARG_EXEC}, ("name", "command")),
+        _input("name command", name=ARG_NAME, **ARG_EXEC),
         _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
-        tool_run_command,
-        destructive=True,
-        open_world=True,
+        "destructive open_world",
     ),
     ToolSpec(
-        "run-once",
+        tool_run_once,
         "Run a command in a throwaway machine",
         "Create a machine from an image, run one command in it, and delete the machine on every "
         "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
         '"open" or an allow-list is given.',
-        _object(
-            {
-                "image": ARG_IMAGE,
-                **ARG_EXEC,
-                "cpus": ARG_CPUS,
-                "memoryMb": ARG_MEMORY,
-                "network": ARG_NETWORK,
-                "allowHosts": ARG_ALLOW_HOSTS,
-                "allowCidrs": ARG_ALLOW_CIDRS,
-            },
-            ("image", "command"),
-        ),
+        _input("image command", image=ARG_IMAGE, **ARG_EXEC, **SIZE_ARGS, **NETWORK_ARGS),
         _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
-        tool_run_once,
-        open_world=True,
+        "open_world",
     ),
     ToolSpec(
-        "read-file",
+        tool_read_file,
         "Read a file from a machine",
         "Read a file inside the named machine, a page at a time: offset and length pick the "
         "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
         "more than the output budget. Starts a stopped machine.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "path": ARG_PATH,
-                "encoding": ARG_ENCODING,
-                "offset": _integer(
-                    "First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET
-                ),
-                "length": _integer(
-                    "Bytes to read (default and maximum: the output budget).",
-                    maximum=MAX_READ_LENGTH,
-                ),
-            },
-            ("name", "path"),
+        _input(
+            "name path",
+            name=ARG_NAME,
+            path=ARG_PATH,
+            encoding=ARG_ENCODING,
+            offset=_integer("First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET),
+            length=_integer(
+                "Bytes to read (default and maximum: the output budget).", maximum=MAX_READ_LENGTH
+            ),
         ),
         _out(
             _types(
@@ -4252,112 +4180,91 @@ TOOLS: tuple[ToolSpec, ...] = (
                 "bytes:integer eof:boolean startedMachine:boolean"
             )
         ),
-        tool_read_file,
-        idempotent=True,
-    ),  # not read-only: it starts a stopped machine
+        "idempotent",  # not read-only: it starts a stopped machine
+    ),
     ToolSpec(
-        "write-file",
+        tool_write_file,
         "Write a file into a machine",
         "Write a file inside the named machine, replacing any file at that path and creating "
         "parent directories. Waits until the guest runs commands first, so the file is not "
         "hidden by the workload's file system.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "path": ARG_PATH,
-                "content": _string("The file's content."),
-                "encoding": ARG_ENCODING,
-            },
-            ("name", "path", "content"),
+        _input(
+            "name path content",
+            name=ARG_NAME,
+            path=ARG_PATH,
+            content=_string("The file's content."),
+            encoding=ARG_ENCODING,
         ),
         _out(_types("path:string bytes:integer startedMachine:boolean")),
-        tool_write_file,
-        destructive=True,
-        idempotent=True,
+        "destructive idempotent",
     ),
     ToolSpec(
-        "start-machine",
+        tool_start_machine,
         "Start a machine",
         "Start a stopped machine and (by default) wait until a command has run in it. A running "
         "machine is left as it is.",
-        _object({"name": ARG_NAME, "wait": ARG_WAIT}, ("name",)),
+        _input("name", name=ARG_NAME, wait=ARG_WAIT),
         _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
-        tool_start_machine,
-        idempotent=True,
-        open_world=True,
+        "idempotent open_world",
     ),
     ToolSpec(
-        "branch-machine",
+        tool_branch_machine,
         "Branch a machine",
         "Copy a running branch source (created with branchable: true), memory and disks "
         "included, into a new child machine that starts where the source is. Without childName "
         "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
-        _object(
-            {
-                "name": {**ARG_NAME, "description": "The running, branchable source machine."},
-                "childName": {
-                    **ARG_NAME,
-                    "description": "Name for the child; omit for an ephemeral one.",
-                },
-                "wait": ARG_WAIT,
-            },
-            ("name",),
+        _input(
+            "name",
+            name={**ARG_NAME, "description": "The running, branchable source machine."},
+            childName={**ARG_NAME, "description": "Name for the child; omit for an ephemeral one."},
+            wait=ARG_WAIT,
         ),
         OUT_CREATED,
-        tool_branch_machine,
     ),
     ToolSpec(
-        "stop-machine",
+        tool_stop_machine,
         "Stop a machine",
         "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
         "runs in it is ended.",
         ARG_NAME_ONLY,
         _out({"machine": OUT_MACHINE}),
-        tool_stop_machine,
-        destructive=True,
-        idempotent=True,
+        "destructive idempotent",
     ),
     ToolSpec(
-        "delete-machine",
+        tool_delete_machine,
         "Delete a machine",
         "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
         ARG_NAME_ONLY,
         _out(_types("deleted:string"), _types("usage:object")),
-        tool_delete_machine,
-        destructive=True,
+        "destructive",
     ),
     ToolSpec(
-        "machine-logs",
+        tool_machine_logs,
         "Read a machine's log",
         "Read the latest lines of the machine's guest console. Pass the cursor from the last "
         "call to get only what arrived since. Changes nothing.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "tail": _integer(
-                    "How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000
-                ),
-                "cursor": _string("The cursor from the previous machine-logs call."),
-            },
-            ("name",),
+        _input(
+            "name",
+            name=ARG_NAME,
+            tail=_integer(
+                "How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000
+            ),
+            cursor=_string("The cursor from the previous machine-logs call."),
         ),
         _out(_types("lines:string[] cursor:string")),
-        tool_machine_logs,
-        read_only=True,
+        "read_only",
     ),
     ToolSpec(
-        "pull-image",
+        tool_pull_image,
         "Pull an image into a machine",
         "Pull an OCI image into the named machine's image store (local fleet only; the machine "
         "is started to do it).",
-        _object({"name": ARG_NAME, "image": ARG_IMAGE}, ("name", "image")),
+        _input("name image", name=ARG_NAME, image=ARG_IMAGE),
         _out(_types("image:object")),
-        tool_pull_image,
-        idempotent=True,
-        open_world=True,
+        "idempotent open_world",
     ),
     ToolSpec(
-        "start-job",
+        tool_start_job,
         "Start a background job in a machine",
         "Start a command inside the named machine (never on this host) and return at once "
         "with its jobId. Use it for work longer than a tool call should wait (builds, test "
@@ -4365,59 +4272,45 @@ TOOLS: tuple[ToolSpec, ...] = (
         "gone, until it exits, its timeout (default 1 hour, at most 24) or cancel-job ends it, "
         "or the machine stops or is deleted. Read its output with read-job. A stopped machine "
         "is started first.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "command": ARG_COMMAND,
-                "timeoutSecs": _integer(
-                    "Seconds before the job is ended (default 3600, at most 86400)."
-                ),
-                "workdir": ARG_WORKDIR,
-                "env": ARG_ENV,
-            },
-            ("name", "command"),
+        _input(
+            "name command",
+            name=ARG_NAME,
+            command=ARG_COMMAND,
+            timeoutSecs=_integer("Seconds before the job is ended (default 3600, at most 86400)."),
+            workdir=ARG_WORKDIR,
+            env=ARG_ENV,
         ),
         _out(_types("jobId:string state:string timeoutSecs:integer startedMachine:boolean")),
-        tool_start_job,
-        destructive=True,
-        open_world=True,
+        "destructive open_world",
     ),
     ToolSpec(
-        "read-job",
+        tool_read_job,
         "Read a job's output",
         "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
         "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
         "the next page; eof says the job has ended and everything was read. Changes nothing.",
-        _object(
-            {"name": ARG_NAME, "jobId": ARG_JOB_ID, "offset": ARG_JOB_OFFSET}, ("name", "jobId")
-        ),
+        _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET),
         _out(
             {
                 **OUT_JOB_STATE,
                 **_types("stdout:string stderr:string"),
-                "nextOffset": {
-                    "type": "object",
-                    "properties": _types("stdout:integer stderr:integer"),
-                },
+                "nextOffset": OUT_NEXT_OFFSET,
                 **_types("eof:boolean"),
             }
         ),
-        tool_read_job,
-        read_only=True,
+        "read_only",
     ),
     ToolSpec(
-        "cancel-job",
+        tool_cancel_job,
         "Cancel a job",
         "End a running job and what it started (TERM, then KILL after a few seconds). A job "
         "that has already ended is left as it is, so repeating the call is harmless.",
-        _object({"name": ARG_NAME, "jobId": ARG_JOB_ID}, ("name", "jobId")),
+        _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
         _out(OUT_JOB_STATE),
-        tool_cancel_job,
-        destructive=True,
-        idempotent=True,
+        "destructive idempotent",
     ),
     ToolSpec(
-        "allow-egress",
+        tool_allow_egress,
         "Change a machine's egress allow list",
         "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
         "off its allow list), without opening egress to everything: an empty list is never sent "
@@ -4425,27 +4318,24 @@ TOOLS: tuple[ToolSpec, ...] = (
         "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
         "open) must be stopped first, and this tool never stops one. The result has the allow "
         "list before and after. Local fleet only.",
-        _object(
-            {
-                "name": ARG_NAME,
-                "hosts": ARG_EGRESS_HOSTS,
-                "hostPatterns": ARG_EGRESS_PATTERNS,
-                "cidrs": ARG_EGRESS_CIDRS,
-                "remove": ARG_EGRESS_REMOVE,
-            },
-            ("name",),
+        _input(
+            "name",
+            name=ARG_NAME,
+            hosts=ARG_EGRESS_HOSTS,
+            hostPatterns=ARG_EGRESS_PATTERNS,
+            cidrs=ARG_EGRESS_CIDRS,
+            remove=ARG_EGRESS_REMOVE,
         ),
         _out(
-            {
-                "machine": OUT_MACHINE,
-                "before": OUT_EGRESS,
-                "after": OUT_EGRESS,
-                "changed": {"type": "boolean"},
-            }
+            dict(
+                machine=OUT_MACHINE,
+                before=OUT_EGRESS,
+                after=OUT_EGRESS,
+                changed={"type": "boolean"},
+            )
         ),
-        tool_allow_egress,
-        destructive=True,
-    ),  # removals narrow it; a repeated removal is refused
+        "destructive",  # removals narrow it; a repeated removal is refused
+    ),
 )
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
