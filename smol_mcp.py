@@ -39,7 +39,10 @@ import dataclasses
 import datetime
 import difflib
 import errno
+import fcntl
 import functools
+import getpass
+import hashlib
 import hmac
 import http.client
 import ipaddress
@@ -4694,7 +4697,8 @@ class Session:
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
         self.asked_fleet = self.ended = False
         self.chose_during: Any = None  # the call whose question made the choice
-        self._question_lock = self._slots = self._bus = self.listener = None
+        self._slots = self._bus = self.listener = None
+        self._question_lock = anyio.Lock()  # made lazily by anyio, in the loop that first takes it
         self.subscriptions: dict[str, Any] = {}  # uri -> its poller's CancelScope (handshake era)
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
@@ -4704,8 +4708,7 @@ class Session:
         self.held = 0  # its calls waiting for approval: a revoked token's are answered first
         self.revoked_at: float | None = None
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
-        # Handshake era over HTTP: its Mcp-Session-Id and protocol version.
-        self.http_id = self.protocol = None
+        self.http_id = self.protocol = None  # handshake era over HTTP: Mcp-Session-Id, version
 
     def call_slots(self):
         """This session's share of the worker threads: its long calls queue apart from others'."""
@@ -4714,8 +4717,6 @@ class Session:
         return self._slots
 
     def question_lock(self):
-        if self._question_lock is None:
-            self._question_lock = anyio.Lock()
         return self._question_lock
 
     def events(self):
@@ -4761,8 +4762,7 @@ class Session:
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
             pid, endpoint = os.getpid(), self.app.local.endpoint
             record = dict(pid=pid, started=process_start_time(pid), endpoint=endpoint)
-            record["machines"] = names
-            write_json(self.record_path, record, mode=0o666)  # the umask decides, as ever
+            write_json(self.record_path, record | {"machines": names}, mode=0o666)  # umask decides
 
     async def close(self) -> None:
         """Delete every ephemeral machine this session holds; what is not deleted stays in the
@@ -4875,13 +4875,10 @@ def bookkeeping(runtime_dir: str):
     except OSError as err:
         if runtime_dir not in _warned_dirs:
             _warned_dirs.add(runtime_dir)
-            log.warning(
-                "cannot write to the runtime directory %s (%s); machines work on, but one this "
-                "process cannot delete will not be found by the next start. Make it writable (or "
-                "set SMOL_MCP_RUNTIME_DIR).",
-                runtime_dir,
-                err.strerror or err,
-            )
+            lost = "one this process cannot delete will not be found by the next start"
+            fix = "Make it writable (or set SMOL_MCP_RUNTIME_DIR)."
+            what = "cannot write to the runtime directory %s (%s); machines work on, but %s. %s"
+            log.warning(what, runtime_dir, err.strerror or err, lost, fix)
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -4912,9 +4909,8 @@ def process_alive(pid: int, started: int | None = None) -> bool:
     fields = _proc_stat(pid)
     if fields is None:
         return not Path("/proc/self/stat").exists()  # no /proc at all (macOS): the signal answered
-    if fields[0] in ("Z", "X"):
-        return False
-    return started is None or (len(fields) > 19 and int(fields[19]) == started)
+    known = started is None or (len(fields) > 19 and int(fields[19]) == started)
+    return fields[0] not in ("Z", "X") and known
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
@@ -5031,15 +5027,14 @@ def granting_scope(principal: Principal, tool: str) -> str | None:
 
 def check_scope(principal: Principal, tool: str) -> str:
     """The granting scope, or ScopeMissing naming the scope and the principal."""
-    scope = granting_scope(principal, tool)
-    if scope is None:
-        level = TOOL_LEVELS.get(tool, "unknown")
-        held = ", ".join(sorted(principal.scopes)) or "none"
-        needs = f"needs the machines.{level} scope (or sandbox.{level} for machines of its own)"
-        lacks = f"which {principal.label()} does not have (its scopes: {held})"
-        ask = "Ask the operator for a token with that scope."
-        raise ScopeMissing(f"scope_missing: {tool} {needs}, {lacks}. {ask}")
-    return scope
+    if scope := granting_scope(principal, tool):
+        return scope
+    level = TOOL_LEVELS.get(tool, "unknown")
+    held = ", ".join(sorted(principal.scopes)) or "none"
+    needs = f"needs the machines.{level} scope (or sandbox.{level} for machines of its own)"
+    lacks = f"which {principal.label()} does not have (its scopes: {held})"
+    ask = "Ask the operator for a token with that scope."
+    raise ScopeMissing(f"scope_missing: {tool} {needs}, {lacks}. {ask}")
 
 
 def authorize(principal: Principal, tool: str, target: str | None, machine: str | None) -> Grant:
@@ -5094,11 +5089,9 @@ class StateFile:
         except (OSError, ValueError) as exc:
             raise SmolError(f"cannot read {self.path} ({exc}); fix or remove that file") from None
         if not self.valid(data):
-            raise SmolError(
-                f"{self.path} is not shaped as this server writes it (it holds {_json_type(data)}: "
-                f"{json.dumps(data)[:60]}); fix it, or move it aside to start afresh (what it "
-                "recorded is forgotten then)"
-            )
+            held = f"it holds {_json_type(data)}: {json.dumps(data)[:60]}"
+            fix = "fix it, or move it aside to start afresh (what it recorded is forgotten then)"
+            raise SmolError(f"{self.path} is not shaped as this server writes it ({held}); {fix}")
         return data
 
     def update(self, change: Callable[[Any], Any]) -> Any:
@@ -5119,8 +5112,6 @@ class StateFile:
 @contextmanager
 def locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on the file ``path`` (made 0600), which other processes honour."""
-    import fcntl
-
     descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
@@ -5130,8 +5121,6 @@ def locked(path: Path) -> Iterator[None]:
 
 
 def secret_hash(secret: str) -> str:
-    import hashlib
-
     return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -5141,8 +5130,7 @@ def new_token_secret() -> str:
 
 
 def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
-    """The scopes a comma-separated text names, each checked; ``setting`` names
-    the setting the text comes from (which may then leave it empty)."""
+    """The scopes in a comma-separated text, each checked; from a ``setting``, it may be empty."""
     scopes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = ", ".join(repr(scope) for scope in scopes if scope not in SCOPES)
     if unknown or not (scopes or setting):
@@ -5518,8 +5506,6 @@ def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
 
 
 def os_user() -> str:
-    import getpass
-
     try:
         return getpass.getuser()
     except (KeyError, OSError):
@@ -5611,10 +5597,9 @@ def sees_own_activity_only(principal: Principal) -> bool:
 
 def waiting_process_alive(request: dict) -> bool:
     """Whether the process named in an approval request is the one still running."""
-    pid = request.get("pid")
-    if not isinstance(pid, int) or not process_alive(pid):
-        return False
-    return process_start_time(pid) == request.get("pidStart")  # both None without /proc
+    pid = request.get("pid")  # the start times are both None without /proc
+    alive = isinstance(pid, int) and process_alive(pid)
+    return alive and process_start_time(pid) == request.get("pidStart")
 
 
 class ApprovalDesk:
