@@ -4541,8 +4541,7 @@ LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs
 
 
 def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) -> str | None:
-    """As root, smolvm drops each VM to a uid of its own, which cannot open a root-only /dev/kvm:
-    the start fails late with KvmOpen(Error(13)). Say so now, with the fix."""
+    """Why, as root with a root-only /dev/kvm, every start would fail late (KvmOpen(Error(13)))."""
     if euid or kvm_mode is None or kvm_mode & 0o066 or environ.get("SMOLVM_VM_UID_DROP") == "off":
         return None
     return (
@@ -4635,8 +4634,7 @@ def rollout_port_taken() -> bool:
 
 
 async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str) -> None:
-    """Call ``notify`` when a machine's console has new lines (polled every logsPollSecs: no log
-    route pushes); counted in app.polling[who]; ends when the machine is gone."""
+    """Call ``notify`` when a machine's console grows (polled: no route pushes) until it is gone."""
     last = None
     app.polling[who] = app.polling.get(who, 0) + 1
     try:
@@ -4765,8 +4763,7 @@ class Session:
             write_json(self.record_path, record | {"machines": names}, mode=0o666)  # umask decides
 
     async def close(self) -> None:
-        """Delete every ephemeral machine this session holds; what is not deleted stays in the
-        record for the next start. One fleet's failure is logged; the next is still cleaned."""
+        """Delete this session's ephemeral machines, fleet by fleet; what stays, stays recorded."""
         who = self.app.who(self.principal or self.app.access.stdio)
         for fleet_name, names in list(self.machines.items()):
             try:  # a name held by another machine by now is never deleted here
@@ -4802,8 +4799,7 @@ class Session:
 
 
 class SessionSlots:
-    """A limiter for anyio's to_thread: a slot of the session, then a thread of the shared pool, so
-    one session holds at most ``slots`` threads; the rest queue in order."""
+    """A to_thread limiter: a slot of the session, then a shared thread; at most ``slots`` each."""
 
     def __init__(self, shared: Any, slots: int):
         self.shared, self.own = shared, anyio.CapacityLimiter(slots)
@@ -4944,11 +4940,9 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 # 11. Agent access
 #
 # Who is calling, and what it may do. Over HTTP every request carries a token: SMOL_MCP_AUTH_TOKEN
-# (named "default", every scope) or one made with `tokens create`, of which only a hash is kept in
-# the state directory. A token's scopes decide which tools it is shown and may call; a sandbox.*
-# scope narrows it to the machines it created, which the ownership store remembers across restarts.
-# stdio has no token: SMOL_MCP_SCOPES narrows it the same way. Every call passes through authorize()
-# before its handler runs.
+# ("default", every scope) or one from `tokens create` (only its hash is kept). Its scopes decide
+# which tools it sees and calls; sandbox.* narrows it to the machines it created (Owners remembers
+# them). stdio has no token: SMOL_MCP_SCOPES narrows it. Every call passes authorize() first.
 # ---------------------------------------------------------------------------
 
 # The wider domain first: when a principal holds both, its grant wins.
@@ -5038,8 +5032,7 @@ def check_scope(principal: Principal, tool: str) -> str:
 
 
 def authorize(principal: Principal, tool: str, target: str | None, machine: str | None) -> Grant:
-    """The one check every tool call (and log resource) passes before its handler: the tool's scope,
-    then the fleet. Ownership is enforced by OwnedFleet."""
+    """The check before every tool call (and log resource): the tool's scope, then the fleet."""
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
         only = f"the {' and '.join(principal.targets)} fleet only, not {target}"
@@ -5151,8 +5144,7 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
 
 
 class TokenStore:
-    """The named tokens, with the SHA-256 of each secret (never the secret). When each was last used
-    goes to a file of its own now and then, so a request never rewrites the tokens file."""
+    """The named tokens, each with its secret's SHA-256 (never the secret); last uses kept apart."""
 
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # a list of records, each with a name
@@ -5263,8 +5255,7 @@ def parse_period(text: str) -> int:
 
 
 class Owners:
-    """Which principal created each machine, per fleet (a branch is its source's owner's), and the
-    jobs this server started in it, as last seen; a deleted machine is forgotten."""
+    """Who created each machine, per fleet (a branch: its source's owner), and its jobs as seen."""
 
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
@@ -5326,8 +5317,7 @@ class Owners:
 
 
 class OwnedFleet:
-    """A fleet as a sandbox.* principal sees it: only its own machines; another's name is answered
-    exactly as the fleet answers for a name nobody has."""
+    """A fleet as a sandbox.* principal sees it: another's machine is answered as a missing one."""
 
     def __init__(self, fleet: Any, owners: Owners, owner: str):
         self._fleet, self._owners, self._owner = fleet, owners, owner
@@ -5426,12 +5416,10 @@ class Access:
 # -- Activity log and approvals ------------------------------------------------
 #
 # What an agent changed is written down before it is told the result, and any change can be held
-# until a person on the host answers. Both are plain files in the state directory (0700), so several
-# server processes and the terminal commands share them without a daemon: the log is appended under
-# a file lock, and an approval is a request file the waiting server writes (0600) and an answer file
-# `approvals approve|deny` writes next to it. A request names the process that waits (pid and start
-# time), so a request left by a process that has stopped is never answerable: approvals do not
-# survive into a new process.
+# until a person on the host answers. Both are plain files in the state directory, shared by server
+# processes and terminal commands without a daemon: the log is appended under a file lock; an
+# approval is a request file (naming the waiting process: pid and start time, so no request
+# outlives it) and the answer file `approvals approve|deny` writes next to it.
 
 ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "activity.jsonl", 5
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
@@ -5440,16 +5428,14 @@ ACTIVITY_PAGE_BYTES = 512 * 1024  # and what a page of smol://activity holds at 
 ACTIVITY_FIELD_BYTES = 2048  # a longer value is cut, keeping its byte count and SHA-256
 ACTIVITY_URI = "smol://activity"
 APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
-APPROVAL_POLL_SECS = 0.25  # a terminal answer is seen within a second
-APPROVAL_PROGRESS_SECS = 5
+APPROVAL_POLL_SECS, APPROVAL_PROGRESS_SECS = 0.25, 5  # a terminal answer is seen within a second
 APPROVAL_MAX_WAITING = 16  # calls one token (or stdio server) may hold waiting; more are refused
 APPROVAL_SHOW_BYTES = 4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
 WEBHOOK_THREADS, WEBHOOK_QUEUE = 2, 64  # approval notices post from one bounded pool
 CONFIRM_TTL_SECS = 600  # a 2026-era confirmation (allow-egress) answers within this, once
 AUTO_APPROVE_PERIODS = {"1h": 3600, "1d": 86400, "7d": 604800, "30d": 2592000, "forever": None}
-# Arguments that are the agent's data rather than a description of the call:
-# the log keeps their size and digest, so a reader can match them without
-# holding them (a file written with a key in it must not copy the key here).
+# Arguments that are the agent's data, not a description of the call: the log keeps their size and
+# digest, so a reader can match them without holding them (a file with a key must not copy it here).
 REDACTED_ARGUMENTS, REDACTED_MAPS = ("content", "stdin"), ("env",)
 
 
@@ -5467,8 +5453,7 @@ def fingerprint(value: str) -> dict:
 
 
 def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
-    """The arguments as the log and the webhook show them: content, stdin and env values (of any
-    type), and arguments the schema lacks, as their size and digest."""
+    """The arguments as the log shows them: content, stdin, env and unknown ones as size, digest."""
     shown, properties = {}, (schema or {}).get("properties")
     known = arguments if properties is None else properties
     for key, value in arguments.items():
@@ -5513,8 +5498,7 @@ def os_user() -> str:
 
 
 class ActivityLog:
-    """activity.jsonl in the state directory: a JSON object a line, each one write() under a lock so
-    processes never interleave; rotated at ACTIVITY_ROTATE_BYTES into .1 (newest) to .5."""
+    """activity.jsonl: a JSON object a line, each written under a lock; rotated into .1 to .5."""
 
     def __init__(self, state_dir: str | Path):
         self.path = Path(state_dir) / ACTIVITY_FILE
@@ -5526,7 +5510,12 @@ class ActivityLog:
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
         with locked(self.path.with_name(ACTIVITY_FILE + ".lock")):
-            self._rotate_if_full(len(line))
+            size = self.path.stat().st_size if self.path.exists() else 0
+            if size and size + len(line) > ACTIVITY_ROTATE_BYTES:  # .4 replaces .5: the oldest goes
+                for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):
+                    if self.older(index).exists():
+                        self.older(index).replace(self.older(index + 1))
+                self.path.replace(self.older(1))
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 written = os.write(fd, line)
@@ -5535,15 +5524,6 @@ class ActivityLog:
                     raise OSError(28, "No space left on device")
             finally:
                 os.close(fd)
-
-    def _rotate_if_full(self, adding: int) -> None:
-        size = self.path.stat().st_size if self.path.exists() else 0  # rotated only under the lock
-        if size == 0 or size + adding <= ACTIVITY_ROTATE_BYTES:
-            return
-        for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):  # .4 replaces .5: the oldest goes
-            if self.older(index).exists():
-                self.older(index).replace(self.older(index + 1))
-        self.path.replace(self.older(1))
 
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
@@ -5571,9 +5551,7 @@ class ActivityLog:
         return found[::-1]
 
 
-def activity_filter(
-    principal: str | None = None, machine: str | None = None, since_secs: int | None = None
-) -> Callable[[dict], bool]:
+def activity_filter(principal=None, machine=None, since_secs: int | None = None) -> Callable:
     """Which entries one reader asked for: by principal, by machine, by age."""
     cutoff = time.time() - since_secs if since_secs is not None else None
 
@@ -5672,8 +5650,7 @@ class ApprovalDesk:
 
 
 class AutoApprovals:
-    """Who may run changing tools without asking, until when: name -> {id, until (RFC 3339, or null
-    for ever)}; the id makes a token made again under that name ask again."""
+    """Who may run changing tools unasked: name -> {id, until}; a new namesake's id asks again."""
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / AUTO_APPROVE_FILE, dict)
