@@ -4963,8 +4963,7 @@ SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the age
     "full": ",".join(SCOPES),
 }
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-# SMOL_MCP_AUTH_TOKEN, the stdio principal, the terminal and the server itself, in any case
-RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")
+RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")  # in any case: ours, the terminal's
 TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
 JOBS_FILE, JOBS_KEPT = "jobs.json", 100  # the jobs get-machine shows, the newest 100 a machine
@@ -5421,12 +5420,11 @@ class Access:
 # approval is a request file (naming the waiting process: pid and start time, so no request
 # outlives it) and the answer file `approvals approve|deny` writes next to it.
 
-ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "activity.jsonl", 5
+ACTIVITY_URI, ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "smol://activity", "activity.jsonl", 5
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
 ACTIVITY_RESOURCE_ENTRIES = 200  # a page: what smol://activity and `activity` show at most
 ACTIVITY_PAGE_BYTES = 512 * 1024  # and what a page of smol://activity holds at most
 ACTIVITY_FIELD_BYTES = 2048  # a longer value is cut, keeping its byte count and SHA-256
-ACTIVITY_URI = "smol://activity"
 APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
 APPROVAL_POLL_SECS, APPROVAL_PROGRESS_SECS = 0.25, 5  # a terminal answer is seen within a second
 APPROVAL_MAX_WAITING = 16  # calls one token (or stdio server) may hold waiting; more are refused
