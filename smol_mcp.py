@@ -4822,9 +4822,8 @@ class SessionSlots:
 
 
 def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
-    """Delete machines in passes until one makes no progress (a branch source refuses, 409, while it
-    has children), and once more after a pause for a transient fault. Returns what is gone (a 404
-    counts) and what was refused, why."""
+    """Delete in passes until one makes no progress (a branch source refuses while it has children),
+    once more after a pause; returns what is gone (a 404 counts) and what was refused, why."""
     pending, gone, retried = list(names), [], False
     while pending:
         refused: list[tuple[str, Exception]] = []
