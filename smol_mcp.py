@@ -40,7 +40,9 @@ import dataclasses
 import datetime
 import difflib
 import errno
+import fcntl
 import functools
+import getpass
 import hashlib
 import hmac
 import http.client
@@ -4354,8 +4356,7 @@ LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs
 
 
 def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) -> str | None:
-    """As root, smolvm drops each VM to a uid of its own, which cannot open a root-only /dev/kvm:
-    the start fails late with KvmOpen(Error(13)). Say so now, with the fix."""
+    """Why, as root with a root-only /dev/kvm, every start would fail late (KvmOpen(Error(13)))."""
     if euid or kvm_mode is None or kvm_mode & 0o066 or environ.get("SMOLVM_VM_UID_DROP") == "off":
         return None
     return (
@@ -4448,8 +4449,7 @@ def rollout_port_taken() -> bool:
 
 
 async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str) -> None:
-    """Call ``notify`` when a machine's console has new lines (polled every logsPollSecs: no log
-    route pushes); counted in app.polling[who]; ends when the machine is gone."""
+    """Call ``notify`` when a machine's console grows (polled: no route pushes) until it is gone."""
     last = None
     app.polling[who] = app.polling.get(who, 0) + 1
     try:
@@ -4510,7 +4510,8 @@ class Session:
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
         self.asked_fleet = self.ended = False
         self.chose_during: Any = None  # the call whose question made the choice
-        self._question_lock = self._slots = self._bus = self.listener = None
+        self._slots = self._bus = self.listener = None
+        self._question_lock = anyio.Lock()  # made lazily by anyio, in the loop that first takes it
         self.subscriptions: dict[str, Any] = {}  # uri -> its poller's CancelScope (handshake era)
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
@@ -4520,8 +4521,7 @@ class Session:
         self.held = 0  # its calls waiting for approval: a revoked token's are answered first
         self.revoked_at: float | None = None
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
-        # Handshake era over HTTP: its Mcp-Session-Id and protocol version.
-        self.http_id = self.protocol = None
+        self.http_id = self.protocol = None  # handshake era over HTTP: Mcp-Session-Id, version
 
     def call_slots(self):
         """This session's share of the worker threads: its long calls queue apart from others'."""
@@ -4530,8 +4530,6 @@ class Session:
         return self._slots
 
     def question_lock(self):
-        if self._question_lock is None:
-            self._question_lock = anyio.Lock()
         return self._question_lock
 
     def events(self):
@@ -4577,12 +4575,10 @@ class Session:
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
             pid, endpoint = os.getpid(), self.app.local.endpoint
             record = dict(pid=pid, started=process_start_time(pid), endpoint=endpoint)
-            record["machines"] = names
-            write_json(self.record_path, record, mode=0o666)  # the umask decides, as ever
+            write_json(self.record_path, record | {"machines": names}, mode=0o666)  # umask decides
 
     async def close(self) -> None:
-        """Delete every ephemeral machine this session holds; what is not deleted stays in the
-        record for the next start. One fleet's failure is logged; the next is still cleaned."""
+        """Delete this session's ephemeral machines, fleet by fleet; what stays, stays recorded."""
         who = self.app.who(self.principal or self.app.access.stdio)
         for fleet_name, names in list(self.machines.items()):
             try:  # a name held by another machine by now is never deleted here
@@ -4618,8 +4614,7 @@ class Session:
 
 
 class SessionSlots:
-    """A limiter for anyio's to_thread: a slot of the session, then a thread of the shared pool, so
-    one session holds at most ``slots`` threads; the rest queue in order."""
+    """A to_thread limiter: a slot of the session, then a shared thread; at most ``slots`` each."""
 
     def __init__(self, shared: Any, slots: int):
         self.shared, self.own = shared, anyio.CapacityLimiter(slots)
@@ -4642,9 +4637,8 @@ class SessionSlots:
 
 
 def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
-    """Delete machines in passes until one makes no progress (a branch source refuses, 409, while it
-    has children), and once more after a pause for a transient fault. Returns what is gone (a 404
-    counts) and what was refused, why."""
+    """Delete in passes until one makes no progress (a branch source refuses while it has children),
+    once more after a pause; returns what is gone (a 404 counts) and what was refused, why."""
     pending, gone, retried = list(names), [], False
     while pending:
         refused: list[tuple[str, Exception]] = []
@@ -4691,13 +4685,10 @@ def bookkeeping(runtime_dir: str):
     except OSError as err:
         if runtime_dir not in _warned_dirs:
             _warned_dirs.add(runtime_dir)
-            log.warning(
-                "cannot write to the runtime directory %s (%s); machines work on, but one this "
-                "process cannot delete will not be found by the next start. Make it writable (or "
-                "set SMOL_MCP_RUNTIME_DIR).",
-                runtime_dir,
-                err.strerror or err,
-            )
+            lost = "one this process cannot delete will not be found by the next start"
+            fix = "Make it writable (or set SMOL_MCP_RUNTIME_DIR)."
+            what = "cannot write to the runtime directory %s (%s); machines work on, but %s. %s"
+            log.warning(what, runtime_dir, err.strerror or err, lost, fix)
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -4728,9 +4719,8 @@ def process_alive(pid: int, started: int | None = None) -> bool:
     fields = _proc_stat(pid)
     if fields is None:
         return not Path("/proc/self/stat").exists()  # no /proc at all (macOS): the signal answered
-    if fields[0] in ("Z", "X"):
-        return False
-    return started is None or (len(fields) > 19 and int(fields[19]) == started)
+    known = started is None or (len(fields) > 19 and int(fields[19]) == started)
+    return fields[0] not in ("Z", "X") and known
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
@@ -4764,11 +4754,9 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 # 11. Agent access
 #
 # Who is calling, and what it may do. Over HTTP every request carries a token: SMOL_MCP_AUTH_TOKEN
-# (named "default", every scope) or one made with `tokens create`, of which only a hash is kept in
-# the state directory. A token's scopes decide which tools it is shown and may call; a sandbox.*
-# scope narrows it to the machines it created, which the ownership store remembers across restarts.
-# stdio has no token: SMOL_MCP_SCOPES narrows it the same way. Every call passes through authorize()
-# before its handler runs.
+# ("default", every scope) or one from `tokens create` (only its hash is kept). Its scopes decide
+# which tools it sees and calls; sandbox.* narrows it to the machines it created (Owners remembers
+# them). stdio has no token: SMOL_MCP_SCOPES narrows it. Every call passes authorize() first.
 # ---------------------------------------------------------------------------
 
 # The wider domain first: when a principal holds both, its grant wins.
@@ -4789,8 +4777,7 @@ SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the age
     "full": ",".join(SCOPES),
 }
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-# SMOL_MCP_AUTH_TOKEN, the stdio principal, the terminal and the server itself, in any case
-RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")
+RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")  # in any case: ours, the terminal's
 TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
 JOBS_FILE, JOBS_KEPT = "jobs.json", 100  # the jobs get-machine shows, the newest 100 a machine
@@ -4847,20 +4834,18 @@ def granting_scope(principal: Principal, tool: str) -> str | None:
 
 def check_scope(principal: Principal, tool: str) -> str:
     """The granting scope, or ScopeMissing naming the scope and the principal."""
-    scope = granting_scope(principal, tool)
-    if scope is None:
-        level = TOOL_LEVELS.get(tool, "unknown")
-        held = ", ".join(sorted(principal.scopes)) or "none"
-        needs = f"needs the machines.{level} scope (or sandbox.{level} for machines of its own)"
-        lacks = f"which {principal.label()} does not have (its scopes: {held})"
-        ask = "Ask the operator for a token with that scope."
-        raise ScopeMissing(f"scope_missing: {tool} {needs}, {lacks}. {ask}")
-    return scope
+    if scope := granting_scope(principal, tool):
+        return scope
+    level = TOOL_LEVELS.get(tool, "unknown")
+    held = ", ".join(sorted(principal.scopes)) or "none"
+    needs = f"needs the machines.{level} scope (or sandbox.{level} for machines of its own)"
+    lacks = f"which {principal.label()} does not have (its scopes: {held})"
+    ask = "Ask the operator for a token with that scope."
+    raise ScopeMissing(f"scope_missing: {tool} {needs}, {lacks}. {ask}")
 
 
 def authorize(principal: Principal, tool: str, target: str | None, machine: str | None) -> Grant:
-    """The one check every tool call (and log resource) passes before its handler: the tool's scope,
-    then the fleet. Ownership is enforced by OwnedFleet."""
+    """The check before every tool call (and log resource): the tool's scope, then the fleet."""
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
         only = f"the {' and '.join(principal.targets)} fleet only, not {target}"
@@ -4910,11 +4895,9 @@ class StateFile:
         except (OSError, ValueError) as exc:
             raise SmolError(f"cannot read {self.path} ({exc}); fix or remove that file") from None
         if not self.valid(data):
-            raise SmolError(
-                f"{self.path} is not shaped as this server writes it (it holds {_json_type(data)}: "
-                f"{json.dumps(data)[:60]}); fix it, or move it aside to start afresh (what it "
-                "recorded is forgotten then)"
-            )
+            held = f"it holds {_json_type(data)}: {json.dumps(data)[:60]}"
+            fix = "fix it, or move it aside to start afresh (what it recorded is forgotten then)"
+            raise SmolError(f"{self.path} is not shaped as this server writes it ({held}); {fix}")
         return data
 
     def update(self, change: Callable[[Any], Any]) -> Any:
@@ -4941,8 +4924,6 @@ class locked:
         self.descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
 
     def __enter__(self) -> None:
-        import fcntl
-
         try:
             fcntl.flock(self.descriptor, fcntl.LOCK_EX)
         except BaseException:
@@ -4954,8 +4935,6 @@ class locked:
 
 
 def secret_hash(secret: str) -> str:
-    import hashlib
-
     return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -4965,8 +4944,7 @@ def new_token_secret() -> str:
 
 
 def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
-    """The scopes a comma-separated text names, each checked; ``setting`` names
-    the setting the text comes from (which may then leave it empty)."""
+    """The scopes in a comma-separated text, each checked; from a ``setting``, it may be empty."""
     scopes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = ", ".join(repr(scope) for scope in scopes if scope not in SCOPES)
     if unknown or not (scopes or setting):
@@ -4987,8 +4965,7 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
 
 
 class TokenStore:
-    """The named tokens, with the SHA-256 of each secret (never the secret). When each was last used
-    goes to a file of its own now and then, so a request never rewrites the tokens file."""
+    """The named tokens, each with its secret's SHA-256 (never the secret); last uses kept apart."""
 
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # a list of records, each with a name
@@ -5099,8 +5076,7 @@ def parse_period(text: str) -> int:
 
 
 class Owners:
-    """Which principal created each machine, per fleet (a branch is its source's owner's), and the
-    jobs this server started in it, as last seen; a deleted machine is forgotten."""
+    """Who created each machine, per fleet (a branch: its source's owner), and its jobs as seen."""
 
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
@@ -5162,8 +5138,7 @@ class Owners:
 
 
 class OwnedFleet:
-    """A fleet as a sandbox.* principal sees it: only its own machines; another's name is answered
-    exactly as the fleet answers for a name nobody has."""
+    """A fleet as a sandbox.* principal sees it: another's machine is answered as a missing one."""
 
     def __init__(self, fleet: Any, owners: Owners, owner: str):
         self._fleet, self._owners, self._owner = fleet, owners, owner
@@ -5262,30 +5237,25 @@ class Access:
 # -- Activity log and approvals ------------------------------------------------
 #
 # What an agent changed is written down before it is told the result, and any change can be held
-# until a person on the host answers. Both are plain files in the state directory (0700), so several
-# server processes and the terminal commands share them without a daemon: the log is appended under
-# a file lock, and an approval is a request file the waiting server writes (0600) and an answer file
-# `approvals approve|deny` writes next to it. A request names the process that waits (pid and start
-# time), so a request left by a process that has stopped is never answerable: approvals do not
-# survive into a new process.
+# until a person on the host answers. Both are plain files in the state directory, shared by server
+# processes and terminal commands without a daemon: the log is appended under a file lock; an
+# approval is a request file (naming the waiting process: pid and start time, so no request
+# outlives it) and the answer file `approvals approve|deny` writes next to it.
 
-ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "activity.jsonl", 5
+ACTIVITY_URI, ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "smol://activity", "activity.jsonl", 5
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
 ACTIVITY_RESOURCE_ENTRIES = 200  # a page: what smol://activity and `activity` show at most
 ACTIVITY_PAGE_BYTES = 512 * 1024  # and what a page of smol://activity holds at most
 ACTIVITY_FIELD_BYTES = 2048  # a longer value is cut, keeping its byte count and SHA-256
-ACTIVITY_URI = "smol://activity"
 APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
-APPROVAL_POLL_SECS = 0.25  # a terminal answer is seen within a second
-APPROVAL_PROGRESS_SECS = 5
+APPROVAL_POLL_SECS, APPROVAL_PROGRESS_SECS = 0.25, 5  # a terminal answer is seen within a second
 APPROVAL_MAX_WAITING = 16  # calls one token (or stdio server) may hold waiting; more are refused
 APPROVAL_SHOW_BYTES = 4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
 WEBHOOK_THREADS, WEBHOOK_QUEUE = 2, 64  # approval notices post from one bounded pool
 CONFIRM_TTL_SECS = 600  # a 2026-era confirmation (allow-egress) answers within this, once
 AUTO_APPROVE_PERIODS = {"1h": 3600, "1d": 86400, "7d": 604800, "30d": 2592000, "forever": None}
-# Arguments that are the agent's data rather than a description of the call:
-# the log keeps their size and digest, so a reader can match them without
-# holding them (a file written with a key in it must not copy the key here).
+# Arguments that are the agent's data, not a description of the call: the log keeps their size and
+# digest, so a reader can match them without holding them (a file with a key must not copy it here).
 REDACTED_ARGUMENTS, REDACTED_MAPS = ("content", "stdin"), ("env",)
 
 
@@ -5303,8 +5273,7 @@ def fingerprint(value: str) -> dict:
 
 
 def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
-    """The arguments as the log and the webhook show them: content, stdin and env values (of any
-    type), and arguments the schema lacks, as their size and digest."""
+    """The arguments as the log shows them: content, stdin, env and unknown ones as size, digest."""
     shown, properties = {}, (schema or {}).get("properties")
     known = arguments if properties is None else properties
     for key, value in arguments.items():
@@ -5342,8 +5311,6 @@ def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
 
 
 def os_user() -> str:
-    import getpass
-
     try:
         return getpass.getuser()
     except (KeyError, OSError):
@@ -5351,8 +5318,7 @@ def os_user() -> str:
 
 
 class ActivityLog:
-    """activity.jsonl in the state directory: a JSON object a line, each one write() under a lock so
-    processes never interleave; rotated at ACTIVITY_ROTATE_BYTES into .1 (newest) to .5."""
+    """activity.jsonl: a JSON object a line, each written under a lock; rotated into .1 to .5."""
 
     def __init__(self, state_dir: str | Path):
         self.path = Path(state_dir) / ACTIVITY_FILE
@@ -5364,7 +5330,12 @@ class ActivityLog:
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
         with locked(self.path.with_name(ACTIVITY_FILE + ".lock")):
-            self._rotate_if_full(len(line))
+            size = self.path.stat().st_size if self.path.exists() else 0
+            if size and size + len(line) > ACTIVITY_ROTATE_BYTES:  # .4 replaces .5: the oldest goes
+                for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):
+                    if self.older(index).exists():
+                        self.older(index).replace(self.older(index + 1))
+                self.path.replace(self.older(1))
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 written = os.write(fd, line)
@@ -5373,15 +5344,6 @@ class ActivityLog:
                     raise OSError(28, "No space left on device")
             finally:
                 os.close(fd)
-
-    def _rotate_if_full(self, adding: int) -> None:
-        size = self.path.stat().st_size if self.path.exists() else 0  # rotated only under the lock
-        if size == 0 or size + adding <= ACTIVITY_ROTATE_BYTES:
-            return
-        for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):  # .4 replaces .5: the oldest goes
-            if self.older(index).exists():
-                self.older(index).replace(self.older(index + 1))
-        self.path.replace(self.older(1))
 
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
@@ -5409,9 +5371,7 @@ class ActivityLog:
         return found[::-1]
 
 
-def activity_filter(
-    principal: str | None = None, machine: str | None = None, since_secs: int | None = None
-) -> Callable[[dict], bool]:
+def activity_filter(principal=None, machine=None, since_secs: int | None = None) -> Callable:
     """Which entries one reader asked for: by principal, by machine, by age."""
     cutoff = time.time() - since_secs if since_secs is not None else None
 
@@ -5435,10 +5395,9 @@ def sees_own_activity_only(principal: Principal) -> bool:
 
 def waiting_process_alive(request: dict) -> bool:
     """Whether the process named in an approval request is the one still running."""
-    pid = request.get("pid")
-    if not isinstance(pid, int) or not process_alive(pid):
-        return False
-    return process_start_time(pid) == request.get("pidStart")  # both None without /proc
+    pid = request.get("pid")  # the start times are both None without /proc
+    alive = isinstance(pid, int) and process_alive(pid)
+    return alive and process_start_time(pid) == request.get("pidStart")
 
 
 class ApprovalDesk:
@@ -5511,8 +5470,7 @@ class ApprovalDesk:
 
 
 class AutoApprovals:
-    """Who may run changing tools without asking, until when: name -> {id, until (RFC 3339, or null
-    for ever)}; the id makes a token made again under that name ask again."""
+    """Who may run changing tools unasked: name -> {id, until}; a new namesake's id asks again."""
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / AUTO_APPROVE_FILE, dict)
