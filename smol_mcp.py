@@ -16,20 +16,24 @@ process this server ever spawns is ``smolvm serve``, and only when a local tool
 is first called.
 
 Run it with ``uv run smol_mcp.py`` (stdio) or ``--http`` (Streamable HTTP).
-Importing this module has no side effects; the public surface for embedding is
-``load_config()``, ``build_server(config)``, ``LocalFleet``, ``CloudFleet``
-and ``main()``.
+Importing this module has no side effects; ``__all__`` is the surface for
+embedding: ``load_config()``, ``build_server(config)``, the ``Fleet`` contract
+with its ``FLEETS`` registry, and ``main()``.
 
-The file reads top to bottom in the order a request flows:
+A tool call's path, by section number:
 
-     1. Configuration            9. Resources
-     2. Errors                  10. Sessions and cleanup
-     3. Local fleet             11. Agent access
-     4. Cloud fleet             12. The MCP server
-     5. Normalised records      13. stdio
-     6. Output budget           14. Streamable HTTP
-     7. Argument validation     15. Command line
-     8. Tools
+    stdio (13) | HTTP and the plain API (14), OAuth and the operator's pages (14b)
+      -> the MCP server (12), with the caller's session (10)
+      -> agent access (11): token, scope, owner, approval, activity log
+      -> argument validation (7) -> the tool's handler (8)
+      -> the Fleet contract (3): LocalFleet (3) or CloudFleet (4) -> the engine
+      <- one record shape (5), output within the reply budget (6)
+
+The file is in dependency order, lowest first: configuration and errors; the
+fleets behind one contract; what shapes a reply; validation and the tools;
+resources, sessions and agent access; the MCP server; the transports that
+carry it (stdio, HTTP, sign-in and OAuth); the command line, which wires it
+all together, last.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ from typing import Any, Protocol
 import anyio
 
 __version__ = "0.1.0"
+__all__ = ["Config", "load_config", "Fleet", "FLEETS", "LocalFleet", "CloudFleet"]
+__all__ += ["SmolMcp", "build_server", "main", "main_http"]
 
 log = logging.getLogger("smol_mcp")
 
