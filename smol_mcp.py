@@ -34,6 +34,7 @@ The file reads top to bottom in the order a request flows:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import datetime
@@ -7000,10 +7001,8 @@ class HttpGate:
         and the answer is 413 (up to as much again is read and dropped, so the client sees the
         answer, not a reset), still coming after HTTP_BODY_TIMEOUT_SECS is 408, and at most
         HTTP_MAX_BODIES_IN_FLIGHT are read at once. None when an answer has been sent."""
-        too_big = {
-            "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; send a smaller one "
-            "(a large file goes in pieces)"
-        }
+        smaller = "send a smaller one (a large file goes in pieces)"
+        too_big = {"error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; {smaller}"}
         declared = headers.get(b"content-length", b"0").strip()
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
         if over and headers.get(b"expect", b"").lower() == b"100-continue":
@@ -7020,11 +7019,9 @@ class HttpGate:
                         return None
                     data = message.get("body", b"")
                     size += len(data)
-                    over = over or size > HTTP_MAX_BODY_BYTES
-                    if over:
-                        chunks.clear()
-                    else:
-                        chunks.append(data)
+                    chunks.append(data)
+                    if over := over or size > HTTP_MAX_BODY_BYTES:
+                        chunks.clear()  # nothing more is kept
                     if not message.get("more_body", False) or size > 2 * HTTP_MAX_BODY_BYTES:
                         break
         if deadline.cancelled_caught:
@@ -7044,13 +7041,18 @@ def authenticated_user(principal: Principal):
     return AuthenticatedUser(AccessToken(**token, scopes=sorted(principal.scopes)))
 
 
-def request_methods(body: bytes, key: str = "method") -> list:
-    """The methods (or ids) of the JSON-RPC requests in a body (one, or a
-    batch); notifications and answers are not requests."""
+def json_body(body: bytes) -> Any:
+    """A body's JSON, or None if it is not JSON."""
     try:
-        message = json.loads(body)
+        return json.loads(body)
     except ValueError:
-        return []
+        return None
+
+
+def request_methods(body: bytes, key: str = "method") -> list:
+    """The methods (or ids) of the JSON-RPC requests in a body (one, or a batch); notifications
+    and answers are not requests."""
+    message = json_body(body)
     messages = message if isinstance(message, list) else [message]
     requests = [m for m in messages if isinstance(m, dict) and isinstance(m.get("method"), str)]
     return [m[key] for m in requests if isinstance(m.get("id"), (str, int))]
@@ -7066,8 +7068,7 @@ def initialize_version(body: bytes) -> str | None:
 
 
 def replay_body(body: bytes, receive: Callable) -> Callable:
-    """A receive that hands the inner app the body already read, then passes
-    on whatever comes next (the disconnect)."""
+    """A receive that hands the inner app the body already read, then whatever comes next."""
     pending = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def again() -> dict:
@@ -7131,16 +7132,12 @@ def guarded_protocol() -> type:
 
 def uvicorn_options() -> dict:
     """The uvicorn settings --http runs with (the tests use the same)."""
-    return dict(
-        http=guarded_protocol(),
-        lifespan="on",
-        log_level="warning",
-        timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS,
-        timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
-        h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
-        limit_concurrency=HTTP_LIMIT_CONCURRENCY,
-        proxy_headers=False,  # the peer's own address: X-Forwarded-For would rotate the limits
-    )
+    # proxy_headers off: the peer's own address, as X-Forwarded-For would rotate the limits
+    options = dict(http=guarded_protocol(), lifespan="on", log_level="warning", proxy_headers=False)
+    options.update(h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES)
+    options.update(timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
+    options.update(timeout_keep_alive=HTTP_KEEP_ALIVE_SECS)
+    return options | dict(limit_concurrency=HTTP_LIMIT_CONCURRENCY)
 
 
 async def _respond(send: Callable, status: int, answer: Any, headers: list | None = None) -> None:
@@ -7266,11 +7263,7 @@ class HttpSessions:
             tools = self.app.tool_list(self.app.mode == "both", principal)
             listed = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools]
             return await _respond(send, 200, {"tools": listed})
-        try:
-            arguments = json.loads(body or b"{}")  # no body: no arguments
-        except ValueError:
-            arguments = None
-        refusal = None
+        arguments, refusal = json_body(body or b"{}"), None  # no body: no arguments
         if method != "POST" or not name:
             refusal = 405, f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools"
         elif name not in TOOLS_BY_NAME:
@@ -7345,12 +7338,11 @@ class HttpSessions:
             session = self.by_id.get(http_id or "")
         if session is not None and http_id and version:
             session.protocol = version
+        if session is not None:
+            session.used = session.used or any(method in SESSION_USES for method in methods)
         if session is None or not methods or set(methods) == {"subscriptions/listen"}:
-            if session is not None:
-                session.used = session.used or "subscriptions/listen" in methods
             await inner(scope, receive, watch)
         else:
-            session.used = session.used or any(method in SESSION_USES for method in methods)
             await self.serve_calls(inner, scope, receive, watch, session, body)
         opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
         if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
@@ -7496,27 +7488,20 @@ class ShutdownAnswers:
             group.start_soon(stop_on_shutdown)
             await self.app(scope, receive_copy, send_watch)
             group.cancel_scope.cancel()
-        if stopping.is_set() and not started:
-            await _respond(send, 200, shutdown_errors(bytes(body)))
-
-
-def shutdown_errors(body: bytes) -> Any:
-    """The JSON-RPC error answer to a request body (one, or a batch)."""
-    try:
-        request = json.loads(body)
-    except ValueError:
-        request = None
-    requests = request if isinstance(request, list) else [request]
-    error = {"code": -32000, "message": SHUTDOWN_MESSAGE}
-    ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
-    answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
-    return answers if isinstance(request, list) else answers[0]
+        if stopping.is_set() and not started:  # a JSON-RPC error for each request (or a batch)
+            request, error = json_body(bytes(body)), {"code": -32000, "message": SHUTDOWN_MESSAGE}
+            requests = request if isinstance(request, list) else [request]
+            ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
+            answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
+            await _respond(send, 200, answers if isinstance(request, list) else answers[0])
 
 
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     """The ASGI application for --http: HttpGate in front of the SDK's session manager."""
-    from mcp.server.streamable_http_manager import StreamableHTTPASGIApp as Endpoint
-    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+    from mcp.server.streamable_http_manager import (
+        StreamableHTTPASGIApp,
+        StreamableHTTPSessionManager,
+    )
     from starlette.applications import Starlette
     from starlette.routing import Route
 
@@ -7531,7 +7516,9 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
         async with manager.run():  # enters the server's lifespan once; ends every session at exit
             yield
 
-    inner = Starlette(routes=[Route(path, endpoint=Endpoint(manager))], lifespan=lifespan)
+    inner = Starlette(
+        routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan
+    )
     inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
     public, issuer = None, oauth_issuer(config, host, port)
     if issuer:
@@ -7599,12 +7586,10 @@ def console_routes(app: SmolMcp) -> list:
         wanted = request.path_params.get("id")
         if wanted is not None:  # one call's review page, which does not reload under the person
             calls = [call for call in calls if call["id"] == wanted]
-        body = "".join(waiting_card(request, call) for call in calls) or (
-            f"<p>No call waits as {esc(wanted)}: it was answered, it timed out, or its client "
-            'went away. <a href="/console/approvals">All waiting calls</a></p>'
-            if wanted
-            else "<p>No call waits for approval.</p>"
-        )
+        gone = f"as {esc(wanted)}: it was answered, it timed out, or its client went away. "
+        gone = f'<p>No call waits {gone}<a href="/console/approvals">All waiting calls</a></p>'
+        body = "".join(waiting_card(request, call) for call in calls)
+        body = body or (gone if wanted else "<p>No call waits for approval.</p>")
         refresh = f'<meta http-equiv="refresh" content="{CONSOLE_REFRESH_SECS}">'
         notice = pages.require_operator(request).pop("notice", "")  # the last answer, shown once
         body = (f'<p class="note">{esc(notice)}</p>' if notice else "") + body
@@ -7613,16 +7598,15 @@ def console_routes(app: SmolMcp) -> list:
 
     async def answer(request: Any) -> Any:
         pages.require_operator(request)
-        form, approval_id = await pages.form(request), request.path_params["id"]
+        form, call_id = await pages.form(request), request.path_params["id"]
         choice, reason = str(form.get("answer")), str(form.get("reason", ""))[:500]
         auto_for = str(form.get("auto")) if choice == "auto" else None
         try:
             periods = (None, *CONSOLE_PERIODS)
             if choice not in ("approve", "auto", "reject") or auto_for not in periods:
                 raise SmolError("Choose Approve, Approve + auto-approve (for a period) or Reject.")
-            held, until = answer_approval(
-                config, approval_id, choice != "reject", CONSOLE_WHO, auto_for, reason
-            )
+            approve = choice != "reject"
+            held, until = answer_approval(config, call_id, approve, CONSOLE_WHO, auto_for, reason)
         except SmolError as err:
             return show(request, "Approvals", f'<p class="error">{esc(err)}</p>', 409)
         done = "rejected: it does not run" if choice == "reject" else "approved: it runs now"
@@ -7644,7 +7628,8 @@ def console_routes(app: SmolMcp) -> list:
             f"{form_to(request, f'/console/tokens/{urllib.parse.quote(name)}', buttons)}</section>"
         )
 
-    def new_token_form(request: Any) -> str:
+    async def tokens(request: Any) -> Any:
+        pages.require_operator(request)
         box = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'
         scopes = "".join(box.format("scope", v, "", v) for v in SCOPES)
         fleets = "".join(box.format("target", v, " checked", v) for v in FLEET_NAMES)
@@ -7655,10 +7640,6 @@ def console_routes(app: SmolMcp) -> list:
             f"Require approval for changes</label>{pages.confirm_field('a new token')}"
             "<button>Create token</button>"
         )
-        return f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
-
-    async def tokens(request: Any) -> Any:
-        pages.require_operator(request)
         shown, status = "", 200
         if request.method == "POST":
             form = await pages.form(request)
@@ -7692,7 +7673,8 @@ def console_routes(app: SmolMcp) -> list:
         if config.auth_token:  # not in the tokens file: the page can show it, not change it
             cards += "<section><h2>default</h2><p>SMOL_MCP_AUTH_TOKEN: every scope and fleet, "
             cards += "no approval; set in the server's environment</p></section>"
-        body = f"{shown}{cards or '<p>No tokens yet.</p>'}{new_token_form(request)}"
+        new = f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
+        body = f"{shown}{cards or '<p>No tokens yet.</p>'}{new}"
         return show(request, "Access tokens", body, status)
 
     async def token_action(request: Any) -> Any:
@@ -7767,11 +7749,8 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
 
     asgi = build_http_app(app, host, port, path)
     if asgi.allowed_hosts is None:
-        log.warning(
-            "bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: the Host check is off, because the "
-            "name clients dial is not knowable here; set it to that name",
-            host,
-        )
+        off = "the Host check is off, because the name clients dial is not knowable here; set it"
+        log.warning("bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: %s to that name", host, off)
     listening = listen_socket(host, port)  # before saying "serving": a taken port says so
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
@@ -7801,8 +7780,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def stopping_server(config: Any, app: SmolMcp):
     """uvicorn's Server, told of a stop signal at once (so calls in flight are answered, see
     ShutdownAnswers), and exiting 0 after: uvicorn re-raises the signal once it is done."""
-    import asyncio
-
     import uvicorn
 
     loop, stopping = asyncio.get_running_loop(), anyio.Event()
