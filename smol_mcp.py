@@ -6875,12 +6875,10 @@ def item_error(err: Exception) -> str:
 # ---------------------------------------------------------------------------
 # 14. Streamable HTTP (--http)
 #
-# For an agent on another computer. Every request must carry the token, checked
-# before anything else so an unauthenticated caller learns nothing, not even
-# where the endpoint is. Then the Host and Origin checks against DNS
-# rebinding, then the path. Replies are plain JSON. A session is the
-# Mcp-Session-Id in the handshake era, and the token in the 2026 era, which
-# has no session id.
+# For an agent on another computer. Every request must carry the token, checked before anything
+# else so an unauthenticated caller learns nothing, not even where the endpoint is. Then the Host
+# and Origin checks against DNS rebinding, then the path. Replies are plain JSON. A session is the
+# Mcp-Session-Id in the handshake era, and the token in the 2026 era, which has no session id.
 # ---------------------------------------------------------------------------
 
 HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and all; more is a 413
@@ -6994,7 +6992,7 @@ class HttpGate:
         if body is not None and api:
             await self.sessions.plain_api(scope, receive, send, body)
         elif body is not None:
-            await self.sessions.forward(self.app, scope, replay_body(body, receive), send, body)
+            await self.sessions.forward(scope, replay_body(body, receive), send, body)
 
     async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
         """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES nothing more is kept
@@ -7088,8 +7086,7 @@ def guarded_protocol() -> type:
     class GuardedH11Protocol(H11Protocol):
         header_deadline: Any = None
 
-        def waiting(self) -> bool:
-            """Open, and no request has arrived on it yet."""
+        def waiting(self) -> bool:  # open, and no request has arrived on it yet
             return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
 
         def connection_made(self, transport: Any) -> None:
@@ -7173,10 +7170,9 @@ def plain_status(err: SmolError | None) -> int:
 
 
 class HttpSessions:
-    """Sessions over HTTP, kept from what HttpGate sees (headers, bodies, statuses). Handshake
-    era: one per Mcp-Session-Id, opened by initialize's answer, ended by the client's DELETE, by
-    the idle reaper (as a DELETE through the manager) and at shutdown. 2026 era: one per token.
-    Either ends after httpSessionIdleSecs with no request and no call in flight."""
+    """Sessions over HTTP, kept from what HttpGate sees. Handshake era: one per Mcp-Session-Id,
+    opened by initialize's answer, ended by the client's DELETE, the idle reaper (as a DELETE
+    through the manager) or shutdown. 2026 era: one per token. Both end when idle."""
 
     def __init__(self, app: SmolMcp, manager: Any, path: str):
         self.app, self.manager, self.path = app, manager, path
@@ -7184,6 +7180,7 @@ class HttpSessions:
         self.by_principal: dict[str, Session] = {}
         self.by_id: dict[str, Session] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
         self.tasks: Any = None
+        self.inner: Any = None  # the SDK's app, behind ShutdownAnswers (set by build_http_app)
         self.stopping: Any = None  # an anyio Event, set when the process is told to stop
 
     @asynccontextmanager
@@ -7290,21 +7287,17 @@ class HttpSessions:
         finally:
             session.in_flight -= 1
             session.last_seen = time.monotonic()
-        if result is None:  # the client went away: nobody to answer
-            return
-        if result.is_error:
-            error = {"error": result.content[0].text}
-            return await _respond(send, plain_status(ctx.failure), error)
-        await _respond(send, 200, result.structured_content)
+        if result is not None and result.is_error:
+            await _respond(send, plain_status(ctx.failure), {"error": result.content[0].text})
+        elif result is not None:  # None: the client went away, nobody to answer
+            await _respond(send, 200, result.structured_content)
 
     def end_handshake(self, session: Session) -> None:
         """Forget a handshake session and clean it up in the background (not waited for)."""
         self.by_id.pop(session.http_id or "", None)
         self.tasks.start_soon(self.app.end_session, session)
 
-    async def forward(
-        self, inner: Callable, scope: dict, receive: Callable, send: Callable, body: bytes
-    ) -> None:
+    async def forward(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
         """Hand one request to the SDK and keep its session's books: a POST of requests is in
         flight while served (a listen stream, open while idle, is not), initialize's answer
         opens a handshake session, and an accepted DELETE ends one."""
@@ -7341,18 +7334,16 @@ class HttpSessions:
         if session is not None:
             session.used = session.used or any(method in SESSION_USES for method in methods)
         if session is None or not methods or set(methods) == {"subscriptions/listen"}:
-            await inner(scope, receive, watch)
+            await self.inner(scope, receive, watch)
         else:
-            await self.serve_calls(inner, scope, receive, watch, session, body)
+            await self.serve(scope, receive, watch, session, body)
         opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
         if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
             self.open_handshake(principal, opened, initialize_version(answer["body"]))
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
             self.end_handshake(self.by_id[http_id])
 
-    async def serve_calls(
-        self, inner: Callable, scope: dict, receive: Callable, send: Callable, session, body
-    ) -> None:
+    async def serve(self, scope: dict, receive: Callable, send: Callable, session, body) -> None:
         """Serve a POST of calls, in flight meanwhile, listening for its client to hang up:
         then its calls are gone, and one waiting for approval ends (SPEC 13)."""
         ids, first, gone = request_methods(body, "id"), [await receive()], anyio.Event()
@@ -7373,7 +7364,7 @@ class HttpSessions:
         async with anyio.create_task_group() as group:
             group.start_soon(listen)
             try:
-                await inner(scope, inner_receive, send)
+                await self.inner(scope, inner_receive, send)
             finally:
                 group.cancel_scope.cancel()
                 session.gone_requests.difference_update(ids)
@@ -7498,17 +7489,14 @@ class ShutdownAnswers:
 
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     """The ASGI application for --http: HttpGate in front of the SDK's session manager."""
-    from mcp.server.streamable_http_manager import (
-        StreamableHTTPASGIApp,
-        StreamableHTTPSessionManager,
-    )
+    from mcp.server import streamable_http_manager as sdk_http
     from starlette.applications import Starlette
     from starlette.routing import Route
 
     config = app.config
     settings = dict(max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
     settings.update(json_response=True, session_idle_timeout=config.http_session_idle_secs)
-    manager = StreamableHTTPSessionManager(app.server, **settings)
+    manager = sdk_http.StreamableHTTPSessionManager(app.server, **settings)
     app.http = HttpSessions(app, manager, path)
 
     @asynccontextmanager
@@ -7516,16 +7504,15 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
         async with manager.run():  # enters the server's lifespan once; ends every session at exit
             yield
 
-    inner = Starlette(
-        routes=[Route(path, endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan
-    )
-    inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
+    endpoint = sdk_http.StreamableHTTPASGIApp(manager)
+    inner = Starlette(routes=[Route(path, endpoint=endpoint)], lifespan=lifespan)
+    app.http.inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
     public, issuer = None, oauth_issuer(config, host, port)
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
         routes = page_routes(app.pages) + oauth_routes(app, issuer, path) + console_routes(app)
         public = pages_app(app.pages, routes)
-    return HttpGate(inner, app, default_allowed_hosts(config, host, port), public)
+    return HttpGate(app.http.inner, app, default_allowed_hosts(config, host, port), public)
 
 
 # -- the operator's console (section 18) -----------------------------------------
