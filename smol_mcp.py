@@ -6936,9 +6936,8 @@ def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | N
 
 class HttpGate:
     """ASGI middleware in front of everything: the token, then Host and Origin, then the path
-    (lifespan events pass through). Host and Origin are not left to the SDK's
-    TransportSecuritySettings, whose bare "Invalid Host header" comes after a POST's
-    Content-Type check: ours names the setting to change and comes right after the token."""
+    (lifespan events pass through). Not the SDK's TransportSecuritySettings, whose bare "Invalid
+    Host header" comes after a POST's Content-Type check: ours names the setting to change."""
 
     def __init__(self, inner: Any, app: SmolMcp, allowed_hosts: list[str] | None, public: Any):
         self.app, self.access, self.sessions, self.pages = inner, app.access, app.http, app.pages
@@ -6956,15 +6955,12 @@ class HttpGate:
         oauth = self.pages is not None and self.pages.operator.enabled()  # opens the public paths
         public = oauth and (path in self.public_paths or path.startswith("/console/"))
         authorization = headers.get(b"authorization", b"").decode("latin-1")
-        offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1")]
-        if authorization[:7].lower() == "bearer ":
-            offered.append(authorization[7:].strip())
+        bearer = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
+        offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1"), bearer]
         principal = None if public else self.access.token_for(offered)  # compares hashes
         if principal is None and not public:
-            challenge = b"Bearer"
-            if oauth:
-                metadata = self.pages.issuer + RESOURCE_METADATA + self.path
-                challenge = f'Bearer resource_metadata="{metadata}"'.encode()
+            metadata = f"{self.pages.issuer}{RESOURCE_METADATA}{self.path}" if oauth else ""
+            challenge = (f'Bearer resource_metadata="{metadata}"' if oauth else "Bearer").encode()
             # Connection: close makes the server stop reading whatever body is still coming.
             refusal = [(b"www-authenticate", challenge), *HTTP_CLOSE]
             return await _respond(send, 401, HTTP_UNAUTHORIZED, refusal)
