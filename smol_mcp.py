@@ -6893,8 +6893,7 @@ HTTP_MAX_HEADER_BYTES = 64 * 1024  # request line and headers; more is a 400 and
 HTTP_MAX_CONNECTIONS = 128  # beyond it the oldest connection still without headers is closed
 HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS  # uvicorn's own backstop: beyond it, 503
 HTTP_CLOSE = [(b"connection", b"close")]
-# A session that made no call since it opened is ended after this (or the idle time, if less).
-HTTP_UNUSED_SESSION_SECS = 300
+HTTP_UNUSED_SESSION_SECS = 300  # ends a session that never made a call (or the idle time, if less)
 # Requests that use a session; initialize, listings and pings alone do not.
 SESSION_USES = ("tools/call", "resources/read", "resources/subscribe", "subscriptions/listen")
 _SEND_TOKEN = "send the token as 'Authorization: Bearer <token>' or 'X-Smol-Mcp-Token: <token>'"
@@ -7003,8 +7002,7 @@ class HttpGate:
             return await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
         if self.bodies is None:
             self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
-        chunks: list[bytes] = []
-        size = 0
+        chunks, size = [], 0
         async with self.bodies:
             with anyio.move_on_after(HTTP_BODY_TIMEOUT_SECS) as deadline:
                 while True:
@@ -7101,8 +7099,7 @@ def guarded_protocol() -> type:
             super().on_response_complete()
             self.watch_headers()
 
-        def watch_headers(self) -> None:
-            """Arm the header deadline while no request has arrived, disarm it once one has."""
+        def watch_headers(self) -> None:  # armed while no request is in, disarmed once one is
             deadline, idle = self.header_deadline, self.conn.their_state is h11.IDLE
             if idle and deadline is None:
                 self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS, self.overdue)
@@ -7142,9 +7139,8 @@ async def _respond(send: Callable, status: int, answer: Any, headers: list | Non
 
 
 class PlainRequest:
-    """What call_tool reads of a request, for a plain API call: the HTTP request (with the
-    principal), the era, and a client that asks nothing and takes no progress. ``failure`` is
-    the SmolError the call ended with, for the HTTP status."""
+    """What call_tool reads of a plain API call: the HTTP request (with the principal), the era, a
+    client that asks nothing and takes no progress; ``failure``: the SmolError it ended with."""
 
     meta = client_capabilities = failure = None
 
@@ -7495,13 +7491,9 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     manager = sdk_http.StreamableHTTPSessionManager(app.server, **settings)
     app.http = HttpSessions(app, manager, path)
 
-    @asynccontextmanager
-    async def lifespan(_):
-        async with manager.run():  # enters the server's lifespan once; ends every session at exit
-            yield
-
-    endpoint = sdk_http.StreamableHTTPASGIApp(manager)
-    inner = Starlette(routes=[Route(path, endpoint=endpoint)], lifespan=lifespan)
+    routes = [Route(path, endpoint=sdk_http.StreamableHTTPASGIApp(manager))]
+    # manager.run enters the server's lifespan once and ends every session at exit
+    inner = Starlette(routes=routes, lifespan=lambda _: manager.run())
     app.http.inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
     public, issuer = None, oauth_issuer(config, host, port)
     if issuer:
@@ -7523,10 +7515,8 @@ REVIEW_PAGE = "/console/approvals/"  # + the id: one waiting call, linked from t
 CONSOLE_REFRESH_SECS = 5  # the approvals list reloads itself this often while open
 CONSOLE_PAGE_ROWS = 50
 CONSOLE_PERIODS = dict(zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(",")))
-CONSOLE_NAV = (
-    '<a href="/console/tokens">Access tokens</a> <a href="/console/approvals">Approvals</a> '
-    '<a href="/console/activity">Activity</a>'
-)
+CONSOLE_PAGES = {"tokens": "Access tokens", "approvals": "Approvals", "activity": "Activity"}
+CONSOLE_NAV = " ".join(f'<a href="/console/{p}">{name}</a>' for p, name in CONSOLE_PAGES.items())
 
 
 def console_routes(app: SmolMcp) -> list:
@@ -7683,14 +7673,10 @@ def console_routes(app: SmolMcp) -> list:
         keep = activity_filter(asked["token"] or None, asked["machine"] or None, since)
         # read no further back than this page and one more entry (a full log is large)
         entries = access.activity.entries(keep, limit=page * CONSOLE_PAGE_ROWS + 1)[::-1]
-        rows = "".join(
-            "<li>" + " &middot; ".join(esc(cell) for cell in activity_row(entry)) + "</li>"
-            for entry in entries[(page - 1) * CONSOLE_PAGE_ROWS :][:CONSOLE_PAGE_ROWS]
-        )
-        inputs = "".join(
-            f'<label>{key.title()} <input type="text" name="{key}" value="{esc(value)}"></label>'
-            for key, value in asked.items()
-        )
+        listed = entries[(page - 1) * CONSOLE_PAGE_ROWS :][:CONSOLE_PAGE_ROWS]
+        rows = "".join(f"<li>{' &middot; '.join(map(esc, activity_row(e)))}</li>" for e in listed)
+        box = '<label>{} <input type="text" name="{}" value="{}"></label>'
+        inputs = "".join(box.format(key.title(), key, esc(value)) for key, value in asked.items())
         older = len(entries) > page * CONSOLE_PAGE_ROWS
         links = "".join(
             f' <a href="?{esc(urllib.parse.urlencode({**asked, "page": n}))}">{label}</a>'
