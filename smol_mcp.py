@@ -7172,7 +7172,7 @@ class HttpSessions:
         self.by_principal: dict[str, Session] = {}
         self.by_id: dict[str, Session] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
         self.tasks: Any = None
-        self.inner: Any = None  # the SDK's app, behind ShutdownAnswers (set by build_http_app)
+        self.inner: Any = None  # the SDK's app (set by build_http_app)
         self.stopping: Any = None  # an anyio Event, set when the process is told to stop
 
     @asynccontextmanager
@@ -7326,7 +7326,7 @@ class HttpSessions:
         if session is not None:
             session.used = session.used or any(method in SESSION_USES for method in methods)
         if session is None or not methods or set(methods) == {"subscriptions/listen"}:
-            await self.inner(scope, receive, watch)
+            await self.to_sdk(scope, receive, watch, body)
         else:
             await self.serve(scope, receive, watch, session, body)
         opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
@@ -7356,12 +7356,42 @@ class HttpSessions:
         async with anyio.create_task_group() as group:
             group.start_soon(listen)
             try:
-                await self.inner(scope, inner_receive, send)
+                await self.to_sdk(scope, inner_receive, send, body)
             finally:
                 group.cancel_scope.cancel()
                 session.gone_requests.difference_update(ids)
                 session.in_flight -= 1
                 session.last_seen = time.monotonic()
+
+    async def to_sdk(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
+        """Hand a request to the SDK. Once the process is told to stop (SIGTERM, SIGINT), a POST
+        still served is stopped and answered with a JSON-RPC error saying so, not cut off by a
+        plain-text 500."""
+        stopping, started = self.stopping, False
+        if scope["method"] != "POST" or stopping is None:
+            return await self.inner(scope, receive, send)
+
+        async def send_watch(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        async with anyio.create_task_group() as group:
+
+            async def stop_on_shutdown() -> None:
+                await stopping.wait()
+                await self.app.interrupt_approvals()  # calls that can answer for themselves do
+                group.cancel_scope.cancel()
+
+            group.start_soon(stop_on_shutdown)
+            await self.inner(scope, receive, send_watch)
+            group.cancel_scope.cancel()
+        if stopping.is_set() and not started:  # a JSON-RPC error for each request (or a batch)
+            request, error = json_body(body), {"code": -32000, "message": SHUTDOWN_MESSAGE}
+            requests = request if isinstance(request, list) else [request]
+            ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
+            answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
+            await _respond(send, 200, answers if isinstance(request, list) else answers[0])
 
     async def end_revoked(self) -> None:
         """End the sessions of tokens deleted (or made again) since the last look: once calls
@@ -7436,49 +7466,6 @@ SHUTDOWN_MESSAGE = (
 )
 
 
-class ShutdownAnswers:
-    """ASGI middleware: when the process is told to stop (SIGTERM, SIGINT), a POST still served
-    is stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
-
-    def __init__(self, app: Any, stopping: Callable[[], Any], settle: Callable):
-        self.app, self.stopping = app, stopping  # stopping(): the Event set at shutdown, or None
-        self.settle = settle  # awaited first: calls that can answer for themselves do
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        stopping = self.stopping()
-        if scope["type"] != "http" or scope["method"] != "POST" or stopping is None:
-            return await self.app(scope, receive, send)
-        body, started = bytearray(), False
-
-        async def receive_copy() -> dict:
-            message = await receive()
-            if message["type"] == "http.request":
-                body.extend(message.get("body", b""))
-            return message
-
-        async def send_watch(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        async with anyio.create_task_group() as group:
-
-            async def stop_on_shutdown() -> None:
-                await stopping.wait()
-                await self.settle()
-                group.cancel_scope.cancel()
-
-            group.start_soon(stop_on_shutdown)
-            await self.app(scope, receive_copy, send_watch)
-            group.cancel_scope.cancel()
-        if stopping.is_set() and not started:  # a JSON-RPC error for each request (or a batch)
-            request, error = json_body(bytes(body)), {"code": -32000, "message": SHUTDOWN_MESSAGE}
-            requests = request if isinstance(request, list) else [request]
-            ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
-            answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
-            await _respond(send, 200, answers if isinstance(request, list) else answers[0])
-
-
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     """The ASGI application for --http: HttpGate in front of the SDK's session manager."""
     from mcp.server import streamable_http_manager as sdk_http
@@ -7493,8 +7480,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
 
     routes = [Route(path, endpoint=sdk_http.StreamableHTTPASGIApp(manager))]
     # manager.run enters the server's lifespan once and ends every session at exit
-    inner = Starlette(routes=routes, lifespan=lambda _: manager.run())
-    app.http.inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
+    app.http.inner = Starlette(routes=routes, lifespan=lambda _: manager.run())
     public, issuer = None, oauth_issuer(config, host, port)
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
@@ -7748,7 +7734,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def stopping_server(config: Any, app: SmolMcp):
     """uvicorn's Server, told of a stop signal at once (so calls in flight are answered, see
-    ShutdownAnswers), and exiting 0 after: uvicorn re-raises the signal once it is done."""
+    HttpSessions.to_sdk), and exiting 0 after: uvicorn re-raises the signal once it is done."""
     import uvicorn
 
     loop, stopping = asyncio.get_running_loop(), anyio.Event()
