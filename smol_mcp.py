@@ -7284,11 +7284,6 @@ class HttpSessions:
         elif result is not None:  # None: the client went away, nobody to answer
             await _respond(send, 200, result.structured_content)
 
-    def end_handshake(self, session: Session) -> None:
-        """Forget a handshake session and clean it up in the background (not waited for)."""
-        self.by_id.pop(session.http_id or "", None)
-        self.tasks.start_soon(self.app.end_session, session)
-
     async def forward(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
         """Hand one request to the SDK and keep its session's books: a POST of requests is in
         flight while served (a listen stream, open while idle, is not), initialize's answer
@@ -7333,7 +7328,7 @@ class HttpSessions:
         if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
             self.open_handshake(principal, opened, initialize_version(answer["body"]))
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
-            self.end_handshake(self.by_id[http_id])
+            self.tasks.start_soon(self.app.end_session, self.by_id.pop(http_id))
 
     async def serve(self, scope: dict, receive: Callable, send: Callable, session, body) -> None:
         """Serve a POST of calls, in flight meanwhile, listening for its client to hang up:
@@ -7407,12 +7402,7 @@ class HttpSessions:
             if session.held or (session.in_flight and grace):
                 continue
             log.info("token %s was deleted: ending its session %s", name, session.id)
-            if session.http_id is None:
-                self.by_principal.pop(name, None)
-            else:
-                self.by_id.pop(session.http_id, None)
-                await self.close_handshake_session(session)  # the SDK lets go of it too
-            await self.app.end_session(session)
+            await self.drop(session)
 
     async def end_idle(self) -> None:
         """End every session with no request in flight and none for httpSessionIdleSecs
@@ -7424,13 +7414,16 @@ class HttpSessions:
                 continue
             why = "idle" if session.used else "unused"
             log.info("session %s %s for %d s: ending it", session.id, why, limit)
-            if session.http_id is None:
-                self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
-                await self.app.end_session(session)
-            else:
-                self.by_id.pop(session.http_id, None)
-                await self.close_handshake_session(session)
-                self.end_handshake(session)
+            await self.drop(session)
+
+    async def drop(self, session: Session) -> None:
+        """Forget a session and end it, a handshake-era one first as its client's DELETE would."""
+        if session.http_id is None:
+            self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
+        else:
+            self.by_id.pop(session.http_id, None)
+            await self.close_handshake_session(session)  # the SDK lets go of it too
+        await self.app.end_session(session)
 
     async def close_handshake_session(self, session: Session) -> None:
         """End a handshake-era session as its client's DELETE would, through the manager's
