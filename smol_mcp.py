@@ -7042,8 +7042,7 @@ def json_body(body: bytes) -> Any:
 
 
 def request_methods(body: bytes, key: str = "method") -> list:
-    """The methods (or ids) of the JSON-RPC requests in a body (one, or a batch); notifications
-    and answers are not requests."""
+    """The methods (or ids) of a body's JSON-RPC requests, not its notifications or answers."""
     message = json_body(body)
     messages = message if isinstance(message, list) else [message]
     requests = [m for m in messages if isinstance(m, dict) and isinstance(m.get("method"), str)]
@@ -7316,9 +7315,8 @@ class HttpSessions:
             session = self.modern_session(principal) if methods else None
         else:
             session = self.by_id.get(http_id or "")
-        if session is not None and http_id and version:
-            session.protocol = version
         if session is not None:
+            session.protocol = version if http_id and version else session.protocol
             session.used = session.used or any(method in SESSION_USES for method in methods)
         if session is None or not methods or set(methods) == {"subscriptions/listen"}:
             await self.to_sdk(scope, receive, watch, body)
@@ -7359,9 +7357,8 @@ class HttpSessions:
                 session.last_seen = time.monotonic()
 
     async def to_sdk(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
-        """Hand a request to the SDK. Once the process is told to stop (SIGTERM, SIGINT), a POST
-        still served is stopped and answered with a JSON-RPC error saying so, not cut off by a
-        plain-text 500."""
+        """Hand a request to the SDK. Once told to stop (SIGTERM, SIGINT), a POST still served is
+        stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
         stopping, started = self.stopping, False
         if scope["method"] != "POST" or stopping is None:
             return await self.inner(scope, receive, send)
@@ -7433,8 +7430,7 @@ class HttpSessions:
         path, local, statuses = self.path, ("127.0.0.1", 0), []
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "state": {}}
         scope |= {"method": "DELETE", "scheme": "http", "path": path, "raw_path": path.encode()}
-        scope |= {"query_string": b"", "root_path": "", "headers": headers}
-        scope |= {"client": local, "server": local}
+        scope |= dict(query_string=b"", root_path="", headers=headers, client=local, server=local)
         scope["user"] = authenticated_user(session.principal)  # the SDK checks whose session it is
 
         async def receive() -> dict:
@@ -7705,8 +7701,21 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     bound = dataclasses.replace(app.config, http_host=host, http_port=port)
     log.info("oauth: %s", oauth_report(bound))
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
+    loop, app.http.stopping = asyncio.get_running_loop(), anyio.Event()
+
+    class Server(uvicorn.Server):
+        """Told of a stop signal at once (so calls in flight are answered, see
+        HttpSessions.to_sdk), and exiting 0 after: uvicorn re-raises the signal once it is done."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.stopping = True  # a call waiting for approval answers approval_interrupted
+            loop.call_soon_threadsafe(app.http.stopping.set)  # in a signal handler: the loop sets
+            super().handle_exit(sig, frame)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores and re-raises into
+        signal.signal(sig, lambda *_: None)  # handled already
     # SIGTERM and SIGINT end the lifespan, which cleans up.
-    await stopping_server(config, app).serve(sockets=[listening])
+    await Server(config).serve(sockets=[listening])
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -7723,25 +7732,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
         )
         why = f"cannot listen on {host}:{port}: {os.strerror(err.errno)}"
         raise SmolError(f"{why}; {advice}") from None
-
-
-def stopping_server(config: Any, app: SmolMcp):
-    """uvicorn's Server, told of a stop signal at once (so calls in flight are answered, see
-    HttpSessions.to_sdk), and exiting 0 after: uvicorn re-raises the signal once it is done."""
-    import uvicorn
-
-    loop, stopping = asyncio.get_running_loop(), anyio.Event()
-    app.http.stopping = stopping
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            app.stopping = True  # a call waiting for approval answers approval_interrupted
-            loop.call_soon_threadsafe(stopping.set)  # in a signal handler: let the loop do the set
-            super().handle_exit(sig, frame)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores and re-raises into
-        signal.signal(sig, lambda *_: None)  # handled already
-    return Server(config)
 
 
 # ---------------------------------------------------------------------------
