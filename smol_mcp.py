@@ -6662,12 +6662,10 @@ def item_error(err: Exception) -> str:
 # ---------------------------------------------------------------------------
 # 14. Streamable HTTP (--http)
 #
-# For an agent on another computer. Every request must carry the token, checked
-# before anything else so an unauthenticated caller learns nothing, not even
-# where the endpoint is. Then the Host and Origin checks against DNS
-# rebinding, then the path. Replies are plain JSON. A session is the
-# Mcp-Session-Id in the handshake era, and the token in the 2026 era, which
-# has no session id.
+# For an agent on another computer. Every request must carry the token, checked before anything
+# else so an unauthenticated caller learns nothing, not even where the endpoint is. Then the Host
+# and Origin checks against DNS rebinding, then the path. Replies are plain JSON. A session is the
+# Mcp-Session-Id in the handshake era, and the token in the 2026 era, which has no session id.
 # ---------------------------------------------------------------------------
 
 HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and all; more is a 413
@@ -6682,8 +6680,7 @@ HTTP_MAX_HEADER_BYTES = 64 * 1024  # request line and headers; more is a 400 and
 HTTP_MAX_CONNECTIONS = 128  # beyond it the oldest connection still without headers is closed
 HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS  # uvicorn's own backstop: beyond it, 503
 HTTP_CLOSE = [(b"connection", b"close")]
-# A session that made no call since it opened is ended after this (or the idle time, if less).
-HTTP_UNUSED_SESSION_SECS = 300
+HTTP_UNUSED_SESSION_SECS = 300  # ends a session that never made a call (or the idle time, if less)
 # Requests that use a session; initialize, listings and pings alone do not.
 SESSION_USES = ("tools/call", "resources/read", "resources/subscribe", "subscriptions/listen")
 _SEND_TOKEN = "send the token as 'Authorization: Bearer <token>' or 'X-Smol-Mcp-Token: <token>'"
@@ -6725,9 +6722,8 @@ def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | N
 
 class HttpGate:
     """ASGI middleware in front of everything: the token, then Host and Origin, then the path
-    (lifespan events pass through). Host and Origin are not left to the SDK's
-    TransportSecuritySettings, whose bare "Invalid Host header" comes after a POST's
-    Content-Type check: ours names the setting to change and comes right after the token."""
+    (lifespan events pass through). Not the SDK's TransportSecuritySettings, whose bare "Invalid
+    Host header" comes after a POST's Content-Type check: ours names the setting to change."""
 
     def __init__(self, inner: Any, app: SmolMcp, allowed_hosts: list[str] | None, public: Any):
         self.app, self.access, self.sessions, self.pages = inner, app.access, app.http, app.pages
@@ -6745,15 +6741,12 @@ class HttpGate:
         oauth = self.pages is not None and self.pages.operator.enabled()  # opens the public paths
         public = oauth and (path in self.public_paths or path.startswith("/console/"))
         authorization = headers.get(b"authorization", b"").decode("latin-1")
-        offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1")]
-        if authorization[:7].lower() == "bearer ":
-            offered.append(authorization[7:].strip())
+        bearer = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
+        offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1"), bearer]
         principal = None if public else self.access.token_for(offered)  # compares hashes
         if principal is None and not public:
-            challenge = b"Bearer"
-            if oauth:
-                metadata = self.pages.issuer + RESOURCE_METADATA + self.path
-                challenge = f'Bearer resource_metadata="{metadata}"'.encode()
+            metadata = f"{self.pages.issuer}{RESOURCE_METADATA}{self.path}" if oauth else ""
+            challenge = (f'Bearer resource_metadata="{metadata}"' if oauth else "Bearer").encode()
             # Connection: close makes the server stop reading whatever body is still coming.
             refusal = [(b"www-authenticate", challenge), *HTTP_CLOSE]
             return await _respond(send, 401, HTTP_UNAUTHORIZED, refusal)
@@ -6781,25 +6774,22 @@ class HttpGate:
         if body is not None and api:
             await self.sessions.plain_api(scope, receive, send, body)
         elif body is not None:
-            await self.sessions.forward(self.app, scope, replay_body(body, receive), send, body)
+            await self.sessions.forward(scope, replay_body(body, receive), send, body)
 
     async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
         """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES nothing more is kept
         and the answer is 413 (up to as much again is read and dropped, so the client sees the
         answer, not a reset), still coming after HTTP_BODY_TIMEOUT_SECS is 408, and at most
         HTTP_MAX_BODIES_IN_FLIGHT are read at once. None when an answer has been sent."""
-        too_big = {
-            "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; send a smaller one "
-            "(a large file goes in pieces)"
-        }
+        smaller = "send a smaller one (a large file goes in pieces)"
+        too_big = {"error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; {smaller}"}
         declared = headers.get(b"content-length", b"0").strip()
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
         if over and headers.get(b"expect", b"").lower() == b"100-continue":
             return await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
         if self.bodies is None:
             self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
-        chunks: list[bytes] = []
-        size = 0
+        chunks, size = [], 0
         async with self.bodies:
             with anyio.move_on_after(HTTP_BODY_TIMEOUT_SECS) as deadline:
                 while True:
@@ -6808,11 +6798,9 @@ class HttpGate:
                         return None
                     data = message.get("body", b"")
                     size += len(data)
-                    over = over or size > HTTP_MAX_BODY_BYTES
-                    if over:
-                        chunks.clear()
-                    else:
-                        chunks.append(data)
+                    chunks.append(data)
+                    if over := over or size > HTTP_MAX_BODY_BYTES:
+                        chunks.clear()  # nothing more is kept
                     if not message.get("more_body", False) or size > 2 * HTTP_MAX_BODY_BYTES:
                         break
         if deadline.cancelled_caught:
@@ -6832,13 +6820,17 @@ def authenticated_user(principal: Principal):
     return AuthenticatedUser(AccessToken(**token, scopes=sorted(principal.scopes)))
 
 
-def request_methods(body: bytes, key: str = "method") -> list:
-    """The methods (or ids) of the JSON-RPC requests in a body (one, or a
-    batch); notifications and answers are not requests."""
+def json_body(body: bytes) -> Any:
+    """A body's JSON, or None if it is not JSON."""
     try:
-        message = json.loads(body)
+        return json.loads(body)
     except ValueError:
-        return []
+        return None
+
+
+def request_methods(body: bytes, key: str = "method") -> list:
+    """The methods (or ids) of a body's JSON-RPC requests, not its notifications or answers."""
+    message = json_body(body)
     messages = message if isinstance(message, list) else [message]
     requests = [m for m in messages if isinstance(m, dict) and isinstance(m.get("method"), str)]
     return [m[key] for m in requests if isinstance(m.get("id"), (str, int))]
@@ -6854,8 +6846,7 @@ def initialize_version(body: bytes) -> str | None:
 
 
 def replay_body(body: bytes, receive: Callable) -> Callable:
-    """A receive that hands the inner app the body already read, then passes
-    on whatever comes next (the disconnect)."""
+    """A receive that hands the inner app the body already read, then whatever comes next."""
     pending = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def again() -> dict:
@@ -6875,8 +6866,7 @@ def guarded_protocol() -> type:
     class GuardedH11Protocol(H11Protocol):
         header_deadline: Any = None
 
-        def waiting(self) -> bool:
-            """Open, and no request has arrived on it yet."""
+        def waiting(self) -> bool:  # open, and no request has arrived on it yet
             return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
 
         def connection_made(self, transport: Any) -> None:
@@ -6895,8 +6885,7 @@ def guarded_protocol() -> type:
             super().on_response_complete()
             self.watch_headers()
 
-        def watch_headers(self) -> None:
-            """Arm the header deadline while no request has arrived, disarm it once one has."""
+        def watch_headers(self) -> None:  # armed while no request is in, disarmed once one is
             deadline, idle = self.header_deadline, self.conn.their_state is h11.IDLE
             if idle and deadline is None:
                 self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS, self.overdue)
@@ -6919,16 +6908,12 @@ def guarded_protocol() -> type:
 
 def uvicorn_options() -> dict:
     """The uvicorn settings --http runs with (the tests use the same)."""
-    return dict(
-        http=guarded_protocol(),
-        lifespan="on",
-        log_level="warning",
-        timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS,
-        timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
-        h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
-        limit_concurrency=HTTP_LIMIT_CONCURRENCY,
-        proxy_headers=False,  # the peer's own address: X-Forwarded-For would rotate the limits
-    )
+    # proxy_headers off: the peer's own address, as X-Forwarded-For would rotate the limits
+    options = dict(http=guarded_protocol(), lifespan="on", log_level="warning", proxy_headers=False)
+    options.update(h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES)
+    options.update(timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
+    options.update(timeout_keep_alive=HTTP_KEEP_ALIVE_SECS)
+    return options | dict(limit_concurrency=HTTP_LIMIT_CONCURRENCY)
 
 
 async def _respond(send: Callable, status: int, answer: Any, headers: list | None = None) -> None:
@@ -6940,9 +6925,8 @@ async def _respond(send: Callable, status: int, answer: Any, headers: list | Non
 
 
 class PlainRequest:
-    """What call_tool reads of a request, for a plain API call: the HTTP request (with the
-    principal), the era, and a client that asks nothing and takes no progress. ``failure`` is
-    the SmolError the call ended with, for the HTTP status."""
+    """What call_tool reads of a plain API call: the HTTP request (with the principal), the era, a
+    client that asks nothing and takes no progress; ``failure``: the SmolError it ended with."""
 
     meta = client_capabilities = failure = None
 
@@ -6964,10 +6948,9 @@ def plain_status(err: SmolError | None) -> int:
 
 
 class HttpSessions:
-    """Sessions over HTTP, kept from what HttpGate sees (headers, bodies, statuses). Handshake
-    era: one per Mcp-Session-Id, opened by initialize's answer, ended by the client's DELETE, by
-    the idle reaper (as a DELETE through the manager) and at shutdown. 2026 era: one per token.
-    Either ends after httpSessionIdleSecs with no request and no call in flight."""
+    """Sessions over HTTP, kept from what HttpGate sees. Handshake era: one per Mcp-Session-Id,
+    opened by initialize's answer, ended by the client's DELETE, the idle reaper (as a DELETE
+    through the manager) or shutdown. 2026 era: one per token. Both end when idle."""
 
     def __init__(self, app: SmolMcp, manager: Any, path: str):
         self.app, self.manager, self.path = app, manager, path
@@ -6975,6 +6958,7 @@ class HttpSessions:
         self.by_principal: dict[str, Session] = {}
         self.by_id: dict[str, Session] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
         self.tasks: Any = None
+        self.inner: Any = None  # the SDK's app (set by build_http_app)
         self.stopping: Any = None  # an anyio Event, set when the process is told to stop
 
     @asynccontextmanager
@@ -7054,11 +7038,7 @@ class HttpSessions:
             tools = self.app.tool_list(self.app.mode == "both", principal)
             listed = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools]
             return await _respond(send, 200, {"tools": listed})
-        try:
-            arguments = json.loads(body or b"{}")  # no body: no arguments
-        except ValueError:
-            arguments = None
-        refusal = None
+        arguments, refusal = json_body(body or b"{}"), None  # no body: no arguments
         if method != "POST" or not name:
             refusal = 405, f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools"
         elif name not in TOOLS_BY_NAME:
@@ -7085,21 +7065,12 @@ class HttpSessions:
         finally:
             session.in_flight -= 1
             session.last_seen = time.monotonic()
-        if result is None:  # the client went away: nobody to answer
-            return
-        if result.is_error:
-            error = {"error": result.content[0].text}
-            return await _respond(send, plain_status(ctx.failure), error)
-        await _respond(send, 200, result.structured_content)
+        if result is not None and result.is_error:
+            await _respond(send, plain_status(ctx.failure), {"error": result.content[0].text})
+        elif result is not None:  # None: the client went away, nobody to answer
+            await _respond(send, 200, result.structured_content)
 
-    def end_handshake(self, session: Session) -> None:
-        """Forget a handshake session and clean it up in the background (not waited for)."""
-        self.by_id.pop(session.http_id or "", None)
-        self.tasks.start_soon(self.app.end_session, session)
-
-    async def forward(
-        self, inner: Callable, scope: dict, receive: Callable, send: Callable, body: bytes
-    ) -> None:
+    async def forward(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
         """Hand one request to the SDK and keep its session's books: a POST of requests is in
         flight while served (a listen stream, open while idle, is not), initialize's answer
         opens a handshake session, and an accepted DELETE ends one."""
@@ -7131,24 +7102,20 @@ class HttpSessions:
             session = self.modern_session(principal) if methods else None
         else:
             session = self.by_id.get(http_id or "")
-        if session is not None and http_id and version:
-            session.protocol = version
-        if session is None or not methods or set(methods) == {"subscriptions/listen"}:
-            if session is not None:
-                session.used = session.used or "subscriptions/listen" in methods
-            await inner(scope, receive, watch)
-        else:
+        if session is not None:
+            session.protocol = version if http_id and version else session.protocol
             session.used = session.used or any(method in SESSION_USES for method in methods)
-            await self.serve_calls(inner, scope, receive, watch, session, body)
+        if session is None or not methods or set(methods) == {"subscriptions/listen"}:
+            await self.to_sdk(scope, receive, watch, body)
+        else:
+            await self.serve(scope, receive, watch, session, body)
         opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
         if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
             self.open_handshake(principal, opened, initialize_version(answer["body"]))
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
-            self.end_handshake(self.by_id[http_id])
+            self.tasks.start_soon(self.app.end_session, self.by_id.pop(http_id))
 
-    async def serve_calls(
-        self, inner: Callable, scope: dict, receive: Callable, send: Callable, session, body
-    ) -> None:
+    async def serve(self, scope: dict, receive: Callable, send: Callable, session, body) -> None:
         """Serve a POST of calls, in flight meanwhile, listening for its client to hang up:
         then its calls are gone, and one waiting for approval ends (SPEC 13)."""
         ids, first, gone = request_methods(body, "id"), [await receive()], anyio.Event()
@@ -7169,12 +7136,41 @@ class HttpSessions:
         async with anyio.create_task_group() as group:
             group.start_soon(listen)
             try:
-                await inner(scope, inner_receive, send)
+                await self.to_sdk(scope, inner_receive, send, body)
             finally:
                 group.cancel_scope.cancel()
                 session.gone_requests.difference_update(ids)
                 session.in_flight -= 1
                 session.last_seen = time.monotonic()
+
+    async def to_sdk(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
+        """Hand a request to the SDK. Once told to stop (SIGTERM, SIGINT), a POST still served is
+        stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
+        stopping, started = self.stopping, False
+        if scope["method"] != "POST" or stopping is None:
+            return await self.inner(scope, receive, send)
+
+        async def send_watch(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        async with anyio.create_task_group() as group:
+
+            async def stop_on_shutdown() -> None:
+                await stopping.wait()
+                await self.app.interrupt_approvals()  # calls that can answer for themselves do
+                group.cancel_scope.cancel()
+
+            group.start_soon(stop_on_shutdown)
+            await self.inner(scope, receive, send_watch)
+            group.cancel_scope.cancel()
+        if stopping.is_set() and not started:  # a JSON-RPC error for each request (or a batch)
+            request, error = json_body(body), {"code": -32000, "message": SHUTDOWN_MESSAGE}
+            requests = request if isinstance(request, list) else [request]
+            ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
+            answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
+            await _respond(send, 200, answers if isinstance(request, list) else answers[0])
 
     async def end_revoked(self) -> None:
         """End the sessions of tokens deleted (or made again) since the last look: once calls
@@ -7190,12 +7186,7 @@ class HttpSessions:
             if session.held or (session.in_flight and grace):
                 continue
             log.info("token %s was deleted: ending its session %s", name, session.id)
-            if session.http_id is None:
-                self.by_principal.pop(name, None)
-            else:
-                self.by_id.pop(session.http_id, None)
-                await self.close_handshake_session(session)  # the SDK lets go of it too
-            await self.app.end_session(session)
+            await self.drop(session)
 
     async def end_idle(self) -> None:
         """End every session with no request in flight and none for httpSessionIdleSecs
@@ -7207,13 +7198,16 @@ class HttpSessions:
                 continue
             why = "idle" if session.used else "unused"
             log.info("session %s %s for %d s: ending it", session.id, why, limit)
-            if session.http_id is None:
-                self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
-                await self.app.end_session(session)
-            else:
-                self.by_id.pop(session.http_id, None)
-                await self.close_handshake_session(session)
-                self.end_handshake(session)
+            await self.drop(session)
+
+    async def drop(self, session: Session) -> None:
+        """Forget a session and end it, a handshake-era one first as its client's DELETE would."""
+        if session.http_id is None:
+            self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
+        else:
+            self.by_id.pop(session.http_id, None)
+            await self.close_handshake_session(session)  # the SDK lets go of it too
+        await self.app.end_session(session)
 
     async def close_handshake_session(self, session: Session) -> None:
         """End a handshake-era session as its client's DELETE would, through the manager's
@@ -7223,8 +7217,7 @@ class HttpSessions:
         path, local, statuses = self.path, ("127.0.0.1", 0), []
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "state": {}}
         scope |= {"method": "DELETE", "scheme": "http", "path": path, "raw_path": path.encode()}
-        scope |= {"query_string": b"", "root_path": "", "headers": headers}
-        scope |= {"client": local, "server": local}
+        scope |= dict(query_string=b"", root_path="", headers=headers, client=local, server=local)
         scope["user"] = authenticated_user(session.principal)  # the SDK checks whose session it is
 
         async def receive() -> dict:
@@ -7249,84 +7242,27 @@ SHUTDOWN_MESSAGE = (
 )
 
 
-class ShutdownAnswers:
-    """ASGI middleware: when the process is told to stop (SIGTERM, SIGINT), a POST still served
-    is stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
-
-    def __init__(self, app: Any, stopping: Callable[[], Any], settle: Callable):
-        self.app, self.stopping = app, stopping  # stopping(): the Event set at shutdown, or None
-        self.settle = settle  # awaited first: calls that can answer for themselves do
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        stopping = self.stopping()
-        if scope["type"] != "http" or scope["method"] != "POST" or stopping is None:
-            return await self.app(scope, receive, send)
-        body, started = bytearray(), False
-
-        async def receive_copy() -> dict:
-            message = await receive()
-            if message["type"] == "http.request":
-                body.extend(message.get("body", b""))
-            return message
-
-        async def send_watch(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        async with anyio.create_task_group() as group:
-
-            async def stop_on_shutdown() -> None:
-                await stopping.wait()
-                await self.settle()
-                group.cancel_scope.cancel()
-
-            group.start_soon(stop_on_shutdown)
-            await self.app(scope, receive_copy, send_watch)
-            group.cancel_scope.cancel()
-        if stopping.is_set() and not started:
-            await _respond(send, 200, shutdown_errors(bytes(body)))
-
-
-def shutdown_errors(body: bytes) -> Any:
-    """The JSON-RPC error answer to a request body (one, or a batch)."""
-    try:
-        request = json.loads(body)
-    except ValueError:
-        request = None
-    requests = request if isinstance(request, list) else [request]
-    error = {"code": -32000, "message": SHUTDOWN_MESSAGE}
-    ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
-    answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
-    return answers if isinstance(request, list) else answers[0]
-
-
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     """The ASGI application for --http: HttpGate in front of the SDK's session manager."""
-    from mcp.server.streamable_http_manager import StreamableHTTPASGIApp as Endpoint
-    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+    from mcp.server import streamable_http_manager as sdk_http
     from starlette.applications import Starlette
     from starlette.routing import Route
 
     config = app.config
     settings = dict(max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
     settings.update(json_response=True, session_idle_timeout=config.http_session_idle_secs)
-    manager = StreamableHTTPSessionManager(app.server, **settings)
+    manager = sdk_http.StreamableHTTPSessionManager(app.server, **settings)
     app.http = HttpSessions(app, manager, path)
 
-    @asynccontextmanager
-    async def lifespan(_):
-        async with manager.run():  # enters the server's lifespan once; ends every session at exit
-            yield
-
-    inner = Starlette(routes=[Route(path, endpoint=Endpoint(manager))], lifespan=lifespan)
-    inner = ShutdownAnswers(inner, lambda: app.http.stopping, app.interrupt_approvals)
+    routes = [Route(path, endpoint=sdk_http.StreamableHTTPASGIApp(manager))]
+    # manager.run enters the server's lifespan once and ends every session at exit
+    app.http.inner = Starlette(routes=routes, lifespan=lambda _: manager.run())
     public, issuer = None, oauth_issuer(config, host, port)
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
         routes = page_routes(app.pages) + oauth_routes(app, issuer, path) + console_routes(app)
         public = pages_app(app.pages, routes)
-    return HttpGate(inner, app, default_allowed_hosts(config, host, port), public)
+    return HttpGate(app.http.inner, app, default_allowed_hosts(config, host, port), public)
 
 
 # -- the operator's console (section 18) -----------------------------------------
@@ -7341,10 +7277,8 @@ REVIEW_PAGE = "/console/approvals/"  # + the id: one waiting call, linked from t
 CONSOLE_REFRESH_SECS = 5  # the approvals list reloads itself this often while open
 CONSOLE_PAGE_ROWS = 50
 CONSOLE_PERIODS = dict(zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(",")))
-CONSOLE_NAV = (
-    '<a href="/console/tokens">Access tokens</a> <a href="/console/approvals">Approvals</a> '
-    '<a href="/console/activity">Activity</a>'
-)
+CONSOLE_PAGES = {"tokens": "Access tokens", "approvals": "Approvals", "activity": "Activity"}
+CONSOLE_NAV = " ".join(f'<a href="/console/{p}">{name}</a>' for p, name in CONSOLE_PAGES.items())
 
 
 def console_routes(app: SmolMcp) -> list:
@@ -7387,12 +7321,10 @@ def console_routes(app: SmolMcp) -> list:
         wanted = request.path_params.get("id")
         if wanted is not None:  # one call's review page, which does not reload under the person
             calls = [call for call in calls if call["id"] == wanted]
-        body = "".join(waiting_card(request, call) for call in calls) or (
-            f"<p>No call waits as {esc(wanted)}: it was answered, it timed out, or its client "
-            'went away. <a href="/console/approvals">All waiting calls</a></p>'
-            if wanted
-            else "<p>No call waits for approval.</p>"
-        )
+        gone = f"as {esc(wanted)}: it was answered, it timed out, or its client went away. "
+        gone = f'<p>No call waits {gone}<a href="/console/approvals">All waiting calls</a></p>'
+        body = "".join(waiting_card(request, call) for call in calls)
+        body = body or (gone if wanted else "<p>No call waits for approval.</p>")
         refresh = f'<meta http-equiv="refresh" content="{CONSOLE_REFRESH_SECS}">'
         notice = pages.require_operator(request).pop("notice", "")  # the last answer, shown once
         body = (f'<p class="note">{esc(notice)}</p>' if notice else "") + body
@@ -7401,16 +7333,15 @@ def console_routes(app: SmolMcp) -> list:
 
     async def answer(request: Any) -> Any:
         pages.require_operator(request)
-        form, approval_id = await pages.form(request), request.path_params["id"]
+        form, call_id = await pages.form(request), request.path_params["id"]
         choice, reason = str(form.get("answer")), str(form.get("reason", ""))[:500]
         auto_for = str(form.get("auto")) if choice == "auto" else None
         try:
             periods = (None, *CONSOLE_PERIODS)
             if choice not in ("approve", "auto", "reject") or auto_for not in periods:
                 raise SmolError("Choose Approve, Approve + auto-approve (for a period) or Reject.")
-            held, until = answer_approval(
-                config, approval_id, choice != "reject", CONSOLE_WHO, auto_for, reason
-            )
+            approve = choice != "reject"
+            held, until = answer_approval(config, call_id, approve, CONSOLE_WHO, auto_for, reason)
         except SmolError as err:
             return show(request, "Approvals", f'<p class="error">{esc(err)}</p>', 409)
         done = "rejected: it does not run" if choice == "reject" else "approved: it runs now"
@@ -7432,7 +7363,8 @@ def console_routes(app: SmolMcp) -> list:
             f"{form_to(request, f'/console/tokens/{urllib.parse.quote(name)}', buttons)}</section>"
         )
 
-    def new_token_form(request: Any) -> str:
+    async def tokens(request: Any) -> Any:
+        pages.require_operator(request)
         box = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'
         scopes = "".join(box.format("scope", v, "", v) for v in SCOPES)
         fleets = "".join(box.format("target", v, " checked", v) for v in FLEET_NAMES)
@@ -7443,10 +7375,6 @@ def console_routes(app: SmolMcp) -> list:
             f"Require approval for changes</label>{pages.confirm_field('a new token')}"
             "<button>Create token</button>"
         )
-        return f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
-
-    async def tokens(request: Any) -> Any:
-        pages.require_operator(request)
         shown, status = "", 200
         if request.method == "POST":
             form = await pages.form(request)
@@ -7480,7 +7408,8 @@ def console_routes(app: SmolMcp) -> list:
         if config.auth_token:  # not in the tokens file: the page can show it, not change it
             cards += "<section><h2>default</h2><p>SMOL_MCP_AUTH_TOKEN: every scope and fleet, "
             cards += "no approval; set in the server's environment</p></section>"
-        body = f"{shown}{cards or '<p>No tokens yet.</p>'}{new_token_form(request)}"
+        new = f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
+        body = f"{shown}{cards or '<p>No tokens yet.</p>'}{new}"
         return show(request, "Access tokens", body, status)
 
     async def token_action(request: Any) -> Any:
@@ -7506,14 +7435,10 @@ def console_routes(app: SmolMcp) -> list:
         keep = activity_filter(asked["token"] or None, asked["machine"] or None, since)
         # read no further back than this page and one more entry (a full log is large)
         entries = access.activity.entries(keep, limit=page * CONSOLE_PAGE_ROWS + 1)[::-1]
-        rows = "".join(
-            "<li>" + " &middot; ".join(esc(cell) for cell in activity_row(entry)) + "</li>"
-            for entry in entries[(page - 1) * CONSOLE_PAGE_ROWS :][:CONSOLE_PAGE_ROWS]
-        )
-        inputs = "".join(
-            f'<label>{key.title()} <input type="text" name="{key}" value="{esc(value)}"></label>'
-            for key, value in asked.items()
-        )
+        listed = entries[(page - 1) * CONSOLE_PAGE_ROWS :][:CONSOLE_PAGE_ROWS]
+        rows = "".join(f"<li>{' &middot; '.join(map(esc, activity_row(e)))}</li>" for e in listed)
+        box = '<label>{} <input type="text" name="{}" value="{}"></label>'
+        inputs = "".join(box.format(key.title(), key, esc(value)) for key, value in asked.items())
         older = len(entries) > page * CONSOLE_PAGE_ROWS
         links = "".join(
             f' <a href="?{esc(urllib.parse.urlencode({**asked, "page": n}))}">{label}</a>'
@@ -7555,19 +7480,29 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
 
     asgi = build_http_app(app, host, port, path)
     if asgi.allowed_hosts is None:
-        log.warning(
-            "bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: the Host check is off, because the "
-            "name clients dial is not knowable here; set it to that name",
-            host,
-        )
+        off = "the Host check is off, because the name clients dial is not knowable here; set it"
+        log.warning("bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: %s to that name", host, off)
     listening = listen_socket(host, port)  # before saying "serving": a taken port says so
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
     bound = dataclasses.replace(app.config, http_host=host, http_port=port)
     log.info("oauth: %s", oauth_report(bound))
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
+    loop, app.http.stopping = asyncio.get_running_loop(), anyio.Event()
+
+    class Server(uvicorn.Server):
+        """Told of a stop signal at once (so calls in flight are answered, see
+        HttpSessions.to_sdk), and exiting 0 after: uvicorn re-raises the signal once it is done."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.stopping = True  # a call waiting for approval answers approval_interrupted
+            loop.call_soon_threadsafe(app.http.stopping.set)  # in a signal handler: the loop sets
+            super().handle_exit(sig, frame)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores and re-raises into
+        signal.signal(sig, lambda *_: None)  # handled already
     # SIGTERM and SIGINT end the lifespan, which cleans up.
-    await stopping_server(config, app).serve(sockets=[listening])
+    await Server(config).serve(sockets=[listening])
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -7584,27 +7519,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
         )
         why = f"cannot listen on {host}:{port}: {os.strerror(err.errno)}"
         raise SmolError(f"{why}; {advice}") from None
-
-
-def stopping_server(config: Any, app: SmolMcp):
-    """uvicorn's Server, told of a stop signal at once (so calls in flight are answered, see
-    ShutdownAnswers), and exiting 0 after: uvicorn re-raises the signal once it is done."""
-    import asyncio
-
-    import uvicorn
-
-    loop, stopping = asyncio.get_running_loop(), anyio.Event()
-    app.http.stopping = stopping
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            app.stopping = True  # a call waiting for approval answers approval_interrupted
-            loop.call_soon_threadsafe(stopping.set)  # in a signal handler: let the loop do the set
-            super().handle_exit(sig, frame)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores and re-raises into
-        signal.signal(sig, lambda *_: None)  # handled already
-    return Server(config)
 
 
 # ---------------------------------------------------------------------------
