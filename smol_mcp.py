@@ -5745,23 +5745,15 @@ def post_webhook(url: str, payload: dict) -> str | None:
 
 MODE_FLEETS = {**{name: (name,) for name in FLEETS}, "both": FLEET_NAMES}
 ELICIT_TIMEOUT_SECS = 120
+JSON_TYPE = "application/json"
 FLEET_QUESTION = (
     "This smol-mcp server reaches two fleets of machines: local (smolvm on the server's host; "
     "nothing is billed) and cloud (your smol cloud account; machines are billed while they "
     "exist). Which one is this session for? Choose both to name the fleet on every call."
 )
-FLEET_QUESTION_SCHEMA = {
-    "type": "object",
-    "required": ["fleet"],
-    "properties": {
-        "fleet": {
-            "type": "string",
-            "title": "Fleet",
-            "enum": [*FLEETS, "both"],
-            "description": "local, cloud, or both (decide per call)",
-        }
-    },
-}
+FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
+FLEET_CHOICE["description"] = "local, cloud, or both (decide per call)"
+FLEET_QUESTION_SCHEMA = dict(type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE})
 ARG_TARGET = {
     "type": "string",
     "enum": list(FLEETS),
@@ -5783,15 +5775,21 @@ TARGET_NEEDED = (
 )
 
 
+def sdk_types():
+    """The SDK's mcp_types, imported at first use: stdio startup loads no SDK."""
+    import mcp_types
+
+    return mcp_types
+
+
 class AskClient(Exception):
     """A 2026-era question for the person (an InputRequiredResult): the tool call answers
     with it and is called again with the answer."""
 
     def __init__(self, state: str, requests: dict):
-        import mcp_types as types
-
         super().__init__("input required")
-        self.question = types.InputRequiredResult(request_state=state, input_requests=requests)
+        question = sdk_types().InputRequiredResult
+        self.question = question(request_state=state, input_requests=requests)
 
 
 def can_elicit(ctx) -> bool:
@@ -5809,17 +5807,15 @@ def modern(ctx) -> bool:
 
 
 def form_question(message: str, schema: dict):
-    import mcp_types as types
-
+    types = sdk_types()
     params = types.ElicitRequestFormParams(message=message, requested_schema=schema)
     return types.ElicitRequest(params=params)
 
 
 def elicit_result(answer: Any):
     """A 2026-era answer as the client sent it (a dict) read as an ElicitResult."""
-    import mcp_types as types
-
-    return types.ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
+    result = sdk_types().ElicitResult
+    return result.model_validate(answer) if isinstance(answer, dict) else answer
 
 
 TARGETS_NEED_TOKEN = (
@@ -5978,20 +5974,17 @@ class SmolMcp:
                 await self.end_session(session)
 
     async def on_list_tools(self, ctx, params):
-        import mcp_types as types
-
         with_target = self.mode == "both" and self.session_for(ctx).target is None
-        return types.ListToolsResult(tools=self.tool_list(with_target, self.principal_for(ctx)))
+        tools = self.tool_list(with_target, self.principal_for(ctx))
+        return sdk_types().ListToolsResult(tools=tools)
 
     async def on_subscribe(self, ctx, params):
         """Handshake era: follow a log until unsubscribe or the end of the session."""
-        import mcp_types as types
-
         uri, principal = str(params.uri), self.principal_for(ctx)
         fleet, name = self.log_resource(uri, principal)
         session = self.session_for(ctx)
         if uri in session.subscriptions:
-            return types.EmptyResult()
+            return sdk_types().EmptyResult()
         self.check_share(principal, len(session.subscriptions) + 1, 1)
         scope = session.subscriptions[uri] = anyio.CancelScope()
         notify = ctx.session.send_resource_updated  # the captured session outlives this request
@@ -6001,53 +5994,39 @@ class SmolMcp:
                 await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
 
         session.tasks.start_soon(poll)
-        return types.EmptyResult()
+        return sdk_types().EmptyResult()
 
     async def on_unsubscribe(self, ctx, params):
-        import mcp_types as types
-
         scope = self.session_for(ctx).subscriptions.pop(str(params.uri), None)
         if scope is not None:
             scope.cancel()
-        return types.EmptyResult()
+        return sdk_types().EmptyResult()
 
     async def on_list_resources(self, ctx, params):
-        import mcp_types as types
-
-        resources = [
-            types.Resource(
-                uri=TARGETS_URI,
-                name="targets",
-                title="Fleets served and whether they are usable",
-                mime_type="application/json",
-                description="The mode, each fleet this process serves, and whether it is usable "
-                "on this host now.",
-            )
-        ]
+        types = sdk_types()
+        about = (
+            "The mode, each fleet this process serves, and whether it is usable on this host now."
+        )
+        shown = [(TARGETS_URI, "targets", "Fleets served and whether they are usable", about)]
         if "activity.read" in self.principal_for(ctx).scopes:
-            resources.append(
-                types.Resource(
-                    uri=ACTIVITY_URI,
-                    name="activity",
-                    title="What agents changed",
-                    mime_type="application/json",
-                    description=f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity "
-                    "log: changing calls, approvals, cleanups (a sandbox token sees its own).",
-                )
-            )
+            about = f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity log: changing "
+            about += "calls, approvals, cleanups (a sandbox token sees its own)."
+            shown.append((ACTIVITY_URI, "activity", "What agents changed", about))
+        resources = [
+            types.Resource(uri=uri, name=name, title=title, mime_type=JSON_TYPE, description=text)
+            for uri, name, title, text in shown
+        ]
         return types.ListResourcesResult(resources=resources)
 
     async def on_list_resource_templates(self, ctx, params):
-        import mcp_types as types
-
-        template = types.ResourceTemplate(
+        template = sdk_types().ResourceTemplate(
             uri_template=LOGS_URI_TEMPLATE,
             name="machine-logs",
             title="A machine's console log",
             mime_type="text/plain",
             description="The latest lines of a machine's guest console.",
         )
-        return types.ListResourceTemplatesResult(resource_templates=[template])
+        return sdk_types().ListResourceTemplatesResult(resource_templates=[template])
 
     def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
         """The tools its scopes grant, as the client sees them; built once per shape (a
@@ -6065,21 +6044,17 @@ class SmolMcp:
         return ctx.request.scope["state"]["smol_principal"]
 
     def mcp_tool(self, tool: ToolSpec, with_target: bool):
-        import mcp_types as types
-
+        types, schema = sdk_types(), tool_schema(tool, with_target, self.config)
+        hints = dict(read_only_hint=tool.read_only, destructive_hint=tool.destructive)
+        hints.update(idempotent_hint=tool.idempotent, open_world_hint=tool.open_world)
+        annotations = types.ToolAnnotations(title=tool.title, **hints)
         return types.Tool(
             name=tool.name,
             title=tool.title,
             description=tool.description,
-            input_schema=tool_schema(tool, with_target, self.config),
+            input_schema=schema,
             output_schema=tool.output_schema,
-            annotations=types.ToolAnnotations(
-                title=tool.title,
-                read_only_hint=tool.read_only,
-                destructive_hint=tool.destructive,
-                idempotent_hint=tool.idempotent,
-                open_world_hint=tool.open_world,
-            ),
+            annotations=annotations,
         )
 
     def session_for(self, ctx) -> Session:
@@ -6178,16 +6153,14 @@ class SmolMcp:
 
     async def elicit(self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS):
         """Send an elicitation; the answer, or None after ``timeout`` or a failure."""
-        import mcp_types as types
         from mcp.shared.message import ServerMessageMetadata
 
         related = ctx.request_id if ctx.session.can_send_request else None
+        metadata = ServerMessageMetadata(related_request_id=related)
         try:
+            answer_type = sdk_types().ElicitResult
             return await ctx.session.send_request(
-                question,
-                types.ElicitResult,
-                request_read_timeout_seconds=timeout,
-                metadata=ServerMessageMetadata(related_request_id=related),
+                question, answer_type, request_read_timeout_seconds=timeout, metadata=metadata
             )
         except Exception as err:  # timed out, or no way back to the client
             log.info("a question to the person got no answer (%s)", err)
@@ -6196,8 +6169,6 @@ class SmolMcp:
     async def call_tool(self, ctx, params):
         """Validate, dispatch, and turn every failure into a readable tool error.
         A changing tool is written to the activity log before its answer leaves."""
-        import mcp_types as types
-
         name = params.name
         tool = TOOLS_BY_NAME.get(name)
         principal = self.principal_for(ctx)
@@ -6221,10 +6192,9 @@ class SmolMcp:
             fleet = self.fleet_for(session, name, arguments, params)
             shown = redact_arguments(arguments, tool.input_schema)
             entry.update(target=fleet.name, machine=arguments.get("name"), arguments=shown)
-            checker = self.checkers.get(name) or self.checkers.setdefault(
-                name, argument_validator()(configured_schema(tool, self.config))
-            )
-            validate_arguments(name, tool.input_schema, arguments, checker)
+            if name not in self.checkers:
+                self.checkers[name] = argument_validator()(configured_schema(tool, self.config))
+            validate_arguments(name, tool.input_schema, arguments, self.checkers[name])
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
@@ -6259,8 +6229,8 @@ class SmolMcp:
             if isinstance(result.get("exitCode"), int):
                 entry["exitCode"] = result["exitCode"]
             logged("ok")
-        text = types.TextContent(type="text", text=reply_json(result))
-        return types.CallToolResult(content=[text], structured_content=result)
+        text = sdk_types().TextContent(type="text", text=reply_json(result))
+        return sdk_types().CallToolResult(content=[text], structured_content=result)
 
     # -- activity log ------------------------------------------------------
 
@@ -6276,10 +6246,8 @@ class SmolMcp:
         except (OSError, SmolError) as err:
             reason = getattr(err, "strerror", None) or str(err)
             what = (entry.get("event"), entry.get("tool") or entry.get("approval") or "")
-            path = self.access.activity.path
-            log.warning(
-                "could not write the activity log %s (%s); entry lost: %s %s", path, reason, *what
-            )
+            lost = "could not write the activity log %s (%s); entry lost: %s %s"
+            log.warning(lost, self.access.activity.path, reason, *what)
 
     async def sweep_once(self) -> None:
         """Before this process's first local call: delete what a crashed one left behind."""
@@ -6296,15 +6264,13 @@ class SmolMcp:
     # -- resources ------------------------------------------------------------
 
     async def on_read_resource(self, ctx, params):
-        import mcp_types as types
-
         uri, principal = str(params.uri), self.principal_for(ctx)
         if uri == TARGETS_URI:
             document = await anyio.to_thread.run_sync(targets_document, self)  # probes the engines
             document["access"] = principal.describe()
-            text, mime = json.dumps(document, indent=2), "application/json"
+            text, mime = json.dumps(document, indent=2), JSON_TYPE
         elif uri == ACTIVITY_URI:
-            text, mime = json.dumps(self.activity_document(principal), indent=1), "application/json"
+            text, mime = json.dumps(self.activity_document(principal), indent=1), JSON_TYPE
         elif LOGS_URI_RE.fullmatch(uri):
             fleet, name = self.log_resource(uri, principal)
             try:
@@ -6316,8 +6282,8 @@ class SmolMcp:
         else:
             known = f"{TARGETS_URI} and {LOGS_URI_TEMPLATE}"
             raise_resource_error(f"unknown resource {uri}; the resources are {known}")
-        content = types.TextResourceContents(uri=uri, mime_type=mime, text=text)
-        return types.ReadResourceResult(contents=[content])
+        content = sdk_types().TextResourceContents(uri=uri, mime_type=mime, text=text)
+        return sdk_types().ReadResourceResult(contents=[content])
 
     def activity_document(self, principal: Principal) -> dict:
         """smol://activity for ``principal`` (activity.read; a sandbox.* one sees its own)."""
