@@ -59,6 +59,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -6484,17 +6485,11 @@ class Approvals:
     def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
         """Write the request where `approvals list` finds it, log it and tell the webhook."""
         app, principal, tool = self.app, call.principal, entry["tool"]
-        request = {
-            "token": principal.name,
-            "principalId": principal.id,
-            "tool": tool,
-            "target": entry.get("target"),
-            "machine": entry.get("machine"),
-            "arguments": approval_arguments(call),  # for the person; log and webhook redact
-            "session": entry.get("session"),
-            "requestedAt": utc_now(),
-            "expiresAt": utc_time(time.time() + timeout),
-        }
+        request = dict(token=principal.name, principalId=principal.id, tool=tool)
+        request.update(target=entry.get("target"), machine=entry.get("machine"))
+        request["arguments"] = approval_arguments(call)  # for the person; log and webhook redact
+        request.update(session=entry.get("session"), requestedAt=utc_now())
+        request["expiresAt"] = utc_time(time.time() + timeout)
         try:
             approval_id = event["id"] = app.access.desk.open(request)
         except (OSError, SmolError) as err:
@@ -6571,10 +6566,8 @@ class Approvals:
                     return "auto"
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    late = (
-                        f"nobody approved {tool} within {timeout} s; nothing ran. Ask the person "
-                    )
-                    late += "on the server's host to watch for it, then call it again."
+                    late = f"nobody approved {tool} within {timeout} s; nothing ran. Ask the "
+                    late += "person on the server's host to watch for it, then call it again."
                     raise self.refuse(event, "timed out", late)
                 if time.monotonic() >= next_progress:
                     next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
@@ -6611,7 +6604,6 @@ class Approvals:
     def notify_webhook(self, payload: dict, event: dict) -> None:
         """POST the notice from one small pool with a bounded queue, so a slow webhook holds
         no call nor a thread per call; a failure (or a dropped notice) is logged."""
-        from concurrent.futures import ThreadPoolExecutor
 
         def failed(error: str) -> None:
             self.app.record({**event, "approval": "webhook failed", "error": error})
@@ -6646,22 +6638,19 @@ def explain(err: SmolError) -> str:
 
 
 def tool_error(message: str):
-    import mcp_types as types
-
-    text = types.TextContent(type="text", text=message)
-    return types.CallToolResult(content=[text], is_error=True)
+    text = sdk_types().TextContent(type="text", text=message)
+    return sdk_types().CallToolResult(content=[text], is_error=True)
 
 
 def raise_resource_error(message: str):
-    import mcp_types as types
     from mcp import MCPError
 
-    raise MCPError(code=types.INVALID_PARAMS, message=message)
+    raise MCPError(code=sdk_types().INVALID_PARAMS, message=message)
 
 
 def build_server(config: Config | None = None):
-    """The MCP server for ``config`` (default: ``load_config()``), ready to run
-    on any transport."""
+    """The MCP server for ``config`` (default: ``load_config()``), ready on any transport."""
+
     return SmolMcp(config or load_config()).server
 
 
@@ -6721,23 +6710,11 @@ class StreamWrapper:
         await self.aclose()
 
 
-def is_cancellation(message: Any) -> bool:
-    """Whether a JSON-RPC message is the client's notifications/cancelled."""
-    import mcp_types as types
-
-    return (
-        isinstance(message, types.JSONRPCNotification)
-        and message.method == "notifications/cancelled"
-        and isinstance(message.params, dict)
-        and "requestId" in message.params
-    )
-
-
 def rpc_error(request_id: Any, code: int, message: str) -> Any:
     """A JSON-RPC error answer, as the transport sends it."""
-    import mcp_types as types
     from mcp.shared.message import SessionMessage
 
+    types = sdk_types()
     error = types.ErrorData(code=code, message=message)
     return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
 
@@ -6755,9 +6732,7 @@ class AnsweredReads(StreamWrapper):
         return getattr(self.inner, "last_context", None)
 
     async def receive(self) -> Any:
-        import mcp_types as types
-        from mcp.shared.message import SessionMessage
-
+        types = sdk_types()
         try:
             item = await self.inner.receive()
         except anyio.EndOfStream:
@@ -6766,16 +6741,20 @@ class AnsweredReads(StreamWrapper):
             while self.writes.pending:
                 await self.writes.changed()
             raise
-        if isinstance(item, SessionMessage) and isinstance(item.message, types.JSONRPCRequest):
-            self.writes.pending.add(item.message.id)
-        elif isinstance(item, SessionMessage) and is_cancellation(item.message):
+        message = None if isinstance(item, Exception) else item.message  # a SessionMessage's
+        params = getattr(message, "params", None)
+        cancels = getattr(message, "method", None) == "notifications/cancelled"
+        if isinstance(message, types.JSONRPCRequest):
+            self.writes.pending.add(message.id)
+        elif cancels and isinstance(params, dict) and "requestId" in params:
             # A cancelled request gets no answer (the SDK sends none): stop waiting for one.
-            self.writes.pending.discard(item.message.params["requestId"])
+            self.writes.pending.discard(params["requestId"])
             self.writes.wake()
         elif isinstance(item, Exception):
-            why = f"this message could not be read ({item_error(item)}); send one JSON-RPC message "
-            why += "per line, as UTF-8 JSON without lone surrogates"
-            await self.write.send(rpc_error(unparsed_id(item), types.PARSE_ERROR, why))
+            request_id, error = unparsed(item)
+            why = f"this message could not be read ({error}); send one JSON-RPC message per line, "
+            why += "as UTF-8 JSON without lone surrogates"
+            await self.write.send(rpc_error(request_id, types.PARSE_ERROR, why))
         return item
 
     def __aiter__(self) -> AnsweredReads:
@@ -6800,8 +6779,7 @@ class AnsweredWrites(StreamWrapper):
         await self._changed.wait()
         self._changed = anyio.Event()
 
-    def wake(self) -> None:
-        """Tell whoever waits in changed() that the pending set changed."""
+    def wake(self) -> None:  # for whoever waits in changed()
         self._changed.set()
 
     async def send(self, item: Any) -> None:
@@ -6819,22 +6797,17 @@ class AnsweredWrites(StreamWrapper):
             await anyio.sleep(0.2)  # the transport's writer flushes the last one
 
 
-def unparsed_id(err: Exception) -> Any:
-    """The id of a request the SDK could not parse, read leniently, else None."""
-    for detail in getattr(err, "errors", lambda: [])():
-        if isinstance(detail.get("input"), str):
-            try:
-                request = json.loads(detail["input"])
-            except ValueError:
-                return None
-            found = request.get("id") if isinstance(request, dict) else None
-            return found if isinstance(found, (str, int)) and not isinstance(found, bool) else None
-    return None
-
-
-def item_error(err: Exception) -> str:
+def unparsed(err: Exception) -> tuple[Any, str]:
+    """What the SDK could not parse: the request's id read leniently (else None), and why."""
     details = getattr(err, "errors", lambda: [])()
-    return details[0].get("msg", type(err).__name__) if details else type(err).__name__
+    why = details[0].get("msg", type(err).__name__) if details else type(err).__name__
+    raw = next((detail["input"] for detail in details if isinstance(detail.get("input"), str)), "")
+    try:
+        request = json.loads(raw) if raw else None
+    except ValueError:
+        request = None
+    found = request.get("id") if isinstance(request, dict) else None
+    return (found if isinstance(found, (str, int)) and not isinstance(found, bool) else None), why
 
 
 # ---------------------------------------------------------------------------
