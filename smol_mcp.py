@@ -5802,9 +5802,7 @@ def can_elicit(ctx) -> bool:
 
 def modern(ctx) -> bool:
     """Whether the request speaks the 2026 era (questions travel in the result)."""
-    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-
-    return ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+    return ctx.protocol_version in sdk_types().version.MODERN_PROTOCOL_VERSIONS
 
 
 def form_question(message: str, schema: dict):
@@ -5819,18 +5817,14 @@ def elicit_result(answer: Any):
     return result.model_validate(answer) if isinstance(answer, dict) else answer
 
 
-TARGETS_NEED_TOKEN = (
-    "SMOL_MCP_TARGETS={targets} needs the cloud account key: set "
-    "SMOL_CLOUD_TOKEN (or cloudToken in the config file)"
-)
-
-
 def resolve_mode(config: Config) -> str:
     """The fleets served, decided at startup: auto is both with a cloud token, else local."""
     if config.targets == "auto":
         return "both" if config.cloud_token else "local"
     if config.targets in ("cloud", "both") and not config.cloud_token:
-        raise ConfigError(TARGETS_NEED_TOKEN.format(targets=config.targets))
+        why = f"SMOL_MCP_TARGETS={config.targets} needs the cloud account key: set SMOL_CLOUD_TOKEN"
+        raise ConfigError(why + " (or cloudToken in the config file)")
+
     return config.targets
 
 
@@ -6289,10 +6283,11 @@ class SmolMcp:
     def activity_document(self, principal: Principal) -> dict:
         """smol://activity for ``principal`` (activity.read; a sandbox.* one sees its own)."""
         if "activity.read" not in principal.scopes:
-            raise_resource_error(
-                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
-                f"{principal.label()} does not have. Ask the operator for a token with that scope."
+            who = principal.label()
+            why = (
+                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which {who} does not"
             )
+            raise_resource_error(why + " have. Ask the operator for a token with that scope.")
         own_only = sees_own_activity_only(principal)
         own = activity_filter(principal.name) if own_only else bool
         entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
@@ -6306,10 +6301,8 @@ class SmolMcp:
             raise_resource_error(f"{uri} is not a log resource of this server; the form is {form}")
         name = urllib.parse.unquote(match["name"])
         if not NAME_RE.fullmatch(name):  # held to the tool's rule: "..", "a/b" reach no route
-            rule = PATTERN_RULES[NAME_PATTERN]
-            raise_resource_error(
-                f"{uri} names the machine {name!r}, which is no machine name: it {rule}"
-            )
+            why = f"{uri} names the machine {name!r}, which is no machine name: it "
+            raise_resource_error(why + PATTERN_RULES[NAME_PATTERN])
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
         except ScopeMissing as err:
@@ -6320,8 +6313,7 @@ class SmolMcp:
         """2026 era: notifications travel on this stream; its log pollers live as long."""
         from mcp.server.subscriptions import ResourceUpdated
 
-        session = self.session_for(ctx)
-        bus, handler = session.events()
+        bus, handler = self.session_for(ctx).events()
         principal = self.principal_for(ctx)
         uris = list(dict.fromkeys(params.notifications.resource_subscriptions or []))
         self.check_share(principal, len(uris), len(uris))
@@ -6337,14 +6329,15 @@ class SmolMcp:
 
     def check_share(self, principal: Principal, in_session: int, adding: int) -> None:
         """Refuse log subscriptions past a session's or a token's share (SPEC 13)."""
-        if in_session > SUBSCRIPTIONS_PER_SESSION or (
-            self.polling.get(principal.id, 0) + adding > SUBSCRIPTIONS_PER_TOKEN
-        ):
-            raise_resource_error(
-                f"{principal.label()} may follow {SUBSCRIPTIONS_PER_SESSION} logs per session "
-                f"and {SUBSCRIPTIONS_PER_TOKEN} in all; unsubscribe from one (or end a listen "
-                "stream) first"
+        in_all = self.polling.get(principal.id, 0) + adding
+        if in_session > SUBSCRIPTIONS_PER_SESSION or in_all > SUBSCRIPTIONS_PER_TOKEN:
+            why = (
+                f"{principal.label()} may follow {SUBSCRIPTIONS_PER_SESSION} logs per session and "
             )
+            why += (
+                f"{SUBSCRIPTIONS_PER_TOKEN} in all; unsubscribe from one (or end a listen stream)"
+            )
+            raise_resource_error(why + " first")
 
     async def end_session(self, session: Session) -> None:
         """Delete the session's ephemeral machines and let go of the fleets, in bounded
@@ -6525,11 +6518,10 @@ class Approvals:
     @staticmethod
     def question(event: dict):
         on = f" on {event['machine']}" if event.get("machine") else ""
-        message = (
-            f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to let it "
-            "run once; decline to refuse it. `approvals list` on the server's host shows its "
-            "arguments."
-        )
+        message = f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
+        message += "let it run once; decline to refuse it. `approvals list` on the server's host "
+        message += "shows its arguments."
+
         note = dict(type="string", title="Note", description="Optional; kept in the activity log")
         return form_question(message, {"type": "object", "properties": {"note": note}})
 
