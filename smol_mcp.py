@@ -5924,19 +5924,8 @@ class SmolMcp:
         self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
         self.approvals = Approvals(self)
         self.interrupt_approvals = self.approvals.interrupt
-        self.server = self._build_server()
-
-    def thread_limiter(self):
-        """Threads for blocking API calls: enough that long commands never queue short ones."""
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(128)
-        return self._limiter
-
-    # -- handlers ----------------------------------------------------------
-
-    def _build_server(self):
-        """The SDK's low-level Server, with this object's bound methods as handlers."""
-        return dual_era_server_class()(
+        # The SDK's low-level Server, with this object's bound methods as handlers.
+        self.server = dual_era_server_class()(
             "smol-mcp",
             version=__version__,
             title="smol machines",
@@ -5951,6 +5940,14 @@ class SmolMcp:
             on_unsubscribe_resource=self.on_unsubscribe,
             on_subscriptions_listen=self.listen,
         )
+
+    def thread_limiter(self):
+        """Threads for blocking API calls: enough that long commands never queue short ones."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(128)
+        return self._limiter
+
+    # -- handlers ----------------------------------------------------------
 
     @asynccontextmanager
     async def lifespan(self, server: Any):
@@ -6028,8 +6025,7 @@ class SmolMcp:
         2026-era HTTP client has the list built before every call)."""
         key = (with_target, (principal or self.access.stdio).tools())
         if key not in self._tool_lists:
-            tools = [self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in key[1]]
-            self._tool_lists[key] = tools
+            self._tool_lists[key] = [self.mcp_tool(TOOLS_BY_NAME[n], with_target) for n in key[1]]
         return self._tool_lists[key]
 
     def principal_for(self, ctx) -> Principal:
@@ -6122,9 +6118,7 @@ class SmolMcp:
             raise AskClient(state, {key: question})
         return elicit_result(answer)
 
-    async def confirm(
-        self, ctx, params, session: Session, message: str, binding: str, schema: dict
-    ) -> bool | None:
+    async def confirm(self, ctx, params, session: Session, message: str, binding: str, schema):
         """Ask the person to allow a change: None when the client cannot ask, else whether
         they accepted with allow: true. The 2026-era state is sealed to the session and
         ``binding`` and carries a nonce: it answers once, within CONFIRM_TTL_SECS."""
@@ -6372,7 +6366,7 @@ class Approvals:
         self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
         self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
         self.stdin_closed = False  # stdio: the client went away; its waiting calls end
-        self._webhooks: Any = None  # the one bounded pool approval notices are posted from
+        self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")  # threads on use
         self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
 
     def apply(self) -> bool:
@@ -6447,9 +6441,8 @@ class Approvals:
             approval_id = self.file_request(call, entry, event, timeout)
             if in_result:  # the request stays filed: the terminal may answer meanwhile
                 self.asked.add(approval_id)
-                raise AskClient(
-                    f"smol-mcp:approval:{approval_id}", {"approval": self.question(event)}
-                )
+                question = {"approval": self.question(event)}
+                raise AskClient(f"smol-mcp:approval:{approval_id}", question)
 
         async def ask() -> None:  # handshake era: the question travels during this call
             answer = await self.app.elicit(call.ctx, self.question(event), timeout)
@@ -6535,18 +6528,15 @@ class Approvals:
         howto = f"on the server's host run `{command}` (or `approvals deny {approval_id}`){review}"
         on = f" on {event['machine']}" if event.get("machine") else ""
         waited = f"while {tool} waited for approval; nothing ran."
-        live_ids = app.access.live_ids
+        live_ids, request_id = app.access.live_ids, getattr(call.ctx, "request_id", None)
         next_progress = 0.0
         try:
             while True:
                 answer = app.access.desk.answer(approval_id) or self.client_decision(answers)
                 if answer is not None:
                     break
-                if (
-                    call.session.ended
-                    or (principal.kind == "stdio" and self.stdin_closed)
-                    or getattr(call.ctx, "request_id", None) in call.session.gone_requests
-                ):
+                gone = call.session.ended or request_id in call.session.gone_requests
+                if gone or (principal.kind == "stdio" and self.stdin_closed):
                     raise self.refuse(event, "cancelled", f"the client went away {waited}")
                 if app.stopping:
                     back = " Call it again once the server is back."
@@ -6611,8 +6601,6 @@ class Approvals:
 
         if not self._webhook_slots.acquire(blocking=False):
             return failed("too many notices queued")
-        if self._webhooks is None:
-            self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")
         self._webhooks.submit(send)
 
 
