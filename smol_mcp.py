@@ -6039,14 +6039,9 @@ class SmolMcp:
         hints = dict(read_only_hint=tool.read_only, destructive_hint=tool.destructive)
         hints.update(idempotent_hint=tool.idempotent, open_world_hint=tool.open_world)
         annotations = types.ToolAnnotations(title=tool.title, **hints)
-        return types.Tool(
-            name=tool.name,
-            title=tool.title,
-            description=tool.description,
-            input_schema=schema,
-            output_schema=tool.output_schema,
-            annotations=annotations,
-        )
+        about = dict(name=tool.name, title=tool.title, description=tool.description)
+        schemas = dict(input_schema=schema, output_schema=tool.output_schema)
+        return types.Tool(**about, **schemas, annotations=annotations)
 
     def session_for(self, ctx) -> Session:
         """A request's session: the lifespan's on stdio and in memory, else HttpSessions'."""
@@ -6064,9 +6059,8 @@ class SmolMcp:
         """The fleet a call goes to, taking `target` out of the arguments."""
         if self.mode != "both":
             return next(iter(self.fleets.values()))
-        if session.target is not None and not (
-            params is not None and params is session.chose_during and "target" in arguments
-        ):
+        asked_here = params is not None and params is session.chose_during
+        if session.target is not None and not (asked_here and "target" in arguments):
             given = arguments.pop("target", session.target)
             if given != session.target:
                 raise ArgumentError(SESSION_CHOSE_FLEET.format(chosen=session.target, given=given))
