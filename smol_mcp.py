@@ -5764,18 +5764,6 @@ ARG_TARGET = {
 }
 
 
-SESSION_CHOSE_FLEET = (
-    'this session chose the {chosen} fleet at its first call, so target "{given}" is not '
-    "available in it; use a new session (over HTTP with the 2026-07-28 protocol, the session is "
-    "the token) for the other fleet"
-)
-TARGET_NEEDED = (
-    '{tool} needs "target": "local" or "cloud". This server serves both fleets and there is no '
-    "default, because a machine on one fleet is invisible on the other and the two bill "
-    "differently."
-)
-
-
 def sdk_types():
     """The SDK's mcp_types, imported at first use: stdio startup loads no SDK."""
     import mcp_types
@@ -6063,10 +6051,15 @@ class SmolMcp:
         if session.target is not None and not (asked_here and "target" in arguments):
             given = arguments.pop("target", session.target)
             if given != session.target:
-                raise ArgumentError(SESSION_CHOSE_FLEET.format(chosen=session.target, given=given))
+                why = f"this session chose the {session.target} fleet at its first call, so target "
+                why += f'"{given}" is not available in it; use a new session (over HTTP with the '
+                why += "2026-07-28 protocol, the session is the token) for the other fleet"
+                raise ArgumentError(why)
             return self.fleets[session.target]
         if "target" not in arguments:
-            raise ArgumentError(TARGET_NEEDED.format(tool=name))
+            why = f'{name} needs "target": "local" or "cloud". This server serves both fleets and '
+            why += "there is no default, because a machine on one fleet is invisible on the other "
+            raise ArgumentError(why + "and the two bill differently.")
         target = arguments.pop("target")
         validate_arguments(name, _object({"target": ARG_TARGET}), {"target": target})
         return self.fleets[target]
