@@ -6310,15 +6310,10 @@ class SmolMcp:
 
     def check_share(self, principal: Principal, in_session: int, adding: int) -> None:
         """Refuse log subscriptions past a session's or a token's share (SPEC 13)."""
-        in_all = self.polling.get(principal.id, 0) + adding
-        if in_session > SUBSCRIPTIONS_PER_SESSION or in_all > SUBSCRIPTIONS_PER_TOKEN:
-            why = (
-                f"{principal.label()} may follow {SUBSCRIPTIONS_PER_SESSION} logs per session and "
-            )
-            why += (
-                f"{SUBSCRIPTIONS_PER_TOKEN} in all; unsubscribe from one (or end a listen stream)"
-            )
-            raise_resource_error(why + " first")
+        each, total = SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN
+        if in_session > each or self.polling.get(principal.id, 0) + adding > total:
+            why = f"{principal.label()} may follow {each} logs per session and {total} in all"
+            raise_resource_error(why + "; unsubscribe from one (or end a listen stream) first")
 
     async def end_session(self, session: Session) -> None:
         """Delete the session's ephemeral machines and let go of the fleets, in bounded
