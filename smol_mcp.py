@@ -5999,13 +5999,9 @@ class SmolMcp:
         return types.ListResourcesResult(resources=resources)
 
     async def on_list_resource_templates(self, ctx, params):
-        template = sdk_types().ResourceTemplate(
-            uri_template=LOGS_URI_TEMPLATE,
-            name="machine-logs",
-            title="A machine's console log",
-            mime_type="text/plain",
-            description="The latest lines of a machine's guest console.",
-        )
+        fields = dict(name="machine-logs", title="A machine's console log", mime_type="text/plain")
+        fields["description"] = "The latest lines of a machine's guest console."
+        template = sdk_types().ResourceTemplate(uri_template=LOGS_URI_TEMPLATE, **fields)
         return sdk_types().ListResourceTemplatesResult(resource_templates=[template])
 
     def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
@@ -6558,12 +6554,11 @@ class Approvals:
         answer = answers.get("client")
         if answer is None or answer.action not in ("accept", "decline"):
             return None
-        note = str((answer.content or {}).get("note") or "") if answer.action == "accept" else ""
-        return {
-            "decision": "approve" if answer.action == "accept" else "deny",
-            "by": "the person at the client (approvalVia client)",
-            "reason": note or ("declined at the client" if answer.action == "decline" else ""),
-        }
+        by = "the person at the client (approvalVia client)"
+        if answer.action == "decline":
+            return {"decision": "deny", "by": by, "reason": "declined at the client"}
+        note = str((answer.content or {}).get("note") or "")
+        return {"decision": "approve", "by": by, "reason": note}
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
         """POST the notice from one small pool with a bounded queue, so a slow webhook holds
