@@ -5817,8 +5817,7 @@ def resolve_mode(config: Config) -> str:
 
 
 def configured_schema(tool: ToolSpec, config: Config) -> dict:
-    """A tool's input schema with the configured ceiling in place of the built-in
-    one (section 6), so a model never reads a maximum the server would refuse."""
+    """A tool's input schema with the configured timeoutSecs ceiling: none the server refuses."""
     schema = tool.input_schema
     if schema["properties"].get("timeoutSecs") is not ARG_TIMEOUT:
         return schema
@@ -5827,8 +5826,7 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
 
 
 def tool_schema(tool: ToolSpec, with_target: bool, config: Config) -> dict:
-    """The input schema a client is shown: with a required target in both mode.
-    (Built once per list shape: SmolMcp.tool_list is the one tool-list cache.)"""
+    """The input schema a client is shown: with a required target in both mode."""
     schema = configured_schema(tool, config)
     if not with_target:
         return schema
@@ -5900,8 +5898,7 @@ class SmolMcp:
             name: self.local if FLEETS[name] is LocalFleet else FLEETS[name](config, environ)
             for name in MODE_FLEETS[self.mode]
         }
-        self._limiter = None
-        self._swept = False
+        self._limiter, self._swept = None, False
         self._tool_lists: dict[tuple, list] = {}
         self.checkers: dict[str, Any] = {}  # tool name -> its argument validator, built once
         self.state_key = secrets_module.token_bytes(32)  # seals the state of 2026-era questions
@@ -6141,9 +6138,9 @@ class SmolMcp:
     async def call_tool(self, ctx, params):
         """Validate, dispatch, and turn every failure into a readable tool error.
         A changing tool is written to the activity log before its answer leaves."""
-        name = params.name
+        name, principal = params.name, self.principal_for(ctx)
         tool = TOOLS_BY_NAME.get(name)
-        principal = self.principal_for(ctx)
+
         entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
         started = time.monotonic()
 
@@ -6211,8 +6208,7 @@ class SmolMcp:
         return {"principal": principal.name, **({"user": principal.user} if principal.user else {})}
 
     def record(self, entry: dict) -> None:
-        """Append to the activity log. An entry that cannot be written costs a warning
-        on stderr; the call's result is never changed by it."""
+        """Append to the activity log; a failed write costs a warning, never the call's result."""
         try:
             self.access.activity.append(entry, self.config.secret_values())
         except (OSError, SmolError) as err:
@@ -6312,8 +6308,7 @@ class SmolMcp:
             raise_resource_error(why + "; unsubscribe from one (or end a listen stream) first")
 
     async def end_session(self, session: Session) -> None:
-        """Delete the session's ephemeral machines and let go of the fleets, in bounded
-        time, even while being cancelled (a signal)."""
+        """Delete the session's ephemeral machines, release the fleets: bounded, even cancelled."""
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
