@@ -5801,8 +5801,7 @@ def form_question(message: str, schema: dict):
 
 def elicit_result(answer: Any):
     """A 2026-era answer as the client sent it (a dict) read as an ElicitResult."""
-    result = sdk_types().ElicitResult
-    return result.model_validate(answer) if isinstance(answer, dict) else answer
+    return sdk_types().ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
 
 
 def resolve_mode(config: Config) -> str:
@@ -6128,9 +6127,7 @@ class SmolMcp:
         metadata = ServerMessageMetadata(related_request_id=related)
         try:
             answer_type = sdk_types().ElicitResult
-            return await ctx.session.send_request(
-                question, answer_type, request_read_timeout_seconds=timeout, metadata=metadata
-            )
+            return await ctx.session.send_request(question, answer_type, timeout, metadata)
         except Exception as err:  # timed out, or no way back to the client
             log.info("a question to the person got no answer (%s)", err)
             return None
@@ -6690,8 +6687,7 @@ class AnsweredReads(StreamWrapper):
         except anyio.EndOfStream:
             if self.app is not None:  # the client is gone: its waiting calls end, then so do we
                 self.app.approvals.client_gone()
-            while self.writes.pending:
-                await self.writes.changed()
+            await self.writes.drained()
             raise
         message = None if isinstance(item, Exception) else item.message  # a SessionMessage's
         params = getattr(message, "params", None)
@@ -6699,9 +6695,7 @@ class AnsweredReads(StreamWrapper):
         if isinstance(message, types.JSONRPCRequest):
             self.writes.pending.add(message.id)
         elif cancels and isinstance(params, dict) and "requestId" in params:
-            # A cancelled request gets no answer (the SDK sends none): stop waiting for one.
-            self.writes.pending.discard(params["requestId"])
-            self.writes.wake()
+            self.writes.answered(params["requestId"])  # the SDK sends a cancelled one no answer
         elif isinstance(item, Exception):
             request_id, error = unparsed(item)
             why = f"this message could not be read ({error}); send one JSON-RPC message per line, "
@@ -6727,19 +6721,21 @@ class AnsweredWrites(StreamWrapper):
         self.pending: set = set()
         self._changed = anyio.Event()
 
-    async def changed(self) -> None:
-        await self._changed.wait()
-        self._changed = anyio.Event()
+    async def drained(self) -> None:
+        """Return once every request read has been answered (or cancelled)."""
+        while self.pending:
+            await self._changed.wait()
+            self._changed = anyio.Event()
 
-    def wake(self) -> None:  # for whoever waits in changed()
+    def answered(self, request_id: Any) -> None:
+        self.pending.discard(request_id)
         self._changed.set()
 
     async def send(self, item: Any) -> None:
         await self.inner.send(item)
         answer_id = getattr(getattr(item, "message", None), "id", None)
         if answer_id in self.pending and not hasattr(item.message, "method"):
-            self.pending.discard(answer_id)
-            self._changed.set()
+            self.answered(answer_id)
 
     async def refuse_pending(self) -> None:
         """Answer every request still in flight with the shutdown error."""
