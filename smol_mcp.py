@@ -6403,8 +6403,7 @@ class Approvals:
         if request is not None:  # the 2026-era retry that carries the client's answer
             approval_id = event["id"] = request["id"]
             self.asked.discard(approval_id)
-            if (answer := (params.input_responses or {}).get("approval")) is not None:
-                answers["client"] = elicit_result(answer)
+            answers["client"] = elicit_result((params.input_responses or {}).get("approval"))
             timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
         else:
             timeout = self.app.config.approval_timeout_secs
@@ -6415,9 +6414,7 @@ class Approvals:
                 raise AskClient(f"smol-mcp:approval:{approval_id}", question)
 
         async def ask() -> None:  # handshake era: the question travels during this call
-            answer = await self.app.elicit(call.ctx, self.question(event), timeout)
-            if answer is not None:
-                answers["client"] = answer
+            answers["client"] = await self.app.elicit(call.ctx, self.question(event), timeout)
 
         self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
         call.session.held += 1
