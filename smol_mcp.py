@@ -6065,11 +6065,9 @@ class SmolMcp:
         async with session.question_lock():  # calls racing in at the start get one question
             if session.asked_fleet:
                 return None
-            if not can_elicit(ctx):
-                session.asked_fleet = True  # a client that cannot answer keeps the argument
-                return None
             question = ("fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA)
-            answer = await self.ask(ctx, params, *question)
+            # A client that cannot answer is not asked: it keeps the argument.
+            answer = await self.ask(ctx, params, *question) if can_elicit(ctx) else None
             session.asked_fleet = True
             accepted = answer is not None and answer.action == "accept"
             choice = (answer.content or {}).get("fleet") if accepted else None
