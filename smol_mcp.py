@@ -5811,7 +5811,6 @@ def resolve_mode(config: Config) -> str:
     if config.targets in ("cloud", "both") and not config.cloud_token:
         why = f"SMOL_MCP_TARGETS={config.targets} needs the cloud account key: set SMOL_CLOUD_TOKEN"
         raise ConfigError(why + " (or cloudToken in the config file)")
-
     return config.targets
 
 
@@ -6135,7 +6134,6 @@ class SmolMcp:
         A changing tool is written to the activity log before its answer leaves."""
         name, principal = params.name, self.principal_for(ctx)
         tool = TOOLS_BY_NAME.get(name)
-
         entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
         started = time.monotonic()
 
@@ -6458,8 +6456,7 @@ class Approvals:
         return approval_id
 
     def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
-        """The open request a 2026-era retry names in its state, if this process filed it
-        for the same principal, tool and arguments."""
+        """The open request a 2026-era retry names, if this process filed it for the same call."""
         state = getattr(params, "request_state", None) or ""
         if not state.startswith("smol-mcp:approval:"):
             return None
@@ -6479,7 +6476,6 @@ class Approvals:
         message = f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
         message += "let it run once; decline to refuse it. `approvals list` on the server's host "
         message += "shows its arguments."
-
         note = dict(type="string", title="Note", description="Optional; kept in the activity log")
         return form_question(message, {"type": "object", "properties": {"note": note}})
 
@@ -6594,7 +6590,6 @@ def raise_resource_error(message: str):
 
 def build_server(config: Config | None = None):
     """The MCP server for ``config`` (default: ``load_config()``), ready on any transport."""
-
     return SmolMcp(config or load_config()).server
 
 
@@ -6607,7 +6602,7 @@ def build_server(config: Config | None = None):
 # ---------------------------------------------------------------------------
 
 
-async def run_stdio(server, app: SmolMcp | None = None) -> None:
+async def run_stdio(server, app: SmolMcp) -> None:
     from mcp.server.stdio import stdio_server
 
     signalled, answers = False, None
@@ -6618,8 +6613,7 @@ async def run_stdio(server, app: SmolMcp | None = None) -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
                 async for _ in received:
                     signalled = True
-                    if app is not None:
-                        await app.approvals.interrupt()
+                    await app.approvals.interrupt()
                     if answers is not None:
                         await answers.refuse_pending()  # every call in flight hears why it stopped
                     group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
@@ -6667,7 +6661,7 @@ class AnsweredReads(StreamWrapper):
     """The stdio read stream, kept open at stdin's end until every request read has been
     answered (the SDK would drop them at EOF); a line it cannot parse gets a parse error."""
 
-    def __init__(self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp | None):
+    def __init__(self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp):
         super().__init__(inner)
         self.write, self.writes, self.app = write, writes, app  # write: the stream unwrapped
 
@@ -6680,8 +6674,7 @@ class AnsweredReads(StreamWrapper):
         try:
             item = await self.inner.receive()
         except anyio.EndOfStream:
-            if self.app is not None:  # the client is gone: its waiting calls end, then so do we
-                self.app.approvals.client_gone()
+            self.app.approvals.client_gone()  # the client is gone: its waiting calls end, then we
             await self.writes.drained()
             raise
         message = None if isinstance(item, Exception) else item.message  # a SessionMessage's
