@@ -5772,8 +5772,7 @@ def sdk_types():
 
 
 class AskClient(Exception):
-    """A 2026-era question for the person (an InputRequiredResult): the tool call answers
-    with it and is called again with the answer."""
+    """A 2026-era question for the person (InputRequiredResult): the call answers with it."""
 
     def __init__(self, state: str, requests: dict):
         super().__init__("input required")
@@ -5958,17 +5957,16 @@ class SmolMcp:
         uri, principal = str(params.uri), self.principal_for(ctx)
         fleet, name = self.log_resource(uri, principal)
         session = self.session_for(ctx)
-        if uri in session.subscriptions:
-            return sdk_types().EmptyResult()
-        self.check_share(principal, len(session.subscriptions) + 1, 1)
-        scope = session.subscriptions[uri] = anyio.CancelScope()
-        notify = ctx.session.send_resource_updated  # the captured session outlives this request
+        if uri not in session.subscriptions:
+            self.check_share(principal, len(session.subscriptions) + 1, 1)
+            scope = session.subscriptions[uri] = anyio.CancelScope()
+            notify = ctx.session.send_resource_updated  # the captured session outlives this call
 
-        async def poll() -> None:
-            with scope:
-                await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
+            async def poll() -> None:
+                with scope:
+                    await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
 
-        session.tasks.start_soon(poll)
+            session.tasks.start_soon(poll)
         return sdk_types().EmptyResult()
 
     async def on_unsubscribe(self, ctx, params):
