@@ -5755,13 +5755,12 @@ FLEET_QUESTION = (
 FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
 FLEET_CHOICE["description"] = "local, cloud, or both (decide per call)"
 FLEET_QUESTION_SCHEMA = dict(type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE})
-ARG_TARGET = {
-    "type": "string",
-    "enum": list(FLEETS),
-    "description": 'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or "cloud" '
-    "(the smol cloud account, billed while machines exist). Required: a machine on one fleet is "
-    "invisible on the other, so there is no default.",
-}
+ARG_TARGET = dict(type="string", enum=list(FLEETS))
+ARG_TARGET["description"] = (
+    'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or "cloud" (the smol '
+    "cloud account, billed while machines exist). Required: a machine on one fleet is invisible "
+    "on the other, so there is no default."
+)
 
 
 def sdk_types():
@@ -5889,8 +5888,7 @@ class SmolMcp:
         self.config = config
         self.mode = resolve_mode(config)
         self.access = Access(config, environ)
-        # Always built (it is inert) so smol://targets can describe it.
-        self.local = LocalFleet(config, environ)
+        self.local = LocalFleet(config, environ)  # always built (inert) for smol://targets
         self.fleets: dict[str, Fleet] = {
             name: self.local if FLEETS[name] is LocalFleet else FLEETS[name](config, environ)
             for name in MODE_FLEETS[self.mode]
@@ -6352,12 +6350,11 @@ class Approvals:
     async def interrupt(self) -> None:
         """At a stop signal: waiting calls answer approval_interrupted before anything ends."""
         self.app.stopping = True
-        if not any(self.held_by.values()):
-            return
-        with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
-            while any(self.held_by.values()):
-                await anyio.sleep(0.05)
-        await anyio.sleep(0.2)  # their answers on their way out
+        if any(self.held_by.values()):
+            with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
+                while any(self.held_by.values()):
+                    await anyio.sleep(0.05)
+            await anyio.sleep(0.2)  # their answers on their way out
 
     def refuse(self, event: dict, outcome: str, detail: str, **extra: Any) -> ApprovalRefused:
         """Log the outcome; the refusal's code is approval_<outcome>."""
