@@ -6628,19 +6628,14 @@ async def run_stdio(server, app: SmolMcp) -> None:
 
 
 class StreamWrapper:
-    """A stream of the SDK's transport with something added; closing closes it."""
+    """A stream of the SDK's transport with something added; closing closes it. (anyio's
+    stream classes, mixed in below, give `async with` and `async for`.)"""
 
     def __init__(self, inner: Any):
         self.inner = inner
 
     async def aclose(self) -> None:
         await self.inner.aclose()
-
-    async def __aenter__(self) -> Any:
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.aclose()
 
 
 def rpc_error(request_id: Any, code: int, message: str) -> Any:
@@ -6652,7 +6647,7 @@ def rpc_error(request_id: Any, code: int, message: str) -> Any:
     return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
 
 
-class AnsweredReads(StreamWrapper):
+class AnsweredReads(StreamWrapper, anyio.abc.ObjectReceiveStream):
     """The stdio read stream, kept open at stdin's end until every request read has been
     answered (the SDK would drop them at EOF); a line it cannot parse gets a parse error."""
 
@@ -6686,17 +6681,8 @@ class AnsweredReads(StreamWrapper):
             await self.write.send(rpc_error(request_id, types.PARSE_ERROR, why))
         return item
 
-    def __aiter__(self) -> AnsweredReads:
-        return self
 
-    async def __anext__(self) -> Any:
-        try:
-            return await self.receive()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None
-
-
-class AnsweredWrites(StreamWrapper):
+class AnsweredWrites(StreamWrapper, anyio.abc.ObjectSendStream):
     """The stdio write stream, counting off the requests it answers."""
 
     def __init__(self, inner: Any):
