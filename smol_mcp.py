@@ -67,6 +67,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -5533,53 +5534,37 @@ def post_webhook(url: str, payload: dict) -> str | None:
 
 MODE_FLEETS = {**{name: (name,) for name in FLEETS}, "both": FLEET_NAMES}
 ELICIT_TIMEOUT_SECS = 120
+JSON_TYPE = "application/json"
 FLEET_QUESTION = (
     "This smol-mcp server reaches two fleets of machines: local (smolvm on the server's host; "
     "nothing is billed) and cloud (your smol cloud account; machines are billed while they "
     "exist). Which one is this session for? Choose both to name the fleet on every call."
 )
-FLEET_QUESTION_SCHEMA = {
-    "type": "object",
-    "required": ["fleet"],
-    "properties": {
-        "fleet": {
-            "type": "string",
-            "title": "Fleet",
-            "enum": [*FLEETS, "both"],
-            "description": "local, cloud, or both (decide per call)",
-        }
-    },
-}
-ARG_TARGET = {
-    "type": "string",
-    "enum": list(FLEETS),
-    "description": 'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or "cloud" '
-    "(the smol cloud account, billed while machines exist). Required: a machine on one fleet is "
-    "invisible on the other, so there is no default.",
-}
+FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
+FLEET_CHOICE["description"] = "local, cloud, or both (decide per call)"
+FLEET_QUESTION_SCHEMA = dict(type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE})
+ARG_TARGET = dict(type="string", enum=list(FLEETS))
+ARG_TARGET["description"] = (
+    'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or "cloud" (the smol '
+    "cloud account, billed while machines exist). Required: a machine on one fleet is invisible "
+    "on the other, so there is no default."
+)
 
 
-SESSION_CHOSE_FLEET = (
-    'this session chose the {chosen} fleet at its first call, so target "{given}" is not '
-    "available in it; use a new session (over HTTP with the 2026-07-28 protocol, the session is "
-    "the token) for the other fleet"
-)
-TARGET_NEEDED = (
-    '{tool} needs "target": "local" or "cloud". This server serves both fleets and there is no '
-    "default, because a machine on one fleet is invisible on the other and the two bill "
-    "differently."
-)
+def sdk_types():
+    """The SDK's mcp_types, imported at first use: stdio startup loads no SDK."""
+    import mcp_types
+
+    return mcp_types
 
 
 class AskClient(Exception):
-    """A 2026-era question for the person (an InputRequiredResult): the tool call answers
-    with it and is called again with the answer."""
+    """A 2026-era question for the person (InputRequiredResult): the call answers with it."""
 
     def __init__(self, state: str, requests: dict):
-        import mcp_types as types
-
         super().__init__("input required")
-        self.question = types.InputRequiredResult(request_state=state, input_requests=requests)
+        question = sdk_types().InputRequiredResult
+        self.question = question(request_state=state, input_requests=requests)
 
 
 def can_elicit(ctx) -> bool:
@@ -5591,29 +5576,18 @@ def can_elicit(ctx) -> bool:
 
 def modern(ctx) -> bool:
     """Whether the request speaks the 2026 era (questions travel in the result)."""
-    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
-
-    return ctx.protocol_version in MODERN_PROTOCOL_VERSIONS
+    return ctx.protocol_version in sdk_types().version.MODERN_PROTOCOL_VERSIONS
 
 
 def form_question(message: str, schema: dict):
-    import mcp_types as types
-
+    types = sdk_types()
     params = types.ElicitRequestFormParams(message=message, requested_schema=schema)
     return types.ElicitRequest(params=params)
 
 
 def elicit_result(answer: Any):
     """A 2026-era answer as the client sent it (a dict) read as an ElicitResult."""
-    import mcp_types as types
-
-    return types.ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
-
-
-TARGETS_NEED_TOKEN = (
-    "SMOL_MCP_TARGETS={targets} needs the cloud account key: set "
-    "SMOL_CLOUD_TOKEN (or cloudToken in the config file)"
-)
+    return sdk_types().ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
 
 
 def resolve_mode(config: Config) -> str:
@@ -5621,13 +5595,13 @@ def resolve_mode(config: Config) -> str:
     if config.targets == "auto":
         return "both" if config.cloud_token else "local"
     if config.targets in ("cloud", "both") and not config.cloud_token:
-        raise ConfigError(TARGETS_NEED_TOKEN.format(targets=config.targets))
+        why = f"SMOL_MCP_TARGETS={config.targets} needs the cloud account key: set SMOL_CLOUD_TOKEN"
+        raise ConfigError(why + " (or cloudToken in the config file)")
     return config.targets
 
 
 def configured_schema(tool: ToolSpec, config: Config) -> dict:
-    """A tool's input schema with the configured ceiling in place of the built-in
-    one (section 6), so a model never reads a maximum the server would refuse."""
+    """A tool's input schema with the configured timeoutSecs ceiling: none the server refuses."""
     schema = tool.input_schema
     if schema["properties"].get("timeoutSecs") is not ARG_TIMEOUT:
         return schema
@@ -5636,8 +5610,7 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
 
 
 def tool_schema(tool: ToolSpec, with_target: bool, config: Config) -> dict:
-    """The input schema a client is shown: with a required target in both mode.
-    (Built once per list shape: SmolMcp.tool_list is the one tool-list cache.)"""
+    """The input schema a client is shown: with a required target in both mode."""
     schema = configured_schema(tool, config)
     if not with_target:
         return schema
@@ -5703,14 +5676,12 @@ class SmolMcp:
         self.config = config
         self.mode = resolve_mode(config)
         self.access = Access(config, environ)
-        # Always built (it is inert) so smol://targets can describe it.
-        self.local = LocalFleet(config, environ)
+        self.local = LocalFleet(config, environ)  # always built (inert) for smol://targets
         self.fleets: dict[str, Fleet] = {
             name: self.local if FLEETS[name] is LocalFleet else FLEETS[name](config, environ)
             for name in MODE_FLEETS[self.mode]
         }
-        self._limiter = None
-        self._swept = False
+        self._limiter, self._swept = None, False
         self._tool_lists: dict[tuple, list] = {}
         self.checkers: dict[str, Any] = {}  # tool name -> its argument validator, built once
         self.state_key = secrets_module.token_bytes(32)  # seals the state of 2026-era questions
@@ -5721,19 +5692,8 @@ class SmolMcp:
         self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
         self.approvals = Approvals(self)
         self.interrupt_approvals = self.approvals.interrupt
-        self.server = self._build_server()
-
-    def thread_limiter(self):
-        """Threads for blocking API calls: enough that long commands never queue short ones."""
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(128)
-        return self._limiter
-
-    # -- handlers ----------------------------------------------------------
-
-    def _build_server(self):
-        """The SDK's low-level Server, with this object's bound methods as handlers."""
-        return dual_era_server_class()(
+        # The SDK's low-level Server, with this object's bound methods as handlers.
+        self.server = dual_era_server_class()(
             "smol-mcp",
             version=__version__,
             title="smol machines",
@@ -5748,6 +5708,14 @@ class SmolMcp:
             on_unsubscribe_resource=self.on_unsubscribe,
             on_subscriptions_listen=self.listen,
         )
+
+    def thread_limiter(self):
+        """Threads for blocking API calls: enough that long commands never queue short ones."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(128)
+        return self._limiter
+
+    # -- handlers ----------------------------------------------------------
 
     @asynccontextmanager
     async def lifespan(self, server: Any):
@@ -5766,84 +5734,61 @@ class SmolMcp:
                 await self.end_session(session)
 
     async def on_list_tools(self, ctx, params):
-        import mcp_types as types
-
         with_target = self.mode == "both" and self.session_for(ctx).target is None
-        return types.ListToolsResult(tools=self.tool_list(with_target, self.principal_for(ctx)))
+        tools = self.tool_list(with_target, self.principal_for(ctx))
+        return sdk_types().ListToolsResult(tools=tools)
 
     async def on_subscribe(self, ctx, params):
         """Handshake era: follow a log until unsubscribe or the end of the session."""
-        import mcp_types as types
-
         uri, principal = str(params.uri), self.principal_for(ctx)
         fleet, name = self.log_resource(uri, principal)
         session = self.session_for(ctx)
-        if uri in session.subscriptions:
-            return types.EmptyResult()
-        self.check_share(principal, len(session.subscriptions) + 1, 1)
-        scope = session.subscriptions[uri] = anyio.CancelScope()
-        notify = ctx.session.send_resource_updated  # the captured session outlives this request
+        if uri not in session.subscriptions:
+            self.check_share(principal, len(session.subscriptions) + 1, 1)
+            scope = session.subscriptions[uri] = anyio.CancelScope()
+            notify = ctx.session.send_resource_updated  # the captured session outlives this call
 
-        async def poll() -> None:
-            with scope:
-                await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
+            async def poll() -> None:
+                with scope:
+                    await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
 
-        session.tasks.start_soon(poll)
-        return types.EmptyResult()
+            session.tasks.start_soon(poll)
+        return sdk_types().EmptyResult()
 
     async def on_unsubscribe(self, ctx, params):
-        import mcp_types as types
-
         scope = self.session_for(ctx).subscriptions.pop(str(params.uri), None)
         if scope is not None:
             scope.cancel()
-        return types.EmptyResult()
+        return sdk_types().EmptyResult()
 
     async def on_list_resources(self, ctx, params):
-        import mcp_types as types
-
-        resources = [
-            types.Resource(
-                uri=TARGETS_URI,
-                name="targets",
-                title="Fleets served and whether they are usable",
-                mime_type="application/json",
-                description="The mode, each fleet this process serves, and whether it is usable "
-                "on this host now.",
-            )
-        ]
+        types = sdk_types()
+        about = (
+            "The mode, each fleet this process serves, and whether it is usable on this host now."
+        )
+        shown = [(TARGETS_URI, "targets", "Fleets served and whether they are usable", about)]
         if "activity.read" in self.principal_for(ctx).scopes:
-            resources.append(
-                types.Resource(
-                    uri=ACTIVITY_URI,
-                    name="activity",
-                    title="What agents changed",
-                    mime_type="application/json",
-                    description=f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity "
-                    "log: changing calls, approvals, cleanups (a sandbox token sees its own).",
-                )
-            )
+            about = f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity log: changing "
+            about += "calls, approvals, cleanups (a sandbox token sees its own)."
+            shown.append((ACTIVITY_URI, "activity", "What agents changed", about))
+        resources = [
+            types.Resource(uri=uri, name=name, title=title, mime_type=JSON_TYPE, description=text)
+            for uri, name, title, text in shown
+        ]
         return types.ListResourcesResult(resources=resources)
 
     async def on_list_resource_templates(self, ctx, params):
-        import mcp_types as types
-
-        template = types.ResourceTemplate(
-            uri_template=LOGS_URI_TEMPLATE,
-            name="machine-logs",
-            title="A machine's console log",
-            mime_type="text/plain",
-            description="The latest lines of a machine's guest console.",
-        )
-        return types.ListResourceTemplatesResult(resource_templates=[template])
+        fields = dict(name="machine-logs", title="A machine's console log", mime_type="text/plain")
+        fields["description"] = "The latest lines of a machine's guest console."
+        template = sdk_types().ResourceTemplate(uri_template=LOGS_URI_TEMPLATE, **fields)
+        return sdk_types().ListResourceTemplatesResult(resource_templates=[template])
 
     def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
         """The tools its scopes grant, as the client sees them; built once per shape (a
         2026-era HTTP client has the list built before every call)."""
         key = (with_target, (principal or self.access.stdio).tools())
         if key not in self._tool_lists:
-            tools = [self.mcp_tool(TOOLS_BY_NAME[name], with_target) for name in key[1]]
-            self._tool_lists[key] = tools
+            self._tool_lists[key] = [self.mcp_tool(TOOLS_BY_NAME[n], with_target) for n in key[1]]
         return self._tool_lists[key]
 
     def principal_for(self, ctx) -> Principal:
@@ -5853,22 +5798,13 @@ class SmolMcp:
         return ctx.request.scope["state"]["smol_principal"]
 
     def mcp_tool(self, tool: ToolSpec, with_target: bool):
-        import mcp_types as types
-
-        return types.Tool(
-            name=tool.name,
-            title=tool.title,
-            description=tool.description,
-            input_schema=tool_schema(tool, with_target, self.config),
-            output_schema=tool.output_schema,
-            annotations=types.ToolAnnotations(
-                title=tool.title,
-                read_only_hint=tool.read_only,
-                destructive_hint=tool.destructive,
-                idempotent_hint=tool.idempotent,
-                open_world_hint=tool.open_world,
-            ),
-        )
+        types, schema = sdk_types(), tool_schema(tool, with_target, self.config)
+        hints = dict(read_only_hint=tool.read_only, destructive_hint=tool.destructive)
+        hints.update(idempotent_hint=tool.idempotent, open_world_hint=tool.open_world)
+        annotations = types.ToolAnnotations(title=tool.title, **hints)
+        about = dict(name=tool.name, title=tool.title, description=tool.description)
+        schemas = dict(input_schema=schema, output_schema=tool.output_schema)
+        return types.Tool(**about, **schemas, annotations=annotations)
 
     def session_for(self, ctx) -> Session:
         """A request's session: the lifespan's on stdio and in memory, else HttpSessions'."""
@@ -5886,15 +5822,19 @@ class SmolMcp:
         """The fleet a call goes to, taking `target` out of the arguments."""
         if self.mode != "both":
             return next(iter(self.fleets.values()))
-        if session.target is not None and not (
-            params is not None and params is session.chose_during and "target" in arguments
-        ):
+        asked_here = params is not None and params is session.chose_during
+        if session.target is not None and not (asked_here and "target" in arguments):
             given = arguments.pop("target", session.target)
             if given != session.target:
-                raise ArgumentError(SESSION_CHOSE_FLEET.format(chosen=session.target, given=given))
+                why = f"this session chose the {session.target} fleet at its first call, so target "
+                why += f'"{given}" is not available in it; use a new session (over HTTP with the '
+                why += "2026-07-28 protocol, the session is the token) for the other fleet"
+                raise ArgumentError(why)
             return self.fleets[session.target]
         if "target" not in arguments:
-            raise ArgumentError(TARGET_NEEDED.format(tool=name))
+            why = f'{name} needs "target": "local" or "cloud". This server serves both fleets and '
+            why += "there is no default, because a machine on one fleet is invisible on the other "
+            raise ArgumentError(why + "and the two bill differently.")
         target = arguments.pop("target")
         validate_arguments(name, _object({"target": ARG_TARGET}), {"target": target})
         return self.fleets[target]
@@ -5908,11 +5848,9 @@ class SmolMcp:
         async with session.question_lock():  # calls racing in at the start get one question
             if session.asked_fleet:
                 return None
-            if not can_elicit(ctx):
-                session.asked_fleet = True  # a client that cannot answer keeps the argument
-                return None
             question = ("fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA)
-            answer = await self.ask(ctx, params, *question)
+            # A client that cannot answer is not asked: it keeps the argument.
+            answer = await self.ask(ctx, params, *question) if can_elicit(ctx) else None
             session.asked_fleet = True
             accepted = answer is not None and answer.action == "accept"
             choice = (answer.content or {}).get("fleet") if accepted else None
@@ -5940,9 +5878,7 @@ class SmolMcp:
             raise AskClient(state, {key: question})
         return elicit_result(answer)
 
-    async def confirm(
-        self, ctx, params, session: Session, message: str, binding: str, schema: dict
-    ) -> bool | None:
+    async def confirm(self, ctx, params, session: Session, message: str, binding: str, schema):
         """Ask the person to allow a change: None when the client cannot ask, else whether
         they accepted with allow: true. The 2026-era state is sealed to the session and
         ``binding`` and carries a nonce: it answers once, within CONFIRM_TTL_SECS."""
@@ -5966,17 +5902,13 @@ class SmolMcp:
 
     async def elicit(self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS):
         """Send an elicitation; the answer, or None after ``timeout`` or a failure."""
-        import mcp_types as types
         from mcp.shared.message import ServerMessageMetadata
 
         related = ctx.request_id if ctx.session.can_send_request else None
+        metadata = ServerMessageMetadata(related_request_id=related)
         try:
-            return await ctx.session.send_request(
-                question,
-                types.ElicitResult,
-                request_read_timeout_seconds=timeout,
-                metadata=ServerMessageMetadata(related_request_id=related),
-            )
+            answer_type = sdk_types().ElicitResult
+            return await ctx.session.send_request(question, answer_type, timeout, metadata)
         except Exception as err:  # timed out, or no way back to the client
             log.info("a question to the person got no answer (%s)", err)
             return None
@@ -5984,11 +5916,8 @@ class SmolMcp:
     async def call_tool(self, ctx, params):
         """Validate, dispatch, and turn every failure into a readable tool error.
         A changing tool is written to the activity log before its answer leaves."""
-        import mcp_types as types
-
-        name = params.name
+        name, principal = params.name, self.principal_for(ctx)
         tool = TOOLS_BY_NAME.get(name)
-        principal = self.principal_for(ctx)
         entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
         started = time.monotonic()
 
@@ -6009,10 +5938,9 @@ class SmolMcp:
             fleet = self.fleet_for(session, name, arguments, params)
             shown = redact_arguments(arguments, tool.input_schema)
             entry.update(target=fleet.name, machine=arguments.get("name"), arguments=shown)
-            checker = self.checkers.get(name) or self.checkers.setdefault(
-                name, argument_validator()(configured_schema(tool, self.config))
-            )
-            validate_arguments(name, tool.input_schema, arguments, checker)
+            if name not in self.checkers:
+                self.checkers[name] = argument_validator()(configured_schema(tool, self.config))
+            validate_arguments(name, tool.input_schema, arguments, self.checkers[name])
             grant = authorize(principal, name, fleet.name, arguments.get("name"))
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
@@ -6047,8 +5975,8 @@ class SmolMcp:
             if isinstance(result.get("exitCode"), int):
                 entry["exitCode"] = result["exitCode"]
             logged("ok")
-        text = types.TextContent(type="text", text=reply_json(result))
-        return types.CallToolResult(content=[text], structured_content=result)
+        text = sdk_types().TextContent(type="text", text=reply_json(result))
+        return sdk_types().CallToolResult(content=[text], structured_content=result)
 
     # -- activity log ------------------------------------------------------
 
@@ -6057,17 +5985,14 @@ class SmolMcp:
         return {"principal": principal.name, **({"user": principal.user} if principal.user else {})}
 
     def record(self, entry: dict) -> None:
-        """Append to the activity log. An entry that cannot be written costs a warning
-        on stderr; the call's result is never changed by it."""
+        """Append to the activity log; a failed write costs a warning, never the call's result."""
         try:
             self.access.activity.append(entry, self.config.secret_values())
         except (OSError, SmolError) as err:
             reason = getattr(err, "strerror", None) or str(err)
             what = (entry.get("event"), entry.get("tool") or entry.get("approval") or "")
-            path = self.access.activity.path
-            log.warning(
-                "could not write the activity log %s (%s); entry lost: %s %s", path, reason, *what
-            )
+            lost = "could not write the activity log %s (%s); entry lost: %s %s"
+            log.warning(lost, self.access.activity.path, reason, *what)
 
     async def sweep_once(self) -> None:
         """Before this process's first local call: delete what a crashed one left behind."""
@@ -6084,15 +6009,13 @@ class SmolMcp:
     # -- resources ------------------------------------------------------------
 
     async def on_read_resource(self, ctx, params):
-        import mcp_types as types
-
         uri, principal = str(params.uri), self.principal_for(ctx)
         if uri == TARGETS_URI:
             document = await anyio.to_thread.run_sync(targets_document, self)  # probes the engines
             document["access"] = principal.describe()
-            text, mime = json.dumps(document, indent=2), "application/json"
+            text, mime = json.dumps(document, indent=2), JSON_TYPE
         elif uri == ACTIVITY_URI:
-            text, mime = json.dumps(self.activity_document(principal), indent=1), "application/json"
+            text, mime = json.dumps(self.activity_document(principal), indent=1), JSON_TYPE
         elif LOGS_URI_RE.fullmatch(uri):
             fleet, name = self.log_resource(uri, principal)
             try:
@@ -6104,16 +6027,17 @@ class SmolMcp:
         else:
             known = f"{TARGETS_URI} and {LOGS_URI_TEMPLATE}"
             raise_resource_error(f"unknown resource {uri}; the resources are {known}")
-        content = types.TextResourceContents(uri=uri, mime_type=mime, text=text)
-        return types.ReadResourceResult(contents=[content])
+        content = sdk_types().TextResourceContents(uri=uri, mime_type=mime, text=text)
+        return sdk_types().ReadResourceResult(contents=[content])
 
     def activity_document(self, principal: Principal) -> dict:
         """smol://activity for ``principal`` (activity.read; a sandbox.* one sees its own)."""
         if "activity.read" not in principal.scopes:
-            raise_resource_error(
-                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
-                f"{principal.label()} does not have. Ask the operator for a token with that scope."
+            who = principal.label()
+            why = (
+                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which {who} does not"
             )
+            raise_resource_error(why + " have. Ask the operator for a token with that scope.")
         own_only = sees_own_activity_only(principal)
         own = activity_filter(principal.name) if own_only else bool
         entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
@@ -6127,10 +6051,8 @@ class SmolMcp:
             raise_resource_error(f"{uri} is not a log resource of this server; the form is {form}")
         name = urllib.parse.unquote(match["name"])
         if not NAME_RE.fullmatch(name):  # held to the tool's rule: "..", "a/b" reach no route
-            rule = PATTERN_RULES[NAME_PATTERN]
-            raise_resource_error(
-                f"{uri} names the machine {name!r}, which is no machine name: it {rule}"
-            )
+            why = f"{uri} names the machine {name!r}, which is no machine name: it "
+            raise_resource_error(why + PATTERN_RULES[NAME_PATTERN])
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
         except ScopeMissing as err:
@@ -6141,8 +6063,7 @@ class SmolMcp:
         """2026 era: notifications travel on this stream; its log pollers live as long."""
         from mcp.server.subscriptions import ResourceUpdated
 
-        session = self.session_for(ctx)
-        bus, handler = session.events()
+        bus, handler = self.session_for(ctx).events()
         principal = self.principal_for(ctx)
         uris = list(dict.fromkeys(params.notifications.resource_subscriptions or []))
         self.check_share(principal, len(uris), len(uris))
@@ -6158,18 +6079,13 @@ class SmolMcp:
 
     def check_share(self, principal: Principal, in_session: int, adding: int) -> None:
         """Refuse log subscriptions past a session's or a token's share (SPEC 13)."""
-        if in_session > SUBSCRIPTIONS_PER_SESSION or (
-            self.polling.get(principal.id, 0) + adding > SUBSCRIPTIONS_PER_TOKEN
-        ):
-            raise_resource_error(
-                f"{principal.label()} may follow {SUBSCRIPTIONS_PER_SESSION} logs per session "
-                f"and {SUBSCRIPTIONS_PER_TOKEN} in all; unsubscribe from one (or end a listen "
-                "stream) first"
-            )
+        each, total = SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN
+        if in_session > each or self.polling.get(principal.id, 0) + adding > total:
+            why = f"{principal.label()} may follow {each} logs per session and {total} in all"
+            raise_resource_error(why + "; unsubscribe from one (or end a listen stream) first")
 
     async def end_session(self, session: Session) -> None:
-        """Delete the session's ephemeral machines and let go of the fleets, in bounded
-        time, even while being cancelled (a signal)."""
+        """Delete the session's ephemeral machines, release the fleets: bounded, even cancelled."""
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
@@ -6200,7 +6116,7 @@ class Approvals:
         self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
         self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
         self.stdin_closed = False  # stdio: the client went away; its waiting calls end
-        self._webhooks: Any = None  # the one bounded pool approval notices are posted from
+        self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")  # threads on use
         self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
 
     def apply(self) -> bool:
@@ -6222,12 +6138,11 @@ class Approvals:
     async def interrupt(self) -> None:
         """At a stop signal: waiting calls answer approval_interrupted before anything ends."""
         self.app.stopping = True
-        if not any(self.held_by.values()):
-            return
-        with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
-            while any(self.held_by.values()):
-                await anyio.sleep(0.05)
-        await anyio.sleep(0.2)  # their answers on their way out
+        if any(self.held_by.values()):
+            with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
+                while any(self.held_by.values()):
+                    await anyio.sleep(0.05)
+            await anyio.sleep(0.2)  # their answers on their way out
 
     def refuse(self, event: dict, outcome: str, detail: str, **extra: Any) -> ApprovalRefused:
         """Log the outcome; the refusal's code is approval_<outcome>."""
@@ -6267,22 +6182,18 @@ class Approvals:
         if request is not None:  # the 2026-era retry that carries the client's answer
             approval_id = event["id"] = request["id"]
             self.asked.discard(approval_id)
-            if (answer := (params.input_responses or {}).get("approval")) is not None:
-                answers["client"] = elicit_result(answer)
+            answers["client"] = elicit_result((params.input_responses or {}).get("approval"))
             timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
         else:
             timeout = self.app.config.approval_timeout_secs
             approval_id = self.file_request(call, entry, event, timeout)
             if in_result:  # the request stays filed: the terminal may answer meanwhile
                 self.asked.add(approval_id)
-                raise AskClient(
-                    f"smol-mcp:approval:{approval_id}", {"approval": self.question(event)}
-                )
+                question = {"approval": self.question(event)}
+                raise AskClient(f"smol-mcp:approval:{approval_id}", question)
 
         async def ask() -> None:  # handshake era: the question travels during this call
-            answer = await self.app.elicit(call.ctx, self.question(event), timeout)
-            if answer is not None:
-                answers["client"] = answer
+            answers["client"] = await self.app.elicit(call.ctx, self.question(event), timeout)
 
         self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
         call.session.held += 1
@@ -6306,17 +6217,11 @@ class Approvals:
     def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
         """Write the request where `approvals list` finds it, log it and tell the webhook."""
         app, principal, tool = self.app, call.principal, entry["tool"]
-        request = {
-            "token": principal.name,
-            "principalId": principal.id,
-            "tool": tool,
-            "target": entry.get("target"),
-            "machine": entry.get("machine"),
-            "arguments": approval_arguments(call),  # for the person; log and webhook redact
-            "session": entry.get("session"),
-            "requestedAt": utc_now(),
-            "expiresAt": utc_time(time.time() + timeout),
-        }
+        request = dict(token=principal.name, principalId=principal.id, tool=tool)
+        request.update(target=entry.get("target"), machine=entry.get("machine"))
+        request["arguments"] = approval_arguments(call)  # for the person; log and webhook redact
+        request.update(session=entry.get("session"), requestedAt=utc_now())
+        request["expiresAt"] = utc_time(time.time() + timeout)
         try:
             approval_id = event["id"] = app.access.desk.open(request)
         except (OSError, SmolError) as err:
@@ -6334,8 +6239,7 @@ class Approvals:
         return approval_id
 
     def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
-        """The open request a 2026-era retry names in its state, if this process filed it
-        for the same principal, tool and arguments."""
+        """The open request a 2026-era retry names, if this process filed it for the same call."""
         state = getattr(params, "request_state", None) or ""
         if not state.startswith("smol-mcp:approval:"):
             return None
@@ -6352,11 +6256,9 @@ class Approvals:
     @staticmethod
     def question(event: dict):
         on = f" on {event['machine']}" if event.get("machine") else ""
-        message = (
-            f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to let it "
-            "run once; decline to refuse it. `approvals list` on the server's host shows its "
-            "arguments."
-        )
+        message = f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
+        message += "let it run once; decline to refuse it. `approvals list` on the server's host "
+        message += "shows its arguments."
         note = dict(type="string", title="Note", description="Optional; kept in the activity log")
         return form_question(message, {"type": "object", "properties": {"note": note}})
 
@@ -6370,18 +6272,15 @@ class Approvals:
         howto = f"on the server's host run `{command}` (or `approvals deny {approval_id}`){review}"
         on = f" on {event['machine']}" if event.get("machine") else ""
         waited = f"while {tool} waited for approval; nothing ran."
-        live_ids = app.access.live_ids
+        live_ids, request_id = app.access.live_ids, getattr(call.ctx, "request_id", None)
         next_progress = 0.0
         try:
             while True:
                 answer = app.access.desk.answer(approval_id) or self.client_decision(answers)
                 if answer is not None:
                     break
-                if (
-                    call.session.ended
-                    or (principal.kind == "stdio" and self.stdin_closed)
-                    or getattr(call.ctx, "request_id", None) in call.session.gone_requests
-                ):
+                gone = call.session.ended or request_id in call.session.gone_requests
+                if gone or (principal.kind == "stdio" and self.stdin_closed):
                     raise self.refuse(event, "cancelled", f"the client went away {waited}")
                 if app.stopping:
                     back = " Call it again once the server is back."
@@ -6393,10 +6292,8 @@ class Approvals:
                     return "auto"
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    late = (
-                        f"nobody approved {tool} within {timeout} s; nothing ran. Ask the person "
-                    )
-                    late += "on the server's host to watch for it, then call it again."
+                    late = f"nobody approved {tool} within {timeout} s; nothing ran. Ask the "
+                    late += "person on the server's host to watch for it, then call it again."
                     raise self.refuse(event, "timed out", late)
                 if time.monotonic() >= next_progress:
                     next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
@@ -6423,17 +6320,15 @@ class Approvals:
         answer = answers.get("client")
         if answer is None or answer.action not in ("accept", "decline"):
             return None
-        note = str((answer.content or {}).get("note") or "") if answer.action == "accept" else ""
-        return {
-            "decision": "approve" if answer.action == "accept" else "deny",
-            "by": "the person at the client (approvalVia client)",
-            "reason": note or ("declined at the client" if answer.action == "decline" else ""),
-        }
+        by = "the person at the client (approvalVia client)"
+        if answer.action == "decline":
+            return {"decision": "deny", "by": by, "reason": "declined at the client"}
+        note = str((answer.content or {}).get("note") or "")
+        return {"decision": "approve", "by": by, "reason": note}
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
         """POST the notice from one small pool with a bounded queue, so a slow webhook holds
         no call nor a thread per call; a failure (or a dropped notice) is logged."""
-        from concurrent.futures import ThreadPoolExecutor
 
         def failed(error: str) -> None:
             self.app.record({**event, "approval": "webhook failed", "error": error})
@@ -6449,8 +6344,6 @@ class Approvals:
 
         if not self._webhook_slots.acquire(blocking=False):
             return failed("too many notices queued")
-        if self._webhooks is None:
-            self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")
         self._webhooks.submit(send)
 
 
@@ -6468,22 +6361,18 @@ def explain(err: SmolError) -> str:
 
 
 def tool_error(message: str):
-    import mcp_types as types
-
-    text = types.TextContent(type="text", text=message)
-    return types.CallToolResult(content=[text], is_error=True)
+    text = sdk_types().TextContent(type="text", text=message)
+    return sdk_types().CallToolResult(content=[text], is_error=True)
 
 
 def raise_resource_error(message: str):
-    import mcp_types as types
     from mcp import MCPError
 
-    raise MCPError(code=types.INVALID_PARAMS, message=message)
+    raise MCPError(code=sdk_types().INVALID_PARAMS, message=message)
 
 
 def build_server(config: Config | None = None):
-    """The MCP server for ``config`` (default: ``load_config()``), ready to run
-    on any transport."""
+    """The MCP server for ``config`` (default: ``load_config()``), ready on any transport."""
     return SmolMcp(config or load_config()).server
 
 
@@ -6496,7 +6385,7 @@ def build_server(config: Config | None = None):
 # ---------------------------------------------------------------------------
 
 
-async def run_stdio(server, app: SmolMcp | None = None) -> None:
+async def run_stdio(server, app: SmolMcp) -> None:
     from mcp.server.stdio import stdio_server
 
     signalled, answers = False, None
@@ -6507,8 +6396,7 @@ async def run_stdio(server, app: SmolMcp | None = None) -> None:
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
                 async for _ in received:
                     signalled = True
-                    if app is not None:
-                        await app.approvals.interrupt()
+                    await app.approvals.interrupt()
                     if answers is not None:
                         await answers.refuse_pending()  # every call in flight hears why it stopped
                     group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
@@ -6528,7 +6416,8 @@ async def run_stdio(server, app: SmolMcp | None = None) -> None:
 
 
 class StreamWrapper:
-    """A stream of the SDK's transport with something added; closing closes it."""
+    """A stream of the SDK's transport with something added; closing closes it. (anyio's
+    stream classes, mixed in below, give `async with` and `async for`.)"""
 
     def __init__(self, inner: Any):
         self.inner = inner
@@ -6536,39 +6425,21 @@ class StreamWrapper:
     async def aclose(self) -> None:
         await self.inner.aclose()
 
-    async def __aenter__(self) -> Any:
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.aclose()
-
-
-def is_cancellation(message: Any) -> bool:
-    """Whether a JSON-RPC message is the client's notifications/cancelled."""
-    import mcp_types as types
-
-    return (
-        isinstance(message, types.JSONRPCNotification)
-        and message.method == "notifications/cancelled"
-        and isinstance(message.params, dict)
-        and "requestId" in message.params
-    )
-
 
 def rpc_error(request_id: Any, code: int, message: str) -> Any:
     """A JSON-RPC error answer, as the transport sends it."""
-    import mcp_types as types
     from mcp.shared.message import SessionMessage
 
+    types = sdk_types()
     error = types.ErrorData(code=code, message=message)
     return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
 
 
-class AnsweredReads(StreamWrapper):
+class AnsweredReads(StreamWrapper, anyio.abc.ObjectReceiveStream):
     """The stdio read stream, kept open at stdin's end until every request read has been
     answered (the SDK would drop them at EOF); a line it cannot parse gets a parse error."""
 
-    def __init__(self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp | None):
+    def __init__(self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp):
         super().__init__(inner)
         self.write, self.writes, self.app = write, writes, app  # write: the stream unwrapped
 
@@ -6577,40 +6448,29 @@ class AnsweredReads(StreamWrapper):
         return getattr(self.inner, "last_context", None)
 
     async def receive(self) -> Any:
-        import mcp_types as types
-        from mcp.shared.message import SessionMessage
-
+        types = sdk_types()
         try:
             item = await self.inner.receive()
         except anyio.EndOfStream:
-            if self.app is not None:  # the client is gone: its waiting calls end, then so do we
-                self.app.approvals.client_gone()
-            while self.writes.pending:
-                await self.writes.changed()
+            self.app.approvals.client_gone()  # the client is gone: its waiting calls end, then we
+            await self.writes.drained()
             raise
-        if isinstance(item, SessionMessage) and isinstance(item.message, types.JSONRPCRequest):
-            self.writes.pending.add(item.message.id)
-        elif isinstance(item, SessionMessage) and is_cancellation(item.message):
-            # A cancelled request gets no answer (the SDK sends none): stop waiting for one.
-            self.writes.pending.discard(item.message.params["requestId"])
-            self.writes.wake()
+        message = None if isinstance(item, Exception) else item.message  # a SessionMessage's
+        params = getattr(message, "params", None)
+        cancels = getattr(message, "method", None) == "notifications/cancelled"
+        if isinstance(message, types.JSONRPCRequest):
+            self.writes.pending.add(message.id)
+        elif cancels and isinstance(params, dict) and "requestId" in params:
+            self.writes.answered(params["requestId"])  # the SDK sends a cancelled one no answer
         elif isinstance(item, Exception):
-            why = f"this message could not be read ({item_error(item)}); send one JSON-RPC message "
-            why += "per line, as UTF-8 JSON without lone surrogates"
-            await self.write.send(rpc_error(unparsed_id(item), types.PARSE_ERROR, why))
+            request_id, error = unparsed(item)
+            why = f"this message could not be read ({error}); send one JSON-RPC message per line, "
+            why += "as UTF-8 JSON without lone surrogates"
+            await self.write.send(rpc_error(request_id, types.PARSE_ERROR, why))
         return item
 
-    def __aiter__(self) -> AnsweredReads:
-        return self
 
-    async def __anext__(self) -> Any:
-        try:
-            return await self.receive()
-        except anyio.EndOfStream:
-            raise StopAsyncIteration from None
-
-
-class AnsweredWrites(StreamWrapper):
+class AnsweredWrites(StreamWrapper, anyio.abc.ObjectSendStream):
     """The stdio write stream, counting off the requests it answers."""
 
     def __init__(self, inner: Any):
@@ -6618,20 +6478,21 @@ class AnsweredWrites(StreamWrapper):
         self.pending: set = set()
         self._changed = anyio.Event()
 
-    async def changed(self) -> None:
-        await self._changed.wait()
-        self._changed = anyio.Event()
+    async def drained(self) -> None:
+        """Return once every request read has been answered (or cancelled)."""
+        while self.pending:
+            await self._changed.wait()
+            self._changed = anyio.Event()
 
-    def wake(self) -> None:
-        """Tell whoever waits in changed() that the pending set changed."""
+    def answered(self, request_id: Any) -> None:
+        self.pending.discard(request_id)
         self._changed.set()
 
     async def send(self, item: Any) -> None:
         await self.inner.send(item)
         answer_id = getattr(getattr(item, "message", None), "id", None)
         if answer_id in self.pending and not hasattr(item.message, "method"):
-            self.pending.discard(answer_id)
-            self._changed.set()
+            self.answered(answer_id)
 
     async def refuse_pending(self) -> None:
         """Answer every request still in flight with the shutdown error."""
@@ -6641,22 +6502,17 @@ class AnsweredWrites(StreamWrapper):
             await anyio.sleep(0.2)  # the transport's writer flushes the last one
 
 
-def unparsed_id(err: Exception) -> Any:
-    """The id of a request the SDK could not parse, read leniently, else None."""
-    for detail in getattr(err, "errors", lambda: [])():
-        if isinstance(detail.get("input"), str):
-            try:
-                request = json.loads(detail["input"])
-            except ValueError:
-                return None
-            found = request.get("id") if isinstance(request, dict) else None
-            return found if isinstance(found, (str, int)) and not isinstance(found, bool) else None
-    return None
-
-
-def item_error(err: Exception) -> str:
+def unparsed(err: Exception) -> tuple[Any, str]:
+    """What the SDK could not parse: the request's id read leniently (else None), and why."""
     details = getattr(err, "errors", lambda: [])()
-    return details[0].get("msg", type(err).__name__) if details else type(err).__name__
+    why = details[0].get("msg", type(err).__name__) if details else type(err).__name__
+    raw = next((detail["input"] for detail in details if isinstance(detail.get("input"), str)), "")
+    try:
+        request = json.loads(raw) if raw else None
+    except ValueError:
+        request = None
+    found = request.get("id") if isinstance(request, dict) else None
+    return (found if isinstance(found, (str, int)) and not isinstance(found, bool) else None), why
 
 
 # ---------------------------------------------------------------------------
