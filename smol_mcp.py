@@ -5691,7 +5691,6 @@ class SmolMcp:
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
         self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
         self.approvals = Approvals(self)
-        self.interrupt_approvals = self.approvals.interrupt
         # The SDK's low-level Server, with this object's bound methods as handlers.
         self.server = dual_era_server_class()(
             "smol-mcp",
@@ -6385,7 +6384,7 @@ def build_server(config: Config | None = None):
 # ---------------------------------------------------------------------------
 
 
-async def run_stdio(server, app: SmolMcp) -> None:
+async def run_stdio(app: SmolMcp) -> None:
     from mcp.server.stdio import stdio_server
 
     signalled, answers = False, None
@@ -6407,7 +6406,7 @@ async def run_stdio(server, app: SmolMcp) -> None:
             answers = AnsweredWrites(write)
             read, write = AnsweredReads(read, write, answers, app), answers
             try:
-                await server.run(read, write, server.create_initialization_options())
+                await app.server.run(read, write, app.server.create_initialization_options())
             finally:
                 if signalled:
                     logging.shutdown()
@@ -7015,7 +7014,7 @@ class HttpSessions:
 
             async def stop_on_shutdown() -> None:
                 await stopping.wait()
-                await self.app.interrupt_approvals()  # calls that can answer for themselves do
+                await self.app.approvals.interrupt()  # calls that can answer for themselves do
                 group.cancel_scope.cancel()
 
             group.start_soon(stop_on_shutdown)
@@ -9160,7 +9159,7 @@ def main(argv: list[str] | None = None) -> int:
             f"client `{invocation()} setup CLIENT` (see --help)"
         )
         print(waiting, file=sys.stderr, flush=True)
-    anyio.run(run_stdio, app.server, app)
+    anyio.run(run_stdio, app)
     return 0
 
 
