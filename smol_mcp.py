@@ -40,7 +40,9 @@ import datetime
 import difflib
 import errno
 import functools
+import hashlib
 import hmac
+import html
 import http.client
 import ipaddress
 import json
@@ -7857,8 +7859,6 @@ PAGE_STYLE = (
 
 def esc(value: Any) -> str:
     """Text made safe inside HTML: every value a page shows goes through this."""
-    import html
-
     return html.escape(str(value), quote=True)
 
 
@@ -7879,8 +7879,6 @@ class Operator:
 
     @staticmethod
     def _scrypt(password: str, salt: str) -> str:
-        import hashlib
-
         return hashlib.scrypt(password.encode(), salt=bytes.fromhex(salt), n=2**14, r=8, p=1).hex()
 
     def set_password(self, password: str) -> None:
@@ -7997,19 +7995,14 @@ class Pages:
         every value), readable on a phone: who is signed in with a Sign out
         button; a CSP that allows only the page's own style and forms posting
         here (and to ``form_to``, where a form's answer redirects); no framing."""
-        import hashlib
-
         from starlette.responses import HTMLResponse
 
         style = base64.b64encode(hashlib.sha256(PAGE_STYLE.encode()).digest()).decode()
         form_to = "" if re.search(r"[;,\s'\"]", form_to) else form_to  # one source, or none
         policy = f"default-src 'none'; style-src 'sha256-{style}'; form-action 'self' {form_to}"
-        headers = {
-            "content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'",
-            "x-frame-options": "DENY",
-            "cache-control": "no-store",
-            "referrer-policy": "no-referrer",
-        }
+        headers = {"content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'"}
+        headers |= {"x-frame-options": "DENY", "cache-control": "no-store"}
+        headers["referrer-policy"] = "no-referrer"
         who = ""
         if self.session(request):
             who = (
@@ -8047,8 +8040,6 @@ class Pages:
         why not. The attempt counts as failed before scrypt runs (a success
         takes it back), one check per address at a time and SIGNIN_CHECKS in
         all, so neither concurrency nor a proxy's rotating addresses outrun it."""
-        import anyio
-
         address, now = self.who(request)[0], time.time()
         wait = max(self.wait_secs(address), self.wait_secs("*", SIGNIN_ALL_TRIES))
         if wait or address in self.checking:
@@ -8284,21 +8275,25 @@ class OAuthProvider:
         if "client_secret" in kept:  # only its hash: the token routes hash what is sent
             kept["client_secret"] = secret_hash(kept["client_secret"])
 
-        def add(data: dict) -> None:
+        def add(data: dict) -> bool:
             if len(data) >= OAUTH_MAX_CLIENTS:
                 self.tokens.file.expire()  # a grant made a moment ago counts
                 granted = {record.get("clientId") for record in self.tokens.records()}
                 spare = [client_id for client_id in data if client_id not in granted]
                 if not spare:
-                    raise RegistrationError(
-                        "invalid_client_metadata",
-                        f"{OAUTH_MAX_CLIENTS} clients with grants are registered: the operator "
-                        "must delete one (`tokens delete NAME`) first",
-                    )
+                    return False
                 del data[spare[0]]
             data[client_info.client_id] = kept
+            return True
 
-        self.clients.update(add)
+        # Raised out here: the SDK's frozen errors cannot pass through the file lock's with.
+        if not self.clients.update(add):
+            why = (
+                f"{OAUTH_MAX_CLIENTS} clients with grants are registered: the operator must delete"
+            )
+            raise RegistrationError(
+                "invalid_client_metadata", f"{why} one (`tokens delete NAME`) first"
+            )
 
     async def authorize(self, client: Any, params: Any) -> str:
         """Hold the request for the consent page, and send the browser there."""
@@ -8320,23 +8315,23 @@ class OAuthProvider:
         self.pending[request_id] = (client, params, now + SIGNIN_LINK_SECS)
         return f"{self.issuer}/consent?request={request_id}"
 
-    def new_code(self, client: Any, params: Any, record: dict) -> str:
-        from mcp.server.auth.provider import AuthorizationCode
+    def model(self, name: str, record: dict, **fields: Any) -> Any:
+        """The SDK's ``name`` (AuthorizationCode, RefreshToken, AccessToken) of a grant."""
+        from mcp.server.auth import provider
 
+        mine = {
+            "client_id": record["clientId"],
+            "scopes": record["scopes"],
+            "subject": record["id"],
+        }
+        return getattr(provider, name)(**{**fields, **mine, "resource": self.resource})
+
+    def new_code(self, params: Any, record: dict) -> str:
         code, now = secrets_module.token_urlsafe(32), time.time()
         self.codes = {k: v for k, v in self.codes.items() if v.expires_at > now}
         self.used &= self.codes.keys()
-        self.codes[code] = AuthorizationCode(
-            code=code,
-            scopes=record["scopes"],
-            expires_at=now + OAUTH_CODE_SECS,
-            client_id=client.client_id,
-            code_challenge=params.code_challenge,
-            redirect_uri=params.redirect_uri,
-            redirect_uri_provided_explicitly=params.redirect_uri_provided_explicitly,
-            resource=self.resource,
-            subject=record["id"],
-        )
+        fields = {"code": code, "expires_at": now + OAUTH_CODE_SECS, **params.model_dump()}
+        self.codes[code] = self.model("AuthorizationCode", record, **fields)
         return code
 
     async def load_authorization_code(self, client: Any, code: str) -> Any:
@@ -8352,25 +8347,16 @@ class OAuthProvider:
         return self.issue(code.subject, None)
 
     async def load_refresh_token(self, client: Any, token: str) -> Any:
-        from mcp.server.auth.provider import RefreshToken
-
         digest = secret_hash(token)
         for record in self.tokens.records():
-            if digest in record.get("spent", []) and record.get("clientId") == client.client_id:
+            if record.get("clientId") != client.client_id:
+                continue
+            if digest in record.get("spent", []):
                 return self.end_grant(record["id"], "a spent refresh token was used again")
-            kept = [
-                k for k in record.get("refresh", []) if hmac.compare_digest(k["sha256"], digest)
-            ]
-            if kept and record.get("clientId") == client.client_id:
-                expires, scopes = int(kept[0]["expiresAt"]), record["scopes"]
-                return RefreshToken(
-                    token=token,
-                    client_id=client.client_id,
-                    scopes=scopes,
-                    expires_at=expires,
-                    resource=self.resource,
-                    subject=record["id"],
-                )
+            for kept in record.get("refresh", []):
+                if hmac.compare_digest(kept["sha256"], digest):
+                    expires = int(kept["expiresAt"])
+                    return self.model("RefreshToken", record, token=token, expires_at=expires)
         return None
 
     async def exchange_refresh_token(self, client: Any, refresh_token: Any, scopes: list) -> Any:
@@ -8405,26 +8391,14 @@ class OAuthProvider:
             self.end_grant(grant_id, "a spent refresh token was used again")
         if record is None:
             raise TokenError("invalid_grant", "this grant was deleted, or the token used already")
-        return OAuthToken(
-            access_token=access,
-            expires_in=OAUTH_ACCESS_SECS,
-            refresh_token=refresh,
-            scope=" ".join(record["scopes"]),
-        )
+        answer = {"access_token": access, "refresh_token": refresh, "expires_in": OAUTH_ACCESS_SECS}
+        return OAuthToken(scope=" ".join(record["scopes"]), **answer)
 
     async def load_access_token(self, token: str) -> Any:
-        from mcp.server.auth.provider import AccessToken
-
         record = self.tokens.match([token])
         if record is None or not record.get("clientId"):
             return None
-        return AccessToken(
-            token=token,
-            client_id=record["clientId"],
-            scopes=record["scopes"],
-            resource=self.resource,
-            subject=record["id"],
-        )
+        return self.model("AccessToken", record, token=token)
 
     async def revoke_token(self, token: Any) -> None:
         """A client that revokes a token ends its whole grant, as `tokens delete` does."""
@@ -8457,19 +8431,21 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     from starlette.routing import Route
 
     pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
-    resource = create_protected_resource_routes(
-        AnyHttpUrl(issuer + path), [AnyHttpUrl(issuer)], list(SCOPES), "smol-mcp"
+    scopes, url = list(SCOPES), AnyHttpUrl(issuer)
+    resource_url = AnyHttpUrl(provider.resource)
+    resource = create_protected_resource_routes(resource_url, [url], scopes, "smol-mcp")
+    registration = ClientRegistrationOptions(
+        enabled=True, valid_scopes=scopes, default_scopes=scopes
     )
+    routes = create_auth_routes(provider, url, None, registration, RevocationOptions(enabled=True))
 
-    async def screen(request: Any) -> Any:
+    async def screen(request: Any, route: Any) -> Any:
         """Before the SDK's /register, /token and /revoke: a registration
         bounded and rate limited per address; a `resource` other than this
         server refused (RFC 8707); the client's secret hashed, as only its hash
-        is kept. A refusal, or the body and headers the SDK's route gets."""
+        is kept. A refusal, or the SDK's route on the body and headers it gets."""
         body, headers = await request.body(), request.scope["headers"]
-        if request.method != "POST":
-            return body, headers
-        if request.url.path == "/register":
+        if request.method == "POST" and request.url.path == "/register":
             key = "register " + pages.who(request)[0]
             wait = pages.wait_secs(key, OAUTH_REGISTRATIONS)
             if wait or len(body) > OAUTH_MAX_REGISTRATION_BYTES:
@@ -8478,36 +8454,31 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
                 answer = {"error": "invalid_client_metadata", "error_description": why}
                 return JSONResponse(answer, 429 if wait else 413)
             pages.failures.setdefault(key, []).append(time.time())
-            return body, headers
-        form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
-        if form.get("resource", provider.resource).rstrip("/") != provider.resource:
-            why = f"this server is the resource {provider.resource}, not {form['resource']}"
-            return JSONResponse({"error": "invalid_target", "error_description": why}, 400)
-        if "client_secret" in form:
-            form["client_secret"] = secret_hash(form["client_secret"])
-        basic = request.headers.get("authorization", "")
-        if basic[:6].lower() == "basic ":
-            try:
-                who, _, secret = base64.b64decode(basic[6:]).decode().partition(":")
-            except ValueError:
-                who = secret = ""
-            basic = f"{who}:{secret_hash(urllib.parse.unquote(secret))}"
-            basic = b"Basic " + base64.b64encode(basic.encode())
-            headers = [(k, v) for k, v in headers if k != b"authorization"]
-            headers.append((b"authorization", basic))
-        body = urllib.parse.urlencode(form).encode()
-        headers = [(k, v) for k, v in headers if k != b"content-length"]
-        return body, [*headers, (b"content-length", str(len(body)).encode())]
+        elif request.method == "POST":
+            form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
+            if form.get("resource", provider.resource).rstrip("/") != provider.resource:
+                why = f"this server is the resource {provider.resource}, not {form['resource']}"
+                return JSONResponse({"error": "invalid_target", "error_description": why}, 400)
+            if "client_secret" in form:
+                form["client_secret"] = secret_hash(form["client_secret"])
+            body, new = urllib.parse.urlencode(form).encode(), {}
+            basic = request.headers.get("authorization", "")
+            if basic[:6].lower() == "basic ":
+                try:
+                    who, _, secret = base64.b64decode(basic[6:]).decode().partition(":")
+                except ValueError:
+                    who = secret = ""
+                basic = f"{who}:{secret_hash(urllib.parse.unquote(secret))}"
+                new[b"authorization"] = b"Basic " + base64.b64encode(basic.encode())
+            new[b"content-length"] = str(len(body)).encode()
+            headers = [*((k, v) for k, v in headers if k not in new), *new.items()]
+        scope = {**request.scope, "headers": headers}
+        return lambda _, receive, send: route.app(scope, replay_body(body, receive), send)
 
     def screened(route: Any) -> Any:
-        async def endpoint(request: Any) -> Any:
-            answer = await screen(request)
-            if not isinstance(answer, tuple):
-                return answer
-            scope = {**request.scope, "headers": answer[1]}
-            return lambda _, receive, send: route.app(scope, replay_body(answer[0], receive), send)
-
-        return Route(route.path, endpoint, methods=route.methods)
+        if route.path not in OAUTH_PATHS[1:]:
+            return route
+        return Route(route.path, functools.partial(screen, route=route), methods=route.methods)
 
     def back(params: Any, **answer: str) -> Any:
         url = construct_redirect_uri(str(params.redirect_uri), state=params.state, **answer)
@@ -8556,7 +8527,7 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
                 provider.activity.append(
                     {"principal": "operator", "token": record["name"], **entry}
                 )
-                return back(params, code=provider.new_code(client, params, record))
+                return back(params, code=provider.new_code(params, record))
         taken = (record["name"] for record in provider.tokens.records())
         grants = "".join(
             f'<label><input type="radio" name="grant" value="{esc(grant)}"'
@@ -8588,17 +8559,7 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         return pages.page(request, f"Connect {name}?", body, 400 if error else 200, form_to)
 
     return [
-        *(
-            screened(route) if route.path in ("/register", "/token", "/revoke") else route
-            for route in create_auth_routes(
-                provider,
-                AnyHttpUrl(issuer),
-                client_registration_options=ClientRegistrationOptions(
-                    enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES)
-                ),
-                revocation_options=RevocationOptions(enabled=True),
-            )
-        ),
+        *map(screened, routes),
         *resource,  # RFC 9728's place for it, and the root some clients look at first
         Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
         Route("/consent", consent, methods=["GET", "POST"]),
