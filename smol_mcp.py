@@ -7843,6 +7843,9 @@ OAUTH_REGISTRATIONS = 10  # client registrations per address in a window
 SIGNIN_MAX_SESSIONS = 16  # signed-in browsers kept; past it the oldest is signed out
 SESSION_COOKIE, FORM_COOKIE = "smol_session", "smol_form"
 MIN_PASSWORD_CHARS = 12
+PASSWORD_INPUT = (
+    '<input type="password" name="password" maxlength="1024" autocomplete="current-password"'
+)
 PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
 RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
 PAGE_STYLE = (
@@ -7883,10 +7886,8 @@ class Operator:
 
     def set_password(self, password: str) -> None:
         if len(password) < MIN_PASSWORD_CHARS:
-            raise ConfigError(
-                f"the password has {len(password)} characters; use at least "
-                f"{MIN_PASSWORD_CHARS} (a few words work well)"
-            )
+            why = f"use at least {MIN_PASSWORD_CHARS} (a few words work well)"
+            raise ConfigError(f"the password has {len(password)} characters; {why}")
         salt = secrets_module.token_hex(16)
         hashed = {"salt": salt, "scrypt": self._scrypt(password, salt)}
         self.file.update(lambda data: data.__setitem__("password", hashed))
@@ -7949,9 +7950,8 @@ class Pages:
 
     @staticmethod
     def who(request: Any) -> list:
-        """The browser a session is bound to: a cookie replayed from another
-        address or program (one an agent's published loopback port caught) is
-        no session at all."""
+        """The browser a session is bound to: a cookie replayed from another address or
+        program (one an agent's published loopback port caught) is no session at all."""
         return [request.client.host if request.client else "", request.headers.get("user-agent")]
 
     def session(self, request: Any) -> dict | None:
@@ -7962,11 +7962,9 @@ class Pages:
         return found if found["salt"] == self.operator.generation() else None
 
     def require_operator(self, request: Any) -> dict:
-        """The signed-in operator's session, or SignInRequired, which sends
-        the browser to the sign-in page and back to this URL after it. Every
-        handler of a page for the operator calls this first."""
-        session = self.session(request)
-        if session is None:
+        """The signed-in operator's session, or SignInRequired (to the sign-in page and back
+        here after it). Every handler of a page for the operator calls this first."""
+        if (session := self.session(request)) is None:
             raise SignInRequired()
         return session
 
@@ -7988,9 +7986,7 @@ class Pages:
             raise FormRefused()
         return form
 
-    def page(
-        self, request: Any, title: str, body: str, status: int = 200, form_to: str = "", head=""
-    ) -> Any:
+    def page(self, request: Any, title: str, body: str, status=200, form_to="", head="") -> Any:
         """A whole page around ``body`` (HTML the caller built with esc() on
         every value), readable on a phone: who is signed in with a Sign out
         button; a CSP that allows only the page's own style and forms posting
@@ -8078,10 +8074,7 @@ class Pages:
         """The password field of a form whose change confirm() checks."""
         if self.operator.generation() is None:
             return ""
-        return (
-            f'<label>Password, for {what} <input type="password" name="password" '
-            'maxlength="1024" autocomplete="current-password"></label>'
-        )
+        return f"<label>Password, for {what} {PASSWORD_INPUT}></label>"
 
     def start_session(self, request: Any, response: Any, how: str) -> None:
         cookie, now = secrets_module.token_urlsafe(32), time.time()
@@ -8142,10 +8135,7 @@ def page_routes(pages: Pages) -> list:
                 "one-time link made by <code>operator link</code> on the host.</p>"
             )
         else:
-            field = (
-                '<label>Password <input type="password" name="password" maxlength="1024" '
-                'autocomplete="current-password" required autofocus></label>'
-            )
+            field = f"<label>Password {PASSWORD_INPUT} required autofocus></label>"
         body = (
             f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
             '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
@@ -8194,11 +8184,10 @@ OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant
 OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
 OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
 OAUTH_MAX_REGISTRATION_BYTES = 8192
-OAUTH_CLIENT_FIELDS = {  # what is kept of a registration: what this server uses
-    *("client_id", "client_secret", "client_id_issued_at", "client_secret_expires_at"),
-    *("client_name", "redirect_uris", "token_endpoint_auth_method", "grant_types"),
-    *("response_types", "scope"),
-}
+OAUTH_CLIENT_FIELDS = set(  # what is kept of a registration: what this server uses
+    "client_id client_secret client_id_issued_at client_secret_expires_at client_name "
+    "redirect_uris token_endpoint_auth_method grant_types response_types scope".split()
+)
 GRANTS = {  # the consent page's grants, besides Choose scopes
     "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
     "Read-only": ("machines.read", "activity.read"),
@@ -8224,9 +8213,8 @@ def oauth_client_class() -> type:
             def but_port(uri: Any) -> tuple:
                 return uri.scheme, uri.host, uri.path, uri.query
 
-            known = [but_port(uri) for uri in self.redirect_uris or []]
             if redirect_uri is not None and redirect_uri.host in (*LOOPBACK_HOSTS, "[::1]"):
-                if but_port(redirect_uri) in known:
+                if but_port(redirect_uri) in map(but_port, self.redirect_uris or []):
                     return redirect_uri
             return super().validate_redirect_uri(redirect_uri)
 
@@ -8288,22 +8276,17 @@ class OAuthProvider:
 
         # Raised out here: the SDK's frozen errors cannot pass through the file lock's with.
         if not self.clients.update(add):
-            why = (
-                f"{OAUTH_MAX_CLIENTS} clients with grants are registered: the operator must delete"
-            )
-            raise RegistrationError(
-                "invalid_client_metadata", f"{why} one (`tokens delete NAME`) first"
-            )
+            why = f"{OAUTH_MAX_CLIENTS} clients with grants are registered: the operator must"
+            why += " delete one (`tokens delete NAME`) first"
+            raise RegistrationError("invalid_client_metadata", why)
 
     async def authorize(self, client: Any, params: Any) -> str:
         """Hold the request for the consent page, and send the browser there."""
         from mcp.server.auth.provider import AuthorizeError
 
         if params.resource is not None and params.resource.rstrip("/") != self.resource:
-            raise AuthorizeError(
-                "invalid_target",
-                f"this server is the resource {self.resource}, not {params.resource}",
-            )
+            why = f"this server is the resource {self.resource}, not {params.resource}"
+            raise AuthorizeError("invalid_target", why)
         now = time.time()
         self.pending = {k: v for k, v in self.pending.items() if v[2] > now}
         mine = [k for k, v in self.pending.items() if v[0].client_id == client.client_id]
@@ -8416,9 +8399,8 @@ def default_token_name(client_name: str, taken: Iterable[str]) -> str:
     """A free token name made from a client's name."""
     base = re.sub(r"[^A-Za-z0-9._-]+", "-", client_name).strip("-._")[:56] or "client"
     names = set(taken) | set(RESERVED_TOKEN_NAMES)
-    return next(
-        name for name in (base, *(f"{base}-{i}" for i in range(2, 999))) if name not in names
-    )
+    candidates = (base, *(f"{base}-{i}" for i in range(2, 999)))
+    return next(name for name in candidates if name not in names)
 
 
 def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
