@@ -7843,9 +7843,7 @@ OAUTH_REGISTRATIONS = 10  # client registrations per address in a window
 SIGNIN_MAX_SESSIONS = 16  # signed-in browsers kept; past it the oldest is signed out
 SESSION_COOKIE, FORM_COOKIE = "smol_session", "smol_form"
 MIN_PASSWORD_CHARS = 12
-PASSWORD_INPUT = (
-    '<input type="password" name="password" maxlength="1024" autocomplete="current-password"'
-)
+PASSWORD_ATTRS = 'type="password" name="password" maxlength="1024" autocomplete="current-password"'
 PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
 RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
 PAGE_STYLE = (
@@ -7968,29 +7966,29 @@ class Pages:
             raise SignInRequired()
         return session
 
-    def csrf_input(self, request: Any) -> str:
-        """The hidden CSRF field every form carries: the session's token, or
-        before sign-in one kept in a cookie of its own (double submit)."""
+    def csrf(self, request: Any) -> str:
+        """This browser's CSRF token: its session's, or before sign-in one kept in a cookie of
+        its own (double submit). Every form carries it in a hidden field."""
         session = self.session(request)
-        token = session["csrf"] if session else request.cookies.get(FORM_COOKIE)
+        return session["csrf"] if session else request.cookies.get(FORM_COOKIE, "")
+
+    def csrf_input(self, request: Any) -> str:
+        token = self.csrf(request)
         if not token:
             token = request.state.new_form_token = secrets_module.token_urlsafe(32)
         return f'<input type="hidden" name="csrf" value="{esc(token)}">'
 
     async def form(self, request: Any) -> Any:
         """The posted form once its CSRF token matched, else FormRefused (403)."""
-        form = await request.form()
-        session = self.session(request)
-        expected = session["csrf"] if session else request.cookies.get(FORM_COOKIE, "")
+        form, expected = await request.form(), self.csrf(request)
         if not expected or not hmac.compare_digest(str(form.get("csrf", "")), expected):
             raise FormRefused()
         return form
 
     def page(self, request: Any, title: str, body: str, status=200, form_to="", head="") -> Any:
-        """A whole page around ``body`` (HTML the caller built with esc() on
-        every value), readable on a phone: who is signed in with a Sign out
-        button; a CSP that allows only the page's own style and forms posting
-        here (and to ``form_to``, where a form's answer redirects); no framing."""
+        """A whole page around ``body`` (HTML built with esc() on every value), readable on a
+        phone: who is signed in with a Sign out button; a CSP that allows only the page's own
+        style and forms posting here (and to ``form_to``, where a form's answer redirects)."""
         from starlette.responses import HTMLResponse
 
         style = base64.b64encode(hashlib.sha256(PAGE_STYLE.encode()).digest()).decode()
@@ -8017,9 +8015,8 @@ class Pages:
         return response
 
     def cookie(self, response: Any, name: str, value: str, **options: Any) -> None:
-        response.set_cookie(
-            name, value, httponly=True, samesite="strict", secure=self.secure, **options
-        )
+        options |= {"httponly": True, "samesite": "strict", "secure": self.secure}
+        response.set_cookie(name, value, **options)
 
     def wait_secs(self, key: str, tries: int = SIGNIN_TRIES) -> int:
         """How long ``key`` (an address, or "*" for all) must wait before it may try again."""
@@ -8045,9 +8042,8 @@ class Pages:
             self.failures.setdefault(key, []).append(now)
         self.checking.add(address)
         try:
-            right = await anyio.to_thread.run_sync(
-                self.operator.check_password, password, limiter=self.limiter
-            )
+            check = self.operator.check_password
+            right = await anyio.to_thread.run_sync(check, password, limiter=self.limiter)
         finally:
             self.checking.discard(address)
         if not right:
@@ -8074,28 +8070,22 @@ class Pages:
         """The password field of a form whose change confirm() checks."""
         if self.operator.generation() is None:
             return ""
-        return f"<label>Password, for {what} {PASSWORD_INPUT}></label>"
+        return f"<label>Password, for {what} <input {PASSWORD_ATTRS}></label>"
 
     def start_session(self, request: Any, response: Any, how: str) -> None:
         cookie, now = secrets_module.token_urlsafe(32), time.time()
         self.sessions = {k: v for k, v in self.sessions.items() if v["expires"] > now}
         while len(self.sessions) >= SIGNIN_MAX_SESSIONS:
             del self.sessions[min(self.sessions, key=lambda k: self.sessions[k]["expires"])]
-        self.sessions[secret_hash(cookie)] = {
-            "expires": now + SIGNIN_SESSION_SECS,
-            "started": now,
-            "csrf": secrets_module.token_urlsafe(32),
-            "how": how,
-            "who": self.who(request),
-            "salt": self.operator.generation(),
-        }
+        session = {"csrf": secrets_module.token_urlsafe(32), "how": how, "who": self.who(request)}
+        session |= {"started": now, "salt": self.operator.generation()}
+        self.sessions[secret_hash(cookie)] = {"expires": now + SIGNIN_SESSION_SECS, **session}
         self.cookie(response, SESSION_COOKIE, cookie, max_age=SIGNIN_SESSION_SECS)
 
 
 def oauth_issuer(config: Config, host: str, port: int) -> str | None:
-    """The address the pages and OAuth name this server by: publicUrl, else
-    the loopback address it is bound to; None off loopback without publicUrl
-    (the name clients dial is not knowable here)."""
+    """The address the pages and OAuth name this server by: publicUrl, else the loopback
+    address it is bound to; None off loopback (the name clients dial is not knowable here)."""
     if config.public_url:
         return config.public_url.rstrip("/")
     if host in LOOPBACK_HOSTS:
@@ -8135,7 +8125,7 @@ def page_routes(pages: Pages) -> list:
                 "one-time link made by <code>operator link</code> on the host.</p>"
             )
         else:
-            field = f"<label>Password {PASSWORD_INPUT} required autofocus></label>"
+            field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
         body = (
             f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
             '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
@@ -8222,11 +8212,10 @@ def oauth_client_class() -> type:
 
 
 class OAuthProvider:
-    """The SDK's OAuthAuthorizationServerProvider over the state directory:
-    registered clients in a file of their own (OAUTH_MAX_CLIENTS at most),
-    consent requests and codes in memory (minutes long), and each grant a
-    named token whose record holds its client and the hashes of its access
-    and refresh tokens, so `tokens delete` ends all of them at once."""
+    """The SDK's OAuthAuthorizationServerProvider over the state directory: registered clients in
+    a file of their own (OAUTH_MAX_CLIENTS at most), consent requests and codes in memory
+    (minutes long), and each grant a named token whose record holds its client and the hashes of
+    its access and refresh tokens, so `tokens delete` ends all of them at once."""
 
     def __init__(self, app: SmolMcp, issuer: str, resource: str):
         self.tokens, self.activity = app.access.tokens, app.access.activity
@@ -8471,10 +8460,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         request_id = request.query_params.get("request", "")
         client, params, expires = provider.pending.get(request_id, (None, None, 0))
         if expires < time.time():
-            body = (
-                "<p>This request is unknown or over 10 minutes old: connect the client again.</p>"
-            )
-            return pages.page(request, "No such request", body, 404)
+            gone = "unknown or over 10 minutes old: connect the client again."
+            return pages.page(request, "No such request", f"<p>This request is {gone}</p>", 404)
         name = client.client_name or client.client_id
         target = urllib.parse.urlsplit(str(params.redirect_uri))
         error, chosen = "", {"grant": "Sandbox", "name": "", "approval": ""}
@@ -8484,31 +8471,25 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
                 del provider.pending[request_id]
                 return back(params, error="access_denied", error_description="the operator said no")
             chosen = {key: str(form.get(key, "")) for key in chosen}
-            scopes = GRANTS.get(chosen["grant"]) or tuple(
-                scope for scope in SCOPES if scope in form.getlist("scope")
-            )
+            ticked = form.getlist("scope")
+            scopes = GRANTS.get(chosen["grant"]) or tuple(s for s in SCOPES if s in ticked)
             try:
                 if not scopes:
                     raise ConfigError("Tick at least one scope, or pick another grant.")
                 wide = not set(scopes) <= set(GRANTS["Sandbox"])
                 if wide and (why := await pages.confirm(request, form)):
                     raise ConfigError(why)
+                approval = "changes" if chosen["approval"] else "none"
+                owner = {"client": name, "clientId": client.client_id}
                 record, _ = provider.tokens.create(
-                    chosen["name"].strip(),
-                    scopes,
-                    FLEET_NAMES,
-                    "changes" if chosen["approval"] else "none",
-                    client=name,
-                    clientId=client.client_id,
+                    chosen["name"].strip(), scopes, FLEET_NAMES, approval, **owner
                 )
             except ConfigError as err:
                 error = str(err)
             else:
                 del provider.pending[request_id]
-                entry = {"event": "token", "outcome": "granted", "client": name}
-                provider.activity.append(
-                    {"principal": "operator", "token": record["name"], **entry}
-                )
+                entry = {"principal": "operator", "token": record["name"], "event": "token"}
+                provider.activity.append({**entry, "outcome": "granted", "client": name})
                 return back(params, code=provider.new_code(params, record))
         taken = (record["name"] for record in provider.tokens.records())
         grants = "".join(
@@ -8533,9 +8514,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             f'{esc(chosen["name"] or default_token_name(name, taken))}"></label><label><input '
             f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}'
             f"> Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
-            '<p><button type="submit" name="action" '
-            'value="Allow">Allow</button> <button type="submit" name="action" value="Deny" '
-            "formnovalidate>Deny</button></p></form>"
+            '<p><button type="submit" name="action" value="Allow">Allow</button> <button '
+            'type="submit" name="action" value="Deny" formnovalidate>Deny</button></p></form>'
         )
         form_to = f"{target.scheme}://{target.netloc}" if target.netloc else f"{target.scheme}:"
         return pages.page(request, f"Connect {name}?", body, 400 if error else 200, form_to)
@@ -8549,9 +8529,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
 
 
 def pages_app(pages: Pages, routes: list) -> Any:
-    """The Starlette app of the pages and OAuth routes: a page that needs the
-    operator sends a signed-out browser to sign in, and a form without its
-    CSRF token is refused."""
+    """The Starlette app of the pages and OAuth routes: a page that needs the operator sends
+    a signed-out browser to sign in, and a form without its CSRF token is refused."""
     from starlette.applications import Starlette
     from starlette.responses import RedirectResponse
 
@@ -8566,9 +8545,8 @@ def pages_app(pages: Pages, routes: list) -> Any:
         )
         return pages.page(request, "Form refused", body, 403)
 
-    return Starlette(
-        routes=routes, exception_handlers={SignInRequired: sign_in_first, FormRefused: refused}
-    )
+    handlers = {SignInRequired: sign_in_first, FormRefused: refused}
+    return Starlette(routes=routes, exception_handlers=handlers)
 
 
 # ---------------------------------------------------------------------------
