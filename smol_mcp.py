@@ -7872,8 +7872,7 @@ class FormRefused(Exception):
 
 
 class Operator:
-    """The operator's password (scrypt, salted) and one-time sign-in links, in
-    the state directory; neither is ever kept in clear."""
+    """The operator's password (scrypt, salted) and one-time sign-in links: never in clear."""
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / OPERATOR_FILE, dict)
@@ -7999,10 +7998,8 @@ class Pages:
         headers["referrer-policy"] = "no-referrer"
         who = ""
         if self.session(request):
-            who = (
-                f'<form method="post" action="/signout">Signed in as the operator of '
-                f"{esc(self.issuer)} {self.csrf_input(request)}<button>Sign out</button></form>"
-            )
+            out = f"{esc(self.issuer)} {self.csrf_input(request)}<button>Sign out</button></form>"
+            who = f'<form method="post" action="/signout">Signed in as the operator of {out}'
         text = (
             '<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
             f'content="width=device-width,initial-scale=1">{head}<title>{esc(title)} - smol-mcp'
@@ -8343,20 +8340,18 @@ class OAuthProvider:
         access, refresh, now = new_token_secret(), new_token_secret(), time.time()
 
         def rotate(data: dict) -> dict | None:
-            for record in data.get("tokens", []):
-                if record.get("id") != grant_id:
-                    continue
-                refreshes = [kept["sha256"] for kept in record.get("refresh", [])]
-                if spent is not None and secret_hash(spent) not in refreshes:
-                    return None  # used already: by the client, or by whoever stole it
-                record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
-                live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
-                new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
-                record["access"] = [*live, new]
-                new = {"sha256": secret_hash(refresh), "expiresAt": now + OAUTH_REFRESH_SECS}
-                record["refresh"] = [new]
-                return record
-            return None
+            mine = [record for record in data.get("tokens", []) if record.get("id") == grant_id]
+            refreshes = [kept["sha256"] for record in mine for kept in record.get("refresh", [])]
+            if not mine or spent is not None and secret_hash(spent) not in refreshes:
+                return None  # deleted, or used already: by the client, or by whoever stole it
+            record = mine[0]
+            record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
+            live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
+            new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
+            record["access"] = [*live, new]
+            new = {"sha256": secret_hash(refresh), "expiresAt": now + OAUTH_REFRESH_SECS}
+            record["refresh"] = [new]
+            return record
 
         record = self.tokens.file.update(rotate)
         if record is None and spent is not None:
