@@ -7933,9 +7933,8 @@ class Operator:
 
 
 class Pages:
-    """The server's own pages: who is signed in (sessions of this process, by
-    an HttpOnly SameSite=Strict cookie), the sign-in rate limit per client
-    address, CSRF tokens, and the renderer every page goes through."""
+    """The server's own pages: who is signed in (sessions of this process, by an HttpOnly
+    SameSite=Strict cookie), sign-in rate limits, CSRF tokens, and the page renderer."""
 
     def __init__(self, state_dir: str | Path, issuer: str):
         self.operator, self.issuer = Operator(state_dir), issuer
@@ -8026,10 +8025,9 @@ class Pages:
         return int(recent[-tries] + SIGNIN_WINDOW_SECS - now) + 1 if len(recent) >= tries else 0
 
     async def check_password(self, request: Any, password: str) -> tuple[int, str]:
-        """(0, "") when ``password`` is the operator's, else an HTTP status and
-        why not. The attempt counts as failed before scrypt runs (a success
-        takes it back), one check per address at a time and SIGNIN_CHECKS in
-        all, so neither concurrency nor a proxy's rotating addresses outrun it."""
+        """(0, "") when ``password`` is the operator's, else an HTTP status and why not. A try
+        counts as failed before scrypt runs (success takes it back), one check per address at a
+        time and SIGNIN_CHECKS in all, so neither concurrency nor rotating addresses outrun it."""
         address, now = self.who(request)[0], time.time()
         wait = max(self.wait_secs(address), self.wait_secs("*", SIGNIN_ALL_TRIES))
         if wait or address in self.checking:
@@ -8112,17 +8110,16 @@ def page_routes(pages: Pages) -> list:
         url = "/signin?" + urllib.parse.urlencode({"next": target})
         head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
         if "hop" not in request.query_params and request.method == "GET" and not error:
-            # A SameSite=Strict cookie is not sent along a chain of redirects from
-            # another site (the client's): reloading from this page sends it.
+            # A SameSite=Strict cookie is not sent along a chain of redirects from another
+            # site (the client's): reloading from this page sends it.
             again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
             head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
+        field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
         if link:
             field = (
                 f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
                 "one-time link made by <code>operator link</code> on the host.</p>"
             )
-        else:
-            field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
         body = (
             f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
             '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
@@ -8400,10 +8397,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     scopes, url = list(SCOPES), AnyHttpUrl(issuer)
     resource_url = AnyHttpUrl(provider.resource)
     resource = create_protected_resource_routes(resource_url, [url], scopes, "smol-mcp")
-    registration = ClientRegistrationOptions(
-        enabled=True, valid_scopes=scopes, default_scopes=scopes
-    )
-    routes = create_auth_routes(provider, url, None, registration, RevocationOptions(enabled=True))
+    clients = ClientRegistrationOptions(enabled=True, valid_scopes=scopes, default_scopes=scopes)
+    routes = create_auth_routes(provider, url, None, clients, RevocationOptions(enabled=True))
 
     async def screen(request: Any, route: Any) -> Any:
         """Before the SDK's /register, /token and /revoke: a registration
