@@ -49,6 +49,7 @@ import functools
 import getpass
 import hashlib
 import hmac
+import html
 import http.client
 import ipaddress
 import json
@@ -7398,6 +7399,7 @@ OAUTH_REGISTRATIONS = 10  # client registrations per address in a window
 SIGNIN_MAX_SESSIONS = 16  # signed-in browsers kept; past it the oldest is signed out
 SESSION_COOKIE, FORM_COOKIE = "smol_session", "smol_form"
 MIN_PASSWORD_CHARS = 12
+PASSWORD_ATTRS = 'type="password" name="password" maxlength="1024" autocomplete="current-password"'
 PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
 RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
 PAGE_STYLE = (
@@ -7414,8 +7416,6 @@ PAGE_STYLE = (
 
 def esc(value: Any) -> str:
     """Text made safe inside HTML: every value a page shows goes through this."""
-    import html
-
     return html.escape(str(value), quote=True)
 
 
@@ -7428,24 +7428,19 @@ class FormRefused(Exception):
 
 
 class Operator:
-    """The operator's password (scrypt, salted) and one-time sign-in links, in
-    the state directory; neither is ever kept in clear."""
+    """The operator's password (scrypt, salted) and one-time sign-in links: never in clear."""
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / OPERATOR_FILE, dict)
 
     @staticmethod
     def _scrypt(password: str, salt: str) -> str:
-        import hashlib
-
         return hashlib.scrypt(password.encode(), salt=bytes.fromhex(salt), n=2**14, r=8, p=1).hex()
 
     def set_password(self, password: str) -> None:
         if len(password) < MIN_PASSWORD_CHARS:
-            raise ConfigError(
-                f"the password has {len(password)} characters; use at least "
-                f"{MIN_PASSWORD_CHARS} (a few words work well)"
-            )
+            why = f"use at least {MIN_PASSWORD_CHARS} (a few words work well)"
+            raise ConfigError(f"the password has {len(password)} characters; {why}")
         salt = secrets_module.token_hex(16)
         hashed = {"salt": salt, "scrypt": self._scrypt(password, salt)}
         self.file.update(lambda data: data.__setitem__("password", hashed))
@@ -7494,9 +7489,8 @@ class Operator:
 
 
 class Pages:
-    """The server's own pages: who is signed in (sessions of this process, by
-    an HttpOnly SameSite=Strict cookie), the sign-in rate limit per client
-    address, CSRF tokens, and the renderer every page goes through."""
+    """The server's own pages: who is signed in (sessions of this process, by an HttpOnly
+    SameSite=Strict cookie), sign-in rate limits, CSRF tokens, and the page renderer."""
 
     def __init__(self, state_dir: str | Path, issuer: str):
         self.operator, self.issuer = Operator(state_dir), issuer
@@ -7508,9 +7502,8 @@ class Pages:
 
     @staticmethod
     def who(request: Any) -> list:
-        """The browser a session is bound to: a cookie replayed from another
-        address or program (one an agent's published loopback port caught) is
-        no session at all."""
+        """The browser a session is bound to: a cookie replayed from another address or
+        program (one an agent's published loopback port caught) is no session at all."""
         return [request.client.host if request.client else "", request.headers.get("user-agent")]
 
     def session(self, request: Any) -> dict | None:
@@ -7521,58 +7514,47 @@ class Pages:
         return found if found["salt"] == self.operator.generation() else None
 
     def require_operator(self, request: Any) -> dict:
-        """The signed-in operator's session, or SignInRequired, which sends
-        the browser to the sign-in page and back to this URL after it. Every
-        handler of a page for the operator calls this first."""
-        session = self.session(request)
-        if session is None:
+        """The signed-in operator's session, or SignInRequired (to the sign-in page and back
+        here after it). Every handler of a page for the operator calls this first."""
+        if (session := self.session(request)) is None:
             raise SignInRequired()
         return session
 
-    def csrf_input(self, request: Any) -> str:
-        """The hidden CSRF field every form carries: the session's token, or
-        before sign-in one kept in a cookie of its own (double submit)."""
+    def csrf(self, request: Any) -> str:
+        """This browser's CSRF token: its session's, or before sign-in one kept in a cookie of
+        its own (double submit). Every form carries it in a hidden field."""
         session = self.session(request)
-        token = session["csrf"] if session else request.cookies.get(FORM_COOKIE)
+        return session["csrf"] if session else request.cookies.get(FORM_COOKIE, "")
+
+    def csrf_input(self, request: Any) -> str:
+        token = self.csrf(request)
         if not token:
             token = request.state.new_form_token = secrets_module.token_urlsafe(32)
         return f'<input type="hidden" name="csrf" value="{esc(token)}">'
 
     async def form(self, request: Any) -> Any:
         """The posted form once its CSRF token matched, else FormRefused (403)."""
-        form = await request.form()
-        session = self.session(request)
-        expected = session["csrf"] if session else request.cookies.get(FORM_COOKIE, "")
+        form, expected = await request.form(), self.csrf(request)
         if not expected or not hmac.compare_digest(str(form.get("csrf", "")), expected):
             raise FormRefused()
         return form
 
-    def page(
-        self, request: Any, title: str, body: str, status: int = 200, form_to: str = "", head=""
-    ) -> Any:
-        """A whole page around ``body`` (HTML the caller built with esc() on
-        every value), readable on a phone: who is signed in with a Sign out
-        button; a CSP that allows only the page's own style and forms posting
-        here (and to ``form_to``, where a form's answer redirects); no framing."""
-        import hashlib
-
+    def page(self, request: Any, title: str, body: str, status=200, form_to="", head="") -> Any:
+        """A whole page around ``body`` (HTML built with esc() on every value), readable on a
+        phone: who is signed in with a Sign out button; a CSP that allows only the page's own
+        style and forms posting here (and to ``form_to``, where a form's answer redirects)."""
         from starlette.responses import HTMLResponse
 
         style = base64.b64encode(hashlib.sha256(PAGE_STYLE.encode()).digest()).decode()
         form_to = "" if re.search(r"[;,\s'\"]", form_to) else form_to  # one source, or none
         policy = f"default-src 'none'; style-src 'sha256-{style}'; form-action 'self' {form_to}"
-        headers = {
-            "content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'",
-            "x-frame-options": "DENY",
-            "cache-control": "no-store",
-            "referrer-policy": "no-referrer",
-        }
+        headers = {"content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'"}
+        headers |= {"x-frame-options": "DENY", "cache-control": "no-store"}
+        headers["referrer-policy"] = "no-referrer"
         who = ""
         if self.session(request):
-            who = (
-                f'<form method="post" action="/signout">Signed in as the operator of '
-                f"{esc(self.issuer)} {self.csrf_input(request)}<button>Sign out</button></form>"
-            )
+            out = f"{esc(self.issuer)} {self.csrf_input(request)}<button>Sign out</button></form>"
+            who = f'<form method="post" action="/signout">Signed in as the operator of {out}'
         text = (
             '<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
             f'content="width=device-width,initial-scale=1">{head}<title>{esc(title)} - smol-mcp'
@@ -7585,9 +7567,8 @@ class Pages:
         return response
 
     def cookie(self, response: Any, name: str, value: str, **options: Any) -> None:
-        response.set_cookie(
-            name, value, httponly=True, samesite="strict", secure=self.secure, **options
-        )
+        options |= {"httponly": True, "samesite": "strict", "secure": self.secure}
+        response.set_cookie(name, value, **options)
 
     def wait_secs(self, key: str, tries: int = SIGNIN_TRIES) -> int:
         """How long ``key`` (an address, or "*" for all) must wait before it may try again."""
@@ -7600,12 +7581,9 @@ class Pages:
         return int(recent[-tries] + SIGNIN_WINDOW_SECS - now) + 1 if len(recent) >= tries else 0
 
     async def check_password(self, request: Any, password: str) -> tuple[int, str]:
-        """(0, "") when ``password`` is the operator's, else an HTTP status and
-        why not. The attempt counts as failed before scrypt runs (a success
-        takes it back), one check per address at a time and SIGNIN_CHECKS in
-        all, so neither concurrency nor a proxy's rotating addresses outrun it."""
-        import anyio
-
+        """(0, "") when ``password`` is the operator's, else an HTTP status and why not. A try
+        counts as failed before scrypt runs (success takes it back), one check per address at a
+        time and SIGNIN_CHECKS in all, so neither concurrency nor rotating addresses outrun it."""
         address, now = self.who(request)[0], time.time()
         wait = max(self.wait_secs(address), self.wait_secs("*", SIGNIN_ALL_TRIES))
         if wait or address in self.checking:
@@ -7615,9 +7593,8 @@ class Pages:
             self.failures.setdefault(key, []).append(now)
         self.checking.add(address)
         try:
-            right = await anyio.to_thread.run_sync(
-                self.operator.check_password, password, limiter=self.limiter
-            )
+            check = self.operator.check_password
+            right = await anyio.to_thread.run_sync(check, password, limiter=self.limiter)
         finally:
             self.checking.discard(address)
         if not right:
@@ -7644,31 +7621,22 @@ class Pages:
         """The password field of a form whose change confirm() checks."""
         if self.operator.generation() is None:
             return ""
-        return (
-            f'<label>Password, for {what} <input type="password" name="password" '
-            'maxlength="1024" autocomplete="current-password"></label>'
-        )
+        return f"<label>Password, for {what} <input {PASSWORD_ATTRS}></label>"
 
     def start_session(self, request: Any, response: Any, how: str) -> None:
         cookie, now = secrets_module.token_urlsafe(32), time.time()
         self.sessions = {k: v for k, v in self.sessions.items() if v["expires"] > now}
         while len(self.sessions) >= SIGNIN_MAX_SESSIONS:
             del self.sessions[min(self.sessions, key=lambda k: self.sessions[k]["expires"])]
-        self.sessions[secret_hash(cookie)] = {
-            "expires": now + SIGNIN_SESSION_SECS,
-            "started": now,
-            "csrf": secrets_module.token_urlsafe(32),
-            "how": how,
-            "who": self.who(request),
-            "salt": self.operator.generation(),
-        }
+        session = {"csrf": secrets_module.token_urlsafe(32), "how": how, "who": self.who(request)}
+        session |= {"started": now, "salt": self.operator.generation()}
+        self.sessions[secret_hash(cookie)] = {"expires": now + SIGNIN_SESSION_SECS, **session}
         self.cookie(response, SESSION_COOKIE, cookie, max_age=SIGNIN_SESSION_SECS)
 
 
 def oauth_issuer(config: Config, host: str, port: int) -> str | None:
-    """The address the pages and OAuth name this server by: publicUrl, else
-    the loopback address it is bound to; None off loopback without publicUrl
-    (the name clients dial is not knowable here)."""
+    """The address the pages and OAuth name this server by: publicUrl, else the loopback
+    address it is bound to; None off loopback (the name clients dial is not knowable here)."""
     if config.public_url:
         return config.public_url.rstrip("/")
     if host in LOOPBACK_HOSTS:
@@ -7698,19 +7666,15 @@ def page_routes(pages: Pages) -> list:
         url = "/signin?" + urllib.parse.urlencode({"next": target})
         head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
         if "hop" not in request.query_params and request.method == "GET" and not error:
-            # A SameSite=Strict cookie is not sent along a chain of redirects from
-            # another site (the client's): reloading from this page sends it.
+            # A SameSite=Strict cookie is not sent along a chain of redirects from another
+            # site (the client's): reloading from this page sends it.
             again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
             head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
+        field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
         if link:
             field = (
                 f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
                 "one-time link made by <code>operator link</code> on the host.</p>"
-            )
-        else:
-            field = (
-                '<label>Password <input type="password" name="password" maxlength="1024" '
-                'autocomplete="current-password" required autofocus></label>'
             )
         body = (
             f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
@@ -7760,11 +7724,10 @@ OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant
 OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
 OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
 OAUTH_MAX_REGISTRATION_BYTES = 8192
-OAUTH_CLIENT_FIELDS = {  # what is kept of a registration: what this server uses
-    *("client_id", "client_secret", "client_id_issued_at", "client_secret_expires_at"),
-    *("client_name", "redirect_uris", "token_endpoint_auth_method", "grant_types"),
-    *("response_types", "scope"),
-}
+OAUTH_CLIENT_FIELDS = set(  # what is kept of a registration: what this server uses
+    "client_id client_secret client_id_issued_at client_secret_expires_at client_name "
+    "redirect_uris token_endpoint_auth_method grant_types response_types scope".split()
+)
 GRANTS = {  # the consent page's grants, besides Choose scopes
     "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
     "Read-only": ("machines.read", "activity.read"),
@@ -7790,9 +7753,8 @@ def oauth_client_class() -> type:
             def but_port(uri: Any) -> tuple:
                 return uri.scheme, uri.host, uri.path, uri.query
 
-            known = [but_port(uri) for uri in self.redirect_uris or []]
             if redirect_uri is not None and redirect_uri.host in (*LOOPBACK_HOSTS, "[::1]"):
-                if but_port(redirect_uri) in known:
+                if but_port(redirect_uri) in map(but_port, self.redirect_uris or []):
                     return redirect_uri
             return super().validate_redirect_uri(redirect_uri)
 
@@ -7800,11 +7762,10 @@ def oauth_client_class() -> type:
 
 
 class OAuthProvider:
-    """The SDK's OAuthAuthorizationServerProvider over the state directory:
-    registered clients in a file of their own (OAUTH_MAX_CLIENTS at most),
-    consent requests and codes in memory (minutes long), and each grant a
-    named token whose record holds its client and the hashes of its access
-    and refresh tokens, so `tokens delete` ends all of them at once."""
+    """The SDK's OAuthAuthorizationServerProvider over the state directory: registered clients in
+    a file of their own (OAUTH_MAX_CLIENTS at most), consent requests and codes in memory
+    (minutes long), and each grant a named token whose record holds its client and the hashes of
+    its access and refresh tokens, so `tokens delete` ends all of them at once."""
 
     def __init__(self, app: SmolMcp, issuer: str, resource: str):
         self.tokens, self.activity = app.access.tokens, app.access.activity
@@ -7841,31 +7802,30 @@ class OAuthProvider:
         if "client_secret" in kept:  # only its hash: the token routes hash what is sent
             kept["client_secret"] = secret_hash(kept["client_secret"])
 
-        def add(data: dict) -> None:
+        def add(data: dict) -> bool:
             if len(data) >= OAUTH_MAX_CLIENTS:
                 self.tokens.file.expire()  # a grant made a moment ago counts
                 granted = {record.get("clientId") for record in self.tokens.records()}
                 spare = [client_id for client_id in data if client_id not in granted]
                 if not spare:
-                    raise RegistrationError(
-                        "invalid_client_metadata",
-                        f"{OAUTH_MAX_CLIENTS} clients with grants are registered: the operator "
-                        "must delete one (`tokens delete NAME`) first",
-                    )
+                    return False
                 del data[spare[0]]
             data[client_info.client_id] = kept
+            return True
 
-        self.clients.update(add)
+        # Raised out here: the SDK's frozen errors cannot pass through the file lock's with.
+        if not self.clients.update(add):
+            why = f"{OAUTH_MAX_CLIENTS} clients with grants are registered: the operator must"
+            why += " delete one (`tokens delete NAME`) first"
+            raise RegistrationError("invalid_client_metadata", why)
 
     async def authorize(self, client: Any, params: Any) -> str:
         """Hold the request for the consent page, and send the browser there."""
         from mcp.server.auth.provider import AuthorizeError
 
         if params.resource is not None and params.resource.rstrip("/") != self.resource:
-            raise AuthorizeError(
-                "invalid_target",
-                f"this server is the resource {self.resource}, not {params.resource}",
-            )
+            why = f"this server is the resource {self.resource}, not {params.resource}"
+            raise AuthorizeError("invalid_target", why)
         now = time.time()
         self.pending = {k: v for k, v in self.pending.items() if v[2] > now}
         mine = [k for k, v in self.pending.items() if v[0].client_id == client.client_id]
@@ -7877,23 +7837,23 @@ class OAuthProvider:
         self.pending[request_id] = (client, params, now + SIGNIN_LINK_SECS)
         return f"{self.issuer}/consent?request={request_id}"
 
-    def new_code(self, client: Any, params: Any, record: dict) -> str:
-        from mcp.server.auth.provider import AuthorizationCode
+    def model(self, name: str, record: dict, **fields: Any) -> Any:
+        """The SDK's ``name`` (AuthorizationCode, RefreshToken, AccessToken) of a grant."""
+        from mcp.server.auth import provider
 
+        mine = {
+            "client_id": record["clientId"],
+            "scopes": record["scopes"],
+            "subject": record["id"],
+        }
+        return getattr(provider, name)(**{**fields, **mine, "resource": self.resource})
+
+    def new_code(self, params: Any, record: dict) -> str:
         code, now = secrets_module.token_urlsafe(32), time.time()
         self.codes = {k: v for k, v in self.codes.items() if v.expires_at > now}
         self.used &= self.codes.keys()
-        self.codes[code] = AuthorizationCode(
-            code=code,
-            scopes=record["scopes"],
-            expires_at=now + OAUTH_CODE_SECS,
-            client_id=client.client_id,
-            code_challenge=params.code_challenge,
-            redirect_uri=params.redirect_uri,
-            redirect_uri_provided_explicitly=params.redirect_uri_provided_explicitly,
-            resource=self.resource,
-            subject=record["id"],
-        )
+        fields = {"code": code, "expires_at": now + OAUTH_CODE_SECS, **params.model_dump()}
+        self.codes[code] = self.model("AuthorizationCode", record, **fields)
         return code
 
     async def load_authorization_code(self, client: Any, code: str) -> Any:
@@ -7909,25 +7869,16 @@ class OAuthProvider:
         return self.issue(code.subject, None)
 
     async def load_refresh_token(self, client: Any, token: str) -> Any:
-        from mcp.server.auth.provider import RefreshToken
-
         digest = secret_hash(token)
         for record in self.tokens.records():
-            if digest in record.get("spent", []) and record.get("clientId") == client.client_id:
+            if record.get("clientId") != client.client_id:
+                continue
+            if digest in record.get("spent", []):
                 return self.end_grant(record["id"], "a spent refresh token was used again")
-            kept = [
-                k for k in record.get("refresh", []) if hmac.compare_digest(k["sha256"], digest)
-            ]
-            if kept and record.get("clientId") == client.client_id:
-                expires, scopes = int(kept[0]["expiresAt"]), record["scopes"]
-                return RefreshToken(
-                    token=token,
-                    client_id=client.client_id,
-                    scopes=scopes,
-                    expires_at=expires,
-                    resource=self.resource,
-                    subject=record["id"],
-                )
+            for kept in record.get("refresh", []):
+                if hmac.compare_digest(kept["sha256"], digest):
+                    expires = int(kept["expiresAt"])
+                    return self.model("RefreshToken", record, token=token, expires_at=expires)
         return None
 
     async def exchange_refresh_token(self, client: Any, refresh_token: Any, scopes: list) -> Any:
@@ -7942,46 +7893,32 @@ class OAuthProvider:
         access, refresh, now = new_token_secret(), new_token_secret(), time.time()
 
         def rotate(data: dict) -> dict | None:
-            for record in data.get("tokens", []):
-                if record.get("id") != grant_id:
-                    continue
-                refreshes = [kept["sha256"] for kept in record.get("refresh", [])]
-                if spent is not None and secret_hash(spent) not in refreshes:
-                    return None  # used already: by the client, or by whoever stole it
-                record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
-                live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
-                new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
-                record["access"] = [*live, new]
-                new = {"sha256": secret_hash(refresh), "expiresAt": now + OAUTH_REFRESH_SECS}
-                record["refresh"] = [new]
-                return record
-            return None
+            mine = [record for record in data.get("tokens", []) if record.get("id") == grant_id]
+            refreshes = [kept["sha256"] for record in mine for kept in record.get("refresh", [])]
+            if not mine or spent is not None and secret_hash(spent) not in refreshes:
+                return None  # deleted, or used already: by the client, or by whoever stole it
+            record = mine[0]
+            record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
+            live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
+            new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
+            record["access"] = [*live, new]
+            new = {"sha256": secret_hash(refresh), "expiresAt": now + OAUTH_REFRESH_SECS}
+            record["refresh"] = [new]
+            return record
 
         record = self.tokens.file.update(rotate)
         if record is None and spent is not None:
             self.end_grant(grant_id, "a spent refresh token was used again")
         if record is None:
             raise TokenError("invalid_grant", "this grant was deleted, or the token used already")
-        return OAuthToken(
-            access_token=access,
-            expires_in=OAUTH_ACCESS_SECS,
-            refresh_token=refresh,
-            scope=" ".join(record["scopes"]),
-        )
+        answer = {"access_token": access, "refresh_token": refresh, "expires_in": OAUTH_ACCESS_SECS}
+        return OAuthToken(scope=" ".join(record["scopes"]), **answer)
 
     async def load_access_token(self, token: str) -> Any:
-        from mcp.server.auth.provider import AccessToken
-
         record = self.tokens.match([token])
         if record is None or not record.get("clientId"):
             return None
-        return AccessToken(
-            token=token,
-            client_id=record["clientId"],
-            scopes=record["scopes"],
-            resource=self.resource,
-            subject=record["id"],
-        )
+        return self.model("AccessToken", record, token=token)
 
     async def revoke_token(self, token: Any) -> None:
         """A client that revokes a token ends its whole grant, as `tokens delete` does."""
@@ -7999,9 +7936,8 @@ def default_token_name(client_name: str, taken: Iterable[str]) -> str:
     """A free token name made from a client's name."""
     base = re.sub(r"[^A-Za-z0-9._-]+", "-", client_name).strip("-._")[:56] or "client"
     names = set(taken) | set(RESERVED_TOKEN_NAMES)
-    return next(
-        name for name in (base, *(f"{base}-{i}" for i in range(2, 999))) if name not in names
-    )
+    candidates = (base, *(f"{base}-{i}" for i in range(2, 999)))
+    return next(name for name in candidates if name not in names)
 
 
 def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
@@ -8014,19 +7950,19 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     from starlette.routing import Route
 
     pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
-    resource = create_protected_resource_routes(
-        AnyHttpUrl(issuer + path), [AnyHttpUrl(issuer)], list(SCOPES), "smol-mcp"
-    )
+    scopes, url = list(SCOPES), AnyHttpUrl(issuer)
+    resource_url = AnyHttpUrl(provider.resource)
+    resource = create_protected_resource_routes(resource_url, [url], scopes, "smol-mcp")
+    clients = ClientRegistrationOptions(enabled=True, valid_scopes=scopes, default_scopes=scopes)
+    routes = create_auth_routes(provider, url, None, clients, RevocationOptions(enabled=True))
 
-    async def screen(request: Any) -> Any:
+    async def screen(request: Any, route: Any) -> Any:
         """Before the SDK's /register, /token and /revoke: a registration
         bounded and rate limited per address; a `resource` other than this
         server refused (RFC 8707); the client's secret hashed, as only its hash
-        is kept. A refusal, or the body and headers the SDK's route gets."""
+        is kept. A refusal, or the SDK's route on the body and headers it gets."""
         body, headers = await request.body(), request.scope["headers"]
-        if request.method != "POST":
-            return body, headers
-        if request.url.path == "/register":
+        if request.method == "POST" and request.url.path == "/register":
             key = "register " + pages.who(request)[0]
             wait = pages.wait_secs(key, OAUTH_REGISTRATIONS)
             if wait or len(body) > OAUTH_MAX_REGISTRATION_BYTES:
@@ -8035,36 +7971,31 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
                 answer = {"error": "invalid_client_metadata", "error_description": why}
                 return JSONResponse(answer, 429 if wait else 413)
             pages.failures.setdefault(key, []).append(time.time())
-            return body, headers
-        form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
-        if form.get("resource", provider.resource).rstrip("/") != provider.resource:
-            why = f"this server is the resource {provider.resource}, not {form['resource']}"
-            return JSONResponse({"error": "invalid_target", "error_description": why}, 400)
-        if "client_secret" in form:
-            form["client_secret"] = secret_hash(form["client_secret"])
-        basic = request.headers.get("authorization", "")
-        if basic[:6].lower() == "basic ":
-            try:
-                who, _, secret = base64.b64decode(basic[6:]).decode().partition(":")
-            except ValueError:
-                who = secret = ""
-            basic = f"{who}:{secret_hash(urllib.parse.unquote(secret))}"
-            basic = b"Basic " + base64.b64encode(basic.encode())
-            headers = [(k, v) for k, v in headers if k != b"authorization"]
-            headers.append((b"authorization", basic))
-        body = urllib.parse.urlencode(form).encode()
-        headers = [(k, v) for k, v in headers if k != b"content-length"]
-        return body, [*headers, (b"content-length", str(len(body)).encode())]
+        elif request.method == "POST":
+            form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
+            if form.get("resource", provider.resource).rstrip("/") != provider.resource:
+                why = f"this server is the resource {provider.resource}, not {form['resource']}"
+                return JSONResponse({"error": "invalid_target", "error_description": why}, 400)
+            if "client_secret" in form:
+                form["client_secret"] = secret_hash(form["client_secret"])
+            body, new = urllib.parse.urlencode(form).encode(), {}
+            basic = request.headers.get("authorization", "")
+            if basic[:6].lower() == "basic ":
+                try:
+                    who, _, secret = base64.b64decode(basic[6:]).decode().partition(":")
+                except ValueError:
+                    who = secret = ""
+                basic = f"{who}:{secret_hash(urllib.parse.unquote(secret))}"
+                new[b"authorization"] = b"Basic " + base64.b64encode(basic.encode())
+            new[b"content-length"] = str(len(body)).encode()
+            headers = [*((k, v) for k, v in headers if k not in new), *new.items()]
+        scope = {**request.scope, "headers": headers}
+        return lambda _, receive, send: route.app(scope, replay_body(body, receive), send)
 
     def screened(route: Any) -> Any:
-        async def endpoint(request: Any) -> Any:
-            answer = await screen(request)
-            if not isinstance(answer, tuple):
-                return answer
-            scope = {**request.scope, "headers": answer[1]}
-            return lambda _, receive, send: route.app(scope, replay_body(answer[0], receive), send)
-
-        return Route(route.path, endpoint, methods=route.methods)
+        if route.path not in OAUTH_PATHS[1:]:
+            return route
+        return Route(route.path, functools.partial(screen, route=route), methods=route.methods)
 
     def back(params: Any, **answer: str) -> Any:
         url = construct_redirect_uri(str(params.redirect_uri), state=params.state, **answer)
@@ -8075,10 +8006,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         request_id = request.query_params.get("request", "")
         client, params, expires = provider.pending.get(request_id, (None, None, 0))
         if expires < time.time():
-            body = (
-                "<p>This request is unknown or over 10 minutes old: connect the client again.</p>"
-            )
-            return pages.page(request, "No such request", body, 404)
+            gone = "unknown or over 10 minutes old: connect the client again."
+            return pages.page(request, "No such request", f"<p>This request is {gone}</p>", 404)
         name = client.client_name or client.client_id
         target = urllib.parse.urlsplit(str(params.redirect_uri))
         error, chosen = "", {"grant": "Sandbox", "name": "", "approval": ""}
@@ -8088,32 +8017,26 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
                 del provider.pending[request_id]
                 return back(params, error="access_denied", error_description="the operator said no")
             chosen = {key: str(form.get(key, "")) for key in chosen}
-            scopes = GRANTS.get(chosen["grant"]) or tuple(
-                scope for scope in SCOPES if scope in form.getlist("scope")
-            )
+            ticked = form.getlist("scope")
+            scopes = GRANTS.get(chosen["grant"]) or tuple(s for s in SCOPES if s in ticked)
             try:
                 if not scopes:
                     raise ConfigError("Tick at least one scope, or pick another grant.")
                 wide = not set(scopes) <= set(GRANTS["Sandbox"])
                 if wide and (why := await pages.confirm(request, form)):
                     raise ConfigError(why)
+                approval = "changes" if chosen["approval"] else "none"
+                owner = {"client": name, "clientId": client.client_id}
                 record, _ = provider.tokens.create(
-                    chosen["name"].strip(),
-                    scopes,
-                    FLEET_NAMES,
-                    "changes" if chosen["approval"] else "none",
-                    client=name,
-                    clientId=client.client_id,
+                    chosen["name"].strip(), scopes, FLEET_NAMES, approval, **owner
                 )
             except ConfigError as err:
                 error = str(err)
             else:
                 del provider.pending[request_id]
-                entry = {"event": "token", "outcome": "granted", "client": name}
-                provider.activity.append(
-                    {"principal": "operator", "token": record["name"], **entry}
-                )
-                return back(params, code=provider.new_code(client, params, record))
+                entry = {"principal": "operator", "token": record["name"], "event": "token"}
+                provider.activity.append({**entry, "outcome": "granted", "client": name})
+                return back(params, code=provider.new_code(params, record))
         taken = (record["name"] for record in provider.tokens.records())
         grants = "".join(
             f'<label><input type="radio" name="grant" value="{esc(grant)}"'
@@ -8137,25 +8060,14 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             f'{esc(chosen["name"] or default_token_name(name, taken))}"></label><label><input '
             f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}'
             f"> Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
-            '<p><button type="submit" name="action" '
-            'value="Allow">Allow</button> <button type="submit" name="action" value="Deny" '
-            "formnovalidate>Deny</button></p></form>"
+            '<p><button type="submit" name="action" value="Allow">Allow</button> <button '
+            'type="submit" name="action" value="Deny" formnovalidate>Deny</button></p></form>'
         )
         form_to = f"{target.scheme}://{target.netloc}" if target.netloc else f"{target.scheme}:"
         return pages.page(request, f"Connect {name}?", body, 400 if error else 200, form_to)
 
     return [
-        *(
-            screened(route) if route.path in ("/register", "/token", "/revoke") else route
-            for route in create_auth_routes(
-                provider,
-                AnyHttpUrl(issuer),
-                client_registration_options=ClientRegistrationOptions(
-                    enabled=True, valid_scopes=list(SCOPES), default_scopes=list(SCOPES)
-                ),
-                revocation_options=RevocationOptions(enabled=True),
-            )
-        ),
+        *map(screened, routes),
         *resource,  # RFC 9728's place for it, and the root some clients look at first
         Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
         Route("/consent", consent, methods=["GET", "POST"]),
@@ -8163,9 +8075,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
 
 
 def pages_app(pages: Pages, routes: list) -> Any:
-    """The Starlette app of the pages and OAuth routes: a page that needs the
-    operator sends a signed-out browser to sign in, and a form without its
-    CSRF token is refused."""
+    """The Starlette app of the pages and OAuth routes: a page that needs the operator sends
+    a signed-out browser to sign in, and a form without its CSRF token is refused."""
     from starlette.applications import Starlette
     from starlette.responses import RedirectResponse
 
@@ -8180,9 +8091,8 @@ def pages_app(pages: Pages, routes: list) -> Any:
         )
         return pages.page(request, "Form refused", body, 403)
 
-    return Starlette(
-        routes=routes, exception_handlers={SignInRequired: sign_in_first, FormRefused: refused}
-    )
+    handlers = {SignInRequired: sign_in_first, FormRefused: refused}
+    return Starlette(routes=routes, exception_handlers=handlers)
 
 
 # ---------------------------------------------------------------------------
