@@ -39,15 +39,18 @@ import dataclasses
 import datetime
 import difflib
 import errno
+import fcntl
 import functools
 import hmac
 import http.client
+import importlib.metadata
 import ipaddress
 import json
 import logging
 import os
 import re
 import secrets as secrets_module
+import select
 import shlex
 import shutil
 import signal
@@ -84,11 +87,10 @@ DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 
 
 def setting_field(default: Any, env: str = "", kind: str = "", **limits: Any) -> Any:
-    """Declare one setting as a Config field: its default, its environment variable
-    (SMOL_MCP_ and the field's name in capitals unless given), and how a raw value is read
-    (kind: "str", "int", "choice", "version", "list" or "secret"; inferred from the default and
-    ``choices`` unless given; ints take ``minimum`` and ``maximum``). Its config-file key is the
-    field's name in camelCase; SETTINGS, the docs check and the tests all derive from this."""
+    """One Config field: its default, its environment variable (SMOL_MCP_ and the name in
+    capitals unless given), its kind ("str", "int", "choice", "version", "list" or "secret";
+    inferred unless given; ints take ``minimum`` and ``maximum``). Its file key is the name in
+    camelCase; SETTINGS, the docs check and the tests all derive from this."""
     if not kind:
         kind = "choice" if "choices" in limits else {int: "int", tuple: "list"}.get(type(default))
     rule = {"env": env, "kind": kind or "str", **limits}
@@ -164,9 +166,8 @@ def _camel(attr: str) -> str:
 
 def _setting(f: dataclasses.Field) -> Setting:
     """The Setting a Config field declares with setting_field."""
-    rule = f.metadata["setting"]
-    env = rule["env"] or f"SMOL_MCP_{f.name.upper()}"
-    return Setting(_camel(f.name), attr=f.name, **{**rule, "env": env})
+    env = f.metadata["setting"]["env"] or f"SMOL_MCP_{f.name.upper()}"
+    return Setting(_camel(f.name), attr=f.name, **{**f.metadata["setting"], "env": env})
 
 
 SETTINGS: tuple[Setting, ...] = tuple(_setting(f) for f in dataclasses.fields(Config))
@@ -181,8 +182,7 @@ def config_file_path(environ: dict[str, str]) -> Path:
 
 
 def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
-    """Turn one raw value (a string from the environment, JSON from the file) into
-    its typed form, or raise ConfigError naming the setting and what it accepts."""
+    """One raw value (an environment string, or JSON from the file) typed, or ConfigError."""
     where = f"{setting.env}" if source == "env" else f'"{setting.key}" in the config file'
     if setting.kind in ("str", "secret", "version"):
         if not isinstance(value, str):
@@ -224,9 +224,8 @@ def _json_type(value: Any) -> str:
 
 
 def load_config(environ: dict[str, str] | None = None) -> Config:
-    """Read the config file and the environment into a validated Config. A missing file
-    is fine; an unreadable or malformed one, an unknown key, a wrong type or an out-of-range
-    value raises ConfigError with a sentence that names the key (never a secret)."""
+    """The config file and the environment as a validated Config. A missing file is fine;
+    anything else wrong raises ConfigError with a sentence naming the key (never a secret)."""
     environ = dict(os.environ if environ is None else environ)
     values: dict[str, Any] = {}
     path = config_file_path(environ)
@@ -244,31 +243,25 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     by_key = {s.key: s for s in SETTINGS}
     for key, raw in data.items():
         if key not in by_key:
+            accepted = f"the accepted keys are: {', '.join(by_key)}"
             maybe = did_you_mean(key, by_key)
-            raise ConfigError(
-                f'unknown key "{key}" in the config file {path}{maybe}; '
-                f"the accepted keys are: {', '.join(by_key)}"
-            )
+            raise ConfigError(f'unknown key "{key}" in the config file {path}{maybe}; {accepted}')
         values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
     for setting in SETTINGS:
         if setting.env in environ:
             values[setting.attr] = _parse_setting(setting, environ[setting.env], "env")
 
     config = Config(**values)
-    if config.exec_timeout_secs > config.max_exec_timeout_secs:
-        raise ConfigError(
-            f"execTimeoutSecs ({config.exec_timeout_secs}) must not be above "
-            f"maxExecTimeoutSecs ({config.max_exec_timeout_secs})"
-        )
+    exec_limits = config.exec_timeout_secs, config.max_exec_timeout_secs
+    if exec_limits[0] > exec_limits[1]:
+        limits = "execTimeoutSecs ({}) must not be above maxExecTimeoutSecs ({})"
+        raise ConfigError(limits.format(*exec_limits))
     if not NAME_RE.fullmatch(config.machine_prefix + "x"):
-        raise ConfigError(
-            "machinePrefix must start with a letter or digit and hold only letters, digits, "
-            f"'-' and '_', got {config.machine_prefix!r}"
-        )
+        why = "start with a letter or digit and hold only letters, digits, '-' and '_'"
+        raise ConfigError(f"machinePrefix must {why}, got {config.machine_prefix!r}")
     if not config.machine_prefix:
-        raise ConfigError(
-            "machinePrefix must not be empty: it is what marks a machine as ephemeral"
-        )
+        why = "it is what marks a machine as ephemeral"
+        raise ConfigError(f"machinePrefix must not be empty: {why}")
     if not config.http_path.startswith("/"):
         raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
     if config.local_url:
@@ -298,8 +291,9 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             f"without a path, such as https://mcp.example.com; got {config.public_url!r}"
         )
     runtime_dir = config.runtime_dir or default_runtime_dir(environ)
-    state_dir = config.state_dir or default_state_dir(environ)
-    return dataclasses.replace(config, runtime_dir=runtime_dir, state_dir=state_dir)
+    return dataclasses.replace(
+        config, runtime_dir=runtime_dir, state_dir=config.state_dir or default_state_dir(environ)
+    )
 
 
 def default_runtime_dir(environ: dict[str, str]) -> str:
@@ -310,30 +304,26 @@ def default_runtime_dir(environ: dict[str, str]) -> str:
 
 
 def default_state_dir(environ: dict[str, str]) -> str:
-    """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp: tokens and ownership
-    must outlive a reboot, which the runtime directory does not."""
+    """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens outlive a reboot)."""
     if environ.get("XDG_STATE_HOME"):
         return str(Path(environ["XDG_STATE_HOME"]) / "smol-mcp")
-    home = environ.get("HOME") or str(Path.home())
-    return str(Path(home) / ".local" / "state" / "smol-mcp")
+    return str(Path(environ.get("HOME") or Path.home()) / ".local" / "state" / "smol-mcp")
 
 
 def ensure_runtime_dir(path: str) -> Path:
-    """Create the runtime directory with mode 0700 and refuse one we do not own:
-    it holds the socket of an API without authentication."""
+    """ensure_private_dir for the runtime directory: it holds an unauthenticated API's socket."""
     return ensure_private_dir(path, "runtime directory", "SMOL_MCP_RUNTIME_DIR")
 
 
 def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
-    """Create a directory with mode 0700, and refuse one another user owns or
-    can open (named ``what``, moved with the variable ``env``)."""
+    """Create a directory with mode 0700; refuse one another user owns or can open (``what``
+    names it, the variable ``env`` moves it)."""
     directory = Path(path)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = directory.stat()
     if info.st_uid != os.getuid():
-        raise SmolError(
-            f"the {what} {directory} belongs to another user; set {env} to a directory of your own"
-        )
+        why = f"belongs to another user; set {env} to a directory of your own"
+        raise SmolError(f"the {what} {directory} {why}")
     if info.st_mode & 0o077:
         # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
         raise SmolError(
@@ -347,9 +337,8 @@ MOUNT_ROOT_WRITABLE = ":rw"
 
 
 def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
-    """The configured mount roots as (resolved directory, writable). A root is an
-    absolute host directory, read-only unless it ends in ":rw". Symlinks in the
-    root itself are resolved here, so a source is compared with the real place."""
+    """The mount roots as (resolved directory, writable): absolute host directories, read-only
+    unless ending in ":rw", resolved so a source is compared with the real place."""
     parsed = []
     for root in roots:
         writable = root.endswith(MOUNT_ROOT_WRITABLE)
@@ -364,11 +353,8 @@ def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
 
 
 def parse_local_url(url: str) -> tuple[str, str | int]:
-    """Split SMOL_LOCAL_URL into ("unix", path) or ("tcp", port).
-
-    Only a Unix socket or a loopback TCP port is accepted: the local API has no
-    authentication, so talking to it across a network would hand the host out.
-    """
+    """SMOL_LOCAL_URL as ("unix", path) or ("tcp", port). Only a Unix socket or a loopback port:
+    the local API has no authentication, so reaching it across a network hands the host out."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme == "unix":
         path = parsed.path or parsed.netloc
@@ -376,9 +362,9 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
             why = f"an absolute socket path, as unix:///path/to/serve.sock; got {url!r}"
             raise ConfigError(f"SMOL_LOCAL_URL must name {why}")
         return "unix", path
-    if parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "localhost", "::1"):
-        if parsed.port:
-            return "tcp", parsed.port
+    if parsed.scheme == "http" and parsed.hostname in LOOPBACK_HOSTS and parsed.port:
+        return "tcp", parsed.port
+
     raise ConfigError(
         "SMOL_LOCAL_URL must be unix:///absolute/path.sock or http://127.0.0.1:PORT (loopback "
         f"only, because the local API has no authentication); got {url!r}"
@@ -411,8 +397,7 @@ class NotRunning(SmolError):
 
 
 class ApiError(SmolError):
-    """The machine API refused a request. Keeps the status and the API's own
-    code and message so callers can branch on them and pass the text through."""
+    """The machine API refused a request; keeps its status, code and message to branch on."""
 
     def __init__(self, fleet: str, action: str, status: int, code: str, message: str):
         self.fleet, self.action, self.status = fleet, action, status
@@ -428,8 +413,7 @@ class ApiError(SmolError):
 
 
 def redact(text: str, secret_values: list[str]) -> str:
-    """Replace every configured secret in ``text``: last line of defence for
-    messages built from data we did not write."""
+    """``text`` with every configured secret replaced: the last defence for others' data."""
     for value in secret_values:
         if value:
             text = text.replace(value, "[redacted]")
@@ -468,11 +452,8 @@ RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "
 
 
 def wheel_engine() -> str | None:
-    """The smol/smol-vmm of a smolmachines package installed for the running
-    interpreter (``uv run --with smolmachines smol_mcp.py``): the full smolvm
-    CLI. Found through the package metadata, without importing the package."""
-    import importlib.metadata
-
+    """The smol/smol-vmm (the full smolvm CLI) of a smolmachines package installed for this
+    interpreter (``uv run --with smolmachines``), found without importing the package."""
     try:
         distribution = importlib.metadata.distribution("smolmachines")
     except importlib.metadata.PackageNotFoundError:
@@ -482,8 +463,7 @@ def wheel_engine() -> str | None:
 
 
 def inside_smol_guest() -> bool:
-    """True when this process runs inside a smol machine, where there is no
-    hypervisor to start a nested fleet with."""
+    """True inside a smol machine, where there is no hypervisor for a nested fleet."""
     return any(os.path.exists(marker) for marker in GUEST_MARKERS)
 
 
@@ -492,17 +472,12 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 def minimal_child_env(environ: dict[str, str], secret_values: list[str]) -> dict[str, str]:
-    """The environment the serve child gets: a few basics and SMOLVM_* engine
-    settings, never a token, even one that hides in an allowed name."""
+    """The serve child's environment: a few basics and SMOLVM_* engine settings, never a token.
+    A secret can hide inside a value (SMOLVM_EXTRA=prefix-<token>): such a variable is dropped."""
     env = {name: environ[name] for name in CHILD_ENV_NAMES if name in environ}
     env.update({name: value for name, value in environ.items() if name.startswith("SMOLVM_")})
-    # A secret can hide inside another value (SMOLVM_EXTRA=prefix-<token>): any value or
-    # name that contains one is dropped whole, however it is spelled around it.
-    return {
-        name: value
-        for name, value in env.items()
-        if not any(secret and (secret in value or secret in name) for secret in secret_values)
-    }
+    hides = [secret for secret in secret_values if secret]
+    return {k: v for k, v in env.items() if not any(s in v or s in k for s in hides)}
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -571,12 +546,10 @@ class FilePage:
     size: int
 
 
-# Jobs on the local fleet, which has no job API: a job is a process this server starts in the guest
-# through exec, detached from the exec (its own session, HUP ignored), with everything about it in
-# files under JOB_DIR/<jobId>: pid, stdout, stderr, exit (its exit code, written when it ends),
-# timedout, cancelled. So a job outlives the tool call, the client and this server, and ends with
-# its machine. A job whose process is gone without an exit file (the machine stopped under it) reads
-# "lost".
+# Local jobs (no job API): a process started through exec, detached (own session, HUP ignored),
+# with its pid, stdout, stderr, exit (code, written at the end), timedout and cancelled files under
+# JOB_DIR/<jobId>. It outlives the call, client and server, ends with its machine, and reads "lost"
+# when its process is gone without an exit file (the machine stopped under it).
 JOB_DIR = "/var/tmp/smol-mcp/jobs"
 JOB_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
 # $1 job directory, $2 timeout in seconds, then the argv. Runs detached; writes pid, exit.
@@ -661,8 +634,8 @@ class JobPage:
 
 
 def local_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
-    """The local exec body (the options typed as Fleet.exec has them). autoStart
-    false: a stopped machine is reported, so the tool can say it started it."""
+    """The local exec body. autoStart false: a stopped machine is reported, so the tool can say
+    it started it."""
     body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
     if workdir:
         body["workdir"] = workdir
@@ -679,14 +652,10 @@ def helper_output(name: str, action: str, result: ExecResult) -> bytes:
         return bytes(result.stdout)
     why = bytes(result.stderr).decode("utf-8", "replace").strip() or f"exit code {result.exit_code}"
     if "no such job" in why:
-        raise SmolError(
-            f"machine '{name}' has no such job (while trying to {action}); "
-            "get-machine lists its jobs"
-        )
-    raise SmolError(
-        f"could not {action} in machine '{name}': {why}. The job tools need a POSIX shell "
-        "(sh) with kill, tail, head and wc in the image."
-    )
+        why = f"has no such job (while trying to {action}); get-machine lists its jobs"
+        raise SmolError(f"machine '{name}' {why}")
+    need = "The job tools need a POSIX shell (sh) with kill, tail, head and wc in the image."
+    raise SmolError(f"could not {action} in machine '{name}': {why}. {need}")
 
 
 def not_running(name: str, err: ApiError) -> SmolError:
@@ -702,10 +671,8 @@ def local_job_page(name: str, job_id: str, data: bytes) -> JobPage:
         state, code, out_size, err_size, n, m = header.decode().split()
         n, m = int(n), int(m)
     except ValueError:
-        raise SmolError(
-            f"the guest of machine '{name}' answered a read of job {job_id} in a form this "
-            f"server could not read ({header[:200]!r})"
-        ) from None
+        why = f"a read of job {job_id} in a form this server could not read ({header[:200]!r})"
+        raise SmolError(f"the guest of machine '{name}' answered {why}") from None
     exit_code = int(code) if code.lstrip("-").isdigit() else None
     return JobPage(state, exit_code, rest[:n], rest[n : n + m], (int(out_size), int(err_size)))
 
@@ -717,10 +684,9 @@ INSIDE_GUEST = (
 
 
 class LocalFleet:
-    """The machines of ``smolvm serve`` on this host. The serve is started on first use,
-    shared by every session of the process (``acquire``/``release`` count them; the last
-    release stops a serve we started), restarted if it dies, and never started when
-    SMOL_LOCAL_URL names one to use instead."""
+    """The machines of ``smolvm serve`` on this host: started on first use, shared by every
+    session (``acquire``/``release`` count them; the last release stops a serve we started),
+    restarted if it dies, never started when SMOL_LOCAL_URL names one."""
 
     name = "local"
     served_as = (
@@ -746,9 +712,10 @@ class LocalFleet:
         hypervisor, serve = facts["hypervisor"]["detail"], facts["serve"]
         mounts = describe_mount_roots(app.config)
         details = [f"smolvm: {found}", f"hypervisor: {hypervisor}", f"serve: {serve}", mounts]
-        lacking = not smolvm["path"] and not app.config.local_url and not smolvm["version"]
+        if smolvm["path"] or app.config.local_url or smolvm["version"]:
+            return details, []
         get = engine_get_command(Path(__file__).resolve(), sys.prefix)
-        return details, [ENGINE_ON_RAMP.format(get=get)] if lacking else []
+        return details, [ENGINE_ON_RAMP.format(get=get)]
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
@@ -758,13 +725,12 @@ class LocalFleet:
         self._users = 0
         self._ready = False
         self._pool = threading.local()  # one kept-alive connection per worker thread
-        self._serve_log = Path(config.runtime_dir) / "serve.log"
-        self._pid_file = Path(config.runtime_dir) / "serve.pid"
+        runtime = Path(config.runtime_dir)
+        self._serve_log, self._pid_file = runtime / "serve.log", runtime / "serve.pid"
+        self._users_dir = runtime / "serve-users"
         self.version: str | None = None
-        if config.local_url:
-            self._kind, self._address = parse_local_url(config.local_url)
-        else:
-            self._kind, self._address = "unix", str(Path(config.runtime_dir) / "serve.sock")
+        own = ("unix", str(runtime / "serve.sock"))
+        self._kind, self._address = parse_local_url(config.local_url) if config.local_url else own
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -791,13 +757,8 @@ class LocalFleet:
                 return
             self.stop_serve()
 
-    @property
-    def _users_dir(self) -> Path:
-        return Path(self.config.runtime_dir) / "serve-users"
-
     def _other_processes_use_serve(self) -> bool:
-        """Whether another live smol-mcp process marked itself as using our
-        serve (processes with the same runtime directory share one)."""
+        """Whether another live smol-mcp process (same runtime directory) marked our serve used."""
         for marker in self._users_dir.glob("*"):
             pid = int(marker.name) if marker.name.isdigit() else 0
             if pid == os.getpid():
@@ -813,19 +774,18 @@ class LocalFleet:
         return False
 
     def stop_serve(self) -> None:
-        """Stop the serve on our socket: the child we spawned, or the one
-        another smol-mcp process spawned and left to us (its pid is on file)."""
+        """Stop the serve on our socket: our child, or the one another smol-mcp process
+        spawned and left to us (its pid is on file)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
-        if process is not None:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(timeout=5)
-        elif not self.config.local_url and self._pid_file.exists():
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        elif process is None and not self.config.local_url and self._pid_file.exists():
             pid = int(self._pid_file.read_text().strip() or 0)
             if serve_process_on(pid, self._address):
                 os.kill(pid, signal.SIGTERM)
@@ -852,14 +812,13 @@ class LocalFleet:
             if not self.config.local_url and not self._answers():
                 self._start_serve_once()
             try:
-                health = self._health()
+                self.version = str(self._health().get("version", ""))
             except OSError as exc:
                 why = f"({exc.strerror or exc})"
                 if self.config.local_url:
                     raise self._nothing_answers(f" {why}") from None
                 why = f"stopped answering on {self._address} {why}; its log is {self._serve_log}"
                 raise SmolError(f"the smolvm serve {why}") from None
-            self.version = str(health.get("version", ""))
             if not self.config.local_url:
                 with bookkeeping(self.config.runtime_dir):
                     self._users_dir.mkdir(mode=0o700, exist_ok=True)
@@ -867,10 +826,10 @@ class LocalFleet:
                     (self._users_dir / str(os.getpid())).write_text(str(started or ""))
             minimum = self.config.min_smolvm
             if minimum and version_tuple(self.version) < version_tuple(minimum):
+                why = "(older serves reject fields it sends). Upgrade smolvm, or set"
                 raise SmolError(
                     f"smolvm {self.version} is older than the minimum {minimum} this server needs "
-                    "(older serves reject fields it sends). Upgrade smolvm, or set "
-                    "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check."
+                    f"{why} SMOL_MCP_MIN_SMOLVM to an empty value to skip the check."
                 )
             self._ready = True
 
@@ -881,8 +840,7 @@ class LocalFleet:
         )
 
     def _answers(self) -> bool:
-        """True when something already serves the API on our socket (for example
-        the serve of another smol-mcp process with the same runtime directory)."""
+        """True when something (maybe another smol-mcp process's serve) answers on our socket."""
         try:
             self._health()
             return True
@@ -896,12 +854,9 @@ class LocalFleet:
         return json.loads(body)
 
     def _start_serve_once(self) -> None:
-        """Start the serve unless another smol-mcp process sharing the runtime
-        directory is starting it right now: a file lock makes them take turns."""
-        import fcntl
-
-        runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
-        with open(runtime_dir / "serve.lock", "w") as lock:
+        """Start the serve unless another smol-mcp process sharing the runtime directory is
+        starting it right now: a file lock makes them take turns."""
+        with open(ensure_runtime_dir(self.config.runtime_dir) / "serve.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self._answers():
                 return
@@ -910,8 +865,7 @@ class LocalFleet:
                 self._start_serve()
 
     def _live_serve_pid(self) -> int | None:
-        """The serve process on our socket that still runs, whether it answers
-        or not: ours, or the one another smol-mcp process started (serve.pid)."""
+        """The live serve on our socket, answering or not: ours, or another's (serve.pid)."""
         if self._process is not None and self._process.poll() is None:
             return self._process.pid
         try:
@@ -921,9 +875,9 @@ class LocalFleet:
         return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
 
     def _wait_while_busy(self, pid: int) -> bool:
-        """A serve that runs but does not answer is busy (or stopped), not dead:
-        replacing it would orphan it and fight it for its port. Wait for it,
-        within serveStartTimeoutSecs; False if it died meanwhile."""
+        """A serve that runs but does not answer is busy (or stopped), not dead: replacing it
+        would orphan it and fight it for its port. Wait within serveStartTimeoutSecs; False if
+        it died meanwhile."""
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while time.monotonic() < deadline:
             if not process_alive(pid):
@@ -951,43 +905,37 @@ class LocalFleet:
                 "serve."
             )
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
-        socket_path = Path(self._address)
-        if len(str(socket_path).encode()) > 100:
+        socket_path, log_path = self._address, runtime_dir / "serve.log"
+        if len(socket_path.encode()) > 100:
             why = "is too long for a Unix socket; set SMOL_MCP_RUNTIME_DIR to a shorter directory"
             raise SmolError(f"the socket path {socket_path} {why}")
-        socket_path.unlink(missing_ok=True)
-        log_path = runtime_dir / "serve.log"
+        Path(socket_path).unlink(missing_ok=True)
         env = minimal_child_env(self.environ, self.config.secret_values())
         with open(log_path, "ab") as log_file:
             log_start = log_file.tell()
-            argv = [binary, "serve", "start", "--listen", str(socket_path)]
+            argv = [binary, "serve", "start", "--listen", socket_path]
             to_log = {"stdin": subprocess.DEVNULL, "stdout": log_file, "stderr": log_file}
             self._process = subprocess.Popen(argv, **to_log, env=env, start_new_session=True)
         log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.write_text(str(self._process.pid))
-        deadline = time.monotonic() + self.config.serve_start_timeout_secs
+        timeout = self.config.serve_start_timeout_secs
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                output = _read_from(log_path, log_start)
-                self._process = None
+                output, self._process = _read_from(log_path, log_start), None
+                last = _last_line(output)
                 if "Address already in use" in output:
-                    raise SmolError(
-                        f"smolvm serve could not start: {_last_line(output)}. "
-                        + other_serve_hint(str(socket_path))
-                    )
-                raise SmolError(
-                    f"smolvm serve exited at once: {_last_line(output) or 'no output'} "
-                    f"(its log is {log_path})"
-                )
+                    hint = other_serve_hint(socket_path)
+                    raise SmolError(f"smolvm serve could not start: {last}. {hint}")
+                why = f"{last or 'no output'} (its log is {log_path})"
+                raise SmolError(f"smolvm serve exited at once: {why}")
             if self._answers():
                 return
             time.sleep(0.05)
         self.stop_serve()
-        raise SmolError(
-            f"smolvm serve did not answer within {self.config.serve_start_timeout_secs} s "
-            f"(serveStartTimeoutSecs); its log is {log_path}"
-        )
+        why = f"within {timeout} s (serveStartTimeoutSecs); its log is {log_path}"
+        raise SmolError(f"smolvm serve did not answer {why}")
 
     # -- HTTP --------------------------------------------------------------
 
@@ -997,12 +945,11 @@ class LocalFleet:
         return http.client.HTTPConnection("127.0.0.1", int(self._address), timeout=timeout)
 
     def _pooled(self, timeout: float) -> http.client.HTTPConnection:
-        """This worker thread's kept-alive connection: opening one per call costs about as much as
-        the call itself. One the serve closed while it sat idle is replaced before it is used."""
+        """This worker thread's kept-alive connection (opening one costs about as much as a call);
+        one the serve closed while it sat idle is replaced before it is used."""
         conn = getattr(self._pool, "conn", None)
         if conn is not None and conn.sock is not None and peer_closed(conn.sock):
-            conn.close()
-            conn = None
+            conn = conn.close()
         if conn is None:
             conn = self._pool.conn = self._connection(timeout)
         conn.timeout = timeout
@@ -1029,9 +976,8 @@ class LocalFleet:
             raise
 
     def _send_when_accepted(self, send: Callable) -> tuple[int, str, Any]:
-        """Send; while the serve's listen backlog is full (EAGAIN on connect:
-        it is busy or stopped, not gone) wait and resend, within a bound. The
-        connection never opened, so the request was not received."""
+        """Send; while the serve's listen backlog is full (EAGAIN on connect: busy or stopped, not
+        gone; the request was not received) wait and resend, within a bound."""
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while True:
             try:
@@ -1053,10 +999,11 @@ class LocalFleet:
         setting: str = "readyTimeoutSecs",
         read: Callable | None = None,
     ) -> Any:
-        """One API call. Returns the parsed JSON body (or bytes for a raw response, or what ``read``
-        made of a 200); raises ApiError with the API's own message on a refusal. A serve that
-        stopped answering is started again once. ``timeout`` (readyTimeoutSecs when None) follows
-        ``setting``, which a timeout message names."""
+        """One API call: the parsed JSON body (bytes for a raw answer, or what ``read`` made of a
+        200); ApiError with the API's own message on a refusal. A serve that stopped answering is
+        started again once. ``timeout`` (readyTimeoutSecs when None) is the ``setting`` a timeout
+        message names."""
+
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
         body, content_type = raw, None if raw is None else "application/octet-stream"
@@ -1074,21 +1021,23 @@ class LocalFleet:
             self.ensure_serve()
             status, ctype, data = send()
         except TimeoutError:
+            why = f"A busy host or a large image can take that long: raise {setting} to wait longer"
             raise SmolError(
                 f"the local machine API did not answer within {timeout:.0f} s while trying to "
-                f"{action}. A busy host or a large image can take that long: raise {setting} "
-                f"to wait longer, and check the engine with `{invocation()} doctor`"
+                f"{action}. {why}, and check the engine with `{invocation()} doctor`"
             ) from None
         except (OSError, http.client.HTTPException) as exc:
             self._ready = False
             raise serve_dropped(action, exc) from None
         if status >= 400:
             raise api_error(self.name, action, status, ctype, data)
-        if read is not None and status == 200:
-            return data
-        if "application/json" in ctype:
+        if "application/json" in ctype and not (read is not None and status == 200):
             return json.loads(data) if data else None
         return data
+
+    def _refusal(self, action: str, response: http.client.HTTPResponse) -> ApiError:
+        ctype = response.getheader("Content-Type", "")
+        return api_error(self.name, action, response.status, ctype, response.read())
 
     # -- machines (normalised) ---------------------------------------------
 
@@ -1110,45 +1059,30 @@ class LocalFleet:
         ports = [
             {"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports
         ]
-        mounts = [
-            {
-                "source": m["source"],
-                "target": m["target"],
-                "readonly": m.get("readonly") is not False,
-            }
-            for m in spec.mounts
-        ]
-        body = {
-            "name": spec.name,
-            "image": spec.image,
-            "cpus": spec.cpus,
-            "memoryMb": spec.memory_mb,
-            "network": spec.network == "open",
-            "allowedHosts": spec.allow_hosts or None,
-            "allowedCidrs": spec.allow_cidrs or None,
-            "ports": ports or None,
-            "mounts": mounts or None,
-            "storageGb": spec.storage_gb,
-            "overlayGb": spec.overlay_gb,
-            "cmd": spec.cmd,
-            "env": [{"name": k, "value": v} for k, v in spec.env.items()] or None,
-        }
+        shares = [(m["source"], m["target"], m.get("readonly") is not False) for m in spec.mounts]
+        mounts = [{"source": s, "target": t, "readonly": ro} for s, t, ro in shares]
+        env = [{"name": k, "value": v} for k, v in spec.env.items()]
+        body = dict(name=spec.name, image=spec.image, cpus=spec.cpus, memoryMb=spec.memory_mb)
+        body |= dict(network=spec.network == "open", allowedHosts=spec.allow_hosts or None)
+        body |= dict(allowedCidrs=spec.allow_cidrs or None, ports=ports or None)
+        body |= dict(mounts=mounts or None, storageGb=spec.storage_gb, overlayGb=spec.overlay_gb)
+        body |= dict(cmd=spec.cmd, env=env or None)
         body = {key: value for key, value in body.items() if value is not None}
         action = f"create machine '{spec.name}'"
         return local_record(self.request(action, "POST", "/api/v1/machines", body))
 
     def recheck_mounts(self, name: str, action: str) -> None:
-        """Refuse ``action`` unless each mount source of the machine still resolves
-        under its root (a guest with a writable share may have swapped in a symlink)."""
+        """Refuse ``action`` unless each mount source still resolves under its root (a guest with
+        a writable share may have swapped in a symlink)."""
         for mount in self._machine(action, "GET", _q(name)).get("mounts") or []:
             try:
                 want_write = mount.get("readonly") is False
                 contained_host_path(self.config, mount["source"], "source", want_write)
             except ArgumentError as err:
+                where = f"the source of its mount at {mount.get('target')} is checked again"
                 raise ArgumentError(
-                    f"could not {action}: the source of its mount at {mount.get('target')} is "
-                    f"checked again at every start, and now {err}. Restore the directory, or "
-                    "delete the machine"
+                    f"could not {action}: {where} at every start, and now {err}. Restore the "
+                    "directory, or delete the machine"
                 ) from None
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
@@ -1172,22 +1106,20 @@ class LocalFleet:
         self, name: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None, stdin=None
     ) -> ExecResult:
         """Run a command in a running machine (typed as Fleet.exec); NotRunning if it is not
-        running. (The engine would boot it itself, but then nobody could report that it did.)"""
+        (the engine would boot it, but then nobody could report that it did)."""
         body = local_exec_body(argv, timeout_secs, workdir, env, stdin)
-        action = f"run a command in machine '{name}'"
         setting = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
         # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
         wait = {"timeout": timeout_secs + 30, "setting": setting, "read": read_exec_answer}
         started = time.monotonic()
         try:
-            data = self._machine(action, "POST", f"{_q(name)}/exec", body, **wait)
+            route, action = f"{_q(name)}/exec", f"run a command in machine '{name}'"
+            data = self._machine(action, "POST", route, body, **wait)
         except ApiError as err:
             raise not_running(name, err) from None
         except ValueError as err:
-            raise SmolError(
-                f"the local serve answered a command in machine '{name}' with a body this server "
-                f"could not read ({err})"
-            ) from None
+            why = f"a command in machine '{name}' with a body this server could not read ({err})"
+            raise SmolError(f"the local serve answered {why}") from None
         seconds = time.monotonic() - started
         return ExecResult(int(data["exitCode"]), data["stdoutB64"], data["stderrB64"], seconds)
 
@@ -1209,27 +1141,22 @@ class LocalFleet:
             except (OSError, http.client.HTTPException) as exc:
                 raise serve_dropped(action, exc) from None
             if response.status >= 400:
-                ctype = response.getheader("Content-Type", "")
-                raise not_running(
-                    name, api_error(self.name, action, response.status, ctype, response.read())
-                )
+                raise not_running(name, self._refusal(action, response))
             pieces = iter(lambda: response.read1(1 << 16), b"")
             broken = (OSError, http.client.HTTPException)
             return collect_exec_stream(sse_events(pieces), name, on_output, started, broken)
         finally:
             conn.close()
 
-    def exec_helper(
-        self, name: str, action: str, script: str, *args: str, timeout_secs: int = 60
-    ) -> bytes:
-        """Run a helper script of this server in the guest (sh -c) and return
-        its stdout; a non-zero exit is an error carrying its stderr."""
+    def exec_helper(self, name: str, action: str, script: str, *args: str) -> bytes:
+        """The stdout of a helper script of this server run in the guest (sh -c); a non-zero
+        exit is an error carrying its stderr."""
         try:
-            result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=timeout_secs)
+            result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=60)
         except NotRunning:
+            why = "start-machine, then read-job, shows what they wrote"
             raise SmolError(
-                f"machine '{name}' is not running, and its jobs ended when it stopped; "
-                "start-machine, then read-job, shows what they wrote"
+                f"machine '{name}' is not running, and its jobs ended when it stopped; {why}"
             ) from None
         return helper_output(name, action, result)
 
@@ -1265,16 +1192,16 @@ class LocalFleet:
         return jobs
 
     def probe_ready(self, name: str) -> str | None:
-        """None once a command runs in the guest; while it is still coming up,
-        what the guest answered instead. Raises if the machine stopped or is gone."""
+        """None once a command runs in the guest; while it is still coming up, what the guest
+        answered instead. Raises if the machine stopped or is gone."""
         try:
             self.exec(name, READY_PROBE, timeout_secs=10)
             return None
         except NotRunning:
-            raise SmolError(
-                f"machine '{name}' stopped while waiting for its guest to answer; its log "
-                "(machine-logs) may say why"
-            ) from None
+            why = (
+                "stopped while waiting for its guest to answer; its log (machine-logs) may say why"
+            )
+            raise SmolError(f"machine '{name}' {why}") from None
         except ApiError as err:
             if err.status in (400, 404):
                 raise
@@ -1299,10 +1226,9 @@ class LocalFleet:
         try:
             conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}")
             response = conn.getresponse()
-            ctype = response.getheader("Content-Type", "")
             if response.status >= 400:
-                raise api_error(self.name, action, response.status, ctype, response.read())
-            if "application/json" in ctype:
+                raise self._refusal(action, response)
+            if "application/json" in response.getheader("Content-Type", ""):
                 listing = json.loads(response.read() or b"{}")
                 names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
                 raise SmolError(
@@ -1332,12 +1258,11 @@ class LocalFleet:
             conn.close()
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
-        action, route = f"write {path} in machine '{name}'", f"{_q(name)}/files/"
+        action = f"write {path} in machine '{name}'"
+        route = f"{_q(name)}/files/{guest_route_suffix(path)}"
         timeout = self.config.ready_timeout_secs + len(data) / (1 << 20)
-        answer = self._machine(
-            action, "PUT", route + guest_route_suffix(path), raw=data, timeout=timeout
-        )
-        return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
+        answer = self._machine(action, "PUT", route, raw=data, timeout=timeout)
+        return int(answer.get("size", len(data))) if isinstance(answer, dict) else len(data)
 
     def console_lines(self, name: str) -> list[str]:
         """Every line of the guest console log (the API streams it as SSE)."""
@@ -1595,8 +1520,6 @@ def _q(value: str, safe: str = "") -> str:
 def peer_closed(sock: socket.socket) -> bool:
     """Whether an idle kept-alive socket was closed by the other end (it then
     reads as ready, with nothing to read)."""
-    import select
-
     readable, _, _ = select.select([sock], [], [], 0)
     return bool(readable)
 
