@@ -77,10 +77,9 @@ log = logging.getLogger("smol_mcp")
 # ---------------------------------------------------------------------------
 # 1. Configuration
 #
-# Environment over config file over default. The file is JSON with camelCase
-# keys; anything unknown, mistyped or out of range stops startup with a message
-# naming the key, because a setting that is silently ignored is worse than one
-# that refuses to start.
+# Environment over config file over default. The file is JSON with camelCase keys; anything
+# unknown, mistyped or out of range stops startup with a message naming the key, because a setting
+# that is silently ignored is worse than one that refuses to start.
 # ---------------------------------------------------------------------------
 
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
@@ -210,8 +209,8 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
         return value
     if setting.kind == "list":
         if source == "env":
-            return tuple(part.strip() for part in value.split(",") if part.strip())
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            value = value.split(",")
+        elif not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where} must be a list of strings")
         return tuple(v.strip() for v in value if v.strip())
     raise AssertionError(setting.kind)
@@ -266,11 +265,11 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
     if config.local_url:
         parse_local_url(config.local_url)  # raises ConfigError when not a loopback or unix URL
-    unknown = [scope for scope in config.scopes if scope not in SCOPES]
+    unknown = ", ".join(repr(scope) for scope in config.scopes if scope not in SCOPES)
     if unknown:
-        named = ", ".join(map(repr, unknown))
         why = f"which is not a scope; the scopes are: {', '.join(SCOPES)}"
-        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, {why}")
+        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {unknown}, {why}")
+
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
     for cidr in config.egress_private_cidrs:
         try:
@@ -326,10 +325,9 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
         raise SmolError(f"the {what} {directory} {why}")
     if info.st_mode & 0o077:
         # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
-        raise SmolError(
-            f"the {what} {directory} can be opened by other users (mode {oct(info.st_mode & 0o777)}"
-            f"); set {env} to a directory only you can open, for example one made with mkdir -m 700"
-        )
+        mode = oct(info.st_mode & 0o777)
+        fix = f"set {env} to a directory only you can open, for example one made with mkdir -m 700"
+        raise SmolError(f"the {what} {directory} can be opened by other users (mode {mode}); {fix}")
     return directory
 
 
@@ -365,18 +363,16 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
     if parsed.scheme == "http" and parsed.hostname in LOOPBACK_HOSTS and parsed.port:
         return "tcp", parsed.port
 
-    raise ConfigError(
-        "SMOL_LOCAL_URL must be unix:///absolute/path.sock or http://127.0.0.1:PORT (loopback "
-        f"only, because the local API has no authentication); got {url!r}"
-    )
+    forms = "unix:///absolute/path.sock or http://127.0.0.1:PORT"
+    why = "loopback only, because the local API has no authentication"
+    raise ConfigError(f"SMOL_LOCAL_URL must be {forms} ({why}); got {url!r}")
 
 
 # ---------------------------------------------------------------------------
 # 2. Errors
 #
-# Every failure a caller can do something about is a SmolError whose text is a
-# sentence saying what happened and what to do next. Tool handlers let these
-# travel up; the dispatcher turns them into tool errors (isError: true).
+# Every failure a caller can act on is a SmolError whose text says what happened and what to do
+# next. Tool handlers let these travel up; the dispatcher makes them tool errors (isError: true).
 # ---------------------------------------------------------------------------
 
 
@@ -423,10 +419,9 @@ def redact(text: str, secret_values: list[str]) -> str:
 # ---------------------------------------------------------------------------
 # 3. Local fleet: smolvm serve over a Unix socket
 #
-# http.client over AF_UNIX to `smolvm serve start --listen <runtimeDir>/serve.sock`,
-# spawned on the first local call and never at connect. Every method here
-# blocks; the tool layer runs them in worker threads so one long command never
-# stalls another session.
+# http.client over AF_UNIX to `smolvm serve start --listen <runtimeDir>/serve.sock`, spawned on
+# the first local call and never at connect. Every method here blocks; the tool layer runs them
+# in worker threads so one long command never stalls another session.
 # ---------------------------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
@@ -436,10 +431,9 @@ ADDRESS_IN_USE_HINT = (
     "(smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or "
     "stop it."
 )
-# The serve child's environment is an allow-list: PATH to find its helpers, HOME and
-# XDG_* for its data, cache and socket directories, the locale and TZ for its messages,
-# TMPDIR for its scratch files, RUST_LOG for its log level, and SMOLVM_* (added in
-# minimal_child_env), the engine's own settings. Nothing else of ours is passed on.
+# The serve child's environment is an allow-list: PATH to find its helpers, HOME and XDG_* for its
+# data, cache and socket directories, the locale and TZ for its messages, TMPDIR for scratch files,
+# RUST_LOG for its log level, and SMOLVM_* (minimal_child_env), the engine's own settings.
 CHILD_ENV_NAMES = tuple(
     "PATH HOME USER LOGNAME LANG LC_ALL LC_CTYPE TMPDIR TZ XDG_RUNTIME_DIR XDG_DATA_HOME "
     "XDG_CONFIG_HOME XDG_CACHE_HOME XDG_STATE_HOME RUST_LOG".split()
@@ -826,18 +820,16 @@ class LocalFleet:
                     (self._users_dir / str(os.getpid())).write_text(str(started or ""))
             minimum = self.config.min_smolvm
             if minimum and version_tuple(self.version) < version_tuple(minimum):
-                why = "(older serves reject fields it sends). Upgrade smolvm, or set"
-                raise SmolError(
-                    f"smolvm {self.version} is older than the minimum {minimum} this server needs "
-                    f"{why} SMOL_MCP_MIN_SMOLVM to an empty value to skip the check."
+                old = f"smolvm {self.version} is older than the minimum {minimum} this server needs"
+                fix = (
+                    "Upgrade smolvm, or set SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
                 )
+                raise SmolError(f"{old} (older serves reject fields it sends). {fix}.")
             self._ready = True
 
     def _nothing_answers(self, why: str = "") -> SmolError:
-        return SmolError(
-            f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; start the serve "
-            "there, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
-        )
+        fix = "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
+        return SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; {fix}")
 
     def _answers(self) -> bool:
         """True when something (maybe another smol-mcp process's serve) answers on our socket."""
@@ -899,11 +891,9 @@ class LocalFleet:
     def _start_serve(self) -> None:
         binary = self.smolvm_path()
         if binary is None:
-            raise SmolError(
-                f"smolvm was not found (looked for {self.config.smolvm!r} on PATH). Install "
-                "smolvm, set SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running "
-                "serve."
-            )
+            looked = f"looked for {self.config.smolvm!r} on PATH"
+            fix = "set SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve"
+            raise SmolError(f"smolvm was not found ({looked}). Install smolvm, {fix}.")
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
         socket_path, log_path = self._address, runtime_dir / "serve.log"
         if len(socket_path.encode()) > 100:
@@ -1021,11 +1011,10 @@ class LocalFleet:
             self.ensure_serve()
             status, ctype, data = send()
         except TimeoutError:
+            waited = f"did not answer within {timeout:.0f} s while trying to {action}"
             why = f"A busy host or a large image can take that long: raise {setting} to wait longer"
-            raise SmolError(
-                f"the local machine API did not answer within {timeout:.0f} s while trying to "
-                f"{action}. {why}, and check the engine with `{invocation()} doctor`"
-            ) from None
+            doctor = f"check the engine with `{invocation()} doctor`"
+            raise SmolError(f"the local machine API {waited}. {why}, and {doctor}") from None
         except (OSError, http.client.HTTPException) as exc:
             self._ready = False
             raise serve_dropped(action, exc) from None
@@ -1154,9 +1143,9 @@ class LocalFleet:
         try:
             result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=60)
         except NotRunning:
-            why = "start-machine, then read-job, shows what they wrote"
+            stopped = f"machine '{name}' is not running, and its jobs ended when it stopped"
             raise SmolError(
-                f"machine '{name}' is not running, and its jobs ended when it stopped; {why}"
+                f"{stopped}; start-machine, then read-job, shows what they wrote"
             ) from None
         return helper_output(name, action, result)
 
@@ -1198,10 +1187,8 @@ class LocalFleet:
             self.exec(name, READY_PROBE, timeout_secs=10)
             return None
         except NotRunning:
-            why = (
-                "stopped while waiting for its guest to answer; its log (machine-logs) may say why"
-            )
-            raise SmolError(f"machine '{name}' {why}") from None
+            why = "while waiting for its guest to answer; its log (machine-logs) may say why"
+            raise SmolError(f"machine '{name}' stopped {why}") from None
         except ApiError as err:
             if err.status in (400, 404):
                 raise
@@ -1231,10 +1218,8 @@ class LocalFleet:
             if "application/json" in response.getheader("Content-Type", ""):
                 listing = json.loads(response.read() or b"{}")
                 names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
-                raise SmolError(
-                    f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
-                    "Pass the path of a file inside it."
-                )
+                held = f"it holds: {names or 'nothing'}. Pass the path of a file inside it."
+                raise SmolError(f"{path} is a directory, not a file; {held}")
             size = int(response.getheader("Content-Length") or -1)
             skipped = 0
             while skipped < offset:
@@ -1314,14 +1299,14 @@ class LocalFleet:
 
 
 def route_table(text: str) -> dict[tuple[str, str], str | None]:
-    """{(method, path): reason} from ``text``: a line ending in ":" gives the reason for the
-    "METHOD /path" pairs on the lines below it ("called:" for None)."""
+    """{(method, path): reason} from ``text``: "reason:" gives the reason for the "METHOD /path"
+    pairs after it, on its line and the lines below ("called:" for None)."""
     routes: dict[tuple[str, str], str | None] = {}
     reason = None
     for line in text.strip().splitlines():
-        if line.endswith(":"):
-            reason = None if line == "called:" else line[:-1]
-            continue
+        if ":" in line:
+            head, _, line = line.partition(":")
+            reason = None if head == "called" else head
         words = line.split()
         routes.update(dict.fromkeys(zip(words[::2], words[1::2]), reason))
     return routes
@@ -1332,66 +1317,50 @@ def route_table(text: str) -> dict[tuple[str, str], str | None]:
 # `smol_mcp.py parity` compares this with the running serve's spec, so a route a new smolvm
 # adds shows up as a decision.
 LOCAL_ROUTES = route_table("""
-called:
-    GET /health  GET /api/v1/machines  POST /api/v1/machines  GET /api/v1/machines/{name}
+called: GET /health  GET /api/v1/machines  POST /api/v1/machines  GET /api/v1/machines/{name}
     DELETE /api/v1/machines/{name}  POST /api/v1/machines/{name}/start
     POST /api/v1/machines/{name}/stop  POST /api/v1/machines/{id}/exec
     POST /api/v1/machines/{id}/exec/stream  GET /api/v1/machines/{id}/files/{path}
     PUT /api/v1/machines/{id}/files/{path}  GET /api/v1/machines/{id}/logs
     POST /api/v1/machines/{id}/images/pull  POST /api/v1/machines/{name}/branches
     POST /api/v1/machines/{name}/egress  GET /api/v1/machines/{name}/egress-events
-host scheduling numbers; no tool reports capacity:
-    GET /capacity
-no tool lists a machine's images:
-    GET /api/v1/machines/{id}/images
-running another image on an overlay is not in the tool vocabulary:
-    POST /api/v1/machines/{id}/run
-the legacy name of branches:
-    POST /api/v1/machines/{name}/fork
-branch pools; this server has no pool vocabulary:
-    POST /api/v1/machines/{name}/fork-release
-no tool pauses or resumes a machine:
-    POST /api/v1/machines/{name}/pause  POST /api/v1/machines/{name}/resume
+host scheduling numbers; no tool reports capacity: GET /capacity
+no tool lists a machine's images: GET /api/v1/machines/{id}/images
+running another image on an overlay is not in the tool vocabulary: POST /api/v1/machines/{id}/run
+the legacy name of branches: POST /api/v1/machines/{name}/fork
+branch pools; this server has no pool vocabulary: POST /api/v1/machines/{name}/fork-release
+no tool pauses or resumes a machine: POST /api/v1/machines/{name}/pause
+    POST /api/v1/machines/{name}/resume
 needs a pushToken minted by the control plane, which a local user cannot produce:
     POST /api/v1/machines/{name}/export
-no tool grows a machine after it exists:
-    POST /api/v1/machines/{name}/resize
-mounts are a create-time argument:
-    POST /api/v1/machines/{name}/sync  GET /api/v1/machines/{name}/mounts
-    POST /api/v1/machines/{name}/mounts  DELETE /api/v1/machines/{name}/mounts
-ports are a create-time argument:
-    PUT /api/v1/machines/{name}/ports
-mediated egress is not used:
-    GET /api/v1/machines/{name}/mediation-events
-credential bindings are not used:
-    PUT /api/v1/machines/{name}/credential-values
-cache disks are not used:
-    POST /api/v1/machines/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
-fork pools and leases are a fleet surface, not an agent one:
-    GET /api/v1/pools  POST /api/v1/pools  GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}
-    PUT /api/v1/pools/{name}/size  POST /api/v1/pools/{name}/leases
-    POST /api/v1/pools/{name}/lease-batches  GET /api/v1/pools/{name}/leases/{lease}
-    POST /api/v1/pools/{name}/leases/{lease}/heartbeat
+no tool grows a machine after it exists: POST /api/v1/machines/{name}/resize
+mounts are a create-time argument: POST /api/v1/machines/{name}/sync
+    GET /api/v1/machines/{name}/mounts  POST /api/v1/machines/{name}/mounts
+    DELETE /api/v1/machines/{name}/mounts
+ports are a create-time argument: PUT /api/v1/machines/{name}/ports
+mediated egress is not used: GET /api/v1/machines/{name}/mediation-events
+credential bindings are not used: PUT /api/v1/machines/{name}/credential-values
+cache disks are not used: POST /api/v1/machines/{name}/cache-disk/publish
+    DELETE /api/v1/cache-bases/{base}
+fork pools and leases are a fleet surface, not an agent one: GET /api/v1/pools  POST /api/v1/pools
+    GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
+    POST /api/v1/pools/{name}/leases  POST /api/v1/pools/{name}/lease-batches
+    GET /api/v1/pools/{name}/leases/{lease}  POST /api/v1/pools/{name}/leases/{lease}/heartbeat
     POST /api/v1/pools/{name}/leases/{lease}/complete
-RL rollout executors are a batch surface, not an agent one:
-    GET /api/v1/rollout-executors  POST /api/v1/rollout-executors
-    GET /api/v1/rollout-executors/{name}  DELETE /api/v1/rollout-executors/{name}
-    POST /api/v1/rollout-executors/{name}/generate  POST /api/v1/rollout-executors/{name}/batches
-    POST /api/v1/rollout-executors/{name}/policies
+RL rollout executors are a batch surface, not an agent one: GET /api/v1/rollout-executors
+    POST /api/v1/rollout-executors  GET /api/v1/rollout-executors/{name}
+    DELETE /api/v1/rollout-executors/{name}  POST /api/v1/rollout-executors/{name}/generate
+    POST /api/v1/rollout-executors/{name}/batches  POST /api/v1/rollout-executors/{name}/policies
     POST /api/v1/rollout-executors/{name}/device-policies
     DELETE /api/v1/rollout-executors/{name}/policies/{policy}/{version}
 """)
 
 
 def parity_report(spec: dict) -> dict[str, list]:
-    """Compare the serve's OpenAPI with LOCAL_ROUTES: what we call, what we
-    skip and why, what is new (unknown) and what we call but it lacks (missing)."""
-    offered = {
-        (method.upper(), path)
-        for path, operations in spec.get("paths", {}).items()
-        for method in operations
-        if method.lower() in ("get", "post", "put", "delete", "patch")
-    }
+    """The serve's OpenAPI against LOCAL_ROUTES: what we call, skip (and why), what is new
+    (unknown) and what we call but it lacks (missing)."""
+    verbs, paths = ("get", "post", "put", "delete", "patch"), spec.get("paths", {}).items()
+    offered = {(verb.upper(), path) for path, ops in paths for verb in ops if verb.lower() in verbs}
     called = {route for route, reason in LOCAL_ROUTES.items() if reason is None}
     skipped = [(route, why) for route, why in LOCAL_ROUTES.items() if why and route in offered]
     unknown, missing = offered - set(LOCAL_ROUTES), called - offered
@@ -1401,17 +1370,17 @@ def parity_report(spec: dict) -> dict[str, list]:
 
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
-    return SmolError(
-        f"the local serve closed the connection while trying to {action} ({type(exc).__name__}); "
+    how = f"while trying to {action} ({type(exc).__name__})"
+    why = (
         "it may have stopped or restarted. Check the machine with get-machine before trying again."
     )
+    return SmolError(f"the local serve closed the connection {how}; {why}")
 
 
 def api_error(fleet: str, action: str, status: int, content_type: str, data: bytes) -> ApiError:
-    """Build an ApiError from either error shape the serve uses: JSON
-    ``{"error", "code"}`` from handlers, plain text from the request parser."""
-    text = data.decode("utf-8", "replace").strip()
-    code = ""
+    """An ApiError from either error shape of the serve: JSON ``{"error", "code"}`` from
+    handlers, plain text from the request parser."""
+    text, code = data.decode("utf-8", "replace").strip(), ""
     if "application/json" in content_type:
         try:
             parsed = json.loads(text)
@@ -1434,9 +1403,8 @@ def parse_sse_lines(data: bytes) -> list[str]:
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
-    """(event, data) pairs of a server-sent-event stream read in pieces. A
-    line ends at CR, LF or CRLF, data lines of one event join with LF, as the
-    SSE standard says, so a multi-line chunk of output arrives whole."""
+    """(event, data) pairs of a server-sent-event stream read in pieces. Per the SSE standard a
+    line ends at CR, LF or CRLF and one event's data lines join with LF."""
     pending, event, data, last_cr = b"", "message", [], False
     for chunk in chunks:
         if last_cr and chunk.startswith(b"\n"):
@@ -1478,32 +1446,26 @@ def collect_exec_stream(
                 out[event] += data.encode("utf-8")
                 on_output(event, data)
             elif event == "error":
-                raise SmolError(
-                    f"the command in machine '{name}' failed while its output streamed: {data}"
-                )
+                why = f"failed while its output streamed: {data}"
+                raise SmolError(f"the command in machine '{name}' {why}")
             elif event == "exit":
                 try:
                     code = int(json.loads(data)["exitCode"])
                 except (ValueError, KeyError, TypeError):
+                    ended = f"the output stream of machine '{name}' ended with an exit event"
                     raise SmolError(
-                        f"the output stream of machine '{name}' ended with an exit event this "
-                        f"server could not read ({data[:200]!r})"
+                        f"{ended} this server could not read ({data[:200]!r})"
                     ) from None
                 seconds = time.monotonic() - started
                 return ExecResult(code, bytes(out["stdout"]), bytes(out["stderr"]), seconds)
+        how = "it ended"
     except broken as exc:
-        raise stream_broke(name, out, type(exc).__name__) from None
-    raise stream_broke(name, out, "it ended")
-
-
-def stream_broke(name: str, out: dict[str, bytearray], how: str) -> StreamBroke:
+        how = type(exc).__name__
     got = len(out["stdout"]) + len(out["stderr"])
-    return StreamBroke(
-        f"the output stream of the command in machine '{name}' broke after {got} bytes "
-        f"({how}) before its exit code arrived, so the command's result is unknown (it "
-        "may still be running). Check the machine with get-machine, and run the command "
-        "again, or as a job (start-job) if it needs longer."
-    )
+    broke = f"broke after {got} bytes ({how}) before its exit code arrived"
+    why = "so the command's result is unknown (it may still be running). Check the machine with"
+    fix = "get-machine, and run the command again, or as a job (start-job) if it needs longer."
+    raise StreamBroke(f"the output stream of the command in machine '{name}' {broke}, {why} {fix}")
 
 
 def free_loopback_port() -> int:
@@ -1518,15 +1480,12 @@ def _q(value: str, safe: str = "") -> str:
 
 
 def peer_closed(sock: socket.socket) -> bool:
-    """Whether an idle kept-alive socket was closed by the other end (it then
-    reads as ready, with nothing to read)."""
-    readable, _, _ = select.select([sock], [], [], 0)
-    return bool(readable)
+    """Whether the other end closed an idle kept-alive socket (it then reads as ready)."""
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 class JsonStream:
-    """Just enough of a JSON reader to walk a flat object arriving on a
-    socket, a chunk at a time, without holding it whole."""
+    """Just enough of a JSON reader to walk a flat object arriving a chunk at a time."""
 
     CHUNK = 1 << 18  # big enough that a 64 MiB answer is a few hundred reads
 
@@ -1591,8 +1550,7 @@ class JsonStream:
 
 
 class Base64Sink:
-    """Decode base64 that arrives in pieces into ``output``. It decodes in
-    4-character blocks, so a piece's remainder waits for the next one."""
+    """Decode base64 arriving in pieces into ``output`` in 4-character blocks (a rest waits)."""
 
     def __init__(self, output: bytearray):
         self.output, self.pending = output, bytearray()
@@ -1645,8 +1603,7 @@ def read_exec_answer(stream: Any) -> dict:
 
 
 def serve_process_on(pid: int, socket_path: str) -> bool:
-    """Whether ``pid`` is a smolvm serve listening on ``socket_path``: checked
-    before signalling a pid read from a file, which could have been reused."""
+    """Whether ``pid`` is a smolvm serve on ``socket_path`` (a pid on file may have been reused)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -1655,8 +1612,8 @@ def serve_process_on(pid: int, socket_path: str) -> bool:
 
 
 def other_serve_hint(own: str) -> str:
-    """Where another smolvm serve on this host listens, read from /proc (Linux),
-    as the SMOL_LOCAL_URL that would use it; the generic hint when none is found."""
+    """Where another smolvm serve on this host listens (from /proc), as the SMOL_LOCAL_URL that
+    would use it; the generic hint when none is found."""
     for entry in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = entry.read_bytes().decode("utf-8", "replace").split("\0")
@@ -1666,11 +1623,10 @@ def other_serve_hint(own: str) -> str:
             where = argv[argv.index("--listen") + 1]
             url = where if "://" in where else f"unix://{os.path.abspath(where)}"
             if where != own:
-                pid = entry.parent.name
-                return (
-                    f"Another smolvm serve runs on this host (pid {pid}, listening on {where}): "
-                    f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
-                )
+                use = f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
+                where = f"(pid {entry.parent.name}, listening on {where})"
+                return f"Another smolvm serve runs on this host {where}: {use}"
+
     return ADDRESS_IN_USE_HINT
 
 
