@@ -86,10 +86,9 @@ DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 
 
 def setting_field(default: Any, env: str = "", kind: str = "", **limits: Any) -> Any:
-    """One Config field: its default, its environment variable (SMOL_MCP_ and the name in
-    capitals unless given), its kind ("str", "int", "choice", "version", "list" or "secret";
-    inferred unless given; ints take ``minimum`` and ``maximum``). Its file key is the name in
-    camelCase; SETTINGS, the docs check and the tests all derive from this."""
+    """One Config field: default, environment variable (SMOL_MCP_ and the name in capitals unless
+    given), kind ("str", "int", "choice", "version", "list", "secret"; inferred unless given; ints
+    take ``minimum`` and ``maximum``), file key (camelCase name). SETTINGS derives from these."""
     if not kind:
         kind = "choice" if "choices" in limits else {int: "int", tuple: "list"}.get(type(default))
     rule = {"env": env, "kind": kind or "str", **limits}
@@ -630,14 +629,10 @@ class JobPage:
 def local_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
     """The local exec body. autoStart false: a stopped machine is reported, so the tool can say
     it started it."""
-    body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
-    if workdir:
-        body["workdir"] = workdir
-    if env:
-        body["env"] = [{"name": k, "value": v} for k, v in env.items()]
-    if stdin is not None:
-        body["stdin"] = stdin
-    return body
+    env_list = [{"name": k, "value": v} for k, v in (env or {}).items()]
+    options = {"workdir": workdir or None, "env": env_list or None, "stdin": stdin}
+    body = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
+    return body | {key: value for key, value in options.items() if value is not None}
 
 
 def helper_output(name: str, action: str, result: ExecResult) -> bytes:
@@ -716,9 +711,9 @@ class LocalFleet:
         self.environ = dict(os.environ if environ is None else environ)
         self._lock = threading.RLock()
         self._process: subprocess.Popen | None = None
-        self._users = 0
-        self._ready = False
+        self._users, self._ready = 0, False
         self._pool = threading.local()  # one kept-alive connection per worker thread
+
         runtime = Path(config.runtime_dir)
         self._serve_log, self._pid_file = runtime / "serve.log", runtime / "serve.pid"
         self._users_dir = runtime / "serve-users"
@@ -779,10 +774,9 @@ class LocalFleet:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=5)
-        elif process is None and not self.config.local_url and self._pid_file.exists():
-            pid = int(self._pid_file.read_text().strip() or 0)
-            if serve_process_on(pid, self._address):
-                os.kill(pid, signal.SIGTERM)
+        elif process is None and not self.config.local_url and (pid := self._live_serve_pid()):
+            os.kill(pid, signal.SIGTERM)
+
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.unlink(missing_ok=True)
 
@@ -867,9 +861,8 @@ class LocalFleet:
         return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
 
     def _wait_while_busy(self, pid: int) -> bool:
-        """A serve that runs but does not answer is busy (or stopped), not dead: replacing it
-        would orphan it and fight it for its port. Wait within serveStartTimeoutSecs; False if
-        it died meanwhile."""
+        """A serve that runs but does not answer is busy or stopped, not dead (replacing it would
+        orphan it and fight it for its port): wait within serveStartTimeoutSecs; False if it died"""
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while time.monotonic() < deadline:
             if not process_alive(pid):
@@ -989,10 +982,9 @@ class LocalFleet:
         setting: str = "readyTimeoutSecs",
         read: Callable | None = None,
     ) -> Any:
-        """One API call: the parsed JSON body (bytes for a raw answer, or what ``read`` made of a
-        200); ApiError with the API's own message on a refusal. A serve that stopped answering is
-        started again once. ``timeout`` (readyTimeoutSecs when None) is the ``setting`` a timeout
-        message names."""
+        """One API call: the JSON body (bytes for a raw answer, what ``read`` made of a 200), or
+        ApiError with the API's message. A serve that stopped answering is started again once.
+        ``timeout`` (readyTimeoutSecs when None) is the ``setting`` a timeout message names."""
 
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
@@ -1195,9 +1187,8 @@ class LocalFleet:
             return err.api_message
 
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
-        """One page of a file. The API has no range parameters, so a page deep into a large file is
-        cut inside the guest (stat, tail and head) rather than downloading everything before it; an
-        image without those tools falls back to streaming the file and keeping only the page."""
+        """One page of a file. The API has no range, so a page deep into a large file is cut in the
+        guest (stat, tail, head); an image without those streams the file, keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
             argv = ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)]
             try:
@@ -1436,9 +1427,8 @@ class StreamBroke(SmolError):
 def collect_exec_stream(
     events: Iterable[tuple[str, str]], name: str, on_output: Callable, started: float, broken: tuple
 ) -> ExecResult:
-    """Gather an exec stream into the result a plain exec would give, passing each piece of output
-    to ``on_output`` as it arrives. A stream that ends without its exit event, or whose connection
-    fails (``broken``), is a broken stream, never a short success."""
+    """An exec stream as the result a plain exec gives, each piece of output passed to ``on_output``
+    as it arrives. A stream ending without its exit event, or failing (``broken``), breaks."""
     out = {"stdout": bytearray(), "stderr": bytearray()}
     try:
         for event, data in events:
@@ -1512,10 +1502,9 @@ class JsonStream:
                 raise ValueError("the answer ended early")
 
     def string(self, sink: Callable[[bytes], None] | None = None) -> None:
-        """Pass the raw bytes of the string being read to ``sink`` (None skips them) up to
-        its closing quote; escapes pass through undecoded. Only quotes are looked at: one is
-        the end unless an odd run of backslashes comes before it. (Per-escape steps would
-        crawl through output with a newline every few bytes.)"""
+        """Pass the string's raw bytes up to its closing quote to ``sink`` (None skips them),
+        escapes undecoded. Only quotes are looked at (per-escape steps would crawl through output
+        with a newline every few bytes): one ends it unless an odd backslash run precedes it."""
         carried = 0  # the backslashes that ended the part already consumed
         while True:
             quote = self.buf.find(b'"', self.pos)
@@ -1567,9 +1556,8 @@ class Base64Sink:
 
 
 def read_exec_answer(stream: Any) -> dict:
-    """Read a local exec answer keeping only exitCode and the byte-exact stdoutB64 and stderrB64,
-    decoded as they arrive. The lossy text copies of the two streams are skipped: holding the whole
-    answer would cost about seven times the output's size in memory."""
+    """A local exec answer's exitCode and byte-exact stdoutB64 and stderrB64, decoded as they
+    arrive; the lossy text copies are skipped (the whole answer costs ~7x the output in memory)."""
     reader = JsonStream(stream)
     answer: dict[str, Any] = {"exitCode": None, "stdoutB64": bytearray(), "stderrB64": bytearray()}
     if reader.next_token() != b"{":
