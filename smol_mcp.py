@@ -815,10 +815,9 @@ class LocalFleet:
             minimum = self.config.min_smolvm
             if minimum and version_tuple(self.version) < version_tuple(minimum):
                 old = f"smolvm {self.version} is older than the minimum {minimum} this server needs"
-                fix = (
-                    "Upgrade smolvm, or set SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
-                )
-                raise SmolError(f"{old} (older serves reject fields it sends). {fix}.")
+                why = "(older serves reject fields it sends). Upgrade smolvm, or set"
+                fix = "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
+                raise SmolError(f"{old} {why} {fix}.")
             self._ready = True
 
     def _nothing_answers(self, why: str = "") -> SmolError:
@@ -861,8 +860,8 @@ class LocalFleet:
         return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
 
     def _wait_while_busy(self, pid: int) -> bool:
-        """A serve that runs but does not answer is busy or stopped, not dead (replacing it would
-        orphan it and fight it for its port): wait within serveStartTimeoutSecs; False if it died"""
+        """A serve that runs but does not answer is busy or stopped, not dead (replacing it orphans
+        it and fights it for its port): wait within serveStartTimeoutSecs; False if it died."""
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while time.monotonic() < deadline:
             if not process_alive(pid):
@@ -977,19 +976,18 @@ class LocalFleet:
         path: str,
         payload: Any = None,
         *,
-        raw: bytes | None = None,
         timeout: float | None = None,
         setting: str = "readyTimeoutSecs",
         read: Callable | None = None,
     ) -> Any:
-        """One API call: the JSON body (bytes for a raw answer, what ``read`` made of a 200), or
-        ApiError with the API's message. A serve that stopped answering is started again once.
-        ``timeout`` (readyTimeoutSecs when None) is the ``setting`` a timeout message names."""
-
+        """One API call sending ``payload`` (bytes as they are, else JSON): the JSON answer (bytes
+        for a raw one, what ``read`` made of a 200), or ApiError with the API's message. A serve
+        that stopped answering is started again once. ``timeout`` (readyTimeoutSecs when None) is
+        the ``setting`` a timeout message names."""
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
-        body, content_type = raw, None if raw is None else "application/octet-stream"
-        if payload is not None:
+        body, content_type = payload, None if payload is None else "application/octet-stream"
+        if payload is not None and not isinstance(payload, bytes):
             body, content_type = json.dumps(payload).encode(), "application/json"
         options = {"content_type": content_type, "timeout": timeout, "read": read}
         send = functools.partial(self._raw_request, method, path, body, **options)
@@ -1237,7 +1235,7 @@ class LocalFleet:
         action = f"write {path} in machine '{name}'"
         route = f"{_q(name)}/files/{guest_route_suffix(path)}"
         timeout = self.config.ready_timeout_secs + len(data) / (1 << 20)
-        answer = self._machine(action, "PUT", route, raw=data, timeout=timeout)
+        answer = self._machine(action, "PUT", route, data, timeout=timeout)
         return int(answer.get("size", len(data))) if isinstance(answer, dict) else len(data)
 
     def console_lines(self, name: str) -> list[str]:
