@@ -987,7 +987,7 @@ class LocalFleet:
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
         body, content_type = payload, None if payload is None else "application/octet-stream"
-        if payload is not None and not isinstance(payload, bytes):
+        if payload is not None and not isinstance(payload, bytes | bytearray):
             body, content_type = json.dumps(payload).encode(), "application/json"
         options = {"content_type": content_type, "timeout": timeout, "read": read}
         send = functools.partial(self._raw_request, method, path, body, **options)
