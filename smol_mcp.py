@@ -51,12 +51,14 @@ import hashlib
 import hmac
 import html
 import http.client
+import importlib.metadata
 import ipaddress
 import json
 import logging
 import os
 import re
 import secrets as secrets_module
+import select
 import shlex
 import shutil
 import signal
@@ -86,21 +88,18 @@ log = logging.getLogger("smol_mcp")
 # ---------------------------------------------------------------------------
 # 1. Configuration
 #
-# Environment over config file over default. The file is JSON with camelCase
-# keys; anything unknown, mistyped or out of range stops startup with a message
-# naming the key, because a setting that is silently ignored is worse than one
-# that refuses to start.
+# Environment over config file over default. The file is JSON with camelCase keys; anything
+# unknown, mistyped or out of range stops startup with a message naming the key, because a setting
+# that is silently ignored is worse than one that refuses to start.
 # ---------------------------------------------------------------------------
 
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 
 
 def setting_field(default: Any, env: str = "", kind: str = "", **limits: Any) -> Any:
-    """Declare one setting as a Config field: its default, its environment variable
-    (SMOL_MCP_ and the field's name in capitals unless given), and how a raw value is read
-    (kind: "str", "int", "choice", "version", "list" or "secret"; inferred from the default and
-    ``choices`` unless given; ints take ``minimum`` and ``maximum``). Its config-file key is the
-    field's name in camelCase; SETTINGS, the docs check and the tests all derive from this."""
+    """One Config field: default, environment variable (SMOL_MCP_ and the name in capitals unless
+    given), kind ("str", "int", "choice", "version", "list", "secret"; inferred unless given; ints
+    take ``minimum`` and ``maximum``), file key (camelCase name). SETTINGS derives from these."""
     if not kind:
         kind = "choice" if "choices" in limits else {int: "int", tuple: "list"}.get(type(default))
     rule = {"env": env, "kind": kind or "str", **limits}
@@ -176,9 +175,8 @@ def _camel(attr: str) -> str:
 
 def _setting(f: dataclasses.Field) -> Setting:
     """The Setting a Config field declares with setting_field."""
-    rule = f.metadata["setting"]
-    env = rule["env"] or f"SMOL_MCP_{f.name.upper()}"
-    return Setting(_camel(f.name), attr=f.name, **{**rule, "env": env})
+    env = f.metadata["setting"]["env"] or f"SMOL_MCP_{f.name.upper()}"
+    return Setting(_camel(f.name), attr=f.name, **{**f.metadata["setting"], "env": env})
 
 
 SETTINGS: tuple[Setting, ...] = tuple(_setting(f) for f in dataclasses.fields(Config))
@@ -193,8 +191,7 @@ def config_file_path(environ: dict[str, str]) -> Path:
 
 
 def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
-    """Turn one raw value (a string from the environment, JSON from the file) into
-    its typed form, or raise ConfigError naming the setting and what it accepts."""
+    """One raw value (an environment string, or JSON from the file) typed, or ConfigError."""
     where = f"{setting.env}" if source == "env" else f'"{setting.key}" in the config file'
     if setting.kind in ("str", "secret", "version"):
         if not isinstance(value, str):
@@ -222,8 +219,8 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
         return value
     if setting.kind == "list":
         if source == "env":
-            return tuple(part.strip() for part in value.split(",") if part.strip())
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            value = value.split(",")
+        elif not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where} must be a list of strings")
         return tuple(v.strip() for v in value if v.strip())
     raise AssertionError(setting.kind)
@@ -236,9 +233,8 @@ def _json_type(value: Any) -> str:
 
 
 def load_config(environ: dict[str, str] | None = None) -> Config:
-    """Read the config file and the environment into a validated Config. A missing file
-    is fine; an unreadable or malformed one, an unknown key, a wrong type or an out-of-range
-    value raises ConfigError with a sentence that names the key (never a secret)."""
+    """The config file and the environment as a validated Config. A missing file is fine;
+    anything else wrong raises ConfigError with a sentence naming the key (never a secret)."""
     environ = dict(os.environ if environ is None else environ)
     values: dict[str, Any] = {}
     path = config_file_path(environ)
@@ -256,40 +252,34 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     by_key = {s.key: s for s in SETTINGS}
     for key, raw in data.items():
         if key not in by_key:
+            accepted = f"the accepted keys are: {', '.join(by_key)}"
             maybe = did_you_mean(key, by_key)
-            raise ConfigError(
-                f'unknown key "{key}" in the config file {path}{maybe}; '
-                f"the accepted keys are: {', '.join(by_key)}"
-            )
+            raise ConfigError(f'unknown key "{key}" in the config file {path}{maybe}; {accepted}')
         values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
     for setting in SETTINGS:
         if setting.env in environ:
             values[setting.attr] = _parse_setting(setting, environ[setting.env], "env")
 
     config = Config(**values)
-    if config.exec_timeout_secs > config.max_exec_timeout_secs:
-        raise ConfigError(
-            f"execTimeoutSecs ({config.exec_timeout_secs}) must not be above "
-            f"maxExecTimeoutSecs ({config.max_exec_timeout_secs})"
-        )
+    exec_limits = config.exec_timeout_secs, config.max_exec_timeout_secs
+    if exec_limits[0] > exec_limits[1]:
+        limits = "execTimeoutSecs ({}) must not be above maxExecTimeoutSecs ({})"
+        raise ConfigError(limits.format(*exec_limits))
     if not NAME_RE.fullmatch(config.machine_prefix + "x"):
-        raise ConfigError(
-            "machinePrefix must start with a letter or digit and hold only letters, digits, "
-            f"'-' and '_', got {config.machine_prefix!r}"
-        )
+        why = "start with a letter or digit and hold only letters, digits, '-' and '_'"
+        raise ConfigError(f"machinePrefix must {why}, got {config.machine_prefix!r}")
     if not config.machine_prefix:
-        raise ConfigError(
-            "machinePrefix must not be empty: it is what marks a machine as ephemeral"
-        )
+        why = "it is what marks a machine as ephemeral"
+        raise ConfigError(f"machinePrefix must not be empty: {why}")
     if not config.http_path.startswith("/"):
         raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
     if config.local_url:
         parse_local_url(config.local_url)  # raises ConfigError when not a loopback or unix URL
-    unknown = [scope for scope in config.scopes if scope not in SCOPES]
+    unknown = ", ".join(repr(scope) for scope in config.scopes if scope not in SCOPES)
     if unknown:
-        named = ", ".join(map(repr, unknown))
         why = f"which is not a scope; the scopes are: {', '.join(SCOPES)}"
-        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, {why}")
+        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {unknown}, {why}")
+
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
     for cidr in config.egress_private_cidrs:
         try:
@@ -310,8 +300,9 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             f"without a path, such as https://mcp.example.com; got {config.public_url!r}"
         )
     runtime_dir = config.runtime_dir or default_runtime_dir(environ)
-    state_dir = config.state_dir or default_state_dir(environ)
-    return dataclasses.replace(config, runtime_dir=runtime_dir, state_dir=state_dir)
+    return dataclasses.replace(
+        config, runtime_dir=runtime_dir, state_dir=config.state_dir or default_state_dir(environ)
+    )
 
 
 def default_runtime_dir(environ: dict[str, str]) -> str:
@@ -322,36 +313,31 @@ def default_runtime_dir(environ: dict[str, str]) -> str:
 
 
 def default_state_dir(environ: dict[str, str]) -> str:
-    """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp: tokens and ownership
-    must outlive a reboot, which the runtime directory does not."""
+    """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens outlive a reboot)."""
     if environ.get("XDG_STATE_HOME"):
         return str(Path(environ["XDG_STATE_HOME"]) / "smol-mcp")
-    home = environ.get("HOME") or str(Path.home())
-    return str(Path(home) / ".local" / "state" / "smol-mcp")
+    return str(Path(environ.get("HOME") or Path.home()) / ".local" / "state" / "smol-mcp")
 
 
 def ensure_runtime_dir(path: str) -> Path:
-    """Create the runtime directory with mode 0700 and refuse one we do not own:
-    it holds the socket of an API without authentication."""
+    """ensure_private_dir for the runtime directory: it holds an unauthenticated API's socket."""
     return ensure_private_dir(path, "runtime directory", "SMOL_MCP_RUNTIME_DIR")
 
 
 def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
-    """Create a directory with mode 0700, and refuse one another user owns or
-    can open (named ``what``, moved with the variable ``env``)."""
+    """Create a directory with mode 0700; refuse one another user owns or can open (``what``
+    names it, the variable ``env`` moves it)."""
     directory = Path(path)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = directory.stat()
     if info.st_uid != os.getuid():
-        raise SmolError(
-            f"the {what} {directory} belongs to another user; set {env} to a directory of your own"
-        )
+        why = f"belongs to another user; set {env} to a directory of your own"
+        raise SmolError(f"the {what} {directory} {why}")
     if info.st_mode & 0o077:
         # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
-        raise SmolError(
-            f"the {what} {directory} can be opened by other users (mode {oct(info.st_mode & 0o777)}"
-            f"); set {env} to a directory only you can open, for example one made with mkdir -m 700"
-        )
+        mode = oct(info.st_mode & 0o777)
+        fix = f"set {env} to a directory only you can open, for example one made with mkdir -m 700"
+        raise SmolError(f"the {what} {directory} can be opened by other users (mode {mode}); {fix}")
     return directory
 
 
@@ -359,9 +345,8 @@ MOUNT_ROOT_WRITABLE = ":rw"
 
 
 def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
-    """The configured mount roots as (resolved directory, writable). A root is an
-    absolute host directory, read-only unless it ends in ":rw". Symlinks in the
-    root itself are resolved here, so a source is compared with the real place."""
+    """The mount roots as (resolved directory, writable): absolute host directories, read-only
+    unless ending in ":rw", resolved so a source is compared with the real place."""
     parsed = []
     for root in roots:
         writable = root.endswith(MOUNT_ROOT_WRITABLE)
@@ -376,11 +361,8 @@ def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
 
 
 def parse_local_url(url: str) -> tuple[str, str | int]:
-    """Split SMOL_LOCAL_URL into ("unix", path) or ("tcp", port).
-
-    Only a Unix socket or a loopback TCP port is accepted: the local API has no
-    authentication, so talking to it across a network would hand the host out.
-    """
+    """SMOL_LOCAL_URL as ("unix", path) or ("tcp", port). Only a Unix socket or a loopback port:
+    the local API has no authentication, so reaching it across a network hands the host out."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme == "unix":
         path = parsed.path or parsed.netloc
@@ -388,21 +370,19 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
             why = f"an absolute socket path, as unix:///path/to/serve.sock; got {url!r}"
             raise ConfigError(f"SMOL_LOCAL_URL must name {why}")
         return "unix", path
-    if parsed.scheme == "http" and parsed.hostname in ("127.0.0.1", "localhost", "::1"):
-        if parsed.port:
-            return "tcp", parsed.port
-    raise ConfigError(
-        "SMOL_LOCAL_URL must be unix:///absolute/path.sock or http://127.0.0.1:PORT (loopback "
-        f"only, because the local API has no authentication); got {url!r}"
-    )
+    if parsed.scheme == "http" and parsed.hostname in LOOPBACK_HOSTS and parsed.port:
+        return "tcp", parsed.port
+
+    forms = "unix:///absolute/path.sock or http://127.0.0.1:PORT"
+    why = "loopback only, because the local API has no authentication"
+    raise ConfigError(f"SMOL_LOCAL_URL must be {forms} ({why}); got {url!r}")
 
 
 # ---------------------------------------------------------------------------
 # 2. Errors
 #
-# Every failure a caller can do something about is a SmolError whose text is a
-# sentence saying what happened and what to do next. Tool handlers let these
-# travel up; the dispatcher turns them into tool errors (isError: true).
+# Every failure a caller can act on is a SmolError whose text says what happened and what to do
+# next. Tool handlers let these travel up; the dispatcher makes them tool errors (isError: true).
 # ---------------------------------------------------------------------------
 
 
@@ -423,8 +403,7 @@ class NotRunning(SmolError):
 
 
 class ApiError(SmolError):
-    """The machine API refused a request. Keeps the status and the API's own
-    code and message so callers can branch on them and pass the text through."""
+    """The machine API refused a request; keeps its status, code and message to branch on."""
 
     def __init__(self, fleet: str, action: str, status: int, code: str, message: str):
         self.fleet, self.action, self.status = fleet, action, status
@@ -440,8 +419,7 @@ class ApiError(SmolError):
 
 
 def redact(text: str, secret_values: list[str]) -> str:
-    """Replace every configured secret in ``text``: last line of defence for
-    messages built from data we did not write."""
+    """``text`` with every configured secret replaced: the last defence for others' data."""
     for value in secret_values:
         if value:
             text = text.replace(value, "[redacted]")
@@ -451,10 +429,9 @@ def redact(text: str, secret_values: list[str]) -> str:
 # ---------------------------------------------------------------------------
 # 3. Local fleet: smolvm serve over a Unix socket
 #
-# http.client over AF_UNIX to `smolvm serve start --listen <runtimeDir>/serve.sock`,
-# spawned on the first local call and never at connect. Every method here
-# blocks; the tool layer runs them in worker threads so one long command never
-# stalls another session.
+# http.client over AF_UNIX to `smolvm serve start --listen <runtimeDir>/serve.sock`, spawned on
+# the first local call and never at connect. Every method here blocks; the tool layer runs them
+# in worker threads so one long command never stalls another session.
 # ---------------------------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
@@ -464,10 +441,9 @@ ADDRESS_IN_USE_HINT = (
     "(smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or "
     "stop it."
 )
-# The serve child's environment is an allow-list: PATH to find its helpers, HOME and
-# XDG_* for its data, cache and socket directories, the locale and TZ for its messages,
-# TMPDIR for its scratch files, RUST_LOG for its log level, and SMOLVM_* (added in
-# minimal_child_env), the engine's own settings. Nothing else of ours is passed on.
+# The serve child's environment is an allow-list: PATH to find its helpers, HOME and XDG_* for its
+# data, cache and socket directories, the locale and TZ for its messages, TMPDIR for scratch files,
+# RUST_LOG for its log level, and SMOLVM_* (minimal_child_env), the engine's own settings.
 CHILD_ENV_NAMES = tuple(
     "PATH HOME USER LOGNAME LANG LC_ALL LC_CTYPE TMPDIR TZ XDG_RUNTIME_DIR XDG_DATA_HOME "
     "XDG_CONFIG_HOME XDG_CACHE_HOME XDG_STATE_HOME RUST_LOG".split()
@@ -480,11 +456,8 @@ RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "
 
 
 def wheel_engine() -> str | None:
-    """The smol/smol-vmm of a smolmachines package installed for the running
-    interpreter (``uv run --with smolmachines smol_mcp.py``): the full smolvm
-    CLI. Found through the package metadata, without importing the package."""
-    import importlib.metadata
-
+    """The smol/smol-vmm (the full smolvm CLI) of a smolmachines package installed for this
+    interpreter (``uv run --with smolmachines``), found without importing the package."""
     try:
         distribution = importlib.metadata.distribution("smolmachines")
     except importlib.metadata.PackageNotFoundError:
@@ -494,8 +467,7 @@ def wheel_engine() -> str | None:
 
 
 def inside_smol_guest() -> bool:
-    """True when this process runs inside a smol machine, where there is no
-    hypervisor to start a nested fleet with."""
+    """True inside a smol machine, where there is no hypervisor for a nested fleet."""
     return any(os.path.exists(marker) for marker in GUEST_MARKERS)
 
 
@@ -504,17 +476,12 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 
 def minimal_child_env(environ: dict[str, str], secret_values: list[str]) -> dict[str, str]:
-    """The environment the serve child gets: a few basics and SMOLVM_* engine
-    settings, never a token, even one that hides in an allowed name."""
+    """The serve child's environment: a few basics and SMOLVM_* engine settings, never a token.
+    A secret can hide inside a value (SMOLVM_EXTRA=prefix-<token>): such a variable is dropped."""
     env = {name: environ[name] for name in CHILD_ENV_NAMES if name in environ}
     env.update({name: value for name, value in environ.items() if name.startswith("SMOLVM_")})
-    # A secret can hide inside another value (SMOLVM_EXTRA=prefix-<token>): any value or
-    # name that contains one is dropped whole, however it is spelled around it.
-    return {
-        name: value
-        for name, value in env.items()
-        if not any(secret and (secret in value or secret in name) for secret in secret_values)
-    }
+    hides = [secret for secret in secret_values if secret]
+    return {k: v for k, v in env.items() if not any(s in v or s in k for s in hides)}
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -583,12 +550,10 @@ class FilePage:
     size: int
 
 
-# Jobs on the local fleet, which has no job API: a job is a process this server starts in the guest
-# through exec, detached from the exec (its own session, HUP ignored), with everything about it in
-# files under JOB_DIR/<jobId>: pid, stdout, stderr, exit (its exit code, written when it ends),
-# timedout, cancelled. So a job outlives the tool call, the client and this server, and ends with
-# its machine. A job whose process is gone without an exit file (the machine stopped under it) reads
-# "lost".
+# Local jobs (no job API): a process started through exec, detached (own session, HUP ignored),
+# with its pid, stdout, stderr, exit (code, written at the end), timedout and cancelled files under
+# JOB_DIR/<jobId>. It outlives the call, client and server, ends with its machine, and reads "lost"
+# when its process is gone without an exit file (the machine stopped under it).
 JOB_DIR = "/var/tmp/smol-mcp/jobs"
 JOB_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
 # $1 job directory, $2 timeout in seconds, then the argv. Runs detached; writes pid, exit.
@@ -673,16 +638,12 @@ class JobPage:
 
 
 def local_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
-    """The local exec body (the options typed as Fleet.exec has them). autoStart
-    false: a stopped machine is reported, so the tool can say it started it."""
-    body: dict[str, Any] = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
-    if workdir:
-        body["workdir"] = workdir
-    if env:
-        body["env"] = [{"name": k, "value": v} for k, v in env.items()]
-    if stdin is not None:
-        body["stdin"] = stdin
-    return body
+    """The local exec body. autoStart false: a stopped machine is reported, so the tool can say
+    it started it."""
+    env_list = [{"name": k, "value": v} for k, v in (env or {}).items()]
+    options = {"workdir": workdir or None, "env": env_list or None, "stdin": stdin}
+    body = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
+    return body | {key: value for key, value in options.items() if value is not None}
 
 
 def helper_output(name: str, action: str, result: ExecResult) -> bytes:
@@ -691,14 +652,10 @@ def helper_output(name: str, action: str, result: ExecResult) -> bytes:
         return bytes(result.stdout)
     why = bytes(result.stderr).decode("utf-8", "replace").strip() or f"exit code {result.exit_code}"
     if "no such job" in why:
-        raise SmolError(
-            f"machine '{name}' has no such job (while trying to {action}); "
-            "get-machine lists its jobs"
-        )
-    raise SmolError(
-        f"could not {action} in machine '{name}': {why}. The job tools need a POSIX shell "
-        "(sh) with kill, tail, head and wc in the image."
-    )
+        why = f"has no such job (while trying to {action}); get-machine lists its jobs"
+        raise SmolError(f"machine '{name}' {why}")
+    need = "The job tools need a POSIX shell (sh) with kill, tail, head and wc in the image."
+    raise SmolError(f"could not {action} in machine '{name}': {why}. {need}")
 
 
 def not_running(name: str, err: ApiError) -> SmolError:
@@ -714,10 +671,8 @@ def local_job_page(name: str, job_id: str, data: bytes) -> JobPage:
         state, code, out_size, err_size, n, m = header.decode().split()
         n, m = int(n), int(m)
     except ValueError:
-        raise SmolError(
-            f"the guest of machine '{name}' answered a read of job {job_id} in a form this "
-            f"server could not read ({header[:200]!r})"
-        ) from None
+        why = f"a read of job {job_id} in a form this server could not read ({header[:200]!r})"
+        raise SmolError(f"the guest of machine '{name}' answered {why}") from None
     exit_code = int(code) if code.lstrip("-").isdigit() else None
     return JobPage(state, exit_code, rest[:n], rest[n : n + m], (int(out_size), int(err_size)))
 
@@ -729,10 +684,9 @@ INSIDE_GUEST = (
 
 
 class LocalFleet:
-    """The machines of ``smolvm serve`` on this host. The serve is started on first use,
-    shared by every session of the process (``acquire``/``release`` count them; the last
-    release stops a serve we started), restarted if it dies, and never started when
-    SMOL_LOCAL_URL names one to use instead."""
+    """The machines of ``smolvm serve`` on this host: started on first use, shared by every
+    session (``acquire``/``release`` count them; the last release stops a serve we started),
+    restarted if it dies, never started when SMOL_LOCAL_URL names one."""
 
     name = "local"
     served_as = (
@@ -758,25 +712,25 @@ class LocalFleet:
         hypervisor, serve = facts["hypervisor"]["detail"], facts["serve"]
         mounts = describe_mount_roots(app.config)
         details = [f"smolvm: {found}", f"hypervisor: {hypervisor}", f"serve: {serve}", mounts]
-        lacking = not smolvm["path"] and not app.config.local_url and not smolvm["version"]
+        if smolvm["path"] or app.config.local_url or smolvm["version"]:
+            return details, []
         get = engine_get_command(Path(__file__).resolve(), sys.prefix)
-        return details, [ENGINE_ON_RAMP.format(get=get)] if lacking else []
+        return details, [ENGINE_ON_RAMP.format(get=get)]
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
         self.environ = dict(os.environ if environ is None else environ)
         self._lock = threading.RLock()
         self._process: subprocess.Popen | None = None
-        self._users = 0
-        self._ready = False
+        self._users, self._ready = 0, False
         self._pool = threading.local()  # one kept-alive connection per worker thread
-        self._serve_log = Path(config.runtime_dir) / "serve.log"
-        self._pid_file = Path(config.runtime_dir) / "serve.pid"
+
+        runtime = Path(config.runtime_dir)
+        self._serve_log, self._pid_file = runtime / "serve.log", runtime / "serve.pid"
+        self._users_dir = runtime / "serve-users"
         self.version: str | None = None
-        if config.local_url:
-            self._kind, self._address = parse_local_url(config.local_url)
-        else:
-            self._kind, self._address = "unix", str(Path(config.runtime_dir) / "serve.sock")
+        own = ("unix", str(runtime / "serve.sock"))
+        self._kind, self._address = parse_local_url(config.local_url) if config.local_url else own
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -803,13 +757,8 @@ class LocalFleet:
                 return
             self.stop_serve()
 
-    @property
-    def _users_dir(self) -> Path:
-        return Path(self.config.runtime_dir) / "serve-users"
-
     def _other_processes_use_serve(self) -> bool:
-        """Whether another live smol-mcp process marked itself as using our
-        serve (processes with the same runtime directory share one)."""
+        """Whether another live smol-mcp process (same runtime directory) marked our serve used."""
         for marker in self._users_dir.glob("*"):
             pid = int(marker.name) if marker.name.isdigit() else 0
             if pid == os.getpid():
@@ -825,22 +774,20 @@ class LocalFleet:
         return False
 
     def stop_serve(self) -> None:
-        """Stop the serve on our socket: the child we spawned, or the one
-        another smol-mcp process spawned and left to us (its pid is on file)."""
+        """Stop the serve on our socket: our child, or the one another smol-mcp process
+        spawned and left to us (its pid is on file)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
-        if process is not None:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait(timeout=5)
-        elif not self.config.local_url and self._pid_file.exists():
-            pid = int(self._pid_file.read_text().strip() or 0)
-            if serve_process_on(pid, self._address):
-                os.kill(pid, signal.SIGTERM)
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        elif process is None and not self.config.local_url and (pid := self._live_serve_pid()):
+            os.kill(pid, signal.SIGTERM)
+
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.unlink(missing_ok=True)
 
@@ -864,14 +811,13 @@ class LocalFleet:
             if not self.config.local_url and not self._answers():
                 self._start_serve_once()
             try:
-                health = self._health()
+                self.version = str(self._health().get("version", ""))
             except OSError as exc:
                 why = f"({exc.strerror or exc})"
                 if self.config.local_url:
                     raise self._nothing_answers(f" {why}") from None
                 why = f"stopped answering on {self._address} {why}; its log is {self._serve_log}"
                 raise SmolError(f"the smolvm serve {why}") from None
-            self.version = str(health.get("version", ""))
             if not self.config.local_url:
                 with bookkeeping(self.config.runtime_dir):
                     self._users_dir.mkdir(mode=0o700, exist_ok=True)
@@ -879,22 +825,18 @@ class LocalFleet:
                     (self._users_dir / str(os.getpid())).write_text(str(started or ""))
             minimum = self.config.min_smolvm
             if minimum and version_tuple(self.version) < version_tuple(minimum):
-                raise SmolError(
-                    f"smolvm {self.version} is older than the minimum {minimum} this server needs "
-                    "(older serves reject fields it sends). Upgrade smolvm, or set "
-                    "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check."
-                )
+                old = f"smolvm {self.version} is older than the minimum {minimum} this server needs"
+                why = "(older serves reject fields it sends). Upgrade smolvm, or set"
+                fix = "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
+                raise SmolError(f"{old} {why} {fix}.")
             self._ready = True
 
     def _nothing_answers(self, why: str = "") -> SmolError:
-        return SmolError(
-            f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; start the serve "
-            "there, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
-        )
+        fix = "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
+        return SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; {fix}")
 
     def _answers(self) -> bool:
-        """True when something already serves the API on our socket (for example
-        the serve of another smol-mcp process with the same runtime directory)."""
+        """True when something (maybe another smol-mcp process's serve) answers on our socket."""
         try:
             self._health()
             return True
@@ -908,12 +850,9 @@ class LocalFleet:
         return json.loads(body)
 
     def _start_serve_once(self) -> None:
-        """Start the serve unless another smol-mcp process sharing the runtime
-        directory is starting it right now: a file lock makes them take turns."""
-        import fcntl
-
-        runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
-        with open(runtime_dir / "serve.lock", "w") as lock:
+        """Start the serve unless another smol-mcp process sharing the runtime directory is
+        starting it right now: a file lock makes them take turns."""
+        with open(ensure_runtime_dir(self.config.runtime_dir) / "serve.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self._answers():
                 return
@@ -922,8 +861,7 @@ class LocalFleet:
                 self._start_serve()
 
     def _live_serve_pid(self) -> int | None:
-        """The serve process on our socket that still runs, whether it answers
-        or not: ours, or the one another smol-mcp process started (serve.pid)."""
+        """The live serve on our socket, answering or not: ours, or another's (serve.pid)."""
         if self._process is not None and self._process.poll() is None:
             return self._process.pid
         try:
@@ -933,9 +871,8 @@ class LocalFleet:
         return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
 
     def _wait_while_busy(self, pid: int) -> bool:
-        """A serve that runs but does not answer is busy (or stopped), not dead:
-        replacing it would orphan it and fight it for its port. Wait for it,
-        within serveStartTimeoutSecs; False if it died meanwhile."""
+        """A serve that runs but does not answer is busy or stopped, not dead (replacing it orphans
+        it and fights it for its port): wait within serveStartTimeoutSecs; False if it died."""
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while time.monotonic() < deadline:
             if not process_alive(pid):
@@ -957,49 +894,41 @@ class LocalFleet:
     def _start_serve(self) -> None:
         binary = self.smolvm_path()
         if binary is None:
-            raise SmolError(
-                f"smolvm was not found (looked for {self.config.smolvm!r} on PATH). Install "
-                "smolvm, set SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running "
-                "serve."
-            )
+            looked = f"looked for {self.config.smolvm!r} on PATH"
+            fix = "set SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve"
+            raise SmolError(f"smolvm was not found ({looked}). Install smolvm, {fix}.")
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
-        socket_path = Path(self._address)
-        if len(str(socket_path).encode()) > 100:
+        socket_path, log_path = self._address, runtime_dir / "serve.log"
+        if len(socket_path.encode()) > 100:
             why = "is too long for a Unix socket; set SMOL_MCP_RUNTIME_DIR to a shorter directory"
             raise SmolError(f"the socket path {socket_path} {why}")
-        socket_path.unlink(missing_ok=True)
-        log_path = runtime_dir / "serve.log"
+        Path(socket_path).unlink(missing_ok=True)
         env = minimal_child_env(self.environ, self.config.secret_values())
         with open(log_path, "ab") as log_file:
             log_start = log_file.tell()
-            argv = [binary, "serve", "start", "--listen", str(socket_path)]
+            argv = [binary, "serve", "start", "--listen", socket_path]
             to_log = {"stdin": subprocess.DEVNULL, "stdout": log_file, "stderr": log_file}
             self._process = subprocess.Popen(argv, **to_log, env=env, start_new_session=True)
         log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.write_text(str(self._process.pid))
-        deadline = time.monotonic() + self.config.serve_start_timeout_secs
+        timeout = self.config.serve_start_timeout_secs
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                output = _read_from(log_path, log_start)
-                self._process = None
+                output, self._process = _read_from(log_path, log_start), None
+                last = _last_line(output)
                 if "Address already in use" in output:
-                    raise SmolError(
-                        f"smolvm serve could not start: {_last_line(output)}. "
-                        + other_serve_hint(str(socket_path))
-                    )
-                raise SmolError(
-                    f"smolvm serve exited at once: {_last_line(output) or 'no output'} "
-                    f"(its log is {log_path})"
-                )
+                    hint = other_serve_hint(socket_path)
+                    raise SmolError(f"smolvm serve could not start: {last}. {hint}")
+                why = f"{last or 'no output'} (its log is {log_path})"
+                raise SmolError(f"smolvm serve exited at once: {why}")
             if self._answers():
                 return
             time.sleep(0.05)
         self.stop_serve()
-        raise SmolError(
-            f"smolvm serve did not answer within {self.config.serve_start_timeout_secs} s "
-            f"(serveStartTimeoutSecs); its log is {log_path}"
-        )
+        why = f"within {timeout} s (serveStartTimeoutSecs); its log is {log_path}"
+        raise SmolError(f"smolvm serve did not answer {why}")
 
     # -- HTTP --------------------------------------------------------------
 
@@ -1009,12 +938,11 @@ class LocalFleet:
         return http.client.HTTPConnection("127.0.0.1", int(self._address), timeout=timeout)
 
     def _pooled(self, timeout: float) -> http.client.HTTPConnection:
-        """This worker thread's kept-alive connection: opening one per call costs about as much as
-        the call itself. One the serve closed while it sat idle is replaced before it is used."""
+        """This worker thread's kept-alive connection (opening one costs about as much as a call);
+        one the serve closed while it sat idle is replaced before it is used."""
         conn = getattr(self._pool, "conn", None)
         if conn is not None and conn.sock is not None and peer_closed(conn.sock):
-            conn.close()
-            conn = None
+            conn = conn.close()
         if conn is None:
             conn = self._pool.conn = self._connection(timeout)
         conn.timeout = timeout
@@ -1041,9 +969,8 @@ class LocalFleet:
             raise
 
     def _send_when_accepted(self, send: Callable) -> tuple[int, str, Any]:
-        """Send; while the serve's listen backlog is full (EAGAIN on connect:
-        it is busy or stopped, not gone) wait and resend, within a bound. The
-        connection never opened, so the request was not received."""
+        """Send; while the serve's listen backlog is full (EAGAIN on connect: busy or stopped, not
+        gone; the request was not received) wait and resend, within a bound."""
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while True:
             try:
@@ -1060,19 +987,18 @@ class LocalFleet:
         path: str,
         payload: Any = None,
         *,
-        raw: bytes | None = None,
         timeout: float | None = None,
         setting: str = "readyTimeoutSecs",
         read: Callable | None = None,
     ) -> Any:
-        """One API call. Returns the parsed JSON body (or bytes for a raw response, or what ``read``
-        made of a 200); raises ApiError with the API's own message on a refusal. A serve that
-        stopped answering is started again once. ``timeout`` (readyTimeoutSecs when None) follows
-        ``setting``, which a timeout message names."""
+        """One API call sending ``payload`` (bytes as they are, else JSON): the JSON answer (bytes
+        for a raw one, what ``read`` made of a 200), or ApiError with the API's message. A serve
+        that stopped answering is started again once. ``timeout`` (readyTimeoutSecs when None) is
+        the ``setting`` a timeout message names."""
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
-        body, content_type = raw, None if raw is None else "application/octet-stream"
-        if payload is not None:
+        body, content_type = payload, None if payload is None else "application/octet-stream"
+        if payload is not None and not isinstance(payload, bytes | bytearray):
             body, content_type = json.dumps(payload).encode(), "application/json"
         options = {"content_type": content_type, "timeout": timeout, "read": read}
         send = functools.partial(self._raw_request, method, path, body, **options)
@@ -1086,21 +1012,22 @@ class LocalFleet:
             self.ensure_serve()
             status, ctype, data = send()
         except TimeoutError:
-            raise SmolError(
-                f"the local machine API did not answer within {timeout:.0f} s while trying to "
-                f"{action}. A busy host or a large image can take that long: raise {setting} "
-                f"to wait longer, and check the engine with `{invocation()} doctor`"
-            ) from None
+            waited = f"did not answer within {timeout:.0f} s while trying to {action}"
+            why = f"A busy host or a large image can take that long: raise {setting} to wait longer"
+            doctor = f"check the engine with `{invocation()} doctor`"
+            raise SmolError(f"the local machine API {waited}. {why}, and {doctor}") from None
         except (OSError, http.client.HTTPException) as exc:
             self._ready = False
             raise serve_dropped(action, exc) from None
         if status >= 400:
             raise api_error(self.name, action, status, ctype, data)
-        if read is not None and status == 200:
-            return data
-        if "application/json" in ctype:
+        if "application/json" in ctype and not (read is not None and status == 200):
             return json.loads(data) if data else None
         return data
+
+    def _refusal(self, action: str, response: http.client.HTTPResponse) -> ApiError:
+        ctype = response.getheader("Content-Type", "")
+        return api_error(self.name, action, response.status, ctype, response.read())
 
     # -- machines (normalised) ---------------------------------------------
 
@@ -1122,45 +1049,30 @@ class LocalFleet:
         ports = [
             {"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports
         ]
-        mounts = [
-            {
-                "source": m["source"],
-                "target": m["target"],
-                "readonly": m.get("readonly") is not False,
-            }
-            for m in spec.mounts
-        ]
-        body = {
-            "name": spec.name,
-            "image": spec.image,
-            "cpus": spec.cpus,
-            "memoryMb": spec.memory_mb,
-            "network": spec.network == "open",
-            "allowedHosts": spec.allow_hosts or None,
-            "allowedCidrs": spec.allow_cidrs or None,
-            "ports": ports or None,
-            "mounts": mounts or None,
-            "storageGb": spec.storage_gb,
-            "overlayGb": spec.overlay_gb,
-            "cmd": spec.cmd,
-            "env": [{"name": k, "value": v} for k, v in spec.env.items()] or None,
-        }
+        shares = [(m["source"], m["target"], m.get("readonly") is not False) for m in spec.mounts]
+        mounts = [{"source": s, "target": t, "readonly": ro} for s, t, ro in shares]
+        env = [{"name": k, "value": v} for k, v in spec.env.items()]
+        body = dict(name=spec.name, image=spec.image, cpus=spec.cpus, memoryMb=spec.memory_mb)
+        body |= dict(network=spec.network == "open", allowedHosts=spec.allow_hosts or None)
+        body |= dict(allowedCidrs=spec.allow_cidrs or None, ports=ports or None)
+        body |= dict(mounts=mounts or None, storageGb=spec.storage_gb, overlayGb=spec.overlay_gb)
+        body |= dict(cmd=spec.cmd, env=env or None)
         body = {key: value for key, value in body.items() if value is not None}
         action = f"create machine '{spec.name}'"
         return local_record(self.request(action, "POST", "/api/v1/machines", body))
 
     def recheck_mounts(self, name: str, action: str) -> None:
-        """Refuse ``action`` unless each mount source of the machine still resolves
-        under its root (a guest with a writable share may have swapped in a symlink)."""
+        """Refuse ``action`` unless each mount source still resolves under its root (a guest with
+        a writable share may have swapped in a symlink)."""
         for mount in self._machine(action, "GET", _q(name)).get("mounts") or []:
             try:
                 want_write = mount.get("readonly") is False
                 contained_host_path(self.config, mount["source"], "source", want_write)
             except ArgumentError as err:
+                where = f"the source of its mount at {mount.get('target')} is checked again"
                 raise ArgumentError(
-                    f"could not {action}: the source of its mount at {mount.get('target')} is "
-                    f"checked again at every start, and now {err}. Restore the directory, or "
-                    "delete the machine"
+                    f"could not {action}: {where} at every start, and now {err}. Restore the "
+                    "directory, or delete the machine"
                 ) from None
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
@@ -1184,22 +1096,20 @@ class LocalFleet:
         self, name: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None, stdin=None
     ) -> ExecResult:
         """Run a command in a running machine (typed as Fleet.exec); NotRunning if it is not
-        running. (The engine would boot it itself, but then nobody could report that it did.)"""
+        (the engine would boot it, but then nobody could report that it did)."""
         body = local_exec_body(argv, timeout_secs, workdir, env, stdin)
-        action = f"run a command in machine '{name}'"
         setting = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
         # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
         wait = {"timeout": timeout_secs + 30, "setting": setting, "read": read_exec_answer}
         started = time.monotonic()
         try:
-            data = self._machine(action, "POST", f"{_q(name)}/exec", body, **wait)
+            route, action = f"{_q(name)}/exec", f"run a command in machine '{name}'"
+            data = self._machine(action, "POST", route, body, **wait)
         except ApiError as err:
             raise not_running(name, err) from None
         except ValueError as err:
-            raise SmolError(
-                f"the local serve answered a command in machine '{name}' with a body this server "
-                f"could not read ({err})"
-            ) from None
+            why = f"a command in machine '{name}' with a body this server could not read ({err})"
+            raise SmolError(f"the local serve answered {why}") from None
         seconds = time.monotonic() - started
         return ExecResult(int(data["exitCode"]), data["stdoutB64"], data["stderrB64"], seconds)
 
@@ -1221,27 +1131,22 @@ class LocalFleet:
             except (OSError, http.client.HTTPException) as exc:
                 raise serve_dropped(action, exc) from None
             if response.status >= 400:
-                ctype = response.getheader("Content-Type", "")
-                raise not_running(
-                    name, api_error(self.name, action, response.status, ctype, response.read())
-                )
+                raise not_running(name, self._refusal(action, response))
             pieces = iter(lambda: response.read1(1 << 16), b"")
             broken = (OSError, http.client.HTTPException)
             return collect_exec_stream(sse_events(pieces), name, on_output, started, broken)
         finally:
             conn.close()
 
-    def exec_helper(
-        self, name: str, action: str, script: str, *args: str, timeout_secs: int = 60
-    ) -> bytes:
-        """Run a helper script of this server in the guest (sh -c) and return
-        its stdout; a non-zero exit is an error carrying its stderr."""
+    def exec_helper(self, name: str, action: str, script: str, *args: str) -> bytes:
+        """The stdout of a helper script of this server run in the guest (sh -c); a non-zero
+        exit is an error carrying its stderr."""
         try:
-            result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=timeout_secs)
+            result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=60)
         except NotRunning:
+            stopped = f"machine '{name}' is not running, and its jobs ended when it stopped"
             raise SmolError(
-                f"machine '{name}' is not running, and its jobs ended when it stopped; "
-                "start-machine, then read-job, shows what they wrote"
+                f"{stopped}; start-machine, then read-job, shows what they wrote"
             ) from None
         return helper_output(name, action, result)
 
@@ -1277,25 +1182,22 @@ class LocalFleet:
         return jobs
 
     def probe_ready(self, name: str) -> str | None:
-        """None once a command runs in the guest; while it is still coming up,
-        what the guest answered instead. Raises if the machine stopped or is gone."""
+        """None once a command runs in the guest; while it is still coming up, what the guest
+        answered instead. Raises if the machine stopped or is gone."""
         try:
             self.exec(name, READY_PROBE, timeout_secs=10)
             return None
         except NotRunning:
-            raise SmolError(
-                f"machine '{name}' stopped while waiting for its guest to answer; its log "
-                "(machine-logs) may say why"
-            ) from None
+            why = "while waiting for its guest to answer; its log (machine-logs) may say why"
+            raise SmolError(f"machine '{name}' stopped {why}") from None
         except ApiError as err:
             if err.status in (400, 404):
                 raise
             return err.api_message
 
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
-        """One page of a file. The API has no range parameters, so a page deep into a large file is
-        cut inside the guest (stat, tail and head) rather than downloading everything before it; an
-        image without those tools falls back to streaming the file and keeping only the page."""
+        """One page of a file. The API has no range, so a page deep into a large file is cut in the
+        guest (stat, tail, head); an image without those streams the file, keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
             argv = ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)]
             try:
@@ -1311,16 +1213,13 @@ class LocalFleet:
         try:
             conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}")
             response = conn.getresponse()
-            ctype = response.getheader("Content-Type", "")
             if response.status >= 400:
-                raise api_error(self.name, action, response.status, ctype, response.read())
-            if "application/json" in ctype:
+                raise self._refusal(action, response)
+            if "application/json" in response.getheader("Content-Type", ""):
                 listing = json.loads(response.read() or b"{}")
                 names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
-                raise SmolError(
-                    f"{path} is a directory, not a file; it holds: {names or 'nothing'}. "
-                    "Pass the path of a file inside it."
-                )
+                held = f"it holds: {names or 'nothing'}. Pass the path of a file inside it."
+                raise SmolError(f"{path} is a directory, not a file; {held}")
             size = int(response.getheader("Content-Length") or -1)
             skipped = 0
             while skipped < offset:
@@ -1344,12 +1243,11 @@ class LocalFleet:
             conn.close()
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
-        action, route = f"write {path} in machine '{name}'", f"{_q(name)}/files/"
+        action = f"write {path} in machine '{name}'"
+        route = f"{_q(name)}/files/{guest_route_suffix(path)}"
         timeout = self.config.ready_timeout_secs + len(data) / (1 << 20)
-        answer = self._machine(
-            action, "PUT", route + guest_route_suffix(path), raw=data, timeout=timeout
-        )
-        return int((answer or {}).get("size", len(data))) if isinstance(answer, dict) else len(data)
+        answer = self._machine(action, "PUT", route, data, timeout=timeout)
+        return int(answer.get("size", len(data))) if isinstance(answer, dict) else len(data)
 
     def console_lines(self, name: str) -> list[str]:
         """Every line of the guest console log (the API streams it as SSE)."""
@@ -1401,14 +1299,14 @@ class LocalFleet:
 
 
 def route_table(text: str) -> dict[tuple[str, str], str | None]:
-    """{(method, path): reason} from ``text``: a line ending in ":" gives the reason for the
-    "METHOD /path" pairs on the lines below it ("called:" for None)."""
+    """{(method, path): reason} from ``text``: "reason:" gives the reason for the "METHOD /path"
+    pairs after it, on its line and the lines below ("called:" for None)."""
     routes: dict[tuple[str, str], str | None] = {}
     reason = None
     for line in text.strip().splitlines():
-        if line.endswith(":"):
-            reason = None if line == "called:" else line[:-1]
-            continue
+        if ":" in line:
+            head, _, line = line.partition(":")
+            reason = None if head == "called" else head
         words = line.split()
         routes.update(dict.fromkeys(zip(words[::2], words[1::2]), reason))
     return routes
@@ -1419,66 +1317,50 @@ def route_table(text: str) -> dict[tuple[str, str], str | None]:
 # `smol_mcp.py parity` compares this with the running serve's spec, so a route a new smolvm
 # adds shows up as a decision.
 LOCAL_ROUTES = route_table("""
-called:
-    GET /health  GET /api/v1/machines  POST /api/v1/machines  GET /api/v1/machines/{name}
+called: GET /health  GET /api/v1/machines  POST /api/v1/machines  GET /api/v1/machines/{name}
     DELETE /api/v1/machines/{name}  POST /api/v1/machines/{name}/start
     POST /api/v1/machines/{name}/stop  POST /api/v1/machines/{id}/exec
     POST /api/v1/machines/{id}/exec/stream  GET /api/v1/machines/{id}/files/{path}
     PUT /api/v1/machines/{id}/files/{path}  GET /api/v1/machines/{id}/logs
     POST /api/v1/machines/{id}/images/pull  POST /api/v1/machines/{name}/branches
     POST /api/v1/machines/{name}/egress  GET /api/v1/machines/{name}/egress-events
-host scheduling numbers; no tool reports capacity:
-    GET /capacity
-no tool lists a machine's images:
-    GET /api/v1/machines/{id}/images
-running another image on an overlay is not in the tool vocabulary:
-    POST /api/v1/machines/{id}/run
-the legacy name of branches:
-    POST /api/v1/machines/{name}/fork
-branch pools; this server has no pool vocabulary:
-    POST /api/v1/machines/{name}/fork-release
-no tool pauses or resumes a machine:
-    POST /api/v1/machines/{name}/pause  POST /api/v1/machines/{name}/resume
+host scheduling numbers; no tool reports capacity: GET /capacity
+no tool lists a machine's images: GET /api/v1/machines/{id}/images
+running another image on an overlay is not in the tool vocabulary: POST /api/v1/machines/{id}/run
+the legacy name of branches: POST /api/v1/machines/{name}/fork
+branch pools; this server has no pool vocabulary: POST /api/v1/machines/{name}/fork-release
+no tool pauses or resumes a machine: POST /api/v1/machines/{name}/pause
+    POST /api/v1/machines/{name}/resume
 needs a pushToken minted by the control plane, which a local user cannot produce:
     POST /api/v1/machines/{name}/export
-no tool grows a machine after it exists:
-    POST /api/v1/machines/{name}/resize
-mounts are a create-time argument:
-    POST /api/v1/machines/{name}/sync  GET /api/v1/machines/{name}/mounts
-    POST /api/v1/machines/{name}/mounts  DELETE /api/v1/machines/{name}/mounts
-ports are a create-time argument:
-    PUT /api/v1/machines/{name}/ports
-mediated egress is not used:
-    GET /api/v1/machines/{name}/mediation-events
-credential bindings are not used:
-    PUT /api/v1/machines/{name}/credential-values
-cache disks are not used:
-    POST /api/v1/machines/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
-fork pools and leases are a fleet surface, not an agent one:
-    GET /api/v1/pools  POST /api/v1/pools  GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}
-    PUT /api/v1/pools/{name}/size  POST /api/v1/pools/{name}/leases
-    POST /api/v1/pools/{name}/lease-batches  GET /api/v1/pools/{name}/leases/{lease}
-    POST /api/v1/pools/{name}/leases/{lease}/heartbeat
+no tool grows a machine after it exists: POST /api/v1/machines/{name}/resize
+mounts are a create-time argument: POST /api/v1/machines/{name}/sync
+    GET /api/v1/machines/{name}/mounts  POST /api/v1/machines/{name}/mounts
+    DELETE /api/v1/machines/{name}/mounts
+ports are a create-time argument: PUT /api/v1/machines/{name}/ports
+mediated egress is not used: GET /api/v1/machines/{name}/mediation-events
+credential bindings are not used: PUT /api/v1/machines/{name}/credential-values
+cache disks are not used: POST /api/v1/machines/{name}/cache-disk/publish
+    DELETE /api/v1/cache-bases/{base}
+fork pools and leases are a fleet surface, not an agent one: GET /api/v1/pools  POST /api/v1/pools
+    GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
+    POST /api/v1/pools/{name}/leases  POST /api/v1/pools/{name}/lease-batches
+    GET /api/v1/pools/{name}/leases/{lease}  POST /api/v1/pools/{name}/leases/{lease}/heartbeat
     POST /api/v1/pools/{name}/leases/{lease}/complete
-RL rollout executors are a batch surface, not an agent one:
-    GET /api/v1/rollout-executors  POST /api/v1/rollout-executors
-    GET /api/v1/rollout-executors/{name}  DELETE /api/v1/rollout-executors/{name}
-    POST /api/v1/rollout-executors/{name}/generate  POST /api/v1/rollout-executors/{name}/batches
-    POST /api/v1/rollout-executors/{name}/policies
+RL rollout executors are a batch surface, not an agent one: GET /api/v1/rollout-executors
+    POST /api/v1/rollout-executors  GET /api/v1/rollout-executors/{name}
+    DELETE /api/v1/rollout-executors/{name}  POST /api/v1/rollout-executors/{name}/generate
+    POST /api/v1/rollout-executors/{name}/batches  POST /api/v1/rollout-executors/{name}/policies
     POST /api/v1/rollout-executors/{name}/device-policies
     DELETE /api/v1/rollout-executors/{name}/policies/{policy}/{version}
 """)
 
 
 def parity_report(spec: dict) -> dict[str, list]:
-    """Compare the serve's OpenAPI with LOCAL_ROUTES: what we call, what we
-    skip and why, what is new (unknown) and what we call but it lacks (missing)."""
-    offered = {
-        (method.upper(), path)
-        for path, operations in spec.get("paths", {}).items()
-        for method in operations
-        if method.lower() in ("get", "post", "put", "delete", "patch")
-    }
+    """The serve's OpenAPI against LOCAL_ROUTES: what we call, skip (and why), what is new
+    (unknown) and what we call but it lacks (missing)."""
+    verbs, paths = ("get", "post", "put", "delete", "patch"), spec.get("paths", {}).items()
+    offered = {(verb.upper(), path) for path, ops in paths for verb in ops if verb.lower() in verbs}
     called = {route for route, reason in LOCAL_ROUTES.items() if reason is None}
     skipped = [(route, why) for route, why in LOCAL_ROUTES.items() if why and route in offered]
     unknown, missing = offered - set(LOCAL_ROUTES), called - offered
@@ -1488,17 +1370,17 @@ def parity_report(spec: dict) -> dict[str, list]:
 
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
-    return SmolError(
-        f"the local serve closed the connection while trying to {action} ({type(exc).__name__}); "
+    how = f"while trying to {action} ({type(exc).__name__})"
+    why = (
         "it may have stopped or restarted. Check the machine with get-machine before trying again."
     )
+    return SmolError(f"the local serve closed the connection {how}; {why}")
 
 
 def api_error(fleet: str, action: str, status: int, content_type: str, data: bytes) -> ApiError:
-    """Build an ApiError from either error shape the serve uses: JSON
-    ``{"error", "code"}`` from handlers, plain text from the request parser."""
-    text = data.decode("utf-8", "replace").strip()
-    code = ""
+    """An ApiError from either error shape of the serve: JSON ``{"error", "code"}`` from
+    handlers, plain text from the request parser."""
+    text, code = data.decode("utf-8", "replace").strip(), ""
     if "application/json" in content_type:
         try:
             parsed = json.loads(text)
@@ -1521,9 +1403,8 @@ def parse_sse_lines(data: bytes) -> list[str]:
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
-    """(event, data) pairs of a server-sent-event stream read in pieces. A
-    line ends at CR, LF or CRLF, data lines of one event join with LF, as the
-    SSE standard says, so a multi-line chunk of output arrives whole."""
+    """(event, data) pairs of a server-sent-event stream read in pieces. Per the SSE standard a
+    line ends at CR, LF or CRLF and one event's data lines join with LF."""
     pending, event, data, last_cr = b"", "message", [], False
     for chunk in chunks:
         if last_cr and chunk.startswith(b"\n"):
@@ -1555,9 +1436,8 @@ class StreamBroke(SmolError):
 def collect_exec_stream(
     events: Iterable[tuple[str, str]], name: str, on_output: Callable, started: float, broken: tuple
 ) -> ExecResult:
-    """Gather an exec stream into the result a plain exec would give, passing each piece of output
-    to ``on_output`` as it arrives. A stream that ends without its exit event, or whose connection
-    fails (``broken``), is a broken stream, never a short success."""
+    """An exec stream as the result a plain exec gives, each piece of output passed to ``on_output``
+    as it arrives. A stream ending without its exit event, or failing (``broken``), breaks."""
     out = {"stdout": bytearray(), "stderr": bytearray()}
     try:
         for event, data in events:
@@ -1565,32 +1445,26 @@ def collect_exec_stream(
                 out[event] += data.encode("utf-8")
                 on_output(event, data)
             elif event == "error":
-                raise SmolError(
-                    f"the command in machine '{name}' failed while its output streamed: {data}"
-                )
+                why = f"failed while its output streamed: {data}"
+                raise SmolError(f"the command in machine '{name}' {why}")
             elif event == "exit":
                 try:
                     code = int(json.loads(data)["exitCode"])
                 except (ValueError, KeyError, TypeError):
+                    ended = f"the output stream of machine '{name}' ended with an exit event"
                     raise SmolError(
-                        f"the output stream of machine '{name}' ended with an exit event this "
-                        f"server could not read ({data[:200]!r})"
+                        f"{ended} this server could not read ({data[:200]!r})"
                     ) from None
                 seconds = time.monotonic() - started
                 return ExecResult(code, bytes(out["stdout"]), bytes(out["stderr"]), seconds)
+        how = "it ended"
     except broken as exc:
-        raise stream_broke(name, out, type(exc).__name__) from None
-    raise stream_broke(name, out, "it ended")
-
-
-def stream_broke(name: str, out: dict[str, bytearray], how: str) -> StreamBroke:
+        how = type(exc).__name__
     got = len(out["stdout"]) + len(out["stderr"])
-    return StreamBroke(
-        f"the output stream of the command in machine '{name}' broke after {got} bytes "
-        f"({how}) before its exit code arrived, so the command's result is unknown (it "
-        "may still be running). Check the machine with get-machine, and run the command "
-        "again, or as a job (start-job) if it needs longer."
-    )
+    broke = f"broke after {got} bytes ({how}) before its exit code arrived"
+    why = "so the command's result is unknown (it may still be running). Check the machine with"
+    fix = "get-machine, and run the command again, or as a job (start-job) if it needs longer."
+    raise StreamBroke(f"the output stream of the command in machine '{name}' {broke}, {why} {fix}")
 
 
 def free_loopback_port() -> int:
@@ -1605,17 +1479,12 @@ def _q(value: str, safe: str = "") -> str:
 
 
 def peer_closed(sock: socket.socket) -> bool:
-    """Whether an idle kept-alive socket was closed by the other end (it then
-    reads as ready, with nothing to read)."""
-    import select
-
-    readable, _, _ = select.select([sock], [], [], 0)
-    return bool(readable)
+    """Whether the other end closed an idle kept-alive socket (it then reads as ready)."""
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 class JsonStream:
-    """Just enough of a JSON reader to walk a flat object arriving on a
-    socket, a chunk at a time, without holding it whole."""
+    """Just enough of a JSON reader to walk a flat object arriving a chunk at a time."""
 
     CHUNK = 1 << 18  # big enough that a 64 MiB answer is a few hundred reads
 
@@ -1642,10 +1511,9 @@ class JsonStream:
                 raise ValueError("the answer ended early")
 
     def string(self, sink: Callable[[bytes], None] | None = None) -> None:
-        """Pass the raw bytes of the string being read to ``sink`` (None skips them) up to
-        its closing quote; escapes pass through undecoded. Only quotes are looked at: one is
-        the end unless an odd run of backslashes comes before it. (Per-escape steps would
-        crawl through output with a newline every few bytes.)"""
+        """Pass the string's raw bytes up to its closing quote to ``sink`` (None skips them),
+        escapes undecoded. Only quotes are looked at (per-escape steps would crawl through output
+        with a newline every few bytes): one ends it unless an odd backslash run precedes it."""
         carried = 0  # the backslashes that ended the part already consumed
         while True:
             quote = self.buf.find(b'"', self.pos)
@@ -1680,8 +1548,7 @@ class JsonStream:
 
 
 class Base64Sink:
-    """Decode base64 that arrives in pieces into ``output``. It decodes in
-    4-character blocks, so a piece's remainder waits for the next one."""
+    """Decode base64 arriving in pieces into ``output`` in 4-character blocks (a rest waits)."""
 
     def __init__(self, output: bytearray):
         self.output, self.pending = output, bytearray()
@@ -1698,9 +1565,8 @@ class Base64Sink:
 
 
 def read_exec_answer(stream: Any) -> dict:
-    """Read a local exec answer keeping only exitCode and the byte-exact stdoutB64 and stderrB64,
-    decoded as they arrive. The lossy text copies of the two streams are skipped: holding the whole
-    answer would cost about seven times the output's size in memory."""
+    """A local exec answer's exitCode and byte-exact stdoutB64 and stderrB64, decoded as they
+    arrive; the lossy text copies are skipped (the whole answer costs ~7x the output in memory)."""
     reader = JsonStream(stream)
     answer: dict[str, Any] = {"exitCode": None, "stdoutB64": bytearray(), "stderrB64": bytearray()}
     if reader.next_token() != b"{":
@@ -1734,8 +1600,7 @@ def read_exec_answer(stream: Any) -> dict:
 
 
 def serve_process_on(pid: int, socket_path: str) -> bool:
-    """Whether ``pid`` is a smolvm serve listening on ``socket_path``: checked
-    before signalling a pid read from a file, which could have been reused."""
+    """Whether ``pid`` is a smolvm serve on ``socket_path`` (a pid on file may have been reused)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -1744,8 +1609,8 @@ def serve_process_on(pid: int, socket_path: str) -> bool:
 
 
 def other_serve_hint(own: str) -> str:
-    """Where another smolvm serve on this host listens, read from /proc (Linux),
-    as the SMOL_LOCAL_URL that would use it; the generic hint when none is found."""
+    """Where another smolvm serve on this host listens (from /proc), as the SMOL_LOCAL_URL that
+    would use it; the generic hint when none is found."""
     for entry in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = entry.read_bytes().decode("utf-8", "replace").split("\0")
@@ -1755,11 +1620,10 @@ def other_serve_hint(own: str) -> str:
             where = argv[argv.index("--listen") + 1]
             url = where if "://" in where else f"unix://{os.path.abspath(where)}"
             if where != own:
-                pid = entry.parent.name
-                return (
-                    f"Another smolvm serve runs on this host (pid {pid}, listening on {where}): "
-                    f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
-                )
+                use = f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
+                where = f"(pid {entry.parent.name}, listening on {where})"
+                return f"Another smolvm serve runs on this host {where}: {use}"
+
     return ADDRESS_IN_USE_HINT
 
 
