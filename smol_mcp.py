@@ -427,12 +427,102 @@ def redact(text: str, secret_values: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------
-# 3. Local fleet: smolvm serve over a Unix socket
+# 3. Fleets: the contract both fleets keep, then the local fleet (smolvm serve)
 #
+# The local fleet:
 # http.client over AF_UNIX to `smolvm serve start --listen <runtimeDir>/serve.sock`, spawned on
 # the first local call and never at connect. Every method here blocks; the tool layer runs them
 # in worker threads so one long command never stalls another session.
 # ---------------------------------------------------------------------------
+
+# -- the fleet contract: a fleet is one class with these members, and one row in FLEETS --
+
+
+class Fleet(Protocol):
+    """What the tools, resources, sessions and doctor ask of a fleet. LocalFleet
+    and CloudFleet both satisfy it (a test compares every signature); a new
+    fleet is one class with these members and one row in FLEETS."""
+
+    name: str
+    config: Config
+    amends_egress: bool  # has egress_policy, egress_events and update_egress (allow-egress)
+    mounts_host_paths: bool  # create-machine's mounts name host directories (held to mountRoots)
+    branch_needs_start: bool  # the engine makes a branch source when it starts the machine
+    served_as: str  # how the server's instructions name the fleet
+    instruction: str  # the fleet's own line in the server's instructions
+
+    def __init__(self, config: Config, environ: dict[str, str] | None = None) -> None: ...
+    def acquire(self) -> None: ...
+    def release(self) -> None: ...
+    def list_machines(self) -> list[dict]: ...
+    def get_machine(self, name: str) -> dict: ...
+    def machine_state(self, name: str) -> str | None: ...
+    def create_machine(self, spec: MachineSpec) -> dict: ...
+    def start_machine(self, name: str, branchable: bool = False) -> dict: ...
+    def stop_machine(self, name: str) -> dict: ...
+    def delete_machine(self, name: str) -> dict: ...
+    def branch_machine(self, name: str, child: str) -> dict: ...
+    def pull_image(self, name: str, image: str) -> dict: ...
+    def probe_ready(self, name: str) -> str | None: ...
+    def exec(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult: ...
+    def exec_stream(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        on_output: Callable[[str, str], None],
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> ExecResult: ...
+    def start_job(
+        self,
+        name: str,
+        job_id: str,
+        argv: list[str],
+        *,
+        timeout_secs: int,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> dict: ...
+    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage: ...
+    def cancel_job(self, name: str, job_id: str) -> None: ...
+    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]: ...
+    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage: ...
+    def write_file(self, name: str, path: str, data: bytes) -> int: ...
+    def console_lines(self, name: str) -> list[str]: ...
+
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        """What smol://targets says about this fleet (it may not be served)."""
+
+    @classmethod
+    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
+        """For `doctor`: check what a person should know (facts may change), and return the detail
+        lines under the fleet's heading and the advice printed after its reason."""
+
+
+# Instructions and smol://targets list the fleets in the order they register.
+FLEETS: dict[str, type[Fleet]] = {}
+
+
+def registered(cls: type) -> type:
+    """A fleet class decorator: its one row in FLEETS, under its ``name``."""
+    FLEETS[cls.name] = cls
+    return cls
+
+
+# -- the local fleet ---------------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 ADDRESS_IN_USE_HINT = (
@@ -683,6 +773,7 @@ INSIDE_GUEST = (
 )
 
 
+@registered
 class LocalFleet:
     """The machines of ``smolvm serve`` on this host: started on first use, shared by every
     session (``acquire``/``release`` count them; the last release stops a serve we started),
@@ -1660,6 +1751,7 @@ CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$
 CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
 
 
+@registered
 class CloudFleet:
     """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads.
     The long signatures are Fleet's; its annotations are not repeated here."""
@@ -2126,86 +2218,7 @@ def exec_stream(answer: dict, stream: str) -> bytes:
     return str(answer.get(stream) or "").encode("utf-8")
 
 
-# -- the fleet contract ---------------------------------------------------------
-
-
-class Fleet(Protocol):
-    """What the tools, resources, sessions and doctor ask of a fleet. LocalFleet
-    and CloudFleet both satisfy it (a test compares every signature); a new
-    fleet is one class with these members and one row in FLEETS."""
-
-    name: str
-    config: Config
-    amends_egress: bool  # has egress_policy, egress_events and update_egress (allow-egress)
-    mounts_host_paths: bool  # create-machine's mounts name host directories (held to mountRoots)
-    branch_needs_start: bool  # the engine makes a branch source when it starts the machine
-    served_as: str  # how the server's instructions name the fleet
-    instruction: str  # the fleet's own line in the server's instructions
-
-    def __init__(self, config: Config, environ: dict[str, str] | None = None) -> None: ...
-    def acquire(self) -> None: ...
-    def release(self) -> None: ...
-    def list_machines(self) -> list[dict]: ...
-    def get_machine(self, name: str) -> dict: ...
-    def machine_state(self, name: str) -> str | None: ...
-    def create_machine(self, spec: MachineSpec) -> dict: ...
-    def start_machine(self, name: str, branchable: bool = False) -> dict: ...
-    def stop_machine(self, name: str) -> dict: ...
-    def delete_machine(self, name: str) -> dict: ...
-    def branch_machine(self, name: str, child: str) -> dict: ...
-    def pull_image(self, name: str, image: str) -> dict: ...
-    def probe_ready(self, name: str) -> str | None: ...
-    def exec(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
-    ) -> ExecResult: ...
-    def exec_stream(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        on_output: Callable[[str, str], None],
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
-    ) -> ExecResult: ...
-    def start_job(
-        self,
-        name: str,
-        job_id: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-    ) -> dict: ...
-    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage: ...
-    def cancel_job(self, name: str, job_id: str) -> None: ...
-    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]: ...
-    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage: ...
-    def write_file(self, name: str, path: str, data: bytes) -> int: ...
-    def console_lines(self, name: str) -> list[str]: ...
-
-    @classmethod
-    def target_facts(cls, app: SmolMcp) -> dict:
-        """What smol://targets says about this fleet (it may not be served)."""
-
-    @classmethod
-    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
-        """For `doctor`: check what a person should know (facts may change), and return the detail
-        lines under the fleet's heading and the advice printed after its reason."""
-
-
-# The one place a fleet is registered; instructions and smol://targets list fleets in this order.
-FLEETS: dict[str, type[Fleet]] = {"local": LocalFleet, "cloud": CloudFleet}
-FLEET_NAMES = tuple(FLEETS)
+FLEET_NAMES = tuple(FLEETS)  # both fleets have registered by here
 
 
 # ---------------------------------------------------------------------------

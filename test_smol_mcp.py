@@ -506,8 +506,26 @@ class SectionBudgetTests(unittest.TestCase):
     that outgrows its budget fails here, so growth is a decision, not a drift.
     Raising a number is allowed; say why in the commit."""
 
-    MODULE_LINES = 99999  # the round's goal is 8,500 (see the README's Layout)
-    BUDGETS: dict[str, int] = {}
+    MODULE_LINES = 9000  # the goal is 8,500 (see the README's Layout)
+    BUDGETS = {
+        "0": 92,
+        "1": 299,
+        "2": 53,
+        "3": 1330,
+        "4": 502,
+        "5": 85,
+        "6": 112,
+        "7": 277,
+        "8": 1579,
+        "9": 151,
+        "10": 268,
+        "11": 781,
+        "12": 871,
+        "13": 144,
+        "14": 887,
+        "14b": 733,
+        "15": 1005,
+    }
 
     def test_each_section_and_the_module_keep_within_budget(self):
         lines = (HERE / "smol_mcp.py").read_text(encoding="utf-8").splitlines()
