@@ -4932,10 +4932,11 @@ class TokenStore:
             log.warning("could not record when tokens were last used: %s", err)
 
     def last_used(self) -> dict:
+        """name -> when last used: the file, and this process's uses not yet written."""
         try:
-            return dict(self.usage.read())
+            return {**self.usage.read(), **self._used}
         except SmolError:
-            return {}
+            return dict(self._used)
 
 
 def utc_now() -> str:
@@ -7136,7 +7137,7 @@ def console_routes(app: SmolMcp) -> list:
                     "</pre>"
                 )
         access.tokens.file.expire()  # a person's page shows the file as it is now
-        used = {**access.tokens.last_used(), **access.tokens._used}
+        used = access.tokens.last_used()
         cards = "".join(token_card(request, r, used) for r in access.tokens.records())
         if config.auth_token:  # not in the tokens file: the page can show it, not change it
             cards += "<section><h2>default</h2><p>SMOL_MCP_AUTH_TOKEN: every scope and fleet, "

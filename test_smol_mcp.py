@@ -10312,6 +10312,19 @@ class ApprovalSigtermTests(unittest.TestCase):
             self.assertLess(time.monotonic(), deadline, "no request was filed")
             time.sleep(0.1)
 
+    def held_stdio(self) -> subprocess.Popen:
+        """A stdio server that holds every change for approval, already initialized."""
+        server = subprocess.Popen(
+            [sys.executable, str(HERE / "smol_mcp.py")],
+            env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        server.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
+        server.stdin.write(jsonrpc(None, "notifications/initialized"))
+        return server
+
     def assert_interrupted(self, text: str) -> None:
         self.assertTrue(text.startswith("approval_interrupted: "), text)
         self.assertEqual(self.fake.machines, {})
@@ -10372,16 +10385,8 @@ class ApprovalSigtermTests(unittest.TestCase):
                 server.kill()
 
     def test_stdin_eof_ends_every_held_call_and_the_server_exits(self):
-        server = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py")],
-            env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
+        server = self.held_stdio()
         try:
-            server.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
-            server.stdin.write(jsonrpc(None, "notifications/initialized"))
             for n in range(smol_mcp.APPROVAL_MAX_WAITING + 4):
                 arguments = {"name": f"held-{n}", "image": "alpine"}
                 call = {"name": "create-machine", "arguments": arguments}
@@ -10410,16 +10415,8 @@ class ApprovalSigtermTests(unittest.TestCase):
                 server.kill()
 
     def test_stdio(self):
-        server = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py")],
-            env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
+        server = self.held_stdio()
         try:
-            server.stdin.write(jsonrpc(1, "initialize", INITIALIZE))
-            server.stdin.write(jsonrpc(None, "notifications/initialized"))
             server.stdin.write(
                 jsonrpc(
                     2,
