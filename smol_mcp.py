@@ -3193,8 +3193,10 @@ async def stream_in_machine(
 ) -> ExecResult:
     """run_in_machine's stream route: progress from the stream, the result
     from the guest's copy (the stream's own when the guest kept none)."""
-    newest: list[Any] = [0, ""]  # lines seen and the last one, written by the worker thread
-    shown = [0]  # how many of them were considered for a message
+    # Each stream's newest line and its number, written by the worker thread. Both keys
+    # exist from the start, so the loop reads a dict that never changes size.
+    last = {"stdout": (0, ""), "stderr": (0, "")}
+    count, shown = [0], {0}  # lines seen; numbers already sent (0: none yet)
 
     def on_output(stream: str, data: str) -> None:
         lines = [line for line in data.splitlines() if line.strip()]
@@ -3202,19 +3204,21 @@ async def stream_in_machine(
             line = lines[-1].strip()
             if len(line) > LIVE_LINE_CHARS:
                 line = line[: LIVE_LINE_CHARS - 1] + "…"
-            newest[1], newest[0] = f"{stream}: {line}", newest[0] + 1
+            count[0] += 1
+            last[stream] = (count[0], f"{stream}: {line}")
 
-    async def show_newest() -> None:
-        shown[0] = newest[0]
-        await call.progress(None, newest[1])
+    async def show(number: int, message: str) -> None:
+        shown.add(number)
+        await call.progress(None, message)
 
     async def reporter() -> None:
         quiet_since = time.monotonic()
         while True:
             await anyio.sleep(LIVE_OUTPUT_INTERVAL_SECS)
-            if newest[0] > shown[0]:
+            newest = max(tuple(last.values()))
+            if newest[0] not in shown:
                 quiet_since = time.monotonic()
-                await show_newest()
+                await show(*newest)
             elif time.monotonic() - quiet_since >= PROGRESS_INTERVAL_SECS:
                 quiet_since = time.monotonic()
                 await call.so_far(f"running the command in '{name}'")
@@ -3230,8 +3234,11 @@ async def stream_in_machine(
         group.cancel_scope.cancel()
     if failure is not None:
         raise failure
-    if newest[0] > shown[0]:
-        await show_newest()  # the last line, even if it came between two ticks
+    # Each stream's last line, even one that came between two ticks or was overtaken by the
+    # other pipe's (two tees in the guest, so their order is not the command's).
+    for number, message in sorted(tuple(last.values())):
+        if number not in shown:
+            await show(number, message)
     try:
         read_back = guest_script(RUN_READ_BACK, pid_file)
         copy = await call.api(call.fleet.exec, name, read_back, timeout_secs=60)

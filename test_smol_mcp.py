@@ -4153,6 +4153,36 @@ class LiveOutputScenarios(LongWorkScenarios):
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class LastLineTests(unittest.IsolatedAsyncioTestCase):
+    """stream_in_machine alone, with the two pipes' lines arriving in one tick."""
+
+    async def test_each_streams_last_line_is_shown_even_when_the_other_overtook_it(self):
+        sent = []
+
+        class Fleet:
+            def exec_stream(self, name, argv, on_output, **options):
+                on_output("stdout", "step 5\n")
+                on_output("stderr", "warned\n")  # the command's last line ...
+                on_output("stdout", "step 6\n")  # ... overtaken by the other pipe's
+                return smol_mcp.ExecResult(3, b"step 5\nstep 6\n", b"warned\n", 0.1)
+
+            def exec(self, name, argv, **options):
+                return smol_mcp.ExecResult(1, b"", b"no copy kept", 0.0)
+
+        class Call:
+            fleet = Fleet()
+
+            async def api(self, function, *args, waiting=None, **kwargs):
+                return function(*args, **kwargs)
+
+            async def progress(self, total, message):
+                sent.append(message)
+
+        result = await smol_mcp.stream_in_machine(Call(), "m", "/tmp/pid", ["true"], {})
+        self.assertEqual(result.stderr, b"warned\n")
+        self.assertEqual(sent, ["stderr: warned", "stdout: step 6"])
+
+
 class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
     config_overrides = {"max_output_bytes": 1024}
 
