@@ -5418,7 +5418,6 @@ def post_webhook(url: str, payload: dict) -> str | None:
 # ---------------------------------------------------------------------------
 
 
-MODE_FLEETS = {**{name: (name,) for name in FLEETS}, "both": FLEET_NAMES}
 ELICIT_TIMEOUT_SECS = 120
 JSON_TYPE = "application/json"
 FLEET_QUESTION = (
@@ -5427,7 +5426,7 @@ FLEET_QUESTION = (
     "exist). Which one is this session for? Choose both to name the fleet on every call."
 )
 FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
-FLEET_CHOICE["description"] = "local, cloud, or both (decide per call)"
+FLEET_CHOICE["description"] = ", ".join(FLEETS) + ", or both (decide per call)"
 FLEET_QUESTION_SCHEMA = dict(type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE})
 ARG_TARGET = dict(type="string", enum=list(FLEETS))
 ARG_TARGET["description"] = (
@@ -5435,6 +5434,7 @@ ARG_TARGET["description"] = (
     "cloud account, billed while machines exist). Required: a machine on one fleet is invisible "
     "on the other, so there is no default."
 )
+TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)  # as messages name them
 
 
 def sdk_types():
@@ -5495,15 +5495,6 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
     return {**schema, "properties": {**schema["properties"], "timeoutSecs": ceiling}}
 
 
-def tool_schema(tool: ToolSpec, with_target: bool, config: Config) -> dict:
-    """The input schema a client is shown: with a required target in both mode."""
-    schema = configured_schema(tool, config)
-    if not with_target:
-        return schema
-    properties = {"target": ARG_TARGET, **schema["properties"]}
-    return {**schema, "properties": properties, "required": ["target", *schema["required"]]}
-
-
 def server_instructions(app: SmolMcp) -> str:
     c = app.config
     served = " and ".join(fleet.served_as for fleet in app.fleets.values())
@@ -5524,7 +5515,7 @@ def server_instructions(app: SmolMcp) -> str:
         "- branch-machine needs a running source created with branchable: true.",
     ]
     if app.mode == "both":
-        lines.append('- Every tool needs target: "local" or "cloud"; there is no default.')
+        lines.append(f"- Every tool needs target: {TARGET_NAMES}; there is no default.")
     lines.extend(fleet.instruction for fleet in app.fleets.values())
     lines.append("- smol://targets says whether each fleet is usable right now, and why not.")
     if app.approvals.apply():
@@ -5565,7 +5556,7 @@ class SmolMcp:
         self.local = LocalFleet(config, environ)  # always built (inert) for smol://targets
         self.fleets: dict[str, Fleet] = {
             name: self.local if FLEETS[name] is LocalFleet else FLEETS[name](config, environ)
-            for name in MODE_FLEETS[self.mode]
+            for name in (FLEET_NAMES if self.mode == "both" else (self.mode,))
         }
         self._limiter, self._swept = None, False
         self._tool_lists: dict[tuple, list] = {}
@@ -5648,9 +5639,8 @@ class SmolMcp:
 
     async def on_list_resources(self, ctx, params):
         types = sdk_types()
-        about = (
-            "The mode, each fleet this process serves, and whether it is usable on this host now."
-        )
+        about = "The mode, each fleet this process serves, and whether it is usable on this host "
+        about += "now."
         shown = [(TARGETS_URI, "targets", "Fleets served and whether they are usable", about)]
         if "activity.read" in self.principal_for(ctx).scopes:
             about = f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity log: changing "
@@ -5683,7 +5673,12 @@ class SmolMcp:
         return ctx.request.scope["state"]["smol_principal"]
 
     def mcp_tool(self, tool: ToolSpec, with_target: bool):
-        types, schema = sdk_types(), tool_schema(tool, with_target, self.config)
+        """The tool as a client is shown it; with_target (both mode): a required target."""
+        types, schema = sdk_types(), configured_schema(tool, self.config)
+        if with_target:
+            required = ["target", *schema["required"]]
+            properties = {"target": ARG_TARGET, **schema["properties"]}
+            schema = {**schema, "properties": properties, "required": required}
         hints = dict(read_only_hint=tool.read_only, destructive_hint=tool.destructive)
         hints.update(idempotent_hint=tool.idempotent, open_world_hint=tool.open_world)
         annotations = types.ToolAnnotations(title=tool.title, **hints)
@@ -5717,7 +5712,7 @@ class SmolMcp:
                 raise ArgumentError(why)
             return self.fleets[session.target]
         if "target" not in arguments:
-            why = f'{name} needs "target": "local" or "cloud". This server serves both fleets and '
+            why = f'{name} needs "target": {TARGET_NAMES}. This server serves both fleets and '
             why += "there is no default, because a machine on one fleet is invisible on the other "
             raise ArgumentError(why + "and the two bill differently.")
         target = arguments.pop("target")
@@ -5726,7 +5721,7 @@ class SmolMcp:
 
     async def ask_fleet(self, ctx, session: Session, params):
         """In both mode, ask once per session which fleet it is for, if the client can
-        answer; local or cloud narrows the session (`target` leaves every tool, the list
+        answer; a fleet chosen narrows the session (`target` leaves every tool, the list
         changes). Raises AskClient when the question travels as a 2026-era result."""
         if self.mode != "both" or session.asked_fleet:
             return None
@@ -5792,8 +5787,9 @@ class SmolMcp:
         related = ctx.request_id if ctx.session.can_send_request else None
         metadata = ServerMessageMetadata(related_request_id=related)
         try:
-            answer_type = sdk_types().ElicitResult
-            return await ctx.session.send_request(question, answer_type, timeout, metadata)
+            return await ctx.session.send_request(
+                question, sdk_types().ElicitResult, timeout, metadata
+            )
         except Exception as err:  # timed out, or no way back to the client
             log.info("a question to the person got no answer (%s)", err)
             return None
@@ -5833,8 +5829,7 @@ class SmolMcp:
             if held is not None:
                 entry["approvedBy"] = held
                 call.started = time.monotonic()  # "N s so far" counts the work, not the wait
-            if fleet is self.local:
-                await self.sweep_once()
+            await self.sweep_once(fleet)
             result = await tool.handler(call, arguments)
         except anyio.get_cancelled_exc_class():
             logged("cancelled")
@@ -5879,13 +5874,13 @@ class SmolMcp:
             lost = "could not write the activity log %s (%s); entry lost: %s %s"
             log.warning(lost, self.access.activity.path, reason, *what)
 
-    async def sweep_once(self) -> None:
+    async def sweep_once(self, fleet: Fleet) -> None:
         """Before this process's first local call: delete what a crashed one left behind."""
-        if self._swept:
+        if self._swept or fleet is not self.local:
             return
-        swept = await anyio.to_thread.run_sync(sweep_orphans, self.local, self.config.runtime_dir)
-        self.access.owners.clear("local", swept)
-        cleanup = {"event": "orphan-cleanup", "principal": "smol-mcp", "target": "local"}
+        swept = await anyio.to_thread.run_sync(sweep_orphans, fleet, self.config.runtime_dir)
+        self.access.owners.clear(fleet.name, swept)
+        cleanup = {"event": "orphan-cleanup", "principal": "smol-mcp", "target": fleet.name}
         outcome = "deleted (left by a stopped process)"
         for name in swept:
             self.record({**cleanup, "machine": name, "outcome": outcome})
@@ -5918,11 +5913,9 @@ class SmolMcp:
     def activity_document(self, principal: Principal) -> dict:
         """smol://activity for ``principal`` (activity.read; a sandbox.* one sees its own)."""
         if "activity.read" not in principal.scopes:
-            who = principal.label()
-            why = (
-                f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which {who} does not"
-            )
-            raise_resource_error(why + " have. Ask the operator for a token with that scope.")
+            why = f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
+            why += f"{principal.label()} does not have. Ask the operator for a token with "
+            raise_resource_error(why + "that scope.")
         own_only = sees_own_activity_only(principal)
         own = activity_filter(principal.name) if own_only else bool
         entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
@@ -6157,13 +6150,11 @@ class Approvals:
         howto = f"on the server's host run `{command}` (or `approvals deny {approval_id}`){review}"
         on = f" on {event['machine']}" if event.get("machine") else ""
         waited = f"while {tool} waited for approval; nothing ran."
-        live_ids, request_id = app.access.live_ids, getattr(call.ctx, "request_id", None)
+        desk, live_ids = app.access.desk, app.access.live_ids
+        request_id = getattr(call.ctx, "request_id", None)
         next_progress = 0.0
         try:
-            while True:
-                answer = app.access.desk.answer(approval_id) or self.client_decision(answers)
-                if answer is not None:
-                    break
+            while (answer := desk.answer(approval_id) or self.client_decision(answers)) is None:
                 gone = call.session.ended or request_id in call.session.gone_requests
                 if gone or (principal.kind == "stdio" and self.stdin_closed):
                     raise self.refuse(event, "cancelled", f"the client went away {waited}")
@@ -6215,8 +6206,7 @@ class Approvals:
         """POST the notice from one small pool with a bounded queue, so a slow webhook holds
         no call nor a thread per call; a failure (or a dropped notice) is logged."""
 
-        def failed(error: str) -> None:
-            self.app.record({**event, "approval": "webhook failed", "error": error})
+        failed = {**event, "approval": "webhook failed"}
 
         def send() -> None:
             try:
@@ -6225,10 +6215,10 @@ class Approvals:
                 self._webhook_slots.release()
             if failure is not None:
                 log.warning("%s; the terminal channel still works", failure)
-                failed(failure)
+                self.app.record({**failed, "error": failure})
 
         if not self._webhook_slots.acquire(blocking=False):
-            return failed("too many notices queued")
+            return self.app.record({**failed, "error": "too many notices queued"})
         self._webhooks.submit(send)
 
 
