@@ -5411,10 +5411,9 @@ def post_webhook(url: str, payload: dict) -> str | None:
 # ---------------------------------------------------------------------------
 # 12. The MCP server
 #
-# One low-level mcp Server serves both protocol eras. Its lifespan is entered
-# once per stdio process (and once per in-memory client), which is exactly the
-# life of a stdio session, so the session lives there and is cleaned up as the
-# lifespan exits, however the connection ended.
+# One low-level mcp Server serves both protocol eras. Its lifespan is entered once per stdio process
+# (and once per in-memory client), which is exactly the life of a stdio session, so the session
+# lives there and is cleaned up as the lifespan exits, however the connection ended.
 # ---------------------------------------------------------------------------
 
 
@@ -5659,8 +5658,7 @@ class SmolMcp:
         return sdk_types().ListResourceTemplatesResult(resource_templates=[template])
 
     def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
-        """The tools its scopes grant, as the client sees them; built once per shape (a
-        2026-era HTTP client has the list built before every call)."""
+        """The tools its scopes grant, as shown; cached per shape (2026-era clients list often)."""
         key = (with_target, (principal or self.access.stdio).tools())
         if key not in self._tool_lists:
             self._tool_lists[key] = [self.mcp_tool(TOOLS_BY_NAME[n], with_target) for n in key[1]]
@@ -5720,9 +5718,8 @@ class SmolMcp:
         return self.fleets[target]
 
     async def ask_fleet(self, ctx, session: Session, params):
-        """In both mode, ask once per session which fleet it is for, if the client can
-        answer; a fleet chosen narrows the session (`target` leaves every tool, the list
-        changes). Raises AskClient when the question travels as a 2026-era result."""
+        """In both mode, ask a session once which fleet it is for (if the client can answer): a
+        choice narrows it (`target` leaves every tool). AskClient carries a 2026-era question."""
         if self.mode != "both" or session.asked_fleet:
             return None
         async with session.question_lock():  # calls racing in at the start get one question
@@ -5747,9 +5744,8 @@ class SmolMcp:
                 await ctx.session.send_tool_list_changed()
 
     async def ask(self, ctx, params, key: str, state: str, message: str, schema: dict):
-        """One form question to the person. Handshake era: the answer (None if none came).
-        2026 era: AskClient with the question under ``key``, until the call comes again
-        with the answer and ``state`` (another state answered another question)."""
+        """One form question to the person: the answer (None if none came); in the 2026 era,
+        AskClient with it under ``key`` until a retry brings the answer with this ``state``."""
         question = form_question(message, schema)
         if not modern(ctx):
             return await self.elicit(ctx, question)
@@ -5795,8 +5791,7 @@ class SmolMcp:
             return None
 
     async def call_tool(self, ctx, params):
-        """Validate, dispatch, and turn every failure into a readable tool error.
-        A changing tool is written to the activity log before its answer leaves."""
+        """Validate and dispatch; a failure is a tool error; a change is logged before answering."""
         name, principal = params.name, self.principal_for(ctx)
         tool = TOOLS_BY_NAME.get(name)
         entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
@@ -6263,15 +6258,13 @@ def build_server(config: Config | None = None):
 async def run_stdio(app: SmolMcp) -> None:
     from mcp.server.stdio import stdio_server
 
-    signalled, answers = False, None
+    answers = None
     async with anyio.create_task_group() as group:
 
         async def watch_signals() -> None:
-            nonlocal signalled
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
                 async for _ in received:
-                    signalled = True
-                    await app.approvals.interrupt()
+                    await app.approvals.interrupt()  # sets app.stopping first
                     if answers is not None:
                         await answers.refuse_pending()  # every call in flight hears why it stopped
                     group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
@@ -6284,15 +6277,14 @@ async def run_stdio(app: SmolMcp) -> None:
             try:
                 await app.server.run(read, write, app.server.create_initialization_options())
             finally:
-                if signalled:
+                if app.stopping:  # by a signal
                     logging.shutdown()
                     os._exit(0)  # the stdin reader thread would block a normal exit
         group.cancel_scope.cancel()
 
 
 class StreamWrapper:
-    """A stream of the SDK's transport with something added; closing closes it. (anyio's
-    stream classes, mixed in below, give `async with` and `async for`.)"""
+    """A transport stream with something added; closing closes it (the anyio mixins do the rest)."""
 
     def __init__(self, inner: Any):
         self.inner = inner
