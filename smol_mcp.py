@@ -5567,7 +5567,6 @@ class SmolMcp:
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
         self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
         self.approvals = Approvals(self)
-        # The SDK's low-level Server, with this object's bound methods as handlers.
         self.server = dual_era_server_class()(
             "smol-mcp",
             version=__version__,
@@ -5594,8 +5593,7 @@ class SmolMcp:
 
     @asynccontextmanager
     async def lifespan(self, server: Any):
-        # stdio and in memory: entered once per connection, so it is the session.
-        # HTTP: entered once for the whole listener, which holds many sessions.
+        # Over HTTP it is entered once for the whole listener, which holds many sessions.
         async with anyio.create_task_group() as tasks:
             if self.http is not None:
                 async with self.http.running(tasks):
@@ -5638,8 +5636,9 @@ class SmolMcp:
 
     async def on_list_resources(self, ctx, params):
         types = sdk_types()
-        about = "The mode, each fleet this process serves, and whether it is usable on this host "
-        about += "now."
+        about = (
+            "The mode, each fleet this process serves, and whether it is usable on this host now."
+        )
         shown = [(TARGETS_URI, "targets", "Fleets served and whether they are usable", about)]
         if "activity.read" in self.principal_for(ctx).scopes:
             about = f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity log: changing "
@@ -5783,9 +5782,8 @@ class SmolMcp:
         related = ctx.request_id if ctx.session.can_send_request else None
         metadata = ServerMessageMetadata(related_request_id=related)
         try:
-            return await ctx.session.send_request(
-                question, sdk_types().ElicitResult, timeout, metadata
-            )
+            answer_type = sdk_types().ElicitResult
+            return await ctx.session.send_request(question, answer_type, timeout, metadata)
         except Exception as err:  # timed out, or no way back to the client
             log.info("a question to the person got no answer (%s)", err)
             return None
@@ -5964,8 +5962,7 @@ class SmolMcp:
         session.ended = True
         if session.listener is not None:  # its subscriptions/listen streams end too
             session.listener.close()
-        with anyio.CancelScope(shield=True):
-            # Nothing here may escape: over HTTP it would end the listener and every other session.
+        with anyio.CancelScope(shield=True):  # nothing escapes: over HTTP it would end the listener
             try:
                 session.stop_polling()
                 with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
@@ -6139,7 +6136,7 @@ class Approvals:
         """Wait for the terminal or the client, the token's deletion, an
         auto-approval, the timeout or a stop; the approver, else ApprovalRefused."""
         app, principal, tool = self.app, call.principal, event["tool"]
-        deadline = time.monotonic() + timeout
+        deadline, next_progress = time.monotonic() + timeout, 0.0
         command = " ".join(launch_command() + ["approvals", "approve", approval_id])
         review = f", or answer at {app.pages.issuer}{REVIEW_PAGE}{approval_id}" if app.pages else ""
         howto = f"on the server's host run `{command}` (or `approvals deny {approval_id}`){review}"
@@ -6147,7 +6144,6 @@ class Approvals:
         waited = f"while {tool} waited for approval; nothing ran."
         desk, live_ids = app.access.desk, app.access.live_ids
         request_id = getattr(call.ctx, "request_id", None)
-        next_progress = 0.0
         try:
             while (answer := desk.answer(approval_id) or self.client_decision(answers)) is None:
                 gone = call.session.ended or request_id in call.session.gone_requests
