@@ -74,7 +74,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Required, TypedDict, Unpack
 
 import anyio
 
@@ -438,6 +438,21 @@ def redact(text: str, secret_values: list[str]) -> str:
 # -- the fleet contract: a fleet is one class with these members, and one row in FLEETS --
 
 
+class JobOptions(TypedDict, total=False):
+    """How a command runs: the keywords of Fleet.exec, exec_stream and start_job."""
+
+    timeout_secs: Required[int]
+    workdir: str | None
+    env: dict[str, str] | None
+
+
+class ExecOptions(JobOptions, total=False):
+    stdin: str | None  # exec and exec_stream only: a job reads no input
+
+
+OnOutput = Callable[[str, str], None]  # exec_stream's sink: (stream, text) as the guest prints it
+
+
 class Fleet(Protocol):
     """What the tools, resources, sessions and doctor ask of a fleet. LocalFleet
     and CloudFleet both satisfy it (a test compares every signature); a new
@@ -464,36 +479,12 @@ class Fleet(Protocol):
     def branch_machine(self, name: str, child: str) -> dict: ...
     def pull_image(self, name: str, image: str) -> dict: ...
     def probe_ready(self, name: str) -> str | None: ...
-    def exec(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
-    ) -> ExecResult: ...
+    def exec(self, name: str, argv: list[str], **options: Unpack[ExecOptions]) -> ExecResult: ...
     def exec_stream(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        on_output: Callable[[str, str], None],
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
+        self, name: str, argv: list[str], *, on_output: OnOutput, **options: Unpack[ExecOptions]
     ) -> ExecResult: ...
     def start_job(
-        self,
-        name: str,
-        job_id: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
+        self, name: str, job_id: str, argv: list[str], **options: Unpack[JobOptions]
     ) -> dict: ...
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage: ...
     def cancel_job(self, name: str, job_id: str) -> None: ...
@@ -1183,15 +1174,13 @@ class LocalFleet:
         self._machine(f"delete machine '{name}'", "DELETE", _q(name))
         return {"deleted": name}
 
-    def exec(
-        self, name: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None, stdin=None
-    ) -> ExecResult:
-        """Run a command in a running machine (typed as Fleet.exec); NotRunning if it is not
-        (the engine would boot it, but then nobody could report that it did)."""
-        body = local_exec_body(argv, timeout_secs, workdir, env, stdin)
-        setting = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
+    def exec(self, name: str, argv: list[str], **options: Unpack[ExecOptions]) -> ExecResult:
+        """Run a command in a running machine; NotRunning if it is not (the engine would boot it,
+        but then nobody could report that it did)."""
+        body = local_exec_body(argv, **options)
         # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
-        wait = {"timeout": timeout_secs + 30, "setting": setting, "read": read_exec_answer}
+        wait = {"timeout": options["timeout_secs"] + 30, "read": read_exec_answer}
+        wait["setting"] = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
         started = time.monotonic()
         try:
             route, action = f"{_q(name)}/exec", f"run a command in machine '{name}'"
@@ -1205,15 +1194,15 @@ class LocalFleet:
         return ExecResult(int(data["exitCode"]), data["stdoutB64"], data["stderrB64"], seconds)
 
     def exec_stream(
-        self, name, argv, *, timeout_secs, on_output, workdir=None, env=None, stdin=None
+        self, name, argv, *, on_output: OnOutput, **options: Unpack[ExecOptions]
     ) -> ExecResult:
         """``exec`` through the stream route: each piece of output goes to
         ``on_output(stream, text)`` as the guest prints it; the result is the same."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
-        body = json.dumps(local_exec_body(argv, timeout_secs, workdir, env, stdin)).encode()
+        body = json.dumps(local_exec_body(argv, **options)).encode()
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        conn = self._connection(timeout=timeout_secs + 30)  # its own: the stream holds it open
+        conn = self._connection(options["timeout_secs"] + 30)  # its own: the stream holds it open
         started = time.monotonic()
         try:
             try:
@@ -1243,12 +1232,10 @@ class LocalFleet:
 
     # -- jobs: processes this server starts in the guest -------------------
 
-    def start_job(
-        self, name: str, job_id: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None
-    ) -> dict:
+    def start_job(self, name, job_id, argv, **options: Unpack[JobOptions]) -> dict:
         waiter = ["sh", "-c", JOB_START_SCRIPT, "sh", JOB_WAITER_SCRIPT, f"{JOB_DIR}/{job_id}"]
-        argv = [*waiter, str(timeout_secs), *argv]
-        result = self.exec(name, argv, timeout_secs=60, workdir=workdir, env=env)
+        argv = [*waiter, str(options["timeout_secs"]), *argv]
+        result = self.exec(name, argv, **{**options, "timeout_secs": 60})
         helper_output(name, f"start job {job_id}", result)
         return {"jobId": job_id, "state": "running"}
 
@@ -2012,12 +1999,12 @@ class CloudFleet:
             raise self._bad_answer(action, "no whole-number exitCode", answer)
         return answer, time.monotonic() - started
 
-    def exec(self, name, argv, *, timeout_secs, workdir=None, env=None, stdin=None) -> ExecResult:
+    def exec(self, name, argv, **options: Unpack[ExecOptions]) -> ExecResult:
         """Run a command; NotRunning unless the machine runs (cloud exec would start it)."""
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
+        body = cloud_exec_body(argv, **options)
         answer, seconds = self._exec(record["id"], name, body)
         streams = ("stdout", "stderr")
         cut = tuple(s for s in streams if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64"))
@@ -2025,7 +2012,7 @@ class CloudFleet:
         return ExecResult(int(answer["exitCode"]), out, err, seconds, cut)
 
     def exec_stream(
-        self, name, argv, *, timeout_secs, on_output, workdir=None, env=None, stdin=None
+        self, name, argv, *, on_output: OnOutput, **options: Unpack[ExecOptions]
     ) -> ExecResult:
         """``exec`` through the SSE route. Never retried: the command may have run."""
         import httpx2
@@ -2034,9 +2021,9 @@ class CloudFleet:
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
         action, started = f"run a command in machine '{name}'", time.monotonic()
-        route = f"/v1/machines/{record['id']}/exec/stream"
-        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
-        sse, secs = {"Accept": "text/event-stream"}, max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)
+        route, sse = f"/v1/machines/{record['id']}/exec/stream", {"Accept": "text/event-stream"}
+        body = cloud_exec_body(argv, **options)
+        secs = max(CLOUD_TIMEOUT_SECS, options["timeout_secs"] + 30)
         try:
             with self._client.stream("POST", route, json=body, headers=sse, timeout=secs) as reply:
                 if reply.status_code >= 400:
@@ -2055,9 +2042,9 @@ class CloudFleet:
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
 
-    def start_job(self, name, job_id, argv, *, timeout_secs, workdir=None, env=None) -> dict:
+    def start_job(self, name, job_id, argv, **options: Unpack[JobOptions]) -> dict:
         """The service names the job itself; ``job_id`` is the local fleet's."""
-        body, path = cloud_exec_body(argv, timeout_secs, workdir, env), self._jobs_path(name)
+        body, path = cloud_exec_body(argv, **options), self._jobs_path(name)
         action = f"start a job in machine '{name}'"
         job = self.request(action, "POST", path, body, timeout=CLOUD_LONG_TIMEOUT_SECS)
         return {"jobId": job["id"], "state": job.get("state", "running")}
@@ -2206,7 +2193,7 @@ class CloudFleet:
 
 
 def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
-    """A cloud exec's or job start's body (the options as typed in Fleet.exec); ``stdin`` if any."""
+    """A cloud exec's or job start's body (the ExecOptions as keywords); ``stdin`` if any."""
     body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
     return body if stdin is None else {**body, "stdin": stdin}
 
