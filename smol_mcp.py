@@ -261,10 +261,9 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             values[setting.attr] = _parse_setting(setting, environ[setting.env], "env")
 
     config = Config(**values)
-    exec_limits = config.exec_timeout_secs, config.max_exec_timeout_secs
-    if exec_limits[0] > exec_limits[1]:
-        limits = "execTimeoutSecs ({}) must not be above maxExecTimeoutSecs ({})"
-        raise ConfigError(limits.format(*exec_limits))
+    if config.exec_timeout_secs > config.max_exec_timeout_secs:
+        limits = f"({config.exec_timeout_secs}) must not be above maxExecTimeoutSecs"
+        raise ConfigError(f"execTimeoutSecs {limits} ({config.max_exec_timeout_secs})")
     if not NAME_RE.fullmatch(config.machine_prefix + "x"):
         why = "start with a letter or digit and hold only letters, digits, '-' and '_'"
         raise ConfigError(f"machinePrefix must {why}, got {config.machine_prefix!r}")
@@ -275,11 +274,9 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
     if config.local_url:
         parse_local_url(config.local_url)  # raises ConfigError when not a loopback or unix URL
-    unknown = ", ".join(repr(scope) for scope in config.scopes if scope not in SCOPES)
-    if unknown:
+    if unknown := ", ".join(repr(scope) for scope in config.scopes if scope not in SCOPES):
         why = f"which is not a scope; the scopes are: {', '.join(SCOPES)}"
         raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {unknown}, {why}")
-
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
     for cidr in config.egress_private_cidrs:
         try:
@@ -516,12 +513,6 @@ def registered(cls: type) -> type:
 # -- the local fleet ---------------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
-ADDRESS_IN_USE_HINT = (
-    "Only one smolvm serve can run per host with the default settings (it binds 127.0.0.1:10081), "
-    "and one is already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock "
-    "(smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or "
-    "stop it."
-)
 # The serve child's environment is an allow-list: PATH to find its helpers, HOME and XDG_* for its
 # data, cache and socket directories, the locale and TZ for its messages, TMPDIR for scratch files,
 # RUST_LOG for its log level, and SMOLVM_* (minimal_child_env), the engine's own settings.
@@ -746,24 +737,6 @@ def not_running(name: str, err: ApiError) -> SmolError:
     return err
 
 
-def local_job_page(name: str, job_id: str, data: bytes) -> JobPage:
-    header, _, rest = data.partition(b"\n")
-    try:
-        state, code, out_size, err_size, n, m = header.decode().split()
-        n, m = int(n), int(m)
-    except ValueError:
-        why = f"a read of job {job_id} in a form this server could not read ({header[:200]!r})"
-        raise SmolError(f"the guest of machine '{name}' answered {why}") from None
-    exit_code = int(code) if code.lstrip("-").isdigit() else None
-    return JobPage(state, exit_code, rest[:n], rest[n : n + m], (int(out_size), int(err_size)))
-
-
-INSIDE_GUEST = (
-    "The local target is unavailable inside a smol machine: there is no hypervisor here to start "
-    "a nested machine with. Use the cloud target, or run smol-mcp on the host."
-)
-
-
 @registered
 class LocalFleet:
     """The machines of ``smolvm serve`` on this host: started on first use, shared by every
@@ -889,7 +862,11 @@ class LocalFleet:
                 return
             self._ready = False
             if inside_smol_guest():
-                raise SmolError(INSIDE_GUEST)
+                raise SmolError(
+                    "The local target is unavailable inside a smol machine: there is no hypervisor "
+                    "here to start a nested machine with. Use the cloud target, or run smol-mcp on "
+                    "the host."
+                )
             if not self.config.local_url and not self._answers():
                 self._start_serve_once()
             try:
@@ -948,9 +925,12 @@ class LocalFleet:
             return self._process.pid
         try:
             pid = int(self._pid_file.read_text().strip() or 0)
+            # A pid on file may have been reused: is it a serve on our socket? (No /proc: leave it.)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             return None
-        return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
+        ours = b"serve" in cmdline and self._address.encode() in cmdline
+        return pid if process_alive(pid) and ours else None
 
     def _wait_while_busy(self, pid: int) -> bool:
         """A serve that runs but does not answer is busy or stopped, not dead (replacing it orphans
@@ -998,8 +978,12 @@ class LocalFleet:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                output, self._process = _read_from(log_path, log_start), None
-                last = _last_line(output)
+                self._process = None
+                with open(log_path, "rb") as log_file:
+                    log_file.seek(log_start)
+                    output = log_file.read().decode("utf-8", "replace")
+                lines = [ln.strip() for ln in output.splitlines() if not ln.startswith("note:")]
+                last = ([line for line in lines if line] or [""])[-1]
                 if "Address already in use" in output:
                     hint = other_serve_hint(socket_path)
                     raise SmolError(f"smolvm serve could not start: {last}. {hint}")
@@ -1023,7 +1007,8 @@ class LocalFleet:
         """This worker thread's kept-alive connection (opening one costs about as much as a call);
         one the serve closed while it sat idle is replaced before it is used."""
         conn = getattr(self._pool, "conn", None)
-        if conn is not None and conn.sock is not None and peer_closed(conn.sock):
+        # Closed by the serve: an idle kept-alive socket then reads as ready.
+        if conn is not None and conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
             conn = conn.close()
         if conn is None:
             conn = self._pool.conn = self._connection(timeout)
@@ -1243,7 +1228,15 @@ class LocalFleet:
         args = (f"{JOB_DIR}/{job_id}", *map(str, offsets), str(limit))
         script = JOB_STATE_FUNCTION + JOB_READ_SCRIPT
         data = self.exec_helper(name, f"read job {job_id}", script, *args)
-        return local_job_page(name, job_id, data)
+        header, _, rest = data.partition(b"\n")
+        try:
+            state, code, out_size, err_size, n, m = header.decode().split()
+            n, m = int(n), int(m)
+        except ValueError:
+            why = f"a read of job {job_id} in a form this server could not read ({header[:200]!r})"
+            raise SmolError(f"the guest of machine '{name}' answered {why}") from None
+        exit_code = int(code) if code.lstrip("-").isdigit() else None
+        return JobPage(state, exit_code, rest[:n], rest[n : n + m], (int(out_size), int(err_size)))
 
     def cancel_job(self, name: str, job_id: str) -> None:
         self.exec_helper(name, f"cancel job {job_id}", JOB_CANCEL_SCRIPT, f"{JOB_DIR}/{job_id}")
@@ -1336,7 +1329,9 @@ class LocalFleet:
             if err.status == 404 and "no logs yet" in err.api_message:
                 return []  # never started: nothing logged yet, which is an answer, not a failure
             raise
-        return parse_sse_lines(data if isinstance(data, bytes) else json.dumps(data).encode())
+        data = data if isinstance(data, bytes) else json.dumps(data).encode()
+        lines = data.decode("utf-8", "replace").splitlines()  # one log line per data: line
+        return [raw[5:].removeprefix(" ") for raw in lines if raw.startswith("data:")]
 
     def branch_machine(self, name: str, child: str) -> dict:
         action = f"branch machine '{name}' into '{child}'"
@@ -1474,12 +1469,6 @@ def api_error(fleet: str, action: str, status: int, content_type: str, data: byt
 ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def parse_sse_lines(data: bytes) -> list[str]:
-    """The data lines of a server-sent-event stream, one log line per event."""
-    lines = data.decode("utf-8", "replace").splitlines()
-    return [raw[5:].removeprefix(" ") for raw in lines if raw.startswith("data:")]
-
-
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
     """(event, data) pairs of a server-sent-event stream read in pieces. Per the SSE standard a
     line ends at CR, LF or CRLF and one event's data lines join with LF."""
@@ -1505,10 +1494,6 @@ def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
                     data.append(value)
     if data:
         yield event, "\n".join(data)
-
-
-class StreamBroke(SmolError):
-    """An exec stream ended before its exit event."""
 
 
 def collect_exec_stream(
@@ -1542,7 +1527,7 @@ def collect_exec_stream(
     broke = f"broke after {got} bytes ({how}) before its exit code arrived"
     why = "so the command's result is unknown (it may still be running). Check the machine with"
     fix = "get-machine, and run the command again, or as a job (start-job) if it needs longer."
-    raise StreamBroke(f"the output stream of the command in machine '{name}' {broke}, {why} {fix}")
+    raise SmolError(f"the output stream of the command in machine '{name}' {broke}, {why} {fix}")
 
 
 def free_loopback_port() -> int:
@@ -1554,11 +1539,6 @@ def free_loopback_port() -> int:
 
 def _q(value: str, safe: str = "") -> str:
     return urllib.parse.quote(value, safe=safe)
-
-
-def peer_closed(sock: socket.socket) -> bool:
-    """Whether the other end closed an idle kept-alive socket (it then reads as ready)."""
-    return bool(select.select([sock], [], [], 0)[0])
 
 
 class JsonStream:
@@ -1677,15 +1657,6 @@ def read_exec_answer(stream: Any) -> dict:
     return answer
 
 
-def serve_process_on(pid: int, socket_path: str) -> bool:
-    """Whether ``pid`` is a smolvm serve on ``socket_path`` (a pid on file may have been reused)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False  # gone, or no /proc (macOS): leave it be
-    return b"serve" in cmdline and socket_path.encode() in cmdline
-
-
 def other_serve_hint(own: str) -> str:
     """Where another smolvm serve on this host listens (from /proc), as the SMOL_LOCAL_URL that
     would use it; the generic hint when none is found."""
@@ -1701,19 +1672,12 @@ def other_serve_hint(own: str) -> str:
                 use = f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
                 where = f"(pid {entry.parent.name}, listening on {where})"
                 return f"Another smolvm serve runs on this host {where}: {use}"
-
-    return ADDRESS_IN_USE_HINT
-
-
-def _read_from(path: Path, offset: int) -> str:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read().decode("utf-8", "replace")
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if not line.startswith("note:")]
-    return ([line for line in lines if line] or [""])[-1]
+    return (
+        "Only one smolvm serve can run per host with the default settings (it binds "
+        "127.0.0.1:10081), and one is already running. Point smol-mcp at it with SMOL_LOCAL_URL="
+        "unix:///path/to/its.sock (smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; "
+        "it is then left running), or stop it."
+    )
 
 
 # ---------------------------------------------------------------------------
