@@ -259,7 +259,6 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     for setting in SETTINGS:
         if setting.env in environ:
             values[setting.attr] = _parse_setting(setting, environ[setting.env], "env")
-
     config = Config(**values)
     if config.exec_timeout_secs > config.max_exec_timeout_secs:
         limits = f"({config.exec_timeout_secs}) must not be above maxExecTimeoutSecs"
@@ -369,7 +368,6 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
         return "unix", path
     if parsed.scheme == "http" and parsed.hostname in LOOPBACK_HOSTS and parsed.port:
         return "tcp", parsed.port
-
     forms = "unix:///absolute/path.sock or http://127.0.0.1:PORT"
     why = "loopback only, because the local API has no authentication"
     raise ConfigError(f"SMOL_LOCAL_URL must be {forms} ({why}); got {url!r}")
@@ -710,8 +708,7 @@ class JobPage:
 
 
 def local_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
-    """The local exec body. autoStart false: a stopped machine is reported, so the tool can say
-    it started it."""
+    """The local exec body (autoStart false: the tool starts a stopped machine, and says so)."""
     env_list = [{"name": k, "value": v} for k, v in (env or {}).items()]
     options = {"workdir": workdir or None, "env": env_list or None, "stdin": stdin}
     body = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
@@ -779,7 +776,6 @@ class LocalFleet:
         self._process: subprocess.Popen | None = None
         self._users, self._ready = 0, False
         self._pool = threading.local()  # one kept-alive connection per worker thread
-
         runtime = Path(config.runtime_dir)
         self._serve_log, self._pid_file = runtime / "serve.log", runtime / "serve.pid"
         self._users_dir = runtime / "serve-users"
@@ -829,8 +825,7 @@ class LocalFleet:
         return False
 
     def stop_serve(self) -> None:
-        """Stop the serve on our socket: our child, or the one another smol-mcp process
-        spawned and left to us (its pid is on file)."""
+        """Stop the serve on our socket: our child, or one another process left us (serve.pid)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
         if process is not None and process.poll() is None:
@@ -842,7 +837,6 @@ class LocalFleet:
                 process.wait(timeout=5)
         elif process is None and not self.config.local_url and (pid := self._live_serve_pid()):
             os.kill(pid, signal.SIGTERM)
-
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.unlink(missing_ok=True)
 
@@ -979,9 +973,7 @@ class LocalFleet:
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 self._process = None
-                with open(log_path, "rb") as log_file:
-                    log_file.seek(log_start)
-                    output = log_file.read().decode("utf-8", "replace")
+                output = log_path.read_bytes()[log_start:].decode("utf-8", "replace")
                 lines = [ln.strip() for ln in output.splitlines() if not ln.startswith("note:")]
                 last = ([line for line in lines if line] or [""])[-1]
                 if "Address already in use" in output:
@@ -1047,23 +1039,14 @@ class LocalFleet:
                     raise self._busy_error(self._live_serve_pid()) from None
                 time.sleep(0.2)
 
-    def request(
-        self,
-        action: str,
-        method: str,
-        path: str,
-        payload: Any = None,
-        *,
-        timeout: float | None = None,
-        setting: str = "readyTimeoutSecs",
-        read: Callable | None = None,
-    ) -> Any:
+    def request(self, action, method, path, payload=None, *, timeout=None, setting=None, read=None):
         """One API call sending ``payload`` (bytes as they are, else JSON): the JSON answer (bytes
         for a raw one, what ``read`` made of a 200), or ApiError with the API's message. A serve
-        that stopped answering is started again once. ``timeout`` (readyTimeoutSecs when None) is
-        the ``setting`` a timeout message names."""
+        that stopped answering is started again once. ``timeout`` seconds is the ``setting`` a
+        timeout message names (readyTimeoutSecs when None)."""
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
+        setting = setting or "readyTimeoutSecs"
         body, content_type = payload, None if payload is None else "application/octet-stream"
         if payload is not None and not isinstance(payload, bytes | bytearray):
             body, content_type = json.dumps(payload).encode(), "application/json"
@@ -1113,9 +1096,7 @@ class LocalFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        ports = [
-            {"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports
-        ]
+        ports = [{"host": p.get("host") or free_port(), "guest": p["guest"]} for p in spec.ports]
         shares = [(m["source"], m["target"], m.get("readonly") is not False) for m in spec.mounts]
         mounts = [{"source": s, "target": t, "readonly": ro} for s, t, ro in shares]
         env = [{"name": k, "value": v} for k, v in spec.env.items()]
@@ -1160,8 +1141,7 @@ class LocalFleet:
         return {"deleted": name}
 
     def exec(self, name: str, argv: list[str], **options: Unpack[ExecOptions]) -> ExecResult:
-        """Run a command in a running machine; NotRunning if it is not (the engine would boot it,
-        but then nobody could report that it did)."""
+        """Run a command; NotRunning unless the machine runs (the engine would boot it silently)."""
         body = local_exec_body(argv, **options)
         # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
         wait = {"timeout": options["timeout_secs"] + 30, "read": read_exec_answer}
@@ -1181,8 +1161,7 @@ class LocalFleet:
     def exec_stream(
         self, name, argv, *, on_output: OnOutput, **options: Unpack[ExecOptions]
     ) -> ExecResult:
-        """``exec`` through the stream route: each piece of output goes to
-        ``on_output(stream, text)`` as the guest prints it; the result is the same."""
+        """``exec`` through the stream route: ``on_output`` gets output as the guest prints it."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
         body = json.dumps(local_exec_body(argv, **options)).encode()
@@ -1204,15 +1183,13 @@ class LocalFleet:
             conn.close()
 
     def exec_helper(self, name: str, action: str, script: str, *args: str) -> bytes:
-        """The stdout of a helper script of this server run in the guest (sh -c); a non-zero
-        exit is an error carrying its stderr."""
+        """The stdout of a guest script of ours (sh -c); a non-zero exit raises with its stderr."""
         try:
             result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=60)
         except NotRunning:
             stopped = f"machine '{name}' is not running, and its jobs ended when it stopped"
-            raise SmolError(
-                f"{stopped}; start-machine, then read-job, shows what they wrote"
-            ) from None
+            fix = "start-machine, then read-job, shows what they wrote"
+            raise SmolError(f"{stopped}; {fix}") from None
         return helper_output(name, action, result)
 
     # -- jobs: processes this server starts in the guest -------------------
@@ -1291,18 +1268,12 @@ class LocalFleet:
                 names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
                 held = f"it holds: {names or 'nothing'}. Pass the path of a file inside it."
                 raise SmolError(f"{path} is a directory, not a file; {held}")
-            size = int(response.getheader("Content-Length") or -1)
-            skipped = 0
-            while skipped < offset:
-                chunk = response.read(min(1 << 20, offset - skipped))
-                if not chunk:
-                    break
+            size, skipped = int(response.getheader("Content-Length") or -1), 0
+            while skipped < offset and (chunk := response.read(min(1 << 20, offset - skipped))):
                 skipped += len(chunk)
             data = response.read(length) if skipped == offset else b""
             if size < 0:  # no length header (a streamed file): count what is left to learn the size
-                rest = 0
-                while chunk := response.read(1 << 20):
-                    rest += len(chunk)
+                rest = sum(map(len, iter(functools.partial(response.read, 1 << 20), b"")))
                 size = skipped + len(data) + rest
             return FilePage(data=data, size=size)
         except TimeoutError:
@@ -1373,10 +1344,10 @@ class LocalFleet:
 
 def route_table(text: str) -> dict[tuple[str, str], str | None]:
     """{(method, path): reason} from ``text``: "reason:" gives the reason for the "METHOD /path"
-    pairs after it, on its line and the lines below ("called:" for None)."""
+    pairs after it, on its line and those below ("called:" for None); "~" is /api/v1/machines."""
     routes: dict[tuple[str, str], str | None] = {}
     reason = None
-    for line in text.strip().splitlines():
+    for line in text.strip().replace(" ~", " /api/v1/machines").splitlines():
         if ":" in line:
             head, _, line = line.partition(":")
             reason = None if head == "called" else head
@@ -1388,33 +1359,27 @@ def route_table(text: str) -> dict[tuple[str, str], str | None]:
 # Every route of the local API, in its OpenAPI spelling, under why this server does not call it
 # ("called:" for the ones it does; exec/stream gives live output, given a progress token).
 # `smol_mcp.py parity` compares this with the running serve's spec, so a route a new smolvm
-# adds shows up as a decision.
+# adds shows up as a decision. "~" stands for /api/v1/machines.
 LOCAL_ROUTES = route_table("""
-called: GET /health  GET /api/v1/machines  POST /api/v1/machines  GET /api/v1/machines/{name}
-    DELETE /api/v1/machines/{name}  POST /api/v1/machines/{name}/start
-    POST /api/v1/machines/{name}/stop  POST /api/v1/machines/{id}/exec
-    POST /api/v1/machines/{id}/exec/stream  GET /api/v1/machines/{id}/files/{path}
-    PUT /api/v1/machines/{id}/files/{path}  GET /api/v1/machines/{id}/logs
-    POST /api/v1/machines/{id}/images/pull  POST /api/v1/machines/{name}/branches
-    POST /api/v1/machines/{name}/egress  GET /api/v1/machines/{name}/egress-events
+called: GET /health  GET ~  POST ~  GET ~/{name}  DELETE ~/{name}  POST ~/{name}/start
+    POST ~/{name}/stop  POST ~/{id}/exec  POST ~/{id}/exec/stream  GET ~/{id}/files/{path}
+    PUT ~/{id}/files/{path}  GET ~/{id}/logs  POST ~/{id}/images/pull  POST ~/{name}/branches
+    POST ~/{name}/egress  GET ~/{name}/egress-events
 host scheduling numbers; no tool reports capacity: GET /capacity
-no tool lists a machine's images: GET /api/v1/machines/{id}/images
-running another image on an overlay is not in the tool vocabulary: POST /api/v1/machines/{id}/run
-the legacy name of branches: POST /api/v1/machines/{name}/fork
-branch pools; this server has no pool vocabulary: POST /api/v1/machines/{name}/fork-release
-no tool pauses or resumes a machine: POST /api/v1/machines/{name}/pause
-    POST /api/v1/machines/{name}/resume
+no tool lists a machine's images: GET ~/{id}/images
+running another image on an overlay is not in the tool vocabulary: POST ~/{id}/run
+the legacy name of branches: POST ~/{name}/fork
+branch pools; this server has no pool vocabulary: POST ~/{name}/fork-release
+no tool pauses or resumes a machine: POST ~/{name}/pause  POST ~/{name}/resume
 needs a pushToken minted by the control plane, which a local user cannot produce:
-    POST /api/v1/machines/{name}/export
-no tool grows a machine after it exists: POST /api/v1/machines/{name}/resize
-mounts are a create-time argument: POST /api/v1/machines/{name}/sync
-    GET /api/v1/machines/{name}/mounts  POST /api/v1/machines/{name}/mounts
-    DELETE /api/v1/machines/{name}/mounts
-ports are a create-time argument: PUT /api/v1/machines/{name}/ports
-mediated egress is not used: GET /api/v1/machines/{name}/mediation-events
-credential bindings are not used: PUT /api/v1/machines/{name}/credential-values
-cache disks are not used: POST /api/v1/machines/{name}/cache-disk/publish
-    DELETE /api/v1/cache-bases/{base}
+    POST ~/{name}/export
+no tool grows a machine after it exists: POST ~/{name}/resize
+mounts are a create-time argument: POST ~/{name}/sync  GET ~/{name}/mounts  POST ~/{name}/mounts
+    DELETE ~/{name}/mounts
+ports are a create-time argument: PUT ~/{name}/ports
+mediated egress is not used: GET ~/{name}/mediation-events
+credential bindings are not used: PUT ~/{name}/credential-values
+cache disks are not used: POST ~/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
 fork pools and leases are a fleet surface, not an agent one: GET /api/v1/pools  POST /api/v1/pools
     GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
     POST /api/v1/pools/{name}/leases  POST /api/v1/pools/{name}/lease-batches
@@ -1443,16 +1408,13 @@ def parity_report(spec: dict) -> dict[str, list]:
 
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
-    how = f"while trying to {action} ({type(exc).__name__})"
-    why = (
-        "it may have stopped or restarted. Check the machine with get-machine before trying again."
-    )
-    return SmolError(f"the local serve closed the connection {how}; {why}")
+    how = f"while trying to {action} ({type(exc).__name__}); it may have stopped or restarted"
+    why = "Check the machine with get-machine before trying again."
+    return SmolError(f"the local serve closed the connection {how}. {why}")
 
 
 def api_error(fleet: str, action: str, status: int, content_type: str, data: bytes) -> ApiError:
-    """An ApiError from either error shape of the serve: JSON ``{"error", "code"}`` from
-    handlers, plain text from the request parser."""
+    """An ApiError from the serve's JSON ``{"error", "code"}`` (handlers) or plain text (parser)."""
     text, code = data.decode("utf-8", "replace").strip(), ""
     if "application/json" in content_type:
         try:
@@ -1514,10 +1476,8 @@ def collect_exec_stream(
                 try:
                     code = int(json.loads(data)["exitCode"])
                 except (ValueError, KeyError, TypeError):
-                    ended = f"the output stream of machine '{name}' ended with an exit event"
-                    raise SmolError(
-                        f"{ended} this server could not read ({data[:200]!r})"
-                    ) from None
+                    why = f"ended with an exit event this server could not read ({data[:200]!r})"
+                    raise SmolError(f"the output stream of machine '{name}' {why}") from None
                 seconds = time.monotonic() - started
                 return ExecResult(code, bytes(out["stdout"]), bytes(out["stderr"]), seconds)
         how = "it ended"
@@ -1530,8 +1490,8 @@ def collect_exec_stream(
     raise SmolError(f"the output stream of the command in machine '{name}' {broke}, {why} {fix}")
 
 
-def free_loopback_port() -> int:
-    """A host port that is free right now, for a published port given without one."""
+def free_port() -> int:
+    """A loopback host port that is free right now, for a published port given without one."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -1604,21 +1564,18 @@ class JsonStream:
             if self.pos < len(self.buf) or not self._fill():
                 return json.loads(token)
 
+    def base64(self, output: bytearray) -> None:
+        """A base64 string decoded into ``output`` as it arrives, in 4-character blocks."""
+        pending = bytearray()  # a rest shorter than a block waits for the next piece
 
-class Base64Sink:
-    """Decode base64 arriving in pieces into ``output`` in 4-character blocks (a rest waits)."""
+        def decode(raw: bytes) -> None:
+            pending.extend(raw)
+            usable = len(pending) // 4 * 4
+            output.extend(base64.b64decode(bytes(pending[:usable]), validate=True))
+            del pending[:usable]
 
-    def __init__(self, output: bytearray):
-        self.output, self.pending = output, bytearray()
-
-    def __call__(self, raw: bytes) -> None:
-        self.pending += raw
-        usable = len(self.pending) // 4 * 4
-        self.output += base64.b64decode(bytes(self.pending[:usable]), validate=True)
-        del self.pending[:usable]
-
-    def close(self) -> None:
-        if self.pending:
+        self.string(decode)
+        if pending:
             raise ValueError("a base64 field ended mid-block")
 
 
@@ -1642,9 +1599,7 @@ def read_exec_answer(stream: Any) -> dict:
             raise ValueError("a key without a value")
         first = reader.next_token()
         if first == b'"' and key in ("stdoutB64", "stderrB64"):
-            sink = Base64Sink(answer[key])
-            reader.string(sink)
-            sink.close()
+            reader.base64(answer[key])
         elif first == b'"':
             reader.string()  # the lossy text copy, or a field this server does not read
         else:
