@@ -449,9 +449,8 @@ OnOutput = Callable[[str, str], None]  # exec_stream's sink: (stream, text) as t
 
 
 class Fleet(Protocol):
-    """What the tools, resources, sessions and doctor ask of a fleet. LocalFleet
-    and CloudFleet both satisfy it (a test compares every signature); a new
-    fleet is one class with these members and one row in FLEETS."""
+    """What the tools, resources, sessions and doctor ask of a fleet; LocalFleet and CloudFleet
+    both satisfy it (a test compares every signature)."""
 
     name: str
     config: Config
@@ -526,8 +525,7 @@ RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "
 
 
 def wheel_engine() -> str | None:
-    """The smol/smol-vmm (the full smolvm CLI) of a smolmachines package installed for this
-    interpreter (``uv run --with smolmachines``), found without importing the package."""
+    """The smol/smol-vmm (the full smolvm CLI) of this interpreter's smolmachines, if installed."""
     try:
         distribution = importlib.metadata.distribution("smolmachines")
     except importlib.metadata.PackageNotFoundError:
@@ -659,10 +657,9 @@ JOB_STATE_FUNCTION = r"""st() {
   echo "lost -"
 }
 """
-# $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints
-# "state code stdoutSize stderrSize n m", a newline, then n bytes of stdout and
-# m of stderr from the offsets; the budget is shared, neither side starves.
-# This one and JOB_LIST_SCRIPT run after JOB_STATE_FUNCTION.
+# $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints "state code
+# stdoutSize stderrSize n m", a newline, then n bytes of stdout and m of stderr from the offsets;
+# the budget is shared, neither side starves. Runs after JOB_STATE_FUNCTION, as JOB_LIST_SCRIPT.
 JOB_READ_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 s=$(st "$1")
 so=0; [ -f "$1/stdout" ] && so=$(wc -c <"$1/stdout")
@@ -909,9 +906,17 @@ class LocalFleet:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self._answers():
                 return
+            # A serve that runs but does not answer is busy or stopped, not dead (replacing it
+            # orphans it and fights it for its port): wait within serveStartTimeoutSecs.
             pid = self._live_serve_pid()
-            if pid is None or not self._wait_while_busy(pid):
-                self._start_serve()
+            deadline = time.monotonic() + self.config.serve_start_timeout_secs
+            while pid is not None and process_alive(pid):
+                if self._answers():
+                    return
+                if time.monotonic() >= deadline:
+                    raise self._busy_error(pid)
+                time.sleep(0.2)
+            self._start_serve()
 
     def _live_serve_pid(self) -> int | None:
         """The live serve on our socket, answering or not: ours, or another's (serve.pid)."""
@@ -925,18 +930,6 @@ class LocalFleet:
             return None
         ours = b"serve" in cmdline and self._address.encode() in cmdline
         return pid if process_alive(pid) and ours else None
-
-    def _wait_while_busy(self, pid: int) -> bool:
-        """A serve that runs but does not answer is busy or stopped, not dead (replacing it orphans
-        it and fights it for its port): wait within serveStartTimeoutSecs; False if it died."""
-        deadline = time.monotonic() + self.config.serve_start_timeout_secs
-        while time.monotonic() < deadline:
-            if not process_alive(pid):
-                return False
-            if self._answers():
-                return True
-            time.sleep(0.2)
-        raise self._busy_error(pid)
 
     def _busy_error(self, pid: int | None) -> SmolError:
         which = f"the smolvm serve (pid {pid})" if pid else "the smolvm serve"
@@ -1041,9 +1034,8 @@ class LocalFleet:
 
     def request(self, action, method, path, payload=None, *, timeout=None, setting=None, read=None):
         """One API call sending ``payload`` (bytes as they are, else JSON): the JSON answer (bytes
-        for a raw one, what ``read`` made of a 200), or ApiError with the API's message. A serve
-        that stopped answering is started again once. ``timeout`` seconds is the ``setting`` a
-        timeout message names (readyTimeoutSecs when None)."""
+        for a raw one, what ``read`` made of a 200), or ApiError. A serve that stopped answering is
+        started again once; a timeout names ``setting`` (both default to readyTimeoutSecs)."""
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
         setting = setting or "readyTimeoutSecs"
