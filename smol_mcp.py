@@ -94,6 +94,7 @@ log = logging.getLogger("smol_mcp")
 # ---------------------------------------------------------------------------
 
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
+MOUNT_ROOT_WRITABLE = ":rw"  # a mount root that allows writing ends in this
 
 
 def setting_field(default: Any, env: str = "", kind: str = "", **limits: Any) -> Any:
@@ -337,9 +338,6 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
     return directory
 
 
-MOUNT_ROOT_WRITABLE = ":rw"
-
-
 def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
     """The mount roots as (resolved directory, writable): absolute host directories, read-only
     unless ending in ":rw", resolved so a source is compared with the real place."""
@@ -486,15 +484,13 @@ class Fleet(Protocol):
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage: ...
     def write_file(self, name: str, path: str, data: bytes) -> int: ...
     def console_lines(self, name: str) -> list[str]: ...
-
+    # What smol://targets says about this fleet (it may not be served).
     @classmethod
-    def target_facts(cls, app: SmolMcp) -> dict:
-        """What smol://targets says about this fleet (it may not be served)."""
-
+    def target_facts(cls, app: SmolMcp) -> dict: ...
+    # For `doctor`: check what a person should know (facts may change), and return the detail lines
+    # under the fleet's heading and the advice printed after its reason.
     @classmethod
-    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
-        """For `doctor`: check what a person should know (facts may change), and return the detail
-        lines under the fleet's heading and the advice printed after its reason."""
+    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]: ...
 
 
 # Instructions and smol://targets list the fleets in the order they register.
@@ -510,6 +506,7 @@ def registered(cls: type) -> type:
 # -- the local fleet ---------------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # The serve child's environment is an allow-list: PATH to find its helpers, HOME and XDG_* for its
 # data, cache and socket directories, the locale and TZ for its messages, TMPDIR for scratch files,
 # RUST_LOG for its log level, and SMOLVM_* (minimal_child_env), the engine's own settings.
@@ -1150,9 +1147,7 @@ class LocalFleet:
         seconds = time.monotonic() - started
         return ExecResult(int(data["exitCode"]), data["stdoutB64"], data["stderrB64"], seconds)
 
-    def exec_stream(
-        self, name, argv, *, on_output: OnOutput, **options: Unpack[ExecOptions]
-    ) -> ExecResult:
+    def exec_stream(self, name, argv, *, on_output, **options: Unpack[ExecOptions]) -> ExecResult:
         """``exec`` through the stream route: ``on_output`` gets output as the guest prints it."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
@@ -1418,9 +1413,6 @@ def api_error(fleet: str, action: str, status: int, content_type: str, data: byt
     if not text and status == 404:
         text = "no such route on this serve (it may be older than this server expects)"
     return ApiError(fleet, action, status, code, text or "no message")
-
-
-ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
@@ -1922,9 +1914,7 @@ class CloudFleet:
         out, err = (exec_stream(answer, stream) for stream in streams)
         return ExecResult(int(answer["exitCode"]), out, err, seconds, cut)
 
-    def exec_stream(
-        self, name, argv, *, on_output: OnOutput, **options: Unpack[ExecOptions]
-    ) -> ExecResult:
+    def exec_stream(self, name, argv, *, on_output, **options: Unpack[ExecOptions]) -> ExecResult:
         """``exec`` through the SSE route. Never retried: the command may have run."""
         import httpx2
 
