@@ -1294,8 +1294,7 @@ class LocalFleet:
     def branch_machine(self, name: str, child: str) -> dict:
         action = f"branch machine '{name}' into '{child}'"
         self.recheck_mounts(name, action)
-        timeout = self.config.ready_timeout_secs + 60
-        route = f"{_q(name)}/branches"
+        route, timeout = f"{_q(name)}/branches", self.config.ready_timeout_secs + 60
         return local_record(self._machine(action, "POST", route, {"name": child}, timeout=timeout))
 
     # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
