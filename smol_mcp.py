@@ -74,7 +74,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Required, TypedDict, Unpack
 
 import anyio
 
@@ -94,6 +94,7 @@ log = logging.getLogger("smol_mcp")
 # ---------------------------------------------------------------------------
 
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
+MOUNT_ROOT_WRITABLE = ":rw"  # a mount root that allows writing ends in this
 
 
 def setting_field(default: Any, env: str = "", kind: str = "", **limits: Any) -> Any:
@@ -259,12 +260,10 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     for setting in SETTINGS:
         if setting.env in environ:
             values[setting.attr] = _parse_setting(setting, environ[setting.env], "env")
-
     config = Config(**values)
-    exec_limits = config.exec_timeout_secs, config.max_exec_timeout_secs
-    if exec_limits[0] > exec_limits[1]:
-        limits = "execTimeoutSecs ({}) must not be above maxExecTimeoutSecs ({})"
-        raise ConfigError(limits.format(*exec_limits))
+    if config.exec_timeout_secs > config.max_exec_timeout_secs:
+        limits = f"({config.exec_timeout_secs}) must not be above maxExecTimeoutSecs"
+        raise ConfigError(f"execTimeoutSecs {limits} ({config.max_exec_timeout_secs})")
     if not NAME_RE.fullmatch(config.machine_prefix + "x"):
         why = "start with a letter or digit and hold only letters, digits, '-' and '_'"
         raise ConfigError(f"machinePrefix must {why}, got {config.machine_prefix!r}")
@@ -275,11 +274,9 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
     if config.local_url:
         parse_local_url(config.local_url)  # raises ConfigError when not a loopback or unix URL
-    unknown = ", ".join(repr(scope) for scope in config.scopes if scope not in SCOPES)
-    if unknown:
+    if unknown := ", ".join(repr(scope) for scope in config.scopes if scope not in SCOPES):
         why = f"which is not a scope; the scopes are: {', '.join(SCOPES)}"
         raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {unknown}, {why}")
-
     parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
     for cidr in config.egress_private_cidrs:
         try:
@@ -341,9 +338,6 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
     return directory
 
 
-MOUNT_ROOT_WRITABLE = ":rw"
-
-
 def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
     """The mount roots as (resolved directory, writable): absolute host directories, read-only
     unless ending in ":rw", resolved so a source is compared with the real place."""
@@ -372,7 +366,6 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
         return "unix", path
     if parsed.scheme == "http" and parsed.hostname in LOOPBACK_HOSTS and parsed.port:
         return "tcp", parsed.port
-
     forms = "unix:///absolute/path.sock or http://127.0.0.1:PORT"
     why = "loopback only, because the local API has no authentication"
     raise ConfigError(f"SMOL_LOCAL_URL must be {forms} ({why}); got {url!r}")
@@ -438,10 +431,24 @@ def redact(text: str, secret_values: list[str]) -> str:
 # -- the fleet contract: a fleet is one class with these members, and one row in FLEETS --
 
 
+class JobOptions(TypedDict, total=False):
+    """How a command runs: the keywords of Fleet.exec, exec_stream and start_job."""
+
+    timeout_secs: Required[int]
+    workdir: str | None
+    env: dict[str, str] | None
+
+
+class ExecOptions(JobOptions, total=False):
+    stdin: str | None  # exec and exec_stream only: a job reads no input
+
+
+OnOutput = Callable[[str, str], None]  # exec_stream's sink: (stream, text) as the guest prints it
+
+
 class Fleet(Protocol):
-    """What the tools, resources, sessions and doctor ask of a fleet. LocalFleet
-    and CloudFleet both satisfy it (a test compares every signature); a new
-    fleet is one class with these members and one row in FLEETS."""
+    """What the tools, resources, sessions and doctor ask of a fleet; LocalFleet and CloudFleet
+    both satisfy it (a test compares every signature)."""
 
     name: str
     config: Config
@@ -464,36 +471,12 @@ class Fleet(Protocol):
     def branch_machine(self, name: str, child: str) -> dict: ...
     def pull_image(self, name: str, image: str) -> dict: ...
     def probe_ready(self, name: str) -> str | None: ...
-    def exec(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
-    ) -> ExecResult: ...
+    def exec(self, name: str, argv: list[str], **options: Unpack[ExecOptions]) -> ExecResult: ...
     def exec_stream(
-        self,
-        name: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        on_output: Callable[[str, str], None],
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
+        self, name: str, argv: list[str], *, on_output: OnOutput, **options: Unpack[ExecOptions]
     ) -> ExecResult: ...
     def start_job(
-        self,
-        name: str,
-        job_id: str,
-        argv: list[str],
-        *,
-        timeout_secs: int,
-        workdir: str | None = None,
-        env: dict[str, str] | None = None,
+        self, name: str, job_id: str, argv: list[str], **options: Unpack[JobOptions]
     ) -> dict: ...
     def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage: ...
     def cancel_job(self, name: str, job_id: str) -> None: ...
@@ -501,15 +484,13 @@ class Fleet(Protocol):
     def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage: ...
     def write_file(self, name: str, path: str, data: bytes) -> int: ...
     def console_lines(self, name: str) -> list[str]: ...
-
+    # What smol://targets says about this fleet (it may not be served).
     @classmethod
-    def target_facts(cls, app: SmolMcp) -> dict:
-        """What smol://targets says about this fleet (it may not be served)."""
-
+    def target_facts(cls, app: SmolMcp) -> dict: ...
+    # For `doctor`: check what a person should know (facts may change), and return the detail lines
+    # under the fleet's heading and the advice printed after its reason.
     @classmethod
-    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
-        """For `doctor`: check what a person should know (facts may change), and return the detail
-        lines under the fleet's heading and the advice printed after its reason."""
+    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]: ...
 
 
 # Instructions and smol://targets list the fleets in the order they register.
@@ -525,12 +506,7 @@ def registered(cls: type) -> type:
 # -- the local fleet ---------------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
-ADDRESS_IN_USE_HINT = (
-    "Only one smolvm serve can run per host with the default settings (it binds 127.0.0.1:10081), "
-    "and one is already running. Point smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock "
-    "(smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; it is then left running), or "
-    "stop it."
-)
+ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # The serve child's environment is an allow-list: PATH to find its helpers, HOME and XDG_* for its
 # data, cache and socket directories, the locale and TZ for its messages, TMPDIR for scratch files,
 # RUST_LOG for its log level, and SMOLVM_* (minimal_child_env), the engine's own settings.
@@ -546,8 +522,7 @@ RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "
 
 
 def wheel_engine() -> str | None:
-    """The smol/smol-vmm (the full smolvm CLI) of a smolmachines package installed for this
-    interpreter (``uv run --with smolmachines``), found without importing the package."""
+    """The smol/smol-vmm (the full smolvm CLI) of this interpreter's smolmachines, if installed."""
     try:
         distribution = importlib.metadata.distribution("smolmachines")
     except importlib.metadata.PackageNotFoundError:
@@ -679,10 +654,9 @@ JOB_STATE_FUNCTION = r"""st() {
   echo "lost -"
 }
 """
-# $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints
-# "state code stdoutSize stderrSize n m", a newline, then n bytes of stdout and
-# m of stderr from the offsets; the budget is shared, neither side starves.
-# This one and JOB_LIST_SCRIPT run after JOB_STATE_FUNCTION.
+# $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints "state code
+# stdoutSize stderrSize n m", a newline, then n bytes of stdout and m of stderr from the offsets;
+# the budget is shared, neither side starves. Runs after JOB_STATE_FUNCTION, as JOB_LIST_SCRIPT.
 JOB_READ_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 s=$(st "$1")
 so=0; [ -f "$1/stdout" ] && so=$(wc -c <"$1/stdout")
@@ -728,8 +702,7 @@ class JobPage:
 
 
 def local_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
-    """The local exec body. autoStart false: a stopped machine is reported, so the tool can say
-    it started it."""
+    """The local exec body (autoStart false: the tool starts a stopped machine, and says so)."""
     env_list = [{"name": k, "value": v} for k, v in (env or {}).items()]
     options = {"workdir": workdir or None, "env": env_list or None, "stdin": stdin}
     body = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
@@ -753,24 +726,6 @@ def not_running(name: str, err: ApiError) -> SmolError:
     if err.status == 409 and "not running" in err.api_message:
         return NotRunning(f"machine '{name}' is not running")
     return err
-
-
-def local_job_page(name: str, job_id: str, data: bytes) -> JobPage:
-    header, _, rest = data.partition(b"\n")
-    try:
-        state, code, out_size, err_size, n, m = header.decode().split()
-        n, m = int(n), int(m)
-    except ValueError:
-        why = f"a read of job {job_id} in a form this server could not read ({header[:200]!r})"
-        raise SmolError(f"the guest of machine '{name}' answered {why}") from None
-    exit_code = int(code) if code.lstrip("-").isdigit() else None
-    return JobPage(state, exit_code, rest[:n], rest[n : n + m], (int(out_size), int(err_size)))
-
-
-INSIDE_GUEST = (
-    "The local target is unavailable inside a smol machine: there is no hypervisor here to start "
-    "a nested machine with. Use the cloud target, or run smol-mcp on the host."
-)
 
 
 @registered
@@ -815,7 +770,6 @@ class LocalFleet:
         self._process: subprocess.Popen | None = None
         self._users, self._ready = 0, False
         self._pool = threading.local()  # one kept-alive connection per worker thread
-
         runtime = Path(config.runtime_dir)
         self._serve_log, self._pid_file = runtime / "serve.log", runtime / "serve.pid"
         self._users_dir = runtime / "serve-users"
@@ -865,8 +819,7 @@ class LocalFleet:
         return False
 
     def stop_serve(self) -> None:
-        """Stop the serve on our socket: our child, or the one another smol-mcp process
-        spawned and left to us (its pid is on file)."""
+        """Stop the serve on our socket: our child, or one another process left us (serve.pid)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
         if process is not None and process.poll() is None:
@@ -878,7 +831,6 @@ class LocalFleet:
                 process.wait(timeout=5)
         elif process is None and not self.config.local_url and (pid := self._live_serve_pid()):
             os.kill(pid, signal.SIGTERM)
-
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.unlink(missing_ok=True)
 
@@ -898,7 +850,11 @@ class LocalFleet:
                 return
             self._ready = False
             if inside_smol_guest():
-                raise SmolError(INSIDE_GUEST)
+                raise SmolError(
+                    "The local target is unavailable inside a smol machine: there is no hypervisor "
+                    "here to start a nested machine with. Use the cloud target, or run smol-mcp on "
+                    "the host."
+                )
             if not self.config.local_url and not self._answers():
                 self._start_serve_once()
             try:
@@ -947,9 +903,17 @@ class LocalFleet:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self._answers():
                 return
+            # A serve that runs but does not answer is busy or stopped, not dead (replacing it
+            # orphans it and fights it for its port): wait within serveStartTimeoutSecs.
             pid = self._live_serve_pid()
-            if pid is None or not self._wait_while_busy(pid):
-                self._start_serve()
+            deadline = time.monotonic() + self.config.serve_start_timeout_secs
+            while pid is not None and process_alive(pid):
+                if self._answers():
+                    return
+                if time.monotonic() >= deadline:
+                    raise self._busy_error(pid)
+                time.sleep(0.2)
+            self._start_serve()
 
     def _live_serve_pid(self) -> int | None:
         """The live serve on our socket, answering or not: ours, or another's (serve.pid)."""
@@ -957,21 +921,12 @@ class LocalFleet:
             return self._process.pid
         try:
             pid = int(self._pid_file.read_text().strip() or 0)
+            # A pid on file may have been reused: is it a serve on our socket? (No /proc: leave it.)
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             return None
-        return pid if process_alive(pid) and serve_process_on(pid, self._address) else None
-
-    def _wait_while_busy(self, pid: int) -> bool:
-        """A serve that runs but does not answer is busy or stopped, not dead (replacing it orphans
-        it and fights it for its port): wait within serveStartTimeoutSecs; False if it died."""
-        deadline = time.monotonic() + self.config.serve_start_timeout_secs
-        while time.monotonic() < deadline:
-            if not process_alive(pid):
-                return False
-            if self._answers():
-                return True
-            time.sleep(0.2)
-        raise self._busy_error(pid)
+        ours = b"serve" in cmdline and self._address.encode() in cmdline
+        return pid if process_alive(pid) and ours else None
 
     def _busy_error(self, pid: int | None) -> SmolError:
         which = f"the smolvm serve (pid {pid})" if pid else "the smolvm serve"
@@ -1007,8 +962,10 @@ class LocalFleet:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                output, self._process = _read_from(log_path, log_start), None
-                last = _last_line(output)
+                self._process = None
+                output = log_path.read_bytes()[log_start:].decode("utf-8", "replace")
+                lines = [ln.strip() for ln in output.splitlines() if not ln.startswith("note:")]
+                last = ([line for line in lines if line] or [""])[-1]
                 if "Address already in use" in output:
                     hint = other_serve_hint(socket_path)
                     raise SmolError(f"smolvm serve could not start: {last}. {hint}")
@@ -1032,7 +989,8 @@ class LocalFleet:
         """This worker thread's kept-alive connection (opening one costs about as much as a call);
         one the serve closed while it sat idle is replaced before it is used."""
         conn = getattr(self._pool, "conn", None)
-        if conn is not None and conn.sock is not None and peer_closed(conn.sock):
+        # Closed by the serve: an idle kept-alive socket then reads as ready.
+        if conn is not None and conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
             conn = conn.close()
         if conn is None:
             conn = self._pool.conn = self._connection(timeout)
@@ -1071,23 +1029,13 @@ class LocalFleet:
                     raise self._busy_error(self._live_serve_pid()) from None
                 time.sleep(0.2)
 
-    def request(
-        self,
-        action: str,
-        method: str,
-        path: str,
-        payload: Any = None,
-        *,
-        timeout: float | None = None,
-        setting: str = "readyTimeoutSecs",
-        read: Callable | None = None,
-    ) -> Any:
+    def request(self, action, method, path, payload=None, *, timeout=None, setting=None, read=None):
         """One API call sending ``payload`` (bytes as they are, else JSON): the JSON answer (bytes
-        for a raw one, what ``read`` made of a 200), or ApiError with the API's message. A serve
-        that stopped answering is started again once. ``timeout`` (readyTimeoutSecs when None) is
-        the ``setting`` a timeout message names."""
+        for a raw one, what ``read`` made of a 200), or ApiError. A serve that stopped answering is
+        started again once; a timeout names ``setting`` (both default to readyTimeoutSecs)."""
         self.ensure_serve()
         timeout = self.config.ready_timeout_secs if timeout is None else timeout
+        setting = setting or "readyTimeoutSecs"
         body, content_type = payload, None if payload is None else "application/octet-stream"
         if payload is not None and not isinstance(payload, bytes | bytearray):
             body, content_type = json.dumps(payload).encode(), "application/json"
@@ -1137,9 +1085,7 @@ class LocalFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        ports = [
-            {"host": p.get("host") or free_loopback_port(), "guest": p["guest"]} for p in spec.ports
-        ]
+        ports = [{"host": p.get("host") or free_port(), "guest": p["guest"]} for p in spec.ports]
         shares = [(m["source"], m["target"], m.get("readonly") is not False) for m in spec.mounts]
         mounts = [{"source": s, "target": t, "readonly": ro} for s, t, ro in shares]
         env = [{"name": k, "value": v} for k, v in spec.env.items()]
@@ -1183,15 +1129,12 @@ class LocalFleet:
         self._machine(f"delete machine '{name}'", "DELETE", _q(name))
         return {"deleted": name}
 
-    def exec(
-        self, name: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None, stdin=None
-    ) -> ExecResult:
-        """Run a command in a running machine (typed as Fleet.exec); NotRunning if it is not
-        (the engine would boot it, but then nobody could report that it did)."""
-        body = local_exec_body(argv, timeout_secs, workdir, env, stdin)
-        setting = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
+    def exec(self, name: str, argv: list[str], **options: Unpack[ExecOptions]) -> ExecResult:
+        """Run a command; NotRunning unless the machine runs (the engine would boot it silently)."""
+        body = local_exec_body(argv, **options)
         # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
-        wait = {"timeout": timeout_secs + 30, "setting": setting, "read": read_exec_answer}
+        wait = {"timeout": options["timeout_secs"] + 30, "read": read_exec_answer}
+        wait["setting"] = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
         started = time.monotonic()
         try:
             route, action = f"{_q(name)}/exec", f"run a command in machine '{name}'"
@@ -1204,16 +1147,13 @@ class LocalFleet:
         seconds = time.monotonic() - started
         return ExecResult(int(data["exitCode"]), data["stdoutB64"], data["stderrB64"], seconds)
 
-    def exec_stream(
-        self, name, argv, *, timeout_secs, on_output, workdir=None, env=None, stdin=None
-    ) -> ExecResult:
-        """``exec`` through the stream route: each piece of output goes to
-        ``on_output(stream, text)`` as the guest prints it; the result is the same."""
+    def exec_stream(self, name, argv, *, on_output, **options: Unpack[ExecOptions]) -> ExecResult:
+        """``exec`` through the stream route: ``on_output`` gets output as the guest prints it."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
-        body = json.dumps(local_exec_body(argv, timeout_secs, workdir, env, stdin)).encode()
+        body = json.dumps(local_exec_body(argv, **options)).encode()
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        conn = self._connection(timeout=timeout_secs + 30)  # its own: the stream holds it open
+        conn = self._connection(options["timeout_secs"] + 30)  # its own: the stream holds it open
         started = time.monotonic()
         try:
             try:
@@ -1230,25 +1170,21 @@ class LocalFleet:
             conn.close()
 
     def exec_helper(self, name: str, action: str, script: str, *args: str) -> bytes:
-        """The stdout of a helper script of this server run in the guest (sh -c); a non-zero
-        exit is an error carrying its stderr."""
+        """The stdout of a guest script of ours (sh -c); a non-zero exit raises with its stderr."""
         try:
             result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=60)
         except NotRunning:
             stopped = f"machine '{name}' is not running, and its jobs ended when it stopped"
-            raise SmolError(
-                f"{stopped}; start-machine, then read-job, shows what they wrote"
-            ) from None
+            fix = "start-machine, then read-job, shows what they wrote"
+            raise SmolError(f"{stopped}; {fix}") from None
         return helper_output(name, action, result)
 
     # -- jobs: processes this server starts in the guest -------------------
 
-    def start_job(
-        self, name: str, job_id: str, argv: list[str], *, timeout_secs: int, workdir=None, env=None
-    ) -> dict:
+    def start_job(self, name, job_id, argv, **options: Unpack[JobOptions]) -> dict:
         waiter = ["sh", "-c", JOB_START_SCRIPT, "sh", JOB_WAITER_SCRIPT, f"{JOB_DIR}/{job_id}"]
-        argv = [*waiter, str(timeout_secs), *argv]
-        result = self.exec(name, argv, timeout_secs=60, workdir=workdir, env=env)
+        argv = [*waiter, str(options["timeout_secs"]), *argv]
+        result = self.exec(name, argv, **{**options, "timeout_secs": 60})
         helper_output(name, f"start job {job_id}", result)
         return {"jobId": job_id, "state": "running"}
 
@@ -1256,7 +1192,15 @@ class LocalFleet:
         args = (f"{JOB_DIR}/{job_id}", *map(str, offsets), str(limit))
         script = JOB_STATE_FUNCTION + JOB_READ_SCRIPT
         data = self.exec_helper(name, f"read job {job_id}", script, *args)
-        return local_job_page(name, job_id, data)
+        header, _, rest = data.partition(b"\n")
+        try:
+            state, code, out_size, err_size, n, m = header.decode().split()
+            n, m = int(n), int(m)
+        except ValueError:
+            why = f"a read of job {job_id} in a form this server could not read ({header[:200]!r})"
+            raise SmolError(f"the guest of machine '{name}' answered {why}") from None
+        exit_code = int(code) if code.lstrip("-").isdigit() else None
+        return JobPage(state, exit_code, rest[:n], rest[n : n + m], (int(out_size), int(err_size)))
 
     def cancel_job(self, name: str, job_id: str) -> None:
         self.exec_helper(name, f"cancel job {job_id}", JOB_CANCEL_SCRIPT, f"{JOB_DIR}/{job_id}")
@@ -1311,18 +1255,12 @@ class LocalFleet:
                 names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
                 held = f"it holds: {names or 'nothing'}. Pass the path of a file inside it."
                 raise SmolError(f"{path} is a directory, not a file; {held}")
-            size = int(response.getheader("Content-Length") or -1)
-            skipped = 0
-            while skipped < offset:
-                chunk = response.read(min(1 << 20, offset - skipped))
-                if not chunk:
-                    break
+            size, skipped = int(response.getheader("Content-Length") or -1), 0
+            while skipped < offset and (chunk := response.read(min(1 << 20, offset - skipped))):
                 skipped += len(chunk)
             data = response.read(length) if skipped == offset else b""
             if size < 0:  # no length header (a streamed file): count what is left to learn the size
-                rest = 0
-                while chunk := response.read(1 << 20):
-                    rest += len(chunk)
+                rest = sum(map(len, iter(functools.partial(response.read, 1 << 20), b"")))
                 size = skipped + len(data) + rest
             return FilePage(data=data, size=size)
         except TimeoutError:
@@ -1349,13 +1287,14 @@ class LocalFleet:
             if err.status == 404 and "no logs yet" in err.api_message:
                 return []  # never started: nothing logged yet, which is an answer, not a failure
             raise
-        return parse_sse_lines(data if isinstance(data, bytes) else json.dumps(data).encode())
+        data = data if isinstance(data, bytes) else json.dumps(data).encode()
+        lines = data.decode("utf-8", "replace").splitlines()  # one log line per data: line
+        return [raw[5:].removeprefix(" ") for raw in lines if raw.startswith("data:")]
 
     def branch_machine(self, name: str, child: str) -> dict:
         action = f"branch machine '{name}' into '{child}'"
         self.recheck_mounts(name, action)
-        timeout = self.config.ready_timeout_secs + 60
-        route = f"{_q(name)}/branches"
+        route, timeout = f"{_q(name)}/branches", self.config.ready_timeout_secs + 60
         return local_record(self._machine(action, "POST", route, {"name": child}, timeout=timeout))
 
     # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
@@ -1391,10 +1330,10 @@ class LocalFleet:
 
 def route_table(text: str) -> dict[tuple[str, str], str | None]:
     """{(method, path): reason} from ``text``: "reason:" gives the reason for the "METHOD /path"
-    pairs after it, on its line and the lines below ("called:" for None)."""
+    pairs after it, on its line and those below ("called:" for None); "~" is /api/v1/machines."""
     routes: dict[tuple[str, str], str | None] = {}
     reason = None
-    for line in text.strip().splitlines():
+    for line in text.strip().replace(" ~", " /api/v1/machines").splitlines():
         if ":" in line:
             head, _, line = line.partition(":")
             reason = None if head == "called" else head
@@ -1406,33 +1345,27 @@ def route_table(text: str) -> dict[tuple[str, str], str | None]:
 # Every route of the local API, in its OpenAPI spelling, under why this server does not call it
 # ("called:" for the ones it does; exec/stream gives live output, given a progress token).
 # `smol_mcp.py parity` compares this with the running serve's spec, so a route a new smolvm
-# adds shows up as a decision.
+# adds shows up as a decision. "~" stands for /api/v1/machines.
 LOCAL_ROUTES = route_table("""
-called: GET /health  GET /api/v1/machines  POST /api/v1/machines  GET /api/v1/machines/{name}
-    DELETE /api/v1/machines/{name}  POST /api/v1/machines/{name}/start
-    POST /api/v1/machines/{name}/stop  POST /api/v1/machines/{id}/exec
-    POST /api/v1/machines/{id}/exec/stream  GET /api/v1/machines/{id}/files/{path}
-    PUT /api/v1/machines/{id}/files/{path}  GET /api/v1/machines/{id}/logs
-    POST /api/v1/machines/{id}/images/pull  POST /api/v1/machines/{name}/branches
-    POST /api/v1/machines/{name}/egress  GET /api/v1/machines/{name}/egress-events
+called: GET /health  GET ~  POST ~  GET ~/{name}  DELETE ~/{name}  POST ~/{name}/start
+    POST ~/{name}/stop  POST ~/{id}/exec  POST ~/{id}/exec/stream  GET ~/{id}/files/{path}
+    PUT ~/{id}/files/{path}  GET ~/{id}/logs  POST ~/{id}/images/pull  POST ~/{name}/branches
+    POST ~/{name}/egress  GET ~/{name}/egress-events
 host scheduling numbers; no tool reports capacity: GET /capacity
-no tool lists a machine's images: GET /api/v1/machines/{id}/images
-running another image on an overlay is not in the tool vocabulary: POST /api/v1/machines/{id}/run
-the legacy name of branches: POST /api/v1/machines/{name}/fork
-branch pools; this server has no pool vocabulary: POST /api/v1/machines/{name}/fork-release
-no tool pauses or resumes a machine: POST /api/v1/machines/{name}/pause
-    POST /api/v1/machines/{name}/resume
+no tool lists a machine's images: GET ~/{id}/images
+running another image on an overlay is not in the tool vocabulary: POST ~/{id}/run
+the legacy name of branches: POST ~/{name}/fork
+branch pools; this server has no pool vocabulary: POST ~/{name}/fork-release
+no tool pauses or resumes a machine: POST ~/{name}/pause  POST ~/{name}/resume
 needs a pushToken minted by the control plane, which a local user cannot produce:
-    POST /api/v1/machines/{name}/export
-no tool grows a machine after it exists: POST /api/v1/machines/{name}/resize
-mounts are a create-time argument: POST /api/v1/machines/{name}/sync
-    GET /api/v1/machines/{name}/mounts  POST /api/v1/machines/{name}/mounts
-    DELETE /api/v1/machines/{name}/mounts
-ports are a create-time argument: PUT /api/v1/machines/{name}/ports
-mediated egress is not used: GET /api/v1/machines/{name}/mediation-events
-credential bindings are not used: PUT /api/v1/machines/{name}/credential-values
-cache disks are not used: POST /api/v1/machines/{name}/cache-disk/publish
-    DELETE /api/v1/cache-bases/{base}
+    POST ~/{name}/export
+no tool grows a machine after it exists: POST ~/{name}/resize
+mounts are a create-time argument: POST ~/{name}/sync  GET ~/{name}/mounts  POST ~/{name}/mounts
+    DELETE ~/{name}/mounts
+ports are a create-time argument: PUT ~/{name}/ports
+mediated egress is not used: GET ~/{name}/mediation-events
+credential bindings are not used: PUT ~/{name}/credential-values
+cache disks are not used: POST ~/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
 fork pools and leases are a fleet surface, not an agent one: GET /api/v1/pools  POST /api/v1/pools
     GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
     POST /api/v1/pools/{name}/leases  POST /api/v1/pools/{name}/lease-batches
@@ -1461,16 +1394,13 @@ def parity_report(spec: dict) -> dict[str, list]:
 
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
-    how = f"while trying to {action} ({type(exc).__name__})"
-    why = (
-        "it may have stopped or restarted. Check the machine with get-machine before trying again."
-    )
-    return SmolError(f"the local serve closed the connection {how}; {why}")
+    how = f"while trying to {action} ({type(exc).__name__}); it may have stopped or restarted"
+    why = "Check the machine with get-machine before trying again."
+    return SmolError(f"the local serve closed the connection {how}. {why}")
 
 
 def api_error(fleet: str, action: str, status: int, content_type: str, data: bytes) -> ApiError:
-    """An ApiError from either error shape of the serve: JSON ``{"error", "code"}`` from
-    handlers, plain text from the request parser."""
+    """An ApiError from the serve's JSON ``{"error", "code"}`` (handlers) or plain text (parser)."""
     text, code = data.decode("utf-8", "replace").strip(), ""
     if "application/json" in content_type:
         try:
@@ -1482,15 +1412,6 @@ def api_error(fleet: str, action: str, status: int, content_type: str, data: byt
     if not text and status == 404:
         text = "no such route on this serve (it may be older than this server expects)"
     return ApiError(fleet, action, status, code, text or "no message")
-
-
-ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def parse_sse_lines(data: bytes) -> list[str]:
-    """The data lines of a server-sent-event stream, one log line per event."""
-    lines = data.decode("utf-8", "replace").splitlines()
-    return [raw[5:].removeprefix(" ") for raw in lines if raw.startswith("data:")]
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
@@ -1520,10 +1441,6 @@ def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
         yield event, "\n".join(data)
 
 
-class StreamBroke(SmolError):
-    """An exec stream ended before its exit event."""
-
-
 def collect_exec_stream(
     events: Iterable[tuple[str, str]], name: str, on_output: Callable, started: float, broken: tuple
 ) -> ExecResult:
@@ -1542,10 +1459,8 @@ def collect_exec_stream(
                 try:
                     code = int(json.loads(data)["exitCode"])
                 except (ValueError, KeyError, TypeError):
-                    ended = f"the output stream of machine '{name}' ended with an exit event"
-                    raise SmolError(
-                        f"{ended} this server could not read ({data[:200]!r})"
-                    ) from None
+                    why = f"ended with an exit event this server could not read ({data[:200]!r})"
+                    raise SmolError(f"the output stream of machine '{name}' {why}") from None
                 seconds = time.monotonic() - started
                 return ExecResult(code, bytes(out["stdout"]), bytes(out["stderr"]), seconds)
         how = "it ended"
@@ -1555,11 +1470,11 @@ def collect_exec_stream(
     broke = f"broke after {got} bytes ({how}) before its exit code arrived"
     why = "so the command's result is unknown (it may still be running). Check the machine with"
     fix = "get-machine, and run the command again, or as a job (start-job) if it needs longer."
-    raise StreamBroke(f"the output stream of the command in machine '{name}' {broke}, {why} {fix}")
+    raise SmolError(f"the output stream of the command in machine '{name}' {broke}, {why} {fix}")
 
 
-def free_loopback_port() -> int:
-    """A host port that is free right now, for a published port given without one."""
+def free_port() -> int:
+    """A loopback host port that is free right now, for a published port given without one."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -1567,11 +1482,6 @@ def free_loopback_port() -> int:
 
 def _q(value: str, safe: str = "") -> str:
     return urllib.parse.quote(value, safe=safe)
-
-
-def peer_closed(sock: socket.socket) -> bool:
-    """Whether the other end closed an idle kept-alive socket (it then reads as ready)."""
-    return bool(select.select([sock], [], [], 0)[0])
 
 
 class JsonStream:
@@ -1637,21 +1547,18 @@ class JsonStream:
             if self.pos < len(self.buf) or not self._fill():
                 return json.loads(token)
 
+    def base64(self, output: bytearray) -> None:
+        """A base64 string decoded into ``output`` as it arrives, in 4-character blocks."""
+        pending = bytearray()  # a rest shorter than a block waits for the next piece
 
-class Base64Sink:
-    """Decode base64 arriving in pieces into ``output`` in 4-character blocks (a rest waits)."""
+        def decode(raw: bytes) -> None:
+            pending.extend(raw)
+            usable = len(pending) // 4 * 4
+            output.extend(base64.b64decode(bytes(pending[:usable]), validate=True))
+            del pending[:usable]
 
-    def __init__(self, output: bytearray):
-        self.output, self.pending = output, bytearray()
-
-    def __call__(self, raw: bytes) -> None:
-        self.pending += raw
-        usable = len(self.pending) // 4 * 4
-        self.output += base64.b64decode(bytes(self.pending[:usable]), validate=True)
-        del self.pending[:usable]
-
-    def close(self) -> None:
-        if self.pending:
+        self.string(decode)
+        if pending:
             raise ValueError("a base64 field ended mid-block")
 
 
@@ -1675,9 +1582,7 @@ def read_exec_answer(stream: Any) -> dict:
             raise ValueError("a key without a value")
         first = reader.next_token()
         if first == b'"' and key in ("stdoutB64", "stderrB64"):
-            sink = Base64Sink(answer[key])
-            reader.string(sink)
-            sink.close()
+            reader.base64(answer[key])
         elif first == b'"':
             reader.string()  # the lossy text copy, or a field this server does not read
         else:
@@ -1688,15 +1593,6 @@ def read_exec_answer(stream: Any) -> dict:
     if answer["exitCode"] is None:
         raise ValueError("no exitCode")
     return answer
-
-
-def serve_process_on(pid: int, socket_path: str) -> bool:
-    """Whether ``pid`` is a smolvm serve on ``socket_path`` (a pid on file may have been reused)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False  # gone, or no /proc (macOS): leave it be
-    return b"serve" in cmdline and socket_path.encode() in cmdline
 
 
 def other_serve_hint(own: str) -> str:
@@ -1714,19 +1610,12 @@ def other_serve_hint(own: str) -> str:
                 use = f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
                 where = f"(pid {entry.parent.name}, listening on {where})"
                 return f"Another smolvm serve runs on this host {where}: {use}"
-
-    return ADDRESS_IN_USE_HINT
-
-
-def _read_from(path: Path, offset: int) -> str:
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read().decode("utf-8", "replace")
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if not line.startswith("note:")]
-    return ([line for line in lines if line] or [""])[-1]
+    return (
+        "Only one smolvm serve can run per host with the default settings (it binds "
+        "127.0.0.1:10081), and one is already running. Point smol-mcp at it with SMOL_LOCAL_URL="
+        "unix:///path/to/its.sock (smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; "
+        "it is then left running), or stop it."
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -2012,21 +1901,19 @@ class CloudFleet:
             raise self._bad_answer(action, "no whole-number exitCode", answer)
         return answer, time.monotonic() - started
 
-    def exec(self, name, argv, *, timeout_secs, workdir=None, env=None, stdin=None) -> ExecResult:
+    def exec(self, name, argv, **options: Unpack[ExecOptions]) -> ExecResult:
         """Run a command; NotRunning unless the machine runs (cloud exec would start it)."""
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
+        body = cloud_exec_body(argv, **options)
         answer, seconds = self._exec(record["id"], name, body)
         streams = ("stdout", "stderr")
         cut = tuple(s for s in streams if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64"))
         out, err = (exec_stream(answer, stream) for stream in streams)
         return ExecResult(int(answer["exitCode"]), out, err, seconds, cut)
 
-    def exec_stream(
-        self, name, argv, *, timeout_secs, on_output, workdir=None, env=None, stdin=None
-    ) -> ExecResult:
+    def exec_stream(self, name, argv, *, on_output, **options: Unpack[ExecOptions]) -> ExecResult:
         """``exec`` through the SSE route. Never retried: the command may have run."""
         import httpx2
 
@@ -2034,9 +1921,9 @@ class CloudFleet:
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
         action, started = f"run a command in machine '{name}'", time.monotonic()
-        route = f"/v1/machines/{record['id']}/exec/stream"
-        body = cloud_exec_body(argv, timeout_secs, workdir, env, stdin)
-        sse, secs = {"Accept": "text/event-stream"}, max(CLOUD_TIMEOUT_SECS, timeout_secs + 30)
+        route, sse = f"/v1/machines/{record['id']}/exec/stream", {"Accept": "text/event-stream"}
+        body = cloud_exec_body(argv, **options)
+        secs = max(CLOUD_TIMEOUT_SECS, options["timeout_secs"] + 30)
         try:
             with self._client.stream("POST", route, json=body, headers=sse, timeout=secs) as reply:
                 if reply.status_code >= 400:
@@ -2055,9 +1942,9 @@ class CloudFleet:
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
 
-    def start_job(self, name, job_id, argv, *, timeout_secs, workdir=None, env=None) -> dict:
+    def start_job(self, name, job_id, argv, **options: Unpack[JobOptions]) -> dict:
         """The service names the job itself; ``job_id`` is the local fleet's."""
-        body, path = cloud_exec_body(argv, timeout_secs, workdir, env), self._jobs_path(name)
+        body, path = cloud_exec_body(argv, **options), self._jobs_path(name)
         action = f"start a job in machine '{name}'"
         job = self.request(action, "POST", path, body, timeout=CLOUD_LONG_TIMEOUT_SECS)
         return {"jobId": job["id"], "state": job.get("state", "running")}
@@ -2206,7 +2093,7 @@ class CloudFleet:
 
 
 def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
-    """A cloud exec's or job start's body (the options as typed in Fleet.exec); ``stdin`` if any."""
+    """A cloud exec's or job start's body (the ExecOptions as keywords); ``stdin`` if any."""
     body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
     return body if stdin is None else {**body, "stdin": stdin}
 

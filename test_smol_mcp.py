@@ -555,10 +555,16 @@ class FleetContractTests(unittest.TestCase):
                 with self.subTest(fleet=name, member=member):
                     wanted = inspect.signature(getattr(contract, member))
                     offered = inspect.signature(getattr(fleet, member))
-                    self.assertEqual(
-                        [(p.name, p.kind, p.default) for p in offered.parameters.values()],
-                        [(p.name, p.kind, p.default) for p in wanted.parameters.values()],
-                    )
+                    self.assertEqual(self.shape(offered), self.shape(wanted))
+
+    @staticmethod
+    def shape(signature: inspect.Signature) -> list[tuple]:
+        """Each parameter's name, kind and default, and for **options its TypedDict (ExecOptions,
+        or JobOptions: a job takes no stdin)."""
+        params = signature.parameters.values()
+        return [
+            (p.name, p.kind, p.default, p.kind == p.VAR_KEYWORD and p.annotation) for p in params
+        ]
 
 
 class PublicSdkTests(unittest.TestCase):
