@@ -1798,18 +1798,11 @@ class CloudFleet:
     # -- HTTP --------------------------------------------------------------
 
     def request(
-        self,
-        action: str,
-        method: str,
-        path: str,
-        payload: Any = None,
-        *,
-        timeout: float = CLOUD_TIMEOUT_SECS,
-        expect: type | tuple[type, ...] | None = dict,
+        self, action, method, path, payload=None, *, timeout=CLOUD_TIMEOUT_SECS, expect=dict
     ) -> Any:
         """One call, retried where safe: 429 always (it never ran), other retryable statuses only
         for idempotent methods. A bytes ``payload`` is sent as it is, else JSON. ``expect`` is the
-        JSON shape a success must have (None: any body, JSON or bytes); _answer holds to it."""
+        JSON type(s) a success must have (None: any body, JSON or bytes); _answer holds to it."""
         import httpx2
 
         if not self.config.cloud_token:
@@ -1817,9 +1810,8 @@ class CloudFleet:
                 "the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
                 "config file)"
             )
-        body: dict[str, Any] = {"json": payload}
-        if isinstance(payload, bytes):
-            body = {"content": payload, "headers": {"Content-Type": "application/octet-stream"}}
+        octets = {"content": payload, "headers": {"Content-Type": "application/octet-stream"}}
+        body = octets if isinstance(payload, bytes) else {"json": payload}
         for attempt in range(1, 5):
             try:
                 response = self._client.request(method, path, timeout=timeout, **body)
@@ -1855,8 +1847,7 @@ class CloudFleet:
         return self._answer(action, response, expect)
 
     def _error(self, action: str, response: Any) -> ApiError:
-        """An ApiError from the cloud's error bodies: plain text for most statuses,
-        JSON with code and error for some, an empty body for a missing key."""
+        """An ApiError from a cloud error body: plain text, JSON with code and error, or empty."""
         status = response.status_code
         text, code = response.text.strip(), ""
         if "application/json" in response.headers.get("content-type", ""):
@@ -1875,8 +1866,7 @@ class CloudFleet:
         return err
 
     def _answer(self, action: str, response: Any, expect: type | tuple[type, ...] | None) -> Any:
-        """The body of a successful answer: JSON of the expected shape, or, with ``expect`` None,
-        whatever came (JSON decoded when it parses)."""
+        """A success's body: JSON of an ``expect`` type; with None, whatever came (JSON parsed)."""
         ctype, body = response.headers.get("content-type", ""), response.content
         why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
         if not why:
@@ -1889,9 +1879,7 @@ class CloudFleet:
         why = why or f"JSON of the wrong shape ({_json_type(value)})"
         raise self._bad_answer(action, why, body, response.status_code, ctype)
 
-    def _bad_answer(
-        self, action: str, why: str, body: Any, status: int = 200, ctype: str = "application/json"
-    ) -> SmolError:
+    def _bad_answer(self, action, why, body, status=200, ctype="application/json") -> SmolError:
         """A sentence about an answer the cloud should not have given; ``body`` is bytes or JSON."""
         body = body if isinstance(body, bytes) else json.dumps(body).encode()
         head = redact(body[:120].decode("utf-8", "replace"), self.config.secret_values())
@@ -1904,8 +1892,7 @@ class CloudFleet:
     # -- machines (normalised) ---------------------------------------------
 
     def _find(self, name: str) -> dict:
-        """The raw record of the machine named ``name``. A name is never taken as an id (SPEC 16):
-        a machine without a name is listed, and found, under its id; a machine named so wins."""
+        """The raw record named ``name`` (SPEC 16: an unnamed one goes by its id; a name wins)."""
         found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
         if found:
             return min(found, key=lambda r: not r.get("name"))
@@ -1948,6 +1935,10 @@ class CloudFleet:
                 "a cloud machine that publishes ports cannot also block egress; pass network: "
                 '"open" (or an allow-list) with ports, or leave the ports out'
             )
+        # Always a policy: on the cloud an omitted one means open egress.
+        network = {"mode": "open"} if spec.network == "open" else self._blocked
+        if spec.allow_hosts or spec.allow_cidrs:
+            network = {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
         body: dict[str, Any] = {
             "name": spec.name,
             "source": {"type": "image", "reference": spec.image},
@@ -1957,7 +1948,7 @@ class CloudFleet:
             "ttlSeconds": self.config.ephemeral_ttl_secs if spec.ephemeral else None,
             "autoStopSeconds": self.config.ephemeral_auto_stop_secs if spec.ephemeral else None,
             "forkable": spec.branchable,  # branchability is a create field on the cloud
-            "network": self._network(spec),
+            "network": network,
             "ports": [{"port": p["guest"]} for p in spec.ports],
             "env": spec.env,
         }
@@ -1974,12 +1965,6 @@ class CloudFleet:
         )
         self._blocked = body["network"] = CLOUD_BLOCKED_FALLBACK
         return cloud_record(self.request(action, "POST", "/v1/machines", body))
-
-    def _network(self, spec: MachineSpec) -> dict:
-        """Always a policy: on the cloud an omitted one means open egress."""
-        if spec.allow_hosts or spec.allow_cidrs:
-            return {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
-        return {"mode": "open"} if spec.network == "open" else self._blocked
 
     def _act(self, name: str, verb: str, timeout: float, query: str = "") -> dict:
         """POST ``verb`` (start, stop) to the machine; its record after."""
@@ -2090,8 +2075,7 @@ class CloudFleet:
         ]  # the service lists newest first
 
     def probe_ready(self, name: str) -> str | None:
-        """None once a command runs in the guest. The service's own `ready`
-        flag waits for published ports to answer too, so it is not the test."""
+        """None once a command runs in the guest (the service's `ready` also waits for ports)."""
         record = self._find(name)
         state = record.get("state")
         if state in ("error", "stopped", "deleted"):
@@ -2110,8 +2094,7 @@ class CloudFleet:
             return err.api_message
 
     def _file_route(self, name: str, path: str) -> tuple[str, str]:
-        """The machine's id and the files route of ``path``: the path as a suffix, normalised,
-        each segment percent-encoded, the leading slash kept, as the official client sends it."""
+        """The machine's id and ``path``'s files route, as the official client forms it."""
         machine_id = self._find(name)["id"]
         return machine_id, f"/v1/machines/{machine_id}/files//{guest_route_suffix(path)}"
 
@@ -2181,8 +2164,7 @@ class CloudFleet:
         """The console log's last lines, read as the official client reads them (plain text)."""
         route = f"/v1/machines/{self._find(name)['id']}/logs?tail={LOG_WINDOW_LINES}"
         text = self.request(f"read the log of machine '{name}'", "GET", route, expect=None)
-        if isinstance(text, (dict, list)):
-            text = json.dumps(text)
+        text = json.dumps(text) if isinstance(text, (dict, list)) else text
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")
         return text.splitlines()
 
@@ -2254,16 +2236,14 @@ def local_record(info: dict) -> dict:
 
 
 def egress_lists(info: dict) -> dict:
-    """A local machine's egress policy: its allow lists (hosts and patterns
-    share one list in the engine's record) and whether egress is open."""
+    """A local machine's egress: open or not, and its allow lists (hosts include patterns)."""
     hosts, cidrs = list(info.get("allowedHosts") or []), list(info.get("allowedCidrs") or [])
     is_open = bool(info.get("network")) and not hosts and not cidrs
     return {"open": is_open, "hosts": hosts, "cidrs": cidrs}
 
 
 def cloud_record(info: dict) -> dict:
-    """A cloud machine in the shared vocabulary. A record that does not echo
-    its egress policy has network null: unknown, not guessed."""
+    """A cloud machine in the shared vocabulary; network null (unknown) if the record omits it."""
     network, source, resources = (
         info.get(key) if isinstance(info.get(key), dict) else {}
         for key in ("network", "source", "resources")
@@ -2289,8 +2269,8 @@ def cloud_record(info: dict) -> dict:
 
 
 def machine_identity(record: dict) -> str:
-    """Which machine a record is, not only what it is called: a machine made
-    again under the same name is another machine (another id or creation time)."""
+    """Which machine a record is: one made again under its name has another id or creation time."""
+
     return f"{record.get('id')}@{record.get('createdAt')}"
 
 
