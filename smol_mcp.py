@@ -2434,15 +2434,12 @@ ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "wor
 def python_pattern(pattern: str) -> str:
     """A schema pattern as Python must read it: in ECMAScript a final `$` ends the string, but in
     Python it also matches before a final newline (it let "name\\n" through): it becomes `\\Z`."""
-    if pattern.endswith("$") and not pattern.endswith("\\$"):
-        return pattern[:-1] + r"\Z"
-    return pattern
+    return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)  # a final `$` not escaped
 
 
 def guest_path(path: str, where: str = "path") -> str:
-    """An absolute guest path in its plain form: `.` and `..` resolved as the guest's POSIX file
-    system would, no empty segments. A path that climbs above `/`, or holds a control character, is
-    refused: on an HTTP route such a path could name another route rather than a file."""
+    """An absolute guest path in plain POSIX form; one that climbs above `/` or holds a control
+    character is refused: on an HTTP route it could name another route rather than a file."""
     if not path.startswith("/"):
         raise ArgumentError(
             f'"{where}" must be an absolute path inside the machine (starting with /); got '
@@ -2453,18 +2450,13 @@ def guest_path(path: str, where: str = "path") -> str:
             f'"{where}" holds a control character (such as a newline or NUL), which no file name '
             "should; pass the path without it"
         )
-    parts: list[str] = []
-    for segment in path.split("/"):
-        if segment == ".." and not parts:
-            raise ArgumentError(
-                f'"{where}" climbs above / with ".."; pass the plain absolute path of the file, '
-                f"got {json.dumps(path)[:60]}"
-            )
-        if segment == "..":
-            parts.pop()
-        elif segment not in ("", "."):
-            parts.append(segment)
-    return "/" + "/".join(parts)
+    plain = os.path.normpath(path.lstrip("/"))  # lexical; the host is POSIX too
+    if plain == ".." or plain.startswith("../"):
+        raise ArgumentError(
+            f'"{where}" climbs above / with ".."; pass the plain absolute path of the file, '
+            f"got {json.dumps(path)[:60]}"
+        )
+    return "/" if plain == "." else "/" + plain
 
 
 def guest_route_suffix(path: str) -> str:
@@ -2475,9 +2467,8 @@ def guest_route_suffix(path: str) -> str:
 
 
 def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
-    """The resolved host path when it lies under a configured mount root that allows what is asked;
-    else ArgumentError naming mountRoots. Symlinks and `..` are resolved first, so a link inside a
-    root cannot lead out of it; the resolved path is what the engine is given."""
+    """The resolved host path (what the engine is given) if under a mount root allowing what is
+    asked, else ArgumentError. Resolved first, so a link inside a root cannot lead out of it."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
         raise ArgumentError(
@@ -2511,9 +2502,8 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
                 )
         if want_write and not writable:
             raise ArgumentError(
-                f'"{where}" asks for write access under {root}, which mountRoots opens '
-                'read-only; leave "readonly" out (or true), or have the operator add ":rw" to '
-                "that root"
+                f'"{where}" asks for write access under {root}, which mountRoots opens read-only; '
+                'leave "readonly" out (or true), or have the operator add ":rw" to that root'
             )
         return resolved
     listed = ", ".join(root + (MOUNT_ROOT_WRITABLE if writable else "") for root, writable in roots)
@@ -2536,9 +2526,8 @@ def server_directories(config: Config) -> list[str]:
 
 
 def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
-    """Hold a host-path image and every mount to mountRoots (closed by default); return the image
-    (resolved when it is a host path) and the mounts with resolved sources and an explicit readonly,
-    which is true unless the mount asked for `readonly: false` under a writable root."""
+    """Hold a host-path image and every mount to mountRoots (closed by default): the image, resolved
+    if a host path, and the mounts resolved, readonly unless `readonly: false` was asked."""
     plain = image.strip().lower()  # a path (absolute, relative, home) or a host-side transport
     if plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", ".."):
         image = contained_host_path(config, image, "image", want_write=False)
@@ -2578,6 +2567,7 @@ def argument_validator() -> Any:
 def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = None) -> dict:
     """Check ``arguments`` against the tool's input schema (or its ``checker``, built once); raise
     ArgumentError naming the first argument that is unknown, missing, mistyped or out of range."""
+
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
     errors = list((checker or argument_validator()(schema)).iter_errors(arguments))
@@ -2587,8 +2577,7 @@ def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = 
 
 
 def _error_path(error: Any) -> list:
-    """Where the value an error is about lies. A property-name error is about the
-    name, which jsonschema reports at the object holding it."""
+    """Where an error's value lies; a property name's error is reported at its object."""
     path = list(error.absolute_path)
     return [*path, error.instance] if "propertyNames" in error.absolute_schema_path else path
 
