@@ -1826,8 +1826,7 @@ class CloudFleet:
                     f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
                     f"{redact(str(exc), self.config.secret_values()) or type(exc).__name__}"
                 ) from None
-            code = response.status_code
-            idempotent = method in ("GET", "PUT", "DELETE")
+            code, idempotent = response.status_code, method in ("GET", "PUT", "DELETE")
             if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
                 break
             wait = response.headers.get("retry-after", "")
@@ -1848,8 +1847,7 @@ class CloudFleet:
 
     def _error(self, action: str, response: Any) -> ApiError:
         """An ApiError from a cloud error body: plain text, JSON with code and error, or empty."""
-        status = response.status_code
-        text, code = response.text.strip(), ""
+        status, text, code = response.status_code, response.text.strip(), ""
         if "application/json" in response.headers.get("content-type", ""):
             try:
                 parsed = response.json()
@@ -2108,9 +2106,7 @@ class CloudFleet:
                 size = int(response.headers.get("content-length", -1))
                 page, seen = bytearray(), 0
                 for chunk in response.iter_bytes():
-                    if seen + len(chunk) > offset and len(page) < length:
-                        start = max(0, offset - seen)
-                        page += chunk[start : start + length - len(page)]
+                    page += chunk[max(0, offset - seen) :][: length - len(page)]  # what it lacks
                     seen += len(chunk)
                     if len(page) >= length and size >= 0:
                         break
@@ -2216,9 +2212,8 @@ MACHINE_KEYS = tuple(
 
 
 def local_record(info: dict) -> dict:
-    """A local MachineInfo in the shared vocabulary. The local API names a machine only by its name,
-    so ``id`` is the name too. An allow list wins over the `network` flag: an amended machine reads
-    `network: true` with its list (observed on 1.32.2), and the list is what the engine enforces."""
+    """A local MachineInfo in the shared vocabulary (``id``: the name, the local API's only handle).
+    An allow list wins over `network: true`, which an amended machine also reads (1.32.2)."""
     lists = info.get("allowedHosts") or info.get("allowedCidrs")
     network = "allowlist" if lists else "open" if info.get("network") else "blocked"
     ports = [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []]
@@ -2270,7 +2265,6 @@ def cloud_record(info: dict) -> dict:
 
 def machine_identity(record: dict) -> str:
     """Which machine a record is: one made again under its name has another id or creation time."""
-
     return f"{record.get('id')}@{record.get('createdAt')}"
 
 
@@ -2294,14 +2288,12 @@ OVERFLOW_DIR = "/tmp/smol-mcp-output"
 
 def utf8_prefix_end(data: bytes, end: int) -> int:
     """Largest cut <= end that does not split a UTF-8 character."""
-    end = cut = min(end, len(data))
-    while cut > 0 and cut > end - 4 and (data[cut - 1] & 0xC0) == 0x80:
-        cut -= 1
-    lead = data[cut - 1] if cut > 0 else 0
-    if lead >= 0xC0:  # a lead byte: is its character complete before `end`?
-        need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-        if end - (cut - 1) < need:
-            return cut - 1
+    end = min(end, len(data))
+    for back in range(1, min(end, 4) + 1):  # back to the first byte of the character at `end`
+        lead = data[end - back]
+        if lead & 0xC0 != 0x80:  # a lead byte: is its character complete before `end`?
+            need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+            return end - back if lead >= 0xC0 and back < need else end
     return end
 
 
@@ -2460,8 +2452,7 @@ def guest_path(path: str, where: str = "path") -> str:
 
 
 def guest_route_suffix(path: str) -> str:
-    """The path as the suffix of a files route: normalised, every segment percent-encoded on its own
-    (no `/`, `?`, `#` or `%` of the path survives as syntax), without the leading slash."""
+    """``path`` as a files-route suffix: normalised, each segment percent-encoded, no leading /."""
     segments = guest_path(path).split("/")[1:]
     return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
 
@@ -2565,9 +2556,7 @@ def argument_validator() -> Any:
 
 
 def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = None) -> dict:
-    """Check ``arguments`` against the tool's input schema (or its ``checker``, built once); raise
-    ArgumentError naming the first argument that is unknown, missing, mistyped or out of range."""
-
+    """ArgumentError on the first flaw of ``arguments`` against ``schema`` (or ``checker``)."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
     errors = list((checker or argument_validator()(schema)).iter_errors(arguments))
@@ -2608,9 +2597,8 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
     if rule == "additionalProperties":
         accepted = schema.get("properties", {})
         key = next(key for key in value if key not in accepted)
-        slip = ARGUMENT_SLIPS.get(key.lower())
-        maybe = f' (did you mean "{slip}"?)' if slip in accepted else ""
-        maybe, names = maybe or did_you_mean(key, accepted, cutoff=0.5), ", ".join(accepted)
+        slip = did_you_mean(ARGUMENT_SLIPS.get(key.lower(), ""), accepted, cutoff=1)  # if accepted
+        maybe, names = slip or did_you_mean(key, accepted, cutoff=0.5), ", ".join(accepted)
         if not path:
             return f'{tool} has no argument "{key}"{maybe}; it accepts: {names or "none"}'
         return f'"{where}" has no field "{key}"{maybe}; it accepts: {names}'
@@ -2631,8 +2619,7 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
     secret = bool(path) and path[0] in (*REDACTED_ARGUMENTS, *REDACTED_MAPS)
     got = "a value not repeated here" if secret else json.dumps(value)[:60]
     if rule == "type":
-        choices = " or ".join(json.dumps(v) for v in schema.get("enum", ()))
-        choices = f" ({choices})" if "enum" in schema else ""
+        choices = f" ({' or '.join(map(json.dumps, schema['enum']))})" if "enum" in schema else ""
         return f'"{where}" must be {TYPE_WORDS.get(limit, limit)}{choices}, got {got}'
     if rule == "enum":
         return f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
