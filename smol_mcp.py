@@ -1732,10 +1732,9 @@ def _last_line(text: str) -> str:
 # ---------------------------------------------------------------------------
 # 4. Cloud fleet: the smol cloud REST API
 #
-# httpx2 to $SMOL_CLOUD_URL with a bearer token. The cloud names a machine by a mach-... id; a name
-# is resolved with one list call. Routes and bodies follow the official Python client (smolmachines
-# 1.32.2, smol/transport.py); where the live service was seen to differ, the client is followed and
-# the service's observed behaviour is kept as a fallback.
+# httpx2 to $SMOL_CLOUD_URL with a bearer token; a machine is a mach-... id, found by name with one
+# list call. Routes and bodies follow the official Python client (smolmachines 1.32.2), even where
+# the live service was seen to differ; its observed behaviour is kept as a fallback.
 # ---------------------------------------------------------------------------
 
 CLOUD_TIMEOUT_SECS = 30
@@ -1744,8 +1743,7 @@ LOG_WINDOW_LINES = 10000  # the most log lines one cloud read asks for
 CLOUD_RETRY_STATUSES = (408, 429, 502, 503, 504)
 CLOUD_MAX_RETRY_WAIT_SECS = 30  # a longer Retry-After is not waited out: the call says so and ends
 CLOUD_BLOCKED = {"mode": "blocked"}
-# A deny-all for a service that refuses the "blocked" spelling: RFC 5737 TEST-NET-1, routed
-# nowhere. An empty allow-list is a 400 there, so the list is never sent empty.
+# A deny-all where "blocked" is refused: RFC 5737 TEST-NET-1, routed nowhere (an empty list: 400).
 CLOUD_BLOCKED_FALLBACK = {"mode": "allowCidrs", "cidrs": ["192.0.2.0/24"], "hosts": []}
 CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3" | base64'
 CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
@@ -1966,8 +1964,7 @@ class CloudFleet:
 
     def _act(self, name: str, verb: str, timeout: float, query: str = "") -> dict:
         """POST ``verb`` (start, stop) to the machine; its record after."""
-        route = f"/v1/machines/{self._find(name)['id']}"
-        action = f"{verb} machine '{name}'"
+        route, action = f"/v1/machines/{self._find(name)['id']}", f"{verb} machine '{name}'"
         self.request(action, "POST", f"{route}/{verb}{query}", timeout=timeout, expect=None)
         return cloud_record(self.request(f"get machine '{name}'", "GET", route))
 
@@ -2103,8 +2100,7 @@ class CloudFleet:
                 if response.status_code >= 400:
                     response.read()
                     raise self._error(f"read {path} in machine '{name}'", response)
-                size = int(response.headers.get("content-length", -1))
-                page, seen = bytearray(), 0
+                page, seen, size = bytearray(), 0, int(response.headers.get("content-length", -1))
                 for chunk in response.iter_bytes():
                     page += chunk[max(0, offset - seen) :][: length - len(page)]  # what it lacks
                     seen += len(chunk)
@@ -2191,9 +2187,8 @@ def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, 
 
 def exec_stream(answer: dict, stream: str) -> bytes:
     """One stream of a cloud exec: byte-exact base64 when sent, else the text (capped at 1 MiB)."""
-    if encoded := answer.get(f"{stream}B64"):
-        return base64.b64decode(encoded)
-    return str(answer.get(stream) or "").encode("utf-8")
+    encoded = answer.get(f"{stream}B64")
+    return base64.b64decode(encoded) if encoded else str(answer.get(stream) or "").encode("utf-8")
 
 
 FLEET_NAMES = tuple(FLEETS)  # both fleets have registered by here
@@ -2365,8 +2360,7 @@ def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, i
     half of ``limit`` bytes and of ``tokens``; ``where`` ends the marker (where the stream is)."""
     if len(data) <= limit and est_tokens(data.decode("utf-8", "surrogateescape")) <= tokens:
         return data.decode("utf-8", "replace"), 0  # (a longer stream is never decoded whole)
-    marker = f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n"
-    tokens -= est_tokens(marker)
+    tokens -= est_tokens(f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n")
     head = data[: utf8_prefix_end(data, limit // 2)]
     head = head[: prefix_within_tokens(head, tokens // 2)]
     start = len(data) - (limit - limit // 2)
