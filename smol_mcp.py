@@ -1914,13 +1914,12 @@ class CloudFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        local_only = (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb), ("cmd", spec.cmd))
-        for argument, given in local_only:
-            if given:
-                raise ArgumentError(
-                    f'"{argument}" is local only: the cloud fleet has no host directories, overlay '
-                    "disk or workload command to set; leave it out for a cloud machine"
-                )
+        local_only = {"mounts": spec.mounts, "overlayGb": spec.overlay_gb, "cmd": spec.cmd}
+        if given := [argument for argument, value in local_only.items() if value]:
+            raise ArgumentError(
+                f'"{given[0]}" is local only: the cloud fleet has no host directories, overlay '
+                "disk or workload command to set; leave it out for a cloud machine"
+            )
         if any(port.get("host") for port in spec.ports):
             raise ArgumentError(
                 '"ports[].host" is local only: the cloud control plane picks the host port; '
