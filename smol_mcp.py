@@ -1799,8 +1799,8 @@ class CloudFleet:
         self, action, method, path, payload=None, *, timeout=CLOUD_TIMEOUT_SECS, expect=dict
     ) -> Any:
         """One call, retried where safe: 429 always (it never ran), other retryable statuses only
-        for idempotent methods. A bytes ``payload`` is sent as it is, else JSON. ``expect`` is the
-        JSON type(s) a success must have (None: any body, JSON or bytes); _answer holds to it."""
+        for idempotent methods. A bytes ``payload`` is sent as it is, else JSON. A success must be
+        JSON of an ``expect`` type; with None any body does (JSON parsed, else the bytes)."""
         import httpx2
 
         if not self.config.cloud_token:
@@ -1809,10 +1809,10 @@ class CloudFleet:
                 "config file)"
             )
         octets = {"content": payload, "headers": {"Content-Type": "application/octet-stream"}}
-        body = octets if isinstance(payload, bytes) else {"json": payload}
+        sent = octets if isinstance(payload, bytes) else {"json": payload}
         for attempt in range(1, 5):
             try:
-                response = self._client.request(method, path, timeout=timeout, **body)
+                response = self._client.request(method, path, timeout=timeout, **sent)
             except httpx2.TimeoutException:
                 raise SmolError(
                     f"the cloud API did not answer within {timeout:.0f} s while trying to "
@@ -1841,7 +1841,17 @@ class CloudFleet:
             time.sleep(delay)
         if response.status_code >= 400:
             raise self._error(action, response)
-        return self._answer(action, response, expect)
+        ctype, body = response.headers.get("content-type", ""), response.content
+        why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
+        if not why:
+            try:
+                value = json.loads(body)
+            except ValueError:
+                why = "malformed JSON"
+        if expect is None or not why and isinstance(value, expect):
+            return (body or None) if why else value
+        why = why or f"JSON of the wrong shape ({_json_type(value)})"
+        raise self._bad_answer(action, why, body, response.status_code, ctype)
 
     def _error(self, action: str, response: Any) -> ApiError:
         """An ApiError from a cloud error body: plain text, JSON with code and error, or empty."""
@@ -1860,20 +1870,6 @@ class CloudFleet:
         if request_id := response.headers.get("x-request-id"):
             err.args = (f"{err.args[0]} [request id {request_id}]",)
         return err
-
-    def _answer(self, action: str, response: Any, expect: type | tuple[type, ...] | None) -> Any:
-        """A success's body: JSON of an ``expect`` type; with None, whatever came (JSON parsed)."""
-        ctype, body = response.headers.get("content-type", ""), response.content
-        why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
-        if not why:
-            try:
-                value = json.loads(body)
-            except ValueError:
-                why = "malformed JSON"
-        if expect is None or not why and isinstance(value, expect):
-            return (body or None) if why else value
-        why = why or f"JSON of the wrong shape ({_json_type(value)})"
-        raise self._bad_answer(action, why, body, response.status_code, ctype)
 
     def _bad_answer(self, action, why, body, status=200, ctype="application/json") -> SmolError:
         """A sentence about an answer the cloud should not have given; ``body`` is bytes or JSON."""
@@ -2299,9 +2295,8 @@ REPLY_RESERVE_TOKENS = 2000  # of replyTokens, for the fields around the content
 
 
 def piece_tokens(piece: str) -> int:
-    """The most tokens one TOKEN_PIECE_RE piece is taken to cost in a reply's JSON. Measured against
-    real BPE tokenizers: English about 3.5 characters a token, base64 and random identifiers 1.4,
-    CJK up to 2.3 tokens a character, emoji 2.9, a control character's \\u00XX escape 3."""
+    """Tokens a TOKEN_PIECE_RE piece may cost in a reply's JSON, as measured on BPE tokenizers:
+    English 3.5 characters a token, base64/random 1.4, CJK 2.3 a character, emoji 2.9, \\u00XX 3."""
     first, size = piece[0], len(piece)
     if first.isascii() and first.isalnum():
         if size > 12 or not PLAIN_WORD_RE.fullmatch(piece):
@@ -2582,10 +2577,7 @@ def _first_error(errors: list, arguments: dict) -> Any:
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
     path, value = _error_path(error), error.instance
-    where = "".join(
-        f"[{step}]" if isinstance(step, int) else f".{step}" if index else str(step)
-        for index, step in enumerate(path)
-    )
+    where = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in path).removeprefix(".")
     rule, schema, limit = error.validator, error.schema, error.validator_value
     if rule == "additionalProperties":
         accepted = schema.get("properties", {})
