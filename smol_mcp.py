@@ -2412,9 +2412,8 @@ ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "wor
 
 
 def python_pattern(pattern: str) -> str:
-    """A schema pattern as Python must read it: in ECMAScript a final `$` ends the string, but in
-    Python it also matches before a final newline (it let "name\\n" through): it becomes `\\Z`."""
-    return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)  # a final `$` not escaped
+    """A schema pattern for Python: a final `$` (Python: also before a newline) becomes `\\Z`."""
+    return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)  # only a `$` not escaped
 
 
 def guest_path(path: str, where: str = "path") -> str:
@@ -2441,8 +2440,7 @@ def guest_path(path: str, where: str = "path") -> str:
 
 def guest_route_suffix(path: str) -> str:
     """``path`` as a files-route suffix: normalised, each segment percent-encoded, no leading /."""
-    segments = guest_path(path).split("/")[1:]
-    return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
+    return "/".join(urllib.parse.quote(part, safe="") for part in guest_path(path).split("/")[1:])
 
 
 def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
@@ -2499,8 +2497,7 @@ def within(path: str, directory: str) -> bool:
 
 def server_directories(config: Config) -> list[str]:
     """The state, runtime and config directories, resolved (section 16)."""
-    config_dir = str(config_file_path(dict(os.environ)).parent)
-    places = (config.state_dir, config.runtime_dir, config_dir)
+    places = (config.state_dir, config.runtime_dir, str(config_file_path(dict(os.environ)).parent))
     return [os.path.realpath(os.path.expanduser(place)) for place in places if place]
 
 
