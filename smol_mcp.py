@@ -2207,10 +2207,9 @@ def local_record(info: dict) -> dict:
     lists = info.get("allowedHosts") or info.get("allowedCidrs")
     network = "allowlist" if lists else "open" if info.get("network") else "blocked"
     ports = [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []]
-    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # state image cpus memoryMb pid
+    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # name state image cpus memoryMb pid
     return named_alike | {
         "id": info["name"],
-        "name": info["name"],
         "network": network,
         "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
