@@ -1793,8 +1793,6 @@ class CloudFleet:
     def acquire(self) -> None: ...
     def release(self) -> None: ...
 
-    # -- HTTP --------------------------------------------------------------
-
     def request(
         self, action, method, path, payload=None, *, timeout=CLOUD_TIMEOUT_SECS, expect=dict
     ) -> Any:
@@ -1880,8 +1878,6 @@ class CloudFleet:
             f"type {ctype or '(none)'}, starting {head!r}. That is the service's (or a proxy's) "
             "answer, not this call's: check SMOL_CLOUD_URL points at the API, and try again later"
         )
-
-    # -- machines (normalised) ---------------------------------------------
 
     def _find(self, name: str) -> dict:
         """The raw record named ``name`` (SPEC 16: an unnamed one goes by its id; a name wins)."""
@@ -2024,8 +2020,6 @@ class CloudFleet:
                 f"could not reach the cloud API at {self.config.cloud_url} to "
                 f"{action}: {type(exc).__name__}"
             ) from None
-
-    # -- jobs: the service's detached jobs ---------------------------------
 
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
