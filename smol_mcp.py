@@ -1752,7 +1752,7 @@ CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc 
 @registered
 class CloudFleet:
     """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads.
-    The long signatures are Fleet's; its annotations are not repeated here."""
+    Long signatures go without annotations (Fleet's are the contract's)."""
 
     name = "cloud"
     served_as = "cloud (the smol cloud account; machines are billed while they exist)"
@@ -1793,11 +1793,9 @@ class CloudFleet:
     def acquire(self) -> None: ...
     def release(self) -> None: ...
 
-    def request(
-        self, action, method, path, payload=None, *, timeout=CLOUD_TIMEOUT_SECS, expect=dict
-    ) -> Any:
+    def request(self, action, method, path, data=None, *, timeout=CLOUD_TIMEOUT_SECS, expect=dict):
         """One call, retried where safe: 429 always (it never ran), other retryable statuses only
-        for idempotent methods. A bytes ``payload`` is sent as it is, else JSON. A success must be
+        for idempotent methods. Bytes ``data`` are sent as they are, else JSON. A success must be
         JSON of an ``expect`` type; with None any body does (JSON parsed, else the bytes)."""
         import httpx2
 
@@ -1806,8 +1804,8 @@ class CloudFleet:
                 "the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
                 "config file)"
             )
-        octets = {"content": payload, "headers": {"Content-Type": "application/octet-stream"}}
-        sent = octets if isinstance(payload, bytes) else {"json": payload}
+        octets = {"content": data, "headers": {"Content-Type": "application/octet-stream"}}
+        sent = octets if isinstance(data, bytes) else {"json": data}
         for attempt in range(1, 5):
             try:
                 response = self._client.request(method, path, timeout=timeout, **sent)
