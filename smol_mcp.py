@@ -1920,7 +1920,6 @@ class CloudFleet:
                 "a cloud machine that publishes ports cannot also block egress; pass network: "
                 '"open" (or an allow-list) with ports, or leave the ports out'
             )
-        # Always a policy: on the cloud an omitted one means open egress.
         network = {"mode": "open"} if spec.network == "open" else self._blocked
         if spec.allow_hosts or spec.allow_cidrs:
             network = {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
@@ -1933,7 +1932,7 @@ class CloudFleet:
             "ttlSeconds": self.config.ephemeral_ttl_secs if spec.ephemeral else None,
             "autoStopSeconds": self.config.ephemeral_auto_stop_secs if spec.ephemeral else None,
             "forkable": spec.branchable,  # branchability is a create field on the cloud
-            "network": network,
+            "network": network,  # always sent: on the cloud an omitted policy means open egress
             "ports": [{"port": p["guest"]} for p in spec.ports],
             "env": spec.env,
         }
@@ -2097,8 +2096,7 @@ class CloudFleet:
         except ApiError as err:
             if err.status != 404:
                 raise
-        # 404 is a missing file or a service without the suffix route: exec (the size and a page,
-        # base64) tells which. Decided per request: one answer never turns the route off.
+        # 404: a missing file, or a service without the suffix route; exec tells which, per request.
         argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset), str(length)]
         answer, _ = self._exec(machine_id, name, cloud_exec_body(argv, 120))
         if answer.get("exitCode") != 0:
@@ -2129,8 +2127,7 @@ class CloudFleet:
         except ApiError as err:
             if err.status != 404:
                 raise
-            # The machine was just found and a PUT cannot 404 for a missing file, so this service
-            # has no files route: write through exec. Decided per request, not for the process.
+            # A PUT to a just-found machine 404s only without a files route: exec (per request).
         argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path]
         body = cloud_exec_body(argv, 120, stdin=base64.b64encode(data).decode("ascii"))
         answer, _ = self._exec(machine_id, name, body)
