@@ -1783,9 +1783,8 @@ class CloudFleet:
         import httpx2
 
         self.config = config
-        agent = f"smol-mcp/{__version__}"
+        agent, url = f"smol-mcp/{__version__}", config.cloud_url.rstrip("/")
         headers = {"Authorization": f"Bearer {config.cloud_token}", "User-Agent": agent}
-        url = config.cloud_url.rstrip("/")
         self._client = httpx2.Client(base_url=url, timeout=CLOUD_TIMEOUT_SECS, headers=headers)
         self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
 
@@ -2512,8 +2511,7 @@ def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
 
 @functools.cache
 def argument_validator() -> Any:
-    """jsonschema's Draft 2020-12 validator, reading two keywords as the schema's ECMAScript readers
-    do: a whole number is never 1.0, and a pattern's final `$` ends the string (python_pattern)."""
+    """Draft 2020-12 as ECMAScript reads it: 1.0 is no integer, and a final `$` ends the string."""
     import jsonschema  # installed with mcp
 
     def whole_number(checker: Any, value: Any) -> bool:
@@ -2545,8 +2543,7 @@ def _error_path(error: Any) -> list:
 
 
 def _first_error(errors: list, arguments: dict) -> Any:
-    """The error to tell: the first value in argument order, a parent's own rule
-    before its items', and among one value's rules the first in _KEYWORD_ORDER."""
+    """The error told: by argument order, a parent's rule before its items', then _KEYWORD_ORDER."""
 
     def order(error: Any) -> tuple:
         positions, node = [], arguments
