@@ -1621,10 +1621,9 @@ def other_serve_hint(own: str) -> str:
 # ---------------------------------------------------------------------------
 # 4. Cloud fleet: the smol cloud REST API
 #
-# httpx2 to $SMOL_CLOUD_URL with a bearer token. The cloud names a machine by a mach-... id; a name
-# is resolved with one list call. Routes and bodies follow the official Python client (smolmachines
-# 1.32.2, smol/transport.py); where the live service was seen to differ, the client is followed and
-# the service's observed behaviour is kept as a fallback.
+# httpx2 to $SMOL_CLOUD_URL with a bearer token; a machine is a mach-... id, found by name with one
+# list call. Routes and bodies follow the official Python client (smolmachines 1.32.2), even where
+# the live service was seen to differ; its observed behaviour is kept as a fallback.
 # ---------------------------------------------------------------------------
 
 CLOUD_TIMEOUT_SECS = 30
@@ -1633,8 +1632,7 @@ LOG_WINDOW_LINES = 10000  # the most log lines one cloud read asks for
 CLOUD_RETRY_STATUSES = (408, 429, 502, 503, 504)
 CLOUD_MAX_RETRY_WAIT_SECS = 30  # a longer Retry-After is not waited out: the call says so and ends
 CLOUD_BLOCKED = {"mode": "blocked"}
-# A deny-all for a service that refuses the "blocked" spelling: RFC 5737 TEST-NET-1, routed
-# nowhere. An empty allow-list is a 400 there, so the list is never sent empty.
+# A deny-all where "blocked" is refused: RFC 5737 TEST-NET-1, routed nowhere (an empty list: 400).
 CLOUD_BLOCKED_FALLBACK = {"mode": "allowCidrs", "cidrs": ["192.0.2.0/24"], "hosts": []}
 CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3" | base64'
 CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
@@ -1643,7 +1641,7 @@ CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc 
 @registered
 class CloudFleet:
     """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads.
-    The long signatures are Fleet's; its annotations are not repeated here."""
+    Long signatures go without annotations (Fleet's are the contract's)."""
 
     name = "cloud"
     served_as = "cloud (the smol cloud account; machines are billed while they exist)"
@@ -1674,9 +1672,8 @@ class CloudFleet:
         import httpx2
 
         self.config = config
-        agent = f"smol-mcp/{__version__}"
+        agent, url = f"smol-mcp/{__version__}", config.cloud_url.rstrip("/")
         headers = {"Authorization": f"Bearer {config.cloud_token}", "User-Agent": agent}
-        url = config.cloud_url.rstrip("/")
         self._client = httpx2.Client(base_url=url, timeout=CLOUD_TIMEOUT_SECS, headers=headers)
         self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
 
@@ -1684,21 +1681,10 @@ class CloudFleet:
     def acquire(self) -> None: ...
     def release(self) -> None: ...
 
-    # -- HTTP --------------------------------------------------------------
-
-    def request(
-        self,
-        action: str,
-        method: str,
-        path: str,
-        payload: Any = None,
-        *,
-        timeout: float = CLOUD_TIMEOUT_SECS,
-        expect: type | tuple[type, ...] | None = dict,
-    ) -> Any:
+    def request(self, action, method, path, data=None, *, timeout=CLOUD_TIMEOUT_SECS, expect=dict):
         """One call, retried where safe: 429 always (it never ran), other retryable statuses only
-        for idempotent methods. A bytes ``payload`` is sent as it is, else JSON. ``expect`` is the
-        JSON shape a success must have (None: any body, JSON or bytes); _answer holds to it."""
+        for idempotent methods. Bytes ``data`` are sent as they are, else JSON. A success must be
+        JSON of an ``expect`` type; with None any body does (JSON parsed, else the bytes)."""
         import httpx2
 
         if not self.config.cloud_token:
@@ -1706,12 +1692,11 @@ class CloudFleet:
                 "the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
                 "config file)"
             )
-        body: dict[str, Any] = {"json": payload}
-        if isinstance(payload, bytes):
-            body = {"content": payload, "headers": {"Content-Type": "application/octet-stream"}}
+        octets = {"content": data, "headers": {"Content-Type": "application/octet-stream"}}
+        sent = octets if isinstance(data, bytes) else {"json": data}
         for attempt in range(1, 5):
             try:
-                response = self._client.request(method, path, timeout=timeout, **body)
+                response = self._client.request(method, path, timeout=timeout, **sent)
             except httpx2.TimeoutException:
                 raise SmolError(
                     f"the cloud API did not answer within {timeout:.0f} s while trying to "
@@ -1723,8 +1708,7 @@ class CloudFleet:
                     f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
                     f"{redact(str(exc), self.config.secret_values()) or type(exc).__name__}"
                 ) from None
-            code = response.status_code
-            idempotent = method in ("GET", "PUT", "DELETE")
+            code, idempotent = response.status_code, method in ("GET", "PUT", "DELETE")
             if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
                 break
             wait = response.headers.get("retry-after", "")
@@ -1741,13 +1725,21 @@ class CloudFleet:
             time.sleep(delay)
         if response.status_code >= 400:
             raise self._error(action, response)
-        return self._answer(action, response, expect)
+        ctype, body = response.headers.get("content-type", ""), response.content
+        why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
+        if not why:
+            try:
+                value = json.loads(body)
+            except ValueError:
+                why = "malformed JSON"
+        if expect is None or not why and isinstance(value, expect):
+            return (body or None) if why else value
+        why = why or f"JSON of the wrong shape ({_json_type(value)})"
+        raise self._bad_answer(action, why, body, response.status_code, ctype)
 
     def _error(self, action: str, response: Any) -> ApiError:
-        """An ApiError from the cloud's error bodies: plain text for most statuses,
-        JSON with code and error for some, an empty body for a missing key."""
-        status = response.status_code
-        text, code = response.text.strip(), ""
+        """An ApiError from a cloud error body: plain text, JSON with code and error, or empty."""
+        status, text, code = response.status_code, response.text.strip(), ""
         if "application/json" in response.headers.get("content-type", ""):
             try:
                 parsed = response.json()
@@ -1763,24 +1755,7 @@ class CloudFleet:
             err.args = (f"{err.args[0]} [request id {request_id}]",)
         return err
 
-    def _answer(self, action: str, response: Any, expect: type | tuple[type, ...] | None) -> Any:
-        """The body of a successful answer: JSON of the expected shape, or, with ``expect`` None,
-        whatever came (JSON decoded when it parses)."""
-        ctype, body = response.headers.get("content-type", ""), response.content
-        why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
-        if not why:
-            try:
-                value = json.loads(body)
-            except ValueError:
-                why = "malformed JSON"
-        if expect is None or not why and isinstance(value, expect):
-            return (body or None) if why else value
-        why = why or f"JSON of the wrong shape ({_json_type(value)})"
-        raise self._bad_answer(action, why, body, response.status_code, ctype)
-
-    def _bad_answer(
-        self, action: str, why: str, body: Any, status: int = 200, ctype: str = "application/json"
-    ) -> SmolError:
+    def _bad_answer(self, action, why, body, status=200, ctype="application/json") -> SmolError:
         """A sentence about an answer the cloud should not have given; ``body`` is bytes or JSON."""
         body = body if isinstance(body, bytes) else json.dumps(body).encode()
         head = redact(body[:120].decode("utf-8", "replace"), self.config.secret_values())
@@ -1790,11 +1765,8 @@ class CloudFleet:
             "answer, not this call's: check SMOL_CLOUD_URL points at the API, and try again later"
         )
 
-    # -- machines (normalised) ---------------------------------------------
-
     def _find(self, name: str) -> dict:
-        """The raw record of the machine named ``name``. A name is never taken as an id (SPEC 16):
-        a machine without a name is listed, and found, under its id; a machine named so wins."""
+        """The raw record named ``name`` (SPEC 16: an unnamed one goes by its id; a name wins)."""
         found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
         if found:
             return min(found, key=lambda r: not r.get("name"))
@@ -1820,13 +1792,12 @@ class CloudFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        local_only = (("mounts", spec.mounts), ("overlayGb", spec.overlay_gb), ("cmd", spec.cmd))
-        for argument, given in local_only:
-            if given:
-                raise ArgumentError(
-                    f'"{argument}" is local only: the cloud fleet has no host directories, overlay '
-                    "disk or workload command to set; leave it out for a cloud machine"
-                )
+        local_only = {"mounts": spec.mounts, "overlayGb": spec.overlay_gb, "cmd": spec.cmd}
+        if given := [argument for argument, value in local_only.items() if value]:
+            raise ArgumentError(
+                f'"{given[0]}" is local only: the cloud fleet has no host directories, overlay '
+                "disk or workload command to set; leave it out for a cloud machine"
+            )
         if any(port.get("host") for port in spec.ports):
             raise ArgumentError(
                 '"ports[].host" is local only: the cloud control plane picks the host port; '
@@ -1837,6 +1808,9 @@ class CloudFleet:
                 "a cloud machine that publishes ports cannot also block egress; pass network: "
                 '"open" (or an allow-list) with ports, or leave the ports out'
             )
+        network = {"mode": "open"} if spec.network == "open" else self._blocked
+        if spec.allow_hosts or spec.allow_cidrs:
+            network = {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
         body: dict[str, Any] = {
             "name": spec.name,
             "source": {"type": "image", "reference": spec.image},
@@ -1846,7 +1820,7 @@ class CloudFleet:
             "ttlSeconds": self.config.ephemeral_ttl_secs if spec.ephemeral else None,
             "autoStopSeconds": self.config.ephemeral_auto_stop_secs if spec.ephemeral else None,
             "forkable": spec.branchable,  # branchability is a create field on the cloud
-            "network": self._network(spec),
+            "network": network,  # always sent: on the cloud an omitted policy means open egress
             "ports": [{"port": p["guest"]} for p in spec.ports],
             "env": spec.env,
         }
@@ -1864,16 +1838,9 @@ class CloudFleet:
         self._blocked = body["network"] = CLOUD_BLOCKED_FALLBACK
         return cloud_record(self.request(action, "POST", "/v1/machines", body))
 
-    def _network(self, spec: MachineSpec) -> dict:
-        """Always a policy: on the cloud an omitted one means open egress."""
-        if spec.allow_hosts or spec.allow_cidrs:
-            return {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
-        return {"mode": "open"} if spec.network == "open" else self._blocked
-
     def _act(self, name: str, verb: str, timeout: float, query: str = "") -> dict:
         """POST ``verb`` (start, stop) to the machine; its record after."""
-        route = f"/v1/machines/{self._find(name)['id']}"
-        action = f"{verb} machine '{name}'"
+        route, action = f"/v1/machines/{self._find(name)['id']}", f"{verb} machine '{name}'"
         self.request(action, "POST", f"{route}/{verb}{query}", timeout=timeout, expect=None)
         return cloud_record(self.request(f"get machine '{name}'", "GET", route))
 
@@ -1937,8 +1904,6 @@ class CloudFleet:
                 f"{action}: {type(exc).__name__}"
             ) from None
 
-    # -- jobs: the service's detached jobs ---------------------------------
-
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
 
@@ -1977,8 +1942,7 @@ class CloudFleet:
         ]  # the service lists newest first
 
     def probe_ready(self, name: str) -> str | None:
-        """None once a command runs in the guest. The service's own `ready`
-        flag waits for published ports to answer too, so it is not the test."""
+        """None once a command runs in the guest (the service's `ready` also waits for ports)."""
         record = self._find(name)
         state = record.get("state")
         if state in ("error", "stopped", "deleted"):
@@ -1997,8 +1961,7 @@ class CloudFleet:
             return err.api_message
 
     def _file_route(self, name: str, path: str) -> tuple[str, str]:
-        """The machine's id and the files route of ``path``: the path as a suffix, normalised,
-        each segment percent-encoded, the leading slash kept, as the official client sends it."""
+        """The machine's id and ``path``'s files route, as the official client forms it."""
         machine_id = self._find(name)["id"]
         return machine_id, f"/v1/machines/{machine_id}/files//{guest_route_suffix(path)}"
 
@@ -2009,12 +1972,9 @@ class CloudFleet:
                 if response.status_code >= 400:
                     response.read()
                     raise self._error(f"read {path} in machine '{name}'", response)
-                size = int(response.headers.get("content-length", -1))
-                page, seen = bytearray(), 0
+                page, seen, size = bytearray(), 0, int(response.headers.get("content-length", -1))
                 for chunk in response.iter_bytes():
-                    if seen + len(chunk) > offset and len(page) < length:
-                        start = max(0, offset - seen)
-                        page += chunk[start : start + length - len(page)]
+                    page += chunk[max(0, offset - seen) :][: length - len(page)]  # what it lacks
                     seen += len(chunk)
                     if len(page) >= length and size >= 0:
                         break
@@ -2022,8 +1982,7 @@ class CloudFleet:
         except ApiError as err:
             if err.status != 404:
                 raise
-        # 404 is a missing file or a service without the suffix route: exec (the size and a page,
-        # base64) tells which. Decided per request: one answer never turns the route off.
+        # 404: a missing file, or a service without the suffix route; exec tells which, per request.
         argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset), str(length)]
         answer, _ = self._exec(machine_id, name, cloud_exec_body(argv, 120))
         if answer.get("exitCode") != 0:
@@ -2054,8 +2013,7 @@ class CloudFleet:
         except ApiError as err:
             if err.status != 404:
                 raise
-            # The machine was just found and a PUT cannot 404 for a missing file, so this service
-            # has no files route: write through exec. Decided per request, not for the process.
+            # A PUT to a just-found machine 404s only without a files route: exec (per request).
         argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path]
         body = cloud_exec_body(argv, 120, stdin=base64.b64encode(data).decode("ascii"))
         answer, _ = self._exec(machine_id, name, body)
@@ -2068,8 +2026,7 @@ class CloudFleet:
         """The console log's last lines, read as the official client reads them (plain text)."""
         route = f"/v1/machines/{self._find(name)['id']}/logs?tail={LOG_WINDOW_LINES}"
         text = self.request(f"read the log of machine '{name}'", "GET", route, expect=None)
-        if isinstance(text, (dict, list)):
-            text = json.dumps(text)
+        text = json.dumps(text) if isinstance(text, (dict, list)) else text
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")
         return text.splitlines()
 
@@ -2100,9 +2057,8 @@ def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, 
 
 def exec_stream(answer: dict, stream: str) -> bytes:
     """One stream of a cloud exec: byte-exact base64 when sent, else the text (capped at 1 MiB)."""
-    if encoded := answer.get(f"{stream}B64"):
-        return base64.b64decode(encoded)
-    return str(answer.get(stream) or "").encode("utf-8")
+    encoded = answer.get(f"{stream}B64")
+    return base64.b64decode(encoded) if encoded else str(answer.get(stream) or "").encode("utf-8")
 
 
 FLEET_NAMES = tuple(FLEETS)  # both fleets have registered by here
@@ -2121,16 +2077,14 @@ MACHINE_KEYS = tuple(
 
 
 def local_record(info: dict) -> dict:
-    """A local MachineInfo in the shared vocabulary. The local API names a machine only by its name,
-    so ``id`` is the name too. An allow list wins over the `network` flag: an amended machine reads
-    `network: true` with its list (observed on 1.32.2), and the list is what the engine enforces."""
+    """A local MachineInfo in the shared vocabulary (``id``: the name, the local API's only handle).
+    An allow list wins over `network: true`, which an amended machine also reads (1.32.2)."""
     lists = info.get("allowedHosts") or info.get("allowedCidrs")
     network = "allowlist" if lists else "open" if info.get("network") else "blocked"
     ports = [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []]
-    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # state image cpus memoryMb pid
+    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # name state image cpus memoryMb pid
     return named_alike | {
         "id": info["name"],
-        "name": info["name"],
         "network": network,
         "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
@@ -2141,16 +2095,14 @@ def local_record(info: dict) -> dict:
 
 
 def egress_lists(info: dict) -> dict:
-    """A local machine's egress policy: its allow lists (hosts and patterns
-    share one list in the engine's record) and whether egress is open."""
+    """A local machine's egress: open or not, and its allow lists (hosts include patterns)."""
     hosts, cidrs = list(info.get("allowedHosts") or []), list(info.get("allowedCidrs") or [])
     is_open = bool(info.get("network")) and not hosts and not cidrs
     return {"open": is_open, "hosts": hosts, "cidrs": cidrs}
 
 
 def cloud_record(info: dict) -> dict:
-    """A cloud machine in the shared vocabulary. A record that does not echo
-    its egress policy has network null: unknown, not guessed."""
+    """A cloud machine in the shared vocabulary; network null (unknown) if the record omits it."""
     network, source, resources = (
         info.get(key) if isinstance(info.get(key), dict) else {}
         for key in ("network", "source", "resources")
@@ -2176,8 +2128,7 @@ def cloud_record(info: dict) -> dict:
 
 
 def machine_identity(record: dict) -> str:
-    """Which machine a record is, not only what it is called: a machine made
-    again under the same name is another machine (another id or creation time)."""
+    """Which machine a record is: one made again under its name has another id or creation time."""
     return f"{record.get('id')}@{record.get('createdAt')}"
 
 
@@ -2201,14 +2152,12 @@ OVERFLOW_DIR = "/tmp/smol-mcp-output"
 
 def utf8_prefix_end(data: bytes, end: int) -> int:
     """Largest cut <= end that does not split a UTF-8 character."""
-    end = cut = min(end, len(data))
-    while cut > 0 and cut > end - 4 and (data[cut - 1] & 0xC0) == 0x80:
-        cut -= 1
-    lead = data[cut - 1] if cut > 0 else 0
-    if lead >= 0xC0:  # a lead byte: is its character complete before `end`?
-        need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-        if end - (cut - 1) < need:
-            return cut - 1
+    end = min(end, len(data))
+    for back in range(1, min(end, 4) + 1):  # back to the first byte of the character at `end`
+        lead = data[end - back]
+        if lead & 0xC0 != 0x80:  # a lead byte: is its character complete before `end`?
+            need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+            return end - back if lead >= 0xC0 and back < need else end
     return end
 
 
@@ -2220,9 +2169,8 @@ REPLY_RESERVE_TOKENS = 2000  # of replyTokens, for the fields around the content
 
 
 def piece_tokens(piece: str) -> int:
-    """The most tokens one TOKEN_PIECE_RE piece is taken to cost in a reply's JSON. Measured against
-    real BPE tokenizers: English about 3.5 characters a token, base64 and random identifiers 1.4,
-    CJK up to 2.3 tokens a character, emoji 2.9, a control character's \\u00XX escape 3."""
+    """Tokens a TOKEN_PIECE_RE piece may cost in a reply's JSON, as measured on BPE tokenizers:
+    English 3.5 characters a token, base64/random 1.4, CJK 2.3 a character, emoji 2.9, \\u00XX 3."""
     first, size = piece[0], len(piece)
     if first.isascii() and first.isalnum():
         if size > 12 or not PLAIN_WORD_RE.fullmatch(piece):
@@ -2280,8 +2228,7 @@ def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, i
     half of ``limit`` bytes and of ``tokens``; ``where`` ends the marker (where the stream is)."""
     if len(data) <= limit and est_tokens(data.decode("utf-8", "surrogateescape")) <= tokens:
         return data.decode("utf-8", "replace"), 0  # (a longer stream is never decoded whole)
-    marker = f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n"
-    tokens -= est_tokens(marker)
+    tokens -= est_tokens(f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n")
     head = data[: utf8_prefix_end(data, limit // 2)]
     head = head[: prefix_within_tokens(head, tokens // 2)]
     start = len(data) - (limit - limit // 2)
@@ -2339,17 +2286,13 @@ ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "wor
 
 
 def python_pattern(pattern: str) -> str:
-    """A schema pattern as Python must read it: in ECMAScript a final `$` ends the string, but in
-    Python it also matches before a final newline (it let "name\\n" through): it becomes `\\Z`."""
-    if pattern.endswith("$") and not pattern.endswith("\\$"):
-        return pattern[:-1] + r"\Z"
-    return pattern
+    """A schema pattern for Python: a final `$` (Python: also before a newline) becomes `\\Z`."""
+    return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)  # only a `$` not escaped
 
 
 def guest_path(path: str, where: str = "path") -> str:
-    """An absolute guest path in its plain form: `.` and `..` resolved as the guest's POSIX file
-    system would, no empty segments. A path that climbs above `/`, or holds a control character, is
-    refused: on an HTTP route such a path could name another route rather than a file."""
+    """An absolute guest path in plain POSIX form; one that climbs above `/` or holds a control
+    character is refused: on an HTTP route it could name another route rather than a file."""
     if not path.startswith("/"):
         raise ArgumentError(
             f'"{where}" must be an absolute path inside the machine (starting with /); got '
@@ -2360,31 +2303,23 @@ def guest_path(path: str, where: str = "path") -> str:
             f'"{where}" holds a control character (such as a newline or NUL), which no file name '
             "should; pass the path without it"
         )
-    parts: list[str] = []
-    for segment in path.split("/"):
-        if segment == ".." and not parts:
-            raise ArgumentError(
-                f'"{where}" climbs above / with ".."; pass the plain absolute path of the file, '
-                f"got {json.dumps(path)[:60]}"
-            )
-        if segment == "..":
-            parts.pop()
-        elif segment not in ("", "."):
-            parts.append(segment)
-    return "/" + "/".join(parts)
+    plain = os.path.normpath(path.lstrip("/"))  # lexical; the host is POSIX too
+    if plain == ".." or plain.startswith("../"):
+        raise ArgumentError(
+            f'"{where}" climbs above / with ".."; pass the plain absolute path of the file, '
+            f"got {json.dumps(path)[:60]}"
+        )
+    return "/" if plain == "." else "/" + plain
 
 
 def guest_route_suffix(path: str) -> str:
-    """The path as the suffix of a files route: normalised, every segment percent-encoded on its own
-    (no `/`, `?`, `#` or `%` of the path survives as syntax), without the leading slash."""
-    segments = guest_path(path).split("/")[1:]
-    return "/".join(urllib.parse.quote(segment, safe="") for segment in segments)
+    """``path`` as a files-route suffix: normalised, each segment percent-encoded, no leading /."""
+    return "/".join(urllib.parse.quote(part, safe="") for part in guest_path(path).split("/")[1:])
 
 
 def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
-    """The resolved host path when it lies under a configured mount root that allows what is asked;
-    else ArgumentError naming mountRoots. Symlinks and `..` are resolved first, so a link inside a
-    root cannot lead out of it; the resolved path is what the engine is given."""
+    """The resolved host path (what the engine is given) if under a mount root allowing what is
+    asked, else ArgumentError. Resolved first, so a link inside a root cannot lead out of it."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
         raise ArgumentError(
@@ -2418,9 +2353,8 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
                 )
         if want_write and not writable:
             raise ArgumentError(
-                f'"{where}" asks for write access under {root}, which mountRoots opens '
-                'read-only; leave "readonly" out (or true), or have the operator add ":rw" to '
-                "that root"
+                f'"{where}" asks for write access under {root}, which mountRoots opens read-only; '
+                'leave "readonly" out (or true), or have the operator add ":rw" to that root'
             )
         return resolved
     listed = ", ".join(root + (MOUNT_ROOT_WRITABLE if writable else "") for root, writable in roots)
@@ -2437,15 +2371,13 @@ def within(path: str, directory: str) -> bool:
 
 def server_directories(config: Config) -> list[str]:
     """The state, runtime and config directories, resolved (section 16)."""
-    config_dir = str(config_file_path(dict(os.environ)).parent)
-    places = (config.state_dir, config.runtime_dir, config_dir)
+    places = (config.state_dir, config.runtime_dir, str(config_file_path(dict(os.environ)).parent))
     return [os.path.realpath(os.path.expanduser(place)) for place in places if place]
 
 
 def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
-    """Hold a host-path image and every mount to mountRoots (closed by default); return the image
-    (resolved when it is a host path) and the mounts with resolved sources and an explicit readonly,
-    which is true unless the mount asked for `readonly: false` under a writable root."""
+    """Hold a host-path image and every mount to mountRoots (closed by default): the image, resolved
+    if a host path, and the mounts resolved, readonly unless `readonly: false` was asked."""
     plain = image.strip().lower()  # a path (absolute, relative, home) or a host-side transport
     if plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", ".."):
         image = contained_host_path(config, image, "image", want_write=False)
@@ -2466,8 +2398,7 @@ def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
 
 @functools.cache
 def argument_validator() -> Any:
-    """jsonschema's Draft 2020-12 validator, reading two keywords as the schema's ECMAScript readers
-    do: a whole number is never 1.0, and a pattern's final `$` ends the string (python_pattern)."""
+    """Draft 2020-12 as ECMAScript reads it: 1.0 is no integer, and a final `$` ends the string."""
     import jsonschema  # installed with mcp
 
     def whole_number(checker: Any, value: Any) -> bool:
@@ -2483,8 +2414,7 @@ def argument_validator() -> Any:
 
 
 def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = None) -> dict:
-    """Check ``arguments`` against the tool's input schema (or its ``checker``, built once); raise
-    ArgumentError naming the first argument that is unknown, missing, mistyped or out of range."""
+    """ArgumentError on the first flaw of ``arguments`` against ``schema`` (or ``checker``)."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
     errors = list((checker or argument_validator()(schema)).iter_errors(arguments))
@@ -2494,15 +2424,13 @@ def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = 
 
 
 def _error_path(error: Any) -> list:
-    """Where the value an error is about lies. A property-name error is about the
-    name, which jsonschema reports at the object holding it."""
+    """Where an error's value lies; a property name's error is reported at its object."""
     path = list(error.absolute_path)
     return [*path, error.instance] if "propertyNames" in error.absolute_schema_path else path
 
 
 def _first_error(errors: list, arguments: dict) -> Any:
-    """The error to tell: the first value in argument order, a parent's own rule
-    before its items', and among one value's rules the first in _KEYWORD_ORDER."""
+    """The error told: by argument order, a parent's rule before its items', then _KEYWORD_ORDER."""
 
     def order(error: Any) -> tuple:
         positions, node = [], arguments
@@ -2518,17 +2446,13 @@ def _first_error(errors: list, arguments: dict) -> Any:
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
     path, value = _error_path(error), error.instance
-    where = "".join(
-        f"[{step}]" if isinstance(step, int) else f".{step}" if index else str(step)
-        for index, step in enumerate(path)
-    )
+    where = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in path).removeprefix(".")
     rule, schema, limit = error.validator, error.schema, error.validator_value
     if rule == "additionalProperties":
         accepted = schema.get("properties", {})
         key = next(key for key in value if key not in accepted)
-        slip = ARGUMENT_SLIPS.get(key.lower())
-        maybe = f' (did you mean "{slip}"?)' if slip in accepted else ""
-        maybe, names = maybe or did_you_mean(key, accepted, cutoff=0.5), ", ".join(accepted)
+        slip = did_you_mean(ARGUMENT_SLIPS.get(key.lower(), ""), accepted, cutoff=1)  # if accepted
+        maybe, names = slip or did_you_mean(key, accepted, cutoff=0.5), ", ".join(accepted)
         if not path:
             return f'{tool} has no argument "{key}"{maybe}; it accepts: {names or "none"}'
         return f'"{where}" has no field "{key}"{maybe}; it accepts: {names}'
@@ -2549,8 +2473,7 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
     secret = bool(path) and path[0] in (*REDACTED_ARGUMENTS, *REDACTED_MAPS)
     got = "a value not repeated here" if secret else json.dumps(value)[:60]
     if rule == "type":
-        choices = " or ".join(json.dumps(v) for v in schema.get("enum", ()))
-        choices = f" ({choices})" if "enum" in schema else ""
+        choices = f" ({' or '.join(map(json.dumps, schema['enum']))})" if "enum" in schema else ""
         return f'"{where}" must be {TYPE_WORDS.get(limit, limit)}{choices}, got {got}'
     if rule == "enum":
         return f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
