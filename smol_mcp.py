@@ -2231,7 +2231,7 @@ def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, i
     tokens -= est_tokens(f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n")
     head = data[: utf8_prefix_end(data, limit // 2)]
     head = head[: prefix_within_tokens(head, tokens // 2)]
-    start = len(data) - (limit - limit // 2)
+    start = max(len(head), len(data) - (limit - limit // 2))  # a short stream: after the head
     while start < len(data) and (data[start] & 0xC0) == 0x80:  # begin on a character
         start += 1
     tail_text = data[start:].decode("utf-8", "surrogateescape")[::-1]

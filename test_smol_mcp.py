@@ -648,6 +648,18 @@ class PiecesTests(unittest.TestCase):
         for heavy in ("uvicorn", "starlette", "httpx2", "mcp", "mcp_types", "jsonschema"):
             self.assertNotIn(f"'{heavy}'", loaded)
 
+    def test_a_short_stream_over_its_token_share_keeps_a_head_and_a_tail(self):
+        # Under a quarter of the byte limit but dear in tokens (control characters): the
+        # tail's window began before the stream's start (an IndexError), or overlapped the head.
+        data = bytes(range(1, 32)) * 300
+        text, omitted = smol_mcp.fit_stream(data, 65536, 11500, "x")
+        head, _, tail = text.partition("\n[... smol-mcp: ")
+        self.assertGreater(omitted, 0)
+        self.assertTrue(head and data.startswith(head.encode()))
+        tail = tail.split("...]\n", 1)[1]
+        self.assertTrue(tail and data.endswith(tail.encode()))
+        self.assertEqual(len(head.encode()) + omitted + len(tail.encode()), len(data))
+
     def test_a_large_stream_is_cut_without_being_held_twice(self):
         import tracemalloc
 
