@@ -4291,11 +4291,9 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     serve = config.local_url or "started on the first local tool call"
     if running and not config.local_url:
         serve = f"running at {fleet.endpoint} (smolvm {running})"
-    origin = None  # how the engine in use was found
-    if binary:
-        origin = "SMOLVM" if os.sep in config.smolvm else "PATH"
-        if origin == "PATH" and binary == wheel_engine() and not shutil.which(config.smolvm):
-            origin = "the smolmachines package of this Python (smolvm is not on PATH)"
+    origin = ("SMOLVM" if os.sep in config.smolvm else "PATH") if binary else None  # how found
+    if origin == "PATH" and binary == wheel_engine() and not shutil.which(config.smolvm):
+        origin = "the smolmachines package of this Python (smolvm is not on PATH)"
     facts: dict[str, Any] = {"served": True, "usable": True, "reason": None, "insideGuest": guest}
     facts["hypervisor"] = {"present": hypervisor_ok, "detail": hypervisor_reason}
     facts["smolvm"] = {"path": binary, "version": running, "from": origin}
@@ -4383,9 +4381,8 @@ def targets_document(app: SmolMcp) -> dict:
 # ---------------------------------------------------------------------------
 # 10. Sessions and cleanup
 #
-# A machine whose name starts with machinePrefix is ephemeral: the session that
-# created it deletes it when the session ends. Local records are files in the
-# runtime directory, so the next process deletes what a SIGKILLed one left.
+# A machine whose name starts with machinePrefix is ephemeral: its session deletes it when it ends.
+# Local records in the runtime directory let the next process delete what a SIGKILLed one left.
 # ---------------------------------------------------------------------------
 
 NOT_THE_SESSIONS_MACHINE = "not deleted: a machine of that name is no longer the one it made"
@@ -4397,8 +4394,7 @@ class Session:
     def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
         self.app, self.id, self.tasks = app, session_id, tasks  # tasks: where its pollers run
         self.machines: dict[str, set[str]] = {}
-        sessions = Path(app.config.runtime_dir) / "sessions"
-        self.record_path = sessions / f"{os.getpid()}-{session_id}.json"
+        self.record_path = Path(app.config.runtime_dir, "sessions", f"{os.getpid()}-{self.id}.json")
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
         self.asked_fleet = self.ended = False
         self.chose_during: Any = None  # the call whose question made the choice
@@ -4410,8 +4406,7 @@ class Session:
         self.identities: dict[tuple[str, str], str] = {}  # (fleet, name) -> machine_identity()
         self.spent: set[str] = set()  # nonces of 2026-era confirmations already answered
         self.gone_requests: set = set()  # over HTTP: ids of requests whose client hung up
-        self.held = 0  # its calls waiting for approval: a revoked token's are answered first
-        self.revoked_at: float | None = None
+        self.held, self.revoked_at = 0, None  # calls awaiting approval: answered first when revoked
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
         self.http_id = self.protocol = None  # handshake era over HTTP: Mcp-Session-Id, version
 
@@ -4444,11 +4439,10 @@ class Session:
     def remember(self, fleet: str, name: str) -> bool:
         """Record an ephemeral machine; False if it was recorded already."""
         names = self.machines.setdefault(fleet, set())
-        if name in names:
-            return False
-        names.add(name)
-        self._save()
-        return True
+        if added := name not in names:
+            names.add(name)
+            self._save()
+        return added
 
     def forget(self, fleet: str, name: str) -> None:
         if name in self.machines.get(fleet, set()):
@@ -4462,8 +4456,7 @@ class Session:
             if not names:
                 self.record_path.unlink(missing_ok=True)
                 return
-            # The parent first: it is what keeps others out.
-            ensure_runtime_dir(self.app.config.runtime_dir)
+            ensure_runtime_dir(self.app.config.runtime_dir)  # the parent first: it keeps others out
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
             pid, endpoint = os.getpid(), self.app.local.endpoint
             record = dict(pid=pid, started=process_start_time(pid), endpoint=endpoint)
@@ -4494,15 +4487,17 @@ class Session:
 
     def replaced(self, fleet: Fleet, names: list[str]) -> list[str]:
         """The names now held by another machine than the one this session made."""
-        found = []
-        for name in names:
-            made = self.identities.get((fleet.name, name))
-            try:
-                if made is not None and machine_identity(fleet.get_machine(name)) != made:
-                    found.append(name)
-            except SmolError:  # gone, or unreadable: the delete says which
-                pass
-        return found
+        made = {name: self.identities.get((fleet.name, name)) for name in names}
+        return [name for name in names if not same_machine(fleet, name, made[name])]
+
+
+def same_machine(fleet: Any, name: str, identity: str | None, record: dict | None = None) -> bool:
+    """Whether ``name`` is still the machine whose machine_identity() was ``identity``; an unknown
+    identity says yes, and so does a machine gone or unreadable: the call on it says which."""
+    try:
+        return identity is None or machine_identity(record or fleet.get_machine(name)) == identity
+    except SmolError:
+        return True
 
 
 class SessionSlots:
@@ -4611,8 +4606,7 @@ def process_alive(pid: int, started: int | None = None) -> bool:
     fields = _proc_stat(pid)
     if fields is None:
         return not Path("/proc/self/stat").exists()  # no /proc at all (macOS): the signal answered
-    known = started is None or (len(fields) > 19 and int(fields[19]) == started)
-    return fields[0] not in ("Z", "X") and known
+    return fields[0] not in ("Z", "X") and started in (None, process_start_time(pid))
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
@@ -4808,9 +4802,8 @@ class StateFile:
 
 
 class locked:
-    """Hold an exclusive lock on the file ``path`` (made 0600), which other processes
-    honour. A class, not @contextmanager: that one writes ``__traceback__`` onto an
-    exception passing through, which a frozen one (the SDK's RegistrationError) refuses."""
+    """An exclusive lock on ``path`` (made 0600) that other processes honour. Not @contextmanager:
+    it sets ``__traceback__`` on a passing error, which a frozen one (RegistrationError) refuses."""
 
     def __init__(self, path: Path):
         self.descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -5041,12 +5034,7 @@ class OwnedFleet:
         if self._owners.owner(self._fleet.name, name) != self._owner:
             return False
         identity = self._owners.identity(self._fleet.name, name)
-        if identity is None:
-            return True
-        try:
-            return machine_identity(record or self._fleet.get_machine(name)) == identity
-        except SmolError:  # gone: the method itself answers as for any missing machine
-            return True
+        return same_machine(self._fleet, name, identity, record)
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._fleet, attr)
