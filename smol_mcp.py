@@ -4801,22 +4801,17 @@ class StateFile:
             raise SmolError(f"cannot write {self.path} ({exc.strerror}); {fix}") from None
 
 
-class locked:
-    """An exclusive lock on ``path`` (made 0600) that other processes honour. Not @contextmanager:
-    it sets ``__traceback__`` on a passing error, which a frozen one (RegistrationError) refuses."""
-
-    def __init__(self, path: Path):
-        self.descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-    def __enter__(self) -> None:
-        try:
-            fcntl.flock(self.descriptor, fcntl.LOCK_EX)
-        except BaseException:
-            os.close(self.descriptor)
-            raise
-
-    def __exit__(self, *exc_info: Any) -> None:
-        os.close(self.descriptor)  # closing releases the lock
+def locked(path: Path) -> Any:
+    """An exclusive lock on ``path`` (made 0600) that other processes honour, held until the file
+    returned closes: ``with locked(path):``. Not @contextmanager, which sets ``__traceback__`` on a
+    passing error, and a frozen one (the SDK's RegistrationError) refuses that."""
+    held = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "rb")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+    except BaseException:
+        held.close()
+        raise
+    return held
 
 
 def secret_hash(secret: str) -> str:
@@ -4967,22 +4962,20 @@ class Owners:
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
             fleets = list(data.values()) if isinstance(data, dict) else [None]
-            if not all(isinstance(names, dict) for names in fleets):
-                return False
-            return all(isinstance(o, (str, dict)) for names in fleets for o in names.values())
+            nested = all(isinstance(names, dict) for names in fleets)
+            return nested and all(isinstance(o, (str, dict)) for n in fleets for o in n.values())
 
         self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict, valid)
         # read by every get-machine: looked at again at most twice a second
         self.jobs = StateFile(Path(state_dir) / JOBS_FILE, dict, recheck_secs=0.5)
 
     def owner(self, fleet: str, name: str) -> str | None:
-        held = self.file.read().get(fleet, {}).get(name)
-        return held.get("owner") if isinstance(held, dict) else held
+        return self.claimed(fleet, name)[0]
 
-    def identity(self, fleet: str, name: str) -> str | None:
-        """machine_identity() of the machine claimed, once its create answered."""
+    def claimed(self, fleet: str, name: str) -> tuple[str | None, str | None]:
+        """Who claimed ``name`` and, once its create answered, machine_identity() of the machine."""
         held = self.file.read().get(fleet, {}).get(name)
-        return held.get("id") if isinstance(held, dict) else None
+        return (held.get("owner"), held.get("id")) if isinstance(held, dict) else (held, None)
 
     def claim(self, fleet: str, name: str, owner: str, identity: str | None = None) -> None:
         held = {"owner": owner, "id": identity} if identity else owner
@@ -5031,10 +5024,8 @@ class OwnedFleet:
 
     def mine(self, name: str, record: dict | None = None) -> bool:
         """Whether ``name`` is this owner's and still the machine it created, not one made again."""
-        if self._owners.owner(self._fleet.name, name) != self._owner:
-            return False
-        identity = self._owners.identity(self._fleet.name, name)
-        return same_machine(self._fleet, name, identity, record)
+        owner, identity = self._owners.claimed(self._fleet.name, name)
+        return owner == self._owner and same_machine(self._fleet, name, identity, record)
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._fleet, attr)
