@@ -4331,8 +4331,7 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     return facts
 
 
-def rollout_port_taken() -> bool:
-    """Whether something listens on 127.0.0.1:10081, the port every serve binds."""
+def rollout_port_taken() -> bool:  # 127.0.0.1:10081: every serve binds it
     with socket.socket() as probe:
         probe.settimeout(0.2)
         return probe.connect_ex(("127.0.0.1", 10081)) == 0
@@ -4546,8 +4545,7 @@ def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
     return gone, []
 
 
-def describe(err: BaseException) -> str:
-    """An error for a log line: our sentence as it is, anything else with its type."""
+def describe(err: BaseException) -> str:  # for a log line
     return str(err) if isinstance(err, SmolError) else f"{type(err).__name__}: {err}"
 
 
@@ -4769,8 +4767,7 @@ class StateFile:
             self._checked = time.monotonic()  # not after a failed load: that is seen every time
             return self._data
 
-    def expire(self) -> None:
-        """The next read looks at the file again."""
+    def expire(self) -> None:  # the next read looks at the file again
         self._checked = -self.recheck_secs
 
     def _load(self) -> Any:
@@ -4819,7 +4816,6 @@ def secret_hash(secret: str) -> str:
 
 
 def new_token_secret() -> str:
-    """A fresh secret: 256 random bits, with a prefix that says what it is."""
     return TOKEN_SECRET_PREFIX + secrets_module.token_urlsafe(32)
 
 
@@ -5062,9 +5058,8 @@ class Access:
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         environ = os.environ if environ is None else environ
         self.state_dir = state = config.state_dir or default_state_dir(dict(environ))
-        self.tokens, self.owners = TokenStore(state), Owners(state)
+        self.tokens, self.owners, self.auto = TokenStore(state), Owners(state), AutoApprovals(state)
         self.activity, self.desk = ActivityLog(state), ApprovalDesk(state)
-        self.auto = AutoApprovals(state)
         self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
         self.default = Principal("default", frozenset(SCOPES), id="default")
         stdio = dict(approval=config.approval, kind="stdio", user=os_user(), id="stdio")
@@ -5107,12 +5102,11 @@ class Access:
 
 
 # -- Activity log and approvals ------------------------------------------------
-#
 # What an agent changed is written down before it is told the result, and any change can be held
 # until a person on the host answers. Both are plain files in the state directory, shared by server
 # processes and terminal commands without a daemon: the log is appended under a file lock; an
-# approval is a request file (naming the waiting process: pid and start time, so no request
-# outlives it) and the answer file `approvals approve|deny` writes next to it.
+# approval is a request file naming the waiting process (pid and start time: no request outlives
+# it) and the answer file `approvals approve|deny` writes next to it.
 
 ACTIVITY_URI, ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "smol://activity", "activity.jsonl", 5
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
@@ -5209,13 +5203,11 @@ class ActivityLog:
                         self.older(index).replace(self.older(index + 1))
                 self.path.replace(self.older(1))
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                written = os.write(fd, line)
+            with open(fd, "ab", buffering=0) as out:
+                written = out.write(line)
                 if written != len(line):  # a full disk: never leave half a line behind
-                    os.ftruncate(fd, os.fstat(fd).st_size - written)
+                    out.truncate(os.fstat(fd).st_size - written)
                     raise OSError(28, "No space left on device")
-            finally:
-                os.close(fd)
 
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
@@ -5266,7 +5258,6 @@ def sees_own_activity_only(principal: Principal) -> bool:
 
 
 def waiting_process_alive(request: dict) -> bool:
-    """Whether the process named in an approval request is the one still running."""
     pid = request.get("pid")  # the start times are both None without /proc
     alive = isinstance(pid, int) and process_alive(pid)
     return alive and process_start_time(pid) == request.get("pidStart")
@@ -5283,8 +5274,7 @@ class ApprovalDesk:
             raise SmolError(f"{approval_id!r} is not an approval id; `approvals list` shows them")
         return self.directory / f"{approval_id}.{kind}.json"
 
-    def open(self, request: dict) -> str:
-        """File a request for this process and return its id."""
+    def open(self, request: dict) -> str:  # returns the request's id
         ensure_state_dir(self.directory.parent)
         self.directory.mkdir(mode=0o700, exist_ok=True)
         approval_id, pid = secrets_module.token_hex(6), os.getpid()
