@@ -4620,12 +4620,11 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             continue
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
-        kept = [name for name, _ in refused]
         for name, err in refused:
             log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
         with bookkeeping(runtime_dir):
-            if kept:  # try again at the next start rather than forget them
-                write_json(path, {**record, "machines": kept}, mode=0o666)
+            if refused:  # try again at the next start rather than forget them
+                write_json(path, {**record, "machines": [name for name, _ in refused]}, mode=0o666)
             else:
                 path.unlink(missing_ok=True)
     if deleted:
@@ -4762,8 +4761,7 @@ class StateFile:
             signature = None
         with self._lock:
             if signature != self._signature:
-                self._data = self._load() if signature else self.empty()
-                self._signature = signature
+                self._signature, self._data = signature, self._load() if signature else self.empty()
             self._checked = time.monotonic()  # not after a failed load: that is seen every time
             return self._data
 
