@@ -5027,15 +5027,12 @@ class OwnedFleet:
             return value
         if attr == "list_machines":
             return lambda: [m for m in value() if self.mine(m["name"], m)]
+        return functools.partial(self._guarded, value)
 
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            if args and isinstance(args[0], str) and not self.mine(args[0]):
-                return self._as_missing(value, args, kwargs)
-            return value(*args, **kwargs)
-
-        return guarded
-
-    def _as_missing(self, method: Callable, args: tuple, kwargs: dict) -> Any:
+    def _guarded(self, method: Callable, /, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on a machine of this owner's; on another's, as on a missing machine."""
+        if not args or not isinstance(args[0], str) or self.mine(args[0]):
+            return method(*args, **kwargs)
         name = args[0]
         absent = f"{self._fleet.config.machine_prefix}absent-{secrets_module.token_hex(8)}"
         try:
