@@ -4797,9 +4797,8 @@ class StateFile:
 
 
 def locked(path: Path) -> Any:
-    """An exclusive lock on ``path`` (made 0600) that other processes honour, held until the file
-    returned closes: ``with locked(path):``. Not @contextmanager, which sets ``__traceback__`` on a
-    passing error, and a frozen one (the SDK's RegistrationError) refuses that."""
+    """Lock ``path`` (made 0600) exclusively until the returned file closes: ``with locked(path):``.
+    Not @contextmanager: it sets ``__traceback__`` on a passing error; a frozen one refuses that."""
     held = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "rb")
     try:
         fcntl.flock(held, fcntl.LOCK_EX)
