@@ -4101,11 +4101,9 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     serve = config.local_url or "started on the first local tool call"
     if running and not config.local_url:
         serve = f"running at {fleet.endpoint} (smolvm {running})"
-    origin = None  # how the engine in use was found
-    if binary:
-        origin = "SMOLVM" if os.sep in config.smolvm else "PATH"
-        if origin == "PATH" and binary == wheel_engine() and not shutil.which(config.smolvm):
-            origin = "the smolmachines package of this Python (smolvm is not on PATH)"
+    origin = ("SMOLVM" if os.sep in config.smolvm else "PATH") if binary else None  # how found
+    if origin == "PATH" and binary == wheel_engine() and not shutil.which(config.smolvm):
+        origin = "the smolmachines package of this Python (smolvm is not on PATH)"
     facts: dict[str, Any] = {"served": True, "usable": True, "reason": None, "insideGuest": guest}
     facts["hypervisor"] = {"present": hypervisor_ok, "detail": hypervisor_reason}
     facts["smolvm"] = {"path": binary, "version": running, "from": origin}
@@ -4143,8 +4141,7 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     return facts
 
 
-def rollout_port_taken() -> bool:
-    """Whether something listens on 127.0.0.1:10081, the port every serve binds."""
+def rollout_port_taken() -> bool:  # 127.0.0.1:10081: every serve binds it
     with socket.socket() as probe:
         probe.settimeout(0.2)
         return probe.connect_ex(("127.0.0.1", 10081)) == 0
@@ -4193,9 +4190,8 @@ def targets_document(app: SmolMcp) -> dict:
 # ---------------------------------------------------------------------------
 # 10. Sessions and cleanup
 #
-# A machine whose name starts with machinePrefix is ephemeral: the session that
-# created it deletes it when the session ends. Local records are files in the
-# runtime directory, so the next process deletes what a SIGKILLed one left.
+# A machine whose name starts with machinePrefix is ephemeral: its session deletes it when it ends.
+# Local records in the runtime directory let the next process delete what a SIGKILLed one left.
 # ---------------------------------------------------------------------------
 
 NOT_THE_SESSIONS_MACHINE = "not deleted: a machine of that name is no longer the one it made"
@@ -4207,8 +4203,7 @@ class Session:
     def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
         self.app, self.id, self.tasks = app, session_id, tasks  # tasks: where its pollers run
         self.machines: dict[str, set[str]] = {}
-        sessions = Path(app.config.runtime_dir) / "sessions"
-        self.record_path = sessions / f"{os.getpid()}-{session_id}.json"
+        self.record_path = Path(app.config.runtime_dir, "sessions", f"{os.getpid()}-{self.id}.json")
         self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
         self.asked_fleet = self.ended = False
         self.chose_during: Any = None  # the call whose question made the choice
@@ -4220,8 +4215,7 @@ class Session:
         self.identities: dict[tuple[str, str], str] = {}  # (fleet, name) -> machine_identity()
         self.spent: set[str] = set()  # nonces of 2026-era confirmations already answered
         self.gone_requests: set = set()  # over HTTP: ids of requests whose client hung up
-        self.held = 0  # its calls waiting for approval: a revoked token's are answered first
-        self.revoked_at: float | None = None
+        self.held, self.revoked_at = 0, None  # calls awaiting approval: answered first when revoked
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
         self.http_id = self.protocol = None  # handshake era over HTTP: Mcp-Session-Id, version
 
@@ -4254,11 +4248,10 @@ class Session:
     def remember(self, fleet: str, name: str) -> bool:
         """Record an ephemeral machine; False if it was recorded already."""
         names = self.machines.setdefault(fleet, set())
-        if name in names:
-            return False
-        names.add(name)
-        self._save()
-        return True
+        if added := name not in names:
+            names.add(name)
+            self._save()
+        return added
 
     def forget(self, fleet: str, name: str) -> None:
         if name in self.machines.get(fleet, set()):
@@ -4272,8 +4265,7 @@ class Session:
             if not names:
                 self.record_path.unlink(missing_ok=True)
                 return
-            # The parent first: it is what keeps others out.
-            ensure_runtime_dir(self.app.config.runtime_dir)
+            ensure_runtime_dir(self.app.config.runtime_dir)  # the parent first: it keeps others out
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
             pid, endpoint = os.getpid(), self.app.local.endpoint
             record = dict(pid=pid, started=process_start_time(pid), endpoint=endpoint)
@@ -4304,15 +4296,17 @@ class Session:
 
     def replaced(self, fleet: Fleet, names: list[str]) -> list[str]:
         """The names now held by another machine than the one this session made."""
-        found = []
-        for name in names:
-            made = self.identities.get((fleet.name, name))
-            try:
-                if made is not None and machine_identity(fleet.get_machine(name)) != made:
-                    found.append(name)
-            except SmolError:  # gone, or unreadable: the delete says which
-                pass
-        return found
+        made = {name: self.identities.get((fleet.name, name)) for name in names}
+        return [name for name in names if not same_machine(fleet, name, made[name])]
+
+
+def same_machine(fleet: Any, name: str, identity: str | None, record: dict | None = None) -> bool:
+    """Whether ``name`` is still the machine whose machine_identity() was ``identity``; an unknown
+    identity says yes, and so does a machine gone or unreadable: the call on it says which."""
+    try:
+        return identity is None or machine_identity(record or fleet.get_machine(name)) == identity
+    except SmolError:
+        return True
 
 
 class SessionSlots:
@@ -4361,8 +4355,7 @@ def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
     return gone, []
 
 
-def describe(err: BaseException) -> str:
-    """An error for a log line: our sentence as it is, anything else with its type."""
+def describe(err: BaseException) -> str:  # for a log line
     return str(err) if isinstance(err, SmolError) else f"{type(err).__name__}: {err}"
 
 
@@ -4421,8 +4414,7 @@ def process_alive(pid: int, started: int | None = None) -> bool:
     fields = _proc_stat(pid)
     if fields is None:
         return not Path("/proc/self/stat").exists()  # no /proc at all (macOS): the signal answered
-    known = started is None or (len(fields) > 19 and int(fields[19]) == started)
-    return fields[0] not in ("Z", "X") and known
+    return fields[0] not in ("Z", "X") and started in (None, process_start_time(pid))
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
@@ -4438,12 +4430,11 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
             continue
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
-        kept = [name for name, _ in refused]
         for name, err in refused:
             log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
         with bookkeeping(runtime_dir):
-            if kept:  # try again at the next start rather than forget them
-                write_json(path, {**record, "machines": kept}, mode=0o666)
+            if refused:  # try again at the next start rather than forget them
+                write_json(path, {**record, "machines": [name for name, _ in refused]}, mode=0o666)
             else:
                 path.unlink(missing_ok=True)
     if deleted:
@@ -4580,13 +4571,11 @@ class StateFile:
             signature = None
         with self._lock:
             if signature != self._signature:
-                self._data = self._load() if signature else self.empty()
-                self._signature = signature
+                self._signature, self._data = signature, self._load() if signature else self.empty()
             self._checked = time.monotonic()  # not after a failed load: that is seen every time
             return self._data
 
-    def expire(self) -> None:
-        """The next read looks at the file again."""
+    def expire(self) -> None:  # the next read looks at the file again
         self._checked = -self.recheck_secs
 
     def _load(self) -> Any:
@@ -4617,23 +4606,16 @@ class StateFile:
             raise SmolError(f"cannot write {self.path} ({exc.strerror}); {fix}") from None
 
 
-class locked:
-    """Hold an exclusive lock on the file ``path`` (made 0600), which other processes
-    honour. A class, not @contextmanager: that one writes ``__traceback__`` onto an
-    exception passing through, which a frozen one (the SDK's RegistrationError) refuses."""
-
-    def __init__(self, path: Path):
-        self.descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-    def __enter__(self) -> None:
-        try:
-            fcntl.flock(self.descriptor, fcntl.LOCK_EX)
-        except BaseException:
-            os.close(self.descriptor)
-            raise
-
-    def __exit__(self, *exc_info: Any) -> None:
-        os.close(self.descriptor)  # closing releases the lock
+def locked(path: Path) -> Any:
+    """Lock ``path`` (made 0600) exclusively until the returned file closes: ``with locked(path):``.
+    Not @contextmanager: it sets ``__traceback__`` on a passing error; a frozen one refuses that."""
+    held = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "rb")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+    except BaseException:
+        held.close()
+        raise
+    return held
 
 
 def secret_hash(secret: str) -> str:
@@ -4641,7 +4623,6 @@ def secret_hash(secret: str) -> str:
 
 
 def new_token_secret() -> str:
-    """A fresh secret: 256 random bits, with a prefix that says what it is."""
     return TOKEN_SECRET_PREFIX + secrets_module.token_urlsafe(32)
 
 
@@ -4784,22 +4765,20 @@ class Owners:
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
             fleets = list(data.values()) if isinstance(data, dict) else [None]
-            if not all(isinstance(names, dict) for names in fleets):
-                return False
-            return all(isinstance(o, (str, dict)) for names in fleets for o in names.values())
+            nested = all(isinstance(names, dict) for names in fleets)
+            return nested and all(isinstance(o, (str, dict)) for n in fleets for o in n.values())
 
         self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict, valid)
         # read by every get-machine: looked at again at most twice a second
         self.jobs = StateFile(Path(state_dir) / JOBS_FILE, dict, recheck_secs=0.5)
 
     def owner(self, fleet: str, name: str) -> str | None:
-        held = self.file.read().get(fleet, {}).get(name)
-        return held.get("owner") if isinstance(held, dict) else held
+        return self.claimed(fleet, name)[0]
 
-    def identity(self, fleet: str, name: str) -> str | None:
-        """machine_identity() of the machine claimed, once its create answered."""
+    def claimed(self, fleet: str, name: str) -> tuple[str | None, str | None]:
+        """Who claimed ``name`` and, once its create answered, machine_identity() of the machine."""
         held = self.file.read().get(fleet, {}).get(name)
-        return held.get("id") if isinstance(held, dict) else None
+        return (held.get("owner"), held.get("id")) if isinstance(held, dict) else (held, None)
 
     def claim(self, fleet: str, name: str, owner: str, identity: str | None = None) -> None:
         held = {"owner": owner, "id": identity} if identity else owner
@@ -4848,15 +4827,8 @@ class OwnedFleet:
 
     def mine(self, name: str, record: dict | None = None) -> bool:
         """Whether ``name`` is this owner's and still the machine it created, not one made again."""
-        if self._owners.owner(self._fleet.name, name) != self._owner:
-            return False
-        identity = self._owners.identity(self._fleet.name, name)
-        if identity is None:
-            return True
-        try:
-            return machine_identity(record or self._fleet.get_machine(name)) == identity
-        except SmolError:  # gone: the method itself answers as for any missing machine
-            return True
+        owner, identity = self._owners.claimed(self._fleet.name, name)
+        return owner == self._owner and same_machine(self._fleet, name, identity, record)
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._fleet, attr)
@@ -4864,15 +4836,12 @@ class OwnedFleet:
             return value
         if attr == "list_machines":
             return lambda: [m for m in value() if self.mine(m["name"], m)]
+        return functools.partial(self._guarded, value)
 
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            if args and isinstance(args[0], str) and not self.mine(args[0]):
-                return self._as_missing(value, args, kwargs)
-            return value(*args, **kwargs)
-
-        return guarded
-
-    def _as_missing(self, method: Callable, args: tuple, kwargs: dict) -> Any:
+    def _guarded(self, method: Callable, /, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on a machine of this owner's; on another's, as on a missing machine."""
+        if not args or not isinstance(args[0], str) or self.mine(args[0]):
+            return method(*args, **kwargs)
         name = args[0]
         absent = f"{self._fleet.config.machine_prefix}absent-{secrets_module.token_hex(8)}"
         try:
@@ -4893,9 +4862,8 @@ class Access:
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         environ = os.environ if environ is None else environ
         self.state_dir = state = config.state_dir or default_state_dir(dict(environ))
-        self.tokens, self.owners = TokenStore(state), Owners(state)
+        self.tokens, self.owners, self.auto = TokenStore(state), Owners(state), AutoApprovals(state)
         self.activity, self.desk = ActivityLog(state), ApprovalDesk(state)
-        self.auto = AutoApprovals(state)
         self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
         self.default = Principal("default", frozenset(SCOPES), id="default")
         stdio = dict(approval=config.approval, kind="stdio", user=os_user(), id="stdio")
@@ -4938,12 +4906,11 @@ class Access:
 
 
 # -- Activity log and approvals ------------------------------------------------
-#
 # What an agent changed is written down before it is told the result, and any change can be held
 # until a person on the host answers. Both are plain files in the state directory, shared by server
 # processes and terminal commands without a daemon: the log is appended under a file lock; an
-# approval is a request file (naming the waiting process: pid and start time, so no request
-# outlives it) and the answer file `approvals approve|deny` writes next to it.
+# approval is a request file naming the waiting process (pid and start time: no request outlives
+# it) and the answer file `approvals approve|deny` writes next to it.
 
 ACTIVITY_URI, ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "smol://activity", "activity.jsonl", 5
 ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
@@ -5040,13 +5007,11 @@ class ActivityLog:
                         self.older(index).replace(self.older(index + 1))
                 self.path.replace(self.older(1))
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                written = os.write(fd, line)
+            with open(fd, "ab", buffering=0) as out:
+                written = out.write(line)
                 if written != len(line):  # a full disk: never leave half a line behind
-                    os.ftruncate(fd, os.fstat(fd).st_size - written)
+                    out.truncate(os.fstat(fd).st_size - written)
                     raise OSError(28, "No space left on device")
-            finally:
-                os.close(fd)
 
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
@@ -5097,7 +5062,6 @@ def sees_own_activity_only(principal: Principal) -> bool:
 
 
 def waiting_process_alive(request: dict) -> bool:
-    """Whether the process named in an approval request is the one still running."""
     pid = request.get("pid")  # the start times are both None without /proc
     alive = isinstance(pid, int) and process_alive(pid)
     return alive and process_start_time(pid) == request.get("pidStart")
@@ -5114,8 +5078,7 @@ class ApprovalDesk:
             raise SmolError(f"{approval_id!r} is not an approval id; `approvals list` shows them")
         return self.directory / f"{approval_id}.{kind}.json"
 
-    def open(self, request: dict) -> str:
-        """File a request for this process and return its id."""
+    def open(self, request: dict) -> str:  # returns the request's id
         ensure_state_dir(self.directory.parent)
         self.directory.mkdir(mode=0o700, exist_ok=True)
         approval_id, pid = secrets_module.token_hex(6), os.getpid()
