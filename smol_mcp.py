@@ -2872,20 +2872,23 @@ OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}
 @dataclass(eq=False)  # a tool is one object: compared and hashed by identity
 class ToolSpec:
     """One tool: the handler that answers it (tool_list_machines answers list-machines), and
-    what the client is shown: ``hints`` names the annotations that are true."""
+    what the client is shown. ``access`` is the scope level that grants it (section 11), then
+    the annotations that are true: "exec: destructive open_world"."""
 
     handler: Callable
     title: str
     description: str
     input_schema: dict
     output_schema: dict
-    hints: str = ""
+    access: str
     name: str = field(init=False)
+    level: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.name = self.handler.__name__.removeprefix("tool_").replace("_", "-")
+        self.level, _, hints = self.access.partition(":")
         for hint in ("read_only", "destructive", "idempotent", "open_world"):
-            setattr(self, hint, hint in self.hints.split())
+            setattr(self, hint, hint in hints.split())
 
 
 class Call:
@@ -3984,7 +3987,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "ports. Changes nothing.",
         _object({}),
         _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
-        "read_only idempotent",
+        "read: read_only idempotent",
     ),
     ToolSpec(
         tool_get_machine,
@@ -3998,7 +4001,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             {"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
             {"egress": EGRESS_WITH_DENIALS},
         ),
-        "read_only idempotent",
+        "read: read_only idempotent",
     ),
     ToolSpec(
         tool_create_machine,
@@ -4028,7 +4031,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             start=_boolean("Start it and wait for the guest (default true)."),
         ),
         OUT_CREATED,
-        "open_world",
+        "manage: open_world",
     ),
     ToolSpec(
         tool_run_command,
@@ -4040,7 +4043,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "failed command lists the connections the egress policy refused (egressDenied).",
         _input("name command", name=ARG_NAME, **ARG_EXEC),
         _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
-        "destructive open_world",
+        "exec: destructive open_world",
     ),
     ToolSpec(
         tool_run_once,
@@ -4050,7 +4053,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         '"open" or an allow-list is given.',
         _input("image command", image=ARG_IMAGE, **ARG_EXEC, **SIZE_ARGS, **NETWORK_ARGS),
         _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
-        "open_world",
+        "exec: open_world",
     ),
     ToolSpec(
         tool_read_file,
@@ -4074,7 +4077,7 @@ TOOLS: tuple[ToolSpec, ...] = (
                 "bytes:integer eof:boolean startedMachine:boolean"
             )
         ),
-        "idempotent",  # not read-only: it starts a stopped machine
+        "exec: idempotent",  # not read-only: it starts a stopped machine
     ),
     ToolSpec(
         tool_write_file,
@@ -4090,7 +4093,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             encoding=ARG_ENCODING,
         ),
         _out(_types("path:string bytes:integer startedMachine:boolean")),
-        "destructive idempotent",
+        "exec: destructive idempotent",
     ),
     ToolSpec(
         tool_start_machine,
@@ -4099,7 +4102,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "machine is left as it is.",
         _input("name", name=ARG_NAME, wait=ARG_WAIT),
         _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
-        "idempotent open_world",
+        "manage: idempotent open_world",
     ),
     ToolSpec(
         tool_branch_machine,
@@ -4114,6 +4117,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             wait=ARG_WAIT,
         ),
         OUT_CREATED,
+        "manage",
     ),
     ToolSpec(
         tool_stop_machine,
@@ -4122,7 +4126,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "runs in it is ended.",
         ARG_NAME_ONLY,
         _out({"machine": OUT_MACHINE}),
-        "destructive idempotent",
+        "manage: destructive idempotent",
     ),
     ToolSpec(
         tool_delete_machine,
@@ -4130,7 +4134,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
         ARG_NAME_ONLY,
         _out(_types("deleted:string"), _types("usage:object")),
-        "destructive",
+        "manage: destructive",
     ),
     ToolSpec(
         tool_machine_logs,
@@ -4146,7 +4150,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             cursor=_string("The cursor from the previous machine-logs call."),
         ),
         _out(_types("lines:string[] cursor:string")),
-        "read_only",
+        "read: read_only",
     ),
     ToolSpec(
         tool_pull_image,
@@ -4155,7 +4159,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "is started to do it).",
         _input("name image", name=ARG_NAME, image=ARG_IMAGE),
         _out(_types("image:object")),
-        "idempotent open_world",
+        "manage: idempotent open_world",
     ),
     ToolSpec(
         tool_start_job,
@@ -4175,7 +4179,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             env=ARG_ENV,
         ),
         _out(_types("jobId:string state:string timeoutSecs:integer startedMachine:boolean")),
-        "destructive open_world",
+        "exec: destructive open_world",
     ),
     ToolSpec(
         tool_read_job,
@@ -4192,7 +4196,7 @@ TOOLS: tuple[ToolSpec, ...] = (
                 **_types("eof:boolean"),
             }
         ),
-        "read_only",
+        "read: read_only",
     ),
     ToolSpec(
         tool_cancel_job,
@@ -4201,7 +4205,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "that has already ended is left as it is, so repeating the call is harmless.",
         _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
         _out(OUT_JOB_STATE),
-        "destructive idempotent",
+        "exec: destructive idempotent",
     ),
     ToolSpec(
         tool_allow_egress,
@@ -4228,7 +4232,7 @@ TOOLS: tuple[ToolSpec, ...] = (
                 changed={"type": "boolean"},
             )
         ),
-        "destructive",  # removals narrow it; a repeated removal is refused
+        "manage: destructive",  # removals narrow it; a repeated removal is refused
     ),
 )
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
@@ -4655,13 +4659,8 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 SCOPE_DOMAINS = ("machines", "sandbox")
 SCOPE_LEVELS = ("read", "manage", "exec")
 SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "activity.read")
-TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is granted to nobody
-    **dict.fromkeys("list-machines get-machine machine-logs read-job".split(), "read"),
-    **dict.fromkeys("create-machine start-machine stop-machine delete-machine".split(), "manage"),
-    **dict.fromkeys("branch-machine pull-image allow-egress".split(), "manage"),
-    **dict.fromkeys("run-command run-once read-file write-file".split(), "exec"),
-    **dict.fromkeys("start-job cancel-job".split(), "exec"),
-}
+# Each tool's scope level, from its ToolSpec.access; a tool without one is granted to nobody.
+TOOL_LEVELS = {tool.name: tool.level for tool in TOOLS if tool.level}
 APPROVAL_MODES = ("none", "changes")
 SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
     "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
