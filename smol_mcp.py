@@ -2682,11 +2682,10 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # ---------------------------------------------------------------------------
 # 8. Tools
 #
-# The tools: those of the TypeScript smol-mcp with its names, arguments and
-# result shapes, then jobs and allow-egress. Each handler gets a Call (its fleet, its session, a
-# way to run a blocking API call in a worker thread, a progress reporter) and the validated
-# arguments, and returns the structured result. A SmolError becomes a tool error; anything
-# else is logged and reported without a stack trace.
+# The tools: those of the TypeScript smol-mcp with its names, arguments and result shapes, then
+# jobs and allow-egress. Each handler gets a Call (its fleet, its session, a way to run a blocking
+# API call in a worker thread, a progress reporter) and the validated arguments, and returns the
+# structured result. A SmolError becomes a tool error; anything else is logged, with no stack trace.
 # ---------------------------------------------------------------------------
 
 CLEANUP_TIMEOUT_SECS = 20
@@ -2729,8 +2728,7 @@ def _input(required: str, **properties: dict) -> dict:
 
 
 def _types(fields: str) -> dict:
-    """Schema properties from "name:type" words: a type ending in ? may also be
-    null, one ending in [] is an array of that type."""
+    """Schema properties from "name:type" words: type? may also be null, type[] is an array."""
     properties: dict[str, dict] = {}
     for field_ in fields.split():
         name, kind = field_.split(":")
@@ -2822,33 +2820,35 @@ OUT_MACHINE = _out(
     ),
     description="A machine, with the same keys on every fleet.",
 )
-ARG_EGRESS_HOSTS = _list(
-    description="Host names to allow, such as pypi.org; each covers its subdomains too.",
-    items=_string("A host name.", minLength=1, maxLength=253),
-)
-ARG_EGRESS_PATTERNS = _list(
-    description="Patterns to allow: an exact host name, or *.domain for its subdomains only.",
-    items=_string("A host name or *.domain.", minLength=1, maxLength=255),
-)
-ARG_EGRESS_CIDRS = _list(
-    description="Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 or "
-    "narrower); never loopback, link-local or private ranges.",
-    items=_string("An address range.", minLength=1, maxLength=64),
-)
-ARG_EGRESS_REMOVE = {
-    **_input(
-        "",
-        hosts=_list(
-            items=_string("A listed entry.", minLength=1, maxLength=255),
-            description="Host names or patterns to take off, as get-machine lists them.",
-        ),
-        cidrs=_list(
-            items=_string("A listed range.", minLength=1, maxLength=64),
-            description="Address ranges to take off, as get-machine lists them.",
-        ),
+EGRESS_ARGS = dict(  # allow-egress's, after the name
+    hosts=_list(
+        description="Host names to allow, such as pypi.org; each covers its subdomains too.",
+        items=_string("A host name.", minLength=1, maxLength=253),
     ),
-    "description": "Entries to take off the allow list; at least one entry must remain.",
-}
+    hostPatterns=_list(
+        description="Patterns to allow: an exact host name, or *.domain for its subdomains only.",
+        items=_string("A host name or *.domain.", minLength=1, maxLength=255),
+    ),
+    cidrs=_list(
+        description="Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 "
+        "or narrower); never loopback, link-local or private ranges.",
+        items=_string("An address range.", minLength=1, maxLength=64),
+    ),
+    remove={
+        **_input(
+            "",
+            hosts=_list(
+                items=_string("A listed entry.", minLength=1, maxLength=255),
+                description="Host names or patterns to take off, as get-machine lists them.",
+            ),
+            cidrs=_list(
+                items=_string("A listed range.", minLength=1, maxLength=64),
+                description="Address ranges to take off, as get-machine lists them.",
+            ),
+        ),
+        "description": "Entries to take off the allow list; at least one entry must remain.",
+    },
+)
 OUT_EGRESS = _out(
     _types("open:boolean hosts:string[] cidrs:string[]"),
     description="A local machine's egress policy.",
@@ -3001,8 +3001,8 @@ class Call:
 
 
 def egress_entries(args: dict, key: str, config: Config, pattern: bool | None = None) -> list[str]:
-    """The entries of ``args[key]``, each held to allow-egress's rules: host
-    names (with ``pattern``, *.domain too), or without ``pattern``, address ranges."""
+    """The entries of ``args[key]`` held to allow-egress's rules: host names (with ``pattern``,
+    *.domain too), or without ``pattern``, address ranges."""
     entries = enumerate(args.get(key) or [])
     if pattern is None:
         return [egress_cidr(value, f"{key}[{i}]", config) for i, value in entries]
@@ -3014,14 +3014,14 @@ def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list
     rules. An allow-list narrows egress, so it cannot be combined with an explicit network."""
     hosts = egress_entries(args, "allowHosts", config, True)
     cidrs = egress_entries(args, "allowCidrs", config)
-    if (hosts or cidrs) and "network" in args:
+    if not (hosts or cidrs):
+        return args.get("network", default), [], []
+    if "network" in args:
         raise ArgumentError(
             f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
             "allow-list already means egress to those destinations only. Pass one or the other."
         )
-    if hosts or cidrs:
-        return "blocked", hosts, cidrs
-    return args.get("network", default), [], []
+    return "blocked", hosts, cidrs
 
 
 def exec_options(args: dict, timeout: int) -> dict:
@@ -3328,8 +3328,7 @@ EGRESS_HINT_NO_SCOPE = (
 
 
 def parse_event_time(value: Any) -> datetime.datetime | None:
-    """An RFC 3339 denial time; None for the empty string the engine writes
-    when its log line had no parseable time."""
+    """An RFC 3339 denial time; None for the "" the engine writes for a line without one."""
     try:
         return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
     except (AttributeError, TypeError, ValueError):
@@ -4216,14 +4215,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
         "open) must be stopped first, and this tool never stops one. The result has the allow "
         "list before and after. Local fleet only.",
-        _input(
-            "name",
-            name=ARG_NAME,
-            hosts=ARG_EGRESS_HOSTS,
-            hostPatterns=ARG_EGRESS_PATTERNS,
-            cidrs=ARG_EGRESS_CIDRS,
-            remove=ARG_EGRESS_REMOVE,
-        ),
+        _input("name", name=ARG_NAME, **EGRESS_ARGS),
         _out(
             dict(
                 machine=OUT_MACHINE,
