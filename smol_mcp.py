@@ -2860,8 +2860,11 @@ OUT_DENIALS = {
     "items": {"type": "object", "properties": DENIAL},
 }
 OUT_JOB_STATE = _types("jobId:string state:string exitCode:integer?")
-OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
-OUT_NEXT_OFFSET = {"type": "object", "properties": _types("stdout:integer stderr:integer")}
+OUT_JOBS = {"type": ["array", "null"], "items": {"type": "object", "properties": OUT_JOB_STATE}}
+OUT_JOB_PAGE = {  # read-job's, after the state and the streams
+    "nextOffset": {"type": "object", "properties": _types("stdout:integer stderr:integer")},
+    **_types("eof:boolean"),
+}
 OUT_EXEC_PROPERTIES = _types(
     "stdout:string stderr:string exitCode:integer truncated:boolean timedOut:boolean "
     "overflow:string[] startedMachine:boolean"
@@ -3996,10 +3999,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         # (on the local fleet the result also has the egress allow list and, under a
         # restricted policy when asked or after a failed command, the recent refusals)
         _input("name", name=ARG_NAME, include=ARG_INCLUDE),
-        _out(
-            {"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
-            {"egress": EGRESS_WITH_DENIALS},
-        ),
+        _out({"machine": OUT_MACHINE, "jobs": OUT_JOBS}, {"egress": EGRESS_WITH_DENIALS}),
         "read: read_only idempotent",
     ),
     ToolSpec(
@@ -4187,14 +4187,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
         "the next page; eof says the job has ended and everything was read. Changes nothing.",
         _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET),
-        _out(
-            {
-                **OUT_JOB_STATE,
-                **_types("stdout:string stderr:string"),
-                "nextOffset": OUT_NEXT_OFFSET,
-                **_types("eof:boolean"),
-            }
-        ),
+        _out({**OUT_JOB_STATE, **_types("stdout:string stderr:string"), **OUT_JOB_PAGE}),
         "read: read_only",
     ),
     ToolSpec(
@@ -4217,12 +4210,8 @@ TOOLS: tuple[ToolSpec, ...] = (
         "list before and after. Local fleet only.",
         _input("name", name=ARG_NAME, **EGRESS_ARGS),
         _out(
-            dict(
-                machine=OUT_MACHINE,
-                before=OUT_EGRESS,
-                after=OUT_EGRESS,
-                changed={"type": "boolean"},
-            )
+            dict(machine=OUT_MACHINE, before=OUT_EGRESS, after=OUT_EGRESS)
+            | _types("changed:boolean")
         ),
         "manage: destructive",  # removals narrow it; a repeated removal is refused
     ),
