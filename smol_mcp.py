@@ -2895,8 +2895,7 @@ class ToolSpec:
 
 
 class Call:
-    """What one tool call needs: its fleet, its session, worker threads for the
-    blocking API, and progress notifications for the long waits."""
+    """One tool call: its fleet and session, worker threads for the blocking API, progress."""
 
     def __init__(
         self, app: SmolMcp, session: Session, fleet: Fleet, ctx: Any, principal=None, params=None
@@ -2918,10 +2917,9 @@ class Call:
         return await self.with_heartbeat(run, waiting)
 
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
-        """Await ``run()`` while progress says what the call waits on: with ``waiting``, at
-        once and every few seconds until it returns; without, only once it has taken longer than
-        that (an API that asked us to wait and retry, say); with "", never (the caller reports
-        progress itself). Until a beat is due it is a timer, so a quick call starts no task."""
+        """Await ``run()`` while progress says what it waits on: with ``waiting``, at once and
+        every few seconds; without, only once it takes that long (an API asking us to retry, say);
+        with "", never (the caller reports). Until a beat is due, a timer: a quick call, no task."""
         if waiting == "":
             return await run()
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
@@ -2947,8 +2945,7 @@ class Call:
     async def create(self, function: Callable, *args: Any, waiting: str) -> Any:
         """Run a call that creates a machine to its end, even if the tool call is cancelled:
         abandoned, it could create a machine after the cleanup ran, and nobody would delete it."""
-        # The wait for one of the session's slots can be cancelled (nothing exists
-        # yet); once it has one, the create runs to its end whatever happens.
+        # Waiting for a slot may be cancelled (nothing exists yet); the create itself may not.
         async with self.session.call_slots():
             limiter = anyio.CapacityLimiter(1)  # the slot above is the real bound
             work = functools.partial(function, *args)
@@ -3045,9 +3042,8 @@ def is_boot_failure(err: BaseException) -> bool:
 def explain_start_failure(
     err: Exception, network: str | None, log_lines: list[str] | None = None
 ) -> Exception:
-    """Add the one sentence that says what to do about a failed start.
-    ``log_lines``, when given, are the last console lines of a machine that has
-    been deleted since (so pointing at machine-logs would lead nowhere)."""
+    """Add the one sentence that says what to do about a failed start; ``log_lines``: the last
+    console lines of a machine deleted since (so pointing at machine-logs would lead nowhere)."""
     if not isinstance(err, ApiError):
         return err
     text = err.api_message
@@ -3197,8 +3193,8 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
 async def stream_in_machine(
     call: Call, name: str, pid_file: str, argv: list[str], options: dict
 ) -> ExecResult:
-    """run_in_machine's stream route: progress from the stream, the result
-    from the guest's copy (the stream's own when the guest kept none)."""
+    """run_in_machine's stream route: progress from the stream, the result from the guest's copy
+    (the stream's own when the guest kept none)."""
     # Each stream's newest line and its number, written by the worker thread. Both keys
     # exist from the start, so the loop reads a dict that never changes size.
     last = {"stdout": (0, ""), "stderr": (0, "")}
@@ -3260,10 +3256,9 @@ async def stream_in_machine(
 async def budget_exec(
     call: Call, name: str, result: ExecResult, timeout: int, since: datetime.datetime, once: bool
 ) -> dict:
-    """The run-command result: each stream within maxOutputBytes and both within replyTokens
-    (less a reserve for the other fields); a stream that did not fit is written whole into the
-    machine, its path in ``overflow`` (not by run-once, ``once``, whose machine is deleted as it
-    answers); a failed command's egress denials added."""
+    """The run-command result: each stream within maxOutputBytes, both within replyTokens; a
+    stream that did not fit is written whole into the machine, its path in ``overflow`` (not by
+    run-once, ``once``, whose machine is deleted as it answers); a failure's egress denials too."""
     limit = call.config.max_output_bytes
     # A stream longer than twice the byte limit is cut whatever it costs: its
     # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
@@ -3339,9 +3334,8 @@ def parse_event_time(value: Any) -> datetime.datetime | None:
 
 
 def group_denials(events: list[dict], since: datetime.datetime | None = None) -> list[dict]:
-    """Denials grouped by destination and operation, in the order first seen: {dest,
-    operation, count, firstAt, lastAt}. With ``since``, only those recorded from then on (a
-    denial without a time cannot be placed, so it is left out of a window)."""
+    """Denials grouped by destination and operation, in the order first seen: {dest, operation,
+    count, firstAt, lastAt}. With ``since``, only those timed from then on (untimed ones: not)."""
     groups: dict[tuple[str, str], dict] = {}
     for event in events:
         when = parse_event_time(event.get("timestamp"))
@@ -3359,9 +3353,8 @@ def group_denials(events: list[dict], since: datetime.datetime | None = None) ->
 async def note_egress_denials(
     call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool
 ) -> dict:
-    """Add egressDenied (and its hint) to the result of a command that failed or
-    timed out, on a fleet whose engine records denials; a failure to read them changes nothing.
-    ``once``: the machine is run-once's, deleted right after, so the hint is to run again."""
+    """Add egressDenied (and its hint) to a failed or timed-out command's result where the engine
+    records denials (unreadable ones change nothing); ``once``: run-once's, the hint is to rerun."""
     failed = shaped["exitCode"] != 0 or shaped["timedOut"]
     if call.fleet.amends_egress:  # get-machine reads the refusals after a failed command
         getattr(call.app.failed_last, "add" if failed else "discard")((call.fleet.name, name))
@@ -3461,10 +3454,9 @@ async def create_recorded(
     call: Call, name: str, create: Callable, *args: Any, owner: str | None = None
 ) -> dict:
     """Create a machine (or a branch child) so the session's record stays true: an ephemeral name
-    is recorded before the call (a crash right after it still cleans up), and forgotten only if the
-    API refused it and this call recorded it; its owner (the caller, or a branch source's owner)
-    likewise. A record the engine proves stale (it accepted the name) is replaced: a machine
-    deleted behind our back must not hand its name's next one to the old owner."""
+    is recorded before the call (a crash right after still cleans up), forgotten only if the API
+    refused it and this call recorded it; its owner (the caller, or a branch source's) likewise. A
+    record the engine proves stale (it took the name) is replaced: it is not the old owner's."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
     owners, owner = call.app.access.owners, owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
@@ -3622,9 +3614,8 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
 
 
 def log_cursor(lines: list[str], end: int) -> str:
-    """Where a reader stopped: how many lines it has seen and a digest of the last few
-    (one blank or repeated line is found in many places), so the place is found again when the
-    cloud's tail window (the cloud log route has no cursor) has moved on."""
+    """Where a reader stopped: lines seen and a digest of the last few (one line recurs), so the
+    place is found again when the cloud's tail window (its log route has no cursor) has moved."""
     last = "\n".join(lines[max(0, end - CURSOR_LINES) : end]).encode()
     return f"{end}:{hashlib.sha256(last).hexdigest()[:12] if end else ''}"
 
@@ -3707,8 +3698,7 @@ PUBLIC_SUFFIXES = frozenset(
 
 
 def egress_refusal(network: Any, config: Config) -> str | None:
-    """Why an allow list may not hold this range, or None: it touches a
-    forbidden range and no egressPrivateCidrs entry holds it."""
+    """Why an allow list may not hold this range (it touches a forbidden one), or None."""
     for cidr in config.egress_private_cidrs:
         allowed = ipaddress.ip_network(cidr)
         if allowed.version == network.version and network.subnet_of(allowed):
@@ -3786,9 +3776,8 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
 
 
 def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]:
-    """(the UpdateEgressRequest body, the allow list it should leave) for allow-egress's
-    arguments against the current policy. Entries already listed are dropped; removals must name
-    listed entries; a change that would leave no entry (to the engine: allow all) is refused."""
+    """(the UpdateEgressRequest body, the allow list it leaves) for allow-egress's arguments:
+    listed entries dropped, removals must be listed, no entry left (engine: allow all) refused."""
     hosts = egress_entries(args, "hosts", config, False)
     patterns = egress_entries(args, "hostPatterns", config, True)
     cidrs = egress_entries(args, "cidrs", config)
