@@ -3260,19 +3260,16 @@ async def budget_exec(
     stream that did not fit is written whole into the machine, its path in ``overflow`` (not by
     run-once, ``once``, whose machine is deleted as it answers); a failure's egress denials too."""
     limit = call.config.max_output_bytes
+    streams = (("stdout", result.stdout), ("stderr", result.stderr))
     # A stream longer than twice the byte limit is cut whatever it costs: its
     # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
-    costs = [
-        est_tokens(data[: 2 * limit].decode("utf-8", "surrogateescape"))
-        for data in (result.stdout, result.stderr)
-    ]
+    costs = [est_tokens(out[: 2 * limit].decode("utf-8", "surrogateescape")) for _, out in streams]
     shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
     # 124 is what the guest reports for a command it killed at its timeout
     timed_out = result.exit_code == 124 and result.seconds >= timeout - 1
     shaped: dict[str, Any] = dict.fromkeys(("stdout", "stderr"), "")
     shaped.update(exitCode=result.exit_code, truncated=False, timedOut=timed_out, overflow=[])
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
-    streams = (("stdout", result.stdout), ("stderr", result.stderr))
     for (stream, data), share in zip(streams, shares):
         lost = ""
         if stream in result.cut_by_service:
@@ -3546,16 +3543,15 @@ async def tool_read_file(call: Call, args: dict) -> dict:
 
 async def tool_write_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
+    data = args["content"].encode("utf-8")
     if encoding == "base64":
         try:
-            data = base64.b64decode(args["content"], validate=True)
+            data = base64.b64decode(data, validate=True)
         except ValueError:
             raise ArgumentError(
                 '"content" is not valid base64; send the bytes base64-encoded, or pass '
                 'encoding: "utf8" for text'
             ) from None
-    else:
-        data = args["content"].encode("utf-8")
     # Readiness first: a file written before the workload's file system is up
     # lands under a path the workload then mounts over, and is never seen.
     started_machine = await ensure_running(call, name)
@@ -3801,10 +3797,9 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
             removed.append(listed[fold(entry)])
     kept_hosts = [h for h in before["hosts"] if h not in removed_hosts]
     kept_cidrs = [c for c in before["cidrs"] if c not in removed_cidrs]
-    new_hosts = [h for h in dict.fromkeys(hosts) if h not in (k.lower() for k in kept_hosts)]
-    new_patterns = [
-        p for p in dict.fromkeys(patterns) if p not in (k.lower() for k in kept_hosts + new_hosts)
-    ]
+    known = {host.lower() for host in kept_hosts}  # hosts and patterns arrive lower-cased
+    new_hosts = [h for h in dict.fromkeys(hosts) if h not in known]
+    new_patterns = [p for p in dict.fromkeys(patterns) if p not in known.union(new_hosts)]
     new_cidrs = [c for c in dict.fromkeys(cidrs) if c not in kept_cidrs]
     after = {"hosts": kept_hosts + new_hosts + new_patterns, "cidrs": kept_cidrs + new_cidrs}
     if not after["hosts"] and not after["cidrs"]:
@@ -3985,8 +3980,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Get a machine",
         "Show one machine: state, image, size, egress, ports, pid and whether it can be "
         "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
-        # (on the local fleet the result also has the egress allow list and, under a
-        # restricted policy when asked or after a failed command, the recent refusals)
+        # (local fleet: also the allow list, and its recent refusals when asked or after a failure)
         _input("name", name=ARG_NAME, include=ARG_INCLUDE),
         _out({"machine": OUT_MACHINE, "jobs": OUT_JOBS}, {"egress": EGRESS_WITH_DENIALS}),
         "read: read_only idempotent",
