@@ -3413,8 +3413,7 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
     network, hosts, cidrs = resolve_network(args, call.config, network_default)
     # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
-    local = call.fleet.mounts_host_paths
-    mounts = args.get("mounts", [])
+    local, mounts = call.fleet.mounts_host_paths, args.get("mounts", [])
     image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
     cpus, memory = args.get("cpus", call.config.cpus), args.get("memoryMb", call.config.memory_mb)
     # the other arguments are MachineSpec's fields by their camelCase names, with its defaults
@@ -3622,10 +3621,8 @@ def lines_after_cursor(lines: list[str], cursor: str) -> int:
     if not count.isdigit():
         raise ArgumentError(f'"cursor" must be a cursor returned by machine-logs, got {cursor!r}')
     seen = int(count)
-    if seen == 0:
-        return 0
-    if seen <= len(lines) and log_cursor(lines, seen) == cursor:
-        return seen
+    if seen == 0 or seen <= len(lines) and log_cursor(lines, seen) == cursor:
+        return seen  # from the start, or the window has not moved
     for end in range(len(lines), 0, -1):  # the window moved: find the run of lines last seen
         if log_cursor(lines, end).partition(":")[2] == digest:
             return end
