@@ -3298,8 +3298,7 @@ async def budget_exec(
                 )
             except SmolError as err:
                 where = f"the whole stream could not be saved in the machine: {err}"
-        shaped[stream], _ = fit_stream(data, limit, share, where)
-        shaped[stream] += lost
+        shaped[stream] = fit_stream(data, limit, share, where)[0] + lost
     return await note_egress_denials(call, name, shaped, since, once)
 
 
@@ -3362,14 +3361,12 @@ async def note_egress_denials(
     except SmolError as err:
         log.info("could not read the egress denials of %s: %s", name, err)
         return shaped
-    denied = group_denials(events, since)
-    if denied:
-        may_amend = granting_scope(call.principal, "allow-egress") is not None
-        hint = EGRESS_HINT.format(name=name) if may_amend else EGRESS_HINT_NO_SCOPE
-        if once:
-            hint = EGRESS_HINT_RUN_ONCE
-        shaped = {**shaped, "egressDenied": denied, "egressHint": hint}
-    return shaped
+    if not (denied := group_denials(events, since)):
+        return shaped
+    may_amend = granting_scope(call.principal, "allow-egress") is not None
+    hint = EGRESS_HINT.format(name=name) if may_amend else EGRESS_HINT_NO_SCOPE
+    hint = EGRESS_HINT_RUN_ONCE if once else hint
+    return {**shaped, "egressDenied": denied, "egressHint": hint}
 
 
 # -- the handlers, in the order of the tools table ---------------------------
@@ -3893,8 +3890,7 @@ async def tool_read_job(call: Call, args: dict) -> dict:
     shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
     next_offset, pages = {}, []
     for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
-        if page.state == "running" or start + len(data) < size:
-            # the rest of a character comes with the next page
+        if page.state == "running" or start + len(data) < size:  # a character's rest: next page
             data = data[: utf8_prefix_end(data, len(data))]
         pages.append(data)
     # Like run-command, both streams share one budget of tokens.
