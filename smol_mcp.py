@@ -2688,15 +2688,12 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # structured result. A SmolError becomes a tool error; anything else is logged, with no stack trace.
 # ---------------------------------------------------------------------------
 
-CLEANUP_TIMEOUT_SECS = 20
+CLEANUP_TIMEOUT_SECS, DELETE_RETRY_PAUSE_SECS, PROGRESS_INTERVAL_SECS = 20, 1, 5
 SESSION_CALL_SLOTS = 8  # blocking calls of one session that run at once; more wait their turn
-DELETE_RETRY_PAUSE_SECS = 1
-PROGRESS_INTERVAL_SECS = 5
 RUNNING_STATES = ("running", "started")  # the cloud reports "started" once the VM process launched
 BOOT_LOG_LINES = 20  # the console lines quoted when a machine could not boot
 CURSOR_LINES = 3  # the run of lines a cursor recognises its place by
-JOB_DEFAULT_TIMEOUT_SECS = 3600
-JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day at most
+JOB_DEFAULT_TIMEOUT_SECS, JOB_MAX_TIMEOUT_SECS = 3600, 24 * 3600  # a job holds its machine: a day
 EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
 EGRESS_RECENT = 50  # denials get-machine shows
 HOST_UNREACHABLE_RE = re.compile(
@@ -2901,8 +2898,7 @@ class Call:
         self, app: SmolMcp, session: Session, fleet: Fleet, ctx: Any, principal=None, params=None
     ):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
-        self.principal = principal or app.access.stdio
-        self.params, self.config = params, app.config
+        self.principal, self.params, self.config = principal or app.access.stdio, params, app.config
         self.started, self._last_progress = time.monotonic(), -1.0
 
     async def api(
