@@ -3077,8 +3077,7 @@ def explain_start_failure(
 
 
 async def start_failure(call: Call, name: str, err: BaseException, network: str) -> BaseException:
-    """explain_start_failure for a machine about to be deleted: a boot failure
-    carries the last lines of its console log (none when the log cannot be read)."""
+    """explain_start_failure for a machine about to be deleted: a boot failure quotes its log."""
     if not is_boot_failure(err):
         return explain_start_failure(err, network) if isinstance(err, Exception) else err
     try:
@@ -3090,14 +3089,12 @@ async def start_failure(call: Call, name: str, err: BaseException, network: str)
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
-    """Return once a command has actually run in the guest. The probe never
-    boots a machine, so one stopped meanwhile is reported, not restarted."""
+    """Return once a command has run in the guest (the probe never restarts a stopped machine)."""
     limit, started, delay = call.config.ready_timeout_secs, time.monotonic(), 0.1
     while True:
         elapsed = int(time.monotonic() - started)
         await call.progress(None, f"waiting for the guest of '{name}': {elapsed} s of {limit} s")
-        not_ready = await call.api(call.fleet.probe_ready, name)
-        if not_ready is None:
+        if (not_ready := await call.api(call.fleet.probe_ready, name)) is None:
             return
         if time.monotonic() - started >= limit:
             raise SmolError(
@@ -3133,13 +3130,12 @@ async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
         return await run(), True
 
 
-# Every command runs under a wrapper that writes its pid in the guest
-# (RUN_PID_DIR/<runId>) and then becomes the command (exec "$@"), so a cancelled
-# call, streamed or not, can end its process group with a second exec
-# (RUN_KILL_SCRIPT). With a progress token it runs through the engine's exec
-# stream route, under RUN_TEE_WRAPPER: SSE cannot carry a bare CR, a NUL or
-# invalid UTF-8, so the stream only feeds progress, and the result is the
-# guest's own copy of the output, read back whole (RUN_READ_BACK).
+# Every command runs under a wrapper that writes its pid in the guest (RUN_PID_DIR/<runId>) and
+# then becomes the command (exec "$@"), so a cancelled call, streamed or not, can end its process
+# group with a second exec (RUN_KILL_SCRIPT). With a progress token it runs through the engine's
+# exec stream route, under RUN_TEE_WRAPPER: SSE cannot carry a bare CR, a NUL or invalid UTF-8, so
+# the stream only feeds progress, and the result is the guest's own copy of the output, read back
+# whole (RUN_READ_BACK).
 RUN_PID_DIR = "/tmp/smol-mcp-run"
 RUN_WRAPPER = '{ mkdir -p "${1%/*}" && echo "$$" >"$1"; } 2>/dev/null; shift; exec "$@"'
 RUN_TEE_WRAPPER = r"""f=$1; shift
@@ -3156,8 +3152,8 @@ n=0; while kill -0 "$p" 2>/dev/null && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1
 kill -KILL -"$p" 2>/dev/null; pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null
 exit 0
 """
-LIVE_OUTPUT_INTERVAL_SECS = 0.3  # at most about three output lines a second reach the client
-LIVE_LINE_CHARS = 200  # a progress message carries at most this much of a line
+# At most about three output lines a second reach the client, each cut to LIVE_LINE_CHARS.
+LIVE_OUTPUT_INTERVAL_SECS, LIVE_LINE_CHARS = 0.3, 200
 
 
 def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
