@@ -2846,10 +2846,8 @@ EGRESS_ARGS = dict(  # allow-egress's, after the name
         "description": "Entries to take off the allow list; at least one entry must remain.",
     },
 )
-OUT_EGRESS = _out(
-    _types("open:boolean hosts:string[] cidrs:string[]"),
-    description="A local machine's egress policy.",
-)
+EGRESS_POLICY = _types("open:boolean hosts:string[] cidrs:string[]")
+OUT_EGRESS = _out(EGRESS_POLICY, description="A local machine's egress policy.")
 DENIAL = _types("dest:string operation:string count:integer firstAt:string? lastAt:string?")
 OUT_DENIALS = {
     "type": "array",
@@ -3540,8 +3538,7 @@ async def tool_write_file(call: Call, args: dict) -> dict:
                 '"content" is not valid base64; send the bytes base64-encoded, or pass '
                 'encoding: "utf8" for text'
             ) from None
-    # Readiness first: a file written before the workload's file system is up
-    # lands under a path the workload then mounts over, and is never seen.
+    # Ready first: a file written before the workload's file system is up would be mounted over.
     started_machine = await ensure_running(call, name)
     if not started_machine:
         await wait_until_ready(call, name)
@@ -3748,8 +3745,7 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
             f"takes ranges of /{widest} or narrower. For open egress, create a new machine with "
             'network: "open" instead'
         )
-    why = egress_refusal(network, config)
-    if why:
+    if why := egress_refusal(network, config):
         raise ArgumentError(
             f'"{where}" is {value!r}, which no allow list may reach: {why}. An operator who '
             "needs a private range lists it in egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
@@ -3933,10 +3929,7 @@ ARG_MOUNTS = {
         ),
     ),
 }
-EGRESS_WITH_DENIALS = {
-    **OUT_EGRESS,
-    "properties": {**OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS},
-}
+EGRESS_WITH_DENIALS = _out(EGRESS_POLICY, {"recentDenials": OUT_DENIALS}, OUT_EGRESS["description"])
 ARG_INCLUDE = {
     "type": "array",
     "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
