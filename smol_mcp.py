@@ -2961,8 +2961,7 @@ class Call:
         try:
             token = self.progress_token()
             if self.ctx.request is not None and token is not None:
-                # Plain-JSON HTTP replies cannot carry notifications, so these ride
-                # the client's GET stream (handshake era), matched by their token.
+                # A plain-JSON HTTP reply carries no notifications: these ride the GET stream.
                 await self.ctx.session.send_progress_notification(token, done, total, message)
             else:
                 await self.ctx.session.report_progress(done, total, message)
