@@ -2736,8 +2736,9 @@ def _types(fields: str) -> dict:
     return properties
 
 
-def _out(properties: dict, optional: dict | None = None, description: str = "") -> dict:
-    """A result schema: ``properties`` always present, ``optional`` only sometimes."""
+def _out(properties: dict | str, optional: dict | None = None, description: str = "") -> dict:
+    """A result schema: ``properties`` (or _types words) always present, ``optional`` sometimes."""
+    properties = _types(properties) if isinstance(properties, str) else properties
     head = {"type": "object", "description": description} if description else {"type": "object"}
     return {**head, "properties": {**properties, **(optional or {})}, "required": list(properties)}
 
@@ -2810,11 +2811,9 @@ ARG_EXEC = dict(  # run-command's and run-once's
 )
 
 OUT_MACHINE = _out(
-    _types(
-        "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
-        "network:string? ports:array createdAt:string? pid:integer? url:string? "
-        "branchable:boolean parent:string?"
-    ),
+    "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
+    "network:string? ports:array createdAt:string? pid:integer? url:string? branchable:boolean "
+    "parent:string?",
     description="A machine, with the same keys on every fleet.",
 )
 EGRESS_ARGS = dict(  # allow-egress's, after the name
@@ -4031,10 +4030,8 @@ TOOLS: tuple[ToolSpec, ...] = (
             ),
         ),
         _out(
-            _types(
-                "path:string content:string encoding:string size:integer offset:integer "
-                "bytes:integer eof:boolean startedMachine:boolean"
-            )
+            "path:string content:string encoding:string size:integer offset:integer bytes:integer "
+            "eof:boolean startedMachine:boolean"
         ),
         "exec: idempotent",  # not read-only: it starts a stopped machine
     ),
@@ -4051,7 +4048,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             content=_string("The file's content."),
             encoding=ARG_ENCODING,
         ),
-        _out(_types("path:string bytes:integer startedMachine:boolean")),
+        _out("path:string bytes:integer startedMachine:boolean"),
         "exec: destructive idempotent",
     ),
     ToolSpec(
@@ -4092,7 +4089,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Delete a machine",
         "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
         ARG_NAME_ONLY,
-        _out(_types("deleted:string"), _types("usage:object")),
+        _out("deleted:string", _types("usage:object")),
         "manage: destructive",
     ),
     ToolSpec(
@@ -4108,7 +4105,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             ),
             cursor=_string("The cursor from the previous machine-logs call."),
         ),
-        _out(_types("lines:string[] cursor:string")),
+        _out("lines:string[] cursor:string"),
         "read: read_only",
     ),
     ToolSpec(
@@ -4117,7 +4114,7 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Pull an OCI image into the named machine's image store (local fleet only; the machine "
         "is started to do it).",
         _input("name image", name=ARG_NAME, image=ARG_IMAGE),
-        _out(_types("image:object")),
+        _out("image:object"),
         "manage: idempotent open_world",
     ),
     ToolSpec(
@@ -4137,7 +4134,7 @@ TOOLS: tuple[ToolSpec, ...] = (
             workdir=ARG_WORKDIR,
             env=ARG_ENV,
         ),
-        _out(_types("jobId:string state:string timeoutSecs:integer startedMachine:boolean")),
+        _out("jobId:string state:string timeoutSecs:integer startedMachine:boolean"),
         "exec: destructive open_world",
     ),
     ToolSpec(
