@@ -3357,13 +3357,82 @@ async def note_egress_denials(
     return {**shaped, "egressDenied": denied, "egressHint": hint}
 
 
-# -- the handlers, in the order of the tools table ---------------------------
+ARG_NAME_ONLY = _input("name", name=ARG_NAME)
+OUT_CREATED = _out({"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")})
+ARG_PORTS = {
+    "type": "array",
+    "description": "Ports to publish: guest port, and optionally the host port.",
+    "items": _input(
+        "guest",
+        guest=_integer("Port inside the machine.", maximum=65535),
+        host=_integer("Port on the host (default: a free one).", maximum=65535),
+    ),
+}
+ARG_MOUNTS = {
+    "type": "array",
+    "description": "Host directories to attach (local fleet only), only under the operator's "
+    "mountRoots; read-only by default.",
+    "items": _input(
+        "source target",
+        source=_string("Absolute host path."),
+        target=_string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
+        readonly=_boolean(
+            "Mount read-only (the default); false asks for write, which only a root opened with "
+            ":rw grants."
+        ),
+    ),
+}
+EGRESS_WITH_DENIALS = _out(EGRESS_POLICY, {"recentDenials": OUT_DENIALS}, OUT_EGRESS["description"])
+ARG_INCLUDE = {
+    "type": "array",
+    "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
+    "refused connections (local). Each costs a request.",
+    "items": {"type": "string", "enum": ["jobs", "egress"]},
+    "maxItems": 2,
+}
+ARG_CREATE_NAME = {
+    **ARG_NAME,
+    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
+}
+SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
+NETWORK_ARGS = dict(network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS)
+TOOLS: list[ToolSpec] = []  # filled by @tool, in the order the handlers below are defined
 
 
+def tool(*spec: Any) -> Callable:
+    """Register the handler below as a tool: ``spec`` is its ToolSpec's fields after the handler."""
+
+    def register(handler: Callable) -> Callable:
+        TOOLS.append(ToolSpec(handler, *spec))
+        return handler
+
+    return register
+
+
+# -- the tools, each its spec and its handler, in the order the client lists them ------------
+
+
+@tool(
+    "List machines",
+    "List every machine on the fleet, with its state, image, size, egress and published "
+    "ports. Changes nothing.",
+    _object({}),
+    _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
+    "read: read_only idempotent",
+)
 async def tool_list_machines(call: Call, args: dict) -> dict:
     return {"machines": await call.api(call.fleet.list_machines)}
 
 
+@tool(
+    "Get a machine",
+    "Show one machine: state, image, size, egress, ports, pid and whether it can be "
+    "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
+    # (local fleet: also the allow list, and its recent refusals when asked or after a failure)
+    _input("name", name=ARG_NAME, include=ARG_INCLUDE),
+    _out({"machine": OUT_MACHINE, "jobs": OUT_JOBS}, {"egress": EGRESS_WITH_DENIALS}),
+    "read: read_only idempotent",
+)
 async def tool_get_machine(call: Call, args: dict) -> dict:
     """One engine request: the record holds the egress policy. Jobs come from our record unless
     `include` asks the guest; refusals only for a restricted policy, asked or after a failure."""
@@ -3408,6 +3477,35 @@ def machine_spec(call: Call, args: dict, name: str, network_default: str) -> Mac
     return MachineSpec(name, image, cpus, memory, network, hosts, cidrs, **given)
 
 
+@tool(
+    "Create a machine",
+    "Create a new microVM from an OCI image and (by default) start it, answering once a "
+    'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
+    "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
+    "machine that is deleted when this session ends; any other name persists. Uses host "
+    "CPU, memory and disk while it exists.",
+    _input(
+        "image",
+        name=ARG_CREATE_NAME,
+        image=ARG_IMAGE,
+        **SIZE_ARGS,
+        **NETWORK_ARGS,
+        ports=ARG_PORTS,
+        mounts=ARG_MOUNTS,
+        storageGb=_integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
+        overlayGb=_integer("Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB),
+        cmd={
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "Workload command (local fleet only).",
+        },
+        env=ARG_ENV,
+        branchable=_boolean("Make it a branch source for branch-machine."),
+        start=_boolean("Start it and wait for the guest (default true)."),
+    ),
+    OUT_CREATED,
+    "manage: open_world",
+)
 async def tool_create_machine(call: Call, args: dict) -> dict:
     name = args.get("name") or call.new_ephemeral_name()
     spec = machine_spec(call, args, name, call.config.network_default)
@@ -3464,6 +3562,17 @@ async def create_recorded(
     return record
 
 
+@tool(
+    "Run a command in a machine",
+    "Run a command inside the named machine (never on this host) and return its stdout, "
+    "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
+    "budget keeps its head and tail, and the whole stream is saved in the machine at the "
+    "path listed in overflow. A stopped machine is started first. On the local fleet a "
+    "failed command lists the connections the egress policy refused (egressDenied).",
+    _input("name command", name=ARG_NAME, **ARG_EXEC),
+    _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
+    "exec: destructive open_world",
+)
 async def tool_run_command(call: Call, args: dict) -> dict:
     name, options = args["name"], exec_options(args, call.config.exec_timeout_secs)
     since, argv = datetime.datetime.now(datetime.UTC), command_argv(args["command"])
@@ -3473,6 +3582,15 @@ async def tool_run_command(call: Call, args: dict) -> dict:
     return {**shaped, "startedMachine": started_machine}
 
 
+@tool(
+    "Run a command in a throwaway machine",
+    "Create a machine from an image, run one command in it, and delete the machine on every "
+    "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
+    '"open" or an allow-list is given.',
+    _input("image command", image=ARG_IMAGE, **ARG_EXEC, **SIZE_ARGS, **NETWORK_ARGS),
+    _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
+    "exec: open_world",
+)
 async def tool_run_once(call: Call, args: dict) -> dict:
     options = exec_options(args, call.config.exec_timeout_secs)
     name = call.new_ephemeral_name()
@@ -3492,6 +3610,27 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         await call.delete_quietly(name)  # every path: success, error, timeout, cancellation
 
 
+@tool(
+    "Read a file from a machine",
+    "Read a file inside the named machine, a page at a time: offset and length pick the "
+    "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
+    "more than the output budget. Starts a stopped machine.",
+    _input(
+        "name path",
+        name=ARG_NAME,
+        path=ARG_PATH,
+        encoding=ARG_ENCODING,
+        offset=_integer("First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET),
+        length=_integer(
+            "Bytes to read (default and maximum: the output budget).", maximum=MAX_READ_LENGTH
+        ),
+    ),
+    _out(
+        "path:string content:string encoding:string size:integer offset:integer bytes:integer "
+        "eof:boolean startedMachine:boolean"
+    ),
+    "exec: idempotent",  # not read-only: it starts a stopped machine
+)
 async def tool_read_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
     offset, limit = args.get("offset", 0), call.config.max_output_bytes
@@ -3525,6 +3664,21 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     return {**shown, "startedMachine": started_machine}
 
 
+@tool(
+    "Write a file into a machine",
+    "Write a file inside the named machine, replacing any file at that path and creating "
+    "parent directories. Waits until the guest runs commands first, so the file is not "
+    "hidden by the workload's file system.",
+    _input(
+        "name path content",
+        name=ARG_NAME,
+        path=ARG_PATH,
+        content=_string("The file's content."),
+        encoding=ARG_ENCODING,
+    ),
+    _out("path:string bytes:integer startedMachine:boolean"),
+    "exec: destructive idempotent",
+)
 async def tool_write_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
     data = args["content"].encode("utf-8")
@@ -3544,6 +3698,14 @@ async def tool_write_file(call: Call, args: dict) -> dict:
     return {"path": path, "bytes": written, "startedMachine": started_machine}
 
 
+@tool(
+    "Start a machine",
+    "Start a stopped machine and (by default) wait until a command has run in it. A running "
+    "machine is left as it is.",
+    _input("name", name=ARG_NAME, wait=ARG_WAIT),
+    _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
+    "manage: idempotent open_world",
+)
 async def tool_start_machine(call: Call, args: dict) -> dict:
     name, wait = args["name"], args.get("wait", True)
     record = await call.api(call.fleet.get_machine, name)
@@ -3557,6 +3719,20 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
     return {"machine": record, "ready": wait}
 
 
+@tool(
+    "Branch a machine",
+    "Copy a running branch source (created with branchable: true), memory and disks "
+    "included, into a new child machine that starts where the source is. Without childName "
+    "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
+    _input(
+        "name",
+        name={**ARG_NAME, "description": "The running, branchable source machine."},
+        childName={**ARG_NAME, "description": "Name for the child; omit for an ephemeral one."},
+        wait=ARG_WAIT,
+    ),
+    OUT_CREATED,
+    "manage",
+)
 async def tool_branch_machine(call: Call, args: dict) -> dict:
     source, wait = args["name"], args.get("wait", True)
     child = args.get("childName") or call.new_ephemeral_name()
@@ -3582,10 +3758,25 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
     return {"machine": record, "ephemeral": ephemeral, "ready": wait}
 
 
+@tool(
+    "Stop a machine",
+    "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
+    "runs in it is ended.",
+    ARG_NAME_ONLY,
+    _out({"machine": OUT_MACHINE}),
+    "manage: destructive idempotent",
+)
 async def tool_stop_machine(call: Call, args: dict) -> dict:
     return {"machine": await call.api(call.fleet.stop_machine, args["name"])}
 
 
+@tool(
+    "Delete a machine",
+    "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
+    ARG_NAME_ONLY,
+    _out("deleted:string", _types("usage:object")),
+    "manage: destructive",
+)
 async def tool_delete_machine(call: Call, args: dict) -> dict:
     result = await call.api(call.fleet.delete_machine, args["name"])
     call.forget(args["name"])
@@ -3613,6 +3804,19 @@ def lines_after_cursor(lines: list[str], cursor: str) -> int:
     return 0  # the log started again from scratch: all of it is new
 
 
+@tool(
+    "Read a machine's log",
+    "Read the latest lines of the machine's guest console. Pass the cursor from the last "
+    "call to get only what arrived since. Changes nothing.",
+    _input(
+        "name",
+        name=ARG_NAME,
+        tail=_integer("How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000),
+        cursor=_string("The cursor from the previous machine-logs call."),
+    ),
+    _out("lines:string[] cursor:string"),
+    "read: read_only",
+)
 async def tool_machine_logs(call: Call, args: dict) -> dict:
     """The guest console; with the last cursor, only what arrived since."""
     lines = await call.api(call.fleet.console_lines, args["name"])
@@ -3631,8 +3835,100 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
     return {"lines": picked, "cursor": log_cursor(lines, start + len(picked))}
 
 
+@tool(
+    "Pull an image into a machine",
+    "Pull an OCI image into the named machine's image store (local fleet only; the machine "
+    "is started to do it).",
+    _input("name image", name=ARG_NAME, image=ARG_IMAGE),
+    _out("image:object"),
+    "manage: idempotent open_world",
+)
 async def tool_pull_image(call: Call, args: dict) -> dict:
     return {"image": await call.api(call.fleet.pull_image, args["name"], args["image"])}
+
+
+@tool(
+    "Start a background job in a machine",
+    "Start a command inside the named machine (never on this host) and return at once with its "
+    "jobId. Use it for work longer than a tool call should wait (builds, test suites, servers): it "
+    "keeps running after this call, the client and this server have gone, until it exits, its "
+    "timeout (default 1 hour, at most 24) or cancel-job ends it, or the machine stops or is "
+    "deleted. Read its output with read-job. A stopped machine is started first.",
+    _input(
+        "name command",
+        name=ARG_NAME,
+        command=ARG_COMMAND,
+        timeoutSecs=_integer("Seconds before the job is ended (default 3600, at most 86400)."),
+        workdir=ARG_WORKDIR,
+        env=ARG_ENV,
+    ),
+    _out("jobId:string state:string timeoutSecs:integer startedMachine:boolean"),
+    "exec: destructive open_world",
+)
+async def tool_start_job(call: Call, args: dict) -> dict:
+    name, argv = args["name"], command_argv(args["command"])
+    options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
+    if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
+        raise ArgumentError(
+            f'"timeoutSecs" is {options["timeout_secs"]}, above the job ceiling of '
+            f"{JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, or have the job check in and "
+            "start a new one"
+        )
+    job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
+    start = functools.partial(call.api, call.fleet.start_job, name, job_id, argv, **options)
+    job, started_machine = await on_running(call, name, start)
+    call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
+    return {**job, "timeoutSecs": options["timeout_secs"], "startedMachine": started_machine}
+
+
+@tool(
+    "Read a job's output",
+    "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
+    "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
+    "the next page; eof says the job has ended and everything was read. Changes nothing.",
+    _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET),
+    _out({**OUT_JOB_STATE, **_types("stdout:string stderr:string"), **OUT_JOB_PAGE}),
+    "read: read_only",
+)
+async def tool_read_job(call: Call, args: dict) -> dict:
+    name, job_id, offset = args["name"], args["jobId"], args.get("offset", {})
+    offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
+    page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
+    shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    next_offset, pages = {}, []
+    for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
+        if page.state == "running" or start + len(data) < size:  # a character's rest: next page
+            data = data[: utf8_prefix_end(data, len(data))]
+        pages.append(data)
+    # Like run-command, both streams share one budget of tokens.
+    costs = tuple(est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages)
+    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
+    for stream, data, share, start in zip(("stdout", "stderr"), pages, shares, offsets):
+        data = data[: prefix_within_tokens(data, share)]
+        shaped[stream] = data.decode("utf-8", "replace")
+        next_offset[stream] = start + len(data)
+    shaped["nextOffset"] = next_offset
+    ends = zip(next_offset.values(), page.sizes)
+    shaped["eof"] = page.state != "running" and all(at >= size for at, size in ends)
+    call.app.access.owners.note_job(call.fleet.name, name, shaped)
+    return shaped
+
+
+@tool(
+    "Cancel a job",
+    "End a running job and what it started (TERM, then KILL after a few seconds). A job "
+    "that has already ended is left as it is, so repeating the call is harmless.",
+    _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
+    _out(OUT_JOB_STATE),
+    "exec: destructive idempotent",
+)
+async def tool_cancel_job(call: Call, args: dict) -> dict:
+    name, job_id = args["name"], args["jobId"]
+    await call.api(call.fleet.cancel_job, name, job_id)
+    page = await call.api(call.fleet.read_job, name, job_id, (0, 0), 0)
+    shown = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    call.app.access.owners.note_job(call.fleet.name, name, shown)
+    return shown
 
 
 HOST_LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
@@ -3815,6 +4111,20 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
     )
 
 
+@tool(
+    "Change a machine's egress allow list",
+    "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
+    "off its allow list), without opening egress to everything: an empty list is never sent "
+    "and allowAll is not offered. When the client can ask, the person confirms exactly what "
+    "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
+    "open) must be stopped first, and this tool never stops one. The result has the allow "
+    "list before and after. Local fleet only.",
+    _input("name", name=ARG_NAME, **EGRESS_ARGS),
+    _out(
+        dict(machine=OUT_MACHINE, before=OUT_EGRESS, after=OUT_EGRESS) | _types("changed:boolean")
+    ),
+    "manage: destructive",  # removals narrow it; a repeated removal is refused
+)
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
     if not call.fleet.amends_egress:
@@ -3853,326 +4163,6 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
     return {"machine": record, "before": before, "after": applied, "changed": True}
 
 
-async def tool_start_job(call: Call, args: dict) -> dict:
-    name, argv = args["name"], command_argv(args["command"])
-    options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
-    if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
-        raise ArgumentError(
-            f'"timeoutSecs" is {options["timeout_secs"]}, above the job ceiling of '
-            f"{JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, or have the job check in and "
-            "start a new one"
-        )
-    job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
-    start = functools.partial(call.api, call.fleet.start_job, name, job_id, argv, **options)
-    job, started_machine = await on_running(call, name, start)
-    call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
-    return {**job, "timeoutSecs": options["timeout_secs"], "startedMachine": started_machine}
-
-
-async def tool_read_job(call: Call, args: dict) -> dict:
-    name, job_id, offset = args["name"], args["jobId"], args.get("offset", {})
-    offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
-    page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
-    shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
-    next_offset, pages = {}, []
-    for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
-        if page.state == "running" or start + len(data) < size:  # a character's rest: next page
-            data = data[: utf8_prefix_end(data, len(data))]
-        pages.append(data)
-    # Like run-command, both streams share one budget of tokens.
-    costs = tuple(est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages)
-    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
-    for stream, data, share, start in zip(("stdout", "stderr"), pages, shares, offsets):
-        data = data[: prefix_within_tokens(data, share)]
-        shaped[stream] = data.decode("utf-8", "replace")
-        next_offset[stream] = start + len(data)
-    shaped["nextOffset"] = next_offset
-    ends = zip(next_offset.values(), page.sizes)
-    shaped["eof"] = page.state != "running" and all(at >= size for at, size in ends)
-    call.app.access.owners.note_job(call.fleet.name, name, shaped)
-    return shaped
-
-
-async def tool_cancel_job(call: Call, args: dict) -> dict:
-    name, job_id = args["name"], args["jobId"]
-    await call.api(call.fleet.cancel_job, name, job_id)
-    page = await call.api(call.fleet.read_job, name, job_id, (0, 0), 0)
-    shown = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
-    call.app.access.owners.note_job(call.fleet.name, name, shown)
-    return shown
-
-
-ARG_NAME_ONLY = _input("name", name=ARG_NAME)
-OUT_CREATED = _out({"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")})
-ARG_PORTS = {
-    "type": "array",
-    "description": "Ports to publish: guest port, and optionally the host port.",
-    "items": _input(
-        "guest",
-        guest=_integer("Port inside the machine.", maximum=65535),
-        host=_integer("Port on the host (default: a free one).", maximum=65535),
-    ),
-}
-ARG_MOUNTS = {
-    "type": "array",
-    "description": "Host directories to attach (local fleet only), only under the operator's "
-    "mountRoots; read-only by default.",
-    "items": _input(
-        "source target",
-        source=_string("Absolute host path."),
-        target=_string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
-        readonly=_boolean(
-            "Mount read-only (the default); false asks for write, which only a root opened with "
-            ":rw grants."
-        ),
-    ),
-}
-EGRESS_WITH_DENIALS = _out(EGRESS_POLICY, {"recentDenials": OUT_DENIALS}, OUT_EGRESS["description"])
-ARG_INCLUDE = {
-    "type": "array",
-    "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
-    "refused connections (local). Each costs a request.",
-    "items": {"type": "string", "enum": ["jobs", "egress"]},
-    "maxItems": 2,
-}
-ARG_CREATE_NAME = {
-    **ARG_NAME,
-    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
-}
-SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
-NETWORK_ARGS = dict(network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS)
-TOOLS: tuple[ToolSpec, ...] = (
-    ToolSpec(
-        tool_list_machines,
-        "List machines",
-        "List every machine on the fleet, with its state, image, size, egress and published "
-        "ports. Changes nothing.",
-        _object({}),
-        _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
-        "read: read_only idempotent",
-    ),
-    ToolSpec(
-        tool_get_machine,
-        "Get a machine",
-        "Show one machine: state, image, size, egress, ports, pid and whether it can be "
-        "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
-        # (local fleet: also the allow list, and its recent refusals when asked or after a failure)
-        _input("name", name=ARG_NAME, include=ARG_INCLUDE),
-        _out({"machine": OUT_MACHINE, "jobs": OUT_JOBS}, {"egress": EGRESS_WITH_DENIALS}),
-        "read: read_only idempotent",
-    ),
-    ToolSpec(
-        tool_create_machine,
-        "Create a machine",
-        "Create a new microVM from an OCI image and (by default) start it, answering once a "
-        'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
-        "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
-        "machine that is deleted when this session ends; any other name persists. Uses host "
-        "CPU, memory and disk while it exists.",
-        _input(
-            "image",
-            name=ARG_CREATE_NAME,
-            image=ARG_IMAGE,
-            **SIZE_ARGS,
-            **NETWORK_ARGS,
-            ports=ARG_PORTS,
-            mounts=ARG_MOUNTS,
-            storageGb=_integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
-            overlayGb=_integer("Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB),
-            cmd={
-                "type": "array",
-                "items": {"type": "string"},
-                "description": "Workload command (local fleet only).",
-            },
-            env=ARG_ENV,
-            branchable=_boolean("Make it a branch source for branch-machine."),
-            start=_boolean("Start it and wait for the guest (default true)."),
-        ),
-        OUT_CREATED,
-        "manage: open_world",
-    ),
-    ToolSpec(
-        tool_run_command,
-        "Run a command in a machine",
-        "Run a command inside the named machine (never on this host) and return its stdout, "
-        "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
-        "budget keeps its head and tail, and the whole stream is saved in the machine at the "
-        "path listed in overflow. A stopped machine is started first. On the local fleet a "
-        "failed command lists the connections the egress policy refused (egressDenied).",
-        _input("name command", name=ARG_NAME, **ARG_EXEC),
-        _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
-        "exec: destructive open_world",
-    ),
-    ToolSpec(
-        tool_run_once,
-        "Run a command in a throwaway machine",
-        "Create a machine from an image, run one command in it, and delete the machine on every "
-        "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
-        '"open" or an allow-list is given.',
-        _input("image command", image=ARG_IMAGE, **ARG_EXEC, **SIZE_ARGS, **NETWORK_ARGS),
-        _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
-        "exec: open_world",
-    ),
-    ToolSpec(
-        tool_read_file,
-        "Read a file from a machine",
-        "Read a file inside the named machine, a page at a time: offset and length pick the "
-        "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
-        "more than the output budget. Starts a stopped machine.",
-        _input(
-            "name path",
-            name=ARG_NAME,
-            path=ARG_PATH,
-            encoding=ARG_ENCODING,
-            offset=_integer("First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET),
-            length=_integer(
-                "Bytes to read (default and maximum: the output budget).", maximum=MAX_READ_LENGTH
-            ),
-        ),
-        _out(
-            "path:string content:string encoding:string size:integer offset:integer bytes:integer "
-            "eof:boolean startedMachine:boolean"
-        ),
-        "exec: idempotent",  # not read-only: it starts a stopped machine
-    ),
-    ToolSpec(
-        tool_write_file,
-        "Write a file into a machine",
-        "Write a file inside the named machine, replacing any file at that path and creating "
-        "parent directories. Waits until the guest runs commands first, so the file is not "
-        "hidden by the workload's file system.",
-        _input(
-            "name path content",
-            name=ARG_NAME,
-            path=ARG_PATH,
-            content=_string("The file's content."),
-            encoding=ARG_ENCODING,
-        ),
-        _out("path:string bytes:integer startedMachine:boolean"),
-        "exec: destructive idempotent",
-    ),
-    ToolSpec(
-        tool_start_machine,
-        "Start a machine",
-        "Start a stopped machine and (by default) wait until a command has run in it. A running "
-        "machine is left as it is.",
-        _input("name", name=ARG_NAME, wait=ARG_WAIT),
-        _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
-        "manage: idempotent open_world",
-    ),
-    ToolSpec(
-        tool_branch_machine,
-        "Branch a machine",
-        "Copy a running branch source (created with branchable: true), memory and disks "
-        "included, into a new child machine that starts where the source is. Without childName "
-        "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
-        _input(
-            "name",
-            name={**ARG_NAME, "description": "The running, branchable source machine."},
-            childName={**ARG_NAME, "description": "Name for the child; omit for an ephemeral one."},
-            wait=ARG_WAIT,
-        ),
-        OUT_CREATED,
-        "manage",
-    ),
-    ToolSpec(
-        tool_stop_machine,
-        "Stop a machine",
-        "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
-        "runs in it is ended.",
-        ARG_NAME_ONLY,
-        _out({"machine": OUT_MACHINE}),
-        "manage: destructive idempotent",
-    ),
-    ToolSpec(
-        tool_delete_machine,
-        "Delete a machine",
-        "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
-        ARG_NAME_ONLY,
-        _out("deleted:string", _types("usage:object")),
-        "manage: destructive",
-    ),
-    ToolSpec(
-        tool_machine_logs,
-        "Read a machine's log",
-        "Read the latest lines of the machine's guest console. Pass the cursor from the last "
-        "call to get only what arrived since. Changes nothing.",
-        _input(
-            "name",
-            name=ARG_NAME,
-            tail=_integer(
-                "How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000
-            ),
-            cursor=_string("The cursor from the previous machine-logs call."),
-        ),
-        _out("lines:string[] cursor:string"),
-        "read: read_only",
-    ),
-    ToolSpec(
-        tool_pull_image,
-        "Pull an image into a machine",
-        "Pull an OCI image into the named machine's image store (local fleet only; the machine "
-        "is started to do it).",
-        _input("name image", name=ARG_NAME, image=ARG_IMAGE),
-        _out("image:object"),
-        "manage: idempotent open_world",
-    ),
-    ToolSpec(
-        tool_start_job,
-        "Start a background job in a machine",
-        "Start a command inside the named machine (never on this host) and return at once "
-        "with its jobId. Use it for work longer than a tool call should wait (builds, test "
-        "suites, servers): it keeps running after this call, the client and this server have "
-        "gone, until it exits, its timeout (default 1 hour, at most 24) or cancel-job ends it, "
-        "or the machine stops or is deleted. Read its output with read-job. A stopped machine "
-        "is started first.",
-        _input(
-            "name command",
-            name=ARG_NAME,
-            command=ARG_COMMAND,
-            timeoutSecs=_integer("Seconds before the job is ended (default 3600, at most 86400)."),
-            workdir=ARG_WORKDIR,
-            env=ARG_ENV,
-        ),
-        _out("jobId:string state:string timeoutSecs:integer startedMachine:boolean"),
-        "exec: destructive open_world",
-    ),
-    ToolSpec(
-        tool_read_job,
-        "Read a job's output",
-        "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
-        "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
-        "the next page; eof says the job has ended and everything was read. Changes nothing.",
-        _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET),
-        _out({**OUT_JOB_STATE, **_types("stdout:string stderr:string"), **OUT_JOB_PAGE}),
-        "read: read_only",
-    ),
-    ToolSpec(
-        tool_cancel_job,
-        "Cancel a job",
-        "End a running job and what it started (TERM, then KILL after a few seconds). A job "
-        "that has already ended is left as it is, so repeating the call is harmless.",
-        _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
-        _out(OUT_JOB_STATE),
-        "exec: destructive idempotent",
-    ),
-    ToolSpec(
-        tool_allow_egress,
-        "Change a machine's egress allow list",
-        "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
-        "off its allow list), without opening egress to everything: an empty list is never sent "
-        "and allowAll is not offered. When the client can ask, the person confirms exactly what "
-        "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
-        "open) must be stopped first, and this tool never stops one. The result has the allow "
-        "list before and after. Local fleet only.",
-        _input("name", name=ARG_NAME, **EGRESS_ARGS),
-        _out(
-            dict(machine=OUT_MACHINE, before=OUT_EGRESS, after=OUT_EGRESS)
-            | _types("changed:boolean")
-        ),
-        "manage: destructive",  # removals narrow it; a repeated removal is refused
-    ),
-)
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 
