@@ -3458,8 +3458,7 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
             events = await call.api(call.fleet.egress_events, name, EGRESS_RECENT)
             egress["recentDenials"] = group_denials(events)
         except SmolError as err:
-            egress["recentDenials"] = []
-            egress["recentDenialsError"] = str(err)
+            egress.update(recentDenials=[], recentDenialsError=str(err))
     shown = {"machine": machine, "jobs": jobs}
     return shown if egress is None else {**shown, "egress": egress}
 
@@ -3516,7 +3515,6 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
             "a branch source when it starts it"
         )
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
-    ephemeral = call.session.is_ephemeral(name)
     if start:
         try:
             record = await start_and_wait(call, name, spec.branchable)
@@ -3526,7 +3524,7 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
             if isinstance(err, Exception):
                 raise failure from None
             raise
-    return {"machine": record, "ephemeral": ephemeral, "ready": start}
+    return {"machine": record, "ephemeral": call.session.is_ephemeral(name), "ready": start}
 
 
 async def create_recorded(
@@ -3748,14 +3746,13 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
                 "branchable: true, then branch it while it runs"
             ) from None
         raise
-    ephemeral = call.session.is_ephemeral(child)
     if wait:
         try:
             await wait_until_ready(call, child)
         except BaseException:
             await call.delete_quietly(child)
             raise
-    return {"machine": record, "ephemeral": ephemeral, "ready": wait}
+    return {"machine": record, "ephemeral": call.session.is_ephemeral(child), "ready": wait}
 
 
 @tool(
