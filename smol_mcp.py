@@ -3001,21 +3001,6 @@ def egress_entries(args: dict, key: str, config: Config, pattern: bool | None = 
     return [egress_host(value, f"{key}[{i}]", pattern, config) for i, value in entries]
 
 
-def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list[str], list[str]]:
-    """(network, allowHosts, allowCidrs) for a create, entries held to allow-egress's
-    rules. An allow-list narrows egress, so it cannot be combined with an explicit network."""
-    hosts = egress_entries(args, "allowHosts", config, True)
-    cidrs = egress_entries(args, "allowCidrs", config)
-    if not (hosts or cidrs):
-        return args.get("network", default), [], []
-    if "network" in args:
-        raise ArgumentError(
-            f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
-            "allow-list already means egress to those destinations only. Pass one or the other."
-        )
-    return "blocked", hosts, cidrs
-
-
 def exec_options(args: dict, timeout: int) -> dict:
     """A command's options, as a fleet's exec, exec_stream and start_job take
     them; ``timeout`` unless the arguments name one (the schema held it to the ceiling)."""
@@ -3464,7 +3449,15 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
 
 
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
-    network, hosts, cidrs = resolve_network(args, call.config, network_default)
+    """A create's MachineSpec. An allow-list narrows egress, so it excludes an explicit network."""
+    hosts = egress_entries(args, "allowHosts", call.config, True)
+    cidrs = egress_entries(args, "allowCidrs", call.config)
+    if (hosts or cidrs) and "network" in args:
+        raise ArgumentError(
+            f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
+            "allow-list already means egress to those destinations only. Pass one or the other."
+        )
+    network = "blocked" if hosts or cidrs else args.get("network", network_default)
     # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
     local, mounts = call.fleet.mounts_host_paths, args.get("mounts", [])
     image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
