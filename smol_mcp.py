@@ -2691,11 +2691,9 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 CLEANUP_TIMEOUT_SECS, DELETE_RETRY_PAUSE_SECS, PROGRESS_INTERVAL_SECS = 20, 1, 5
 SESSION_CALL_SLOTS = 8  # blocking calls of one session that run at once; more wait their turn
 RUNNING_STATES = ("running", "started")  # the cloud reports "started" once the VM process launched
-BOOT_LOG_LINES = 20  # the console lines quoted when a machine could not boot
-CURSOR_LINES = 3  # the run of lines a cursor recognises its place by
+BOOT_LOG_LINES, CURSOR_LINES = 20, 3  # a failed boot's quoted console lines; a cursor's run
 JOB_DEFAULT_TIMEOUT_SECS, JOB_MAX_TIMEOUT_SECS = 3600, 24 * 3600  # a job holds its machine: a day
-EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
-EGRESS_RECENT = 50  # denials get-machine shows
+EGRESS_EVENTS_LIMIT, EGRESS_RECENT = 1000, 50  # denials read after a failure; get-machine shows
 HOST_UNREACHABLE_RE = re.compile(
     "dns error|error sending request|Connect|connection refused|timed out|certificate"
 )
