@@ -2683,9 +2683,9 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # 8. Tools
 #
 # The tools: those of the TypeScript smol-mcp with its names, arguments and result shapes, then
-# jobs and allow-egress. Each handler gets a Call (its fleet, its session, a way to run a blocking
-# API call in a worker thread, a progress reporter) and the validated arguments, and returns the
-# structured result. A SmolError becomes a tool error; anything else is logged, with no stack trace.
+# jobs and allow-egress. Each handler sits under its @tool spec and gets a Call (its fleet and
+# session, worker threads for the blocking API, progress) and the validated arguments; it returns
+# the structured result. A SmolError becomes a tool error; anything else is logged, no stack trace.
 # ---------------------------------------------------------------------------
 
 CLEANUP_TIMEOUT_SECS, DELETE_RETRY_PAUSE_SECS, PROGRESS_INTERVAL_SECS = 20, 1, 5
