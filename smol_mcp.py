@@ -4576,7 +4576,7 @@ SCOPE_DOMAINS = ("machines", "sandbox")
 SCOPE_LEVELS = ("read", "manage", "exec")
 SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "activity.read")
 # Each tool's scope level, from its ToolSpec.access; a tool without one is granted to nobody.
-TOOL_LEVELS = {tool.name: tool.level for tool in TOOLS if tool.level}
+TOOL_LEVELS = {tool.name: tool.level for tool in TOOLS if tool.level in SCOPE_LEVELS}
 APPROVAL_MODES = ("none", "changes")
 SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
     "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
