@@ -2866,9 +2866,8 @@ OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}
 
 @dataclass(eq=False)  # a tool is one object: compared and hashed by identity
 class ToolSpec:
-    """One tool: the handler that answers it (tool_list_machines answers list-machines), and
-    what the client is shown. ``access`` is the scope level that grants it (section 11), then
-    the annotations that are true: "exec: destructive open_world"."""
+    """One tool: its handler (tool_list_machines answers list-machines) and what the client is
+    shown; ``access``: its scope level, then its true annotations ("exec: destructive")."""
 
     handler: Callable
     title: str
