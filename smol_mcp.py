@@ -2492,24 +2492,18 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # ---------------------------------------------------------------------------
 # 8. Tools
 #
-# The tools: those of the TypeScript smol-mcp with its names, arguments and
-# result shapes, then jobs and allow-egress. Each handler gets a Call (its fleet, its session, a
-# way to run a blocking API call in a worker thread, a progress reporter) and the validated
-# arguments, and returns the structured result. A SmolError becomes a tool error; anything
-# else is logged and reported without a stack trace.
+# The tools: those of the TypeScript smol-mcp with its names, arguments and result shapes, then
+# jobs and allow-egress. Each handler sits under its @tool spec and gets a Call (its fleet and
+# session, worker threads for the blocking API, progress) and the validated arguments; it returns
+# the structured result. A SmolError becomes a tool error; anything else is logged, no stack trace.
 # ---------------------------------------------------------------------------
 
-CLEANUP_TIMEOUT_SECS = 20
+CLEANUP_TIMEOUT_SECS, DELETE_RETRY_PAUSE_SECS, PROGRESS_INTERVAL_SECS = 20, 1, 5
 SESSION_CALL_SLOTS = 8  # blocking calls of one session that run at once; more wait their turn
-DELETE_RETRY_PAUSE_SECS = 1
-PROGRESS_INTERVAL_SECS = 5
 RUNNING_STATES = ("running", "started")  # the cloud reports "started" once the VM process launched
-BOOT_LOG_LINES = 20  # the console lines quoted when a machine could not boot
-CURSOR_LINES = 3  # the run of lines a cursor recognises its place by
-JOB_DEFAULT_TIMEOUT_SECS = 3600
-JOB_MAX_TIMEOUT_SECS = 24 * 3600  # a job holds a process and its machine: a day at most
-EGRESS_EVENTS_LIMIT = 1000  # denials read after a failed command (the engine keeps the newest)
-EGRESS_RECENT = 50  # denials get-machine shows
+BOOT_LOG_LINES, CURSOR_LINES = 20, 3  # a failed boot's quoted console lines; a cursor's run
+JOB_DEFAULT_TIMEOUT_SECS, JOB_MAX_TIMEOUT_SECS = 3600, 24 * 3600  # a job holds its machine: a day
+EGRESS_EVENTS_LIMIT, EGRESS_RECENT = 1000, 50  # denials read after a failure; get-machine shows
 HOST_UNREACHABLE_RE = re.compile(
     "dns error|error sending request|Connect|connection refused|timed out|certificate"
 )
@@ -2539,8 +2533,7 @@ def _input(required: str, **properties: dict) -> dict:
 
 
 def _types(fields: str) -> dict:
-    """Schema properties from "name:type" words: a type ending in ? may also be
-    null, one ending in [] is an array of that type."""
+    """Schema properties from "name:type" words: type? may also be null, type[] is an array."""
     properties: dict[str, dict] = {}
     for field_ in fields.split():
         name, kind = field_.split(":")
@@ -2551,8 +2544,9 @@ def _types(fields: str) -> dict:
     return properties
 
 
-def _out(properties: dict, optional: dict | None = None, description: str = "") -> dict:
-    """A result schema: ``properties`` always present, ``optional`` only sometimes."""
+def _out(properties: dict | str, optional: dict | None = None, description: str = "") -> dict:
+    """A result schema: ``properties`` (or _types words) always present, ``optional`` sometimes."""
+    properties = _types(properties) if isinstance(properties, str) else properties
     head = {"type": "object", "description": description} if description else {"type": "object"}
     return {**head, "properties": {**properties, **(optional or {})}, "required": list(properties)}
 
@@ -2625,44 +2619,42 @@ ARG_EXEC = dict(  # run-command's and run-once's
 )
 
 OUT_MACHINE = _out(
-    _types(
-        "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
-        "network:string? ports:array createdAt:string? pid:integer? url:string? "
-        "branchable:boolean parent:string?"
-    ),
+    "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
+    "network:string? ports:array createdAt:string? pid:integer? url:string? branchable:boolean "
+    "parent:string?",
     description="A machine, with the same keys on every fleet.",
 )
-ARG_EGRESS_HOSTS = _list(
-    description="Host names to allow, such as pypi.org; each covers its subdomains too.",
-    items=_string("A host name.", minLength=1, maxLength=253),
-)
-ARG_EGRESS_PATTERNS = _list(
-    description="Patterns to allow: an exact host name, or *.domain for its subdomains only.",
-    items=_string("A host name or *.domain.", minLength=1, maxLength=255),
-)
-ARG_EGRESS_CIDRS = _list(
-    description="Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 or "
-    "narrower); never loopback, link-local or private ranges.",
-    items=_string("An address range.", minLength=1, maxLength=64),
-)
-ARG_EGRESS_REMOVE = {
-    **_input(
-        "",
-        hosts=_list(
-            items=_string("A listed entry.", minLength=1, maxLength=255),
-            description="Host names or patterns to take off, as get-machine lists them.",
-        ),
-        cidrs=_list(
-            items=_string("A listed range.", minLength=1, maxLength=64),
-            description="Address ranges to take off, as get-machine lists them.",
-        ),
+EGRESS_ARGS = dict(  # allow-egress's, after the name
+    hosts=_list(
+        description="Host names to allow, such as pypi.org; each covers its subdomains too.",
+        items=_string("A host name.", minLength=1, maxLength=253),
     ),
-    "description": "Entries to take off the allow list; at least one entry must remain.",
-}
-OUT_EGRESS = _out(
-    _types("open:boolean hosts:string[] cidrs:string[]"),
-    description="A local machine's egress policy.",
+    hostPatterns=_list(
+        description="Patterns to allow: an exact host name, or *.domain for its subdomains only.",
+        items=_string("A host name or *.domain.", minLength=1, maxLength=255),
+    ),
+    cidrs=_list(
+        description="Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 "
+        "or narrower); never loopback, link-local or private ranges.",
+        items=_string("An address range.", minLength=1, maxLength=64),
+    ),
+    remove={
+        **_input(
+            "",
+            hosts=_list(
+                items=_string("A listed entry.", minLength=1, maxLength=255),
+                description="Host names or patterns to take off, as get-machine lists them.",
+            ),
+            cidrs=_list(
+                items=_string("A listed range.", minLength=1, maxLength=64),
+                description="Address ranges to take off, as get-machine lists them.",
+            ),
+        ),
+        "description": "Entries to take off the allow list; at least one entry must remain.",
+    },
 )
+EGRESS_POLICY = _types("open:boolean hosts:string[] cidrs:string[]")
+OUT_EGRESS = _out(EGRESS_POLICY, description="A local machine's egress policy.")
 DENIAL = _types("dest:string operation:string count:integer firstAt:string? lastAt:string?")
 OUT_DENIALS = {
     "type": "array",
@@ -2670,8 +2662,11 @@ OUT_DENIALS = {
     "items": {"type": "object", "properties": DENIAL},
 }
 OUT_JOB_STATE = _types("jobId:string state:string exitCode:integer?")
-OUT_JOB = {"type": "object", "properties": OUT_JOB_STATE}
-OUT_NEXT_OFFSET = {"type": "object", "properties": _types("stdout:integer stderr:integer")}
+OUT_JOBS = {"type": ["array", "null"], "items": {"type": "object", "properties": OUT_JOB_STATE}}
+OUT_JOB_PAGE = {  # read-job's, after the state and the streams
+    "nextOffset": {"type": "object", "properties": _types("stdout:integer stderr:integer")},
+    **_types("eof:boolean"),
+}
 OUT_EXEC_PROPERTIES = _types(
     "stdout:string stderr:string exitCode:integer truncated:boolean timedOut:boolean "
     "overflow:string[] startedMachine:boolean"
@@ -2681,33 +2676,33 @@ OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}
 
 @dataclass(eq=False)  # a tool is one object: compared and hashed by identity
 class ToolSpec:
-    """One tool: the handler that answers it (tool_list_machines answers list-machines), and
-    what the client is shown: ``hints`` names the annotations that are true."""
+    """One tool: its handler (tool_list_machines answers list-machines) and what the client is
+    shown; ``access``: its scope level, then its true annotations ("exec: destructive")."""
 
     handler: Callable
     title: str
     description: str
     input_schema: dict
     output_schema: dict
-    hints: str = ""
+    access: str
     name: str = field(init=False)
+    level: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.name = self.handler.__name__.removeprefix("tool_").replace("_", "-")
+        self.level, _, hints = self.access.partition(":")
         for hint in ("read_only", "destructive", "idempotent", "open_world"):
-            setattr(self, hint, hint in self.hints.split())
+            setattr(self, hint, hint in hints.split())
 
 
 class Call:
-    """What one tool call needs: its fleet, its session, worker threads for the
-    blocking API, and progress notifications for the long waits."""
+    """One tool call: its fleet and session, worker threads for the blocking API, progress."""
 
     def __init__(
         self, app: SmolMcp, session: Session, fleet: Fleet, ctx: Any, principal=None, params=None
     ):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
-        self.principal = principal or app.access.stdio
-        self.params, self.config = params, app.config
+        self.principal, self.params, self.config = principal or app.access.stdio, params, app.config
         self.started, self._last_progress = time.monotonic(), -1.0
 
     async def api(
@@ -2722,10 +2717,9 @@ class Call:
         return await self.with_heartbeat(run, waiting)
 
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
-        """Await ``run()`` while progress says what the call waits on: with ``waiting``, at
-        once and every few seconds until it returns; without, only once it has taken longer than
-        that (an API that asked us to wait and retry, say); with "", never (the caller reports
-        progress itself). Until a beat is due it is a timer, so a quick call starts no task."""
+        """Await ``run()`` while progress says what it waits on: with ``waiting``, at once and
+        every few seconds; without, only once it takes that long (an API asking us to retry, say);
+        with "", never (the caller reports). Until a beat is due, a timer: a quick call, no task."""
         if waiting == "":
             return await run()
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
@@ -2751,8 +2745,7 @@ class Call:
     async def create(self, function: Callable, *args: Any, waiting: str) -> Any:
         """Run a call that creates a machine to its end, even if the tool call is cancelled:
         abandoned, it could create a machine after the cleanup ran, and nobody would delete it."""
-        # The wait for one of the session's slots can be cancelled (nothing exists
-        # yet); once it has one, the create runs to its end whatever happens.
+        # Waiting for a slot may be cancelled (nothing exists yet); the create itself may not.
         async with self.session.call_slots():
             limiter = anyio.CapacityLimiter(1)  # the slot above is the real bound
             work = functools.partial(function, *args)
@@ -2774,8 +2767,7 @@ class Call:
         try:
             token = self.progress_token()
             if self.ctx.request is not None and token is not None:
-                # Plain-JSON HTTP replies cannot carry notifications, so these ride
-                # the client's GET stream (handshake era), matched by their token.
+                # A plain-JSON HTTP reply carries no notifications: these ride the GET stream.
                 await self.ctx.session.send_progress_notification(token, done, total, message)
             else:
                 await self.ctx.session.report_progress(done, total, message)
@@ -2808,27 +2800,12 @@ class Call:
 
 
 def egress_entries(args: dict, key: str, config: Config, pattern: bool | None = None) -> list[str]:
-    """The entries of ``args[key]``, each held to allow-egress's rules: host
-    names (with ``pattern``, *.domain too), or without ``pattern``, address ranges."""
+    """The entries of ``args[key]`` held to allow-egress's rules: host names (with ``pattern``,
+    *.domain too), or without ``pattern``, address ranges."""
     entries = enumerate(args.get(key) or [])
     if pattern is None:
         return [egress_cidr(value, f"{key}[{i}]", config) for i, value in entries]
     return [egress_host(value, f"{key}[{i}]", pattern, config) for i, value in entries]
-
-
-def resolve_network(args: dict, config: Config, default: str) -> tuple[str, list[str], list[str]]:
-    """(network, allowHosts, allowCidrs) for a create, entries held to allow-egress's
-    rules. An allow-list narrows egress, so it cannot be combined with an explicit network."""
-    hosts = egress_entries(args, "allowHosts", config, True)
-    cidrs = egress_entries(args, "allowCidrs", config)
-    if (hosts or cidrs) and "network" in args:
-        raise ArgumentError(
-            f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
-            "allow-list already means egress to those destinations only. Pass one or the other."
-        )
-    if hosts or cidrs:
-        return "blocked", hosts, cidrs
-    return args.get("network", default), [], []
 
 
 def exec_options(args: dict, timeout: int) -> dict:
@@ -2849,9 +2826,8 @@ def is_boot_failure(err: BaseException) -> bool:
 def explain_start_failure(
     err: Exception, network: str | None, log_lines: list[str] | None = None
 ) -> Exception:
-    """Add the one sentence that says what to do about a failed start.
-    ``log_lines``, when given, are the last console lines of a machine that has
-    been deleted since (so pointing at machine-logs would lead nowhere)."""
+    """Add the one sentence that says what to do about a failed start; ``log_lines``: the last
+    console lines of a machine deleted since (so pointing at machine-logs would lead nowhere)."""
     if not isinstance(err, ApiError):
         return err
     text = err.api_message
@@ -2889,8 +2865,7 @@ def explain_start_failure(
 
 
 async def start_failure(call: Call, name: str, err: BaseException, network: str) -> BaseException:
-    """explain_start_failure for a machine about to be deleted: a boot failure
-    carries the last lines of its console log (none when the log cannot be read)."""
+    """explain_start_failure for a machine about to be deleted: a boot failure quotes its log."""
     if not is_boot_failure(err):
         return explain_start_failure(err, network) if isinstance(err, Exception) else err
     try:
@@ -2902,14 +2877,12 @@ async def start_failure(call: Call, name: str, err: BaseException, network: str)
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
-    """Return once a command has actually run in the guest. The probe never
-    boots a machine, so one stopped meanwhile is reported, not restarted."""
+    """Return once a command has run in the guest (the probe never restarts a stopped machine)."""
     limit, started, delay = call.config.ready_timeout_secs, time.monotonic(), 0.1
     while True:
         elapsed = int(time.monotonic() - started)
         await call.progress(None, f"waiting for the guest of '{name}': {elapsed} s of {limit} s")
-        not_ready = await call.api(call.fleet.probe_ready, name)
-        if not_ready is None:
+        if (not_ready := await call.api(call.fleet.probe_ready, name)) is None:
             return
         if time.monotonic() - started >= limit:
             raise SmolError(
@@ -2945,13 +2918,12 @@ async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
         return await run(), True
 
 
-# Every command runs under a wrapper that writes its pid in the guest
-# (RUN_PID_DIR/<runId>) and then becomes the command (exec "$@"), so a cancelled
-# call, streamed or not, can end its process group with a second exec
-# (RUN_KILL_SCRIPT). With a progress token it runs through the engine's exec
-# stream route, under RUN_TEE_WRAPPER: SSE cannot carry a bare CR, a NUL or
-# invalid UTF-8, so the stream only feeds progress, and the result is the
-# guest's own copy of the output, read back whole (RUN_READ_BACK).
+# Every command runs under a wrapper that writes its pid in the guest (RUN_PID_DIR/<runId>) and
+# then becomes the command (exec "$@"), so a cancelled call, streamed or not, can end its process
+# group with a second exec (RUN_KILL_SCRIPT). With a progress token it runs through the engine's
+# exec stream route, under RUN_TEE_WRAPPER: SSE cannot carry a bare CR, a NUL or invalid UTF-8, so
+# the stream only feeds progress, and the result is the guest's own copy of the output, read back
+# whole (RUN_READ_BACK).
 RUN_PID_DIR = "/tmp/smol-mcp-run"
 RUN_WRAPPER = '{ mkdir -p "${1%/*}" && echo "$$" >"$1"; } 2>/dev/null; shift; exec "$@"'
 RUN_TEE_WRAPPER = r"""f=$1; shift
@@ -2968,8 +2940,8 @@ n=0; while kill -0 "$p" 2>/dev/null && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1
 kill -KILL -"$p" 2>/dev/null; pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null
 exit 0
 """
-LIVE_OUTPUT_INTERVAL_SECS = 0.3  # at most about three output lines a second reach the client
-LIVE_LINE_CHARS = 200  # a progress message carries at most this much of a line
+# At most about three output lines a second reach the client, each cut to LIVE_LINE_CHARS.
+LIVE_OUTPUT_INTERVAL_SECS, LIVE_LINE_CHARS = 0.3, 200
 
 
 def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
@@ -3001,8 +2973,8 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
 async def stream_in_machine(
     call: Call, name: str, pid_file: str, argv: list[str], options: dict
 ) -> ExecResult:
-    """run_in_machine's stream route: progress from the stream, the result
-    from the guest's copy (the stream's own when the guest kept none)."""
+    """run_in_machine's stream route: progress from the stream, the result from the guest's copy
+    (the stream's own when the guest kept none)."""
     # Each stream's newest line and its number, written by the worker thread. Both keys
     # exist from the start, so the loop reads a dict that never changes size.
     last = {"stdout": (0, ""), "stderr": (0, "")}
@@ -3064,24 +3036,20 @@ async def stream_in_machine(
 async def budget_exec(
     call: Call, name: str, result: ExecResult, timeout: int, since: datetime.datetime, once: bool
 ) -> dict:
-    """The run-command result: each stream within maxOutputBytes and both within replyTokens
-    (less a reserve for the other fields); a stream that did not fit is written whole into the
-    machine, its path in ``overflow`` (not by run-once, ``once``, whose machine is deleted as it
-    answers); a failed command's egress denials added."""
+    """The run-command result: each stream within maxOutputBytes, both within replyTokens; a
+    stream that did not fit is written whole into the machine, its path in ``overflow`` (not by
+    run-once, ``once``, whose machine is deleted as it answers); a failure's egress denials too."""
     limit = call.config.max_output_bytes
+    streams = (("stdout", result.stdout), ("stderr", result.stderr))
     # A stream longer than twice the byte limit is cut whatever it costs: its
     # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
-    costs = [
-        est_tokens(data[: 2 * limit].decode("utf-8", "surrogateescape"))
-        for data in (result.stdout, result.stderr)
-    ]
+    costs = [est_tokens(out[: 2 * limit].decode("utf-8", "surrogateescape")) for _, out in streams]
     shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
     # 124 is what the guest reports for a command it killed at its timeout
     timed_out = result.exit_code == 124 and result.seconds >= timeout - 1
     shaped: dict[str, Any] = dict.fromkeys(("stdout", "stderr"), "")
     shaped.update(exitCode=result.exit_code, truncated=False, timedOut=timed_out, overflow=[])
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
-    streams = (("stdout", result.stdout), ("stderr", result.stderr))
     for (stream, data), share in zip(streams, shares):
         lost = ""
         if stream in result.cut_by_service:
@@ -3110,8 +3078,7 @@ async def budget_exec(
                 )
             except SmolError as err:
                 where = f"the whole stream could not be saved in the machine: {err}"
-        shaped[stream], _ = fit_stream(data, limit, share, where)
-        shaped[stream] += lost
+        shaped[stream] = fit_stream(data, limit, share, where)[0] + lost
     return await note_egress_denials(call, name, shaped, since, once)
 
 
@@ -3135,8 +3102,7 @@ EGRESS_HINT_NO_SCOPE = (
 
 
 def parse_event_time(value: Any) -> datetime.datetime | None:
-    """An RFC 3339 denial time; None for the empty string the engine writes
-    when its log line had no parseable time."""
+    """An RFC 3339 denial time; None for the "" the engine writes for a line without one."""
     try:
         return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
     except (AttributeError, TypeError, ValueError):
@@ -3144,9 +3110,8 @@ def parse_event_time(value: Any) -> datetime.datetime | None:
 
 
 def group_denials(events: list[dict], since: datetime.datetime | None = None) -> list[dict]:
-    """Denials grouped by destination and operation, in the order first seen: {dest,
-    operation, count, firstAt, lastAt}. With ``since``, only those recorded from then on (a
-    denial without a time cannot be placed, so it is left out of a window)."""
+    """Denials grouped by destination and operation, in the order first seen: {dest, operation,
+    count, firstAt, lastAt}. With ``since``, only those timed from then on (untimed ones: not)."""
     groups: dict[tuple[str, str], dict] = {}
     for event in events:
         when = parse_event_time(event.get("timestamp"))
@@ -3164,9 +3129,8 @@ def group_denials(events: list[dict], since: datetime.datetime | None = None) ->
 async def note_egress_denials(
     call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool
 ) -> dict:
-    """Add egressDenied (and its hint) to the result of a command that failed or
-    timed out, on a fleet whose engine records denials; a failure to read them changes nothing.
-    ``once``: the machine is run-once's, deleted right after, so the hint is to run again."""
+    """Add egressDenied (and its hint) to a failed or timed-out command's result where the engine
+    records denials (unreadable ones change nothing); ``once``: run-once's, the hint is to rerun."""
     failed = shaped["exitCode"] != 0 or shaped["timedOut"]
     if call.fleet.amends_egress:  # get-machine reads the refusals after a failed command
         getattr(call.app.failed_last, "add" if failed else "discard")((call.fleet.name, name))
@@ -3177,23 +3141,90 @@ async def note_egress_denials(
     except SmolError as err:
         log.info("could not read the egress denials of %s: %s", name, err)
         return shaped
-    denied = group_denials(events, since)
-    if denied:
-        may_amend = granting_scope(call.principal, "allow-egress") is not None
-        hint = EGRESS_HINT.format(name=name) if may_amend else EGRESS_HINT_NO_SCOPE
-        if once:
-            hint = EGRESS_HINT_RUN_ONCE
-        shaped = {**shaped, "egressDenied": denied, "egressHint": hint}
-    return shaped
+    if not (denied := group_denials(events, since)):
+        return shaped
+    may_amend = granting_scope(call.principal, "allow-egress") is not None
+    hint = EGRESS_HINT.format(name=name) if may_amend else EGRESS_HINT_NO_SCOPE
+    hint = EGRESS_HINT_RUN_ONCE if once else hint
+    return {**shaped, "egressDenied": denied, "egressHint": hint}
 
 
-# -- the handlers, in the order of the tools table ---------------------------
+ARG_NAME_ONLY = _input("name", name=ARG_NAME)
+OUT_CREATED = _out({"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")})
+ARG_PORTS = {
+    "type": "array",
+    "description": "Ports to publish: guest port, and optionally the host port.",
+    "items": _input(
+        "guest",
+        guest=_integer("Port inside the machine.", maximum=65535),
+        host=_integer("Port on the host (default: a free one).", maximum=65535),
+    ),
+}
+ARG_MOUNTS = {
+    "type": "array",
+    "description": "Host directories to attach (local fleet only), only under the operator's "
+    "mountRoots; read-only by default.",
+    "items": _input(
+        "source target",
+        source=_string("Absolute host path."),
+        target=_string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
+        readonly=_boolean(
+            "Mount read-only (the default); false asks for write, which only a root opened with "
+            ":rw grants."
+        ),
+    ),
+}
+EGRESS_WITH_DENIALS = _out(EGRESS_POLICY, {"recentDenials": OUT_DENIALS}, OUT_EGRESS["description"])
+ARG_INCLUDE = {
+    "type": "array",
+    "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
+    "refused connections (local). Each costs a request.",
+    "items": {"type": "string", "enum": ["jobs", "egress"]},
+    "maxItems": 2,
+}
+ARG_CREATE_NAME = {
+    **ARG_NAME,
+    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
+}
+SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
+NETWORK_ARGS = dict(network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS)
+TOOLS: list[ToolSpec] = []  # filled by @tool, in the order the handlers below are defined
 
 
+def tool(*spec: Any) -> Callable:
+    """Register the handler below as a tool: ``spec`` is its ToolSpec's fields after the handler."""
+
+    def register(handler: Callable) -> Callable:
+        TOOLS.append(ToolSpec(handler, *spec))
+        return handler
+
+    return register
+
+
+# -- the tools, each its spec and its handler, in the order the client lists them ------------
+
+
+@tool(
+    "List machines",
+    "List every machine on the fleet, with its state, image, size, egress and published "
+    "ports. Changes nothing.",
+    _object({}),
+    _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
+    "read: read_only idempotent",
+)
 async def tool_list_machines(call: Call, args: dict) -> dict:
     return {"machines": await call.api(call.fleet.list_machines)}
 
 
+@tool(
+    "Get a machine",
+    "Show one machine: state, image, size, egress, ports, pid and whether it can be "
+    "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
+    # (local fleet: also the allow list, and its recent refusals when asked or after a failure)
+    _input("name", name=ARG_NAME, include=ARG_INCLUDE),
+    _out({"machine": OUT_MACHINE, "jobs": OUT_JOBS}, {"egress": EGRESS_WITH_DENIALS}),
+    "read: read_only idempotent",
+)
 async def tool_get_machine(call: Call, args: dict) -> dict:
     """One engine request: the record holds the egress policy. Jobs come from our record unless
     `include` asks the guest; refusals only for a restricted policy, asked or after a failure."""
@@ -3219,17 +3250,23 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
             events = await call.api(call.fleet.egress_events, name, EGRESS_RECENT)
             egress["recentDenials"] = group_denials(events)
         except SmolError as err:
-            egress["recentDenials"] = []
-            egress["recentDenialsError"] = str(err)
+            egress.update(recentDenials=[], recentDenialsError=str(err))
     shown = {"machine": machine, "jobs": jobs}
     return shown if egress is None else {**shown, "egress": egress}
 
 
 def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
-    network, hosts, cidrs = resolve_network(args, call.config, network_default)
+    """A create's MachineSpec. An allow-list narrows egress, so it excludes an explicit network."""
+    hosts = egress_entries(args, "allowHosts", call.config, True)
+    cidrs = egress_entries(args, "allowCidrs", call.config)
+    if (hosts or cidrs) and "network" in args:
+        raise ArgumentError(
+            f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
+            "allow-list already means egress to those destinations only. Pass one or the other."
+        )
+    network = "blocked" if hosts or cidrs else args.get("network", network_default)
     # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
-    local = call.fleet.mounts_host_paths
-    mounts = args.get("mounts", [])
+    local, mounts = call.fleet.mounts_host_paths, args.get("mounts", [])
     image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
     cpus, memory = args.get("cpus", call.config.cpus), args.get("memoryMb", call.config.memory_mb)
     # the other arguments are MachineSpec's fields by their camelCase names, with its defaults
@@ -3239,6 +3276,35 @@ def machine_spec(call: Call, args: dict, name: str, network_default: str) -> Mac
     return MachineSpec(name, image, cpus, memory, network, hosts, cidrs, **given)
 
 
+@tool(
+    "Create a machine",
+    "Create a new microVM from an OCI image and (by default) start it, answering once a "
+    'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
+    "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
+    "machine that is deleted when this session ends; any other name persists. Uses host "
+    "CPU, memory and disk while it exists.",
+    _input(
+        "image",
+        name=ARG_CREATE_NAME,
+        image=ARG_IMAGE,
+        **SIZE_ARGS,
+        **NETWORK_ARGS,
+        ports=ARG_PORTS,
+        mounts=ARG_MOUNTS,
+        storageGb=_integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
+        overlayGb=_integer("Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB),
+        cmd={
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "Workload command (local fleet only).",
+        },
+        env=ARG_ENV,
+        branchable=_boolean("Make it a branch source for branch-machine."),
+        start=_boolean("Start it and wait for the guest (default true)."),
+    ),
+    OUT_CREATED,
+    "manage: open_world",
+)
 async def tool_create_machine(call: Call, args: dict) -> dict:
     name = args.get("name") or call.new_ephemeral_name()
     spec = machine_spec(call, args, name, call.config.network_default)
@@ -3249,7 +3315,6 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
             "a branch source when it starts it"
         )
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
-    ephemeral = call.session.is_ephemeral(name)
     if start:
         try:
             record = await start_and_wait(call, name, spec.branchable)
@@ -3259,17 +3324,16 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
             if isinstance(err, Exception):
                 raise failure from None
             raise
-    return {"machine": record, "ephemeral": ephemeral, "ready": start}
+    return {"machine": record, "ephemeral": call.session.is_ephemeral(name), "ready": start}
 
 
 async def create_recorded(
     call: Call, name: str, create: Callable, *args: Any, owner: str | None = None
 ) -> dict:
     """Create a machine (or a branch child) so the session's record stays true: an ephemeral name
-    is recorded before the call (a crash right after it still cleans up), and forgotten only if the
-    API refused it and this call recorded it; its owner (the caller, or a branch source's owner)
-    likewise. A record the engine proves stale (it accepted the name) is replaced: a machine
-    deleted behind our back must not hand its name's next one to the old owner."""
+    is recorded before the call (a crash right after still cleans up), forgotten only if the API
+    refused it and this call recorded it; its owner (the caller, or a branch source's) likewise. A
+    record the engine proves stale (it took the name) is replaced: it is not the old owner's."""
     added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
     owners, owner = call.app.access.owners, owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
@@ -3296,6 +3360,17 @@ async def create_recorded(
     return record
 
 
+@tool(
+    "Run a command in a machine",
+    "Run a command inside the named machine (never on this host) and return its stdout, "
+    "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
+    "budget keeps its head and tail, and the whole stream is saved in the machine at the "
+    "path listed in overflow. A stopped machine is started first. On the local fleet a "
+    "failed command lists the connections the egress policy refused (egressDenied).",
+    _input("name command", name=ARG_NAME, **ARG_EXEC),
+    _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
+    "exec: destructive open_world",
+)
 async def tool_run_command(call: Call, args: dict) -> dict:
     name, options = args["name"], exec_options(args, call.config.exec_timeout_secs)
     since, argv = datetime.datetime.now(datetime.UTC), command_argv(args["command"])
@@ -3305,6 +3380,15 @@ async def tool_run_command(call: Call, args: dict) -> dict:
     return {**shaped, "startedMachine": started_machine}
 
 
+@tool(
+    "Run a command in a throwaway machine",
+    "Create a machine from an image, run one command in it, and delete the machine on every "
+    "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
+    '"open" or an allow-list is given.',
+    _input("image command", image=ARG_IMAGE, **ARG_EXEC, **SIZE_ARGS, **NETWORK_ARGS),
+    _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
+    "exec: open_world",
+)
 async def tool_run_once(call: Call, args: dict) -> dict:
     options = exec_options(args, call.config.exec_timeout_secs)
     name = call.new_ephemeral_name()
@@ -3324,6 +3408,27 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         await call.delete_quietly(name)  # every path: success, error, timeout, cancellation
 
 
+@tool(
+    "Read a file from a machine",
+    "Read a file inside the named machine, a page at a time: offset and length pick the "
+    "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
+    "more than the output budget. Starts a stopped machine.",
+    _input(
+        "name path",
+        name=ARG_NAME,
+        path=ARG_PATH,
+        encoding=ARG_ENCODING,
+        offset=_integer("First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET),
+        length=_integer(
+            "Bytes to read (default and maximum: the output budget).", maximum=MAX_READ_LENGTH
+        ),
+    ),
+    _out(
+        "path:string content:string encoding:string size:integer offset:integer bytes:integer "
+        "eof:boolean startedMachine:boolean"
+    ),
+    "exec: idempotent",  # not read-only: it starts a stopped machine
+)
 async def tool_read_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
     offset, limit = args.get("offset", 0), call.config.max_output_bytes
@@ -3357,20 +3462,33 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     return {**shown, "startedMachine": started_machine}
 
 
+@tool(
+    "Write a file into a machine",
+    "Write a file inside the named machine, replacing any file at that path and creating "
+    "parent directories. Waits until the guest runs commands first, so the file is not "
+    "hidden by the workload's file system.",
+    _input(
+        "name path content",
+        name=ARG_NAME,
+        path=ARG_PATH,
+        content=_string("The file's content."),
+        encoding=ARG_ENCODING,
+    ),
+    _out("path:string bytes:integer startedMachine:boolean"),
+    "exec: destructive idempotent",
+)
 async def tool_write_file(call: Call, args: dict) -> dict:
     name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
+    data = args["content"].encode("utf-8")
     if encoding == "base64":
         try:
-            data = base64.b64decode(args["content"], validate=True)
+            data = base64.b64decode(data, validate=True)
         except ValueError:
             raise ArgumentError(
                 '"content" is not valid base64; send the bytes base64-encoded, or pass '
                 'encoding: "utf8" for text'
             ) from None
-    else:
-        data = args["content"].encode("utf-8")
-    # Readiness first: a file written before the workload's file system is up
-    # lands under a path the workload then mounts over, and is never seen.
+    # Ready first: a file written before the workload's file system is up would be mounted over.
     started_machine = await ensure_running(call, name)
     if not started_machine:
         await wait_until_ready(call, name)
@@ -3378,6 +3496,14 @@ async def tool_write_file(call: Call, args: dict) -> dict:
     return {"path": path, "bytes": written, "startedMachine": started_machine}
 
 
+@tool(
+    "Start a machine",
+    "Start a stopped machine and (by default) wait until a command has run in it. A running "
+    "machine is left as it is.",
+    _input("name", name=ARG_NAME, wait=ARG_WAIT),
+    _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
+    "manage: idempotent open_world",
+)
 async def tool_start_machine(call: Call, args: dict) -> dict:
     name, wait = args["name"], args.get("wait", True)
     record = await call.api(call.fleet.get_machine, name)
@@ -3391,6 +3517,20 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
     return {"machine": record, "ready": wait}
 
 
+@tool(
+    "Branch a machine",
+    "Copy a running branch source (created with branchable: true), memory and disks "
+    "included, into a new child machine that starts where the source is. Without childName "
+    "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
+    _input(
+        "name",
+        name={**ARG_NAME, "description": "The running, branchable source machine."},
+        childName={**ARG_NAME, "description": "Name for the child; omit for an ephemeral one."},
+        wait=ARG_WAIT,
+    ),
+    OUT_CREATED,
+    "manage",
+)
 async def tool_branch_machine(call: Call, args: dict) -> dict:
     source, wait = args["name"], args.get("wait", True)
     child = args.get("childName") or call.new_ephemeral_name()
@@ -3406,20 +3546,34 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
                 "branchable: true, then branch it while it runs"
             ) from None
         raise
-    ephemeral = call.session.is_ephemeral(child)
     if wait:
         try:
             await wait_until_ready(call, child)
         except BaseException:
             await call.delete_quietly(child)
             raise
-    return {"machine": record, "ephemeral": ephemeral, "ready": wait}
+    return {"machine": record, "ephemeral": call.session.is_ephemeral(child), "ready": wait}
 
 
+@tool(
+    "Stop a machine",
+    "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
+    "runs in it is ended.",
+    ARG_NAME_ONLY,
+    _out({"machine": OUT_MACHINE}),
+    "manage: destructive idempotent",
+)
 async def tool_stop_machine(call: Call, args: dict) -> dict:
     return {"machine": await call.api(call.fleet.stop_machine, args["name"])}
 
 
+@tool(
+    "Delete a machine",
+    "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
+    ARG_NAME_ONLY,
+    _out("deleted:string", _types("usage:object")),
+    "manage: destructive",
+)
 async def tool_delete_machine(call: Call, args: dict) -> dict:
     result = await call.api(call.fleet.delete_machine, args["name"])
     call.forget(args["name"])
@@ -3427,9 +3581,8 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
 
 
 def log_cursor(lines: list[str], end: int) -> str:
-    """Where a reader stopped: how many lines it has seen and a digest of the last few
-    (one blank or repeated line is found in many places), so the place is found again when the
-    cloud's tail window (the cloud log route has no cursor) has moved on."""
+    """Where a reader stopped: lines seen and a digest of the last few (one line recurs), so the
+    place is found again when the cloud's tail window (its log route has no cursor) has moved."""
     last = "\n".join(lines[max(0, end - CURSOR_LINES) : end]).encode()
     return f"{end}:{hashlib.sha256(last).hexdigest()[:12] if end else ''}"
 
@@ -3440,16 +3593,27 @@ def lines_after_cursor(lines: list[str], cursor: str) -> int:
     if not count.isdigit():
         raise ArgumentError(f'"cursor" must be a cursor returned by machine-logs, got {cursor!r}')
     seen = int(count)
-    if seen == 0:
-        return 0
-    if seen <= len(lines) and log_cursor(lines, seen) == cursor:
-        return seen
+    if seen == 0 or seen <= len(lines) and log_cursor(lines, seen) == cursor:
+        return seen  # from the start, or the window has not moved
     for end in range(len(lines), 0, -1):  # the window moved: find the run of lines last seen
         if log_cursor(lines, end).partition(":")[2] == digest:
             return end
     return 0  # the log started again from scratch: all of it is new
 
 
+@tool(
+    "Read a machine's log",
+    "Read the latest lines of the machine's guest console. Pass the cursor from the last "
+    "call to get only what arrived since. Changes nothing.",
+    _input(
+        "name",
+        name=ARG_NAME,
+        tail=_integer("How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000),
+        cursor=_string("The cursor from the previous machine-logs call."),
+    ),
+    _out("lines:string[] cursor:string"),
+    "read: read_only",
+)
 async def tool_machine_logs(call: Call, args: dict) -> dict:
     """The guest console; with the last cursor, only what arrived since."""
     lines = await call.api(call.fleet.console_lines, args["name"])
@@ -3468,8 +3632,100 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
     return {"lines": picked, "cursor": log_cursor(lines, start + len(picked))}
 
 
+@tool(
+    "Pull an image into a machine",
+    "Pull an OCI image into the named machine's image store (local fleet only; the machine "
+    "is started to do it).",
+    _input("name image", name=ARG_NAME, image=ARG_IMAGE),
+    _out("image:object"),
+    "manage: idempotent open_world",
+)
 async def tool_pull_image(call: Call, args: dict) -> dict:
     return {"image": await call.api(call.fleet.pull_image, args["name"], args["image"])}
+
+
+@tool(
+    "Start a background job in a machine",
+    "Start a command inside the named machine (never on this host) and return at once with its "
+    "jobId. Use it for work longer than a tool call should wait (builds, test suites, servers): it "
+    "keeps running after this call, the client and this server have gone, until it exits, its "
+    "timeout (default 1 hour, at most 24) or cancel-job ends it, or the machine stops or is "
+    "deleted. Read its output with read-job. A stopped machine is started first.",
+    _input(
+        "name command",
+        name=ARG_NAME,
+        command=ARG_COMMAND,
+        timeoutSecs=_integer("Seconds before the job is ended (default 3600, at most 86400)."),
+        workdir=ARG_WORKDIR,
+        env=ARG_ENV,
+    ),
+    _out("jobId:string state:string timeoutSecs:integer startedMachine:boolean"),
+    "exec: destructive open_world",
+)
+async def tool_start_job(call: Call, args: dict) -> dict:
+    name, argv = args["name"], command_argv(args["command"])
+    options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
+    if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
+        raise ArgumentError(
+            f'"timeoutSecs" is {options["timeout_secs"]}, above the job ceiling of '
+            f"{JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, or have the job check in and "
+            "start a new one"
+        )
+    job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
+    start = functools.partial(call.api, call.fleet.start_job, name, job_id, argv, **options)
+    job, started_machine = await on_running(call, name, start)
+    call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
+    return {**job, "timeoutSecs": options["timeout_secs"], "startedMachine": started_machine}
+
+
+@tool(
+    "Read a job's output",
+    "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
+    "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
+    "the next page; eof says the job has ended and everything was read. Changes nothing.",
+    _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET),
+    _out({**OUT_JOB_STATE, **_types("stdout:string stderr:string"), **OUT_JOB_PAGE}),
+    "read: read_only",
+)
+async def tool_read_job(call: Call, args: dict) -> dict:
+    name, job_id, offset = args["name"], args["jobId"], args.get("offset", {})
+    offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
+    page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
+    shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    next_offset, pages = {}, []
+    for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
+        if page.state == "running" or start + len(data) < size:  # a character's rest: next page
+            data = data[: utf8_prefix_end(data, len(data))]
+        pages.append(data)
+    # Like run-command, both streams share one budget of tokens.
+    costs = tuple(est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages)
+    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
+    for stream, data, share, start in zip(("stdout", "stderr"), pages, shares, offsets):
+        data = data[: prefix_within_tokens(data, share)]
+        shaped[stream] = data.decode("utf-8", "replace")
+        next_offset[stream] = start + len(data)
+    shaped["nextOffset"] = next_offset
+    ends = zip(next_offset.values(), page.sizes)
+    shaped["eof"] = page.state != "running" and all(at >= size for at, size in ends)
+    call.app.access.owners.note_job(call.fleet.name, name, shaped)
+    return shaped
+
+
+@tool(
+    "Cancel a job",
+    "End a running job and what it started (TERM, then KILL after a few seconds). A job "
+    "that has already ended is left as it is, so repeating the call is harmless.",
+    _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
+    _out(OUT_JOB_STATE),
+    "exec: destructive idempotent",
+)
+async def tool_cancel_job(call: Call, args: dict) -> dict:
+    name, job_id = args["name"], args["jobId"]
+    await call.api(call.fleet.cancel_job, name, job_id)
+    page = await call.api(call.fleet.read_job, name, job_id, (0, 0), 0)
+    shown = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    call.app.access.owners.note_job(call.fleet.name, name, shown)
+    return shown
 
 
 HOST_LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
@@ -3512,8 +3768,7 @@ PUBLIC_SUFFIXES = frozenset(
 
 
 def egress_refusal(network: Any, config: Config) -> str | None:
-    """Why an allow list may not hold this range, or None: it touches a
-    forbidden range and no egressPrivateCidrs entry holds it."""
+    """Why an allow list may not hold this range (it touches a forbidden one), or None."""
     for cidr in config.egress_private_cidrs:
         allowed = ipaddress.ip_network(cidr)
         if allowed.version == network.version and network.subnet_of(allowed):
@@ -3581,8 +3836,7 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
             f"takes ranges of /{widest} or narrower. For open egress, create a new machine with "
             'network: "open" instead'
         )
-    why = egress_refusal(network, config)
-    if why:
+    if why := egress_refusal(network, config):
         raise ArgumentError(
             f'"{where}" is {value!r}, which no allow list may reach: {why}. An operator who '
             "needs a private range lists it in egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
@@ -3591,9 +3845,8 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
 
 
 def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]:
-    """(the UpdateEgressRequest body, the allow list it should leave) for allow-egress's
-    arguments against the current policy. Entries already listed are dropped; removals must name
-    listed entries; a change that would leave no entry (to the engine: allow all) is refused."""
+    """(the UpdateEgressRequest body, the allow list it leaves) for allow-egress's arguments:
+    listed entries dropped, removals must be listed, no entry left (engine: allow all) refused."""
     hosts = egress_entries(args, "hosts", config, False)
     patterns = egress_entries(args, "hostPatterns", config, True)
     cidrs = egress_entries(args, "cidrs", config)
@@ -3617,10 +3870,9 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
             removed.append(listed[fold(entry)])
     kept_hosts = [h for h in before["hosts"] if h not in removed_hosts]
     kept_cidrs = [c for c in before["cidrs"] if c not in removed_cidrs]
-    new_hosts = [h for h in dict.fromkeys(hosts) if h not in (k.lower() for k in kept_hosts)]
-    new_patterns = [
-        p for p in dict.fromkeys(patterns) if p not in (k.lower() for k in kept_hosts + new_hosts)
-    ]
+    known = {host.lower() for host in kept_hosts}  # hosts and patterns arrive lower-cased
+    new_hosts = [h for h in dict.fromkeys(hosts) if h not in known]
+    new_patterns = [p for p in dict.fromkeys(patterns) if p not in known.union(new_hosts)]
     new_cidrs = [c for c in dict.fromkeys(cidrs) if c not in kept_cidrs]
     after = {"hosts": kept_hosts + new_hosts + new_patterns, "cidrs": kept_cidrs + new_cidrs}
     if not after["hosts"] and not after["cidrs"]:
@@ -3656,6 +3908,20 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
     )
 
 
+@tool(
+    "Change a machine's egress allow list",
+    "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
+    "off its allow list), without opening egress to everything: an empty list is never sent "
+    "and allowAll is not offered. When the client can ask, the person confirms exactly what "
+    "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
+    "open) must be stopped first, and this tool never stops one. The result has the allow "
+    "list before and after. Local fleet only.",
+    _input("name", name=ARG_NAME, **EGRESS_ARGS),
+    _out(
+        dict(machine=OUT_MACHINE, before=OUT_EGRESS, after=OUT_EGRESS) | _types("changed:boolean")
+    ),
+    "manage: destructive",  # removals narrow it; a repeated removal is refused
+)
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
     if not call.fleet.amends_egress:
@@ -3694,353 +3960,6 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
     return {"machine": record, "before": before, "after": applied, "changed": True}
 
 
-async def tool_start_job(call: Call, args: dict) -> dict:
-    name, argv = args["name"], command_argv(args["command"])
-    options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
-    if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
-        raise ArgumentError(
-            f'"timeoutSecs" is {options["timeout_secs"]}, above the job ceiling of '
-            f"{JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, or have the job check in and "
-            "start a new one"
-        )
-    job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
-    start = functools.partial(call.api, call.fleet.start_job, name, job_id, argv, **options)
-    job, started_machine = await on_running(call, name, start)
-    call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
-    return {**job, "timeoutSecs": options["timeout_secs"], "startedMachine": started_machine}
-
-
-async def tool_read_job(call: Call, args: dict) -> dict:
-    name, job_id, offset = args["name"], args["jobId"], args.get("offset", {})
-    offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
-    page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
-    shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
-    next_offset, pages = {}, []
-    for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
-        if page.state == "running" or start + len(data) < size:
-            # the rest of a character comes with the next page
-            data = data[: utf8_prefix_end(data, len(data))]
-        pages.append(data)
-    # Like run-command, both streams share one budget of tokens.
-    costs = tuple(est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages)
-    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
-    for stream, data, share, start in zip(("stdout", "stderr"), pages, shares, offsets):
-        data = data[: prefix_within_tokens(data, share)]
-        shaped[stream] = data.decode("utf-8", "replace")
-        next_offset[stream] = start + len(data)
-    shaped["nextOffset"] = next_offset
-    ends = zip(next_offset.values(), page.sizes)
-    shaped["eof"] = page.state != "running" and all(at >= size for at, size in ends)
-    call.app.access.owners.note_job(call.fleet.name, name, shaped)
-    return shaped
-
-
-async def tool_cancel_job(call: Call, args: dict) -> dict:
-    name, job_id = args["name"], args["jobId"]
-    await call.api(call.fleet.cancel_job, name, job_id)
-    page = await call.api(call.fleet.read_job, name, job_id, (0, 0), 0)
-    shown = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
-    call.app.access.owners.note_job(call.fleet.name, name, shown)
-    return shown
-
-
-ARG_NAME_ONLY = _input("name", name=ARG_NAME)
-OUT_CREATED = _out({"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")})
-ARG_PORTS = {
-    "type": "array",
-    "description": "Ports to publish: guest port, and optionally the host port.",
-    "items": _input(
-        "guest",
-        guest=_integer("Port inside the machine.", maximum=65535),
-        host=_integer("Port on the host (default: a free one).", maximum=65535),
-    ),
-}
-ARG_MOUNTS = {
-    "type": "array",
-    "description": "Host directories to attach (local fleet only), only under the operator's "
-    "mountRoots; read-only by default.",
-    "items": _input(
-        "source target",
-        source=_string("Absolute host path."),
-        target=_string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
-        readonly=_boolean(
-            "Mount read-only (the default); false asks for write, which only a root opened with "
-            ":rw grants."
-        ),
-    ),
-}
-EGRESS_WITH_DENIALS = {
-    **OUT_EGRESS,
-    "properties": {**OUT_EGRESS["properties"], "recentDenials": OUT_DENIALS},
-}
-ARG_INCLUDE = {
-    "type": "array",
-    "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
-    "refused connections (local). Each costs a request.",
-    "items": {"type": "string", "enum": ["jobs", "egress"]},
-    "maxItems": 2,
-}
-ARG_CREATE_NAME = {
-    **ARG_NAME,
-    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
-}
-SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
-NETWORK_ARGS = dict(network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS)
-TOOLS: tuple[ToolSpec, ...] = (
-    ToolSpec(
-        tool_list_machines,
-        "List machines",
-        "List every machine on the fleet, with its state, image, size, egress and published "
-        "ports. Changes nothing.",
-        _object({}),
-        _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
-        "read_only idempotent",
-    ),
-    ToolSpec(
-        tool_get_machine,
-        "Get a machine",
-        "Show one machine: state, image, size, egress, ports, pid and whether it can be "
-        "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
-        # (on the local fleet the result also has the egress allow list and, under a
-        # restricted policy when asked or after a failed command, the recent refusals)
-        _input("name", name=ARG_NAME, include=ARG_INCLUDE),
-        _out(
-            {"machine": OUT_MACHINE, "jobs": {"type": ["array", "null"], "items": OUT_JOB}},
-            {"egress": EGRESS_WITH_DENIALS},
-        ),
-        "read_only idempotent",
-    ),
-    ToolSpec(
-        tool_create_machine,
-        "Create a machine",
-        "Create a new microVM from an OCI image and (by default) start it, answering once a "
-        'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
-        "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
-        "machine that is deleted when this session ends; any other name persists. Uses host "
-        "CPU, memory and disk while it exists.",
-        _input(
-            "image",
-            name=ARG_CREATE_NAME,
-            image=ARG_IMAGE,
-            **SIZE_ARGS,
-            **NETWORK_ARGS,
-            ports=ARG_PORTS,
-            mounts=ARG_MOUNTS,
-            storageGb=_integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
-            overlayGb=_integer("Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB),
-            cmd={
-                "type": "array",
-                "items": {"type": "string"},
-                "description": "Workload command (local fleet only).",
-            },
-            env=ARG_ENV,
-            branchable=_boolean("Make it a branch source for branch-machine."),
-            start=_boolean("Start it and wait for the guest (default true)."),
-        ),
-        OUT_CREATED,
-        "open_world",
-    ),
-    ToolSpec(
-        tool_run_command,
-        "Run a command in a machine",
-        "Run a command inside the named machine (never on this host) and return its stdout, "
-        "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
-        "budget keeps its head and tail, and the whole stream is saved in the machine at the "
-        "path listed in overflow. A stopped machine is started first. On the local fleet a "
-        "failed command lists the connections the egress policy refused (egressDenied).",
-        _input("name command", name=ARG_NAME, **ARG_EXEC),
-        _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
-        "destructive open_world",
-    ),
-    ToolSpec(
-        tool_run_once,
-        "Run a command in a throwaway machine",
-        "Create a machine from an image, run one command in it, and delete the machine on every "
-        "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
-        '"open" or an allow-list is given.',
-        _input("image command", image=ARG_IMAGE, **ARG_EXEC, **SIZE_ARGS, **NETWORK_ARGS),
-        _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
-        "open_world",
-    ),
-    ToolSpec(
-        tool_read_file,
-        "Read a file from a machine",
-        "Read a file inside the named machine, a page at a time: offset and length pick the "
-        "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
-        "more than the output budget. Starts a stopped machine.",
-        _input(
-            "name path",
-            name=ARG_NAME,
-            path=ARG_PATH,
-            encoding=ARG_ENCODING,
-            offset=_integer("First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET),
-            length=_integer(
-                "Bytes to read (default and maximum: the output budget).", maximum=MAX_READ_LENGTH
-            ),
-        ),
-        _out(
-            _types(
-                "path:string content:string encoding:string size:integer offset:integer "
-                "bytes:integer eof:boolean startedMachine:boolean"
-            )
-        ),
-        "idempotent",  # not read-only: it starts a stopped machine
-    ),
-    ToolSpec(
-        tool_write_file,
-        "Write a file into a machine",
-        "Write a file inside the named machine, replacing any file at that path and creating "
-        "parent directories. Waits until the guest runs commands first, so the file is not "
-        "hidden by the workload's file system.",
-        _input(
-            "name path content",
-            name=ARG_NAME,
-            path=ARG_PATH,
-            content=_string("The file's content."),
-            encoding=ARG_ENCODING,
-        ),
-        _out(_types("path:string bytes:integer startedMachine:boolean")),
-        "destructive idempotent",
-    ),
-    ToolSpec(
-        tool_start_machine,
-        "Start a machine",
-        "Start a stopped machine and (by default) wait until a command has run in it. A running "
-        "machine is left as it is.",
-        _input("name", name=ARG_NAME, wait=ARG_WAIT),
-        _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
-        "idempotent open_world",
-    ),
-    ToolSpec(
-        tool_branch_machine,
-        "Branch a machine",
-        "Copy a running branch source (created with branchable: true), memory and disks "
-        "included, into a new child machine that starts where the source is. Without childName "
-        "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
-        _input(
-            "name",
-            name={**ARG_NAME, "description": "The running, branchable source machine."},
-            childName={**ARG_NAME, "description": "Name for the child; omit for an ephemeral one."},
-            wait=ARG_WAIT,
-        ),
-        OUT_CREATED,
-    ),
-    ToolSpec(
-        tool_stop_machine,
-        "Stop a machine",
-        "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
-        "runs in it is ended.",
-        ARG_NAME_ONLY,
-        _out({"machine": OUT_MACHINE}),
-        "destructive idempotent",
-    ),
-    ToolSpec(
-        tool_delete_machine,
-        "Delete a machine",
-        "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
-        ARG_NAME_ONLY,
-        _out(_types("deleted:string"), _types("usage:object")),
-        "destructive",
-    ),
-    ToolSpec(
-        tool_machine_logs,
-        "Read a machine's log",
-        "Read the latest lines of the machine's guest console. Pass the cursor from the last "
-        "call to get only what arrived since. Changes nothing.",
-        _input(
-            "name",
-            name=ARG_NAME,
-            tail=_integer(
-                "How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000
-            ),
-            cursor=_string("The cursor from the previous machine-logs call."),
-        ),
-        _out(_types("lines:string[] cursor:string")),
-        "read_only",
-    ),
-    ToolSpec(
-        tool_pull_image,
-        "Pull an image into a machine",
-        "Pull an OCI image into the named machine's image store (local fleet only; the machine "
-        "is started to do it).",
-        _input("name image", name=ARG_NAME, image=ARG_IMAGE),
-        _out(_types("image:object")),
-        "idempotent open_world",
-    ),
-    ToolSpec(
-        tool_start_job,
-        "Start a background job in a machine",
-        "Start a command inside the named machine (never on this host) and return at once "
-        "with its jobId. Use it for work longer than a tool call should wait (builds, test "
-        "suites, servers): it keeps running after this call, the client and this server have "
-        "gone, until it exits, its timeout (default 1 hour, at most 24) or cancel-job ends it, "
-        "or the machine stops or is deleted. Read its output with read-job. A stopped machine "
-        "is started first.",
-        _input(
-            "name command",
-            name=ARG_NAME,
-            command=ARG_COMMAND,
-            timeoutSecs=_integer("Seconds before the job is ended (default 3600, at most 86400)."),
-            workdir=ARG_WORKDIR,
-            env=ARG_ENV,
-        ),
-        _out(_types("jobId:string state:string timeoutSecs:integer startedMachine:boolean")),
-        "destructive open_world",
-    ),
-    ToolSpec(
-        tool_read_job,
-        "Read a job's output",
-        "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
-        "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
-        "the next page; eof says the job has ended and everything was read. Changes nothing.",
-        _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET),
-        _out(
-            {
-                **OUT_JOB_STATE,
-                **_types("stdout:string stderr:string"),
-                "nextOffset": OUT_NEXT_OFFSET,
-                **_types("eof:boolean"),
-            }
-        ),
-        "read_only",
-    ),
-    ToolSpec(
-        tool_cancel_job,
-        "Cancel a job",
-        "End a running job and what it started (TERM, then KILL after a few seconds). A job "
-        "that has already ended is left as it is, so repeating the call is harmless.",
-        _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
-        _out(OUT_JOB_STATE),
-        "destructive idempotent",
-    ),
-    ToolSpec(
-        tool_allow_egress,
-        "Change a machine's egress allow list",
-        "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
-        "off its allow list), without opening egress to everything: an empty list is never sent "
-        "and allowAll is not offered. When the client can ask, the person confirms exactly what "
-        "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
-        "open) must be stopped first, and this tool never stops one. The result has the allow "
-        "list before and after. Local fleet only.",
-        _input(
-            "name",
-            name=ARG_NAME,
-            hosts=ARG_EGRESS_HOSTS,
-            hostPatterns=ARG_EGRESS_PATTERNS,
-            cidrs=ARG_EGRESS_CIDRS,
-            remove=ARG_EGRESS_REMOVE,
-        ),
-        _out(
-            dict(
-                machine=OUT_MACHINE,
-                before=OUT_EGRESS,
-                after=OUT_EGRESS,
-                changed={"type": "boolean"},
-            )
-        ),
-        "destructive",  # removals narrow it; a repeated removal is refused
-    ),
-)
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 
@@ -4456,13 +4375,8 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 SCOPE_DOMAINS = ("machines", "sandbox")
 SCOPE_LEVELS = ("read", "manage", "exec")
 SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "activity.read")
-TOOL_LEVELS = {  # the level of scope each tool needs; a tool missing here is granted to nobody
-    **dict.fromkeys("list-machines get-machine machine-logs read-job".split(), "read"),
-    **dict.fromkeys("create-machine start-machine stop-machine delete-machine".split(), "manage"),
-    **dict.fromkeys("branch-machine pull-image allow-egress".split(), "manage"),
-    **dict.fromkeys("run-command run-once read-file write-file".split(), "exec"),
-    **dict.fromkeys("start-job cancel-job".split(), "exec"),
-}
+# Each tool's scope level, from its ToolSpec.access; a tool without one is granted to nobody.
+TOOL_LEVELS = {tool.name: tool.level for tool in TOOLS if tool.level in SCOPE_LEVELS}
 APPROVAL_MODES = ("none", "changes")
 SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
     "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
