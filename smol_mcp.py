@@ -4127,7 +4127,7 @@ class Session:
         self.asked_fleet = self.ended = False
         self.chose_during: Any = None  # the call whose question made the choice
         self._slots = self._bus = self.listener = None
-        self._question_lock = anyio.Lock()  # made lazily by anyio, in the loop that first takes it
+        self.question_lock = anyio.Lock()  # made lazily by anyio, in the loop that first takes it
         self.subscriptions: dict[str, Any] = {}  # uri -> its poller's CancelScope (handshake era)
         self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
         self.principal: Principal | None = None  # over HTTP: the token that opened it
@@ -4143,9 +4143,6 @@ class Session:
         if self._slots is None:
             self._slots = SessionSlots(self.app.thread_limiter(), SESSION_CALL_SLOTS)
         return self._slots
-
-    def question_lock(self):
-        return self._question_lock
 
     def events(self):
         """This session's event bus and listen handler (2026-era notifications go on listen)."""
@@ -5408,7 +5405,7 @@ class SmolMcp:
         choice narrows it (`target` leaves every tool). AskClient carries a 2026-era question."""
         if self.mode != "both" or session.asked_fleet:
             return None
-        async with session.question_lock():  # calls racing in at the start get one question
+        async with session.question_lock:  # calls racing in at the start get one question
             if session.asked_fleet:
                 return None
             question = ("fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA)
