@@ -8004,12 +8004,13 @@ def invocation() -> str:
 
 
 # The text after --help's options; each setting's variable comes from its declaration.
+EPILOG_VALUES = {"tokens_default": Config.reply_tokens, "fleets": " | ".join(FLEETS)}
 HELP_EPILOG = """\
 environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
   {smolvm:<28}the smolvm binary (default: smolvm on PATH, else the
                               smol/smol-vmm of an installed smolmachines package)
   {local_url:<28}use a running serve (unix:///abs.sock) instead of starting one
-  {targets:<28}auto | local | cloud | both (auto: both when a cloud key is set)
+  {targets:<28}auto | {fleets} | both (auto: both when a cloud key is set)
   {cloud_token:<28}the smol cloud account key (a secret: never copied anywhere)
   {network_default:<28}blocked | open: egress of a machine when a call says nothing
   {reply_tokens:<28}the most a tool result may cost a model, in tokens ({tokens_default})
@@ -8023,7 +8024,7 @@ examples:
   smol-mcp setup claude-code --write     add the server to this project's .mcp.json
   smol-mcp operator set-password         let --http clients connect by URL (OAuth, a consent page)
   SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
-""".format(tokens_default=Config.reply_tokens, **{s.attr: s.env for s in SETTINGS})
+""".format_map({s.attr: s.env for s in SETTINGS} | EPILOG_VALUES)
 
 
 def parse_args(argv: list[str]):
@@ -8048,9 +8049,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
-    helpers = parser.add_subparsers(
-        dest="command", metavar="{doctor,setup,parity,tokens,activity,approvals,operator}"
-    )
+    helpers = parser.add_subparsers(dest="command")
     doctor_help = "say whether each fleet works on this host, and what to do if not"
     probe_help = "also create, start, run `true` in and delete a throwaway local machine"
     flag(helpers.add_parser("doctor", help=doctor_help), "--probe", probe_help)
@@ -8066,16 +8065,14 @@ def parse_args(argv: list[str]):
     parity_help = "compare the routes this server calls with the running serve's OpenAPI"
     helpers.add_parser("parity", help=parity_help)
     tokens = helpers.add_parser("tokens", help="create, list and delete the named tokens of --http")
-    token_commands = tokens.add_subparsers(
-        dest="tokens_command", metavar="{create,list,delete,auto-approve}", required=True
-    )
+    token_commands = tokens.add_subparsers(dest="tokens_command", required=True)
     create = token_commands.add_parser("create", help="make a token; its secret is shown once")
     create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
     chosen = create.add_mutually_exclusive_group()
     chosen.add_argument("--scopes", help=f"comma-separated, from: {', '.join(SCOPES)}")
     presets = "; ".join(f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items())
     chosen.add_argument("--preset", choices=SCOPE_PRESETS, help=presets)
-    fleets_help = "the fleets it may use: local, cloud or local,cloud (default both)"
+    fleets_help = f"the fleets it may use: {', '.join(FLEETS)} or {','.join(FLEETS)} (default both)"
     create.add_argument("--targets", help=fleets_help)
     changes_help = "changes: changing calls wait for a person (recorded with the token)"
     create.add_argument("--approval", choices=APPROVAL_MODES, default="none", help=changes_help)
@@ -8099,9 +8096,7 @@ def parse_args(argv: list[str]):
     latest = ACTIVITY_RESOURCE_ENTRIES
     activity.add_argument("--limit", type=int, default=latest, help="the latest N entries")
     approvals = helpers.add_parser("approvals", help="list, approve and deny calls that wait")
-    approval_commands = approvals.add_subparsers(
-        dest="approvals_command", metavar="{list,approve,deny}", required=True
-    )
+    approval_commands = approvals.add_subparsers(dest="approvals_command", required=True)
     json_flag(approval_commands.add_parser("list", help="the calls that wait for a person"))
     approve = approval_commands.add_parser("approve", help="let a waiting call run")
     approve.add_argument("id")
@@ -8118,6 +8113,8 @@ def parse_args(argv: list[str]):
         help="set-password: read a password from stdin (no echo at a terminal); "
         "link: print a one-time sign-in URL, good for 10 minutes",
     )
+    for commands in (helpers, token_commands, approval_commands):  # usage and errors list them
+        commands.metavar = "{" + ",".join(commands.choices) + "}"
     args = parser.parse_args(argv)
     if (args.command or not args.http) and (args.host or args.port or args.path):
         parser.error("--host, --port and --path go with --http")
@@ -8164,13 +8161,13 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
     document = targets_document(app)
     mode = f"mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})"
     print(f"smol-mcp {__version__}: {mode}")
-    healthy = True
+    usable = {}  # of each served fleet
     for name, facts in document["fleets"].items():
         if not facts["served"]:
             print(f"\n{name}: not served ({facts['reason']})")
             continue
         details, advice = FLEETS[name].doctor_report(app, facts)
-        healthy = healthy and facts["usable"]
+        usable[name] = facts["usable"]
         print(f"\n{name}: {'usable' if facts['usable'] else 'NOT USABLE'}")
         for line in details:
             print(f"  {line}")
@@ -8179,17 +8176,16 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
         for line in advice:
             print(line)
     if probe:
-        if "local" not in app.fleets:
-            unserved = "the local fleet is not served (SMOL_MCP_TARGETS)"
+        local = app.local.name
+        if local not in app.fleets:
+            unserved = f"the {local} fleet is not served (SMOL_MCP_TARGETS)"
             print(f"\nprobe: {unserved}, so there is nothing to probe")
             return 1
         # what a machine did outranks what the checks above expected
-        fleets = document["fleets"].items()
-        others = all(f["usable"] for n, f in fleets if f["served"] and n != "local")
-        healthy = probe_local(app, document["fleets"]["local"]) and others
+        usable[local] = probe_local(app, document["fleets"][local])
     print(f"\ntokens: {tokens_file_report(app.config)}")
     print(f"oauth: {oauth_report(app.config)}")
-    return 0 if healthy else 1
+    return 0 if all(usable.values()) else 1
 
 
 def probe_local(app: SmolMcp, facts: dict) -> bool:
@@ -8321,8 +8317,7 @@ def secret_reference(client: str, name: str) -> str | None:
 def client_entry(
     client: str, http_url: str | None, config: Config | None = None, environ: dict | None = None
 ) -> tuple[str, dict]:
-    """(the top-level key, the server entry) in the client's shape; secrets referenced, never
-    copied."""
+    """(top-level key, server entry) in the client's shape; secrets referenced, never copied."""
     config = config or Config()
     environ = dict(os.environ if environ is None else environ)
     if http_url:
@@ -8332,8 +8327,6 @@ def client_entry(
     wheel = wheel_engine()
     if wheel and env.get("SMOLVM") == wheel and command[1:3] == ["run", "--script"]:
         # uv's environment of the moment may be pruned; the client's `uv run` brings the wheel back
-        import importlib.metadata
-
         command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
         del env["SMOLVM"]
     env.update({name: ref for name in secrets if (ref := secret_reference(client, name))})
@@ -8444,10 +8437,6 @@ def back_up(path: Path) -> Path:
     return backup
 
 
-class SetupRefused(Exception):
-    """--write would not produce a file the client can read: nothing is written."""
-
-
 def strip_jsonc(text: str) -> str:
     """The text without // and /* */ comments and trailing commas (strings kept)."""
     comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'  # group 1: a string, kept
@@ -8466,24 +8455,24 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
         try:
             json.loads(strip_jsonc(text))
         except ValueError:
-            raise SetupRefused(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
-        raise SetupRefused(
+            raise SmolError(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
+        raise SmolError(
             f"{path} has comments or trailing commas (JSONC); rewriting it would drop them, so "
             "paste the entry printed by `setup` without --write into it by hand"
         ) from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
         shape = f'a JSON object with an object under "{key}"'
-        raise SetupRefused(f"{path} does not hold {shape}; {BY_HAND}")
+        raise SmolError(f"{path} does not hold {shape}; {BY_HAND}")
     replacing = "smol" in existing.get(key, {})
     if replacing and not force:
-        raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; {FORCE}')
+        raise SmolError(f'{path} already has a "smol" entry under "{key}"; {FORCE}')
     existing.setdefault(key, {})["smol"] = entry
     if client == "opencode":
         existing.setdefault("$schema", "https://opencode.ai/config.json")
     indent = re.search(r"\n([ \t]+)\S", text)
     merged = json.dumps(existing, indent=indent.group(1) if indent else 2) + "\n"
     if json.loads(merged)[key]["smol"] != entry:
-        raise SetupRefused(f"the merged {path} did not read back as written; nothing was written")
+        raise SmolError(f"the merged {path} did not read back as written; nothing was written")
     return merged, replacing
 
 
@@ -8498,7 +8487,7 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise SetupRefused(f"{path} is not valid TOML ({err}); {BY_HAND}") from None
+        raise SmolError(f"{path} is not valid TOML ({err}); {BY_HAND}") from None
     lines = text.splitlines(keepends=True)
     top = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
     inline = [i for i in range(top) if re.match(rf'\s*("?){key}\1\s*=', lines[i])]
@@ -8513,7 +8502,7 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
             pass  # a value type toml_value does not write: refused below
     if "smol" in existing.get(key, {}):
         if not force:
-            raise SetupRefused(f"{path} already has [{key}.smol]; {FORCE}")
+            raise SmolError(f"{path} already has [{key}.smol]; {FORCE}")
         kept, skipping = [], False
         for line in text.splitlines(keepends=True):
             if line.lstrip().startswith("["):  # a table header starts or ends the smol table
@@ -8533,7 +8522,7 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
         return {**document, key: {**document.get(key, {}), "smol": None}}
 
     if parsed.get(key, {}).get("smol") != entry or rest(parsed) != rest(existing):
-        raise SetupRefused(
+        raise SmolError(
             f"appending [{key}.smol] to {path} would not give valid TOML with every other setting "
             f"kept (for example when {key} is written as an inline table, {key} = {{...}}); "
             "nothing was written: paste the entry printed by `setup` without --write by hand"
@@ -8575,13 +8564,12 @@ def setup(config: Config, client: str, http_url: str | None, write: bool, force:
         return 0
     try:
         text = path.read_text() if path.exists() else ""
-        if client == "codex":
-            merged, replacing = merge_toml(path, text, key, entry, force)
-        else:
-            merged, replacing = merge_json(path, text, key, entry, client, force)
-    except (SetupRefused, OSError) as err:
-        print(f"smol-mcp: {err}", file=sys.stderr)
-        return 2
+    except OSError as err:
+        raise SmolError(str(err)) from None
+    if client == "codex":
+        merged, replacing = merge_toml(path, text, key, entry, force)
+    else:
+        merged, replacing = merge_json(path, text, key, entry, client, force)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         print(f"backed up {path} to {back_up(path)}")
@@ -8689,8 +8677,6 @@ def operator_command(args: Any, config: Config) -> int:
         print(f"(good for 10 minutes, once; {elsewhere})", file=sys.stderr)
         return 0
     if sys.stdin.isatty():
-        import getpass
-
         password = getpass.getpass("operator password: ")
         if getpass.getpass("again: ") != password:
             raise ConfigError("the two passwords differ; nothing changed")
@@ -8913,8 +8899,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
     # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
     log.setLevel(logging.INFO)
-    import anyio
-
     helpers = {"tokens": tokens_command, "activity": activity_command}
     helpers.update(approvals=approvals_command, operator=operator_command)
     try:
