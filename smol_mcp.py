@@ -8200,12 +8200,13 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         try:
             action()
         except SmolError as err:
-            lines = None
-            if is_boot_failure(err):  # the machine is deleted below: its console goes in the report
-                try:
-                    lines = fleet.console_lines(name)[-BOOT_LOG_LINES:]
-                except SmolError:
-                    lines = []
+            boot = is_boot_failure(
+                err
+            )  # the machine is deleted below: its console goes in the report
+            try:
+                lines = fleet.console_lines(name)[-BOOT_LOG_LINES:] if boot else None
+            except SmolError:
+                lines = []
             text = redact(str(explain_start_failure(err, "blocked", lines)), config.secret_values())
             print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: {text}")
             return False
@@ -8213,13 +8214,12 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         return True
 
     def wait_ready() -> None:
-        deadline = time.monotonic() + config.ready_timeout_secs
+        limit = config.ready_timeout_secs
+        deadline = time.monotonic() + limit
         while (answer := fleet.probe_ready(name)) is not None:
             if time.monotonic() > deadline:
-                raise SmolError(
-                    f"the guest did not run a command within {config.ready_timeout_secs} s "
-                    f"(readyTimeoutSecs); its last answer: {answer}"
-                )
+                late = f"the guest did not run a command within {limit} s (readyTimeoutSecs)"
+                raise SmolError(f"{late}; its last answer: {answer}")
             time.sleep(0.5)
 
     def run_true() -> None:
@@ -8255,7 +8255,7 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         fleet.release()
     verdict = "can" if ok else "cannot"
     doubt = f" (the check above said NOT USABLE: {facts['reason']})" * (ok and not facts["usable"])
-    print(f"  result: the local fleet {verdict} run machines here{doubt}")
+    print(f"  result: the {fleet.name} fleet {verdict} run machines here{doubt}")
     return ok
 
 
@@ -8314,16 +8314,12 @@ def secret_reference(client: str, name: str) -> str | None:
     return form and form.replace("NAME", name)
 
 
-def client_entry(
-    client: str, http_url: str | None, config: Config | None = None, environ: dict | None = None
-) -> tuple[str, dict]:
+def client_entry(client: str, http_url: str | None, config: Config) -> tuple[str, dict]:
     """(top-level key, server entry) in the client's shape; secrets referenced, never copied."""
-    config = config or Config()
-    environ = dict(os.environ if environ is None else environ)
     if http_url:
         return http_entry(client, http_url, config)
     command = launch_command()
-    env, secrets = entry_environment(environ)
+    env, secrets = entry_environment(os.environ)
     wheel = wheel_engine()
     if wheel and env.get("SMOLVM") == wheel and command[1:3] == ["run", "--script"]:
         # uv's environment of the moment may be pruned; the client's `uv run` brings the wheel back
@@ -8340,9 +8336,6 @@ def client_entry(
     return ("mcp_servers" if client == "codex" else "mcpServers"), entry
 
 
-MCP_REMOTE = "mcp-remote@0.15.1"  # the stdio-to-HTTP bridge, pinned: npx runs what it fetches
-
-
 def http_entry(
     client: str, http_url: str, config: Config, variable: str = "SMOL_MCP_AUTH_TOKEN"
 ) -> tuple[str, dict]:
@@ -8354,14 +8347,14 @@ def http_entry(
         entry = {"url": http_url, "bearer_token_env_var": variable, **codex_timeouts(config)}
         return "mcp_servers", entry
     if client == "claude-desktop":
-        # It speaks stdio only, so the npm bridge carries HTTP, pinned; it reads no
-        # shell environment, so npx is absolute, node is found beside it, and the
+        # It speaks stdio only, so the npm bridge carries HTTP, pinned (npx runs what it fetches);
+        # it reads no shell environment, so npx is absolute, node is found beside it, and the
         # token has to be pasted into its env block by hand.
-        npx = shutil.which("npx")
+        bridge, npx = "mcp-remote@0.15.1", shutil.which("npx")
         path = {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"} if npx else {}
         return "mcpServers", {
             "command": str(Path(npx).absolute()) if npx else "npx",
-            "args": ["-y", MCP_REMOTE, http_url, "--header", "Authorization:${AUTH_HEADER}"],
+            "args": ["-y", bridge, http_url, "--header", "Authorization:${AUTH_HEADER}"],
             "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>", **path},
         }
     return "mcpServers", {"type": "http", "url": http_url, "headers": header}
@@ -8428,20 +8421,12 @@ def one_liner(client: str, entry: dict) -> str | None:
 def back_up(path: Path) -> Path:
     """Copy ``path`` under the user's state directory, not beside a project file where the
     copy would be committed or read by the client."""
-    home = Path(os.environ.get("HOME") or Path.home())
-    folder = Path(os.environ.get("XDG_STATE_HOME") or home / ".local" / "state") / "smol-mcp"
-    (folder / "backups").mkdir(mode=0o700, parents=True, exist_ok=True)
+    backups = Path(default_state_dir(os.environ)) / "backups"
+    backups.mkdir(mode=0o700, parents=True, exist_ok=True)
     flat = str(path.absolute()).strip("/").replace("/", "%")
-    backup = folder / "backups" / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
+    backup = backups / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
     shutil.copy2(path, backup)
     return backup
-
-
-def strip_jsonc(text: str) -> str:
-    """The text without // and /* */ comments and trailing commas (strings kept)."""
-    comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'  # group 1: a string, kept
-    text = re.sub(comment, lambda match: match.group(1) or "", text, flags=re.S)
-    return re.sub(r",(\s*[}\]])", r"\1", text)
 
 
 BY_HAND = "fix it, or paste the entry by hand"
@@ -8452,8 +8437,11 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
     try:
         existing = json.loads(text) if text.strip() else {}
     except ValueError as err:
+        # tell JSONC (// and /* */ comments, trailing commas) apart from a broken file
+        comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'  # group 1: a string, kept
+        plain = re.sub(comment, lambda match: match.group(1) or "", text, flags=re.S)
         try:
-            json.loads(strip_jsonc(text))
+            json.loads(re.sub(r",(\s*[}\]])", r"\1", plain))
         except ValueError:
             raise SmolError(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
         raise SmolError(
@@ -8513,15 +8501,11 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     block = render_entry("codex", key, entry)
     separator = ("\n" if text and not text.endswith("\n") else "") + ("\n" if text.strip() else "")
     merged = text + separator + block
-    try:
-        parsed = tomllib.loads(merged)
+    try:  # every other setting kept, and the smol entry reads back as written
+        same = tomllib.loads(merged) == {**existing, key: {**existing.get(key, {}), "smol": entry}}
     except tomllib.TOMLDecodeError:
-        parsed = {}
-
-    def rest(document: dict) -> dict:  # all but the smol entry, which must read back as written
-        return {**document, key: {**document.get(key, {}), "smol": None}}
-
-    if parsed.get(key, {}).get("smol") != entry or rest(parsed) != rest(existing):
+        same = False
+    if not same:
         raise SmolError(
             f"appending [{key}.smol] to {path} would not give valid TOML with every other setting "
             f"kept (for example when {key} is written as an inline table, {key} = {{...}}); "
@@ -8539,9 +8523,10 @@ CONNECTOR_STEPS = """\
 # internet (run --http behind TLS, with publicUrl set to that address)."""
 
 
-def setup(config: Config, client: str, http_url: str | None, write: bool, force: bool, oauth: bool):
+def setup(args: Any, config: Config) -> int:
     """Print the client's entry, or merge it into its file after a backup (never into a file
     that does not parse, never what would not parse again)."""
+    client, http_url, oauth = args.client, args.http_url, args.oauth
     if oauth and client == "claude-desktop":
         print(CONNECTOR_STEPS.format(url=http_url))
         return 0
@@ -8555,7 +8540,7 @@ def setup(config: Config, client: str, http_url: str | None, write: bool, force:
     if client == "claude-desktop" and not http_url and (held := entry_environment(os.environ)[1]):
         hint = f"add {', '.join(held)} to the entry's env by hand (secrets are not copied for you)"
         print(f"# claude-desktop reads no environment: {hint}", file=sys.stderr)
-    if not write:
+    if not args.write:
         # on stderr, so that stdout stays pastable as it is
         print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)
         if command:
@@ -8567,9 +8552,9 @@ def setup(config: Config, client: str, http_url: str | None, write: bool, force:
     except OSError as err:
         raise SmolError(str(err)) from None
     if client == "codex":
-        merged, replacing = merge_toml(path, text, key, entry, force)
+        merged, replacing = merge_toml(path, text, key, entry, args.force)
     else:
-        merged, replacing = merge_json(path, text, key, entry, client, force)
+        merged, replacing = merge_json(path, text, key, entry, client, args.force)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         print(f"backed up {path} to {back_up(path)}")
@@ -8899,12 +8884,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
     # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
     log.setLevel(logging.INFO)
-    helpers = {"tokens": tokens_command, "activity": activity_command}
+    helpers = {"setup": setup, "tokens": tokens_command, "activity": activity_command}
     helpers.update(approvals=approvals_command, operator=operator_command)
     try:
         config = load_config()
-        if args.command == "setup":
-            return setup(config, args.client, args.http_url, args.write, args.force, args.oauth)
         if args.command in helpers:
             return helpers[args.command](args, config)
         serving = args.http and not args.command
