@@ -8107,12 +8107,10 @@ def parse_args(argv: list[str]):
     deny.add_argument("id")
     deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
     operator_help = "the person who signs in to the pages of --http and consents to clients"
-    helpers.add_parser("operator", help=operator_help).add_argument(
-        "operator_command",
-        choices=("set-password", "link"),
-        help="set-password: read a password from stdin (no echo at a terminal); "
-        "link: print a one-time sign-in URL, good for 10 minutes",
-    )
+    operator = helpers.add_parser("operator", help=operator_help)
+    password_help = "set-password: read a password from stdin (no echo at a terminal)"
+    sign_in_help = f"{password_help}; link: print a one-time sign-in URL, good for 10 minutes"
+    operator.add_argument("operator_command", choices=("set-password", "link"), help=sign_in_help)
     for commands in (helpers, token_commands, approval_commands):  # usage and errors list them
         commands.metavar = "{" + ",".join(commands.choices) + "}"
     args = parser.parse_args(argv)
@@ -8653,9 +8651,9 @@ def operator_command(args: Any, config: Config) -> int:
     if args.operator_command == "link":
         issuer = oauth_issuer(config, config.http_host, config.http_port)
         if issuer is None:
+            unknown = "--http is bound off loopback, so the address a browser reaches it at is"
             raise ConfigError(
-                "--http is bound off loopback, so the address a browser reaches it at is not "
-                "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
+                f"{unknown} not knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
             )
         print(f"{issuer}/signin?link={operator.new_link()}")
         elsewhere = "for a server on another address keep the path and query"
@@ -8710,14 +8708,13 @@ def activity_command(args: Any, config: Config) -> int:
     entries = log_file.entries(activity_filter(args.token, args.machine, since), args.limit)
     if args.json:
         print(json.dumps(entries))
-        return 0
-    if not entries:
+    elif not entries:
         matching = " that matches" if (args.token or args.machine or since) else ""
         print(f"no activity recorded{matching} (log: {log_file.path})")
-        return 0
-    print_table([("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME"), *map(activity_row, entries)])
-    if len(entries) == args.limit:
-        print(f"(the latest {args.limit} entries; --limit N shows more)")
+    else:
+        print_table([("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME"), *map(activity_row, entries)])
+        if len(entries) == args.limit:
+            print(f"(the latest {args.limit} entries; --limit N shows more)")
     return 0
 
 
@@ -8768,13 +8765,12 @@ def approvals_command(args: Any, config: Config) -> int:
         shown = waiting_calls(config)
         if args.json:
             print(json.dumps(shown))
-            return 0
-        if not shown:
+        elif not shown:
             print("no call waits for approval")
-            return 0
-        print_waiting(shown)
-        how = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
-        print(f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]")
+        else:
+            print_waiting(shown)
+            how = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
+            print(f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]")
         return 0
     approve = args.approvals_command == "approve"
     if approve and args.auto_for:  # it releases the token's other waiting calls: show them
@@ -8862,19 +8858,16 @@ def parity(app: SmolMcp) -> int:
         spec = fleet.request("read the OpenAPI document", "GET", "/api-docs/openapi.json")
     finally:
         fleet.release()
-    report = parity_report(spec)
-    kinds = ("called", "skipped", "unknown", "missing")
-    counts = ", ".join(f"{len(report[kind])} {kind}" for kind in kinds)
+    report = parity_report(spec)  # called, skipped (with reasons), unknown, missing
+    counts = ", ".join(f"{len(routes)} {kind}" for kind, routes in report.items())
     print(f"smolvm {fleet.version}: {counts}")
-    for method, path in report["called"]:
-        print(f"  called   {method:6} {path}")
-    for (method, path), reason in report["skipped"]:
-        print(f"  skipped  {method:6} {path}: {reason}")
-    for method, path in report["unknown"]:
-        decide = "new in this smolvm; decide whether a tool should call it"
-        print(f"  UNKNOWN  {method:6} {path}: {decide}")
-    for method, path in report["missing"]:
-        print(f"  MISSING  {method:6} {path}: called by smol-mcp but absent from this serve")
+    notes = {"unknown": "new in this smolvm; decide whether a tool should call it"}
+    notes["missing"] = "called by smol-mcp but absent from this serve"
+    for kind, routes in report.items():
+        label = kind.upper() if kind in notes else kind  # what a person must act on, in capitals
+        for route in routes:
+            (method, path), note = route if kind == "skipped" else (route, notes.get(kind))
+            print(f"  {label:8} {method:6} {path}" + (f": {note}" if note else ""))
     return 1 if report["missing"] else 0
 
 
