@@ -8154,8 +8154,7 @@ ENGINE_ON_RAMP = """\
 
 
 def doctor(app: SmolMcp, probe: bool = False) -> int:
-    """Print what smol://targets knows, for a person; 0 when every served fleet is usable.
-    With ``probe``, a throwaway local machine is created, started, run and deleted."""
+    """Print smol://targets for a person (``probe``: try a machine too); 0 if served fleets work."""
     document = targets_document(app)
     mode = f"mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})"
     print(f"smol-mcp {__version__}: {mode}")
@@ -8179,16 +8178,14 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
             unserved = f"the {local} fleet is not served (SMOL_MCP_TARGETS)"
             print(f"\nprobe: {unserved}, so there is nothing to probe")
             return 1
-        # what a machine did outranks what the checks above expected
-        usable[local] = probe_local(app, document["fleets"][local])
+        usable[local] = probe_local(app, document["fleets"][local])  # outranks the checks above
     print(f"\ntokens: {tokens_file_report(app.config)}")
     print(f"oauth: {oauth_report(app.config)}")
     return 0 if all(usable.values()) else 1
 
 
 def probe_local(app: SmolMcp, facts: dict) -> bool:
-    """Create, start, run `true` in and delete a throwaway machine, printing each step:
-    "usable" above is what the host allows; this is what it does."""
+    """Create, start, run `true` in and delete a machine: what the host does, not just allows."""
     fleet, config = app.local, app.config
     name = f"{config.machine_prefix}probe-{secrets_module.token_hex(3)}"
     print(f"\nprobe: machine {name} (no image, no network; deleted at the end)")
@@ -8273,15 +8270,13 @@ def launch_command() -> list[str]:
     return [str(Path(sys.executable).absolute()), str(here)]
 
 
-# Referenced from the client's environment in an entry, never copied into it (project
-# files get committed): the keys, and the approval webhook, often a chat's secret URL.
+# Referenced in an entry, never copied (project files get committed); a webhook URL is a secret.
 SECRET_ENVS = ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK")
 ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself, not by smol-mcp
 
 
 def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """(a stdio entry's env, the secrets it references): what is set here, so the client
-    starts the same server that doctor checked."""
+    """(a stdio entry's env, its secrets' names): what is set here, so doctor's checks hold."""
     env = {s.env: environ[s.env] for s in SETTINGS if s.env in environ and s.env not in SECRET_ENVS}
     env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
     if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
@@ -8417,8 +8412,7 @@ def one_liner(client: str, entry: dict) -> str | None:
 
 
 def back_up(path: Path) -> Path:
-    """Copy ``path`` under the user's state directory, not beside a project file where the
-    copy would be committed or read by the client."""
+    """Copy ``path`` to the state directory (beside a project file, it'd be read or committed)."""
     backups = Path(default_state_dir(os.environ)) / "backups"
     backups.mkdir(mode=0o700, parents=True, exist_ok=True)
     flat = str(path.absolute()).strip("/").replace("/", "%")
@@ -8538,8 +8532,7 @@ def setup(args: Any, config: Config) -> int:
     if client == "claude-desktop" and not http_url and (held := entry_environment(os.environ)[1]):
         hint = f"add {', '.join(held)} to the entry's env by hand (secrets are not copied for you)"
         print(f"# claude-desktop reads no environment: {hint}", file=sys.stderr)
-    if not args.write:
-        # on stderr, so that stdout stays pastable as it is
+    if not args.write:  # the advice goes to stderr: stdout stays pastable as it is
         print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)
         if command:
             print(f"# or run: {command}", file=sys.stderr)
@@ -8590,8 +8583,9 @@ def tokens_command(args: Any, config: Config) -> int:
         scopes = parse_scopes(args.scopes or SCOPE_PRESETS[args.preset])
         record, secret = store.create(args.name, scopes, parse_targets(args.targets), args.approval)
         granted = {key: record[key] for key in ("scopes", "targets", "approval")}
-        created = {"event": "token", "outcome": "created", "token": record["name"]}
-        cli_record(config, {**created, **granted})
+        cli_record(
+            config, {"event": "token", "outcome": "created", "token": record["name"], **granted}
+        )
         if args.json:
             print(json.dumps({"name": record["name"], "secret": secret, **granted}))
             return 0
@@ -8806,8 +8800,10 @@ def answer_approval(
     """Answer a waiting call from the terminal (``who`` None) or the console: (the request,
     until when its token now runs without asking, if it does)."""
     who = who or {"principal": "cli", "user": os_user(), "via": "terminal"}
-    decision = "approve" if approve else "deny"
-    answer = {"decision": decision, "by": who.get("user") or who["principal"]}
+    answer = {
+        "decision": "approve" if approve else "deny",
+        "by": who.get("user") or who["principal"],
+    }
     answer.update(answeredAt=utc_now(), via=who["via"])
     answer.update({"autoFor": auto_for} if auto_for else {} if approve else {"reason": reason})
     request = ApprovalDesk(config.state_dir).respond(approval_id, answer)
@@ -8875,8 +8871,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``smol-mcp`` and ``python3 smol_mcp.py``."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
-    # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.INFO)  # our progress lines; the SDK's chatter stays at warnings
     helpers = {"setup": setup, "tokens": tokens_command, "activity": activity_command}
     helpers.update(approvals=approvals_command, operator=operator_command)
     try:
@@ -8909,8 +8904,7 @@ def main(argv: list[str] | None = None) -> int:
     except SmolError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
-    if args.http:
-        # Cleaned up and done: a worker thread a stopped call abandoned must not hold the exit.
+    if args.http:  # done: a worker thread a stopped call abandoned must not hold the exit
         logging.shutdown()
         sys.stdout.flush()
         os._exit(0)
