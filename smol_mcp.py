@@ -8130,8 +8130,6 @@ def parse_args(argv: list[str]):
 
 
 # -- doctor ------------------------------------------------------------------
-
-
 # Commands a person copies whole, so a line may be longer than the code's 100 columns.
 def engine_get_command(here: Path, prefix: str) -> str:
     """How to add the engine wheel to this server the way it was installed."""
@@ -8255,11 +8253,8 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
 
 
 # -- setup -------------------------------------------------------------------
-
-
 def launch_command() -> list[str]:
-    """The command a client should run, absolute (a GUI client does not see the shell's PATH):
-    the installed script, else uv running this file, else this interpreter running it."""
+    """The client's command, absolute (GUIs lack the shell's PATH): script, else uv, else python."""
     here = Path(__file__).resolve()
     if any(part in ("site-packages", "dist-packages") for part in here.parts):
         beside = Path(sys.executable).parent / "smol-mcp"  # works without the environment activated
@@ -8293,11 +8288,10 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
 
 
 def codex_timeouts(config: Config) -> dict[str, int]:
-    """Codex gives a server 10 s to start and a call 60 s; a create can wait for the serve
-    and then readiness, a command for its timeout."""
+    """Codex gives a server 10 s to start (a first `uv run` resolves packages: 60) and a call 60 s
+    (a create can wait for the serve and then readiness, a command for its timeout)."""
     longest = config.serve_start_timeout_secs + config.ready_timeout_secs + 60
     longest += config.max_exec_timeout_secs
-    # a first `uv run` of the file resolves packages before answering: 60 s to start
     return {"startup_timeout_sec": 60, "tool_timeout_sec": longest}
 
 
@@ -8340,9 +8334,8 @@ def http_entry(
         entry = {"url": http_url, "bearer_token_env_var": variable, **codex_timeouts(config)}
         return "mcp_servers", entry
     if client == "claude-desktop":
-        # It speaks stdio only, so the npm bridge carries HTTP, pinned (npx runs what it fetches);
-        # it reads no shell environment, so npx is absolute, node is found beside it, and the
-        # token has to be pasted into its env block by hand.
+        # stdio only: a pinned npm bridge carries HTTP (npx runs what it fetches); no shell
+        # environment: npx is absolute, node is found beside it, the token pasted in by hand.
         bridge, npx = "mcp-remote@0.15.1", shutil.which("npx")
         path = {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"} if npx else {}
         return "mcpServers", {
@@ -8456,11 +8449,6 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
     return merged, replacing
 
 
-SMOL_TABLE_RE = re.compile(
-    r'^\s*\[\s*("?)mcp_servers\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
-)
-
-
 def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tuple[str, bool]:
     import tomllib
 
@@ -8483,10 +8471,11 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
     if "smol" in existing.get(key, {}):
         if not force:
             raise SmolError(f"{path} already has [{key}.smol]; {FORCE}")
+        smol_table = rf'\s*\[\s*("?){key}\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
         kept, skipping = [], False
         for line in text.splitlines(keepends=True):
             if line.lstrip().startswith("["):  # a table header starts or ends the smol table
-                skipping = bool(SMOL_TABLE_RE.match(line))
+                skipping = bool(re.match(smol_table, line))
             if not skipping:
                 kept.append(line)
         text = "".join(kept)
@@ -8516,8 +8505,7 @@ CONNECTOR_STEPS = """\
 
 
 def setup(args: Any, config: Config) -> int:
-    """Print the client's entry, or merge it into its file after a backup (never into a file
-    that does not parse, never what would not parse again)."""
+    """Print the client's entry, or merge it into its file after a backup if old and new parse."""
     client, http_url, oauth = args.client, args.http_url, args.oauth
     if oauth and client == "claude-desktop":
         print(CONNECTOR_STEPS.format(url=http_url))
@@ -8558,11 +8546,8 @@ def setup(args: Any, config: Config) -> int:
 
 
 # -- tokens ------------------------------------------------------------------
-
-
 def token_entry(client: str, url: str, config: Config, name: str, secret: str) -> str:
-    """A new token's ready-to-paste entry for ``client``, with where it goes and how the
-    client gets the secret (for `tokens create --client` and the console)."""
+    """A new token's entry for ``client``: where it goes, how the client gets the secret."""
     variable = "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
     key, entry = http_entry(client, url, config, variable)
     where = client_config_path(client)[0]
@@ -8675,8 +8660,6 @@ def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
 
 
 # -- activity and approvals --------------------------------------------------
-
-
 def printable(text: Any) -> str:
     """``text`` safe for a terminal: every control and format character (ESC, BEL, a newline,
     a bidi override) escaped, so what an agent chose cannot move the cursor or forge a row."""
@@ -8844,8 +8827,6 @@ def tokens_file_report(config: Config) -> str:
 
 
 # -- parity ------------------------------------------------------------------
-
-
 def parity(app: SmolMcp) -> int:
     """Print the routes against the serve's spec; non-zero when one this server calls is missing."""
     fleet = app.local
