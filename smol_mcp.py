@@ -8193,9 +8193,7 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         try:
             action()
         except SmolError as err:
-            boot = is_boot_failure(
-                err
-            )  # the machine is deleted below: its console goes in the report
+            boot = is_boot_failure(err)  # the machine is deleted below: the report quotes its log
             try:
                 lines = fleet.console_lines(name)[-BOOT_LOG_LINES:] if boot else None
             except SmolError:
@@ -8479,9 +8477,8 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
             if not skipping:
                 kept.append(line)
         text = "".join(kept)
-    block = render_entry("codex", key, entry)
     separator = ("\n" if text and not text.endswith("\n") else "") + ("\n" if text.strip() else "")
-    merged = text + separator + block
+    merged = text + separator + render_entry("codex", key, entry)
     try:  # every other setting kept, and the smol entry reads back as written
         same = tomllib.loads(merged) == {**existing, key: {**existing.get(key, {}), "smol": entry}}
     except tomllib.TOMLDecodeError:
@@ -8568,9 +8565,8 @@ def tokens_command(args: Any, config: Config) -> int:
         scopes = parse_scopes(args.scopes or SCOPE_PRESETS[args.preset])
         record, secret = store.create(args.name, scopes, parse_targets(args.targets), args.approval)
         granted = {key: record[key] for key in ("scopes", "targets", "approval")}
-        cli_record(
-            config, {"event": "token", "outcome": "created", "token": record["name"], **granted}
-        )
+        created = {"event": "token", "outcome": "created", "token": record["name"]}
+        cli_record(config, {**created, **granted})
         if args.json:
             print(json.dumps({"name": record["name"], "secret": secret, **granted}))
             return 0
@@ -8630,9 +8626,9 @@ def operator_command(args: Any, config: Config) -> int:
     if args.operator_command == "link":
         issuer = oauth_issuer(config, config.http_host, config.http_port)
         if issuer is None:
-            unknown = "--http is bound off loopback, so the address a browser reaches it at is"
             raise ConfigError(
-                f"{unknown} not knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
+                "--http is bound off loopback, so the address a browser reaches it at is not "
+                "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
             )
         print(f"{issuer}/signin?link={operator.new_link()}")
         elsewhere = "for a server on another address keep the path and query"
@@ -8780,13 +8776,10 @@ def waiting_calls(config: Config) -> list[dict]:
 def answer_approval(
     config: Config, approval_id: str, approve: bool, who: dict | None, auto_for=None, reason=""
 ) -> tuple[dict, str | None]:
-    """Answer a waiting call from the terminal (``who`` None) or the console: (the request,
-    until when its token now runs without asking, if it does)."""
+    """Answer a call from the terminal (``who`` None) or console: (request, auto-approval's end)."""
     who = who or {"principal": "cli", "user": os_user(), "via": "terminal"}
-    answer = {
-        "decision": "approve" if approve else "deny",
-        "by": who.get("user") or who["principal"],
-    }
+    decision = "approve" if approve else "deny"
+    answer = {"decision": decision, "by": who.get("user") or who["principal"]}
     answer.update(answeredAt=utc_now(), via=who["via"])
     answer.update({"autoFor": auto_for} if auto_for else {} if approve else {"reason": reason})
     request = ApprovalDesk(config.state_dir).respond(approval_id, answer)
