@@ -8244,9 +8244,8 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         if created or interrupted:
             ok = step("delete", delete) and ok
         fleet.release()
-    verdict = "can" if ok else "cannot"
     doubt = f" (the check above said NOT USABLE: {facts['reason']})" * (ok and not facts["usable"])
-    print(f"  result: the {fleet.name} fleet {verdict} run machines here{doubt}")
+    print(f"  result: the {fleet.name} fleet {'can' if ok else 'cannot'} run machines here{doubt}")
     return ok
 
 
@@ -8447,7 +8446,7 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
     return merged, replacing
 
 
-def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tuple[str, bool]:
+def merge_toml(path: Path, text: str, key: str, entry: dict, client: str, force: bool) -> tuple:
     import tomllib
 
     try:
@@ -8478,7 +8477,7 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
                 kept.append(line)
         text = "".join(kept)
     separator = ("\n" if text and not text.endswith("\n") else "") + ("\n" if text.strip() else "")
-    merged = text + separator + render_entry("codex", key, entry)
+    merged = text + separator + render_entry(client, key, entry)
     try:  # every other setting kept, and the smol entry reads back as written
         same = tomllib.loads(merged) == {**existing, key: {**existing.get(key, {}), "smol": entry}}
     except tomllib.TOMLDecodeError:
@@ -8527,10 +8526,8 @@ def setup(args: Any, config: Config) -> int:
         text = path.read_text() if path.exists() else ""
     except OSError as err:
         raise SmolError(str(err)) from None
-    if client == "codex":
-        merged, replacing = merge_toml(path, text, key, entry, args.force)
-    else:
-        merged, replacing = merge_json(path, text, key, entry, client, args.force)
+    merge = merge_toml if client == "codex" else merge_json
+    merged, replacing = merge(path, text, key, entry, client, args.force)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         print(f"backed up {path} to {back_up(path)}")
@@ -8657,8 +8654,7 @@ def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
 
 # -- activity and approvals --------------------------------------------------
 def printable(text: Any) -> str:
-    """``text`` safe for a terminal: every control and format character (ESC, BEL, a newline,
-    a bidi override) escaped, so what an agent chose cannot move the cursor or forge a row."""
+    """``text`` with control and format characters (ESC, newline, bidi) escaped: no forged rows."""
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
 
 
