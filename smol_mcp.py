@@ -8285,8 +8285,7 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
 
 
 def codex_timeouts(config: Config) -> dict[str, int]:
-    """Codex gives a server 10 s to start (a first `uv run` resolves packages: 60) and a call 60 s
-    (a create can wait for the serve and then readiness, a command for its timeout)."""
+    """Codex's 10 s to start, 60 s a call: too short for a first `uv run`, a create, a command."""
     longest = config.serve_start_timeout_secs + config.ready_timeout_secs + 60
     longest += config.max_exec_timeout_secs
     return {"startup_timeout_sec": 60, "tool_timeout_sec": longest}
@@ -8320,15 +8319,13 @@ def client_entry(client: str, http_url: str | None, config: Config) -> tuple[str
     return ("mcp_servers" if client == "codex" else "mcpServers"), entry
 
 
-def http_entry(
-    client: str, http_url: str, config: Config, variable: str = "SMOL_MCP_AUTH_TOKEN"
-) -> tuple[str, dict]:
+def http_entry(client: str, url: str, config: Config, variable="SMOL_MCP_AUTH_TOKEN") -> tuple:
     """An entry for a smol-mcp --http server; ``variable`` holds the token."""
     header = {"Authorization": f"Bearer {secret_reference(client, variable)}"}
     if client == "opencode":
-        return "mcp", {"type": "remote", "url": http_url, "enabled": True, "headers": header}
+        return "mcp", {"type": "remote", "url": url, "enabled": True, "headers": header}
     if client == "codex":
-        entry = {"url": http_url, "bearer_token_env_var": variable, **codex_timeouts(config)}
+        entry = {"url": url, "bearer_token_env_var": variable, **codex_timeouts(config)}
         return "mcp_servers", entry
     if client == "claude-desktop":
         # stdio only: a pinned npm bridge carries HTTP (npx runs what it fetches); no shell
@@ -8337,10 +8334,10 @@ def http_entry(
         path = {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"} if npx else {}
         return "mcpServers", {
             "command": str(Path(npx).absolute()) if npx else "npx",
-            "args": ["-y", bridge, http_url, "--header", "Authorization:${AUTH_HEADER}"],
+            "args": ["-y", bridge, url, "--header", "Authorization:${AUTH_HEADER}"],
             "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>", **path},
         }
-    return "mcpServers", {"type": "http", "url": http_url, "headers": header}
+    return "mcpServers", {"type": "http", "url": url, "headers": header}
 
 
 def client_config_path(client: str) -> tuple[Path, str]:
