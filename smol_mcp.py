@@ -8303,8 +8303,7 @@ def client_entry(client: str, http_url: str | None, config: Config) -> tuple[str
         return http_entry(client, http_url, config)
     command = launch_command()
     env, secrets = entry_environment(os.environ)
-    wheel = wheel_engine()
-    if wheel and env.get("SMOLVM") == wheel and command[1:3] == ["run", "--script"]:
+    if "SMOLVM" in env and env["SMOLVM"] == wheel_engine() and command[1:3] == ["run", "--script"]:
         # uv's environment of the moment may be pruned; the client's `uv run` brings the wheel back
         command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
         del env["SMOLVM"]
