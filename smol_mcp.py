@@ -7666,12 +7666,13 @@ def invocation() -> str:
 
 
 # The text after --help's options; each setting's variable comes from its declaration.
+EPILOG_VALUES = {"tokens_default": Config.reply_tokens, "fleets": " | ".join(FLEETS)}
 HELP_EPILOG = """\
 environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
   {smolvm:<28}the smolvm binary (default: smolvm on PATH, else the
                               smol/smol-vmm of an installed smolmachines package)
   {local_url:<28}use a running serve (unix:///abs.sock) instead of starting one
-  {targets:<28}auto | local | cloud | both (auto: both when a cloud key is set)
+  {targets:<28}auto | {fleets} | both (auto: both when a cloud key is set)
   {cloud_token:<28}the smol cloud account key (a secret: never copied anywhere)
   {network_default:<28}blocked | open: egress of a machine when a call says nothing
   {reply_tokens:<28}the most a tool result may cost a model, in tokens ({tokens_default})
@@ -7685,7 +7686,7 @@ examples:
   smol-mcp setup claude-code --write     add the server to this project's .mcp.json
   smol-mcp operator set-password         let --http clients connect by URL (OAuth, a consent page)
   SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
-""".format(tokens_default=Config.reply_tokens, **{s.attr: s.env for s in SETTINGS})
+""".format_map({s.attr: s.env for s in SETTINGS} | EPILOG_VALUES)
 
 
 def parse_args(argv: list[str]):
@@ -7710,9 +7711,7 @@ def parse_args(argv: list[str]):
     parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
     parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
-    helpers = parser.add_subparsers(
-        dest="command", metavar="{doctor,setup,parity,tokens,activity,approvals,operator}"
-    )
+    helpers = parser.add_subparsers(dest="command")
     doctor_help = "say whether each fleet works on this host, and what to do if not"
     probe_help = "also create, start, run `true` in and delete a throwaway local machine"
     flag(helpers.add_parser("doctor", help=doctor_help), "--probe", probe_help)
@@ -7728,16 +7727,14 @@ def parse_args(argv: list[str]):
     parity_help = "compare the routes this server calls with the running serve's OpenAPI"
     helpers.add_parser("parity", help=parity_help)
     tokens = helpers.add_parser("tokens", help="create, list and delete the named tokens of --http")
-    token_commands = tokens.add_subparsers(
-        dest="tokens_command", metavar="{create,list,delete,auto-approve}", required=True
-    )
+    token_commands = tokens.add_subparsers(dest="tokens_command", required=True)
     create = token_commands.add_parser("create", help="make a token; its secret is shown once")
     create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
     chosen = create.add_mutually_exclusive_group()
     chosen.add_argument("--scopes", help=f"comma-separated, from: {', '.join(SCOPES)}")
     presets = "; ".join(f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items())
     chosen.add_argument("--preset", choices=SCOPE_PRESETS, help=presets)
-    fleets_help = "the fleets it may use: local, cloud or local,cloud (default both)"
+    fleets_help = f"the fleets it may use: {', '.join(FLEETS)} or {','.join(FLEETS)} (default both)"
     create.add_argument("--targets", help=fleets_help)
     changes_help = "changes: changing calls wait for a person (recorded with the token)"
     create.add_argument("--approval", choices=APPROVAL_MODES, default="none", help=changes_help)
@@ -7761,9 +7758,7 @@ def parse_args(argv: list[str]):
     latest = ACTIVITY_RESOURCE_ENTRIES
     activity.add_argument("--limit", type=int, default=latest, help="the latest N entries")
     approvals = helpers.add_parser("approvals", help="list, approve and deny calls that wait")
-    approval_commands = approvals.add_subparsers(
-        dest="approvals_command", metavar="{list,approve,deny}", required=True
-    )
+    approval_commands = approvals.add_subparsers(dest="approvals_command", required=True)
     json_flag(approval_commands.add_parser("list", help="the calls that wait for a person"))
     approve = approval_commands.add_parser("approve", help="let a waiting call run")
     approve.add_argument("id")
@@ -7774,12 +7769,12 @@ def parse_args(argv: list[str]):
     deny.add_argument("id")
     deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
     operator_help = "the person who signs in to the pages of --http and consents to clients"
-    helpers.add_parser("operator", help=operator_help).add_argument(
-        "operator_command",
-        choices=("set-password", "link"),
-        help="set-password: read a password from stdin (no echo at a terminal); "
-        "link: print a one-time sign-in URL, good for 10 minutes",
-    )
+    operator = helpers.add_parser("operator", help=operator_help)
+    password_help = "set-password: read a password from stdin (no echo at a terminal)"
+    sign_in_help = f"{password_help}; link: print a one-time sign-in URL, good for 10 minutes"
+    operator.add_argument("operator_command", choices=("set-password", "link"), help=sign_in_help)
+    for commands in (helpers, token_commands, approval_commands):  # usage and errors list them
+        commands.metavar = "{" + ",".join(commands.choices) + "}"
     args = parser.parse_args(argv)
     if (args.command or not args.http) and (args.host or args.port or args.path):
         parser.error("--host, --port and --path go with --http")
@@ -7797,8 +7792,6 @@ def parse_args(argv: list[str]):
 
 
 # -- doctor ------------------------------------------------------------------
-
-
 # Commands a person copies whole, so a line may be longer than the code's 100 columns.
 def engine_get_command(here: Path, prefix: str) -> str:
     """How to add the engine wheel to this server the way it was installed."""
@@ -7821,18 +7814,17 @@ ENGINE_ON_RAMP = """\
 
 
 def doctor(app: SmolMcp, probe: bool = False) -> int:
-    """Print what smol://targets knows, for a person; 0 when every served fleet is usable.
-    With ``probe``, a throwaway local machine is created, started, run and deleted."""
+    """Print smol://targets for a person (``probe``: try a machine too); 0 if served fleets work."""
     document = targets_document(app)
     mode = f"mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})"
     print(f"smol-mcp {__version__}: {mode}")
-    healthy = True
+    usable = {}  # of each served fleet
     for name, facts in document["fleets"].items():
         if not facts["served"]:
             print(f"\n{name}: not served ({facts['reason']})")
             continue
         details, advice = FLEETS[name].doctor_report(app, facts)
-        healthy = healthy and facts["usable"]
+        usable[name] = facts["usable"]
         print(f"\n{name}: {'usable' if facts['usable'] else 'NOT USABLE'}")
         for line in details:
             print(f"  {line}")
@@ -7841,22 +7833,19 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
         for line in advice:
             print(line)
     if probe:
-        if "local" not in app.fleets:
-            unserved = "the local fleet is not served (SMOL_MCP_TARGETS)"
+        local = app.local.name
+        if local not in app.fleets:
+            unserved = f"the {local} fleet is not served (SMOL_MCP_TARGETS)"
             print(f"\nprobe: {unserved}, so there is nothing to probe")
             return 1
-        # what a machine did outranks what the checks above expected
-        fleets = document["fleets"].items()
-        others = all(f["usable"] for n, f in fleets if f["served"] and n != "local")
-        healthy = probe_local(app, document["fleets"]["local"]) and others
+        usable[local] = probe_local(app, document["fleets"][local])  # outranks the checks above
     print(f"\ntokens: {tokens_file_report(app.config)}")
     print(f"oauth: {oauth_report(app.config)}")
-    return 0 if healthy else 1
+    return 0 if all(usable.values()) else 1
 
 
 def probe_local(app: SmolMcp, facts: dict) -> bool:
-    """Create, start, run `true` in and delete a throwaway machine, printing each step:
-    "usable" above is what the host allows; this is what it does."""
+    """Create, start, run `true` in and delete a machine: what the host does, not just allows."""
     fleet, config = app.local, app.config
     name = f"{config.machine_prefix}probe-{secrets_module.token_hex(3)}"
     print(f"\nprobe: machine {name} (no image, no network; deleted at the end)")
@@ -7866,12 +7855,11 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         try:
             action()
         except SmolError as err:
-            lines = None
-            if is_boot_failure(err):  # the machine is deleted below: its console goes in the report
-                try:
-                    lines = fleet.console_lines(name)[-BOOT_LOG_LINES:]
-                except SmolError:
-                    lines = []
+            boot = is_boot_failure(err)  # the machine is deleted below: the report quotes its log
+            try:
+                lines = fleet.console_lines(name)[-BOOT_LOG_LINES:] if boot else None
+            except SmolError:
+                lines = []
             text = redact(str(explain_start_failure(err, "blocked", lines)), config.secret_values())
             print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: {text}")
             return False
@@ -7879,13 +7867,12 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         return True
 
     def wait_ready() -> None:
-        deadline = time.monotonic() + config.ready_timeout_secs
+        limit = config.ready_timeout_secs
+        deadline = time.monotonic() + limit
         while (answer := fleet.probe_ready(name)) is not None:
             if time.monotonic() > deadline:
-                raise SmolError(
-                    f"the guest did not run a command within {config.ready_timeout_secs} s "
-                    f"(readyTimeoutSecs); its last answer: {answer}"
-                )
+                late = f"the guest did not run a command within {limit} s (readyTimeoutSecs)"
+                raise SmolError(f"{late}; its last answer: {answer}")
             time.sleep(0.5)
 
     def run_true() -> None:
@@ -7919,18 +7906,14 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         if created or interrupted:
             ok = step("delete", delete) and ok
         fleet.release()
-    verdict = "can" if ok else "cannot"
     doubt = f" (the check above said NOT USABLE: {facts['reason']})" * (ok and not facts["usable"])
-    print(f"  result: the local fleet {verdict} run machines here{doubt}")
+    print(f"  result: the {fleet.name} fleet {'can' if ok else 'cannot'} run machines here{doubt}")
     return ok
 
 
 # -- setup -------------------------------------------------------------------
-
-
 def launch_command() -> list[str]:
-    """The command a client should run, absolute (a GUI client does not see the shell's PATH):
-    the installed script, else uv running this file, else this interpreter running it."""
+    """The client's command, absolute (GUIs lack the shell's PATH): script, else uv, else python."""
     here = Path(__file__).resolve()
     if any(part in ("site-packages", "dist-packages") for part in here.parts):
         beside = Path(sys.executable).parent / "smol-mcp"  # works without the environment activated
@@ -7941,15 +7924,13 @@ def launch_command() -> list[str]:
     return [str(Path(sys.executable).absolute()), str(here)]
 
 
-# Referenced from the client's environment in an entry, never copied into it (project
-# files get committed): the keys, and the approval webhook, often a chat's secret URL.
+# Referenced in an entry, never copied (project files get committed); a webhook URL is a secret.
 SECRET_ENVS = ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK")
 ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself, not by smol-mcp
 
 
 def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """(a stdio entry's env, the secrets it references): what is set here, so the client
-    starts the same server that doctor checked."""
+    """(a stdio entry's env, its secrets' names): what is set here, so doctor's checks hold."""
     env = {s.env: environ[s.env] for s in SETTINGS if s.env in environ and s.env not in SECRET_ENVS}
     env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
     if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
@@ -7966,11 +7947,9 @@ def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str
 
 
 def codex_timeouts(config: Config) -> dict[str, int]:
-    """Codex gives a server 10 s to start and a call 60 s; a create can wait for the serve
-    and then readiness, a command for its timeout."""
+    """Codex's 10 s to start, 60 s a call: too short for a first `uv run`, a create, a command."""
     longest = config.serve_start_timeout_secs + config.ready_timeout_secs + 60
     longest += config.max_exec_timeout_secs
-    # a first `uv run` of the file resolves packages before answering: 60 s to start
     return {"startup_timeout_sec": 60, "tool_timeout_sec": longest}
 
 
@@ -7980,22 +7959,14 @@ def secret_reference(client: str, name: str) -> str | None:
     return form and form.replace("NAME", name)
 
 
-def client_entry(
-    client: str, http_url: str | None, config: Config | None = None, environ: dict | None = None
-) -> tuple[str, dict]:
-    """(the top-level key, the server entry) in the client's shape; secrets referenced, never
-    copied."""
-    config = config or Config()
-    environ = dict(os.environ if environ is None else environ)
+def client_entry(client: str, http_url: str | None, config: Config) -> tuple[str, dict]:
+    """(top-level key, server entry) in the client's shape; secrets referenced, never copied."""
     if http_url:
         return http_entry(client, http_url, config)
     command = launch_command()
-    env, secrets = entry_environment(environ)
-    wheel = wheel_engine()
-    if wheel and env.get("SMOLVM") == wheel and command[1:3] == ["run", "--script"]:
+    env, secrets = entry_environment(os.environ)
+    if "SMOLVM" in env and env["SMOLVM"] == wheel_engine() and command[1:3] == ["run", "--script"]:
         # uv's environment of the moment may be pruned; the client's `uv run` brings the wheel back
-        import importlib.metadata
-
         command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
         del env["SMOLVM"]
     env.update({name: ref for name in secrets if (ref := secret_reference(client, name))})
@@ -8009,31 +7980,25 @@ def client_entry(
     return ("mcp_servers" if client == "codex" else "mcpServers"), entry
 
 
-MCP_REMOTE = "mcp-remote@0.15.1"  # the stdio-to-HTTP bridge, pinned: npx runs what it fetches
-
-
-def http_entry(
-    client: str, http_url: str, config: Config, variable: str = "SMOL_MCP_AUTH_TOKEN"
-) -> tuple[str, dict]:
+def http_entry(client: str, url: str, config: Config, variable="SMOL_MCP_AUTH_TOKEN") -> tuple:
     """An entry for a smol-mcp --http server; ``variable`` holds the token."""
     header = {"Authorization": f"Bearer {secret_reference(client, variable)}"}
     if client == "opencode":
-        return "mcp", {"type": "remote", "url": http_url, "enabled": True, "headers": header}
+        return "mcp", {"type": "remote", "url": url, "enabled": True, "headers": header}
     if client == "codex":
-        entry = {"url": http_url, "bearer_token_env_var": variable, **codex_timeouts(config)}
+        entry = {"url": url, "bearer_token_env_var": variable, **codex_timeouts(config)}
         return "mcp_servers", entry
     if client == "claude-desktop":
-        # It speaks stdio only, so the npm bridge carries HTTP, pinned; it reads no
-        # shell environment, so npx is absolute, node is found beside it, and the
-        # token has to be pasted into its env block by hand.
-        npx = shutil.which("npx")
+        # stdio only: a pinned npm bridge carries HTTP (npx runs what it fetches); no shell
+        # environment: npx is absolute, node is found beside it, the token pasted in by hand.
+        bridge, npx = "mcp-remote@0.15.1", shutil.which("npx")
         path = {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"} if npx else {}
         return "mcpServers", {
             "command": str(Path(npx).absolute()) if npx else "npx",
-            "args": ["-y", MCP_REMOTE, http_url, "--header", "Authorization:${AUTH_HEADER}"],
+            "args": ["-y", bridge, url, "--header", "Authorization:${AUTH_HEADER}"],
             "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>", **path},
         }
-    return "mcpServers", {"type": "http", "url": http_url, "headers": header}
+    return "mcpServers", {"type": "http", "url": url, "headers": header}
 
 
 def client_config_path(client: str) -> tuple[Path, str]:
@@ -8095,26 +8060,13 @@ def one_liner(client: str, entry: dict) -> str | None:
 
 
 def back_up(path: Path) -> Path:
-    """Copy ``path`` under the user's state directory, not beside a project file where the
-    copy would be committed or read by the client."""
-    home = Path(os.environ.get("HOME") or Path.home())
-    folder = Path(os.environ.get("XDG_STATE_HOME") or home / ".local" / "state") / "smol-mcp"
-    (folder / "backups").mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Copy ``path`` to the state directory (beside a project file, it'd be read or committed)."""
+    backups = Path(default_state_dir(os.environ)) / "backups"
+    backups.mkdir(mode=0o700, parents=True, exist_ok=True)
     flat = str(path.absolute()).strip("/").replace("/", "%")
-    backup = folder / "backups" / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
+    backup = backups / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
     shutil.copy2(path, backup)
     return backup
-
-
-class SetupRefused(Exception):
-    """--write would not produce a file the client can read: nothing is written."""
-
-
-def strip_jsonc(text: str) -> str:
-    """The text without // and /* */ comments and trailing commas (strings kept)."""
-    comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'  # group 1: a string, kept
-    text = re.sub(comment, lambda match: match.group(1) or "", text, flags=re.S)
-    return re.sub(r",(\s*[}\]])", r"\1", text)
 
 
 BY_HAND = "fix it, or paste the entry by hand"
@@ -8125,42 +8077,40 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
     try:
         existing = json.loads(text) if text.strip() else {}
     except ValueError as err:
+        # tell JSONC (// and /* */ comments, trailing commas) apart from a broken file
+        comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'  # group 1: a string, kept
+        plain = re.sub(comment, lambda match: match.group(1) or "", text, flags=re.S)
         try:
-            json.loads(strip_jsonc(text))
+            json.loads(re.sub(r",(\s*[}\]])", r"\1", plain))
         except ValueError:
-            raise SetupRefused(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
-        raise SetupRefused(
+            raise SmolError(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
+        raise SmolError(
             f"{path} has comments or trailing commas (JSONC); rewriting it would drop them, so "
             "paste the entry printed by `setup` without --write into it by hand"
         ) from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
         shape = f'a JSON object with an object under "{key}"'
-        raise SetupRefused(f"{path} does not hold {shape}; {BY_HAND}")
+        raise SmolError(f"{path} does not hold {shape}; {BY_HAND}")
     replacing = "smol" in existing.get(key, {})
     if replacing and not force:
-        raise SetupRefused(f'{path} already has a "smol" entry under "{key}"; {FORCE}')
+        raise SmolError(f'{path} already has a "smol" entry under "{key}"; {FORCE}')
     existing.setdefault(key, {})["smol"] = entry
     if client == "opencode":
         existing.setdefault("$schema", "https://opencode.ai/config.json")
     indent = re.search(r"\n([ \t]+)\S", text)
     merged = json.dumps(existing, indent=indent.group(1) if indent else 2) + "\n"
     if json.loads(merged)[key]["smol"] != entry:
-        raise SetupRefused(f"the merged {path} did not read back as written; nothing was written")
+        raise SmolError(f"the merged {path} did not read back as written; nothing was written")
     return merged, replacing
 
 
-SMOL_TABLE_RE = re.compile(
-    r'^\s*\[\s*("?)mcp_servers\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
-)
-
-
-def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tuple[str, bool]:
+def merge_toml(path: Path, text: str, key: str, entry: dict, client: str, force: bool) -> tuple:
     import tomllib
 
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise SetupRefused(f"{path} is not valid TOML ({err}); {BY_HAND}") from None
+        raise SmolError(f"{path} is not valid TOML ({err}); {BY_HAND}") from None
     lines = text.splitlines(keepends=True)
     top = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
     inline = [i for i in range(top) if re.match(rf'\s*("?){key}\1\s*=', lines[i])]
@@ -8175,27 +8125,23 @@ def merge_toml(path: Path, text: str, key: str, entry: dict, force: bool) -> tup
             pass  # a value type toml_value does not write: refused below
     if "smol" in existing.get(key, {}):
         if not force:
-            raise SetupRefused(f"{path} already has [{key}.smol]; {FORCE}")
+            raise SmolError(f"{path} already has [{key}.smol]; {FORCE}")
+        smol_table = rf'\s*\[\s*("?){key}\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
         kept, skipping = [], False
         for line in text.splitlines(keepends=True):
             if line.lstrip().startswith("["):  # a table header starts or ends the smol table
-                skipping = bool(SMOL_TABLE_RE.match(line))
+                skipping = bool(re.match(smol_table, line))
             if not skipping:
                 kept.append(line)
         text = "".join(kept)
-    block = render_entry("codex", key, entry)
     separator = ("\n" if text and not text.endswith("\n") else "") + ("\n" if text.strip() else "")
-    merged = text + separator + block
-    try:
-        parsed = tomllib.loads(merged)
+    merged = text + separator + render_entry(client, key, entry)
+    try:  # every other setting kept, and the smol entry reads back as written
+        same = tomllib.loads(merged) == {**existing, key: {**existing.get(key, {}), "smol": entry}}
     except tomllib.TOMLDecodeError:
-        parsed = {}
-
-    def rest(document: dict) -> dict:  # all but the smol entry, which must read back as written
-        return {**document, key: {**document.get(key, {}), "smol": None}}
-
-    if parsed.get(key, {}).get("smol") != entry or rest(parsed) != rest(existing):
-        raise SetupRefused(
+        same = False
+    if not same:
+        raise SmolError(
             f"appending [{key}.smol] to {path} would not give valid TOML with every other setting "
             f"kept (for example when {key} is written as an inline table, {key} = {{...}}); "
             "nothing was written: paste the entry printed by `setup` without --write by hand"
@@ -8212,9 +8158,9 @@ CONNECTOR_STEPS = """\
 # internet (run --http behind TLS, with publicUrl set to that address)."""
 
 
-def setup(config: Config, client: str, http_url: str | None, write: bool, force: bool, oauth: bool):
-    """Print the client's entry, or merge it into its file after a backup (never into a file
-    that does not parse, never what would not parse again)."""
+def setup(args: Any, config: Config) -> int:
+    """Print the client's entry, or merge it into its file after a backup if old and new parse."""
+    client, http_url, oauth = args.client, args.http_url, args.oauth
     if oauth and client == "claude-desktop":
         print(CONNECTOR_STEPS.format(url=http_url))
         return 0
@@ -8228,8 +8174,7 @@ def setup(config: Config, client: str, http_url: str | None, write: bool, force:
     if client == "claude-desktop" and not http_url and (held := entry_environment(os.environ)[1]):
         hint = f"add {', '.join(held)} to the entry's env by hand (secrets are not copied for you)"
         print(f"# claude-desktop reads no environment: {hint}", file=sys.stderr)
-    if not write:
-        # on stderr, so that stdout stays pastable as it is
+    if not args.write:  # the advice goes to stderr: stdout stays pastable as it is
         print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)
         if command:
             print(f"# or run: {command}", file=sys.stderr)
@@ -8237,13 +8182,10 @@ def setup(config: Config, client: str, http_url: str | None, write: bool, force:
         return 0
     try:
         text = path.read_text() if path.exists() else ""
-        if client == "codex":
-            merged, replacing = merge_toml(path, text, key, entry, force)
-        else:
-            merged, replacing = merge_json(path, text, key, entry, client, force)
-    except (SetupRefused, OSError) as err:
-        print(f"smol-mcp: {err}", file=sys.stderr)
-        return 2
+    except OSError as err:
+        raise SmolError(str(err)) from None
+    merge = merge_toml if client == "codex" else merge_json
+    merged, replacing = merge(path, text, key, entry, client, args.force)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         print(f"backed up {path} to {back_up(path)}")
@@ -8256,11 +8198,8 @@ def setup(config: Config, client: str, http_url: str | None, write: bool, force:
 
 
 # -- tokens ------------------------------------------------------------------
-
-
 def token_entry(client: str, url: str, config: Config, name: str, secret: str) -> str:
-    """A new token's ready-to-paste entry for ``client``, with where it goes and how the
-    client gets the secret (for `tokens create --client` and the console)."""
+    """A new token's entry for ``client``: where it goes, how the client gets the secret."""
     variable = "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
     key, entry = http_entry(client, url, config, variable)
     where = client_config_path(client)[0]
@@ -8351,8 +8290,6 @@ def operator_command(args: Any, config: Config) -> int:
         print(f"(good for 10 minutes, once; {elsewhere})", file=sys.stderr)
         return 0
     if sys.stdin.isatty():
-        import getpass
-
         password = getpass.getpass("operator password: ")
         if getpass.getpass("again: ") != password:
             raise ConfigError("the two passwords differ; nothing changed")
@@ -8374,11 +8311,8 @@ def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
 
 
 # -- activity and approvals --------------------------------------------------
-
-
 def printable(text: Any) -> str:
-    """``text`` safe for a terminal: every control and format character (ESC, BEL, a newline,
-    a bidi override) escaped, so what an agent chose cannot move the cursor or forge a row."""
+    """``text`` with control and format characters (ESC, newline, bidi) escaped: no forged rows."""
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
 
 
@@ -8401,14 +8335,13 @@ def activity_command(args: Any, config: Config) -> int:
     entries = log_file.entries(activity_filter(args.token, args.machine, since), args.limit)
     if args.json:
         print(json.dumps(entries))
-        return 0
-    if not entries:
+    elif not entries:
         matching = " that matches" if (args.token or args.machine or since) else ""
         print(f"no activity recorded{matching} (log: {log_file.path})")
-        return 0
-    print_table([("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME"), *map(activity_row, entries)])
-    if len(entries) == args.limit:
-        print(f"(the latest {args.limit} entries; --limit N shows more)")
+    else:
+        print_table([("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME"), *map(activity_row, entries)])
+        if len(entries) == args.limit:
+            print(f"(the latest {args.limit} entries; --limit N shows more)")
     return 0
 
 
@@ -8459,13 +8392,12 @@ def approvals_command(args: Any, config: Config) -> int:
         shown = waiting_calls(config)
         if args.json:
             print(json.dumps(shown))
-            return 0
-        if not shown:
+        elif not shown:
             print("no call waits for approval")
-            return 0
-        print_waiting(shown)
-        how = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
-        print(f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]")
+        else:
+            print_waiting(shown)
+            how = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
+            print(f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]")
         return 0
     approve = args.approvals_command == "approve"
     if approve and args.auto_for:  # it releases the token's other waiting calls: show them
@@ -8498,8 +8430,7 @@ def waiting_calls(config: Config) -> list[dict]:
 def answer_approval(
     config: Config, approval_id: str, approve: bool, who: dict | None, auto_for=None, reason=""
 ) -> tuple[dict, str | None]:
-    """Answer a waiting call from the terminal (``who`` None) or the console: (the request,
-    until when its token now runs without asking, if it does)."""
+    """Answer a call from the terminal (``who`` None) or console: (request, auto-approval's end)."""
     who = who or {"principal": "cli", "user": os_user(), "via": "terminal"}
     decision = "approve" if approve else "deny"
     answer = {"decision": decision, "by": who.get("user") or who["principal"]}
@@ -8543,8 +8474,6 @@ def tokens_file_report(config: Config) -> str:
 
 
 # -- parity ------------------------------------------------------------------
-
-
 def parity(app: SmolMcp) -> int:
     """Print the routes against the serve's spec; non-zero when one this server calls is missing."""
     fleet = app.local
@@ -8553,19 +8482,16 @@ def parity(app: SmolMcp) -> int:
         spec = fleet.request("read the OpenAPI document", "GET", "/api-docs/openapi.json")
     finally:
         fleet.release()
-    report = parity_report(spec)
-    kinds = ("called", "skipped", "unknown", "missing")
-    counts = ", ".join(f"{len(report[kind])} {kind}" for kind in kinds)
+    report = parity_report(spec)  # called, skipped (with reasons), unknown, missing
+    counts = ", ".join(f"{len(routes)} {kind}" for kind, routes in report.items())
     print(f"smolvm {fleet.version}: {counts}")
-    for method, path in report["called"]:
-        print(f"  called   {method:6} {path}")
-    for (method, path), reason in report["skipped"]:
-        print(f"  skipped  {method:6} {path}: {reason}")
-    for method, path in report["unknown"]:
-        decide = "new in this smolvm; decide whether a tool should call it"
-        print(f"  UNKNOWN  {method:6} {path}: {decide}")
-    for method, path in report["missing"]:
-        print(f"  MISSING  {method:6} {path}: called by smol-mcp but absent from this serve")
+    notes = {"unknown": "new in this smolvm; decide whether a tool should call it"}
+    notes["missing"] = "called by smol-mcp but absent from this serve"
+    for kind, routes in report.items():
+        label = kind.upper() if kind in notes else kind  # what a person must act on, in capitals
+        for route in routes:
+            (method, path), note = route if kind == "skipped" else (route, notes.get(kind))
+            print(f"  {label:8} {method:6} {path}" + (f": {note}" if note else ""))
     return 1 if report["missing"] else 0
 
 
@@ -8573,16 +8499,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``smol-mcp`` and ``python3 smol_mcp.py``."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
-    # ours: what a person watching stderr wants; the SDK's chatter stays at warnings
-    log.setLevel(logging.INFO)
-    import anyio
-
-    helpers = {"tokens": tokens_command, "activity": activity_command}
+    log.setLevel(logging.INFO)  # our progress lines; the SDK's chatter stays at warnings
+    helpers = {"setup": setup, "tokens": tokens_command, "activity": activity_command}
     helpers.update(approvals=approvals_command, operator=operator_command)
     try:
         config = load_config()
-        if args.command == "setup":
-            return setup(config, args.client, args.http_url, args.write, args.force, args.oauth)
         if args.command in helpers:
             return helpers[args.command](args, config)
         serving = args.http and not args.command
@@ -8611,8 +8532,7 @@ def main(argv: list[str] | None = None) -> int:
     except SmolError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
-    if args.http:
-        # Cleaned up and done: a worker thread a stopped call abandoned must not hold the exit.
+    if args.http:  # done: a worker thread a stopped call abandoned must not hold the exit
         logging.shutdown()
         sys.stdout.flush()
         os._exit(0)
