@@ -38,6 +38,7 @@ all together, last.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import dataclasses
@@ -68,6 +69,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -7690,8 +7692,6 @@ examples:
 
 
 def parse_args(argv: list[str]):
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog=invocation(),
         description="An MCP server that gives an AI agent microVMs (smol machines) to work in. "
@@ -8105,8 +8105,6 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
 
 
 def merge_toml(path: Path, text: str, key: str, entry: dict, client: str, force: bool) -> tuple:
-    import tomllib
-
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
