@@ -6428,26 +6428,20 @@ _SEND_TOKEN = "send the token as 'Authorization: Bearer <token>' or 'X-Smol-Mcp-
 HTTP_UNAUTHORIZED = json.dumps({"error": f"unauthorized: {_SEND_TOKEN}"}).encode()
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 HTTP_MIN_TOKEN_CHARS = 32
-HTTP_TOKEN_ADVICE = (
-    'make one with: python3 -c "import secrets; print(secrets.token_urlsafe(32))" '
-    "(or openssl rand -hex 24)"
-)
+_MAKE_TOKEN = 'python3 -c "import secrets; print(secrets.token_urlsafe(32))"'
+HTTP_TOKEN_ADVICE = f"make one with: {_MAKE_TOKEN} (or openssl rand -hex 24)"
 
 
 def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> None:
     """Refuse a token shorter than HTTP_MIN_TOKEN_CHARS, or not printable ASCII without spaces
     (a header is Latin-1 on the wire: a UTF-8 client's would never match). Never shows it."""
     if not all("!" <= ch <= "~" for ch in secret):
-        raise ConfigError(
-            f"{where} must hold only printable ASCII characters without spaces, so every client "
-            f"sends it byte for byte; {HTTP_TOKEN_ADVICE}"
-        )
+        why = "must hold only printable ASCII characters without spaces, so every client sends it"
+        raise ConfigError(f"{where} {why} byte for byte; {HTTP_TOKEN_ADVICE}")
     if len(secret) < HTTP_MIN_TOKEN_CHARS:
-        raise ConfigError(
-            f"{where} is {len(secret)} characters long; --http needs at least "
-            f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can try to guess it; "
-            f"{HTTP_TOKEN_ADVICE}"
-        )
+        why = f"--http needs at least {HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port"
+        short = f"{where} is {len(secret)} characters long; {why} can try to guess it"
+        raise ConfigError(f"{short}; {HTTP_TOKEN_ADVICE}")
 
 
 def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | None:
@@ -6528,8 +6522,7 @@ class HttpGate:
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
         if over and headers.get(b"expect", b"").lower() == b"100-continue":
             return await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
-        if self.bodies is None:
-            self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
+        self.bodies = self.bodies or anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
         chunks, size = [], 0
         async with self.bodies:
             with anyio.move_on_after(HTTP_BODY_TIMEOUT_SECS) as deadline:
@@ -6579,10 +6572,9 @@ def request_methods(body: bytes, key: str = "method") -> list:
 
 def initialize_version(body: bytes) -> str | None:
     """The protocol version an initialize answer settled on."""
-    try:
-        version = json.loads(body)["result"]["protocolVersion"]
-    except (ValueError, KeyError, TypeError):
-        return None
+    answer = json_body(body)
+    result = answer.get("result") if isinstance(answer, dict) else None
+    version = result.get("protocolVersion") if isinstance(result, dict) else None
     return version if isinstance(version, str) else None
 
 
@@ -6651,10 +6643,9 @@ def uvicorn_options() -> dict:
     """The uvicorn settings --http runs with (the tests use the same)."""
     # proxy_headers off: the peer's own address, as X-Forwarded-For would rotate the limits
     options = dict(http=guarded_protocol(), lifespan="on", log_level="warning", proxy_headers=False)
-    options.update(h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES)
-    options.update(timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
-    options.update(timeout_keep_alive=HTTP_KEEP_ALIVE_SECS)
-    return options | dict(limit_concurrency=HTTP_LIMIT_CONCURRENCY)
+    bounds = dict(timeout_keep_alive=HTTP_KEEP_ALIVE_SECS, limit_concurrency=HTTP_LIMIT_CONCURRENCY)
+    options.update(h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES, **bounds)
+    return options | dict(timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
 
 
 async def _respond(send: Callable, status: int, answer: Any, headers: list | None = None) -> None:
@@ -6887,13 +6878,12 @@ class HttpSessions:
     async def to_sdk(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
         """Hand a request to the SDK. Once told to stop (SIGTERM, SIGINT), a POST still served is
         stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
-        stopping, started = self.stopping, False
+        stopping, sent = self.stopping, set()
         if scope["method"] != "POST" or stopping is None:
             return await self.inner(scope, receive, send)
 
         async def send_watch(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            sent.add(message["type"])
             await send(message)
 
         async with anyio.create_task_group() as group:
@@ -6906,7 +6896,7 @@ class HttpSessions:
             group.start_soon(stop_on_shutdown)
             await self.inner(scope, receive, send_watch)
             group.cancel_scope.cancel()
-        if stopping.is_set() and not started:  # a JSON-RPC error for each request (or a batch)
+        if stopping.is_set() and "http.response.start" not in sent:  # an error for each request
             request, error = json_body(body), {"code": -32000, "message": SHUTDOWN_MESSAGE}
             requests = request if isinstance(request, list) else [request]
             ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
@@ -6942,17 +6932,13 @@ class HttpSessions:
             await self.drop(session)
 
     async def drop(self, session: Session) -> None:
-        """Forget a session and end it, a handshake-era one first as its client's DELETE would."""
+        """Forget a session and end it. A handshake-era one is first ended as its client's DELETE
+        would, through the manager's public entry point: the SDK lets go of it and closes its
+        streams, its exit stack runs our cleanup."""
         if session.http_id is None:
             self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
-        else:
-            self.by_id.pop(session.http_id, None)
-            await self.close_handshake_session(session)  # the SDK lets go of it too
-        await self.app.end_session(session)
-
-    async def close_handshake_session(self, session: Session) -> None:
-        """End a handshake-era session as its client's DELETE would, through the manager's
-        public entry point: the SDK closes its streams, its exit stack runs our cleanup."""
+            return await self.app.end_session(session)
+        self.by_id.pop(session.http_id, None)
         http_id, version = session.http_id.encode(), (session.protocol or "2025-06-18").encode()
         headers = [(b"mcp-session-id", http_id), (b"mcp-protocol-version", version)]
         path, local, statuses = self.path, ("127.0.0.1", 0), []
@@ -6974,6 +6960,7 @@ class HttpSessions:
             statuses.append(describe(err))
         if statuses != [200]:
             log.warning("session %s: ending it for idleness answered %s", session.id, statuses)
+        await self.app.end_session(session)
 
 
 SHUTDOWN_MESSAGE = (
@@ -7002,7 +6989,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
         routes = page_routes(app.pages) + oauth_routes(app, issuer, path) + console_routes(app)
-        public = pages_app(app.pages, routes)
+        public = Starlette(routes=routes, exception_handlers={PageAnswer: lambda _, e: e.args[0]})
     return HttpGate(app.http.inner, app, default_allowed_hosts(config, host, port), public)
 
 
@@ -7240,9 +7227,8 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
             loop.call_soon_threadsafe(app.http.stopping.set)  # in a signal handler: the loop sets
             super().handle_exit(sig, frame)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores and re-raises into
-        signal.signal(sig, lambda *_: None)  # handled already
-    # SIGTERM and SIGINT end the lifespan, which cleans up.
+    for sig in (signal.SIGTERM, signal.SIGINT):  # they end the lifespan, which cleans up; and
+        signal.signal(sig, lambda *_: None)  # handled already, what uvicorn restores and re-raises
     await Server(config).serve(sockets=[listening])
 
 
@@ -7259,25 +7245,21 @@ def listen_socket(host: str, port: int) -> socket.socket:
         return listening
     except OSError as err:
         listening.close()
-        advice = (
-            f"another program is listening there (find it with `ss -ltnp 'sport = :{port}'`): "
-            "stop it, or choose another port with --port or SMOL_MCP_HTTP_PORT"
-            if err.errno == errno.EADDRINUSE
-            else "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
-        )
+        busy = f"another program is listening there (find it with `ss -ltnp 'sport = :{port}'`)"
+        busy += ": stop it, or choose another port with --port or SMOL_MCP_HTTP_PORT"
+        advice = "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
         why = f"cannot listen on {host}:{port}: {os.strerror(err.errno)}"
-        raise SmolError(f"{why}; {advice}") from None
+        raise SmolError(f"{why}; {busy if err.errno == errno.EADDRINUSE else advice}") from None
 
 
 # ---------------------------------------------------------------------------
 # 14b. Sign-in and OAuth (--http)
 #
-# A client connects by URL alone: this server is its own OAuth authorization
-# server (the SDK's routes over a provider kept in the state directory), and
-# the person who consents is the operator, signed in to the server's own pages
-# with a password or a one-time link made on the host. A grant is a named
-# token, so all section 11 says of tokens holds for it. Pages are plain HTML
-# made here: no JavaScript, no files beside the module.
+# A client connects by URL alone: this server is its own OAuth authorization server (the SDK's
+# routes over a provider kept in the state directory), and the person who consents is the operator,
+# signed in to the server's own pages with a password or a one-time link made on the host. A grant
+# is a named token, so all section 11 says of tokens holds for it. Pages are plain HTML made here:
+# no JavaScript, no files beside the module.
 # ---------------------------------------------------------------------------
 
 OPERATOR_FILE = "operator.json"
@@ -7294,14 +7276,17 @@ MIN_PASSWORD_CHARS = 12
 PASSWORD_ATTRS = 'type="password" name="password" maxlength="1024" autocomplete="current-password"'
 PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
 RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
+FORM_REFUSED = (
+    "<p>This form was not sent from this site's page, or the page is out of date. "
+    'Go back, reload the page and send it again, or <a href="/signin">sign in</a>.</p>'
+)
 PAGE_STYLE = (
-    "body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:0 auto;padding:0 1em}"
-    "header{display:flex;flex-wrap:wrap;justify-content:space-between;align-items:center;"
-    "gap:.5em;border-bottom:1px solid #ccc;padding:.5em 0}"
-    "input,button{font:inherit;padding:.3em .6em}label{display:block;margin:.4em 0}"
-    "input[type=text],input[type=password]{width:100%;box-sizing:border-box}"
-    "fieldset{border:1px solid #ccc;margin:1em 0}.error{color:#a00}.note{color:#555}"
-    "nav a{margin-right:1em}section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
+    "body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:0 auto;padding:0 1em}header{"
+    "display:flex;flex-wrap:wrap;justify-content:space-between;align-items:center;gap:.5em;"
+    "border-bottom:1px solid #ccc;padding:.5em 0}input,button{font:inherit;padding:.3em .6em}label{"
+    "display:block;margin:.4em 0}input[type=text],input[type=password]{width:100%;"
+    "box-sizing:border-box}fieldset{border:1px solid #ccc;margin:1em 0}.error{color:#a00}.note{"
+    "color:#555}nav a{margin-right:1em}section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
     "pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;padding:.5em}"
 )
 
@@ -7311,12 +7296,9 @@ def esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-class SignInRequired(Exception):
-    """Pages.require_operator found no signed-in operator: answered with the sign-in page."""
-
-
-class FormRefused(Exception):
-    """A form without this browser's CSRF token: answered 403."""
+class PageAnswer(Exception):
+    """The answer a page sends instead, raised with it: a signed-out browser sent to sign in, a
+    form without its CSRF token refused (see Pages.require_operator and Pages.form)."""
 
 
 class Operator:
@@ -7406,10 +7388,14 @@ class Pages:
         return found if found["salt"] == self.operator.generation() else None
 
     def require_operator(self, request: Any) -> dict:
-        """The signed-in operator's session, or SignInRequired (to the sign-in page and back
-        here after it). Every handler of a page for the operator calls this first."""
+        """The signed-in operator's session, or a PageAnswer sending the browser to sign in and
+        back here after it. Every handler of a page for the operator calls this first."""
+        from starlette.responses import RedirectResponse
+
         if (session := self.session(request)) is None:
-            raise SignInRequired()
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            signin = "/signin?" + urllib.parse.urlencode({"next": back_to(target)})
+            raise PageAnswer(RedirectResponse(signin, 303))
         return session
 
     def csrf(self, request: Any) -> str:
@@ -7419,16 +7405,15 @@ class Pages:
         return session["csrf"] if session else request.cookies.get(FORM_COOKIE, "")
 
     def csrf_input(self, request: Any) -> str:
-        token = self.csrf(request)
-        if not token:
+        if not (token := self.csrf(request)):
             token = request.state.new_form_token = secrets_module.token_urlsafe(32)
         return f'<input type="hidden" name="csrf" value="{esc(token)}">'
 
     async def form(self, request: Any) -> Any:
-        """The posted form once its CSRF token matched, else FormRefused (403)."""
+        """The posted form once its CSRF token matched, else a PageAnswer of 403."""
         form, expected = await request.form(), self.csrf(request)
         if not expected or not hmac.compare_digest(str(form.get("csrf", "")), expected):
-            raise FormRefused()
+            raise PageAnswer(self.page(request, "Form refused", FORM_REFUSED, 403))
         return form
 
     def page(self, request: Any, title: str, body: str, status=200, form_to="", head="") -> Any:
@@ -7497,23 +7482,20 @@ class Pages:
         return 0, ""
 
     async def confirm(self, request: Any, form: Any) -> str:
-        """ "" when the operator proved to be here again for a wide change (a
-        grant beyond Sandbox, a new token): the password on this form, or with
-        no password set, a session signed in by link minutes ago; else why not."""
+        """ "" when the operator proved to be here again for a wide change (a grant beyond Sandbox,
+        a new token): the password on this form, or with no password set, a session signed in by
+        link minutes ago; else why not."""
         if self.operator.generation() is None:
             if time.time() - self.session(request)["started"] < SIGNIN_FRESH_SECS:
                 return ""
-            return (
-                "Sign in again with a new `smol_mcp.py operator link` first: wider grants "
-                f"need a sign-in of the last {SIGNIN_FRESH_SECS // 60} minutes."
-            )
+            again = "Sign in again with a new `smol_mcp.py operator link` first: wider grants need"
+            return f"{again} a sign-in of the last {SIGNIN_FRESH_SECS // 60} minutes."
         return (await self.check_password(request, str(form.get("password", ""))))[1]
 
     def confirm_field(self, what: str) -> str:
         """The password field of a form whose change confirm() checks."""
-        if self.operator.generation() is None:
-            return ""
-        return f"<label>Password, for {what} <input {PASSWORD_ATTRS}></label>"
+        field = f"<label>Password, for {what} <input {PASSWORD_ATTRS}></label>"
+        return "" if self.operator.generation() is None else field
 
     def start_session(self, request: Any, response: Any, how: str) -> None:
         cookie, now = secrets_module.token_urlsafe(32), time.time()
@@ -7564,10 +7546,8 @@ def page_routes(pages: Pages) -> list:
             head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
         field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
         if link:
-            field = (
-                f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
-                "one-time link made by <code>operator link</code> on the host.</p>"
-            )
+            field = f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
+            field += "one-time link made by <code>operator link</code> on the host.</p>"
         body = (
             f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
             '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
@@ -7635,9 +7615,8 @@ GRANT_NOTES = {
 
 @functools.cache
 def oauth_client_class() -> type:
-    """The SDK's client record, with the redirect check of RFC 8252 7.3: a
-    loopback redirect may come back on another port (a native app listens on
-    whichever is free); anything else must be registered exactly."""
+    """The SDK's client record, with the redirect check of RFC 8252 7.3: a loopback redirect may
+    come back on another port (a native app listens on whichever is free); others match exactly."""
     from mcp.shared.auth import OAuthClientInformationFull
 
     class OAuthClient(OAuthClientInformationFull):
@@ -7733,11 +7712,7 @@ class OAuthProvider:
         """The SDK's ``name`` (AuthorizationCode, RefreshToken, AccessToken) of a grant."""
         from mcp.server.auth import provider
 
-        mine = {
-            "client_id": record["clientId"],
-            "scopes": record["scopes"],
-            "subject": record["id"],
-        }
+        mine = dict(client_id=record["clientId"], scopes=record["scopes"], subject=record["id"])
         return getattr(provider, name)(**{**fields, **mine, "resource": self.resource})
 
     def new_code(self, params: Any, record: dict) -> str:
@@ -7842,17 +7817,15 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     from starlette.routing import Route
 
     pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
-    scopes, url = list(SCOPES), AnyHttpUrl(issuer)
-    resource_url = AnyHttpUrl(provider.resource)
+    scopes, url, resource_url = list(SCOPES), AnyHttpUrl(issuer), AnyHttpUrl(provider.resource)
     resource = create_protected_resource_routes(resource_url, [url], scopes, "smol-mcp")
     clients = ClientRegistrationOptions(enabled=True, valid_scopes=scopes, default_scopes=scopes)
     routes = create_auth_routes(provider, url, None, clients, RevocationOptions(enabled=True))
 
     async def screen(request: Any, route: Any) -> Any:
-        """Before the SDK's /register, /token and /revoke: a registration
-        bounded and rate limited per address; a `resource` other than this
-        server refused (RFC 8707); the client's secret hashed, as only its hash
-        is kept. A refusal, or the SDK's route on the body and headers it gets."""
+        """Before the SDK's /register, /token and /revoke: a registration bounded and rate
+        limited per address; a `resource` other than this server refused (RFC 8707); the client's
+        secret hashed, as only its hash is kept. A refusal, or the SDK's route on what it gets."""
         body, headers = await request.body(), request.scope["headers"]
         if request.method == "POST" and request.url.path == "/register":
             key = "register " + pages.who(request)[0]
@@ -7919,11 +7892,10 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
                     raise ConfigError(why)
                 approval = "changes" if chosen["approval"] else "none"
                 owner = {"client": name, "clientId": client.client_id}
-                record, _ = provider.tokens.create(
-                    chosen["name"].strip(), scopes, FLEET_NAMES, approval, **owner
-                )
+                named = chosen["name"].strip()
+                record, _ = provider.tokens.create(named, scopes, FLEET_NAMES, approval, **owner)
             except ConfigError as err:
-                error = str(err)
+                error = f'<p class="error">{esc(err)}</p>'
             else:
                 del provider.pending[request_id]
                 entry = {"principal": "operator", "token": record["name"], "event": "token"}
@@ -7941,17 +7913,16 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             for scope in SCOPES
         )
         body = (
-            (f'<p class="error">{esc(error)}</p>' if error else "")
-            + f"<p><strong>{esc(name)}</strong>, returning to <strong>"
+            f"{error}<p><strong>{esc(name)}</strong>, returning to <strong>"
             f"{esc(target.hostname or target.scheme)}</strong>, asks to use the machines of this "
             f"server (it asked for: {esc(' '.join(params.scopes or []) or 'nothing in particular')}"
             f').</p><form method="post" action="/consent?request={esc(request_id)}">'
-            f"{pages.csrf_input(request)}<fieldset><legend>Grant</legend>{grants}<fieldset>"
-            f"<legend>Scopes, with Choose scopes</legend>{boxes}</fieldset></fieldset><label>"
-            f'Token name <input type="text" name="name" maxlength="64" required value="'
+            f"{pages.csrf_input(request)}<fieldset><legend>Grant</legend>{grants}<fieldset><legend>"
+            f"Scopes, with Choose scopes</legend>{boxes}</fieldset></fieldset><label>Token name "
+            '<input type="text" name="name" maxlength="64" required value="'
             f'{esc(chosen["name"] or default_token_name(name, taken))}"></label><label><input '
-            f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}'
-            f"> Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
+            f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}> '
+            f"Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
             '<p><button type="submit" name="action" value="Allow">Allow</button> <button '
             'type="submit" name="action" value="Deny" formnovalidate>Deny</button></p></form>'
         )
@@ -7964,27 +7935,6 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
         Route("/consent", consent, methods=["GET", "POST"]),
     ]
-
-
-def pages_app(pages: Pages, routes: list) -> Any:
-    """The Starlette app of the pages and OAuth routes: a page that needs the operator sends
-    a signed-out browser to sign in, and a form without its CSRF token is refused."""
-    from starlette.applications import Starlette
-    from starlette.responses import RedirectResponse
-
-    def sign_in_first(request: Any, _: Exception) -> Any:
-        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return RedirectResponse("/signin?" + urllib.parse.urlencode({"next": back_to(target)}), 303)
-
-    def refused(request: Any, _: Exception) -> Any:
-        body = (
-            "<p>This form was not sent from this site's page, or the page is out of date. "
-            'Go back, reload the page and send it again, or <a href="/signin">sign in</a>.</p>'
-        )
-        return pages.page(request, "Form refused", body, 403)
-
-    handlers = {SignInRequired: sign_in_first, FormRefused: refused}
-    return Starlette(routes=routes, exception_handlers=handlers)
 
 
 # ---------------------------------------------------------------------------
