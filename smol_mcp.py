@@ -6512,10 +6512,9 @@ class HttpGate:
             await self.sessions.forward(scope, replay_body(body, receive), send, body)
 
     async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
-        """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES nothing more is kept
-        and the answer is 413 (up to as much again is read and dropped, so the client sees the
-        answer, not a reset), still coming after HTTP_BODY_TIMEOUT_SECS is 408, and at most
-        HTTP_MAX_BODIES_IN_FLIGHT are read at once. None when an answer has been sent."""
+        """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES a 413 (as much again is
+        read and dropped, so the client sees it, not a reset), still coming after
+        HTTP_BODY_TIMEOUT_SECS a 408; HTTP_MAX_BODIES_IN_FLIGHT at once. None once answered."""
         smaller = "send a smaller one (a large file goes in pieces)"
         too_big = {"error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; {smaller}"}
         declared = headers.get(b"content-length", b"0").strip()
@@ -6554,12 +6553,15 @@ def authenticated_user(principal: Principal):
     return AuthenticatedUser(AccessToken(**token, scopes=sorted(principal.scopes)))
 
 
-def json_body(body: bytes) -> Any:
-    """A body's JSON, or None if it is not JSON."""
+def json_body(body: bytes, *path: str) -> Any:
+    """A body's JSON, or the value at ``path`` in it; None if not JSON or there is no such value."""
     try:
-        return json.loads(body)
-    except ValueError:
+        value = json.loads(body)
+        for key in path:
+            value = value[key]
+    except (ValueError, KeyError, TypeError):
         return None
+    return value
 
 
 def request_methods(body: bytes, key: str = "method") -> list:
@@ -6568,14 +6570,6 @@ def request_methods(body: bytes, key: str = "method") -> list:
     messages = message if isinstance(message, list) else [message]
     requests = [m for m in messages if isinstance(m, dict) and isinstance(m.get("method"), str)]
     return [m[key] for m in requests if isinstance(m.get("id"), (str, int))]
-
-
-def initialize_version(body: bytes) -> str | None:
-    """The protocol version an initialize answer settled on."""
-    answer = json_body(body)
-    result = answer.get("result") if isinstance(answer, dict) else None
-    version = result.get("protocolVersion") if isinstance(result, dict) else None
-    return version if isinstance(version, str) else None
 
 
 def replay_body(body: bytes, receive: Callable) -> Callable:
@@ -6590,9 +6584,9 @@ def replay_body(body: bytes, receive: Callable) -> Callable:
 
 @functools.cache
 def guarded_protocol() -> type:
-    """uvicorn's h11 protocol with the bounds uvicorn lacks: the request headers within
-    HTTP_HEADER_TIMEOUT_SECS, and past HTTP_MAX_CONNECTIONS the oldest connection still without
-    them is closed (never one busy with a request). Built on first use: no uvicorn at import."""
+    """uvicorn's h11 protocol with the bounds it lacks: request headers within
+    HTTP_HEADER_TIMEOUT_SECS; past HTTP_MAX_CONNECTIONS the oldest connection without them closed
+    (never one busy with a request). Built on first use: no uvicorn at import."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -6843,18 +6837,17 @@ class HttpSessions:
             await self.serve(scope, receive, watch, session, body)
         opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
         if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
-            self.open_handshake(principal, opened, initialize_version(answer["body"]))
+            settled = json_body(answer["body"], "result", "protocolVersion")  # by initialize
+            self.open_handshake(principal, opened, settled if isinstance(settled, str) else None)
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
             self.tasks.start_soon(self.app.end_session, self.by_id.pop(http_id))
 
     async def serve(self, scope: dict, receive: Callable, send: Callable, session, body) -> None:
         """Serve a POST of calls, in flight meanwhile, listening for its client to hang up:
         then its calls are gone, and one waiting for approval ends (SPEC 13)."""
-        ids, first, gone = request_methods(body, "id"), [await receive()], anyio.Event()
+        ids, gone = request_methods(body, "id"), anyio.Event()
 
-        async def inner_receive() -> dict:
-            if first:
-                return first.pop()
+        async def disconnected() -> dict:
             await gone.wait()
             return {"type": "http.disconnect"}
 
@@ -6868,7 +6861,7 @@ class HttpSessions:
         async with anyio.create_task_group() as group:
             group.start_soon(listen)
             try:
-                await self.to_sdk(scope, inner_receive, send, body)
+                await self.to_sdk(scope, replay_body(body, disconnected), send, body)
             finally:
                 group.cancel_scope.cancel()
                 session.gone_requests.difference_update(ids)
@@ -6904,9 +6897,8 @@ class HttpSessions:
             await _respond(send, 200, answers if isinstance(request, list) else answers[0])
 
     async def end_revoked(self) -> None:
-        """End the sessions of tokens deleted (or made again) since the last look: once calls
-        waiting for approval have answered approval_token_deleted (within APPROVAL_POLL_SECS),
-        with TOKEN_END_GRACE_SECS for its other calls to answer."""
+        """End the sessions of tokens deleted (or made again): once no call waits for approval
+        (they answer approval_token_deleted), and TOKEN_END_GRACE_SECS for its other calls."""
         live = self.app.access.live_ids()
         for session in [*self.by_principal.values(), *self.by_id.values()]:
             name = session.principal.name
@@ -6932,9 +6924,8 @@ class HttpSessions:
             await self.drop(session)
 
     async def drop(self, session: Session) -> None:
-        """Forget a session and end it. A handshake-era one is first ended as its client's DELETE
-        would, through the manager's public entry point: the SDK lets go of it and closes its
-        streams, its exit stack runs our cleanup."""
+        """Forget a session and end it; a handshake-era one first through the manager, as its
+        client's DELETE would (the SDK closes its streams, its exit stack runs our cleanup)."""
         if session.http_id is None:
             self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
             return await self.app.end_session(session)
@@ -7078,8 +7069,7 @@ def console_routes(app: SmolMcp) -> list:
         return RedirectResponse("/console/approvals", 303)
 
     def token_card(request: Any, record: dict, used: dict) -> str:
-        name = record["name"]
-        until = access.auto.shown(name, record.get("id", ""))
+        name, until = record["name"], access.auto.shown(record["name"], record.get("id", ""))
         auto = {"off": "off", "forever": "forever"}.get(until, f"until {until}")
         end = '<button name="action" value="auto-off">End auto-approval</button> '
         buttons = f'{end * (until != "off")}<button name="action" value="delete">Delete</button>'
@@ -7120,10 +7110,8 @@ def console_routes(app: SmolMcp) -> list:
                 made = {"event": "token", "outcome": "created", "token": name, "scopes": scopes}
                 cli_record(config, {**made, "targets": targets, "approval": approval}, CONSOLE_WHO)
                 url = pages.issuer + app.http.path
-                entries = "".join(
-                    f"<h3>{c}</h3><pre>{esc(token_entry(c, url, config, name, secret))}</pre>"
-                    for c in SETUP_CLIENTS
-                )
+                ways = [(c, token_entry(c, url, config, name, secret)) for c in SETUP_CLIENTS]
+                entries = "".join(f"<h3>{c}</h3><pre>{esc(entry)}</pre>" for c, entry in ways)
                 shown = (
                     f"<p>Created <b>{esc(name)}</b>. Its secret, shown this once (only its hash "
                     f"is kept):</p><pre>{esc(secret)}</pre>{entries}<h3>curl</h3><pre>curl -H "
@@ -7482,9 +7470,8 @@ class Pages:
         return 0, ""
 
     async def confirm(self, request: Any, form: Any) -> str:
-        """ "" when the operator proved to be here again for a wide change (a grant beyond Sandbox,
-        a new token): the password on this form, or with no password set, a session signed in by
-        link minutes ago; else why not."""
+        """ "" when the operator proved to be here for a wide change (a grant beyond Sandbox, a new
+        token): this form's password, or without one a link sign-in minutes ago; else why not."""
         if self.operator.generation() is None:
             if time.time() - self.session(request)["started"] < SIGNIN_FRESH_SECS:
                 return ""
@@ -7799,14 +7786,6 @@ class OAuthProvider:
                 self.activity.append({**entry, "reason": why} if why else entry)
 
 
-def default_token_name(client_name: str, taken: Iterable[str]) -> str:
-    """A free token name made from a client's name."""
-    base = re.sub(r"[^A-Za-z0-9._-]+", "-", client_name).strip("-._")[:56] or "client"
-    names = set(taken) | set(RESERVED_TOKEN_NAMES)
-    candidates = (base, *(f"{base}-{i}" for i in range(2, 999)))
-    return next(name for name in candidates if name not in names)
-
-
 def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     """The SDK's OAuth routes on our provider, and the consent page."""
     from mcp.server.auth.provider import construct_redirect_uri
@@ -7901,7 +7880,9 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
                 entry = {"principal": "operator", "token": record["name"], "event": "token"}
                 provider.activity.append({**entry, "outcome": "granted", "client": name})
                 return back(params, code=provider.new_code(params, record))
-        taken = (record["name"] for record in provider.tokens.records())
+        names = {r["name"] for r in provider.tokens.records()} | set(RESERVED_TOKEN_NAMES)
+        base = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:56] or "client"  # a free name
+        free = next(n for n in (base, *(f"{base}-{i}" for i in range(2, 999))) if n not in names)
         grants = "".join(
             f'<label><input type="radio" name="grant" value="{esc(grant)}"'
             f"{' checked' if grant == chosen['grant'] else ''}> {esc(grant)} "
@@ -7920,7 +7901,7 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             f"{pages.csrf_input(request)}<fieldset><legend>Grant</legend>{grants}<fieldset><legend>"
             f"Scopes, with Choose scopes</legend>{boxes}</fieldset></fieldset><label>Token name "
             '<input type="text" name="name" maxlength="64" required value="'
-            f'{esc(chosen["name"] or default_token_name(name, taken))}"></label><label><input '
+            f'{esc(chosen["name"] or free)}"></label><label><input '
             f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}> '
             f"Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
             '<p><button type="submit" name="action" value="Allow">Allow</button> <button '
