@@ -6430,6 +6430,11 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 HTTP_MIN_TOKEN_CHARS = 32
 _MAKE_TOKEN = 'python3 -c "import secrets; print(secrets.token_urlsafe(32))"'
 HTTP_TOKEN_ADVICE = f"make one with: {_MAKE_TOKEN} (or openssl rand -hex 24)"
+SHUTDOWN_MESSAGE = (
+    "the smol-mcp server is shutting down, so this call was stopped before it finished (what "
+    "it started may have run in part). Reconnect once the server is back, and check the "
+    "machine with get-machine before trying again."
+)
 
 
 def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> None:
@@ -6954,13 +6959,6 @@ class HttpSessions:
         await self.app.end_session(session)
 
 
-SHUTDOWN_MESSAGE = (
-    "the smol-mcp server is shutting down, so this call was stopped before it finished (what "
-    "it started may have run in part). Reconnect once the server is back, and check the "
-    "machine with get-machine before trying again."
-)
-
-
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     """The ASGI application for --http: HttpGate in front of the SDK's session manager."""
     from mcp.server import streamable_http_manager as sdk_http
@@ -7001,7 +6999,6 @@ CONSOLE_NAV = " ".join(f'<a href="/console/{p}">{name}</a>' for p, name in CONSO
 
 
 def console_routes(app: SmolMcp) -> list:
-    """The console's pages and forms (see above)."""
     from starlette.responses import RedirectResponse
     from starlette.routing import Route
 
@@ -7264,9 +7261,34 @@ MIN_PASSWORD_CHARS = 12
 PASSWORD_ATTRS = 'type="password" name="password" maxlength="1024" autocomplete="current-password"'
 PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
 RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
+OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's routes
+OAUTH_CLIENTS_FILE = "oauth-clients.json"
+OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
+OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
+OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
+OAUTH_MAX_REGISTRATION_BYTES = 8192
+OAUTH_CLIENT_FIELDS = set(  # what is kept of a registration: what this server uses
+    "client_id client_secret client_id_issued_at client_secret_expires_at client_name "
+    "redirect_uris token_endpoint_auth_method grant_types response_types scope".split()
+)
+GRANTS = {  # the consent page's grants, besides Choose scopes
+    "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
+    "Read-only": ("machines.read", "activity.read"),
+    "Sandbox": ("sandbox.read", "sandbox.manage", "sandbox.exec"),
+}
+GRANT_NOTES = {
+    "Full": "every tool, on every machine",
+    "Read-only": "list machines, read their details and logs, and the activity log",
+    "Sandbox": "create and use machines of its own; it never sees the others",
+    "Choose scopes": "exactly the scopes ticked here",
+}
 FORM_REFUSED = (
     "<p>This form was not sent from this site's page, or the page is out of date. "
     'Go back, reload the page and send it again, or <a href="/signin">sign in</a>.</p>'
+)
+LINK_REFUSED = (
+    "That sign-in link is used, expired (links last 10 minutes) or wrong: make another with "
+    "`smol_mcp.py operator link`."
 )
 PAGE_STYLE = (
     "body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:0 auto;padding:0 1em}header{"
@@ -7512,12 +7534,6 @@ def back_to(target: str) -> str:
     return "/signin"
 
 
-LINK_REFUSED = (
-    "That sign-in link is used, expired (links last 10 minutes) or wrong: make another with "
-    "`smol_mcp.py operator link`."
-)
-
-
 def page_routes(pages: Pages) -> list:
     """The sign-in and sign-out pages."""
     from starlette.responses import RedirectResponse
@@ -7575,29 +7591,6 @@ def page_routes(pages: Pages) -> list:
         Route("/signin", signin, methods=["GET", "POST"]),
         Route("/signout", signout, methods=["POST"]),
     ]
-
-
-OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's routes
-OAUTH_CLIENTS_FILE = "oauth-clients.json"
-OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
-OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
-OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
-OAUTH_MAX_REGISTRATION_BYTES = 8192
-OAUTH_CLIENT_FIELDS = set(  # what is kept of a registration: what this server uses
-    "client_id client_secret client_id_issued_at client_secret_expires_at client_name "
-    "redirect_uris token_endpoint_auth_method grant_types response_types scope".split()
-)
-GRANTS = {  # the consent page's grants, besides Choose scopes
-    "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
-    "Read-only": ("machines.read", "activity.read"),
-    "Sandbox": ("sandbox.read", "sandbox.manage", "sandbox.exec"),
-}
-GRANT_NOTES = {
-    "Full": "every tool, on every machine",
-    "Read-only": "list machines, read their details and logs, and the activity log",
-    "Sandbox": "create and use machines of its own; it never sees the others",
-    "Choose scopes": "exactly the scopes ticked here",
-}
 
 
 @functools.cache
