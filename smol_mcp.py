@@ -7539,10 +7539,28 @@ def page_routes(pages: Pages) -> list:
     from starlette.responses import RedirectResponse
     from starlette.routing import Route
 
-    def signin_page(request: Any, target: str, link: str, error: str = "", status=200) -> Any:
+    async def signin(request: Any) -> Any:
+        target = back_to(request.query_params.get("next", "/signin"))
+        link, status, error = request.query_params.get("link", ""), 200, ""
+        if request.method == "GET" and pages.session(request) is not None:
+            if target != "/signin":
+                return RedirectResponse(target, 303)
+            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
+        if request.method != "GET":
+            form = await pages.form(request)
+            link = str(form.get("link", ""))
+            # A link is 256 random bits made on the host: never rate limited, so it always works.
+            if link:
+                status, error = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
+            else:
+                status, error = await pages.check_password(request, str(form.get("password", "")))
+            if not status:
+                response = RedirectResponse(target, 303)
+                pages.start_session(request, response, "one-time link" if link else "password")
+                return response
         url = "/signin?" + urllib.parse.urlencode({"next": target})
         head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
-        if "hop" not in request.query_params and request.method == "GET" and not error:
+        if "hop" not in request.query_params and request.method == "GET":
             # A SameSite=Strict cookie is not sent along a chain of redirects from another
             # site (the client's): reloading from this page sends it.
             again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
@@ -7558,27 +7576,6 @@ def page_routes(pages: Pages) -> list:
             "<code>smol_mcp.py operator link</code> for a one-time link.</p>"
         )
         return pages.page(request, "Sign in", body, status, head=head)
-
-    async def signin(request: Any) -> Any:
-        target = back_to(request.query_params.get("next", "/signin"))
-        if request.method == "GET":
-            if pages.session(request) is None:
-                return signin_page(request, target, request.query_params.get("link", ""))
-            if target != "/signin":
-                return RedirectResponse(target, 303)
-            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
-        form = await pages.form(request)
-        link = str(form.get("link", ""))
-        # A link is 256 random bits made on the host: never rate limited, so it always works.
-        if link:
-            status, message = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
-        else:
-            status, message = await pages.check_password(request, str(form.get("password", "")))
-        if status:
-            return signin_page(request, target, link, message, status)
-        response = RedirectResponse(target, 303)
-        pages.start_session(request, response, "one-time link" if link else "password")
-        return response
 
     async def signout(request: Any) -> Any:
         await pages.form(request)
