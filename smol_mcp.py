@@ -6609,12 +6609,8 @@ def guarded_protocol() -> type:
                 idle = [c for c in self.connections if isinstance(c, type(self)) and c.waiting()]
                 min(idle, key=lambda c: c.opened).transport.close()
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self.watch_headers()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
+        def handle_events(self) -> None:  # after data arrives, and once a response is done
+            super().handle_events()
             self.watch_headers()
 
         def watch_headers(self) -> None:  # armed while no request is in, disarmed once one is
