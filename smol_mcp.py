@@ -6092,9 +6092,12 @@ _SEND_TOKEN = "send the token as 'Authorization: Bearer <token>' or 'X-Smol-Mcp-
 HTTP_UNAUTHORIZED = json.dumps({"error": f"unauthorized: {_SEND_TOKEN}"}).encode()
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 HTTP_MIN_TOKEN_CHARS = 32
-HTTP_TOKEN_ADVICE = (
-    'make one with: python3 -c "import secrets; print(secrets.token_urlsafe(32))" '
-    "(or openssl rand -hex 24)"
+_MAKE_TOKEN = 'python3 -c "import secrets; print(secrets.token_urlsafe(32))"'
+HTTP_TOKEN_ADVICE = f"make one with: {_MAKE_TOKEN} (or openssl rand -hex 24)"
+SHUTDOWN_MESSAGE = (
+    "the smol-mcp server is shutting down, so this call was stopped before it finished (what "
+    "it started may have run in part). Reconnect once the server is back, and check the "
+    "machine with get-machine before trying again."
 )
 
 
@@ -6102,16 +6105,12 @@ def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> Non
     """Refuse a token shorter than HTTP_MIN_TOKEN_CHARS, or not printable ASCII without spaces
     (a header is Latin-1 on the wire: a UTF-8 client's would never match). Never shows it."""
     if not all("!" <= ch <= "~" for ch in secret):
-        raise ConfigError(
-            f"{where} must hold only printable ASCII characters without spaces, so every client "
-            f"sends it byte for byte; {HTTP_TOKEN_ADVICE}"
-        )
+        why = "must hold only printable ASCII characters without spaces, so every client sends it"
+        raise ConfigError(f"{where} {why} byte for byte; {HTTP_TOKEN_ADVICE}")
     if len(secret) < HTTP_MIN_TOKEN_CHARS:
-        raise ConfigError(
-            f"{where} is {len(secret)} characters long; --http needs at least "
-            f"{HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port can try to guess it; "
-            f"{HTTP_TOKEN_ADVICE}"
-        )
+        why = f"--http needs at least {HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port"
+        short = f"{where} is {len(secret)} characters long; {why} can try to guess it"
+        raise ConfigError(f"{short}; {HTTP_TOKEN_ADVICE}")
 
 
 def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | None:
@@ -6182,18 +6181,16 @@ class HttpGate:
             await self.sessions.forward(scope, replay_body(body, receive), send, body)
 
     async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
-        """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES nothing more is kept
-        and the answer is 413 (up to as much again is read and dropped, so the client sees the
-        answer, not a reset), still coming after HTTP_BODY_TIMEOUT_SECS is 408, and at most
-        HTTP_MAX_BODIES_IN_FLIGHT are read at once. None when an answer has been sent."""
+        """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES a 413 (as much again is
+        read and dropped, so the client sees it, not a reset), still coming after
+        HTTP_BODY_TIMEOUT_SECS a 408; HTTP_MAX_BODIES_IN_FLIGHT at once. None once answered."""
         smaller = "send a smaller one (a large file goes in pieces)"
         too_big = {"error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; {smaller}"}
         declared = headers.get(b"content-length", b"0").strip()
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
         if over and headers.get(b"expect", b"").lower() == b"100-continue":
             return await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
-        if self.bodies is None:
-            self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
+        self.bodies = self.bodies or anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
         chunks, size = [], 0
         async with self.bodies:
             with anyio.move_on_after(HTTP_BODY_TIMEOUT_SECS) as deadline:
@@ -6225,12 +6222,15 @@ def authenticated_user(principal: Principal):
     return AuthenticatedUser(AccessToken(**token, scopes=sorted(principal.scopes)))
 
 
-def json_body(body: bytes) -> Any:
-    """A body's JSON, or None if it is not JSON."""
+def json_body(body: bytes, *path: str) -> Any:
+    """A body's JSON, or the value at ``path`` in it; None if not JSON or there is no such value."""
     try:
-        return json.loads(body)
-    except ValueError:
+        value = json.loads(body)
+        for key in path:
+            value = value[key]
+    except (ValueError, KeyError, TypeError):
         return None
+    return value
 
 
 def request_methods(body: bytes, key: str = "method") -> list:
@@ -6239,15 +6239,6 @@ def request_methods(body: bytes, key: str = "method") -> list:
     messages = message if isinstance(message, list) else [message]
     requests = [m for m in messages if isinstance(m, dict) and isinstance(m.get("method"), str)]
     return [m[key] for m in requests if isinstance(m.get("id"), (str, int))]
-
-
-def initialize_version(body: bytes) -> str | None:
-    """The protocol version an initialize answer settled on."""
-    try:
-        version = json.loads(body)["result"]["protocolVersion"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return version if isinstance(version, str) else None
 
 
 def replay_body(body: bytes, receive: Callable) -> Callable:
@@ -6262,9 +6253,9 @@ def replay_body(body: bytes, receive: Callable) -> Callable:
 
 @functools.cache
 def guarded_protocol() -> type:
-    """uvicorn's h11 protocol with the bounds uvicorn lacks: the request headers within
-    HTTP_HEADER_TIMEOUT_SECS, and past HTTP_MAX_CONNECTIONS the oldest connection still without
-    them is closed (never one busy with a request). Built on first use: no uvicorn at import."""
+    """uvicorn's h11 protocol with the bounds it lacks: request headers within
+    HTTP_HEADER_TIMEOUT_SECS; past HTTP_MAX_CONNECTIONS the oldest connection without them closed
+    (never one busy with a request). Built on first use: no uvicorn at import."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -6282,12 +6273,8 @@ def guarded_protocol() -> type:
                 idle = [c for c in self.connections if isinstance(c, type(self)) and c.waiting()]
                 min(idle, key=lambda c: c.opened).transport.close()
 
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            self.watch_headers()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
+        def handle_events(self) -> None:  # after data arrives, and once a response is done
+            super().handle_events()
             self.watch_headers()
 
         def watch_headers(self) -> None:  # armed while no request is in, disarmed once one is
@@ -6315,10 +6302,9 @@ def uvicorn_options() -> dict:
     """The uvicorn settings --http runs with (the tests use the same)."""
     # proxy_headers off: the peer's own address, as X-Forwarded-For would rotate the limits
     options = dict(http=guarded_protocol(), lifespan="on", log_level="warning", proxy_headers=False)
-    options.update(h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES)
-    options.update(timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
-    options.update(timeout_keep_alive=HTTP_KEEP_ALIVE_SECS)
-    return options | dict(limit_concurrency=HTTP_LIMIT_CONCURRENCY)
+    bounds = dict(timeout_keep_alive=HTTP_KEEP_ALIVE_SECS, limit_concurrency=HTTP_LIMIT_CONCURRENCY)
+    options.update(h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES, **bounds)
+    return options | dict(timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
 
 
 async def _respond(send: Callable, status: int, answer: Any, headers: list | None = None) -> None:
@@ -6516,18 +6502,17 @@ class HttpSessions:
             await self.serve(scope, receive, watch, session, body)
         opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
         if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
-            self.open_handshake(principal, opened, initialize_version(answer["body"]))
+            settled = json_body(answer["body"], "result", "protocolVersion")  # by initialize
+            self.open_handshake(principal, opened, settled if isinstance(settled, str) else None)
         if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
             self.tasks.start_soon(self.app.end_session, self.by_id.pop(http_id))
 
     async def serve(self, scope: dict, receive: Callable, send: Callable, session, body) -> None:
         """Serve a POST of calls, in flight meanwhile, listening for its client to hang up:
         then its calls are gone, and one waiting for approval ends (SPEC 13)."""
-        ids, first, gone = request_methods(body, "id"), [await receive()], anyio.Event()
+        ids, gone = request_methods(body, "id"), anyio.Event()
 
-        async def inner_receive() -> dict:
-            if first:
-                return first.pop()
+        async def disconnected() -> dict:
             await gone.wait()
             return {"type": "http.disconnect"}
 
@@ -6541,7 +6526,7 @@ class HttpSessions:
         async with anyio.create_task_group() as group:
             group.start_soon(listen)
             try:
-                await self.to_sdk(scope, inner_receive, send, body)
+                await self.to_sdk(scope, replay_body(body, disconnected), send, body)
             finally:
                 group.cancel_scope.cancel()
                 session.gone_requests.difference_update(ids)
@@ -6551,13 +6536,12 @@ class HttpSessions:
     async def to_sdk(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
         """Hand a request to the SDK. Once told to stop (SIGTERM, SIGINT), a POST still served is
         stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
-        stopping, started = self.stopping, False
+        stopping, sent = self.stopping, set()
         if scope["method"] != "POST" or stopping is None:
             return await self.inner(scope, receive, send)
 
         async def send_watch(message: dict) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            sent.add(message["type"])
             await send(message)
 
         async with anyio.create_task_group() as group:
@@ -6570,7 +6554,7 @@ class HttpSessions:
             group.start_soon(stop_on_shutdown)
             await self.inner(scope, receive, send_watch)
             group.cancel_scope.cancel()
-        if stopping.is_set() and not started:  # a JSON-RPC error for each request (or a batch)
+        if stopping.is_set() and "http.response.start" not in sent:  # an error for each request
             request, error = json_body(body), {"code": -32000, "message": SHUTDOWN_MESSAGE}
             requests = request if isinstance(request, list) else [request]
             ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
@@ -6578,9 +6562,8 @@ class HttpSessions:
             await _respond(send, 200, answers if isinstance(request, list) else answers[0])
 
     async def end_revoked(self) -> None:
-        """End the sessions of tokens deleted (or made again) since the last look: once calls
-        waiting for approval have answered approval_token_deleted (within APPROVAL_POLL_SECS),
-        with TOKEN_END_GRACE_SECS for its other calls to answer."""
+        """End the sessions of tokens deleted (or made again): once no call waits for approval
+        (they answer approval_token_deleted), and TOKEN_END_GRACE_SECS for its other calls."""
         live = self.app.access.live_ids()
         for session in [*self.by_principal.values(), *self.by_id.values()]:
             name = session.principal.name
@@ -6606,17 +6589,12 @@ class HttpSessions:
             await self.drop(session)
 
     async def drop(self, session: Session) -> None:
-        """Forget a session and end it, a handshake-era one first as its client's DELETE would."""
+        """Forget a session and end it; a handshake-era one first through the manager, as its
+        client's DELETE would (the SDK closes its streams, its exit stack runs our cleanup)."""
         if session.http_id is None:
             self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
-        else:
-            self.by_id.pop(session.http_id, None)
-            await self.close_handshake_session(session)  # the SDK lets go of it too
-        await self.app.end_session(session)
-
-    async def close_handshake_session(self, session: Session) -> None:
-        """End a handshake-era session as its client's DELETE would, through the manager's
-        public entry point: the SDK closes its streams, its exit stack runs our cleanup."""
+            return await self.app.end_session(session)
+        self.by_id.pop(session.http_id, None)
         http_id, version = session.http_id.encode(), (session.protocol or "2025-06-18").encode()
         headers = [(b"mcp-session-id", http_id), (b"mcp-protocol-version", version)]
         path, local, statuses = self.path, ("127.0.0.1", 0), []
@@ -6638,13 +6616,7 @@ class HttpSessions:
             statuses.append(describe(err))
         if statuses != [200]:
             log.warning("session %s: ending it for idleness answered %s", session.id, statuses)
-
-
-SHUTDOWN_MESSAGE = (
-    "the smol-mcp server is shutting down, so this call was stopped before it finished (what "
-    "it started may have run in part). Reconnect once the server is back, and check the "
-    "machine with get-machine before trying again."
-)
+        await self.app.end_session(session)
 
 
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
@@ -6666,7 +6638,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
         routes = page_routes(app.pages) + oauth_routes(app, issuer, path) + console_routes(app)
-        public = pages_app(app.pages, routes)
+        public = Starlette(routes=routes, exception_handlers={PageAnswer: lambda _, e: e.args[0]})
     return HttpGate(app.http.inner, app, default_allowed_hosts(config, host, port), public)
 
 
@@ -6687,7 +6659,6 @@ CONSOLE_NAV = " ".join(f'<a href="/console/{p}">{name}</a>' for p, name in CONSO
 
 
 def console_routes(app: SmolMcp) -> list:
-    """The console's pages and forms (see above)."""
     from starlette.responses import RedirectResponse
     from starlette.routing import Route
 
@@ -6755,8 +6726,7 @@ def console_routes(app: SmolMcp) -> list:
         return RedirectResponse("/console/approvals", 303)
 
     def token_card(request: Any, record: dict, used: dict) -> str:
-        name = record["name"]
-        until = access.auto.shown(name, record.get("id", ""))
+        name, until = record["name"], access.auto.shown(record["name"], record.get("id", ""))
         auto = {"off": "off", "forever": "forever"}.get(until, f"until {until}")
         end = '<button name="action" value="auto-off">End auto-approval</button> '
         buttons = f'{end * (until != "off")}<button name="action" value="delete">Delete</button>'
@@ -6797,10 +6767,8 @@ def console_routes(app: SmolMcp) -> list:
                 made = {"event": "token", "outcome": "created", "token": name, "scopes": scopes}
                 cli_record(config, {**made, "targets": targets, "approval": approval}, CONSOLE_WHO)
                 url = pages.issuer + app.http.path
-                entries = "".join(
-                    f"<h3>{c}</h3><pre>{esc(token_entry(c, url, config, name, secret))}</pre>"
-                    for c in SETUP_CLIENTS
-                )
+                ways = [(c, token_entry(c, url, config, name, secret)) for c in SETUP_CLIENTS]
+                entries = "".join(f"<h3>{c}</h3><pre>{esc(entry)}</pre>" for c, entry in ways)
                 shown = (
                     f"<p>Created <b>{esc(name)}</b>. Its secret, shown this once (only its hash "
                     f"is kept):</p><pre>{esc(secret)}</pre>{entries}<h3>curl</h3><pre>curl -H "
@@ -6904,9 +6872,8 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
             loop.call_soon_threadsafe(app.http.stopping.set)  # in a signal handler: the loop sets
             super().handle_exit(sig, frame)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):  # what uvicorn restores and re-raises into
-        signal.signal(sig, lambda *_: None)  # handled already
-    # SIGTERM and SIGINT end the lifespan, which cleans up.
+    for sig in (signal.SIGTERM, signal.SIGINT):  # they end the lifespan, which cleans up; and
+        signal.signal(sig, lambda *_: None)  # handled already, what uvicorn restores and re-raises
     await Server(config).serve(sockets=[listening])
 
 
@@ -6923,25 +6890,21 @@ def listen_socket(host: str, port: int) -> socket.socket:
         return listening
     except OSError as err:
         listening.close()
-        advice = (
-            f"another program is listening there (find it with `ss -ltnp 'sport = :{port}'`): "
-            "stop it, or choose another port with --port or SMOL_MCP_HTTP_PORT"
-            if err.errno == errno.EADDRINUSE
-            else "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
-        )
+        busy = f"another program is listening there (find it with `ss -ltnp 'sport = :{port}'`)"
+        busy += ": stop it, or choose another port with --port or SMOL_MCP_HTTP_PORT"
+        advice = "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
         why = f"cannot listen on {host}:{port}: {os.strerror(err.errno)}"
-        raise SmolError(f"{why}; {advice}") from None
+        raise SmolError(f"{why}; {busy if err.errno == errno.EADDRINUSE else advice}") from None
 
 
 # ---------------------------------------------------------------------------
 # 14b. Sign-in and OAuth (--http)
 #
-# A client connects by URL alone: this server is its own OAuth authorization
-# server (the SDK's routes over a provider kept in the state directory), and
-# the person who consents is the operator, signed in to the server's own pages
-# with a password or a one-time link made on the host. A grant is a named
-# token, so all section 11 says of tokens holds for it. Pages are plain HTML
-# made here: no JavaScript, no files beside the module.
+# A client connects by URL alone: this server is its own OAuth authorization server (the SDK's
+# routes over a provider kept in the state directory), and the person who consents is the operator,
+# signed in to the server's own pages with a password or a one-time link made on the host. A grant
+# is a named token, so all section 11 says of tokens holds for it. Pages are plain HTML made here:
+# no JavaScript, no files beside the module.
 # ---------------------------------------------------------------------------
 
 OPERATOR_FILE = "operator.json"
@@ -6958,14 +6921,42 @@ MIN_PASSWORD_CHARS = 12
 PASSWORD_ATTRS = 'type="password" name="password" maxlength="1024" autocomplete="current-password"'
 PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
 RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
+OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's routes
+OAUTH_CLIENTS_FILE = "oauth-clients.json"
+OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
+OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
+OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
+OAUTH_MAX_REGISTRATION_BYTES = 8192
+OAUTH_CLIENT_FIELDS = set(  # what is kept of a registration: what this server uses
+    "client_id client_secret client_id_issued_at client_secret_expires_at client_name "
+    "redirect_uris token_endpoint_auth_method grant_types response_types scope".split()
+)
+GRANTS = {  # the consent page's grants, besides Choose scopes
+    "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
+    "Read-only": ("machines.read", "activity.read"),
+    "Sandbox": ("sandbox.read", "sandbox.manage", "sandbox.exec"),
+}
+GRANT_NOTES = {
+    "Full": "every tool, on every machine",
+    "Read-only": "list machines, read their details and logs, and the activity log",
+    "Sandbox": "create and use machines of its own; it never sees the others",
+    "Choose scopes": "exactly the scopes ticked here",
+}
+FORM_REFUSED = (
+    "<p>This form was not sent from this site's page, or the page is out of date. "
+    'Go back, reload the page and send it again, or <a href="/signin">sign in</a>.</p>'
+)
+LINK_REFUSED = (
+    "That sign-in link is used, expired (links last 10 minutes) or wrong: make another with "
+    "`smol_mcp.py operator link`."
+)
 PAGE_STYLE = (
-    "body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:0 auto;padding:0 1em}"
-    "header{display:flex;flex-wrap:wrap;justify-content:space-between;align-items:center;"
-    "gap:.5em;border-bottom:1px solid #ccc;padding:.5em 0}"
-    "input,button{font:inherit;padding:.3em .6em}label{display:block;margin:.4em 0}"
-    "input[type=text],input[type=password]{width:100%;box-sizing:border-box}"
-    "fieldset{border:1px solid #ccc;margin:1em 0}.error{color:#a00}.note{color:#555}"
-    "nav a{margin-right:1em}section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
+    "body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:0 auto;padding:0 1em}header{"
+    "display:flex;flex-wrap:wrap;justify-content:space-between;align-items:center;gap:.5em;"
+    "border-bottom:1px solid #ccc;padding:.5em 0}input,button{font:inherit;padding:.3em .6em}label{"
+    "display:block;margin:.4em 0}input[type=text],input[type=password]{width:100%;"
+    "box-sizing:border-box}fieldset{border:1px solid #ccc;margin:1em 0}.error{color:#a00}.note{"
+    "color:#555}nav a{margin-right:1em}section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
     "pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;padding:.5em}"
 )
 
@@ -6975,12 +6966,9 @@ def esc(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-class SignInRequired(Exception):
-    """Pages.require_operator found no signed-in operator: answered with the sign-in page."""
-
-
-class FormRefused(Exception):
-    """A form without this browser's CSRF token: answered 403."""
+class PageAnswer(Exception):
+    """The answer a page sends instead, raised with it: a signed-out browser sent to sign in, a
+    form without its CSRF token refused (see Pages.require_operator and Pages.form)."""
 
 
 class Operator:
@@ -7070,10 +7058,14 @@ class Pages:
         return found if found["salt"] == self.operator.generation() else None
 
     def require_operator(self, request: Any) -> dict:
-        """The signed-in operator's session, or SignInRequired (to the sign-in page and back
-        here after it). Every handler of a page for the operator calls this first."""
+        """The signed-in operator's session, or a PageAnswer sending the browser to sign in and
+        back here after it. Every handler of a page for the operator calls this first."""
+        from starlette.responses import RedirectResponse
+
         if (session := self.session(request)) is None:
-            raise SignInRequired()
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            signin = "/signin?" + urllib.parse.urlencode({"next": back_to(target)})
+            raise PageAnswer(RedirectResponse(signin, 303))
         return session
 
     def csrf(self, request: Any) -> str:
@@ -7083,16 +7075,15 @@ class Pages:
         return session["csrf"] if session else request.cookies.get(FORM_COOKIE, "")
 
     def csrf_input(self, request: Any) -> str:
-        token = self.csrf(request)
-        if not token:
+        if not (token := self.csrf(request)):
             token = request.state.new_form_token = secrets_module.token_urlsafe(32)
         return f'<input type="hidden" name="csrf" value="{esc(token)}">'
 
     async def form(self, request: Any) -> Any:
-        """The posted form once its CSRF token matched, else FormRefused (403)."""
+        """The posted form once its CSRF token matched, else a PageAnswer of 403."""
         form, expected = await request.form(), self.csrf(request)
         if not expected or not hmac.compare_digest(str(form.get("csrf", "")), expected):
-            raise FormRefused()
+            raise PageAnswer(self.page(request, "Form refused", FORM_REFUSED, 403))
         return form
 
     def page(self, request: Any, title: str, body: str, status=200, form_to="", head="") -> Any:
@@ -7161,23 +7152,19 @@ class Pages:
         return 0, ""
 
     async def confirm(self, request: Any, form: Any) -> str:
-        """ "" when the operator proved to be here again for a wide change (a
-        grant beyond Sandbox, a new token): the password on this form, or with
-        no password set, a session signed in by link minutes ago; else why not."""
+        """ "" when the operator proved to be here for a wide change (a grant beyond Sandbox, a new
+        token): this form's password, or without one a link sign-in minutes ago; else why not."""
         if self.operator.generation() is None:
             if time.time() - self.session(request)["started"] < SIGNIN_FRESH_SECS:
                 return ""
-            return (
-                "Sign in again with a new `smol_mcp.py operator link` first: wider grants "
-                f"need a sign-in of the last {SIGNIN_FRESH_SECS // 60} minutes."
-            )
+            again = "Sign in again with a new `smol_mcp.py operator link` first: wider grants need"
+            return f"{again} a sign-in of the last {SIGNIN_FRESH_SECS // 60} minutes."
         return (await self.check_password(request, str(form.get("password", ""))))[1]
 
     def confirm_field(self, what: str) -> str:
         """The password field of a form whose change confirm() checks."""
-        if self.operator.generation() is None:
-            return ""
-        return f"<label>Password, for {what} <input {PASSWORD_ATTRS}></label>"
+        field = f"<label>Password, for {what} <input {PASSWORD_ATTRS}></label>"
+        return "" if self.operator.generation() is None else field
 
     def start_session(self, request: Any, response: Any, how: str) -> None:
         cookie, now = secrets_module.token_urlsafe(32), time.time()
@@ -7207,31 +7194,41 @@ def back_to(target: str) -> str:
     return "/signin"
 
 
-LINK_REFUSED = (
-    "That sign-in link is used, expired (links last 10 minutes) or wrong: make another with "
-    "`smol_mcp.py operator link`."
-)
-
-
 def page_routes(pages: Pages) -> list:
     """The sign-in and sign-out pages."""
     from starlette.responses import RedirectResponse
     from starlette.routing import Route
 
-    def signin_page(request: Any, target: str, link: str, error: str = "", status=200) -> Any:
+    async def signin(request: Any) -> Any:
+        target = back_to(request.query_params.get("next", "/signin"))
+        link, status, error = request.query_params.get("link", ""), 200, ""
+        if request.method == "GET" and pages.session(request) is not None:
+            if target != "/signin":
+                return RedirectResponse(target, 303)
+            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
+        if request.method != "GET":
+            form = await pages.form(request)
+            link = str(form.get("link", ""))
+            # A link is 256 random bits made on the host: never rate limited, so it always works.
+            if link:
+                status, error = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
+            else:
+                status, error = await pages.check_password(request, str(form.get("password", "")))
+            if not status:
+                response = RedirectResponse(target, 303)
+                pages.start_session(request, response, "one-time link" if link else "password")
+                return response
         url = "/signin?" + urllib.parse.urlencode({"next": target})
         head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
-        if "hop" not in request.query_params and request.method == "GET" and not error:
+        if "hop" not in request.query_params and request.method == "GET":
             # A SameSite=Strict cookie is not sent along a chain of redirects from another
             # site (the client's): reloading from this page sends it.
             again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
             head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
         field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
         if link:
-            field = (
-                f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
-                "one-time link made by <code>operator link</code> on the host.</p>"
-            )
+            field = f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
+            field += "one-time link made by <code>operator link</code> on the host.</p>"
         body = (
             f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
             '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
@@ -7239,27 +7236,6 @@ def page_routes(pages: Pages) -> list:
             "<code>smol_mcp.py operator link</code> for a one-time link.</p>"
         )
         return pages.page(request, "Sign in", body, status, head=head)
-
-    async def signin(request: Any) -> Any:
-        target = back_to(request.query_params.get("next", "/signin"))
-        if request.method == "GET":
-            if pages.session(request) is None:
-                return signin_page(request, target, request.query_params.get("link", ""))
-            if target != "/signin":
-                return RedirectResponse(target, 303)
-            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
-        form = await pages.form(request)
-        link = str(form.get("link", ""))
-        # A link is 256 random bits made on the host: never rate limited, so it always works.
-        if link:
-            status, message = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
-        else:
-            status, message = await pages.check_password(request, str(form.get("password", "")))
-        if status:
-            return signin_page(request, target, link, message, status)
-        response = RedirectResponse(target, 303)
-        pages.start_session(request, response, "one-time link" if link else "password")
-        return response
 
     async def signout(request: Any) -> Any:
         await pages.form(request)
@@ -7274,34 +7250,10 @@ def page_routes(pages: Pages) -> list:
     ]
 
 
-OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's routes
-OAUTH_CLIENTS_FILE = "oauth-clients.json"
-OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
-OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
-OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
-OAUTH_MAX_REGISTRATION_BYTES = 8192
-OAUTH_CLIENT_FIELDS = set(  # what is kept of a registration: what this server uses
-    "client_id client_secret client_id_issued_at client_secret_expires_at client_name "
-    "redirect_uris token_endpoint_auth_method grant_types response_types scope".split()
-)
-GRANTS = {  # the consent page's grants, besides Choose scopes
-    "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
-    "Read-only": ("machines.read", "activity.read"),
-    "Sandbox": ("sandbox.read", "sandbox.manage", "sandbox.exec"),
-}
-GRANT_NOTES = {
-    "Full": "every tool, on every machine",
-    "Read-only": "list machines, read their details and logs, and the activity log",
-    "Sandbox": "create and use machines of its own; it never sees the others",
-    "Choose scopes": "exactly the scopes ticked here",
-}
-
-
 @functools.cache
 def oauth_client_class() -> type:
-    """The SDK's client record, with the redirect check of RFC 8252 7.3: a
-    loopback redirect may come back on another port (a native app listens on
-    whichever is free); anything else must be registered exactly."""
+    """The SDK's client record, with the redirect check of RFC 8252 7.3: a loopback redirect may
+    come back on another port (a native app listens on whichever is free); others match exactly."""
     from mcp.shared.auth import OAuthClientInformationFull
 
     class OAuthClient(OAuthClientInformationFull):
@@ -7397,11 +7349,7 @@ class OAuthProvider:
         """The SDK's ``name`` (AuthorizationCode, RefreshToken, AccessToken) of a grant."""
         from mcp.server.auth import provider
 
-        mine = {
-            "client_id": record["clientId"],
-            "scopes": record["scopes"],
-            "subject": record["id"],
-        }
+        mine = dict(client_id=record["clientId"], scopes=record["scopes"], subject=record["id"])
         return getattr(provider, name)(**{**fields, **mine, "resource": self.resource})
 
     def new_code(self, params: Any, record: dict) -> str:
@@ -7488,14 +7436,6 @@ class OAuthProvider:
                 self.activity.append({**entry, "reason": why} if why else entry)
 
 
-def default_token_name(client_name: str, taken: Iterable[str]) -> str:
-    """A free token name made from a client's name."""
-    base = re.sub(r"[^A-Za-z0-9._-]+", "-", client_name).strip("-._")[:56] or "client"
-    names = set(taken) | set(RESERVED_TOKEN_NAMES)
-    candidates = (base, *(f"{base}-{i}" for i in range(2, 999)))
-    return next(name for name in candidates if name not in names)
-
-
 def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     """The SDK's OAuth routes on our provider, and the consent page."""
     from mcp.server.auth.provider import construct_redirect_uri
@@ -7506,17 +7446,15 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     from starlette.routing import Route
 
     pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
-    scopes, url = list(SCOPES), AnyHttpUrl(issuer)
-    resource_url = AnyHttpUrl(provider.resource)
+    scopes, url, resource_url = list(SCOPES), AnyHttpUrl(issuer), AnyHttpUrl(provider.resource)
     resource = create_protected_resource_routes(resource_url, [url], scopes, "smol-mcp")
     clients = ClientRegistrationOptions(enabled=True, valid_scopes=scopes, default_scopes=scopes)
     routes = create_auth_routes(provider, url, None, clients, RevocationOptions(enabled=True))
 
     async def screen(request: Any, route: Any) -> Any:
-        """Before the SDK's /register, /token and /revoke: a registration
-        bounded and rate limited per address; a `resource` other than this
-        server refused (RFC 8707); the client's secret hashed, as only its hash
-        is kept. A refusal, or the SDK's route on the body and headers it gets."""
+        """Before the SDK's /register, /token and /revoke: a registration bounded and rate
+        limited per address; a `resource` other than this server refused (RFC 8707); the client's
+        secret hashed, as only its hash is kept. A refusal, or the SDK's route on what it gets."""
         body, headers = await request.body(), request.scope["headers"]
         if request.method == "POST" and request.url.path == "/register":
             key = "register " + pages.who(request)[0]
@@ -7583,17 +7521,18 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
                     raise ConfigError(why)
                 approval = "changes" if chosen["approval"] else "none"
                 owner = {"client": name, "clientId": client.client_id}
-                record, _ = provider.tokens.create(
-                    chosen["name"].strip(), scopes, FLEET_NAMES, approval, **owner
-                )
+                named = chosen["name"].strip()
+                record, _ = provider.tokens.create(named, scopes, FLEET_NAMES, approval, **owner)
             except ConfigError as err:
-                error = str(err)
+                error = f'<p class="error">{esc(err)}</p>'
             else:
                 del provider.pending[request_id]
                 entry = {"principal": "operator", "token": record["name"], "event": "token"}
                 provider.activity.append({**entry, "outcome": "granted", "client": name})
                 return back(params, code=provider.new_code(params, record))
-        taken = (record["name"] for record in provider.tokens.records())
+        names = {r["name"] for r in provider.tokens.records()} | set(RESERVED_TOKEN_NAMES)
+        base = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:56] or "client"  # a free name
+        free = next(n for n in (base, *(f"{base}-{i}" for i in range(2, 999))) if n not in names)
         grants = "".join(
             f'<label><input type="radio" name="grant" value="{esc(grant)}"'
             f"{' checked' if grant == chosen['grant'] else ''}> {esc(grant)} "
@@ -7605,17 +7544,16 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             for scope in SCOPES
         )
         body = (
-            (f'<p class="error">{esc(error)}</p>' if error else "")
-            + f"<p><strong>{esc(name)}</strong>, returning to <strong>"
+            f"{error}<p><strong>{esc(name)}</strong>, returning to <strong>"
             f"{esc(target.hostname or target.scheme)}</strong>, asks to use the machines of this "
             f"server (it asked for: {esc(' '.join(params.scopes or []) or 'nothing in particular')}"
             f').</p><form method="post" action="/consent?request={esc(request_id)}">'
-            f"{pages.csrf_input(request)}<fieldset><legend>Grant</legend>{grants}<fieldset>"
-            f"<legend>Scopes, with Choose scopes</legend>{boxes}</fieldset></fieldset><label>"
-            f'Token name <input type="text" name="name" maxlength="64" required value="'
-            f'{esc(chosen["name"] or default_token_name(name, taken))}"></label><label><input '
-            f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}'
-            f"> Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
+            f"{pages.csrf_input(request)}<fieldset><legend>Grant</legend>{grants}<fieldset><legend>"
+            f"Scopes, with Choose scopes</legend>{boxes}</fieldset></fieldset><label>Token name "
+            '<input type="text" name="name" maxlength="64" required value="'
+            f'{esc(chosen["name"] or free)}"></label><label><input '
+            f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}> '
+            f"Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
             '<p><button type="submit" name="action" value="Allow">Allow</button> <button '
             'type="submit" name="action" value="Deny" formnovalidate>Deny</button></p></form>'
         )
@@ -7628,27 +7566,6 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
         Route("/consent", consent, methods=["GET", "POST"]),
     ]
-
-
-def pages_app(pages: Pages, routes: list) -> Any:
-    """The Starlette app of the pages and OAuth routes: a page that needs the operator sends
-    a signed-out browser to sign in, and a form without its CSRF token is refused."""
-    from starlette.applications import Starlette
-    from starlette.responses import RedirectResponse
-
-    def sign_in_first(request: Any, _: Exception) -> Any:
-        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return RedirectResponse("/signin?" + urllib.parse.urlencode({"next": back_to(target)}), 303)
-
-    def refused(request: Any, _: Exception) -> Any:
-        body = (
-            "<p>This form was not sent from this site's page, or the page is out of date. "
-            'Go back, reload the page and send it again, or <a href="/signin">sign in</a>.</p>'
-        )
-        return pages.page(request, "Form refused", body, 403)
-
-    handlers = {SignInRequired: sign_in_first, FormRefused: refused}
-    return Starlette(routes=routes, exception_handlers=handlers)
 
 
 # ---------------------------------------------------------------------------
