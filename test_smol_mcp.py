@@ -506,25 +506,25 @@ class SectionBudgetTests(unittest.TestCase):
     that outgrows its budget fails here, so growth is a decision, not a drift.
     Raising a number is allowed; say why in the commit."""
 
-    MODULE_LINES = 9000  # the goal is 8,500 (see the README's Layout)
+    MODULE_LINES = 8500  # the ceiling issue 26 set; sections below have about 2% room each
     BUDGETS = {
         "0": 92,
-        "1": 299,
-        "2": 53,
-        "3": 1330,
-        "4": 502,
-        "5": 85,
-        "6": 112,
-        "7": 277,
-        "8": 1579,
-        "9": 151,
-        "10": 268,
-        "11": 781,
-        "12": 871,
-        "13": 144,
-        "14": 887,
-        "14b": 733,
-        "15": 1005,
+        "1": 292,
+        "2": 51,
+        "3": 1223,
+        "4": 455,
+        "5": 78,
+        "6": 106,
+        "7": 252,
+        "8": 1503,
+        "9": 146,
+        "10": 258,
+        "11": 748,
+        "12": 851,
+        "13": 139,
+        "14": 850,
+        "14b": 684,
+        "15": 919,
     }
 
     def test_each_section_and_the_module_keep_within_budget(self):
