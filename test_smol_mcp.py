@@ -121,6 +121,15 @@ INITIALIZE = {
 }
 
 
+async def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
+    """Wait for a state, not a time: poll ``predicate`` until true, failing after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s: {what}")
+        await asyncio.sleep(0.05)
+
+
 def result_of(answer) -> tuple[bool, object]:
     """(is_error, structured result or error text) of a tools/call answer."""
     if answer.is_error:
@@ -1859,7 +1868,7 @@ class WaitTests(FakeServeCase):
                     async with self.client(mode) as c:
                         with anyio.move_on_after(0.5):  # cancelled during the 1 s boot
                             await c.call_tool(tool, args)
-                        await self.wait_until(lambda: self.fake.machines == {}, 10)
+                        await wait_until(lambda: self.fake.machines == {}, 10)
 
     async def test_readiness_timeout_says_so_and_deletes_the_machine(self):
         self.app.local.probe_ready = lambda name: "the guest agent is still coming up"
@@ -1870,12 +1879,6 @@ class WaitTests(FakeServeCase):
         self.assertIn("did not run a command within 5 s (readyTimeoutSecs)", text)
         self.assertIn("the guest agent is still coming up", text)
         self.assertEqual(self.fake.machines, {})
-
-    async def wait_until(self, predicate, timeout):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            self.assertLess(time.monotonic(), deadline, "condition not reached in time")
-            await asyncio.sleep(0.05)
 
 
 class AdviceTests(FakeServeCase):
@@ -2708,9 +2711,7 @@ class Inbox:
             self.methods.append(message.method)
 
     async def wait_for(self, method: str, timeout: float = 5.0) -> None:
-        with anyio.fail_after(timeout):
-            while method not in self.methods:
-                await anyio.sleep(0.02)
+        await wait_until(lambda: method in self.methods, timeout, f"a {method} message")
 
 
 class ElicitationTests(FakeCloudCase):
@@ -3480,9 +3481,9 @@ class HttpSessionTests(HttpCase):
                     )
                     self.assertIn(name, self.fake.machines)
                 if mode == "legacy":  # the client's DELETE ended the session
-                    await self.wait_until(lambda: name not in self.fake.machines, 10)
+                    await wait_until(lambda: name not in self.fake.machines, 10)
                 else:  # 2026 era: no session id; the token's state ends when idle
-                    await self.wait_until(lambda: name not in self.fake.machines, 15)
+                    await wait_until(lambda: name not in self.fake.machines, 15)
 
     async def test_progress_reaches_a_handshake_era_client_over_http(self):
         saved = smol_mcp.PROGRESS_INTERVAL_SECS
@@ -3534,7 +3535,7 @@ class HttpSessionTests(HttpCase):
             long_call.json()["result"]["structuredContent"]["stdout"], "survived\n"
         )  # 4 s > 2 s idle
         self.assertIn("mcp-idle", self.fake.machines)
-        await self.wait_until(
+        await wait_until(
             lambda: "mcp-idle" not in self.fake.machines, 10
         )  # then idle: closed, cleaned
         gone = await call(4, "list-machines", {})
@@ -3549,12 +3550,6 @@ class HttpSessionTests(HttpCase):
                 lambda: a.call_tool("run-command", {"name": "mcp-slow", "command": "sleep 5"}),
                 lambda: b.call_tool("list-machines", {}),
             )
-
-    async def wait_until(self, predicate, timeout):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            self.assertLess(time.monotonic(), deadline, "condition not reached in time")
-            await asyncio.sleep(0.1)
 
 
 class HostPortTests(HttpCase):
@@ -3621,7 +3616,7 @@ class HttpCloudCleanupTests(RawHttpCase, FakeCloudCase):
         FaultCounts.faults += 1
         self.assertEqual((await self.raw("DELETE", "/mcp", a)).status_code, 200)
         # tried again
-        await HttpSessionTests.wait_until(self, lambda: in_a not in self.cloud_names(), 20)
+        await wait_until(lambda: in_a not in self.cloud_names(), 20)
         c = await self.raw_session()  # the listener still takes new sessions and calls
         self.assertEqual((await self.raw_tool(c, "list-machines", {}))["machines"][0]["name"], in_b)
         self.assertEqual(self.cloud_names(), [in_b])
@@ -3656,7 +3651,7 @@ class HttpIdleTests(RawHttpCase):
                 # a call longer than the idle time keeps the session
                 self.assertEqual(ran["stdout"], "kept\n")
                 self.assertIn(name, self.fake.machines)
-                await HttpSessionTests.wait_until(self, lambda: name not in self.fake.machines, 20)
+                await wait_until(lambda: name not in self.fake.machines, 20)
         self.assertEqual(
             (await self.raw("POST", "/mcp", session, jsonrpc(9, "tools/list"))).status_code, 404
         )
@@ -3672,7 +3667,7 @@ class HttpIdleTests(RawHttpCase):
                 )
                 self.assertEqual(ran["stdout"], "kept\n")
                 self.assertIn(name, self.fake.machines)
-                await HttpSessionTests.wait_until(self, lambda: name not in self.fake.machines, 20)
+                await wait_until(lambda: name not in self.fake.machines, 20)
 
 
 class HttpUnusedSessionTests(RawHttpCase):
@@ -3690,9 +3685,7 @@ class HttpUnusedSessionTests(RawHttpCase):
             await self.raw_tool(used, "list-machines", {})
             sessions = self.app.http.by_id  # watched, not asked: a request would be a use of it
             self.assertIn(unused["mcp-session-id"], sessions)
-            await HttpSessionTests.wait_until(
-                self, lambda: unused["mcp-session-id"] not in sessions, 20
-            )
+            await wait_until(lambda: unused["mcp-session-id"] not in sessions, 20)
             self.assertEqual(
                 (await self.raw("POST", "/mcp", unused, jsonrpc(9, "tools/list"))).status_code, 404
             )
@@ -3991,14 +3984,6 @@ def processes_running(marker: str) -> list[int]:
     return found
 
 
-async def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout} s: {what}")
-        await asyncio.sleep(0.1)
-
-
 async def ignore_progress(progress, total, message) -> None:
     """A progress callback: its presence makes the client send a progress token."""
 
@@ -4130,9 +4115,9 @@ class LiveOutputScenarios(LongWorkScenarios):
                         group.start_soon(
                             lambda: c.call_tool(tool, args, progress_callback=callback)
                         )
-                        await wait_for(lambda: processes_running(marker), 30, f"{marker} runs")
+                        await wait_until(lambda: processes_running(marker), 30, f"{marker} runs")
                         group.cancel_scope.cancel()
-                    await wait_for(lambda: not processes_running(marker), 20, f"{marker} ended")
+                    await wait_until(lambda: not processes_running(marker), 20, f"{marker} ended")
             ran = await self.ok(c, "run-command", {"name": name, "command": "echo ok"})
             self.assertEqual(ran["stdout"], "ok\n")  # the machine is still there and usable
 
@@ -4204,7 +4189,7 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
                     progress_callback=on_progress,
                 )
             self.assertIn("stdout: started", seen)
-            await wait_for(
+            await wait_until(
                 lambda: not processes_running("sleep 3171"), 20, "the cancelled command is gone"
             )
             kills = [
@@ -4343,10 +4328,10 @@ class JobScenarios(LongWorkScenarios):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             job = await self.ok(c, "start-job", {"name": name, "command": "echo begun; sleep 3172"})
-            await wait_for(lambda: processes_running("sleep 3172"), 20, "the job runs")
+            await wait_until(lambda: processes_running("sleep 3172"), 20, "the job runs")
             first = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
             self.assertEqual((first["state"], first["exitCode"]), ("exited", 143))
-            await wait_for(
+            await wait_until(
                 lambda: not processes_running("sleep 3172"), 20, "the cancelled job is gone"
             )
             again = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
@@ -4381,15 +4366,15 @@ class LocalJobTests(JobScenarios, FakeServeCase):
             job = await self.ok(
                 c, "start-job", {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2}
             )
-            await wait_for(
+            await wait_until(
                 lambda: not processes_running("sleep 3174"), 30, "the job's timeout ended it"
             )
             page = await self.ok(c, "read-job", {"name": "jobs", "jobId": job["jobId"]})
             self.assertEqual((page["state"], page["exitCode"]), ("exited", 143))
             await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3175"})
-            await wait_for(lambda: processes_running("sleep 3175"), 20, "the job runs")
+            await wait_until(lambda: processes_running("sleep 3175"), 20, "the job runs")
             await self.ok(c, "delete-machine", {"name": "jobs"})
-            await wait_for(
+            await wait_until(
                 lambda: not processes_running("sleep 3175"),
                 20,
                 "deleting the machine ended its job",
@@ -4401,9 +4386,9 @@ class LocalJobTests(JobScenarios, FakeServeCase):
             await self.ok(
                 c, "start-job", {"name": created["machine"]["name"], "command": "sleep 3176"}
             )
-            await wait_for(lambda: processes_running("sleep 3176"), 20, "the job runs")
+            await wait_until(lambda: processes_running("sleep 3176"), 20, "the job runs")
         self.assertEqual(self.fake.machines, {})
-        await wait_for(
+        await wait_until(
             lambda: not processes_running("sleep 3176"), 20, "the job ended with its machine"
         )
 
@@ -6173,7 +6158,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     self.assertTrue(is_error)
                     self.assertIn('did you mean "memoryMb"', text)
                     self.assertIn(created["machine"]["name"], self.fake.machines)
-                await self.wait_until(lambda: not self.fake.machines)
+                await wait_until(lambda: not self.fake.machines)
 
     async def test_both_mode_over_stdio_asks_once_and_narrows_in_both_eras(self):
         cloud = FakeCloud(token=CLOUD_TOKEN).start()
@@ -6199,13 +6184,6 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                         self.assertNotIn(CLOUD_TOKEN, json.dumps(listed))
         finally:
             await asyncio.to_thread(cloud.stop)
-
-    async def wait_until(self, predicate, timeout=10.0):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                self.fail("condition not reached in time")
-            await asyncio.sleep(0.05)
 
     async def start_raw(self) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
@@ -7633,7 +7611,7 @@ class AgentAccessHttpTests(HttpCase):
                         while time.monotonic() - deleted < 0.5:
                             await c.list_tools()
                         await c.list_tools()
-                    await self.wait_until(lambda: name not in self.fake.machines, 10)
+                    await wait_until(lambda: name not in self.fake.machines, 10)
                 response = await self.raw(
                     "POST",
                     "/mcp",
@@ -7656,7 +7634,7 @@ class AgentAccessHttpTests(HttpCase):
                 with anyio.fail_after(10):  # the stream ends, rather than hearing on
                     async for _ in events:
                         pass
-                await self.wait_until(lambda: self.app.polling[record["id"]] == 0, 10)
+                await wait_until(lambda: self.app.polling[record["id"]] == 0, 10)
 
     async def test_one_token_cannot_take_every_handshake_session(self):
         def opening(name):
@@ -7703,7 +7681,7 @@ class AgentAccessHttpTests(HttpCase):
             self.assertEqual(sessions["default"].machines["local"], {theirs})
             self.assertNotIn("local", sessions["runner"].machines)
             self.store.delete("a")  # ends a's state only
-            await self.wait_until(lambda: mine not in self.fake.machines, 10)
+            await wait_until(lambda: mine not in self.fake.machines, 10)
             self.assertIn(theirs, self.fake.machines)
             await self.ok(admin, "delete-machine", {"name": theirs})
 
@@ -7728,18 +7706,12 @@ class AgentAccessHttpTests(HttpCase):
         )
         self.assertEqual(ok.status_code, 200)
 
-    async def wait_until(self, predicate, timeout):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            self.assertLess(time.monotonic(), deadline, "condition not reached in time")
-            await asyncio.sleep(0.1)
-
 
 class PlainApiTests(HttpCase):
     """POST /api/tools/NAME and GET /api/tools: the same tools, scopes, ownership,
     approvals, limits and activity log as the MCP endpoint, without an MCP client."""
 
-    as_token, wait_until = AgentAccessHttpTests.as_token, AgentAccessHttpTests.wait_until
+    as_token = AgentAccessHttpTests.as_token
 
     async def asyncSetUp(self):
         await super().asyncSetUp()
@@ -7828,7 +7800,7 @@ class PlainApiTests(HttpCase):
         desk = self.app.access.desk
 
         async def waiting():
-            await self.wait_until(desk.pending, 10)
+            await wait_until(desk.pending, 10)
             return desk.pending()[0]
 
         for decision, reason in (("approve", None), ("deny", "not today")):
@@ -7854,8 +7826,8 @@ class PlainApiTests(HttpCase):
         call = asyncio.create_task(self.api("held", "delete-machine", {"name": "approve"}))
         await waiting()
         call.cancel()  # the client goes away: its call ends, and leaves the list
-        await self.wait_until(lambda: not desk.pending(), 10)
-        await self.wait_until(
+        await wait_until(lambda: not desk.pending(), 10)
+        await wait_until(
             lambda: [
                 e for e in self.app.access.activity.entries() if e.get("approval") == "cancelled"
             ],
@@ -7995,6 +7967,13 @@ class OAuthCase(HttpCase):
 
     async def tool_names(self, client) -> list:
         return [tool.name for tool in (await client.list_tools()).tools]
+
+    def cli_env(self) -> dict:
+        return {
+            **os.environ,
+            "SMOL_MCP_STATE_DIR": self.config.state_dir,
+            "SMOL_MCP_CONFIG": "/nonexistent",
+        }
 
 
 class OAuthTests(OAuthCase):
@@ -8242,13 +8221,6 @@ class OAuthTests(OAuthCase):
                 )
                 self.assertEqual(self.store.records(), [])
 
-    def cli_env(self) -> dict:
-        return {
-            **os.environ,
-            "SMOL_MCP_STATE_DIR": self.config.state_dir,
-            "SMOL_MCP_CONFIG": "/nonexistent",
-        }
-
     async def test_a_registration_is_small_lean_rate_limited_and_keeps_a_hash_of_its_secret(self):
         def post(metadata):
             headers = {"Content-Type": "application/json"}
@@ -8448,13 +8420,6 @@ class SignInTests(OAuthCase):
         late = operator.new_link()
         with unittest.mock.patch.object(smol_mcp.time, "time", return_value=time.time() + 601):
             self.assertFalse(operator.use_link(late))
-
-    def cli_env(self) -> dict:
-        return {
-            **os.environ,
-            "SMOL_MCP_STATE_DIR": self.config.state_dir,
-            "SMOL_MCP_CONFIG": "/nonexistent",
-        }
 
     async def test_wrong_passwords_are_rate_limited_per_address(self):
         http = await self.page_client()
@@ -10261,7 +10226,7 @@ class ConsoleBrowserTests(HttpCase):
             call = asyncio.create_task(
                 c.call_tool("create-machine", {"name": "x", "image": "alpine"})
             )
-            await self.wait_until(self.app.access.desk.pending, 10)
+            await wait_until(self.app.access.desk.pending, 10)
             [held] = self.app.access.desk.pending()
             forged = {"answer": "approve"}
             for form in (forged, {**forged, "csrf": "guessed"}):
@@ -10299,7 +10264,7 @@ class ConsoleBrowserTests(HttpCase):
         self.app.config = dataclasses_replace(self.app.config, approval_webhook=url)
         args = {"name": "hooked", "image": "alpine", "start": False}
         call = asyncio.create_task(self.post("/api/tools/create-machine", self.held, args))
-        await self.wait_until(lambda: received, 10)
+        await wait_until(lambda: received, 10)
         [notice] = received
         self.assertEqual(notice["review"], f"{self.base}/console/approvals/{notice['id']}")
         page = await self.signed_in()
@@ -10309,8 +10274,6 @@ class ConsoleBrowserTests(HttpCase):
         self.assertEqual(await call, 200)
         await page.goto(notice["review"])
         self.assertIn("No call waits as", await page.content())
-
-    wait_until = AgentAccessHttpTests.wait_until
 
 
 class ApprovalSigtermTests(unittest.TestCase):
