@@ -5067,19 +5067,26 @@ def open_raw_session(http, url: str, headers: dict, tries: int = 400) -> dict:
     return session
 
 
-class HelperCommandTests(unittest.TestCase):
+class CliCase(unittest.TestCase):
+    """A CLI run's clean world: a fresh HOME and runtime dir, no config file, PATH as ours.
+    ``env_extra`` adds or replaces variables; ``{tmp}`` in a value is the test's directory."""
+
+    env_extra: dict[str, str] = {}
+
     def setUp(self):
         self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
         self.env = {
             "PATH": os.environ["PATH"],
             "HOME": self.tmp,
             "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
             "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-            "XDG_CONFIG_HOME": f"{self.tmp}/.config",
         }
+        self.env.update({k: v.format(tmp=self.tmp) for k, v in self.env_extra.items()})
 
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+
+class HelperCommandTests(CliCase):
+    env_extra = {"XDG_CONFIG_HOME": "{tmp}/.config"}
 
     def test_parity_table_covers_the_1_32_2_spec_exactly(self):
         spec = json.loads((HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json").read_text())
@@ -5322,21 +5329,10 @@ class TerminalTests(unittest.TestCase):
         self.assertEqual(text.splitlines()[-1], "unit: 1 passed, 0 failed, 1 skipped")
 
 
-class EngineOnRampTests(unittest.TestCase):
+class EngineOnRampTests(CliCase):
     """doctor: from no engine to a probed one."""
 
-    def setUp(self):
-        self.tmp = short_tempdir()
-        self.env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": self.tmp,
-            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-            "SMOLVM_VM_UID_DROP": "off",
-        }
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    env_extra = {"PATH": "/usr/bin:/bin", "SMOLVM_VM_UID_DROP": "off"}
 
     def fake_wheel(self) -> Path:
         """A smolmachines distribution as a wheel installs it: metadata plus smol/smol-vmm."""
@@ -7238,20 +7234,8 @@ class ReservedTokenNameTests(unittest.TestCase):
             self.assertEqual(store.records(), [])
 
 
-class AccessCliTests(unittest.TestCase):
-    def setUp(self):
-        self.tmp = short_tempdir()
-        self.env = {
-            "PATH": os.environ["PATH"],
-            "HOME": self.tmp,
-            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
-            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-            "SMOLVM": "/nonexistent/smolvm",
-        }
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class AccessCliTests(CliCase):
+    env_extra = {"SMOL_MCP_STATE_DIR": "{tmp}/state", "SMOLVM": "/nonexistent/smolvm"}
 
     def test_create_list_delete_as_the_spec_gives_them(self):
         out = run_cli(
@@ -9112,18 +9096,8 @@ class ActivityLogTests(unittest.TestCase):
             desk.respond("../tokens", {})
 
 
-class ActivityCliTests(unittest.TestCase):
-    def setUp(self):
-        self.tmp = short_tempdir()
-        self.env = {
-            "PATH": os.environ["PATH"],
-            "HOME": self.tmp,
-            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
-        }
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class ActivityCliTests(CliCase):
+    env_extra = {"SMOL_MCP_STATE_DIR": "{tmp}/state"}
 
     def test_activity_filters_and_token_events_and_auto_approval_shown_by_tokens_list(self):
         created = json.loads(
