@@ -880,16 +880,16 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
         return value
 
     async def assert_not_stalled(self, slow_call, quick_call) -> None:
-        """Ten quick calls made while a slow one runs all finish before it:
+        """Ten quick calls made while a slow command runs all finish before it:
         a blocking call must never hold the event loop."""
-        finished = []
+        finished, execs = [], self.execs()
 
         async def slow():
             await slow_call()
             finished.append("slow")
 
         async def quick():
-            await asyncio.sleep(0.5)
+            await wait_until(lambda: self.execs() > execs, 10, "the slow command started")
             for _ in range(10):
                 await quick_call()
             finished.append("quick")
@@ -901,6 +901,10 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
         return [
             r for r in self.fake.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)
         ]
+
+    def execs(self) -> int:
+        """How many exec requests (of any kind) the fake engine has had."""
+        return len([r for r in self.fake.requests if "/exec" in r[1]])
 
 
 # (readOnly, destructive, idempotent, openWorld) of each tool, from what each does.
@@ -1599,9 +1603,11 @@ class CreateRaceTests(FakeServeCase):
     def slow_creates(self, seconds: float) -> None:
         fleet = self.app.local
         real = fleet.create_machine
+        self.creating = threading.Event()
 
         def slow(*args, **kwargs):
-            time.sleep(seconds)
+            self.creating.set()
+            time.sleep(seconds)  # an engine slow to create
             return real(*args, **kwargs)
 
         fleet.create_machine = slow
@@ -1617,7 +1623,7 @@ class CreateRaceTests(FakeServeCase):
                     "create-machine", {"name": "mcp-late", "image": "alpine", "start": False}
                 )
             )
-            await asyncio.sleep(0.5)
+            await wait_until(self.creating.is_set, 10, "the create reached the engine")
             await self.app.end_session(opened[0])  # as a token deletion or DELETE would
             answer = await call
         self.assertTrue(answer.is_error)
@@ -1635,7 +1641,7 @@ class CreateRaceTests(FakeServeCase):
                     "create-machine", {"name": "contested", "image": "alpine", "start": False}
                 )
             )
-            await asyncio.sleep(0.3)
+            await wait_until(self.creating.is_set, 10, "the create reached the engine")
             # another principal's create of the same name wins meanwhile
             await asyncio.to_thread(self.fake_create, "contested")
             access.owners.claim("local", "contested", "bob")
@@ -1648,10 +1654,11 @@ class CreateRaceTests(FakeServeCase):
         smol_mcp.SESSION_CALL_SLOTS = 1
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "busy", "image": "alpine"})
+            execs = self.execs()
             holder = asyncio.create_task(
                 c.call_tool("run-command", {"name": "busy", "command": "sleep 3"})
             )
-            await asyncio.sleep(0.5)  # it holds the session's only slot
+            await wait_until(lambda: self.execs() > execs, 10, "it holds the only slot")
             with anyio.move_on_after(0.5):
                 await c.call_tool(
                     "create-machine", {"name": "queued", "image": "alpine", "start": False}
@@ -1730,10 +1737,7 @@ class SessionRecordTests(FakeServeCase):
         sessions.mkdir(parents=True)
         zombie = subprocess.Popen(["sleep", "60"])
         zombie.kill()  # not reaped until poll(): a zombie, as under a PID 1 that never reaps
-        for _ in range(100):
-            if proc_stat(zombie.pid)[2] == "Z":
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: proc_stat(zombie.pid)[2] == "Z", 2, "the child is a zombie")
         me, started = os.getpid(), int(proc_stat(os.getpid())[21])
         records = {
             "zombie": (zombie.pid, None, "mcp-zombie"),
@@ -3226,6 +3230,11 @@ class EgressPiecesTests(unittest.TestCase):
 class LogSubscriptionTests(FakeServeCase):
     config_overrides = {"logs_poll_secs": 1}
 
+    async def first_look_done(self, looks: int) -> None:
+        """The poller's second look began, so its first (the baseline) is taken."""
+        more = lambda: len(self.requests_to("/logs", "GET")) >= looks + 2  # noqa: E731
+        await wait_until(more, 10, "the log poller's first look")
+
     async def test_handshake_era_subscription_notifies_and_stops(self):
         inbox = Inbox()
         async with self.client("legacy", message_handler=inbox) as c:
@@ -3233,9 +3242,9 @@ class LogSubscriptionTests(FakeServeCase):
             await self.ok(
                 c, "create-machine", {"name": "mcp-log", "image": "alpine", "network": "open"}
             )
-            uri = "smol://machine/local/mcp-log/logs"
+            uri, looks = "smol://machine/local/mcp-log/logs", len(self.requests_to("/logs", "GET"))
             await c.subscribe_resource(uri)
-            await anyio.sleep(1.2)  # the poller has had its first look
+            await self.first_look_done(looks)
             self.fake.append_log("mcp-log", "fresh line")
             await inbox.wait_for("notifications/resources/updated", 5)
             got = await self.ok(c, "machine-logs", {"name": "mcp-log", "tail": 1})
@@ -3243,7 +3252,7 @@ class LogSubscriptionTests(FakeServeCase):
             await c.unsubscribe_resource(uri)
             inbox.methods.clear()
             self.fake.append_log("mcp-log", "after unsubscribe")
-            await anyio.sleep(2.5)
+            await anyio.sleep(2.5)  # two polls' time: a notification would have come by now
             self.assertNotIn("notifications/resources/updated", inbox.methods)
             with self.assertRaises(MCPError) as caught:
                 await c.subscribe_resource("smol://machine/mars/x/logs")
@@ -3256,15 +3265,15 @@ class LogSubscriptionTests(FakeServeCase):
             await self.ok(
                 c, "create-machine", {"name": "mcp-log2", "image": "alpine", "network": "open"}
             )
-            uri = "smol://machine/local/mcp-log2/logs"
+            uri, looks = "smol://machine/local/mcp-log2/logs", len(self.requests_to("/logs", "GET"))
             async with c.listen(resource_subscriptions=[uri]) as events:
-                await anyio.sleep(1.2)
+                await self.first_look_done(looks)
                 self.fake.append_log("mcp-log2", "fresh line")
                 with anyio.fail_after(5):
                     event = await events.__anext__()
                 self.assertEqual((type(event).__name__, event.uri), ("ResourceUpdated", uri))
         polls = len(self.requests_to("/logs", "GET"))
-        await anyio.sleep(2.5)
+        await anyio.sleep(2.5)  # two polls' time, for a poller that outlived its session
         self.assertEqual(
             len(self.requests_to("/logs", "GET")), polls
         )  # no poller outlives its session
@@ -3280,9 +3289,8 @@ class LogSubscriptionTests(FakeServeCase):
                 await c.subscribe_resource(uris[-1])
             self.assertIn("unsubscribe from one", str(caught.exception))
             await self.ok(c, "delete-machine", {"name": "mcp-sub"})
-            with anyio.fail_after(10):  # every poller's machine is gone: all of them stop
-                while sum(self.app.polling.values()):
-                    await anyio.sleep(0.1)
+            # every poller's machine is gone: all of them stop
+            await wait_until(lambda: not sum(self.app.polling.values()), 10, "the pollers stop")
         async with self.client("auto") as c:
             with self.assertRaises(MCPError):
                 async with c.listen(resource_subscriptions=uris):
@@ -3317,8 +3325,7 @@ class HttpCase(FakeServeCase):
         asgi = smol_mcp.build_http_app(self.app, "127.0.0.1", self.port, "/mcp")
         self.uvicorn = uvicorn.Server(uvicorn.Config(asgi, **smol_mcp.uvicorn_options()))
         self.serving = asyncio.create_task(self.uvicorn.serve(sockets=[sock]))
-        while not self.uvicorn.started:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: self.uvicorn.started, 30, "uvicorn serves")
 
     async def asyncTearDown(self):
         self.uvicorn.should_exit = True
@@ -3686,13 +3693,14 @@ class SessionShareTests(FakeServeCase):
                 name = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))[
                     "machine"
                 ]["name"]
+                execs = self.execs()
                 flood = [
                     asyncio.create_task(
                         a.call_tool("run-command", {"name": name, "command": "sleep 3"})
                     )
                     for _ in range(6)
                 ]
-                await asyncio.sleep(0.5)
+                await wait_until(lambda: self.execs() > execs, 10, "the flood runs")
                 for _ in range(5):
                     await self.ok(b, "list-machines", {})
                 self.assertFalse(
@@ -3770,13 +3778,11 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 await client.call_tool("create-machine", {"image": "alpine", "network": "open"})
             )
             self.assertFalse(created[0], created)
-            name = created[1]["machine"]["name"]
+            name, command = created[1]["machine"]["name"], f"sleep 30 # {os.urandom(4).hex()}"
             call = asyncio.create_task(
-                client.call_tool("run-command", {"name": name, "command": "sleep 30"})
+                client.call_tool("run-command", {"name": name, "command": command})
             )
-            while not [r for r in self.fake.requests if r[1].endswith("/exec")]:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)
+            await wait_until(lambda: processes_running(command), 20, "the command runs")
             server.send_signal(sig)
             try:
                 got = await asyncio.wait_for(call, 20)
@@ -3822,8 +3828,7 @@ class HttpProcessTests(unittest.TestCase):
             )
             port = listening.getsockname()[1]
             _, writer = await asyncio.open_connection("127.0.0.1", port)
-            while not seen:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: seen, 10, "the connection accepted")
             writer.close()
             server.close()
 
@@ -4012,10 +4017,8 @@ class LiveOutputScenarios(LongWorkScenarios):
             # A notification sent before the result may still be on its way to the callback,
             # and the SDK client runs each callback in a task of its own, so they can reach it
             # out of order: the server's order is that of the progress values, which only grow.
-            for _ in range(50):
-                if "stderr: warned" in [message for _, message in received]:
-                    break
-                await asyncio.sleep(0.1)
+            warned = lambda: "stderr: warned" in [message for _, message in received]  # noqa: E731
+            await wait_until(warned, 5, "the last progress notification")
             progress = [value for value, _ in received]
             self.assertEqual(len(set(progress)), len(progress), "each progress value is new")
             seen = [message for _, message in sorted(received)]
@@ -4834,7 +4837,7 @@ class HttpFrontTests(HttpCase):
             asyncio.create_task(asyncio.to_thread(endless_body, self.port, "", 15))
             for _ in range(2)
         ]
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the two bodies are under way (they stream for 15 s)
         await self.assert_still_answers()
         for answer, sent, closed in [await task for task in results]:
             self.assertTrue(closed, "the server must end the connection after its 401")
@@ -6100,10 +6103,9 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     self.assertEqual(
                         result_of(answer)[1]["stdout"], "".join(f"step {i}\n" for i in range(1, 7))
                     )
-                    for _ in range(50):  # the last notification may still be on its way
-                        if "stderr: warned" in [m for _, m in got]:
-                            break
-                        await asyncio.sleep(0.1)
+                    # the last notification may still be on its way
+                    warned = lambda: "stderr: warned" in [m for _, m in got]  # noqa: E731
+                    await wait_until(warned, 5, "the last progress notification")
                 # The SDK client runs each progress callback in a task of its own, so they
                 # can arrive out of order under load; the server's order is the values'.
                 seen = [message for _, message in sorted(got)]
@@ -6358,6 +6360,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     async def test_a_cancelled_request_does_not_hold_the_exit_at_eof(self):
         """The SDK answers no cancelled request, so the EOF wait must not wait for it."""
+        command = f"sleep 30 # {os.urandom(4).hex()}"
         process = subprocess.Popen(
             [sys.executable, str(HERE / "smol_mcp.py")],
             env=self.env,
@@ -6386,13 +6389,13 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
                     "tools/call",
                     {
                         "name": "run-command",
-                        "arguments": {"name": "mcp-held", "command": "sleep 30"},
+                        "arguments": {"name": "mcp-held", "command": command},
                     },
                 )
             )
-            time.sleep(1)
+            await wait_until(lambda: processes_running(command), 30, "the command runs")
             send(jsonrpc(None, "notifications/cancelled", {"requestId": 3, "reason": "user"}))
-            time.sleep(0.5)
+            time.sleep(0.5)  # a client closes some time after its cancel, not in the same breath
             process.stdin.close()
             self.assertEqual(process.wait(timeout=25), 0)  # not held by the cancelled call
             rest = process.stdout.read().decode()
@@ -6438,11 +6441,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
             self.assertEqual(
                 len([line for line in stderr.splitlines() if "cannot write to" in line]), 1, stderr
             )
-            for _ in range(100):
-                if not smol_mcp.process_alive(serve):
-                    break
-                await asyncio.sleep(0.05)
-            self.assertFalse(smol_mcp.process_alive(serve), "the serve was left running")
+            await wait_until(lambda: not smol_mcp.process_alive(serve), 5, "the serve to exit")
         FaultCounts.calls += 1
 
 
@@ -6475,11 +6474,11 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
             name = result_of(
                 await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
             )[1]
-            name = name["machine"]["name"]
+            name, command = name["machine"]["name"], f"sleep 5 # {os.urandom(4).hex()}"
             call = asyncio.create_task(
-                c.call_tool("run-command", {"name": name, "command": "sleep 5"})
+                c.call_tool("run-command", {"name": name, "command": command})
             )
-            await asyncio.sleep(1)
+            await wait_until(lambda: processes_running(command), 20, "the command runs")
             app.local._process.kill()  # SIGKILL mid-command
             FaultCounts.faults += 1
             is_error, text = result_of(await asyncio.wait_for(call, 30))
@@ -6489,10 +6488,11 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
             self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
             serve = app.local._process
             self.assertFalse(result_of(await c.call_tool("start-machine", {"name": name}))[0])
+            command = f"sleep 1; echo ok # {os.urandom(4).hex()}"
             call = asyncio.create_task(
-                c.call_tool("run-command", {"name": name, "command": "sleep 1; echo ok"})
+                c.call_tool("run-command", {"name": name, "command": command})
             )
-            await asyncio.sleep(0.5)
+            await wait_until(lambda: processes_running(command), 20, "the command runs")
             os.kill(serve.pid, signal.SIGSTOP)  # stopped mid-command, for longer than the command
             FaultCounts.faults += 1
             await asyncio.sleep(3)
@@ -6633,6 +6633,7 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
     async def test_sigkill_and_sigterm_mid_call_on_stdio(self):
         for sig in (signal.SIGKILL, signal.SIGTERM):
             with self.subTest(signal=sig.name):
+                command = f"sleep 30 # {os.urandom(4).hex()}"
                 env = {
                     "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
                     "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
@@ -6655,13 +6656,11 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
                         "tools/call",
                         {
                             "name": "run-once",
-                            "arguments": {"image": "alpine", "command": "sleep 30"},
+                            "arguments": {"image": "alpine", "command": command},
                         },
                     )
                 )
-                while not [r for r in self.fake.requests if r[1].endswith("/exec")]:
-                    await asyncio.sleep(0.05)
-                await asyncio.sleep(0.3)
+                await wait_until(lambda: processes_running(command), 30, "the command runs")
                 process.send_signal(sig)
                 out = (await asyncio.wait_for(process.stdout.read(), 30)).splitlines()
                 code = await asyncio.wait_for(process.wait(), 30)
@@ -9499,10 +9498,8 @@ class ApprovalTests(FakeServeCase):
         async with self.client("legacy") as c:
             with anyio.move_on_after(1.5):
                 await c.call_tool("create-machine", {"name": "gave-up", "image": "alpine"})
-            deadline = time.monotonic() + 5
-            while self.approval_events()[-1][0] != "cancelled":
-                self.assertLess(time.monotonic(), deadline, self.approval_events())
-                await asyncio.sleep(0.1)
+            cancelled = lambda: self.approval_events()[-1][0] == "cancelled"  # noqa: E731
+            await wait_until(cancelled, 5, "the request cancelled")
             self.assertEqual(
                 json.loads(
                     (
@@ -9798,11 +9795,10 @@ class ApprovalViaClientTests(FakeServeCase):
                             "create-machine", {"name": name, "image": "alpine", "start": False}
                         )
                     )
-                    deadline = time.monotonic() + 10
-                    while not self.app.access.desk.pending():
-                        self.assertLess(time.monotonic(), deadline)
-                        await asyncio.sleep(0.1)
-                    await asyncio.sleep(0.5)
+                    await wait_until(
+                        self.app.access.desk.pending, 10, "the call waits for approval"
+                    )
+                    await asyncio.sleep(0.5)  # time it would have taken to go on without an answer
                     self.assertFalse(call.done())  # still waiting for the terminal
                     [held] = self.app.access.desk.pending()
                     await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], env=env)
@@ -9836,10 +9832,7 @@ class ApprovalViaClientTests(FakeServeCase):
             waiting = asyncio.create_task(
                 other.call_tool("create-machine", {"name": "real", "image": "alpine"})
             )
-            deadline = time.monotonic() + 10
-            while not self.app.access.desk.pending():
-                self.assertLess(time.monotonic(), deadline)
-                await asyncio.sleep(0.1)
+            await wait_until(self.app.access.desk.pending, 10, "the call waits for approval")
             [held] = self.app.access.desk.pending()
             for state in ("smol-mcp:approval:0123456789ab", f"smol-mcp:approval:{held['id']}"):
                 with self.subTest(state=state):
@@ -9887,10 +9880,9 @@ class ApprovalHttpTests(HttpCase):
                     call = asyncio.create_task(
                         c.call_tool("create-machine", {"name": "orphan", "image": "alpine"})
                     )
-                    deadline = time.monotonic() + 10
-                    while not self.app.access.desk.pending():
-                        self.assertLess(time.monotonic(), deadline)
-                        await asyncio.sleep(0.1)
+                    await wait_until(
+                        self.app.access.desk.pending, 10, "the call waits for approval"
+                    )
                     self.store.delete("held")
                     is_error, text = result_of(await call)
                 self.assertTrue(text.startswith("approval_token_deleted: "), text)
@@ -9906,8 +9898,7 @@ class ApprovalHttpTests(HttpCase):
         async with self.http_client(headers={"Authorization": f"Bearer {self.secret}"}) as c:
             await self.ok(c, "list-machines", {})
             call = asyncio.create_task(c.call_tool("create-machine", {"name": "o", "image": "a"}))
-            while not self.app.access.desk.pending():
-                await asyncio.sleep(0.05)
+            await wait_until(self.app.access.desk.pending, 10, "the call waits for approval")
             [session] = self.app.http.by_id.values()
             self.store.delete("held")
             await self.app.http.end_revoked()  # the watcher's look, before the call's poll
@@ -9939,14 +9930,12 @@ class ApprovalHttpTests(HttpCase):
                         opened = await http.post(self.url, headers=auth, content=INIT_BODY)
                         headers["Mcp-Session-Id"] = opened.headers["mcp-session-id"]
                     held = asyncio.create_task(http.post(self.url, headers=headers, content=call))
-                    deadline = time.monotonic() + 10
-                    while not self.app.access.desk.pending():
-                        self.assertLess(time.monotonic(), deadline)
-                        await asyncio.sleep(0.1)
+                    await wait_until(
+                        self.app.access.desk.pending, 10, "the call waits for approval"
+                    )
                     held.cancel()  # the client hangs up: the connection closes
-                while self.app.access.desk.pending():
-                    self.assertLess(time.monotonic(), deadline + 10, "the call still waits")
-                    await asyncio.sleep(0.1)
+                gone = lambda: not self.app.access.desk.pending()  # noqa: E731
+                await wait_until(gone, 10, "the hung-up call to leave the list")
                 events = [e.get("approval") for e in self.app.access.activity.entries()]
                 self.assertEqual(events[-2:], ["cancelled", None])  # then the call's own entry
                 self.assertNotIn("gone", self.fake.machines)
