@@ -9384,6 +9384,25 @@ class ActivityHoldsTests(FakeServeCase):
         self.assertEqual(len(out.strip().splitlines()), 202)
 
 
+def webhook_receiver(on_post):
+    """A loopback approval webhook on a thread: ``on_post(path, body)`` sees each POST
+    (and may hold it), then the POST gets 204. Stop it with ``.shutdown()``."""
+    import http.server
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            on_post(self.path, self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    return hook
+
+
 class ApprovalTests(FakeServeCase):
     """A stdio server with SMOL_MCP_APPROVAL=changes, answered as a person would."""
 
@@ -9609,23 +9628,14 @@ class ApprovalTests(FakeServeCase):
         self.assertEqual(self.requests_to("/machines"), [])
 
     async def test_the_webhook_carries_no_arguments_and_a_failing_one_blocks_nothing(self):
-        import http.server
-
         received, release = [], threading.Event()
 
-        class Hook(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                if self.path == "/slow":
-                    release.wait(30)  # held until the call has been answered
-                self.send_response(204)
-                self.end_headers()
+        def on_post(path, body):
+            received.append(json.loads(body))
+            if path == "/slow":
+                release.wait(30)  # held until the call has been answered
 
-            def log_message(self, *args):
-                pass
-
-        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        hook = webhook_receiver(on_post)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             closed = probe.getsockname()[1]
@@ -9674,21 +9684,8 @@ class ApprovalTests(FakeServeCase):
         self.assertIn("webhook failed", [e[0] for e in self.approval_events()])
 
     async def test_webhook_notices_post_from_one_bounded_pool(self):
-        import http.server
-
         release = threading.Event()
-
-        class Hung(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                release.wait(30)
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hung)
-        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        hook = webhook_receiver(lambda path, body: release.wait(30))
         url = f"http://127.0.0.1:{hook.server_port}/hook"
         self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
         self.app.approvals._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
@@ -10186,21 +10183,8 @@ class ConsoleBrowserTests(HttpCase):
             self.assertTrue(result_of(await call)[0])
 
     async def test_the_webhook_links_to_the_calls_review_page(self):
-        import http.server
-
         received = []
-
-        class Hook(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        hook = webhook_receiver(lambda path, body: received.append(json.loads(body)))
         self.addCleanup(hook.shutdown)
         url = f"http://127.0.0.1:{hook.server_port}/hook"
         self.app.config = dataclasses_replace(self.app.config, approval_webhook=url)
