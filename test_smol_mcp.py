@@ -3889,7 +3889,7 @@ class HttpProcessTests(unittest.TestCase):
             url = f"http://127.0.0.1:{port}/mcp"
             headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
             with httpx2.Client(timeout=30) as http:
-                session = open_raw_session(http, url, headers, 200)
+                session = open_raw_session(http, url, headers)
                 created = http.post(
                     url,
                     headers=session,
@@ -4928,15 +4928,8 @@ class HttpFrontProcessTests(unittest.TestCase):
             ).status_code
 
     def test_300_idle_unauthenticated_connections_do_not_starve_a_client(self):
-        import httpx2
-
         server = self.start_server(HTTP_TOKEN)
-        for _ in range(200):
-            try:
-                self.assertEqual(self.initialize(5), 200)
-                break
-            except httpx2.TransportError:
-                time.sleep(0.05)
+        self.assertEqual(once_listening(lambda: self.initialize(5)), 200)
         idle = []
         try:
             for index in range(300):
@@ -5029,17 +5022,25 @@ def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
     return server, port
 
 
-def open_raw_session(http, url: str, headers: dict, tries: int = 400) -> dict:
-    """Initialize a handshake-era session over raw HTTP as soon as the server
-    answers; the headers that carry it."""
+def once_listening(request, timeout: float = 30.0):
+    """What ``request()`` gives once the server it calls listens (a refused connection
+    is tried again until ``timeout``)."""
     import httpx2
 
-    for _ in range(tries):
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            answer = http.post(url, headers=headers, content=INIT_BODY)
-            break
+            return request()
         except httpx2.TransportError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the server did not listen within {timeout} s") from None
             time.sleep(0.05)
+
+
+def open_raw_session(http, url: str, headers: dict) -> dict:
+    """Initialize a handshake-era session over raw HTTP as soon as the server
+    answers; the headers that carry it."""
+    answer = once_listening(lambda: http.post(url, headers=headers, content=INIT_BODY))
     session = {
         **headers,
         "mcp-session-id": answer.headers["mcp-session-id"],
@@ -7338,17 +7339,9 @@ class AccessCliTests(CliCase):
         try:
             import httpx2
 
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    status = httpx2.post(
-                        f"http://127.0.0.1:{port}/mcp", content=INIT_BODY, headers=JSON_HEADERS
-                    ).status_code
-                    break
-                except httpx2.TransportError:
-                    self.assertLess(time.monotonic(), deadline, "the server did not start")
-                    time.sleep(0.2)
-            self.assertEqual(status, 401)
+            url = f"http://127.0.0.1:{port}/mcp"
+            post = lambda: httpx2.post(url, content=INIT_BODY, headers=JSON_HEADERS)  # noqa: E731
+            self.assertEqual(once_listening(post, 60).status_code, 401)
         finally:
             server.terminate()
             server.communicate(timeout=30)
@@ -8565,12 +8558,7 @@ class OAuthCliTests(unittest.TestCase):
         self.addCleanup(server.terminate)
         import httpx2
 
-        for _ in range(400):
-            try:
-                answer = httpx2.get(f"http://127.0.0.1:{port}/mcp")
-                break
-            except httpx2.TransportError:
-                time.sleep(0.05)
+        answer = once_listening(lambda: httpx2.get(f"http://127.0.0.1:{port}/mcp"))
         self.assertEqual(answer.status_code, 401)
         metadata = f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"
         self.assertEqual(
