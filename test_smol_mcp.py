@@ -3778,7 +3778,7 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 await client.call_tool("create-machine", {"image": "alpine", "network": "open"})
             )
             self.assertFalse(created[0], created)
-            name, command = created[1]["machine"]["name"], f"sleep 30 # {os.urandom(4).hex()}"
+            name, command = created[1]["machine"]["name"], unique_sleep(30)
             call = asyncio.create_task(
                 client.call_tool("run-command", {"name": name, "command": command})
             )
@@ -3966,6 +3966,11 @@ def processes_running(marker: str) -> list[int]:
             if marker.encode() in cmdline and state != "Z":
                 found.append(int(entry))
     return found
+
+
+def unique_sleep(seconds: int) -> str:
+    """A guest ``sleep`` command line no other test runs, for processes_running to find."""
+    return f"sleep {seconds}.{int.from_bytes(os.urandom(3), 'big'):08d}"
 
 
 async def ignore_progress(progress, total, message) -> None:
@@ -6361,7 +6366,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     async def test_a_cancelled_request_does_not_hold_the_exit_at_eof(self):
         """The SDK answers no cancelled request, so the EOF wait must not wait for it."""
-        command = f"sleep 30 # {os.urandom(4).hex()}"
+        command = unique_sleep(30)
         process = subprocess.Popen(
             [sys.executable, str(HERE / "smol_mcp.py")],
             env=self.env,
@@ -6475,7 +6480,7 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
             name = result_of(
                 await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
             )[1]
-            name, command = name["machine"]["name"], f"sleep 5 # {os.urandom(4).hex()}"
+            name, command = name["machine"]["name"], unique_sleep(5)
             call = asyncio.create_task(
                 c.call_tool("run-command", {"name": name, "command": command})
             )
@@ -6489,11 +6494,11 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
             self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
             serve = app.local._process
             self.assertFalse(result_of(await c.call_tool("start-machine", {"name": name}))[0])
-            command = f"sleep 1; echo ok # {os.urandom(4).hex()}"
+            sleep = unique_sleep(1)
             call = asyncio.create_task(
-                c.call_tool("run-command", {"name": name, "command": command})
+                c.call_tool("run-command", {"name": name, "command": f"{sleep}; echo ok"})
             )
-            await wait_until(lambda: processes_running(command), 20, "the command runs")
+            await wait_until(lambda: processes_running(sleep), 20, "the command runs")
             os.kill(serve.pid, signal.SIGSTOP)  # stopped mid-command, for longer than the command
             FaultCounts.faults += 1
             await asyncio.sleep(3)
@@ -6634,7 +6639,7 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
     async def test_sigkill_and_sigterm_mid_call_on_stdio(self):
         for sig in (signal.SIGKILL, signal.SIGTERM):
             with self.subTest(signal=sig.name):
-                command = f"sleep 30 # {os.urandom(4).hex()}"
+                command = unique_sleep(30)
                 env = {
                     "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
                     "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
