@@ -121,6 +121,15 @@ INITIALIZE = {
 }
 
 
+async def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
+    """Wait for a state, not a time: poll ``predicate`` until true, failing after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s: {what}")
+        await asyncio.sleep(0.05)
+
+
 def result_of(answer) -> tuple[bool, object]:
     """(is_error, structured result or error text) of a tools/call answer."""
     if answer.is_error:
@@ -889,16 +898,16 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
         return value
 
     async def assert_not_stalled(self, slow_call, quick_call) -> None:
-        """Ten quick calls made while a slow one runs all finish before it:
+        """Ten quick calls made while a slow command runs all finish before it:
         a blocking call must never hold the event loop."""
-        finished = []
+        finished, execs = [], self.execs()
 
         async def slow():
             await slow_call()
             finished.append("slow")
 
         async def quick():
-            await asyncio.sleep(0.5)
+            await wait_until(lambda: self.execs() > execs, 10, "the slow command started")
             for _ in range(10):
                 await quick_call()
             finished.append("quick")
@@ -910,6 +919,10 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
         return [
             r for r in self.fake.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)
         ]
+
+    def execs(self) -> int:
+        """How many exec requests (of any kind) the fake engine has had."""
+        return len([r for r in self.fake.requests if "/exec" in r[1]])
 
 
 # (readOnly, destructive, idempotent, openWorld) of each tool, from what each does.
@@ -936,33 +949,12 @@ ANNOTATIONS = {
 
 class ToolListTests(FakeServeCase):
     async def test_every_tool_has_truthful_annotations_and_a_strict_schema(self):
+        # ANNOTATIONS is the one stated list of tool names: a rename must change it on purpose
+        self.assertEqual([t.name for t in smol_mcp.TOOLS], list(ANNOTATIONS))
         for mode in MODES:
             async with self.client(mode) as c:
                 tools = {t.name: t for t in (await c.list_tools()).tools}
-                self.assertEqual(
-                    sorted(tools),
-                    sorted(
-                        [
-                            "list-machines",
-                            "get-machine",
-                            "create-machine",
-                            "run-command",
-                            "run-once",
-                            "read-file",
-                            "write-file",
-                            "start-machine",
-                            "branch-machine",
-                            "stop-machine",
-                            "delete-machine",
-                            "machine-logs",
-                            "pull-image",
-                            "start-job",
-                            "read-job",
-                            "cancel-job",
-                            "allow-egress",
-                        ]
-                    ),
-                )
+                self.assertEqual(list(tools), [t.name for t in smol_mcp.TOOLS])
                 for tool in tools.values():
                     self.assertFalse(tool.input_schema.get("additionalProperties", True), tool.name)
                     self.assertNotIn("target", tool.input_schema["properties"], tool.name)
@@ -1629,9 +1621,11 @@ class CreateRaceTests(FakeServeCase):
     def slow_creates(self, seconds: float) -> None:
         fleet = self.app.local
         real = fleet.create_machine
+        self.creating = threading.Event()
 
         def slow(*args, **kwargs):
-            time.sleep(seconds)
+            self.creating.set()
+            time.sleep(seconds)  # an engine slow to create
             return real(*args, **kwargs)
 
         fleet.create_machine = slow
@@ -1647,7 +1641,7 @@ class CreateRaceTests(FakeServeCase):
                     "create-machine", {"name": "mcp-late", "image": "alpine", "start": False}
                 )
             )
-            await asyncio.sleep(0.5)
+            await wait_until(self.creating.is_set, 10, "the create reached the engine")
             await self.app.end_session(opened[0])  # as a token deletion or DELETE would
             answer = await call
         self.assertTrue(answer.is_error)
@@ -1665,7 +1659,7 @@ class CreateRaceTests(FakeServeCase):
                     "create-machine", {"name": "contested", "image": "alpine", "start": False}
                 )
             )
-            await asyncio.sleep(0.3)
+            await wait_until(self.creating.is_set, 10, "the create reached the engine")
             # another principal's create of the same name wins meanwhile
             await asyncio.to_thread(self.fake_create, "contested")
             access.owners.claim("local", "contested", "bob")
@@ -1678,10 +1672,11 @@ class CreateRaceTests(FakeServeCase):
         smol_mcp.SESSION_CALL_SLOTS = 1
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "busy", "image": "alpine"})
+            execs = self.execs()
             holder = asyncio.create_task(
                 c.call_tool("run-command", {"name": "busy", "command": "sleep 3"})
             )
-            await asyncio.sleep(0.5)  # it holds the session's only slot
+            await wait_until(lambda: self.execs() > execs, 10, "it holds the only slot")
             with anyio.move_on_after(0.5):
                 await c.call_tool(
                     "create-machine", {"name": "queued", "image": "alpine", "start": False}
@@ -1760,10 +1755,7 @@ class SessionRecordTests(FakeServeCase):
         sessions.mkdir(parents=True)
         zombie = subprocess.Popen(["sleep", "60"])
         zombie.kill()  # not reaped until poll(): a zombie, as under a PID 1 that never reaps
-        for _ in range(100):
-            if proc_stat(zombie.pid)[2] == "Z":
-                break
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: proc_stat(zombie.pid)[2] == "Z", 2, "the child is a zombie")
         me, started = os.getpid(), int(proc_stat(os.getpid())[21])
         records = {
             "zombie": (zombie.pid, None, "mcp-zombie"),
@@ -1877,7 +1869,7 @@ class WaitTests(FakeServeCase):
                     async with self.client(mode) as c:
                         with anyio.move_on_after(0.5):  # cancelled during the 1 s boot
                             await c.call_tool(tool, args)
-                        await self.wait_until(lambda: self.fake.machines == {}, 10)
+                        await wait_until(lambda: self.fake.machines == {}, 10)
 
     async def test_readiness_timeout_says_so_and_deletes_the_machine(self):
         self.app.local.probe_ready = lambda name: "the guest agent is still coming up"
@@ -1888,12 +1880,6 @@ class WaitTests(FakeServeCase):
         self.assertIn("did not run a command within 5 s (readyTimeoutSecs)", text)
         self.assertIn("the guest agent is still coming up", text)
         self.assertEqual(self.fake.machines, {})
-
-    async def wait_until(self, predicate, timeout):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            self.assertLess(time.monotonic(), deadline, "condition not reached in time")
-            await asyncio.sleep(0.05)
 
 
 class AdviceTests(FakeServeCase):
@@ -2726,9 +2712,7 @@ class Inbox:
             self.methods.append(message.method)
 
     async def wait_for(self, method: str, timeout: float = 5.0) -> None:
-        with anyio.fail_after(timeout):
-            while method not in self.methods:
-                await anyio.sleep(0.02)
+        await wait_until(lambda: method in self.methods, timeout, f"a {method} message")
 
 
 class ElicitationTests(FakeCloudCase):
@@ -3264,6 +3248,11 @@ class EgressPiecesTests(unittest.TestCase):
 class LogSubscriptionTests(FakeServeCase):
     config_overrides = {"logs_poll_secs": 1}
 
+    async def first_look_done(self, looks: int) -> None:
+        """The poller's second look began, so its first (the baseline) is taken."""
+        more = lambda: len(self.requests_to("/logs", "GET")) >= looks + 2  # noqa: E731
+        await wait_until(more, 10, "the log poller's first look")
+
     async def test_handshake_era_subscription_notifies_and_stops(self):
         inbox = Inbox()
         async with self.client("legacy", message_handler=inbox) as c:
@@ -3271,9 +3260,9 @@ class LogSubscriptionTests(FakeServeCase):
             await self.ok(
                 c, "create-machine", {"name": "mcp-log", "image": "alpine", "network": "open"}
             )
-            uri = "smol://machine/local/mcp-log/logs"
+            uri, looks = "smol://machine/local/mcp-log/logs", len(self.requests_to("/logs", "GET"))
             await c.subscribe_resource(uri)
-            await anyio.sleep(1.2)  # the poller has had its first look
+            await self.first_look_done(looks)
             self.fake.append_log("mcp-log", "fresh line")
             await inbox.wait_for("notifications/resources/updated", 5)
             got = await self.ok(c, "machine-logs", {"name": "mcp-log", "tail": 1})
@@ -3281,7 +3270,7 @@ class LogSubscriptionTests(FakeServeCase):
             await c.unsubscribe_resource(uri)
             inbox.methods.clear()
             self.fake.append_log("mcp-log", "after unsubscribe")
-            await anyio.sleep(2.5)
+            await anyio.sleep(2.5)  # two polls' time: a notification would have come by now
             self.assertNotIn("notifications/resources/updated", inbox.methods)
             with self.assertRaises(MCPError) as caught:
                 await c.subscribe_resource("smol://machine/mars/x/logs")
@@ -3294,15 +3283,15 @@ class LogSubscriptionTests(FakeServeCase):
             await self.ok(
                 c, "create-machine", {"name": "mcp-log2", "image": "alpine", "network": "open"}
             )
-            uri = "smol://machine/local/mcp-log2/logs"
+            uri, looks = "smol://machine/local/mcp-log2/logs", len(self.requests_to("/logs", "GET"))
             async with c.listen(resource_subscriptions=[uri]) as events:
-                await anyio.sleep(1.2)
+                await self.first_look_done(looks)
                 self.fake.append_log("mcp-log2", "fresh line")
                 with anyio.fail_after(5):
                     event = await events.__anext__()
                 self.assertEqual((type(event).__name__, event.uri), ("ResourceUpdated", uri))
         polls = len(self.requests_to("/logs", "GET"))
-        await anyio.sleep(2.5)
+        await anyio.sleep(2.5)  # two polls' time, for a poller that outlived its session
         self.assertEqual(
             len(self.requests_to("/logs", "GET")), polls
         )  # no poller outlives its session
@@ -3318,9 +3307,8 @@ class LogSubscriptionTests(FakeServeCase):
                 await c.subscribe_resource(uris[-1])
             self.assertIn("unsubscribe from one", str(caught.exception))
             await self.ok(c, "delete-machine", {"name": "mcp-sub"})
-            with anyio.fail_after(10):  # every poller's machine is gone: all of them stop
-                while sum(self.app.polling.values()):
-                    await anyio.sleep(0.1)
+            # every poller's machine is gone: all of them stop
+            await wait_until(lambda: not sum(self.app.polling.values()), 10, "the pollers stop")
         async with self.client("auto") as c:
             with self.assertRaises(MCPError):
                 async with c.listen(resource_subscriptions=uris):
@@ -3355,8 +3343,7 @@ class HttpCase(FakeServeCase):
         asgi = smol_mcp.build_http_app(self.app, "127.0.0.1", self.port, "/mcp")
         self.uvicorn = uvicorn.Server(uvicorn.Config(asgi, **smol_mcp.uvicorn_options()))
         self.serving = asyncio.create_task(self.uvicorn.serve(sockets=[sock]))
-        while not self.uvicorn.started:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: self.uvicorn.started, 30, "uvicorn serves")
 
     async def asyncTearDown(self):
         self.uvicorn.should_exit = True
@@ -3498,9 +3485,9 @@ class HttpSessionTests(HttpCase):
                     )
                     self.assertIn(name, self.fake.machines)
                 if mode == "legacy":  # the client's DELETE ended the session
-                    await self.wait_until(lambda: name not in self.fake.machines, 10)
+                    await wait_until(lambda: name not in self.fake.machines, 10)
                 else:  # 2026 era: no session id; the token's state ends when idle
-                    await self.wait_until(lambda: name not in self.fake.machines, 15)
+                    await wait_until(lambda: name not in self.fake.machines, 15)
 
     async def test_progress_reaches_a_handshake_era_client_over_http(self):
         saved = smol_mcp.PROGRESS_INTERVAL_SECS
@@ -3552,7 +3539,7 @@ class HttpSessionTests(HttpCase):
             long_call.json()["result"]["structuredContent"]["stdout"], "survived\n"
         )  # 4 s > 2 s idle
         self.assertIn("mcp-idle", self.fake.machines)
-        await self.wait_until(
+        await wait_until(
             lambda: "mcp-idle" not in self.fake.machines, 10
         )  # then idle: closed, cleaned
         gone = await call(4, "list-machines", {})
@@ -3567,12 +3554,6 @@ class HttpSessionTests(HttpCase):
                 lambda: a.call_tool("run-command", {"name": "mcp-slow", "command": "sleep 5"}),
                 lambda: b.call_tool("list-machines", {}),
             )
-
-    async def wait_until(self, predicate, timeout):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            self.assertLess(time.monotonic(), deadline, "condition not reached in time")
-            await asyncio.sleep(0.1)
 
 
 class HostPortTests(HttpCase):
@@ -3639,7 +3620,7 @@ class HttpCloudCleanupTests(RawHttpCase, FakeCloudCase):
         FaultCounts.faults += 1
         self.assertEqual((await self.raw("DELETE", "/mcp", a)).status_code, 200)
         # tried again
-        await HttpSessionTests.wait_until(self, lambda: in_a not in self.cloud_names(), 20)
+        await wait_until(lambda: in_a not in self.cloud_names(), 20)
         c = await self.raw_session()  # the listener still takes new sessions and calls
         self.assertEqual((await self.raw_tool(c, "list-machines", {}))["machines"][0]["name"], in_b)
         self.assertEqual(self.cloud_names(), [in_b])
@@ -3674,7 +3655,7 @@ class HttpIdleTests(RawHttpCase):
                 # a call longer than the idle time keeps the session
                 self.assertEqual(ran["stdout"], "kept\n")
                 self.assertIn(name, self.fake.machines)
-                await HttpSessionTests.wait_until(self, lambda: name not in self.fake.machines, 20)
+                await wait_until(lambda: name not in self.fake.machines, 20)
         self.assertEqual(
             (await self.raw("POST", "/mcp", session, jsonrpc(9, "tools/list"))).status_code, 404
         )
@@ -3690,7 +3671,7 @@ class HttpIdleTests(RawHttpCase):
                 )
                 self.assertEqual(ran["stdout"], "kept\n")
                 self.assertIn(name, self.fake.machines)
-                await HttpSessionTests.wait_until(self, lambda: name not in self.fake.machines, 20)
+                await wait_until(lambda: name not in self.fake.machines, 20)
 
 
 class HttpUnusedSessionTests(RawHttpCase):
@@ -3708,9 +3689,7 @@ class HttpUnusedSessionTests(RawHttpCase):
             await self.raw_tool(used, "list-machines", {})
             sessions = self.app.http.by_id  # watched, not asked: a request would be a use of it
             self.assertIn(unused["mcp-session-id"], sessions)
-            await HttpSessionTests.wait_until(
-                self, lambda: unused["mcp-session-id"] not in sessions, 20
-            )
+            await wait_until(lambda: unused["mcp-session-id"] not in sessions, 20)
             self.assertEqual(
                 (await self.raw("POST", "/mcp", unused, jsonrpc(9, "tools/list"))).status_code, 404
             )
@@ -3732,13 +3711,14 @@ class SessionShareTests(FakeServeCase):
                 name = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))[
                     "machine"
                 ]["name"]
+                execs = self.execs()
                 flood = [
                     asyncio.create_task(
                         a.call_tool("run-command", {"name": name, "command": "sleep 3"})
                     )
                     for _ in range(6)
                 ]
-                await asyncio.sleep(0.5)
+                await wait_until(lambda: self.execs() > execs, 10, "the flood runs")
                 for _ in range(5):
                     await self.ok(b, "list-machines", {})
                 self.assertFalse(
@@ -3816,13 +3796,11 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 await client.call_tool("create-machine", {"image": "alpine", "network": "open"})
             )
             self.assertFalse(created[0], created)
-            name = created[1]["machine"]["name"]
+            name, command = created[1]["machine"]["name"], unique_sleep(30)
             call = asyncio.create_task(
-                client.call_tool("run-command", {"name": name, "command": "sleep 30"})
+                client.call_tool("run-command", {"name": name, "command": command})
             )
-            while not [r for r in self.fake.requests if r[1].endswith("/exec")]:
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.3)
+            await wait_until(lambda: processes_running(command), 20, "the command runs")
             server.send_signal(sig)
             try:
                 got = await asyncio.wait_for(call, 20)
@@ -3868,8 +3846,7 @@ class HttpProcessTests(unittest.TestCase):
             )
             port = listening.getsockname()[1]
             _, writer = await asyncio.open_connection("127.0.0.1", port)
-            while not seen:
-                await asyncio.sleep(0.01)
+            await wait_until(lambda: seen, 10, "the connection accepted")
             writer.close()
             server.close()
 
@@ -3930,7 +3907,7 @@ class HttpProcessTests(unittest.TestCase):
             url = f"http://127.0.0.1:{port}/mcp"
             headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
             with httpx2.Client(timeout=30) as http:
-                session = open_raw_session(http, url, headers, 200)
+                session = open_raw_session(http, url, headers)
                 created = http.post(
                     url,
                     headers=session,
@@ -4009,12 +3986,9 @@ def processes_running(marker: str) -> list[int]:
     return found
 
 
-async def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout} s: {what}")
-        await asyncio.sleep(0.1)
+def unique_sleep(seconds: int) -> str:
+    """A guest ``sleep`` command line no other test runs, for processes_running to find."""
+    return f"sleep {seconds}.{int.from_bytes(os.urandom(3), 'big'):08d}"
 
 
 async def ignore_progress(progress, total, message) -> None:
@@ -4066,10 +4040,8 @@ class LiveOutputScenarios(LongWorkScenarios):
             # A notification sent before the result may still be on its way to the callback,
             # and the SDK client runs each callback in a task of its own, so they can reach it
             # out of order: the server's order is that of the progress values, which only grow.
-            for _ in range(50):
-                if "stderr: warned" in [message for _, message in received]:
-                    break
-                await asyncio.sleep(0.1)
+            warned = lambda: "stderr: warned" in [message for _, message in received]  # noqa: E731
+            await wait_until(warned, 5, "the last progress notification")
             progress = [value for value, _ in received]
             self.assertEqual(len(set(progress)), len(progress), "each progress value is new")
             seen = [message for _, message in sorted(received)]
@@ -4148,9 +4120,9 @@ class LiveOutputScenarios(LongWorkScenarios):
                         group.start_soon(
                             lambda: c.call_tool(tool, args, progress_callback=callback)
                         )
-                        await wait_for(lambda: processes_running(marker), 30, f"{marker} runs")
+                        await wait_until(lambda: processes_running(marker), 30, f"{marker} runs")
                         group.cancel_scope.cancel()
-                    await wait_for(lambda: not processes_running(marker), 20, f"{marker} ended")
+                    await wait_until(lambda: not processes_running(marker), 20, f"{marker} ended")
             ran = await self.ok(c, "run-command", {"name": name, "command": "echo ok"})
             self.assertEqual(ran["stdout"], "ok\n")  # the machine is still there and usable
 
@@ -4222,7 +4194,7 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
                     progress_callback=on_progress,
                 )
             self.assertIn("stdout: started", seen)
-            await wait_for(
+            await wait_until(
                 lambda: not processes_running("sleep 3171"), 20, "the cancelled command is gone"
             )
             kills = [
@@ -4361,10 +4333,10 @@ class JobScenarios(LongWorkScenarios):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             job = await self.ok(c, "start-job", {"name": name, "command": "echo begun; sleep 3172"})
-            await wait_for(lambda: processes_running("sleep 3172"), 20, "the job runs")
+            await wait_until(lambda: processes_running("sleep 3172"), 20, "the job runs")
             first = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
             self.assertEqual((first["state"], first["exitCode"]), ("exited", 143))
-            await wait_for(
+            await wait_until(
                 lambda: not processes_running("sleep 3172"), 20, "the cancelled job is gone"
             )
             again = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
@@ -4399,15 +4371,15 @@ class LocalJobTests(JobScenarios, FakeServeCase):
             job = await self.ok(
                 c, "start-job", {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2}
             )
-            await wait_for(
+            await wait_until(
                 lambda: not processes_running("sleep 3174"), 30, "the job's timeout ended it"
             )
             page = await self.ok(c, "read-job", {"name": "jobs", "jobId": job["jobId"]})
             self.assertEqual((page["state"], page["exitCode"]), ("exited", 143))
             await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3175"})
-            await wait_for(lambda: processes_running("sleep 3175"), 20, "the job runs")
+            await wait_until(lambda: processes_running("sleep 3175"), 20, "the job runs")
             await self.ok(c, "delete-machine", {"name": "jobs"})
-            await wait_for(
+            await wait_until(
                 lambda: not processes_running("sleep 3175"),
                 20,
                 "deleting the machine ended its job",
@@ -4419,9 +4391,9 @@ class LocalJobTests(JobScenarios, FakeServeCase):
             await self.ok(
                 c, "start-job", {"name": created["machine"]["name"], "command": "sleep 3176"}
             )
-            await wait_for(lambda: processes_running("sleep 3176"), 20, "the job runs")
+            await wait_until(lambda: processes_running("sleep 3176"), 20, "the job runs")
         self.assertEqual(self.fake.machines, {})
-        await wait_for(
+        await wait_until(
             lambda: not processes_running("sleep 3176"), 20, "the job ended with its machine"
         )
 
@@ -4888,7 +4860,7 @@ class HttpFrontTests(HttpCase):
             asyncio.create_task(asyncio.to_thread(endless_body, self.port, "", 15))
             for _ in range(2)
         ]
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the two bodies are under way (they stream for 15 s)
         await self.assert_still_answers()
         for answer, sent, closed in [await task for task in results]:
             self.assertTrue(closed, "the server must end the connection after its 401")
@@ -4979,15 +4951,8 @@ class HttpFrontProcessTests(unittest.TestCase):
             ).status_code
 
     def test_300_idle_unauthenticated_connections_do_not_starve_a_client(self):
-        import httpx2
-
         server = self.start_server(HTTP_TOKEN)
-        for _ in range(200):
-            try:
-                self.assertEqual(self.initialize(5), 200)
-                break
-            except httpx2.TransportError:
-                time.sleep(0.05)
+        self.assertEqual(once_listening(lambda: self.initialize(5)), 200)
         idle = []
         try:
             for index in range(300):
@@ -5080,17 +5045,25 @@ def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
     return server, port
 
 
-def open_raw_session(http, url: str, headers: dict, tries: int = 400) -> dict:
-    """Initialize a handshake-era session over raw HTTP as soon as the server
-    answers; the headers that carry it."""
+def once_listening(request, timeout: float = 30.0):
+    """What ``request()`` gives once the server it calls listens (a refused connection
+    is tried again until ``timeout``)."""
     import httpx2
 
-    for _ in range(tries):
+    deadline = time.monotonic() + timeout
+    while True:
         try:
-            answer = http.post(url, headers=headers, content=INIT_BODY)
-            break
+            return request()
         except httpx2.TransportError:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the server did not listen within {timeout} s") from None
             time.sleep(0.05)
+
+
+def open_raw_session(http, url: str, headers: dict) -> dict:
+    """Initialize a handshake-era session over raw HTTP as soon as the server
+    answers; the headers that carry it."""
+    answer = once_listening(lambda: http.post(url, headers=headers, content=INIT_BODY))
     session = {
         **headers,
         "mcp-session-id": answer.headers["mcp-session-id"],
@@ -5100,19 +5073,26 @@ def open_raw_session(http, url: str, headers: dict, tries: int = 400) -> dict:
     return session
 
 
-class HelperCommandTests(unittest.TestCase):
+class CliCase(unittest.TestCase):
+    """A CLI run's clean world: a fresh HOME and runtime dir, no config file, PATH as ours.
+    ``env_extra`` adds or replaces variables; ``{tmp}`` in a value is the test's directory."""
+
+    env_extra: dict[str, str] = {}
+
     def setUp(self):
         self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
         self.env = {
             "PATH": os.environ["PATH"],
             "HOME": self.tmp,
             "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
             "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-            "XDG_CONFIG_HOME": f"{self.tmp}/.config",
         }
+        self.env.update({k: v.format(tmp=self.tmp) for k, v in self.env_extra.items()})
 
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+
+class HelperCommandTests(CliCase):
+    env_extra = {"XDG_CONFIG_HOME": "{tmp}/.config"}
 
     def test_parity_table_covers_the_1_32_2_spec_exactly(self):
         spec = json.loads((HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json").read_text())
@@ -5355,21 +5335,10 @@ class TerminalTests(unittest.TestCase):
         self.assertEqual(text.splitlines()[-1], "unit: 1 passed, 0 failed, 1 skipped")
 
 
-class EngineOnRampTests(unittest.TestCase):
+class EngineOnRampTests(CliCase):
     """doctor: from no engine to a probed one."""
 
-    def setUp(self):
-        self.tmp = short_tempdir()
-        self.env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": self.tmp,
-            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-            "SMOLVM_VM_UID_DROP": "off",
-        }
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    env_extra = {"PATH": "/usr/bin:/bin", "SMOLVM_VM_UID_DROP": "off"}
 
     def fake_wheel(self) -> Path:
         """A smolmachines distribution as a wheel installs it: metadata plus smol/smol-vmm."""
@@ -6158,10 +6127,9 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     self.assertEqual(
                         result_of(answer)[1]["stdout"], "".join(f"step {i}\n" for i in range(1, 7))
                     )
-                    for _ in range(50):  # the last notification may still be on its way
-                        if "stderr: warned" in [m for _, m in got]:
-                            break
-                        await asyncio.sleep(0.1)
+                    # the last notification may still be on its way
+                    warned = lambda: "stderr: warned" in [m for _, m in got]  # noqa: E731
+                    await wait_until(warned, 5, "the last progress notification")
                 # The SDK client runs each progress callback in a task of its own, so they
                 # can arrive out of order under load; the server's order is the values'.
                 seen = [message for _, message in sorted(got)]
@@ -6191,7 +6159,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     self.assertTrue(is_error)
                     self.assertIn('did you mean "memoryMb"', text)
                     self.assertIn(created["machine"]["name"], self.fake.machines)
-                await self.wait_until(lambda: not self.fake.machines)
+                await wait_until(lambda: not self.fake.machines)
 
     async def test_both_mode_over_stdio_asks_once_and_narrows_in_both_eras(self):
         cloud = FakeCloud(token=CLOUD_TOKEN).start()
@@ -6217,13 +6185,6 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                         self.assertNotIn(CLOUD_TOKEN, json.dumps(listed))
         finally:
             await asyncio.to_thread(cloud.stop)
-
-    async def wait_until(self, predicate, timeout=10.0):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                self.fail("condition not reached in time")
-            await asyncio.sleep(0.05)
 
     async def start_raw(self) -> asyncio.subprocess.Process:
         process = await asyncio.create_subprocess_exec(
@@ -6423,6 +6384,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     async def test_a_cancelled_request_does_not_hold_the_exit_at_eof(self):
         """The SDK answers no cancelled request, so the EOF wait must not wait for it."""
+        command = unique_sleep(30)
         process = subprocess.Popen(
             [sys.executable, str(HERE / "smol_mcp.py")],
             env=self.env,
@@ -6451,13 +6413,13 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
                     "tools/call",
                     {
                         "name": "run-command",
-                        "arguments": {"name": "mcp-held", "command": "sleep 30"},
+                        "arguments": {"name": "mcp-held", "command": command},
                     },
                 )
             )
-            time.sleep(1)
+            await wait_until(lambda: processes_running(command), 30, "the command runs")
             send(jsonrpc(None, "notifications/cancelled", {"requestId": 3, "reason": "user"}))
-            time.sleep(0.5)
+            time.sleep(0.5)  # a client closes some time after its cancel, not in the same breath
             process.stdin.close()
             self.assertEqual(process.wait(timeout=25), 0)  # not held by the cancelled call
             rest = process.stdout.read().decode()
@@ -6503,11 +6465,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
             self.assertEqual(
                 len([line for line in stderr.splitlines() if "cannot write to" in line]), 1, stderr
             )
-            for _ in range(100):
-                if not smol_mcp.process_alive(serve):
-                    break
-                await asyncio.sleep(0.05)
-            self.assertFalse(smol_mcp.process_alive(serve), "the serve was left running")
+            await wait_until(lambda: not smol_mcp.process_alive(serve), 5, "the serve to exit")
         FaultCounts.calls += 1
 
 
@@ -6540,11 +6498,11 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
             name = result_of(
                 await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
             )[1]
-            name = name["machine"]["name"]
+            name, command = name["machine"]["name"], unique_sleep(5)
             call = asyncio.create_task(
-                c.call_tool("run-command", {"name": name, "command": "sleep 5"})
+                c.call_tool("run-command", {"name": name, "command": command})
             )
-            await asyncio.sleep(1)
+            await wait_until(lambda: processes_running(command), 20, "the command runs")
             app.local._process.kill()  # SIGKILL mid-command
             FaultCounts.faults += 1
             is_error, text = result_of(await asyncio.wait_for(call, 30))
@@ -6554,10 +6512,11 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
             self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
             serve = app.local._process
             self.assertFalse(result_of(await c.call_tool("start-machine", {"name": name}))[0])
+            sleep = unique_sleep(1)
             call = asyncio.create_task(
-                c.call_tool("run-command", {"name": name, "command": "sleep 1; echo ok"})
+                c.call_tool("run-command", {"name": name, "command": f"{sleep}; echo ok"})
             )
-            await asyncio.sleep(0.5)
+            await wait_until(lambda: processes_running(sleep), 20, "the command runs")
             os.kill(serve.pid, signal.SIGSTOP)  # stopped mid-command, for longer than the command
             FaultCounts.faults += 1
             await asyncio.sleep(3)
@@ -6698,6 +6657,7 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
     async def test_sigkill_and_sigterm_mid_call_on_stdio(self):
         for sig in (signal.SIGKILL, signal.SIGTERM):
             with self.subTest(signal=sig.name):
+                command = unique_sleep(30)
                 env = {
                     "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
                     "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
@@ -6720,13 +6680,11 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
                         "tools/call",
                         {
                             "name": "run-once",
-                            "arguments": {"image": "alpine", "command": "sleep 30"},
+                            "arguments": {"image": "alpine", "command": command},
                         },
                     )
                 )
-                while not [r for r in self.fake.requests if r[1].endswith("/exec")]:
-                    await asyncio.sleep(0.05)
-                await asyncio.sleep(0.3)
+                await wait_until(lambda: processes_running(command), 30, "the command runs")
                 process.send_signal(sig)
                 out = (await asyncio.wait_for(process.stdout.read(), 30)).splitlines()
                 code = await asyncio.wait_for(process.wait(), 30)
@@ -7278,20 +7236,8 @@ class ReservedTokenNameTests(unittest.TestCase):
             self.assertEqual(store.records(), [])
 
 
-class AccessCliTests(unittest.TestCase):
-    def setUp(self):
-        self.tmp = short_tempdir()
-        self.env = {
-            "PATH": os.environ["PATH"],
-            "HOME": self.tmp,
-            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
-            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
-            "SMOLVM": "/nonexistent/smolvm",
-        }
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class AccessCliTests(CliCase):
+    env_extra = {"SMOL_MCP_STATE_DIR": "{tmp}/state", "SMOLVM": "/nonexistent/smolvm"}
 
     def test_create_list_delete_as_the_spec_gives_them(self):
         out = run_cli(
@@ -7416,17 +7362,9 @@ class AccessCliTests(unittest.TestCase):
         try:
             import httpx2
 
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    status = httpx2.post(
-                        f"http://127.0.0.1:{port}/mcp", content=INIT_BODY, headers=JSON_HEADERS
-                    ).status_code
-                    break
-                except httpx2.TransportError:
-                    self.assertLess(time.monotonic(), deadline, "the server did not start")
-                    time.sleep(0.2)
-            self.assertEqual(status, 401)
+            url = f"http://127.0.0.1:{port}/mcp"
+            post = lambda: httpx2.post(url, content=INIT_BODY, headers=JSON_HEADERS)  # noqa: E731
+            self.assertEqual(once_listening(post, 60).status_code, 401)
         finally:
             server.terminate()
             server.communicate(timeout=30)
@@ -7651,7 +7589,7 @@ class AgentAccessHttpTests(HttpCase):
                         while time.monotonic() - deleted < 0.5:
                             await c.list_tools()
                         await c.list_tools()
-                    await self.wait_until(lambda: name not in self.fake.machines, 10)
+                    await wait_until(lambda: name not in self.fake.machines, 10)
                 response = await self.raw(
                     "POST",
                     "/mcp",
@@ -7674,7 +7612,7 @@ class AgentAccessHttpTests(HttpCase):
                 with anyio.fail_after(10):  # the stream ends, rather than hearing on
                     async for _ in events:
                         pass
-                await self.wait_until(lambda: self.app.polling[record["id"]] == 0, 10)
+                await wait_until(lambda: self.app.polling[record["id"]] == 0, 10)
 
     async def test_one_token_cannot_take_every_handshake_session(self):
         def opening(name):
@@ -7721,7 +7659,7 @@ class AgentAccessHttpTests(HttpCase):
             self.assertEqual(sessions["default"].machines["local"], {theirs})
             self.assertNotIn("local", sessions["runner"].machines)
             self.store.delete("a")  # ends a's state only
-            await self.wait_until(lambda: mine not in self.fake.machines, 10)
+            await wait_until(lambda: mine not in self.fake.machines, 10)
             self.assertIn(theirs, self.fake.machines)
             await self.ok(admin, "delete-machine", {"name": theirs})
 
@@ -7746,18 +7684,12 @@ class AgentAccessHttpTests(HttpCase):
         )
         self.assertEqual(ok.status_code, 200)
 
-    async def wait_until(self, predicate, timeout):
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            self.assertLess(time.monotonic(), deadline, "condition not reached in time")
-            await asyncio.sleep(0.1)
-
 
 class PlainApiTests(HttpCase):
     """POST /api/tools/NAME and GET /api/tools: the same tools, scopes, ownership,
     approvals, limits and activity log as the MCP endpoint, without an MCP client."""
 
-    as_token, wait_until = AgentAccessHttpTests.as_token, AgentAccessHttpTests.wait_until
+    as_token = AgentAccessHttpTests.as_token
 
     async def asyncSetUp(self):
         await super().asyncSetUp()
@@ -7846,7 +7778,7 @@ class PlainApiTests(HttpCase):
         desk = self.app.access.desk
 
         async def waiting():
-            await self.wait_until(desk.pending, 10)
+            await wait_until(desk.pending, 10)
             return desk.pending()[0]
 
         for decision, reason in (("approve", None), ("deny", "not today")):
@@ -7872,8 +7804,8 @@ class PlainApiTests(HttpCase):
         call = asyncio.create_task(self.api("held", "delete-machine", {"name": "approve"}))
         await waiting()
         call.cancel()  # the client goes away: its call ends, and leaves the list
-        await self.wait_until(lambda: not desk.pending(), 10)
-        await self.wait_until(
+        await wait_until(lambda: not desk.pending(), 10)
+        await wait_until(
             lambda: [
                 e for e in self.app.access.activity.entries() if e.get("approval") == "cancelled"
             ],
@@ -8013,6 +7945,13 @@ class OAuthCase(HttpCase):
 
     async def tool_names(self, client) -> list:
         return [tool.name for tool in (await client.list_tools()).tools]
+
+    def cli_env(self) -> dict:
+        return {
+            **os.environ,
+            "SMOL_MCP_STATE_DIR": self.config.state_dir,
+            "SMOL_MCP_CONFIG": "/nonexistent",
+        }
 
 
 class OAuthTests(OAuthCase):
@@ -8260,13 +8199,6 @@ class OAuthTests(OAuthCase):
                 )
                 self.assertEqual(self.store.records(), [])
 
-    def cli_env(self) -> dict:
-        return {
-            **os.environ,
-            "SMOL_MCP_STATE_DIR": self.config.state_dir,
-            "SMOL_MCP_CONFIG": "/nonexistent",
-        }
-
     async def test_a_registration_is_small_lean_rate_limited_and_keeps_a_hash_of_its_secret(self):
         def post(metadata):
             headers = {"Content-Type": "application/json"}
@@ -8467,13 +8399,6 @@ class SignInTests(OAuthCase):
         with unittest.mock.patch.object(smol_mcp.time, "time", return_value=time.time() + 601):
             self.assertFalse(operator.use_link(late))
 
-    def cli_env(self) -> dict:
-        return {
-            **os.environ,
-            "SMOL_MCP_STATE_DIR": self.config.state_dir,
-            "SMOL_MCP_CONFIG": "/nonexistent",
-        }
-
     async def test_wrong_passwords_are_rate_limited_per_address(self):
         http = await self.page_client()
         page = await http.get("/signin?hop=1")
@@ -8656,12 +8581,7 @@ class OAuthCliTests(unittest.TestCase):
         self.addCleanup(server.terminate)
         import httpx2
 
-        for _ in range(400):
-            try:
-                answer = httpx2.get(f"http://127.0.0.1:{port}/mcp")
-                break
-            except httpx2.TransportError:
-                time.sleep(0.05)
+        answer = once_listening(lambda: httpx2.get(f"http://127.0.0.1:{port}/mcp"))
         self.assertEqual(answer.status_code, 401)
         metadata = f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"
         self.assertEqual(
@@ -9165,18 +9085,8 @@ class ActivityLogTests(unittest.TestCase):
             desk.respond("../tokens", {})
 
 
-class ActivityCliTests(unittest.TestCase):
-    def setUp(self):
-        self.tmp = short_tempdir()
-        self.env = {
-            "PATH": os.environ["PATH"],
-            "HOME": self.tmp,
-            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
-            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
-        }
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class ActivityCliTests(CliCase):
+    env_extra = {"SMOL_MCP_STATE_DIR": "{tmp}/state"}
 
     def test_activity_filters_and_token_events_and_auto_approval_shown_by_tokens_list(self):
         created = json.loads(
@@ -9485,6 +9395,25 @@ class ActivityHoldsTests(FakeServeCase):
         self.assertEqual(len(out.strip().splitlines()), 202)
 
 
+def webhook_receiver(on_post):
+    """A loopback approval webhook on a thread: ``on_post(path, body)`` sees each POST
+    (and may hold it), then the POST gets 204. Stop it with ``.shutdown()``."""
+    import http.server
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            on_post(self.path, self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    return hook
+
+
 class ApprovalTests(FakeServeCase):
     """A stdio server with SMOL_MCP_APPROVAL=changes, answered as a person would."""
 
@@ -9599,10 +9528,8 @@ class ApprovalTests(FakeServeCase):
         async with self.client("legacy") as c:
             with anyio.move_on_after(1.5):
                 await c.call_tool("create-machine", {"name": "gave-up", "image": "alpine"})
-            deadline = time.monotonic() + 5
-            while self.approval_events()[-1][0] != "cancelled":
-                self.assertLess(time.monotonic(), deadline, self.approval_events())
-                await asyncio.sleep(0.1)
+            cancelled = lambda: self.approval_events()[-1][0] == "cancelled"  # noqa: E731
+            await wait_until(cancelled, 5, "the request cancelled")
             self.assertEqual(
                 json.loads(
                     (
@@ -9712,23 +9639,14 @@ class ApprovalTests(FakeServeCase):
         self.assertEqual(self.requests_to("/machines"), [])
 
     async def test_the_webhook_carries_no_arguments_and_a_failing_one_blocks_nothing(self):
-        import http.server
-
         received, release = [], threading.Event()
 
-        class Hook(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                if self.path == "/slow":
-                    release.wait(30)  # held until the call has been answered
-                self.send_response(204)
-                self.end_headers()
+        def on_post(path, body):
+            received.append(json.loads(body))
+            if path == "/slow":
+                release.wait(30)  # held until the call has been answered
 
-            def log_message(self, *args):
-                pass
-
-        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        hook = webhook_receiver(on_post)
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             closed = probe.getsockname()[1]
@@ -9777,21 +9695,8 @@ class ApprovalTests(FakeServeCase):
         self.assertIn("webhook failed", [e[0] for e in self.approval_events()])
 
     async def test_webhook_notices_post_from_one_bounded_pool(self):
-        import http.server
-
         release = threading.Event()
-
-        class Hung(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                release.wait(30)
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hung)
-        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        hook = webhook_receiver(lambda path, body: release.wait(30))
         url = f"http://127.0.0.1:{hook.server_port}/hook"
         self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
         self.app.approvals._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
@@ -9898,11 +9803,10 @@ class ApprovalViaClientTests(FakeServeCase):
                             "create-machine", {"name": name, "image": "alpine", "start": False}
                         )
                     )
-                    deadline = time.monotonic() + 10
-                    while not self.app.access.desk.pending():
-                        self.assertLess(time.monotonic(), deadline)
-                        await asyncio.sleep(0.1)
-                    await asyncio.sleep(0.5)
+                    await wait_until(
+                        self.app.access.desk.pending, 10, "the call waits for approval"
+                    )
+                    await asyncio.sleep(0.5)  # time it would have taken to go on without an answer
                     self.assertFalse(call.done())  # still waiting for the terminal
                     [held] = self.app.access.desk.pending()
                     await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], env=env)
@@ -9936,10 +9840,7 @@ class ApprovalViaClientTests(FakeServeCase):
             waiting = asyncio.create_task(
                 other.call_tool("create-machine", {"name": "real", "image": "alpine"})
             )
-            deadline = time.monotonic() + 10
-            while not self.app.access.desk.pending():
-                self.assertLess(time.monotonic(), deadline)
-                await asyncio.sleep(0.1)
+            await wait_until(self.app.access.desk.pending, 10, "the call waits for approval")
             [held] = self.app.access.desk.pending()
             for state in ("smol-mcp:approval:0123456789ab", f"smol-mcp:approval:{held['id']}"):
                 with self.subTest(state=state):
@@ -9987,10 +9888,9 @@ class ApprovalHttpTests(HttpCase):
                     call = asyncio.create_task(
                         c.call_tool("create-machine", {"name": "orphan", "image": "alpine"})
                     )
-                    deadline = time.monotonic() + 10
-                    while not self.app.access.desk.pending():
-                        self.assertLess(time.monotonic(), deadline)
-                        await asyncio.sleep(0.1)
+                    await wait_until(
+                        self.app.access.desk.pending, 10, "the call waits for approval"
+                    )
                     self.store.delete("held")
                     is_error, text = result_of(await call)
                 self.assertTrue(text.startswith("approval_token_deleted: "), text)
@@ -10006,8 +9906,7 @@ class ApprovalHttpTests(HttpCase):
         async with self.http_client(headers={"Authorization": f"Bearer {self.secret}"}) as c:
             await self.ok(c, "list-machines", {})
             call = asyncio.create_task(c.call_tool("create-machine", {"name": "o", "image": "a"}))
-            while not self.app.access.desk.pending():
-                await asyncio.sleep(0.05)
+            await wait_until(self.app.access.desk.pending, 10, "the call waits for approval")
             [session] = self.app.http.by_id.values()
             self.store.delete("held")
             await self.app.http.end_revoked()  # the watcher's look, before the call's poll
@@ -10039,14 +9938,12 @@ class ApprovalHttpTests(HttpCase):
                         opened = await http.post(self.url, headers=auth, content=INIT_BODY)
                         headers["Mcp-Session-Id"] = opened.headers["mcp-session-id"]
                     held = asyncio.create_task(http.post(self.url, headers=headers, content=call))
-                    deadline = time.monotonic() + 10
-                    while not self.app.access.desk.pending():
-                        self.assertLess(time.monotonic(), deadline)
-                        await asyncio.sleep(0.1)
+                    await wait_until(
+                        self.app.access.desk.pending, 10, "the call waits for approval"
+                    )
                     held.cancel()  # the client hangs up: the connection closes
-                while self.app.access.desk.pending():
-                    self.assertLess(time.monotonic(), deadline + 10, "the call still waits")
-                    await asyncio.sleep(0.1)
+                gone = lambda: not self.app.access.desk.pending()  # noqa: E731
+                await wait_until(gone, 10, "the hung-up call to leave the list")
                 events = [e.get("approval") for e in self.app.access.activity.entries()]
                 self.assertEqual(events[-2:], ["cancelled", None])  # then the call's own entry
                 self.assertNotIn("gone", self.fake.machines)
@@ -10279,7 +10176,7 @@ class ConsoleBrowserTests(HttpCase):
             call = asyncio.create_task(
                 c.call_tool("create-machine", {"name": "x", "image": "alpine"})
             )
-            await self.wait_until(self.app.access.desk.pending, 10)
+            await wait_until(self.app.access.desk.pending, 10)
             [held] = self.app.access.desk.pending()
             forged = {"answer": "approve"}
             for form in (forged, {**forged, "csrf": "guessed"}):
@@ -10297,27 +10194,14 @@ class ConsoleBrowserTests(HttpCase):
             self.assertTrue(result_of(await call)[0])
 
     async def test_the_webhook_links_to_the_calls_review_page(self):
-        import http.server
-
         received = []
-
-        class Hook(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
-        threading.Thread(target=hook.serve_forever, daemon=True).start()
+        hook = webhook_receiver(lambda path, body: received.append(json.loads(body)))
         self.addCleanup(hook.shutdown)
         url = f"http://127.0.0.1:{hook.server_port}/hook"
         self.app.config = dataclasses_replace(self.app.config, approval_webhook=url)
         args = {"name": "hooked", "image": "alpine", "start": False}
         call = asyncio.create_task(self.post("/api/tools/create-machine", self.held, args))
-        await self.wait_until(lambda: received, 10)
+        await wait_until(lambda: received, 10)
         [notice] = received
         self.assertEqual(notice["review"], f"{self.base}/console/approvals/{notice['id']}")
         page = await self.signed_in()
@@ -10327,8 +10211,6 @@ class ConsoleBrowserTests(HttpCase):
         self.assertEqual(await call, 200)
         await page.goto(notice["review"])
         self.assertIn("No call waits as", await page.content())
-
-    wait_until = AgentAccessHttpTests.wait_until
 
 
 class ApprovalSigtermTests(unittest.TestCase):
