@@ -2694,6 +2694,18 @@ class BothModeTests(FakeCloudCase):
         with self.assertRaises(ConfigError) as caught:
             smol_mcp.resolve_mode(Config(targets="cloud"))
         self.assertIn("SMOL_CLOUD_TOKEN", str(caught.exception))
+        with self.assertRaises(ConfigError):
+            smol_mcp.resolve_mode(Config(targets="both"))
+        self.assertEqual(smol_mcp.resolve_mode(Config(targets="local")), "local")
+
+    def test_the_fleet_names_come_from_the_registry(self):
+        # The targets setting is read before the fleets register, so it lists their names itself:
+        # they must be the registry's. Everything else that names a fleet derives from FLEETS.
+        setting = next(s for s in smol_mcp.SETTINGS if s.attr == "targets")
+        self.assertEqual(setting.choices, ("auto", *smol_mcp.FLEETS, "both"))
+        for text in (smol_mcp.FLEET_QUESTION, smol_mcp.ARG_TARGET["description"]):
+            for fleet in smol_mcp.FLEETS.values():
+                self.assertIn(fleet.served_as, text)
 
 
 def answer_form(action: str, content: dict, asked: list | None = None):
