@@ -2705,7 +2705,12 @@ class ToolSpec:
     def __post_init__(self) -> None:
         self.name = self.handler.__name__.removeprefix("tool_").replace("_", "-")
         self.level, _, hints = self.access.partition(":")
-        for hint in ("read_only", "destructive", "idempotent", "open_world"):
+        known = ("read_only", "destructive", "idempotent", "open_world")
+        if unknown := set(hints.split()) - set(known):  # a misspelt hint would read as false
+            raise ValueError(
+                f"{self.name}: unknown annotations {sorted(unknown)} in {self.access!r}"
+            )
+        for hint in known:
             setattr(self, hint, hint in hints.split())
 
 

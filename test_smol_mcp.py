@@ -660,6 +660,13 @@ class PiecesTests(unittest.TestCase):
         self.assertTrue(tail and data.endswith(tail.encode()))
         self.assertEqual(len(head.encode()) + omitted + len(tail.encode()), len(data))
 
+    def test_a_misspelt_tool_annotation_is_refused_not_read_as_false(self):
+        handler = smol_mcp.TOOLS[0].handler
+        with self.assertRaisesRegex(ValueError, "destructve"):
+            smol_mcp.ToolSpec(handler, "t", "d", {}, {}, "exec: destructve")
+        spec = smol_mcp.ToolSpec(handler, "t", "d", {}, {}, "exec: destructive")
+        self.assertEqual((spec.level, spec.destructive, spec.read_only), ("exec", True, False))
+
     def test_a_large_stream_is_cut_without_being_held_twice(self):
         import tracemalloc
 
