@@ -489,6 +489,9 @@ class Fleet(Protocol):
     # What smol://targets says about this fleet (it may not be served).
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict: ...
+    # What the configuration lacks for this fleet to be served, as the words after "needs", or None.
+    @classmethod
+    def lacking(cls, config: Config) -> str | None: ...
     # For `doctor`: check what a person should know (facts may change), and return the detail lines
     # under the fleet's heading and the advice printed after its reason.
     @classmethod
@@ -750,6 +753,10 @@ class LocalFleet:
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
         return local_target_facts(app.local)
+
+    @classmethod
+    def lacking(cls, config: Config) -> str | None:
+        return None  # the engine is found or fetched on the first call (doctor says how)
 
     @classmethod
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
@@ -1659,6 +1666,11 @@ class CloudFleet:
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
         return cloud_target_facts(app.config)
+
+    @classmethod
+    def lacking(cls, config: Config) -> str | None:
+        key = "the cloud account key: set SMOL_CLOUD_TOKEN (or cloudToken in the config file)"
+        return None if config.cloud_token else key
 
     @classmethod
     def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
@@ -2693,7 +2705,12 @@ class ToolSpec:
     def __post_init__(self) -> None:
         self.name = self.handler.__name__.removeprefix("tool_").replace("_", "-")
         self.level, _, hints = self.access.partition(":")
-        for hint in ("read_only", "destructive", "idempotent", "open_world"):
+        known = ("read_only", "destructive", "idempotent", "open_world")
+        if unknown := set(hints.split()) - set(known):  # a misspelt hint would read as false
+            raise ValueError(
+                f"{self.name}: unknown annotations {sorted(unknown)} in {self.access!r}"
+            )
+        for hint in known:
             setattr(self, hint, hint in hints.split())
 
 
@@ -4178,7 +4195,7 @@ class Session:
 
     def _save(self) -> None:
         """Write the local record atomically; a failure costs a warning, never the operation."""
-        names = sorted(self.machines.get("local", set()))
+        names = sorted(self.machines.get(self.app.local.name, set()))  # for the crash sweep
         with bookkeeping(self.app.config.runtime_dir):
             if not names:
                 self.record_path.unlink(missing_ok=True)
@@ -4556,7 +4573,9 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
         return FLEET_NAMES
     targets = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     if not targets or any(target not in FLEET_NAMES for target in targets):
-        raise ConfigError(f"--targets takes local, cloud or local,cloud; got {text!r}")
+        raise ConfigError(
+            f"--targets takes {', '.join(FLEETS)} or {','.join(FLEETS)}; got {text!r}"
+        )
     return targets
 
 
@@ -5105,19 +5124,18 @@ def post_webhook(url: str, payload: dict) -> str | None:
 
 ELICIT_TIMEOUT_SECS = 120
 JSON_TYPE = "application/json"
+SERVED_AS = [fleet.served_as for fleet in FLEETS.values()]  # "local (...)": how each is named
 FLEET_QUESTION = (
-    "This smol-mcp server reaches two fleets of machines: local (smolvm on the server's host; "
-    "nothing is billed) and cloud (your smol cloud account; machines are billed while they "
-    "exist). Which one is this session for? Choose both to name the fleet on every call."
+    f"This smol-mcp server reaches these fleets of machines: {' and '.join(SERVED_AS)}. Which one "
+    "is this session for? Choose both to name the fleet on every call."
 )
 FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
 FLEET_CHOICE["description"] = ", ".join(FLEETS) + ", or both (decide per call)"
 FLEET_QUESTION_SCHEMA = dict(type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE})
 ARG_TARGET = dict(type="string", enum=list(FLEETS))
 ARG_TARGET["description"] = (
-    'Which fleet: "local" (smolvm on the server\'s host, nothing billed) or "cloud" (the smol '
-    "cloud account, billed while machines exist). Required: a machine on one fleet is invisible "
-    "on the other, so there is no default."
+    f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one fleet is invisible on "
+    "the other, so there is no default."
 )
 TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)  # as messages name them
 
@@ -5162,12 +5180,15 @@ def elicit_result(answer: Any):
 
 
 def resolve_mode(config: Config) -> str:
-    """The fleets served, decided at startup: auto is both with a cloud token, else local."""
+    """The fleets served, decided at startup: auto is every fleet the configuration allows ("both"
+    when that is all), else SMOL_MCP_TARGETS, refused when a fleet it names lacks something."""
+    lacking = {name: fleet.lacking(config) for name, fleet in FLEETS.items()}
     if config.targets == "auto":
-        return "both" if config.cloud_token else "local"
-    if config.targets in ("cloud", "both") and not config.cloud_token:
-        why = f"SMOL_MCP_TARGETS={config.targets} needs the cloud account key: set SMOL_CLOUD_TOKEN"
-        raise ConfigError(why + " (or cloudToken in the config file)")
+        usable = [name for name, why in lacking.items() if why is None]
+        return "both" if len(usable) == len(FLEETS) else usable[0]
+    for name in FLEETS if config.targets == "both" else [config.targets]:
+        if lacking[name]:
+            raise ConfigError(f"SMOL_MCP_TARGETS={config.targets} needs {lacking[name]}")
     return config.targets
 
 

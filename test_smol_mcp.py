@@ -669,6 +669,13 @@ class PiecesTests(unittest.TestCase):
         self.assertTrue(tail and data.endswith(tail.encode()))
         self.assertEqual(len(head.encode()) + omitted + len(tail.encode()), len(data))
 
+    def test_a_misspelt_tool_annotation_is_refused_not_read_as_false(self):
+        handler = smol_mcp.TOOLS[0].handler
+        with self.assertRaisesRegex(ValueError, "destructve"):
+            smol_mcp.ToolSpec(handler, "t", "d", {}, {}, "exec: destructve")
+        spec = smol_mcp.ToolSpec(handler, "t", "d", {}, {}, "exec: destructive")
+        self.assertEqual((spec.level, spec.destructive, spec.read_only), ("exec", True, False))
+
     def test_a_large_stream_is_cut_without_being_held_twice(self):
         import tracemalloc
 
@@ -2680,6 +2687,18 @@ class BothModeTests(FakeCloudCase):
         with self.assertRaises(ConfigError) as caught:
             smol_mcp.resolve_mode(Config(targets="cloud"))
         self.assertIn("SMOL_CLOUD_TOKEN", str(caught.exception))
+        with self.assertRaises(ConfigError):
+            smol_mcp.resolve_mode(Config(targets="both"))
+        self.assertEqual(smol_mcp.resolve_mode(Config(targets="local")), "local")
+
+    def test_the_fleet_names_come_from_the_registry(self):
+        # The targets setting is read before the fleets register, so it lists their names itself:
+        # they must be the registry's. Everything else that names a fleet derives from FLEETS.
+        setting = next(s for s in smol_mcp.SETTINGS if s.attr == "targets")
+        self.assertEqual(setting.choices, ("auto", *smol_mcp.FLEETS, "both"))
+        for text in (smol_mcp.FLEET_QUESTION, smol_mcp.ARG_TARGET["description"]):
+            for fleet in smol_mcp.FLEETS.values():
+                self.assertIn(fleet.served_as, text)
 
 
 def answer_form(action: str, content: dict, asked: list | None = None):
