@@ -1664,8 +1664,10 @@ class CloudFleet:
     branch_needs_start = False
 
     @classmethod
-    def target_facts(cls, app: SmolMcp) -> dict:
-        return cloud_target_facts(app.config)
+    def target_facts(cls, app: SmolMcp) -> dict:  # without calling the service
+        keyed, url = bool(app.config.cloud_token), app.config.cloud_url
+        reason = None if keyed else "no account key: set SMOL_CLOUD_TOKEN"
+        return dict(served=True, usable=keyed, reason=reason, url=url, tokenSet=keyed)
 
     @classmethod
     def lacking(cls, config: Config) -> str | None:
@@ -4108,13 +4110,6 @@ async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, wh
         app.polling[who] -= 1
 
 
-def cloud_target_facts(config: Config) -> dict:
-    """What smol://targets says about the cloud fleet, without calling it."""
-    keyed = bool(config.cloud_token)
-    reason = None if keyed else "no account key: set SMOL_CLOUD_TOKEN"
-    return dict(served=True, usable=keyed, reason=reason, url=config.cloud_url, tokenSet=keyed)
-
-
 def targets_document(app: SmolMcp) -> dict:
     """The mode and, per fleet, whether it is served and usable now, with the reason when not."""
     facts = {name: kind.target_facts(app) for name, kind in FLEETS.items()}
@@ -4171,11 +4166,6 @@ class Session:
             self._bus = InMemorySubscriptionBus()
             self.listener = ListenHandler(self._bus)
         return self._bus, self.listener
-
-    def stop_polling(self) -> None:
-        for scope in self.subscriptions.values():
-            scope.cancel()
-        self.subscriptions.clear()
 
     def is_ephemeral(self, name: str) -> bool:
         return name.startswith(self.app.config.machine_prefix)
@@ -4829,9 +4819,6 @@ class Access:
             return {token["name"]: token.get("id", "") for token in self.tokens.records()} | default
         except SmolError:
             return default
-
-    def has_any_token(self) -> bool:
-        return bool(self.live_ids())
 
     def fleet_for(self, principal: Principal, grant: Grant, fleet: Fleet) -> Fleet:
         return OwnedFleet(fleet, self.owners, principal.name) if grant.owned_only else fleet
@@ -5671,7 +5658,9 @@ class SmolMcp:
             session.listener.close()
         with anyio.CancelScope(shield=True):  # nothing escapes: over HTTP it would end the listener
             try:
-                session.stop_polling()
+                for poller in session.subscriptions.values():
+                    poller.cancel()
+                session.subscriptions.clear()
                 with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
                     await session.close()
             except Exception as err:
@@ -8443,7 +8432,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in helpers:
             return helpers[args.command](args, config)
         serving = args.http and not args.command
-        if serving and not (Access(config).has_any_token() or Operator(config.state_dir).enabled()):
+        if serving and not (Access(config).live_ids() or Operator(config.state_dir).enabled()):
             raise ConfigError(
                 "--http refuses to start without a token, because these tools run machines: create "
                 f"one with `{invocation()} tokens create NAME --preset sandbox`, or set "
