@@ -6361,10 +6361,11 @@ class HttpSessions:
         self.tasks: Any = None
         self.inner: Any = None  # the SDK's app (set by build_http_app)
         self.stopping: Any = None  # an anyio Event, set when the process is told to stop
+        self.serving: set[anyio.CancelScope] = set()  # the POSTs in the SDK's hands
 
     @asynccontextmanager
     async def running(self, tasks: Any):
-        self.tasks, reaper, watcher = tasks, anyio.CancelScope(), anyio.CancelScope()
+        self.tasks, (reaper, watcher, stopper) = tasks, (anyio.CancelScope() for _ in range(3))
 
         async def reap() -> None:
             with reaper:
@@ -6382,13 +6383,22 @@ class HttpSessions:
                     await self.end_revoked()
                     self.app.access.tokens.flush_usage()
 
+        async def stop_serving() -> None:  # one task for all: none per request
+            with stopper:
+                await self.stopping.wait()
+                await self.app.approvals.interrupt()  # calls that can answer for themselves do
+                for serving in list(self.serving):
+                    serving.cancel()
+
         tasks.start_soon(reap)
         tasks.start_soon(watch_tokens)
+        if self.stopping is not None:
+            tasks.start_soon(stop_serving)
         try:
             yield
         finally:
-            reaper.cancel()
-            watcher.cancel()
+            for scope in (reaper, watcher, stopper):
+                scope.cancel()
             self.app.access.tokens.flush_usage(force=True)
             for sessions in (self.by_principal, self.by_id):
                 while sessions:
@@ -6554,16 +6564,14 @@ class HttpSessions:
             sent.add(message["type"])
             await send(message)
 
-        async with anyio.create_task_group() as group:
-
-            async def stop_on_shutdown() -> None:
-                await stopping.wait()
-                await self.app.approvals.interrupt()  # calls that can answer for themselves do
-                group.cancel_scope.cancel()
-
-            group.start_soon(stop_on_shutdown)
-            await self.inner(scope, receive, send_watch)
-            group.cancel_scope.cancel()
+        with anyio.CancelScope() as serving:  # stop_serving (in running) cancels it
+            self.serving.add(serving)
+            try:
+                if stopping.is_set():  # came in after the others were stopped
+                    serving.cancel()
+                await self.inner(scope, receive, send_watch)
+            finally:
+                self.serving.discard(serving)
         if stopping.is_set() and "http.response.start" not in sent:  # an error for each request
             request, error = json_body(body), {"code": -32000, "message": SHUTDOWN_MESSAGE}
             requests = request if isinstance(request, list) else [request]
