@@ -6223,6 +6223,9 @@ class HttpGate:
         return b"".join(chunks)
 
 
+@functools.lru_cache(
+    maxsize=64
+)  # a pydantic model per request costs more than the rest of the gate
 def authenticated_user(principal: Principal):
     """The principal as the SDK's request user (by the token's id, never its secret)."""
     from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
