@@ -972,7 +972,9 @@ class LocalFleet:
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 self._process = None
-                output = log_path.read_bytes()[log_start:].decode("utf-8", "replace")
+                with open(log_path, "rb") as log_read:  # this start's lines, not the whole log
+                    log_read.seek(log_start)
+                    output = log_read.read().decode("utf-8", "replace")
                 lines = [ln.strip() for ln in output.splitlines() if not ln.startswith("note:")]
                 last = ([line for line in lines if line] or [""])[-1]
                 if "Address already in use" in output:
@@ -4339,7 +4341,7 @@ def process_alive(pid: int, started: int | None = None) -> bool:
     fields = _proc_stat(pid)
     if fields is None:
         return not Path("/proc/self/stat").exists()  # no /proc at all (macOS): the signal answered
-    return fields[0] not in ("Z", "X") and started in (None, process_start_time(pid))
+    return fields[0] not in ("Z", "X") and (started is None or started == process_start_time(pid))
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
@@ -6223,9 +6225,8 @@ class HttpGate:
         return b"".join(chunks)
 
 
-@functools.lru_cache(
-    maxsize=64
-)  # a pydantic model per request costs more than the rest of the gate
+# A pydantic model per request cost more than the rest of the gate: one per principal.
+@functools.lru_cache(maxsize=64)
 def authenticated_user(principal: Principal):
     """The principal as the SDK's request user (by the token's id, never its secret)."""
     from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
@@ -6368,7 +6369,8 @@ class HttpSessions:
 
     @asynccontextmanager
     async def running(self, tasks: Any):
-        self.tasks, (reaper, watcher, stopper) = tasks, (anyio.CancelScope() for _ in range(3))
+        self.tasks, reaper, watcher = tasks, anyio.CancelScope(), anyio.CancelScope()
+        stopper = anyio.CancelScope()
 
         async def reap() -> None:
             with reaper:
@@ -6459,6 +6461,11 @@ class HttpSessions:
             refusal = 404, f"there is no tool named {name!r}; GET {api} lists yours"
         elif not isinstance(arguments, dict):
             refusal = 400, "the body must be a JSON object of the tool's arguments"
+        else:  # json.loads takes "\ud800", which no UTF-8 carries to the engine or the log
+            try:
+                json.dumps(arguments, ensure_ascii=False).encode()
+            except UnicodeEncodeError:
+                refusal = 400, "a string in the body holds a lone surrogate (\\udXXX): send UTF-8"
         if refusal is not None:
             return await _respond(send, refusal[0], {"error": refusal[1]})
         ctx = PlainRequest(scope, MODERN_PROTOCOL_VERSIONS[0])

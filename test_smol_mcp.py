@@ -7777,6 +7777,23 @@ class PlainApiTests(HttpCase):
             )
         self.assertEqual(len(self.requests_to("/machines")), 1)  # a's create; no refused call
 
+    async def test_a_lone_surrogate_is_refused_at_the_door(self):
+        # JSON allows "\ud800" and the plain API reads bodies with json.loads (the MCP SDK's
+        # parser refuses it): no UTF-8 carries it to the engine, the log or the answer (a 500).
+        await self.api("default", "create-machine", {"name": "m", "image": "alpine"})
+        bodies = {
+            "write-file": '{"name": "m", "path": "/f", "content": "\\ud800", "encoding": "utf8"}',
+            "run-command": '{"name": "m", "command": "echo \\udfff"}',
+            "create-machine": '{"name": "n", "image": "alp\\ud800ine"}',
+            "allow-egress": '{"name": "m", "hosts": ["a\\udbff.com"]}',
+        }
+        before = len(self.fake.requests)
+        for tool, body in bodies.items():
+            status, answer = await self.api("default", tool, body=body.encode())
+            self.assertEqual(status, 400, answer)
+            self.assertTrue(answer["error"].endswith("lone surrogate (\\udXXX): send UTF-8"))
+        self.assertEqual(len(self.fake.requests), before)  # nothing reached the engine
+
     async def test_a_body_over_the_bound_is_a_413(self):
         with socket.create_connection(("127.0.0.1", self.port)) as sock:
             sock.sendall(
