@@ -2303,6 +2303,7 @@ _KEYWORD_ORDER = tuple(
 ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "workdir"}
 
 
+@functools.cache  # called for every pattern an argument is checked against
 def python_pattern(pattern: str) -> str:
     """A schema pattern for Python: a final `$` (Python: also before a newline) becomes `\\Z`."""
     return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)  # only a `$` not escaped
