@@ -779,6 +779,7 @@ class LocalFleet:
         self._process: subprocess.Popen | None = None
         self._users, self._ready = 0, False
         self._pool = threading.local()  # one kept-alive connection per worker thread
+        self._idle: list[socket.socket] = []  # read_now's kept-alive sockets, between reads
         runtime = Path(config.runtime_dir)
         self._serve_log, self._pid_file = runtime / "serve.log", runtime / "serve.pid"
         self._users_dir = runtime / "serve-users"
@@ -831,6 +832,8 @@ class LocalFleet:
         """Stop the serve on our socket: our child, or one another process left us (serve.pid)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
+            while self._idle:
+                self._idle.pop().close()
         if process is not None and process.poll() is None:
             process.terminate()
             try:
@@ -1062,10 +1065,7 @@ class LocalFleet:
             self.ensure_serve()
             status, ctype, data = send()
         except TimeoutError:
-            waited = f"did not answer within {timeout:.0f} s while trying to {action}"
-            why = f"A busy host or a large image can take that long: raise {setting} to wait longer"
-            doctor = f"check the engine with `{invocation()} doctor`"
-            raise SmolError(f"the local machine API {waited}. {why}, and {doctor}") from None
+            raise self._too_slow(action, timeout, setting) from None
         except (OSError, http.client.HTTPException) as exc:
             self._ready = False
             raise serve_dropped(action, exc) from None
@@ -1074,6 +1074,74 @@ class LocalFleet:
         if "application/json" in ctype and not (read is not None and status == 200):
             return json.loads(data) if data else None
         return data
+
+    @staticmethod
+    def _too_slow(action: str, timeout: float, setting: str) -> SmolError:
+        waited = f"did not answer within {timeout:.0f} s while trying to {action}"
+        why = f"A busy host or a large image can take that long: raise {setting} to wait longer"
+        doctor = f"check the engine with `{invocation()} doctor`"
+        return SmolError(f"the local machine API {waited}. {why}, and {doctor}")
+
+    async def read_now(self, read: Callable, *args: str) -> Any:
+        """Call.read's way for list_machines, get_machine and egress_policy: their one GET made on
+        the event loop on a kept-alive socket (the worker-thread hop cost more than the read).
+        None when it goes the blocking way (a GET is safe to send again): the serve not yet known
+        to answer, a connection that failed, an answer without a length."""
+        if not self._ready:
+            return None
+        name, loop, sock, timeout = args[0] if args else None, asyncio.get_running_loop(), None, 0.0
+        action = "list machines" if name is None else f"get machine '{name}'"
+        path = "/api/v1/machines" + ("" if name is None else f"/{_q(name)}")
+
+        async def more(data: bytes) -> bytes:
+            if not (chunk := await loop.sock_recv(sock, 1 << 16)) or len(data) > (1 << 26):
+                raise ConnectionResetError(f"the serve's answer to {path} ended early")
+            return data + chunk
+
+        try:
+            with anyio.fail_after(timeout := self.config.ready_timeout_secs):
+                while self._idle and sock is None:  # one the serve closed while idle reads ready
+                    sock = self._idle.pop()
+                    sock = sock.close() if select.select([sock], [], [], 0)[0] else sock
+                if sock is None:
+                    unix = self._kind == "unix"
+                    sock = socket.socket(socket.AF_UNIX if unix else socket.AF_INET)
+                    sock.setblocking(False)
+                    await loop.sock_connect(
+                        sock, self._address if unix else ("127.0.0.1", int(self._address))
+                    )
+                await loop.sock_sendall(
+                    sock, f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode()
+                )
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data = await more(data)
+                head, _, body = data.partition(b"\r\n\r\n")
+                status_line, *lines = head.decode("latin-1").split("\r\n")
+                pairs = (line.partition(":") for line in lines)
+                fields = {key.strip().lower(): value.strip() for key, _, value in pairs}
+                status, length = int(status_line.split()[1]), int(fields.get("content-length", "-"))
+                while len(body) < length:
+                    body = await more(body)
+        except BaseException as exc:
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, TimeoutError):
+                raise self._too_slow(action, timeout, "readyTimeoutSecs") from None
+            if isinstance(exc, OSError | ValueError):
+                return None
+            raise
+        if len(body) == length and fields.get("connection") != "close":
+            self._idle.append(sock)
+        else:
+            sock.close()
+        if status >= 400:
+            raise api_error(self.name, action, status, fields.get("content-type", ""), body)
+        info = json.loads(body)
+        if read == self.list_machines:
+            return [local_record(m) for m in info["machines"]]
+        record = local_record(info)
+        return record if read == self.get_machine else (record, egress_lists(info))
 
     def _refusal(self, action: str, response: http.client.HTTPResponse) -> ApiError:
         ctype = response.getheader("Content-Type", "")
@@ -2740,6 +2808,16 @@ class Call:
         )
         return await self.with_heartbeat(run, waiting)
 
+    async def read(self, function: Callable, *args: Any) -> Any:
+        """A quick read (list-machines, get-machine): made on the event loop where the fleet can
+        (LocalFleet.read_now), within the session's share and with a beat if slow; else as api."""
+        if (now := getattr(self.fleet, "read_now", None)) is not None:
+            async with self.session.call_slots():
+                answer = await self.with_heartbeat(functools.partial(now, function, *args), None)
+            if answer is not None:
+                return answer
+        return await self.api(function, *args)
+
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
         """Await ``run()`` while progress says what it waits on: with ``waiting``, at once and
         every few seconds; without, only once it takes that long (an API asking us to retry, say);
@@ -3237,7 +3315,7 @@ def tool(*spec: Any) -> Callable:
     "read: read_only idempotent",
 )
 async def tool_list_machines(call: Call, args: dict) -> dict:
-    return {"machines": await call.api(call.fleet.list_machines)}
+    return {"machines": await call.read(call.fleet.list_machines)}
 
 
 @tool(
@@ -3254,9 +3332,9 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
     `include` asks the guest; refusals only for a restricted policy, asked or after a failure."""
     name, include = args["name"], args.get("include", [])
     if not call.fleet.amends_egress:
-        machine, egress = await call.api(call.fleet.get_machine, name), None
+        machine, egress = await call.read(call.fleet.get_machine, name), None
     else:
-        machine, egress = await call.api(call.fleet.egress_policy, name)
+        machine, egress = await call.read(call.fleet.egress_policy, name)
     jobs: list[dict] | None = []  # a machine that is not running runs no job
     if machine["state"] in RUNNING_STATES:
         try:
