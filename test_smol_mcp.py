@@ -1101,6 +1101,127 @@ class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
             self.assertIn('"include[0]" must be one of "jobs", "egress"', text)
 
 
+class ReadOnTheLoopTests(FakeServeCase):
+    """list-machines and get-machine make their GET on the event loop once the
+    serve answers (LocalFleet.read_now): no worker thread, a kept-alive
+    socket, and the blocking way whenever the quick one cannot be sure."""
+
+    config_overrides = {"ready_timeout_secs": 1}
+
+    def fleet(self):
+        return self.app.fleets["local"]
+
+    def blocking_way_refused(self):
+        return unittest.mock.patch.object(
+            smol_mcp.LocalFleet, "request", side_effect=AssertionError("the blocking way")
+        )
+
+    def gets(self) -> int:
+        return len([r for r in self.fake.requests if r[:2] == ("GET", "/api/v1/machines/rl-1")])
+
+    async def test_reads_once_the_serve_answers_take_no_worker_thread_and_one_socket(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            with self.blocking_way_refused():
+                for _ in range(3):
+                    listed = await self.ok(c, "list-machines", {})
+                    got = await self.ok(c, "get-machine", {"name": "rl-1"})
+            self.assertEqual([m["name"] for m in listed["machines"]], ["rl-1"])
+            self.assertEqual((got["machine"]["name"], got["egress"]["open"]), ("rl-1", False))
+            self.assertEqual(len(self.fleet()._idle), 1)  # the one socket, kept alive
+
+    async def test_both_ways_answer_alike_a_machine_and_a_missing_one(self):
+        answers = []
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            for quick in (True, False):
+                way = self.fleet().read_now if quick else unittest.mock.AsyncMock(return_value=None)
+                with unittest.mock.patch.object(self.fleet(), "read_now", new=way):
+                    answers.append(
+                        (
+                            await self.ok(c, "list-machines", {}),
+                            await self.ok(c, "get-machine", {"name": "rl-1"}),
+                            await self.refused(c, "get-machine", {"name": "rl-9"}),
+                        )
+                    )
+        self.assertEqual(answers[0], answers[1])
+        self.assertIn("machine 'rl-9' not found", answers[0][2])
+
+    async def test_a_socket_the_serve_closed_while_idle_is_not_used_again(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            await self.ok(c, "get-machine", {"name": "rl-1"})
+            with self.fake._lock:
+                for conn in self.fake._conns:
+                    conn.shutdown(socket.SHUT_RDWR)  # the serve ends its kept-alive connections
+            await wait_until(lambda: not self.fake._conns, 5, "the serve closed its connections")
+            with self.blocking_way_refused():
+                got = await self.ok(c, "get-machine", {"name": "rl-1"})
+            self.assertEqual(got["machine"]["name"], "rl-1")
+
+    async def test_an_answer_without_a_length_goes_the_blocking_way(self):
+        dispatch = self.fake._dispatch
+
+        def chunked(method, target, headers, body):
+            answer = dispatch(method, target, headers, body)
+            if target == "/api/v1/machines/rl-1":
+                answer.stream = [answer.body]
+            return answer
+
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            before = self.gets()
+            with unittest.mock.patch.object(self.fake, "_dispatch", side_effect=chunked):
+                got = await self.ok(c, "get-machine", {"name": "rl-1"})
+            self.assertEqual((got["machine"]["name"], self.gets() - before), ("rl-1", 2))
+
+    @contextlib.contextmanager
+    def stalled(self, target: str):
+        """The serve holds its answer to GET ``target`` until the block ends;
+        yields an Event set once such a request is in."""
+        dispatch, arrived, answer = self.fake._dispatch, threading.Event(), threading.Event()
+
+        def stall(method, path, headers, body):
+            if path == target:
+                arrived.set()
+                answer.wait(10)
+            return dispatch(method, path, headers, body)
+
+        with unittest.mock.patch.object(self.fake, "_dispatch", side_effect=stall):
+            try:
+                yield arrived
+            finally:
+                answer.set()
+
+    async def test_a_serve_that_does_not_answer_in_time_is_named_and_its_socket_closed(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            await self.ok(c, "list-machines", {})
+            before = self.gets()
+            with self.stalled("/api/v1/machines/rl-1"):
+                text = await self.refused(c, "get-machine", {"name": "rl-1"})
+                self.assertEqual(self.fleet()._idle, [])  # never handed to the next read
+            self.assertIn("did not answer within 1 s while trying to get machine 'rl-1'", text)
+            self.assertIn("raise readyTimeoutSecs", text)
+            await wait_until(lambda: self.gets() > before, 5, "the stalled GET was answered")
+            self.assertEqual(self.gets() - before, 1)  # not sent again the blocking way
+            await self.ok(c, "get-machine", {"name": "rl-1"})
+
+    async def test_a_cancelled_read_closes_its_socket(self):
+        async with self.client("legacy") as c:
+            for _ in range(2):  # the first goes the blocking way, which starts the serve
+                await self.ok(c, "list-machines", {})
+            conns = len(self.fake._conns)
+            with self.stalled("/api/v1/machines") as arrived:
+                read = asyncio.ensure_future(self.fleet().read_now(self.fleet().list_machines))
+                await wait_until(arrived.is_set, 5, "the read was sent")
+                read.cancel()
+                await asyncio.gather(read, return_exceptions=True)
+            self.assertTrue(read.cancelled())
+            await wait_until(lambda: len(self.fake._conns) < conns, 5, "the serve saw it close")
+            self.assertEqual(self.fleet()._idle, [])
+
+
 class EraScenarios:
     """The worked example and each tool rule, run once per protocol era."""
 
