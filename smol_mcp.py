@@ -2809,11 +2809,13 @@ class Call:
         return await self.with_heartbeat(run, waiting)
 
     async def read(self, function: Callable, *args: Any) -> Any:
-        """A quick read (list-machines, get-machine): made on the event loop where the fleet can
-        (LocalFleet.read_now), within the session's share and with a beat if slow; else as api."""
-        if (now := getattr(self.fleet, "read_now", None)) is not None:
+        """A quick read (list-machines, get-machine): made on the event loop where the fleet's class
+        can (LocalFleet.read_now), within the session's share and with a beat if slow; else as api.
+        A wrapped fleet (OwnedFleet) has none of its own: its guards run the blocking way."""
+        if (now := getattr(type(self.fleet), "read_now", None)) is not None:
             async with self.session.call_slots():
-                answer = await self.with_heartbeat(functools.partial(now, function, *args), None)
+                read = functools.partial(now, self.fleet, function, *args)
+                answer = await self.with_heartbeat(read, None)
             if answer is not None:
                 return answer
         return await self.api(function, *args)
