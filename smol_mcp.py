@@ -2221,7 +2221,7 @@ def machine_identity(record: dict) -> str:
 def iso_time(value: Any) -> str | None:
     """Unix seconds as RFC 3339 UTC, the form the cloud API uses."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return datetime.datetime.fromtimestamp(value, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return utc_time(value)
     return value if isinstance(value, str) else None
 
 
@@ -4748,7 +4748,7 @@ def utc_now() -> str:
 
 def utc_time(seconds: float) -> str:
     """Seconds since the epoch as the RFC 3339 UTC time the records hold, to the second."""
-    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))  # a quarter of datetime's
 
 
 def parse_time(text: str) -> float:

@@ -673,10 +673,8 @@ class Bench:
 
         for tool in requests:
             floor = samples[(tool, "floor-keepalive")]
-            # The gate is what this code meets on a quiet 2-core machine; the goal is issue
-            # 22's (+0.3 ms stdio, +0.5 ms HTTP), not met yet: bench/RESULTS.md says where
-            # the time goes. The gate still catches a regression like a 40 ms Nagle stall.
-            for transport, limit, goal in (("stdio", 0.0005, 0.0003), ("http", 0.0015, 0.0005)):
+            # Issue 22's targets: a miss here (after one rerun) fails the CI smoke run.
+            for transport, limit in (("stdio", 0.0003), ("http", 0.0005)):
                 ours, sdk = samples[(tool, transport)], samples[(tool, f"sdk-{transport}")]
                 own = share(ours, sdk, floor)
                 self.row(
@@ -692,7 +690,7 @@ class Bench:
                     f"{own * 1000:+.3f} ms",
                     f"{ms(median(floor))} API",
                     "median of (value - SDK - API)",
-                    f"<= +{limit * 1000:.1f} ms (goal +{goal * 1000:.1f})",
+                    f"<= +{limit * 1000:.1f} ms",
                     self.check(own <= limit),
                 )
                 if self.baseline:
