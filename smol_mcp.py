@@ -427,7 +427,8 @@ def redact(text: str, secret_values: list[str]) -> str:
 # The local fleet:
 # http.client over AF_UNIX to `smolvm serve start --listen <runtimeDir>/serve.sock`, spawned on
 # the first local call and never at connect. Every method here blocks; the tool layer runs them
-# in worker threads so one long command never stalls another session.
+# in worker threads so one long command never stalls another session. The exception, read_now,
+# makes the quick reads' one GET on the event loop, where a thread hop cost more than the read.
 # ---------------------------------------------------------------------------
 
 # -- the fleet contract: a fleet is one class with these members, and one row in FLEETS --
