@@ -4386,10 +4386,9 @@ def bookkeeping(runtime_dir: str):
     except OSError as err:
         if runtime_dir not in _warned_dirs:
             _warned_dirs.add(runtime_dir)
-            lost = "one this process cannot delete will not be found by the next start"
-            fix = "Make it writable (or set SMOL_MCP_RUNTIME_DIR)."
-            what = "cannot write to the runtime directory %s (%s); machines work on, but %s. %s"
-            log.warning(what, runtime_dir, err.strerror or err, lost, fix)
+            what = "cannot write to the runtime directory %s (%s); machines work on, but one this "
+            what += "process cannot delete will not be found by the next start. Make it writable "
+            log.warning(what + "(or set SMOL_MCP_RUNTIME_DIR).", runtime_dir, err.strerror or err)
 
 
 def _proc_stat(pid: int) -> list[str] | None:
