@@ -4464,11 +4464,9 @@ SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "a
 # Each tool's scope level, from its ToolSpec.access; a tool without one is granted to nobody.
 TOOL_LEVELS = {tool.name: tool.level for tool in TOOLS if tool.level in SCOPE_LEVELS}
 APPROVAL_MODES = ("none", "changes")
-SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
-    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
-    "read": "machines.read,activity.read",
-    "full": ",".join(SCOPES),
-}
+# `tokens create --preset`: the usual grants, by what the agent is for
+SCOPE_PRESETS = dict(sandbox="sandbox.read,sandbox.manage,sandbox.exec")  # its own machines only
+SCOPE_PRESETS.update(read="machines.read,activity.read", full=",".join(SCOPES))
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")  # in any case: ours, the terminal's
 TOKEN_SECRET_PREFIX = "smolmcp_"
@@ -4531,10 +4529,9 @@ def check_scope(principal: Principal, tool: str) -> str:
         return scope
     level = TOOL_LEVELS.get(tool, "unknown")
     held = ", ".join(sorted(principal.scopes)) or "none"
-    needs = f"needs the machines.{level} scope (or sandbox.{level} for machines of its own)"
-    lacks = f"which {principal.label()} does not have (its scopes: {held})"
-    ask = "Ask the operator for a token with that scope."
-    raise ScopeMissing(f"scope_missing: {tool} {needs}, {lacks}. {ask}")
+    why = f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} for "
+    why += f"machines of its own), which {principal.label()} does not have (its scopes: {held}). "
+    raise ScopeMissing(why + "Ask the operator for a token with that scope.")
 
 
 def authorize(principal: Principal, tool: str, target: str | None, machine: str | None) -> Grant:
@@ -4643,9 +4640,8 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
         return FLEET_NAMES
     targets = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     if not targets or any(target not in FLEET_NAMES for target in targets):
-        raise ConfigError(
-            f"--targets takes {', '.join(FLEETS)} or {','.join(FLEETS)}; got {text!r}"
-        )
+        either = f"{', '.join(FLEETS)} or {','.join(FLEETS)}"
+        raise ConfigError(f"--targets takes {either}; got {text!r}")
     return targets
 
 
