@@ -4498,7 +4498,6 @@ class Principal:
         return f"the token '{self.name}'"
 
     def tools(self) -> tuple[str, ...]:
-        """The names of the tools this principal may call, in the server's order."""
         return tuple(tool.name for tool in TOOLS if granting_scope(self, tool.name) is not None)
 
     def describe(self) -> dict:
@@ -4589,7 +4588,6 @@ class StateFile:
         return data
 
     def update(self, change: Callable[[Any], Any]) -> Any:
-        """Apply ``change`` to the current content and write it back; returns its result."""
         try:
             ensure_state_dir(self.path.parent)
             with locked(self.path.with_name(self.path.name + ".lock")):
@@ -5035,7 +5033,6 @@ class ActivityLog:
 
 
 def activity_filter(principal=None, machine=None, since_secs: int | None = None) -> Callable:
-    """Which entries one reader asked for: by principal, by machine, by age."""
     cutoff = time.time() - since_secs if since_secs is not None else None
 
     def keep(entry: dict) -> bool:
