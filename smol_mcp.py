@@ -5047,12 +5047,6 @@ def activity_filter(principal=None, machine=None, since_secs: int | None = None)
     return keep
 
 
-def sees_own_activity_only(principal: Principal) -> bool:
-    """A sandbox.* principal (one without any machines.* scope) reads only its own entries."""
-    domains = {scope.partition(".")[0] for scope in principal.scopes if "." in scope}
-    return "sandbox" in domains and "machines" not in domains
-
-
 def waiting_process_alive(request: dict) -> bool:
     pid = request.get("pid")  # the start times are both None without /proc
     alive = isinstance(pid, int) and process_alive(pid)
@@ -5676,7 +5670,8 @@ class SmolMcp:
             why = f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
             why += f"{principal.label()} does not have. Ask the operator for a token with "
             raise_resource_error(why + "that scope.")
-        own_only = sees_own_activity_only(principal)
+        domains = {scope.partition(".")[0] for scope in principal.scopes if "." in scope}
+        own_only = "sandbox" in domains and "machines" not in domains  # without machines.*
         own = activity_filter(principal.name) if own_only else bool
         entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
         return {"entries": entries, "ownOnly": own_only}
