@@ -5175,22 +5175,17 @@ def post_webhook(url: str, payload: dict) -> str | None:
 # lives there and is cleaned up as the lifespan exits, however the connection ended.
 # ---------------------------------------------------------------------------
 
-
 ELICIT_TIMEOUT_SECS = 120
 JSON_TYPE = "application/json"
 SERVED_AS = [fleet.served_as for fleet in FLEETS.values()]  # "local (...)": how each is named
-FLEET_QUESTION = (
-    f"This smol-mcp server reaches these fleets of machines: {' and '.join(SERVED_AS)}. Which one "
-    "is this session for? Choose both to name the fleet on every call."
-)
+FLEET_QUESTION = "This smol-mcp server reaches these fleets of machines: " + " and ".join(SERVED_AS)
+FLEET_QUESTION += ". Which one is this session for? Choose both to name the fleet on every call."
 FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
 FLEET_CHOICE["description"] = ", ".join(FLEETS) + ", or both (decide per call)"
 FLEET_QUESTION_SCHEMA = dict(type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE})
 ARG_TARGET = dict(type="string", enum=list(FLEETS))
-ARG_TARGET["description"] = (
-    f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one fleet is invisible on "
-    "the other, so there is no default."
-)
+ARG_TARGET["description"] = f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one "
+ARG_TARGET["description"] += "fleet is invisible on the other, so there is no default."
 TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)  # as messages name them
 
 
@@ -5397,9 +5392,8 @@ class SmolMcp:
 
     async def on_list_resources(self, ctx, params):
         types = sdk_types()
-        about = (
-            "The mode, each fleet this process serves, and whether it is usable on this host now."
-        )
+        about = "The mode, each fleet this process serves, "
+        about += "and whether it is usable on this host now."
         shown = [(TARGETS_URI, "targets", "Fleets served and whether they are usable", about)]
         if "activity.read" in self.principal_for(ctx).scopes:
             about = f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity log: changing "
