@@ -5345,8 +5345,6 @@ class SmolMcp:
             self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
 
-    # -- handlers ----------------------------------------------------------
-
     @asynccontextmanager
     async def lifespan(self, server: Any):
         # Over HTTP it is entered once for the whole listener, which holds many sessions.
@@ -5606,8 +5604,6 @@ class SmolMcp:
         text = sdk_types().TextContent(type="text", text=reply_json(result))
         return sdk_types().CallToolResult(content=[text], structured_content=result)
 
-    # -- activity log ------------------------------------------------------
-
     def who(self, principal: Principal) -> dict:
         """The principal as the activity log names it."""
         return {"principal": principal.name, **({"user": principal.user} if principal.user else {})}
@@ -5633,8 +5629,6 @@ class SmolMcp:
         for name in swept:
             self.record({**cleanup, "machine": name, "outcome": outcome})
         self._swept = True
-
-    # -- resources ------------------------------------------------------------
 
     async def on_read_resource(self, ctx, params):
         uri, principal = str(params.uri), self.principal_for(ctx)
