@@ -5885,8 +5885,7 @@ class Approvals:
         return form_question(message, {"type": "object", "properties": {"note": note}})
 
     async def poll(self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict):
-        """Wait for the terminal or the client, the token's deletion, an
-        auto-approval, the timeout or a stop; the approver, else ApprovalRefused."""
+        """Wait for the terminal, the client or auto-approval: the approver or ApprovalRefused."""
         app, principal, tool = self.app, call.principal, event["tool"]
         deadline, next_progress = time.monotonic() + timeout, 0.0
         command = " ".join(launch_command() + ["approvals", "approve", approval_id])
@@ -5946,16 +5945,12 @@ class Approvals:
         return {"decision": "approve", "by": by, "reason": note}
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
-        """POST the notice from one small pool with a bounded queue, so a slow webhook holds
-        no call nor a thread per call; a failure (or a dropped notice) is logged."""
-
+        """POST from one small, bounded pool: a slow webhook holds no call nor a thread per call."""
         failed = {**event, "approval": "webhook failed"}
 
-        def send() -> None:
-            try:
-                failure = post_webhook(self.app.config.approval_webhook, payload)
-            finally:
-                self._webhook_slots.release()
+        def send() -> None:  # post_webhook raises nothing: the slot is always given back
+            failure = post_webhook(self.app.config.approval_webhook, payload)
+            self._webhook_slots.release()
             if failure is not None:
                 log.warning("%s; the terminal channel still works", failure)
                 self.app.record({**failed, "error": failure})
