@@ -4389,10 +4389,9 @@ def bookkeeping(runtime_dir: str):
     except OSError as err:
         if runtime_dir not in _warned_dirs:
             _warned_dirs.add(runtime_dir)
-            lost = "one this process cannot delete will not be found by the next start"
-            fix = "Make it writable (or set SMOL_MCP_RUNTIME_DIR)."
-            what = "cannot write to the runtime directory %s (%s); machines work on, but %s. %s"
-            log.warning(what, runtime_dir, err.strerror or err, lost, fix)
+            what = "cannot write to the runtime directory %s (%s); machines work on, but one this "
+            what += "process cannot delete will not be found by the next start. Make it writable "
+            log.warning(what + "(or set SMOL_MCP_RUNTIME_DIR).", runtime_dir, err.strerror or err)
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -4468,11 +4467,9 @@ SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "a
 # Each tool's scope level, from its ToolSpec.access; a tool without one is granted to nobody.
 TOOL_LEVELS = {tool.name: tool.level for tool in TOOLS if tool.level in SCOPE_LEVELS}
 APPROVAL_MODES = ("none", "changes")
-SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
-    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
-    "read": "machines.read,activity.read",
-    "full": ",".join(SCOPES),
-}
+# `tokens create --preset`: the usual grants, by what the agent is for
+SCOPE_PRESETS = dict(sandbox="sandbox.read,sandbox.manage,sandbox.exec")  # its own machines only
+SCOPE_PRESETS.update(read="machines.read,activity.read", full=",".join(SCOPES))
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")  # in any case: ours, the terminal's
 TOKEN_SECRET_PREFIX = "smolmcp_"
@@ -4504,7 +4501,6 @@ class Principal:
         return f"the token '{self.name}'"
 
     def tools(self) -> tuple[str, ...]:
-        """The names of the tools this principal may call, in the server's order."""
         return tuple(tool.name for tool in TOOLS if granting_scope(self, tool.name) is not None)
 
     def describe(self) -> dict:
@@ -4535,10 +4531,9 @@ def check_scope(principal: Principal, tool: str) -> str:
         return scope
     level = TOOL_LEVELS.get(tool, "unknown")
     held = ", ".join(sorted(principal.scopes)) or "none"
-    needs = f"needs the machines.{level} scope (or sandbox.{level} for machines of its own)"
-    lacks = f"which {principal.label()} does not have (its scopes: {held})"
-    ask = "Ask the operator for a token with that scope."
-    raise ScopeMissing(f"scope_missing: {tool} {needs}, {lacks}. {ask}")
+    why = f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} for "
+    why += f"machines of its own), which {principal.label()} does not have (its scopes: {held}). "
+    raise ScopeMissing(why + "Ask the operator for a token with that scope.")
 
 
 def authorize(principal: Principal, tool: str, target: str | None, machine: str | None) -> Grant:
@@ -4596,7 +4591,6 @@ class StateFile:
         return data
 
     def update(self, change: Callable[[Any], Any]) -> Any:
-        """Apply ``change`` to the current content and write it back; returns its result."""
         try:
             ensure_state_dir(self.path.parent)
             with locked(self.path.with_name(self.path.name + ".lock")):
@@ -4647,9 +4641,8 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
         return FLEET_NAMES
     targets = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     if not targets or any(target not in FLEET_NAMES for target in targets):
-        raise ConfigError(
-            f"--targets takes {', '.join(FLEETS)} or {','.join(FLEETS)}; got {text!r}"
-        )
+        either = f"{', '.join(FLEETS)} or {','.join(FLEETS)}"
+        raise ConfigError(f"--targets takes {either}; got {text!r}")
     return targets
 
 
@@ -5043,7 +5036,6 @@ class ActivityLog:
 
 
 def activity_filter(principal=None, machine=None, since_secs: int | None = None) -> Callable:
-    """Which entries one reader asked for: by principal, by machine, by age."""
     cutoff = time.time() - since_secs if since_secs is not None else None
 
     def keep(entry: dict) -> bool:
@@ -5056,12 +5048,6 @@ def activity_filter(principal=None, machine=None, since_secs: int | None = None)
             return False
 
     return keep
-
-
-def sees_own_activity_only(principal: Principal) -> bool:
-    """A sandbox.* principal (one without any machines.* scope) reads only its own entries."""
-    domains = {scope.partition(".")[0] for scope in principal.scopes if "." in scope}
-    return "sandbox" in domains and "machines" not in domains
 
 
 def waiting_process_alive(request: dict) -> bool:
@@ -5192,22 +5178,17 @@ def post_webhook(url: str, payload: dict) -> str | None:
 # lives there and is cleaned up as the lifespan exits, however the connection ended.
 # ---------------------------------------------------------------------------
 
-
 ELICIT_TIMEOUT_SECS = 120
 JSON_TYPE = "application/json"
 SERVED_AS = [fleet.served_as for fleet in FLEETS.values()]  # "local (...)": how each is named
-FLEET_QUESTION = (
-    f"This smol-mcp server reaches these fleets of machines: {' and '.join(SERVED_AS)}. Which one "
-    "is this session for? Choose both to name the fleet on every call."
-)
+FLEET_QUESTION = "This smol-mcp server reaches these fleets of machines: " + " and ".join(SERVED_AS)
+FLEET_QUESTION += ". Which one is this session for? Choose both to name the fleet on every call."
 FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
 FLEET_CHOICE["description"] = ", ".join(FLEETS) + ", or both (decide per call)"
 FLEET_QUESTION_SCHEMA = dict(type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE})
 ARG_TARGET = dict(type="string", enum=list(FLEETS))
-ARG_TARGET["description"] = (
-    f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one fleet is invisible on "
-    "the other, so there is no default."
-)
+ARG_TARGET["description"] = f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one "
+ARG_TARGET["description"] += "fleet is invisible on the other, so there is no default."
 TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)  # as messages name them
 
 
@@ -5367,8 +5348,6 @@ class SmolMcp:
             self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
 
-    # -- handlers ----------------------------------------------------------
-
     @asynccontextmanager
     async def lifespan(self, server: Any):
         # Over HTTP it is entered once for the whole listener, which holds many sessions.
@@ -5414,9 +5393,8 @@ class SmolMcp:
 
     async def on_list_resources(self, ctx, params):
         types = sdk_types()
-        about = (
-            "The mode, each fleet this process serves, and whether it is usable on this host now."
-        )
+        about = "The mode, each fleet this process serves, "
+        about += "and whether it is usable on this host now."
         shown = [(TARGETS_URI, "targets", "Fleets served and whether they are usable", about)]
         if "activity.read" in self.principal_for(ctx).scopes:
             about = f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity log: changing "
@@ -5629,8 +5607,6 @@ class SmolMcp:
         text = sdk_types().TextContent(type="text", text=reply_json(result))
         return sdk_types().CallToolResult(content=[text], structured_content=result)
 
-    # -- activity log ------------------------------------------------------
-
     def who(self, principal: Principal) -> dict:
         """The principal as the activity log names it."""
         return {"principal": principal.name, **({"user": principal.user} if principal.user else {})}
@@ -5656,8 +5632,6 @@ class SmolMcp:
         for name in swept:
             self.record({**cleanup, "machine": name, "outcome": outcome})
         self._swept = True
-
-    # -- resources ------------------------------------------------------------
 
     async def on_read_resource(self, ctx, params):
         uri, principal = str(params.uri), self.principal_for(ctx)
@@ -5687,7 +5661,8 @@ class SmolMcp:
             why = f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
             why += f"{principal.label()} does not have. Ask the operator for a token with "
             raise_resource_error(why + "that scope.")
-        own_only = sees_own_activity_only(principal)
+        domains = {scope.partition(".")[0] for scope in principal.scopes if "." in scope}
+        own_only = "sandbox" in domains and "machines" not in domains  # without machines.*
         own = activity_filter(principal.name) if own_only else bool
         entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
         return {"entries": entries, "ownOnly": own_only}
@@ -5913,8 +5888,7 @@ class Approvals:
         return form_question(message, {"type": "object", "properties": {"note": note}})
 
     async def poll(self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict):
-        """Wait for the terminal or the client, the token's deletion, an
-        auto-approval, the timeout or a stop; the approver, else ApprovalRefused."""
+        """Wait for the terminal, the client or auto-approval: the approver or ApprovalRefused."""
         app, principal, tool = self.app, call.principal, event["tool"]
         deadline, next_progress = time.monotonic() + timeout, 0.0
         command = " ".join(launch_command() + ["approvals", "approve", approval_id])
@@ -5974,16 +5948,12 @@ class Approvals:
         return {"decision": "approve", "by": by, "reason": note}
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
-        """POST the notice from one small pool with a bounded queue, so a slow webhook holds
-        no call nor a thread per call; a failure (or a dropped notice) is logged."""
-
+        """POST from one small, bounded pool: a slow webhook holds no call nor a thread per call."""
         failed = {**event, "approval": "webhook failed"}
 
-        def send() -> None:
-            try:
-                failure = post_webhook(self.app.config.approval_webhook, payload)
-            finally:
-                self._webhook_slots.release()
+        def send() -> None:  # post_webhook raises nothing: the slot is always given back
+            failure = post_webhook(self.app.config.approval_webhook, payload)
+            self._webhook_slots.release()
             if failure is not None:
                 log.warning("%s; the terminal channel still works", failure)
                 self.app.record({**failed, "error": failure})
