@@ -1774,10 +1774,8 @@ class CloudFleet:
         import httpx2
 
         if not self.config.cloud_token:
-            raise SmolError(
-                "the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
-                "config file)"
-            )
+            fix = "set SMOL_CLOUD_TOKEN (or cloudToken in the config file)"
+            raise SmolError(f"the cloud fleet needs an account key: {fix}")
         octets = {"content": data, "headers": {"Content-Type": "application/octet-stream"}}
         sent = octets if isinstance(data, bytes) else {"json": data}
         for attempt in range(1, 5):
@@ -1885,10 +1883,8 @@ class CloudFleet:
                 "disk or workload command to set; leave it out for a cloud machine"
             )
         if any(port.get("host") for port in spec.ports):
-            raise ArgumentError(
-                '"ports[].host" is local only: the cloud control plane picks the host port; '
-                "pass only the guest port"
-            )
+            why = "the cloud control plane picks the host port; pass only the guest port"
+            raise ArgumentError(f'"ports[].host" is local only: {why}')
         if spec.ports and not (spec.network == "open" or spec.allow_hosts or spec.allow_cidrs):
             raise ArgumentError(
                 "a cloud machine that publishes ports cannot also block egress; pass network: "
@@ -2032,10 +2028,8 @@ class CloudFleet:
         record = self._find(name)
         state = record.get("state")
         if state in ("error", "stopped", "deleted"):
-            raise SmolError(
-                f"machine '{name}' is {state} instead of starting; its log (machine-logs) may "
-                "say why"
-            )
+            why = "its log (machine-logs) may say why"
+            raise SmolError(f"machine '{name}' is {state} instead of starting; {why}")
         if state not in RUNNING_STATES:
             return f"state {state}"
         try:
@@ -2083,10 +2077,8 @@ class CloudFleet:
             data = b""
         if len(data) != max(0, min(length, size - offset)):
             # The service caps exec output; a page cut short would read as the end of the file.
-            raise SmolError(
-                f"the cloud API cut the output of the read of {path} short (its exec output cap), "
-                "so the page is not returned; ask for a smaller length"
-            )
+            cut = f"the cloud API cut the output of the read of {path} short (its exec output cap)"
+            raise SmolError(f"{cut}, so the page is not returned; ask for a smaller length")
         return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
@@ -2129,10 +2121,8 @@ class CloudFleet:
         return cloud_record(created)
 
     def pull_image(self, name: str, image: str) -> dict:
-        raise ArgumentError(
-            "pull-image is local only: the cloud control plane pulls a machine's image itself "
-            "when the machine is created"
-        )
+        why = "the cloud control plane pulls a machine's image itself when the machine is created"
+        raise ArgumentError(f"pull-image is local only: {why}")
 
 
 def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
