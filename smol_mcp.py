@@ -1823,6 +1823,7 @@ class CloudFleet:
 
     def _error(self, action: str, response: Any) -> ApiError:
         """An ApiError from a cloud error body: plain text, JSON with code and error, or empty."""
+        response.read()  # a streamed answer's body is not read yet
         status, text, code = response.status_code, response.text.strip(), ""
         if "application/json" in response.headers.get("content-type", ""):
             try:
@@ -1955,8 +1956,7 @@ class CloudFleet:
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        body = cloud_exec_body(argv, **options)
-        answer, seconds = self._exec(record["id"], name, body)
+        answer, seconds = self._exec(record["id"], name, cloud_exec_body(argv, **options))
         streams = ("stdout", "stderr")
         cut = tuple(s for s in streams if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64"))
         out, err = (exec_stream(answer, stream) for stream in streams)
@@ -1976,7 +1976,6 @@ class CloudFleet:
         try:
             with self._client.stream("POST", route, json=body, headers=sse, timeout=secs) as reply:
                 if reply.status_code >= 400:
-                    reply.read()
                     raise self._error(action, reply)
                 events, faults = sse_events(reply.iter_bytes()), (httpx2.TransportError,)
                 return collect_exec_stream(events, name, on_output, started, faults)
@@ -2050,7 +2049,6 @@ class CloudFleet:
         try:
             with self._client.stream("GET", route, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
                 if response.status_code >= 400:
-                    response.read()
                     raise self._error(f"read {path} in machine '{name}'", response)
                 page, seen, size = bytearray(), 0, int(response.headers.get("content-length", -1))
                 for chunk in response.iter_bytes():
