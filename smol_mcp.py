@@ -1788,10 +1788,9 @@ class CloudFleet:
                     f"{self.config.cloud_url}"
                 ) from None
             except httpx2.TransportError as exc:
-                raise SmolError(
-                    f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
-                    f"{redact(str(exc), self.config.secret_values()) or type(exc).__name__}"
-                ) from None
+                detail = redact(str(exc), self.config.secret_values()) or type(exc).__name__
+                where = f"the cloud API at {self.config.cloud_url}"
+                raise SmolError(f"could not reach {where} to {action}: {detail}") from None
             code, idempotent = response.status_code, method in ("GET", "PUT", "DELETE")
             if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
                 break
@@ -1980,10 +1979,8 @@ class CloudFleet:
                 events, faults = sse_events(reply.iter_bytes()), (httpx2.TransportError,)
                 return collect_exec_stream(events, name, on_output, started, faults)
         except httpx2.TransportError as exc:  # before the answer began
-            raise SmolError(
-                f"could not reach the cloud API at {self.config.cloud_url} to "
-                f"{action}: {type(exc).__name__}"
-            ) from None
+            where = f"the cloud API at {self.config.cloud_url}"
+            raise SmolError(f"could not reach {where} to {action}: {type(exc).__name__}") from None
 
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
