@@ -299,9 +299,8 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             f"without a path, such as https://mcp.example.com; got {config.public_url!r}"
         )
     runtime_dir = config.runtime_dir or default_runtime_dir(environ)
-    return dataclasses.replace(
-        config, runtime_dir=runtime_dir, state_dir=config.state_dir or default_state_dir(environ)
-    )
+    state_dir = config.state_dir or default_state_dir(environ)
+    return dataclasses.replace(config, runtime_dir=runtime_dir, state_dir=state_dir)
 
 
 def default_runtime_dir(environ: dict[str, str]) -> str:
@@ -313,9 +312,8 @@ def default_runtime_dir(environ: dict[str, str]) -> str:
 
 def default_state_dir(environ: dict[str, str]) -> str:
     """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens outlive a reboot)."""
-    if environ.get("XDG_STATE_HOME"):
-        return str(Path(environ["XDG_STATE_HOME"]) / "smol-mcp")
-    return str(Path(environ.get("HOME") or Path.home()) / ".local" / "state" / "smol-mcp")
+    home = Path(environ.get("HOME") or Path.home())
+    return str(Path(environ.get("XDG_STATE_HOME") or home / ".local" / "state") / "smol-mcp")
 
 
 def ensure_runtime_dir(path: str) -> Path:
