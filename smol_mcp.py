@@ -1849,8 +1849,7 @@ class CloudFleet:
 
     def _find(self, name: str) -> dict:
         """The raw record named ``name`` (SPEC 16: an unnamed one goes by its id; a name wins)."""
-        found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
-        if found:
+        if found := [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]:
             return min(found, key=lambda r: not r.get("name"))
         missing = f"machine '{name}' not found"
         raise ApiError(self.name, f"find machine '{name}'", 404, "NOT_FOUND", missing)
