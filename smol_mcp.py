@@ -8283,8 +8283,7 @@ def operator_command(args: Any, config: Config) -> int:
     """operator set-password / link: how the operator signs in to the pages of --http."""
     operator = Operator(config.state_dir)
     if args.operator_command == "link":
-        issuer = oauth_issuer(config, config.http_host, config.http_port)
-        if issuer is None:
+        if (issuer := oauth_issuer(config, config.http_host, config.http_port)) is None:
             raise ConfigError(
                 "--http is bound off loopback, so the address a browser reaches it at is not "
                 "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
