@@ -177,7 +177,6 @@ def _camel(attr: str) -> str:
 
 
 def _setting(f: dataclasses.Field) -> Setting:
-    """The Setting a Config field declares with setting_field."""
     env = f.metadata["setting"]["env"] or f"SMOL_MCP_{f.name.upper()}"
     return Setting(_camel(f.name), attr=f.name, **{**f.metadata["setting"], "env": env})
 
