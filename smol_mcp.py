@@ -1909,15 +1909,12 @@ class CloudFleet:
             refused = err.status in (400, 422) and "blocked" in err.api_message
             if body["network"] is not CLOUD_BLOCKED or not refused:
                 raise
-        log.info(
-            'the cloud API refused network mode "blocked"; denying egress with an allow-list of '
-            "192.0.2.0/24"
-        )
+        deny = "denying egress with an allow-list of 192.0.2.0/24"
+        log.info('the cloud API refused network mode "blocked"; %s', deny)
         self._blocked = body["network"] = CLOUD_BLOCKED_FALLBACK
         return cloud_record(self.request(action, "POST", "/v1/machines", body))
 
     def _act(self, name: str, verb: str, timeout: float, query: str = "") -> dict:
-        """POST ``verb`` (start, stop) to the machine; its record after."""
         route, action = f"/v1/machines/{self._find(name)['id']}", f"{verb} machine '{name}'"
         self.request(action, "POST", f"{route}/{verb}{query}", timeout=timeout, expect=None)
         return cloud_record(self.request(f"get machine '{name}'", "GET", route))
