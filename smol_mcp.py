@@ -219,13 +219,11 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
         if setting.maximum is not None and value > setting.maximum:
             raise ConfigError(f"{where} must be at most {setting.maximum}, got {value}")
         return value
-    if setting.kind == "list":
-        if source == "env":
-            value = value.split(",")
-        elif not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where} must be a list of strings")
-        return tuple(v.strip() for v in value if v.strip())
-    raise AssertionError(setting.kind)
+    if source == "env":  # the one kind left: "list"
+        value = value.split(",")
+    elif not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where} must be a list of strings")
+    return tuple(v.strip() for v in value if v.strip())
 
 
 def _json_type(value: Any) -> str:
