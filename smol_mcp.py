@@ -7655,7 +7655,6 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
 # 15. Command line
 # ---------------------------------------------------------------------------
 
-
 SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
 
 
