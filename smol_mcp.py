@@ -291,10 +291,9 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     plain_http = public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS
     more = public.path.strip("/") or public.query or public.fragment
     if config.public_url and (public.scheme not in ("http", "https") or plain_http or more):
-        raise ConfigError(
-            "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at, "
-            f"without a path, such as https://mcp.example.com; got {config.public_url!r}"
-        )
+        what = "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at"
+        example = "without a path, such as https://mcp.example.com"
+        raise ConfigError(f"{what}, {example}; got {config.public_url!r}")
     runtime_dir = config.runtime_dir or default_runtime_dir(environ)
     state_dir = config.state_dir or default_state_dir(environ)
     return dataclasses.replace(config, runtime_dir=runtime_dir, state_dir=state_dir)
