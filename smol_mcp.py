@@ -1879,10 +1879,9 @@ class CloudFleet:
             why = "the cloud control plane picks the host port; pass only the guest port"
             raise ArgumentError(f'"ports[].host" is local only: {why}')
         if spec.ports and not (spec.network == "open" or spec.allow_hosts or spec.allow_cidrs):
-            raise ArgumentError(
-                "a cloud machine that publishes ports cannot also block egress; pass network: "
-                '"open" (or an allow-list) with ports, or leave the ports out'
-            )
+            why = "a cloud machine that publishes ports cannot also block egress"
+            fix = 'pass network: "open" (or an allow-list) with ports, or leave the ports out'
+            raise ArgumentError(f"{why}; {fix}")
         network = {"mode": "open"} if spec.network == "open" else self._blocked
         if spec.allow_hosts or spec.allow_cidrs:
             network = {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
