@@ -8081,10 +8081,9 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
             json.loads(re.sub(r",(\s*[}\]])", r"\1", plain))
         except ValueError:
             raise SmolError(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
-        raise SmolError(
-            f"{path} has comments or trailing commas (JSONC); rewriting it would drop them, so "
-            "paste the entry printed by `setup` without --write into it by hand"
-        ) from None
+        why = f"{path} has comments or trailing commas (JSONC); rewriting it would drop them"
+        fix = "paste the entry printed by `setup` without --write into it by hand"
+        raise SmolError(f"{why}, so {fix}") from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
         shape = f'a JSON object with an object under "{key}"'
         raise SmolError(f"{path} does not hold {shape}; {BY_HAND}")
@@ -8275,10 +8274,9 @@ def operator_command(args: Any, config: Config) -> int:
     operator = Operator(config.state_dir)
     if args.operator_command == "link":
         if (issuer := oauth_issuer(config, config.http_host, config.http_port)) is None:
-            raise ConfigError(
-                "--http is bound off loopback, so the address a browser reaches it at is not "
-                "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
-            )
+            why = "so the address a browser reaches it at is not knowable here"
+            fix = "set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
+            raise ConfigError(f"--http is bound off loopback, {why}: {fix}")
         print(f"{issuer}/signin?link={operator.new_link()}")
         elsewhere = "for a server on another address keep the path and query"
         print(f"(good for 10 minutes, once; {elsewhere})", file=sys.stderr)
