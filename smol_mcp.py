@@ -177,7 +177,6 @@ def _camel(attr: str) -> str:
 
 
 def _setting(f: dataclasses.Field) -> Setting:
-    """The Setting a Config field declares with setting_field."""
     env = f.metadata["setting"]["env"] or f"SMOL_MCP_{f.name.upper()}"
     return Setting(_camel(f.name), attr=f.name, **{**f.metadata["setting"], "env": env})
 
@@ -220,13 +219,11 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
         if setting.maximum is not None and value > setting.maximum:
             raise ConfigError(f"{where} must be at most {setting.maximum}, got {value}")
         return value
-    if setting.kind == "list":
-        if source == "env":
-            value = value.split(",")
-        elif not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where} must be a list of strings")
-        return tuple(v.strip() for v in value if v.strip())
-    raise AssertionError(setting.kind)
+    if source == "env":  # the one kind left: "list"
+        value = value.split(",")
+    elif not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where} must be a list of strings")
+    return tuple(v.strip() for v in value if v.strip())
 
 
 def _json_type(value: Any) -> str:
@@ -294,14 +291,12 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     plain_http = public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS
     more = public.path.strip("/") or public.query or public.fragment
     if config.public_url and (public.scheme not in ("http", "https") or plain_http or more):
-        raise ConfigError(
-            "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at, "
-            f"without a path, such as https://mcp.example.com; got {config.public_url!r}"
-        )
+        what = "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at"
+        example = "without a path, such as https://mcp.example.com"
+        raise ConfigError(f"{what}, {example}; got {config.public_url!r}")
     runtime_dir = config.runtime_dir or default_runtime_dir(environ)
-    return dataclasses.replace(
-        config, runtime_dir=runtime_dir, state_dir=config.state_dir or default_state_dir(environ)
-    )
+    state_dir = config.state_dir or default_state_dir(environ)
+    return dataclasses.replace(config, runtime_dir=runtime_dir, state_dir=state_dir)
 
 
 def default_runtime_dir(environ: dict[str, str]) -> str:
@@ -313,9 +308,8 @@ def default_runtime_dir(environ: dict[str, str]) -> str:
 
 def default_state_dir(environ: dict[str, str]) -> str:
     """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens outlive a reboot)."""
-    if environ.get("XDG_STATE_HOME"):
-        return str(Path(environ["XDG_STATE_HOME"]) / "smol-mcp")
-    return str(Path(environ.get("HOME") or Path.home()) / ".local" / "state" / "smol-mcp")
+    home = Path(environ.get("HOME") or Path.home())
+    return str(Path(environ.get("XDG_STATE_HOME") or home / ".local" / "state") / "smol-mcp")
 
 
 def ensure_runtime_dir(path: str) -> Path:
@@ -1775,10 +1769,8 @@ class CloudFleet:
         import httpx2
 
         if not self.config.cloud_token:
-            raise SmolError(
-                "the cloud fleet needs an account key: set SMOL_CLOUD_TOKEN (or cloudToken in the "
-                "config file)"
-            )
+            fix = "set SMOL_CLOUD_TOKEN (or cloudToken in the config file)"
+            raise SmolError(f"the cloud fleet needs an account key: {fix}")
         octets = {"content": data, "headers": {"Content-Type": "application/octet-stream"}}
         sent = octets if isinstance(data, bytes) else {"json": data}
         for attempt in range(1, 5):
@@ -1791,10 +1783,9 @@ class CloudFleet:
                     f"{self.config.cloud_url}"
                 ) from None
             except httpx2.TransportError as exc:
-                raise SmolError(
-                    f"could not reach the cloud API at {self.config.cloud_url} to {action}: "
-                    f"{redact(str(exc), self.config.secret_values()) or type(exc).__name__}"
-                ) from None
+                detail = redact(str(exc), self.config.secret_values()) or type(exc).__name__
+                where = f"the cloud API at {self.config.cloud_url}"
+                raise SmolError(f"could not reach {where} to {action}: {detail}") from None
             code, idempotent = response.status_code, method in ("GET", "PUT", "DELETE")
             if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
                 break
@@ -1826,6 +1817,7 @@ class CloudFleet:
 
     def _error(self, action: str, response: Any) -> ApiError:
         """An ApiError from a cloud error body: plain text, JSON with code and error, or empty."""
+        response.read()  # a streamed answer's body is not read yet
         status, text, code = response.status_code, response.text.strip(), ""
         if "application/json" in response.headers.get("content-type", ""):
             try:
@@ -1854,8 +1846,7 @@ class CloudFleet:
 
     def _find(self, name: str) -> dict:
         """The raw record named ``name`` (SPEC 16: an unnamed one goes by its id; a name wins)."""
-        found = [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]
-        if found:
+        if found := [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]:
             return min(found, key=lambda r: not r.get("name"))
         missing = f"machine '{name}' not found"
         raise ApiError(self.name, f"find machine '{name}'", 404, "NOT_FOUND", missing)
@@ -1886,15 +1877,12 @@ class CloudFleet:
                 "disk or workload command to set; leave it out for a cloud machine"
             )
         if any(port.get("host") for port in spec.ports):
-            raise ArgumentError(
-                '"ports[].host" is local only: the cloud control plane picks the host port; '
-                "pass only the guest port"
-            )
+            why = "the cloud control plane picks the host port; pass only the guest port"
+            raise ArgumentError(f'"ports[].host" is local only: {why}')
         if spec.ports and not (spec.network == "open" or spec.allow_hosts or spec.allow_cidrs):
-            raise ArgumentError(
-                "a cloud machine that publishes ports cannot also block egress; pass network: "
-                '"open" (or an allow-list) with ports, or leave the ports out'
-            )
+            why = "a cloud machine that publishes ports cannot also block egress"
+            fix = 'pass network: "open" (or an allow-list) with ports, or leave the ports out'
+            raise ArgumentError(f"{why}; {fix}")
         network = {"mode": "open"} if spec.network == "open" else self._blocked
         if spec.allow_hosts or spec.allow_cidrs:
             network = {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
@@ -1918,15 +1906,12 @@ class CloudFleet:
             refused = err.status in (400, 422) and "blocked" in err.api_message
             if body["network"] is not CLOUD_BLOCKED or not refused:
                 raise
-        log.info(
-            'the cloud API refused network mode "blocked"; denying egress with an allow-list of '
-            "192.0.2.0/24"
-        )
+        deny = "denying egress with an allow-list of 192.0.2.0/24"
+        log.info('the cloud API refused network mode "blocked"; %s', deny)
         self._blocked = body["network"] = CLOUD_BLOCKED_FALLBACK
         return cloud_record(self.request(action, "POST", "/v1/machines", body))
 
     def _act(self, name: str, verb: str, timeout: float, query: str = "") -> dict:
-        """POST ``verb`` (start, stop) to the machine; its record after."""
         route, action = f"/v1/machines/{self._find(name)['id']}", f"{verb} machine '{name}'"
         self.request(action, "POST", f"{route}/{verb}{query}", timeout=timeout, expect=None)
         return cloud_record(self.request(f"get machine '{name}'", "GET", route))
@@ -1960,8 +1945,7 @@ class CloudFleet:
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        body = cloud_exec_body(argv, **options)
-        answer, seconds = self._exec(record["id"], name, body)
+        answer, seconds = self._exec(record["id"], name, cloud_exec_body(argv, **options))
         streams = ("stdout", "stderr")
         cut = tuple(s for s in streams if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64"))
         out, err = (exec_stream(answer, stream) for stream in streams)
@@ -1981,15 +1965,12 @@ class CloudFleet:
         try:
             with self._client.stream("POST", route, json=body, headers=sse, timeout=secs) as reply:
                 if reply.status_code >= 400:
-                    reply.read()
                     raise self._error(action, reply)
                 events, faults = sse_events(reply.iter_bytes()), (httpx2.TransportError,)
                 return collect_exec_stream(events, name, on_output, started, faults)
         except httpx2.TransportError as exc:  # before the answer began
-            raise SmolError(
-                f"could not reach the cloud API at {self.config.cloud_url} to "
-                f"{action}: {type(exc).__name__}"
-            ) from None
+            where = f"the cloud API at {self.config.cloud_url}"
+            raise SmolError(f"could not reach {where} to {action}: {type(exc).__name__}") from None
 
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
@@ -2033,10 +2014,8 @@ class CloudFleet:
         record = self._find(name)
         state = record.get("state")
         if state in ("error", "stopped", "deleted"):
-            raise SmolError(
-                f"machine '{name}' is {state} instead of starting; its log (machine-logs) may "
-                "say why"
-            )
+            why = "its log (machine-logs) may say why"
+            raise SmolError(f"machine '{name}' is {state} instead of starting; {why}")
         if state not in RUNNING_STATES:
             return f"state {state}"
         try:
@@ -2057,7 +2036,6 @@ class CloudFleet:
         try:
             with self._client.stream("GET", route, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
                 if response.status_code >= 400:
-                    response.read()
                     raise self._error(f"read {path} in machine '{name}'", response)
                 page, seen, size = bytearray(), 0, int(response.headers.get("content-length", -1))
                 for chunk in response.iter_bytes():
@@ -2084,10 +2062,8 @@ class CloudFleet:
             data = b""
         if len(data) != max(0, min(length, size - offset)):
             # The service caps exec output; a page cut short would read as the end of the file.
-            raise SmolError(
-                f"the cloud API cut the output of the read of {path} short (its exec output cap), "
-                "so the page is not returned; ask for a smaller length"
-            )
+            cut = f"the cloud API cut the output of the read of {path} short (its exec output cap)"
+            raise SmolError(f"{cut}, so the page is not returned; ask for a smaller length")
         return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
@@ -2130,10 +2106,8 @@ class CloudFleet:
         return cloud_record(created)
 
     def pull_image(self, name: str, image: str) -> dict:
-        raise ArgumentError(
-            "pull-image is local only: the cloud control plane pulls a machine's image itself "
-            "when the machine is created"
-        )
+        why = "the cloud control plane pulls a machine's image itself when the machine is created"
+        raise ArgumentError(f"pull-image is local only: {why}")
 
 
 def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
@@ -7652,7 +7626,6 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
 # 15. Command line
 # ---------------------------------------------------------------------------
 
-
 SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
 
 
@@ -8081,10 +8054,9 @@ def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force:
             json.loads(re.sub(r",(\s*[}\]])", r"\1", plain))
         except ValueError:
             raise SmolError(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
-        raise SmolError(
-            f"{path} has comments or trailing commas (JSONC); rewriting it would drop them, so "
-            "paste the entry printed by `setup` without --write into it by hand"
-        ) from None
+        why = f"{path} has comments or trailing commas (JSONC); rewriting it would drop them"
+        fix = "paste the entry printed by `setup` without --write into it by hand"
+        raise SmolError(f"{why}, so {fix}") from None
     if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
         shape = f'a JSON object with an object under "{key}"'
         raise SmolError(f"{path} does not hold {shape}; {BY_HAND}")
@@ -8274,12 +8246,10 @@ def operator_command(args: Any, config: Config) -> int:
     """operator set-password / link: how the operator signs in to the pages of --http."""
     operator = Operator(config.state_dir)
     if args.operator_command == "link":
-        issuer = oauth_issuer(config, config.http_host, config.http_port)
-        if issuer is None:
-            raise ConfigError(
-                "--http is bound off loopback, so the address a browser reaches it at is not "
-                "knowable here: set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
-            )
+        if (issuer := oauth_issuer(config, config.http_host, config.http_port)) is None:
+            why = "so the address a browser reaches it at is not knowable here"
+            fix = "set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
+            raise ConfigError(f"--http is bound off loopback, {why}: {fix}")
         print(f"{issuer}/signin?link={operator.new_link()}")
         elsewhere = "for a server on another address keep the path and query"
         print(f"(good for 10 minutes, once; {elsewhere})", file=sys.stderr)
