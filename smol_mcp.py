@@ -6265,11 +6265,9 @@ class HttpGate:
         # The SDK binds a handshake-era session to the user that opened it: the
         # same Mcp-Session-Id with another token answers 404, as an unknown one.
         scope["user"] = authenticated_user(principal)
-        body = await self.read_body(headers, receive, send)
-        if body is not None and api:
-            await self.sessions.plain_api(scope, receive, send, body)
-        elif body is not None:
-            await self.sessions.forward(scope, replay_body(body, receive), send, body)
+        if (body := await self.read_body(headers, receive, send)) is not None:
+            serve = self.sessions.plain_api if api else self.sessions.forward
+            await serve(scope, replay_body(body, receive), send, body)
 
     async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
         """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES a 413 (as much again is
