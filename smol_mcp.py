@@ -7395,14 +7395,10 @@ class OAuthProvider:
     async def register_client(self, client_info: Any) -> None:
         from mcp.server.auth.provider import RegistrationError
 
-        uris = client_info.redirect_uris or []
-        unsafe = [
-            str(uri)
-            for uri in uris
-            if len(str(uri)) > 512
-            or uri.scheme in ("javascript", "data", "file", "vbscript")
-            or (uri.scheme == "http" and uri.host not in (*LOOPBACK_HOSTS, "[::1]"))
-        ]
+        uris, loopback = client_info.redirect_uris or [], (*LOOPBACK_HOSTS, "[::1]")
+        cleartext = [uri for uri in uris if uri.scheme == "http" and uri.host not in loopback]
+        banned = ("javascript", "data", "file", "vbscript")
+        unsafe = [str(u) for u in uris if len(str(u)) > 512 or u.scheme in banned or u in cleartext]
         name = client_info.client_name or ""
         if unsafe or not 1 <= len(uris) <= 8 or len(name) > 100 or printable(name) != name:
             raise RegistrationError(
