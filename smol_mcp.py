@@ -6742,7 +6742,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     public, issuer = None, oauth_issuer(config, host, port)
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
-        routes = page_routes(app.pages) + oauth_routes(app, issuer, path) + console_routes(app)
+        routes = oauth_routes(app, issuer, path) + console_routes(app)
         public = Starlette(routes=routes, exception_handlers={PageAnswer: lambda _, e: e.args[0]})
     return HttpGate(app.http.inner, app, default_allowed_hosts(config, host, port), public)
 
@@ -7299,62 +7299,6 @@ def back_to(target: str) -> str:
     return "/signin"
 
 
-def page_routes(pages: Pages) -> list:
-    """The sign-in and sign-out pages."""
-    from starlette.responses import RedirectResponse
-    from starlette.routing import Route
-
-    async def signin(request: Any) -> Any:
-        target = back_to(request.query_params.get("next", "/signin"))
-        link, status, error = request.query_params.get("link", ""), 200, ""
-        if request.method == "GET" and pages.session(request) is not None:
-            if target != "/signin":
-                return RedirectResponse(target, 303)
-            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
-        if request.method != "GET":
-            form = await pages.form(request)
-            link = str(form.get("link", ""))
-            # A link is 256 random bits made on the host: never rate limited, so it always works.
-            if link:
-                status, error = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
-            else:
-                status, error = await pages.check_password(request, str(form.get("password", "")))
-            if not status:
-                response = RedirectResponse(target, 303)
-                pages.start_session(request, response, "one-time link" if link else "password")
-                return response
-        url = "/signin?" + urllib.parse.urlencode({"next": target})
-        head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
-        if "hop" not in request.query_params and request.method == "GET":
-            # A SameSite=Strict cookie is not sent along a chain of redirects from another
-            # site (the client's): reloading from this page sends it.
-            again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
-            head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
-        field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
-        if link:
-            field = f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
-            field += "one-time link made by <code>operator link</code> on the host.</p>"
-        body = (
-            f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
-            '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
-            "the host: <code>smol_mcp.py operator set-password</code>, or "
-            "<code>smol_mcp.py operator link</code> for a one-time link.</p>"
-        )
-        return pages.page(request, "Sign in", body, status, head=head)
-
-    async def signout(request: Any) -> Any:
-        await pages.form(request)
-        pages.sessions.pop(secret_hash(request.cookies.get(SESSION_COOKIE, "")), None)
-        response = RedirectResponse("/signin?hop=1", 303)
-        response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
-        return response
-
-    return [
-        Route("/signin", signin, methods=["GET", "POST"]),
-        Route("/signout", signout, methods=["POST"]),
-    ]
-
-
 @functools.cache
 def oauth_client_class() -> type:
     """The SDK's client record, with the redirect check of RFC 8252 7.3: a loopback redirect may
@@ -7538,7 +7482,7 @@ class OAuthProvider:
 
 
 def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
-    """The SDK's OAuth routes on our provider, and the consent page."""
+    """The sign-in and sign-out pages, the SDK's OAuth routes on our provider, the consent page."""
     from mcp.server.auth.provider import construct_redirect_uri
     from mcp.server.auth.routes import create_auth_routes, create_protected_resource_routes
     from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
@@ -7595,6 +7539,51 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     def back(params: Any, **answer: str) -> Any:
         url = construct_redirect_uri(str(params.redirect_uri), state=params.state, **answer)
         return RedirectResponse(url, 303)
+
+    async def signin(request: Any) -> Any:
+        target = back_to(request.query_params.get("next", "/signin"))
+        link, status, error = request.query_params.get("link", ""), 200, ""
+        if request.method == "GET" and pages.session(request) is not None:
+            if target != "/signin":
+                return RedirectResponse(target, 303)
+            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
+        if request.method != "GET":
+            form = await pages.form(request)
+            link = str(form.get("link", ""))
+            # A link is 256 random bits made on the host: never rate limited, so it always works.
+            if link:
+                status, error = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
+            else:
+                status, error = await pages.check_password(request, str(form.get("password", "")))
+            if not status:
+                response = RedirectResponse(target, 303)
+                pages.start_session(request, response, "one-time link" if link else "password")
+                return response
+        url = "/signin?" + urllib.parse.urlencode({"next": target})
+        head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
+        if "hop" not in request.query_params and request.method == "GET":
+            # A SameSite=Strict cookie is not sent along a chain of redirects from another
+            # site (the client's): reloading from this page sends it.
+            again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
+            head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
+        field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
+        if link:
+            field = f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
+            field += "one-time link made by <code>operator link</code> on the host.</p>"
+        body = (
+            f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
+            '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
+            "the host: <code>smol_mcp.py operator set-password</code>, or "
+            "<code>smol_mcp.py operator link</code> for a one-time link.</p>"
+        )
+        return pages.page(request, "Sign in", body, status, head=head)
+
+    async def signout(request: Any) -> Any:
+        await pages.form(request)
+        pages.sessions.pop(secret_hash(request.cookies.get(SESSION_COOKIE, "")), None)
+        response = RedirectResponse("/signin?hop=1", 303)
+        response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
+        return response
 
     async def consent(request: Any) -> Any:
         pages.require_operator(request)
@@ -7662,6 +7651,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         return pages.page(request, f"Connect {name}?", body, 400 if error else 200, form_to)
 
     return [
+        Route("/signin", signin, methods=["GET", "POST"]),
+        Route("/signout", signout, methods=["POST"]),
         *map(screened, routes),
         *resource,  # RFC 9728's place for it, and the root some clients look at first
         Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
