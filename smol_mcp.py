@@ -6761,6 +6761,7 @@ CONSOLE_PAGE_ROWS = 50
 CONSOLE_PERIODS = dict(zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(",")))
 CONSOLE_PAGES = {"tokens": "Access tokens", "approvals": "Approvals", "activity": "Activity"}
 CONSOLE_NAV = " ".join(f'<a href="/console/{p}">{name}</a>' for p, name in CONSOLE_PAGES.items())
+CHECKBOX = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'  # and the consent's
 
 
 def console_routes(app: SmolMcp) -> list:
@@ -6845,9 +6846,8 @@ def console_routes(app: SmolMcp) -> list:
 
     async def tokens(request: Any) -> Any:
         pages.require_operator(request)
-        box = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'
-        scopes = "".join(box.format("scope", v, "", v) for v in SCOPES)
-        fleets = "".join(box.format("target", v, " checked", v) for v in FLEET_NAMES)
+        scopes = "".join(CHECKBOX.format("scope", v, "", v) for v in SCOPES)
+        fleets = "".join(CHECKBOX.format("target", v, " checked", v) for v in FLEET_NAMES)
         fields = (
             '<label>Name <input type="text" name="name" maxlength="64" required></label>'
             f"<fieldset><legend>Scopes</legend>{scopes}</fieldset><fieldset><legend>Fleets</legend>"
@@ -7629,10 +7629,7 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             f'<span class="note">({esc(note)})</span></label>'
             for grant, note in GRANT_NOTES.items()
         )
-        boxes = "".join(
-            f'<label><input type="checkbox" name="scope" value="{scope}"> {scope}</label>'
-            for scope in SCOPES
-        )
+        boxes = "".join(CHECKBOX.format("scope", scope, "", scope) for scope in SCOPES)
         body = (
             f"{error}<p><strong>{esc(name)}</strong>, returning to <strong>"
             f"{esc(target.hostname or target.scheme)}</strong>, asks to use the machines of this "
