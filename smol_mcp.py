@@ -6522,7 +6522,6 @@ class HttpSessions:
         """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME with a JSON
         object of arguments calls one through call_tool as the token's 2026-era session (so the
         MCP path's scopes, ownership, approvals and log); it is cancelled if its client goes."""
-        import mcp_types as types
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
         api, principal = self.api, scope["state"]["smol_principal"]
@@ -6557,7 +6556,7 @@ class HttpSessions:
                     group.cancel_scope.cancel()  # the call ends as a client that went away
 
                 group.start_soon(watch_client)
-                params = types.CallToolRequestParams(name=name, arguments=arguments)
+                params = sdk_types().CallToolRequestParams(name=name, arguments=arguments)
                 result = await self.app.call_tool(ctx, params)
                 group.cancel_scope.cancel()
         finally:
