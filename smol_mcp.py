@@ -7441,11 +7441,10 @@ class OAuthProvider:
         access, refresh, now = new_token_secret(), new_token_secret(), time.time()
 
         def rotate(data: dict) -> dict | None:
-            mine = [record for record in data.get("tokens", []) if record.get("id") == grant_id]
-            refreshes = [kept["sha256"] for record in mine for kept in record.get("refresh", [])]
-            if not mine or spent is not None and secret_hash(spent) not in refreshes:
+            record = next((r for r in data.get("tokens", []) if r.get("id") == grant_id), None)
+            refreshes = [kept["sha256"] for kept in (record or {}).get("refresh", [])]
+            if record is None or spent is not None and secret_hash(spent) not in refreshes:
                 return None  # deleted, or used already: by the client, or by whoever stole it
-            record = mine[0]
             record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
             live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
             new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
