@@ -6316,12 +6316,9 @@ def authenticated_user(principal: Principal):
 def json_body(body: bytes, *path: str) -> Any:
     """A body's JSON, or the value at ``path`` in it; None if not JSON or there is no such value."""
     try:
-        value = json.loads(body)
-        for key in path:
-            value = value[key]
+        return functools.reduce(lambda value, key: value[key], path, json.loads(body))
     except (ValueError, KeyError, TypeError):
         return None
-    return value
 
 
 def request_methods(body: bytes, key: str = "method") -> list:
