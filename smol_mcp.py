@@ -6414,8 +6414,7 @@ class PlainRequest:
 
         self.request, self.protocol_version, self.session = Request(scope), protocol_version, self
 
-    async def report_progress(self, *_: Any) -> None:
-        pass
+    async def report_progress(self, *_: Any) -> None: ...
 
 
 def plain_status(err: SmolError | None) -> int:
