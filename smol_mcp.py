@@ -7594,8 +7594,7 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             if form.get("action") != "Allow":
                 del provider.pending[request_id]
                 return back(params, error="access_denied", error_description="the operator said no")
-            chosen = {key: str(form.get(key, "")) for key in chosen}
-            ticked = form.getlist("scope")
+            chosen, ticked = {key: str(form.get(key, "")) for key in chosen}, form.getlist("scope")
             scopes = GRANTS.get(chosen["grant"]) or tuple(s for s in SCOPES if s in ticked)
             try:
                 if not scopes:
