@@ -7007,7 +7007,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 # no JavaScript, no files beside the module.
 # ---------------------------------------------------------------------------
 
-OPERATOR_FILE = "operator.json"
+OPERATOR_FILE, OAUTH_CLIENTS_FILE = "operator.json", "oauth-clients.json"  # in the state directory
 SIGNIN_LINK_SECS = 600  # a one-time sign-in link is good for this long, and once
 SIGNIN_SESSION_SECS = 8 * 3600  # a session is bound to its browser's address and User-Agent
 SIGNIN_FRESH_SECS = 300  # no password: a grant wider than Sandbox needs a session this young
@@ -7022,7 +7022,6 @@ PASSWORD_ATTRS = 'type="password" name="password" maxlength="1024" autocomplete=
 PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
 RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
 OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's routes
-OAUTH_CLIENTS_FILE = "oauth-clients.json"
 OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
 OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
 OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
