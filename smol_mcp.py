@@ -6812,13 +6812,12 @@ def console_routes(app: SmolMcp) -> list:
         pages.require_operator(request)
         form, call_id = await pages.form(request), request.path_params["id"]
         choice, reason = str(form.get("answer")), str(form.get("reason", ""))[:500]
-        auto_for = str(form.get("auto")) if choice == "auto" else None
+        auto = str(form.get("auto")) if choice == "auto" else None  # the period chosen
         try:
-            periods = (None, *CONSOLE_PERIODS)
-            if choice not in ("approve", "auto", "reject") or auto_for not in periods:
+            if choice not in ("approve", "auto", "reject") or auto not in (None, *CONSOLE_PERIODS):
                 raise SmolError("Choose Approve, Approve + auto-approve (for a period) or Reject.")
             approve = choice != "reject"
-            held, until = answer_approval(config, call_id, approve, CONSOLE_WHO, auto_for, reason)
+            held, until = answer_approval(config, call_id, approve, CONSOLE_WHO, auto, reason)
         except SmolError as err:
             return show(request, "Approvals", f'<p class="error">{esc(err)}</p>', 409)
         done = "rejected: it does not run" if choice == "reject" else "approved: it runs now"
