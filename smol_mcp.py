@@ -7136,7 +7136,6 @@ class Pages:
 
     def __init__(self, state_dir: str | Path, issuer: str):
         self.operator, self.issuer = Operator(state_dir), issuer
-        self.secure = issuer.startswith("https:")
         self.sessions: dict[str, dict] = {}  # the cookie's SHA-256 -> expires, csrf, how, who
         self.failures: dict[str, list[float]] = {}  # address, "*" (all) -> times of failures
         self.checking: set[str] = set()  # addresses with a password check under way
@@ -7212,8 +7211,8 @@ class Pages:
         return response
 
     def cookie(self, response: Any, name: str, value: str, **options: Any) -> None:
-        options |= {"httponly": True, "samesite": "strict", "secure": self.secure}
-        response.set_cookie(name, value, **options)
+        secure = self.issuer.startswith("https:")
+        response.set_cookie(name, value, **options, httponly=True, samesite="strict", secure=secure)
 
     def wait_secs(self, key: str, tries: int = SIGNIN_TRIES) -> int:
         """How long ``key`` (an address, or "*" for all) must wait before it may try again."""
