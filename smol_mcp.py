@@ -6396,7 +6396,6 @@ def uvicorn_options() -> dict:
 
 
 async def _respond(send: Callable, status: int, answer: Any, headers: list | None = None) -> None:
-    """Send a whole answer: bytes as they are, anything else as JSON."""
     body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": head + (headers or [])})
