@@ -7410,9 +7410,8 @@ class OAuthProvider:
 
     async def load_refresh_token(self, client: Any, token: str) -> Any:
         digest = secret_hash(token)
-        for record in self.tokens.records():
-            if record.get("clientId") != client.client_id:
-                continue
+        mine = [r for r in self.tokens.records() if r.get("clientId") == client.client_id]
+        for record in mine:
             if digest in record.get("spent", []):
                 return self.end_grant(record["id"], "a spent refresh token was used again")
             for kept in record.get("refresh", []):
