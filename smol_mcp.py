@@ -6212,11 +6212,9 @@ class HttpGate:
         # The SDK binds a handshake-era session to the user that opened it: the
         # same Mcp-Session-Id with another token answers 404, as an unknown one.
         scope["user"] = authenticated_user(principal)
-        body = await self.read_body(headers, receive, send)
-        if body is not None and api:
-            await self.sessions.plain_api(scope, receive, send, body)
-        elif body is not None:
-            await self.sessions.forward(scope, replay_body(body, receive), send, body)
+        if (body := await self.read_body(headers, receive, send)) is not None:
+            serve = self.sessions.plain_api if api else self.sessions.forward
+            await serve(scope, replay_body(body, receive), send, body)
 
     async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
         """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES a 413 (as much again is
@@ -6265,12 +6263,9 @@ def authenticated_user(principal: Principal):
 def json_body(body: bytes, *path: str) -> Any:
     """A body's JSON, or the value at ``path`` in it; None if not JSON or there is no such value."""
     try:
-        value = json.loads(body)
-        for key in path:
-            value = value[key]
+        return functools.reduce(lambda value, key: value[key], path, json.loads(body))
     except (ValueError, KeyError, TypeError):
         return None
-    return value
 
 
 def request_methods(body: bytes, key: str = "method") -> list:
@@ -6348,7 +6343,6 @@ def uvicorn_options() -> dict:
 
 
 async def _respond(send: Callable, status: int, answer: Any, headers: list | None = None) -> None:
-    """Send a whole answer: bytes as they are, anything else as JSON."""
     body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": head + (headers or [])})
@@ -6366,8 +6360,7 @@ class PlainRequest:
 
         self.request, self.protocol_version, self.session = Request(scope), protocol_version, self
 
-    async def report_progress(self, *_: Any) -> None:
-        pass
+    async def report_progress(self, *_: Any) -> None: ...
 
 
 def plain_status(err: SmolError | None) -> int:
@@ -6471,7 +6464,6 @@ class HttpSessions:
         """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME with a JSON
         object of arguments calls one through call_tool as the token's 2026-era session (so the
         MCP path's scopes, ownership, approvals and log); it is cancelled if its client goes."""
-        import mcp_types as types
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
         api, principal = self.api, scope["state"]["smol_principal"]
@@ -6506,7 +6498,7 @@ class HttpSessions:
                     group.cancel_scope.cancel()  # the call ends as a client that went away
 
                 group.start_soon(watch_client)
-                params = types.CallToolRequestParams(name=name, arguments=arguments)
+                params = sdk_types().CallToolRequestParams(name=name, arguments=arguments)
                 result = await self.app.call_tool(ctx, params)
                 group.cancel_scope.cancel()
         finally:
@@ -6691,7 +6683,7 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     public, issuer = None, oauth_issuer(config, host, port)
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
-        routes = page_routes(app.pages) + oauth_routes(app, issuer, path) + console_routes(app)
+        routes = oauth_routes(app, issuer, path) + console_routes(app)
         public = Starlette(routes=routes, exception_handlers={PageAnswer: lambda _, e: e.args[0]})
     return HttpGate(app.http.inner, app, default_allowed_hosts(config, host, port), public)
 
@@ -6710,6 +6702,7 @@ CONSOLE_PAGE_ROWS = 50
 CONSOLE_PERIODS = dict(zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(",")))
 CONSOLE_PAGES = {"tokens": "Access tokens", "approvals": "Approvals", "activity": "Activity"}
 CONSOLE_NAV = " ".join(f'<a href="/console/{p}">{name}</a>' for p, name in CONSOLE_PAGES.items())
+CHECKBOX = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'  # and the consent's
 
 
 def console_routes(app: SmolMcp) -> list:
@@ -6765,13 +6758,12 @@ def console_routes(app: SmolMcp) -> list:
         pages.require_operator(request)
         form, call_id = await pages.form(request), request.path_params["id"]
         choice, reason = str(form.get("answer")), str(form.get("reason", ""))[:500]
-        auto_for = str(form.get("auto")) if choice == "auto" else None
+        auto = str(form.get("auto")) if choice == "auto" else None  # the period chosen
         try:
-            periods = (None, *CONSOLE_PERIODS)
-            if choice not in ("approve", "auto", "reject") or auto_for not in periods:
+            if choice not in ("approve", "auto", "reject") or auto not in (None, *CONSOLE_PERIODS):
                 raise SmolError("Choose Approve, Approve + auto-approve (for a period) or Reject.")
             approve = choice != "reject"
-            held, until = answer_approval(config, call_id, approve, CONSOLE_WHO, auto_for, reason)
+            held, until = answer_approval(config, call_id, approve, CONSOLE_WHO, auto, reason)
         except SmolError as err:
             return show(request, "Approvals", f'<p class="error">{esc(err)}</p>', 409)
         done = "rejected: it does not run" if choice == "reject" else "approved: it runs now"
@@ -6794,9 +6786,8 @@ def console_routes(app: SmolMcp) -> list:
 
     async def tokens(request: Any) -> Any:
         pages.require_operator(request)
-        box = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'
-        scopes = "".join(box.format("scope", v, "", v) for v in SCOPES)
-        fleets = "".join(box.format("target", v, " checked", v) for v in FLEET_NAMES)
+        scopes = "".join(CHECKBOX.format("scope", v, "", v) for v in SCOPES)
+        fleets = "".join(CHECKBOX.format("target", v, " checked", v) for v in FLEET_NAMES)
         fields = (
             '<label>Name <input type="text" name="name" maxlength="64" required></label>'
             f"<fieldset><legend>Scopes</legend>{scopes}</fieldset><fieldset><legend>Fleets</legend>"
@@ -6961,7 +6952,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
 # no JavaScript, no files beside the module.
 # ---------------------------------------------------------------------------
 
-OPERATOR_FILE = "operator.json"
+OPERATOR_FILE, OAUTH_CLIENTS_FILE = "operator.json", "oauth-clients.json"  # in the state directory
 SIGNIN_LINK_SECS = 600  # a one-time sign-in link is good for this long, and once
 SIGNIN_SESSION_SECS = 8 * 3600  # a session is bound to its browser's address and User-Agent
 SIGNIN_FRESH_SECS = 300  # no password: a grant wider than Sandbox needs a session this young
@@ -6976,7 +6967,6 @@ PASSWORD_ATTRS = 'type="password" name="password" maxlength="1024" autocomplete=
 PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
 RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
 OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's routes
-OAUTH_CLIENTS_FILE = "oauth-clients.json"
 OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
 OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
 OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
@@ -7092,7 +7082,6 @@ class Pages:
 
     def __init__(self, state_dir: str | Path, issuer: str):
         self.operator, self.issuer = Operator(state_dir), issuer
-        self.secure = issuer.startswith("https:")
         self.sessions: dict[str, dict] = {}  # the cookie's SHA-256 -> expires, csrf, how, who
         self.failures: dict[str, list[float]] = {}  # address, "*" (all) -> times of failures
         self.checking: set[str] = set()  # addresses with a password check under way
@@ -7168,8 +7157,8 @@ class Pages:
         return response
 
     def cookie(self, response: Any, name: str, value: str, **options: Any) -> None:
-        options |= {"httponly": True, "samesite": "strict", "secure": self.secure}
-        response.set_cookie(name, value, **options)
+        secure = self.issuer.startswith("https:")
+        response.set_cookie(name, value, **options, httponly=True, samesite="strict", secure=secure)
 
     def wait_secs(self, key: str, tries: int = SIGNIN_TRIES) -> int:
         """How long ``key`` (an address, or "*" for all) must wait before it may try again."""
@@ -7248,62 +7237,6 @@ def back_to(target: str) -> str:
     return "/signin"
 
 
-def page_routes(pages: Pages) -> list:
-    """The sign-in and sign-out pages."""
-    from starlette.responses import RedirectResponse
-    from starlette.routing import Route
-
-    async def signin(request: Any) -> Any:
-        target = back_to(request.query_params.get("next", "/signin"))
-        link, status, error = request.query_params.get("link", ""), 200, ""
-        if request.method == "GET" and pages.session(request) is not None:
-            if target != "/signin":
-                return RedirectResponse(target, 303)
-            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
-        if request.method != "GET":
-            form = await pages.form(request)
-            link = str(form.get("link", ""))
-            # A link is 256 random bits made on the host: never rate limited, so it always works.
-            if link:
-                status, error = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
-            else:
-                status, error = await pages.check_password(request, str(form.get("password", "")))
-            if not status:
-                response = RedirectResponse(target, 303)
-                pages.start_session(request, response, "one-time link" if link else "password")
-                return response
-        url = "/signin?" + urllib.parse.urlencode({"next": target})
-        head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
-        if "hop" not in request.query_params and request.method == "GET":
-            # A SameSite=Strict cookie is not sent along a chain of redirects from another
-            # site (the client's): reloading from this page sends it.
-            again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
-            head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
-        field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
-        if link:
-            field = f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
-            field += "one-time link made by <code>operator link</code> on the host.</p>"
-        body = (
-            f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
-            '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
-            "the host: <code>smol_mcp.py operator set-password</code>, or "
-            "<code>smol_mcp.py operator link</code> for a one-time link.</p>"
-        )
-        return pages.page(request, "Sign in", body, status, head=head)
-
-    async def signout(request: Any) -> Any:
-        await pages.form(request)
-        pages.sessions.pop(secret_hash(request.cookies.get(SESSION_COOKIE, "")), None)
-        response = RedirectResponse("/signin?hop=1", 303)
-        response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
-        return response
-
-    return [
-        Route("/signin", signin, methods=["GET", "POST"]),
-        Route("/signout", signout, methods=["POST"]),
-    ]
-
-
 @functools.cache
 def oauth_client_class() -> type:
     """The SDK's client record, with the redirect check of RFC 8252 7.3: a loopback redirect may
@@ -7344,14 +7277,10 @@ class OAuthProvider:
     async def register_client(self, client_info: Any) -> None:
         from mcp.server.auth.provider import RegistrationError
 
-        uris = client_info.redirect_uris or []
-        unsafe = [
-            str(uri)
-            for uri in uris
-            if len(str(uri)) > 512
-            or uri.scheme in ("javascript", "data", "file", "vbscript")
-            or (uri.scheme == "http" and uri.host not in (*LOOPBACK_HOSTS, "[::1]"))
-        ]
+        uris, loopback = client_info.redirect_uris or [], (*LOOPBACK_HOSTS, "[::1]")
+        cleartext = [uri for uri in uris if uri.scheme == "http" and uri.host not in loopback]
+        banned = ("javascript", "data", "file", "vbscript")
+        unsafe = [str(u) for u in uris if len(str(u)) > 512 or u.scheme in banned or u in cleartext]
         name = client_info.client_name or ""
         if unsafe or not 1 <= len(uris) <= 8 or len(name) > 100 or printable(name) != name:
             raise RegistrationError(
@@ -7428,9 +7357,8 @@ class OAuthProvider:
 
     async def load_refresh_token(self, client: Any, token: str) -> Any:
         digest = secret_hash(token)
-        for record in self.tokens.records():
-            if record.get("clientId") != client.client_id:
-                continue
+        mine = [r for r in self.tokens.records() if r.get("clientId") == client.client_id]
+        for record in mine:
             if digest in record.get("spent", []):
                 return self.end_grant(record["id"], "a spent refresh token was used again")
             for kept in record.get("refresh", []):
@@ -7451,11 +7379,10 @@ class OAuthProvider:
         access, refresh, now = new_token_secret(), new_token_secret(), time.time()
 
         def rotate(data: dict) -> dict | None:
-            mine = [record for record in data.get("tokens", []) if record.get("id") == grant_id]
-            refreshes = [kept["sha256"] for record in mine for kept in record.get("refresh", [])]
-            if not mine or spent is not None and secret_hash(spent) not in refreshes:
+            record = next((r for r in data.get("tokens", []) if r.get("id") == grant_id), None)
+            refreshes = [kept["sha256"] for kept in (record or {}).get("refresh", [])]
+            if record is None or spent is not None and secret_hash(spent) not in refreshes:
                 return None  # deleted, or used already: by the client, or by whoever stole it
-            record = mine[0]
             record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
             live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
             new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
@@ -7491,7 +7418,7 @@ class OAuthProvider:
 
 
 def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
-    """The SDK's OAuth routes on our provider, and the consent page."""
+    """The sign-in and sign-out pages, the SDK's OAuth routes on our provider, the consent page."""
     from mcp.server.auth.provider import construct_redirect_uri
     from mcp.server.auth.routes import create_auth_routes, create_protected_resource_routes
     from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
@@ -7549,6 +7476,51 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         url = construct_redirect_uri(str(params.redirect_uri), state=params.state, **answer)
         return RedirectResponse(url, 303)
 
+    async def signin(request: Any) -> Any:
+        target = back_to(request.query_params.get("next", "/signin"))
+        link, status, error = request.query_params.get("link", ""), 200, ""
+        if request.method == "GET" and pages.session(request) is not None:
+            if target != "/signin":
+                return RedirectResponse(target, 303)
+            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
+        if request.method != "GET":
+            form = await pages.form(request)
+            link = str(form.get("link", ""))
+            # A link is 256 random bits made on the host: never rate limited, so it always works.
+            if link:
+                status, error = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
+            else:
+                status, error = await pages.check_password(request, str(form.get("password", "")))
+            if not status:
+                response = RedirectResponse(target, 303)
+                pages.start_session(request, response, "one-time link" if link else "password")
+                return response
+        url = "/signin?" + urllib.parse.urlencode({"next": target})
+        head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
+        if "hop" not in request.query_params and request.method == "GET":
+            # A SameSite=Strict cookie is not sent along a chain of redirects from another
+            # site (the client's): reloading from this page sends it.
+            again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
+            head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
+        field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
+        if link:
+            field = f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
+            field += "one-time link made by <code>operator link</code> on the host.</p>"
+        body = (
+            f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
+            '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
+            "the host: <code>smol_mcp.py operator set-password</code>, or "
+            "<code>smol_mcp.py operator link</code> for a one-time link.</p>"
+        )
+        return pages.page(request, "Sign in", body, status, head=head)
+
+    async def signout(request: Any) -> Any:
+        await pages.form(request)
+        pages.sessions.pop(secret_hash(request.cookies.get(SESSION_COOKIE, "")), None)
+        response = RedirectResponse("/signin?hop=1", 303)
+        response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
+        return response
+
     async def consent(request: Any) -> Any:
         pages.require_operator(request)
         request_id = request.query_params.get("request", "")
@@ -7564,8 +7536,7 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             if form.get("action") != "Allow":
                 del provider.pending[request_id]
                 return back(params, error="access_denied", error_description="the operator said no")
-            chosen = {key: str(form.get(key, "")) for key in chosen}
-            ticked = form.getlist("scope")
+            chosen, ticked = {key: str(form.get(key, "")) for key in chosen}, form.getlist("scope")
             scopes = GRANTS.get(chosen["grant"]) or tuple(s for s in SCOPES if s in ticked)
             try:
                 if not scopes:
@@ -7593,10 +7564,7 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             f'<span class="note">({esc(note)})</span></label>'
             for grant, note in GRANT_NOTES.items()
         )
-        boxes = "".join(
-            f'<label><input type="checkbox" name="scope" value="{scope}"> {scope}</label>'
-            for scope in SCOPES
-        )
+        boxes = "".join(CHECKBOX.format("scope", scope, "", scope) for scope in SCOPES)
         body = (
             f"{error}<p><strong>{esc(name)}</strong>, returning to <strong>"
             f"{esc(target.hostname or target.scheme)}</strong>, asks to use the machines of this "
@@ -7615,6 +7583,8 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         return pages.page(request, f"Connect {name}?", body, 400 if error else 200, form_to)
 
     return [
+        Route("/signin", signin, methods=["GET", "POST"]),
+        Route("/signout", signout, methods=["POST"]),
         *map(screened, routes),
         *resource,  # RFC 9728's place for it, and the root some clients look at first
         Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
