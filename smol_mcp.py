@@ -4441,9 +4441,11 @@ SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "a
 # Each tool's scope level, from its ToolSpec.access; a tool without one is granted to nobody.
 TOOL_LEVELS = {tool.name: tool.level for tool in TOOLS if tool.level in SCOPE_LEVELS}
 APPROVAL_MODES = ("none", "changes")
-# `tokens create --preset`: the usual grants, by what the agent is for
-SCOPE_PRESETS = dict(sandbox="sandbox.read,sandbox.manage,sandbox.exec")  # its own machines only
-SCOPE_PRESETS.update(read="machines.read,activity.read", full=",".join(SCOPES))
+SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
+    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
+    "read": "machines.read,activity.read",
+    "full": ",".join(SCOPES),
+}
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")  # in any case: ours, the terminal's
 TOKEN_SECRET_PREFIX = "smolmcp_"
@@ -5862,7 +5864,8 @@ class Approvals:
         return form_question(message, {"type": "object", "properties": {"note": note}})
 
     async def poll(self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict):
-        """Wait for the terminal, the client or auto-approval: the approver or ApprovalRefused."""
+        """Wait for the terminal or the client, the token's deletion, an
+        auto-approval, the timeout or a stop; the approver, else ApprovalRefused."""
         app, principal, tool = self.app, call.principal, event["tool"]
         deadline, next_progress = time.monotonic() + timeout, 0.0
         command = " ".join(launch_command() + ["approvals", "approve", approval_id])
