@@ -308,8 +308,9 @@ def default_runtime_dir(environ: dict[str, str]) -> str:
 
 def default_state_dir(environ: dict[str, str]) -> str:
     """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens outlive a reboot)."""
-    home = Path(environ.get("HOME") or Path.home())
-    return str(Path(environ.get("XDG_STATE_HOME") or home / ".local" / "state") / "smol-mcp")
+    if environ.get("XDG_STATE_HOME"):
+        return str(Path(environ["XDG_STATE_HOME"]) / "smol-mcp")
+    return str(Path(environ.get("HOME") or Path.home()) / ".local" / "state" / "smol-mcp")
 
 
 def ensure_runtime_dir(path: str) -> Path:
@@ -518,6 +519,7 @@ GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
 READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
 # Below this offset, streaming the file from its start is cheap enough. (-L: a link's target.)
 RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024
+QUICK_READ_IDLE, QUICK_READ_BYTES = 8, 1 << 20  # read_now: sockets kept; a longer answer blocks
 RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
 
 
@@ -827,8 +829,9 @@ class LocalFleet:
         """Stop the serve on our socket: our child, or one another process left us (serve.pid)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
-            while self._idle:
-                self._idle.pop().close()
+            idle, self._idle = self._idle, []  # a read on the loop may be taking one now
+        for sock in idle:
+            sock.close()
         if process is not None and process.poll() is None:
             process.terminate()
             try:
@@ -1080,18 +1083,22 @@ class LocalFleet:
     async def read_now(self, read: Callable, *args: str) -> Any:
         """Call.read's way for list_machines, get_machine and egress_policy: their one GET made on
         the event loop on a kept-alive socket (the worker-thread hop cost more than the read).
-        None when it goes the blocking way (a GET is safe to send again): the serve not yet known
-        to answer, a connection that failed, an answer without a length."""
-        if not self._ready:
+        None when it goes the blocking way (a GET is safe to send again): anything else asked, the
+        serve not yet known to answer, a failed connection, an answer not plain JSON of a length."""
+        quick = (self.list_machines, self.get_machine, self.egress_policy)
+        if not self._ready or read not in quick:
             return None
-        name, loop, sock, timeout = args[0] if args else None, asyncio.get_running_loop(), None, 0.0
+        loop, sock, buffer = asyncio.get_running_loop(), None, bytearray()
+        name = args[0] if args else None
         action = "list machines" if name is None else f"get machine '{name}'"
         path = "/api/v1/machines" + ("" if name is None else f"/{_q(name)}")
+        host = "localhost" if self._kind == "unix" else f"127.0.0.1:{self._address}"
+        request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept-Encoding: identity\r\n\r\n"
 
-        async def more(data: bytes) -> bytes:
-            if not (chunk := await loop.sock_recv(sock, 1 << 16)) or len(data) > (1 << 26):
-                raise ConnectionResetError(f"the serve's answer to {path} ended early")
-            return data + chunk
+        async def more() -> None:
+            if not (chunk := await loop.sock_recv(sock, 1 << 16)) or len(buffer) > QUICK_READ_BYTES:
+                raise ConnectionResetError(f"the answer to {path} ended early or is too long")
+            buffer.extend(chunk)
 
         try:
             with anyio.fail_after(timeout := self.config.ready_timeout_secs):
@@ -1102,37 +1109,36 @@ class LocalFleet:
                     unix = self._kind == "unix"
                     sock = socket.socket(socket.AF_UNIX if unix else socket.AF_INET)
                     sock.setblocking(False)
-                    await loop.sock_connect(
-                        sock, self._address if unix else ("127.0.0.1", int(self._address))
-                    )
-                await loop.sock_sendall(
-                    sock, f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode()
-                )
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data = await more(data)
-                head, _, body = data.partition(b"\r\n\r\n")
-                status_line, *lines = head.decode("latin-1").split("\r\n")
+                    address = self._address if unix else ("127.0.0.1", int(self._address))
+                    await loop.sock_connect(sock, address)
+                await loop.sock_sendall(sock, request.encode())
+                while (end := buffer.find(b"\r\n\r\n")) < 0:
+                    await more()
+                status_line, *lines = buffer[:end].decode("latin-1").split("\r\n")
                 pairs = (line.partition(":") for line in lines)
                 fields = {key.strip().lower(): value.strip() for key, _, value in pairs}
                 status, length = int(status_line.split()[1]), int(fields.get("content-length", "-"))
-                while len(body) < length:
-                    body = await more(body)
+                if length < 0 or "content-encoding" in fields:
+                    raise ValueError(f"the answer to {path} is not plain JSON of a length")
+                while len(buffer) < end + 4 + length:
+                    await more()
+                data = bytes(buffer[end + 4 : end + 4 + length])
         except BaseException as exc:
             if sock is not None:
                 sock.close()
             if isinstance(exc, TimeoutError):
                 raise self._too_slow(action, timeout, "readyTimeoutSecs") from None
-            if isinstance(exc, OSError | ValueError):
+            if isinstance(exc, OSError | ValueError | LookupError):  # Lookup: a bad status line
                 return None
             raise
-        if len(body) == length and fields.get("connection") != "close":
+        whole = len(buffer) == end + 4 + length and fields.get("connection") != "close"
+        if whole and len(self._idle) < QUICK_READ_IDLE:
             self._idle.append(sock)
         else:
             sock.close()
         if status >= 400:
-            raise api_error(self.name, action, status, fields.get("content-type", ""), body)
-        info = json.loads(body)
+            raise api_error(self.name, action, status, fields.get("content-type", ""), data)
+        info = json.loads(data)
         if read == self.list_machines:
             return [local_record(m) for m in info["machines"]]
         record = local_record(info)

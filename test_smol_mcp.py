@@ -1135,15 +1135,21 @@ class ReadOnTheLoopTests(FakeServeCase):
         async with self.client("legacy") as c:
             await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
             for quick in (True, False):
-                way = self.fleet().read_now if quick else unittest.mock.AsyncMock(return_value=None)
-                with unittest.mock.patch.object(self.fleet(), "read_now", new=way):
-                    answers.append(
-                        (
-                            await self.ok(c, "list-machines", {}),
-                            await self.ok(c, "get-machine", {"name": "rl-1"}),
-                            await self.refused(c, "get-machine", {"name": "rl-9"}),
+                way = smol_mcp.LocalFleet.read_now if quick else unittest.mock.AsyncMock()
+                way.return_value, request = None, smol_mcp.LocalFleet.request
+                blocking = unittest.mock.patch.object(
+                    smol_mcp.LocalFleet, "request", autospec=True, side_effect=request
+                )
+                with unittest.mock.patch.object(smol_mcp.LocalFleet, "read_now", new=way):
+                    with blocking as made:
+                        answers.append(
+                            (
+                                await self.ok(c, "list-machines", {}),
+                                await self.ok(c, "get-machine", {"name": "rl-1"}),
+                                await self.refused(c, "get-machine", {"name": "rl-9"}),
+                            )
                         )
-                    )
+                self.assertEqual(made.call_count, 0 if quick else 3)
         self.assertEqual(answers[0], answers[1])
         self.assertIn("machine 'rl-9' not found", answers[0][2])
 
@@ -1174,6 +1180,46 @@ class ReadOnTheLoopTests(FakeServeCase):
             with unittest.mock.patch.object(self.fake, "_dispatch", side_effect=chunked):
                 got = await self.ok(c, "get-machine", {"name": "rl-1"})
             self.assertEqual((got["machine"]["name"], self.gets() - before), ("rl-1", 2))
+
+    async def test_an_answer_the_quick_way_cannot_be_sure_of_goes_the_blocking_way(self):
+        path = f"{self.tmp}/canned.sock"
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        listener.listen(8)
+        fleet = smol_mcp.LocalFleet(dataclasses_replace(self.config, local_url=f"unix://{path}"))
+        fleet._ready, body = True, b'{"machines": []}'
+        answers = {  # the canned answer: what read_now gives, and whether it keeps the socket
+            b"HTTP/1.1\r\n\r\n": (None, 0),
+            b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n": (None, 0),
+            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 16\r\n\r\n" + body: (
+                None,
+                0,
+            ),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n" + body + b"HTTP/1.1": ([], 0),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\nconnection: close\r\n\r\n" + body: ([], 0),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n" + body: ([], 1),
+        }
+
+        def answer(canned: bytes) -> None:
+            conn = listener.accept()[0]
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(4096)
+                self.assertIn(b"Accept-Encoding: identity", request)
+                conn.sendall(canned)
+
+        try:
+            for canned, (expected, kept) in answers.items():
+                server = threading.Thread(target=answer, args=(canned,))
+                server.start()
+                got = await fleet.read_now(fleet.list_machines)
+                await asyncio.to_thread(server.join)
+                self.assertEqual((got, len(fleet._idle)), (expected, kept), canned)
+            self.assertIsNone(await fleet.read_now(fleet.delete_machine, "rl-1"))  # reads only
+        finally:
+            fleet.stop_serve()
+            listener.close()
 
     @contextlib.contextmanager
     def stalled(self, target: str):
