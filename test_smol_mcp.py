@@ -1129,6 +1129,13 @@ class ReadOnTheLoopTests(FakeServeCase):
             self.assertEqual([m["name"] for m in listed["machines"]], ["rl-1"])
             self.assertEqual((got["machine"]["name"], got["egress"]["open"]), ("rl-1", False))
             self.assertEqual(len(self.fleet()._idle), 1)  # the one socket, kept alive
+            fleet, reads = self.fleet(), []
+            with self.stalled("/api/v1/machines") as arrived:  # twelve reads at once
+                for n in range(1, 13):
+                    reads.append(asyncio.ensure_future(fleet.read_now(fleet.list_machines)))
+                    await wait_until(lambda: len(arrived) == n, 5, f"read {n} was sent")
+            self.assertEqual(await asyncio.gather(*reads), [listed["machines"]] * 12)
+            self.assertEqual(len(fleet._idle), smol_mcp.QUICK_READ_IDLE)  # the rest closed
 
     async def test_both_ways_answer_alike_a_machine_and_a_missing_one(self):
         answers = []
@@ -1223,13 +1230,13 @@ class ReadOnTheLoopTests(FakeServeCase):
 
     @contextlib.contextmanager
     def stalled(self, target: str):
-        """The serve holds its answer to GET ``target`` until the block ends;
-        yields an Event set once such a request is in."""
-        dispatch, arrived, answer = self.fake._dispatch, threading.Event(), threading.Event()
+        """The serve holds its answers to GET ``target`` until the block ends;
+        yields the list of those requests, one item as each comes in."""
+        dispatch, arrived, answer = self.fake._dispatch, [], threading.Event()
 
         def stall(method, path, headers, body):
             if path == target:
-                arrived.set()
+                arrived.append(path)
                 answer.wait(10)
             return dispatch(method, path, headers, body)
 
@@ -1260,7 +1267,7 @@ class ReadOnTheLoopTests(FakeServeCase):
             conns = len(self.fake._conns)
             with self.stalled("/api/v1/machines") as arrived:
                 read = asyncio.ensure_future(self.fleet().read_now(self.fleet().list_machines))
-                await wait_until(arrived.is_set, 5, "the read was sent")
+                await wait_until(lambda: arrived, 5, "the read was sent")
                 read.cancel()
                 await asyncio.gather(read, return_exceptions=True)
             self.assertTrue(read.cancelled())
