@@ -1228,6 +1228,30 @@ class ReadOnTheLoopTests(FakeServeCase):
             fleet.stop_serve()
             listener.close()
 
+    async def test_a_loopback_port_serve_is_read_with_its_own_host(self):
+        listener = socket.create_server(("127.0.0.1", 0))
+        port, seen = listener.getsockname()[1], []
+        local = dataclasses_replace(self.config, local_url=f"http://127.0.0.1:{port}")
+        fleet = smol_mcp.LocalFleet(local)
+        fleet._ready = True
+
+        def answer() -> None:
+            conn = listener.accept()[0]
+            with conn:
+                while not seen or b"\r\n\r\n" not in seen[-1]:
+                    seen.append((seen.pop() if seen else b"") + conn.recv(4096))
+                conn.sendall(b'HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n{"machines": []}')
+
+        server = threading.Thread(target=answer)
+        server.start()
+        try:
+            self.assertEqual(await fleet.read_now(fleet.list_machines), [])
+        finally:
+            await asyncio.to_thread(server.join)
+            fleet.stop_serve()
+            listener.close()
+        self.assertIn(f"Host: 127.0.0.1:{port}\r\n".encode(), seen[0])
+
     @contextlib.contextmanager
     def stalled(self, target: str):
         """The serve holds its answers to GET ``target`` until the block ends;
