@@ -3074,9 +3074,9 @@ async def stream_in_machine(
             count[0] += 1
             last[stream] = (count[0], f"{stream}: {line}")
 
-    async def show(number: int, message: str) -> None:
-        shown.add(number)
+    async def show(number: int, message: str) -> None:  # shown once sent: the end may cut it off
         await call.progress(None, message)
+        shown.add(number)
 
     async def reporter() -> None:
         quiet_since = time.monotonic()

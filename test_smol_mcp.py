@@ -4389,6 +4389,34 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(result.stderr, b"warned\n")
         self.assertEqual(sent, ["stderr: warned", "stdout: step 6"])
 
+    async def test_a_last_line_whose_notice_the_end_cut_short_is_sent_again(self):
+        sent, sending = [], anyio.Event()
+
+        class Fleet:
+            def exec_stream(self, name, argv, on_output, **options):
+                on_output("stderr", "warned\n")
+                return smol_mcp.ExecResult(3, b"", b"warned\n", 0.1)
+
+            def exec(self, name, argv, **options):
+                return smol_mcp.ExecResult(1, b"", b"no copy kept", 0.0)
+
+        class Call:
+            fleet = Fleet()
+
+            async def api(self, function, *args, waiting=None, **kwargs):
+                answer = function(*args, **kwargs)
+                if waiting == "":  # the stream: it ends while the line's notice is being sent
+                    await sending.wait()
+                return answer
+
+            async def progress(self, total, message):
+                sending.set()
+                await anyio.sleep(0.5)  # a slow client
+                sent.append(message)
+
+        await smol_mcp.stream_in_machine(Call(), "m", "/tmp/pid", ["true"], {})
+        self.assertEqual(sent, ["stderr: warned"])
+
 
 class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
     config_overrides = {"max_output_bytes": 1024}
