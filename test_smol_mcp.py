@@ -4363,39 +4363,20 @@ class LiveOutputScenarios(LongWorkScenarios):
 class LastLineTests(unittest.IsolatedAsyncioTestCase):
     """stream_in_machine alone, with the two pipes' lines arriving in one tick."""
 
-    async def test_each_streams_last_line_is_shown_even_when_the_other_overtook_it(self):
-        sent = []
-
-        class Fleet:
-            def exec_stream(self, name, argv, on_output, **options):
-                on_output("stdout", "step 5\n")
-                on_output("stderr", "warned\n")  # the command's last line ...
-                on_output("stdout", "step 6\n")  # ... overtaken by the other pipe's
-                return smol_mcp.ExecResult(3, b"step 5\nstep 6\n", b"warned\n", 0.1)
-
-            def exec(self, name, argv, **options):
-                return smol_mcp.ExecResult(1, b"", b"no copy kept", 0.0)
-
-        class Call:
-            fleet = Fleet()
-
-            async def api(self, function, *args, waiting=None, **kwargs):
-                return function(*args, **kwargs)
-
-            async def progress(self, total, message):
-                sent.append(message)
-
-        result = await smol_mcp.stream_in_machine(Call(), "m", "/tmp/pid", ["true"], {})
-        self.assertEqual(result.stderr, b"warned\n")
-        self.assertEqual(sent, ["stderr: warned", "stdout: step 6"])
-
-    async def test_a_last_line_whose_notice_the_end_cut_short_is_sent_again(self):
+    async def stream(self, lines: list[tuple[str, str]], slow_client: bool = False):
+        """stream_in_machine on a fleet whose command prints ``lines`` (pipe, text) in that
+        order and keeps no copy; with ``slow_client`` the command ends while a notice is being
+        sent. The result, and the progress messages the client got."""
         sent, sending = [], anyio.Event()
+        output = {"stdout": b"", "stderr": b""}
+        for pipe, text in lines:
+            output[pipe] += text.encode()
 
         class Fleet:
             def exec_stream(self, name, argv, on_output, **options):
-                on_output("stderr", "warned\n")
-                return smol_mcp.ExecResult(3, b"", b"warned\n", 0.1)
+                for pipe, text in lines:
+                    on_output(pipe, text)
+                return smol_mcp.ExecResult(3, output["stdout"], output["stderr"], 0.1)
 
             def exec(self, name, argv, **options):
                 return smol_mcp.ExecResult(1, b"", b"no copy kept", 0.0)
@@ -4405,16 +4386,31 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
 
             async def api(self, function, *args, waiting=None, **kwargs):
                 answer = function(*args, **kwargs)
-                if waiting == "":  # the stream: it ends while the line's notice is being sent
+                if slow_client and waiting == "":  # the stream: it ends during a notice
                     await sending.wait()
                 return answer
 
             async def progress(self, total, message):
                 sending.set()
-                await anyio.sleep(0.5)  # a slow client
+                if slow_client:
+                    await anyio.sleep(0.5)
                 sent.append(message)
 
-        await smol_mcp.stream_in_machine(Call(), "m", "/tmp/pid", ["true"], {})
+        return await smol_mcp.stream_in_machine(Call(), "m", "/tmp/pid", ["true"], {}), sent
+
+    async def test_each_streams_last_line_is_shown_even_when_the_other_overtook_it(self):
+        result, sent = await self.stream(
+            [
+                ("stdout", "step 5\n"),
+                ("stderr", "warned\n"),  # the command's last line ...
+                ("stdout", "step 6\n"),  # ... overtaken by the other pipe's
+            ]
+        )
+        self.assertEqual(result.stderr, b"warned\n")
+        self.assertEqual(sent, ["stderr: warned", "stdout: step 6"])
+
+    async def test_a_last_line_whose_notice_the_end_cut_short_is_sent_again(self):
+        _, sent = await self.stream([("stderr", "warned\n")], slow_client=True)
         self.assertEqual(sent, ["stderr: warned"])
 
 
