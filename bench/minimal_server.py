@@ -25,7 +25,10 @@ from mcp.server import Server
 ECHO = types.Tool(
     name="echo",
     description="Return the text it is given",
-    input_schema={"type": "object", "properties": {"text": {"type": "string"}}},
+    input_schema={
+        "type": "object",
+        "properties": {"text": {"type": "string"}},
+    },
     output_schema={
         "type": "object",
         "properties": {"text": {"type": "string"}},
@@ -41,11 +44,14 @@ async def list_tools(ctx, params):
 async def call_tool(ctx, params):
     text = str((params.arguments or {}).get("text", ""))
     return types.CallToolResult(
-        content=[types.TextContent(type="text", text=text)], structured_content={"text": text}
+        content=[types.TextContent(type="text", text=text)],
+        structured_content={"text": text},
     )
 
 
-server = Server("minimal", version="1.0", on_list_tools=list_tools, on_call_tool=call_tool)
+server = Server(
+    "minimal", version="1.0", on_list_tools=list_tools, on_call_tool=call_tool
+)
 
 
 async def run_stdio() -> None:
@@ -74,7 +80,8 @@ async def run_http(port: int) -> None:
             yield
 
     app = Starlette(
-        routes=[Route("/mcp", endpoint=StreamableHTTPASGIApp(manager))], lifespan=lifespan
+        routes=[Route("/mcp", endpoint=StreamableHTTPASGIApp(manager))],
+        lifespan=lifespan,
     )
     config = uvicorn.Config(
         app,

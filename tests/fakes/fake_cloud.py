@@ -94,8 +94,22 @@ RESOURCE_FIELDS = ["diskGb", "cpus", "memoryMb", "diskDurability"]
 NETWORK_FIELDS = ["mode", "cidrs", "hosts"]
 PORT_FIELDS = ["port", "protocol"]
 CACHE_DISK_FIELDS = ["cache", "version", "mountPath", "slot"]
-EXEC_FIELDS = ["command", "env", "cwd", "timeoutSeconds", "user", "background", "stdin"]
-JOB_FIELDS = ["command", "env", "cwd", "timeoutSeconds", "user"]  # [reference: "Detached jobs"]
+EXEC_FIELDS = [
+    "command",
+    "env",
+    "cwd",
+    "timeoutSeconds",
+    "user",
+    "background",
+    "stdin",
+]
+JOB_FIELDS = [
+    "command",
+    "env",
+    "cwd",
+    "timeoutSeconds",
+    "user",
+]  # [reference: "Detached jobs"]
 BRANCH_FIELDS = ["name", "ports", "branchable", "forkable", "freezeSource"]
 BRANCH_PORT_FIELDS = ["port", "hostPort", "protocol"]
 
@@ -135,7 +149,10 @@ BOOT_FAIL_TEXT = (
 
 
 def _rfc3339(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int((t % 1) * 1000):03d}Z"
+    return (
+        time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t))
+        + f".{int((t % 1) * 1000):03d}Z"
+    )
 
 
 def _period_start(t: float) -> float:
@@ -156,17 +173,31 @@ def _hex(n: int) -> str:
 class Resp:
     __slots__ = ("status", "body", "ctype", "headers", "close", "stream")
 
-    def __init__(self, status, body=b"", ctype=None, headers=None, close=False, stream=None):
+    def __init__(
+        self,
+        status,
+        body=b"",
+        ctype=None,
+        headers=None,
+        close=False,
+        stream=None,
+    ):
         self.status = status
         self.body = body
         self.ctype = ctype
         self.headers = list(headers or [])
-        self.close = close or stream is not None  # a stream ends with the connection
-        self.stream = stream  # an iterable of byte pieces, written as they come
+        self.close = (
+            close or stream is not None
+        )  # a stream ends with the connection
+        self.stream = (
+            stream  # an iterable of byte pieces, written as they come
+        )
 
 
 def json_resp(status, obj):
-    return Resp(status, json.dumps(obj, separators=(",", ":")).encode(), JSON_CT)
+    return Resp(
+        status, json.dumps(obj, separators=(",", ":")).encode(), JSON_CT
+    )
 
 
 def text_resp(status, text):
@@ -216,7 +247,9 @@ def _check_fields(obj, allowed, where=""):
         if k not in allowed:
             listed = ", ".join(f"`{a}`" for a in allowed)
             prefix = f"{where}: " if where else ""
-            raise Bad(400, f"{prefix}unknown field `{k}`, expected one of {listed}")
+            raise Bad(
+                400, f"{prefix}unknown field `{k}`, expected one of {listed}"
+            )
 
 
 def _want_obj(v, field, nullable=False):
@@ -249,7 +282,10 @@ def _want_int(v, field, lo=0, hi=2**64 - 1, nullable=False, kind="u64"):
     if isinstance(v, bool) or not isinstance(v, int):
         raise _type_error(field, v, kind)
     if not lo <= v <= hi:
-        raise Bad(400, f"{field}: invalid value: integer `{v}`, expected {kind} in {lo}..={hi}")
+        raise Bad(
+            400,
+            f"{field}: invalid value: integer `{v}`, expected {kind} in {lo}..={hi}",
+        )
     return v
 
 
@@ -294,7 +330,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _any(self):
         self.server.fake._serve(self)
 
-    do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = do_OPTIONS = _any
+    do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = do_OPTIONS = (
+        _any
+    )
 
 
 def _read_chunked(rfile, cap):
@@ -375,7 +413,9 @@ class FakeCloud:
         exec_b64=True,
     ):
         if blocked_spelling not in ("accepted", "refused"):
-            raise ValueError("blocked_spelling must be 'accepted' or 'refused'")
+            raise ValueError(
+                "blocked_spelling must be 'accepted' or 'refused'"
+            )
         if list_shape not in ("array", "object"):
             raise ValueError("list_shape must be 'array' or 'object'")
         if branch_route not in ("branches", "fork"):
@@ -391,7 +431,9 @@ class FakeCloud:
         self.ready_delay = float(ready_delay)
         self.boot = boot
         self.exec_b64 = bool(exec_b64)
-        self.break_streams = False  # True: an exec stream ends after one event, without `exit`
+        self.break_streams = (
+            False  # True: an exec stream ends after one event, without `exit`
+        )
         self.requests = []
         self.url = None
         self._machines = {}  # id -> record (insertion order = creation order)
@@ -498,7 +540,12 @@ class FakeCloud:
                 else:
                     body = h.rfile.read(n)
         except ValueError:
-            self._write(h, method, text_resp(400, "invalid request body framing"), close=True)
+            self._write(
+                h,
+                method,
+                text_resp(400, "invalid request body framing"),
+                close=True,
+            )
             return
         parsed = None
         if body and JSON_CT in headers.get("content-type", "").lower():
@@ -512,8 +559,12 @@ class FakeCloud:
             resp = self._handle(method, target, headers, body or b"", too_big)
         except Bad as e:
             resp = e.resp()
-        except Exception as e:  # a bug in the fake: say so rather than hang the client
-            resp = text_resp(500, f"fake cloud internal error: {type(e).__name__}: {e}")
+        except (
+            Exception
+        ) as e:  # a bug in the fake: say so rather than hang the client
+            resp = text_resp(
+                500, f"fake cloud internal error: {type(e).__name__}: {e}"
+            )
         # A body that was not read leaves the connection unusable.
         self._write(h, method, resp, close=too_big or resp.close)
 
@@ -526,7 +577,9 @@ class FakeCloud:
         # [sdk] the SDK quotes `x-request-id` in every error; its format is an
         # [assumption].
         h.send_header("x-request-id", "req_" + _hex(24))
-        h.send_header("x-ratelimit-remaining", str(self._rate_remaining()))  # [public docs]
+        h.send_header(
+            "x-ratelimit-remaining", str(self._rate_remaining())
+        )  # [public docs]
         for k, v in resp.headers:
             h.send_header(k, v)
         if close:
@@ -599,7 +652,12 @@ class FakeCloud:
                     rule["times"] -= 1
                     wait = rule["retry_after"]
                     extra = [("retry-after", wait)] if wait is not None else []
-                    return Resp(rule["status"], rule["body"], rule["content_type"], headers=extra)
+                    return Resp(
+                        rule["status"],
+                        rule["body"],
+                        rule["content_type"],
+                        headers=extra,
+                    )
         q = urllib.parse.parse_qs(qs, keep_blank_values=True)
         if path == "/v1/account":
             self._allow(method, "GET,HEAD")
@@ -631,7 +689,9 @@ class FakeCloud:
                 self._get(mid)
                 # [assumption] wording; the cap itself is [sdk].
                 raise Bad(413, f"file exceeds the {FILE_CAP >> 20} MiB limit")
-            return self._h_files(method, mid, urllib.parse.unquote(sub[len("files/") :]), body)
+            return self._h_files(
+                method, mid, urllib.parse.unquote(sub[len("files/") :]), body
+            )
         if too_big:
             raise Bad(413, "request body too large")
         routes = {
@@ -639,11 +699,23 @@ class FakeCloud:
             "stop": ("POST", lambda: self._h_stop(mid)),
             "usage": ("GET,HEAD", lambda: self._h_usage(mid)),
             "exec": ("POST", lambda: self._h_exec(mid, q, headers, body)),
-            "exec/stream": ("POST", lambda: self._h_exec(mid, q, headers, body, stream=True)),
-            "jobs": ("GET,HEAD,POST", lambda: self._h_jobs(method, mid, headers, body)),
+            "exec/stream": (
+                "POST",
+                lambda: self._h_exec(mid, q, headers, body, stream=True),
+            ),
+            "jobs": (
+                "GET,HEAD,POST",
+                lambda: self._h_jobs(method, mid, headers, body),
+            ),
             "logs": ("GET,HEAD", lambda: self._h_logs(mid, q)),
-            "branches": ("POST", lambda: self._h_branch("branches", mid, headers, body)),
-            "fork": ("POST", lambda: self._h_branch("fork", mid, headers, body)),
+            "branches": (
+                "POST",
+                lambda: self._h_branch("branches", mid, headers, body),
+            ),
+            "fork": (
+                "POST",
+                lambda: self._h_branch("fork", mid, headers, body),
+            ),
         }
         job_id, job_sub = "", ""
         if sub.startswith("jobs/"):
@@ -652,7 +724,9 @@ class FakeCloud:
             allowed = "POST" if job_sub == "cancel" else "GET,HEAD"
             self._allow(method, allowed)
             return self._h_job(mid, urllib.parse.unquote(job_id), job_sub, q)
-        if sub not in routes or (sub == "branches" and self.branch_route == "fork"):
+        if sub not in routes or (
+            sub == "branches" and self.branch_route == "fork"
+        ):
             raise self._no_route()
         allowed, fn = routes[sub]
         self._allow(method, allowed)
@@ -675,11 +749,15 @@ class FakeCloud:
         ctype = headers.get("content-type", "").lower()
         if JSON_CT not in ctype:
             # [assumption] an axum-like 415 for a body route sent without JSON.
-            raise Bad(415, "Expected request with `Content-Type: application/json`")
+            raise Bad(
+                415, "Expected request with `Content-Type: application/json`"
+            )
         try:
             obj = json.loads(body.decode("utf-8") if body else "")
         except (ValueError, UnicodeDecodeError) as e:
-            raise Bad(400, f"failed to parse the request body as JSON: {e}")  # [assumption]
+            raise Bad(
+                400, f"failed to parse the request body as JSON: {e}"
+            )  # [assumption]
         if not isinstance(obj, dict):
             raise _type_error("body", obj, "a map")
         return obj
@@ -709,7 +787,11 @@ class FakeCloud:
 
     def _refresh(self, m):
         now = time.time()
-        if m["state"] == "running" and not m["ready"] and now >= m["_bootDoneAt"]:
+        if (
+            m["state"] == "running"
+            and not m["ready"]
+            and now >= m["_bootDoneAt"]
+        ):
             guest_ports = {p["port"] for p in m["ports"]}
             # [sdk][seed] ready means the agent answers and every published
             # port accepts connections: a port nobody listens on keeps ready
@@ -719,7 +801,9 @@ class FakeCloud:
                 m["readyAt"] = _rfc3339(max(m["_bootDoneAt"], m["_startedAt"]))
         if m["ready"] and m["ports"] and m["url"] is None:
             # [assumption] the ingress URL's form; .invalid routes nowhere.
-            m["url"] = f"https://{m['id']}-{m['ports'][0]['port']}.apps.smol.invalid"
+            m["url"] = (
+                f"https://{m['id']}-{m['ports'][0]['port']}.apps.smol.invalid"
+            )
         if not m["ready"]:
             m["url"] = None
 
@@ -743,11 +827,15 @@ class FakeCloud:
                 and now - m["_lastActivity"] >= stop_after
             ):
                 self._stop(m, now)
-                m["_console"].append("control-plane: idle for %ss, stopping" % stop_after)
+                m["_console"].append(
+                    "control-plane: idle for %ss, stopping" % stop_after
+                )
 
     def _alloc_host_port(self):
         # [sdk] the node picks the host port; the range is an [assumption].
-        used = {p["hostPort"] for m in self._machines.values() for p in m["ports"]}
+        used = {
+            p["hostPort"] for m in self._machines.values() for p in m["ports"]
+        }
         while True:
             hp = random.randint(30000, 60999)
             if hp not in used:
@@ -762,7 +850,9 @@ class FakeCloud:
             m["state"] = "error"
             m["ready"] = False
             m["readyAt"] = None
-            m["_console"].append("smolvm-agent: boot failed: no boot progress for 30 seconds")
+            m["_console"].append(
+                "smolvm-agent: boot failed: no boot progress for 30 seconds"
+            )
             raise Bad(500, BOOT_FAIL_TEXT.format(id=m["id"], node=m["_node"]))
         m["state"] = "running"
         m["ready"] = False
@@ -874,7 +964,11 @@ class FakeCloud:
         for k in order:
             if k in m:
                 v = m[k]
-                out[k] = json.loads(json.dumps(v)) if isinstance(v, (dict, list)) else v
+                out[k] = (
+                    json.loads(json.dumps(v))
+                    if isinstance(v, (dict, list))
+                    else v
+                )
         return out
 
     def _usage_report(self, m):
@@ -882,7 +976,9 @@ class FakeCloud:
         [assumption] prices above. A mid-life read is computed live here; the
         service's is a lower bound from a periodic rollup [sdk]."""
         end = m.get("_deletedAt") or time.time()
-        up = m["_uptime"] + (end - m["_runSince"] if m["_runSince"] is not None else 0.0)
+        up = m["_uptime"] + (
+            end - m["_runSince"] if m["_runSince"] is not None else 0.0
+        )
         life = max(0.0, end - m["_created"])
         res = m["resources"]
         cpu_h = up / 3600 * res["cpus"]
@@ -896,7 +992,9 @@ class FakeCloud:
             "egressMicros": int(round(egress * MICROS_PER_EGRESS_GB)),
         }
         cost["totalMicros"] = sum(cost.values())
-        cost["amountDueMicros"] = cost["totalMicros"]  # [assumption] no credits
+        cost["amountDueMicros"] = cost[
+            "totalMicros"
+        ]  # [assumption] no credits
         return {
             "machineId": m["id"],
             "from": _rfc3339(_period_start(end)),
@@ -919,7 +1017,8 @@ class FakeCloud:
         with self._lock:
             spend = sum(
                 self._usage_report(m)["cost"]["totalMicros"]
-                for m in list(self._machines.values()) + list(self._deleted.values())
+                for m in list(self._machines.values())
+                + list(self._deleted.values())
             )
         return json_resp(
             200,
@@ -940,7 +1039,9 @@ class FakeCloud:
         for spec in q.get("label", []):
             k, eq, v = spec.partition("=")
             if not eq or not k:
-                raise Bad(400, f"invalid label filter `{spec}`: expected key=value")  # [assumption]
+                raise Bad(
+                    400, f"invalid label filter `{spec}`: expected key=value"
+                )  # [assumption]
             want.append((k, v))
         with self._lock:
             rows = []
@@ -949,16 +1050,28 @@ class FakeCloud:
                 if all(m["labels"].get(k) == v for k, v in want):
                     rows.append(self._public(m))
         # [seed] a bare array; [sdk] also accepts {"machines": [...]}.
-        return json_resp(200, rows if self.list_shape == "array" else {"machines": rows})
+        return json_resp(
+            200, rows if self.list_shape == "array" else {"machines": rows}
+        )
 
     def _parse_network(self, v):
         net = _want_obj(v, "network")
         _check_fields(net, NETWORK_FIELDS, "network")
-        mode = _want_str(net.get("mode"), "network.mode") if "mode" in net else None
+        mode = (
+            _want_str(net.get("mode"), "network.mode")
+            if "mode" in net
+            else None
+        )
         if mode is None:
             raise Bad(400, "network: missing field `mode`")
-        cidrs = _want_str_list(net.get("cidrs"), "network.cidrs", nullable=True) or []
-        hosts = _want_str_list(net.get("hosts"), "network.hosts", nullable=True) or []
+        cidrs = (
+            _want_str_list(net.get("cidrs"), "network.cidrs", nullable=True)
+            or []
+        )
+        hosts = (
+            _want_str_list(net.get("hosts"), "network.hosts", nullable=True)
+            or []
+        )
         if mode == "open":
             return {"mode": "open"}  # [sdk]
         if mode == "blocked":
@@ -975,7 +1088,11 @@ class FakeCloud:
                     ipaddress.ip_network(c, strict=False)
                 except ValueError:
                     raise Bad(400, f"invalid CIDR `{c}`")  # [assumption]
-            return {"mode": "allowCidrs", "cidrs": cidrs, "hosts": hosts}  # [sdk]
+            return {
+                "mode": "allowCidrs",
+                "cidrs": cidrs,
+                "hosts": hosts,
+            }  # [sdk]
         raise Bad(400, f"unknown network mode `{mode}`")  # [assumption]
 
     @staticmethod
@@ -988,14 +1105,24 @@ class FakeCloud:
             _check_fields(p, allowed, f"{field}[{i}]")
             if "port" not in p:
                 raise Bad(400, f"{field}[{i}]: missing field `port`")
-            port = _want_int(p["port"], f"{field}[{i}].port", 1, 65535, kind="u16")
+            port = _want_int(
+                p["port"], f"{field}[{i}].port", 1, 65535, kind="u16"
+            )
             proto = p.get("protocol")
             if proto not in (None, "tcp"):
                 # [sdk] TCP only on cloud; the status/wording is [assumption].
-                raise Bad(400, f"{field}[{i}].protocol: only tcp ports can be published")
+                raise Bad(
+                    400,
+                    f"{field}[{i}].protocol: only tcp ports can be published",
+                )
             if "hostPort" in p:
                 _want_int(
-                    p["hostPort"], f"{field}[{i}].hostPort", 0, 65535, nullable=True, kind="u16"
+                    p["hostPort"],
+                    f"{field}[{i}].hostPort",
+                    0,
+                    65535,
+                    nullable=True,
+                    kind="u16",
                 )
             if port not in ports:
                 ports.append(port)
@@ -1008,9 +1135,13 @@ class FakeCloud:
         # The 400 and its serde-like wording are an [assumption].
         _check_fields(req, CREATE_FIELDS)
         if "forkable" in req and "branchable" in req:
-            raise Bad(400, "duplicate field `forkable`")  # serde alias [assumption]
+            raise Bad(
+                400, "duplicate field `forkable`"
+            )  # serde alias [assumption]
         if "source" not in req or req["source"] is None:
-            raise Bad(400, "missing field `source`")  # [sdk] required; wording [assumption]
+            raise Bad(
+                400, "missing field `source`"
+            )  # [sdk] required; wording [assumption]
         src = _want_obj(req["source"], "source")
         _check_fields(src, ["type", "reference"], "source")
         stype = _want_str(src.get("type"), "source.type")
@@ -1018,30 +1149,60 @@ class FakeCloud:
         # reference is also a source (its type name is an [assumption]).
         if stype not in ("image", "smolmachine"):
             raise Bad(
-                400, f"source.type: unknown variant `{stype}`, expected `image` or `smolmachine`"
+                400,
+                f"source.type: unknown variant `{stype}`, expected `image` or `smolmachine`",
             )
         ref = _want_str(src.get("reference"), "source.reference")
         if not ref.strip():
             raise Bad(400, "source.reference must not be empty")
         name = _want_str(req.get("name"), "name", nullable=True)
-        if name is not None and (not 1 <= len(name) <= 128 or name.strip() != name):
-            raise Bad(400, f"invalid machine name {json.dumps(name)}")  # [assumption]
-        res_in = _want_obj(req.get("resources"), "resources", nullable=True) or {}
+        if name is not None and (
+            not 1 <= len(name) <= 128 or name.strip() != name
+        ):
+            raise Bad(
+                400, f"invalid machine name {json.dumps(name)}"
+            )  # [assumption]
+        res_in = (
+            _want_obj(req.get("resources"), "resources", nullable=True) or {}
+        )
         _check_fields(res_in, RESOURCE_FIELDS, "resources")
         disk = _want_int(
-            res_in.get("diskGb"), "resources.diskGb", 1, 2048, nullable=True, kind="u32"
+            res_in.get("diskGb"),
+            "resources.diskGb",
+            1,
+            2048,
+            nullable=True,
+            kind="u32",
         )
-        cpus = _want_int(res_in.get("cpus"), "resources.cpus", 1, 64, nullable=True, kind="u8")
+        cpus = _want_int(
+            res_in.get("cpus"),
+            "resources.cpus",
+            1,
+            64,
+            nullable=True,
+            kind="u8",
+        )
         mem = _want_int(
-            res_in.get("memoryMb"), "resources.memoryMb", 128, 262144, nullable=True, kind="u32"
+            res_in.get("memoryMb"),
+            "resources.memoryMb",
+            128,
+            262144,
+            nullable=True,
+            kind="u32",
         )
-        dur = _want_str(res_in.get("diskDurability"), "resources.diskDurability", nullable=True)
+        dur = _want_str(
+            res_in.get("diskDurability"),
+            "resources.diskDurability",
+            nullable=True,
+        )
         if dur is not None and dur not in ("full", "deferred"):
             raise Bad(
                 400,
                 f"resources.diskDurability: unknown variant `{dur}`, expected `full` or `deferred`",
             )
-        auto_stop = _want_int(req.get("autoStopSeconds"), "autoStopSeconds", nullable=True)
+        auto_stop = _want_int(
+            req.get("autoStopSeconds"), "autoStopSeconds", nullable=True
+        )
         ttl = _want_int(req.get("ttlSeconds"), "ttlSeconds", nullable=True)
         forkable = req.get("forkable", req.get("branchable", False))
         forkable = bool(_want_bool(forkable, "forkable", nullable=True))
@@ -1062,8 +1223,12 @@ class FakeCloud:
         env = _want_str_map(req.get("env"), "env", nullable=True) or {}
         workdir = _want_str(req.get("workdir"), "workdir", nullable=True)
         command = _want_str_list(req.get("command"), "command", nullable=True)
-        creds = _want_str_list(req.get("credentials"), "credentials", nullable=True)
-        labels = _want_str_map(req.get("labels"), "labels", nullable=True) or {}
+        creds = _want_str_list(
+            req.get("credentials"), "credentials", nullable=True
+        )
+        labels = (
+            _want_str_map(req.get("labels"), "labels", nullable=True) or {}
+        )
         cache = _want_obj(req.get("cacheDisk"), "cacheDisk", nullable=True)
         if cache is not None:
             _check_fields(cache, CACHE_DISK_FIELDS, "cacheDisk")
@@ -1104,7 +1269,8 @@ class FakeCloud:
                 "autoStopSeconds": auto_stop,
                 "ttlSeconds": ttl,
                 "expiresAt": _rfc3339(now + ttl) if ttl is not None else None,
-                "ephemeral": ttl is not None,  # [sdk: records carry it; seed: TTL is what makes it]
+                "ephemeral": ttl
+                is not None,  # [sdk: records carry it; seed: TTL is what makes it]
                 "forkable": forkable,  # [sdk] reads branchable, then forkable
                 "branchable": forkable,
                 "createdAt": _rfc3339(now),
@@ -1127,7 +1293,9 @@ class FakeCloud:
             root = self._root(mid)
             if workdir:
                 try:
-                    os.makedirs(_guest.guest_resolve(root, workdir), exist_ok=True)
+                    os.makedirs(
+                        _guest.guest_resolve(root, workdir), exist_ok=True
+                    )
                 except OSError:
                     pass
             # [assumption] 201; the SDK accepts any 2xx and reads `id`.
@@ -1138,14 +1306,17 @@ class FakeCloud:
             m = self._get(mid)
             if m["state"] == "frozen":
                 raise Bad(
-                    409, f"machine {mid} is frozen as a branch base and cannot be started"
+                    409,
+                    f"machine {mid} is frozen as a branch base and cannot be started",
                 )  # [assumption]
             # [sdk] `?forkable=true` only affects the boot; the stored create
             # flag is what branching checks [sdk comment], and the seed
             # branched without it. Recorded, not required.
             if q.get("forkable", [""])[-1] == "true":
                 m["_bootForkable"] = True
-            if m["state"] != "running":  # [assumption] start of a running machine is a no-op
+            if (
+                m["state"] != "running"
+            ):  # [assumption] start of a running machine is a no-op
                 self._boot(m, time.time())
             # [sdk] the response is ignored; the record is an [assumption].
             return json_resp(200, self._public(m))
@@ -1155,14 +1326,18 @@ class FakeCloud:
             m = self._get(mid)
             if m["state"] in ("running", "error", "frozen"):
                 self._stop(m, time.time())
-            return json_resp(200, self._public(m))  # [assumption] idempotent, the record
+            return json_resp(
+                200, self._public(m)
+            )  # [assumption] idempotent, the record
 
     def _h_delete(self, mid, q):
         with self._lock:
             m = self._get(mid)
             self._delete(m, time.time())
             if q.get("includeUsage", [""])[-1] == "true":
-                return json_resp(200, self._usage_report(m))  # [sdk] settled usage
+                return json_resp(
+                    200, self._usage_report(m)
+                )  # [sdk] settled usage
             return Resp(204)  # [public docs]
 
     def _h_usage(self, mid):
@@ -1179,7 +1354,10 @@ class FakeCloud:
         [public docs; seed]. Returns the time its agent answers."""
         if m["state"] == "frozen":
             # [sdk] "a frozen source cannot run commands again"; 409 [assumption].
-            raise Bad(409, f"machine {m['id']} is frozen as a branch base and cannot run commands")
+            raise Bad(
+                409,
+                f"machine {m['id']} is frozen as a branch base and cannot run commands",
+            )
         now = time.time()
         if m["state"] != "running":
             self._boot(m, now)
@@ -1227,14 +1405,19 @@ class FakeCloud:
         output = q.get("output", ["both"])[-1]
         if output not in ("text", "b64", "both"):
             raise Bad(
-                400, f"unknown output `{output}`, expected `text`, `b64` or `both`"
+                400,
+                f"unknown output `{output}`, expected `text`, `b64` or `both`",
             )  # [assumption]
         req = self._json_body(headers, body)
-        _check_fields(req, EXEC_FIELDS)  # strict [assumption]; `workdir` is not an exec field [sdk]
+        _check_fields(
+            req, EXEC_FIELDS
+        )  # strict [assumption]; `workdir` is not an exec field [sdk]
         argv, via_shell = self._command(req)
         env_req = _want_str_map(req.get("env"), "env", nullable=True) or {}
         cwd = _want_str(req.get("cwd"), "cwd", nullable=True)
-        timeout = _want_int(req.get("timeoutSeconds"), "timeoutSeconds", nullable=True)
+        timeout = _want_int(
+            req.get("timeoutSeconds"), "timeoutSeconds", nullable=True
+        )
         if timeout == 0:
             raise Bad(
                 400, "timeoutSeconds must be greater than zero"
@@ -1242,19 +1425,27 @@ class FakeCloud:
         user = _want_str(req.get("user"), "user", nullable=True)
         if user is not None and not user.strip():
             raise Bad(400, "user must not be empty")
-        background = bool(_want_bool(req.get("background"), "background", nullable=True))
+        background = bool(
+            _want_bool(req.get("background"), "background", nullable=True)
+        )
         stdin = _want_str(req.get("stdin"), "stdin", nullable=True)
         m, root, env, workdir = self._guest_for(mid, cwd, env_req)
-        out_extra = {"user": user} if user is not None else {}  # [sdk] the echo it checks
+        out_extra = (
+            {"user": user} if user is not None else {}
+        )  # [sdk] the echo it checks
         if not via_shell and not self._exe_exists(
             root, argv[0], env.get("PATH", PATH_ENV), workdir
         ):
             # [public docs] a missing interpreter is 200 with exitCode 255;
             # the stderr text is an [assumption].
             err = f"failed to exec `{argv[0]}`: No such file or directory (os error 2)\n".encode()
-            return json_resp(200, self._exec_result(255, b"", err, output, out_extra))
+            return json_resp(
+                200, self._exec_result(255, b"", err, output, out_extra)
+            )
         if stream:
-            return self._exec_stream(m, root, argv, env, workdir, stdin, timeout, user)
+            return self._exec_stream(
+                m, root, argv, env, workdir, stdin, timeout, user
+            )
         try:
             r = _guest.run_in_guest(
                 root,
@@ -1275,10 +1466,18 @@ class FakeCloud:
         if background:
             # [sdk] a detached command reports `pid=<n>` on stdout.
             return json_resp(
-                200, self._exec_result(0, f"pid={r.pid}\n".encode(), b"", output, out_extra)
+                200,
+                self._exec_result(
+                    0, f"pid={r.pid}\n".encode(), b"", output, out_extra
+                ),
             )
         # [public docs] non-zero exit and timeout (124) are 200 results.
-        return json_resp(200, self._exec_result(r.exit_code, r.stdout, r.stderr, output, out_extra))
+        return json_resp(
+            200,
+            self._exec_result(
+                r.exit_code, r.stdout, r.stderr, output, out_extra
+            ),
+        )
 
     def _exec_stream(self, m, root, argv, env, workdir, stdin, timeout, user):
         """[reference: exec/stream] the exec body, answered as SSE `stdout`,
@@ -1290,7 +1489,9 @@ class FakeCloud:
 
         def pieces():
             try:
-                events = _guest.stream_in_guest(root, argv, env, workdir, stdin, timeout, user)
+                events = _guest.stream_in_guest(
+                    root, argv, env, workdir, stdin, timeout, user
+                )
                 for event, value in events:
                     if event == "exit":
                         value = json.dumps({"exitCode": value})
@@ -1303,7 +1504,10 @@ class FakeCloud:
                 m["_lastActivity"] = time.time()
 
         return Resp(
-            200, ctype="text/event-stream", headers=[("cache-control", "no-cache")], stream=pieces()
+            200,
+            ctype="text/event-stream",
+            headers=[("cache-control", "no-cache")],
+            stream=pieces(),
         )
 
     # ---- detached jobs [reference: "Detached jobs"]
@@ -1312,14 +1516,18 @@ class FakeCloud:
             m = self._get(mid)
             if method != "POST":
                 # [reference] newest first, up to 100
-                newest = [self._job_public(j) for j in reversed(m["_jobs"][-100:])]
+                newest = [
+                    self._job_public(j) for j in reversed(m["_jobs"][-100:])
+                ]
                 return json_resp(200, {"jobs": newest})
         req = self._json_body(headers, body)
         _check_fields(req, JOB_FIELDS)  # strict, as exec [assumption]
         argv, _ = self._command(req)
         env_req = _want_str_map(req.get("env"), "env", nullable=True) or {}
         cwd = _want_str(req.get("cwd"), "cwd", nullable=True)
-        timeout = _want_int(req.get("timeoutSeconds"), "timeoutSeconds", nullable=True)
+        timeout = _want_int(
+            req.get("timeoutSeconds"), "timeoutSeconds", nullable=True
+        )
         user = _want_str(req.get("user"), "user", nullable=True)
         m, root, env, workdir = self._guest_for(mid, cwd, env_req)
         job = {
@@ -1351,7 +1559,9 @@ class FakeCloud:
             )
         with self._lock:
             m["_jobs"].append(job)
-        threading.Thread(target=self._job_waiter, args=(m, job, timeout), daemon=True).start()
+        threading.Thread(
+            target=self._job_waiter, args=(m, job, timeout), daemon=True
+        ).start()
         return json_resp(200, self._job_public(job))
 
     def _job_waiter(self, m, job, timeout):
@@ -1359,7 +1569,9 @@ class FakeCloud:
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self._end_job(job, "exited")  # [reference] a timed-out job exits 143
+            self._end_job(
+                job, "exited"
+            )  # [reference] a timed-out job exits 143
             return
         with self._lock:
             if job["state"] == "running":
@@ -1397,7 +1609,9 @@ class FakeCloud:
         out = {k: v for k, v in job.items() if not k.startswith("_")}
         for stream in ("stdout", "stderr"):
             try:
-                out[f"{stream}Bytes"] = os.path.getsize(os.path.join(job["_dir"], stream))
+                out[f"{stream}Bytes"] = os.path.getsize(
+                    os.path.join(job["_dir"], stream)
+                )
             except OSError:
                 out[f"{stream}Bytes"] = 0
         return out
@@ -1407,7 +1621,9 @@ class FakeCloud:
             m = self._get(mid)
             job = next((j for j in m["_jobs"] if j["id"] == job_id), None)
             if job is None:
-                raise Bad(404, f"job {job_id} not found")  # wording [assumption]
+                raise Bad(
+                    404, f"job {job_id} not found"
+                )  # wording [assumption]
         if sub == "cancel":
             self._end_job(job, "exited")  # idempotent [reference]
             return json_resp(200, self._job_public(job))
@@ -1416,7 +1632,10 @@ class FakeCloud:
         stream = q.get("stream", ["stdout"])[-1]
         if stream not in ("stdout", "stderr"):
             # [assumption] the wording
-            raise Bad(400, f"unknown stream `{stream}`, expected `stdout` or `stderr`")
+            raise Bad(
+                400,
+                f"unknown stream `{stream}`, expected `stdout` or `stderr`",
+            )
         offset = _want_int(int(q.get("offset", ["0"])[-1] or 0), "offset")
         limit = q.get("limit", [None])[-1]
         with open(os.path.join(job["_dir"], stream), "rb") as f:
@@ -1439,10 +1658,16 @@ class FakeCloud:
     @staticmethod
     def _exe_exists(root, argv0, path_env, workdir):
         if "/" in argv0:
-            g = argv0 if argv0.startswith("/") else workdir.rstrip("/") + "/" + argv0
+            g = (
+                argv0
+                if argv0.startswith("/")
+                else workdir.rstrip("/") + "/" + argv0
+            )
             return os.path.exists(_guest.guest_resolve(root, g))
         for d in path_env.split(":"):
-            if d and os.path.isfile(_guest.guest_resolve(root, d.rstrip("/") + "/" + argv0)):
+            if d and os.path.isfile(
+                _guest.guest_resolve(root, d.rstrip("/") + "/" + argv0)
+            ):
                 return True
         return False
 
@@ -1476,7 +1701,12 @@ class FakeCloud:
         if output == "text":
             res["stdoutB64"] = res["stderrB64"] = ""
         elif output == "b64":
-            res.update(stdout="", stderr="", stdoutTruncated=False, stderrTruncated=False)
+            res.update(
+                stdout="",
+                stderr="",
+                stdoutTruncated=False,
+                stderrTruncated=False,
+            )
         if not self.exec_b64:
             del res["stdoutB64"], res["stderrB64"]
         res.update(extra)
@@ -1491,7 +1721,9 @@ class FakeCloud:
             raise Bad(400, "a file path is required")  # [assumption]
         with self._lock:
             m = self._get(mid)
-            boot_done = self._ensure_running(m)  # a read or write starts it [seed]
+            boot_done = self._ensure_running(
+                m
+            )  # a read or write starts it [seed]
             root = self._root(mid)
         self._wait_agent(boot_done)
         try:
@@ -1501,21 +1733,32 @@ class FakeCloud:
         if method == "PUT":
             tmp_root = os.path.join(root, "tmp")
             literal_tmp = gpath == "/tmp" or gpath.startswith("/tmp/")
-            if not literal_tmp and (host == tmp_root or host.startswith(tmp_root + os.sep)):
+            if not literal_tmp and (
+                host == tmp_root or host.startswith(tmp_root + os.sep)
+            ):
                 # [public docs] an upload that resolves through a symlink into
                 # a memory-backed path fails; status and text [assumption].
-                raise Bad(400, f"{gpath} resolves into memory-backed /tmp; write under /workspace")
+                raise Bad(
+                    400,
+                    f"{gpath} resolves into memory-backed /tmp; write under /workspace",
+                )
             if os.path.isdir(host):
                 raise Bad(400, f"{gpath} is a directory")  # [assumption]
             try:
-                os.makedirs(os.path.dirname(host), exist_ok=True)  # [assumption] parents created
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(host), prefix=".upload-")
+                os.makedirs(
+                    os.path.dirname(host), exist_ok=True
+                )  # [assumption] parents created
+                fd, tmp = tempfile.mkstemp(
+                    dir=os.path.dirname(host), prefix=".upload-"
+                )
                 with os.fdopen(fd, "wb") as f:
                     f.write(body)
                 os.chmod(tmp, 0o644)  # [sdk] no mode on cloud; chmod via exec
                 os.replace(tmp, host)
             except OSError as e:
-                raise Bad(500, f"failed to write {gpath}: {e.strerror}")  # [assumption]
+                raise Bad(
+                    500, f"failed to write {gpath}: {e.strerror}"
+                )  # [assumption]
             # [assumption] the answer's shape (the SDK ignores it).
             return json_resp(200, {"path": gpath, "size": len(body)})
         if os.path.isdir(host):
@@ -1533,9 +1776,13 @@ class FakeCloud:
         return Resp(200, data, BYTES_CT)  # [sdk] raw bytes
 
     def _h_logs(self, mid, q):
-        raw = q.get("tail", ["100"])[-1]  # [assumption] default 100 (the SDK always sends it)
+        raw = q.get("tail", ["100"])[
+            -1
+        ]  # [assumption] default 100 (the SDK always sends it)
         if not raw.isdigit():
-            raise Bad(400, f"invalid tail `{raw}`: expected a non-negative integer")  # [assumption]
+            raise Bad(
+                400, f"invalid tail `{raw}`: expected a non-negative integer"
+            )  # [assumption]
         tail = int(raw)
         with self._lock:
             m = self._get(mid)
@@ -1549,7 +1796,9 @@ class FakeCloud:
         req = self._json_body(headers, body)
         _check_fields(req, BRANCH_FIELDS)  # strict [assumption]
         if "forkable" in req and "branchable" in req:
-            raise Bad(400, "duplicate field `branchable`")  # serde alias [assumption]
+            raise Bad(
+                400, "duplicate field `branchable`"
+            )  # serde alias [assumption]
         name = _want_str(req.get("name"), "name", nullable=True)
         ports = (
             self._parse_ports(req["ports"], "ports", BRANCH_PORT_FIELDS)
@@ -1559,18 +1808,29 @@ class FakeCloud:
         # [sdk] `branchable` on /branches, `forkable` on /fork; both spellings
         # accepted on both routes [assumption].
         child_forkable = bool(
-            _want_bool(req.get("branchable", req.get("forkable")), "branchable", nullable=True)
+            _want_bool(
+                req.get("branchable", req.get("forkable")),
+                "branchable",
+                nullable=True,
+            )
         )
-        freeze = bool(_want_bool(req.get("freezeSource"), "freezeSource", nullable=True))
+        freeze = bool(
+            _want_bool(req.get("freezeSource"), "freezeSource", nullable=True)
+        )
         now = time.time()
         with self._lock:
             src = self._get(mid)
             if not src["forkable"]:
                 # [sdk] "without this field the golden is stored non-forkable
                 # and every fork() 409s"; the wording is an [assumption].
-                raise Bad(409, f"machine {mid} is not forkable: create it with `forkable: true`")
+                raise Bad(
+                    409,
+                    f"machine {mid} is not forkable: create it with `forkable: true`",
+                )
             if src["state"] not in ("running", "frozen"):
-                raise Bad(409, f"machine {mid} is not running")  # [assumption] wording
+                raise Bad(
+                    409, f"machine {mid} is not running"
+                )  # [assumption] wording
             cid = "mach-" + _hex(12)
             while cid in self._machines or cid in self._deleted:
                 cid = "mach-" + _hex(12)
@@ -1580,10 +1840,14 @@ class FakeCloud:
                 raise Bad(409, f"machine named `{name}` already exists")
             dst = tempfile.mkdtemp(prefix=f"{cid}-", dir=self._tmp)
             os.rmdir(dst)
-            _guest.copy_guest_root(self._root(mid), dst)  # a copy of the source's disk
+            _guest.copy_guest_root(
+                self._root(mid), dst
+            )  # a copy of the source's disk
             self._roots[cid] = dst
             c = json.loads(json.dumps(self._public(src)))
-            if ports is None:  # [assumption] omitted ports: the source's guest ports
+            if (
+                ports is None
+            ):  # [assumption] omitted ports: the source's guest ports
                 ports = [p["port"] for p in src["ports"]]
             # [assumption] the child inherits the source's settings; requested
             # host ports are ignored (the node picks them [sdk]).
@@ -1617,7 +1881,8 @@ class FakeCloud:
                     "_everStarted": True,
                     "_bootForkable": child_forkable,
                     "_listening": set(),
-                    "_console": list(src["_console"]) + ["smolvm-agent: branched from " + mid],
+                    "_console": list(src["_console"])
+                    + ["smolvm-agent: branched from " + mid],
                     "_bg": [],
                     "_jobs": [],
                     "_node": src["_node"],
@@ -1645,7 +1910,10 @@ class FakeCloud:
 
 if __name__ == "__main__":
     with FakeCloud() as fc:
-        print(f"fake smol cloud on {fc.url} (token {fc.token}); Ctrl-C to stop", flush=True)
+        print(
+            f"fake smol cloud on {fc.url} (token {fc.token}); Ctrl-C to stop",
+            flush=True,
+        )
         try:
             while True:
                 time.sleep(3600)

@@ -148,7 +148,9 @@ _INT_RANGES = {
     "i64": (-(2**63), 2**63 - 1),
 }
 
-ENVVAR = STRUCT("EnvVar", [("name", STR, True), ("value", STR, True)], deny=False)
+ENVVAR = STRUCT(
+    "EnvVar", [("name", STR, True), ("value", STR, True)], deny=False
+)
 PORTSPEC = STRUCT(
     "PortSpec",
     [
@@ -167,7 +169,8 @@ MOUNTSPEC = STRUCT(
     ],
 )
 RESTARTSPEC = STRUCT(
-    "RestartSpec", [("policy", OPT(STR), False), ("maxRetries", OPT(INT("u32")), False)]
+    "RestartSpec",
+    [("policy", OPT(STR), False), ("maxRetries", OPT(INT("u32")), False)],
 )
 CACHEDISKSPEC = STRUCT(
     "CacheDiskSpec",
@@ -203,13 +206,21 @@ CREATE_REQUEST = STRUCT(
         ("storageGb", OPT(INT("u64")), False),
         ("overlayGb", OPT(INT("u64")), False),
         ("blockIo", OPT(ENUM("BlockIoEngine", ["sync", "async"])), False),
-        ("diskDurability", OPT(ENUM("DiskDurability", ["full", "deferred"])), False),
+        (
+            "diskDurability",
+            OPT(ENUM("DiskDurability", ["full", "deferred"])),
+            False,
+        ),
         ("cacheDisk", OPT(CACHEDISKSPEC), False),
         ("allowedCidrs", OPT(SEQ(STR)), False),
         ("egressRules", SEQ(ANYSTRUCT("EgressRule")), False),
         ("allowedHosts", OPT(SEQ(STR)), False),
         ("credentials", OPT(CREDENTIALPOLICY), False),
-        ("networkBackend", OPT(ENUM("NetworkBackend", ["tsi", "virtio-net"])), False),
+        (
+            "networkBackend",
+            OPT(ENUM("NetworkBackend", ["tsi", "virtio-net"])),
+            False,
+        ),
         ("guestSubnet", OPT(STR), False),
         ("restart", OPT(RESTARTSPEC), False),
         ("image", OPT(STR), False),
@@ -508,24 +519,38 @@ class _Deserializer:
                 elif e == 0x75:
                     cp = self._hex4()
                     if 0xD800 <= cp <= 0xDBFF:
-                        if self.i + 1 < len(b) and b[self.i] == 0x5C and b[self.i + 1] == 0x75:
+                        if (
+                            self.i + 1 < len(b)
+                            and b[self.i] == 0x5C
+                            and b[self.i + 1] == 0x75
+                        ):
                             self.i += 2
                             lo = self._hex4()
                             if not 0xDC00 <= lo <= 0xDFFF:
-                                raise self.error("lone leading surrogate in hex escape")
-                            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)
+                                raise self.error(
+                                    "lone leading surrogate in hex escape"
+                                )
+                            cp = (
+                                0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)
+                            )
                         else:
                             if self.i >= len(b):
-                                raise self.error("EOF while parsing a string", "eof")
+                                raise self.error(
+                                    "EOF while parsing a string", "eof"
+                                )
                             self.i += 1
                             raise self.error("unexpected end of hex escape")
                     elif 0xDC00 <= cp <= 0xDFFF:
-                        raise self.error("lone leading surrogate in hex escape")
+                        raise self.error(
+                            "lone leading surrogate in hex escape"
+                        )
                     out += chr(cp).encode("utf-8")
                 else:
                     raise self.error("invalid escape")
             elif c < 0x20:
-                raise self.error("control character (\\u0000-\\u001F) found while parsing a string")
+                raise self.error(
+                    "control character (\\u0000-\\u001F) found while parsing a string"
+                )
             else:
                 out.append(c)
         try:
@@ -603,7 +628,9 @@ class _Deserializer:
         return _Num("i64", -n)
 
     def invalid_type(self, unexpected, t):
-        return self.data_error(f"invalid type: {unexpected}, expected {_expecting(t)}")
+        return self.data_error(
+            f"invalid type: {unexpected}, expected {_expecting(t)}"
+        )
 
     def peek_invalid_type(self, t):
         p = self.ws()
@@ -614,7 +641,9 @@ class _Deserializer:
         if p in (0x74, 0x66):
             self.eat()
             self.parse_ident(b"rue" if p == 0x74 else b"alse")
-            return self.invalid_type("boolean `%s`" % ("true" if p == 0x74 else "false"), t)
+            return self.invalid_type(
+                "boolean `%s`" % ("true" if p == 0x74 else "false"), t
+            )
         if p == 0x2D:
             self.eat()
             return self.invalid_type(self.parse_number(False).unexpected(), t)
@@ -622,7 +651,9 @@ class _Deserializer:
             return self.invalid_type(self.parse_number(True).unexpected(), t)
         if p == 0x22:
             self.eat()
-            return self.invalid_type("string " + _rust_debug_str(self.parse_str()), t)
+            return self.invalid_type(
+                "string " + _rust_debug_str(self.parse_str()), t
+            )
         if p == 0x5B:
             return self.invalid_type("sequence", t)
         if p == 0x7B:
@@ -666,7 +697,9 @@ class _Deserializer:
                 raise self.invalid_type(num.unexpected(), t)
             lo, hi = _INT_RANGES[t[1]]
             if not lo <= num.value <= hi:
-                raise self.data_error(f"invalid value: {num.unexpected()}, expected {t[1]}")
+                raise self.data_error(
+                    f"invalid value: {num.unexpected()}, expected {t[1]}"
+                )
             return num.value
         if k == "seq":
             if p != 0x5B:
@@ -719,7 +752,9 @@ class _Deserializer:
                 self.eat()
                 s = self.parse_str()
                 if s not in t[2]:
-                    raise self.data_error(f"unknown variant `{s}`, {_one_of(t[2], 'variant')}")
+                    raise self.data_error(
+                        f"unknown variant `{s}`, {_one_of(t[2], 'variant')}"
+                    )
                 return s
             if p == 0x7B:
                 self.eat()
@@ -728,7 +763,9 @@ class _Deserializer:
                 self.eat()
                 s = self.parse_str()
                 if s not in t[2]:
-                    raise self.data_error(f"unknown variant `{s}`, {_one_of(t[2], 'variant')}")
+                    raise self.data_error(
+                        f"unknown variant `{s}`, {_one_of(t[2], 'variant')}"
+                    )
                 self._colon()
                 self.path.append(s)
                 try:
@@ -779,7 +816,9 @@ class _Deserializer:
         elif p == 0x2C:
             self.eat()
             end_err = self.peek_error(
-                "trailing comma" if self.ws() == 0x5D else "trailing characters"
+                "trailing comma"
+                if self.ws() == 0x5D
+                else "trailing characters"
             )
         elif p is None:
             end_err = self.peek_error("EOF while parsing a list", "eof")
@@ -1033,23 +1072,31 @@ def parse_query(qs: str, schema: dict):
             elif v == "false":
                 out[k] = False
             else:
-                raise QueryError(f"{k}: provided string was not `true` or `false`")
+                raise QueryError(
+                    f"{k}: provided string was not `true` or `false`"
+                )
         elif kind == "str":
             out[k] = v
         else:
             lo, hi = _INT_RANGES[kind]
             s = v[1:] if v.startswith("+") else v
             if v == "":
-                raise QueryError(f"{k}: cannot parse integer from empty string")
+                raise QueryError(
+                    f"{k}: cannot parse integer from empty string"
+                )
             neg = lo < 0 and s.startswith("-")
             digits = s[1:] if neg else s
             if not digits or not digits.isascii() or not digits.isdigit():
                 raise QueryError(f"{k}: invalid digit found in string")
             n = -int(digits) if neg else int(digits)
             if n > hi:
-                raise QueryError(f"{k}: number too large to fit in target type")
+                raise QueryError(
+                    f"{k}: number too large to fit in target type"
+                )
             if n < lo:
-                raise QueryError(f"{k}: number too small to fit in target type")
+                raise QueryError(
+                    f"{k}: number too small to fit in target type"
+                )
             out[k] = n
     return out
 
@@ -1076,7 +1123,9 @@ def _dumps(obj):
 
 
 class Response:
-    def __init__(self, status, body=b"", ctype=None, headers=None, stream=None):
+    def __init__(
+        self, status, body=b"", ctype=None, headers=None, stream=None
+    ):
         self.status = status
         self.body = body.encode() if isinstance(body, str) else body
         self.ctype = ctype
@@ -1125,7 +1174,10 @@ def validate_machine_name(name):
         return f"machine name must start with a letter or digit (got: {_dumps(name)})"
     for ch in name:
         if not (ch.isascii() and (ch.isalnum() or ch in "-_")):
-            return "machine name contains invalid character: " + _rust_char_debug(ch)
+            return (
+                "machine name contains invalid character: "
+                + _rust_char_debug(ch)
+            )
     return None
 
 
@@ -1209,7 +1261,9 @@ class _Handler(socketserver.StreamRequestHandler):
             if line in (b"\r\n", b"\n"):
                 continue
             try:
-                method, target, version = line.decode("latin-1").strip().split(" ", 2)
+                method, target, version = (
+                    line.decode("latin-1").strip().split(" ", 2)
+                )
             except ValueError:
                 self._write(Response(400), keep=False)
                 return
@@ -1223,9 +1277,16 @@ class _Handler(socketserver.StreamRequestHandler):
             body = b""
             if headers.get("transfer-encoding", "").lower() == "chunked":
                 while True:
-                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                    size = int(
+                        self.rfile.readline().split(b";")[0].strip() or b"0",
+                        16,
+                    )
                     if size == 0:
-                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        while self.rfile.readline() not in (
+                            b"\r\n",
+                            b"\n",
+                            b"",
+                        ):
                             pass
                         break
                     body += self.rfile.read(size)
@@ -1233,14 +1294,19 @@ class _Handler(socketserver.StreamRequestHandler):
             elif "content-length" in headers:
                 body = self.rfile.read(int(headers["content-length"]))
             conn = headers.get("connection", "").lower()
-            keep = not (conn == "close" or (version == "HTTP/1.0" and conn != "keep-alive"))
+            keep = not (
+                conn == "close"
+                or (version == "HTTP/1.0" and conn != "keep-alive")
+            )
             try:
                 resp = fake._dispatch(method, target, headers, body)
             except Exception as exc:  # a bug in the fake: say so loudly
                 import traceback
 
                 traceback.print_exc()
-                resp = api_error(500, "INTERNAL_ERROR", f"fake smolvm bug: {exc!r}")
+                resp = api_error(
+                    500, "INTERNAL_ERROR", f"fake smolvm bug: {exc!r}"
+                )
             try:
                 self._write(resp, keep, head=(method == "HEAD"))
             except (BrokenPipeError, ConnectionResetError):
@@ -1309,8 +1375,12 @@ _APPLETS_CACHE = {}
 
 def busybox_applets(busybox):
     if busybox not in _APPLETS_CACHE:
-        out = subprocess.run([busybox, "--list"], capture_output=True, check=True).stdout
-        _APPLETS_CACHE[busybox] = [a for a in out.decode().split() if a and "/" not in a]
+        out = subprocess.run(
+            [busybox, "--list"], capture_output=True, check=True
+        ).stdout
+        _APPLETS_CACHE[busybox] = [
+            a for a in out.decode().split() if a and "/" not in a
+        ]
     return _APPLETS_CACHE[busybox]
 
 
@@ -1334,7 +1404,9 @@ def populate_guest_root(root: str):
         os.makedirs(os.path.join(root, d), exist_ok=True)
     os.chmod(os.path.join(root, "tmp"), 0o1777)
     with open(os.path.join(root, "etc/passwd"), "w") as f:
-        f.write("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n")
+        f.write(
+            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"
+        )
     with open(os.path.join(root, "etc/group"), "w") as f:
         f.write("root:x:0:\nnogroup:x:65534:\n")
     with open(os.path.join(root, "etc/hostname"), "w") as f:
@@ -1407,7 +1479,15 @@ class GuestRun:
 
     __slots__ = ("exit_code", "stdout", "stderr", "timed_out", "pid", "proc")
 
-    def __init__(self, exit_code=0, stdout=b"", stderr=b"", timed_out=False, pid=None, proc=None):
+    def __init__(
+        self,
+        exit_code=0,
+        stdout=b"",
+        stderr=b"",
+        timed_out=False,
+        pid=None,
+        proc=None,
+    ):
         self.exit_code = exit_code
         self.stdout = stdout
         self.stderr = stderr
@@ -1438,11 +1518,16 @@ def guest_command(root, argv, workdir, user, netns=None):
     if os.geteuid() != 0:
         pre = ["unshare", "-r"] + pre
     if netns:
-        pre = [shutil.which("nsenter") or "/usr/bin/nsenter", f"--net={netns}"] + pre
+        pre = [
+            shutil.which("nsenter") or "/usr/bin/nsenter",
+            f"--net={netns}",
+        ] + pre
     return pre + list(argv)
 
 
-def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background, netns=None):
+def run_in_guest(
+    root, argv, env, workdir, stdin, timeout, user, background, netns=None
+):
     """Run argv in the guest root `root` (chroot, under `unshare -r` when not
     root), in `workdir`, with exactly the environment `env`, inside the
     network namespace `netns` (a path) when one is given. A foreground
@@ -1486,7 +1571,9 @@ def run_in_guest(root, argv, env, workdir, stdin, timeout, user, background, net
         # the local serve's value is an assumption (not observed).
         code = 124
         timed_out = True
-    return GuestRun(exit_code=code, stdout=out, stderr=err, timed_out=timed_out)
+    return GuestRun(
+        exit_code=code, stdout=out, stderr=err, timed_out=timed_out
+    )
 
 
 # --------------------------------------------------------------------------
@@ -1520,7 +1607,9 @@ HOST_PATTERN_RE = re.compile(rf"(\*\.)?{LABEL}(\.{LABEL})*")
 
 def egress_restricted(m):
     """Open egress is `network: true` with no allow list; anything else is a policy."""
-    return not (m["network"] and "allowedHosts" not in m and "allowedCidrs" not in m)
+    return not (
+        m["network"] and "allowedHosts" not in m and "allowedCidrs" not in m
+    )
 
 
 def host_allowed(name, entries):
@@ -1561,13 +1650,17 @@ class GuestNet:
         if self.holder.stdout.readline().strip() != b"up":
             self.holder.kill()
             self.holder.wait()
-            raise OSError("fake smolvm: could not make a network namespace for the guest")
+            raise OSError(
+                "fake smolvm: could not make a network namespace for the guest"
+            )
         self.path = f"/proc/{self.holder.pid}/ns/net"
         self.listeners = self._listen(sorted(destinations))
         self._selector = selectors.DefaultSelector()
         for sock in self.listeners:
             self._selector.register(sock, selectors.EVENT_READ)
-        threading.Thread(target=self._accept_loop, name="fake-guest-net", daemon=True).start()
+        threading.Thread(
+            target=self._accept_loop, name="fake-guest-net", daemon=True
+        ).start()
 
     def _listen(self, destinations):
         """Listening sockets inside the namespace: made by a thread that moves
@@ -1580,7 +1673,8 @@ class GuestNet:
             try:
                 if libc.setns(fd, CLONE_NEWNET) != 0:
                     raise OSError(
-                        ctypes.get_errno(), "setns into the guest's network namespace failed"
+                        ctypes.get_errno(),
+                        "setns into the guest's network namespace failed",
                     )
             finally:
                 os.close(fd)
@@ -1620,10 +1714,16 @@ class GuestNet:
                 ip, port = conn.getsockname()[:2]
                 if self.decide(ip, port):
                     threading.Thread(
-                        target=self._forward, args=(conn, ip, port), daemon=True
+                        target=self._forward,
+                        args=(conn, ip, port),
+                        daemon=True,
                     ).start()
                 else:
-                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    conn.setsockopt(
+                        socket.SOL_SOCKET,
+                        socket.SO_LINGER,
+                        struct.pack("ii", 1, 0),
+                    )
                     conn.close()
 
     @staticmethod
@@ -1633,7 +1733,9 @@ class GuestNet:
         try:
             upstream = socket.create_connection((ip, port), timeout=10)
         except OSError:
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
             conn.close()
             return
         upstream.settimeout(None)
@@ -1650,7 +1752,9 @@ class GuestNet:
                 except OSError:
                     pass
 
-        back = threading.Thread(target=pump, args=(upstream, conn), daemon=True)
+        back = threading.Thread(
+            target=pump, args=(upstream, conn), daemon=True
+        )
         back.start()
         pump(conn, upstream)
         back.join()
@@ -1669,7 +1773,9 @@ class GuestNet:
         self.holder.wait()
 
 
-def stream_in_guest(root, argv, env, workdir, stdin, timeout, user, netns=None):
+def stream_in_guest(
+    root, argv, env, workdir, stdin, timeout, user, netns=None
+):
     """Run argv in the guest like run_in_guest, yielding ("stdout"|"stderr",
     text) as the command writes, then ("exit", code). Raises GuestUnavailable."""
     import codecs
@@ -1707,7 +1813,9 @@ def stream_in_guest(root, argv, env, workdir, stdin, timeout, user, netns=None):
     deadline = time.monotonic() + timeout if timeout else None
     open_pipes, timed_out = 2, False
     while open_pipes:
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        wait = (
+            None if deadline is None else max(0.0, deadline - time.monotonic())
+        )
         try:
             event, text = pieces.get(timeout=wait)
         except queue.Empty:
@@ -1742,7 +1850,9 @@ def kill_guest_processes(root):
                 killed.append(pid)
         except OSError:
             pass
-    deadline = time.monotonic() + 5  # gone for good (reaped), as they would be with their VM
+    deadline = (
+        time.monotonic() + 5
+    )  # gone for good (reaped), as they would be with their VM
     while killed and time.monotonic() < deadline:
         killed = [pid for pid in killed if os.path.exists(f"/proc/{pid}")]
         time.sleep(0.05)
@@ -1751,7 +1861,11 @@ def kill_guest_processes(root):
 def sse_event(event, text):
     """One SSE event; multi-line text as several data lines (the standard's framing)."""
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    return (f"event: {event}\n" + "".join(f"data: {line}\n" for line in lines) + "\n").encode()
+    return (
+        f"event: {event}\n"
+        + "".join(f"data: {line}\n" for line in lines)
+        + "\n"
+    ).encode()
 
 
 def copy_guest_root(src, dst):
@@ -1859,7 +1973,9 @@ class FakeSmolvm:
         self.registry = registry
         self.settle_secs = float(settle_secs)
         self.state_file = state_file
-        self.guest_hosts = {k.lower(): v for k, v in (guest_hosts or {}).items()}
+        self.guest_hosts = {
+            k.lower(): v for k, v in (guest_hosts or {}).items()
+        }
         self.guest_ports = tuple(guest_ports)
         self._nets = {}
         self.requests = []
@@ -1982,7 +2098,9 @@ class FakeSmolvm:
             populate_guest_root(root)
             with open(os.path.join(root, "etc/hosts"), "w") as f:
                 f.write("127.0.0.1 localhost\n")
-                f.writelines(f"{ip} {host}\n" for host, ip in self.guest_hosts.items())
+                f.writelines(
+                    f"{ip} {host}\n" for host, ip in self.guest_hosts.items()
+                )
             self._roots[name] = root
         return root
 
@@ -2026,7 +2144,9 @@ class FakeSmolvm:
             and "allowedCidrs" not in m
             and not m["_imageFetched"]
         ):
-            return api_error(500, "INTERNAL_ERROR", registry_offline_error(m["image"]))
+            return api_error(
+                500, "INTERNAL_ERROR", registry_offline_error(m["image"])
+            )
         if self.boot_delay:
             self._lock.release()
             try:
@@ -2044,7 +2164,9 @@ class FakeSmolvm:
             m.pop("pid", None)
             self._save_state()
             return api_error(
-                500, "INTERNAL_ERROR", BOOT_FAIL_START if for_route == "start" else BOOT_FAIL_AUTO
+                500,
+                "INTERNAL_ERROR",
+                BOOT_FAIL_START if for_route == "start" else BOOT_FAIL_AUTO,
             )
         m["_console"].extend(BOOT_LINES[3:])
         m["_imageFetched"] = True
@@ -2058,7 +2180,11 @@ class FakeSmolvm:
     def _json_body(self, headers, body, schema):
         if not _is_json_ctype(headers.get("content-type")):
             raise _HTTPError(
-                Response(415, "Expected request with `Content-Type: application/json`", TEXT_CT)
+                Response(
+                    415,
+                    "Expected request with `Content-Type: application/json`",
+                    TEXT_CT,
+                )
             )
         try:
             return serde_parse(body, schema)
@@ -2073,7 +2199,12 @@ class FakeSmolvm:
                     )
                 )
             raise _HTTPError(
-                Response(400, "Failed to parse the request body as JSON: " + e.with_path(), TEXT_CT)
+                Response(
+                    400,
+                    "Failed to parse the request body as JSON: "
+                    + e.with_path(),
+                    TEXT_CT,
+                )
             )
 
     @staticmethod
@@ -2081,7 +2212,11 @@ class FakeSmolvm:
         try:
             return parse_query(qs, schema)
         except QueryError as e:
-            raise _HTTPError(Response(400, f"Failed to deserialize query string: {e}", TEXT_CT))
+            raise _HTTPError(
+                Response(
+                    400, f"Failed to deserialize query string: {e}", TEXT_CT
+                )
+            )
 
     # ---- dispatch
     def _dispatch(self, method, target, headers, body):
@@ -2177,7 +2312,13 @@ class FakeSmolvm:
         if method in ("GET", "HEAD"):
             with self._lock:
                 return json_response(
-                    200, {"machines": [self._info(self._get(n)) for n in sorted(self._machines)]}
+                    200,
+                    {
+                        "machines": [
+                            self._info(self._get(n))
+                            for n in sorted(self._machines)
+                        ]
+                    },
                 )
         req = self._json_body(headers, body, CREATE_REQUEST)
         return self._create(req)
@@ -2195,18 +2336,26 @@ class FakeSmolvm:
         overlay = req.get("overlayGb")
         pre = "config operation failed: validate resources: "
         if cpus == 0:
-            return api_error(400, "BAD_REQUEST", pre + "CPU count must be at least 1")
+            return api_error(
+                400, "BAD_REQUEST", pre + "CPU count must be at least 1"
+            )
         if mem is not None and mem < 64:
             return api_error(
-                400, "BAD_REQUEST", pre + f"memory must be at least 64 MiB (got {mem} MiB)"
+                400,
+                "BAD_REQUEST",
+                pre + f"memory must be at least 64 MiB (got {mem} MiB)",
             )
         if storage == 0:
             return api_error(
-                400, "BAD_REQUEST", pre + "storage disk size must be greater than 0 GiB"
+                400,
+                "BAD_REQUEST",
+                pre + "storage disk size must be greater than 0 GiB",
             )
         if overlay == 0:
             return api_error(
-                400, "BAD_REQUEST", pre + "overlay disk size must be greater than 0 GiB"
+                400,
+                "BAD_REQUEST",
+                pre + "overlay disk size must be greater than 0 GiB",
             )
         if req.get("nestedVirt"):
             return api_error(
@@ -2215,14 +2364,22 @@ class FakeSmolvm:
                 "nested virtualization is disabled on this server; start "
                 "`smolvm serve` with --allow-nested-virt to enable it",
             )
-        sources = [k for k in ("registryRef", "from", "image") if req.get(k) is not None]
+        sources = [
+            k
+            for k in ("registryRef", "from", "image")
+            if req.get(k) is not None
+        ]
         if len(sources) > 1:
             return api_error(
-                400, "BAD_REQUEST", "'registryRef', 'from', and 'image' are mutually exclusive"
+                400,
+                "BAD_REQUEST",
+                "'registryRef', 'from', and 'image' are mutually exclusive",
             )
         for ev in req.get("env", []):
             n = ev["name"]
-            if not n or not all(c.isascii() and (c.isalnum() or c == "_") for c in n):
+            if not n or not all(
+                c.isascii() and (c.isalnum() or c == "_") for c in n
+            ):
                 return api_error(
                     400,
                     "BAD_REQUEST",
@@ -2249,7 +2406,9 @@ class FakeSmolvm:
             )
         image = req.get("image")
         if image is not None and (
-            image.startswith("/") or image.startswith("./") or image.startswith("../")
+            image.startswith("/")
+            or image.startswith("./")
+            or image.startswith("../")
         ):
             return api_error(
                 400,
@@ -2258,13 +2417,17 @@ class FakeSmolvm:
                 "--local-image-dir to accept archives and rootfs directories under it",
             )
         if req.get("from") is not None:
-            return api_error(400, "BAD_REQUEST", f"sidecar file not found: {req['from']}")
+            return api_error(
+                400, "BAD_REQUEST", f"sidecar file not found: {req['from']}"
+            )
         if req.get("registryRef") is not None:
             return api_error(
                 500,
                 "INTERNAL_ERROR",
                 "registry pull failed: "
-                + registry_offline_error("registry.smolmachines.com/" + req["registryRef"]),
+                + registry_offline_error(
+                    "registry.smolmachines.com/" + req["registryRef"]
+                ),
             )
         if req.get("cacheDisk") is not None:
             return api_error(
@@ -2280,7 +2443,11 @@ class FakeSmolvm:
             "on-failure",
             "unless-stopped",
         ):
-            return api_error(400, "BAD_REQUEST", f"invalid restart policy: {restart['policy']}")
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                f"invalid restart policy: {restart['policy']}",
+            )
         ports = req.get("ports", [])
         if ports and req.get("networkBackend") == "tsi":
             return api_error(
@@ -2299,7 +2466,9 @@ class FakeSmolvm:
                     f"mount operation failed: validate source: path must be absolute: {src}",
                 )
             if not os.path.exists(src):
-                return api_error(400, "BAD_REQUEST", f"mount source not found: {src}")
+                return api_error(
+                    400, "BAD_REQUEST", f"mount source not found: {src}"
+                )
             mounts.append(
                 {
                     "tag": f"smolvm{i}",
@@ -2318,7 +2487,9 @@ class FakeSmolvm:
         out_ports.sort(key=lambda e: 1 if e.get("protocol") == "udp" else 0)
         with self._lock:
             if name in self._machines:
-                return api_error(409, "CONFLICT", f"machine '{name}' already exists")
+                return api_error(
+                    409, "CONFLICT", f"machine '{name}' already exists"
+                )
             m = {"name": name}
             if image is not None:
                 m["image"] = image
@@ -2358,7 +2529,9 @@ class FakeSmolvm:
                     "_has_logs": False,
                     "_imageFetched": False,
                     "_chainDepth": 1,
-                    "_env": [[e["name"], e["value"]] for e in req.get("env", [])],
+                    "_env": [
+                        [e["name"], e["value"]] for e in req.get("env", [])
+                    ],
                     "_workdir": req.get("workdir"),
                     "_console": [],
                     "_workload": [],
@@ -2382,8 +2555,16 @@ class FakeSmolvm:
             m = self._get(name)
             if m is None:
                 return not_found_machine(name)
-            children = [c for c in self._machines.values() if c.get("parentMachine") == name]
-            live = [c for c in children if self._get(c["name"])["state"] == "running"]
+            children = [
+                c
+                for c in self._machines.values()
+                if c.get("parentMachine") == name
+            ]
+            live = [
+                c
+                for c in children
+                if self._get(c["name"])["state"] == "running"
+            ]
             if live and not q.get("cascade"):
                 # Not observed on the real serve (no branch could be made there).
                 return api_error(
@@ -2401,7 +2582,11 @@ class FakeSmolvm:
             return json_response(200, {"deleted": name})
 
     def _delete_tree(self, name):
-        for c in [c["name"] for c in self._machines.values() if c.get("parentMachine") == name]:
+        for c in [
+            c["name"]
+            for c in self._machines.values()
+            if c.get("parentMachine") == name
+        ]:
             self._delete_tree(c)
         self._delete_one(name)
 
@@ -2431,7 +2616,11 @@ class FakeSmolvm:
             try:
                 req = serde_parse(body, START_REQUEST)
             except SerdeError as e:
-                return api_error(400, "BAD_REQUEST", f"invalid JSON request body: {e.inner()}")
+                return api_error(
+                    400,
+                    "BAD_REQUEST",
+                    f"invalid JSON request body: {e.inner()}",
+                )
             if req is None:
                 req = {}
         branchable = bool(
@@ -2476,7 +2665,9 @@ class FakeSmolvm:
         if m["state"] != "running":
             if not auto_start:
                 return None, api_error(
-                    409, "CONFLICT", "machine is not running and autoStart is false"
+                    409,
+                    "CONFLICT",
+                    "machine is not running and autoStart is false",
                 )
             err = self._boot(m, "auto")
             if err is not None:
@@ -2514,7 +2705,9 @@ class FakeSmolvm:
             # Per the documents (see the module docstring); background is not meaningful here.
             if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
                 return api_error(
-                    500, "INTERNAL_ERROR", "fake smolvm: no static busybox on this host"
+                    500,
+                    "INTERNAL_ERROR",
+                    "fake smolvm: no static busybox on this host",
                 )
             events = stream_in_guest(
                 root,
@@ -2527,7 +2720,8 @@ class FakeSmolvm:
                 netns,
             )
             chunks = (
-                sse_event(e, _dumps({"exitCode": v}) if e == "exit" else v) for e, v in events
+                sse_event(e, _dumps({"exitCode": v}) if e == "exit" else v)
+                for e, v in events
             )
             return Response(
                 200,
@@ -2553,16 +2747,24 @@ class FakeSmolvm:
     def _guest_netns(self, m):
         """The network namespace a restricted guest's commands run in (root
         only; see GuestNet), made on first use; None for open egress."""
-        if os.geteuid() != 0 or not egress_restricted(m) or find_busybox() is None:
+        if (
+            os.geteuid() != 0
+            or not egress_restricted(m)
+            or find_busybox() is None
+        ):
             return None
         name = m["name"]
         net = self._nets.get(name)
         if net is None:
             destinations = {
-                (ip, port) for ip in self.guest_hosts.values() for port in self.guest_ports
+                (ip, port)
+                for ip in self.guest_hosts.values()
+                for port in self.guest_ports
             }
             net = self._nets[name] = GuestNet(
-                find_busybox(), destinations, lambda ip, port: self._egress_decide(name, ip, port)
+                find_busybox(),
+                destinations,
+                lambda ip, port: self._egress_decide(name, ip, port),
             )
         return net.path
 
@@ -2582,19 +2784,52 @@ class FakeSmolvm:
                         return True
                 except ValueError:
                     continue
-            names = [host for host, host_ip in self.guest_hosts.items() if host_ip == ip]
-            if any(host_allowed(host, m.get("allowedHosts", [])) for host in names):
+            names = [
+                host
+                for host, host_ip in self.guest_hosts.items()
+                if host_ip == ip
+            ]
+            if any(
+                host_allowed(host, m.get("allowedHosts", [])) for host in names
+            ):
                 return True
-            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            stamp = datetime.datetime.now(datetime.UTC).strftime(
+                "%Y-%m-%dT%H:%M:%S.%fZ"
+            )
             m.setdefault("_egressEvents", []).append(
-                {"timestamp": stamp, "operation": "connect", "dest": f"{ip}:{port}"}
+                {
+                    "timestamp": stamp,
+                    "operation": "connect",
+                    "dest": f"{ip}:{port}",
+                }
             )
             self._save_state()
             return False
 
-    def _run_in_guest(self, root, argv, env, workdir, stdin, timeout, user, background, netns=None):
+    def _run_in_guest(
+        self,
+        root,
+        argv,
+        env,
+        workdir,
+        stdin,
+        timeout,
+        user,
+        background,
+        netns=None,
+    ):
         try:
-            r = run_in_guest(root, argv, env, workdir, stdin, timeout, user, background, netns)
+            r = run_in_guest(
+                root,
+                argv,
+                env,
+                workdir,
+                stdin,
+                timeout,
+                user,
+                background,
+                netns,
+            )
         except GuestUnavailable as e:
             return api_error(500, "INTERNAL_ERROR", str(e))
         if background:
@@ -2628,7 +2863,12 @@ class FakeSmolvm:
             mode = None
             if q.get("mode"):
                 s = q["mode"]
-                if not s or len(s) > 5 or any(c not in "01234567" for c in s) or int(s, 8) > 0o7777:
+                if (
+                    not s
+                    or len(s) > 5
+                    or any(c not in "01234567" for c in s)
+                    or int(s, 8) > 0o7777
+                ):
                     return api_error(
                         400,
                         "BAD_REQUEST",
@@ -2648,7 +2888,9 @@ class FakeSmolvm:
         if method == "PUT":
             try:
                 os.makedirs(os.path.dirname(host), exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(host), prefix=".upload-")
+                fd, tmp = tempfile.mkstemp(
+                    dir=os.path.dirname(host), prefix=".upload-"
+                )
                 with os.fdopen(fd, "wb") as f:
                     f.write(body)
                 os.chmod(tmp, mode if mode is not None else 0o644)
@@ -2657,7 +2899,11 @@ class FakeSmolvm:
                 os.replace(tmp, host)
             except OSError as e:
                 # Not observed: the wording of a failed guest write.
-                return api_error(500, "INTERNAL_ERROR", f"failed to write {gpath}: {e.strerror}")
+                return api_error(
+                    500,
+                    "INTERNAL_ERROR",
+                    f"failed to write {gpath}: {e.strerror}",
+                )
             return json_response(200, {"path": gpath, "size": len(body)})
         if os.path.isdir(host):
             entries = []
@@ -2683,15 +2929,27 @@ class FakeSmolvm:
             with open(host, "rb") as f:
                 data = f.read()
         except OSError as e:
-            return api_error(500, "INTERNAL_ERROR", f"failed to read {gpath}: {e.strerror}")
+            return api_error(
+                500, "INTERNAL_ERROR", f"failed to read {gpath}: {e.strerror}"
+            )
         return Response(200, data, "application/octet-stream")
 
     def _h_logs(self, method, qs, headers, body, name):
-        q = self._query(qs, {"tail": "usize", "follow": "bool", "source": "str", "format": "str"})
+        q = self._query(
+            qs,
+            {
+                "tail": "usize",
+                "follow": "bool",
+                "source": "str",
+                "format": "str",
+            },
+        )
         source = q.get("source") or "console"
         if source not in ("console", "workload"):
             return api_error(
-                400, "BAD_REQUEST", f'unknown log source \'{source}\': use "console" or "workload"'
+                400,
+                "BAD_REQUEST",
+                f'unknown log source \'{source}\': use "console" or "workload"',
             )
         with self._lock:
             m = self._get(name)
@@ -2703,7 +2961,9 @@ class FakeSmolvm:
                     "NOT_FOUND",
                     f"machine '{name}' has no logs yet — it may not have been started",
                 )
-            lines = list(m["_workload" if source == "workload" else "_console"])
+            lines = list(
+                m["_workload" if source == "workload" else "_console"]
+            )
         if q.get("format") == "json":
             keep = []
             for ln in lines:
@@ -2718,7 +2978,10 @@ class FakeSmolvm:
         # follow=true: the real serve keeps the stream open; the fake ends it.
         chunks = [f"data: {ln}\n\n".encode() for ln in lines]
         return Response(
-            200, ctype="text/event-stream", headers=[("cache-control", "no-cache")], stream=chunks
+            200,
+            ctype="text/event-stream",
+            headers=[("cache-control", "no-cache")],
+            stream=chunks,
         )
 
     def _h_images(self, method, qs, headers, body, name):
@@ -2737,7 +3000,12 @@ class FakeSmolvm:
             events = list(m.get("_egressEvents", []))
         limit = q.get("limit", 200)
         return json_response(
-            200, {"events": events[len(events) - limit :] if limit < len(events) else events}
+            200,
+            {
+                "events": events[len(events) - limit :]
+                if limit < len(events)
+                else events
+            },
         )
 
     def _h_egress(self, method, qs, headers, body, name):
@@ -2763,7 +3031,9 @@ class FakeSmolvm:
             if m is None:
                 return not_found_machine(name)
             if not any(req.get(k) for k in lists + flags):
-                return api_error(400, "BAD_REQUEST", "request contains no egress changes")
+                return api_error(
+                    400, "BAD_REQUEST", "request contains no egress changes"
+                )
             for key, what in (
                 ("allowHosts", "allow host"),
                 ("allowHostPatterns", "allow host pattern"),
@@ -2786,7 +3056,9 @@ class FakeSmolvm:
                         "BAD_REQUEST",
                         f"invalid CIDR '{cidr}': expected format like 10.0.0.0/8 or 1.1.1.1",
                     )
-            removals = req.get("removeAllowHosts", []) + req.get("removeAllowCidrs", [])
+            removals = req.get("removeAllowHosts", []) + req.get(
+                "removeAllowCidrs", []
+            )
             if req.get("resetAllowList") and removals:
                 return api_error(
                     400,
@@ -2795,8 +3067,16 @@ class FakeSmolvm:
                     "removals",
                 )
             had_list = "allowedHosts" in m or "allowedCidrs" in m
-            hosts = [] if req.get("resetAllowList") else list(m.get("allowedHosts", []))
-            cidrs = [] if req.get("resetAllowList") else list(m.get("allowedCidrs", []))
+            hosts = (
+                []
+                if req.get("resetAllowList")
+                else list(m.get("allowedHosts", []))
+            )
+            cidrs = (
+                []
+                if req.get("resetAllowList")
+                else list(m.get("allowedCidrs", []))
+            )
             for entries, removed, what in (
                 (hosts, "removeAllowHosts", "allowed hosts"),
                 (cidrs, "removeAllowCidrs", "allowed CIDRs"),
@@ -2811,13 +3091,23 @@ class FakeSmolvm:
                         )
                     entries.remove(entry)
             added_cidrs = req.get("allowCidrs", []) + (
-                ["127.0.0.0/8", "::1/128"] if req.get("outboundLocalhostOnly") else []
+                ["127.0.0.0/8", "::1/128"]
+                if req.get("outboundLocalhostOnly")
+                else []
             )
             for entries, added in (
-                (hosts, req.get("allowHosts", []) + req.get("allowHostPatterns", [])),
+                (
+                    hosts,
+                    req.get("allowHosts", [])
+                    + req.get("allowHostPatterns", []),
+                ),
                 (cidrs, added_cidrs),
             ):
-                entries.extend(entry for entry in dict.fromkeys(added) if entry not in entries)
+                entries.extend(
+                    entry
+                    for entry in dict.fromkeys(added)
+                    if entry not in entries
+                )
             if not hosts and not cidrs and not req.get("allowAll"):
                 return api_error(
                     400,
@@ -2836,7 +3126,10 @@ class FakeSmolvm:
                     "keep an allow list in force, so it needs the machine stopped",
                 )
             m["network"] = True
-            for key, entries in (("allowedHosts", hosts), ("allowedCidrs", cidrs)):
+            for key, entries in (
+                ("allowedHosts", hosts),
+                ("allowedCidrs", cidrs),
+            ):
                 if entries:
                     m[key] = entries
                 else:
@@ -2851,19 +3144,24 @@ class FakeSmolvm:
             if err is not None:
                 return err
             if self.registry == "offline":
-                return api_error(500, "INTERNAL_ERROR", registry_offline_error(req["image"]))
+                return api_error(
+                    500, "INTERNAL_ERROR", registry_offline_error(req["image"])
+                )
             arch = "amd64"
             if req.get("ociPlatform") and "/" in req["ociPlatform"]:
                 arch = req["ociPlatform"].split("/")[1]
             info = {
                 "reference": req["image"],
-                "digest": "sha256:" + hashlib.sha256(req["image"].encode()).hexdigest(),
+                "digest": "sha256:"
+                + hashlib.sha256(req["image"].encode()).hexdigest(),
                 "size": 3_600_000 + len(req["image"]) * 1000,
                 "architecture": arch,
                 "os": "linux",
                 "layerCount": 1,
             }
-            m["_images"] = [i for i in m["_images"] if i["reference"] != req["image"]] + [info]
+            m["_images"] = [
+                i for i in m["_images"] if i["reference"] != req["image"]
+            ] + [info]
             self._save_state()
             return json_response(200, {"image": info})
 
@@ -2876,17 +3174,29 @@ class FakeSmolvm:
         err = validate_machine_name(child)
         if err:
             err = err.replace("machine name", "clone name")
-            return api_error(500, "INTERNAL_ERROR", f"config operation failed: clone name: {err}")
+            return api_error(
+                500,
+                "INTERNAL_ERROR",
+                f"config operation failed: clone name: {err}",
+            )
         if child == name:
-            return api_error(409, "CONFLICT", f"clone name '{child}' is already used by the golden")
+            return api_error(
+                409,
+                "CONFLICT",
+                f"clone name '{child}' is already used by the golden",
+            )
         with self._lock:
             if child in self._machines:
-                return api_error(409, "CONFLICT", f"machine '{child}' already exists")
+                return api_error(
+                    409, "CONFLICT", f"machine '{child}' already exists"
+                )
             src = self._get(name)
             if src is None:
                 return api_error(404, "NOT_FOUND", f"vm not found: {name}")
             hint = f"start it with `machine start --forkable --name {name}`"
-            if src["state"] != "running" and (src["branchable"] or not src["_everStarted"]):
+            if src["state"] != "running" and (
+                src["branchable"] or not src["_everStarted"]
+            ):
                 return api_error(
                     409,
                     "CONFLICT",
@@ -2904,12 +3214,21 @@ class FakeSmolvm:
             src_root = self._root(name)
             dst_root = tempfile.mkdtemp(prefix=f"{child}-", dir=self._tmp)
             os.rmdir(dst_root)
-            shutil.copytree(src_root, dst_root, symlinks=True, copy_function=_copy_node)
+            shutil.copytree(
+                src_root, dst_root, symlinks=True, copy_function=_copy_node
+            )
             self._roots[child] = dst_root
-            fork_env = [e.split("=", 1) if "=" in e else [e, ""] for e in req.get("env", [])]
+            fork_env = [
+                e.split("=", 1) if "=" in e else [e, ""]
+                for e in req.get("env", [])
+            ]
             if fork_env:
-                os.makedirs(os.path.join(dst_root, "etc/smolvm"), exist_ok=True)
-                with open(os.path.join(dst_root, "etc/smolvm/fork-env"), "w") as f:
+                os.makedirs(
+                    os.path.join(dst_root, "etc/smolvm"), exist_ok=True
+                )
+                with open(
+                    os.path.join(dst_root, "etc/smolvm/fork-env"), "w"
+                ) as f:
                     for k, v in fork_env:
                         f.write(f"{k}={_dumps(v)}\n")
             if "ports" in req:
@@ -2917,7 +3236,11 @@ class FakeSmolvm:
                     {
                         "host": p["host"],
                         "guest": p["guest"],
-                        **({"protocol": "udp"} if p.get("protocol") == "udp" else {}),
+                        **(
+                            {"protocol": "udp"}
+                            if p.get("protocol") == "udp"
+                            else {}
+                        ),
                     }
                     for p in req["ports"]
                 ]
@@ -2996,7 +3319,9 @@ def main(argv=None):
         return 0
     if argv[:2] == ["serve", "openapi"]:
         with open(OPENAPI_PATH, encoding="utf-8") as f:
-            sys.stdout.write(json.dumps(json.load(f), indent=2, ensure_ascii=False) + "\n")
+            sys.stdout.write(
+                json.dumps(json.load(f), indent=2, ensure_ascii=False) + "\n"
+            )
         return 0
     if argv[:2] != ["serve", "start"]:
         print(
@@ -3005,7 +3330,11 @@ def main(argv=None):
             file=sys.stderr,
         )
         return 2
-    opts = {"--listen": None, "--state-dir": None, "--guest-rollout-port": None}
+    opts = {
+        "--listen": None,
+        "--state-dir": None,
+        "--guest-rollout-port": None,
+    }
     rest = argv[2:]
     i = 0
     while i < len(rest):
@@ -3027,7 +3356,9 @@ def main(argv=None):
         # every other flag of the real serve is accepted and ignored
         i += 1
     port = (
-        opts["--guest-rollout-port"] or os.environ.get("SMOLVM_GUEST_ROLLOUT_HOST_PORT") or "10081"
+        opts["--guest-rollout-port"]
+        or os.environ.get("SMOLVM_GUEST_ROLLOUT_HOST_PORT")
+        or "10081"
     )
     if os.environ.get("FAKE_SMOLVM_PORT_IN_USE") == "1":
         print(
@@ -3056,14 +3387,22 @@ def main(argv=None):
         boot=os.environ.get("FAKE_SMOLVM_BOOT", "ok"),
         boot_delay=float(os.environ.get("FAKE_SMOLVM_BOOT_DELAY", "0") or 0),
         registry=os.environ.get("FAKE_SMOLVM_REGISTRY", "ok"),
-        settle_secs=float(os.environ.get("FAKE_SMOLVM_SETTLE_SECS", "3.5") or 3.5),
+        settle_secs=float(
+            os.environ.get("FAKE_SMOLVM_SETTLE_SECS", "3.5") or 3.5
+        ),
         state_file=state_file,
         guest_hosts=dict(
             pair.split("=", 1)
-            for pair in os.environ.get("FAKE_SMOLVM_GUEST_HOSTS", "").split(",")
+            for pair in os.environ.get("FAKE_SMOLVM_GUEST_HOSTS", "").split(
+                ","
+            )
             if pair
         ),
-        guest_ports=[int(p) for p in os.environ.get("FAKE_SMOLVM_GUEST_PORTS", "").split(",") if p],
+        guest_ports=[
+            int(p)
+            for p in os.environ.get("FAKE_SMOLVM_GUEST_PORTS", "").split(",")
+            if p
+        ],
     )
     stop = threading.Event()
 
@@ -3073,11 +3412,21 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     fake.start()
-    where = f"unix://{addr}" if isinstance(addr, str) else f"http://{addr[0]}:{addr[1]}"
-    print(f"smolvm API server listening on {where}", file=sys.stderr, flush=True)
+    where = (
+        f"unix://{addr}"
+        if isinstance(addr, str)
+        else f"http://{addr[0]}:{addr[1]}"
+    )
+    print(
+        f"smolvm API server listening on {where}", file=sys.stderr, flush=True
+    )
     while not stop.wait(0.2):
         pass
-    print("Shutting down server (VMs continue running)...", file=sys.stderr, flush=True)
+    print(
+        "Shutting down server (VMs continue running)...",
+        file=sys.stderr,
+        flush=True,
+    )
     fake.stop()
     return 0
 
