@@ -2259,22 +2259,22 @@ def other_serve_hint(own: str) -> str:
 # ---------------------------------------------------------------------------
 # 4. Cloud fleet: the smol cloud REST API
 #
-# httpx2 to $SMOL_CLOUD_URL with a bearer token; a machine is a mach-... id, found by name with one
-# list call. Routes and bodies follow the official Python client (smolmachines 1.32.2), even where
-# the live service was seen to differ; its observed behaviour is kept as a fallback.
+# httpx2 to $SMOL_CLOUD_URL with a bearer token; a machine is a mach-... id,
+# found by name with one list call. Routes and bodies follow the official
+# Python client (smolmachines 1.32.2), even where the live service was seen
+# to differ; its observed behaviour is kept as a fallback.
 # ---------------------------------------------------------------------------
 
 CLOUD_TIMEOUT_SECS = 30
-CLOUD_LONG_TIMEOUT_SECS = (
-    1800  # the official client's wait for a job start (and other long calls)
-)
+# The official client's wait for a job start (and other long calls).
+CLOUD_LONG_TIMEOUT_SECS = 1800
 LOG_WINDOW_LINES = 10000  # the most log lines one cloud read asks for
 CLOUD_RETRY_STATUSES = (408, 429, 502, 503, 504)
-CLOUD_MAX_RETRY_WAIT_SECS = (
-    30  # a longer Retry-After is not waited out: the call says so and ends
-)
+# A longer Retry-After is not waited out: the call says so and ends.
+CLOUD_MAX_RETRY_WAIT_SECS = 30
 CLOUD_BLOCKED = {"mode": "blocked"}
-# A deny-all where "blocked" is refused: RFC 5737 TEST-NET-1, routed nowhere (an empty list: 400).
+# A deny-all where "blocked" is refused: RFC 5737 TEST-NET-1, routed
+# nowhere (an empty list is refused with a 400).
 CLOUD_BLOCKED_FALLBACK = {
     "mode": "allowCidrs",
     "cidrs": ["192.0.2.0/24"],
@@ -2288,75 +2288,25 @@ CLOUD_EXEC_SCRIPT_WRITE = (
 )
 
 
-@registered
-class CloudFleet:
-    """A smol cloud account's machines. Blocking, like LocalFleet: called from worker threads.
-    Long signatures go without annotations (Fleet's are the contract's)."""
+class CloudApi:
+    """The smol cloud REST API through one httpx2 client: a bearer token,
+    retries where they are safe, and every failure a sentence."""
 
-    name = "cloud"
-    served_as = (
-        "cloud (the smol cloud account; machines are billed while they exist)"
-    )
-    instruction = (
-        "- Cloud: a command, read or write in a stopped machine starts it "
-        "(startedMachine: true) and leaves it running; published ports need open "
-        "egress; delete-machine returns the settled usage."
-    )
-    amends_egress = False  # the reference has no route to amend or read a cloud machine's egress
-    mounts_host_paths = (
-        False  # no host directories: the cloud's own refusal of mounts says so
-    )
-    branch_needs_start = False
-
-    @classmethod
-    def target_facts(cls, app: SmolMcp) -> dict:  # without calling the service
-        keyed, url = bool(app.config.cloud_token), app.config.cloud_url
-        reason = None if keyed else "no account key: set SMOL_CLOUD_TOKEN"
-        return dict(
-            served=True, usable=keyed, reason=reason, url=url, tokenSet=keyed
-        )
-
-    @classmethod
-    def lacking(cls, config: Config) -> str | None:
-        key = "the cloud account key: set SMOL_CLOUD_TOKEN (or cloudToken in the config file)"
-        return None if config.cloud_token else key
-
-    @classmethod
-    def doctor_report(
-        cls, app: SmolMcp, facts: dict
-    ) -> tuple[list[str], list[str]]:
-        if facts["usable"]:  # the key is tried with one list call
-            try:
-                count = len(app.fleets[cls.name].list_machines())
-                facts["reason"] = (
-                    f"the account key works ({count} machine(s) on the fleet)"
-                )
-            except SmolError as err:
-                facts.update(
-                    usable=False,
-                    reason=redact(str(err), app.config.secret_values()),
-                )
-        return [
-            f"url: {facts['url']}, key set: {'yes' if facts['tokenSet'] else 'no'}"
-        ], []
-
-    def __init__(self, config: Config, environ: dict[str, str] | None = None):
+    def __init__(self, config: Config, fleet: str):
         import httpx2
 
         self.config = config
-        agent, url = f"smol-mcp/{__version__}", config.cloud_url.rstrip("/")
+        # The fleet its ApiErrors name.
+        self.fleet = fleet
         headers = {
             "Authorization": f"Bearer {config.cloud_token}",
-            "User-Agent": agent,
+            "User-Agent": f"smol-mcp/{__version__}",
         }
-        self._client = httpx2.Client(
-            base_url=url, timeout=CLOUD_TIMEOUT_SECS, headers=headers
+        self.client = httpx2.Client(
+            base_url=config.cloud_url.rstrip("/"),
+            timeout=CLOUD_TIMEOUT_SECS,
+            headers=headers,
         )
-        self._blocked = CLOUD_BLOCKED  # becomes the fallback if the service refuses this spelling
-
-    # Sessions share one HTTP client, and the cloud keeps no connection state of ours.
-    def acquire(self) -> None: ...
-    def release(self) -> None: ...
 
     def request(
         self,
@@ -2368,59 +2318,38 @@ class CloudFleet:
         timeout=CLOUD_TIMEOUT_SECS,
         expect=dict,
     ):
-        """One call, retried where safe: 429 always (it never ran), other retryable statuses only
-        for idempotent methods. Bytes ``data`` are sent as they are, else JSON. A success must be
-        JSON of an ``expect`` type; with None any body does (JSON parsed, else the bytes)."""
-        import httpx2
-
+        """Return the answer to one call, retried where safe: 429 always
+        (it never ran), other retryable statuses only for idempotent
+        methods. Bytes ``data`` are sent as they are, else as JSON. A
+        success must be JSON of an ``expect`` type; with None any body
+        does (JSON parsed, else the bytes). Raise ApiError when the
+        service refuses, SmolError when it is out of reach or answers
+        what it should not."""
         if not self.config.cloud_token:
             fix = "set SMOL_CLOUD_TOKEN (or cloudToken in the config file)"
             raise SmolError(f"the cloud fleet needs an account key: {fix}")
-        octets = {
-            "content": data,
-            "headers": {"Content-Type": "application/octet-stream"},
-        }
-        sent = octets if isinstance(data, bytes) else {"json": data}
-        for attempt in range(1, 5):
-            try:
-                response = self._client.request(
-                    method, path, timeout=timeout, **sent
-                )
-            except httpx2.TimeoutException:
-                raise SmolError(
-                    f"the cloud API did not answer within {timeout:.0f} s while trying to "
-                    f"{action}; check the service's status and this host's connection to "
-                    f"{self.config.cloud_url}"
-                ) from None
-            except httpx2.TransportError as exc:
-                detail = (
-                    redact(str(exc), self.config.secret_values())
-                    or type(exc).__name__
-                )
-                where = f"the cloud API at {self.config.cloud_url}"
-                raise SmolError(
-                    f"could not reach {where} to {action}: {detail}"
-                ) from None
-            code, idempotent = (
-                response.status_code,
-                method in ("GET", "PUT", "DELETE"),
-            )
-            if attempt == 4 or not (
-                code == 429 or code in CLOUD_RETRY_STATUSES and idempotent
-            ):
-                break
-            wait = response.headers.get("retry-after", "")
-            delay = (
-                float(wait)
-                if wait.replace(".", "", 1).isdigit()
-                else 0.5 * 2**attempt
-            )
-            if delay > CLOUD_MAX_RETRY_WAIT_SECS:
-                raise SmolError(
-                    f"the cloud API is busy (HTTP {code}) and asks to wait {delay:.0f} s before "
-                    f"trying to {action} again, longer than this server waits "
-                    f"({CLOUD_MAX_RETRY_WAIT_SECS} s); try the call again later"
-                )
+        response = self._send_retried(action, method, path, data, timeout)
+        if response.status_code >= 400:
+            raise self.error(action, response)
+        return self._answer(action, response, expect)
+
+    def _send_retried(self, action, method, path, data, timeout) -> Any:
+        """Return the first response not worth retrying, or the fourth;
+        raise SmolError when the service asks to wait too long."""
+        if isinstance(data, bytes):
+            octets = {"Content-Type": "application/octet-stream"}
+            sent = {"content": data, "headers": octets}
+        else:
+            sent = {"json": data}
+        idempotent = method in ("GET", "PUT", "DELETE")
+        for attempt in range(1, 4):
+            response = self._send(action, method, path, timeout, sent)
+            code = response.status_code
+            retryable = code in CLOUD_RETRY_STATUSES and idempotent
+            # A 429 is retried whatever the method: the call never ran.
+            if code != 429 and not retryable:
+                return response
+            delay = self._retry_delay(action, response, attempt)
             log.info(
                 "the cloud API answered HTTP %d to %s: trying again in %.1f s",
                 code,
@@ -2428,90 +2357,222 @@ class CloudFleet:
                 delay,
             )
             time.sleep(delay)
-        if response.status_code >= 400:
-            raise self._error(action, response)
-        ctype, body = (
-            response.headers.get("content-type", ""),
-            response.content,
-        )
-        why = (
-            "not JSON"
-            if "application/json" not in ctype
-            else ""
-            if body
-            else "an empty body"
-        )
-        if not why:
+        return self._send(action, method, path, timeout, sent)
+
+    def _send(self, action, method, path, timeout, sent) -> Any:
+        """Return one response; raise SmolError when none comes in time
+        or the service cannot be reached."""
+        import httpx2
+
+        try:
+            return self.client.request(method, path, timeout=timeout, **sent)
+        except httpx2.TimeoutException:
+            raise SmolError(
+                f"the cloud API did not answer within {timeout:.0f} s while "
+                f"trying to {action}; check the service's status and this "
+                f"host's connection to {self.config.cloud_url}"
+            ) from None
+        except httpx2.TransportError as exc:
+            secrets = self.config.secret_values()
+            detail = redact(str(exc), secrets) or type(exc).__name__
+            where = f"the cloud API at {self.config.cloud_url}"
+            raise SmolError(
+                f"could not reach {where} to {action}: {detail}"
+            ) from None
+
+    def _retry_delay(self, action, response, attempt) -> float:
+        """Return the seconds to wait before the next attempt: Retry-After
+        when it is a number, else a doubling backoff; raise SmolError when
+        that is longer than CLOUD_MAX_RETRY_WAIT_SECS."""
+        code = response.status_code
+        wait = response.headers.get("retry-after", "")
+        if wait.replace(".", "", 1).isdigit():
+            delay = float(wait)
+        else:
+            delay = 0.5 * 2**attempt
+        if delay > CLOUD_MAX_RETRY_WAIT_SECS:
+            raise SmolError(
+                f"the cloud API is busy (HTTP {code}) and asks to wait "
+                f"{delay:.0f} s before trying to {action} again, longer "
+                f"than this server waits ({CLOUD_MAX_RETRY_WAIT_SECS} s); "
+                "try the call again later"
+            )
+        return delay
+
+    def _answer(self, action, response, expect) -> Any:
+        """Return a success's body: JSON of an ``expect`` type, or with
+        ``expect`` None any body (JSON parsed, else the bytes, None when
+        empty); raise SmolError for any other answer."""
+        ctype = response.headers.get("content-type", "")
+        body = response.content
+        if "application/json" not in ctype:
+            why = "not JSON"
+        elif not body:
+            why = "an empty body"
+        else:
             try:
                 value = json.loads(body)
             except ValueError:
                 why = "malformed JSON"
-        if expect is None or not why and isinstance(value, expect):
-            return (body or None) if why else value
-        why = why or f"JSON of the wrong shape ({_json_type(value)})"
-        raise self._bad_answer(action, why, body, response.status_code, ctype)
+            else:
+                if expect is None or isinstance(value, expect):
+                    return value
+                why = f"JSON of the wrong shape ({_json_type(value)})"
+        if expect is None:
+            return body or None
+        raise self.bad_answer(action, why, body, response.status_code, ctype)
 
-    def _error(self, action: str, response: Any) -> ApiError:
-        """An ApiError from a cloud error body: plain text, JSON with code and error, or empty."""
-        response.read()  # a streamed answer's body is not read yet
-        status, text, code = response.status_code, response.text.strip(), ""
+    def error(self, action: str, response: Any) -> ApiError:
+        """Return an ApiError from a cloud error body: plain text, JSON
+        with code and error, or empty."""
+        # A streamed answer's body is not read yet.
+        response.read()
+        status = response.status_code
+        text = response.text.strip()
+        code = ""
         if "application/json" in response.headers.get("content-type", ""):
             try:
                 parsed = response.json()
-                text = str(
-                    parsed.get("error") or parsed.get("message") or text
-                )
+                message = parsed.get("error") or parsed.get("message")
+                text = str(message or text)
                 code = str(parsed.get("code") or "")
             except (ValueError, AttributeError):
                 pass
         if status == 401:
-            text = f"the account key was refused ({text or 'no detail'}); check SMOL_CLOUD_TOKEN"
+            text = (
+                f"the account key was refused ({text or 'no detail'}); "
+                "check SMOL_CLOUD_TOKEN"
+            )
         text = redact(text or "no message", self.config.secret_values())
-        err = ApiError(self.name, action, status, code, text)
+        err = ApiError(self.fleet, action, status, code, text)
         if request_id := response.headers.get("x-request-id"):
             err.args = (f"{err.args[0]} [request id {request_id}]",)
         return err
 
-    def _bad_answer(
+    def bad_answer(
         self, action, why, body, status=200, ctype="application/json"
     ) -> SmolError:
-        """A sentence about an answer the cloud should not have given; ``body`` is bytes or JSON."""
-        body = body if isinstance(body, bytes) else json.dumps(body).encode()
-        head = redact(
-            body[:120].decode("utf-8", "replace"), self.config.secret_values()
-        )
+        """Return a sentence about an answer the cloud should not have
+        given; ``body`` is bytes or JSON."""
+        if not isinstance(body, bytes):
+            body = json.dumps(body).encode()
+        start = body[:120].decode("utf-8", "replace")
+        head = redact(start, self.config.secret_values())
         return SmolError(
-            f"the cloud API answered the request to {action} with {why}: HTTP {status}, content "
-            f"type {ctype or '(none)'}, starting {head!r}. That is the service's (or a proxy's) "
-            "answer, not this call's: check SMOL_CLOUD_URL points at the API, and try again later"
+            f"the cloud API answered the request to {action} with {why}: "
+            f"HTTP {status}, content type {ctype or '(none)'}, starting "
+            f"{head!r}. That is the service's (or a proxy's) answer, not "
+            "this call's: check SMOL_CLOUD_URL points at the API, and try "
+            "again later"
         )
 
+
+@registered
+class CloudFleet:
+    """A smol cloud account's machines, through a CloudApi. Blocking, like
+    LocalFleet: called from worker threads. Long signatures go without
+    annotations (Fleet's are the contract's)."""
+
+    name = "cloud"
+    served_as = (
+        "cloud (the smol cloud account; machines are billed while they exist)"
+    )
+    instruction = (
+        "- Cloud: a command, read or write in a stopped machine starts it "
+        "(startedMachine: true) and leaves it running; published ports need "
+        "open egress; delete-machine returns the settled usage."
+    )
+    # The official client has no route to amend or read a cloud machine's
+    # egress.
+    amends_egress = False
+    # No host directories: the cloud's own refusal of mounts says so.
+    mounts_host_paths = False
+    branch_needs_start = False
+
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        """The fleet's facts, told without calling the service."""
+        keyed = bool(app.config.cloud_token)
+        reason = None if keyed else "no account key: set SMOL_CLOUD_TOKEN"
+        return dict(
+            served=True,
+            usable=keyed,
+            reason=reason,
+            url=app.config.cloud_url,
+            tokenSet=keyed,
+        )
+
+    @classmethod
+    def lacking(cls, config: Config) -> str | None:
+        if config.cloud_token:
+            return None
+        return (
+            "the cloud account key: set SMOL_CLOUD_TOKEN "
+            "(or cloudToken in the config file)"
+        )
+
+    @classmethod
+    def doctor_report(
+        cls, app: SmolMcp, facts: dict
+    ) -> tuple[list[str], list[str]]:
+        # The key is tried with one list call.
+        if facts["usable"]:
+            try:
+                count = len(app.fleets[cls.name].list_machines())
+                facts["reason"] = (
+                    f"the account key works ({count} machine(s) on the fleet)"
+                )
+            except SmolError as err:
+                facts.update(
+                    usable=False,
+                    reason=redact(str(err), app.config.secret_values()),
+                )
+        key_set = "yes" if facts["tokenSet"] else "no"
+        return [f"url: {facts['url']}, key set: {key_set}"], []
+
+    def __init__(self, config: Config, environ: dict[str, str] | None = None):
+        self.config = config
+        self.api = CloudApi(config, self.name)
+        # Becomes the fallback if the service refuses this spelling.
+        self._blocked = CLOUD_BLOCKED
+
+    def acquire(self) -> None:
+        """Nothing to hold: sessions share one HTTP client, and the cloud
+        keeps no connection state of ours."""
+
+    def release(self) -> None:
+        """Nothing to let go of (see acquire)."""
+
     def _find(self, name: str) -> dict:
-        """The raw record named ``name`` (SPEC 16: an unnamed one goes by its id; a name wins)."""
-        if found := [
-            r
-            for r in self._list_raw()
-            if (r.get("name") or r.get("id")) == name
-        ]:
-            return min(found, key=lambda r: not r.get("name"))
+        """The raw record named ``name``; an unnamed one goes by its id,
+        and a name wins over an id."""
+        found = [
+            record
+            for record in self._list_raw()
+            if (record.get("name") or record.get("id")) == name
+        ]
+        if found:
+            return min(found, key=lambda record: not record.get("name"))
         missing = f"machine '{name}' not found"
         raise ApiError(
             self.name, f"find machine '{name}'", 404, "NOT_FOUND", missing
         )
 
     def _list_raw(self) -> list[dict]:
-        answer = self.request(
+        answer = self.api.request(
             "list machines", "GET", "/v1/machines", expect=(dict, list)
         )
-        # The official client accepts either shape; the service has sent a bare array.
-        machines = (
-            answer.get("machines", []) if isinstance(answer, dict) else answer
-        )
+        # The official client accepts either shape; the service has sent a
+        # bare array.
+        if isinstance(answer, dict):
+            machines = answer.get("machines", [])
+        else:
+            machines = answer
         ok = isinstance(machines, list) and all(
             isinstance(m, dict) and "id" in m for m in machines
         )
         if not ok:
-            raise self._bad_answer(
+            raise self.api.bad_answer(
                 "list machines", "not a list of machine records", answer
             )
         return machines
@@ -2526,37 +2587,68 @@ class CloudFleet:
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
+        self._check_spec(spec)
+        body = self._create_body(spec)
+        action = f"create machine '{spec.name}'"
+        try:
+            created = self.api.request(action, "POST", "/v1/machines", body)
+            return cloud_record(created)
+        except ApiError as err:
+            refused = err.status in (400, 422) and "blocked" in err.api_message
+            if body["network"] is not CLOUD_BLOCKED or not refused:
+                raise
+        deny = "denying egress with an allow-list of 192.0.2.0/24"
+        log.info('the cloud API refused network mode "blocked"; %s', deny)
+        self._blocked = CLOUD_BLOCKED_FALLBACK
+        body["network"] = CLOUD_BLOCKED_FALLBACK
+        created = self.api.request(action, "POST", "/v1/machines", body)
+        return cloud_record(created)
+
+    @staticmethod
+    def _check_spec(spec: MachineSpec) -> None:
+        """Raise ArgumentError when ``spec`` asks for what only the local
+        fleet has, or publishes ports from a machine without egress."""
         local_only = {
             "mounts": spec.mounts,
             "overlayGb": spec.overlay_gb,
             "cmd": spec.cmd,
         }
-        if given := [
-            argument for argument, value in local_only.items() if value
-        ]:
+        given = [argument for argument, value in local_only.items() if value]
+        if given:
             raise ArgumentError(
-                f'"{given[0]}" is local only: the cloud fleet has no host directories, overlay '
-                "disk or workload command to set; leave it out for a cloud machine"
+                f'"{given[0]}" is local only: the cloud fleet has no host '
+                "directories, overlay disk or workload command to set; "
+                "leave it out for a cloud machine"
             )
         if any(port.get("host") for port in spec.ports):
-            why = "the cloud control plane picks the host port; pass only the guest port"
+            why = (
+                "the cloud control plane picks the host port; "
+                "pass only the guest port"
+            )
             raise ArgumentError(f'"ports[].host" is local only: {why}')
-        if spec.ports and not (
-            spec.network == "open" or spec.allow_hosts or spec.allow_cidrs
-        ):
+        egress = spec.network == "open" or spec.allow_hosts or spec.allow_cidrs
+        if spec.ports and not egress:
             why = (
                 "a cloud machine that publishes ports cannot also block egress"
             )
-            fix = 'pass network: "open" (or an allow-list) with ports, or leave the ports out'
+            fix = (
+                'pass network: "open" (or an allow-list) with ports, '
+                "or leave the ports out"
+            )
             raise ArgumentError(f"{why}; {fix}")
-        network = {"mode": "open"} if spec.network == "open" else self._blocked
-        if spec.allow_hosts or spec.allow_cidrs:
-            network = {
-                "mode": "allowCidrs",
-                "cidrs": spec.allow_cidrs,
-                "hosts": spec.allow_hosts,
-            }
-        body: dict[str, Any] = {
+
+    def _create_body(self, spec: MachineSpec) -> dict[str, Any]:
+        """The create call's body for ``spec``, as the official client
+        forms it."""
+        # Ephemeral is expressed as a TTL and an idle stop; the service has
+        # no "ephemeral" create field, and a machine it deletes on stop
+        # could never be started.
+        ttl = None
+        auto_stop = None
+        if spec.ephemeral:
+            ttl = self.config.ephemeral_ttl_secs
+            auto_stop = self.config.ephemeral_auto_stop_secs
+        return {
             "name": spec.name,
             "source": {"type": "image", "reference": spec.image},
             "resources": {
@@ -2564,143 +2656,139 @@ class CloudFleet:
                 "cpus": spec.cpus,
                 "memoryMb": spec.memory_mb,
             },
-            # Ephemeral is expressed as a TTL and an idle stop; the service has no
-            # "ephemeral" create field, and a machine it deletes on stop could never be started.
-            "ttlSeconds": self.config.ephemeral_ttl_secs
-            if spec.ephemeral
-            else None,
-            "autoStopSeconds": self.config.ephemeral_auto_stop_secs
-            if spec.ephemeral
-            else None,
-            "forkable": spec.branchable,  # branchability is a create field on the cloud
-            "network": network,  # always sent: on the cloud an omitted policy means open egress
+            "ttlSeconds": ttl,
+            "autoStopSeconds": auto_stop,
+            # Branchability is a create field on the cloud.
+            "forkable": spec.branchable,
+            # Always sent: on the cloud an omitted policy means open egress.
+            "network": self._egress_policy(spec),
             "ports": [{"port": p["guest"]} for p in spec.ports],
             "env": spec.env,
         }
-        action = f"create machine '{spec.name}'"
-        try:
-            return cloud_record(
-                self.request(action, "POST", "/v1/machines", body)
-            )
-        except ApiError as err:
-            refused = err.status in (400, 422) and "blocked" in err.api_message
-            if body["network"] is not CLOUD_BLOCKED or not refused:
-                raise
-        deny = "denying egress with an allow-list of 192.0.2.0/24"
-        log.info('the cloud API refused network mode "blocked"; %s', deny)
-        self._blocked = body["network"] = CLOUD_BLOCKED_FALLBACK
-        return cloud_record(self.request(action, "POST", "/v1/machines", body))
+
+    def _egress_policy(self, spec: MachineSpec) -> dict:
+        """The network policy to create with: the allow-list if one is
+        given, else open, else this service's spelling of blocked."""
+        if spec.allow_hosts or spec.allow_cidrs:
+            return {
+                "mode": "allowCidrs",
+                "cidrs": spec.allow_cidrs,
+                "hosts": spec.allow_hosts,
+            }
+        if spec.network == "open":
+            return {"mode": "open"}
+        return self._blocked
 
     def _act(
         self, name: str, verb: str, timeout: float, query: str = ""
     ) -> dict:
-        route, action = (
-            f"/v1/machines/{self._find(name)['id']}",
-            f"{verb} machine '{name}'",
-        )
-        self.request(
+        """Ask the machine to ``verb`` (start, stop); return its record
+        after."""
+        route = f"/v1/machines/{self._find(name)['id']}"
+        action = f"{verb} machine '{name}'"
+        self.api.request(
             action,
             "POST",
             f"{route}/{verb}{query}",
             timeout=timeout,
             expect=None,
         )
-        return cloud_record(
-            self.request(f"get machine '{name}'", "GET", route)
-        )
+        record = self.api.request(f"get machine '{name}'", "GET", route)
+        return cloud_record(record)
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
-        # The official client repeats branchability on the first start of a branch source.
+        # The official client repeats branchability on the first start of
+        # a branch source.
         query = "?forkable=true" if branchable else ""
-        return self._act(
-            name, "start", self.config.ready_timeout_secs + 60, query
-        )
+        timeout = self.config.ready_timeout_secs + 60
+        return self._act(name, "start", timeout, query)
 
     def stop_machine(self, name: str) -> dict:
         return self._act(name, "stop", 360)
 
     def delete_machine(self, name: str) -> dict:
-        """Delete and return the settled bill, which the service computes at teardown."""
+        """Delete and return the settled bill, which the service computes
+        at teardown."""
         route = f"/v1/machines/{self._find(name)['id']}?includeUsage=true"
-        usage = self.request(
+        usage = self.api.request(
             f"delete machine '{name}'",
             "DELETE",
             route,
             timeout=120,
             expect=None,
         )
-        return {
-            "deleted": name,
-            **({"usage": usage} if isinstance(usage, dict) else {}),
-        }
+        deleted = {"deleted": name}
+        if isinstance(usage, dict):
+            deleted["usage"] = usage
+        return deleted
 
     def _exec(
         self, machine_id: str, name: str, body: dict
     ) -> tuple[dict, float]:
-        """One exec call (``body`` from cloud_exec_body): the answer and the seconds it took."""
-        action, started = (
-            f"run a command in machine '{name}'",
-            time.monotonic(),
-        )
+        """One exec call (``body`` from cloud_exec_body): the answer and
+        the seconds it took."""
+        action = f"run a command in machine '{name}'"
+        started = time.monotonic()
         timeout = max(CLOUD_TIMEOUT_SECS, body["timeoutSeconds"] + 30)
         route = f"/v1/machines/{machine_id}/exec"
-        answer = self.request(action, "POST", route, body, timeout=timeout)
-        if isinstance(answer.get("exitCode"), bool) or not isinstance(
-            answer.get("exitCode"), int
-        ):
-            raise self._bad_answer(action, "no whole-number exitCode", answer)
+        answer = self.api.request(action, "POST", route, body, timeout=timeout)
+        exit_code = answer.get("exitCode")
+        if isinstance(exit_code, bool) or not isinstance(exit_code, int):
+            raise self.api.bad_answer(
+                action, "no whole-number exitCode", answer
+            )
         return answer, time.monotonic() - started
 
-    def exec(self, name, argv, **options: Unpack[ExecOptions]) -> ExecResult:
-        """Run a command; NotRunning unless the machine runs (cloud exec would start it)."""
+    def _running(self, name: str) -> dict:
+        """The raw record of machine ``name``; raise NotRunning unless it
+        runs (a cloud exec would start it)."""
         record = self._find(name)
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
-        answer, seconds = self._exec(
-            record["id"], name, cloud_exec_body(argv, **options)
-        )
-        streams = ("stdout", "stderr")
+        return record
+
+    def exec(self, name, argv, **options: Unpack[ExecOptions]) -> ExecResult:
+        """Run a command; NotRunning unless the machine runs."""
+        record = self._running(name)
+        body = cloud_exec_body(argv, **options)
+        answer, seconds = self._exec(record["id"], name, body)
         cut = tuple(
-            s
-            for s in streams
-            if answer.get(f"{s}Truncated") and not answer.get(f"{s}B64")
+            stream
+            for stream in ("stdout", "stderr")
+            if answer.get(f"{stream}Truncated")
+            and not answer.get(f"{stream}B64")
         )
-        out, err = (exec_stream(answer, stream) for stream in streams)
+        out = exec_stream(answer, "stdout")
+        err = exec_stream(answer, "stderr")
         return ExecResult(int(answer["exitCode"]), out, err, seconds, cut)
 
     def exec_stream(
         self, name, argv, *, on_output, **options: Unpack[ExecOptions]
     ) -> ExecResult:
-        """``exec`` through the SSE route. Never retried: the command may have run."""
+        """``exec`` through the SSE route. Never retried: the command may
+        have run."""
         import httpx2
 
-        record = self._find(name)
-        if record.get("state") not in RUNNING_STATES:
-            raise NotRunning(f"machine '{name}' is not running")
-        action, started = (
-            f"run a command in machine '{name}'",
-            time.monotonic(),
-        )
-        route, sse = (
-            f"/v1/machines/{record['id']}/exec/stream",
-            {"Accept": "text/event-stream"},
-        )
+        record = self._running(name)
+        action = f"run a command in machine '{name}'"
+        started = time.monotonic()
+        route = f"/v1/machines/{record['id']}/exec/stream"
+        sse = {"Accept": "text/event-stream"}
         body = cloud_exec_body(argv, **options)
         secs = max(CLOUD_TIMEOUT_SECS, options["timeout_secs"] + 30)
         try:
-            with self._client.stream(
+            with self.api.client.stream(
                 "POST", route, json=body, headers=sse, timeout=secs
             ) as reply:
                 if reply.status_code >= 400:
-                    raise self._error(action, reply)
-                events, faults = (
-                    sse_events(reply.iter_bytes()),
-                    (httpx2.TransportError,),
-                )
+                    raise self.api.error(action, reply)
+                events = sse_events(reply.iter_bytes())
+                faults = (httpx2.TransportError,)
                 return collect_exec_stream(
                     events, name, on_output, started, faults
                 )
-        except httpx2.TransportError as exc:  # before the answer began
+        # Before the answer began (collect_exec_stream handles the rest).
+        except httpx2.TransportError as exc:
             where = f"the cloud API at {self.config.cloud_url}"
             raise SmolError(
                 f"could not reach {where} to {action}: {type(exc).__name__}"
@@ -2712,10 +2800,12 @@ class CloudFleet:
     def start_job(
         self, name, job_id, argv, **options: Unpack[JobOptions]
     ) -> dict:
-        """The service names the job itself; ``job_id`` is the local fleet's."""
-        body, path = cloud_exec_body(argv, **options), self._jobs_path(name)
+        """The service names the job itself; ``job_id`` is the local
+        fleet's."""
+        body = cloud_exec_body(argv, **options)
+        path = self._jobs_path(name)
         action = f"start a job in machine '{name}'"
-        job = self.request(
+        job = self.api.request(
             action, "POST", path, body, timeout=CLOUD_LONG_TIMEOUT_SECS
         )
         return {"jobId": job["id"], "state": job.get("state", "running")}
@@ -2724,7 +2814,7 @@ class CloudFleet:
         self, name: str, job_id: str, offsets: tuple[int, int], limit: int
     ) -> JobPage:
         path = f"{self._jobs_path(name)}/{_q(job_id)}"
-        job = self.request(
+        job = self.api.request(
             f"read job {job_id} of machine '{name}'", "GET", path
         )
         sizes = (
@@ -2734,41 +2824,43 @@ class CloudFleet:
         left = tuple(
             max(0, size - offset) for size, offset in zip(sizes, offsets)
         )
-        share = stream_shares(left, limit)  # at most `limit` bytes together
+        # At most `limit` bytes together.
+        shares = stream_shares(left, limit)
         pages = [b"", b""]
+        streams = ("stdout", "stderr")
         for index, (stream, offset, count) in enumerate(
-            zip(("stdout", "stderr"), offsets, share)
+            zip(streams, offsets, shares)
         ):
             if count > 0:
                 query = f"output?stream={stream}&offset={offset}&limit={count}"
-                page = self.request(
+                page = self.api.request(
                     f"read the {stream} of job {job_id}",
                     "GET",
                     f"{path}/{query}",
                 )
-                pages[index] = exec_stream(page, "data")[
-                    :count
-                ]  # data, or dataB64 byte-exact
-        return JobPage(
-            job.get("state", "lost"), job.get("exitCode"), *pages, sizes
-        )
+                # data, or dataB64 byte-exact.
+                pages[index] = exec_stream(page, "data")[:count]
+        state = job.get("state", "lost")
+        return JobPage(state, job.get("exitCode"), *pages, sizes)
 
     def cancel_job(self, name: str, job_id: str) -> None:
         path = f"{self._jobs_path(name)}/{_q(job_id)}/cancel"
-        self.request(f"cancel job {job_id} of machine '{name}'", "POST", path)
+        action = f"cancel job {job_id} of machine '{name}'"
+        self.api.request(action, "POST", path)
 
     def list_jobs(
         self, name: str, machine_id: str | None = None
     ) -> list[dict]:
-        """The machine's jobs; with its ``machine_id`` (mach-...), no list call to find it."""
-        path = (
-            f"/v1/machines/{machine_id}/jobs"
-            if machine_id
-            else self._jobs_path(name)
-        )
-        answer = self.request(
+        """The machine's jobs; with its ``machine_id`` (mach-...), no list
+        call to find it."""
+        if machine_id:
+            path = f"/v1/machines/{machine_id}/jobs"
+        else:
+            path = self._jobs_path(name)
+        answer = self.api.request(
             f"list the jobs of machine '{name}'", "GET", path
         )
+        # The service lists newest first.
         return [
             {
                 "jobId": job.get("id"),
@@ -2776,10 +2868,11 @@ class CloudFleet:
                 "exitCode": job.get("exitCode"),
             }
             for job in reversed(answer.get("jobs", []))
-        ]  # the service lists newest first
+        ]
 
     def probe_ready(self, name: str) -> str | None:
-        """None once a command runs in the guest (the service's `ready` also waits for ports)."""
+        """None once a command runs in the guest (the service's `ready`
+        also waits for ports)."""
         record = self._find(name)
         state = record.get("state")
         if state in ("error", "stopped", "deleted"):
@@ -2798,44 +2891,52 @@ class CloudFleet:
             return err.api_message
 
     def _file_route(self, name: str, path: str) -> tuple[str, str]:
-        """The machine's id and ``path``'s files route, as the official client forms it."""
+        """The machine's id and ``path``'s files route, as the official
+        client forms it."""
         machine_id = self._find(name)["id"]
-        return (
-            machine_id,
-            f"/v1/machines/{machine_id}/files//{guest_route_suffix(path)}",
-        )
+        suffix = guest_route_suffix(path)
+        return machine_id, f"/v1/machines/{machine_id}/files//{suffix}"
 
     def read_file(
         self, name: str, path: str, offset: int, length: int
     ) -> FilePage:
         machine_id, route = self._file_route(name, path)
         try:
-            with self._client.stream(
-                "GET", route, timeout=CLOUD_TIMEOUT_SECS + 430
-            ) as response:
-                if response.status_code >= 400:
-                    raise self._error(
-                        f"read {path} in machine '{name}'", response
-                    )
-                page, seen, size = (
-                    bytearray(),
-                    0,
-                    int(response.headers.get("content-length", -1)),
-                )
-                for chunk in response.iter_bytes():
-                    page += chunk[max(0, offset - seen) :][
-                        : length - len(page)
-                    ]  # what it lacks
-                    seen += len(chunk)
-                    if len(page) >= length and size >= 0:
-                        break
-                return FilePage(
-                    data=bytes(page), size=size if size >= 0 else seen
-                )
+            return self._read_route(route, name, path, offset, length)
         except ApiError as err:
             if err.status != 404:
                 raise
-        # 404: a missing file, or a service without the suffix route; exec tells which, per request.
+        # 404: a missing file, or a service without the suffix route; exec
+        # tells which, per request.
+        return self._read_by_exec(machine_id, name, path, offset, length)
+
+    def _read_route(self, route, name, path, offset, length) -> FilePage:
+        """The page read from the files route, streamed so that no more
+        than the page is kept; raise ApiError when the route refuses."""
+        timeout = CLOUD_TIMEOUT_SECS + 430
+        with self.api.client.stream("GET", route, timeout=timeout) as response:
+            if response.status_code >= 400:
+                action = f"read {path} in machine '{name}'"
+                raise self.api.error(action, response)
+            size = int(response.headers.get("content-length", -1))
+            page = bytearray()
+            seen = 0
+            for chunk in response.iter_bytes():
+                # What the page lacks, from where it starts.
+                page += chunk[max(0, offset - seen) :][: length - len(page)]
+                seen += len(chunk)
+                if len(page) >= length and size >= 0:
+                    break
+            if size < 0:
+                size = seen
+            return FilePage(data=bytes(page), size=size)
+
+    def _read_by_exec(
+        self, machine_id, name, path, offset, length
+    ) -> FilePage:
+        """The page read by a shell in the machine (the file's size, then
+        the page in base64); raise SmolError when the read fails or its
+        output was cut."""
         argv = [
             "sh",
             "-c",
@@ -2847,12 +2948,8 @@ class CloudFleet:
         ]
         answer, _ = self._exec(machine_id, name, cloud_exec_body(argv, 120))
         if answer.get("exitCode") != 0:
-            error = (
-                exec_stream(answer, "stderr")
-                .decode("utf-8", "replace")
-                .strip()
-            )
-            error = error or f"exit code {answer.get('exitCode')}"
+            exit_code = answer.get("exitCode")
+            error = exec_stderr(answer) or f"exit code {exit_code}"
             raise SmolError(
                 f"could not read {path} in machine '{name}': {error}"
             )
@@ -2862,11 +2959,13 @@ class CloudFleet:
             data = base64.b64decode(encoded)
         except ValueError:
             data = b""
+        # The service caps exec output; a page cut short would read as the
+        # end of the file.
         if len(data) != max(0, min(length, size - offset)):
-            # The service caps exec output; a page cut short would read as the end of the file.
-            cut = f"the cloud API cut the output of the read of {path} short (its exec output cap)"
             raise SmolError(
-                f"{cut}, so the page is not returned; ask for a smaller length"
+                f"the cloud API cut the output of the read of {path} short "
+                "(its exec output cap), so the page is not returned; "
+                "ask for a smaller length"
             )
         return FilePage(data=data, size=size)
 
@@ -2875,89 +2974,95 @@ class CloudFleet:
         action = f"write {path} in machine '{name}'"
         timeout = CLOUD_TIMEOUT_SECS + len(data) / (256 * 1024)
         try:
-            self.request(
+            self.api.request(
                 action, "PUT", route, data, timeout=timeout, expect=None
             )
             return len(data)
         except ApiError as err:
             if err.status != 404:
                 raise
-            # A PUT to a just-found machine 404s only without a files route: exec (per request).
+        # A PUT to a just-found machine 404s only without a files route:
+        # exec (per request).
         argv = ["sh", "-c", CLOUD_EXEC_SCRIPT_WRITE, "sh", path]
-        body = cloud_exec_body(
-            argv, 120, stdin=base64.b64encode(data).decode("ascii")
-        )
+        stdin = base64.b64encode(data).decode("ascii")
+        body = cloud_exec_body(argv, 120, stdin=stdin)
         answer, _ = self._exec(machine_id, name, body)
         if answer.get("exitCode") != 0:
-            error = (
-                exec_stream(answer, "stderr")
-                .decode("utf-8", "replace")
-                .strip()
-            )
+            error = exec_stderr(answer)
             raise SmolError(
                 f"could not write {path} in machine '{name}': {error}"
             )
         return int(exec_stream(answer, "stdout").strip() or len(data))
 
     def console_lines(self, name: str) -> list[str]:
-        """The console log's last lines, read as the official client reads them (plain text)."""
-        route = f"/v1/machines/{self._find(name)['id']}/logs?tail={LOG_WINDOW_LINES}"
-        text = self.request(
+        """The console log's last lines, read as the official client reads
+        them (plain text)."""
+        machine_id = self._find(name)["id"]
+        route = f"/v1/machines/{machine_id}/logs?tail={LOG_WINDOW_LINES}"
+        answer = self.api.request(
             f"read the log of machine '{name}'", "GET", route, expect=None
         )
-        text = json.dumps(text) if isinstance(text, (dict, list)) else text
-        text = (
-            text.decode("utf-8", "replace")
-            if isinstance(text, bytes)
-            else str(text or "")
-        )
+        if isinstance(answer, (dict, list)):
+            text = json.dumps(answer)
+        elif isinstance(answer, bytes):
+            text = answer.decode("utf-8", "replace")
+        else:
+            text = str(answer or "")
         return text.splitlines()
 
     def branch_machine(self, name: str, child: str) -> dict:
-        route, body = (
-            f"/v1/machines/{self._find(name)['id']}",
-            {"name": child, "ports": []},
-        )
+        route = f"/v1/machines/{self._find(name)['id']}"
+        body = {"name": child, "ports": []}
         action = f"branch machine '{name}' into '{child}'"
         try:
-            created = self.request(
+            created = self.api.request(
                 action, "POST", f"{route}/branches", body, timeout=1800
             )
         except ApiError as err:
             if err.status != 404:
                 raise
-            # Older control planes only have the fork route (the source exists: it was just found).
-            created = self.request(
+            # Older control planes only have the fork route (the source
+            # exists: it was just found).
+            created = self.api.request(
                 action, "POST", f"{route}/fork", body, timeout=1800
             )
         return cloud_record(created)
 
     def pull_image(self, name: str, image: str) -> dict:
-        why = "the cloud control plane pulls a machine's image itself when the machine is created"
+        why = (
+            "the cloud control plane pulls a machine's image itself "
+            "when the machine is created"
+        )
         raise ArgumentError(f"pull-image is local only: {why}")
 
 
 def cloud_exec_body(
     argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None
 ) -> dict:
-    """A cloud exec's or job start's body (the ExecOptions as keywords); ``stdin`` if any."""
+    """A cloud exec's or job start's body (the ExecOptions as keywords);
+    ``stdin`` if any."""
     body = {
         "command": argv,
         "env": env or {},
         "cwd": workdir,
         "timeoutSeconds": timeout_secs,
     }
-    return body if stdin is None else {**body, "stdin": stdin}
+    if stdin is not None:
+        body["stdin"] = stdin
+    return body
 
 
 def exec_stream(answer: dict, stream: str) -> bytes:
-    """One stream of a cloud exec: byte-exact base64 when sent, else the text (capped at 1 MiB)."""
-    encoded = answer.get(f"{stream}B64")
-    return (
-        base64.b64decode(encoded)
-        if encoded
-        else str(answer.get(stream) or "").encode("utf-8")
-    )
+    """One stream of a cloud exec: byte-exact base64 when sent, else the
+    text (capped at 1 MiB)."""
+    if encoded := answer.get(f"{stream}B64"):
+        return base64.b64decode(encoded)
+    return str(answer.get(stream) or "").encode("utf-8")
+
+
+def exec_stderr(answer: dict) -> str:
+    """A cloud exec's stderr as text, stripped (for a failure's sentence)."""
+    return exec_stream(answer, "stderr").decode("utf-8", "replace").strip()
 
 
 FLEET_NAMES = tuple(FLEETS)  # both fleets have registered by here

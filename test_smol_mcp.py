@@ -9427,7 +9427,7 @@ class CloudFaults(FakeCloudCase):
                 )
                 with self.assertRaises(smol_mcp.SmolError) as caught:
                     await asyncio.to_thread(
-                        fleet.request,
+                        fleet.api.request,
                         "list machines",
                         "GET",
                         "/v1/machines",
@@ -10010,7 +10010,7 @@ class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
     def account_spend(self) -> int:
         """The period's spend in micros. The account route's shape is not in the
         official client, so any spend-like number in it is taken (the largest)."""
-        account = smol_mcp.CloudFleet(self.config).request(
+        account = smol_mcp.CloudFleet(self.config).api.request(
             "read the account", "GET", "/v1/account"
         )
         spends = [
