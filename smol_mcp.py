@@ -3076,24 +3076,27 @@ FLEET_NAMES = tuple(FLEETS)  # both fleets have registered by here
 # ---------------------------------------------------------------------------
 
 MACHINE_KEYS = tuple(
-    "id name state image cpus memoryMb network ports createdAt pid url branchable parent".split()
+    "id name state image cpus memoryMb network ports createdAt pid url "
+    "branchable parent".split()
 )
 
 
 def local_record(info: dict) -> dict:
-    """A local MachineInfo in the shared vocabulary (``id``: the name, the local API's only handle).
-    An allow list wins over `network: true`, which an amended machine also reads (1.32.2)."""
-    lists = info.get("allowedHosts") or info.get("allowedCidrs")
-    network = (
-        "allowlist" if lists else "open" if info.get("network") else "blocked"
-    )
+    """A local MachineInfo in the shared vocabulary (``id``: the name, the
+    local API's only handle). An allow list wins over `network: true`,
+    which an amended machine also reads (1.32.2)."""
+    if info.get("allowedHosts") or info.get("allowedCidrs"):
+        network = "allowlist"
+    elif info.get("network"):
+        network = "open"
+    else:
+        network = "blocked"
     ports = [
         {"guest": p.get("guest"), "host": p.get("host")}
         for p in info.get("ports") or []
     ]
-    named_alike = {
-        key: info.get(key) for key in MACHINE_KEYS
-    }  # name state image cpus memoryMb pid
+    # name state image cpus memoryMb pid
+    named_alike = {key: info.get(key) for key in MACHINE_KEYS}
     return named_alike | {
         "id": info["name"],
         "network": network,
@@ -3106,39 +3109,32 @@ def local_record(info: dict) -> dict:
 
 
 def egress_lists(info: dict) -> dict:
-    """A local machine's egress: open or not, and its allow lists (hosts include patterns)."""
-    hosts, cidrs = (
-        list(info.get("allowedHosts") or []),
-        list(info.get("allowedCidrs") or []),
-    )
+    """A local machine's egress: open or not, and its allow lists (hosts
+    include patterns)."""
+    hosts = list(info.get("allowedHosts") or [])
+    cidrs = list(info.get("allowedCidrs") or [])
     is_open = bool(info.get("network")) and not hosts and not cidrs
     return {"open": is_open, "hosts": hosts, "cidrs": cidrs}
 
 
 def cloud_record(info: dict) -> dict:
-    """A cloud machine in the shared vocabulary; network null (unknown) if the record omits it."""
-    network, source, resources = (
-        info.get(key) if isinstance(info.get(key), dict) else {}
-        for key in ("network", "source", "resources")
-    )
-    mode = network.get("mode")
-    if (
-        mode == "allowCidrs"
-        and network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]
-    ):
-        mode = "allowCidrs" if network.get("hosts") else "blocked"
-    egress = {"open": "open", "blocked": "blocked", "allowCidrs": "allowlist"}
+    """A cloud machine in the shared vocabulary; network null (unknown) if
+    the record omits it."""
+    network = _object_field(info, "network")
+    source = _object_field(info, "source")
+    resources = _object_field(info, "resources")
     ports = [
         {"guest": p.get("port"), "host": p.get("hostPort")}
         for p in info.get("ports") or []
     ]
-    named_alike = {key: info.get(key) for key in MACHINE_KEYS}  # id state url
+    # id state url
+    named_alike = {key: info.get(key) for key in MACHINE_KEYS}
     return named_alike | {
         "name": info.get("name") or info.get("id"),
         "image": source.get("reference") or info.get("image"),
         "cpus": resources.get("cpus"),
         "memoryMb": resources.get("memoryMb"),
-        "network": egress.get(mode) if isinstance(mode, str) else None,
+        "network": cloud_egress(network),
         "ports": ports,
         "createdAt": iso_time(info.get("createdAt")),
         "pid": None,  # the VM process runs on a node we cannot see
@@ -3149,8 +3145,32 @@ def cloud_record(info: dict) -> dict:
     }
 
 
+def _object_field(info: dict, key: str) -> dict:
+    """``info[key]`` when it is an object, else an empty one."""
+    value = info.get(key)
+    if isinstance(value, dict):
+        return value
+    return {}
+
+
+def cloud_egress(network: dict) -> str | None:
+    """A cloud network policy's word in the shared vocabulary (open,
+    blocked, allowlist), or None when its mode is missing or unknown."""
+    mode = network.get("mode")
+    fallback = network.get("cidrs") == CLOUD_BLOCKED_FALLBACK["cidrs"]
+    # Our deny-all for a service refusing "blocked" reads as blocked,
+    # unless hosts were allowed too.
+    if mode == "allowCidrs" and fallback and not network.get("hosts"):
+        mode = "blocked"
+    if not isinstance(mode, str):
+        return None
+    words = {"open": "open", "blocked": "blocked", "allowCidrs": "allowlist"}
+    return words.get(mode)
+
+
 def machine_identity(record: dict) -> str:
-    """Which machine a record is: one made again under its name has another id or creation time."""
+    """Which machine a record is: one made again under its name has another
+    id or creation time."""
     return f"{record.get('id')}@{record.get('createdAt')}"
 
 
@@ -3158,7 +3178,9 @@ def iso_time(value: Any) -> str | None:
     """Unix seconds as RFC 3339 UTC, the form the cloud API uses."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return utc_time(value)
-    return value if isinstance(value, str) else None
+    if isinstance(value, str):
+        return value
+    return None
 
 
 # ---------------------------------------------------------------------------
