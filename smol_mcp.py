@@ -3186,9 +3186,11 @@ def iso_time(value: Any) -> str | None:
 # ---------------------------------------------------------------------------
 # 6. Output budget
 #
-# A tool result is read by a model that pays in tokens (Claude Code refuses a result over 25,000). A
-# stream longer than maxOutputBytes, or estimated above replyTokens, keeps its head and its tail,
-# says how much fell between, and the whole stream is written into the machine so nothing is lost.
+# A tool result is read by a model that pays in tokens (Claude Code refuses
+# a result over 25,000). A stream longer than maxOutputBytes, or estimated
+# above replyTokens, keeps its head and its tail, says how much fell
+# between, and the whole stream is written into the machine so nothing is
+# lost.
 # ---------------------------------------------------------------------------
 
 OVERFLOW_DIR = "/tmp/smol-mcp-output"
@@ -3197,128 +3199,150 @@ OVERFLOW_DIR = "/tmp/smol-mcp-output"
 def utf8_prefix_end(data: bytes, end: int) -> int:
     """Largest cut <= end that does not split a UTF-8 character."""
     end = min(end, len(data))
-    for back in range(
-        1, min(end, 4) + 1
-    ):  # back to the first byte of the character at `end`
+    # Back to the first byte of the character at `end`.
+    for back in range(1, min(end, 4) + 1):
         lead = data[end - back]
-        if (
-            lead & 0xC0 != 0x80
-        ):  # a lead byte: is its character complete before `end`?
-            need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-            return end - back if lead >= 0xC0 and back < need else end
+        if lead & 0xC0 == 0x80:
+            continue
+        # A lead byte: is its character complete before `end`?
+        if lead >= 0xC0 and back < utf8_length(lead):
+            return end - back
+        return end
     return end
 
 
-# One piece a tokenizer cannot merge across: a run of letters and digits, a run of
-# spaces, a character JSON escapes, other ASCII, one non-ASCII character.
+def utf8_length(lead: int) -> int:
+    """The bytes in the character a UTF-8 lead byte (0xC0 and up) begins."""
+    if lead < 0xE0:
+        return 2
+    if lead < 0xF0:
+        return 3
+    return 4
+
+
+# One piece a tokenizer cannot merge across: a run of letters and digits, a
+# run of spaces, a character JSON escapes, other ASCII, one non-ASCII
+# character.
 TOKEN_PIECE_RE = re.compile(
     r'[A-Za-z0-9]+| +|[\x00-\x1f"\\]|[!-~\x7f]|[^\x00-\x7f]'
 )
 PLAIN_WORD_RE = re.compile(r"(?:[A-Z]?[a-z]{2,}){1,4}|[A-Z]+|[a-z]|[0-9]+")
-REPLY_RESERVE_TOKENS = (
-    2000  # of replyTokens, for the fields around the content and the marker
-)
+# Of replyTokens, for the fields around the content and the marker.
+REPLY_RESERVE_TOKENS = 2000
 
 
 def piece_tokens(piece: str) -> int:
-    """Tokens a TOKEN_PIECE_RE piece may cost in a reply's JSON, as measured on BPE tokenizers:
-    English 3.5 characters a token, base64/random 1.4, CJK 2.3 a character, emoji 2.9, \\u00XX 3."""
-    first, size = piece[0], len(piece)
+    """Tokens a TOKEN_PIECE_RE piece may cost in a reply's JSON, as
+    measured on BPE tokenizers: English 3.5 characters a token,
+    base64/random 1.4, CJK 2.3 a character, emoji 2.9, \\u00XX 3."""
+    first = piece[0]
+    size = len(piece)
     if first.isascii() and first.isalnum():
         if size > 12 or not PLAIN_WORD_RE.fullmatch(piece):
             return (size * 3 + 3) // 4  # base64, hex, random: barely merged
-        return (size + 2) // 3 if not first.isdigit() else (size + 1) // 2
+        if first.isdigit():
+            return (size + 1) // 2
+        return (size + 2) // 3
     if first == " ":
         return (size + 3) // 4
     if first < " " or first in '"\\':
-        return 2 if first in '\n\t\r\b\f"\\' else 4
-    # every byte of a non-ASCII character may be a token of its own
-    return (
-        len(first.encode("utf-8", "surrogatepass"))
-        if not first.isascii()
-        else 1
-    )
+        # A two-character JSON escape (\n, \") costs 2, a \u00XX one 4.
+        if first in '\n\t\r\b\f"\\':
+            return 2
+        return 4
+    if first.isascii():
+        return 1
+    # Every byte of a non-ASCII character may be a token of its own.
+    return len(first.encode("utf-8", "surrogatepass"))
 
 
 def est_tokens(text: str) -> int:
-    """A conservative estimate of what ``text`` costs a model inside a JSON reply."""
+    """A conservative estimate of what ``text`` costs a model inside a JSON
+    reply."""
     return sum(piece_tokens(m.group()) for m in TOKEN_PIECE_RE.finditer(text))
 
 
 def within_tokens(text: str, tokens: int) -> int:
-    """How many leading characters of ``text`` are estimated at most ``tokens``."""
+    """How many leading characters of ``text`` are estimated at most
+    ``tokens``."""
     used = 0
     for match in TOKEN_PIECE_RE.finditer(text):
         cost = piece_tokens(match.group())
-        if (
-            used + cost > tokens
-        ):  # a long word is cut: it costs at most one token a character
-            return match.start() + max(0, tokens - used) * (
-                match.end() > match.start() + 1
-            )
+        if used + cost > tokens:
+            # A long piece is cut: it costs at most one token a character.
+            # One character is not cut.
+            if match.end() == match.start() + 1:
+                return match.start()
+            return match.start() + max(0, tokens - used)
         used += cost
     return len(text)
 
 
 def prefix_within_tokens(data: bytes, tokens: int) -> int:
-    """The longest prefix of ``data`` in whole characters estimated at most ``tokens``."""
+    """The longest prefix of ``data`` in whole characters estimated at most
+    ``tokens``."""
     text = data.decode("utf-8", "surrogateescape")
-    return len(
-        text[: within_tokens(text, tokens)].encode("utf-8", "surrogateescape")
-    )
+    prefix = text[: within_tokens(text, tokens)]
+    return len(prefix.encode("utf-8", "surrogateescape"))
+
+
+def suffix_within_tokens(data: bytes, tokens: int) -> bytes:
+    """The longest end of ``data`` in whole characters estimated at most
+    ``tokens`` (``data`` begins on a character)."""
+    backwards = data.decode("utf-8", "surrogateescape")[::-1]
+    suffix = backwards[: within_tokens(backwards, tokens)][::-1]
+    return suffix.encode("utf-8", "surrogateescape")
 
 
 def reply_json(result: dict) -> str:
-    """A structured tool result's text content: the same JSON, compact (no whitespace a model pays
-    for; CPython's C encoder runs only without an indent), non-ASCII kept (escaped costs six)."""
+    """A structured tool result's text content: the same JSON, compact (no
+    whitespace a model pays for; CPython's C encoder runs only without an
+    indent), non-ASCII kept (escaped costs six)."""
     return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
 
 
 def reply_tokens(config: Config) -> int:
-    """The tokens a result's content (its streams or its page) may cost together."""
+    """The tokens a result's content (its streams or its page) may cost
+    together."""
     return config.reply_tokens - REPLY_RESERVE_TOKENS
 
 
 def stream_shares(costs: tuple[int, int], limit: int) -> tuple[int, int]:
-    """Split ``limit`` between stdout and stderr; one needing under half leaves the rest."""
+    """Split ``limit`` between stdout and stderr; one needing under half
+    leaves the rest."""
     first = min(costs[0], max(limit // 2, limit - costs[1]))
     return first, min(costs[1], limit - first)
+
+
+def omission_marker(omitted: int, where: str) -> str:
+    """The line that stands where a stream's middle was left out."""
+    return f"\n[... smol-mcp: {omitted} bytes omitted here; {where} ...]\n"
 
 
 def fit_stream(
     data: bytes, limit: int, tokens: int, where: str
 ) -> tuple[str, int]:
-    """The text to return for one stream and the bytes left out: its head and its tail, each within
-    half of ``limit`` bytes and of ``tokens``; ``where`` ends the marker (where the stream is)."""
-    if (
-        len(data) <= limit
-        and est_tokens(data.decode("utf-8", "surrogateescape")) <= tokens
-    ):
-        return data.decode(
-            "utf-8", "replace"
-        ), 0  # (a longer stream is never decoded whole)
-    tokens -= est_tokens(
-        f"\n[... smol-mcp: {len(data)} bytes omitted here; {where} ...]\n"
-    )
+    """The text to return for one stream and the bytes left out: its head
+    and its tail, each within half of ``limit`` bytes and of ``tokens``;
+    ``where`` ends the marker (where the stream is)."""
+    # A longer stream is never decoded whole.
+    if len(data) <= limit:
+        text = data.decode("utf-8", "surrogateescape")
+        if est_tokens(text) <= tokens:
+            return data.decode("utf-8", "replace"), 0
+    tokens -= est_tokens(omission_marker(len(data), where))
     head = data[: utf8_prefix_end(data, limit // 2)]
     head = head[: prefix_within_tokens(head, tokens // 2)]
-    start = max(
-        len(head), len(data) - (limit - limit // 2)
-    )  # a short stream: after the head
-    while (
-        start < len(data) and (data[start] & 0xC0) == 0x80
-    ):  # begin on a character
+    # A short stream's tail begins after the head.
+    start = max(len(head), len(data) - (limit - limit // 2))
+    # Begin on a character.
+    while start < len(data) and (data[start] & 0xC0) == 0x80:
         start += 1
-    tail_text = data[start:].decode("utf-8", "surrogateescape")[::-1]
-    tail_text = tail_text[: within_tokens(tail_text, tokens - tokens // 2)][
-        ::-1
-    ]
-    tail = tail_text.encode("utf-8", "surrogateescape")
+    tail = suffix_within_tokens(data[start:], tokens - tokens // 2)
     omitted = len(data) - len(head) - len(tail)
-    marker = f"\n[... smol-mcp: {omitted} bytes omitted here; {where} ...]\n"
-    return head.decode("utf-8", "replace") + marker + tail.decode(
-        "utf-8", "replace"
-    ), omitted
+    head_text = head.decode("utf-8", "replace")
+    tail_text = tail.decode("utf-8", "replace")
+    return head_text + omission_marker(omitted, where) + tail_text, omitted
 
 
 # ---------------------------------------------------------------------------
