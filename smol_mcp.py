@@ -3348,21 +3348,32 @@ def fit_stream(
 # ---------------------------------------------------------------------------
 # 7. Argument validation
 #
-# The SDK does not validate tool arguments, so this does, against the JSON Schema the client sees.
-# Every refusal names the argument; an unknown one gets the nearest accepted name, because `memory`
-# for `memoryMb` is the usual mistake and the API's own message would not say which tool.
+# The SDK does not validate tool arguments, so this does, against the JSON
+# Schema the client sees. Every refusal names the argument; an unknown one
+# gets the nearest accepted name, because `memory` for `memoryMb` is the
+# usual mistake and the API's own message would not say which tool.
 # ---------------------------------------------------------------------------
 
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
 ABSOLUTE_PATH_PATTERN = "^/[^\\x00-\\x1f\\x7f]*$"
 FILE_PATH_PATTERN = "^/.*[^/]$"
 PATTERN_RULES = {
-    FILE_PATH_PATTERN: "must be the absolute path of a file (starting with /, not ending with /)",
-    NAME_PATTERN: "must start with a letter or digit and hold only letters, digits, '-' and '_' "
-    "(at most 128)",
-    ABSOLUTE_PATH_PATTERN: "must be an absolute path (starting with /, without control characters)",
-    "^[A-Za-z_][A-Za-z0-9_]*$": "must be a variable name: letters, digits and '_', not starting "
-    "with a digit",
+    FILE_PATH_PATTERN: (
+        "must be the absolute path of a file "
+        "(starting with /, not ending with /)"
+    ),
+    NAME_PATTERN: (
+        "must start with a letter or digit and hold only letters, digits, "
+        "'-' and '_' (at most 128)"
+    ),
+    ABSOLUTE_PATH_PATTERN: (
+        "must be an absolute path "
+        "(starting with /, without control characters)"
+    ),
+    "^[A-Za-z_][A-Za-z0-9_]*$": (
+        "must be a variable name: letters, digits and '_', "
+        "not starting with a digit"
+    ),
 }
 TYPE_WORDS = {
     "string": "a string",
@@ -3371,17 +3382,17 @@ TYPE_WORDS = {
     "array": "a list",
     "object": "an object",
 }
-MAX_TIMEOUT_SECS = 86400  # built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema)
+# The built-in ceiling; schemas show maxExecTimeoutSecs (configured_schema).
+MAX_TIMEOUT_SECS = 86400
 MAX_MEMORY_MB = 1048576  # 1 TiB, the same ceiling as the memoryMb setting
 MAX_DISK_GB = 4096  # storageGb and overlayGb
-MAX_FILE_OFFSET = (
-    1 << 40
-)  # 1 TiB; also keeps the exec fallback's shell arithmetic exact
-MAX_READ_LENGTH = (
-    64 * 1024 * 1024
-)  # the largest output budget the settings allow
+# 1 TiB; also keeps the exec fallback's shell arithmetic exact.
+MAX_FILE_OFFSET = 1 << 40
+# The largest output budget the settings allow.
+MAX_READ_LENGTH = 64 * 1024 * 1024
 GUEST_PATH_FORBIDDEN = re.compile(r"[\x00-\x1f\x7f]")
-# Image transports that read from this host (file: URLs and containers-transports(5)).
+# Image transports that read from this host (file: URLs and
+# containers-transports(5)).
 HOST_TRANSPORTS = (
     "file:",
     "dir:",
@@ -3390,12 +3401,14 @@ HOST_TRANSPORTS = (
     "docker-archive:",
     "docker-daemon:",
 )
-# Which refusal is told when a value breaks several rules: the first in this order.
+# Which refusal is told when a value breaks several rules: the first in
+# this order.
 _KEYWORD_ORDER = tuple(
-    "type enum minimum maximum minLength maxLength pattern minItems maxItems additionalProperties "
-    "required oneOf".split()
+    "type enum minimum maximum minLength maxLength pattern minItems "
+    "maxItems additionalProperties required oneOf".split()
 )
-# Names other tools use for an argument, too far from ours for difflib to find.
+# Names other tools use for an argument, too far from ours for difflib to
+# find.
 ARGUMENT_SLIPS = {
     "machine": "name",
     "vm": "name",
@@ -3406,36 +3419,41 @@ ARGUMENT_SLIPS = {
 
 @functools.cache  # called for every pattern an argument is checked against
 def python_pattern(pattern: str) -> str:
-    """A schema pattern for Python: a final `$` (Python: also before a newline) becomes `\\Z`."""
-    return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)  # only a `$` not escaped
+    """A schema pattern for Python: a final `$` (Python: also before a
+    newline) becomes `\\Z`."""
+    # Only a `$` not escaped.
+    return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)
 
 
 def guest_path(path: str, where: str = "path") -> str:
-    """An absolute guest path in plain POSIX form; one that climbs above `/` or holds a control
-    character is refused: on an HTTP route it could name another route rather than a file."""
+    """An absolute guest path in plain POSIX form; one that climbs above
+    `/` or holds a control character is refused: on an HTTP route it could
+    name another route rather than a file."""
     if not path.startswith("/"):
         raise ArgumentError(
-            f'"{where}" must be an absolute path inside the machine (starting with /); got '
-            f"{json.dumps(path)[:60]}"
+            f'"{where}" must be an absolute path inside the machine '
+            f"(starting with /); got {json.dumps(path)[:60]}"
         )
     if GUEST_PATH_FORBIDDEN.search(path):
         raise ArgumentError(
-            f'"{where}" holds a control character (such as a newline or NUL), which no file name '
-            "should; pass the path without it"
+            f'"{where}" holds a control character (such as a newline or '
+            "NUL), which no file name should; pass the path without it"
         )
-    plain = os.path.normpath(
-        path.lstrip("/")
-    )  # lexical; the host is POSIX too
+    # Lexical; the host is POSIX too.
+    plain = os.path.normpath(path.lstrip("/"))
     if plain == ".." or plain.startswith("../"):
         raise ArgumentError(
-            f'"{where}" climbs above / with ".."; pass the plain absolute path of the file, '
-            f"got {json.dumps(path)[:60]}"
+            f'"{where}" climbs above / with ".."; pass the plain absolute '
+            f"path of the file, got {json.dumps(path)[:60]}"
         )
-    return "/" if plain == "." else "/" + plain
+    if plain == ".":
+        return "/"
+    return "/" + plain
 
 
 def guest_route_suffix(path: str) -> str:
-    """``path`` as a files-route suffix: normalised, each segment percent-encoded, no leading /."""
+    """``path`` as a files-route suffix: normalised, each segment
+    percent-encoded, no leading /."""
     return "/".join(
         urllib.parse.quote(part, safe="")
         for part in guest_path(path).split("/")[1:]
@@ -3445,45 +3463,28 @@ def guest_route_suffix(path: str) -> str:
 def contained_host_path(
     config: Config, source: str, where: str, want_write: bool
 ) -> str:
-    """The resolved host path (what the engine is given) if under a mount root allowing what is
-    asked, else ArgumentError. Resolved first, so a link inside a root cannot lead out of it."""
+    """The resolved host path (what the engine is given) if under a mount
+    root allowing what is asked, else ArgumentError. Resolved first, so a
+    link inside a root cannot lead out of it."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
         raise ArgumentError(
-            f'"{where}" names a host path ({source!r}), and this server exposes no host directory: '
-            "the operator can allow some with the mountRoots setting (SMOL_MCP_MOUNT_ROOTS). "
-            "Otherwise copy files in with write-file, or use a registry image"
+            f'"{where}" names a host path ({source!r}), and this server '
+            "exposes no host directory: the operator can allow some with "
+            "the mountRoots setting (SMOL_MCP_MOUNT_ROOTS). Otherwise copy "
+            "files in with write-file, or use a registry image"
         )
-    if GUEST_PATH_FORBIDDEN.search(source):
-        raise ArgumentError(
-            f'"{where}" holds a control character (such as a newline or NUL), which no host '
-            "path should; pass the path without it"
-        )
-    plain = re.sub(r"(?i)^file:(//)?", "", source.strip())
-    if plain.lower().startswith(HOST_TRANSPORTS):
-        raise ArgumentError(
-            f'"{where}" names the host-side transport {plain.split(":")[0]}: ({source!r}); '
-            "give the plain host path (under mountRoots) or a registry image instead"
-        )
-    if not plain.startswith(("/", "~")):
-        raise ArgumentError(
-            f'"{where}" must be an absolute host path, got {source!r}'
-        )
+    plain = plain_host_path(source, where)
     resolved = os.path.realpath(os.path.expanduser(plain))
     for root, writable in roots:
         if not within(resolved, root):
             continue
-        for own in server_directories(config):
-            if within(resolved, own) or within(own, resolved):
-                raise ArgumentError(
-                    f'"{where}" resolves to {resolved}, which is or holds {own}, a directory '
-                    "of this server itself (tokens, approvals, sockets): never mountable, "
-                    "whatever mountRoots says; pick another directory"
-                )
+        refuse_server_directory(config, resolved, where)
         if want_write and not writable:
             raise ArgumentError(
-                f'"{where}" asks for write access under {root}, which mountRoots opens read-only; '
-                'leave "readonly" out (or true), or have the operator add ":rw" to that root'
+                f'"{where}" asks for write access under {root}, which '
+                'mountRoots opens read-only; leave "readonly" out (or '
+                'true), or have the operator add ":rw" to that root'
             )
         return resolved
     listed = ", ".join(
@@ -3491,18 +3492,55 @@ def contained_host_path(
         for root, writable in roots
     )
     raise ArgumentError(
-        f'"{where}" resolves to {resolved}, which is outside the host directories this server '
-        f"exposes ({listed}; the mountRoots setting); pick a path under one of them"
+        f'"{where}" resolves to {resolved}, which is outside the host '
+        f"directories this server exposes ({listed}; the mountRoots "
+        "setting); pick a path under one of them"
     )
 
 
+def plain_host_path(source: str, where: str) -> str:
+    """``source`` without a file: prefix, not yet resolved; raise
+    ArgumentError unless it is an absolute (or home) host path."""
+    if GUEST_PATH_FORBIDDEN.search(source):
+        raise ArgumentError(
+            f'"{where}" holds a control character (such as a newline or '
+            "NUL), which no host path should; pass the path without it"
+        )
+    plain = re.sub(r"(?i)^file:(//)?", "", source.strip())
+    if plain.lower().startswith(HOST_TRANSPORTS):
+        raise ArgumentError(
+            f'"{where}" names the host-side transport {plain.split(":")[0]}: '
+            f"({source!r}); give the plain host path (under mountRoots) "
+            "or a registry image instead"
+        )
+    if not plain.startswith(("/", "~")):
+        raise ArgumentError(
+            f'"{where}" must be an absolute host path, got {source!r}'
+        )
+    return plain
+
+
+def refuse_server_directory(config: Config, resolved: str, where: str) -> None:
+    """Raise ArgumentError when ``resolved`` is, holds or lies in one of
+    this server's own directories."""
+    for own in server_directories(config):
+        if within(resolved, own) or within(own, resolved):
+            raise ArgumentError(
+                f'"{where}" resolves to {resolved}, which is or holds '
+                f"{own}, a directory of this server itself (tokens, "
+                "approvals, sockets): never mountable, whatever mountRoots "
+                "says; pick another directory"
+            )
+
+
 def within(path: str, directory: str) -> bool:
-    """True when ``path`` is ``directory`` or lies under it (both resolved)."""
+    """True when ``path`` is ``directory`` or lies under it (both
+    resolved)."""
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def server_directories(config: Config) -> list[str]:
-    """The state, runtime and config directories, resolved (section 16)."""
+    """The state, runtime and config directories, resolved."""
     places = (
         config.state_dir,
         config.runtime_dir,
@@ -3518,14 +3556,13 @@ def server_directories(config: Config) -> list[str]:
 def contain_host_paths(
     config: Config, image: str, mounts: list[dict]
 ) -> tuple[str, list[dict]]:
-    """Hold a host-path image and every mount to mountRoots (closed by default): the image, resolved
-    if a host path, and the mounts resolved, readonly unless `readonly: false` was asked."""
-    plain = (
-        image.strip().lower()
-    )  # a path (absolute, relative, home) or a host-side transport
-    if plain.startswith(
-        ("/", "./", "../", "~", *HOST_TRANSPORTS)
-    ) or plain in (".", ".."):
+    """Hold a host-path image and every mount to mountRoots (closed by
+    default): the image, resolved if a host path, and the mounts resolved,
+    readonly unless `readonly: false` was asked."""
+    # A path (absolute, relative, home) or a host-side transport.
+    plain = image.strip().lower()
+    host_prefixes = ("/", "./", "../", "~", *HOST_TRANSPORTS)
+    if plain.startswith(host_prefixes) or plain in (".", ".."):
         image = contained_host_path(config, image, "image", want_write=False)
     checked = []
     for index, mount in enumerate(mounts):
@@ -3543,20 +3580,21 @@ def contain_host_paths(
 def did_you_mean(
     word: str, choices: Iterable[str], cutoff: float = 0.6
 ) -> str:
-    """' (did you mean "x"?)' naming the closest choice, or "" when none is close."""
+    """' (did you mean "x"?)' naming the closest choice, or "" when none is
+    close."""
     hint = difflib.get_close_matches(word, list(choices), n=1, cutoff=cutoff)
     return f' (did you mean "{hint[0]}"?)' if hint else ""
 
 
 @functools.cache
 def argument_validator() -> Any:
-    """Draft 2020-12 as ECMAScript reads it: 1.0 is no integer, and a final `$` ends the string."""
+    """Draft 2020-12 as ECMAScript reads it: 1.0 is no integer, and a final
+    `$` ends the string."""
     import jsonschema  # installed with mcp
 
     def whole_number(checker: Any, value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(
-            value, bool
-        )  # JSON true is not 1
+        # JSON true is not 1.
+        return isinstance(value, int) and not isinstance(value, bool)
 
     def ecma_pattern(
         validator: Any, pattern: str, value: Any, schema: dict
@@ -3578,12 +3616,12 @@ def argument_validator() -> Any:
 def validate_arguments(
     tool: str, schema: dict, arguments: dict, checker: Any = None
 ) -> dict:
-    """ArgumentError on the first flaw of ``arguments`` against ``schema`` (or ``checker``)."""
+    """ArgumentError on the first flaw of ``arguments`` against ``schema``
+    (or ``checker``)."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
-    errors = list(
-        (checker or argument_validator()(schema)).iter_errors(arguments)
-    )
+    validator = checker or argument_validator()(schema)
+    errors = list(validator.iter_errors(arguments))
     if errors:
         raise ArgumentError(
             _refusal(_first_error(errors, arguments), tool, arguments)
@@ -3592,98 +3630,139 @@ def validate_arguments(
 
 
 def _error_path(error: Any) -> list:
-    """Where an error's value lies; a property name's error is reported at its object."""
+    """Where an error's value lies; a property name's error is reported at
+    its object."""
     path = list(error.absolute_path)
-    return (
-        [*path, error.instance]
-        if "propertyNames" in error.absolute_schema_path
-        else path
-    )
+    if "propertyNames" in error.absolute_schema_path:
+        return [*path, error.instance]
+    return path
 
 
 def _first_error(errors: list, arguments: dict) -> Any:
-    """The error told: by argument order, a parent's rule before its items', then _KEYWORD_ORDER."""
+    """The error told: by argument order, a parent's rule before its
+    items', then _KEYWORD_ORDER."""
 
     def order(error: Any) -> tuple:
-        positions, node = [], arguments
+        positions = []
+        node = arguments
         for step in _error_path(error):
-            positions.append(
-                list(node).index(step) if isinstance(node, dict) else step
-            )
-            node = node.get(step) if isinstance(node, dict) else node[step]
-        by_name = (
-            "propertyNames" in error.absolute_schema_path
-        )  # a name before its value
-        return tuple(positions), -1 if by_name else _KEYWORD_ORDER.index(
-            error.validator
-        )
+            if isinstance(node, dict):
+                positions.append(list(node).index(step))
+                node = node.get(step)
+            else:
+                positions.append(step)
+                node = node[step]
+        # A name's error before its value's.
+        if "propertyNames" in error.absolute_schema_path:
+            return tuple(positions), -1
+        return tuple(positions), _KEYWORD_ORDER.index(error.validator)
 
     return min(errors, key=order)
 
 
 def _refusal(error: Any, tool: str, arguments: dict) -> str:
     """One jsonschema error as the sentence the user is shown."""
-    path, value = _error_path(error), error.instance
-    where = "".join(
-        f"[{s}]" if isinstance(s, int) else f".{s}" for s in path
-    ).removeprefix(".")
-    rule, schema, limit = error.validator, error.schema, error.validator_value
+    path = _error_path(error)
+    where = _argument_where(path)
+    rule = error.validator
     if rule == "additionalProperties":
-        accepted = schema.get("properties", {})
-        key = next(key for key in value if key not in accepted)
-        slip = did_you_mean(
-            ARGUMENT_SLIPS.get(key.lower(), ""), accepted, cutoff=1
-        )  # if accepted
-        maybe, names = (
-            slip or did_you_mean(key, accepted, cutoff=0.5),
-            ", ".join(accepted),
-        )
-        if not path:
-            return f'{tool} has no argument "{key}"{maybe}; it accepts: {names or "none"}'
-        return f'"{where}" has no field "{key}"{maybe}; it accepts: {names}'
+        return _unknown_key_refusal(error, tool, path, where)
     if rule == "required":
-        key = next(key for key in schema["required"] if key not in value)
-        if not path:
-            description = schema["properties"][key].get("description", "")
-            return f'{tool} needs the argument "{key}": {description}'.rstrip(
-                ": "
-            )
-        return f'"{where}" needs the field "{key}"'
+        return _missing_key_refusal(error, tool, path, where)
     if rule == "oneOf":
-        for index, option in enumerate(schema["oneOf"]):
-            if argument_validator()(option).is_type(value, option["type"]):
-                # The right kind of value, wrong in its details: say which.
-                inner = [
-                    e
-                    for e in error.context
-                    if e.relative_schema_path[0] == index
-                ]
-                return _refusal(
-                    _first_error(inner, arguments), tool, arguments
-                )
-        kinds = " or ".join(
-            TYPE_WORDS[option["type"]] for option in schema["oneOf"]
+        return _one_of_refusal(error, tool, arguments, where)
+    return _value_refusal(error, path, where)
+
+
+def _argument_where(path: list) -> str:
+    """``path`` as a refusal names it: ``mounts[0].source``."""
+    steps = []
+    for step in path:
+        if isinstance(step, int):
+            steps.append(f"[{step}]")
+        else:
+            steps.append(f".{step}")
+    return "".join(steps).removeprefix(".")
+
+
+def _unknown_key_refusal(error: Any, tool: str, path: list, where: str) -> str:
+    """The refusal of a key the schema has no property for, with the
+    nearest accepted name when one is near."""
+    accepted = error.schema.get("properties", {})
+    key = next(key for key in error.instance if key not in accepted)
+    # Another tool's name for the argument first, if ours is accepted here.
+    slip = ARGUMENT_SLIPS.get(key.lower(), "")
+    maybe = did_you_mean(slip, accepted, cutoff=1) or did_you_mean(
+        key, accepted, cutoff=0.5
+    )
+    names = ", ".join(accepted)
+    if not path:
+        return (
+            f'{tool} has no argument "{key}"{maybe}; '
+            f"it accepts: {names or 'none'}"
         )
-        return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'  # no oneOf is secret
-    secret = bool(path) and path[0] in (*REDACTED_ARGUMENTS, *REDACTED_MAPS)
-    got = "a value not repeated here" if secret else json.dumps(value)[:60]
+    return f'"{where}" has no field "{key}"{maybe}; it accepts: {names}'
+
+
+def _missing_key_refusal(error: Any, tool: str, path: list, where: str) -> str:
+    """The refusal of a missing required key; a tool's argument is told
+    with its description."""
+    schema = error.schema
+    key = next(key for key in schema["required"] if key not in error.instance)
+    if path:
+        return f'"{where}" needs the field "{key}"'
+    description = schema["properties"][key].get("description", "")
+    sentence = f'{tool} needs the argument "{key}": {description}'
+    return sentence.rstrip(": ")
+
+
+def _one_of_refusal(error: Any, tool: str, arguments: dict, where: str) -> str:
+    """The refusal of a value matching none of its forms: the flaw of the
+    form of its kind, else the kinds it may be."""
+    value = error.instance
+    options = error.schema["oneOf"]
+    for index, option in enumerate(options):
+        if argument_validator()(option).is_type(value, option["type"]):
+            # The right kind of value, wrong in its details: say which.
+            inner = [
+                e for e in error.context if e.relative_schema_path[0] == index
+            ]
+            return _refusal(_first_error(inner, arguments), tool, arguments)
+    kinds = " or ".join(TYPE_WORDS[option["type"]] for option in options)
+    # No oneOf argument is secret, so the value is shown.
+    return f'"{where}" must be {kinds}, got {json.dumps(value)[:60]}'
+
+
+def _value_refusal(error: Any, path: list, where: str) -> str:
+    """The refusal of a value by its type, choices, bounds or pattern; a
+    secret argument's value is not repeated."""
+    value = error.instance
+    rule = error.validator
+    schema = error.schema
+    limit = error.validator_value
+    if bool(path) and path[0] in (*REDACTED_ARGUMENTS, *REDACTED_MAPS):
+        got = "a value not repeated here"
+    else:
+        got = json.dumps(value)[:60]
     if rule == "type":
-        choices = (
-            f" ({' or '.join(map(json.dumps, schema['enum']))})"
-            if "enum" in schema
-            else ""
-        )
-        return f'"{where}" must be {TYPE_WORDS.get(limit, limit)}{choices}, got {got}'
+        kind = TYPE_WORDS.get(limit, limit)
+        choices = ""
+        if "enum" in schema:
+            choices = f" ({' or '.join(map(json.dumps, schema['enum']))})"
+        return f'"{where}" must be {kind}{choices}, got {got}'
     if rule == "enum":
-        return f'"{where}" must be one of {", ".join(json.dumps(v) for v in limit)}; got {got}'
+        listed = ", ".join(json.dumps(v) for v in limit)
+        return f'"{where}" must be one of {listed}; got {got}'
     if rule == "maxItems":
         return f'"{where}" may hold at most {limit} items, got {len(value)}'
+    if rule == "pattern":
+        rule_words = PATTERN_RULES.get(limit, f"must match {limit}")
+        return f'"{where}" {rule_words}; got {got}'
     return {
         "minimum": f'"{where}" must be at least {limit}, got {value}',
         "maximum": f'"{where}" must be at most {limit}, got {value}',
         "minLength": f'"{where}" must not be empty',
         "maxLength": f'"{where}" must be at most {limit} characters long',
-        "pattern": f'"{where}" {PATTERN_RULES.get(limit, f"must match {limit}")}; got {got}',
         "minItems": f'"{where}" must hold at least {limit} item(s)',
     }[rule]
 
