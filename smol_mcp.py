@@ -3540,38 +3540,37 @@ def _refusal(error: Any, tool: str, arguments: dict) -> str:
 # ---------------------------------------------------------------------------
 # 8. Tools
 #
-# The tools: those of the TypeScript smol-mcp with its names, arguments and result shapes, then
-# jobs and allow-egress. Each handler sits under its @tool spec and gets a Call (its fleet and
-# session, worker threads for the blocking API, progress) and the validated arguments; it returns
-# the structured result. A SmolError becomes a tool error; anything else is logged, no stack trace.
+# The tools: those of the TypeScript smol-mcp with its names, arguments and
+# result shapes, then jobs and allow-egress. Each handler sits under its
+# @tool spec and gets a Call (its fleet and session, worker threads for the
+# blocking API, progress) and the validated arguments; it returns the
+# structured result. A SmolError becomes a tool error; anything else is
+# logged, no stack trace.
 # ---------------------------------------------------------------------------
 
-CLEANUP_TIMEOUT_SECS, DELETE_RETRY_PAUSE_SECS, PROGRESS_INTERVAL_SECS = (
-    20,
-    1,
-    5,
-)
-SESSION_CALL_SLOTS = (
-    8  # blocking calls of one session that run at once; more wait their turn
-)
-RUNNING_STATES = (
-    "running",
-    "started",
-)  # the cloud reports "started" once the VM process launched
-BOOT_LOG_LINES, CURSOR_LINES = (
-    20,
-    3,
-)  # a failed boot's quoted console lines; a cursor's run
-JOB_DEFAULT_TIMEOUT_SECS, JOB_MAX_TIMEOUT_SECS = (
-    3600,
-    24 * 3600,
-)  # a job holds its machine: a day
-EGRESS_EVENTS_LIMIT, EGRESS_RECENT = (
-    1000,
-    50,
-)  # denials read after a failure; get-machine shows
+# How long a cleanup's delete may take, and the pause before it is retried.
+CLEANUP_TIMEOUT_SECS = 20
+DELETE_RETRY_PAUSE_SECS = 1
+# How often a waiting call says so in a progress notification.
+PROGRESS_INTERVAL_SECS = 5
+# Blocking calls of one session that run at once; more wait their turn.
+SESSION_CALL_SLOTS = 8
+# The cloud reports "started" once the VM process launched.
+RUNNING_STATES = ("running", "started")
+# The console lines a failed boot quotes.
+BOOT_LOG_LINES = 20
+# The run of last lines a log cursor's digest covers.
+CURSOR_LINES = 3
+JOB_DEFAULT_TIMEOUT_SECS = 3600
+# A job holds its machine: a day at most.
+JOB_MAX_TIMEOUT_SECS = 24 * 3600
+# The denials read after a failed command.
+EGRESS_EVENTS_LIMIT = 1000
+# The denials get-machine reads.
+EGRESS_RECENT = 50
 HOST_UNREACHABLE_RE = re.compile(
-    "dns error|error sending request|Connect|connection refused|timed out|certificate"
+    "dns error|error sending request|Connect|connection refused"
+    "|timed out|certificate"
 )
 BOOT_FAILURE_RE = re.compile(
     "did not become ready|before the agent was ready|KvmOpen"
@@ -3601,36 +3600,36 @@ def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
 
 
 def _input(required: str, **properties: dict) -> dict:
-    """A tool's arguments: ``properties`` in the order given, the ``required`` names required."""
+    """A tool's arguments: ``properties`` in the order given, the
+    ``required`` names required."""
     return _object(properties, tuple(required.split()))
 
 
 def _types(fields: str) -> dict:
-    """Schema properties from "name:type" words: type? may also be null, type[] is an array."""
+    """Schema properties from "name:type" words: type? may also be
+    null, type[] is an array."""
     properties: dict[str, dict] = {}
     for field_ in fields.split():
         name, kind = field_.split(":")
         if kind.endswith("[]"):
             properties[name] = {"type": "array", "items": {"type": kind[:-2]}}
+        elif kind.endswith("?"):
+            properties[name] = {"type": [kind[:-1], "null"]}
         else:
-            properties[name] = {
-                "type": [kind[:-1], "null"] if kind.endswith("?") else kind
-            }
+            properties[name] = {"type": kind}
     return properties
 
 
 def _out(
     properties: dict | str, optional: dict | None = None, description: str = ""
 ) -> dict:
-    """A result schema: ``properties`` (or _types words) always present, ``optional`` sometimes."""
-    properties = (
-        _types(properties) if isinstance(properties, str) else properties
-    )
-    head = (
-        {"type": "object", "description": description}
-        if description
-        else {"type": "object"}
-    )
+    """A result schema: ``properties`` (or _types words) always present,
+    ``optional`` sometimes."""
+    if isinstance(properties, str):
+        properties = _types(properties)
+    head = {"type": "object"}
+    if description:
+        head["description"] = description
     return {
         **head,
         "properties": {**properties, **(optional or {})},
@@ -3639,7 +3638,8 @@ def _out(
 
 
 def _list(**parts: Any) -> dict:
-    """An array of at most 32 items; ``parts`` (items, description) in the order given."""
+    """An array of at most 32 items; ``parts`` (items, description) in
+    the order given."""
     return {"type": "array", "maxItems": 32, **parts}
 
 
@@ -3659,13 +3659,15 @@ ARG_MEMORY = _integer(
     maximum=MAX_MEMORY_MB,
 )
 ARG_NETWORK = _string(
-    'Egress: "blocked" (the default) or "open". A registry image does not need it: the local '
-    "engine fetches images on the host.",
+    'Egress: "blocked" (the default) or "open". A registry image does '
+    "not need it: the local engine fetches images on the host.",
     enum=["open", "blocked"],
 )
 ARG_ALLOW_HOSTS = _list(
     items=_string("A host name.", minLength=1, maxLength=255),
-    description="Allow egress only to these host names (and their subdomains).",
+    description=(
+        "Allow egress only to these host names (and their subdomains)."
+    ),
 )
 ARG_ALLOW_CIDRS = _list(
     items=_string(
@@ -3676,19 +3678,25 @@ ARG_ALLOW_CIDRS = _list(
 ARG_ENV = {
     "type": "object",
     "description": "Environment variables, as a map of name to value.",
-    "propertyNames": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+    "propertyNames": {
+        "type": "string",
+        "pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
+    },
     "additionalProperties": {"type": "string"},
 }
 ARG_COMMAND = {
-    "description": "The command: a list of arguments run as is, or a string run with sh -c.",
+    "description": (
+        "The command: a list of arguments run as is, or a string run "
+        "with sh -c."
+    ),
     "oneOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "minItems": 1, "items": {"type": "string"}},
     ],
 }
 ARG_TIMEOUT = _integer(
-    "Seconds before the command is killed (default SMOL_MCP_EXEC_TIMEOUT_SECS, at most "
-    "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).",
+    "Seconds before the command is killed (default "
+    "SMOL_MCP_EXEC_TIMEOUT_SECS, at most SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).",
     maximum=MAX_TIMEOUT_SECS,
 )
 ARG_WORKDIR = _string(
@@ -3703,7 +3711,8 @@ ARG_ENCODING = _string(
     "utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"]
 )
 ARG_JOB_ID = _string(
-    "The job's id, as start-job returned it (get-machine lists a machine's jobs).",
+    "The job's id, as start-job returned it (get-machine lists a "
+    "machine's jobs).",
     pattern=JOB_ID_PATTERN,
 )
 ARG_JOB_OFFSET = {
@@ -3716,12 +3725,16 @@ ARG_JOB_OFFSET = {
             "Bytes of stderr already read.", minimum=0, maximum=MAX_FILE_OFFSET
         ),
     ),
-    "description": "Where to continue: the nextOffset of the previous read-job.",
+    "description": (
+        "Where to continue: the nextOffset of the previous read-job."
+    ),
 }
 ARG_WAIT = _boolean(
-    "Wait until a command has run in the guest before answering (default true)."
+    "Wait until a command has run in the guest before answering "
+    "(default true)."
 )
-ARG_EXEC = dict(  # run-command's and run-once's
+# run-command's and run-once's
+ARG_EXEC = dict(
     command=ARG_COMMAND,
     timeoutSecs=ARG_TIMEOUT,
     workdir=ARG_WORKDIR,
@@ -3730,23 +3743,33 @@ ARG_EXEC = dict(  # run-command's and run-once's
 )
 
 OUT_MACHINE = _out(
-    "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
-    "network:string? ports:array createdAt:string? pid:integer? url:string? branchable:boolean "
-    "parent:string?",
+    "id:string name:string state:string? image:string? cpus:integer? "
+    "memoryMb:integer? network:string? ports:array createdAt:string? "
+    "pid:integer? url:string? branchable:boolean parent:string?",
     description="A machine, with the same keys on every fleet.",
 )
-EGRESS_ARGS = dict(  # allow-egress's, after the name
+# allow-egress's, after the name
+EGRESS_ARGS = dict(
     hosts=_list(
-        description="Host names to allow, such as pypi.org; each covers its subdomains too.",
+        description=(
+            "Host names to allow, such as pypi.org; each covers its "
+            "subdomains too."
+        ),
         items=_string("A host name.", minLength=1, maxLength=253),
     ),
     hostPatterns=_list(
-        description="Patterns to allow: an exact host name, or *.domain for its subdomains only.",
+        description=(
+            "Patterns to allow: an exact host name, or *.domain for its "
+            "subdomains only."
+        ),
         items=_string("A host name or *.domain.", minLength=1, maxLength=255),
     ),
     cidrs=_list(
-        description="Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 "
-        "or narrower); never loopback, link-local or private ranges.",
+        description=(
+            "Address ranges to allow, such as 203.0.113.7/32 (/8 or "
+            "narrower; IPv6 /32 or narrower); never loopback, link-local "
+            "or private ranges."
+        ),
         items=_string("An address range.", minLength=1, maxLength=64),
     ),
     remove={
@@ -3754,14 +3777,22 @@ EGRESS_ARGS = dict(  # allow-egress's, after the name
             "",
             hosts=_list(
                 items=_string("A listed entry.", minLength=1, maxLength=255),
-                description="Host names or patterns to take off, as get-machine lists them.",
+                description=(
+                    "Host names or patterns to take off, as get-machine "
+                    "lists them."
+                ),
             ),
             cidrs=_list(
                 items=_string("A listed range.", minLength=1, maxLength=64),
-                description="Address ranges to take off, as get-machine lists them.",
+                description=(
+                    "Address ranges to take off, as get-machine lists them."
+                ),
             ),
         ),
-        "description": "Entries to take off the allow list; at least one entry must remain.",
+        "description": (
+            "Entries to take off the allow list; at least one entry must "
+            "remain."
+        ),
     },
 )
 EGRESS_POLICY = _types("open:boolean hosts:string[] cidrs:string[]")
@@ -3781,7 +3812,8 @@ OUT_JOBS = {
     "type": ["array", "null"],
     "items": {"type": "object", "properties": OUT_JOB_STATE},
 }
-OUT_JOB_PAGE = {  # read-job's, after the state and the streams
+# read-job's, after the state and the streams
+OUT_JOB_PAGE = {
     "nextOffset": {
         "type": "object",
         "properties": _types("stdout:integer stderr:integer"),
@@ -3789,8 +3821,8 @@ OUT_JOB_PAGE = {  # read-job's, after the state and the streams
     **_types("eof:boolean"),
 }
 OUT_EXEC_PROPERTIES = _types(
-    "stdout:string stderr:string exitCode:integer truncated:boolean timedOut:boolean "
-    "overflow:string[] startedMachine:boolean"
+    "stdout:string stderr:string exitCode:integer truncated:boolean "
+    "timedOut:boolean overflow:string[] startedMachine:boolean"
 )
 OUT_EXEC_EGRESS = {
     "egressDenied": OUT_DENIALS,
