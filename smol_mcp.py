@@ -3830,10 +3830,12 @@ OUT_EXEC_EGRESS = {
 }
 
 
-@dataclass(eq=False)  # a tool is one object: compared and hashed by identity
+# A tool is one object: compared and hashed by identity.
+@dataclass(eq=False)
 class ToolSpec:
-    """One tool: its handler (tool_list_machines answers list-machines) and what the client is
-    shown; ``access``: its scope level, then its true annotations ("exec: destructive")."""
+    """One tool: its handler (tool_list_machines answers list-machines)
+    and what the client is shown; ``access``: its scope level, then its
+    true annotations ("exec: destructive")."""
 
     handler: Callable
     title: str
@@ -3845,23 +3847,24 @@ class ToolSpec:
     level: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = self.handler.__name__.removeprefix("tool_").replace(
-            "_", "-"
-        )
+        handler_name = self.handler.__name__
+        self.name = handler_name.removeprefix("tool_").replace("_", "-")
         self.level, _, hints = self.access.partition(":")
         known = ("read_only", "destructive", "idempotent", "open_world")
-        if unknown := set(hints.split()) - set(
-            known
-        ):  # a misspelt hint would read as false
+        # A misspelt hint would read as false.
+        unknown = set(hints.split()) - set(known)
+        if unknown:
             raise ValueError(
-                f"{self.name}: unknown annotations {sorted(unknown)} in {self.access!r}"
+                f"{self.name}: unknown annotations {sorted(unknown)} in "
+                f"{self.access!r}"
             )
         for hint in known:
             setattr(self, hint, hint in hints.split())
 
 
 class Call:
-    """One tool call: its fleet and session, worker threads for the blocking API, progress."""
+    """One tool call: its fleet and session, worker threads for the
+    blocking API, progress."""
 
     def __init__(
         self,
@@ -3872,13 +3875,15 @@ class Call:
         principal=None,
         params=None,
     ):
-        self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
-        self.principal, self.params, self.config = (
-            principal or app.access.stdio,
-            params,
-            app.config,
-        )
-        self.started, self._last_progress = time.monotonic(), -1.0
+        self.app = app
+        self.session = session
+        self.fleet = fleet
+        self.ctx = ctx
+        self.principal = principal or app.access.stdio
+        self.params = params
+        self.config = app.config
+        self.started = time.monotonic()
+        self._last_progress = -1.0
 
     async def api(
         self,
@@ -3887,24 +3892,24 @@ class Call:
         waiting: str | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run one blocking API call in a worker thread, with progress as with_heartbeat says;
-        a cancelled call stops waiting at once (the thread finishes on its own)."""
-        work, slots = (
-            functools.partial(function, *args, **kwargs),
-            self.session.call_slots(),
-        )
+        """Run one blocking API call in a worker thread, with progress as
+        with_heartbeat says; a cancelled call stops waiting at once (the
+        thread finishes on its own)."""
+        work = functools.partial(function, *args, **kwargs)
         run = functools.partial(
             anyio.to_thread.run_sync,
             work,
             abandon_on_cancel=True,
-            limiter=slots,
+            limiter=self.session.call_slots(),
         )
         return await self.with_heartbeat(run, waiting)
 
     async def read(self, function: Callable, *args: Any) -> Any:
-        """A quick read (list-machines, get-machine): made on the event loop where the fleet's class
-        can (LocalFleet.read_now), within the session's share and with a beat if slow; else as api.
-        A wrapped fleet (OwnedFleet) has none of its own: its guards run the blocking way."""
+        """A quick read (list-machines, get-machine): made on the event
+        loop where the fleet's class can (LocalFleet.read_now), within the
+        session's share and with a beat if slow; else as api. A wrapped
+        fleet (OwnedFleet) has none of its own: its guards run the
+        blocking way."""
         if (now := getattr(type(self.fleet), "read_now", None)) is not None:
             async with self.session.call_slots():
                 read = functools.partial(now, self.fleet, function, *args)
@@ -3914,23 +3919,27 @@ class Call:
         return await self.api(function, *args)
 
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
-        """Await ``run()`` while progress says what it waits on: with ``waiting``, at once and
-        every few seconds; without, only once it takes that long (an API asking us to retry, say);
-        with "", never (the caller reports). Until a beat is due, a timer: a quick call, no task."""
+        """Await ``run()`` while progress says what it waits on: with
+        ``waiting``, at once and every few seconds; without, only once it
+        takes that long (an API asking us to retry, say); with "", never
+        (the caller reports). Until a beat is due, a timer: a quick call,
+        no task."""
         if waiting == "":
             return await run()
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
         waiting = waiting or f"waiting for the {self.fleet.name} API"
-        loop, beats = asyncio.get_running_loop(), []
+        loop = asyncio.get_running_loop()
+        beats = []
 
         async def heartbeat() -> None:
             while True:
                 await self.so_far(waiting)
                 await asyncio.sleep(PROGRESS_INTERVAL_SECS)
 
-        timer = loop.call_later(
-            first_beat, lambda: beats.append(loop.create_task(heartbeat()))
-        )
+        def start_beating() -> None:
+            beats.append(loop.create_task(heartbeat()))
+
+        timer = loop.call_later(first_beat, start_beating)
         try:
             return await run()
         finally:
@@ -3939,20 +3948,20 @@ class Call:
                 beat.cancel()
 
     async def so_far(self, waiting: str) -> None:
-        await self.progress(
-            None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
-        )
+        elapsed = int(time.monotonic() - self.started)
+        await self.progress(None, f"{waiting}: {elapsed} s so far")
 
     async def create(
         self, function: Callable, *args: Any, waiting: str
     ) -> Any:
-        """Run a call that creates a machine to its end, even if the tool call is cancelled:
-        abandoned, it could create a machine after the cleanup ran, and nobody would delete it."""
-        # Waiting for a slot may be cancelled (nothing exists yet); the create itself may not.
+        """Run a call that creates a machine to its end, even if the tool
+        call is cancelled: abandoned, it could create a machine after the
+        cleanup ran, and nobody would delete it."""
+        # Waiting for a slot may be cancelled (nothing exists yet); the
+        # create itself may not.
         async with self.session.call_slots():
-            limiter = anyio.CapacityLimiter(
-                1
-            )  # the slot above is the real bound
+            # The slot above is the real bound.
+            limiter = anyio.CapacityLimiter(1)
             work = functools.partial(function, *args)
             run = functools.partial(
                 anyio.to_thread.run_sync, work, limiter=limiter
@@ -3961,16 +3970,16 @@ class Call:
                 return await self.with_heartbeat(run, waiting)
 
     def progress_token(self) -> Any:
-        """The client's progress token, or None when it asked for no progress."""
-        return (
-            None
-            if self.ctx is None
-            else (self.ctx.meta or {}).get("progress_token")
-        )
+        """The client's progress token, or None when it asked for no
+        progress."""
+        if self.ctx is None:
+            return None
+        return (self.ctx.meta or {}).get("progress_token")
 
     async def progress(self, total: float | None, message: str) -> None:
-        """A progress notification (a no-op unless the client asked for them).
-        The value is the call's elapsed seconds, so it only ever increases."""
+        """A progress notification (a no-op unless the client asked for
+        them). The value is the call's elapsed seconds, so it only ever
+        increases."""
         if self.ctx is None:
             return
         done = max(
@@ -3981,27 +3990,32 @@ class Call:
         try:
             token = self.progress_token()
             if self.ctx.request is not None and token is not None:
-                # A plain-JSON HTTP reply carries no notifications: these ride the GET stream.
+                # A plain-JSON HTTP reply carries no notifications: these
+                # ride the GET stream.
                 await self.ctx.session.send_progress_notification(
                     token, done, total, message
                 )
             else:
                 await self.ctx.session.report_progress(done, total, message)
-        except Exception:  # progress is a courtesy; a client that went away must not fail the call
+        except Exception:
+            # Progress is a courtesy; a client that went away must not
+            # fail the call.
             log.debug("progress notification not sent", exc_info=True)
 
     def new_ephemeral_name(self) -> str:
         return f"{self.config.machine_prefix}{secrets_module.token_hex(4)}"
 
     def forget(self, name: str) -> None:
-        """A machine this call deleted: out of the session's record and the ownership store."""
+        """A machine this call deleted: out of the session's record and
+        the ownership store."""
         self.session.forget(self.fleet.name, name)
         self.app.access.owners.clear(self.fleet.name, [name])
         self.app.failed_last.discard((self.fleet.name, name))
 
     async def delete_quietly(self, name: str) -> None:
-        """Delete a machine this call created, even while the call is cancelled, and forget it;
-        a failure is logged, not raised over the error that got us here (cleanup tries again)."""
+        """Delete a machine this call created, even while the call is
+        cancelled, and forget it; a failure is logged, not raised over the
+        error that got us here (cleanup tries again)."""
         delete = functools.partial(self.fleet.delete_machine, name)
         with anyio.CancelScope(shield=True):
             try:
