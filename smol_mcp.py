@@ -4034,8 +4034,9 @@ class Call:
 def egress_entries(
     args: dict, key: str, config: Config, pattern: bool | None = None
 ) -> list[str]:
-    """The entries of ``args[key]`` held to allow-egress's rules: host names (with ``pattern``,
-    *.domain too), or without ``pattern``, address ranges."""
+    """The entries of ``args[key]`` held to allow-egress's rules: host
+    names (with ``pattern``, *.domain too), or without ``pattern``,
+    address ranges."""
     entries = enumerate(args.get(key) or [])
     if pattern is None:
         return [
@@ -4048,8 +4049,9 @@ def egress_entries(
 
 
 def exec_options(args: dict, timeout: int) -> dict:
-    """A command's options, as a fleet's exec, exec_stream and start_job take
-    them; ``timeout`` unless the arguments name one (the schema held it to the ceiling)."""
+    """A command's options, as a fleet's exec, exec_stream and start_job
+    take them; ``timeout`` unless the arguments name one (the schema held
+    it to the ceiling)."""
     given = {
         key: args[key] for key in ("workdir", "env", "stdin") if key in args
     }
@@ -4057,7 +4059,10 @@ def exec_options(args: dict, timeout: int) -> dict:
 
 
 def command_argv(command: str | list[str]) -> list[str]:
-    return ["sh", "-c", command] if isinstance(command, str) else list(command)
+    """The argv of a command: a string runs with sh -c, a list as is."""
+    if isinstance(command, str):
+        return ["sh", "-c", command]
+    return list(command)
 
 
 def is_boot_failure(err: BaseException) -> bool:
@@ -4070,70 +4075,82 @@ def is_boot_failure(err: BaseException) -> bool:
 def explain_start_failure(
     err: Exception, network: str | None, log_lines: list[str] | None = None
 ) -> Exception:
-    """Add the one sentence that says what to do about a failed start; ``log_lines``: the last
-    console lines of a machine deleted since (so pointing at machine-logs would lead nowhere)."""
+    """Add the one sentence that says what to do about a failed start;
+    ``log_lines``: the last console lines of a machine deleted since (so
+    pointing at machine-logs would lead nowhere)."""
     if not isinstance(err, ApiError):
         return err
     text = err.api_message
     if network != "open" and "must be pulled" in text:
-        # an older engine (1.14 line) refuses a registry image without guest egress
+        # An older engine (1.14 line) refuses a registry image without
+        # guest egress.
         return err.with_hint(
-            "This engine pulls a registry image through the machine's own network, which is "
-            'blocked; pass network: "open" to create-machine (or run-once) to allow the pull'
+            "This engine pulls a registry image through the machine's own "
+            'network, which is blocked; pass network: "open" to '
+            "create-machine (or run-once) to allow the pull"
         )
-    if (
-        "manifests" in text or "registry" in text
-    ) and HOST_UNREACHABLE_RE.search(text):
-        # 1.32.2 fetches the image on the host: the guest's egress plays no part
+    registry = "manifests" in text or "registry" in text
+    if registry and HOST_UNREACHABLE_RE.search(text):
+        # 1.32.2 fetches the image on the host: the guest's egress plays
+        # no part.
         return err.with_hint(
-            "The host this server runs on could not reach the image registry (the engine fetches "
-            "images on the host, not in the machine, so opening the machine's network would not "
-            "help); the operator has to fix the host's DNS, proxy or network access, or give an "
-            "image that is already on the host"
-        )
-    if is_boot_failure(err) and log_lines is None:
-        return err.with_hint(
-            "The microVM could not boot on this host; the smol://targets resource says whether a "
-            "usable hypervisor is present, and the machine's log (machine-logs) may say more"
+            "The host this server runs on could not reach the image "
+            "registry (the engine fetches images on the host, not in the "
+            "machine, so opening the machine's network would not help); "
+            "the operator has to fix the host's DNS, proxy or network "
+            "access, or give an image that is already on the host"
         )
     if is_boot_failure(err):
-        tail = (
-            "\n".join(log_lines)
-            if log_lines
-            else "(the console log was empty)"
-        )
+        return explain_boot_failure(err, log_lines)
+    port_in_use = "port" in text and "in use" in text
+    if "PORT_IN_USE" in err.code or port_in_use:
         return err.with_hint(
-            "The microVM could not boot on this host, and the machine is deleted. A usable "
-            "/dev/kvm can still fail to boot a guest (in a VM without nested virtualization, "
-            f"say). The last lines of its console log:\n{tail}"
-        )
-    if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
-        return err.with_hint(
-            "Another machine or process holds that host port; pick another in ports[].host"
+            "Another machine or process holds that host port; pick another "
+            "in ports[].host"
         )
     return err
+
+
+def explain_boot_failure(
+    err: ApiError, log_lines: list[str] | None
+) -> ApiError:
+    """explain_start_failure's hint for a guest that did not boot: the
+    console log's last ``log_lines`` when the machine is deleted, else
+    where to look."""
+    if log_lines is None:
+        return err.with_hint(
+            "The microVM could not boot on this host; the smol://targets "
+            "resource says whether a usable hypervisor is present, and the "
+            "machine's log (machine-logs) may say more"
+        )
+    if log_lines:
+        tail = "\n".join(log_lines)
+    else:
+        tail = "(the console log was empty)"
+    return err.with_hint(
+        "The microVM could not boot on this host, and the machine is "
+        "deleted. A usable /dev/kvm can still fail to boot a guest (in a VM "
+        "without nested virtualization, say). The last lines of its "
+        f"console log:\n{tail}"
+    )
 
 
 async def start_failure(
     call: Call, name: str, err: BaseException, network: str
 ) -> BaseException:
-    """explain_start_failure for a machine about to be deleted: a boot failure quotes its log."""
+    """explain_start_failure for a machine about to be deleted: a boot
+    failure quotes its log."""
+    if not isinstance(err, Exception):
+        return err
     if not is_boot_failure(err):
-        return (
-            explain_start_failure(err, network)
-            if isinstance(err, Exception)
-            else err
-        )
+        return explain_start_failure(err, network)
     try:
-        lines = (await call.api(call.fleet.console_lines, name))[
-            -BOOT_LOG_LINES:
-        ]
-    except (
-        Exception
-    ) as log_err:  # the error being reported matters more than its log
+        lines = await call.api(call.fleet.console_lines, name)
+    except Exception as log_err:
+        # The error being reported matters more than its log.
         log.debug("could not read the log of %s: %s", name, log_err)
         lines = []
-    return explain_start_failure(err, network, lines)
+    return explain_start_failure(err, network, lines[-BOOT_LOG_LINES:])
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
