@@ -4154,12 +4154,11 @@ async def start_failure(
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
-    """Return once a command has run in the guest (the probe never restarts a stopped machine)."""
-    limit, started, delay = (
-        call.config.ready_timeout_secs,
-        time.monotonic(),
-        0.1,
-    )
+    """Return once a command has run in the guest (the probe never
+    restarts a stopped machine)."""
+    limit = call.config.ready_timeout_secs
+    started = time.monotonic()
+    delay = 0.1
     while True:
         elapsed = int(time.monotonic() - started)
         await call.progress(
@@ -4170,8 +4169,8 @@ async def wait_until_ready(call: Call, name: str) -> None:
             return
         if time.monotonic() - started >= limit:
             raise SmolError(
-                f"the guest of machine '{name}' did not run a command within {limit} s "
-                f"(readyTimeoutSecs); its last answer: {not_ready}"
+                f"the guest of machine '{name}' did not run a command within "
+                f"{limit} s (readyTimeoutSecs); its last answer: {not_ready}"
             )
         await anyio.sleep(delay)
         delay = min(delay * 2, 2.0)
@@ -4189,7 +4188,8 @@ async def start_and_wait(
 
 
 async def ensure_running(call: Call, name: str) -> bool:
-    """Start a machine that is not running and wait for it; True if we started it."""
+    """Start a machine that is not running and wait for it; True if we
+    started it."""
     if await call.api(call.fleet.machine_state, name) in RUNNING_STATES:
         return False
     await start_and_wait(call, name)
@@ -4197,8 +4197,9 @@ async def ensure_running(call: Call, name: str) -> bool:
 
 
 async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
-    """Await ``run()`` against a running machine, starting (and leaving running, as the
-    cloud API does) a stopped one first; the second value says whether this call started it."""
+    """Await ``run()`` against a running machine, starting (and leaving
+    running, as the cloud API does) a stopped one first; the second value
+    says whether this call started it."""
     try:
         return await run(), False
     except NotRunning:
@@ -4206,44 +4207,61 @@ async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
         return await run(), True
 
 
-# Every command runs under a wrapper that writes its pid in the guest (RUN_PID_DIR/<runId>) and
-# then becomes the command (exec "$@"), so a cancelled call, streamed or not, can end its process
-# group with a second exec (RUN_KILL_SCRIPT). With a progress token it runs through the engine's
-# exec stream route, under RUN_TEE_WRAPPER: SSE cannot carry a bare CR, a NUL or invalid UTF-8, so
-# the stream only feeds progress, and the result is the guest's own copy of the output, read back
-# whole (RUN_READ_BACK).
+# Every command runs under a wrapper that writes its pid in the guest
+# (RUN_PID_DIR/<runId>) and then becomes the command (exec "$@"), so a
+# cancelled call, streamed or not, can end its process group with a second
+# exec (RUN_KILL_SCRIPT). With a progress token it runs through the
+# engine's exec stream route, under RUN_TEE_WRAPPER: SSE cannot carry a
+# bare CR, a NUL or invalid UTF-8, so the stream only feeds progress, and
+# the result is the guest's own copy of the output, read back whole
+# (RUN_READ_BACK). Each script is one string, a literal a line of it (or
+# two where a line is long).
 RUN_PID_DIR = "/tmp/smol-mcp-run"
 RUN_WRAPPER = (
     '{ mkdir -p "${1%/*}" && echo "$$" >"$1"; } 2>/dev/null; shift; exec "$@"'
 )
-RUN_TEE_WRAPPER = r"""f=$1; shift
-{ mkdir -p "${f%/*}" && echo "$$" >"$f" && mkfifo "$f.o" "$f.e"; } 2>/dev/null || exec "$@"
-tee "$f.out" <"$f.o" & tee "$f.err" <"$f.e" >&2 &
-(exec "$@") >"$f.o" 2>"$f.e"; c=$?; wait; exit $c
-"""
-RUN_READ_BACK = '[ -e "$1.out" ] || exit 3; cat "$1.out"; cat "$1.err" >&2; rm -f "$1" "$1".*'
-RUN_KILL_SCRIPT = r"""n=0; while [ ! -s "$1" ] && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
-[ -s "$1" ] || exit 0
-p=$(cat "$1"); rm -f "$1" "$1".*
-kill -TERM -"$p" 2>/dev/null; pkill -TERM -P "$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null
-n=0; while kill -0 "$p" 2>/dev/null && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
-kill -KILL -"$p" 2>/dev/null; pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null
-exit 0
-"""
-# At most about three output lines a second reach the client, each cut to LIVE_LINE_CHARS.
-LIVE_OUTPUT_INTERVAL_SECS, LIVE_LINE_CHARS = 0.3, 200
+RUN_TEE_WRAPPER = (
+    "f=$1; shift\n"
+    '{ mkdir -p "${f%/*}" && echo "$$" >"$f" && mkfifo "$f.o" "$f.e"; } '
+    '2>/dev/null || exec "$@"\n'
+    'tee "$f.out" <"$f.o" & tee "$f.err" <"$f.e" >&2 &\n'
+    '(exec "$@") >"$f.o" 2>"$f.e"; c=$?; wait; exit $c\n'
+)
+RUN_READ_BACK = (
+    '[ -e "$1.out" ] || exit 3; cat "$1.out"; cat "$1.err" >&2; '
+    'rm -f "$1" "$1".*'
+)
+RUN_KILL_SCRIPT = (
+    'n=0; while [ ! -s "$1" ] && [ "$n" -lt 20 ]; do sleep 0.1; '
+    "n=$((n + 1)); done\n"
+    '[ -s "$1" ] || exit 0\n'
+    'p=$(cat "$1"); rm -f "$1" "$1".*\n'
+    'kill -TERM -"$p" 2>/dev/null; pkill -TERM -P "$p" 2>/dev/null; '
+    'kill -TERM "$p" 2>/dev/null\n'
+    'n=0; while kill -0 "$p" 2>/dev/null && [ "$n" -lt 20 ]; do sleep 0.1; '
+    "n=$((n + 1)); done\n"
+    'kill -KILL -"$p" 2>/dev/null; pkill -KILL -P "$p" 2>/dev/null; '
+    'kill -KILL "$p" 2>/dev/null\n'
+    "exit 0\n"
+)
+# At most about three output lines a second reach the client, each cut to
+# LIVE_LINE_CHARS.
+LIVE_OUTPUT_INTERVAL_SECS = 0.3
+LIVE_LINE_CHARS = 200
 
 
 def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
-    """The argv that runs one of the RUN_ scripts above with its pid file."""
+    """The argv that runs one of the RUN_ scripts above with its pid
+    file."""
     return ["sh", "-c", script, "sh", pid_file, *argv]
 
 
 async def run_in_machine(
     call: Call, name: str, argv: list[str], **options: Any
 ) -> ExecResult:
-    """Run a command; with a progress token, through the stream route, the newest output
-    line a progress message a few times a second. Same result either way; cancelled, it is ended."""
+    """Run a command; with a progress token, through the stream route, the
+    newest output line a progress message a few times a second. Same
+    result either way; cancelled, it is ended."""
     pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
     try:
         if call.progress_token() is None:
@@ -4274,12 +4292,16 @@ async def run_in_machine(
 async def stream_in_machine(
     call: Call, name: str, pid_file: str, argv: list[str], options: dict
 ) -> ExecResult:
-    """run_in_machine's stream route: progress from the stream, the result from the guest's copy
-    (the stream's own when the guest kept none)."""
-    # Each stream's newest line and its number, written by the worker thread. Both keys
-    # exist from the start, so the loop reads a dict that never changes size.
+    """run_in_machine's stream route: progress from the stream, the result
+    from the guest's copy (the stream's own when the guest kept none)."""
+    # Each stream's newest line and its number, written by the worker
+    # thread. Both keys exist from the start, so the loop reads a dict that
+    # never changes size.
     last = {"stdout": (0, ""), "stderr": (0, "")}
-    count, shown = [0], {0}  # lines seen; numbers already sent (0: none yet)
+    # The lines seen so far, and the numbers of those already sent (0:
+    # none yet).
+    count = [0]
+    shown = {0}
 
     def on_output(stream: str, data: str) -> None:
         lines = [line for line in data.splitlines() if line.strip()]
@@ -4290,9 +4312,8 @@ async def stream_in_machine(
             count[0] += 1
             last[stream] = (count[0], f"{stream}: {line}")
 
-    async def show(
-        number: int, message: str
-    ) -> None:  # shown once sent: the end may cut it off
+    # A line counts as shown once it is sent: the end may cut it off.
+    async def show(number: int, message: str) -> None:
         await call.progress(None, message)
         shown.add(number)
 
@@ -4308,7 +4329,8 @@ async def stream_in_machine(
                 quiet_since = time.monotonic()
                 await call.so_far(f"running the command in '{name}'")
 
-    tee, failure = guest_script(RUN_TEE_WRAPPER, pid_file, *argv), None
+    tee = guest_script(RUN_TEE_WRAPPER, pid_file, *argv)
+    failure = None
     async with anyio.create_task_group() as group:
         group.start_soon(reporter)
         try:
@@ -4316,20 +4338,29 @@ async def stream_in_machine(
                 call.fleet.exec_stream, on_output=on_output, **options
             )
             value = await call.api(stream, name, tee, waiting="")
-        except (
-            Exception
-        ) as err:  # carried out of the group, which would wrap it in a group
+        except Exception as err:
+            # Carried out of the group, which would wrap it in a group.
             failure = err
         group.cancel_scope.cancel()
     if failure is not None:
         raise failure
-    # Each stream's last line, even one that came between two ticks or was overtaken by the
-    # other pipe's (two tees in the guest, so their order is not the command's).
+    # Each stream's last line, even one that came between two ticks or was
+    # overtaken by the other pipe's (two tees in the guest, so their order
+    # is not the command's).
     for number, message in sorted(tuple(last.values())):
         if number not in shown:
             await show(number, message)
+    return await with_guest_copy(call, name, pid_file, value)
+
+
+async def with_guest_copy(
+    call: Call, name: str, pid_file: str, value: ExecResult
+) -> ExecResult:
+    """``value`` with the output the guest kept of the command in its
+    place; ``value`` itself when the guest kept no copy or the copy cannot
+    be read back."""
+    read_back = guest_script(RUN_READ_BACK, pid_file)
     try:
-        read_back = guest_script(RUN_READ_BACK, pid_file)
         copy = await call.api(
             call.fleet.exec, name, read_back, timeout_secs=60
         )
@@ -4339,10 +4370,14 @@ async def stream_in_machine(
         )
         return value
     if copy.exit_code != 0:
-        return value  # the guest could not keep a copy (no mkfifo or tee): the stream is all
-    cut = copy.cut_by_service
+        # The guest could not keep a copy (no mkfifo or tee): the stream is
+        # all.
+        return value
     return dataclasses.replace(
-        value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=cut
+        value,
+        stdout=copy.stdout,
+        stderr=copy.stderr,
+        cut_by_service=copy.cut_by_service,
     )
 
 
@@ -4354,19 +4389,22 @@ async def budget_exec(
     since: datetime.datetime,
     once: bool,
 ) -> dict:
-    """The run-command result: each stream within maxOutputBytes, both within replyTokens; a
-    stream that did not fit is written whole into the machine, its path in ``overflow`` (not by
-    run-once, ``once``, whose machine is deleted as it answers); a failure's egress denials too."""
+    """The run-command result: each stream within maxOutputBytes, both
+    within replyTokens; a stream that did not fit is written whole into
+    the machine, its path in ``overflow`` (not by run-once, ``once``,
+    whose machine is deleted as it answers); a failure's egress denials
+    too."""
     limit = call.config.max_output_bytes
     streams = (("stdout", result.stdout), ("stderr", result.stderr))
-    # A stream longer than twice the byte limit is cut whatever it costs: its
-    # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
+    # A stream longer than twice the byte limit is cut whatever it costs:
+    # its first 2*limit bytes tell its share, and a 16 MiB stream is not
+    # decoded whole.
     costs = [
         est_tokens(out[: 2 * limit].decode("utf-8", "surrogateescape"))
         for _, out in streams
     ]
     shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
-    # 124 is what the guest reports for a command it killed at its timeout
+    # 124 is what the guest reports for a command it killed at its timeout.
     timed_out = result.exit_code == 124 and result.seconds >= timeout - 1
     shaped: dict[str, Any] = dict.fromkeys(("stdout", "stderr"), "")
     shaped.update(
@@ -4376,59 +4414,71 @@ async def budget_exec(
         overflow=[],
     )
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
-    for (stream, data), share in zip(streams, shares):
+    for (stream, data), share, cost in zip(streams, shares, costs):
         lost = ""
         if stream in result.cut_by_service:
             shaped["truncated"] = True
             lost = (
-                f"\n[... smol-mcp: the cloud API cut {stream} here, at {len(data)} bytes; what "
-                "followed was not returned by the service and is lost ...]\n"
+                f"\n[... smol-mcp: the cloud API cut {stream} here, at "
+                f"{len(data)} bytes; what followed was not returned by the "
+                "service and is lost ...]\n"
             )
-        if len(data) <= limit and costs[stream == "stderr"] <= share:
+        if len(data) <= limit and cost <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
             continue
         shaped["truncated"] = True
-        where = (
-            "run-once deletes its machine, so the whole stream was not kept; use create-machine "
-            "and run-command to keep it"
-        )
-        if not once:
+        if once:
+            where = (
+                "run-once deletes its machine, so the whole stream was not "
+                "kept; use create-machine and run-command to keep it"
+            )
+        else:
             path = f"{OVERFLOW_DIR}/{stamp}.{stream}"
             try:
                 await call.api(call.fleet.write_file, name, path, data)
+            except SmolError as err:
+                where = (
+                    "the whole stream could not be saved in the machine: "
+                    f"{err}"
+                )
+            else:
                 shaped["overflow"].append(path)
                 kept = "the first" if lost else "the whole"
                 where = (
-                    f"{kept} {len(data)} bytes of the stream are in the machine at {path} "
-                    "(read it with read-file)"
+                    f"{kept} {len(data)} bytes of the stream are in the "
+                    f"machine at {path} (read it with read-file)"
                 )
-            except SmolError as err:
-                where = f"the whole stream could not be saved in the machine: {err}"
         shaped[stream] = fit_stream(data, limit, share, where)[0] + lost
     return await note_egress_denials(call, name, shaped, since, once)
 
 
 EGRESS_HINT = (
-    "egressDenied lists the connections this machine's egress policy refused while the command "
-    'ran. If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it '
-    'used]}} (or cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
+    "egressDenied lists the connections this machine's egress policy "
+    "refused while the command ran. If the command needs one, allow-egress "
+    '{{name: "{name}", hosts: [the host name it used]}} (or cidrs: '
+    '["<address>/32"]) adds it to the allow list once a person confirms.'
 )
-# run-once deletes its machine as it answers: there is nothing left to amend.
+# run-once deletes its machine as it answers: there is nothing left to
+# amend.
 EGRESS_HINT_RUN_ONCE = (
-    "egressDenied lists the connections the machine's egress policy refused while the "
-    "command ran. That machine is deleted already; to let the command reach a host, run it "
-    'again with allowHosts: ["<the host name it used>"] (or allowCidrs: ["<address>/32"]).'
+    "egressDenied lists the connections the machine's egress policy "
+    "refused while the command ran. That machine is deleted already; to "
+    "let the command reach a host, run it again with allowHosts: "
+    '["<the host name it used>"] (or allowCidrs: ["<address>/32"]).'
 )
-# For a caller that cannot call allow-egress: pointing at it would only earn a refusal.
+# For a caller that cannot call allow-egress: pointing at it would only
+# earn a refusal.
 EGRESS_HINT_NO_SCOPE = (
-    "egressDenied lists the connections this machine's egress policy refused while the "
-    "command ran. Widening the allow list needs the manage scope, which this caller does not "
-    "have: ask the operator (allow-egress, or a machine created with the hosts it needs)."
+    "egressDenied lists the connections this machine's egress policy "
+    "refused while the command ran. Widening the allow list needs the "
+    "manage scope, which this caller does not have: ask the operator "
+    "(allow-egress, or a machine created with the hosts it needs)."
 )
 
 
 def parse_event_time(value: Any) -> datetime.datetime | None:
-    """An RFC 3339 denial time; None for the "" the engine writes for a line without one."""
+    """An RFC 3339 denial time; None for the "" the engine writes for a
+    line without one."""
     try:
         return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
     except (AttributeError, TypeError, ValueError):
@@ -4438,8 +4488,9 @@ def parse_event_time(value: Any) -> datetime.datetime | None:
 def group_denials(
     events: list[dict], since: datetime.datetime | None = None
 ) -> list[dict]:
-    """Denials grouped by destination and operation, in the order first seen: {dest, operation,
-    count, firstAt, lastAt}. With ``since``, only those timed from then on (untimed ones: not)."""
+    """Denials grouped by destination and operation, in the order first
+    seen: {dest, operation, count, firstAt, lastAt}. With ``since``, only
+    those timed from then on (untimed ones: not)."""
     groups: dict[tuple[str, str], dict] = {}
     for event in events:
         when = parse_event_time(event.get("timestamp"))
@@ -4459,17 +4510,17 @@ def group_denials(
 async def note_egress_denials(
     call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool
 ) -> dict:
-    """Add egressDenied (and its hint) to a failed or timed-out command's result where the engine
-    records denials (unreadable ones change nothing); ``once``: run-once's, the hint is to rerun."""
-    failed = shaped["exitCode"] != 0 or shaped["timedOut"]
-    if (
-        call.fleet.amends_egress
-    ):  # get-machine reads the refusals after a failed command
-        getattr(call.app.failed_last, "add" if failed else "discard")(
-            (call.fleet.name, name)
-        )
-    if not call.fleet.amends_egress or not failed:
+    """Add egressDenied (and its hint) to a failed or timed-out command's
+    result where the engine records denials (unreadable ones change
+    nothing); ``once``: run-once's, the hint is to rerun."""
+    if not call.fleet.amends_egress:
         return shaped
+    # get-machine reads the refusals after a failed command.
+    machine = (call.fleet.name, name)
+    if shaped["exitCode"] == 0 and not shaped["timedOut"]:
+        call.app.failed_last.discard(machine)
+        return shaped
+    call.app.failed_last.add(machine)
     try:
         events = await call.api(
             call.fleet.egress_events, name, EGRESS_EVENTS_LIMIT
@@ -4479,10 +4530,19 @@ async def note_egress_denials(
         return shaped
     if not (denied := group_denials(events, since)):
         return shaped
-    may_amend = granting_scope(call.principal, "allow-egress") is not None
-    hint = EGRESS_HINT.format(name=name) if may_amend else EGRESS_HINT_NO_SCOPE
-    hint = EGRESS_HINT_RUN_ONCE if once else hint
+    hint = egress_hint(call, name, once)
     return {**shaped, "egressDenied": denied, "egressHint": hint}
+
+
+def egress_hint(call: Call, name: str, once: bool) -> str:
+    """The egressHint of a command's denials: run again (run-once), ask
+    for allow-egress, or, for a caller without its scope, ask the
+    operator."""
+    if once:
+        return EGRESS_HINT_RUN_ONCE
+    if granting_scope(call.principal, "allow-egress") is None:
+        return EGRESS_HINT_NO_SCOPE
+    return EGRESS_HINT.format(name=name)
 
 
 ARG_NAME_ONLY = _input("name", name=ARG_NAME)
