@@ -4562,8 +4562,10 @@ ARG_PORTS = {
 }
 ARG_MOUNTS = {
     "type": "array",
-    "description": "Host directories to attach (local fleet only), only under the operator's "
-    "mountRoots; read-only by default.",
+    "description": (
+        "Host directories to attach (local fleet only), only under the "
+        "operator's mountRoots; read-only by default."
+    ),
     "items": _input(
         "source target",
         source=_string("Absolute host path."),
@@ -4571,8 +4573,8 @@ ARG_MOUNTS = {
             "Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN
         ),
         readonly=_boolean(
-            "Mount read-only (the default); false asks for write, which only a root opened with "
-            ":rw grants."
+            "Mount read-only (the default); false asks for write, which "
+            "only a root opened with :rw grants."
         ),
     ),
 }
@@ -4581,26 +4583,30 @@ EGRESS_WITH_DENIALS = _out(
 )
 ARG_INCLUDE = {
     "type": "array",
-    "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
-    "refused connections (local). Each costs a request.",
+    "description": (
+        '"jobs": read the jobs\' states from the machine itself; "egress": '
+        "its recent refused connections (local). Each costs a request."
+    ),
     "items": {"type": "string", "enum": ["jobs", "egress"]},
     "maxItems": 2,
 }
 ARG_CREATE_NAME = {
     **ARG_NAME,
-    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
+    "description": (
+        "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx)."
+    ),
 }
 SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
 NETWORK_ARGS = dict(
     network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS
 )
-TOOLS: list[
-    ToolSpec
-] = []  # filled by @tool, in the order the handlers below are defined
+# Filled by @tool, in the order the handlers below are defined.
+TOOLS: list[ToolSpec] = []
 
 
 def tool(*spec: Any) -> Callable:
-    """Register the handler below as a tool: ``spec`` is its ToolSpec's fields after the handler."""
+    """Register the handler below as a tool: ``spec`` is its ToolSpec's
+    fields after the handler."""
 
     def register(handler: Callable) -> Callable:
         TOOLS.append(ToolSpec(handler, *spec))
@@ -4609,13 +4615,13 @@ def tool(*spec: Any) -> Callable:
     return register
 
 
-# -- the tools, each its spec and its handler, in the order the client lists them ------------
+# -- the tools, each its spec and handler, in the order the client lists them
 
 
 @tool(
     "List machines",
-    "List every machine on the fleet, with its state, image, size, egress and published "
-    "ports. Changes nothing.",
+    "List every machine on the fleet, with its state, image, size, egress "
+    "and published ports. Changes nothing.",
     _object({}),
     _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
     "read: read_only idempotent",
@@ -4626,9 +4632,11 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
 
 @tool(
     "Get a machine",
-    "Show one machine: state, image, size, egress, ports, pid and whether it can be "
-    "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
-    # (local fleet: also the allow list, and its recent refusals when asked or after a failure)
+    "Show one machine: state, image, size, egress, ports, pid and whether "
+    "it can be branched, and the jobs (start-job) of a running machine as "
+    "last seen. Changes nothing.",
+    # (local fleet: also the allow list, and its recent refusals when asked
+    # or after a failure)
     _input("name", name=ARG_NAME, include=ARG_INCLUDE),
     _out(
         {"machine": OUT_MACHINE, "jobs": OUT_JOBS},
@@ -4637,75 +4645,86 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
     "read: read_only idempotent",
 )
 async def tool_get_machine(call: Call, args: dict) -> dict:
-    """One engine request: the record holds the egress policy. Jobs come from our record unless
-    `include` asks the guest; refusals only for a restricted policy, asked or after a failure."""
-    name, include = args["name"], args.get("include", [])
-    if not call.fleet.amends_egress:
-        machine, egress = await call.read(call.fleet.get_machine, name), None
-    else:
+    """One engine request: the record holds the egress policy. Jobs come
+    from our record unless `include` asks the guest; refusals only for a
+    restricted policy, asked or after a failure."""
+    name = args["name"]
+    include = args.get("include", [])
+    if call.fleet.amends_egress:
         machine, egress = await call.read(call.fleet.egress_policy, name)
-    jobs: list[dict] | None = []  # a machine that is not running runs no job
-    if machine["state"] in RUNNING_STATES:
-        try:
-            if "jobs" in include:
-                jobs = await call.api(
-                    call.fleet.list_jobs, name, machine["id"]
-                )
-            else:
-                recorded = call.app.access.owners.jobs.read().get(
-                    call.fleet.name, {}
-                )
-                jobs = list(recorded.get(name, []))
-        except SmolError as err:
-            log.info("could not list the jobs of %s: %s", name, err)
-            jobs = None  # unknown, which is not the same as none
-    failed = (call.fleet.name, name) in call.app.failed_last
-    if (
-        egress is not None
-        and not egress["open"]
-        and ("egress" in include or failed)
-    ):
-        try:
-            events = await call.api(
-                call.fleet.egress_events, name, EGRESS_RECENT
-            )
-            egress["recentDenials"] = group_denials(events)
-        except SmolError as err:
-            egress.update(recentDenials=[], recentDenialsError=str(err))
+    else:
+        machine = await call.read(call.fleet.get_machine, name)
+        egress = None
+    jobs = await machine_jobs(call, name, machine, "jobs" in include)
     shown = {"machine": machine, "jobs": jobs}
-    return shown if egress is None else {**shown, "egress": egress}
+    if egress is None:
+        return shown
+    failed = (call.fleet.name, name) in call.app.failed_last
+    if not egress["open"] and ("egress" in include or failed):
+        await add_recent_denials(call, name, egress)
+    return {**shown, "egress": egress}
+
+
+async def machine_jobs(
+    call: Call, name: str, machine: dict, from_guest: bool
+) -> list[dict] | None:
+    """get-machine's jobs: the guest's list with ``from_guest``, else our
+    record; none for a machine that is not running (it runs no job), and
+    None when they cannot be listed (unknown, which is not the same as
+    none)."""
+    if machine["state"] not in RUNNING_STATES:
+        return []
+    try:
+        if from_guest:
+            return await call.api(call.fleet.list_jobs, name, machine["id"])
+        recorded = call.app.access.owners.jobs.read().get(call.fleet.name, {})
+        return list(recorded.get(name, []))
+    except SmolError as err:
+        log.info("could not list the jobs of %s: %s", name, err)
+        return None
+
+
+async def add_recent_denials(call: Call, name: str, egress: dict) -> None:
+    """Add a machine's recent refusals to its ``egress`` policy, or why
+    they could not be read."""
+    try:
+        events = await call.api(call.fleet.egress_events, name, EGRESS_RECENT)
+        egress["recentDenials"] = group_denials(events)
+    except SmolError as err:
+        egress.update(recentDenials=[], recentDenialsError=str(err))
 
 
 def machine_spec(
     call: Call, args: dict, name: str, network_default: str
 ) -> MachineSpec:
-    """A create's MachineSpec. An allow-list narrows egress, so it excludes an explicit network."""
+    """A create's MachineSpec. An allow-list narrows egress, so it
+    excludes an explicit network."""
     hosts = egress_entries(args, "allowHosts", call.config, True)
     cidrs = egress_entries(args, "allowCidrs", call.config)
     if (hosts or cidrs) and "network" in args:
         raise ArgumentError(
-            f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
-            "allow-list already means egress to those destinations only. Pass one or the other."
+            f'"network": "{args["network"]}" cannot be combined with '
+            "allowHosts/allowCidrs: an allow-list already means egress to "
+            "those destinations only. Pass one or the other."
         )
-    network = (
-        "blocked" if hosts or cidrs else args.get("network", network_default)
-    )
-    # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
-    local, mounts = call.fleet.mounts_host_paths, args.get("mounts", [])
-    image, contained = contain_host_paths(
-        call.config, args["image"], mounts if local else []
-    )
-    cpus, memory = (
-        args.get("cpus", call.config.cpus),
-        args.get("memoryMb", call.config.memory_mb),
-    )
-    # the other arguments are MachineSpec's fields by their camelCase names, with its defaults
+    if hosts or cidrs:
+        network = "blocked"
+    else:
+        network = args.get("network", network_default)
+    # The cloud has no host directories: its own refusal of mounts is the
+    # clearer sentence there.
+    mounts = args.get("mounts", [])
+    if call.fleet.mounts_host_paths:
+        image, mounts = contain_host_paths(call.config, args["image"], mounts)
+    else:
+        image, _ = contain_host_paths(call.config, args["image"], [])
+    cpus = args.get("cpus", call.config.cpus)
+    memory = args.get("memoryMb", call.config.memory_mb)
+    # The other arguments are MachineSpec's fields by their camelCase
+    # names, with its defaults.
     rest = ("ports", "storage_gb", "overlay_gb", "cmd", "env", "branchable")
     given = {attr: args[_camel(attr)] for attr in rest if _camel(attr) in args}
-    given.update(
-        mounts=contained if local else mounts,
-        ephemeral=call.session.is_ephemeral(name),
-    )
+    given.update(mounts=mounts, ephemeral=call.session.is_ephemeral(name))
     return MachineSpec(
         name, image, cpus, memory, network, hosts, cidrs, **given
     )
@@ -4713,10 +4732,11 @@ def machine_spec(
 
 @tool(
     "Create a machine",
-    "Create a new microVM from an OCI image and (by default) start it, answering once a "
-    'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
-    "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
-    "machine that is deleted when this session ends; any other name persists. Uses host "
+    "Create a new microVM from an OCI image and (by default) start it, "
+    "answering once a command has run in it. Egress is blocked unless "
+    'network is "open" or an allow-list is given. A name starting with the '
+    "ephemeral prefix (mcp- by default), or no name, makes a machine that "
+    "is deleted when this session ends; any other name persists. Uses host "
     "CPU, memory and disk while it exists.",
     _input(
         "image",
@@ -4748,8 +4768,8 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     start = args.get("start", True)
     if spec.branchable and not start and call.fleet.branch_needs_start:
         raise ArgumentError(
-            '"branchable": true needs "start": true on the local fleet: the engine makes a machine '
-            "a branch source when it starts it"
+            '"branchable": true needs "start": true on the local fleet: the '
+            "engine makes a machine a branch source when it starts it"
         )
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
     if start:
@@ -4775,14 +4795,17 @@ async def create_recorded(
     *args: Any,
     owner: str | None = None,
 ) -> dict:
-    """Create a machine (or a branch child) so the session's record stays true: an ephemeral name
-    is recorded before the call (a crash right after still cleans up), forgotten only if the API
-    refused it and this call recorded it; its owner (the caller, or a branch source's) likewise. A
-    record the engine proves stale (it took the name) is replaced: it is not the old owner's."""
+    """Create a machine (or a branch child) so the session's record stays
+    true: an ephemeral name is recorded before the call (a crash right
+    after still cleans up), forgotten only if the API refused it and this
+    call recorded it; its owner (the caller, or a branch source's)
+    likewise. A record the engine proves stale (it took the name) is
+    replaced: it is not the old owner's."""
     added = call.session.is_ephemeral(name) and call.session.remember(
         call.fleet.name, name
     )
-    owners, owner = call.app.access.owners, owner or call.principal.name
+    owners = call.app.access.owners
+    owner = owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
     if claimed:
         owners.claim(call.fleet.name, name, owner)
@@ -4792,17 +4815,18 @@ async def create_recorded(
         if added:
             call.session.forget(call.fleet.name, name)
         if claimed:
-            owners.release(
-                call.fleet.name, name, owner
-            )  # only if nobody claimed it since
+            # Only if nobody claimed it since.
+            owners.release(call.fleet.name, name, owner)
         raise
     if call.session.ended and call.session.is_ephemeral(name):
-        # The session ended (its client went, its token was deleted) while this
-        # create ran, so its cleanup came too early to see the machine: do it here.
+        # The session ended (its client went, its token was deleted) while
+        # this create ran, so its cleanup came too early to see the
+        # machine: do it here.
         await call.delete_quietly(name)
         raise SmolError(
-            f"the session ended while '{name}' was being created, so the machine was deleted at "
-            "once (its session's cleanup had already run); open a new session and create it again"
+            f"the session ended while '{name}' was being created, so the "
+            "machine was deleted at once (its session's cleanup had already "
+            "run); open a new session and create it again"
         )
     owners.claim(call.fleet.name, name, owner, machine_identity(record))
     call.session.identities[(call.fleet.name, name)] = machine_identity(record)
