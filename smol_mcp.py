@@ -4835,24 +4835,22 @@ async def create_recorded(
 
 @tool(
     "Run a command in a machine",
-    "Run a command inside the named machine (never on this host) and return its stdout, "
-    "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
-    "budget keeps its head and tail, and the whole stream is saved in the machine at the "
-    "path listed in overflow. A stopped machine is started first. On the local fleet a "
-    "failed command lists the connections the egress policy refused (egressDenied).",
+    "Run a command inside the named machine (never on this host) and "
+    "return its stdout, stderr and exit code. A non-zero exit is a result, "
+    "not an error. Output beyond the budget keeps its head and tail, and "
+    "the whole stream is saved in the machine at the path listed in "
+    "overflow. A stopped machine is started first. On the local fleet a "
+    "failed command lists the connections the egress policy refused "
+    "(egressDenied).",
     _input("name command", name=ARG_NAME, **ARG_EXEC),
     _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
     "exec: destructive open_world",
 )
 async def tool_run_command(call: Call, args: dict) -> dict:
-    name, options = (
-        args["name"],
-        exec_options(args, call.config.exec_timeout_secs),
-    )
-    since, argv = (
-        datetime.datetime.now(datetime.UTC),
-        command_argv(args["command"]),
-    )
+    name = args["name"]
+    options = exec_options(args, call.config.exec_timeout_secs)
+    since = datetime.datetime.now(datetime.UTC)
+    argv = command_argv(args["command"])
     run = functools.partial(run_in_machine, call, name, argv, **options)
     result, started_machine = await on_running(call, name, run)
     shaped = await budget_exec(
@@ -4863,9 +4861,9 @@ async def tool_run_command(call: Call, args: dict) -> dict:
 
 @tool(
     "Run a command in a throwaway machine",
-    "Create a machine from an image, run one command in it, and delete the machine on every "
-    "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
-    '"open" or an allow-list is given.',
+    "Create a machine from an image, run one command in it, and delete the "
+    "machine on every path (success, failure, timeout, cancellation). "
+    'Egress is blocked unless network is "open" or an allow-list is given.',
     _input(
         "image command",
         image=ARG_IMAGE,
@@ -4896,16 +4894,16 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         )
         return {**shaped, "startedMachine": False, "name": name}
     finally:
-        await call.delete_quietly(
-            name
-        )  # every path: success, error, timeout, cancellation
+        # Every path: success, error, timeout, cancellation.
+        await call.delete_quietly(name)
 
 
 @tool(
     "Read a file from a machine",
-    "Read a file inside the named machine, a page at a time: offset and length pick the "
-    "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
-    "more than the output budget. Starts a stopped machine.",
+    "Read a file inside the named machine, a page at a time: offset and "
+    "length pick the bytes, size is the whole file, eof says whether this "
+    "page reached its end. Never returns more than the output budget. "
+    "Starts a stopped machine.",
     _input(
         "name path",
         name=ARG_NAME,
@@ -4922,45 +4920,26 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         ),
     ),
     _out(
-        "path:string content:string encoding:string size:integer offset:integer bytes:integer "
-        "eof:boolean startedMachine:boolean"
+        "path:string content:string encoding:string size:integer "
+        "offset:integer bytes:integer eof:boolean startedMachine:boolean"
     ),
-    "exec: idempotent",  # not read-only: it starts a stopped machine
+    # Not read-only: it starts a stopped machine.
+    "exec: idempotent",
 )
 async def tool_read_file(call: Call, args: dict) -> dict:
-    name, path, encoding = (
-        args["name"],
-        guest_path(args["path"]),
-        args.get("encoding", "utf8"),
-    )
-    offset, limit = args.get("offset", 0), call.config.max_output_bytes
+    name = args["name"]
+    path = guest_path(args["path"])
+    encoding = args.get("encoding", "utf8")
+    offset = args.get("offset", 0)
+    limit = call.config.max_output_bytes
     length = min(args.get("length", limit), limit)
     started_machine = await ensure_running(call, name)
     page = await call.api(call.fleet.read_file, name, path, offset, length)
-    data = page.data
+    tokens = reply_tokens(call.config)
     if encoding == "utf8":
-        if offset + len(data) < page.size:
-            data = data[
-                : utf8_prefix_end(data, len(data))
-            ]  # end the page on a character boundary
-            if not data and page.data:
-                raise ArgumentError(
-                    f'"length" {length} is too short for the character at offset {offset}; ask '
-                    "for at least 4 bytes"
-                )
-        data = data[: prefix_within_tokens(data, reply_tokens(call.config))]
-        try:
-            content = data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ArgumentError(
-                f"{path} is not UTF-8 text (byte {offset + err.start} is not); read it with "
-                'encoding: "base64", or start at another offset'
-            ) from None
-    else:  # a base64 prefix of 4k characters is the encoding of the first 3k bytes
-        content = base64.b64encode(data).decode("ascii")
-        fits = within_tokens(content, reply_tokens(call.config))
-        if fits < len(content):
-            data, content = data[: fits // 4 * 3], content[: fits // 4 * 4]
+        data, content = utf8_page(page, path, offset, length, tokens)
+    else:
+        data, content = base64_page(page.data, tokens)
     shown = {
         "path": path,
         "content": content,
@@ -4973,11 +4952,50 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     return {**shown, "startedMachine": started_machine}
 
 
+def utf8_page(
+    page: FilePage, path: str, offset: int, length: int, tokens: int
+) -> tuple[bytes, str]:
+    """The bytes of a read-file page that fit ``tokens`` and their text,
+    ending on a whole character unless the file ends there; raise
+    ArgumentError when they are not UTF-8 text."""
+    data = page.data
+    if offset + len(data) < page.size:
+        # End the page on a character boundary.
+        data = data[: utf8_prefix_end(data, len(data))]
+        if not data and page.data:
+            raise ArgumentError(
+                f'"length" {length} is too short for the character at offset '
+                f"{offset}; ask for at least 4 bytes"
+            )
+    data = data[: prefix_within_tokens(data, tokens)]
+    try:
+        return data, data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ArgumentError(
+            f"{path} is not UTF-8 text (byte {offset + err.start} is not); "
+            'read it with encoding: "base64", or start at another offset'
+        ) from None
+
+
+def base64_page(data: bytes, tokens: int) -> tuple[bytes, str]:
+    """The bytes of a read-file page whose base64 fits ``tokens``, and
+    that base64."""
+    content = base64.b64encode(data).decode("ascii")
+    fits = within_tokens(content, tokens)
+    if fits < len(content):
+        # A base64 prefix of 4k characters is the encoding of the first
+        # 3k bytes.
+        data = data[: fits // 4 * 3]
+        content = content[: fits // 4 * 4]
+    return data, content
+
+
 @tool(
     "Write a file into a machine",
-    "Write a file inside the named machine, replacing any file at that path and creating "
-    "parent directories. Waits until the guest runs commands first, so the file is not "
-    "hidden by the workload's file system.",
+    "Write a file inside the named machine, replacing any file at that "
+    "path and creating parent directories. Waits until the guest runs "
+    "commands first, so the file is not hidden by the workload's file "
+    "system.",
     _input(
         "name path content",
         name=ARG_NAME,
@@ -4989,21 +5007,20 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     "exec: destructive idempotent",
 )
 async def tool_write_file(call: Call, args: dict) -> dict:
-    name, path, encoding = (
-        args["name"],
-        guest_path(args["path"]),
-        args.get("encoding", "utf8"),
-    )
+    name = args["name"]
+    path = guest_path(args["path"])
+    encoding = args.get("encoding", "utf8")
     data = args["content"].encode("utf-8")
     if encoding == "base64":
         try:
             data = base64.b64decode(data, validate=True)
         except ValueError:
             raise ArgumentError(
-                '"content" is not valid base64; send the bytes base64-encoded, or pass '
-                'encoding: "utf8" for text'
+                '"content" is not valid base64; send the bytes '
+                'base64-encoded, or pass encoding: "utf8" for text'
             ) from None
-    # Ready first: a file written before the workload's file system is up would be mounted over.
+    # Ready first: a file written before the workload's file system is up
+    # would be mounted over.
     started_machine = await ensure_running(call, name)
     if not started_machine:
         await wait_until_ready(call, name)
@@ -5013,14 +5030,15 @@ async def tool_write_file(call: Call, args: dict) -> dict:
 
 @tool(
     "Start a machine",
-    "Start a stopped machine and (by default) wait until a command has run in it. A running "
-    "machine is left as it is.",
+    "Start a stopped machine and (by default) wait until a command has run "
+    "in it. A running machine is left as it is.",
     _input("name", name=ARG_NAME, wait=ARG_WAIT),
     _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
     "manage: idempotent open_world",
 )
 async def tool_start_machine(call: Call, args: dict) -> dict:
-    name, wait = args["name"], args.get("wait", True)
+    name = args["name"]
+    wait = args.get("wait", True)
     record = await call.api(call.fleet.get_machine, name)
     if record["state"] not in RUNNING_STATES:
         try:
@@ -5034,9 +5052,10 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
 
 @tool(
     "Branch a machine",
-    "Copy a running branch source (created with branchable: true), memory and disks "
-    "included, into a new child machine that starts where the source is. Without childName "
-    "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
+    "Copy a running branch source (created with branchable: true), memory "
+    "and disks included, into a new child machine that starts where the "
+    "source is. Without childName the child is ephemeral. Branching on the "
+    "local fleet needs a Linux or macOS host.",
     _input(
         "name",
         name={
@@ -5053,7 +5072,8 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
     "manage",
 )
 async def tool_branch_machine(call: Call, args: dict) -> dict:
-    source, wait = args["name"], args.get("wait", True)
+    source = args["name"]
+    wait = args.get("wait", True)
     child = args.get("childName") or call.new_ephemeral_name()
     owner = call.app.access.owners.owner(call.fleet.name, source)
     try:
@@ -5067,8 +5087,9 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
             word in err.api_message for word in words
         ):
             raise err.with_hint(
-                "The source must be running and created as a branch source: create-machine with "
-                "branchable: true, then branch it while it runs"
+                "The source must be running and created as a branch source: "
+                "create-machine with branchable: true, then branch it while "
+                "it runs"
             ) from None
         raise
     if wait:
@@ -5086,8 +5107,8 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
 
 @tool(
     "Stop a machine",
-    "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
-    "runs in it is ended.",
+    "Stop the named machine. Its disks are kept; start-machine starts it "
+    "again. Whatever runs in it is ended.",
     ARG_NAME_ONLY,
     _out({"machine": OUT_MACHINE}),
     "manage: destructive idempotent",
@@ -5098,7 +5119,8 @@ async def tool_stop_machine(call: Call, args: dict) -> dict:
 
 @tool(
     "Delete a machine",
-    "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
+    "Delete the named machine and its disks for good. Anything not copied "
+    "out of it is lost.",
     ARG_NAME_ONLY,
     _out("deleted:string", _types("usage:object")),
     "manage: destructive",
@@ -5110,34 +5132,40 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
 
 
 def log_cursor(lines: list[str], end: int) -> str:
-    """Where a reader stopped: lines seen and a digest of the last few (one line recurs), so the
-    place is found again when the cloud's tail window (its log route has no cursor) has moved."""
+    """Where a reader stopped: lines seen and a digest of the last few
+    (one line recurs), so the place is found again when the cloud's tail
+    window (its log route has no cursor) has moved."""
+    if end == 0:
+        return "0:"
     last = "\n".join(lines[max(0, end - CURSOR_LINES) : end]).encode()
-    return f"{end}:{hashlib.sha256(last).hexdigest()[:12] if end else ''}"
+    return f"{end}:{hashlib.sha256(last).hexdigest()[:12]}"
 
 
 def lines_after_cursor(lines: list[str], cursor: str) -> int:
-    """The index of the first line a reader holding ``cursor`` has not seen."""
+    """The index of the first line a reader holding ``cursor`` has not
+    seen."""
     count, _, digest = cursor.partition(":")
     if not count.isdigit():
         raise ArgumentError(
-            f'"cursor" must be a cursor returned by machine-logs, got {cursor!r}'
+            '"cursor" must be a cursor returned by machine-logs, got '
+            f"{cursor!r}"
         )
     seen = int(count)
     if seen == 0 or seen <= len(lines) and log_cursor(lines, seen) == cursor:
-        return seen  # from the start, or the window has not moved
-    for end in range(
-        len(lines), 0, -1
-    ):  # the window moved: find the run of lines last seen
+        # From the start, or the window has not moved.
+        return seen
+    # The window moved: find the run of lines last seen.
+    for end in range(len(lines), 0, -1):
         if log_cursor(lines, end).partition(":")[2] == digest:
             return end
-    return 0  # the log started again from scratch: all of it is new
+    # The log started again from scratch: all of it is new.
+    return 0
 
 
 @tool(
     "Read a machine's log",
-    "Read the latest lines of the machine's guest console. Pass the cursor from the last "
-    "call to get only what arrived since. Changes nothing.",
+    "Read the latest lines of the machine's guest console. Pass the cursor "
+    "from the last call to get only what arrived since. Changes nothing.",
     _input(
         "name",
         name=ARG_NAME,
@@ -5157,42 +5185,44 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
         start = lines_after_cursor(lines, args["cursor"])
     else:
         start = max(0, len(lines) - args.get("tail", call.config.logs_tail))
-    picked, used, budget = [], 0, reply_tokens(call.config)
+    picked = []
+    used = 0
+    budget = reply_tokens(call.config)
     for line in lines[start:]:
         used += len(line.encode()) + 1
-        cost = est_tokens(line) + 3  # its quotes, comma and indent
+        # Its quotes, comma and indent.
+        cost = est_tokens(line) + 3
         if picked and (used > call.config.max_output_bytes or cost > budget):
-            break  # the rest comes with the next cursor
-        picked.append(
-            line[: within_tokens(line, budget - 3)]
-        )  # a line alone over the budget
+            # The rest comes with the next cursor.
+            break
+        # A line alone over the budget is cut to it.
+        picked.append(line[: within_tokens(line, budget - 3)])
         budget -= cost
     return {"lines": picked, "cursor": log_cursor(lines, start + len(picked))}
 
 
 @tool(
     "Pull an image into a machine",
-    "Pull an OCI image into the named machine's image store (local fleet only; the machine "
-    "is started to do it).",
+    "Pull an OCI image into the named machine's image store (local fleet "
+    "only; the machine is started to do it).",
     _input("name image", name=ARG_NAME, image=ARG_IMAGE),
     _out("image:object"),
     "manage: idempotent open_world",
 )
 async def tool_pull_image(call: Call, args: dict) -> dict:
-    return {
-        "image": await call.api(
-            call.fleet.pull_image, args["name"], args["image"]
-        )
-    }
+    pulled = await call.api(call.fleet.pull_image, args["name"], args["image"])
+    return {"image": pulled}
 
 
 @tool(
     "Start a background job in a machine",
-    "Start a command inside the named machine (never on this host) and return at once with its "
-    "jobId. Use it for work longer than a tool call should wait (builds, test suites, servers): it "
-    "keeps running after this call, the client and this server have gone, until it exits, its "
-    "timeout (default 1 hour, at most 24) or cancel-job ends it, or the machine stops or is "
-    "deleted. Read its output with read-job. A stopped machine is started first.",
+    "Start a command inside the named machine (never on this host) and "
+    "return at once with its jobId. Use it for work longer than a tool "
+    "call should wait (builds, test suites, servers): it keeps running "
+    "after this call, the client and this server have gone, until it "
+    "exits, its timeout (default 1 hour, at most 24) or cancel-job ends "
+    "it, or the machine stops or is deleted. Read its output with "
+    "read-job. A stopped machine is started first.",
     _input(
         "name command",
         name=ARG_NAME,
@@ -5209,15 +5239,17 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
     "exec: destructive open_world",
 )
 async def tool_start_job(call: Call, args: dict) -> dict:
-    name, argv = args["name"], command_argv(args["command"])
+    name = args["name"]
+    argv = command_argv(args["command"])
     options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
     if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
         raise ArgumentError(
-            f'"timeoutSecs" is {options["timeout_secs"]}, above the job ceiling of '
-            f"{JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, or have the job check in and "
-            "start a new one"
+            f'"timeoutSecs" is {options["timeout_secs"]}, above the job '
+            f"ceiling of {JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, "
+            "or have the job check in and start a new one"
         )
-    job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
+    # The local fleet's; the cloud names its own.
+    job_id = f"job-{secrets_module.token_hex(6)}"
     start = functools.partial(
         call.api, call.fleet.start_job, name, job_id, argv, **options
     )
@@ -5232,9 +5264,10 @@ async def tool_start_job(call: Call, args: dict) -> dict:
 
 @tool(
     "Read a job's output",
-    "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
-    "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
-    "the next page; eof says the job has ended and everything was read. Changes nothing.",
+    "Show a job's state (running, exited or lost) and exit code, and a "
+    "page of its stdout and stderr from offset, within the output budget. "
+    "Pass nextOffset back as offset for the next page; eof says the job "
+    "has ended and everything was read. Changes nothing.",
     _input(
         "name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET
     ),
@@ -5248,7 +5281,9 @@ async def tool_start_job(call: Call, args: dict) -> dict:
     "read: read_only",
 )
 async def tool_read_job(call: Call, args: dict) -> dict:
-    name, job_id, offset = args["name"], args["jobId"], args.get("offset", {})
+    name = args["name"]
+    job_id = args["jobId"]
+    offset = args.get("offset", {})
     offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
     page = await call.api(
         call.fleet.read_job,
@@ -5257,50 +5292,60 @@ async def tool_read_job(call: Call, args: dict) -> dict:
         offsets,
         call.config.max_output_bytes,
     )
-    shaped: dict[str, Any] = {
+    texts, next_offset = job_streams(page, offsets, reply_tokens(call.config))
+    ends = zip(next_offset.values(), page.sizes)
+    ended = page.state != "running"
+    shaped = {
         "jobId": job_id,
         "state": page.state,
         "exitCode": page.exit_code,
+        **texts,
+        "nextOffset": next_offset,
+        "eof": ended and all(at >= size for at, size in ends),
     }
-    next_offset, pages = {}, []
-    for data, start, size in zip(
-        (page.stdout, page.stderr), offsets, page.sizes
-    ):
-        if (
-            page.state == "running" or start + len(data) < size
-        ):  # a character's rest: next page
+    call.app.access.owners.note_job(call.fleet.name, name, shaped)
+    return shaped
+
+
+def job_streams(
+    page: JobPage, offsets: tuple[int, int], tokens: int
+) -> tuple[dict, dict]:
+    """A read-job page's stdout and stderr texts, within ``tokens``
+    between them, and where each stream continues; a page that more may
+    follow ends on a whole character (its rest comes with the next)."""
+    pages = []
+    streams = (page.stdout, page.stderr)
+    for data, start, size in zip(streams, offsets, page.sizes):
+        if page.state == "running" or start + len(data) < size:
             data = data[: utf8_prefix_end(data, len(data))]
         pages.append(data)
     # Like run-command, both streams share one budget of tokens.
     costs = tuple(
         est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages
     )
-    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
-    for stream, data, share, start in zip(
-        ("stdout", "stderr"), pages, shares, offsets
-    ):
+    shares = stream_shares((costs[0], costs[1]), tokens)
+    texts = {}
+    next_offset = {}
+    names = ("stdout", "stderr")
+    for stream, data, share, start in zip(names, pages, shares, offsets):
         data = data[: prefix_within_tokens(data, share)]
-        shaped[stream] = data.decode("utf-8", "replace")
+        texts[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
-    shaped["nextOffset"] = next_offset
-    ends = zip(next_offset.values(), page.sizes)
-    shaped["eof"] = page.state != "running" and all(
-        at >= size for at, size in ends
-    )
-    call.app.access.owners.note_job(call.fleet.name, name, shaped)
-    return shaped
+    return texts, next_offset
 
 
 @tool(
     "Cancel a job",
-    "End a running job and what it started (TERM, then KILL after a few seconds). A job "
-    "that has already ended is left as it is, so repeating the call is harmless.",
+    "End a running job and what it started (TERM, then KILL after a few "
+    "seconds). A job that has already ended is left as it is, so repeating "
+    "the call is harmless.",
     _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
     _out(OUT_JOB_STATE),
     "exec: destructive idempotent",
 )
 async def tool_cancel_job(call: Call, args: dict) -> dict:
-    name, job_id = args["name"], args["jobId"]
+    name = args["name"]
+    job_id = args["jobId"]
     await call.api(call.fleet.cancel_job, name, job_id)
     page = await call.api(call.fleet.read_job, name, job_id, (0, 0), 0)
     shown = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
