@@ -4551,7 +4551,9 @@ OUT_CREATED = _out(
 )
 ARG_PORTS = {
     "type": "array",
-    "description": "Ports to publish: guest port, and optionally the host port.",
+    "description": (
+        "Ports to publish: guest port, and optionally the host port."
+    ),
     "items": _input(
         "guest",
         guest=_integer("Port inside the machine.", maximum=65535),
@@ -5357,20 +5359,24 @@ HOST_LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 EGRESS_ALLOW = {
     "type": "boolean",
     "title": "Allow this egress change",
-    "description": "true to apply it; false (or decline) leaves the machine as it is",
+    "description": (
+        "true to apply it; false (or decline) leaves the machine as it is"
+    ),
 }
 EGRESS_QUESTION_SCHEMA = dict(
     type="object", required=["allow"], properties={"allow": EGRESS_ALLOW}
 )
 EGRESS_409_HINT = (
-    "The engine applies this change only to a stopped machine (a running one keeps its current "
-    "kind of policy). allow-egress never stops a machine itself: stop it with stop-machine "
-    "(whatever runs in it ends), call allow-egress again, then start it with start-machine"
+    "The engine applies this change only to a stopped machine (a running "
+    "one keeps its current kind of policy). allow-egress never stops a "
+    "machine itself: stop it with stop-machine (whatever runs in it ends), "
+    "call allow-egress again, then start it with start-machine"
 )
 
 
-# Never reachable through an allow list (section 16): the host itself, the cloud's
-# metadata service, and spellings of them. Private ranges only as egressPrivateCidrs allows.
+# Never reachable through an allow list: the host itself, the cloud's
+# metadata service, and spellings of them. Private ranges only as
+# egressPrivateCidrs allows.
 EGRESS_FORBIDDEN = [
     (ipaddress.ip_network(cidr), why)
     for why, cidrs in (
@@ -5393,81 +5399,105 @@ EGRESS_FORBIDDEN = [
     )
     for cidr in cidrs.split()
 ]
-# Bare public suffixes: a name under one is someone else's site, the suffix is everyone's.
+# Bare public suffixes: a name under one is someone else's site, the
+# suffix is everyone's.
 PUBLIC_SUFFIXES = frozenset(
-    "co.uk org.uk ac.uk gov.uk me.uk com.au net.au org.au co.nz co.jp ne.jp co.kr co.in "
-    "co.za com.br com.cn com.mx com.tr com.tw com.hk com.sg github.io gitlab.io pages.dev "
-    "workers.dev netlify.app vercel.app web.app firebaseapp.com appspot.com herokuapp.com "
-    "blogspot.com cloudfront.net amazonaws.com s3.amazonaws.com azurewebsites.net "
-    "fly.dev onrender.com ngrok.io ngrok-free.app repl.co glitch.me".split()
+    "co.uk org.uk ac.uk gov.uk me.uk com.au net.au org.au co.nz co.jp "
+    "ne.jp co.kr co.in co.za com.br com.cn com.mx com.tr com.tw com.hk "
+    "com.sg github.io gitlab.io pages.dev workers.dev netlify.app "
+    "vercel.app web.app firebaseapp.com appspot.com herokuapp.com "
+    "blogspot.com cloudfront.net amazonaws.com s3.amazonaws.com "
+    "azurewebsites.net fly.dev onrender.com ngrok.io ngrok-free.app "
+    "repl.co glitch.me".split()
 )
 
 
 def egress_refusal(network: Any, config: Config) -> str | None:
-    """Why an allow list may not hold this range (it touches a forbidden one), or None."""
+    """Why an allow list may not hold this range (it touches a forbidden
+    one), or None."""
     for cidr in config.egress_private_cidrs:
         allowed = ipaddress.ip_network(cidr)
         if allowed.version == network.version and network.subnet_of(allowed):
             return None
     for forbidden, why in EGRESS_FORBIDDEN:
-        if forbidden.version == network.version and network.overlaps(
-            forbidden
-        ):
+        same_version = forbidden.version == network.version
+        if same_version and network.overlaps(forbidden):
             return f"{forbidden} is {why}"
     return None
 
 
 def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
-    """A host name (with ``pattern``, or `*.domain`) the engine accepts, lower-cased; never an
-    address in any spelling, a loopback name, or a whole top-level domain or public suffix."""
+    """A host name (with ``pattern``, or `*.domain`) the engine accepts,
+    lower-cased; never an address in any spelling, a loopback name, or a
+    whole top-level domain or public suffix."""
     host = value.lower()
     wildcard = pattern and host.startswith("*.")
     name = host[2:] if wildcard else host
-    try:
-        address = ipaddress.ip_address(name)
-    except ValueError:
-        address = None
-        if re.fullmatch(r"[0-9a-fx.]+", name) and re.search(r"\d", name):
-            try:  # the spellings a resolver accepts: 2130706433, 0x7f.1, 0177.0.0.1
-                address = ipaddress.ip_address(socket.inet_aton(name))
-            except OSError:
-                pass
+    address = host_address(name)
     if address is not None:
         why = egress_refusal(ipaddress.ip_network(address), config)
-        fix = (
-            f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
-        )
-        fix = f", which no allow list may reach: {why}" if why else fix
+        if why:
+            fix = f", which no allow list may reach: {why}"
+        else:
+            prefix = f"{address}/{address.max_prefixlen}"
+            fix = f"; pass it in cidrs as {prefix} instead"
         raise ArgumentError(
             f'"{where}" is the address {address} ({value!r}){fix}'
         )
-    labels = name.split(".")
+    validate_host_name(name, value, where, pattern, wildcard)
+    return host
+
+
+def host_address(
+    name: str,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``name`` spells, also as a resolver reads it
+    (2130706433, 0x7f.1, 0177.0.0.1); None for a host name."""
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9a-fx.]+", name) and re.search(r"\d", name):
+        try:
+            return ipaddress.ip_address(socket.inet_aton(name))
+        except OSError:
+            pass
+    return None
+
+
+def validate_host_name(
+    name: str, value: str, where: str, pattern: bool, wildcard: bool
+) -> None:
+    """Raise ArgumentError unless ``name`` (``value`` without its *. when
+    a ``wildcard``) is a host name the engine accepts and that names one
+    site: no top-level domain, public suffix or loopback name."""
     if "*" in name:
-        what = "hosts takes no wildcards; use hostPatterns"
-        what = "hostPatterns takes only *.domain" if pattern else what
+        if pattern:
+            what = "hostPatterns takes only *.domain"
+        else:
+            what = "hosts takes no wildcards; use hostPatterns"
         raise ArgumentError(f'"{where}" is {value!r}: {what}')
-    if len(name) > 253 or not all(
-        HOST_LABEL_RE.fullmatch(label) for label in labels
-    ):
+    labels = name.split(".")
+    well_formed = all(HOST_LABEL_RE.fullmatch(label) for label in labels)
+    if len(name) > 253 or not well_formed:
         raise ArgumentError(
-            f'"{where}" is not a host name: {value!r}. Pass a name such as pypi.org: letters, '
-            "digits and hyphens in dot-separated labels"
+            f'"{where}" is not a host name: {value!r}. Pass a name such as '
+            "pypi.org: letters, digits and hyphens in dot-separated labels"
         )
     if len(labels) < 2 or name in PUBLIC_SUFFIXES:
-        covers = (
-            "every host under it"
-            if not wildcard
-            else "every host in that domain"
-        )
+        if wildcard:
+            covers = "every host in that domain"
+        else:
+            covers = "every host under it"
         raise ArgumentError(
-            f'"{where}" is {value!r}, which would cover {covers} (a top-level domain or public '
-            "suffix, with sites of many owners); name a host such as pypi.org"
+            f'"{where}" is {value!r}, which would cover {covers} (a '
+            "top-level domain or public suffix, with sites of many owners); "
+            "name a host such as pypi.org"
         )
     if name == "localhost" or name.endswith(".localhost"):
         raise ArgumentError(
             f'"{where}" is {value!r}, a name of the host itself (loopback)'
         )
-    return host
 
 
 def egress_cidr(value: str, where: str, config: Config) -> str:
@@ -5476,20 +5506,22 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
         network = ipaddress.ip_network(value)
     except ValueError as err:
         raise ArgumentError(
-            f'"{where}" is not an address range: {value!r} ({err}). Pass one such as '
-            "203.0.113.7/32 or 10.0.0.0/8"
+            f'"{where}" is not an address range: {value!r} ({err}). Pass one '
+            "such as 203.0.113.7/32 or 10.0.0.0/8"
         ) from None
     widest = 8 if network.version == 4 else 32
     if network.prefixlen < widest:
         raise ArgumentError(
-            f'"{where}" is {value!r}, which covers {network.num_addresses} addresses; allow-egress '
-            f"takes ranges of /{widest} or narrower. For open egress, create a new machine with "
+            f'"{where}" is {value!r}, which covers {network.num_addresses} '
+            f"addresses; allow-egress takes ranges of /{widest} or narrower. "
+            "For open egress, create a new machine with "
             'network: "open" instead'
         )
     if why := egress_refusal(network, config):
         raise ArgumentError(
-            f'"{where}" is {value!r}, which no allow list may reach: {why}. An operator who '
-            "needs a private range lists it in egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
+            f'"{where}" is {value!r}, which no allow list may reach: {why}. '
+            "An operator who needs a private range lists it in "
+            "egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
         )
     return value
 
@@ -5497,43 +5529,24 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
 def egress_change(
     args: dict, before: dict, config: Config
 ) -> tuple[dict, dict]:
-    """(the UpdateEgressRequest body, the allow list it leaves) for allow-egress's arguments:
-    listed entries dropped, removals must be listed, no entry left (engine: allow all) refused."""
+    """(the UpdateEgressRequest body, the allow list it leaves) for
+    allow-egress's arguments: listed entries dropped, removals must be
+    listed, no entry left (engine: allow all) refused."""
     hosts = egress_entries(args, "hosts", config, False)
     patterns = egress_entries(args, "hostPatterns", config, True)
     cidrs = egress_entries(args, "cidrs", config)
     remove = args.get("remove", {})
-    if not (
-        hosts
-        or patterns
-        or cidrs
-        or remove.get("hosts")
-        or remove.get("cidrs")
-    ):
+    asked = (hosts, patterns, cidrs, remove.get("hosts"), remove.get("cidrs"))
+    if not any(asked):
         raise ArgumentError(
-            "allow-egress needs something to change: hosts, hostPatterns, cidrs, or remove "
-            "{hosts, cidrs}"
+            "allow-egress needs something to change: hosts, hostPatterns, "
+            "cidrs, or remove {hosts, cidrs}"
         )
-    removed_hosts, removed_cidrs = [], []  # written as the engine lists them
-    # host names match in any case, address ranges only as listed
-    for key, fold, removed in (
-        ("hosts", str.lower, removed_hosts),
-        ("cidrs", str, removed_cidrs),
-    ):
-        listed = {fold(entry): entry for entry in before[key]}
-        for i, entry in enumerate(remove.get(key, [])):
-            if fold(entry) not in listed:
-                raise ArgumentError(
-                    f'"remove.{key}[{i}]" ({entry!r}) is not on the allow list of this machine, '
-                    f"which lists {'hosts' if fold is str.lower else 'ranges'} "
-                    f"{before[key] or 'none'}; get-machine shows it"
-                )
-            removed.append(listed[fold(entry)])
+    removed_hosts, removed_cidrs = listed_removals(remove, before)
     kept_hosts = [h for h in before["hosts"] if h not in removed_hosts]
     kept_cidrs = [c for c in before["cidrs"] if c not in removed_cidrs]
-    known = {
-        host.lower() for host in kept_hosts
-    }  # hosts and patterns arrive lower-cased
+    # Hosts and patterns arrive lower-cased.
+    known = {host.lower() for host in kept_hosts}
     new_hosts = [h for h in dict.fromkeys(hosts) if h not in known]
     new_patterns = [
         p for p in dict.fromkeys(patterns) if p not in known.union(new_hosts)
@@ -5545,26 +5558,50 @@ def egress_change(
     }
     if not after["hosts"] and not after["cidrs"]:
         raise ArgumentError(
-            "this would remove every entry of the allow list, and the engine reads an empty list "
-            "as egress to every host; allow-egress never does that. Keep at least one entry, or "
-            'create a new machine with network: "open" if that is really wanted'
+            "this would remove every entry of the allow list, and the engine "
+            "reads an empty list as egress to every host; allow-egress never "
+            "does that. Keep at least one entry, or create a new machine "
+            'with network: "open" if that is really wanted'
         )
     body = dict(
         allowHosts=new_hosts,
         allowHostPatterns=new_patterns,
         allowCidrs=new_cidrs,
+        removeAllowHosts=removed_hosts,
+        removeAllowCidrs=removed_cidrs,
     )
-    body.update(removeAllowHosts=removed_hosts, removeAllowCidrs=removed_cidrs)
     return {key: value for key, value in body.items() if value}, after
+
+
+def listed_removals(remove: dict, before: dict) -> tuple[list[str], list[str]]:
+    """The host names and the address ranges ``remove`` takes off the
+    ``before`` allow list, written as the engine lists them (host names
+    match in any case, address ranges only as listed); raise
+    ArgumentError for an entry that is not listed."""
+    removed: dict[str, list[str]] = {"hosts": [], "cidrs": []}
+    for key, fold, what in (
+        ("hosts", str.lower, "hosts"),
+        ("cidrs", str, "ranges"),
+    ):
+        listed = {fold(entry): entry for entry in before[key]}
+        for i, entry in enumerate(remove.get(key, [])):
+            if fold(entry) not in listed:
+                raise ArgumentError(
+                    f'"remove.{key}[{i}]" ({entry!r}) is not on the allow '
+                    f"list of this machine, which lists {what} "
+                    f"{before[key] or 'none'}; get-machine shows it"
+                )
+            removed[key].append(listed[fold(entry)])
+    return removed["hosts"], removed["cidrs"]
 
 
 def egress_question(
     name: str, fleet: str, before: dict, body: dict, after: dict
 ) -> str:
-    """What the person is asked: exactly what changes, for which machine, and the list it leaves."""
-    removed = body.get("removeAllowHosts", []) + body.get(
-        "removeAllowCidrs", []
-    )
+    """What the person is asked: exactly what changes, for which machine,
+    and the list it leaves."""
+    removed = body.get("removeAllowHosts", [])
+    removed = removed + body.get("removeAllowCidrs", [])
     wording = (
         ("reach hosts {} (each with its subdomains)", body.get("allowHosts")),
         ("reach {}", body.get("allowHostPatterns")),
@@ -5574,44 +5611,51 @@ def egress_question(
     parts = [
         text.format(", ".join(entries)) for text, entries in wording if entries
     ]
-    now = "limited to " + ", ".join(before["hosts"] + before["cidrs"])
     if before["open"]:
         now = "open to every host (the allow list narrows it)"
     elif not before["hosts"] and not before["cidrs"]:
         now = "blocked (no egress at all)"
+    else:
+        now = "limited to " + ", ".join(before["hosts"] + before["cidrs"])
+    changes = "; and ".join(parts)
+    left = ", ".join(after["hosts"] + after["cidrs"])
     return (
-        f"The agent asks to change the egress of machine '{name}' on the {fleet} fleet so that it "
-        f"may {'; and '.join(parts)}. Its egress is now {now}; afterwards it is limited to "
-        f"{', '.join(after['hosts'] + after['cidrs'])}. Allow this change?"
+        f"The agent asks to change the egress of machine '{name}' on the "
+        f"{fleet} fleet so that it may {changes}. Its egress is now {now}; "
+        f"afterwards it is limited to {left}. Allow this change?"
     )
 
 
 @tool(
     "Change a machine's egress allow list",
-    "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
-    "off its allow list), without opening egress to everything: an empty list is never sent "
-    "and allowAll is not offered. When the client can ask, the person confirms exactly what "
-    "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
-    "open) must be stopped first, and this tool never stops one. The result has the allow "
-    "list before and after. Local fleet only.",
+    "Let a local machine reach more hosts, host patterns or address ranges "
+    "(or take entries off its allow list), without opening egress to "
+    "everything: an empty list is never sent and allowAll is not offered. "
+    "When the client can ask, the person confirms exactly what changes "
+    "first; a decline changes nothing. A machine with no allow list yet "
+    "(blocked or open) must be stopped first, and this tool never stops "
+    "one. The result has the allow list before and after. Local fleet "
+    "only.",
     _input("name", name=ARG_NAME, **EGRESS_ARGS),
     _out(
         dict(machine=OUT_MACHINE, before=OUT_EGRESS, after=OUT_EGRESS)
         | _types("changed:boolean")
     ),
-    "manage: destructive",  # removals narrow it; a repeated removal is refused
+    # Removals narrow it; a repeated removal is refused.
+    "manage: destructive",
 )
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
     if not call.fleet.amends_egress:
         raise ArgumentError(
-            "allow-egress is local only: the smol cloud API has no route to amend a machine's "
-            'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
-            "instead"
+            "allow-egress is local only: the smol cloud API has no route to "
+            "amend a machine's egress. Create a new cloud machine with "
+            'allowHosts/allowCidrs (or network: "open") instead'
         )
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
-    if not body:  # everything asked for is already on the list
+    if not body:
+        # Everything asked for is already on the list.
         same = {**after, "open": False}
         return {
             "machine": record,
@@ -5619,20 +5663,41 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
             "after": same,
             "changed": False,
         }
-    if record["state"] in RUNNING_STATES and not (
-        before["hosts"] or before["cidrs"]
-    ):
-        # The engine would answer 409: say so now rather than ask the person for nothing.
+    has_list = before["hosts"] or before["cidrs"]
+    if record["state"] in RUNNING_STATES and not has_list:
+        # The engine would answer 409: say so now rather than ask the
+        # person for nothing.
         kind = "open" if before["open"] else "blocked"
         raise SmolError(
-            f"machine '{name}' is running with {kind} egress and no allow list yet, "
-            f"so nothing was changed or asked. {EGRESS_409_HINT}"
+            f"machine '{name}' is running with {kind} egress and no allow "
+            f"list yet, so nothing was changed or asked. {EGRESS_409_HINT}"
         )
+    await confirm_egress_change(call, name, before, body, after)
+    try:
+        record, applied = await call.api(call.fleet.update_egress, name, body)
+    except ApiError as err:
+        if err.status == 409:
+            raise err.with_hint(EGRESS_409_HINT) from None
+        raise
+    # The lists the engine answered are the truth (and what an activity log
+    # records as "after").
+    return {
+        "machine": record,
+        "before": before,
+        "after": applied,
+        "changed": True,
+    }
+
+
+async def confirm_egress_change(
+    call: Call, name: str, before: dict, body: dict, after: dict
+) -> None:
+    """Ask the person to allow the change ``body`` makes; raise SmolError
+    when they decline. A client that cannot ask lets it through."""
     question = egress_question(name, call.fleet.name, before, body, after)
-    binding = json.dumps(
-        [name, body], sort_keys=True
-    )  # what is confirmed: no answer is replayed
-    ask = (
+    # What is confirmed: no answer is replayed.
+    binding = json.dumps([name, body], sort_keys=True)
+    allowed = await call.app.confirm(
         call.ctx,
         call.params,
         call.session,
@@ -5640,24 +5705,12 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
         binding,
         EGRESS_QUESTION_SCHEMA,
     )
-    if await call.app.confirm(*ask) is False:  # None: the client cannot ask
+    # None: the client cannot ask.
+    if allowed is False:
         raise SmolError(
-            f"The person did not allow the egress change for machine '{name}'; nothing changed. "
-            "Do not ask again unless they say so."
+            f"The person did not allow the egress change for machine "
+            f"'{name}'; nothing changed. Do not ask again unless they say so."
         )
-    try:
-        record, applied = await call.api(call.fleet.update_egress, name, body)
-    except ApiError as err:
-        if err.status == 409:
-            raise err.with_hint(EGRESS_409_HINT) from None
-        raise
-    # The lists the engine answered are the truth (and what an activity log records as "after").
-    return {
-        "machine": record,
-        "before": before,
-        "after": applied,
-        "changed": True,
-    }
 
 
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
