@@ -3770,38 +3770,37 @@ def _value_refusal(error: Any, path: list, where: str) -> str:
 # ---------------------------------------------------------------------------
 # 8. Tools
 #
-# The tools: those of the TypeScript smol-mcp with its names, arguments and result shapes, then
-# jobs and allow-egress. Each handler sits under its @tool spec and gets a Call (its fleet and
-# session, worker threads for the blocking API, progress) and the validated arguments; it returns
-# the structured result. A SmolError becomes a tool error; anything else is logged, no stack trace.
+# The tools: those of the TypeScript smol-mcp with its names, arguments and
+# result shapes, then jobs and allow-egress. Each handler sits under its
+# @tool spec and gets a Call (its fleet and session, worker threads for the
+# blocking API, progress) and the validated arguments; it returns the
+# structured result. A SmolError becomes a tool error; anything else is
+# logged, no stack trace.
 # ---------------------------------------------------------------------------
 
-CLEANUP_TIMEOUT_SECS, DELETE_RETRY_PAUSE_SECS, PROGRESS_INTERVAL_SECS = (
-    20,
-    1,
-    5,
-)
-SESSION_CALL_SLOTS = (
-    8  # blocking calls of one session that run at once; more wait their turn
-)
-RUNNING_STATES = (
-    "running",
-    "started",
-)  # the cloud reports "started" once the VM process launched
-BOOT_LOG_LINES, CURSOR_LINES = (
-    20,
-    3,
-)  # a failed boot's quoted console lines; a cursor's run
-JOB_DEFAULT_TIMEOUT_SECS, JOB_MAX_TIMEOUT_SECS = (
-    3600,
-    24 * 3600,
-)  # a job holds its machine: a day
-EGRESS_EVENTS_LIMIT, EGRESS_RECENT = (
-    1000,
-    50,
-)  # denials read after a failure; get-machine shows
+# How long a cleanup's delete may take, and the pause before it is retried.
+CLEANUP_TIMEOUT_SECS = 20
+DELETE_RETRY_PAUSE_SECS = 1
+# How often a waiting call says so in a progress notification.
+PROGRESS_INTERVAL_SECS = 5
+# Blocking calls of one session that run at once; more wait their turn.
+SESSION_CALL_SLOTS = 8
+# The cloud reports "started" once the VM process launched.
+RUNNING_STATES = ("running", "started")
+# The console lines a failed boot quotes.
+BOOT_LOG_LINES = 20
+# The run of last lines a log cursor's digest covers.
+CURSOR_LINES = 3
+JOB_DEFAULT_TIMEOUT_SECS = 3600
+# A job holds its machine: a day at most.
+JOB_MAX_TIMEOUT_SECS = 24 * 3600
+# The denials read after a failed command.
+EGRESS_EVENTS_LIMIT = 1000
+# The denials get-machine reads.
+EGRESS_RECENT = 50
 HOST_UNREACHABLE_RE = re.compile(
-    "dns error|error sending request|Connect|connection refused|timed out|certificate"
+    "dns error|error sending request|Connect|connection refused"
+    "|timed out|certificate"
 )
 BOOT_FAILURE_RE = re.compile(
     "did not become ready|before the agent was ready|KvmOpen"
@@ -3831,36 +3830,36 @@ def _object(properties: dict, required: tuple[str, ...] = ()) -> dict:
 
 
 def _input(required: str, **properties: dict) -> dict:
-    """A tool's arguments: ``properties`` in the order given, the ``required`` names required."""
+    """A tool's arguments: ``properties`` in the order given, the
+    ``required`` names required."""
     return _object(properties, tuple(required.split()))
 
 
 def _types(fields: str) -> dict:
-    """Schema properties from "name:type" words: type? may also be null, type[] is an array."""
+    """Schema properties from "name:type" words: type? may also be
+    null, type[] is an array."""
     properties: dict[str, dict] = {}
     for field_ in fields.split():
         name, kind = field_.split(":")
         if kind.endswith("[]"):
             properties[name] = {"type": "array", "items": {"type": kind[:-2]}}
+        elif kind.endswith("?"):
+            properties[name] = {"type": [kind[:-1], "null"]}
         else:
-            properties[name] = {
-                "type": [kind[:-1], "null"] if kind.endswith("?") else kind
-            }
+            properties[name] = {"type": kind}
     return properties
 
 
 def _out(
     properties: dict | str, optional: dict | None = None, description: str = ""
 ) -> dict:
-    """A result schema: ``properties`` (or _types words) always present, ``optional`` sometimes."""
-    properties = (
-        _types(properties) if isinstance(properties, str) else properties
-    )
-    head = (
-        {"type": "object", "description": description}
-        if description
-        else {"type": "object"}
-    )
+    """A result schema: ``properties`` (or _types words) always present,
+    ``optional`` sometimes."""
+    if isinstance(properties, str):
+        properties = _types(properties)
+    head = {"type": "object"}
+    if description:
+        head["description"] = description
     return {
         **head,
         "properties": {**properties, **(optional or {})},
@@ -3869,7 +3868,8 @@ def _out(
 
 
 def _list(**parts: Any) -> dict:
-    """An array of at most 32 items; ``parts`` (items, description) in the order given."""
+    """An array of at most 32 items; ``parts`` (items, description) in
+    the order given."""
     return {"type": "array", "maxItems": 32, **parts}
 
 
@@ -3889,13 +3889,15 @@ ARG_MEMORY = _integer(
     maximum=MAX_MEMORY_MB,
 )
 ARG_NETWORK = _string(
-    'Egress: "blocked" (the default) or "open". A registry image does not need it: the local '
-    "engine fetches images on the host.",
+    'Egress: "blocked" (the default) or "open". A registry image does '
+    "not need it: the local engine fetches images on the host.",
     enum=["open", "blocked"],
 )
 ARG_ALLOW_HOSTS = _list(
     items=_string("A host name.", minLength=1, maxLength=255),
-    description="Allow egress only to these host names (and their subdomains).",
+    description=(
+        "Allow egress only to these host names (and their subdomains)."
+    ),
 )
 ARG_ALLOW_CIDRS = _list(
     items=_string(
@@ -3906,19 +3908,25 @@ ARG_ALLOW_CIDRS = _list(
 ARG_ENV = {
     "type": "object",
     "description": "Environment variables, as a map of name to value.",
-    "propertyNames": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+    "propertyNames": {
+        "type": "string",
+        "pattern": "^[A-Za-z_][A-Za-z0-9_]*$",
+    },
     "additionalProperties": {"type": "string"},
 }
 ARG_COMMAND = {
-    "description": "The command: a list of arguments run as is, or a string run with sh -c.",
+    "description": (
+        "The command: a list of arguments run as is, or a string run "
+        "with sh -c."
+    ),
     "oneOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "minItems": 1, "items": {"type": "string"}},
     ],
 }
 ARG_TIMEOUT = _integer(
-    "Seconds before the command is killed (default SMOL_MCP_EXEC_TIMEOUT_SECS, at most "
-    "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).",
+    "Seconds before the command is killed (default "
+    "SMOL_MCP_EXEC_TIMEOUT_SECS, at most SMOL_MCP_MAX_EXEC_TIMEOUT_SECS).",
     maximum=MAX_TIMEOUT_SECS,
 )
 ARG_WORKDIR = _string(
@@ -3933,7 +3941,8 @@ ARG_ENCODING = _string(
     "utf8 (the default) for text, base64 for bytes.", enum=["utf8", "base64"]
 )
 ARG_JOB_ID = _string(
-    "The job's id, as start-job returned it (get-machine lists a machine's jobs).",
+    "The job's id, as start-job returned it (get-machine lists a "
+    "machine's jobs).",
     pattern=JOB_ID_PATTERN,
 )
 ARG_JOB_OFFSET = {
@@ -3946,12 +3955,16 @@ ARG_JOB_OFFSET = {
             "Bytes of stderr already read.", minimum=0, maximum=MAX_FILE_OFFSET
         ),
     ),
-    "description": "Where to continue: the nextOffset of the previous read-job.",
+    "description": (
+        "Where to continue: the nextOffset of the previous read-job."
+    ),
 }
 ARG_WAIT = _boolean(
-    "Wait until a command has run in the guest before answering (default true)."
+    "Wait until a command has run in the guest before answering "
+    "(default true)."
 )
-ARG_EXEC = dict(  # run-command's and run-once's
+# run-command's and run-once's
+ARG_EXEC = dict(
     command=ARG_COMMAND,
     timeoutSecs=ARG_TIMEOUT,
     workdir=ARG_WORKDIR,
@@ -3960,23 +3973,33 @@ ARG_EXEC = dict(  # run-command's and run-once's
 )
 
 OUT_MACHINE = _out(
-    "id:string name:string state:string? image:string? cpus:integer? memoryMb:integer? "
-    "network:string? ports:array createdAt:string? pid:integer? url:string? branchable:boolean "
-    "parent:string?",
+    "id:string name:string state:string? image:string? cpus:integer? "
+    "memoryMb:integer? network:string? ports:array createdAt:string? "
+    "pid:integer? url:string? branchable:boolean parent:string?",
     description="A machine, with the same keys on every fleet.",
 )
-EGRESS_ARGS = dict(  # allow-egress's, after the name
+# allow-egress's, after the name
+EGRESS_ARGS = dict(
     hosts=_list(
-        description="Host names to allow, such as pypi.org; each covers its subdomains too.",
+        description=(
+            "Host names to allow, such as pypi.org; each covers its "
+            "subdomains too."
+        ),
         items=_string("A host name.", minLength=1, maxLength=253),
     ),
     hostPatterns=_list(
-        description="Patterns to allow: an exact host name, or *.domain for its subdomains only.",
+        description=(
+            "Patterns to allow: an exact host name, or *.domain for its "
+            "subdomains only."
+        ),
         items=_string("A host name or *.domain.", minLength=1, maxLength=255),
     ),
     cidrs=_list(
-        description="Address ranges to allow, such as 203.0.113.7/32 (/8 or narrower; IPv6 /32 "
-        "or narrower); never loopback, link-local or private ranges.",
+        description=(
+            "Address ranges to allow, such as 203.0.113.7/32 (/8 or "
+            "narrower; IPv6 /32 or narrower); never loopback, link-local "
+            "or private ranges."
+        ),
         items=_string("An address range.", minLength=1, maxLength=64),
     ),
     remove={
@@ -3984,14 +4007,22 @@ EGRESS_ARGS = dict(  # allow-egress's, after the name
             "",
             hosts=_list(
                 items=_string("A listed entry.", minLength=1, maxLength=255),
-                description="Host names or patterns to take off, as get-machine lists them.",
+                description=(
+                    "Host names or patterns to take off, as get-machine "
+                    "lists them."
+                ),
             ),
             cidrs=_list(
                 items=_string("A listed range.", minLength=1, maxLength=64),
-                description="Address ranges to take off, as get-machine lists them.",
+                description=(
+                    "Address ranges to take off, as get-machine lists them."
+                ),
             ),
         ),
-        "description": "Entries to take off the allow list; at least one entry must remain.",
+        "description": (
+            "Entries to take off the allow list; at least one entry must "
+            "remain."
+        ),
     },
 )
 EGRESS_POLICY = _types("open:boolean hosts:string[] cidrs:string[]")
@@ -4011,7 +4042,8 @@ OUT_JOBS = {
     "type": ["array", "null"],
     "items": {"type": "object", "properties": OUT_JOB_STATE},
 }
-OUT_JOB_PAGE = {  # read-job's, after the state and the streams
+# read-job's, after the state and the streams
+OUT_JOB_PAGE = {
     "nextOffset": {
         "type": "object",
         "properties": _types("stdout:integer stderr:integer"),
@@ -4019,8 +4051,8 @@ OUT_JOB_PAGE = {  # read-job's, after the state and the streams
     **_types("eof:boolean"),
 }
 OUT_EXEC_PROPERTIES = _types(
-    "stdout:string stderr:string exitCode:integer truncated:boolean timedOut:boolean "
-    "overflow:string[] startedMachine:boolean"
+    "stdout:string stderr:string exitCode:integer truncated:boolean "
+    "timedOut:boolean overflow:string[] startedMachine:boolean"
 )
 OUT_EXEC_EGRESS = {
     "egressDenied": OUT_DENIALS,
@@ -4028,10 +4060,12 @@ OUT_EXEC_EGRESS = {
 }
 
 
-@dataclass(eq=False)  # a tool is one object: compared and hashed by identity
+# A tool is one object: compared and hashed by identity.
+@dataclass(eq=False)
 class ToolSpec:
-    """One tool: its handler (tool_list_machines answers list-machines) and what the client is
-    shown; ``access``: its scope level, then its true annotations ("exec: destructive")."""
+    """One tool: its handler (tool_list_machines answers list-machines)
+    and what the client is shown; ``access``: its scope level, then its
+    true annotations ("exec: destructive")."""
 
     handler: Callable
     title: str
@@ -4043,23 +4077,24 @@ class ToolSpec:
     level: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.name = self.handler.__name__.removeprefix("tool_").replace(
-            "_", "-"
-        )
+        handler_name = self.handler.__name__
+        self.name = handler_name.removeprefix("tool_").replace("_", "-")
         self.level, _, hints = self.access.partition(":")
         known = ("read_only", "destructive", "idempotent", "open_world")
-        if unknown := set(hints.split()) - set(
-            known
-        ):  # a misspelt hint would read as false
+        # A misspelt hint would read as false.
+        unknown = set(hints.split()) - set(known)
+        if unknown:
             raise ValueError(
-                f"{self.name}: unknown annotations {sorted(unknown)} in {self.access!r}"
+                f"{self.name}: unknown annotations {sorted(unknown)} in "
+                f"{self.access!r}"
             )
         for hint in known:
             setattr(self, hint, hint in hints.split())
 
 
 class Call:
-    """One tool call: its fleet and session, worker threads for the blocking API, progress."""
+    """One tool call: its fleet and session, worker threads for the
+    blocking API, progress."""
 
     def __init__(
         self,
@@ -4070,13 +4105,15 @@ class Call:
         principal=None,
         params=None,
     ):
-        self.app, self.session, self.fleet, self.ctx = app, session, fleet, ctx
-        self.principal, self.params, self.config = (
-            principal or app.access.stdio,
-            params,
-            app.config,
-        )
-        self.started, self._last_progress = time.monotonic(), -1.0
+        self.app = app
+        self.session = session
+        self.fleet = fleet
+        self.ctx = ctx
+        self.principal = principal or app.access.stdio
+        self.params = params
+        self.config = app.config
+        self.started = time.monotonic()
+        self._last_progress = -1.0
 
     async def api(
         self,
@@ -4085,24 +4122,24 @@ class Call:
         waiting: str | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Run one blocking API call in a worker thread, with progress as with_heartbeat says;
-        a cancelled call stops waiting at once (the thread finishes on its own)."""
-        work, slots = (
-            functools.partial(function, *args, **kwargs),
-            self.session.call_slots(),
-        )
+        """Run one blocking API call in a worker thread, with progress as
+        with_heartbeat says; a cancelled call stops waiting at once (the
+        thread finishes on its own)."""
+        work = functools.partial(function, *args, **kwargs)
         run = functools.partial(
             anyio.to_thread.run_sync,
             work,
             abandon_on_cancel=True,
-            limiter=slots,
+            limiter=self.session.call_slots(),
         )
         return await self.with_heartbeat(run, waiting)
 
     async def read(self, function: Callable, *args: Any) -> Any:
-        """A quick read (list-machines, get-machine): made on the event loop where the fleet's class
-        can (LocalFleet.read_now), within the session's share and with a beat if slow; else as api.
-        A wrapped fleet (OwnedFleet) has none of its own: its guards run the blocking way."""
+        """A quick read (list-machines, get-machine): made on the event
+        loop where the fleet's class can (LocalFleet.read_now), within the
+        session's share and with a beat if slow; else as api. A wrapped
+        fleet (OwnedFleet) has none of its own: its guards run the
+        blocking way."""
         if (now := getattr(type(self.fleet), "read_now", None)) is not None:
             async with self.session.call_slots():
                 read = functools.partial(now, self.fleet, function, *args)
@@ -4112,23 +4149,27 @@ class Call:
         return await self.api(function, *args)
 
     async def with_heartbeat(self, run: Callable, waiting: str | None) -> Any:
-        """Await ``run()`` while progress says what it waits on: with ``waiting``, at once and
-        every few seconds; without, only once it takes that long (an API asking us to retry, say);
-        with "", never (the caller reports). Until a beat is due, a timer: a quick call, no task."""
+        """Await ``run()`` while progress says what it waits on: with
+        ``waiting``, at once and every few seconds; without, only once it
+        takes that long (an API asking us to retry, say); with "", never
+        (the caller reports). Until a beat is due, a timer: a quick call,
+        no task."""
         if waiting == "":
             return await run()
         first_beat = 0 if waiting else PROGRESS_INTERVAL_SECS
         waiting = waiting or f"waiting for the {self.fleet.name} API"
-        loop, beats = asyncio.get_running_loop(), []
+        loop = asyncio.get_running_loop()
+        beats = []
 
         async def heartbeat() -> None:
             while True:
                 await self.so_far(waiting)
                 await asyncio.sleep(PROGRESS_INTERVAL_SECS)
 
-        timer = loop.call_later(
-            first_beat, lambda: beats.append(loop.create_task(heartbeat()))
-        )
+        def start_beating() -> None:
+            beats.append(loop.create_task(heartbeat()))
+
+        timer = loop.call_later(first_beat, start_beating)
         try:
             return await run()
         finally:
@@ -4137,20 +4178,20 @@ class Call:
                 beat.cancel()
 
     async def so_far(self, waiting: str) -> None:
-        await self.progress(
-            None, f"{waiting}: {int(time.monotonic() - self.started)} s so far"
-        )
+        elapsed = int(time.monotonic() - self.started)
+        await self.progress(None, f"{waiting}: {elapsed} s so far")
 
     async def create(
         self, function: Callable, *args: Any, waiting: str
     ) -> Any:
-        """Run a call that creates a machine to its end, even if the tool call is cancelled:
-        abandoned, it could create a machine after the cleanup ran, and nobody would delete it."""
-        # Waiting for a slot may be cancelled (nothing exists yet); the create itself may not.
+        """Run a call that creates a machine to its end, even if the tool
+        call is cancelled: abandoned, it could create a machine after the
+        cleanup ran, and nobody would delete it."""
+        # Waiting for a slot may be cancelled (nothing exists yet); the
+        # create itself may not.
         async with self.session.call_slots():
-            limiter = anyio.CapacityLimiter(
-                1
-            )  # the slot above is the real bound
+            # The slot above is the real bound.
+            limiter = anyio.CapacityLimiter(1)
             work = functools.partial(function, *args)
             run = functools.partial(
                 anyio.to_thread.run_sync, work, limiter=limiter
@@ -4159,16 +4200,16 @@ class Call:
                 return await self.with_heartbeat(run, waiting)
 
     def progress_token(self) -> Any:
-        """The client's progress token, or None when it asked for no progress."""
-        return (
-            None
-            if self.ctx is None
-            else (self.ctx.meta or {}).get("progress_token")
-        )
+        """The client's progress token, or None when it asked for no
+        progress."""
+        if self.ctx is None:
+            return None
+        return (self.ctx.meta or {}).get("progress_token")
 
     async def progress(self, total: float | None, message: str) -> None:
-        """A progress notification (a no-op unless the client asked for them).
-        The value is the call's elapsed seconds, so it only ever increases."""
+        """A progress notification (a no-op unless the client asked for
+        them). The value is the call's elapsed seconds, so it only ever
+        increases."""
         if self.ctx is None:
             return
         done = max(
@@ -4179,27 +4220,32 @@ class Call:
         try:
             token = self.progress_token()
             if self.ctx.request is not None and token is not None:
-                # A plain-JSON HTTP reply carries no notifications: these ride the GET stream.
+                # A plain-JSON HTTP reply carries no notifications: these
+                # ride the GET stream.
                 await self.ctx.session.send_progress_notification(
                     token, done, total, message
                 )
             else:
                 await self.ctx.session.report_progress(done, total, message)
-        except Exception:  # progress is a courtesy; a client that went away must not fail the call
+        except Exception:
+            # Progress is a courtesy; a client that went away must not
+            # fail the call.
             log.debug("progress notification not sent", exc_info=True)
 
     def new_ephemeral_name(self) -> str:
         return f"{self.config.machine_prefix}{secrets_module.token_hex(4)}"
 
     def forget(self, name: str) -> None:
-        """A machine this call deleted: out of the session's record and the ownership store."""
+        """A machine this call deleted: out of the session's record and
+        the ownership store."""
         self.session.forget(self.fleet.name, name)
         self.app.access.owners.clear(self.fleet.name, [name])
         self.app.failed_last.discard((self.fleet.name, name))
 
     async def delete_quietly(self, name: str) -> None:
-        """Delete a machine this call created, even while the call is cancelled, and forget it;
-        a failure is logged, not raised over the error that got us here (cleanup tries again)."""
+        """Delete a machine this call created, even while the call is
+        cancelled, and forget it; a failure is logged, not raised over the
+        error that got us here (cleanup tries again)."""
         delete = functools.partial(self.fleet.delete_machine, name)
         with anyio.CancelScope(shield=True):
             try:
@@ -4218,8 +4264,9 @@ class Call:
 def egress_entries(
     args: dict, key: str, config: Config, pattern: bool | None = None
 ) -> list[str]:
-    """The entries of ``args[key]`` held to allow-egress's rules: host names (with ``pattern``,
-    *.domain too), or without ``pattern``, address ranges."""
+    """The entries of ``args[key]`` held to allow-egress's rules: host
+    names (with ``pattern``, *.domain too), or without ``pattern``,
+    address ranges."""
     entries = enumerate(args.get(key) or [])
     if pattern is None:
         return [
@@ -4232,8 +4279,9 @@ def egress_entries(
 
 
 def exec_options(args: dict, timeout: int) -> dict:
-    """A command's options, as a fleet's exec, exec_stream and start_job take
-    them; ``timeout`` unless the arguments name one (the schema held it to the ceiling)."""
+    """A command's options, as a fleet's exec, exec_stream and start_job
+    take them; ``timeout`` unless the arguments name one (the schema held
+    it to the ceiling)."""
     given = {
         key: args[key] for key in ("workdir", "env", "stdin") if key in args
     }
@@ -4241,7 +4289,10 @@ def exec_options(args: dict, timeout: int) -> dict:
 
 
 def command_argv(command: str | list[str]) -> list[str]:
-    return ["sh", "-c", command] if isinstance(command, str) else list(command)
+    """The argv of a command: a string runs with sh -c, a list as is."""
+    if isinstance(command, str):
+        return ["sh", "-c", command]
+    return list(command)
 
 
 def is_boot_failure(err: BaseException) -> bool:
@@ -4254,79 +4305,90 @@ def is_boot_failure(err: BaseException) -> bool:
 def explain_start_failure(
     err: Exception, network: str | None, log_lines: list[str] | None = None
 ) -> Exception:
-    """Add the one sentence that says what to do about a failed start; ``log_lines``: the last
-    console lines of a machine deleted since (so pointing at machine-logs would lead nowhere)."""
+    """Add the one sentence that says what to do about a failed start;
+    ``log_lines``: the last console lines of a machine deleted since (so
+    pointing at machine-logs would lead nowhere)."""
     if not isinstance(err, ApiError):
         return err
     text = err.api_message
     if network != "open" and "must be pulled" in text:
-        # an older engine (1.14 line) refuses a registry image without guest egress
+        # An older engine (1.14 line) refuses a registry image without
+        # guest egress.
         return err.with_hint(
-            "This engine pulls a registry image through the machine's own network, which is "
-            'blocked; pass network: "open" to create-machine (or run-once) to allow the pull'
+            "This engine pulls a registry image through the machine's own "
+            'network, which is blocked; pass network: "open" to '
+            "create-machine (or run-once) to allow the pull"
         )
-    if (
-        "manifests" in text or "registry" in text
-    ) and HOST_UNREACHABLE_RE.search(text):
-        # 1.32.2 fetches the image on the host: the guest's egress plays no part
+    registry = "manifests" in text or "registry" in text
+    if registry and HOST_UNREACHABLE_RE.search(text):
+        # 1.32.2 fetches the image on the host: the guest's egress plays
+        # no part.
         return err.with_hint(
-            "The host this server runs on could not reach the image registry (the engine fetches "
-            "images on the host, not in the machine, so opening the machine's network would not "
-            "help); the operator has to fix the host's DNS, proxy or network access, or give an "
-            "image that is already on the host"
-        )
-    if is_boot_failure(err) and log_lines is None:
-        return err.with_hint(
-            "The microVM could not boot on this host; the smol://targets resource says whether a "
-            "usable hypervisor is present, and the machine's log (machine-logs) may say more"
+            "The host this server runs on could not reach the image "
+            "registry (the engine fetches images on the host, not in the "
+            "machine, so opening the machine's network would not help); "
+            "the operator has to fix the host's DNS, proxy or network "
+            "access, or give an image that is already on the host"
         )
     if is_boot_failure(err):
-        tail = (
-            "\n".join(log_lines)
-            if log_lines
-            else "(the console log was empty)"
-        )
+        return explain_boot_failure(err, log_lines)
+    port_in_use = "port" in text and "in use" in text
+    if "PORT_IN_USE" in err.code or port_in_use:
         return err.with_hint(
-            "The microVM could not boot on this host, and the machine is deleted. A usable "
-            "/dev/kvm can still fail to boot a guest (in a VM without nested virtualization, "
-            f"say). The last lines of its console log:\n{tail}"
-        )
-    if "PORT_IN_USE" in err.code or "port" in text and "in use" in text:
-        return err.with_hint(
-            "Another machine or process holds that host port; pick another in ports[].host"
+            "Another machine or process holds that host port; pick another "
+            "in ports[].host"
         )
     return err
+
+
+def explain_boot_failure(
+    err: ApiError, log_lines: list[str] | None
+) -> ApiError:
+    """explain_start_failure's hint for a guest that did not boot: the
+    console log's last ``log_lines`` when the machine is deleted, else
+    where to look."""
+    if log_lines is None:
+        return err.with_hint(
+            "The microVM could not boot on this host; the smol://targets "
+            "resource says whether a usable hypervisor is present, and the "
+            "machine's log (machine-logs) may say more"
+        )
+    if log_lines:
+        tail = "\n".join(log_lines)
+    else:
+        tail = "(the console log was empty)"
+    return err.with_hint(
+        "The microVM could not boot on this host, and the machine is "
+        "deleted. A usable /dev/kvm can still fail to boot a guest (in a VM "
+        "without nested virtualization, say). The last lines of its "
+        f"console log:\n{tail}"
+    )
 
 
 async def start_failure(
     call: Call, name: str, err: BaseException, network: str
 ) -> BaseException:
-    """explain_start_failure for a machine about to be deleted: a boot failure quotes its log."""
+    """explain_start_failure for a machine about to be deleted: a boot
+    failure quotes its log."""
+    if not isinstance(err, Exception):
+        return err
     if not is_boot_failure(err):
-        return (
-            explain_start_failure(err, network)
-            if isinstance(err, Exception)
-            else err
-        )
+        return explain_start_failure(err, network)
     try:
-        lines = (await call.api(call.fleet.console_lines, name))[
-            -BOOT_LOG_LINES:
-        ]
-    except (
-        Exception
-    ) as log_err:  # the error being reported matters more than its log
+        lines = await call.api(call.fleet.console_lines, name)
+    except Exception as log_err:
+        # The error being reported matters more than its log.
         log.debug("could not read the log of %s: %s", name, log_err)
         lines = []
-    return explain_start_failure(err, network, lines)
+    return explain_start_failure(err, network, lines[-BOOT_LOG_LINES:])
 
 
 async def wait_until_ready(call: Call, name: str) -> None:
-    """Return once a command has run in the guest (the probe never restarts a stopped machine)."""
-    limit, started, delay = (
-        call.config.ready_timeout_secs,
-        time.monotonic(),
-        0.1,
-    )
+    """Return once a command has run in the guest (the probe never
+    restarts a stopped machine)."""
+    limit = call.config.ready_timeout_secs
+    started = time.monotonic()
+    delay = 0.1
     while True:
         elapsed = int(time.monotonic() - started)
         await call.progress(
@@ -4337,8 +4399,8 @@ async def wait_until_ready(call: Call, name: str) -> None:
             return
         if time.monotonic() - started >= limit:
             raise SmolError(
-                f"the guest of machine '{name}' did not run a command within {limit} s "
-                f"(readyTimeoutSecs); its last answer: {not_ready}"
+                f"the guest of machine '{name}' did not run a command within "
+                f"{limit} s (readyTimeoutSecs); its last answer: {not_ready}"
             )
         await anyio.sleep(delay)
         delay = min(delay * 2, 2.0)
@@ -4356,7 +4418,8 @@ async def start_and_wait(
 
 
 async def ensure_running(call: Call, name: str) -> bool:
-    """Start a machine that is not running and wait for it; True if we started it."""
+    """Start a machine that is not running and wait for it; True if we
+    started it."""
     if await call.api(call.fleet.machine_state, name) in RUNNING_STATES:
         return False
     await start_and_wait(call, name)
@@ -4364,8 +4427,9 @@ async def ensure_running(call: Call, name: str) -> bool:
 
 
 async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
-    """Await ``run()`` against a running machine, starting (and leaving running, as the
-    cloud API does) a stopped one first; the second value says whether this call started it."""
+    """Await ``run()`` against a running machine, starting (and leaving
+    running, as the cloud API does) a stopped one first; the second value
+    says whether this call started it."""
     try:
         return await run(), False
     except NotRunning:
@@ -4373,44 +4437,61 @@ async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
         return await run(), True
 
 
-# Every command runs under a wrapper that writes its pid in the guest (RUN_PID_DIR/<runId>) and
-# then becomes the command (exec "$@"), so a cancelled call, streamed or not, can end its process
-# group with a second exec (RUN_KILL_SCRIPT). With a progress token it runs through the engine's
-# exec stream route, under RUN_TEE_WRAPPER: SSE cannot carry a bare CR, a NUL or invalid UTF-8, so
-# the stream only feeds progress, and the result is the guest's own copy of the output, read back
-# whole (RUN_READ_BACK).
+# Every command runs under a wrapper that writes its pid in the guest
+# (RUN_PID_DIR/<runId>) and then becomes the command (exec "$@"), so a
+# cancelled call, streamed or not, can end its process group with a second
+# exec (RUN_KILL_SCRIPT). With a progress token it runs through the
+# engine's exec stream route, under RUN_TEE_WRAPPER: SSE cannot carry a
+# bare CR, a NUL or invalid UTF-8, so the stream only feeds progress, and
+# the result is the guest's own copy of the output, read back whole
+# (RUN_READ_BACK). Each script is one string, a literal a line of it (or
+# two where a line is long).
 RUN_PID_DIR = "/tmp/smol-mcp-run"
 RUN_WRAPPER = (
     '{ mkdir -p "${1%/*}" && echo "$$" >"$1"; } 2>/dev/null; shift; exec "$@"'
 )
-RUN_TEE_WRAPPER = r"""f=$1; shift
-{ mkdir -p "${f%/*}" && echo "$$" >"$f" && mkfifo "$f.o" "$f.e"; } 2>/dev/null || exec "$@"
-tee "$f.out" <"$f.o" & tee "$f.err" <"$f.e" >&2 &
-(exec "$@") >"$f.o" 2>"$f.e"; c=$?; wait; exit $c
-"""
-RUN_READ_BACK = '[ -e "$1.out" ] || exit 3; cat "$1.out"; cat "$1.err" >&2; rm -f "$1" "$1".*'
-RUN_KILL_SCRIPT = r"""n=0; while [ ! -s "$1" ] && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
-[ -s "$1" ] || exit 0
-p=$(cat "$1"); rm -f "$1" "$1".*
-kill -TERM -"$p" 2>/dev/null; pkill -TERM -P "$p" 2>/dev/null; kill -TERM "$p" 2>/dev/null
-n=0; while kill -0 "$p" 2>/dev/null && [ "$n" -lt 20 ]; do sleep 0.1; n=$((n + 1)); done
-kill -KILL -"$p" 2>/dev/null; pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null
-exit 0
-"""
-# At most about three output lines a second reach the client, each cut to LIVE_LINE_CHARS.
-LIVE_OUTPUT_INTERVAL_SECS, LIVE_LINE_CHARS = 0.3, 200
+RUN_TEE_WRAPPER = (
+    "f=$1; shift\n"
+    '{ mkdir -p "${f%/*}" && echo "$$" >"$f" && mkfifo "$f.o" "$f.e"; } '
+    '2>/dev/null || exec "$@"\n'
+    'tee "$f.out" <"$f.o" & tee "$f.err" <"$f.e" >&2 &\n'
+    '(exec "$@") >"$f.o" 2>"$f.e"; c=$?; wait; exit $c\n'
+)
+RUN_READ_BACK = (
+    '[ -e "$1.out" ] || exit 3; cat "$1.out"; cat "$1.err" >&2; '
+    'rm -f "$1" "$1".*'
+)
+RUN_KILL_SCRIPT = (
+    'n=0; while [ ! -s "$1" ] && [ "$n" -lt 20 ]; do sleep 0.1; '
+    "n=$((n + 1)); done\n"
+    '[ -s "$1" ] || exit 0\n'
+    'p=$(cat "$1"); rm -f "$1" "$1".*\n'
+    'kill -TERM -"$p" 2>/dev/null; pkill -TERM -P "$p" 2>/dev/null; '
+    'kill -TERM "$p" 2>/dev/null\n'
+    'n=0; while kill -0 "$p" 2>/dev/null && [ "$n" -lt 20 ]; do sleep 0.1; '
+    "n=$((n + 1)); done\n"
+    'kill -KILL -"$p" 2>/dev/null; pkill -KILL -P "$p" 2>/dev/null; '
+    'kill -KILL "$p" 2>/dev/null\n'
+    "exit 0\n"
+)
+# At most about three output lines a second reach the client, each cut to
+# LIVE_LINE_CHARS.
+LIVE_OUTPUT_INTERVAL_SECS = 0.3
+LIVE_LINE_CHARS = 200
 
 
 def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
-    """The argv that runs one of the RUN_ scripts above with its pid file."""
+    """The argv that runs one of the RUN_ scripts above with its pid
+    file."""
     return ["sh", "-c", script, "sh", pid_file, *argv]
 
 
 async def run_in_machine(
     call: Call, name: str, argv: list[str], **options: Any
 ) -> ExecResult:
-    """Run a command; with a progress token, through the stream route, the newest output
-    line a progress message a few times a second. Same result either way; cancelled, it is ended."""
+    """Run a command; with a progress token, through the stream route, the
+    newest output line a progress message a few times a second. Same
+    result either way; cancelled, it is ended."""
     pid_file = f"{RUN_PID_DIR}/{secrets_module.token_hex(8)}"
     try:
         if call.progress_token() is None:
@@ -4441,12 +4522,16 @@ async def run_in_machine(
 async def stream_in_machine(
     call: Call, name: str, pid_file: str, argv: list[str], options: dict
 ) -> ExecResult:
-    """run_in_machine's stream route: progress from the stream, the result from the guest's copy
-    (the stream's own when the guest kept none)."""
-    # Each stream's newest line and its number, written by the worker thread. Both keys
-    # exist from the start, so the loop reads a dict that never changes size.
+    """run_in_machine's stream route: progress from the stream, the result
+    from the guest's copy (the stream's own when the guest kept none)."""
+    # Each stream's newest line and its number, written by the worker
+    # thread. Both keys exist from the start, so the loop reads a dict that
+    # never changes size.
     last = {"stdout": (0, ""), "stderr": (0, "")}
-    count, shown = [0], {0}  # lines seen; numbers already sent (0: none yet)
+    # The lines seen so far, and the numbers of those already sent (0:
+    # none yet).
+    count = [0]
+    shown = {0}
 
     def on_output(stream: str, data: str) -> None:
         lines = [line for line in data.splitlines() if line.strip()]
@@ -4457,9 +4542,8 @@ async def stream_in_machine(
             count[0] += 1
             last[stream] = (count[0], f"{stream}: {line}")
 
-    async def show(
-        number: int, message: str
-    ) -> None:  # shown once sent: the end may cut it off
+    # A line counts as shown once it is sent: the end may cut it off.
+    async def show(number: int, message: str) -> None:
         await call.progress(None, message)
         shown.add(number)
 
@@ -4475,7 +4559,8 @@ async def stream_in_machine(
                 quiet_since = time.monotonic()
                 await call.so_far(f"running the command in '{name}'")
 
-    tee, failure = guest_script(RUN_TEE_WRAPPER, pid_file, *argv), None
+    tee = guest_script(RUN_TEE_WRAPPER, pid_file, *argv)
+    failure = None
     async with anyio.create_task_group() as group:
         group.start_soon(reporter)
         try:
@@ -4483,20 +4568,29 @@ async def stream_in_machine(
                 call.fleet.exec_stream, on_output=on_output, **options
             )
             value = await call.api(stream, name, tee, waiting="")
-        except (
-            Exception
-        ) as err:  # carried out of the group, which would wrap it in a group
+        except Exception as err:
+            # Carried out of the group, which would wrap it in a group.
             failure = err
         group.cancel_scope.cancel()
     if failure is not None:
         raise failure
-    # Each stream's last line, even one that came between two ticks or was overtaken by the
-    # other pipe's (two tees in the guest, so their order is not the command's).
+    # Each stream's last line, even one that came between two ticks or was
+    # overtaken by the other pipe's (two tees in the guest, so their order
+    # is not the command's).
     for number, message in sorted(tuple(last.values())):
         if number not in shown:
             await show(number, message)
+    return await with_guest_copy(call, name, pid_file, value)
+
+
+async def with_guest_copy(
+    call: Call, name: str, pid_file: str, value: ExecResult
+) -> ExecResult:
+    """``value`` with the output the guest kept of the command in its
+    place; ``value`` itself when the guest kept no copy or the copy cannot
+    be read back."""
+    read_back = guest_script(RUN_READ_BACK, pid_file)
     try:
-        read_back = guest_script(RUN_READ_BACK, pid_file)
         copy = await call.api(
             call.fleet.exec, name, read_back, timeout_secs=60
         )
@@ -4506,10 +4600,14 @@ async def stream_in_machine(
         )
         return value
     if copy.exit_code != 0:
-        return value  # the guest could not keep a copy (no mkfifo or tee): the stream is all
-    cut = copy.cut_by_service
+        # The guest could not keep a copy (no mkfifo or tee): the stream is
+        # all.
+        return value
     return dataclasses.replace(
-        value, stdout=copy.stdout, stderr=copy.stderr, cut_by_service=cut
+        value,
+        stdout=copy.stdout,
+        stderr=copy.stderr,
+        cut_by_service=copy.cut_by_service,
     )
 
 
@@ -4521,19 +4619,22 @@ async def budget_exec(
     since: datetime.datetime,
     once: bool,
 ) -> dict:
-    """The run-command result: each stream within maxOutputBytes, both within replyTokens; a
-    stream that did not fit is written whole into the machine, its path in ``overflow`` (not by
-    run-once, ``once``, whose machine is deleted as it answers); a failure's egress denials too."""
+    """The run-command result: each stream within maxOutputBytes, both
+    within replyTokens; a stream that did not fit is written whole into
+    the machine, its path in ``overflow`` (not by run-once, ``once``,
+    whose machine is deleted as it answers); a failure's egress denials
+    too."""
     limit = call.config.max_output_bytes
     streams = (("stdout", result.stdout), ("stderr", result.stderr))
-    # A stream longer than twice the byte limit is cut whatever it costs: its
-    # first 2*limit bytes tell its share, and a 16 MiB stream is not decoded whole.
+    # A stream longer than twice the byte limit is cut whatever it costs:
+    # its first 2*limit bytes tell its share, and a 16 MiB stream is not
+    # decoded whole.
     costs = [
         est_tokens(out[: 2 * limit].decode("utf-8", "surrogateescape"))
         for _, out in streams
     ]
     shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
-    # 124 is what the guest reports for a command it killed at its timeout
+    # 124 is what the guest reports for a command it killed at its timeout.
     timed_out = result.exit_code == 124 and result.seconds >= timeout - 1
     shaped: dict[str, Any] = dict.fromkeys(("stdout", "stderr"), "")
     shaped.update(
@@ -4543,59 +4644,71 @@ async def budget_exec(
         overflow=[],
     )
     stamp = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets_module.token_hex(3)}"
-    for (stream, data), share in zip(streams, shares):
+    for (stream, data), share, cost in zip(streams, shares, costs):
         lost = ""
         if stream in result.cut_by_service:
             shaped["truncated"] = True
             lost = (
-                f"\n[... smol-mcp: the cloud API cut {stream} here, at {len(data)} bytes; what "
-                "followed was not returned by the service and is lost ...]\n"
+                f"\n[... smol-mcp: the cloud API cut {stream} here, at "
+                f"{len(data)} bytes; what followed was not returned by the "
+                "service and is lost ...]\n"
             )
-        if len(data) <= limit and costs[stream == "stderr"] <= share:
+        if len(data) <= limit and cost <= share:
             shaped[stream] = data.decode("utf-8", "replace") + lost
             continue
         shaped["truncated"] = True
-        where = (
-            "run-once deletes its machine, so the whole stream was not kept; use create-machine "
-            "and run-command to keep it"
-        )
-        if not once:
+        if once:
+            where = (
+                "run-once deletes its machine, so the whole stream was not "
+                "kept; use create-machine and run-command to keep it"
+            )
+        else:
             path = f"{OVERFLOW_DIR}/{stamp}.{stream}"
             try:
                 await call.api(call.fleet.write_file, name, path, data)
+            except SmolError as err:
+                where = (
+                    "the whole stream could not be saved in the machine: "
+                    f"{err}"
+                )
+            else:
                 shaped["overflow"].append(path)
                 kept = "the first" if lost else "the whole"
                 where = (
-                    f"{kept} {len(data)} bytes of the stream are in the machine at {path} "
-                    "(read it with read-file)"
+                    f"{kept} {len(data)} bytes of the stream are in the "
+                    f"machine at {path} (read it with read-file)"
                 )
-            except SmolError as err:
-                where = f"the whole stream could not be saved in the machine: {err}"
         shaped[stream] = fit_stream(data, limit, share, where)[0] + lost
     return await note_egress_denials(call, name, shaped, since, once)
 
 
 EGRESS_HINT = (
-    "egressDenied lists the connections this machine's egress policy refused while the command "
-    'ran. If the command needs one, allow-egress {{name: "{name}", hosts: [the host name it '
-    'used]}} (or cidrs: ["<address>/32"]) adds it to the allow list once a person confirms.'
+    "egressDenied lists the connections this machine's egress policy "
+    "refused while the command ran. If the command needs one, allow-egress "
+    '{{name: "{name}", hosts: [the host name it used]}} (or cidrs: '
+    '["<address>/32"]) adds it to the allow list once a person confirms.'
 )
-# run-once deletes its machine as it answers: there is nothing left to amend.
+# run-once deletes its machine as it answers: there is nothing left to
+# amend.
 EGRESS_HINT_RUN_ONCE = (
-    "egressDenied lists the connections the machine's egress policy refused while the "
-    "command ran. That machine is deleted already; to let the command reach a host, run it "
-    'again with allowHosts: ["<the host name it used>"] (or allowCidrs: ["<address>/32"]).'
+    "egressDenied lists the connections the machine's egress policy "
+    "refused while the command ran. That machine is deleted already; to "
+    "let the command reach a host, run it again with allowHosts: "
+    '["<the host name it used>"] (or allowCidrs: ["<address>/32"]).'
 )
-# For a caller that cannot call allow-egress: pointing at it would only earn a refusal.
+# For a caller that cannot call allow-egress: pointing at it would only
+# earn a refusal.
 EGRESS_HINT_NO_SCOPE = (
-    "egressDenied lists the connections this machine's egress policy refused while the "
-    "command ran. Widening the allow list needs the manage scope, which this caller does not "
-    "have: ask the operator (allow-egress, or a machine created with the hosts it needs)."
+    "egressDenied lists the connections this machine's egress policy "
+    "refused while the command ran. Widening the allow list needs the "
+    "manage scope, which this caller does not have: ask the operator "
+    "(allow-egress, or a machine created with the hosts it needs)."
 )
 
 
 def parse_event_time(value: Any) -> datetime.datetime | None:
-    """An RFC 3339 denial time; None for the "" the engine writes for a line without one."""
+    """An RFC 3339 denial time; None for the "" the engine writes for a
+    line without one."""
     try:
         return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
     except (AttributeError, TypeError, ValueError):
@@ -4605,8 +4718,9 @@ def parse_event_time(value: Any) -> datetime.datetime | None:
 def group_denials(
     events: list[dict], since: datetime.datetime | None = None
 ) -> list[dict]:
-    """Denials grouped by destination and operation, in the order first seen: {dest, operation,
-    count, firstAt, lastAt}. With ``since``, only those timed from then on (untimed ones: not)."""
+    """Denials grouped by destination and operation, in the order first
+    seen: {dest, operation, count, firstAt, lastAt}. With ``since``, only
+    those timed from then on (untimed ones: not)."""
     groups: dict[tuple[str, str], dict] = {}
     for event in events:
         when = parse_event_time(event.get("timestamp"))
@@ -4626,17 +4740,17 @@ def group_denials(
 async def note_egress_denials(
     call: Call, name: str, shaped: dict, since: datetime.datetime, once: bool
 ) -> dict:
-    """Add egressDenied (and its hint) to a failed or timed-out command's result where the engine
-    records denials (unreadable ones change nothing); ``once``: run-once's, the hint is to rerun."""
-    failed = shaped["exitCode"] != 0 or shaped["timedOut"]
-    if (
-        call.fleet.amends_egress
-    ):  # get-machine reads the refusals after a failed command
-        getattr(call.app.failed_last, "add" if failed else "discard")(
-            (call.fleet.name, name)
-        )
-    if not call.fleet.amends_egress or not failed:
+    """Add egressDenied (and its hint) to a failed or timed-out command's
+    result where the engine records denials (unreadable ones change
+    nothing); ``once``: run-once's, the hint is to rerun."""
+    if not call.fleet.amends_egress:
         return shaped
+    # get-machine reads the refusals after a failed command.
+    machine = (call.fleet.name, name)
+    if shaped["exitCode"] == 0 and not shaped["timedOut"]:
+        call.app.failed_last.discard(machine)
+        return shaped
+    call.app.failed_last.add(machine)
     try:
         events = await call.api(
             call.fleet.egress_events, name, EGRESS_EVENTS_LIMIT
@@ -4646,10 +4760,19 @@ async def note_egress_denials(
         return shaped
     if not (denied := group_denials(events, since)):
         return shaped
-    may_amend = granting_scope(call.principal, "allow-egress") is not None
-    hint = EGRESS_HINT.format(name=name) if may_amend else EGRESS_HINT_NO_SCOPE
-    hint = EGRESS_HINT_RUN_ONCE if once else hint
+    hint = egress_hint(call, name, once)
     return {**shaped, "egressDenied": denied, "egressHint": hint}
+
+
+def egress_hint(call: Call, name: str, once: bool) -> str:
+    """The egressHint of a command's denials: run again (run-once), ask
+    for allow-egress, or, for a caller without its scope, ask the
+    operator."""
+    if once:
+        return EGRESS_HINT_RUN_ONCE
+    if granting_scope(call.principal, "allow-egress") is None:
+        return EGRESS_HINT_NO_SCOPE
+    return EGRESS_HINT.format(name=name)
 
 
 ARG_NAME_ONLY = _input("name", name=ARG_NAME)
@@ -4658,7 +4781,9 @@ OUT_CREATED = _out(
 )
 ARG_PORTS = {
     "type": "array",
-    "description": "Ports to publish: guest port, and optionally the host port.",
+    "description": (
+        "Ports to publish: guest port, and optionally the host port."
+    ),
     "items": _input(
         "guest",
         guest=_integer("Port inside the machine.", maximum=65535),
@@ -4669,8 +4794,10 @@ ARG_PORTS = {
 }
 ARG_MOUNTS = {
     "type": "array",
-    "description": "Host directories to attach (local fleet only), only under the operator's "
-    "mountRoots; read-only by default.",
+    "description": (
+        "Host directories to attach (local fleet only), only under the "
+        "operator's mountRoots; read-only by default."
+    ),
     "items": _input(
         "source target",
         source=_string("Absolute host path."),
@@ -4678,8 +4805,8 @@ ARG_MOUNTS = {
             "Absolute path inside the machine.", pattern=ABSOLUTE_PATH_PATTERN
         ),
         readonly=_boolean(
-            "Mount read-only (the default); false asks for write, which only a root opened with "
-            ":rw grants."
+            "Mount read-only (the default); false asks for write, which "
+            "only a root opened with :rw grants."
         ),
     ),
 }
@@ -4688,26 +4815,30 @@ EGRESS_WITH_DENIALS = _out(
 )
 ARG_INCLUDE = {
     "type": "array",
-    "description": '"jobs": read the jobs\' states from the machine itself; "egress": its recent '
-    "refused connections (local). Each costs a request.",
+    "description": (
+        '"jobs": read the jobs\' states from the machine itself; "egress": '
+        "its recent refused connections (local). Each costs a request."
+    ),
     "items": {"type": "string", "enum": ["jobs", "egress"]},
     "maxItems": 2,
 }
 ARG_CREATE_NAME = {
     **ARG_NAME,
-    "description": "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx).",
+    "description": (
+        "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx)."
+    ),
 }
 SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
 NETWORK_ARGS = dict(
     network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS
 )
-TOOLS: list[
-    ToolSpec
-] = []  # filled by @tool, in the order the handlers below are defined
+# Filled by @tool, in the order the handlers below are defined.
+TOOLS: list[ToolSpec] = []
 
 
 def tool(*spec: Any) -> Callable:
-    """Register the handler below as a tool: ``spec`` is its ToolSpec's fields after the handler."""
+    """Register the handler below as a tool: ``spec`` is its ToolSpec's
+    fields after the handler."""
 
     def register(handler: Callable) -> Callable:
         TOOLS.append(ToolSpec(handler, *spec))
@@ -4716,13 +4847,13 @@ def tool(*spec: Any) -> Callable:
     return register
 
 
-# -- the tools, each its spec and its handler, in the order the client lists them ------------
+# -- the tools, each its spec and handler, in the order the client lists them
 
 
 @tool(
     "List machines",
-    "List every machine on the fleet, with its state, image, size, egress and published "
-    "ports. Changes nothing.",
+    "List every machine on the fleet, with its state, image, size, egress "
+    "and published ports. Changes nothing.",
     _object({}),
     _out({"machines": {"type": "array", "items": OUT_MACHINE}}),
     "read: read_only idempotent",
@@ -4733,9 +4864,11 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
 
 @tool(
     "Get a machine",
-    "Show one machine: state, image, size, egress, ports, pid and whether it can be "
-    "branched, and the jobs (start-job) of a running machine as last seen. Changes nothing.",
-    # (local fleet: also the allow list, and its recent refusals when asked or after a failure)
+    "Show one machine: state, image, size, egress, ports, pid and whether "
+    "it can be branched, and the jobs (start-job) of a running machine as "
+    "last seen. Changes nothing.",
+    # (local fleet: also the allow list, and its recent refusals when asked
+    # or after a failure)
     _input("name", name=ARG_NAME, include=ARG_INCLUDE),
     _out(
         {"machine": OUT_MACHINE, "jobs": OUT_JOBS},
@@ -4744,75 +4877,86 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
     "read: read_only idempotent",
 )
 async def tool_get_machine(call: Call, args: dict) -> dict:
-    """One engine request: the record holds the egress policy. Jobs come from our record unless
-    `include` asks the guest; refusals only for a restricted policy, asked or after a failure."""
-    name, include = args["name"], args.get("include", [])
-    if not call.fleet.amends_egress:
-        machine, egress = await call.read(call.fleet.get_machine, name), None
-    else:
+    """One engine request: the record holds the egress policy. Jobs come
+    from our record unless `include` asks the guest; refusals only for a
+    restricted policy, asked or after a failure."""
+    name = args["name"]
+    include = args.get("include", [])
+    if call.fleet.amends_egress:
         machine, egress = await call.read(call.fleet.egress_policy, name)
-    jobs: list[dict] | None = []  # a machine that is not running runs no job
-    if machine["state"] in RUNNING_STATES:
-        try:
-            if "jobs" in include:
-                jobs = await call.api(
-                    call.fleet.list_jobs, name, machine["id"]
-                )
-            else:
-                recorded = call.app.access.owners.jobs.read().get(
-                    call.fleet.name, {}
-                )
-                jobs = list(recorded.get(name, []))
-        except SmolError as err:
-            log.info("could not list the jobs of %s: %s", name, err)
-            jobs = None  # unknown, which is not the same as none
-    failed = (call.fleet.name, name) in call.app.failed_last
-    if (
-        egress is not None
-        and not egress["open"]
-        and ("egress" in include or failed)
-    ):
-        try:
-            events = await call.api(
-                call.fleet.egress_events, name, EGRESS_RECENT
-            )
-            egress["recentDenials"] = group_denials(events)
-        except SmolError as err:
-            egress.update(recentDenials=[], recentDenialsError=str(err))
+    else:
+        machine = await call.read(call.fleet.get_machine, name)
+        egress = None
+    jobs = await machine_jobs(call, name, machine, "jobs" in include)
     shown = {"machine": machine, "jobs": jobs}
-    return shown if egress is None else {**shown, "egress": egress}
+    if egress is None:
+        return shown
+    failed = (call.fleet.name, name) in call.app.failed_last
+    if not egress["open"] and ("egress" in include or failed):
+        await add_recent_denials(call, name, egress)
+    return {**shown, "egress": egress}
+
+
+async def machine_jobs(
+    call: Call, name: str, machine: dict, from_guest: bool
+) -> list[dict] | None:
+    """get-machine's jobs: the guest's list with ``from_guest``, else our
+    record; none for a machine that is not running (it runs no job), and
+    None when they cannot be listed (unknown, which is not the same as
+    none)."""
+    if machine["state"] not in RUNNING_STATES:
+        return []
+    try:
+        if from_guest:
+            return await call.api(call.fleet.list_jobs, name, machine["id"])
+        recorded = call.app.access.owners.jobs.read().get(call.fleet.name, {})
+        return list(recorded.get(name, []))
+    except SmolError as err:
+        log.info("could not list the jobs of %s: %s", name, err)
+        return None
+
+
+async def add_recent_denials(call: Call, name: str, egress: dict) -> None:
+    """Add a machine's recent refusals to its ``egress`` policy, or why
+    they could not be read."""
+    try:
+        events = await call.api(call.fleet.egress_events, name, EGRESS_RECENT)
+        egress["recentDenials"] = group_denials(events)
+    except SmolError as err:
+        egress.update(recentDenials=[], recentDenialsError=str(err))
 
 
 def machine_spec(
     call: Call, args: dict, name: str, network_default: str
 ) -> MachineSpec:
-    """A create's MachineSpec. An allow-list narrows egress, so it excludes an explicit network."""
+    """A create's MachineSpec. An allow-list narrows egress, so it
+    excludes an explicit network."""
     hosts = egress_entries(args, "allowHosts", call.config, True)
     cidrs = egress_entries(args, "allowCidrs", call.config)
     if (hosts or cidrs) and "network" in args:
         raise ArgumentError(
-            f'"network": "{args["network"]}" cannot be combined with allowHosts/allowCidrs: an '
-            "allow-list already means egress to those destinations only. Pass one or the other."
+            f'"network": "{args["network"]}" cannot be combined with '
+            "allowHosts/allowCidrs: an allow-list already means egress to "
+            "those destinations only. Pass one or the other."
         )
-    network = (
-        "blocked" if hosts or cidrs else args.get("network", network_default)
-    )
-    # The cloud has no host directories: its own refusal of mounts is the clearer sentence there.
-    local, mounts = call.fleet.mounts_host_paths, args.get("mounts", [])
-    image, contained = contain_host_paths(
-        call.config, args["image"], mounts if local else []
-    )
-    cpus, memory = (
-        args.get("cpus", call.config.cpus),
-        args.get("memoryMb", call.config.memory_mb),
-    )
-    # the other arguments are MachineSpec's fields by their camelCase names, with its defaults
+    if hosts or cidrs:
+        network = "blocked"
+    else:
+        network = args.get("network", network_default)
+    # The cloud has no host directories: its own refusal of mounts is the
+    # clearer sentence there.
+    mounts = args.get("mounts", [])
+    if call.fleet.mounts_host_paths:
+        image, mounts = contain_host_paths(call.config, args["image"], mounts)
+    else:
+        image, _ = contain_host_paths(call.config, args["image"], [])
+    cpus = args.get("cpus", call.config.cpus)
+    memory = args.get("memoryMb", call.config.memory_mb)
+    # The other arguments are MachineSpec's fields by their camelCase
+    # names, with its defaults.
     rest = ("ports", "storage_gb", "overlay_gb", "cmd", "env", "branchable")
     given = {attr: args[_camel(attr)] for attr in rest if _camel(attr) in args}
-    given.update(
-        mounts=contained if local else mounts,
-        ephemeral=call.session.is_ephemeral(name),
-    )
+    given.update(mounts=mounts, ephemeral=call.session.is_ephemeral(name))
     return MachineSpec(
         name, image, cpus, memory, network, hosts, cidrs, **given
     )
@@ -4820,10 +4964,11 @@ def machine_spec(
 
 @tool(
     "Create a machine",
-    "Create a new microVM from an OCI image and (by default) start it, answering once a "
-    'command has run in it. Egress is blocked unless network is "open" or an allow-list is '
-    "given. A name starting with the ephemeral prefix (mcp- by default), or no name, makes a "
-    "machine that is deleted when this session ends; any other name persists. Uses host "
+    "Create a new microVM from an OCI image and (by default) start it, "
+    "answering once a command has run in it. Egress is blocked unless "
+    'network is "open" or an allow-list is given. A name starting with the '
+    "ephemeral prefix (mcp- by default), or no name, makes a machine that "
+    "is deleted when this session ends; any other name persists. Uses host "
     "CPU, memory and disk while it exists.",
     _input(
         "image",
@@ -4855,8 +5000,8 @@ async def tool_create_machine(call: Call, args: dict) -> dict:
     start = args.get("start", True)
     if spec.branchable and not start and call.fleet.branch_needs_start:
         raise ArgumentError(
-            '"branchable": true needs "start": true on the local fleet: the engine makes a machine '
-            "a branch source when it starts it"
+            '"branchable": true needs "start": true on the local fleet: the '
+            "engine makes a machine a branch source when it starts it"
         )
     record = await create_recorded(call, name, call.fleet.create_machine, spec)
     if start:
@@ -4882,14 +5027,17 @@ async def create_recorded(
     *args: Any,
     owner: str | None = None,
 ) -> dict:
-    """Create a machine (or a branch child) so the session's record stays true: an ephemeral name
-    is recorded before the call (a crash right after still cleans up), forgotten only if the API
-    refused it and this call recorded it; its owner (the caller, or a branch source's) likewise. A
-    record the engine proves stale (it took the name) is replaced: it is not the old owner's."""
+    """Create a machine (or a branch child) so the session's record stays
+    true: an ephemeral name is recorded before the call (a crash right
+    after still cleans up), forgotten only if the API refused it and this
+    call recorded it; its owner (the caller, or a branch source's)
+    likewise. A record the engine proves stale (it took the name) is
+    replaced: it is not the old owner's."""
     added = call.session.is_ephemeral(name) and call.session.remember(
         call.fleet.name, name
     )
-    owners, owner = call.app.access.owners, owner or call.principal.name
+    owners = call.app.access.owners
+    owner = owner or call.principal.name
     claimed = owners.owner(call.fleet.name, name) is None
     if claimed:
         owners.claim(call.fleet.name, name, owner)
@@ -4899,17 +5047,18 @@ async def create_recorded(
         if added:
             call.session.forget(call.fleet.name, name)
         if claimed:
-            owners.release(
-                call.fleet.name, name, owner
-            )  # only if nobody claimed it since
+            # Only if nobody claimed it since.
+            owners.release(call.fleet.name, name, owner)
         raise
     if call.session.ended and call.session.is_ephemeral(name):
-        # The session ended (its client went, its token was deleted) while this
-        # create ran, so its cleanup came too early to see the machine: do it here.
+        # The session ended (its client went, its token was deleted) while
+        # this create ran, so its cleanup came too early to see the
+        # machine: do it here.
         await call.delete_quietly(name)
         raise SmolError(
-            f"the session ended while '{name}' was being created, so the machine was deleted at "
-            "once (its session's cleanup had already run); open a new session and create it again"
+            f"the session ended while '{name}' was being created, so the "
+            "machine was deleted at once (its session's cleanup had already "
+            "run); open a new session and create it again"
         )
     owners.claim(call.fleet.name, name, owner, machine_identity(record))
     call.session.identities[(call.fleet.name, name)] = machine_identity(record)
@@ -4918,24 +5067,22 @@ async def create_recorded(
 
 @tool(
     "Run a command in a machine",
-    "Run a command inside the named machine (never on this host) and return its stdout, "
-    "stderr and exit code. A non-zero exit is a result, not an error. Output beyond the "
-    "budget keeps its head and tail, and the whole stream is saved in the machine at the "
-    "path listed in overflow. A stopped machine is started first. On the local fleet a "
-    "failed command lists the connections the egress policy refused (egressDenied).",
+    "Run a command inside the named machine (never on this host) and "
+    "return its stdout, stderr and exit code. A non-zero exit is a result, "
+    "not an error. Output beyond the budget keeps its head and tail, and "
+    "the whole stream is saved in the machine at the path listed in "
+    "overflow. A stopped machine is started first. On the local fleet a "
+    "failed command lists the connections the egress policy refused "
+    "(egressDenied).",
     _input("name command", name=ARG_NAME, **ARG_EXEC),
     _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
     "exec: destructive open_world",
 )
 async def tool_run_command(call: Call, args: dict) -> dict:
-    name, options = (
-        args["name"],
-        exec_options(args, call.config.exec_timeout_secs),
-    )
-    since, argv = (
-        datetime.datetime.now(datetime.UTC),
-        command_argv(args["command"]),
-    )
+    name = args["name"]
+    options = exec_options(args, call.config.exec_timeout_secs)
+    since = datetime.datetime.now(datetime.UTC)
+    argv = command_argv(args["command"])
     run = functools.partial(run_in_machine, call, name, argv, **options)
     result, started_machine = await on_running(call, name, run)
     shaped = await budget_exec(
@@ -4946,9 +5093,9 @@ async def tool_run_command(call: Call, args: dict) -> dict:
 
 @tool(
     "Run a command in a throwaway machine",
-    "Create a machine from an image, run one command in it, and delete the machine on every "
-    "path (success, failure, timeout, cancellation). Egress is blocked unless network is "
-    '"open" or an allow-list is given.',
+    "Create a machine from an image, run one command in it, and delete the "
+    "machine on every path (success, failure, timeout, cancellation). "
+    'Egress is blocked unless network is "open" or an allow-list is given.',
     _input(
         "image command",
         image=ARG_IMAGE,
@@ -4979,16 +5126,16 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         )
         return {**shaped, "startedMachine": False, "name": name}
     finally:
-        await call.delete_quietly(
-            name
-        )  # every path: success, error, timeout, cancellation
+        # Every path: success, error, timeout, cancellation.
+        await call.delete_quietly(name)
 
 
 @tool(
     "Read a file from a machine",
-    "Read a file inside the named machine, a page at a time: offset and length pick the "
-    "bytes, size is the whole file, eof says whether this page reached its end. Never returns "
-    "more than the output budget. Starts a stopped machine.",
+    "Read a file inside the named machine, a page at a time: offset and "
+    "length pick the bytes, size is the whole file, eof says whether this "
+    "page reached its end. Never returns more than the output budget. "
+    "Starts a stopped machine.",
     _input(
         "name path",
         name=ARG_NAME,
@@ -5005,45 +5152,26 @@ async def tool_run_once(call: Call, args: dict) -> dict:
         ),
     ),
     _out(
-        "path:string content:string encoding:string size:integer offset:integer bytes:integer "
-        "eof:boolean startedMachine:boolean"
+        "path:string content:string encoding:string size:integer "
+        "offset:integer bytes:integer eof:boolean startedMachine:boolean"
     ),
-    "exec: idempotent",  # not read-only: it starts a stopped machine
+    # Not read-only: it starts a stopped machine.
+    "exec: idempotent",
 )
 async def tool_read_file(call: Call, args: dict) -> dict:
-    name, path, encoding = (
-        args["name"],
-        guest_path(args["path"]),
-        args.get("encoding", "utf8"),
-    )
-    offset, limit = args.get("offset", 0), call.config.max_output_bytes
+    name = args["name"]
+    path = guest_path(args["path"])
+    encoding = args.get("encoding", "utf8")
+    offset = args.get("offset", 0)
+    limit = call.config.max_output_bytes
     length = min(args.get("length", limit), limit)
     started_machine = await ensure_running(call, name)
     page = await call.api(call.fleet.read_file, name, path, offset, length)
-    data = page.data
+    tokens = reply_tokens(call.config)
     if encoding == "utf8":
-        if offset + len(data) < page.size:
-            data = data[
-                : utf8_prefix_end(data, len(data))
-            ]  # end the page on a character boundary
-            if not data and page.data:
-                raise ArgumentError(
-                    f'"length" {length} is too short for the character at offset {offset}; ask '
-                    "for at least 4 bytes"
-                )
-        data = data[: prefix_within_tokens(data, reply_tokens(call.config))]
-        try:
-            content = data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ArgumentError(
-                f"{path} is not UTF-8 text (byte {offset + err.start} is not); read it with "
-                'encoding: "base64", or start at another offset'
-            ) from None
-    else:  # a base64 prefix of 4k characters is the encoding of the first 3k bytes
-        content = base64.b64encode(data).decode("ascii")
-        fits = within_tokens(content, reply_tokens(call.config))
-        if fits < len(content):
-            data, content = data[: fits // 4 * 3], content[: fits // 4 * 4]
+        data, content = utf8_page(page, path, offset, length, tokens)
+    else:
+        data, content = base64_page(page.data, tokens)
     shown = {
         "path": path,
         "content": content,
@@ -5056,11 +5184,50 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     return {**shown, "startedMachine": started_machine}
 
 
+def utf8_page(
+    page: FilePage, path: str, offset: int, length: int, tokens: int
+) -> tuple[bytes, str]:
+    """The bytes of a read-file page that fit ``tokens`` and their text,
+    ending on a whole character unless the file ends there; raise
+    ArgumentError when they are not UTF-8 text."""
+    data = page.data
+    if offset + len(data) < page.size:
+        # End the page on a character boundary.
+        data = data[: utf8_prefix_end(data, len(data))]
+        if not data and page.data:
+            raise ArgumentError(
+                f'"length" {length} is too short for the character at offset '
+                f"{offset}; ask for at least 4 bytes"
+            )
+    data = data[: prefix_within_tokens(data, tokens)]
+    try:
+        return data, data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ArgumentError(
+            f"{path} is not UTF-8 text (byte {offset + err.start} is not); "
+            'read it with encoding: "base64", or start at another offset'
+        ) from None
+
+
+def base64_page(data: bytes, tokens: int) -> tuple[bytes, str]:
+    """The bytes of a read-file page whose base64 fits ``tokens``, and
+    that base64."""
+    content = base64.b64encode(data).decode("ascii")
+    fits = within_tokens(content, tokens)
+    if fits < len(content):
+        # A base64 prefix of 4k characters is the encoding of the first
+        # 3k bytes.
+        data = data[: fits // 4 * 3]
+        content = content[: fits // 4 * 4]
+    return data, content
+
+
 @tool(
     "Write a file into a machine",
-    "Write a file inside the named machine, replacing any file at that path and creating "
-    "parent directories. Waits until the guest runs commands first, so the file is not "
-    "hidden by the workload's file system.",
+    "Write a file inside the named machine, replacing any file at that "
+    "path and creating parent directories. Waits until the guest runs "
+    "commands first, so the file is not hidden by the workload's file "
+    "system.",
     _input(
         "name path content",
         name=ARG_NAME,
@@ -5072,21 +5239,20 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     "exec: destructive idempotent",
 )
 async def tool_write_file(call: Call, args: dict) -> dict:
-    name, path, encoding = (
-        args["name"],
-        guest_path(args["path"]),
-        args.get("encoding", "utf8"),
-    )
+    name = args["name"]
+    path = guest_path(args["path"])
+    encoding = args.get("encoding", "utf8")
     data = args["content"].encode("utf-8")
     if encoding == "base64":
         try:
             data = base64.b64decode(data, validate=True)
         except ValueError:
             raise ArgumentError(
-                '"content" is not valid base64; send the bytes base64-encoded, or pass '
-                'encoding: "utf8" for text'
+                '"content" is not valid base64; send the bytes '
+                'base64-encoded, or pass encoding: "utf8" for text'
             ) from None
-    # Ready first: a file written before the workload's file system is up would be mounted over.
+    # Ready first: a file written before the workload's file system is up
+    # would be mounted over.
     started_machine = await ensure_running(call, name)
     if not started_machine:
         await wait_until_ready(call, name)
@@ -5096,14 +5262,15 @@ async def tool_write_file(call: Call, args: dict) -> dict:
 
 @tool(
     "Start a machine",
-    "Start a stopped machine and (by default) wait until a command has run in it. A running "
-    "machine is left as it is.",
+    "Start a stopped machine and (by default) wait until a command has run "
+    "in it. A running machine is left as it is.",
     _input("name", name=ARG_NAME, wait=ARG_WAIT),
     _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
     "manage: idempotent open_world",
 )
 async def tool_start_machine(call: Call, args: dict) -> dict:
-    name, wait = args["name"], args.get("wait", True)
+    name = args["name"]
+    wait = args.get("wait", True)
     record = await call.api(call.fleet.get_machine, name)
     if record["state"] not in RUNNING_STATES:
         try:
@@ -5117,9 +5284,10 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
 
 @tool(
     "Branch a machine",
-    "Copy a running branch source (created with branchable: true), memory and disks "
-    "included, into a new child machine that starts where the source is. Without childName "
-    "the child is ephemeral. Branching on the local fleet needs a Linux or macOS host.",
+    "Copy a running branch source (created with branchable: true), memory "
+    "and disks included, into a new child machine that starts where the "
+    "source is. Without childName the child is ephemeral. Branching on the "
+    "local fleet needs a Linux or macOS host.",
     _input(
         "name",
         name={
@@ -5136,7 +5304,8 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
     "manage",
 )
 async def tool_branch_machine(call: Call, args: dict) -> dict:
-    source, wait = args["name"], args.get("wait", True)
+    source = args["name"]
+    wait = args.get("wait", True)
     child = args.get("childName") or call.new_ephemeral_name()
     owner = call.app.access.owners.owner(call.fleet.name, source)
     try:
@@ -5150,8 +5319,9 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
             word in err.api_message for word in words
         ):
             raise err.with_hint(
-                "The source must be running and created as a branch source: create-machine with "
-                "branchable: true, then branch it while it runs"
+                "The source must be running and created as a branch source: "
+                "create-machine with branchable: true, then branch it while "
+                "it runs"
             ) from None
         raise
     if wait:
@@ -5169,8 +5339,8 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
 
 @tool(
     "Stop a machine",
-    "Stop the named machine. Its disks are kept; start-machine starts it again. Whatever "
-    "runs in it is ended.",
+    "Stop the named machine. Its disks are kept; start-machine starts it "
+    "again. Whatever runs in it is ended.",
     ARG_NAME_ONLY,
     _out({"machine": OUT_MACHINE}),
     "manage: destructive idempotent",
@@ -5181,7 +5351,8 @@ async def tool_stop_machine(call: Call, args: dict) -> dict:
 
 @tool(
     "Delete a machine",
-    "Delete the named machine and its disks for good. Anything not copied out of it is lost.",
+    "Delete the named machine and its disks for good. Anything not copied "
+    "out of it is lost.",
     ARG_NAME_ONLY,
     _out("deleted:string", _types("usage:object")),
     "manage: destructive",
@@ -5193,34 +5364,40 @@ async def tool_delete_machine(call: Call, args: dict) -> dict:
 
 
 def log_cursor(lines: list[str], end: int) -> str:
-    """Where a reader stopped: lines seen and a digest of the last few (one line recurs), so the
-    place is found again when the cloud's tail window (its log route has no cursor) has moved."""
+    """Where a reader stopped: lines seen and a digest of the last few
+    (one line recurs), so the place is found again when the cloud's tail
+    window (its log route has no cursor) has moved."""
+    if end == 0:
+        return "0:"
     last = "\n".join(lines[max(0, end - CURSOR_LINES) : end]).encode()
-    return f"{end}:{hashlib.sha256(last).hexdigest()[:12] if end else ''}"
+    return f"{end}:{hashlib.sha256(last).hexdigest()[:12]}"
 
 
 def lines_after_cursor(lines: list[str], cursor: str) -> int:
-    """The index of the first line a reader holding ``cursor`` has not seen."""
+    """The index of the first line a reader holding ``cursor`` has not
+    seen."""
     count, _, digest = cursor.partition(":")
     if not count.isdigit():
         raise ArgumentError(
-            f'"cursor" must be a cursor returned by machine-logs, got {cursor!r}'
+            '"cursor" must be a cursor returned by machine-logs, got '
+            f"{cursor!r}"
         )
     seen = int(count)
     if seen == 0 or seen <= len(lines) and log_cursor(lines, seen) == cursor:
-        return seen  # from the start, or the window has not moved
-    for end in range(
-        len(lines), 0, -1
-    ):  # the window moved: find the run of lines last seen
+        # From the start, or the window has not moved.
+        return seen
+    # The window moved: find the run of lines last seen.
+    for end in range(len(lines), 0, -1):
         if log_cursor(lines, end).partition(":")[2] == digest:
             return end
-    return 0  # the log started again from scratch: all of it is new
+    # The log started again from scratch: all of it is new.
+    return 0
 
 
 @tool(
     "Read a machine's log",
-    "Read the latest lines of the machine's guest console. Pass the cursor from the last "
-    "call to get only what arrived since. Changes nothing.",
+    "Read the latest lines of the machine's guest console. Pass the cursor "
+    "from the last call to get only what arrived since. Changes nothing.",
     _input(
         "name",
         name=ARG_NAME,
@@ -5240,42 +5417,44 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
         start = lines_after_cursor(lines, args["cursor"])
     else:
         start = max(0, len(lines) - args.get("tail", call.config.logs_tail))
-    picked, used, budget = [], 0, reply_tokens(call.config)
+    picked = []
+    used = 0
+    budget = reply_tokens(call.config)
     for line in lines[start:]:
         used += len(line.encode()) + 1
-        cost = est_tokens(line) + 3  # its quotes, comma and indent
+        # Its quotes, comma and indent.
+        cost = est_tokens(line) + 3
         if picked and (used > call.config.max_output_bytes or cost > budget):
-            break  # the rest comes with the next cursor
-        picked.append(
-            line[: within_tokens(line, budget - 3)]
-        )  # a line alone over the budget
+            # The rest comes with the next cursor.
+            break
+        # A line alone over the budget is cut to it.
+        picked.append(line[: within_tokens(line, budget - 3)])
         budget -= cost
     return {"lines": picked, "cursor": log_cursor(lines, start + len(picked))}
 
 
 @tool(
     "Pull an image into a machine",
-    "Pull an OCI image into the named machine's image store (local fleet only; the machine "
-    "is started to do it).",
+    "Pull an OCI image into the named machine's image store (local fleet "
+    "only; the machine is started to do it).",
     _input("name image", name=ARG_NAME, image=ARG_IMAGE),
     _out("image:object"),
     "manage: idempotent open_world",
 )
 async def tool_pull_image(call: Call, args: dict) -> dict:
-    return {
-        "image": await call.api(
-            call.fleet.pull_image, args["name"], args["image"]
-        )
-    }
+    pulled = await call.api(call.fleet.pull_image, args["name"], args["image"])
+    return {"image": pulled}
 
 
 @tool(
     "Start a background job in a machine",
-    "Start a command inside the named machine (never on this host) and return at once with its "
-    "jobId. Use it for work longer than a tool call should wait (builds, test suites, servers): it "
-    "keeps running after this call, the client and this server have gone, until it exits, its "
-    "timeout (default 1 hour, at most 24) or cancel-job ends it, or the machine stops or is "
-    "deleted. Read its output with read-job. A stopped machine is started first.",
+    "Start a command inside the named machine (never on this host) and "
+    "return at once with its jobId. Use it for work longer than a tool "
+    "call should wait (builds, test suites, servers): it keeps running "
+    "after this call, the client and this server have gone, until it "
+    "exits, its timeout (default 1 hour, at most 24) or cancel-job ends "
+    "it, or the machine stops or is deleted. Read its output with "
+    "read-job. A stopped machine is started first.",
     _input(
         "name command",
         name=ARG_NAME,
@@ -5292,15 +5471,17 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
     "exec: destructive open_world",
 )
 async def tool_start_job(call: Call, args: dict) -> dict:
-    name, argv = args["name"], command_argv(args["command"])
+    name = args["name"]
+    argv = command_argv(args["command"])
     options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
     if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
         raise ArgumentError(
-            f'"timeoutSecs" is {options["timeout_secs"]}, above the job ceiling of '
-            f"{JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, or have the job check in and "
-            "start a new one"
+            f'"timeoutSecs" is {options["timeout_secs"]}, above the job '
+            f"ceiling of {JOB_MAX_TIMEOUT_SECS} s (24 hours); ask for less, "
+            "or have the job check in and start a new one"
         )
-    job_id = f"job-{secrets_module.token_hex(6)}"  # the local fleet's; the cloud names its own
+    # The local fleet's; the cloud names its own.
+    job_id = f"job-{secrets_module.token_hex(6)}"
     start = functools.partial(
         call.api, call.fleet.start_job, name, job_id, argv, **options
     )
@@ -5315,9 +5496,10 @@ async def tool_start_job(call: Call, args: dict) -> dict:
 
 @tool(
     "Read a job's output",
-    "Show a job's state (running, exited or lost) and exit code, and a page of its stdout "
-    "and stderr from offset, within the output budget. Pass nextOffset back as offset for "
-    "the next page; eof says the job has ended and everything was read. Changes nothing.",
+    "Show a job's state (running, exited or lost) and exit code, and a "
+    "page of its stdout and stderr from offset, within the output budget. "
+    "Pass nextOffset back as offset for the next page; eof says the job "
+    "has ended and everything was read. Changes nothing.",
     _input(
         "name jobId", name=ARG_NAME, jobId=ARG_JOB_ID, offset=ARG_JOB_OFFSET
     ),
@@ -5331,7 +5513,9 @@ async def tool_start_job(call: Call, args: dict) -> dict:
     "read: read_only",
 )
 async def tool_read_job(call: Call, args: dict) -> dict:
-    name, job_id, offset = args["name"], args["jobId"], args.get("offset", {})
+    name = args["name"]
+    job_id = args["jobId"]
+    offset = args.get("offset", {})
     offsets = (offset.get("stdout", 0), offset.get("stderr", 0))
     page = await call.api(
         call.fleet.read_job,
@@ -5340,50 +5524,60 @@ async def tool_read_job(call: Call, args: dict) -> dict:
         offsets,
         call.config.max_output_bytes,
     )
-    shaped: dict[str, Any] = {
+    texts, next_offset = job_streams(page, offsets, reply_tokens(call.config))
+    ends = zip(next_offset.values(), page.sizes)
+    ended = page.state != "running"
+    shaped = {
         "jobId": job_id,
         "state": page.state,
         "exitCode": page.exit_code,
+        **texts,
+        "nextOffset": next_offset,
+        "eof": ended and all(at >= size for at, size in ends),
     }
-    next_offset, pages = {}, []
-    for data, start, size in zip(
-        (page.stdout, page.stderr), offsets, page.sizes
-    ):
-        if (
-            page.state == "running" or start + len(data) < size
-        ):  # a character's rest: next page
+    call.app.access.owners.note_job(call.fleet.name, name, shaped)
+    return shaped
+
+
+def job_streams(
+    page: JobPage, offsets: tuple[int, int], tokens: int
+) -> tuple[dict, dict]:
+    """A read-job page's stdout and stderr texts, within ``tokens``
+    between them, and where each stream continues; a page that more may
+    follow ends on a whole character (its rest comes with the next)."""
+    pages = []
+    streams = (page.stdout, page.stderr)
+    for data, start, size in zip(streams, offsets, page.sizes):
+        if page.state == "running" or start + len(data) < size:
             data = data[: utf8_prefix_end(data, len(data))]
         pages.append(data)
     # Like run-command, both streams share one budget of tokens.
     costs = tuple(
         est_tokens(data.decode("utf-8", "surrogateescape")) for data in pages
     )
-    shares = stream_shares((costs[0], costs[1]), reply_tokens(call.config))
-    for stream, data, share, start in zip(
-        ("stdout", "stderr"), pages, shares, offsets
-    ):
+    shares = stream_shares((costs[0], costs[1]), tokens)
+    texts = {}
+    next_offset = {}
+    names = ("stdout", "stderr")
+    for stream, data, share, start in zip(names, pages, shares, offsets):
         data = data[: prefix_within_tokens(data, share)]
-        shaped[stream] = data.decode("utf-8", "replace")
+        texts[stream] = data.decode("utf-8", "replace")
         next_offset[stream] = start + len(data)
-    shaped["nextOffset"] = next_offset
-    ends = zip(next_offset.values(), page.sizes)
-    shaped["eof"] = page.state != "running" and all(
-        at >= size for at, size in ends
-    )
-    call.app.access.owners.note_job(call.fleet.name, name, shaped)
-    return shaped
+    return texts, next_offset
 
 
 @tool(
     "Cancel a job",
-    "End a running job and what it started (TERM, then KILL after a few seconds). A job "
-    "that has already ended is left as it is, so repeating the call is harmless.",
+    "End a running job and what it started (TERM, then KILL after a few "
+    "seconds). A job that has already ended is left as it is, so repeating "
+    "the call is harmless.",
     _input("name jobId", name=ARG_NAME, jobId=ARG_JOB_ID),
     _out(OUT_JOB_STATE),
     "exec: destructive idempotent",
 )
 async def tool_cancel_job(call: Call, args: dict) -> dict:
-    name, job_id = args["name"], args["jobId"]
+    name = args["name"]
+    job_id = args["jobId"]
     await call.api(call.fleet.cancel_job, name, job_id)
     page = await call.api(call.fleet.read_job, name, job_id, (0, 0), 0)
     shown = {"jobId": job_id, "state": page.state, "exitCode": page.exit_code}
@@ -5395,20 +5589,24 @@ HOST_LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 EGRESS_ALLOW = {
     "type": "boolean",
     "title": "Allow this egress change",
-    "description": "true to apply it; false (or decline) leaves the machine as it is",
+    "description": (
+        "true to apply it; false (or decline) leaves the machine as it is"
+    ),
 }
 EGRESS_QUESTION_SCHEMA = dict(
     type="object", required=["allow"], properties={"allow": EGRESS_ALLOW}
 )
 EGRESS_409_HINT = (
-    "The engine applies this change only to a stopped machine (a running one keeps its current "
-    "kind of policy). allow-egress never stops a machine itself: stop it with stop-machine "
-    "(whatever runs in it ends), call allow-egress again, then start it with start-machine"
+    "The engine applies this change only to a stopped machine (a running "
+    "one keeps its current kind of policy). allow-egress never stops a "
+    "machine itself: stop it with stop-machine (whatever runs in it ends), "
+    "call allow-egress again, then start it with start-machine"
 )
 
 
-# Never reachable through an allow list (section 16): the host itself, the cloud's
-# metadata service, and spellings of them. Private ranges only as egressPrivateCidrs allows.
+# Never reachable through an allow list: the host itself, the cloud's
+# metadata service, and spellings of them. Private ranges only as
+# egressPrivateCidrs allows.
 EGRESS_FORBIDDEN = [
     (ipaddress.ip_network(cidr), why)
     for why, cidrs in (
@@ -5431,81 +5629,105 @@ EGRESS_FORBIDDEN = [
     )
     for cidr in cidrs.split()
 ]
-# Bare public suffixes: a name under one is someone else's site, the suffix is everyone's.
+# Bare public suffixes: a name under one is someone else's site, the
+# suffix is everyone's.
 PUBLIC_SUFFIXES = frozenset(
-    "co.uk org.uk ac.uk gov.uk me.uk com.au net.au org.au co.nz co.jp ne.jp co.kr co.in "
-    "co.za com.br com.cn com.mx com.tr com.tw com.hk com.sg github.io gitlab.io pages.dev "
-    "workers.dev netlify.app vercel.app web.app firebaseapp.com appspot.com herokuapp.com "
-    "blogspot.com cloudfront.net amazonaws.com s3.amazonaws.com azurewebsites.net "
-    "fly.dev onrender.com ngrok.io ngrok-free.app repl.co glitch.me".split()
+    "co.uk org.uk ac.uk gov.uk me.uk com.au net.au org.au co.nz co.jp "
+    "ne.jp co.kr co.in co.za com.br com.cn com.mx com.tr com.tw com.hk "
+    "com.sg github.io gitlab.io pages.dev workers.dev netlify.app "
+    "vercel.app web.app firebaseapp.com appspot.com herokuapp.com "
+    "blogspot.com cloudfront.net amazonaws.com s3.amazonaws.com "
+    "azurewebsites.net fly.dev onrender.com ngrok.io ngrok-free.app "
+    "repl.co glitch.me".split()
 )
 
 
 def egress_refusal(network: Any, config: Config) -> str | None:
-    """Why an allow list may not hold this range (it touches a forbidden one), or None."""
+    """Why an allow list may not hold this range (it touches a forbidden
+    one), or None."""
     for cidr in config.egress_private_cidrs:
         allowed = ipaddress.ip_network(cidr)
         if allowed.version == network.version and network.subnet_of(allowed):
             return None
     for forbidden, why in EGRESS_FORBIDDEN:
-        if forbidden.version == network.version and network.overlaps(
-            forbidden
-        ):
+        same_version = forbidden.version == network.version
+        if same_version and network.overlaps(forbidden):
             return f"{forbidden} is {why}"
     return None
 
 
 def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
-    """A host name (with ``pattern``, or `*.domain`) the engine accepts, lower-cased; never an
-    address in any spelling, a loopback name, or a whole top-level domain or public suffix."""
+    """A host name (with ``pattern``, or `*.domain`) the engine accepts,
+    lower-cased; never an address in any spelling, a loopback name, or a
+    whole top-level domain or public suffix."""
     host = value.lower()
     wildcard = pattern and host.startswith("*.")
     name = host[2:] if wildcard else host
-    try:
-        address = ipaddress.ip_address(name)
-    except ValueError:
-        address = None
-        if re.fullmatch(r"[0-9a-fx.]+", name) and re.search(r"\d", name):
-            try:  # the spellings a resolver accepts: 2130706433, 0x7f.1, 0177.0.0.1
-                address = ipaddress.ip_address(socket.inet_aton(name))
-            except OSError:
-                pass
+    address = host_address(name)
     if address is not None:
         why = egress_refusal(ipaddress.ip_network(address), config)
-        fix = (
-            f"; pass it in cidrs as {address}/{address.max_prefixlen} instead"
-        )
-        fix = f", which no allow list may reach: {why}" if why else fix
+        if why:
+            fix = f", which no allow list may reach: {why}"
+        else:
+            prefix = f"{address}/{address.max_prefixlen}"
+            fix = f"; pass it in cidrs as {prefix} instead"
         raise ArgumentError(
             f'"{where}" is the address {address} ({value!r}){fix}'
         )
-    labels = name.split(".")
+    validate_host_name(name, value, where, pattern, wildcard)
+    return host
+
+
+def host_address(
+    name: str,
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``name`` spells, also as a resolver reads it
+    (2130706433, 0x7f.1, 0177.0.0.1); None for a host name."""
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9a-fx.]+", name) and re.search(r"\d", name):
+        try:
+            return ipaddress.ip_address(socket.inet_aton(name))
+        except OSError:
+            pass
+    return None
+
+
+def validate_host_name(
+    name: str, value: str, where: str, pattern: bool, wildcard: bool
+) -> None:
+    """Raise ArgumentError unless ``name`` (``value`` without its *. when
+    a ``wildcard``) is a host name the engine accepts and that names one
+    site: no top-level domain, public suffix or loopback name."""
     if "*" in name:
-        what = "hosts takes no wildcards; use hostPatterns"
-        what = "hostPatterns takes only *.domain" if pattern else what
+        if pattern:
+            what = "hostPatterns takes only *.domain"
+        else:
+            what = "hosts takes no wildcards; use hostPatterns"
         raise ArgumentError(f'"{where}" is {value!r}: {what}')
-    if len(name) > 253 or not all(
-        HOST_LABEL_RE.fullmatch(label) for label in labels
-    ):
+    labels = name.split(".")
+    well_formed = all(HOST_LABEL_RE.fullmatch(label) for label in labels)
+    if len(name) > 253 or not well_formed:
         raise ArgumentError(
-            f'"{where}" is not a host name: {value!r}. Pass a name such as pypi.org: letters, '
-            "digits and hyphens in dot-separated labels"
+            f'"{where}" is not a host name: {value!r}. Pass a name such as '
+            "pypi.org: letters, digits and hyphens in dot-separated labels"
         )
     if len(labels) < 2 or name in PUBLIC_SUFFIXES:
-        covers = (
-            "every host under it"
-            if not wildcard
-            else "every host in that domain"
-        )
+        if wildcard:
+            covers = "every host in that domain"
+        else:
+            covers = "every host under it"
         raise ArgumentError(
-            f'"{where}" is {value!r}, which would cover {covers} (a top-level domain or public '
-            "suffix, with sites of many owners); name a host such as pypi.org"
+            f'"{where}" is {value!r}, which would cover {covers} (a '
+            "top-level domain or public suffix, with sites of many owners); "
+            "name a host such as pypi.org"
         )
     if name == "localhost" or name.endswith(".localhost"):
         raise ArgumentError(
             f'"{where}" is {value!r}, a name of the host itself (loopback)'
         )
-    return host
 
 
 def egress_cidr(value: str, where: str, config: Config) -> str:
@@ -5514,20 +5736,22 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
         network = ipaddress.ip_network(value)
     except ValueError as err:
         raise ArgumentError(
-            f'"{where}" is not an address range: {value!r} ({err}). Pass one such as '
-            "203.0.113.7/32 or 10.0.0.0/8"
+            f'"{where}" is not an address range: {value!r} ({err}). Pass one '
+            "such as 203.0.113.7/32 or 10.0.0.0/8"
         ) from None
     widest = 8 if network.version == 4 else 32
     if network.prefixlen < widest:
         raise ArgumentError(
-            f'"{where}" is {value!r}, which covers {network.num_addresses} addresses; allow-egress '
-            f"takes ranges of /{widest} or narrower. For open egress, create a new machine with "
+            f'"{where}" is {value!r}, which covers {network.num_addresses} '
+            f"addresses; allow-egress takes ranges of /{widest} or narrower. "
+            "For open egress, create a new machine with "
             'network: "open" instead'
         )
     if why := egress_refusal(network, config):
         raise ArgumentError(
-            f'"{where}" is {value!r}, which no allow list may reach: {why}. An operator who '
-            "needs a private range lists it in egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
+            f'"{where}" is {value!r}, which no allow list may reach: {why}. '
+            "An operator who needs a private range lists it in "
+            "egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
         )
     return value
 
@@ -5535,43 +5759,24 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
 def egress_change(
     args: dict, before: dict, config: Config
 ) -> tuple[dict, dict]:
-    """(the UpdateEgressRequest body, the allow list it leaves) for allow-egress's arguments:
-    listed entries dropped, removals must be listed, no entry left (engine: allow all) refused."""
+    """(the UpdateEgressRequest body, the allow list it leaves) for
+    allow-egress's arguments: listed entries dropped, removals must be
+    listed, no entry left (engine: allow all) refused."""
     hosts = egress_entries(args, "hosts", config, False)
     patterns = egress_entries(args, "hostPatterns", config, True)
     cidrs = egress_entries(args, "cidrs", config)
     remove = args.get("remove", {})
-    if not (
-        hosts
-        or patterns
-        or cidrs
-        or remove.get("hosts")
-        or remove.get("cidrs")
-    ):
+    asked = (hosts, patterns, cidrs, remove.get("hosts"), remove.get("cidrs"))
+    if not any(asked):
         raise ArgumentError(
-            "allow-egress needs something to change: hosts, hostPatterns, cidrs, or remove "
-            "{hosts, cidrs}"
+            "allow-egress needs something to change: hosts, hostPatterns, "
+            "cidrs, or remove {hosts, cidrs}"
         )
-    removed_hosts, removed_cidrs = [], []  # written as the engine lists them
-    # host names match in any case, address ranges only as listed
-    for key, fold, removed in (
-        ("hosts", str.lower, removed_hosts),
-        ("cidrs", str, removed_cidrs),
-    ):
-        listed = {fold(entry): entry for entry in before[key]}
-        for i, entry in enumerate(remove.get(key, [])):
-            if fold(entry) not in listed:
-                raise ArgumentError(
-                    f'"remove.{key}[{i}]" ({entry!r}) is not on the allow list of this machine, '
-                    f"which lists {'hosts' if fold is str.lower else 'ranges'} "
-                    f"{before[key] or 'none'}; get-machine shows it"
-                )
-            removed.append(listed[fold(entry)])
+    removed_hosts, removed_cidrs = listed_removals(remove, before)
     kept_hosts = [h for h in before["hosts"] if h not in removed_hosts]
     kept_cidrs = [c for c in before["cidrs"] if c not in removed_cidrs]
-    known = {
-        host.lower() for host in kept_hosts
-    }  # hosts and patterns arrive lower-cased
+    # Hosts and patterns arrive lower-cased.
+    known = {host.lower() for host in kept_hosts}
     new_hosts = [h for h in dict.fromkeys(hosts) if h not in known]
     new_patterns = [
         p for p in dict.fromkeys(patterns) if p not in known.union(new_hosts)
@@ -5583,26 +5788,50 @@ def egress_change(
     }
     if not after["hosts"] and not after["cidrs"]:
         raise ArgumentError(
-            "this would remove every entry of the allow list, and the engine reads an empty list "
-            "as egress to every host; allow-egress never does that. Keep at least one entry, or "
-            'create a new machine with network: "open" if that is really wanted'
+            "this would remove every entry of the allow list, and the engine "
+            "reads an empty list as egress to every host; allow-egress never "
+            "does that. Keep at least one entry, or create a new machine "
+            'with network: "open" if that is really wanted'
         )
     body = dict(
         allowHosts=new_hosts,
         allowHostPatterns=new_patterns,
         allowCidrs=new_cidrs,
+        removeAllowHosts=removed_hosts,
+        removeAllowCidrs=removed_cidrs,
     )
-    body.update(removeAllowHosts=removed_hosts, removeAllowCidrs=removed_cidrs)
     return {key: value for key, value in body.items() if value}, after
+
+
+def listed_removals(remove: dict, before: dict) -> tuple[list[str], list[str]]:
+    """The host names and the address ranges ``remove`` takes off the
+    ``before`` allow list, written as the engine lists them (host names
+    match in any case, address ranges only as listed); raise
+    ArgumentError for an entry that is not listed."""
+    removed: dict[str, list[str]] = {"hosts": [], "cidrs": []}
+    for key, fold, what in (
+        ("hosts", str.lower, "hosts"),
+        ("cidrs", str, "ranges"),
+    ):
+        listed = {fold(entry): entry for entry in before[key]}
+        for i, entry in enumerate(remove.get(key, [])):
+            if fold(entry) not in listed:
+                raise ArgumentError(
+                    f'"remove.{key}[{i}]" ({entry!r}) is not on the allow '
+                    f"list of this machine, which lists {what} "
+                    f"{before[key] or 'none'}; get-machine shows it"
+                )
+            removed[key].append(listed[fold(entry)])
+    return removed["hosts"], removed["cidrs"]
 
 
 def egress_question(
     name: str, fleet: str, before: dict, body: dict, after: dict
 ) -> str:
-    """What the person is asked: exactly what changes, for which machine, and the list it leaves."""
-    removed = body.get("removeAllowHosts", []) + body.get(
-        "removeAllowCidrs", []
-    )
+    """What the person is asked: exactly what changes, for which machine,
+    and the list it leaves."""
+    removed = body.get("removeAllowHosts", [])
+    removed = removed + body.get("removeAllowCidrs", [])
     wording = (
         ("reach hosts {} (each with its subdomains)", body.get("allowHosts")),
         ("reach {}", body.get("allowHostPatterns")),
@@ -5612,44 +5841,51 @@ def egress_question(
     parts = [
         text.format(", ".join(entries)) for text, entries in wording if entries
     ]
-    now = "limited to " + ", ".join(before["hosts"] + before["cidrs"])
     if before["open"]:
         now = "open to every host (the allow list narrows it)"
     elif not before["hosts"] and not before["cidrs"]:
         now = "blocked (no egress at all)"
+    else:
+        now = "limited to " + ", ".join(before["hosts"] + before["cidrs"])
+    changes = "; and ".join(parts)
+    left = ", ".join(after["hosts"] + after["cidrs"])
     return (
-        f"The agent asks to change the egress of machine '{name}' on the {fleet} fleet so that it "
-        f"may {'; and '.join(parts)}. Its egress is now {now}; afterwards it is limited to "
-        f"{', '.join(after['hosts'] + after['cidrs'])}. Allow this change?"
+        f"The agent asks to change the egress of machine '{name}' on the "
+        f"{fleet} fleet so that it may {changes}. Its egress is now {now}; "
+        f"afterwards it is limited to {left}. Allow this change?"
     )
 
 
 @tool(
     "Change a machine's egress allow list",
-    "Let a local machine reach more hosts, host patterns or address ranges (or take entries "
-    "off its allow list), without opening egress to everything: an empty list is never sent "
-    "and allowAll is not offered. When the client can ask, the person confirms exactly what "
-    "changes first; a decline changes nothing. A machine with no allow list yet (blocked or "
-    "open) must be stopped first, and this tool never stops one. The result has the allow "
-    "list before and after. Local fleet only.",
+    "Let a local machine reach more hosts, host patterns or address ranges "
+    "(or take entries off its allow list), without opening egress to "
+    "everything: an empty list is never sent and allowAll is not offered. "
+    "When the client can ask, the person confirms exactly what changes "
+    "first; a decline changes nothing. A machine with no allow list yet "
+    "(blocked or open) must be stopped first, and this tool never stops "
+    "one. The result has the allow list before and after. Local fleet "
+    "only.",
     _input("name", name=ARG_NAME, **EGRESS_ARGS),
     _out(
         dict(machine=OUT_MACHINE, before=OUT_EGRESS, after=OUT_EGRESS)
         | _types("changed:boolean")
     ),
-    "manage: destructive",  # removals narrow it; a repeated removal is refused
+    # Removals narrow it; a repeated removal is refused.
+    "manage: destructive",
 )
 async def tool_allow_egress(call: Call, args: dict) -> dict:
     name = args["name"]
     if not call.fleet.amends_egress:
         raise ArgumentError(
-            "allow-egress is local only: the smol cloud API has no route to amend a machine's "
-            'egress. Create a new cloud machine with allowHosts/allowCidrs (or network: "open") '
-            "instead"
+            "allow-egress is local only: the smol cloud API has no route to "
+            "amend a machine's egress. Create a new cloud machine with "
+            'allowHosts/allowCidrs (or network: "open") instead'
         )
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
-    if not body:  # everything asked for is already on the list
+    if not body:
+        # Everything asked for is already on the list.
         same = {**after, "open": False}
         return {
             "machine": record,
@@ -5657,20 +5893,41 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
             "after": same,
             "changed": False,
         }
-    if record["state"] in RUNNING_STATES and not (
-        before["hosts"] or before["cidrs"]
-    ):
-        # The engine would answer 409: say so now rather than ask the person for nothing.
+    has_list = before["hosts"] or before["cidrs"]
+    if record["state"] in RUNNING_STATES and not has_list:
+        # The engine would answer 409: say so now rather than ask the
+        # person for nothing.
         kind = "open" if before["open"] else "blocked"
         raise SmolError(
-            f"machine '{name}' is running with {kind} egress and no allow list yet, "
-            f"so nothing was changed or asked. {EGRESS_409_HINT}"
+            f"machine '{name}' is running with {kind} egress and no allow "
+            f"list yet, so nothing was changed or asked. {EGRESS_409_HINT}"
         )
+    await confirm_egress_change(call, name, before, body, after)
+    try:
+        record, applied = await call.api(call.fleet.update_egress, name, body)
+    except ApiError as err:
+        if err.status == 409:
+            raise err.with_hint(EGRESS_409_HINT) from None
+        raise
+    # The lists the engine answered are the truth (and what an activity log
+    # records as "after").
+    return {
+        "machine": record,
+        "before": before,
+        "after": applied,
+        "changed": True,
+    }
+
+
+async def confirm_egress_change(
+    call: Call, name: str, before: dict, body: dict, after: dict
+) -> None:
+    """Ask the person to allow the change ``body`` makes; raise SmolError
+    when they decline. A client that cannot ask lets it through."""
     question = egress_question(name, call.fleet.name, before, body, after)
-    binding = json.dumps(
-        [name, body], sort_keys=True
-    )  # what is confirmed: no answer is replayed
-    ask = (
+    # What is confirmed: no answer is replayed.
+    binding = json.dumps([name, body], sort_keys=True)
+    allowed = await call.app.confirm(
         call.ctx,
         call.params,
         call.session,
@@ -5678,24 +5935,12 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
         binding,
         EGRESS_QUESTION_SCHEMA,
     )
-    if await call.app.confirm(*ask) is False:  # None: the client cannot ask
+    # None: the client cannot ask.
+    if allowed is False:
         raise SmolError(
-            f"The person did not allow the egress change for machine '{name}'; nothing changed. "
-            "Do not ask again unless they say so."
+            f"The person did not allow the egress change for machine "
+            f"'{name}'; nothing changed. Do not ask again unless they say so."
         )
-    try:
-        record, applied = await call.api(call.fleet.update_egress, name, body)
-    except ApiError as err:
-        if err.status == 409:
-            raise err.with_hint(EGRESS_409_HINT) from None
-        raise
-    # The lists the engine answered are the truth (and what an activity log records as "after").
-    return {
-        "machine": record,
-        "before": before,
-        "after": applied,
-        "changed": True,
-    }
 
 
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
