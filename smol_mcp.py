@@ -11259,61 +11259,105 @@ SETUP_CLIENTS = (
 
 
 def invocation() -> str:
-    """The command the user ran this program as (`smol-mcp`, `uv run` or `python3` a file)."""
-    arg0 = sys.argv[0] if sys.argv and sys.argv[0] else "smol-mcp"
-    if not arg0.endswith(".py"):
+    """Return the command the user ran this program as.
+
+    That is `smol-mcp`, or `uv run` or `python3` followed by a file.
+    """
+    if not sys.argv or not sys.argv[0].endswith(".py"):
         return "smol-mcp"
-    return f"{'uv run' if os.environ.get('UV') else 'python3'} {shlex.quote(arg0)}"
+    runner = "uv run" if os.environ.get("UV") else "python3"
+    return f"{runner} {shlex.quote(sys.argv[0])}"
 
 
-# The text after --help's options; each setting's variable comes from its declaration.
+# The text after --help's options; each setting's variable comes from its
+# declaration. Each line of the output starts a line here.
 EPILOG_VALUES = {
     "tokens_default": Config.reply_tokens,
     "fleets": " | ".join(FLEETS),
 }
-HELP_EPILOG = """\
-environment (each also a camelCase key in ~/.config/smol-mcp/config.json):
-  {smolvm:<28}the smolvm binary (default: smolvm on PATH, else the
-                              smol/smol-vmm of an installed smolmachines package)
-  {local_url:<28}use a running serve (unix:///abs.sock) instead of starting one
-  {targets:<28}auto | {fleets} | both (auto: both when a cloud key is set)
-  {cloud_token:<28}the smol cloud account key (a secret: never copied anywhere)
-  {network_default:<28}blocked | open: egress of a machine when a call says nothing
-  {reply_tokens:<28}the most a tool result may cost a model, in tokens ({tokens_default})
-  {auth_token:<28}required by --http: the token clients send as a Bearer
-  SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root with /dev/kvm at mode 0600
-  SMOL_MCP_CONFIG             another config file; the README has every setting
+HELP_EPILOG = (
+    "environment (each also a camelCase key in"
+    " ~/.config/smol-mcp/config.json):\n"
+    "  {smolvm:<28}the smolvm binary (default: smolvm on PATH, else the\n"
+    "                              smol/smol-vmm of an installed"
+    " smolmachines package)\n"
+    "  {local_url:<28}use a running serve (unix:///abs.sock) instead of"
+    " starting one\n"
+    "  {targets:<28}auto | {fleets} | both (auto: both when a cloud key is"
+    " set)\n"
+    "  {cloud_token:<28}the smol cloud account key (a secret: never copied"
+    " anywhere)\n"
+    "  {network_default:<28}blocked | open: egress of a machine when a call"
+    " says nothing\n"
+    "  {reply_tokens:<28}the most a tool result may cost a model, in tokens"
+    " ({tokens_default})\n"
+    "  {auth_token:<28}required by --http: the token clients send as a"
+    " Bearer\n"
+    "  SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root"
+    " with /dev/kvm at mode 0600\n"
+    "  SMOL_MCP_CONFIG             another config file; the README has"
+    " every setting\n"
+    "\n"
+    "examples:\n"
+    "  smol-mcp doctor                        what works on this host, and"
+    " what to do if not\n"
+    "  smol-mcp doctor --probe                create, start, run true in"
+    " and delete a machine\n"
+    "  smol-mcp setup claude-code --write     add the server to this"
+    " project's .mcp.json\n"
+    "  smol-mcp operator set-password         let --http clients connect"
+    " by URL (OAuth, a consent page)\n"
+    "  SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http"
+    " --port 8080\n"
+).format_map({s.attr: s.env for s in SETTINGS} | EPILOG_VALUES)
 
-examples:
-  smol-mcp doctor                        what works on this host, and what to do if not
-  smol-mcp doctor --probe                create, start, run true in and delete a machine
-  smol-mcp setup claude-code --write     add the server to this project's .mcp.json
-  smol-mcp operator set-password         let --http clients connect by URL (OAuth, a consent page)
-  SMOL_MCP_AUTH_TOKEN=$(openssl rand -hex 16) smol-mcp --http --port 8080
-""".format_map({s.attr: s.env for s in SETTINGS} | EPILOG_VALUES)
 
-
-def parse_args(argv: list[str]):
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Return the parsed command line; exit with a usage error if wrong."""
     parser = argparse.ArgumentParser(
         prog=invocation(),
-        description="An MCP server that gives an AI agent microVMs (smol machines) to work in. "
-        "Serves MCP over stdio by default.",
+        description=(
+            "An MCP server that gives an AI agent microVMs (smol machines)"
+            " to work in. Serves MCP over stdio by default."
+        ),
         epilog=HELP_EPILOG.replace("smol-mcp ", invocation() + " "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_main_options(parser)
+    helpers = parser.add_subparsers(dest="command")
+    add_doctor_parser(helpers)
+    add_setup_parser(helpers)
+    add_parity_parser(helpers)
+    token_commands = add_tokens_parser(helpers)
+    add_activity_parser(helpers)
+    approval_commands = add_approvals_parser(helpers)
+    add_operator_parser(helpers)
+    # usage and errors list them
+    for commands in (helpers, token_commands, approval_commands):
+        commands.metavar = "{" + ",".join(commands.choices) + "}"
+    args = parser.parse_args(argv)
+    check_usage(parser, args)
+    return args
+
+
+def add_flag(command: argparse.ArgumentParser, name: str, text: str) -> None:
+    """Add an option that is off unless given."""
+    command.add_argument(name, action="store_true", help=text)
+
+
+def add_json_flag(
+    command: argparse.ArgumentParser, what: str = "a JSON array"
+) -> None:
+    """Add --json, which prints ``what`` instead of text for a person."""
+    add_flag(command, "--json", f"print {what}, for scripts")
+
+
+def add_main_options(parser: argparse.ArgumentParser) -> None:
+    """Add --version, and --http with the options that go with it."""
     parser.add_argument(
         "--version", action="version", version=f"smol-mcp {__version__}"
     )
-
-    def flag(command: argparse.ArgumentParser, name: str, text: str) -> None:
-        command.add_argument(name, action="store_true", help=text)
-
-    def json_flag(
-        command: argparse.ArgumentParser, what: str = "a JSON array"
-    ) -> None:
-        flag(command, "--json", f"print {what}, for scripts")
-
-    flag(parser, "--http", "serve Streamable HTTP instead of stdio")
+    add_flag(parser, "--http", "serve Streamable HTTP instead of stdio")
     parser.add_argument(
         "--host", help="with --http: address to bind (default 127.0.0.1)"
     )
@@ -11323,36 +11367,72 @@ def parse_args(argv: list[str]):
     parser.add_argument(
         "--path", help="with --http: endpoint path (default /mcp)"
     )
-    helpers = parser.add_subparsers(dest="command")
-    doctor_help = (
-        "say whether each fleet works on this host, and what to do if not"
+
+
+def add_doctor_parser(helpers) -> None:
+    """Add `doctor [--probe]` to the subcommands ``helpers``."""
+    text = "say whether each fleet works on this host, and what to do if not"
+    doctor = helpers.add_parser("doctor", help=text)
+    probe = (
+        "also create, start, run `true` in and delete a throwaway local"
+        " machine"
     )
-    probe_help = "also create, start, run `true` in and delete a throwaway local machine"
-    flag(helpers.add_parser("doctor", help=doctor_help), "--probe", probe_help)
-    setup_help = "print (or --write) the configuration for an MCP client"
-    setup = helpers.add_parser("setup", help=setup_help)
+    add_flag(doctor, "--probe", probe)
+
+
+def add_setup_parser(helpers) -> None:
+    """Add `setup CLIENT` and its options."""
+    text = "print (or --write) the configuration for an MCP client"
+    setup = helpers.add_parser("setup", help=text)
     setup.add_argument("client", choices=SETUP_CLIENTS)
-    flag(
-        setup,
-        "--write",
-        "merge it into the client's config file (backup first)",
+    write = "merge it into the client's config file (backup first)"
+    add_flag(setup, "--write", write)
+    add_flag(setup, "--force", "with --write: replace an existing smol entry")
+    url = (
+        "an entry for a smol-mcp --http server at URL instead of a local"
+        " stdio one"
     )
-    flag(setup, "--force", "with --write: replace an existing smol entry")
-    url_help = "an entry for a smol-mcp --http server at URL instead of a local stdio one"
-    setup.add_argument("--http", dest="http_url", metavar="URL", help=url_help)
-    oauth_help = "with --http: an entry without a secret; the client signs in through the browser"
-    flag(setup, "--oauth", oauth_help)
-    parity_help = (
+    setup.add_argument("--http", dest="http_url", metavar="URL", help=url)
+    oauth = (
+        "with --http: an entry without a secret; the client signs in"
+        " through the browser"
+    )
+    add_flag(setup, "--oauth", oauth)
+
+
+def add_parity_parser(helpers) -> None:
+    """Add `parity`."""
+    text = (
         "compare the routes this server calls with the running serve's OpenAPI"
     )
-    helpers.add_parser("parity", help=parity_help)
-    tokens = helpers.add_parser(
-        "tokens", help="create, list and delete the named tokens of --http"
+    helpers.add_parser("parity", help=text)
+
+
+def add_tokens_parser(helpers):
+    """Add `tokens` and its commands; return those (usage lists them)."""
+    text = "create, list and delete the named tokens of --http"
+    tokens = helpers.add_parser("tokens", help=text)
+    commands = tokens.add_subparsers(dest="tokens_command", required=True)
+    add_token_create_parser(commands)
+    listing = commands.add_parser(
+        "list", help="show every token, never a secret"
     )
-    token_commands = tokens.add_subparsers(
-        dest="tokens_command", required=True
+    add_json_flag(listing)
+    text = "cut a token off; a running server refuses it at once"
+    commands.add_parser("delete", help=text).add_argument("name")
+    text = (
+        "end a token's auto-approval (`approvals approve --auto-for` starts"
+        " one)"
     )
-    create = token_commands.add_parser(
+    auto = commands.add_parser("auto-approve", help=text)
+    auto.add_argument("name", help="a token name, or stdio")
+    auto.add_argument("state", choices=("off",))
+    return commands
+
+
+def add_token_create_parser(commands) -> None:
+    """Add `tokens create NAME` and its options."""
+    create = commands.add_parser(
         "create", help="make a token; its secret is shown once"
     )
     create.add_argument(
@@ -11367,32 +11447,26 @@ def parse_args(argv: list[str]):
         f"{name}: {scopes}" for name, scopes in SCOPE_PRESETS.items()
     )
     chosen.add_argument("--preset", choices=SCOPE_PRESETS, help=presets)
-    fleets_help = f"the fleets it may use: {', '.join(FLEETS)} or {','.join(FLEETS)} (default both)"
-    create.add_argument("--targets", help=fleets_help)
-    changes_help = (
+    fleets = (
+        f"the fleets it may use: {', '.join(FLEETS)} or {','.join(FLEETS)}"
+        " (default both)"
+    )
+    create.add_argument("--targets", help=fleets)
+    changes = (
         "changes: changing calls wait for a person (recorded with the token)"
     )
     create.add_argument(
-        "--approval", choices=APPROVAL_MODES, default="none", help=changes_help
+        "--approval", choices=APPROVAL_MODES, default="none", help=changes
     )
-    client_help = "also print that client's entry for it"
-    create.add_argument("--client", choices=SETUP_CLIENTS, help=client_help)
-    url_help = (
-        "the server URL for --client (default: httpHost, httpPort, httpPath)"
-    )
-    create.add_argument("--url", help=url_help)
-    json_flag(create, "one JSON object")
-    json_flag(
-        token_commands.add_parser(
-            "list", help="show every token, never a secret"
-        )
-    )
-    delete_help = "cut a token off; a running server refuses it at once"
-    token_commands.add_parser("delete", help=delete_help).add_argument("name")
-    auto_help = "end a token's auto-approval (`approvals approve --auto-for` starts one)"
-    auto = token_commands.add_parser("auto-approve", help=auto_help)
-    auto.add_argument("name", help="a token name, or stdio")
-    auto.add_argument("state", choices=("off",))
+    client = "also print that client's entry for it"
+    create.add_argument("--client", choices=SETUP_CLIENTS, help=client)
+    url = "the server URL for --client (default: httpHost, httpPort, httpPath)"
+    create.add_argument("--url", help=url)
+    add_json_flag(create, "one JSON object")
+
+
+def add_activity_parser(helpers) -> None:
+    """Add `activity` and its filters."""
     activity = helpers.add_parser(
         "activity", help="show what agents changed (the activity log)"
     )
@@ -11403,34 +11477,37 @@ def parse_args(argv: list[str]):
     activity.add_argument(
         "--since", help="only the last period, such as 15m, 1h or 7d"
     )
-    json_flag(activity)
-    latest = ACTIVITY_RESOURCE_ENTRIES
+    add_json_flag(activity)
     activity.add_argument(
-        "--limit", type=int, default=latest, help="the latest N entries"
+        "--limit",
+        type=int,
+        default=ACTIVITY_RESOURCE_ENTRIES,
+        help="the latest N entries",
     )
+
+
+def add_approvals_parser(helpers):
+    """Add `approvals` and its commands; return those (usage lists them)."""
     approvals = helpers.add_parser(
         "approvals", help="list, approve and deny calls that wait"
     )
-    approval_commands = approvals.add_subparsers(
+    commands = approvals.add_subparsers(
         dest="approvals_command", required=True
     )
-    json_flag(
-        approval_commands.add_parser(
-            "list", help="the calls that wait for a person"
-        )
+    listing = commands.add_parser(
+        "list", help="the calls that wait for a person"
     )
-    approve = approval_commands.add_parser(
-        "approve", help="let a waiting call run"
-    )
+    add_json_flag(listing)
+    approve = commands.add_parser("approve", help="let a waiting call run")
     approve.add_argument("id")
-    auto_for_help = (
+    auto_for = (
         "also let this token run changing tools without asking for this long"
     )
     approve.add_argument(
-        "--auto-for", choices=tuple(AUTO_APPROVE_PERIODS), help=auto_for_help
+        "--auto-for", choices=tuple(AUTO_APPROVE_PERIODS), help=auto_for
     )
-    flag(approve, "--yes", "with --auto-for: release the rest")
-    deny = approval_commands.add_parser(
+    add_flag(approve, "--yes", "with --auto-for: release the rest")
+    deny = commands.add_parser(
         "deny", help="refuse a waiting call; nothing runs"
     )
     deny.add_argument("id")
@@ -11439,22 +11516,31 @@ def parse_args(argv: list[str]):
         default="",
         help="told to the agent and kept in the activity log",
     )
-    operator_help = "the person who signs in to the pages of --http and consents to clients"
-    operator = helpers.add_parser("operator", help=operator_help)
-    password_help = (
+    return commands
+
+
+def add_operator_parser(helpers) -> None:
+    """Add `operator set-password|link`."""
+    text = (
+        "the person who signs in to the pages of --http and consents to"
+        " clients"
+    )
+    operator = helpers.add_parser("operator", help=text)
+    password = (
         "set-password: read a password from stdin (no echo at a terminal)"
     )
-    sign_in_help = f"{password_help}; link: print a one-time sign-in URL, good for 10 minutes"
+    link = "link: print a one-time sign-in URL, good for 10 minutes"
     operator.add_argument(
-        "operator_command", choices=("set-password", "link"), help=sign_in_help
+        "operator_command",
+        choices=("set-password", "link"),
+        help=f"{password}; {link}",
     )
-    for commands in (
-        helpers,
-        token_commands,
-        approval_commands,
-    ):  # usage and errors list them
-        commands.metavar = "{" + ",".join(commands.choices) + "}"
-    args = parser.parse_args(argv)
+
+
+def check_usage(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> None:
+    """Exit through parser.error when options do not go together."""
     if (args.command or not args.http) and (
         args.host or args.port or args.path
     ):
@@ -11469,195 +11555,270 @@ def parse_args(argv: list[str]):
     if url and not url.startswith(("http://", "https://")):
         example = "http://b.local:8080/mcp"
         parser.error(
-            f"setup --http takes the server's URL, such as {example}; got {url!r}"
+            f"setup --http takes the server's URL, such as {example};"
+            f" got {url!r}"
         )
-    return args
 
 
 # -- doctor ------------------------------------------------------------------
-# Commands a person copies whole, so a line may be longer than the code's 100 columns.
+# The directories an installed package lives in (pip's, uv's).
+PACKAGE_DIRS = ("site-packages", "dist-packages")
+
+
+def is_installed(path: Path) -> bool:
+    """Return whether ``path`` lies in an installed package's directory."""
+    return any(part in PACKAGE_DIRS for part in path.parts)
+
+
 def engine_get_command(here: Path, prefix: str) -> str:
-    """How to add the engine wheel to this server the way it was installed."""
-    if not any(
-        part in ("site-packages", "dist-packages") for part in here.parts
-    ):
+    """Return how to add the engine wheel the way this server was installed.
+
+    ``here`` is this file, ``prefix`` the sys.prefix of its Python.
+    """
+    if not is_installed(here):
         return f"uv run --with smolmachines==1.32.2 {here} doctor"
     if "/uv/tools/" in prefix + "/":
-        return "uv tool install --force --with smolmachines==1.32.2 smol-mcp  # or your source"
-    return f"{Path(prefix) / 'bin' / 'python'} -m pip install smolmachines==1.32.2"
+        return (
+            "uv tool install --force --with smolmachines==1.32.2 smol-mcp"
+            "  # or your source"
+        )
+    python = Path(prefix) / "bin" / "python"
+    return f"{python} -m pip install smolmachines==1.32.2"
 
 
-ENGINE_ON_RAMP = """\
-  get an engine (smolvm 1.32.2 is the smol/smol-vmm binary inside the smolmachines wheel):
-    {get}
-        (then run the server the same way, or let `setup` carry the engine's path into the entry)
-  or unpack the wheel once and point SMOLVM at it:
-    python3 -m pip download --no-deps smolmachines==1.32.2 -d /tmp/smolmachines-wheel
-    python3 -m zipfile -e /tmp/smolmachines-wheel/smolmachines-1.32.2-*.whl ~/.local/share/smolmachines
-    chmod +x ~/.local/share/smolmachines/smol/smol-vmm
-    export SMOLVM=~/.local/share/smolmachines/smol/smol-vmm"""  # noqa: E501
+# What doctor prints when there is no engine: commands a person copies
+# whole, each printed on one line however the source splits it.
+ENGINE_ON_RAMP = (
+    "  get an engine (smolvm 1.32.2 is the smol/smol-vmm binary inside the"
+    " smolmachines wheel):\n"
+    "    {get}\n"
+    "        (then run the server the same way, or let `setup` carry the"
+    " engine's path into the entry)\n"
+    "  or unpack the wheel once and point SMOLVM at it:\n"
+    "    python3 -m pip download --no-deps smolmachines==1.32.2"
+    " -d /tmp/smolmachines-wheel\n"
+    "    python3 -m zipfile -e"
+    " /tmp/smolmachines-wheel/smolmachines-1.32.2-*.whl"
+    " ~/.local/share/smolmachines\n"
+    "    chmod +x ~/.local/share/smolmachines/smol/smol-vmm\n"
+    "    export SMOLVM=~/.local/share/smolmachines/smol/smol-vmm"
+)
 
 
 def doctor(app: SmolMcp, probe: bool = False) -> int:
-    """Print smol://targets for a person (``probe``: try a machine too); 0 if served fleets work."""
+    """Print smol://targets for a person; return 0 if served fleets work.
+
+    With ``probe``, also take a throwaway local machine through its life
+    (probe_local): what it found outranks the checks.
+    """
     document = targets_document(app)
     mode = f"mode {document['mode']} (SMOL_MCP_TARGETS={app.config.targets})"
     print(f"smol-mcp {__version__}: {mode}")
-    usable = {}  # of each served fleet
+    # whether each served fleet is usable
+    usable = {}
     for name, facts in document["fleets"].items():
         if not facts["served"]:
             print(f"\n{name}: not served ({facts['reason']})")
             continue
-        details, advice = FLEETS[name].doctor_report(app, facts)
+        print_fleet_report(app, name, facts)
         usable[name] = facts["usable"]
-        print(f"\n{name}: {'usable' if facts['usable'] else 'NOT USABLE'}")
-        for line in details:
-            print(f"  {line}")
-        if facts["reason"]:
-            print(
-                f"  {'note' if facts['usable'] else 'to do'}: {facts['reason']}"
-            )
-        for line in advice:
-            print(line)
     if probe:
         local = app.local.name
         if local not in app.fleets:
             unserved = f"the {local} fleet is not served (SMOL_MCP_TARGETS)"
             print(f"\nprobe: {unserved}, so there is nothing to probe")
             return 1
-        usable[local] = probe_local(
-            app, document["fleets"][local]
-        )  # outranks the checks above
+        # a machine that ran outranks the checks above
+        usable[local] = probe_local(app, document["fleets"][local])
     print(f"\ntokens: {tokens_file_report(app.config)}")
     print(f"oauth: {oauth_report(app.config)}")
     return 0 if all(usable.values()) else 1
 
 
+def print_fleet_report(app: SmolMcp, name: str, facts: dict) -> None:
+    """Print what doctor found about one served fleet, then its advice."""
+    details, advice = FLEETS[name].doctor_report(app, facts)
+    verdict = "usable" if facts["usable"] else "NOT USABLE"
+    print(f"\n{name}: {verdict}")
+    for line in details:
+        print(f"  {line}")
+    if facts["reason"]:
+        heading = "note" if facts["usable"] else "to do"
+        print(f"  {heading}: {facts['reason']}")
+    for line in advice:
+        print(line)
+
+
 def probe_local(app: SmolMcp, facts: dict) -> bool:
-    """Create, start, run `true` in and delete a machine: what the host does, not just allows."""
-    fleet, config = app.local, app.config
-    name = f"{config.machine_prefix}probe-{secrets_module.token_hex(3)}"
+    """Take a throwaway local machine through its life; return if it ran.
+
+    The probe creates, starts, runs `true` in and deletes a machine: what
+    the host does, not just what it allows. ``facts`` are the checks'
+    findings for the local fleet, quoted when the probe contradicts them.
+    """
+    probe = LocalProbe(app)
     print(
-        f"\nprobe: machine {name} (no image, no network; deleted at the end)"
+        f"\nprobe: machine {probe.name} (no image, no network;"
+        " deleted at the end)"
     )
-
-    def step(label: str, action: Callable[[], Any]) -> bool:
-        started = time.monotonic()
-        try:
-            action()
-        except SmolError as err:
-            boot = is_boot_failure(
-                err
-            )  # the machine is deleted below: the report quotes its log
-            try:
-                lines = (
-                    fleet.console_lines(name)[-BOOT_LOG_LINES:]
-                    if boot
-                    else None
-                )
-            except SmolError:
-                lines = []
-            text = redact(
-                str(explain_start_failure(err, "blocked", lines)),
-                config.secret_values(),
-            )
-            print(
-                f"  {label:<8} FAILED after {time.monotonic() - started:.1f} s: {text}"
-            )
-            return False
-        print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
-        return True
-
-    def wait_ready() -> None:
-        limit = config.ready_timeout_secs
-        deadline = time.monotonic() + limit
-        while (answer := fleet.probe_ready(name)) is not None:
-            if time.monotonic() > deadline:
-                late = f"the guest did not run a command within {limit} s (readyTimeoutSecs)"
-                raise SmolError(f"{late}; its last answer: {answer}")
-            time.sleep(0.5)
-
-    def run_true() -> None:
-        result = fleet.exec(name, ["true"], timeout_secs=30)
-        if result.exit_code != 0:
-            stderr = result.stderr.decode("utf-8", "replace")
-            raise SmolError(f"`true` exited with {result.exit_code}: {stderr}")
-
-    def delete() -> None:
-        try:
-            fleet.delete_machine(name)
-        except ApiError as err:
-            if (
-                created or err.status != 404
-            ):  # interrupted before the machine was made
-                raise
-
-    created = ok = interrupted = False
-    machine = {"name": name, "cpus": 1, "memoryMb": 512, "network": False}
-    what = f"create machine '{name}'"
-    create = functools.partial(
-        fleet.request, what, "POST", "/api/v1/machines", machine
-    )
-    fleet.acquire()
-    try:
-        ok = step("serve", fleet.ensure_serve)
-        created = ok and step("create", create)
-        ok = created and step("start", lambda: fleet.start_machine(name))
-        ok = ok and step("ready", wait_ready)
-        ok = ok and step("run", run_true)
-    except KeyboardInterrupt:
-        interrupted = (
-            True  # Ctrl-C: perhaps mid-create, so the machine may exist
-        )
-        raise
-    finally:
-        if created or interrupted:
-            ok = step("delete", delete) and ok
-        fleet.release()
-    doubt = f" (the check above said NOT USABLE: {facts['reason']})" * (
-        ok and not facts["usable"]
-    )
+    ok = probe.run()
+    doubt = ""
+    if ok and not facts["usable"]:
+        doubt = f" (the check above said NOT USABLE: {facts['reason']})"
+    can = "can" if ok else "cannot"
     print(
-        f"  result: the {fleet.name} fleet {'can' if ok else 'cannot'} run machines here{doubt}"
+        f"  result: the {probe.fleet.name} fleet {can} run machines"
+        f" here{doubt}"
     )
     return ok
 
 
+class LocalProbe:
+    """A throwaway machine on the local fleet, taken a step at a time."""
+
+    def __init__(self, app: SmolMcp):
+        self.fleet = app.local
+        self.config = app.config
+        prefix = self.config.machine_prefix
+        self.name = f"{prefix}probe-{secrets_module.token_hex(3)}"
+        self.created = False
+
+    def run(self) -> bool:
+        """Take each step, printing how it went; return if all worked.
+
+        The machine is deleted at the end if it was made, or perhaps made
+        (Ctrl-C mid-create), whatever happened to the steps.
+        """
+        fleet = self.fleet
+        ok = False
+        interrupted = False
+        fleet.acquire()
+        try:
+            ok = self.step("serve", fleet.ensure_serve)
+            self.created = ok and self.step("create", self.create)
+            ok = self.created and self.step("start", self.start)
+            ok = ok and self.step("ready", self.wait_ready)
+            ok = ok and self.step("run", self.run_true)
+        except KeyboardInterrupt:
+            # Ctrl-C: perhaps mid-create, so the machine may exist
+            interrupted = True
+            raise
+        finally:
+            if self.created or interrupted:
+                ok = self.step("delete", self.delete) and ok
+            fleet.release()
+        return ok
+
+    def step(self, label: str, action: Callable[[], Any]) -> bool:
+        """Run one step, printing its time; return False if it failed."""
+        started = time.monotonic()
+        try:
+            action()
+        except SmolError as err:
+            text = self.failure_text(err)
+            took = time.monotonic() - started
+            print(f"  {label:<8} FAILED after {took:.1f} s: {text}")
+            return False
+        print(f"  {label:<8} ok in {time.monotonic() - started:.1f} s")
+        return True
+
+    def failure_text(self, err: SmolError) -> str:
+        """Return why a step failed, quoting the boot log if it failed to boot.
+
+        The log is read now: the machine is deleted at the end.
+        """
+        lines = None
+        if is_boot_failure(err):
+            try:
+                lines = self.fleet.console_lines(self.name)[-BOOT_LOG_LINES:]
+            except SmolError:
+                lines = []
+        explained = explain_start_failure(err, "blocked", lines)
+        return redact(str(explained), self.config.secret_values())
+
+    def create(self) -> None:
+        """Create the machine: no image, no network."""
+        machine = {
+            "name": self.name,
+            "cpus": 1,
+            "memoryMb": 512,
+            "network": False,
+        }
+        what = f"create machine '{self.name}'"
+        self.fleet.request(what, "POST", "/api/v1/machines", machine)
+
+    def start(self) -> None:
+        self.fleet.start_machine(self.name)
+
+    def wait_ready(self) -> None:
+        """Wait until the guest runs a command; raise SmolError if too late."""
+        limit = self.config.ready_timeout_secs
+        deadline = time.monotonic() + limit
+        while (answer := self.fleet.probe_ready(self.name)) is not None:
+            if time.monotonic() > deadline:
+                late = (
+                    f"the guest did not run a command within {limit} s"
+                    " (readyTimeoutSecs)"
+                )
+                raise SmolError(f"{late}; its last answer: {answer}")
+            time.sleep(0.5)
+
+    def run_true(self) -> None:
+        """Run `true` in the guest; raise SmolError if it exits non-zero."""
+        result = self.fleet.exec(self.name, ["true"], timeout_secs=30)
+        if result.exit_code != 0:
+            stderr = result.stderr.decode("utf-8", "replace")
+            raise SmolError(f"`true` exited with {result.exit_code}: {stderr}")
+
+    def delete(self) -> None:
+        """Delete the machine; a 404 is fine if it was never made."""
+        try:
+            self.fleet.delete_machine(self.name)
+        except ApiError as err:
+            # not found, and not created: interrupted before it was made
+            if self.created or err.status != 404:
+                raise
+
+
 # -- setup -------------------------------------------------------------------
 def launch_command() -> list[str]:
-    """The client's command, absolute (GUIs lack the shell's PATH): script, else uv, else python."""
+    """Return the client's command, absolute: GUIs lack the shell's PATH.
+
+    That is the installed `smol-mcp` script, else `uv run --script` this
+    file, else this Python running it.
+    """
     here = Path(__file__).resolve()
-    if any(part in ("site-packages", "dist-packages") for part in here.parts):
-        beside = (
-            Path(sys.executable).parent / "smol-mcp"
-        )  # works without the environment activated
-        if (
-            script := str(beside)
-            if beside.exists()
-            else shutil.which("smol-mcp")
-        ):
+    if is_installed(here):
+        # beside this Python, it works without the environment activated
+        script = Path(sys.executable).parent / "smol-mcp"
+        if not script.exists():
+            script = shutil.which("smol-mcp")
+        if script:
             return [str(Path(script).absolute())]
     if uv := shutil.which("uv"):
         return [str(Path(uv).absolute()), "run", "--script", str(here)]
     return [str(Path(sys.executable).absolute()), str(here)]
 
 
-# Referenced in an entry, never copied (project files get committed); a webhook URL is a secret.
+# Referenced in an entry, never copied (project files get committed); a
+# webhook URL is a secret.
 SECRET_ENVS = (
     "SMOL_CLOUD_TOKEN",
     "SMOL_MCP_AUTH_TOKEN",
     "SMOL_MCP_APPROVAL_WEBHOOK",
 )
-ENGINE_ENVS = (
-    "SMOLVM_VM_UID_DROP",
-    "SMOLVM_LIB_DIR",
-)  # read by smolvm itself, not by smol-mcp
+# Read by smolvm itself, not by smol-mcp.
+ENGINE_ENVS = ("SMOLVM_VM_UID_DROP", "SMOLVM_LIB_DIR")
 
 
 def entry_environment(
     environ: dict[str, str],
 ) -> tuple[dict[str, str], list[str]]:
-    """(a stdio entry's env, its secrets' names): what is set here, so doctor's checks hold."""
+    """Return a stdio entry's env, and the names of the secrets set here.
+
+    The env holds the settings made here, so that doctor's checks hold
+    for the client too; a secret is named, never copied.
+    """
     env = {
         s.env: environ[s.env]
         for s in SETTINGS
@@ -11666,30 +11827,51 @@ def entry_environment(
     env.update(
         {name: environ[name] for name in ENGINE_ENVS if name in environ}
     )
-    if config_file_path(
-        environ
-    ).exists():  # perhaps through XDG_CONFIG_HOME: a client may lack it
-        env["SMOL_MCP_CONFIG"] = str(config_file_path(environ).absolute())
+    # perhaps found through XDG_CONFIG_HOME, which a client may lack
+    config_file = config_file_path(environ)
+    if config_file.exists():
+        env["SMOL_MCP_CONFIG"] = str(config_file.absolute())
     if not environ.get("SMOL_LOCAL_URL"):
-        configured = environ.get("SMOLVM", Config.smolvm)
-        on_path = shutil.which(configured, path=environ.get("PATH"))
-        found = configured if os.sep in configured else on_path
-        if found is None and configured == Config.smolvm:
-            found = wheel_engine()
-        if found:
-            env["SMOLVM"] = str(Path(found).absolute())
+        engine = engine_path(environ)
+        if engine:
+            env["SMOLVM"] = engine
     return env, [name for name in SECRET_ENVS if environ.get(name)]
 
 
+def engine_path(environ: dict[str, str]) -> str | None:
+    """Return the absolute path of the smolvm a server would run, or None."""
+    configured = environ.get("SMOLVM", Config.smolvm)
+    if os.sep in configured:
+        found = configured
+    else:
+        found = shutil.which(configured, path=environ.get("PATH"))
+    if found is None and configured == Config.smolvm:
+        found = wheel_engine()
+    if not found:
+        return None
+    return str(Path(found).absolute())
+
+
 def codex_timeouts(config: Config) -> dict[str, int]:
-    """Codex's 10 s to start, 60 s a call: too short for a first `uv run`, a create, a command."""
-    longest = config.serve_start_timeout_secs + config.ready_timeout_secs + 60
-    longest += config.max_exec_timeout_secs
+    """Return an entry's timeouts for Codex, in seconds.
+
+    Codex allows 10 s to start and 60 s a call: too short for a first
+    `uv run`, a create or a command.
+    """
+    longest = (
+        config.serve_start_timeout_secs
+        + config.ready_timeout_secs
+        + config.max_exec_timeout_secs
+        + 60
+    )
     return {"startup_timeout_sec": 60, "tool_timeout_sec": longest}
 
 
 def secret_reference(client: str, name: str) -> str | None:
-    """How the client's config names an environment variable (None: Claude Desktop cannot)."""
+    """Return how the client's config names an environment variable.
+
+    None for Claude Desktop, which cannot.
+    """
     form = {
         "claude-code": "${NAME}",
         "cursor": "${env:NAME}",
@@ -11701,7 +11883,10 @@ def secret_reference(client: str, name: str) -> str | None:
 def client_entry(
     client: str, http_url: str | None, config: Config
 ) -> tuple[str, dict]:
-    """(top-level key, server entry) in the client's shape; secrets referenced, never copied."""
+    """Return (top-level key, server entry) in the client's shape.
+
+    A secret is referenced in the client's own syntax, never copied.
+    """
     if http_url:
         return http_entry(client, http_url, config)
     command = launch_command()
@@ -11711,44 +11896,49 @@ def client_entry(
         and env["SMOLVM"] == wheel_engine()
         and command[1:3] == ["run", "--script"]
     ):
-        # uv's environment of the moment may be pruned; the client's `uv run` brings the wheel back
-        command[2:2] = [
-            "--with",
-            f"smolmachines=={importlib.metadata.version('smolmachines')}",
-        ]
+        # uv's environment of the moment may be pruned; the client's
+        # `uv run` brings the wheel back
+        version = importlib.metadata.version("smolmachines")
+        command[2:2] = ["--with", f"smolmachines=={version}"]
         del env["SMOLVM"]
-    env.update(
-        {
-            name: ref
-            for name in secrets
-            if (ref := secret_reference(client, name))
-        }
-    )
+    for name in secrets:
+        reference = secret_reference(client, name)
+        if reference:
+            env[name] = reference
     if client == "opencode":
         entry = {"type": "local", "command": command, "enabled": True}
-        return "mcp", {**entry, **({"environment": env} if env else {})}
+        if env:
+            entry["environment"] = env
+        return "mcp", entry
     entry = {"command": command[0], "args": command[1:]}
-    if client == "codex":  # Codex forwards env_vars from its own environment
-        entry.update(
-            codex_timeouts(config),
-            **({"env_vars": secrets} if secrets else {}),
-        )
-    entry.update({"env": env} if env else {})
-    return ("mcp_servers" if client == "codex" else "mcpServers"), entry
+    key = "mcpServers"
+    if client == "codex":
+        key = "mcp_servers"
+        entry.update(codex_timeouts(config))
+        # Codex forwards env_vars from its own environment
+        if secrets:
+            entry["env_vars"] = secrets
+    if env:
+        entry["env"] = env
+    return key, entry
 
 
 def http_entry(
     client: str, url: str, config: Config, variable="SMOL_MCP_AUTH_TOKEN"
 ) -> tuple:
-    """An entry for a smol-mcp --http server; ``variable`` holds the token."""
+    """Return (top-level key, entry) for a smol-mcp --http server at ``url``.
+
+    ``variable`` is the environment variable that holds the token.
+    """
     header = {"Authorization": f"Bearer {secret_reference(client, variable)}"}
     if client == "opencode":
-        return "mcp", {
+        entry = {
             "type": "remote",
             "url": url,
             "enabled": True,
             "headers": header,
         }
+        return "mcp", entry
     if client == "codex":
         entry = {
             "url": url,
@@ -11757,84 +11947,95 @@ def http_entry(
         }
         return "mcp_servers", entry
     if client == "claude-desktop":
-        # stdio only: a pinned npm bridge carries HTTP (npx runs what it fetches); no shell
-        # environment: npx is absolute, node is found beside it, the token pasted in by hand.
-        bridge, npx = "mcp-remote@0.15.1", shutil.which("npx")
-        path = (
-            {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"}
-            if npx
-            else {}
-        )
-        return "mcpServers", {
-            "command": str(Path(npx).absolute()) if npx else "npx",
-            "args": [
-                "-y",
-                bridge,
-                url,
-                "--header",
-                "Authorization:${AUTH_HEADER}",
-            ],
-            "env": {
-                "AUTH_HEADER": f"Bearer <paste the {variable} value here>",
-                **path,
-            },
-        }
+        return "mcpServers", desktop_bridge_entry(url, variable)
     return "mcpServers", {"type": "http", "url": url, "headers": header}
 
 
+def desktop_bridge_entry(url: str, variable: str) -> dict:
+    """Return Claude Desktop's entry for an HTTP server: a stdio bridge.
+
+    Claude Desktop speaks stdio only, so a pinned npm bridge carries HTTP
+    (npx runs what it fetches). It has no shell environment either: npx
+    is absolute, node is found beside it, the token is pasted in by hand.
+    """
+    npx = shutil.which("npx")
+    command = "npx"
+    path = {}
+    if npx:
+        command = str(Path(npx).absolute())
+        path = {"PATH": f"{Path(npx).parent}:/usr/local/bin:/usr/bin:/bin"}
+    header = "Authorization:${AUTH_HEADER}"
+    return {
+        "command": command,
+        "args": ["-y", "mcp-remote@0.15.1", url, "--header", header],
+        "env": {
+            "AUTH_HEADER": f"Bearer <paste the {variable} value here>",
+            **path,
+        },
+    }
+
+
 def client_config_path(client: str) -> tuple[Path, str]:
-    """Where the client reads the entry, and whether that file is the project's or the user's."""
-    home, here = Path.home(), Path.cwd()
-    if client in ("claude-code", "cursor"):
-        return here / {
-            "claude-code": ".mcp.json",
-            "cursor": ".cursor/mcp.json",
-        }[client], "project"
+    """Return where the client reads its entry, and whose file that is.
+
+    The second item is "project" or "user".
+    """
+    home = Path.home()
+    here = Path.cwd()
+    if client == "claude-code":
+        return here / ".mcp.json", "project"
+    if client == "cursor":
+        return here / ".cursor" / "mcp.json", "project"
     if client == "opencode":
-        plain, commented = here / "opencode.json", here / "opencode.jsonc"
-        return (
-            commented if commented.exists() and not plain.exists() else plain
-        ), "project"
+        plain = here / "opencode.json"
+        commented = here / "opencode.jsonc"
+        if commented.exists() and not plain.exists():
+            return commented, "project"
+        return plain, "project"
     if client == "codex":
-        return Path(
-            os.environ.get("CODEX_HOME") or home / ".codex"
-        ) / "config.toml", "user"
-    support = (
-        home / "Library" / "Application Support"
-    )  # macOS; elsewhere the XDG directory
-    if sys.platform != "darwin":
+        codex_home = os.environ.get("CODEX_HOME") or home / ".codex"
+        return Path(codex_home) / "config.toml", "user"
+    # Claude Desktop: macOS's place for it, elsewhere the XDG directory
+    if sys.platform == "darwin":
+        support = home / "Library" / "Application Support"
+    else:
         support = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
     return support / "Claude" / "claude_desktop_config.json", "user"
 
 
 def toml_value(value: Any) -> str:
-    """A TOML value for the types an entry holds (json.dumps writes these as TOML does)."""
+    """Return ``value`` as TOML, for the types an entry holds.
+
+    json.dumps writes a bool, an int and a string as TOML does; any other
+    type raises TypeError.
+    """
     if isinstance(value, (bool, int, str)):
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
     if isinstance(value, dict):
-        return (
-            "{ "
-            + ", ".join(
-                f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()
-            )
-            + " }"
+        pairs = ", ".join(
+            f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()
         )
+        return "{ " + pairs + " }"
     raise TypeError(type(value).__name__)
 
 
 def toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
+    """Return ``key`` as TOML writes it: bare if it can be, else quoted."""
+    if re.fullmatch(r"[A-Za-z0-9_-]+", key):
+        return key
+    return json.dumps(key)
 
 
 def toml_table(name: str, fields: dict) -> str:
-    return f"[{name}]\n" + "".join(
-        f"{toml_key(k)} = {toml_value(v)}\n" for k, v in fields.items()
-    )
+    """Return the TOML table [name] holding ``fields``."""
+    lines = [f"{toml_key(k)} = {toml_value(v)}\n" for k, v in fields.items()]
+    return f"[{name}]\n" + "".join(lines)
 
 
 def render_entry(client: str, key: str, entry: dict) -> str:
+    """Return the entry as the client's config file holds it, under key."""
     if client == "codex":
         return toml_table(f"{key}.smol", entry)
     document = {key: {"smol": entry}}
@@ -11844,45 +12045,28 @@ def render_entry(client: str, key: str, entry: dict) -> str:
 
 
 def one_liner(client: str, entry: dict) -> str | None:
-    """The client's own command that adds the same entry, where it has one."""
-    if (
-        client == "codex"
-    ):  # `codex mcp add` cannot set the timeouts or env_vars an entry needs
+    """Return the client's own command that adds the same entry, or None."""
+    # `codex mcp add` cannot set the timeouts or env_vars an entry needs
+    if client == "codex":
         return f"{invocation()} setup codex --write"
+    add = ["claude", "mcp", "add"]
     if client == "claude-code" and "url" in entry and "headers" not in entry:
-        return shlex.join(
-            [
-                "claude",
-                "mcp",
-                "add",
-                "--transport",
-                "http",
-                "smol",
-                entry["url"],
-            ]
-        )
+        return shlex.join([*add, "--transport", "http", "smol", entry["url"]])
     if client != "claude-code" or "command" not in entry:
         return None
     env = entry.get("env", {}).items()
     flags = [part for name, value in env for part in ("-e", f"{name}={value}")]
     argv = [entry["command"], *entry["args"]]
-    return shlex.join(
-        [
-            "claude",
-            "mcp",
-            "add",
-            "--scope",
-            "project",
-            *flags,
-            "smol",
-            "--",
-            *argv,
-        ]
-    )
+    command = [*add, "--scope", "project", *flags, "smol", "--", *argv]
+    return shlex.join(command)
 
 
 def back_up(path: Path) -> Path:
-    """Copy ``path`` to the state directory (beside a project file, it'd be read or committed)."""
+    """Copy ``path`` into the state directory; return the copy's path.
+
+    Not beside the file: beside a project file, a copy would be read or
+    committed.
+    """
     backups = Path(default_state_dir(os.environ)) / "backups"
     backups.mkdir(mode=0o700, parents=True, exist_ok=True)
     flat = str(path.absolute()).strip("/").replace("/", "%")
@@ -11898,23 +12082,15 @@ FORCE = "run again with --force to replace it"
 def merge_json(
     path: Path, text: str, key: str, entry: dict, client: str, force: bool
 ) -> tuple:
+    """Return (``text`` with the smol entry merged, whether it replaced one).
+
+    Raise SmolError when the file is not plain JSON, has another shape,
+    has a smol entry already (unless ``force``), or would not read back.
+    """
     try:
         existing = json.loads(text) if text.strip() else {}
     except ValueError as err:
-        # tell JSONC (// and /* */ comments, trailing commas) apart from a broken file
-        comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'  # group 1: a string, kept
-        plain = re.sub(
-            comment, lambda match: match.group(1) or "", text, flags=re.S
-        )
-        try:
-            json.loads(re.sub(r",(\s*[}\]])", r"\1", plain))
-        except ValueError:
-            raise SmolError(
-                f"{path} does not parse as JSON ({err}); {BY_HAND}"
-            ) from None
-        why = f"{path} has comments or trailing commas (JSONC); rewriting it would drop them"
-        fix = "paste the entry printed by `setup` without --write into it by hand"
-        raise SmolError(f"{why}, so {fix}") from None
+        raise not_plain_json(path, text, err) from None
     if not isinstance(existing, dict) or not isinstance(
         existing.get(key, {}), dict
     ):
@@ -11928,26 +12104,89 @@ def merge_json(
     existing.setdefault(key, {})["smol"] = entry
     if client == "opencode":
         existing.setdefault("$schema", "https://opencode.ai/config.json")
-    indent = re.search(r"\n([ \t]+)\S", text)
-    merged = (
-        json.dumps(existing, indent=indent.group(1) if indent else 2) + "\n"
-    )
+    # in the file's own indentation
+    found = re.search(r"\n([ \t]+)\S", text)
+    indent = found.group(1) if found else 2
+    merged = json.dumps(existing, indent=indent) + "\n"
     if json.loads(merged)[key]["smol"] != entry:
         raise SmolError(
-            f"the merged {path} did not read back as written; nothing was written"
+            f"the merged {path} did not read back as written;"
+            " nothing was written"
         )
     return merged, replacing
+
+
+def not_plain_json(path: Path, text: str, err: ValueError) -> SmolError:
+    """Return the error for a file json.loads refused: JSONC, or broken.
+
+    JSONC (// and /* */ comments, trailing commas) parses once those are
+    taken out; rewriting it would drop them. A broken file does not.
+    """
+    # group 1 is a string, kept; the rest is a comment, dropped
+    comment = r'("(?:\\.|[^"\\])*"?)|//[^\n]*|/\*.*?(?:\*/|\Z)'
+    plain = re.sub(
+        comment, lambda match: match.group(1) or "", text, flags=re.S
+    )
+    try:
+        json.loads(re.sub(r",(\s*[}\]])", r"\1", plain))
+    except ValueError:
+        return SmolError(f"{path} does not parse as JSON ({err}); {BY_HAND}")
+    why = (
+        f"{path} has comments or trailing commas (JSONC); rewriting it"
+        " would drop them"
+    )
+    fix = "paste the entry printed by `setup` without --write into it by hand"
+    return SmolError(f"{why}, so {fix}")
 
 
 def merge_toml(
     path: Path, text: str, key: str, entry: dict, client: str, force: bool
 ) -> tuple:
+    """Return (``text`` with [key.smol] appended, whether it replaced one).
+
+    Every other setting is kept. Raise SmolError when the file is not
+    TOML, has [key.smol] already (unless ``force``), or the result would
+    not read back with every setting as it was.
+    """
     try:
         existing = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise SmolError(
             f"{path} is not valid TOML ({err}); {BY_HAND}"
         ) from None
+    text = inline_as_tables(text, key, existing)
+    replacing = "smol" in existing.get(key, {})
+    if replacing:
+        if not force:
+            raise SmolError(f"{path} already has [{key}.smol]; {FORCE}")
+        text = without_smol_table(text, key)
+    parts = [text]
+    if text and not text.endswith("\n"):
+        parts.append("\n")
+    # a blank line before the new table
+    if text.strip():
+        parts.append("\n")
+    parts.append(render_entry(client, key, entry))
+    merged = "".join(parts)
+    if not toml_reads_back(merged, existing, key, entry):
+        raise SmolError(
+            f"appending [{key}.smol] to {path} would not give valid TOML"
+            " with every other setting kept (for example when"
+            f" {key} is written as an inline table, {key} = {{...}});"
+            " nothing was written: paste the entry printed by `setup`"
+            " without --write by hand"
+        )
+    return merged, replacing
+
+
+def inline_as_tables(text: str, key: str, existing: dict) -> str:
+    """Return ``text`` with an inline `key = {...}` written as tables.
+
+    An inline table takes no [key.smol] after it, so its servers become
+    [key.NAME] tables (the smol one is left to the merge). ``text`` comes
+    back as it was when there is none, or when a value is of a type
+    toml_value does not write (the merge's check then refuses it).
+    """
     lines = text.splitlines(keepends=True)
     top = next(
         (i for i, line in enumerate(lines) if line.lstrip().startswith("[")),
@@ -11956,262 +12195,288 @@ def merge_toml(
     inline = [
         i for i in range(top) if re.match(rf'\s*("?){key}\1\s*=', lines[i])
     ]
-    if inline and isinstance(existing.get(key), dict):
-        # `key = {...}` takes no [key.smol] after it: write its servers as tables instead
-        del lines[inline[0]]
-        servers = [
-            (name, server)
-            for name, server in existing[key].items()
-            if name != "smol"
+    if not inline or not isinstance(existing.get(key), dict):
+        return text
+    del lines[inline[0]]
+    servers = [
+        (name, server)
+        for name, server in existing[key].items()
+        if name != "smol"
+    ]
+    try:
+        tables = [
+            toml_table(f"{key}.{toml_key(name)}", server)
+            for name, server in servers
         ]
-        try:
-            tables = [
-                toml_table(f"{key}.{toml_key(name)}", server)
-                for name, server in servers
-            ]
-            text = "".join(lines).rstrip("\n") + "\n\n" + "\n".join(tables)
-        except TypeError:
-            pass  # a value type toml_value does not write: refused below
-    if "smol" in existing.get(key, {}):
-        if not force:
-            raise SmolError(f"{path} already has [{key}.smol]; {FORCE}")
-        smol_table = (
-            rf'\s*\[\s*("?){key}\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
-        )
-        kept, skipping = [], False
-        for line in text.splitlines(keepends=True):
-            if line.lstrip().startswith(
-                "["
-            ):  # a table header starts or ends the smol table
-                skipping = bool(re.match(smol_table, line))
-            if not skipping:
-                kept.append(line)
-        text = "".join(kept)
-    separator = ("\n" if text and not text.endswith("\n") else "") + (
-        "\n" if text.strip() else ""
+    except TypeError:
+        return text
+    return "".join(lines).rstrip("\n") + "\n\n" + "\n".join(tables)
+
+
+def without_smol_table(text: str, key: str) -> str:
+    """Return ``text`` without its [key.smol] table and that one's tables."""
+    header = (
+        rf'\s*\[\s*("?){key}\1\s*\.\s*("?)smol\2\s*(\.[^\]]*)?\]\s*(#.*)?$'
     )
-    merged = text + separator + render_entry(client, key, entry)
-    try:  # every other setting kept, and the smol entry reads back as written
-        same = tomllib.loads(merged) == {
-            **existing,
-            key: {**existing.get(key, {}), "smol": entry},
-        }
+    kept = []
+    skipping = False
+    for line in text.splitlines(keepends=True):
+        # a table header starts or ends the smol table
+        if line.lstrip().startswith("["):
+            skipping = bool(re.match(header, line))
+        if not skipping:
+            kept.append(line)
+    return "".join(kept)
+
+
+def toml_reads_back(merged: str, existing: dict, key: str, entry: dict):
+    """Return whether ``merged`` holds ``existing`` and the entry, exactly."""
+    expected = {**existing, key: {**existing.get(key, {}), "smol": entry}}
+    try:
+        return tomllib.loads(merged) == expected
     except tomllib.TOMLDecodeError:
-        same = False
-    if not same:
-        raise SmolError(
-            f"appending [{key}.smol] to {path} would not give valid TOML with every other setting "
-            f"kept (for example when {key} is written as an inline table, {key} = {{...}}); "
-            "nothing was written: paste the entry printed by `setup` without --write by hand"
-        )
-    return merged, "smol" in existing.get(key, {})
+        return False
 
 
-CONNECTOR_STEPS = """\
-# claude-desktop connects to a URL through its Connectors, not a file:
-#   1. Settings > Connectors > Add custom connector
-#   2. Name: smol    Remote MCP server URL: {url}
-#   3. Add, then Connect: a browser opens this server's sign-in and consent pages; Allow.
-# Claude connects from Anthropic's servers: the URL must be https and reachable from the
-# internet (run --http behind TLS, with publicUrl set to that address)."""
+CONNECTOR_STEPS = (
+    "# claude-desktop connects to a URL through its Connectors, not a file:\n"
+    "#   1. Settings > Connectors > Add custom connector\n"
+    "#   2. Name: smol    Remote MCP server URL: {url}\n"
+    "#   3. Add, then Connect: a browser opens this server's sign-in and"
+    " consent pages; Allow.\n"
+    "# Claude connects from Anthropic's servers: the URL must be https and"
+    " reachable from the\n"
+    "# internet (run --http behind TLS, with publicUrl set to that address)."
+)
 
 
 def setup(args: Any, config: Config) -> int:
-    """Print the client's entry, or merge it into its file after a backup if old and new parse."""
-    client, http_url, oauth = args.client, args.http_url, args.oauth
-    if oauth and client == "claude-desktop":
-        print(CONNECTOR_STEPS.format(url=http_url))
+    """Print the client's entry, or merge it into its file (--write).
+
+    Before writing, the file is backed up, and both it and the result
+    must parse. Advice goes to stderr: stdout stays pastable as it is.
+    """
+    client = args.client
+    if args.oauth and client == "claude-desktop":
+        print(CONNECTOR_STEPS.format(url=args.http_url))
         return 0
-    key, entry = client_entry(client, http_url, config)
-    if (
-        oauth
-    ):  # the client signs in through the browser: the entry holds no secret
-        entry = {
-            k: v
-            for k, v in entry.items()
-            if k not in ("headers", "bearer_token_env_var")
-        }
+    key, entry = client_entry(client, args.http_url, config)
+    if args.oauth:
+        # the client signs in through the browser: the entry holds no secret
+        unsent = ("headers", "bearer_token_env_var")
+        entry = {k: v for k, v in entry.items() if k not in unsent}
     path, scope = client_config_path(client)
     command = one_liner(client, entry)
-    if oauth and client == "codex":
-        print(
-            "# then sign in once with: codex mcp login smol", file=sys.stderr
-        )
-    if (
-        client == "claude-desktop"
-        and not http_url
-        and (held := entry_environment(os.environ)[1])
-    ):
-        hint = f"add {', '.join(held)} to the entry's env by hand (secrets are not copied for you)"
-        print(
-            f"# claude-desktop reads no environment: {hint}", file=sys.stderr
-        )
-    if (
-        not args.write
-    ):  # the advice goes to stderr: stdout stays pastable as it is
-        print(
-            f"# {client}: add this to {path} (the {scope} file)",
-            file=sys.stderr,
-        )
+    if args.oauth and client == "codex":
+        login = "# then sign in once with: codex mcp login smol"
+        print(login, file=sys.stderr)
+    if client == "claude-desktop" and not args.http_url:
+        warn_of_secrets_by_hand()
+    if not args.write:
+        where = f"# {client}: add this to {path} (the {scope} file)"
+        print(where, file=sys.stderr)
         if command:
             print(f"# or run: {command}", file=sys.stderr)
         print(render_entry(client, key, entry), end="")
         return 0
+    if write_entry(args, path, key, entry):
+        done = "replaced the smol entry in"
+    else:
+        done = "wrote the smol entry into"
+    print(f"{done} {path} (the {scope} file {client} reads)")
+    # Codex's one-liner is this very command
+    if command and client != "codex":
+        print(f"(the same with the client's own command: {command})")
+    return 0
+
+
+def warn_of_secrets_by_hand() -> None:
+    """Name the secrets set here, which a Claude Desktop entry cannot hold."""
+    held = entry_environment(os.environ)[1]
+    if held:
+        hint = (
+            f"add {', '.join(held)} to the entry's env by hand"
+            " (secrets are not copied for you)"
+        )
+        print(
+            f"# claude-desktop reads no environment: {hint}", file=sys.stderr
+        )
+
+
+def write_entry(args: Any, path: Path, key: str, entry: dict) -> bool:
+    """Merge the entry into ``path``, backed up; return if it replaced one."""
     try:
         text = path.read_text() if path.exists() else ""
     except OSError as err:
         raise SmolError(str(err)) from None
-    merge = merge_toml if client == "codex" else merge_json
-    merged, replacing = merge(path, text, key, entry, client, args.force)
+    merge = merge_toml if args.client == "codex" else merge_json
+    merged, replacing = merge(path, text, key, entry, args.client, args.force)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
         print(f"backed up {path} to {back_up(path)}")
     path.write_text(merged)
-    done = (
-        "replaced the smol entry in"
-        if replacing
-        else "wrote the smol entry into"
-    )
-    print(f"{done} {path} (the {scope} file {client} reads)")
-    if command and client != "codex":  # its one-liner is this very command
-        print(f"(the same with the client's own command: {command})")
-    return 0
+    return replacing
 
 
 # -- tokens ------------------------------------------------------------------
 def token_entry(
     client: str, url: str, config: Config, name: str, secret: str
 ) -> str:
-    """A new token's entry for ``client``: where it goes, how the client gets the secret."""
+    """Return a new token's entry for ``client``, as text for a person.
+
+    The text says where the entry goes and how the client gets the secret.
+    """
     variable = "SMOL_MCP_TOKEN_" + re.sub(r"[^A-Za-z0-9]", "_", name).upper()
     key, entry = http_entry(client, url, config, variable)
     where = client_config_path(client)[0]
     if secret_reference(client, variable) or client == "codex":
-        how = f"and give the client the secret as {variable}:\n#   export {variable}='{secret}'"
-    else:  # it reads no environment: the value goes into the entry itself
-        how = f"with the secret pasted in place of <paste the {variable} value here>:"
-    return f"# {client}: add this to {where}, {how}\n" + render_entry(
-        client, key, entry
-    )
+        how = (
+            f"and give the client the secret as {variable}:\n"
+            f"#   export {variable}='{secret}'"
+        )
+    else:
+        # it reads no environment: the value goes into the entry itself
+        how = (
+            "with the secret pasted in place of"
+            f" <paste the {variable} value here>:"
+        )
+    heading = f"# {client}: add this to {where}, {how}\n"
+    return heading + render_entry(client, key, entry)
 
 
 def tokens_command(args: Any, config: Config) -> int:
-    """tokens create / list / delete: the named tokens of --http, in the state directory."""
+    """tokens create / list / delete / auto-approve: the tokens of --http.
+
+    They are kept in the state directory.
+    """
     store = TokenStore(config.state_dir)
     if args.tokens_command == "create":
-        if not args.scopes and not args.preset:
-            presets = "; ".join(
-                f"--preset {name} ({s})" for name, s in SCOPE_PRESETS.items()
-            )
-            raise ArgumentError(
-                f"say what the token may do: --scopes LIST, or {presets}"
-            )
-        scopes = parse_scopes(args.scopes or SCOPE_PRESETS[args.preset])
-        record, secret = store.create(
-            args.name, scopes, parse_targets(args.targets), args.approval
-        )
-        granted = {
-            key: record[key] for key in ("scopes", "targets", "approval")
-        }
-        created = {
-            "event": "token",
-            "outcome": "created",
-            "token": record["name"],
-        }
-        cli_record(config, {**created, **granted})
-        if args.json:
-            print(
-                json.dumps(
-                    {"name": record["name"], "secret": secret, **granted}
-                )
-            )
-            return 0
-        scopes, fleets = (
-            ", ".join(record["scopes"]),
-            ", ".join(record["targets"]),
-        )
-        allowed = (
-            f"scopes {scopes}; fleets {fleets}; approval {record['approval']}"
-        )
-        print(f"created token '{record['name']}': {allowed}")
-        print(f"secret (shown this once; only its hash is kept): {secret}")
-        if args.client:
-            url = (
-                args.url
-                or f"http://{config.http_host}:{config.http_port}{config.http_path}"
-            )
-            print(
-                "\n"
-                + token_entry(
-                    args.client, url, config, record["name"], secret
-                ),
-                end="",
-            )
-        return 0
+        return create_token(args, config, store)
     auto = AutoApprovals(config.state_dir)
     if args.tokens_command == "auto-approve":
-        if not auto.end(args.name):
-            print(
-                f"smol-mcp: {args.name!r} has no auto-approval; nothing changed",
-                file=sys.stderr,
-            )
-            return 1
-        ended = {
-            "event": "approval",
-            "approval": "auto-approval ended",
-            "token": args.name,
-        }
-        cli_record(config, ended)
+        return end_auto_approval(args, config, auto)
+    if args.tokens_command == "list":
+        return list_tokens(args, store, auto)
+    return delete_token(args, config, store)
+
+
+def create_token(args: Any, config: Config, store: TokenStore) -> int:
+    """tokens create: make a token and print its secret, this once."""
+    if not args.scopes and not args.preset:
+        presets = "; ".join(
+            f"--preset {name} ({s})" for name, s in SCOPE_PRESETS.items()
+        )
+        raise ArgumentError(
+            f"say what the token may do: --scopes LIST, or {presets}"
+        )
+    scopes = parse_scopes(args.scopes or SCOPE_PRESETS[args.preset])
+    record, secret = store.create(
+        args.name, scopes, parse_targets(args.targets), args.approval
+    )
+    granted = {key: record[key] for key in ("scopes", "targets", "approval")}
+    created = {"event": "token", "outcome": "created", "token": record["name"]}
+    cli_record(config, {**created, **granted})
+    if args.json:
+        shown = {"name": record["name"], "secret": secret, **granted}
+        print(json.dumps(shown))
+        return 0
+    scope_names = ", ".join(record["scopes"])
+    fleet_names = ", ".join(record["targets"])
+    allowed = (
+        f"scopes {scope_names}; fleets {fleet_names};"
+        f" approval {record['approval']}"
+    )
+    print(f"created token '{record['name']}': {allowed}")
+    print(f"secret (shown this once; only its hash is kept): {secret}")
+    if args.client:
+        address = f"{config.http_host}:{config.http_port}"
+        url = args.url or f"http://{address}{config.http_path}"
+        entry = token_entry(args.client, url, config, record["name"], secret)
+        print("\n" + entry, end="")
+    return 0
+
+
+def end_auto_approval(args: Any, config: Config, auto: AutoApprovals) -> int:
+    """tokens auto-approve NAME off: its changing calls wait again."""
+    if not auto.end(args.name):
         print(
-            f"auto-approval of {args.name!r} is off: its changing calls wait for a person again"
+            f"smol-mcp: {args.name!r} has no auto-approval; nothing changed",
+            file=sys.stderr,
+        )
+        return 1
+    ended = {
+        "event": "approval",
+        "approval": "auto-approval ended",
+        "token": args.name,
+    }
+    cli_record(config, ended)
+    print(
+        f"auto-approval of {args.name!r} is off: its changing calls wait for"
+        " a person again"
+    )
+    return 0
+
+
+# The table of `tokens list`; CLIENT is an OAuth grant's, by its
+# registered name.
+TOKEN_COLUMNS = (
+    "NAME",
+    "SCOPES",
+    "FLEETS",
+    "APPROVAL",
+    "AUTO-APPROVE",
+    "CLIENT",
+    "CREATED",
+    "LAST USED",
+)
+
+
+def list_tokens(args: Any, store: TokenStore, auto: AutoApprovals) -> int:
+    """tokens list: every token, as a table or JSON, never a secret."""
+    records = store.records()
+    used = store.last_used()
+    listed = [token_summary(record, auto, used) for record in records]
+    if args.json:
+        print(json.dumps(listed))
+        return 0
+    if not records:
+        create = "smol_mcp.py tokens create NAME --scopes LIST"
+        print(
+            f"no tokens yet (create one with: {create});"
+            f" file {store.file.path}"
         )
         return 0
-    if args.tokens_command == "list":
-        records, used = store.records(), store.last_used()
-        listed = [
-            {key: r[key] for key in ("name", "scopes", "targets", "approval")}
-            | {
-                "autoApprove": auto.shown(r["name"], r.get("id", "")),
-                "client": r.get("client"),
-            }
-            | {"lastUsed": used.get(r["name"])}
-            for r in records
-        ]
-        if args.json:
-            print(json.dumps(listed))
-            return 0
-        if not records:
-            create = "smol_mcp.py tokens create NAME --scopes LIST"
-            print(
-                f"no tokens yet (create one with: {create}); file {store.file.path}"
-            )
-            return 0
-        rows = [
+    rows = [TOKEN_COLUMNS]
+    for record, shown in zip(records, listed):
+        rows.append(
             (
-                *"NAME SCOPES FLEETS APPROVAL AUTO-APPROVE CLIENT CREATED".split(),
-                "LAST USED",
+                record["name"],
+                ",".join(record["scopes"]),
+                ",".join(record["targets"]),
+                record["approval"],
+                shown["autoApprove"],
+                record.get("client", "-"),
+                record.get("createdAt", "-"),
+                used.get(record["name"], "never"),
             )
-        ]
-        for r, shown in zip(
-            records, listed
-        ):  # CLIENT: an OAuth grant's, by its registered name
-            granted = (
-                ",".join(r["scopes"]),
-                ",".join(r["targets"]),
-                r["approval"],
-            )
-            when = (r.get("createdAt", "-"), used.get(r["name"], "never"))
-            rows.append(
-                (
-                    r["name"],
-                    *granted,
-                    shown["autoApprove"],
-                    r.get("client", "-"),
-                    *when,
-                )
-            )
-        print_table(rows)
-        return 0
+        )
+    print_table(rows)
+    return 0
+
+
+def token_summary(record: dict, auto: AutoApprovals, used: dict) -> dict:
+    """Return a token as `tokens list --json` shows it: never its secret."""
+    name = record["name"]
+    keys = ("name", "scopes", "targets", "approval")
+    summary = {key: record[key] for key in keys}
+    summary["autoApprove"] = auto.shown(name, record.get("id", ""))
+    summary["client"] = record.get("client")
+    summary["lastUsed"] = used.get(name)
+    return summary
+
+
+def delete_token(args: Any, config: Config, store: TokenStore) -> int:
+    """tokens delete NAME: a running server refuses it within a second."""
     if not store.delete(args.name):
         names = ", ".join(r["name"] for r in store.records()) or "none"
         unknown = (
@@ -12219,23 +12484,22 @@ def tokens_command(args: Any, config: Config) -> int:
         )
         print(f"smol-mcp: {unknown}", file=sys.stderr)
         return 1
-    cli_record(
-        config, {"event": "token", "outcome": "deleted", "token": args.name}
-    )
+    deleted = {"event": "token", "outcome": "deleted", "token": args.name}
+    cli_record(config, deleted)
     ends = "ends its sessions (their ephemeral machines are deleted)"
     print(
-        f"deleted token '{args.name}': a running server refuses it within a second and {ends}"
+        f"deleted token '{args.name}': a running server refuses it within a"
+        f" second and {ends}"
     )
     return 0
 
 
 def operator_command(args: Any, config: Config) -> int:
-    """operator set-password / link: how the operator signs in to the pages of --http."""
+    """operator set-password / link: how the operator signs in to --http."""
     operator = Operator(config.state_dir)
     if args.operator_command == "link":
-        if (
-            issuer := oauth_issuer(config, config.http_host, config.http_port)
-        ) is None:
+        issuer = oauth_issuer(config, config.http_host, config.http_port)
+        if issuer is None:
             why = "so the address a browser reaches it at is not knowable here"
             fix = "set publicUrl (SMOL_MCP_PUBLIC_URL) to it"
             raise ConfigError(f"--http is bound off loopback, {why}: {fix}")
@@ -12243,22 +12507,34 @@ def operator_command(args: Any, config: Config) -> int:
         elsewhere = "for a server on another address keep the path and query"
         print(f"(good for 10 minutes, once; {elsewhere})", file=sys.stderr)
         return 0
-    if sys.stdin.isatty():
-        password = getpass.getpass("operator password: ")
-        if getpass.getpass("again: ") != password:
-            raise ConfigError("the two passwords differ; nothing changed")
-    else:
-        password = sys.stdin.readline().rstrip("\r\n")
-    operator.set_password(password)
+    operator.set_password(read_password())
     cli_record(config, {"event": "operator", "outcome": "password set"})
     print(
-        f"operator password set (scrypt hash in {operator.file.path}); sign in at /signin"
+        f"operator password set (scrypt hash in {operator.file.path});"
+        " sign in at /signin"
     )
     return 0
 
 
+def read_password() -> str:
+    """Return a new password: typed twice at a terminal, else stdin's line.
+
+    Raise ConfigError when the two typed differ.
+    """
+    if not sys.stdin.isatty():
+        return sys.stdin.readline().rstrip("\r\n")
+    password = getpass.getpass("operator password: ")
+    if getpass.getpass("again: ") != password:
+        raise ConfigError("the two passwords differ; nothing changed")
+    return password
+
+
 def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
-    """Log an entry made at the terminal by the OS user (or by ``who``: the console's operator)."""
+    """Log an entry made by the OS user at the terminal, or by ``who``.
+
+    ``who`` is the console's operator. A log that cannot be written is
+    a warning, not a failure.
+    """
     try:
         who = who or {"principal": "cli", "user": os_user()}
         ActivityLog(config.state_dir).append({**who, **entry})
@@ -12271,7 +12547,10 @@ def cli_record(config: Config, entry: dict, who: dict | None = None) -> None:
 
 # -- activity and approvals --------------------------------------------------
 def printable(text: Any) -> str:
-    """``text`` with control and format characters (ESC, newline, bidi) escaped: no forged rows."""
+    """Return ``text`` with control and format characters escaped.
+
+    ESC, newline and bidi controls in a value cannot forge rows then.
+    """
     return "".join(
         ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text)
     )
@@ -12280,164 +12559,161 @@ def printable(text: Any) -> str:
 def print_table(
     rows: list[tuple], after: Callable[[int], None] = lambda index: None
 ) -> None:
-    """Rows in aligned columns, escaped; ``after(i)`` prints what follows row i."""
+    """Print rows in aligned columns, escaped; ``after(i)`` follows row i."""
     rows = [tuple(printable(cell) for cell in row) for row in rows]
     widths = [
         max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))
     ]
     for index, row in enumerate(rows):
-        print(
-            "  ".join(
-                str(cell).ljust(width) for cell, width in zip(row, widths)
-            ).rstrip()
-        )
+        cells = (str(cell).ljust(width) for cell, width in zip(row, widths))
+        print("  ".join(cells).rstrip())
         after(index)
 
 
 def activity_command(args: Any, config: Config) -> int:
     """activity: the log for a person (a table) or a script (--json)."""
-    try:
-        since = parse_period(args.since) if args.since else None
-    except ValueError as err:
-        raise ConfigError(f"--since: {err}") from None
+    since = None
+    if args.since:
+        try:
+            since = parse_period(args.since)
+        except ValueError as err:
+            raise ConfigError(f"--since: {err}") from None
     log_file = ActivityLog(config.state_dir)
-    entries = log_file.entries(
-        activity_filter(args.token, args.machine, since), args.limit
-    )
+    wanted = activity_filter(args.token, args.machine, since)
+    entries = log_file.entries(wanted, args.limit)
     if args.json:
         print(json.dumps(entries))
     elif not entries:
-        matching = (
-            " that matches" if (args.token or args.machine or since) else ""
-        )
+        filtered = args.token or args.machine or since
+        matching = " that matches" if filtered else ""
         print(f"no activity recorded{matching} (log: {log_file.path})")
     else:
-        print_table(
-            [
-                ("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME"),
-                *map(activity_row, entries),
-            ]
-        )
+        header = ("TIME", "WHO", "WHAT", "MACHINE", "OUTCOME")
+        print_table([header, *map(activity_row, entries)])
         if len(entries) == args.limit:
             print(f"(the latest {args.limit} entries; --limit N shows more)")
     return 0
 
 
 def activity_row(entry: dict) -> tuple:
-    """An activity entry as a person reads it, in the `activity` table and the console."""
-    who = entry.get("principal", "?") + (
-        f" ({entry['user']})" if entry.get("user") else ""
-    )
-    who += f" via {entry['via']}" if entry.get("via") else ""
-    what = entry.get("tool") or entry.get("event", "?")
-    if entry.get("event") == "approval":
-        subject = entry.get("tool") or entry.get("token", "")
-        what = f"approval {entry.get('approval', '?')} {subject}"
-        said = [
-            f"{key} {entry[key]}" for key in ("id", "by") if entry.get(key)
-        ]
-        outcome = " ".join(
-            filter(
-                None, (*said, entry.get("reason", ""), entry.get("error", ""))
-            )
-        )
-    elif entry.get("event") == "token":
-        what, outcome = f"token {entry.get('outcome')}", entry.get("token", "")
-    else:
-        outcome = str(entry.get("outcome", ""))
-        if "exitCode" in entry:
-            outcome += f" (exit {entry['exitCode']})"
-        if entry.get("approvedBy"):
-            outcome += f", approved by {entry['approvedBy']}"
+    """Return an activity entry as a person reads it, in a table's row.
+
+    The `activity` table and the console show it so.
+    """
+    what, outcome = activity_what(entry)
     return (
         entry.get("time", "?"),
-        who,
+        activity_who(entry),
         what,
         entry.get("machine") or "-",
         outcome[:100],
     )
 
 
+def activity_who(entry: dict) -> str:
+    """Return who made an activity entry: principal, OS user, channel."""
+    parts = [entry.get("principal", "?")]
+    if entry.get("user"):
+        parts.append(f"({entry['user']})")
+    if entry.get("via"):
+        parts.append(f"via {entry['via']}")
+    return " ".join(parts)
+
+
+def activity_what(entry: dict) -> tuple[str, str]:
+    """Return (what was done, how it ended) for an activity entry."""
+    event = entry.get("event")
+    if event == "approval":
+        subject = entry.get("tool") or entry.get("token", "")
+        what = f"approval {entry.get('approval', '?')} {subject}"
+        said = [
+            f"{key} {entry[key]}" for key in ("id", "by") if entry.get(key)
+        ]
+        notes = (*said, entry.get("reason", ""), entry.get("error", ""))
+        return what, " ".join(filter(None, notes))
+    if event == "token":
+        return f"token {entry.get('outcome')}", entry.get("token", "")
+    parts = [str(entry.get("outcome", ""))]
+    if "exitCode" in entry:
+        parts.append(f" (exit {entry['exitCode']})")
+    if entry.get("approvedBy"):
+        parts.append(f", approved by {entry['approvedBy']}")
+    return entry.get("tool") or entry.get("event", "?"), "".join(parts)
+
+
 def print_waiting(shown: list[dict]) -> None:
-    """Waiting calls, a row each, then every argument on a line of its own, escaped."""
+    """Print waiting calls, a row each, then each argument on its own line."""
     rows = [("ID", "TOKEN", "TOOL", "MACHINE", "TIME LEFT")]
     for r in shown:
-        try:
-            left = f"{max(0, int(parse_time(r['expiresAt']) - time.time()))} s"
-        except (ValueError, TypeError):
-            left = "?"
+        left = time_left(r["expiresAt"])
         rows.append(
             (r["id"], r["token"], r["tool"], r["machine"] or "-", left)
         )
 
     def arguments(index: int) -> None:
-        for key, value in (
-            (shown[index - 1].get("arguments") or {}).items() if index else ()
-        ):
-            if isinstance(value, dict) and set(value) == {
-                "cut",
-                "bytes",
-                "sha256",
-            }:
-                value = f"{value['cut']}... ({value['bytes']} bytes, sha256 {value['sha256']})"
-            text = (
-                value
-                if isinstance(value, str)
-                else json.dumps(value, ensure_ascii=False)
-            )
-            print(f"    {printable(key)}: {printable(text)}")
+        # row 0 is the header, row i the call shown[i - 1]
+        if index:
+            print_arguments(shown[index - 1].get("arguments") or {})
 
     print_table(rows, arguments)
 
 
-def approvals_command(args: Any, config: Config) -> int:
-    """approvals list / approve / deny: answer the calls that wait, from the host."""
-    if args.approvals_command == "list":
-        shown = waiting_calls(config)
-        if args.json:
-            print(json.dumps(shown))
-        elif not shown:
-            print("no call waits for approval")
-        else:
-            print_waiting(shown)
-            how = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
-            print(
-                f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]"
+def time_left(expires_at: Any) -> str:
+    """Return the seconds until ``expires_at`` for a person, or "?"."""
+    try:
+        return f"{max(0, int(parse_time(expires_at) - time.time()))} s"
+    except (ValueError, TypeError):
+        return "?"
+
+
+def print_arguments(arguments: dict) -> None:
+    """Print a waiting call's arguments, one a line, escaped.
+
+    A value cut short in the request is shown as its head and digest.
+    """
+    for key, value in arguments.items():
+        if isinstance(value, dict) and set(value) == {
+            "cut",
+            "bytes",
+            "sha256",
+        }:
+            value = (
+                f"{value['cut']}... ({value['bytes']} bytes,"
+                f" sha256 {value['sha256']})"
             )
-        return 0
+        if not isinstance(value, str):
+            value = json.dumps(value, ensure_ascii=False)
+        print(f"    {printable(key)}: {printable(value)}")
+
+
+def approvals_command(args: Any, config: Config) -> int:
+    """approvals list / approve / deny: answer waiting calls, from the host."""
+    if args.approvals_command == "list":
+        return list_approvals(args, config)
     approve = args.approvals_command == "approve"
-    if (
-        approve and args.auto_for
-    ):  # it releases the token's other waiting calls: show them
-        pending = ApprovalDesk(config.state_dir).pending()
-        token = next(
-            (r.get("principalId") for r in pending if r["id"] == args.id), None
-        )
-        others = [
-            r
-            for r in pending
-            if r["id"] != args.id and r.get("principalId") == token
-        ]
-        if token and others and not args.yes:
+    auto_for = None
+    if approve:
+        auto_for = args.auto_for
+    if auto_for:
+        # it releases the token's other waiting calls: show them first
+        others = others_waiting(config, args.id)
+        if others and not args.yes:
             print_waiting(others)
             print(
-                f"\n--auto-for also lets these {len(others)} calls run; add --yes to go on"
+                f"\n--auto-for also lets these {len(others)} calls run;"
+                " add --yes to go on"
             )
             return 1
-    auto_for, reason = (
-        args.auto_for if approve else None,
-        getattr(args, "reason", ""),
-    )
+    reason = getattr(args, "reason", "")
     request, until = answer_approval(
         config, args.id, approve, None, auto_for, reason
     )
     token = request.get("token")
     call = f"{args.id}: {request.get('tool')} by {token}"
-    print(
-        f"approved {call} runs now"
-        if approve
-        else f"denied {call} does not run"
-    )
+    if approve:
+        print(f"approved {call} runs now")
+    else:
+        print(f"denied {call} does not run")
     if until:
         end = f"end it with: tokens auto-approve {token} off"
         print(
@@ -12446,12 +12722,46 @@ def approvals_command(args: Any, config: Config) -> int:
     return 0
 
 
+def list_approvals(args: Any, config: Config) -> int:
+    """approvals list: the calls that wait, as a table or JSON."""
+    shown = waiting_calls(config)
+    if args.json:
+        print(json.dumps(shown))
+    elif not shown:
+        print("no call waits for approval")
+    else:
+        print_waiting(shown)
+        how = "approvals approve ID [--auto-for 1h|1d|7d|30d|forever]"
+        print(f"\nanswer with: {how}, or approvals deny ID [--reason TEXT]")
+    return 0
+
+
+def others_waiting(config: Config, approval_id: str) -> list[dict]:
+    """Return the calls that wait beside ``approval_id`` from its token."""
+    pending = ApprovalDesk(config.state_dir).pending()
+    token = next(
+        (r.get("principalId") for r in pending if r["id"] == approval_id),
+        None,
+    )
+    if not token:
+        return []
+    return [
+        r
+        for r in pending
+        if r["id"] != approval_id and r.get("principalId") == token
+    ]
+
+
 def waiting_calls(config: Config) -> list[dict]:
-    """The calls that wait for approval, as `approvals list` and the console show them."""
+    """Return the calls that wait for approval, as people are shown them.
+
+    `approvals list` and the console show them so.
+    """
     desk = ApprovalDesk(config.state_dir)
+    if not desk.directory.exists():
+        return []
     keys = ("id", "token", "tool", "machine", "expiresAt", "arguments")
-    pending = desk.pending() if desk.directory.exists() else []
-    return [{key: r.get(key) for key in keys} for r in pending]
+    return [{key: r.get(key) for key in keys} for r in desk.pending()]
 
 
 def answer_approval(
@@ -12462,25 +12772,27 @@ def answer_approval(
     auto_for=None,
     reason="",
 ) -> tuple[dict, str | None]:
-    """Answer a call from the terminal (``who`` None) or console: (request, auto-approval's end)."""
+    """Answer a waiting call; return (its request, auto-approval's end).
+
+    ``who`` is the console's operator, or None at the terminal. The end
+    is None unless ``auto_for`` starts an auto-approval.
+    """
     who = who or {"principal": "cli", "user": os_user(), "via": "terminal"}
-    decision = "approve" if approve else "deny"
-    answer = {"decision": decision, "by": who.get("user") or who["principal"]}
-    answer.update(answeredAt=utc_now(), via=who["via"])
-    answer.update(
-        {"autoFor": auto_for}
-        if auto_for
-        else {}
-        if approve
-        else {"reason": reason}
-    )
+    answer = {
+        "decision": "approve" if approve else "deny",
+        "by": who.get("user") or who["principal"],
+        "answeredAt": utc_now(),
+        "via": who["via"],
+    }
+    if auto_for:
+        answer["autoFor"] = auto_for
+    elif not approve:
+        answer["reason"] = reason
     request = ApprovalDesk(config.state_dir).respond(approval_id, answer)
     if not auto_for:
         return request, None
-    token, principal = (
-        str(request.get("token")),
-        str(request.get("principalId", "")),
-    )
+    token = str(request.get("token"))
+    principal = str(request.get("principalId", ""))
     until = AutoApprovals(config.state_dir).grant(token, principal, auto_for)
     started = {
         "event": "approval",
@@ -12492,18 +12804,33 @@ def answer_approval(
 
 
 def oauth_report(config: Config) -> str:
-    """Whether --http (with httpHost, httpPort) runs OAuth, and the issuer it advertises."""
+    """Return whether --http runs OAuth, and the issuer it advertises.
+
+    That is for --http at httpHost and httpPort.
+    """
     issuer = oauth_issuer(config, config.http_host, config.http_port)
     if not Operator(config.state_dir).enabled():
-        return "off: no operator password or link (`operator set-password` turns it on)"
+        return (
+            "off: no operator password or link (`operator set-password`"
+            " turns it on)"
+        )
     if issuer is None:
         host = config.http_host
-        return f"off: --http on {host} needs publicUrl, the https:// address clients reach"
-    return f"on with --http, issuer {issuer} (clients connect by URL; sign-in at {issuer}/signin)"
+        return (
+            f"off: --http on {host} needs publicUrl, the https:// address"
+            " clients reach"
+        )
+    return (
+        f"on with --http, issuer {issuer} (clients connect by URL;"
+        f" sign-in at {issuer}/signin)"
+    )
 
 
 def tokens_file_report(config: Config) -> str:
-    """What doctor says about the tokens file: where, how many, its mode; never a secret."""
+    """Return what doctor says of the tokens file; never a secret.
+
+    That is where it is, how many tokens it holds, and its mode.
+    """
     store = TokenStore(config.state_dir)
     path = store.file.path
     if not path.exists():
@@ -12514,81 +12841,87 @@ def tokens_file_report(config: Config) -> str:
     except SmolError as err:
         return f"NOT READABLE: {err}"
     mode = path.stat().st_mode & 0o777
-    verdict = "ok" if mode == 0o600 else "TOO OPEN: run chmod 600 on it"
+    if mode == 0o600:
+        verdict = "ok"
+    else:
+        verdict = "TOO OPEN: run chmod 600 on it"
     return f"{count} token(s) in {path}, mode {oct(mode)[2:]} ({verdict})"
 
 
 # -- parity ------------------------------------------------------------------
+# What a person must act on: printed in capitals, with a note.
+PARITY_NOTES = {
+    "unknown": "new in this smolvm; decide whether a tool should call it",
+    "missing": "called by smol-mcp but absent from this serve",
+}
+
+
 def parity(app: SmolMcp) -> int:
-    """Print the routes against the serve's spec; non-zero when one this server calls is missing."""
+    """Print the routes against the serve's OpenAPI document.
+
+    Return 1 when a route this server calls is missing there, else 0.
+    """
     fleet = app.local
     fleet.acquire()
     try:
-        spec = fleet.request(
+        openapi = fleet.request(
             "read the OpenAPI document", "GET", "/api-docs/openapi.json"
         )
     finally:
         fleet.release()
-    report = parity_report(
-        spec
-    )  # called, skipped (with reasons), unknown, missing
+    # called, skipped (with reasons), unknown, missing
+    report = parity_report(openapi)
     counts = ", ".join(
         f"{len(routes)} {kind}" for kind, routes in report.items()
     )
     print(f"smolvm {fleet.version}: {counts}")
-    notes = {
-        "unknown": "new in this smolvm; decide whether a tool should call it"
-    }
-    notes["missing"] = "called by smol-mcp but absent from this serve"
     for kind, routes in report.items():
-        label = (
-            kind.upper() if kind in notes else kind
-        )  # what a person must act on, in capitals
-        for route in routes:
-            (method, path), note = (
-                route if kind == "skipped" else (route, notes.get(kind))
-            )
-            print(
-                f"  {label:8} {method:6} {path}"
-                + (f": {note}" if note else "")
-            )
+        print_parity_routes(kind, routes)
     return 1 if report["missing"] else 0
+
+
+def print_parity_routes(kind: str, routes: list) -> None:
+    """Print the routes of one kind, each with its note if it has one."""
+    label = kind
+    if kind in PARITY_NOTES:
+        label = kind.upper()
+    for route in routes:
+        note = PARITY_NOTES.get(kind)
+        if kind == "skipped":
+            # a skipped route comes with the reason it is skipped
+            route, note = route
+        method, path = route
+        if note:
+            print(f"  {label:8} {method:6} {path}: {note}")
+        else:
+            print(f"  {label:8} {method:6} {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``smol-mcp`` and ``python3 smol_mcp.py``."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if argv is None:
+        argv = sys.argv[1:]
+    args = parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING,
         stream=sys.stderr,
         format="smol-mcp: %(message)s",
     )
-    log.setLevel(
-        logging.INFO
-    )  # our progress lines; the SDK's chatter stays at warnings
+    # our progress lines; the SDK's chatter stays at warnings
+    log.setLevel(logging.INFO)
     helpers = {
         "setup": setup,
         "tokens": tokens_command,
         "activity": activity_command,
+        "approvals": approvals_command,
+        "operator": operator_command,
     }
-    helpers.update(approvals=approvals_command, operator=operator_command)
     try:
         config = load_config()
         if args.command in helpers:
             return helpers[args.command](args, config)
-        serving = args.http and not args.command
-        if serving and not (
-            Access(config).live_ids() or Operator(config.state_dir).enabled()
-        ):
-            raise ConfigError(
-                "--http refuses to start without a token, because these tools run machines: create "
-                f"one with `{invocation()} tokens create NAME --preset sandbox`, or set "
-                "SMOL_MCP_AUTH_TOKEN and have clients send it as 'Authorization: Bearer <token>' "
-                f"({HTTP_TOKEN_ADVICE}), or let clients connect by URL: "
-                f"`{invocation()} operator set-password`"
-            )
-        if serving and config.auth_token:
-            check_token_strength(config.auth_token)
+        if args.http and not args.command:
+            check_http_access(config)
         app = SmolMcp(config)
         if args.command == "doctor":
             try:
@@ -12598,32 +12931,54 @@ def main(argv: list[str] | None = None) -> int:
                 return 130
         if args.command == "parity":
             return parity(app)
-        if (
-            args.http
-        ):  # a SmolError here is about the port: nothing was served yet
-            where = (
-                args.host or config.http_host,
-                args.port or config.http_port,
-            )
-            anyio.run(run_http, app, *where, args.path or config.http_path)
+        if args.http:
+            # a SmolError here is about the port: nothing was served yet
+            host = args.host or config.http_host
+            port = args.port or config.http_port
+            anyio.run(run_http, app, host, port, args.path or config.http_path)
     except SmolError as err:
         print(f"smol-mcp: {err}", file=sys.stderr)
         return 2
-    if (
-        args.http
-    ):  # done: a worker thread a stopped call abandoned must not hold the exit
+    if args.http:
+        # done: a worker thread a stopped call abandoned must not hold the
+        # exit
         logging.shutdown()
         sys.stdout.flush()
         os._exit(0)
     if sys.stdin.isatty():
-        waiting = (
-            "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting for a client "
-            f"(Ctrl-C to stop); to check this host run `{invocation()} doctor`, to configure a "
-            f"client `{invocation()} setup CLIENT` (see --help)"
-        )
-        print(waiting, file=sys.stderr, flush=True)
+        print(stdio_greeting(), file=sys.stderr, flush=True)
     anyio.run(run_stdio, app)
     return 0
+
+
+def check_http_access(config: Config) -> None:
+    """Raise ConfigError unless --http has a way to let clients in.
+
+    A token, or an operator for clients that connect by URL: these tools
+    run machines. A weak SMOL_MCP_AUTH_TOKEN is refused too.
+    """
+    if not (Access(config).live_ids() or Operator(config.state_dir).enabled()):
+        raise ConfigError(
+            "--http refuses to start without a token, because these tools"
+            " run machines: create one with"
+            f" `{invocation()} tokens create NAME --preset sandbox`, or set"
+            " SMOL_MCP_AUTH_TOKEN and have clients send it as"
+            " 'Authorization: Bearer <token>'"
+            f" ({HTTP_TOKEN_ADVICE}), or let clients connect by URL:"
+            f" `{invocation()} operator set-password`"
+        )
+    if config.auth_token:
+        check_token_strength(config.auth_token)
+
+
+def stdio_greeting() -> str:
+    """Return what a person who ran the server at a terminal is told."""
+    return (
+        "smol-mcp: this is an MCP server speaking JSON-RPC on stdin, waiting"
+        " for a client (Ctrl-C to stop); to check this host run"
+        f" `{invocation()} doctor`, to configure a client"
+        f" `{invocation()} setup CLIENT` (see --help)"
+    )
 
 
 def main_http() -> int:

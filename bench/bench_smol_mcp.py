@@ -8,10 +8,14 @@
 # ///
 """Benchmarks for smol-mcp: what the server costs on top of the machine API.
 
-    uv run bench/bench_smol_mcp.py            # the full run (a few minutes)
-    uv run bench/bench_smol_mcp.py --quick    # a smoke run (under two minutes)
-    uv run bench/bench_smol_mcp.py --serve unix:///run/smolvm.sock   # a real serve
-    uv run bench/bench_smol_mcp.py --quick --baseline old/smol_mcp.py  # before and after
+    # the full run (a few minutes)
+    uv run bench/bench_smol_mcp.py
+    # a smoke run (under two minutes)
+    uv run bench/bench_smol_mcp.py --quick
+    # against a real serve
+    uv run bench/bench_smol_mcp.py --serve unix:///run/smolvm.sock
+    # before and after: an earlier smol_mcp.py side by side
+    uv run bench/bench_smol_mcp.py --quick --baseline old/smol_mcp.py
 
 Every number is a RATIO (or a difference) against a floor measured side by
 side in the same run, because these machines are noisy; absolute times are
@@ -29,9 +33,10 @@ printed for information only. The floors:
 
 The clients are deliberately lean (JSON-RPC lines on the stdio pipes, JSON
 POSTs on one keep-alive http.client connection) so that what is measured is
-the server, not an SDK client. By default the API is tests/fakes/fake_smolvm.py,
-run in a child process of its own so that its threads do not share a GIL (or a
-peak-memory figure) with the benchmark or with the server under test.
+the server, not an SDK client. By default the API is
+tests/fakes/fake_smolvm.py, run in a child process of its own so that its
+threads do not share a GIL (or a peak-memory figure) with the benchmark or
+with the server under test.
 
 The table at the end has one row per measurement: value, floor, ratio or
 delta, target, and PASS / FAIL / INFO / SKIP. A section that missed a target
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import http.client
 import json
 import math
@@ -56,19 +62,20 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SERVER = ROOT / "smol_mcp.py"
 MINIMAL = HERE / "minimal_server.py"
-PROTOCOL = (
-    "2025-11-25"  # handshake era: what a stdio or HTTP client of today speaks
-)
-TOKEN = "bench-" + secrets.token_urlsafe(
-    32
-)  # --http refuses a token under 32 characters
+# The handshake's era: what a stdio or HTTP client of today speaks.
+PROTOCOL = "2025-11-25"
+# --http refuses a token under 32 characters.
+TOKEN = "bench-" + secrets.token_urlsafe(32)
 MiB = 1 << 20
+# The line `yes` repeats to print as much output as a section needs.
+LINE = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 sys.path.insert(0, str(ROOT))
 
@@ -143,17 +150,19 @@ class UnixConnection(http.client.HTTPConnection):
 
 
 class Api:
-    """The machine API at a unix:// or http://127.0.0.1:PORT URL, with http.client."""
+    """The machine API at a unix:// or http://127.0.0.1:PORT URL.
+
+    It is spoken to with http.client.
+    """
 
     def __init__(self, url: str):
         self.url = url
         if url.startswith("unix://"):
-            self.kind, self.address = "unix", url[len("unix://") :]
+            self.kind = "unix"
+            self.address = url[len("unix://") :]
         else:
-            self.kind, self.address = (
-                "tcp",
-                int(url.rsplit(":", 1)[1].strip("/")),
-            )
+            self.kind = "tcp"
+            self.address = int(url.rsplit(":", 1)[1].strip("/"))
 
     def connection(self, timeout: float = 300) -> http.client.HTTPConnection:
         if self.kind == "unix":
@@ -170,58 +179,85 @@ class Api:
         conn=None,
         timeout: float = 300,
     ):
-        """One request; a fresh connection unless one is given (kept open then)."""
+        """Return (status, answer) of one request: JSON decoded, else bytes.
+
+        It is made on a fresh connection unless one is given (which is
+        kept open then).
+        """
+        body = None
+        headers = {}
+        if payload is not None:
+            body = json.dumps(payload).encode()
+            headers = {"Content-Type": "application/json"}
         own = conn is None
         conn = conn or self.connection(timeout)
         try:
-            body = (
-                json.dumps(payload).encode() if payload is not None else None
-            )
-            headers = (
-                {"Content-Type": "application/json"}
-                if body is not None
-                else {}
-            )
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             data = response.read()
             ctype = response.getheader("Content-Type", "")
-            value = (
-                json.loads(data)
-                if "application/json" in ctype and data
-                else data
-            )
-            return response.status, value
+            if "application/json" in ctype and data:
+                return response.status, json.loads(data)
+            return response.status, data
         finally:
             if own:
                 conn.close()
 
 
-# The API exec call alone, in a fresh process, reporting its time and peak memory.
+# The API's exec call alone, in a fresh process of its own; it prints its
+# time and the process's memory before and at its peak, as JSON.
 EXEC_FLOOR = r"""
-import base64, http.client, json, socket, sys, time
+import base64
+import http.client
+import json
+import socket
+import sys
+import time
+
+
 def status():
     out = {}
-    for line in open('/proc/self/status'):
-        if line.startswith(('VmRSS:', 'VmHWM:')):
-            k, v = line.split(':', 1); out[k] = int(v.split()[0]) * 1024
+    for line in open("/proc/self/status"):
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            key, value = line.split(":", 1)
+            out[key] = int(value.split()[0]) * 1024
     return out
-url, name, command = sys.argv[1], sys.argv[2], sys.argv[3]
-class U(http.client.HTTPConnection):
+
+
+class Unix(http.client.HTTPConnection):
     def connect(self):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); self.sock.connect(url[7:])
-conn = U('localhost', timeout=600) if url.startswith('unix://') else http.client.HTTPConnection(
-    '127.0.0.1', int(url.rsplit(':', 1)[1]), timeout=600)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(url[len("unix://"):])
+
+
+url, name, command = sys.argv[1:4]
+if url.startswith("unix://"):
+    conn = Unix("localhost", timeout=600)
+else:
+    port = int(url.rsplit(":", 1)[1])
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+run = {
+    "command": ["sh", "-c", command],
+    "timeoutSecs": 300,
+    "autoStart": False,
+}
 before = status()
 t = time.perf_counter()
-conn.request('POST', f'/api/v1/machines/{name}/exec', body=json.dumps(
-    {'command': ['sh', '-c', command], 'timeoutSecs': 300, 'autoStart': False}).encode(),
-    headers={'Content-Type': 'application/json'})
+conn.request(
+    "POST",
+    f"/api/v1/machines/{name}/exec",
+    body=json.dumps(run).encode(),
+    headers={"Content-Type": "application/json"},
+)
 answer = json.loads(conn.getresponse().read())
-stdout = base64.b64decode(answer.get('stdoutB64') or '')
+stdout = base64.b64decode(answer.get("stdoutB64") or "")
 seconds = time.perf_counter() - t
-print(json.dumps({'seconds': seconds, 'bytes': len(stdout), 'rss0': before['VmRSS'],
-                  'hwm': status()['VmHWM']}))
+print(json.dumps({
+    "seconds": seconds,
+    "bytes": len(stdout),
+    "rss0": before["VmRSS"],
+    "hwm": status()["VmHWM"],
+}))
 """
 
 
@@ -292,7 +328,8 @@ class StdioPeer:
             line = self.proc.stdout.readline()
             if not line:
                 raise McpError(
-                    f"the server exited (code {self.proc.poll()}); see {self.stderr.name}"
+                    f"the server exited (code {self.proc.poll()});"
+                    f" see {self.stderr.name}"
                 )
             answer = json.loads(line)
             if answer.get("id") == self.next_id and "method" not in answer:
@@ -324,7 +361,10 @@ class StdioPeer:
 
 
 class HttpPeer:
-    """One MCP session over Streamable HTTP (JSON mode), on one keep-alive connection."""
+    """One MCP session over Streamable HTTP (JSON mode).
+
+    It is held on one keep-alive connection.
+    """
 
     def __init__(self, port: int, token: str | None = TOKEN):
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -343,14 +383,14 @@ class HttpPeer:
         try:
             self.conn.request("POST", "/mcp", body=body, headers=self.headers)
             response = self.conn.getresponse()
-        except (
-            ConnectionError
-        ):  # the server closed the connection while it sat idle
+        except ConnectionError:
+            # the server closed the connection while it sat idle
             self.conn.close()
             self.conn.request("POST", "/mcp", body=body, headers=self.headers)
             response = self.conn.getresponse()
         data = response.read()
-        return response.status, (json.loads(data) if data else None), response
+        answer = json.loads(data) if data else None
+        return response.status, answer, response
 
     def request(self, method: str, params: dict | None = None) -> dict:
         self.next_id += 1
@@ -397,21 +437,55 @@ class HttpPeer:
         self.conn.close()
 
 
-def wait_for_port(
-    port: int, proc: subprocess.Popen, what: str, timeout: float = 30
+def wait_until_listening(
+    connect: Callable[[], socket.socket],
+    proc: subprocess.Popen,
+    what: str,
+    where: str,
+    timeout: float = 30,
 ) -> None:
+    """Return once ``connect()`` gets through to the listener of ``proc``.
+
+    Raise RuntimeError when ``proc`` exits first, or when ``timeout``
+    seconds pass. Only a connect tells: a unix socket's file exists
+    before its server listens, and a connect in between is refused.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode}")
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            connect().close()
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(
-        f"{what} did not listen on port {port} within {timeout} s"
+    raise RuntimeError(f"{what} did not listen on {where} within {timeout} s")
+
+
+def wait_for_port(
+    port: int, proc: subprocess.Popen, what: str, timeout: float = 30
+) -> None:
+    """Return once ``proc`` listens on ``port`` of 127.0.0.1."""
+    address = ("127.0.0.1", port)
+    wait_until_listening(
+        lambda: socket.create_connection(address, timeout=0.2),
+        proc,
+        what,
+        f"port {port}",
+        timeout,
     )
+
+
+def connect_unix(path: str) -> socket.socket:
+    """Return a socket connected to the unix socket at ``path``."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(0.2)
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 # ---------------------------------------------------------------------------
@@ -419,22 +493,55 @@ def wait_for_port(
 # ---------------------------------------------------------------------------
 
 
+# The floors the --baseline's rounds take again, beside its own calls.
+EARLIER_FLOORS = ("floor-keepalive", "sdk-stdio", "sdk-http")
+
+
+def own_share(
+    calls: list[float], sdk: list[float], floor: list[float]
+) -> float:
+    """Return smol-mcp's own share of a call.
+
+    That is the median of what is left once the SDK and the API are out.
+    """
+    return median([c - s - a for c, s, a in zip(calls, sdk, floor)])
+
+
+# The fake serve's process: tests/fakes' FakeSmolvm on the socket
+# sys.argv[2] until its stdin closes. socketserver listens with a backlog of
+# 5; a real serve's is far deeper, and with more clients than that
+# connecting at once a unix-socket connect fails with EAGAIN.
+FAKE_SERVE = """
+import sys
+
+sys.path.insert(0, sys.argv[1])
+import tests.fakes.fake_smolvm as fake_smolvm
+
+fake_smolvm._Server.request_queue_size = 1024
+fake = fake_smolvm.FakeSmolvm(sys.argv[2], settle_secs=1e9).start()
+sys.stdin.read()
+fake.stop()
+"""
+
+
 class Bench:
+    """One run: the API (the fake serve, or --serve), a machine, the rows."""
+
     def __init__(self, args):
         self.args = args
         self.quick = args.quick
-        self.baseline = (
-            Path(args.baseline).resolve() if args.baseline else None
-        )
-        self.tmp = tempfile.mkdtemp(
-            prefix="smb-", dir="/tmp"
-        )  # short: a unix socket path is limited
+        self.baseline = None
+        if args.baseline:
+            self.baseline = Path(args.baseline).resolve()
+        # short: a unix socket's path is limited
+        self.tmp = tempfile.mkdtemp(prefix="smb-", dir="/tmp")
         self.rows: list[tuple[str, str, str, str, str, str]] = []
         self.fake: subprocess.Popen | None = None
         self.children: list = []
         self.can_exec = False
         self.machine = ""
-        import smol_mcp  # the repo root is on sys.path; for its defaults only
+        # the repo root is on sys.path; for its defaults only
+        import smol_mcp
 
         self.budget = smol_mcp.Config().max_output_bytes
         if args.serve:
@@ -447,29 +554,26 @@ class Bench:
     # -- setup and teardown ---------------------------------------------------
 
     def start_fake(self) -> None:
-        """tests/fakes' FakeSmolvm in a child process of its own."""
+        """Start the fake serve in a child process of its own.
+
+        Return once it answers a connect; raise RuntimeError (naming its
+        log) when it exits first or does not answer within 30 s.
+        """
         path = f"{self.tmp}/fake.sock"
-        code = (
-            "import sys, time; sys.path.insert(0, sys.argv[1]);"
-            "import tests.fakes.fake_smolvm as m; from tests.fakes.fake_smolvm import FakeSmolvm;"
-            # socketserver listens with a backlog of 5; a real serve's is far deeper, and with more
-            # clients than that connecting at once a unix-socket connect fails with EAGAIN
-            "m._Server.request_queue_size = 1024;"
-            "f = FakeSmolvm(sys.argv[2], settle_secs=1e9).start();"
-            "sys.stdin.read(); f.stop()"
-        )
+        log_path = f"{self.tmp}/fake.log"
         self.fake = subprocess.Popen(
-            [sys.executable, "-c", code, str(ROOT), path],
+            [sys.executable, "-c", FAKE_SERVE, str(ROOT), path],
             stdin=subprocess.PIPE,
-            stderr=open(f"{self.tmp}/fake.log", "ab"),
+            stderr=open(log_path, "ab"),
         )
-        deadline = time.monotonic() + 30
-        while not os.path.exists(path):
-            if self.fake.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the fake serve did not start; see {self.tmp}/fake.log"
-                )
-            time.sleep(0.02)
+        try:
+            wait_until_listening(
+                lambda: connect_unix(path), self.fake, "the fake serve", path
+            )
+        except RuntimeError as err:
+            self.fake.kill()
+            self.fake.wait()
+            raise RuntimeError(f"{err}; see {log_path}") from None
 
     def server_env(self, **extra: str) -> dict[str, str]:
         env = {
@@ -486,24 +590,23 @@ class Bench:
     def server_argv(
         self, server: Path | None = None, script: bool = False
     ) -> list[str]:
-        """How a client starts the server: by default as the installed `smol-mcp`
-        command does, importing the module (so its bytecode is cached in
-        __pycache__); with ``script``, as `python smol_mcp.py`, compiled at each start."""
+        """Return how a client starts the server.
+
+        By default that is as the installed `smol-mcp` command does,
+        importing the module (so its bytecode is cached in __pycache__);
+        with ``script``, as `python smol_mcp.py`, compiled at each start.
+        """
         server = server or SERVER
-        return (
-            [sys.executable, str(server)]
-            if script
-            else [sys.executable, "-m", server.stem]
-        )
+        if script:
+            return [sys.executable, str(server)]
+        return [sys.executable, "-m", server.stem]
 
     def spawn_stdio(
         self, server: Path | None = None, script: bool = False
     ) -> StdioPeer:
         server = server or SERVER
-        argv, log_path = (
-            self.server_argv(server, script),
-            f"{self.tmp}/server.log",
-        )
+        argv = self.server_argv(server, script)
+        log_path = f"{self.tmp}/server.log"
         return StdioPeer(argv, self.server_env(), log_path, cwd=server.parent)
 
     def spawn_minimal_stdio(self) -> StdioPeer:
@@ -515,12 +618,11 @@ class Bench:
     def spawn_http(
         self, minimal: bool = False, server: Path | None = None
     ) -> tuple[subprocess.Popen, int]:
-        port, server = free_port(), server or SERVER
+        port = free_port()
+        server = server or SERVER
         if minimal:
-            argv, env = (
-                [sys.executable, str(MINIMAL), "--http", str(port)],
-                {"PATH": os.environ.get("PATH", "")},
-            )
+            argv = [sys.executable, str(MINIMAL), "--http", str(port)]
+            env = {"PATH": os.environ.get("PATH", "")}
         else:
             argv = [*self.server_argv(server), "--http", "--port", str(port)]
             env = self.server_env(SMOL_MCP_AUTH_TOKEN=TOKEN)
@@ -559,15 +661,17 @@ class Bench:
             machines = (listing or {}).get("machines") or []
             if not machines:
                 raise RuntimeError(
-                    f"cannot create a machine ({answer}) and there is none to use"
+                    f"cannot create a machine ({answer}) and there is none"
+                    " to use"
                 )
             self.machine = machines[0]["name"]
             log(
-                f"could not create a machine ({answer}); using {self.machine} for get-machine, "
-                "no exec"
+                f"could not create a machine ({answer}); using"
+                f" {self.machine} for get-machine, no exec"
             )
             return
-        self.machine, self.own_machine = name, True
+        self.machine = name
+        self.own_machine = True
         status, answer = self.api.call(
             "POST", f"/api/v1/machines/{name}/start", timeout=600
         )
@@ -580,7 +684,8 @@ class Bench:
         )
         if not self.can_exec:
             log(
-                f"exec in {name} failed ({str(answer)[:300]}); skipping what needs a booted guest"
+                f"exec in {name} failed ({str(answer)[:300]}); skipping what"
+                " needs a booted guest"
             )
 
     def exec_direct(self, command: str, conn=None):
@@ -613,7 +718,7 @@ class Bench:
                 self.fake.kill()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    # -- results ----------------------------------------------------------------
+    # -- results --------------------------------------------------------------
 
     def row(
         self,
@@ -630,11 +735,14 @@ class Bench:
     def check(self, ok: bool) -> str:
         return "PASS" if ok else "FAIL"
 
-    # -- 1. startup -------------------------------------------------------------
+    # -- 1. startup -----------------------------------------------------------
 
     def bench_startup(self) -> None:
-        """Spawn to answers, and the memory held once idle, against the bare SDK
-        server; the script run directly (compiled at each start) for information."""
+        """Spawn to answers, and the memory held once idle.
+
+        They are measured against the bare SDK server; the script run
+        directly (compiled at each start) is shown for information.
+        """
         runs = 10 if self.quick else 15
         kinds = {
             "smol": lambda: self.spawn_stdio(),
@@ -644,57 +752,65 @@ class Bench:
         if self.baseline:
             kinds["before"] = lambda: self.spawn_stdio(self.baseline)
         log(
-            f"startup: {runs} spawns of each of {', '.join(kinds)} over stdio, interleaved"
+            f"startup: {runs} spawns of each of {', '.join(kinds)} over"
+            " stdio, interleaved"
         )
-        times = {
-            kind: ([], [], []) for kind in kinds
-        }  # initialize, tools/list, idle RSS
-        for i in range(
-            runs + 1
-        ):  # the first round warms the page cache and is dropped
-            order = (
-                list(kinds)[i % len(kinds) :] + list(kinds)[: i % len(kinds)]
-            )
+        # for each kind: initialize, tools/list, idle RSS
+        times = {kind: ([], [], []) for kind in kinds}
+        # the first round warms the page cache and is dropped
+        for i in range(runs + 1):
+            turn = i % len(kinds)
+            order = list(kinds)[turn:] + list(kinds)[:turn]
             for which in order:
-                peer = kinds[which]()
-                try:
-                    t_init = peer.initialize()
-                    answer = peer.request("tools/list")
-                    t_list = time.perf_counter() - peer.started
-                    if "error" in answer or not answer["result"]["tools"]:
-                        raise McpError(f"tools/list: {answer}")
-                    rss = proc_status(peer.proc.pid)["VmRSS"]
-                finally:
-                    peer.close()
+                taken = self.spawn_to_answers(kinds[which])
                 if i:
-                    for bucket, value in zip(
-                        times[which], (t_init, t_list, rss)
-                    ):
+                    for bucket, value in zip(times[which], taken):
                         bucket.append(value)
+        self.startup_rows(times, runs)
+
+    @staticmethod
+    def spawn_to_answers(spawn: Callable[[], StdioPeer]) -> tuple:
+        """Return (to initialize, to tools/list, idle RSS) of one spawn."""
+        peer = spawn()
+        try:
+            t_init = peer.initialize()
+            answer = peer.request("tools/list")
+            t_list = time.perf_counter() - peer.started
+            if "error" in answer or not answer["result"]["tools"]:
+                raise McpError(f"tools/list: {answer}")
+            rss = proc_status(peer.proc.pid)["VmRSS"]
+        finally:
+            peer.close()
+        return t_init, t_list, rss
+
+    def startup_rows(self, times: dict, runs: int) -> None:
+        """Add the startup rows, from each kind's spawn times and memory."""
         floor = times["minimal"]
-        for k, label in (
-            (0, "initialize"),
-            (1, "tools/list"),
-        ):  # ratios of each round's pair
+        # ratios of each round's pair
+        for k, label in ((0, "initialize"), (1, "tools/list")):
             ratio = median([a / b for a, b in zip(times["smol"][k], floor[k])])
             self.row(
-                f"startup: spawn to {label} answered (stdio, median of {runs})",
+                f"startup: spawn to {label} answered (stdio, median of"
+                f" {runs})",
                 ms(median(times["smol"][k])),
                 ms(median(floor[k])),
                 f"{ratio:.2f}x",
                 "<= 1.05x",
                 self.check(ratio <= 1.05),
             )
-        script, ours = median(times["script"][0]), median(times["smol"][0])
+        script = median(times["script"][0])
+        ours = median(times["smol"][0])
         self.row(
-            "startup: `python smol_mcp.py` to initialize (the script compiled at each start)",
+            "startup: `python smol_mcp.py` to initialize (the script"
+            " compiled at each start)",
             ms(script),
             ms(median(floor[0])),
             f"{script / median(floor[0]):.2f}x; compile {ms(script - ours)}",
             "-",
             "INFO",
         )
-        rss, base = median(times["smol"][2]), median(floor[2])
+        rss = median(times["smol"][2])
+        base = median(floor[2])
         self.row(
             "startup: idle memory after tools/list (RSS)",
             mib(rss),
@@ -706,7 +822,8 @@ class Bench:
         if self.baseline:
             before = times["before"]
             self.row(
-                "startup: before (--baseline), spawn to initialize / idle memory",
+                "startup: before (--baseline), spawn to initialize / idle"
+                " memory",
                 ms(median(before[0])),
                 ms(median(floor[0])),
                 f"{median(before[0]) / median(floor[0]):.2f}x; "
@@ -715,16 +832,20 @@ class Bench:
                 "INFO",
             )
 
-    # -- 2. per-call overhead ---------------------------------------------------
+    # -- 2. per-call overhead -------------------------------------------------
 
     def bench_per_call(self) -> None:
-        """Each tool's round trip on each transport, paired call by call with the
-        same request straight to the API and the bare SDK server's trivial tool:
-        smol-mcp's own share is the median over the rounds of what is left once
-        both are taken out (a busy moment of the machine hits all three alike)."""
+        """Each tool's round trip on each transport, against two floors.
+
+        Each call is paired, round by round, with the same request straight
+        to the API and with the bare SDK server's trivial tool: smol-mcp's
+        own share is the median over the rounds of what is left once both
+        are taken out (a busy moment of the machine hits all three alike).
+        """
         calls = 200 if self.quick else 500
         log(
-            f"per call: {calls} rounds of each tool, one call on every path per round"
+            f"per call: {calls} rounds of each tool, one call on every path"
+            " per round"
         )
         requests = {
             "list-machines": ({}, "/api/v1/machines"),
@@ -733,159 +854,196 @@ class Bench:
                 f"/api/v1/machines/{self.machine}",
             ),
         }
-        servers = (
-            {"": None, "before ": self.baseline}
-            if self.baseline
-            else {"": None}
-        )
-        peers, procs = {}, []
+        peers, procs = self.per_call_peers()
+        keep = self.api.connection()
+        paths = self.per_call_paths(peers, keep)
+        try:
+            samples, was_samples = self.per_call_samples(
+                paths, requests, calls
+            )
+        finally:
+            keep.close()
+            for peer in peers.values():
+                peer.close()
+            for proc in procs:
+                self.stop_child(proc)
+        for tool in requests:
+            self.per_call_rows(tool, samples, was_samples)
+        for tool in requests:
+            fresh = samples[(tool, "floor")]
+            kept = samples[(tool, "floor-keepalive")]
+            self.row(
+                f"per call: {tool} straight to the API, a new connection"
+                " each time",
+                ms(median(fresh)),
+                ms(median(kept)),
+                f"{(median(fresh) - median(kept)) * 1000:+.3f} ms",
+                "-",
+                "INFO",
+            )
+
+    def per_call_peers(self) -> tuple[dict, list[subprocess.Popen]]:
+        """Return the peers a round calls, by label, and the HTTP servers.
+
+        They are this server (and the --baseline one, labelled "before ")
+        over stdio and HTTP, then the bare SDK server over both.
+        """
+        servers = {"": None}
+        if self.baseline:
+            servers["before "] = self.baseline
+        peers = {}
+        procs = []
         for prefix, server in servers.items():
             peers[prefix + "stdio"] = self.spawn_stdio(server)
             peers[prefix + "stdio"].initialize()
             proc, port = self.spawn_http(server=server)
             procs.append(proc)
             peers[prefix + "http"] = HttpPeer(port).initialize()
-        min_stdio = self.spawn_minimal_stdio()
-        min_stdio.initialize()
-        min_proc, min_port = self.spawn_http(minimal=True)
-        procs.append(min_proc)
-        min_http = HttpPeer(min_port, token=None).initialize()
-        keep = self.api.connection()
+        peers["sdk-stdio"] = self.spawn_minimal_stdio()
+        peers["sdk-stdio"].initialize()
+        proc, port = self.spawn_http(minimal=True)
+        procs.append(proc)
+        peers["sdk-http"] = HttpPeer(port, token=None).initialize()
+        return peers, procs
 
-        def fresh(path):
+    def per_call_paths(self, peers: dict, keep) -> dict[str, Callable]:
+        """Return each path a round takes, by label, as a call.
+
+        A call takes (tool, arguments, API path). The floors go straight
+        to the API, on a new connection each time and on the kept-alive
+        ``keep``; the SDK server's peers call its trivial tool.
+        """
+
+        def fresh(tool: str, arguments: dict, path: str) -> None:
             status, _ = self.api.call("GET", path)
             assert status == 200, status
 
-        def kept(path):
+        def kept(tool: str, arguments: dict, path: str) -> None:
             status, _ = self.api.call("GET", path, conn=keep)
             assert status == 200, status
 
-        paths = {
-            "floor": lambda tool, a, p: fresh(p),
-            "floor-keepalive": lambda tool, a, p: kept(p),
-            **{
-                label: functools.partial(self.tool_call, peer)
-                for label, peer in peers.items()
-            },
-            "sdk-stdio": lambda tool, a, p: min_stdio.call(
+        def echo(peer) -> Callable:
+            return lambda tool, arguments, path: peer.call(
                 "echo", {"text": "x"}
-            ),
-            "sdk-http": lambda tool, a, p: min_http.call(
-                "echo", {"text": "x"}
-            ),
-        }
-
-        def rounds(labels: list[str]) -> dict[tuple[str, str], list[float]]:
-            taken: dict[tuple[str, str], list[float]] = {}
-            for _ in range(calls):
-                for tool, (arguments, path) in requests.items():
-                    for label in labels:
-                        t = time.perf_counter()
-                        paths[label](tool, arguments, path)
-                        taken.setdefault((tool, label), []).append(
-                            time.perf_counter() - t
-                        )
-            return taken
-
-        try:
-            for tool, (arguments, path) in requests.items():  # warm every path
-                for fn in paths.values():
-                    for _ in range(20):
-                        fn(tool, arguments, path)
-            samples = rounds(
-                [label for label in paths if not label.startswith("before ")]
             )
-            # The earlier file's rounds come after, with floors of their own: interleaved, its
-            # heavier calls (its get-machine ran a command in the guest) slowed the ones beside.
-            floors = ("floor-keepalive", "sdk-stdio", "sdk-http")
-            earlier = [
-                label
-                for label in paths
-                if label.startswith("before ") or label in floors
-            ]
-            was_samples = rounds(earlier) if self.baseline else {}
-        finally:
-            keep.close()
-            for peer in (*peers.values(), min_stdio, min_http):
-                peer.close()
-            for proc in procs:
-                self.stop_child(proc)
 
-        def share(
-            calls: list[float], sdk: list[float], floor: list[float]
-        ) -> float:
-            """smol-mcp's own share: the median of what is left once the SDK and the API are out."""
-            return median([c - s - a for c, s, a in zip(calls, sdk, floor)])
+        paths = {"floor": fresh, "floor-keepalive": kept}
+        for label, peer in peers.items():
+            if label.startswith("sdk-"):
+                paths[label] = echo(peer)
+            else:
+                paths[label] = functools.partial(self.tool_call, peer)
+        return paths
 
-        for tool in requests:
-            floor = samples[(tool, "floor-keepalive")]
-            # Issue 22's targets: a miss here (after one rerun) fails the CI smoke run.
-            for transport, limit in (("stdio", 0.0003), ("http", 0.0005)):
-                ours, sdk = (
-                    samples[(tool, transport)],
-                    samples[(tool, f"sdk-{transport}")],
-                )
-                own = share(ours, sdk, floor)
-                self.row(
-                    f"per call: {tool} over {transport}, median of {len(ours)}",
-                    ms(median(ours)),
-                    f"{ms(median(sdk))} SDK",
-                    f"{(median(ours) - median(sdk)) * 1000:+.3f} ms over the SDK",
-                    "-",
-                    "INFO",
-                )
-                self.row(
-                    f"per call: {tool} over {transport}, smol-mcp's own share",
-                    f"{own * 1000:+.3f} ms",
-                    f"{ms(median(floor))} API",
-                    "median of (value - SDK - API)",
-                    f"<= +{limit * 1000:.1f} ms",
-                    self.check(own <= limit),
-                )
-                if self.baseline:
-                    before = was_samples[(tool, f"before {transport}")]
-                    then = (
-                        was_samples[(tool, f"sdk-{transport}")],
-                        was_samples[(tool, floors[0])],
-                    )
-                    was = share(before, *then)
-                    self.row(
-                        f"per call: {tool} over {transport}, before (--baseline)",
-                        ms(median(before)),
-                        f"{ms(median(then[0]))} SDK",
-                        f"own share {was * 1000:+.3f} ms (rounds of its own)",
-                        "-",
-                        "INFO",
-                    )
-                self.row(
-                    f"per call: {tool} over {transport}, p95",
-                    ms(p95(ours)),
-                    ms(p95(sdk)),
-                    f"{(p95(ours) - p95(sdk)) * 1000:+.3f} ms over the SDK",
-                    "-",
-                    "INFO",
-                )
-        for tool in requests:
-            fresh_floor, kept_floor = (
-                samples[(tool, "floor")],
-                samples[(tool, "floor-keepalive")],
-            )
+    def per_call_samples(
+        self, paths: dict, requests: dict, calls: int
+    ) -> tuple[dict, dict]:
+        """Return the times of this server's rounds and the --baseline's.
+
+        Every path is warmed first. The earlier file's rounds come after,
+        with floors of their own: interleaved, its heavier calls (its
+        get-machine ran a command in the guest) slowed the ones beside.
+        """
+        for tool, (arguments, path) in requests.items():
+            for call in paths.values():
+                for _ in range(20):
+                    call(tool, arguments, path)
+        current = [label for label in paths if not label.startswith("before ")]
+        samples = self.rounds(paths, requests, calls, current)
+        if not self.baseline:
+            return samples, {}
+        earlier = [
+            label
+            for label in paths
+            if label.startswith("before ") or label in EARLIER_FLOORS
+        ]
+        return samples, self.rounds(paths, requests, calls, earlier)
+
+    @staticmethod
+    def rounds(
+        paths: dict, requests: dict, calls: int, labels: list[str]
+    ) -> dict[tuple[str, str], list[float]]:
+        """Return each call's time, by (tool, label), over ``calls`` rounds.
+
+        A round takes every path in ``labels`` for every tool in turn.
+        """
+        taken: dict[tuple[str, str], list[float]] = {}
+        for _ in range(calls):
+            for tool, (arguments, path) in requests.items():
+                for label in labels:
+                    t = time.perf_counter()
+                    paths[label](tool, arguments, path)
+                    seconds = time.perf_counter() - t
+                    taken.setdefault((tool, label), []).append(seconds)
+        return taken
+
+    def per_call_rows(
+        self, tool: str, samples: dict, was_samples: dict
+    ) -> None:
+        """Add the rows of one tool over each transport."""
+        floor = samples[(tool, "floor-keepalive")]
+        # Issue 22's targets: a miss here (after one rerun) fails the CI
+        # smoke run.
+        for transport, limit in (("stdio", 0.0003), ("http", 0.0005)):
+            ours = samples[(tool, transport)]
+            sdk = samples[(tool, f"sdk-{transport}")]
+            own = own_share(ours, sdk, floor)
+            over = (median(ours) - median(sdk)) * 1000
             self.row(
-                f"per call: {tool} straight to the API, a new connection each time",
-                ms(median(fresh_floor)),
-                ms(median(kept_floor)),
-                f"{(median(fresh_floor) - median(kept_floor)) * 1000:+.3f} ms",
+                f"per call: {tool} over {transport}, median of {len(ours)}",
+                ms(median(ours)),
+                f"{ms(median(sdk))} SDK",
+                f"{over:+.3f} ms over the SDK",
                 "-",
                 "INFO",
             )
+            self.row(
+                f"per call: {tool} over {transport}, smol-mcp's own share",
+                f"{own * 1000:+.3f} ms",
+                f"{ms(median(floor))} API",
+                "median of (value - SDK - API)",
+                f"<= +{limit * 1000:.1f} ms",
+                self.check(own <= limit),
+            )
+            if self.baseline:
+                self.baseline_row(tool, transport, was_samples)
+            self.row(
+                f"per call: {tool} over {transport}, p95",
+                ms(p95(ours)),
+                ms(p95(sdk)),
+                f"{(p95(ours) - p95(sdk)) * 1000:+.3f} ms over the SDK",
+                "-",
+                "INFO",
+            )
+
+    def baseline_row(self, tool: str, transport: str, was_samples: dict):
+        """Add the --baseline's row for a tool over a transport."""
+        before = was_samples[(tool, f"before {transport}")]
+        sdk = was_samples[(tool, f"sdk-{transport}")]
+        floor = was_samples[(tool, EARLIER_FLOORS[0])]
+        was = own_share(before, sdk, floor)
+        self.row(
+            f"per call: {tool} over {transport}, before (--baseline)",
+            ms(median(before)),
+            f"{ms(median(sdk))} SDK",
+            f"own share {was * 1000:+.3f} ms (rounds of its own)",
+            "-",
+            "INFO",
+        )
 
     @staticmethod
     def tool_call(peer, tool: str, arguments: dict, path: str) -> dict:
         return peer.call(tool, arguments)
 
-    # -- 3. output handling -----------------------------------------------------
+    # -- 3. output handling ---------------------------------------------------
 
     def bench_output(self) -> None:
+        """run-command printing MiBs: time, memory, a result in budget.
+
+        Each size gets a fresh stdio server, against the same exec made
+        straight to the API in a fresh process; the two largest sizes say
+        whether time and memory grow linearly.
+        """
         if not self.can_exec:
             self.row(
                 "output: run-command 1/16/64 MiB",
@@ -898,96 +1056,20 @@ class Bench:
             return
         sizes = [1, 4, 16] if self.quick else [1, 4, 16, 64]
         log(
-            f"output: run-command printing {sizes} MiB, a fresh stdio server for each"
+            f"output: run-command printing {sizes} MiB, a fresh stdio server"
+            " for each"
         )
         results = []
         for size in sizes:
-            nbytes = size * MiB
-            command = (
-                "yes 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ | "
-                f"head -c {nbytes}"
-            )
-            # the floor: the same exec, straight to the API, in a fresh process
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    "-c",
-                    EXEC_FLOOR,
-                    self.url,
-                    self.machine,
-                    command,
-                ],
-                capture_output=True,
-                text=True,
-                timeout=900,
-            )
-            if out.returncode:
-                raise RuntimeError(f"exec floor failed: {out.stderr[-2000:]}")
-            floor = json.loads(out.stdout)
-            assert floor["bytes"] == nbytes, floor
-            peer = self.spawn_stdio()
-            try:
-                peer.initialize()
-                peer.call(
-                    "run-command",
-                    {"name": self.machine, "command": "echo warm"},
-                )
-                before = proc_status(peer.proc.pid)
-                t = time.perf_counter()
-                answer = peer.request(
-                    "tools/call",
-                    {
-                        "name": "run-command",
-                        "arguments": {
-                            "name": self.machine,
-                            "command": command,
-                            "timeoutSecs": 300,
-                        },
-                    },
-                )
-                seconds = time.perf_counter() - t
-                after = proc_status(peer.proc.pid)
-                result = tool_result(answer)
-                reply_bytes = len(json.dumps(answer))
-            finally:
-                peer.close()
-            growth = after["VmHWM"] - before["VmRSS"]
-            floor_growth = floor["hwm"] - floor["rss0"]
-            stdout_len = len(result["stdout"].encode())
-            within = result["truncated"] and stdout_len <= self.budget + 400
-            results.append((nbytes, seconds, growth))
-            self.row(
-                f"output: run-command {size} MiB, wall time",
-                ms(seconds),
-                ms(floor["seconds"]),
-                f"{seconds / floor['seconds']:.2f}x",
-                "-",
-                "INFO",
-            )
-            self.row(
-                f"output: run-command {size} MiB, server peak memory growth",
-                mib(growth),
-                mib(floor_growth),
-                f"{growth / nbytes:.2f}x output",
-                "<= 3x output",
-                self.check(growth <= 3 * nbytes),
-            )
-            self.row(
-                f"output: run-command {size} MiB, result within the budget",
-                f"{stdout_len} B stdout",
-                f"budget {self.budget} B",
-                f"reply {reply_bytes} B, overflow {len(result['overflow'])}",
-                "head+tail, saved",
-                self.check(within and len(result["overflow"]) == 1),
-            )
-        (s1, t1, m1), (s2, t2, m2) = results[-2], results[-1]
+            results.append(self.output_of(size))
+        s1, t1, m1 = results[-2]
+        s2, t2, m2 = results[-1]
         for what, a, b in (
             ("wall time", t1, t2),
             ("peak memory growth", m1, m2),
         ):
-            exponent = math.log(max(b, 1e-9) / max(a, 1e-9)) / math.log(
-                s2 / s1
-            )
+            growth = math.log(max(b, 1e-9) / max(a, 1e-9))
+            exponent = growth / math.log(s2 / s1)
             self.row(
                 f"output: {what}, {s1 // MiB} -> {s2 // MiB} MiB",
                 f"x{b / a:.2f}",
@@ -997,9 +1079,92 @@ class Bench:
                 self.check(exponent <= 1.15),
             )
 
-    # -- 4. paging --------------------------------------------------------------
+    def output_of(self, size: int) -> tuple[int, float, int]:
+        """Add the rows of one size; return (bytes, seconds, memory growth)."""
+        nbytes = size * MiB
+        command = f"yes {LINE} | head -c {nbytes}"
+        floor = self.exec_floor(command)
+        assert floor["bytes"] == nbytes, floor
+        peer = self.spawn_stdio()
+        try:
+            peer.initialize()
+            peer.call(
+                "run-command",
+                {"name": self.machine, "command": "echo warm"},
+            )
+            arguments = {
+                "name": self.machine,
+                "command": command,
+                "timeoutSecs": 300,
+            }
+            before = proc_status(peer.proc.pid)
+            t = time.perf_counter()
+            answer = peer.request(
+                "tools/call", {"name": "run-command", "arguments": arguments}
+            )
+            seconds = time.perf_counter() - t
+            after = proc_status(peer.proc.pid)
+            result = tool_result(answer)
+            reply_bytes = len(json.dumps(answer))
+        finally:
+            peer.close()
+        growth = after["VmHWM"] - before["VmRSS"]
+        floor_growth = floor["hwm"] - floor["rss0"]
+        stdout_len = len(result["stdout"].encode())
+        within = result["truncated"] and stdout_len <= self.budget + 400
+        self.row(
+            f"output: run-command {size} MiB, wall time",
+            ms(seconds),
+            ms(floor["seconds"]),
+            f"{seconds / floor['seconds']:.2f}x",
+            "-",
+            "INFO",
+        )
+        self.row(
+            f"output: run-command {size} MiB, server peak memory growth",
+            mib(growth),
+            mib(floor_growth),
+            f"{growth / nbytes:.2f}x output",
+            "<= 3x output",
+            self.check(growth <= 3 * nbytes),
+        )
+        self.row(
+            f"output: run-command {size} MiB, result within the budget",
+            f"{stdout_len} B stdout",
+            f"budget {self.budget} B",
+            f"reply {reply_bytes} B, overflow {len(result['overflow'])}",
+            "head+tail, saved",
+            self.check(within and len(result["overflow"]) == 1),
+        )
+        return nbytes, seconds, growth
+
+    def exec_floor(self, command: str) -> dict:
+        """Return the floor of an exec: the API's call in a fresh process."""
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                EXEC_FLOOR,
+                self.url,
+                self.machine,
+                command,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if out.returncode:
+            raise RuntimeError(f"exec floor failed: {out.stderr[-2000:]}")
+        return json.loads(out.stdout)
+
+    # -- 4. paging ------------------------------------------------------------
 
     def bench_paging(self) -> None:
+        """read-file of a large file in budget-sized pages, against the API.
+
+        The floors are the whole file in one download, and each page as
+        any client of the API pays for it.
+        """
         if not self.can_exec:
             self.row(
                 "paging: read-file 256 MiB in budget-sized pages",
@@ -1013,89 +1178,29 @@ class Bench:
         size = (32 if self.quick else 256) * MiB
         path = "/root/bench-paging.txt"
         status, answer = self.exec_direct(
-            "yes 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ | head -c "
-            f"{size} > {path}"
+            f"yes {LINE} | head -c {size} > {path}"
         )
         assert status == 200 and answer["exitCode"] == 0, answer
         pages = math.ceil(size / self.budget)
         log(
-            f"paging: a {size // MiB} MiB file, {pages} pages of {self.budget} B"
+            f"paging: a {size // MiB} MiB file, {pages} pages of"
+            f" {self.budget} B"
         )
-        # the floor: the whole file in one download
-        floor_times = []
-        for _ in range(3):
-            conn = self.api.connection()
-            t = time.perf_counter()
-            conn.request("GET", f"/api/v1/machines/{self.machine}/files{path}")
-            response = conn.getresponse()
-            got = 0
-            while chunk := response.read(MiB):
-                got += len(chunk)
-            floor_times.append(time.perf_counter() - t)
-            conn.close()
-            assert got == size, got
-        floor = median(floor_times)
-
-        # what any client of this API pays for one page (it has no range parameter):
-        # download up to the end of the page, then hang up
-        def api_page(offset: int) -> float:
-            conn = self.api.connection()
-            t = time.perf_counter()
-            conn.request("GET", f"/api/v1/machines/{self.machine}/files{path}")
-            response = conn.getresponse()
-            need = offset + self.budget
-            while need > 0 and (chunk := response.read(min(MiB, need))):
-                need -= len(chunk)
-            seconds = time.perf_counter() - t
-            conn.close()
-            return seconds
-
-        peer = self.spawn_stdio()
-        try:
-            peer.initialize()
-
-            def page(offset: int) -> float:
-                t = time.perf_counter()
-                result = peer.call(
-                    "read-file",
-                    {"name": self.machine, "path": path, "offset": offset},
-                )
-                seconds = time.perf_counter() - t
-                # a page is the budget in bytes, or less where its text escapes longer as JSON
-                assert (
-                    0 < result["bytes"] <= min(self.budget, size - offset)
-                ), (
-                    offset,
-                    result["bytes"],
-                )
-                return seconds
-
-            page(0)
-            samples = 8 if self.quick else 24
-            offsets = [
-                min(pages - 1, round(i * pages / samples)) * self.budget
-                for i in range(samples)
-            ]
-            offsets.append((pages - 1) * self.budget)
-            ours = [page(o) for o in offsets]
-            api = [api_page(o) for o in offsets]
-            estimate = statistics.mean(ours) * pages
-            api_estimate = statistics.mean(api) * pages
-            cap = 20 if self.quick else 60
-            measured = None
-            if estimate <= cap:  # cheap enough: read every page for real
-                t = time.perf_counter()
-                for i in range(pages):
-                    page(i * self.budget)
-                measured = time.perf_counter() - t
-        finally:
-            peer.close()
-        total = measured if measured is not None else estimate
-        how = (
-            "measured"
-            if measured is not None
-            else f"extrapolated from {len(offsets)} pages"
-        )
+        floor = median([self.download(path, size) for _ in range(3)])
+        samples = 8 if self.quick else 24
+        offsets = [
+            min(pages - 1, round(i * pages / samples)) * self.budget
+            for i in range(samples)
+        ]
+        offsets.append((pages - 1) * self.budget)
+        ours, api, measured = self.read_pages(path, size, offsets)
+        api_estimate = statistics.mean(api) * pages
+        if measured is not None:
+            total = measured
+            how = "measured"
+        else:
+            total = statistics.mean(ours) * pages
+            how = f"extrapolated from {len(offsets)} pages"
         self.row(
             f"paging: read-file {size // MiB} MiB in {pages} pages ({how})",
             ms(total),
@@ -1113,7 +1218,8 @@ class Bench:
             "INFO",
         )
         self.row(
-            f"paging: the same pages straight from the API ({how.split(' ')[0]})",
+            "paging: the same pages straight from the API"
+            f" ({how.split(' ')[0]})",
             ms(api_estimate),
             ms(floor),
             f"{api_estimate / floor:.1f}x",
@@ -1121,94 +1227,182 @@ class Bench:
             "INFO",
         )
 
-    # -- 5. concurrency over HTTP -----------------------------------------------
+    def read_pages(
+        self, path: str, size: int, offsets: list[int]
+    ) -> tuple[list[float], list[float], float | None]:
+        """Return the times of the pages at ``offsets``, and of all pages.
+
+        That is (read-file's times, the API's for the same pages, the
+        time of every page read for real). The last is None unless the
+        sample says reading every page is cheap enough.
+        """
+        pages = math.ceil(size / self.budget)
+        peer = self.spawn_stdio()
+        try:
+            peer.initialize()
+            self.read_page(peer, path, size, 0)
+            ours = [self.read_page(peer, path, size, o) for o in offsets]
+            api = [self.api_page(path, offset) for offset in offsets]
+            estimate = statistics.mean(ours) * pages
+            cap = 20 if self.quick else 60
+            if estimate > cap:
+                return ours, api, None
+            t = time.perf_counter()
+            for i in range(pages):
+                self.read_page(peer, path, size, i * self.budget)
+            return ours, api, time.perf_counter() - t
+        finally:
+            peer.close()
+
+    def read_page(self, peer, path: str, size: int, offset: int) -> float:
+        """Return the time read-file takes for the page at ``offset``."""
+        t = time.perf_counter()
+        result = peer.call(
+            "read-file",
+            {"name": self.machine, "path": path, "offset": offset},
+        )
+        seconds = time.perf_counter() - t
+        # a page is the budget in bytes, or less where its text escapes
+        # longer as JSON
+        most = min(self.budget, size - offset)
+        assert 0 < result["bytes"] <= most, (offset, result["bytes"])
+        return seconds
+
+    def download(self, path: str, size: int) -> float:
+        """Return the time the whole file takes in one download."""
+        conn = self.api.connection()
+        t = time.perf_counter()
+        conn.request("GET", f"/api/v1/machines/{self.machine}/files{path}")
+        response = conn.getresponse()
+        got = 0
+        while chunk := response.read(MiB):
+            got += len(chunk)
+        seconds = time.perf_counter() - t
+        conn.close()
+        assert got == size, got
+        return seconds
+
+    def api_page(self, path: str, offset: int) -> float:
+        """Return what any client of the API pays for the page at ``offset``.
+
+        The API has no range parameter: the client downloads up to the
+        end of the page, then hangs up.
+        """
+        conn = self.api.connection()
+        t = time.perf_counter()
+        conn.request("GET", f"/api/v1/machines/{self.machine}/files{path}")
+        response = conn.getresponse()
+        need = offset + self.budget
+        while need > 0 and (chunk := response.read(min(MiB, need))):
+            need -= len(chunk)
+        seconds = time.perf_counter() - t
+        conn.close()
+        return seconds
+
+    # -- 5. concurrency over HTTP ---------------------------------------------
 
     def bench_concurrency(self) -> None:
-        levels = [
-            1,
-            8,
-            15,
-        ]  # and one holder: a token holds at most 16 sessions (its share)
+        """Sessions over HTTP calling at once, alone and beside a held call.
+
+        A held command must not slow the other sessions' calls.
+        """
+        # and one holder: a token holds at most 16 sessions (its share)
+        levels = [1, 8, 15]
         window = 3.0 if self.quick else 8.0
-        hold = (
-            4.5 if self.quick else 10.0
-        )  # the issue's 10 s command; the window ends before it does
+        # the issue's 10 s command; the window ends before it does
+        hold = 4.5 if self.quick else 10.0
         log(
-            f"concurrency: {levels} sessions over HTTP, windows of {window} s, a held command of "
-            f"{hold:.1f} s"
+            f"concurrency: {levels} sessions over HTTP, windows of {window} s,"
+            f" a held command of {hold:.1f} s"
         )
         proc, port = self.spawn_http()
         try:
             for level in levels:
                 sessions = [HttpPeer(port).initialize() for _ in range(level)]
                 try:
-                    for s in sessions:  # warm
-                        s.call("get-machine", {"name": self.machine})
-                    # base and held windows alternate (base, held, base[, held, base]) so that a
-                    # drift of the machine does not read as the long command's doing
-                    rounds = 1 if self.quick else 2
-                    cpu = cpu_seconds(proc.pid)
-                    bases = [self.window(sessions, window)]
-                    cpu = (cpu_seconds(proc.pid) - cpu) / max(
-                        1, len(bases[0][0])
-                    )
-                    helds = []
-                    for _ in range(rounds):
-                        if self.can_exec:
-                            helds.append(
-                                self.window(
-                                    sessions, window, hold=hold, port=port
-                                )
-                            )
-                        bases.append(self.window(sessions, window))
+                    measured = self.windows(proc, port, sessions, window, hold)
                 finally:
-                    for s in sessions:
-                        s.close()
-                base = [x for b in bases for x in b[0]]
-                base_rate = statistics.mean(len(b[0]) / b[1] for b in bases)
-                self.row(
-                    f"concurrency: {level} sessions, throughput",
-                    f"{base_rate:.0f} calls/s",
-                    "-",
-                    f"p50 {ms(median(base))}, server CPU {ms(cpu)}/call",
-                    "-",
-                    "INFO",
-                )
-                self.row(
-                    f"concurrency: {level} sessions, p95",
-                    ms(p95(base)),
-                    "-",
-                    "windows " + " / ".join(ms(p95(b[0])) for b in bases),
-                    "-",
-                    "INFO",
-                )
-                if not helds:
-                    self.row(
-                        f"concurrency: {level} sessions, p95 while one holds a command",
-                        "-",
-                        "-",
-                        "-",
-                        "<= +20%",
-                        "SKIP",
-                    )
-                    continue
-                held = (
-                    [x for h in helds for x in h[0]],
-                    sum(h[1] for h in helds),
-                    all(h[2] for h in helds),
-                )
-                lat, seconds, long_ok = held
-                change = p95(lat) / p95(base) - 1
-                self.row(
-                    f"concurrency: {level} sessions, p95 while one holds a {hold:.0f} s command",
-                    f"{ms(p95(lat))} ({len(lat) / seconds:.0f}/s)",
-                    ms(p95(base)),
-                    f"{change * 100:+.1f}%",
-                    "<= +20%",
-                    self.check(change <= 0.20 and long_ok),
-                )
+                    for session in sessions:
+                        session.close()
+                self.concurrency_rows(level, hold, *measured)
         finally:
             self.stop_child(proc)
+
+    def windows(
+        self,
+        proc: subprocess.Popen,
+        port: int,
+        sessions: list[HttpPeer],
+        window: float,
+        hold: float,
+    ) -> tuple[list, list, float]:
+        """Return (base windows, held windows, server CPU a call).
+
+        Base and held windows alternate (base, held, base[, held, base])
+        so that a drift of the machine does not read as the long
+        command's doing. There is no held window without exec.
+        """
+        for session in sessions:
+            session.call("get-machine", {"name": self.machine})
+        rounds = 1 if self.quick else 2
+        cpu = cpu_seconds(proc.pid)
+        bases = [self.window(sessions, window)]
+        calls = max(1, len(bases[0][0]))
+        cpu = (cpu_seconds(proc.pid) - cpu) / calls
+        helds = []
+        for _ in range(rounds):
+            if self.can_exec:
+                held = self.window(sessions, window, hold=hold, port=port)
+                helds.append(held)
+            bases.append(self.window(sessions, window))
+        return bases, helds, cpu
+
+    def concurrency_rows(
+        self, level: int, hold: float, bases: list, helds: list, cpu: float
+    ) -> None:
+        """Add the rows of one number of sessions."""
+        base = [x for b in bases for x in b[0]]
+        base_rate = statistics.mean(len(b[0]) / b[1] for b in bases)
+        self.row(
+            f"concurrency: {level} sessions, throughput",
+            f"{base_rate:.0f} calls/s",
+            "-",
+            f"p50 {ms(median(base))}, server CPU {ms(cpu)}/call",
+            "-",
+            "INFO",
+        )
+        self.row(
+            f"concurrency: {level} sessions, p95",
+            ms(p95(base)),
+            "-",
+            "windows " + " / ".join(ms(p95(b[0])) for b in bases),
+            "-",
+            "INFO",
+        )
+        if not helds:
+            self.row(
+                f"concurrency: {level} sessions, p95 while one holds a"
+                " command",
+                "-",
+                "-",
+                "-",
+                "<= +20%",
+                "SKIP",
+            )
+            return
+        lat = [x for h in helds for x in h[0]]
+        seconds = sum(h[1] for h in helds)
+        long_ok = all(h[2] for h in helds)
+        change = p95(lat) / p95(base) - 1
+        self.row(
+            f"concurrency: {level} sessions, p95 while one holds a"
+            f" {hold:.0f} s command",
+            f"{ms(p95(lat))} ({len(lat) / seconds:.0f}/s)",
+            ms(p95(base)),
+            f"{change * 100:+.1f}%",
+            "<= +20%",
+            self.check(change <= 0.20 and long_ok),
+        )
 
     def window(
         self,
@@ -1216,43 +1410,25 @@ class Bench:
         seconds: float,
         hold: float = 0.0,
         port: int = 0,
-    ):
-        """Every session calls get-machine and list-machines in turn for `seconds`;
-        with `hold`, one more session runs `sleep hold` throughout."""
+    ) -> tuple[list[float], float, bool]:
+        """Return (latencies, elapsed, whether the held call ran its time).
+
+        Every session calls get-machine and list-machines in turn for
+        ``seconds``; with ``hold``, one more session runs `sleep hold`
+        throughout. Raise RuntimeError when a session fails.
+        """
         latencies: list[list[float]] = [[] for _ in sessions]
         errors: list[BaseException] = []
         long_ok = [True]
-        long_thread = None
+        holder = None
         if hold:
-            holder = HttpPeer(port).initialize()
-            started = threading.Event()
-
-            def run_long():
-                try:
-                    t = time.perf_counter()
-                    started.set()
-                    holder.call(
-                        "run-command",
-                        {
-                            "name": self.machine,
-                            "command": f"sleep {hold}",
-                            "timeoutSecs": int(hold) + 30,
-                        },
-                    )
-                    long_ok[0] = time.perf_counter() - t >= hold - 0.5
-                except BaseException as err:
-                    long_ok[0] = False
-                    errors.append(err)
-
-            long_thread = threading.Thread(target=run_long, daemon=True)
-            long_thread.start()
-            started.wait()
-            time.sleep(0.5)  # the command is in the guest now
+            holder = self.start_holder(port, hold, long_ok, errors)
         barrier = threading.Barrier(len(sessions) + 1)
         stop_at = [0.0]
 
         def worker(i: int) -> None:
-            session, out = sessions[i], latencies[i]
+            session = sessions[i]
+            out = latencies[i]
             barrier.wait()
             calls = (
                 ("get-machine", {"name": self.machine}),
@@ -1281,17 +1457,52 @@ class Bench:
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - started_at
-        if long_thread is not None:
-            long_thread.join()
-            holder.close()
+        if holder is not None:
+            thread, peer = holder
+            thread.join()
+            peer.close()
         if errors:
             raise RuntimeError(f"a session failed: {errors[0]!r}")
         flat = [x for lat in latencies for x in lat]
-        return (flat, elapsed, long_ok[0]) if hold else (flat, elapsed)
+        return flat, elapsed, long_ok[0]
 
-    # -- the table --------------------------------------------------------------
+    def start_holder(
+        self, port: int, hold: float, long_ok: list, errors: list
+    ) -> tuple[threading.Thread, HttpPeer]:
+        """Start a session running `sleep hold`; return its thread and peer.
+
+        Return once the command is in the guest. ``long_ok[0]`` is set to
+        whether it ran its time; an error is appended to ``errors``.
+        """
+        holder = HttpPeer(port).initialize()
+        started = threading.Event()
+        arguments = {
+            "name": self.machine,
+            "command": f"sleep {hold}",
+            "timeoutSecs": int(hold) + 30,
+        }
+
+        def run_long():
+            try:
+                t = time.perf_counter()
+                started.set()
+                holder.call("run-command", arguments)
+                long_ok[0] = time.perf_counter() - t >= hold - 0.5
+            except BaseException as err:
+                long_ok[0] = False
+                errors.append(err)
+
+        thread = threading.Thread(target=run_long, daemon=True)
+        thread.start()
+        started.wait()
+        # the command is in the guest now
+        time.sleep(0.5)
+        return thread, holder
+
+    # -- the table ------------------------------------------------------------
 
     def table(self) -> str:
+        """Return the rows as a Markdown table."""
         header = (
             "measurement",
             "value",
@@ -1304,19 +1515,25 @@ class Bench:
             max(len(r[i]) for r in [header, *self.rows]) for i in range(6)
         ]
         lines = [
-            "| "
-            + " | ".join(h.ljust(w) for h, w in zip(header, widths))
-            + " |",
+            markdown_row(header, widths),
             "|" + "|".join("-" * (w + 2) for w in widths) + "|",
         ]
         for r in self.rows:
-            lines.append(
-                "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
-            )
+            lines.append(markdown_row(r, widths))
         return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def markdown_row(cells: tuple, widths: list[int]) -> str:
+    """Return one row of a Markdown table, each cell padded to its width."""
+    padded = (cell.ljust(width) for cell, width in zip(cells, widths))
+    return "| " + " | ".join(padded) + " |"
+
+
+SECTIONS = ["startup", "per-call", "output", "paging", "concurrency"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Return the command line's options (--smoke implies --quick)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick",
@@ -1326,68 +1543,69 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--serve",
         metavar="URL",
-        help="a real serve (unix:///path or http://127.0.0.1:PORT) instead of the fake",
+        help=(
+            "a real serve (unix:///path or http://127.0.0.1:PORT) instead of"
+            " the fake"
+        ),
     )
     parser.add_argument(
         "--only",
-        help="comma-separated sections: startup,per-call,output,paging,concurrency",
+        help=f"comma-separated sections: {','.join(SECTIONS)}",
     )
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="CI: the quick run; a missed target fails it, after one rerun of what missed",
+        help=(
+            "CI: the quick run; a missed target fails it, after one rerun of"
+            " what missed"
+        ),
     )
     parser.add_argument(
         "--baseline",
         metavar="FILE",
-        help="an earlier smol_mcp.py, measured side by side (startup, per call) as 'before'",
+        help=(
+            "an earlier smol_mcp.py, measured side by side (startup, per"
+            " call) as 'before'"
+        ),
     )
     args = parser.parse_args(argv)
     args.quick = args.quick or args.smoke
-    sections = ["startup", "per-call", "output", "paging", "concurrency"]
-    chosen = args.only.split(",") if args.only else sections
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen sections, print the table; 1 if a target was missed."""
+    args = parse_args(argv)
+    chosen = args.only.split(",") if args.only else SECTIONS
     started = time.monotonic()
     bench = Bench(args)
     reran = []
     try:
         bench.setup_machine()
         log(
-            f"smol-mcp benchmark ({'quick' if args.quick else 'full'}) against "
-            f"{'the fake serve' if not args.serve else args.serve}, machine {bench.machine}; "
-            f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+            f"smol-mcp benchmark ({run_kind(args)}) against"
+            f" {args.serve or 'the fake serve'}, machine {bench.machine};"
+            f" Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
         )
-        for section in sections:
+        for section in SECTIONS:
             if section in chosen:
-                getattr(bench, "bench_" + section.replace("-", "_"))()
-        # A shared machine has bad moments: a section that missed a target runs once more,
-        # and its second reading stands.
-        reran = [
-            s
-            for s in sections
-            if any(section_of(r) == s for r in bench.rows if r[5] == "FAIL")
-        ]
-        for section in reran:
-            log(f"{section}: a target was missed; running it once more")
-            bench.rows = [r for r in bench.rows if section_of(r) != section]
-            getattr(bench, "bench_" + section.replace("-", "_"))()
+                run_section(bench, section)
+        reran = rerun_missed(bench)
     finally:
         bench.teardown()
     failed = [r for r in bench.rows if r[5] == "FAIL"]
     print()
-    import hashlib
-
     digest = hashlib.sha256(SERVER.read_bytes()).hexdigest()[:12]
     print(
-        f"smol-mcp benchmark of smol_mcp.py sha256:{digest}, {'quick' if args.quick else 'full'} "
-        "run against "
-        f"{'the fake serve (tests/fakes)' if not args.serve else args.serve}, "
-        f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-        f"{time.monotonic() - started:.0f} s"
+        f"smol-mcp benchmark of smol_mcp.py sha256:{digest},"
+        f" {run_kind(args)} run against"
+        f" {args.serve or 'the fake serve (tests/fakes)'},"
+        f" {os.cpu_count()} CPUs, Python {sys.version.split()[0]},"
+        f" {time.monotonic() - started:.0f} s"
     )
     print(bench.table())
-    print(
-        f"\ntargets met: {sum(r[5] == 'PASS' for r in bench.rows)}, missed: {len(failed)}"
-    )
+    met = sum(r[5] == "PASS" for r in bench.rows)
+    print(f"\ntargets met: {met}, missed: {len(failed)}")
     if reran:
         print(
             f"run twice (a target missed the first time): {', '.join(reran)}"
@@ -1395,7 +1613,33 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def run_kind(args: argparse.Namespace) -> str:
+    return "quick" if args.quick else "full"
+
+
+def run_section(bench: Bench, section: str) -> None:
+    getattr(bench, "bench_" + section.replace("-", "_"))()
+
+
+def rerun_missed(bench: Bench) -> list[str]:
+    """Run once more each section that missed a target; return their names.
+
+    A shared machine has bad moments: the second reading stands.
+    """
+    missed = [
+        s
+        for s in SECTIONS
+        if any(section_of(r) == s for r in bench.rows if r[5] == "FAIL")
+    ]
+    for section in missed:
+        log(f"{section}: a target was missed; running it once more")
+        bench.rows = [r for r in bench.rows if section_of(r) != section]
+        run_section(bench, section)
+    return missed
+
+
 def section_of(row: tuple) -> str:
+    """Return the section a row belongs to, named as --only names it."""
     return row[0].split(":")[0].replace(" ", "-")
 
 
