@@ -5474,16 +5474,16 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 # ---------------------------------------------------------------------------
 # 9. Resources
 #
-# smol://targets says what this process serves and whether each fleet can work on this host right
-# now, without starting anything. The log template gives the latest console lines of a machine.
+# smol://targets says what this process serves and whether each fleet
+# can work on this host right now, without starting anything. The log
+# template gives the latest console lines of a machine.
 # ---------------------------------------------------------------------------
 
 TARGETS_URI = "smol://targets"
 LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
-SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN = (
-    16,
-    64,
-)  # logs followed: one token's share
+# How many logs one session may follow at once, and one token in all.
+SUBSCRIPTIONS_PER_SESSION = 16
+SUBSCRIPTIONS_PER_TOKEN = 64
 LOGS_URI_RE = re.compile(
     r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs"
 )
@@ -5492,7 +5492,11 @@ LOGS_URI_RE = re.compile(
 def uid_drop_advice(
     euid: int, kvm_mode: int | None, environ: dict[str, str]
 ) -> str | None:
-    """Why, as root with a root-only /dev/kvm, every start would fail late (KvmOpen(Error(13)))."""
+    """Return why every start would fail late, or None.
+
+    As root with a root-only /dev/kvm, smolvm's own uid for each VM
+    cannot open it: every start ends in KvmOpen(Error(13)).
+    """
     if (
         euid
         or kvm_mode is None
@@ -5501,10 +5505,12 @@ def uid_drop_advice(
     ):
         return None
     return (
-        f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops each VM "
-        "to a uid of its own, which cannot open /dev/kvm, so every start would fail with "
-        "KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment (setup "
-        "carries it into the client entry), or let the kvm group read and write /dev/kvm"
+        f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}:"
+        " smolvm drops each VM to a uid of its own, which cannot open"
+        " /dev/kvm, so every start would fail with KvmOpen(Error(13)); set"
+        " SMOLVM_VM_UID_DROP=off in this server's environment (setup"
+        " carries it into the client entry), or let the kvm group read and"
+        " write /dev/kvm"
     )
 
 
@@ -5520,7 +5526,10 @@ def hypervisor_status() -> tuple[bool, str]:
     if sys.platform == "darwin":
         return True, "Hypervisor.framework (macOS)"
     if not os.path.exists("/dev/kvm"):
-        enable = "enable KVM (or nested virtualisation on this VM) and load the kvm module"
+        enable = (
+            "enable KVM (or nested virtualisation on this VM)"
+            " and load the kvm module"
+        )
         return False, f"/dev/kvm does not exist: {enable}"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         join = "add the user to the kvm group"
@@ -5532,82 +5541,136 @@ def hypervisor_status() -> tuple[bool, str]:
 
 
 def local_target_facts(fleet: LocalFleet) -> dict:
-    """What smol://targets says of the local fleet; only reads (a local call starts the serve)."""
-    config, guest = fleet.config, inside_smol_guest()
-    hypervisor_ok, hypervisor_reason = hypervisor_status()
-    binary = fleet.smolvm_path() if not config.local_url else None
-    try:  # asks a serve that already runs; starts none
-        running = (
-            fleet.version or str(fleet._health().get("version") or "") or None
-        )
-    except (OSError, SmolError, ValueError):
-        running = None
+    """Return what smol://targets says of the local fleet.
+
+    It only reads: a local tool call is what starts the serve.
+    """
+    config = fleet.config
+    guest = inside_smol_guest()
+    hypervisor = hypervisor_status()
+    binary = None
+    if not config.local_url:
+        binary = fleet.smolvm_path()
+    running = running_smolvm(fleet)
     serve = config.local_url or "started on the first local tool call"
     if running and not config.local_url:
         serve = f"running at {fleet.endpoint} (smolvm {running})"
-    origin = (
-        ("SMOLVM" if os.sep in config.smolvm else "PATH") if binary else None
-    )  # how found
-    if (
-        origin == "PATH"
-        and binary == wheel_engine()
-        and not shutil.which(config.smolvm)
-    ):
-        origin = (
-            "the smolmachines package of this Python (smolvm is not on PATH)"
-        )
     facts: dict[str, Any] = {
         "served": True,
         "usable": True,
         "reason": None,
         "insideGuest": guest,
     }
-    facts["hypervisor"] = {
-        "present": hypervisor_ok,
-        "detail": hypervisor_reason,
+    present, detail = hypervisor
+    facts["hypervisor"] = {"present": present, "detail": detail}
+    facts["smolvm"] = {
+        "path": binary,
+        "version": running,
+        "from": smolvm_origin(config, binary),
     }
-    facts["smolvm"] = {"path": binary, "version": running, "from": origin}
-    facts.update(serve=serve, minSmolvm=config.min_smolvm or None)
-    why = None  # what makes it unusable
-    if guest:
-        why = "running inside a smol machine, which cannot start machines of its own"
-    elif config.local_url and running is None:
-        fix = "start that serve, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
-        why = f"nothing answers at SMOL_LOCAL_URL={config.local_url}; {fix}"
-    elif config.local_url:
-        facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
-    elif (
-        binary is None and running
-    ):  # another smol-mcp's serve, in our runtime dir
-        later = "when it stops, starting a new one needs smolvm: set SMOLVM to its path"
-        facts["reason"] = (
-            f"uses the serve already running at {fleet.endpoint}; {later}"
-        )
-    elif binary is None:
-        fix = (
-            "get it with one of the commands below, or set SMOLVM to its path"
-        )
-        why = f"smolvm was not found ({config.smolvm!r}); {fix}"
-    elif not hypervisor_ok:
-        why = hypervisor_reason
-    elif advice := uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
-        why = advice
-    elif running is None and rollout_port_taken():
-        hint = other_serve_hint(fleet.endpoint.removeprefix("unix://"))
-        why = f"127.0.0.1:10081, which every serve binds, is taken. {hint}"
+    facts["serve"] = serve
+    facts["minSmolvm"] = config.min_smolvm or None
+    why, note = local_standing(fleet, guest, binary, running, hypervisor)
     minimum = config.min_smolvm
     if running and minimum and version_tuple(running) < version_tuple(minimum):
-        fix = "upgrade it, or set SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
+        fix = (
+            "upgrade it, or set SMOL_MCP_MIN_SMOLVM to an empty value"
+            " to skip the check"
+        )
         why = f"smolvm {running} is older than {minimum}; {fix}"
     elif not running and not why and minimum:
         when = "when the first local call starts the serve"
-        facts["reason"] = f"its version is checked against {minimum} {when}"
+        note = f"its version is checked against {minimum} {when}"
     if why:
-        facts.update(usable=False, reason=why)
+        facts["usable"] = False
+        facts["reason"] = why
+    elif note:
+        facts["reason"] = note
     return facts
 
 
-def rollout_port_taken() -> bool:  # 127.0.0.1:10081: every serve binds it
+def running_smolvm(fleet: LocalFleet) -> str | None:
+    """Return the version of the serve that already runs, or None.
+
+    It asks a serve that runs; it starts none.
+    """
+    if fleet.version:
+        return fleet.version
+    try:
+        version = fleet._health().get("version")
+    except (OSError, SmolError, ValueError):
+        return None
+    return str(version or "") or None
+
+
+def smolvm_origin(config: Config, binary: str | None) -> str | None:
+    """Return how smolvm was found (SMOLVM, PATH, this Python's wheel)."""
+    if not binary:
+        return None
+    if os.sep in config.smolvm:
+        return "SMOLVM"
+    if binary == wheel_engine() and not shutil.which(config.smolvm):
+        return (
+            "the smolmachines package of this Python (smolvm is not on PATH)"
+        )
+    return "PATH"
+
+
+def local_standing(
+    fleet: LocalFleet,
+    guest: bool,
+    binary: str | None,
+    running: str | None,
+    hypervisor: tuple[bool, str],
+) -> tuple[str | None, str | None]:
+    """Return why the local fleet is unusable, and a note on how it works.
+
+    Either may be None; the first thing that stops it is the one named.
+    """
+    config = fleet.config
+    hypervisor_ok, hypervisor_reason = hypervisor
+    if guest:
+        return (
+            "running inside a smol machine,"
+            " which cannot start machines of its own",
+            None,
+        )
+    if config.local_url and running is None:
+        fix = (
+            "start that serve, or unset SMOL_LOCAL_URL"
+            " to let smol-mcp start its own"
+        )
+        why = f"nothing answers at SMOL_LOCAL_URL={config.local_url}; {fix}"
+        return why, None
+    if config.local_url:
+        return None, "uses the serve at SMOL_LOCAL_URL"
+    # Another smol-mcp's serve, in our runtime directory.
+    if binary is None and running:
+        later = (
+            "when it stops, starting a new one needs smolvm:"
+            " set SMOLVM to its path"
+        )
+        note = f"uses the serve already running at {fleet.endpoint}; {later}"
+        return None, note
+    if binary is None:
+        fix = (
+            "get it with one of the commands below, or set SMOLVM to its path"
+        )
+        return f"smolvm was not found ({config.smolvm!r}); {fix}", None
+    if not hypervisor_ok:
+        return hypervisor_reason, None
+    advice = uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ)
+    if advice:
+        return advice, None
+    if running is None and rollout_port_taken():
+        hint = other_serve_hint(fleet.endpoint.removeprefix("unix://"))
+        why = f"127.0.0.1:10081, which every serve binds, is taken. {hint}"
+        return why, None
+    return None, None
+
+
+def rollout_port_taken() -> bool:
+    """Whether 127.0.0.1:10081, which every serve binds, is taken."""
     with socket.socket() as probe:
         probe.settimeout(0.2)
         return probe.connect_ex(("127.0.0.1", 10081)) == 0
@@ -5616,7 +5679,10 @@ def rollout_port_taken() -> bool:  # 127.0.0.1:10081: every serve binds it
 async def follow_log(
     app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str
 ) -> None:
-    """Call ``notify`` when a machine's console grows (polled: no route pushes) until it is gone."""
+    """Call ``notify`` each time a machine's console grows, until it is gone.
+
+    The console is polled: no route pushes its lines.
+    """
     last = None
     app.polling[who] = app.polling.get(who, 0) + 1
     try:
@@ -5632,7 +5698,8 @@ async def follow_log(
                 if last is not None and seen != last:
                     await notify()
                 last = seen
-            except SmolError as err:  # stopped: it may start again; gone: nothing more to follow
+            # Stopped: it may start again. Gone: nothing more to follow.
+            except SmolError as err:
                 if isinstance(err, ApiError) and err.status == 404:
                     return
                 log.debug("log poll of %s: %s", name, err)
@@ -5642,9 +5709,15 @@ async def follow_log(
 
 
 def targets_document(app: SmolMcp) -> dict:
-    """The mode and, per fleet, whether it is served and usable now, with the reason when not."""
+    """Return the mode and, per fleet, whether it is served and usable now.
+
+    A fleet that is not says why.
+    """
     facts = {name: kind.target_facts(app) for name, kind in FLEETS.items()}
-    mode = f"this process runs in {app.mode} mode (SMOL_MCP_TARGETS={app.config.targets})"
+    mode = (
+        f"this process runs in {app.mode} mode"
+        f" (SMOL_MCP_TARGETS={app.config.targets})"
+    )
     for name, fleet_facts in facts.items():
         if name not in app.fleets:
             fleet_facts.update(served=False, usable=False, reason=mode)
