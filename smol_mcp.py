@@ -5727,8 +5727,9 @@ def targets_document(app: SmolMcp) -> dict:
 # ---------------------------------------------------------------------------
 # 10. Sessions and cleanup
 #
-# A machine whose name starts with machinePrefix is ephemeral: its session deletes it when it ends.
-# Local records in the runtime directory let the next process delete what a SIGKILLed one left.
+# A machine whose name starts with machinePrefix is ephemeral: its
+# session deletes it when it ends. Local records in the runtime
+# directory let the next process delete what a SIGKILLed one left.
 # ---------------------------------------------------------------------------
 
 NOT_THE_SESSIONS_MACHINE = (
@@ -5737,59 +5738,57 @@ NOT_THE_SESSIONS_MACHINE = (
 
 
 class Session:
-    """One client's state: its ephemeral machines (recorded on disk), fleet, subscriptions."""
+    """One client's state: its fleet, its subscriptions and its ephemeral
+    machines (recorded on disk)."""
 
     def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
-        self.app, self.id, self.tasks = (
-            app,
-            session_id,
-            tasks,
-        )  # tasks: where its pollers run
+        self.app = app
+        self.id = session_id
+        # Where its pollers run.
+        self.tasks = tasks
         self.machines: dict[str, set[str]] = {}
         self.record_path = Path(
             app.config.runtime_dir, "sessions", f"{os.getpid()}-{self.id}.json"
         )
-        self.target: str | None = (
-            None  # both mode: the fleet this session chose, if it chose one
-        )
-        self.asked_fleet = self.ended = False
-        self.chose_during: Any = (
-            None  # the call whose question made the choice
-        )
-        self._slots = self._bus = self.listener = None
-        self.question_lock = (
-            anyio.Lock()
-        )  # made lazily by anyio, in the loop that first takes it
-        self.subscriptions: dict[
-            str, Any
-        ] = {}  # uri -> its poller's CancelScope (handshake era)
-        self.in_flight, self.last_seen = (
-            0,
-            time.monotonic(),
-        )  # for the HTTP idle timeout
-        self.principal: Principal | None = (
-            None  # over HTTP: the token that opened it
-        )
-        self.identities: dict[
-            tuple[str, str], str
-        ] = {}  # (fleet, name) -> machine_identity()
-        self.spent: set[str] = (
-            set()
-        )  # nonces of 2026-era confirmations already answered
-        self.gone_requests: set = (
-            set()
-        )  # over HTTP: ids of requests whose client hung up
-        self.held, self.revoked_at = (
-            0,
-            None,
-        )  # calls awaiting approval: answered first when revoked
-        self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
-        self.http_id = self.protocol = (
-            None  # handshake era over HTTP: Mcp-Session-Id, version
-        )
+        # Both mode: the fleet this session chose, if it chose one, and
+        # the call whose question made the choice.
+        self.target: str | None = None
+        self.asked_fleet = False
+        self.chose_during: Any = None
+        self.ended = False
+        self._slots = None
+        self._bus = None
+        self.listener = None
+        # Made lazily by anyio, in the loop that first takes it.
+        self.question_lock = anyio.Lock()
+        # uri -> its poller's CancelScope (handshake era).
+        self.subscriptions: dict[str, Any] = {}
+        # For the HTTP idle timeout.
+        self.in_flight = 0
+        self.last_seen = time.monotonic()
+        # Over HTTP: the token that opened it.
+        self.principal: Principal | None = None
+        # (fleet, name) -> machine_identity()
+        self.identities: dict[tuple[str, str], str] = {}
+        # Nonces of 2026-era confirmations already answered.
+        self.spent: set[str] = set()
+        # Over HTTP: ids of requests whose client hung up.
+        self.gone_requests: set = set()
+        # Calls awaiting approval: answered first when revoked.
+        self.held = 0
+        self.revoked_at = None
+        # A call made since it opened: an unused HTTP session is ended
+        # sooner.
+        self.used = False
+        # Handshake era over HTTP: Mcp-Session-Id, and the version.
+        self.http_id = None
+        self.protocol = None
 
     def call_slots(self):
-        """This session's share of the worker threads: its long calls queue apart from others'."""
+        """Return this session's share of the worker threads.
+
+        Its long calls queue apart from other sessions'.
+        """
         if self._slots is None:
             self._slots = SessionSlots(
                 self.app.thread_limiter(), SESSION_CALL_SLOTS
@@ -5797,7 +5796,10 @@ class Session:
         return self._slots
 
     def events(self):
-        """This session's event bus and listen handler (2026-era notifications go on listen)."""
+        """Return this session's event bus and its listen handler.
+
+        2026-era notifications go out on listen.
+        """
         if self._bus is None:
             from mcp.server.subscriptions import (
                 InMemorySubscriptionBus,
@@ -5825,62 +5827,71 @@ class Session:
             self._save()
 
     def _save(self) -> None:
-        """Write the local record atomically; a failure costs a warning, never the operation."""
-        names = sorted(
-            self.machines.get(self.app.local.name, set())
-        )  # for the crash sweep
-        with bookkeeping(self.app.config.runtime_dir):
+        """Write the local record atomically.
+
+        A failure costs a warning, never the operation.
+        """
+        runtime_dir = self.app.config.runtime_dir
+        # Only local machines: the crash sweep reads it.
+        names = sorted(self.machines.get(self.app.local.name, set()))
+        with bookkeeping(runtime_dir):
             if not names:
                 self.record_path.unlink(missing_ok=True)
                 return
-            ensure_runtime_dir(
-                self.app.config.runtime_dir
-            )  # the parent first: it keeps others out
+            # The parent first: it keeps others out.
+            ensure_runtime_dir(runtime_dir)
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
-            pid, endpoint = os.getpid(), self.app.local.endpoint
-            record = dict(
-                pid=pid, started=process_start_time(pid), endpoint=endpoint
-            )
-            write_json(
-                self.record_path, record | {"machines": names}, mode=0o666
-            )  # umask decides
+            pid = os.getpid()
+            record = {
+                "pid": pid,
+                "started": process_start_time(pid),
+                "endpoint": self.app.local.endpoint,
+                "machines": names,
+            }
+            # The umask decides who may read it.
+            write_json(self.record_path, record, mode=0o666)
 
     async def close(self) -> None:
-        """Delete this session's ephemeral machines, fleet by fleet; what stays, stays recorded."""
+        """Delete this session's ephemeral machines, fleet by fleet.
+
+        What stays, stays recorded.
+        """
         who = self.app.who(self.principal or self.app.access.stdio)
+        run = anyio.to_thread.run_sync
         for fleet_name, names in list(self.machines.items()):
-            try:  # a name held by another machine by now is never deleted here
-                fleet, run = (
-                    self.app.fleets[fleet_name],
-                    anyio.to_thread.run_sync,
-                )
+            # A name held by another machine by now is never deleted here.
+            try:
+                fleet = self.app.fleets[fleet_name]
                 replaced = await run(self.replaced, fleet, sorted(names))
                 kept = sorted(set(names) - set(replaced))
                 deleted, refused = await run(
                     delete_in_passes, fleet, kept, abandon_on_cancel=True
                 )
             except Exception as err:
-                what = f"{self.id} ended: could not clean up its {fleet_name} machines"
                 log.warning(
-                    "session %s (%s): %s",
-                    what,
+                    "session %s ended: could not clean up its %s machines"
+                    " (%s): %s",
+                    self.id,
+                    fleet_name,
                     ", ".join(sorted(names)),
                     describe(err),
                 )
                 continue
             for name in [*deleted, *replaced]:
-                outcome = (
-                    "deleted" if name in deleted else NOT_THE_SESSIONS_MACHINE
-                )
+                outcome = NOT_THE_SESSIONS_MACHINE
+                if name in deleted:
+                    outcome = "deleted"
                 log.info("session %s ended: %s: %s", self.id, name, outcome)
                 self.forget(fleet_name, name)
-                entry = dict(
-                    session=self.id,
-                    target=fleet_name,
-                    machine=name,
-                    outcome=outcome,
-                )
-                self.app.record({"event": "session-cleanup", **who, **entry})
+                entry = {
+                    "event": "session-cleanup",
+                    **who,
+                    "session": self.id,
+                    "target": fleet_name,
+                    "machine": name,
+                    "outcome": outcome,
+                }
+                self.app.record(entry)
             self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
                 log.warning(
@@ -5891,7 +5902,8 @@ class Session:
                 )
 
     def replaced(self, fleet: Fleet, names: list[str]) -> list[str]:
-        """The names now held by another machine than the one this session made."""
+        """Return the names now held by another machine than the one this
+        session made."""
         made = {
             name: self.identities.get((fleet.name, name)) for name in names
         }
@@ -5903,26 +5915,32 @@ class Session:
 def same_machine(
     fleet: Any, name: str, identity: str | None, record: dict | None = None
 ) -> bool:
-    """Whether ``name`` is still the machine whose machine_identity() was ``identity``; an unknown
-    identity says yes, and so does a machine gone or unreadable: the call on it says which."""
+    """Whether ``name`` is still the machine whose machine_identity() was
+    ``identity``.
+
+    An unknown identity says yes, and so does a machine gone or
+    unreadable: the call on it says which.
+    """
+    if identity is None:
+        return True
     try:
-        return (
-            identity is None
-            or machine_identity(record or fleet.get_machine(name)) == identity
-        )
+        return machine_identity(record or fleet.get_machine(name)) == identity
     except SmolError:
         return True
 
 
 class SessionSlots:
-    """A to_thread limiter: a slot of the session, then a shared thread; at most ``slots`` each."""
+    """A to_thread limiter: a slot of the session's, then a shared thread;
+    at most ``slots`` of each."""
 
     def __init__(self, shared: Any, slots: int):
-        self.shared, self.own = shared, anyio.CapacityLimiter(slots)
+        self.shared = shared
+        self.own = anyio.CapacityLimiter(slots)
 
     async def __aenter__(self) -> None:
         for taken, limiter in enumerate((self.own, self.shared)):
-            try:  # a free slot is taken without a pass through the event loop
+            # A free slot is taken without a pass through the event loop.
+            try:
                 limiter.acquire_nowait()
             except anyio.WouldBlock:
                 try:
@@ -5938,17 +5956,22 @@ class SessionSlots:
 
 
 def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
-    """Delete in passes until one makes no progress (a branch source refuses while it has children),
-    once more after a pause; returns what is gone (a 404 counts) and what was refused, why."""
-    pending, gone, retried = list(names), [], False
+    """Delete ``names`` in passes; return what is gone and what was refused.
+
+    A branch's source refuses while it has children, so the passes go
+    on until one makes no progress, then once more after a pause. A 404
+    counts as gone; each refusal comes with its error.
+    """
+    pending = list(names)
+    gone = []
+    retried = False
     while pending:
         refused: list[tuple[str, Exception]] = []
         for name in pending:
+            # A cleanup goes on past any one machine's failure.
             try:
                 fleet.delete_machine(name)
-            except (
-                Exception
-            ) as err:  # a cleanup goes on past any one machine's failure
+            except Exception as err:
                 if not isinstance(err, ApiError) or err.status != 404:
                     refused.append((name, err))
                     continue
@@ -5962,22 +5985,21 @@ def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
     return gone, []
 
 
-def describe(err: BaseException) -> str:  # for a log line
-    return (
-        str(err)
-        if isinstance(err, SmolError)
-        else f"{type(err).__name__}: {err}"
-    )
+def describe(err: BaseException) -> str:
+    """Return an error as a log line shows it."""
+    if isinstance(err, SmolError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
 
 
 def write_json(
     path: Path, value: Any, mode: int = 0o600, indent: int | None = None
 ) -> None:
-    """Write a JSON file whole or not at all: a crash mid-write leaves the old one."""
+    """Write a JSON file whole or not at all: a crash mid-write leaves the
+    old one."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with os.fdopen(
-        os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w"
-    ) as out:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    with os.fdopen(os.open(temporary, flags, mode), "w") as out:
         json.dump(value, out, indent=indent)
         out.flush()
         os.fsync(out.fileno())
@@ -5989,23 +6011,30 @@ _warned_dirs: set[str] = set()
 
 @contextmanager
 def bookkeeping(runtime_dir: str):
-    """Around a write of our records in the runtime directory: an OSError is one warning, once."""
+    """Guard a write of our records in the runtime directory.
+
+    An OSError there costs one warning, once per directory.
+    """
     try:
         yield
     except OSError as err:
         if runtime_dir not in _warned_dirs:
             _warned_dirs.add(runtime_dir)
-            what = "cannot write to the runtime directory %s (%s); machines work on, but one this "
-            what += "process cannot delete will not be found by the next start. Make it writable "
             log.warning(
-                what + "(or set SMOL_MCP_RUNTIME_DIR).",
+                "cannot write to the runtime directory %s (%s); machines"
+                " work on, but one this process cannot delete will not be"
+                " found by the next start. Make it writable (or set"
+                " SMOL_MCP_RUNTIME_DIR).",
                 runtime_dir,
                 err.strerror or err,
             )
 
 
 def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat from the state field on (field 3 is [0]), None without it."""
+    """Return /proc/PID/stat from the state field on, or None without it.
+
+    Field 3 of the file is [0] here.
+    """
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -6014,15 +6043,22 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def process_start_time(pid: int) -> int | None:
-    """When a process started, in ticks since boot (None without /proc): with pid, one process."""
+    """Return when a process started, in ticks since boot.
+
+    None without /proc. With the pid, it names one process.
+    """
     fields = _proc_stat(pid)
-    return int(fields[19]) if fields and len(fields) > 19 else None
+    if not fields or len(fields) <= 19:
+        return None
+    return int(fields[19])
 
 
 def process_alive(pid: int, started: int | None = None) -> bool:
-    """Whether pid runs (a zombie does not) and, when ``started`` is known, is the one noted."""
+    """Whether pid runs (a zombie does not) and, when ``started`` is
+    known, is the process noted then."""
     if pid <= 0:
-        return False  # a record without a real pid belongs to nobody
+        # A record without a real pid belongs to nobody.
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -6031,16 +6067,16 @@ def process_alive(pid: int, started: int | None = None) -> bool:
         pass
     fields = _proc_stat(pid)
     if fields is None:
-        return not Path(
-            "/proc/self/stat"
-        ).exists()  # no /proc at all (macOS): the signal answered
-    return fields[0] not in ("Z", "X") and (
-        started is None or started == process_start_time(pid)
-    )
+        # No /proc at all (macOS): the signal answered.
+        return not Path("/proc/self/stat").exists()
+    if fields[0] in ("Z", "X"):
+        return False
+    return started is None or started == process_start_time(pid)
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
-    """Delete the ephemeral machines this serve holds for processes that died; their names."""
+    """Delete the ephemeral machines this serve holds for processes that
+    died; return their names."""
     deleted = []
     for path in sorted((Path(runtime_dir) / "sessions").glob("*.json")):
         try:
@@ -6060,20 +6096,17 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
                 err,
             )
         with bookkeeping(runtime_dir):
-            if refused:  # try again at the next start rather than forget them
-                write_json(
-                    path,
-                    {**record, "machines": [name for name, _ in refused]},
-                    mode=0o666,
-                )
+            # Try again at the next start rather than forget them.
+            if refused:
+                left = [name for name, _ in refused]
+                write_json(path, {**record, "machines": left}, mode=0o666)
             else:
                 path.unlink(missing_ok=True)
     if deleted:
-        names = ", ".join(deleted)
         log.info(
             "deleted %d machine(s) left by an earlier process: %s",
             len(deleted),
-            names,
+            ", ".join(deleted),
         )
     return deleted
 
