@@ -6114,10 +6114,12 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 # ---------------------------------------------------------------------------
 # 11. Agent access
 #
-# Who is calling, and what it may do. Over HTTP every request carries a token: SMOL_MCP_AUTH_TOKEN
-# ("default", every scope) or one from `tokens create` (only its hash is kept). Its scopes decide
-# which tools it sees and calls; sandbox.* narrows it to the machines it created (Owners remembers
-# them). stdio has no token: SMOL_MCP_SCOPES narrows it. Every call passes authorize() first.
+# Who is calling, and what it may do. Over HTTP every request carries a
+# token: SMOL_MCP_AUTH_TOKEN ("default", every scope) or one from
+# `tokens create` (only its hash is kept). Its scopes decide which tools
+# it sees and calls; sandbox.* narrows it to the machines it created
+# (Owners remembers them). stdio has no token: SMOL_MCP_SCOPES narrows
+# it. Every call passes authorize() first.
 # ---------------------------------------------------------------------------
 
 # The wider domain first: when a principal holds both, its grant wins.
@@ -6127,54 +6129,59 @@ SCOPES = (
     *(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS),
     "activity.read",
 )
-# Each tool's scope level, from its ToolSpec.access; a tool without one is granted to nobody.
+# Each tool's scope level, from its ToolSpec.access; a tool without one
+# is granted to nobody.
 TOOL_LEVELS = {
     tool.name: tool.level for tool in TOOLS if tool.level in SCOPE_LEVELS
 }
 APPROVAL_MODES = ("none", "changes")
-SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
-    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
+# `tokens create --preset`: the usual grants, by what the agent is for.
+SCOPE_PRESETS = {
+    # Its own machines only.
+    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",
     "read": "machines.read,activity.read",
     "full": ",".join(SCOPES),
 }
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-RESERVED_TOKEN_NAMES = (
-    "default",
-    "stdio",
-    "cli",
-    "smol-mcp",
-)  # in any case: ours, the terminal's
+# In any case: ours, and the terminal's.
+RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")
 TOKEN_SECRET_PREFIX = "smolmcp_"
-TOKENS_FILE, USAGE_FILE, OWNERS_FILE = (
-    "tokens.json",
-    "tokens-used.json",
-    "owners.json",
-)
-JOBS_FILE, JOBS_KEPT = (
-    "jobs.json",
-    100,
-)  # the jobs get-machine shows, the newest 100 a machine
-USAGE_FLUSH_SECS, TOKEN_WATCH_SECS = 60, 0.5
-TOKEN_END_GRACE_SECS = (
-    5  # a deleted token's calls in flight may finish answering
-)
+TOKENS_FILE = "tokens.json"
+USAGE_FILE = "tokens-used.json"
+OWNERS_FILE = "owners.json"
+# The jobs get-machine shows: the newest 100 a machine.
+JOBS_FILE = "jobs.json"
+JOBS_KEPT = 100
+USAGE_FLUSH_SECS = 60
+TOKEN_WATCH_SECS = 0.5
+# A deleted token's calls in flight may finish answering.
+TOKEN_END_GRACE_SECS = 5
 
 
 class ScopeMissing(SmolError):
-    """A call the principal has no scope (or no fleet) for; the text starts with scope_missing:."""
+    """A call the principal has no scope (or no fleet) for.
+
+    The text starts with scope_missing:.
+    """
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request comes from: a token (by name), or the stdio client and its OS user."""
+    """Who a request comes from: a token (by name), or the stdio client
+    and its OS user."""
 
     name: str
     scopes: frozenset
     targets: tuple[str, ...] = FLEET_NAMES
-    approval: str = "none"  # "changes": every changing call waits for a person
-    kind: str = "token"  # "token" or "stdio"
-    user: str | None = None  # stdio: the OS user the server runs as
-    id: str = ""  # a token's own id: a new token under an old name is another principal
+    # "changes": every changing call waits for a person.
+    approval: str = "none"
+    # "token" or "stdio".
+    kind: str = "token"
+    # stdio: the OS user the server runs as.
+    user: str | None = None
+    # A token's own id: a new token under an old name is another
+    # principal.
+    id: str = ""
 
     def label(self) -> str:
         if self.kind == "stdio":
@@ -6189,48 +6196,66 @@ class Principal:
         )
 
     def describe(self) -> dict:
-        """What smol://targets tells the caller about itself."""
-        described = dict(
-            principal=self.name, kind=self.kind, scopes=sorted(self.scopes)
-        )
-        described.update(targets=list(self.targets), approval=self.approval)
-        return described | ({"user": self.user} if self.user else {})
+        """Return what smol://targets tells the caller about itself."""
+        described = {
+            "principal": self.name,
+            "kind": self.kind,
+            "scopes": sorted(self.scopes),
+            "targets": list(self.targets),
+            "approval": self.approval,
+        }
+        if self.user:
+            described["user"] = self.user
+        return described
 
 
 @dataclass(frozen=True)
 class Grant:
-    """What authorize() allowed: the granting scope, and whether only own machines (sandbox.*)."""
+    """What authorize() allowed: the granting scope, and whether only
+    the principal's own machines (sandbox.*)."""
 
     scope: str
     owned_only: bool
 
 
 def granting_scope(principal: Principal, tool: str) -> str | None:
-    """The scope of ``principal`` granting ``tool``, or None (also when TOOL_LEVELS lacks it)."""
+    """Return the scope of ``principal`` that grants ``tool``, or None.
+
+    None too when TOOL_LEVELS lacks the tool.
+    """
     level = TOOL_LEVELS.get(tool)
-    granting = [
-        f"{domain}.{level}" for domain in SCOPE_DOMAINS if level is not None
-    ]
-    return next(
-        (scope for scope in granting if scope in principal.scopes), None
-    )
+    if level is None:
+        return None
+    for domain in SCOPE_DOMAINS:
+        scope = f"{domain}.{level}"
+        if scope in principal.scopes:
+            return scope
+    return None
 
 
 def check_scope(principal: Principal, tool: str) -> str:
-    """The granting scope, or ScopeMissing naming the scope and the principal."""
+    """Return the granting scope; raise ScopeMissing naming the scope and
+    the principal when there is none."""
     if scope := granting_scope(principal, tool):
         return scope
     level = TOOL_LEVELS.get(tool, "unknown")
     held = ", ".join(sorted(principal.scopes)) or "none"
-    why = f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} for "
-    why += f"machines of its own), which {principal.label()} does not have (its scopes: {held}). "
-    raise ScopeMissing(why + "Ask the operator for a token with that scope.")
+    raise ScopeMissing(
+        f"scope_missing: {tool} needs the machines.{level} scope"
+        f" (or sandbox.{level} for machines of its own), which"
+        f" {principal.label()} does not have (its scopes: {held})."
+        " Ask the operator for a token with that scope."
+    )
 
 
 def authorize(
     principal: Principal, tool: str, target: str | None, machine: str | None
 ) -> Grant:
-    """The check before every tool call (and log resource): the tool's scope, then the fleet."""
+    """Return what the principal may do with ``tool`` on ``target``.
+
+    The check before every tool call (and log resource): the tool's
+    scope, then the fleet; raise ScopeMissing when either is missing.
+    """
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
         only = (
@@ -6248,8 +6273,12 @@ def ensure_state_dir(path: str | Path) -> Path:
 
 
 class StateFile:
-    """A JSON file in the state directory (0600), written whole under a lock any process honours and
-    read again only when it changed (another process's change: looked for each ``recheck_secs``)."""
+    """A JSON file in the state directory (0600).
+
+    It is written whole under a lock any process honours, and read again
+    only when it changed; another process's change is looked for each
+    ``recheck_secs``.
+    """
 
     def __init__(
         self,
@@ -6258,14 +6287,15 @@ class StateFile:
         valid: Callable | None = None,
         recheck_secs=0,
     ):
-        self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
+        self.path = path
+        self.empty = empty
+        self.recheck_secs = recheck_secs
         self.valid = valid or (lambda data: isinstance(data, type(empty())))
-        self._signature, self._data, self._lock = (
-            None,
-            empty(),
-            threading.Lock(),
-        )
-        self._checked = -recheck_secs  # monotonic time of the last look
+        self._signature = None
+        self._data = empty()
+        self._lock = threading.Lock()
+        # The monotonic time of the last look.
+        self._checked = -recheck_secs
 
     def read(self) -> Any:
         if time.monotonic() - self._checked < self.recheck_secs:
@@ -6273,20 +6303,22 @@ class StateFile:
         try:
             info = os.stat(self.path)
             signature = (info.st_mtime_ns, info.st_size, info.st_ino)
-        except (FileNotFoundError, NotADirectoryError):  # nothing recorded yet
+        # Nothing recorded yet.
+        except (FileNotFoundError, NotADirectoryError):
             signature = None
         with self._lock:
             if signature != self._signature:
-                self._signature, self._data = (
-                    signature,
-                    self._load() if signature else self.empty(),
-                )
-            self._checked = (
-                time.monotonic()
-            )  # not after a failed load: that is seen every time
+                data = self.empty()
+                if signature:
+                    data = self._load()
+                self._signature = signature
+                self._data = data
+            # Not after a failed load: that one is seen every time.
+            self._checked = time.monotonic()
             return self._data
 
-    def expire(self) -> None:  # the next read looks at the file again
+    def expire(self) -> None:
+        """Make the next read look at the file again."""
         self._checked = -self.recheck_secs
 
     def _load(self) -> Any:
@@ -6300,9 +6332,13 @@ class StateFile:
             ) from None
         if not self.valid(data):
             held = f"it holds {_json_type(data)}: {json.dumps(data)[:60]}"
-            fix = "fix it, or move it aside to start afresh (what it recorded is forgotten then)"
+            fix = (
+                "fix it, or move it aside to start afresh"
+                " (what it recorded is forgotten then)"
+            )
             raise SmolError(
-                f"{self.path} is not shaped as this server writes it ({held}); {fix}"
+                f"{self.path} is not shaped as this server writes it"
+                f" ({held}); {fix}"
             )
         return data
 
@@ -6323,8 +6359,12 @@ class StateFile:
 
 
 def locked(path: Path) -> Any:
-    """Lock ``path`` (made 0600) exclusively until the returned file closes: ``with locked(path):``.
-    Not @contextmanager: it sets ``__traceback__`` on a passing error; a frozen one refuses that."""
+    """Lock ``path`` (made 0600) exclusively until the returned file
+    closes: ``with locked(path):``.
+
+    Not @contextmanager: that sets ``__traceback__`` on an error passing
+    through, and a frozen one refuses it.
+    """
     held = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "rb")
     try:
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -6343,17 +6383,21 @@ def new_token_secret() -> str:
 
 
 def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
-    """The scopes in a comma-separated text, each checked; from a ``setting``, it may be empty."""
+    """Return the scopes in a comma-separated text, each checked.
+
+    Read from a ``setting``, the text may name none.
+    """
     scopes = tuple(
         dict.fromkeys(part.strip() for part in text.split(",") if part.strip())
     )
     unknown = ", ".join(repr(scope) for scope in scopes if scope not in SCOPES)
     if unknown or not (scopes or setting):
-        named = (
-            f"{unknown} is not a scope" if unknown else "no scope was given"
-        )
         if unknown and setting:
             named = f"{setting} names {unknown}, which is not a scope"
+        elif unknown:
+            named = f"{unknown} is not a scope"
+        else:
+            named = "no scope was given"
         raise ConfigError(f"{named}; the scopes are: {', '.join(SCOPES)}")
     return scopes
 
@@ -6370,25 +6414,35 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
     return targets
 
 
+def valid_tokens(data: Any) -> bool:
+    """Whether the tokens file holds a list of records, each named."""
+    if not isinstance(data, dict):
+        return False
+    tokens = data.get("tokens", [])
+    if not isinstance(tokens, list):
+        return False
+    return all(
+        isinstance(record, dict) and isinstance(record.get("name"), str)
+        for record in tokens
+    )
+
+
 class TokenStore:
-    """The named tokens, each with its secret's SHA-256 (never the secret); last uses kept apart."""
+    """The named tokens, each with its secret's SHA-256 (never the
+    secret); when each was last used is kept apart."""
 
     def __init__(self, state_dir: str):
-        def valid(data: Any) -> bool:  # a list of records, each with a name
-            tokens = data.get("tokens", []) if isinstance(data, dict) else None
-            records = isinstance(tokens, list) and all(
-                isinstance(r, dict) for r in tokens
-            )
-            return records and all(
-                isinstance(record.get("name"), str) for record in tokens
-            )
-
-        # read on every HTTP request: looked at again at most twice a second
+        # Read on every HTTP request: looked at again at most twice a
+        # second.
         self.file = StateFile(
-            Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []}, valid, 0.5
+            Path(state_dir) / TOKENS_FILE,
+            lambda: {"tokens": []},
+            valid_tokens,
+            0.5,
         )
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
-        self._used: dict[str, str] = {}  # name -> when, not yet written
+        # name -> when, not yet written.
+        self._used: dict[str, str] = {}
         self._flushed = time.monotonic()
 
     def records(self) -> list[dict]:
@@ -6397,38 +6451,33 @@ class TokenStore:
     def create(
         self, name: str, scopes: tuple, targets: tuple, approval: str, **extra
     ) -> tuple:
-        if (
-            not TOKEN_NAME_RE.fullmatch(name)
-            or name.lower() in RESERVED_TOKEN_NAMES
-        ):
-            rule = "use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-            reserved = " or ".join(RESERVED_TOKEN_NAMES)
-            raise ConfigError(
-                f"{name!r} cannot be a token name: {rule}, and not {reserved}"
-            )
+        """Add a token; return its record and its secret.
+
+        Raise ConfigError for a name or approval mode it cannot take, or
+        a name already in use.
+        """
+        check_token_name(name)
         if approval not in APPROVAL_MODES:
             raise ConfigError(
-                f"--approval takes {' or '.join(APPROVAL_MODES)}; got {approval!r}"
+                f"--approval takes {' or '.join(APPROVAL_MODES)};"
+                f" got {approval!r}"
             )
         secret = new_token_secret()
         record = {
             "name": name,
             "id": secrets_module.token_hex(8),
             "sha256": secret_hash(secret),
-        }
-        record.update(
-            scopes=list(scopes), targets=list(targets), approval=approval
-        )
-        record |= {
+            "scopes": list(scopes),
+            "targets": list(targets),
+            "approval": approval,
             "createdAt": utc_now(),
+            # An OAuth grant's client.
             **extra,
-        }  # extra: an OAuth grant's client
+        }
 
         def add(data: dict) -> None:
-            if any(
-                existing["name"] == name
-                for existing in data.setdefault("tokens", [])
-            ):
+            tokens = data.setdefault("tokens", [])
+            if any(existing["name"] == name for existing in tokens):
                 fix = f"pick another name, or `tokens delete {name}` first"
                 raise ConfigError(
                     f"a token named {name!r} already exists; {fix}"
@@ -6446,20 +6495,26 @@ class TokenStore:
             ]
             return len(data["tokens"]) != len(tokens)
 
-        removed = (
-            self.file.update(remove) if self.file.path.exists() else False
-        )
+        if not self.file.path.exists():
+            return False
+        removed = self.file.update(remove)
         if removed and self.usage.path.exists():
             self.usage.update(lambda data: data.pop(name, None))
-        if removed:  # its auto-approval goes with it
+        # Its auto-approval goes with it.
+        if removed:
             AutoApprovals(self.file.path.parent).end(name)
         return removed
 
     def match(self, offered: list[str], again: bool = True) -> dict | None:
-        """The record whose hash (or live OAuth access token's) matches an offered secret, all
-        compared in constant time; a miss reads the file again, so a new token works at once."""
+        """Return the record whose hash matches an offered secret, or None.
+
+        The hash of a live OAuth access token counts too. Every pair is
+        compared in constant time; a miss reads the file again, so a new
+        token works at once.
+        """
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
-        found, now = None, time.time()
+        found = None
+        now = time.time()
         for record in self.records():
             access = [
                 a["sha256"]
@@ -6467,11 +6522,13 @@ class TokenStore:
                 if a["expiresAt"] > now
             ]
             for known in (str(record.get("sha256", "")), *access):
-                if [
+                # A list, not any(): every comparison runs.
+                matches = [
                     digest
                     for digest in hashes
                     if hmac.compare_digest(digest, known)
-                ]:
+                ]
+                if matches:
                     found = record
         if found is None and again:
             self.file.expire()
@@ -6483,11 +6540,14 @@ class TokenStore:
 
     def flush_usage(self, force: bool = False) -> None:
         """Write the last-used times, at most every USAGE_FLUSH_SECS."""
-        if not self._used or (
-            not force and time.monotonic() - self._flushed < USAGE_FLUSH_SECS
-        ):
+        if not self._used:
             return
-        used, self._used, self._flushed = self._used, {}, time.monotonic()
+        recent = time.monotonic() - self._flushed < USAGE_FLUSH_SECS
+        if recent and not force:
+            return
+        used = self._used
+        self._used = {}
+        self._flushed = time.monotonic()
         names = {record["name"] for record in self.records()}
         kept = {name: when for name, when in used.items() if name in names}
         try:
@@ -6496,11 +6556,27 @@ class TokenStore:
             log.warning("could not record when tokens were last used: %s", err)
 
     def last_used(self) -> dict:
-        """name -> when last used: the file, and this process's uses not yet written."""
+        """Return name -> when last used: the file's, and this process's
+        uses not yet written."""
         try:
             return {**self.usage.read(), **self._used}
         except SmolError:
             return dict(self._used)
+
+
+def check_token_name(name: str) -> None:
+    """Raise ConfigError when ``name`` cannot be a token's name."""
+    reserved = name.lower() in RESERVED_TOKEN_NAMES
+    if TOKEN_NAME_RE.fullmatch(name) and not reserved:
+        return
+    rule = (
+        "use 1 to 64 letters, digits, '.', '_' or '-',"
+        " starting with a letter or digit"
+    )
+    names = " or ".join(RESERVED_TOKEN_NAMES)
+    raise ConfigError(
+        f"{name!r} cannot be a token name: {rule}, and not {names}"
+    )
 
 
 def utc_now() -> str:
@@ -6508,89 +6584,99 @@ def utc_now() -> str:
 
 
 def utc_time(seconds: float) -> str:
-    """Seconds since the epoch as the RFC 3339 UTC time the records hold, to the second."""
-    return time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds)
-    )  # a quarter of datetime's
+    """Return seconds since the epoch as the RFC 3339 UTC time the
+    records hold, to the second."""
+    # A quarter of datetime's cost.
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 def parse_time(text: str) -> float:
-    """Seconds since the epoch of an RFC 3339 UTC time such as utc_now() writes."""
-    return datetime.datetime.fromisoformat(
-        str(text).replace("Z", "+00:00")
-    ).timestamp()
+    """Return the seconds since the epoch of an RFC 3339 UTC time such as
+    utc_now() writes."""
+    moment = datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    return moment.timestamp()
+
+
+PERIOD_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def parse_period(text: str) -> int:
-    """A period such as 90s, 15m, 1h, 2d or 1w as seconds; ValueError otherwise."""
+    """Return a period such as 90s, 15m, 1h, 2d or 1w in seconds; raise
+    ValueError for anything else."""
     match = re.fullmatch(r"(\d{1,6})([smhdw])", text.strip())
     if match is None:
         raise ValueError(
             f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w"
         )
-    return (
-        int(match[1])
-        * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
+    return int(match[1]) * PERIOD_UNITS[match[2]]
+
+
+def valid_owners(data: Any) -> bool:
+    """Whether the owners file holds fleet -> name -> its owner (or
+    {"owner", "id"})."""
+    if not isinstance(data, dict):
+        return False
+    fleets = list(data.values())
+    if not all(isinstance(names, dict) for names in fleets):
+        return False
+    return all(
+        isinstance(owner, (str, dict))
+        for names in fleets
+        for owner in names.values()
     )
 
 
 class Owners:
-    """Who created each machine, per fleet (a branch: its source's owner), and its jobs as seen."""
+    """Who created each machine, per fleet (for a branch: its source's
+    owner), and its jobs as last seen."""
 
     def __init__(self, state_dir: str):
-        def valid(
-            data: Any,
-        ) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
-            fleets = list(data.values()) if isinstance(data, dict) else [None]
-            nested = all(isinstance(names, dict) for names in fleets)
-            return nested and all(
-                isinstance(o, (str, dict)) for n in fleets for o in n.values()
-            )
-
-        self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict, valid)
-        # read by every get-machine: looked at again at most twice a second
+        self.file = StateFile(
+            Path(state_dir) / OWNERS_FILE, dict, valid_owners
+        )
+        # Read by every get-machine: looked at again at most twice a
+        # second.
         self.jobs = StateFile(
             Path(state_dir) / JOBS_FILE, dict, recheck_secs=0.5
         )
 
     def owner(self, fleet: str, name: str) -> str | None:
-        return self.claimed(fleet, name)[0]
+        owner, _ = self.claimed(fleet, name)
+        return owner
 
     def claimed(self, fleet: str, name: str) -> tuple[str | None, str | None]:
-        """Who claimed ``name`` and, once its create answered, machine_identity() of the machine."""
+        """Return who claimed ``name`` and, once its create answered,
+        machine_identity() of the machine."""
         held = self.file.read().get(fleet, {}).get(name)
-        return (
-            (held.get("owner"), held.get("id"))
-            if isinstance(held, dict)
-            else (held, None)
-        )
+        if isinstance(held, dict):
+            return held.get("owner"), held.get("id")
+        return held, None
 
     def claim(
         self, fleet: str, name: str, owner: str, identity: str | None = None
     ) -> None:
-        held = {"owner": owner, "id": identity} if identity else owner
+        held = owner
+        if identity:
+            held = {"owner": owner, "id": identity}
         self.file.update(
             lambda data: data.setdefault(fleet, {}).__setitem__(name, held)
         )
 
     def clear(self, fleet: str, names: list[str]) -> None:
+        def drop(data: dict) -> None:
+            for name in names:
+                data.get(fleet, {}).pop(name, None)
+
         if set(names) & set(self.jobs.read().get(fleet, {})):
-            self.jobs.update(
-                lambda data: [
-                    data.get(fleet, {}).pop(name, None) for name in names
-                ]
-            )
+            self.jobs.update(drop)
         if any(self.owner(fleet, name) for name in names):
-            self.file.update(
-                lambda data: [
-                    data.get(fleet, {}).pop(name, None) for name in names
-                ]
-            )
+            self.file.update(drop)
 
     def note_job(
         self, fleet: str, name: str, job: dict, started: bool = False
     ) -> None:
-        """Note a job's last-seen state if this server ``started`` or notes it; logs a failure."""
+        """Note a job's last-seen state if this server ``started`` it or
+        noted it before; a failure is logged."""
         seen = {
             "jobId": job["jobId"],
             "state": job["state"],
@@ -6600,17 +6686,17 @@ class Owners:
         def change(data: dict) -> None:
             jobs = data.setdefault(fleet, {}).setdefault(name, [])
             ids = [job["jobId"] for job in jobs]
-            at = (
-                ids.index(seen["jobId"]) if seen["jobId"] in ids else len(jobs)
-            )
+            at = len(jobs)
+            if seen["jobId"] in ids:
+                at = ids.index(seen["jobId"])
             jobs[at : at + 1] = [seen]
             del jobs[:-JOBS_KEPT]
 
         try:
             known = self.jobs.read().get(fleet, {}).get(name, [])
-            if seen not in known and (
-                started or seen["jobId"] in [j["jobId"] for j in known]
-            ):
+            if seen in known:
+                return
+            if started or seen["jobId"] in [job["jobId"] for job in known]:
                 self.jobs.update(change)
         except SmolError as err:
             log.warning(
@@ -6618,12 +6704,12 @@ class Owners:
             )
 
     def release(self, fleet: str, name: str, owner: str) -> None:
-        """Forget a claim that came to nothing, unless another owner holds the name by now."""
+        """Forget a claim that came to nothing, unless another owner holds
+        the name by now."""
 
         def drop(data: dict) -> None:
-            if (
-                data.get(fleet, {}).get(name) == owner
-            ):  # a bare claim, made before the create
+            # A bare claim, made before the create.
+            if data.get(fleet, {}).get(name) == owner:
                 del data[fleet][name]
 
         if self.owner(fleet, name) == owner:
@@ -6631,13 +6717,17 @@ class Owners:
 
 
 class OwnedFleet:
-    """A fleet as a sandbox.* principal sees it: another's machine is answered as a missing one."""
+    """A fleet as a sandbox.* principal sees it: another's machine is
+    answered as a missing one."""
 
     def __init__(self, fleet: Any, owners: Owners, owner: str):
-        self._fleet, self._owners, self._owner = fleet, owners, owner
+        self._fleet = fleet
+        self._owners = owners
+        self._owner = owner
 
     def mine(self, name: str, record: dict | None = None) -> bool:
-        """Whether ``name`` is this owner's and still the machine it created, not one made again."""
+        """Whether ``name`` is this owner's, and still the machine it
+        created rather than one made again under that name."""
         owner, identity = self._owners.claimed(self._fleet.name, name)
         return owner == self._owner and same_machine(
             self._fleet, name, identity, record
@@ -6645,22 +6735,21 @@ class OwnedFleet:
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._fleet, attr)
-        if not callable(value) or attr in (
-            "acquire",
-            "release",
-            "create_machine",
-        ):
+        unguarded = ("acquire", "release", "create_machine")
+        if not callable(value) or attr in unguarded:
             return value
         if attr == "list_machines":
             return lambda: [m for m in value() if self.mine(m["name"], m)]
         return functools.partial(self._guarded, value)
 
     def _guarded(self, method: Callable, /, *args: Any, **kwargs: Any) -> Any:
-        """``method`` on a machine of this owner's; on another's, as on a missing machine."""
+        """Call ``method`` on a machine of this owner's; on another's,
+        answer as on a missing machine."""
         if not args or not isinstance(args[0], str) or self.mine(args[0]):
             return method(*args, **kwargs)
         name = args[0]
-        absent = f"{self._fleet.config.machine_prefix}absent-{secrets_module.token_hex(8)}"
+        prefix = self._fleet.config.machine_prefix
+        absent = f"{prefix}absent-{secrets_module.token_hex(8)}"
         try:
             method(absent, *args[1:], **kwargs)
         except SmolError as err:
@@ -6672,10 +6761,9 @@ class OwnedFleet:
                 for a in err.args
             )
             raise err from None
-        action = f"find machine '{name}'"
         raise ApiError(
             self._fleet.name,
-            action,
+            f"find machine '{name}'",
             404,
             "NOT_FOUND",
             f"machine '{name}' not found",
@@ -6683,128 +6771,126 @@ class OwnedFleet:
 
 
 class Access:
-    """This process's principals and what they own: tokens, owners, activity log and approvals."""
+    """This process's principals and what they own: tokens, owners, the
+    activity log and approvals."""
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
-        environ = os.environ if environ is None else environ
-        self.state_dir = state = config.state_dir or default_state_dir(
-            dict(environ)
-        )
-        self.tokens, self.owners, self.auto = (
-            TokenStore(state),
-            Owners(state),
-            AutoApprovals(state),
-        )
-        self.activity, self.desk = ActivityLog(state), ApprovalDesk(state)
-        self._default_hash = (
-            secret_hash(config.auth_token) if config.auth_token else None
-        )
+        if environ is None:
+            environ = os.environ
+        state = config.state_dir or default_state_dir(dict(environ))
+        self.state_dir = state
+        self.tokens = TokenStore(state)
+        self.owners = Owners(state)
+        self.auto = AutoApprovals(state)
+        self.activity = ActivityLog(state)
+        self.desk = ApprovalDesk(state)
+        self._default_hash = None
+        if config.auth_token:
+            self._default_hash = secret_hash(config.auth_token)
         self.default = Principal("default", frozenset(SCOPES), id="default")
-        stdio = dict(
-            approval=config.approval, kind="stdio", user=os_user(), id="stdio"
-        )
         self.stdio = Principal(
-            "stdio", frozenset(config.scopes or SCOPES), **stdio
+            "stdio",
+            frozenset(config.scopes or SCOPES),
+            approval=config.approval,
+            kind="stdio",
+            user=os_user(),
+            id="stdio",
         )
         self._warned = False
 
     def token_for(self, offered: list[str]) -> Principal | None:
-        """The principal whose secret is among ``offered``, or None. A secret the tokens file lacks
-        (but not the default token's) reads the file again at once."""
-        hashes, default = (
-            [secret_hash(one) for one in offered if one],
-            self._default_hash,
-        )
-        # every comparison runs (a list, not a generator), whichever matches
+        """Return the principal whose secret is among ``offered``, or None.
+
+        A secret the tokens file lacks (but not the default token's)
+        reads the file again at once.
+        """
+        hashes = [secret_hash(one) for one in offered if one]
+        default = self._default_hash
+        # Every comparison runs (a list, not a generator), whichever
+        # matches.
         is_default = default is not None and any(
-            [hmac.compare_digest(h, default) for h in hashes]
+            [hmac.compare_digest(digest, default) for digest in hashes]
         )
         try:
             record = self.tokens.match(offered, again=not is_default)
-        except (
-            SmolError
-        ) as err:  # a damaged tokens file lets no named token in
+        # A damaged tokens file lets no named token in.
+        except SmolError as err:
             if not self._warned:
                 log.warning("%s; named tokens are refused until then", err)
                 self._warned = True
             record = None
+        if record is None and is_default:
+            return self.default
         if record is None:
-            return self.default if is_default else None
+            return None
         self.tokens.touch(record["name"])
-        targets = tuple(record.get("targets") or FLEET_NAMES)
-        scopes, approval = (
-            frozenset(record.get("scopes", [])),
-            record.get("approval", "none"),
-        )
         return Principal(
-            record["name"], scopes, targets, approval, id=record.get("id", "")
+            record["name"],
+            frozenset(record.get("scopes", [])),
+            tuple(record.get("targets") or FLEET_NAMES),
+            record.get("approval", "none"),
+            id=record.get("id", ""),
         )
 
     def live_ids(self) -> dict[str, str]:
-        """name -> id of every principal that may still make requests."""
-        default = (
-            {"default": "default"} if self._default_hash is not None else {}
-        )
+        """Return name -> id of every principal that may still make
+        requests."""
+        default = {}
+        if self._default_hash is not None:
+            default["default"] = "default"
         try:
-            return {
-                token["name"]: token.get("id", "")
-                for token in self.tokens.records()
-            } | default
+            tokens = self.tokens.records()
         except SmolError:
             return default
+        return {
+            token["name"]: token.get("id", "") for token in tokens
+        } | default
 
     def fleet_for(
         self, principal: Principal, grant: Grant, fleet: Fleet
     ) -> Fleet:
-        return (
-            OwnedFleet(fleet, self.owners, principal.name)
-            if grant.owned_only
-            else fleet
-        )
+        """Return the fleet as ``grant`` lets the principal see it."""
+        if grant.owned_only:
+            return OwnedFleet(fleet, self.owners, principal.name)
+        return fleet
 
 
-# -- Activity log and approvals ------------------------------------------------
-# What an agent changed is written down before it is told the result, and any change can be held
-# until a person on the host answers. Both are plain files in the state directory, shared by server
-# processes and terminal commands without a daemon: the log is appended under a file lock; an
-# approval is a request file naming the waiting process (pid and start time: no request outlives
-# it) and the answer file `approvals approve|deny` writes next to it.
+# -- Activity log and approvals -----------------------------------------------
+# What an agent changed is written down before it is told the result,
+# and any change can be held until a person on the host answers. Both
+# are plain files in the state directory, shared by server processes
+# and terminal commands without a daemon: the log is appended under a
+# file lock; an approval is a request file naming the waiting process
+# (pid and start time: no request outlives it) and the answer file
+# `approvals approve|deny` writes next to it.
 
-ACTIVITY_URI, ACTIVITY_FILE, ACTIVITY_KEEP_FILES = (
-    "smol://activity",
-    "activity.jsonl",
-    5,
-)
-ACTIVITY_ROTATE_BYTES = (
-    8 * 1024 * 1024
-)  # then activity.jsonl.1 ... .5; the oldest is dropped
-ACTIVITY_RESOURCE_ENTRIES = (
-    200  # a page: what smol://activity and `activity` show at most
-)
-ACTIVITY_PAGE_BYTES = (
-    512 * 1024
-)  # and what a page of smol://activity holds at most
-ACTIVITY_FIELD_BYTES = (
-    2048  # a longer value is cut, keeping its byte count and SHA-256
-)
-APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
-APPROVAL_POLL_SECS, APPROVAL_PROGRESS_SECS = (
-    0.25,
-    5,
-)  # a terminal answer is seen within a second
-APPROVAL_MAX_WAITING = (
-    16  # calls one token (or stdio server) may hold waiting; more are refused
-)
-APPROVAL_SHOW_BYTES = (
-    4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
-)
-WEBHOOK_THREADS, WEBHOOK_QUEUE = (
-    2,
-    64,
-)  # approval notices post from one bounded pool
-CONFIRM_TTL_SECS = (
-    600  # a 2026-era confirmation (allow-egress) answers within this, once
-)
+ACTIVITY_URI = "smol://activity"
+ACTIVITY_FILE = "activity.jsonl"
+ACTIVITY_KEEP_FILES = 5
+# Then activity.jsonl.1 ... .5; the oldest is dropped.
+ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024
+# A page: what smol://activity and `activity` show at most, in entries
+# and in bytes.
+ACTIVITY_RESOURCE_ENTRIES = 200
+ACTIVITY_PAGE_BYTES = 512 * 1024
+# A longer value is cut, keeping its byte count and SHA-256.
+ACTIVITY_FIELD_BYTES = 2048
+APPROVALS_DIR = "approvals"
+AUTO_APPROVE_FILE = "auto-approve.json"
+# A terminal's answer is seen within a second.
+APPROVAL_POLL_SECS = 0.25
+APPROVAL_PROGRESS_SECS = 5
+# The calls one token (or stdio server) may hold waiting; more are
+# refused.
+APPROVAL_MAX_WAITING = 16
+# What `approvals list` shows of a value; of the rest, its byte count
+# and SHA-256.
+APPROVAL_SHOW_BYTES = 4096
+# Approval notices post from one bounded pool.
+WEBHOOK_THREADS = 2
+WEBHOOK_QUEUE = 64
+# A 2026-era confirmation (allow-egress) answers within this, once.
+CONFIRM_TTL_SECS = 600
 AUTO_APPROVE_PERIODS = {
     "1h": 3600,
     "1d": 86400,
@@ -6812,9 +6898,11 @@ AUTO_APPROVE_PERIODS = {
     "30d": 2592000,
     "forever": None,
 }
-# Arguments that are the agent's data, not a description of the call: the log keeps their size and
-# digest, so a reader can match them without holding them (a file with a key must not copy it here).
-REDACTED_ARGUMENTS, REDACTED_MAPS = ("content", "stdin"), ("env",)
+# Arguments that are the agent's data, not a description of the call:
+# the log keeps their size and digest, so a reader can match them
+# without holding them (a file with a key must not copy it here).
+REDACTED_ARGUMENTS = ("content", "stdin")
+REDACTED_MAPS = ("env",)
 
 
 class ApprovalRefused(SmolError):
@@ -6826,7 +6914,8 @@ class ApprovalRefused(SmolError):
 
 
 def fingerprint(value: str) -> dict:
-    """What the log keeps of a value it must not copy: its size and SHA-256."""
+    """Return what the log keeps of a value it must not copy: its size
+    and SHA-256."""
     return {
         "bytes": len(value.encode("utf-8", "surrogatepass")),
         "sha256": secret_hash(value),
@@ -6834,25 +6923,31 @@ def fingerprint(value: str) -> dict:
 
 
 def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
-    """The arguments as the log shows them: content, stdin, env and unknown ones as size, digest."""
-    shown, properties = {}, (schema or {}).get("properties")
+    """Return the arguments as the log shows them.
+
+    content, stdin, each value of env, and any argument the schema does
+    not know appear as their size and digest.
+    """
+    properties = (schema or {}).get("properties")
     known = arguments if properties is None else properties
+    shown = {}
     for key, value in arguments.items():
         if key in REDACTED_MAPS and isinstance(value, dict):
             shown[key] = {
                 name: fingerprint(str(item)) for name, item in value.items()
             }
         elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in known:
-            shown[key] = fingerprint(
-                value if isinstance(value, str) else json.dumps(value)
-            )
+            if not isinstance(value, str):
+                value = json.dumps(value)
+            shown[key] = fingerprint(value)
         else:
             shown[key] = value
     return shown
 
 
 def approval_arguments(call: Any) -> dict:
-    """What a person judges a held call by (SPEC 13): all arguments, cut at APPROVAL_SHOW_BYTES."""
+    """Return what a person judges a held call by: all its arguments,
+    each cut at APPROVAL_SHOW_BYTES."""
     return bounded(
         dict(getattr(call.params, "arguments", None) or {}),
         APPROVAL_SHOW_BYTES,
@@ -6860,8 +6955,12 @@ def approval_arguments(call: Any) -> dict:
 
 
 def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
-    """``value`` with no string over ``limit`` bytes nor the whole over 4x that as JSON: longer is
-    cut to its head, with the byte count and SHA-256 of the whole (SPEC 13)."""
+    """Return ``value`` with no string over ``limit`` bytes, nor the whole
+    over 4 times that as JSON.
+
+    What is longer is cut to its head, with the byte count and SHA-256
+    of the whole.
+    """
     if isinstance(value, str):
         data = value.encode("utf-8", "surrogatepass")
         if len(data) <= limit:
@@ -6870,15 +6969,17 @@ def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
             "cut": data[: limit // 2].decode("utf-8", "ignore"),
             **fingerprint(value),
         }
-    if isinstance(value, (dict, list)):
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        inner = {str(k)[:128]: bounded(v, limit) for k, v in list(items)[:64]}
-        inner = inner if isinstance(value, dict) else list(inner.values())
-        text = json.dumps(value, default=str)
-        if len(inner) == len(value) and len(json.dumps(inner)) <= 4 * limit:
-            return inner
-        return {"cut": text[: limit // 2], **fingerprint(text)}
-    return value
+    if isinstance(value, dict):
+        items = list(value.items())[:64]
+        inner = {str(k)[:128]: bounded(v, limit) for k, v in items}
+    elif isinstance(value, list):
+        inner = [bounded(v, limit) for v in value[:64]]
+    else:
+        return value
+    text = json.dumps(value, default=str)
+    if len(inner) == len(value) and len(json.dumps(inner)) <= 4 * limit:
+        return inner
+    return {"cut": text[: limit // 2], **fingerprint(text)}
 
 
 def os_user() -> str:
@@ -6889,13 +6990,15 @@ def os_user() -> str:
 
 
 class ActivityLog:
-    """activity.jsonl: a JSON object a line, each written under a lock; rotated into .1 to .5."""
+    """activity.jsonl: a JSON object a line, each written under a lock;
+    rotated into .1 to .5."""
 
     def __init__(self, state_dir: str | Path):
         self.path = Path(state_dir) / ACTIVITY_FILE
 
     def append(self, entry: dict, secret_values: list[str] = ()) -> None:
-        """Write one entry; raises OSError or SmolError when the state directory cannot take it."""
+        """Write one entry; raise OSError or SmolError when the state
+        directory cannot take it."""
         entry = {
             "time": utc_now(),
             **{key: bounded(value) for key, value in entry.items()},
@@ -6904,24 +7007,29 @@ class ActivityLog:
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
         with locked(self.path.with_name(ACTIVITY_FILE + ".lock")):
-            size = self.path.stat().st_size if self.path.exists() else 0
-            if (
-                size and size + len(line) > ACTIVITY_ROTATE_BYTES
-            ):  # .4 replaces .5: the oldest goes
-                for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):
-                    if self.older(index).exists():
-                        self.older(index).replace(self.older(index + 1))
-                self.path.replace(self.older(1))
+            self._rotate_before(len(line))
             fd = os.open(
                 self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600
             )
             with open(fd, "ab", buffering=0) as out:
                 written = out.write(line)
-                if written != len(
-                    line
-                ):  # a full disk: never leave half a line behind
+                # A full disk: never leave half a line behind.
+                if written != len(line):
                     out.truncate(os.fstat(fd).st_size - written)
                     raise OSError(28, "No space left on device")
+
+    def _rotate_before(self, adding: int) -> None:
+        """Rotate the files if ``adding`` bytes would take the log past
+        ACTIVITY_ROTATE_BYTES: .4 replaces .5, and the oldest goes."""
+        if not self.path.exists():
+            return
+        size = self.path.stat().st_size
+        if not size or size + adding <= ACTIVITY_ROTATE_BYTES:
+            return
+        for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):
+            if self.older(index).exists():
+                self.older(index).replace(self.older(index + 1))
+        self.path.replace(self.older(1))
 
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
@@ -6929,12 +7037,17 @@ class ActivityLog:
     def entries(
         self, keep: Callable = bool, limit: int | None = None, max_bytes=0
     ) -> list[dict]:
-        """The latest ``limit`` entries ``keep`` accepts, oldest first, in at most ``max_bytes`` of
-        lines; newest files first, no further than needed, split on "\n" only."""
-        found, size = [], 0
-        for path in [self.path] + [
-            self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)
-        ]:
+        """Return the latest ``limit`` entries ``keep`` accepts, oldest
+        first, in at most ``max_bytes`` of lines.
+
+        The newest files are read first, no further than needed, and
+        split on "\n" only.
+        """
+        found = []
+        size = 0
+        paths = [self.path]
+        paths += [self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)]
+        for path in paths:
             try:
                 lines = path.read_bytes().split(b"\n")
             except (FileNotFoundError, NotADirectoryError):
@@ -6947,9 +7060,8 @@ class ActivityLog:
                 if not isinstance(entry, dict) or not keep(entry):
                     continue
                 size += len(line) + 1
-                if (limit is not None and len(found) >= limit) or (
-                    max_bytes and size > max_bytes
-                ):
+                full = limit is not None and len(found) >= limit
+                if full or (max_bytes and size > max_bytes):
                     return found[::-1]
                 found.append(entry)
         return found[::-1]
@@ -6958,16 +7070,20 @@ class ActivityLog:
 def activity_filter(
     principal=None, machine=None, since_secs: int | None = None
 ) -> Callable:
-    cutoff = time.time() - since_secs if since_secs is not None else None
+    """Return a test of an entry: by ``principal``, on ``machine``, and
+    within the last ``since_secs``, each when given."""
+    cutoff = None
+    if since_secs is not None:
+        cutoff = time.time() - since_secs
 
     def keep(entry: dict) -> bool:
         for key, wanted in (("principal", principal), ("machine", machine)):
             if wanted is not None and entry.get(key) != wanted:
                 return False
+        if cutoff is None:
+            return True
         try:
-            return (
-                cutoff is None or parse_time(entry.get("time", "")) >= cutoff
-            )
+            return parse_time(entry.get("time", "")) >= cutoff
         except ValueError:
             return False
 
@@ -6975,13 +7091,16 @@ def activity_filter(
 
 
 def waiting_process_alive(request: dict) -> bool:
-    pid = request.get("pid")  # the start times are both None without /proc
+    """Whether the process that filed ``request`` still waits on it."""
+    # The start times are both None without /proc.
+    pid = request.get("pid")
     alive = isinstance(pid, int) and process_alive(pid)
     return alive and process_start_time(pid) == request.get("pidStart")
 
 
 class ApprovalDesk:
-    """The approvals directory: <id>.request.json of a waiting server, <id>.answer.json answers."""
+    """The approvals directory: <id>.request.json of a waiting server,
+    and <id>.answer.json answering it."""
 
     def __init__(self, state_dir: str | Path):
         self.directory = Path(state_dir) / APPROVALS_DIR
@@ -6989,14 +7108,17 @@ class ApprovalDesk:
     def path_of(self, approval_id: str, kind: str) -> Path:
         if not re.fullmatch(r"[a-f0-9]{12}", approval_id):
             raise SmolError(
-                f"{approval_id!r} is not an approval id; `approvals list` shows them"
+                f"{approval_id!r} is not an approval id;"
+                " `approvals list` shows them"
             )
         return self.directory / f"{approval_id}.{kind}.json"
 
-    def open(self, request: dict) -> str:  # returns the request's id
+    def open(self, request: dict) -> str:
+        """File ``request`` for this process; return its id."""
         ensure_state_dir(self.directory.parent)
         self.directory.mkdir(mode=0o700, exist_ok=True)
-        approval_id, pid = secrets_module.token_hex(6), os.getpid()
+        approval_id = secrets_module.token_hex(6)
+        pid = os.getpid()
         request = dict(
             request, id=approval_id, pid=pid, pidStart=process_start_time(pid)
         )
@@ -7004,20 +7126,22 @@ class ApprovalDesk:
         return approval_id
 
     def answer(self, approval_id: str) -> dict | None:
+        path = self.path_of(approval_id, "answer")
         try:
-            answer = json.loads(
-                self.path_of(approval_id, "answer").read_text()
-            )
+            answer = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        return answer if isinstance(answer, dict) else None
+        if not isinstance(answer, dict):
+            return None
+        return answer
 
     def close(self, approval_id: str) -> None:
         for kind in ("request", "answer"):
             self.path_of(approval_id, kind).unlink(missing_ok=True)
 
     def pending(self) -> list[dict]:
-        """Requests still waited on and unanswered, oldest first; a stopped process's go."""
+        """Return the requests still waited on and unanswered, oldest
+        first; those of a stopped process go."""
         found = []
         for path in self.directory.glob("*.request.json"):
             try:
@@ -7030,9 +7154,8 @@ class ApprovalDesk:
                 expired = parse_time(request["expiresAt"]) < time.time()
             except (KeyError, TypeError, ValueError):
                 expired = True
-            if expired or not waiting_process_alive(
-                request
-            ):  # nobody can act on it any more
+            # Nobody can act on it any more.
+            if expired or not waiting_process_alive(request):
                 self.close(approval_id)
             elif not answered:
                 found.append(request)
@@ -7041,7 +7164,8 @@ class ApprovalDesk:
         )
 
     def respond(self, approval_id: str, answer: dict) -> dict:
-        """Answer a waiting request and return it; SmolError for an unknown, stale, answered id."""
+        """Answer a waiting request and return it; raise SmolError for an
+        unknown, stale or answered id."""
         try:
             request = json.loads(
                 self.path_of(approval_id, "request").read_text()
@@ -7053,9 +7177,10 @@ class ApprovalDesk:
             ) from None
         if not waiting_process_alive(request):
             self.close(approval_id)
-            refused = "so that call was refused (approval_interrupted); there is nothing to answer"
             raise SmolError(
-                f"the server that held {approval_id} has stopped, {refused}"
+                f"the server that held {approval_id} has stopped, so that"
+                " call was refused (approval_interrupted); there is"
+                " nothing to answer"
             )
         answer_path = self.path_of(approval_id, "answer")
         if answer_path.exists():
@@ -7065,13 +7190,15 @@ class ApprovalDesk:
 
 
 class AutoApprovals:
-    """Who may run changing tools unasked: name -> {id, until}; a new namesake's id asks again."""
+    """Who may run changing tools unasked: name -> {id, until}; a new
+    namesake's id asks again."""
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / AUTO_APPROVE_FILE, dict)
 
     def until(self, principal: Principal) -> str | None:
-        """Until when it may run without asking: "forever", an RFC 3339 time, or None."""
+        """Return until when it may run without asking: "forever", an RFC
+        3339 time, or None."""
         try:
             granted = self.file.read().get(principal.name)
             if (
@@ -7081,17 +7208,17 @@ class AutoApprovals:
                 return None
             if granted.get("until") is None:
                 return "forever"
-            return (
-                granted["until"]
-                if parse_time(granted["until"]) > time.time()
-                else None
-            )
+            if parse_time(granted["until"]) <= time.time():
+                return None
+            return granted["until"]
         except (SmolError, ValueError, TypeError):
             return None
 
     def grant(self, name: str, principal_id: str, period: str) -> str:
         seconds = AUTO_APPROVE_PERIODS[period]
-        until = None if seconds is None else utc_time(time.time() + seconds)
+        until = None
+        if seconds is not None:
+            until = utc_time(time.time() + seconds)
         self.file.update(
             lambda data: data.__setitem__(
                 name, {"id": principal_id, "until": until}
@@ -7100,29 +7227,27 @@ class AutoApprovals:
         return until or "forever"
 
     def end(self, name: str) -> bool:
-        there = self.file.path.exists()
-        return there and self.file.update(
-            lambda data: data.pop(name, None) is not None
-        )
+        if not self.file.path.exists():
+            return False
+        return self.file.update(lambda data: data.pop(name, None) is not None)
 
     def shown(self, name: str, principal_id: str) -> str:
-        """What `tokens list` says about a principal's auto-approval."""
-        return (
-            self.until(Principal(name, frozenset(), id=principal_id)) or "off"
-        )
+        """Return what `tokens list` says of a principal's auto-approval."""
+        principal = Principal(name, frozenset(), id=principal_id)
+        return self.until(principal) or "off"
 
 
 def post_webhook(url: str, payload: dict) -> str | None:
-    """POST an approval notice (never the arguments); the failure as a sentence, or None."""
+    """POST an approval notice (never the arguments); return the failure
+    as a sentence, or None."""
     try:
         import httpx2
 
         response = httpx2.post(url, json=payload, timeout=10)
         if response.status_code >= 300:
             return f"the approval webhook answered HTTP {response.status_code}"
-    except (
-        Exception
-    ) as err:  # any failure is reported, never raised into the waiting call
+    # Any failure is reported, never raised into the waiting call.
+    except Exception as err:
         return f"the approval webhook failed ({type(err).__name__}: {err})"
     return None
 
