@@ -7255,47 +7255,52 @@ def post_webhook(url: str, payload: dict) -> str | None:
 # ---------------------------------------------------------------------------
 # 12. The MCP server
 #
-# One low-level mcp Server serves both protocol eras. Its lifespan is entered once per stdio process
-# (and once per in-memory client), which is exactly the life of a stdio session, so the session
-# lives there and is cleaned up as the lifespan exits, however the connection ended.
+# One low-level mcp Server serves both protocol eras. Its lifespan is
+# entered once per stdio process (and once per in-memory client), which
+# is exactly the life of a stdio session, so the session lives there
+# and is cleaned up as the lifespan exits, however the connection ended.
 # ---------------------------------------------------------------------------
 
 ELICIT_TIMEOUT_SECS = 120
 JSON_TYPE = "application/json"
-SERVED_AS = [
-    fleet.served_as for fleet in FLEETS.values()
-]  # "local (...)": how each is named
+# How each fleet is named: "local (...)".
+SERVED_AS = [fleet.served_as for fleet in FLEETS.values()]
 FLEET_QUESTION = (
     "This smol-mcp server reaches these fleets of machines: "
     + " and ".join(SERVED_AS)
 )
-FLEET_QUESTION += ". Which one is this session for? Choose both to name the fleet on every call."
+FLEET_QUESTION += (
+    ". Which one is this session for?"
+    " Choose both to name the fleet on every call."
+)
 FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
 FLEET_CHOICE["description"] = ", ".join(FLEETS) + ", or both (decide per call)"
 FLEET_QUESTION_SCHEMA = dict(
     type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE}
 )
-ARG_TARGET = dict(type="string", enum=list(FLEETS))
-ARG_TARGET["description"] = (
-    f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one "
-)
-ARG_TARGET["description"] += (
-    "fleet is invisible on the other, so there is no default."
-)
-TARGET_NAMES = " or ".join(
-    f'"{name}"' for name in FLEETS
-)  # as messages name them
+ARG_TARGET = {
+    "type": "string",
+    "enum": list(FLEETS),
+    "description": (
+        f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one"
+        " fleet is invisible on the other, so there is no default."
+    ),
+}
+# The fleets as messages name them.
+TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)
 
 
 def sdk_types():
-    """The SDK's mcp_types, imported at first use: stdio startup loads no SDK."""
+    """Return the SDK's mcp_types, imported at first use: stdio startup
+    loads no SDK."""
     import mcp_types
 
     return mcp_types
 
 
 class AskClient(Exception):
-    """A 2026-era question for the person (InputRequiredResult): the call answers with it."""
+    """A 2026-era question for the person (InputRequiredResult): the call
+    answers with it."""
 
     def __init__(self, state: str, requests: dict):
         super().__init__("input required")
@@ -7304,16 +7309,19 @@ class AskClient(Exception):
 
 
 def can_elicit(ctx) -> bool:
-    """Whether the client can show a form (said at initialize, or per 2026-era request)."""
-    capabilities = ctx.session.client_capabilities if ctx is not None else None
-    asks = getattr(capabilities, "elicitation", None)
-    return asks is not None and not (
-        asks.form is None and asks.url is not None
-    )
+    """Whether the client can show a form (said at initialize, or per
+    2026-era request)."""
+    if ctx is None:
+        return False
+    asks = getattr(ctx.session.client_capabilities, "elicitation", None)
+    if asks is None:
+        return False
+    return not (asks.form is None and asks.url is not None)
 
 
 def modern(ctx) -> bool:
-    """Whether the request speaks the 2026 era (questions travel in the result)."""
+    """Whether the request speaks the 2026 era (questions travel in the
+    result)."""
     return ctx.protocol_version in sdk_types().version.MODERN_PROTOCOL_VERSIONS
 
 
@@ -7326,17 +7334,17 @@ def form_question(message: str, schema: dict):
 
 
 def elicit_result(answer: Any):
-    """A 2026-era answer as the client sent it (a dict) read as an ElicitResult."""
-    return (
-        sdk_types().ElicitResult.model_validate(answer)
-        if isinstance(answer, dict)
-        else answer
-    )
+    """Return a 2026-era answer as the client sent it (a dict) read as an
+    ElicitResult."""
+    if isinstance(answer, dict):
+        return sdk_types().ElicitResult.model_validate(answer)
+    return answer
 
 
 def resolve_mode(config: Config) -> str:
-    """The fleets served, decided at startup: auto is every fleet the configuration allows ("both"
-    when that is all), else SMOL_MCP_TARGETS, refused when a fleet it names lacks something."""
+    """The fleets served, decided at startup: auto is every fleet the
+    configuration allows ("both" when that is all), else SMOL_MCP_TARGETS,
+    refused when a fleet it names lacks something."""
     lacking = {name: fleet.lacking(config) for name, fleet in FLEETS.items()}
     if config.targets == "auto":
         usable = [name for name, why in lacking.items() if why is None]
@@ -7350,7 +7358,8 @@ def resolve_mode(config: Config) -> str:
 
 
 def configured_schema(tool: ToolSpec, config: Config) -> dict:
-    """A tool's input schema with the configured timeoutSecs ceiling: none the server refuses."""
+    """Return a tool's input schema with the configured timeoutSecs
+    ceiling: it offers no value the server refuses."""
     schema = tool.input_schema
     if schema["properties"].get("timeoutSecs") is not ARG_TIMEOUT:
         return schema
@@ -7362,23 +7371,30 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
 
 
 def server_instructions(app: SmolMcp) -> str:
-    c = app.config
+    """Return what the server tells the agent at initialize."""
+    config = app.config
     served = " and ".join(fleet.served_as for fleet in app.fleets.values())
     lines = [
-        "smol-mcp gives you microVMs (smol machines) to work in instead of this computer: every "
-        "command you run with these tools executes inside a guest, never on the host. This "
-        f"process serves {served}.",
-        "- Typical flow: create-machine (waits until the guest runs commands), run-command, "
-        "write-file/read-file, delete-machine. run-once does create, run and delete in one call.",
-        '- Egress is blocked unless you pass network: "open" or allowHosts/allowCidrs.',
-        f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when "
-        "this session ends. Any other name persists.",
-        f"- Output beyond {c.max_output_bytes} bytes per stream or {c.reply_tokens} tokens per "
-        "result keeps its head and tail; the whole stream is saved in the machine at the path in "
-        "overflow. read-file pages with offset/length.",
-        "- A non-zero exit code is a result, not an error. Commands time out after "
-        f"{c.exec_timeout_secs} s by default (timeoutSecs up to {c.max_exec_timeout_secs}).",
-        "- branch-machine needs a running source created with branchable: true.",
+        "smol-mcp gives you microVMs (smol machines) to work in instead of"
+        " this computer: every command you run with these tools executes"
+        f" inside a guest, never on the host. This process serves {served}.",
+        "- Typical flow: create-machine (waits until the guest runs"
+        " commands), run-command, write-file/read-file, delete-machine."
+        " run-once does create, run and delete in one call.",
+        '- Egress is blocked unless you pass network: "open" or'
+        " allowHosts/allowCidrs.",
+        f"- Machines named {config.machine_prefix}… (and unnamed ones) are"
+        " ephemeral: deleted when this session ends. Any other name"
+        " persists.",
+        f"- Output beyond {config.max_output_bytes} bytes per stream or"
+        f" {config.reply_tokens} tokens per result keeps its head and tail;"
+        " the whole stream is saved in the machine at the path in overflow."
+        " read-file pages with offset/length.",
+        "- A non-zero exit code is a result, not an error. Commands time out"
+        f" after {config.exec_timeout_secs} s by default (timeoutSecs up to"
+        f" {config.max_exec_timeout_secs}).",
+        "- branch-machine needs a running source created with branchable:"
+        " true.",
     ]
     if app.mode == "both":
         lines.append(
@@ -7386,26 +7402,34 @@ def server_instructions(app: SmolMcp) -> str:
         )
     lines.extend(fleet.instruction for fleet in app.fleets.values())
     lines.append(
-        "- smol://targets says whether each fleet is usable right now, and why not."
+        "- smol://targets says whether each fleet is usable right now,"
+        " and why not."
     )
     if app.approvals.apply():
         lines.append(
-            "- Approvals: a tool that changes something may wait for a person on the server's host "
-            f"to approve it (up to {c.approval_timeout_secs} s; progress notifications say so and "
-            "name the command that approves it). Read-only tools answer at once. You cannot "
-            "approve anything yourself. A refusal starts with a code: approval_rejected (a "
-            "person said no; the reason follows), approval_timed_out (nobody answered), "
-            "approval_cancelled (the call stopped waiting), approval_interrupted (the server "
-            "stopped), approval_token_deleted, approval_unavailable (approvals cannot be asked for "
-            "here). Nothing ran in any of these cases; ask the person before trying again."
+            "- Approvals: a tool that changes something may wait for a"
+            " person on the server's host to approve it (up to"
+            f" {config.approval_timeout_secs} s; progress notifications say"
+            " so and name the command that approves it). Read-only tools"
+            " answer at once. You cannot approve anything yourself. A"
+            " refusal starts with a code: approval_rejected (a person said"
+            " no; the reason follows), approval_timed_out (nobody answered),"
+            " approval_cancelled (the call stopped waiting),"
+            " approval_interrupted (the server stopped),"
+            " approval_token_deleted, approval_unavailable (approvals cannot"
+            " be asked for here). Nothing ran in any of these cases; ask the"
+            " person before trying again."
         )
     return "\n".join(lines)
 
 
 @functools.cache
 def dual_era_server_class() -> type:
-    """The SDK's Server, advertising tools.listChanged however it is asked for its options
-    (Client(server) asks without any). Built on first use: importing this loads no mcp."""
+    """Return the SDK's Server, advertising tools.listChanged however it
+    is asked for its options (Client(server) asks without any).
+
+    Built on first use: importing this module loads no mcp.
+    """
     from mcp.server import NotificationOptions, Server
 
     class DualEraServer(Server):
@@ -7423,43 +7447,40 @@ def dual_era_server_class() -> type:
 
 
 class SmolMcp:
-    """Everything one process serves: the config, the fleets, and the MCP server."""
+    """Everything one process serves: the config, the fleets, and the MCP
+    server.
+
+    Its methods are the handlers of tools and sessions, and the steps of
+    a tool call. What a client reads and follows is Resources; a call
+    held for a person's answer is Approvals.
+    """
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
         self.mode = resolve_mode(config)
         self.access = Access(config, environ)
-        self.local = LocalFleet(
-            config, environ
-        )  # always built (inert) for smol://targets
-        self.fleets: dict[str, Fleet] = {
-            name: self.local
-            if FLEETS[name] is LocalFleet
-            else FLEETS[name](config, environ)
-            for name in (FLEET_NAMES if self.mode == "both" else (self.mode,))
-        }
-        self._limiter, self._swept = None, False
+        # Always built (inert), for smol://targets.
+        self.local = LocalFleet(config, environ)
+        self.fleets: dict[str, Fleet] = self.served_fleets(environ)
+        self._limiter = None
+        self._swept = False
         self._tool_lists: dict[tuple, list] = {}
-        self.checkers: dict[
-            str, Any
-        ] = {}  # tool name -> its argument validator, built once
-        self.state_key = secrets_module.token_bytes(
-            32
-        )  # seals the state of 2026-era questions
-        self.http: HttpSessions | None = (
-            None  # set when serving Streamable HTTP
-        )
-        self.pages: Pages | None = (
-            None  # the sign-in pages of --http (section 14b)
-        )
-        self.failed_last: set[tuple[str, str]] = (
-            set()
-        )  # machines whose last command failed
-        self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
-        self.polling: dict[
-            str, int
-        ] = {}  # principal id -> its log pollers (subscriptions)
+        # Tool name -> its argument validator, built once.
+        self.checkers: dict[str, Any] = {}
+        # Seals the state of 2026-era questions.
+        self.state_key = secrets_module.token_bytes(32)
+        # Set when serving Streamable HTTP.
+        self.http: HttpSessions | None = None
+        # The sign-in pages of --http (section 14b).
+        self.pages: Pages | None = None
+        # Machines whose last command failed.
+        self.failed_last: set[tuple[str, str]] = set()
+        # Set on SIGTERM/SIGINT: a waiting approval ends as interrupted.
+        self.stopping = False
+        # Principal id -> its log pollers (subscriptions).
+        self.polling: dict[str, int] = {}
         self.approvals = Approvals(self)
+        self.resources = Resources(self)
         self.server = dual_era_server_class()(
             "smol-mcp",
             version=__version__,
@@ -7468,23 +7489,41 @@ class SmolMcp:
             lifespan=self.lifespan,
             on_list_tools=self.on_list_tools,
             on_call_tool=self.call_tool,
-            on_list_resources=self.on_list_resources,
-            on_list_resource_templates=self.on_list_resource_templates,
-            on_read_resource=self.on_read_resource,
-            on_subscribe_resource=self.on_subscribe,
-            on_unsubscribe_resource=self.on_unsubscribe,
-            on_subscriptions_listen=self.listen,
+            on_list_resources=self.resources.on_list_resources,
+            on_list_resource_templates=(
+                self.resources.on_list_resource_templates
+            ),
+            on_read_resource=self.resources.on_read_resource,
+            on_subscribe_resource=self.resources.on_subscribe,
+            on_unsubscribe_resource=self.resources.on_unsubscribe,
+            on_subscriptions_listen=self.resources.listen,
         )
 
+    def served_fleets(self, environ: dict[str, str] | None) -> dict:
+        """Return the fleets this mode serves, by name; the local one is
+        self.local."""
+        names = (self.mode,)
+        if self.mode == "both":
+            names = FLEET_NAMES
+        fleets = {}
+        for name in names:
+            if FLEETS[name] is LocalFleet:
+                fleets[name] = self.local
+            else:
+                fleets[name] = FLEETS[name](self.config, environ)
+        return fleets
+
     def thread_limiter(self):
-        """Threads for blocking API calls: enough that long commands never queue short ones."""
+        """Return the threads for blocking API calls: enough that long
+        commands never queue short ones."""
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
 
     @asynccontextmanager
     async def lifespan(self, server: Any):
-        # Over HTTP it is entered once for the whole listener, which holds many sessions.
+        # Over HTTP it is entered once for the whole listener, which
+        # holds many sessions.
         async with anyio.create_task_group() as tasks:
             if self.http is not None:
                 async with self.http.running(tasks):
@@ -7494,47 +7533,405 @@ class SmolMcp:
             try:
                 yield {"session": session}
             finally:
-                tasks.cancel_scope.cancel()  # its log pollers end with it
+                # Its log pollers end with it.
+                tasks.cancel_scope.cancel()
                 await self.end_session(session)
 
     async def on_list_tools(self, ctx, params):
-        with_target = (
-            self.mode == "both" and self.session_for(ctx).target is None
-        )
+        session = self.session_for(ctx)
+        with_target = self.mode == "both" and session.target is None
         tools = self.tool_list(with_target, self.principal_for(ctx))
         return sdk_types().ListToolsResult(tools=tools)
 
-    async def on_subscribe(self, ctx, params):
-        """Handshake era: follow a log until unsubscribe or the end of the session."""
-        uri, principal = str(params.uri), self.principal_for(ctx)
-        fleet, name = self.log_resource(uri, principal)
-        session = self.session_for(ctx)
-        if uri not in session.subscriptions:
-            self.check_share(principal, len(session.subscriptions) + 1, 1)
-            scope = session.subscriptions[uri] = anyio.CancelScope()
-            notify = (
-                ctx.session.send_resource_updated
-            )  # the captured session outlives this call
+    def tool_list(
+        self, with_target: bool, principal: Principal | None = None
+    ) -> list:
+        """Return the tools its scopes grant, as shown; cached per shape
+        (2026-era clients list often)."""
+        key = (with_target, (principal or self.access.stdio).tools())
+        if key not in self._tool_lists:
+            self._tool_lists[key] = [
+                self.mcp_tool(TOOLS_BY_NAME[n], with_target) for n in key[1]
+            ]
+        return self._tool_lists[key]
 
-            async def poll() -> None:
-                with scope:
-                    await follow_log(
-                        self, fleet, name, lambda: notify(uri), principal.id
+    def principal_for(self, ctx) -> Principal:
+        """Return who sent the request: the token HttpGate found, or the
+        stdio principal."""
+        if ctx.request is None:
+            return self.access.stdio
+        return ctx.request.scope["state"]["smol_principal"]
+
+    def mcp_tool(self, tool: ToolSpec, with_target: bool):
+        """Return the tool as a client is shown it; with_target (both
+        mode) adds a required target."""
+        types = sdk_types()
+        schema = configured_schema(tool, self.config)
+        if with_target:
+            required = ["target", *schema["required"]]
+            properties = {"target": ARG_TARGET, **schema["properties"]}
+            schema = {**schema, "properties": properties, "required": required}
+        annotations = types.ToolAnnotations(
+            title=tool.title,
+            read_only_hint=tool.read_only,
+            destructive_hint=tool.destructive,
+            idempotent_hint=tool.idempotent,
+            open_world_hint=tool.open_world,
+        )
+        return types.Tool(
+            name=tool.name,
+            title=tool.title,
+            description=tool.description,
+            input_schema=schema,
+            output_schema=tool.output_schema,
+            annotations=annotations,
+        )
+
+    def session_for(self, ctx) -> Session:
+        """Return a request's session: the lifespan's on stdio and in
+        memory, else HttpSessions'."""
+        if ctx.request is None:
+            return ctx.lifespan_context["session"]
+        return self.http.session_for(ctx)
+
+    def open_session(self, session_id: str, tasks: Any) -> Session:
+        """Return a new session; it holds the fleets (the serve) until
+        end_session."""
+        for fleet in self.fleets.values():
+            fleet.acquire()
+        return Session(self, session_id, tasks)
+
+    def fleet_for(
+        self, session: Session, name: str, arguments: dict, params: Any = None
+    ) -> Any:
+        """Return the fleet a call goes to, taking `target` out of the
+        arguments; raise ArgumentError when it names none it may use."""
+        if self.mode != "both":
+            return next(iter(self.fleets.values()))
+        asked_here = params is not None and params is session.chose_during
+        names_it = asked_here and "target" in arguments
+        if session.target is not None and not names_it:
+            given = arguments.pop("target", session.target)
+            if given != session.target:
+                raise ArgumentError(
+                    f"this session chose the {session.target} fleet at its"
+                    f' first call, so target "{given}" is not available in'
+                    " it; use a new session (over HTTP with the 2026-07-28"
+                    " protocol, the session is the token) for the other"
+                    " fleet"
+                )
+            return self.fleets[session.target]
+        if "target" not in arguments:
+            raise ArgumentError(
+                f'{name} needs "target": {TARGET_NAMES}. This server serves'
+                " both fleets and there is no default, because a machine on"
+                " one fleet is invisible on the other and the two bill"
+                " differently."
+            )
+        target = arguments.pop("target")
+        validate_arguments(
+            name, _object({"target": ARG_TARGET}), {"target": target}
+        )
+        return self.fleets[target]
+
+    async def ask_fleet(self, ctx, session: Session, params):
+        """In both mode, ask a session once which fleet it is for, if the
+        client can answer.
+
+        A choice narrows the session (`target` leaves every tool). In
+        the 2026 era the question is raised as AskClient.
+        """
+        if self.mode != "both" or session.asked_fleet:
+            return None
+        # Calls racing in at the start get one question.
+        async with session.question_lock:
+            if session.asked_fleet:
+                return None
+            # A client that cannot answer is not asked: it keeps the
+            # argument.
+            answer = None
+            if can_elicit(ctx):
+                answer = await self.ask(
+                    ctx,
+                    params,
+                    "fleet",
+                    "smol-mcp:fleet",
+                    FLEET_QUESTION,
+                    FLEET_QUESTION_SCHEMA,
+                )
+            session.asked_fleet = True
+            choice = None
+            if answer is not None and answer.action == "accept":
+                choice = (answer.content or {}).get("fleet")
+            if choice not in self.fleets or session.target is not None:
+                return
+            session.target = choice
+            # The call that asked may still name the other fleet.
+            session.chose_during = params
+            log.info("session %s chose the %s fleet", session.id, choice)
+            # The session's subscriptions/listen stream hears of it.
+            if modern(ctx):
+                from mcp.server.subscriptions import ToolsListChanged
+
+                await session.events()[0].publish(ToolsListChanged())
+            else:
+                await ctx.session.send_tool_list_changed()
+
+    async def ask(
+        self, ctx, params, key: str, state: str, message: str, schema: dict
+    ):
+        """Ask the person one form question; return the answer, or None if
+        none came.
+
+        In the 2026 era, raise AskClient with the question under ``key``
+        until a retry brings the answer with this ``state``.
+        """
+        question = form_question(message, schema)
+        if not modern(ctx):
+            return await self.elicit(ctx, question)
+        answer = None
+        if params is not None:
+            answer = (params.input_responses or {}).get(key)
+        if answer is None or params.request_state != state:
+            raise AskClient(state, {key: question})
+        return elicit_result(answer)
+
+    async def confirm(
+        self, ctx, params, session: Session, message: str, binding: str, schema
+    ):
+        """Ask the person to allow a change; return None when the client
+        cannot ask, else whether they accepted with allow: true.
+
+        The 2026-era state is sealed to the session and ``binding`` and
+        carries a nonce: it answers once, within CONFIRM_TTL_SECS.
+        """
+        if not can_elicit(ctx):
+            return None
+
+        def sealed(expires: str, nonce: str) -> str:
+            text = f"{session.id}\0{binding}\0{expires}\0{nonce}".encode()
+            seal = hmac.new(self.state_key, text, "sha256").hexdigest()
+            return f"smol-mcp:confirm:{expires}:{nonce}:{seal}"
+
+        state = str(getattr(params, "request_state", None) or "")
+        _, _, expires, nonce, *_ = [*state.split(":"), "", "", "", ""]
+        fresh = (
+            expires.isdigit()
+            and int(expires) > time.time()
+            and nonce not in session.spent
+        )
+        if not (fresh and hmac.compare_digest(state, sealed(expires, nonce))):
+            expires = str(int(time.time()) + CONFIRM_TTL_SECS)
+            state = sealed(expires, secrets_module.token_hex(8))
+        answer = await self.ask(ctx, params, "confirm", state, message, schema)
+        session.spent.add(state.split(":")[3])
+        accepted = answer is not None and answer.action == "accept"
+        return accepted and (answer.content or {}).get("allow") is True
+
+    async def elicit(
+        self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS
+    ):
+        """Send an elicitation; return the answer, or None after
+        ``timeout`` or a failure."""
+        from mcp.shared.message import ServerMessageMetadata
+
+        related = None
+        if ctx.session.can_send_request:
+            related = ctx.request_id
+        metadata = ServerMessageMetadata(related_request_id=related)
+        try:
+            answer_type = sdk_types().ElicitResult
+            return await ctx.session.send_request(
+                question, answer_type, timeout, metadata
+            )
+        # Timed out, or there is no way back to the client.
+        except Exception as err:
+            log.info("a question to the person got no answer (%s)", err)
+            return None
+
+    async def call_tool(self, ctx, params):
+        """Validate and dispatch one tool call; return its result.
+
+        A failure is a tool error. A change is written to the activity
+        log before the caller is told its result.
+        """
+        name = params.name
+        principal = self.principal_for(ctx)
+        tool = TOOLS_BY_NAME.get(name)
+        entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
+        started = time.monotonic()
+
+        def logged(outcome: str) -> None:
+            if tool is not None and not tool.read_only:
+                took = int((time.monotonic() - started) * 1000)
+                self.record({**entry, "outcome": outcome, "durationMs": took})
+
+        try:
+            # Named from the caller's own list: it learns of no other tool.
+            if tool is None:
+                tools = ", ".join(principal.tools())
+                raise ArgumentError(
+                    f"there is no tool named {name!r}; the tools are: {tools}"
+                )
+            # Before any question is asked or argument read.
+            check_scope(principal, name)
+            session = self.session_for(ctx)
+            entry["session"] = session.id
+            await self.ask_fleet(ctx, session, params)
+            arguments = dict(params.arguments or {})
+            fleet = self.fleet_for(session, name, arguments, params)
+            entry["target"] = fleet.name
+            entry["machine"] = arguments.get("name")
+            entry["arguments"] = redact_arguments(arguments, tool.input_schema)
+            self.validate(tool, arguments)
+            machine = arguments.get("name")
+            grant = authorize(principal, name, fleet.name, machine)
+            reach = self.access.fleet_for(principal, grant, fleet)
+            call = Call(self, session, reach, ctx, principal, params)
+            if not tool.read_only:
+                await self.hold_for_approval(call, entry, params)
+            await self.sweep_once(fleet)
+            result = await tool.handler(call, arguments)
+        except anyio.get_cancelled_exc_class():
+            logged("cancelled")
+            raise
+        # The fleet or approval question, as a 2026-era result.
+        except AskClient as ask:
+            return ask.question
+        except SmolError as err:
+            if isinstance(ctx, PlainRequest):
+                ctx.failure = err
+            message = redact(explain(err), self.config.secret_values())
+            logged(message.splitlines()[0])
+            return tool_error(message)
+        except Exception as err:
+            log.exception("tool %s failed unexpectedly", name)
+            message = redact(
+                bug_report(name, err), self.config.secret_values()
+            )
+            logged(message)
+            return tool_error(message)
+        if not tool.read_only:
+            note_result(entry, result)
+            logged("ok")
+        text = sdk_types().TextContent(type="text", text=reply_json(result))
+        return sdk_types().CallToolResult(
+            content=[text], structured_content=result
+        )
+
+    def validate(self, tool: ToolSpec, arguments: dict) -> None:
+        """Raise ArgumentError when ``arguments`` do not fit the tool's
+        schema, with the configured ceilings (its validator is built
+        once)."""
+        if tool.name not in self.checkers:
+            schema = configured_schema(tool, self.config)
+            self.checkers[tool.name] = argument_validator()(schema)
+        validate_arguments(
+            tool.name, tool.input_schema, arguments, self.checkers[tool.name]
+        )
+
+    async def hold_for_approval(self, call: Call, entry: dict, params: Any):
+        """Wait for a person's approval if the principal needs one; the
+        entry records who gave it."""
+        approver = await self.approvals.hold(call, entry, params)
+        if approver is None:
+            return
+        entry["approvedBy"] = approver
+        # "N s so far" counts the work, not the wait.
+        call.started = time.monotonic()
+
+    def who(self, principal: Principal) -> dict:
+        """Return the principal as the activity log names it."""
+        named = {"principal": principal.name}
+        if principal.user:
+            named["user"] = principal.user
+        return named
+
+    def record(self, entry: dict) -> None:
+        """Append to the activity log; a failed write costs a warning,
+        never the call's result."""
+        try:
+            self.access.activity.append(entry, self.config.secret_values())
+        except (OSError, SmolError) as err:
+            reason = getattr(err, "strerror", None) or str(err)
+            what = (
+                entry.get("event"),
+                entry.get("tool") or entry.get("approval") or "",
+            )
+            lost = (
+                "could not write the activity log %s (%s); entry lost: %s %s"
+            )
+            log.warning(lost, self.access.activity.path, reason, *what)
+
+    async def sweep_once(self, fleet: Fleet) -> None:
+        """Before this process's first local call, delete what a crashed
+        one left behind."""
+        if self._swept or fleet is not self.local:
+            return
+        swept = await anyio.to_thread.run_sync(
+            sweep_orphans, fleet, self.config.runtime_dir
+        )
+        self.access.owners.clear(fleet.name, swept)
+        cleanup = {
+            "event": "orphan-cleanup",
+            "principal": "smol-mcp",
+            "target": fleet.name,
+        }
+        outcome = "deleted (left by a stopped process)"
+        for name in swept:
+            self.record({**cleanup, "machine": name, "outcome": outcome})
+        self._swept = True
+
+    async def end_session(self, session: Session) -> None:
+        """Delete the session's ephemeral machines and release the fleets:
+        bounded in time, and done even when cancelled."""
+        # A deleted token's sessions end early; the SDK may end them again
+        # later.
+        if session.ended:
+            return
+        session.ended = True
+        # Its subscriptions/listen streams end too.
+        if session.listener is not None:
+            session.listener.close()
+        # Nothing escapes: over HTTP it would end the listener.
+        with anyio.CancelScope(shield=True):
+            try:
+                for poller in session.subscriptions.values():
+                    poller.cancel()
+                session.subscriptions.clear()
+                with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
+                    await session.close()
+            except Exception as err:
+                log.warning(
+                    "session %s: its cleanup failed (%s)",
+                    session.id,
+                    describe(err),
+                )
+            for fleet in self.fleets.values():
+                try:
+                    await anyio.to_thread.run_sync(fleet.release)
+                except Exception as err:
+                    log.warning(
+                        "session %s: letting go of the %s fleet failed (%s)",
+                        session.id,
+                        fleet.name,
+                        describe(err),
                     )
 
-            session.tasks.start_soon(poll)
-        return sdk_types().EmptyResult()
 
-    async def on_unsubscribe(self, ctx, params):
-        scope = self.session_for(ctx).subscriptions.pop(str(params.uri), None)
-        if scope is not None:
-            scope.cancel()
-        return sdk_types().EmptyResult()
+class Resources:
+    """What a client reads and follows: smol://targets, smol://activity
+    and each machine's console log, listed, read and subscribed to."""
+
+    def __init__(self, app: SmolMcp):
+        self.app = app
 
     async def on_list_resources(self, ctx, params):
         types = sdk_types()
-        about = "The mode, each fleet this process serves, "
-        about += "and whether it is usable on this host now."
+        about = (
+            "The mode, each fleet this process serves, "
+            "and whether it is usable on this host now."
+        )
         shown = [
             (
                 TARGETS_URI,
@@ -7543,10 +7940,11 @@ class SmolMcp:
                 about,
             )
         ]
-        if "activity.read" in self.principal_for(ctx).scopes:
-            about = f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity log: changing "
-            about += (
-                "calls, approvals, cleanups (a sandbox token sees its own)."
+        if "activity.read" in self.app.principal_for(ctx).scopes:
+            about = (
+                f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the"
+                " activity log: changing calls, approvals, cleanups (a"
+                " sandbox token sees its own)."
             )
             shown.append(
                 (ACTIVITY_URI, "activity", "What agents changed", about)
@@ -7564,364 +7962,34 @@ class SmolMcp:
         return types.ListResourcesResult(resources=resources)
 
     async def on_list_resource_templates(self, ctx, params):
-        fields = dict(
+        template = sdk_types().ResourceTemplate(
+            uri_template=LOGS_URI_TEMPLATE,
             name="machine-logs",
             title="A machine's console log",
             mime_type="text/plain",
-        )
-        fields["description"] = (
-            "The latest lines of a machine's guest console."
-        )
-        template = sdk_types().ResourceTemplate(
-            uri_template=LOGS_URI_TEMPLATE, **fields
+            description="The latest lines of a machine's guest console.",
         )
         return sdk_types().ListResourceTemplatesResult(
             resource_templates=[template]
         )
 
-    def tool_list(
-        self, with_target: bool, principal: Principal | None = None
-    ) -> list:
-        """The tools its scopes grant, as shown; cached per shape (2026-era clients list often)."""
-        key = (with_target, (principal or self.access.stdio).tools())
-        if key not in self._tool_lists:
-            self._tool_lists[key] = [
-                self.mcp_tool(TOOLS_BY_NAME[n], with_target) for n in key[1]
-            ]
-        return self._tool_lists[key]
-
-    def principal_for(self, ctx) -> Principal:
-        """Who sent the request: the token HttpGate found, or the stdio principal."""
-        if ctx.request is None:
-            return self.access.stdio
-        return ctx.request.scope["state"]["smol_principal"]
-
-    def mcp_tool(self, tool: ToolSpec, with_target: bool):
-        """The tool as a client is shown it; with_target (both mode): a required target."""
-        types, schema = sdk_types(), configured_schema(tool, self.config)
-        if with_target:
-            required = ["target", *schema["required"]]
-            properties = {"target": ARG_TARGET, **schema["properties"]}
-            schema = {**schema, "properties": properties, "required": required}
-        hints = dict(
-            read_only_hint=tool.read_only, destructive_hint=tool.destructive
-        )
-        hints.update(
-            idempotent_hint=tool.idempotent, open_world_hint=tool.open_world
-        )
-        annotations = types.ToolAnnotations(title=tool.title, **hints)
-        about = dict(
-            name=tool.name, title=tool.title, description=tool.description
-        )
-        schemas = dict(input_schema=schema, output_schema=tool.output_schema)
-        return types.Tool(**about, **schemas, annotations=annotations)
-
-    def session_for(self, ctx) -> Session:
-        """A request's session: the lifespan's on stdio and in memory, else HttpSessions'."""
-        if ctx.request is None:
-            return ctx.lifespan_context["session"]
-        return self.http.session_for(ctx)
-
-    def open_session(self, session_id: str, tasks: Any) -> Session:
-        """A new session; it holds the fleets (the serve) until end_session."""
-        for fleet in self.fleets.values():
-            fleet.acquire()
-        return Session(self, session_id, tasks)
-
-    def fleet_for(
-        self, session: Session, name: str, arguments: dict, params: Any = None
-    ) -> Any:
-        """The fleet a call goes to, taking `target` out of the arguments."""
-        if self.mode != "both":
-            return next(iter(self.fleets.values()))
-        asked_here = params is not None and params is session.chose_during
-        if session.target is not None and not (
-            asked_here and "target" in arguments
-        ):
-            given = arguments.pop("target", session.target)
-            if given != session.target:
-                why = f"this session chose the {session.target} fleet at its first call, so target "
-                why += f'"{given}" is not available in it; use a new session (over HTTP with the '
-                why += "2026-07-28 protocol, the session is the token) for the other fleet"
-                raise ArgumentError(why)
-            return self.fleets[session.target]
-        if "target" not in arguments:
-            why = f'{name} needs "target": {TARGET_NAMES}. This server serves both fleets and '
-            why += "there is no default, because a machine on one fleet is invisible on the other "
-            raise ArgumentError(why + "and the two bill differently.")
-        target = arguments.pop("target")
-        validate_arguments(
-            name, _object({"target": ARG_TARGET}), {"target": target}
-        )
-        return self.fleets[target]
-
-    async def ask_fleet(self, ctx, session: Session, params):
-        """In both mode, ask a session once which fleet it is for (if the client can answer): a
-        choice narrows it (`target` leaves every tool). AskClient carries a 2026-era question."""
-        if self.mode != "both" or session.asked_fleet:
-            return None
-        async with (
-            session.question_lock
-        ):  # calls racing in at the start get one question
-            if session.asked_fleet:
-                return None
-            question = (
-                "fleet",
-                "smol-mcp:fleet",
-                FLEET_QUESTION,
-                FLEET_QUESTION_SCHEMA,
-            )
-            # A client that cannot answer is not asked: it keeps the argument.
-            answer = (
-                await self.ask(ctx, params, *question)
-                if can_elicit(ctx)
-                else None
-            )
-            session.asked_fleet = True
-            accepted = answer is not None and answer.action == "accept"
-            choice = (answer.content or {}).get("fleet") if accepted else None
-            if choice not in self.fleets or session.target is not None:
-                return
-            session.target = choice
-            session.chose_during = (
-                params  # the call that asked may still name the other fleet
-            )
-            log.info("session %s chose the %s fleet", session.id, choice)
-            if modern(
-                ctx
-            ):  # the session's subscriptions/listen stream hears of it
-                from mcp.server.subscriptions import ToolsListChanged
-
-                await session.events()[0].publish(ToolsListChanged())
-            else:
-                await ctx.session.send_tool_list_changed()
-
-    async def ask(
-        self, ctx, params, key: str, state: str, message: str, schema: dict
-    ):
-        """One form question to the person: the answer (None if none came); in the 2026 era,
-        AskClient with it under ``key`` until a retry brings the answer with this ``state``."""
-        question = form_question(message, schema)
-        if not modern(ctx):
-            return await self.elicit(ctx, question)
-        answer = (
-            (params.input_responses or {}).get(key)
-            if params is not None
-            else None
-        )
-        if answer is None or params.request_state != state:
-            raise AskClient(state, {key: question})
-        return elicit_result(answer)
-
-    async def confirm(
-        self, ctx, params, session: Session, message: str, binding: str, schema
-    ):
-        """Ask the person to allow a change: None when the client cannot ask, else whether
-        they accepted with allow: true. The 2026-era state is sealed to the session and
-        ``binding`` and carries a nonce: it answers once, within CONFIRM_TTL_SECS."""
-        if not can_elicit(ctx):
-            return None
-
-        def sealed(expires: str, nonce: str) -> str:
-            text = f"{session.id}\0{binding}\0{expires}\0{nonce}".encode()
-            seal = hmac.new(self.state_key, text, "sha256").hexdigest()
-            return f"smol-mcp:confirm:{expires}:{nonce}:{seal}"
-
-        state = str(getattr(params, "request_state", None) or "")
-        _, _, expires, nonce, *_ = [*state.split(":"), "", "", "", ""]
-        fresh = (
-            expires.isdigit()
-            and int(expires) > time.time()
-            and nonce not in session.spent
-        )
-        if not (fresh and hmac.compare_digest(state, sealed(expires, nonce))):
-            state = sealed(
-                str(int(time.time()) + CONFIRM_TTL_SECS),
-                secrets_module.token_hex(8),
-            )
-        answer = await self.ask(ctx, params, "confirm", state, message, schema)
-        session.spent.add(state.split(":")[3])
-        accepted = answer is not None and answer.action == "accept"
-        return accepted and (answer.content or {}).get("allow") is True
-
-    async def elicit(
-        self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS
-    ):
-        """Send an elicitation; the answer, or None after ``timeout`` or a failure."""
-        from mcp.shared.message import ServerMessageMetadata
-
-        related = ctx.request_id if ctx.session.can_send_request else None
-        metadata = ServerMessageMetadata(related_request_id=related)
-        try:
-            answer_type = sdk_types().ElicitResult
-            return await ctx.session.send_request(
-                question, answer_type, timeout, metadata
-            )
-        except Exception as err:  # timed out, or no way back to the client
-            log.info("a question to the person got no answer (%s)", err)
-            return None
-
-    async def call_tool(self, ctx, params):
-        """Validate and dispatch; a failure is a tool error; a change is logged before answering."""
-        name, principal = params.name, self.principal_for(ctx)
-        tool = TOOLS_BY_NAME.get(name)
-        entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
-        started = time.monotonic()
-
-        def logged(outcome: str) -> None:
-            if tool is not None and not tool.read_only:
-                took = int((time.monotonic() - started) * 1000)
-                self.record({**entry, "outcome": outcome, "durationMs": took})
-
-        try:
-            if (
-                tool is None
-            ):  # named from the caller's own list: it learns of no other tool
-                tools = ", ".join(principal.tools())
-                raise ArgumentError(
-                    f"there is no tool named {name!r}; the tools are: {tools}"
-                )
-            check_scope(
-                principal, name
-            )  # before any question is asked or argument read
-            session = self.session_for(ctx)
-            entry["session"] = session.id
-            await self.ask_fleet(ctx, session, params)
-            arguments = dict(params.arguments or {})
-            fleet = self.fleet_for(session, name, arguments, params)
-            shown = redact_arguments(arguments, tool.input_schema)
-            entry.update(
-                target=fleet.name,
-                machine=arguments.get("name"),
-                arguments=shown,
-            )
-            if name not in self.checkers:
-                self.checkers[name] = argument_validator()(
-                    configured_schema(tool, self.config)
-                )
-            validate_arguments(
-                name, tool.input_schema, arguments, self.checkers[name]
-            )
-            grant = authorize(
-                principal, name, fleet.name, arguments.get("name")
-            )
-            reach = self.access.fleet_for(principal, grant, fleet)
-            call = Call(self, session, reach, ctx, principal, params)
-            held = (
-                None
-                if tool.read_only
-                else await self.approvals.hold(call, entry, params)
-            )
-            if held is not None:
-                entry["approvedBy"] = held
-                call.started = (
-                    time.monotonic()
-                )  # "N s so far" counts the work, not the wait
-            await self.sweep_once(fleet)
-            result = await tool.handler(call, arguments)
-        except anyio.get_cancelled_exc_class():
-            logged("cancelled")
-            raise
-        except (
-            AskClient
-        ) as ask:  # the fleet or approval question, as a 2026-era result
-            return ask.question
-        except SmolError as err:
-            if isinstance(ctx, PlainRequest):
-                ctx.failure = err
-            message = redact(explain(err), self.config.secret_values())
-            logged(message.splitlines()[0])
-            return tool_error(message)
-        except Exception as err:
-            log.exception("tool %s failed unexpectedly", name)
-            bug = f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
-            bug += "smol-mcp; the server log has the details."
-            message = redact(bug, self.config.secret_values())
-            logged(message)
-            return tool_error(message)
-        if not tool.read_only:
-            made = (
-                result.get("machine")
-                if isinstance(result.get("machine"), dict)
-                else {}
-            )
-            entry["machine"] = (
-                made.get("name") or result.get("name") or entry.get("machine")
-            )
-            if isinstance(result.get("exitCode"), int):
-                entry["exitCode"] = result["exitCode"]
-            logged("ok")
-        text = sdk_types().TextContent(type="text", text=reply_json(result))
-        return sdk_types().CallToolResult(
-            content=[text], structured_content=result
-        )
-
-    def who(self, principal: Principal) -> dict:
-        """The principal as the activity log names it."""
-        return {
-            "principal": principal.name,
-            **({"user": principal.user} if principal.user else {}),
-        }
-
-    def record(self, entry: dict) -> None:
-        """Append to the activity log; a failed write costs a warning, never the call's result."""
-        try:
-            self.access.activity.append(entry, self.config.secret_values())
-        except (OSError, SmolError) as err:
-            reason = getattr(err, "strerror", None) or str(err)
-            what = (
-                entry.get("event"),
-                entry.get("tool") or entry.get("approval") or "",
-            )
-            lost = (
-                "could not write the activity log %s (%s); entry lost: %s %s"
-            )
-            log.warning(lost, self.access.activity.path, reason, *what)
-
-    async def sweep_once(self, fleet: Fleet) -> None:
-        """Before this process's first local call: delete what a crashed one left behind."""
-        if self._swept or fleet is not self.local:
-            return
-        swept = await anyio.to_thread.run_sync(
-            sweep_orphans, fleet, self.config.runtime_dir
-        )
-        self.access.owners.clear(fleet.name, swept)
-        cleanup = {
-            "event": "orphan-cleanup",
-            "principal": "smol-mcp",
-            "target": fleet.name,
-        }
-        outcome = "deleted (left by a stopped process)"
-        for name in swept:
-            self.record({**cleanup, "machine": name, "outcome": outcome})
-        self._swept = True
-
     async def on_read_resource(self, ctx, params):
-        uri, principal = str(params.uri), self.principal_for(ctx)
+        uri = str(params.uri)
+        principal = self.app.principal_for(ctx)
         if uri == TARGETS_URI:
+            # It probes the engines: a thread waits for them.
             document = await anyio.to_thread.run_sync(
-                targets_document, self
-            )  # probes the engines
+                targets_document, self.app
+            )
             document["access"] = principal.describe()
-            text, mime = json.dumps(document, indent=2), JSON_TYPE
+            text = json.dumps(document, indent=2)
+            mime = JSON_TYPE
         elif uri == ACTIVITY_URI:
-            text, mime = (
-                json.dumps(self.activity_document(principal), indent=1),
-                JSON_TYPE,
-            )
+            text = json.dumps(self.activity_document(principal), indent=1)
+            mime = JSON_TYPE
         elif LOGS_URI_RE.fullmatch(uri):
-            fleet, name = self.log_resource(uri, principal)
-            try:
-                call = Call(self, self.session_for(ctx), fleet, ctx)
-                lines = await call.api(fleet.console_lines, name)
-            except SmolError as err:
-                raise_resource_error(
-                    redact(str(err), self.config.secret_values())
-                )
-            text, mime = (
-                "\n".join(lines[-self.config.logs_tail :]),
-                "text/plain",
-            )
+            text = await self.read_log(ctx, uri, principal)
+            mime = "text/plain"
         else:
             known = f"{TARGETS_URI} and {LOGS_URI_TEMPLATE}"
             raise_resource_error(
@@ -7932,68 +8000,119 @@ class SmolMcp:
         )
         return sdk_types().ReadResourceResult(contents=[content])
 
+    async def read_log(self, ctx, uri: str, principal: Principal) -> str:
+        """Return the latest lines of the console a log URI names; raise
+        a protocol error when it cannot be read."""
+        config = self.app.config
+        fleet, name = self.log_resource(uri, principal)
+        try:
+            call = Call(self.app, self.app.session_for(ctx), fleet, ctx)
+            lines = await call.api(fleet.console_lines, name)
+        except SmolError as err:
+            raise_resource_error(redact(str(err), config.secret_values()))
+        return "\n".join(lines[-config.logs_tail :])
+
     def activity_document(self, principal: Principal) -> dict:
-        """smol://activity for ``principal`` (activity.read; a sandbox.* one sees its own)."""
+        """Return smol://activity as ``principal`` may read it.
+
+        It needs activity.read; a sandbox.* principal sees its own
+        entries only.
+        """
         if "activity.read" not in principal.scopes:
-            why = f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
-            why += f"{principal.label()} does not have. Ask the operator for a token with "
-            raise_resource_error(why + "that scope.")
+            raise_resource_error(
+                f"scope_missing: {ACTIVITY_URI} needs the activity.read"
+                f" scope, which {principal.label()} does not have. Ask the"
+                " operator for a token with that scope."
+            )
         domains = {
             scope.partition(".")[0]
             for scope in principal.scopes
             if "." in scope
         }
-        own_only = (
-            "sandbox" in domains and "machines" not in domains
-        )  # without machines.*
-        own = activity_filter(principal.name) if own_only else bool
-        entries = self.access.activity.entries(
-            own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES
+        # Without machines.*, a sandbox.* principal sees its own only.
+        own_only = "sandbox" in domains and "machines" not in domains
+        keep = bool
+        if own_only:
+            keep = activity_filter(principal.name)
+        entries = self.app.access.activity.entries(
+            keep, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES
         )
         return {"entries": entries, "ownOnly": own_only}
 
     def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
-        """(fleet, machine name) of a log URI as ``principal`` may see it, or a protocol error."""
+        """Return the fleet and machine name of a log URI, as ``principal``
+        may see them; raise a protocol error when it names none."""
+        fleets = self.app.fleets
         match = LOGS_URI_RE.fullmatch(uri)
-        if match is None or match["target"] not in self.fleets:
-            form = (
-                f"{LOGS_URI_TEMPLATE} with target {' or '.join(self.fleets)}"
-            )
+        if match is None or match["target"] not in fleets:
+            form = f"{LOGS_URI_TEMPLATE} with target {' or '.join(fleets)}"
             raise_resource_error(
-                f"{uri} is not a log resource of this server; the form is {form}"
+                f"{uri} is not a log resource of this server;"
+                f" the form is {form}"
             )
         name = urllib.parse.unquote(match["name"])
-        if not NAME_RE.fullmatch(
-            name
-        ):  # held to the tool's rule: "..", "a/b" reach no route
-            why = f"{uri} names the machine {name!r}, which is no machine name: it "
+        # Held to the tool's rule: "..", "a/b" reach no route.
+        if not NAME_RE.fullmatch(name):
+            why = (
+                f"{uri} names the machine {name!r}, which is no machine"
+                " name: it "
+            )
             raise_resource_error(why + PATTERN_RULES[NAME_PATTERN])
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
         except ScopeMissing as err:
             raise_resource_error(str(err))
-        return self.access.fleet_for(
-            principal, grant, self.fleets[match["target"]]
-        ), name
+        fleet = fleets[match["target"]]
+        return self.app.access.fleet_for(principal, grant, fleet), name
+
+    async def on_subscribe(self, ctx, params):
+        """Handshake era: follow a log until unsubscribe or the end of the
+        session."""
+        uri = str(params.uri)
+        principal = self.app.principal_for(ctx)
+        fleet, name = self.log_resource(uri, principal)
+        session = self.app.session_for(ctx)
+        if uri in session.subscriptions:
+            return sdk_types().EmptyResult()
+        self.check_share(principal, len(session.subscriptions) + 1, 1)
+        scope = anyio.CancelScope()
+        session.subscriptions[uri] = scope
+        # The captured session outlives this call.
+        notify = ctx.session.send_resource_updated
+
+        async def poll() -> None:
+            with scope:
+                await follow_log(
+                    self.app, fleet, name, lambda: notify(uri), principal.id
+                )
+
+        session.tasks.start_soon(poll)
+        return sdk_types().EmptyResult()
+
+    async def on_unsubscribe(self, ctx, params):
+        session = self.app.session_for(ctx)
+        scope = session.subscriptions.pop(str(params.uri), None)
+        if scope is not None:
+            scope.cancel()
+        return sdk_types().EmptyResult()
 
     async def listen(self, ctx, params):
-        """2026 era: notifications travel on this stream; its log pollers live as long."""
+        """2026 era: notifications travel on this stream; its log pollers
+        live as long."""
         from mcp.server.subscriptions import ResourceUpdated
 
-        bus, handler = self.session_for(ctx).events()
-        principal = self.principal_for(ctx)
-        uris = list(
-            dict.fromkeys(params.notifications.resource_subscriptions or [])
-        )
+        bus, handler = self.app.session_for(ctx).events()
+        principal = self.app.principal_for(ctx)
+        asked = params.notifications.resource_subscriptions or []
+        uris = list(dict.fromkeys(asked))
         self.check_share(principal, len(uris), len(uris))
         followed = [(uri, *self.log_resource(uri, principal)) for uri in uris]
         async with anyio.create_task_group() as pollers:
             for uri, fleet, name in followed:
-                notify = functools.partial(
-                    bus.publish, ResourceUpdated(uri=uri)
-                )
+                updated = ResourceUpdated(uri=uri)
+                notify = functools.partial(bus.publish, updated)
                 pollers.start_soon(
-                    follow_log, self, fleet, name, notify, principal.id
+                    follow_log, self.app, fleet, name, notify, principal.id
                 )
             try:
                 return await handler(ctx, params)
@@ -8003,104 +8122,76 @@ class SmolMcp:
     def check_share(
         self, principal: Principal, in_session: int, adding: int
     ) -> None:
-        """Refuse log subscriptions past a session's or a token's share (SPEC 13)."""
-        each, total = SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN
-        if (
-            in_session > each
-            or self.polling.get(principal.id, 0) + adding > total
-        ):
-            why = f"{principal.label()} may follow {each} logs per session and {total} in all"
+        """Refuse log subscriptions past a session's or a token's share."""
+        each = SUBSCRIPTIONS_PER_SESSION
+        total = SUBSCRIPTIONS_PER_TOKEN
+        followed = self.app.polling.get(principal.id, 0)
+        if in_session > each or followed + adding > total:
             raise_resource_error(
-                why + "; unsubscribe from one (or end a listen stream) first"
+                f"{principal.label()} may follow {each} logs per session"
+                f" and {total} in all; unsubscribe from one (or end a"
+                " listen stream) first"
             )
-
-    async def end_session(self, session: Session) -> None:
-        """Delete the session's ephemeral machines, release the fleets: bounded, even cancelled."""
-        if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
-            return
-        session.ended = True
-        if (
-            session.listener is not None
-        ):  # its subscriptions/listen streams end too
-            session.listener.close()
-        with anyio.CancelScope(
-            shield=True
-        ):  # nothing escapes: over HTTP it would end the listener
-            try:
-                for poller in session.subscriptions.values():
-                    poller.cancel()
-                session.subscriptions.clear()
-                with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
-                    await session.close()
-            except Exception as err:
-                log.warning(
-                    "session %s: its cleanup failed (%s)",
-                    session.id,
-                    describe(err),
-                )
-            for fleet in self.fleets.values():
-                try:
-                    await anyio.to_thread.run_sync(fleet.release)
-                except Exception as err:
-                    why = (session.id, fleet.name, describe(err))
-                    log.warning(
-                        "session %s: letting go of the %s fleet failed (%s)",
-                        *why,
-                    )
 
 
 class Approvals:
-    """Changing calls held until a person answers (SPEC 13): filed for the terminal, the
-    review page and the webhook, and with approvalVia client asked at the client too."""
+    """Changing calls held until a person answers.
+
+    A held call is filed for the terminal, the review page and the
+    webhook; with approvalVia client, the person at the client is asked
+    too. Each step of one held call's life is a method here, sharing the
+    counts of calls waiting and questions out.
+    """
 
     def __init__(self, app: SmolMcp):
         self.app = app
-        self.held_by: dict[
-            str, int
-        ] = {}  # principal id -> its calls waiting for approval
-        self.asked: set[str] = (
-            set()
-        )  # 2026-era client approvals filed, not yet answered
-        self.stdin_closed = (
-            False  # stdio: the client went away; its waiting calls end
-        )
+        # Principal id -> its calls waiting for approval.
+        self.held_by: dict[str, int] = {}
+        # 2026-era client approvals filed, not yet answered.
+        self.asked: set[str] = set()
+        # stdio: the client went away; its waiting calls end.
+        self.stdin_closed = False
+        # Its threads start on first use.
         self._webhooks = ThreadPoolExecutor(
             WEBHOOK_THREADS, "smol-mcp-webhook"
-        )  # threads on use
+        )
         self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
 
     def apply(self) -> bool:
-        """Whether any call may be held: stdio approval is on, or such a token exists."""
+        """Whether any call may be held: stdio approval is on, or such a
+        token exists."""
         if self.app.config.approval == "changes":
             return True
         try:
-            return any(
-                r.get("approval") == "changes"
-                for r in self.app.access.tokens.records()
-            )
+            records = self.app.access.tokens.records()
         except SmolError:
             return False
+        return any(r.get("approval") == "changes" for r in records)
 
     def client_gone(self) -> None:
-        """stdin closed: waiting calls end as approval_cancelled; its questions are withdrawn."""
+        """stdin closed: waiting calls end as approval_cancelled, and its
+        questions are withdrawn."""
         self.stdin_closed = True
         for approval_id in list(self.asked):
             self.app.access.desk.close(approval_id)
         self.asked.clear()
 
     async def interrupt(self) -> None:
-        """At a stop signal: waiting calls answer approval_interrupted before anything ends."""
+        """At a stop signal, let waiting calls answer approval_interrupted
+        before anything ends."""
         self.app.stopping = True
         if any(self.held_by.values()):
             with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
                 while any(self.held_by.values()):
                     await anyio.sleep(0.05)
-            await anyio.sleep(0.2)  # their answers on their way out
+            # Their answers on their way out.
+            await anyio.sleep(0.2)
 
     def refuse(
         self, event: dict, outcome: str, detail: str, **extra: Any
     ) -> ApprovalRefused:
-        """Log the outcome; the refusal's code is approval_<outcome>."""
+        """Log the outcome; return the refusal, whose code is
+        approval_<outcome>."""
         self.app.record({**event, "approval": outcome, **extra})
         return ApprovalRefused("approval_" + outcome.replace(" ", "_"), detail)
 
@@ -8113,8 +8204,13 @@ class Approvals:
         return bool(until)
 
     async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
-        """Before a changing tool runs: None when the principal needs no approval, "auto"
-        or who approved, else ApprovalRefused (or AskClient, the 2026-era question)."""
+        """Before a changing tool runs, wait for a person if its principal
+        needs approval.
+
+        Return None when it needs none, "auto" when it is auto-approved,
+        else who approved; raise ApprovalRefused (or AskClient, the
+        2026-era question) otherwise.
+        """
         principal = call.principal
         if principal.approval != "changes":
             return None
@@ -8123,67 +8219,94 @@ class Approvals:
         event["event"] = "approval"
         if self.auto_approved(principal, event):
             return "auto"
-        asked = (
-            len(self.asked) if principal.kind == "stdio" else 0
-        )  # only stdio asks its client
-        if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
-            busy = f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
-            busy += f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
-            busy += "once the person on the server's host has answered those."
-            raise self.refuse(event, "unavailable", busy)
-        # approvalVia client: on stdio, a client that takes forms is asked too; in the 2026
-        # era the question travels in the call's result and the answer with its retry.
+        self.check_room(principal, event)
+        # approvalVia client: on stdio, a client that takes forms is asked
+        # too; in the 2026 era the question travels in the call's result
+        # and the answer with its retry.
         asks = (
             self.app.config.approval_via == "client"
             and principal.kind == "stdio"
+            and can_elicit(call.ctx)
         )
-        asks = asks and can_elicit(call.ctx)
         in_result = asks and modern(call.ctx)
-        request = (
-            self.resumed_request(call, entry, params) if in_result else None
-        )
-        answers = {}  # what the person at the client said, once they said it
-        if (
-            request is not None
-        ):  # the 2026-era retry that carries the client's answer
-            approval_id = event["id"] = request["id"]
+        request = None
+        if in_result:
+            request = self.resumed_request(call, entry, params)
+        # What the person at the client said, once they said it.
+        answers = {}
+        if request is not None:
+            # The 2026-era retry that carries the client's answer.
+            approval_id = request["id"]
+            event["id"] = approval_id
             self.asked.discard(approval_id)
-            answers["client"] = elicit_result(
-                (params.input_responses or {}).get("approval")
-            )
-            timeout = max(
-                1, int(parse_time(request["expiresAt"]) - time.time())
-            )
+            answer = (params.input_responses or {}).get("approval")
+            answers["client"] = elicit_result(answer)
+            expires = parse_time(request["expiresAt"])
+            timeout = max(1, int(expires - time.time()))
         else:
             timeout = self.app.config.approval_timeout_secs
             approval_id = self.file_request(call, entry, event, timeout)
-            if (
-                in_result
-            ):  # the request stays filed: the terminal may answer meanwhile
+            # The request stays filed: the terminal may answer meanwhile.
+            if in_result:
                 self.asked.add(approval_id)
                 question = {"approval": self.question(event)}
                 raise AskClient(f"smol-mcp:approval:{approval_id}", question)
+        ask_now = asks and not in_result
+        return await self.wait(
+            call, approval_id, event, timeout, answers, ask_now
+        )
 
-        async def ask() -> (
-            None
-        ):  # handshake era: the question travels during this call
+    def check_room(self, principal: Principal, event: dict) -> None:
+        """Raise ApprovalRefused when ``principal`` already has
+        APPROVAL_MAX_WAITING calls waiting."""
+        waiting = self.held_by.get(principal.id, 0)
+        # Only stdio asks its client: those questions wait too.
+        if principal.kind == "stdio":
+            waiting += len(self.asked)
+        if waiting < APPROVAL_MAX_WAITING:
+            return
+        busy = (
+            f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls"
+            f" waiting for approval, so {event['tool']} was refused at once;"
+            " nothing ran. Call it again once the person on the server's"
+            " host has answered those."
+        )
+        raise self.refuse(event, "unavailable", busy)
+
+    async def wait(
+        self,
+        call: Call,
+        approval_id: str,
+        event: dict,
+        timeout: int,
+        answers: dict,
+        ask_client: bool,
+    ) -> str:
+        """Wait for poll()'s outcome, asking the person at the client
+        meanwhile when ``ask_client``; return who approved, or raise the
+        refusal. The request is closed either way."""
+        principal = call.principal
+
+        # Handshake era: the question travels during this call.
+        async def ask() -> None:
+            question = self.question(event)
             answers["client"] = await self.app.elicit(
-                call.ctx, self.question(event), timeout
+                call.ctx, question, timeout
             )
 
         self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
         call.session.held += 1
         try:
             async with anyio.create_task_group() as asking:
-                if asks and not in_result:
+                if ask_client:
                     asking.start_soon(ask)
+                # An error is carried out of the group, which would wrap
+                # it.
                 try:
                     outcome = await self.poll(
                         call, approval_id, event, timeout, answers
                     )
-                except (
-                    Exception
-                ) as err:  # carried out of the group, which would wrap it
+                except Exception as err:
                     outcome = err
                 asking.cancel_scope.cancel()
             if isinstance(outcome, Exception):
@@ -8197,89 +8320,97 @@ class Approvals:
     def file_request(
         self, call: Call, entry: dict, event: dict, timeout: int
     ) -> str:
-        """Write the request where `approvals list` finds it, log it and tell the webhook."""
-        app, principal, tool = self.app, call.principal, entry["tool"]
-        request = dict(
-            token=principal.name, principalId=principal.id, tool=tool
-        )
-        request.update(
-            target=entry.get("target"), machine=entry.get("machine")
-        )
-        request["arguments"] = approval_arguments(
-            call
-        )  # for the person; log and webhook redact
-        request.update(session=entry.get("session"), requestedAt=utc_now())
-        request["expiresAt"] = utc_time(time.time() + timeout)
+        """File the request where `approvals list` finds it, log it and
+        tell the webhook; return its id, or raise ApprovalRefused when it
+        cannot be filed."""
+        app = self.app
+        principal = call.principal
+        tool = entry["tool"]
+        request = {
+            "token": principal.name,
+            "principalId": principal.id,
+            "tool": tool,
+            "target": entry.get("target"),
+            "machine": entry.get("machine"),
+            # For the person; the log and the webhook redact them.
+            "arguments": approval_arguments(call),
+            "session": entry.get("session"),
+            "requestedAt": utc_now(),
+            "expiresAt": utc_time(time.time() + timeout),
+        }
         try:
-            approval_id = event["id"] = app.access.desk.open(request)
+            approval_id = app.access.desk.open(request)
         except (OSError, SmolError) as err:
             reason = getattr(err, "strerror", None) or str(err)
-            why = f"{tool} needs a person's approval, but the request could not be filed in "
-            why += f"{app.access.desk.directory} ({reason}); nothing ran. The operator must make "
-            why += "the state directory writable (SMOL_MCP_STATE_DIR)."
+            why = (
+                f"{tool} needs a person's approval, but the request could not"
+                f" be filed in {app.access.desk.directory} ({reason});"
+                " nothing ran. The operator must make the state directory"
+                " writable (SMOL_MCP_STATE_DIR)."
+            )
             raise self.refuse(
                 event, "unavailable", why, error=reason
             ) from None
-        app.record(
-            {
-                **event,
-                "approval": "requested",
+        event["id"] = approval_id
+        requested = {
+            **event,
+            "approval": "requested",
+            "expiresAt": request["expiresAt"],
+        }
+        app.record(requested)
+        if app.config.approval_webhook:
+            notice = {
+                "id": approval_id,
+                "token": principal.name,
+                "tool": tool,
+                "machine": entry.get("machine"),
                 "expiresAt": request["expiresAt"],
             }
-        )
-        if app.config.approval_webhook:
-            review = (
-                {"review": app.pages.issuer + REVIEW_PAGE + approval_id}
-                if app.pages
-                else {}
-            )
-            notice = {"id": approval_id, "token": principal.name, "tool": tool}
-            notice.update(
-                machine=entry.get("machine"),
-                expiresAt=request["expiresAt"],
-                **review,
-            )
+            if app.pages:
+                notice["review"] = app.pages.issuer + REVIEW_PAGE + approval_id
             self.notify_webhook(notice, event)
         return approval_id
 
     def resumed_request(
         self, call: Call, entry: dict, params: Any
     ) -> dict | None:
-        """The open request a 2026-era retry names, if this process filed it for the same call."""
+        """Return the open request a 2026-era retry names, if this process
+        filed it for the same call; else None."""
         state = getattr(params, "request_state", None) or ""
         if not state.startswith("smol-mcp:approval:"):
             return None
+        approval_id = state.rsplit(":", 1)[1]
         try:
-            path = self.app.access.desk.path_of(
-                state.rsplit(":", 1)[1], "request"
-            )
+            path = self.app.access.desk.path_of(approval_id, "request")
             request = json.loads(path.read_text())
         except (OSError, ValueError, SmolError):
             return None
-        keys = ("pid", "principalId", "tool", "target", "arguments")
-        mine = (
-            os.getpid(),
-            call.principal.id,
-            entry["tool"],
-            entry.get("target"),
-        )
-        same = tuple(request.get(key) for key in keys) == (
-            *mine,
-            approval_arguments(call),
-        )
-        return request if same else None
+        same_call = {
+            "pid": os.getpid(),
+            "principalId": call.principal.id,
+            "tool": entry["tool"],
+            "target": entry.get("target"),
+            "arguments": approval_arguments(call),
+        }
+        for key, value in same_call.items():
+            if request.get(key) != value:
+                return None
+        return request
 
     @staticmethod
     def question(event: dict):
-        on = f" on {event['machine']}" if event.get("machine") else ""
-        message = f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
-        message += "let it run once; decline to refuse it. `approvals list` on the server's host "
-        message += "shows its arguments."
-        note = dict(
-            type="string",
-            title="Note",
-            description="Optional; kept in the activity log",
+        """Return the form question that asks the person at the client."""
+        message = (
+            f"An agent wants to run {event['tool']}{on_machine(event)}"
+            f" (approval {event['id']}). Accept to let it run once; decline"
+            " to refuse it. `approvals list` on the server's host shows its"
+            " arguments."
         )
+        note = {
+            "type": "string",
+            "title": "Note",
+            "description": "Optional; kept in the activity log",
+        }
         return form_question(
             message, {"type": "object", "properties": {"note": note}}
         )
@@ -8292,102 +8423,115 @@ class Approvals:
         timeout: int,
         answers: dict,
     ):
-        """Wait for the terminal or the client, the token's deletion, an
-        auto-approval, the timeout or a stop; the approver, else ApprovalRefused."""
-        app, principal, tool = self.app, call.principal, event["tool"]
-        deadline, next_progress = time.monotonic() + timeout, 0.0
-        command = " ".join(
-            launch_command() + ["approvals", "approve", approval_id]
-        )
-        review = (
-            f", or answer at {app.pages.issuer}{REVIEW_PAGE}{approval_id}"
-            if app.pages
-            else ""
-        )
-        howto = f"on the server's host run `{command}` (or `approvals deny {approval_id}`){review}"
-        on = f" on {event['machine']}" if event.get("machine") else ""
-        waited = f"while {tool} waited for approval; nothing ran."
-        desk, live_ids = app.access.desk, app.access.live_ids
-        request_id = getattr(call.ctx, "request_id", None)
+        """Wait for the terminal's or the client's answer; return the
+        approver, or raise ApprovalRefused.
+
+        The wait ends sooner when the token is deleted, an auto-approval
+        is granted, the time is up, or the client or the server stops.
+        """
+        tool = event["tool"]
+        deadline = time.monotonic() + timeout
+        next_progress = 0.0
+        howto = self.howto(approval_id)
         try:
-            while (
-                answer := desk.answer(approval_id)
-                or self.client_decision(answers)
-            ) is None:
-                gone = (
-                    call.session.ended
-                    or request_id in call.session.gone_requests
-                )
-                if gone or (principal.kind == "stdio" and self.stdin_closed):
-                    raise self.refuse(
-                        event, "cancelled", f"the client went away {waited}"
-                    )
-                if app.stopping:
-                    back = " Call it again once the server is back."
-                    raise self.refuse(
-                        event,
-                        "interrupted",
-                        f"the server stopped {waited}{back}",
-                    )
-                if (
-                    principal.kind == "token"
-                    and principal.id != live_ids().get(principal.name)
-                ):
-                    deleted = (
-                        f"the token '{principal.name}' was deleted {waited}"
-                    )
-                    raise self.refuse(event, "token deleted", deleted)
-                if self.auto_approved(principal, event):
+            while (answer := self.answer_to(approval_id, answers)) is None:
+                self.check_still_waiting(call, event)
+                if self.auto_approved(call.principal, event):
                     return "auto"
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    late = f"nobody approved {tool} within {timeout} s; nothing ran. Ask the "
-                    late += "person on the server's host to watch for it, then call it again."
+                    late = (
+                        f"nobody approved {tool} within {timeout} s; nothing"
+                        " ran. Ask the person on the server's host to watch"
+                        " for it, then call it again."
+                    )
                     raise self.refuse(event, "timed out", late)
                 if time.monotonic() >= next_progress:
                     next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
-                    waits = f"{tool}{on} waits for a person to approve it ({int(left)} s left)"
+                    waits = (
+                        f"{tool}{on_machine(event)} waits for a person to"
+                        f" approve it ({int(left)} s left)"
+                    )
                     await call.progress(None, f"{waits}: {howto}")
                 await anyio.sleep(APPROVAL_POLL_SECS)
         except anyio.get_cancelled_exc_class():
-            app.record(
-                {
-                    **event,
-                    "approval": "interrupted" if app.stopping else "cancelled",
-                }
-            )
+            outcome = "cancelled"
+            if self.app.stopping:
+                outcome = "interrupted"
+            self.app.record({**event, "approval": outcome})
             raise
-        by = str(answer.get("by") or "unknown")
-        note = (
-            {"reason": str(answer["reason"])[:500]}
-            if answer.get("reason")
-            else {}
+        return self.decided(event, answer)
+
+    def howto(self, approval_id: str) -> str:
+        """Return how a person answers: the command on the server's host,
+        and the review page when --http serves one."""
+        pages = self.app.pages
+        approve = ["approvals", "approve", approval_id]
+        command = " ".join(launch_command() + approve)
+        review = ""
+        if pages:
+            review = f", or answer at {pages.issuer}{REVIEW_PAGE}{approval_id}"
+        return (
+            f"on the server's host run `{command}`"
+            f" (or `approvals deny {approval_id}`){review}"
         )
-        channel = {"via": str(answer["via"])[:40]} if answer.get("via") else {}
+
+    def answer_to(self, approval_id: str, answers: dict) -> dict | None:
+        """Return the terminal's (or the review page's) answer, else the
+        client's, else None."""
+        answer = self.app.access.desk.answer(approval_id)
+        return answer or self.client_decision(answers)
+
+    def check_still_waiting(self, call: Call, event: dict) -> None:
+        """Raise ApprovalRefused when the call can wait no longer: its
+        client went away, the server stops, or its token was deleted."""
+        principal = call.principal
+        session = call.session
+        waited = f"while {event['tool']} waited for approval; nothing ran."
+        request_id = getattr(call.ctx, "request_id", None)
+        gone = session.ended or request_id in session.gone_requests
+        if gone or (principal.kind == "stdio" and self.stdin_closed):
+            raise self.refuse(
+                event, "cancelled", f"the client went away {waited}"
+            )
+        if self.app.stopping:
+            back = " Call it again once the server is back."
+            raise self.refuse(
+                event, "interrupted", f"the server stopped {waited}{back}"
+            )
+        if principal.kind != "token":
+            return
+        if principal.id != self.app.access.live_ids().get(principal.name):
+            deleted = f"the token '{principal.name}' was deleted {waited}"
+            raise self.refuse(event, "token deleted", deleted)
+
+    def decided(self, event: dict, answer: dict) -> str:
+        """Log a person's answer; return who approved, or raise
+        ApprovalRefused for a rejection."""
+        by = str(answer.get("by") or "unknown")
+        note = {}
+        if answer.get("reason"):
+            note["reason"] = str(answer["reason"])[:500]
+        channel = {}
+        if answer.get("via"):
+            channel["via"] = str(answer["via"])[:40]
         if answer.get("decision") == "approve":
-            extra = (
-                {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
-            )
-            app.record(
-                {
-                    **event,
-                    "approval": "approved",
-                    "by": by,
-                    **extra,
-                    **note,
-                    **channel,
-                }
-            )
+            extra = {}
+            if answer.get("autoFor"):
+                extra["autoFor"] = answer["autoFor"]
+            approved = {**event, "approval": "approved", "by": by}
+            self.app.record({**approved, **extra, **note, **channel})
             return by
         reason = note.get("reason", "no reason given")
-        rejected = f"{by} rejected {tool}: {reason}. Nothing ran."
+        rejected = f"{by} rejected {event['tool']}: {reason}. Nothing ran."
         raise self.refuse(
             event, "rejected", rejected, by=by, reason=reason, **channel
         )
 
     @staticmethod
     def client_decision(answers: dict) -> dict | None:
-        """The client's answer as the terminal's: accept approves, decline rejects, else None."""
+        """Return the client's answer as the terminal's: accept approves,
+        decline rejects, anything else is None."""
         answer = answers.get("client")
         if answer is None or answer.action not in ("accept", "decline"):
             return None
@@ -8402,12 +8546,12 @@ class Approvals:
         return {"decision": "approve", "by": by, "reason": note}
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
-        """POST from one small, bounded pool: a slow webhook holds no call nor a thread per call."""
+        """POST ``payload`` from one small, bounded pool: a slow webhook
+        holds no call, nor a thread per call."""
         failed = {**event, "approval": "webhook failed"}
 
-        def send() -> (
-            None
-        ):  # post_webhook raises nothing: the slot is always given back
+        # post_webhook raises nothing: the slot is always given back.
+        def send() -> None:
             failure = post_webhook(self.app.config.approval_webhook, payload)
             self._webhook_slots.release()
             if failure is not None:
@@ -8415,28 +8559,55 @@ class Approvals:
                 self.app.record({**failed, "error": failure})
 
         if not self._webhook_slots.acquire(blocking=False):
-            return self.app.record(
-                {**failed, "error": "too many notices queued"}
-            )
+            self.app.record({**failed, "error": "too many notices queued"})
+            return
         self._webhooks.submit(send)
 
 
+def on_machine(event: dict) -> str:
+    """Return " on NAME" for an event on a machine, else ""."""
+    if event.get("machine"):
+        return f" on {event['machine']}"
+    return ""
+
+
+def note_result(entry: dict, result: dict) -> None:
+    """Name in a change's log entry the machine it made or used, and the
+    exit code of the command it ran."""
+    made = result.get("machine")
+    if not isinstance(made, dict):
+        made = {}
+    named = made.get("name") or result.get("name")
+    entry["machine"] = named or entry.get("machine")
+    if isinstance(result.get("exitCode"), int):
+        entry["exitCode"] = result["exitCode"]
+
+
+def bug_report(name: str, err: Exception) -> str:
+    """Return what a caller is told of an error no tool expected."""
+    return (
+        f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is"
+        " a bug in smol-mcp; the server log has the details."
+    )
+
+
 def explain(err: SmolError) -> str:
-    """The error text, plus what to do for the API refusals every tool can meet."""
-    if isinstance(err, ApiError):
-        if err.status == 404 and any(
-            s in err.api_message for s in ("machine '", "vm not found")
-        ):
-            return str(err.with_hint("Check the name with list-machines"))
-        if err.status == 404 and err.action.startswith(("read ", "write ")):
-            return str(
-                err.with_hint(
-                    "Check the path: run-command with ls shows what is there"
-                )
-            )
-        if err.status == 409 and "already exists" in err.api_message:
-            hint = "Pick another name, or use start-machine to start the existing machine"
-            return str(err.with_hint(hint))
+    """Return the error text, with what to do for the API refusals every
+    tool can meet."""
+    if not isinstance(err, ApiError):
+        return str(err)
+    missing = ("machine '", "vm not found")
+    if err.status == 404 and any(s in err.api_message for s in missing):
+        return str(err.with_hint("Check the name with list-machines"))
+    if err.status == 404 and err.action.startswith(("read ", "write ")):
+        hint = "Check the path: run-command with ls shows what is there"
+        return str(err.with_hint(hint))
+    if err.status == 409 and "already exists" in err.api_message:
+        hint = (
+            "Pick another name, or use start-machine"
+            " to start the existing machine"
+        )
+        return str(err.with_hint(hint))
     return str(err)
 
 
@@ -8452,7 +8623,8 @@ def raise_resource_error(message: str):
 
 
 def build_server(config: Config | None = None):
-    """The MCP server for ``config`` (default: ``load_config()``), ready on any transport."""
+    """Return the MCP server for ``config`` (default: ``load_config()``),
+    ready on any transport."""
     return SmolMcp(config or load_config()).server
 
 
@@ -8476,33 +8648,35 @@ async def run_stdio(app: SmolMcp) -> None:
                 signal.SIGTERM, signal.SIGINT
             ) as received:
                 async for _ in received:
-                    await app.approvals.interrupt()  # sets app.stopping first
+                    # It sets app.stopping first.
+                    await app.approvals.interrupt()
+                    # Every call in flight hears why it stopped.
                     if answers is not None:
-                        await (
-                            answers.refuse_pending()
-                        )  # every call in flight hears why it stopped
-                    group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
+                        await answers.refuse_pending()
+                    # This unwinds run(): the lifespan cleanup runs.
+                    group.cancel_scope.cancel()
                     return
 
         group.start_soon(watch_signals)
         async with stdio_server() as (read, write):
             answers = AnsweredWrites(write)
-            read, write = AnsweredReads(read, write, answers, app), answers
+            reads = AnsweredReads(read, write, answers, app)
             try:
                 await app.server.run(
-                    read, write, app.server.create_initialization_options()
+                    reads, answers, app.server.create_initialization_options()
                 )
             finally:
-                if app.stopping:  # by a signal
+                # Stopped by a signal: the stdin reader thread would block
+                # a normal exit.
+                if app.stopping:
                     logging.shutdown()
-                    os._exit(
-                        0
-                    )  # the stdin reader thread would block a normal exit
+                    os._exit(0)
         group.cancel_scope.cancel()
 
 
 class StreamWrapper:
-    """A transport stream with something added; closing closes it (the anyio mixins do the rest)."""
+    """A transport stream with something added; closing it closes the
+    inner one (the anyio mixins do the rest)."""
 
     def __init__(self, inner: Any):
         self.inner = inner
@@ -8512,7 +8686,7 @@ class StreamWrapper:
 
 
 def rpc_error(request_id: Any, code: int, message: str) -> Any:
-    """A JSON-RPC error answer, as the transport sends it."""
+    """Return a JSON-RPC error answer, as the transport sends it."""
     from mcp.shared.message import SessionMessage
 
     types = sdk_types()
@@ -8523,18 +8697,20 @@ def rpc_error(request_id: Any, code: int, message: str) -> Any:
 
 
 class AnsweredReads(StreamWrapper, anyio.abc.ObjectReceiveStream):
-    """The stdio read stream, kept open at stdin's end until every request read has been
-    answered (the SDK would drop them at EOF); a line it cannot parse gets a parse error."""
+    """The stdio read stream, kept open at stdin's end until every request
+    read has been answered (the SDK would drop them at EOF).
+
+    A line it cannot parse gets a parse error.
+    """
 
     def __init__(
-        self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp
+        self, inner: Any, raw_write: Any, writes: AnsweredWrites, app: SmolMcp
     ):
         super().__init__(inner)
-        self.write, self.writes, self.app = (
-            write,
-            writes,
-            app,
-        )  # write: the stream unwrapped
+        # The write stream unwrapped: a parse error answers no request.
+        self.raw_write = raw_write
+        self.writes = writes
+        self.app = app
 
     @property
     def last_context(self) -> Any:
@@ -8545,25 +8721,31 @@ class AnsweredReads(StreamWrapper, anyio.abc.ObjectReceiveStream):
         try:
             item = await self.inner.receive()
         except anyio.EndOfStream:
-            self.app.approvals.client_gone()  # the client is gone: its waiting calls end, then we
+            # The client is gone: its waiting calls end, and the stream
+            # ends once every request read is answered.
+            self.app.approvals.client_gone()
             await self.writes.drained()
             raise
-        message = (
-            None if isinstance(item, Exception) else item.message
-        )  # a SessionMessage's
+        # A SessionMessage's message; an Exception is a line unread.
+        message = None
+        if not isinstance(item, Exception):
+            message = item.message
         params = getattr(message, "params", None)
-        cancels = getattr(message, "method", None) == "notifications/cancelled"
+        method = getattr(message, "method", None)
+        cancels = method == "notifications/cancelled"
         if isinstance(message, types.JSONRPCRequest):
             self.writes.pending.add(message.id)
         elif cancels and isinstance(params, dict) and "requestId" in params:
-            self.writes.answered(
-                params["requestId"]
-            )  # the SDK sends a cancelled one no answer
+            # The SDK sends a cancelled request no answer.
+            self.writes.answered(params["requestId"])
         elif isinstance(item, Exception):
             request_id, error = unparsed(item)
-            why = f"this message could not be read ({error}); send one JSON-RPC message per line, "
-            why += "as UTF-8 JSON without lone surrogates"
-            await self.write.send(
+            why = (
+                f"this message could not be read ({error}); send one"
+                " JSON-RPC message per line, as UTF-8 JSON without lone"
+                " surrogates"
+            )
+            await self.raw_write.send(
                 rpc_error(request_id, types.PARSE_ERROR, why)
             )
         return item
@@ -8578,7 +8760,8 @@ class AnsweredWrites(StreamWrapper, anyio.abc.ObjectSendStream):
         self._changed = anyio.Event()
 
     async def drained(self) -> None:
-        """Return once every request read has been answered (or cancelled)."""
+        """Return once every request read has been answered (or
+        cancelled)."""
         while self.pending:
             await self._changed.wait()
             self._changed = anyio.Event()
@@ -8600,19 +8783,17 @@ class AnsweredWrites(StreamWrapper, anyio.abc.ObjectSendStream):
                 await self.send(
                     rpc_error(request_id, -32000, SHUTDOWN_MESSAGE)
                 )
-            await anyio.sleep(
-                0.2
-            )  # the transport's writer flushes the last one
+            # The transport's writer flushes the last one.
+            await anyio.sleep(0.2)
 
 
 def unparsed(err: Exception) -> tuple[Any, str]:
-    """What the SDK could not parse: the request's id read leniently (else None), and why."""
+    """Return what the SDK could not parse: the request's id read
+    leniently (else None), and why."""
     details = getattr(err, "errors", lambda: [])()
-    why = (
-        details[0].get("msg", type(err).__name__)
-        if details
-        else type(err).__name__
-    )
+    why = type(err).__name__
+    if details:
+        why = details[0].get("msg", why)
     raw = next(
         (
             detail["input"]
@@ -8622,15 +8803,15 @@ def unparsed(err: Exception) -> tuple[Any, str]:
         "",
     )
     try:
-        request = json.loads(raw) if raw else None
+        request = json.loads(raw)
     except ValueError:
-        request = None
-    found = request.get("id") if isinstance(request, dict) else None
-    return (
-        found
-        if isinstance(found, (str, int)) and not isinstance(found, bool)
-        else None
-    ), why
+        return None, why
+    found = None
+    if isinstance(request, dict):
+        found = request.get("id")
+    if isinstance(found, bool) or not isinstance(found, (str, int)):
+        found = None
+    return found, why
 
 
 # ---------------------------------------------------------------------------
