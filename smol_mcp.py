@@ -5739,7 +5739,8 @@ NOT_THE_SESSIONS_MACHINE = (
 
 class Session:
     """One client's state: its fleet, its subscriptions and its ephemeral
-    machines (recorded on disk)."""
+    machines (recorded on disk).
+    """
 
     def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
         self.app = app
@@ -5903,7 +5904,8 @@ class Session:
 
     def replaced(self, fleet: Fleet, names: list[str]) -> list[str]:
         """Return the names now held by another machine than the one this
-        session made."""
+        session made.
+        """
         made = {
             name: self.identities.get((fleet.name, name)) for name in names
         }
@@ -5931,7 +5933,8 @@ def same_machine(
 
 class SessionSlots:
     """A to_thread limiter: a slot of the session's, then a shared thread;
-    at most ``slots`` of each."""
+    at most ``slots`` of each.
+    """
 
     def __init__(self, shared: Any, slots: int):
         self.shared = shared
@@ -5996,7 +5999,8 @@ def write_json(
     path: Path, value: Any, mode: int = 0o600, indent: int | None = None
 ) -> None:
     """Write a JSON file whole or not at all: a crash mid-write leaves the
-    old one."""
+    old one.
+    """
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     with os.fdopen(os.open(temporary, flags, mode), "w") as out:
@@ -6055,7 +6059,8 @@ def process_start_time(pid: int) -> int | None:
 
 def process_alive(pid: int, started: int | None = None) -> bool:
     """Whether pid runs (a zombie does not) and, when ``started`` is
-    known, is the process noted then."""
+    known, is the process noted then.
+    """
     if pid <= 0:
         # A record without a real pid belongs to nobody.
         return False
@@ -6076,7 +6081,8 @@ def process_alive(pid: int, started: int | None = None) -> bool:
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
     """Delete the ephemeral machines this serve holds for processes that
-    died; return their names."""
+    died; return their names.
+    """
     deleted = []
     for path in sorted((Path(runtime_dir) / "sessions").glob("*.json")):
         try:
@@ -6168,7 +6174,8 @@ class ScopeMissing(SmolError):
 @dataclass(frozen=True)
 class Principal:
     """Who a request comes from: a token (by name), or the stdio client
-    and its OS user."""
+    and its OS user.
+    """
 
     name: str
     scopes: frozenset
@@ -6212,7 +6219,8 @@ class Principal:
 @dataclass(frozen=True)
 class Grant:
     """What authorize() allowed: the granting scope, and whether only
-    the principal's own machines (sandbox.*)."""
+    the principal's own machines (sandbox.*).
+    """
 
     scope: str
     owned_only: bool
@@ -6235,7 +6243,8 @@ def granting_scope(principal: Principal, tool: str) -> str | None:
 
 def check_scope(principal: Principal, tool: str) -> str:
     """Return the granting scope; raise ScopeMissing naming the scope and
-    the principal when there is none."""
+    the principal when there is none.
+    """
     if scope := granting_scope(principal, tool):
         return scope
     level = TOOL_LEVELS.get(tool, "unknown")
@@ -6429,7 +6438,8 @@ def valid_tokens(data: Any) -> bool:
 
 class TokenStore:
     """The named tokens, each with its secret's SHA-256 (never the
-    secret); when each was last used is kept apart."""
+    secret); when each was last used is kept apart.
+    """
 
     def __init__(self, state_dir: str):
         # Read on every HTTP request: looked at again at most twice a
@@ -6557,7 +6567,8 @@ class TokenStore:
 
     def last_used(self) -> dict:
         """Return name -> when last used: the file's, and this process's
-        uses not yet written."""
+        uses not yet written.
+        """
         try:
             return {**self.usage.read(), **self._used}
         except SmolError:
@@ -6585,14 +6596,16 @@ def utc_now() -> str:
 
 def utc_time(seconds: float) -> str:
     """Return seconds since the epoch as the RFC 3339 UTC time the
-    records hold, to the second."""
+    records hold, to the second.
+    """
     # A quarter of datetime's cost.
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 def parse_time(text: str) -> float:
     """Return the seconds since the epoch of an RFC 3339 UTC time such as
-    utc_now() writes."""
+    utc_now() writes.
+    """
     moment = datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
     return moment.timestamp()
 
@@ -6602,7 +6615,8 @@ PERIOD_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 def parse_period(text: str) -> int:
     """Return a period such as 90s, 15m, 1h, 2d or 1w in seconds; raise
-    ValueError for anything else."""
+    ValueError for anything else.
+    """
     match = re.fullmatch(r"(\d{1,6})([smhdw])", text.strip())
     if match is None:
         raise ValueError(
@@ -6613,7 +6627,8 @@ def parse_period(text: str) -> int:
 
 def valid_owners(data: Any) -> bool:
     """Whether the owners file holds fleet -> name -> its owner (or
-    {"owner", "id"})."""
+    {"owner", "id"}).
+    """
     if not isinstance(data, dict):
         return False
     fleets = list(data.values())
@@ -6628,7 +6643,8 @@ def valid_owners(data: Any) -> bool:
 
 class Owners:
     """Who created each machine, per fleet (for a branch: its source's
-    owner), and its jobs as last seen."""
+    owner), and its jobs as last seen.
+    """
 
     def __init__(self, state_dir: str):
         self.file = StateFile(
@@ -6646,7 +6662,8 @@ class Owners:
 
     def claimed(self, fleet: str, name: str) -> tuple[str | None, str | None]:
         """Return who claimed ``name`` and, once its create answered,
-        machine_identity() of the machine."""
+        machine_identity() of the machine.
+        """
         held = self.file.read().get(fleet, {}).get(name)
         if isinstance(held, dict):
             return held.get("owner"), held.get("id")
@@ -6676,7 +6693,8 @@ class Owners:
         self, fleet: str, name: str, job: dict, started: bool = False
     ) -> None:
         """Note a job's last-seen state if this server ``started`` it or
-        noted it before; a failure is logged."""
+        noted it before; a failure is logged.
+        """
         seen = {
             "jobId": job["jobId"],
             "state": job["state"],
@@ -6705,7 +6723,8 @@ class Owners:
 
     def release(self, fleet: str, name: str, owner: str) -> None:
         """Forget a claim that came to nothing, unless another owner holds
-        the name by now."""
+        the name by now.
+        """
 
         def drop(data: dict) -> None:
             # A bare claim, made before the create.
@@ -6718,7 +6737,8 @@ class Owners:
 
 class OwnedFleet:
     """A fleet as a sandbox.* principal sees it: another's machine is
-    answered as a missing one."""
+    answered as a missing one.
+    """
 
     def __init__(self, fleet: Any, owners: Owners, owner: str):
         self._fleet = fleet
@@ -6727,7 +6747,8 @@ class OwnedFleet:
 
     def mine(self, name: str, record: dict | None = None) -> bool:
         """Whether ``name`` is this owner's, and still the machine it
-        created rather than one made again under that name."""
+        created rather than one made again under that name.
+        """
         owner, identity = self._owners.claimed(self._fleet.name, name)
         return owner == self._owner and same_machine(
             self._fleet, name, identity, record
@@ -6744,7 +6765,8 @@ class OwnedFleet:
 
     def _guarded(self, method: Callable, /, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on a machine of this owner's; on another's,
-        answer as on a missing machine."""
+        answer as on a missing machine.
+        """
         if not args or not isinstance(args[0], str) or self.mine(args[0]):
             return method(*args, **kwargs)
         name = args[0]
@@ -6772,7 +6794,8 @@ class OwnedFleet:
 
 class Access:
     """This process's principals and what they own: tokens, owners, the
-    activity log and approvals."""
+    activity log and approvals.
+    """
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         if environ is None:
@@ -6834,7 +6857,8 @@ class Access:
 
     def live_ids(self) -> dict[str, str]:
         """Return name -> id of every principal that may still make
-        requests."""
+        requests.
+        """
         default = {}
         if self._default_hash is not None:
             default["default"] = "default"
@@ -6915,7 +6939,8 @@ class ApprovalRefused(SmolError):
 
 def fingerprint(value: str) -> dict:
     """Return what the log keeps of a value it must not copy: its size
-    and SHA-256."""
+    and SHA-256.
+    """
     return {
         "bytes": len(value.encode("utf-8", "surrogatepass")),
         "sha256": secret_hash(value),
@@ -6947,7 +6972,8 @@ def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
 
 def approval_arguments(call: Any) -> dict:
     """Return what a person judges a held call by: all its arguments,
-    each cut at APPROVAL_SHOW_BYTES."""
+    each cut at APPROVAL_SHOW_BYTES.
+    """
     return bounded(
         dict(getattr(call.params, "arguments", None) or {}),
         APPROVAL_SHOW_BYTES,
@@ -6991,14 +7017,16 @@ def os_user() -> str:
 
 class ActivityLog:
     """activity.jsonl: a JSON object a line, each written under a lock;
-    rotated into .1 to .5."""
+    rotated into .1 to .5.
+    """
 
     def __init__(self, state_dir: str | Path):
         self.path = Path(state_dir) / ACTIVITY_FILE
 
     def append(self, entry: dict, secret_values: list[str] = ()) -> None:
         """Write one entry; raise OSError or SmolError when the state
-        directory cannot take it."""
+        directory cannot take it.
+        """
         entry = {
             "time": utc_now(),
             **{key: bounded(value) for key, value in entry.items()},
@@ -7020,7 +7048,8 @@ class ActivityLog:
 
     def _rotate_before(self, adding: int) -> None:
         """Rotate the files if ``adding`` bytes would take the log past
-        ACTIVITY_ROTATE_BYTES: .4 replaces .5, and the oldest goes."""
+        ACTIVITY_ROTATE_BYTES: .4 replaces .5, and the oldest goes.
+        """
         if not self.path.exists():
             return
         size = self.path.stat().st_size
@@ -7071,7 +7100,8 @@ def activity_filter(
     principal=None, machine=None, since_secs: int | None = None
 ) -> Callable:
     """Return a test of an entry: by ``principal``, on ``machine``, and
-    within the last ``since_secs``, each when given."""
+    within the last ``since_secs``, each when given.
+    """
     cutoff = None
     if since_secs is not None:
         cutoff = time.time() - since_secs
@@ -7100,7 +7130,8 @@ def waiting_process_alive(request: dict) -> bool:
 
 class ApprovalDesk:
     """The approvals directory: <id>.request.json of a waiting server,
-    and <id>.answer.json answering it."""
+    and <id>.answer.json answering it.
+    """
 
     def __init__(self, state_dir: str | Path):
         self.directory = Path(state_dir) / APPROVALS_DIR
@@ -7141,7 +7172,8 @@ class ApprovalDesk:
 
     def pending(self) -> list[dict]:
         """Return the requests still waited on and unanswered, oldest
-        first; those of a stopped process go."""
+        first; those of a stopped process go.
+        """
         found = []
         for path in self.directory.glob("*.request.json"):
             try:
@@ -7165,7 +7197,8 @@ class ApprovalDesk:
 
     def respond(self, approval_id: str, answer: dict) -> dict:
         """Answer a waiting request and return it; raise SmolError for an
-        unknown, stale or answered id."""
+        unknown, stale or answered id.
+        """
         try:
             request = json.loads(
                 self.path_of(approval_id, "request").read_text()
@@ -7191,14 +7224,16 @@ class ApprovalDesk:
 
 class AutoApprovals:
     """Who may run changing tools unasked: name -> {id, until}; a new
-    namesake's id asks again."""
+    namesake's id asks again.
+    """
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / AUTO_APPROVE_FILE, dict)
 
     def until(self, principal: Principal) -> str | None:
         """Return until when it may run without asking: "forever", an RFC
-        3339 time, or None."""
+        3339 time, or None.
+        """
         try:
             granted = self.file.read().get(principal.name)
             if (
@@ -7239,7 +7274,8 @@ class AutoApprovals:
 
 def post_webhook(url: str, payload: dict) -> str | None:
     """POST an approval notice (never the arguments); return the failure
-    as a sentence, or None."""
+    as a sentence, or None.
+    """
     try:
         import httpx2
 
@@ -7292,7 +7328,8 @@ TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)
 
 def sdk_types():
     """Return the SDK's mcp_types, imported at first use: stdio startup
-    loads no SDK."""
+    loads no SDK.
+    """
     import mcp_types
 
     return mcp_types
@@ -7300,7 +7337,8 @@ def sdk_types():
 
 class AskClient(Exception):
     """A 2026-era question for the person (InputRequiredResult): the call
-    answers with it."""
+    answers with it.
+    """
 
     def __init__(self, state: str, requests: dict):
         super().__init__("input required")
@@ -7310,7 +7348,8 @@ class AskClient(Exception):
 
 def can_elicit(ctx) -> bool:
     """Whether the client can show a form (said at initialize, or per
-    2026-era request)."""
+    2026-era request).
+    """
     if ctx is None:
         return False
     asks = getattr(ctx.session.client_capabilities, "elicitation", None)
@@ -7321,7 +7360,8 @@ def can_elicit(ctx) -> bool:
 
 def modern(ctx) -> bool:
     """Whether the request speaks the 2026 era (questions travel in the
-    result)."""
+    result).
+    """
     return ctx.protocol_version in sdk_types().version.MODERN_PROTOCOL_VERSIONS
 
 
@@ -7335,7 +7375,8 @@ def form_question(message: str, schema: dict):
 
 def elicit_result(answer: Any):
     """Return a 2026-era answer as the client sent it (a dict) read as an
-    ElicitResult."""
+    ElicitResult.
+    """
     if isinstance(answer, dict):
         return sdk_types().ElicitResult.model_validate(answer)
     return answer
@@ -7344,7 +7385,8 @@ def elicit_result(answer: Any):
 def resolve_mode(config: Config) -> str:
     """The fleets served, decided at startup: auto is every fleet the
     configuration allows ("both" when that is all), else SMOL_MCP_TARGETS,
-    refused when a fleet it names lacks something."""
+    refused when a fleet it names lacks something.
+    """
     lacking = {name: fleet.lacking(config) for name, fleet in FLEETS.items()}
     if config.targets == "auto":
         usable = [name for name, why in lacking.items() if why is None]
@@ -7359,7 +7401,8 @@ def resolve_mode(config: Config) -> str:
 
 def configured_schema(tool: ToolSpec, config: Config) -> dict:
     """Return a tool's input schema with the configured timeoutSecs
-    ceiling: it offers no value the server refuses."""
+    ceiling: it offers no value the server refuses.
+    """
     schema = tool.input_schema
     if schema["properties"].get("timeoutSecs") is not ARG_TIMEOUT:
         return schema
@@ -7501,7 +7544,8 @@ class SmolMcp:
 
     def served_fleets(self, environ: dict[str, str] | None) -> dict:
         """Return the fleets this mode serves, by name; the local one is
-        self.local."""
+        self.local.
+        """
         names = (self.mode,)
         if self.mode == "both":
             names = FLEET_NAMES
@@ -7515,7 +7559,8 @@ class SmolMcp:
 
     def thread_limiter(self):
         """Return the threads for blocking API calls: enough that long
-        commands never queue short ones."""
+        commands never queue short ones.
+        """
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
@@ -7547,7 +7592,8 @@ class SmolMcp:
         self, with_target: bool, principal: Principal | None = None
     ) -> list:
         """Return the tools its scopes grant, as shown; cached per shape
-        (2026-era clients list often)."""
+        (2026-era clients list often).
+        """
         key = (with_target, (principal or self.access.stdio).tools())
         if key not in self._tool_lists:
             self._tool_lists[key] = [
@@ -7557,14 +7603,16 @@ class SmolMcp:
 
     def principal_for(self, ctx) -> Principal:
         """Return who sent the request: the token HttpGate found, or the
-        stdio principal."""
+        stdio principal.
+        """
         if ctx.request is None:
             return self.access.stdio
         return ctx.request.scope["state"]["smol_principal"]
 
     def mcp_tool(self, tool: ToolSpec, with_target: bool):
         """Return the tool as a client is shown it; with_target (both
-        mode) adds a required target."""
+        mode) adds a required target.
+        """
         types = sdk_types()
         schema = configured_schema(tool, self.config)
         if with_target:
@@ -7589,14 +7637,16 @@ class SmolMcp:
 
     def session_for(self, ctx) -> Session:
         """Return a request's session: the lifespan's on stdio and in
-        memory, else HttpSessions'."""
+        memory, else HttpSessions'.
+        """
         if ctx.request is None:
             return ctx.lifespan_context["session"]
         return self.http.session_for(ctx)
 
     def open_session(self, session_id: str, tasks: Any) -> Session:
         """Return a new session; it holds the fleets (the serve) until
-        end_session."""
+        end_session.
+        """
         for fleet in self.fleets.values():
             fleet.acquire()
         return Session(self, session_id, tasks)
@@ -7605,7 +7655,8 @@ class SmolMcp:
         self, session: Session, name: str, arguments: dict, params: Any = None
     ) -> Any:
         """Return the fleet a call goes to, taking `target` out of the
-        arguments; raise ArgumentError when it names none it may use."""
+        arguments; raise ArgumentError when it names none it may use.
+        """
         if self.mode != "both":
             return next(iter(self.fleets.values()))
         asked_here = params is not None and params is session.chose_during
@@ -7732,7 +7783,8 @@ class SmolMcp:
         self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS
     ):
         """Send an elicitation; return the answer, or None after
-        ``timeout`` or a failure."""
+        ``timeout`` or a failure.
+        """
         from mcp.shared.message import ServerMessageMetadata
 
         related = None
@@ -7822,7 +7874,8 @@ class SmolMcp:
     def validate(self, tool: ToolSpec, arguments: dict) -> None:
         """Raise ArgumentError when ``arguments`` do not fit the tool's
         schema, with the configured ceilings (its validator is built
-        once)."""
+        once).
+        """
         if tool.name not in self.checkers:
             schema = configured_schema(tool, self.config)
             self.checkers[tool.name] = argument_validator()(schema)
@@ -7832,7 +7885,8 @@ class SmolMcp:
 
     async def hold_for_approval(self, call: Call, entry: dict, params: Any):
         """Wait for a person's approval if the principal needs one; the
-        entry records who gave it."""
+        entry records who gave it.
+        """
         approver = await self.approvals.hold(call, entry, params)
         if approver is None:
             return
@@ -7849,7 +7903,8 @@ class SmolMcp:
 
     def record(self, entry: dict) -> None:
         """Append to the activity log; a failed write costs a warning,
-        never the call's result."""
+        never the call's result.
+        """
         try:
             self.access.activity.append(entry, self.config.secret_values())
         except (OSError, SmolError) as err:
@@ -7865,7 +7920,8 @@ class SmolMcp:
 
     async def sweep_once(self, fleet: Fleet) -> None:
         """Before this process's first local call, delete what a crashed
-        one left behind."""
+        one left behind.
+        """
         if self._swept or fleet is not self.local:
             return
         swept = await anyio.to_thread.run_sync(
@@ -7884,7 +7940,8 @@ class SmolMcp:
 
     async def end_session(self, session: Session) -> None:
         """Delete the session's ephemeral machines and release the fleets:
-        bounded in time, and done even when cancelled."""
+        bounded in time, and done even when cancelled.
+        """
         # A deleted token's sessions end early; the SDK may end them again
         # later.
         if session.ended:
@@ -7921,7 +7978,8 @@ class SmolMcp:
 
 class Resources:
     """What a client reads and follows: smol://targets, smol://activity
-    and each machine's console log, listed, read and subscribed to."""
+    and each machine's console log, listed, read and subscribed to.
+    """
 
     def __init__(self, app: SmolMcp):
         self.app = app
@@ -8002,7 +8060,8 @@ class Resources:
 
     async def read_log(self, ctx, uri: str, principal: Principal) -> str:
         """Return the latest lines of the console a log URI names; raise
-        a protocol error when it cannot be read."""
+        a protocol error when it cannot be read.
+        """
         config = self.app.config
         fleet, name = self.log_resource(uri, principal)
         try:
@@ -8041,7 +8100,8 @@ class Resources:
 
     def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
         """Return the fleet and machine name of a log URI, as ``principal``
-        may see them; raise a protocol error when it names none."""
+        may see them; raise a protocol error when it names none.
+        """
         fleets = self.app.fleets
         match = LOGS_URI_RE.fullmatch(uri)
         if match is None or match["target"] not in fleets:
@@ -8067,7 +8127,8 @@ class Resources:
 
     async def on_subscribe(self, ctx, params):
         """Handshake era: follow a log until unsubscribe or the end of the
-        session."""
+        session.
+        """
         uri = str(params.uri)
         principal = self.app.principal_for(ctx)
         fleet, name = self.log_resource(uri, principal)
@@ -8098,7 +8159,8 @@ class Resources:
 
     async def listen(self, ctx, params):
         """2026 era: notifications travel on this stream; its log pollers
-        live as long."""
+        live as long.
+        """
         from mcp.server.subscriptions import ResourceUpdated
 
         bus, handler = self.app.session_for(ctx).events()
@@ -8159,7 +8221,8 @@ class Approvals:
 
     def apply(self) -> bool:
         """Whether any call may be held: stdio approval is on, or such a
-        token exists."""
+        token exists.
+        """
         if self.app.config.approval == "changes":
             return True
         try:
@@ -8170,7 +8233,8 @@ class Approvals:
 
     def client_gone(self) -> None:
         """stdin closed: waiting calls end as approval_cancelled, and its
-        questions are withdrawn."""
+        questions are withdrawn.
+        """
         self.stdin_closed = True
         for approval_id in list(self.asked):
             self.app.access.desk.close(approval_id)
@@ -8178,7 +8242,8 @@ class Approvals:
 
     async def interrupt(self) -> None:
         """At a stop signal, let waiting calls answer approval_interrupted
-        before anything ends."""
+        before anything ends.
+        """
         self.app.stopping = True
         if any(self.held_by.values()):
             with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
@@ -8191,7 +8256,8 @@ class Approvals:
         self, event: dict, outcome: str, detail: str, **extra: Any
     ) -> ApprovalRefused:
         """Log the outcome; return the refusal, whose code is
-        approval_<outcome>."""
+        approval_<outcome>.
+        """
         self.app.record({**event, "approval": outcome, **extra})
         return ApprovalRefused("approval_" + outcome.replace(" ", "_"), detail)
 
@@ -8258,7 +8324,8 @@ class Approvals:
 
     def check_room(self, principal: Principal, event: dict) -> None:
         """Raise ApprovalRefused when ``principal`` already has
-        APPROVAL_MAX_WAITING calls waiting."""
+        APPROVAL_MAX_WAITING calls waiting.
+        """
         waiting = self.held_by.get(principal.id, 0)
         # Only stdio asks its client: those questions wait too.
         if principal.kind == "stdio":
@@ -8284,7 +8351,8 @@ class Approvals:
     ) -> str:
         """Wait for poll()'s outcome, asking the person at the client
         meanwhile when ``ask_client``; return who approved, or raise the
-        refusal. The request is closed either way."""
+        refusal. The request is closed either way.
+        """
         principal = call.principal
 
         # Handshake era: the question travels during this call.
@@ -8322,7 +8390,8 @@ class Approvals:
     ) -> str:
         """File the request where `approvals list` finds it, log it and
         tell the webhook; return its id, or raise ApprovalRefused when it
-        cannot be filed."""
+        cannot be filed.
+        """
         app = self.app
         principal = call.principal
         tool = entry["tool"]
@@ -8375,7 +8444,8 @@ class Approvals:
         self, call: Call, entry: dict, params: Any
     ) -> dict | None:
         """Return the open request a 2026-era retry names, if this process
-        filed it for the same call; else None."""
+        filed it for the same call; else None.
+        """
         state = getattr(params, "request_state", None) or ""
         if not state.startswith("smol-mcp:approval:"):
             return None
@@ -8464,7 +8534,8 @@ class Approvals:
 
     def howto(self, approval_id: str) -> str:
         """Return how a person answers: the command on the server's host,
-        and the review page when --http serves one."""
+        and the review page when --http serves one.
+        """
         pages = self.app.pages
         approve = ["approvals", "approve", approval_id]
         command = " ".join(launch_command() + approve)
@@ -8478,13 +8549,15 @@ class Approvals:
 
     def answer_to(self, approval_id: str, answers: dict) -> dict | None:
         """Return the terminal's (or the review page's) answer, else the
-        client's, else None."""
+        client's, else None.
+        """
         answer = self.app.access.desk.answer(approval_id)
         return answer or self.client_decision(answers)
 
     def check_still_waiting(self, call: Call, event: dict) -> None:
         """Raise ApprovalRefused when the call can wait no longer: its
-        client went away, the server stops, or its token was deleted."""
+        client went away, the server stops, or its token was deleted.
+        """
         principal = call.principal
         session = call.session
         waited = f"while {event['tool']} waited for approval; nothing ran."
@@ -8507,7 +8580,8 @@ class Approvals:
 
     def decided(self, event: dict, answer: dict) -> str:
         """Log a person's answer; return who approved, or raise
-        ApprovalRefused for a rejection."""
+        ApprovalRefused for a rejection.
+        """
         by = str(answer.get("by") or "unknown")
         note = {}
         if answer.get("reason"):
@@ -8531,7 +8605,8 @@ class Approvals:
     @staticmethod
     def client_decision(answers: dict) -> dict | None:
         """Return the client's answer as the terminal's: accept approves,
-        decline rejects, anything else is None."""
+        decline rejects, anything else is None.
+        """
         answer = answers.get("client")
         if answer is None or answer.action not in ("accept", "decline"):
             return None
@@ -8547,7 +8622,8 @@ class Approvals:
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
         """POST ``payload`` from one small, bounded pool: a slow webhook
-        holds no call, nor a thread per call."""
+        holds no call, nor a thread per call.
+        """
         failed = {**event, "approval": "webhook failed"}
 
         # post_webhook raises nothing: the slot is always given back.
@@ -8573,7 +8649,8 @@ def on_machine(event: dict) -> str:
 
 def note_result(entry: dict, result: dict) -> None:
     """Name in a change's log entry the machine it made or used, and the
-    exit code of the command it ran."""
+    exit code of the command it ran.
+    """
     made = result.get("machine")
     if not isinstance(made, dict):
         made = {}
@@ -8593,7 +8670,8 @@ def bug_report(name: str, err: Exception) -> str:
 
 def explain(err: SmolError) -> str:
     """Return the error text, with what to do for the API refusals every
-    tool can meet."""
+    tool can meet.
+    """
     if not isinstance(err, ApiError):
         return str(err)
     missing = ("machine '", "vm not found")
@@ -8624,7 +8702,8 @@ def raise_resource_error(message: str):
 
 def build_server(config: Config | None = None):
     """Return the MCP server for ``config`` (default: ``load_config()``),
-    ready on any transport."""
+    ready on any transport.
+    """
     return SmolMcp(config or load_config()).server
 
 
@@ -8676,7 +8755,8 @@ async def run_stdio(app: SmolMcp) -> None:
 
 class StreamWrapper:
     """A transport stream with something added; closing it closes the
-    inner one (the anyio mixins do the rest)."""
+    inner one (the anyio mixins do the rest).
+    """
 
     def __init__(self, inner: Any):
         self.inner = inner
@@ -8761,7 +8841,8 @@ class AnsweredWrites(StreamWrapper, anyio.abc.ObjectSendStream):
 
     async def drained(self) -> None:
         """Return once every request read has been answered (or
-        cancelled)."""
+        cancelled).
+        """
         while self.pending:
             await self._changed.wait()
             self._changed = anyio.Event()
@@ -8789,7 +8870,8 @@ class AnsweredWrites(StreamWrapper, anyio.abc.ObjectSendStream):
 
 def unparsed(err: Exception) -> tuple[Any, str]:
     """Return what the SDK could not parse: the request's id read
-    leniently (else None), and why."""
+    leniently (else None), and why.
+    """
     details = getattr(err, "errors", lambda: [])()
     why = type(err).__name__
     if details:
