@@ -7583,8 +7583,10 @@ class SmolMcp:
                 await self.end_session(session)
 
     async def on_list_tools(self, ctx, params):
-        session = self.session_for(ctx)
-        with_target = self.mode == "both" and session.target is None
+        # Only both mode has a session choose its fleet.
+        with_target = (
+            self.mode == "both" and self.session_for(ctx).target is None
+        )
         tools = self.tool_list(with_target, self.principal_for(ctx))
         return sdk_types().ListToolsResult(tools=tools)
 
@@ -7659,9 +7661,10 @@ class SmolMcp:
         """
         if self.mode != "both":
             return next(iter(self.fleets.values()))
+        # The call whose question made the choice may still name a fleet.
         asked_here = params is not None and params is session.chose_during
-        names_it = asked_here and "target" in arguments
-        if session.target is not None and not names_it:
+        overrides = asked_here and "target" in arguments
+        if session.target is not None and not overrides:
             given = arguments.pop("target", session.target)
             if given != session.target:
                 raise ArgumentError(
@@ -7832,11 +7835,11 @@ class SmolMcp:
             await self.ask_fleet(ctx, session, params)
             arguments = dict(params.arguments or {})
             fleet = self.fleet_for(session, name, arguments, params)
+            machine = arguments.get("name")
             entry["target"] = fleet.name
-            entry["machine"] = arguments.get("name")
+            entry["machine"] = machine
             entry["arguments"] = redact_arguments(arguments, tool.input_schema)
             self.validate(tool, arguments)
-            machine = arguments.get("name")
             grant = authorize(principal, name, fleet.name, machine)
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
@@ -7858,9 +7861,8 @@ class SmolMcp:
             return tool_error(message)
         except Exception as err:
             log.exception("tool %s failed unexpectedly", name)
-            message = redact(
-                bug_report(name, err), self.config.secret_values()
-            )
+            bug = bug_report(name, err)
+            message = redact(bug, self.config.secret_values())
             logged(message)
             return tool_error(message)
         if not tool.read_only:
@@ -8213,7 +8215,7 @@ class Approvals:
         self.asked: set[str] = set()
         # stdio: the client went away; its waiting calls end.
         self.stdin_closed = False
-        # Its threads start on first use.
+        # The webhook's pool: its threads start on first use.
         self._webhooks = ThreadPoolExecutor(
             WEBHOOK_THREADS, "smol-mcp-webhook"
         )
