@@ -7070,13 +7070,12 @@ class ActivityLog:
         first, in at most ``max_bytes`` of lines.
 
         The newest files are read first, no further than needed, and
-        split on "\n" only.
+        split on "\\n" only.
         """
         found = []
         size = 0
-        paths = [self.path]
-        paths += [self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)]
-        for path in paths:
+        older = [self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)]
+        for path in [self.path, *older]:
             try:
                 lines = path.read_bytes().split(b"\n")
             except (FileNotFoundError, NotADirectoryError):
