@@ -5949,16 +5949,16 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 # ---------------------------------------------------------------------------
 # 9. Resources
 #
-# smol://targets says what this process serves and whether each fleet can work on this host right
-# now, without starting anything. The log template gives the latest console lines of a machine.
+# smol://targets says what this process serves and whether each fleet
+# can work on this host right now, without starting anything. The log
+# template gives the latest console lines of a machine.
 # ---------------------------------------------------------------------------
 
 TARGETS_URI = "smol://targets"
 LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
-SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN = (
-    16,
-    64,
-)  # logs followed: one token's share
+# How many logs one session may follow at once, and one token in all.
+SUBSCRIPTIONS_PER_SESSION = 16
+SUBSCRIPTIONS_PER_TOKEN = 64
 LOGS_URI_RE = re.compile(
     r"smol://machine/(?P<target>[^/]+)/(?P<name>[^/]+)/logs"
 )
@@ -5967,7 +5967,11 @@ LOGS_URI_RE = re.compile(
 def uid_drop_advice(
     euid: int, kvm_mode: int | None, environ: dict[str, str]
 ) -> str | None:
-    """Why, as root with a root-only /dev/kvm, every start would fail late (KvmOpen(Error(13)))."""
+    """Return why every start would fail late, or None.
+
+    As root with a root-only /dev/kvm, smolvm's own uid for each VM
+    cannot open it: every start ends in KvmOpen(Error(13)).
+    """
     if (
         euid
         or kvm_mode is None
@@ -5976,10 +5980,12 @@ def uid_drop_advice(
     ):
         return None
     return (
-        f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}: smolvm drops each VM "
-        "to a uid of its own, which cannot open /dev/kvm, so every start would fail with "
-        "KvmOpen(Error(13)); set SMOLVM_VM_UID_DROP=off in this server's environment (setup "
-        "carries it into the client entry), or let the kvm group read and write /dev/kvm"
+        f"running as root with /dev/kvm at mode {oct(kvm_mode & 0o777)[2:]}:"
+        " smolvm drops each VM to a uid of its own, which cannot open"
+        " /dev/kvm, so every start would fail with KvmOpen(Error(13)); set"
+        " SMOLVM_VM_UID_DROP=off in this server's environment (setup"
+        " carries it into the client entry), or let the kvm group read and"
+        " write /dev/kvm"
     )
 
 
@@ -5995,7 +6001,10 @@ def hypervisor_status() -> tuple[bool, str]:
     if sys.platform == "darwin":
         return True, "Hypervisor.framework (macOS)"
     if not os.path.exists("/dev/kvm"):
-        enable = "enable KVM (or nested virtualisation on this VM) and load the kvm module"
+        enable = (
+            "enable KVM (or nested virtualisation on this VM)"
+            " and load the kvm module"
+        )
         return False, f"/dev/kvm does not exist: {enable}"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         join = "add the user to the kvm group"
@@ -6007,82 +6016,136 @@ def hypervisor_status() -> tuple[bool, str]:
 
 
 def local_target_facts(fleet: LocalFleet) -> dict:
-    """What smol://targets says of the local fleet; only reads (a local call starts the serve)."""
-    config, guest = fleet.config, inside_smol_guest()
-    hypervisor_ok, hypervisor_reason = hypervisor_status()
-    binary = fleet.smolvm_path() if not config.local_url else None
-    try:  # asks a serve that already runs; starts none
-        running = (
-            fleet.version or str(fleet._health().get("version") or "") or None
-        )
-    except (OSError, SmolError, ValueError):
-        running = None
+    """Return what smol://targets says of the local fleet.
+
+    It only reads: a local tool call is what starts the serve.
+    """
+    config = fleet.config
+    guest = inside_smol_guest()
+    hypervisor = hypervisor_status()
+    binary = None
+    if not config.local_url:
+        binary = fleet.smolvm_path()
+    running = running_smolvm(fleet)
     serve = config.local_url or "started on the first local tool call"
     if running and not config.local_url:
         serve = f"running at {fleet.endpoint} (smolvm {running})"
-    origin = (
-        ("SMOLVM" if os.sep in config.smolvm else "PATH") if binary else None
-    )  # how found
-    if (
-        origin == "PATH"
-        and binary == wheel_engine()
-        and not shutil.which(config.smolvm)
-    ):
-        origin = (
-            "the smolmachines package of this Python (smolvm is not on PATH)"
-        )
     facts: dict[str, Any] = {
         "served": True,
         "usable": True,
         "reason": None,
         "insideGuest": guest,
     }
-    facts["hypervisor"] = {
-        "present": hypervisor_ok,
-        "detail": hypervisor_reason,
+    present, detail = hypervisor
+    facts["hypervisor"] = {"present": present, "detail": detail}
+    facts["smolvm"] = {
+        "path": binary,
+        "version": running,
+        "from": smolvm_origin(config, binary),
     }
-    facts["smolvm"] = {"path": binary, "version": running, "from": origin}
-    facts.update(serve=serve, minSmolvm=config.min_smolvm or None)
-    why = None  # what makes it unusable
-    if guest:
-        why = "running inside a smol machine, which cannot start machines of its own"
-    elif config.local_url and running is None:
-        fix = "start that serve, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
-        why = f"nothing answers at SMOL_LOCAL_URL={config.local_url}; {fix}"
-    elif config.local_url:
-        facts["reason"] = "uses the serve at SMOL_LOCAL_URL"
-    elif (
-        binary is None and running
-    ):  # another smol-mcp's serve, in our runtime dir
-        later = "when it stops, starting a new one needs smolvm: set SMOLVM to its path"
-        facts["reason"] = (
-            f"uses the serve already running at {fleet.endpoint}; {later}"
-        )
-    elif binary is None:
-        fix = (
-            "get it with one of the commands below, or set SMOLVM to its path"
-        )
-        why = f"smolvm was not found ({config.smolvm!r}); {fix}"
-    elif not hypervisor_ok:
-        why = hypervisor_reason
-    elif advice := uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ):
-        why = advice
-    elif running is None and rollout_port_taken():
-        hint = other_serve_hint(fleet.endpoint.removeprefix("unix://"))
-        why = f"127.0.0.1:10081, which every serve binds, is taken. {hint}"
+    facts["serve"] = serve
+    facts["minSmolvm"] = config.min_smolvm or None
+    why, note = local_standing(fleet, guest, binary, running, hypervisor)
     minimum = config.min_smolvm
     if running and minimum and version_tuple(running) < version_tuple(minimum):
-        fix = "upgrade it, or set SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
+        fix = (
+            "upgrade it, or set SMOL_MCP_MIN_SMOLVM to an empty value"
+            " to skip the check"
+        )
         why = f"smolvm {running} is older than {minimum}; {fix}"
     elif not running and not why and minimum:
         when = "when the first local call starts the serve"
-        facts["reason"] = f"its version is checked against {minimum} {when}"
+        note = f"its version is checked against {minimum} {when}"
     if why:
-        facts.update(usable=False, reason=why)
+        facts["usable"] = False
+        facts["reason"] = why
+    elif note:
+        facts["reason"] = note
     return facts
 
 
-def rollout_port_taken() -> bool:  # 127.0.0.1:10081: every serve binds it
+def running_smolvm(fleet: LocalFleet) -> str | None:
+    """Return the version of the serve that already runs, or None.
+
+    It asks a serve that runs; it starts none.
+    """
+    if fleet.version:
+        return fleet.version
+    try:
+        version = fleet._health().get("version")
+    except (OSError, SmolError, ValueError):
+        return None
+    return str(version or "") or None
+
+
+def smolvm_origin(config: Config, binary: str | None) -> str | None:
+    """Return how smolvm was found (SMOLVM, PATH, this Python's wheel)."""
+    if not binary:
+        return None
+    if os.sep in config.smolvm:
+        return "SMOLVM"
+    if binary == wheel_engine() and not shutil.which(config.smolvm):
+        return (
+            "the smolmachines package of this Python (smolvm is not on PATH)"
+        )
+    return "PATH"
+
+
+def local_standing(
+    fleet: LocalFleet,
+    guest: bool,
+    binary: str | None,
+    running: str | None,
+    hypervisor: tuple[bool, str],
+) -> tuple[str | None, str | None]:
+    """Return why the local fleet is unusable, and a note on how it works.
+
+    Either may be None; the first thing that stops it is the one named.
+    """
+    config = fleet.config
+    hypervisor_ok, hypervisor_reason = hypervisor
+    if guest:
+        return (
+            "running inside a smol machine,"
+            " which cannot start machines of its own",
+            None,
+        )
+    if config.local_url and running is None:
+        fix = (
+            "start that serve, or unset SMOL_LOCAL_URL"
+            " to let smol-mcp start its own"
+        )
+        why = f"nothing answers at SMOL_LOCAL_URL={config.local_url}; {fix}"
+        return why, None
+    if config.local_url:
+        return None, "uses the serve at SMOL_LOCAL_URL"
+    # Another smol-mcp's serve, in our runtime directory.
+    if binary is None and running:
+        later = (
+            "when it stops, starting a new one needs smolvm:"
+            " set SMOLVM to its path"
+        )
+        note = f"uses the serve already running at {fleet.endpoint}; {later}"
+        return None, note
+    if binary is None:
+        fix = (
+            "get it with one of the commands below, or set SMOLVM to its path"
+        )
+        return f"smolvm was not found ({config.smolvm!r}); {fix}", None
+    if not hypervisor_ok:
+        return hypervisor_reason, None
+    advice = uid_drop_advice(os.geteuid(), kvm_mode(), fleet.environ)
+    if advice:
+        return advice, None
+    if running is None and rollout_port_taken():
+        hint = other_serve_hint(fleet.endpoint.removeprefix("unix://"))
+        why = f"127.0.0.1:10081, which every serve binds, is taken. {hint}"
+        return why, None
+    return None, None
+
+
+def rollout_port_taken() -> bool:
+    """Whether 127.0.0.1:10081, which every serve binds, is taken."""
     with socket.socket() as probe:
         probe.settimeout(0.2)
         return probe.connect_ex(("127.0.0.1", 10081)) == 0
@@ -6091,7 +6154,10 @@ def rollout_port_taken() -> bool:  # 127.0.0.1:10081: every serve binds it
 async def follow_log(
     app: SmolMcp, fleet: Fleet, name: str, notify: Callable, who: str
 ) -> None:
-    """Call ``notify`` when a machine's console grows (polled: no route pushes) until it is gone."""
+    """Call ``notify`` each time a machine's console grows, until it is gone.
+
+    The console is polled: no route pushes its lines.
+    """
     last = None
     app.polling[who] = app.polling.get(who, 0) + 1
     try:
@@ -6107,7 +6173,8 @@ async def follow_log(
                 if last is not None and seen != last:
                     await notify()
                 last = seen
-            except SmolError as err:  # stopped: it may start again; gone: nothing more to follow
+            # Stopped: it may start again. Gone: nothing more to follow.
+            except SmolError as err:
                 if isinstance(err, ApiError) and err.status == 404:
                     return
                 log.debug("log poll of %s: %s", name, err)
@@ -6117,9 +6184,15 @@ async def follow_log(
 
 
 def targets_document(app: SmolMcp) -> dict:
-    """The mode and, per fleet, whether it is served and usable now, with the reason when not."""
+    """Return the mode and, per fleet, whether it is served and usable now.
+
+    A fleet that is not says why.
+    """
     facts = {name: kind.target_facts(app) for name, kind in FLEETS.items()}
-    mode = f"this process runs in {app.mode} mode (SMOL_MCP_TARGETS={app.config.targets})"
+    mode = (
+        f"this process runs in {app.mode} mode"
+        f" (SMOL_MCP_TARGETS={app.config.targets})"
+    )
     for name, fleet_facts in facts.items():
         if name not in app.fleets:
             fleet_facts.update(served=False, usable=False, reason=mode)
@@ -6129,8 +6202,9 @@ def targets_document(app: SmolMcp) -> dict:
 # ---------------------------------------------------------------------------
 # 10. Sessions and cleanup
 #
-# A machine whose name starts with machinePrefix is ephemeral: its session deletes it when it ends.
-# Local records in the runtime directory let the next process delete what a SIGKILLed one left.
+# A machine whose name starts with machinePrefix is ephemeral: its
+# session deletes it when it ends. Local records in the runtime
+# directory let the next process delete what a SIGKILLed one left.
 # ---------------------------------------------------------------------------
 
 NOT_THE_SESSIONS_MACHINE = (
@@ -6139,59 +6213,58 @@ NOT_THE_SESSIONS_MACHINE = (
 
 
 class Session:
-    """One client's state: its ephemeral machines (recorded on disk), fleet, subscriptions."""
+    """One client's state: its fleet, its subscriptions and its ephemeral
+    machines (recorded on disk).
+    """
 
     def __init__(self, app: SmolMcp, session_id: str, tasks: Any = None):
-        self.app, self.id, self.tasks = (
-            app,
-            session_id,
-            tasks,
-        )  # tasks: where its pollers run
+        self.app = app
+        self.id = session_id
+        # Where its pollers run.
+        self.tasks = tasks
         self.machines: dict[str, set[str]] = {}
         self.record_path = Path(
             app.config.runtime_dir, "sessions", f"{os.getpid()}-{self.id}.json"
         )
-        self.target: str | None = (
-            None  # both mode: the fleet this session chose, if it chose one
-        )
-        self.asked_fleet = self.ended = False
-        self.chose_during: Any = (
-            None  # the call whose question made the choice
-        )
-        self._slots = self._bus = self.listener = None
-        self.question_lock = (
-            anyio.Lock()
-        )  # made lazily by anyio, in the loop that first takes it
-        self.subscriptions: dict[
-            str, Any
-        ] = {}  # uri -> its poller's CancelScope (handshake era)
-        self.in_flight, self.last_seen = (
-            0,
-            time.monotonic(),
-        )  # for the HTTP idle timeout
-        self.principal: Principal | None = (
-            None  # over HTTP: the token that opened it
-        )
-        self.identities: dict[
-            tuple[str, str], str
-        ] = {}  # (fleet, name) -> machine_identity()
-        self.spent: set[str] = (
-            set()
-        )  # nonces of 2026-era confirmations already answered
-        self.gone_requests: set = (
-            set()
-        )  # over HTTP: ids of requests whose client hung up
-        self.held, self.revoked_at = (
-            0,
-            None,
-        )  # calls awaiting approval: answered first when revoked
-        self.used = False  # a call made since it opened: an unused HTTP session is ended sooner
-        self.http_id = self.protocol = (
-            None  # handshake era over HTTP: Mcp-Session-Id, version
-        )
+        # Both mode: the fleet this session chose, if it chose one, and
+        # the call whose question made the choice.
+        self.target: str | None = None
+        self.asked_fleet = False
+        self.chose_during: Any = None
+        self.ended = False
+        self._slots = None
+        self._bus = None
+        self.listener = None
+        # Made lazily by anyio, in the loop that first takes it.
+        self.question_lock = anyio.Lock()
+        # uri -> its poller's CancelScope (handshake era).
+        self.subscriptions: dict[str, Any] = {}
+        # For the HTTP idle timeout.
+        self.in_flight = 0
+        self.last_seen = time.monotonic()
+        # Over HTTP: the token that opened it.
+        self.principal: Principal | None = None
+        # (fleet, name) -> machine_identity()
+        self.identities: dict[tuple[str, str], str] = {}
+        # Nonces of 2026-era confirmations already answered.
+        self.spent: set[str] = set()
+        # Over HTTP: ids of requests whose client hung up.
+        self.gone_requests: set = set()
+        # Calls awaiting approval: answered first when revoked.
+        self.held = 0
+        self.revoked_at = None
+        # A call made since it opened: an unused HTTP session is ended
+        # sooner.
+        self.used = False
+        # Handshake era over HTTP: Mcp-Session-Id, and the version.
+        self.http_id = None
+        self.protocol = None
 
     def call_slots(self):
-        """This session's share of the worker threads: its long calls queue apart from others'."""
+        """Return this session's share of the worker threads.
+
+        Its long calls queue apart from other sessions'.
+        """
         if self._slots is None:
             self._slots = SessionSlots(
                 self.app.thread_limiter(), SESSION_CALL_SLOTS
@@ -6199,7 +6272,10 @@ class Session:
         return self._slots
 
     def events(self):
-        """This session's event bus and listen handler (2026-era notifications go on listen)."""
+        """Return this session's event bus and its listen handler.
+
+        2026-era notifications go out on listen.
+        """
         if self._bus is None:
             from mcp.server.subscriptions import (
                 InMemorySubscriptionBus,
@@ -6227,62 +6303,71 @@ class Session:
             self._save()
 
     def _save(self) -> None:
-        """Write the local record atomically; a failure costs a warning, never the operation."""
-        names = sorted(
-            self.machines.get(self.app.local.name, set())
-        )  # for the crash sweep
-        with bookkeeping(self.app.config.runtime_dir):
+        """Write the local record atomically.
+
+        A failure costs a warning, never the operation.
+        """
+        runtime_dir = self.app.config.runtime_dir
+        # Only local machines: the crash sweep reads it.
+        names = sorted(self.machines.get(self.app.local.name, set()))
+        with bookkeeping(runtime_dir):
             if not names:
                 self.record_path.unlink(missing_ok=True)
                 return
-            ensure_runtime_dir(
-                self.app.config.runtime_dir
-            )  # the parent first: it keeps others out
+            # The parent first: it keeps others out.
+            ensure_runtime_dir(runtime_dir)
             self.record_path.parent.mkdir(mode=0o700, exist_ok=True)
-            pid, endpoint = os.getpid(), self.app.local.endpoint
-            record = dict(
-                pid=pid, started=process_start_time(pid), endpoint=endpoint
-            )
-            write_json(
-                self.record_path, record | {"machines": names}, mode=0o666
-            )  # umask decides
+            pid = os.getpid()
+            record = {
+                "pid": pid,
+                "started": process_start_time(pid),
+                "endpoint": self.app.local.endpoint,
+                "machines": names,
+            }
+            # The umask decides who may read it.
+            write_json(self.record_path, record, mode=0o666)
 
     async def close(self) -> None:
-        """Delete this session's ephemeral machines, fleet by fleet; what stays, stays recorded."""
+        """Delete this session's ephemeral machines, fleet by fleet.
+
+        What stays, stays recorded.
+        """
         who = self.app.who(self.principal or self.app.access.stdio)
+        run = anyio.to_thread.run_sync
         for fleet_name, names in list(self.machines.items()):
-            try:  # a name held by another machine by now is never deleted here
-                fleet, run = (
-                    self.app.fleets[fleet_name],
-                    anyio.to_thread.run_sync,
-                )
+            # A name held by another machine by now is never deleted here.
+            try:
+                fleet = self.app.fleets[fleet_name]
                 replaced = await run(self.replaced, fleet, sorted(names))
                 kept = sorted(set(names) - set(replaced))
                 deleted, refused = await run(
                     delete_in_passes, fleet, kept, abandon_on_cancel=True
                 )
             except Exception as err:
-                what = f"{self.id} ended: could not clean up its {fleet_name} machines"
                 log.warning(
-                    "session %s (%s): %s",
-                    what,
+                    "session %s ended: could not clean up its %s machines"
+                    " (%s): %s",
+                    self.id,
+                    fleet_name,
                     ", ".join(sorted(names)),
                     describe(err),
                 )
                 continue
             for name in [*deleted, *replaced]:
-                outcome = (
-                    "deleted" if name in deleted else NOT_THE_SESSIONS_MACHINE
-                )
+                outcome = NOT_THE_SESSIONS_MACHINE
+                if name in deleted:
+                    outcome = "deleted"
                 log.info("session %s ended: %s: %s", self.id, name, outcome)
                 self.forget(fleet_name, name)
-                entry = dict(
-                    session=self.id,
-                    target=fleet_name,
-                    machine=name,
-                    outcome=outcome,
-                )
-                self.app.record({"event": "session-cleanup", **who, **entry})
+                entry = {
+                    "event": "session-cleanup",
+                    **who,
+                    "session": self.id,
+                    "target": fleet_name,
+                    "machine": name,
+                    "outcome": outcome,
+                }
+                self.app.record(entry)
             self.app.access.owners.clear(fleet_name, deleted)
             for name, err in refused:
                 log.warning(
@@ -6293,7 +6378,9 @@ class Session:
                 )
 
     def replaced(self, fleet: Fleet, names: list[str]) -> list[str]:
-        """The names now held by another machine than the one this session made."""
+        """Return the names now held by another machine than the one this
+        session made.
+        """
         made = {
             name: self.identities.get((fleet.name, name)) for name in names
         }
@@ -6305,26 +6392,33 @@ class Session:
 def same_machine(
     fleet: Any, name: str, identity: str | None, record: dict | None = None
 ) -> bool:
-    """Whether ``name`` is still the machine whose machine_identity() was ``identity``; an unknown
-    identity says yes, and so does a machine gone or unreadable: the call on it says which."""
+    """Whether ``name`` is still the machine whose machine_identity() was
+    ``identity``.
+
+    An unknown identity says yes, and so does a machine gone or
+    unreadable: the call on it says which.
+    """
+    if identity is None:
+        return True
     try:
-        return (
-            identity is None
-            or machine_identity(record or fleet.get_machine(name)) == identity
-        )
+        return machine_identity(record or fleet.get_machine(name)) == identity
     except SmolError:
         return True
 
 
 class SessionSlots:
-    """A to_thread limiter: a slot of the session, then a shared thread; at most ``slots`` each."""
+    """A to_thread limiter: a slot of the session's, then a shared thread;
+    at most ``slots`` of each.
+    """
 
     def __init__(self, shared: Any, slots: int):
-        self.shared, self.own = shared, anyio.CapacityLimiter(slots)
+        self.shared = shared
+        self.own = anyio.CapacityLimiter(slots)
 
     async def __aenter__(self) -> None:
         for taken, limiter in enumerate((self.own, self.shared)):
-            try:  # a free slot is taken without a pass through the event loop
+            # A free slot is taken without a pass through the event loop.
+            try:
                 limiter.acquire_nowait()
             except anyio.WouldBlock:
                 try:
@@ -6340,17 +6434,22 @@ class SessionSlots:
 
 
 def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
-    """Delete in passes until one makes no progress (a branch source refuses while it has children),
-    once more after a pause; returns what is gone (a 404 counts) and what was refused, why."""
-    pending, gone, retried = list(names), [], False
+    """Delete ``names`` in passes; return what is gone and what was refused.
+
+    A branch's source refuses while it has children, so the passes go
+    on until one makes no progress, then once more after a pause. A 404
+    counts as gone; each refusal comes with its error.
+    """
+    pending = list(names)
+    gone = []
+    retried = False
     while pending:
         refused: list[tuple[str, Exception]] = []
         for name in pending:
+            # A cleanup goes on past any one machine's failure.
             try:
                 fleet.delete_machine(name)
-            except (
-                Exception
-            ) as err:  # a cleanup goes on past any one machine's failure
+            except Exception as err:
                 if not isinstance(err, ApiError) or err.status != 404:
                     refused.append((name, err))
                     continue
@@ -6364,22 +6463,22 @@ def delete_in_passes(fleet: Fleet, names: list[str]) -> tuple[list[str], list]:
     return gone, []
 
 
-def describe(err: BaseException) -> str:  # for a log line
-    return (
-        str(err)
-        if isinstance(err, SmolError)
-        else f"{type(err).__name__}: {err}"
-    )
+def describe(err: BaseException) -> str:
+    """Return an error as a log line shows it."""
+    if isinstance(err, SmolError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
 
 
 def write_json(
     path: Path, value: Any, mode: int = 0o600, indent: int | None = None
 ) -> None:
-    """Write a JSON file whole or not at all: a crash mid-write leaves the old one."""
+    """Write a JSON file whole or not at all: a crash mid-write leaves the
+    old one.
+    """
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with os.fdopen(
-        os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w"
-    ) as out:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    with os.fdopen(os.open(temporary, flags, mode), "w") as out:
         json.dump(value, out, indent=indent)
         out.flush()
         os.fsync(out.fileno())
@@ -6391,23 +6490,30 @@ _warned_dirs: set[str] = set()
 
 @contextmanager
 def bookkeeping(runtime_dir: str):
-    """Around a write of our records in the runtime directory: an OSError is one warning, once."""
+    """Guard a write of our records in the runtime directory.
+
+    An OSError there costs one warning, once per directory.
+    """
     try:
         yield
     except OSError as err:
         if runtime_dir not in _warned_dirs:
             _warned_dirs.add(runtime_dir)
-            what = "cannot write to the runtime directory %s (%s); machines work on, but one this "
-            what += "process cannot delete will not be found by the next start. Make it writable "
             log.warning(
-                what + "(or set SMOL_MCP_RUNTIME_DIR).",
+                "cannot write to the runtime directory %s (%s); machines"
+                " work on, but one this process cannot delete will not be"
+                " found by the next start. Make it writable (or set"
+                " SMOL_MCP_RUNTIME_DIR).",
                 runtime_dir,
                 err.strerror or err,
             )
 
 
 def _proc_stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat from the state field on (field 3 is [0]), None without it."""
+    """Return /proc/PID/stat from the state field on, or None without it.
+
+    Field 3 of the file is [0] here.
+    """
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -6416,15 +6522,23 @@ def _proc_stat(pid: int) -> list[str] | None:
 
 
 def process_start_time(pid: int) -> int | None:
-    """When a process started, in ticks since boot (None without /proc): with pid, one process."""
+    """Return when a process started, in ticks since boot.
+
+    None without /proc. With the pid, it names one process.
+    """
     fields = _proc_stat(pid)
-    return int(fields[19]) if fields and len(fields) > 19 else None
+    if not fields or len(fields) <= 19:
+        return None
+    return int(fields[19])
 
 
 def process_alive(pid: int, started: int | None = None) -> bool:
-    """Whether pid runs (a zombie does not) and, when ``started`` is known, is the one noted."""
+    """Whether pid runs (a zombie does not) and, when ``started`` is
+    known, is the process noted then.
+    """
     if pid <= 0:
-        return False  # a record without a real pid belongs to nobody
+        # A record without a real pid belongs to nobody.
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -6433,16 +6547,17 @@ def process_alive(pid: int, started: int | None = None) -> bool:
         pass
     fields = _proc_stat(pid)
     if fields is None:
-        return not Path(
-            "/proc/self/stat"
-        ).exists()  # no /proc at all (macOS): the signal answered
-    return fields[0] not in ("Z", "X") and (
-        started is None or started == process_start_time(pid)
-    )
+        # No /proc at all (macOS): the signal answered.
+        return not Path("/proc/self/stat").exists()
+    if fields[0] in ("Z", "X"):
+        return False
+    return started is None or started == process_start_time(pid)
 
 
 def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
-    """Delete the ephemeral machines this serve holds for processes that died; their names."""
+    """Delete the ephemeral machines this serve holds for processes that
+    died; return their names.
+    """
     deleted = []
     for path in sorted((Path(runtime_dir) / "sessions").glob("*.json")):
         try:
@@ -6462,20 +6577,17 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
                 err,
             )
         with bookkeeping(runtime_dir):
-            if refused:  # try again at the next start rather than forget them
-                write_json(
-                    path,
-                    {**record, "machines": [name for name, _ in refused]},
-                    mode=0o666,
-                )
+            # Try again at the next start rather than forget them.
+            if refused:
+                left = [name for name, _ in refused]
+                write_json(path, {**record, "machines": left}, mode=0o666)
             else:
                 path.unlink(missing_ok=True)
     if deleted:
-        names = ", ".join(deleted)
         log.info(
             "deleted %d machine(s) left by an earlier process: %s",
             len(deleted),
-            names,
+            ", ".join(deleted),
         )
     return deleted
 
@@ -6483,10 +6595,12 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
 # ---------------------------------------------------------------------------
 # 11. Agent access
 #
-# Who is calling, and what it may do. Over HTTP every request carries a token: SMOL_MCP_AUTH_TOKEN
-# ("default", every scope) or one from `tokens create` (only its hash is kept). Its scopes decide
-# which tools it sees and calls; sandbox.* narrows it to the machines it created (Owners remembers
-# them). stdio has no token: SMOL_MCP_SCOPES narrows it. Every call passes authorize() first.
+# Who is calling, and what it may do. Over HTTP every request carries a
+# token: SMOL_MCP_AUTH_TOKEN ("default", every scope) or one from
+# `tokens create` (only its hash is kept). Its scopes decide which tools
+# it sees and calls; sandbox.* narrows it to the machines it created
+# (Owners remembers them). stdio has no token: SMOL_MCP_SCOPES narrows
+# it. Every call passes authorize() first.
 # ---------------------------------------------------------------------------
 
 # The wider domain first: when a principal holds both, its grant wins.
@@ -6496,54 +6610,60 @@ SCOPES = (
     *(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS),
     "activity.read",
 )
-# Each tool's scope level, from its ToolSpec.access; a tool without one is granted to nobody.
+# Each tool's scope level, from its ToolSpec.access; a tool without one
+# is granted to nobody.
 TOOL_LEVELS = {
     tool.name: tool.level for tool in TOOLS if tool.level in SCOPE_LEVELS
 }
 APPROVAL_MODES = ("none", "changes")
-SCOPE_PRESETS = {  # `tokens create --preset`: the usual grants, by what the agent is for
-    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",  # its own machines only
+# `tokens create --preset`: the usual grants, by what the agent is for.
+SCOPE_PRESETS = {
+    # Its own machines only.
+    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",
     "read": "machines.read,activity.read",
     "full": ",".join(SCOPES),
 }
 TOKEN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-RESERVED_TOKEN_NAMES = (
-    "default",
-    "stdio",
-    "cli",
-    "smol-mcp",
-)  # in any case: ours, the terminal's
+# In any case: ours, and the terminal's.
+RESERVED_TOKEN_NAMES = ("default", "stdio", "cli", "smol-mcp")
 TOKEN_SECRET_PREFIX = "smolmcp_"
-TOKENS_FILE, USAGE_FILE, OWNERS_FILE = (
-    "tokens.json",
-    "tokens-used.json",
-    "owners.json",
-)
-JOBS_FILE, JOBS_KEPT = (
-    "jobs.json",
-    100,
-)  # the jobs get-machine shows, the newest 100 a machine
-USAGE_FLUSH_SECS, TOKEN_WATCH_SECS = 60, 0.5
-TOKEN_END_GRACE_SECS = (
-    5  # a deleted token's calls in flight may finish answering
-)
+TOKENS_FILE = "tokens.json"
+USAGE_FILE = "tokens-used.json"
+OWNERS_FILE = "owners.json"
+# The jobs get-machine shows: the newest 100 a machine.
+JOBS_FILE = "jobs.json"
+JOBS_KEPT = 100
+USAGE_FLUSH_SECS = 60
+TOKEN_WATCH_SECS = 0.5
+# A deleted token's calls in flight may finish answering.
+TOKEN_END_GRACE_SECS = 5
 
 
 class ScopeMissing(SmolError):
-    """A call the principal has no scope (or no fleet) for; the text starts with scope_missing:."""
+    """A call the principal has no scope (or no fleet) for.
+
+    The text starts with scope_missing:.
+    """
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request comes from: a token (by name), or the stdio client and its OS user."""
+    """Who a request comes from: a token (by name), or the stdio client
+    and its OS user.
+    """
 
     name: str
     scopes: frozenset
     targets: tuple[str, ...] = FLEET_NAMES
-    approval: str = "none"  # "changes": every changing call waits for a person
-    kind: str = "token"  # "token" or "stdio"
-    user: str | None = None  # stdio: the OS user the server runs as
-    id: str = ""  # a token's own id: a new token under an old name is another principal
+    # "changes": every changing call waits for a person.
+    approval: str = "none"
+    # "token" or "stdio".
+    kind: str = "token"
+    # stdio: the OS user the server runs as.
+    user: str | None = None
+    # A token's own id: a new token under an old name is another
+    # principal.
+    id: str = ""
 
     def label(self) -> str:
         if self.kind == "stdio":
@@ -6558,48 +6678,68 @@ class Principal:
         )
 
     def describe(self) -> dict:
-        """What smol://targets tells the caller about itself."""
-        described = dict(
-            principal=self.name, kind=self.kind, scopes=sorted(self.scopes)
-        )
-        described.update(targets=list(self.targets), approval=self.approval)
-        return described | ({"user": self.user} if self.user else {})
+        """Return what smol://targets tells the caller about itself."""
+        described = {
+            "principal": self.name,
+            "kind": self.kind,
+            "scopes": sorted(self.scopes),
+            "targets": list(self.targets),
+            "approval": self.approval,
+        }
+        if self.user:
+            described["user"] = self.user
+        return described
 
 
 @dataclass(frozen=True)
 class Grant:
-    """What authorize() allowed: the granting scope, and whether only own machines (sandbox.*)."""
+    """What authorize() allowed: the granting scope, and whether only
+    the principal's own machines (sandbox.*).
+    """
 
     scope: str
     owned_only: bool
 
 
 def granting_scope(principal: Principal, tool: str) -> str | None:
-    """The scope of ``principal`` granting ``tool``, or None (also when TOOL_LEVELS lacks it)."""
+    """Return the scope of ``principal`` that grants ``tool``, or None.
+
+    None too when TOOL_LEVELS lacks the tool.
+    """
     level = TOOL_LEVELS.get(tool)
-    granting = [
-        f"{domain}.{level}" for domain in SCOPE_DOMAINS if level is not None
-    ]
-    return next(
-        (scope for scope in granting if scope in principal.scopes), None
-    )
+    if level is None:
+        return None
+    for domain in SCOPE_DOMAINS:
+        scope = f"{domain}.{level}"
+        if scope in principal.scopes:
+            return scope
+    return None
 
 
 def check_scope(principal: Principal, tool: str) -> str:
-    """The granting scope, or ScopeMissing naming the scope and the principal."""
+    """Return the granting scope; raise ScopeMissing naming the scope and
+    the principal when there is none.
+    """
     if scope := granting_scope(principal, tool):
         return scope
     level = TOOL_LEVELS.get(tool, "unknown")
     held = ", ".join(sorted(principal.scopes)) or "none"
-    why = f"scope_missing: {tool} needs the machines.{level} scope (or sandbox.{level} for "
-    why += f"machines of its own), which {principal.label()} does not have (its scopes: {held}). "
-    raise ScopeMissing(why + "Ask the operator for a token with that scope.")
+    raise ScopeMissing(
+        f"scope_missing: {tool} needs the machines.{level} scope"
+        f" (or sandbox.{level} for machines of its own), which"
+        f" {principal.label()} does not have (its scopes: {held})."
+        " Ask the operator for a token with that scope."
+    )
 
 
 def authorize(
     principal: Principal, tool: str, target: str | None, machine: str | None
 ) -> Grant:
-    """The check before every tool call (and log resource): the tool's scope, then the fleet."""
+    """Return what the principal may do with ``tool`` on ``target``.
+
+    The check before every tool call (and log resource): the tool's
+    scope, then the fleet; raise ScopeMissing when either is missing.
+    """
     scope = check_scope(principal, tool)
     if target is not None and target not in principal.targets:
         only = (
@@ -6617,8 +6757,12 @@ def ensure_state_dir(path: str | Path) -> Path:
 
 
 class StateFile:
-    """A JSON file in the state directory (0600), written whole under a lock any process honours and
-    read again only when it changed (another process's change: looked for each ``recheck_secs``)."""
+    """A JSON file in the state directory (0600).
+
+    It is written whole under a lock any process honours, and read again
+    only when it changed; another process's change is looked for each
+    ``recheck_secs``.
+    """
 
     def __init__(
         self,
@@ -6627,14 +6771,15 @@ class StateFile:
         valid: Callable | None = None,
         recheck_secs=0,
     ):
-        self.path, self.empty, self.recheck_secs = path, empty, recheck_secs
+        self.path = path
+        self.empty = empty
+        self.recheck_secs = recheck_secs
         self.valid = valid or (lambda data: isinstance(data, type(empty())))
-        self._signature, self._data, self._lock = (
-            None,
-            empty(),
-            threading.Lock(),
-        )
-        self._checked = -recheck_secs  # monotonic time of the last look
+        self._signature = None
+        self._data = empty()
+        self._lock = threading.Lock()
+        # The monotonic time of the last look.
+        self._checked = -recheck_secs
 
     def read(self) -> Any:
         if time.monotonic() - self._checked < self.recheck_secs:
@@ -6642,20 +6787,22 @@ class StateFile:
         try:
             info = os.stat(self.path)
             signature = (info.st_mtime_ns, info.st_size, info.st_ino)
-        except (FileNotFoundError, NotADirectoryError):  # nothing recorded yet
+        # Nothing recorded yet.
+        except (FileNotFoundError, NotADirectoryError):
             signature = None
         with self._lock:
             if signature != self._signature:
-                self._signature, self._data = (
-                    signature,
-                    self._load() if signature else self.empty(),
-                )
-            self._checked = (
-                time.monotonic()
-            )  # not after a failed load: that is seen every time
+                data = self.empty()
+                if signature:
+                    data = self._load()
+                self._signature = signature
+                self._data = data
+            # Not after a failed load: that one is seen every time.
+            self._checked = time.monotonic()
             return self._data
 
-    def expire(self) -> None:  # the next read looks at the file again
+    def expire(self) -> None:
+        """Make the next read look at the file again."""
         self._checked = -self.recheck_secs
 
     def _load(self) -> Any:
@@ -6669,9 +6816,13 @@ class StateFile:
             ) from None
         if not self.valid(data):
             held = f"it holds {_json_type(data)}: {json.dumps(data)[:60]}"
-            fix = "fix it, or move it aside to start afresh (what it recorded is forgotten then)"
+            fix = (
+                "fix it, or move it aside to start afresh"
+                " (what it recorded is forgotten then)"
+            )
             raise SmolError(
-                f"{self.path} is not shaped as this server writes it ({held}); {fix}"
+                f"{self.path} is not shaped as this server writes it"
+                f" ({held}); {fix}"
             )
         return data
 
@@ -6692,8 +6843,12 @@ class StateFile:
 
 
 def locked(path: Path) -> Any:
-    """Lock ``path`` (made 0600) exclusively until the returned file closes: ``with locked(path):``.
-    Not @contextmanager: it sets ``__traceback__`` on a passing error; a frozen one refuses that."""
+    """Lock ``path`` (made 0600) exclusively until the returned file
+    closes: ``with locked(path):``.
+
+    Not @contextmanager: that sets ``__traceback__`` on an error passing
+    through, and a frozen one refuses it.
+    """
     held = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "rb")
     try:
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -6712,17 +6867,21 @@ def new_token_secret() -> str:
 
 
 def parse_scopes(text: str, setting: str = "") -> tuple[str, ...]:
-    """The scopes in a comma-separated text, each checked; from a ``setting``, it may be empty."""
+    """Return the scopes in a comma-separated text, each checked.
+
+    Read from a ``setting``, the text may name none.
+    """
     scopes = tuple(
         dict.fromkeys(part.strip() for part in text.split(",") if part.strip())
     )
     unknown = ", ".join(repr(scope) for scope in scopes if scope not in SCOPES)
     if unknown or not (scopes or setting):
-        named = (
-            f"{unknown} is not a scope" if unknown else "no scope was given"
-        )
         if unknown and setting:
             named = f"{setting} names {unknown}, which is not a scope"
+        elif unknown:
+            named = f"{unknown} is not a scope"
+        else:
+            named = "no scope was given"
         raise ConfigError(f"{named}; the scopes are: {', '.join(SCOPES)}")
     return scopes
 
@@ -6739,25 +6898,36 @@ def parse_targets(text: str | None) -> tuple[str, ...]:
     return targets
 
 
+def valid_tokens(data: Any) -> bool:
+    """Whether the tokens file holds a list of records, each named."""
+    if not isinstance(data, dict):
+        return False
+    tokens = data.get("tokens", [])
+    if not isinstance(tokens, list):
+        return False
+    return all(
+        isinstance(record, dict) and isinstance(record.get("name"), str)
+        for record in tokens
+    )
+
+
 class TokenStore:
-    """The named tokens, each with its secret's SHA-256 (never the secret); last uses kept apart."""
+    """The named tokens, each with its secret's SHA-256 (never the
+    secret); when each was last used is kept apart.
+    """
 
     def __init__(self, state_dir: str):
-        def valid(data: Any) -> bool:  # a list of records, each with a name
-            tokens = data.get("tokens", []) if isinstance(data, dict) else None
-            records = isinstance(tokens, list) and all(
-                isinstance(r, dict) for r in tokens
-            )
-            return records and all(
-                isinstance(record.get("name"), str) for record in tokens
-            )
-
-        # read on every HTTP request: looked at again at most twice a second
+        # Read on every HTTP request: looked at again at most twice a
+        # second.
         self.file = StateFile(
-            Path(state_dir) / TOKENS_FILE, lambda: {"tokens": []}, valid, 0.5
+            Path(state_dir) / TOKENS_FILE,
+            lambda: {"tokens": []},
+            valid_tokens,
+            0.5,
         )
         self.usage = StateFile(Path(state_dir) / USAGE_FILE, dict)
-        self._used: dict[str, str] = {}  # name -> when, not yet written
+        # name -> when, not yet written.
+        self._used: dict[str, str] = {}
         self._flushed = time.monotonic()
 
     def records(self) -> list[dict]:
@@ -6766,38 +6936,33 @@ class TokenStore:
     def create(
         self, name: str, scopes: tuple, targets: tuple, approval: str, **extra
     ) -> tuple:
-        if (
-            not TOKEN_NAME_RE.fullmatch(name)
-            or name.lower() in RESERVED_TOKEN_NAMES
-        ):
-            rule = "use 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-            reserved = " or ".join(RESERVED_TOKEN_NAMES)
-            raise ConfigError(
-                f"{name!r} cannot be a token name: {rule}, and not {reserved}"
-            )
+        """Add a token; return its record and its secret.
+
+        Raise ConfigError for a name or approval mode it cannot take, or
+        a name already in use.
+        """
+        check_token_name(name)
         if approval not in APPROVAL_MODES:
             raise ConfigError(
-                f"--approval takes {' or '.join(APPROVAL_MODES)}; got {approval!r}"
+                f"--approval takes {' or '.join(APPROVAL_MODES)};"
+                f" got {approval!r}"
             )
         secret = new_token_secret()
         record = {
             "name": name,
             "id": secrets_module.token_hex(8),
             "sha256": secret_hash(secret),
-        }
-        record.update(
-            scopes=list(scopes), targets=list(targets), approval=approval
-        )
-        record |= {
+            "scopes": list(scopes),
+            "targets": list(targets),
+            "approval": approval,
             "createdAt": utc_now(),
+            # An OAuth grant's client.
             **extra,
-        }  # extra: an OAuth grant's client
+        }
 
         def add(data: dict) -> None:
-            if any(
-                existing["name"] == name
-                for existing in data.setdefault("tokens", [])
-            ):
+            tokens = data.setdefault("tokens", [])
+            if any(existing["name"] == name for existing in tokens):
                 fix = f"pick another name, or `tokens delete {name}` first"
                 raise ConfigError(
                     f"a token named {name!r} already exists; {fix}"
@@ -6815,20 +6980,26 @@ class TokenStore:
             ]
             return len(data["tokens"]) != len(tokens)
 
-        removed = (
-            self.file.update(remove) if self.file.path.exists() else False
-        )
+        if not self.file.path.exists():
+            return False
+        removed = self.file.update(remove)
         if removed and self.usage.path.exists():
             self.usage.update(lambda data: data.pop(name, None))
-        if removed:  # its auto-approval goes with it
+        # Its auto-approval goes with it.
+        if removed:
             AutoApprovals(self.file.path.parent).end(name)
         return removed
 
     def match(self, offered: list[str], again: bool = True) -> dict | None:
-        """The record whose hash (or live OAuth access token's) matches an offered secret, all
-        compared in constant time; a miss reads the file again, so a new token works at once."""
+        """Return the record whose hash matches an offered secret, or None.
+
+        The hash of a live OAuth access token counts too. Every pair is
+        compared in constant time; a miss reads the file again, so a new
+        token works at once.
+        """
         hashes = [secret_hash(candidate) for candidate in offered if candidate]
-        found, now = None, time.time()
+        found = None
+        now = time.time()
         for record in self.records():
             access = [
                 a["sha256"]
@@ -6836,11 +7007,13 @@ class TokenStore:
                 if a["expiresAt"] > now
             ]
             for known in (str(record.get("sha256", "")), *access):
-                if [
+                # A list, not any(): every comparison runs.
+                matches = [
                     digest
                     for digest in hashes
                     if hmac.compare_digest(digest, known)
-                ]:
+                ]
+                if matches:
                     found = record
         if found is None and again:
             self.file.expire()
@@ -6852,11 +7025,14 @@ class TokenStore:
 
     def flush_usage(self, force: bool = False) -> None:
         """Write the last-used times, at most every USAGE_FLUSH_SECS."""
-        if not self._used or (
-            not force and time.monotonic() - self._flushed < USAGE_FLUSH_SECS
-        ):
+        if not self._used:
             return
-        used, self._used, self._flushed = self._used, {}, time.monotonic()
+        recent = time.monotonic() - self._flushed < USAGE_FLUSH_SECS
+        if recent and not force:
+            return
+        used = self._used
+        self._used = {}
+        self._flushed = time.monotonic()
         names = {record["name"] for record in self.records()}
         kept = {name: when for name, when in used.items() if name in names}
         try:
@@ -6865,11 +7041,28 @@ class TokenStore:
             log.warning("could not record when tokens were last used: %s", err)
 
     def last_used(self) -> dict:
-        """name -> when last used: the file, and this process's uses not yet written."""
+        """Return name -> when last used: the file's, and this process's
+        uses not yet written.
+        """
         try:
             return {**self.usage.read(), **self._used}
         except SmolError:
             return dict(self._used)
+
+
+def check_token_name(name: str) -> None:
+    """Raise ConfigError when ``name`` cannot be a token's name."""
+    reserved = name.lower() in RESERVED_TOKEN_NAMES
+    if TOKEN_NAME_RE.fullmatch(name) and not reserved:
+        return
+    rule = (
+        "use 1 to 64 letters, digits, '.', '_' or '-',"
+        " starting with a letter or digit"
+    )
+    names = " or ".join(RESERVED_TOKEN_NAMES)
+    raise ConfigError(
+        f"{name!r} cannot be a token name: {rule}, and not {names}"
+    )
 
 
 def utc_now() -> str:
@@ -6877,89 +7070,106 @@ def utc_now() -> str:
 
 
 def utc_time(seconds: float) -> str:
-    """Seconds since the epoch as the RFC 3339 UTC time the records hold, to the second."""
-    return time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds)
-    )  # a quarter of datetime's
+    """Return seconds since the epoch as the RFC 3339 UTC time the
+    records hold, to the second.
+    """
+    # A quarter of datetime's cost.
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 def parse_time(text: str) -> float:
-    """Seconds since the epoch of an RFC 3339 UTC time such as utc_now() writes."""
-    return datetime.datetime.fromisoformat(
-        str(text).replace("Z", "+00:00")
-    ).timestamp()
+    """Return the seconds since the epoch of an RFC 3339 UTC time such as
+    utc_now() writes.
+    """
+    moment = datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    return moment.timestamp()
+
+
+PERIOD_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def parse_period(text: str) -> int:
-    """A period such as 90s, 15m, 1h, 2d or 1w as seconds; ValueError otherwise."""
+    """Return a period such as 90s, 15m, 1h, 2d or 1w in seconds; raise
+    ValueError for anything else.
+    """
     match = re.fullmatch(r"(\d{1,6})([smhdw])", text.strip())
     if match is None:
         raise ValueError(
             f"{text!r} is not a period; write it as 90s, 15m, 1h, 2d or 1w"
         )
-    return (
-        int(match[1])
-        * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
+    return int(match[1]) * PERIOD_UNITS[match[2]]
+
+
+def valid_owners(data: Any) -> bool:
+    """Whether the owners file holds fleet -> name -> its owner (or
+    {"owner", "id"}).
+    """
+    if not isinstance(data, dict):
+        return False
+    fleets = list(data.values())
+    if not all(isinstance(names, dict) for names in fleets):
+        return False
+    return all(
+        isinstance(owner, (str, dict))
+        for names in fleets
+        for owner in names.values()
     )
 
 
 class Owners:
-    """Who created each machine, per fleet (a branch: its source's owner), and its jobs as seen."""
+    """Who created each machine, per fleet (for a branch: its source's
+    owner), and its jobs as last seen.
+    """
 
     def __init__(self, state_dir: str):
-        def valid(
-            data: Any,
-        ) -> bool:  # fleet -> name -> its owner, or {"owner", "id"}
-            fleets = list(data.values()) if isinstance(data, dict) else [None]
-            nested = all(isinstance(names, dict) for names in fleets)
-            return nested and all(
-                isinstance(o, (str, dict)) for n in fleets for o in n.values()
-            )
-
-        self.file = StateFile(Path(state_dir) / OWNERS_FILE, dict, valid)
-        # read by every get-machine: looked at again at most twice a second
+        self.file = StateFile(
+            Path(state_dir) / OWNERS_FILE, dict, valid_owners
+        )
+        # Read by every get-machine: looked at again at most twice a
+        # second.
         self.jobs = StateFile(
             Path(state_dir) / JOBS_FILE, dict, recheck_secs=0.5
         )
 
     def owner(self, fleet: str, name: str) -> str | None:
-        return self.claimed(fleet, name)[0]
+        owner, _ = self.claimed(fleet, name)
+        return owner
 
     def claimed(self, fleet: str, name: str) -> tuple[str | None, str | None]:
-        """Who claimed ``name`` and, once its create answered, machine_identity() of the machine."""
+        """Return who claimed ``name`` and, once its create answered,
+        machine_identity() of the machine.
+        """
         held = self.file.read().get(fleet, {}).get(name)
-        return (
-            (held.get("owner"), held.get("id"))
-            if isinstance(held, dict)
-            else (held, None)
-        )
+        if isinstance(held, dict):
+            return held.get("owner"), held.get("id")
+        return held, None
 
     def claim(
         self, fleet: str, name: str, owner: str, identity: str | None = None
     ) -> None:
-        held = {"owner": owner, "id": identity} if identity else owner
+        held = owner
+        if identity:
+            held = {"owner": owner, "id": identity}
         self.file.update(
             lambda data: data.setdefault(fleet, {}).__setitem__(name, held)
         )
 
     def clear(self, fleet: str, names: list[str]) -> None:
+        def drop(data: dict) -> None:
+            for name in names:
+                data.get(fleet, {}).pop(name, None)
+
         if set(names) & set(self.jobs.read().get(fleet, {})):
-            self.jobs.update(
-                lambda data: [
-                    data.get(fleet, {}).pop(name, None) for name in names
-                ]
-            )
+            self.jobs.update(drop)
         if any(self.owner(fleet, name) for name in names):
-            self.file.update(
-                lambda data: [
-                    data.get(fleet, {}).pop(name, None) for name in names
-                ]
-            )
+            self.file.update(drop)
 
     def note_job(
         self, fleet: str, name: str, job: dict, started: bool = False
     ) -> None:
-        """Note a job's last-seen state if this server ``started`` or notes it; logs a failure."""
+        """Note a job's last-seen state if this server ``started`` it or
+        noted it before; a failure is logged.
+        """
         seen = {
             "jobId": job["jobId"],
             "state": job["state"],
@@ -6969,17 +7179,17 @@ class Owners:
         def change(data: dict) -> None:
             jobs = data.setdefault(fleet, {}).setdefault(name, [])
             ids = [job["jobId"] for job in jobs]
-            at = (
-                ids.index(seen["jobId"]) if seen["jobId"] in ids else len(jobs)
-            )
+            at = len(jobs)
+            if seen["jobId"] in ids:
+                at = ids.index(seen["jobId"])
             jobs[at : at + 1] = [seen]
             del jobs[:-JOBS_KEPT]
 
         try:
             known = self.jobs.read().get(fleet, {}).get(name, [])
-            if seen not in known and (
-                started or seen["jobId"] in [j["jobId"] for j in known]
-            ):
+            if seen in known:
+                return
+            if started or seen["jobId"] in [job["jobId"] for job in known]:
                 self.jobs.update(change)
         except SmolError as err:
             log.warning(
@@ -6987,12 +7197,13 @@ class Owners:
             )
 
     def release(self, fleet: str, name: str, owner: str) -> None:
-        """Forget a claim that came to nothing, unless another owner holds the name by now."""
+        """Forget a claim that came to nothing, unless another owner holds
+        the name by now.
+        """
 
         def drop(data: dict) -> None:
-            if (
-                data.get(fleet, {}).get(name) == owner
-            ):  # a bare claim, made before the create
+            # A bare claim, made before the create.
+            if data.get(fleet, {}).get(name) == owner:
                 del data[fleet][name]
 
         if self.owner(fleet, name) == owner:
@@ -7000,13 +7211,19 @@ class Owners:
 
 
 class OwnedFleet:
-    """A fleet as a sandbox.* principal sees it: another's machine is answered as a missing one."""
+    """A fleet as a sandbox.* principal sees it: another's machine is
+    answered as a missing one.
+    """
 
     def __init__(self, fleet: Any, owners: Owners, owner: str):
-        self._fleet, self._owners, self._owner = fleet, owners, owner
+        self._fleet = fleet
+        self._owners = owners
+        self._owner = owner
 
     def mine(self, name: str, record: dict | None = None) -> bool:
-        """Whether ``name`` is this owner's and still the machine it created, not one made again."""
+        """Whether ``name`` is this owner's, and still the machine it
+        created rather than one made again under that name.
+        """
         owner, identity = self._owners.claimed(self._fleet.name, name)
         return owner == self._owner and same_machine(
             self._fleet, name, identity, record
@@ -7014,22 +7231,22 @@ class OwnedFleet:
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._fleet, attr)
-        if not callable(value) or attr in (
-            "acquire",
-            "release",
-            "create_machine",
-        ):
+        unguarded = ("acquire", "release", "create_machine")
+        if not callable(value) or attr in unguarded:
             return value
         if attr == "list_machines":
             return lambda: [m for m in value() if self.mine(m["name"], m)]
         return functools.partial(self._guarded, value)
 
     def _guarded(self, method: Callable, /, *args: Any, **kwargs: Any) -> Any:
-        """``method`` on a machine of this owner's; on another's, as on a missing machine."""
+        """Call ``method`` on a machine of this owner's; on another's,
+        answer as on a missing machine.
+        """
         if not args or not isinstance(args[0], str) or self.mine(args[0]):
             return method(*args, **kwargs)
         name = args[0]
-        absent = f"{self._fleet.config.machine_prefix}absent-{secrets_module.token_hex(8)}"
+        prefix = self._fleet.config.machine_prefix
+        absent = f"{prefix}absent-{secrets_module.token_hex(8)}"
         try:
             method(absent, *args[1:], **kwargs)
         except SmolError as err:
@@ -7041,10 +7258,9 @@ class OwnedFleet:
                 for a in err.args
             )
             raise err from None
-        action = f"find machine '{name}'"
         raise ApiError(
             self._fleet.name,
-            action,
+            f"find machine '{name}'",
             404,
             "NOT_FOUND",
             f"machine '{name}' not found",
@@ -7052,128 +7268,128 @@ class OwnedFleet:
 
 
 class Access:
-    """This process's principals and what they own: tokens, owners, activity log and approvals."""
+    """This process's principals and what they own: tokens, owners, the
+    activity log and approvals.
+    """
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
-        environ = os.environ if environ is None else environ
-        self.state_dir = state = config.state_dir or default_state_dir(
-            dict(environ)
-        )
-        self.tokens, self.owners, self.auto = (
-            TokenStore(state),
-            Owners(state),
-            AutoApprovals(state),
-        )
-        self.activity, self.desk = ActivityLog(state), ApprovalDesk(state)
-        self._default_hash = (
-            secret_hash(config.auth_token) if config.auth_token else None
-        )
+        if environ is None:
+            environ = os.environ
+        state = config.state_dir or default_state_dir(dict(environ))
+        self.state_dir = state
+        self.tokens = TokenStore(state)
+        self.owners = Owners(state)
+        self.auto = AutoApprovals(state)
+        self.activity = ActivityLog(state)
+        self.desk = ApprovalDesk(state)
+        self._default_hash = None
+        if config.auth_token:
+            self._default_hash = secret_hash(config.auth_token)
         self.default = Principal("default", frozenset(SCOPES), id="default")
-        stdio = dict(
-            approval=config.approval, kind="stdio", user=os_user(), id="stdio"
-        )
         self.stdio = Principal(
-            "stdio", frozenset(config.scopes or SCOPES), **stdio
+            "stdio",
+            frozenset(config.scopes or SCOPES),
+            approval=config.approval,
+            kind="stdio",
+            user=os_user(),
+            id="stdio",
         )
         self._warned = False
 
     def token_for(self, offered: list[str]) -> Principal | None:
-        """The principal whose secret is among ``offered``, or None. A secret the tokens file lacks
-        (but not the default token's) reads the file again at once."""
-        hashes, default = (
-            [secret_hash(one) for one in offered if one],
-            self._default_hash,
-        )
-        # every comparison runs (a list, not a generator), whichever matches
+        """Return the principal whose secret is among ``offered``, or None.
+
+        A secret the tokens file lacks (but not the default token's)
+        reads the file again at once.
+        """
+        hashes = [secret_hash(one) for one in offered if one]
+        default = self._default_hash
+        # Every comparison runs (a list, not a generator), whichever
+        # matches.
         is_default = default is not None and any(
-            [hmac.compare_digest(h, default) for h in hashes]
+            [hmac.compare_digest(digest, default) for digest in hashes]
         )
         try:
             record = self.tokens.match(offered, again=not is_default)
-        except (
-            SmolError
-        ) as err:  # a damaged tokens file lets no named token in
+        # A damaged tokens file lets no named token in.
+        except SmolError as err:
             if not self._warned:
                 log.warning("%s; named tokens are refused until then", err)
                 self._warned = True
             record = None
+        if record is None and is_default:
+            return self.default
         if record is None:
-            return self.default if is_default else None
+            return None
         self.tokens.touch(record["name"])
-        targets = tuple(record.get("targets") or FLEET_NAMES)
-        scopes, approval = (
-            frozenset(record.get("scopes", [])),
-            record.get("approval", "none"),
-        )
         return Principal(
-            record["name"], scopes, targets, approval, id=record.get("id", "")
+            record["name"],
+            frozenset(record.get("scopes", [])),
+            tuple(record.get("targets") or FLEET_NAMES),
+            record.get("approval", "none"),
+            id=record.get("id", ""),
         )
 
     def live_ids(self) -> dict[str, str]:
-        """name -> id of every principal that may still make requests."""
-        default = (
-            {"default": "default"} if self._default_hash is not None else {}
-        )
+        """Return name -> id of every principal that may still make
+        requests.
+        """
+        default = {}
+        if self._default_hash is not None:
+            default["default"] = "default"
         try:
-            return {
-                token["name"]: token.get("id", "")
-                for token in self.tokens.records()
-            } | default
+            tokens = self.tokens.records()
         except SmolError:
             return default
+        return {
+            token["name"]: token.get("id", "") for token in tokens
+        } | default
 
     def fleet_for(
         self, principal: Principal, grant: Grant, fleet: Fleet
     ) -> Fleet:
-        return (
-            OwnedFleet(fleet, self.owners, principal.name)
-            if grant.owned_only
-            else fleet
-        )
+        """Return the fleet as ``grant`` lets the principal see it."""
+        if grant.owned_only:
+            return OwnedFleet(fleet, self.owners, principal.name)
+        return fleet
 
 
-# -- Activity log and approvals ------------------------------------------------
-# What an agent changed is written down before it is told the result, and any change can be held
-# until a person on the host answers. Both are plain files in the state directory, shared by server
-# processes and terminal commands without a daemon: the log is appended under a file lock; an
-# approval is a request file naming the waiting process (pid and start time: no request outlives
-# it) and the answer file `approvals approve|deny` writes next to it.
+# -- Activity log and approvals -----------------------------------------------
+# What an agent changed is written down before it is told the result,
+# and any change can be held until a person on the host answers. Both
+# are plain files in the state directory, shared by server processes
+# and terminal commands without a daemon: the log is appended under a
+# file lock; an approval is a request file naming the waiting process
+# (pid and start time: no request outlives it) and the answer file
+# `approvals approve|deny` writes next to it.
 
-ACTIVITY_URI, ACTIVITY_FILE, ACTIVITY_KEEP_FILES = (
-    "smol://activity",
-    "activity.jsonl",
-    5,
-)
-ACTIVITY_ROTATE_BYTES = (
-    8 * 1024 * 1024
-)  # then activity.jsonl.1 ... .5; the oldest is dropped
-ACTIVITY_RESOURCE_ENTRIES = (
-    200  # a page: what smol://activity and `activity` show at most
-)
-ACTIVITY_PAGE_BYTES = (
-    512 * 1024
-)  # and what a page of smol://activity holds at most
-ACTIVITY_FIELD_BYTES = (
-    2048  # a longer value is cut, keeping its byte count and SHA-256
-)
-APPROVALS_DIR, AUTO_APPROVE_FILE = "approvals", "auto-approve.json"
-APPROVAL_POLL_SECS, APPROVAL_PROGRESS_SECS = (
-    0.25,
-    5,
-)  # a terminal answer is seen within a second
-APPROVAL_MAX_WAITING = (
-    16  # calls one token (or stdio server) may hold waiting; more are refused
-)
-APPROVAL_SHOW_BYTES = (
-    4096  # what `approvals list` shows of a value; the rest: bytes and SHA-256
-)
-WEBHOOK_THREADS, WEBHOOK_QUEUE = (
-    2,
-    64,
-)  # approval notices post from one bounded pool
-CONFIRM_TTL_SECS = (
-    600  # a 2026-era confirmation (allow-egress) answers within this, once
-)
+ACTIVITY_URI = "smol://activity"
+ACTIVITY_FILE = "activity.jsonl"
+ACTIVITY_KEEP_FILES = 5
+# Then activity.jsonl.1 ... .5; the oldest is dropped.
+ACTIVITY_ROTATE_BYTES = 8 * 1024 * 1024
+# A page: what smol://activity and `activity` show at most, in entries
+# and in bytes.
+ACTIVITY_RESOURCE_ENTRIES = 200
+ACTIVITY_PAGE_BYTES = 512 * 1024
+# A longer value is cut, keeping its byte count and SHA-256.
+ACTIVITY_FIELD_BYTES = 2048
+APPROVALS_DIR = "approvals"
+AUTO_APPROVE_FILE = "auto-approve.json"
+# A terminal's answer is seen within a second.
+APPROVAL_POLL_SECS = 0.25
+APPROVAL_PROGRESS_SECS = 5
+# The calls one token (or stdio server) may hold waiting; more are
+# refused.
+APPROVAL_MAX_WAITING = 16
+# What `approvals list` shows of a value; of the rest, its byte count
+# and SHA-256.
+APPROVAL_SHOW_BYTES = 4096
+# Approval notices post from one bounded pool.
+WEBHOOK_THREADS = 2
+WEBHOOK_QUEUE = 64
+# A 2026-era confirmation (allow-egress) answers within this, once.
+CONFIRM_TTL_SECS = 600
 AUTO_APPROVE_PERIODS = {
     "1h": 3600,
     "1d": 86400,
@@ -7181,9 +7397,11 @@ AUTO_APPROVE_PERIODS = {
     "30d": 2592000,
     "forever": None,
 }
-# Arguments that are the agent's data, not a description of the call: the log keeps their size and
-# digest, so a reader can match them without holding them (a file with a key must not copy it here).
-REDACTED_ARGUMENTS, REDACTED_MAPS = ("content", "stdin"), ("env",)
+# Arguments that are the agent's data, not a description of the call:
+# the log keeps their size and digest, so a reader can match them
+# without holding them (a file with a key must not copy it here).
+REDACTED_ARGUMENTS = ("content", "stdin")
+REDACTED_MAPS = ("env",)
 
 
 class ApprovalRefused(SmolError):
@@ -7195,7 +7413,9 @@ class ApprovalRefused(SmolError):
 
 
 def fingerprint(value: str) -> dict:
-    """What the log keeps of a value it must not copy: its size and SHA-256."""
+    """Return what the log keeps of a value it must not copy: its size
+    and SHA-256.
+    """
     return {
         "bytes": len(value.encode("utf-8", "surrogatepass")),
         "sha256": secret_hash(value),
@@ -7203,25 +7423,32 @@ def fingerprint(value: str) -> dict:
 
 
 def redact_arguments(arguments: dict, schema: dict | None = None) -> dict:
-    """The arguments as the log shows them: content, stdin, env and unknown ones as size, digest."""
-    shown, properties = {}, (schema or {}).get("properties")
+    """Return the arguments as the log shows them.
+
+    content, stdin, each value of env, and any argument the schema does
+    not know appear as their size and digest.
+    """
+    properties = (schema or {}).get("properties")
     known = arguments if properties is None else properties
+    shown = {}
     for key, value in arguments.items():
         if key in REDACTED_MAPS and isinstance(value, dict):
             shown[key] = {
                 name: fingerprint(str(item)) for name, item in value.items()
             }
         elif key in (*REDACTED_ARGUMENTS, *REDACTED_MAPS) or key not in known:
-            shown[key] = fingerprint(
-                value if isinstance(value, str) else json.dumps(value)
-            )
+            if not isinstance(value, str):
+                value = json.dumps(value)
+            shown[key] = fingerprint(value)
         else:
             shown[key] = value
     return shown
 
 
 def approval_arguments(call: Any) -> dict:
-    """What a person judges a held call by (SPEC 13): all arguments, cut at APPROVAL_SHOW_BYTES."""
+    """Return what a person judges a held call by: all its arguments,
+    each cut at APPROVAL_SHOW_BYTES.
+    """
     return bounded(
         dict(getattr(call.params, "arguments", None) or {}),
         APPROVAL_SHOW_BYTES,
@@ -7229,8 +7456,12 @@ def approval_arguments(call: Any) -> dict:
 
 
 def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
-    """``value`` with no string over ``limit`` bytes nor the whole over 4x that as JSON: longer is
-    cut to its head, with the byte count and SHA-256 of the whole (SPEC 13)."""
+    """Return ``value`` with no string over ``limit`` bytes, nor the whole
+    over 4 times that as JSON.
+
+    What is longer is cut to its head, with the byte count and SHA-256
+    of the whole.
+    """
     if isinstance(value, str):
         data = value.encode("utf-8", "surrogatepass")
         if len(data) <= limit:
@@ -7239,15 +7470,17 @@ def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
             "cut": data[: limit // 2].decode("utf-8", "ignore"),
             **fingerprint(value),
         }
-    if isinstance(value, (dict, list)):
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        inner = {str(k)[:128]: bounded(v, limit) for k, v in list(items)[:64]}
-        inner = inner if isinstance(value, dict) else list(inner.values())
-        text = json.dumps(value, default=str)
-        if len(inner) == len(value) and len(json.dumps(inner)) <= 4 * limit:
-            return inner
-        return {"cut": text[: limit // 2], **fingerprint(text)}
-    return value
+    if isinstance(value, dict):
+        items = list(value.items())[:64]
+        inner = {str(k)[:128]: bounded(v, limit) for k, v in items}
+    elif isinstance(value, list):
+        inner = [bounded(v, limit) for v in value[:64]]
+    else:
+        return value
+    text = json.dumps(value, default=str)
+    if len(inner) == len(value) and len(json.dumps(inner)) <= 4 * limit:
+        return inner
+    return {"cut": text[: limit // 2], **fingerprint(text)}
 
 
 def os_user() -> str:
@@ -7258,13 +7491,17 @@ def os_user() -> str:
 
 
 class ActivityLog:
-    """activity.jsonl: a JSON object a line, each written under a lock; rotated into .1 to .5."""
+    """activity.jsonl: a JSON object a line, each written under a lock;
+    rotated into .1 to .5.
+    """
 
     def __init__(self, state_dir: str | Path):
         self.path = Path(state_dir) / ACTIVITY_FILE
 
     def append(self, entry: dict, secret_values: list[str] = ()) -> None:
-        """Write one entry; raises OSError or SmolError when the state directory cannot take it."""
+        """Write one entry; raise OSError or SmolError when the state
+        directory cannot take it.
+        """
         entry = {
             "time": utc_now(),
             **{key: bounded(value) for key, value in entry.items()},
@@ -7273,24 +7510,30 @@ class ActivityLog:
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
         with locked(self.path.with_name(ACTIVITY_FILE + ".lock")):
-            size = self.path.stat().st_size if self.path.exists() else 0
-            if (
-                size and size + len(line) > ACTIVITY_ROTATE_BYTES
-            ):  # .4 replaces .5: the oldest goes
-                for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):
-                    if self.older(index).exists():
-                        self.older(index).replace(self.older(index + 1))
-                self.path.replace(self.older(1))
+            self._rotate_before(len(line))
             fd = os.open(
                 self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600
             )
             with open(fd, "ab", buffering=0) as out:
                 written = out.write(line)
-                if written != len(
-                    line
-                ):  # a full disk: never leave half a line behind
+                # A full disk: never leave half a line behind.
+                if written != len(line):
                     out.truncate(os.fstat(fd).st_size - written)
                     raise OSError(28, "No space left on device")
+
+    def _rotate_before(self, adding: int) -> None:
+        """Rotate the files if ``adding`` bytes would take the log past
+        ACTIVITY_ROTATE_BYTES: .4 replaces .5, and the oldest goes.
+        """
+        if not self.path.exists():
+            return
+        size = self.path.stat().st_size
+        if not size or size + adding <= ACTIVITY_ROTATE_BYTES:
+            return
+        for index in range(ACTIVITY_KEEP_FILES - 1, 0, -1):
+            if self.older(index).exists():
+                self.older(index).replace(self.older(index + 1))
+        self.path.replace(self.older(1))
 
     def older(self, index: int) -> Path:
         return self.path.with_name(f"{ACTIVITY_FILE}.{index}")
@@ -7298,12 +7541,16 @@ class ActivityLog:
     def entries(
         self, keep: Callable = bool, limit: int | None = None, max_bytes=0
     ) -> list[dict]:
-        """The latest ``limit`` entries ``keep`` accepts, oldest first, in at most ``max_bytes`` of
-        lines; newest files first, no further than needed, split on "\n" only."""
-        found, size = [], 0
-        for path in [self.path] + [
-            self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)
-        ]:
+        """Return the latest ``limit`` entries ``keep`` accepts, oldest
+        first, in at most ``max_bytes`` of lines.
+
+        The newest files are read first, no further than needed, and
+        split on "\\n" only.
+        """
+        found = []
+        size = 0
+        older = [self.older(i) for i in range(1, ACTIVITY_KEEP_FILES + 1)]
+        for path in [self.path, *older]:
             try:
                 lines = path.read_bytes().split(b"\n")
             except (FileNotFoundError, NotADirectoryError):
@@ -7316,9 +7563,8 @@ class ActivityLog:
                 if not isinstance(entry, dict) or not keep(entry):
                     continue
                 size += len(line) + 1
-                if (limit is not None and len(found) >= limit) or (
-                    max_bytes and size > max_bytes
-                ):
+                full = limit is not None and len(found) >= limit
+                if full or (max_bytes and size > max_bytes):
                     return found[::-1]
                 found.append(entry)
         return found[::-1]
@@ -7327,16 +7573,21 @@ class ActivityLog:
 def activity_filter(
     principal=None, machine=None, since_secs: int | None = None
 ) -> Callable:
-    cutoff = time.time() - since_secs if since_secs is not None else None
+    """Return a test of an entry: by ``principal``, on ``machine``, and
+    within the last ``since_secs``, each when given.
+    """
+    cutoff = None
+    if since_secs is not None:
+        cutoff = time.time() - since_secs
 
     def keep(entry: dict) -> bool:
         for key, wanted in (("principal", principal), ("machine", machine)):
             if wanted is not None and entry.get(key) != wanted:
                 return False
+        if cutoff is None:
+            return True
         try:
-            return (
-                cutoff is None or parse_time(entry.get("time", "")) >= cutoff
-            )
+            return parse_time(entry.get("time", "")) >= cutoff
         except ValueError:
             return False
 
@@ -7344,13 +7595,17 @@ def activity_filter(
 
 
 def waiting_process_alive(request: dict) -> bool:
-    pid = request.get("pid")  # the start times are both None without /proc
+    """Whether the process that filed ``request`` still waits on it."""
+    # The start times are both None without /proc.
+    pid = request.get("pid")
     alive = isinstance(pid, int) and process_alive(pid)
     return alive and process_start_time(pid) == request.get("pidStart")
 
 
 class ApprovalDesk:
-    """The approvals directory: <id>.request.json of a waiting server, <id>.answer.json answers."""
+    """The approvals directory: <id>.request.json of a waiting server,
+    and <id>.answer.json answering it.
+    """
 
     def __init__(self, state_dir: str | Path):
         self.directory = Path(state_dir) / APPROVALS_DIR
@@ -7358,14 +7613,17 @@ class ApprovalDesk:
     def path_of(self, approval_id: str, kind: str) -> Path:
         if not re.fullmatch(r"[a-f0-9]{12}", approval_id):
             raise SmolError(
-                f"{approval_id!r} is not an approval id; `approvals list` shows them"
+                f"{approval_id!r} is not an approval id;"
+                " `approvals list` shows them"
             )
         return self.directory / f"{approval_id}.{kind}.json"
 
-    def open(self, request: dict) -> str:  # returns the request's id
+    def open(self, request: dict) -> str:
+        """File ``request`` for this process; return its id."""
         ensure_state_dir(self.directory.parent)
         self.directory.mkdir(mode=0o700, exist_ok=True)
-        approval_id, pid = secrets_module.token_hex(6), os.getpid()
+        approval_id = secrets_module.token_hex(6)
+        pid = os.getpid()
         request = dict(
             request, id=approval_id, pid=pid, pidStart=process_start_time(pid)
         )
@@ -7373,20 +7631,23 @@ class ApprovalDesk:
         return approval_id
 
     def answer(self, approval_id: str) -> dict | None:
+        path = self.path_of(approval_id, "answer")
         try:
-            answer = json.loads(
-                self.path_of(approval_id, "answer").read_text()
-            )
+            answer = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        return answer if isinstance(answer, dict) else None
+        if not isinstance(answer, dict):
+            return None
+        return answer
 
     def close(self, approval_id: str) -> None:
         for kind in ("request", "answer"):
             self.path_of(approval_id, kind).unlink(missing_ok=True)
 
     def pending(self) -> list[dict]:
-        """Requests still waited on and unanswered, oldest first; a stopped process's go."""
+        """Return the requests still waited on and unanswered, oldest
+        first; those of a stopped process go.
+        """
         found = []
         for path in self.directory.glob("*.request.json"):
             try:
@@ -7399,9 +7660,8 @@ class ApprovalDesk:
                 expired = parse_time(request["expiresAt"]) < time.time()
             except (KeyError, TypeError, ValueError):
                 expired = True
-            if expired or not waiting_process_alive(
-                request
-            ):  # nobody can act on it any more
+            # Nobody can act on it any more.
+            if expired or not waiting_process_alive(request):
                 self.close(approval_id)
             elif not answered:
                 found.append(request)
@@ -7410,7 +7670,9 @@ class ApprovalDesk:
         )
 
     def respond(self, approval_id: str, answer: dict) -> dict:
-        """Answer a waiting request and return it; SmolError for an unknown, stale, answered id."""
+        """Answer a waiting request and return it; raise SmolError for an
+        unknown, stale or answered id.
+        """
         try:
             request = json.loads(
                 self.path_of(approval_id, "request").read_text()
@@ -7422,9 +7684,10 @@ class ApprovalDesk:
             ) from None
         if not waiting_process_alive(request):
             self.close(approval_id)
-            refused = "so that call was refused (approval_interrupted); there is nothing to answer"
             raise SmolError(
-                f"the server that held {approval_id} has stopped, {refused}"
+                f"the server that held {approval_id} has stopped, so that"
+                " call was refused (approval_interrupted); there is"
+                " nothing to answer"
             )
         answer_path = self.path_of(approval_id, "answer")
         if answer_path.exists():
@@ -7434,13 +7697,17 @@ class ApprovalDesk:
 
 
 class AutoApprovals:
-    """Who may run changing tools unasked: name -> {id, until}; a new namesake's id asks again."""
+    """Who may run changing tools unasked: name -> {id, until}; a new
+    namesake's id asks again.
+    """
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / AUTO_APPROVE_FILE, dict)
 
     def until(self, principal: Principal) -> str | None:
-        """Until when it may run without asking: "forever", an RFC 3339 time, or None."""
+        """Return until when it may run without asking: "forever", an RFC
+        3339 time, or None.
+        """
         try:
             granted = self.file.read().get(principal.name)
             if (
@@ -7450,17 +7717,17 @@ class AutoApprovals:
                 return None
             if granted.get("until") is None:
                 return "forever"
-            return (
-                granted["until"]
-                if parse_time(granted["until"]) > time.time()
-                else None
-            )
+            if parse_time(granted["until"]) <= time.time():
+                return None
+            return granted["until"]
         except (SmolError, ValueError, TypeError):
             return None
 
     def grant(self, name: str, principal_id: str, period: str) -> str:
         seconds = AUTO_APPROVE_PERIODS[period]
-        until = None if seconds is None else utc_time(time.time() + seconds)
+        until = None
+        if seconds is not None:
+            until = utc_time(time.time() + seconds)
         self.file.update(
             lambda data: data.__setitem__(
                 name, {"id": principal_id, "until": until}
@@ -7469,29 +7736,28 @@ class AutoApprovals:
         return until or "forever"
 
     def end(self, name: str) -> bool:
-        there = self.file.path.exists()
-        return there and self.file.update(
-            lambda data: data.pop(name, None) is not None
-        )
+        if not self.file.path.exists():
+            return False
+        return self.file.update(lambda data: data.pop(name, None) is not None)
 
     def shown(self, name: str, principal_id: str) -> str:
-        """What `tokens list` says about a principal's auto-approval."""
-        return (
-            self.until(Principal(name, frozenset(), id=principal_id)) or "off"
-        )
+        """Return what `tokens list` says of a principal's auto-approval."""
+        principal = Principal(name, frozenset(), id=principal_id)
+        return self.until(principal) or "off"
 
 
 def post_webhook(url: str, payload: dict) -> str | None:
-    """POST an approval notice (never the arguments); the failure as a sentence, or None."""
+    """POST an approval notice (never the arguments); return the failure
+    as a sentence, or None.
+    """
     try:
         import httpx2
 
         response = httpx2.post(url, json=payload, timeout=10)
         if response.status_code >= 300:
             return f"the approval webhook answered HTTP {response.status_code}"
-    except (
-        Exception
-    ) as err:  # any failure is reported, never raised into the waiting call
+    # Any failure is reported, never raised into the waiting call.
+    except Exception as err:
         return f"the approval webhook failed ({type(err).__name__}: {err})"
     return None
 
@@ -7499,47 +7765,54 @@ def post_webhook(url: str, payload: dict) -> str | None:
 # ---------------------------------------------------------------------------
 # 12. The MCP server
 #
-# One low-level mcp Server serves both protocol eras. Its lifespan is entered once per stdio process
-# (and once per in-memory client), which is exactly the life of a stdio session, so the session
-# lives there and is cleaned up as the lifespan exits, however the connection ended.
+# One low-level mcp Server serves both protocol eras. Its lifespan is
+# entered once per stdio process (and once per in-memory client), which
+# is exactly the life of a stdio session, so the session lives there
+# and is cleaned up as the lifespan exits, however the connection ended.
 # ---------------------------------------------------------------------------
 
 ELICIT_TIMEOUT_SECS = 120
 JSON_TYPE = "application/json"
-SERVED_AS = [
-    fleet.served_as for fleet in FLEETS.values()
-]  # "local (...)": how each is named
+# How each fleet is named: "local (...)".
+SERVED_AS = [fleet.served_as for fleet in FLEETS.values()]
 FLEET_QUESTION = (
     "This smol-mcp server reaches these fleets of machines: "
     + " and ".join(SERVED_AS)
 )
-FLEET_QUESTION += ". Which one is this session for? Choose both to name the fleet on every call."
+FLEET_QUESTION += (
+    ". Which one is this session for?"
+    " Choose both to name the fleet on every call."
+)
 FLEET_CHOICE = dict(type="string", title="Fleet", enum=[*FLEETS, "both"])
 FLEET_CHOICE["description"] = ", ".join(FLEETS) + ", or both (decide per call)"
 FLEET_QUESTION_SCHEMA = dict(
     type="object", required=["fleet"], properties={"fleet": FLEET_CHOICE}
 )
-ARG_TARGET = dict(type="string", enum=list(FLEETS))
-ARG_TARGET["description"] = (
-    f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one "
-)
-ARG_TARGET["description"] += (
-    "fleet is invisible on the other, so there is no default."
-)
-TARGET_NAMES = " or ".join(
-    f'"{name}"' for name in FLEETS
-)  # as messages name them
+ARG_TARGET = {
+    "type": "string",
+    "enum": list(FLEETS),
+    "description": (
+        f"Which fleet: {' or '.join(SERVED_AS)}. Required: a machine on one"
+        " fleet is invisible on the other, so there is no default."
+    ),
+}
+# The fleets as messages name them.
+TARGET_NAMES = " or ".join(f'"{name}"' for name in FLEETS)
 
 
 def sdk_types():
-    """The SDK's mcp_types, imported at first use: stdio startup loads no SDK."""
+    """Return the SDK's mcp_types, imported at first use: stdio startup
+    loads no SDK.
+    """
     import mcp_types
 
     return mcp_types
 
 
 class AskClient(Exception):
-    """A 2026-era question for the person (InputRequiredResult): the call answers with it."""
+    """A 2026-era question for the person (InputRequiredResult): the call
+    answers with it.
+    """
 
     def __init__(self, state: str, requests: dict):
         super().__init__("input required")
@@ -7548,16 +7821,21 @@ class AskClient(Exception):
 
 
 def can_elicit(ctx) -> bool:
-    """Whether the client can show a form (said at initialize, or per 2026-era request)."""
-    capabilities = ctx.session.client_capabilities if ctx is not None else None
-    asks = getattr(capabilities, "elicitation", None)
-    return asks is not None and not (
-        asks.form is None and asks.url is not None
-    )
+    """Whether the client can show a form (said at initialize, or per
+    2026-era request).
+    """
+    if ctx is None:
+        return False
+    asks = getattr(ctx.session.client_capabilities, "elicitation", None)
+    if asks is None:
+        return False
+    return not (asks.form is None and asks.url is not None)
 
 
 def modern(ctx) -> bool:
-    """Whether the request speaks the 2026 era (questions travel in the result)."""
+    """Whether the request speaks the 2026 era (questions travel in the
+    result).
+    """
     return ctx.protocol_version in sdk_types().version.MODERN_PROTOCOL_VERSIONS
 
 
@@ -7570,17 +7848,19 @@ def form_question(message: str, schema: dict):
 
 
 def elicit_result(answer: Any):
-    """A 2026-era answer as the client sent it (a dict) read as an ElicitResult."""
-    return (
-        sdk_types().ElicitResult.model_validate(answer)
-        if isinstance(answer, dict)
-        else answer
-    )
+    """Return a 2026-era answer as the client sent it (a dict) read as an
+    ElicitResult.
+    """
+    if isinstance(answer, dict):
+        return sdk_types().ElicitResult.model_validate(answer)
+    return answer
 
 
 def resolve_mode(config: Config) -> str:
-    """The fleets served, decided at startup: auto is every fleet the configuration allows ("both"
-    when that is all), else SMOL_MCP_TARGETS, refused when a fleet it names lacks something."""
+    """The fleets served, decided at startup: auto is every fleet the
+    configuration allows ("both" when that is all), else SMOL_MCP_TARGETS,
+    refused when a fleet it names lacks something.
+    """
     lacking = {name: fleet.lacking(config) for name, fleet in FLEETS.items()}
     if config.targets == "auto":
         usable = [name for name, why in lacking.items() if why is None]
@@ -7594,7 +7874,9 @@ def resolve_mode(config: Config) -> str:
 
 
 def configured_schema(tool: ToolSpec, config: Config) -> dict:
-    """A tool's input schema with the configured timeoutSecs ceiling: none the server refuses."""
+    """Return a tool's input schema with the configured timeoutSecs
+    ceiling: it offers no value the server refuses.
+    """
     schema = tool.input_schema
     if schema["properties"].get("timeoutSecs") is not ARG_TIMEOUT:
         return schema
@@ -7606,23 +7888,30 @@ def configured_schema(tool: ToolSpec, config: Config) -> dict:
 
 
 def server_instructions(app: SmolMcp) -> str:
-    c = app.config
+    """Return what the server tells the agent at initialize."""
+    config = app.config
     served = " and ".join(fleet.served_as for fleet in app.fleets.values())
     lines = [
-        "smol-mcp gives you microVMs (smol machines) to work in instead of this computer: every "
-        "command you run with these tools executes inside a guest, never on the host. This "
-        f"process serves {served}.",
-        "- Typical flow: create-machine (waits until the guest runs commands), run-command, "
-        "write-file/read-file, delete-machine. run-once does create, run and delete in one call.",
-        '- Egress is blocked unless you pass network: "open" or allowHosts/allowCidrs.',
-        f"- Machines named {c.machine_prefix}… (and unnamed ones) are ephemeral: deleted when "
-        "this session ends. Any other name persists.",
-        f"- Output beyond {c.max_output_bytes} bytes per stream or {c.reply_tokens} tokens per "
-        "result keeps its head and tail; the whole stream is saved in the machine at the path in "
-        "overflow. read-file pages with offset/length.",
-        "- A non-zero exit code is a result, not an error. Commands time out after "
-        f"{c.exec_timeout_secs} s by default (timeoutSecs up to {c.max_exec_timeout_secs}).",
-        "- branch-machine needs a running source created with branchable: true.",
+        "smol-mcp gives you microVMs (smol machines) to work in instead of"
+        " this computer: every command you run with these tools executes"
+        f" inside a guest, never on the host. This process serves {served}.",
+        "- Typical flow: create-machine (waits until the guest runs"
+        " commands), run-command, write-file/read-file, delete-machine."
+        " run-once does create, run and delete in one call.",
+        '- Egress is blocked unless you pass network: "open" or'
+        " allowHosts/allowCidrs.",
+        f"- Machines named {config.machine_prefix}… (and unnamed ones) are"
+        " ephemeral: deleted when this session ends. Any other name"
+        " persists.",
+        f"- Output beyond {config.max_output_bytes} bytes per stream or"
+        f" {config.reply_tokens} tokens per result keeps its head and tail;"
+        " the whole stream is saved in the machine at the path in overflow."
+        " read-file pages with offset/length.",
+        "- A non-zero exit code is a result, not an error. Commands time out"
+        f" after {config.exec_timeout_secs} s by default (timeoutSecs up to"
+        f" {config.max_exec_timeout_secs}).",
+        "- branch-machine needs a running source created with branchable:"
+        " true.",
     ]
     if app.mode == "both":
         lines.append(
@@ -7630,26 +7919,34 @@ def server_instructions(app: SmolMcp) -> str:
         )
     lines.extend(fleet.instruction for fleet in app.fleets.values())
     lines.append(
-        "- smol://targets says whether each fleet is usable right now, and why not."
+        "- smol://targets says whether each fleet is usable right now,"
+        " and why not."
     )
     if app.approvals.apply():
         lines.append(
-            "- Approvals: a tool that changes something may wait for a person on the server's host "
-            f"to approve it (up to {c.approval_timeout_secs} s; progress notifications say so and "
-            "name the command that approves it). Read-only tools answer at once. You cannot "
-            "approve anything yourself. A refusal starts with a code: approval_rejected (a "
-            "person said no; the reason follows), approval_timed_out (nobody answered), "
-            "approval_cancelled (the call stopped waiting), approval_interrupted (the server "
-            "stopped), approval_token_deleted, approval_unavailable (approvals cannot be asked for "
-            "here). Nothing ran in any of these cases; ask the person before trying again."
+            "- Approvals: a tool that changes something may wait for a"
+            " person on the server's host to approve it (up to"
+            f" {config.approval_timeout_secs} s; progress notifications say"
+            " so and name the command that approves it). Read-only tools"
+            " answer at once. You cannot approve anything yourself. A"
+            " refusal starts with a code: approval_rejected (a person said"
+            " no; the reason follows), approval_timed_out (nobody answered),"
+            " approval_cancelled (the call stopped waiting),"
+            " approval_interrupted (the server stopped),"
+            " approval_token_deleted, approval_unavailable (approvals cannot"
+            " be asked for here). Nothing ran in any of these cases; ask the"
+            " person before trying again."
         )
     return "\n".join(lines)
 
 
 @functools.cache
 def dual_era_server_class() -> type:
-    """The SDK's Server, advertising tools.listChanged however it is asked for its options
-    (Client(server) asks without any). Built on first use: importing this loads no mcp."""
+    """Return the SDK's Server, advertising tools.listChanged however it
+    is asked for its options (Client(server) asks without any).
+
+    Built on first use: importing this module loads no mcp.
+    """
     from mcp.server import NotificationOptions, Server
 
     class DualEraServer(Server):
@@ -7667,43 +7964,40 @@ def dual_era_server_class() -> type:
 
 
 class SmolMcp:
-    """Everything one process serves: the config, the fleets, and the MCP server."""
+    """Everything one process serves: the config, the fleets, and the MCP
+    server.
+
+    Its methods are the handlers of tools and sessions, and the steps of
+    a tool call. What a client reads and follows is Resources; a call
+    held for a person's answer is Approvals.
+    """
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
         self.mode = resolve_mode(config)
         self.access = Access(config, environ)
-        self.local = LocalFleet(
-            config, environ
-        )  # always built (inert) for smol://targets
-        self.fleets: dict[str, Fleet] = {
-            name: self.local
-            if FLEETS[name] is LocalFleet
-            else FLEETS[name](config, environ)
-            for name in (FLEET_NAMES if self.mode == "both" else (self.mode,))
-        }
-        self._limiter, self._swept = None, False
+        # Always built (inert), for smol://targets.
+        self.local = LocalFleet(config, environ)
+        self.fleets: dict[str, Fleet] = self.served_fleets(environ)
+        self._limiter = None
+        self._swept = False
         self._tool_lists: dict[tuple, list] = {}
-        self.checkers: dict[
-            str, Any
-        ] = {}  # tool name -> its argument validator, built once
-        self.state_key = secrets_module.token_bytes(
-            32
-        )  # seals the state of 2026-era questions
-        self.http: HttpSessions | None = (
-            None  # set when serving Streamable HTTP
-        )
-        self.pages: Pages | None = (
-            None  # the sign-in pages of --http (section 14b)
-        )
-        self.failed_last: set[tuple[str, str]] = (
-            set()
-        )  # machines whose last command failed
-        self.stopping = False  # set on SIGTERM/SIGINT: a waiting approval ends as interrupted
-        self.polling: dict[
-            str, int
-        ] = {}  # principal id -> its log pollers (subscriptions)
+        # Tool name -> its argument validator, built once.
+        self.checkers: dict[str, Any] = {}
+        # Seals the state of 2026-era questions.
+        self.state_key = secrets_module.token_bytes(32)
+        # Set when serving Streamable HTTP.
+        self.http: HttpSessions | None = None
+        # The sign-in pages of --http (section 14b).
+        self.pages: Pages | None = None
+        # Machines whose last command failed.
+        self.failed_last: set[tuple[str, str]] = set()
+        # Set on SIGTERM/SIGINT: a waiting approval ends as interrupted.
+        self.stopping = False
+        # Principal id -> its log pollers (subscriptions).
+        self.polling: dict[str, int] = {}
         self.approvals = Approvals(self)
+        self.resources = Resources(self)
         self.server = dual_era_server_class()(
             "smol-mcp",
             version=__version__,
@@ -7712,23 +8006,43 @@ class SmolMcp:
             lifespan=self.lifespan,
             on_list_tools=self.on_list_tools,
             on_call_tool=self.call_tool,
-            on_list_resources=self.on_list_resources,
-            on_list_resource_templates=self.on_list_resource_templates,
-            on_read_resource=self.on_read_resource,
-            on_subscribe_resource=self.on_subscribe,
-            on_unsubscribe_resource=self.on_unsubscribe,
-            on_subscriptions_listen=self.listen,
+            on_list_resources=self.resources.on_list_resources,
+            on_list_resource_templates=(
+                self.resources.on_list_resource_templates
+            ),
+            on_read_resource=self.resources.on_read_resource,
+            on_subscribe_resource=self.resources.on_subscribe,
+            on_unsubscribe_resource=self.resources.on_unsubscribe,
+            on_subscriptions_listen=self.resources.listen,
         )
 
+    def served_fleets(self, environ: dict[str, str] | None) -> dict:
+        """Return the fleets this mode serves, by name; the local one is
+        self.local.
+        """
+        names = (self.mode,)
+        if self.mode == "both":
+            names = FLEET_NAMES
+        fleets = {}
+        for name in names:
+            if FLEETS[name] is LocalFleet:
+                fleets[name] = self.local
+            else:
+                fleets[name] = FLEETS[name](self.config, environ)
+        return fleets
+
     def thread_limiter(self):
-        """Threads for blocking API calls: enough that long commands never queue short ones."""
+        """Return the threads for blocking API calls: enough that long
+        commands never queue short ones.
+        """
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(128)
         return self._limiter
 
     @asynccontextmanager
     async def lifespan(self, server: Any):
-        # Over HTTP it is entered once for the whole listener, which holds many sessions.
+        # Over HTTP it is entered once for the whole listener, which
+        # holds many sessions.
         async with anyio.create_task_group() as tasks:
             if self.http is not None:
                 async with self.http.running(tasks):
@@ -7738,47 +8052,420 @@ class SmolMcp:
             try:
                 yield {"session": session}
             finally:
-                tasks.cancel_scope.cancel()  # its log pollers end with it
+                # Its log pollers end with it.
+                tasks.cancel_scope.cancel()
                 await self.end_session(session)
 
     async def on_list_tools(self, ctx, params):
+        # Only both mode has a session choose its fleet.
         with_target = (
             self.mode == "both" and self.session_for(ctx).target is None
         )
         tools = self.tool_list(with_target, self.principal_for(ctx))
         return sdk_types().ListToolsResult(tools=tools)
 
-    async def on_subscribe(self, ctx, params):
-        """Handshake era: follow a log until unsubscribe or the end of the session."""
-        uri, principal = str(params.uri), self.principal_for(ctx)
-        fleet, name = self.log_resource(uri, principal)
-        session = self.session_for(ctx)
-        if uri not in session.subscriptions:
-            self.check_share(principal, len(session.subscriptions) + 1, 1)
-            scope = session.subscriptions[uri] = anyio.CancelScope()
-            notify = (
-                ctx.session.send_resource_updated
-            )  # the captured session outlives this call
+    def tool_list(
+        self, with_target: bool, principal: Principal | None = None
+    ) -> list:
+        """Return the tools its scopes grant, as shown; cached per shape
+        (2026-era clients list often).
+        """
+        key = (with_target, (principal or self.access.stdio).tools())
+        if key not in self._tool_lists:
+            self._tool_lists[key] = [
+                self.mcp_tool(TOOLS_BY_NAME[n], with_target) for n in key[1]
+            ]
+        return self._tool_lists[key]
 
-            async def poll() -> None:
-                with scope:
-                    await follow_log(
-                        self, fleet, name, lambda: notify(uri), principal.id
+    def principal_for(self, ctx) -> Principal:
+        """Return who sent the request: the token HttpGate found, or the
+        stdio principal.
+        """
+        if ctx.request is None:
+            return self.access.stdio
+        return ctx.request.scope["state"]["smol_principal"]
+
+    def mcp_tool(self, tool: ToolSpec, with_target: bool):
+        """Return the tool as a client is shown it; with_target (both
+        mode) adds a required target.
+        """
+        types = sdk_types()
+        schema = configured_schema(tool, self.config)
+        if with_target:
+            required = ["target", *schema["required"]]
+            properties = {"target": ARG_TARGET, **schema["properties"]}
+            schema = {**schema, "properties": properties, "required": required}
+        annotations = types.ToolAnnotations(
+            title=tool.title,
+            read_only_hint=tool.read_only,
+            destructive_hint=tool.destructive,
+            idempotent_hint=tool.idempotent,
+            open_world_hint=tool.open_world,
+        )
+        return types.Tool(
+            name=tool.name,
+            title=tool.title,
+            description=tool.description,
+            input_schema=schema,
+            output_schema=tool.output_schema,
+            annotations=annotations,
+        )
+
+    def session_for(self, ctx) -> Session:
+        """Return a request's session: the lifespan's on stdio and in
+        memory, else HttpSessions'.
+        """
+        if ctx.request is None:
+            return ctx.lifespan_context["session"]
+        return self.http.session_for(ctx)
+
+    def open_session(self, session_id: str, tasks: Any) -> Session:
+        """Return a new session; it holds the fleets (the serve) until
+        end_session.
+        """
+        for fleet in self.fleets.values():
+            fleet.acquire()
+        return Session(self, session_id, tasks)
+
+    def fleet_for(
+        self, session: Session, name: str, arguments: dict, params: Any = None
+    ) -> Any:
+        """Return the fleet a call goes to, taking `target` out of the
+        arguments; raise ArgumentError when it names none it may use.
+        """
+        if self.mode != "both":
+            return next(iter(self.fleets.values()))
+        # The call whose question made the choice may still name a fleet.
+        asked_here = params is not None and params is session.chose_during
+        overrides = asked_here and "target" in arguments
+        if session.target is not None and not overrides:
+            given = arguments.pop("target", session.target)
+            if given != session.target:
+                raise ArgumentError(
+                    f"this session chose the {session.target} fleet at its"
+                    f' first call, so target "{given}" is not available in'
+                    " it; use a new session (over HTTP with the 2026-07-28"
+                    " protocol, the session is the token) for the other"
+                    " fleet"
+                )
+            return self.fleets[session.target]
+        if "target" not in arguments:
+            raise ArgumentError(
+                f'{name} needs "target": {TARGET_NAMES}. This server serves'
+                " both fleets and there is no default, because a machine on"
+                " one fleet is invisible on the other and the two bill"
+                " differently."
+            )
+        target = arguments.pop("target")
+        validate_arguments(
+            name, _object({"target": ARG_TARGET}), {"target": target}
+        )
+        return self.fleets[target]
+
+    async def ask_fleet(self, ctx, session: Session, params):
+        """In both mode, ask a session once which fleet it is for, if the
+        client can answer.
+
+        A choice narrows the session (`target` leaves every tool). In
+        the 2026 era the question is raised as AskClient.
+        """
+        if self.mode != "both" or session.asked_fleet:
+            return None
+        # Calls racing in at the start get one question.
+        async with session.question_lock:
+            if session.asked_fleet:
+                return None
+            # A client that cannot answer is not asked: it keeps the
+            # argument.
+            answer = None
+            if can_elicit(ctx):
+                answer = await self.ask(
+                    ctx,
+                    params,
+                    "fleet",
+                    "smol-mcp:fleet",
+                    FLEET_QUESTION,
+                    FLEET_QUESTION_SCHEMA,
+                )
+            session.asked_fleet = True
+            choice = None
+            if answer is not None and answer.action == "accept":
+                choice = (answer.content or {}).get("fleet")
+            if choice not in self.fleets or session.target is not None:
+                return
+            session.target = choice
+            # The call that asked may still name the other fleet.
+            session.chose_during = params
+            log.info("session %s chose the %s fleet", session.id, choice)
+            # The session's subscriptions/listen stream hears of it.
+            if modern(ctx):
+                from mcp.server.subscriptions import ToolsListChanged
+
+                await session.events()[0].publish(ToolsListChanged())
+            else:
+                await ctx.session.send_tool_list_changed()
+
+    async def ask(
+        self, ctx, params, key: str, state: str, message: str, schema: dict
+    ):
+        """Ask the person one form question; return the answer, or None if
+        none came.
+
+        In the 2026 era, raise AskClient with the question under ``key``
+        until a retry brings the answer with this ``state``.
+        """
+        question = form_question(message, schema)
+        if not modern(ctx):
+            return await self.elicit(ctx, question)
+        answer = None
+        if params is not None:
+            answer = (params.input_responses or {}).get(key)
+        if answer is None or params.request_state != state:
+            raise AskClient(state, {key: question})
+        return elicit_result(answer)
+
+    async def confirm(
+        self, ctx, params, session: Session, message: str, binding: str, schema
+    ):
+        """Ask the person to allow a change; return None when the client
+        cannot ask, else whether they accepted with allow: true.
+
+        The 2026-era state is sealed to the session and ``binding`` and
+        carries a nonce: it answers once, within CONFIRM_TTL_SECS.
+        """
+        if not can_elicit(ctx):
+            return None
+
+        def sealed(expires: str, nonce: str) -> str:
+            text = f"{session.id}\0{binding}\0{expires}\0{nonce}".encode()
+            seal = hmac.new(self.state_key, text, "sha256").hexdigest()
+            return f"smol-mcp:confirm:{expires}:{nonce}:{seal}"
+
+        state = str(getattr(params, "request_state", None) or "")
+        _, _, expires, nonce, *_ = [*state.split(":"), "", "", "", ""]
+        fresh = (
+            expires.isdigit()
+            and int(expires) > time.time()
+            and nonce not in session.spent
+        )
+        if not (fresh and hmac.compare_digest(state, sealed(expires, nonce))):
+            expires = str(int(time.time()) + CONFIRM_TTL_SECS)
+            state = sealed(expires, secrets_module.token_hex(8))
+        answer = await self.ask(ctx, params, "confirm", state, message, schema)
+        session.spent.add(state.split(":")[3])
+        accepted = answer is not None and answer.action == "accept"
+        return accepted and (answer.content or {}).get("allow") is True
+
+    async def elicit(
+        self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS
+    ):
+        """Send an elicitation; return the answer, or None after
+        ``timeout`` or a failure.
+        """
+        from mcp.shared.message import ServerMessageMetadata
+
+        related = None
+        if ctx.session.can_send_request:
+            related = ctx.request_id
+        metadata = ServerMessageMetadata(related_request_id=related)
+        try:
+            answer_type = sdk_types().ElicitResult
+            return await ctx.session.send_request(
+                question, answer_type, timeout, metadata
+            )
+        # Timed out, or there is no way back to the client.
+        except Exception as err:
+            log.info("a question to the person got no answer (%s)", err)
+            return None
+
+    async def call_tool(self, ctx, params):
+        """Validate and dispatch one tool call; return its result.
+
+        A failure is a tool error. A change is written to the activity
+        log before the caller is told its result.
+        """
+        name = params.name
+        principal = self.principal_for(ctx)
+        tool = TOOLS_BY_NAME.get(name)
+        entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
+        started = time.monotonic()
+
+        def logged(outcome: str) -> None:
+            if tool is not None and not tool.read_only:
+                took = int((time.monotonic() - started) * 1000)
+                self.record({**entry, "outcome": outcome, "durationMs": took})
+
+        try:
+            # Named from the caller's own list: it learns of no other tool.
+            if tool is None:
+                tools = ", ".join(principal.tools())
+                raise ArgumentError(
+                    f"there is no tool named {name!r}; the tools are: {tools}"
+                )
+            # Before any question is asked or argument read.
+            check_scope(principal, name)
+            session = self.session_for(ctx)
+            entry["session"] = session.id
+            await self.ask_fleet(ctx, session, params)
+            arguments = dict(params.arguments or {})
+            fleet = self.fleet_for(session, name, arguments, params)
+            machine = arguments.get("name")
+            entry["target"] = fleet.name
+            entry["machine"] = machine
+            entry["arguments"] = redact_arguments(arguments, tool.input_schema)
+            self.validate(tool, arguments)
+            grant = authorize(principal, name, fleet.name, machine)
+            reach = self.access.fleet_for(principal, grant, fleet)
+            call = Call(self, session, reach, ctx, principal, params)
+            if not tool.read_only:
+                await self.hold_for_approval(call, entry, params)
+            await self.sweep_once(fleet)
+            result = await tool.handler(call, arguments)
+        except anyio.get_cancelled_exc_class():
+            logged("cancelled")
+            raise
+        # The fleet or approval question, as a 2026-era result.
+        except AskClient as ask:
+            return ask.question
+        except SmolError as err:
+            if isinstance(ctx, PlainRequest):
+                ctx.failure = err
+            message = redact(explain(err), self.config.secret_values())
+            logged(message.splitlines()[0])
+            return tool_error(message)
+        except Exception as err:
+            log.exception("tool %s failed unexpectedly", name)
+            bug = bug_report(name, err)
+            message = redact(bug, self.config.secret_values())
+            logged(message)
+            return tool_error(message)
+        if not tool.read_only:
+            note_result(entry, result)
+            logged("ok")
+        text = sdk_types().TextContent(type="text", text=reply_json(result))
+        return sdk_types().CallToolResult(
+            content=[text], structured_content=result
+        )
+
+    def validate(self, tool: ToolSpec, arguments: dict) -> None:
+        """Raise ArgumentError when ``arguments`` do not fit the tool's
+        schema, with the configured ceilings (its validator is built
+        once).
+        """
+        if tool.name not in self.checkers:
+            schema = configured_schema(tool, self.config)
+            self.checkers[tool.name] = argument_validator()(schema)
+        validate_arguments(
+            tool.name, tool.input_schema, arguments, self.checkers[tool.name]
+        )
+
+    async def hold_for_approval(self, call: Call, entry: dict, params: Any):
+        """Wait for a person's approval if the principal needs one; the
+        entry records who gave it.
+        """
+        approver = await self.approvals.hold(call, entry, params)
+        if approver is None:
+            return
+        entry["approvedBy"] = approver
+        # "N s so far" counts the work, not the wait.
+        call.started = time.monotonic()
+
+    def who(self, principal: Principal) -> dict:
+        """Return the principal as the activity log names it."""
+        named = {"principal": principal.name}
+        if principal.user:
+            named["user"] = principal.user
+        return named
+
+    def record(self, entry: dict) -> None:
+        """Append to the activity log; a failed write costs a warning,
+        never the call's result.
+        """
+        try:
+            self.access.activity.append(entry, self.config.secret_values())
+        except (OSError, SmolError) as err:
+            reason = getattr(err, "strerror", None) or str(err)
+            what = (
+                entry.get("event"),
+                entry.get("tool") or entry.get("approval") or "",
+            )
+            lost = (
+                "could not write the activity log %s (%s); entry lost: %s %s"
+            )
+            log.warning(lost, self.access.activity.path, reason, *what)
+
+    async def sweep_once(self, fleet: Fleet) -> None:
+        """Before this process's first local call, delete what a crashed
+        one left behind.
+        """
+        if self._swept or fleet is not self.local:
+            return
+        swept = await anyio.to_thread.run_sync(
+            sweep_orphans, fleet, self.config.runtime_dir
+        )
+        self.access.owners.clear(fleet.name, swept)
+        cleanup = {
+            "event": "orphan-cleanup",
+            "principal": "smol-mcp",
+            "target": fleet.name,
+        }
+        outcome = "deleted (left by a stopped process)"
+        for name in swept:
+            self.record({**cleanup, "machine": name, "outcome": outcome})
+        self._swept = True
+
+    async def end_session(self, session: Session) -> None:
+        """Delete the session's ephemeral machines and release the fleets:
+        bounded in time, and done even when cancelled.
+        """
+        # A deleted token's sessions end early; the SDK may end them again
+        # later.
+        if session.ended:
+            return
+        session.ended = True
+        # Its subscriptions/listen streams end too.
+        if session.listener is not None:
+            session.listener.close()
+        # Nothing escapes: over HTTP it would end the listener.
+        with anyio.CancelScope(shield=True):
+            try:
+                for poller in session.subscriptions.values():
+                    poller.cancel()
+                session.subscriptions.clear()
+                with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
+                    await session.close()
+            except Exception as err:
+                log.warning(
+                    "session %s: its cleanup failed (%s)",
+                    session.id,
+                    describe(err),
+                )
+            for fleet in self.fleets.values():
+                try:
+                    await anyio.to_thread.run_sync(fleet.release)
+                except Exception as err:
+                    log.warning(
+                        "session %s: letting go of the %s fleet failed (%s)",
+                        session.id,
+                        fleet.name,
+                        describe(err),
                     )
 
-            session.tasks.start_soon(poll)
-        return sdk_types().EmptyResult()
 
-    async def on_unsubscribe(self, ctx, params):
-        scope = self.session_for(ctx).subscriptions.pop(str(params.uri), None)
-        if scope is not None:
-            scope.cancel()
-        return sdk_types().EmptyResult()
+class Resources:
+    """What a client reads and follows: smol://targets, smol://activity
+    and each machine's console log, listed, read and subscribed to.
+    """
+
+    def __init__(self, app: SmolMcp):
+        self.app = app
 
     async def on_list_resources(self, ctx, params):
         types = sdk_types()
-        about = "The mode, each fleet this process serves, "
-        about += "and whether it is usable on this host now."
+        about = (
+            "The mode, each fleet this process serves, "
+            "and whether it is usable on this host now."
+        )
         shown = [
             (
                 TARGETS_URI,
@@ -7787,10 +8474,11 @@ class SmolMcp:
                 about,
             )
         ]
-        if "activity.read" in self.principal_for(ctx).scopes:
-            about = f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the activity log: changing "
-            about += (
-                "calls, approvals, cleanups (a sandbox token sees its own)."
+        if "activity.read" in self.app.principal_for(ctx).scopes:
+            about = (
+                f"The latest {ACTIVITY_RESOURCE_ENTRIES} entries of the"
+                " activity log: changing calls, approvals, cleanups (a"
+                " sandbox token sees its own)."
             )
             shown.append(
                 (ACTIVITY_URI, "activity", "What agents changed", about)
@@ -7808,364 +8496,34 @@ class SmolMcp:
         return types.ListResourcesResult(resources=resources)
 
     async def on_list_resource_templates(self, ctx, params):
-        fields = dict(
+        template = sdk_types().ResourceTemplate(
+            uri_template=LOGS_URI_TEMPLATE,
             name="machine-logs",
             title="A machine's console log",
             mime_type="text/plain",
-        )
-        fields["description"] = (
-            "The latest lines of a machine's guest console."
-        )
-        template = sdk_types().ResourceTemplate(
-            uri_template=LOGS_URI_TEMPLATE, **fields
+            description="The latest lines of a machine's guest console.",
         )
         return sdk_types().ListResourceTemplatesResult(
             resource_templates=[template]
         )
 
-    def tool_list(
-        self, with_target: bool, principal: Principal | None = None
-    ) -> list:
-        """The tools its scopes grant, as shown; cached per shape (2026-era clients list often)."""
-        key = (with_target, (principal or self.access.stdio).tools())
-        if key not in self._tool_lists:
-            self._tool_lists[key] = [
-                self.mcp_tool(TOOLS_BY_NAME[n], with_target) for n in key[1]
-            ]
-        return self._tool_lists[key]
-
-    def principal_for(self, ctx) -> Principal:
-        """Who sent the request: the token HttpGate found, or the stdio principal."""
-        if ctx.request is None:
-            return self.access.stdio
-        return ctx.request.scope["state"]["smol_principal"]
-
-    def mcp_tool(self, tool: ToolSpec, with_target: bool):
-        """The tool as a client is shown it; with_target (both mode): a required target."""
-        types, schema = sdk_types(), configured_schema(tool, self.config)
-        if with_target:
-            required = ["target", *schema["required"]]
-            properties = {"target": ARG_TARGET, **schema["properties"]}
-            schema = {**schema, "properties": properties, "required": required}
-        hints = dict(
-            read_only_hint=tool.read_only, destructive_hint=tool.destructive
-        )
-        hints.update(
-            idempotent_hint=tool.idempotent, open_world_hint=tool.open_world
-        )
-        annotations = types.ToolAnnotations(title=tool.title, **hints)
-        about = dict(
-            name=tool.name, title=tool.title, description=tool.description
-        )
-        schemas = dict(input_schema=schema, output_schema=tool.output_schema)
-        return types.Tool(**about, **schemas, annotations=annotations)
-
-    def session_for(self, ctx) -> Session:
-        """A request's session: the lifespan's on stdio and in memory, else HttpSessions'."""
-        if ctx.request is None:
-            return ctx.lifespan_context["session"]
-        return self.http.session_for(ctx)
-
-    def open_session(self, session_id: str, tasks: Any) -> Session:
-        """A new session; it holds the fleets (the serve) until end_session."""
-        for fleet in self.fleets.values():
-            fleet.acquire()
-        return Session(self, session_id, tasks)
-
-    def fleet_for(
-        self, session: Session, name: str, arguments: dict, params: Any = None
-    ) -> Any:
-        """The fleet a call goes to, taking `target` out of the arguments."""
-        if self.mode != "both":
-            return next(iter(self.fleets.values()))
-        asked_here = params is not None and params is session.chose_during
-        if session.target is not None and not (
-            asked_here and "target" in arguments
-        ):
-            given = arguments.pop("target", session.target)
-            if given != session.target:
-                why = f"this session chose the {session.target} fleet at its first call, so target "
-                why += f'"{given}" is not available in it; use a new session (over HTTP with the '
-                why += "2026-07-28 protocol, the session is the token) for the other fleet"
-                raise ArgumentError(why)
-            return self.fleets[session.target]
-        if "target" not in arguments:
-            why = f'{name} needs "target": {TARGET_NAMES}. This server serves both fleets and '
-            why += "there is no default, because a machine on one fleet is invisible on the other "
-            raise ArgumentError(why + "and the two bill differently.")
-        target = arguments.pop("target")
-        validate_arguments(
-            name, _object({"target": ARG_TARGET}), {"target": target}
-        )
-        return self.fleets[target]
-
-    async def ask_fleet(self, ctx, session: Session, params):
-        """In both mode, ask a session once which fleet it is for (if the client can answer): a
-        choice narrows it (`target` leaves every tool). AskClient carries a 2026-era question."""
-        if self.mode != "both" or session.asked_fleet:
-            return None
-        async with (
-            session.question_lock
-        ):  # calls racing in at the start get one question
-            if session.asked_fleet:
-                return None
-            question = (
-                "fleet",
-                "smol-mcp:fleet",
-                FLEET_QUESTION,
-                FLEET_QUESTION_SCHEMA,
-            )
-            # A client that cannot answer is not asked: it keeps the argument.
-            answer = (
-                await self.ask(ctx, params, *question)
-                if can_elicit(ctx)
-                else None
-            )
-            session.asked_fleet = True
-            accepted = answer is not None and answer.action == "accept"
-            choice = (answer.content or {}).get("fleet") if accepted else None
-            if choice not in self.fleets or session.target is not None:
-                return
-            session.target = choice
-            session.chose_during = (
-                params  # the call that asked may still name the other fleet
-            )
-            log.info("session %s chose the %s fleet", session.id, choice)
-            if modern(
-                ctx
-            ):  # the session's subscriptions/listen stream hears of it
-                from mcp.server.subscriptions import ToolsListChanged
-
-                await session.events()[0].publish(ToolsListChanged())
-            else:
-                await ctx.session.send_tool_list_changed()
-
-    async def ask(
-        self, ctx, params, key: str, state: str, message: str, schema: dict
-    ):
-        """One form question to the person: the answer (None if none came); in the 2026 era,
-        AskClient with it under ``key`` until a retry brings the answer with this ``state``."""
-        question = form_question(message, schema)
-        if not modern(ctx):
-            return await self.elicit(ctx, question)
-        answer = (
-            (params.input_responses or {}).get(key)
-            if params is not None
-            else None
-        )
-        if answer is None or params.request_state != state:
-            raise AskClient(state, {key: question})
-        return elicit_result(answer)
-
-    async def confirm(
-        self, ctx, params, session: Session, message: str, binding: str, schema
-    ):
-        """Ask the person to allow a change: None when the client cannot ask, else whether
-        they accepted with allow: true. The 2026-era state is sealed to the session and
-        ``binding`` and carries a nonce: it answers once, within CONFIRM_TTL_SECS."""
-        if not can_elicit(ctx):
-            return None
-
-        def sealed(expires: str, nonce: str) -> str:
-            text = f"{session.id}\0{binding}\0{expires}\0{nonce}".encode()
-            seal = hmac.new(self.state_key, text, "sha256").hexdigest()
-            return f"smol-mcp:confirm:{expires}:{nonce}:{seal}"
-
-        state = str(getattr(params, "request_state", None) or "")
-        _, _, expires, nonce, *_ = [*state.split(":"), "", "", "", ""]
-        fresh = (
-            expires.isdigit()
-            and int(expires) > time.time()
-            and nonce not in session.spent
-        )
-        if not (fresh and hmac.compare_digest(state, sealed(expires, nonce))):
-            state = sealed(
-                str(int(time.time()) + CONFIRM_TTL_SECS),
-                secrets_module.token_hex(8),
-            )
-        answer = await self.ask(ctx, params, "confirm", state, message, schema)
-        session.spent.add(state.split(":")[3])
-        accepted = answer is not None and answer.action == "accept"
-        return accepted and (answer.content or {}).get("allow") is True
-
-    async def elicit(
-        self, ctx, question, timeout: float = ELICIT_TIMEOUT_SECS
-    ):
-        """Send an elicitation; the answer, or None after ``timeout`` or a failure."""
-        from mcp.shared.message import ServerMessageMetadata
-
-        related = ctx.request_id if ctx.session.can_send_request else None
-        metadata = ServerMessageMetadata(related_request_id=related)
-        try:
-            answer_type = sdk_types().ElicitResult
-            return await ctx.session.send_request(
-                question, answer_type, timeout, metadata
-            )
-        except Exception as err:  # timed out, or no way back to the client
-            log.info("a question to the person got no answer (%s)", err)
-            return None
-
-    async def call_tool(self, ctx, params):
-        """Validate and dispatch; a failure is a tool error; a change is logged before answering."""
-        name, principal = params.name, self.principal_for(ctx)
-        tool = TOOLS_BY_NAME.get(name)
-        entry: dict = {"event": "tool", "tool": name, **self.who(principal)}
-        started = time.monotonic()
-
-        def logged(outcome: str) -> None:
-            if tool is not None and not tool.read_only:
-                took = int((time.monotonic() - started) * 1000)
-                self.record({**entry, "outcome": outcome, "durationMs": took})
-
-        try:
-            if (
-                tool is None
-            ):  # named from the caller's own list: it learns of no other tool
-                tools = ", ".join(principal.tools())
-                raise ArgumentError(
-                    f"there is no tool named {name!r}; the tools are: {tools}"
-                )
-            check_scope(
-                principal, name
-            )  # before any question is asked or argument read
-            session = self.session_for(ctx)
-            entry["session"] = session.id
-            await self.ask_fleet(ctx, session, params)
-            arguments = dict(params.arguments or {})
-            fleet = self.fleet_for(session, name, arguments, params)
-            shown = redact_arguments(arguments, tool.input_schema)
-            entry.update(
-                target=fleet.name,
-                machine=arguments.get("name"),
-                arguments=shown,
-            )
-            if name not in self.checkers:
-                self.checkers[name] = argument_validator()(
-                    configured_schema(tool, self.config)
-                )
-            validate_arguments(
-                name, tool.input_schema, arguments, self.checkers[name]
-            )
-            grant = authorize(
-                principal, name, fleet.name, arguments.get("name")
-            )
-            reach = self.access.fleet_for(principal, grant, fleet)
-            call = Call(self, session, reach, ctx, principal, params)
-            held = (
-                None
-                if tool.read_only
-                else await self.approvals.hold(call, entry, params)
-            )
-            if held is not None:
-                entry["approvedBy"] = held
-                call.started = (
-                    time.monotonic()
-                )  # "N s so far" counts the work, not the wait
-            await self.sweep_once(fleet)
-            result = await tool.handler(call, arguments)
-        except anyio.get_cancelled_exc_class():
-            logged("cancelled")
-            raise
-        except (
-            AskClient
-        ) as ask:  # the fleet or approval question, as a 2026-era result
-            return ask.question
-        except SmolError as err:
-            if isinstance(ctx, PlainRequest):
-                ctx.failure = err
-            message = redact(explain(err), self.config.secret_values())
-            logged(message.splitlines()[0])
-            return tool_error(message)
-        except Exception as err:
-            log.exception("tool %s failed unexpectedly", name)
-            bug = f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is a bug in "
-            bug += "smol-mcp; the server log has the details."
-            message = redact(bug, self.config.secret_values())
-            logged(message)
-            return tool_error(message)
-        if not tool.read_only:
-            made = (
-                result.get("machine")
-                if isinstance(result.get("machine"), dict)
-                else {}
-            )
-            entry["machine"] = (
-                made.get("name") or result.get("name") or entry.get("machine")
-            )
-            if isinstance(result.get("exitCode"), int):
-                entry["exitCode"] = result["exitCode"]
-            logged("ok")
-        text = sdk_types().TextContent(type="text", text=reply_json(result))
-        return sdk_types().CallToolResult(
-            content=[text], structured_content=result
-        )
-
-    def who(self, principal: Principal) -> dict:
-        """The principal as the activity log names it."""
-        return {
-            "principal": principal.name,
-            **({"user": principal.user} if principal.user else {}),
-        }
-
-    def record(self, entry: dict) -> None:
-        """Append to the activity log; a failed write costs a warning, never the call's result."""
-        try:
-            self.access.activity.append(entry, self.config.secret_values())
-        except (OSError, SmolError) as err:
-            reason = getattr(err, "strerror", None) or str(err)
-            what = (
-                entry.get("event"),
-                entry.get("tool") or entry.get("approval") or "",
-            )
-            lost = (
-                "could not write the activity log %s (%s); entry lost: %s %s"
-            )
-            log.warning(lost, self.access.activity.path, reason, *what)
-
-    async def sweep_once(self, fleet: Fleet) -> None:
-        """Before this process's first local call: delete what a crashed one left behind."""
-        if self._swept or fleet is not self.local:
-            return
-        swept = await anyio.to_thread.run_sync(
-            sweep_orphans, fleet, self.config.runtime_dir
-        )
-        self.access.owners.clear(fleet.name, swept)
-        cleanup = {
-            "event": "orphan-cleanup",
-            "principal": "smol-mcp",
-            "target": fleet.name,
-        }
-        outcome = "deleted (left by a stopped process)"
-        for name in swept:
-            self.record({**cleanup, "machine": name, "outcome": outcome})
-        self._swept = True
-
     async def on_read_resource(self, ctx, params):
-        uri, principal = str(params.uri), self.principal_for(ctx)
+        uri = str(params.uri)
+        principal = self.app.principal_for(ctx)
         if uri == TARGETS_URI:
+            # It probes the engines: a thread waits for them.
             document = await anyio.to_thread.run_sync(
-                targets_document, self
-            )  # probes the engines
+                targets_document, self.app
+            )
             document["access"] = principal.describe()
-            text, mime = json.dumps(document, indent=2), JSON_TYPE
+            text = json.dumps(document, indent=2)
+            mime = JSON_TYPE
         elif uri == ACTIVITY_URI:
-            text, mime = (
-                json.dumps(self.activity_document(principal), indent=1),
-                JSON_TYPE,
-            )
+            text = json.dumps(self.activity_document(principal), indent=1)
+            mime = JSON_TYPE
         elif LOGS_URI_RE.fullmatch(uri):
-            fleet, name = self.log_resource(uri, principal)
-            try:
-                call = Call(self, self.session_for(ctx), fleet, ctx)
-                lines = await call.api(fleet.console_lines, name)
-            except SmolError as err:
-                raise_resource_error(
-                    redact(str(err), self.config.secret_values())
-                )
-            text, mime = (
-                "\n".join(lines[-self.config.logs_tail :]),
-                "text/plain",
-            )
+            text = await self.read_log(ctx, uri, principal)
+            mime = "text/plain"
         else:
             known = f"{TARGETS_URI} and {LOGS_URI_TEMPLATE}"
             raise_resource_error(
@@ -8176,68 +8534,123 @@ class SmolMcp:
         )
         return sdk_types().ReadResourceResult(contents=[content])
 
+    async def read_log(self, ctx, uri: str, principal: Principal) -> str:
+        """Return the latest lines of the console a log URI names; raise
+        a protocol error when it cannot be read.
+        """
+        config = self.app.config
+        fleet, name = self.log_resource(uri, principal)
+        try:
+            call = Call(self.app, self.app.session_for(ctx), fleet, ctx)
+            lines = await call.api(fleet.console_lines, name)
+        except SmolError as err:
+            raise_resource_error(redact(str(err), config.secret_values()))
+        return "\n".join(lines[-config.logs_tail :])
+
     def activity_document(self, principal: Principal) -> dict:
-        """smol://activity for ``principal`` (activity.read; a sandbox.* one sees its own)."""
+        """Return smol://activity as ``principal`` may read it.
+
+        It needs activity.read; a sandbox.* principal sees its own
+        entries only.
+        """
         if "activity.read" not in principal.scopes:
-            why = f"scope_missing: {ACTIVITY_URI} needs the activity.read scope, which "
-            why += f"{principal.label()} does not have. Ask the operator for a token with "
-            raise_resource_error(why + "that scope.")
+            raise_resource_error(
+                f"scope_missing: {ACTIVITY_URI} needs the activity.read"
+                f" scope, which {principal.label()} does not have. Ask the"
+                " operator for a token with that scope."
+            )
         domains = {
             scope.partition(".")[0]
             for scope in principal.scopes
             if "." in scope
         }
-        own_only = (
-            "sandbox" in domains and "machines" not in domains
-        )  # without machines.*
-        own = activity_filter(principal.name) if own_only else bool
-        entries = self.access.activity.entries(
-            own, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES
+        # Without machines.*, a sandbox.* principal sees its own only.
+        own_only = "sandbox" in domains and "machines" not in domains
+        keep = bool
+        if own_only:
+            keep = activity_filter(principal.name)
+        entries = self.app.access.activity.entries(
+            keep, ACTIVITY_RESOURCE_ENTRIES, ACTIVITY_PAGE_BYTES
         )
         return {"entries": entries, "ownOnly": own_only}
 
     def log_resource(self, uri: str, principal: Principal) -> tuple[Any, str]:
-        """(fleet, machine name) of a log URI as ``principal`` may see it, or a protocol error."""
+        """Return the fleet and machine name of a log URI, as ``principal``
+        may see them; raise a protocol error when it names none.
+        """
+        fleets = self.app.fleets
         match = LOGS_URI_RE.fullmatch(uri)
-        if match is None or match["target"] not in self.fleets:
-            form = (
-                f"{LOGS_URI_TEMPLATE} with target {' or '.join(self.fleets)}"
-            )
+        if match is None or match["target"] not in fleets:
+            form = f"{LOGS_URI_TEMPLATE} with target {' or '.join(fleets)}"
             raise_resource_error(
-                f"{uri} is not a log resource of this server; the form is {form}"
+                f"{uri} is not a log resource of this server;"
+                f" the form is {form}"
             )
         name = urllib.parse.unquote(match["name"])
-        if not NAME_RE.fullmatch(
-            name
-        ):  # held to the tool's rule: "..", "a/b" reach no route
-            why = f"{uri} names the machine {name!r}, which is no machine name: it "
+        # Held to the tool's rule: "..", "a/b" reach no route.
+        if not NAME_RE.fullmatch(name):
+            why = (
+                f"{uri} names the machine {name!r}, which is no machine"
+                " name: it "
+            )
             raise_resource_error(why + PATTERN_RULES[NAME_PATTERN])
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
         except ScopeMissing as err:
             raise_resource_error(str(err))
-        return self.access.fleet_for(
-            principal, grant, self.fleets[match["target"]]
-        ), name
+        fleet = fleets[match["target"]]
+        return self.app.access.fleet_for(principal, grant, fleet), name
+
+    async def on_subscribe(self, ctx, params):
+        """Handshake era: follow a log until unsubscribe or the end of the
+        session.
+        """
+        uri = str(params.uri)
+        principal = self.app.principal_for(ctx)
+        fleet, name = self.log_resource(uri, principal)
+        session = self.app.session_for(ctx)
+        if uri in session.subscriptions:
+            return sdk_types().EmptyResult()
+        self.check_share(principal, len(session.subscriptions) + 1, 1)
+        scope = anyio.CancelScope()
+        session.subscriptions[uri] = scope
+        # The captured session outlives this call.
+        notify = ctx.session.send_resource_updated
+
+        async def poll() -> None:
+            with scope:
+                await follow_log(
+                    self.app, fleet, name, lambda: notify(uri), principal.id
+                )
+
+        session.tasks.start_soon(poll)
+        return sdk_types().EmptyResult()
+
+    async def on_unsubscribe(self, ctx, params):
+        session = self.app.session_for(ctx)
+        scope = session.subscriptions.pop(str(params.uri), None)
+        if scope is not None:
+            scope.cancel()
+        return sdk_types().EmptyResult()
 
     async def listen(self, ctx, params):
-        """2026 era: notifications travel on this stream; its log pollers live as long."""
+        """2026 era: notifications travel on this stream; its log pollers
+        live as long.
+        """
         from mcp.server.subscriptions import ResourceUpdated
 
-        bus, handler = self.session_for(ctx).events()
-        principal = self.principal_for(ctx)
-        uris = list(
-            dict.fromkeys(params.notifications.resource_subscriptions or [])
-        )
+        bus, handler = self.app.session_for(ctx).events()
+        principal = self.app.principal_for(ctx)
+        asked = params.notifications.resource_subscriptions or []
+        uris = list(dict.fromkeys(asked))
         self.check_share(principal, len(uris), len(uris))
         followed = [(uri, *self.log_resource(uri, principal)) for uri in uris]
         async with anyio.create_task_group() as pollers:
             for uri, fleet, name in followed:
-                notify = functools.partial(
-                    bus.publish, ResourceUpdated(uri=uri)
-                )
+                updated = ResourceUpdated(uri=uri)
+                notify = functools.partial(bus.publish, updated)
                 pollers.start_soon(
-                    follow_log, self, fleet, name, notify, principal.id
+                    follow_log, self.app, fleet, name, notify, principal.id
                 )
             try:
                 return await handler(ctx, params)
@@ -8247,104 +8660,80 @@ class SmolMcp:
     def check_share(
         self, principal: Principal, in_session: int, adding: int
     ) -> None:
-        """Refuse log subscriptions past a session's or a token's share (SPEC 13)."""
-        each, total = SUBSCRIPTIONS_PER_SESSION, SUBSCRIPTIONS_PER_TOKEN
-        if (
-            in_session > each
-            or self.polling.get(principal.id, 0) + adding > total
-        ):
-            why = f"{principal.label()} may follow {each} logs per session and {total} in all"
+        """Refuse log subscriptions past a session's or a token's share."""
+        each = SUBSCRIPTIONS_PER_SESSION
+        total = SUBSCRIPTIONS_PER_TOKEN
+        followed = self.app.polling.get(principal.id, 0)
+        if in_session > each or followed + adding > total:
             raise_resource_error(
-                why + "; unsubscribe from one (or end a listen stream) first"
+                f"{principal.label()} may follow {each} logs per session"
+                f" and {total} in all; unsubscribe from one (or end a"
+                " listen stream) first"
             )
-
-    async def end_session(self, session: Session) -> None:
-        """Delete the session's ephemeral machines, release the fleets: bounded, even cancelled."""
-        if session.ended:  # a deleted token's sessions end early; the SDK may end them again later
-            return
-        session.ended = True
-        if (
-            session.listener is not None
-        ):  # its subscriptions/listen streams end too
-            session.listener.close()
-        with anyio.CancelScope(
-            shield=True
-        ):  # nothing escapes: over HTTP it would end the listener
-            try:
-                for poller in session.subscriptions.values():
-                    poller.cancel()
-                session.subscriptions.clear()
-                with anyio.move_on_after(CLEANUP_TIMEOUT_SECS):
-                    await session.close()
-            except Exception as err:
-                log.warning(
-                    "session %s: its cleanup failed (%s)",
-                    session.id,
-                    describe(err),
-                )
-            for fleet in self.fleets.values():
-                try:
-                    await anyio.to_thread.run_sync(fleet.release)
-                except Exception as err:
-                    why = (session.id, fleet.name, describe(err))
-                    log.warning(
-                        "session %s: letting go of the %s fleet failed (%s)",
-                        *why,
-                    )
 
 
 class Approvals:
-    """Changing calls held until a person answers (SPEC 13): filed for the terminal, the
-    review page and the webhook, and with approvalVia client asked at the client too."""
+    """Changing calls held until a person answers.
+
+    A held call is filed for the terminal, the review page and the
+    webhook; with approvalVia client, the person at the client is asked
+    too. Each step of one held call's life is a method here, sharing the
+    counts of calls waiting and questions out.
+    """
 
     def __init__(self, app: SmolMcp):
         self.app = app
-        self.held_by: dict[
-            str, int
-        ] = {}  # principal id -> its calls waiting for approval
-        self.asked: set[str] = (
-            set()
-        )  # 2026-era client approvals filed, not yet answered
-        self.stdin_closed = (
-            False  # stdio: the client went away; its waiting calls end
-        )
+        # Principal id -> its calls waiting for approval.
+        self.held_by: dict[str, int] = {}
+        # 2026-era client approvals filed, not yet answered.
+        self.asked: set[str] = set()
+        # stdio: the client went away; its waiting calls end.
+        self.stdin_closed = False
+        # The webhook's pool: its threads start on first use.
         self._webhooks = ThreadPoolExecutor(
             WEBHOOK_THREADS, "smol-mcp-webhook"
-        )  # threads on use
+        )
         self._webhook_slots = threading.BoundedSemaphore(WEBHOOK_QUEUE)
 
     def apply(self) -> bool:
-        """Whether any call may be held: stdio approval is on, or such a token exists."""
+        """Whether any call may be held: stdio approval is on, or such a
+        token exists.
+        """
         if self.app.config.approval == "changes":
             return True
         try:
-            return any(
-                r.get("approval") == "changes"
-                for r in self.app.access.tokens.records()
-            )
+            records = self.app.access.tokens.records()
         except SmolError:
             return False
+        return any(r.get("approval") == "changes" for r in records)
 
     def client_gone(self) -> None:
-        """stdin closed: waiting calls end as approval_cancelled; its questions are withdrawn."""
+        """stdin closed: waiting calls end as approval_cancelled, and its
+        questions are withdrawn.
+        """
         self.stdin_closed = True
         for approval_id in list(self.asked):
             self.app.access.desk.close(approval_id)
         self.asked.clear()
 
     async def interrupt(self) -> None:
-        """At a stop signal: waiting calls answer approval_interrupted before anything ends."""
+        """At a stop signal, let waiting calls answer approval_interrupted
+        before anything ends.
+        """
         self.app.stopping = True
         if any(self.held_by.values()):
             with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
                 while any(self.held_by.values()):
                     await anyio.sleep(0.05)
-            await anyio.sleep(0.2)  # their answers on their way out
+            # Their answers on their way out.
+            await anyio.sleep(0.2)
 
     def refuse(
         self, event: dict, outcome: str, detail: str, **extra: Any
     ) -> ApprovalRefused:
-        """Log the outcome; the refusal's code is approval_<outcome>."""
+        """Log the outcome; return the refusal, whose code is
+        approval_<outcome>.
+        """
         self.app.record({**event, "approval": outcome, **extra})
         return ApprovalRefused("approval_" + outcome.replace(" ", "_"), detail)
 
@@ -8357,8 +8746,13 @@ class Approvals:
         return bool(until)
 
     async def hold(self, call: Call, entry: dict, params: Any = None) -> Any:
-        """Before a changing tool runs: None when the principal needs no approval, "auto"
-        or who approved, else ApprovalRefused (or AskClient, the 2026-era question)."""
+        """Before a changing tool runs, wait for a person if its principal
+        needs approval.
+
+        Return None when it needs none, "auto" when it is auto-approved,
+        else who approved; raise ApprovalRefused (or AskClient, the
+        2026-era question) otherwise.
+        """
         principal = call.principal
         if principal.approval != "changes":
             return None
@@ -8367,67 +8761,96 @@ class Approvals:
         event["event"] = "approval"
         if self.auto_approved(principal, event):
             return "auto"
-        asked = (
-            len(self.asked) if principal.kind == "stdio" else 0
-        )  # only stdio asks its client
-        if self.held_by.get(principal.id, 0) + asked >= APPROVAL_MAX_WAITING:
-            busy = f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls waiting for "
-            busy += f"approval, so {entry['tool']} was refused at once; nothing ran. Call it again "
-            busy += "once the person on the server's host has answered those."
-            raise self.refuse(event, "unavailable", busy)
-        # approvalVia client: on stdio, a client that takes forms is asked too; in the 2026
-        # era the question travels in the call's result and the answer with its retry.
+        self.check_room(principal, event)
+        # approvalVia client: on stdio, a client that takes forms is asked
+        # too; in the 2026 era the question travels in the call's result
+        # and the answer with its retry.
         asks = (
             self.app.config.approval_via == "client"
             and principal.kind == "stdio"
+            and can_elicit(call.ctx)
         )
-        asks = asks and can_elicit(call.ctx)
         in_result = asks and modern(call.ctx)
-        request = (
-            self.resumed_request(call, entry, params) if in_result else None
-        )
-        answers = {}  # what the person at the client said, once they said it
-        if (
-            request is not None
-        ):  # the 2026-era retry that carries the client's answer
-            approval_id = event["id"] = request["id"]
+        request = None
+        if in_result:
+            request = self.resumed_request(call, entry, params)
+        # What the person at the client said, once they said it.
+        answers = {}
+        if request is not None:
+            # The 2026-era retry that carries the client's answer.
+            approval_id = request["id"]
+            event["id"] = approval_id
             self.asked.discard(approval_id)
-            answers["client"] = elicit_result(
-                (params.input_responses or {}).get("approval")
-            )
-            timeout = max(
-                1, int(parse_time(request["expiresAt"]) - time.time())
-            )
+            answer = (params.input_responses or {}).get("approval")
+            answers["client"] = elicit_result(answer)
+            expires = parse_time(request["expiresAt"])
+            timeout = max(1, int(expires - time.time()))
         else:
             timeout = self.app.config.approval_timeout_secs
             approval_id = self.file_request(call, entry, event, timeout)
-            if (
-                in_result
-            ):  # the request stays filed: the terminal may answer meanwhile
+            # The request stays filed: the terminal may answer meanwhile.
+            if in_result:
                 self.asked.add(approval_id)
                 question = {"approval": self.question(event)}
                 raise AskClient(f"smol-mcp:approval:{approval_id}", question)
+        ask_now = asks and not in_result
+        return await self.wait(
+            call, approval_id, event, timeout, answers, ask_now
+        )
 
-        async def ask() -> (
-            None
-        ):  # handshake era: the question travels during this call
+    def check_room(self, principal: Principal, event: dict) -> None:
+        """Raise ApprovalRefused when ``principal`` already has
+        APPROVAL_MAX_WAITING calls waiting.
+        """
+        waiting = self.held_by.get(principal.id, 0)
+        # Only stdio asks its client: those questions wait too.
+        if principal.kind == "stdio":
+            waiting += len(self.asked)
+        if waiting < APPROVAL_MAX_WAITING:
+            return
+        busy = (
+            f"{principal.label()} already has {APPROVAL_MAX_WAITING} calls"
+            f" waiting for approval, so {event['tool']} was refused at once;"
+            " nothing ran. Call it again once the person on the server's"
+            " host has answered those."
+        )
+        raise self.refuse(event, "unavailable", busy)
+
+    async def wait(
+        self,
+        call: Call,
+        approval_id: str,
+        event: dict,
+        timeout: int,
+        answers: dict,
+        ask_client: bool,
+    ) -> str:
+        """Wait for poll()'s outcome, asking the person at the client
+        meanwhile when ``ask_client``; return who approved, or raise the
+        refusal. The request is closed either way.
+        """
+        principal = call.principal
+
+        # Handshake era: the question travels during this call.
+        async def ask() -> None:
+            question = self.question(event)
             answers["client"] = await self.app.elicit(
-                call.ctx, self.question(event), timeout
+                call.ctx, question, timeout
             )
 
         self.held_by[principal.id] = self.held_by.get(principal.id, 0) + 1
         call.session.held += 1
         try:
             async with anyio.create_task_group() as asking:
-                if asks and not in_result:
+                if ask_client:
                     asking.start_soon(ask)
+                # An error is carried out of the group, which would wrap
+                # it.
                 try:
                     outcome = await self.poll(
                         call, approval_id, event, timeout, answers
                     )
-                except (
-                    Exception
-                ) as err:  # carried out of the group, which would wrap it
+                except Exception as err:
                     outcome = err
                 asking.cancel_scope.cancel()
             if isinstance(outcome, Exception):
@@ -8441,89 +8864,99 @@ class Approvals:
     def file_request(
         self, call: Call, entry: dict, event: dict, timeout: int
     ) -> str:
-        """Write the request where `approvals list` finds it, log it and tell the webhook."""
-        app, principal, tool = self.app, call.principal, entry["tool"]
-        request = dict(
-            token=principal.name, principalId=principal.id, tool=tool
-        )
-        request.update(
-            target=entry.get("target"), machine=entry.get("machine")
-        )
-        request["arguments"] = approval_arguments(
-            call
-        )  # for the person; log and webhook redact
-        request.update(session=entry.get("session"), requestedAt=utc_now())
-        request["expiresAt"] = utc_time(time.time() + timeout)
+        """File the request where `approvals list` finds it, log it and
+        tell the webhook; return its id, or raise ApprovalRefused when it
+        cannot be filed.
+        """
+        app = self.app
+        principal = call.principal
+        tool = entry["tool"]
+        request = {
+            "token": principal.name,
+            "principalId": principal.id,
+            "tool": tool,
+            "target": entry.get("target"),
+            "machine": entry.get("machine"),
+            # For the person; the log and the webhook redact them.
+            "arguments": approval_arguments(call),
+            "session": entry.get("session"),
+            "requestedAt": utc_now(),
+            "expiresAt": utc_time(time.time() + timeout),
+        }
         try:
-            approval_id = event["id"] = app.access.desk.open(request)
+            approval_id = app.access.desk.open(request)
         except (OSError, SmolError) as err:
             reason = getattr(err, "strerror", None) or str(err)
-            why = f"{tool} needs a person's approval, but the request could not be filed in "
-            why += f"{app.access.desk.directory} ({reason}); nothing ran. The operator must make "
-            why += "the state directory writable (SMOL_MCP_STATE_DIR)."
+            why = (
+                f"{tool} needs a person's approval, but the request could not"
+                f" be filed in {app.access.desk.directory} ({reason});"
+                " nothing ran. The operator must make the state directory"
+                " writable (SMOL_MCP_STATE_DIR)."
+            )
             raise self.refuse(
                 event, "unavailable", why, error=reason
             ) from None
-        app.record(
-            {
-                **event,
-                "approval": "requested",
+        event["id"] = approval_id
+        requested = {
+            **event,
+            "approval": "requested",
+            "expiresAt": request["expiresAt"],
+        }
+        app.record(requested)
+        if app.config.approval_webhook:
+            notice = {
+                "id": approval_id,
+                "token": principal.name,
+                "tool": tool,
+                "machine": entry.get("machine"),
                 "expiresAt": request["expiresAt"],
             }
-        )
-        if app.config.approval_webhook:
-            review = (
-                {"review": app.pages.issuer + REVIEW_PAGE + approval_id}
-                if app.pages
-                else {}
-            )
-            notice = {"id": approval_id, "token": principal.name, "tool": tool}
-            notice.update(
-                machine=entry.get("machine"),
-                expiresAt=request["expiresAt"],
-                **review,
-            )
+            if app.pages:
+                notice["review"] = app.pages.issuer + REVIEW_PAGE + approval_id
             self.notify_webhook(notice, event)
         return approval_id
 
     def resumed_request(
         self, call: Call, entry: dict, params: Any
     ) -> dict | None:
-        """The open request a 2026-era retry names, if this process filed it for the same call."""
+        """Return the open request a 2026-era retry names, if this process
+        filed it for the same call; else None.
+        """
         state = getattr(params, "request_state", None) or ""
         if not state.startswith("smol-mcp:approval:"):
             return None
+        approval_id = state.rsplit(":", 1)[1]
         try:
-            path = self.app.access.desk.path_of(
-                state.rsplit(":", 1)[1], "request"
-            )
+            path = self.app.access.desk.path_of(approval_id, "request")
             request = json.loads(path.read_text())
         except (OSError, ValueError, SmolError):
             return None
-        keys = ("pid", "principalId", "tool", "target", "arguments")
-        mine = (
-            os.getpid(),
-            call.principal.id,
-            entry["tool"],
-            entry.get("target"),
-        )
-        same = tuple(request.get(key) for key in keys) == (
-            *mine,
-            approval_arguments(call),
-        )
-        return request if same else None
+        same_call = {
+            "pid": os.getpid(),
+            "principalId": call.principal.id,
+            "tool": entry["tool"],
+            "target": entry.get("target"),
+            "arguments": approval_arguments(call),
+        }
+        for key, value in same_call.items():
+            if request.get(key) != value:
+                return None
+        return request
 
     @staticmethod
     def question(event: dict):
-        on = f" on {event['machine']}" if event.get("machine") else ""
-        message = f"An agent wants to run {event['tool']}{on} (approval {event['id']}). Accept to "
-        message += "let it run once; decline to refuse it. `approvals list` on the server's host "
-        message += "shows its arguments."
-        note = dict(
-            type="string",
-            title="Note",
-            description="Optional; kept in the activity log",
+        """Return the form question that asks the person at the client."""
+        message = (
+            f"An agent wants to run {event['tool']}{on_machine(event)}"
+            f" (approval {event['id']}). Accept to let it run once; decline"
+            " to refuse it. `approvals list` on the server's host shows its"
+            " arguments."
         )
+        note = {
+            "type": "string",
+            "title": "Note",
+            "description": "Optional; kept in the activity log",
+        }
         return form_question(
             message, {"type": "object", "properties": {"note": note}}
         )
@@ -8536,102 +8969,120 @@ class Approvals:
         timeout: int,
         answers: dict,
     ):
-        """Wait for the terminal or the client, the token's deletion, an
-        auto-approval, the timeout or a stop; the approver, else ApprovalRefused."""
-        app, principal, tool = self.app, call.principal, event["tool"]
-        deadline, next_progress = time.monotonic() + timeout, 0.0
-        command = " ".join(
-            launch_command() + ["approvals", "approve", approval_id]
-        )
-        review = (
-            f", or answer at {app.pages.issuer}{REVIEW_PAGE}{approval_id}"
-            if app.pages
-            else ""
-        )
-        howto = f"on the server's host run `{command}` (or `approvals deny {approval_id}`){review}"
-        on = f" on {event['machine']}" if event.get("machine") else ""
-        waited = f"while {tool} waited for approval; nothing ran."
-        desk, live_ids = app.access.desk, app.access.live_ids
-        request_id = getattr(call.ctx, "request_id", None)
+        """Wait for the terminal's or the client's answer; return the
+        approver, or raise ApprovalRefused.
+
+        The wait ends sooner when the token is deleted, an auto-approval
+        is granted, the time is up, or the client or the server stops.
+        """
+        tool = event["tool"]
+        deadline = time.monotonic() + timeout
+        next_progress = 0.0
+        howto = self.howto(approval_id)
         try:
-            while (
-                answer := desk.answer(approval_id)
-                or self.client_decision(answers)
-            ) is None:
-                gone = (
-                    call.session.ended
-                    or request_id in call.session.gone_requests
-                )
-                if gone or (principal.kind == "stdio" and self.stdin_closed):
-                    raise self.refuse(
-                        event, "cancelled", f"the client went away {waited}"
-                    )
-                if app.stopping:
-                    back = " Call it again once the server is back."
-                    raise self.refuse(
-                        event,
-                        "interrupted",
-                        f"the server stopped {waited}{back}",
-                    )
-                if (
-                    principal.kind == "token"
-                    and principal.id != live_ids().get(principal.name)
-                ):
-                    deleted = (
-                        f"the token '{principal.name}' was deleted {waited}"
-                    )
-                    raise self.refuse(event, "token deleted", deleted)
-                if self.auto_approved(principal, event):
+            while (answer := self.answer_to(approval_id, answers)) is None:
+                self.check_still_waiting(call, event)
+                if self.auto_approved(call.principal, event):
                     return "auto"
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    late = f"nobody approved {tool} within {timeout} s; nothing ran. Ask the "
-                    late += "person on the server's host to watch for it, then call it again."
+                    late = (
+                        f"nobody approved {tool} within {timeout} s; nothing"
+                        " ran. Ask the person on the server's host to watch"
+                        " for it, then call it again."
+                    )
                     raise self.refuse(event, "timed out", late)
                 if time.monotonic() >= next_progress:
                     next_progress = time.monotonic() + APPROVAL_PROGRESS_SECS
-                    waits = f"{tool}{on} waits for a person to approve it ({int(left)} s left)"
+                    waits = (
+                        f"{tool}{on_machine(event)} waits for a person to"
+                        f" approve it ({int(left)} s left)"
+                    )
                     await call.progress(None, f"{waits}: {howto}")
                 await anyio.sleep(APPROVAL_POLL_SECS)
         except anyio.get_cancelled_exc_class():
-            app.record(
-                {
-                    **event,
-                    "approval": "interrupted" if app.stopping else "cancelled",
-                }
-            )
+            outcome = "cancelled"
+            if self.app.stopping:
+                outcome = "interrupted"
+            self.app.record({**event, "approval": outcome})
             raise
-        by = str(answer.get("by") or "unknown")
-        note = (
-            {"reason": str(answer["reason"])[:500]}
-            if answer.get("reason")
-            else {}
+        return self.decided(event, answer)
+
+    def howto(self, approval_id: str) -> str:
+        """Return how a person answers: the command on the server's host,
+        and the review page when --http serves one.
+        """
+        pages = self.app.pages
+        approve = ["approvals", "approve", approval_id]
+        command = " ".join(launch_command() + approve)
+        review = ""
+        if pages:
+            review = f", or answer at {pages.issuer}{REVIEW_PAGE}{approval_id}"
+        return (
+            f"on the server's host run `{command}`"
+            f" (or `approvals deny {approval_id}`){review}"
         )
-        channel = {"via": str(answer["via"])[:40]} if answer.get("via") else {}
+
+    def answer_to(self, approval_id: str, answers: dict) -> dict | None:
+        """Return the terminal's (or the review page's) answer, else the
+        client's, else None.
+        """
+        answer = self.app.access.desk.answer(approval_id)
+        return answer or self.client_decision(answers)
+
+    def check_still_waiting(self, call: Call, event: dict) -> None:
+        """Raise ApprovalRefused when the call can wait no longer: its
+        client went away, the server stops, or its token was deleted.
+        """
+        principal = call.principal
+        session = call.session
+        waited = f"while {event['tool']} waited for approval; nothing ran."
+        request_id = getattr(call.ctx, "request_id", None)
+        gone = session.ended or request_id in session.gone_requests
+        if gone or (principal.kind == "stdio" and self.stdin_closed):
+            raise self.refuse(
+                event, "cancelled", f"the client went away {waited}"
+            )
+        if self.app.stopping:
+            back = " Call it again once the server is back."
+            raise self.refuse(
+                event, "interrupted", f"the server stopped {waited}{back}"
+            )
+        if principal.kind != "token":
+            return
+        if principal.id != self.app.access.live_ids().get(principal.name):
+            deleted = f"the token '{principal.name}' was deleted {waited}"
+            raise self.refuse(event, "token deleted", deleted)
+
+    def decided(self, event: dict, answer: dict) -> str:
+        """Log a person's answer; return who approved, or raise
+        ApprovalRefused for a rejection.
+        """
+        by = str(answer.get("by") or "unknown")
+        note = {}
+        if answer.get("reason"):
+            note["reason"] = str(answer["reason"])[:500]
+        channel = {}
+        if answer.get("via"):
+            channel["via"] = str(answer["via"])[:40]
         if answer.get("decision") == "approve":
-            extra = (
-                {"autoFor": answer["autoFor"]} if answer.get("autoFor") else {}
-            )
-            app.record(
-                {
-                    **event,
-                    "approval": "approved",
-                    "by": by,
-                    **extra,
-                    **note,
-                    **channel,
-                }
-            )
+            extra = {}
+            if answer.get("autoFor"):
+                extra["autoFor"] = answer["autoFor"]
+            approved = {**event, "approval": "approved", "by": by}
+            self.app.record({**approved, **extra, **note, **channel})
             return by
         reason = note.get("reason", "no reason given")
-        rejected = f"{by} rejected {tool}: {reason}. Nothing ran."
+        rejected = f"{by} rejected {event['tool']}: {reason}. Nothing ran."
         raise self.refuse(
             event, "rejected", rejected, by=by, reason=reason, **channel
         )
 
     @staticmethod
     def client_decision(answers: dict) -> dict | None:
-        """The client's answer as the terminal's: accept approves, decline rejects, else None."""
+        """Return the client's answer as the terminal's: accept approves,
+        decline rejects, anything else is None.
+        """
         answer = answers.get("client")
         if answer is None or answer.action not in ("accept", "decline"):
             return None
@@ -8646,12 +9097,13 @@ class Approvals:
         return {"decision": "approve", "by": by, "reason": note}
 
     def notify_webhook(self, payload: dict, event: dict) -> None:
-        """POST from one small, bounded pool: a slow webhook holds no call nor a thread per call."""
+        """POST ``payload`` from one small, bounded pool: a slow webhook
+        holds no call, nor a thread per call.
+        """
         failed = {**event, "approval": "webhook failed"}
 
-        def send() -> (
-            None
-        ):  # post_webhook raises nothing: the slot is always given back
+        # post_webhook raises nothing: the slot is always given back.
+        def send() -> None:
             failure = post_webhook(self.app.config.approval_webhook, payload)
             self._webhook_slots.release()
             if failure is not None:
@@ -8659,28 +9111,57 @@ class Approvals:
                 self.app.record({**failed, "error": failure})
 
         if not self._webhook_slots.acquire(blocking=False):
-            return self.app.record(
-                {**failed, "error": "too many notices queued"}
-            )
+            self.app.record({**failed, "error": "too many notices queued"})
+            return
         self._webhooks.submit(send)
 
 
+def on_machine(event: dict) -> str:
+    """Return " on NAME" for an event on a machine, else ""."""
+    if event.get("machine"):
+        return f" on {event['machine']}"
+    return ""
+
+
+def note_result(entry: dict, result: dict) -> None:
+    """Name in a change's log entry the machine it made or used, and the
+    exit code of the command it ran.
+    """
+    made = result.get("machine")
+    if not isinstance(made, dict):
+        made = {}
+    named = made.get("name") or result.get("name")
+    entry["machine"] = named or entry.get("machine")
+    if isinstance(result.get("exitCode"), int):
+        entry["exitCode"] = result["exitCode"]
+
+
+def bug_report(name: str, err: Exception) -> str:
+    """Return what a caller is told of an error no tool expected."""
+    return (
+        f"{name} failed unexpectedly ({type(err).__name__}: {err}). This is"
+        " a bug in smol-mcp; the server log has the details."
+    )
+
+
 def explain(err: SmolError) -> str:
-    """The error text, plus what to do for the API refusals every tool can meet."""
-    if isinstance(err, ApiError):
-        if err.status == 404 and any(
-            s in err.api_message for s in ("machine '", "vm not found")
-        ):
-            return str(err.with_hint("Check the name with list-machines"))
-        if err.status == 404 and err.action.startswith(("read ", "write ")):
-            return str(
-                err.with_hint(
-                    "Check the path: run-command with ls shows what is there"
-                )
-            )
-        if err.status == 409 and "already exists" in err.api_message:
-            hint = "Pick another name, or use start-machine to start the existing machine"
-            return str(err.with_hint(hint))
+    """Return the error text, with what to do for the API refusals every
+    tool can meet.
+    """
+    if not isinstance(err, ApiError):
+        return str(err)
+    missing = ("machine '", "vm not found")
+    if err.status == 404 and any(s in err.api_message for s in missing):
+        return str(err.with_hint("Check the name with list-machines"))
+    if err.status == 404 and err.action.startswith(("read ", "write ")):
+        hint = "Check the path: run-command with ls shows what is there"
+        return str(err.with_hint(hint))
+    if err.status == 409 and "already exists" in err.api_message:
+        hint = (
+            "Pick another name, or use start-machine"
+            " to start the existing machine"
+        )
+        return str(err.with_hint(hint))
     return str(err)
 
 
@@ -8696,7 +9177,9 @@ def raise_resource_error(message: str):
 
 
 def build_server(config: Config | None = None):
-    """The MCP server for ``config`` (default: ``load_config()``), ready on any transport."""
+    """Return the MCP server for ``config`` (default: ``load_config()``),
+    ready on any transport.
+    """
     return SmolMcp(config or load_config()).server
 
 
@@ -8720,33 +9203,36 @@ async def run_stdio(app: SmolMcp) -> None:
                 signal.SIGTERM, signal.SIGINT
             ) as received:
                 async for _ in received:
-                    await app.approvals.interrupt()  # sets app.stopping first
+                    # It sets app.stopping first.
+                    await app.approvals.interrupt()
+                    # Every call in flight hears why it stopped.
                     if answers is not None:
-                        await (
-                            answers.refuse_pending()
-                        )  # every call in flight hears why it stopped
-                    group.cancel_scope.cancel()  # unwinds run(): the lifespan cleanup runs
+                        await answers.refuse_pending()
+                    # This unwinds run(): the lifespan cleanup runs.
+                    group.cancel_scope.cancel()
                     return
 
         group.start_soon(watch_signals)
         async with stdio_server() as (read, write):
             answers = AnsweredWrites(write)
-            read, write = AnsweredReads(read, write, answers, app), answers
+            reads = AnsweredReads(read, write, answers, app)
             try:
                 await app.server.run(
-                    read, write, app.server.create_initialization_options()
+                    reads, answers, app.server.create_initialization_options()
                 )
             finally:
-                if app.stopping:  # by a signal
+                # Stopped by a signal: the stdin reader thread would block
+                # a normal exit.
+                if app.stopping:
                     logging.shutdown()
-                    os._exit(
-                        0
-                    )  # the stdin reader thread would block a normal exit
+                    os._exit(0)
         group.cancel_scope.cancel()
 
 
 class StreamWrapper:
-    """A transport stream with something added; closing closes it (the anyio mixins do the rest)."""
+    """A transport stream with something added; closing it closes the
+    inner one (the anyio mixins do the rest).
+    """
 
     def __init__(self, inner: Any):
         self.inner = inner
@@ -8756,7 +9242,7 @@ class StreamWrapper:
 
 
 def rpc_error(request_id: Any, code: int, message: str) -> Any:
-    """A JSON-RPC error answer, as the transport sends it."""
+    """Return a JSON-RPC error answer, as the transport sends it."""
     from mcp.shared.message import SessionMessage
 
     types = sdk_types()
@@ -8767,18 +9253,20 @@ def rpc_error(request_id: Any, code: int, message: str) -> Any:
 
 
 class AnsweredReads(StreamWrapper, anyio.abc.ObjectReceiveStream):
-    """The stdio read stream, kept open at stdin's end until every request read has been
-    answered (the SDK would drop them at EOF); a line it cannot parse gets a parse error."""
+    """The stdio read stream, kept open at stdin's end until every request
+    read has been answered (the SDK would drop them at EOF).
+
+    A line it cannot parse gets a parse error.
+    """
 
     def __init__(
-        self, inner: Any, write: Any, writes: AnsweredWrites, app: SmolMcp
+        self, inner: Any, raw_write: Any, writes: AnsweredWrites, app: SmolMcp
     ):
         super().__init__(inner)
-        self.write, self.writes, self.app = (
-            write,
-            writes,
-            app,
-        )  # write: the stream unwrapped
+        # The write stream unwrapped: a parse error answers no request.
+        self.raw_write = raw_write
+        self.writes = writes
+        self.app = app
 
     @property
     def last_context(self) -> Any:
@@ -8789,25 +9277,31 @@ class AnsweredReads(StreamWrapper, anyio.abc.ObjectReceiveStream):
         try:
             item = await self.inner.receive()
         except anyio.EndOfStream:
-            self.app.approvals.client_gone()  # the client is gone: its waiting calls end, then we
+            # The client is gone: its waiting calls end, and the stream
+            # ends once every request read is answered.
+            self.app.approvals.client_gone()
             await self.writes.drained()
             raise
-        message = (
-            None if isinstance(item, Exception) else item.message
-        )  # a SessionMessage's
+        # A SessionMessage's message; an Exception is a line unread.
+        message = None
+        if not isinstance(item, Exception):
+            message = item.message
         params = getattr(message, "params", None)
-        cancels = getattr(message, "method", None) == "notifications/cancelled"
+        method = getattr(message, "method", None)
+        cancels = method == "notifications/cancelled"
         if isinstance(message, types.JSONRPCRequest):
             self.writes.pending.add(message.id)
         elif cancels and isinstance(params, dict) and "requestId" in params:
-            self.writes.answered(
-                params["requestId"]
-            )  # the SDK sends a cancelled one no answer
+            # The SDK sends a cancelled request no answer.
+            self.writes.answered(params["requestId"])
         elif isinstance(item, Exception):
             request_id, error = unparsed(item)
-            why = f"this message could not be read ({error}); send one JSON-RPC message per line, "
-            why += "as UTF-8 JSON without lone surrogates"
-            await self.write.send(
+            why = (
+                f"this message could not be read ({error}); send one"
+                " JSON-RPC message per line, as UTF-8 JSON without lone"
+                " surrogates"
+            )
+            await self.raw_write.send(
                 rpc_error(request_id, types.PARSE_ERROR, why)
             )
         return item
@@ -8822,7 +9316,9 @@ class AnsweredWrites(StreamWrapper, anyio.abc.ObjectSendStream):
         self._changed = anyio.Event()
 
     async def drained(self) -> None:
-        """Return once every request read has been answered (or cancelled)."""
+        """Return once every request read has been answered (or
+        cancelled).
+        """
         while self.pending:
             await self._changed.wait()
             self._changed = anyio.Event()
@@ -8844,19 +9340,18 @@ class AnsweredWrites(StreamWrapper, anyio.abc.ObjectSendStream):
                 await self.send(
                     rpc_error(request_id, -32000, SHUTDOWN_MESSAGE)
                 )
-            await anyio.sleep(
-                0.2
-            )  # the transport's writer flushes the last one
+            # The transport's writer flushes the last one.
+            await anyio.sleep(0.2)
 
 
 def unparsed(err: Exception) -> tuple[Any, str]:
-    """What the SDK could not parse: the request's id read leniently (else None), and why."""
+    """Return what the SDK could not parse: the request's id read
+    leniently (else None), and why.
+    """
     details = getattr(err, "errors", lambda: [])()
-    why = (
-        details[0].get("msg", type(err).__name__)
-        if details
-        else type(err).__name__
-    )
+    why = type(err).__name__
+    if details:
+        why = details[0].get("msg", why)
     raw = next(
         (
             detail["input"]
@@ -8866,15 +9361,15 @@ def unparsed(err: Exception) -> tuple[Any, str]:
         "",
     )
     try:
-        request = json.loads(raw) if raw else None
+        request = json.loads(raw)
     except ValueError:
-        request = None
-    found = request.get("id") if isinstance(request, dict) else None
-    return (
-        found
-        if isinstance(found, (str, int)) and not isinstance(found, bool)
-        else None
-    ), why
+        return None, why
+    found = None
+    if isinstance(request, dict):
+        found = request.get("id")
+    if isinstance(found, bool) or not isinstance(found, (str, int)):
+        found = None
+    return found, why
 
 
 # ---------------------------------------------------------------------------
