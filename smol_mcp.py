@@ -679,10 +679,6 @@ GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
 READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
 # Below this offset, streaming the file from its start is cheap enough. (-L: a link's target.)
 RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024
-QUICK_READ_IDLE, QUICK_READ_BYTES = (
-    8,
-    1 << 20,
-)  # read_now: sockets kept; a longer answer blocks
 RANGE_READ_SCRIPT = (
     'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
 )
@@ -754,6 +750,136 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         # Busy (or stopped), not gone: the caller waits for it rather than start another serve.
         full = f"the serve at {self.socket_path} kept its listen backlog full"
         raise BlockingIOError(errno.EAGAIN, full)
+
+
+class QuickReader:
+    """GETs to the serve made on the event loop, over sockets kept alive
+    between reads: the quick reads' way, where a worker thread's hop costs
+    more than the read. It reads only a plain answer of a length; anything
+    else it leaves to http.client in a worker thread, the blocking way."""
+
+    # Sockets kept between reads; one more answered is closed.
+    MAX_IDLE = 8
+    # A longer answer goes the blocking way, which need not hold it whole.
+    MAX_ANSWER = 1 << 20
+
+    def __init__(self, kind: str, address: str | int):
+        """A reader for the serve at ``address``: a socket path when
+        ``kind`` is "unix", else a loopback port."""
+        self.idle: list[socket.socket] = []
+        if kind == "unix":
+            self.family = socket.AF_UNIX
+            self.address = address
+            # As http.client names it: no port on the default one.
+            self.host = "localhost"
+        else:
+            self.family = socket.AF_INET
+            self.address = ("127.0.0.1", int(address))
+            self.host = f"127.0.0.1:{address}"
+
+    def close_idle(self) -> None:
+        """Close the kept sockets. The list is swapped for an empty one
+        first: a read on the loop may be taking one now."""
+        idle = self.idle
+        self.idle = []
+        for sock in idle:
+            sock.close()
+
+    async def get(self, path: str) -> tuple[int, str, bytes] | None:
+        """GET ``path``: (status, Content-Type, body); None when the answer
+        is not one to be sure of (a failed connection, a bad status line,
+        no length or a negative one, an encoded answer, one that ends early
+        or is over MAX_ANSWER), as a GET is safe to send again. Cancelled,
+        the socket is closed; the caller bounds the time."""
+        sock = None
+        try:
+            sock = await self._connected()
+            status, fields, body, whole = await self._exchange(sock, path)
+        except BaseException as exc:
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, TimeoutError):
+                raise
+            # LookupError: a status line without a status.
+            if isinstance(exc, OSError | ValueError | LookupError):
+                return None
+            raise
+        if whole and fields.get("connection") != "close":
+            self._keep(sock)
+        else:
+            sock.close()
+        return status, fields.get("content-type", ""), body
+
+    async def _connected(self) -> socket.socket:
+        """A kept socket the serve has not closed, else a new one."""
+        while self.idle:
+            sock = self.idle.pop()
+            # One the serve closed while it sat idle reads as ready.
+            if not select.select([sock], [], [], 0)[0]:
+                return sock
+            sock.close()
+        sock = socket.socket(self.family)
+        sock.setblocking(False)
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, self.address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _exchange(
+        self, sock: socket.socket, path: str
+    ) -> tuple[int, dict[str, str], bytes, bool]:
+        """Send GET ``path`` on ``sock`` and read the answer: its status,
+        header fields (by lower-case name), body, and whether the socket
+        holds nothing after it. Raise ValueError for an answer not plain
+        JSON of a length, LookupError for a status line without a status,
+        ConnectionResetError for one that ends early or is too long."""
+        request = (
+            f"GET {path} HTTP/1.1\r\n"
+            f"Host: {self.host}\r\n"
+            "Accept-Encoding: identity\r\n"
+            "\r\n"
+        )
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(sock, request.encode())
+        buffer = bytearray()
+        while (end := buffer.find(b"\r\n\r\n")) < 0:
+            await self._more(sock, buffer, path)
+        status_line, *lines = buffer[:end].decode("latin-1").split("\r\n")
+        status = int(status_line.split()[1])
+        fields = {}
+        for line in lines:
+            key, _, value = line.partition(":")
+            fields[key.strip().lower()] = value.strip()
+        length = int(fields.get("content-length", "-"))
+        if length < 0 or "content-encoding" in fields:
+            why = "is not plain JSON of a length"
+            raise ValueError(f"the answer to {path} {why}")
+        start = end + 4
+        while len(buffer) < start + length:
+            await self._more(sock, buffer, path)
+        body = bytes(buffer[start : start + length])
+        return status, fields, body, len(buffer) == start + length
+
+    async def _more(
+        self, sock: socket.socket, buffer: bytearray, path: str
+    ) -> None:
+        """Add the answer's next piece to ``buffer``; raise
+        ConnectionResetError when it ended, or is over MAX_ANSWER."""
+        chunk = await asyncio.get_running_loop().sock_recv(sock, 1 << 16)
+        if not chunk or len(buffer) > self.MAX_ANSWER:
+            why = "ended early or is too long"
+            raise ConnectionResetError(f"the answer to {path} {why}")
+        buffer.extend(chunk)
+
+    def _keep(self, sock: socket.socket) -> None:
+        """Keep ``sock`` for the next read, or close it when enough are."""
+        if len(self.idle) < self.MAX_IDLE:
+            self.idle.append(sock)
+        else:
+            sock.close()
 
 
 @dataclass
@@ -985,9 +1111,6 @@ class LocalFleet:
         self._pool = (
             threading.local()
         )  # one kept-alive connection per worker thread
-        self._idle: list[
-            socket.socket
-        ] = []  # read_now's kept-alive sockets, between reads
         runtime = Path(config.runtime_dir)
         self._serve_log, self._pid_file = (
             runtime / "serve.log",
@@ -999,6 +1122,7 @@ class LocalFleet:
         self._kind, self._address = (
             parse_local_url(config.local_url) if config.local_url else own
         )
+        self._quick_reader = QuickReader(self._kind, self._address)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -1047,12 +1171,7 @@ class LocalFleet:
         """Stop the serve on our socket: our child, or one another process left us (serve.pid)."""
         with self._lock:
             process, self._process, self._ready = self._process, None, False
-            idle, self._idle = (
-                self._idle,
-                [],
-            )  # a read on the loop may be taking one now
-        for sock in idle:
-            sock.close()
+            self._quick_reader.close_idle()
         if process is not None and process.poll() is None:
             process.terminate()
             try:
@@ -1387,112 +1506,43 @@ class LocalFleet:
         )
 
     async def read_now(self, read: Callable, *args: str) -> Any:
-        """Call.read's way for list_machines, get_machine and egress_policy: their one GET made on
-        the event loop on a kept-alive socket (the worker-thread hop cost more than the read).
-        None when it goes the blocking way (a GET is safe to send again): anything else asked, the
-        serve not yet known to answer, a failed connection, an answer not plain JSON of a length."""
+        """Call.read's way for list_machines, get_machine and
+        egress_policy: their one GET made on the event loop by the
+        QuickReader. None when it goes the blocking way (a GET is safe to
+        send again): anything else asked, the serve not yet known to
+        answer, an answer the reader cannot be sure of, or a body that is
+        not JSON (a short Content-Length cuts it); TimeoutError becomes
+        the error naming readyTimeoutSecs."""
         quick = (self.list_machines, self.get_machine, self.egress_policy)
         if not self._ready or read not in quick:
             return None
-        loop, sock, buffer = asyncio.get_running_loop(), None, bytearray()
-        name = args[0] if args else None
-        action = "list machines" if name is None else f"get machine '{name}'"
-        path = "/api/v1/machines" + ("" if name is None else f"/{_q(name)}")
-        host = (
-            "localhost"
-            if self._kind == "unix"
-            else f"127.0.0.1:{self._address}"
-        )
-        request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept-Encoding: identity\r\n\r\n"
-
-        async def more() -> None:
-            if (
-                not (chunk := await loop.sock_recv(sock, 1 << 16))
-                or len(buffer) > QUICK_READ_BYTES
-            ):
-                raise ConnectionResetError(
-                    f"the answer to {path} ended early or is too long"
-                )
-            buffer.extend(chunk)
-
-        try:
-            with anyio.fail_after(timeout := self.config.ready_timeout_secs):
-                while (
-                    self._idle and sock is None
-                ):  # one the serve closed while idle reads ready
-                    sock = self._idle.pop()
-                    sock = (
-                        sock.close()
-                        if select.select([sock], [], [], 0)[0]
-                        else sock
-                    )
-                if sock is None:
-                    unix = self._kind == "unix"
-                    sock = socket.socket(
-                        socket.AF_UNIX if unix else socket.AF_INET
-                    )
-                    sock.setblocking(False)
-                    address = (
-                        self._address
-                        if unix
-                        else ("127.0.0.1", int(self._address))
-                    )
-                    await loop.sock_connect(sock, address)
-                await loop.sock_sendall(sock, request.encode())
-                while (end := buffer.find(b"\r\n\r\n")) < 0:
-                    await more()
-                status_line, *lines = (
-                    buffer[:end].decode("latin-1").split("\r\n")
-                )
-                pairs = (line.partition(":") for line in lines)
-                fields = {
-                    key.strip().lower(): value.strip()
-                    for key, _, value in pairs
-                }
-                status, length = (
-                    int(status_line.split()[1]),
-                    int(fields.get("content-length", "-")),
-                )
-                if length < 0 or "content-encoding" in fields:
-                    raise ValueError(
-                        f"the answer to {path} is not plain JSON of a length"
-                    )
-                while len(buffer) < end + 4 + length:
-                    await more()
-                data = bytes(buffer[end + 4 : end + 4 + length])
-        except BaseException as exc:
-            if sock is not None:
-                sock.close()
-            if isinstance(exc, TimeoutError):
-                raise self._too_slow(
-                    action, timeout, "readyTimeoutSecs"
-                ) from None
-            if isinstance(
-                exc, OSError | ValueError | LookupError
-            ):  # Lookup: a bad status line
-                return None
-            raise
-        whole = (
-            len(buffer) == end + 4 + length
-            and fields.get("connection") != "close"
-        )
-        if whole and len(self._idle) < QUICK_READ_IDLE:
-            self._idle.append(sock)
+        if args:
+            action = f"get machine '{args[0]}'"
+            path = f"/api/v1/machines/{_q(args[0])}"
         else:
-            sock.close()
+            action = "list machines"
+            path = "/api/v1/machines"
+        timeout = self.config.ready_timeout_secs
+        try:
+            with anyio.fail_after(timeout):
+                answer = await self._quick_reader.get(path)
+        except TimeoutError:
+            raise self._too_slow(action, timeout, "readyTimeoutSecs") from None
+        if answer is None:
+            return None
+        status, content_type, body = answer
         if status >= 400:
-            raise api_error(
-                self.name, action, status, fields.get("content-type", ""), data
-            )
-        info = json.loads(data)
+            raise api_error(self.name, action, status, content_type, body)
+        try:
+            info = json.loads(body)
+        except ValueError:
+            return None
         if read == self.list_machines:
             return [local_record(m) for m in info["machines"]]
         record = local_record(info)
-        return (
-            record
-            if read == self.get_machine
-            else (record, egress_lists(info))
-        )
+        if read == self.get_machine:
+            return record
+        return record, egress_lists(info)
 
     def _refusal(
         self, action: str, response: http.client.HTTPResponse
