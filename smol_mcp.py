@@ -29,7 +29,8 @@ with its ``FLEETS`` registry, and ``main()``.
 
 A tool call's path, by section number:
 
-    stdio (13) | HTTP and the plain API (14), OAuth and the operator's pages (14b)
+    stdio (13) | HTTP and the plain API (14),
+                 with OAuth and the operator's pages (14b)
       -> the MCP server (12), with the caller's session (10)
       -> agent access (11): token, scope, owner, approval, activity log
       -> argument validation (7) -> the tool's handler (8)
@@ -110,28 +111,30 @@ log = logging.getLogger("smol_mcp")
 # ---------------------------------------------------------------------------
 # 1. Configuration
 #
-# Environment over config file over default. The file is JSON with camelCase keys; anything
-# unknown, mistyped or out of range stops startup with a message naming the key, because a setting
-# that is silently ignored is worse than one that refuses to start.
+# Environment over config file over default. The file is JSON with
+# camelCase keys; anything unknown, mistyped or out of range stops startup
+# with a message naming the key, because a setting that is silently
+# ignored is worse than one that refuses to start.
 # ---------------------------------------------------------------------------
 
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
-MOUNT_ROOT_WRITABLE = ":rw"  # a mount root that allows writing ends in this
+# A mount root that allows writing ends in this.
+MOUNT_ROOT_WRITABLE = ":rw"
 
 
 def setting_field(
     default: Any, env: str = "", kind: str = "", **limits: Any
 ) -> Any:
-    """One Config field: default, environment variable (SMOL_MCP_ and the name in capitals unless
-    given), kind ("str", "int", "choice", "version", "list", "secret"; inferred unless given; ints
-    take ``minimum`` and ``maximum``), file key (camelCase name). SETTINGS derives from these."""
-    if not kind:
-        kind = (
-            "choice"
-            if "choices" in limits
-            else {int: "int", tuple: "list"}.get(type(default))
-        )
-    rule = {"env": env, "kind": kind or "str", **limits}
+    """One Config field: its default, its environment variable (SMOL_MCP_
+    and the name in capitals unless given), its kind ("str", "int",
+    "choice", "version", "list", "secret"; inferred unless given; ints
+    take ``minimum`` and ``maximum``) and its file key (the camelCase
+    name). SETTINGS derives from these."""
+    if not kind and "choices" in limits:
+        kind = "choice"
+    elif not kind:
+        kind = {int: "int", tuple: "list"}.get(type(default), "str")
+    rule = {"env": env, "kind": kind, **limits}
     return field(
         default=default, repr=kind != "secret", metadata={"setting": rule}
     )
@@ -178,10 +181,10 @@ class Config:
     http_allowed_hosts: tuple[str, ...] = setting_field(())
     http_allowed_origins: tuple[str, ...] = setting_field(())
     state_dir: str = setting_field("")
-    public_url: str = setting_field("")  # --http behind a proxy or TLS
-    scopes: tuple[str, ...] = setting_field(
-        ()
-    )  # empty: every scope (section 11)
+    # --http behind a proxy or TLS
+    public_url: str = setting_field("")
+    # Empty: every scope (section 11).
+    scopes: tuple[str, ...] = setting_field(())
     mount_roots: tuple[str, ...] = setting_field(())
     # stdio: "changes" holds every changing call for a person
     approval: str = setting_field("none", choices=("none", "changes"))
@@ -196,10 +199,10 @@ class Config:
     reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
 
     def secret_values(self) -> list[str]:
-        """The configured secrets, so they can be kept out of children and messages."""
-        values = (
-            getattr(self, s.attr) for s in SETTINGS if s.kind == "secret"
-        )
+        """The configured secrets, so they can be kept out of children and
+        messages."""
+        secrets = [s.attr for s in SETTINGS if s.kind == "secret"]
+        values = (getattr(self, attr) for attr in secrets)
         return [value for value in values if value]
 
 
@@ -221,10 +224,9 @@ def _camel(attr: str) -> str:
 
 
 def _setting(f: dataclasses.Field) -> Setting:
-    env = f.metadata["setting"]["env"] or f"SMOL_MCP_{f.name.upper()}"
-    return Setting(
-        _camel(f.name), attr=f.name, **{**f.metadata["setting"], "env": env}
-    )
+    rule = f.metadata["setting"]
+    env = rule["env"] or f"SMOL_MCP_{f.name.upper()}"
+    return Setting(_camel(f.name), attr=f.name, **{**rule, "env": env})
 
 
 SETTINGS: tuple[Setting, ...] = tuple(
@@ -233,65 +235,36 @@ SETTINGS: tuple[Setting, ...] = tuple(
 
 
 def config_file_path(environ: dict[str, str]) -> Path:
-    """Where the config file is looked for: $SMOL_MCP_CONFIG, else the XDG path."""
+    """Where the config file is looked for: $SMOL_MCP_CONFIG, else the XDG
+    path."""
     if environ.get("SMOL_MCP_CONFIG"):
         return Path(environ["SMOL_MCP_CONFIG"]).expanduser()
     home = Path(environ.get("HOME") or Path.home())
-    return (
-        Path(environ.get("XDG_CONFIG_HOME") or home / ".config")
-        / "smol-mcp"
-        / "config.json"
-    )
+    config_home = Path(environ.get("XDG_CONFIG_HOME") or home / ".config")
+    return config_home / "smol-mcp" / "config.json"
 
 
 def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
-    """One raw value (an environment string, or JSON from the file) typed, or ConfigError."""
-    where = (
-        f"{setting.env}"
-        if source == "env"
-        else f'"{setting.key}" in the config file'
-    )
+    """One raw value (an environment string, or JSON from the file) as its
+    setting's type; raise ConfigError naming the setting when it is not
+    one."""
+    if source == "env":
+        where = setting.env
+    else:
+        where = f'"{setting.key}" in the config file'
     if setting.kind in ("str", "secret", "version"):
-        if not isinstance(value, str):
-            raise ConfigError(
-                f"{where} must be a string, got {_json_type(value)}"
-            )
-        value = value.strip()
-        if (
-            setting.kind == "version"
-            and value
-            and not re.fullmatch(r"\d+(\.\d+){0,2}", value)
-        ):
-            why = "a version such as 1.14.0 (or empty to skip the check)"
-            raise ConfigError(f"{where} must be {why}, got {value!r}")
-        return value
+        return _parse_text(setting, value, where)
     if setting.kind == "choice":
         if not isinstance(value, str) or value.strip() not in setting.choices:
             raise ConfigError(
-                f"{where} must be one of {', '.join(setting.choices)}; got {value!r}"
+                f"{where} must be one of {', '.join(setting.choices)}; "
+                f"got {value!r}"
             )
         return value.strip()
     if setting.kind == "int":
-        if source == "env":
-            if not re.fullmatch(r"\s*-?\d+\s*", value):
-                raise ConfigError(
-                    f"{where} must be a whole number, got {value!r}"
-                )
-            value = int(value)
-        elif isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(
-                f"{where} must be a whole number, got {_json_type(value)}"
-            )
-        if setting.minimum is not None and value < setting.minimum:
-            raise ConfigError(
-                f"{where} must be at least {setting.minimum}, got {value}"
-            )
-        if setting.maximum is not None and value > setting.maximum:
-            raise ConfigError(
-                f"{where} must be at most {setting.maximum}, got {value}"
-            )
-        return value
-    if source == "env":  # the one kind left: "list"
+        return _parse_int(setting, value, source, where)
+    # The one kind left: "list".
+    if source == "env":
         value = value.split(",")
     elif not isinstance(value, list) or not all(
         isinstance(v, str) for v in value
@@ -300,27 +273,85 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
     return tuple(v.strip() for v in value if v.strip())
 
 
+def _parse_text(setting: Setting, value: Any, where: str) -> str:
+    """A "str", "secret" or "version" value, stripped; raise ConfigError
+    when it is not a string, or not a version where one is due."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {_json_type(value)}")
+    value = value.strip()
+    if (
+        setting.kind == "version"
+        and value
+        and not re.fullmatch(r"\d+(\.\d+){0,2}", value)
+    ):
+        why = "a version such as 1.14.0 (or empty to skip the check)"
+        raise ConfigError(f"{where} must be {why}, got {value!r}")
+    return value
+
+
+def _parse_int(setting: Setting, value: Any, source: str, where: str) -> int:
+    """An "int" value; raise ConfigError when it is not a whole number, or
+    is outside the setting's bounds."""
+    if source == "env":
+        if not re.fullmatch(r"\s*-?\d+\s*", value):
+            raise ConfigError(f"{where} must be a whole number, got {value!r}")
+        value = int(value)
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            f"{where} must be a whole number, got {_json_type(value)}"
+        )
+    if setting.minimum is not None and value < setting.minimum:
+        raise ConfigError(
+            f"{where} must be at least {setting.minimum}, got {value}"
+        )
+    if setting.maximum is not None and value > setting.maximum:
+        raise ConfigError(
+            f"{where} must be at most {setting.maximum}, got {value}"
+        )
+    return value
+
+
 def _json_type(value: Any) -> str:
     names = {
         bool: "a boolean",
         int: "a number",
         float: "a number",
         str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
     }
-    names |= {list: "a list", dict: "an object", type(None): "null"}
     return names.get(type(value), type(value).__name__)
 
 
 def load_config(environ: dict[str, str] | None = None) -> Config:
-    """The config file and the environment as a validated Config. A missing file is fine;
-    anything else wrong raises ConfigError with a sentence naming the key (never a secret)."""
+    """The config file and the environment as a validated Config. A missing
+    file is fine; anything else wrong raises ConfigError with a sentence
+    naming the key (never a secret)."""
     environ = dict(os.environ if environ is None else environ)
-    values: dict[str, Any] = {}
     path = config_file_path(environ)
+    values = _file_values(_read_config_file(path), path)
+    for setting in SETTINGS:
+        if setting.env in environ:
+            raw = environ[setting.env]
+            values[setting.attr] = _parse_setting(setting, raw, "env")
+    config = Config(**values)
+    _check_config(config)
+    _check_public_url(config)
+    runtime_dir = config.runtime_dir or default_runtime_dir(environ)
+    state_dir = config.state_dir or default_state_dir(environ)
+    return dataclasses.replace(
+        config, runtime_dir=runtime_dir, state_dir=state_dir
+    )
+
+
+def _read_config_file(path: Path) -> dict:
+    """The config file's JSON object; {} when there is no file. Raise
+    ConfigError when it cannot be read, or is not a JSON object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        data = {}
+        return {}
     except OSError as exc:
         raise ConfigError(
             f"cannot read the config file {path}: {exc.strerror}"
@@ -334,30 +365,40 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         raise ConfigError(
             f"the config file {path} must hold a JSON object of settings"
         )
+    return data
+
+
+def _file_values(data: dict, path: Path) -> dict[str, Any]:
+    """The config file's settings by Config attribute, each parsed; raise
+    ConfigError for a key that is not a setting, naming the accepted
+    ones."""
     by_key = {s.key: s for s in SETTINGS}
+    values = {}
     for key, raw in data.items():
         if key not in by_key:
-            accepted = f"the accepted keys are: {', '.join(by_key)}"
             maybe = did_you_mean(key, by_key)
             raise ConfigError(
-                f'unknown key "{key}" in the config file {path}{maybe}; {accepted}'
+                f'unknown key "{key}" in the config file {path}{maybe}; '
+                f"the accepted keys are: {', '.join(by_key)}"
             )
         values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
-    for setting in SETTINGS:
-        if setting.env in environ:
-            values[setting.attr] = _parse_setting(
-                setting, environ[setting.env], "env"
-            )
-    config = Config(**values)
+    return values
+
+
+def _check_config(config: Config) -> None:
+    """Raise ConfigError for the first setting that is wrong in a way its
+    kind cannot say: against another setting, or in its form."""
     if config.exec_timeout_secs > config.max_exec_timeout_secs:
-        limits = f"({config.exec_timeout_secs}) must not be above maxExecTimeoutSecs"
         raise ConfigError(
-            f"execTimeoutSecs {limits} ({config.max_exec_timeout_secs})"
+            f"execTimeoutSecs ({config.exec_timeout_secs}) must not be "
+            "above maxExecTimeoutSecs "
+            f"({config.max_exec_timeout_secs})"
         )
     if not NAME_RE.fullmatch(config.machine_prefix + "x"):
-        why = "start with a letter or digit and hold only letters, digits, '-' and '_'"
         raise ConfigError(
-            f"machinePrefix must {why}, got {config.machine_prefix!r}"
+            "machinePrefix must start with a letter or digit and hold only "
+            "letters, digits, '-' and '_', "
+            f"got {config.machine_prefix!r}"
         )
     if not config.machine_prefix:
         why = "it is what marks a machine as ephemeral"
@@ -367,17 +408,15 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             f"httpPath must start with '/', got {config.http_path!r}"
         )
     if config.local_url:
-        parse_local_url(
-            config.local_url
-        )  # raises ConfigError when not a loopback or unix URL
-    if unknown := ", ".join(
-        repr(scope) for scope in config.scopes if scope not in SCOPES
-    ):
+        # Raises ConfigError when not a loopback or unix URL.
+        parse_local_url(config.local_url)
+    unknown = [scope for scope in config.scopes if scope not in SCOPES]
+    if unknown:
+        named = ", ".join(repr(scope) for scope in unknown)
         why = f"which is not a scope; the scopes are: {', '.join(SCOPES)}"
-        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {unknown}, {why}")
-    parse_mount_roots(
-        config.mount_roots
-    )  # raises ConfigError naming a root that is not absolute
+        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, {why}")
+    # Raises ConfigError naming a root that is not absolute.
+    parse_mount_roots(config.mount_roots)
     for cidr in config.egress_private_cidrs:
         try:
             ipaddress.ip_network(cidr)
@@ -385,59 +424,58 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             why = f"{cidr!r}, not an address range: {err}"
             raise ConfigError(f"egressPrivateCidrs holds {why}") from None
     webhook = config.approval_webhook
-    if webhook and urllib.parse.urlsplit(webhook).scheme not in (
-        "http",
-        "https",
-    ):
+    scheme = urllib.parse.urlsplit(webhook).scheme
+    if webhook and scheme not in ("http", "https"):
         why = f"must be an http:// or https:// URL, got {webhook!r}"
         raise ConfigError(f"approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) {why}")
+
+
+def _check_public_url(config: Config) -> None:
+    """Raise ConfigError unless publicUrl is empty, or an https:// address
+    (http:// on loopback) without a path."""
+    if not config.public_url:
+        return
     public = urllib.parse.urlsplit(config.public_url)
     plain_http = (
         public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS
     )
     more = public.path.strip("/") or public.query or public.fragment
-    if config.public_url and (
-        public.scheme not in ("http", "https") or plain_http or more
-    ):
-        what = "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at"
-        example = "without a path, such as https://mcp.example.com"
-        raise ConfigError(f"{what}, {example}; got {config.public_url!r}")
-    runtime_dir = config.runtime_dir or default_runtime_dir(environ)
-    state_dir = config.state_dir or default_state_dir(environ)
-    return dataclasses.replace(
-        config, runtime_dir=runtime_dir, state_dir=state_dir
-    )
+    if public.scheme not in ("http", "https") or plain_http or more:
+        raise ConfigError(
+            "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address "
+            "clients reach --http at, without a path, such as "
+            f"https://mcp.example.com; got {config.public_url!r}"
+        )
 
 
 def default_runtime_dir(environ: dict[str, str]) -> str:
-    """$XDG_RUNTIME_DIR/smol-mcp, else a per-user folder in the temp directory."""
+    """$XDG_RUNTIME_DIR/smol-mcp, else a per-user folder in the temp
+    directory."""
     if environ.get("XDG_RUNTIME_DIR"):
         return str(Path(environ["XDG_RUNTIME_DIR"]) / "smol-mcp")
     return str(Path(tempfile.gettempdir()) / f"smol-mcp-{os.getuid()}")
 
 
 def default_state_dir(environ: dict[str, str]) -> str:
-    """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens outlive a reboot)."""
+    """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens
+    outlive a reboot)."""
     if environ.get("XDG_STATE_HOME"):
         return str(Path(environ["XDG_STATE_HOME"]) / "smol-mcp")
-    return str(
-        Path(environ.get("HOME") or Path.home())
-        / ".local"
-        / "state"
-        / "smol-mcp"
-    )
+    home = Path(environ.get("HOME") or Path.home())
+    return str(home / ".local" / "state" / "smol-mcp")
 
 
 def ensure_runtime_dir(path: str) -> Path:
-    """ensure_private_dir for the runtime directory: it holds an unauthenticated API's socket."""
+    """ensure_private_dir for the runtime directory: it holds an
+    unauthenticated API's socket."""
     return ensure_private_dir(
         path, "runtime directory", "SMOL_MCP_RUNTIME_DIR"
     )
 
 
 def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
-    """Create a directory with mode 0700; refuse one another user owns or can open (``what``
-    names it, the variable ``env`` moves it)."""
+    """Create a directory with mode 0700; refuse one another user owns or
+    can open (``what`` names it, the variable ``env`` moves it)."""
     directory = Path(path)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = directory.stat()
@@ -445,52 +483,56 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
         why = f"belongs to another user; set {env} to a directory of your own"
         raise SmolError(f"the {what} {directory} {why}")
     if info.st_mode & 0o077:
-        # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
+        # Not tightened in place: it may be a shared directory such as /tmp
+        # that others rely on.
         mode = oct(info.st_mode & 0o777)
-        fix = f"set {env} to a directory only you can open, for example one made with mkdir -m 700"
         raise SmolError(
-            f"the {what} {directory} can be opened by other users (mode {mode}); {fix}"
+            f"the {what} {directory} can be opened by other users "
+            f"(mode {mode}); set {env} to a directory only you can open, "
+            "for example one made with mkdir -m 700"
         )
     return directory
 
 
 def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
-    """The mount roots as (resolved directory, writable): absolute host directories, read-only
-    unless ending in ":rw", resolved so a source is compared with the real place."""
+    """The mount roots as (resolved directory, writable): absolute host
+    directories, read-only unless ending in ":rw", resolved so a source is
+    compared with the real place; raise ConfigError for any other."""
     parsed = []
     for root in roots:
         writable = root.endswith(MOUNT_ROOT_WRITABLE)
-        directory = (
-            root[: -len(MOUNT_ROOT_WRITABLE)]
-            if writable
-            else root.removesuffix(":ro")
-        )
+        if writable:
+            directory = root.removesuffix(MOUNT_ROOT_WRITABLE)
+        else:
+            directory = root.removesuffix(":ro")
         if not directory.startswith("/") or any(
             c in directory for c in "\0\n\r"
         ):
             raise ConfigError(
-                'mountRoots entries must be absolute host directories, optionally ending in ":rw" '
-                f"to allow writing (for example /srv/work:rw); got {root!r}"
+                "mountRoots entries must be absolute host directories, "
+                'optionally ending in ":rw" to allow writing (for example '
+                f"/srv/work:rw); got {root!r}"
             )
         parsed.append((os.path.realpath(directory), writable))
     return parsed
 
 
 def parse_local_url(url: str) -> tuple[str, str | int]:
-    """SMOL_LOCAL_URL as ("unix", path) or ("tcp", port). Only a Unix socket or a loopback port:
-    the local API has no authentication, so reaching it across a network hands the host out."""
+    """SMOL_LOCAL_URL as ("unix", path) or ("tcp", port). Only a Unix
+    socket or a loopback port: the local API has no authentication, so
+    reaching it across a network hands the host out. Raise ConfigError for
+    any other URL."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme == "unix":
         path = parsed.path or parsed.netloc
         if not path.startswith("/"):
-            why = f"an absolute socket path, as unix:///path/to/serve.sock; got {url!r}"
-            raise ConfigError(f"SMOL_LOCAL_URL must name {why}")
+            raise ConfigError(
+                "SMOL_LOCAL_URL must name an absolute socket path, as "
+                f"unix:///path/to/serve.sock; got {url!r}"
+            )
         return "unix", path
-    if (
-        parsed.scheme == "http"
-        and parsed.hostname in LOOPBACK_HOSTS
-        and parsed.port
-    ):
+    loopback = parsed.hostname in LOOPBACK_HOSTS
+    if parsed.scheme == "http" and loopback and parsed.port:
         return "tcp", parsed.port
     forms = "unix:///absolute/path.sock or http://127.0.0.1:PORT"
     why = "loopback only, because the local API has no authentication"
@@ -500,8 +542,9 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
 # ---------------------------------------------------------------------------
 # 2. Errors
 #
-# Every failure a caller can act on is a SmolError whose text says what happened and what to do
-# next. Tool handlers let these travel up; the dispatcher makes them tool errors (isError: true).
+# Every failure a caller can act on is a SmolError whose text says what
+# happened and what to do next. Tool handlers let these travel up; the
+# dispatcher makes them tool errors (isError: true).
 # ---------------------------------------------------------------------------
 
 
@@ -518,24 +561,30 @@ class ArgumentError(SmolError):
 
 
 class NotRunning(SmolError):
-    """The machine is not running, so a command was not sent (the tools start it and retry)."""
+    """The machine is not running, so a command was not sent (the tools
+    start it and retry)."""
 
 
 class ApiError(SmolError):
-    """The machine API refused a request; keeps its status, code and message to branch on."""
+    """The machine API refused a request; keeps its status, code and
+    message to branch on."""
 
     def __init__(
         self, fleet: str, action: str, status: int, code: str, message: str
     ):
-        self.fleet, self.action, self.status = fleet, action, status
-        self.code, self.api_message = code, message
+        self.fleet = fleet
+        self.action = action
+        self.status = status
+        self.code = code
+        self.api_message = message
         label = f"HTTP {status} {code}".strip()
         super().__init__(
             f"The {fleet} machine API refused to {action}: {message} ({label})"
         )
 
     def with_hint(self, hint: str) -> ApiError:
-        """The same error with one more sentence telling the caller what to do."""
+        """The same error with one more sentence telling the caller what to
+        do."""
         err = ApiError(
             self.fleet, self.action, self.status, self.code, self.api_message
         )
@@ -544,7 +593,8 @@ class ApiError(SmolError):
 
 
 def redact(text: str, secret_values: list[str]) -> str:
-    """``text`` with every configured secret replaced: the last defence for others' data."""
+    """``text`` with every configured secret replaced: the last defence for
+    others' data."""
     for value in secret_values:
         if value:
             text = text.replace(value, "[redacted]")
