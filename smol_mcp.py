@@ -602,20 +602,23 @@ def redact(text: str, secret_values: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------
-# 3. Fleets: the contract both fleets keep, then the local fleet (smolvm serve)
+# 3. Fleets: the contract both keep, then the local fleet (smolvm serve)
 #
-# The local fleet:
-# http.client over AF_UNIX to `smolvm serve start --listen <runtimeDir>/serve.sock`, spawned on
-# the first local call and never at connect. Every method here blocks; the tool layer runs them
-# in worker threads so one long command never stalls another session. The exception, read_now,
-# makes the quick reads' one GET on the event loop, where a thread hop cost more than the read.
+# The local fleet: http.client over AF_UNIX to `smolvm serve start --listen
+# <runtimeDir>/serve.sock`, spawned on the first local call and never at
+# connect. Every method here blocks; the tool layer runs them in worker
+# threads so one long command never stalls another session. The exception,
+# read_now, makes the quick reads' one GET on the event loop (QuickReader),
+# where a thread hop cost more than the read.
 # ---------------------------------------------------------------------------
 
-# -- the fleet contract: a fleet is one class with these members, and one row in FLEETS --
+# -- the fleet contract: a fleet is one class with these members, and one
+# row in FLEETS
 
 
 class JobOptions(TypedDict, total=False):
-    """How a command runs: the keywords of Fleet.exec, exec_stream and start_job."""
+    """How a command runs: the keywords of Fleet.exec, exec_stream and
+    start_job."""
 
     timeout_secs: Required[int]
     workdir: str | None
@@ -623,27 +626,31 @@ class JobOptions(TypedDict, total=False):
 
 
 class ExecOptions(JobOptions, total=False):
-    stdin: str | None  # exec and exec_stream only: a job reads no input
+    # exec and exec_stream only: a job reads no input
+    stdin: str | None
 
 
-OnOutput = Callable[
-    [str, str], None
-]  # exec_stream's sink: (stream, text) as the guest prints it
+# exec_stream's sink: (stream, text) as the guest prints it.
+OnOutput = Callable[[str, str], None]
 
 
 class Fleet(Protocol):
-    """What the tools, resources, sessions and doctor ask of a fleet; LocalFleet and CloudFleet
-    both satisfy it (a test compares every signature)."""
+    """What the tools, resources, sessions and doctor ask of a fleet;
+    LocalFleet and CloudFleet both satisfy it (a test compares every
+    signature)."""
 
     name: str
     config: Config
-    amends_egress: bool  # has egress_policy, egress_events and update_egress (allow-egress)
-    mounts_host_paths: bool  # create-machine's mounts name host directories (held to mountRoots)
-    branch_needs_start: (
-        bool  # the engine makes a branch source when it starts the machine
-    )
-    served_as: str  # how the server's instructions name the fleet
-    instruction: str  # the fleet's own line in the server's instructions
+    # Has egress_policy, egress_events and update_egress (allow-egress).
+    amends_egress: bool
+    # create-machine's mounts name host directories (held to mountRoots).
+    mounts_host_paths: bool
+    # The engine makes a branch source when it starts the machine.
+    branch_needs_start: bool
+    # How the server's instructions name the fleet.
+    served_as: str
+    # The fleet's own line in the server's instructions.
+    instruction: str
 
     def __init__(
         self, config: Config, environ: dict[str, str] | None = None
@@ -693,11 +700,13 @@ class Fleet(Protocol):
     # What smol://targets says about this fleet (it may not be served).
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict: ...
-    # What the configuration lacks for this fleet to be served, as the words after "needs", or None.
+    # What the configuration lacks for this fleet to be served, as the
+    # words after "needs", or None.
     @classmethod
     def lacking(cls, config: Config) -> str | None: ...
-    # For `doctor`: check what a person should know (facts may change), and return the detail lines
-    # under the fleet's heading and the advice printed after its reason.
+    # For `doctor`: check what a person should know (facts may change), and
+    # return the detail lines under the fleet's heading and the advice
+    # printed after its reason.
     @classmethod
     def doctor_report(
         cls, app: SmolMcp, facts: dict
@@ -714,38 +723,47 @@ def registered(cls: type) -> type:
     return cls
 
 
-# -- the local fleet ---------------------------------------------------------------
+# -- the local fleet --------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-# The serve child's environment is an allow-list: PATH to find its helpers, HOME and XDG_* for its
-# data, cache and socket directories, the locale and TZ for its messages, TMPDIR for scratch files,
-# RUST_LOG for its log level, and SMOLVM_* (minimal_child_env), the engine's own settings.
+# The serve child's environment is an allow-list: PATH to find its helpers,
+# HOME and XDG_* for its data, cache and socket directories, the locale and
+# TZ for its messages, TMPDIR for scratch files, RUST_LOG for its log level,
+# and SMOLVM_* (minimal_child_env), the engine's own settings.
 CHILD_ENV_NAMES = tuple(
-    "PATH HOME USER LOGNAME LANG LC_ALL LC_CTYPE TMPDIR TZ XDG_RUNTIME_DIR XDG_DATA_HOME "
-    "XDG_CONFIG_HOME XDG_CACHE_HOME XDG_STATE_HOME RUST_LOG".split()
+    "PATH HOME USER LOGNAME LANG LC_ALL LC_CTYPE TMPDIR TZ XDG_RUNTIME_DIR "
+    "XDG_DATA_HOME XDG_CONFIG_HOME XDG_CACHE_HOME XDG_STATE_HOME "
+    "RUST_LOG".split()
 )
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
-READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
-# Below this offset, streaming the file from its start is cheap enough. (-L: a link's target.)
+# "Ready" means a command has actually run in the guest.
+READY_PROBE = ["true"]
+# Below this offset, streaming the file from its start is cheap enough.
 RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024
+# $1 path, $2 offset, $3 length: the size, a newline, the page (-L: a link's
+# target).
 RANGE_READ_SCRIPT = (
     'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
 )
 
 
 def wheel_engine() -> str | None:
-    """The smol/smol-vmm (the full smolvm CLI) of this interpreter's smolmachines, if installed."""
+    """The smol/smol-vmm (the full smolvm CLI) of this interpreter's
+    smolmachines, if installed."""
     try:
         distribution = importlib.metadata.distribution("smolmachines")
     except importlib.metadata.PackageNotFoundError:
         return None
     path = Path(str(distribution.locate_file("smol/smol-vmm")))
-    return str(path.resolve()) if os.access(path, os.X_OK) else None
+    if not os.access(path, os.X_OK):
+        return None
+    return str(path.resolve())
 
 
 def inside_smol_guest() -> bool:
-    """True inside a smol machine, where there is no hypervisor for a nested fleet."""
+    """True inside a smol machine, where there is no hypervisor for a nested
+    fleet."""
     return any(os.path.exists(marker) for marker in GUEST_MARKERS)
 
 
@@ -756,21 +774,18 @@ def version_tuple(version: str) -> tuple[int, ...]:
 def minimal_child_env(
     environ: dict[str, str], secret_values: list[str]
 ) -> dict[str, str]:
-    """The serve child's environment: a few basics and SMOLVM_* engine settings, never a token.
-    A secret can hide inside a value (SMOLVM_EXTRA=prefix-<token>): such a variable is dropped."""
+    """The serve child's environment: a few basics and SMOLVM_* engine
+    settings, never a token. A secret can hide inside a value
+    (SMOLVM_EXTRA=prefix-<token>): such a variable is dropped."""
     env = {name: environ[name] for name in CHILD_ENV_NAMES if name in environ}
-    env.update(
-        {
-            name: value
-            for name, value in environ.items()
-            if name.startswith("SMOLVM_")
-        }
-    )
+    for name, value in environ.items():
+        if name.startswith("SMOLVM_"):
+            env[name] = value
     hides = [secret for secret in secret_values if secret]
     return {
-        k: v
-        for k, v in env.items()
-        if not any(s in v or s in k for s in hides)
+        name: value
+        for name, value in env.items()
+        if not any(s in value or s in name for s in hides)
     }
 
 
@@ -782,6 +797,8 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.socket_path = socket_path
 
     def connect(self) -> None:
+        """Connect, retrying while the listen backlog is full; raise
+        BlockingIOError when it stays full."""
         for attempt in range(20):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout)
@@ -789,15 +806,15 @@ class UnixHTTPConnection(http.client.HTTPConnection):
                 sock.connect(self.socket_path)
                 self.sock = sock
                 return
-            except (
-                BlockingIOError
-            ):  # the listen backlog is full: nothing was sent, so retry
+            except BlockingIOError:
+                # The listen backlog is full: nothing was sent, so retry.
                 sock.close()
                 time.sleep(0.01 * min(attempt + 1, 10))
             except OSError:
                 sock.close()
                 raise
-        # Busy (or stopped), not gone: the caller waits for it rather than start another serve.
+        # Busy (or stopped), not gone: the caller waits for it rather than
+        # start another serve.
         full = f"the serve at {self.socket_path} kept its listen backlog full"
         raise BlockingIOError(errno.EAGAIN, full)
 
@@ -934,27 +951,28 @@ class QuickReader:
 
 @dataclass
 class MachineSpec:
-    """A create request in the normalised vocabulary both fleets understand."""
+    """A create request in the normalised vocabulary both fleets
+    understand."""
 
     name: str
     image: str
     cpus: int
     memory_mb: int
-    network: str  # "open" or "blocked"
+    # "open" or "blocked"
+    network: str
     allow_hosts: list[str] = field(default_factory=list)
     allow_cidrs: list[str] = field(default_factory=list)
-    ports: list[dict[str, int]] = field(
-        default_factory=list
-    )  # [{"guest", "host"?}]
-    mounts: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # [{"source", "target", ...}]
+    # [{"guest", "host"?}]
+    ports: list[dict[str, int]] = field(default_factory=list)
+    # [{"source", "target", ...}]
+    mounts: list[dict[str, Any]] = field(default_factory=list)
     storage_gb: int | None = None
     overlay_gb: int | None = None
     cmd: list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)
     branchable: bool = False
-    ephemeral: bool = False  # the cloud turns this into a TTL and an idle stop
+    # The cloud turns this into a TTL and an idle stop.
+    ephemeral: bool = False
 
 
 @dataclass
@@ -965,9 +983,8 @@ class ExecResult:
     stdout: bytes
     stderr: bytes
     seconds: float
-    cut_by_service: tuple[
-        str, ...
-    ] = ()  # streams the API itself cut short (the cloud's text cap)
+    # The streams the API itself cut short (the cloud's text cap).
+    cut_by_service: tuple[str, ...] = ()
 
 
 @dataclass
@@ -978,48 +995,63 @@ class FilePage:
     size: int
 
 
-# Local jobs (no job API): a process started through exec, detached (own session, HUP ignored),
-# with its pid, stdout, stderr, exit (code, written at the end), timedout and cancelled files under
-# JOB_DIR/<jobId>. It outlives the call, client and server, ends with its machine, and reads "lost"
-# when its process is gone without an exit file (the machine stopped under it).
+# Local jobs (no job API): a process started through exec, detached (its own
+# session, HUP ignored), with its pid, stdout, stderr, exit (the code,
+# written at the end), timedout and cancelled files under JOB_DIR/<jobId>.
+# It outlives the call, client and server, ends with its machine, and reads
+# "lost" when its process is gone without an exit file (the machine stopped
+# under it).
 JOB_DIR = "/var/tmp/smol-mcp/jobs"
 JOB_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
-# $1 job directory, $2 timeout in seconds, then the argv. Runs detached; writes pid, exit.
+# $1 job directory, $2 timeout in seconds, then the argv. Runs detached;
+# writes pid, then exit.
 JOB_WAITER_SCRIPT = r"""d=$1; t=$2; shift 2
 trap '' HUP
-if command -v setsid >/dev/null 2>&1; then setsid "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
-else "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
+if command -v setsid >/dev/null 2>&1; then
+  setsid "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
+else
+  "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
 fi
 c=$!
 echo "$c" >"$d/pid.part" && mv -f "$d/pid.part" "$d/pid"
 ( n=0
-  while [ "$n" -lt "$t" ]; do sleep 1; [ -e "$d/exit" ] && exit 0; n=$((n + 1)); done
+  while [ "$n" -lt "$t" ]; do
+    sleep 1; [ -e "$d/exit" ] && exit 0; n=$((n + 1))
+  done
   : >"$d/timedout"; kill -TERM -"$c" 2>/dev/null || kill -TERM "$c"
-  sleep 5; kill -KILL -"$c" 2>/dev/null || kill -KILL "$c" ) </dev/null >/dev/null 2>&1 &
+  sleep 5; kill -KILL -"$c" 2>/dev/null || kill -KILL "$c"
+) </dev/null >/dev/null 2>&1 &
 wait "$c"; echo "$?" >"$d/exit.part"; mv -f "$d/exit.part" "$d/exit"
 """
-# $1 the waiter script, $2 job directory, $3 timeout, then the argv; prints the pid.
+# $1 the waiter script, $2 job directory, $3 timeout, then the argv; prints
+# the pid.
 JOB_START_SCRIPT = r"""w=$1; d=$2; shift 2
-[ -e "$d" ] && { echo "a job with this id already exists in the machine" >&2; exit 98; }
+[ -e "$d" ] && {
+  echo "a job with this id already exists in the machine" >&2; exit 98
+}
 mkdir -p "$d" || exit 97
 date +%s >"$d/started"
 if command -v setsid >/dev/null 2>&1; then s=setsid; else s=; fi
 $s sh -c "$w" sh "$d" "$@" </dev/null >/dev/null 2>&1 &
-n=0; while [ ! -s "$d/pid" ] && [ "$n" -lt 100 ]; do sleep 0.1; n=$((n + 1)); done
+n=0
+while [ ! -s "$d/pid" ] && [ "$n" -lt 100 ]; do sleep 0.1; n=$((n + 1)); done
 [ -s "$d/pid" ] || { echo "the job's process did not start" >&2; exit 96; }
 cat "$d/pid"
 """
-# The state of the job in directory $1: "running -", "exited CODE" or "lost -".
+# The state of the job in directory $1: "running -", "exited CODE" or
+# "lost -".
 JOB_STATE_FUNCTION = r"""st() {
   [ -s "$1/exit" ] && { echo "exited $(cat "$1/exit")"; return; }
-  [ -s "$1/pid" ] && kill -0 "$(cat "$1/pid")" 2>/dev/null && { echo "running -"; return; }
+  [ -s "$1/pid" ] && kill -0 "$(cat "$1/pid")" 2>/dev/null &&
+    { echo "running -"; return; }
   sleep 1; [ -s "$1/exit" ] && { echo "exited $(cat "$1/exit")"; return; }
   echo "lost -"
 }
 """
-# $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints "state code
-# stdoutSize stderrSize n m", a newline, then n bytes of stdout and m of stderr from the offsets;
-# the budget is shared, neither side starves. Runs after JOB_STATE_FUNCTION, as JOB_LIST_SCRIPT.
+# $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget.
+# Prints "state code stdoutSize stderrSize n m", a newline, then n bytes of
+# stdout and m of stderr from the offsets; the budget is shared, neither
+# side starves. Runs after JOB_STATE_FUNCTION, as JOB_LIST_SCRIPT does.
 JOB_READ_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 s=$(st "$1")
 so=0; [ -f "$1/stdout" ] && so=$(wc -c <"$1/stdout")
@@ -1034,16 +1066,19 @@ echo "$s $so $se $n $m"
 [ "$m" -gt 0 ] && tail -c +$(($3 + 1)) "$1/stderr" | head -c "$m"
 exit 0
 """
-# $1 job directory. Ends the job's process group (TERM, then KILL after 5 s); idempotent.
+# $1 job directory. Ends the job's process group (TERM, then KILL after
+# 5 s); idempotent.
 JOB_CANCEL_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 [ -e "$1/exit" ] && exit 0
 p=$(cat "$1/pid")
 kill -0 "$p" 2>/dev/null || exit 0
 : >"$1/cancelled"
 kill -TERM -"$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null
-n=0; while [ ! -e "$1/exit" ] && [ "$n" -lt 50 ]; do sleep 0.1; n=$((n + 1)); done
+n=0
+while [ ! -e "$1/exit" ] && [ "$n" -lt 50 ]; do sleep 0.1; n=$((n + 1)); done
 [ -e "$1/exit" ] || kill -KILL -"$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null
-n=0; while [ ! -e "$1/exit" ] && [ "$n" -lt 30 ]; do sleep 0.1; n=$((n + 1)); done
+n=0
+while [ ! -e "$1/exit" ] && [ "$n" -lt 30 ]; do sleep 0.1; n=$((n + 1)); done
 exit 0
 """
 # $1 the jobs directory: one "jobId state code" line per job, oldest first.
@@ -1057,17 +1092,20 @@ exit 0
 class JobPage:
     """One read of a job: its state and a page of each output stream."""
 
-    state: str  # running, exited or lost
+    # running, exited or lost
+    state: str
     exit_code: int | None
     stdout: bytes
     stderr: bytes
-    sizes: tuple[int, int]  # bytes of stdout and stderr written so far
+    # Bytes of stdout and stderr written so far.
+    sizes: tuple[int, int]
 
 
 def local_exec_body(
     argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None
 ) -> dict:
-    """The local exec body (autoStart false: the tool starts a stopped machine, and says so)."""
+    """The local exec body (autoStart false: the tool starts a stopped
+    machine, and says so)."""
     env_list = [{"name": k, "value": v} for k, v in (env or {}).items()]
     options = {
         "workdir": workdir or None,
@@ -1081,22 +1119,26 @@ def local_exec_body(
 
 
 def helper_output(name: str, action: str, result: ExecResult) -> bytes:
-    """The stdout of one of this server's guest scripts, or the reason it failed."""
+    """The stdout of one of this server's guest scripts; raise SmolError
+    with the reason it failed."""
     if result.exit_code == 0:
         return bytes(result.stdout)
-    why = (
-        bytes(result.stderr).decode("utf-8", "replace").strip()
-        or f"exit code {result.exit_code}"
-    )
+    stderr = bytes(result.stderr).decode("utf-8", "replace").strip()
+    why = stderr or f"exit code {result.exit_code}"
     if "no such job" in why:
-        why = f"has no such job (while trying to {action}); get-machine lists its jobs"
-        raise SmolError(f"machine '{name}' {why}")
-    need = "The job tools need a POSIX shell (sh) with kill, tail, head and wc in the image."
-    raise SmolError(f"could not {action} in machine '{name}': {why}. {need}")
+        raise SmolError(
+            f"machine '{name}' has no such job (while trying to {action}); "
+            "get-machine lists its jobs"
+        )
+    raise SmolError(
+        f"could not {action} in machine '{name}': {why}. The job tools need "
+        "a POSIX shell (sh) with kill, tail, head and wc in the image."
+    )
 
 
 def not_running(name: str, err: ApiError) -> SmolError:
-    """NotRunning for the engine's refusal to run a command in a stopped machine, else ``err``."""
+    """NotRunning for the engine's refusal to run a command in a stopped
+    machine, else ``err``."""
     if err.status == 409 and "not running" in err.api_message:
         return NotRunning(f"machine '{name}' is not running")
     return err
