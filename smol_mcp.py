@@ -1144,83 +1144,44 @@ def not_running(name: str, err: ApiError) -> SmolError:
     return err
 
 
-@registered
-class LocalFleet:
-    """The machines of ``smolvm serve`` on this host: started on first use, shared by every
-    session (``acquire``/``release`` count them; the last release stops a serve we started),
-    restarted if it dies, never started when SMOL_LOCAL_URL names one."""
+class LocalServe:
+    """The ``smolvm serve`` on this host and the HTTP calls to it: started
+    on first use, shared by every session (``acquire``/``release`` count
+    them; the last release stops a serve we started), restarted if it
+    dies, never started when SMOL_LOCAL_URL names one. LocalFleet is the
+    fleet made of it; its ``name`` labels the API's errors."""
 
-    name = "local"
-    served_as = (
-        "local (smolvm on the host this server runs on, started on the first local call; "
-        "nothing billed)"
-    )
-    instruction = (
-        "- Local: the engine fetches a registry image on the host, so a pull needs no egress in "
-        "the machine: do not open the network for it. mounts, overlayGb, cmd and pull-image are "
-        "local only; branch-machine needs a Linux or macOS host."
-    )
-
-    @classmethod
-    def target_facts(cls, app: SmolMcp) -> dict:
-        return local_target_facts(app.local)
-
-    @classmethod
-    def lacking(cls, config: Config) -> str | None:
-        return None  # the engine is found or fetched on the first call (doctor says how)
-
-    @classmethod
-    def doctor_report(
-        cls, app: SmolMcp, facts: dict
-    ) -> tuple[list[str], list[str]]:
-        smolvm = facts["smolvm"]
-        found = smolvm["path"] or (
-            "not found here" if smolvm["version"] else "(not found)"
-        )
-        found += f", version {smolvm['version']}" if smolvm["version"] else ""
-        found += (
-            f" (found through {smolvm['from']})" if smolvm.get("from") else ""
-        )
-        hypervisor, serve = facts["hypervisor"]["detail"], facts["serve"]
-        mounts = describe_mount_roots(app.config)
-        details = [
-            f"smolvm: {found}",
-            f"hypervisor: {hypervisor}",
-            f"serve: {serve}",
-            mounts,
-        ]
-        if smolvm["path"] or app.config.local_url or smolvm["version"]:
-            return details, []
-        get = engine_get_command(Path(__file__).resolve(), sys.prefix)
-        return details, [ENGINE_ON_RAMP.format(get=get)]
+    name: str
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
         self.environ = dict(os.environ if environ is None else environ)
         self._lock = threading.RLock()
         self._process: subprocess.Popen | None = None
-        self._users, self._ready = 0, False
-        self._pool = (
-            threading.local()
-        )  # one kept-alive connection per worker thread
+        # The sessions of this process using the serve.
+        self._users = 0
+        # Whether the serve is known to answer, at a version we accept.
+        self._ready = False
+        # One kept-alive connection per worker thread.
+        self._pool = threading.local()
         runtime = Path(config.runtime_dir)
-        self._serve_log, self._pid_file = (
-            runtime / "serve.log",
-            runtime / "serve.pid",
-        )
+        self._serve_log = runtime / "serve.log"
+        self._pid_file = runtime / "serve.pid"
         self._users_dir = runtime / "serve-users"
         self.version: str | None = None
-        own = ("unix", str(runtime / "serve.sock"))
-        self._kind, self._address = (
-            parse_local_url(config.local_url) if config.local_url else own
-        )
+        if config.local_url:
+            self._kind, self._address = parse_local_url(config.local_url)
+        else:
+            self._kind = "unix"
+            self._address = str(runtime / "serve.sock")
         self._quick_reader = QuickReader(self._kind, self._address)
 
     # -- lifecycle ---------------------------------------------------------
 
     @property
     def endpoint(self) -> str:
-        """A stable name for the serve we talk to, used to match cleanup records."""
+        """A stable name for the serve we talk to, used to match cleanup
+        records."""
         return self.config.local_url or f"unix://{self._address}"
 
     def acquire(self) -> None:
@@ -1228,8 +1189,9 @@ class LocalFleet:
             self._users += 1
 
     def release(self) -> None:
-        """One session let go. When the last session of the last smol-mcp process using our serve
-        lets go, the serve is stopped; a serve named by SMOL_LOCAL_URL is never ours to stop."""
+        """One session let go. When the last session of the last smol-mcp
+        process using our serve lets go, the serve is stopped; a serve named
+        by SMOL_LOCAL_URL is never ours to stop."""
         with self._lock:
             self._users = max(0, self._users - 1)
             if self._users or self.config.local_url:
@@ -1237,12 +1199,15 @@ class LocalFleet:
             with bookkeeping(self.config.runtime_dir):
                 (self._users_dir / str(os.getpid())).unlink(missing_ok=True)
             if self._other_processes_use_serve():
-                self._process, self._ready = None, False  # theirs to stop now
+                # Theirs to stop now.
+                self._process = None
+                self._ready = False
                 return
             self.stop_serve()
 
     def _other_processes_use_serve(self) -> bool:
-        """Whether another live smol-mcp process (same runtime directory) marked our serve used."""
+        """Whether another live smol-mcp process (same runtime directory)
+        marked our serve used."""
         for marker in self._users_dir.glob("*"):
             pid = int(marker.name) if marker.name.isdigit() else 0
             if pid == os.getpid():
@@ -1253,16 +1218,18 @@ class LocalFleet:
                 started = None
             if process_alive(pid, started):
                 return True
+            # A process that died without letting go.
             with bookkeeping(self.config.runtime_dir):
-                marker.unlink(
-                    missing_ok=True
-                )  # a process that died without letting go
+                marker.unlink(missing_ok=True)
         return False
 
     def stop_serve(self) -> None:
-        """Stop the serve on our socket: our child, or one another process left us (serve.pid)."""
+        """Stop the serve on our socket: our child, or one another process
+        left us (serve.pid)."""
         with self._lock:
-            process, self._process, self._ready = self._process, None, False
+            process = self._process
+            self._process = None
+            self._ready = False
             self._quick_reader.close_idle()
         if process is not None and process.poll() is None:
             process.terminate()
@@ -1271,28 +1238,29 @@ class LocalFleet:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=5)
-        elif (
-            process is None
-            and not self.config.local_url
-            and (pid := self._live_serve_pid())
-        ):
-            os.kill(pid, signal.SIGTERM)
+        elif process is None and not self.config.local_url:
+            pid = self._live_serve_pid()
+            if pid:
+                os.kill(pid, signal.SIGTERM)
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.unlink(missing_ok=True)
 
     def smolvm_path(self) -> str | None:
+        """The smolvm binary to start: SMOLVM as a path, or found on PATH
+        (not set: the wheel's engine next); None when there is none."""
         configured = self.config.smolvm
         if os.sep in configured:
-            return configured if os.access(configured, os.X_OK) else None
+            if os.access(configured, os.X_OK):
+                return configured
+            return None
         found = shutil.which(configured, path=self.environ.get("PATH"))
-        if (
-            found is None and configured == Config.smolvm
-        ):  # not set: next best, the wheel's engine
+        if found is None and configured == Config.smolvm:
             found = wheel_engine()
         return found
 
     def ensure_serve(self) -> None:
-        """Make sure a serve answers, starting ours if needed, and check its version once."""
+        """Make sure a serve answers, starting ours if needed, and check its
+        version once; raise SmolError saying why none does."""
         with self._lock:
             if self._ready and (
                 self._process is None or self._process.poll() is None
@@ -1301,45 +1269,64 @@ class LocalFleet:
             self._ready = False
             if inside_smol_guest():
                 raise SmolError(
-                    "The local target is unavailable inside a smol machine: there is no hypervisor "
-                    "here to start a nested machine with. Use the cloud target, or run smol-mcp on "
-                    "the host."
+                    "The local target is unavailable inside a smol machine: "
+                    "there is no hypervisor here to start a nested machine "
+                    "with. Use the cloud target, or run smol-mcp on the host."
                 )
             if not self.config.local_url and not self._answers():
                 self._start_serve_once()
-            try:
-                self.version = str(self._health().get("version", ""))
-            except OSError as exc:
-                why = f"({exc.strerror or exc})"
-                if self.config.local_url:
-                    raise self._nothing_answers(f" {why}") from None
-                why = f"stopped answering on {self._address} {why}; its log is {self._serve_log}"
-                raise SmolError(f"the smolvm serve {why}") from None
+            self.version = self._answering_version()
             if not self.config.local_url:
-                with bookkeeping(self.config.runtime_dir):
-                    self._users_dir.mkdir(mode=0o700, exist_ok=True)
-                    started = process_start_time(os.getpid())
-                    (self._users_dir / str(os.getpid())).write_text(
-                        str(started or "")
-                    )
-            minimum = self.config.min_smolvm
-            if minimum and version_tuple(self.version) < version_tuple(
-                minimum
-            ):
-                old = f"smolvm {self.version} is older than the minimum {minimum} this server needs"
-                why = "(older serves reject fields it sends). Upgrade smolvm, or set"
-                fix = "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
-                raise SmolError(f"{old} {why} {fix}.")
+                self._mark_used()
+            self._check_version()
             self._ready = True
 
+    def _answering_version(self) -> str:
+        """The serve's version, from /health; raise SmolError when it does
+        not answer."""
+        try:
+            return str(self._health().get("version", ""))
+        except OSError as exc:
+            why = f"({exc.strerror or exc})"
+            if self.config.local_url:
+                raise self._nothing_answers(f" {why}") from None
+            raise SmolError(
+                f"the smolvm serve stopped answering on {self._address} "
+                f"{why}; its log is {self._serve_log}"
+            ) from None
+
+    def _mark_used(self) -> None:
+        """Mark our serve used by this process (a file named by its pid,
+        holding its start time), so another process's release leaves it."""
+        with bookkeeping(self.config.runtime_dir):
+            self._users_dir.mkdir(mode=0o700, exist_ok=True)
+            started = process_start_time(os.getpid())
+            marker = self._users_dir / str(os.getpid())
+            marker.write_text(str(started or ""))
+
+    def _check_version(self) -> None:
+        """Raise SmolError when the serve is older than minSmolvm."""
+        minimum = self.config.min_smolvm
+        if minimum and version_tuple(self.version) < version_tuple(minimum):
+            raise SmolError(
+                f"smolvm {self.version} is older than the minimum {minimum} "
+                "this server needs (older serves reject fields it sends). "
+                "Upgrade smolvm, or set SMOL_MCP_MIN_SMOLVM to an empty value "
+                "to skip the check."
+            )
+
     def _nothing_answers(self, why: str = "") -> SmolError:
-        fix = "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
+        """The error for a SMOL_LOCAL_URL where nothing answers (``why``
+        follows the URL)."""
         return SmolError(
-            f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; {fix}"
+            f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; "
+            "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp "
+            "start its own"
         )
 
     def _answers(self) -> bool:
-        """True when something (maybe another smol-mcp process's serve) answers on our socket."""
+        """True when something (maybe another smol-mcp process's serve)
+        answers on our socket."""
         try:
             self._health()
             return True
@@ -1355,16 +1342,17 @@ class LocalFleet:
         return json.loads(body)
 
     def _start_serve_once(self) -> None:
-        """Start the serve unless another smol-mcp process sharing the runtime directory is
-        starting it right now: a file lock makes them take turns."""
-        with open(
-            ensure_runtime_dir(self.config.runtime_dir) / "serve.lock", "w"
-        ) as lock:
+        """Start the serve unless another smol-mcp process sharing the
+        runtime directory is starting it right now: a file lock makes them
+        take turns."""
+        lock_path = ensure_runtime_dir(self.config.runtime_dir) / "serve.lock"
+        with open(lock_path, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self._answers():
                 return
-            # A serve that runs but does not answer is busy or stopped, not dead (replacing it
-            # orphans it and fights it for its port): wait within serveStartTimeoutSecs.
+            # A serve that runs but does not answer is busy or stopped, not
+            # dead (replacing it orphans it and fights it for its port):
+            # wait within serveStartTimeoutSecs.
             pid = self._live_serve_pid()
             deadline = time.monotonic() + self.config.serve_start_timeout_secs
             while pid is not None and process_alive(pid):
@@ -1376,93 +1364,119 @@ class LocalFleet:
             self._start_serve()
 
     def _live_serve_pid(self) -> int | None:
-        """The live serve on our socket, answering or not: ours, or another's (serve.pid)."""
+        """The live serve on our socket, answering or not: ours, or
+        another's (serve.pid)."""
         if self._process is not None and self._process.poll() is None:
             return self._process.pid
         try:
             pid = int(self._pid_file.read_text().strip() or 0)
-            # A pid on file may have been reused: is it a serve on our socket? (No /proc: leave it.)
+            # A pid on file may have been reused: is it a serve on our
+            # socket? (No /proc: leave it.)
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             return None
         ours = b"serve" in cmdline and self._address.encode() in cmdline
-        return pid if process_alive(pid) and ours else None
+        if process_alive(pid) and ours:
+            return pid
+        return None
 
     def _busy_error(self, pid: int | None) -> SmolError:
         which = f"the smolvm serve (pid {pid})" if pid else "the smolvm serve"
         return SmolError(
-            f"{which} is running but did not answer on {self._address} within "
-            f"{self.config.serve_start_timeout_secs} s: it is busy or stopped. It was left "
-            "running, not replaced. Try again shortly; if it stays this way, see "
-            f"{self._serve_log}, or end that process so a new one starts."
+            f"{which} is running but did not answer on {self._address} "
+            f"within {self.config.serve_start_timeout_secs} s: it is busy or "
+            "stopped. It was left running, not replaced. Try again shortly; "
+            f"if it stays this way, see {self._serve_log}, or end that "
+            "process so a new one starts."
         )
 
     def _start_serve(self) -> None:
+        """Start our serve and wait until it answers; raise SmolError saying
+        why it does not (not found, exited at once, too slow)."""
         binary = self.smolvm_path()
         if binary is None:
-            looked = f"looked for {self.config.smolvm!r} on PATH"
-            fix = "set SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve"
             raise SmolError(
-                f"smolvm was not found ({looked}). Install smolvm, {fix}."
+                f"smolvm was not found (looked for {self.config.smolvm!r} on "
+                "PATH). Install smolvm, set SMOLVM to the path of the binary, "
+                "or set SMOL_LOCAL_URL to a running serve."
             )
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
-        socket_path, log_path = self._address, runtime_dir / "serve.log"
+        socket_path = self._address
+        log_path = runtime_dir / "serve.log"
         if len(socket_path.encode()) > 100:
-            why = "is too long for a Unix socket; set SMOL_MCP_RUNTIME_DIR to a shorter directory"
-            raise SmolError(f"the socket path {socket_path} {why}")
+            raise SmolError(
+                f"the socket path {socket_path} is too long for a Unix "
+                "socket; set SMOL_MCP_RUNTIME_DIR to a shorter directory"
+            )
         Path(socket_path).unlink(missing_ok=True)
+        log_start = self._spawn_serve(binary, socket_path, log_path)
+        self._wait_until_answering(log_path, log_start)
+
+    def _spawn_serve(
+        self, binary: str, socket_path: str, log_path: Path
+    ) -> int:
+        """Start ``smolvm serve`` on ``socket_path`` in its own session,
+        its output appended to ``log_path``, and note its pid; return where
+        this start's lines begin in the log."""
         env = minimal_child_env(self.environ, self.config.secret_values())
+        argv = [binary, "serve", "start", "--listen", socket_path]
         with open(log_path, "ab") as log_file:
             log_start = log_file.tell()
-            argv = [binary, "serve", "start", "--listen", socket_path]
-            to_log = {
-                "stdin": subprocess.DEVNULL,
-                "stdout": log_file,
-                "stderr": log_file,
-            }
             self._process = subprocess.Popen(
-                argv, **to_log, env=env, start_new_session=True
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                env=env,
+                start_new_session=True,
             )
-        log.info(
-            "started smolvm serve (pid %s) on %s",
-            self._process.pid,
-            socket_path,
-        )
+        pid = self._process.pid
+        log.info("started smolvm serve (pid %s) on %s", pid, socket_path)
         with bookkeeping(self.config.runtime_dir):
-            self._pid_file.write_text(str(self._process.pid))
+            self._pid_file.write_text(str(pid))
+        return log_start
+
+    def _wait_until_answering(self, log_path: Path, log_start: int) -> None:
+        """Wait within serveStartTimeoutSecs for our new serve to answer;
+        raise SmolError when it exits first, or is too slow (it is then
+        stopped)."""
         timeout = self.config.serve_start_timeout_secs
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 self._process = None
-                with open(
-                    log_path, "rb"
-                ) as log_read:  # this start's lines, not the whole log
-                    log_read.seek(log_start)
-                    output = log_read.read().decode("utf-8", "replace")
-                lines = [
-                    ln.strip()
-                    for ln in output.splitlines()
-                    if not ln.startswith("note:")
-                ]
-                last = ([line for line in lines if line] or [""])[-1]
-                if "Address already in use" in output:
-                    hint = other_serve_hint(socket_path)
-                    raise SmolError(
-                        f"smolvm serve could not start: {last}. {hint}"
-                    )
-                why = f"{last or 'no output'} (its log is {log_path})"
-                raise SmolError(f"smolvm serve exited at once: {why}")
+                raise self._exited_error(log_path, log_start)
             if self._answers():
                 return
             time.sleep(0.05)
         self.stop_serve()
-        why = f"within {timeout} s (serveStartTimeoutSecs); its log is {log_path}"
-        raise SmolError(f"smolvm serve did not answer {why}")
+        raise SmolError(
+            f"smolvm serve did not answer within {timeout} s "
+            f"(serveStartTimeoutSecs); its log is {log_path}"
+        )
+
+    def _exited_error(self, log_path: Path, log_start: int) -> SmolError:
+        """Why our serve exited at once: the last line of this start's part
+        of the log, and where another serve runs if the address was taken."""
+        with open(log_path, "rb") as log_read:
+            log_read.seek(log_start)
+            output = log_read.read().decode("utf-8", "replace")
+        lines = [
+            line.strip()
+            for line in output.splitlines()
+            if line.strip() and not line.startswith("note:")
+        ]
+        last = lines[-1] if lines else ""
+        if "Address already in use" in output:
+            hint = other_serve_hint(self._address)
+            return SmolError(f"smolvm serve could not start: {last}. {hint}")
+        why = f"{last or 'no output'} (its log is {log_path})"
+        return SmolError(f"smolvm serve exited at once: {why}")
 
     # -- HTTP --------------------------------------------------------------
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        """A new connection to the serve; it connects when first used."""
         if self._kind == "unix":
             return UnixHTTPConnection(str(self._address), timeout)
         return http.client.HTTPConnection(
@@ -1470,8 +1484,9 @@ class LocalFleet:
         )
 
     def _pooled(self, timeout: float) -> http.client.HTTPConnection:
-        """This worker thread's kept-alive connection (opening one costs about as much as a call);
-        one the serve closed while it sat idle is replaced before it is used."""
+        """This worker thread's kept-alive connection (opening one costs
+        about as much as a call); one the serve closed while it sat idle is
+        replaced before it is used."""
         conn = getattr(self._pool, "conn", None)
         # Closed by the serve: an idle kept-alive socket then reads as ready.
         if (
@@ -1479,9 +1494,11 @@ class LocalFleet:
             and conn.sock is not None
             and select.select([conn.sock], [], [], 0)[0]
         ):
-            conn = conn.close()
+            conn.close()
+            conn = None
         if conn is None:
-            conn = self._pool.conn = self._connection(timeout)
+            conn = self._connection(timeout)
+            self._pool.conn = conn
         conn.timeout = timeout
         if conn.sock is not None:
             conn.sock.settimeout(timeout)
@@ -1497,28 +1514,32 @@ class LocalFleet:
         timeout=30.0,
         read=None,
     ) -> tuple[int, str, Any]:
-        """Send one request (bytes ``body``) on the pooled connection; ``read(response)``
-        consumes a 200 answer itself (for answers too large to hold whole)."""
+        """Send one request (bytes ``body``) on the pooled connection:
+        (status, Content-Type, body). ``read(response)`` consumes a 200
+        answer itself (for answers too large to hold whole)."""
+        headers = {}
+        if content_type:
+            headers["Content-Type"] = content_type
         conn = self._pooled(timeout)
         try:
-            headers = {"Content-Type": content_type} if content_type else {}
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
-            ctype = response.getheader("Content-Type", "")
-            ok = read is not None and response.status == 200
-            return (
-                response.status,
-                ctype,
-                read(response) if ok else response.read(),
-            )
+            answer_type = response.getheader("Content-Type", "")
+            if read is not None and response.status == 200:
+                data = read(response)
+            else:
+                data = response.read()
         except BaseException:
-            conn.close()  # half-used: never hand it to the next call
+            # Half-used: never hand it to the next call.
+            conn.close()
             self._pool.conn = None
             raise
+        return response.status, answer_type, data
 
     def _send_when_accepted(self, send: Callable) -> tuple[int, str, Any]:
-        """Send; while the serve's listen backlog is full (EAGAIN on connect: busy or stopped, not
-        gone; the request was not received) wait and resend, within a bound."""
+        """Send; while the serve's listen backlog is full (EAGAIN on
+        connect: busy or stopped, not gone; the request was not received)
+        wait and resend, within a bound."""
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while True:
             try:
@@ -1539,63 +1560,149 @@ class LocalFleet:
         setting=None,
         read=None,
     ):
-        """One API call sending ``payload`` (bytes as they are, else JSON): the JSON answer (bytes
-        for a raw one, what ``read`` made of a 200), or ApiError. A serve that stopped answering is
-        started again once; a timeout names ``setting`` (both default to readyTimeoutSecs)."""
+        """One API call sending ``payload`` (bytes as they are, else JSON):
+        the JSON answer (bytes for a raw one, what ``read`` made of a 200);
+        raise ApiError when the API refuses. A serve that stopped answering
+        is started again once; a timeout names ``setting`` (both default to
+        readyTimeoutSecs)."""
         self.ensure_serve()
-        timeout = (
-            self.config.ready_timeout_secs if timeout is None else timeout
-        )
+        if timeout is None:
+            timeout = self.config.ready_timeout_secs
         setting = setting or "readyTimeoutSecs"
-        body, content_type = (
-            payload,
-            None if payload is None else "application/octet-stream",
-        )
-        if payload is not None and not isinstance(payload, bytes | bytearray):
-            body, content_type = (
-                json.dumps(payload).encode(),
-                "application/json",
-            )
-        options = {
-            "content_type": content_type,
-            "timeout": timeout,
-            "read": read,
-        }
+        body, content_type = self._encoded(payload)
         send = functools.partial(
-            self._raw_request, method, path, body, **options
+            self._raw_request,
+            method,
+            path,
+            body,
+            content_type=content_type,
+            timeout=timeout,
+            read=read,
         )
+        status, answer_type, data = self._answer(
+            action, send, timeout, setting
+        )
+        if status >= 400:
+            raise api_error(self.name, action, status, answer_type, data)
+        if read is not None and status == 200:
+            return data
+        if "application/json" in answer_type:
+            return json.loads(data) if data else None
+        return data
+
+    @staticmethod
+    def _encoded(payload: Any) -> tuple[Any, str | None]:
+        """A request's body and Content-Type: none for no payload, bytes as
+        they are, anything else as JSON."""
+        if payload is None:
+            return None, None
+        if isinstance(payload, bytes | bytearray):
+            return payload, "application/octet-stream"
+        return json.dumps(payload).encode(), "application/json"
+
+    def _answer(
+        self, action: str, send: Callable, timeout: float, setting: str
+    ) -> tuple[int, str, Any]:
+        """What ``send()`` got, the serve started again once if it stopped
+        answering; raise SmolError on a timeout (naming ``setting``), or
+        when the serve dropped the connection."""
         try:
-            status, ctype, data = self._send_when_accepted(send)
+            return self._send_when_accepted(send)
         except (ConnectionRefusedError, FileNotFoundError):
-            # The connection never opened, so the request was not received: safe to resend.
+            # The connection never opened, so the request was not received:
+            # safe to resend.
             self._ready = False
             if self.config.local_url:
                 raise self._nothing_answers() from None
             self.ensure_serve()
-            status, ctype, data = send()
+            return send()
         except TimeoutError:
             raise self._too_slow(action, timeout, setting) from None
         except (OSError, http.client.HTTPException) as exc:
             self._ready = False
             raise serve_dropped(action, exc) from None
-        if status >= 400:
-            raise api_error(self.name, action, status, ctype, data)
-        if "application/json" in ctype and not (
-            read is not None and status == 200
-        ):
-            return json.loads(data) if data else None
-        return data
 
     @staticmethod
     def _too_slow(action: str, timeout: float, setting: str) -> SmolError:
-        waited = (
-            f"did not answer within {timeout:.0f} s while trying to {action}"
-        )
-        why = f"A busy host or a large image can take that long: raise {setting} to wait longer"
-        doctor = f"check the engine with `{invocation()} doctor`"
         return SmolError(
-            f"the local machine API {waited}. {why}, and {doctor}"
+            f"the local machine API did not answer within {timeout:.0f} s "
+            f"while trying to {action}. A busy host or a large image can "
+            f"take that long: raise {setting} to wait longer, and check the "
+            f"engine with `{invocation()} doctor`"
         )
+
+    def _refusal(
+        self, action: str, response: http.client.HTTPResponse
+    ) -> ApiError:
+        ctype = response.getheader("Content-Type", "")
+        return api_error(
+            self.name, action, response.status, ctype, response.read()
+        )
+
+
+@registered
+class LocalFleet(LocalServe):
+    """The Fleet contract on the local serve: machines, commands, jobs,
+    files and egress, each an API call or a guest script of ours."""
+
+    name = "local"
+    served_as = (
+        "local (smolvm on the host this server runs on, started on the "
+        "first local call; nothing billed)"
+    )
+    instruction = (
+        "- Local: the engine fetches a registry image on the host, so a "
+        "pull needs no egress in the machine: do not open the network for "
+        "it. mounts, overlayGb, cmd and pull-image are local only; "
+        "branch-machine needs a Linux or macOS host."
+    )
+    # The local engine records refusals, and amends the allow list in place.
+    amends_egress = True
+    mounts_host_paths = True
+    branch_needs_start = True
+
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        return local_target_facts(app.local)
+
+    @classmethod
+    def lacking(cls, config: Config) -> str | None:
+        # The engine is found or fetched on the first call (doctor says how).
+        return None
+
+    @classmethod
+    def doctor_report(
+        cls, app: SmolMcp, facts: dict
+    ) -> tuple[list[str], list[str]]:
+        smolvm = facts["smolvm"]
+        details = [
+            f"smolvm: {cls._engine_found(smolvm)}",
+            f"hypervisor: {facts['hypervisor']['detail']}",
+            f"serve: {facts['serve']}",
+            describe_mount_roots(app.config),
+        ]
+        if smolvm["path"] or app.config.local_url or smolvm["version"]:
+            return details, []
+        get = engine_get_command(Path(__file__).resolve(), sys.prefix)
+        return details, [ENGINE_ON_RAMP.format(get=get)]
+
+    @staticmethod
+    def _engine_found(smolvm: dict) -> str:
+        """doctor's line on the engine: where it is, its version, and what
+        found it."""
+        if smolvm["path"]:
+            parts = [smolvm["path"]]
+        elif smolvm["version"]:
+            parts = ["not found here"]
+        else:
+            parts = ["(not found)"]
+        if smolvm["version"]:
+            parts.append(f", version {smolvm['version']}")
+        if smolvm.get("from"):
+            parts.append(f" (found through {smolvm['from']})")
+        return "".join(parts)
+
+    # -- quick reads, on the event loop ------------------------------------
 
     async def read_now(self, read: Callable, *args: str) -> Any:
         """Call.read's way for list_machines, get_machine and
@@ -1603,8 +1710,8 @@ class LocalFleet:
         QuickReader. None when it goes the blocking way (a GET is safe to
         send again): anything else asked, the serve not yet known to
         answer, an answer the reader cannot be sure of, or a body that is
-        not JSON (a short Content-Length cuts it); TimeoutError becomes
-        the error naming readyTimeoutSecs."""
+        not JSON (a short Content-Length cuts it). Raise SmolError naming
+        readyTimeoutSecs when the serve is too slow."""
         quick = (self.list_machines, self.get_machine, self.egress_policy)
         if not self._ready or read not in quick:
             return None
@@ -1636,14 +1743,6 @@ class LocalFleet:
             return record
         return record, egress_lists(info)
 
-    def _refusal(
-        self, action: str, response: http.client.HTTPResponse
-    ) -> ApiError:
-        ctype = response.getheader("Content-Type", "")
-        return api_error(
-            self.name, action, response.status, ctype, response.read()
-        )
-
     # -- machines (normalised) ---------------------------------------------
 
     def _machine(
@@ -1654,7 +1753,8 @@ class LocalFleet:
         *payload: Any,
         **options: Any,
     ) -> Any:
-        """``request`` on a route under /api/v1/machines/ (quoted by the caller)."""
+        """``request`` on a route under /api/v1/machines/ (quoted by the
+        caller)."""
         return self.request(
             action, method, f"/api/v1/machines/{route}", *payload, **options
         )
@@ -1664,9 +1764,8 @@ class LocalFleet:
         return [local_record(m) for m in answer["machines"]]
 
     def get_machine(self, name: str) -> dict:
-        return local_record(
-            self._machine(f"get machine '{name}'", "GET", _q(name))
-        )
+        action = f"get machine '{name}'"
+        return local_record(self._machine(action, "GET", _q(name)))
 
     def machine_state(self, name: str) -> str:
         return self.get_machine(name)["state"]
@@ -1676,75 +1775,72 @@ class LocalFleet:
             {"host": p.get("host") or free_port(), "guest": p["guest"]}
             for p in spec.ports
         ]
-        shares = [
-            (m["source"], m["target"], m.get("readonly") is not False)
+        mounts = [
+            {
+                "source": m["source"],
+                "target": m["target"],
+                "readonly": m.get("readonly") is not False,
+            }
             for m in spec.mounts
         ]
-        mounts = [
-            {"source": s, "target": t, "readonly": ro} for s, t, ro in shares
-        ]
         env = [{"name": k, "value": v} for k, v in spec.env.items()]
-        body = dict(
-            name=spec.name,
-            image=spec.image,
-            cpus=spec.cpus,
-            memoryMb=spec.memory_mb,
-        )
-        body |= dict(
-            network=spec.network == "open",
-            allowedHosts=spec.allow_hosts or None,
-        )
-        body |= dict(
-            allowedCidrs=spec.allow_cidrs or None, ports=ports or None
-        )
-        body |= dict(
-            mounts=mounts or None,
-            storageGb=spec.storage_gb,
-            overlayGb=spec.overlay_gb,
-        )
-        body |= dict(cmd=spec.cmd, env=env or None)
-        body = {key: value for key, value in body.items() if value is not None}
+        fields = {
+            "name": spec.name,
+            "image": spec.image,
+            "cpus": spec.cpus,
+            "memoryMb": spec.memory_mb,
+            "network": spec.network == "open",
+            "allowedHosts": spec.allow_hosts or None,
+            "allowedCidrs": spec.allow_cidrs or None,
+            "ports": ports or None,
+            "mounts": mounts or None,
+            "storageGb": spec.storage_gb,
+            "overlayGb": spec.overlay_gb,
+            "cmd": spec.cmd,
+            "env": env or None,
+        }
+        body = {
+            key: value for key, value in fields.items() if value is not None
+        }
         action = f"create machine '{spec.name}'"
         return local_record(
             self.request(action, "POST", "/api/v1/machines", body)
         )
 
     def recheck_mounts(self, name: str, action: str) -> None:
-        """Refuse ``action`` unless each mount source still resolves under its root (a guest with
-        a writable share may have swapped in a symlink)."""
-        for mount in (
-            self._machine(action, "GET", _q(name)).get("mounts") or []
-        ):
+        """Refuse ``action`` unless each mount source still resolves under
+        its root (a guest with a writable share may have swapped in a
+        symlink)."""
+        machine = self._machine(action, "GET", _q(name))
+        for mount in machine.get("mounts") or []:
+            want_write = mount.get("readonly") is False
             try:
-                want_write = mount.get("readonly") is False
                 contained_host_path(
                     self.config, mount["source"], "source", want_write
                 )
             except ArgumentError as err:
-                where = f"the source of its mount at {mount.get('target')} is checked again"
                 raise ArgumentError(
-                    f"could not {action}: {where} at every start, and now {err}. Restore the "
-                    "directory, or delete the machine"
+                    f"could not {action}: the source of its mount at "
+                    f"{mount.get('target')} is checked again at every start, "
+                    f"and now {err}. Restore the directory, or delete the "
+                    "machine"
                 ) from None
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
         action = f"start machine '{name}'"
         self.recheck_mounts(name, action)
         # Branchability is a start option locally (a create field on cloud).
-        route = f"{_q(name)}/start" + (
-            "?branchable=true" if branchable else ""
-        )
+        query = "?branchable=true" if branchable else ""
+        route = f"{_q(name)}/start{query}"
         timeout = self.config.ready_timeout_secs + 60
         return local_record(
             self._machine(action, "POST", route, timeout=timeout)
         )
 
     def stop_machine(self, name: str) -> dict:
-        action, timeout = (
-            f"stop machine '{name}'",
-            self.config.ready_timeout_secs * 3,
-        )
+        action = f"stop machine '{name}'"
         # The timeout covers a guest's shutdown grace, then the kill.
+        timeout = self.config.ready_timeout_secs * 3
         return local_record(
             self._machine(action, "POST", f"{_q(name)}/stop", timeout=timeout)
         )
@@ -1753,29 +1849,58 @@ class LocalFleet:
         self._machine(f"delete machine '{name}'", "DELETE", _q(name))
         return {"deleted": name}
 
+    def branch_machine(self, name: str, child: str) -> dict:
+        action = f"branch machine '{name}' into '{child}'"
+        self.recheck_mounts(name, action)
+        route = f"{_q(name)}/branches"
+        timeout = self.config.ready_timeout_secs + 60
+        return local_record(
+            self._machine(
+                action, "POST", route, {"name": child}, timeout=timeout
+            )
+        )
+
+    def pull_image(self, name: str, image: str) -> dict:
+        action = f"pull {image} into machine '{name}'"
+        answer = self._machine(
+            action,
+            "POST",
+            f"{_q(name)}/images/pull",
+            {"image": image},
+            timeout=self.config.max_exec_timeout_secs + 60,
+            setting="maxExecTimeoutSecs",
+        )
+        return answer.get("image", answer)
+
+    # -- commands ----------------------------------------------------------
+
     def exec(
         self, name: str, argv: list[str], **options: Unpack[ExecOptions]
     ) -> ExecResult:
-        """Run a command; NotRunning unless the machine runs (the engine would boot it silently)."""
+        """Run a command; raise NotRunning unless the machine runs (the
+        engine would boot it silently)."""
+        action = f"run a command in machine '{name}'"
         body = local_exec_body(argv, **options)
-        # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
-        wait = {
-            "timeout": options["timeout_secs"] + 30,
-            "read": read_exec_answer,
-        }
-        wait["setting"] = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
         started = time.monotonic()
         try:
-            route, action = (
+            data = self._machine(
+                action,
+                "POST",
                 f"{_q(name)}/exec",
-                f"run a command in machine '{name}'",
+                body,
+                # The HTTP wait outlives the command's own timeout, so the
+                # guest, not the socket, decides.
+                timeout=options["timeout_secs"] + 30,
+                setting="the call's timeoutSecs (up to maxExecTimeoutSecs)",
+                read=read_exec_answer,
             )
-            data = self._machine(action, "POST", route, body, **wait)
         except ApiError as err:
             raise not_running(name, err) from None
         except ValueError as err:
-            why = f"a command in machine '{name}' with a body this server could not read ({err})"
-            raise SmolError(f"the local serve answered {why}") from None
+            raise SmolError(
+                f"the local serve answered a command in machine '{name}' "
+                f"with a body this server could not read ({err})"
+            ) from None
         seconds = time.monotonic() - started
         return ExecResult(
             int(data["exitCode"]),
@@ -1787,26 +1912,22 @@ class LocalFleet:
     def exec_stream(
         self, name, argv, *, on_output, **options: Unpack[ExecOptions]
     ) -> ExecResult:
-        """``exec`` through the stream route: ``on_output`` gets output as the guest prints it."""
+        """``exec`` through the stream route: ``on_output`` gets output as
+        the guest prints it."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
+        route = f"/api/v1/machines/{_q(name)}/exec/stream"
         body = json.dumps(local_exec_body(argv, **options)).encode()
         headers = {
             "Content-Type": "application/json",
             "Accept": "text/event-stream",
         }
-        conn = self._connection(
-            options["timeout_secs"] + 30
-        )  # its own: the stream holds it open
+        # A connection of its own: the stream holds it open.
+        conn = self._connection(options["timeout_secs"] + 30)
         started = time.monotonic()
         try:
             try:
-                conn.request(
-                    "POST",
-                    f"/api/v1/machines/{_q(name)}/exec/stream",
-                    body,
-                    headers,
-                )
+                conn.request("POST", route, body, headers)
                 response = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 raise serve_dropped(action, exc) from None
@@ -1820,18 +1941,36 @@ class LocalFleet:
         finally:
             conn.close()
 
+    def probe_ready(self, name: str) -> str | None:
+        """None once a command runs in the guest; while it is still coming
+        up, what the guest answered instead. Raise SmolError if the machine
+        stopped, ApiError if it is gone."""
+        try:
+            self.exec(name, READY_PROBE, timeout_secs=10)
+            return None
+        except NotRunning:
+            raise SmolError(
+                f"machine '{name}' stopped while waiting for its guest to "
+                "answer; its log (machine-logs) may say why"
+            ) from None
+        except ApiError as err:
+            if err.status in (400, 404):
+                raise
+            return err.api_message
+
     def exec_helper(
         self, name: str, action: str, script: str, *args: str
     ) -> bytes:
-        """The stdout of a guest script of ours (sh -c); a non-zero exit raises with its stderr."""
+        """The stdout of a guest script of ours (sh -c); a non-zero exit
+        raises SmolError with its stderr."""
+        argv = ["sh", "-c", script, "sh", *args]
         try:
-            result = self.exec(
-                name, ["sh", "-c", script, "sh", *args], timeout_secs=60
-            )
+            result = self.exec(name, argv, timeout_secs=60)
         except NotRunning:
-            stopped = f"machine '{name}' is not running, and its jobs ended when it stopped"
-            fix = "start-machine, then read-job, shows what they wrote"
-            raise SmolError(f"{stopped}; {fix}") from None
+            raise SmolError(
+                f"machine '{name}' is not running, and its jobs ended when it "
+                "stopped; start-machine, then read-job, shows what they wrote"
+            ) from None
         return helper_output(name, action, result)
 
     # -- jobs: processes this server starts in the guest -------------------
@@ -1839,16 +1978,18 @@ class LocalFleet:
     def start_job(
         self, name, job_id, argv, **options: Unpack[JobOptions]
     ) -> dict:
-        waiter = [
+        starter = [
             "sh",
             "-c",
             JOB_START_SCRIPT,
             "sh",
             JOB_WAITER_SCRIPT,
             f"{JOB_DIR}/{job_id}",
+            str(options["timeout_secs"]),
+            *argv,
         ]
-        argv = [*waiter, str(options["timeout_secs"]), *argv]
-        result = self.exec(name, argv, **{**options, "timeout_secs": 60})
+        # The job's own timeout is the waiter's; starting it takes moments.
+        result = self.exec(name, starter, **{**options, "timeout_secs": 60})
         helper_output(name, f"start job {job_id}", result)
         return {"jobId": job_id, "state": "running"}
 
@@ -1861,18 +2002,20 @@ class LocalFleet:
         header, _, rest = data.partition(b"\n")
         try:
             state, code, out_size, err_size, n, m = header.decode().split()
-            n, m = int(n), int(m)
+            out_bytes = int(n)
+            err_bytes = int(m)
         except ValueError:
-            why = f"a read of job {job_id} in a form this server could not read ({header[:200]!r})"
             raise SmolError(
-                f"the guest of machine '{name}' answered {why}"
+                f"the guest of machine '{name}' answered a read of job "
+                f"{job_id} in a form this server could not read "
+                f"({header[:200]!r})"
             ) from None
         exit_code = int(code) if code.lstrip("-").isdigit() else None
         return JobPage(
             state,
             exit_code,
-            rest[:n],
-            rest[n : n + m],
+            rest[:out_bytes],
+            rest[out_bytes : out_bytes + err_bytes],
             (int(out_size), int(err_size)),
         )
 
@@ -1899,86 +2042,59 @@ class LocalFleet:
                 )
         return jobs
 
-    def probe_ready(self, name: str) -> str | None:
-        """None once a command runs in the guest; while it is still coming up, what the guest
-        answered instead. Raises if the machine stopped or is gone."""
-        try:
-            self.exec(name, READY_PROBE, timeout_secs=10)
-            return None
-        except NotRunning:
-            why = "while waiting for its guest to answer; its log (machine-logs) may say why"
-            raise SmolError(f"machine '{name}' stopped {why}") from None
-        except ApiError as err:
-            if err.status in (400, 404):
-                raise
-            return err.api_message
+    # -- files and the console log -----------------------------------------
 
     def read_file(
         self, name: str, path: str, offset: int, length: int
     ) -> FilePage:
-        """One page of a file. The API has no range, so a page deep into a large file is cut in the
-        guest (stat, tail, head); an image without those streams the file, keeping only the page."""
+        """One page of a file. The API has no range, so a page deep into a
+        large file is cut in the guest (stat, tail, head); an image without
+        those streams the file, keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
-            argv = [
-                "sh",
-                "-c",
-                RANGE_READ_SCRIPT,
-                "sh",
-                path,
-                str(offset),
-                str(length),
-            ]
-            try:
-                result = self.exec(name, argv, timeout_secs=120)
-                size_line, newline, data = bytes(result.stdout).partition(
-                    b"\n"
-                )
-                if (
-                    result.exit_code == 0
-                    and newline
-                    and size_line.strip().isdigit()
-                ):
-                    return FilePage(data=data, size=int(size_line))
-            except ApiError:
-                pass  # no shell in this image, say: the download below still works
+            page = self._page_cut_in_guest(name, path, offset, length)
+            if page is not None:
+                return page
+        return self._page_downloaded(name, path, offset, length)
+
+    def _page_cut_in_guest(
+        self, name: str, path: str, offset: int, length: int
+    ) -> FilePage | None:
+        """The page as RANGE_READ_SCRIPT cuts it in the guest; None when the
+        image cannot run it."""
+        args = [path, str(offset), str(length)]
+        argv = ["sh", "-c", RANGE_READ_SCRIPT, "sh", *args]
+        try:
+            result = self.exec(name, argv, timeout_secs=120)
+        except ApiError:
+            # No shell in this image, say: the download still works.
+            return None
+        size_line, newline, data = bytes(result.stdout).partition(b"\n")
+        if result.exit_code == 0 and newline and size_line.strip().isdigit():
+            return FilePage(data=data, size=int(size_line))
+        return None
+
+    def _page_downloaded(
+        self, name: str, path: str, offset: int, length: int
+    ) -> FilePage:
+        """The page read from the file's download; raise SmolError for a
+        directory, or a serve that stopped answering."""
         self.ensure_serve()
         action = f"read {path} in machine '{name}'"
+        route = f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}"
         conn = self._connection(timeout=self.config.ready_timeout_secs + 60)
         try:
-            conn.request(
-                "GET",
-                f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
-            )
+            conn.request("GET", route)
             response = conn.getresponse()
             if response.status >= 400:
                 raise self._refusal(action, response)
             if "application/json" in response.getheader("Content-Type", ""):
-                listing = json.loads(response.read() or b"{}")
-                names = ", ".join(
-                    e.get("name", "?") for e in listing.get("entries", [])[:50]
-                )
-                held = f"it holds: {names or 'nothing'}. Pass the path of a file inside it."
-                raise SmolError(f"{path} is a directory, not a file; {held}")
-            size, skipped = int(response.getheader("Content-Length") or -1), 0
-            while skipped < offset and (
-                chunk := response.read(min(1 << 20, offset - skipped))
-            ):
-                skipped += len(chunk)
-            data = response.read(length) if skipped == offset else b""
-            if (
-                size < 0
-            ):  # no length header (a streamed file): count what is left to learn the size
-                rest = sum(
-                    map(
-                        len,
-                        iter(functools.partial(response.read, 1 << 20), b""),
-                    )
-                )
-                size = skipped + len(data) + rest
-            return FilePage(data=data, size=size)
+                raise directory_error(path, response)
+            return download_page(response, offset, length)
         except TimeoutError:
-            why = f"the local machine API stopped answering while trying to {action}"
-            raise SmolError(why) from None
+            raise SmolError(
+                "the local machine API stopped answering while trying to "
+                f"{action}"
+            ) from None
         except (OSError, http.client.HTTPException) as exc:
             raise serve_dropped(action, exc) from None
         finally:
@@ -1989,83 +2105,94 @@ class LocalFleet:
         route = f"{_q(name)}/files/{guest_route_suffix(path)}"
         timeout = self.config.ready_timeout_secs + len(data) / (1 << 20)
         answer = self._machine(action, "PUT", route, data, timeout=timeout)
-        return (
-            int(answer.get("size", len(data)))
-            if isinstance(answer, dict)
-            else len(data)
-        )
+        if isinstance(answer, dict):
+            return int(answer.get("size", len(data)))
+        return len(data)
 
     def console_lines(self, name: str) -> list[str]:
-        """Every line of the guest console log (the API streams it as SSE)."""
+        """Every line of the guest console log (the API streams it as
+        SSE)."""
         action = f"read the log of machine '{name}'"
+        route = f"{_q(name)}/logs?source=console"
         try:
-            data = self._machine(
-                action, "GET", f"{_q(name)}/logs?source=console"
-            )
+            data = self._machine(action, "GET", route)
         except ApiError as err:
             if err.status == 404 and "no logs yet" in err.api_message:
-                return []  # never started: nothing logged yet, which is an answer, not a failure
+                # Never started: nothing logged yet, which is an answer,
+                # not a failure.
+                return []
             raise
-        data = data if isinstance(data, bytes) else json.dumps(data).encode()
-        lines = data.decode(
-            "utf-8", "replace"
-        ).splitlines()  # one log line per data: line
+        if not isinstance(data, bytes):
+            data = json.dumps(data).encode()
+        # One log line per data: line.
+        lines = data.decode("utf-8", "replace").splitlines()
         return [
-            raw[5:].removeprefix(" ")
-            for raw in lines
-            if raw.startswith("data:")
+            line[5:].removeprefix(" ")
+            for line in lines
+            if line.startswith("data:")
         ]
 
-    def branch_machine(self, name: str, child: str) -> dict:
-        action = f"branch machine '{name}' into '{child}'"
-        self.recheck_mounts(name, action)
-        route, timeout = (
-            f"{_q(name)}/branches",
-            self.config.ready_timeout_secs + 60,
-        )
-        return local_record(
-            self._machine(
-                action, "POST", route, {"name": child}, timeout=timeout
-            )
-        )
-
-    # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
-
-    amends_egress = True
-    mounts_host_paths = True
-    branch_needs_start = True
+    # -- egress ------------------------------------------------------------
 
     def egress_policy(self, name: str) -> tuple[dict, dict]:
-        """(the machine's record, its egress policy as egress_lists has it)."""
+        """(the machine's record, its egress policy as egress_lists has
+        it)."""
         info = self._machine(f"get machine '{name}'", "GET", _q(name))
         return local_record(info), egress_lists(info)
 
     def egress_events(self, name: str, limit: int) -> list[dict]:
-        """The machine's recorded egress denials, oldest first, the newest ``limit`` of them."""
+        """The machine's recorded egress denials, oldest first, the newest
+        ``limit`` of them."""
         action = f"read the egress denials of machine '{name}'"
-        answer = self._machine(
-            action, "GET", f"{_q(name)}/egress-events?limit={limit}"
-        )
+        route = f"{_q(name)}/egress-events?limit={limit}"
+        answer = self._machine(action, "GET", route)
         events = answer.get("events") if isinstance(answer, dict) else None
         return [e for e in events or [] if isinstance(e, dict)]
 
     def update_egress(self, name: str, change: dict) -> tuple[dict, dict]:
-        """Amend the allow list (an UpdateEgressRequest body); the engine answers the record."""
+        """Amend the allow list (an UpdateEgressRequest body); the engine
+        answers the record."""
         action = f"amend the egress allow list of machine '{name}'"
         info = self._machine(action, "POST", f"{_q(name)}/egress", change)
         return local_record(info), egress_lists(info)
 
-    def pull_image(self, name: str, image: str) -> dict:
-        action, route = (
-            f"pull {image} into machine '{name}'",
-            f"{_q(name)}/images/pull",
-        )
-        wait = {
-            "timeout": self.config.max_exec_timeout_secs + 60,
-            "setting": "maxExecTimeoutSecs",
-        }
-        answer = self._machine(action, "POST", route, {"image": image}, **wait)
-        return answer.get("image", answer)
+
+def directory_error(
+    path: str, response: http.client.HTTPResponse
+) -> SmolError:
+    """The error for a read of a directory, naming what it holds (the
+    serve answered its listing)."""
+    listing = json.loads(response.read() or b"{}")
+    entries = listing.get("entries", [])[:50]
+    names = ", ".join(entry.get("name", "?") for entry in entries)
+    return SmolError(
+        f"{path} is a directory, not a file; it holds: "
+        f"{names or 'nothing'}. Pass the path of a file inside it."
+    )
+
+
+def download_page(
+    response: http.client.HTTPResponse, offset: int, length: int
+) -> FilePage:
+    """``length`` bytes at ``offset`` of a file's download, and the file's
+    size: its Content-Length, else counted by reading to the end."""
+    size = int(response.getheader("Content-Length") or -1)
+    skipped = 0
+    while skipped < offset:
+        chunk = response.read(min(1 << 20, offset - skipped))
+        if not chunk:
+            break
+        skipped += len(chunk)
+    if skipped < offset:
+        # The file ends before the page begins.
+        data = b""
+    else:
+        data = response.read(length)
+    if size < 0:
+        # No length header (a streamed file): count what is left.
+        pieces = iter(functools.partial(response.read, 1 << 20), b"")
+        size = skipped + len(data) + sum(map(len, pieces))
+    return FilePage(data=data, size=size)
 
 
 def route_table(text: str) -> dict[tuple[str, str], str | None]:
