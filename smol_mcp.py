@@ -2196,67 +2196,74 @@ def download_page(
 
 
 def route_table(text: str) -> dict[tuple[str, str], str | None]:
-    """{(method, path): reason} from ``text``: "reason:" gives the reason for the "METHOD /path"
-    pairs after it, on its line and those below ("called:" for None); "~" is /api/v1/machines."""
+    """{(method, path): reason} from ``text``, where each entry is "reason:"
+    and the "METHOD /path" pairs it gives that reason ("called:" for None),
+    continued on indented lines; "~" is /api/v1/machines."""
     routes: dict[tuple[str, str], str | None] = {}
-    reason = None
-    for line in text.strip().replace(" ~", " /api/v1/machines").splitlines():
-        if ":" in line:
-            head, _, line = line.partition(":")
-            reason = None if head == "called" else head
-        words = line.split()
+    text = text.strip().replace(" ~", " /api/v1/machines")
+    # An entry starts on a line that is not indented.
+    for entry in re.split(r"\n(?=\S)", text):
+        head, _, pairs = " ".join(entry.split()).partition(":")
+        reason = None if head == "called" else head
+        words = pairs.split()
         routes.update(dict.fromkeys(zip(words[::2], words[1::2]), reason))
     return routes
 
 
-# Every route of the local API, in its OpenAPI spelling, under why this server does not call it
-# ("called:" for the ones it does; exec/stream gives live output, given a progress token).
-# `smol_mcp.py parity` compares this with the running serve's spec, so a route a new smolvm
-# adds shows up as a decision. "~" stands for /api/v1/machines.
+# Every route of the local API, in its OpenAPI spelling, under why this
+# server does not call it ("called:" for the ones it does; exec/stream gives
+# live output, given a progress token). `smol_mcp.py parity` compares this
+# with the running serve's spec, so a route a new smolvm adds shows up as a
+# decision. "~" stands for /api/v1/machines.
 LOCAL_ROUTES = route_table("""
-called: GET /health  GET ~  POST ~  GET ~/{name}  DELETE ~/{name}  POST ~/{name}/start
-    POST ~/{name}/stop  POST ~/{id}/exec  POST ~/{id}/exec/stream  GET ~/{id}/files/{path}
-    PUT ~/{id}/files/{path}  GET ~/{id}/logs  POST ~/{id}/images/pull  POST ~/{name}/branches
-    POST ~/{name}/egress  GET ~/{name}/egress-events
+called: GET /health  GET ~  POST ~  GET ~/{name}  DELETE ~/{name}
+    POST ~/{name}/start  POST ~/{name}/stop  POST ~/{id}/exec
+    POST ~/{id}/exec/stream  GET ~/{id}/files/{path}
+    PUT ~/{id}/files/{path}  GET ~/{id}/logs  POST ~/{id}/images/pull
+    POST ~/{name}/branches  POST ~/{name}/egress  GET ~/{name}/egress-events
 host scheduling numbers; no tool reports capacity: GET /capacity
 no tool lists a machine's images: GET ~/{id}/images
-running another image on an overlay is not in the tool vocabulary: POST ~/{id}/run
+running another image on an overlay is not in the tool vocabulary:
+    POST ~/{id}/run
 the legacy name of branches: POST ~/{name}/fork
 branch pools; this server has no pool vocabulary: POST ~/{name}/fork-release
 no tool pauses or resumes a machine: POST ~/{name}/pause  POST ~/{name}/resume
-needs a pushToken minted by the control plane, which a local user cannot produce:
-    POST ~/{name}/export
+needs a pushToken minted by the control plane, which a local user
+    cannot produce: POST ~/{name}/export
 no tool grows a machine after it exists: POST ~/{name}/resize
-mounts are a create-time argument: POST ~/{name}/sync  GET ~/{name}/mounts  POST ~/{name}/mounts
-    DELETE ~/{name}/mounts
+mounts are a create-time argument: POST ~/{name}/sync  GET ~/{name}/mounts
+    POST ~/{name}/mounts  DELETE ~/{name}/mounts
 ports are a create-time argument: PUT ~/{name}/ports
 mediated egress is not used: GET ~/{name}/mediation-events
 credential bindings are not used: PUT ~/{name}/credential-values
-cache disks are not used: POST ~/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
-fork pools and leases are a fleet surface, not an agent one: GET /api/v1/pools  POST /api/v1/pools
-    GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
+cache disks are not used: POST ~/{name}/cache-disk/publish
+    DELETE /api/v1/cache-bases/{base}
+fork pools and leases are a fleet surface, not an agent one:
+    GET /api/v1/pools  POST /api/v1/pools  GET /api/v1/pools/{name}
+    DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
     POST /api/v1/pools/{name}/leases  POST /api/v1/pools/{name}/lease-batches
-    GET /api/v1/pools/{name}/leases/{lease}  POST /api/v1/pools/{name}/leases/{lease}/heartbeat
+    GET /api/v1/pools/{name}/leases/{lease}
+    POST /api/v1/pools/{name}/leases/{lease}/heartbeat
     POST /api/v1/pools/{name}/leases/{lease}/complete
-RL rollout executors are a batch surface, not an agent one: GET /api/v1/rollout-executors
-    POST /api/v1/rollout-executors  GET /api/v1/rollout-executors/{name}
-    DELETE /api/v1/rollout-executors/{name}  POST /api/v1/rollout-executors/{name}/generate
-    POST /api/v1/rollout-executors/{name}/batches  POST /api/v1/rollout-executors/{name}/policies
+RL rollout executors are a batch surface, not an agent one:
+    GET /api/v1/rollout-executors  POST /api/v1/rollout-executors
+    GET /api/v1/rollout-executors/{name}
+    DELETE /api/v1/rollout-executors/{name}
+    POST /api/v1/rollout-executors/{name}/generate
+    POST /api/v1/rollout-executors/{name}/batches
+    POST /api/v1/rollout-executors/{name}/policies
     POST /api/v1/rollout-executors/{name}/device-policies
     DELETE /api/v1/rollout-executors/{name}/policies/{policy}/{version}
 """)
 
 
 def parity_report(spec: dict) -> dict[str, list]:
-    """The serve's OpenAPI against LOCAL_ROUTES: what we call, skip (and why), what is new
-    (unknown) and what we call but it lacks (missing)."""
-    verbs, paths = (
-        ("get", "post", "put", "delete", "patch"),
-        spec.get("paths", {}).items(),
-    )
+    """The serve's OpenAPI against LOCAL_ROUTES: what we call, skip (and
+    why), what is new (unknown) and what we call but it lacks (missing)."""
+    verbs = ("get", "post", "put", "delete", "patch")
     offered = {
         (verb.upper(), path)
-        for path, ops in paths
+        for path, ops in spec.get("paths", {}).items()
         for verb in ops
         if verb.lower() in verbs
     }
@@ -2268,52 +2275,61 @@ def parity_report(spec: dict) -> dict[str, list]:
         for route, why in LOCAL_ROUTES.items()
         if why and route in offered
     ]
-    unknown, missing = offered - set(LOCAL_ROUTES), called - offered
     lists = {
         "called": called & offered,
         "skipped": skipped,
-        "unknown": unknown,
-        "missing": missing,
+        "unknown": offered - set(LOCAL_ROUTES),
+        "missing": called - offered,
     }
     return {key: sorted(routes) for key, routes in lists.items()}
 
 
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
-    how = f"while trying to {action} ({type(exc).__name__}); it may have stopped or restarted"
-    why = "Check the machine with get-machine before trying again."
-    return SmolError(f"the local serve closed the connection {how}. {why}")
+    return SmolError(
+        "the local serve closed the connection while trying to "
+        f"{action} ({type(exc).__name__}); it may have stopped or restarted. "
+        "Check the machine with get-machine before trying again."
+    )
 
 
 def api_error(
     fleet: str, action: str, status: int, content_type: str, data: bytes
 ) -> ApiError:
-    """An ApiError from the serve's JSON ``{"error", "code"}`` (handlers) or plain text (parser)."""
-    text, code = data.decode("utf-8", "replace").strip(), ""
+    """An ApiError from the serve's JSON ``{"error", "code"}`` (handlers) or
+    plain text (parser)."""
+    text = data.decode("utf-8", "replace").strip()
+    code = ""
     if "application/json" in content_type:
         try:
             parsed = json.loads(text)
-            text, code = (
-                str(parsed.get("error") or text),
-                str(parsed.get("code") or ""),
-            )
+            message = str(parsed.get("error") or text)
+            code = str(parsed.get("code") or "")
+            text = message
         except (ValueError, AttributeError):
             pass
-    text = ANSI_ESCAPE_RE.sub(
-        "", text
-    )  # engine log lines carry terminal colours into messages
+    # Engine log lines carry terminal colours into messages.
+    text = ANSI_ESCAPE_RE.sub("", text)
     if not text and status == 404:
-        text = "no such route on this serve (it may be older than this server expects)"
+        text = (
+            "no such route on this serve (it may be older than this server "
+            "expects)"
+        )
     return ApiError(fleet, action, status, code, text or "no message")
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
-    """(event, data) pairs of a server-sent-event stream read in pieces. Per the SSE standard a
-    line ends at CR, LF or CRLF and one event's data lines join with LF."""
-    pending, event, data, last_cr = b"", "message", [], False
+    """(event, data) pairs of a server-sent-event stream read in pieces. A
+    line ends at CR, LF or CRLF, and one event's data lines join with LF,
+    as server-sent events define."""
+    pending = b""
+    event = "message"
+    data = []
+    last_cr = False
     for chunk in chunks:
         if last_cr and chunk.startswith(b"\n"):
-            chunk = chunk[1:]  # the LF of a CRLF split across two pieces
+            # The LF of a CRLF split across two pieces.
+            chunk = chunk[1:]
         last_cr = chunk.endswith(b"\r")
         pending += chunk
         *lines, pending = re.split(rb"\r\n|\r|\n", pending)
@@ -2322,7 +2338,8 @@ def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
             if not line:
                 if data:
                     yield event, "\n".join(data)
-                event, data = "message", []
+                event = "message"
+                data = []
             elif not line.startswith(":"):
                 key, _, value = line.partition(":")
                 value = value.removeprefix(" ")
@@ -2341,8 +2358,9 @@ def collect_exec_stream(
     started: float,
     broken: tuple,
 ) -> ExecResult:
-    """An exec stream as the result a plain exec gives, each piece of output passed to ``on_output``
-    as it arrives. A stream ending without its exit event, or failing (``broken``), breaks."""
+    """An exec stream as the result a plain exec gives, each piece of output
+    passed to ``on_output`` as it arrives. Raise SmolError when the stream
+    ends without its exit event, or fails (``broken``)."""
     out = {"stdout": bytearray(), "stderr": bytearray()}
     try:
         for event, data in events:
@@ -2350,34 +2368,43 @@ def collect_exec_stream(
                 out[event] += data.encode("utf-8")
                 on_output(event, data)
             elif event == "error":
-                why = f"failed while its output streamed: {data}"
-                raise SmolError(f"the command in machine '{name}' {why}")
-            elif event == "exit":
-                try:
-                    code = int(json.loads(data)["exitCode"])
-                except (ValueError, KeyError, TypeError):
-                    why = f"ended with an exit event this server could not read ({data[:200]!r})"
-                    raise SmolError(
-                        f"the output stream of machine '{name}' {why}"
-                    ) from None
-                seconds = time.monotonic() - started
-                return ExecResult(
-                    code, bytes(out["stdout"]), bytes(out["stderr"]), seconds
+                raise SmolError(
+                    f"the command in machine '{name}' failed while its "
+                    f"output streamed: {data}"
                 )
+            elif event == "exit":
+                code = stream_exit_code(name, data)
+                seconds = time.monotonic() - started
+                stdout = bytes(out["stdout"])
+                return ExecResult(code, stdout, bytes(out["stderr"]), seconds)
         how = "it ended"
     except broken as exc:
         how = type(exc).__name__
     got = len(out["stdout"]) + len(out["stderr"])
-    broke = f"broke after {got} bytes ({how}) before its exit code arrived"
-    why = "so the command's result is unknown (it may still be running). Check the machine with"
-    fix = "get-machine, and run the command again, or as a job (start-job) if it needs longer."
     raise SmolError(
-        f"the output stream of the command in machine '{name}' {broke}, {why} {fix}"
+        f"the output stream of the command in machine '{name}' broke after "
+        f"{got} bytes ({how}) before its exit code arrived, so the command's "
+        "result is unknown (it may still be running). Check the machine with "
+        "get-machine, and run the command again, or as a job (start-job) if "
+        "it needs longer."
     )
 
 
+def stream_exit_code(name: str, data: str) -> int:
+    """The exit code in an exec stream's exit event; raise SmolError when
+    the event cannot be read."""
+    try:
+        return int(json.loads(data)["exitCode"])
+    except (ValueError, KeyError, TypeError):
+        raise SmolError(
+            f"the output stream of machine '{name}' ended with an exit event "
+            f"this server could not read ({data[:200]!r})"
+        ) from None
+
+
 def free_port() -> int:
-    """A loopback host port that is free right now, for a published port given without one."""
+    """A loopback host port that is free right now, for a published port
+    given without one."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -2388,17 +2415,21 @@ def _q(value: str, safe: str = "") -> str:
 
 
 class JsonStream:
-    """Just enough of a JSON reader to walk a flat object arriving a chunk at a time."""
+    """Just enough of a JSON reader to walk a flat object arriving a chunk
+    at a time."""
 
-    CHUNK = 1 << 18  # big enough that a 64 MiB answer is a few hundred reads
+    # Big enough that a 64 MiB answer is a few hundred reads.
+    CHUNK = 1 << 18
 
     def __init__(self, stream: Any):
-        self.stream, self.buf, self.pos = stream, bytearray(), 0
+        self.stream = stream
+        self.buf = bytearray()
+        self.pos = 0
 
     def _fill(self) -> bool:
-        if (
-            self.pos > self.CHUNK
-        ):  # drop what was consumed, so the buffer stays a chunk or two
+        """Read the next chunk into the buffer; False at the end."""
+        # Drop what was consumed, so the buffer stays a chunk or two.
+        if self.pos > self.CHUNK:
             del self.buf[: self.pos]
             self.pos = 0
         chunk = self.stream.read(self.CHUNK)
@@ -2406,7 +2437,8 @@ class JsonStream:
         return bool(chunk)
 
     def next_token(self) -> bytes:
-        """The next byte that is not white space."""
+        """The next byte that is not white space; raise ValueError at the
+        end."""
         while True:
             while (
                 self.pos < len(self.buf) and self.buf[self.pos] in b" \t\r\n"
@@ -2419,30 +2451,44 @@ class JsonStream:
                 raise ValueError("the answer ended early")
 
     def string(self, sink: Callable[[bytes], None] | None = None) -> None:
-        """Pass the string's raw bytes up to its closing quote to ``sink`` (None skips them),
-        escapes undecoded. Only quotes are looked at (per-escape steps would crawl through output
-        with a newline every few bytes): one ends it unless an odd backslash run precedes it."""
-        carried = 0  # the backslashes that ended the part already consumed
+        """Pass the string's raw bytes up to its closing quote to ``sink``
+        (None skips them), escapes undecoded. Only quotes are looked at
+        (per-escape steps would crawl through output with a newline every
+        few bytes): one ends it unless an odd backslash run precedes it."""
+        # The backslashes that ended the part already consumed.
+        carried = 0
         while True:
             quote = self.buf.find(b'"', self.pos)
-            part = bytes(self.buf[self.pos : None if quote < 0 else quote])
-            run = len(part) - len(part.rstrip(b"\\"))
-            if run == len(part):
-                run += carried
             if quote < 0:
-                carried = run
+                # No quote yet: pass the part on, and read more.
+                part = bytes(self.buf[self.pos :])
+                carried = self._backslashes(part, carried)
                 if sink is not None:
                     sink(part)
                 self.pos = len(self.buf)
                 if not self._fill():
                     raise ValueError("a string did not end")
                 continue
-            if sink is not None:
-                sink(part if run % 2 == 0 else part + b'"')
+            part = bytes(self.buf[self.pos : quote])
+            escaped = self._backslashes(part, carried) % 2 == 1
             self.pos = quote + 1
-            if run % 2 == 0:
+            if not escaped:
+                if sink is not None:
+                    sink(part)
                 return
-            carried = 0  # an escaped quote: the string goes on
+            # An escaped quote: the string goes on, and holds it.
+            if sink is not None:
+                sink(part + b'"')
+            carried = 0
+
+    @staticmethod
+    def _backslashes(part: bytes, carried: int) -> int:
+        """The backslashes ending ``part``, with the ``carried`` ones before
+        it when the part is nothing but backslashes."""
+        run = len(part) - len(part.rstrip(b"\\"))
+        if run == len(part):
+            run += carried
+        return run
 
     def scalar(self, first: bytes) -> Any:
         """A number, true, false or null that began with ``first``."""
@@ -2458,10 +2504,10 @@ class JsonStream:
                 return json.loads(token)
 
     def base64(self, output: bytearray) -> None:
-        """A base64 string decoded into ``output`` as it arrives, in 4-character blocks."""
-        pending = (
-            bytearray()
-        )  # a rest shorter than a block waits for the next piece
+        """A base64 string decoded into ``output`` as it arrives, in
+        4-character blocks; raise ValueError when it ends mid-block."""
+        # A rest shorter than a block waits for the next piece.
+        pending = bytearray()
 
         def decode(raw: bytes) -> None:
             pending.extend(raw)
@@ -2477,8 +2523,10 @@ class JsonStream:
 
 
 def read_exec_answer(stream: Any) -> dict:
-    """A local exec answer's exitCode and byte-exact stdoutB64 and stderrB64, decoded as they
-    arrive; the lossy text copies are skipped (the whole answer costs ~7x the output in memory)."""
+    """A local exec answer's exitCode and byte-exact stdoutB64 and
+    stderrB64, decoded as they arrive; the lossy text copies are skipped
+    (the whole answer costs ~7x the output in memory). Raise ValueError
+    when it is not such an answer."""
     reader = JsonStream(stream)
     answer: dict[str, Any] = {
         "exitCode": None,
@@ -2502,7 +2550,8 @@ def read_exec_answer(stream: Any) -> dict:
         if first == b'"' and key in ("stdoutB64", "stderrB64"):
             reader.base64(answer[key])
         elif first == b'"':
-            reader.string()  # the lossy text copy, or a field this server does not read
+            # The lossy text copy, or a field this server does not read.
+            reader.string()
         else:
             value = reader.scalar(first)
             if key == "exitCode":
@@ -2514,27 +2563,34 @@ def read_exec_answer(stream: Any) -> dict:
 
 
 def other_serve_hint(own: str) -> str:
-    """Where another smolvm serve on this host listens (from /proc), as the SMOL_LOCAL_URL that
-    would use it; the generic hint when none is found."""
+    """Where another smolvm serve on this host listens (from /proc), as the
+    SMOL_LOCAL_URL that would use it; the generic hint when none is
+    found."""
     for entry in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = entry.read_bytes().decode("utf-8", "replace").split("\0")
         except OSError:
             continue
-        if "serve" in argv and "--listen" in argv[:-1]:
-            where = argv[argv.index("--listen") + 1]
-            url = (
-                where if "://" in where else f"unix://{os.path.abspath(where)}"
-            )
-            if where != own:
-                use = f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
-                where = f"(pid {entry.parent.name}, listening on {where})"
-                return f"Another smolvm serve runs on this host {where}: {use}"
+        if "serve" not in argv or "--listen" not in argv[:-1]:
+            continue
+        listen = argv[argv.index("--listen") + 1]
+        if listen == own:
+            continue
+        if "://" in listen:
+            url = listen
+        else:
+            url = f"unix://{os.path.abspath(listen)}"
+        return (
+            "Another smolvm serve runs on this host "
+            f"(pid {entry.parent.name}, listening on {listen}): use it with "
+            f"SMOL_LOCAL_URL={url} (it is then left running), or stop it."
+        )
     return (
-        "Only one smolvm serve can run per host with the default settings (it binds "
-        "127.0.0.1:10081), and one is already running. Point smol-mcp at it with SMOL_LOCAL_URL="
-        "unix:///path/to/its.sock (smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; "
-        "it is then left running), or stop it."
+        "Only one smolvm serve can run per host with the default settings "
+        "(it binds 127.0.0.1:10081), and one is already running. Point "
+        "smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock "
+        "(smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; it is "
+        "then left running), or stop it."
     )
 
 
