@@ -865,6 +865,7 @@ class QuickReader:
         except BaseException as exc:
             if sock is not None:
                 sock.close()
+            # A timeout (an OSError too) is the caller's to report.
             if isinstance(exc, TimeoutError):
                 raise
             # LookupError: a status line without a status.
@@ -922,8 +923,9 @@ class QuickReader:
             fields[key.strip().lower()] = value.strip()
         length = int(fields.get("content-length", "-"))
         if length < 0 or "content-encoding" in fields:
-            why = "is not plain JSON of a length"
-            raise ValueError(f"the answer to {path} {why}")
+            raise ValueError(
+                f"the answer to {path} is not plain JSON of a length"
+            )
         start = end + 4
         while len(buffer) < start + length:
             await self._more(sock, buffer, path)
@@ -937,8 +939,9 @@ class QuickReader:
         ConnectionResetError when it ended, or is over MAX_ANSWER."""
         chunk = await asyncio.get_running_loop().sock_recv(sock, 1 << 16)
         if not chunk or len(buffer) > self.MAX_ANSWER:
-            why = "ended early or is too long"
-            raise ConnectionResetError(f"the answer to {path} {why}")
+            raise ConnectionResetError(
+                f"the answer to {path} ended early or is too long"
+            )
         buffer.extend(chunk)
 
     def _keep(self, sock: socket.socket) -> None:
