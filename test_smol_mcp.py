@@ -10236,6 +10236,939 @@ def egress_exchange(fleet) -> list[tuple[int, str, str]]:
     return answers
 
 
+def send_raw(socket_path, method, path, body=None, content_type=None):
+    """One request on its own connection, headers and body in one write (a
+    serve that answers before reading a body must not see it half sent):
+    (status, content type, body text)."""
+    import http.client
+
+    if body is not None and not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+        content_type = content_type or "application/json"
+    head = f"{method} {path} HTTP/1.1\r\nHost: localhost\r\n"
+    if content_type:
+        head += f"Content-Type: {content_type}\r\n"
+    if body is not None:
+        head += f"Content-Length: {len(body)}\r\n"
+    head += "Connection: close\r\n\r\n"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(300)
+        sock.connect(socket_path)
+        sock.sendall(head.encode() + (body or b""))
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        text = response.read().decode()
+    return response.status, response.getheader("Content-Type", ""), text
+
+
+def lease_files(count: int, **first) -> list:
+    """`count` small lease files, the first with `first`'s fields."""
+    files = [{"path": f"f{i}", "dataBase64": ""} for i in range(count)]
+    files[0].update(first)
+    return files
+
+
+def port_spec(host: int, guest: int, protocol: str | None = None) -> dict:
+    """A PortSpec."""
+    spec = {"host": host, "guest": guest}
+    if protocol:
+        spec["protocol"] = protocol
+    return spec
+
+
+ENV_BAD = {"name": "A=B", "value": ""}
+
+
+def warm_machine_steps() -> list:
+    """Requests to pause, resume, ports and create (its check order), with
+    no guest needed: (method, path, body, content type)."""
+    machines = "/api/v1/machines"
+    a = f"{machines}/itw-a"
+    ports = f"{a}/ports"
+    raw_json = "application/json"
+    return [
+        ("POST", machines, {"name": "itw-a", "ports": [port_spec(28080, 80)]}),
+        ("POST", f"{a}/pause", None),
+        ("POST", f"{a}/resume", None),
+        ("POST", f"{machines}/itw-none/pause", None),
+        ("POST", f"{machines}/itw-none/resume", None),
+        ("GET", f"{a}/pause", None),
+        ("GET", f"{a}/resume", None),
+        (
+            "PUT",
+            ports,
+            {
+                "ports": [
+                    port_spec(28081, 81),
+                    port_spec(28082, 53, "udp"),
+                    port_spec(28083, 82),
+                ]
+            },
+        ),
+        ("PUT", ports, {"ports": [port_spec(0, 2)]}),
+        ("PUT", ports, {"ports": [port_spec(28084, 2), port_spec(28084, 3)]}),
+        (
+            "PUT",
+            ports,
+            {"ports": [port_spec(28085, 2), port_spec(28085, 2, "udp")]},
+        ),
+        ("PUT", ports, {}),
+        ("PUT", ports, {"ports": [], "x": 1}),
+        ("PUT", ports, {"ports": "x"}),
+        ("PUT", ports, {"ports": [{"host": 1, "guest": 2, "hostPort": 3}]}),
+        ("PUT", ports, {"ports": [port_spec(70000, 2)]}),
+        ("PUT", ports, {"ports": [port_spec(28086, 2, "sctp")]}),
+        ("PUT", ports, b'{"ports":[]}', None),
+        ("PUT", ports, b"nope", raw_json),
+        ("PUT", f"{machines}/itw-none/ports", {"ports": []}),
+        ("POST", ports, {"ports": []}),
+        ("GET", ports, None),
+        ("PUT", ports, {"ports": []}),
+        ("POST", f"{a}/branches", {"name": "kid", "freezeSource": True}),
+        (
+            "POST",
+            machines,
+            {
+                "name": "Bad Name",
+                "networkBackend": "tsi",
+                "ports": [port_spec(1, 1)],
+            },
+        ),
+        ("POST", machines, {"name": "Bad Name", "ports": [port_spec(0, 1)]}),
+        (
+            "POST",
+            machines,
+            {"name": "itw-b", "cpus": 0, "ports": [port_spec(0, 1)]},
+        ),
+        (
+            "POST",
+            machines,
+            {"name": "itw-b", "ports": [port_spec(5, 1), port_spec(5, 2)]},
+        ),
+        (
+            "POST",
+            machines,
+            {"name": "itw-b", "cpus": 0, "image": "alpine", "from": "x"},
+        ),
+        (
+            "POST",
+            machines,
+            {"name": "itw-b", "memoryMb": 1, "env": [ENV_BAD]},
+        ),
+        ("POST", machines, {"name": "itw-b", "nestedVirt": True, "cpus": 0}),
+        ("POST", machines, {"name": "Bad Name", "from": "/x.smolmachine"}),
+    ]
+
+
+def cache_disk_steps() -> list:
+    """Requests to create with a cacheDisk, publish and delete bases, with
+    no guest needed (the cache dir holds a raw `base1.raw`)."""
+    machines = "/api/v1/machines"
+    bases = "/api/v1/cache-bases"
+
+    def create(name, cache):
+        return ("POST", machines, {"name": name, "cacheDisk": cache})
+
+    def publish(name, body):
+        return ("POST", f"{machines}/{name}/cache-disk/publish", body)
+
+    return [
+        create("itw-c", {"base": "../x", "mountPath": "/c"}),
+        create("itw-c", {"base": "nope.raw", "mountPath": "rel"}),
+        create("itw-c", {"base": "nope.raw", "mountPath": "/"}),
+        create("itw-c", {"base": "nope.raw", "mountPath": "//proc"}),
+        create("itw-c", {"base": "nope.raw", "mountPath": "/workspace/x"}),
+        create("itw-c", {"base": "nope.raw", "mountPath": "/cache"}),
+        create("itw-c", {"mountPath": "/cache"}),
+        create("itw-c", {"base": "base1.raw", "mountPath": "/c", "x": 1}),
+        create("itw-c", {"base": "base1.raw", "mountPath": "/cache/"}),
+        ("POST", machines, {"name": "itw-d"}),
+        publish("itw-c", {"base": "../x"}),
+        publish("itw-none", {"base": "n1.qcow2"}),
+        publish("itw-d", {"base": "n1.qcow2"}),
+        publish("itw-c", {"base": "base1.raw"}),
+        publish("itw-c", {"base": "n2.qcow2", "uploadUrls": []}),
+        publish("itw-c", {"base": "n2.qcow2", "uploadUrls": ["ftp://x"]}),
+        publish(
+            "itw-c",
+            {"base": "n2.qcow2", "uploadUrls": ["https://example.invalid/"]},
+        ),
+        publish("itw-c", {"base": "n2.qcow2"}),
+        publish("itw-c", {}),
+        publish("itw-c", {"base": "x", "y": 1}),
+        ("GET", f"{machines}/itw-c/cache-disk/publish", None),
+        ("DELETE", f"{bases}/base1.raw", None),
+        ("DELETE", f"{bases}/.hidden", None),
+        ("DELETE", f"{bases}/a%2Fb", None),
+        ("DELETE", f"{bases}/never.raw", None),
+        ("GET", f"{bases}/base1.raw", None),
+        ("DELETE", f"{machines}/itw-c", None),
+        ("DELETE", f"{bases}/base1.raw", None),
+        ("DELETE", f"{machines}/itw-d", None),
+    ]
+
+
+def pool_steps() -> list:
+    """Requests to the pool and lease routes that need no running source
+    (`itw-a` exists, never started)."""
+    pools = "/api/v1/pools"
+    pool = f"{pools}/itw-p"
+    leases = f"{pool}/leases"
+    good = {"name": "itw-p", "source": "itw-a", "desiredReady": 1}
+
+    def create(**fields):
+        return ("POST", pools, {**good, **fields})
+
+    def lease(**fields):
+        return ("POST", leases, {"idempotencyKey": "k1", **fields})
+
+    return [
+        ("GET", pools, None),
+        create(source="itw-none"),
+        create(),
+        (
+            "POST",
+            pools,
+            {"name": "itw-p", "golden": "itw-none", "desiredReady": 1},
+        ),
+        ("POST", pools, {**good, "golden": "itw-a"}),
+        ("POST", pools, {"name": "itw-p", "desiredReady": 1}),
+        ("POST", pools, {"source": "itw-a", "desiredReady": 1}),
+        ("POST", pools, {"name": "itw-p", "source": "itw-a"}),
+        create(x=1),
+        create(desiredReady=-1),
+        create(desiredReady="1"),
+        create(name="Bad Name"),
+        create(name=""),
+        create(name="-a"),
+        create(name="a" * 129),
+        create(source=""),
+        create(source="Bad Name"),
+        create(desiredReady=0),
+        create(desiredReady=257),
+        create(desiredReady=256),
+        create(maxActive=0),
+        create(autoAdmission=True),
+        create(readyTimeoutSecs=0),
+        create(leaseTtlSecs=29),
+        create(leaseTtlSecs=86401),
+        create(desiredReady=0, maxActive=0),
+        create(leaseTtlSecs=0, readyTimeoutSecs=0),
+        create(readyTimeoutSecs=0, autoAdmission=True),
+        create(name="Bad Name", source="itw-none", desiredReady=0),
+        ("POST", pools, b"{}", None),
+        ("POST", pools, b"x", "application/json"),
+        ("PUT", pools, None),
+        ("GET", pool, None),
+        ("DELETE", pool, None),
+        ("DELETE", f"{pool}?force=x", None),
+        ("DELETE", f"{pool}?force=true", None),
+        ("POST", pool, None),
+        ("PUT", f"{pool}/size", {"desiredReady": 2}),
+        ("PUT", f"{pool}/size", {"desiredReady": 257}),
+        ("PUT", f"{pool}/size", {}),
+        ("PUT", f"{pool}/size", {"desiredReady": 2, "x": 1}),
+        ("GET", f"{pool}/size", None),
+        lease(),
+        ("POST", leases, {}),
+        lease(x=1),
+        lease(idempotencyKey=""),
+        lease(idempotencyKey="a" * 257),
+        lease(idempotencyKey="\u00e9" * 128),
+        lease(idempotencyKey="a\u0001"),
+        lease(idempotencyKey=1),
+        lease(workerReadyTimeoutSecs=5),
+        lease(awaitWorkerReady=True, workerReadyTimeoutSecs=0),
+        lease(awaitWorkerReady=True, workerReadyTimeoutSecs=241),
+        lease(waitSecs=601),
+        lease(waitSecs=600),
+        lease(waitSecs="x"),
+        lease(awaitWorkerReady="yes"),
+        lease(env=["A"]),
+        lease(env=["=1"]),
+        lease(env=["A B=1", "C"]),
+        lease(env=["1A=x"]),
+        lease(env="A=1"),
+        lease(files=lease_files(33, path="/a")),
+        lease(files=lease_files(1, path="/abs")),
+        lease(files=lease_files(1, path="a//b")),
+        lease(files=lease_files(1, path="../x")),
+        lease(files=lease_files(2, path="f1")),
+        lease(files=lease_files(1, mode=4096, dataBase64="!")),
+        lease(files=lease_files(1, dataBase64="aGk")),
+        lease(files=lease_files(1, path=".hidden", mode=511)),
+        lease(files=[{"path": "a"}]),
+        lease(files=lease_files(1, mode=-1)),
+        lease(rolloutAccess={"executor": "e"}),
+        lease(workerReadyTimeoutSecs=5, idempotencyKey=""),
+        lease(waitSecs=601, workerReadyTimeoutSecs=5),
+        ("POST", leases, b"{}", None),
+        ("POST", leases, b"x", "application/json"),
+        ("GET", leases, None),
+        ("GET", f"{leases}/l1", None),
+        ("DELETE", f"{leases}/l1", None),
+        ("POST", f"{leases}/l1/heartbeat", None),
+        ("POST", f"{leases}/l1/heartbeat", b"x", None),
+        ("POST", f"{leases}/l1/complete", {"x": 1}),
+        ("GET", f"{leases}/l1/complete", None),
+        ("POST", "/capacity", None),
+        ("DELETE", "/api/v1/machines/itw-a", None),
+    ]
+
+
+def warm_routes_exchange(socket_path: str, cache_dir: str) -> list:
+    """The same requests to a serve's warm-machine routes: (request,
+    status, content type, body) for each, with createdAt, the settling
+    state and the cache directory masked."""
+    answers = []
+    steps = warm_machine_steps() + cache_disk_steps() + pool_steps()
+    for step in steps:
+        method, path, body = step[:3]
+        content_type = step[3] if len(step) > 3 else None
+        status, ctype, text = send_raw(
+            socket_path, method, path, body, content_type
+        )
+        text = re.sub(r'"createdAt":\d+', '"createdAt":0', text)
+        text = re.sub(r'"state":"(created|stopped)"', '"state":"?"', text)
+        text = text.replace(cache_dir, "<cache-dir>")
+        answers.append((f"{method} {path} {body!r}", status, ctype, text))
+    return answers
+
+
+@contextlib.contextmanager
+def real_serve(tmp: str, cache_dir: str):
+    """A real `smolvm serve` of its own (HOME under `tmp`, a free guest
+    rollout port, `cache_dir` as its --cache-disk-dir); yields the socket
+    path. Ended by its pid."""
+    socket_path = f"{tmp}/real.sock"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        rollout_port = probe.getsockname()[1]
+    environ = {
+        **os.environ,
+        "HOME": tmp,
+        "XDG_DATA_HOME": f"{tmp}/data",
+        "XDG_CONFIG_HOME": f"{tmp}/config",
+        "XDG_CACHE_HOME": f"{tmp}/cache",
+        "XDG_RUNTIME_DIR": tmp,
+        "SMOLVM_VM_UID_DROP": os.environ.get("SMOLVM_VM_UID_DROP", "off"),
+    }
+    argv = [
+        real_smolvm(),
+        "serve",
+        "start",
+        "--listen",
+        socket_path,
+        "--guest-rollout-port",
+        str(rollout_port),
+        "--cache-disk-dir",
+        cache_dir,
+    ]
+    with open(f"{tmp}/serve.log", "wb") as log_file:
+        process = subprocess.Popen(
+            argv,
+            env=environ,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                send_raw(socket_path, "GET", "/health")
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(
+                        Path(f"{tmp}/serve.log").read_text()
+                    ) from None
+                time.sleep(0.2)
+        yield socket_path
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def raw_base(cache_dir: str) -> str:
+    """`cache_dir` holding `base1.raw`, 1 MiB of zeros (a raw image)."""
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(f"{cache_dir}/base1.raw", "wb") as f:
+        f.truncate(1 << 20)
+    return cache_dir
+
+
+@unittest.skipUnless(
+    os.environ.get("SMOL_MCP_IT") == "1",
+    "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)",
+)
+class RealServeWarmRoutesIntegration(unittest.TestCase):
+    """The warm-machine routes (pause, resume, ports, cache disks, pools,
+    leases, capacity) of a real serve, byte for byte against the fake's,
+    for every answer that needs no booted guest."""
+
+    @classmethod
+    def setUpClass(cls):
+        if real_smolvm() is None:
+            raise unittest.SkipTest(
+                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to "
+                "smol/smol-vmm from the wheel"
+            )
+        cls.tmp = short_tempdir()
+        real_dir = raw_base(f"{cls.tmp}/real-cache")
+        fake_dir = raw_base(f"{cls.tmp}/fake-cache")
+        with real_serve(cls.tmp, real_dir) as socket_path:
+            cls.real = warm_routes_exchange(socket_path, real_dir)
+            cls.real_capacity = json.loads(
+                send_raw(socket_path, "GET", "/capacity")[2]
+            )
+        fake_socket = f"{cls.tmp}/fake.sock"
+        with FakeSmolvm(fake_socket, cache_disk_dir=fake_dir):
+            cls.fake = warm_routes_exchange(fake_socket, fake_dir)
+            cls.fake_capacity = json.loads(
+                send_raw(fake_socket, "GET", "/capacity")[2]
+            )
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_every_answer_is_the_real_serves_byte_for_byte(self):
+        self.assertEqual(len(self.fake), len(self.real))
+        for real, fake in zip(self.real, self.fake):
+            with self.subTest(request=real[0]):
+                self.assertEqual(fake, real)
+
+    def test_the_answers_are_the_refusals_they_were_probed_for(self):
+        by_request = {answer[0]: answer[1:] for answer in self.real}
+        pause = "POST /api/v1/machines/itw-a/pause None"
+        self.assertEqual(
+            by_request[pause],
+            (
+                409,
+                "application/json",
+                '{"error":"machine \'itw-a\' must be running",'
+                '"code":"CONFLICT"}',
+            ),
+        )
+        empty = "POST /api/v1/pools/itw-p/leases {'idempotencyKey': 'k1'}"
+        self.assertEqual(by_request[empty][0], 404)
+        gone = "DELETE /api/v1/cache-bases/never.raw None"
+        self.assertEqual(by_request[gone], (204, "", ""))
+
+    def test_capacity_has_the_real_keys_and_a_boot_id(self):
+        self.assertEqual(list(self.fake_capacity), list(self.real_capacity))
+        for capacity in (self.real_capacity, self.fake_capacity):
+            self.assertRegex(capacity["boot_id"], r"^\d+-\d+$")
+            self.assertIsInstance(capacity["used_cpus"], float)
+
+
+def busybox_guest() -> bool:
+    """Whether the fake guest can run commands here."""
+    from tests.fakes.fake_smolvm import find_busybox
+
+    return CAN_CHROOT and find_busybox() is not None
+
+
+@unittest.skipUnless(
+    busybox_guest(), "the fake guest needs busybox-static and root or unshare"
+)
+class FakeServeRawCase(unittest.TestCase):
+    """A fake serve (with a cache disk directory) spoken to in raw HTTP."""
+
+    fake_options: dict = {}
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.cache_dir = raw_base(f"{self.tmp}/cache")
+        self.socket_path = f"{self.tmp}/fake.sock"
+        self.fake = FakeSmolvm(
+            self.socket_path,
+            cache_disk_dir=self.cache_dir,
+            **self.fake_options,
+        ).start()
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+        self.addCleanup(self.fake.stop)
+
+    def send(self, method, path, body=None, content_type=None):
+        """(status, answer: parsed JSON, or the text when not JSON)."""
+        status, ctype, text = send_raw(
+            self.socket_path, method, path, body, content_type
+        )
+        if ctype == "application/json":
+            return status, json.loads(text)
+        return status, text
+
+    def ok(self, method, path, body=None):
+        status, answer = self.send(method, path, body)
+        self.assertEqual(status, 200, answer)
+        return answer
+
+    def refused(self, method, path, body, status, error):
+        self.assertEqual(
+            self.send(method, path, body), (status, error_body(error, status))
+        )
+
+    def run_in(self, name, script, **fields):
+        return self.ok(
+            "POST",
+            f"/api/v1/machines/{name}/exec",
+            {"command": ["sh", "-c", script], **fields},
+        )
+
+    def running(self, name, branchable=False, **create):
+        self.ok("POST", "/api/v1/machines", {"name": name, **create})
+        query = "?branchable=true" if branchable else ""
+        return self.ok("POST", f"/api/v1/machines/{name}/start{query}")
+
+
+class FakeWarmRoutesTests(FakeServeRawCase):
+    """The fake serve's warm-machine routes on their happy paths, the ones
+    the product relies on (their refusals are compared against the real
+    serve in RealServeWarmRoutesIntegration)."""
+
+    def test_pause_keeps_execution_until_resume_and_refuses_a_boot(self):
+        self.running("w1")
+        counter = (
+            "i=0; while :; do i=$((i+1)); echo $i > /root/n; sleep 0.1; done"
+        )
+        self.run_in("w1", counter, background=True)
+        count = Path(self.fake.guest_root("w1"), "root/n")
+        wait_for(lambda: count.exists() and count.read_text().strip())
+        paused = self.ok("POST", "/api/v1/machines/w1/pause")
+        self.assertEqual(paused["state"], "paused")
+        self.assertNotIn("pid", paused)
+        held = count.read_text()
+        time.sleep(0.5)
+        self.assertEqual(count.read_text(), held)  # nothing runs
+        m = "/api/v1/machines/w1"
+        saved = "machine has saved execution; use resume"
+        exec_body = {"command": ["true"]}
+        self.refused("POST", f"{m}/exec", exec_body, 409, saved)
+        self.refused("POST", f"{m}/start", None, 409, saved)
+        self.refused("POST", f"{m}/stop", None, 409, f"{saved} or delete")
+        self.refused("GET", f"{m}/files/root/n", None, 409, saved)
+        self.refused(
+            "POST",
+            f"{m}/exec",
+            {"command": ["true"], "autoStart": False},
+            409,
+            "machine is not running and autoStart is false",
+        )
+        self.refused(
+            "POST", f"{m}/pause", None, 409, "machine 'w1' must be running"
+        )
+        resumed = self.ok("POST", f"{m}/resume")
+        self.assertEqual(resumed["state"], "running")
+        self.assertIn("pid", resumed)
+        wait_for(lambda: count.read_text() != held)  # it went on
+        self.assertEqual(self.run_in("w1", "echo back")["stdout"], "back\n")
+        self.refused(
+            "POST",
+            f"{m}/resume",
+            None,
+            409,
+            "machine is not paused; use start for a fresh boot",
+        )
+
+    def test_ports_are_replaced_whole_and_udp_waits_for_a_stop(self):
+        self.running(
+            "w2", ports=[port_spec(28100, 80), port_spec(28101, 53, "udp")]
+        )
+        replaced = self.ok(
+            "PUT",
+            "/api/v1/machines/w2/ports",
+            {"ports": [port_spec(28101, 53, "udp"), port_spec(28102, 8080)]},
+        )
+        self.assertEqual(
+            replaced["ports"],
+            [port_spec(28102, 8080), port_spec(28101, 53, "udp")],
+        )
+        self.refused(
+            "PUT",
+            "/api/v1/machines/w2/ports",
+            {"ports": [port_spec(28102, 8080)]},
+            409,
+            "published UDP ports cannot change on a running machine; stop "
+            "it first",
+        )
+        self.ok("POST", "/api/v1/machines/w2/stop")
+        stopped = self.ok("PUT", "/api/v1/machines/w2/ports", {"ports": []})
+        self.assertEqual(stopped["ports"], [])
+
+    def test_a_published_cache_base_carries_its_files_to_a_new_machine(self):
+        cache = {"base": "base1.raw", "mountPath": "/cache"}
+        self.running("w3", cacheDisk=cache)
+        self.run_in("w3", "echo wheels > /cache/deps.txt")
+        self.ok("POST", "/api/v1/machines/w3/stop")
+        published = self.ok(
+            "POST",
+            "/api/v1/machines/w3/cache-disk/publish",
+            {"base": "deps-v2.qcow2"},
+        )
+        data = Path(self.cache_dir, "deps-v2.qcow2").read_bytes()
+        self.assertEqual(
+            published,
+            {
+                "base": "deps-v2.qcow2",
+                "sizeBytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            },
+        )
+        self.running(
+            "w4", cacheDisk={"base": "deps-v2.qcow2", "mountPath": "/cache"}
+        )
+        got = self.run_in("w4", "cat /cache/deps.txt")
+        self.assertEqual(got["stdout"], "wheels\n")
+        bases = "/api/v1/cache-bases"
+        self.refused(
+            "DELETE",
+            f"{bases}/deps-v2.qcow2",
+            None,
+            409,
+            "cache base 'deps-v2.qcow2' is attached to machine 'w4'",
+        )
+        self.ok("DELETE", "/api/v1/machines/w4")
+        self.assertEqual(
+            self.send("DELETE", f"{bases}/deps-v2.qcow2"), (204, "")
+        )
+        self.assertFalse(Path(self.cache_dir, "deps-v2.qcow2").exists())
+
+    def test_freeze_source_keeps_a_frozen_base_that_branches_again(self):
+        self.running("w5", branchable=True)
+        self.run_in("w5", "echo base > /root/b")
+        child = self.ok(
+            "POST",
+            "/api/v1/machines/w5/branches",
+            {"name": "w5-a", "freezeSource": True},
+        )
+        self.assertEqual(child["state"], "running")
+        source = self.ok("GET", "/api/v1/machines/w5")
+        self.assertEqual(source["state"], "frozen")
+        frozen = (
+            "machine 'w5' is frozen as a reusable fork base; fork it again, "
+            "or delete its descendants and stop it before restarting"
+        )
+        self.refused("POST", "/api/v1/machines/w5/start", None, 409, frozen)
+        again = self.ok(
+            "POST", "/api/v1/machines/w5/branches", {"name": "w5-b"}
+        )
+        self.assertEqual(again["parentMachine"], "w5")
+        self.assertEqual(
+            self.run_in("w5-b", "cat /root/b")["stdout"], "base\n"
+        )
+
+    def test_capacity_counts_running_machines_and_names_this_start(self):
+        self.running("w6", cpus=2, memoryMb=512)
+        capacity = self.ok("GET", "/capacity")
+        self.assertEqual(
+            (capacity["allocated_cpus"], capacity["allocated_memory_mb"]),
+            (2, 512),
+        )
+        with FakeSmolvm(f"{self.tmp}/other.sock") as other:
+            status, _, text = send_raw(other.socket_path, "GET", "/capacity")
+        self.assertNotEqual(json.loads(text)["boot_id"], capacity["boot_id"])
+
+
+def error_body(error: str, status: int) -> dict:
+    """The JSON error body the engine answers with `status`."""
+    codes = {
+        400: "BAD_REQUEST",
+        404: "NOT_FOUND",
+        409: "CONFLICT",
+        503: "UNAVAILABLE",
+    }
+    return {"error": error, "code": codes[status]}
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    """Poll `predicate` until it is true; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout} s")
+        time.sleep(0.05)
+
+
+class FakePoolCase(FakeServeRawCase):
+    """A fake serve with a running branchable source `src` for a pool."""
+
+    def make_pool(self, **fields):
+        self.running("src", branchable=True)
+        self.run_in("src", "echo golden > /root/g")
+        body = {"name": "p", "source": "src", "desiredReady": 1, **fields}
+        return self.ok("POST", "/api/v1/pools", body)
+
+    def lease(self, key="k1", **fields):
+        return self.send(
+            "POST",
+            "/api/v1/pools/p/leases",
+            {"idempotencyKey": key, **fields},
+        )
+
+
+class FakePoolTests(FakePoolCase):
+    """Fork pools and leases of the fake serve: a source branched into held
+    workers, leases handed out, completed and replaced."""
+
+    def test_a_lease_is_a_ready_worker_with_the_jobs_env_and_files(self):
+        created = self.make_pool()
+        self.assertEqual((created["provisioning"], created["ready"]), (1, 0))
+        pool = self.ok("GET", "/api/v1/pools/p")
+        self.assertEqual((pool["provisioning"], pool["ready"]), (0, 1))
+        data = base64.b64encode(b'{"episode":42}').decode()
+        status, lease = self.lease(
+            env=["JOB=7"],
+            files=[{"path": "jobs/e.json", "dataBase64": data, "mode": 384}],
+        )
+        self.assertEqual(status, 200, lease)
+        self.assertEqual(
+            list(lease),
+            ["id", "pool", "machine", "state", "createdAt", "expiresAt"],
+        )
+        self.assertEqual((lease["pool"], lease["state"]), ("p", "active"))
+        self.assertEqual(lease["expiresAt"] - lease["createdAt"], 600)
+        worker = self.ok("GET", f"/api/v1/machines/{lease['machine']}")
+        self.assertEqual(
+            (worker["parentMachine"], worker["branchpointHeld"]),
+            ("src", False),
+        )
+        ran = self.run_in(
+            lease["machine"],
+            "echo $JOB; cat /workspace/jobs/e.json; echo; cat /root/g; "
+            "stat -c %a /workspace/jobs/e.json",
+        )
+        self.assertEqual(ran["stdout"], '7\n{"episode":42}\ngolden\n600\n')
+        pool = self.ok("GET", "/api/v1/pools/p")
+        self.assertEqual((pool["active"], pool["ready"]), (1, 1))
+
+    def test_the_same_idempotency_key_answers_the_same_lease(self):
+        self.make_pool(desiredReady=2)
+        self.ok("GET", "/api/v1/pools/p")
+        first = self.lease(env=["A=1"])
+        self.assertEqual(self.lease(env=["A=1"], waitSecs=5), first)
+        self.assertEqual(
+            self.lease(env=["A=2"]),
+            (
+                409,
+                error_body(
+                    "idempotency key 'k1' was reused with a different request",
+                    409,
+                ),
+            ),
+        )
+        self.assertEqual(self.ok("GET", "/api/v1/pools/p")["active"], 1)
+
+    def test_complete_replaces_the_worker_and_ends_the_lease(self):
+        self.make_pool()
+        self.ok("GET", "/api/v1/pools/p")
+        _, lease = self.lease(ttlSecs=30)
+        path = f"/api/v1/pools/p/leases/{lease['id']}"
+        beat = self.ok("POST", f"{path}/heartbeat")
+        self.assertGreaterEqual(beat["expiresAt"], lease["expiresAt"])
+        done = self.ok("POST", f"{path}/complete")
+        self.assertEqual(done["state"], "completed")
+        self.assertEqual(self.ok("GET", path)["state"], "completed")
+        status, _ = self.send("GET", f"/api/v1/machines/{lease['machine']}")
+        self.assertEqual(status, 404)
+        pool = self.ok("GET", "/api/v1/pools/p")
+        self.assertEqual((pool["ready"], pool["active"]), (1, 0))
+        _, second = self.lease("k2")
+        self.assertNotEqual(second["machine"], lease["machine"])
+        lid = lease["id"]
+        self.refused(
+            "POST",
+            f"{path}/complete",
+            None,
+            409,
+            f"fork lease '{lid}' is 'completed', not active",
+        )
+        self.refused(
+            "POST",
+            f"{path}/heartbeat",
+            None,
+            409,
+            f"fork lease '{lid}' is no longer active",
+        )
+
+    def test_a_pool_can_be_resized_and_deleted_with_force(self):
+        self.make_pool(freezeSource=True)
+        self.ok("GET", "/api/v1/pools/p")
+        self.assertEqual(
+            self.ok("GET", "/api/v1/machines/src")["state"], "frozen"
+        )
+        self.ok("PUT", "/api/v1/pools/p/size", {"desiredReady": 3})
+        self.assertEqual(self.ok("GET", "/api/v1/pools/p")["ready"], 3)
+        _, lease = self.lease()
+        self.refused(
+            "DELETE",
+            "/api/v1/pools/p",
+            None,
+            409,
+            "fork pool 'p' has active leases; complete them or use force=true",
+        )
+        self.assertEqual(
+            self.ok("DELETE", "/api/v1/pools/p?force=true"), {"deleted": "p"}
+        )
+        path = f"/api/v1/pools/p/leases/{lease['id']}"
+        status, _ = self.send("GET", path)
+        self.assertEqual(status, 404)
+        workers = [n for n in self.fake.machines if n.startswith("pool-")]
+        self.assertEqual(workers, [])
+
+
+class FakeEmptyPoolTests(FakePoolCase):
+    """A pool whose workers take a minute to make: no clean worker yet."""
+
+    fake_options = {"pool_fill_secs": 60}
+
+    def test_a_lease_is_503_at_once_and_after_wait_secs(self):
+        created = self.make_pool()
+        self.assertEqual(created["provisioning"], 1)
+        empty = (
+            503,
+            error_body("fork pool 'p' has no clean worker ready", 503),
+        )
+        self.assertEqual(self.lease(), empty)
+        started = time.monotonic()
+        self.assertEqual(self.lease(waitSecs=1), empty)
+        self.assertGreaterEqual(time.monotonic() - started, 1.0)
+
+
+@unittest.skipUnless(
+    busybox_guest(), "the fake guest needs busybox-static and root or unshare"
+)
+class FakeCloudWarmRoutesTests(unittest.TestCase):
+    """The cloud fake's pause, resume, checkpoints, ports and port links."""
+
+    def setUp(self):
+        self.cloud = FakeCloud(token=CLOUD_TOKEN).start()
+        self.addCleanup(self.cloud.stop)
+
+    def send(self, method, path, body=None):
+        import http.client
+
+        url = urllib.parse.urlsplit(self.cloud.url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        headers = {"Authorization": f"Bearer {CLOUD_TOKEN}"}
+        data = None
+        if body is not None:
+            data = json.dumps(body)
+            headers["Content-Type"] = "application/json"
+        conn.request(method, path, body=data, headers=headers)
+        response = conn.getresponse()
+        text = response.read().decode()
+        conn.close()
+        ctype = response.getheader("Content-Type", "")
+        if ctype.startswith("application/json"):
+            return response.status, json.loads(text)
+        return response.status, text
+
+    def machine(self, name):
+        status, m = self.send(
+            "POST",
+            "/v1/machines",
+            {"name": name, "source": {"type": "image", "reference": "alpine"}},
+        )
+        self.assertEqual(status, 201, m)
+        self.assertEqual(
+            self.send("POST", f"/v1/machines/{m['id']}/start")[0], 200
+        )
+        return m["id"]
+
+    def run_in(self, mid, script):
+        status, ran = self.send(
+            "POST",
+            f"/v1/machines/{mid}/exec",
+            {"command": ["sh", "-c", script]},
+        )
+        self.assertEqual(status, 200, ran)
+        return ran
+
+    def test_pause_and_resume_keep_the_machine_and_refuse_commands(self):
+        mid = self.machine("c1")
+        status, paused = self.send("POST", f"/v1/machines/{mid}/pause")
+        self.assertEqual((status, paused["state"]), (200, "paused"))
+        status, text = self.send(
+            "POST", f"/v1/machines/{mid}/exec", {"command": ["true"]}
+        )
+        self.assertEqual(status, 409)
+        self.assertIn("is paused; resume it", text)
+        status, resumed = self.send("POST", f"/v1/machines/{mid}/resume")
+        self.assertEqual((status, resumed["state"]), (200, "running"))
+        self.assertEqual(
+            self.send("POST", f"/v1/machines/{mid}/resume")[0], 200
+        )
+        self.assertEqual(self.run_in(mid, "echo on")["stdout"], "on\n")
+
+    def test_a_checkpoint_is_captured_listed_restored_and_deleted(self):
+        mid = self.machine("c2")
+        self.run_in(mid, "echo kept > /workspace/state")
+        status, checkpoint = self.send(
+            "POST", f"/v1/machines/{mid}/checkpoints"
+        )
+        self.assertEqual(status, 201, checkpoint)
+        self.assertEqual(
+            sorted(checkpoint),
+            sorted(
+                [
+                    "id",
+                    "machineId",
+                    "status",
+                    "sizeBytes",
+                    "reusedBytes",
+                    "arch",
+                    "createdAt",
+                    "downloadUrl",
+                ]
+            ),
+        )
+        listed = self.send("GET", f"/v1/machines/{mid}/checkpoints")
+        self.assertEqual(listed, (200, [checkpoint]))
+        cid = checkpoint["id"]
+        status, restored = self.send(
+            "POST", f"/v1/checkpoints/{cid}/restore", {"name": "c2-back"}
+        )
+        self.assertEqual(status, 201, restored)
+        self.assertEqual(
+            (restored["state"], restored["network"]),
+            ("stopped", {"mode": "blocked"}),
+        )
+        rid = restored["id"]
+        self.send("POST", f"/v1/machines/{rid}/start")
+        self.assertEqual(
+            self.run_in(rid, "cat /workspace/state")["stdout"], "kept\n"
+        )
+        status, text = self.send("DELETE", f"/v1/checkpoints/{cid}")
+        self.assertEqual(status, 409, text)
+        self.send("DELETE", f"/v1/machines/{rid}")
+        self.assertEqual(self.send("DELETE", f"/v1/checkpoints/{cid}")[0], 204)
+        self.assertEqual(
+            self.send("GET", f"/v1/machines/{mid}/checkpoints"), (200, [])
+        )
+
+    def test_ports_are_replaced_and_port_links_name_each_port(self):
+        mid = self.machine("c3")
+        status, m = self.send(
+            "PUT",
+            f"/v1/machines/{mid}/ports",
+            {"ports": [{"port": 8080}, {"port": 9090}]},
+        )
+        self.assertEqual(status, 200, m)
+        self.assertEqual([p["port"] for p in m["ports"]], [8080, 9090])
+        self.assertTrue(all(p["hostPort"] for p in m["ports"]))
+        status, links = self.send("POST", f"/v1/machines/{mid}/port-links")
+        self.assertEqual(sorted(links["urls"]), ["8080", "9090"])
+        self.assertEqual(
+            self.send("DELETE", f"/v1/machines/{mid}/port-links")[0], 204
+        )
+
+
 @unittest.skipUnless(
     os.environ.get("SMOL_MCP_IT") == "1"
     and os.environ.get("SMOL_CLOUD_TOKEN"),
@@ -15244,6 +16177,7 @@ def main() -> int:
         suite = unittest.TestSuite(
             [
                 loader.loadTestsFromTestCase(RealServeIntegration),
+                loader.loadTestsFromTestCase(RealServeWarmRoutesIntegration),
                 loader.loadTestsFromTestCase(CloudLiveIntegration),
             ]
         )

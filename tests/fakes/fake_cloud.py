@@ -33,6 +33,7 @@ import http.server
 import ipaddress
 import json
 import os
+import platform
 import random
 import shutil
 import signal
@@ -64,7 +65,8 @@ JSON_CT = "application/json"
 TEXT_CT = "text/plain; charset=utf-8"
 BYTES_CT = "application/octet-stream"
 
-# [sdk] CLOUD_MAX_FILE_BYTES: "The largest file the cloud's file routes accept."
+# [sdk] CLOUD_MAX_FILE_BYTES: "The largest file the cloud's file routes
+# accept."
 FILE_CAP = 100 * 1024 * 1024
 
 # [public docs] a wrong key is a JSON 401 with exactly this body.
@@ -111,6 +113,7 @@ JOB_FIELDS = [
     "user",
 ]  # [reference: "Detached jobs"]
 BRANCH_FIELDS = ["name", "ports", "branchable", "forkable", "freezeSource"]
+RESTORE_FIELDS = ["name", "network", "cacheDisk"]  # [sdk]
 BRANCH_PORT_FIELDS = ["port", "hostPort", "protocol"]
 
 # [assumption] defaults when `resources` leaves a size unset. The SDK assumes
@@ -138,7 +141,8 @@ PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # [assumption] the 500 text of a failed boot: the control plane relaying the
 # node's agent error (wording from the local serve's failed boot).
 BOOT_FAIL_TEXT = (
-    "failed to start machine {id} on node {node}: agent did not become ready within "
+    "failed to start machine {id} on node {node}: agent did not become ready "
+    "within "
     "30 seconds: no boot progress for 30 seconds"
 )
 
@@ -284,7 +288,8 @@ def _want_int(v, field, lo=0, hi=2**64 - 1, nullable=False, kind="u64"):
     if not lo <= v <= hi:
         raise Bad(
             400,
-            f"{field}: invalid value: integer `{v}`, expected {kind} in {lo}..={hi}",
+            f"{field}: invalid value: integer `{v}`, expected {kind} in "
+            f"{lo}..={hi}",
         )
     return v
 
@@ -396,7 +401,9 @@ class FakeCloud:
 
     `exec/stream` and the detached jobs routes follow the project's notes on
     the cloud API (its sections "exec/stream" and "Detached jobs"), not an
-    observation.
+    observation. So do pause and resume, checkpoints (capture, list,
+    restore, delete), `PUT .../ports` and port links: the SDK's calls and
+    the fields it reads, the rest tagged where it is written.
     """
 
     def __init__(
@@ -437,6 +444,7 @@ class FakeCloud:
         self.requests = []
         self.url = None
         self._machines = {}  # id -> record (insertion order = creation order)
+        self._checkpoints = {}  # id -> checkpoint (see _h_checkpoints)
         self._deleted = {}  # id -> record, for usage after deletion
         self._roots = {}
         self._lock = threading.RLock()
@@ -669,6 +677,8 @@ class FakeCloud:
                     raise Bad(413, "request body too large")
                 return self._h_create(headers, body)
             return self._h_list(q)
+        if path.startswith("/v1/checkpoints/"):
+            return self._checkpoint_route(method, path, headers, body)
         prefix = "/v1/machines/"
         if not path.startswith(prefix):
             raise self._no_route()
@@ -683,7 +693,8 @@ class FakeCloud:
             return json_resp(200, self._public(self._get(mid)))
         if sub == "files" or sub.startswith("files/"):
             if not self.files_route:
-                raise self._no_route()  # a deployment without the suffix route [seed]
+                # a deployment without the suffix route [seed]
+                raise self._no_route()
             self._allow(method, "GET,HEAD,PUT")
             if method == "PUT" and too_big:
                 self._get(mid)
@@ -715,6 +726,17 @@ class FakeCloud:
             "fork": (
                 "POST",
                 lambda: self._h_branch("fork", mid, headers, body),
+            ),
+            "pause": ("POST", lambda: self._h_pause(mid)),
+            "resume": ("POST", lambda: self._h_resume(mid)),
+            "checkpoints": (
+                "GET,HEAD,POST",
+                lambda: self._h_checkpoints(method, mid),
+            ),
+            "ports": ("PUT", lambda: self._h_ports(mid, headers, body)),
+            "port-links": (
+                "POST,DELETE",
+                lambda: self._h_port_links(method, mid),
             ),
         }
         job_id, job_sub = "", ""
@@ -883,7 +905,8 @@ class FakeCloud:
         m["readyAt"] = None
         m["url"] = None
         # [assumption] a stopped machine's ports are not placed on a node, so
-        # they read hostPort null [sdk: "a port not yet placed has no hostPort"].
+        # they read hostPort null [sdk: "a port not yet placed has no
+        # hostPort"].
         for p in m["ports"]:
             p["hostPort"] = None
         # [public docs] the guest temp directory is memory-backed and emptied
@@ -1150,7 +1173,8 @@ class FakeCloud:
         if stype not in ("image", "smolmachine"):
             raise Bad(
                 400,
-                f"source.type: unknown variant `{stype}`, expected `image` or `smolmachine`",
+                f"source.type: unknown variant `{stype}`, expected `image` or "
+                "`smolmachine`",
             )
         ref = _want_str(src.get("reference"), "source.reference")
         if not ref.strip():
@@ -1198,7 +1222,8 @@ class FakeCloud:
         if dur is not None and dur not in ("full", "deferred"):
             raise Bad(
                 400,
-                f"resources.diskDurability: unknown variant `{dur}`, expected `full` or `deferred`",
+                f"resources.diskDurability: unknown variant `{dur}`, expected "
+                "`full` or `deferred`",
             )
         auto_stop = _want_int(
             req.get("autoStopSeconds"), "autoStopSeconds", nullable=True
@@ -1239,7 +1264,8 @@ class FakeCloud:
             while mid in self._machines or mid in self._deleted:
                 mid = "mach-" + _hex(12)
             if name is None:
-                name = mid  # [assumption] the service names an unnamed machine by its id
+                # [assumption] the service names an unnamed machine by its id
+                name = mid
             if any(x["name"] == name for x in self._machines.values()):
                 raise Bad(
                     409, f"machine named `{name}` already exists"
@@ -1269,8 +1295,8 @@ class FakeCloud:
                 "autoStopSeconds": auto_stop,
                 "ttlSeconds": ttl,
                 "expiresAt": _rfc3339(now + ttl) if ttl is not None else None,
-                "ephemeral": ttl
-                is not None,  # [sdk: records carry it; seed: TTL is what makes it]
+                # [sdk: records carry it; seed: TTL is what makes it]
+                "ephemeral": ttl is not None,
                 "forkable": forkable,  # [sdk] reads branchable, then forkable
                 "branchable": forkable,
                 "createdAt": _rfc3339(now),
@@ -1304,10 +1330,12 @@ class FakeCloud:
     def _h_start(self, mid, q):
         with self._lock:
             m = self._get(mid)
+            self._refuse_paused(m)
             if m["state"] == "frozen":
                 raise Bad(
                     409,
-                    f"machine {mid} is frozen as a branch base and cannot be started",
+                    f"machine {mid} is frozen as a branch base and cannot "
+                    "be started",
                 )  # [assumption]
             # [sdk] `?forkable=true` only affects the boot; the stored create
             # flag is what branching checks [sdk comment], and the seed
@@ -1324,6 +1352,7 @@ class FakeCloud:
     def _h_stop(self, mid):
         with self._lock:
             m = self._get(mid)
+            self._refuse_paused(m, " or delete it")
             if m["state"] in ("running", "error", "frozen"):
                 self._stop(m, time.time())
             return json_resp(
@@ -1352,11 +1381,14 @@ class FakeCloud:
     def _ensure_running(self, m):
         """exec/files on a stopped machine start it and leave it running
         [public docs; seed]. Returns the time its agent answers."""
+        self._refuse_paused(m)
         if m["state"] == "frozen":
-            # [sdk] "a frozen source cannot run commands again"; 409 [assumption].
+            # [sdk] "a frozen source cannot run commands again"; 409
+            # [assumption].
             raise Bad(
                 409,
-                f"machine {m['id']} is frozen as a branch base and cannot run commands",
+                f"machine {m['id']} is frozen as a branch base and cannot "
+                "run commands",
             )
         now = time.time()
         if m["state"] != "running":
@@ -1438,7 +1470,10 @@ class FakeCloud:
         ):
             # [public docs] a missing interpreter is 200 with exitCode 255;
             # the stderr text is an [assumption].
-            err = f"failed to exec `{argv[0]}`: No such file or directory (os error 2)\n".encode()
+            err = (
+                f"failed to exec `{argv[0]}`: No such file or directory (os "
+                "error 2)\n"
+            ).encode()
             return json_resp(
                 200, self._exec_result(255, b"", err, output, out_extra)
             )
@@ -1740,7 +1775,8 @@ class FakeCloud:
                 # a memory-backed path fails; status and text [assumption].
                 raise Bad(
                     400,
-                    f"{gpath} resolves into memory-backed /tmp; write under /workspace",
+                    f"{gpath} resolves into memory-backed /tmp; write under "
+                    "/workspace",
                 )
             if os.path.isdir(host):
                 raise Bad(400, f"{gpath} is a directory")  # [assumption]
@@ -1825,7 +1861,8 @@ class FakeCloud:
                 # and every fork() 409s"; the wording is an [assumption].
                 raise Bad(
                     409,
-                    f"machine {mid} is not forkable: create it with `forkable: true`",
+                    f"machine {mid} is not forkable: create it with "
+                    "`forkable: true`",
                 )
             if src["state"] not in ("running", "frozen"):
                 raise Bad(
@@ -1906,6 +1943,263 @@ class FakeCloud:
             self._refresh(c)
             # [sdk] the response is the child's record; 201 is an [assumption].
             return json_resp(201, self._public(c))
+
+    # ---- pause and resume
+    #
+    # [sdk] `POST .../pause` (no body, answer ignored, 30 min timeout) and
+    # `POST .../resume` (retried as idempotent, then readiness); "Save RAM
+    # and disk durably, then stop at that execution boundary"; "A paused
+    # machine must be resumed explicitly before it can serve work". The
+    # state name `paused` is the local engine's (observed there); its
+    # refusals of start, stop, exec and files mirror the local engine's
+    # (observed on a paused record there). Everything else here, the texts
+    # and statuses, is an [assumption]. The fake stops the guest's
+    # processes on pause and lets them go on at resume, as saved execution
+    # would.
+    def _refuse_paused(self, m, extra=""):
+        if m["state"] == "paused":
+            raise Bad(
+                409,
+                f"machine {m['id']} is paused; resume it to continue its "
+                f"saved execution{extra}",
+            )
+
+    def _h_pause(self, mid):
+        with self._lock:
+            m = self._get(mid)
+            if m["state"] != "running":
+                raise Bad(409, f"machine {mid} is not running")
+            now = time.time()
+            if m["_runSince"] is not None:
+                m["_uptime"] += now - m["_runSince"]
+                m["_runSince"] = None
+            m["state"] = "paused"
+            m["ready"] = False
+            m["readyAt"] = None
+            m["url"] = None
+            root = self._root(mid)
+            _guest.signal_guest_processes(root, signal.SIGSTOP)
+            m["_console"].append("smolvm-agent: execution saved, paused")
+            return json_resp(200, self._public(m))
+
+    def _h_resume(self, mid):
+        with self._lock:
+            m = self._get(mid)
+            if m["state"] == "running":
+                # Resumed already: the SDK retries a resume, so a repeat
+                # must not fail [assumption read from the SDK].
+                return json_resp(200, self._public(m))
+            if m["state"] != "paused":
+                raise Bad(409, f"machine {mid} is not paused")
+            now = time.time()
+            m["state"] = "running"
+            m["_startedAt"] = now
+            m["_bootDoneAt"] = now + self.ready_delay
+            m["_runSince"] = now
+            m["_lastActivity"] = now
+            _guest.signal_guest_processes(self._root(mid), signal.SIGCONT)
+            m["_console"].append("smolvm-agent: resumed saved execution")
+            self._refresh(m)
+            return json_resp(200, self._public(m))
+
+    # ---- checkpoints
+    #
+    # [sdk] capture `POST /v1/machines/{id}/checkpoints` (no body) answering
+    # {id, machineId, status, sizeBytes, reusedBytes, arch, createdAt,
+    # downloadUrl}; `GET /v1/machines/{id}/checkpoints` a bare array;
+    # `POST /v1/checkpoints/{id}/restore` {name, network?, cacheDisk?}
+    # answering the new machine's record (the SDK then starts it), its
+    # network blocked when unset; `DELETE /v1/checkpoints/{id}` refused
+    # while a machine restored from it exists. [assumption]: the id and
+    # URL forms, status "ready", a capture only of a running machine (the
+    # source keeps running), the 201s and 204, the texts, newest first.
+    # The fake keeps the disk (the guest directory) and the record; the
+    # RAM of a real checkpoint (running processes) is not kept.
+    def _h_checkpoints(self, method, mid):
+        with self._lock:
+            m = self._get(mid)
+            if method != "POST":
+                rows = [
+                    self._checkpoint_public(c)
+                    for c in reversed(list(self._checkpoints.values()))
+                    if c["machineId"] == mid
+                ]
+                return json_resp(200, rows)
+            if m["state"] != "running":
+                raise Bad(409, f"machine {mid} must be running")
+            cid = "ckpt-" + _hex(12)
+            while cid in self._checkpoints:
+                cid = "ckpt-" + _hex(12)
+            saved = os.path.join(self._tmp, "checkpoints", cid)
+            os.makedirs(os.path.dirname(saved), exist_ok=True)
+            _guest.copy_guest_root(self._root(mid), saved)
+            checkpoint = {
+                "id": cid,
+                "machineId": mid,
+                "status": "ready",
+                "sizeBytes": _tree_size(saved),
+                "reusedBytes": 0,
+                "arch": platform.machine(),
+                "createdAt": _rfc3339(time.time()),
+                "downloadUrl": f"https://checkpoints.smol.invalid/{cid}",
+                "_root": saved,
+                "_record": json.loads(json.dumps(self._public(m))),
+            }
+            self._checkpoints[cid] = checkpoint
+            return json_resp(201, self._checkpoint_public(checkpoint))
+
+    @staticmethod
+    def _checkpoint_public(c):
+        return {k: v for k, v in c.items() if not k.startswith("_")}
+
+    def _checkpoint_route(self, method, path, headers, body):
+        rest = path[len("/v1/checkpoints/") :]
+        cid, slash, sub = rest.partition("/")
+        cid = urllib.parse.unquote(cid)
+        if not cid or (slash and sub != "restore"):
+            raise self._no_route()
+        if sub == "restore":
+            self._allow(method, "POST")
+            return self._h_restore(cid, headers, body)
+        self._allow(method, "DELETE")
+        with self._lock:
+            if cid not in self._checkpoints:
+                raise Bad(404, f"checkpoint {cid} not found")
+            for m in self._machines.values():
+                if m.get("_checkpoint") == cid:
+                    raise Bad(
+                        409,
+                        f"checkpoint {cid} is in use by machine {m['id']}",
+                    )
+            gone = self._checkpoints.pop(cid)
+            shutil.rmtree(gone["_root"], ignore_errors=True)
+            return Resp(204)
+
+    def _h_restore(self, cid, headers, body):
+        req = self._json_body(headers, body)
+        _check_fields(req, RESTORE_FIELDS)
+        name = _want_str(req.get("name"), "name", nullable=True)
+        if not name:
+            raise Bad(400, "missing field `name`")
+        network = {"mode": "blocked"}  # [sdk] blocked when unset
+        if req.get("network") is not None:
+            network = self._parse_network(req["network"])
+        cache = _want_obj(req.get("cacheDisk"), "cacheDisk", nullable=True)
+        if cache is not None:
+            _check_fields(cache, CACHE_DISK_FIELDS, "cacheDisk")
+            _want_str(cache.get("cache"), "cacheDisk.cache")
+        with self._lock:
+            checkpoint = self._checkpoints.get(cid)
+            if checkpoint is None:
+                raise Bad(404, f"checkpoint {cid} not found")
+            if any(x["name"] == name for x in self._machines.values()):
+                raise Bad(409, f"machine named `{name}` already exists")
+            m = self._restored(checkpoint, name, network, cache)
+            return json_resp(201, self._public(m))
+
+    def _restored(self, checkpoint, name, network, cache):
+        """A new stopped machine holding the checkpoint's disk."""
+        mid = "mach-" + _hex(12)
+        while mid in self._machines or mid in self._deleted:
+            mid = "mach-" + _hex(12)
+        now = time.time()
+        m = json.loads(json.dumps(checkpoint["_record"]))
+        m.update(
+            {
+                "id": mid,
+                "name": name,
+                "state": "stopped",
+                "ready": False,
+                "readyAt": None,
+                "url": None,
+                "network": network,
+                "ports": [
+                    {"port": p["port"], "hostPort": None} for p in m["ports"]
+                ],
+                "createdAt": _rfc3339(now),
+            }
+        )
+        if m.get("ttlSeconds") is not None:
+            m["expiresAt"] = _rfc3339(now + m["ttlSeconds"])
+        if cache is not None:
+            m["cacheDisk"] = cache
+        m.update(
+            {
+                "_created": now,
+                "_startedAt": 0.0,
+                "_bootDoneAt": 0.0,
+                "_runSince": None,
+                "_uptime": 0.0,
+                "_lastActivity": now,
+                "_everStarted": False,
+                "_bootForkable": False,
+                "_listening": set(),
+                "_console": [],
+                "_bg": [],
+                "_jobs": [],
+                "_node": "node-" + _hex(6),
+                "_deletedAt": None,
+                "_checkpoint": checkpoint["id"],
+            }
+        )
+        dst = tempfile.mkdtemp(prefix=f"{mid}-", dir=self._tmp)
+        os.rmdir(dst)
+        _guest.copy_guest_root(checkpoint["_root"], dst)
+        self._roots[mid] = dst
+        self._machines[mid] = m
+        return m
+
+    # ---- published ports and port links
+    def _h_ports(self, mid, headers, body):
+        """[sdk] `PUT .../ports` {"ports":[{"port"}]}: the whole set, TCP
+        guest ports; the node picks host ports. The answer (the record) and
+        its 200 are an [assumption]; a running machine takes the change
+        at once, and a new port nobody listens on makes it not ready
+        ([sdk] ready means every published port accepts)."""
+        req = self._json_body(headers, body)
+        _check_fields(req, ["ports"])
+        if "ports" not in req:
+            raise Bad(400, "missing field `ports`")
+        ports = self._parse_ports(req["ports"], "ports", PORT_FIELDS)
+        with self._lock:
+            m = self._get(mid)
+            m["ports"] = [{"port": p, "hostPort": None} for p in ports]
+            if m["state"] == "running":
+                for p in m["ports"]:
+                    p["hostPort"] = self._alloc_host_port()
+                m["ready"] = False
+                m["readyAt"] = None
+            self._refresh(m)
+            return json_resp(200, self._public(m))
+
+    def _h_port_links(self, method, mid):
+        """[sdk] POST answers {"urls": {"PORT": url}}, DELETE revokes them.
+        The URL form, an empty map for a machine without ports and the 204
+        are an [assumption]."""
+        with self._lock:
+            m = self._get(mid)
+            if method == "DELETE":
+                m["_portLinks"] = None
+                return Resp(204)
+            token = _hex(16)
+            m["_portLinks"] = token
+            urls = {
+                str(p["port"]): f"https://{mid}-{p['port']}-{token}"
+                ".apps.smol.invalid"
+                for p in m["ports"]
+            }
+            return json_resp(200, {"urls": urls})
+
+
+def _tree_size(root):
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""A stand-in for the `smolvm serve` local machine API (smolvm 1.32.2), for tests.
+"""A stand-in for the `smolvm serve` local machine API (smolvm 1.32.2), for
+tests.
 
 FakeSmolvm serves HTTP/1.1 on a Unix socket, in a background thread, with the
 routes, field names, status codes, content types and error bodies of the real
@@ -41,6 +42,15 @@ open. Metering gauges (cpuSeconds, rssMb, ...) are not reported.
 Egress (the `egress` and `egress-events` routes, and a restricted guest's
 network): what is observed and what is assumed is listed above GuestNet.
 
+Warm machines (pause and resume, PUT ports, cache disks and their publish,
+fork pools and leases, /capacity): every answer that needs no running guest
+is observed and compared byte for byte against a real serve by the suite's
+RealServeWarmRoutesIntegration, including what start, stop, exec, files and
+pull answer a paused machine (seen on a record set to `paused` by hand).
+What a running guest or a running branch source would do (a pause itself, a
+pool filled with workers, a lease) follows the spec and the binary's
+strings: each handler says which is which.
+
 The exec stream route (`POST .../exec/stream`) follows the documents, not an
 observation (nobody has seen a booted guest's stream): the spec and CLI help
 say `text/event-stream` with `event: stdout` / `event: stderr` and a final
@@ -62,6 +72,7 @@ import ctypes
 import datetime
 import errno
 import hashlib
+import io
 import ipaddress
 import json
 import os
@@ -76,6 +87,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -172,14 +184,16 @@ RESTARTSPEC = STRUCT(
     "RestartSpec",
     [("policy", OPT(STR), False), ("maxRetries", OPT(INT("u32")), False)],
 )
+# Observed: `base` and `mountPath` are both required (a create without
+# `base` is a 422 "missing field `base`").
 CACHEDISKSPEC = STRUCT(
     "CacheDiskSpec",
     [
-        ("base", OPT(STR), False),
+        ("base", STR, True),
         ("mountPath", STR, True),
         ("sourceUrl", OPT(STR), False),
         ("sha256", OPT(STR), False),
-        ("slot", ANY, False),
+        ("slot", BOOL, False),
     ],
 )
 CREDENTIALPOLICY = STRUCT("CredentialPolicy", [("credentials", ANY, False)])
@@ -291,7 +305,8 @@ PULL_REQUEST = STRUCT(
     ],
 )
 
-# Field order as the real serve lists them in its unknown-field refusal (observed).
+# Field order as the real serve lists them in its unknown-field refusal
+# (observed).
 UPDATE_EGRESS_REQUEST = STRUCT(
     "UpdateEgressRequest",
     [
@@ -316,6 +331,81 @@ START_REQUEST = STRUCT(
         ("cudaVramLimitMib", OPT(INT("u64")), False),
         ("registryAuth", ANY, False),
         ("egressInterceptor", ANY, False),
+    ],
+    deny=False,
+)
+
+# The bodies of the warm-machine routes. Which of them refuse an unknown
+# field, the field order of each refusal and the required fields are
+# observed on 1.32.2 (a lease body ignores an unknown field, as do the
+# files inside it).
+SET_PORTS_REQUEST = STRUCT("SetPortsRequest", [("ports", SEQ(PORTSPEC), True)])
+
+PUBLISH_CACHE_DISK_REQUEST = STRUCT(
+    "PublishCacheDiskRequest",
+    [("base", STR, True), ("uploadUrls", OPT(SEQ(STR)), False)],
+)
+
+# serde lists a field's names sorted, so the alias `golden` comes first.
+CREATE_POOL_REQUEST = STRUCT(
+    "CreateForkPoolRequest",
+    [
+        ("name", STR, True),
+        ("source", STR, True),
+        ("desiredReady", INT("u32"), True),
+        ("maxActive", OPT(INT("u32")), False),
+        ("autoAdmission", OPT(BOOL), False),
+        ("shareWeights", BOOL, False),
+        ("freezeSource", BOOL, False),
+        ("readyTimeoutSecs", OPT(INT("u64")), False),
+        ("leaseTtlSecs", OPT(INT("u64")), False),
+    ],
+    aliases={"golden": "source"},
+    listed=[
+        "name",
+        "golden",
+        "source",
+        "desiredReady",
+        "maxActive",
+        "autoAdmission",
+        "shareWeights",
+        "freezeSource",
+        "readyTimeoutSecs",
+        "leaseTtlSecs",
+    ],
+)
+
+RESIZE_POOL_REQUEST = STRUCT(
+    "ResizeForkPoolRequest", [("desiredReady", INT("u32"), True)]
+)
+
+LEASE_FILE = STRUCT(
+    "ForkLeasePayloadFile",
+    [
+        ("path", STR, True),
+        ("dataBase64", STR, True),
+        ("mode", OPT(INT("u32")), False),
+    ],
+    deny=False,
+)
+
+ROLLOUT_ACCESS = STRUCT(
+    "RolloutLeaseAccess",
+    [("executor", STR, True), ("policy", STR, True)],
+    deny=False,
+)
+
+ACQUIRE_LEASE_REQUEST = STRUCT(
+    "AcquireForkLeaseRequest",
+    [
+        ("idempotencyKey", STR, True),
+        ("env", SEQ(STR), False),
+        ("files", SEQ(LEASE_FILE), False),
+        ("waitSecs", OPT(INT("u64")), False),
+        ("ttlSecs", OPT(INT("u64")), False),
+        ("awaitWorkerReady", BOOL, False),
+        ("workerReadyTimeoutSecs", OPT(INT("u64")), False),
+        ("rolloutAccess", OPT(ROLLOUT_ACCESS), False),
     ],
     deny=False,
 )
@@ -549,7 +639,8 @@ class _Deserializer:
                     raise self.error("invalid escape")
             elif c < 0x20:
                 raise self.error(
-                    "control character (\\u0000-\\u001F) found while parsing a string"
+                    "control character (\\u0000-\\u001F) found while parsing "
+                    "a string"
                 )
             else:
                 out.append(c)
@@ -888,7 +979,8 @@ class _Deserializer:
                     if not self._has_next_element(idx == 0):
                         if f[2]:
                             raise _Pending(
-                                f"invalid length {idx}, expected struct {name} with "
+                                f"invalid length {idx}, expected struct "
+                                f"{name} with "
                                 f"{len(fields)} elements"
                             )
                         continue
@@ -925,7 +1017,10 @@ class _Deserializer:
                         # serde_json fixes the position of this error only
                         # at the struct level, after the whitespace that
                         # follows the key; the path names the key.
-                        pending = f"unknown field `{key}`, {_one_of(listed, 'field')}"
+                        pending = (
+                            f"unknown field `{key}`, "
+                            f"{_one_of(listed, 'field')}"
+                        )
                         pending_path = key
                         break
                     self._colon()
@@ -1110,10 +1205,14 @@ JSON_CT = "application/json"
 TEXT_CT = "text/plain; charset=utf-8"
 
 BOOT_FAIL_START = (
-    "failed to start machine: agent operation failed: wait for ready: agent did not "
+    "failed to start machine: agent operation failed: wait for ready: agent "
+    "did not "
     "become ready within 30 seconds: no boot progress for 30 seconds"
 )
-BOOT_FAIL_AUTO = "agent did not become ready within 30 seconds: no boot progress for 30 seconds"
+BOOT_FAIL_AUTO = (
+    "agent did not become ready within 30 seconds: no boot progress for 30 "
+    "seconds"
+)
 
 NAME_MAX = 128
 
@@ -1171,7 +1270,10 @@ def validate_machine_name(name):
         return f"machine name too long: {n} characters (max {NAME_MAX})"
     first = name[0]
     if not (first.isascii() and first.isalnum()):
-        return f"machine name must start with a letter or digit (got: {_dumps(name)})"
+        return (
+            "machine name must start with a letter or digit (got: "
+            f"{_dumps(name)})"
+        )
     for ch in name:
         if not (ch.isascii() and (ch.isalnum() or ch in "-_")):
             return (
@@ -1225,6 +1327,437 @@ def registry_offline_error(image):
         f"{registry_manifest_url(image)}): client error (Connect): dns error: "
         "failed to lookup address information: Name or service not known"
     )
+
+
+# --------------------------------------------------------------------------
+# create-time checks (each returns the refusal or None)
+# --------------------------------------------------------------------------
+
+RESOURCE_PREFIX = "config operation failed: validate resources: "
+
+# Observed on a paused record: start, exec (autoStart true), exec/stream,
+# files and images/pull all answer this 409 (none resumes the machine);
+# stop answers it with " or delete".
+SAVED_EXECUTION = "machine has saved execution; use resume"
+
+# From the binary's strings, not observed: the 409 of a start of a frozen
+# branch base; the fake answers it to exec and files as well.
+FROZEN_BASE = (
+    "machine '{name}' is frozen as a reusable fork base; fork it again, or "
+    "delete its descendants and stop it before restarting"
+)
+
+
+def held_refusal(m):
+    """The 409 for booting a machine that holds saved execution (paused)
+    or is a frozen branch base, or None."""
+    if m["state"] == "paused":
+        return api_error(409, "CONFLICT", SAVED_EXECUTION)
+    if m["state"] == "frozen":
+        return api_error(409, "CONFLICT", FROZEN_BASE.format(name=m["name"]))
+    return None
+
+
+RESTART_POLICIES = ("never", "always", "on-failure", "unless-stopped")
+
+
+def published_ports(ports):
+    """Ports as the record shows them: `protocol` only for udp, and the
+    tcp ones first (observed)."""
+    out = []
+    for p in ports:
+        entry = {"host": p["host"], "guest": p["guest"]}
+        if p.get("protocol") == "udp":
+            entry["protocol"] = "udp"
+        out.append(entry)
+    out.sort(key=lambda e: 1 if e.get("protocol") == "udp" else 0)
+    return out
+
+
+def port_refusal(ports, on_create=True):
+    """A port 0 or a host port mapped twice for one protocol (observed:
+    PUT ports accepts port 0 and words the duplicate with a prefix)."""
+    prefix = ""
+    if not on_create:
+        prefix = "config operation failed: published ports: "
+    seen = set()
+    for p in ports:
+        if on_create and (p["host"] == 0 or p["guest"] == 0):
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                "port 0 is not valid for VM port forwarding",
+            )
+        key = (p["host"], p.get("protocol") or "tcp")
+        if key in seen:
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                f"{prefix}duplicate host port {p['host']}: each host port "
+                "can only be mapped once",
+            )
+        seen.add(key)
+    return None
+
+
+def mount_refusal(mounts):
+    for mt in mounts:
+        src = mt["source"]
+        if not src.startswith("/"):
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                "mount operation failed: validate source: path must be "
+                f"absolute: {src}",
+            )
+        if not os.path.exists(src):
+            return api_error(
+                400, "BAD_REQUEST", f"mount source not found: {src}"
+            )
+    return None
+
+
+def resource_refusal(req):
+    cpus = req.get("cpus")
+    mem = req.get("memoryMb")
+    err = None
+    if cpus == 0:
+        err = "CPU count must be at least 1"
+    elif mem is not None and mem < 64:
+        err = f"memory must be at least 64 MiB (got {mem} MiB)"
+    elif req.get("storageGb") == 0:
+        err = "storage disk size must be greater than 0 GiB"
+    elif req.get("overlayGb") == 0:
+        err = "overlay disk size must be greater than 0 GiB"
+    if err is None:
+        return None
+    return api_error(400, "BAD_REQUEST", RESOURCE_PREFIX + err)
+
+
+def secret_refusal(secrets):
+    """Any secret ref: an API caller is untrusted (observed)."""
+    for sname, ref in secrets.items():
+        kind = "env"
+        if isinstance(ref, dict) and ref:
+            k0 = next(iter(ref))
+            kind = k0[5:] if k0.startswith("from_") else k0
+        return api_error(
+            400,
+            "BAD_REQUEST",
+            f"secret '{sname}': source kind '{kind}' is not allowed in "
+            "scope Untrusted; secret refs may only be resolved on the "
+            "trusted local host",
+        )
+    return None
+
+
+def env_refusal(env):
+    for ev in env:
+        n = ev["name"]
+        if not n or not all(
+            c.isascii() and (c.isalnum() or c == "_") for c in n
+        ):
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                f"env entry with {len(n.encode())}-byte name rejected: env "
+                "key must contain only ASCII alphanumeric and underscore",
+            )
+    return None
+
+
+def restart_refusal(restart):
+    policy = restart.get("policy")
+    if policy is not None and policy not in RESTART_POLICIES:
+        return api_error(
+            400, "BAD_REQUEST", f"invalid restart policy: {policy}"
+        )
+    return None
+
+
+# --------------------------------------------------------------------------
+# cache disks
+#
+# Observed on 1.32.2 with --cache-disk-dir: every refusal text of create,
+# publish and DELETE /api/v1/cache-bases; a publish answering
+# {base, sizeBytes, sha256} and writing `.BASE.sha256` beside the base; a
+# never-run machine on a raw base failing its publish with a 500; the
+# record's `cacheDisk` with a trailing slash dropped from mountPath. The
+# fake's own bases are not qcow2: they start with qcow2's magic and then
+# hold a tar of the cache directory, so a machine created from a published
+# base sees the files the publisher wrote there (what a cache disk is for).
+# A real serve cannot read them, nor the fake a real one (it sees an empty
+# cache). uploadUrls are checked, never used.
+# --------------------------------------------------------------------------
+
+CACHE_DISABLED = (
+    "cache disks are disabled on this server; start `smolvm serve` with "
+    "--cache-disk-dir to enable them"
+)
+
+CACHE_RESERVED_PATHS = (
+    "/proc",
+    "/sys",
+    "/dev",
+    "/run",
+    "/workspace",
+    "/storage",
+)
+
+QCOW2_MAGIC = b"QFI\xfb"
+
+# [assumption] which object stores an uploadUrl may name: the two Google
+# hosts are in the binary's strings; the rest is a guess.
+OBJECT_STORE_SUFFIXES = (
+    "storage.googleapis.com",
+    "storage.cloud.google.com",
+    ".amazonaws.com",
+    ".r2.cloudflarestorage.com",
+)
+
+
+def normal_guest_path(path):
+    """A guest path as the serve keeps it: empty and `.` components
+    dropped, `..` kept (observed: `/cache/` reads `/cache`)."""
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    return "/" + "/".join(parts)
+
+
+def cache_base_refusal(base):
+    """The text refusing a cache base name, or None: a file name, never a
+    path, never starting with a dot (observed)."""
+    if base and "/" not in base and not base.startswith("."):
+        return None
+    return (
+        f"{_rust_debug_str(base)}: cache base must be a file name (not a "
+        "path, not starting with '.')"
+    )
+
+
+def upload_url_refusal(urls):
+    if urls is None:
+        return None
+    if not 1 <= len(urls) <= 32:
+        return "uploadUrls must name 1 to 32 parts"
+    for url in urls:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme != "https":
+            return "checkpoint source url must be https"
+        host = parsed.hostname or ""
+        if not host.endswith(OBJECT_STORE_SUFFIXES):
+            return (
+                f"checkpoint source host {host} is not an allowed object store"
+            )
+    return None
+
+
+def is_qcow2(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == QCOW2_MAGIC
+    except OSError:
+        return False
+
+
+def host_memory_mb():
+    """(MemTotal, MemAvailable) of this host in MB; (0, 0) without
+    /proc/meminfo."""
+    found = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                found[key] = int(value.split()[0]) // 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return found.get("MemTotal", 0), found.get("MemAvailable", 0)
+
+
+def write_cache_base(path, source_dir):
+    """Write the fake's base (see above) holding `source_dir`; returns
+    (size in bytes, sha256 hex)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        if os.path.isdir(source_dir):
+            for entry in sorted(os.listdir(source_dir)):
+                tar.add(os.path.join(source_dir, entry), arcname=entry)
+    data = QCOW2_MAGIC + buf.getvalue()
+    tmp = f"{path}.partial"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    digest = hashlib.sha256(data).hexdigest()
+    st = os.stat(path)
+    folder, name = os.path.split(path)
+    # The sidecar as the real serve writes it: size, mtime, inode, digest.
+    with open(os.path.join(folder, f".{name}.sha256"), "w") as f:
+        f.write(f"{st.st_size} {st.st_mtime_ns / 1e9:.9f} {st.st_ino}\n")
+        f.write(digest)
+    return len(data), digest
+
+
+def read_cache_base(path, target_dir):
+    """Unpack a fake base into `target_dir`; a base the fake did not write
+    (a real qcow2 or raw image) leaves it empty."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return
+    if not data.startswith(QCOW2_MAGIC):
+        return
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data[4:])) as tar:
+            tar.extractall(target_dir, filter="tar")
+    except (tarfile.TarError, OSError):
+        pass
+
+
+# --------------------------------------------------------------------------
+# fork pools and leases (the handlers say what is observed)
+# --------------------------------------------------------------------------
+
+POOL_MAX_READY = 256
+DEFAULT_LEASE_TTL = 600
+LEASE_TTL_MIN = 30
+LEASE_TTL_MAX = 86400
+LEASE_TTL_RANGE = (
+    f"lease TTL must be between {LEASE_TTL_MIN} and {LEASE_TTL_MAX} seconds"
+)
+LEASE_MAX_FILES = 32
+LEASE_MAX_BYTES = 1 << 20
+ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def pool_not_found(name):
+    return api_error(404, "NOT_FOUND", f"fork pool '{name}' not found")
+
+
+def lease_not_found(lease_id):
+    return api_error(404, "NOT_FOUND", f"fork lease '{lease_id}' not found")
+
+
+def lease_info(lease):
+    """ForkLeaseInfo: the spec's fields, private keys left out."""
+    return {k: v for k, v in lease.items() if not k.startswith("_")}
+
+
+def lease_digest(req):
+    """What makes two lease requests under one key the same request: the
+    payload and the lease options, not how long the caller would wait."""
+    kept = {
+        k: v
+        for k, v in req.items()
+        if k not in ("waitSecs", "workerReadyTimeoutSecs")
+    }
+    return hashlib.sha256(_dumps(kept).encode()).hexdigest()
+
+
+def pool_create_refusal(req):
+    """The text of a pool create's 400, or None: the checks in the
+    observed order."""
+    err = validate_machine_name(req["name"])
+    if err:
+        return err.replace("machine name", "pool name")
+    err = validate_machine_name(req["source"])
+    if err:
+        return err.replace("machine name", "golden machine name")
+    if not 1 <= req["desiredReady"] <= POOL_MAX_READY:
+        return f"desiredReady must be between 1 and {POOL_MAX_READY}"
+    if req.get("maxActive") == 0:
+        return "maxActive must be greater than zero when set"
+    if req.get("autoAdmission") and not req.get("shareWeights"):
+        return (
+            "autoAdmission requires shareWeights so residency controls CUDA "
+            "workers"
+        )
+    ready_timeout = req.get("readyTimeoutSecs")
+    if ready_timeout is not None and not 1 <= ready_timeout <= 3600:
+        return "readyTimeoutSecs must be between 1 and 3600"
+    ttl = req.get("leaseTtlSecs")
+    if ttl is not None and not LEASE_TTL_MIN <= ttl <= LEASE_TTL_MAX:
+        return LEASE_TTL_RANGE
+    return None
+
+
+def lease_request_refusal(req):
+    """The text of a lease request's 400 (checked before the pool is
+    looked up), or None: the checks in the observed order."""
+    key = req["idempotencyKey"]
+    control = any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in key)
+    if not 1 <= len(key.encode()) <= 256 or control:
+        return "idempotencyKey must contain 1-256 non-control bytes"
+    timeout = req.get("workerReadyTimeoutSecs")
+    if timeout is not None and not req.get("awaitWorkerReady"):
+        return "workerReadyTimeoutSecs requires awaitWorkerReady=true"
+    if timeout is not None and not 1 <= timeout <= 240:
+        return "workerReadyTimeoutSecs must be between 1 and 240"
+    if (req.get("waitSecs") or 0) > 600:
+        return "waitSecs must be at most 600"
+    return lease_env_refusal(req.get("env", [])) or lease_files_refusal(
+        req.get("files", [])
+    )
+
+
+def lease_env_refusal(env):
+    for i, entry in enumerate(env):
+        if not entry.partition("=")[0] or "=" not in entry:
+            return f"env entry {i} must be KEY=VALUE with a non-empty KEY"
+    for entry in env:
+        key = entry.partition("=")[0]
+        if not ENV_KEY_RE.fullmatch(key):
+            return (
+                f"config operation failed: fork env: invalid key '{key}': "
+                "must match [A-Za-z_][A-Za-z0-9_]*"
+            )
+    return None
+
+
+def safe_relative_path(path):
+    parts = path.split("/")
+    return (
+        bool(path)
+        and "\\" not in path
+        and "\0" not in path
+        and all(part not in ("", ".", "..") for part in parts)
+    )
+
+
+def lease_files_refusal(files):
+    if len(files) > LEASE_MAX_FILES:
+        return f"lease payload may contain at most {LEASE_MAX_FILES} files"
+    seen = set()
+    total = 0
+    for f in files:
+        path = f["path"]
+        if not safe_relative_path(path):
+            return (
+                f"lease payload path '{path}' must be a safe relative path "
+                "under /workspace"
+            )
+        if path in seen:
+            return f"lease payload path '{path}' is duplicated"
+        seen.add(path)
+        if (f.get("mode") or 0) & ~0o777:
+            return (
+                f"lease payload mode for '{path}' must contain only Unix "
+                "permission bits"
+            )
+        try:
+            total += len(base64.b64decode(f["dataBase64"], validate=True))
+        except ValueError:
+            return (
+                f"lease payload dataBase64 for '{path}' is not valid "
+                "standard base64"
+            )
+        # Observed: checked as the files are read, before a later file's
+        # duplicate path.
+        if total > LEASE_MAX_BYTES:
+            return (
+                "lease payload decoded contents must total at most "
+                f"{LEASE_MAX_BYTES} bytes"
+            )
+    return None
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -1333,7 +1866,8 @@ class _Handler(socketserver.StreamRequestHandler):
         lines.append(f"vary: {VARY}")
         if resp.stream is not None:
             lines.append("transfer-encoding: chunked")
-        else:
+        elif resp.status != 204:
+            # Observed: a 204 carries no content-length at all.
             lines.append(f"content-length: {len(resp.body)}")
         if not keep:
             lines.append("connection: close")
@@ -1405,7 +1939,8 @@ def populate_guest_root(root: str):
     os.chmod(os.path.join(root, "tmp"), 0o1777)
     with open(os.path.join(root, "etc/passwd"), "w") as f:
         f.write(
-            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"
+            "root:x:0:0:root:/root:/bin/sh\n"
+            "nobody:x:65534:65534:nobody:/:/bin/false\n"
         )
     with open(os.path.join(root, "etc/group"), "w") as f:
         f.write("root:x:0:\nnogroup:x:65534:\n")
@@ -1502,7 +2037,8 @@ def guest_command(root, argv, workdir, user, netns=None):
     one of its own. Raises GuestUnavailable when the root has no busybox."""
     if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
         raise GuestUnavailable(
-            "fake smolvm: no static busybox on this host (install busybox-static)"
+            "fake smolvm: no static busybox on this host (install "
+            "busybox-static)"
         )
     chroot = shutil.which("chroot") or "/usr/sbin/chroot"
     pre = [chroot] + ([f"--userspec={user}"] if user else [])
@@ -1606,7 +2142,8 @@ HOST_PATTERN_RE = re.compile(rf"(\*\.)?{LABEL}(\.{LABEL})*")
 
 
 def egress_restricted(m):
-    """Open egress is `network: true` with no allow list; anything else is a policy."""
+    """Open egress is `network: true` with no allow list; anything else is
+    a policy."""
     return not (
         m["network"] and "allowedHosts" not in m and "allowedCidrs" not in m
     )
@@ -1640,7 +2177,8 @@ class GuestNet:
                 busybox,
                 "sh",
                 "-c",
-                f"{busybox} ip link set lo up && echo up && exec {busybox} sleep 2147483647",
+                f"{busybox} ip link set lo up && echo up && exec {busybox} "
+                "sleep 2147483647",
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -1663,8 +2201,9 @@ class GuestNet:
         ).start()
 
     def _listen(self, destinations):
-        """Listening sockets inside the namespace: made by a thread that moves
-        itself into it (setns changes only the calling thread) and then ends."""
+        """Listening sockets inside the namespace: made by a thread that
+        moves itself into it (setns changes only the calling thread) and
+        then ends."""
         made, failure = [], []
 
         def inside():
@@ -1728,7 +2267,8 @@ class GuestNet:
 
     @staticmethod
     def _forward(conn, ip, port):
-        """Splice an allowed connection to the same destination on the host's loopback."""
+        """Splice an allowed connection to the same destination on the
+        host's loopback."""
         conn.setblocking(True)
         try:
             upstream = socket.create_connection((ip, port), timeout=10)
@@ -1776,8 +2316,9 @@ class GuestNet:
 def stream_in_guest(
     root, argv, env, workdir, stdin, timeout, user, netns=None
 ):
-    """Run argv in the guest like run_in_guest, yielding ("stdout"|"stderr",
-    text) as the command writes, then ("exit", code). Raises GuestUnavailable."""
+    """Run argv in the guest like run_in_guest, yielding
+    ("stdout"|"stderr", text) as the command writes, then ("exit", code).
+    Raises GuestUnavailable."""
     import codecs
     import queue
 
@@ -1834,20 +2375,43 @@ def stream_in_guest(
     yield "exit", 124 if timed_out else (128 - code if code < 0 else code)
 
 
-def kill_guest_processes(root):
-    """End every process whose root directory is the guest root `root` (what
-    stopping the VM does to them). Linux /proc only; elsewhere nothing."""
+def guest_pids(root):
+    """The processes whose root directory is the guest root `root`. Linux
+    /proc only; elsewhere none."""
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
-        return
+        return []
     real = os.path.realpath(root)
-    killed = []
+    found = []
     for pid in pids:
         try:
             if os.path.realpath(os.readlink(f"/proc/{pid}/root")) == real:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def signal_guest_processes(root, signum):
+    """Send `signum` to every process of the guest at `root`: SIGSTOP is
+    what a pause does to them (execution saved, nothing runs), SIGCONT
+    what a resume does (execution goes on from where it was saved)."""
+    for pid in guest_pids(root):
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+
+def kill_guest_processes(root):
+    """End every process whose root directory is the guest root `root` (what
+    stopping the VM does to them). Linux /proc only; elsewhere nothing."""
+    killed = []
+    for pid in guest_pids(root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
         except OSError:
             pass
     deadline = (
@@ -1859,7 +2423,8 @@ def kill_guest_processes(root):
 
 
 def sse_event(event, text):
-    """One SSE event; multi-line text as several data lines (the standard's framing)."""
+    """One SSE event; multi-line text as several data lines (the standard's
+    framing)."""
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     return (
         f"event: {event}\n"
@@ -1869,7 +2434,8 @@ def sse_event(event, text):
 
 
 def copy_guest_root(src, dst):
-    """Copy a guest root (for a branch): symlinks kept, device nodes recreated."""
+    """Copy a guest root (for a branch): symlinks kept, device nodes
+    recreated."""
     shutil.copytree(src, dst, symlinks=True, copy_function=_copy_node)
 
 
@@ -1897,6 +2463,7 @@ INFO_ORDER = [
     "overlayGb",
     "blockIo",
     "diskDurability",
+    "cacheDisk",
     "parentMachine",
     "branchable",
     "forkable",
@@ -1907,8 +2474,10 @@ INFO_ORDER = [
 ]
 
 BOOT_LINES = [
-    "[    0.000000] Linux version 6.12.34 (smolvm@builder) #1 SMP PREEMPT_DYNAMIC",
-    "[    0.112233] virtio_blk virtio1: [vda] 41943040 512-byte logical blocks",
+    "[    0.000000] Linux version 6.12.34 (smolvm@builder) #1 SMP "
+    "PREEMPT_DYNAMIC",
+    "[    0.112233] virtio_blk virtio1: [vda] 41943040 512-byte logical "
+    "blocks",
     "[    0.301245] EXT4-fs (vda): mounted filesystem with ordered data mode",
     "smolvm-agent: starting",
     "smolvm-agent: ready",
@@ -1932,6 +2501,19 @@ ROUTE_METHODS = {
     "readyz": "GET,HEAD",
     "egress": "POST",
     "egress_events": "GET,HEAD",
+    "pause": "POST",
+    "resume": "POST",
+    "ports": "PUT",
+    "publish": "POST",
+    "cache_base": "DELETE",
+    "capacity": "GET,HEAD",
+    "pools": "POST,GET,HEAD",
+    "pool": "GET,HEAD,DELETE",
+    "pool_size": "PUT",
+    "leases": "POST",
+    "lease": "GET,HEAD",
+    "lease_heartbeat": "POST",
+    "lease_complete": "POST",
 }
 
 
@@ -1947,6 +2529,11 @@ class FakeSmolvm:
     state_file: persist machine records there as JSON, and load them on start.
     guest_hosts, guest_ports: the loopback destinations a restricted guest
     can try (name -> 127.x address, and the ports); see GuestNet.
+    cache_disk_dir: the serve's --cache-disk-dir (None: cache disks are
+    refused, as by a serve started without the flag); see the cache disk
+    handlers.
+    pool_fill_secs: how long a fork pool takes to make one clean worker
+    (0: a worker is ready at the first look after it is asked for).
     """
 
     def __init__(
@@ -1961,6 +2548,8 @@ class FakeSmolvm:
         state_file=None,
         guest_hosts=None,
         guest_ports=(),
+        cache_disk_dir=None,
+        pool_fill_secs=0.0,
     ):
         if boot not in ("ok", "fail"):
             raise ValueError("boot must be 'ok' or 'fail'")
@@ -1977,6 +2566,11 @@ class FakeSmolvm:
             k.lower(): v for k, v in (guest_hosts or {}).items()
         }
         self.guest_ports = tuple(guest_ports)
+        self.cache_disk_dir = cache_disk_dir
+        self.pool_fill_secs = float(pool_fill_secs)
+        self._pools = {}
+        self._leases = {}
+        self._boot_id = None
         self._nets = {}
         self.requests = []
         self._machines = {}
@@ -2008,6 +2602,8 @@ class FakeSmolvm:
                 os.umask(old)
         self._server.fake = self
         self._started_at = time.monotonic()
+        # Observed form: the serve's pid and the start time in nanoseconds.
+        self._boot_id = f"{os.getpid()}-{time.time_ns()}"
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             name="fake-smolvm",
@@ -2056,6 +2652,7 @@ class FakeSmolvm:
         """name -> the machine's record (a dict: the MachineInfo keys, plus
         private keys starting with '_'). States are brought up to date."""
         with self._lock:
+            self._tick_pools()
             for m in self._machines.values():
                 self._settle(m)
             return self._machines
@@ -2193,8 +2790,8 @@ class FakeSmolvm:
                 raise _HTTPError(
                     Response(
                         422,
-                        "Failed to deserialize the JSON body into the target type: "
-                        + e.with_path(),
+                        "Failed to deserialize the JSON body into the target "
+                        "type: " + e.with_path(),
                         TEXT_CT,
                     )
                 )
@@ -2229,6 +2826,7 @@ class FakeSmolvm:
                 parsed = None
         with self._lock:
             self.requests.append((method, target, parsed))
+            self._tick_pools()
         route, params = self._route(path)
         if route is None:
             return empty_404()
@@ -2243,14 +2841,23 @@ class FakeSmolvm:
 
     @staticmethod
     def _route(path):
-        if path == "/health":
-            return "health", ()
-        if path == "/readyz":
-            return "readyz", ()
-        if path == "/api-docs/openapi.json":
-            return "openapi", ()
-        if path == "/api/v1/machines":
-            return "machines", ()
+        top = {
+            "/health": "health",
+            "/readyz": "readyz",
+            "/capacity": "capacity",
+            "/api-docs/openapi.json": "openapi",
+            "/api/v1/machines": "machines",
+            "/api/v1/pools": "pools",
+        }
+        if path in top:
+            return top[path], ()
+        if path.startswith("/api/v1/pools/"):
+            return FakeSmolvm._pool_route(path[len("/api/v1/pools/") :])
+        if path.startswith("/api/v1/cache-bases/"):
+            base = path[len("/api/v1/cache-bases/") :]
+            if not base or "/" in base:
+                return None, ()
+            return "cache_base", (urllib.parse.unquote(base),)
         prefix = "/api/v1/machines/"
         if not path.startswith(prefix):
             return None, ()
@@ -2278,9 +2885,33 @@ class FakeSmolvm:
             "fork": "fork",
             "egress": "egress",
             "egress-events": "egress_events",
+            "pause": "pause",
+            "resume": "resume",
+            "ports": "ports",
+            "cache-disk/publish": "publish",
         }
         if tail in simple:
             return simple[tail], (name,)
+        return None, ()
+
+    @staticmethod
+    def _pool_route(rest):
+        """The route and parameters of a path under /api/v1/pools/."""
+        parts = [urllib.parse.unquote(part) for part in rest.split("/")]
+        if not all(parts):
+            return None, ()
+        if len(parts) == 1:
+            return "pool", (parts[0],)
+        if len(parts) == 2 and parts[1] == "size":
+            return "pool_size", (parts[0],)
+        if len(parts) < 2 or parts[1] != "leases":
+            return None, ()
+        if len(parts) == 2:
+            return "leases", (parts[0],)
+        if len(parts) == 3:
+            return "lease", (parts[0], parts[2])
+        if len(parts) == 4 and parts[3] in ("heartbeat", "complete"):
+            return f"lease_{parts[3]}", (parts[0], parts[2])
         return None, ()
 
     # ---- handlers
@@ -2327,36 +2958,124 @@ class FakeSmolvm:
         name = req.get("name")
         if name is None:
             name = "vm-%08x" % random.getrandbits(32)
-        err = validate_machine_name(name)
-        if err:
-            return api_error(400, "BAD_REQUEST", err)
+        refusal = self._create_refusal(req, name)
+        if refusal is not None:
+            return refusal
+        mounts = [
+            {
+                "tag": f"smolvm{i}",
+                "source": os.path.normpath(mt["source"]),
+                "target": mt["target"],
+                "readonly": mt.get("readonly", False),
+                "staged": mt.get("staged", False),
+            }
+            for i, mt in enumerate(req.get("mounts", []))
+        ]
+        with self._lock:
+            if name in self._machines:
+                return api_error(
+                    409, "CONFLICT", f"machine '{name}' already exists"
+                )
+            m = self._new_record(req, name, mounts)
+            self._machines[name] = m
+            root = self._root(name)
+            if "cacheDisk" in m:
+                self._attach_cache(root, m["cacheDisk"])
+            self._save_state()
+            return json_response(200, self._info(m))
+
+    def _new_record(self, req, name, mounts):
+        """A created machine's record: the MachineInfo keys in the order
+        the real serve writes them, and the fake's private keys."""
         cpus = req.get("cpus")
         mem = req.get("memoryMb")
         storage = req.get("storageGb")
         overlay = req.get("overlayGb")
-        pre = "config operation failed: validate resources: "
-        if cpus == 0:
-            return api_error(
-                400, "BAD_REQUEST", pre + "CPU count must be at least 1"
-            )
-        if mem is not None and mem < 64:
-            return api_error(
-                400,
-                "BAD_REQUEST",
-                pre + f"memory must be at least 64 MiB (got {mem} MiB)",
-            )
-        if storage == 0:
-            return api_error(
-                400,
-                "BAD_REQUEST",
-                pre + "storage disk size must be greater than 0 GiB",
-            )
-        if overlay == 0:
-            return api_error(
-                400,
-                "BAD_REQUEST",
-                pre + "overlay disk size must be greater than 0 GiB",
-            )
+        m = {"name": name}
+        if req.get("image") is not None:
+            m["image"] = req["image"]
+        m.update(
+            {
+                "state": "created",
+                "cpus": 4 if cpus is None else cpus,
+                "memoryMb": 8192 if mem is None else mem,
+                "mounts": mounts,
+                "ports": published_ports(req.get("ports", [])),
+                "network": req.get("network", False),
+                "gpu": req.get("gpu", False),
+                "cuda": req.get("cuda", False),
+            }
+        )
+        for key in ("networkBackend", "allowedCidrs", "allowedHosts"):
+            if req.get(key) is not None:
+                m[key] = req[key]
+        m.update(
+            {
+                "storageGb": 20 if storage is None else storage,
+                "overlayGb": 10 if overlay is None else overlay,
+                "blockIo": req.get("blockIo") or "sync",
+                "diskDurability": req.get("diskDurability") or "full",
+            }
+        )
+        if req.get("cacheDisk") is not None:
+            spec = req["cacheDisk"]
+            m["cacheDisk"] = {
+                "base": spec["base"],
+                "mountPath": normal_guest_path(spec["mountPath"]),
+                "slot": spec.get("slot", False),
+            }
+        m.update(
+            {
+                "branchable": False,
+                "forkable": False,
+                "branchpointHeld": False,
+                "forkpointHeld": False,
+                "diskUsedMb": 0,
+                "createdAt": int(time.time()),
+                "_created": time.time(),
+                "_start_attempted": False,
+                "_everStarted": False,
+                "_has_logs": False,
+                "_imageFetched": False,
+                "_chainDepth": 1,
+                "_env": [[e["name"], e["value"]] for e in req.get("env", [])],
+                "_workdir": req.get("workdir"),
+                "_console": [],
+                "_workload": [],
+                "_images": [],
+            }
+        )
+        return m
+
+    def _create_refusal(self, req, name):
+        """The create's 4xx (or the registry's 500), or None. Observed on
+        1.32.2, pair by pair: the checks run in this order (the name is
+        checked only after the image and port shape)."""
+        sources = [
+            k
+            for k in ("registryRef", "from", "image")
+            if req.get(k) is not None
+        ]
+        for check in (
+            lambda: self._nested_refusal(req),
+            lambda: self._source_refusal(req, sources),
+            lambda: self._name_refusal(name),
+            lambda: mount_refusal(req.get("mounts", [])),
+            lambda: port_refusal(req.get("ports", [])),
+            lambda: self._origin_refusal(req),
+            lambda: self._cache_refusal(req.get("cacheDisk")),
+            lambda: resource_refusal(req),
+            lambda: secret_refusal(req.get("secrets", {})),
+            lambda: env_refusal(req.get("env", [])),
+            lambda: restart_refusal(req.get("restart") or {}),
+        ):
+            refusal = check()
+            if refusal is not None:
+                return refusal
+        return None
+
+    @staticmethod
+    def _nested_refusal(req):
         if req.get("nestedVirt"):
             return api_error(
                 403,
@@ -2364,58 +3083,56 @@ class FakeSmolvm:
                 "nested virtualization is disabled on this server; start "
                 "`smolvm serve` with --allow-nested-virt to enable it",
             )
-        sources = [
-            k
-            for k in ("registryRef", "from", "image")
-            if req.get(k) is not None
-        ]
+        return None
+
+    @staticmethod
+    def _source_refusal(req, sources):
+        """Several sources, a local image, published ports on TSI, and a
+        workload command with no image: the create's first checks."""
         if len(sources) > 1:
             return api_error(
                 400,
                 "BAD_REQUEST",
                 "'registryRef', 'from', and 'image' are mutually exclusive",
             )
-        for ev in req.get("env", []):
-            n = ev["name"]
-            if not n or not all(
-                c.isascii() and (c.isalnum() or c == "_") for c in n
-            ):
-                return api_error(
-                    400,
-                    "BAD_REQUEST",
-                    f"env entry with {len(n.encode())}-byte name rejected: env key must "
-                    "contain only ASCII alphanumeric and underscore",
-                )
-        for sname, ref in req.get("secrets", {}).items():
-            kind = "env"
-            if isinstance(ref, dict) and ref:
-                k0 = next(iter(ref))
-                kind = k0[5:] if k0.startswith("from_") else k0
+        image = req.get("image")
+        if image is not None and image.startswith(("/", "./", "../")):
             return api_error(
                 400,
                 "BAD_REQUEST",
-                f"secret '{sname}': source kind '{kind}' is not allowed in scope Untrusted; "
-                "secret refs may only be resolved on the trusted local host",
+                "local images are disabled on this server; start "
+                "`smolvm serve` with --local-image-dir to accept archives "
+                "and rootfs directories under it",
+            )
+        if req.get("ports") and req.get("networkBackend") == "tsi":
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                "published ports require networkBackend 'virtio-net' (TSI "
+                "is outbound-only); omit networkBackend or set it to "
+                "'virtio-net'",
             )
         if (req.get("cmd") or req.get("entrypoint")) and not sources:
             return api_error(
                 400,
                 "BAD_REQUEST",
-                "cmd/entrypoint require an image, from, or registryRef; an imageless machine "
-                "has no workload to launch them in (use exec instead)",
+                "cmd/entrypoint require an image, from, or registryRef; an "
+                "imageless machine has no workload to launch them in (use "
+                "exec instead)",
             )
-        image = req.get("image")
-        if image is not None and (
-            image.startswith("/")
-            or image.startswith("./")
-            or image.startswith("../")
-        ):
-            return api_error(
-                400,
-                "BAD_REQUEST",
-                "local images are disabled on this server; start `smolvm serve` with "
-                "--local-image-dir to accept archives and rootfs directories under it",
-            )
+        return None
+
+    @staticmethod
+    def _name_refusal(name):
+        err = validate_machine_name(name)
+        if err:
+            return api_error(400, "BAD_REQUEST", err)
+        return None
+
+    @staticmethod
+    def _origin_refusal(req):
+        """A packed `from` that is not there, and the host-side registry
+        fetch of a `registryRef` (this host has no DNS)."""
         if req.get("from") is not None:
             return api_error(
                 400, "BAD_REQUEST", f"sidecar file not found: {req['from']}"
@@ -2429,119 +3146,42 @@ class FakeSmolvm:
                     "registry.smolmachines.com/" + req["registryRef"]
                 ),
             )
-        if req.get("cacheDisk") is not None:
-            return api_error(
-                400,
-                "BAD_REQUEST",
-                "cache disks are disabled on this server; start "
-                "`smolvm serve` with --cache-disk-dir to enable them",
+        return None
+
+    def _cache_refusal(self, spec):
+        """A cacheDisk the serve refuses (observed texts, in this order),
+        or None."""
+        if spec is None:
+            return None
+        if self.cache_disk_dir is None:
+            return api_error(400, "BAD_REQUEST", CACHE_DISABLED)
+        base = spec["base"]
+        mount = spec["mountPath"]
+        err = cache_base_refusal(base)
+        if err is None and not mount.startswith("/"):
+            err = (
+                f"{_rust_debug_str(mount)}: cache mount path must be an "
+                "absolute guest path"
             )
-        restart = req.get("restart") or {}
-        if restart.get("policy") is not None and restart["policy"] not in (
-            "never",
-            "always",
-            "on-failure",
-            "unless-stopped",
-        ):
-            return api_error(
-                400,
-                "BAD_REQUEST",
-                f"invalid restart policy: {restart['policy']}",
-            )
-        ports = req.get("ports", [])
-        if ports and req.get("networkBackend") == "tsi":
-            return api_error(
-                400,
-                "BAD_REQUEST",
-                "published ports require networkBackend 'virtio-net' (TSI is outbound-only); "
-                "omit networkBackend or set it to 'virtio-net'",
-            )
-        mounts = []
-        for i, mt in enumerate(req.get("mounts", [])):
-            src = mt["source"]
-            if not src.startswith("/"):
-                return api_error(
-                    400,
-                    "BAD_REQUEST",
-                    f"mount operation failed: validate source: path must be absolute: {src}",
+        normal = normal_guest_path(mount)
+        if err is None and normal == "/":
+            err = "cache disk cannot be mounted over the guest's root"
+        for reserved in CACHE_RESERVED_PATHS:
+            inside = normal == reserved or normal.startswith(reserved + "/")
+            if err is None and inside:
+                err = (
+                    f"{mount}: cache disk cannot be mounted at or under "
+                    f"{reserved}"
                 )
-            if not os.path.exists(src):
-                return api_error(
-                    400, "BAD_REQUEST", f"mount source not found: {src}"
-                )
-            mounts.append(
-                {
-                    "tag": f"smolvm{i}",
-                    "source": os.path.normpath(src),
-                    "target": mt["target"],
-                    "readonly": mt.get("readonly", False),
-                    "staged": mt.get("staged", False),
-                }
+        path = os.path.join(self.cache_disk_dir, base)
+        if err is None and not os.path.exists(path):
+            err = (
+                f"{path}: cannot stat cache base (No such file or "
+                "directory (os error 2))"
             )
-        out_ports = []
-        for p in ports:
-            e = {"host": p["host"], "guest": p["guest"]}
-            if p.get("protocol") == "udp":
-                e["protocol"] = "udp"
-            out_ports.append(e)
-        out_ports.sort(key=lambda e: 1 if e.get("protocol") == "udp" else 0)
-        with self._lock:
-            if name in self._machines:
-                return api_error(
-                    409, "CONFLICT", f"machine '{name}' already exists"
-                )
-            m = {"name": name}
-            if image is not None:
-                m["image"] = image
-            m.update(
-                {
-                    "state": "created",
-                    "cpus": 4 if cpus is None else cpus,
-                    "memoryMb": 8192 if mem is None else mem,
-                    "mounts": mounts,
-                    "ports": out_ports,
-                    "network": req.get("network", False),
-                    "gpu": req.get("gpu", False),
-                    "cuda": req.get("cuda", False),
-                }
-            )
-            if req.get("networkBackend") is not None:
-                m["networkBackend"] = req["networkBackend"]
-            if req.get("allowedCidrs") is not None:
-                m["allowedCidrs"] = req["allowedCidrs"]
-            if req.get("allowedHosts") is not None:
-                m["allowedHosts"] = req["allowedHosts"]
-            m.update(
-                {
-                    "storageGb": 20 if storage is None else storage,
-                    "overlayGb": 10 if overlay is None else overlay,
-                    "blockIo": req.get("blockIo") or "sync",
-                    "diskDurability": req.get("diskDurability") or "full",
-                    "branchable": False,
-                    "forkable": False,
-                    "branchpointHeld": False,
-                    "forkpointHeld": False,
-                    "diskUsedMb": 0,
-                    "createdAt": int(time.time()),
-                    "_created": time.time(),
-                    "_start_attempted": False,
-                    "_everStarted": False,
-                    "_has_logs": False,
-                    "_imageFetched": False,
-                    "_chainDepth": 1,
-                    "_env": [
-                        [e["name"], e["value"]] for e in req.get("env", [])
-                    ],
-                    "_workdir": req.get("workdir"),
-                    "_console": [],
-                    "_workload": [],
-                    "_images": [],
-                }
-            )
-            self._machines[name] = m
-            self._root(name)
-            self._save_state()
-            return json_response(200, self._info(m))
+        if err is None:
+            return None
+        return api_error(400, "BAD_REQUEST", err)
 
     def _h_machine(self, method, qs, headers, body, name):
         if method in ("GET", "HEAD"):
@@ -2566,12 +3206,15 @@ class FakeSmolvm:
                 if self._get(c["name"])["state"] == "running"
             ]
             if live and not q.get("cascade"):
-                # Not observed on the real serve (no branch could be made there).
+                # Not observed on the real serve (no branch could be made
+                # there).
                 return api_error(
                     409,
                     "CONFLICT",
-                    f"machine '{name}' has {len(live)} branched child machine(s) "
-                    f"({', '.join(c['name'] for c in live)}); delete them first or pass "
+                    f"machine '{name}' has {len(live)} branched child "
+                    "machine(s) "
+                    f"({', '.join(c['name'] for c in live)}); delete them "
+                    "first or pass "
                     "cascade=true",
                 )
             if q.get("cascade"):
@@ -2635,6 +3278,9 @@ class FakeSmolvm:
             m = self._get(name)
             if m is None:
                 return not_found_machine(name)
+            held = held_refusal(m)
+            if held is not None:
+                return held
             if branchable and not m["branchable"]:
                 m["branchable"] = m["forkable"] = True
                 self._save_state()
@@ -2650,6 +3296,11 @@ class FakeSmolvm:
             m = self._get(name)
             if m is None:
                 return not_found_machine(name)
+            if m["state"] == "paused":
+                # Observed (a paused record): stop keeps saved execution.
+                return api_error(
+                    409, "CONFLICT", SAVED_EXECUTION + " or delete"
+                )
             m["state"] = "stopped"
             m.pop("pid", None)
             if name in self._roots:
@@ -2669,6 +3320,9 @@ class FakeSmolvm:
                     "CONFLICT",
                     "machine is not running and autoStart is false",
                 )
+            held = held_refusal(m)
+            if held is not None:
+                return None, held
             err = self._boot(m, "auto")
             if err is not None:
                 return None, err
@@ -2678,17 +3332,9 @@ class FakeSmolvm:
         req = self._json_body(headers, body, EXEC_REQUEST)
         if not req["command"]:
             return api_error(400, "BAD_REQUEST", "command cannot be empty")
-        for sname, ref in req.get("secrets", {}).items():
-            kind = "env"
-            if isinstance(ref, dict) and ref:
-                k0 = next(iter(ref))
-                kind = k0[5:] if k0.startswith("from_") else k0
-            return api_error(
-                400,
-                "BAD_REQUEST",
-                f"secret '{sname}': source kind '{kind}' is not allowed in scope Untrusted; "
-                "secret refs may only be resolved on the trusted local host",
-            )
+        refusal = secret_refusal(req.get("secrets", {}))
+        if refusal is not None:
+            return refusal
         with self._lock:
             m, err = self._ensure_running(name, req.get("autoStart", True))
             if err is not None:
@@ -2702,7 +3348,8 @@ class FakeSmolvm:
             netns = self._guest_netns(m)
         env.update({e["name"]: e["value"] for e in req.get("env", [])})
         if stream:
-            # Per the documents (see the module docstring); background is not meaningful here.
+            # Per the documents (see the module docstring); background is
+            # not meaningful here.
             if not os.path.exists(os.path.join(root, "usr/bin/busybox")):
                 return api_error(
                     500,
@@ -2833,7 +3480,8 @@ class FakeSmolvm:
         except GuestUnavailable as e:
             return api_error(500, "INTERNAL_ERROR", str(e))
         if background:
-            # Not observed: the real answer carries the PID of the detached process.
+            # Not observed: the real answer carries the PID of the detached
+            # process.
             out = f"{r.pid}\n".encode()
             return json_response(
                 200,
@@ -2872,7 +3520,8 @@ class FakeSmolvm:
                     return api_error(
                         400,
                         "BAD_REQUEST",
-                        f"mode must be octal permission bits such as 0644, got '{s}'",
+                        "mode must be octal permission bits such as 0644, "
+                        f"got '{s}'",
                     )
                 mode = int(s, 8)
         gpath = "/" + fpath.lstrip("/")
@@ -2949,7 +3598,8 @@ class FakeSmolvm:
             return api_error(
                 400,
                 "BAD_REQUEST",
-                f'unknown log source \'{source}\': use "console" or "workload"',
+                f"unknown log source '{source}': use \"console\" or "
+                '"workload"',
             )
         with self._lock:
             m = self._get(name)
@@ -2959,7 +3609,8 @@ class FakeSmolvm:
                 return api_error(
                     404,
                     "NOT_FOUND",
-                    f"machine '{name}' has no logs yet — it may not have been started",
+                    f"machine '{name}' has no logs yet — it may not have been "
+                    "started",
                 )
             lines = list(
                 m["_workload" if source == "workload" else "_console"]
@@ -3044,7 +3695,8 @@ class FakeSmolvm:
                             400,
                             "BAD_REQUEST",
                             f"config operation failed: {what}: invalid host "
-                            f"pattern {_rust_debug_str(host)}: use an exact DNS hostname or "
+                            f"pattern {_rust_debug_str(host)}: use an exact "
+                            "DNS hostname or "
                             "*.domain",
                         )
             for cidr in req.get("allowCidrs", []):
@@ -3054,7 +3706,8 @@ class FakeSmolvm:
                     return api_error(
                         400,
                         "BAD_REQUEST",
-                        f"invalid CIDR '{cidr}': expected format like 10.0.0.0/8 or 1.1.1.1",
+                        f"invalid CIDR '{cidr}': expected format like "
+                        "10.0.0.0/8 or 1.1.1.1",
                     )
             removals = req.get("removeAllowHosts", []) + req.get(
                 "removeAllowCidrs", []
@@ -3063,7 +3716,8 @@ class FakeSmolvm:
                 return api_error(
                     400,
                     "BAD_REQUEST",
-                    "config operation failed: update: resetAllowList cannot be combined with "
+                    "config operation failed: update: resetAllowList cannot "
+                    "be combined with "
                     "removals",
                 )
             had_list = "allowedHosts" in m or "allowedCidrs" in m
@@ -3086,7 +3740,8 @@ class FakeSmolvm:
                         return api_error(
                             400,
                             "BAD_REQUEST",
-                            f"config operation failed: update: '{entry}' is not "
+                            f"config operation failed: update: '{entry}' is "
+                            "not "
                             f"in machine '{name}''s {what}",
                         )
                     entries.remove(entry)
@@ -3113,8 +3768,10 @@ class FakeSmolvm:
                     400,
                     "BAD_REQUEST",
                     (
-                        "config operation failed: update: removing the last allowed host or CIDR "
-                        "would allow egress to every host; say so explicitly (--net on the CLI, "
+                        "config operation failed: update: removing the last "
+                        "allowed host or CIDR "
+                        "would allow egress to every host; say so explicitly "
+                        "(--net on the CLI, "
                         "allowAll on the API), or turn networking off instead"
                     ),
                 )
@@ -3122,8 +3779,10 @@ class FakeSmolvm:
                 return api_error(
                     409,
                     "CONFLICT",
-                    f"machine '{name}' is running: this egress change does not "
-                    "keep an allow list in force, so it needs the machine stopped",
+                    f"machine '{name}' is running: this egress change does "
+                    "not "
+                    "keep an allow list in force, so it needs the machine "
+                    "stopped",
                 )
             m["network"] = True
             for key, entries in (
@@ -3165,10 +3824,576 @@ class FakeSmolvm:
             self._save_state()
             return json_response(200, {"image": info})
 
+    # ---- pause and resume
+    def _h_pause(self, method, qs, headers, body, name):
+        """Observed: the body is not read; an unknown machine is a 404
+        worded unlike the other routes'; a machine that is not running is
+        a 409. A real pause of a running guest could not be observed (no
+        guest boots there): per the spec and the CLI help it saves RAM and
+        disk, then stops at that boundary, answering the record in state
+        `paused` (the engine passes through `pausing` while it saves). The
+        fake stops the guest's processes (SIGSTOP) so that a resume goes on
+        from where they were."""
+        with self._lock:
+            m = self._get(name)
+            if m is None:
+                return api_error(
+                    404, "NOT_FOUND", f"machine not found: {name}"
+                )
+            if m["state"] != "running":
+                return api_error(
+                    409, "CONFLICT", f"machine '{name}' must be running"
+                )
+            m["state"] = "paused"
+            m.pop("pid", None)
+            signal_guest_processes(self._root(name), signal.SIGSTOP)
+            self._save_state()
+            return json_response(200, self._info(m))
+
+    def _h_resume(self, method, qs, headers, body, name):
+        """Observed: the 404 and the 409 of a machine that is not paused.
+        A resume itself could not be observed: per the spec it answers the
+        record, running again under the same name. With boot="fail" the
+        fake answers the failed boot's 500 and stays paused
+        (assumption)."""
+        with self._lock:
+            m = self._get(name)
+            if m is None:
+                return not_found_machine(name)
+            if m["state"] != "paused":
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    "machine is not paused; use start for a fresh boot",
+                )
+            if self.boot == "fail":
+                return api_error(500, "INTERNAL_ERROR", BOOT_FAIL_START)
+            m["state"] = "running"
+            m["pid"] = self._new_pid()
+            signal_guest_processes(self._root(name), signal.SIGCONT)
+            self._save_state()
+            return json_response(200, self._info(m))
+
+    # ---- published ports
+    def _h_ports(self, method, qs, headers, body, name):
+        """Observed on created and stopped machines: the whole set replaces
+        the old one (port 0 accepted, tcp listed first), the 404, the 400
+        for a host port mapped twice, the 422s. For a running machine the
+        spec says TCP changes apply at once and a UDP change is a 409; the
+        409's text is the binary's string. A paused machine's ports are
+        replaced too (observed). The fake forwards no port, so this is the
+        record only. Observed as well: the real serve publishes each port
+        on 127.0.0.1 and [::1] of the host, never on all interfaces."""
+        req = self._json_body(headers, body, SET_PORTS_REQUEST)
+        refusal = port_refusal(req["ports"], on_create=False)
+        if refusal is not None:
+            return refusal
+        ports = published_ports(req["ports"])
+        with self._lock:
+            m = self._get(name)
+            if m is None:
+                return not_found_machine(name)
+            udp_before = [p for p in m["ports"] if p.get("protocol")]
+            udp_after = [p for p in ports if p.get("protocol")]
+            if m["state"] == "running" and udp_before != udp_after:
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    "published UDP ports cannot change on a running "
+                    "machine; stop it first",
+                )
+            m["ports"] = ports
+            self._save_state()
+            return json_response(200, self._info(m))
+
+    # ---- cache disks (see the section above write_cache_base)
+    def _attach_cache(self, root, spec):
+        """Give a new machine its cache directory, holding its base."""
+        target = guest_resolve(root, spec["mountPath"])
+        os.makedirs(target, exist_ok=True)
+        base = os.path.join(self.cache_disk_dir, spec["base"])
+        read_cache_base(base, target)
+
+    def _h_publish(self, method, qs, headers, body, name):
+        req = self._json_body(headers, body, PUBLISH_CACHE_DISK_REQUEST)
+        if self.cache_disk_dir is None:
+            return api_error(400, "BAD_REQUEST", CACHE_DISABLED)
+        base = req["base"]
+        err = cache_base_refusal(base)
+        if err is not None:
+            return api_error(400, "BAD_REQUEST", err)
+        with self._lock:
+            m = self._get(name)
+            if m is None:
+                return not_found_machine(name)
+            return self._publish(m, base, req.get("uploadUrls"))
+
+    def _publish(self, m, base, upload_urls):
+        name = m["name"]
+        if "cacheDisk" not in m:
+            return api_error(
+                400, "BAD_REQUEST", f"machine '{name}' has no cache disk"
+            )
+        if m["state"] == "running":
+            # The binary's string; not observed (nothing ran there).
+            return api_error(
+                409,
+                "CONFLICT",
+                f"stop machine '{name}' before publishing its cache disk: "
+                "a running machine is still writing it",
+            )
+        path = os.path.join(self.cache_disk_dir, base)
+        if os.path.exists(path):
+            return api_error(
+                409,
+                "CONFLICT",
+                f"cache base '{base}' already exists; publish each version "
+                "under a new name",
+            )
+        err = upload_url_refusal(upload_urls)
+        if err is not None:
+            return api_error(400, "BAD_REQUEST", err)
+        old = os.path.join(self.cache_disk_dir, m["cacheDisk"]["base"])
+        if not m["_everStarted"] and not is_qcow2(old):
+            # Observed: a never-run machine over a raw base.
+            return api_error(
+                500, "INTERNAL_ERROR", f"open {old}: Not a qcow2 file"
+            )
+        cache = guest_resolve(self._root(name), m["cacheDisk"]["mountPath"])
+        size, digest = write_cache_base(path, cache)
+        return json_response(
+            200, {"base": base, "sizeBytes": size, "sha256": digest}
+        )
+
+    def _h_cache_base(self, method, qs, headers, body, base):
+        """Observed: 204 with no body for a base removed or never there,
+        the 409 naming a machine attached to it, the name refusal."""
+        if self.cache_disk_dir is None:
+            return api_error(400, "BAD_REQUEST", CACHE_DISABLED)
+        err = cache_base_refusal(base)
+        if err is not None:
+            return api_error(400, "BAD_REQUEST", err)
+        with self._lock:
+            for m in self._machines.values():
+                if m.get("cacheDisk", {}).get("base") == base:
+                    return api_error(
+                        409,
+                        "CONFLICT",
+                        f"cache base '{base}' is attached to machine "
+                        f"'{m['name']}'",
+                    )
+            path = os.path.join(self.cache_disk_dir, base)
+            sidecar = os.path.join(self.cache_disk_dir, f".{base}.sha256")
+            for gone in (path, sidecar):
+                try:
+                    os.unlink(gone)
+                except FileNotFoundError:
+                    pass
+        return Response(204)
+
+    # ---- node capacity
+    def _h_capacity(self, method, qs, headers, body):
+        """The observed keys, in the observed order. The fake measures no
+        use (the used_* gauges read 0); allocations count its running
+        machines; host memory is this host's."""
+        with self._lock:
+            running = [
+                self._get(n)
+                for n in list(self._machines)
+                if self._get(n)["state"] == "running"
+            ]
+        total, available = host_memory_mb()
+        return json_response(
+            200,
+            {
+                "allocated_cpus": sum(m["cpus"] for m in running),
+                "allocated_memory_mb": sum(m["memoryMb"] for m in running),
+                "used_cpus": 0.0,
+                "used_memory_mb": 0,
+                "used_memory_pss_mb": 0,
+                "used_memory_private_mb": 0,
+                "used_memory_shared_mapped_mb": 0,
+                "host_memory_total_mb": total,
+                "host_memory_available_mb": available,
+                "branch_reserve_mb": total // 20,
+                "branch_child_overhead_mb": 64,
+                "used_disk_gb": 0,
+                "checkpoint_store_bytes": 0,
+                "boot_id": self._boot_id,
+            },
+        )
+
+    # ---- fork pools and leases
+    #
+    # Observed on 1.32.2: every refusal of these routes that needs no
+    # running source, in its order, with its text; the pool record's keys
+    # and order (`maxActive` only when set), the 503 of a lease from a pool
+    # with no clean worker (also after waitSecs), an empty pool deleted at
+    # once. From the spec and the binary's strings, not observed (no source
+    # can run there): a pool filled by branching its running, branchable
+    # source into held workers (`pool-POOL-XXXXXXXX`, branchpointHeld true
+    # until leased), a lease answering {id, pool, machine, state,
+    # createdAt, expiresAt}, a repeated idempotencyKey answering the same
+    # lease (a different request under it is a 409), heartbeat, complete
+    # replacing the worker, the 409 texts for a lease that is no longer
+    # active, a pool at maxActive, a pool with active leases deleted
+    # without force, a clone used as a source, a pool name taken.
+    # Assumed: the lease id's form, leaseTtlSecs 600 when unset, the 409
+    # for a source that is not branchable, a lease activating at once (the
+    # fake runs no workload, so awaitWorkerReady has nothing to wait for),
+    # pool deletion finishing at once, an expired lease's worker removed.
+    def _h_pools(self, method, qs, headers, body):
+        if method in ("GET", "HEAD"):
+            with self._lock:
+                pools = [
+                    self._pool_info(self._pools[n])
+                    for n in sorted(self._pools)
+                ]
+            return json_response(200, {"pools": pools})
+        req = self._json_body(headers, body, CREATE_POOL_REQUEST)
+        err = pool_create_refusal(req)
+        if err is not None:
+            return api_error(400, "BAD_REQUEST", err)
+        with self._lock:
+            refusal = self._pool_source_refusal(req)
+            if refusal is not None:
+                return refusal
+            pool = {
+                "name": req["name"],
+                "source": req["source"],
+                "desiredReady": req["desiredReady"],
+                "freezeSource": req.get("freezeSource", False),
+                "maxActive": req.get("maxActive"),
+                "autoAdmission": bool(req.get("autoAdmission")),
+                "shareWeights": req.get("shareWeights", False),
+                "leaseTtlSecs": req.get("leaseTtlSecs") or DEFAULT_LEASE_TTL,
+                "createdAt": int(time.time()),
+                "_slots": [],
+                "_ready": [],
+            }
+            self._pools[pool["name"]] = pool
+            self._fill(pool, time.time())
+            return json_response(200, self._pool_info(pool))
+
+    def _pool_source_refusal(self, req):
+        source = req["source"]
+        src = self._get(source)
+        if src is None:
+            return not_found_machine(source)
+        if src["state"] not in ("running", "frozen"):
+            return api_error(
+                409, "CONFLICT", f"golden machine '{source}' is not running"
+            )
+        if not src["branchable"]:
+            return api_error(
+                409,
+                "CONFLICT",
+                f"golden machine '{source}' is not branchable; start it "
+                f"with `machine start --forkable --name {source}`",
+            )
+        if src.get("parentMachine"):
+            return api_error(
+                409, "CONFLICT", "a fork clone cannot be used as a pool golden"
+            )
+        if req["name"] in self._pools:
+            return api_error(
+                409, "CONFLICT", f"fork pool '{req['name']}' already exists"
+            )
+        return None
+
+    def _pool_info(self, pool):
+        """ForkPoolInfo, its keys in the observed order."""
+        out = {
+            "name": pool["name"],
+            "source": pool["source"],
+            "golden": pool["source"],
+            "desiredReady": pool["desiredReady"],
+            "freezeSource": pool["freezeSource"],
+        }
+        if pool["maxActive"] is not None:
+            out["maxActive"] = pool["maxActive"]
+        out.update(
+            {
+                "autoAdmission": pool["autoAdmission"],
+                "shareWeights": pool["shareWeights"],
+                "leaseTtlSecs": pool["leaseTtlSecs"],
+                "provisioning": len(pool["_slots"]),
+                "ready": len(pool["_ready"]),
+                "activating": 0,
+                "active": len(self._active_leases(pool["name"])),
+                "retiring": 0,
+                "deleting": False,
+                "createdAt": pool["createdAt"],
+            }
+        )
+        return out
+
+    def _active_leases(self, pool_name):
+        return [
+            lease
+            for lease in self._leases.values()
+            if lease["pool"] == pool_name and lease["state"] == "active"
+        ]
+
+    def _tick_pools(self):
+        """What the engine does in the background, done when the fake is
+        next asked anything: expire leases past their expiry, turn workers
+        that are due into ready ones, top pools up to desiredReady."""
+        now = time.time()
+        for lease in self._leases.values():
+            if lease["state"] == "active" and now >= lease["expiresAt"]:
+                lease["state"] = "expired"
+                self._delete_one(lease["machine"])
+        for pool in list(self._pools.values()):
+            self._fill(pool, now)
+
+    def _fill(self, pool, now):
+        src = self._get(pool["source"])
+        usable = (
+            src is not None
+            and src["state"] in ("running", "frozen")
+            and src["branchable"]
+        )
+        due = [t for t in pool["_slots"] if t <= now]
+        pool["_slots"] = [t for t in pool["_slots"] if t > now]
+        for _ in due if usable else ():
+            if pool["freezeSource"]:
+                self._freeze(src)
+            pool["_ready"].append(self._make_worker(pool, src))
+        pool["_ready"] = [w for w in pool["_ready"] if w in self._machines]
+        missing = pool["desiredReady"] - len(pool["_ready"])
+        missing -= len(pool["_slots"])
+        if missing > 0 and usable:
+            pool["_slots"] += [now + self.pool_fill_secs] * missing
+        while missing < 0 and pool["_slots"]:
+            pool["_slots"].pop()
+            missing += 1
+        while missing < 0 and pool["_ready"]:
+            self._delete_one(pool["_ready"].pop())
+            missing += 1
+        if due:
+            self._save_state()
+
+    def _make_worker(self, pool, src):
+        """A held worker: a branch of the source, parked at its branch
+        point (branchpointHeld) until a lease takes it."""
+        name = f"pool-{pool['name']}-{random.getrandbits(32):08x}"
+        while name in self._machines:
+            name = f"pool-{pool['name']}-{random.getrandbits(32):08x}"
+        c = self._make_child(src, name)
+        c["branchpointHeld"] = c["forkpointHeld"] = True
+        return name
+
+    def _h_pool(self, method, qs, headers, body, pool_name):
+        if method in ("GET", "HEAD"):
+            with self._lock:
+                pool = self._pools.get(pool_name)
+                if pool is None:
+                    return pool_not_found(pool_name)
+                return json_response(200, self._pool_info(pool))
+        q = self._query(qs, {"force": "bool"})
+        with self._lock:
+            pool = self._pools.get(pool_name)
+            if pool is None:
+                return pool_not_found(pool_name)
+            active = self._active_leases(pool_name)
+            if active and not q.get("force"):
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    f"fork pool '{pool_name}' has active leases; complete "
+                    "them or use force=true",
+                )
+            for lease in active:
+                lease["state"] = "cancelled"
+                self._delete_one(lease["machine"])
+            for worker in pool["_ready"]:
+                self._delete_one(worker)
+            del self._pools[pool_name]
+            # A deleted pool's leases go with it (assumption).
+            for lease_id, lease in list(self._leases.items()):
+                if lease["pool"] == pool_name:
+                    del self._leases[lease_id]
+            self._save_state()
+            return json_response(200, {"deleted": pool_name})
+
+    def _h_pool_size(self, method, qs, headers, body, pool_name):
+        req = self._json_body(headers, body, RESIZE_POOL_REQUEST)
+        if req["desiredReady"] > POOL_MAX_READY:
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                f"desiredReady must be at most {POOL_MAX_READY}",
+            )
+        with self._lock:
+            pool = self._pools.get(pool_name)
+            if pool is None:
+                return pool_not_found(pool_name)
+            pool["desiredReady"] = req["desiredReady"]
+            self._fill(pool, time.time())
+            return json_response(200, self._pool_info(pool))
+
+    def _h_leases(self, method, qs, headers, body, pool_name):
+        req = self._json_body(headers, body, ACQUIRE_LEASE_REQUEST)
+        err = lease_request_refusal(req)
+        if err is not None:
+            return api_error(400, "BAD_REQUEST", err)
+        with self._lock:
+            refusal, lease = self._lease_refusal(req, pool_name)
+            if refusal is not None:
+                return refusal
+            if lease is not None:
+                return json_response(200, lease_info(lease))
+        deadline = time.monotonic() + (req.get("waitSecs") or 0)
+        while True:
+            with self._lock:
+                pool = self._pools.get(pool_name)
+                if pool is None:
+                    return pool_not_found(pool_name)
+                self._fill(pool, time.time())
+                if pool["_ready"]:
+                    lease = self._grant(pool, req)
+                    return json_response(200, lease_info(lease))
+            if time.monotonic() >= deadline:
+                return api_error(
+                    503,
+                    "UNAVAILABLE",
+                    f"fork pool '{pool_name}' has no clean worker ready",
+                )
+            time.sleep(0.05)
+
+    def _lease_refusal(self, req, pool_name):
+        """(refusal, None), (None, the lease already granted under this
+        idempotencyKey), or (None, None) to grant a new one."""
+        pool = self._pools.get(pool_name)
+        if pool is None:
+            return pool_not_found(pool_name), None
+        ttl = req.get("ttlSecs")
+        if ttl is not None and not LEASE_TTL_MIN <= ttl <= LEASE_TTL_MAX:
+            return api_error(400, "BAD_REQUEST", LEASE_TTL_RANGE), None
+        if req.get("rolloutAccess") is not None:
+            src = self._get(pool["source"]) or {}
+            if not src.get("network"):
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    "rolloutAccess requires a pool golden with networking "
+                    "enabled",
+                ), None
+            return api_error(
+                400,
+                "BAD_REQUEST",
+                "fake smolvm: rolloutAccess is not supported",
+            ), None
+        key = req["idempotencyKey"]
+        for lease in self._leases.values():
+            if lease["pool"] == pool_name and lease["_key"] == key:
+                if lease["_digest"] != lease_digest(req):
+                    return api_error(
+                        409,
+                        "CONFLICT",
+                        f"idempotency key '{key}' was reused with a "
+                        "different request",
+                    ), None
+                return None, lease
+        limit = pool["maxActive"]
+        if limit is not None and len(self._active_leases(pool_name)) >= limit:
+            return api_error(
+                409,
+                "CONFLICT",
+                f"fork pool '{pool_name}' reached active lease limit",
+            ), None
+        return None, None
+
+    def _grant(self, pool, req):
+        """Hand the oldest ready worker to a new lease: the job's env and
+        files are installed, it is no longer held, and the pool asks for a
+        replacement."""
+        worker = pool["_ready"].pop(0)
+        m = self._machines[worker]
+        m["branchpointHeld"] = m["forkpointHeld"] = False
+        self._add_fork_env(m, req.get("env", []))
+        root = self._root(worker)
+        for f in req.get("files", []):
+            host = guest_resolve(root, "/workspace/" + f["path"])
+            os.makedirs(os.path.dirname(host), exist_ok=True)
+            with open(host, "wb") as out:
+                out.write(base64.b64decode(f["dataBase64"]))
+            mode = f.get("mode")
+            os.chmod(host, 0o644 if mode is None else mode)
+        ttl = req.get("ttlSecs") or pool["leaseTtlSecs"]
+        now = time.time()
+        lease = {
+            "id": f"lease-{random.getrandbits(64):016x}",
+            "pool": pool["name"],
+            "machine": worker,
+            "state": "active",
+            "createdAt": int(now),
+            "expiresAt": int(now + ttl),
+            "_key": req["idempotencyKey"],
+            "_digest": lease_digest(req),
+            "_ttl": ttl,
+        }
+        self._leases[lease["id"]] = lease
+        self._fill(pool, now)
+        self._save_state()
+        return lease
+
+    def _h_lease(self, method, qs, headers, body, pool_name, lease_id):
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease["pool"] != pool_name:
+                return api_error(
+                    404,
+                    "NOT_FOUND",
+                    f"lease '{lease_id}' not found in fork pool '{pool_name}'",
+                )
+            return json_response(200, lease_info(lease))
+
+    def _h_lease_heartbeat(self, method, qs, headers, body, pool, lease_id):
+        """The body is not read (observed)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease["pool"] != pool:
+                return lease_not_found(lease_id)
+            if lease["state"] != "active":
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    f"fork lease '{lease_id}' is no longer active",
+                )
+            lease["expiresAt"] = int(time.time() + lease["_ttl"])
+            return json_response(200, lease_info(lease))
+
+    def _h_lease_complete(self, method, qs, headers, body, pool, lease_id):
+        """The body is not read (observed). The worker is removed and the
+        pool asks for a new one."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease["pool"] != pool:
+                return lease_not_found(lease_id)
+            if lease["state"] != "active":
+                return api_error(
+                    409,
+                    "CONFLICT",
+                    f"fork lease '{lease_id}' is '{lease['state']}', not "
+                    "active",
+                )
+            lease["state"] = "completed"
+            self._delete_one(lease["machine"])
+            if pool in self._pools:
+                self._fill(self._pools[pool], time.time())
+            self._save_state()
+            return json_response(200, lease_info(lease))
+
     def _h_fork(self, method, qs, headers, body, name):
         return self._h_branches(method, qs, headers, body, name)
 
     def _h_branches(self, method, qs, headers, body, name):
+        """Branch refusals: observed. freezeSource (the source kept as a
+        paused branch base, state `frozen`, that later branches reuse)
+        follows the spec and the binary's strings: no branch could be made
+        where the real serve was observed."""
         req = self._json_body(headers, body, FORK_REQUEST)
         child = req["name"]
         err = validate_machine_name(child)
@@ -3193,83 +4418,113 @@ class FakeSmolvm:
             src = self._get(name)
             if src is None:
                 return api_error(404, "NOT_FOUND", f"vm not found: {name}")
-            hint = f"start it with `machine start --forkable --name {name}`"
-            if src["state"] != "running" and (
-                src["branchable"] or not src["_everStarted"]
-            ):
-                return api_error(
-                    409,
-                    "CONFLICT",
-                    f"agent operation failed: fork: golden '{name}' is not running forkable; "
-                    f"{hint}",
-                )
-            if not src["branchable"]:
-                return api_error(
-                    409,
-                    "CONFLICT",
-                    f"agent operation failed: fork: golden '{name}' control socket not "
-                    "responding (agent operation failed: connect control socket: Connection "
-                    f"refused (os error 111)); {hint}",
-                )
-            src_root = self._root(name)
-            dst_root = tempfile.mkdtemp(prefix=f"{child}-", dir=self._tmp)
-            os.rmdir(dst_root)
-            shutil.copytree(
-                src_root, dst_root, symlinks=True, copy_function=_copy_node
-            )
-            self._roots[child] = dst_root
-            fork_env = [
-                e.split("=", 1) if "=" in e else [e, ""]
-                for e in req.get("env", [])
-            ]
-            if fork_env:
-                os.makedirs(
-                    os.path.join(dst_root, "etc/smolvm"), exist_ok=True
-                )
-                with open(
-                    os.path.join(dst_root, "etc/smolvm/fork-env"), "w"
-                ) as f:
-                    for k, v in fork_env:
-                        f.write(f"{k}={_dumps(v)}\n")
+            refusal = branch_source_refusal(src)
+            if refusal is not None:
+                return refusal
+            ports = None
             if "ports" in req:
-                ports = [
-                    {
-                        "host": p["host"],
-                        "guest": p["guest"],
-                        **(
-                            {"protocol": "udp"}
-                            if p.get("protocol") == "udp"
-                            else {}
-                        ),
-                    }
-                    for p in req["ports"]
-                ]
-            else:
-                ports = [dict(p, host=_free_port()) for p in src["ports"]]
-            c = json.loads(json.dumps(src))
-            c.update(
-                {
-                    "name": child,
-                    "state": "running",
-                    "pid": self._new_pid(),
-                    "ports": ports,
-                    "parentMachine": name,
-                    "branchable": req.get("branchable", False),
-                    "forkable": req.get("branchable", False),
-                    "createdAt": int(time.time()),
-                    "_created": time.time(),
-                    "_start_attempted": True,
-                    "_everStarted": True,
-                    "_has_logs": True,
-                    "_console": [],
-                    "_workload": [],
-                    "_chainDepth": src["_chainDepth"] + 1,
-                    "_forkEnv": src.get("_forkEnv", []) + fork_env,
-                }
+                ports = published_ports(req["ports"])
+            c = self._make_child(
+                src,
+                child,
+                ports=ports,
+                env=req.get("env", []),
+                branchable=req.get("branchable", False),
             )
-            self._machines[child] = c
+            if req.get("freezeSource"):
+                self._freeze(src)
             self._save_state()
             return json_response(200, self._info(c))
+
+    def _make_child(self, src, child, ports=None, env=(), branchable=False):
+        """A running child of `src`: a copy of its guest, its record with
+        the child's name, ports remapped to free host ports unless given,
+        and `env` ("KEY=VALUE") delivered at /etc/smolvm/fork-env."""
+        dst_root = tempfile.mkdtemp(prefix=f"{child}-", dir=self._tmp)
+        os.rmdir(dst_root)
+        shutil.copytree(
+            self._root(src["name"]),
+            dst_root,
+            symlinks=True,
+            copy_function=_copy_node,
+        )
+        self._roots[child] = dst_root
+        if ports is None:
+            ports = [dict(p, host=_free_port()) for p in src["ports"]]
+        c = json.loads(json.dumps(src))
+        c.update(
+            {
+                "name": child,
+                "state": "running",
+                "pid": self._new_pid(),
+                "ports": ports,
+                "parentMachine": src["name"],
+                "branchable": branchable,
+                "forkable": branchable,
+                "branchpointHeld": False,
+                "forkpointHeld": False,
+                "createdAt": int(time.time()),
+                "_created": time.time(),
+                "_start_attempted": True,
+                "_everStarted": True,
+                "_has_logs": True,
+                "_console": [],
+                "_workload": [],
+                "_chainDepth": src["_chainDepth"] + 1,
+                "_forkEnv": list(src.get("_forkEnv", [])),
+            }
+        )
+        self._machines[child] = c
+        self._add_fork_env(c, env)
+        return c
+
+    def _add_fork_env(self, m, env):
+        """Merge `env` ("KEY=VALUE" strings) into a machine's fork env: the
+        file /etc/smolvm/fork-env (dotenv) and its later execs."""
+        pairs = [e.split("=", 1) if "=" in e else [e, ""] for e in env]
+        if not pairs:
+            return
+        merged = dict(m.get("_forkEnv", []))
+        merged.update(dict(pairs))
+        m["_forkEnv"] = [[k, v] for k, v in merged.items()]
+        root = self._root(m["name"])
+        os.makedirs(os.path.join(root, "etc/smolvm"), exist_ok=True)
+        with open(os.path.join(root, "etc/smolvm/fork-env"), "w") as f:
+            for k, v in m["_forkEnv"]:
+                f.write(f"{k}={_dumps(v)}\n")
+
+    def _freeze(self, src):
+        """Keep a branch source as a frozen base: its guest stops running
+        (its processes are stopped, not ended) and it has no VM pid."""
+        if src["state"] == "frozen":
+            return
+        src["state"] = "frozen"
+        src.pop("pid", None)
+        signal_guest_processes(self._root(src["name"]), signal.SIGSTOP)
+
+
+def branch_source_refusal(src):
+    """The observed 409s of a branch from a source that is not running as
+    a branch source, or None. A frozen base can be branched again."""
+    name = src["name"]
+    hint = f"start it with `machine start --forkable --name {name}`"
+    live = src["state"] in ("running", "frozen")
+    if not live and (src["branchable"] or not src["_everStarted"]):
+        return api_error(
+            409,
+            "CONFLICT",
+            f"agent operation failed: fork: golden '{name}' is not running "
+            f"forkable; {hint}",
+        )
+    if not src["branchable"]:
+        return api_error(
+            409,
+            "CONFLICT",
+            f"agent operation failed: fork: golden '{name}' control socket "
+            "not responding (agent operation failed: connect control "
+            f"socket: Connection refused (os error 111)); {hint}",
+        )
+    return None
 
 
 def _copy_node(src, dst):
@@ -3325,7 +4580,8 @@ def main(argv=None):
         return 0
     if argv[:2] != ["serve", "start"]:
         print(
-            "error: fake smolvm supports only --version, serve start and serve openapi (got "
+            "error: fake smolvm supports only --version, serve start and "
+            "serve openapi (got "
             f"{argv})",
             file=sys.stderr,
         )
@@ -3334,6 +4590,7 @@ def main(argv=None):
         "--listen": None,
         "--state-dir": None,
         "--guest-rollout-port": None,
+        "--cache-disk-dir": None,
     }
     rest = argv[2:]
     i = 0
@@ -3347,7 +4604,8 @@ def main(argv=None):
                 i += 1
                 if i >= len(rest):
                     print(
-                        f"error: a value is required for '{key} <VALUE>' but none was supplied",
+                        f"error: a value is required for '{key} <VALUE>' but "
+                        "none was supplied",
                         file=sys.stderr,
                     )
                     return 2
@@ -3362,7 +4620,8 @@ def main(argv=None):
     )
     if os.environ.get("FAKE_SMOLVM_PORT_IN_USE") == "1":
         print(
-            f"Error: config operation failed: bind guest rollout ingress: 127.0.0.1:{port}: "
+            "Error: config operation failed: bind guest rollout ingress: "
+            f"127.0.0.1:{port}: "
             "Address already in use (os error 98)",
             file=sys.stderr,
         )
@@ -3375,7 +4634,8 @@ def main(argv=None):
         addr = _parse_listen(listen)
     except ValueError:
         print(
-            f"Error: refusing to listen on non-loopback address {listen}: the API has no "
+            f"Error: refusing to listen on non-loopback address {listen}: the "
+            "API has no "
             "authentication; use a Unix socket or a loopback address",
             file=sys.stderr,
         )
@@ -3403,6 +4663,10 @@ def main(argv=None):
             for p in os.environ.get("FAKE_SMOLVM_GUEST_PORTS", "").split(",")
             if p
         ],
+        cache_disk_dir=opts["--cache-disk-dir"],
+        pool_fill_secs=float(
+            os.environ.get("FAKE_SMOLVM_POOL_FILL_SECS", "0") or 0
+        ),
     )
     stop = threading.Event()
 
