@@ -9716,43 +9716,36 @@ def unparsed(err: Exception) -> tuple[Any, str]:
 # ---------------------------------------------------------------------------
 # 14. Streamable HTTP (--http)
 #
-# For an agent on another computer. Every request must carry the token, checked before anything
-# else so an unauthenticated caller learns nothing, not even where the endpoint is. Then the Host
-# and Origin checks against DNS rebinding, then the path. Replies are plain JSON. A session is the
-# Mcp-Session-Id in the handshake era, and the token in the 2026 era, which has no session id.
+# For an agent on another computer. Every request must carry the token,
+# checked before anything else so an unauthenticated caller learns nothing,
+# not even where the endpoint is. Then the Host and Origin checks against
+# DNS rebinding, then the path. Replies are plain JSON. A session is the
+# Mcp-Session-Id in the handshake era, and the token in the 2026 era, which
+# has no session id.
 # ---------------------------------------------------------------------------
 
-HTTP_MAX_BODY_BYTES = (
-    16 * 1024 * 1024
-)  # a write-file of a few MiB, base64 and all; more is a 413
-HTTP_MAX_BODIES_IN_FLIGHT = (
-    8  # bodies buffered at once (8 x 16 MiB at most); more wait their turn
-)
+# A write-file of a few MiB, base64 and all; more is a 413.
+HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024
+# Bodies buffered at once (8 x 16 MiB at most); more wait their turn.
+HTTP_MAX_BODIES_IN_FLIGHT = 8
 HTTP_BODY_TIMEOUT_SECS = 60  # a body still arriving after this is a 408
 HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
-HTTP_SESSIONS_PER_TOKEN = (
-    16  # one token's share of them: another token can always open one
-)
+# One token's share of them: another token can always open one.
+HTTP_SESSIONS_PER_TOKEN = 16
 HTTP_GRACEFUL_SHUTDOWN_SECS = 5
-HTTP_HEADER_TIMEOUT_SECS = (
-    10  # a connection whose request headers are not in by then is closed
-)
-HTTP_KEEP_ALIVE_SECS = (
-    5  # an idle connection between requests is closed after this
-)
-HTTP_MAX_HEADER_BYTES = (
-    64 * 1024
-)  # request line and headers; more is a 400 and a close
-HTTP_MAX_CONNECTIONS = (
-    128  # beyond it the oldest connection still without headers is closed
-)
-HTTP_LIMIT_CONCURRENCY = (
-    2 * HTTP_MAX_CONNECTIONS
-)  # uvicorn's own backstop: beyond it, 503
+# A connection whose request headers are not in by then is closed.
+HTTP_HEADER_TIMEOUT_SECS = 10
+# An idle connection between requests is closed after this.
+HTTP_KEEP_ALIVE_SECS = 5
+# The request line and headers; more is a 400 and a close.
+HTTP_MAX_HEADER_BYTES = 64 * 1024
+# Beyond it the oldest connection still without headers is closed.
+HTTP_MAX_CONNECTIONS = 128
+# uvicorn's own backstop: beyond it, 503.
+HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS
 HTTP_CLOSE = [(b"connection", b"close")]
-HTTP_UNUSED_SESSION_SECS = (
-    300  # ends a session that never made a call (or the idle time, if less)
-)
+# Ends a session that never made a call (or the idle time, if less).
+HTTP_UNUSED_SESSION_SECS = 300
 # Requests that use a session; initialize, listings and pings alone do not.
 SESSION_USES = (
     "tools/call",
@@ -9760,7 +9753,10 @@ SESSION_USES = (
     "resources/subscribe",
     "subscriptions/listen",
 )
-_SEND_TOKEN = "send the token as 'Authorization: Bearer <token>' or 'X-Smol-Mcp-Token: <token>'"
+_SEND_TOKEN = (
+    "send the token as 'Authorization: Bearer <token>' or "
+    "'X-Smol-Mcp-Token: <token>'"
+)
 HTTP_UNAUTHORIZED = json.dumps(
     {"error": f"unauthorized: {_SEND_TOKEN}"}
 ).encode()
@@ -9769,172 +9765,203 @@ HTTP_MIN_TOKEN_CHARS = 32
 _MAKE_TOKEN = 'python3 -c "import secrets; print(secrets.token_urlsafe(32))"'
 HTTP_TOKEN_ADVICE = f"make one with: {_MAKE_TOKEN} (or openssl rand -hex 24)"
 SHUTDOWN_MESSAGE = (
-    "the smol-mcp server is shutting down, so this call was stopped before it finished (what "
-    "it started may have run in part). Reconnect once the server is back, and check the "
-    "machine with get-machine before trying again."
+    "the smol-mcp server is shutting down, so this call was stopped before "
+    "it finished (what it started may have run in part). Reconnect once "
+    "the server is back, and check the machine with get-machine before "
+    "trying again."
 )
 
 
 def check_token_strength(
     secret: str, where: str = "SMOL_MCP_AUTH_TOKEN"
 ) -> None:
-    """Refuse a token shorter than HTTP_MIN_TOKEN_CHARS, or not printable ASCII without spaces
-    (a header is Latin-1 on the wire: a UTF-8 client's would never match). Never shows it."""
+    """Refuse a token shorter than HTTP_MIN_TOKEN_CHARS, or not printable
+    ASCII without spaces (a header is Latin-1 on the wire: a UTF-8
+    client's would never match). Never shows it."""
     if not all("!" <= ch <= "~" for ch in secret):
-        why = "must hold only printable ASCII characters without spaces, so every client sends it"
-        raise ConfigError(f"{where} {why} byte for byte; {HTTP_TOKEN_ADVICE}")
+        raise ConfigError(
+            f"{where} must hold only printable ASCII characters without "
+            "spaces, so every client sends it byte for byte; "
+            f"{HTTP_TOKEN_ADVICE}"
+        )
     if len(secret) < HTTP_MIN_TOKEN_CHARS:
-        why = f"--http needs at least {HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the port"
-        short = f"{where} is {len(secret)} characters long; {why} can try to guess it"
-        raise ConfigError(f"{short}; {HTTP_TOKEN_ADVICE}")
+        raise ConfigError(
+            f"{where} is {len(secret)} characters long; --http needs at "
+            f"least {HTTP_MIN_TOKEN_CHARS}, because anyone who reaches the "
+            f"port can try to guess it; {HTTP_TOKEN_ADVICE}"
+        )
 
 
 def default_allowed_hosts(
     config: Config, host: str, port: int
 ) -> list[str] | None:
-    """The Host values accepted: the configured list, else the bound port's loopback names.
-    Off loopback, None: the name clients dial is unknowable, so the check is off (and logged)."""
+    """The Host values accepted: the configured list, else the bound
+    port's loopback names. Off loopback, None: the name clients dial is
+    unknowable, so the check is off (and logged)."""
     if config.http_allowed_hosts:
         return list(config.http_allowed_hosts)
-    if host in LOOPBACK_HOSTS:
-        public = (
-            [urllib.parse.urlsplit(config.public_url).netloc]
-            if config.public_url
-            else []
-        )
-        return [
-            f"127.0.0.1:{port}",
-            f"localhost:{port}",
-            f"[::1]:{port}",
-            *public,
-        ]
-    return None
+    if host not in LOOPBACK_HOSTS:
+        return None
+    allowed = [f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"]
+    if config.public_url:
+        allowed.append(urllib.parse.urlsplit(config.public_url).netloc)
+    return allowed
+
+
+def offered_tokens(headers: dict) -> list[str]:
+    """The tokens a request offers: its X-Smol-Mcp-Token header and its
+    Authorization bearer token ("" for one it lacks)."""
+    authorization = headers.get(b"authorization", b"").decode("latin-1")
+    bearer = ""
+    if authorization[:7].lower() == "bearer ":
+        bearer = authorization[7:].strip()
+    own = headers.get(b"x-smol-mcp-token", b"").decode("latin-1")
+    return [own, bearer]
 
 
 class HttpGate:
-    """ASGI middleware in front of everything: the token, then Host and Origin, then the path
-    (lifespan events pass through). Not the SDK's TransportSecuritySettings, whose bare "Invalid
-    Host header" comes after a POST's Content-Type check: ours names the setting to change."""
+    """ASGI middleware in front of everything: the token, then Host and
+    Origin, then the path (lifespan events pass through). Not the SDK's
+    TransportSecuritySettings, whose bare "Invalid Host header" comes after
+    a POST's Content-Type check: ours names the setting to change."""
 
     def __init__(
         self,
-        inner: Any,
         app: SmolMcp,
+        sdk_app: Any,
         allowed_hosts: list[str] | None,
-        public: Any,
+        public_app: Any,
     ):
-        self.app, self.access, self.sessions, self.pages = (
-            inner,
-            app.access,
-            app.http,
-            app.pages,
-        )
-        self.path, self.api = app.http.path, app.http.api
-        self.allowed_hosts, self.allowed_origins = (
-            allowed_hosts,
-            app.config.http_allowed_origins,
-        )
-        self.public = public  # the sign-in, OAuth and console routes, reached without a token
-        others = (
-            "/.well-known/oauth-authorization-server",
-            RESOURCE_METADATA,
-            "/console",
-        )
+        # The SDK's ASGI app: the MCP path, and the lifespan that runs it.
+        self.sdk_app = sdk_app
+        self.access = app.access
+        self.mcp_endpoint = McpEndpoint(app.http, sdk_app)
+        self.plain_api = PlainApi(app)
+        self.pages = app.pages
+        self.mcp_path = app.http.path
+        self.allowed_hosts = allowed_hosts
+        self.allowed_origins = app.config.http_allowed_origins
+        # The sign-in, OAuth and console routes, reached without a token.
+        self.public_app = public_app
         self.public_paths = (
             *PAGE_PATHS,
             *OAUTH_PATHS,
-            *others,
-            RESOURCE_METADATA + self.path,
+            "/.well-known/oauth-authorization-server",
+            RESOURCE_METADATA,
+            "/console",
+            RESOURCE_METADATA + self.mcp_path,
         )
-        self.bodies: Any = None  # the semaphore of bodies in flight, made in the server's loop
+        # The semaphore of bodies in flight, made in the server's loop.
+        self.bodies: Any = None
 
     async def __call__(
         self, scope: dict, receive: Callable, send: Callable
     ) -> None:
         if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers, path = dict(scope["headers"]), scope["path"]
-        oauth = (
-            self.pages is not None and self.pages.operator.enabled()
-        )  # opens the public paths
-        public = oauth and (
-            path in self.public_paths or path.startswith("/console/")
-        )
-        authorization = headers.get(b"authorization", b"").decode("latin-1")
-        bearer = (
-            authorization[7:].strip()
-            if authorization[:7].lower() == "bearer "
-            else ""
-        )
-        offered = [
-            headers.get(b"x-smol-mcp-token", b"").decode("latin-1"),
-            bearer,
-        ]
-        principal = (
-            None if public else self.access.token_for(offered)
-        )  # compares hashes
-        if principal is None and not public:
-            metadata = (
-                f"{self.pages.issuer}{RESOURCE_METADATA}{self.path}"
-                if oauth
-                else ""
-            )
-            challenge = (
-                f'Bearer resource_metadata="{metadata}"' if oauth else "Bearer"
-            ).encode()
-            # Connection: close makes the server stop reading whatever body is still coming.
-            refusal = [(b"www-authenticate", challenge), *HTTP_CLOSE]
-            return await _respond(send, 401, HTTP_UNAUTHORIZED, refusal)
+            return await self.sdk_app(scope, receive, send)
+        headers = dict(scope["headers"])
+        # A password or a live sign-in link opens the public paths.
+        oauth = self.pages is not None and self.pages.operator.enabled()
+        public = oauth and self.is_public(scope["path"])
+        principal = None
+        if not public:
+            # token_for compares the tokens' hashes.
+            principal = self.access.token_for(offered_tokens(headers))
+            if principal is None:
+                return await self.refuse_unauthenticated(send, oauth)
         host = headers.get(b"host", b"").decode("latin-1")
         if self.allowed_hosts is not None and host not in self.allowed_hosts:
-            wrong = f"Host {host!r} is not allowed; set SMOL_MCP_HTTP_ALLOWED_HOSTS to the name"
-            return await _respond(
-                send, 421, {"error": f"{wrong} clients dial"}
+            wrong = (
+                f"Host {host!r} is not allowed; set "
+                "SMOL_MCP_HTTP_ALLOWED_HOSTS to the name clients dial"
             )
-        if public:  # a browser's own pages, and the OAuth routes (CORS for browser clients)
-            if (
-                body := await self.read_body(headers, receive, send)
-            ) is not None:
-                await self.public(scope, replay_body(body, receive), send)
-            return
+            return await send_json(send, 421, {"error": wrong})
+        if public:
+            await self.serve_public(scope, headers, receive, send)
+        else:
+            await self.serve_mcp(scope, headers, receive, send, principal)
+
+    def is_public(self, path: str) -> bool:
+        """Whether ``path`` is a browser's page or an OAuth route."""
+        return path in self.public_paths or path.startswith("/console/")
+
+    async def refuse_unauthenticated(self, send: Callable, oauth: bool):
+        """The 401 for a request without a known token; with OAuth on, its
+        challenge names the resource metadata that leads to sign-in."""
+        challenge = "Bearer"
+        if oauth:
+            metadata = f"{self.pages.issuer}{RESOURCE_METADATA}{self.mcp_path}"
+            challenge = f'Bearer resource_metadata="{metadata}"'
+        # Connection: close makes the server stop reading whatever body is
+        # still coming.
+        refusal = [(b"www-authenticate", challenge.encode()), *HTTP_CLOSE]
+        await send_json(send, 401, HTTP_UNAUTHORIZED, refusal)
+
+    async def serve_public(
+        self, scope: dict, headers: dict, receive: Callable, send: Callable
+    ) -> None:
+        """A browser's own pages, and the OAuth routes (with CORS for
+        browser clients): no Origin check, no token."""
+        body = await self.read_body(headers, receive, send)
+        if body is not None:
+            await self.public_app(scope, replay_body(body, receive), send)
+
+    async def serve_mcp(
+        self,
+        scope: dict,
+        headers: dict,
+        receive: Callable,
+        send: Callable,
+        principal: Principal,
+    ) -> None:
+        """A request with a token: the Origin and the path checked, then
+        the MCP path's to the SDK, the plain API's to PlainApi."""
         origin = headers.get(b"origin", b"").decode("latin-1")
-        if (
-            origin
-            and self.allowed_origins
-            and origin not in self.allowed_origins
-        ):
-            wrong = f"Origin {origin!r} is not allowed (SMOL_MCP_HTTP_ALLOWED_ORIGINS)"
-            return await _respond(send, 403, {"error": wrong})
-        api = path.startswith(self.api)
-        if path != self.path and not api:
-            missing = f"not found; the MCP endpoint is {self.path}"
-            return await _respond(send, 404, {"error": missing})
+        allowed = self.allowed_origins
+        if origin and allowed and origin not in allowed:
+            wrong = (
+                f"Origin {origin!r} is not allowed "
+                "(SMOL_MCP_HTTP_ALLOWED_ORIGINS)"
+            )
+            return await send_json(send, 403, {"error": wrong})
+        to_api = scope["path"].startswith(self.plain_api.path)
+        if scope["path"] != self.mcp_path and not to_api:
+            missing = f"not found; the MCP endpoint is {self.mcp_path}"
+            return await send_json(send, 404, {"error": missing})
         scope.setdefault("state", {})["smol_principal"] = principal
-        # The SDK binds a handshake-era session to the user that opened it: the
-        # same Mcp-Session-Id with another token answers 404, as an unknown one.
+        # The SDK binds a handshake-era session to the user that opened it:
+        # the same Mcp-Session-Id with another token answers 404, as an
+        # unknown one.
         scope["user"] = authenticated_user(principal)
-        if (body := await self.read_body(headers, receive, send)) is not None:
-            serve = self.sessions.plain_api if api else self.sessions.forward
-            await serve(scope, replay_body(body, receive), send, body)
+        body = await self.read_body(headers, receive, send)
+        if body is None:
+            return
+        serve = self.mcp_endpoint
+        if to_api:
+            serve = self.plain_api
+        await serve(scope, replay_body(body, receive), send, body)
 
     async def read_body(
         self, headers: dict, receive: Callable, send: Callable
     ) -> bytes | None:
-        """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES a 413 (as much again is
-        read and dropped, so the client sees it, not a reset), still coming after
-        HTTP_BODY_TIMEOUT_SECS a 408; HTTP_MAX_BODIES_IN_FLIGHT at once. None once answered."""
-        smaller = "send a smaller one (a large file goes in pieces)"
+        """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES
+        a 413 (as much again is read and dropped, so the client sees it,
+        not a reset), still coming after HTTP_BODY_TIMEOUT_SECS a 408;
+        HTTP_MAX_BODIES_IN_FLIGHT at once. None once answered."""
         too_big = {
-            "error": f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; {smaller}"
+            "error": f"the request body is over {HTTP_MAX_BODY_BYTES} "
+            "bytes; send a smaller one (a large file goes in pieces)"
         }
         declared = headers.get(b"content-length", b"0").strip()
         over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
-        if over and headers.get(b"expect", b"").lower() == b"100-continue":
-            return await _respond(
-                send, 413, too_big, HTTP_CLOSE
-            )  # the client waits to be asked
-        self.bodies = self.bodies or anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
-        chunks, size = [], 0
+        expecting = headers.get(b"expect", b"").lower() == b"100-continue"
+        if over and expecting:
+            # The client waits to be asked: tell it now.
+            return await send_json(send, 413, too_big, HTTP_CLOSE)
+        if self.bodies is None:
+            self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
+        chunks = []
+        size = 0
         async with self.bodies:
             with anyio.move_on_after(HTTP_BODY_TIMEOUT_SECS) as deadline:
                 while True:
@@ -9944,40 +9971,45 @@ class HttpGate:
                     data = message.get("body", b"")
                     size += len(data)
                     chunks.append(data)
-                    if over := over or size > HTTP_MAX_BODY_BYTES:
+                    if size > HTTP_MAX_BODY_BYTES:
+                        over = True
+                    if over:
                         chunks.clear()  # nothing more is kept
-                    if (
-                        not message.get("more_body", False)
-                        or size > 2 * HTTP_MAX_BODY_BYTES
-                    ):
+                    more = message.get("more_body", False)
+                    if not more or size > 2 * HTTP_MAX_BODY_BYTES:
                         break
         if deadline.cancelled_caught:
             late = {
-                "error": f"the request body did not arrive within {HTTP_BODY_TIMEOUT_SECS} s"
+                "error": "the request body did not arrive within "
+                f"{HTTP_BODY_TIMEOUT_SECS} s"
             }
-            return await _respond(send, 408, late, HTTP_CLOSE)
+            return await send_json(send, 408, late, HTTP_CLOSE)
         if over:
-            return await _respond(send, 413, too_big, HTTP_CLOSE)
+            return await send_json(send, 413, too_big, HTTP_CLOSE)
         return b"".join(chunks)
 
 
-# A pydantic model per request cost more than the rest of the gate: one per principal.
+# A pydantic model per request cost more than the rest of the gate: one per
+# principal.
 @functools.lru_cache(maxsize=64)
 def authenticated_user(principal: Principal):
-    """The principal as the SDK's request user (by the token's id, never its secret)."""
+    """The principal as the SDK's request user (by the token's id, never
+    its secret)."""
     from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
     from mcp.server.auth.provider import AccessToken
 
-    token = dict(
-        token=principal.id, subject=principal.id, client_id=principal.name
+    token = AccessToken(
+        token=principal.id,
+        subject=principal.id,
+        client_id=principal.name,
+        scopes=sorted(principal.scopes),
     )
-    return AuthenticatedUser(
-        AccessToken(**token, scopes=sorted(principal.scopes))
-    )
+    return AuthenticatedUser(token)
 
 
 def json_body(body: bytes, *path: str) -> Any:
-    """A body's JSON, or the value at ``path`` in it; None if not JSON or there is no such value."""
+    """A body's JSON, or the value at ``path`` in it; None if not JSON or
+    there is no such value."""
     try:
         return functools.reduce(
             lambda value, key: value[key], path, json.loads(body)
@@ -9987,7 +10019,8 @@ def json_body(body: bytes, *path: str) -> Any:
 
 
 def request_methods(body: bytes, key: str = "method") -> list:
-    """The methods (or ids) of a body's JSON-RPC requests, not its notifications or answers."""
+    """The methods (or ids) of a body's JSON-RPC requests, not its
+    notifications or answers."""
     message = json_body(body)
     messages = message if isinstance(message, list) else [message]
     requests = [
@@ -9999,29 +10032,37 @@ def request_methods(body: bytes, key: str = "method") -> list:
 
 
 def replay_body(body: bytes, receive: Callable) -> Callable:
-    """A receive that hands the inner app the body already read, then whatever comes next."""
+    """A receive that hands the inner app the body already read, then
+    whatever comes next."""
     pending = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def again() -> dict:
-        return pending.pop() if pending else await receive()
+        if pending:
+            return pending.pop()
+        return await receive()
 
     return again
 
 
 @functools.cache
 def guarded_protocol() -> type:
-    """uvicorn's h11 protocol with the bounds it lacks: request headers within
-    HTTP_HEADER_TIMEOUT_SECS; past HTTP_MAX_CONNECTIONS the oldest connection without them closed
-    (never one busy with a request). Built on first use: no uvicorn at import."""
+    """uvicorn's h11 protocol with the bounds it lacks: request headers
+    within HTTP_HEADER_TIMEOUT_SECS; past HTTP_MAX_CONNECTIONS the oldest
+    connection without them closed (never one busy with a request). Built
+    on first use: no uvicorn at import."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
+    # This subclasses uvicorn's internal H11Protocol and reads its
+    # self.conn (h11's state) and self.connections, because header
+    # timeouts and the connection cap need the connection level, which no
+    # public API reaches. That is why the dependency lists pin uvicorn and
+    # h11 exactly.
     class GuardedH11Protocol(H11Protocol):
         header_deadline: Any = None
 
-        def waiting(
-            self,
-        ) -> bool:  # open, and no request has arrived on it yet
+        def waiting(self) -> bool:
+            """Open, and no request has arrived on it yet."""
             return (
                 self.conn.their_state is h11.IDLE
                 and not self.transport.is_closing()
@@ -10031,9 +10072,8 @@ def guarded_protocol() -> type:
             super().connection_made(transport)
             self.opened = time.monotonic()
             self.watch_headers()
-            if (
-                len(self.connections) > HTTP_MAX_CONNECTIONS
-            ):  # this one is the newest of them
+            # This one is the newest of them.
+            if len(self.connections) > HTTP_MAX_CONNECTIONS:
                 idle = [
                     c
                     for c in self.connections
@@ -10041,25 +10081,20 @@ def guarded_protocol() -> type:
                 ]
                 min(idle, key=lambda c: c.opened).transport.close()
 
-        def handle_events(
-            self,
-        ) -> None:  # after data arrives, and once a response is done
+        def handle_events(self) -> None:
+            """After data arrives, and once a response is done."""
             super().handle_events()
             self.watch_headers()
 
-        def watch_headers(
-            self,
-        ) -> None:  # armed while no request is in, disarmed once one is
-            deadline, idle = (
-                self.header_deadline,
-                self.conn.their_state is h11.IDLE,
-            )
-            if idle and deadline is None:
+        def watch_headers(self) -> None:
+            """Armed while no request is in, disarmed once one is."""
+            idle = self.conn.their_state is h11.IDLE
+            if idle and self.header_deadline is None:
                 self.header_deadline = self.loop.call_later(
                     HTTP_HEADER_TIMEOUT_SECS, self.overdue
                 )
-            elif not idle and deadline is not None:
-                deadline.cancel()
+            elif not idle and self.header_deadline is not None:
+                self.header_deadline.cancel()
                 self.header_deadline = None
 
         def overdue(self) -> None:
@@ -10077,57 +10112,54 @@ def guarded_protocol() -> type:
 
 def uvicorn_options() -> dict:
     """The uvicorn settings --http runs with (the tests use the same)."""
-    # proxy_headers off: the peer's own address, as X-Forwarded-For would rotate the limits
-    options = dict(
+    return dict(
         http=guarded_protocol(),
         lifespan="on",
         log_level="warning",
+        # The peer's own address, as X-Forwarded-For would rotate the
+        # limits.
         proxy_headers=False,
-    )
-    bounds = dict(
         timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
         limit_concurrency=HTTP_LIMIT_CONCURRENCY,
-    )
-    options.update(
-        h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES, **bounds
-    )
-    return options | dict(
-        timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS
+        h11_max_incomplete_event_size=HTTP_MAX_HEADER_BYTES,
+        timeout_graceful_shutdown=HTTP_GRACEFUL_SHUTDOWN_SECS,
     )
 
 
-async def _respond(
+async def send_json(
     send: Callable, status: int, answer: Any, headers: list | None = None
 ) -> None:
-    body = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+    """Send ``answer`` as the whole response: JSON, or bytes already
+    encoded, with ``headers`` after its own."""
+    body = answer
+    if not isinstance(answer, bytes):
+        body = json.dumps(answer).encode()
     head = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
+        *(headers or []),
     ]
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": head + (headers or []),
-        }
-    )
+    start = {"type": "http.response.start", "status": status, "headers": head}
+    await send(start)
     await send({"type": "http.response.body", "body": body})
 
 
 class PlainRequest:
-    """What call_tool reads of a plain API call: the HTTP request (with the principal), the era, a
-    client that asks nothing and takes no progress; ``failure``: the SmolError it ended with."""
+    """What call_tool reads of a plain API call: the HTTP request (with the
+    principal), the era, a client that asks nothing and takes no progress;
+    ``failure``: the SmolError it ended with."""
 
-    meta = client_capabilities = failure = None
+    meta = None
+    client_capabilities = None
+    failure = None
 
     def __init__(self, scope: dict, protocol_version: str):
         from starlette.requests import Request
 
-        self.request, self.protocol_version, self.session = (
-            Request(scope),
-            protocol_version,
-            self,
-        )
+        self.request = Request(scope)
+        self.protocol_version = protocol_version
+        # call_tool reaches the client through ctx.session: this, again.
+        self.session = self
 
     async def report_progress(self, *_: Any) -> None: ...
 
@@ -10135,104 +10167,246 @@ class PlainRequest:
 def plain_status(err: SmolError | None) -> int:
     """The plain API's status for a tool error (see the README)."""
     if isinstance(err, ApiError):
-        return err.status if 400 <= err.status < 500 else 502
+        if 400 <= err.status < 500:
+            return err.status
+        return 502
     kinds = (
         (ScopeMissing, 403),
         (ApprovalRefused, 409),
         (ArgumentError, 400),
         (SmolError, 422),
     )
-    return next(
-        (status for kind, status in kinds if isinstance(err, kind)), 500
-    )
+    for kind, status in kinds:
+        if isinstance(err, kind):
+            return status
+    return 500
+
+
+def plain_api_path(mcp_path: str) -> str:
+    """The plain API's path, beside the MCP path: /mcp has /api/tools."""
+    return mcp_path.rsplit("/", 1)[0] + "/api/tools"
+
+
+class PlainApi:
+    """The plain HTTP API: GET {path} lists the token's tools, POST
+    {path}/NAME with a JSON object of arguments calls one through call_tool
+    as the token's 2026-era session (so the MCP path's scopes, ownership,
+    approvals and log); a call is cancelled if its client goes."""
+
+    def __init__(self, app: SmolMcp):
+        self.app = app
+        self.sessions = app.http
+        self.path = plain_api_path(app.http.path)
+
+    async def __call__(
+        self, scope: dict, receive: Callable, send: Callable, body: bytes
+    ) -> None:
+        """The routes: GET {path} to list_tools, POST {path}/NAME to
+        call_tool (which refuses any other request, saying how to call)."""
+        name = scope["path"][len(self.path) :].lstrip("/")
+        if not name and scope["method"] == "GET":
+            return await self.list_tools(scope, send)
+        await self.call_tool(scope, receive, send, name, body)
+
+    async def list_tools(self, scope: dict, send: Callable) -> None:
+        principal = scope["state"]["smol_principal"]
+        both = self.app.mode == "both"
+        tools = self.app.tool_list(both, principal)
+        listed = [
+            tool.model_dump(mode="json", by_alias=True, exclude_none=True)
+            for tool in tools
+        ]
+        await send_json(send, 200, {"tools": listed})
+
+    async def call_tool(
+        self,
+        scope: dict,
+        receive: Callable,
+        send: Callable,
+        name: str,
+        body: bytes,
+    ) -> None:
+        """Call tool ``name`` with the body's arguments: 200 and its
+        structured content, or its error with plain_status's status;
+        nothing if its client went away."""
+        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+        # No body: no arguments.
+        arguments = json_body(body or b"{}")
+        refusal = self.refusal(scope["method"], name, arguments)
+        if refusal is not None:
+            status, error = refusal
+            return await send_json(send, status, {"error": error})
+        ctx = PlainRequest(scope, MODERN_PROTOCOL_VERSIONS[0])
+        principal = scope["state"]["smol_principal"]
+        session = self.sessions.modern_session(principal)
+        session.used = True
+        session.in_flight += 1
+        try:
+            result = await self.call_while_connected(
+                ctx, receive, name, arguments
+            )
+        finally:
+            session.in_flight -= 1
+            session.last_seen = time.monotonic()
+        if result is None:
+            return
+        if result.is_error:
+            error = {"error": result.content[0].text}
+            return await send_json(send, plain_status(ctx.failure), error)
+        await send_json(send, 200, result.structured_content)
+
+    def refusal(
+        self, method: str, name: str, arguments: Any
+    ) -> tuple[int, str] | None:
+        """The status and error of a request that calls no tool, or None
+        when it may call one."""
+        api = self.path
+        if method != "POST" or not name:
+            return (
+                405,
+                f"POST {api}/NAME a JSON object of arguments; "
+                f"GET {api} lists the tools",
+            )
+        if name not in TOOLS_BY_NAME:
+            return (
+                404,
+                f"there is no tool named {name!r}; GET {api} lists yours",
+            )
+        if not isinstance(arguments, dict):
+            return (
+                400,
+                "the body must be a JSON object of the tool's arguments",
+            )
+        # json.loads takes "\ud800", which no UTF-8 carries to the engine
+        # or the log.
+        try:
+            json.dumps(arguments, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            return (
+                400,
+                "a string in the body holds a lone surrogate (\\udXXX): "
+                "send UTF-8",
+            )
+        return None
+
+    async def call_while_connected(
+        self, ctx: PlainRequest, receive: Callable, name: str, arguments: dict
+    ) -> Any:
+        """call_tool's result, or None when the client went away first:
+        then the call ends as one whose client went away."""
+        result = None
+        async with anyio.create_task_group() as group:
+
+            async def watch_client() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch_client)
+            params = sdk_types().CallToolRequestParams(
+                name=name, arguments=arguments
+            )
+            result = await self.app.call_tool(ctx, params)
+            group.cancel_scope.cancel()
+        return result
 
 
 class HttpSessions:
-    """Sessions over HTTP, kept from what HttpGate sees. Handshake era: one per Mcp-Session-Id,
-    opened by initialize's answer, ended by the client's DELETE, the idle reaper (as a DELETE
-    through the manager) or shutdown. 2026 era: one per token. Both end when idle."""
+    """Sessions over HTTP, kept from what McpEndpoint and PlainApi see.
+    Handshake era: one per Mcp-Session-Id, opened by initialize's answer,
+    ended by the client's DELETE, the idle reaper (as a DELETE through the
+    manager) or shutdown. 2026 era: one per token. Both end when idle."""
 
     def __init__(self, app: SmolMcp, manager: Any, path: str):
-        self.app, self.manager, self.path = app, manager, path
-        self.api = (
-            path.rsplit("/", 1)[0] + "/api/tools"
-        )  # the plain API, beside the MCP path
+        self.app = app
+        # The SDK's session manager, which ends a session on a DELETE.
+        self.manager = manager
+        self.path = path
         self.by_principal: dict[str, Session] = {}
-        self.by_id: dict[
-            str, Session
-        ] = {}  # handshake era, by Mcp-Session-Id, for the idle reaper
+        # Handshake era, by Mcp-Session-Id, for the idle reaper.
+        self.by_id: dict[str, Session] = {}
         self.tasks: Any = None
-        self.inner: Any = None  # the SDK's app (set by build_http_app)
-        self.stopping: Any = (
-            None  # an anyio Event, set when the process is told to stop
-        )
-        self.serving: set[anyio.CancelScope] = (
-            set()
-        )  # the POSTs in the SDK's hands
+        # An anyio Event, set when the process is told to stop.
+        self.stopping: Any = None
+        # The POSTs in the SDK's hands.
+        self.serving: set[anyio.CancelScope] = set()
 
     @asynccontextmanager
     async def running(self, tasks: Any):
-        self.tasks, reaper, watcher = (
-            tasks,
-            anyio.CancelScope(),
-            anyio.CancelScope(),
-        )
-        stopper = anyio.CancelScope()
-
-        async def reap() -> None:
-            with reaper:
-                while True:
-                    await anyio.sleep(
-                        min(self.app.config.http_session_idle_secs / 4, 30)
-                    )
-                    try:
-                        await self.end_idle()
-                    except Exception as err:  # the reaper must outlive any one session's trouble
-                        log.warning(
-                            "ending idle sessions failed (%s)", describe(err)
-                        )
-
-        async def watch_tokens() -> None:
-            with watcher:
-                while True:
-                    await anyio.sleep(TOKEN_WATCH_SECS)
-                    await self.end_revoked()
-                    self.app.access.tokens.flush_usage()
-
-        async def stop_serving() -> None:  # one task for all: none per request
-            with stopper:
-                await self.stopping.wait()
-                await (
-                    self.app.approvals.interrupt()
-                )  # calls that can answer for themselves do
-                for serving in list(self.serving):
-                    serving.cancel()
-
-        tasks.start_soon(reap)
-        tasks.start_soon(watch_tokens)
+        """Keep the books while the server runs its ``tasks``: end idle
+        sessions and those of deleted tokens, stop what is served when
+        told to stop, and at the end end every session left."""
+        self.tasks = tasks
+        chores = [self.start(self.reap_idle), self.start(self.watch_tokens)]
         if self.stopping is not None:
-            tasks.start_soon(stop_serving)
+            chores.append(self.start(self.stop_serving))
         try:
             yield
         finally:
-            for scope in (reaper, watcher, stopper):
-                scope.cancel()
+            for chore in chores:
+                chore.cancel()
             self.app.access.tokens.flush_usage(force=True)
             for sessions in (self.by_principal, self.by_id):
                 while sessions:
-                    await self.app.end_session(
-                        sessions.pop(next(iter(sessions)))
-                    )
+                    session = sessions.pop(next(iter(sessions)))
+                    await self.app.end_session(session)
+
+    def start(self, chore: Callable) -> anyio.CancelScope:
+        """Run ``chore`` in the server's tasks until the scope returned is
+        cancelled."""
+        scope = anyio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await chore()
+
+        self.tasks.start_soon(run)
+        return scope
+
+    async def reap_idle(self) -> None:
+        """End the idle sessions, every quarter of the idle time (30 s at
+        most)."""
+        while True:
+            await anyio.sleep(
+                min(self.app.config.http_session_idle_secs / 4, 30)
+            )
+            # The reaper must outlive any one session's trouble.
+            try:
+                await self.end_idle()
+            except Exception as err:
+                log.warning("ending idle sessions failed (%s)", describe(err))
+
+    async def watch_tokens(self) -> None:
+        """End the sessions of deleted tokens and save when tokens were
+        last used, every TOKEN_WATCH_SECS."""
+        while True:
+            await anyio.sleep(TOKEN_WATCH_SECS)
+            await self.end_revoked()
+            self.app.access.tokens.flush_usage()
+
+    async def stop_serving(self) -> None:
+        """Once told to stop, stop the POSTs being served (one task for
+        all: none per request); calls that can answer for themselves, as
+        those waiting for approval, do first."""
+        await self.stopping.wait()
+        await self.app.approvals.interrupt()
+        for serving in list(self.serving):
+            serving.cancel()
 
     def session_for(self, ctx) -> Session:
+        """The session of a request the SDK serves: its token's in the 2026
+        era (state per token name), else its Mcp-Session-Id's."""
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
-        principal, version = self.app.principal_for(ctx), ctx.protocol_version
-        if version in MODERN_PROTOCOL_VERSIONS:  # state per token name
+        principal = self.app.principal_for(ctx)
+        version = ctx.protocol_version
+        if version in MODERN_PROTOCOL_VERSIONS:
             return self.modern_session(principal)
         http_id = ctx.request.headers.get("mcp-session-id", "")
-        # Opened when initialize was answered; a request the SDK let through after
-        # ours ended (a deleted token's session, closing) gets one of its own.
+        # Opened when initialize was answered; a request the SDK let
+        # through after ours ended (a deleted token's session, closing)
+        # gets one of its own.
         return self.by_id.get(http_id) or self.open_handshake(
             principal, http_id, version
         )
@@ -10240,9 +10414,8 @@ class HttpSessions:
     def modern_session(self, principal: Principal) -> Session:
         """The 2026-era session of a token (made again if the token was)."""
         earlier = self.by_principal.get(principal.name)
-        if (
-            earlier is not None and earlier.principal.id != principal.id
-        ):  # deleted, made again
+        # The token was deleted and made again: its old session ends.
+        if earlier is not None and earlier.principal.id != principal.id:
             del self.by_principal[principal.name]
             self.tasks.start_soon(self.app.end_session, earlier)
         if principal.name not in self.by_principal:
@@ -10255,197 +10428,208 @@ class HttpSessions:
     def open_handshake(
         self, principal: Principal, http_id: str, protocol: str | None
     ) -> Session:
-        session = self.app.open_session(
-            (http_id or secrets_module.token_hex(4))[:8], self.tasks
-        )
+        """A handshake-era session, kept by its Mcp-Session-Id if it has
+        one."""
+        label = (http_id or secrets_module.token_hex(4))[:8]
+        session = self.app.open_session(label, self.tasks)
         session.principal = principal
         if http_id:
-            session.http_id, session.protocol = http_id, protocol
+            session.http_id = http_id
+            session.protocol = protocol
             self.by_id[http_id] = session
         return session
 
-    async def plain_api(
-        self, scope: dict, receive: Callable, send: Callable, body: bytes
-    ) -> None:
-        """The plain HTTP API: GET {api} lists the token's tools, POST {api}/NAME with a JSON
-        object of arguments calls one through call_tool as the token's 2026-era session (so the
-        MCP path's scopes, ownership, approvals and log); it is cancelled if its client goes."""
-        from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+    async def end_revoked(self) -> None:
+        """End the sessions of tokens deleted (or made again): once no call
+        waits for approval (they answer approval_token_deleted), and
+        TOKEN_END_GRACE_SECS for its other calls."""
+        live = self.app.access.live_ids()
+        for session in [*self.by_principal.values(), *self.by_id.values()]:
+            name = session.principal.name
+            if live.get(name) == session.principal.id:
+                continue
+            session.revoked_at = session.revoked_at or time.monotonic()
+            waited = time.monotonic() - session.revoked_at
+            grace = waited < TOKEN_END_GRACE_SECS
+            if session.held or (session.in_flight and grace):
+                continue
+            log.info(
+                "token %s was deleted: ending its session %s", name, session.id
+            )
+            await self.drop(session)
 
-        api, principal = self.api, scope["state"]["smol_principal"]
-        name, method = scope["path"][len(api) :].lstrip("/"), scope["method"]
-        if not name and method == "GET":
-            tools = self.app.tool_list(self.app.mode == "both", principal)
-            listed = [
-                t.model_dump(mode="json", by_alias=True, exclude_none=True)
-                for t in tools
-            ]
-            return await _respond(send, 200, {"tools": listed})
-        arguments, refusal = (
-            json_body(body or b"{}"),
-            None,
-        )  # no body: no arguments
-        if method != "POST" or not name:
-            refusal = (
-                405,
-                f"POST {api}/NAME a JSON object of arguments; GET {api} lists the tools",
+    async def end_idle(self) -> None:
+        """End every session with no request in flight and none for
+        httpSessionIdleSecs (HTTP_UNUSED_SESSION_SECS if it never made a
+        call), whatever streams it holds open."""
+        idle = self.app.config.http_session_idle_secs
+        for session in [*self.by_principal.values(), *self.by_id.values()]:
+            limit = idle
+            why = "idle"
+            if not session.used:
+                limit = min(idle, HTTP_UNUSED_SESSION_SECS)
+                why = "unused"
+            quiet = time.monotonic() - session.last_seen
+            if session.in_flight or quiet < limit:
+                continue
+            log.info(
+                "session %s %s for %d s: ending it", session.id, why, limit
             )
-        elif name not in TOOLS_BY_NAME:
-            refusal = (
-                404,
-                f"there is no tool named {name!r}; GET {api} lists yours",
-            )
-        elif not isinstance(arguments, dict):
-            refusal = (
-                400,
-                "the body must be a JSON object of the tool's arguments",
-            )
-        else:  # json.loads takes "\ud800", which no UTF-8 carries to the engine or the log
-            try:
-                json.dumps(arguments, ensure_ascii=False).encode()
-            except UnicodeEncodeError:
-                refusal = (
-                    400,
-                    "a string in the body holds a lone surrogate (\\udXXX): send UTF-8",
-                )
-        if refusal is not None:
-            return await _respond(send, refusal[0], {"error": refusal[1]})
-        ctx = PlainRequest(scope, MODERN_PROTOCOL_VERSIONS[0])
-        session = self.modern_session(principal)
-        session.used, session.in_flight, result = (
-            True,
-            session.in_flight + 1,
-            None,
-        )
+            await self.drop(session)
+
+    async def drop(self, session: Session) -> None:
+        """Forget a session and end it; a handshake-era one first through
+        the manager, as its client's DELETE would (the SDK closes its
+        streams, its exit stack runs our cleanup)."""
+        if session.http_id is None:
+            self.by_principal = {
+                k: v for k, v in self.by_principal.items() if v is not session
+            }
+            return await self.app.end_session(session)
+        self.by_id.pop(session.http_id, None)
+        statuses = []
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
         try:
-            async with anyio.create_task_group() as group:
-
-                async def watch_client() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    group.cancel_scope.cancel()  # the call ends as a client that went away
-
-                group.start_soon(watch_client)
-                params = sdk_types().CallToolRequestParams(
-                    name=name, arguments=arguments
-                )
-                result = await self.app.call_tool(ctx, params)
-                group.cancel_scope.cancel()
-        finally:
-            session.in_flight -= 1
-            session.last_seen = time.monotonic()
-        if result is not None and result.is_error:
-            await _respond(
-                send,
-                plain_status(ctx.failure),
-                {"error": result.content[0].text},
+            scope = delete_scope(session, self.path)
+            await self.manager.handle_request(scope, receive, send)
+        except Exception as err:
+            statuses.append(describe(err))
+        if statuses != [200]:
+            log.warning(
+                "session %s: ending it for idleness answered %s",
+                session.id,
+                statuses,
             )
-        elif (
-            result is not None
-        ):  # None: the client went away, nobody to answer
-            await _respond(send, 200, result.structured_content)
+        await self.app.end_session(session)
 
-    async def forward(
+
+class McpEndpoint:
+    """The MCP path: each request handed to the SDK's app, keeping the
+    books of HttpSessions as it passes (sessions opened and ended, calls
+    in flight, the client that hung up, the shutdown)."""
+
+    def __init__(self, sessions: HttpSessions, sdk_app: Any):
+        self.sessions = sessions
+        self.sdk_app = sdk_app
+
+    async def __call__(
         self, scope: dict, receive: Callable, send: Callable, body: bytes
     ) -> None:
-        """Hand one request to the SDK and keep its session's books: a POST of requests is in
-        flight while served (a listen stream, open while idle, is not), initialize's answer
-        opens a handshake session, and an accepted DELETE ends one."""
-        from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
-
+        """Hand one request to the SDK and keep its session's books: a POST
+        of requests is in flight while served (a listen stream, open while
+        idle, is not), initialize's answer opens a handshake session, and
+        an accepted DELETE ends one."""
         principal = scope["state"]["smol_principal"]
         headers = {
             k.decode("latin-1"): v.decode("latin-1")
             for k, v in scope["headers"]
         }
-        http_id, version = (
-            headers.get("mcp-session-id"),
-            headers.get("mcp-protocol-version"),
-        )
-        methods = request_methods(body) if scope["method"] == "POST" else []
-        answer: dict = {"status": None, "headers": {}, "body": b""}
-
-        async def watch(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                answer["status"] = message["status"]
-                answer["headers"] = {
-                    k.lower(): v for k, v in message.get("headers", [])
-                }
-            elif (
-                message["type"] == "http.response.body"
-                and "initialize" in methods
-            ):
-                answer["body"] += message.get("body", b"")
-            await send(message)
-
-        # A token's share of sessions; named tokens leave one share for the operator's own.
-        share, room = (
-            HTTP_SESSIONS_PER_TOKEN,
-            HTTP_MAX_SESSIONS - len(self.by_id),
-        )
+        http_id = headers.get("mcp-session-id")
+        version = headers.get("mcp-protocol-version")
+        methods = []
+        if scope["method"] == "POST":
+            methods = request_methods(body)
         if "initialize" in methods and not http_id:
-            mine = sum(
-                1
-                for s in self.by_id.values()
-                if s.principal.id == principal.id
-            )
-            if mine >= share or (
-                principal.name != "default" and room <= share
-            ):
-                busy = f"{principal.label()} has {share} sessions open, its share; end one (a "
-                busy += "client's DELETE, or let it idle out) before opening another"
-                return await _respond(send, 503, {"error": busy})
-        if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
-            session = self.modern_session(principal) if methods else None
-        else:
-            session = self.by_id.get(http_id or "")
-        if session is not None:
-            session.protocol = (
-                version if http_id and version else session.protocol
-            )
-            session.used = session.used or any(
-                method in SESSION_USES for method in methods
-            )
-        if (
-            session is None
-            or not methods
-            or set(methods) == {"subscriptions/listen"}
-        ):
+            busy = self.over_share(principal)
+            if busy is not None:
+                return await send_json(send, 503, {"error": busy})
+        watch = ResponseWatch(send, keep_body="initialize" in methods)
+        session = self.session_of(principal, http_id, version, methods)
+        listening = set(methods) == {"subscriptions/listen"}
+        if session is None or not methods or listening:
             await self.to_sdk(scope, receive, watch, body)
         else:
             await self.serve(scope, receive, watch, session, body)
-        opened = (
-            answer["headers"].get(b"mcp-session-id", b"").decode("latin-1")
+        self.settle(scope["method"], principal, http_id, watch)
+
+    def over_share(self, principal: Principal) -> str | None:
+        """Why ``principal`` may open no more sessions, or None. A token's
+        share is HTTP_SESSIONS_PER_TOKEN; named tokens leave one share for
+        the operator's own."""
+        share = HTTP_SESSIONS_PER_TOKEN
+        room = HTTP_MAX_SESSIONS - len(self.sessions.by_id)
+        mine = sum(
+            1
+            for s in self.sessions.by_id.values()
+            if s.principal.id == principal.id
         )
+        named = principal.name != "default"
+        if mine < share and not (named and room <= share):
+            return None
+        return (
+            f"{principal.label()} has {share} sessions open, its share; "
+            "end one (a client's DELETE, or let it idle out) before opening "
+            "another"
+        )
+
+    def session_of(
+        self,
+        principal: Principal,
+        http_id: str | None,
+        version: str | None,
+        methods: list,
+    ) -> Session | None:
+        """The session a request to the SDK counts for, marked used when it
+        calls something (SESSION_USES); None when it has none yet."""
+        from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+
+        if version is not None and version not in HANDSHAKE_PROTOCOL_VERSIONS:
+            session = None
+            if methods:
+                session = self.sessions.modern_session(principal)
+        else:
+            session = self.sessions.by_id.get(http_id or "")
+        if session is None:
+            return None
+        if http_id and version:
+            session.protocol = version
+        if any(method in SESSION_USES for method in methods):
+            session.used = True
+        return session
+
+    def settle(
+        self,
+        method: str,
+        principal: Principal,
+        http_id: str | None,
+        watch: ResponseWatch,
+    ) -> None:
+        """After the SDK answered: open the handshake session an initialize
+        answer named, end the one an accepted DELETE did."""
+        opened = watch.headers.get(b"mcp-session-id", b"").decode("latin-1")
+        answered = watch.status == 200
         if (
             not http_id
             and opened
-            and answer["status"] == 200
-            and opened not in self.by_id
+            and answered
+            and opened not in self.sessions.by_id
         ):
-            settled = json_body(
-                answer["body"], "result", "protocolVersion"
-            )  # by initialize
-            self.open_handshake(
-                principal,
-                opened,
-                settled if isinstance(settled, str) else None,
-            )
-        if (
-            scope["method"] == "DELETE"
-            and answer["status"] == 200
-            and http_id in self.by_id
-        ):
-            self.tasks.start_soon(
-                self.app.end_session, self.by_id.pop(http_id)
+            # The protocol version that initialize settled on.
+            settled = json_body(watch.body, "result", "protocolVersion")
+            if not isinstance(settled, str):
+                settled = None
+            self.sessions.open_handshake(principal, opened, settled)
+        if method == "DELETE" and answered and http_id in self.sessions.by_id:
+            ended = self.sessions.by_id.pop(http_id)
+            self.sessions.tasks.start_soon(
+                self.sessions.app.end_session, ended
             )
 
     async def serve(
         self, scope: dict, receive: Callable, send: Callable, session, body
     ) -> None:
-        """Serve a POST of calls, in flight meanwhile, listening for its client to hang up:
-        then its calls are gone, and one waiting for approval ends (SPEC 13)."""
-        ids, gone = request_methods(body, "id"), anyio.Event()
+        """Serve a POST of calls, in flight meanwhile, listening for its
+        client to hang up: then its calls are gone, and one waiting for
+        approval ends."""
+        ids = request_methods(body, "id")
+        gone = anyio.Event()
 
         async def disconnected() -> dict:
             await gone.wait()
@@ -10473,188 +10657,158 @@ class HttpSessions:
     async def to_sdk(
         self, scope: dict, receive: Callable, send: Callable, body: bytes
     ) -> None:
-        """Hand a request to the SDK. Once told to stop (SIGTERM, SIGINT), a POST still served is
-        stopped and answered with a JSON-RPC error saying so, not cut off by a plain-text 500."""
-        stopping, sent = self.stopping, set()
+        """Hand a request to the SDK. Once told to stop (SIGTERM, SIGINT), a
+        POST still served is stopped and answered with a JSON-RPC error
+        saying so, not cut off by a plain-text 500."""
+        stopping = self.sessions.stopping
         if scope["method"] != "POST" or stopping is None:
-            return await self.inner(scope, receive, send)
+            return await self.sdk_app(scope, receive, send)
+        sent = set()
 
         async def send_watch(message: dict) -> None:
             sent.add(message["type"])
             await send(message)
 
-        with (
-            anyio.CancelScope() as serving
-        ):  # stop_serving (in running) cancels it
-            self.serving.add(serving)
+        # stop_serving cancels it.
+        with anyio.CancelScope() as serving:
+            self.sessions.serving.add(serving)
             try:
-                if stopping.is_set():  # came in after the others were stopped
+                # It came in after the others were stopped.
+                if stopping.is_set():
                     serving.cancel()
-                await self.inner(scope, receive, send_watch)
+                await self.sdk_app(scope, receive, send_watch)
             finally:
-                self.serving.discard(serving)
-        if (
-            stopping.is_set() and "http.response.start" not in sent
-        ):  # an error for each request
-            request, error = (
-                json_body(body),
-                {"code": -32000, "message": SHUTDOWN_MESSAGE},
-            )
-            requests = request if isinstance(request, list) else [request]
-            ids = [
-                r.get("id") if isinstance(r, dict) else None for r in requests
-            ]
-            answers = [
-                {"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids
-            ]
-            await _respond(
-                send, 200, answers if isinstance(request, list) else answers[0]
-            )
+                self.sessions.serving.discard(serving)
+        if stopping.is_set() and "http.response.start" not in sent:
+            await send_json(send, 200, shutdown_answer(body))
 
-    async def end_revoked(self) -> None:
-        """End the sessions of tokens deleted (or made again): once no call waits for approval
-        (they answer approval_token_deleted), and TOKEN_END_GRACE_SECS for its other calls."""
-        live = self.app.access.live_ids()
-        for session in [*self.by_principal.values(), *self.by_id.values()]:
-            name = session.principal.name
-            if live.get(name) == session.principal.id:
-                continue
-            session.revoked_at = session.revoked_at or time.monotonic()
-            grace = (
-                time.monotonic() - session.revoked_at < TOKEN_END_GRACE_SECS
-            )
-            if session.held or (session.in_flight and grace):
-                continue
-            log.info(
-                "token %s was deleted: ending its session %s", name, session.id
-            )
-            await self.drop(session)
 
-    async def end_idle(self) -> None:
-        """End every session with no request in flight and none for httpSessionIdleSecs
-        (HTTP_UNUSED_SESSION_SECS if it never made a call), whatever streams it holds open."""
-        idle = self.app.config.http_session_idle_secs
-        for session in [*self.by_principal.values(), *self.by_id.values()]:
-            limit = (
-                idle if session.used else min(idle, HTTP_UNUSED_SESSION_SECS)
-            )
-            if (
-                session.in_flight
-                or time.monotonic() - session.last_seen < limit
-            ):
-                continue
-            why = "idle" if session.used else "unused"
-            log.info(
-                "session %s %s for %d s: ending it", session.id, why, limit
-            )
-            await self.drop(session)
+class ResponseWatch:
+    """A send that passes every message on, keeping the response's status
+    and headers, and its body when ``keep_body``."""
 
-    async def drop(self, session: Session) -> None:
-        """Forget a session and end it; a handshake-era one first through the manager, as its
-        client's DELETE would (the SDK closes its streams, its exit stack runs our cleanup)."""
-        if session.http_id is None:
-            self.by_principal = {
-                k: v for k, v in self.by_principal.items() if v is not session
+    def __init__(self, send: Callable, keep_body: bool):
+        self.send = send
+        self.keep_body = keep_body
+        self.status: int | None = None
+        self.headers: dict = {}
+        self.body = bytearray()
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.headers = {
+                k.lower(): v for k, v in message.get("headers", [])
             }
-            return await self.app.end_session(session)
-        self.by_id.pop(session.http_id, None)
-        http_id, version = (
-            session.http_id.encode(),
-            (session.protocol or "2025-06-18").encode(),
-        )
-        headers = [
-            (b"mcp-session-id", http_id),
-            (b"mcp-protocol-version", version),
-        ]
-        path, local, statuses = self.path, ("127.0.0.1", 0), []
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "state": {},
-        }
-        scope |= {
-            "method": "DELETE",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-        }
-        scope |= dict(
-            query_string=b"",
-            root_path="",
-            headers=headers,
-            client=local,
-            server=local,
-        )
-        scope["user"] = authenticated_user(
-            session.principal
-        )  # the SDK checks whose session it is
+        elif message["type"] == "http.response.body" and self.keep_body:
+            self.body.extend(message.get("body", b""))
+        await self.send(message)
 
-        async def receive() -> dict:
-            return {"type": "http.request", "body": b"", "more_body": False}
 
-        async def send(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                statuses.append(message["status"])
+def shutdown_answer(body: bytes) -> Any:
+    """The JSON-RPC answer to a body's requests (one, or a batch) that the
+    shutdown stopped: an error with SHUTDOWN_MESSAGE for each."""
+    request = json_body(body)
+    error = {"code": -32000, "message": SHUTDOWN_MESSAGE}
+    requests = request if isinstance(request, list) else [request]
+    ids = [r.get("id") if isinstance(r, dict) else None for r in requests]
+    answers = [{"jsonrpc": "2.0", "id": id_, "error": error} for id_ in ids]
+    if isinstance(request, list):
+        return answers
+    return answers[0]
 
-        try:
-            await self.manager.handle_request(scope, receive, send)
-        except Exception as err:
-            statuses.append(describe(err))
-        if statuses != [200]:
-            log.warning(
-                "session %s: ending it for idleness answered %s",
-                session.id,
-                statuses,
-            )
-        await self.app.end_session(session)
+
+def delete_scope(session: Session, path: str) -> dict:
+    """The ASGI scope of the DELETE that ends a handshake-era session, as
+    its client would send it (its user too: the SDK checks whose session
+    it is)."""
+    protocol = session.protocol or "2025-06-18"
+    headers = [
+        (b"mcp-session-id", session.http_id.encode()),
+        (b"mcp-protocol-version", protocol.encode()),
+    ]
+    local = ("127.0.0.1", 0)
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "state": {},
+        "method": "DELETE",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": headers,
+        "client": local,
+        "server": local,
+        "user": authenticated_user(session.principal),
+    }
 
 
 def build_http_app(app: SmolMcp, host: str, port: int, path: str):
-    """The ASGI application for --http: HttpGate in front of the SDK's session manager."""
+    """The ASGI application for --http: HttpGate in front of the SDK's
+    session manager, and of the server's own pages when it has an issuer
+    (see oauth_issuer)."""
     from mcp.server import streamable_http_manager as sdk_http
     from starlette.applications import Starlette
     from starlette.routing import Route
 
     config = app.config
-    settings = dict(
+    manager = sdk_http.StreamableHTTPSessionManager(
+        app.server,
         max_request_body_size=HTTP_MAX_BODY_BYTES,
         max_sessions=HTTP_MAX_SESSIONS,
+        json_response=True,
+        session_idle_timeout=config.http_session_idle_secs,
     )
-    settings.update(
-        json_response=True, session_idle_timeout=config.http_session_idle_secs
-    )
-    manager = sdk_http.StreamableHTTPSessionManager(app.server, **settings)
-    app.http = HttpSessions(app, manager, path)
-
     routes = [Route(path, endpoint=sdk_http.StreamableHTTPASGIApp(manager))]
-    # manager.run enters the server's lifespan once and ends every session at exit
-    app.http.inner = Starlette(routes=routes, lifespan=lambda _: manager.run())
-    public, issuer = None, oauth_issuer(config, host, port)
+    # manager.run enters the server's lifespan once and ends every session
+    # at exit.
+    sdk_app = Starlette(routes=routes, lifespan=lambda _: manager.run())
+    app.http = HttpSessions(app, manager, path)
+    issuer = oauth_issuer(config, host, port)
+    public_app = None
     if issuer:
         app.pages = Pages(app.access.state_dir, issuer)
-        routes = oauth_routes(app, issuer, path) + console_routes(app)
-        public = Starlette(
-            routes=routes,
-            exception_handlers={PageAnswer: lambda _, e: e.args[0]},
-        )
-    return HttpGate(
-        app.http.inner, app, default_allowed_hosts(config, host, port), public
+        public_app = pages_app(app, issuer, path)
+    allowed_hosts = default_allowed_hosts(config, host, port)
+    return HttpGate(app, sdk_app, allowed_hosts, public_app)
+
+
+def pages_app(app: SmolMcp, issuer: str, path: str) -> Any:
+    """The ASGI app of what HttpGate lets through without a token: sign-in
+    and consent, the SDK's OAuth routes on OAuthProvider, the console."""
+    from starlette.applications import Starlette
+
+    provider = OAuthProvider(app, issuer, issuer + path)
+    groups = (
+        SignInPages(app.pages, provider),
+        OAuthEndpoints(app.pages, provider),
+        TokenPages(app),
+        ApprovalPages(app),
+        ActivityPage(app),
     )
+    routes = [route for group in groups for route in group.routes()]
+    # A PageAnswer carries the response to send instead.
+    answers = {PageAnswer: lambda _, answer: answer.args[0]}
+    return Starlette(routes=routes, exception_handlers=answers)
 
 
-# -- the operator's console (section 18) -----------------------------------------
+# -- the operator's console -------------------------------------------------
 #
-# /console: the tokens, the calls waiting for approval and the activity log, for the operator
-# signed in as in section 17 (a bearer token opens none of it, the session cookie calls no tool).
-# Plain HTML through Pages.page, no script; every form carries the CSRF token, every value an
-# agent chose is escaped, each change is the terminal's own event naming operator and console.
+# /console: the tokens, the calls waiting for approval and the activity log,
+# for the operator signed in to the server's own pages (section 14b; a
+# bearer token opens none of it, the session cookie calls no tool). Plain
+# HTML through Pages.page, no script; every form carries the CSRF token,
+# every value an agent chose is escaped, each change is the terminal's own
+# event naming operator and console.
 
 CONSOLE_WHO = {"principal": "operator", "via": "console"}
-REVIEW_PAGE = "/console/approvals/"  # + the id: one waiting call, linked from the webhook
-CONSOLE_REFRESH_SECS = (
-    5  # the approvals list reloads itself this often while open
-)
+# + the id: one waiting call, linked from the webhook.
+REVIEW_PAGE = "/console/approvals/"
+# The approvals list reloads itself this often while open.
+CONSOLE_REFRESH_SECS = 5
 CONSOLE_PAGE_ROWS = 50
 CONSOLE_PERIODS = dict(
     zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(","))
@@ -10667,311 +10821,428 @@ CONSOLE_PAGES = {
 CONSOLE_NAV = " ".join(
     f'<a href="/console/{p}">{name}</a>' for p, name in CONSOLE_PAGES.items()
 )
-CHECKBOX = '<label><input type="checkbox" name="{}" value="{}"{}> {}</label>'  # and the consent's
+DEFAULT_TOKEN_CARD = (
+    "<section><h2>default</h2><p>SMOL_MCP_AUTH_TOKEN: every scope and "
+    "fleet, no approval; set in the server's environment</p></section>"
+)
 
 
-def console_routes(app: SmolMcp) -> list:
-    from starlette.responses import RedirectResponse
-    from starlette.routing import Route
+class ConsolePages:
+    """What the console's page groups share: the server's pages, settings
+    and access, and show(), which makes a page of the console."""
 
-    pages, config, access = app.pages, app.config, app.access
+    def __init__(self, app: SmolMcp):
+        self.app = app
+        self.pages = app.pages
+        self.config = app.config
+        self.access = app.access
 
     def show(
-        request: Any, title: str, body: str, status: int = 200, head: str = ""
+        self, request: Any, title: str, body: str, status=200, head=""
     ) -> Any:
-        pages.require_operator(request)
-        return pages.page(
-            request,
-            title,
-            f"<nav>{CONSOLE_NAV}</nav>{body}",
-            status,
-            head=head,
-        )
+        """A console page, for the signed-in operator only: the console's
+        links, then ``body``."""
+        self.pages.require_operator(request)
+        shown = f"<nav>{CONSOLE_NAV}</nav>{body}"
+        return self.pages.page(request, title, shown, status, head=head)
 
-    def form_to(request: Any, action: str, fields: str) -> str:
-        return f'<form method="post" action="{action}">{pages.csrf_input(request)}{fields}</form>'
 
-    def waiting_card(request: Any, call: dict) -> str:
-        try:
-            left = f"{max(0, int(parse_time(call['expiresAt']) - time.time()))} s left"
-        except (ValueError, TypeError):
-            left = "time left unknown"
-        on = f" on {esc(call['machine'])}" if call.get("machine") else ""
-        options = "".join(
-            f'<option value="{k}">{v}</option>'
-            for k, v in CONSOLE_PERIODS.items()
-        )
-        arguments = json.dumps(
-            call.get("arguments") or {}, indent=1, ensure_ascii=False
-        )
-        review = REVIEW_PAGE + esc(call["id"])
-        buttons = (
-            '<button name="answer" value="approve">Approve</button> <label>Auto-approve for '
-            f'<select name="auto">{options}</select></label><button name="answer" value="auto">'
-            'Approve + auto-approve</button><label>Reason <input type="text" name="reason" '
-            'maxlength="500"></label><button name="answer" value="reject">Reject</button>'
-        )
-        return (
-            f"<section><h2>{esc(call['tool'])}{on}</h2><p>token <b>{esc(call['token'])}</b>, "
-            f'{left}, <a href="{review}">review {esc(call["id"])}</a></p>'
-            f"<pre>{esc(arguments)}</pre>{form_to(request, review, buttons)}</section>"
-        )
+class ApprovalPages(ConsolePages):
+    """The calls waiting for approval, each a card with its arguments and
+    the form that answers it; one call's own page is what the webhook
+    links to."""
 
-    async def approvals(request: Any) -> Any:
+    def routes(self) -> list:
+        from starlette.routing import Route
+
+        return [
+            Route("/console", self.to_approvals),
+            Route("/console/approvals", self.waiting),
+            Route("/console/approvals/{id}", self.waiting),
+            Route("/console/approvals/{id}", self.answer, methods=["POST"]),
+        ]
+
+    def to_approvals(self, request: Any) -> Any:
+        from starlette.responses import RedirectResponse
+
+        return RedirectResponse("/console/approvals", 303)
+
+    async def waiting(self, request: Any) -> Any:
+        """The calls waiting, newest first, the page reloading itself; with
+        an id, that call's review page, which does not reload under the
+        person reading it (404 once the call is gone)."""
         calls = sorted(
-            waiting_calls(config),
+            waiting_calls(self.config),
             key=lambda c: str(c["expiresAt"]),
             reverse=True,
         )
         wanted = request.path_params.get("id")
-        if (
-            wanted is not None
-        ):  # one call's review page, which does not reload under the person
+        if wanted is not None:
             calls = [call for call in calls if call["id"] == wanted]
-        gone = f"as {esc(wanted)}: it was answered, it timed out, or its client went away. "
-        gone = f'<p>No call waits {gone}<a href="/console/approvals">All waiting calls</a></p>'
-        body = "".join(waiting_card(request, call) for call in calls)
-        body = body or (
-            gone if wanted else "<p>No call waits for approval.</p>"
+        shown = [self.card(request, call) for call in calls]
+        if not shown:
+            shown = [nothing_waits(wanted)]
+        # The last answer, shown once.
+        notice = self.pages.require_operator(request).pop("notice", "")
+        if notice:
+            shown.insert(0, f'<p class="note">{esc(notice)}</p>')
+        status = 200
+        if wanted and not calls:
+            status = 404
+        head = ""
+        if not wanted:
+            head = (
+                f'<meta http-equiv="refresh" content="{CONSOLE_REFRESH_SECS}">'
+            )
+        body = "".join(shown)
+        return self.show(request, "Approvals", body, status, head)
+
+    def card(self, request: Any, call: dict) -> str:
+        """One waiting call: its tool and machine, token, time left,
+        arguments, and the form that answers it."""
+        on = ""
+        if call.get("machine"):
+            on = f" on {esc(call['machine'])}"
+        arguments = json.dumps(
+            call.get("arguments") or {}, indent=1, ensure_ascii=False
         )
-        refresh = (
-            f'<meta http-equiv="refresh" content="{CONSOLE_REFRESH_SECS}">'
-        )
-        notice = pages.require_operator(request).pop(
-            "notice", ""
-        )  # the last answer, shown once
-        body = (f'<p class="note">{esc(notice)}</p>' if notice else "") + body
-        status = 404 if wanted and not calls else 200
-        return show(
-            request, "Approvals", body, status, "" if wanted else refresh
+        review = REVIEW_PAGE + esc(call["id"])
+        form = self.pages.post_form(request, review, answer_fields())
+        return (
+            f"<section><h2>{esc(call['tool'])}{on}</h2>"
+            f"<p>token <b>{esc(call['token'])}</b>, {time_left(call)}, "
+            f'<a href="{review}">review {esc(call["id"])}</a></p>'
+            f"<pre>{esc(arguments)}</pre>{form}</section>"
         )
 
-    async def answer(request: Any) -> Any:
-        pages.require_operator(request)
-        form, call_id = await pages.form(request), request.path_params["id"]
-        choice, reason = (
-            str(form.get("answer")),
-            str(form.get("reason", ""))[:500],
-        )
-        auto = (
-            str(form.get("auto")) if choice == "auto" else None
-        )  # the period chosen
+    async def answer(self, request: Any) -> Any:
+        """Approve, approve and auto-approve for a period, or reject a
+        waiting call; back to the list, which says what was done."""
+        from starlette.responses import RedirectResponse
+
+        self.pages.require_operator(request)
+        form = await self.pages.form(request)
+        call_id = request.path_params["id"]
+        choice = str(form.get("answer"))
+        reason = str(form.get("reason", ""))[:500]
+        # The period chosen.
+        auto = None
+        if choice == "auto":
+            auto = str(form.get("auto"))
         try:
-            if choice not in ("approve", "auto", "reject") or auto not in (
-                None,
-                *CONSOLE_PERIODS,
-            ):
+            known = choice in ("approve", "auto", "reject")
+            if not known or auto not in (None, *CONSOLE_PERIODS):
                 raise SmolError(
-                    "Choose Approve, Approve + auto-approve (for a period) or Reject."
+                    "Choose Approve, Approve + auto-approve (for a period) "
+                    "or Reject."
                 )
             approve = choice != "reject"
             held, until = answer_approval(
-                config, call_id, approve, CONSOLE_WHO, auto, reason
+                self.config, call_id, approve, CONSOLE_WHO, auto, reason
             )
         except SmolError as err:
-            return show(
-                request, "Approvals", f'<p class="error">{esc(err)}</p>', 409
-            )
-        done = (
-            "rejected: it does not run"
-            if choice == "reject"
-            else "approved: it runs now"
-        )
-        done += (
-            f"; {held['token']} runs without asking until {until}"
-            if until
-            else ""
-        )
-        pages.session(request)["notice"] = (
-            f"{held['tool']} by {held['token']} {done}."
-        )
+            return self.show(request, "Approvals", error_html(err), 409)
+        notice = answered_notice(held, approve, until)
+        self.pages.session(request)["notice"] = notice
         return RedirectResponse("/console/approvals", 303)
 
-    def token_card(request: Any, record: dict, used: dict) -> str:
-        name, until = (
-            record["name"],
-            access.auto.shown(record["name"], record.get("id", "")),
+
+def nothing_waits(wanted: str | None) -> str:
+    """What the approvals page says when no call (or not call ``wanted``)
+    waits."""
+    if not wanted:
+        return "<p>No call waits for approval.</p>"
+    return (
+        f"<p>No call waits as {esc(wanted)}: it was answered, it timed "
+        "out, or its client went away. "
+        '<a href="/console/approvals">All waiting calls</a></p>'
+    )
+
+
+def time_left(call: dict) -> str:
+    """How long a waiting call has before it times out, for its card."""
+    try:
+        left = int(parse_time(call["expiresAt"]) - time.time())
+    except (ValueError, TypeError):
+        return "time left unknown"
+    return f"{max(0, left)} s left"
+
+
+def answer_fields() -> str:
+    """The buttons of a waiting call's form: Approve, Approve +
+    auto-approve for a period, Reject with a reason."""
+    options = "".join(
+        f'<option value="{k}">{v}</option>' for k, v in CONSOLE_PERIODS.items()
+    )
+    return (
+        '<button name="answer" value="approve">Approve</button> '
+        "<label>Auto-approve for "
+        f'<select name="auto">{options}</select></label>'
+        '<button name="answer" value="auto">Approve + auto-approve</button>'
+        '<label>Reason <input type="text" name="reason" maxlength="500">'
+        "</label>"
+        '<button name="answer" value="reject">Reject</button>'
+    )
+
+
+def answered_notice(held: dict, approve: bool, until: str | None) -> str:
+    """What the approvals list says, once, after an answer."""
+    done = "approved: it runs now"
+    if not approve:
+        done = "rejected: it does not run"
+    auto = ""
+    if until:
+        auto = f"; {held['token']} runs without asking until {until}"
+    return f"{held['tool']} by {held['token']} {done}{auto}."
+
+
+class TokenPages(ConsolePages):
+    """The access tokens, each a card with its End auto-approval and
+    Delete buttons (the default token shown, not changed), and the form for
+    a new one, whose secret is shown once."""
+
+    def routes(self) -> list:
+        from starlette.routing import Route
+
+        return [
+            Route("/console/tokens", self.tokens, methods=["GET", "POST"]),
+            Route("/console/tokens/{name}", self.change, methods=["POST"]),
+        ]
+
+    async def tokens(self, request: Any) -> Any:
+        """GET: the tokens, and the form for a new one; POST: make it, and
+        show its secret above the same page (400 and why, if it cannot be
+        made)."""
+        self.pages.require_operator(request)
+        made = ""
+        status = 200
+        if request.method == "POST":
+            made, status = await self.create(request)
+        # A person's page shows the file as it is now.
+        self.access.tokens.file.expire()
+        used = self.access.tokens.last_used()
+        cards = [
+            self.card(request, record, used)
+            for record in self.access.tokens.records()
+        ]
+        # Not in the tokens file: the page can show it, not change it.
+        if self.config.auth_token:
+            cards.append(DEFAULT_TOKEN_CARD)
+        listed = "".join(cards) or "<p>No tokens yet.</p>"
+        form = self.pages.post_form(
+            request, "/console/tokens", self.new_token_fields()
         )
+        body = f"{made}{listed}<h2>New token</h2>{form}"
+        return self.show(request, "Access tokens", body, status)
+
+    def new_token_fields(self) -> str:
+        """The fields of the form that makes a token."""
+        scopes = "".join(checkbox_html("scope", scope) for scope in SCOPES)
+        fleets = "".join(
+            checkbox_html("target", fleet, checked=True)
+            for fleet in FLEET_NAMES
+        )
+        approval = checkbox_html(
+            "approval", "changes", "Require approval for changes"
+        )
+        return (
+            '<label>Name <input type="text" name="name" maxlength="64" '
+            "required></label>"
+            f"<fieldset><legend>Scopes</legend>{scopes}</fieldset>"
+            f"<fieldset><legend>Fleets</legend>{fleets}</fieldset>"
+            f"{approval}{self.pages.confirm_field('a new token')}"
+            "<button>Create token</button>"
+        )
+
+    async def create(self, request: Any) -> tuple[str, int]:
+        """Make the token the form asks for: its secret and how to use it,
+        with 200; or why not, with 400."""
+        form = await self.pages.form(request)
+        try:
+            why = await self.pages.confirm(request, form)
+            if why:
+                raise SmolError(why)
+            name = str(form.get("name", "")).strip()
+            scopes = parse_scopes(",".join(form.getlist("scope")))
+            targets = parse_targets(",".join(form.getlist("target")))
+            approval = "none"
+            if form.get("approval") == "changes":
+                approval = "changes"
+            _, secret = self.access.tokens.create(
+                name, scopes, targets, approval
+            )
+        except SmolError as err:
+            return error_html(err), 400
+        made = {
+            "event": "token",
+            "outcome": "created",
+            "token": name,
+            "scopes": scopes,
+            "targets": targets,
+            "approval": approval,
+        }
+        cli_record(self.config, made, CONSOLE_WHO)
+        return self.secret_shown(name, secret), 200
+
+    def secret_shown(self, name: str, secret: str) -> str:
+        """A new token's secret, shown this once, with each client's setup
+        entry and a curl of the plain API."""
+        url = self.pages.issuer + self.app.http.path
+        entries = "".join(
+            f"<h3>{client}</h3>"
+            f"<pre>{esc(token_entry(client, url, self.config, name, secret))}"
+            "</pre>"
+            for client in SETUP_CLIENTS
+        )
+        api = self.pages.issuer + plain_api_path(self.app.http.path)
+        return (
+            f"<p>Created <b>{esc(name)}</b>. Its secret, shown this once "
+            f"(only its hash is kept):</p><pre>{esc(secret)}</pre>{entries}"
+            f"<h3>curl</h3><pre>curl -H 'Authorization: Bearer "
+            f"{esc(secret)}' {esc(api)}</pre>"
+        )
+
+    def card(self, request: Any, record: dict, used: dict) -> str:
+        """One token: its scopes, fleets, client, approval, auto-approval,
+        when made and last used, and its buttons."""
+        name = record["name"]
+        until = self.access.auto.shown(name, record.get("id", ""))
         auto = {"off": "off", "forever": "forever"}.get(
             until, f"until {until}"
         )
-        end = '<button name="action" value="auto-off">End auto-approval</button> '
-        buttons = f'{end * (until != "off")}<button name="action" value="delete">Delete</button>'
+        end = ""
+        if until != "off":
+            end = (
+                '<button name="action" value="auto-off">End auto-approval'
+                "</button> "
+            )
+        delete = '<button name="action" value="delete">Delete</button>'
+        action = f"/console/tokens/{urllib.parse.quote(name)}"
+        scopes = ", ".join(record["scopes"])
+        fleets = ", ".join(record["targets"])
+        client = record.get("client") or "-"
+        created = record.get("createdAt", "-")
+        last_used = used.get(name, "never")
         return (
-            f"<section><h2>{esc(name)}</h2><p>scopes {esc(', '.join(record['scopes']))}; fleets "
-            f"{esc(', '.join(record['targets']))}; client {esc(record.get('client') or '-')}<br>"
-            f"approval {esc(record['approval'])}; auto-approval {esc(auto)}<br>created "
-            f"{esc(record.get('createdAt', '-'))}; last used {esc(used.get(name, 'never'))}</p>"
-            f"{form_to(request, f'/console/tokens/{urllib.parse.quote(name)}', buttons)}</section>"
+            f"<section><h2>{esc(name)}</h2><p>scopes {esc(scopes)}; "
+            f"fleets {esc(fleets)}; client {esc(client)}<br>"
+            f"approval {esc(record['approval'])}; "
+            f"auto-approval {esc(auto)}<br>"
+            f"created {esc(created)}; last used {esc(last_used)}</p>"
+            f"{self.pages.post_form(request, action, end + delete)}</section>"
         )
 
-    async def tokens(request: Any) -> Any:
-        pages.require_operator(request)
-        scopes = "".join(CHECKBOX.format("scope", v, "", v) for v in SCOPES)
-        fleets = "".join(
-            CHECKBOX.format("target", v, " checked", v) for v in FLEET_NAMES
-        )
-        fields = (
-            '<label>Name <input type="text" name="name" maxlength="64" required></label>'
-            f"<fieldset><legend>Scopes</legend>{scopes}</fieldset><fieldset><legend>Fleets</legend>"
-            f'{fleets}</fieldset><label><input type="checkbox" name="approval" value="changes"> '
-            f"Require approval for changes</label>{pages.confirm_field('a new token')}"
-            "<button>Create token</button>"
-        )
-        shown, status = "", 200
-        if request.method == "POST":
-            form = await pages.form(request)
-            try:
-                if why := await pages.confirm(request, form):
-                    raise SmolError(why)
-                name = str(form.get("name", "")).strip()
-                scopes = parse_scopes(",".join(form.getlist("scope")))
-                targets = parse_targets(",".join(form.getlist("target")))
-                approval = (
-                    "changes" if form.get("approval") == "changes" else "none"
-                )
-                record, secret = access.tokens.create(
-                    name, scopes, targets, approval
-                )
-            except SmolError as err:
-                shown, status = f'<p class="error">{esc(err)}</p>', 400
-            else:
-                made = {
-                    "event": "token",
-                    "outcome": "created",
-                    "token": name,
-                    "scopes": scopes,
-                }
-                cli_record(
-                    config,
-                    {**made, "targets": targets, "approval": approval},
-                    CONSOLE_WHO,
-                )
-                url = pages.issuer + app.http.path
-                ways = [
-                    (c, token_entry(c, url, config, name, secret))
-                    for c in SETUP_CLIENTS
-                ]
-                entries = "".join(
-                    f"<h3>{c}</h3><pre>{esc(entry)}</pre>" for c, entry in ways
-                )
-                shown = (
-                    f"<p>Created <b>{esc(name)}</b>. Its secret, shown this once (only its hash "
-                    f"is kept):</p><pre>{esc(secret)}</pre>{entries}<h3>curl</h3><pre>curl -H "
-                    f"'Authorization: Bearer {esc(secret)}' {esc(pages.issuer + app.http.api)}"
-                    "</pre>"
-                )
-        access.tokens.file.expire()  # a person's page shows the file as it is now
-        used = access.tokens.last_used()
-        cards = "".join(
-            token_card(request, r, used) for r in access.tokens.records()
-        )
-        if (
-            config.auth_token
-        ):  # not in the tokens file: the page can show it, not change it
-            cards += "<section><h2>default</h2><p>SMOL_MCP_AUTH_TOKEN: every scope and fleet, "
-            cards += (
-                "no approval; set in the server's environment</p></section>"
-            )
-        new = (
-            f"<h2>New token</h2>{form_to(request, '/console/tokens', fields)}"
-        )
-        body = f"{shown}{cards or '<p>No tokens yet.</p>'}{new}"
-        return show(request, "Access tokens", body, status)
+    async def change(self, request: Any) -> Any:
+        """Delete a token, or end its auto-approval; back to the tokens
+        (404 when there was nothing to do)."""
+        from starlette.responses import RedirectResponse
 
-    async def token_action(request: Any) -> Any:
-        pages.require_operator(request)
-        form, name = await pages.form(request), request.path_params["name"]
-        if form.get("action") == "delete" and access.tokens.delete(name):
-            cli_record(
-                config,
-                {"event": "token", "outcome": "deleted", "token": name},
-                CONSOLE_WHO,
-            )
-        elif form.get("action") == "auto-off" and access.auto.end(name):
+        self.pages.require_operator(request)
+        form = await self.pages.form(request)
+        name = request.path_params["name"]
+        action = form.get("action")
+        if action == "delete" and self.access.tokens.delete(name):
+            deleted = {"event": "token", "outcome": "deleted", "token": name}
+            cli_record(self.config, deleted, CONSOLE_WHO)
+        elif action == "auto-off" and self.access.auto.end(name):
             ended = {
                 "event": "approval",
                 "approval": "auto-approval ended",
                 "token": name,
             }
-            cli_record(config, ended, CONSOLE_WHO)
+            cli_record(self.config, ended, CONSOLE_WHO)
         else:
-            return show(
-                request,
-                "Access tokens",
-                f"<p>Nothing to do for {esc(name)}.</p>",
-                404,
-            )
+            nothing = f"<p>Nothing to do for {esc(name)}.</p>"
+            return self.show(request, "Access tokens", nothing, 404)
         return RedirectResponse("/console/tokens", 303)
 
-    async def activity(request: Any) -> Any:
+
+class ActivityPage(ConsolePages):
+    """The activity log, newest first, filtered by token, machine and
+    period, CONSOLE_PAGE_ROWS entries a page."""
+
+    def routes(self) -> list:
+        from starlette.routing import Route
+
+        return [Route("/console/activity", self.activity)]
+
+    async def activity(self, request: Any) -> Any:
+        """The entries ?token=, ?machine= and ?since= ask for, page ?page=
+        of them, with the filter's form and links to the pages around."""
         query = request.query_params
         asked = {
             key: query.get(key, "").strip()[:100]
             for key in ("token", "machine", "since")
         }
-        error, page = (
-            "",
-            max(
-                1,
-                int(query["page"])
-                if query.get("page", "")[:6].isdigit()
-                else 1,
-            ),
-        )
+        page = page_number(query)
+        since = None
+        error = ""
         try:
-            since = parse_period(asked["since"]) if asked["since"] else None
+            if asked["since"]:
+                since = parse_period(asked["since"])
         except ValueError as err:
-            since, error = None, f'<p class="error">{esc(err)}</p>'
+            error = error_html(err)
         keep = activity_filter(
             asked["token"] or None, asked["machine"] or None, since
         )
-        # read no further back than this page and one more entry (a full log is large)
-        entries = access.activity.entries(
-            keep, limit=page * CONSOLE_PAGE_ROWS + 1
-        )[::-1]
-        listed = entries[(page - 1) * CONSOLE_PAGE_ROWS :][:CONSOLE_PAGE_ROWS]
-        rows = "".join(
-            f"<li>{' &middot; '.join(map(esc, activity_row(e)))}</li>"
-            for e in listed
-        )
-        box = '<label>{} <input type="text" name="{}" value="{}"></label>'
-        inputs = "".join(
-            box.format(key.title(), key, esc(value))
-            for key, value in asked.items()
-        )
-        older = len(entries) > page * CONSOLE_PAGE_ROWS
-        links = "".join(
-            f' <a href="?{esc(urllib.parse.urlencode({**asked, "page": n}))}">{label}</a>'
-            for n, label, shown in (
-                (page - 1, "Newer", page > 1),
-                (page + 1, "Older", older),
-            )
-            if shown
+        rows = CONSOLE_PAGE_ROWS
+        # Read no further back than this page and one more entry (a full
+        # log is large).
+        limit = page * rows + 1
+        entries = self.access.activity.entries(keep, limit=limit)[::-1]
+        listed = entries[(page - 1) * rows :][:rows]
+        older = len(entries) > page * rows
+        items = "".join(
+            f"<li>{' &middot; '.join(map(esc, activity_row(entry)))}</li>"
+            for entry in listed
         )
         body = (
-            f'<form method="get" action="/console/activity">{inputs}<button>Filter</button>'
-            f"</form>{error}<p>Newest first (since: 90s, 15m, 1h, 2d, 1w); page {page}.{links}"
-            f"</p><ol>{rows}</ol>"
+            f"{filter_form(asked)}{error}<p>Newest first (since: 90s, 15m, "
+            f"1h, 2d, 1w); page {page}.{page_links(asked, page, older)}</p>"
+            f"<ol>{items}</ol>"
         )
-        return show(request, "Activity", body)
+        return self.show(request, "Activity", body)
 
-    return [
-        Route(
-            "/console",
-            lambda request: RedirectResponse("/console/approvals", 303),
-        ),
-        Route("/console/approvals", approvals),
-        Route("/console/approvals/{id}", approvals),
-        Route("/console/approvals/{id}", answer, methods=["POST"]),
-        Route("/console/tokens", tokens, methods=["GET", "POST"]),
-        Route("/console/tokens/{name}", token_action, methods=["POST"]),
-        Route("/console/activity", activity),
-    ]
+
+def page_number(query: Any) -> int:
+    """The page of the activity log asked for: ?page=N, 1 unless it is a
+    number."""
+    asked = query.get("page", "")
+    if not asked[:6].isdigit():
+        return 1
+    return max(1, int(asked))
+
+
+def filter_form(asked: dict) -> str:
+    """The activity page's filter: a box for each of token, machine,
+    since."""
+    box = '<label>{} <input type="text" name="{}" value="{}"></label>'
+    inputs = "".join(
+        box.format(key.title(), key, esc(value))
+        for key, value in asked.items()
+    )
+    return (
+        f'<form method="get" action="/console/activity">{inputs}'
+        "<button>Filter</button></form>"
+    )
+
+
+def page_links(asked: dict, page: int, older: bool) -> str:
+    """The links to the newer and the older page, where there is one."""
+    links = []
+    for number, label, shown in (
+        (page - 1, "Newer", page > 1),
+        (page + 1, "Older", older),
+    ):
+        if shown:
+            query = urllib.parse.urlencode({**asked, "page": number})
+            links.append(f' <a href="?{esc(query)}">{label}</a>')
+    return "".join(links)
 
 
 def describe_mount_roots(config: Config) -> str:
-    """One line on the host directories an agent can mount, for the startup log and doctor."""
+    """One line on the host directories an agent can mount, for the
+    startup log and doctor."""
     roots = parse_mount_roots(config.mount_roots)
     if not roots:
         none = "none (mounts and host-path images are refused; mountRoots)"
@@ -10985,61 +11256,66 @@ def describe_mount_roots(config: Config) -> str:
         f"{r} ({'read-write on request' if w else 'read-only'})"
         for r, w in roots
     )
-    own = (
-        f"; never mountable, being this server's own: {', '.join(covered)}"
-        if covered
-        else ""
-    )
+    own = ""
+    if covered:
+        own = (
+            f"; never mountable, being this server's own: {', '.join(covered)}"
+        )
     return f"host directories exposed to agents (mountRoots): {shown}{own}"
 
 
 async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
+    """Serve --http on ``host``:``port`` until a stop signal."""
     import uvicorn
 
     asgi = build_http_app(app, host, port, path)
     if asgi.allowed_hosts is None:
-        off = "the Host check is off, because the name clients dial is not knowable here; set it"
+        off = (
+            "the Host check is off, because the name clients dial is not "
+            "knowable here; set it"
+        )
         log.warning(
             "bound to %s with no SMOL_MCP_HTTP_ALLOWED_HOSTS: %s to that name",
             host,
             off,
         )
-    listening = listen_socket(
-        host, port
-    )  # before saying "serving": a taken port says so
+    # Before saying "serving": a taken port says so.
+    listening = listen_socket(host, port)
     log.info("serving Streamable HTTP on http://%s:%d%s", host, port, path)
     log.info("%s", describe_mount_roots(app.config))
     bound = dataclasses.replace(app.config, http_host=host, http_port=port)
     log.info("oauth: %s", oauth_report(bound))
     config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
-    loop, app.http.stopping = asyncio.get_running_loop(), anyio.Event()
+    loop = asyncio.get_running_loop()
+    app.http.stopping = anyio.Event()
 
     class Server(uvicorn.Server):
-        """Told of a stop signal at once (so calls in flight are answered, see
-        HttpSessions.to_sdk), and exiting 0 after: uvicorn re-raises the signal once it is done."""
+        """Told of a stop signal at once (so calls in flight are answered,
+        see McpEndpoint.to_sdk), and exiting 0 after: uvicorn re-raises
+        the signal once it is done."""
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            app.stopping = True  # a call waiting for approval answers approval_interrupted
-            loop.call_soon_threadsafe(
-                app.http.stopping.set
-            )  # in a signal handler: the loop sets
+            # A call waiting for approval answers approval_interrupted.
+            app.stopping = True
+            # In a signal handler: the loop sets it.
+            loop.call_soon_threadsafe(app.http.stopping.set)
             super().handle_exit(sig, frame)
 
-    for sig in (
-        signal.SIGTERM,
-        signal.SIGINT,
-    ):  # they end the lifespan, which cleans up; and
-        signal.signal(
-            sig, lambda *_: None
-        )  # handled already, what uvicorn restores and re-raises
+    # SIGTERM and SIGINT end the lifespan, which cleans up; uvicorn
+    # restores the handlers it found and re-raises the signal once done,
+    # so what it finds must be a handler that does nothing (the signal was
+    # handled already).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     await Server(config).serve(sockets=[listening])
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
     """The listening socket of --http, or a SmolError saying what to do."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP by name: asyncio sets TCP_NODELAY only on such sockets, and without it
-    # Nagle and delayed ACKs hold every answer 40 ms (socket.create_server's proto is 0).
+    # IPPROTO_TCP by name: asyncio sets TCP_NODELAY only on such sockets,
+    # and without it Nagle and delayed ACKs hold every answer 40 ms
+    # (socket.create_server's proto is 0).
     listening = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -11048,83 +11324,85 @@ def listen_socket(host: str, port: int) -> socket.socket:
         return listening
     except OSError as err:
         listening.close()
-        busy = f"another program is listening there (find it with `ss -ltnp 'sport = :{port}'`)"
-        busy += ": stop it, or choose another port with --port or SMOL_MCP_HTTP_PORT"
+        why = f"cannot listen on {host}:{port}: {os.strerror(err.errno)}"
         advice = (
             "check --host (SMOL_MCP_HTTP_HOST) names an address of this host"
         )
-        why = f"cannot listen on {host}:{port}: {os.strerror(err.errno)}"
-        raise SmolError(
-            f"{why}; {busy if err.errno == errno.EADDRINUSE else advice}"
-        ) from None
+        if err.errno == errno.EADDRINUSE:
+            advice = (
+                "another program is listening there (find it with "
+                f"`ss -ltnp 'sport = :{port}'`): stop it, or choose another "
+                "port with --port or SMOL_MCP_HTTP_PORT"
+            )
+        raise SmolError(f"{why}; {advice}") from None
 
 
 # ---------------------------------------------------------------------------
 # 14b. Sign-in and OAuth (--http)
 #
-# A client connects by URL alone: this server is its own OAuth authorization server (the SDK's
-# routes over a provider kept in the state directory), and the person who consents is the operator,
-# signed in to the server's own pages with a password or a one-time link made on the host. A grant
-# is a named token, so all section 11 says of tokens holds for it. Pages are plain HTML made here:
-# no JavaScript, no files beside the module.
+# A client connects by URL alone: this server is its own OAuth
+# authorization server (the SDK's routes over a provider kept in the state
+# directory), and the person who consents is the operator, signed in to the
+# server's own pages with a password or a one-time link made on the host. A
+# grant is a named token, so all section 11 says of tokens holds for it.
+# Pages are plain HTML made here: no JavaScript, no files beside the module.
 # ---------------------------------------------------------------------------
 
-OPERATOR_FILE, OAUTH_CLIENTS_FILE = (
-    "operator.json",
-    "oauth-clients.json",
-)  # in the state directory
-SIGNIN_LINK_SECS = (
-    600  # a one-time sign-in link is good for this long, and once
-)
-SIGNIN_SESSION_SECS = (
-    8 * 3600
-)  # a session is bound to its browser's address and User-Agent
-SIGNIN_FRESH_SECS = (
-    300  # no password: a grant wider than Sandbox needs a session this young
-)
-SIGNIN_TRIES, SIGNIN_WINDOW_SECS = (
-    5,
-    300,
-)  # failed sign-ins per address, then it waits
-SIGNIN_ALL_TRIES = (
-    50  # failed sign-ins from all addresses in a window, then every one waits
-)
+# In the state directory.
+OPERATOR_FILE = "operator.json"
+OAUTH_CLIENTS_FILE = "oauth-clients.json"
+# A one-time sign-in link is good for this long, and once.
+SIGNIN_LINK_SECS = 600
+# A session is bound to its browser's address and User-Agent.
+SIGNIN_SESSION_SECS = 8 * 3600
+# No password: a grant wider than Sandbox needs a session this young.
+SIGNIN_FRESH_SECS = 300
+# Failed sign-ins per address in a window, then it waits.
+SIGNIN_TRIES = 5
+SIGNIN_WINDOW_SECS = 300
+# Failed sign-ins from all addresses in a window, then every one waits.
+SIGNIN_ALL_TRIES = 50
 SIGNIN_CHECKS = 2  # password checks (16 MiB of scrypt each) running at once
 OAUTH_REGISTRATIONS = 10  # client registrations per address in a window
-SIGNIN_MAX_SESSIONS = (
-    16  # signed-in browsers kept; past it the oldest is signed out
-)
-SESSION_COOKIE, FORM_COOKIE = "smol_session", "smol_form"
+# Signed-in browsers kept; past it the oldest is signed out.
+SIGNIN_MAX_SESSIONS = 16
+SESSION_COOKIE = "smol_session"
+FORM_COOKIE = "smol_form"
 MIN_PASSWORD_CHARS = 12
-PASSWORD_ATTRS = 'type="password" name="password" maxlength="1024" autocomplete="current-password"'
-PAGE_PATHS = (
-    "/signin",
-    "/signout",
-    "/consent",
-)  # and /console/...: reached without a token
-RESOURCE_METADATA = (
-    "/.well-known/oauth-protected-resource"  # RFC 9728, + the MCP path
+PASSWORD_ATTRS = (
+    'type="password" name="password" maxlength="1024" '
+    'autocomplete="current-password"'
 )
-OAUTH_PATHS = (
-    "/authorize",
-    "/token",
-    "/register",
-    "/revoke",
-)  # the SDK's routes
-OAUTH_MAX_CLIENTS = (
-    64  # registrations kept; past it the oldest without a grant is dropped
-)
-OAUTH_ACCESS_SECS, OAUTH_REFRESH_SECS, OAUTH_CODE_SECS = 3600, 30 * 86400, 300
-OAUTH_MAX_PENDING, OAUTH_CLIENT_PENDING = (
-    32,
-    4,
-)  # consent requests held, in all and per client
+# And /console/...: reached without a token.
+PAGE_PATHS = ("/signin", "/signout", "/consent")
+# RFC 9728, + the MCP path.
+RESOURCE_METADATA = "/.well-known/oauth-protected-resource"
+# The SDK's routes.
+OAUTH_PATHS = ("/authorize", "/token", "/register", "/revoke")
+# Registrations kept; past it the oldest without a grant is dropped.
+OAUTH_MAX_CLIENTS = 64
+OAUTH_ACCESS_SECS = 3600
+OAUTH_REFRESH_SECS = 30 * 86400
+OAUTH_CODE_SECS = 300
+# Consent requests held, in all and per client.
+OAUTH_MAX_PENDING = 32
+OAUTH_CLIENT_PENDING = 4
 OAUTH_MAX_REGISTRATION_BYTES = 8192
-OAUTH_CLIENT_FIELDS = set(  # what is kept of a registration: what this server uses
-    "client_id client_secret client_id_issued_at client_secret_expires_at client_name "
-    "redirect_uris token_endpoint_auth_method grant_types response_types scope".split()
-)
-GRANTS = {  # the consent page's grants, besides Choose scopes
+# What is kept of a registration: what this server uses.
+OAUTH_CLIENT_FIELDS = {
+    "client_id",
+    "client_secret",
+    "client_id_issued_at",
+    "client_secret_expires_at",
+    "client_name",
+    "redirect_uris",
+    "token_endpoint_auth_method",
+    "grant_types",
+    "response_types",
+    "scope",
+}
+# The consent page's grants, besides Choose scopes.
+GRANTS = {
     "Full": (
         "machines.read",
         "machines.manage",
@@ -11136,41 +11414,113 @@ GRANTS = {  # the consent page's grants, besides Choose scopes
 }
 GRANT_NOTES = {
     "Full": "every tool, on every machine",
-    "Read-only": "list machines, read their details and logs, and the activity log",
+    "Read-only": (
+        "list machines, read their details and logs, and the activity log"
+    ),
     "Sandbox": "create and use machines of its own; it never sees the others",
     "Choose scopes": "exactly the scopes ticked here",
 }
 FORM_REFUSED = (
-    "<p>This form was not sent from this site's page, or the page is out of date. "
-    'Go back, reload the page and send it again, or <a href="/signin">sign in</a>.</p>'
+    "<p>This form was not sent from this site's page, or the page is out "
+    "of date. Go back, reload the page and send it again, or "
+    '<a href="/signin">sign in</a>.</p>'
 )
 LINK_REFUSED = (
-    "That sign-in link is used, expired (links last 10 minutes) or wrong: make another with "
-    "`smol_mcp.py operator link`."
+    "That sign-in link is used, expired (links last 10 minutes) or wrong: "
+    "make another with `smol_mcp.py operator link`."
+)
+CONSENT_GONE = (
+    "<p>This request is unknown or over 10 minutes old: connect the client "
+    "again.</p>"
 )
 PAGE_STYLE = (
-    "body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:0 auto;padding:0 1em}header{"
-    "display:flex;flex-wrap:wrap;justify-content:space-between;align-items:center;gap:.5em;"
-    "border-bottom:1px solid #ccc;padding:.5em 0}input,button{font:inherit;padding:.3em .6em}label{"
-    "display:block;margin:.4em 0}input[type=text],input[type=password]{width:100%;"
-    "box-sizing:border-box}fieldset{border:1px solid #ccc;margin:1em 0}.error{color:#a00}.note{"
-    "color:#555}nav a{margin-right:1em}section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
-    "pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;padding:.5em}"
+    "body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:0 auto;"
+    "padding:0 1em}"
+    "header{display:flex;flex-wrap:wrap;justify-content:space-between;"
+    "align-items:center;gap:.5em;border-bottom:1px solid #ccc;"
+    "padding:.5em 0}"
+    "input,button{font:inherit;padding:.3em .6em}"
+    "label{display:block;margin:.4em 0}"
+    "input[type=text],input[type=password]{width:100%;"
+    "box-sizing:border-box}"
+    "fieldset{border:1px solid #ccc;margin:1em 0}"
+    ".error{color:#a00}"
+    ".note{color:#555}"
+    "nav a{margin-right:1em}"
+    "section{border-bottom:1px solid #ccc;padding-bottom:.5em}"
+    "pre{white-space:pre-wrap;overflow-wrap:anywhere;background:#f4f4f4;"
+    "padding:.5em}"
 )
+
+
+# -- HTML: escaping, the pieces the pages share, the layout ------------------
 
 
 def esc(value: Any) -> str:
-    """Text made safe inside HTML: every value a page shows goes through this."""
+    """Text made safe inside HTML: every value a page shows goes through
+    this."""
     return html.escape(str(value), quote=True)
 
 
+def error_html(error: Any) -> str:
+    """An error, as a page shows it."""
+    return f'<p class="error">{esc(error)}</p>'
+
+
+def checkbox_html(
+    name: str, value: str, label: str = "", checked: bool = False
+) -> str:
+    """A checkbox in its label (the value, unless ``label`` is given)."""
+    mark = " checked" if checked else ""
+    return (
+        f'<label><input type="checkbox" name="{esc(name)}" '
+        f'value="{esc(value)}"{mark}> {esc(label or value)}</label>'
+    )
+
+
+def page_html(title: str, body: str, who: str = "", head: str = "") -> str:
+    """A whole page around ``body``, readable on a phone: ``head`` in its
+    head, ``who`` (who is signed in) in its header."""
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f"{head}<title>{esc(title)} - smol-mcp</title>"
+        f"<style>{PAGE_STYLE}</style></head>"
+        f"<body><header><strong>smol-mcp</strong>{who}</header>"
+        f"<h1>{esc(title)}</h1>{body}</body></html>"
+    )
+
+
+def page_headers(form_to: str = "") -> dict:
+    """A page's headers: a CSP that allows only PAGE_STYLE and forms
+    posting here (and to ``form_to``, one source, else none), no framing,
+    no caching, no referrer."""
+    digest = hashlib.sha256(PAGE_STYLE.encode()).digest()
+    style = base64.b64encode(digest).decode()
+    if re.search(r"[;,\s'\"]", form_to):
+        form_to = ""
+    policy = (
+        f"default-src 'none'; style-src 'sha256-{style}'; "
+        f"form-action 'self' {form_to}; frame-ancestors 'none'; "
+        "base-uri 'none'"
+    )
+    return {
+        "content-security-policy": policy,
+        "x-frame-options": "DENY",
+        "cache-control": "no-store",
+        "referrer-policy": "no-referrer",
+    }
+
+
 class PageAnswer(Exception):
-    """The answer a page sends instead, raised with it: a signed-out browser sent to sign in, a
-    form without its CSRF token refused (see Pages.require_operator and Pages.form)."""
+    """The answer a page sends instead, raised with it: a signed-out
+    browser sent to sign in, a form without its CSRF token refused (see
+    Pages.require_operator and Pages.form)."""
 
 
 class Operator:
-    """The operator's password (scrypt, salted) and one-time sign-in links: never in clear."""
+    """The operator's password (scrypt, salted) and one-time sign-in
+    links: never in clear."""
 
     def __init__(self, state_dir: str | Path):
         self.file = StateFile(Path(state_dir) / OPERATOR_FILE, dict)
@@ -11183,9 +11533,9 @@ class Operator:
 
     def set_password(self, password: str) -> None:
         if len(password) < MIN_PASSWORD_CHARS:
-            why = f"use at least {MIN_PASSWORD_CHARS} (a few words work well)"
             raise ConfigError(
-                f"the password has {len(password)} characters; {why}"
+                f"the password has {len(password)} characters; use at "
+                f"least {MIN_PASSWORD_CHARS} (a few words work well)"
             )
         salt = secrets_module.token_hex(16)
         hashed = {"salt": salt, "scrypt": self._scrypt(password, salt)}
@@ -11200,7 +11550,8 @@ class Operator:
         )
 
     def generation(self) -> str | None:
-        """The password's salt: new with each password, so a session of the old one ends."""
+        """The password's salt: new with each password, so a session of
+        the old one ends."""
         return (self.file.read().get("password") or {}).get("salt")
 
     def new_link(self) -> str:
@@ -11223,7 +11574,8 @@ class Operator:
 
     def use_link(self, secret: str) -> bool:
         """Whether ``secret`` is a live link; it is spent either way."""
-        digest, now = secret_hash(secret), time.time()
+        digest = secret_hash(secret)
+        now = time.time()
 
         def take(data: dict) -> bool:
             links = data.get("links", [])
@@ -11252,83 +11604,98 @@ class Operator:
 
 
 class Pages:
-    """The server's own pages: who is signed in (sessions of this process, by an HttpOnly
-    SameSite=Strict cookie), sign-in rate limits, CSRF tokens, and the page renderer."""
+    """What the server's own pages share: who is signed in (sessions of
+    this process, by an HttpOnly SameSite=Strict cookie), sign-in rate
+    limits, CSRF tokens, and the page itself (page_html, page_headers)."""
 
     def __init__(self, state_dir: str | Path, issuer: str):
-        self.operator, self.issuer = Operator(state_dir), issuer
-        self.sessions: dict[
-            str, dict
-        ] = {}  # the cookie's SHA-256 -> expires, csrf, how, who
-        self.failures: dict[
-            str, list[float]
-        ] = {}  # address, "*" (all) -> times of failures
-        self.checking: set[str] = (
-            set()
-        )  # addresses with a password check under way
-        self.limiter: Any = None  # SIGNIN_CHECKS, made in the event loop
+        self.operator = Operator(state_dir)
+        self.issuer = issuer
+        # The cookie's SHA-256 -> expires, csrf, how, who.
+        self.sessions: dict[str, dict] = {}
+        # An address, or "*" for all -> the times of its failures.
+        self.failures: dict[str, list[float]] = {}
+        # Addresses with a password check under way.
+        self.checking: set[str] = set()
+        # SIGNIN_CHECKS at once, made in the event loop.
+        self.limiter: Any = None
 
     @staticmethod
     def who(request: Any) -> list:
-        """The browser a session is bound to: a cookie replayed from another address or
-        program (one an agent's published loopback port caught) is no session at all."""
+        """The browser a session is bound to: a cookie replayed from
+        another address or program (one an agent's published loopback port
+        caught) is no session at all."""
         return [
             request.client.host if request.client else "",
             request.headers.get("user-agent"),
         ]
 
     def session(self, request: Any) -> dict | None:
+        """This browser's signed-in session; None if it has none, or one
+        expired, of another browser, or of an earlier password."""
         cookie = request.cookies.get(SESSION_COOKIE)
-        found = self.sessions.get(secret_hash(cookie)) if cookie else None
+        if not cookie:
+            return None
+        found = self.sessions.get(secret_hash(cookie))
         if (
             not found
             or found["expires"] < time.time()
             or found["who"] != self.who(request)
         ):
             return None
-        return found if found["salt"] == self.operator.generation() else None
+        if found["salt"] != self.operator.generation():
+            return None
+        return found
 
     def require_operator(self, request: Any) -> dict:
-        """The signed-in operator's session, or a PageAnswer sending the browser to sign in and
-        back here after it. Every handler of a page for the operator calls this first."""
+        """The signed-in operator's session, or a PageAnswer sending the
+        browser to sign in and back here after it. Every handler of a page
+        for the operator calls this first."""
         from starlette.responses import RedirectResponse
 
-        if (session := self.session(request)) is None:
-            target = request.url.path + (
-                f"?{request.url.query}" if request.url.query else ""
-            )
-            signin = "/signin?" + urllib.parse.urlencode(
-                {"next": back_to(target)}
-            )
-            raise PageAnswer(RedirectResponse(signin, 303))
-        return session
+        session = self.session(request)
+        if session is not None:
+            return session
+        query = f"?{request.url.query}" if request.url.query else ""
+        target = back_to(request.url.path + query)
+        signin = "/signin?" + urllib.parse.urlencode({"next": target})
+        raise PageAnswer(RedirectResponse(signin, 303))
 
     def csrf(self, request: Any) -> str:
-        """This browser's CSRF token: its session's, or before sign-in one kept in a cookie of
-        its own (double submit). Every form carries it in a hidden field."""
+        """This browser's CSRF token: its session's, or before sign-in one
+        kept in a cookie of its own (double submit). Every form carries it
+        in a hidden field."""
         session = self.session(request)
-        return (
-            session["csrf"]
-            if session
-            else request.cookies.get(FORM_COOKIE, "")
-        )
+        if session:
+            return session["csrf"]
+        return request.cookies.get(FORM_COOKIE, "")
 
     def csrf_input(self, request: Any) -> str:
-        if not (token := self.csrf(request)):
-            token = request.state.new_form_token = (
-                secrets_module.token_urlsafe(32)
-            )
+        """The hidden field of the CSRF token; a browser without one gets
+        a new one, which page() sets as its form cookie."""
+        token = self.csrf(request)
+        if not token:
+            token = secrets_module.token_urlsafe(32)
+            request.state.new_form_token = token
         return f'<input type="hidden" name="csrf" value="{esc(token)}">'
 
+    def post_form(self, request: Any, action: str, fields: str) -> str:
+        """A form posting ``fields`` to ``action`` (safe in HTML already),
+        with the CSRF token."""
+        return (
+            f'<form method="post" action="{action}">'
+            f"{self.csrf_input(request)}{fields}</form>"
+        )
+
     async def form(self, request: Any) -> Any:
-        """The posted form once its CSRF token matched, else a PageAnswer of 403."""
-        form, expected = await request.form(), self.csrf(request)
-        if not expected or not hmac.compare_digest(
-            str(form.get("csrf", "")), expected
-        ):
-            raise PageAnswer(
-                self.page(request, "Form refused", FORM_REFUSED, 403)
-            )
+        """The posted form once its CSRF token matched, else a PageAnswer
+        of 403."""
+        form = await request.form()
+        expected = self.csrf(request)
+        sent = str(form.get("csrf", ""))
+        if not expected or not hmac.compare_digest(sent, expected):
+            refused = self.page(request, "Form refused", FORM_REFUSED, 403)
+            raise PageAnswer(refused)
         return form
 
     def page(
@@ -11340,37 +11707,29 @@ class Pages:
         form_to="",
         head="",
     ) -> Any:
-        """A whole page around ``body`` (HTML built with esc() on every value), readable on a
-        phone: who is signed in with a Sign out button; a CSP that allows only the page's own
-        style and forms posting here (and to ``form_to``, where a form's answer redirects)."""
+        """A whole page around ``body`` (HTML built with esc() on every
+        value): who is signed in with a Sign out button, the headers of
+        page_headers (``form_to``: where a form's answer redirects)."""
         from starlette.responses import HTMLResponse
 
-        style = base64.b64encode(
-            hashlib.sha256(PAGE_STYLE.encode()).digest()
-        ).decode()
-        form_to = (
-            "" if re.search(r"[;,\s'\"]", form_to) else form_to
-        )  # one source, or none
-        policy = f"default-src 'none'; style-src 'sha256-{style}'; form-action 'self' {form_to}"
-        headers = {
-            "content-security-policy": f"{policy}; frame-ancestors 'none'; base-uri 'none'"
-        }
-        headers |= {"x-frame-options": "DENY", "cache-control": "no-store"}
-        headers["referrer-policy"] = "no-referrer"
         who = ""
         if self.session(request):
-            out = f"{esc(self.issuer)} {self.csrf_input(request)}<button>Sign out</button></form>"
-            who = f'<form method="post" action="/signout">Signed in as the operator of {out}'
-        text = (
-            '<!doctype html><html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
-            f'content="width=device-width,initial-scale=1">{head}<title>{esc(title)} - smol-mcp'
-            f"</title><style>{PAGE_STYLE}</style></head><body><header><strong>smol-mcp</strong>"
-            f"{who}</header><h1>{esc(title)}</h1>{body}</body></html>"
-        )
+            who = self.signed_in(request)
+        text = page_html(title, body, who, head)
+        headers = page_headers(form_to)
         response = HTMLResponse(text, status, headers=headers)
         if getattr(request.state, "new_form_token", None):
             self.cookie(response, FORM_COOKIE, request.state.new_form_token)
         return response
+
+    def signed_in(self, request: Any) -> str:
+        """The header's note of who is signed in, with its Sign out
+        button."""
+        return (
+            '<form method="post" action="/signout">Signed in as the '
+            f"operator of {esc(self.issuer)} {self.csrf_input(request)}"
+            "<button>Sign out</button></form>"
+        )
 
     def cookie(
         self, response: Any, name: str, value: str, **options: Any
@@ -11386,7 +11745,8 @@ class Pages:
         )
 
     def wait_secs(self, key: str, tries: int = SIGNIN_TRIES) -> int:
-        """How long ``key`` (an address, or "*" for all) must wait before it may try again."""
+        """How long ``key`` (an address, or "*" for all) must wait before
+        it may try again."""
         now = time.time()
         recent = [
             t
@@ -11395,92 +11755,100 @@ class Pages:
         ]
         if recent:
             self.failures[key] = recent
-        if (
-            len(self.failures) > 1024
-        ):  # bounded: the oldest addresses are forgotten
+        # Bounded: the oldest addresses are forgotten.
+        if len(self.failures) > 1024:
             self.failures = dict(list(self.failures.items())[-512:])
-        return (
-            int(recent[-tries] + SIGNIN_WINDOW_SECS - now) + 1
-            if len(recent) >= tries
-            else 0
-        )
+        if len(recent) < tries:
+            return 0
+        return int(recent[-tries] + SIGNIN_WINDOW_SECS - now) + 1
 
     async def check_password(
         self, request: Any, password: str
     ) -> tuple[int, str]:
-        """(0, "") when ``password`` is the operator's, else an HTTP status and why not. A try
-        counts as failed before scrypt runs (success takes it back), one check per address at a
-        time and SIGNIN_CHECKS in all, so neither concurrency nor rotating addresses outrun it."""
-        address, now = self.who(request)[0], time.time()
+        """(0, "") when ``password`` is the operator's, else an HTTP status
+        and why not. A try counts as failed before scrypt runs (success
+        takes it back), one check per address at a time and SIGNIN_CHECKS
+        in all, so neither concurrency nor rotating addresses outrun it."""
+        address = self.who(request)[0]
+        now = time.time()
         wait = max(
             self.wait_secs(address), self.wait_secs("*", SIGNIN_ALL_TRIES)
         )
         if wait or address in self.checking:
             return (
                 429,
-                f"Too many failed sign-ins from {address} or all: wait {wait or 1} s.",
+                f"Too many failed sign-ins from {address} or all: wait "
+                f"{wait or 1} s.",
             )
-        self.limiter = self.limiter or anyio.CapacityLimiter(SIGNIN_CHECKS)
+        if self.limiter is None:
+            self.limiter = anyio.CapacityLimiter(SIGNIN_CHECKS)
         for key in (address, "*"):
             self.failures.setdefault(key, []).append(now)
         self.checking.add(address)
         try:
-            check = self.operator.check_password
             right = await anyio.to_thread.run_sync(
-                check, password, limiter=self.limiter
+                self.operator.check_password, password, limiter=self.limiter
             )
         finally:
             self.checking.discard(address)
         if not right:
             return (
                 401,
-                "That password is not right (`smol_mcp.py operator set-password` sets one).",
+                "That password is not right (`smol_mcp.py operator "
+                "set-password` sets one).",
             )
-        for times in (
-            self.failures.get(key, []) for key in (address, "*")
-        ):  # as rebuilt
+        # Success takes the try back, from the lists as wait_secs rebuilt
+        # them.
+        for key in (address, "*"):
+            times = self.failures.get(key, [])
             if now in times:
                 times.remove(now)
         return 0, ""
 
     async def confirm(self, request: Any, form: Any) -> str:
-        """ "" when the operator proved to be here for a wide change (a grant beyond Sandbox, a new
-        token): this form's password, or without one a link sign-in minutes ago; else why not."""
-        if self.operator.generation() is None:
-            if (
-                time.time() - self.session(request)["started"]
-                < SIGNIN_FRESH_SECS
-            ):
-                return ""
-            again = "Sign in again with a new `smol_mcp.py operator link` first: wider grants need"
-            return f"{again} a sign-in of the last {SIGNIN_FRESH_SECS // 60} minutes."
+        """Why the operator is not proven to be here for a wide change (a
+        grant beyond Sandbox, a new token), or "" once proven: by this
+        form's password, or without one by a link sign-in minutes ago."""
+        if self.operator.generation() is not None:
+            password = str(form.get("password", ""))
+            _, why = await self.check_password(request, password)
+            return why
+        started = self.session(request)["started"]
+        if time.time() - started < SIGNIN_FRESH_SECS:
+            return ""
         return (
-            await self.check_password(request, str(form.get("password", "")))
-        )[1]
+            "Sign in again with a new `smol_mcp.py operator link` first: "
+            "wider grants need a sign-in of the last "
+            f"{SIGNIN_FRESH_SECS // 60} minutes."
+        )
 
     def confirm_field(self, what: str) -> str:
         """The password field of a form whose change confirm() checks."""
-        field = f"<label>Password, for {what} <input {PASSWORD_ATTRS}></label>"
-        return "" if self.operator.generation() is None else field
+        if self.operator.generation() is None:
+            return ""
+        return f"<label>Password, for {what} <input {PASSWORD_ATTRS}></label>"
 
     def start_session(self, request: Any, response: Any, how: str) -> None:
-        cookie, now = secrets_module.token_urlsafe(32), time.time()
+        """Sign this browser in, ``how`` (password or one-time link): a
+        session of its own, its cookie set on ``response``; past
+        SIGNIN_MAX_SESSIONS the oldest is signed out."""
+        cookie = secrets_module.token_urlsafe(32)
+        now = time.time()
         self.sessions = {
             k: v for k, v in self.sessions.items() if v["expires"] > now
         }
         while len(self.sessions) >= SIGNIN_MAX_SESSIONS:
-            del self.sessions[
-                min(self.sessions, key=lambda k: self.sessions[k]["expires"])
-            ]
-        session = {
+            oldest = min(
+                self.sessions, key=lambda k: self.sessions[k]["expires"]
+            )
+            del self.sessions[oldest]
+        self.sessions[secret_hash(cookie)] = {
+            "expires": now + SIGNIN_SESSION_SECS,
             "csrf": secrets_module.token_urlsafe(32),
             "how": how,
             "who": self.who(request),
-        }
-        session |= {"started": now, "salt": self.operator.generation()}
-        self.sessions[secret_hash(cookie)] = {
-            "expires": now + SIGNIN_SESSION_SECS,
-            **session,
+            "started": now,
+            "salt": self.operator.generation(),
         }
         self.cookie(
             response, SESSION_COOKIE, cookie, max_age=SIGNIN_SESSION_SECS
@@ -11488,17 +11856,20 @@ class Pages:
 
 
 def oauth_issuer(config: Config, host: str, port: int) -> str | None:
-    """The address the pages and OAuth name this server by: publicUrl, else the loopback
-    address it is bound to; None off loopback (the name clients dial is not knowable here)."""
+    """The address the pages and OAuth name this server by: publicUrl,
+    else the loopback address it is bound to; None off loopback (the name
+    clients dial is not knowable here)."""
     if config.public_url:
         return config.public_url.rstrip("/")
-    if host in LOOPBACK_HOSTS:
-        return f"http://{'[::1]' if host == '::1' else host}:{port}"
-    return None
+    if host not in LOOPBACK_HOSTS:
+        return None
+    shown = "[::1]" if host == "::1" else host
+    return f"http://{shown}:{port}"
 
 
 def back_to(target: str) -> str:
-    """Where to go after signing in: a path on this server, nowhere else."""
+    """Where to go after signing in: a path on this server, nowhere
+    else."""
     if (
         target.startswith("/")
         and not target.startswith("//")
@@ -11510,125 +11881,178 @@ def back_to(target: str) -> str:
 
 @functools.cache
 def oauth_client_class() -> type:
-    """The SDK's client record, with the redirect check of RFC 8252 7.3: a loopback redirect may
-    come back on another port (a native app listens on whichever is free); others match exactly."""
+    """The SDK's client record, with the redirect check of RFC 8252 7.3: a
+    loopback redirect may come back on another port (a native app listens
+    on whichever is free); others match exactly."""
     from mcp.shared.auth import OAuthClientInformationFull
+
+    def but_port(uri: Any) -> tuple:
+        return uri.scheme, uri.host, uri.path, uri.query
 
     class OAuthClient(OAuthClientInformationFull):
         def validate_redirect_uri(self, redirect_uri: Any) -> Any:
-            def but_port(uri: Any) -> tuple:
-                return uri.scheme, uri.host, uri.path, uri.query
-
-            if redirect_uri is not None and redirect_uri.host in (
-                *LOOPBACK_HOSTS,
-                "[::1]",
-            ):
-                if but_port(redirect_uri) in map(
-                    but_port, self.redirect_uris or []
-                ):
+            loopback = (*LOOPBACK_HOSTS, "[::1]")
+            if redirect_uri is not None and redirect_uri.host in loopback:
+                registered = map(but_port, self.redirect_uris or [])
+                if but_port(redirect_uri) in registered:
                     return redirect_uri
             return super().validate_redirect_uri(redirect_uri)
 
     return OAuthClient
 
 
+def registration_refusal(client_info: Any) -> tuple[str, str] | None:
+    """The OAuth error and its description for a registration this server
+    refuses, or None: it takes 1 to 8 redirect URIs, each https, http on
+    loopback or an app's own scheme, and a name of 100 characters at most,
+    without control or format characters."""
+    uris = client_info.redirect_uris or []
+    loopback = (*LOOPBACK_HOSTS, "[::1]")
+    cleartext = [
+        uri
+        for uri in uris
+        if uri.scheme == "http" and uri.host not in loopback
+    ]
+    banned = ("javascript", "data", "file", "vbscript")
+    unsafe = [
+        str(u)
+        for u in uris
+        if len(str(u)) > 512 or u.scheme in banned or u in cleartext
+    ]
+    name = client_info.client_name or ""
+    if (
+        not unsafe
+        and 1 <= len(uris) <= 8
+        and len(name) <= 100
+        and printable(name) == name
+    ):
+        return None
+    error = "invalid_client_metadata"
+    if unsafe:
+        error = "invalid_redirect_uri"
+    why = (
+        "register 1 to 8 redirect URIs, each https, http on loopback or an "
+        f"app's own scheme (refused: {', '.join(unsafe) or 'none'}), and a "
+        "name of 100 characters at most, without control or format "
+        "characters"
+    )
+    return error, why
+
+
+def rotate_grant(
+    data: dict,
+    grant_id: str,
+    spent: str | None,
+    access: str,
+    refresh: str,
+    now: float,
+) -> dict | None:
+    """In the tokens file's ``data``, give a grant the hashes of new
+    ``access`` and ``refresh`` tokens, its earlier refresh tokens spent;
+    its record, or None when it was deleted, or ``spent`` was used already
+    (by the client, or by whoever stole it)."""
+    record = next(
+        (r for r in data.get("tokens", []) if r.get("id") == grant_id), None
+    )
+    if record is None:
+        return None
+    refreshes = [kept["sha256"] for kept in record.get("refresh", [])]
+    if spent is not None and secret_hash(spent) not in refreshes:
+        return None
+    record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
+    live = [
+        kept for kept in record.get("access", []) if kept["expiresAt"] > now
+    ][-3:]
+    new_access = {
+        "sha256": secret_hash(access),
+        "expiresAt": now + OAUTH_ACCESS_SECS,
+    }
+    record["access"] = [*live, new_access]
+    new_refresh = {
+        "sha256": secret_hash(refresh),
+        "expiresAt": now + OAUTH_REFRESH_SECS,
+    }
+    record["refresh"] = [new_refresh]
+    return record
+
+
 class OAuthProvider:
-    """The SDK's OAuthAuthorizationServerProvider over the state directory: registered clients in
-    a file of their own (OAUTH_MAX_CLIENTS at most), consent requests and codes in memory
-    (minutes long), and each grant a named token whose record holds its client and the hashes of
-    its access and refresh tokens, so `tokens delete` ends all of them at once."""
+    """The SDK's OAuthAuthorizationServerProvider over the state directory:
+    registered clients in a file of their own (OAUTH_MAX_CLIENTS at most),
+    consent requests and codes in memory (minutes long), and each grant a
+    named token whose record holds its client and the hashes of its access
+    and refresh tokens, so `tokens delete` ends all of them at once."""
 
     def __init__(self, app: SmolMcp, issuer: str, resource: str):
-        self.tokens, self.activity = app.access.tokens, app.access.activity
+        self.tokens = app.access.tokens
+        self.activity = app.access.activity
         self.clients = StateFile(
             Path(app.access.state_dir) / OAUTH_CLIENTS_FILE, dict
         )
-        self.issuer, self.resource = issuer, resource
-        self.pending: dict[
-            str, tuple
-        ] = {}  # consent request id -> (client, params, expires)
-        self.codes: dict[
-            str, Any
-        ] = {}  # code -> its AuthorizationCode (subject: the grant's id)
-        self.used: set[str] = (
-            set()
-        )  # codes exchanged already: a second use ends their grant
+        self.issuer = issuer
+        self.resource = resource
+        # A consent request's id -> (client, params, expires).
+        self.pending: dict[str, tuple] = {}
+        # A code -> its AuthorizationCode (subject: the grant's id).
+        self.codes: dict[str, Any] = {}
+        # Codes exchanged already: a second use ends their grant.
+        self.used: set[str] = set()
 
     async def get_client(self, client_id: str) -> Any:
         info = self.clients.read().get(client_id)
-        return oauth_client_class().model_validate(info) if info else None
+        if not info:
+            return None
+        return oauth_client_class().model_validate(info)
 
     async def register_client(self, client_info: Any) -> None:
+        """Keep a registration that registration_refusal passes: what this
+        server uses of it, its secret only as a hash; past
+        OAUTH_MAX_CLIENTS the oldest client without a grant goes."""
         from mcp.server.auth.provider import RegistrationError
 
-        uris, loopback = (
-            client_info.redirect_uris or [],
-            (*LOOPBACK_HOSTS, "[::1]"),
-        )
-        cleartext = [
-            uri
-            for uri in uris
-            if uri.scheme == "http" and uri.host not in loopback
-        ]
-        banned = ("javascript", "data", "file", "vbscript")
-        unsafe = [
-            str(u)
-            for u in uris
-            if len(str(u)) > 512 or u.scheme in banned or u in cleartext
-        ]
-        name = client_info.client_name or ""
-        if (
-            unsafe
-            or not 1 <= len(uris) <= 8
-            or len(name) > 100
-            or printable(name) != name
-        ):
-            raise RegistrationError(
-                "invalid_redirect_uri"
-                if unsafe
-                else "invalid_client_metadata",
-                "register 1 to 8 redirect URIs, each https, http on loopback or an app's own "
-                f"scheme (refused: {', '.join(unsafe) or 'none'}), and a name of 100 characters "
-                "at most, without control or format characters",
-            )
+        refusal = registration_refusal(client_info)
+        if refusal is not None:
+            raise RegistrationError(*refusal)
         kept = client_info.model_dump(
             mode="json", exclude_none=True, include=OAUTH_CLIENT_FIELDS
         )
-        if (
-            "client_secret" in kept
-        ):  # only its hash: the token routes hash what is sent
+        # Only its hash: the token routes hash what is sent.
+        if "client_secret" in kept:
             kept["client_secret"] = secret_hash(kept["client_secret"])
 
         def add(data: dict) -> bool:
             if len(data) >= OAUTH_MAX_CLIENTS:
-                self.tokens.file.expire()  # a grant made a moment ago counts
-                granted = {
-                    record.get("clientId") for record in self.tokens.records()
-                }
-                spare = [
-                    client_id for client_id in data if client_id not in granted
-                ]
+                spare = self.clients_without_grant(data)
                 if not spare:
                     return False
                 del data[spare[0]]
             data[client_info.client_id] = kept
             return True
 
-        # Raised out here: the SDK's frozen errors cannot pass through the file lock's with.
+        # Raised out here: the SDK's frozen errors cannot pass through the
+        # file lock's with.
         if not self.clients.update(add):
-            why = f"{OAUTH_MAX_CLIENTS} clients with grants are registered: the operator must"
-            why += " delete one (`tokens delete NAME`) first"
+            why = (
+                f"{OAUTH_MAX_CLIENTS} clients with grants are registered: "
+                "the operator must delete one (`tokens delete NAME`) first"
+            )
             raise RegistrationError("invalid_client_metadata", why)
 
+    def clients_without_grant(self, data: dict) -> list[str]:
+        """The clients in ``data`` that no grant names, oldest first."""
+        # A grant made a moment ago counts.
+        self.tokens.file.expire()
+        granted = {record.get("clientId") for record in self.tokens.records()}
+        return [client_id for client_id in data if client_id not in granted]
+
     async def authorize(self, client: Any, params: Any) -> str:
-        """Hold the request for the consent page, and send the browser there."""
+        """Hold the request for the consent page, and send the browser
+        there."""
         from mcp.server.auth.provider import AuthorizeError
 
-        if (
-            params.resource is not None
-            and params.resource.rstrip("/") != self.resource
-        ):
-            why = f"this server is the resource {self.resource}, not {params.resource}"
+        asked = params.resource
+        if asked is not None and asked.rstrip("/") != self.resource:
+            why = f"this server is the resource {self.resource}, not {asked}"
             raise AuthorizeError("invalid_target", why)
         now = time.time()
         self.pending = {k: v for k, v in self.pending.items() if v[2] > now}
@@ -11637,20 +12061,19 @@ class OAuthProvider:
             for k, v in self.pending.items()
             if v[0].client_id == client.client_id
         ]
-        for old in mine[::-1][
-            OAUTH_CLIENT_PENDING - 1 :
-        ]:  # all but its newest few
+        # All but the client's newest few go.
+        for old in mine[::-1][OAUTH_CLIENT_PENDING - 1 :]:
             del self.pending[old]
-        while (
-            len(self.pending) >= OAUTH_MAX_PENDING
-        ):  # the oldest go: a flood refuses no one
+        # Then the oldest of all: a flood refuses no one.
+        while len(self.pending) >= OAUTH_MAX_PENDING:
             del self.pending[next(iter(self.pending))]
         request_id = secrets_module.token_urlsafe(16)
         self.pending[request_id] = (client, params, now + SIGNIN_LINK_SECS)
         return f"{self.issuer}/consent?request={request_id}"
 
     def model(self, name: str, record: dict, **fields: Any) -> Any:
-        """The SDK's ``name`` (AuthorizationCode, RefreshToken, AccessToken) of a grant."""
+        """The SDK's ``name`` (AuthorizationCode, RefreshToken, AccessToken)
+        of a grant."""
         from mcp.server.auth import provider
 
         mine = dict(
@@ -11663,7 +12086,9 @@ class OAuthProvider:
         )
 
     def new_code(self, params: Any, record: dict) -> str:
-        code, now = secrets_module.token_urlsafe(32), time.time()
+        """A new authorization code for the grant ``record``."""
+        code = secrets_module.token_urlsafe(32)
+        now = time.time()
         self.codes = {
             k: v for k, v in self.codes.items() if v.expires_at > now
         }
@@ -11680,9 +12105,8 @@ class OAuthProvider:
         found = self.codes.get(code)
         if found is None or found.client_id != client.client_id:
             return None
-        if (
-            code in self.used
-        ):  # replayed: whoever holds what it gave may be the thief
+        # Replayed: whoever holds what it gave may be the thief.
+        if code in self.used:
             return self.end_grant(
                 found.subject, "its authorization code was used twice"
             )
@@ -11718,49 +12142,21 @@ class OAuthProvider:
         return self.issue(refresh_token.subject, refresh_token.token)
 
     def issue(self, grant_id: str, spent: str | None) -> Any:
-        """New access and refresh tokens for a grant, only their hashes kept;
-        ``spent``, the refresh token they replace, stops working."""
+        """New access and refresh tokens for a grant, only their hashes
+        kept; ``spent``, the refresh token they replace, stops working."""
         from mcp.server.auth.provider import TokenError
         from mcp.shared.auth import OAuthToken
 
-        access, refresh, now = (
-            new_token_secret(),
-            new_token_secret(),
-            time.time(),
+        access = new_token_secret()
+        refresh = new_token_secret()
+        rotate = functools.partial(
+            rotate_grant,
+            grant_id=grant_id,
+            spent=spent,
+            access=access,
+            refresh=refresh,
+            now=time.time(),
         )
-
-        def rotate(data: dict) -> dict | None:
-            record = next(
-                (r for r in data.get("tokens", []) if r.get("id") == grant_id),
-                None,
-            )
-            refreshes = [
-                kept["sha256"] for kept in (record or {}).get("refresh", [])
-            ]
-            if (
-                record is None
-                or spent is not None
-                and secret_hash(spent) not in refreshes
-            ):
-                return None  # deleted, or used already: by the client, or by whoever stole it
-            record["spent"] = [*record.get("spent", [])[-31:], *refreshes]
-            live = [
-                kept
-                for kept in record.get("access", [])
-                if kept["expiresAt"] > now
-            ][-3:]
-            new = {
-                "sha256": secret_hash(access),
-                "expiresAt": now + OAUTH_ACCESS_SECS,
-            }
-            record["access"] = [*live, new]
-            new = {
-                "sha256": secret_hash(refresh),
-                "expiresAt": now + OAUTH_REFRESH_SECS,
-            }
-            record["refresh"] = [new]
-            return record
-
         record = self.tokens.file.update(rotate)
         if record is None and spent is not None:
             self.end_grant(grant_id, "a spent refresh token was used again")
@@ -11769,12 +12165,12 @@ class OAuthProvider:
                 "invalid_grant",
                 "this grant was deleted, or the token used already",
             )
-        answer = {
-            "access_token": access,
-            "refresh_token": refresh,
-            "expires_in": OAUTH_ACCESS_SECS,
-        }
-        return OAuthToken(scope=" ".join(record["scopes"]), **answer)
+        return OAuthToken(
+            access_token=access,
+            refresh_token=refresh,
+            expires_in=OAUTH_ACCESS_SECS,
+            scope=" ".join(record["scopes"]),
+        )
 
     async def load_access_token(self, token: str) -> Any:
         record = self.tokens.match([token])
@@ -11783,302 +12179,437 @@ class OAuthProvider:
         return self.model("AccessToken", record, token=token)
 
     async def revoke_token(self, token: Any) -> None:
-        """A client that revokes a token ends its whole grant, as `tokens delete` does."""
+        """A client that revokes a token ends its whole grant, as `tokens
+        delete` does."""
         self.end_grant(token.subject, "")
 
     def end_grant(self, grant_id: str | None, why: str) -> None:
-        """Delete the grant: its access and refresh tokens stop at once (OAuth 2.1 4.3.1)."""
+        """Delete the grant: its access and refresh tokens stop at once
+        (OAuth 2.1 4.3.1)."""
         for record in self.tokens.records():
-            if record.get("id") == grant_id and self.tokens.delete(
-                record["name"]
-            ):
-                entry = {
-                    "principal": record["name"],
-                    "event": "token",
-                    "outcome": "revoked",
-                }
-                self.activity.append(
-                    {**entry, "reason": why} if why else entry
-                )
+            if record.get("id") != grant_id:
+                continue
+            if not self.tokens.delete(record["name"]):
+                continue
+            entry = {
+                "principal": record["name"],
+                "event": "token",
+                "outcome": "revoked",
+            }
+            if why:
+                entry["reason"] = why
+            self.activity.append(entry)
 
 
-def oauth_routes(app: SmolMcp, issuer: str, path: str) -> list:
-    """The sign-in and sign-out pages, the SDK's OAuth routes on our provider, the consent page."""
-    from mcp.server.auth.provider import construct_redirect_uri
-    from mcp.server.auth.routes import (
-        create_auth_routes,
-        create_protected_resource_routes,
-    )
-    from mcp.server.auth.settings import (
-        ClientRegistrationOptions,
-        RevocationOptions,
-    )
-    from pydantic import AnyHttpUrl
-    from starlette.responses import JSONResponse, RedirectResponse
-    from starlette.routing import Route
+class SignInPages:
+    """Signing in and out, with the operator's password or a one-time link,
+    and the consent page, where the operator answers a client's OAuth
+    request with a grant."""
 
-    pages, provider = app.pages, OAuthProvider(app, issuer, issuer + path)
-    scopes, url, resource_url = (
-        list(SCOPES),
-        AnyHttpUrl(issuer),
-        AnyHttpUrl(provider.resource),
-    )
-    resource = create_protected_resource_routes(
-        resource_url, [url], scopes, "smol-mcp"
-    )
-    clients = ClientRegistrationOptions(
-        enabled=True, valid_scopes=scopes, default_scopes=scopes
-    )
-    routes = create_auth_routes(
-        provider, url, None, clients, RevocationOptions(enabled=True)
-    )
+    def __init__(self, pages: Pages, provider: OAuthProvider):
+        self.pages = pages
+        self.provider = provider
 
-    async def screen(request: Any, route: Any) -> Any:
-        """Before the SDK's /register, /token and /revoke: a registration bounded and rate
-        limited per address; a `resource` other than this server refused (RFC 8707); the client's
-        secret hashed, as only its hash is kept. A refusal, or the SDK's route on what it gets."""
-        body, headers = await request.body(), request.scope["headers"]
-        if request.method == "POST" and request.url.path == "/register":
-            key = "register " + pages.who(request)[0]
-            wait = pages.wait_secs(key, OAUTH_REGISTRATIONS)
-            if wait or len(body) > OAUTH_MAX_REGISTRATION_BYTES:
-                why = f"{OAUTH_REGISTRATIONS} registrations from this address: wait {wait} s"
-                why = (
-                    why
-                    if wait
-                    else f"a registration is {OAUTH_MAX_REGISTRATION_BYTES} B at most"
-                )
-                answer = {
-                    "error": "invalid_client_metadata",
-                    "error_description": why,
-                }
-                return JSONResponse(answer, 429 if wait else 413)
-            pages.failures.setdefault(key, []).append(time.time())
-        elif request.method == "POST":
-            form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
-            if (
-                form.get("resource", provider.resource).rstrip("/")
-                != provider.resource
-            ):
-                why = f"this server is the resource {provider.resource}, not {form['resource']}"
-                return JSONResponse(
-                    {"error": "invalid_target", "error_description": why}, 400
-                )
-            if "client_secret" in form:
-                form["client_secret"] = secret_hash(form["client_secret"])
-            body, new = urllib.parse.urlencode(form).encode(), {}
-            basic = request.headers.get("authorization", "")
-            if basic[:6].lower() == "basic ":
-                try:
-                    who, _, secret = (
-                        base64.b64decode(basic[6:]).decode().partition(":")
-                    )
-                except ValueError:
-                    who = secret = ""
-                basic = f"{who}:{secret_hash(urllib.parse.unquote(secret))}"
-                new[b"authorization"] = b"Basic " + base64.b64encode(
-                    basic.encode()
-                )
-            new[b"content-length"] = str(len(body)).encode()
-            headers = [
-                *((k, v) for k, v in headers if k not in new),
-                *new.items(),
-            ]
-        scope = {**request.scope, "headers": headers}
-        return lambda _, receive, send: route.app(
-            scope, replay_body(body, receive), send
-        )
+    def routes(self) -> list:
+        from starlette.routing import Route
 
-    def screened(route: Any) -> Any:
-        if route.path not in OAUTH_PATHS[1:]:
-            return route
-        return Route(
-            route.path,
-            functools.partial(screen, route=route),
-            methods=route.methods,
-        )
+        return [
+            Route("/signin", self.signin, methods=["GET", "POST"]),
+            Route("/signout", self.signout, methods=["POST"]),
+            Route("/consent", self.consent, methods=["GET", "POST"]),
+        ]
 
-    def back(params: Any, **answer: str) -> Any:
-        url = construct_redirect_uri(
-            str(params.redirect_uri), state=params.state, **answer
-        )
-        return RedirectResponse(url, 303)
+    async def signin(self, request: Any) -> Any:
+        """GET: the sign-in form (signed in already: on to ``next``);
+        POST: sign in, then on to ``next``, or the form again with why
+        not."""
+        from starlette.responses import RedirectResponse
 
-    async def signin(request: Any) -> Any:
         target = back_to(request.query_params.get("next", "/signin"))
-        link, status, error = request.query_params.get("link", ""), 200, ""
-        if request.method == "GET" and pages.session(request) is not None:
-            if target != "/signin":
-                return RedirectResponse(target, 303)
-            return pages.page(
-                request, "Signed in", "<p>You are signed in.</p>"
-            )
         if request.method != "GET":
-            form = await pages.form(request)
-            link = str(form.get("link", ""))
-            # A link is 256 random bits made on the host: never rate limited, so it always works.
-            if link:
-                status, error = (
-                    (0, "")
-                    if pages.operator.use_link(link)
-                    else (401, LINK_REFUSED)
-                )
-            else:
-                status, error = await pages.check_password(
-                    request, str(form.get("password", ""))
-                )
-            if not status:
-                response = RedirectResponse(target, 303)
-                pages.start_session(
-                    request, response, "one-time link" if link else "password"
-                )
-                return response
-        url = "/signin?" + urllib.parse.urlencode({"next": target})
-        head, shown = "", f'<p class="error">{esc(error)}</p>' if error else ""
+            return await self.check_signin(request, target)
+        if self.pages.session(request) is None:
+            link = request.query_params.get("link", "")
+            return self.signin_page(request, target, link)
+        if target != "/signin":
+            return RedirectResponse(target, 303)
+        signed_in = "<p>You are signed in.</p>"
+        return self.pages.page(request, "Signed in", signed_in)
+
+    async def check_signin(self, request: Any, target: str) -> Any:
+        """Sign in with the form's password or live link, then on to
+        ``target``; else the sign-in page again, saying why not."""
+        from starlette.responses import RedirectResponse
+
+        form = await self.pages.form(request)
+        link = str(form.get("link", ""))
+        # A link is 256 random bits made on the host: never rate limited,
+        # so it always works.
+        if link:
+            status = 0
+            error = ""
+            if not self.pages.operator.use_link(link):
+                status = 401
+                error = LINK_REFUSED
+        else:
+            password = str(form.get("password", ""))
+            status, error = await self.pages.check_password(request, password)
+        if status:
+            return self.signin_page(request, target, link, status, error)
+        response = RedirectResponse(target, 303)
+        how = "one-time link" if link else "password"
+        self.pages.start_session(request, response, how)
+        return response
+
+    def signin_page(
+        self,
+        request: Any,
+        target: str,
+        link: str,
+        status: int = 200,
+        error: str = "",
+    ) -> Any:
+        """The sign-in page: a password field, or a one-time ``link``'s
+        hidden one; ``error``, why the last try failed."""
+        shown = error_html(error) if error else ""
+        head = ""
         if "hop" not in request.query_params and request.method == "GET":
-            # A SameSite=Strict cookie is not sent along a chain of redirects from another
-            # site (the client's): reloading from this page sends it.
+            # A SameSite=Strict cookie is not sent along a chain of
+            # redirects from another site (the client's): reloading from
+            # this page sends it.
             again = "/signin?" + urllib.parse.urlencode(
                 {**request.query_params, "hop": 1}
             )
             head = f'<meta http-equiv="refresh" content="0;url={esc(again)}">'
-        field = f"<label>Password <input {PASSWORD_ATTRS} required autofocus></label>"
+        field = (
+            f"<label>Password <input {PASSWORD_ATTRS} required autofocus>"
+            "</label>"
+        )
         if link:
-            field = f'<input type="hidden" name="link" value="{esc(link)}"><p>Sign in with the '
-            field += "one-time link made by <code>operator link</code> on the host.</p>"
+            field = (
+                f'<input type="hidden" name="link" value="{esc(link)}">'
+                "<p>Sign in with the one-time link made by "
+                "<code>operator link</code> on the host.</p>"
+            )
+        url = "/signin?" + urllib.parse.urlencode({"next": target})
+        fields = f'{field}<button type="submit">Sign in</button>'
+        form = self.pages.post_form(request, esc(url), fields)
         body = (
-            f'{shown}<form method="post" action="{esc(url)}">{pages.csrf_input(request)}{field}'
-            '<button type="submit">Sign in</button></form><p class="note">No password yet? On '
-            "the host: <code>smol_mcp.py operator set-password</code>, or "
+            f'{shown}{form}<p class="note">No password yet? On the host: '
+            "<code>smol_mcp.py operator set-password</code>, or "
             "<code>smol_mcp.py operator link</code> for a one-time link.</p>"
         )
-        return pages.page(request, "Sign in", body, status, head=head)
+        return self.pages.page(request, "Sign in", body, status, head=head)
 
-    async def signout(request: Any) -> Any:
-        await pages.form(request)
-        pages.sessions.pop(
-            secret_hash(request.cookies.get(SESSION_COOKIE, "")), None
-        )
+    async def signout(self, request: Any) -> Any:
+        from starlette.responses import RedirectResponse
+
+        await self.pages.form(request)
+        cookie = request.cookies.get(SESSION_COOKIE, "")
+        self.pages.sessions.pop(secret_hash(cookie), None)
         response = RedirectResponse("/signin?hop=1", 303)
         response.delete_cookie(
             SESSION_COOKIE, httponly=True, samesite="strict"
         )
         return response
 
-    async def consent(request: Any) -> Any:
-        pages.require_operator(request)
+    async def consent(self, request: Any) -> Any:
+        """GET: what a client asks for, and the grants to choose from;
+        POST: the operator's answer, sent back to the client (or the page
+        again, with what was wrong)."""
+        self.pages.require_operator(request)
         request_id = request.query_params.get("request", "")
-        client, params, expires = provider.pending.get(
-            request_id, (None, None, 0)
-        )
+        held = self.provider.pending.get(request_id, (None, None, 0))
+        client, params, expires = held
         if expires < time.time():
-            gone = "unknown or over 10 minutes old: connect the client again."
-            return pages.page(
-                request,
-                "No such request",
-                f"<p>This request is {gone}</p>",
-                404,
+            return self.pages.page(
+                request, "No such request", CONSENT_GONE, 404
             )
-        name = client.client_name or client.client_id
-        target = urllib.parse.urlsplit(str(params.redirect_uri))
-        error, chosen = "", {"grant": "Sandbox", "name": "", "approval": ""}
+        client_name = client.client_name or client.client_id
+        chosen = {"grant": "Sandbox", "name": "", "approval": ""}
+        error = ""
         if request.method == "POST":
-            form = await pages.form(request)
+            form = await self.pages.form(request)
             if form.get("action") != "Allow":
-                del provider.pending[request_id]
-                return back(
+                del self.provider.pending[request_id]
+                return redirect_back(
                     params,
                     error="access_denied",
                     error_description="the operator said no",
                 )
-            chosen, ticked = (
-                {key: str(form.get(key, "")) for key in chosen},
-                form.getlist("scope"),
-            )
-            scopes = GRANTS.get(chosen["grant"]) or tuple(
-                s for s in SCOPES if s in ticked
-            )
+            chosen = {key: str(form.get(key, "")) for key in chosen}
             try:
-                if not scopes:
-                    raise ConfigError(
-                        "Tick at least one scope, or pick another grant."
-                    )
-                wide = not set(scopes) <= set(GRANTS["Sandbox"])
-                if wide and (why := await pages.confirm(request, form)):
-                    raise ConfigError(why)
-                approval = "changes" if chosen["approval"] else "none"
-                owner = {"client": name, "clientId": client.client_id}
-                named = chosen["name"].strip()
-                record, _ = provider.tokens.create(
-                    named, scopes, FLEET_NAMES, approval, **owner
-                )
+                record = await self.grant(request, form, client, chosen)
             except ConfigError as err:
-                error = f'<p class="error">{esc(err)}</p>'
+                error = error_html(err)
             else:
-                del provider.pending[request_id]
-                entry = {
+                del self.provider.pending[request_id]
+                granted = {
                     "principal": "operator",
                     "token": record["name"],
                     "event": "token",
+                    "outcome": "granted",
+                    "client": client_name,
                 }
-                provider.activity.append(
-                    {**entry, "outcome": "granted", "client": name}
-                )
-                return back(params, code=provider.new_code(params, record))
-        names = {r["name"] for r in provider.tokens.records()} | set(
-            RESERVED_TOKEN_NAMES
+                self.provider.activity.append(granted)
+                code = self.provider.new_code(params, record)
+                return redirect_back(params, code=code)
+        body = self.consent_form(
+            request, request_id, client_name, params, chosen, error
         )
-        base = (
-            re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:56]
-            or "client"
-        )  # a free name
-        free = next(
-            n
-            for n in (base, *(f"{base}-{i}" for i in range(2, 999)))
-            if n not in names
+        status = 400 if error else 200
+        title = f"Connect {client_name}?"
+        target = urllib.parse.urlsplit(str(params.redirect_uri))
+        form_to = redirect_source(target)
+        return self.pages.page(request, title, body, status, form_to)
+
+    async def grant(
+        self, request: Any, form: Any, client: Any, chosen: dict
+    ) -> dict:
+        """The named token the consent form makes, its record; a
+        ConfigError when no scope is chosen, the name is taken or wrong, or
+        a grant beyond Sandbox lacks the operator's confirmation."""
+        ticked = form.getlist("scope")
+        scopes = GRANTS.get(chosen["grant"]) or tuple(
+            s for s in SCOPES if s in ticked
         )
+        if not scopes:
+            raise ConfigError(
+                "Tick at least one scope, or pick another grant."
+            )
+        if not set(scopes) <= set(GRANTS["Sandbox"]):
+            why = await self.pages.confirm(request, form)
+            if why:
+                raise ConfigError(why)
+        approval = "changes" if chosen["approval"] else "none"
+        owner = {
+            "client": client.client_name or client.client_id,
+            "clientId": client.client_id,
+        }
+        record, _ = self.provider.tokens.create(
+            chosen["name"].strip(), scopes, FLEET_NAMES, approval, **owner
+        )
+        return record
+
+    def consent_form(
+        self,
+        request: Any,
+        request_id: str,
+        client_name: str,
+        params: Any,
+        chosen: dict,
+        error: str,
+    ) -> str:
+        """The consent page's body: who asks, returning where, for what;
+        the grants, the scopes to choose, the token's name."""
+        target = urllib.parse.urlsplit(str(params.redirect_uri))
+        taken = {r["name"] for r in self.provider.tokens.records()}
+        free = free_token_name(client_name, taken | set(RESERVED_TOKEN_NAMES))
         grants = "".join(
-            f'<label><input type="radio" name="grant" value="{esc(grant)}"'
-            f"{' checked' if grant == chosen['grant'] else ''}> {esc(grant)} "
-            f'<span class="note">({esc(note)})</span></label>'
+            grant_choice(grant, note, grant == chosen["grant"])
             for grant, note in GRANT_NOTES.items()
         )
-        boxes = "".join(
-            CHECKBOX.format("scope", scope, "", scope) for scope in SCOPES
+        scopes = "".join(checkbox_html("scope", scope) for scope in SCOPES)
+        approval = checkbox_html(
+            "approval",
+            "on",
+            "Require approval for changes",
+            bool(chosen["approval"]),
         )
-        body = (
-            f"{error}<p><strong>{esc(name)}</strong>, returning to <strong>"
-            f"{esc(target.hostname or target.scheme)}</strong>, asks to use the machines of this "
-            f"server (it asked for: {esc(' '.join(params.scopes or []) or 'nothing in particular')}"
-            f').</p><form method="post" action="/consent?request={esc(request_id)}">'
-            f"{pages.csrf_input(request)}<fieldset><legend>Grant</legend>{grants}<fieldset><legend>"
-            f"Scopes, with Choose scopes</legend>{boxes}</fieldset></fieldset><label>Token name "
-            '<input type="text" name="name" maxlength="64" required value="'
-            f'{esc(chosen["name"] or free)}"></label><label><input '
-            f'type="checkbox" name="approval" value="on"{" checked" * bool(chosen["approval"])}> '
-            f"Require approval for changes</label>{pages.confirm_field('a grant beyond Sandbox')}"
-            '<p><button type="submit" name="action" value="Allow">Allow</button> <button '
-            'type="submit" name="action" value="Deny" formnovalidate>Deny</button></p></form>'
+        fields = (
+            f"<fieldset><legend>Grant</legend>{grants}<fieldset>"
+            "<legend>Scopes, with Choose scopes</legend>"
+            f"{scopes}</fieldset></fieldset>"
+            '<label>Token name <input type="text" name="name" '
+            f'maxlength="64" required value="{esc(chosen["name"] or free)}">'
+            f"</label>{approval}"
+            f"{self.pages.confirm_field('a grant beyond Sandbox')}"
+            '<p><button type="submit" name="action" value="Allow">Allow'
+            '</button> <button type="submit" name="action" value="Deny" '
+            "formnovalidate>Deny</button></p>"
         )
-        form_to = (
-            f"{target.scheme}://{target.netloc}"
-            if target.netloc
-            else f"{target.scheme}:"
-        )
-        return pages.page(
-            request, f"Connect {name}?", body, 400 if error else 200, form_to
+        asked = " ".join(params.scopes or []) or "nothing in particular"
+        returning_to = target.hostname or target.scheme
+        action = f"/consent?request={esc(request_id)}"
+        return (
+            f"{error}<p><strong>{esc(client_name)}</strong>, returning to "
+            f"<strong>{esc(returning_to)}</strong>, asks to use the machines "
+            f"of this server (it asked for: {esc(asked)}).</p>"
+            f"{self.pages.post_form(request, action, fields)}"
         )
 
-    return [
-        Route("/signin", signin, methods=["GET", "POST"]),
-        Route("/signout", signout, methods=["POST"]),
-        *map(screened, routes),
-        *resource,  # RFC 9728's place for it, and the root some clients look at first
-        Route(
+
+def grant_choice(grant: str, note: str, checked: bool) -> str:
+    """One of the consent page's grants, a radio button with its note."""
+    mark = " checked" if checked else ""
+    return (
+        f'<label><input type="radio" name="grant" value="{esc(grant)}"'
+        f'{mark}> {esc(grant)} <span class="note">({esc(note)})</span>'
+        "</label>"
+    )
+
+
+def free_token_name(client_name: str, taken: set) -> str:
+    """A name for a client's grant: its own, made a token name, with -2,
+    -3 and so on after it if that is taken."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", client_name).strip("-._")[:56]
+    base = base or "client"
+    names = (base, *(f"{base}-{i}" for i in range(2, 999)))
+    return next(name for name in names if name not in taken)
+
+
+def redirect_source(target: Any) -> str:
+    """The CSP source of a redirect URI (split): where the consent form's
+    answer goes, scheme://host[:port], or scheme: for an app's own."""
+    if target.netloc:
+        return f"{target.scheme}://{target.netloc}"
+    return f"{target.scheme}:"
+
+
+def redirect_back(params: Any, **answer: str) -> Any:
+    """The browser sent back to the client's redirect URI with ``answer``
+    (a code, or an error) and the client's state."""
+    from mcp.server.auth.provider import construct_redirect_uri
+    from starlette.responses import RedirectResponse
+
+    url = construct_redirect_uri(
+        str(params.redirect_uri), state=params.state, **answer
+    )
+    return RedirectResponse(url, 303)
+
+
+class OAuthEndpoints:
+    """The SDK's OAuth routes on OAuthProvider (its metadata, /authorize,
+    and /token, /register and /revoke behind screen()), and the protected
+    resource's metadata (RFC 9728)."""
+
+    def __init__(self, pages: Pages, provider: OAuthProvider):
+        self.pages = pages
+        self.provider = provider
+
+    def routes(self) -> list:
+        from mcp.server.auth.routes import (
+            create_auth_routes,
+            create_protected_resource_routes,
+        )
+        from mcp.server.auth.settings import (
+            ClientRegistrationOptions,
+            RevocationOptions,
+        )
+        from pydantic import AnyHttpUrl
+        from starlette.routing import Route
+
+        scopes = list(SCOPES)
+        issuer = AnyHttpUrl(self.provider.issuer)
+        resource_url = AnyHttpUrl(self.provider.resource)
+        clients = ClientRegistrationOptions(
+            enabled=True, valid_scopes=scopes, default_scopes=scopes
+        )
+        revocation = RevocationOptions(enabled=True)
+        routes = create_auth_routes(
+            self.provider, issuer, None, clients, revocation
+        )
+        resource = create_protected_resource_routes(
+            resource_url, [issuer], scopes, "smol-mcp"
+        )
+        # RFC 9728's place for the resource metadata, and the root some
+        # clients look at first.
+        root = Route(
             RESOURCE_METADATA, resource[0].endpoint, methods=["GET", "OPTIONS"]
-        ),
-        Route("/consent", consent, methods=["GET", "POST"]),
-    ]
+        )
+        return [*map(self.screened, routes), *resource, root]
+
+    def screened(self, route: Any) -> Any:
+        """The SDK's /token, /register or /revoke behind screen(); its
+        other routes as they are."""
+        from starlette.routing import Route
+
+        if route.path not in OAUTH_PATHS[1:]:
+            return route
+        screen = functools.partial(self.screen, route=route)
+        return Route(route.path, screen, methods=route.methods)
+
+    async def screen(self, request: Any, route: Any) -> Any:
+        """Before the SDK's /register, /token and /revoke: a registration
+        bounded and rate limited per address; a `resource` other than this
+        server refused (RFC 8707); the client's secret hashed, as only its
+        hash is kept. A refusal, or the SDK's route on what it gets."""
+        body = await request.body()
+        headers = request.scope["headers"]
+        if request.method == "POST" and request.url.path == "/register":
+            refusal = self.registration_limit(request, body)
+            if refusal is not None:
+                return refusal
+        elif request.method == "POST":
+            form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
+            asked = form.get("resource", self.provider.resource)
+            if asked.rstrip("/") != self.provider.resource:
+                why = (
+                    f"this server is the resource {self.provider.resource}, "
+                    f"not {form['resource']}"
+                )
+                return oauth_error("invalid_target", why, 400)
+            authorization = request.headers.get("authorization", "")
+            body, headers = hash_client_secret(form, headers, authorization)
+        scope = {**request.scope, "headers": headers}
+        return lambda _, receive, send: route.app(
+            scope, replay_body(body, receive), send
+        )
+
+    def registration_limit(self, request: Any, body: bytes) -> Any:
+        """A 429 past OAUTH_REGISTRATIONS from one address in a window, a
+        413 for a registration over OAUTH_MAX_REGISTRATION_BYTES; None
+        when it may go on (it counts, then)."""
+        key = "register " + self.pages.who(request)[0]
+        wait = self.pages.wait_secs(key, OAUTH_REGISTRATIONS)
+        if wait:
+            why = (
+                f"{OAUTH_REGISTRATIONS} registrations from this address: "
+                f"wait {wait} s"
+            )
+            return oauth_error("invalid_client_metadata", why, 429)
+        if len(body) > OAUTH_MAX_REGISTRATION_BYTES:
+            why = f"a registration is {OAUTH_MAX_REGISTRATION_BYTES} B at most"
+            return oauth_error("invalid_client_metadata", why, 413)
+        self.pages.failures.setdefault(key, []).append(time.time())
+        return None
+
+
+def oauth_error(error: str, why: str, status: int) -> Any:
+    """An OAuth error answer: ``error`` and its description."""
+    from starlette.responses import JSONResponse
+
+    answer = {"error": error, "error_description": why}
+    return JSONResponse(answer, status)
+
+
+def hash_client_secret(
+    form: dict, headers: list, authorization: str
+) -> tuple[bytes, list]:
+    """A token route's form and headers with the client's secret (in the
+    form, or in ``authorization`` if Basic) replaced by its hash: the body,
+    and the headers with that authorization and the new content-length."""
+    if "client_secret" in form:
+        form["client_secret"] = secret_hash(form["client_secret"])
+    body = urllib.parse.urlencode(form).encode()
+    new = {}
+    if authorization[:6].lower() == "basic ":
+        new[b"authorization"] = hashed_basic(authorization)
+    new[b"content-length"] = str(len(body)).encode()
+    kept = [(k, v) for k, v in headers if k not in new]
+    return body, [*kept, *new.items()]
+
+
+def hashed_basic(authorization: str) -> bytes:
+    """A Basic authorization header with its secret replaced by the
+    secret's hash."""
+    try:
+        decoded = base64.b64decode(authorization[6:]).decode()
+    except ValueError:
+        decoded = ""
+    who, _, secret = decoded.partition(":")
+    hashed = f"{who}:{secret_hash(urllib.parse.unquote(secret))}"
+    return b"Basic " + base64.b64encode(hashed.encode())
 
 
 # ---------------------------------------------------------------------------
