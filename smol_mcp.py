@@ -7429,6 +7429,15 @@ def parse_time(text: str) -> float:
 PERIOD_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
+def seconds_left(expires_at: Any) -> int | None:
+    """Return the whole seconds until the RFC 3339 time ``expires_at``
+    (0 once past), or None when it is not a time."""
+    try:
+        return max(0, int(parse_time(expires_at) - time.time()))
+    except (ValueError, TypeError):
+        return None
+
+
 def parse_period(text: str) -> int:
     """Return a period such as 90s, 15m, 1h, 2d or 1w in seconds; raise
     ValueError for anything else.
@@ -10910,7 +10919,7 @@ class ApprovalPages(ConsolePages):
         form = self.pages.post_form(request, review, answer_fields())
         return (
             f"<section><h2>{esc(call['tool'])}{on}</h2>"
-            f"<p>token <b>{esc(call['token'])}</b>, {time_left(call)}, "
+            f"<p>token <b>{esc(call['token'])}</b>, {card_time_left(call)}, "
             f'<a href="{review}">review {esc(call["id"])}</a></p>'
             f"<pre>{esc(arguments)}</pre>{form}</section>"
         )
@@ -10959,13 +10968,12 @@ def nothing_waits(wanted: str | None) -> str:
     )
 
 
-def time_left(call: dict) -> str:
+def card_time_left(call: dict) -> str:
     """How long a waiting call has before it times out, for its card."""
-    try:
-        left = int(parse_time(call["expiresAt"]) - time.time())
-    except (ValueError, TypeError):
+    left = seconds_left(call.get("expiresAt"))
+    if left is None:
         return "time left unknown"
-    return f"{max(0, left)} s left"
+    return f"{left} s left"
 
 
 def answer_fields() -> str:
@@ -14027,10 +14035,10 @@ def print_waiting(shown: list[dict]) -> None:
 
 def time_left(expires_at: Any) -> str:
     """Return the seconds until ``expires_at`` for a person, or "?"."""
-    try:
-        return f"{max(0, int(parse_time(expires_at) - time.time()))} s"
-    except (ValueError, TypeError):
+    left = seconds_left(expires_at)
+    if left is None:
         return "?"
+    return f"{left} s"
 
 
 def print_arguments(arguments: dict) -> None:
