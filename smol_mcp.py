@@ -62,8 +62,10 @@ import html
 import http.client
 import importlib.metadata
 import ipaddress
+import itertools
 import json
 import logging
+import math
 import os
 import re
 import secrets as secrets_module
@@ -3927,6 +3929,108 @@ def did_you_mean(
     return f' (did you mean "{hint[0]}"?)' if hint else ""
 
 
+# Strict JSON (RFC 8259) at every door that reads a body, and in every
+# argument: Python's json reads NaN, Infinity and -Infinity (and 1e999 as
+# infinity), which strict readers of the activity log refuse, and a body
+# nested past the recursion limit raises RecursionError.
+JSON_MAX_DEPTH = 64
+# A JSON string: the unrolled form, which never backtracks without bound.
+JSON_STRING_RE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+JSON_NOT_BRACKET_RE = re.compile(r"[^\[\]{}]+")
+JSON_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+class JsonRefused(ValueError):
+    """JSON that Python reads but RFC 8259 (or JSON_MAX_DEPTH) does not
+    allow; ``str(err)`` is the sentence to answer with."""
+
+
+def strict_json(data: bytes | str) -> Any:
+    """Return the JSON value of ``data`` (bytes in any encoding JSON
+    allows); raise JsonRefused for NaN, Infinity, a number too large to be
+    finite or nesting deeper than JSON_MAX_DEPTH, and ValueError for
+    what is not JSON."""
+    text = data
+    if isinstance(data, (bytes, bytearray)):
+        encoding = json.detect_encoding(data)
+        text = bytes(data).decode(encoding, "surrogatepass")
+    if json_depth(text) > JSON_MAX_DEPTH:
+        raise JsonRefused(
+            f"the body nests arrays and objects more than {JSON_MAX_DEPTH} "
+            "deep, which no request of this server needs; send a flatter "
+            "body"
+        )
+    return json.loads(
+        text, parse_constant=refuse_json_constant, parse_float=finite_float
+    )
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest (brackets
+    inside strings do not count)."""
+    if text.count("[") + text.count("{") <= JSON_MAX_DEPTH:
+        return 0
+    brackets = JSON_NOT_BRACKET_RE.sub("", JSON_STRING_RE.sub("", text))
+    steps = map(JSON_BRACKET_STEP.__getitem__, brackets)
+    return max(itertools.accumulate(steps), default=0)
+
+
+def refuse_json_constant(name: str) -> Any:
+    """json's parse_constant: raise JsonRefused for NaN, Infinity and
+    -Infinity."""
+    raise JsonRefused(
+        f"the body holds {name}, which JSON (RFC 8259) does not allow; "
+        "send finite numbers only"
+    )
+
+
+def finite_float(text: str) -> float:
+    """json's parse_float: the number, or JsonRefused when it is too large
+    to be finite (1e999)."""
+    value = float(text)
+    if math.isinf(value):
+        raise JsonRefused(
+            f"the body holds the number {text[:40]}, too large to be "
+            "finite; send finite numbers only"
+        )
+    return value
+
+
+def refuse_non_finite(arguments: dict) -> None:
+    """Raise ArgumentError naming the first NaN or infinite number in
+    ``arguments``: the SDK's reader of a message lets them through."""
+    pending = [([key], value) for key, value in arguments.items()]
+    # Breadth first, in argument order: the loop reaches what it appends.
+    for path, value in pending:
+        if isinstance(value, dict):
+            pending.extend(([*path, k], v) for k, v in value.items())
+        elif isinstance(value, list):
+            pending.extend(([*path, i], v) for i, v in enumerate(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            where = _argument_where(path)
+            if math.isnan(value):
+                what = "NaN"
+            else:
+                what = "infinite (Infinity, or a number such as 1e999)"
+            raise ArgumentError(
+                f'"{where}" is {what}, which JSON (RFC 8259) does not allow '
+                "and no tool takes; pass a finite number"
+            )
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with each NaN or infinite number as the string that names
+    it ("NaN", "Infinity", "-Infinity"), so json.dumps writes strict
+    JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
+
+
 @functools.cache
 def argument_validator() -> Any:
     """Draft 2020-12 as ECMAScript reads it: 1.0 is no integer, and a final
@@ -3961,6 +4065,7 @@ def validate_arguments(
     (or ``checker``)."""
     if not isinstance(arguments, dict):
         raise ArgumentError(f"{tool} takes an object of named arguments")
+    refuse_non_finite(arguments)
     validator = checker or argument_validator()(schema)
     errors = list(validator.iter_errors(arguments))
     if errors:
@@ -7833,6 +7938,14 @@ def bounded(value: Any, limit: int = ACTIVITY_FIELD_BYTES) -> Any:
     return {"cut": text[: limit // 2], **fingerprint(text)}
 
 
+def activity_json(entry: dict) -> str:
+    """One activity line's JSON; raise ValueError for a NaN or an
+    infinity, which strict JSON does not allow."""
+    return json.dumps(
+        entry, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+    )
+
+
 def os_user() -> str:
     try:
         return getpass.getuser()
@@ -7856,7 +7969,13 @@ class ActivityLog:
             "time": utc_now(),
             **{key: bounded(value) for key, value in entry.items()},
         }
-        text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
+        try:
+            text = activity_json(entry)
+        except ValueError:
+            # A NaN or an infinity got this far: written as the string
+            # that names it, never bare (strict readers refuse the line)
+            # nor lost.
+            text = activity_json(finite_json(entry))
         line = (redact(text, list(secret_values)) + "\n").encode("utf-8")
         ensure_state_dir(self.path.parent)
         with locked(self.path.with_name(ACTIVITY_FILE + ".lock")):
@@ -7907,7 +8026,11 @@ class ActivityLog:
                 continue
             for line in reversed(lines):
                 try:
-                    entry = json.loads(line.decode("utf-8", "replace"))
+                    # A line written before the guard may hold a bare
+                    # NaN: read as the string "NaN".
+                    entry = json.loads(
+                        line.decode("utf-8", "replace"), parse_constant=str
+                    )
                 except ValueError:
                     continue
                 if not isinstance(entry, dict) or not keep(entry):
@@ -10017,11 +10140,11 @@ def authenticated_user(principal: Principal):
 
 
 def json_body(body: bytes, *path: str) -> Any:
-    """A body's JSON, or the value at ``path`` in it; None if not JSON or
-    there is no such value."""
+    """A body's JSON, or the value at ``path`` in it; None if not strict
+    JSON or there is no such value."""
     try:
         return functools.reduce(
-            lambda value, key: value[key], path, json.loads(body)
+            lambda value, key: value[key], path, strict_json(body)
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -10029,8 +10152,15 @@ def json_body(body: bytes, *path: str) -> Any:
 
 def request_methods(body: bytes, key: str = "method") -> list:
     """The methods (or ids) of a body's JSON-RPC requests, not its
-    notifications or answers."""
-    message = json_body(body)
+    notifications or answers; raise JsonRefused for a body that strict
+    JSON refuses (the SDK would read it)."""
+    try:
+        message = strict_json(body)
+    except JsonRefused:
+        raise
+    except ValueError:
+        # Not JSON: the SDK answers it.
+        message = None
     messages = message if isinstance(message, list) else [message]
     requests = [
         m
@@ -10241,7 +10371,13 @@ class PlainApi:
         from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
         # No body: no arguments.
-        arguments = json_body(body or b"{}")
+        try:
+            arguments = strict_json(body or b"{}")
+        except JsonRefused as err:
+            return await send_json(send, 400, {"error": str(err)})
+        except ValueError:
+            # Not JSON: refusal says what the body must be.
+            arguments = None
         refusal = self.refusal(scope["method"], name, arguments)
         if refusal is not None:
             status, error = refusal
@@ -10544,7 +10680,13 @@ class McpEndpoint:
         version = headers.get("mcp-protocol-version")
         methods = []
         if scope["method"] == "POST":
-            methods = request_methods(body)
+            try:
+                methods = request_methods(body)
+            except JsonRefused as err:
+                # Before the SDK, which reads NaN and Infinity.
+                unread = {"code": -32700, "message": str(err)}
+                answer = {"jsonrpc": "2.0", "id": None, "error": unread}
+                return await send_json(send, 400, answer)
         if "initialize" in methods and not http_id:
             busy = self.over_share(principal)
             if busy is not None:

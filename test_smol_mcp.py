@@ -36,6 +36,7 @@ import inspect
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -12377,6 +12378,151 @@ OPERATOR_PASSWORD = "correct horse battery staple"
 CALLBACK = "http://127.0.0.1:9/callback"  # nothing listens: each answer is read from its Location
 
 
+def strictly(line: str):
+    """A JSON text read as RFC 8259 has it (NaN, Infinity refused), as
+    Node's JSON.parse and jq read it."""
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+NON_FINITE_BODIES = {
+    "cpus NaN": b'{"name":"nf-1","image":"alpine","cpus":NaN}',
+    "cpus 1e999": b'{"name":"nf-2","image":"alpine","cpus":1e999}',
+    "cpus -Infinity": b'{"name":"nf-3","image":"alpine","cpus":-Infinity}',
+    "memoryMb Infinity": (
+        b'{"name":"nf-4","image":"alpine","memoryMb":Infinity}'
+    ),
+}
+NESTED_BODIES = {
+    "arrays": b"[" * 100000 + b"]" * 100000,
+    "objects": b'{"a":' * 100000 + b"1" + b"}" * 100000,
+}
+
+
+class StrictJsonDoorTests(HttpCase):
+    """The plain API and /mcp read a body as strict JSON, nested at most
+    JSON_MAX_DEPTH deep: a 400 with a sentence, before anything runs."""
+
+    def assert_nothing_created(self):
+        self.assertEqual(self.requests_to("/api/v1/machines"), [])
+        lines = self.app.access.activity.path
+        if lines.exists():
+            for line in lines.read_text().splitlines():
+                strictly(line)
+
+    async def post(self, path, body, headers=None):
+        headers = {
+            "Authorization": f"Bearer {HTTP_TOKEN}",
+            **JSON_HEADERS,
+            **(headers or {}),
+        }
+        return await self.raw("POST", path, headers, body)
+
+    async def test_the_plain_api_refuses_non_finite_numbers_and_deep_bodies(
+        self,
+    ):
+        bodies = {**NON_FINITE_BODIES, **NESTED_BODIES}
+        for what, body in bodies.items():
+            with self.subTest(what):
+                answer = await self.post("/api/tools/create-machine", body)
+                self.assertEqual(answer.status_code, 400, answer.text)
+                error = answer.json()["error"]
+                self.assertRegex(
+                    error, r"^the body (holds|nests) .+; send [a-z ]+$"
+                )
+        answer = await self.post(
+            "/api/tools/list-machines", b"[" * 64 + b"]" * 64
+        )
+        # At the bound it is JSON, just not an object of arguments.
+        self.assertEqual(answer.status_code, 400)
+        self.assertIn("must be a JSON object", answer.json()["error"])
+        self.assert_nothing_created()
+
+    async def test_the_mcp_endpoint_refuses_them_before_the_sdk(self):
+        modern = {"Mcp-Protocol-Version": "2026-07-28"}
+        calls = {
+            what: b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":'
+            b'{"name":"create-machine","arguments":' + body + b"}}"
+            for what, body in NON_FINITE_BODIES.items()
+        }
+        for what, body in {**calls, **NESTED_BODIES}.items():
+            with self.subTest(what):
+                answer = await self.post("/mcp", body, modern)
+                self.assertEqual(answer.status_code, 400, answer.text)
+                message = answer.json()
+                self.assertEqual(
+                    (message["id"], message["error"]["code"]), (None, -32700)
+                )
+                self.assertIn("the body", message["error"]["message"])
+        self.assert_nothing_created()
+
+
+@unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
+class StdioNonFiniteTests(unittest.IsolatedAsyncioTestCase):
+    """Over stdio the SDK reads NaN and 1e999 into a call's arguments:
+    validation refuses them before anything runs, and the activity log
+    names them as strings."""
+
+    async def asyncSetUp(self):
+        self.tmp = short_tempdir()
+        self.socket_path = f"{self.tmp}/fake.sock"
+        self.fake = FakeSmolvm(self.socket_path).start()
+        self.state = f"{self.tmp}/state"
+        self.env = {
+            "SMOL_LOCAL_URL": f"unix://{self.socket_path}",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_STATE_DIR": self.state,
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": self.tmp,
+        }
+
+    async def asyncTearDown(self):
+        await asyncio.to_thread(self.fake.stop)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    async def test_non_finite_arguments_are_refused_and_logged_as_strings(
+        self,
+    ):
+        values = {2: b"NaN", 3: b"1e999", 4: b"-Infinity"}
+        calls = b"".join(
+            b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":'
+            b'{"name":"create-machine","arguments":{"name":"nf-%d",'
+            b'"image":"alpine","cpus":%s}}}\n' % (i, i, value)
+            for i, value in values.items()
+        )
+        lines = (
+            jsonrpc(1, "initialize", INITIALIZE)
+            + jsonrpc(None, "notifications/initialized")
+            + calls
+        )
+        _, out, _ = await piped_server(self.env, lines)
+        answers = {
+            m["id"]: m for m in map(json.loads, out.splitlines()) if "id" in m
+        }
+        for i in values:
+            result = answers[i]["result"]
+            self.assertTrue(result["isError"], result)
+            text = result["content"][0]["text"]
+            self.assertIn('"cpus" is ', text)
+            self.assertIn("pass a finite number", text)
+        self.assertEqual(
+            [
+                r
+                for r in self.fake.requests
+                if r[1] == "/api/v1/machines" and r[0] == "POST"
+            ],
+            [],
+        )
+        logged = Path(self.state, "activity.jsonl").read_text().splitlines()
+        entries = [strictly(line) for line in logged]
+        cpus = [e["arguments"]["cpus"] for e in entries if e.get("tool")]
+        self.assertEqual(cpus, ["NaN", "Infinity", "-Infinity"])
+
+
 class MemoryTokens:
     """An OAuth client's TokenStorage (mcp.client.auth), in memory."""
 
@@ -14336,6 +14482,133 @@ class ActivityLogTests(unittest.TestCase):
             smol_mcp.SmolError, "is not an approval id"
         ):
             desk.respond("../tokens", {})
+
+
+class StrictJsonTests(unittest.TestCase):
+    """strict_json, refuse_non_finite and finite_json: RFC 8259 JSON, nested
+    at most JSON_MAX_DEPTH deep."""
+
+    def test_nan_and_the_infinities_are_refused_with_a_sentence(self):
+        for text in (
+            '{"a": NaN}',
+            '{"a": Infinity}',
+            "[-Infinity]",
+            "[1e999]",
+            b'{"a": -1E400}',
+        ):
+            with self.subTest(text):
+                json.loads(text)  # what Python's own reader takes
+                with self.assertRaises(smol_mcp.JsonRefused) as caught:
+                    smol_mcp.strict_json(text)
+                self.assertIn(
+                    "send finite numbers only", str(caught.exception)
+                )
+        self.assertEqual(smol_mcp.strict_json("[1e308, -2.5]"), [1e308, -2.5])
+
+    def test_nesting_is_bounded_at_the_stated_depth(self):
+        depth = smol_mcp.JSON_MAX_DEPTH
+        self.assertEqual(depth, 64)
+        # More brackets than the bound, none deeper than it: counted.
+        at_bound = "[[]," + "[" * (depth - 1) + "]" * (depth - 1) + "]"
+        wide = "[" + ",".join(["[[]]"] * 1000) + "]"
+        for text in (at_bound, wide):
+            self.assertIsInstance(smol_mcp.strict_json(text), list)
+        for deep in (
+            "[" * (depth + 1) + "]" * (depth + 1),
+            '{"a":' * (depth + 1) + "1" + "}" * (depth + 1),
+            "[" * 100000 + "]" * 100000,
+        ):
+            with self.assertRaises(smol_mcp.JsonRefused) as caught:
+                smol_mcp.strict_json(deep)
+            self.assertIn(f"more than {depth} deep", str(caught.exception))
+        # Brackets inside strings are text, escaped quotes included.
+        text = json.dumps(["[" * 500, '\\"{' * 500, {"k": "]" * 9}])
+        self.assertEqual(json.loads(text), smol_mcp.strict_json(text))
+
+    def test_what_is_not_json_stays_a_plain_value_error(self):
+        for body in (b"nope", b"{", b"\xff\xfe\x00"):
+            with self.assertRaises(ValueError) as caught:
+                smol_mcp.strict_json(body)
+            self.assertNotIsInstance(caught.exception, smol_mcp.JsonRefused)
+        for encoded in (
+            '{"a": 1.5}'.encode("utf-16"),
+            b'\xef\xbb\xbf{"a": 1.5}',
+        ):
+            self.assertEqual(smol_mcp.strict_json(encoded), {"a": 1.5})
+
+    def test_a_non_finite_argument_is_refused_naming_where_it_is(self):
+        refusals = {
+            '"cpus" is NaN': {"cpus": math.nan},
+            '"mounts[0].size" is infinite': {"mounts": [{"size": math.inf}]},
+            '"env.B" is infinite': {"env": {"A": "x", "B": -math.inf}},
+        }
+        for start, arguments in refusals.items():
+            with self.assertRaises(smol_mcp.ArgumentError) as caught:
+                smol_mcp.refuse_non_finite(arguments)
+            self.assertTrue(str(caught.exception).startswith(start))
+        smol_mcp.refuse_non_finite({"cpus": 2, "x": [1.5, {"y": -0.0}]})
+        # Before the schema: the number's own refusal, not "a whole number".
+        tool = smol_mcp.TOOLS_BY_NAME["create-machine"]
+        with self.assertRaises(smol_mcp.ArgumentError) as caught:
+            smol_mcp.validate_arguments(
+                tool.name,
+                tool.input_schema,
+                {"image": "alpine", "cpus": math.nan},
+            )
+        self.assertIn('"cpus" is NaN', str(caught.exception))
+
+    def test_finite_json_names_each_non_finite_number_as_a_string(self):
+        value = {"a": [math.nan, math.inf, -math.inf, 1.5], "b": (2,)}
+        self.assertEqual(
+            smol_mcp.finite_json(value),
+            {"a": ["NaN", "Infinity", "-Infinity", 1.5], "b": [2]},
+        )
+
+
+class ActivityLogStrictTests(unittest.TestCase):
+    """Every activity line is strict JSON: the writer never writes a bare
+    NaN or Infinity, and a line an older writer left is read with it as a
+    string."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+        self.log = smol_mcp.ActivityLog(self.tmp)
+
+    def test_a_non_finite_number_is_written_as_a_string_never_bare(self):
+        self.log.append(
+            {
+                "event": "tool",
+                "arguments": {"cpus": math.nan, "n": [math.inf, -math.inf]},
+            }
+        )
+        self.log.append({"event": "tool", "arguments": {"cpus": 2.5}})
+        lines = self.log.path.read_text().splitlines()
+        first, second = [strictly(line) for line in lines]
+        self.assertEqual(
+            first["arguments"],
+            {"cpus": "NaN", "n": ["Infinity", "-Infinity"]},
+        )
+        self.assertEqual(second["arguments"], {"cpus": 2.5})
+
+    def test_a_bare_nan_left_by_an_older_writer_is_read_as_a_string(self):
+        self.log.path.write_text(
+            '{"time":"2026-01-01T00:00:00Z","event":"tool",'
+            '"arguments":{"cpus":NaN,"m":-Infinity}}\n'
+        )
+        [entry] = self.log.entries()
+        self.assertEqual(entry["arguments"], {"cpus": "NaN", "m": "-Infinity"})
+        strictly(json.dumps(self.log.entries()))
+        config = Config(state_dir=self.tmp)
+        args = unittest.mock.Mock(
+            since=None, token=None, machine=None, limit=50, json=True
+        )
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            smol_mcp.activity_command(args, config)
+        self.assertEqual(
+            strictly(printed.getvalue())[0]["arguments"]["cpus"], "NaN"
+        )
 
 
 class ActivityCliTests(CliCase):
