@@ -1592,8 +1592,29 @@ class LocalServe:
         if read is not None and status == 200:
             return data
         if "application/json" in answer_type:
-            return json.loads(data) if data else None
+            return self._json_answer(action, method, path, data)
         return data
+
+    def _json_answer(
+        self, action: str, method: str, path: str, data: bytes
+    ) -> Any:
+        """The JSON of an answer the serve labelled JSON (None when empty);
+        raise SmolError naming the serve and the route when it is not JSON
+        (a short Content-Length cuts it)."""
+        if not data:
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            head = data[:80].decode("utf-8", "replace")
+            raise SmolError(
+                f"the {self.name} machine API (smolvm serve) answered "
+                f"{method} {path}, to {action}, with a body that is not "
+                f"JSON ({len(data)} bytes, starting "
+                f"{head!r}): the engine's answer was cut short or malformed, "
+                "not this call's fault. Try the call again; if it keeps "
+                "happening, restart the serve"
+            ) from None
 
     @staticmethod
     def _encoded(payload: Any) -> tuple[Any, str | None]:

@@ -1975,6 +1975,34 @@ class QuickReaderTests(unittest.IsolatedAsyncioTestCase):
         self.assertIsNone(await nowhere.get("/api/v1/machines"))
 
 
+class EngineAnswerTests(unittest.IsolatedAsyncioTestCase):
+    """An engine answer that is not JSON (a Content-Length shorter than
+    the body) is a sentence naming the engine and the route."""
+
+    BODY = QuickReaderTests.BODY
+    HEAD = QuickReaderTests.HEAD
+    asyncSetUp = QuickReaderTests.asyncSetUp
+    read_request = staticmethod(QuickReaderTests.read_request)
+    serve = QuickReaderTests.serve
+    fleet = QuickReaderTests.fleet
+
+    async def test_a_body_cut_short_is_the_engines_fault_in_a_sentence(self):
+        short = self.HEAD + b"content-length: 10\r\n\r\n" + self.BODY
+        fleet = self.fleet()
+        server = self.serve(short)
+        try:
+            with self.assertRaises(smol_mcp.SmolError) as caught:
+                await asyncio.to_thread(fleet.list_machines)
+        finally:
+            await asyncio.to_thread(server.join)
+        text = str(caught.exception)
+        self.assertNotIsInstance(caught.exception, ValueError)
+        self.assertIn("the local machine API (smolvm serve)", text)
+        self.assertIn("GET /api/v1/machines, to list machines", text)
+        self.assertIn("not JSON (10 bytes, starting '{\"machines'", text)
+        self.assertIn("Try the call again", text)
+
+
 class EraScenarios:
     """The worked example and each tool rule, run once per protocol era."""
 
