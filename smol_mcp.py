@@ -967,6 +967,9 @@ class MachineSpec:
     network: str
     allow_hosts: list[str] = field(default_factory=list)
     allow_cidrs: list[str] = field(default_factory=list)
+    # Deny rules checked ahead of the allow list (the local engine's
+    # egressRules; the cloud has none).
+    egress_rules: list[dict[str, str]] = field(default_factory=list)
     # [{"guest", "host"?}]
     ports: list[dict[str, int]] = field(default_factory=list)
     # [{"source", "target", ...}]
@@ -1818,6 +1821,7 @@ class LocalFleet(LocalServe):
             "network": spec.network == "open",
             "allowedHosts": spec.allow_hosts or None,
             "allowedCidrs": spec.allow_cidrs or None,
+            "egressRules": spec.egress_rules or None,
             "ports": ports or None,
             "mounts": mounts or None,
             "storageGb": spec.storage_gb,
@@ -4357,7 +4361,9 @@ ARG_MEMORY = _integer(
 )
 ARG_NETWORK = _string(
     'Egress: "blocked" (the default) or "open". A registry image does '
-    "not need it: the local engine fetches images on the host.",
+    "not need it: the local engine fetches images on the host. On the "
+    "local fleet, open egress (and an allow list) never reaches the host, "
+    "its network or cloud metadata.",
     enum=["open", "blocked"],
 )
 ARG_ALLOW_HOSTS = _list(
@@ -5393,11 +5399,12 @@ async def add_recent_denials(call: Call, name: str, egress: dict) -> None:
         egress.update(recentDenials=[], recentDenialsError=str(err))
 
 
-def machine_spec(
+async def machine_spec(
     call: Call, args: dict, name: str, network_default: str
 ) -> MachineSpec:
     """A create's MachineSpec. An allow-list narrows egress, so it
-    excludes an explicit network."""
+    excludes an explicit network; a machine with egress gets the host
+    ranges as deny rules."""
     hosts = egress_entries(args, "allowHosts", call.config, True)
     cidrs = egress_entries(args, "allowCidrs", call.config)
     if (hosts or cidrs) and "network" in args:
@@ -5424,6 +5431,10 @@ def machine_spec(
     rest = ("ports", "storage_gb", "overlay_gb", "cmd", "env", "branchable")
     given = {attr: args[_camel(attr)] for attr in rest if _camel(attr) in args}
     given.update(mounts=mounts, ephemeral=call.session.is_ephemeral(name))
+    if network == "open" or hosts or cidrs:
+        given["egress_rules"] = host_range_rules(call.config)
+    named = [(f"allowHosts[{i}]", host) for i, host in enumerate(hosts)]
+    await refuse_resolving_to_host_ranges(named, call.config)
     return MachineSpec(
         name, image, cpus, memory, network, hosts, cidrs, **given
     )
@@ -5463,7 +5474,7 @@ def machine_spec(
 )
 async def tool_create_machine(call: Call, args: dict) -> dict:
     name = args.get("name") or call.new_ephemeral_name()
-    spec = machine_spec(call, args, name, call.config.network_default)
+    spec = await machine_spec(call, args, name, call.config.network_default)
     start = args.get("start", True)
     if spec.branchable and not start and call.fleet.branch_needs_start:
         raise ArgumentError(
@@ -5576,7 +5587,7 @@ async def tool_run_command(call: Call, args: dict) -> dict:
 async def tool_run_once(call: Call, args: dict) -> dict:
     options = exec_options(args, call.config.exec_timeout_secs)
     name = call.new_ephemeral_name()
-    spec = machine_spec(call, args, name, call.config.run_once_network)
+    spec = await machine_spec(call, args, name, call.config.run_once_network)
     try:
         await call.progress(None, f"creating {name} from {spec.image}")
         await create_recorded(call, name, call.fleet.create_machine, spec)
@@ -6109,6 +6120,43 @@ PUBLIC_SUFFIXES = frozenset(
 )
 
 
+# DNS services whose names answer the address they spell
+# (169.254.169.254.nip.io, 10-0-0-1.sslip.io) or the host's own loopback
+# (anything.localtest.me): any name under one can name the host.
+ADDRESS_NAME_DOMAINS = frozenset(
+    "nip.io sslip.io xip.io traefik.me localtest.me lvh.me vcap.me "
+    "localho.st".split()
+)
+# Top-level names private networks give their own hosts, never a public
+# site, and what each names.
+PRIVATE_NETWORK = "a private network's own hosts"
+INTERNAL_NAME_SUFFIXES = {
+    "internal": (
+        "a private network's own hosts (host.docker.internal is this host, "
+        "metadata.google.internal the cloud's metadata service at "
+        "169.254.169.254)"
+    ),
+    "localdomain": "this host (localhost.localdomain is 127.0.0.1)",
+    "local": "hosts on the local link or in a cluster (*.cluster.local)",
+    "svc": "a cluster's services (kubernetes.default.svc is its API server)",
+    "default": "a cluster's services (kubernetes.default is its API server)",
+    "arpa": (
+        "addresses themselves (in-addr.arpa, ip6.arpa) or a home network "
+        "(home.arpa)"
+    ),
+    "lan": PRIVATE_NETWORK,
+    "home": PRIVATE_NETWORK,
+    "corp": PRIVATE_NETWORK,
+    "intranet": PRIVATE_NETWORK,
+    "private": PRIVATE_NETWORK,
+}
+# An IPv4 address spelled with dashes inside one label (10-0-0-1).
+DASHED_IPV4_RE = re.compile(r"(?<![0-9])(\d{1,3}(?:-\d{1,3}){3})(?![0-9])")
+# How long adding names to an allow list waits for this host's resolver;
+# a name with no answer by then counts as one that does not resolve.
+EGRESS_RESOLVE_SECS = 3
+
+
 def egress_refusal(network: Any, config: Config) -> str | None:
     """Why an allow list may not hold this range (it touches a forbidden
     one), or None."""
@@ -6142,6 +6190,7 @@ def egress_host(value: str, where: str, pattern: bool, config: Config) -> str:
             f'"{where}" is the address {address} ({value!r}){fix}'
         )
     validate_host_name(name, value, where, pattern, wildcard)
+    refuse_host_range_name(name, value, where, config)
     return host
 
 
@@ -6197,6 +6246,64 @@ def validate_host_name(
         )
 
 
+def refuse_host_range_name(
+    name: str, value: str, where: str, config: Config
+) -> None:
+    """Raise ArgumentError when host name ``name`` (``value`` as given)
+    stands for an address no allow list may reach: under a DNS service
+    that spells addresses, a private network's own name, or a name that
+    spells such an address."""
+    for domain in ADDRESS_NAME_DOMAINS:
+        if name == domain or name.endswith("." + domain):
+            raise ArgumentError(
+                f'"{where}" is {value!r}, under {domain}, a DNS service '
+                "whose names answer the address they spell (or the host's "
+                "own loopback), so it can name the host or its network, "
+                "which no allow list may reach. Name the site itself"
+            )
+    top = name.rsplit(".", 1)[-1]
+    if top in INTERNAL_NAME_SUFFIXES:
+        raise ArgumentError(
+            f'"{where}" is {value!r}: .{top} names '
+            f"{INTERNAL_NAME_SUFFIXES[top]}, never a public site, so no "
+            "allow list may reach it. An operator who needs a host on "
+            "their network lists its range in egressPrivateCidrs "
+            "(SMOL_MCP_EGRESS_PRIVATE_CIDRS), and it is allowed by address "
+            "in cidrs"
+        )
+    for address in spelled_addresses(name):
+        why = egress_refusal(ipaddress.ip_network(address), config)
+        if why:
+            raise ArgumentError(
+                f'"{where}" is {value!r}, a name that spells the address '
+                f"{address}, which no allow list may reach: {why}. Name the "
+                "site by its own name"
+            )
+
+
+def spelled_addresses(name: str) -> list[Any]:
+    """The IP addresses host name ``name`` spells, as the DNS services
+    that answer them read it: four labels (10.0.0.1.example), dashes in a
+    label (10-0-0-1, or fe80--1 for IPv6)."""
+    labels = name.split(".")
+    quads = [labels[i : i + 4] for i in range(len(labels) - 3)]
+    for label in labels:
+        quads += [run.split("-") for run in DASHED_IPV4_RE.findall(label)]
+    found: list[Any] = [
+        ipaddress.IPv4Address(".".join(str(int(part)) for part in quad))
+        for quad in quads
+        if all(part.isdigit() and int(part) < 256 for part in quad)
+    ]
+    for label in labels:
+        if label.count("-") < 2:
+            continue
+        try:
+            found.append(ipaddress.IPv6Address(label.replace("-", ":")))
+        except ValueError:
+            pass
+    return found
+
+
 def egress_cidr(value: str, where: str, config: Config) -> str:
     """An address range narrow enough to be an allow-list entry."""
     try:
@@ -6221,6 +6328,81 @@ def egress_cidr(value: str, where: str, config: Config) -> str:
             "egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
         )
     return value
+
+
+async def resolve_host(name: str) -> list[str]:
+    """The addresses ``name`` resolves to on this host (in the event
+    loop's resolver threads), none when it does not resolve."""
+    try:
+        answers = await anyio.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    # An IPv6 answer may carry its zone (fe80::1%eth0).
+    return [str(answer[4][0]).split("%")[0] for answer in answers]
+
+
+async def refuse_resolving_to_host_ranges(
+    entries: list[tuple[str, str]], config: Config
+) -> None:
+    """Raise ArgumentError when a host name (or *.domain: its domain) of
+    ``entries``, (where, name) pairs, resolves here to an address no
+    allow list may reach. The names resolve together, within
+    EGRESS_RESOLVE_SECS; one without an answer by then is let through, as
+    is one that does not resolve here."""
+    answers: dict[str, list[str]] = {}
+
+    async def look_up(where: str, name: str) -> None:
+        answers[where] = await resolve_host(name.removeprefix("*."))
+
+    with anyio.move_on_after(EGRESS_RESOLVE_SECS):
+        async with anyio.create_task_group() as group:
+            for where, name in entries:
+                group.start_soon(look_up, where, name)
+    for where, name in entries:
+        for address in answers.get(where, []):
+            why = egress_refusal(ipaddress.ip_network(address), config)
+            if why:
+                raise ArgumentError(
+                    f'"{where}" is {name!r}, which this host resolves to '
+                    f"{address}, which no allow list may reach: {why}. Name "
+                    "a public host; an operator who needs that range lists "
+                    "it in egressPrivateCidrs (SMOL_MCP_EGRESS_PRIVATE_CIDRS)"
+                )
+
+
+def host_range_rules(config: Config) -> list[dict]:
+    """The deny rules the local engine checks ahead of a machine's allow
+    list (egressRules): every range EGRESS_FORBIDDEN names, less the
+    operator's egressPrivateCidrs. A name's DNS answers, which the engine
+    learns into the allow list, then never reach the host, its network or
+    the cloud's metadata; nor does open egress."""
+    allowed = [
+        ipaddress.ip_network(cidr) for cidr in config.egress_private_cidrs
+    ]
+    return [
+        {"action": "deny", "cidr": str(network)}
+        for forbidden, _ in EGRESS_FORBIDDEN
+        for network in without_ranges(forbidden, allowed)
+    ]
+
+
+def without_ranges(network: Any, removed: list[Any]) -> list[Any]:
+    """``network`` less each range of ``removed`` that lies in it or
+    holds it, as the fewest ranges, in address order."""
+    left = [network]
+    for cut in removed:
+        if cut.version != network.version:
+            continue
+        kept = []
+        for piece in left:
+            if piece.subnet_of(cut):
+                continue
+            if cut.subnet_of(piece):
+                kept.extend(piece.address_exclude(cut))
+            else:
+                kept.append(piece)
+        left = kept
+    return sorted(left)
 
 
 def egress_change(
@@ -6268,6 +6450,21 @@ def egress_change(
         removeAllowCidrs=removed_cidrs,
     )
     return {key: value for key, value in body.items() if value}, after
+
+
+def added_names(args: dict, body: dict) -> list[tuple[str, str]]:
+    """The host names and patterns an allow-egress ``body`` adds, as
+    (where in ``args``, entry) pairs."""
+    added = []
+    for arg, key in (
+        ("hosts", "allowHosts"),
+        ("hostPatterns", "allowHostPatterns"),
+    ):
+        adding = body.get(key, [])
+        for i, value in enumerate(args.get(arg, [])):
+            if value.lower() in adding:
+                added.append((f"{arg}[{i}]", value.lower()))
+    return added
 
 
 def listed_removals(remove: dict, before: dict) -> tuple[list[str], list[str]]:
@@ -6351,6 +6548,7 @@ async def tool_allow_egress(call: Call, args: dict) -> dict:
         )
     record, before = await call.api(call.fleet.egress_policy, name)
     body, after = egress_change(args, before, call.config)
+    await refuse_resolving_to_host_ranges(added_names(args, body), call.config)
     if not body:
         # Everything asked for is already on the list.
         same = {**after, "open": False}

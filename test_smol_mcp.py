@@ -72,6 +72,16 @@ from tests.fakes.fake_cloud import FakeCloud  # noqa: E402
 from tests.fakes.fake_smolvm import FakeSmolvm  # noqa: E402
 
 FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
+# No test asks this host's resolver: a name an allow list adds resolves to
+# nothing here unless a test patches answers in (EgressResolveTests).
+REAL_RESOLVE_HOST = smol_mcp.resolve_host
+
+
+async def no_answers(name: str) -> list[str]:
+    return []
+
+
+smol_mcp.resolve_host = no_answers
 logging.getLogger("smol_mcp").setLevel(
     logging.CRITICAL
 )  # the server's own log lines are not what is tested
@@ -2045,6 +2055,7 @@ class EraScenarios:
                     "cpus": 2,
                     "memoryMb": 1024,
                     "network": True,
+                    "egressRules": HOST_RANGE_RULES,
                 },
             )
             # ready means a command ran: the probe was an exec with autoStart false
@@ -4967,6 +4978,223 @@ class EgressTests(FakeServeCase):
             self.assertEqual(len(self.egress_posts()), 1)
 
 
+def resolving(table: dict, slow: dict | None = None):
+    """A patch of the server's resolver: ``table`` maps a name to its
+    addresses; a name in ``slow`` answers after that many seconds."""
+
+    async def resolve(name: str) -> list[str]:
+        await asyncio.sleep((slow or {}).get(name, 0))
+        return list(table.get(name, []))
+
+    return unittest.mock.patch.object(smol_mcp, "resolve_host", resolve)
+
+
+class EgressResolveTests(FakeServeCase):
+    """A name added to an allow list is resolved here first (the resolver
+    patched: no network), and refused if an answer is a host range."""
+
+    async def test_create_and_run_once_refuse_a_name_resolving_to_the_host(
+        self,
+    ):
+        table = {"pypi.org": ["151.101.0.223"], "evil.example": ["127.0.0.1"]}
+        with resolving(table):
+            async with self.client("legacy") as c:
+                for tool, args in (
+                    ("create-machine", {"name": "res-1", "start": False}),
+                    ("run-once", {"command": "true"}),
+                ):
+                    with self.subTest(tool):
+                        text = await self.refused(
+                            c,
+                            tool,
+                            {
+                                **args,
+                                "image": "alpine",
+                                "allowHosts": ["pypi.org", "Evil.Example"],
+                            },
+                        )
+                        self.assertIn('"allowHosts[1]"', text)
+                        self.assertIn("resolves to 127.0.0.1", text)
+                        self.assertIn("loopback", text)
+        self.assertEqual(self.requests_to("/api/v1/machines"), [])
+
+    async def test_allow_egress_refuses_it_before_the_person_is_asked(self):
+        table = {
+            "meta.example.com": ["203.0.113.9", "169.254.169.254"],
+            "rebind.example.com": ["fd12::7"],
+        }
+        asked = []
+        with resolving(table):
+            async with self.client(
+                "legacy",
+                elicitation_callback=answer_allow("accept", True, asked),
+            ) as c:
+                await self.ok(
+                    c,
+                    "create-machine",
+                    {
+                        "name": "res-2",
+                        "image": "alpine",
+                        "allowHosts": ["pypi.org"],
+                        "start": False,
+                    },
+                )
+                text = await self.refused(
+                    c,
+                    "allow-egress",
+                    {
+                        "name": "res-2",
+                        "hosts": ["ok.example", "meta.example.com"],
+                    },
+                )
+                self.assertIn('"hosts[1]"', text)
+                self.assertIn("169.254.169.254", text)
+                text = await self.refused(
+                    c,
+                    "allow-egress",
+                    {
+                        "name": "res-2",
+                        "hostPatterns": ["*.rebind.example.com"],
+                    },
+                )
+                self.assertIn('"hostPatterns[0]"', text)
+                self.assertIn("fd12::7", text)
+        self.assertEqual((asked, self.requests_to("/egress")), ([], []))
+
+    async def test_a_public_or_unresolved_name_is_allowed(self):
+        table = {"pypi.org": ["151.101.0.223", "2a04:4e42::223"]}
+        with resolving(table):
+            async with self.client("legacy") as c:
+                made = await self.ok(
+                    c,
+                    "create-machine",
+                    {
+                        "name": "res-3",
+                        "image": "alpine",
+                        "allowHosts": ["pypi.org", "nowhere.example"],
+                        "start": False,
+                    },
+                )
+        self.assertEqual(made["machine"]["network"], "allowlist")
+        body = self.requests_to("/api/v1/machines")[-1][2]
+        self.assertEqual(body["allowedHosts"], ["pypi.org", "nowhere.example"])
+
+    async def test_lookups_run_together_within_a_bound(self):
+        table = {"evil.example": ["10.1.2.3"]}
+        slow = {"slow.example": 60}
+        with (
+            resolving(table, slow),
+            unittest.mock.patch.object(smol_mcp, "EGRESS_RESOLVE_SECS", 0.5),
+        ):
+            async with self.client("legacy") as c:
+                # A slow name first does not hide a refused one behind it.
+                started = time.monotonic()
+                text = await self.refused(
+                    c,
+                    "create-machine",
+                    {
+                        "name": "res-4",
+                        "image": "alpine",
+                        "allowHosts": ["slow.example", "evil.example"],
+                        "start": False,
+                    },
+                )
+                self.assertIn("resolves to 10.1.2.3", text)
+                # And a name with no answer in time counts as unresolved.
+                await self.ok(
+                    c,
+                    "create-machine",
+                    {
+                        "name": "res-5",
+                        "image": "alpine",
+                        "allowHosts": ["slow.example"],
+                        "start": False,
+                    },
+                )
+                self.assertLess(time.monotonic() - started, 10)
+
+
+class EgressDenyRuleTests(FakeServeCase):
+    """Every local machine with egress is created with the host ranges as
+    deny rules ahead of its allow list (the fake's journal shows the create
+    bodies); a blocked one gets none, as rules would give it network."""
+
+    async def test_open_and_allow_list_machines_carry_the_deny_rules(self):
+        async with self.client(
+            "legacy", elicitation_callback=answer_allow("accept")
+        ) as c:
+            for name, egress in (
+                ("deny-open", {"network": "open"}),
+                ("deny-hosts", {"allowHosts": ["pypi.org"]}),
+                ("deny-cidrs", {"allowCidrs": ["198.51.100.0/24"]}),
+                ("deny-none", {}),
+            ):
+                await self.ok(
+                    c,
+                    "create-machine",
+                    {
+                        "name": name,
+                        "image": "alpine",
+                        "start": False,
+                        **egress,
+                    },
+                )
+            bodies = {
+                r[2]["name"]: r[2]
+                for r in self.requests_to("/api/v1/machines")
+            }
+            for name in ("deny-open", "deny-hosts", "deny-cidrs"):
+                self.assertEqual(bodies[name]["egressRules"], HOST_RANGE_RULES)
+                self.assertEqual(
+                    self.fake.machines[name]["egressRules"], HOST_RANGE_RULES
+                )
+            self.assertNotIn("egressRules", bodies["deny-none"])
+            # The engine keeps them through an amendment of the list.
+            await self.ok(
+                c,
+                "allow-egress",
+                {"name": "deny-hosts", "hosts": ["files.pythonhosted.org"]},
+            )
+            self.assertEqual(
+                self.fake.machines["deny-hosts"]["egressRules"],
+                HOST_RANGE_RULES,
+            )
+            ran = await self.ok(
+                c,
+                "run-once",
+                {"image": "alpine", "command": "true", "network": "open"},
+            )
+        self.assertEqual(ran["exitCode"], 0)
+        once = self.requests_to("/api/v1/machines")[-1][2]
+        self.assertEqual(once["egressRules"], HOST_RANGE_RULES)
+
+
+class EgressDenyRulePrivateTests(FakeServeCase):
+    """The operator's egressPrivateCidrs are left out of the deny rules, so
+    an allow list may reach them."""
+
+    config_overrides = {"egress_private_cidrs": ("10.20.0.0/16",)}
+
+    async def test_a_private_range_the_operator_allows_is_not_denied(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": "deny-private",
+                    "image": "alpine",
+                    "allowCidrs": ["10.20.1.0/24"],
+                    "start": False,
+                },
+            )
+        body = self.requests_to("/api/v1/machines")[-1][2]
+        denied = [rule["cidr"] for rule in body["egressRules"]]
+        self.assertNotIn("10.0.0.0/8", denied)
+        self.assertIn("10.21.0.0/16", denied)
+        self.assertIn("10.0.0.0/12", denied)
+        self.assertEqual(body["allowedCidrs"], ["10.20.1.0/24"])
+
+
 class EgressPiecesTests(unittest.TestCase):
     def test_denials_group_by_destination_within_the_window(self):
         events = [
@@ -5034,6 +5262,209 @@ class EgressPiecesTests(unittest.TestCase):
         self.assertEqual(
             smol_mcp.egress_lists({"network": True})["open"], True
         )
+
+
+# The deny rules smol-mcp sends with every local machine that has egress,
+# without egressPrivateCidrs: each range no allow list may reach.
+HOST_RANGE_RULES = [
+    {"action": "deny", "cidr": cidr}
+    for cidr in (
+        "0.0.0.0/8 127.0.0.0/8 169.254.0.0/16 fe80::/10 224.0.0.0/3 "
+        "ff00::/8 ::/96 ::ffff:0:0/96 64:ff9b::/96 64:ff9b:1::/48 "
+        "10.0.0.0/8 172.16.0.0/12 192.168.0.0/16 100.64.0.0/10 fc00::/7"
+    ).split()
+]
+
+
+class EgressNameTests(unittest.TestCase):
+    """Host names that stand for an address no allow list may reach:
+    refused like the address, as hosts and as patterns."""
+
+    config = Config()
+
+    def refused(self, value, pattern=False, config=None):
+        with self.assertRaises(smol_mcp.ArgumentError) as caught:
+            smol_mcp.egress_host(
+                value, "hosts[0]", pattern, config or self.config
+            )
+        return str(caught.exception)
+
+    def test_literal_address_services_are_refused_whole(self):
+        hosts = (
+            "169.254.169.254.nip.io",
+            "nip.io",
+            "10-0-0-1.sslip.io",
+            "sslip.io",
+            "app.localtest.me",
+            "LVH.ME",
+        )
+        for host in hosts:
+            with self.subTest(host):
+                text = self.refused(host)
+                self.assertIn("a DNS service whose names answer", text)
+                self.assertIn(repr(host), text)
+        for pattern in ("*.nip.io", "*.sslip.io", "*.xip.io"):
+            with self.subTest(pattern):
+                self.assertIn(
+                    "a DNS service", self.refused(pattern, pattern=True)
+                )
+
+    def test_a_name_that_spells_a_refused_address_is_refused_like_it(self):
+        spelled = {
+            "10-0-0-1.example.com": "10.0.0.1",
+            "www-127-0-0-1.example.dev": "127.0.0.1",
+            "192.168.1.1.example.com": "192.168.1.1",
+            "a.169.254.169.254.example.org": "169.254.169.254",
+            "fe80--1.example.net": "fe80::1",
+        }
+        for host, address in spelled.items():
+            with self.subTest(host):
+                text = self.refused(host)
+                self.assertIn(f"spells the address {address}", text)
+        self.assertIn(
+            "spells the address 10.9.8.7",
+            self.refused("*.10-9-8-7.example.com", pattern=True),
+        )
+        # A public address spelled in a name is a name like any other, and
+        # an operator's private range lets its spelling through too.
+        for host in ("ec2-54-1-2-3.compute-1.amazonaws.com", "1.2.3.4.ex.com"):
+            self.assertEqual(
+                smol_mcp.egress_host(host, "h", False, self.config), host
+            )
+        private = Config(egress_private_cidrs=("10.0.0.0/8",))
+        self.assertEqual(
+            smol_mcp.egress_host("10-0-0-1.lab.example", "h", False, private),
+            "10-0-0-1.lab.example",
+        )
+
+    def test_the_names_private_networks_give_their_hosts_are_refused(self):
+        named = {
+            "metadata.google.internal": "169.254.169.254",
+            "host.docker.internal": "this host",
+            "kubernetes.default.svc": "API server",
+            "kubernetes.default": "API server",
+            "localhost.localdomain": "127.0.0.1",
+            "home.arpa": "home network",
+            "in-addr.arpa": "addresses themselves",
+            "printer.local": "local link",
+            "nas.lan": "private network",
+        }
+        for host, what in named.items():
+            with self.subTest(host):
+                text = self.refused(host)
+                self.assertIn(what, text)
+                self.assertIn("never a public site", text)
+                self.assertIn("egressPrivateCidrs", text)
+        for pattern in ("*.home.arpa", "*.in-addr.arpa", "*.cluster.local"):
+            with self.subTest(pattern):
+                self.assertIn(
+                    "never a public site", self.refused(pattern, pattern=True)
+                )
+
+    def test_public_names_still_pass(self):
+        for host, pattern in (
+            ("pypi.org", False),
+            ("Files.PythonHosted.org", False),
+            ("internal.example.com", False),
+            ("my-app.internal-tools.com", False),
+            ("pypi.test", False),
+            ("*.github.com", True),
+        ):
+            self.assertEqual(
+                smol_mcp.egress_host(host, "h", pattern, self.config),
+                host.lower(),
+            )
+
+
+class HostRangeRuleTests(unittest.TestCase):
+    """The deny rules a local machine with egress is created with."""
+
+    def test_every_range_no_allow_list_may_reach_is_denied(self):
+        rules = smol_mcp.host_range_rules(Config())
+        self.assertEqual(rules, HOST_RANGE_RULES)
+        denied = {rule["cidr"] for rule in rules}
+        for forbidden, _ in smol_mcp.EGRESS_FORBIDDEN:
+            self.assertIn(str(forbidden), denied)
+
+    def test_the_operators_private_ranges_are_carved_out_and_no_more(self):
+        import ipaddress
+
+        config = Config(
+            egress_private_cidrs=("10.20.0.0/16", "192.168.0.0/16", "fd00::/8")
+        )
+        rules = smol_mcp.host_range_rules(config)
+        networks = [ipaddress.ip_network(rule["cidr"]) for rule in rules]
+
+        def denied(address):
+            address = ipaddress.ip_address(address)
+            return any(address in network for network in networks)
+
+        for address in (
+            "10.20.0.5",
+            "10.20.255.255",
+            "192.168.1.1",
+            "fd00::1",
+        ):
+            self.assertFalse(denied(address), address)
+        for address in (
+            "10.0.0.1",
+            "10.19.255.255",
+            "10.21.0.0",
+            "10.255.255.255",
+            "127.0.0.1",
+            "169.254.169.254",
+            "fc00::1",
+        ):
+            self.assertTrue(denied(address), address)
+        ten = ipaddress.ip_network("10.0.0.0/8")
+        inside = [n for n in networks if n.version == 4 and n.subnet_of(ten)]
+        self.assertEqual(sum(n.num_addresses for n in inside), 2**24 - 2**16)
+        self.assertEqual({r["action"] for r in rules}, {"deny"})
+
+
+class ResolveHostTests(unittest.IsolatedAsyncioTestCase):
+    """resolve_host, on a patched socket.getaddrinfo: off the event loop,
+    and nothing when a name does not resolve."""
+
+    async def test_a_slow_lookup_runs_off_the_event_loop(self):
+        def slow(host, port, *args, **kwargs):
+            time.sleep(0.5)
+            return [
+                (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0)),
+                (
+                    socket.AF_INET6,
+                    socket.SOCK_STREAM,
+                    6,
+                    "",
+                    ("fe80::1%eth0", 0, 0, 2),
+                ),
+            ]
+
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        try:
+            with unittest.mock.patch("socket.getaddrinfo", slow):
+                got = await REAL_RESOLVE_HOST("slow.example.com")
+        finally:
+            ticker.cancel()
+        self.assertEqual(got, ["127.0.0.1", "fe80::1"])
+        self.assertGreaterEqual(ticks, 20)
+
+    async def test_a_name_that_does_not_resolve_has_no_addresses(self):
+        def fails(*args, **kwargs):
+            raise socket.gaierror(
+                socket.EAI_NONAME, "Name or service not known"
+            )
+
+        with unittest.mock.patch("socket.getaddrinfo", fails):
+            self.assertEqual(await REAL_RESOLVE_HOST("nowhere.example"), [])
 
 
 class LogSubscriptionTests(FakeServeCase):
@@ -10697,6 +11128,156 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
             self.assertIsInstance(capacity["used_cpus"], float)
 
 
+def egress_rule_steps() -> list:
+    """Creates with egress rules (accepted, refused, their check order
+    among a create's other checks) and amendments of machines with them:
+    (method, path, body)."""
+    machines = "/api/v1/machines"
+    bad = [{"action": "deny", "cidr": "bad"}]
+    deny = HOST_RANGE_RULES
+    env = [{"name": "1x", "value": "v"}]
+
+    def create(name, **fields):
+        return ("POST", machines, {"name": name, "image": "alpine", **fields})
+
+    def amend(name, **fields):
+        return ("POST", f"{machines}/{name}/egress", fields)
+
+    shapes = [
+        {
+            "ports": [1, 5],
+            "transport": "tcp",
+            "cidr": "1.2.3.0/24",
+            "action": "allow",
+        },
+        {"action": "deny", "transport": "udp", "cidr": "1.2.3.4"},
+        {"action": "deny", "cidr": " 10.0.0.0/08 "},
+        {"action": "deny", "ports": {"start": 80, "end": 80}},
+        {"action": "redirect", "cidr": "1.2.3.4/8", "transport": "tcp"},
+        {"action": "deny", "cidr": None, "transport": None},
+    ]
+    steps = [
+        create("itr-open", network=True, egressRules=deny),
+        ("GET", f"{machines}/itr-open", None),
+        create("itr-list", allowedHosts=["pypi.org"], egressRules=[]),
+        create("itr-hosts", allowedHosts=["pypi.org"], egressRules=deny),
+        amend("itr-hosts", allowHosts=["example.com"]),
+        amend("itr-hosts", egressRules=bad),
+        create("itr-off", network=False, egressRules=deny[:1]),
+        amend("itr-off", allowCidrs=["203.0.113.0/24"]),
+        create("itr-shapes", network=True, egressRules=shapes),
+    ]
+    # One refused rule a create, each in its own way.
+    refused = [
+        dict(cidr="1.2.3.0/24"),
+        dict(action="deny", cidr="1.2.3.0/24", x=1),
+        dict(action="block"),
+        dict(action="deny", transport="sctp"),
+        dict(action="deny", ports=[1]),
+        dict(action="deny", ports=[1, 2, 3]),
+        dict(action="deny", ports="80"),
+        dict(action="deny", ports=[1, 70000]),
+        dict(action="deny", ports={"start": 1, "end": 2, "x": 3}),
+        dict(action="deny", ports={"start": 1}),
+        dict(action=5),
+        dict(action="deny", cidr=5),
+        dict(action="deny", cidr="010.0.0.0/8"),
+        dict(action="deny", cidr="[::1]/128"),
+        dict(action="deny", cidr="1.2.3.0/33"),
+        dict(action="deny", cidr=""),
+        dict(action="deny", ports=[5, 1]),
+        dict(action="deny", ports=[0, 10]),
+        dict(action="deny", transport="icmp", ports=[1, 2]),
+        dict(action="redirect", cidr="1.0.0.0/8"),
+        dict(action="redirect", transport="udp"),
+        dict(action="redirect", cidr="bad"),
+        dict(action="redirect", ports=[5, 1]),
+    ]
+    steps += [
+        create(f"itr-r{i}", egressRules=[rule])
+        for i, rule in enumerate(refused)
+    ]
+    steps += [
+        create("itr-seq", egressRules=["x"]),
+        create("itr-map", egressRules={"a": 1}),
+        create("itr-null", egressRules=None),
+        create("-itr-order", egressRules=bad),
+        create("itr-o2", egressRules=bad, ports=[{"host": 0, "guest": 80}]),
+        create("itr-o3", egressRules=bad, cpus=0),
+        create("itr-o4", egressRules=bad, registryRef="x/y"),
+        create("itr-o5", networkBackend="tsi", egressRules=[], cpus=0),
+        create("itr-o6", networkBackend="tsi", egressRules=deny, cpus=0),
+        create("itr-o7", networkBackend="tsi", egressRules=deny, env=env),
+        create("itr-o8", networkBackend="tsi", egressRules=bad),
+        create("itr-o9", networkBackend="tsi", network=True, egressRules=[]),
+        create("itr-o10", networkBackend="tsi", network=True, allowedHosts=[]),
+        create("itr-o11", networkBackend="virtio-net"),
+        create("itr-o12", networkBackend="virtio-net", egressRules=deny),
+        create("itr-o13", networkBackend="virtio-net", allowedHosts=[]),
+        create("itr-o14", networkBackend="virtio-net", cpus=0),
+    ]
+    return steps
+
+
+def egress_rule_exchange(socket_path: str) -> list:
+    """egress_rule_steps sent to a serve: (request, status, content type,
+    body) for each, with createdAt and the settling state masked."""
+    answers = []
+    for method, path, body in egress_rule_steps():
+        status, ctype, text = send_raw(socket_path, method, path, body)
+        text = re.sub(r'"createdAt":\d+', '"createdAt":0', text)
+        text = re.sub(r'"state":"(created|stopped)"', '"state":"?"', text)
+        answers.append((f"{method} {path} {body!r}", status, ctype, text))
+    return answers
+
+
+@unittest.skipUnless(
+    os.environ.get("SMOL_MCP_IT") == "1",
+    "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)",
+)
+class RealServeEgressRulesIntegration(unittest.TestCase):
+    """A create's egressRules on a real serve, byte for byte against the
+    fake's: the deny rules smol-mcp sends, the record's echo, the
+    refusals and where they fall among a create's checks."""
+
+    @classmethod
+    def setUpClass(cls):
+        if real_smolvm() is None:
+            raise unittest.SkipTest(
+                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to "
+                "smol/smol-vmm from the wheel"
+            )
+        cls.tmp = short_tempdir()
+        with real_serve(cls.tmp, raw_base(f"{cls.tmp}/cache")) as socket_path:
+            cls.real = egress_rule_exchange(socket_path)
+        fake_socket = f"{cls.tmp}/fake.sock"
+        with FakeSmolvm(fake_socket):
+            cls.fake = egress_rule_exchange(fake_socket)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_every_answer_is_the_real_serves_byte_for_byte(self):
+        self.assertEqual(len(self.fake), len(self.real))
+        for real, fake in zip(self.real, self.fake):
+            with self.subTest(request=real[0]):
+                self.assertEqual(fake, real)
+
+    def test_the_deny_rules_are_kept_as_sent(self):
+        opened = json.loads(self.real[0][3])
+        self.assertEqual(opened["egressRules"], HOST_RANGE_RULES)
+        self.assertEqual(
+            json.loads(self.real[1][3])["egressRules"], HOST_RANGE_RULES
+        )
+        amended = json.loads(self.real[4][3])
+        self.assertEqual(
+            (amended["allowedHosts"], amended["egressRules"]),
+            (["pypi.org", "example.com"], HOST_RANGE_RULES),
+        )
+        self.assertEqual(self.real[5][1], 422)
+
+
 def busybox_guest() -> bool:
     """Whether the fake guest can run commands here."""
     from tests.fakes.fake_smolvm import find_busybox
@@ -10902,6 +11483,84 @@ class FakeWarmRoutesTests(FakeServeRawCase):
         with FakeSmolvm(f"{self.tmp}/other.sock") as other:
             status, _, text = send_raw(other.socket_path, "GET", "/capacity")
         self.assertNotEqual(json.loads(text)["boot_id"], capacity["boot_id"])
+
+
+class FakeEgressRuleTests(FakeServeRawCase):
+    """The fake serve's egress rules on a create (their refusals are
+    compared against the real serve in RealServeEgressRulesIntegration)."""
+
+    def test_rules_are_echoed_kept_and_refused_as_the_real_serve_does(self):
+        deny = [{"action": "deny", "cidr": "169.254.0.0/16"}]
+        made = self.ok(
+            "POST",
+            "/api/v1/machines",
+            {
+                "name": "fr-1",
+                "allowedHosts": ["pypi.org"],
+                "egressRules": deny,
+            },
+        )
+        self.assertEqual(
+            list(made)[list(made).index("cuda") + 1 :][:2],
+            ["egressRules", "allowedHosts"],
+        )
+        amended = self.ok(
+            "POST",
+            "/api/v1/machines/fr-1/egress",
+            {"allowHosts": ["example.com"]},
+        )
+        self.assertEqual(amended["egressRules"], deny)
+        shapes = [
+            {"ports": [1, 5], "transport": "tcp", "action": "allow"},
+        ]
+        made = self.ok(
+            "POST",
+            "/api/v1/machines",
+            {"name": "fr-2", "network": True, "egressRules": shapes},
+        )
+        self.assertEqual(
+            made["egressRules"],
+            [
+                {
+                    "transport": "tcp",
+                    "ports": {"start": 1, "end": 5},
+                    "action": "allow",
+                }
+            ],
+        )
+        for rules, error in (
+            ([{"action": "deny", "cidr": "010.0.0.0/8"}], "invalid CIDR"),
+            (
+                [deny[0], {"action": "deny", "ports": [5, 1]}],
+                "invalid port range or transport",
+            ),
+            ([{"action": "redirect"}], "redirect requires TCP transport"),
+        ):
+            index = len(rules) - 1
+            self.refused(
+                "POST",
+                "/api/v1/machines",
+                {"name": "fr-3", "egressRules": rules},
+                400,
+                f"egress rule {index}: {error}",
+            )
+        status, text = self.send(
+            "POST",
+            "/api/v1/machines",
+            {"name": "fr-4", "networkBackend": "tsi", "egressRules": deny},
+        )
+        self.assertEqual(status, 400)
+        self.assertIn("TSI does not enforce it", text["error"])
+        # The rules count as network for virtio-net.
+        self.ok(
+            "POST",
+            "/api/v1/machines",
+            {
+                "name": "fr-5",
+                "networkBackend": "virtio-net",
+                "egressRules": deny,
+            },
+        )
 
 
 def error_body(error: str, status: int) -> dict:

@@ -196,6 +196,21 @@ CACHEDISKSPEC = STRUCT(
         ("slot", BOOL, False),
     ],
 )
+# Observed on 1.32.2: a rule denies unknown fields (listed in this
+# order), `action` is required, `cidr` is not; `ports` is a PortRange,
+# `[start, end]` or `{"start", "end"}`.
+PORTRANGE = STRUCT(
+    "PortRange", [("start", INT("u16"), True), ("end", INT("u16"), True)]
+)
+EGRESSRULE = STRUCT(
+    "EgressRule",
+    [
+        ("transport", OPT(ENUM("Transport", ["tcp", "udp", "icmp"])), False),
+        ("cidr", OPT(STR), False),
+        ("ports", OPT(PORTRANGE), False),
+        ("action", ENUM("Action", ["allow", "deny", "redirect"]), True),
+    ],
+)
 CREDENTIALPOLICY = STRUCT("CredentialPolicy", [("credentials", ANY, False)])
 SECRETS = MAP(ANYSTRUCT("SecretRef"))
 
@@ -227,7 +242,7 @@ CREATE_REQUEST = STRUCT(
         ),
         ("cacheDisk", OPT(CACHEDISKSPEC), False),
         ("allowedCidrs", OPT(SEQ(STR)), False),
-        ("egressRules", SEQ(ANYSTRUCT("EgressRule")), False),
+        ("egressRules", SEQ(EGRESSRULE), False),
         ("allowedHosts", OPT(SEQ(STR)), False),
         ("credentials", OPT(CREDENTIALPOLICY), False),
         (
@@ -1400,6 +1415,90 @@ def port_refusal(ports, on_create=True):
     return None
 
 
+def egress_rule_refusal(rules):
+    """The 400 for the first egress rule the serve refuses, or None.
+    Observed on 1.32.2: the CIDR is checked first (an address, with or
+    without a prefix, host bits allowed, blanks around it ignored), then
+    ports (never with icmp, from 1, start <= end), then redirect (tcp
+    only)."""
+    for i, rule in enumerate(rules):
+        cidr = rule.get("cidr")
+        transport = rule.get("transport")
+        ports = rule.get("ports")
+        if cidr is not None and not rule_cidr_valid(cidr):
+            why = "invalid CIDR"
+        elif ports is not None and not (
+            transport != "icmp" and 1 <= ports["start"] <= ports["end"]
+        ):
+            why = "invalid port range or transport"
+        elif rule["action"] == "redirect" and transport != "tcp":
+            why = "redirect requires TCP transport"
+        else:
+            continue
+        return api_error(400, "BAD_REQUEST", f"egress rule {i}: {why}")
+    return None
+
+
+def rule_cidr_valid(cidr):
+    """Whether an egress rule's `cidr` parses as the serve reads it
+    (observed: 1.2.3.4, 1.2.3.4/8 and 10.0.0.0/08 pass; 010.0.0.0/8,
+    [::1]/128, 1.2.3.0/33 and "" do not)."""
+    address, slash, prefix = cidr.strip().partition("/")
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if "%" in address:
+        return False
+    if not slash:
+        return True
+    return prefix.isdigit() and int(prefix) <= parsed.max_prefixlen
+
+
+def echoed_rule(rule):
+    """A rule as the record echoes it (observed): transport, cidr, ports
+    as {"start", "end"}, action, each only when set."""
+    shown = {}
+    for key in ("transport", "cidr", "ports", "action"):
+        if rule.get(key) is not None:
+            shown[key] = rule[key]
+    if "ports" in shown:
+        shown["ports"] = {
+            "start": shown["ports"]["start"],
+            "end": shown["ports"]["end"],
+        }
+    return shown
+
+
+def network_backend_refusal(req):
+    """Observed on 1.32.2: an egress policy (an allow list, even an
+    empty one, or an egress rule) on TSI, and virtio-net without network
+    or a policy (the rules count as one)."""
+    policy = (
+        req.get("allowedHosts") is not None
+        or req.get("allowedCidrs") is not None
+        or bool(req.get("egressRules"))
+    )
+    backend = req.get("networkBackend")
+    if backend == "tsi" and policy:
+        return api_error(
+            400,
+            "BAD_REQUEST",
+            "config operation failed: egress: egress policy "
+            "(--allow-cidr/--allow-host/--outbound-localhost-only/"
+            "--block-private) requires the virtio-net backend; TSI does not "
+            "enforce it. Remove --net-backend tsi or set it to virtio-net",
+        )
+    if backend == "virtio-net" and not (req.get("network") or policy):
+        return api_error(
+            400,
+            "BAD_REQUEST",
+            "config operation failed: --net-backend: --net-backend "
+            "virtio-net requires --net",
+        )
+    return None
+
+
 def mount_refusal(mounts):
     for mt in mounts:
         src = mt["source"]
@@ -2135,6 +2234,12 @@ def run_in_guest(
 # host's loopback (allowed) or recorded as a denial and reset (refused). Every
 # other destination fails in the guest without a record. Without root the
 # guest shares the host's network, as before, and nothing is recorded.
+#
+# A create's egress rules (`egressRules`: their refusals, the record's echo,
+# kept through an amendment, copied to a branch child as the allow list is)
+# are observed except the child's copy; they are not enforced here: the
+# guest's stand-in destinations are on the host's loopback, a range the
+# deny rules smol-mcp sends cover.
 
 CLONE_NEWNET = 0x40000000
 LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
@@ -2458,6 +2563,7 @@ INFO_ORDER = [
     "cuda",
     "networkBackend",
     "allowedCidrs",
+    "egressRules",
     "allowedHosts",
     "storageGb",
     "overlayGb",
@@ -3009,6 +3115,8 @@ class FakeSmolvm:
         for key in ("networkBackend", "allowedCidrs", "allowedHosts"):
             if req.get(key) is not None:
                 m[key] = req[key]
+        if req.get("egressRules"):
+            m["egressRules"] = [echoed_rule(r) for r in req["egressRules"]]
         m.update(
             {
                 "storageGb": 20 if storage is None else storage,
@@ -3062,9 +3170,11 @@ class FakeSmolvm:
             lambda: self._name_refusal(name),
             lambda: mount_refusal(req.get("mounts", [])),
             lambda: port_refusal(req.get("ports", [])),
+            lambda: egress_rule_refusal(req.get("egressRules", [])),
             lambda: self._origin_refusal(req),
             lambda: self._cache_refusal(req.get("cacheDisk")),
             lambda: resource_refusal(req),
+            lambda: network_backend_refusal(req),
             lambda: secret_refusal(req.get("secrets", {})),
             lambda: env_refusal(req.get("env", [])),
             lambda: restart_refusal(req.get("restart") or {}),
