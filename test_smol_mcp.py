@@ -17138,6 +17138,7 @@ def main() -> int:
             [
                 loader.loadTestsFromTestCase(RealServeIntegration),
                 loader.loadTestsFromTestCase(RealServeWarmRoutesIntegration),
+                loader.loadTestsFromTestCase(RealServeEgressRulesIntegration),
                 loader.loadTestsFromTestCase(CloudLiveIntegration),
             ]
         )
