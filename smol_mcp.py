@@ -6266,10 +6266,9 @@ def refuse_host_range_name(
         raise ArgumentError(
             f'"{where}" is {value!r}: .{top} names '
             f"{INTERNAL_NAME_SUFFIXES[top]}, never a public site, so no "
-            "allow list may reach it. An operator who needs a host on "
-            "their network lists its range in egressPrivateCidrs "
-            "(SMOL_MCP_EGRESS_PRIVATE_CIDRS), and it is allowed by address "
-            "in cidrs"
+            "allow list may reach it. For a host on the operator's own "
+            "network, the operator lists its range in egressPrivateCidrs "
+            "(SMOL_MCP_EGRESS_PRIVATE_CIDRS); then pass its address in cidrs"
         )
     for address in spelled_addresses(name):
         why = egress_refusal(ipaddress.ip_network(address), config)
