@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import logging
 import os
@@ -157,6 +158,34 @@ def result_of(answer) -> tuple[bool, object]:
     return False, answer.structured_content
 
 
+def readme_settings_table() -> dict[str, tuple[str, str]]:
+    """The README's Defaults table: each key's variable and Default cell.
+
+    A row may name several keys, ``/``-separated in each column, and
+    shorten a shared variable prefix: `SMOL_MCP_HTTP_HOST` / `_PORT`.
+    """
+    readme = (HERE / "README.md").read_text()
+    start = readme.index("## Defaults, and why")
+    end = readme.index("## Security defaults")
+    table = {}
+    for line in readme[start:end].splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        keys = [key.strip("` ") for key in cells[0].split(" / ")]
+        envs = [env.strip("` ") for env in cells[1].split(" / ")]
+        if len(keys) > 1:
+            defaults = [cell.strip() for cell in cells[2].split(" / ")]
+        else:
+            defaults = [cells[2]]
+        stem = envs[0].rsplit("_", 1)[0]
+        for key, env, default in zip(keys, envs, defaults, strict=True):
+            if env.startswith("_"):
+                env = stem + env
+            table[key] = (env, default)
+    return table
+
+
 # ---------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------
@@ -192,59 +221,34 @@ class ConfigTests(unittest.TestCase):
             "/x/smol-mcp",
         )
 
-    def test_settings_match_the_spec_table_key_for_key(self):
-        spec_table = [  # the specification's settings table (kept outside this repository), copied
-            ("smolvm", "SMOLVM", "smolvm"),
-            ("minSmolvm", "SMOL_MCP_MIN_SMOLVM", "1.14.0"),
-            ("localUrl", "SMOL_LOCAL_URL", ""),
-            ("runtimeDir", "SMOL_MCP_RUNTIME_DIR", None),
-            ("machinePrefix", "SMOL_MCP_MACHINE_PREFIX", "mcp-"),
-            ("memoryMb", "SMOL_MCP_MEMORY_MB", 2048),
-            ("cpus", "SMOL_MCP_CPUS", 2),
-            ("networkDefault", "SMOL_MCP_NETWORK_DEFAULT", "blocked"),
-            ("runOnceNetwork", "SMOL_MCP_RUN_ONCE_NETWORK", "blocked"),
-            ("ephemeralTtlSecs", "SMOL_MCP_EPHEMERAL_TTL_SECS", 3600),
-            (
-                "ephemeralAutoStopSecs",
-                "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS",
-                900,
-            ),
-            ("execTimeoutSecs", "SMOL_MCP_EXEC_TIMEOUT_SECS", 120),
-            ("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", 900),
-            ("maxOutputBytes", "SMOL_MCP_MAX_OUTPUT_BYTES", 65536),
-            ("readyTimeoutSecs", "SMOL_MCP_READY_TIMEOUT_SECS", 120),
-            ("serveStartTimeoutSecs", "SMOL_MCP_SERVE_START_TIMEOUT_SECS", 60),
-            ("logsTail", "SMOL_MCP_LOGS_TAIL", 100),
-            ("logsPollSecs", "SMOL_MCP_LOGS_POLL_SECS", 2),
-            ("cloudUrl", "SMOL_CLOUD_URL", "https://api.smolmachines.com"),
-            ("cloudToken", "SMOL_CLOUD_TOKEN", ""),
-            ("targets", "SMOL_MCP_TARGETS", "auto"),
-            ("httpHost", "SMOL_MCP_HTTP_HOST", "127.0.0.1"),
-            ("httpPort", "SMOL_MCP_HTTP_PORT", 8080),
-            ("httpPath", "SMOL_MCP_HTTP_PATH", "/mcp"),
-            ("authToken", "SMOL_MCP_AUTH_TOKEN", ""),
-            ("httpSessionIdleSecs", "SMOL_MCP_HTTP_SESSION_IDLE_SECS", 1800),
-            ("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", ()),
-            ("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", ()),
-            ("stateDir", "SMOL_MCP_STATE_DIR", None),
-            ("publicUrl", "SMOL_MCP_PUBLIC_URL", ""),
-            ("scopes", "SMOL_MCP_SCOPES", ()),
-            ("mountRoots", "SMOL_MCP_MOUNT_ROOTS", ()),
-            ("approval", "SMOL_MCP_APPROVAL", "none"),
-            ("approvalTimeoutSecs", "SMOL_MCP_APPROVAL_TIMEOUT_SECS", 900),
-            ("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", ""),
-            ("approvalVia", "SMOL_MCP_APPROVAL_VIA", "terminal"),
-            ("egressPrivateCidrs", "SMOL_MCP_EGRESS_PRIVATE_CIDRS", ()),
-            ("replyTokens", "SMOL_MCP_REPLY_TOKENS", 20000),
-        ]
+    def test_settings_are_the_readme_table_key_for_key(self):
+        # The README's "Defaults, and why" is the table a person reads:
+        # every setting has its row there, with its variable and default,
+        # and every row is a setting.
+        table = readme_settings_table()
+        settings = {s.key: s for s in smol_mcp.SETTINGS}
         self.assertEqual(
-            [(s.key, s.env) for s in smol_mcp.SETTINGS],
-            [(k, e) for k, e, _ in spec_table],
+            sorted(set(settings) - set(table)),
+            [],
+            "settings without a row in the README's Defaults table",
+        )
+        self.assertEqual(
+            sorted(set(table) - set(settings)),
+            [],
+            "README Defaults rows that name no setting",
         )
         defaults = Config()
-        for setting, (key, _, default) in zip(smol_mcp.SETTINGS, spec_table):
-            if default is not None:
-                self.assertEqual(getattr(defaults, setting.attr), default, key)
+        for key, (env, cell) in table.items():
+            with self.subTest(key=key):
+                setting = settings[key]
+                self.assertEqual(env, setting.env)
+                default = getattr(defaults, setting.attr)
+                if isinstance(default, int):
+                    self.assertRegex(cell, rf"^{default}\b")
+                elif default:  # an empty default is described in words
+                    self.assertIn(f"`{default}`", cell)
+
+    def test_every_setting_is_read_from_the_file_and_the_environment(self):
         samples = {  # a valid value other than the default, for every key
             "smolvm": "/opt/smolvm",
             "minSmolvm": "1.2.3",
@@ -285,11 +289,22 @@ class ConfigTests(unittest.TestCase):
             "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
             "replyTokens": 50000,
         }
-        for setting in (
-            smol_mcp.SETTINGS
-        ):  # every key is read from the file, and from the environment
+        defaults = Config()
+        for setting in smol_mcp.SETTINGS:
+            self.assertIn(
+                setting.key,
+                samples,
+                f"add a valid value of {setting.key}, other than its "
+                "default, to samples in this test",
+            )
             value = samples[setting.key]
             expected = tuple(value) if isinstance(value, list) else value
+            self.assertNotEqual(
+                getattr(defaults, setting.attr),
+                expected,
+                f"the sample of {setting.key} is its default: "
+                "it would pass unread",
+            )
             self.write({setting.key: value})
             self.assertEqual(
                 getattr(load_config(self.env), setting.attr),
@@ -297,34 +312,16 @@ class ConfigTests(unittest.TestCase):
                 setting.key,
             )
             self.file.unlink()
-            as_text = (
-                ",".join(value) if isinstance(value, list) else str(value)
-            )
+            if isinstance(value, list):
+                as_text = ",".join(value)
+            else:
+                as_text = str(value)
+            environ = {**self.env, setting.env: as_text}
             self.assertEqual(
-                getattr(
-                    load_config({**self.env, setting.env: as_text}),
-                    setting.attr,
-                ),
+                getattr(load_config(environ), setting.attr),
                 expected,
                 setting.env,
             )
-
-    def test_every_setting_is_in_the_readme_defaults_table(self):
-        readme = (HERE / "README.md").read_text()
-        table = readme[
-            readme.index("## Defaults, and why") : readme.index(
-                "## Security defaults"
-            )
-        ]
-        for (
-            setting
-        ) in smol_mcp.SETTINGS:  # a shared prefix may be shortened: `_PORT`
-            with self.subTest(setting=setting.key):
-                self.assertIn(f"`{setting.key}`", table)
-                short = "_" + setting.env.rsplit("_", 1)[-1]
-                self.assertTrue(
-                    f"`{setting.env}`" in table or f"`{short}`" in table
-                )
 
     def test_runtime_dir_without_xdg_is_per_user_temp(self):
         del self.env["XDG_RUNTIME_DIR"]
@@ -603,7 +600,14 @@ class FleetContractTests(unittest.TestCase):
         ] + ["__init__"]
         attributes = list(contract.__annotations__)
         self.assertGreater(len(members), 20)
-        self.assertEqual(list(smol_mcp.FLEETS), ["local", "cloud"])
+        # Each fleet is driven against its fake by a case class of its own:
+        # a new fleet fails here until it has one.
+        cases = {"local": FakeServeCase, "cloud": FakeCloudCase}
+        self.assertEqual(
+            sorted(smol_mcp.FLEETS),
+            sorted(cases),
+            "a fleet needs its fake in tests/fakes and a case class here",
+        )
         for name, fleet in smol_mcp.FLEETS.items():
             self.assertEqual(fleet.name, name)
             for attribute in attributes:
@@ -1137,39 +1141,27 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
         return len([r for r in self.fake.requests if "/exec" in r[1]])
 
 
-# (readOnly, destructive, idempotent, openWorld) of each tool, from what each does.
-ANNOTATIONS = {
-    "list-machines": (True, False, True, False),
-    "get-machine": (True, False, True, False),
-    "create-machine": (False, False, False, True),
-    "run-command": (False, True, False, True),
-    "run-once": (False, False, False, True),
-    "read-file": (False, False, True, False),
-    "write-file": (False, True, True, False),
-    "start-machine": (False, False, True, True),
-    "branch-machine": (False, False, False, False),
-    "stop-machine": (False, True, True, False),
-    "delete-machine": (False, True, False, False),
-    "machine-logs": (True, False, False, False),
-    "pull-image": (False, False, True, True),
-    "start-job": (False, True, False, True),  # each call starts another job
-    "read-job": (True, False, False, False),
-    "cancel-job": (False, True, True, False),
-    "allow-egress": (
-        False,
-        True,
-        False,
-        False,
-    ),  # a removal narrows what a machine reaches
-}
+HINTS = ("read_only", "destructive", "idempotent", "open_world")
 
 
 class ToolListTests(FakeServeCase):
     async def test_every_tool_has_truthful_annotations_and_a_strict_schema(
         self,
     ):
-        # ANNOTATIONS is the one stated list of tool names: a rename must change it on purpose
-        self.assertEqual([t.name for t in smol_mcp.TOOLS], list(ANNOTATIONS))
+        specs = smol_mcp.TOOLS_BY_NAME
+        for spec in smol_mcp.TOOLS:
+            # What a read scope grants must change nothing, and whatever
+            # changes nothing is a read: the level and the hint agree.
+            self.assertEqual(
+                spec.level == "read",
+                spec.read_only,
+                f"{spec.name}: a read tool, and only a read tool, is "
+                "read_only",
+            )
+            self.assertFalse(
+                spec.read_only and spec.destructive,
+                f"{spec.name}: read_only and destructive",
+            )
         for mode in MODES:
             async with self.client(mode) as c:
                 tools = {t.name: t for t in (await c.list_tools()).tools}
@@ -1183,41 +1175,47 @@ class ToolListTests(FakeServeCase):
                         "target", tool.input_schema["properties"], tool.name
                     )
                     self.assertIsNotNone(tool.output_schema, tool.name)
-                    self.assertGreater(len(tool.description), 60, tool.name)
-                    a = (
-                        tool.annotations
-                    )  # exactly the table below, as the client sees it
-                    self.assertEqual(
-                        (
-                            a.read_only_hint,
-                            a.destructive_hint,
-                            a.idempotent_hint,
-                            a.open_world_hint,
-                        ),
-                        ANNOTATIONS[tool.name],
-                        tool.name,
+                    self.assertGreater(
+                        len(tool.description),
+                        60,
+                        f"{tool.name}: the description is all a model "
+                        "reads to choose a tool; a label this short cannot "
+                        "say when to use it, what it changes and what it "
+                        "returns",
                     )
+                    # As the client sees them, exactly the ToolSpec's.
+                    a = tool.annotations
+                    seen = (
+                        a.read_only_hint,
+                        a.destructive_hint,
+                        a.idempotent_hint,
+                        a.open_world_hint,
+                    )
+                    spec = specs[tool.name]
+                    declared = tuple(getattr(spec, hint) for hint in HINTS)
+                    self.assertEqual(seen, declared, tool.name)
+                # What particular tools do, stated here on purpose: each
+                # is a reason, not a copy of the spec.
                 self.assertTrue(
                     tools["list-machines"].annotations.read_only_hint
                 )
                 self.assertTrue(
                     tools["machine-logs"].annotations.read_only_hint
                 )
-                self.assertFalse(
-                    tools["read-file"].annotations.read_only_hint
-                )  # it starts a stopped machine
+                # read-file starts a stopped machine
+                self.assertFalse(tools["read-file"].annotations.read_only_hint)
                 self.assertTrue(
                     tools["delete-machine"].annotations.destructive_hint
                 )
+                # a second delete is a 404
                 self.assertFalse(
                     tools["delete-machine"].annotations.idempotent_hint
-                )  # a second delete is a 404
+                )
                 self.assertFalse(
                     tools["create-machine"].annotations.read_only_hint
                 )
-                egress = tools[
-                    "allow-egress"
-                ].annotations  # removals narrow a security posture
+                # removals narrow a security posture
+                egress = tools["allow-egress"].annotations
                 self.assertEqual(
                     (
                         egress.read_only_hint,
@@ -1260,80 +1258,114 @@ class ToolListTests(FakeServeCase):
             )
 
 
-def engine_requests_table() -> dict[str, dict[str, int]]:
-    """The README tools table's engine requests of each tool, per fleet: a cell
-    reads `N` (both fleets) or `N (cloud M)`; what follows a `;` is a note."""
-    table, readme = {}, (HERE / "README.md").read_text()
-    rows = readme[
-        readme.index("| Tool | What it does |") : readme.index(
-            "A machine record has"
-        )
-    ]
-    for row in re.findall(r"^\| `([a-z-]+)` \|.*\| ([^|]+) \|$", rows, re.M):
-        tool, cell = row[0], row[1].split(";")[0]
+def engine_requests_table() -> dict[str, dict]:
+    """The README tools table's engine requests of each tool, per fleet.
+
+    A cell reads `N` (every fleet) or `N (cloud M)`; what follows a `;` is
+    a note. A tool whose "What it does" says "(local only" has no cloud
+    count: the cloud fleet refuses it.
+    """
+    readme = (HERE / "README.md").read_text()
+    start = readme.index("| Tool | What it does |")
+    end = readme.index("A machine record has")
+    table = {}
+    row_re = r"^\| `([a-z-]+)` \| (.*) \| ([^|]+) \|$"
+    for tool, rest, cell in re.findall(row_re, readme[start:end], re.M):
+        cell = cell.split(";")[0]
         local = int(re.match(r"\d+", cell)[0])
         cloud = re.search(r"cloud (\d+)", cell)
         table[tool] = {
             "local": local,
             "cloud": int(cloud[1]) if cloud else local,
+            "local_only": "(local only" in rest.split(" | ")[0],
         }
     return table
 
 
 class EngineRequestScenarios:
     """Each tool's engine requests, counted in the fake's journal, are the
-    README tools table's: the table cannot go stale."""
+    README tools table's: the table cannot go stale, and a tool without a
+    row there or a call here fails."""
+
+    ROW = "a row in the README tools table, with its engine requests"
+    # One call of every tool, in an order where its machine exists: a new
+    # tool fails the test below until its call is added here.
+    CALLS = [
+        (
+            "create-machine",
+            {
+                "name": "rq-1",
+                "image": "alpine",
+                "branchable": True,
+                "allowHosts": ["example.com"],
+            },
+        ),
+        ("list-machines", {}),
+        ("get-machine", {"name": "rq-1"}),
+        ("run-command", {"name": "rq-1", "command": "true"}),
+        ("write-file", {"name": "rq-1", "path": "/root/f", "content": "x"}),
+        ("read-file", {"name": "rq-1", "path": "/root/f"}),
+        ("machine-logs", {"name": "rq-1"}),
+        ("start-job", {"name": "rq-1", "command": "sleep 30"}),
+        ("read-job", {"name": "rq-1", "jobId": None}),
+        ("cancel-job", {"name": "rq-1", "jobId": None}),
+        ("pull-image", {"name": "rq-1", "image": "alpine"}),
+        ("allow-egress", {"name": "rq-1", "hosts": ["pypi.org"]}),
+        ("branch-machine", {"name": "rq-1", "childName": "rq-2"}),
+        ("stop-machine", {"name": "rq-1"}),
+        ("start-machine", {"name": "rq-1"}),
+        ("delete-machine", {"name": "rq-2"}),
+        ("delete-machine", {"name": "rq-1"}),
+        ("run-once", {"image": "alpine", "command": "true"}),
+    ]
 
     def journal(self) -> list:
-        return (
-            self.cloud.requests
-            if self.fleet == "cloud"
-            else self.fake.requests
-        )
+        if self.fleet == "cloud":
+            return self.cloud.requests
+        return self.fake.requests
 
     async def test_each_tool_makes_the_requests_the_tools_table_says(self):
-        table, counted = engine_requests_table(), {}
-        self.assertEqual(sorted(table), sorted(smol_mcp.TOOLS_BY_NAME))
-        name, hosts = "rq-1", {"allowHosts": ["example.com"]}
-        calls = [
-            (
-                "create-machine",
-                {"name": name, "image": "alpine", "branchable": True, **hosts},
-            ),
-            ("list-machines", {}),
-            ("get-machine", {"name": name}),
-            ("run-command", {"name": name, "command": "true"}),
-            ("write-file", {"name": name, "path": "/root/f", "content": "x"}),
-            ("read-file", {"name": name, "path": "/root/f"}),
-            ("machine-logs", {"name": name}),
-            ("start-job", {"name": name, "command": "sleep 30"}),
-            ("read-job", {"name": name, "jobId": None}),
-            ("cancel-job", {"name": name, "jobId": None}),
-            ("pull-image", {"name": name, "image": "alpine"}),
-            ("allow-egress", {"name": name, "hosts": ["pypi.org"]}),
-            ("branch-machine", {"name": name, "childName": "rq-2"}),
-            ("stop-machine", {"name": name}),
-            ("start-machine", {"name": name}),
-            ("delete-machine", {"name": "rq-2"}),
-            ("delete-machine", {"name": name}),
-            ("run-once", {"image": "alpine", "command": "true"}),
-        ]
-        local_only = {"pull-image", "allow-egress"}
+        table = engine_requests_table()
+        tools = list(smol_mcp.TOOLS_BY_NAME)
+        for name in tools:
+            self.assertIn(name, table, f"{name} needs {self.ROW}")
+            self.assertIn(
+                name,
+                [tool for tool, _ in self.CALLS],
+                f"{name} has no call in EngineRequestScenarios.CALLS: add "
+                "one, after the calls that make its machine",
+            )
+        self.assertEqual(
+            sorted(set(table) - set(tools)), [], "README rows of no tool"
+        )
+        counted = {}
+        refused = set()
         async with self.client(
             "legacy", elicitation_callback=answer_allow("accept")
         ) as c:
-            await self.ok(
-                c, "list-machines", {}
-            )  # the first local call checks the serve once
+            # the first local call checks the serve once
+            await self.ok(c, "list-machines", {})
             job = None
-            for tool, args in calls:
-                if self.fleet == "cloud" and tool in local_only:
-                    continue
-                args = {**args, "jobId": job} if "jobId" in args else args
+            for tool, args in self.CALLS:
+                if "jobId" in args:
+                    args = {**args, "jobId": job}
                 before = len(self.journal())
-                got = await self.ok(c, tool, args)
-                job = got.get("jobId", job)
+                is_error, got = await self.call(c, tool, args)
                 counted[tool] = len(self.journal()) - before
+                if is_error and f"{tool} is local only" in got:
+                    refused.add(tool)
+                    continue
+                self.assertFalse(is_error, f"{tool}: {got}")
+                job = got.get("jobId", job)
+        # a tool the cloud refuses says so in its README row, and the
+        # refusal asks the engine nothing
+        local_only = {t for t in tools if table[t]["local_only"]}
+        if self.fleet == "cloud":
+            self.assertEqual(refused, local_only)
+        else:
+            self.assertEqual(refused, set())
+        for tool in refused:
+            self.assertEqual(counted.pop(tool), 0, tool)
         self.assertEqual(counted, {t: table[t][self.fleet] for t in counted})
 
 
@@ -3834,11 +3866,12 @@ class BothModeTests(FakeCloudCase):
                 for tool in tools:
                     self.assertEqual(
                         tool.input_schema["properties"]["target"]["enum"],
-                        ["local", "cloud"],
+                        list(smol_mcp.FLEETS),
                     )
                     self.assertIn("target", tool.input_schema["required"])
                 text = await self.refused(c, "list-machines", {})
-                self.assertIn('needs "target": "local" or "cloud"', text)
+                either = " or ".join(f'"{name}"' for name in smol_mcp.FLEETS)
+                self.assertIn(f'needs "target": {either}', text)
                 self.assertIn("there is no default", text)
                 await self.ok(
                     c,
@@ -3872,7 +3905,8 @@ class BothModeTests(FakeCloudCase):
                 text = await self.refused(
                     c, "list-machines", {"target": "mars"}
                 )
-                self.assertIn('"target" must be one of "local", "cloud"', text)
+                fleets = ", ".join(f'"{name}"' for name in smol_mcp.FLEETS)
+                self.assertIn(f'"target" must be one of {fleets}', text)
                 await self.ok(
                     c,
                     "delete-machine",
@@ -10070,8 +10104,30 @@ def _walk(value):
 # Agent access: named tokens, scopes, ownership
 # ---------------------------------------------------------------------------
 
-SANDBOX = "sandbox.read,sandbox.manage,sandbox.exec"
-READ_TOOLS = ["list-machines", "get-machine", "machine-logs", "read-job"]
+# Every scope of the sandbox domain, from the scope table (the sandbox
+# preset is checked against it in AccessCliTests).
+SANDBOX = ",".join(s for s in smol_mcp.SCOPES if s.startswith("sandbox."))
+
+
+def tools_at(*levels: str) -> list[str]:
+    """The tools at these scope levels, in the order clients list them."""
+    return [t.name for t in smol_mcp.TOOLS if t.level in levels]
+
+
+# What a read scope grants. ToolListTests holds the read level to the
+# read_only hint, so these are exactly the tools that change nothing.
+READ_TOOLS = tools_at("read")
+
+
+def tools_granted(scopes) -> list[str]:
+    """The tools a grant of these scopes lists: those at the levels its
+    machine scopes name (activity.read grants no tool)."""
+    levels = [
+        scope.split(".")[1]
+        for scope in scopes
+        if scope.split(".")[0] in smol_mcp.SCOPE_DOMAINS
+    ]
+    return tools_at(*levels)
 
 
 class AccessPiecesTests(unittest.TestCase):
@@ -10330,7 +10386,7 @@ class AccessCliTests(CliCase):
                 {
                     "name": "agent",
                     "scopes": SANDBOX.split(","),
-                    "targets": ["local", "cloud"],
+                    "targets": list(smol_mcp.FLEETS),
                     "approval": "none",
                     "autoApprove": "off",
                     "client": None,
@@ -10441,10 +10497,10 @@ class AgentAccessHttpTests(HttpCase):
         self.store = smol_mcp.TokenStore(self.config.state_dir)
         self.secrets = {}
         for name, scopes, targets in (
-            ("look", "machines.read", "local,cloud"),
-            ("a", SANDBOX, "local,cloud"),
-            ("b", SANDBOX, "local,cloud"),
-            ("runner", "machines.exec", "local,cloud"),
+            ("look", "machines.read", ",".join(smol_mcp.FLEETS)),
+            ("a", SANDBOX, ",".join(smol_mcp.FLEETS)),
+            ("b", SANDBOX, ",".join(smol_mcp.FLEETS)),
+            ("runner", "machines.exec", ",".join(smol_mcp.FLEETS)),
             ("cloudy", "machines.read", "cloud"),
         ):
             _, self.secrets[name] = self.store.create(
@@ -10505,14 +10561,7 @@ class AgentAccessHttpTests(HttpCase):
         expected = {
             "look": READ_TOOLS,
             "a": [t.name for t in smol_mcp.TOOLS],
-            "runner": [
-                "run-command",
-                "run-once",
-                "read-file",
-                "write-file",
-                "start-job",
-                "cancel-job",
-            ],
+            "runner": tools_at("exec"),
         }
         for mode in MODES:
             for name, tools in expected.items():
@@ -10548,7 +10597,7 @@ class AgentAccessHttpTests(HttpCase):
                         "create-machine", text
                     )  # the unknown-tool answer lists its own tools only
                     self.assertIn(
-                        "list-machines, get-machine, machine-logs", text
+                        f"the tools are: {', '.join(READ_TOOLS)}", text
                     )
                     access = json.loads(
                         (await c.read_resource(smol_mcp.TARGETS_URI))
@@ -11494,31 +11543,23 @@ class OAuthTests(OAuthCase):
             await self.ok(
                 admin, "create-machine", {"name": "ops-box", "image": "alpine"}
             )
-            for mode in MODES:
-                with self.subTest(mode=mode):
+            grants = smol_mcp.GRANTS.items()
+            for mode, (grant, scopes) in itertools.product(MODES, grants):
+                with self.subTest(mode=mode, grant=grant):
                     answer = {
                         "action": "Allow",
-                        "grant": "Read-only",
-                        "name": f"ro-{mode}",
-                    }
-                    async with self.connected(
-                        self.oauth(answer), mode
-                    ) as client:
-                        self.assertEqual(
-                            await self.tool_names(client), READ_TOOLS
-                        )
-                    answer = {
-                        "action": "Allow",
-                        "grant": "Sandbox",
-                        "name": f"box-{mode}",
+                        "grant": grant,
+                        "name": f"{grant.lower()}-{mode}",
                     }
                     async with self.connected(
                         self.oauth(answer), mode
                     ) as client:
                         self.assertEqual(
                             await self.tool_names(client),
-                            [t.name for t in smol_mcp.TOOLS],
+                            tools_granted(scopes),
                         )
+                        if not scopes[0].startswith("sandbox."):
+                            continue
                         mine = await self.ok(
                             client, "create-machine", {"image": "alpine"}
                         )
@@ -12552,18 +12593,19 @@ class BrowserTests(OAuthCase):
         self.assertEqual(
             (cookie["httpOnly"], cookie["sameSite"]), (True, "Strict")
         )
-        all_tools = [t.name for t in smol_mcp.TOOLS]
+        # every grant of the consent page, and one choice of scopes
         cases = [
-            ("Full", {}, all_tools, list(smol_mcp.GRANTS["Full"])),
-            ("Read-only", {}, READ_TOOLS, list(smol_mcp.GRANTS["Read-only"])),
-            ("Sandbox", {}, all_tools, list(smol_mcp.GRANTS["Sandbox"])),
+            (grant, {}, tools_granted(scopes), list(scopes))
+            for grant, scopes in smol_mcp.GRANTS.items()
+        ]
+        cases.append(
             (
                 "Choose scopes",
                 {"scopes": ["machines.read"], "approval": True},
                 READ_TOOLS,
                 ["machines.read"],
-            ),
-        ]
+            )
+        )
         for grant, options, tools, scopes in cases:
             with self.subTest(grant=grant):
                 name = grant.lower().replace(" ", "-")
@@ -12691,7 +12733,7 @@ class SandboxBothFleetsTests(FakeCloudCase):
                 text,
             )
             self.assertEqual(asked, [])  # refused before the fleet question
-            for target in ("local", "cloud"):
+            for target in smol_mcp.FLEETS:
                 await self.ok(
                     a,
                     "create-machine",
@@ -12705,7 +12747,7 @@ class SandboxBothFleetsTests(FakeCloudCase):
         async with self.client(
             "legacy"
         ) as c:  # no elicitation: target on every call
-            for target in ("local", "cloud"):
+            for target in smol_mcp.FLEETS:
                 with self.subTest(target=target):
                     own = f"own-{target}"
                     await self.ok(
