@@ -5896,14 +5896,13 @@ class LiveOutputScenarios(LongWorkScenarios):
     async def test_a_cancelled_command_ends_in_the_guest_on_every_route(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            for n, (tool, callback) in enumerate(
-                [
-                    (t, cb)
-                    for t in ("run-command", "run-once")
-                    for cb in (None, ignore_progress)
-                ]
-            ):
-                marker = f"sleep 31{n}7"
+            routes = itertools.product(
+                ("run-command", "run-once"), (None, ignore_progress)
+            )
+            for tool, callback in routes:
+                # a marker of this call's own: the local and the cloud
+                # classes run this test at the same time
+                marker = unique_sleep(3107)
                 with self.subTest(tool=tool, streamed=callback is not None):
                     args = {"command": f"echo started; {marker}; echo never"}
                     args.update(
@@ -6039,18 +6038,19 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
             async def on_progress(progress, total, message):
                 seen.append(message)
 
+            marker = unique_sleep(3171)
             with anyio.move_on_after(3):
                 await c.call_tool(
                     "run-command",
                     {
                         "name": "live",
-                        "command": "echo started; sleep 3171; echo never",
+                        "command": f"echo started; {marker}; echo never",
                     },
                     progress_callback=on_progress,
                 )
             self.assertIn("stdout: started", seen)
             await wait_until(
-                lambda: not processes_running("sleep 3171"),
+                lambda: not processes_running(marker),
                 20,
                 "the cancelled command is gone",
             )
@@ -6251,13 +6251,15 @@ class JobScenarios(LongWorkScenarios):
     async def test_cancel_ends_the_job_and_is_idempotent(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
+            # the local and the cloud classes run this test at once
+            marker = unique_sleep(3172)
             job = await self.ok(
                 c,
                 "start-job",
-                {"name": name, "command": "echo begun; sleep 3172"},
+                {"name": name, "command": f"echo begun; {marker}"},
             )
             await wait_until(
-                lambda: processes_running("sleep 3172"), 20, "the job runs"
+                lambda: processes_running(marker), 20, "the job runs"
             )
             first = await self.ok(
                 c, "cancel-job", {"name": name, "jobId": job["jobId"]}
@@ -6266,7 +6268,7 @@ class JobScenarios(LongWorkScenarios):
                 (first["state"], first["exitCode"]), ("exited", 143)
             )
             await wait_until(
-                lambda: not processes_running("sleep 3172"),
+                lambda: not processes_running(marker),
                 20,
                 "the cancelled job is gone",
             )
@@ -6309,13 +6311,14 @@ class LocalJobTests(JobScenarios, FakeServeCase):
     async def test_a_job_ends_at_its_timeout_and_with_its_machine(self):
         async with self.client("legacy") as c:
             await self.machine(c)
+            marker = unique_sleep(3174)
             job = await self.ok(
                 c,
                 "start-job",
-                {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2},
+                {"name": "jobs", "command": marker, "timeoutSecs": 2},
             )
             await wait_until(
-                lambda: not processes_running("sleep 3174"),
+                lambda: not processes_running(marker),
                 30,
                 "the job's timeout ended it",
             )
@@ -6325,15 +6328,14 @@ class LocalJobTests(JobScenarios, FakeServeCase):
             self.assertEqual(
                 (page["state"], page["exitCode"]), ("exited", 143)
             )
-            await self.ok(
-                c, "start-job", {"name": "jobs", "command": "sleep 3175"}
-            )
+            marker = unique_sleep(3175)
+            await self.ok(c, "start-job", {"name": "jobs", "command": marker})
             await wait_until(
-                lambda: processes_running("sleep 3175"), 20, "the job runs"
+                lambda: processes_running(marker), 20, "the job runs"
             )
             await self.ok(c, "delete-machine", {"name": "jobs"})
             await wait_until(
-                lambda: not processes_running("sleep 3175"),
+                lambda: not processes_running(marker),
                 20,
                 "deleting the machine ended its job",
             )
@@ -6345,17 +6347,18 @@ class LocalJobTests(JobScenarios, FakeServeCase):
             created = await self.ok(
                 c, "create-machine", {"image": "alpine", "network": "open"}
             )
+            marker = unique_sleep(3176)
             await self.ok(
                 c,
                 "start-job",
-                {"name": created["machine"]["name"], "command": "sleep 3176"},
+                {"name": created["machine"]["name"], "command": marker},
             )
             await wait_until(
-                lambda: processes_running("sleep 3176"), 20, "the job runs"
+                lambda: processes_running(marker), 20, "the job runs"
             )
         self.assertEqual(self.fake.machines, {})
         await wait_until(
-            lambda: not processes_running("sleep 3176"),
+            lambda: not processes_running(marker),
             20,
             "the job ended with its machine",
         )
@@ -14965,85 +14968,705 @@ class ApprovalSigtermTests(unittest.TestCase):
 
 
 # ---------------------------------------------------------------------------
+# The runner: test classes in parallel worker processes, behind a guard
+# ---------------------------------------------------------------------------
 
-
-# `--quick`: the core paths in under two minutes (tools, validation, budget, cloud, HTTP
-# security, access) without the spawned servers, signals, faults and long waits.
+# `--quick`: the core paths in under two minutes (tools, validation,
+# budget, cloud, HTTP security, access) without the spawned servers,
+# signals, faults and long waits.
 QUICK = (
-    "ConfigTests ImportTests FleetContractTests PublicSdkTests PiecesTests ToolListTests "
-    "HandshakeEra ModernEra ToolRuleTests ReplySizeTests StartFailureTests CloudWorkedExample "
-    "CloudRuleTests BothModeTests HttpSecurityTests AccessPiecesTests EgressPiecesTests "
-    "ElicitationTests LocalJobTests StdioScopesTests ActivityToolTests"
+    "ConfigTests ImportTests FleetContractTests PublicSdkTests PiecesTests "
+    "ToolListTests HandshakeEra ModernEra ToolRuleTests ReplySizeTests "
+    "StartFailureTests CloudWorkedExample CloudRuleTests BothModeTests "
+    "HttpSecurityTests AccessPiecesTests EgressPiecesTests ElicitationTests "
+    "LocalJobTests StdioScopesTests ActivityToolTests"
 ).split()
+
+# The slowest classes, slowest first, as one run measured them: they start
+# first, so the last to finish is a short one. A scheduling hint only: a
+# class not named here starts after these, in file order, and a stale
+# entry costs wall time, never a result.
+SLOWEST = ()
+
+# The TypeScript-era port a user's own `smol-mcp-http` listens on: no test
+# may listen there (the runner holds it for the run).
+USER_PORT = 8080
 
 
 def main() -> int:
-    loader = unittest.defaultTestLoader
-    if sys.argv[1:] == ["--quick"]:
-        sys.argv[1:] = QUICK
-    # A warning is a failure, not a line to read past ("" keeps the runner from resetting
-    # this); an unclosed socket's ResourceWarning comes from the collector and cannot fail.
+    """Run the suite (or the named classes, or `--quick`); 0 if it passed."""
+    names = sys.argv[1:]
+    if names == ["--quick"]:
+        names = QUICK
+    integration = os.environ.get("SMOL_MCP_IT") == "1"
+    guard = Guard()
+    try:
+        guard.start()
+        treat_warnings_as_errors()
+        suite = load_suite(names, integration)
+        units = test_units(suite)
+        count = worker_count(len(units))
+        started = time.monotonic()
+        # The integration suites share one real engine: they run in turn.
+        if integration or count == 1:
+            outcome = run_here(suite)
+        else:
+            outcome = run_in_workers(units, count)
+            # a name that did not load is reported from here
+            unloaded = [t for t in each_test(suite) if not ours(t)]
+            if unloaded:
+                outcome.merge(run_here(unittest.TestSuite(unloaded)))
+        seconds = time.monotonic() - started
+        problems = guard.finish()
+    finally:
+        guard.remove()
+    outcome.report(sys.stderr, seconds)
+    print(summary(outcome, seconds, integration, count, guard, problems))
+    return 0 if outcome.passed() and not problems else 1
+
+
+def treat_warnings_as_errors() -> None:
+    """A warning fails the run rather than being a line to read past."""
     warnings.simplefilter("error")
+    # an unclosed socket's ResourceWarning comes from the collector and
+    # cannot fail the test that left it
     warnings.simplefilter("ignore", ResourceWarning)
-    # the handshake era's calls (resources/subscribe...) are tested on purpose
+    # the handshake era's calls (resources/subscribe...) are tested on
+    # purpose
     warnings.simplefilter("ignore", mcp_exceptions.MCPDeprecationWarning)
-    if (
-        os.environ.get("SMOL_MCP_IT") == "1"
-    ):  # the integration suites alone; the unit suite is its own run
-        suite = unittest.TestSuite(
-            [
-                loader.loadTestsFromTestCase(RealServeIntegration),
-                loader.loadTestsFromTestCase(CloudLiveIntegration),
-            ]
+
+
+def load_suite(names: list[str], integration: bool) -> unittest.TestSuite:
+    """The named tests, else the integration suites or the unit suite."""
+    loader = unittest.defaultTestLoader
+    module = sys.modules[__name__]
+    if names:
+        return loader.loadTestsFromNames(names, module)
+    if integration:  # the integration suites alone: the unit suite is
+        # its own run
+        classes = (RealServeIntegration, CloudLiveIntegration)
+        return unittest.TestSuite(
+            loader.loadTestsFromTestCase(cls) for cls in classes
         )
+    return loader.loadTestsFromModule(module)
+
+
+def each_test(suite: unittest.TestSuite):
+    """Every test of a suite, depth first, in the order it would run."""
+    for item in suite:
+        if isinstance(item, unittest.TestSuite):
+            yield from each_test(item)
+        else:
+            yield item
+
+
+def test_units(suite: unittest.TestSuite) -> list[list[str]]:
+    """The suite's test names by class, slowest classes first: each list is
+    one unit of work (a class runs whole in one worker, its fixtures once).
+    """
+    by_class: dict[type, list[str]] = {}
+    for test in filter(ours, each_test(suite)):
+        name = test.id().removeprefix(f"{__name__}.")
+        by_class.setdefault(type(test), []).append(name)
+    ranked = sorted(by_class, key=lambda cls: slowness_rank(cls.__name__))
+    return [by_class[cls] for cls in ranked]
+
+
+def ours(test: unittest.TestCase) -> bool:
+    """Whether a test is one of this file's (not a name that failed to load)."""
+    return type(test).__module__ == __name__
+
+
+def slowness_rank(name: str) -> int:
+    """The class's place in SLOWEST, or after all of them."""
+    if name in SLOWEST:
+        return SLOWEST.index(name)
+    return len(SLOWEST)
+
+
+def worker_count(units: int) -> int:
+    """SMOL_MCP_TEST_WORKERS, else twice the cores (the tests mostly wait on
+    subprocesses, sockets and sleeps), at most one worker a unit."""
+    wanted = os.environ.get("SMOL_MCP_TEST_WORKERS", "").strip()
+    if wanted:
+        count = int(wanted)
     else:
-        suite = loader.loadTestsFromModule(sys.modules[__name__])
-    if len(sys.argv) > 1:
-        suite = loader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
-    started = time.monotonic()
-    result = unittest.TextTestRunner(
-        verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1")),
-        warnings="",
-    ).run(suite)
-    print(
-        summary(
-            result,
-            time.monotonic() - started,
-            os.environ.get("SMOL_MCP_IT") == "1",
-        )
-    )
-    return 0 if result.wasSuccessful() else 1
+        count = 2 * len(os.sched_getaffinity(0))
+    return max(1, min(count, units))
+
+
+# -- what a run found -------------------------------------------------------
+
+
+class UnitResult(unittest.TestResult):
+    """A TestResult that keeps plain data: what a worker sends back."""
+
+    def __init__(self):
+        super().__init__()
+        self.marks: list[tuple[str, str]] = []
+
+    def mark(self, test, word: str) -> None:
+        self.marks.append((str(test), word))
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self.mark(test, "ok")
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self.mark(test, "FAIL")
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self.mark(test, "ERROR")
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self.mark(test, "skipped")
+
+    def addExpectedFailure(self, test, err):
+        super().addExpectedFailure(test, err)
+        self.mark(test, "expected failure")
+
+    def addUnexpectedSuccess(self, test):
+        super().addUnexpectedSuccess(test)
+        self.mark(test, "unexpected success")
+
+    def addSubTest(self, test, subtest, err):
+        super().addSubTest(test, subtest, err)
+        if err is not None:
+            failed = issubclass(err[0], test.failureException)
+            self.mark(subtest, "FAIL" if failed else "ERROR")
+
+    def as_data(self) -> dict:
+        """The outcome as JSON-ready data, tests named by their ids."""
+
+        def owner(test) -> str:
+            return getattr(test, "test_case", test).id()
+
+        return {
+            "run": self.testsRun,
+            "marks": self.marks,
+            "failures": [
+                (str(test), owner(test), text) for test, text in self.failures
+            ],
+            "errors": [
+                (str(test), owner(test), text) for test, text in self.errors
+            ],
+            "skipped": [(test.id(), reason) for test, reason in self.skipped],
+            "expected": len(self.expectedFailures),
+            "unexpected": [test.id() for test in self.unexpectedSuccesses],
+            "faults": [
+                FaultCounts.calls,
+                FaultCounts.faults,
+                FaultCounts.leaks,
+            ],
+        }
+
+
+class Outcome:
+    """Every unit's results, summed: what main() reports."""
+
+    MARKS = {
+        "ok": ".",
+        "FAIL": "F",
+        "ERROR": "E",
+        "skipped": "s",
+        "expected failure": "x",
+        "unexpected success": "u",
+    }
+
+    def __init__(self):
+        self.run = 0
+        self.failures: list[tuple[str, str, str]] = []
+        self.errors: list[tuple[str, str, str]] = []
+        self.skipped: list[tuple[str, str]] = []
+        self.expected = 0
+        self.unexpected: list[str] = []
+        self.faults = [0, 0, 0]
+        self.verbosity = int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))
+
+    def merge(self, other: Outcome) -> None:
+        """Another outcome's results, already shown as they came."""
+        self.run += other.run
+        self.failures += other.failures
+        self.errors += other.errors
+        self.skipped += other.skipped
+        self.expected += other.expected
+        self.unexpected += other.unexpected
+
+    def add(self, data: dict, output: str = "") -> None:
+        """One unit's results; ``output`` is what its worker printed while
+        it ran, shown under each of its failures."""
+        self.run += data["run"]
+        shown = f"\n\nWhat the worker printed meanwhile:\n{output}"
+        for kind in ("failures", "errors"):
+            for title, owner, text in data[kind]:
+                getattr(self, kind).append(
+                    (title, owner, text + (shown if output.strip() else ""))
+                )
+        self.skipped += [tuple(pair) for pair in data["skipped"]]
+        self.expected += data["expected"]
+        self.unexpected += data["unexpected"]
+        for i, count in enumerate(data["faults"]):
+            self.faults[i] += count
+        for title, word in data["marks"]:
+            if self.verbosity > 1:
+                print(f"{title} ... {word}", file=sys.stderr, flush=True)
+            else:
+                print(self.MARKS[word], end="", file=sys.stderr, flush=True)
+
+    def failed_tests(self) -> int:
+        """Failing tests, each once (a failing subtest counts its test)."""
+        owners = {owner for _, owner, _ in self.failures + self.errors}
+        return len(owners | set(self.unexpected))
+
+    def passed(self) -> bool:
+        return not (self.failures or self.errors or self.unexpected)
+
+    def report(self, stream, seconds: float) -> None:
+        """unittest's closing report: each failure in full, then the count."""
+        if self.verbosity <= 1:
+            print(file=stream)
+        for kind, entries in (("ERROR", self.errors), ("FAIL", self.failures)):
+            for title, _, text in entries:
+                print("=" * 70, file=stream)
+                print(f"{kind}: {title}", file=stream)
+                print("-" * 70, file=stream)
+                print(text, file=stream)
+        print("-" * 70, file=stream)
+        print(f"Ran {self.run} tests in {seconds:.3f}s\n", file=stream)
+        details = [
+            f"{word}={count}"
+            for word, count in (
+                ("failures", len(self.failures)),
+                ("errors", len(self.errors)),
+                ("skipped", len(self.skipped)),
+                ("expected failures", self.expected),
+                ("unexpected successes", len(self.unexpected)),
+            )
+            if count
+        ]
+        verdict = "OK" if self.passed() else "FAILED"
+        if details:
+            verdict += f" ({', '.join(details)})"
+        print(verdict, file=stream)
 
 
 def summary(
-    result: unittest.TestResult, seconds: float, integration: bool
+    outcome: Outcome,
+    seconds: float,
+    integration: bool,
+    workers: int,
+    guard: Guard,
+    problems: list[str],
 ) -> str:
-    """The closing lines of a run: the counts, the time, and why each skipped
-    test skipped (a skip with no reason shown hides a gap)."""
-    # A failing subtest is reported under its own name: count the test it belongs to, once.
-    failed = len(
-        {
-            getattr(test, "test_case", test).id()
-            for test, _ in result.failures + result.errors
-        }
-        | {t.id() for t in result.unexpectedSuccesses}
-    )
-    passed = result.testsRun - failed - len(result.skipped)
+    """The closing lines of a run: why each skipped test skipped (a skip
+    with no reason shown hides a gap), the fault suite, the guard, the time
+    and the counts."""
     lines = [
-        f"skipped {test.id().removeprefix('__main__.')}: {reason}"
-        for test, reason in result.skipped
+        f"skipped {test.split('.', 1)[1]}: {reason}"
+        for test, reason in outcome.skipped
     ]
-    label = "integration" if integration else "unit"
-    if FaultCounts.faults:
-        counts = FaultCounts
+    calls, faults, leaks = outcome.faults
+    if faults:
         lines.append(
-            f"fault suite: {counts.calls} calls, {counts.faults} faults, {counts.leaks} leaks"
+            f"fault suite: {calls} calls, {faults} faults, {leaks} leaks"
         )
-    lines.append(f"the {label} suite took {seconds:.1f} s")
+    lines.append(guard.describe())
+    lines += [f"guard: {problem}" for problem in problems]
+    label = "integration" if integration else "unit"
+    share = f"{workers} workers" if workers > 1 else "one process"
+    lines.append(f"the {label} suite took {seconds:.1f} s ({share})")
+    failed = outcome.failed_tests()
+    passed = outcome.run - failed - len(outcome.skipped)
     lines.append(
-        f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped"
+        f"{label}: {passed} passed, {failed} failed, "
+        f"{len(outcome.skipped)} skipped"
     )
     return "\n".join(lines)
+
+
+# -- one process, or workers ------------------------------------------------
+
+
+def run_here(suite: unittest.TestSuite) -> Outcome:
+    """The suite in this process, test after test."""
+    result = UnitResult()
+    suite.run(result)
+    outcome = Outcome()
+    outcome.add(result.as_data())
+    return outcome
+
+
+def run_worker(commands_fd: int, results_fd: int) -> int:
+    """A worker: run each unit of test names read from ``commands_fd`` and
+    write its results, one JSON line, to ``results_fd``, until EOF."""
+    os.set_inheritable(commands_fd, False)
+    os.set_inheritable(results_fd, False)
+    treat_warnings_as_errors()
+    loader = unittest.defaultTestLoader
+    module = sys.modules[__name__]
+    with (
+        open(commands_fd, encoding="utf-8") as commands,
+        open(results_fd, "w", encoding="utf-8") as results,
+    ):
+        for line in commands:
+            names = json.loads(line)
+            FaultCounts.calls = FaultCounts.faults = FaultCounts.leaks = 0
+            result = UnitResult()
+            loader.loadTestsFromNames(names, module).run(result)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            results.write(json.dumps(result.as_data()) + "\n")
+            results.flush()
+    return 0
+
+
+class Worker:
+    """One worker process: its pipes, its log, the unit it runs."""
+
+    def __init__(self, number: int, logs: str):
+        self.number = number
+        self.log = open(f"{logs}/worker-{number}.log", "w+b")  # noqa: SIM115
+        commands_read, self.commands = os.pipe()
+        self.results, results_write = os.pipe()
+        # The worker imports this file as a module, from its cached
+        # bytecode: run as a script, it would compile 600 KB each time.
+        code = (
+            "import sys, test_smol_mcp; "
+            f"sys.exit(test_smol_mcp.run_worker({commands_read}, "
+            f"{results_write}))"
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=HERE,
+            pass_fds=(commands_read, results_write),
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=self.log,
+            # its own process group, so an interrupted run ends the
+            # worker's children with it
+            start_new_session=True,
+        )
+        os.close(commands_read)
+        os.close(results_write)
+        self.reader = open(self.results, encoding="utf-8")  # noqa: SIM115
+        self.unit: list[str] | None = None
+        self.log_from = 0
+
+    def give(self, unit: list[str]) -> None:
+        self.unit = unit
+        self.log_from = self.log.seek(0, os.SEEK_END)
+        os.write(self.commands, (json.dumps(unit) + "\n").encode())
+
+    def output(self) -> str:
+        """What the worker printed since its unit began (the last 20 KB)."""
+        end = self.log.seek(0, os.SEEK_END)
+        self.log.seek(max(self.log_from, end - 20000))
+        return self.log.read().decode(errors="replace")
+
+    def finish(self) -> None:
+        """No more units: the worker ends at the EOF."""
+        with contextlib.suppress(OSError):
+            os.close(self.commands)
+
+    def end(self) -> None:
+        """Make sure the worker and whatever it started are gone."""
+        self.finish()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.reader.close()
+        self.log.close()
+
+
+def run_in_workers(units: list[list[str]], count: int) -> Outcome:
+    """Each unit in the first free worker, slowest first; results gathered
+    as they come. A worker that dies fails the unit it was running."""
+    import collections
+    import selectors
+
+    outcome = Outcome()
+    pending = collections.deque(units)
+    logs = tempfile.mkdtemp(prefix="smt-workers-", dir="/tmp")
+    selector = selectors.DefaultSelector()
+    workers = []
+
+    def start_worker() -> None:
+        worker = Worker(len(workers), logs)
+        workers.append(worker)
+        selector.register(worker.reader, selectors.EVENT_READ, worker)
+        worker.give(pending.popleft())
+
+    try:
+        for _ in range(count):
+            start_worker()
+        while selector.get_map():
+            for key, _ in selector.select():
+                worker = key.data
+                line = worker.reader.readline()
+                if line:
+                    data = json.loads(line)
+                    if data["failures"] or data["errors"]:
+                        outcome.add(data, worker.output())
+                    else:
+                        outcome.add(data)
+                    worker.unit = None
+                    if pending:
+                        worker.give(pending.popleft())
+                    else:
+                        worker.finish()
+                    continue
+                selector.unregister(worker.reader)
+                if worker.unit is not None:
+                    outcome.add(died(worker), worker.output())
+                    if pending:
+                        start_worker()
+    finally:
+        for worker in workers:
+            worker.end()
+        shutil.rmtree(logs, ignore_errors=True)
+    return outcome
+
+
+def died(worker: Worker) -> dict:
+    """A unit's results when its worker ended before sending them."""
+    code = worker.process.wait()
+    where = worker.unit[0].rsplit(".", 1)[0]
+    text = f"worker {worker.number} ended (exit status {code}) in {where}"
+    return {
+        "run": 1,
+        "marks": [(where, "ERROR")],
+        "failures": [],
+        "errors": [(where, where, text)],
+        "skipped": [],
+        "expected": 0,
+        "unexpected": [],
+        "faults": [0, 0, 0],
+    }
+
+
+# -- the guard: the user's own directories and port are left alone ----------
+
+
+class Guard:
+    """For the whole run, HOME and the XDG directories are a stand-in for a
+    user's: a tokens file and an operator password made by the CLI, and a
+    config file that no setting reads ("readByATest" stops any server that
+    loads it). At the end nothing in it may have changed. The user's port,
+    8080, is held (bound, never listening) so a server that tries it fails;
+    where it cannot be held, a watcher notes any new listener there.
+
+    uv keeps its own cache, Python installs and settings (they are not the
+    product's): the variables that name them point at the real ones."""
+
+    CONFIG = {
+        "readByATest": "this is the test run's stand-in for a user's own "
+        "config file: the test that read it is not hermetic"
+    }
+
+    def __init__(self):
+        self.root = ""
+        self.before: dict = {}
+        self.held: list[socket.socket] = []
+        self.listeners: dict[str, str] = {}
+        self.watching = threading.Event()
+        self.watcher: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Make the stand-in, point the environment at it, hold the port."""
+        self.keep_uv_own_dirs()
+        self.root = tempfile.mkdtemp(prefix="smt-user-", dir="/tmp")
+        home = f"{self.root}/home"
+        places = {
+            "HOME": home,
+            "XDG_CONFIG_HOME": f"{home}/.config",
+            "XDG_STATE_HOME": f"{home}/.local/state",
+            "XDG_CACHE_HOME": f"{home}/.cache",
+            "XDG_DATA_HOME": f"{home}/.local/share",
+            "XDG_RUNTIME_DIR": f"{self.root}/run",
+        }
+        for path in places.values():
+            os.makedirs(path, mode=0o700)
+        for name in ("SMOL_MCP_CONFIG", "SMOL_MCP_STATE_DIR"):
+            os.environ.pop(name, None)
+        os.environ.pop("SMOL_MCP_RUNTIME_DIR", None)
+        os.environ.update(places)
+        self.fill()
+        for directory, _, files in os.walk(self.root):
+            for name in files:
+                os.chmod(f"{directory}/{name}", 0o444)
+            os.chmod(directory, 0o555)
+        self.before = self.snapshot()
+        self.hold_port()
+        self.watcher = threading.Thread(target=self.watch, daemon=True)
+        self.watcher.start()
+
+    @staticmethod
+    def keep_uv_own_dirs() -> None:
+        """Point uv's variables at its real cache, Pythons and settings
+        before HOME moves (each only when the real one exists)."""
+        home = Path.home()
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache")
+        data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local/share")
+        config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+        real = {
+            "UV_CACHE_DIR": cache / "uv",
+            "UV_PYTHON_INSTALL_DIR": data / "uv" / "python",
+            "UV_CONFIG_FILE": config / "uv" / "uv.toml",
+            "PIP_CONFIG_FILE": config / "pip" / "pip.conf",
+        }
+        for name, path in real.items():
+            if name not in os.environ and path.exists():
+                os.environ[name] = str(path)
+
+    def fill(self) -> None:
+        """What a user who set up --http has: a token, the operator's
+        password (both made by the CLI itself), and a config file."""
+        cli = [sys.executable, str(HERE / "smol_mcp.py")]
+        steps = (
+            (["tokens", "create", "users-own", "--preset", "full"], None),
+            (["operator", "set-password"], "the user's own password\n"),
+        )
+        made = [
+            subprocess.Popen(
+                cli + argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for argv, _ in steps
+        ]
+        for process, (argv, stdin) in zip(made, steps):
+            said, _ = process.communicate(stdin, timeout=60)
+            if process.returncode != 0:
+                raise RuntimeError(f"smol_mcp.py {' '.join(argv)}: {said}")
+        config = Path(os.environ["XDG_CONFIG_HOME"], "smol-mcp")
+        config.mkdir(mode=0o700)
+        (config / "config.json").write_text(json.dumps(self.CONFIG))
+
+    def snapshot(self) -> dict[str, tuple]:
+        """Every path under the stand-in: its kind, mode, size, mtime, and
+        a regular file's digest."""
+        seen = {}
+        for directory, dirs, files in os.walk(self.root):
+            for name in dirs + files:
+                path = f"{directory}/{name}"
+                info = os.lstat(path)
+                digest = ""
+                if stat.S_ISREG(info.st_mode):
+                    with contextlib.suppress(OSError):
+                        data = Path(path).read_bytes()
+                        digest = hashlib.sha256(data).hexdigest()
+                seen[path.removeprefix(self.root)] = (
+                    info.st_mode,
+                    info.st_size,
+                    info.st_mtime_ns,
+                    digest,
+                )
+        return seen
+
+    def hold_port(self) -> None:
+        """Bind the user's port on every address, without listening (and
+        without SO_REUSEADDR, which would let a server bind it too)."""
+        for family, host in (
+            (socket.AF_INET, "0.0.0.0"),
+            (socket.AF_INET6, "::"),
+        ):
+            holder = socket.socket(family, socket.SOCK_STREAM)
+            if family == socket.AF_INET6:
+                holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                holder.bind((host, USER_PORT))
+            except OSError:
+                holder.close()
+                continue
+            self.held.append(holder)
+
+    def watch(self) -> None:
+        """Note every socket that starts listening on the user's port, and
+        hold it once it is free (a closed connection's TIME_WAIT keeps it
+        taken for a minute)."""
+        present = set(port_listeners(USER_PORT))
+        while not self.watching.wait(0.25):
+            if not self.held:
+                self.hold_port()
+            for inode in set(port_listeners(USER_PORT)) - present:
+                present.add(inode)
+                self.listeners[inode] = socket_owner(inode)
+
+    def finish(self) -> list[str]:
+        """What the run did to the stand-in and the port: [] when nothing."""
+        self.watching.set()
+        if self.watcher is not None:
+            self.watcher.join()
+        problems = [
+            f"something listened on {USER_PORT} during the run: {who}"
+            for who in self.listeners.values()
+        ]
+        if not self.root:
+            return problems
+        after = self.snapshot()
+        for path in sorted(set(self.before) | set(after)):
+            if path not in after:
+                problems.append(f"removed from the user's directories: {path}")
+            elif path not in self.before:
+                problems.append(f"made in the user's directories: {path}")
+            elif after[path] != self.before[path]:
+                problems.append(f"changed in the user's directories: {path}")
+        return problems
+
+    def describe(self) -> str:
+        if self.held:
+            held = f"{USER_PORT} held"
+        else:
+            held = f"{USER_PORT} never free to hold: watched"
+        return (
+            "guard: HOME and the XDG directories a stand-in for a user's "
+            f"(token, password, config), checked untouched; {held}"
+        )
+
+    def remove(self) -> None:
+        for holder in self.held:
+            holder.close()
+        if not self.root:
+            return
+        for directory, _, _ in os.walk(self.root):
+            with contextlib.suppress(OSError):
+                os.chmod(directory, 0o700)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def port_listeners(port: int) -> list[str]:
+    """The inodes of the sockets listening on ``port`` (any address)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.append(inode)
+    return found
+
+
+def socket_owner(inode: str) -> str:
+    """The pid and command line of the process holding a socket."""
+    wanted = f"socket:[{inode}]"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == wanted:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    command = argv.replace(b"\0", b" ").decode()
+                    return f"pid {pid}: {command}"
+    return f"socket {inode}, owner gone"
 
 
 if __name__ == "__main__":
