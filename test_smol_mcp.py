@@ -586,9 +586,7 @@ class ImportTests(unittest.TestCase):
 class FleetContractTests(unittest.TestCase):
     """Every fleet in the registry offers the whole contract, with the same signatures."""
 
-    def test_every_fleet_has_every_member_of_the_contract_with_its_signature(
-        self,
-    ):
+    def test_every_fleet_has_the_whole_contract_with_its_signatures(self):
         contract = smol_mcp.Fleet
         members = [
             name
@@ -1145,9 +1143,7 @@ HINTS = ("read_only", "destructive", "idempotent", "open_world")
 
 
 class ToolListTests(FakeServeCase):
-    async def test_every_tool_has_truthful_annotations_and_a_strict_schema(
-        self,
-    ):
+    async def test_every_tool_has_true_annotations_and_a_strict_schema(self):
         specs = smol_mcp.TOOLS_BY_NAME
         for spec in smol_mcp.TOOLS:
             # What a read scope grants must change nothing, and whatever
@@ -1239,9 +1235,7 @@ class ToolListTests(FakeServeCase):
                 self.assertIn("network", c.instructions)
                 self.assertIn('network: "open"', c.instructions)
 
-    async def test_connecting_and_reading_targets_ask_the_serve_nothing_but_its_health(
-        self,
-    ):
+    async def test_connecting_and_targets_ask_the_serve_only_its_health(self):
         async with self.client("legacy") as c:
             await c.list_tools()
             self.assertEqual(self.fake.requests, [])
@@ -1372,9 +1366,7 @@ class EngineRequestScenarios:
 class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
     fleet = "local"
 
-    async def test_arguments_are_checked_by_a_validator_built_once_per_tool(
-        self,
-    ):
+    async def test_arguments_are_checked_by_one_validator_per_tool(self):
         async with self.client("legacy") as c:
             await self.ok(c, "list-machines", {})
             with unittest.mock.patch.object(
@@ -1440,9 +1432,7 @@ class ReadOnTheLoopTests(FakeServeCase):
             ]
         )
 
-    async def test_reads_once_the_serve_answers_take_no_worker_thread_and_one_socket(
-        self,
-    ):
+    async def test_reads_take_no_worker_thread_and_one_socket(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "rl-1", "image": "alpine"}
@@ -1517,9 +1507,7 @@ class ReadOnTheLoopTests(FakeServeCase):
         self.assertEqual(answers[0], answers[1])
         self.assertIn("machine 'rl-9' not found", answers[0][2])
 
-    async def test_a_socket_the_serve_closed_while_idle_is_not_used_again(
-        self,
-    ):
+    async def test_a_socket_the_serve_closed_idle_is_not_used_again(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "rl-1", "image": "alpine"}
@@ -1561,9 +1549,7 @@ class ReadOnTheLoopTests(FakeServeCase):
                 (got["machine"]["name"], self.gets() - before), ("rl-1", 2)
             )
 
-    async def test_an_answer_the_quick_way_cannot_be_sure_of_goes_the_blocking_way(
-        self,
-    ):
+    async def test_an_answer_the_quick_way_doubts_goes_the_blocking_way(self):
         path = f"{self.tmp}/canned.sock"
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(path)
@@ -1663,9 +1649,7 @@ class ReadOnTheLoopTests(FakeServeCase):
             finally:
                 answer.set()
 
-    async def test_a_serve_that_does_not_answer_in_time_is_named_and_its_socket_closed(
-        self,
-    ):
+    async def test_a_serve_that_does_not_answer_is_named_and_closed(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "rl-1", "image": "alpine"}
@@ -1860,9 +1844,7 @@ class EraScenarios:
             self.assertIn('"timeoutSecs" must be a whole number', text)
             self.assertEqual(self.fake.requests, [])  # nothing reached the API
 
-    async def test_ephemeral_machines_end_with_the_session_and_persistent_ones_stay(
-        self,
-    ):
+    async def test_ephemeral_machines_end_with_the_session_others_stay(self):
         self.fake_direct_create("mcp-not-ours")
         async with self.client(self.mode) as c:
             await self.ok(
@@ -1933,9 +1915,7 @@ class ToolRuleTests(FakeServeCase):
         )
         return name
 
-    async def test_output_budget_keeps_head_and_tail_and_saves_the_whole_stream(
-        self,
-    ):
+    async def test_output_budget_keeps_head_and_tail_and_saves_the_rest(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             out = await self.ok(
@@ -2385,9 +2365,7 @@ class ToolRuleTests(FakeServeCase):
                 lambda: c.call_tool("list-machines", {}),
             )
 
-    async def test_an_unexpected_exception_is_a_tool_error_without_a_traceback(
-        self,
-    ):
+    async def test_an_unexpected_exception_is_a_tool_error_no_traceback(self):
         def broken():
             raise RuntimeError("kaboom")
 
@@ -2587,9 +2565,7 @@ class SessionRecordTests(FakeServeCase):
             )
         self.assertEqual(self.fake.machines, {})
 
-    async def test_sweep_deletes_only_dead_processes_records_on_the_same_serve(
-        self,
-    ):
+    async def test_sweep_deletes_only_dead_processes_records_same_serve(self):
         for name in ("mcp-dead", "mcp-live", "mcp-other"):
             EraScenarios.fake_direct_create(self, name)
         sessions = Path(self.config.runtime_dir) / "sessions"
@@ -2683,9 +2659,7 @@ class WaitTests(FakeServeCase):
     fake_options = {"boot_delay": 1.0}
     config_overrides = {"ready_timeout_secs": 5}
 
-    async def test_progress_notifications_only_increase_and_read_as_sentences(
-        self,
-    ):
+    async def test_progress_only_increases_and_reads_as_sentences(self):
         saved = smol_mcp.PROGRESS_INTERVAL_SECS
         smol_mcp.PROGRESS_INTERVAL_SECS = 0.2
         try:
@@ -2804,9 +2778,7 @@ class AdviceTests(FakeServeCase):
     """Advice to the model matches the engine (1.32.2 fetches
     registry images on the host), and create reports progress at once."""
 
-    async def test_instructions_and_schema_do_not_send_agents_to_open_egress_for_a_pull(
-        self,
-    ):
+    async def test_nothing_sends_agents_to_open_egress_for_a_pull(self):
         async with self.client("legacy") as c:
             tools = {tool.name: tool for tool in (await c.list_tools()).tools}
         for said in (
@@ -2818,9 +2790,7 @@ class AdviceTests(FakeServeCase):
             self.assertNotRegex(said, r"needs? (network: )?\\?\"open\\?\"")
             self.assertIn("on the host", said)
 
-    def test_only_an_engine_that_refuses_without_egress_gets_the_network_hint(
-        self,
-    ):
+    def test_only_an_engine_refusing_without_egress_gets_the_hint(self):
         old = smol_mcp.ApiError(
             "local",
             "start machine 'm'",
@@ -2920,9 +2890,7 @@ class ReplySizeTests(FakeServeCase):
     output or file content costs more than replyTokens (20,000; Claude Code
     refuses 25,000), whatever the characters."""
 
-    async def test_every_output_is_under_the_token_cap_by_a_real_tokenizer(
-        self,
-    ):
+    async def test_every_output_is_under_the_cap_by_a_real_tokenizer(self):
         counters = real_tokenizers()
         if not counters:
             self.skipTest(
@@ -3119,9 +3087,7 @@ class ReplySizeTests(FakeServeCase):
 class StartFailureTests(FakeServeCase):
     fake_options = {"registry": "offline"}
 
-    async def test_host_that_cannot_reach_the_registry_is_named_and_egress_is_not_suggested(
-        self,
-    ):
+    async def test_no_registry_reach_is_named_and_egress_not_suggested(self):
         # 1.32.2 fetches a registry image on the host: opening the guest's egress would not help
         async with self.client("legacy") as c:
             text = await self.refused(c, "create-machine", {"image": "alpine"})
@@ -3554,9 +3520,7 @@ class CloudRuleTests(FakeCloudCase):
                         [r for r in self.cloud.requests if "egress" in r[1]]
                     )
 
-    async def test_create_time_allow_lists_refuse_the_host_and_public_suffixes(
-        self,
-    ):
+    async def test_create_allow_lists_refuse_host_and_public_suffixes(self):
         async with self.client("legacy") as c:
             for field, values in (
                 ("allowHosts", REFUSED_EGRESS_HOSTS),
@@ -3596,9 +3560,7 @@ class CloudRuleTests(FakeCloudCase):
         ]
         self.assertEqual(len(creates), 1)
 
-    async def test_a_stream_the_service_cut_is_reported_not_passed_off_as_whole(
-        self,
-    ):
+    async def test_a_stream_the_service_cut_is_reported_not_passed_off(self):
         self.cloud.exec_b64, self.cloud.exec_output_cap = (
             False,
             3000,
@@ -3617,9 +3579,7 @@ class CloudRuleTests(FakeCloudCase):
                 "the first", out["stdout"]
             )  # the overflow file is not claimed to be whole
 
-    async def test_names_resolve_with_one_list_call_and_an_id_is_not_a_name(
-        self,
-    ):
+    async def test_names_resolve_with_one_list_call_an_id_is_not_a_name(self):
         async with self.client("legacy") as c:
             await self.machine(c, "persist-1")
             self.assertIsNone(
@@ -3706,9 +3666,7 @@ class CloudRuleTests(FakeCloudCase):
             ).read_text()
             self.assertEqual(whole, "".join(f"{i}\n" for i in range(1, 3001)))
 
-    async def test_blocked_is_sent_explicitly_and_an_allow_list_never_empty(
-        self,
-    ):
+    async def test_blocked_is_sent_explicitly_and_no_allow_list_empty(self):
         async with self.client("legacy") as c:
             await self.machine(c, "mcp-a", allowCidrs=[])
             await self.machine(c, "mcp-b", allowHosts=["pypi.org"])
@@ -3857,9 +3815,7 @@ class CloudServiceVariants(FakeCloudCase):
 class BothModeTests(FakeCloudCase):
     targets = "both"
 
-    async def test_target_is_required_with_no_default_and_routes_the_call(
-        self,
-    ):
+    async def test_target_is_required_with_no_default_and_routes(self):
         for mode in MODES:
             async with self.client(mode) as c:
                 tools = (await c.list_tools()).tools
@@ -4033,9 +3989,7 @@ class ElicitationTests(FakeCloudCase):
             self.assertEqual(len(asked), 1)  # asked once
             self.assertIn("Which one is this session for?", asked[0])
 
-    async def test_calls_racing_in_get_one_question_and_the_asking_call_keeps_its_target(
-        self,
-    ):
+    async def test_racing_calls_get_one_question_the_asker_its_target(self):
         asked = []
         async with self.client(
             "legacy",
@@ -4056,9 +4010,7 @@ class ElicitationTests(FakeCloudCase):
             # the call that asked ran where it said (cloud); the session is local from then on
             self.assertTrue(self.cloud_requests("/v1/machines", "GET"))
 
-    async def test_2026_era_answer_narrows_and_the_listen_stream_hears_it(
-        self,
-    ):
+    async def test_2026_answer_narrows_and_the_listen_stream_hears_it(self):
         async with self.client(
             "auto", elicitation_callback=answer_fleet("accept", "cloud")
         ) as c:
@@ -4214,9 +4166,7 @@ class EgressTests(FakeServeCase):
     def egress_posts(self, name: str = "") -> list:
         return self.requests_to(f"{name}/egress")
 
-    async def test_a_caller_without_the_manage_scope_is_not_pointed_at_allow_egress(
-        self,
-    ):
+    async def test_without_manage_no_caller_is_pointed_at_allow_egress(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "egress-exec", "image": "alpine"}
@@ -4433,9 +4383,7 @@ class EgressTests(FakeServeCase):
                     )
                     self.assertEqual(self.egress_posts(), [])
 
-    async def test_without_elicitation_the_change_goes_through_on_the_call(
-        self,
-    ):
+    async def test_without_elicitation_the_change_goes_through(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c,
@@ -4483,9 +4431,7 @@ class EgressTests(FakeServeCase):
             )  # already listed: nothing is sent
             self.assertEqual(len(self.egress_posts()), 1)
 
-    async def test_bad_entries_and_an_emptied_list_are_refused_before_the_engine(
-        self,
-    ):
+    async def test_bad_entries_and_an_emptied_list_are_refused_first(self):
         async with self.client(
             "legacy", elicitation_callback=answer_allow("accept")
         ) as c:
@@ -4541,9 +4487,7 @@ class EgressTests(FakeServeCase):
             )
             self.assertIn("machine 'nobody' not found", text)
 
-    async def test_the_host_loopback_metadata_and_public_suffixes_are_refused_in_any_spelling(
-        self,
-    ):
+    async def test_host_metadata_suffixes_refused_in_any_spelling(self):
         async with self.client(
             "legacy", elicitation_callback=answer_allow("accept")
         ) as c:
@@ -4790,9 +4734,7 @@ class LogSubscriptionTests(FakeServeCase):
                 "is not a log resource of this server", str(caught.exception)
             )
 
-    async def test_2026_era_listen_stream_carries_log_updates_and_polling_ends_with_the_session(
-        self,
-    ):
+    async def test_2026_listen_stream_carries_logs_till_the_session_ends(self):
         async with self.client("auto") as c:
             await self.ok(
                 c,
@@ -4819,9 +4761,7 @@ class LogSubscriptionTests(FakeServeCase):
             len(self.requests_to("/logs", "GET")), polls
         )  # no poller outlives its session
 
-    async def test_subscriptions_are_bounded_and_a_gone_machine_stops_its_poller(
-        self,
-    ):
+    async def test_subscriptions_are_bounded_a_gone_machine_stops_polls(self):
         uris = [f"smol://machine/local/m{n}/logs" for n in range(20)]
         async with self.client("legacy") as c:
             await self.ok(
@@ -4933,9 +4873,7 @@ JSON_HEADERS = {
 class HttpSecurityTests(HttpCase):
     allowed_origins = ("https://allowed.example",)
 
-    async def test_the_token_is_checked_before_anything_with_one_answer_for_all(
-        self,
-    ):
+    async def test_the_token_is_checked_first_with_one_answer_for_all(self):
         answers = set()
         for path in ("/mcp", "/", "/elsewhere", "/mcp/"):
             for headers in (
@@ -4961,9 +4899,7 @@ class HttpSecurityTests(HttpCase):
         )
         self.assertNotIn(HTTP_TOKEN.encode(), next(iter(answers))[0])
 
-    async def test_both_header_forms_work_and_other_paths_are_404_once_authenticated(
-        self,
-    ):
+    async def test_both_header_forms_work_and_other_paths_are_404(self):
         for headers in (
             {"Authorization": f"Bearer {HTTP_TOKEN}"},
             {"X-Smol-Mcp-Token": HTTP_TOKEN},
@@ -5287,9 +5223,7 @@ class HttpIdleTests(RawHttpCase):
 
     config_overrides = {"http_session_idle_secs": 2}
 
-    async def test_a_held_get_stream_does_not_keep_a_handshake_session_alive(
-        self,
-    ):
+    async def test_a_held_get_stream_keeps_no_handshake_session_alive(self):
         import httpx2
 
         session = await self.raw_session()
@@ -5326,9 +5260,7 @@ class HttpIdleTests(RawHttpCase):
             404,
         )
 
-    async def test_a_held_listen_stream_does_not_keep_a_2026_era_session_alive(
-        self,
-    ):
+    async def test_a_held_listen_stream_keeps_no_2026_session_alive(self):
         async with self.http_client("auto") as c:
             async with c.listen(tools_list_changed=True):
                 name = (
@@ -5534,9 +5466,7 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 await server.wait()
         return got, code, (await server.stderr.read()).decode()
 
-    async def test_sigterm_mid_call_answers_it_and_exits_zero_in_both_eras(
-        self,
-    ):
+    async def test_sigterm_mid_call_answers_it_and_exits_zero_both_eras(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 got, code, stderr = await self.signal_mid_call(
@@ -5768,9 +5698,7 @@ class LongWorkScenarios:
 class LiveOutputScenarios(LongWorkScenarios):
     """Run against either fleet; ``stream_calls`` counts the stream requests."""
 
-    async def test_progress_carries_output_lines_in_order_and_the_result_is_unchanged(
-        self,
-    ):
+    async def test_progress_carries_output_lines_in_order_result_same(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             received = []
@@ -6002,9 +5930,7 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
             Call(), "m", "/tmp/pid", ["true"], {}
         ), sent
 
-    async def test_each_streams_last_line_is_shown_even_when_the_other_overtook_it(
-        self,
-    ):
+    async def test_each_streams_last_line_shows_when_the_other_overtook(self):
         result, sent = await self.stream(
             [
                 ("stdout", "step 5\n"),
@@ -6015,9 +5941,7 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(result.stderr, b"warned\n")
         self.assertEqual(sent, ["stderr: warned", "stdout: step 6"])
 
-    async def test_a_last_line_whose_notice_the_end_cut_short_is_sent_again(
-        self,
-    ):
+    async def test_a_last_line_whose_notice_was_cut_short_is_sent_again(self):
         _, sent = await self.stream([("stderr", "warned\n")], slow_client=True)
         self.assertEqual(sent, ["stderr: warned"])
 
@@ -6028,9 +5952,7 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
     def stream_calls(self) -> int:
         return len(self.requests_to("/exec/stream"))
 
-    async def test_a_cancelled_streamed_command_leaves_no_process_in_the_guest(
-        self,
-    ):
+    async def test_a_cancelled_streamed_command_leaves_no_guest_process(self):
         async with self.client("legacy") as c:
             await self.machine(c)
             seen = []
@@ -6198,9 +6120,7 @@ class JobScenarios(LongWorkScenarios):
                 await asyncio.sleep(0.5)
         self.fail("the job did not end")
 
-    async def test_a_job_outlives_the_client_and_the_server_and_reads_back_whole_in_pages(
-        self,
-    ):
+    async def test_a_job_outlives_client_and_server_and_reads_back_whole(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             started = await self.ok(
@@ -6340,9 +6260,7 @@ class LocalJobTests(JobScenarios, FakeServeCase):
                 "deleting the machine ended its job",
             )
 
-    async def test_an_ephemeral_machine_is_still_deleted_with_its_session_and_its_jobs_end(
-        self,
-    ):
+    async def test_an_ephemeral_machine_goes_with_its_session_and_jobs(self):
         async with self.client("legacy") as c:
             created = await self.ok(
                 c, "create-machine", {"image": "alpine", "network": "open"}
@@ -6363,9 +6281,7 @@ class LocalJobTests(JobScenarios, FakeServeCase):
             "the job ended with its machine",
         )
 
-    async def test_a_stopped_machine_lists_no_jobs_and_a_lost_job_reads_lost(
-        self,
-    ):
+    async def test_a_stopped_machine_lists_no_jobs_a_lost_job_reads_lost(self):
         async with self.client("legacy") as c:
             await self.machine(c)
             job = await self.ok(
@@ -6480,9 +6396,7 @@ class MountRootTests(FakeServeCase):
             self.creates(), [], "a refused host path must not reach the serve"
         )
 
-    async def test_under_a_root_mounts_are_read_only_resolved_and_contained(
-        self,
-    ):
+    async def test_under_a_root_mounts_are_read_only_and_contained(self):
         base = Path(self.tmp, "roots")
         (base / "ro" / "data").mkdir(parents=True)
         (base / "rw" / "work").mkdir(parents=True)
@@ -6587,9 +6501,7 @@ class MountRootTests(FakeServeCase):
             self.assertEqual(self.creates()[-1][2]["image"], f"{ro}/data")
             self.assertIn("local-image-dir", text)
 
-    async def test_the_servers_own_directories_and_their_parents_are_never_mounted(
-        self,
-    ):
+    async def test_the_servers_own_directories_are_never_mounted(self):
         # A root covering "$HOME" (here: the temp dir holding state and runtime directories).
         self.app = SmolMcp(
             dataclasses_replace(self.config, mount_roots=(self.tmp + ":rw",))
@@ -6630,9 +6542,7 @@ class MountRootTests(FakeServeCase):
             doctor,
         )
 
-    async def test_a_source_swapped_for_a_symlink_after_create_refuses_every_start(
-        self,
-    ):
+    async def test_a_source_swapped_for_a_symlink_refuses_every_start(self):
         share = Path(self.tmp, "home", "share")
         (share / "sub").mkdir(parents=True)
         self.app = SmolMcp(
@@ -6708,9 +6618,7 @@ TRAVERSALS = (
 class GuestPathLocalTests(FakeServeCase):
     """Guest paths are normalised and encoded per segment on the local fleet."""
 
-    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(
-        self,
-    ):
+    async def test_traversal_is_refused_nothing_leaves_the_files_route(self):
         self.fake.requests.clear()
         async with self.client("legacy") as c:
             for path in TRAVERSALS:
@@ -6771,9 +6679,7 @@ class GuestPathCloudTests(FakeCloudCase):
             and not r[1].endswith("/exec")
         ]
 
-    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(
-        self,
-    ):
+    async def test_traversal_is_refused_nothing_leaves_the_files_route(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "mcp-t", "image": "alpine"}
@@ -6853,9 +6759,7 @@ HUGE = 2**63  # forwarded as is before the bounds
 class ExactInputTests(FakeServeCase):
     """Patterns match the whole value and numbers have stated upper bounds."""
 
-    async def test_trailing_newlines_and_huge_numbers_are_refused_before_the_engine(
-        self,
-    ):
+    async def test_trailing_newlines_and_huge_numbers_are_refused_first(self):
         async with self.client("legacy") as c:
             tools = {
                 t.name: t.input_schema for t in (await c.list_tools()).tools
@@ -6979,9 +6883,7 @@ class ExactInputTests(FakeServeCase):
 class CloudAnswerTests(FakeCloudCase):
     """An answer the cloud should not give is a sentence about the answer."""
 
-    async def test_bad_answers_are_sentences_naming_status_type_and_first_bytes(
-        self,
-    ):
+    async def test_bad_answers_name_status_type_and_first_bytes(self):
         cases = [
             (
                 b"<html><body>Sign in to the hotel wifi</body></html>",
@@ -7029,9 +6931,7 @@ class CloudAnswerTests(FakeCloudCase):
             self.assertIn("no whole-number exitCode", text)
             self.assertNotIn("bug", text)
 
-    async def test_a_long_retry_after_is_capped_and_a_wait_sends_progress(
-        self,
-    ):
+    async def test_a_long_retry_after_is_capped_a_wait_sends_progress(self):
         async with self.client("legacy") as c:
             self.cloud.fail_next(
                 "GET", "/v1/machines", 429, retry_after="3600"
@@ -7104,9 +7004,7 @@ class HttpFrontTests(HttpCase):
         self.assertEqual(response.status_code, 200)
         self.assertLess(time.monotonic() - started, 5)
 
-    async def test_an_endless_unauthenticated_body_gets_401_and_the_connection_closes(
-        self,
-    ):
+    async def test_an_endless_unauthenticated_body_gets_401_and_closes(self):
         results = [
             asyncio.create_task(
                 asyncio.to_thread(endless_body, self.port, "", 15)
@@ -7146,9 +7044,7 @@ class HttpFrontTests(HttpCase):
         self.assertTrue(reply.startswith(b"HTTP/1.1 401"), reply[:100])
         self.assertIn(b"connection: close", reply.lower())
 
-    async def test_an_endless_authenticated_body_gets_413_with_a_bounded_read(
-        self,
-    ):
+    async def test_an_endless_authenticated_body_gets_a_bounded_413(self):
         answer, sent, closed = await asyncio.to_thread(
             endless_body,
             self.port,
@@ -7451,9 +7347,7 @@ class HelperCommandTests(CliCase):
             out.stdout,
         )
 
-    def test_doctor_says_what_to_do_and_exits_non_zero_when_a_fleet_is_unusable(
-        self,
-    ):
+    def test_doctor_says_what_to_do_and_fails_for_an_unusable_fleet(self):
         out = run_cli(
             "doctor", env={**self.env, "SMOLVM": "/nonexistent/smolvm"}
         )
@@ -7488,9 +7382,7 @@ class HelperCommandTests(CliCase):
         )
         self.assertIn("/srv (read-write on request)", out.stdout)
 
-    def test_doctor_reports_a_dead_local_url_and_a_running_serve_s_version(
-        self,
-    ):
+    def test_doctor_reports_a_dead_local_url_and_a_serves_version(self):
         out = run_cli(
             "doctor",
             env={
@@ -7592,9 +7484,7 @@ class HelperCommandTests(CliCase):
                         entry["args"][1], r"^mcp-remote@\d+\.\d+\.\d+$"
                     )
 
-    def test_setup_write_merges_backs_up_and_refuses_what_it_cannot_parse(
-        self,
-    ):
+    def test_setup_write_merges_backs_up_and_refuses_the_unparsable(self):
         config = Path(self.tmp, ".mcp.json")
         config.write_text(
             json.dumps({"mcpServers": {"other": {"command": "x"}}, "keep": 1})
@@ -7645,9 +7535,7 @@ class TerminalTests(unittest.TestCase):
     learns what it is and what to run instead."""
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
-    def test_a_terminal_on_stdin_gets_one_line_and_the_server_keeps_serving(
-        self,
-    ):
+    def test_a_terminal_on_stdin_gets_one_line_and_serving_goes_on(self):
         import pty
 
         tmp = short_tempdir()
@@ -7734,9 +7622,7 @@ class TerminalTests(unittest.TestCase):
             self.assertIn(f"usage: {ran_as} [-h]", out.stdout)
             self.assertNotIn("smol-mcp doctor", out.stdout)
 
-    def test_the_runner_says_why_each_test_skipped_and_how_long_the_suite_took(
-        self,
-    ):
+    def test_the_runner_says_why_each_test_skipped_and_how_long(self):
         class Sample(unittest.TestCase):
             def test_skips(self):
                 self.skipTest("needs a hypervisor")
@@ -7744,9 +7630,11 @@ class TerminalTests(unittest.TestCase):
             def test_passes(self):
                 pass
 
-        result = unittest.TestResult()
+        result = UnitResult()
         unittest.defaultTestLoader.loadTestsFromTestCase(Sample).run(result)
-        text = summary(result, 12.34, False)
+        outcome = Outcome()
+        outcome.add(result.as_data(), show=False)
+        text = summary(outcome, 12.34, False, 1, Guard(), [])
         self.assertRegex(
             text, r"skipped .*Sample\.test_skips: needs a hypervisor"
         )
@@ -7804,9 +7692,7 @@ class EngineOnRampTests(CliCase):
         )
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
-    def test_a_serve_already_running_here_is_usable_without_smolvm_on_path(
-        self,
-    ):
+    def test_a_serve_running_here_is_usable_without_smolvm_on_path(self):
         Path(self.tmp, "rt").mkdir(mode=0o700)
         fake = FakeSmolvm(
             f"{self.tmp}/rt/serve.sock"
@@ -7842,9 +7728,7 @@ class EngineOnRampTests(CliCase):
         self.assertEqual(code, 0)
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
-    def test_ctrl_c_during_a_probe_is_one_line_and_the_machine_is_deleted(
-        self,
-    ):
+    def test_ctrl_c_during_a_probe_is_one_line_and_deletes_the_machine(self):
         fake = FakeSmolvm(f"{self.tmp}/slow.sock", boot_delay=30)
         fake.start()
         self.addCleanup(fake.stop)
@@ -8119,9 +8003,7 @@ class SetupEntryTests(unittest.TestCase):
         self.assertIn("startup_timeout_sec", written["mcp_servers"]["smol"])
         self.assertIn("[mcp_servers.other]", codex.read_text())
 
-    def test_a_smol_entry_is_replaced_only_with_force_and_the_rest_is_kept(
-        self,
-    ):
+    def test_a_smol_entry_is_replaced_only_with_force_the_rest_kept(self):
         import tomllib
 
         codex = self.home / ".codex" / "config.toml"
@@ -8268,7 +8150,14 @@ class DistributionTests(unittest.TestCase):
 
     def setUp(self):
         self.tmp = short_tempdir()
-        self.env = {**os.environ, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}
+        # a clean user of its own: pipx and pip keep their environments
+        # under HOME; the state and runtime dirs are named
+        self.env = {
+            **own_home(self.tmp),
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+        }
         self.env.pop("SMOL_MCP_AUTH_TOKEN", None)
 
     def tearDown(self):
@@ -8314,10 +8203,14 @@ class DistributionTests(unittest.TestCase):
     def test_pip_install_gives_both_commands_and_setup_names_them(self):
         venv = Path(self.tmp, "venv")
         subprocess.run(
-            [sys.executable, "-m", "venv", str(venv)], check=True, timeout=120
+            [sys.executable, "-m", "venv", str(venv)],
+            env=self.env,
+            check=True,
+            timeout=120,
         )
         subprocess.run(
             [str(venv / "bin" / "pip"), "install", "-q", str(HERE)],
+            env=self.env,
             check=True,
             timeout=600,
             capture_output=True,
@@ -8344,9 +8237,7 @@ class DistributionTests(unittest.TestCase):
             str(venv / "bin" / "smol-mcp"),
         )
 
-    def test_sdist_and_wheel_build_with_the_oldest_declared_setuptools_and_pass_twine_check(
-        self,
-    ):
+    def test_sdist_and_wheel_build_on_the_oldest_setuptools_and_check(self):
         import tomllib
 
         requires = tomllib.loads((HERE / "pyproject.toml").read_text())[
@@ -8457,9 +8348,7 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             },
         )
 
-    async def test_spawned_on_first_call_minimal_env_private_dir_and_stopped_by_the_last_session(
-        self,
-    ):
+    async def test_spawned_at_first_call_private_stopped_by_the_last(self):
         app = self.app()
         async with Client(app.server, mode="legacy") as c:
             await c.list_tools()
@@ -8492,9 +8381,7 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             process.poll()
         )  # the last session let go: stopped
 
-    async def test_a_first_call_that_records_a_machine_makes_a_private_runtime_dir(
-        self,
-    ):
+    async def test_recording_a_machine_makes_a_private_runtime_dir(self):
         async with Client(self.app().server, mode="legacy") as c:
             is_error, value = result_of(
                 await c.call_tool(
@@ -8509,9 +8396,7 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
                     folder,
                 )
 
-    async def test_sessions_share_one_serve_and_the_last_one_out_stops_it(
-        self,
-    ):
+    async def test_sessions_share_one_serve_the_last_one_out_stops_it(self):
         app = self.app()
         async with Client(app.server, mode="legacy") as first:
             self.assertFalse(
@@ -8818,9 +8703,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     )
                 await wait_until(lambda: not self.fake.machines)
 
-    async def test_both_mode_over_stdio_asks_once_and_narrows_in_both_eras(
-        self,
-    ):
+    async def test_both_over_stdio_asks_once_and_narrows_in_both_eras(self):
         cloud = FakeCloud(token=CLOUD_TOKEN).start()
         try:
             env = {
@@ -9023,9 +8906,7 @@ class RuntimeDirFaultTests(FakeServeCase):
         self.assertEqual(len(warnings), 1, logs.output)
         self.assertIn(f"runtime directory {rt} ", warnings[0])
 
-    async def test_a_read_only_runtime_dir_costs_a_warning_not_the_machine(
-        self,
-    ):
+    async def test_a_read_only_runtime_dir_costs_a_warning_not_a_machine(self):
         await self.check_machines_work_with("ro")
 
     async def test_a_full_runtime_dir_costs_a_warning_not_the_machine(self):
@@ -9180,9 +9061,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(answers[None]["error"]["code"], -32700)
         self.assertIn("tools", answers[6]["result"])
 
-    async def test_a_read_only_runtime_dir_at_the_end_still_exits_zero_and_stops_the_serve(
-        self,
-    ):
+    async def test_a_read_only_runtime_dir_at_the_end_still_exits_zero(self):
         process = await self.start_raw()
         serve = self.serve_pid()
         self.assertTrue(smol_mcp.process_alive(serve))
@@ -9370,9 +9249,7 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
 class CloudFaults(FakeCloudCase):
     """Item 10: the cloud answers 5xx, 429, an HTML page, or nothing at all."""
 
-    async def test_transient_answers_are_retried_and_cleanup_still_happens(
-        self,
-    ):
+    async def test_transient_answers_are_retried_and_cleanup_happens(self):
         async with self.client("legacy") as c:
             self.cloud.fail_next("POST", "/v1/machines", 429, times=2)
             name = (await self.ok(c, "create-machine", {"image": "alpine"}))[
@@ -9821,9 +9698,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(real[5][:2], (404, "application/json"))
         self.assertEqual(fake, real)
 
-    async def test_the_stream_route_refuses_a_missing_machine_and_an_unknown_field(
-        self,
-    ):
+    async def test_the_stream_route_refuses_no_machine_unknown_fields(self):
         async with Client(self.app.server, mode="legacy") as self.c:
             await self.call("list-machines", {})
             fleet = self.app.local
@@ -9853,9 +9728,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             self.assertEqual(caught.exception.status, 422)
             self.assertIn("unknown field `timeout`", str(caught.exception))
 
-    async def test_a_start_that_cannot_boot_is_a_clear_error_and_leaves_nothing(
-        self,
-    ):
+    async def test_a_start_that_cannot_boot_is_an_error_leaving_nothing(self):
         async with Client(self.app.server, mode="legacy") as self.c:
             is_error, value = await self.call(
                 "create-machine",
@@ -10134,9 +10007,7 @@ def tools_granted(scopes) -> list[str]:
 
 
 class AccessPiecesTests(unittest.TestCase):
-    def test_scope_table_covers_every_tool_and_the_parallel_ones_and_fails_closed(
-        self,
-    ):
+    def test_scope_table_covers_every_tool_and_fails_closed(self):
         levels = smol_mcp.TOOL_LEVELS
         self.assertTrue(all(tool.name in levels for tool in smol_mcp.TOOLS))
         self.assertEqual(
@@ -10272,9 +10143,7 @@ class AccessPiecesTests(unittest.TestCase):
                     )
             self.assertLessEqual(stats.call_count, 1)
 
-    def test_a_damaged_state_file_is_refused_on_every_read_never_hidden_by_the_recheck(
-        self,
-    ):
+    def test_a_damaged_state_file_is_refused_on_every_read(self):
         with tempfile.TemporaryDirectory() as tmp:
             file = smol_mcp.StateFile(
                 Path(tmp) / "x.json", dict, recheck_secs=60
@@ -10518,9 +10387,7 @@ class AgentAccessHttpTests(HttpCase):
             mode, headers={"Authorization": f"Bearer {self.secrets[name]}"}
         )
 
-    async def test_a_wrong_shaped_state_file_is_named_with_the_fix_never_a_500(
-        self,
-    ):
+    async def test_a_wrong_shaped_state_file_is_named_never_a_500(self):
         state = Path(self.config.state_dir)
         for shape in ("[]", '{"tokens": {}}', '{"tokens": [1]}'):
             with self.subTest(tokens=shape):
@@ -10558,9 +10425,7 @@ class AgentAccessHttpTests(HttpCase):
                 )
                 self.assertNotIn("bug", text)
 
-    async def test_each_token_sees_exactly_its_tools_and_each_refusal_names_its_scope(
-        self,
-    ):
+    async def test_each_token_sees_its_tools_and_refusals_name_the_scope(self):
         expected = {
             "look": READ_TOOLS,
             "a": [t.name for t in smol_mcp.TOOLS],
@@ -10624,9 +10489,7 @@ class AgentAccessHttpTests(HttpCase):
             self.requests_to("/machines"), []
         )  # no refused call reached the engine
 
-    async def test_a_sandbox_token_cannot_see_read_run_in_or_delete_anothers_machine(
-        self,
-    ):
+    async def test_a_sandbox_token_cannot_touch_anothers_machine(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with (
@@ -10725,9 +10588,7 @@ class AgentAccessHttpTests(HttpCase):
                     )
                     await self.ok(admin, "delete-machine", {"name": "ops-box"})
 
-    async def test_a_branch_belongs_to_its_sources_owner_and_ownership_survives_a_restart(
-        self,
-    ):
+    async def test_a_branch_is_its_sources_owners_and_survives_a_restart(self):
         async with self.as_token("a") as a, self.http_client() as admin:
             await self.ok(
                 a,
@@ -10765,9 +10626,7 @@ class AgentAccessHttpTests(HttpCase):
                 {},
             )
 
-    async def test_a_session_id_used_with_another_token_is_refused_like_an_unknown_one(
-        self,
-    ):
+    async def test_a_session_id_with_another_token_is_refused_as_unknown(self):
         opener = {
             **JSON_HEADERS,
             "Authorization": f"Bearer {self.secrets['a']}",
@@ -10804,9 +10663,7 @@ class AgentAccessHttpTests(HttpCase):
         )
         self.assertEqual(own.status_code, 200)
 
-    async def test_deleting_a_token_cuts_a_live_client_off_and_ends_its_sessions(
-        self,
-    ):
+    async def test_deleting_a_token_cuts_a_live_client_and_its_sessions(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 _, self.secrets["gone"] = self.store.create(
@@ -10906,9 +10763,7 @@ class AgentAccessHttpTests(HttpCase):
                 200,
             )
 
-    async def test_two_tokens_keep_separate_ephemeral_machines_in_the_2026_era(
-        self,
-    ):
+    async def test_two_tokens_keep_separate_ephemeral_machines_in_2026(self):
         async with (
             self.as_token("a", "auto") as a,
             self.as_token("runner", "auto") as r,
@@ -10935,9 +10790,7 @@ class AgentAccessHttpTests(HttpCase):
             self.assertIn(theirs, self.fake.machines)
             await self.ok(admin, "delete-machine", {"name": theirs})
 
-    async def test_the_401_is_identical_for_missing_wrong_and_deleted_tokens(
-        self,
-    ):
+    async def test_the_401_is_one_for_missing_wrong_and_deleted_tokens(self):
         self.store.delete("b")
         answers = set()
         for path in ("/mcp", "/", "/elsewhere"):
@@ -11136,9 +10989,7 @@ class PlainApiTests(HttpCase):
             reply = await asyncio.to_thread(sock.recv, 4096)
         self.assertTrue(reply.startswith(b"HTTP/1.1 413"), reply)
 
-    async def test_a_held_call_waits_for_its_answer_and_ends_when_its_client_goes(
-        self,
-    ):
+    async def test_a_held_call_waits_and_ends_when_its_client_goes(self):
         _, secret = self.store.create(
             "held",
             smol_mcp.parse_scopes("machines.manage"),
@@ -11363,9 +11214,7 @@ class OAuthCase(HttpCase):
 
 
 class OAuthTests(OAuthCase):
-    async def test_discovery_registration_consent_token_refresh_and_revocation(
-        self,
-    ):
+    async def test_discovery_registration_consent_refresh_and_revocation(self):
         resource = await self.raw(
             "GET", "/.well-known/oauth-protected-resource/mcp"
         )
@@ -11514,9 +11363,7 @@ class OAuthTests(OAuthCase):
             revoked["reason"], "a spent refresh token was used again"
         )
 
-    async def test_a_refresh_token_is_spent_once_even_when_two_exchanges_race(
-        self,
-    ):
+    async def test_a_refresh_token_is_spent_once_when_two_exchanges_race(self):
         from mcp.server.auth.provider import TokenError
 
         record, _ = self.store.create(
@@ -11539,9 +11386,7 @@ class OAuthTests(OAuthCase):
             self.store.records(), []
         )  # the loser may be the thief: the grant ends
 
-    async def test_each_grant_gives_its_tools_and_a_sandbox_sees_only_its_machines(
-        self,
-    ):
+    async def test_each_grant_gives_its_tools_a_sandbox_its_own_machines(self):
         async with self.http_client() as admin:
             await self.ok(
                 admin, "create-machine", {"name": "ops-box", "image": "alpine"}
@@ -11601,9 +11446,7 @@ class OAuthTests(OAuthCase):
             )
             await self.ok(admin, "delete-machine", {"name": "ops-box"})
 
-    async def test_a_denied_consent_redirects_with_access_denied_and_grants_nothing(
-        self,
-    ):
+    async def test_a_denied_consent_redirects_denied_and_grants_nothing(self):
         for mode in MODES:
             with self.subTest(mode=mode), self.assertRaises(Exception):
                 async with self.connected(
@@ -11616,9 +11459,7 @@ class OAuthTests(OAuthCase):
             self.assertTrue(self.answers[-1].startswith(CALLBACK + "?"))
         self.assertEqual(self.store.records(), [])
 
-    async def test_wrong_resource_reused_code_pkce_mismatch_and_redirects_are_refused(
-        self,
-    ):
+    async def test_wrong_resource_reused_code_pkce_redirects_refused(self):
         client = await self.register()
         verifier, challenge = pkce()
         wrong = await self.raw(
@@ -11715,9 +11556,7 @@ class OAuthTests(OAuthCase):
         self.assertEqual(moved.status_code, 302)
         self.assertIn("/consent?request=", moved.headers["location"])
 
-    async def test_deleting_a_grant_cuts_its_client_off_and_ends_its_sessions(
-        self,
-    ):
+    async def test_deleting_a_grant_cuts_its_client_off_and_its_sessions(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 answer = {
@@ -11776,9 +11615,7 @@ class OAuthTests(OAuthCase):
                 )
                 self.assertEqual(self.store.records(), [])
 
-    async def test_a_registration_is_small_lean_rate_limited_and_keeps_a_hash_of_its_secret(
-        self,
-    ):
+    async def test_a_registration_is_small_lean_limited_and_hashed(self):
         def post(metadata):
             headers = {"Content-Type": "application/json"}
             return self.raw(
@@ -11883,9 +11720,7 @@ class OAuthTests(OAuthCase):
             statuses = [(await post(meta)).status_code for _ in range(3)]
         self.assertEqual(statuses, [201, 201, 429])
 
-    async def test_consent_requests_past_the_bound_push_out_the_oldest_never_refuse(
-        self,
-    ):
+    async def test_consent_requests_past_the_bound_push_out_the_oldest(self):
         first, second = await self.register(), await self.register()
 
         async def authorize(client):
@@ -11915,9 +11750,7 @@ class OAuthTests(OAuthCase):
             others = [await authorize(second) for _ in range(2)]
         self.assertEqual(await open_ones(held + others), held[3:] + others)
 
-    async def test_registrations_are_bounded_and_oauth_is_off_without_an_operator(
-        self,
-    ):
+    async def test_registrations_bounded_oauth_off_without_an_operator(self):
         with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_CLIENTS", 3):
             first = await self.register()
             for _ in range(3):
@@ -11987,9 +11820,7 @@ class SignInTests(OAuthCase):
         self.addAsyncCleanup(http.aclose)
         return http
 
-    async def test_pages_are_strict_and_the_session_cookie_is_httponly_samesite_strict(
-        self,
-    ):
+    async def test_pages_are_strict_and_the_cookie_httponly_samesite(self):
         http = await self.page_client()
         page = await http.get("/signin?hop=1")
         policy = page.headers["content-security-policy"]
@@ -12040,9 +11871,7 @@ class SignInTests(OAuthCase):
         self.assertEqual(out.status_code, 303)
         self.assertNotIn("Sign out", (await http.get("/signin?hop=1")).text)
 
-    async def test_a_page_for_the_operator_sends_a_signed_out_browser_to_sign_in_and_back(
-        self,
-    ):
+    async def test_an_operator_page_sends_a_signed_out_browser_round(self):
         http = await self.page_client()
         answer = await http.get("/consent?request=abc")
         self.assertEqual(answer.status_code, 303)
@@ -12063,9 +11892,7 @@ class SignInTests(OAuthCase):
         ):
             self.assertEqual(smol_mcp.back_to(target), "/signin")
 
-    async def test_a_one_time_link_signs_in_once_and_only_within_its_minutes(
-        self,
-    ):
+    async def test_a_one_time_link_signs_in_once_within_its_minutes(self):
         result = run_cli("operator", "link", env=self.cli_env())
         self.assertEqual(result.returncode, 0, result.stderr)
         link = result.stdout.strip()
@@ -12114,9 +11941,7 @@ class SignInTests(OAuthCase):
             self.app.pages.wait_secs("10.0.0.9"), 0
         )  # another address is not held
 
-    async def test_a_session_is_bound_to_its_browser_and_wide_grants_ask_the_password_again(
-        self,
-    ):
+    async def test_a_session_is_its_browsers_and_wide_grants_reask(self):
         operator = (
             await self.operator()
         )  # signed in: what a page on an agent's port could steal
@@ -12191,9 +12016,7 @@ class SignInTests(OAuthCase):
             "/signin", data={"csrf": csrf_of(page.text), **form}
         ), http
 
-    async def test_signed_in_by_link_alone_a_wide_grant_needs_a_sign_in_minutes_old(
-        self,
-    ):
+    async def test_after_a_link_alone_a_wide_grant_needs_a_fresh_sign_in(self):
         operator = smol_mcp.Operator(self.config.state_dir)
         operator.file.update(lambda data: data.pop("password"))
         operator.new_link()  # a live link keeps OAuth on once this one is spent
@@ -12221,9 +12044,7 @@ class SignInTests(OAuthCase):
             (await http.post(str(page.url), data=form)).status_code, 303
         )
 
-    async def test_concurrent_and_forwarded_wrong_passwords_are_all_counted(
-        self,
-    ):
+    async def test_concurrent_and_forwarded_wrong_passwords_all_count(self):
         http = await self.page_client()
         page = await http.get("/signin?hop=1")
         wrong = {
@@ -12246,9 +12067,7 @@ class SignInTests(OAuthCase):
         self.assertEqual(answer.status_code, 429)
         self.assertIn("from 127.0.0.1", answer.text)
 
-    async def test_password_checks_are_bounded_in_all_and_a_link_always_signs_in(
-        self,
-    ):
+    async def test_password_checks_are_bounded_a_link_always_signs_in(self):
         from starlette.requests import Request
 
         pages, running, most = self.app.pages, [0], [0]
@@ -12347,9 +12166,7 @@ class OAuthCliTests(unittest.TestCase):
             timeout=60,
         )
 
-    def test_the_password_comes_from_stdin_never_an_argument_and_is_kept_as_scrypt(
-        self,
-    ):
+    def test_the_password_comes_from_stdin_and_is_kept_as_scrypt(self):
         self.assertEqual(
             self.cli("operator", "set-password", "hunter2hunter2").returncode,
             2,
@@ -12374,9 +12191,7 @@ class OAuthCliTests(unittest.TestCase):
             smol_mcp.oauth_report(config),
         )
 
-    def test_http_starts_on_an_operator_password_alone_and_names_its_metadata(
-        self,
-    ):
+    def test_http_starts_on_an_operator_password_naming_its_metadata(self):
         self.cli("operator", "set-password", stdin=OPERATOR_PASSWORD + "\n")
         server, port = spawn_http(self.env)
         self.addCleanup(server.wait, 10)
@@ -12469,6 +12284,26 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
+
+
+def own_home(tmp: str) -> dict[str, str]:
+    """The environment with HOME and the XDG directories under ``tmp``:
+    Chromium writes its profile, certificate store and crash reports there,
+    and the runner's stand-in for the user's must stay untouched."""
+    home = f"{tmp}/home"
+    places = {
+        "HOME": home,
+        "XDG_CONFIG_HOME": f"{home}/.config",
+        "XDG_CACHE_HOME": f"{home}/.cache",
+        "XDG_STATE_HOME": f"{home}/.local/state",
+        "XDG_DATA_HOME": f"{home}/.local/share",
+        "XDG_RUNTIME_DIR": f"{tmp}/run",
+    }
+    for path in places.values():
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    return {**os.environ, **places}
+
+
 # The README's pictures: SMOL_MCP_SCREENSHOTS=docs/screenshots writes them anew; a run
 # otherwise keeps its screenshots out of the checkout.
 SCREENSHOTS = Path(
@@ -12492,7 +12327,9 @@ class BrowserTests(OAuthCase):
         self.playwright = await async_playwright().start()
         self.addAsyncCleanup(self.playwright.stop)
         browser = await self.playwright.chromium.launch(
-            executable_path=CHROMIUM, args=CHROMIUM_ARGS
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            env=own_home(self.tmp),
         )
         self.addAsyncCleanup(browser.close)
         self.browser = await browser.new_context(
@@ -12636,16 +12473,16 @@ class BrowserTests(OAuthCase):
         )
         self.assertEqual(self.store.records(), [])
 
-    async def test_a_one_time_link_in_the_browser_and_a_wrong_password_rate_limited(
-        self,
-    ):
+    async def test_a_link_in_the_browser_wrong_passwords_rate_limited(self):
         secret = smol_mcp.Operator(self.config.state_dir).new_link()
         await self.page.goto(f"{self.base}/signin?link={secret}")
         await self.page.get_by_role("button", name="Sign in").click()
         await self.page.get_by_text("You are signed in.").wait_for()
         other = await (
             await self.playwright.chromium.launch(
-                executable_path=CHROMIUM, args=CHROMIUM_ARGS
+                executable_path=CHROMIUM,
+                args=CHROMIUM_ARGS,
+                env=own_home(self.tmp),
             )
         ).new_page()
         self.addAsyncCleanup(other.context.browser.close)
@@ -12666,9 +12503,7 @@ class BrowserTests(OAuthCase):
         await other.get_by_role("button", name="Sign in").click()
         await other.get_by_text("Too many failed sign-ins").wait_for()
 
-    async def test_a_signed_in_operator_sent_from_another_site_is_not_asked_again(
-        self,
-    ):
+    async def test_a_signed_in_operator_from_another_site_is_not_asked(self):
         await self.sign_in()
         await self.page.get_by_text("You are signed in.").wait_for()
         url = self.authorize_url(await self.register(), pkce()[1])
@@ -12709,9 +12544,7 @@ class SandboxBothFleetsTests(FakeCloudCase):
     targets = "both"
     config_overrides = {"scopes": ("sandbox.read", "sandbox.manage")}
 
-    async def test_ownership_on_both_fleets_and_no_question_before_a_refusal(
-        self,
-    ):
+    async def test_ownership_on_both_fleets_and_no_question_first(self):
         admin = SmolMcp(
             dataclasses_replace(self.config, scopes=())
         )  # same state directory
@@ -12793,9 +12626,7 @@ class SandboxBothFleetsTests(FakeCloudCase):
         self.assertIn("ops-local", self.fake.machines)
         self.assertEqual(self.by_name("ops-cloud")["name"], "ops-cloud")
 
-    async def test_a_name_freed_behind_the_servers_back_goes_to_its_next_creator(
-        self,
-    ):
+    async def test_a_name_freed_behind_our_back_goes_to_its_next_creator(self):
         """A machine deleted outside this server leaves its owner on record; the
         engine accepting the name again proves the record stale."""
         self.app = SmolMcp(
@@ -12866,9 +12697,7 @@ class CloudNamesAreNamesTests(FakeCloudCase):
             )
             await self.ok(ca, "delete-machine", {"name": "alpha"})
 
-    async def test_a_name_made_again_behind_the_servers_back_is_not_the_owners(
-        self,
-    ):
+    async def test_a_name_made_again_behind_our_back_is_not_the_owners(self):
         a = self.sandbox_app("a")
         cloud = a.fleets["cloud"]
         spec = smol_mcp.MachineSpec("mcp-kept", "alpine", 1, 512, "blocked")
@@ -12930,9 +12759,7 @@ class StdioScopesTests(FakeServeCase):
                 )
         self.assertEqual(self.requests_to("/machines"), [])
 
-    async def test_an_unwritable_state_dir_is_a_sentence_and_nothing_is_created(
-        self,
-    ):
+    async def test_an_unwritable_state_dir_is_a_sentence_making_nothing(self):
         Path(self.tmp, "file").write_text("")
         self.app = SmolMcp(
             dataclasses_replace(
@@ -12998,9 +12825,7 @@ class ActivityLogTests(unittest.TestCase):
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def test_two_processes_appending_1000_lines_each_lose_none_and_interleave_none(
-        self,
-    ):
+    def test_two_processes_appending_lose_and_interleave_nothing(self):
         writers = [
             subprocess.Popen(
                 [
@@ -13160,9 +12985,7 @@ class ActivityLogTests(unittest.TestCase):
 class ActivityCliTests(CliCase):
     env_extra = {"SMOL_MCP_STATE_DIR": "{tmp}/state"}
 
-    def test_activity_filters_and_token_events_and_auto_approval_shown_by_tokens_list(
-        self,
-    ):
+    def test_activity_filters_token_events_and_auto_approval_listed(self):
         created = json.loads(
             run_cli(
                 "tokens",
@@ -13308,9 +13131,7 @@ class ActivityToolTests(FakeServeCase):
             smol_mcp.activity_filter(**where)
         )
 
-    async def test_changes_are_recorded_before_the_answer_reads_are_not_and_contents_are_redacted(
-        self,
-    ):
+    async def test_changes_are_recorded_first_reads_not_and_redacted(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 shutil.rmtree(self.config.state_dir, ignore_errors=True)
@@ -13407,9 +13228,7 @@ class ActivityToolTests(FakeServeCase):
                     ("session-cleanup", "mcp-act", "deleted"),
                 )
 
-    async def test_a_log_that_cannot_be_written_is_one_warning_and_the_result_stands(
-        self,
-    ):
+    async def test_an_unwritable_log_is_one_warning_the_result_stands(self):
         Path(self.config.state_dir).mkdir(mode=0o700, parents=True)
         Path(
             self.config.state_dir, smol_mcp.ACTIVITY_FILE
@@ -13427,9 +13246,7 @@ class ActivityToolTests(FakeServeCase):
             self.assertNotIn("Traceback", logged.output[0])
             await self.ok(c, "delete-machine", {"name": "kept"})
 
-    async def test_the_resource_needs_activity_read_and_a_sandbox_principal_reads_its_own(
-        self,
-    ):
+    async def test_the_resource_needs_activity_read_a_sandbox_its_own(self):
         self.app.record(
             {
                 "event": "tool",
@@ -13539,9 +13356,7 @@ class ActivityHoldsTests(FakeServeCase):
         self.assertLess(len(page), smol_mcp.ACTIVITY_PAGE_BYTES + 64 * 1024)
         self.assertGreater(len(json.loads(page)["entries"]), 50)
 
-    async def test_an_argument_outside_the_schema_is_redacted_in_the_log_and_the_answer(
-        self,
-    ):
+    async def test_an_argument_outside_the_schema_is_redacted_everywhere(self):
         async with self.client("legacy") as c:
             for tool, args in (
                 (
@@ -13568,9 +13383,7 @@ class ActivityHoldsTests(FakeServeCase):
         self.assertNotIn("SECRET", text)
         self.assertNotIn("77777", text)
 
-    async def test_activity_escapes_what_the_agent_chose_and_reads_a_page_lazily(
-        self,
-    ):
+    async def test_activity_escapes_the_agents_text_and_pages_lazily(self):
         forged = "x\x1b]0;t\x07\x1b[2J\nFAKE 2026 admin delete-machine prod ok\u202e"
         async with self.client("legacy") as c:
             await self.refused(c, "delete-machine", {"name": forged})
@@ -13651,9 +13464,7 @@ class ApprovalTests(FakeServeCase):
             if e.get("event") == "approval"
         ]
 
-    async def test_a_changing_call_waits_until_a_person_approves_it_from_a_terminal(
-        self,
-    ):
+    async def test_a_changing_call_waits_for_a_person_at_a_terminal(self):
         progress = []
 
         async def on_progress(done, total, message):
@@ -13813,9 +13624,7 @@ class ApprovalTests(FakeServeCase):
             self.app.access.activity.entries()[-1]["outcome"], "cancelled"
         )
 
-    async def test_the_person_sees_what_decides_the_call_and_the_log_does_not(
-        self,
-    ):
+    async def test_the_person_sees_what_decides_and_the_log_does_not(self):
         big = "B" * 10000
         args = {
             "name": "m",
@@ -13966,9 +13775,7 @@ class ApprovalTests(FakeServeCase):
         self.assertTrue(text.startswith("approval_unavailable: "), text)
         self.assertEqual(self.requests_to("/machines"), [])
 
-    async def test_the_webhook_carries_no_arguments_and_a_failing_one_blocks_nothing(
-        self,
-    ):
+    async def test_the_webhook_carries_no_arguments_and_blocks_nothing(self):
         received, release = [], threading.Event()
 
         def on_post(path, body):
@@ -14167,9 +13974,7 @@ class ApprovalViaClientTests(FakeServeCase):
                     [],
                 )
 
-    async def test_a_dismissed_form_or_a_client_without_forms_leaves_the_terminal(
-        self,
-    ):
+    async def test_a_dismissed_form_or_no_forms_leaves_the_terminal(self):
         env = {
             "PATH": os.environ["PATH"],
             "HOME": self.tmp,
@@ -14207,9 +14012,7 @@ class ApprovalViaClientTests(FakeServeCase):
                     self.assertFalse((await call).is_error)
                     self.assertIn(name, self.fake.machines)
 
-    async def test_questions_left_with_a_2026_client_are_bounded_and_withdrawn_when_it_goes(
-        self,
-    ):
+    async def test_2026_questions_are_bounded_and_withdrawn_at_its_end(self):
         asked = []
         async with self.client(
             "auto", elicitation_callback=answer_approval("accept", asked)
@@ -14234,9 +14037,7 @@ class ApprovalViaClientTests(FakeServeCase):
             self.assertEqual(self.app.access.desk.pending(), [])
         self.assertEqual(self.fake.machines, {})
 
-    async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(
-        self,
-    ):
+    async def test_a_2026_retry_naming_another_request_approves_nothing(self):
         forged = mcp_types.ElicitResult(action="accept").model_dump(
             by_alias=True, exclude_none=True
         )
@@ -14294,9 +14095,7 @@ class ApprovalHttpTests(HttpCase):
             "changes",
         )
 
-    async def test_a_token_deleted_while_its_call_waits_gets_approval_token_deleted(
-        self,
-    ):
+    async def test_a_token_deleted_while_its_call_waits_gets_the_reason(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with self.http_client(
@@ -14327,9 +14126,7 @@ class ApprovalHttpTests(HttpCase):
                     "changes",
                 )
 
-    async def test_a_revoked_tokens_session_ends_only_once_its_waiting_call_answered(
-        self,
-    ):
+    async def test_a_revoked_session_ends_once_its_waiting_call_answered(self):
         async with self.http_client(
             headers={"Authorization": f"Bearer {self.secret}"}
         ) as c:
@@ -14444,7 +14241,9 @@ class ConsoleBrowserTests(HttpCase):
         self.base = f"http://127.0.0.1:{self.port}"
         self.playwright = await async_playwright().start()
         self.browser = await self.playwright.chromium.launch(
-            executable_path=CHROMIUM, args=CHROMIUM_ARGS
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            env=own_home(self.tmp),
         )
         self.dialogs = []  # a page that ran an agent's script would open one
 
@@ -14494,9 +14293,7 @@ class ConsoleBrowserTests(HttpCase):
             if e.get("event") == "approval" and kind in (None, e["approval"])
         ]
 
-    async def test_approve_reject_and_auto_approve_a_waiting_call_on_a_phone(
-        self,
-    ):
+    async def test_approve_reject_and_auto_approve_on_a_phone(self):
         await self.post(
             "/api/tools/create-machine",
             HTTP_TOKEN,
@@ -14608,9 +14405,7 @@ class ConsoleBrowserTests(HttpCase):
             self.app.access.auto.until(self.app.access.token_for([self.held]))
         )
 
-    async def test_a_token_made_in_the_page_works_at_once_and_one_deleted_there_is_cut_off(
-        self,
-    ):
+    async def test_a_token_made_in_the_page_works_and_deleted_is_cut_off(self):
         page = await self.signed_in()
         await page.goto(self.base + "/console/tokens")
         await page.get_by_label("Name").fill("from-page")
@@ -14713,9 +14508,7 @@ class ConsoleBrowserTests(HttpCase):
             len(await page.locator("ol li").all_inner_texts()), 9
         )  # one is older
 
-    async def test_a_bearer_token_opens_no_page_a_session_calls_no_tool_and_forms_need_csrf(
-        self,
-    ):
+    async def test_bearer_opens_no_page_session_no_tool_forms_need_csrf(self):
         agent = {"Authorization": f"Bearer {HTTP_TOKEN}"}
         for path in (
             "/console/approvals",
@@ -15195,9 +14988,10 @@ class Outcome:
         self.expected += other.expected
         self.unexpected += other.unexpected
 
-    def add(self, data: dict, output: str = "") -> None:
-        """One unit's results; ``output`` is what its worker printed while
-        it ran, shown under each of its failures."""
+    def add(self, data: dict, output: str = "", show: bool = True) -> None:
+        """One unit's results, its marks shown as they come (unless not
+        ``show``); ``output`` is what its worker printed while it ran,
+        shown under each of its failures."""
         self.run += data["run"]
         shown = f"\n\nWhat the worker printed meanwhile:\n{output}"
         for kind in ("failures", "errors"):
@@ -15211,6 +15005,8 @@ class Outcome:
         for i, count in enumerate(data["faults"]):
             self.faults[i] += count
         for title, word in data["marks"]:
+            if not show:
+                break
             if self.verbosity > 1:
                 print(f"{title} ... {word}", file=sys.stderr, flush=True)
             else:
