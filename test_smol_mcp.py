@@ -73,9 +73,10 @@ FAKE_CLI = HERE / "tests" / "fakes" / "smolvm"
 logging.getLogger("smol_mcp").setLevel(
     logging.CRITICAL
 )  # the server's own log lines are not what is tested
-# Nor are the SDK's (it warns of the refusals tests provoke: a 401, a session cap) or the
-# event loop's reports of slow steps (IsolatedAsyncioTestCase runs it in debug mode, which
-# still reports what matters: a coroutine never awaited, a task's exception never read).
+# Nor are the SDK's (it warns of the refusals tests provoke: a 401, a session
+# cap) or the event loop's reports of slow steps (IsolatedAsyncioTestCase runs
+# it in debug mode, which still reports what matters: a coroutine never
+# awaited, a task's exception never read).
 logging.getLogger("mcp").setLevel(logging.ERROR)
 logging.getLogger("asyncio").addFilter(
     lambda r: not r.getMessage().startswith("Executing <")
@@ -153,7 +154,8 @@ def result_of(answer) -> tuple[bool, object]:
     assert answer.content[0].text == json.dumps(
         text, ensure_ascii=False, separators=(",", ":")
     ), (
-        "the text content must be compact JSON: whitespace costs the model tokens"
+        "the text content must be compact JSON: whitespace costs the model "
+        "tokens"
     )
     return False, answer.structured_content
 
@@ -210,7 +212,8 @@ class ConfigTests(unittest.TestCase):
         )
 
     def test_defaults_are_the_table(self):
-        # Every other default is checked against the specification's table, in the next test.
+        # Every other default is checked against the README's table, in
+        # the next test.
         c = load_config(self.env)
         self.assertEqual(c.runtime_dir, f"{self.tmp}/smol-mcp")
         self.assertEqual(
@@ -370,11 +373,13 @@ class ConfigTests(unittest.TestCase):
         cases = [
             (
                 {"cpus": "2"},
-                '"cpus" in the config file must be a whole number, got a string',
+                '"cpus" in the config file must be a whole number, got a '
+                "string",
             ),
             (
                 {"cpus": True},
-                '"cpus" in the config file must be a whole number, got a boolean',
+                '"cpus" in the config file must be a whole number, got a '
+                "boolean",
             ),
             ({"cpus": 0}, '"cpus" in the config file must be at least 1'),
             (
@@ -529,8 +534,8 @@ class ImportTests(unittest.TestCase):
         for pin in ('"mcp==2.3.0"', '"httpx2==2.16.2"'):
             self.assertIn(pin, head)
             self.assertIn(pin, pyproject)
-        # httpx2 2.16.2 itself requires Python 3.11, so a lower floor would be a promise
-        # no installer can keep
+        # httpx2 2.16.2 itself requires Python 3.11, so a lower floor would be
+        # a promise no installer can keep
         self.assertIn('requires-python = ">=3.11"', head)
         self.assertIn('requires-python = ">=3.11"', pyproject)
         self.assertIn('smol-mcp = "smol_mcp:main"', pyproject)
@@ -742,7 +747,8 @@ class PiecesTests(unittest.TestCase):
         )
 
     def test_importing_the_module_loads_no_http_stack_or_sdk(self):
-        # what stdio needs of the SDK it imports when it serves; uvicorn and starlette only --http
+        # what stdio needs of the SDK it imports when it serves; uvicorn and
+        # starlette only --http
         code = "import smol_mcp, sys; print(sorted({m.split('.')[0] for m in sys.modules}))"
         loaded = subprocess.run(
             [sys.executable, "-c", code],
@@ -762,8 +768,9 @@ class PiecesTests(unittest.TestCase):
             self.assertNotIn(f"'{heavy}'", loaded)
 
     def test_a_short_stream_over_its_token_share_keeps_a_head_and_a_tail(self):
-        # Under a quarter of the byte limit but dear in tokens (control characters): the
-        # tail's window began before the stream's start (an IndexError), or overlapped the head.
+        # Under a quarter of the byte limit but dear in tokens (control
+        # characters): the tail's window began before the stream's start (an
+        # IndexError), or overlapped the head.
         data = bytes(range(1, 32)) * 300
         text, omitted = smol_mcp.fit_stream(data, 65536, 11500, "x")
         head, _, tail = text.partition("\n[... smol-mcp: ")
@@ -827,7 +834,8 @@ class PiecesTests(unittest.TestCase):
         cases = [
             (
                 {"image": "a", "memory": 512},
-                'create-machine has no argument "memory" (did you mean "memoryMb"?)',
+                'create-machine has no argument "memory" (did you mean '
+                '"memoryMb"?)',
             ),
             (
                 {"image": "a", "net": True},
@@ -870,7 +878,8 @@ class PiecesTests(unittest.TestCase):
                         {"source": "/a", "target": "/b", "readOnly": True}
                     ],
                 },
-                '"mounts[0]" has no field "readOnly" (did you mean "readonly"?)',
+                '"mounts[0]" has no field "readOnly" (did you mean '
+                '"readonly"?)',
             ),
             (
                 {"image": "a", "env": {"A=B": "x"}},
@@ -1051,7 +1060,8 @@ class PiecesTests(unittest.TestCase):
             "create machine 'x'",
             422,
             "text/plain; charset=utf-8",
-            b"Failed to deserialize the JSON body into the target type: net: unknown field `net`",
+            b"Failed to deserialize the JSON body into the target type: net: "
+            b"unknown field `net`",
         )
         self.assertIn("unknown field `net`", str(err))
         self.assertIn("HTTP 422", str(err))
@@ -1561,16 +1571,16 @@ class ReadOnTheLoopTests(FakeServeCase):
         answers = {  # the canned answer: what read_now gives, and whether it keeps the socket
             b"HTTP/1.1\r\n\r\n": (None, 0),
             b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n": (None, 0),
-            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 16\r\n\r\n"
-            + body: (
+            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: "
+            b"16\r\n\r\n" + body: (
                 None,
                 0,
             ),
             b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n"
             + body
             + b"HTTP/1.1": ([], 0),
-            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\nconnection: close\r\n\r\n"
-            + body: ([], 0),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\nconnection: "
+            b"close\r\n\r\n" + body: ([], 0),
             b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n" + body: ([], 1),
         }
 
@@ -1616,7 +1626,8 @@ class ReadOnTheLoopTests(FakeServeCase):
                         (seen.pop() if seen else b"") + conn.recv(4096)
                     )
                 conn.sendall(
-                    b'HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n{"machines": []}'
+                    b"HTTP/1.1 200 OK\r\ncontent-length: "
+                    b'16\r\n\r\n{"machines": []}'
                 )
 
         server = threading.Thread(target=answer)
@@ -1741,7 +1752,8 @@ class EraScenarios:
                     "network": True,
                 },
             )
-            # ready means a command ran: the probe was an exec with autoStart false
+            # ready means a command ran: the probe was an exec with autoStart
+            # false
             probe = self.requests_to("/exec")[0][2]
             self.assertEqual(
                 (probe["command"], probe["autoStart"]), (["true"], False)
@@ -2734,7 +2746,8 @@ class WaitTests(FakeServeCase):
                 )
             self.assertLess(abs(time.monotonic() - started - 5), 2)
             self.assertIn(
-                "did not answer within 5 s while trying to create machine 'slow'",
+                "did not answer within 5 s while trying to create machine "
+                "'slow'",
                 text,
             )
             self.assertIn("raise readyTimeoutSecs", text)
@@ -2796,7 +2809,8 @@ class AdviceTests(FakeServeCase):
             "start machine 'm'",
             400,
             "BAD_REQUEST",
-            "image 'alpine' must be pulled from a registry, but this machine has no network",
+            "image 'alpine' must be pulled from a registry, but this machine "
+            "has no network",
         )
         self.assertIn(
             'network: "open"',
@@ -2807,8 +2821,10 @@ class AdviceTests(FakeServeCase):
             "start machine 'm'",
             500,
             "INTERNAL_ERROR",
-            "HTTP request failed: error sending request for url (https://r.example/v2/a/"
-            "manifests/latest): client error (Connect): tcp connect error: Connection refused",
+            "HTTP request failed: error sending request for url "
+            "(https://r.example/v2/a/"
+            "manifests/latest): client error (Connect): tcp connect error: "
+            "Connection refused",
         )
         said = str(smol_mcp.explain_start_failure(host, "blocked"))
         self.assertIn("could not reach the image registry", said)
@@ -3088,7 +3104,8 @@ class StartFailureTests(FakeServeCase):
     fake_options = {"registry": "offline"}
 
     async def test_no_registry_reach_is_named_and_egress_not_suggested(self):
-        # 1.32.2 fetches a registry image on the host: opening the guest's egress would not help
+        # 1.32.2 fetches a registry image on the host: opening the guest's
+        # egress would not help
         async with self.client("legacy") as c:
             text = await self.refused(c, "create-machine", {"image": "alpine"})
             self.assertIn(
@@ -3763,12 +3780,14 @@ class CloudServiceVariants(FakeCloudCase):
             bodies = [
                 r[3]["network"] for r in self.cloud_requests("/v1/machines")
             ]
-            # blocked first, as the official client spells it; then the seed's deny-all allow-list
+            # blocked first, as the official client spells it; then the seed's
+            # deny-all allow-list
             self.assertEqual(
                 bodies, [{"mode": "blocked"}, smol_mcp.CLOUD_BLOCKED_FALLBACK]
             )
             self.assertEqual(created["machine"]["network"], "blocked")
-            # files: the suffix route answers 404, so write and read go through exec with base64
+            # files: the suffix route answers 404, so write and read go through
+            # exec with base64
             data = bytes(range(256)) * 4
             wrote = await self.ok(
                 c,
@@ -3794,7 +3813,8 @@ class CloudServiceVariants(FakeCloudCase):
             )
             self.assertEqual(base64.b64decode(page["content"]), data[10:110])
             self.assertEqual(page["size"], len(data))
-            # a page larger than the exec response cap is refused rather than returned short
+            # a page larger than the exec response cap is refused rather than
+            # returned short
             (
                 Path(self.cloud.guest_root(self.by_name("mcp-old")["id"]))
                 / "root/big.txt"
@@ -3904,8 +3924,9 @@ class BothModeTests(FakeCloudCase):
         )
 
     def test_the_fleet_names_come_from_the_registry(self):
-        # The targets setting is read before the fleets register, so it lists their names itself:
-        # they must be the registry's. Everything else that names a fleet derives from FLEETS.
+        # The targets setting is read before the fleets register, so it lists
+        # their names itself: they must be the registry's. Everything else that
+        # names a fleet derives from FLEETS.
         setting = next(s for s in smol_mcp.SETTINGS if s.attr == "targets")
         self.assertEqual(setting.choices, ("auto", *smol_mcp.FLEETS, "both"))
         for text in (
@@ -4007,7 +4028,8 @@ class ElicitationTests(FakeCloudCase):
                 1,
                 [a.content[0].text for a in answers],
             )
-            # the call that asked ran where it said (cloud); the session is local from then on
+            # the call that asked ran where it said (cloud); the session is
+            # local from then on
             self.assertTrue(self.cloud_requests("/v1/machines", "GET"))
 
     async def test_2026_answer_narrows_and_the_listen_stream_hears_it(self):
@@ -4093,7 +4115,8 @@ class GuestWebServer:
 GUEST_HOST_IP = "127.0.0.5"
 
 
-# Each reaches the host, its metadata service or a public suffix; inet_aton reads them all.
+# Each reaches the host, its metadata service or a public suffix; inet_aton
+# reads them all.
 REFUSED_EGRESS_HOSTS = (
     "127.0.0.1",
     "0x7f.0.0.1",
@@ -4217,8 +4240,9 @@ class EgressTests(FakeServeCase):
                         self.dest,
                         [d["dest"] for d in got["egress"]["recentDenials"]],
                     )
-                    # a running machine with no allow list yet: refused before anyone is
-                    # asked (the engine would answer 409), and no stop behind our back
+                    # a running machine with no allow list yet: refused before
+                    # anyone is asked (the engine would answer 409), and no
+                    # stop behind our back
                     text = await self.refused(
                         c,
                         "allow-egress",
@@ -4291,8 +4315,9 @@ class EgressTests(FakeServeCase):
                         "allow-egress",
                         {"name": "raced", "hosts": ["pypi.test"]},
                     )
-                    # handshake era: the engine's 409; 2026 era: the call runs again with the
-                    # answer, sees the machine running, and refuses before sending
+                    # handshake era: the engine's 409; 2026 era: the call runs
+                    # again with the answer, sees the machine running, and
+                    # refuses before sending
                     self.assertIn(
                         "HTTP 409"
                         if mode == "legacy"
@@ -5485,8 +5510,9 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
 
 class HttpProcessTests(unittest.TestCase):
     def test_answers_are_not_held_by_nagle(self):
-        # asyncio turns Nagle off only on a socket made as IPPROTO_TCP; with it on, a
-        # small answer written in two pieces waits 40 ms for the client's delayed ACK.
+        # asyncio turns Nagle off only on a socket made as IPPROTO_TCP; with it
+        # on, a small answer written in two pieces waits 40 ms for the client's
+        # delayed ACK.
         listening = smol_mcp.listen_socket("127.0.0.1", 0)
         seen = []
 
@@ -5671,8 +5697,9 @@ async def ignore_progress(progress, total, message) -> None:
 PRINTS_SLOWLY = "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; echo warned >&2; exit 3"
 
 
-# What SSE framing cannot carry: a bare CR (a line end to SSE), NUL, invalid UTF-8, no
-# final newline; the streamed result must still be the plain one, byte for byte.
+# What SSE framing cannot carry: a bare CR (a line end to SSE), NUL, invalid
+# UTF-8, no final newline; the streamed result must still be the plain one,
+# byte for byte.
 EXACT_OUTPUTS = (
     "printf 'p 10%%\\rp 100%%\\n'",
     "printf 'a\\000b\\r\\r\\nc'; printf 'e\\rr' >&2",
@@ -5712,9 +5739,10 @@ class LiveOutputScenarios(LongWorkScenarios):
                 progress_callback=on_progress,
             )
             streamed = result_of(answer)[1]
-            # A notification sent before the result may still be on its way to the callback,
-            # and the SDK client runs each callback in a task of its own, so they can reach it
-            # out of order: the server's order is that of the progress values, which only grow.
+            # A notification sent before the result may still be on its way to
+            # the callback, and the SDK client runs each callback in a task of
+            # its own, so they can reach it out of order: the server's order is
+            # that of the progress values, which only grow.
             warned = lambda: (
                 "stderr: warned" in [message for _, message in received]
             )  # noqa: E731
@@ -5751,14 +5779,16 @@ class LiveOutputScenarios(LongWorkScenarios):
             sorted(set(steps)),
             "newest line first, in order, never repeated",
         )
-        # The last line is always shown. stdout and stderr are two pipes (each through its own
-        # tee in the guest), so under load their lines may reach the server in either order.
+        # The last line is always shown. stdout and stderr are two pipes (each
+        # through its own tee in the guest), so under load their lines may
+        # reach the server in either order.
         self.assertIn("stderr: warned", seen)
         self.assertIn(seen[-1], ("stderr: warned", "stdout: step 6"))
 
     async def test_the_budget_and_overflow_are_the_same_streamed(self):
         command = (
-            "i=0; while [ $i -lt 400 ]; do echo line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; "
+            "i=0; while [ $i -lt 400 ]; do echo "
+            "line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; "
             "i=$((i+1)); done"
         )
         async with self.client("legacy") as c:
@@ -6019,7 +6049,8 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
             text, str, "a broken stream must be a tool error"
         )
         self.assertIn(
-            "output stream of the command in machine 'live' broke after 11 bytes",
+            "output stream of the command in machine 'live' broke after 11 "
+            "bytes",
             text,
         )
         self.assertIn("result is unknown", text)
@@ -6082,7 +6113,8 @@ class JobScenarios(LongWorkScenarios):
 
     JOB = (
         "i=0; while [ $i -lt 60 ]; do echo out-line-$i-ééééééééééééééé; "
-        "echo err-$i-abcdefghijklmnopqrstuvwxyz >&2; i=$((i+1)); [ $((i % 20)) = 0 ] && sleep 1; "
+        "echo err-$i-abcdefghijklmnopqrstuvwxyz >&2; i=$((i+1)); [ $((i % "
+        "20)) = 0 ] && sleep 1; "
         "done; exit 7"
     )
     # two-byte characters throughout, so a page boundary falls inside one
@@ -6224,7 +6256,8 @@ class JobScenarios(LongWorkScenarios):
 class LocalJobTests(JobScenarios, FakeServeCase):
     config_overrides = {"max_output_bytes": 1024}
     no_such_job = (
-        "machine 'jobs' has no such job (while trying to read job job-000000000000); "
+        "machine 'jobs' has no such job (while trying to read job "
+        "job-000000000000); "
         "get-machine lists"
     )
 
@@ -6492,7 +6525,8 @@ class MountRootTests(FakeServeCase):
             )
             self.assertIn('"mounts[0].source" holds a control character', text)
             self.assertEqual(len(self.creates()), 1)
-            # a host-path image under a root goes to the serve resolved (1.32.2 then refuses it)
+            # a host-path image under a root goes to the serve resolved (1.32.2
+            # then refuses it)
             text = await self.refused(
                 c,
                 "create-machine",
@@ -6502,7 +6536,8 @@ class MountRootTests(FakeServeCase):
             self.assertIn("local-image-dir", text)
 
     async def test_the_servers_own_directories_are_never_mounted(self):
-        # A root covering "$HOME" (here: the temp dir holding state and runtime directories).
+        # A root covering "$HOME" (here: the temp dir holding state and runtime
+        # directories).
         self.app = SmolMcp(
             dataclasses_replace(self.config, mount_roots=(self.tmp + ":rw",))
         )
@@ -6532,13 +6567,15 @@ class MountRootTests(FakeServeCase):
                 args = {"image": "alpine", "start": False, "mounts": mounts}
                 text = await self.refused(c, "create-machine", args)
                 self.assertIn(
-                    f"holds {self.tmp}/conf, a directory of this server itself",
+                    f"holds {self.tmp}/conf, a directory of this server "
+                    f"itself",
                     text,
                 )
         self.assertEqual(self.creates(), [])
         doctor = smol_mcp.describe_mount_roots(self.app.config)
         self.assertIn(
-            f"never mountable, being this server's own: {self.config.state_dir}",
+            f"never mountable, being this server's own: "
+            f"{self.config.state_dir}",
             doctor,
         )
 
@@ -6969,7 +7006,8 @@ def endless_body(
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setblocking(False)
     request = (
-        f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+        f"application/json\r\n"
         f"Transfer-Encoding: chunked\r\n{headers}\r\n"
     ).encode()
     chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"
@@ -7022,14 +7060,16 @@ class HttpFrontTests(HttpCase):
             self.assertLess(
                 sent, 64 * 1024 * 1024, "the server kept reading after its 401"
             )
-            # Closing on a client that is still sending resets the connection, and a reset
-            # can overtake the 401 already sent; when it arrived, it said close.
+            # Closing on a client that is still sending resets the connection,
+            # and a reset can overtake the 401 already sent; when it arrived,
+            # it said close.
             if answer:
                 self.assertTrue(
                     answer.startswith(b"HTTP/1.1 401"), answer[:100]
                 )
                 self.assertIn(b"connection: close", answer.lower())
-        # a client that sent its whole (small) body always reads the 401 and the close
+        # a client that sent its whole (small) body always reads the 401 and
+        # the close
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         body = b'{"jsonrpc": "2.0"}'
         writer.write(
@@ -7101,7 +7141,8 @@ class HttpFrontProcessTests(unittest.TestCase):
                     resource.RLIMIT_NOFILE, (fd_limit, fd_limit)
                 )
 
-        # stderr goes to a file: a pipe nobody reads would fill and stall the server
+        # stderr goes to a file: a pipe nobody reads would fill and stall the
+        # server
         self.stderr = open(f"{self.tmp}/stderr", "w+b")
         self.addCleanup(self.stderr.close)
         command = [
@@ -7150,7 +7191,8 @@ class HttpFrontProcessTests(unittest.TestCase):
             started = time.monotonic()
             self.assertEqual(self.initialize(10), 200)
             self.assertLess(time.monotonic() - started, 5)
-            # and every one of them is closed by the server within the header deadline
+            # and every one of them is closed by the server within the header
+            # deadline
             deadline = (
                 time.monotonic() + smol_mcp.HTTP_HEADER_TIMEOUT_SECS + 10
             )
@@ -7182,7 +7224,8 @@ class HttpFrontProcessTests(unittest.TestCase):
             self.stderr.read().decode()
         )  # the startup log names the exposed host directories
         self.assertIn(
-            "host directories exposed to agents (mountRoots): /srv (read-only), "
+            "host directories exposed to agents (mountRoots): /srv "
+            "(read-only), "
             "/var/tmp (read-write on request)",
             log_text,
         )
@@ -7343,7 +7386,8 @@ class HelperCommandTests(CliCase):
             "16 called, 37 skipped, 0 unknown, 0 missing", out.stdout
         )
         self.assertIn(
-            "skipped  POST   /api/v1/machines/{name}/export: needs a pushToken",
+            "skipped  POST   /api/v1/machines/{name}/export: needs a "
+            "pushToken",
             out.stdout,
         )
 
@@ -7565,7 +7609,8 @@ class TerminalTests(unittest.TestCase):
             self.assertTrue(ready, "nothing on stderr within 30 s")
             line = proc.stderr.readline()
             self.assertIn("MCP server speaking JSON-RPC on stdin", line)
-            # env has no UV: run as a file by python, so that is the command it names
+            # env has no UV: run as a file by python, so that is the command it
+            # names
             self.assertIn(f"`python3 {HERE / 'smol_mcp.py'} doctor`", line)
             self.assertIn(
                 f"`python3 {HERE / 'smol_mcp.py'} setup CLIENT`", line
@@ -7611,7 +7656,8 @@ class TerminalTests(unittest.TestCase):
             "examples:",
         ):
             self.assertIn(name, out.stdout)
-        # the help names the invocation used, not an installed command someone may not have
+        # the help names the invocation used, not an installed command someone
+        # may not have
         script = str(HERE / "smol_mcp.py")
         for uv, ran_as in (
             ("/usr/bin/uv", f"uv run {script}"),
@@ -7639,7 +7685,8 @@ class TerminalTests(unittest.TestCase):
             text, r"skipped .*Sample\.test_skips: needs a hypervisor"
         )
         self.assertIn("the unit suite took 12.3 s", text)
-        # the closing line is the plain count a CI reader looks for, alone on its line
+        # the closing line is the plain count a CI reader looks for, alone on
+        # its line
         self.assertEqual(
             text.splitlines()[-1], "unit: 1 passed, 0 failed, 1 skipped"
         )
@@ -7722,7 +7769,8 @@ class EngineOnRampTests(CliCase):
             code = smol_mcp.doctor(app, probe=True)
         self.assertIn("local: NOT USABLE", printed.getvalue())
         self.assertIn(
-            "result: the local fleet can run machines here (the check above said NOT USABLE: no)",
+            "result: the local fleet can run machines here (the check above "
+            "said NOT USABLE: no)",
             printed.getvalue(),
         )
         self.assertEqual(code, 0)
@@ -7822,7 +7870,8 @@ class EngineOnRampTests(CliCase):
             self.assertEqual(out.returncode, 1)
             self.assertRegex(
                 out.stdout,
-                r"\n  start +FAILED after \d+\.\d s: .*agent did not become ready",
+                r"\n  start +FAILED after \d+\.\d s: .*agent did not become "
+                r"ready",
             )
             self.assertRegex(out.stdout, r"\n  delete +ok")
             self.assertNotRegex(out.stdout, r"\n  run ")
@@ -7896,7 +7945,8 @@ class SetupEntryTests(unittest.TestCase):
             "SMOL_MCP_MEMORY_MB": "4096",
             "SMOL_CLOUD_TOKEN": "smk_do_not_copy",
             "SMOLVM_VM_UID_DROP": "off",
-            # a chat webhook's URL is its secret, and project files get committed
+            # a chat webhook's URL is its secret, and project files get
+            # committed
             "SMOL_MCP_APPROVAL_WEBHOOK": "https://hooks.example/T0/do-not-copy-either",
         }
         expected = {
@@ -7931,7 +7981,8 @@ class SetupEntryTests(unittest.TestCase):
                 elif client == "claude-desktop":
                     self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
                     self.assertIn(
-                        "add SMOL_CLOUD_TOKEN, SMOL_MCP_APPROVAL_WEBHOOK to the entry's env",
+                        "add SMOL_CLOUD_TOKEN, SMOL_MCP_APPROVAL_WEBHOOK to "
+                        "the entry's env",
                         out.stderr,
                     )
                 else:
@@ -7966,9 +8017,11 @@ class SetupEntryTests(unittest.TestCase):
         out = self.setup_cli("claude-code", SMOL_MCP_TARGETS="local")
         self.assertRegex(
             out.stderr,
-            r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ ",
+            r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol "
+            r"-- /\S+ ",
         )
-        # `codex mcp add` cannot carry the timeouts and env_vars: the line that can is named
+        # `codex mcp add` cannot carry the timeouts and env_vars: the line that
+        # can is named
         out = self.setup_cli("codex", SMOL_MCP_TARGETS="local")
         self.assertIn("# or run: python3 ", out.stderr)
         self.assertIn("smol_mcp.py setup codex --write", out.stderr)
@@ -8009,7 +8062,8 @@ class SetupEntryTests(unittest.TestCase):
         codex = self.home / ".codex" / "config.toml"
         codex.parent.mkdir()
         codex.write_text(
-            'model = "o3"\n\n[mcp_servers.smol]\ncommand = "old"\n\n[mcp_servers.smol.env]\nA = '
+            'model = "o3"\n\n[mcp_servers.smol]\ncommand = '
+            '"old"\n\n[mcp_servers.smol.env]\nA = '
             '"1"\n\n'
             '[mcp_servers.other]\ncommand = "x"\n'
         )
@@ -8317,7 +8371,8 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             f"export {key}={value}\n" for key, value in knobs.items()
         )
         self.wrapper.write_text(
-            f"#!/bin/sh\n{sys.executable} -c 'import json,os; json.dump(dict(os.environ), "
+            f"#!/bin/sh\n{sys.executable} -c 'import json,os; "
+            f"json.dump(dict(os.environ), "
             f'open("{self.envfile}", "w"))\'\n{exports}'
             f'exec {sys.executable} {FAKE_CLI} "$@"\n'
         )
@@ -8526,7 +8581,8 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
                     Path(self.tmp, "rt", "serve.pid").read_text(),
                     str(serve.pid),
                 )
-                # Another process's first call finds the stopped serve by serve.pid: waited for.
+                # Another process's first call finds the stopped serve by
+                # serve.pid: waited for.
                 env = {
                     "SMOLVM": str(self.wrapper),
                     "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
@@ -8660,8 +8716,9 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     await wait_until(
                         warned, 5, "the last progress notification"
                     )
-                # The SDK client runs each progress callback in a task of its own, so they
-                # can arrive out of order under load; the server's order is the values'.
+                # The SDK client runs each progress callback in a task of its
+                # own, so they can arrive out of order under load; the server's
+                # order is the values'.
                 seen = [message for _, message in sorted(got)]
                 steps = [m for m in seen if m.startswith("stdout: step ")]
                 self.assertGreaterEqual(len(steps), 3, seen)
@@ -8845,7 +8902,8 @@ def broken_dir(path: str, kind: str):
                 filler.write(b"x" * (1 << 20))
     if not ok:
         raise unittest.SkipTest(
-            "making a directory read-only or full needs mount (root with CAP_SYS_ADMIN)"
+            "making a directory read-only or full needs mount (root with "
+            "CAP_SYS_ADMIN)"
         )
     try:
         yield
@@ -9421,7 +9479,8 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
     def setUpClass(cls):
         if real_smolvm() is None:
             raise unittest.SkipTest(
-                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to smol/smol-vmm from the wheel"
+                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to "
+                "smol/smol-vmm from the wheel"
             )
         cls.tmp = short_tempdir()
         cls.environ = {
@@ -9763,7 +9822,8 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             self.guest_boots
         ):  # said as a skip, not passed: the failure path was not seen here
             self.skipTest(
-                "a microVM boots on this host, so a start that cannot boot was not seen"
+                "a microVM boots on this host, so a start that cannot boot "
+                "was not seen"
             )
 
     async def test_guest_commands_files_and_cleanup(self):
@@ -9856,7 +9916,8 @@ def egress_exchange(fleet) -> list[tuple[int, str, str]]:
 @unittest.skipUnless(
     os.environ.get("SMOL_MCP_IT") == "1"
     and os.environ.get("SMOL_CLOUD_TOKEN"),
-    "live cloud suite: set SMOL_MCP_IT=1 and a real SMOL_CLOUD_TOKEN (it spends money)",
+    "live cloud suite: set SMOL_MCP_IT=1 and a real SMOL_CLOUD_TOKEN (it "
+    "spends money)",
 )
 class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
     """Against the real smol cloud, opt-in. Reads the account before and after
@@ -9894,7 +9955,8 @@ class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
             type(self).spent_at_start = spend
         if spend - type(self).spent_at_start > self.ceiling:
             self.skipTest(
-                f"spend ceiling reached: {spend - type(self).spent_at_start} micros this run"
+                f"spend ceiling reached: {spend - type(self).spent_at_start} "
+                f"micros this run"
             )
 
     async def asyncTearDown(self):
@@ -10236,7 +10298,8 @@ class AccessCliTests(CliCase):
             cwd=self.tmp,
         )
         self.assertEqual(desktop.returncode, 0, desktop.stderr)
-        # it reads no environment, so no export is suggested: the value is pasted into the entry
+        # it reads no environment, so no export is suggested: the value is
+        # pasted into the entry
         self.assertNotIn("export ", desktop.stdout)
         self.assertIn("with the secret pasted in place of", desktop.stdout)
         run_cli("tokens", "delete", "desk", env=self.env)
@@ -10446,7 +10509,8 @@ class AgentAccessHttpTests(HttpCase):
                     )
                     self.assertTrue(
                         text.startswith(
-                            "scope_missing: create-machine needs the machines.manage"
+                            "scope_missing: create-machine needs the "
+                            "machines.manage"
                         ),
                         text,
                     )
@@ -10456,7 +10520,8 @@ class AgentAccessHttpTests(HttpCase):
                     )
                     self.assertTrue(
                         text.startswith(
-                            "scope_missing: run-command needs the machines.exec"
+                            "scope_missing: run-command needs the "
+                            "machines.exec"
                         ),
                         text,
                     )
@@ -10480,7 +10545,8 @@ class AgentAccessHttpTests(HttpCase):
                     text = await self.refused(c, "list-machines", {})
                     self.assertTrue(
                         text.startswith(
-                            "scope_missing: the token 'cloudy' may use the cloud fleet "
+                            "scope_missing: the token 'cloudy' may use the "
+                            "cloud fleet "
                             "only, not local"
                         ),
                         text,
@@ -10951,8 +11017,9 @@ class PlainApiTests(HttpCase):
         )  # a's create; no refused call
 
     async def test_a_lone_surrogate_is_refused_at_the_door(self):
-        # JSON allows "\ud800" and the plain API reads bodies with json.loads (the MCP SDK's
-        # parser refuses it): no UTF-8 carries it to the engine, the log or the answer (a 500).
+        # JSON allows "\ud800" and the plain API reads bodies with json.loads
+        # (the MCP SDK's parser refuses it): no UTF-8 carries it to the engine,
+        # the log or the answer (a 500).
         await self.api(
             "default", "create-machine", {"name": "m", "image": "alpine"}
         )
@@ -10981,8 +11048,10 @@ class PlainApiTests(HttpCase):
         with socket.create_connection(("127.0.0.1", self.port)) as sock:
             sock.sendall(
                 (
-                    f"POST /api/tools/write-file HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-                    f"Authorization: Bearer {HTTP_TOKEN}\r\nExpect: 100-continue\r\n"
+                    f"POST /api/tools/write-file HTTP/1.1\r\nHost: "
+                    f"127.0.0.1:{self.port}\r\n"
+                    f"Authorization: Bearer {HTTP_TOKEN}\r\nExpect: "
+                    f"100-continue\r\n"
                     f"Content-Length: {smol_mcp.HTTP_MAX_BODY_BYTES + 1}\r\n\r\n"
                 ).encode()
             )
@@ -11030,7 +11099,8 @@ class PlainApiTests(HttpCase):
                 self.assertEqual(status, 409)
                 self.assertEqual(
                     answer["error"],
-                    "approval_rejected: pat rejected create-machine: not today. Nothing ran.",
+                    "approval_rejected: pat rejected create-machine: not "
+                    "today. Nothing ran.",
                 )
         self.assertNotIn("deny", self.fake.machines)
         call = asyncio.create_task(
@@ -11241,7 +11311,8 @@ class OAuthTests(OAuthCase):
         ).headers
         self.assertEqual(
             challenge["www-authenticate"],
-            f'Bearer resource_metadata="{self.base}/.well-known/oauth-protected-resource/mcp"',
+            f"Bearer "
+            f'resource_metadata="{self.base}/.well-known/oauth-protected-resource/mcp"',
         )
         for mode in MODES:
             with self.subTest(mode=mode):
@@ -11548,7 +11619,8 @@ class OAuthTests(OAuthCase):
             (await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code,
             401,
         )
-        # a native app's loopback redirect may come back on another port (RFC 8252 7.3)
+        # a native app's loopback redirect may come back on another port (RFC
+        # 8252 7.3)
         other_port = self.authorize_url(
             client, challenge, redirect_uri="http://127.0.0.1:4444/callback"
         )
@@ -12304,8 +12376,8 @@ def own_home(tmp: str) -> dict[str, str]:
     return {**os.environ, **places}
 
 
-# The README's pictures: SMOL_MCP_SCREENSHOTS=docs/screenshots writes them anew; a run
-# otherwise keeps its screenshots out of the checkout.
+# The README's pictures: SMOL_MCP_SCREENSHOTS=docs/screenshots writes them
+# anew; a run otherwise keeps its screenshots out of the checkout.
 SCREENSHOTS = Path(
     os.environ.get("SMOL_MCP_SCREENSHOTS") or tempfile.gettempdir(), ""
 ).resolve()
@@ -12520,7 +12592,8 @@ class BrowserTests(OAuthCase):
         await self.sign_in()
         await self.page.get_by_text("You are signed in.").wait_for()
         forged = (
-            f'<form method="post" action="{self.base}/signout"><input name="csrf" value="x">'
+            f'<form method="post" action="{self.base}/signout"><input '
+            f'name="csrf" value="x">'
             "<button>go</button></form>"
         )
         await self.page.goto(
@@ -12743,7 +12816,8 @@ class StdioScopesTests(FakeServeCase):
                 )
                 self.assertTrue(
                     text.startswith(
-                        "scope_missing: create-machine needs the machines.manage"
+                        "scope_missing: create-machine needs the "
+                        "machines.manage"
                     ),
                     text,
                 )
@@ -13293,7 +13367,8 @@ class ActivityToolTests(FakeServeCase):
                 with self.assertRaises(MCPError) as refused:
                     await c.read_resource(smol_mcp.ACTIVITY_URI)
                 self.assertIn(
-                    "scope_missing: smol://activity needs the activity.read scope",
+                    "scope_missing: smol://activity needs the activity.read "
+                    "scope",
                     str(refused.exception),
                 )
 
@@ -14352,7 +14427,8 @@ class ConsoleBrowserTests(HttpCase):
             is_error, text = result_of(await call)
             self.assertEqual(
                 text,
-                "approval_rejected: operator rejected stop-machine: not while I watch. "
+                "approval_rejected: operator rejected stop-machine: not while "
+                "I watch. "
                 "Nothing ran.",
             )
 
