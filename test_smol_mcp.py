@@ -89,8 +89,8 @@ CAN_CHROOT = os.geteuid() == 0 or shutil.which("unshare") is not None
 
 
 def quiet_stdio(params: StdioServerParameters):
-    """A stdio transport whose server's stderr (its log lines) goes to /dev/null,
-    not into the test run's output."""
+    """A stdio transport whose server's stderr (its log lines) goes to
+    /dev/null, not into the test run's output."""
     return stdio_client(params, errlog=QUIET)
 
 
@@ -98,7 +98,8 @@ QUIET = open(os.devnull, "w")  # noqa: SIM115 (for the whole run)
 
 
 def short_tempdir() -> str:
-    """A temp dir with a short path: Unix socket paths are limited to ~100 bytes."""
+    """A temp dir with a short path: Unix socket paths are limited to ~100
+    bytes."""
     return tempfile.mkdtemp(prefix="smt", dir="/tmp")
 
 
@@ -135,7 +136,8 @@ INITIALIZE = {
 async def wait_until(
     predicate, timeout: float = 10.0, what: str = "the condition"
 ) -> None:
-    """Wait for a state, not a time: poll ``predicate`` until true, failing after ``timeout`` s."""
+    """Wait for a state, not a time: poll ``predicate`` until true, failing
+    after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -511,9 +513,10 @@ class ImportTests(unittest.TestCase):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def test_own_code_imports_the_http_stack_only_lazily(self):
-        """smol_mcp's own top-level imports are stdlib and anyio: mcp and the HTTP
-        stack are imported inside the functions that need them. (The mcp 2.3.0
-        SDK itself imports starlette and uvicorn; that is outside our control.)"""
+        """smol_mcp's own top-level imports are stdlib and anyio: mcp and the
+        HTTP stack are imported inside the functions that need them. (The mcp
+        2.3.0 SDK itself imports starlette and uvicorn; that is outside our
+        control.)"""
         tree = ast.parse((HERE / "smol_mcp.py").read_text())
         top_level = set()
         for node in tree.body:
@@ -589,7 +592,8 @@ class ImportTests(unittest.TestCase):
 
 
 class FleetContractTests(unittest.TestCase):
-    """Every fleet in the registry offers the whole contract, with the same signatures."""
+    """Every fleet in the registry offers the whole contract, with the same
+    signatures."""
 
     def test_every_fleet_has_the_whole_contract_with_its_signatures(self):
         contract = smol_mcp.Fleet
@@ -626,8 +630,8 @@ class FleetContractTests(unittest.TestCase):
 
     @staticmethod
     def shape(signature: inspect.Signature) -> list[tuple]:
-        """Each parameter's name, kind and default, and for **options its TypedDict (ExecOptions,
-        or JobOptions: a job takes no stdin)."""
+        """Each parameter's name, kind and default, and for **options its
+        TypedDict (ExecOptions, or JobOptions: a job takes no stdin)."""
         params = signature.parameters.values()
         return [
             (
@@ -1915,7 +1919,8 @@ class ModernEra(EraScenarios, FakeServeCase):
 
 
 class ToolRuleTests(FakeServeCase):
-    """One rule of the tools each (handshake era; the era scenarios cover both)."""
+    """One rule of the tools each (handshake era; the era scenarios cover
+    both)."""
 
     config_overrides = {"max_output_bytes": 2048}
 
@@ -3046,7 +3051,8 @@ class ReplySizeTests(FakeServeCase):
 
     async def test_pages_of_escapes_fit_and_read_back_whole(self):
         """read-file and read-job pages are bounded in tokens too: a page of
-        NUL bytes (a six-character escape each) must not be six times the budget."""
+        NUL bytes (a six-character escape each) must not be six times the
+        budget."""
         budget, cost = smol_mcp.reply_tokens(Config()), smol_mcp.est_tokens
         size = 70_000
         async with self.client("legacy") as c:
@@ -3285,7 +3291,8 @@ CLOUD_TOKEN = "smk_test_token_do_not_echo"
     "the fake guest needs root or unshare to chroot into its busybox root",
 )
 class FakeCloudCase(FakeServeCase):
-    """A FakeCloud (and the local fake beside it, for both mode), and a server using it."""
+    """A FakeCloud (and the local fake beside it, for both mode), and a server
+    using it."""
 
     cloud_options: dict = {}
     targets = "cloud"
@@ -4170,7 +4177,8 @@ REFUSED_CIDRS = (
     "the fake guest's egress filter needs a network namespace (root)",
 )
 class EgressTests(FakeServeCase):
-    """Denials in results, and allow-egress, against the fake guest's egress filter."""
+    """Denials in results, and allow-egress, against the fake guest's egress
+    filter."""
 
     async def asyncSetUp(self):
         self.web = GuestWebServer(GUEST_HOST_IP)
@@ -4721,7 +4729,8 @@ class LogSubscriptionTests(FakeServeCase):
     config_overrides = {"logs_poll_secs": 1}
 
     async def first_look_done(self, looks: int) -> None:
-        """The poller's second look began, so its first (the baseline) is taken."""
+        """The poller's second look began, so its first (the baseline) is
+        taken."""
         more = lambda: len(self.requests_to("/logs", "GET")) >= looks + 2  # noqa: E731
         await wait_until(more, 10, "the log poller's first look")
 
@@ -5661,8 +5670,8 @@ class HttpProcessTests(unittest.TestCase):
 
 
 def processes_running(marker: str) -> list[int]:
-    """Host pids whose command line contains ``marker`` (a fake guest's processes are host
-    processes)."""
+    """Host pids whose command line contains ``marker`` (a fake guest's
+    processes are host processes)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
@@ -5686,12 +5695,14 @@ def processes_running(marker: str) -> list[int]:
 
 
 def unique_sleep(seconds: int) -> str:
-    """A guest ``sleep`` command line no other test runs, for processes_running to find."""
+    """A guest ``sleep`` command line no other test runs, for processes_running
+    to find."""
     return f"sleep {seconds}.{int.from_bytes(os.urandom(3), 'big'):08d}"
 
 
 async def ignore_progress(progress, total, message) -> None:
-    """A progress callback: its presence makes the client send a progress token."""
+    """A progress callback: its presence makes the client send a progress
+    token."""
 
 
 PRINTS_SLOWLY = "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; echo warned >&2; exit 3"
@@ -5920,9 +5931,10 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
     async def stream(
         self, lines: list[tuple[str, str]], slow_client: bool = False
     ):
-        """stream_in_machine on a fleet whose command prints ``lines`` (pipe, text) in that
-        order and keeps no copy; with ``slow_client`` the command ends while a notice is being
-        sent. The result, and the progress messages the client got."""
+        """stream_in_machine on a fleet whose command prints ``lines`` (pipe,
+        text) in that order and keeps no copy; with ``slow_client`` the command
+        ends while a notice is being sent. The result, and the progress
+        messages the client got."""
         sent, sending = [], anyio.Event()
         output = {"stdout": b"", "stderr": b""}
         for pipe, text in lines:
@@ -6705,7 +6717,8 @@ class GuestPathLocalTests(FakeServeCase):
 
 
 class GuestPathCloudTests(FakeCloudCase):
-    """The same on the cloud, where `/../../../../account` once read the account."""
+    """The same on the cloud, where `/../../../../account` once read the
+    account."""
 
     def outside_files_route(self) -> list:
         return [
@@ -7271,7 +7284,8 @@ def run_cli(
 
 
 def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
-    """`smol_mcp.py --http` as a real process on a free loopback port: (process, port)."""
+    """`smol_mcp.py --http` as a real process on a free loopback port:
+    (process, port)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -7291,8 +7305,8 @@ def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
 
 
 def once_listening(request, timeout: float = 30.0):
-    """What ``request()`` gives once the server it calls listens (a refused connection
-    is tried again until ``timeout``)."""
+    """What ``request()`` gives once the server it calls listens (a refused
+    connection is tried again until ``timeout``)."""
     import httpx2
 
     deadline = time.monotonic() + timeout
@@ -7327,8 +7341,9 @@ def open_raw_session(http, url: str, headers: dict) -> dict:
 
 
 class CliCase(unittest.TestCase):
-    """A CLI run's clean world: a fresh HOME and runtime dir, no config file, PATH as ours.
-    ``env_extra`` adds or replaces variables; ``{tmp}`` in a value is the test's directory."""
+    """A CLI run's clean world: a fresh HOME and runtime dir, no config file,
+    PATH as ours. ``env_extra`` adds or replaces variables; ``{tmp}`` in a
+    value is the test's directory."""
 
     env_extra: dict[str, str] = {}
 
@@ -7575,8 +7590,8 @@ class HelperCommandTests(CliCase):
 
 
 class TerminalTests(unittest.TestCase):
-    """The first hour: a person who starts the server by hand, or asks for help,
-    learns what it is and what to run instead."""
+    """The first hour: a person who starts the server by hand, or asks for
+    help, learns what it is and what to run instead."""
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
     def test_a_terminal_on_stdin_gets_one_line_and_serving_goes_on(self):
@@ -7698,7 +7713,8 @@ class EngineOnRampTests(CliCase):
     env_extra = {"PATH": "/usr/bin:/bin", "SMOLVM_VM_UID_DROP": "off"}
 
     def fake_wheel(self) -> Path:
-        """A smolmachines distribution as a wheel installs it: metadata plus smol/smol-vmm."""
+        """A smolmachines distribution as a wheel installs it: metadata plus
+        smol/smol-vmm."""
         site = Path(self.tmp, "site")
         info = site / "smolmachines-1.32.2.dist-info"
         info.mkdir(parents=True)
@@ -8364,9 +8380,9 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         self.write_wrapper()
 
     def write_wrapper(self, **knobs: str) -> None:
-        """A stand-in smolvm binary: it records the environment the server gives
-        its child, sets the fake's knobs (the server passes none of ours on),
-        then runs the fake CLI."""
+        """A stand-in smolvm binary: it records the environment the server
+        gives its child, sets the fake's knobs (the server passes none of ours
+        on), then runs the fake CLI."""
         exports = "".join(
             f"export {key}={value}\n" for key, value in knobs.items()
         )
@@ -8912,7 +8928,8 @@ def broken_dir(path: str, kind: str):
 
 
 async def piped_server(env: dict, lines: bytes) -> tuple[int, bytes, bytes]:
-    """Run the stdio server with these lines on stdin, then EOF; (exit code, stdout, stderr)."""
+    """Run the stdio server with these lines on stdin, then EOF; (exit code,
+    stdout, stderr)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         str(HERE / "smol_mcp.py"),
@@ -8933,7 +8950,8 @@ class FaultCounts:
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
 class RuntimeDirFaultTests(FakeServeCase):
-    """Item 3: the runtime directory is bookkeeping; its failure is one warning."""
+    """Item 3: the runtime directory is bookkeeping; its failure is one
+    warning."""
 
     async def check_machines_work_with(self, kind: str) -> None:
         rt = f"{self.tmp}/rt"
@@ -9025,7 +9043,8 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
 
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     async def test_a_cancelled_request_does_not_hold_the_exit_at_eof(self):
-        """The SDK answers no cancelled request, so the EOF wait must not wait for it."""
+        """The SDK answers no cancelled request, so the EOF wait must not wait
+        for it."""
         command = unique_sleep(30)
         process = subprocess.Popen(
             [sys.executable, str(HERE / "smol_mcp.py")],
@@ -9514,9 +9533,9 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         return result_of(await self.c.call_tool(tool, args))
 
     async def require_guest(self):
-        """Find out once whether a microVM can boot here; skip with the reason if not.
-        (Called outside a client: a skip raised inside one would be wrapped in an
-        exception group and read as an error.)"""
+        """Find out once whether a microVM can boot here; skip with the reason
+        if not. (Called outside a client: a skip raised inside one would be
+        wrapped in an exception group and read as an error.)"""
         cls = type(self)
         if cls.guest_boots is None:
             async with Client(self.app.server, mode="legacy") as self.c:
@@ -9743,7 +9762,8 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
 
     async def test_egress_routes_answer_exactly_as_the_fake_does(self):
         """The real serve's answers to the egress routes without a boot, byte
-        for byte against the fake's (createdAt and the settling state masked)."""
+        for byte against the fake's (createdAt and the settling state masked).
+        """
         async with Client(self.app.server, mode="legacy") as self.c:
             await self.call("list-machines", {})  # the serve is up
             real = await asyncio.to_thread(egress_exchange, self.app.local)
@@ -9921,15 +9941,17 @@ def egress_exchange(fleet) -> list[tuple[int, str, str]]:
 )
 class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
     """Against the real smol cloud, opt-in. Reads the account before and after
-    every test, stops once period spend passes SMOL_MCP_IT_SPEND_CEILING_MICROS,
-    deletes what each test makes, and checks no mcp- machine is left."""
+    every test, stops once period spend passes
+    SMOL_MCP_IT_SPEND_CEILING_MICROS, deletes what each test makes, and checks
+    no mcp- machine is left."""
 
     ceiling = int(os.environ.get("SMOL_MCP_IT_SPEND_CEILING_MICROS", "2000"))
     spent_at_start: int | None = None
 
     def account_spend(self) -> int:
-        """The period's spend in micros. The account route's shape is not in the
-        official client, so any spend-like number in it is taken (the largest)."""
+        """The period's spend in micros. The account route's shape is not in
+        the official client, so any spend-like number in it is taken (the
+        largest)."""
         account = smol_mcp.CloudFleet(self.config).request(
             "read the account", "GET", "/v1/account"
         )
@@ -10889,8 +10911,9 @@ class AgentAccessHttpTests(HttpCase):
 
 
 class PlainApiTests(HttpCase):
-    """POST /api/tools/NAME and GET /api/tools: the same tools, scopes, ownership,
-    approvals, limits and activity log as the MCP endpoint, without an MCP client."""
+    """POST /api/tools/NAME and GET /api/tools: the same tools, scopes,
+    ownership, approvals, limits and activity log as the MCP endpoint, without
+    an MCP client."""
 
     as_token = AgentAccessHttpTests.as_token
 
@@ -11188,7 +11211,8 @@ class OAuthCase(HttpCase):
         return http
 
     async def consent(self, url: str, answer: dict) -> str:
-        """Follow an authorization URL to the consent page, answer it; the redirect."""
+        """Follow an authorization URL to the consent page, answer it; the
+        redirect."""
         http = await self.operator()
         page = await http.get(url, follow_redirects=True)
         self.assertEqual(page.status_code, 200, page.text)
@@ -11203,7 +11227,8 @@ class OAuthCase(HttpCase):
         return reply.headers["location"]
 
     def oauth(self, answer: dict, storage=None, name="Test Client"):
-        """The SDK's OAuth client for our URL; the operator answers with ``answer``."""
+        """The SDK's OAuth client for our URL; the operator answers with
+        ``answer``."""
         from mcp.client.auth import (
             AuthorizationCodeResult,
             OAuthClientProvider,
@@ -11883,7 +11908,8 @@ class OAuthTests(OAuthCase):
 
 
 class SignInTests(OAuthCase):
-    """The operator's pages over plain HTTP: headers, cookies, links, CSRF, rate limit."""
+    """The operator's pages over plain HTTP: headers, cookies, links, CSRF,
+    rate limit."""
 
     async def page_client(self):
         import httpx2
@@ -12700,8 +12726,8 @@ class SandboxBothFleetsTests(FakeCloudCase):
         self.assertEqual(self.by_name("ops-cloud")["name"], "ops-cloud")
 
     async def test_a_name_freed_behind_our_back_goes_to_its_next_creator(self):
-        """A machine deleted outside this server leaves its owner on record; the
-        engine accepting the name again proves the record stale."""
+        """A machine deleted outside this server leaves its owner on record;
+        the engine accepting the name again proves the record stale."""
         self.app = SmolMcp(
             dataclasses_replace(self.config, scopes=(), targets="cloud")
         )
@@ -13485,8 +13511,9 @@ class ActivityHoldsTests(FakeServeCase):
 
 
 def webhook_receiver(on_post):
-    """A loopback approval webhook on a thread: ``on_post(path, body)`` sees each POST
-    (and may hold it), then the POST gets 204. Stop it with ``.shutdown()``."""
+    """A loopback approval webhook on a thread: ``on_post(path, body)`` sees
+    each POST (and may hold it), then the POST gets 204. Stop it with
+    ``.shutdown()``."""
     import http.server
 
     class Hook(http.server.BaseHTTPRequestHandler):
@@ -13506,7 +13533,8 @@ def webhook_receiver(on_post):
 
 
 class ApprovalTests(FakeServeCase):
-    """A stdio server with SMOL_MCP_APPROVAL=changes, answered as a person would."""
+    """A stdio server with SMOL_MCP_APPROVAL=changes, answered as a person
+    would."""
 
     config_overrides = {"approval": "changes", "approval_timeout_secs": 30}
 
@@ -13992,7 +14020,8 @@ def answer_approval(
 
 
 class ApprovalViaClientTests(FakeServeCase):
-    """approvalVia client: the person at a stdio client answers a form, in both eras."""
+    """approvalVia client: the person at a stdio client answers a form, in both
+    eras."""
 
     config_overrides = {
         "approval": "changes",
@@ -14329,7 +14358,8 @@ class ConsoleBrowserTests(HttpCase):
         await super().asyncTearDown()
 
     async def signed_in(self, viewport=PHONE):
-        """A new browser signed in as the operator, as a person would, on /console."""
+        """A new browser signed in as the operator, as a person would, on
+        /console."""
         page = await self.browser.new_page(viewport=viewport)
         page.on("dialog", lambda dialog: self.dialogs.append(dialog.message))
         await page.goto(self.base + "/console")
@@ -14690,7 +14720,8 @@ class ApprovalSigtermTests(unittest.TestCase):
             time.sleep(0.1)
 
     def held_stdio(self) -> subprocess.Popen:
-        """A stdio server that holds every change for approval, already initialized."""
+        """A stdio server that holds every change for approval, already
+        initialized."""
         server = subprocess.Popen(
             [sys.executable, str(HERE / "smol_mcp.py")],
             env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
