@@ -490,8 +490,8 @@ class ImportTests(unittest.TestCase):
                 import smol_mcp
                 after = set(os.listdir(os.environ["XDG_RUNTIME_DIR"]))
                 assert after == before, "runtime dir touched"
-                assert not logging.getLogger().handlers, "logging configured at import"
-                assert threading.active_count() == 1, "threads started at import"
+                assert not logging.getLogger().handlers, "logging configured"
+                assert threading.active_count() == 1, "threads started"
                 print("ok")
             """)
             env = {
@@ -753,7 +753,10 @@ class PiecesTests(unittest.TestCase):
     def test_importing_the_module_loads_no_http_stack_or_sdk(self):
         # what stdio needs of the SDK it imports when it serves; uvicorn and
         # starlette only --http
-        code = "import smol_mcp, sys; print(sorted({m.split('.')[0] for m in sys.modules}))"
+        code = (
+            "import smol_mcp, sys; "
+            "print(sorted({m.split('.')[0] for m in sys.modules}))"
+        )
         loaded = subprocess.run(
             [sys.executable, "-c", code],
             cwd=HERE,
@@ -1572,7 +1575,9 @@ class ReadOnTheLoopTests(FakeServeCase):
             dataclasses_replace(self.config, local_url=f"unix://{path}")
         )
         fleet._ready, body = True, b'{"machines": []}'
-        answers = {  # the canned answer: what read_now gives, and whether it keeps the socket
+        # the canned answer: what read_now gives, and whether it keeps the
+        # socket
+        answers = {
             b"HTTP/1.1\r\n\r\n": (None, 0),
             b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n": (None, 0),
             b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: "
@@ -1769,7 +1774,8 @@ class EraScenarios:
                 {
                     "name": "mcp-walkthrough",
                     "timeoutSecs": 30,
-                    "command": "mkdir -p /workspace && echo cloned && echo warn >&2",
+                    "command": "mkdir -p /workspace && echo cloned "
+                    "&& echo warn >&2",
                 },
             )
             self.assertEqual(
@@ -2618,7 +2624,8 @@ class SessionRecordTests(FakeServeCase):
         sessions = Path(self.config.runtime_dir) / "sessions"
         sessions.mkdir(parents=True)
         zombie = subprocess.Popen(["sleep", "60"])
-        zombie.kill()  # not reaped until poll(): a zombie, as under a PID 1 that never reaps
+        # not reaped until poll(): a zombie, as under a PID 1 that never reaps
+        zombie.kill()
         await wait_until(
             lambda: proc_stat(zombie.pid)[2] == "Z", 2, "the child is a zombie"
         )
@@ -2838,8 +2845,8 @@ class AdviceTests(FakeServeCase):
     def test_terminal_colours_in_an_engine_message_are_removed(self):
         body = json.dumps(
             {
-                "error": "monitor agent: \x1b[2m2026-12-01T01:21:07Z\x1b[0m \x1b[33m WARN\x1b[0m "
-                "no resolver",
+                "error": "monitor agent: \x1b[2m2026-12-01T01:21:07Z\x1b[0m "
+                "\x1b[33m WARN\x1b[0m no resolver",
                 "code": "INTERNAL_ERROR",
             }
         ).encode()
@@ -4096,7 +4103,8 @@ def answer_allow(action: str, allow: bool = True, asked: list | None = None):
 
 
 class GuestWebServer:
-    """A tiny HTTP server on a loopback address the fake guest knows by name."""
+    """A tiny HTTP server on a loopback address the fake guest knows by
+    name."""
 
     def __init__(self, address: str):
         import http.server
@@ -4824,7 +4832,8 @@ class LogSubscriptionTests(FakeServeCase):
 # Streamable HTTP on a real loopback listener
 # ---------------------------------------------------------------------------
 
-HTTP_TOKEN = "http-token-for-tests-0123456789abcdef"  # long enough for check_token_strength
+# long enough for check_token_strength
+HTTP_TOKEN = "http-token-for-tests-0123456789abcdef"
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
@@ -5058,7 +5067,8 @@ class HttpSessionTests(HttpCase):
                     await wait_until(
                         lambda: name not in self.fake.machines, 10
                     )
-                else:  # 2026 era: no session id; the token's state ends when idle
+                # 2026 era: no session id; the token's state ends when idle
+                else:
                     await wait_until(
                         lambda: name not in self.fake.machines, 15
                     )
@@ -5175,7 +5185,8 @@ class HostPortTests(HttpCase):
 
 
 class RawHttpCase(HttpCase):
-    """Sessions driven with plain HTTP requests, as any client would send them."""
+    """Sessions driven with plain HTTP requests, as any client would send
+    them."""
 
     async def raw_session(self) -> dict:
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
@@ -5705,7 +5716,10 @@ async def ignore_progress(progress, total, message) -> None:
     token."""
 
 
-PRINTS_SLOWLY = "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; echo warned >&2; exit 3"
+PRINTS_SLOWLY = (
+    "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; "
+    "echo warned >&2; exit 3"
+)
 
 
 # What SSE framing cannot carry: a bare CR (a line end to SSE), NUL, invalid
@@ -5734,7 +5748,8 @@ class LongWorkScenarios:
 
 
 class LiveOutputScenarios(LongWorkScenarios):
-    """Run against either fleet; ``stream_calls`` counts the stream requests."""
+    """Run against either fleet; ``stream_calls`` counts the stream
+    requests."""
 
     async def test_progress_carries_output_lines_in_order_result_same(self):
         async with self.client("legacy") as c:
@@ -5926,7 +5941,8 @@ class LiveOutputScenarios(LongWorkScenarios):
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
 class LastLineTests(unittest.IsolatedAsyncioTestCase):
-    """stream_in_machine alone, with the two pipes' lines arriving in one tick."""
+    """stream_in_machine alone, with the two pipes' lines arriving in one
+    tick."""
 
     async def stream(
         self, lines: list[tuple[str, str]], slow_client: bool = False
@@ -6665,7 +6681,8 @@ TRAVERSALS = (
 
 
 class GuestPathLocalTests(FakeServeCase):
-    """Guest paths are normalised and encoded per segment on the local fleet."""
+    """Guest paths are normalised and encoded per segment on the local
+    fleet."""
 
     async def test_traversal_is_refused_nothing_leaves_the_files_route(self):
         self.fake.requests.clear()
@@ -7087,7 +7104,8 @@ class HttpFrontTests(HttpCase):
         body = b'{"jsonrpc": "2.0"}'
         writer.write(
             f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            f"Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
         reply = await asyncio.wait_for(
@@ -7108,7 +7126,9 @@ class HttpFrontTests(HttpCase):
         self.assertLess(
             sent, 3 * smol_mcp.HTTP_MAX_BODY_BYTES + 16 * 1024 * 1024
         )
-        if answer:  # the answer can be lost to the reset that ends the read; if it came, a 413
+        # the answer can be lost to the reset that ends the read; if it came,
+        # a 413
+        if answer:
             self.assertTrue(answer.startswith(b"HTTP/1.1 413"), answer[:100])
         await self.assert_still_answers()
         auth = {
@@ -7120,7 +7140,8 @@ class HttpFrontTests(HttpCase):
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
         writer.write(
-            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n{head}\r\n".encode()
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+            f"{head}\r\n".encode()
         )
         # answered and closed without sending a byte of body
         reply = await asyncio.wait_for(reader.read(), 10)
@@ -8055,8 +8076,10 @@ class SetupEntryTests(unittest.TestCase):
             "enabled": True,
         }
         codex.write_text(
-            'model = "o3"\nmcp_servers = { other = { command = "x", args = ["-y"], '
-            'env = { A = "1" }, enabled = true } }\n\n[profiles.p]\nmodel = "o4"\n'
+            'model = "o3"\n'
+            'mcp_servers = { other = { command = "x", args = ["-y"], '
+            'env = { A = "1" }, enabled = true } }\n\n'
+            '[profiles.p]\nmodel = "o4"\n'
         )
         out = self.setup_cli("codex", "--write")
         self.assertEqual(out.returncode, 0, out.stderr)
@@ -8100,7 +8123,8 @@ class SetupEntryTests(unittest.TestCase):
         self.assertNotIn("env", parsed["mcp_servers"]["smol"])
         project = self.project / ".mcp.json"
         project.write_text(
-            '{\n    "mcpServers": {"smol": {"command": "old"}, "other": {"command": "x"}}\n}\n'
+            '{\n    "mcpServers": {"smol": {"command": "old"}, '
+            '"other": {"command": "x"}}\n}\n'
         )
         self.assertEqual(
             self.setup_cli("claude-code", "--write").returncode, 2
@@ -8117,7 +8141,10 @@ class SetupEntryTests(unittest.TestCase):
 
     def test_jsonc_is_refused_with_a_sentence_and_plain_jsonc_is_written(self):
         jsonc = self.project / "opencode.jsonc"
-        original = '{\n  // my servers\n  "mcp": {"other": {"type": "local", "command": ["x"]},},\n}\n'
+        original = (
+            '{\n  // my servers\n  "mcp": {"other": {"type": "local", '
+            '"command": ["x"]},},\n}\n'
+        )
         jsonc.write_text(original)
         out = self.setup_cli("opencode", "--write")
         self.assertEqual(out.returncode, 2)
@@ -9094,9 +9121,9 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
                     {"requestId": 3, "reason": "user"},
                 )
             )
-            time.sleep(
-                0.5
-            )  # a client closes some time after its cancel, not in the same breath
+            # a client closes some time after its cancel, not in the same
+            # breath
+            time.sleep(0.5)
             process.stdin.close()
             self.assertEqual(
                 process.wait(timeout=25), 0
@@ -10488,7 +10515,8 @@ class AgentAccessHttpTests(HttpCase):
                     ).status_code,
                     401,
                 )
-                self.store.file.expire()  # it looks again at most twice a second
+                # it looks again at most twice a second
+                self.store.file.expire()
                 with self.assertRaises(smol_mcp.SmolError) as caught:
                     self.store.records()
                 self.assertIn(
@@ -11047,7 +11075,8 @@ class PlainApiTests(HttpCase):
             "default", "create-machine", {"name": "m", "image": "alpine"}
         )
         bodies = {
-            "write-file": '{"name": "m", "path": "/f", "content": "\\ud800", "encoding": "utf8"}',
+            "write-file": '{"name": "m", "path": "/f", "content": "\\ud800", '
+            '"encoding": "utf8"}',
             "run-command": '{"name": "m", "command": "echo \\udfff"}',
             "create-machine": '{"name": "n", "image": "alp\\ud800ine"}',
             "allow-egress": '{"name": "m", "hosts": ["a\\udbff.com"]}',
@@ -11075,7 +11104,8 @@ class PlainApiTests(HttpCase):
                     f"127.0.0.1:{self.port}\r\n"
                     f"Authorization: Bearer {HTTP_TOKEN}\r\nExpect: "
                     f"100-continue\r\n"
-                    f"Content-Length: {smol_mcp.HTTP_MAX_BODY_BYTES + 1}\r\n\r\n"
+                    "Content-Length: "
+                    f"{smol_mcp.HTTP_MAX_BODY_BYTES + 1}\r\n\r\n"
                 ).encode()
             )
             reply = await asyncio.to_thread(sock.recv, 4096)
@@ -11130,7 +11160,8 @@ class PlainApiTests(HttpCase):
             self.api("held", "delete-machine", {"name": "approve"})
         )
         await waiting()
-        call.cancel()  # the client goes away: its call ends, and leaves the list
+        # the client goes away: its call ends, and leaves the list
+        call.cancel()
         await wait_until(lambda: not desk.pending(), 10)
         await wait_until(
             lambda: [
@@ -11144,7 +11175,8 @@ class PlainApiTests(HttpCase):
 
 
 OPERATOR_PASSWORD = "correct horse battery staple"
-CALLBACK = "http://127.0.0.1:9/callback"  # nothing listens: each answer is read from its Location
+# nothing listens: each answer is read from its Location
+CALLBACK = "http://127.0.0.1:9/callback"
 
 
 class MemoryTokens:
@@ -11394,13 +11426,15 @@ class OAuthTests(OAuthCase):
                         {"token": storage.tokens.refresh_token} | client_auth,
                     )
                     self.assertEqual(revoked.status_code, 200)
-                    self.store.file.expire()  # another store: it looks again twice a second
+                    # another store: it looks again twice a second
+                    self.store.file.expire()
                     self.assertNotIn(
                         mode, [r["name"] for r in self.store.records()]
                     )
                     bearer = {
                         **JSON_HEADERS,
-                        "Authorization": f"Bearer {storage.tokens.access_token}",
+                        "Authorization": "Bearer "
+                        f"{storage.tokens.access_token}",
                     }
                     self.assertEqual(
                         (
@@ -11669,9 +11703,8 @@ class OAuthTests(OAuthCase):
                         client, "create-machine", {"image": "alpine"}
                     )
                     name, held = made["machine"]["name"], storage.tokens
-                    answer["action"] = (
-                        "Deny"  # the client will ask again: the operator says no
-                    )
+                    # the client will ask again: the operator says no
+                    answer["action"] = "Deny"
                     result = run_cli(
                         "tokens", "delete", f"gone-{mode}", env=self.cli_env()
                     )
@@ -12117,7 +12150,8 @@ class SignInTests(OAuthCase):
     async def test_after_a_link_alone_a_wide_grant_needs_a_fresh_sign_in(self):
         operator = smol_mcp.Operator(self.config.state_dir)
         operator.file.update(lambda data: data.pop("password"))
-        operator.new_link()  # a live link keeps OAuth on once this one is spent
+        # a live link keeps OAuth on once this one is spent
+        operator.new_link()
         answer, http = await self.signin_answer(link=operator.new_link())
         self.assertEqual(answer.status_code, 303)
         client = await self.register()
@@ -12484,7 +12518,9 @@ class BrowserTests(OAuthCase):
                 await self.page.get_by_label(
                     "Require approval for changes"
                 ).check()
-            if shot:  # the address as in the README (the test's port varies from run to run)
+            # the address as in the README (the test's port varies from run
+            # to run)
+            if shot:
                 header = "document.querySelector('header form').firstChild"
                 await self.page.evaluate(
                     f"{header}.textContent = {json.dumps(DOC_ISSUER)}"
@@ -12911,7 +12947,8 @@ import sys
 sys.path.insert(0, {here!r})
 import smol_mcp
 log = smol_mcp.ActivityLog({state!r})
-pad = [{pad!r} * 1500] * 3  # past PIPE_BUF, and each string under the field bound
+# past PIPE_BUF, and each string under the field bound
+pad = [{pad!r} * 1500] * 3
 for n in range(1000):
     log.append({{"event": "test", "writer": {writer!r}, "n": n, "pad": pad}})
 """
@@ -13485,7 +13522,10 @@ class ActivityHoldsTests(FakeServeCase):
         self.assertNotIn("77777", text)
 
     async def test_activity_escapes_the_agents_text_and_pages_lazily(self):
-        forged = "x\x1b]0;t\x07\x1b[2J\nFAKE 2026 admin delete-machine prod ok\u202e"
+        forged = (
+            "x\x1b]0;t\x07\x1b[2J\n"
+            "FAKE 2026 admin delete-machine prod ok\u202e"
+        )
         async with self.client("legacy") as c:
             await self.refused(c, "delete-machine", {"name": forged})
         out = self.cli().stdout
@@ -13926,9 +13966,8 @@ class ApprovalTests(FakeServeCase):
                         if e.get("id") == held["id"]
                         and e.get("approval") == "webhook failed"
                     ]
-                    if url.endswith(
-                        "/slow"
-                    ):  # answered while the webhook still hung: it held nothing
+                    # answered while the webhook still hung: it held nothing
+                    if url.endswith("/slow"):
                         self.assertEqual(failed, [])
         finally:
             release.set()
@@ -14263,7 +14302,8 @@ class ApprovalHttpTests(HttpCase):
                 headers.update(
                     {"Mcp-Method": "tools/call", "Mcp-Name": "create-machine"}
                 )
-                meta = {  # the 2026 era's envelope; the handshake era ignores it
+                # the 2026 era's envelope; the handshake era ignores it
+                meta = {
                     "io.modelcontextprotocol/protocolVersion": era,
                     "io.modelcontextprotocol/clientCapabilities": {},
                 }
@@ -14691,7 +14731,8 @@ class ConsoleBrowserTests(HttpCase):
 
 
 class ApprovalSigtermTests(unittest.TestCase):
-    """A real server process stopped while a call waits: approval_interrupted."""
+    """A real server process stopped while a call waits:
+    approval_interrupted."""
 
     def setUp(self):
         self.tmp = short_tempdir()
@@ -14973,7 +15014,7 @@ def test_units(suite: unittest.TestSuite) -> list[list[str]]:
 
 
 def ours(test: unittest.TestCase) -> bool:
-    """Whether a test is one of this file's (not a name that failed to load)."""
+    """Whether a test is this file's (not a name that failed to load)."""
     return type(test).__module__ == __name__
 
 
