@@ -15126,6 +15126,7 @@ class Outcome:
         self.unexpected: list[str] = []
         self.faults = [0, 0, 0]
         self.verbosity = int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))
+        self.took: dict[str, float] = {}  # seconds, by class
 
     def merge(self, other: Outcome) -> None:
         """Another outcome's results, already shown as they came."""
@@ -15141,6 +15142,10 @@ class Outcome:
         ``show``); ``output`` is what its worker printed while it ran,
         shown under each of its failures."""
         self.run += data["run"]
+        if data.get("seconds") and data["marks"]:
+            where = data["marks"][0][0].split("(", 1)[-1].rstrip(")")
+            cls = where.rsplit(".", 2)[-2]
+            self.took[cls] = data["seconds"]
         shown = f"\n\nWhat the worker printed meanwhile:\n{output}"
         for kind in ("failures", "errors"):
             for title, owner, text in data[kind]:
@@ -15178,6 +15183,11 @@ class Outcome:
                 print(f"{kind}: {title}", file=stream)
                 print("-" * 70, file=stream)
                 print(text, file=stream)
+        if self.verbosity > 1 and self.took:
+            print("The slowest classes (for SLOWEST):", file=stream)
+            slowest = sorted(self.took.items(), key=lambda item: -item[1])
+            for name, took in slowest[:30]:
+                print(f"  {took:7.1f} s  {name}", file=stream)
         print("-" * 70, file=stream)
         print(f"Ran {self.run} tests in {seconds:.3f}s\n", file=stream)
         details = [
@@ -15259,10 +15269,13 @@ def run_worker(commands_fd: int, results_fd: int) -> int:
             names = json.loads(line)
             FaultCounts.calls = FaultCounts.faults = FaultCounts.leaks = 0
             result = UnitResult()
+            started = time.monotonic()
             loader.loadTestsFromNames(names, module).run(result)
             sys.stdout.flush()
             sys.stderr.flush()
-            results.write(json.dumps(result.as_data()) + "\n")
+            data = result.as_data()
+            data["seconds"] = time.monotonic() - started
+            results.write(json.dumps(data) + "\n")
             results.flush()
     return 0
 
