@@ -15042,12 +15042,15 @@ def worker_count(units: int) -> int:
 class UnitResult(unittest.TestResult):
     """A TestResult that keeps plain data: what a worker sends back."""
 
-    def __init__(self):
+    def __init__(self, show=None):
         super().__init__()
         self.marks: list[tuple[str, str]] = []
+        self.show = show
 
     def mark(self, test, word: str) -> None:
         self.marks.append((str(test), word))
+        if self.show is not None:
+            self.show(str(test), word)
 
     def addSuccess(self, test):
         super().addSuccess(test)
@@ -15158,12 +15161,15 @@ class Outcome:
         for i, count in enumerate(data["faults"]):
             self.faults[i] += count
         for title, word in data["marks"]:
-            if not show:
-                break
-            if self.verbosity > 1:
-                print(f"{title} ... {word}", file=sys.stderr, flush=True)
-            else:
-                print(self.MARKS[word], end="", file=sys.stderr, flush=True)
+            if show:
+                self.show(title, word)
+
+    def show(self, title: str, word: str) -> None:
+        """One test's outcome as unittest shows it: a mark, or a line."""
+        if self.verbosity > 1:
+            print(f"{title} ... {word}", file=sys.stderr, flush=True)
+        else:
+            print(self.MARKS[word], end="", file=sys.stderr, flush=True)
 
     def failed_tests(self) -> int:
         """Failing tests, each once (a failing subtest counts its test)."""
@@ -15246,10 +15252,10 @@ def summary(
 
 def run_here(suite: unittest.TestSuite) -> Outcome:
     """The suite in this process, test after test."""
-    result = UnitResult()
-    suite.run(result)
     outcome = Outcome()
-    outcome.add(result.as_data())
+    result = UnitResult(show=outcome.show)
+    suite.run(result)
+    outcome.add(result.as_data(), show=False)
     return outcome
 
 
@@ -15328,13 +15334,15 @@ class Worker:
         with contextlib.suppress(OSError):
             os.close(self.commands)
 
-    def end(self) -> None:
-        """Make sure the worker and whatever it started are gone."""
+    def end(self, at_once: bool = False) -> None:
+        """Make sure the worker and whatever it started are gone (given 30 s
+        to end by itself, unless ``at_once``)."""
+        if self.log.closed:
+            return
         self.finish()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
+        if not at_once:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
@@ -15384,6 +15392,10 @@ def run_in_workers(units: list[list[str]], count: int) -> Outcome:
                     outcome.add(died(worker), worker.output())
                     if pending:
                         start_worker()
+    except BaseException:  # an interrupted run leaves nothing running
+        for worker in workers:
+            worker.end(at_once=True)
+        raise
     finally:
         for worker in workers:
             worker.end()
