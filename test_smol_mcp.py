@@ -1428,8 +1428,6 @@ class ReadOnTheLoopTests(FakeServeCase):
     serve answers (LocalFleet.read_now): no worker thread, a kept-alive
     socket, and the blocking way whenever the quick one cannot be sure."""
 
-    config_overrides = {"ready_timeout_secs": 1}
-
     def fleet(self):
         return self.app.fleets["local"]
 
@@ -1676,6 +1674,12 @@ class ReadOnTheLoopTests(FakeServeCase):
             )
             await self.ok(c, "list-machines", {})
             before = self.gets()
+            # A short wait for the stalled read alone: the create before it
+            # may take longer than a second on a busy host.
+            fleet = self.fleet()
+            fleet.config = dataclasses_replace(
+                fleet.config, ready_timeout_secs=1
+            )
             with self.stalled("/api/v1/machines/rl-1"):
                 text = await self.refused(c, "get-machine", {"name": "rl-1"})
                 self.assertEqual(
@@ -5429,6 +5433,7 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
             **os.environ,
             "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
             "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
             "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
             "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN,
         }
@@ -5461,6 +5466,7 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
 
         server, url = await self.start_server()
         stack = contextlib.AsyncExitStack()
+        signalled = False
         try:
             http = await stack.enter_async_context(
                 httpx2.AsyncClient(
@@ -5489,6 +5495,7 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 lambda: processes_running(command), 20, "the command runs"
             )
             server.send_signal(sig)
+            signalled = True
             try:
                 got = await asyncio.wait_for(call, 20)
             except MCPError as err:
@@ -5501,10 +5508,13 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                     server.wait(), 30
                 )  # with the client still connected
         finally:
-            with contextlib.suppress(
-                Exception
-            ):  # the server is gone: the client's goodbye fails
+            # the server is gone: the client's goodbye fails
+            with contextlib.suppress(Exception):
                 await stack.aclose()
+            # a test that failed before the signal shows its own error, not
+            # a wait for a server that was never told to end
+            if not signalled:
+                server.kill()
             code = await asyncio.wait_for(server.wait(), 30)
             if server.returncode is None:
                 server.kill()
@@ -7163,6 +7173,7 @@ class HttpFrontProcessTests(unittest.TestCase):
         env = {
             **os.environ,
             "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
             "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
             "SMOL_MCP_AUTH_TOKEN": token,
             "SMOL_MCP_TARGETS": "local",
