@@ -15624,14 +15624,27 @@ class Guard:
         if not self.root:
             return problems
         after = self.snapshot()
+        touched = []
         for path in sorted(set(self.before) | set(after)):
             if path not in after:
-                problems.append(f"removed from the user's directories: {path}")
+                touched.append(f"removed {self.shown(path)}")
             elif path not in self.before:
-                problems.append(f"made in the user's directories: {path}")
+                touched.append(f"made {self.shown(path)}")
             elif after[path] != self.before[path]:
-                problems.append(f"changed in the user's directories: {path}")
-        return problems
+                touched.append(f"changed {self.shown(path)}")
+        if len(touched) > 20:
+            touched[20:] = [f"and {len(touched) - 20} more"]
+        return problems + [
+            f"a test touched the user's directories: {what}"
+            for what in touched
+        ]
+
+    @staticmethod
+    def shown(path: str) -> str:
+        """A path under the stand-in as the user would know it."""
+        if path.startswith("/home"):
+            return "~" + path.removeprefix("/home")
+        return "$XDG_RUNTIME_DIR" + path.removeprefix("/run")
 
     def describe(self) -> str:
         if self.held:
