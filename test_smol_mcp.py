@@ -8975,7 +8975,10 @@ async def piped_server(env: dict, lines: bytes) -> tuple[int, bytes, bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(process.communicate(lines), 120)
+    # A guard against a hang, not a speed claim: two dozen of these at once
+    # compile the 500 KB script each, and on a shared host that took over
+    # two minutes.
+    out, err = await asyncio.wait_for(process.communicate(lines), 300)
     return process.returncode, out, err
 
 
