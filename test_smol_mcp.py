@@ -14990,10 +14990,10 @@ def main() -> int:
         treat_warnings_as_errors()
         suite = load_suite(names, integration)
         units = test_units(suite)
-        count = worker_count(len(units))
-        started = time.monotonic()
         # The integration suites share one real engine: they run in turn.
-        if integration or count == 1:
+        count = 1 if integration else worker_count(len(units))
+        started = time.monotonic()
+        if count == 1:
             outcome = run_here(suite)
         else:
             outcome = run_in_workers(units, count)
