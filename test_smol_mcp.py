@@ -12451,9 +12451,17 @@ def own_home(tmp: str) -> dict[str, str]:
 
 # The README's pictures: SMOL_MCP_SCREENSHOTS=docs/screenshots writes them
 # anew; a run otherwise keeps its screenshots out of the checkout.
-SCREENSHOTS = Path(
-    os.environ.get("SMOL_MCP_SCREENSHOTS") or tempfile.gettempdir(), ""
-).resolve()
+SCREENSHOTS = os.environ.get("SMOL_MCP_SCREENSHOTS", "")
+
+
+def screenshot(tmp: str, name: str) -> str:
+    """Where a screenshot goes: SMOL_MCP_SCREENSHOTS, else the test's own
+    directory (not a fixed name in /tmp that another run also writes)."""
+    folder = Path(SCREENSHOTS or tmp).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / name)
+
+
 DOC_ISSUER = "Signed in as the operator of http://127.0.0.1:8080 "
 
 
@@ -12539,7 +12547,7 @@ class BrowserTests(OAuthCase):
                     f"{header}.textContent = {json.dumps(DOC_ISSUER)}"
                 )
                 await self.page.screenshot(
-                    path=str(SCREENSHOTS / shot), full_page=True
+                    path=screenshot(self.tmp, shot), full_page=True
                 )
             await self.page.get_by_role(
                 "button", name="Allow" if allow else "Deny"
@@ -12562,10 +12570,9 @@ class BrowserTests(OAuthCase):
         )
 
     async def test_sign_in_with_the_password_then_consent_to_each_grant(self):
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         await self.page.goto(f"{self.base}/signin")
         await self.page.screenshot(
-            path=str(SCREENSHOTS / "signin.png"), full_page=True
+            path=screenshot(self.tmp, "signin.png"), full_page=True
         )
         await self.sign_in()
         await self.page.get_by_text("You are signed in.").wait_for()
@@ -14427,11 +14434,11 @@ class ConsoleBrowserTests(HttpCase):
         return page
 
     async def screenshots(self, page, name):
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         for size, viewport in (("phone", PHONE), ("desktop", DESKTOP)):
             await page.set_viewport_size(viewport)
             await page.screenshot(
-                path=SCREENSHOTS / f"{name}-{size}.png", full_page=True
+                path=screenshot(self.tmp, f"{name}-{size}.png"),
+                full_page=True,
             )
         await page.set_viewport_size(PHONE)
 
