@@ -14929,6 +14929,42 @@ class ApprovalSigtermTests(unittest.TestCase):
                 server.kill()
 
 
+class GuardTests(unittest.TestCase):
+    """The runner's guard: a stand-in for the user's directories that a
+    test cannot use unnoticed."""
+
+    def setUp(self):
+        environ = unittest.mock.patch.dict(os.environ)
+        environ.start()
+        self.addCleanup(environ.stop)
+        self.guard = Guard()
+        self.addCleanup(self.guard.remove)
+        self.guard.start()
+
+    def test_a_server_reading_the_users_config_refuses_to_start(self):
+        with self.assertRaises(ConfigError) as caught:
+            load_config(dict(os.environ))
+        self.assertIn('unknown key "readByATest"', str(caught.exception))
+
+    def test_the_users_token_and_password_are_there_to_be_misused(self):
+        state = smol_mcp.default_state_dir(dict(os.environ))
+        names = [r["name"] for r in smol_mcp.TokenStore(state).records()]
+        self.assertEqual(names, ["users-own"])
+        operator = smol_mcp.Operator(state)
+        self.assertTrue(operator.check_password("the user's own password"))
+
+    def test_a_write_in_the_users_state_dir_is_named(self):
+        self.assertEqual(self.guard.finish(), [])
+        state = Path(smol_mcp.default_state_dir(dict(os.environ)))
+        state.chmod(0o700)  # as a root test could, ignoring the mode
+        (state / "written-by-a-test").write_text("x")
+        self.assertIn(
+            "a test touched the user's directories: made "
+            "~/.local/state/smol-mcp/written-by-a-test",
+            self.guard.finish(),
+        )
+
+
 # ---------------------------------------------------------------------------
 # The runner: test classes in parallel worker processes, behind a guard
 # ---------------------------------------------------------------------------
