@@ -15408,9 +15408,11 @@ class Worker:
         self.log_from = 0
 
     def give(self, unit: list[str]) -> None:
+        """Send a unit; a worker already gone fails it at its EOF."""
         self.unit = unit
         self.log_from = self.log.seek(0, os.SEEK_END)
-        os.write(self.commands, (json.dumps(unit) + "\n").encode())
+        with contextlib.suppress(BrokenPipeError):
+            os.write(self.commands, (json.dumps(unit) + "\n").encode())
 
     def output(self) -> str:
         """What the worker printed since its unit began (the last 20 KB)."""
@@ -15478,7 +15480,8 @@ def run_in_workers(units: list[list[str]], count: int) -> Outcome:
                     continue
                 selector.unregister(worker.reader)
                 if worker.unit is not None:
-                    outcome.add(died(worker), worker.output())
+                    output = worker.output()
+                    outcome.add(died(worker), output)
                     if pending:
                         start_worker()
     except BaseException:  # an interrupted run leaves nothing running
@@ -15494,7 +15497,11 @@ def run_in_workers(units: list[list[str]], count: int) -> Outcome:
 
 def died(worker: Worker) -> dict:
     """A unit's results when its worker ended before sending them."""
-    code = worker.process.wait()
+    try:
+        code = worker.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # its results pipe closed, alive
+        worker.end(at_once=True)
+        code = worker.process.returncode
     where = worker.unit[0].rsplit(".", 1)[0]
     text = f"worker {worker.number} ended (exit status {code}) in {where}"
     return {
