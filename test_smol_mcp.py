@@ -14852,6 +14852,7 @@ class ApprovalSigtermTests(unittest.TestCase):
                 server.send_signal(signal.SIGTERM)
                 caller.join(30)
                 server.wait(timeout=30)
+            self.assertIn("result", result.get("answer", {}), result)
             answer = result["answer"]["result"]
             self.assertTrue(answer["isError"])
             self.assert_interrupted(answer["content"][0]["text"])
