@@ -296,9 +296,8 @@ class ConfigTests(unittest.TestCase):
         }
         defaults = Config()
         for setting in smol_mcp.SETTINGS:
-            self.assertIn(
-                setting.key,
-                samples,
+            self.assertTrue(
+                setting.key in samples,
                 f"add a valid value of {setting.key}, other than its "
                 "default, to samples in this test",
             )
@@ -1339,10 +1338,9 @@ class EngineRequestScenarios:
         table = engine_requests_table()
         tools = list(smol_mcp.TOOLS_BY_NAME)
         for name in tools:
-            self.assertIn(name, table, f"{name} needs {self.ROW}")
-            self.assertIn(
-                name,
-                [tool for tool, _ in self.CALLS],
+            self.assertTrue(name in table, f"{name} needs {self.ROW}")
+            self.assertTrue(
+                name in [tool for tool, _ in self.CALLS],
                 f"{name} has no call in EngineRequestScenarios.CALLS: add "
                 "one, after the calls that make its machine",
             )
