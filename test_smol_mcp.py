@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import logging
 import math
@@ -85,9 +86,10 @@ smol_mcp.resolve_host = no_answers
 logging.getLogger("smol_mcp").setLevel(
     logging.CRITICAL
 )  # the server's own log lines are not what is tested
-# Nor are the SDK's (it warns of the refusals tests provoke: a 401, a session cap) or the
-# event loop's reports of slow steps (IsolatedAsyncioTestCase runs it in debug mode, which
-# still reports what matters: a coroutine never awaited, a task's exception never read).
+# Nor are the SDK's (it warns of the refusals tests provoke: a 401, a session
+# cap) or the event loop's reports of slow steps (IsolatedAsyncioTestCase runs
+# it in debug mode, which still reports what matters: a coroutine never
+# awaited, a task's exception never read).
 logging.getLogger("mcp").setLevel(logging.ERROR)
 logging.getLogger("asyncio").addFilter(
     lambda r: not r.getMessage().startswith("Executing <")
@@ -100,8 +102,8 @@ CAN_CHROOT = os.geteuid() == 0 or shutil.which("unshare") is not None
 
 
 def quiet_stdio(params: StdioServerParameters):
-    """A stdio transport whose server's stderr (its log lines) goes to /dev/null,
-    not into the test run's output."""
+    """A stdio transport whose server's stderr (its log lines) goes to
+    /dev/null, not into the test run's output."""
     return stdio_client(params, errlog=QUIET)
 
 
@@ -109,7 +111,8 @@ QUIET = open(os.devnull, "w")  # noqa: SIM115 (for the whole run)
 
 
 def short_tempdir() -> str:
-    """A temp dir with a short path: Unix socket paths are limited to ~100 bytes."""
+    """A temp dir with a short path: Unix socket paths are limited to ~100
+    bytes."""
     return tempfile.mkdtemp(prefix="smt", dir="/tmp")
 
 
@@ -146,7 +149,8 @@ INITIALIZE = {
 async def wait_until(
     predicate, timeout: float = 10.0, what: str = "the condition"
 ) -> None:
-    """Wait for a state, not a time: poll ``predicate`` until true, failing after ``timeout`` s."""
+    """Wait for a state, not a time: poll ``predicate`` until true, failing
+    after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -165,9 +169,38 @@ def result_of(answer) -> tuple[bool, object]:
     assert answer.content[0].text == json.dumps(
         text, ensure_ascii=False, separators=(",", ":")
     ), (
-        "the text content must be compact JSON: whitespace costs the model tokens"
+        "the text content must be compact JSON: whitespace costs the model "
+        "tokens"
     )
     return False, answer.structured_content
+
+
+def readme_settings_table() -> dict[str, tuple[str, str]]:
+    """The README's Defaults table: each key's variable and Default cell.
+
+    A row may name several keys, ``/``-separated in each column, and
+    shorten a shared variable prefix: `SMOL_MCP_HTTP_HOST` / `_PORT`.
+    """
+    readme = (HERE / "README.md").read_text()
+    start = readme.index("## Defaults, and why")
+    end = readme.index("## Security defaults")
+    table = {}
+    for line in readme[start:end].splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue
+        keys = [key.strip("` ") for key in cells[0].split(" / ")]
+        envs = [env.strip("` ") for env in cells[1].split(" / ")]
+        if len(keys) > 1:
+            defaults = [cell.strip() for cell in cells[2].split(" / ")]
+        else:
+            defaults = [cells[2]]
+        stem = envs[0].rsplit("_", 1)[0]
+        for key, env, default in zip(keys, envs, defaults, strict=True):
+            if env.startswith("_"):
+                env = stem + env
+            table[key] = (env, default)
+    return table
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +227,8 @@ class ConfigTests(unittest.TestCase):
         )
 
     def test_defaults_are_the_table(self):
-        # Every other default is checked against the specification's table, in the next test.
+        # Every other default is checked against the README's table, in
+        # the next test.
         c = load_config(self.env)
         self.assertEqual(c.runtime_dir, f"{self.tmp}/smol-mcp")
         self.assertEqual(
@@ -205,59 +239,34 @@ class ConfigTests(unittest.TestCase):
             "/x/smol-mcp",
         )
 
-    def test_settings_match_the_spec_table_key_for_key(self):
-        spec_table = [  # the specification's settings table (kept outside this repository), copied
-            ("smolvm", "SMOLVM", "smolvm"),
-            ("minSmolvm", "SMOL_MCP_MIN_SMOLVM", "1.14.0"),
-            ("localUrl", "SMOL_LOCAL_URL", ""),
-            ("runtimeDir", "SMOL_MCP_RUNTIME_DIR", None),
-            ("machinePrefix", "SMOL_MCP_MACHINE_PREFIX", "mcp-"),
-            ("memoryMb", "SMOL_MCP_MEMORY_MB", 2048),
-            ("cpus", "SMOL_MCP_CPUS", 2),
-            ("networkDefault", "SMOL_MCP_NETWORK_DEFAULT", "blocked"),
-            ("runOnceNetwork", "SMOL_MCP_RUN_ONCE_NETWORK", "blocked"),
-            ("ephemeralTtlSecs", "SMOL_MCP_EPHEMERAL_TTL_SECS", 3600),
-            (
-                "ephemeralAutoStopSecs",
-                "SMOL_MCP_EPHEMERAL_AUTO_STOP_SECS",
-                900,
-            ),
-            ("execTimeoutSecs", "SMOL_MCP_EXEC_TIMEOUT_SECS", 120),
-            ("maxExecTimeoutSecs", "SMOL_MCP_MAX_EXEC_TIMEOUT_SECS", 900),
-            ("maxOutputBytes", "SMOL_MCP_MAX_OUTPUT_BYTES", 65536),
-            ("readyTimeoutSecs", "SMOL_MCP_READY_TIMEOUT_SECS", 120),
-            ("serveStartTimeoutSecs", "SMOL_MCP_SERVE_START_TIMEOUT_SECS", 60),
-            ("logsTail", "SMOL_MCP_LOGS_TAIL", 100),
-            ("logsPollSecs", "SMOL_MCP_LOGS_POLL_SECS", 2),
-            ("cloudUrl", "SMOL_CLOUD_URL", "https://api.smolmachines.com"),
-            ("cloudToken", "SMOL_CLOUD_TOKEN", ""),
-            ("targets", "SMOL_MCP_TARGETS", "auto"),
-            ("httpHost", "SMOL_MCP_HTTP_HOST", "127.0.0.1"),
-            ("httpPort", "SMOL_MCP_HTTP_PORT", 8080),
-            ("httpPath", "SMOL_MCP_HTTP_PATH", "/mcp"),
-            ("authToken", "SMOL_MCP_AUTH_TOKEN", ""),
-            ("httpSessionIdleSecs", "SMOL_MCP_HTTP_SESSION_IDLE_SECS", 1800),
-            ("httpAllowedHosts", "SMOL_MCP_HTTP_ALLOWED_HOSTS", ()),
-            ("httpAllowedOrigins", "SMOL_MCP_HTTP_ALLOWED_ORIGINS", ()),
-            ("stateDir", "SMOL_MCP_STATE_DIR", None),
-            ("publicUrl", "SMOL_MCP_PUBLIC_URL", ""),
-            ("scopes", "SMOL_MCP_SCOPES", ()),
-            ("mountRoots", "SMOL_MCP_MOUNT_ROOTS", ()),
-            ("approval", "SMOL_MCP_APPROVAL", "none"),
-            ("approvalTimeoutSecs", "SMOL_MCP_APPROVAL_TIMEOUT_SECS", 900),
-            ("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", ""),
-            ("approvalVia", "SMOL_MCP_APPROVAL_VIA", "terminal"),
-            ("egressPrivateCidrs", "SMOL_MCP_EGRESS_PRIVATE_CIDRS", ()),
-            ("replyTokens", "SMOL_MCP_REPLY_TOKENS", 20000),
-        ]
+    def test_settings_are_the_readme_table_key_for_key(self):
+        # The README's "Defaults, and why" is the table a person reads:
+        # every setting has its row there, with its variable and default,
+        # and every row is a setting.
+        table = readme_settings_table()
+        settings = {s.key: s for s in smol_mcp.SETTINGS}
         self.assertEqual(
-            [(s.key, s.env) for s in smol_mcp.SETTINGS],
-            [(k, e) for k, e, _ in spec_table],
+            sorted(set(settings) - set(table)),
+            [],
+            "settings without a row in the README's Defaults table",
+        )
+        self.assertEqual(
+            sorted(set(table) - set(settings)),
+            [],
+            "README Defaults rows that name no setting",
         )
         defaults = Config()
-        for setting, (key, _, default) in zip(smol_mcp.SETTINGS, spec_table):
-            if default is not None:
-                self.assertEqual(getattr(defaults, setting.attr), default, key)
+        for key, (env, cell) in table.items():
+            with self.subTest(key=key):
+                setting = settings[key]
+                self.assertEqual(env, setting.env)
+                default = getattr(defaults, setting.attr)
+                if isinstance(default, int):
+                    self.assertRegex(cell, rf"^{default}\b")
+                elif default:  # an empty default is described in words
+                    self.assertIn(f"`{default}`", cell)
+
+    def test_every_setting_is_read_from_the_file_and_the_environment(self):
         samples = {  # a valid value other than the default, for every key
             "smolvm": "/opt/smolvm",
             "minSmolvm": "1.2.3",
@@ -298,11 +307,21 @@ class ConfigTests(unittest.TestCase):
             "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
             "replyTokens": 50000,
         }
-        for setting in (
-            smol_mcp.SETTINGS
-        ):  # every key is read from the file, and from the environment
+        defaults = Config()
+        for setting in smol_mcp.SETTINGS:
+            self.assertTrue(
+                setting.key in samples,
+                f"add a valid value of {setting.key}, other than its "
+                "default, to samples in this test",
+            )
             value = samples[setting.key]
             expected = tuple(value) if isinstance(value, list) else value
+            self.assertNotEqual(
+                getattr(defaults, setting.attr),
+                expected,
+                f"the sample of {setting.key} is its default: "
+                "it would pass unread",
+            )
             self.write({setting.key: value})
             self.assertEqual(
                 getattr(load_config(self.env), setting.attr),
@@ -310,34 +329,16 @@ class ConfigTests(unittest.TestCase):
                 setting.key,
             )
             self.file.unlink()
-            as_text = (
-                ",".join(value) if isinstance(value, list) else str(value)
-            )
+            if isinstance(value, list):
+                as_text = ",".join(value)
+            else:
+                as_text = str(value)
+            environ = {**self.env, setting.env: as_text}
             self.assertEqual(
-                getattr(
-                    load_config({**self.env, setting.env: as_text}),
-                    setting.attr,
-                ),
+                getattr(load_config(environ), setting.attr),
                 expected,
                 setting.env,
             )
-
-    def test_every_setting_is_in_the_readme_defaults_table(self):
-        readme = (HERE / "README.md").read_text()
-        table = readme[
-            readme.index("## Defaults, and why") : readme.index(
-                "## Security defaults"
-            )
-        ]
-        for (
-            setting
-        ) in smol_mcp.SETTINGS:  # a shared prefix may be shortened: `_PORT`
-            with self.subTest(setting=setting.key):
-                self.assertIn(f"`{setting.key}`", table)
-                short = "_" + setting.env.rsplit("_", 1)[-1]
-                self.assertTrue(
-                    f"`{setting.env}`" in table or f"`{short}`" in table
-                )
 
     def test_runtime_dir_without_xdg_is_per_user_temp(self):
         del self.env["XDG_RUNTIME_DIR"]
@@ -386,11 +387,13 @@ class ConfigTests(unittest.TestCase):
         cases = [
             (
                 {"cpus": "2"},
-                '"cpus" in the config file must be a whole number, got a string',
+                '"cpus" in the config file must be a whole number, got a '
+                "string",
             ),
             (
                 {"cpus": True},
-                '"cpus" in the config file must be a whole number, got a boolean',
+                '"cpus" in the config file must be a whole number, got a '
+                "boolean",
             ),
             ({"cpus": 0}, '"cpus" in the config file must be at least 1'),
             (
@@ -499,8 +502,8 @@ class ImportTests(unittest.TestCase):
                 import smol_mcp
                 after = set(os.listdir(os.environ["XDG_RUNTIME_DIR"]))
                 assert after == before, "runtime dir touched"
-                assert not logging.getLogger().handlers, "logging configured at import"
-                assert threading.active_count() == 1, "threads started at import"
+                assert not logging.getLogger().handlers, "logging configured"
+                assert threading.active_count() == 1, "threads started"
                 print("ok")
             """)
             env = {
@@ -522,9 +525,10 @@ class ImportTests(unittest.TestCase):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def test_own_code_imports_the_http_stack_only_lazily(self):
-        """smol_mcp's own top-level imports are stdlib and anyio: mcp and the HTTP
-        stack are imported inside the functions that need them. (The mcp 2.3.0
-        SDK itself imports starlette and uvicorn; that is outside our control.)"""
+        """smol_mcp's own top-level imports are stdlib and anyio: mcp and the
+        HTTP stack are imported inside the functions that need them. (The mcp
+        2.3.0 SDK itself imports starlette and uvicorn; that is outside our
+        control.)"""
         tree = ast.parse((HERE / "smol_mcp.py").read_text())
         top_level = set()
         for node in tree.body:
@@ -550,8 +554,8 @@ class ImportTests(unittest.TestCase):
             self.assertIn(pin, head)
             self.assertIn(pin, tests_head)
             self.assertIn(pin, pyproject)
-        # httpx2 2.16.2 itself requires Python 3.11, so a lower floor would be a promise
-        # no installer can keep
+        # httpx2 2.16.2 itself requires Python 3.11, so a lower floor would be
+        # a promise no installer can keep
         self.assertIn('requires-python = ">=3.11"', head)
         self.assertIn('requires-python = ">=3.11"', pyproject)
         self.assertIn('smol-mcp = "smol_mcp:main"', pyproject)
@@ -604,63 +608,11 @@ class ImportTests(unittest.TestCase):
 # ---------------------------------------------------------------------------
 
 
-def module_sections(lines: list[str]) -> dict[str, int]:
-    """Lines per numbered section of smol_mcp.py ("0" is the header before section 1)."""
-    starts = [(0, "0")] + [
-        (i, re.match(r"# (\d+b?)\. ", lines[i + 1])[1])
-        for i, line in enumerate(lines[:-1])
-        if re.fullmatch(r"# -{20,}", line)
-        and re.match(r"# \d+b?\. ", lines[i + 1])
-    ]
-    ends = [start for start, _ in starts[1:]] + [len(lines)]
-    return {name: end - start for (start, name), end in zip(starts, ends)}
-
-
-class SectionBudgetTests(unittest.TestCase):
-    """The module keeps within its line budget, section by section: a section
-    that outgrows its budget fails here, so growth is a decision, not a drift.
-    Raising a number is allowed; say why in the commit."""
-
-    MODULE_LINES = 8500  # the ceiling issue 26 set; sections below have about 2% room each
-    BUDGETS = {
-        "0": 92,
-        "1": 286,
-        "2": 51,
-        "3": 1302,
-        "4": 442,
-        "5": 78,
-        "6": 106,
-        "7": 252,
-        "8": 1503,
-        "9": 146,
-        "10": 252,
-        "11": 737,
-        "12": 839,
-        "13": 139,
-        "14": 857,
-        "14b": 663,
-        "15": 915,
-    }
-
-    def test_each_section_and_the_module_keep_within_budget(self):
-        lines = (HERE / "smol_mcp.py").read_text(encoding="utf-8").splitlines()
-        sizes = module_sections(lines)
-        self.assertEqual(
-            sorted(sizes), sorted(self.BUDGETS)
-        )  # a new section gets a budget
-        over = {name: n for name, n in sizes.items() if n > self.BUDGETS[name]}
-        self.assertEqual(
-            over, {}, "sections over their budget (section: lines)"
-        )
-        self.assertLessEqual(len(lines), self.MODULE_LINES)
-
-
 class FleetContractTests(unittest.TestCase):
-    """Every fleet in the registry offers the whole contract, with the same signatures."""
+    """Every fleet in the registry offers the whole contract, with the same
+    signatures."""
 
-    def test_every_fleet_has_every_member_of_the_contract_with_its_signature(
-        self,
-    ):
+    def test_every_fleet_has_the_whole_contract_with_its_signatures(self):
         contract = smol_mcp.Fleet
         members = [
             name
@@ -672,7 +624,14 @@ class FleetContractTests(unittest.TestCase):
         ] + ["__init__"]
         attributes = list(contract.__annotations__)
         self.assertGreater(len(members), 20)
-        self.assertEqual(list(smol_mcp.FLEETS), ["local", "cloud"])
+        # Each fleet is driven against its fake by a case class of its own:
+        # a new fleet fails here until it has one.
+        cases = {"local": FakeServeCase, "cloud": FakeCloudCase}
+        self.assertEqual(
+            sorted(smol_mcp.FLEETS),
+            sorted(cases),
+            "a fleet needs its fake in tests/fakes and a case class here",
+        )
         for name, fleet in smol_mcp.FLEETS.items():
             self.assertEqual(fleet.name, name)
             for attribute in attributes:
@@ -688,8 +647,8 @@ class FleetContractTests(unittest.TestCase):
 
     @staticmethod
     def shape(signature: inspect.Signature) -> list[tuple]:
-        """Each parameter's name, kind and default, and for **options its TypedDict (ExecOptions,
-        or JobOptions: a job takes no stdin)."""
+        """Each parameter's name, kind and default, and for **options its
+        TypedDict (ExecOptions, or JobOptions: a job takes no stdin)."""
         params = signature.parameters.values()
         return [
             (
@@ -809,8 +768,12 @@ class PiecesTests(unittest.TestCase):
         )
 
     def test_importing_the_module_loads_no_http_stack_or_sdk(self):
-        # what stdio needs of the SDK it imports when it serves; uvicorn and starlette only --http
-        code = "import smol_mcp, sys; print(sorted({m.split('.')[0] for m in sys.modules}))"
+        # what stdio needs of the SDK it imports when it serves; uvicorn and
+        # starlette only --http
+        code = (
+            "import smol_mcp, sys; "
+            "print(sorted({m.split('.')[0] for m in sys.modules}))"
+        )
         loaded = subprocess.run(
             [sys.executable, "-c", code],
             cwd=HERE,
@@ -829,8 +792,9 @@ class PiecesTests(unittest.TestCase):
             self.assertNotIn(f"'{heavy}'", loaded)
 
     def test_a_short_stream_over_its_token_share_keeps_a_head_and_a_tail(self):
-        # Under a quarter of the byte limit but dear in tokens (control characters): the
-        # tail's window began before the stream's start (an IndexError), or overlapped the head.
+        # Under a quarter of the byte limit but dear in tokens (control
+        # characters): the tail's window began before the stream's start (an
+        # IndexError), or overlapped the head.
         data = bytes(range(1, 32)) * 300
         text, omitted = smol_mcp.fit_stream(data, 65536, 11500, "x")
         head, _, tail = text.partition("\n[... smol-mcp: ")
@@ -894,7 +858,8 @@ class PiecesTests(unittest.TestCase):
         cases = [
             (
                 {"image": "a", "memory": 512},
-                'create-machine has no argument "memory" (did you mean "memoryMb"?)',
+                'create-machine has no argument "memory" (did you mean '
+                '"memoryMb"?)',
             ),
             (
                 {"image": "a", "net": True},
@@ -937,7 +902,8 @@ class PiecesTests(unittest.TestCase):
                         {"source": "/a", "target": "/b", "readOnly": True}
                     ],
                 },
-                '"mounts[0]" has no field "readOnly" (did you mean "readonly"?)',
+                '"mounts[0]" has no field "readOnly" (did you mean '
+                '"readonly"?)',
             ),
             (
                 {"image": "a", "env": {"A=B": "x"}},
@@ -1118,7 +1084,8 @@ class PiecesTests(unittest.TestCase):
             "create machine 'x'",
             422,
             "text/plain; charset=utf-8",
-            b"Failed to deserialize the JSON body into the target type: net: unknown field `net`",
+            b"Failed to deserialize the JSON body into the target type: net: "
+            b"unknown field `net`",
         )
         self.assertIn("unknown field `net`", str(err))
         self.assertIn("HTTP 422", str(err))
@@ -1206,39 +1173,25 @@ class FakeServeCase(unittest.IsolatedAsyncioTestCase):
         return len([r for r in self.fake.requests if "/exec" in r[1]])
 
 
-# (readOnly, destructive, idempotent, openWorld) of each tool, from what each does.
-ANNOTATIONS = {
-    "list-machines": (True, False, True, False),
-    "get-machine": (True, False, True, False),
-    "create-machine": (False, False, False, True),
-    "run-command": (False, True, False, True),
-    "run-once": (False, False, False, True),
-    "read-file": (False, False, True, False),
-    "write-file": (False, True, True, False),
-    "start-machine": (False, False, True, True),
-    "branch-machine": (False, False, False, False),
-    "stop-machine": (False, True, True, False),
-    "delete-machine": (False, True, False, False),
-    "machine-logs": (True, False, False, False),
-    "pull-image": (False, False, True, True),
-    "start-job": (False, True, False, True),  # each call starts another job
-    "read-job": (True, False, False, False),
-    "cancel-job": (False, True, True, False),
-    "allow-egress": (
-        False,
-        True,
-        False,
-        False,
-    ),  # a removal narrows what a machine reaches
-}
+HINTS = ("read_only", "destructive", "idempotent", "open_world")
 
 
 class ToolListTests(FakeServeCase):
-    async def test_every_tool_has_truthful_annotations_and_a_strict_schema(
-        self,
-    ):
-        # ANNOTATIONS is the one stated list of tool names: a rename must change it on purpose
-        self.assertEqual([t.name for t in smol_mcp.TOOLS], list(ANNOTATIONS))
+    async def test_every_tool_has_true_annotations_and_a_strict_schema(self):
+        specs = smol_mcp.TOOLS_BY_NAME
+        for spec in smol_mcp.TOOLS:
+            # What a read scope grants must change nothing, and whatever
+            # changes nothing is a read: the level and the hint agree.
+            self.assertEqual(
+                spec.level == "read",
+                spec.read_only,
+                f"{spec.name}: a read tool, and only a read tool, is "
+                "read_only",
+            )
+            self.assertFalse(
+                spec.read_only and spec.destructive,
+                f"{spec.name}: read_only and destructive",
+            )
         for mode in MODES:
             async with self.client(mode) as c:
                 tools = {t.name: t for t in (await c.list_tools()).tools}
@@ -1252,41 +1205,47 @@ class ToolListTests(FakeServeCase):
                         "target", tool.input_schema["properties"], tool.name
                     )
                     self.assertIsNotNone(tool.output_schema, tool.name)
-                    self.assertGreater(len(tool.description), 60, tool.name)
-                    a = (
-                        tool.annotations
-                    )  # exactly the table below, as the client sees it
-                    self.assertEqual(
-                        (
-                            a.read_only_hint,
-                            a.destructive_hint,
-                            a.idempotent_hint,
-                            a.open_world_hint,
-                        ),
-                        ANNOTATIONS[tool.name],
-                        tool.name,
+                    self.assertGreater(
+                        len(tool.description),
+                        60,
+                        f"{tool.name}: the description is all a model "
+                        "reads to choose a tool; a label this short cannot "
+                        "say when to use it, what it changes and what it "
+                        "returns",
                     )
+                    # As the client sees them, exactly the ToolSpec's.
+                    a = tool.annotations
+                    seen = (
+                        a.read_only_hint,
+                        a.destructive_hint,
+                        a.idempotent_hint,
+                        a.open_world_hint,
+                    )
+                    spec = specs[tool.name]
+                    declared = tuple(getattr(spec, hint) for hint in HINTS)
+                    self.assertEqual(seen, declared, tool.name)
+                # What particular tools do, stated here on purpose: each
+                # is a reason, not a copy of the spec.
                 self.assertTrue(
                     tools["list-machines"].annotations.read_only_hint
                 )
                 self.assertTrue(
                     tools["machine-logs"].annotations.read_only_hint
                 )
-                self.assertFalse(
-                    tools["read-file"].annotations.read_only_hint
-                )  # it starts a stopped machine
+                # read-file starts a stopped machine
+                self.assertFalse(tools["read-file"].annotations.read_only_hint)
                 self.assertTrue(
                     tools["delete-machine"].annotations.destructive_hint
                 )
+                # a second delete is a 404
                 self.assertFalse(
                     tools["delete-machine"].annotations.idempotent_hint
-                )  # a second delete is a 404
+                )
                 self.assertFalse(
                     tools["create-machine"].annotations.read_only_hint
                 )
-                egress = tools[
-                    "allow-egress"
-                ].annotations  # removals narrow a security posture
+                # removals narrow a security posture
+                egress = tools["allow-egress"].annotations
                 self.assertEqual(
                     (
                         egress.read_only_hint,
@@ -1310,9 +1269,7 @@ class ToolListTests(FakeServeCase):
                 self.assertIn("network", c.instructions)
                 self.assertIn('network: "open"', c.instructions)
 
-    async def test_connecting_and_reading_targets_ask_the_serve_nothing_but_its_health(
-        self,
-    ):
+    async def test_connecting_and_targets_ask_the_serve_only_its_health(self):
         async with self.client("legacy") as c:
             await c.list_tools()
             self.assertEqual(self.fake.requests, [])
@@ -1329,89 +1286,120 @@ class ToolListTests(FakeServeCase):
             )
 
 
-def engine_requests_table() -> dict[str, dict[str, int]]:
-    """The README tools table's engine requests of each tool, per fleet: a cell
-    reads `N` (both fleets) or `N (cloud M)`; what follows a `;` is a note."""
-    table, readme = {}, (HERE / "README.md").read_text()
-    rows = readme[
-        readme.index("| Tool | What it does |") : readme.index(
-            "A machine record has"
-        )
-    ]
-    for row in re.findall(r"^\| `([a-z-]+)` \|.*\| ([^|]+) \|$", rows, re.M):
-        tool, cell = row[0], row[1].split(";")[0]
+def engine_requests_table() -> dict[str, dict]:
+    """The README tools table's engine requests of each tool, per fleet.
+
+    A cell reads `N` (every fleet) or `N (cloud M)`; what follows a `;` is
+    a note. A tool whose "What it does" says "(local only" has no cloud
+    count: the cloud fleet refuses it.
+    """
+    readme = (HERE / "README.md").read_text()
+    start = readme.index("| Tool | What it does |")
+    end = readme.index("A machine record has")
+    table = {}
+    row_re = r"^\| `([a-z-]+)` \| (.*) \| ([^|]+) \|$"
+    for tool, rest, cell in re.findall(row_re, readme[start:end], re.M):
+        cell = cell.split(";")[0]
         local = int(re.match(r"\d+", cell)[0])
         cloud = re.search(r"cloud (\d+)", cell)
         table[tool] = {
             "local": local,
             "cloud": int(cloud[1]) if cloud else local,
+            "local_only": "(local only" in rest.split(" | ")[0],
         }
     return table
 
 
 class EngineRequestScenarios:
     """Each tool's engine requests, counted in the fake's journal, are the
-    README tools table's: the table cannot go stale."""
+    README tools table's: the table cannot go stale, and a tool without a
+    row there or a call here fails."""
+
+    ROW = "a row in the README tools table, with its engine requests"
+    # One call of every tool, in an order where its machine exists: a new
+    # tool fails the test below until its call is added here.
+    CALLS = [
+        (
+            "create-machine",
+            {
+                "name": "rq-1",
+                "image": "alpine",
+                "branchable": True,
+                "allowHosts": ["example.com"],
+            },
+        ),
+        ("list-machines", {}),
+        ("get-machine", {"name": "rq-1"}),
+        ("run-command", {"name": "rq-1", "command": "true"}),
+        ("write-file", {"name": "rq-1", "path": "/root/f", "content": "x"}),
+        ("read-file", {"name": "rq-1", "path": "/root/f"}),
+        ("machine-logs", {"name": "rq-1"}),
+        ("start-job", {"name": "rq-1", "command": "sleep 30"}),
+        ("read-job", {"name": "rq-1", "jobId": None}),
+        ("cancel-job", {"name": "rq-1", "jobId": None}),
+        ("pull-image", {"name": "rq-1", "image": "alpine"}),
+        ("allow-egress", {"name": "rq-1", "hosts": ["pypi.org"]}),
+        ("branch-machine", {"name": "rq-1", "childName": "rq-2"}),
+        ("stop-machine", {"name": "rq-1"}),
+        ("start-machine", {"name": "rq-1"}),
+        ("delete-machine", {"name": "rq-2"}),
+        ("delete-machine", {"name": "rq-1"}),
+        ("run-once", {"image": "alpine", "command": "true"}),
+    ]
 
     def journal(self) -> list:
-        return (
-            self.cloud.requests
-            if self.fleet == "cloud"
-            else self.fake.requests
-        )
+        if self.fleet == "cloud":
+            return self.cloud.requests
+        return self.fake.requests
 
     async def test_each_tool_makes_the_requests_the_tools_table_says(self):
-        table, counted = engine_requests_table(), {}
-        self.assertEqual(sorted(table), sorted(smol_mcp.TOOLS_BY_NAME))
-        name, hosts = "rq-1", {"allowHosts": ["example.com"]}
-        calls = [
-            (
-                "create-machine",
-                {"name": name, "image": "alpine", "branchable": True, **hosts},
-            ),
-            ("list-machines", {}),
-            ("get-machine", {"name": name}),
-            ("run-command", {"name": name, "command": "true"}),
-            ("write-file", {"name": name, "path": "/root/f", "content": "x"}),
-            ("read-file", {"name": name, "path": "/root/f"}),
-            ("machine-logs", {"name": name}),
-            ("start-job", {"name": name, "command": "sleep 30"}),
-            ("read-job", {"name": name, "jobId": None}),
-            ("cancel-job", {"name": name, "jobId": None}),
-            ("pull-image", {"name": name, "image": "alpine"}),
-            ("allow-egress", {"name": name, "hosts": ["pypi.org"]}),
-            ("branch-machine", {"name": name, "childName": "rq-2"}),
-            ("stop-machine", {"name": name}),
-            ("start-machine", {"name": name}),
-            ("delete-machine", {"name": "rq-2"}),
-            ("delete-machine", {"name": name}),
-            ("run-once", {"image": "alpine", "command": "true"}),
-        ]
-        local_only = {"pull-image", "allow-egress"}
+        table = engine_requests_table()
+        tools = list(smol_mcp.TOOLS_BY_NAME)
+        for name in tools:
+            self.assertTrue(name in table, f"{name} needs {self.ROW}")
+            self.assertTrue(
+                name in [tool for tool, _ in self.CALLS],
+                f"{name} has no call in EngineRequestScenarios.CALLS: add "
+                "one, after the calls that make its machine",
+            )
+        self.assertEqual(
+            sorted(set(table) - set(tools)), [], "README rows of no tool"
+        )
+        counted = {}
+        refused = set()
         async with self.client(
             "legacy", elicitation_callback=answer_allow("accept")
         ) as c:
-            await self.ok(
-                c, "list-machines", {}
-            )  # the first local call checks the serve once
+            # the first local call checks the serve once
+            await self.ok(c, "list-machines", {})
             job = None
-            for tool, args in calls:
-                if self.fleet == "cloud" and tool in local_only:
-                    continue
-                args = {**args, "jobId": job} if "jobId" in args else args
+            for tool, args in self.CALLS:
+                if "jobId" in args:
+                    args = {**args, "jobId": job}
                 before = len(self.journal())
-                got = await self.ok(c, tool, args)
-                job = got.get("jobId", job)
+                is_error, got = await self.call(c, tool, args)
                 counted[tool] = len(self.journal()) - before
+                if is_error and f"{tool} is local only" in got:
+                    refused.add(tool)
+                    continue
+                self.assertFalse(is_error, f"{tool}: {got}")
+                job = got.get("jobId", job)
+        # a tool the cloud refuses says so in its README row, and the
+        # refusal asks the engine nothing
+        local_only = {t for t in tools if table[t]["local_only"]}
+        if self.fleet == "cloud":
+            self.assertEqual(refused, local_only)
+        else:
+            self.assertEqual(refused, set())
+        for tool in refused:
+            self.assertEqual(counted.pop(tool), 0, tool)
         self.assertEqual(counted, {t: table[t][self.fleet] for t in counted})
 
 
 class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
     fleet = "local"
 
-    async def test_arguments_are_checked_by_a_validator_built_once_per_tool(
-        self,
-    ):
+    async def test_arguments_are_checked_by_one_validator_per_tool(self):
         async with self.client("legacy") as c:
             await self.ok(c, "list-machines", {})
             with unittest.mock.patch.object(
@@ -1456,8 +1444,6 @@ class ReadOnTheLoopTests(FakeServeCase):
     serve answers (LocalFleet.read_now): no worker thread, a kept-alive
     socket, and the blocking way whenever the quick one cannot be sure."""
 
-    config_overrides = {"ready_timeout_secs": 1}
-
     def fleet(self):
         return self.app.fleets["local"]
 
@@ -1477,9 +1463,7 @@ class ReadOnTheLoopTests(FakeServeCase):
             ]
         )
 
-    async def test_reads_once_the_serve_answers_take_no_worker_thread_and_one_socket(
-        self,
-    ):
+    async def test_reads_take_no_worker_thread_and_one_socket(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "rl-1", "image": "alpine"}
@@ -1554,9 +1538,7 @@ class ReadOnTheLoopTests(FakeServeCase):
         self.assertEqual(answers[0], answers[1])
         self.assertIn("machine 'rl-9' not found", answers[0][2])
 
-    async def test_a_socket_the_serve_closed_while_idle_is_not_used_again(
-        self,
-    ):
+    async def test_a_socket_the_serve_closed_idle_is_not_used_again(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "rl-1", "image": "alpine"}
@@ -1598,9 +1580,7 @@ class ReadOnTheLoopTests(FakeServeCase):
                 (got["machine"]["name"], self.gets() - before), ("rl-1", 2)
             )
 
-    async def test_an_answer_the_quick_way_cannot_be_sure_of_goes_the_blocking_way(
-        self,
-    ):
+    async def test_an_answer_the_quick_way_doubts_goes_the_blocking_way(self):
         path = f"{self.tmp}/canned.sock"
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(path)
@@ -1609,19 +1589,21 @@ class ReadOnTheLoopTests(FakeServeCase):
             dataclasses_replace(self.config, local_url=f"unix://{path}")
         )
         fleet._ready, body = True, b'{"machines": []}'
-        answers = {  # the canned answer: what read_now gives, and whether it keeps the socket
+        # the canned answer: what read_now gives, and whether it keeps the
+        # socket
+        answers = {
             b"HTTP/1.1\r\n\r\n": (None, 0),
             b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n": (None, 0),
-            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 16\r\n\r\n"
-            + body: (
+            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: "
+            b"16\r\n\r\n" + body: (
                 None,
                 0,
             ),
             b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n"
             + body
             + b"HTTP/1.1": ([], 0),
-            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\nconnection: close\r\n\r\n"
-            + body: ([], 0),
+            b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\nconnection: "
+            b"close\r\n\r\n" + body: ([], 0),
             b"HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n" + body: ([], 1),
         }
 
@@ -1669,7 +1651,8 @@ class ReadOnTheLoopTests(FakeServeCase):
                         (seen.pop() if seen else b"") + conn.recv(4096)
                     )
                 conn.sendall(
-                    b'HTTP/1.1 200 OK\r\ncontent-length: 16\r\n\r\n{"machines": []}'
+                    b"HTTP/1.1 200 OK\r\ncontent-length: "
+                    b'16\r\n\r\n{"machines": []}'
                 )
 
         server = threading.Thread(target=answer)
@@ -1702,15 +1685,19 @@ class ReadOnTheLoopTests(FakeServeCase):
             finally:
                 answer.set()
 
-    async def test_a_serve_that_does_not_answer_in_time_is_named_and_its_socket_closed(
-        self,
-    ):
+    async def test_a_serve_that_does_not_answer_is_named_and_closed(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "rl-1", "image": "alpine"}
             )
             await self.ok(c, "list-machines", {})
             before = self.gets()
+            # A short wait for the stalled read alone: the create before it
+            # may take longer than a second on a busy host.
+            fleet = self.fleet()
+            fleet.config = dataclasses_replace(
+                fleet.config, ready_timeout_secs=1
+            )
             with self.stalled("/api/v1/machines/rl-1"):
                 text = await self.refused(c, "get-machine", {"name": "rl-1"})
                 self.assertEqual(
@@ -2058,7 +2045,8 @@ class EraScenarios:
                     "egressRules": HOST_RANGE_RULES,
                 },
             )
-            # ready means a command ran: the probe was an exec with autoStart false
+            # ready means a command ran: the probe was an exec with autoStart
+            # false
             probe = self.requests_to("/exec")[0][2]
             self.assertEqual(
                 (probe["command"], probe["autoStart"]), (["true"], False)
@@ -2070,7 +2058,8 @@ class EraScenarios:
                 {
                     "name": "mcp-walkthrough",
                     "timeoutSecs": 30,
-                    "command": "mkdir -p /workspace && echo cloned && echo warn >&2",
+                    "command": "mkdir -p /workspace && echo cloned "
+                    "&& echo warn >&2",
                 },
             )
             self.assertEqual(
@@ -2161,9 +2150,7 @@ class EraScenarios:
             self.assertIn('"timeoutSecs" must be a whole number', text)
             self.assertEqual(self.fake.requests, [])  # nothing reached the API
 
-    async def test_ephemeral_machines_end_with_the_session_and_persistent_ones_stay(
-        self,
-    ):
+    async def test_ephemeral_machines_end_with_the_session_others_stay(self):
         self.fake_direct_create("mcp-not-ours")
         async with self.client(self.mode) as c:
             await self.ok(
@@ -2222,7 +2209,8 @@ class ModernEra(EraScenarios, FakeServeCase):
 
 
 class ToolRuleTests(FakeServeCase):
-    """One rule of the tools each (handshake era; the era scenarios cover both)."""
+    """One rule of the tools each (handshake era; the era scenarios cover
+    both)."""
 
     config_overrides = {"max_output_bytes": 2048}
 
@@ -2234,9 +2222,7 @@ class ToolRuleTests(FakeServeCase):
         )
         return name
 
-    async def test_output_budget_keeps_head_and_tail_and_saves_the_whole_stream(
-        self,
-    ):
+    async def test_output_budget_keeps_head_and_tail_and_saves_the_rest(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             out = await self.ok(
@@ -2686,9 +2672,7 @@ class ToolRuleTests(FakeServeCase):
                 lambda: c.call_tool("list-machines", {}),
             )
 
-    async def test_an_unexpected_exception_is_a_tool_error_without_a_traceback(
-        self,
-    ):
+    async def test_an_unexpected_exception_is_a_tool_error_no_traceback(self):
         def broken():
             raise RuntimeError("kaboom")
 
@@ -2888,9 +2872,7 @@ class SessionRecordTests(FakeServeCase):
             )
         self.assertEqual(self.fake.machines, {})
 
-    async def test_sweep_deletes_only_dead_processes_records_on_the_same_serve(
-        self,
-    ):
+    async def test_sweep_deletes_only_dead_processes_records_same_serve(self):
         for name in ("mcp-dead", "mcp-live", "mcp-other"):
             EraScenarios.fake_direct_create(self, name)
         sessions = Path(self.config.runtime_dir) / "sessions"
@@ -2926,7 +2908,8 @@ class SessionRecordTests(FakeServeCase):
         sessions = Path(self.config.runtime_dir) / "sessions"
         sessions.mkdir(parents=True)
         zombie = subprocess.Popen(["sleep", "60"])
-        zombie.kill()  # not reaped until poll(): a zombie, as under a PID 1 that never reaps
+        # not reaped until poll(): a zombie, as under a PID 1 that never reaps
+        zombie.kill()
         await wait_until(
             lambda: proc_stat(zombie.pid)[2] == "Z", 2, "the child is a zombie"
         )
@@ -2984,9 +2967,7 @@ class WaitTests(FakeServeCase):
     fake_options = {"boot_delay": 1.0}
     config_overrides = {"ready_timeout_secs": 5}
 
-    async def test_progress_notifications_only_increase_and_read_as_sentences(
-        self,
-    ):
+    async def test_progress_only_increases_and_reads_as_sentences(self):
         saved = smol_mcp.PROGRESS_INTERVAL_SECS
         smol_mcp.PROGRESS_INTERVAL_SECS = 0.2
         try:
@@ -3061,7 +3042,8 @@ class WaitTests(FakeServeCase):
                 )
             self.assertLess(abs(time.monotonic() - started - 5), 2)
             self.assertIn(
-                "did not answer within 5 s while trying to create machine 'slow'",
+                "did not answer within 5 s while trying to create machine "
+                "'slow'",
                 text,
             )
             self.assertIn("raise readyTimeoutSecs", text)
@@ -3105,9 +3087,7 @@ class AdviceTests(FakeServeCase):
     """Advice to the model matches the engine (1.32.2 fetches
     registry images on the host), and create reports progress at once."""
 
-    async def test_instructions_and_schema_do_not_send_agents_to_open_egress_for_a_pull(
-        self,
-    ):
+    async def test_nothing_sends_agents_to_open_egress_for_a_pull(self):
         async with self.client("legacy") as c:
             tools = {tool.name: tool for tool in (await c.list_tools()).tools}
         for said in (
@@ -3119,15 +3099,14 @@ class AdviceTests(FakeServeCase):
             self.assertNotRegex(said, r"needs? (network: )?\\?\"open\\?\"")
             self.assertIn("on the host", said)
 
-    def test_only_an_engine_that_refuses_without_egress_gets_the_network_hint(
-        self,
-    ):
+    def test_only_an_engine_refusing_without_egress_gets_the_hint(self):
         old = smol_mcp.ApiError(
             "local",
             "start machine 'm'",
             400,
             "BAD_REQUEST",
-            "image 'alpine' must be pulled from a registry, but this machine has no network",
+            "image 'alpine' must be pulled from a registry, but this machine "
+            "has no network",
         )
         self.assertIn(
             'network: "open"',
@@ -3138,8 +3117,10 @@ class AdviceTests(FakeServeCase):
             "start machine 'm'",
             500,
             "INTERNAL_ERROR",
-            "HTTP request failed: error sending request for url (https://r.example/v2/a/"
-            "manifests/latest): client error (Connect): tcp connect error: Connection refused",
+            "HTTP request failed: error sending request for url "
+            "(https://r.example/v2/a/"
+            "manifests/latest): client error (Connect): tcp connect error: "
+            "Connection refused",
         )
         said = str(smol_mcp.explain_start_failure(host, "blocked"))
         self.assertIn("could not reach the image registry", said)
@@ -3148,8 +3129,8 @@ class AdviceTests(FakeServeCase):
     def test_terminal_colours_in_an_engine_message_are_removed(self):
         body = json.dumps(
             {
-                "error": "monitor agent: \x1b[2m2026-12-01T01:21:07Z\x1b[0m \x1b[33m WARN\x1b[0m "
-                "no resolver",
+                "error": "monitor agent: \x1b[2m2026-12-01T01:21:07Z\x1b[0m "
+                "\x1b[33m WARN\x1b[0m no resolver",
                 "code": "INTERNAL_ERROR",
             }
         ).encode()
@@ -3221,9 +3202,7 @@ class ReplySizeTests(FakeServeCase):
     output or file content costs more than replyTokens (20,000; Claude Code
     refuses 25,000), whatever the characters."""
 
-    async def test_every_output_is_under_the_token_cap_by_a_real_tokenizer(
-        self,
-    ):
+    async def test_every_output_is_under_the_cap_by_a_real_tokenizer(self):
         counters = real_tokenizers()
         if not counters:
             self.skipTest(
@@ -3363,7 +3342,8 @@ class ReplySizeTests(FakeServeCase):
 
     async def test_pages_of_escapes_fit_and_read_back_whole(self):
         """read-file and read-job pages are bounded in tokens too: a page of
-        NUL bytes (a six-character escape each) must not be six times the budget."""
+        NUL bytes (a six-character escape each) must not be six times the
+        budget."""
         budget, cost = smol_mcp.reply_tokens(Config()), smol_mcp.est_tokens
         size = 70_000
         async with self.client("legacy") as c:
@@ -3420,10 +3400,9 @@ class ReplySizeTests(FakeServeCase):
 class StartFailureTests(FakeServeCase):
     fake_options = {"registry": "offline"}
 
-    async def test_host_that_cannot_reach_the_registry_is_named_and_egress_is_not_suggested(
-        self,
-    ):
-        # 1.32.2 fetches a registry image on the host: opening the guest's egress would not help
+    async def test_no_registry_reach_is_named_and_egress_not_suggested(self):
+        # 1.32.2 fetches a registry image on the host: opening the guest's
+        # egress would not help
         async with self.client("legacy") as c:
             text = await self.refused(c, "create-machine", {"image": "alpine"})
             self.assertIn(
@@ -3603,7 +3582,8 @@ CLOUD_TOKEN = "smk_test_token_do_not_echo"
     "the fake guest needs root or unshare to chroot into its busybox root",
 )
 class FakeCloudCase(FakeServeCase):
-    """A FakeCloud (and the local fake beside it, for both mode), and a server using it."""
+    """A FakeCloud (and the local fake beside it, for both mode), and a server
+    using it."""
 
     cloud_options: dict = {}
     targets = "cloud"
@@ -3855,9 +3835,7 @@ class CloudRuleTests(FakeCloudCase):
                         [r for r in self.cloud.requests if "egress" in r[1]]
                     )
 
-    async def test_create_time_allow_lists_refuse_the_host_and_public_suffixes(
-        self,
-    ):
+    async def test_create_allow_lists_refuse_host_and_public_suffixes(self):
         async with self.client("legacy") as c:
             for field, values in (
                 ("allowHosts", REFUSED_EGRESS_HOSTS),
@@ -3897,9 +3875,7 @@ class CloudRuleTests(FakeCloudCase):
         ]
         self.assertEqual(len(creates), 1)
 
-    async def test_a_stream_the_service_cut_is_reported_not_passed_off_as_whole(
-        self,
-    ):
+    async def test_a_stream_the_service_cut_is_reported_not_passed_off(self):
         self.cloud.exec_b64, self.cloud.exec_output_cap = (
             False,
             3000,
@@ -3918,9 +3894,7 @@ class CloudRuleTests(FakeCloudCase):
                 "the first", out["stdout"]
             )  # the overflow file is not claimed to be whole
 
-    async def test_names_resolve_with_one_list_call_and_an_id_is_not_a_name(
-        self,
-    ):
+    async def test_names_resolve_with_one_list_call_an_id_is_not_a_name(self):
         async with self.client("legacy") as c:
             await self.machine(c, "persist-1")
             self.assertIsNone(
@@ -3940,9 +3914,8 @@ class CloudRuleTests(FakeCloudCase):
             by_id = await self.refused(
                 c, "get-machine", {"name": got["machine"]["id"]}
             )
-            self.assertIn(
-                f"machine '{got['machine']['id']}' not found", by_id
-            )  # SPEC 16
+            # an id is not a name
+            self.assertIn(f"machine '{got['machine']['id']}' not found", by_id)
             text = await self.refused(c, "get-machine", {"name": "ghost"})
             self.assertIn("machine 'ghost' not found", text)
             self.assertIn("list-machines", text)
@@ -4007,9 +3980,7 @@ class CloudRuleTests(FakeCloudCase):
             ).read_text()
             self.assertEqual(whole, "".join(f"{i}\n" for i in range(1, 3001)))
 
-    async def test_blocked_is_sent_explicitly_and_an_allow_list_never_empty(
-        self,
-    ):
+    async def test_blocked_is_sent_explicitly_and_no_allow_list_empty(self):
         async with self.client("legacy") as c:
             await self.machine(c, "mcp-a", allowCidrs=[])
             await self.machine(c, "mcp-b", allowHosts=["pypi.org"])
@@ -4106,12 +4077,14 @@ class CloudServiceVariants(FakeCloudCase):
             bodies = [
                 r[3]["network"] for r in self.cloud_requests("/v1/machines")
             ]
-            # blocked first, as the official client spells it; then the seed's deny-all allow-list
+            # blocked first, as the official client spells it; then the seed's
+            # deny-all allow-list
             self.assertEqual(
                 bodies, [{"mode": "blocked"}, smol_mcp.CLOUD_BLOCKED_FALLBACK]
             )
             self.assertEqual(created["machine"]["network"], "blocked")
-            # files: the suffix route answers 404, so write and read go through exec with base64
+            # files: the suffix route answers 404, so write and read go through
+            # exec with base64
             data = bytes(range(256)) * 4
             wrote = await self.ok(
                 c,
@@ -4137,7 +4110,8 @@ class CloudServiceVariants(FakeCloudCase):
             )
             self.assertEqual(base64.b64decode(page["content"]), data[10:110])
             self.assertEqual(page["size"], len(data))
-            # a page larger than the exec response cap is refused rather than returned short
+            # a page larger than the exec response cap is refused rather than
+            # returned short
             (
                 Path(self.cloud.guest_root(self.by_name("mcp-old")["id"]))
                 / "root/big.txt"
@@ -4158,20 +4132,19 @@ class CloudServiceVariants(FakeCloudCase):
 class BothModeTests(FakeCloudCase):
     targets = "both"
 
-    async def test_target_is_required_with_no_default_and_routes_the_call(
-        self,
-    ):
+    async def test_target_is_required_with_no_default_and_routes(self):
         for mode in MODES:
             async with self.client(mode) as c:
                 tools = (await c.list_tools()).tools
                 for tool in tools:
                     self.assertEqual(
                         tool.input_schema["properties"]["target"]["enum"],
-                        ["local", "cloud"],
+                        list(smol_mcp.FLEETS),
                     )
                     self.assertIn("target", tool.input_schema["required"])
                 text = await self.refused(c, "list-machines", {})
-                self.assertIn('needs "target": "local" or "cloud"', text)
+                either = " or ".join(f'"{name}"' for name in smol_mcp.FLEETS)
+                self.assertIn(f'needs "target": {either}', text)
                 self.assertIn("there is no default", text)
                 await self.ok(
                     c,
@@ -4205,7 +4178,8 @@ class BothModeTests(FakeCloudCase):
                 text = await self.refused(
                     c, "list-machines", {"target": "mars"}
                 )
-                self.assertIn('"target" must be one of "local", "cloud"', text)
+                fleets = ", ".join(f'"{name}"' for name in smol_mcp.FLEETS)
+                self.assertIn(f'"target" must be one of {fleets}', text)
                 await self.ok(
                     c,
                     "delete-machine",
@@ -4247,8 +4221,9 @@ class BothModeTests(FakeCloudCase):
         )
 
     def test_the_fleet_names_come_from_the_registry(self):
-        # The targets setting is read before the fleets register, so it lists their names itself:
-        # they must be the registry's. Everything else that names a fleet derives from FLEETS.
+        # The targets setting is read before the fleets register, so it lists
+        # their names itself: they must be the registry's. Everything else that
+        # names a fleet derives from FLEETS.
         setting = next(s for s in smol_mcp.SETTINGS if s.attr == "targets")
         self.assertEqual(setting.choices, ("auto", *smol_mcp.FLEETS, "both"))
         for text in (
@@ -4332,9 +4307,7 @@ class ElicitationTests(FakeCloudCase):
             self.assertEqual(len(asked), 1)  # asked once
             self.assertIn("Which one is this session for?", asked[0])
 
-    async def test_calls_racing_in_get_one_question_and_the_asking_call_keeps_its_target(
-        self,
-    ):
+    async def test_racing_calls_get_one_question_the_asker_its_target(self):
         asked = []
         async with self.client(
             "legacy",
@@ -4352,12 +4325,11 @@ class ElicitationTests(FakeCloudCase):
                 1,
                 [a.content[0].text for a in answers],
             )
-            # the call that asked ran where it said (cloud); the session is local from then on
+            # the call that asked ran where it said (cloud); the session is
+            # local from then on
             self.assertTrue(self.cloud_requests("/v1/machines", "GET"))
 
-    async def test_2026_era_answer_narrows_and_the_listen_stream_hears_it(
-        self,
-    ):
+    async def test_2026_answer_narrows_and_the_listen_stream_hears_it(self):
         async with self.client(
             "auto", elicitation_callback=answer_fleet("accept", "cloud")
         ) as c:
@@ -4414,7 +4386,8 @@ def answer_allow(action: str, allow: bool = True, asked: list | None = None):
 
 
 class GuestWebServer:
-    """A tiny HTTP server on a loopback address the fake guest knows by name."""
+    """A tiny HTTP server on a loopback address the fake guest knows by
+    name."""
 
     def __init__(self, address: str):
         import http.server
@@ -4440,7 +4413,8 @@ class GuestWebServer:
 GUEST_HOST_IP = "127.0.0.5"
 
 
-# Each reaches the host, its metadata service or a public suffix; inet_aton reads them all.
+# Each reaches the host, its metadata service or a public suffix; inet_aton
+# reads them all.
 REFUSED_EGRESS_HOSTS = (
     "127.0.0.1",
     "0x7f.0.0.1",
@@ -4494,7 +4468,8 @@ REFUSED_CIDRS = (
     "the fake guest's egress filter needs a network namespace (root)",
 )
 class EgressTests(FakeServeCase):
-    """Denials in results, and allow-egress, against the fake guest's egress filter."""
+    """Denials in results, and allow-egress, against the fake guest's egress
+    filter."""
 
     async def asyncSetUp(self):
         self.web = GuestWebServer(GUEST_HOST_IP)
@@ -4513,9 +4488,7 @@ class EgressTests(FakeServeCase):
     def egress_posts(self, name: str = "") -> list:
         return self.requests_to(f"{name}/egress")
 
-    async def test_a_caller_without_the_manage_scope_is_not_pointed_at_allow_egress(
-        self,
-    ):
+    async def test_without_manage_no_caller_is_pointed_at_allow_egress(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "egress-exec", "image": "alpine"}
@@ -4566,8 +4539,9 @@ class EgressTests(FakeServeCase):
                         self.dest,
                         [d["dest"] for d in got["egress"]["recentDenials"]],
                     )
-                    # a running machine with no allow list yet: refused before anyone is
-                    # asked (the engine would answer 409), and no stop behind our back
+                    # a running machine with no allow list yet: refused before
+                    # anyone is asked (the engine would answer 409), and no
+                    # stop behind our back
                     text = await self.refused(
                         c,
                         "allow-egress",
@@ -4640,8 +4614,9 @@ class EgressTests(FakeServeCase):
                         "allow-egress",
                         {"name": "raced", "hosts": ["pypi.test"]},
                     )
-                    # handshake era: the engine's 409; 2026 era: the call runs again with the
-                    # answer, sees the machine running, and refuses before sending
+                    # handshake era: the engine's 409; 2026 era: the call runs
+                    # again with the answer, sees the machine running, and
+                    # refuses before sending
                     self.assertIn(
                         "HTTP 409"
                         if mode == "legacy"
@@ -4732,9 +4707,7 @@ class EgressTests(FakeServeCase):
                     )
                     self.assertEqual(self.egress_posts(), [])
 
-    async def test_without_elicitation_the_change_goes_through_on_the_call(
-        self,
-    ):
+    async def test_without_elicitation_the_change_goes_through(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c,
@@ -4782,9 +4755,7 @@ class EgressTests(FakeServeCase):
             )  # already listed: nothing is sent
             self.assertEqual(len(self.egress_posts()), 1)
 
-    async def test_bad_entries_and_an_emptied_list_are_refused_before_the_engine(
-        self,
-    ):
+    async def test_bad_entries_and_an_emptied_list_are_refused_first(self):
         async with self.client(
             "legacy", elicitation_callback=answer_allow("accept")
         ) as c:
@@ -4840,9 +4811,7 @@ class EgressTests(FakeServeCase):
             )
             self.assertIn("machine 'nobody' not found", text)
 
-    async def test_the_host_loopback_metadata_and_public_suffixes_are_refused_in_any_spelling(
-        self,
-    ):
+    async def test_host_metadata_suffixes_refused_in_any_spelling(self):
         async with self.client(
             "legacy", elicitation_callback=answer_allow("accept")
         ) as c:
@@ -5471,7 +5440,8 @@ class LogSubscriptionTests(FakeServeCase):
     config_overrides = {"logs_poll_secs": 1}
 
     async def first_look_done(self, looks: int) -> None:
-        """The poller's second look began, so its first (the baseline) is taken."""
+        """The poller's second look began, so its first (the baseline) is
+        taken."""
         more = lambda: len(self.requests_to("/logs", "GET")) >= looks + 2  # noqa: E731
         await wait_until(more, 10, "the log poller's first look")
 
@@ -5509,9 +5479,7 @@ class LogSubscriptionTests(FakeServeCase):
                 "is not a log resource of this server", str(caught.exception)
             )
 
-    async def test_2026_era_listen_stream_carries_log_updates_and_polling_ends_with_the_session(
-        self,
-    ):
+    async def test_2026_listen_stream_carries_logs_till_the_session_ends(self):
         async with self.client("auto") as c:
             await self.ok(
                 c,
@@ -5538,9 +5506,7 @@ class LogSubscriptionTests(FakeServeCase):
             len(self.requests_to("/logs", "GET")), polls
         )  # no poller outlives its session
 
-    async def test_subscriptions_are_bounded_and_a_gone_machine_stops_its_poller(
-        self,
-    ):
+    async def test_subscriptions_are_bounded_a_gone_machine_stops_polls(self):
         uris = [f"smol://machine/local/m{n}/logs" for n in range(20)]
         async with self.client("legacy") as c:
             await self.ok(
@@ -5569,7 +5535,8 @@ class LogSubscriptionTests(FakeServeCase):
 # Streamable HTTP on a real loopback listener
 # ---------------------------------------------------------------------------
 
-HTTP_TOKEN = "http-token-for-tests-0123456789abcdef"  # long enough for check_token_strength
+# long enough for check_token_strength
+HTTP_TOKEN = "http-token-for-tests-0123456789abcdef"
 
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
@@ -5652,9 +5619,7 @@ JSON_HEADERS = {
 class HttpSecurityTests(HttpCase):
     allowed_origins = ("https://allowed.example",)
 
-    async def test_the_token_is_checked_before_anything_with_one_answer_for_all(
-        self,
-    ):
+    async def test_the_token_is_checked_first_with_one_answer_for_all(self):
         answers = set()
         for path in ("/mcp", "/", "/elsewhere", "/mcp/"):
             for headers in (
@@ -5680,9 +5645,7 @@ class HttpSecurityTests(HttpCase):
         )
         self.assertNotIn(HTTP_TOKEN.encode(), next(iter(answers))[0])
 
-    async def test_both_header_forms_work_and_other_paths_are_404_once_authenticated(
-        self,
-    ):
+    async def test_both_header_forms_work_and_other_paths_are_404(self):
         for headers in (
             {"Authorization": f"Bearer {HTTP_TOKEN}"},
             {"X-Smol-Mcp-Token": HTTP_TOKEN},
@@ -5807,7 +5770,8 @@ class HttpSessionTests(HttpCase):
                     await wait_until(
                         lambda: name not in self.fake.machines, 10
                     )
-                else:  # 2026 era: no session id; the token's state ends when idle
+                # 2026 era: no session id; the token's state ends when idle
+                else:
                     await wait_until(
                         lambda: name not in self.fake.machines, 15
                     )
@@ -5924,7 +5888,8 @@ class HostPortTests(HttpCase):
 
 
 class RawHttpCase(HttpCase):
-    """Sessions driven with plain HTTP requests, as any client would send them."""
+    """Sessions driven with plain HTTP requests, as any client would send
+    them."""
 
     async def raw_session(self) -> dict:
         auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
@@ -6006,9 +5971,7 @@ class HttpIdleTests(RawHttpCase):
 
     config_overrides = {"http_session_idle_secs": 2}
 
-    async def test_a_held_get_stream_does_not_keep_a_handshake_session_alive(
-        self,
-    ):
+    async def test_a_held_get_stream_keeps_no_handshake_session_alive(self):
         import httpx2
 
         session = await self.raw_session()
@@ -6045,9 +6008,7 @@ class HttpIdleTests(RawHttpCase):
             404,
         )
 
-    async def test_a_held_listen_stream_does_not_keep_a_2026_era_session_alive(
-        self,
-    ):
+    async def test_a_held_listen_stream_keeps_no_2026_session_alive(self):
         async with self.http_client("auto") as c:
             async with c.listen(tools_list_changed=True):
                 name = (
@@ -6171,6 +6132,7 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
             **os.environ,
             "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
             "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
             "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
             "SMOL_MCP_AUTH_TOKEN": HTTP_TOKEN,
         }
@@ -6203,6 +6165,7 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
 
         server, url = await self.start_server()
         stack = contextlib.AsyncExitStack()
+        signalled = False
         try:
             http = await stack.enter_async_context(
                 httpx2.AsyncClient(
@@ -6231,6 +6194,7 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                 lambda: processes_running(command), 20, "the command runs"
             )
             server.send_signal(sig)
+            signalled = True
             try:
                 got = await asyncio.wait_for(call, 20)
             except MCPError as err:
@@ -6243,19 +6207,20 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
                     server.wait(), 30
                 )  # with the client still connected
         finally:
-            with contextlib.suppress(
-                Exception
-            ):  # the server is gone: the client's goodbye fails
+            # the server is gone: the client's goodbye fails
+            with contextlib.suppress(Exception):
                 await stack.aclose()
+            # a test that failed before the signal shows its own error, not
+            # a wait for a server that was never told to end
+            if not signalled:
+                server.kill()
             code = await asyncio.wait_for(server.wait(), 30)
             if server.returncode is None:
                 server.kill()
                 await server.wait()
         return got, code, (await server.stderr.read()).decode()
 
-    async def test_sigterm_mid_call_answers_it_and_exits_zero_in_both_eras(
-        self,
-    ):
+    async def test_sigterm_mid_call_answers_it_and_exits_zero_both_eras(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 got, code, stderr = await self.signal_mid_call(
@@ -6274,8 +6239,9 @@ class HttpSignalTests(unittest.IsolatedAsyncioTestCase):
 
 class HttpProcessTests(unittest.TestCase):
     def test_answers_are_not_held_by_nagle(self):
-        # asyncio turns Nagle off only on a socket made as IPPROTO_TCP; with it on, a
-        # small answer written in two pieces waits 40 ms for the client's delayed ACK.
+        # asyncio turns Nagle off only on a socket made as IPPROTO_TCP; with it
+        # on, a small answer written in two pieces waits 40 ms for the client's
+        # delayed ACK.
         listening = smol_mcp.listen_socket("127.0.0.1", 0)
         seen = []
 
@@ -6424,8 +6390,8 @@ class HttpProcessTests(unittest.TestCase):
 
 
 def processes_running(marker: str) -> list[int]:
-    """Host pids whose command line contains ``marker`` (a fake guest's processes are host
-    processes)."""
+    """Host pids whose command line contains ``marker`` (a fake guest's
+    processes are host processes)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
@@ -6449,19 +6415,25 @@ def processes_running(marker: str) -> list[int]:
 
 
 def unique_sleep(seconds: int) -> str:
-    """A guest ``sleep`` command line no other test runs, for processes_running to find."""
+    """A guest ``sleep`` command line no other test runs, for processes_running
+    to find."""
     return f"sleep {seconds}.{int.from_bytes(os.urandom(3), 'big'):08d}"
 
 
 async def ignore_progress(progress, total, message) -> None:
-    """A progress callback: its presence makes the client send a progress token."""
+    """A progress callback: its presence makes the client send a progress
+    token."""
 
 
-PRINTS_SLOWLY = "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; echo warned >&2; exit 3"
+PRINTS_SLOWLY = (
+    "for i in 1 2 3 4 5 6; do echo step $i; sleep 0.6; done; "
+    "echo warned >&2; exit 3"
+)
 
 
-# What SSE framing cannot carry: a bare CR (a line end to SSE), NUL, invalid UTF-8, no
-# final newline; the streamed result must still be the plain one, byte for byte.
+# What SSE framing cannot carry: a bare CR (a line end to SSE), NUL, invalid
+# UTF-8, no final newline; the streamed result must still be the plain one,
+# byte for byte.
 EXACT_OUTPUTS = (
     "printf 'p 10%%\\rp 100%%\\n'",
     "printf 'a\\000b\\r\\r\\nc'; printf 'e\\rr' >&2",
@@ -6485,11 +6457,10 @@ class LongWorkScenarios:
 
 
 class LiveOutputScenarios(LongWorkScenarios):
-    """Run against either fleet; ``stream_calls`` counts the stream requests."""
+    """Run against either fleet; ``stream_calls`` counts the stream
+    requests."""
 
-    async def test_progress_carries_output_lines_in_order_and_the_result_is_unchanged(
-        self,
-    ):
+    async def test_progress_carries_output_lines_in_order_result_same(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             received = []
@@ -6503,9 +6474,10 @@ class LiveOutputScenarios(LongWorkScenarios):
                 progress_callback=on_progress,
             )
             streamed = result_of(answer)[1]
-            # A notification sent before the result may still be on its way to the callback,
-            # and the SDK client runs each callback in a task of its own, so they can reach it
-            # out of order: the server's order is that of the progress values, which only grow.
+            # A notification sent before the result may still be on its way to
+            # the callback, and the SDK client runs each callback in a task of
+            # its own, so they can reach it out of order: the server's order is
+            # that of the progress values, which only grow.
             warned = lambda: (
                 "stderr: warned" in [message for _, message in received]
             )  # noqa: E731
@@ -6542,14 +6514,16 @@ class LiveOutputScenarios(LongWorkScenarios):
             sorted(set(steps)),
             "newest line first, in order, never repeated",
         )
-        # The last line is always shown. stdout and stderr are two pipes (each through its own
-        # tee in the guest), so under load their lines may reach the server in either order.
+        # The last line is always shown. stdout and stderr are two pipes (each
+        # through its own tee in the guest), so under load their lines may
+        # reach the server in either order.
         self.assertIn("stderr: warned", seen)
         self.assertIn(seen[-1], ("stderr: warned", "stdout: step 6"))
 
     async def test_the_budget_and_overflow_are_the_same_streamed(self):
         command = (
-            "i=0; while [ $i -lt 400 ]; do echo line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; "
+            "i=0; while [ $i -lt 400 ]; do echo "
+            "line-$i-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx; "
             "i=$((i+1)); done"
         )
         async with self.client("legacy") as c:
@@ -6615,14 +6589,13 @@ class LiveOutputScenarios(LongWorkScenarios):
     async def test_a_cancelled_command_ends_in_the_guest_on_every_route(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
-            for n, (tool, callback) in enumerate(
-                [
-                    (t, cb)
-                    for t in ("run-command", "run-once")
-                    for cb in (None, ignore_progress)
-                ]
-            ):
-                marker = f"sleep 31{n}7"
+            routes = itertools.product(
+                ("run-command", "run-once"), (None, ignore_progress)
+            )
+            for tool, callback in routes:
+                # a marker of this call's own: the local and the cloud
+                # classes run this test at the same time
+                marker = unique_sleep(3107)
                 with self.subTest(tool=tool, streamed=callback is not None):
                     args = {"command": f"echo started; {marker}; echo never"}
                     args.update(
@@ -6677,14 +6650,16 @@ class LiveOutputScenarios(LongWorkScenarios):
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
 class LastLineTests(unittest.IsolatedAsyncioTestCase):
-    """stream_in_machine alone, with the two pipes' lines arriving in one tick."""
+    """stream_in_machine alone, with the two pipes' lines arriving in one
+    tick."""
 
     async def stream(
         self, lines: list[tuple[str, str]], slow_client: bool = False
     ):
-        """stream_in_machine on a fleet whose command prints ``lines`` (pipe, text) in that
-        order and keeps no copy; with ``slow_client`` the command ends while a notice is being
-        sent. The result, and the progress messages the client got."""
+        """stream_in_machine on a fleet whose command prints ``lines`` (pipe,
+        text) in that order and keeps no copy; with ``slow_client`` the command
+        ends while a notice is being sent. The result, and the progress
+        messages the client got."""
         sent, sending = [], anyio.Event()
         output = {"stdout": b"", "stderr": b""}
         for pipe, text in lines:
@@ -6722,9 +6697,7 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
             Call(), "m", "/tmp/pid", ["true"], {}
         ), sent
 
-    async def test_each_streams_last_line_is_shown_even_when_the_other_overtook_it(
-        self,
-    ):
+    async def test_each_streams_last_line_shows_when_the_other_overtook(self):
         result, sent = await self.stream(
             [
                 ("stdout", "step 5\n"),
@@ -6735,9 +6708,7 @@ class LastLineTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(result.stderr, b"warned\n")
         self.assertEqual(sent, ["stderr: warned", "stdout: step 6"])
 
-    async def test_a_last_line_whose_notice_the_end_cut_short_is_sent_again(
-        self,
-    ):
+    async def test_a_last_line_whose_notice_was_cut_short_is_sent_again(self):
         _, sent = await self.stream([("stderr", "warned\n")], slow_client=True)
         self.assertEqual(sent, ["stderr: warned"])
 
@@ -6748,9 +6719,7 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
     def stream_calls(self) -> int:
         return len(self.requests_to("/exec/stream"))
 
-    async def test_a_cancelled_streamed_command_leaves_no_process_in_the_guest(
-        self,
-    ):
+    async def test_a_cancelled_streamed_command_leaves_no_guest_process(self):
         async with self.client("legacy") as c:
             await self.machine(c)
             seen = []
@@ -6758,18 +6727,19 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
             async def on_progress(progress, total, message):
                 seen.append(message)
 
+            marker = unique_sleep(3171)
             with anyio.move_on_after(3):
                 await c.call_tool(
                     "run-command",
                     {
                         "name": "live",
-                        "command": "echo started; sleep 3171; echo never",
+                        "command": f"echo started; {marker}; echo never",
                     },
                     progress_callback=on_progress,
                 )
             self.assertIn("stdout: started", seen)
             await wait_until(
-                lambda: not processes_running("sleep 3171"),
+                lambda: not processes_running(marker),
                 20,
                 "the cancelled command is gone",
             )
@@ -6816,7 +6786,8 @@ class LocalLiveOutputTests(LiveOutputScenarios, FakeServeCase):
             text, str, "a broken stream must be a tool error"
         )
         self.assertIn(
-            "output stream of the command in machine 'live' broke after 11 bytes",
+            "output stream of the command in machine 'live' broke after 11 "
+            "bytes",
             text,
         )
         self.assertIn("result is unknown", text)
@@ -6879,7 +6850,8 @@ class JobScenarios(LongWorkScenarios):
 
     JOB = (
         "i=0; while [ $i -lt 60 ]; do echo out-line-$i-ééééééééééééééé; "
-        "echo err-$i-abcdefghijklmnopqrstuvwxyz >&2; i=$((i+1)); [ $((i % 20)) = 0 ] && sleep 1; "
+        "echo err-$i-abcdefghijklmnopqrstuvwxyz >&2; i=$((i+1)); [ $((i % "
+        "20)) = 0 ] && sleep 1; "
         "done; exit 7"
     )
     # two-byte characters throughout, so a page boundary falls inside one
@@ -6917,9 +6889,7 @@ class JobScenarios(LongWorkScenarios):
                 await asyncio.sleep(0.5)
         self.fail("the job did not end")
 
-    async def test_a_job_outlives_the_client_and_the_server_and_reads_back_whole_in_pages(
-        self,
-    ):
+    async def test_a_job_outlives_client_and_server_and_reads_back_whole(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
             started = await self.ok(
@@ -6970,13 +6940,15 @@ class JobScenarios(LongWorkScenarios):
     async def test_cancel_ends_the_job_and_is_idempotent(self):
         async with self.client("legacy") as c:
             name = await self.machine(c)
+            # the local and the cloud classes run this test at once
+            marker = unique_sleep(3172)
             job = await self.ok(
                 c,
                 "start-job",
-                {"name": name, "command": "echo begun; sleep 3172"},
+                {"name": name, "command": f"echo begun; {marker}"},
             )
             await wait_until(
-                lambda: processes_running("sleep 3172"), 20, "the job runs"
+                lambda: processes_running(marker), 20, "the job runs"
             )
             first = await self.ok(
                 c, "cancel-job", {"name": name, "jobId": job["jobId"]}
@@ -6985,7 +6957,7 @@ class JobScenarios(LongWorkScenarios):
                 (first["state"], first["exitCode"]), ("exited", 143)
             )
             await wait_until(
-                lambda: not processes_running("sleep 3172"),
+                lambda: not processes_running(marker),
                 20,
                 "the cancelled job is gone",
             )
@@ -7021,20 +6993,22 @@ class JobScenarios(LongWorkScenarios):
 class LocalJobTests(JobScenarios, FakeServeCase):
     config_overrides = {"max_output_bytes": 1024}
     no_such_job = (
-        "machine 'jobs' has no such job (while trying to read job job-000000000000); "
+        "machine 'jobs' has no such job (while trying to read job "
+        "job-000000000000); "
         "get-machine lists"
     )
 
     async def test_a_job_ends_at_its_timeout_and_with_its_machine(self):
         async with self.client("legacy") as c:
             await self.machine(c)
+            marker = unique_sleep(3174)
             job = await self.ok(
                 c,
                 "start-job",
-                {"name": "jobs", "command": "sleep 3174", "timeoutSecs": 2},
+                {"name": "jobs", "command": marker, "timeoutSecs": 2},
             )
             await wait_until(
-                lambda: not processes_running("sleep 3174"),
+                lambda: not processes_running(marker),
                 30,
                 "the job's timeout ended it",
             )
@@ -7044,44 +7018,40 @@ class LocalJobTests(JobScenarios, FakeServeCase):
             self.assertEqual(
                 (page["state"], page["exitCode"]), ("exited", 143)
             )
-            await self.ok(
-                c, "start-job", {"name": "jobs", "command": "sleep 3175"}
-            )
+            marker = unique_sleep(3175)
+            await self.ok(c, "start-job", {"name": "jobs", "command": marker})
             await wait_until(
-                lambda: processes_running("sleep 3175"), 20, "the job runs"
+                lambda: processes_running(marker), 20, "the job runs"
             )
             await self.ok(c, "delete-machine", {"name": "jobs"})
             await wait_until(
-                lambda: not processes_running("sleep 3175"),
+                lambda: not processes_running(marker),
                 20,
                 "deleting the machine ended its job",
             )
 
-    async def test_an_ephemeral_machine_is_still_deleted_with_its_session_and_its_jobs_end(
-        self,
-    ):
+    async def test_an_ephemeral_machine_goes_with_its_session_and_jobs(self):
         async with self.client("legacy") as c:
             created = await self.ok(
                 c, "create-machine", {"image": "alpine", "network": "open"}
             )
+            marker = unique_sleep(3176)
             await self.ok(
                 c,
                 "start-job",
-                {"name": created["machine"]["name"], "command": "sleep 3176"},
+                {"name": created["machine"]["name"], "command": marker},
             )
             await wait_until(
-                lambda: processes_running("sleep 3176"), 20, "the job runs"
+                lambda: processes_running(marker), 20, "the job runs"
             )
         self.assertEqual(self.fake.machines, {})
         await wait_until(
-            lambda: not processes_running("sleep 3176"),
+            lambda: not processes_running(marker),
             20,
             "the job ended with its machine",
         )
 
-    async def test_a_stopped_machine_lists_no_jobs_and_a_lost_job_reads_lost(
-        self,
-    ):
+    async def test_a_stopped_machine_lists_no_jobs_a_lost_job_reads_lost(self):
         async with self.client("legacy") as c:
             await self.machine(c)
             job = await self.ok(
@@ -7196,9 +7166,7 @@ class MountRootTests(FakeServeCase):
             self.creates(), [], "a refused host path must not reach the serve"
         )
 
-    async def test_under_a_root_mounts_are_read_only_resolved_and_contained(
-        self,
-    ):
+    async def test_under_a_root_mounts_are_read_only_and_contained(self):
         base = Path(self.tmp, "roots")
         (base / "ro" / "data").mkdir(parents=True)
         (base / "rw" / "work").mkdir(parents=True)
@@ -7294,7 +7262,8 @@ class MountRootTests(FakeServeCase):
             )
             self.assertIn('"mounts[0].source" holds a control character', text)
             self.assertEqual(len(self.creates()), 1)
-            # a host-path image under a root goes to the serve resolved (1.32.2 then refuses it)
+            # a host-path image under a root goes to the serve resolved (1.32.2
+            # then refuses it)
             text = await self.refused(
                 c,
                 "create-machine",
@@ -7303,10 +7272,9 @@ class MountRootTests(FakeServeCase):
             self.assertEqual(self.creates()[-1][2]["image"], f"{ro}/data")
             self.assertIn("local-image-dir", text)
 
-    async def test_the_servers_own_directories_and_their_parents_are_never_mounted(
-        self,
-    ):
-        # A root covering "$HOME" (here: the temp dir holding state and runtime directories).
+    async def test_the_servers_own_directories_are_never_mounted(self):
+        # A root covering "$HOME" (here: the temp dir holding state and runtime
+        # directories).
         self.app = SmolMcp(
             dataclasses_replace(self.config, mount_roots=(self.tmp + ":rw",))
         )
@@ -7336,19 +7304,19 @@ class MountRootTests(FakeServeCase):
                 args = {"image": "alpine", "start": False, "mounts": mounts}
                 text = await self.refused(c, "create-machine", args)
                 self.assertIn(
-                    f"holds {self.tmp}/conf, a directory of this server itself",
+                    f"holds {self.tmp}/conf, a directory of this server "
+                    f"itself",
                     text,
                 )
         self.assertEqual(self.creates(), [])
         doctor = smol_mcp.describe_mount_roots(self.app.config)
         self.assertIn(
-            f"never mountable, being this server's own: {self.config.state_dir}",
+            f"never mountable, being this server's own: "
+            f"{self.config.state_dir}",
             doctor,
         )
 
-    async def test_a_source_swapped_for_a_symlink_after_create_refuses_every_start(
-        self,
-    ):
+    async def test_a_source_swapped_for_a_symlink_refuses_every_start(self):
         share = Path(self.tmp, "home", "share")
         (share / "sub").mkdir(parents=True)
         self.app = SmolMcp(
@@ -7422,11 +7390,10 @@ TRAVERSALS = (
 
 
 class GuestPathLocalTests(FakeServeCase):
-    """Guest paths are normalised and encoded per segment on the local fleet."""
+    """Guest paths are normalised and encoded per segment on the local
+    fleet."""
 
-    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(
-        self,
-    ):
+    async def test_traversal_is_refused_nothing_leaves_the_files_route(self):
         self.fake.requests.clear()
         async with self.client("legacy") as c:
             for path in TRAVERSALS:
@@ -7476,7 +7443,8 @@ class GuestPathLocalTests(FakeServeCase):
 
 
 class GuestPathCloudTests(FakeCloudCase):
-    """The same on the cloud, where `/../../../../account` once read the account."""
+    """The same on the cloud, where `/../../../../account` once read the
+    account."""
 
     def outside_files_route(self) -> list:
         return [
@@ -7487,9 +7455,7 @@ class GuestPathCloudTests(FakeCloudCase):
             and not r[1].endswith("/exec")
         ]
 
-    async def test_traversal_is_refused_and_nothing_leaves_the_files_route(
-        self,
-    ):
+    async def test_traversal_is_refused_nothing_leaves_the_files_route(self):
         async with self.client("legacy") as c:
             await self.ok(
                 c, "create-machine", {"name": "mcp-t", "image": "alpine"}
@@ -7569,9 +7535,7 @@ HUGE = 2**63  # forwarded as is before the bounds
 class ExactInputTests(FakeServeCase):
     """Patterns match the whole value and numbers have stated upper bounds."""
 
-    async def test_trailing_newlines_and_huge_numbers_are_refused_before_the_engine(
-        self,
-    ):
+    async def test_trailing_newlines_and_huge_numbers_are_refused_first(self):
         async with self.client("legacy") as c:
             tools = {
                 t.name: t.input_schema for t in (await c.list_tools()).tools
@@ -7695,9 +7659,7 @@ class ExactInputTests(FakeServeCase):
 class CloudAnswerTests(FakeCloudCase):
     """An answer the cloud should not give is a sentence about the answer."""
 
-    async def test_bad_answers_are_sentences_naming_status_type_and_first_bytes(
-        self,
-    ):
+    async def test_bad_answers_name_status_type_and_first_bytes(self):
         cases = [
             (
                 b"<html><body>Sign in to the hotel wifi</body></html>",
@@ -7745,9 +7707,7 @@ class CloudAnswerTests(FakeCloudCase):
             self.assertIn("no whole-number exitCode", text)
             self.assertNotIn("bug", text)
 
-    async def test_a_long_retry_after_is_capped_and_a_wait_sends_progress(
-        self,
-    ):
+    async def test_a_long_retry_after_is_capped_a_wait_sends_progress(self):
         async with self.client("legacy") as c:
             self.cloud.fail_next(
                 "GET", "/v1/machines", 429, retry_after="3600"
@@ -7785,7 +7745,8 @@ def endless_body(
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setblocking(False)
     request = (
-        f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+        f"application/json\r\n"
         f"Transfer-Encoding: chunked\r\n{headers}\r\n"
     ).encode()
     chunk = b"10000\r\n" + b" " * 0x10000 + b"\r\n"
@@ -7820,9 +7781,7 @@ class HttpFrontTests(HttpCase):
         self.assertEqual(response.status_code, 200)
         self.assertLess(time.monotonic() - started, 5)
 
-    async def test_an_endless_unauthenticated_body_gets_401_and_the_connection_closes(
-        self,
-    ):
+    async def test_an_endless_unauthenticated_body_gets_401_and_closes(self):
         results = [
             asyncio.create_task(
                 asyncio.to_thread(endless_body, self.port, "", 15)
@@ -7840,19 +7799,22 @@ class HttpFrontTests(HttpCase):
             self.assertLess(
                 sent, 64 * 1024 * 1024, "the server kept reading after its 401"
             )
-            # Closing on a client that is still sending resets the connection, and a reset
-            # can overtake the 401 already sent; when it arrived, it said close.
+            # Closing on a client that is still sending resets the connection,
+            # and a reset can overtake the 401 already sent; when it arrived,
+            # it said close.
             if answer:
                 self.assertTrue(
                     answer.startswith(b"HTTP/1.1 401"), answer[:100]
                 )
                 self.assertIn(b"connection: close", answer.lower())
-        # a client that sent its whole (small) body always reads the 401 and the close
+        # a client that sent its whole (small) body always reads the 401 and
+        # the close
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         body = b'{"jsonrpc": "2.0"}'
         writer.write(
             f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            f"Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
         reply = await asyncio.wait_for(
@@ -7862,9 +7824,7 @@ class HttpFrontTests(HttpCase):
         self.assertTrue(reply.startswith(b"HTTP/1.1 401"), reply[:100])
         self.assertIn(b"connection: close", reply.lower())
 
-    async def test_an_endless_authenticated_body_gets_413_with_a_bounded_read(
-        self,
-    ):
+    async def test_an_endless_authenticated_body_gets_a_bounded_413(self):
         answer, sent, closed = await asyncio.to_thread(
             endless_body,
             self.port,
@@ -7875,7 +7835,9 @@ class HttpFrontTests(HttpCase):
         self.assertLess(
             sent, 3 * smol_mcp.HTTP_MAX_BODY_BYTES + 16 * 1024 * 1024
         )
-        if answer:  # the answer can be lost to the reset that ends the read; if it came, a 413
+        # the answer can be lost to the reset that ends the read; if it came,
+        # a 413
+        if answer:
             self.assertTrue(answer.startswith(b"HTTP/1.1 413"), answer[:100])
         await self.assert_still_answers()
         auth = {
@@ -7887,7 +7849,8 @@ class HttpFrontTests(HttpCase):
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         head = "".join(f"{k}: {v}\r\n" for k, v in auth.items())
         writer.write(
-            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n{head}\r\n".encode()
+            f"POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+            f"{head}\r\n".encode()
         )
         # answered and closed without sending a byte of body
         reply = await asyncio.wait_for(reader.read(), 10)
@@ -7909,6 +7872,7 @@ class HttpFrontProcessTests(unittest.TestCase):
         env = {
             **os.environ,
             "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
             "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
             "SMOL_MCP_AUTH_TOKEN": token,
             "SMOL_MCP_TARGETS": "local",
@@ -7921,7 +7885,8 @@ class HttpFrontProcessTests(unittest.TestCase):
                     resource.RLIMIT_NOFILE, (fd_limit, fd_limit)
                 )
 
-        # stderr goes to a file: a pipe nobody reads would fill and stall the server
+        # stderr goes to a file: a pipe nobody reads would fill and stall the
+        # server
         self.stderr = open(f"{self.tmp}/stderr", "w+b")
         self.addCleanup(self.stderr.close)
         command = [
@@ -7970,7 +7935,8 @@ class HttpFrontProcessTests(unittest.TestCase):
             started = time.monotonic()
             self.assertEqual(self.initialize(10), 200)
             self.assertLess(time.monotonic() - started, 5)
-            # and every one of them is closed by the server within the header deadline
+            # and every one of them is closed by the server within the header
+            # deadline
             deadline = (
                 time.monotonic() + smol_mcp.HTTP_HEADER_TIMEOUT_SECS + 10
             )
@@ -8002,7 +7968,8 @@ class HttpFrontProcessTests(unittest.TestCase):
             self.stderr.read().decode()
         )  # the startup log names the exposed host directories
         self.assertIn(
-            "host directories exposed to agents (mountRoots): /srv (read-only), "
+            "host directories exposed to agents (mountRoots): /srv "
+            "(read-only), "
             "/var/tmp (read-write on request)",
             log_text,
         )
@@ -8048,7 +8015,8 @@ def run_cli(
 
 
 def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
-    """`smol_mcp.py --http` as a real process on a free loopback port: (process, port)."""
+    """`smol_mcp.py --http` as a real process on a free loopback port:
+    (process, port)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -8068,8 +8036,8 @@ def spawn_http(env, output=subprocess.PIPE) -> tuple[subprocess.Popen, int]:
 
 
 def once_listening(request, timeout: float = 30.0):
-    """What ``request()`` gives once the server it calls listens (a refused connection
-    is tried again until ``timeout``)."""
+    """What ``request()`` gives once the server it calls listens (a refused
+    connection is tried again until ``timeout``)."""
     import httpx2
 
     deadline = time.monotonic() + timeout
@@ -8104,8 +8072,9 @@ def open_raw_session(http, url: str, headers: dict) -> dict:
 
 
 class CliCase(unittest.TestCase):
-    """A CLI run's clean world: a fresh HOME and runtime dir, no config file, PATH as ours.
-    ``env_extra`` adds or replaces variables; ``{tmp}`` in a value is the test's directory."""
+    """A CLI run's clean world: a fresh HOME and runtime dir, no config file,
+    PATH as ours. ``env_extra`` adds or replaces variables; ``{tmp}`` in a
+    value is the test's directory."""
 
     env_extra: dict[str, str] = {}
 
@@ -8163,13 +8132,12 @@ class HelperCommandTests(CliCase):
             "16 called, 37 skipped, 0 unknown, 0 missing", out.stdout
         )
         self.assertIn(
-            "skipped  POST   /api/v1/machines/{name}/export: needs a pushToken",
+            "skipped  POST   /api/v1/machines/{name}/export: needs a "
+            "pushToken",
             out.stdout,
         )
 
-    def test_doctor_says_what_to_do_and_exits_non_zero_when_a_fleet_is_unusable(
-        self,
-    ):
+    def test_doctor_says_what_to_do_and_fails_for_an_unusable_fleet(self):
         out = run_cli(
             "doctor", env={**self.env, "SMOLVM": "/nonexistent/smolvm"}
         )
@@ -8204,9 +8172,7 @@ class HelperCommandTests(CliCase):
         )
         self.assertIn("/srv (read-write on request)", out.stdout)
 
-    def test_doctor_reports_a_dead_local_url_and_a_running_serve_s_version(
-        self,
-    ):
+    def test_doctor_reports_a_dead_local_url_and_a_serves_version(self):
         out = run_cli(
             "doctor",
             env={
@@ -8308,9 +8274,7 @@ class HelperCommandTests(CliCase):
                         entry["args"][1], r"^mcp-remote@\d+\.\d+\.\d+$"
                     )
 
-    def test_setup_write_merges_backs_up_and_refuses_what_it_cannot_parse(
-        self,
-    ):
+    def test_setup_write_merges_backs_up_and_refuses_the_unparsable(self):
         config = Path(self.tmp, ".mcp.json")
         config.write_text(
             json.dumps({"mcpServers": {"other": {"command": "x"}}, "keep": 1})
@@ -8357,13 +8321,11 @@ class HelperCommandTests(CliCase):
 
 
 class TerminalTests(unittest.TestCase):
-    """The first hour: a person who starts the server by hand, or asks for help,
-    learns what it is and what to run instead."""
+    """The first hour: a person who starts the server by hand, or asks for
+    help, learns what it is and what to run instead."""
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
-    def test_a_terminal_on_stdin_gets_one_line_and_the_server_keeps_serving(
-        self,
-    ):
+    def test_a_terminal_on_stdin_gets_one_line_and_serving_goes_on(self):
         import pty
 
         tmp = short_tempdir()
@@ -8393,7 +8355,8 @@ class TerminalTests(unittest.TestCase):
             self.assertTrue(ready, "nothing on stderr within 30 s")
             line = proc.stderr.readline()
             self.assertIn("MCP server speaking JSON-RPC on stdin", line)
-            # env has no UV: run as a file by python, so that is the command it names
+            # env has no UV: run as a file by python, so that is the command it
+            # names
             self.assertIn(f"`python3 {HERE / 'smol_mcp.py'} doctor`", line)
             self.assertIn(
                 f"`python3 {HERE / 'smol_mcp.py'} setup CLIENT`", line
@@ -8439,7 +8402,8 @@ class TerminalTests(unittest.TestCase):
             "examples:",
         ):
             self.assertIn(name, out.stdout)
-        # the help names the invocation used, not an installed command someone may not have
+        # the help names the invocation used, not an installed command someone
+        # may not have
         script = str(HERE / "smol_mcp.py")
         for uv, ran_as in (
             ("/usr/bin/uv", f"uv run {script}"),
@@ -8450,9 +8414,7 @@ class TerminalTests(unittest.TestCase):
             self.assertIn(f"usage: {ran_as} [-h]", out.stdout)
             self.assertNotIn("smol-mcp doctor", out.stdout)
 
-    def test_the_runner_says_why_each_test_skipped_and_how_long_the_suite_took(
-        self,
-    ):
+    def test_the_runner_says_why_each_test_skipped_and_how_long(self):
         class Sample(unittest.TestCase):
             def test_skips(self):
                 self.skipTest("needs a hypervisor")
@@ -8460,14 +8422,17 @@ class TerminalTests(unittest.TestCase):
             def test_passes(self):
                 pass
 
-        result = unittest.TestResult()
+        result = UnitResult()
         unittest.defaultTestLoader.loadTestsFromTestCase(Sample).run(result)
-        text = summary(result, 12.34, False)
+        outcome = Outcome()
+        outcome.add(result.as_data(), show=False)
+        text = summary(outcome, 12.34, False, 1, Guard(), [])
         self.assertRegex(
             text, r"skipped .*Sample\.test_skips: needs a hypervisor"
         )
         self.assertIn("the unit suite took 12.3 s", text)
-        # the closing line is the plain count a CI reader looks for, alone on its line
+        # the closing line is the plain count a CI reader looks for, alone on
+        # its line
         self.assertEqual(
             text.splitlines()[-1], "unit: 1 passed, 0 failed, 1 skipped"
         )
@@ -8479,7 +8444,8 @@ class EngineOnRampTests(CliCase):
     env_extra = {"PATH": "/usr/bin:/bin", "SMOLVM_VM_UID_DROP": "off"}
 
     def fake_wheel(self) -> Path:
-        """A smolmachines distribution as a wheel installs it: metadata plus smol/smol-vmm."""
+        """A smolmachines distribution as a wheel installs it: metadata plus
+        smol/smol-vmm."""
         site = Path(self.tmp, "site")
         info = site / "smolmachines-1.32.2.dist-info"
         info.mkdir(parents=True)
@@ -8520,9 +8486,7 @@ class EngineOnRampTests(CliCase):
         )
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
-    def test_a_serve_already_running_here_is_usable_without_smolvm_on_path(
-        self,
-    ):
+    def test_a_serve_running_here_is_usable_without_smolvm_on_path(self):
         Path(self.tmp, "rt").mkdir(mode=0o700)
         fake = FakeSmolvm(
             f"{self.tmp}/rt/serve.sock"
@@ -8552,15 +8516,14 @@ class EngineOnRampTests(CliCase):
             code = smol_mcp.doctor(app, probe=True)
         self.assertIn("local: NOT USABLE", printed.getvalue())
         self.assertIn(
-            "result: the local fleet can run machines here (the check above said NOT USABLE: no)",
+            "result: the local fleet can run machines here (the check above "
+            "said NOT USABLE: no)",
             printed.getvalue(),
         )
         self.assertEqual(code, 0)
 
     @unittest.skipUnless(CAN_CHROOT, "the fake serve needs root or unshare")
-    def test_ctrl_c_during_a_probe_is_one_line_and_the_machine_is_deleted(
-        self,
-    ):
+    def test_ctrl_c_during_a_probe_is_one_line_and_deletes_the_machine(self):
         fake = FakeSmolvm(f"{self.tmp}/slow.sock", boot_delay=30)
         fake.start()
         self.addCleanup(fake.stop)
@@ -8654,7 +8617,8 @@ class EngineOnRampTests(CliCase):
             self.assertEqual(out.returncode, 1)
             self.assertRegex(
                 out.stdout,
-                r"\n  start +FAILED after \d+\.\d s: .*agent did not become ready",
+                r"\n  start +FAILED after \d+\.\d s: .*agent did not become "
+                r"ready",
             )
             self.assertRegex(out.stdout, r"\n  delete +ok")
             self.assertNotRegex(out.stdout, r"\n  run ")
@@ -8728,7 +8692,8 @@ class SetupEntryTests(unittest.TestCase):
             "SMOL_MCP_MEMORY_MB": "4096",
             "SMOL_CLOUD_TOKEN": "smk_do_not_copy",
             "SMOLVM_VM_UID_DROP": "off",
-            # a chat webhook's URL is its secret, and project files get committed
+            # a chat webhook's URL is its secret, and project files get
+            # committed
             "SMOL_MCP_APPROVAL_WEBHOOK": "https://hooks.example/T0/do-not-copy-either",
         }
         expected = {
@@ -8763,7 +8728,8 @@ class SetupEntryTests(unittest.TestCase):
                 elif client == "claude-desktop":
                     self.assertNotIn("SMOL_CLOUD_TOKEN", carried)
                     self.assertIn(
-                        "add SMOL_CLOUD_TOKEN, SMOL_MCP_APPROVAL_WEBHOOK to the entry's env",
+                        "add SMOL_CLOUD_TOKEN, SMOL_MCP_APPROVAL_WEBHOOK to "
+                        "the entry's env",
                         out.stderr,
                     )
                 else:
@@ -8798,9 +8764,11 @@ class SetupEntryTests(unittest.TestCase):
         out = self.setup_cli("claude-code", SMOL_MCP_TARGETS="local")
         self.assertRegex(
             out.stderr,
-            r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol -- /\S+ ",
+            r"claude mcp add --scope project -e SMOL_MCP_TARGETS=local smol "
+            r"-- /\S+ ",
         )
-        # `codex mcp add` cannot carry the timeouts and env_vars: the line that can is named
+        # `codex mcp add` cannot carry the timeouts and env_vars: the line that
+        # can is named
         out = self.setup_cli("codex", SMOL_MCP_TARGETS="local")
         self.assertIn("# or run: python3 ", out.stderr)
         self.assertIn("smol_mcp.py setup codex --write", out.stderr)
@@ -8818,8 +8786,10 @@ class SetupEntryTests(unittest.TestCase):
             "enabled": True,
         }
         codex.write_text(
-            'model = "o3"\nmcp_servers = { other = { command = "x", args = ["-y"], '
-            'env = { A = "1" }, enabled = true } }\n\n[profiles.p]\nmodel = "o4"\n'
+            'model = "o3"\n'
+            'mcp_servers = { other = { command = "x", args = ["-y"], '
+            'env = { A = "1" }, enabled = true } }\n\n'
+            '[profiles.p]\nmodel = "o4"\n'
         )
         out = self.setup_cli("codex", "--write")
         self.assertEqual(out.returncode, 0, out.stderr)
@@ -8835,15 +8805,14 @@ class SetupEntryTests(unittest.TestCase):
         self.assertIn("startup_timeout_sec", written["mcp_servers"]["smol"])
         self.assertIn("[mcp_servers.other]", codex.read_text())
 
-    def test_a_smol_entry_is_replaced_only_with_force_and_the_rest_is_kept(
-        self,
-    ):
+    def test_a_smol_entry_is_replaced_only_with_force_the_rest_kept(self):
         import tomllib
 
         codex = self.home / ".codex" / "config.toml"
         codex.parent.mkdir()
         codex.write_text(
-            'model = "o3"\n\n[mcp_servers.smol]\ncommand = "old"\n\n[mcp_servers.smol.env]\nA = '
+            'model = "o3"\n\n[mcp_servers.smol]\ncommand = '
+            '"old"\n\n[mcp_servers.smol.env]\nA = '
             '"1"\n\n'
             '[mcp_servers.other]\ncommand = "x"\n'
         )
@@ -8864,7 +8833,8 @@ class SetupEntryTests(unittest.TestCase):
         self.assertNotIn("env", parsed["mcp_servers"]["smol"])
         project = self.project / ".mcp.json"
         project.write_text(
-            '{\n    "mcpServers": {"smol": {"command": "old"}, "other": {"command": "x"}}\n}\n'
+            '{\n    "mcpServers": {"smol": {"command": "old"}, '
+            '"other": {"command": "x"}}\n}\n'
         )
         self.assertEqual(
             self.setup_cli("claude-code", "--write").returncode, 2
@@ -8881,7 +8851,10 @@ class SetupEntryTests(unittest.TestCase):
 
     def test_jsonc_is_refused_with_a_sentence_and_plain_jsonc_is_written(self):
         jsonc = self.project / "opencode.jsonc"
-        original = '{\n  // my servers\n  "mcp": {"other": {"type": "local", "command": ["x"]},},\n}\n'
+        original = (
+            '{\n  // my servers\n  "mcp": {"other": {"type": "local", '
+            '"command": ["x"]},},\n}\n'
+        )
         jsonc.write_text(original)
         out = self.setup_cli("opencode", "--write")
         self.assertEqual(out.returncode, 2)
@@ -8984,7 +8957,14 @@ class DistributionTests(unittest.TestCase):
 
     def setUp(self):
         self.tmp = short_tempdir()
-        self.env = {**os.environ, "SMOL_MCP_CONFIG": f"{self.tmp}/none.json"}
+        # a clean user of its own: pipx and pip keep their environments
+        # under HOME; the state and runtime dirs are named
+        self.env = {
+            **own_home(self.tmp),
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": f"{self.tmp}/state",
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+        }
         self.env.pop("SMOL_MCP_AUTH_TOKEN", None)
 
     def tearDown(self):
@@ -9030,10 +9010,14 @@ class DistributionTests(unittest.TestCase):
     def test_pip_install_gives_both_commands_and_setup_names_them(self):
         venv = Path(self.tmp, "venv")
         subprocess.run(
-            [sys.executable, "-m", "venv", str(venv)], check=True, timeout=120
+            [sys.executable, "-m", "venv", str(venv)],
+            env=self.env,
+            check=True,
+            timeout=120,
         )
         subprocess.run(
             [str(venv / "bin" / "pip"), "install", "-q", str(HERE)],
+            env=self.env,
             check=True,
             timeout=600,
             capture_output=True,
@@ -9060,9 +9044,7 @@ class DistributionTests(unittest.TestCase):
             str(venv / "bin" / "smol-mcp"),
         )
 
-    def test_sdist_and_wheel_build_with_the_oldest_declared_setuptools_and_pass_twine_check(
-        self,
-    ):
+    def test_sdist_and_wheel_build_on_the_oldest_setuptools_and_check(self):
         import tomllib
 
         requires = tomllib.loads((HERE / "pyproject.toml").read_text())[
@@ -9135,14 +9117,15 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
         self.write_wrapper()
 
     def write_wrapper(self, **knobs: str) -> None:
-        """A stand-in smolvm binary: it records the environment the server gives
-        its child, sets the fake's knobs (the server passes none of ours on),
-        then runs the fake CLI."""
+        """A stand-in smolvm binary: it records the environment the server
+        gives its child, sets the fake's knobs (the server passes none of ours
+        on), then runs the fake CLI."""
         exports = "".join(
             f"export {key}={value}\n" for key, value in knobs.items()
         )
         self.wrapper.write_text(
-            f"#!/bin/sh\n{sys.executable} -c 'import json,os; json.dump(dict(os.environ), "
+            f"#!/bin/sh\n{sys.executable} -c 'import json,os; "
+            f"json.dump(dict(os.environ), "
             f'open("{self.envfile}", "w"))\'\n{exports}'
             f'exec {sys.executable} {FAKE_CLI} "$@"\n'
         )
@@ -9173,9 +9156,7 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             },
         )
 
-    async def test_spawned_on_first_call_minimal_env_private_dir_and_stopped_by_the_last_session(
-        self,
-    ):
+    async def test_spawned_at_first_call_private_stopped_by_the_last(self):
         app = self.app()
         async with Client(app.server, mode="legacy") as c:
             await c.list_tools()
@@ -9208,9 +9189,7 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
             process.poll()
         )  # the last session let go: stopped
 
-    async def test_a_first_call_that_records_a_machine_makes_a_private_runtime_dir(
-        self,
-    ):
+    async def test_recording_a_machine_makes_a_private_runtime_dir(self):
         async with Client(self.app().server, mode="legacy") as c:
             is_error, value = result_of(
                 await c.call_tool(
@@ -9225,9 +9204,7 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
                     folder,
                 )
 
-    async def test_sessions_share_one_serve_and_the_last_one_out_stops_it(
-        self,
-    ):
+    async def test_sessions_share_one_serve_the_last_one_out_stops_it(self):
         app = self.app()
         async with Client(app.server, mode="legacy") as first:
             self.assertFalse(
@@ -9357,7 +9334,8 @@ class SpawnTests(unittest.IsolatedAsyncioTestCase):
                     Path(self.tmp, "rt", "serve.pid").read_text(),
                     str(serve.pid),
                 )
-                # Another process's first call finds the stopped serve by serve.pid: waited for.
+                # Another process's first call finds the stopped serve by
+                # serve.pid: waited for.
                 env = {
                     "SMOLVM": str(self.wrapper),
                     "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
@@ -9491,8 +9469,9 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     await wait_until(
                         warned, 5, "the last progress notification"
                     )
-                # The SDK client runs each progress callback in a task of its own, so they
-                # can arrive out of order under load; the server's order is the values'.
+                # The SDK client runs each progress callback in a task of its
+                # own, so they can arrive out of order under load; the server's
+                # order is the values'.
                 seen = [message for _, message in sorted(got)]
                 steps = [m for m in seen if m.startswith("stdout: step ")]
                 self.assertGreaterEqual(len(steps), 3, seen)
@@ -9534,9 +9513,7 @@ class StdioTests(unittest.IsolatedAsyncioTestCase):
                     )
                 await wait_until(lambda: not self.fake.machines)
 
-    async def test_both_mode_over_stdio_asks_once_and_narrows_in_both_eras(
-        self,
-    ):
+    async def test_both_over_stdio_asks_once_and_narrows_in_both_eras(self):
         cloud = FakeCloud(token=CLOUD_TOKEN).start()
         try:
             env = {
@@ -9678,7 +9655,8 @@ def broken_dir(path: str, kind: str):
                 filler.write(b"x" * (1 << 20))
     if not ok:
         raise unittest.SkipTest(
-            "making a directory read-only or full needs mount (root with CAP_SYS_ADMIN)"
+            "making a directory read-only or full needs mount (root with "
+            "CAP_SYS_ADMIN)"
         )
     try:
         yield
@@ -9687,7 +9665,8 @@ def broken_dir(path: str, kind: str):
 
 
 async def piped_server(env: dict, lines: bytes) -> tuple[int, bytes, bytes]:
-    """Run the stdio server with these lines on stdin, then EOF; (exit code, stdout, stderr)."""
+    """Run the stdio server with these lines on stdin, then EOF; (exit code,
+    stdout, stderr)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         str(HERE / "smol_mcp.py"),
@@ -9696,7 +9675,10 @@ async def piped_server(env: dict, lines: bytes) -> tuple[int, bytes, bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    out, err = await asyncio.wait_for(process.communicate(lines), 120)
+    # A guard against a hang, not a speed claim: two dozen of these at once
+    # compile the 500 KB script each, and on a shared host that took over
+    # two minutes.
+    out, err = await asyncio.wait_for(process.communicate(lines), 300)
     return process.returncode, out, err
 
 
@@ -9708,7 +9690,8 @@ class FaultCounts:
 
 @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
 class RuntimeDirFaultTests(FakeServeCase):
-    """Item 3: the runtime directory is bookkeeping; its failure is one warning."""
+    """Item 3: the runtime directory is bookkeeping; its failure is one
+    warning."""
 
     async def check_machines_work_with(self, kind: str) -> None:
         rt = f"{self.tmp}/rt"
@@ -9739,9 +9722,7 @@ class RuntimeDirFaultTests(FakeServeCase):
         self.assertEqual(len(warnings), 1, logs.output)
         self.assertIn(f"runtime directory {rt} ", warnings[0])
 
-    async def test_a_read_only_runtime_dir_costs_a_warning_not_the_machine(
-        self,
-    ):
+    async def test_a_read_only_runtime_dir_costs_a_warning_not_a_machine(self):
         await self.check_machines_work_with("ro")
 
     async def test_a_full_runtime_dir_costs_a_warning_not_the_machine(self):
@@ -9802,7 +9783,8 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
 
     @unittest.skipUnless(CAN_CHROOT, "the fake guest needs root or unshare")
     async def test_a_cancelled_request_does_not_hold_the_exit_at_eof(self):
-        """The SDK answers no cancelled request, so the EOF wait must not wait for it."""
+        """The SDK answers no cancelled request, so the EOF wait must not wait
+        for it."""
         command = unique_sleep(30)
         process = subprocess.Popen(
             [sys.executable, str(HERE / "smol_mcp.py")],
@@ -9852,9 +9834,9 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
                     {"requestId": 3, "reason": "user"},
                 )
             )
-            time.sleep(
-                0.5
-            )  # a client closes some time after its cancel, not in the same breath
+            # a client closes some time after its cancel, not in the same
+            # breath
+            time.sleep(0.5)
             process.stdin.close()
             self.assertEqual(
                 process.wait(timeout=25), 0
@@ -9896,9 +9878,7 @@ class StdioFaultTests(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(answers[None]["error"]["code"], -32700)
         self.assertIn("tools", answers[6]["result"])
 
-    async def test_a_read_only_runtime_dir_at_the_end_still_exits_zero_and_stops_the_serve(
-        self,
-    ):
+    async def test_a_read_only_runtime_dir_at_the_end_still_exits_zero(self):
         process = await self.start_raw()
         serve = self.serve_pid()
         self.assertTrue(smol_mcp.process_alive(serve))
@@ -10086,9 +10066,7 @@ class SpawnedServeFaults(unittest.IsolatedAsyncioTestCase):
 class CloudFaults(FakeCloudCase):
     """Item 10: the cloud answers 5xx, 429, an HTML page, or nothing at all."""
 
-    async def test_transient_answers_are_retried_and_cleanup_still_happens(
-        self,
-    ):
+    async def test_transient_answers_are_retried_and_cleanup_happens(self):
         async with self.client("legacy") as c:
             self.cloud.fail_next("POST", "/v1/machines", 429, times=2)
             name = (await self.ok(c, "create-machine", {"image": "alpine"}))[
@@ -10260,7 +10238,8 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
     def setUpClass(cls):
         if real_smolvm() is None:
             raise unittest.SkipTest(
-                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to smol/smol-vmm from the wheel"
+                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to "
+                "smol/smol-vmm from the wheel"
             )
         cls.tmp = short_tempdir()
         cls.environ = {
@@ -10294,9 +10273,9 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         return result_of(await self.c.call_tool(tool, args))
 
     async def require_guest(self):
-        """Find out once whether a microVM can boot here; skip with the reason if not.
-        (Called outside a client: a skip raised inside one would be wrapped in an
-        exception group and read as an error.)"""
+        """Find out once whether a microVM can boot here; skip with the reason
+        if not. (Called outside a client: a skip raised inside one would be
+        wrapped in an exception group and read as an error.)"""
         cls = type(self)
         if cls.guest_boots is None:
             async with Client(self.app.server, mode="legacy") as self.c:
@@ -10523,7 +10502,8 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
 
     async def test_egress_routes_answer_exactly_as_the_fake_does(self):
         """The real serve's answers to the egress routes without a boot, byte
-        for byte against the fake's (createdAt and the settling state masked)."""
+        for byte against the fake's (createdAt and the settling state masked).
+        """
         async with Client(self.app.server, mode="legacy") as self.c:
             await self.call("list-machines", {})  # the serve is up
             real = await asyncio.to_thread(egress_exchange, self.app.local)
@@ -10537,9 +10517,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(real[5][:2], (404, "application/json"))
         self.assertEqual(fake, real)
 
-    async def test_the_stream_route_refuses_a_missing_machine_and_an_unknown_field(
-        self,
-    ):
+    async def test_the_stream_route_refuses_no_machine_unknown_fields(self):
         async with Client(self.app.server, mode="legacy") as self.c:
             await self.call("list-machines", {})
             fleet = self.app.local
@@ -10569,9 +10547,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             self.assertEqual(caught.exception.status, 422)
             self.assertIn("unknown field `timeout`", str(caught.exception))
 
-    async def test_a_start_that_cannot_boot_is_a_clear_error_and_leaves_nothing(
-        self,
-    ):
+    async def test_a_start_that_cannot_boot_is_an_error_leaving_nothing(self):
         async with Client(self.app.server, mode="legacy") as self.c:
             is_error, value = await self.call(
                 "create-machine",
@@ -10606,7 +10582,8 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
             self.guest_boots
         ):  # said as a skip, not passed: the failure path was not seen here
             self.skipTest(
-                "a microVM boots on this host, so a start that cannot boot was not seen"
+                "a microVM boots on this host, so a start that cannot boot "
+                "was not seen"
             )
 
     async def test_guest_commands_files_and_cleanup(self):
@@ -11860,19 +11837,22 @@ class FakeCloudWarmRoutesTests(unittest.TestCase):
 @unittest.skipUnless(
     os.environ.get("SMOL_MCP_IT") == "1"
     and os.environ.get("SMOL_CLOUD_TOKEN"),
-    "live cloud suite: set SMOL_MCP_IT=1 and a real SMOL_CLOUD_TOKEN (it spends money)",
+    "live cloud suite: set SMOL_MCP_IT=1 and a real SMOL_CLOUD_TOKEN (it "
+    "spends money)",
 )
 class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
     """Against the real smol cloud, opt-in. Reads the account before and after
-    every test, stops once period spend passes SMOL_MCP_IT_SPEND_CEILING_MICROS,
-    deletes what each test makes, and checks no mcp- machine is left."""
+    every test, stops once period spend passes
+    SMOL_MCP_IT_SPEND_CEILING_MICROS, deletes what each test makes, and checks
+    no mcp- machine is left."""
 
     ceiling = int(os.environ.get("SMOL_MCP_IT_SPEND_CEILING_MICROS", "2000"))
     spent_at_start: int | None = None
 
     def account_spend(self) -> int:
-        """The period's spend in micros. The account route's shape is not in the
-        official client, so any spend-like number in it is taken (the largest)."""
+        """The period's spend in micros. The account route's shape is not in
+        the official client, so any spend-like number in it is taken (the
+        largest)."""
         account = smol_mcp.CloudFleet(self.config).api.request(
             "read the account", "GET", "/v1/account"
         )
@@ -11898,7 +11878,8 @@ class CloudLiveIntegration(unittest.IsolatedAsyncioTestCase):
             type(self).spent_at_start = spend
         if spend - type(self).spent_at_start > self.ceiling:
             self.skipTest(
-                f"spend ceiling reached: {spend - type(self).spent_at_start} micros this run"
+                f"spend ceiling reached: {spend - type(self).spent_at_start} "
+                f"micros this run"
             )
 
     async def asyncTearDown(self):
@@ -11984,14 +11965,34 @@ def _walk(value):
 # Agent access: named tokens, scopes, ownership
 # ---------------------------------------------------------------------------
 
-SANDBOX = "sandbox.read,sandbox.manage,sandbox.exec"
-READ_TOOLS = ["list-machines", "get-machine", "machine-logs", "read-job"]
+# Every scope of the sandbox domain, from the scope table (the sandbox
+# preset is checked against it in AccessCliTests).
+SANDBOX = ",".join(s for s in smol_mcp.SCOPES if s.startswith("sandbox."))
+
+
+def tools_at(*levels: str) -> list[str]:
+    """The tools at these scope levels, in the order clients list them."""
+    return [t.name for t in smol_mcp.TOOLS if t.level in levels]
+
+
+# What a read scope grants. ToolListTests holds the read level to the
+# read_only hint, so these are exactly the tools that change nothing.
+READ_TOOLS = tools_at("read")
+
+
+def tools_granted(scopes) -> list[str]:
+    """The tools a grant of these scopes lists: those at the levels its
+    machine scopes name (activity.read grants no tool)."""
+    levels = [
+        scope.split(".")[1]
+        for scope in scopes
+        if scope.split(".")[0] in smol_mcp.SCOPE_DOMAINS
+    ]
+    return tools_at(*levels)
 
 
 class AccessPiecesTests(unittest.TestCase):
-    def test_scope_table_covers_every_tool_and_the_parallel_ones_and_fails_closed(
-        self,
-    ):
+    def test_scope_table_covers_every_tool_and_fails_closed(self):
         levels = smol_mcp.TOOL_LEVELS
         self.assertTrue(all(tool.name in levels for tool in smol_mcp.TOOLS))
         self.assertEqual(
@@ -12127,9 +12128,7 @@ class AccessPiecesTests(unittest.TestCase):
                     )
             self.assertLessEqual(stats.call_count, 1)
 
-    def test_a_damaged_state_file_is_refused_on_every_read_never_hidden_by_the_recheck(
-        self,
-    ):
+    def test_a_damaged_state_file_is_refused_on_every_read(self):
         with tempfile.TemporaryDirectory() as tmp:
             file = smol_mcp.StateFile(
                 Path(tmp) / "x.json", dict, recheck_secs=60
@@ -12167,7 +12166,7 @@ class AccessCliTests(CliCase):
         "SMOLVM": "/nonexistent/smolvm",
     }
 
-    def test_create_list_delete_as_the_spec_gives_them(self):
+    def test_create_list_and_delete_tokens(self):
         out = run_cli(
             "tokens",
             "create",
@@ -12222,7 +12221,8 @@ class AccessCliTests(CliCase):
             cwd=self.tmp,
         )
         self.assertEqual(desktop.returncode, 0, desktop.stderr)
-        # it reads no environment, so no export is suggested: the value is pasted into the entry
+        # it reads no environment, so no export is suggested: the value is
+        # pasted into the entry
         self.assertNotIn("export ", desktop.stdout)
         self.assertIn("with the secret pasted in place of", desktop.stdout)
         run_cli("tokens", "delete", "desk", env=self.env)
@@ -12244,7 +12244,7 @@ class AccessCliTests(CliCase):
                 {
                     "name": "agent",
                     "scopes": SANDBOX.split(","),
-                    "targets": ["local", "cloud"],
+                    "targets": list(smol_mcp.FLEETS),
                     "approval": "none",
                     "autoApprove": "off",
                     "client": None,
@@ -12355,10 +12355,10 @@ class AgentAccessHttpTests(HttpCase):
         self.store = smol_mcp.TokenStore(self.config.state_dir)
         self.secrets = {}
         for name, scopes, targets in (
-            ("look", "machines.read", "local,cloud"),
-            ("a", SANDBOX, "local,cloud"),
-            ("b", SANDBOX, "local,cloud"),
-            ("runner", "machines.exec", "local,cloud"),
+            ("look", "machines.read", ",".join(smol_mcp.FLEETS)),
+            ("a", SANDBOX, ",".join(smol_mcp.FLEETS)),
+            ("b", SANDBOX, ",".join(smol_mcp.FLEETS)),
+            ("runner", "machines.exec", ",".join(smol_mcp.FLEETS)),
             ("cloudy", "machines.read", "cloud"),
         ):
             _, self.secrets[name] = self.store.create(
@@ -12373,9 +12373,7 @@ class AgentAccessHttpTests(HttpCase):
             mode, headers={"Authorization": f"Bearer {self.secrets[name]}"}
         )
 
-    async def test_a_wrong_shaped_state_file_is_named_with_the_fix_never_a_500(
-        self,
-    ):
+    async def test_a_wrong_shaped_state_file_is_named_never_a_500(self):
         state = Path(self.config.state_dir)
         for shape in ("[]", '{"tokens": {}}', '{"tokens": [1]}'):
             with self.subTest(tokens=shape):
@@ -12391,7 +12389,8 @@ class AgentAccessHttpTests(HttpCase):
                     ).status_code,
                     401,
                 )
-                self.store.file.expire()  # it looks again at most twice a second
+                # it looks again at most twice a second
+                self.store.file.expire()
                 with self.assertRaises(smol_mcp.SmolError) as caught:
                     self.store.records()
                 self.assertIn(
@@ -12413,20 +12412,11 @@ class AgentAccessHttpTests(HttpCase):
                 )
                 self.assertNotIn("bug", text)
 
-    async def test_each_token_sees_exactly_its_tools_and_each_refusal_names_its_scope(
-        self,
-    ):
+    async def test_each_token_sees_its_tools_and_refusals_name_the_scope(self):
         expected = {
             "look": READ_TOOLS,
             "a": [t.name for t in smol_mcp.TOOLS],
-            "runner": [
-                "run-command",
-                "run-once",
-                "read-file",
-                "write-file",
-                "start-job",
-                "cancel-job",
-            ],
+            "runner": tools_at("exec"),
         }
         for mode in MODES:
             for name, tools in expected.items():
@@ -12443,7 +12433,8 @@ class AgentAccessHttpTests(HttpCase):
                     )
                     self.assertTrue(
                         text.startswith(
-                            "scope_missing: create-machine needs the machines.manage"
+                            "scope_missing: create-machine needs the "
+                            "machines.manage"
                         ),
                         text,
                     )
@@ -12453,7 +12444,8 @@ class AgentAccessHttpTests(HttpCase):
                     )
                     self.assertTrue(
                         text.startswith(
-                            "scope_missing: run-command needs the machines.exec"
+                            "scope_missing: run-command needs the "
+                            "machines.exec"
                         ),
                         text,
                     )
@@ -12462,7 +12454,7 @@ class AgentAccessHttpTests(HttpCase):
                         "create-machine", text
                     )  # the unknown-tool answer lists its own tools only
                     self.assertIn(
-                        "list-machines, get-machine, machine-logs", text
+                        f"the tools are: {', '.join(READ_TOOLS)}", text
                     )
                     access = json.loads(
                         (await c.read_resource(smol_mcp.TARGETS_URI))
@@ -12477,7 +12469,8 @@ class AgentAccessHttpTests(HttpCase):
                     text = await self.refused(c, "list-machines", {})
                     self.assertTrue(
                         text.startswith(
-                            "scope_missing: the token 'cloudy' may use the cloud fleet "
+                            "scope_missing: the token 'cloudy' may use the "
+                            "cloud fleet "
                             "only, not local"
                         ),
                         text,
@@ -12486,9 +12479,7 @@ class AgentAccessHttpTests(HttpCase):
             self.requests_to("/machines"), []
         )  # no refused call reached the engine
 
-    async def test_a_sandbox_token_cannot_see_read_run_in_or_delete_anothers_machine(
-        self,
-    ):
+    async def test_a_sandbox_token_cannot_touch_anothers_machine(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with (
@@ -12587,9 +12578,7 @@ class AgentAccessHttpTests(HttpCase):
                     )
                     await self.ok(admin, "delete-machine", {"name": "ops-box"})
 
-    async def test_a_branch_belongs_to_its_sources_owner_and_ownership_survives_a_restart(
-        self,
-    ):
+    async def test_a_branch_is_its_sources_owners_and_survives_a_restart(self):
         async with self.as_token("a") as a, self.http_client() as admin:
             await self.ok(
                 a,
@@ -12627,9 +12616,7 @@ class AgentAccessHttpTests(HttpCase):
                 {},
             )
 
-    async def test_a_session_id_used_with_another_token_is_refused_like_an_unknown_one(
-        self,
-    ):
+    async def test_a_session_id_with_another_token_is_refused_as_unknown(self):
         opener = {
             **JSON_HEADERS,
             "Authorization": f"Bearer {self.secrets['a']}",
@@ -12666,9 +12653,7 @@ class AgentAccessHttpTests(HttpCase):
         )
         self.assertEqual(own.status_code, 200)
 
-    async def test_deleting_a_token_cuts_a_live_client_off_and_ends_its_sessions(
-        self,
-    ):
+    async def test_deleting_a_token_cuts_a_live_client_and_its_sessions(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 _, self.secrets["gone"] = self.store.create(
@@ -12768,9 +12753,7 @@ class AgentAccessHttpTests(HttpCase):
                 200,
             )
 
-    async def test_two_tokens_keep_separate_ephemeral_machines_in_the_2026_era(
-        self,
-    ):
+    async def test_two_tokens_keep_separate_ephemeral_machines_in_2026(self):
         async with (
             self.as_token("a", "auto") as a,
             self.as_token("runner", "auto") as r,
@@ -12797,9 +12780,7 @@ class AgentAccessHttpTests(HttpCase):
             self.assertIn(theirs, self.fake.machines)
             await self.ok(admin, "delete-machine", {"name": theirs})
 
-    async def test_the_401_is_identical_for_missing_wrong_and_deleted_tokens(
-        self,
-    ):
+    async def test_the_401_is_one_for_missing_wrong_and_deleted_tokens(self):
         self.store.delete("b")
         answers = set()
         for path in ("/mcp", "/", "/elsewhere"):
@@ -12832,8 +12813,9 @@ class AgentAccessHttpTests(HttpCase):
 
 
 class PlainApiTests(HttpCase):
-    """POST /api/tools/NAME and GET /api/tools: the same tools, scopes, ownership,
-    approvals, limits and activity log as the MCP endpoint, without an MCP client."""
+    """POST /api/tools/NAME and GET /api/tools: the same tools, scopes,
+    ownership, approvals, limits and activity log as the MCP endpoint, without
+    an MCP client."""
 
     as_token = AgentAccessHttpTests.as_token
 
@@ -12960,13 +12942,15 @@ class PlainApiTests(HttpCase):
         )  # a's create; no refused call
 
     async def test_a_lone_surrogate_is_refused_at_the_door(self):
-        # JSON allows "\ud800" and the plain API reads bodies with json.loads (the MCP SDK's
-        # parser refuses it): no UTF-8 carries it to the engine, the log or the answer (a 500).
+        # JSON allows "\ud800" and the plain API reads bodies with json.loads
+        # (the MCP SDK's parser refuses it): no UTF-8 carries it to the engine,
+        # the log or the answer (a 500).
         await self.api(
             "default", "create-machine", {"name": "m", "image": "alpine"}
         )
         bodies = {
-            "write-file": '{"name": "m", "path": "/f", "content": "\\ud800", "encoding": "utf8"}',
+            "write-file": '{"name": "m", "path": "/f", "content": "\\ud800", '
+            '"encoding": "utf8"}',
             "run-command": '{"name": "m", "command": "echo \\udfff"}',
             "create-machine": '{"name": "n", "image": "alp\\ud800ine"}',
             "allow-egress": '{"name": "m", "hosts": ["a\\udbff.com"]}',
@@ -12990,17 +12974,18 @@ class PlainApiTests(HttpCase):
         with socket.create_connection(("127.0.0.1", self.port)) as sock:
             sock.sendall(
                 (
-                    f"POST /api/tools/write-file HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-                    f"Authorization: Bearer {HTTP_TOKEN}\r\nExpect: 100-continue\r\n"
-                    f"Content-Length: {smol_mcp.HTTP_MAX_BODY_BYTES + 1}\r\n\r\n"
+                    f"POST /api/tools/write-file HTTP/1.1\r\nHost: "
+                    f"127.0.0.1:{self.port}\r\n"
+                    f"Authorization: Bearer {HTTP_TOKEN}\r\nExpect: "
+                    f"100-continue\r\n"
+                    "Content-Length: "
+                    f"{smol_mcp.HTTP_MAX_BODY_BYTES + 1}\r\n\r\n"
                 ).encode()
             )
             reply = await asyncio.to_thread(sock.recv, 4096)
         self.assertTrue(reply.startswith(b"HTTP/1.1 413"), reply)
 
-    async def test_a_held_call_waits_for_its_answer_and_ends_when_its_client_goes(
-        self,
-    ):
+    async def test_a_held_call_waits_and_ends_when_its_client_goes(self):
         _, secret = self.store.create(
             "held",
             smol_mcp.parse_scopes("machines.manage"),
@@ -13041,14 +13026,16 @@ class PlainApiTests(HttpCase):
                 self.assertEqual(status, 409)
                 self.assertEqual(
                     answer["error"],
-                    "approval_rejected: pat rejected create-machine: not today. Nothing ran.",
+                    "approval_rejected: pat rejected create-machine: not "
+                    "today. Nothing ran.",
                 )
         self.assertNotIn("deny", self.fake.machines)
         call = asyncio.create_task(
             self.api("held", "delete-machine", {"name": "approve"})
         )
         await waiting()
-        call.cancel()  # the client goes away: its call ends, and leaves the list
+        # the client goes away: its call ends, and leaves the list
+        call.cancel()
         await wait_until(lambda: not desk.pending(), 10)
         await wait_until(
             lambda: [
@@ -13062,7 +13049,8 @@ class PlainApiTests(HttpCase):
 
 
 OPERATOR_PASSWORD = "correct horse battery staple"
-CALLBACK = "http://127.0.0.1:9/callback"  # nothing listens: each answer is read from its Location
+# nothing listens: each answer is read from its Location
+CALLBACK = "http://127.0.0.1:9/callback"
 
 
 def strictly(line: str):
@@ -13274,7 +13262,8 @@ class OAuthCase(HttpCase):
         return http
 
     async def consent(self, url: str, answer: dict) -> str:
-        """Follow an authorization URL to the consent page, answer it; the redirect."""
+        """Follow an authorization URL to the consent page, answer it; the
+        redirect."""
         http = await self.operator()
         page = await http.get(url, follow_redirects=True)
         self.assertEqual(page.status_code, 200, page.text)
@@ -13289,7 +13278,8 @@ class OAuthCase(HttpCase):
         return reply.headers["location"]
 
     def oauth(self, answer: dict, storage=None, name="Test Client"):
-        """The SDK's OAuth client for our URL; the operator answers with ``answer``."""
+        """The SDK's OAuth client for our URL; the operator answers with
+        ``answer``."""
         from mcp.client.auth import (
             AuthorizationCodeResult,
             OAuthClientProvider,
@@ -13370,9 +13360,7 @@ class OAuthCase(HttpCase):
 
 
 class OAuthTests(OAuthCase):
-    async def test_discovery_registration_consent_token_refresh_and_revocation(
-        self,
-    ):
+    async def test_discovery_registration_consent_refresh_and_revocation(self):
         resource = await self.raw(
             "GET", "/.well-known/oauth-protected-resource/mcp"
         )
@@ -13399,7 +13387,8 @@ class OAuthTests(OAuthCase):
         ).headers
         self.assertEqual(
             challenge["www-authenticate"],
-            f'Bearer resource_metadata="{self.base}/.well-known/oauth-protected-resource/mcp"',
+            f"Bearer "
+            f'resource_metadata="{self.base}/.well-known/oauth-protected-resource/mcp"',
         )
         for mode in MODES:
             with self.subTest(mode=mode):
@@ -13456,13 +13445,15 @@ class OAuthTests(OAuthCase):
                         {"token": storage.tokens.refresh_token} | client_auth,
                     )
                     self.assertEqual(revoked.status_code, 200)
-                    self.store.file.expire()  # another store: it looks again twice a second
+                    # another store: it looks again twice a second
+                    self.store.file.expire()
                     self.assertNotIn(
                         mode, [r["name"] for r in self.store.records()]
                     )
                     bearer = {
                         **JSON_HEADERS,
-                        "Authorization": f"Bearer {storage.tokens.access_token}",
+                        "Authorization": "Bearer "
+                        f"{storage.tokens.access_token}",
                     }
                     self.assertEqual(
                         (
@@ -13521,9 +13512,7 @@ class OAuthTests(OAuthCase):
             revoked["reason"], "a spent refresh token was used again"
         )
 
-    async def test_a_refresh_token_is_spent_once_even_when_two_exchanges_race(
-        self,
-    ):
+    async def test_a_refresh_token_is_spent_once_when_two_exchanges_race(self):
         from mcp.server.auth.provider import TokenError
 
         record, _ = self.store.create(
@@ -13546,38 +13535,28 @@ class OAuthTests(OAuthCase):
             self.store.records(), []
         )  # the loser may be the thief: the grant ends
 
-    async def test_each_grant_gives_its_tools_and_a_sandbox_sees_only_its_machines(
-        self,
-    ):
+    async def test_each_grant_gives_its_tools_a_sandbox_its_own_machines(self):
         async with self.http_client() as admin:
             await self.ok(
                 admin, "create-machine", {"name": "ops-box", "image": "alpine"}
             )
-            for mode in MODES:
-                with self.subTest(mode=mode):
+            grants = smol_mcp.GRANTS.items()
+            for mode, (grant, scopes) in itertools.product(MODES, grants):
+                with self.subTest(mode=mode, grant=grant):
                     answer = {
                         "action": "Allow",
-                        "grant": "Read-only",
-                        "name": f"ro-{mode}",
-                    }
-                    async with self.connected(
-                        self.oauth(answer), mode
-                    ) as client:
-                        self.assertEqual(
-                            await self.tool_names(client), READ_TOOLS
-                        )
-                    answer = {
-                        "action": "Allow",
-                        "grant": "Sandbox",
-                        "name": f"box-{mode}",
+                        "grant": grant,
+                        "name": f"{grant.lower()}-{mode}",
                     }
                     async with self.connected(
                         self.oauth(answer), mode
                     ) as client:
                         self.assertEqual(
                             await self.tool_names(client),
-                            [t.name for t in smol_mcp.TOOLS],
+                            tools_granted(scopes),
                         )
+                        if not scopes[0].startswith("sandbox."):
+                            continue
                         mine = await self.ok(
                             client, "create-machine", {"image": "alpine"}
                         )
@@ -13616,9 +13595,7 @@ class OAuthTests(OAuthCase):
             )
             await self.ok(admin, "delete-machine", {"name": "ops-box"})
 
-    async def test_a_denied_consent_redirects_with_access_denied_and_grants_nothing(
-        self,
-    ):
+    async def test_a_denied_consent_redirects_denied_and_grants_nothing(self):
         for mode in MODES:
             with self.subTest(mode=mode), self.assertRaises(Exception):
                 async with self.connected(
@@ -13631,9 +13608,7 @@ class OAuthTests(OAuthCase):
             self.assertTrue(self.answers[-1].startswith(CALLBACK + "?"))
         self.assertEqual(self.store.records(), [])
 
-    async def test_wrong_resource_reused_code_pkce_mismatch_and_redirects_are_refused(
-        self,
-    ):
+    async def test_wrong_resource_reused_code_pkce_redirects_refused(self):
         client = await self.register()
         verifier, challenge = pkce()
         wrong = await self.raw(
@@ -13722,7 +13697,8 @@ class OAuthTests(OAuthCase):
             (await self.raw("POST", "/mcp", bearer, INIT_BODY)).status_code,
             401,
         )
-        # a native app's loopback redirect may come back on another port (RFC 8252 7.3)
+        # a native app's loopback redirect may come back on another port (RFC
+        # 8252 7.3)
         other_port = self.authorize_url(
             client, challenge, redirect_uri="http://127.0.0.1:4444/callback"
         )
@@ -13730,9 +13706,7 @@ class OAuthTests(OAuthCase):
         self.assertEqual(moved.status_code, 302)
         self.assertIn("/consent?request=", moved.headers["location"])
 
-    async def test_deleting_a_grant_cuts_its_client_off_and_ends_its_sessions(
-        self,
-    ):
+    async def test_deleting_a_grant_cuts_its_client_off_and_its_sessions(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 answer = {
@@ -13748,9 +13722,8 @@ class OAuthTests(OAuthCase):
                         client, "create-machine", {"image": "alpine"}
                     )
                     name, held = made["machine"]["name"], storage.tokens
-                    answer["action"] = (
-                        "Deny"  # the client will ask again: the operator says no
-                    )
+                    # the client will ask again: the operator says no
+                    answer["action"] = "Deny"
                     result = run_cli(
                         "tokens", "delete", f"gone-{mode}", env=self.cli_env()
                     )
@@ -13791,9 +13764,7 @@ class OAuthTests(OAuthCase):
                 )
                 self.assertEqual(self.store.records(), [])
 
-    async def test_a_registration_is_small_lean_rate_limited_and_keeps_a_hash_of_its_secret(
-        self,
-    ):
+    async def test_a_registration_is_small_lean_limited_and_hashed(self):
         def post(metadata):
             headers = {"Content-Type": "application/json"}
             return self.raw(
@@ -13898,9 +13869,7 @@ class OAuthTests(OAuthCase):
             statuses = [(await post(meta)).status_code for _ in range(3)]
         self.assertEqual(statuses, [201, 201, 429])
 
-    async def test_consent_requests_past_the_bound_push_out_the_oldest_never_refuse(
-        self,
-    ):
+    async def test_consent_requests_past_the_bound_push_out_the_oldest(self):
         first, second = await self.register(), await self.register()
 
         async def authorize(client):
@@ -13930,9 +13899,7 @@ class OAuthTests(OAuthCase):
             others = [await authorize(second) for _ in range(2)]
         self.assertEqual(await open_ones(held + others), held[3:] + others)
 
-    async def test_registrations_are_bounded_and_oauth_is_off_without_an_operator(
-        self,
-    ):
+    async def test_registrations_bounded_oauth_off_without_an_operator(self):
         with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_CLIENTS", 3):
             first = await self.register()
             for _ in range(3):
@@ -13993,7 +13960,8 @@ class OAuthTests(OAuthCase):
 
 
 class SignInTests(OAuthCase):
-    """The operator's pages over plain HTTP: headers, cookies, links, CSRF, rate limit."""
+    """The operator's pages over plain HTTP: headers, cookies, links, CSRF,
+    rate limit."""
 
     async def page_client(self):
         import httpx2
@@ -14002,9 +13970,7 @@ class SignInTests(OAuthCase):
         self.addAsyncCleanup(http.aclose)
         return http
 
-    async def test_pages_are_strict_and_the_session_cookie_is_httponly_samesite_strict(
-        self,
-    ):
+    async def test_pages_are_strict_and_the_cookie_httponly_samesite(self):
         http = await self.page_client()
         page = await http.get("/signin?hop=1")
         policy = page.headers["content-security-policy"]
@@ -14055,9 +14021,7 @@ class SignInTests(OAuthCase):
         self.assertEqual(out.status_code, 303)
         self.assertNotIn("Sign out", (await http.get("/signin?hop=1")).text)
 
-    async def test_a_page_for_the_operator_sends_a_signed_out_browser_to_sign_in_and_back(
-        self,
-    ):
+    async def test_an_operator_page_sends_a_signed_out_browser_round(self):
         http = await self.page_client()
         answer = await http.get("/consent?request=abc")
         self.assertEqual(answer.status_code, 303)
@@ -14078,9 +14042,7 @@ class SignInTests(OAuthCase):
         ):
             self.assertEqual(smol_mcp.back_to(target), "/signin")
 
-    async def test_a_one_time_link_signs_in_once_and_only_within_its_minutes(
-        self,
-    ):
+    async def test_a_one_time_link_signs_in_once_within_its_minutes(self):
         result = run_cli("operator", "link", env=self.cli_env())
         self.assertEqual(result.returncode, 0, result.stderr)
         link = result.stdout.strip()
@@ -14129,9 +14091,7 @@ class SignInTests(OAuthCase):
             self.app.pages.wait_secs("10.0.0.9"), 0
         )  # another address is not held
 
-    async def test_a_session_is_bound_to_its_browser_and_wide_grants_ask_the_password_again(
-        self,
-    ):
+    async def test_a_session_is_its_browsers_and_wide_grants_reask(self):
         operator = (
             await self.operator()
         )  # signed in: what a page on an agent's port could steal
@@ -14206,12 +14166,11 @@ class SignInTests(OAuthCase):
             "/signin", data={"csrf": csrf_of(page.text), **form}
         ), http
 
-    async def test_signed_in_by_link_alone_a_wide_grant_needs_a_sign_in_minutes_old(
-        self,
-    ):
+    async def test_after_a_link_alone_a_wide_grant_needs_a_fresh_sign_in(self):
         operator = smol_mcp.Operator(self.config.state_dir)
         operator.file.update(lambda data: data.pop("password"))
-        operator.new_link()  # a live link keeps OAuth on once this one is spent
+        # a live link keeps OAuth on once this one is spent
+        operator.new_link()
         answer, http = await self.signin_answer(link=operator.new_link())
         self.assertEqual(answer.status_code, 303)
         client = await self.register()
@@ -14236,9 +14195,7 @@ class SignInTests(OAuthCase):
             (await http.post(str(page.url), data=form)).status_code, 303
         )
 
-    async def test_concurrent_and_forwarded_wrong_passwords_are_all_counted(
-        self,
-    ):
+    async def test_concurrent_and_forwarded_wrong_passwords_all_count(self):
         http = await self.page_client()
         page = await http.get("/signin?hop=1")
         wrong = {
@@ -14261,9 +14218,7 @@ class SignInTests(OAuthCase):
         self.assertEqual(answer.status_code, 429)
         self.assertIn("from 127.0.0.1", answer.text)
 
-    async def test_password_checks_are_bounded_in_all_and_a_link_always_signs_in(
-        self,
-    ):
+    async def test_password_checks_are_bounded_a_link_always_signs_in(self):
         from starlette.requests import Request
 
         pages, running, most = self.app.pages, [0], [0]
@@ -14362,9 +14317,7 @@ class OAuthCliTests(unittest.TestCase):
             timeout=60,
         )
 
-    def test_the_password_comes_from_stdin_never_an_argument_and_is_kept_as_scrypt(
-        self,
-    ):
+    def test_the_password_comes_from_stdin_and_is_kept_as_scrypt(self):
         self.assertEqual(
             self.cli("operator", "set-password", "hunter2hunter2").returncode,
             2,
@@ -14389,9 +14342,7 @@ class OAuthCliTests(unittest.TestCase):
             smol_mcp.oauth_report(config),
         )
 
-    def test_http_starts_on_an_operator_password_alone_and_names_its_metadata(
-        self,
-    ):
+    def test_http_starts_on_an_operator_password_naming_its_metadata(self):
         self.cli("operator", "set-password", stdin=OPERATOR_PASSWORD + "\n")
         server, port = spawn_http(self.env)
         self.addCleanup(server.wait, 10)
@@ -14484,11 +14435,39 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-# The README's pictures: SMOL_MCP_SCREENSHOTS=docs/screenshots writes them anew; a run
-# otherwise keeps its screenshots out of the checkout.
-SCREENSHOTS = Path(
-    os.environ.get("SMOL_MCP_SCREENSHOTS") or tempfile.gettempdir(), ""
-).resolve()
+
+
+def own_home(tmp: str) -> dict[str, str]:
+    """The environment with HOME and the XDG directories under ``tmp``:
+    Chromium writes its profile, certificate store and crash reports there,
+    and the runner's stand-in for the user's must stay untouched."""
+    home = f"{tmp}/home"
+    places = {
+        "HOME": home,
+        "XDG_CONFIG_HOME": f"{home}/.config",
+        "XDG_CACHE_HOME": f"{home}/.cache",
+        "XDG_STATE_HOME": f"{home}/.local/state",
+        "XDG_DATA_HOME": f"{home}/.local/share",
+        "XDG_RUNTIME_DIR": f"{tmp}/run",
+    }
+    for path in places.values():
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    return {**os.environ, **places}
+
+
+# The README's pictures: SMOL_MCP_SCREENSHOTS=docs/screenshots writes them
+# anew; a run otherwise keeps its screenshots out of the checkout.
+SCREENSHOTS = os.environ.get("SMOL_MCP_SCREENSHOTS", "")
+
+
+def screenshot(tmp: str, name: str) -> str:
+    """Where a screenshot goes: SMOL_MCP_SCREENSHOTS, else the test's own
+    directory (not a fixed name in /tmp that another run also writes)."""
+    folder = Path(SCREENSHOTS or tmp).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / name)
+
+
 DOC_ISSUER = "Signed in as the operator of http://127.0.0.1:8080 "
 
 
@@ -14507,7 +14486,9 @@ class BrowserTests(OAuthCase):
         self.playwright = await async_playwright().start()
         self.addAsyncCleanup(self.playwright.stop)
         browser = await self.playwright.chromium.launch(
-            executable_path=CHROMIUM, args=CHROMIUM_ARGS
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            env=own_home(self.tmp),
         )
         self.addAsyncCleanup(browser.close)
         self.browser = await browser.new_context(
@@ -14564,13 +14545,15 @@ class BrowserTests(OAuthCase):
                 await self.page.get_by_label(
                     "Require approval for changes"
                 ).check()
-            if shot:  # the address as in the README (the test's port varies from run to run)
+            # the address as in the README (the test's port varies from run
+            # to run)
+            if shot:
                 header = "document.querySelector('header form').firstChild"
                 await self.page.evaluate(
                     f"{header}.textContent = {json.dumps(DOC_ISSUER)}"
                 )
                 await self.page.screenshot(
-                    path=str(SCREENSHOTS / shot), full_page=True
+                    path=screenshot(self.tmp, shot), full_page=True
                 )
             await self.page.get_by_role(
                 "button", name="Allow" if allow else "Deny"
@@ -14593,10 +14576,9 @@ class BrowserTests(OAuthCase):
         )
 
     async def test_sign_in_with_the_password_then_consent_to_each_grant(self):
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         await self.page.goto(f"{self.base}/signin")
         await self.page.screenshot(
-            path=str(SCREENSHOTS / "signin.png"), full_page=True
+            path=screenshot(self.tmp, "signin.png"), full_page=True
         )
         await self.sign_in()
         await self.page.get_by_text("You are signed in.").wait_for()
@@ -14611,18 +14593,19 @@ class BrowserTests(OAuthCase):
         self.assertEqual(
             (cookie["httpOnly"], cookie["sameSite"]), (True, "Strict")
         )
-        all_tools = [t.name for t in smol_mcp.TOOLS]
+        # every grant of the consent page, and one choice of scopes
         cases = [
-            ("Full", {}, all_tools, list(smol_mcp.GRANTS["Full"])),
-            ("Read-only", {}, READ_TOOLS, list(smol_mcp.GRANTS["Read-only"])),
-            ("Sandbox", {}, all_tools, list(smol_mcp.GRANTS["Sandbox"])),
+            (grant, {}, tools_granted(scopes), list(scopes))
+            for grant, scopes in smol_mcp.GRANTS.items()
+        ]
+        cases.append(
             (
                 "Choose scopes",
                 {"scopes": ["machines.read"], "approval": True},
                 READ_TOOLS,
                 ["machines.read"],
-            ),
-        ]
+            )
+        )
         for grant, options, tools, scopes in cases:
             with self.subTest(grant=grant):
                 name = grant.lower().replace(" ", "-")
@@ -14650,16 +14633,16 @@ class BrowserTests(OAuthCase):
         )
         self.assertEqual(self.store.records(), [])
 
-    async def test_a_one_time_link_in_the_browser_and_a_wrong_password_rate_limited(
-        self,
-    ):
+    async def test_a_link_in_the_browser_wrong_passwords_rate_limited(self):
         secret = smol_mcp.Operator(self.config.state_dir).new_link()
         await self.page.goto(f"{self.base}/signin?link={secret}")
         await self.page.get_by_role("button", name="Sign in").click()
         await self.page.get_by_text("You are signed in.").wait_for()
         other = await (
             await self.playwright.chromium.launch(
-                executable_path=CHROMIUM, args=CHROMIUM_ARGS
+                executable_path=CHROMIUM,
+                args=CHROMIUM_ARGS,
+                env=own_home(self.tmp),
             )
         ).new_page()
         self.addAsyncCleanup(other.context.browser.close)
@@ -14680,9 +14663,7 @@ class BrowserTests(OAuthCase):
         await other.get_by_role("button", name="Sign in").click()
         await other.get_by_text("Too many failed sign-ins").wait_for()
 
-    async def test_a_signed_in_operator_sent_from_another_site_is_not_asked_again(
-        self,
-    ):
+    async def test_a_signed_in_operator_from_another_site_is_not_asked(self):
         await self.sign_in()
         await self.page.get_by_text("You are signed in.").wait_for()
         url = self.authorize_url(await self.register(), pkce()[1])
@@ -14699,7 +14680,8 @@ class BrowserTests(OAuthCase):
         await self.sign_in()
         await self.page.get_by_text("You are signed in.").wait_for()
         forged = (
-            f'<form method="post" action="{self.base}/signout"><input name="csrf" value="x">'
+            f'<form method="post" action="{self.base}/signout"><input '
+            f'name="csrf" value="x">'
             "<button>go</button></form>"
         )
         await self.page.goto(
@@ -14723,9 +14705,7 @@ class SandboxBothFleetsTests(FakeCloudCase):
     targets = "both"
     config_overrides = {"scopes": ("sandbox.read", "sandbox.manage")}
 
-    async def test_ownership_on_both_fleets_and_no_question_before_a_refusal(
-        self,
-    ):
+    async def test_ownership_on_both_fleets_and_no_question_first(self):
         admin = SmolMcp(
             dataclasses_replace(self.config, scopes=())
         )  # same state directory
@@ -14750,7 +14730,7 @@ class SandboxBothFleetsTests(FakeCloudCase):
                 text,
             )
             self.assertEqual(asked, [])  # refused before the fleet question
-            for target in ("local", "cloud"):
+            for target in smol_mcp.FLEETS:
                 await self.ok(
                     a,
                     "create-machine",
@@ -14764,7 +14744,7 @@ class SandboxBothFleetsTests(FakeCloudCase):
         async with self.client(
             "legacy"
         ) as c:  # no elicitation: target on every call
-            for target in ("local", "cloud"):
+            for target in smol_mcp.FLEETS:
                 with self.subTest(target=target):
                     own = f"own-{target}"
                     await self.ok(
@@ -14807,11 +14787,9 @@ class SandboxBothFleetsTests(FakeCloudCase):
         self.assertIn("ops-local", self.fake.machines)
         self.assertEqual(self.by_name("ops-cloud")["name"], "ops-cloud")
 
-    async def test_a_name_freed_behind_the_servers_back_goes_to_its_next_creator(
-        self,
-    ):
-        """A machine deleted outside this server leaves its owner on record; the
-        engine accepting the name again proves the record stale."""
+    async def test_a_name_freed_behind_our_back_goes_to_its_next_creator(self):
+        """A machine deleted outside this server leaves its owner on record;
+        the engine accepting the name again proves the record stale."""
         self.app = SmolMcp(
             dataclasses_replace(self.config, scopes=(), targets="cloud")
         )
@@ -14880,9 +14858,7 @@ class CloudNamesAreNamesTests(FakeCloudCase):
             )
             await self.ok(ca, "delete-machine", {"name": "alpha"})
 
-    async def test_a_name_made_again_behind_the_servers_back_is_not_the_owners(
-        self,
-    ):
+    async def test_a_name_made_again_behind_our_back_is_not_the_owners(self):
         a = self.sandbox_app("a")
         cloud = a.fleets["cloud"]
         spec = smol_mcp.MachineSpec("mcp-kept", "alpine", 1, 512, "blocked")
@@ -14928,7 +14904,8 @@ class StdioScopesTests(FakeServeCase):
                 )
                 self.assertTrue(
                     text.startswith(
-                        "scope_missing: create-machine needs the machines.manage"
+                        "scope_missing: create-machine needs the "
+                        "machines.manage"
                     ),
                     text,
                 )
@@ -14944,9 +14921,7 @@ class StdioScopesTests(FakeServeCase):
                 )
         self.assertEqual(self.requests_to("/machines"), [])
 
-    async def test_an_unwritable_state_dir_is_a_sentence_and_nothing_is_created(
-        self,
-    ):
+    async def test_an_unwritable_state_dir_is_a_sentence_making_nothing(self):
         Path(self.tmp, "file").write_text("")
         self.app = SmolMcp(
             dataclasses_replace(
@@ -14998,7 +14973,8 @@ import sys
 sys.path.insert(0, {here!r})
 import smol_mcp
 log = smol_mcp.ActivityLog({state!r})
-pad = [{pad!r} * 1500] * 3  # past PIPE_BUF, and each string under the field bound
+# past PIPE_BUF, and each string under the field bound
+pad = [{pad!r} * 1500] * 3
 for n in range(1000):
     log.append({{"event": "test", "writer": {writer!r}, "n": n, "pad": pad}})
 """
@@ -15012,9 +14988,7 @@ class ActivityLogTests(unittest.TestCase):
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def test_two_processes_appending_1000_lines_each_lose_none_and_interleave_none(
-        self,
-    ):
+    def test_two_processes_appending_lose_and_interleave_nothing(self):
         writers = [
             subprocess.Popen(
                 [
@@ -15301,9 +15275,7 @@ class ActivityLogStrictTests(unittest.TestCase):
 class ActivityCliTests(CliCase):
     env_extra = {"SMOL_MCP_STATE_DIR": "{tmp}/state"}
 
-    def test_activity_filters_and_token_events_and_auto_approval_shown_by_tokens_list(
-        self,
-    ):
+    def test_activity_filters_token_events_and_auto_approval_listed(self):
         created = json.loads(
             run_cli(
                 "tokens",
@@ -15449,9 +15421,7 @@ class ActivityToolTests(FakeServeCase):
             smol_mcp.activity_filter(**where)
         )
 
-    async def test_changes_are_recorded_before_the_answer_reads_are_not_and_contents_are_redacted(
-        self,
-    ):
+    async def test_changes_are_recorded_first_reads_not_and_redacted(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 shutil.rmtree(self.config.state_dir, ignore_errors=True)
@@ -15548,9 +15518,7 @@ class ActivityToolTests(FakeServeCase):
                     ("session-cleanup", "mcp-act", "deleted"),
                 )
 
-    async def test_a_log_that_cannot_be_written_is_one_warning_and_the_result_stands(
-        self,
-    ):
+    async def test_an_unwritable_log_is_one_warning_the_result_stands(self):
         Path(self.config.state_dir).mkdir(mode=0o700, parents=True)
         Path(
             self.config.state_dir, smol_mcp.ACTIVITY_FILE
@@ -15568,9 +15536,7 @@ class ActivityToolTests(FakeServeCase):
             self.assertNotIn("Traceback", logged.output[0])
             await self.ok(c, "delete-machine", {"name": "kept"})
 
-    async def test_the_resource_needs_activity_read_and_a_sandbox_principal_reads_its_own(
-        self,
-    ):
+    async def test_the_resource_needs_activity_read_a_sandbox_its_own(self):
         self.app.record(
             {
                 "event": "tool",
@@ -15617,7 +15583,8 @@ class ActivityToolTests(FakeServeCase):
                 with self.assertRaises(MCPError) as refused:
                     await c.read_resource(smol_mcp.ACTIVITY_URI)
                 self.assertIn(
-                    "scope_missing: smol://activity needs the activity.read scope",
+                    "scope_missing: smol://activity needs the activity.read "
+                    "scope",
                     str(refused.exception),
                 )
 
@@ -15680,9 +15647,7 @@ class ActivityHoldsTests(FakeServeCase):
         self.assertLess(len(page), smol_mcp.ACTIVITY_PAGE_BYTES + 64 * 1024)
         self.assertGreater(len(json.loads(page)["entries"]), 50)
 
-    async def test_an_argument_outside_the_schema_is_redacted_in_the_log_and_the_answer(
-        self,
-    ):
+    async def test_an_argument_outside_the_schema_is_redacted_everywhere(self):
         async with self.client("legacy") as c:
             for tool, args in (
                 (
@@ -15709,10 +15674,11 @@ class ActivityHoldsTests(FakeServeCase):
         self.assertNotIn("SECRET", text)
         self.assertNotIn("77777", text)
 
-    async def test_activity_escapes_what_the_agent_chose_and_reads_a_page_lazily(
-        self,
-    ):
-        forged = "x\x1b]0;t\x07\x1b[2J\nFAKE 2026 admin delete-machine prod ok\u202e"
+    async def test_activity_escapes_the_agents_text_and_pages_lazily(self):
+        forged = (
+            "x\x1b]0;t\x07\x1b[2J\n"
+            "FAKE 2026 admin delete-machine prod ok\u202e"
+        )
         async with self.client("legacy") as c:
             await self.refused(c, "delete-machine", {"name": forged})
         out = self.cli().stdout
@@ -15738,8 +15704,9 @@ class ActivityHoldsTests(FakeServeCase):
 
 
 def webhook_receiver(on_post):
-    """A loopback approval webhook on a thread: ``on_post(path, body)`` sees each POST
-    (and may hold it), then the POST gets 204. Stop it with ``.shutdown()``."""
+    """A loopback approval webhook on a thread: ``on_post(path, body)`` sees
+    each POST (and may hold it), then the POST gets 204. Stop it with
+    ``.shutdown()``."""
     import http.server
 
     class Hook(http.server.BaseHTTPRequestHandler):
@@ -15759,7 +15726,8 @@ def webhook_receiver(on_post):
 
 
 class ApprovalTests(FakeServeCase):
-    """A stdio server with SMOL_MCP_APPROVAL=changes, answered as a person would."""
+    """A stdio server with SMOL_MCP_APPROVAL=changes, answered as a person
+    would."""
 
     config_overrides = {"approval": "changes", "approval_timeout_secs": 30}
 
@@ -15792,9 +15760,7 @@ class ApprovalTests(FakeServeCase):
             if e.get("event") == "approval"
         ]
 
-    async def test_a_changing_call_waits_until_a_person_approves_it_from_a_terminal(
-        self,
-    ):
+    async def test_a_changing_call_waits_for_a_person_at_a_terminal(self):
         progress = []
 
         async def on_progress(done, total, message):
@@ -15841,7 +15807,6 @@ class ApprovalTests(FakeServeCase):
                         run_cli, "approvals", "list", env=self.env()
                     )
                     self.assertIn(held["id"], table.stdout)
-                    answered = time.monotonic()
                     out = await asyncio.to_thread(
                         run_cli,
                         "approvals",
@@ -15850,10 +15815,12 @@ class ApprovalTests(FakeServeCase):
                         env=self.env(),
                     )
                     self.assertEqual(out.returncode, 0, out.stderr)
+                    # timed from the approval on record, not from the CLI's
+                    # start (its own start took seconds on a busy host)
+                    answered = time.monotonic()
                     is_error, made = result_of(await call)
-                    self.assertLess(
-                        time.monotonic() - answered, 3
-                    )  # seen within a second, plus the create
+                    # seen within a second, plus the create
+                    self.assertLess(time.monotonic() - answered, 3)
                     self.assertFalse(is_error, made)
                     self.assertIn(f"ok-{mode}", self.fake.machines)
                     again = await asyncio.to_thread(
@@ -15954,9 +15921,7 @@ class ApprovalTests(FakeServeCase):
             self.app.access.activity.entries()[-1]["outcome"], "cancelled"
         )
 
-    async def test_the_person_sees_what_decides_the_call_and_the_log_does_not(
-        self,
-    ):
+    async def test_the_person_sees_what_decides_and_the_log_does_not(self):
         big = "B" * 10000
         args = {
             "name": "m",
@@ -16107,9 +16072,7 @@ class ApprovalTests(FakeServeCase):
         self.assertTrue(text.startswith("approval_unavailable: "), text)
         self.assertEqual(self.requests_to("/machines"), [])
 
-    async def test_the_webhook_carries_no_arguments_and_a_failing_one_blocks_nothing(
-        self,
-    ):
+    async def test_the_webhook_carries_no_arguments_and_blocks_nothing(self):
         received, release = [], threading.Event()
 
         def on_post(path, body):
@@ -16157,9 +16120,8 @@ class ApprovalTests(FakeServeCase):
                         if e.get("id") == held["id"]
                         and e.get("approval") == "webhook failed"
                     ]
-                    if url.endswith(
-                        "/slow"
-                    ):  # answered while the webhook still hung: it held nothing
+                    # answered while the webhook still hung: it held nothing
+                    if url.endswith("/slow"):
                         self.assertEqual(failed, [])
         finally:
             release.set()
@@ -16251,7 +16213,8 @@ def answer_approval(
 
 
 class ApprovalViaClientTests(FakeServeCase):
-    """approvalVia client: the person at a stdio client answers a form, in both eras."""
+    """approvalVia client: the person at a stdio client answers a form, in both
+    eras."""
 
     config_overrides = {
         "approval": "changes",
@@ -16308,9 +16271,7 @@ class ApprovalViaClientTests(FakeServeCase):
                     [],
                 )
 
-    async def test_a_dismissed_form_or_a_client_without_forms_leaves_the_terminal(
-        self,
-    ):
+    async def test_a_dismissed_form_or_no_forms_leaves_the_terminal(self):
         env = {
             "PATH": os.environ["PATH"],
             "HOME": self.tmp,
@@ -16348,9 +16309,7 @@ class ApprovalViaClientTests(FakeServeCase):
                     self.assertFalse((await call).is_error)
                     self.assertIn(name, self.fake.machines)
 
-    async def test_questions_left_with_a_2026_client_are_bounded_and_withdrawn_when_it_goes(
-        self,
-    ):
+    async def test_2026_questions_are_bounded_and_withdrawn_at_its_end(self):
         asked = []
         async with self.client(
             "auto", elicitation_callback=answer_approval("accept", asked)
@@ -16375,9 +16334,7 @@ class ApprovalViaClientTests(FakeServeCase):
             self.assertEqual(self.app.access.desk.pending(), [])
         self.assertEqual(self.fake.machines, {})
 
-    async def test_a_2026_retry_naming_a_request_it_was_not_asked_about_approves_nothing(
-        self,
-    ):
+    async def test_a_2026_retry_naming_another_request_approves_nothing(self):
         forged = mcp_types.ElicitResult(action="accept").model_dump(
             by_alias=True, exclude_none=True
         )
@@ -16435,9 +16392,7 @@ class ApprovalHttpTests(HttpCase):
             "changes",
         )
 
-    async def test_a_token_deleted_while_its_call_waits_gets_approval_token_deleted(
-        self,
-    ):
+    async def test_a_token_deleted_while_its_call_waits_gets_the_reason(self):
         for mode in MODES:
             with self.subTest(mode=mode):
                 async with self.http_client(
@@ -16468,9 +16423,7 @@ class ApprovalHttpTests(HttpCase):
                     "changes",
                 )
 
-    async def test_a_revoked_tokens_session_ends_only_once_its_waiting_call_answered(
-        self,
-    ):
+    async def test_a_revoked_session_ends_once_its_waiting_call_answered(self):
         async with self.http_client(
             headers={"Authorization": f"Bearer {self.secret}"}
         ) as c:
@@ -16503,7 +16456,8 @@ class ApprovalHttpTests(HttpCase):
                 headers.update(
                     {"Mcp-Method": "tools/call", "Mcp-Name": "create-machine"}
                 )
-                meta = {  # the 2026 era's envelope; the handshake era ignores it
+                # the 2026 era's envelope; the handshake era ignores it
+                meta = {
                     "io.modelcontextprotocol/protocolVersion": era,
                     "io.modelcontextprotocol/clientCapabilities": {},
                 }
@@ -16585,7 +16539,9 @@ class ConsoleBrowserTests(HttpCase):
         self.base = f"http://127.0.0.1:{self.port}"
         self.playwright = await async_playwright().start()
         self.browser = await self.playwright.chromium.launch(
-            executable_path=CHROMIUM, args=CHROMIUM_ARGS
+            executable_path=CHROMIUM,
+            args=CHROMIUM_ARGS,
+            env=own_home(self.tmp),
         )
         self.dialogs = []  # a page that ran an agent's script would open one
 
@@ -16596,7 +16552,8 @@ class ConsoleBrowserTests(HttpCase):
         await super().asyncTearDown()
 
     async def signed_in(self, viewport=PHONE):
-        """A new browser signed in as the operator, as a person would, on /console."""
+        """A new browser signed in as the operator, as a person would, on
+        /console."""
         page = await self.browser.new_page(viewport=viewport)
         page.on("dialog", lambda dialog: self.dialogs.append(dialog.message))
         await page.goto(self.base + "/console")
@@ -16610,11 +16567,11 @@ class ConsoleBrowserTests(HttpCase):
         return page
 
     async def screenshots(self, page, name):
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         for size, viewport in (("phone", PHONE), ("desktop", DESKTOP)):
             await page.set_viewport_size(viewport)
             await page.screenshot(
-                path=SCREENSHOTS / f"{name}-{size}.png", full_page=True
+                path=screenshot(self.tmp, f"{name}-{size}.png"),
+                full_page=True,
             )
         await page.set_viewport_size(PHONE)
 
@@ -16635,9 +16592,7 @@ class ConsoleBrowserTests(HttpCase):
             if e.get("event") == "approval" and kind in (None, e["approval"])
         ]
 
-    async def test_approve_reject_and_auto_approve_a_waiting_call_on_a_phone(
-        self,
-    ):
+    async def test_approve_reject_and_auto_approve_on_a_phone(self):
         await self.post(
             "/api/tools/create-machine",
             HTTP_TOKEN,
@@ -16696,7 +16651,8 @@ class ConsoleBrowserTests(HttpCase):
             is_error, text = result_of(await call)
             self.assertEqual(
                 text,
-                "approval_rejected: operator rejected stop-machine: not while I watch. "
+                "approval_rejected: operator rejected stop-machine: not while "
+                "I watch. "
                 "Nothing ran.",
             )
 
@@ -16749,9 +16705,7 @@ class ConsoleBrowserTests(HttpCase):
             self.app.access.auto.until(self.app.access.token_for([self.held]))
         )
 
-    async def test_a_token_made_in_the_page_works_at_once_and_one_deleted_there_is_cut_off(
-        self,
-    ):
+    async def test_a_token_made_in_the_page_works_and_deleted_is_cut_off(self):
         page = await self.signed_in()
         await page.goto(self.base + "/console/tokens")
         await page.get_by_label("Name").fill("from-page")
@@ -16854,9 +16808,7 @@ class ConsoleBrowserTests(HttpCase):
             len(await page.locator("ol li").all_inner_texts()), 9
         )  # one is older
 
-    async def test_a_bearer_token_opens_no_page_a_session_calls_no_tool_and_forms_need_csrf(
-        self,
-    ):
+    async def test_bearer_opens_no_page_session_no_tool_forms_need_csrf(self):
         agent = {"Authorization": f"Bearer {HTTP_TOKEN}"}
         for path in (
             "/console/approvals",
@@ -16933,7 +16885,8 @@ class ConsoleBrowserTests(HttpCase):
 
 
 class ApprovalSigtermTests(unittest.TestCase):
-    """A real server process stopped while a call waits: approval_interrupted."""
+    """A real server process stopped while a call waits:
+    approval_interrupted."""
 
     def setUp(self):
         self.tmp = short_tempdir()
@@ -16962,7 +16915,8 @@ class ApprovalSigtermTests(unittest.TestCase):
             time.sleep(0.1)
 
     def held_stdio(self) -> subprocess.Popen:
-        """A stdio server that holds every change for approval, already initialized."""
+        """A stdio server that holds every change for approval, already
+        initialized."""
         server = subprocess.Popen(
             [sys.executable, str(HERE / "smol_mcp.py")],
             env={**self.env, "SMOL_MCP_APPROVAL": "changes"},
@@ -17031,6 +16985,7 @@ class ApprovalSigtermTests(unittest.TestCase):
                 server.send_signal(signal.SIGTERM)
                 caller.join(30)
                 server.wait(timeout=30)
+            self.assertIn("result", result.get("answer", {}), result)
             answer = result["answer"]["result"]
             self.assertTrue(answer["isError"])
             self.assert_interrupted(answer["content"][0]["text"])
@@ -17108,88 +17063,827 @@ class ApprovalSigtermTests(unittest.TestCase):
                 server.kill()
 
 
+class GuardTests(unittest.TestCase):
+    """The runner's guard: a stand-in for the user's directories that a
+    test cannot use unnoticed."""
+
+    def setUp(self):
+        environ = unittest.mock.patch.dict(os.environ)
+        environ.start()
+        self.addCleanup(environ.stop)
+        self.guard = Guard()
+        self.addCleanup(self.guard.remove)
+        self.guard.start()
+
+    def test_a_server_reading_the_users_config_refuses_to_start(self):
+        with self.assertRaises(ConfigError) as caught:
+            load_config(dict(os.environ))
+        self.assertIn('unknown key "readByATest"', str(caught.exception))
+
+    def test_the_users_token_and_password_are_there_to_be_misused(self):
+        state = smol_mcp.default_state_dir(dict(os.environ))
+        names = [r["name"] for r in smol_mcp.TokenStore(state).records()]
+        self.assertEqual(names, ["users-own"])
+        operator = smol_mcp.Operator(state)
+        self.assertTrue(operator.check_password("the user's own password"))
+
+    def test_a_write_in_the_users_state_dir_is_named(self):
+        self.assertEqual(self.guard.finish(), [])
+        state = Path(smol_mcp.default_state_dir(dict(os.environ)))
+        state.chmod(0o700)  # as a root test could, ignoring the mode
+        (state / "written-by-a-test").write_text("x")
+        self.assertIn(
+            "a test touched the user's directories: made "
+            "~/.local/state/smol-mcp/written-by-a-test",
+            self.guard.finish(),
+        )
+
+
+# ---------------------------------------------------------------------------
+# The runner: test classes in parallel worker processes, behind a guard
 # ---------------------------------------------------------------------------
 
-
-# `--quick`: the core paths in under two minutes (tools, validation, budget, cloud, HTTP
-# security, access) without the spawned servers, signals, faults and long waits.
+# `--quick`: the core paths in under two minutes (tools, validation,
+# budget, cloud, HTTP security, access) without the spawned servers,
+# signals, faults and long waits.
 QUICK = (
-    "ConfigTests ImportTests FleetContractTests PublicSdkTests PiecesTests ToolListTests "
-    "HandshakeEra ModernEra ToolRuleTests ReplySizeTests StartFailureTests CloudWorkedExample "
-    "CloudRuleTests BothModeTests HttpSecurityTests AccessPiecesTests EgressPiecesTests "
-    "ElicitationTests LocalJobTests StdioScopesTests ActivityToolTests"
+    "ConfigTests ImportTests FleetContractTests PublicSdkTests PiecesTests "
+    "ToolListTests HandshakeEra ModernEra ToolRuleTests ReplySizeTests "
+    "StartFailureTests CloudWorkedExample CloudRuleTests BothModeTests "
+    "HttpSecurityTests AccessPiecesTests EgressPiecesTests ElicitationTests "
+    "LocalJobTests StdioScopesTests ActivityToolTests"
 ).split()
+
+# The slowest classes, slowest first, as one run measured them: they start
+# first, so the last to finish is a short one. A scheduling hint only: a
+# class not named here starts after these, in file order, and a stale
+# entry costs wall time, never a result.
+SLOWEST = (
+    "StdioFaultTests",
+    "ApprovalTests",
+    "AgentAccessHttpTests",
+    "BrowserTests",
+    "EngineOnRampTests",
+    "ConsoleBrowserTests",
+    "HttpSignalTests",
+    "OAuthTests",
+    "HelperCommandTests",
+    "AccessCliTests",
+    "StdioTests",
+    "SetupEntryTests",
+    "KillMidCallTests",
+    "ReplySizeTests",
+    "CloudRuleTests",
+    "SpawnTests",
+    "ApprovalSigtermTests",
+    "CloudLiveOutputTests",
+    "ActivityCliTests",
+    "SignInTests",
+    "HttpFrontProcessTests",
+    "ToolRuleTests",
+    "HttpSessionTests",
+    "SpawnedServeFaults",
+)
+
+# The TypeScript-era port a user's own `smol-mcp-http` listens on: no test
+# may listen there (the runner holds it for the run).
+USER_PORT = 8080
 
 
 def main() -> int:
-    loader = unittest.defaultTestLoader
-    if sys.argv[1:] == ["--quick"]:
-        sys.argv[1:] = QUICK
-    # A warning is a failure, not a line to read past ("" keeps the runner from resetting
-    # this); an unclosed socket's ResourceWarning comes from the collector and cannot fail.
+    """Run the suite (or the named classes, or `--quick`); 0 if it passed."""
+    names = sys.argv[1:]
+    if names == ["--quick"]:
+        names = QUICK
+    # A run started in the background (`cmd &`, as CI may) inherits SIGINT
+    # ignored, and so would every process a test interrupts with it: a
+    # Ctrl-C test then saw its probe run to the end.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    integration = os.environ.get("SMOL_MCP_IT") == "1"
+    guard = Guard()
+    try:
+        guard.start()
+        treat_warnings_as_errors()
+        suite = load_suite(names, integration)
+        units = test_units(suite)
+        # The integration suites share one real engine: they run in turn.
+        count = 1 if integration else worker_count(len(units))
+        started = time.monotonic()
+        if count == 1:
+            outcome = run_here(suite)
+        else:
+            outcome = run_in_workers(units, count)
+            # a name that did not load is reported from here
+            unloaded = [t for t in each_test(suite) if not ours(t)]
+            if unloaded:
+                outcome.merge(run_here(unittest.TestSuite(unloaded)))
+        seconds = time.monotonic() - started
+        problems = guard.finish()
+    finally:
+        guard.remove()
+    outcome.report(sys.stderr, seconds)
+    print(summary(outcome, seconds, integration, count, guard, problems))
+    return 0 if outcome.passed() and not problems else 1
+
+
+def treat_warnings_as_errors() -> None:
+    """A warning fails the run rather than being a line to read past."""
     warnings.simplefilter("error")
+    # an unclosed socket's ResourceWarning comes from the collector and
+    # cannot fail the test that left it
     warnings.simplefilter("ignore", ResourceWarning)
-    # the handshake era's calls (resources/subscribe...) are tested on purpose
+    # the handshake era's calls (resources/subscribe...) are tested on
+    # purpose
     warnings.simplefilter("ignore", mcp_exceptions.MCPDeprecationWarning)
-    if (
-        os.environ.get("SMOL_MCP_IT") == "1"
-    ):  # the integration suites alone; the unit suite is its own run
-        suite = unittest.TestSuite(
-            [
-                loader.loadTestsFromTestCase(RealServeIntegration),
-                loader.loadTestsFromTestCase(RealServeWarmRoutesIntegration),
-                loader.loadTestsFromTestCase(RealServeEgressRulesIntegration),
-                loader.loadTestsFromTestCase(CloudLiveIntegration),
-            ]
+
+
+def load_suite(names: list[str], integration: bool) -> unittest.TestSuite:
+    """The named tests, else the integration suites or the unit suite."""
+    loader = unittest.defaultTestLoader
+    module = sys.modules[__name__]
+    if names:
+        return loader.loadTestsFromNames(names, module)
+    # the integration suites alone: the unit suite is its own run
+    if integration:
+        classes = (
+            RealServeIntegration,
+            RealServeWarmRoutesIntegration,
+            RealServeEgressRulesIntegration,
+            CloudLiveIntegration,
         )
+        return unittest.TestSuite(
+            loader.loadTestsFromTestCase(cls) for cls in classes
+        )
+    return loader.loadTestsFromModule(module)
+
+
+def each_test(suite: unittest.TestSuite):
+    """Every test of a suite, depth first, in the order it would run."""
+    for item in suite:
+        if isinstance(item, unittest.TestSuite):
+            yield from each_test(item)
+        else:
+            yield item
+
+
+def test_units(suite: unittest.TestSuite) -> list[list[str]]:
+    """The suite's test names by class, slowest classes first: each list is
+    one unit of work (a class runs whole in one worker, its fixtures once).
+    """
+    by_class: dict[type, list[str]] = {}
+    for test in filter(ours, each_test(suite)):
+        name = test.id().removeprefix(f"{__name__}.")
+        by_class.setdefault(type(test), []).append(name)
+    ranked = sorted(by_class, key=lambda cls: slowness_rank(cls.__name__))
+    return [by_class[cls] for cls in ranked]
+
+
+def ours(test: unittest.TestCase) -> bool:
+    """Whether a test is this file's (not a name that failed to load)."""
+    return type(test).__module__ == __name__
+
+
+def slowness_rank(name: str) -> int:
+    """The class's place in SLOWEST, or after all of them."""
+    if name in SLOWEST:
+        return SLOWEST.index(name)
+    return len(SLOWEST)
+
+
+def worker_count(units: int) -> int:
+    """SMOL_MCP_TEST_WORKERS, else twice the cores (the tests mostly wait on
+    subprocesses, sockets and sleeps), at most one worker a unit."""
+    wanted = os.environ.get("SMOL_MCP_TEST_WORKERS", "").strip()
+    if wanted:
+        count = int(wanted)
     else:
-        suite = loader.loadTestsFromModule(sys.modules[__name__])
-    if len(sys.argv) > 1:
-        suite = loader.loadTestsFromNames(sys.argv[1:], sys.modules[__name__])
-    started = time.monotonic()
-    result = unittest.TextTestRunner(
-        verbosity=int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1")),
-        warnings="",
-    ).run(suite)
-    print(
-        summary(
-            result,
-            time.monotonic() - started,
-            os.environ.get("SMOL_MCP_IT") == "1",
-        )
-    )
-    return 0 if result.wasSuccessful() else 1
+        count = 2 * len(os.sched_getaffinity(0))
+    return max(1, min(count, units))
+
+
+# -- what a run found -------------------------------------------------------
+
+
+class UnitResult(unittest.TestResult):
+    """A TestResult that keeps plain data: what a worker sends back."""
+
+    def __init__(self, show=None):
+        super().__init__()
+        self.marks: list[tuple[str, str]] = []
+        self.show = show
+
+    def mark(self, test, word: str) -> None:
+        self.marks.append((str(test), word))
+        if self.show is not None:
+            self.show(str(test), word)
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self.mark(test, "ok")
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self.mark(test, "FAIL")
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self.mark(test, "ERROR")
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self.mark(test, "skipped")
+
+    def addExpectedFailure(self, test, err):
+        super().addExpectedFailure(test, err)
+        self.mark(test, "expected failure")
+
+    def addUnexpectedSuccess(self, test):
+        super().addUnexpectedSuccess(test)
+        self.mark(test, "unexpected success")
+
+    def addSubTest(self, test, subtest, err):
+        super().addSubTest(test, subtest, err)
+        if err is not None:
+            failed = issubclass(err[0], test.failureException)
+            self.mark(subtest, "FAIL" if failed else "ERROR")
+
+    def as_data(self) -> dict:
+        """The outcome as JSON-ready data, tests named by their ids."""
+
+        def owner(test) -> str:
+            return getattr(test, "test_case", test).id()
+
+        return {
+            "run": self.testsRun,
+            "marks": self.marks,
+            "failures": [
+                (str(test), owner(test), text) for test, text in self.failures
+            ],
+            "errors": [
+                (str(test), owner(test), text) for test, text in self.errors
+            ],
+            "skipped": [(test.id(), reason) for test, reason in self.skipped],
+            "expected": len(self.expectedFailures),
+            "unexpected": [test.id() for test in self.unexpectedSuccesses],
+            "faults": [
+                FaultCounts.calls,
+                FaultCounts.faults,
+                FaultCounts.leaks,
+            ],
+        }
+
+
+class Outcome:
+    """Every unit's results, summed: what main() reports."""
+
+    MARKS = {
+        "ok": ".",
+        "FAIL": "F",
+        "ERROR": "E",
+        "skipped": "s",
+        "expected failure": "x",
+        "unexpected success": "u",
+    }
+
+    def __init__(self):
+        self.run = 0
+        self.failures: list[tuple[str, str, str]] = []
+        self.errors: list[tuple[str, str, str]] = []
+        self.skipped: list[tuple[str, str]] = []
+        self.expected = 0
+        self.unexpected: list[str] = []
+        self.faults = [0, 0, 0]
+        self.verbosity = int(os.environ.get("SMOL_MCP_TEST_VERBOSITY", "1"))
+        self.took: dict[str, float] = {}  # seconds, by class
+
+    def merge(self, other: Outcome) -> None:
+        """Another outcome's results, already shown as they came."""
+        self.run += other.run
+        self.failures += other.failures
+        self.errors += other.errors
+        self.skipped += other.skipped
+        self.expected += other.expected
+        self.unexpected += other.unexpected
+
+    def add(self, data: dict, output: str = "", show: bool = True) -> None:
+        """One unit's results, its marks shown as they come (unless not
+        ``show``); ``output`` is what its worker printed while it ran,
+        shown under each of its failures."""
+        self.run += data["run"]
+        if data.get("seconds") and data["marks"]:
+            where = data["marks"][0][0].split("(", 1)[-1].rstrip(")")
+            cls = where.rsplit(".", 2)[-2]
+            self.took[cls] = data["seconds"]
+        shown = f"\n\nWhat the worker printed meanwhile:\n{output}"
+        for kind in ("failures", "errors"):
+            for title, owner, text in data[kind]:
+                getattr(self, kind).append(
+                    (title, owner, text + (shown if output.strip() else ""))
+                )
+        self.skipped += [tuple(pair) for pair in data["skipped"]]
+        self.expected += data["expected"]
+        self.unexpected += data["unexpected"]
+        for i, count in enumerate(data["faults"]):
+            self.faults[i] += count
+        for title, word in data["marks"]:
+            if show:
+                self.show(title, word)
+
+    def show(self, title: str, word: str) -> None:
+        """One test's outcome as unittest shows it: a mark, or a line."""
+        if self.verbosity == 0:
+            return
+        if self.verbosity > 1:
+            print(f"{title} ... {word}", file=sys.stderr, flush=True)
+        else:
+            print(self.MARKS[word], end="", file=sys.stderr, flush=True)
+
+    def failed_tests(self) -> int:
+        """Failing tests, each once (a failing subtest counts its test)."""
+        owners = {owner for _, owner, _ in self.failures + self.errors}
+        return len(owners | set(self.unexpected))
+
+    def passed(self) -> bool:
+        return not (self.failures or self.errors or self.unexpected)
+
+    def report(self, stream, seconds: float) -> None:
+        """unittest's closing report: each failure in full, then the count."""
+        if self.verbosity == 1:
+            print(file=stream)
+        for kind, entries in (("ERROR", self.errors), ("FAIL", self.failures)):
+            for title, _, text in entries:
+                print("=" * 70, file=stream)
+                print(f"{kind}: {title}", file=stream)
+                print("-" * 70, file=stream)
+                print(text, file=stream)
+        if self.verbosity > 1 and self.took:
+            print("The slowest classes (for SLOWEST):", file=stream)
+            slowest = sorted(self.took.items(), key=lambda item: -item[1])
+            for name, took in slowest[:30]:
+                print(f"  {took:7.1f} s  {name}", file=stream)
+        print("-" * 70, file=stream)
+        print(f"Ran {self.run} tests in {seconds:.3f}s\n", file=stream)
+        details = [
+            f"{word}={count}"
+            for word, count in (
+                ("failures", len(self.failures)),
+                ("errors", len(self.errors)),
+                ("skipped", len(self.skipped)),
+                ("expected failures", self.expected),
+                ("unexpected successes", len(self.unexpected)),
+            )
+            if count
+        ]
+        verdict = "OK" if self.passed() else "FAILED"
+        if details:
+            verdict += f" ({', '.join(details)})"
+        print(verdict, file=stream)
 
 
 def summary(
-    result: unittest.TestResult, seconds: float, integration: bool
+    outcome: Outcome,
+    seconds: float,
+    integration: bool,
+    workers: int,
+    guard: Guard,
+    problems: list[str],
 ) -> str:
-    """The closing lines of a run: the counts, the time, and why each skipped
-    test skipped (a skip with no reason shown hides a gap)."""
-    # A failing subtest is reported under its own name: count the test it belongs to, once.
-    failed = len(
-        {
-            getattr(test, "test_case", test).id()
-            for test, _ in result.failures + result.errors
-        }
-        | {t.id() for t in result.unexpectedSuccesses}
-    )
-    passed = result.testsRun - failed - len(result.skipped)
+    """The closing lines of a run: why each skipped test skipped (a skip
+    with no reason shown hides a gap), the fault suite, the guard, the time
+    and the counts."""
     lines = [
-        f"skipped {test.id().removeprefix('__main__.')}: {reason}"
-        for test, reason in result.skipped
+        f"skipped {test.split('.', 1)[1]}: {reason}"
+        for test, reason in outcome.skipped
     ]
-    label = "integration" if integration else "unit"
-    if FaultCounts.faults:
-        counts = FaultCounts
+    calls, faults, leaks = outcome.faults
+    if faults:
         lines.append(
-            f"fault suite: {counts.calls} calls, {counts.faults} faults, {counts.leaks} leaks"
+            f"fault suite: {calls} calls, {faults} faults, {leaks} leaks"
         )
-    lines.append(f"the {label} suite took {seconds:.1f} s")
+    lines.append(guard.describe())
+    lines += [f"guard: {problem}" for problem in problems]
+    label = "integration" if integration else "unit"
+    share = f"{workers} workers" if workers > 1 else "one process"
+    lines.append(f"the {label} suite took {seconds:.1f} s ({share})")
+    failed = outcome.failed_tests()
+    passed = outcome.run - failed - len(outcome.skipped)
     lines.append(
-        f"{label}: {passed} passed, {failed} failed, {len(result.skipped)} skipped"
+        f"{label}: {passed} passed, {failed} failed, "
+        f"{len(outcome.skipped)} skipped"
     )
     return "\n".join(lines)
+
+
+# -- one process, or workers ------------------------------------------------
+
+
+def run_here(suite: unittest.TestSuite) -> Outcome:
+    """The suite in this process, test after test."""
+    outcome = Outcome()
+    result = UnitResult(show=outcome.show)
+    suite.run(result)
+    outcome.add(result.as_data(), show=False)
+    return outcome
+
+
+def run_worker(commands_fd: int, results_fd: int) -> int:
+    """A worker: run each unit of test names read from ``commands_fd`` and
+    write its results, one JSON line, to ``results_fd``, until EOF."""
+    os.set_inheritable(commands_fd, False)
+    os.set_inheritable(results_fd, False)
+    treat_warnings_as_errors()
+    loader = unittest.defaultTestLoader
+    module = sys.modules[__name__]
+    with (
+        open(commands_fd, encoding="utf-8") as commands,
+        open(results_fd, "w", encoding="utf-8") as results,
+    ):
+        for line in commands:
+            names = json.loads(line)
+            FaultCounts.calls = FaultCounts.faults = FaultCounts.leaks = 0
+            result = UnitResult()
+            started = time.monotonic()
+            loader.loadTestsFromNames(names, module).run(result)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            data = result.as_data()
+            data["seconds"] = time.monotonic() - started
+            results.write(json.dumps(data) + "\n")
+            results.flush()
+    return 0
+
+
+class Worker:
+    """One worker process: its pipes, its log, the unit it runs."""
+
+    def __init__(self, number: int, logs: str):
+        self.number = number
+        self.log = open(f"{logs}/worker-{number}.log", "w+b")  # noqa: SIM115
+        commands_read, self.commands = os.pipe()
+        self.results, results_write = os.pipe()
+        # The worker imports this file as a module, from its cached
+        # bytecode: run as a script, it would compile 600 KB each time.
+        code = (
+            "import sys, test_smol_mcp; "
+            f"sys.exit(test_smol_mcp.run_worker({commands_read}, "
+            f"{results_write}))"
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=HERE,
+            pass_fds=(commands_read, results_write),
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=self.log,
+            # its own process group, so an interrupted run ends the
+            # worker's children with it
+            start_new_session=True,
+        )
+        os.close(commands_read)
+        os.close(results_write)
+        self.reader = open(self.results, encoding="utf-8")  # noqa: SIM115
+        self.unit: list[str] | None = None
+        self.log_from = 0
+
+    def give(self, unit: list[str]) -> None:
+        """Send a unit; a worker already gone fails it at its EOF."""
+        self.unit = unit
+        self.log_from = self.log.seek(0, os.SEEK_END)
+        with contextlib.suppress(BrokenPipeError):
+            os.write(self.commands, (json.dumps(unit) + "\n").encode())
+
+    def output(self) -> str:
+        """What the worker printed since its unit began (the last 20 KB)."""
+        end = self.log.seek(0, os.SEEK_END)
+        self.log.seek(max(self.log_from, end - 20000))
+        return self.log.read().decode(errors="replace")
+
+    def finish(self) -> None:
+        """No more units: the worker ends at the EOF."""
+        with contextlib.suppress(OSError):
+            os.close(self.commands)
+
+    def end(self, at_once: bool = False) -> None:
+        """Make sure the worker and whatever it started are gone (given 30 s
+        to end by itself, unless ``at_once``)."""
+        if self.log.closed:
+            return
+        self.finish()
+        if not at_once:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.reader.close()
+        self.log.close()
+
+
+def run_in_workers(units: list[list[str]], count: int) -> Outcome:
+    """Each unit in the first free worker, slowest first; results gathered
+    as they come. A worker that dies fails the unit it was running."""
+    import collections
+    import selectors
+
+    outcome = Outcome()
+    pending = collections.deque(units)
+    logs = tempfile.mkdtemp(prefix="smt-workers-", dir="/tmp")
+    selector = selectors.DefaultSelector()
+    workers = []
+
+    def start_worker() -> None:
+        worker = Worker(len(workers), logs)
+        workers.append(worker)
+        selector.register(worker.reader, selectors.EVENT_READ, worker)
+        worker.give(pending.popleft())
+
+    try:
+        for _ in range(count):
+            start_worker()
+        while selector.get_map():
+            for key, _ in selector.select():
+                worker = key.data
+                line = worker.reader.readline()
+                if line:
+                    data = json.loads(line)
+                    if data["failures"] or data["errors"]:
+                        outcome.add(data, worker.output())
+                    else:
+                        outcome.add(data)
+                    worker.unit = None
+                    if pending:
+                        worker.give(pending.popleft())
+                    else:
+                        worker.finish()
+                    continue
+                selector.unregister(worker.reader)
+                if worker.unit is not None:
+                    output = worker.output()
+                    outcome.add(died(worker), output)
+                    if pending:
+                        start_worker()
+    except BaseException:  # an interrupted run leaves nothing running
+        for worker in workers:
+            worker.end(at_once=True)
+        raise
+    finally:
+        for worker in workers:
+            worker.end()
+        shutil.rmtree(logs, ignore_errors=True)
+    return outcome
+
+
+def died(worker: Worker) -> dict:
+    """A unit's results when its worker ended before sending them."""
+    try:
+        code = worker.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # its results pipe closed, alive
+        worker.end(at_once=True)
+        code = worker.process.returncode
+    where = worker.unit[0].rsplit(".", 1)[0]
+    text = f"worker {worker.number} ended (exit status {code}) in {where}"
+    return {
+        "run": 1,
+        "marks": [(where, "ERROR")],
+        "failures": [],
+        "errors": [(where, where, text)],
+        "skipped": [],
+        "expected": 0,
+        "unexpected": [],
+        "faults": [0, 0, 0],
+    }
+
+
+# -- the guard: the user's own directories and port are left alone ----------
+
+
+class Guard:
+    """For the whole run, HOME and the XDG directories are a stand-in for a
+    user's: a tokens file and an operator password made by the CLI, and a
+    config file that no setting reads ("readByATest" stops any server that
+    loads it). At the end nothing in it may have changed. The user's port,
+    8080, is held (bound, never listening) so a server that tries it fails;
+    where it cannot be held, a watcher notes any new listener there.
+
+    uv keeps its own cache, Python installs and settings (they are not the
+    product's): the variables that name them point at the real ones."""
+
+    CONFIG = {
+        "readByATest": "this is the test run's stand-in for a user's own "
+        "config file: the test that read it is not hermetic"
+    }
+
+    def __init__(self):
+        self.root = ""
+        self.before: dict = {}
+        self.held: list[socket.socket] = []
+        self.listeners: dict[str, str] = {}
+        self.watching = threading.Event()
+        self.watcher: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Make the stand-in, point the environment at it, hold the port."""
+        self.keep_uv_own_dirs()
+        self.root = tempfile.mkdtemp(prefix="smt-user-", dir="/tmp")
+        home = f"{self.root}/home"
+        places = {
+            "HOME": home,
+            "XDG_CONFIG_HOME": f"{home}/.config",
+            "XDG_STATE_HOME": f"{home}/.local/state",
+            "XDG_CACHE_HOME": f"{home}/.cache",
+            "XDG_DATA_HOME": f"{home}/.local/share",
+            "XDG_RUNTIME_DIR": f"{self.root}/run",
+        }
+        for path in places.values():
+            os.makedirs(path, mode=0o700)
+        for name in ("SMOL_MCP_CONFIG", "SMOL_MCP_STATE_DIR"):
+            os.environ.pop(name, None)
+        os.environ.pop("SMOL_MCP_RUNTIME_DIR", None)
+        os.environ.update(places)
+        self.fill()
+        for directory, _, files in os.walk(self.root):
+            for name in files:
+                os.chmod(f"{directory}/{name}", 0o444)
+            os.chmod(directory, 0o555)
+        self.before = self.snapshot()
+        self.hold_port()
+        self.watcher = threading.Thread(target=self.watch, daemon=True)
+        self.watcher.start()
+
+    @staticmethod
+    def keep_uv_own_dirs() -> None:
+        """Point uv's variables at its real cache, Pythons and settings
+        before HOME moves (each only when the real one exists)."""
+        home = Path.home()
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache")
+        data = Path(os.environ.get("XDG_DATA_HOME") or home / ".local/share")
+        config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+        real = {
+            "UV_CACHE_DIR": cache / "uv",
+            "UV_PYTHON_INSTALL_DIR": data / "uv" / "python",
+            "UV_CONFIG_FILE": config / "uv" / "uv.toml",
+            "PIP_CONFIG_FILE": config / "pip" / "pip.conf",
+        }
+        for name, path in real.items():
+            if name not in os.environ and path.exists():
+                os.environ[name] = str(path)
+
+    def fill(self) -> None:
+        """What a user who set up --http has: a token, the operator's
+        password (both made by the CLI itself), and a config file."""
+        cli = [sys.executable, str(HERE / "smol_mcp.py")]
+        steps = (
+            (["tokens", "create", "users-own", "--preset", "full"], None),
+            (["operator", "set-password"], "the user's own password\n"),
+        )
+        made = [
+            subprocess.Popen(
+                cli + argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for argv, _ in steps
+        ]
+        for process, (argv, stdin) in zip(made, steps):
+            said, _ = process.communicate(stdin, timeout=60)
+            if process.returncode != 0:
+                raise RuntimeError(f"smol_mcp.py {' '.join(argv)}: {said}")
+        config = Path(os.environ["XDG_CONFIG_HOME"], "smol-mcp")
+        config.mkdir(mode=0o700)
+        (config / "config.json").write_text(json.dumps(self.CONFIG))
+
+    def snapshot(self) -> dict[str, tuple]:
+        """Every path under the stand-in: its kind, mode, size, mtime, and
+        a regular file's digest."""
+        seen = {}
+        for directory, dirs, files in os.walk(self.root):
+            for name in dirs + files:
+                path = f"{directory}/{name}"
+                info = os.lstat(path)
+                digest = ""
+                if stat.S_ISREG(info.st_mode):
+                    with contextlib.suppress(OSError):
+                        data = Path(path).read_bytes()
+                        digest = hashlib.sha256(data).hexdigest()
+                seen[path.removeprefix(self.root)] = (
+                    info.st_mode,
+                    info.st_size,
+                    info.st_mtime_ns,
+                    digest,
+                )
+        return seen
+
+    def hold_port(self) -> None:
+        """Bind the user's port on every address, without listening (and
+        without SO_REUSEADDR, which would let a server bind it too)."""
+        for family, host in (
+            (socket.AF_INET, "0.0.0.0"),
+            (socket.AF_INET6, "::"),
+        ):
+            holder = socket.socket(family, socket.SOCK_STREAM)
+            if family == socket.AF_INET6:
+                holder.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                holder.bind((host, USER_PORT))
+            except OSError:
+                holder.close()
+                continue
+            self.held.append(holder)
+
+    def watch(self) -> None:
+        """Note every socket that starts listening on the user's port, and
+        hold it once it is free (a closed connection's TIME_WAIT keeps it
+        taken for a minute)."""
+        present = set(port_listeners(USER_PORT))
+        while not self.watching.wait(0.25):
+            if not self.held:
+                self.hold_port()
+            for inode in set(port_listeners(USER_PORT)) - present:
+                present.add(inode)
+                self.listeners[inode] = socket_owner(inode)
+
+    def finish(self) -> list[str]:
+        """What the run did to the stand-in and the port: [] when nothing."""
+        self.watching.set()
+        if self.watcher is not None:
+            self.watcher.join()
+        problems = [
+            f"something listened on {USER_PORT} during the run: {who}"
+            for who in self.listeners.values()
+        ]
+        if not self.root:
+            return problems
+        after = self.snapshot()
+        touched = []
+        for path in sorted(set(self.before) | set(after)):
+            if path not in after:
+                touched.append(f"removed {self.shown(path)}")
+            elif path not in self.before:
+                touched.append(f"made {self.shown(path)}")
+            elif after[path] != self.before[path]:
+                touched.append(f"changed {self.shown(path)}")
+        if len(touched) > 20:
+            touched[20:] = [f"and {len(touched) - 20} more"]
+        return problems + [
+            f"a test touched the user's directories: {what}"
+            for what in touched
+        ]
+
+    @staticmethod
+    def shown(path: str) -> str:
+        """A path under the stand-in as the user would know it."""
+        if path.startswith("/home"):
+            return "~" + path.removeprefix("/home")
+        return "$XDG_RUNTIME_DIR" + path.removeprefix("/run")
+
+    def describe(self) -> str:
+        if self.held:
+            held = f"{USER_PORT} held"
+        else:
+            held = f"{USER_PORT} never free to hold: watched"
+        return (
+            "guard: HOME and the XDG directories a stand-in for a user's "
+            f"(token, password, config), checked untouched; {held}"
+        )
+
+    def remove(self) -> None:
+        for holder in self.held:
+            holder.close()
+        if not self.root:
+            return
+        for directory, _, _ in os.walk(self.root):
+            with contextlib.suppress(OSError):
+                os.chmod(directory, 0o700)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def port_listeners(port: int) -> list[str]:
+    """The inodes of the sockets listening on ``port`` (any address)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.append(inode)
+    return found
+
+
+def socket_owner(inode: str) -> str:
+    """The pid and command line of the process holding a socket."""
+    wanted = f"socket:[{inode}]"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == wanted:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    command = argv.replace(b"\0", b" ").decode()
+                    return f"pid {pid}: {command}"
+    return f"socket {inode}, owner gone"
 
 
 if __name__ == "__main__":
