@@ -9407,17 +9407,19 @@ class Approvals:
             self.app.access.desk.close(approval_id)
         self.asked.clear()
 
-    async def interrupt(self) -> None:
+    async def interrupt(self) -> int:
         """At a stop signal, let waiting calls answer approval_interrupted
-        before anything ends.
+        before anything ends; return how many were waiting.
         """
         self.app.stopping = True
-        if any(self.held_by.values()):
+        waiting = sum(self.held_by.values())
+        if waiting:
             with anyio.move_on_after(4 * APPROVAL_POLL_SECS + 1):
                 while any(self.held_by.values()):
                     await anyio.sleep(0.05)
             # Their answers on their way out.
             await anyio.sleep(0.2)
+        return waiting
 
     def refuse(
         self, event: dict, outcome: str, detail: str, **extra: Any
@@ -10753,7 +10755,15 @@ class HttpSessions:
         all: none per request); calls that can answer for themselves, as
         those waiting for approval, do first."""
         await self.stopping.wait()
-        await self.app.approvals.interrupt()
+        open_posts = len(self.serving)
+        answering = await self.app.approvals.interrupt()
+        # Each waiting call answers on its own POST: let those POSTs end
+        # (bounded) before the rest are stopped, or a busy host cuts an
+        # approval_interrupted answer off with the shutdown error.
+        others = max(0, open_posts - answering)
+        with anyio.move_on_after(2):
+            while len(self.serving) > others:
+                await anyio.sleep(0.05)
         for serving in list(self.serving):
             serving.cancel()
 
