@@ -6043,8 +6043,6 @@ async def tool_start_machine(call: Call, args: dict) -> dict:
     name = args["name"]
     wait = args.get("wait", True)
     record = await call.api(call.fleet.get_machine, name)
-    if record["state"] == "paused":
-        raise paused_refusal(name, "start-machine")
     if record["state"] not in RUNNING_STATES:
         try:
             record = await call.api(call.fleet.start_machine, name)
