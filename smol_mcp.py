@@ -678,7 +678,8 @@ class Fleet(Protocol):
     def resume_machine(self, name: str) -> tuple[dict, bool]: ...
     # A saved state: save_state answers {"ref" (the engine's handle),
     # "status", "sizeBytes"}, and on the cloud the source's "network": the
-    # record restore_state and delete_state take.
+    # record restore_state and delete_state take (not a machine's name, so
+    # OwnedFleet lets them through: States says whose a state is).
     def save_state(self, name: str, state: str) -> dict: ...
     def restore_state(self, saved: dict, child: str) -> dict: ...
     def delete_state(self, saved: dict) -> None: ...
@@ -8495,14 +8496,7 @@ class OwnedFleet:
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self._fleet, attr)
-        # A saved state's own record says whose it is (States).
-        unguarded = (
-            "acquire",
-            "release",
-            "create_machine",
-            "restore_state",
-            "delete_state",
-        )
+        unguarded = ("acquire", "release", "create_machine")
         if not callable(value) or attr in unguarded:
             return value
         if attr == "list_machines":

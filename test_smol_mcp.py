@@ -16437,6 +16437,43 @@ class PauseLocalRuleTests(FakeServeCase):
         self.assertEqual(len(sent), 5)
 
 
+class CloudPauseRuleTests(FakeCloudCase):
+    """What the cloud's list record tells before a paused machine is used."""
+
+    async def test_a_command_on_a_paused_machine_resumes_it_asking_no_start(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "cp-1", "image": "alpine"}
+            )
+            await self.ok(c, "pause-machine", {"name": "cp-1"})
+            before = len(self.cloud.requests)
+            await self.ok(
+                c, "run-command", {"name": "cp-1", "command": "true"}
+            )
+            sent = [
+                (r[0], r[1].split("?")[0])
+                for r in self.cloud.requests[before:]
+            ]
+        mid = self.by_name("cp-1")["id"]
+        machine = f"/v1/machines/{mid}"
+        listing = ("GET", "/v1/machines")
+        self.assertEqual(
+            sent,
+            [
+                listing,  # the record reads paused: no command is sent
+                listing,
+                ("POST", f"{machine}/resume"),
+                ("GET", machine),
+                listing,  # the readiness probe
+                ("POST", f"{machine}/exec"),
+                listing,  # the command
+                ("POST", f"{machine}/exec"),
+            ],
+        )
+
+
 class PauseOverHttpTests(HttpCase):
     """The pause, resume and resume-on-use flow over Streamable HTTP, in
     both protocol eras."""
