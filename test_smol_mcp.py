@@ -7719,8 +7719,13 @@ class HelperCommandTests(CliCase):
         report = smol_mcp.parity_report(spec)
         self.assertEqual(
             (len(report["called"]), report["unknown"], report["missing"]),
-            (16, [], []),
+            (18, [], []),
         )
+        called = set(report["called"])
+        for verb in ("pause", "resume"):
+            self.assertIn(
+                ("POST", f"/api/v1/machines/{{name}}/{verb}"), called
+            )
         self.assertTrue(all(reason for _, reason in report["skipped"]))
         trimmed = {
             **spec,
@@ -16903,33 +16908,44 @@ class StateAccessScenarios:
     async def test_ephemeral_states_end_with_their_session_and_others_stay(
         self,
     ):
-        async with self.client("legacy") as c:
-            await self.own_source(c, "se-src")
-            short = await self.ok(
-                c, "save-machine", {"name": "se-src", "state": "mcp-short"}
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                await self.ephemeral_state_ends(mode, f"mcp-{mode}")
+        left = self.app.access.states.records(self.fleet)
+        self.assertEqual(
+            sorted(left), sorted(f"kept-{mode}" for mode in MODES)
+        )
+        cleanups = [
+            (e.get("state"), e["outcome"])
+            for e in self.app.access.activity.entries()
+            if e.get("event") == "session-cleanup"
+        ]
+        self.assertEqual(
+            cleanups, [(f"mcp-{mode}", "deleted") for mode in MODES]
+        )
+
+    async def ephemeral_state_ends(self, mode: str, short: str) -> None:
+        """One session (in ``mode``) saves an ephemeral state and a kept
+        one; its end deletes the first only."""
+        before = len(self.engine_states())
+        async with self.client(mode) as c:
+            await self.own_source(c, f"se-{mode}")
+            saved = await self.ok(
+                c, "save-machine", {"name": f"se-{mode}", "state": short}
             )
-            self.assertTrue(short["state"]["ephemeral"])
-            await self.ok(
-                c, "save-machine", {"name": "se-src", "state": "kept"}
-            )
-            self.assertEqual(len(self.engine_states()), 2)
+            self.assertTrue(saved["state"]["ephemeral"])
+            kept = {"name": f"se-{mode}", "state": f"kept-{mode}"}
+            await self.ok(c, "save-machine", kept)
+            self.assertEqual(len(self.engine_states()), before + 2)
             if self.fleet == "local":
                 [record] = (Path(self.config.runtime_dir) / "sessions").glob(
                     "*.json"
                 )
                 self.assertEqual(
                     json.loads(record.read_text())["machines"],
-                    ["smol-state-mcp-short"],
+                    [f"smol-state-{short}"],
                 )
-        left = self.app.access.states.records(self.fleet)
-        self.assertEqual(list(left), ["kept"])
-        self.assertEqual(len(self.engine_states()), 1)
-        cleanups = [
-            (e.get("state"), e["outcome"])
-            for e in self.app.access.activity.entries()
-            if e.get("event") == "session-cleanup"
-        ]
-        self.assertEqual(cleanups, [("mcp-short", "deleted")])
+        self.assertEqual(len(self.engine_states()), before + 1)
 
 
 class LocalStateAccessTests(StateAccessScenarios, FakeServeCase):
