@@ -16993,6 +16993,60 @@ class LocalStateAccessTests(StateAccessScenarios, FakeServeCase):
         self.assertEqual(self.app.access.states.records("local"), {})
 
 
+class SaveRaceTests(FakeServeCase):
+    """A state that nobody may use once its save answers is deleted at
+    once: one deleted meanwhile, or an ephemeral one whose session ended
+    (its cleanup came too early to see it)."""
+
+    original = staticmethod(smol_mcp.LocalFleet.save_state)
+
+    async def save_with(self, during) -> str:
+        """save-machine's refusal when ``during(state)`` happens as the
+        engine saves."""
+
+        def save(fleet, name, state):
+            saved = self.original(fleet, name, state)
+            during(state)
+            return saved
+
+        source = {"name": "sr-src", "image": "alpine", "branchable": True}
+        with unittest.mock.patch.object(
+            smol_mcp.LocalFleet, "save_state", save
+        ):
+            async with self.client("legacy") as c:
+                await self.ok(c, "create-machine", source)
+                return await self.refused(
+                    c, "save-machine", {"name": "sr-src", "state": "mcp-sr"}
+                )
+
+    async def test_a_state_deleted_while_it_is_saved_is_discarded(self):
+        def deleted(state):
+            self.app.access.states.forget("local", state)
+
+        text = await self.save_with(deleted)
+        self.assertIn("delete-state deleted it while it was being saved", text)
+        self.assertNotIn("smol-state-mcp-sr", self.fake.machines)
+
+    async def test_an_ephemeral_state_saved_as_its_session_ends_is_discarded(
+        self,
+    ):
+        sessions = []
+        opened = self.app.open_session
+
+        def open_session(*args):
+            sessions.append(opened(*args))
+            return sessions[-1]
+
+        def ended(state):
+            sessions[-1].ended = True
+
+        self.app.open_session = open_session
+        text = await self.save_with(ended)
+        self.assertIn("the session ended while it was being saved", text)
+        self.assertNotIn("smol-state-mcp-sr", self.fake.machines)
+        self.assertEqual(self.app.access.states.records("local"), {})
+
+
 class CloudStateAccessTests(StateAccessScenarios, FakeCloudCase):
     fleet = "cloud"
 
