@@ -567,6 +567,12 @@ class NotRunning(SmolError):
     start it and retry)."""
 
 
+class Paused(NotRunning):
+    """The machine is paused: its saved execution must be resumed, not
+    booted afresh (the tools that use a machine resume it and retry; the
+    text says what to do for the others)."""
+
+
 class ApiError(SmolError):
     """The machine API refused a request; keeps its status, code and
     message to branch on."""
@@ -668,6 +674,17 @@ class Fleet(Protocol):
     def delete_machine(self, name: str) -> dict: ...
     def branch_machine(self, name: str, child: str) -> dict: ...
     def pull_image(self, name: str, image: str) -> dict: ...
+    # (the record, whether this call paused or resumed it): a machine that
+    # is so already answers its record.
+    def pause_machine(self, name: str) -> tuple[dict, bool]: ...
+    def resume_machine(self, name: str) -> tuple[dict, bool]: ...
+    # A saved state: save_state answers {"ref" (the engine's handle),
+    # "status", "sizeBytes"}, and on the cloud the source's "network": the
+    # record restore_state and delete_state take (not a machine's name, so
+    # OwnedFleet lets them through: States says whose a state is).
+    def save_state(self, name: str, state: str) -> dict: ...
+    def restore_state(self, saved: dict, child: str) -> dict: ...
+    def delete_state(self, saved: dict) -> None: ...
     def probe_ready(self, name: str) -> str | None: ...
     def exec(
         self, name: str, argv: list[str], **options: Unpack[ExecOptions]
@@ -728,6 +745,14 @@ def registered(cls: type) -> type:
 # -- the local fleet --------------------------------------------------------
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+# Machine names this server keeps for itself, on every fleet: hidden from
+# list-machines and refused as a name in every tool.
+SERVER_MACHINE_PREFIX = "smol-"
+# A local saved state is a paused (later frozen) branch of its source,
+# named for the state.
+STATE_MACHINE_PREFIX = f"{SERVER_MACHINE_PREFIX}state-"
+# The engine's text for a paused machine (observed on 1.32.2).
+SAVED_EXECUTION = "machine has saved execution"
 ANSI_ESCAPE_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # The serve child's environment is an allow-list: PATH to find its helpers,
 # HOME and XDG_* for its data, cache and socket directories, the locale and
@@ -1142,6 +1167,78 @@ def helper_output(name: str, action: str, result: ExecResult) -> bytes:
         f"could not {action} in machine '{name}': {why}. The job tools need "
         "a POSIX shell (sh) with kill, tail, head and wc in the image."
     )
+
+
+def paused_refusal(name: str, tool: str) -> Paused:
+    """Paused, for ``tool`` (start-machine or stop-machine) on a paused
+    machine: what to do instead."""
+    if tool == "start-machine":
+        cannot = "start-machine cannot boot it afresh"
+    else:
+        cannot = "there is nothing for stop-machine to stop"
+    return Paused(
+        f"machine '{name}' is paused (its memory and processes are saved, "
+        f"and it uses no CPU or memory), so {cannot}: resume-machine "
+        "resumes it where it stopped (so does a run-command, read-file, "
+        "write-file or start-job on it), and delete-machine discards it "
+        "with what it saved"
+    )
+
+
+def not_pausable(name: str, state: Any) -> SmolError:
+    """Why a machine in ``state`` (not running, not paused) cannot be
+    paused."""
+    return SmolError(
+        f"machine '{name}' is {state}, not running: a pause saves a running "
+        "machine's memory and processes, so there is nothing to pause; "
+        "start-machine starts it"
+    )
+
+
+def not_resumable(name: str, state: Any) -> SmolError:
+    """Why a machine in ``state`` (not paused, not running) cannot be
+    resumed."""
+    return SmolError(
+        f"machine '{name}' is {state}, not paused: nothing is saved to "
+        "resume; start-machine boots it afresh"
+    )
+
+
+def not_saveable(name: str, state: Any, branchable: bool) -> SmolError:
+    """Why machine ``name`` cannot be saved as a state: it does not run,
+    or (locally) it is no branch source."""
+    if state == "paused":
+        return SmolError(
+            f"machine '{name}' is paused; resume-machine resumes it, then "
+            "save-machine can save it"
+        )
+    if state not in ("running", "started"):
+        return SmolError(
+            f"machine '{name}' is {state}: only a running machine can be "
+            "saved (its memory is part of the state); start-machine starts "
+            "it"
+        )
+    return SmolError(
+        f"machine '{name}' is not a branch source: the local engine saves "
+        "a state by branching the machine, which needs a machine created "
+        "with branchable: true (create-machine). Create one that way, set "
+        "it up, and save that"
+    )
+
+
+def state_copy_exists(ref: str) -> SmolError:
+    """The error for a save whose copy's name the engine already holds."""
+    return SmolError(
+        f"the local engine already holds a machine named '{ref}', a saved "
+        "state's copy this server has no record of (from a save that did "
+        "not finish, say). Pick another state name, or have the operator "
+        f"delete it on the host (smolvm machine delete {ref})"
+    )
+
+
+def local_state_machine(state: str) -> str:
+    """The local engine's machine that holds saved state ``state``."""
+    return f"{STATE_MACHINE_PREFIX}{state}"
 
 
 def not_running(name: str, err: ApiError) -> SmolError:
@@ -1837,10 +1934,10 @@ class LocalFleet(LocalServe):
             self.request(action, "POST", "/api/v1/machines", body)
         )
 
-    def recheck_mounts(self, name: str, action: str) -> None:
-        """Refuse ``action`` unless each mount source still resolves under
-        its root (a guest with a writable share may have swapped in a
-        symlink)."""
+    def recheck_mounts(self, name: str, action: str) -> dict:
+        """The machine's MachineInfo; refuse ``action`` unless each mount
+        source still resolves under its root (a guest with a writable share
+        may have swapped in a symlink)."""
         machine = self._machine(action, "GET", _q(name))
         for mount in machine.get("mounts") or []:
             want_write = mount.get("readonly") is False
@@ -1855,10 +1952,14 @@ class LocalFleet(LocalServe):
                     f"and now {err}. Restore the directory, or delete the "
                     "machine"
                 ) from None
+        return machine
 
     def start_machine(self, name: str, branchable: bool = False) -> dict:
+        """Start ``name``; raise Paused for a paused one (the engine boots
+        only a machine without saved execution)."""
         action = f"start machine '{name}'"
-        self.recheck_mounts(name, action)
+        if self.recheck_mounts(name, action).get("state") == "paused":
+            raise paused_refusal(name, "start-machine")
         # Branchability is a start option locally (a create field on cloud).
         query = "?branchable=true" if branchable else ""
         route = f"{_q(name)}/start{query}"
@@ -1868,12 +1969,20 @@ class LocalFleet(LocalServe):
         )
 
     def stop_machine(self, name: str) -> dict:
+        """Stop ``name``; raise Paused for a paused one, which the engine
+        keeps as it is."""
         action = f"stop machine '{name}'"
         # The timeout covers a guest's shutdown grace, then the kill.
         timeout = self.config.ready_timeout_secs * 3
-        return local_record(
-            self._machine(action, "POST", f"{_q(name)}/stop", timeout=timeout)
-        )
+        try:
+            answer = self._machine(
+                action, "POST", f"{_q(name)}/stop", timeout=timeout
+            )
+        except ApiError as err:
+            if err.status == 409 and SAVED_EXECUTION in err.api_message:
+                raise paused_refusal(name, "stop-machine") from None
+            raise
+        return local_record(answer)
 
     def delete_machine(self, name: str) -> dict:
         self._machine(f"delete machine '{name}'", "DELETE", _q(name))
@@ -1889,6 +1998,120 @@ class LocalFleet(LocalServe):
                 action, "POST", route, {"name": child}, timeout=timeout
             )
         )
+
+    # -- pause, resume and saved states ------------------------------------
+
+    def pause_machine(self, name: str) -> tuple[dict, bool]:
+        """Pause ``name`` (memory, disks and execution saved, no CPU or
+        memory held); one paused already answers its record, which is read
+        only after the engine's 409. Raise SmolError for a machine that is
+        not running."""
+        action = f"pause machine '{name}'"
+        # Saving memory takes time: as long as a stop may.
+        timeout = self.config.ready_timeout_secs * 3
+        try:
+            answer = self._machine(
+                action, "POST", f"{_q(name)}/pause", timeout=timeout
+            )
+        except ApiError as err:
+            if err.status == 404:
+                # Worded unlike the other routes' 404s.
+                hint = "Check the name with list-machines"
+                raise err.with_hint(hint) from None
+            if err.status != 409:
+                raise
+            record = self.get_machine(name)
+            if record["state"] != "paused":
+                raise not_pausable(name, record["state"]) from None
+            return record, False
+        return local_record(answer), True
+
+    def resume_machine(self, name: str) -> tuple[dict, bool]:
+        """Resume ``name``'s saved execution under its name; one running
+        already answers its record, read only after the engine's 409.
+        Raise SmolError for a machine with nothing saved."""
+        action = f"resume machine '{name}'"
+        timeout = self.config.ready_timeout_secs + 60
+        try:
+            answer = self._machine(
+                action, "POST", f"{_q(name)}/resume", timeout=timeout
+            )
+        except ApiError as err:
+            if err.status != 409:
+                raise
+            record = self.get_machine(name)
+            if record["state"] not in RUNNING_STATES:
+                raise not_resumable(name, record["state"]) from None
+            return record, False
+        return local_record(answer), True
+
+    def save_state(self, name: str, state: str) -> dict:
+        """Save running branch source ``name`` as ``state``: a branch of it
+        (memory and disks), itself a branch source, paused, which keeps it
+        durably; the source runs on. Raise SmolError when the source is no
+        running branch source; a copy that could not be paused is
+        deleted."""
+        ref = local_state_machine(state)
+        action = f"save machine '{name}' as state '{state}'"
+        source = self.recheck_mounts(name, action)
+        branchable = source.get("branchable") or source.get("forkable")
+        if source.get("state") != "running" or not branchable:
+            raise not_saveable(name, source.get("state"), bool(branchable))
+        body = {"name": ref, "branchable": True}
+        route = f"{_q(name)}/branches"
+        timeout = self.config.ready_timeout_secs + 60
+        try:
+            self._machine(action, "POST", route, body, timeout=timeout)
+        except ApiError as err:
+            if err.status == 409 and "already exists" in err.api_message:
+                raise state_copy_exists(ref) from None
+            raise
+        try:
+            self._machine(
+                action,
+                "POST",
+                f"{_q(ref)}/pause",
+                timeout=self.config.ready_timeout_secs * 3,
+            )
+        except BaseException:
+            # A copy that was not saved is no state.
+            self._delete_leftover(ref)
+            raise
+        return {"ref": ref, "status": "ready", "sizeBytes": None}
+
+    def restore_state(self, saved: dict, child: str) -> dict:
+        """A new running machine ``child`` from a saved state: its paused
+        copy resumed (at its first use) and branched with freezeSource,
+        which keeps the copy frozen as a reusable base."""
+        ref = saved["ref"]
+        action = f"create machine '{child}' from a saved state"
+        timeout = self.config.ready_timeout_secs + 60
+        base = self.recheck_mounts(ref, action)
+        if base.get("state") == "paused":
+            route = f"{_q(ref)}/resume"
+            self._machine(action, "POST", route, timeout=timeout)
+        body = {"name": child, "freezeSource": True}
+        route = f"{_q(ref)}/branches"
+        return local_record(
+            self._machine(action, "POST", route, body, timeout=timeout)
+        )
+
+    def delete_state(self, saved: dict) -> None:
+        """Delete the state's copy; one gone already counts as deleted.
+        The engine refuses while machines made from it exist."""
+        try:
+            self.delete_machine(saved["ref"])
+        except ApiError as err:
+            if err.status != 404:
+                raise
+
+    def _delete_leftover(self, name: str) -> None:
+        """Delete a machine a failed call made; a failure is logged (the
+        error that got us here is the one to report)."""
+        try:
+            self.delete_machine(name)
+        except SmolError as err:
+            log.warning("could not delete machine %s: %s", name, err)
 
     def pull_image(self, name: str, image: str) -> dict:
         action = f"pull {image} into machine '{name}'"
@@ -1997,6 +2220,12 @@ class LocalFleet(LocalServe):
         try:
             result = self.exec(name, argv, timeout_secs=60)
         except NotRunning:
+            if self.machine_state(name) == "paused":
+                raise Paused(
+                    f"machine '{name}' is paused, and its jobs with it "
+                    "(they go on when it resumes); resume-machine resumes "
+                    "it, then read-job shows what they wrote"
+                ) from None
             raise SmolError(
                 f"machine '{name}' is not running, and its jobs ended when it "
                 "stopped; start-machine, then read-job, shows what they wrote"
@@ -2251,13 +2480,13 @@ called: GET /health  GET ~  POST ~  GET ~/{name}  DELETE ~/{name}
     POST ~/{id}/exec/stream  GET ~/{id}/files/{path}
     PUT ~/{id}/files/{path}  GET ~/{id}/logs  POST ~/{id}/images/pull
     POST ~/{name}/branches  POST ~/{name}/egress  GET ~/{name}/egress-events
+    POST ~/{name}/pause  POST ~/{name}/resume
 host scheduling numbers; no tool reports capacity: GET /capacity
 no tool lists a machine's images: GET ~/{id}/images
 running another image on an overlay is not in the tool vocabulary:
     POST ~/{id}/run
 the legacy name of branches: POST ~/{name}/fork
 branch pools; this server has no pool vocabulary: POST ~/{name}/fork-release
-no tool pauses or resumes a machine: POST ~/{name}/pause  POST ~/{name}/resume
 needs a pushToken minted by the control plane, which a local user
     cannot produce: POST ~/{name}/export
 no tool grows a machine after it exists: POST ~/{name}/resize
@@ -2266,8 +2495,9 @@ mounts are a create-time argument: POST ~/{name}/sync  GET ~/{name}/mounts
 ports are a create-time argument: PUT ~/{name}/ports
 mediated egress is not used: GET ~/{name}/mediation-events
 credential bindings are not used: PUT ~/{name}/credential-values
-cache disks are not used: POST ~/{name}/cache-disk/publish
-    DELETE /api/v1/cache-bases/{base}
+publish captures only a cache disk mounted at one guest path, not a
+    machine's root file system, so a saved state is a paused branch instead:
+    POST ~/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
 fork pools and leases are a fleet surface, not an agent one:
     GET /api/v1/pools  POST /api/v1/pools  GET /api/v1/pools/{name}
     DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
@@ -3051,8 +3281,19 @@ class CloudFleet:
         self, name: str, verb: str, timeout: float, query: str = ""
     ) -> dict:
         """Ask the machine to ``verb`` (start, stop); return its record
-        after."""
-        route = f"/v1/machines/{self._find(name)['id']}"
+        after. Raise Paused for a paused machine, which the service keeps
+        as it is."""
+        found = self._find(name)
+        if found.get("state") == "paused":
+            raise paused_refusal(name, f"{verb}-machine")
+        return self._ask(found, name, verb, timeout, query)
+
+    def _ask(
+        self, found: dict, name: str, verb: str, timeout: float, query=""
+    ) -> dict:
+        """Ask the machine of raw record ``found`` to ``verb``; return its
+        record after."""
+        route = f"/v1/machines/{found['id']}"
         action = f"{verb} machine '{name}'"
         self.api.request(
             action,
@@ -3111,6 +3352,8 @@ class CloudFleet:
         """The raw record of machine ``name``; raise NotRunning unless it
         runs (a cloud exec would start it)."""
         record = self._find(name)
+        if record.get("state") == "paused":
+            raise Paused(f"machine '{name}' is paused")
         if record.get("state") not in RUNNING_STATES:
             raise NotRunning(f"machine '{name}' is not running")
         return record
@@ -3169,9 +3412,13 @@ class CloudFleet:
         self, name, job_id, argv, **options: Unpack[JobOptions]
     ) -> dict:
         """The service names the job itself; ``job_id`` is the local
-        fleet's."""
+        fleet's. Raise Paused for a paused machine (the service refuses
+        it)."""
         body = cloud_exec_body(argv, **options)
-        path = self._jobs_path(name)
+        found = self._find(name)
+        if found.get("state") == "paused":
+            raise Paused(f"machine '{name}' is paused")
+        path = f"/v1/machines/{found['id']}/jobs"
         action = f"start a job in machine '{name}'"
         job = self.api.request(
             action, "POST", path, body, timeout=CLOUD_LONG_TIMEOUT_SECS
@@ -3395,6 +3642,78 @@ class CloudFleet:
                 action, "POST", f"{route}/fork", body, timeout=1800
             )
         return cloud_record(created)
+
+    # -- pause, resume and saved states ------------------------------------
+
+    def pause_machine(self, name: str) -> tuple[dict, bool]:
+        """Pause ``name``; the list's record says first whether it is
+        paused already (its record answered) or cannot be (SmolError)."""
+        found = self._find(name)
+        state = found.get("state")
+        if state == "paused":
+            return cloud_record(found), False
+        if state not in RUNNING_STATES:
+            raise not_pausable(name, state)
+        record = self._ask(found, name, "pause", CLOUD_LONG_TIMEOUT_SECS)
+        return record, True
+
+    def resume_machine(self, name: str) -> tuple[dict, bool]:
+        """Resume ``name``'s saved execution; the list's record says first
+        whether it runs already (its record answered) or has nothing saved
+        (SmolError)."""
+        found = self._find(name)
+        state = found.get("state")
+        if state in RUNNING_STATES:
+            return cloud_record(found), False
+        if state != "paused":
+            raise not_resumable(name, state)
+        record = self._ask(found, name, "resume", CLOUD_LONG_TIMEOUT_SECS)
+        return record, True
+
+    def save_state(self, name: str, state: str) -> dict:
+        """Capture a checkpoint of running machine ``name`` (it keeps
+        running); its network policy is kept for the restore, which takes
+        one."""
+        found = self._find(name)
+        if found.get("state") not in RUNNING_STATES:
+            raise not_saveable(name, found.get("state"), True)
+        action = f"save machine '{name}' as state '{state}'"
+        route = f"/v1/machines/{found['id']}/checkpoints"
+        checkpoint = self.api.request(
+            action, "POST", route, timeout=CLOUD_LONG_TIMEOUT_SECS
+        )
+        ref = checkpoint.get("id")
+        if not isinstance(ref, str) or not ref:
+            raise self.api.bad_answer(action, "no checkpoint id", checkpoint)
+        return {
+            "ref": ref,
+            "status": checkpoint.get("status"),
+            "sizeBytes": checkpoint.get("sizeBytes"),
+            "network": _object_field(found, "network") or None,
+        }
+
+    def restore_state(self, saved: dict, child: str) -> dict:
+        """A new stopped machine ``child`` restored from the state's
+        checkpoint, with its source's network policy (the service's own
+        default would be blocked)."""
+        network = saved.get("network") or self._blocked
+        body = {"name": child, "network": network}
+        route = f"/v1/checkpoints/{_q(saved['ref'])}/restore"
+        action = f"create machine '{child}' from a saved state"
+        return cloud_record(self.api.request(action, "POST", route, body))
+
+    def delete_state(self, saved: dict) -> None:
+        """Delete the state's checkpoint; one gone already counts as
+        deleted. The service refuses while a machine restored from it
+        exists."""
+        route = f"/v1/checkpoints/{_q(saved['ref'])}"
+        try:
+            self.api.request(
+                "delete a saved state", "DELETE", route, expect=None
+            )
+        except ApiError as err:
+            if err.status != 404:
+                raise
 
     def pull_image(self, name: str, image: str) -> dict:
         why = (
@@ -3723,6 +4042,9 @@ def fit_stream(
 # ---------------------------------------------------------------------------
 
 NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
+# A state's name is a machine name that leaves room for
+# STATE_MACHINE_PREFIX (11 characters) within the engine's 128.
+STATE_NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_-]{0,116}$"
 ABSOLUTE_PATH_PATTERN = "^/[^\\x00-\\x1f\\x7f]*$"
 FILE_PATH_PATTERN = "^/.*[^/]$"
 PATTERN_RULES = {
@@ -3737,6 +4059,10 @@ PATTERN_RULES = {
     ABSOLUTE_PATH_PATTERN: (
         "must be an absolute path "
         "(starting with /, without control characters)"
+    ),
+    STATE_NAME_PATTERN: (
+        "must start with a letter or digit and hold only letters, digits, "
+        "'-' and '_' (at most 117)"
     ),
     "^[A-Za-z_][A-Za-z0-9_]*$": (
         "must be a variable name: letters, digits and '_', "
@@ -3791,6 +4117,24 @@ def python_pattern(pattern: str) -> str:
     newline) becomes `\\Z`."""
     # Only a `$` not escaped.
     return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)
+
+
+# The arguments that name a machine.
+MACHINE_NAME_ARGUMENTS = ("name", "childName")
+
+
+def refuse_server_names(arguments: dict) -> None:
+    """Raise ArgumentError when an argument names one of this server's own
+    machines (SERVER_MACHINE_PREFIX), which no tool reaches."""
+    for key in MACHINE_NAME_ARGUMENTS:
+        value = arguments.get(key)
+        if isinstance(value, str) and value.startswith(SERVER_MACHINE_PREFIX):
+            raise ArgumentError(
+                f'"{key}" is {value!r}: names starting with '
+                f'"{SERVER_MACHINE_PREFIX}" are kept for this server\'s own '
+                "machines (the copies that hold saved states, say), which "
+                "no tool reaches; pick a name without that prefix"
+            )
 
 
 def guest_path(path: str, where: str = "path") -> str:
@@ -4531,6 +4875,8 @@ OUT_EXEC_EGRESS = {
     "egressDenied": OUT_DENIALS,
     "egressHint": {"type": "string"},
 }
+# Whether the call resumed a paused machine before it used it.
+OUT_RESUMED = _types("resumedMachine:boolean")
 
 
 # A tool is one object: compared and hashed by identity.
@@ -4890,24 +5236,54 @@ async def start_and_wait(
     return record
 
 
-async def ensure_running(call: Call, name: str) -> bool:
-    """Start a machine that is not running and wait for it; True if we
-    started it."""
-    if await call.api(call.fleet.machine_state, name) in RUNNING_STATES:
-        return False
+async def resume_and_wait(call: Call, name: str) -> tuple[dict, bool]:
+    """Resume a paused machine and wait until a command runs in it: its
+    record, and whether this call resumed it (it may run already)."""
+    waiting = f"resuming '{name}'"
+    record, resumed = await call.api(
+        call.fleet.resume_machine, name, waiting=waiting
+    )
+    await wait_until_ready(call, name)
+    return record, resumed
+
+
+async def ensure_running(call: Call, name: str) -> str:
+    """Make a machine that is not running run, and wait for it: what this
+    call did, "started", "resumed" (a paused one) or ""."""
+    state = await call.api(call.fleet.machine_state, name)
+    if state in RUNNING_STATES:
+        return ""
+    if state == "paused":
+        await resume_and_wait(call, name)
+        return "resumed"
     await start_and_wait(call, name)
-    return True
+    return "started"
 
 
-async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, bool]:
-    """Await ``run()`` against a running machine, starting (and leaving
-    running, as the cloud API does) a stopped one first; the second value
-    says whether this call started it."""
+async def on_running(call: Call, name: str, run: Callable) -> tuple[Any, str]:
+    """Await ``run()`` against a running machine, first starting a stopped
+    one (and leaving it running, as the cloud API does) or resuming a
+    paused one; the second value says what this call did: "started",
+    "resumed" or ""."""
     try:
-        return await run(), False
-    except NotRunning:
-        await start_and_wait(call, name)
-        return await run(), True
+        return await run(), ""
+    except NotRunning as err:
+        woke = await wake(call, name, err)
+    return await run(), woke
+
+
+async def wake(call: Call, name: str, err: NotRunning) -> str:
+    """Make a machine ``run()`` found not running run: resume it when it
+    is paused (the local engine says so only when asked to start it), else
+    start it; "resumed" or "started"."""
+    if not isinstance(err, Paused):
+        try:
+            await start_and_wait(call, name)
+            return "started"
+        except Paused:
+            pass
+    await resume_and_wait(call, name)
+    return "resumed"
 
 
 # Every command runs under a wrapper that writes its pid in the guest
@@ -5302,6 +5678,26 @@ ARG_CREATE_NAME = {
     ),
 }
 SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
+ARG_STATE = _string(
+    "The saved state's name (list-states shows them). A name starting with "
+    "the ephemeral prefix (mcp- by default) makes a state deleted when this "
+    "session ends.",
+    minLength=1,
+    pattern=STATE_NAME_PATTERN,
+)
+ARG_FROM = {
+    **ARG_STATE,
+    "description": (
+        "Start from this saved state (save-machine) instead of an image: "
+        "the state fixes everything but the name."
+    ),
+}
+# The validator's sentence, said by create-machine itself: with from, no
+# image is needed.
+IMAGE_NEEDED = (
+    'create-machine needs the argument "image": '
+    f'{ARG_IMAGE["description"]} Or pass "from": a state save-machine made.'
+)
 NETWORK_ARGS = dict(
     network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS
 )
@@ -5332,7 +5728,15 @@ def tool(*spec: Any) -> Callable:
     "read: read_only idempotent",
 )
 async def tool_list_machines(call: Call, args: dict) -> dict:
-    return {"machines": await call.read(call.fleet.list_machines)}
+    machines = await call.read(call.fleet.list_machines)
+    # This server's own machines (SERVER_MACHINE_PREFIX) are not listed.
+    return {
+        "machines": [
+            machine
+            for machine in machines
+            if not str(machine["name"]).startswith(SERVER_MACHINE_PREFIX)
+        ]
+    }
 
 
 @tool(
@@ -5374,13 +5778,15 @@ async def machine_jobs(
     call: Call, name: str, machine: dict, from_guest: bool
 ) -> list[dict] | None:
     """get-machine's jobs: the guest's list with ``from_guest``, else our
-    record; none for a machine that is not running (it runs no job), and
-    None when they cannot be listed (unknown, which is not the same as
-    none)."""
-    if machine["state"] not in RUNNING_STATES:
+    record; none for a machine that is not running (it runs no job), our
+    record for a paused one (its jobs are paused with it, and no command
+    reaches it), and None when they cannot be listed (unknown, which is
+    not the same as none)."""
+    paused = machine["state"] == "paused"
+    if machine["state"] not in RUNNING_STATES and not paused:
         return []
     try:
-        if from_guest:
+        if from_guest and not paused:
             return await call.api(call.fleet.list_jobs, name, machine["id"])
         recorded = call.app.access.owners.jobs.read().get(call.fleet.name, {})
         return list(recorded.get(name, []))
@@ -5447,11 +5853,14 @@ async def machine_spec(
     'network is "open" or an allow-list is given. A name starting with the '
     "ephemeral prefix (mcp- by default), or no name, makes a machine that "
     "is deleted when this session ends; any other name persists. Uses host "
-    "CPU, memory and disk while it exists.",
+    "CPU, memory and disk while it exists. With from instead of an image, "
+    "the machine starts from a saved state (save-machine), where its "
+    "source was when saved.",
     _input(
-        "image",
+        "",
         name=ARG_CREATE_NAME,
         image=ARG_IMAGE,
+        **{"from": ARG_FROM},
         **SIZE_ARGS,
         **NETWORK_ARGS,
         ports=ARG_PORTS,
@@ -5473,6 +5882,10 @@ async def machine_spec(
     "manage: open_world",
 )
 async def tool_create_machine(call: Call, args: dict) -> dict:
+    if "from" in args:
+        return await create_from_state(call, args)
+    if "image" not in args:
+        raise ArgumentError(IMAGE_NEEDED)
     name = args.get("name") or call.new_ephemeral_name()
     spec = await machine_spec(call, args, name, call.config.network_default)
     start = args.get("start", True)
@@ -5551,9 +5964,9 @@ async def create_recorded(
     "the whole stream is saved in the machine at the path listed in "
     "overflow. A stopped machine is started first. On the local fleet a "
     "failed command lists the connections the egress policy refused "
-    "(egressDenied).",
+    "(egressDenied). A paused machine is resumed first.",
     _input("name command", name=ARG_NAME, **ARG_EXEC),
-    _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
+    _out({**OUT_EXEC_PROPERTIES, **OUT_RESUMED}, OUT_EXEC_EGRESS),
     "exec: destructive open_world",
 )
 async def tool_run_command(call: Call, args: dict) -> dict:
@@ -5562,11 +5975,15 @@ async def tool_run_command(call: Call, args: dict) -> dict:
     since = datetime.datetime.now(datetime.UTC)
     argv = command_argv(args["command"])
     run = functools.partial(run_in_machine, call, name, argv, **options)
-    result, started_machine = await on_running(call, name, run)
+    result, woke = await on_running(call, name, run)
     shaped = await budget_exec(
         call, name, result, options["timeout_secs"], since, once=False
     )
-    return {**shaped, "startedMachine": started_machine}
+    return {
+        **shaped,
+        "startedMachine": woke == "started",
+        "resumedMachine": woke == "resumed",
+    }
 
 
 @tool(
@@ -5613,7 +6030,7 @@ async def tool_run_once(call: Call, args: dict) -> dict:
     "Read a file inside the named machine, a page at a time: offset and "
     "length pick the bytes, size is the whole file, eof says whether this "
     "page reached its end. Never returns more than the output budget. "
-    "Starts a stopped machine.",
+    "Starts a stopped machine, resumes a paused one.",
     _input(
         "name path",
         name=ARG_NAME,
@@ -5631,7 +6048,8 @@ async def tool_run_once(call: Call, args: dict) -> dict:
     ),
     _out(
         "path:string content:string encoding:string size:integer "
-        "offset:integer bytes:integer eof:boolean startedMachine:boolean"
+        "offset:integer bytes:integer eof:boolean startedMachine:boolean "
+        "resumedMachine:boolean"
     ),
     # Not read-only: it starts a stopped machine.
     "exec: idempotent",
@@ -5643,7 +6061,7 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     offset = args.get("offset", 0)
     limit = call.config.max_output_bytes
     length = min(args.get("length", limit), limit)
-    started_machine = await ensure_running(call, name)
+    woke = await ensure_running(call, name)
     page = await call.api(call.fleet.read_file, name, path, offset, length)
     tokens = reply_tokens(call.config)
     if encoding == "utf8":
@@ -5659,7 +6077,11 @@ async def tool_read_file(call: Call, args: dict) -> dict:
     shown.update(
         offset=offset, bytes=len(data), eof=offset + len(data) >= page.size
     )
-    return {**shown, "startedMachine": started_machine}
+    return {
+        **shown,
+        "startedMachine": woke == "started",
+        "resumedMachine": woke == "resumed",
+    }
 
 
 def utf8_page(
@@ -5705,7 +6127,7 @@ def base64_page(data: bytes, tokens: int) -> tuple[bytes, str]:
     "Write a file inside the named machine, replacing any file at that "
     "path and creating parent directories. Waits until the guest runs "
     "commands first, so the file is not hidden by the workload's file "
-    "system.",
+    "system. Starts a stopped machine, resumes a paused one.",
     _input(
         "name path content",
         name=ARG_NAME,
@@ -5713,7 +6135,10 @@ def base64_page(data: bytes, tokens: int) -> tuple[bytes, str]:
         content=_string("The file's content."),
         encoding=ARG_ENCODING,
     ),
-    _out("path:string bytes:integer startedMachine:boolean"),
+    _out(
+        "path:string bytes:integer startedMachine:boolean "
+        "resumedMachine:boolean"
+    ),
     "exec: destructive idempotent",
 )
 async def tool_write_file(call: Call, args: dict) -> dict:
@@ -5731,17 +6156,23 @@ async def tool_write_file(call: Call, args: dict) -> dict:
             ) from None
     # Ready first: a file written before the workload's file system is up
     # would be mounted over.
-    started_machine = await ensure_running(call, name)
-    if not started_machine:
+    woke = await ensure_running(call, name)
+    if not woke:
         await wait_until_ready(call, name)
     written = await call.api(call.fleet.write_file, name, path, data)
-    return {"path": path, "bytes": written, "startedMachine": started_machine}
+    return {
+        "path": path,
+        "bytes": written,
+        "startedMachine": woke == "started",
+        "resumedMachine": woke == "resumed",
+    }
 
 
 @tool(
     "Start a machine",
     "Start a stopped machine and (by default) wait until a command has run "
-    "in it. A running machine is left as it is.",
+    "in it. A running machine is left as it is; a paused one is refused "
+    "(resume-machine resumes it).",
     _input("name", name=ARG_NAME, wait=ARG_WAIT),
     _out({"machine": OUT_MACHINE, **_types("ready:boolean")}),
     "manage: idempotent open_world",
@@ -5818,7 +6249,8 @@ async def tool_branch_machine(call: Call, args: dict) -> dict:
 @tool(
     "Stop a machine",
     "Stop the named machine. Its disks are kept; start-machine starts it "
-    "again. Whatever runs in it is ended.",
+    "again. Whatever runs in it is ended. A paused machine is refused "
+    "(resume-machine, or delete-machine).",
     ARG_NAME_ONLY,
     _out({"machine": OUT_MACHINE}),
     "manage: destructive idempotent",
@@ -5836,9 +6268,23 @@ async def tool_stop_machine(call: Call, args: dict) -> dict:
     "manage: destructive",
 )
 async def tool_delete_machine(call: Call, args: dict) -> dict:
-    result = await call.api(call.fleet.delete_machine, args["name"])
+    try:
+        result = await call.api(call.fleet.delete_machine, args["name"])
+    except ApiError as err:
+        # A local saved state is a branch of its source, which the engine
+        # may keep while the state's copy depends on it.
+        if err.status == 409 and STATE_MACHINE_PREFIX in err.api_message:
+            raise err.with_hint(STATE_OF_IT) from None
+        raise
     call.forget(args["name"])
     return result
+
+
+STATE_OF_IT = (
+    "A saved state made from this machine (named in smol-state-STATE "
+    "above) depends on it: delete-state that state first, then delete the "
+    "machine"
+)
 
 
 def log_cursor(lines: list[str], end: int) -> str:
@@ -5911,6 +6357,275 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
     return {"lines": picked, "cursor": log_cursor(lines, start + len(picked))}
 
 
+# -- machines that keep their state: pause and resume, saved states
+
+
+@tool(
+    "Pause a machine",
+    "Pause the named running machine: its memory, disks and running "
+    "processes are saved, and it stops using CPU and memory. "
+    "resume-machine resumes it where it stopped, and so does a "
+    "run-command, read-file, write-file or start-job on it. A paused "
+    "machine is left as it is.",
+    ARG_NAME_ONLY,
+    _out({"machine": OUT_MACHINE, **_types("paused:boolean")}),
+    "manage: idempotent",
+)
+async def tool_pause_machine(call: Call, args: dict) -> dict:
+    name = args["name"]
+    record, _ = await call.api(
+        call.fleet.pause_machine, name, waiting=f"pausing '{name}'"
+    )
+    return {"machine": record, "paused": True}
+
+
+@tool(
+    "Resume a machine",
+    "Resume a paused machine where it stopped, its memory and processes as "
+    "they were, and wait until a command has run in it. resumedMs is how "
+    "long that took; a running machine is left as it is (resumedMs 0).",
+    ARG_NAME_ONLY,
+    _out(
+        {"machine": OUT_MACHINE, **_types("ready:boolean resumedMs:integer")}
+    ),
+    "manage: idempotent",
+)
+async def tool_resume_machine(call: Call, args: dict) -> dict:
+    """resumedMs: from the resume request until a command ran; 0 when the
+    machine was running (its readiness is still checked)."""
+    started = time.monotonic()
+    record, resumed = await resume_and_wait(call, args["name"])
+    took = 0
+    if resumed:
+        took = int((time.monotonic() - started) * 1000)
+    return {"machine": record, "ready": True, "resumedMs": took}
+
+
+OUT_STATE = _out(
+    "state:string fleet:string source:string? createdAt:string? "
+    "ephemeral:boolean status:string? sizeBytes:integer?",
+    description=(
+        "A saved state: the machine it was saved from, when, whether it "
+        "ends with this session, and its status: saving until its save "
+        "answered, then ready (on the cloud the checkpoint's own status, "
+        "with its size)."
+    ),
+)
+
+
+def state_owner(call: Call) -> str | None:
+    """The owner whose states alone the caller sees (a sandbox.* token's
+    own, its fleet wrapped as an OwnedFleet), or None for all."""
+    if isinstance(call.fleet, OwnedFleet):
+        return call.principal.name
+    return None
+
+
+def find_state(call: Call, state: str) -> dict:
+    """The record of saved state ``state`` as the caller may see it; raise
+    ArgumentError as for a missing one when it is another's (to a sandbox
+    token) or not there."""
+    found = call.app.access.states.find(
+        call.fleet.name, state, state_owner(call)
+    )
+    if found is None:
+        raise ArgumentError(
+            f"there is no saved state named '{state}' on the "
+            f"{call.fleet.name} fleet; list-states shows them"
+        )
+    return found
+
+
+def state_view(call: Call, state: str, record: dict) -> dict:
+    """A saved state as the tools show it."""
+    status = record.get("status")
+    if not record.get("ref"):
+        # Claimed, and its save has not answered (or never finished).
+        status = "saving"
+    return {
+        "state": state,
+        "fleet": call.fleet.name,
+        "source": record.get("source"),
+        "createdAt": record.get("createdAt"),
+        "ephemeral": call.session.is_ephemeral(state),
+        "status": status,
+        "sizeBytes": record.get("sizeBytes"),
+    }
+
+
+@tool(
+    "Save a machine as a state",
+    "Save a running machine's memory and disks as a named state, leaving "
+    "the machine running; create-machine with from: STATE starts new "
+    "machines from it, each where the machine was when saved. A state "
+    "named with the ephemeral prefix (mcp- by default) is deleted when this "
+    "session ends; any other persists until delete-state. Locally the "
+    "machine must be a branch source (created with branchable: true). A "
+    "state uses disk on the host (local) or the account's storage (cloud).",
+    _input("name state", name=ARG_NAME, state=ARG_STATE),
+    _out({"state": OUT_STATE}),
+    "manage",
+)
+async def tool_save_machine(call: Call, args: dict) -> dict:
+    """Claim the name first (its bound, its uniqueness), then save; the
+    claim goes if the save fails."""
+    name = args["name"]
+    state = args["state"]
+    fleet = call.fleet.name
+    states = call.app.access.states
+    claim = states.claim(fleet, state, call.principal.name)
+    ephemeral = call.session.is_ephemeral(state)
+    if ephemeral:
+        # Recorded before the engine is asked: a crash still cleans up.
+        call.session.remember_state(fleet, state, claim)
+    waiting = f"saving '{name}' as '{state}'"
+    try:
+        saved = await call.create(
+            call.fleet.save_state, name, state, waiting=waiting
+        )
+    except BaseException:
+        states.release(fleet, state, claim)
+        call.session.forget_state(fleet, state)
+        raise
+    record = states.settle(fleet, state, claim, source=name, **saved)
+    if record is None or (ephemeral and call.session.ended):
+        await discard_saved(call, state, saved, record is None)
+    return {"state": state_view(call, state, record)}
+
+
+async def discard_saved(
+    call: Call, state: str, saved: dict, deleted: bool
+) -> None:
+    """Delete a state this call saved that nobody may use: one deleted
+    (``deleted``) while it was saved, or an ephemeral one whose session
+    ended meanwhile (its cleanup had run). Raise SmolError saying so."""
+    delete = functools.partial(call.fleet.delete_state, saved)
+    with anyio.CancelScope(shield=True):
+        try:
+            await anyio.to_thread.run_sync(delete)
+        except SmolError as err:
+            log.warning("could not delete saved state %s: %s", state, err)
+    call.app.access.states.forget(call.fleet.name, state)
+    call.session.forget_state(call.fleet.name, state)
+    if deleted:
+        why = "delete-state deleted it while it was being saved"
+    else:
+        why = "the session ended while it was being saved"
+    raise SmolError(
+        f"the state '{state}' was discarded at once: {why}. Save it again "
+        "if it is still wanted"
+    )
+
+
+@tool(
+    "List saved states",
+    "List the saved states (save-machine) on the fleet: each one's name, "
+    "the machine it was saved from, when, and whether it ends with this "
+    "session. Changes nothing.",
+    _object({}),
+    _out({"states": {"type": "array", "items": OUT_STATE}}),
+    "read: read_only idempotent",
+)
+async def tool_list_states(call: Call, args: dict) -> dict:
+    """From this server's record alone: no engine request (the cloud has
+    no route listing every checkpoint)."""
+    records = call.app.access.states.records(
+        call.fleet.name, state_owner(call)
+    )
+    return {
+        "states": [
+            state_view(call, state, record)
+            for state, record in sorted(records.items())
+        ]
+    }
+
+
+@tool(
+    "Delete a saved state",
+    "Delete a saved state for good, with its memory image and disks. "
+    "Machines made from it are not deleted, and while they exist the "
+    "engine keeps the state: delete them first.",
+    _input("state", state=ARG_STATE),
+    _out("deleted:string"),
+    "manage: destructive",
+)
+async def tool_delete_state(call: Call, args: dict) -> dict:
+    state = args["state"]
+    saved = find_state(call, state)
+    if saved.get("ref"):
+        try:
+            await call.api(call.fleet.delete_state, saved)
+        except ApiError as err:
+            if err.status == 409:
+                raise err.with_hint(STATE_IN_USE) from None
+            raise
+    call.app.access.states.forget(call.fleet.name, state)
+    call.session.forget_state(call.fleet.name, state)
+    return {"deleted": state}
+
+
+STATE_IN_USE = (
+    "Machines made from this state still depend on it: delete them "
+    "(delete-machine) first, then call delete-state again"
+)
+# With from, the one other argument create-machine takes.
+FROM_FIXES = (
+    "a saved state fixes the image, size, egress, ports, mounts, "
+    "environment and command of a machine made from it"
+)
+
+
+async def create_from_state(call: Call, args: dict) -> dict:
+    """create-machine {from}: a new machine from a saved state, which
+    fixes everything but its name, ready once a command has run in it
+    (deleted again when it does not get there)."""
+    extra = [key for key in args if key not in ("from", "name")]
+    if extra:
+        raise ArgumentError(
+            f'"{extra[0]}" cannot be combined with "from": {FROM_FIXES}; '
+            'pass only "name" with "from" (or no name, for an ephemeral '
+            "machine)"
+        )
+    state = args["from"]
+    saved = find_state(call, state)
+    if not saved.get("ref"):
+        raise ArgumentError(
+            f"the state '{state}' is still being saved (or its save did "
+            "not finish); list-states shows it, and delete-state forgets "
+            "one that never will"
+        )
+    name = args.get("name") or call.new_ephemeral_name()
+    restore = call.fleet.restore_state
+    try:
+        record = await create_recorded(call, name, restore, saved, name)
+    except ApiError as err:
+        if err.status == 404:
+            raise state_gone(call, state) from None
+        raise
+    try:
+        if record["state"] in RUNNING_STATES:
+            await wait_until_ready(call, name)
+        else:
+            record = await start_and_wait(call, name)
+    except BaseException as err:
+        failure = await start_failure(call, name, err, record["network"])
+        await call.delete_quietly(name)
+        if isinstance(err, Exception):
+            raise failure from None
+        raise
+    ephemeral = call.session.is_ephemeral(name)
+    return {"machine": record, "ephemeral": ephemeral, "ready": True}
+
+
+def state_gone(call: Call, state: str) -> SmolError:
+    """The error for a state whose engine copy is gone."""
+    return SmolError(
+        f"the saved state '{state}' has no copy left on the "
+        f"{call.fleet.name} fleet (it was deleted outside this server), so "
+        "no machine can start from it; delete-state forgets it"
+    )
+
+
 @tool(
     "Pull an image into a machine",
     "Pull an OCI image into the named machine's image store (local fleet "
@@ -5932,7 +6647,7 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
     "after this call, the client and this server have gone, until it "
     "exits, its timeout (default 1 hour, at most 24) or cancel-job ends "
     "it, or the machine stops or is deleted. Read its output with "
-    "read-job. A stopped machine is started first.",
+    "read-job. A stopped machine is started first, a paused one resumed.",
     _input(
         "name command",
         name=ARG_NAME,
@@ -5944,7 +6659,8 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
         env=ARG_ENV,
     ),
     _out(
-        "jobId:string state:string timeoutSecs:integer startedMachine:boolean"
+        "jobId:string state:string timeoutSecs:integer startedMachine:boolean "
+        "resumedMachine:boolean"
     ),
     "exec: destructive open_world",
 )
@@ -5963,12 +6679,13 @@ async def tool_start_job(call: Call, args: dict) -> dict:
     start = functools.partial(
         call.api, call.fleet.start_job, name, job_id, argv, **options
     )
-    job, started_machine = await on_running(call, name, start)
+    job, woke = await on_running(call, name, start)
     call.app.access.owners.note_job(call.fleet.name, name, job, started=True)
     return {
         **job,
         "timeoutSecs": options["timeout_secs"],
-        "startedMachine": started_machine,
+        "startedMachine": woke == "started",
+        "resumedMachine": woke == "resumed",
     }
 
 
@@ -6874,6 +7591,9 @@ def targets_document(app: SmolMcp) -> dict:
 NOT_THE_SESSIONS_MACHINE = (
     "not deleted: a machine of that name is no longer the one it made"
 )
+NOT_THE_SESSIONS_STATE = (
+    "not deleted: a saved state of that name is no longer the one it saved"
+)
 
 
 class Session:
@@ -6887,6 +7607,8 @@ class Session:
         # Where its pollers run.
         self.tasks = tasks
         self.machines: dict[str, set[str]] = {}
+        # fleet -> ephemeral saved state -> the claim id it saved it under.
+        self.states: dict[str, dict[str, str]] = {}
         self.record_path = Path(
             app.config.runtime_dir, "sessions", f"{os.getpid()}-{self.id}.json"
         )
@@ -6966,14 +7688,27 @@ class Session:
             self.machines[fleet].discard(name)
             self._save()
 
+    def remember_state(self, fleet: str, state: str, claim_id: str) -> None:
+        """Record an ephemeral saved state, by the claim it was saved
+        under."""
+        self.states.setdefault(fleet, {})[state] = claim_id
+        self._save()
+
+    def forget_state(self, fleet: str, state: str) -> None:
+        if self.states.get(fleet, {}).pop(state, None) is not None:
+            self._save()
+
     def _save(self) -> None:
         """Write the local record atomically.
 
         A failure costs a warning, never the operation.
         """
         runtime_dir = self.app.config.runtime_dir
-        # Only local machines: the crash sweep reads it.
-        names = sorted(self.machines.get(self.app.local.name, set()))
+        # Only local machines, with the copies that hold its ephemeral
+        # saved states: the crash sweep reads it.
+        local = self.app.local.name
+        copies = map(local_state_machine, self.states.get(local, {}))
+        names = sorted({*self.machines.get(local, set()), *copies})
         with bookkeeping(runtime_dir):
             if not names:
                 self.record_path.unlink(missing_ok=True)
@@ -6992,11 +7727,23 @@ class Session:
             write_json(self.record_path, record, mode=0o666)
 
     async def close(self) -> None:
-        """Delete this session's ephemeral machines, fleet by fleet.
+        """Delete this session's ephemeral machines, fleet by fleet, then
+        its ephemeral saved states.
 
         What stays, stays recorded.
         """
         who = self.app.who(self.principal or self.app.access.stdio)
+        await self.close_machines(who)
+        if any(self.states.values()):
+            # After the machines, which may be made from a state; then the
+            # machines a state's copy kept (a branch source keeps its
+            # clones' disks, so the engine may refuse it until they go).
+            await self.close_states(who)
+            if any(self.machines.values()):
+                await self.close_machines(who)
+
+    async def close_machines(self, who: dict) -> None:
+        """Delete this session's ephemeral machines, fleet by fleet."""
         run = anyio.to_thread.run_sync
         for fleet_name, names in list(self.machines.items()):
             # A name held by another machine by now is never deleted here.
@@ -7040,6 +7787,46 @@ class Session:
                     name,
                     err,
                 )
+
+    async def close_states(self, who: dict) -> None:
+        """Delete this session's ephemeral saved states, each only if it
+        is still the one this session saved.
+        """
+        store = self.app.access.states
+        for fleet_name, claims in list(self.states.items()):
+            fleet = self.app.fleets[fleet_name]
+            for state, claim_id in sorted(claims.items()):
+                saved = store.find(fleet_name, state)
+                ours = saved is not None and saved.get("id") == claim_id
+                try:
+                    if ours and saved.get("ref"):
+                        await anyio.to_thread.run_sync(
+                            fleet.delete_state, saved, abandon_on_cancel=True
+                        )
+                except Exception as err:
+                    log.warning(
+                        "session %s ended: could not delete saved state"
+                        " %s: %s",
+                        self.id,
+                        state,
+                        describe(err),
+                    )
+                    continue
+                outcome = NOT_THE_SESSIONS_STATE
+                if ours:
+                    store.release(fleet_name, state, claim_id)
+                    outcome = "deleted"
+                log.info("session %s ended: %s: %s", self.id, state, outcome)
+                self.forget_state(fleet_name, state)
+                entry = {
+                    "event": "session-cleanup",
+                    **who,
+                    "session": self.id,
+                    "target": fleet_name,
+                    "state": state,
+                    "outcome": outcome,
+                }
+                self.app.record(entry)
 
     def replaced(self, fleet: Fleet, names: list[str]) -> list[str]:
         """Return the names now held by another machine than the one this
@@ -7294,6 +8081,11 @@ TOKEN_SECRET_PREFIX = "smolmcp_"
 TOKENS_FILE = "tokens.json"
 USAGE_FILE = "tokens-used.json"
 OWNERS_FILE = "owners.json"
+STATES_FILE = "states.json"
+# The saved states one token may hold, on both fleets together: each keeps
+# a machine's memory image and disks on the host's disk (local) or in the
+# account (cloud), and no other rule bounds how many an agent makes.
+STATES_PER_TOKEN = 32
 # The jobs get-machine shows: the newest 100 a machine.
 JOBS_FILE = "jobs.json"
 JOBS_KEPT = 100
@@ -7883,6 +8675,129 @@ class Owners:
             self.file.update(drop)
 
 
+def valid_states(data: Any) -> bool:
+    """Whether the states file holds fleet -> state -> a record naming its
+    owner.
+    """
+    if not isinstance(data, dict):
+        return False
+    fleets = list(data.values())
+    if not all(isinstance(states, dict) for states in fleets):
+        return False
+    return all(
+        isinstance(record, dict) and isinstance(record.get("owner"), str)
+        for states in fleets
+        for record in states.values()
+    )
+
+
+class States:
+    """The saved states (save-machine), per fleet: who saved each, the
+    engine's handle for it (``ref``), its source and when. A name is
+    claimed (``id``) before the engine is asked and settled after, so two
+    saves cannot take one name, nor one owner more than STATES_PER_TOKEN.
+    """
+
+    def __init__(self, state_dir: str):
+        self.file = StateFile(
+            Path(state_dir) / STATES_FILE, dict, valid_states
+        )
+
+    def records(self, fleet: str, owner: str | None = None) -> dict:
+        """Return state -> record on ``fleet``: ``owner``'s only, unless
+        None.
+        """
+        held = self.file.read().get(fleet, {})
+        return {
+            state: dict(record)
+            for state, record in held.items()
+            if owner is None or record["owner"] == owner
+        }
+
+    def find(
+        self, fleet: str, state: str, owner: str | None = None
+    ) -> dict | None:
+        return self.records(fleet, owner).get(state)
+
+    def claim(self, fleet: str, state: str, owner: str) -> str:
+        """Claim ``state`` for ``owner``; return the claim's id. Raise
+        SmolError when the name is taken on the fleet, or the owner holds
+        STATES_PER_TOKEN states already.
+        """
+        claim_id = secrets_module.token_hex(8)
+
+        def add(data: dict) -> None:
+            held = data.setdefault(fleet, {})
+            if state in held:
+                raise SmolError(
+                    f"a saved state named '{state}' exists already on the "
+                    f"{fleet} fleet; pick another name, or delete-state it "
+                    "first"
+                )
+            owned = [
+                record
+                for states in data.values()
+                for record in states.values()
+                if record.get("owner") == owner
+            ]
+            if len(owned) >= STATES_PER_TOKEN:
+                raise SmolError(
+                    f"this caller holds {len(owned)} saved states, the most "
+                    f"one token may ({STATES_PER_TOKEN}); delete-state one "
+                    "it no longer needs (list-states shows them), then save "
+                    "again"
+                )
+            held[state] = {
+                "owner": owner,
+                "id": claim_id,
+                "ref": None,
+                "createdAt": utc_now(),
+            }
+
+        self.file.update(add)
+        return claim_id
+
+    def settle(
+        self, fleet: str, state: str, claim_id: str, **fields: Any
+    ) -> dict | None:
+        """Add what the save answered to its claim; return the record, or
+        None when the claim is gone (deleted meanwhile).
+        """
+
+        def put(data: dict) -> dict | None:
+            held = data.get(fleet, {}).get(state)
+            if held is None or held.get("id") != claim_id:
+                return None
+            held.update(fields)
+            return dict(held)
+
+        return self.file.update(put)
+
+    def release(self, fleet: str, state: str, claim_id: str) -> None:
+        """Drop a claim that came to nothing (only that claim)."""
+
+        def drop(data: dict) -> None:
+            held = data.get(fleet, {}).get(state)
+            if held is not None and held.get("id") == claim_id:
+                del data[fleet][state]
+
+        self.file.update(drop)
+
+    def forget(self, fleet: str, state: str) -> None:
+        if self.find(fleet, state) is not None:
+            self.file.update(lambda data: data[fleet].pop(state, None))
+
+    def forget_refs(self, fleet: str, refs: list[str]) -> None:
+        """Forget the states whose engine copies ``refs`` are gone."""
+        gone = [
+            state
+            for state, record in self.records(fleet).items()
+            if record.get("ref") in refs
+        ]
+        for state in gone:
+            self.forget(fleet, state)
+
+
 class OwnedFleet:
     """A fleet as a sandbox.* principal sees it: another's machine is
     answered as a missing one.
@@ -7952,6 +8867,7 @@ class Access:
         self.state_dir = state
         self.tokens = TokenStore(state)
         self.owners = Owners(state)
+        self.states = States(state)
         self.auto = AutoApprovals(state)
         self.activity = ActivityLog(state)
         self.desk = ApprovalDesk(state)
@@ -8603,6 +9519,11 @@ def server_instructions(app: SmolMcp) -> str:
         f" {config.max_exec_timeout_secs}).",
         "- branch-machine needs a running source created with branchable:"
         " true.",
+        "- pause-machine keeps a machine's memory and processes while it"
+        " uses no CPU; a command, read or write on it resumes it"
+        " (resumedMachine: true). save-machine keeps a running machine as a"
+        " named state that create-machine {from: STATE} starts new machines"
+        " from.",
     ]
     if app.mode == "both":
         lines.append(
@@ -9049,6 +9970,7 @@ class SmolMcp:
         validate_arguments(
             tool.name, tool.input_schema, arguments, self.checkers[tool.name]
         )
+        refuse_server_names(arguments)
 
     async def hold_for_approval(self, call: Call, entry: dict, params: Any):
         """Wait for a person's approval if the principal needs one; the
@@ -9095,6 +10017,7 @@ class SmolMcp:
             sweep_orphans, fleet, self.config.runtime_dir
         )
         self.access.owners.clear(fleet.name, swept)
+        self.access.states.forget_refs(fleet.name, swept)
         cleanup = {
             "event": "orphan-cleanup",
             "principal": "smol-mcp",
@@ -9285,6 +10208,12 @@ class Resources:
                 " name: it "
             )
             raise_resource_error(why + PATTERN_RULES[NAME_PATTERN])
+        if name.startswith(SERVER_MACHINE_PREFIX):
+            raise_resource_error(
+                f"{uri} names {name!r}: names starting with"
+                f" {SERVER_MACHINE_PREFIX!r} are this server's own machines,"
+                " which no tool or resource reaches"
+            )
         try:
             grant = authorize(principal, "machine-logs", match["target"], name)
         except ScopeMissing as err:

@@ -865,7 +865,6 @@ class PiecesTests(unittest.TestCase):
                 {"image": "a", "net": True},
                 'no argument "net" (did you mean "network"?)',
             ),
-            ({}, 'create-machine needs the argument "image"'),
             (
                 {"image": "a", "cpus": "2"},
                 '"cpus" must be a whole number, got "2"',
@@ -1340,6 +1339,11 @@ class EngineRequestScenarios:
         ("pull-image", {"name": "rq-1", "image": "alpine"}),
         ("allow-egress", {"name": "rq-1", "hosts": ["pypi.org"]}),
         ("branch-machine", {"name": "rq-1", "childName": "rq-2"}),
+        ("pause-machine", {"name": "rq-1"}),
+        ("resume-machine", {"name": "rq-1"}),
+        ("save-machine", {"name": "rq-1", "state": "rq-s"}),
+        ("list-states", {}),
+        ("delete-state", {"state": "rq-s"}),
         ("stop-machine", {"name": "rq-1"}),
         ("start-machine", {"name": "rq-1"}),
         ("delete-machine", {"name": "rq-2"}),
@@ -1394,6 +1398,39 @@ class EngineRequestScenarios:
         for tool in refused:
             self.assertEqual(counted.pop(tool), 0, tool)
         self.assertEqual(counted, {t: table[t][self.fleet] for t in counted})
+
+    async def test_a_machine_from_a_state_makes_the_requests_its_row_says(
+        self,
+    ):
+        """create-machine {from}: the note in its row, for the state's first
+        use (locally its copy is resumed once) and a later one."""
+        row = engine_requests_row("create-machine")
+        found = re.search(
+            r"from a state (\d+) the first time, then (\d+) \(cloud (\d+)\)",
+            row,
+        )
+        self.assertIsNotNone(found, row)
+        first, then, cloud = (int(n) for n in found.groups())
+        wanted = {"local": [first, then], "cloud": [cloud, cloud]}
+        counted = []
+        source = {"name": "rq-src", "image": "alpine", "branchable": True}
+        async with self.client("legacy") as c:
+            await self.ok(c, "create-machine", source)
+            await self.ok(c, "save-machine", {"name": "rq-src", "state": "rq"})
+            for child in ("rq-c1", "rq-c2"):
+                before = len(self.journal())
+                await self.ok(
+                    c, "create-machine", {"from": "rq", "name": child}
+                )
+                counted.append(len(self.journal()) - before)
+        self.assertEqual(counted, wanted[self.fleet])
+
+
+def engine_requests_row(tool: str) -> str:
+    """The README tools table's engine-requests cell of ``tool``, whole."""
+    readme = (HERE / "README.md").read_text()
+    found = re.search(rf"^\| `{tool}` \|.*\| ([^|]+) \|$", readme, re.M)
+    return found[1]
 
 
 class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
@@ -2072,6 +2109,7 @@ class EraScenarios:
                     "timedOut": False,
                     "overflow": [],
                     "startedMachine": False,
+                    "resumedMachine": False,
                 },
             )
             failed = await self.ok(
@@ -2099,6 +2137,7 @@ class EraScenarios:
                     "path": "/workspace/report.txt",
                     "bytes": len(report),
                     "startedMachine": False,
+                    "resumedMachine": False,
                 },
             )
             first = await self.ok(
@@ -8104,8 +8143,13 @@ class HelperCommandTests(CliCase):
         report = smol_mcp.parity_report(spec)
         self.assertEqual(
             (len(report["called"]), report["unknown"], report["missing"]),
-            (16, [], []),
+            (18, [], []),
         )
+        called = set(report["called"])
+        for verb in ("pause", "resume"):
+            self.assertIn(
+                ("POST", f"/api/v1/machines/{{name}}/{verb}"), called
+            )
         self.assertTrue(all(reason for _, reason in report["skipped"]))
         trimmed = {
             **spec,
@@ -8129,7 +8173,7 @@ class HelperCommandTests(CliCase):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn(
-            "16 called, 37 skipped, 0 unknown, 0 missing", out.stdout
+            "18 called, 35 skipped, 0 unknown, 0 missing", out.stdout
         )
         self.assertIn(
             "skipped  POST   /api/v1/machines/{name}/export: needs a "
@@ -10327,7 +10371,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         )
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn(
-            "16 called, 37 skipped, 0 unknown, 0 missing", out.stdout
+            "18 called, 35 skipped, 0 unknown, 0 missing", out.stdout
         )
 
     async def test_create_get_list_delete_a_record(self):
@@ -10762,6 +10806,28 @@ def warm_machine_steps() -> list:
         ("GET", ports, None),
         ("PUT", ports, {"ports": []}),
         ("POST", f"{a}/branches", {"name": "kid", "freezeSource": True}),
+        # what a saved state sends: save, first use, later use, delete
+        (
+            "POST",
+            f"{a}/branches",
+            {"name": "smol-state-x", "branchable": True},
+        ),
+        (
+            "POST",
+            f"{machines}/itw-none/branches",
+            {"name": "smol-state-x", "branchable": True},
+        ),
+        ("POST", f"{a}/branches", {"name": "k", "branchable": "yes"}),
+        ("POST", f"{a}/branches", {"name": "Bad Name", "branchable": True}),
+        ("POST", f"{machines}/smol-state-x/pause", None),
+        ("POST", f"{machines}/smol-state-x/resume", None),
+        ("GET", f"{machines}/smol-state-x", None),
+        (
+            "POST",
+            f"{machines}/smol-state-x/branches",
+            {"name": "kid", "freezeSource": True},
+        ),
+        ("DELETE", f"{machines}/smol-state-x", None),
         (
             "POST",
             machines,
@@ -17102,6 +17168,947 @@ class GuardTests(unittest.TestCase):
 # ---------------------------------------------------------------------------
 # The runner: test classes in parallel worker processes, behind a guard
 # ---------------------------------------------------------------------------
+
+
+class PauseScenarios:
+    """pause-machine, resume-machine and the tools that resume a paused
+    machine, on one fleet in one protocol era (the classes below run them
+    on both fleets in both eras)."""
+
+    mode = "legacy"
+    fleet = "local"
+
+    def engine_state(self, name: str) -> str:
+        """The machine's state as the fake engine holds it."""
+        if self.fleet == "cloud":
+            return self.by_name(name)["state"]
+        return self.fake.machines[name]["state"]
+
+    def engine_names(self) -> list[str]:
+        if self.fleet == "cloud":
+            return [m["name"] for m in self.cloud.machines.values()]
+        return list(self.fake.machines)
+
+    async def machine(self, c, name: str = "pz-1", **extra) -> str:
+        await self.ok(
+            c, "create-machine", {"name": name, "image": "alpine", **extra}
+        )
+        return name
+
+    async def test_paused_reads_paused_and_a_command_resumes_it_files_intact(
+        self,
+    ):
+        path = "/workspace/kept.txt"
+        async with self.client(self.mode) as c:
+            name = await self.machine(c)
+            await self.ok(
+                c,
+                "write-file",
+                {"name": name, "path": path, "content": "kept"},
+            )
+            paused = await self.ok(c, "pause-machine", {"name": name})
+            self.assertEqual(
+                (paused["paused"], paused["machine"]["state"]),
+                (True, "paused"),
+            )
+            self.assertEqual(self.engine_state(name), "paused")
+            got = await self.ok(c, "get-machine", {"name": name})
+            self.assertEqual(got["machine"]["state"], "paused")
+            listed = await self.ok(c, "list-machines", {})
+            self.assertEqual(
+                [m["state"] for m in listed["machines"] if m["name"] == name],
+                ["paused"],
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": name, "command": f"cat {path}"}
+            )
+            self.assertEqual(
+                (ran["stdout"], ran["resumedMachine"], ran["startedMachine"]),
+                ("kept", True, False),
+            )
+            self.assertEqual(self.engine_state(name), "running")
+            read = await self.ok(c, "read-file", {"name": name, "path": path})
+            self.assertEqual(
+                (read["content"], read["resumedMachine"]), ("kept", False)
+            )
+
+    async def test_each_tool_using_a_machine_resumes_a_paused_one_and_says_so(
+        self,
+    ):
+        calls = {
+            "run-command": {"command": "true"},
+            "read-file": {"path": "/workspace/f"},
+            "write-file": {"path": "/workspace/f", "content": "x"},
+            "start-job": {"command": "true"},
+        }
+        async with self.client(self.mode) as c:
+            name = await self.machine(c)
+            await self.ok(
+                c,
+                "write-file",
+                {"name": name, "path": "/workspace/f", "content": "x"},
+            )
+            for tool, args in calls.items():
+                with self.subTest(tool=tool):
+                    await self.ok(c, "pause-machine", {"name": name})
+                    woke = await self.ok(c, tool, {"name": name, **args})
+                    self.assertEqual(
+                        (woke["resumedMachine"], woke["startedMachine"]),
+                        (True, False),
+                    )
+                    self.assertEqual(self.engine_state(name), "running")
+                    again = await self.ok(c, tool, {"name": name, **args})
+                    self.assertFalse(again["resumedMachine"])
+
+    async def test_start_and_stop_of_a_paused_machine_say_to_resume_it(self):
+        async with self.client(self.mode) as c:
+            name = await self.machine(c)
+            await self.ok(c, "pause-machine", {"name": name})
+            for tool in ("start-machine", "stop-machine"):
+                with self.subTest(tool=tool):
+                    text = await self.refused(c, tool, {"name": name})
+                    self.assertTrue(
+                        text.startswith(f"machine '{name}' is paused"), text
+                    )
+                    self.assertIn("resume-machine resumes it", text)
+                    self.assertEqual(self.engine_state(name), "paused")
+
+    async def test_pause_and_resume_are_idempotent(self):
+        async with self.client(self.mode) as c:
+            name = await self.machine(c)
+            first = await self.ok(c, "pause-machine", {"name": name})
+            second = await self.ok(c, "pause-machine", {"name": name})
+            self.assertEqual(second, first)
+            resumed = await self.ok(c, "resume-machine", {"name": name})
+            self.assertEqual(
+                (resumed["ready"], resumed["machine"]["state"]),
+                (True, "running"),
+            )
+            self.assertGreater(resumed["resumedMs"], 0)
+            again = await self.ok(c, "resume-machine", {"name": name})
+            self.assertEqual((again["ready"], again["resumedMs"]), (True, 0))
+
+    async def test_a_machine_that_does_not_run_is_neither_paused_nor_resumed(
+        self,
+    ):
+        async with self.client(self.mode) as c:
+            name = await self.machine(c, start=False)
+            text = await self.refused(c, "pause-machine", {"name": name})
+            self.assertIn("not running: a pause saves", text)
+            self.assertIn("start-machine starts it", text)
+            text = await self.refused(c, "resume-machine", {"name": name})
+            self.assertIn("not paused: nothing is saved", text)
+            text = await self.refused(c, "pause-machine", {"name": "pz-none"})
+            self.assertIn("not found", text)
+            self.assertIn("list-machines", text)
+
+    async def test_a_paused_ephemeral_machine_is_deleted_when_its_session_ends(
+        self,
+    ):
+        async with self.client(self.mode) as c:
+            made = await self.ok(c, "create-machine", {"image": "alpine"})
+            name = made["machine"]["name"]
+            await self.ok(c, "pause-machine", {"name": name})
+            self.assertEqual(self.engine_state(name), "paused")
+        self.assertNotIn(name, self.engine_names())
+        cleanups = [
+            (e["machine"], e["outcome"])
+            for e in self.app.access.activity.entries()
+            if e.get("event") == "session-cleanup"
+        ]
+        self.assertEqual(cleanups, [(name, "deleted")])
+
+
+class LocalPauseHandshake(PauseScenarios, FakeServeCase):
+    mode = "legacy"
+
+
+class LocalPauseModern(PauseScenarios, FakeServeCase):
+    mode = "auto"
+
+
+class CloudPauseHandshake(PauseScenarios, FakeCloudCase):
+    mode = "legacy"
+    fleet = "cloud"
+
+
+class CloudPauseModern(PauseScenarios, FakeCloudCase):
+    mode = "auto"
+    fleet = "cloud"
+
+
+class PauseLocalRuleTests(FakeServeCase):
+    """What only the local engine says about a paused machine."""
+
+    async def test_a_paused_machines_jobs_are_paused_with_it_not_lost(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "pj-1", "image": "alpine"}
+            )
+            job = await self.ok(
+                c, "start-job", {"name": "pj-1", "command": "sleep 30"}
+            )
+            await self.ok(c, "pause-machine", {"name": "pj-1"})
+            got = await self.ok(c, "get-machine", {"name": "pj-1"})
+            self.assertEqual([j["jobId"] for j in got["jobs"]], [job["jobId"]])
+            text = await self.refused(
+                c, "read-job", {"name": "pj-1", "jobId": job["jobId"]}
+            )
+            self.assertIn("is paused, and its jobs with it", text)
+            self.assertIn("resume-machine", text)
+            self.assertEqual(self.fake.machines["pj-1"]["state"], "paused")
+
+    async def test_a_command_on_a_paused_machine_resumes_it_once_and_runs_once(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "pj-2", "image": "alpine"}
+            )
+            await self.ok(c, "pause-machine", {"name": "pj-2"})
+            before = len(self.fake.requests)
+            await self.ok(
+                c, "run-command", {"name": "pj-2", "command": "true"}
+            )
+            sent = [r[:2] for r in self.fake.requests[before:]]
+        self.assertEqual(
+            [route for route in sent if not route[1].endswith("/exec")],
+            [
+                ("GET", "/api/v1/machines/pj-2"),
+                ("POST", "/api/v1/machines/pj-2/resume"),
+            ],
+        )
+        # the refused command, the readiness probe, the command itself
+        self.assertEqual(len(sent), 5)
+
+
+class CloudPauseRuleTests(FakeCloudCase):
+    """What the cloud's list record tells before a paused machine is used."""
+
+    async def test_a_command_on_a_paused_machine_resumes_it_asking_no_start(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "cp-1", "image": "alpine"}
+            )
+            await self.ok(c, "pause-machine", {"name": "cp-1"})
+            before = len(self.cloud.requests)
+            await self.ok(
+                c, "run-command", {"name": "cp-1", "command": "true"}
+            )
+            sent = [
+                (r[0], r[1].split("?")[0])
+                for r in self.cloud.requests[before:]
+            ]
+        mid = self.by_name("cp-1")["id"]
+        machine = f"/v1/machines/{mid}"
+        listing = ("GET", "/v1/machines")
+        self.assertEqual(
+            sent,
+            [
+                listing,  # the record reads paused: no command is sent
+                listing,
+                ("POST", f"{machine}/resume"),
+                ("GET", machine),
+                listing,  # the readiness probe
+                ("POST", f"{machine}/exec"),
+                listing,  # the command
+                ("POST", f"{machine}/exec"),
+            ],
+        )
+
+
+class PauseOverHttpTests(HttpCase):
+    """The pause, resume and resume-on-use flow over Streamable HTTP, in
+    both protocol eras."""
+
+    async def test_pause_then_a_command_resumes_over_http(self):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                name = f"ph-{mode}"
+                path = "/workspace/kept.txt"
+                async with self.http_client(mode) as c:
+                    await self.ok(
+                        c, "create-machine", {"name": name, "image": "alpine"}
+                    )
+                    await self.ok(
+                        c,
+                        "write-file",
+                        {"name": name, "path": path, "content": mode},
+                    )
+                    await self.ok(c, "pause-machine", {"name": name})
+                    got = await self.ok(c, "get-machine", {"name": name})
+                    self.assertEqual(got["machine"]["state"], "paused")
+                    ran = await self.ok(
+                        c,
+                        "run-command",
+                        {"name": name, "command": f"cat {path}"},
+                    )
+                    self.assertEqual(
+                        (ran["stdout"], ran["resumedMachine"]), (mode, True)
+                    )
+                    read = await self.ok(
+                        c, "read-file", {"name": name, "path": path}
+                    )
+                    self.assertEqual(read["content"], mode)
+                    await self.ok(c, "delete-machine", {"name": name})
+
+
+class SavedStateScenarios:
+    """save-machine, create-machine {from}, list-states and delete-state on
+    one fleet (the classes below run them on both)."""
+
+    fleet = "local"
+    mode = "legacy"
+
+    engine_state = PauseScenarios.engine_state
+    engine_names = PauseScenarios.engine_names
+
+    def engine_states(self) -> list:
+        """What holds the saved states in the fake engine: the local copies'
+        names, or the cloud's checkpoint ids."""
+        if self.fleet == "cloud":
+            return list(self.cloud._checkpoints)
+        return [n for n in self.fake.machines if n.startswith("smol-state-")]
+
+    async def source(self, c, name: str = "ss-src", **extra) -> str:
+        await self.ok(
+            c,
+            "create-machine",
+            {"name": name, "image": "alpine", "branchable": True, **extra},
+        )
+        return name
+
+    async def test_a_saved_state_starts_new_machines_that_have_its_files(self):
+        path = "/workspace/app.txt"
+        async with self.client(self.mode) as c:
+            src = await self.source(c)
+            await self.ok(
+                c, "write-file", {"name": src, "path": path, "content": "v1"}
+            )
+            saved = await self.ok(
+                c, "save-machine", {"name": src, "state": "ss-1"}
+            )
+            self.assertEqual(
+                {k: saved["state"][k] for k in ("state", "fleet", "source")},
+                {"state": "ss-1", "fleet": self.fleet, "source": src},
+            )
+            self.assertEqual(
+                (saved["state"]["ephemeral"], saved["state"]["status"]),
+                (False, "ready"),
+            )
+            self.assertEqual(self.engine_state(src), "running")
+            # the source goes on; the state keeps what it had
+            await self.ok(
+                c, "write-file", {"name": src, "path": path, "content": "v2"}
+            )
+            made = await self.ok(
+                c, "create-machine", {"from": "ss-1", "name": "ss-kid"}
+            )
+            self.assertEqual(
+                (made["ready"], made["ephemeral"], made["machine"]["state"]),
+                (True, False, "running"),
+            )
+            read = await self.ok(
+                c, "read-file", {"name": "ss-kid", "path": path}
+            )
+            self.assertEqual(read["content"], "v1")
+            other = await self.ok(c, "create-machine", {"from": "ss-1"})
+            self.assertTrue(other["ephemeral"])
+            kid = other["machine"]["name"]
+            self.assertTrue(kid.startswith("mcp-"), kid)
+            read = await self.ok(c, "read-file", {"name": kid, "path": path})
+            self.assertEqual(read["content"], "v1")
+            listed = await self.ok(c, "list-states", {})
+            self.assertEqual([s["state"] for s in listed["states"]], ["ss-1"])
+            machines = await self.ok(c, "list-machines", {})
+            self.assertEqual(
+                sorted(m["name"] for m in machines["machines"]),
+                sorted([src, "ss-kid", kid]),
+            )
+            text = await self.refused(c, "delete-state", {"state": "ss-1"})
+            self.assertIn("delete them (delete-machine) first", text)
+            self.assertEqual(len(self.engine_states()), 1)
+            for name in ("ss-kid", kid):
+                await self.ok(c, "delete-machine", {"name": name})
+            deleted = await self.ok(c, "delete-state", {"state": "ss-1"})
+            self.assertEqual(deleted, {"deleted": "ss-1"})
+            self.assertEqual(self.engine_states(), [])
+            self.assertEqual(
+                (await self.ok(c, "list-states", {}))["states"], []
+            )
+            text = await self.refused(
+                c, "create-machine", {"from": "ss-1", "name": "late"}
+            )
+            self.assertIn("there is no saved state named 'ss-1'", text)
+
+    async def test_what_a_state_fixes_is_refused_with_from_before_the_engine(
+        self,
+    ):
+        async with self.client(self.mode) as c:
+            src = await self.source(c)
+            await self.ok(c, "save-machine", {"name": src, "state": "ss-2"})
+            before = len(self.journal())
+            for extra in (
+                {"image": "alpine"},
+                {"network": "open"},
+                {"cpus": 2},
+                {"start": False},
+            ):
+                with self.subTest(extra=extra):
+                    text = await self.refused(
+                        c, "create-machine", {"from": "ss-2", **extra}
+                    )
+                    said = f'"{next(iter(extra))}" cannot be combined'
+                    self.assertIn(f'{said} with "from"', text)
+            text = await self.refused(c, "create-machine", {"from": "nope"})
+            self.assertIn("there is no saved state named 'nope'", text)
+            self.assertIn("list-states shows them", text)
+            text = await self.refused(c, "create-machine", {})
+            self.assertEqual(text, smol_mcp.IMAGE_NEEDED)
+            text = await self.refused(
+                c, "save-machine", {"name": src, "state": "ss-2"}
+            )
+            self.assertIn("a saved state named 'ss-2' exists already", text)
+            for state, said in (
+                ("bad name", "must start with a letter or digit"),
+                ("a" * 118, "(at most 117)"),
+                ("../x", "must start with a letter or digit"),
+                ("a\nb", "must start with a letter or digit"),
+            ):
+                with self.subTest(state=state):
+                    text = await self.refused(
+                        c, "save-machine", {"name": src, "state": state}
+                    )
+                    self.assertIn(said, text)
+            self.assertEqual(len(self.journal()), before)
+            longest = "a" * 117
+            await self.ok(c, "save-machine", {"name": src, "state": longest})
+
+    async def test_only_a_running_machine_is_saved_and_a_refusal_claims_none(
+        self,
+    ):
+        async with self.client(self.mode) as c:
+            src = await self.source(c)
+            await self.ok(c, "pause-machine", {"name": src})
+            text = await self.refused(
+                c, "save-machine", {"name": src, "state": "ss-3"}
+            )
+            self.assertIn("is paused; resume-machine resumes it", text)
+            await self.ok(c, "resume-machine", {"name": src})
+            await self.ok(c, "stop-machine", {"name": src})
+            text = await self.refused(
+                c, "save-machine", {"name": src, "state": "ss-3"}
+            )
+            self.assertIn("only a running machine can be saved", text)
+            text = await self.refused(
+                c, "save-machine", {"name": "ss-none", "state": "ss-3"}
+            )
+            self.assertIn("not found", text)
+            self.assertEqual(
+                (await self.ok(c, "list-states", {}))["states"], []
+            )
+            self.assertEqual(self.engine_states(), [])
+
+    def journal(self) -> list:
+        if self.fleet == "cloud":
+            return self.cloud.requests
+        return self.fake.requests
+
+
+class LocalSavedStateTests(SavedStateScenarios, FakeServeCase):
+    async def test_a_local_state_needs_a_branch_source(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "ls-plain", "image": "alpine"}
+            )
+            text = await self.refused(
+                c, "save-machine", {"name": "ls-plain", "state": "ls-1"}
+            )
+            self.assertIn("is not a branch source", text)
+            self.assertIn("branchable: true", text)
+            self.assertEqual(self.engine_states(), [])
+
+    async def test_the_copy_is_paused_then_frozen_and_its_first_use_resumes_it(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            src = await self.source(c)
+            await self.ok(c, "save-machine", {"name": src, "state": "ls-2"})
+            copy = self.fake.machines["smol-state-ls-2"]
+            self.assertEqual(
+                (copy["state"], copy["parentMachine"], copy["branchable"]),
+                ("paused", src, True),
+            )
+            await self.ok(c, "create-machine", {"from": "ls-2", "name": "k1"})
+            self.assertEqual(
+                self.fake.machines["smol-state-ls-2"]["state"], "frozen"
+            )
+            await self.ok(c, "create-machine", {"from": "ls-2", "name": "k2"})
+            branches = self.requests_to("/smol-state-ls-2/branches")
+            self.assertEqual(
+                [b[2] for b in branches],
+                [
+                    {"name": "k1", "freezeSource": True},
+                    {"name": "k2", "freezeSource": True},
+                ],
+            )
+            self.assertEqual(
+                len(self.requests_to("/smol-state-ls-2/resume")), 1
+            )
+            self.assertEqual(
+                self.requests_to(f"/{src}/branches")[0][2],
+                {"name": "smol-state-ls-2", "branchable": True},
+            )
+
+    async def test_the_servers_own_machines_are_hidden_and_refused_by_name(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            src = await self.source(c)
+            (await self.ok(c, "save-machine", {"name": src, "state": "ls-3"}),)
+            listed = await self.ok(c, "list-machines", {})
+            self.assertEqual([m["name"] for m in listed["machines"]], [src])
+            before = len(self.fake.requests)
+            hidden = "smol-state-ls-3"
+            for tool, args in (
+                ("get-machine", {"name": hidden}),
+                ("delete-machine", {"name": hidden}),
+                ("run-command", {"name": hidden, "command": "true"}),
+                ("resume-machine", {"name": hidden}),
+                ("create-machine", {"name": "smol-mine", "image": "alpine"}),
+                ("branch-machine", {"name": src, "childName": "smol-kid"}),
+            ):
+                with self.subTest(tool=tool):
+                    text = await self.refused(c, tool, args)
+                    self.assertIn(
+                        'names starting with "smol-" are kept for this '
+                        "server's own machines",
+                        text,
+                    )
+            self.assertEqual(len(self.fake.requests), before)
+            with self.assertRaises(Exception) as caught:
+                await c.read_resource(f"smol://machine/local/{hidden}/logs")
+            self.assertIn("this server's own machines", str(caught.exception))
+            self.assertIn(hidden, self.fake.machines)
+
+    async def test_a_state_whose_copy_went_says_so_and_delete_state_forgets_it(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            src = await self.source(c)
+            await self.ok(c, "save-machine", {"name": src, "state": "ls-4"})
+            with self.fake._lock:
+                self.fake._delete_one("smol-state-ls-4")
+            text = await self.refused(
+                c, "create-machine", {"from": "ls-4", "name": "k4"}
+            )
+            self.assertIn("the saved state 'ls-4' has no copy left", text)
+            self.assertIn("delete-state forgets it", text)
+            self.assertNotIn("k4", self.fake.machines)
+            await self.ok(c, "delete-state", {"state": "ls-4"})
+            self.assertEqual(
+                (await self.ok(c, "list-states", {}))["states"], []
+            )
+
+
+class CloudSavedStateTests(SavedStateScenarios, FakeCloudCase):
+    fleet = "cloud"
+    mode = "auto"
+
+    async def test_a_cloud_state_is_a_checkpoint_restored_with_its_network(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {"name": "cs-src", "image": "alpine", "network": "open"},
+            )
+            await self.ok(c, "save-machine", {"name": "cs-src", "state": "cs"})
+            made = await self.ok(c, "create-machine", {"from": "cs"})
+        [restore] = [
+            r for r in self.cloud.requests if r[1].endswith("/restore")
+        ]
+        self.assertEqual(
+            restore[3],
+            {"name": made["machine"]["name"], "network": {"mode": "open"}},
+        )
+        self.assertEqual(made["machine"]["network"], "open")
+        # the ephemeral machine went with the session; the state stays
+        self.assertNotIn(made["machine"]["name"], self.engine_names())
+        self.assertEqual(len(self.cloud._checkpoints), 1)
+
+
+def as_principal(config, name: str, scopes: str) -> SmolMcp:
+    """A stdio server whose caller is ``name`` with ``scopes``, sharing
+    ``config``'s state directory."""
+    app = SmolMcp(dataclasses_replace(config, scopes=()))
+    app.access.stdio = smol_mcp.Principal(
+        name, frozenset(scopes.split(",")), kind="stdio"
+    )
+    return app
+
+
+class StateAccessScenarios:
+    """Whose saved states a caller sees, how many it may hold, and what a
+    session's end deletes, on one fleet."""
+
+    fleet = "local"
+    engine_states = SavedStateScenarios.engine_states
+
+    async def own_source(self, c, name: str) -> None:
+        await self.ok(
+            c,
+            "create-machine",
+            {"name": name, "image": "alpine", "branchable": True},
+        )
+
+    async def test_a_sandbox_token_sees_and_uses_only_its_own_states(self):
+        full = ",".join(smol_mcp.SCOPES)
+        a = as_principal(self.config, "a", SANDBOX)
+        b = as_principal(self.config, "b", SANDBOX)
+        ops = as_principal(self.config, "ops", full)
+        async with (
+            Client(a.server, mode="legacy") as ca,
+            Client(b.server, mode="legacy") as cb,
+            Client(ops.server, mode="legacy") as co,
+        ):
+            await self.own_source(ca, "sa-src")
+            await self.ok(
+                ca, "save-machine", {"name": "sa-src", "state": "sa"}
+            )
+            self.assertEqual(
+                (await self.ok(cb, "list-states", {}))["states"], []
+            )
+            for tool, args, ghost, named in (
+                ("create-machine", {"from": "sa"}, {"from": "never"}, "sa"),
+                ("delete-state", {"state": "sa"}, {"state": "never"}, "sa"),
+                (
+                    "save-machine",
+                    {"name": "sa-src", "state": "sb"},
+                    {"name": "never", "state": "sb"},
+                    "sa-src",
+                ),
+            ):
+                with self.subTest(tool=tool):
+                    theirs = await self.refused(cb, tool, args)
+                    missing = await self.refused(cb, tool, ghost)
+                    self.assertEqual(theirs, missing.replace("never", named))
+            self.assertEqual(len(self.engine_states()), 1)
+            listed = await self.ok(co, "list-states", {})
+            self.assertEqual([s["state"] for s in listed["states"]], ["sa"])
+            made = await self.ok(
+                co, "create-machine", {"from": "sa", "name": "ops-kid"}
+            )
+            self.assertEqual(made["machine"]["name"], "ops-kid")
+            self.assertEqual(
+                self.app.access.owners.owner(self.fleet, "ops-kid"), "ops"
+            )
+            await self.ok(co, "delete-machine", {"name": "ops-kid"})
+            mine = await self.ok(ca, "list-states", {})
+            self.assertEqual([s["state"] for s in mine["states"]], ["sa"])
+            await self.ok(ca, "delete-state", {"state": "sa"})
+
+    async def test_a_token_holds_at_most_the_bound_and_is_told_delete_state(
+        self,
+    ):
+        a = as_principal(self.config, "a", SANDBOX)
+        b = as_principal(self.config, "b", SANDBOX)
+        with unittest.mock.patch.object(smol_mcp, "STATES_PER_TOKEN", 2):
+            async with (
+                Client(a.server, mode="legacy") as ca,
+                Client(b.server, mode="legacy") as cb,
+            ):
+                await self.own_source(ca, "sb-a")
+                await self.own_source(cb, "sb-b")
+                for state in ("sb-1", "sb-2"):
+                    await self.ok(
+                        ca, "save-machine", {"name": "sb-a", "state": state}
+                    )
+                before = len(self.engine_states())
+                text = await self.refused(
+                    ca, "save-machine", {"name": "sb-a", "state": "sb-3"}
+                )
+                self.assertIn(
+                    "holds 2 saved states, the most one token may", text
+                )
+                self.assertIn("delete-state one it no longer needs", text)
+                self.assertEqual(len(self.engine_states()), before)
+                # the bound is per token
+                await self.ok(
+                    cb, "save-machine", {"name": "sb-b", "state": "sb-3"}
+                )
+                await self.ok(ca, "delete-state", {"state": "sb-1"})
+                await self.ok(
+                    ca, "save-machine", {"name": "sb-a", "state": "sb-4"}
+                )
+
+    async def test_ephemeral_states_end_with_their_session_and_others_stay(
+        self,
+    ):
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                await self.ephemeral_state_ends(mode, f"mcp-{mode}")
+        left = self.app.access.states.records(self.fleet)
+        self.assertEqual(
+            sorted(left), sorted(f"kept-{mode}" for mode in MODES)
+        )
+        cleanups = [
+            (e.get("state"), e["outcome"])
+            for e in self.app.access.activity.entries()
+            if e.get("event") == "session-cleanup"
+        ]
+        self.assertEqual(
+            cleanups, [(f"mcp-{mode}", "deleted") for mode in MODES]
+        )
+
+    async def ephemeral_state_ends(self, mode: str, short: str) -> None:
+        """One session (in ``mode``) saves an ephemeral state and a kept
+        one; its end deletes the first only."""
+        before = len(self.engine_states())
+        async with self.client(mode) as c:
+            await self.own_source(c, f"se-{mode}")
+            saved = await self.ok(
+                c, "save-machine", {"name": f"se-{mode}", "state": short}
+            )
+            self.assertTrue(saved["state"]["ephemeral"])
+            kept = {"name": f"se-{mode}", "state": f"kept-{mode}"}
+            await self.ok(c, "save-machine", kept)
+            self.assertEqual(len(self.engine_states()), before + 2)
+            if self.fleet == "local":
+                [record] = (Path(self.config.runtime_dir) / "sessions").glob(
+                    "*.json"
+                )
+                self.assertEqual(
+                    json.loads(record.read_text())["machines"],
+                    [f"smol-state-{short}"],
+                )
+        self.assertEqual(len(self.engine_states()), before + 1)
+
+
+class LocalStateAccessTests(StateAccessScenarios, FakeServeCase):
+    async def test_a_crashed_processes_ephemeral_state_is_swept_at_next_start(
+        self,
+    ):
+        copy = "smol-state-mcp-left"
+        EraScenarios.fake_direct_create(self, copy)
+        sessions = Path(self.config.runtime_dir) / "sessions"
+        sessions.mkdir(parents=True)
+        # A process killed before its session ended: its pid is gone.
+        dead = {"pid": 0, "endpoint": self.app.local.endpoint}
+        (sessions / "dead.json").write_text(
+            json.dumps({**dead, "machines": [copy]})
+        )
+        record = {"owner": "stdio", "id": "c1", "ref": copy}
+        self.app.access.states.file.update(
+            lambda data: data.setdefault("local", {}).update(
+                {"mcp-left": record}
+            )
+        )
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
+            listed = await self.ok(c, "list-states", {})
+        self.assertNotIn(copy, self.fake.machines)
+        self.assertEqual(listed["states"], [])
+        self.assertEqual(self.app.access.states.records("local"), {})
+
+    async def test_a_source_a_state_keeps_goes_after_the_state(self):
+        """A branch source the engine keeps while a clone depends on it (the
+        OpenAPI says so of fork bases; the fake refuses only while a clone
+        runs, so the state's copy is set running by hand): delete-machine
+        names delete-state, and a session's end deletes the state, then the
+        source."""
+        async with self.client("legacy") as c:
+            await self.own_source(c, "mcp-src")
+            await self.ok(
+                c, "save-machine", {"name": "mcp-src", "state": "mcp-st"}
+            )
+            with self.fake._lock:
+                self.fake._machines["smol-state-mcp-st"]["state"] = "running"
+            text = await self.refused(c, "delete-machine", {"name": "mcp-src"})
+            self.assertIn("delete-state that state first", text)
+        self.assertEqual(self.fake.machines, {})
+        self.assertEqual(self.app.access.states.records("local"), {})
+
+
+class SaveRaceTests(FakeServeCase):
+    """A state that nobody may use once its save answers is deleted at
+    once: one deleted meanwhile, or an ephemeral one whose session ended
+    (its cleanup came too early to see it)."""
+
+    original = staticmethod(smol_mcp.LocalFleet.save_state)
+
+    async def save_with(self, during) -> str:
+        """save-machine's refusal when ``during(state)`` happens as the
+        engine saves."""
+
+        def save(fleet, name, state):
+            saved = self.original(fleet, name, state)
+            during(state)
+            return saved
+
+        source = {"name": "sr-src", "image": "alpine", "branchable": True}
+        with unittest.mock.patch.object(
+            smol_mcp.LocalFleet, "save_state", save
+        ):
+            async with self.client("legacy") as c:
+                await self.ok(c, "create-machine", source)
+                return await self.refused(
+                    c, "save-machine", {"name": "sr-src", "state": "mcp-sr"}
+                )
+
+    async def test_a_state_deleted_while_it_is_saved_is_discarded(self):
+        def deleted(state):
+            self.app.access.states.forget("local", state)
+
+        text = await self.save_with(deleted)
+        self.assertIn("delete-state deleted it while it was being saved", text)
+        self.assertNotIn("smol-state-mcp-sr", self.fake.machines)
+
+    async def test_an_ephemeral_state_saved_as_its_session_ends_is_discarded(
+        self,
+    ):
+        sessions = []
+        opened = self.app.open_session
+
+        def open_session(*args):
+            sessions.append(opened(*args))
+            return sessions[-1]
+
+        def ended(state):
+            sessions[-1].ended = True
+
+        self.app.open_session = open_session
+        text = await self.save_with(ended)
+        self.assertIn("the session ended while it was being saved", text)
+        self.assertNotIn("smol-state-mcp-sr", self.fake.machines)
+        self.assertEqual(self.app.access.states.records("local"), {})
+
+
+class CloudStateAccessTests(StateAccessScenarios, FakeCloudCase):
+    fleet = "cloud"
+
+
+class StateApprovalTests(FakeServeCase):
+    """Each new changing tool waits for a person when approvals are on, and
+    is written to the activity log; a denied one changes nothing."""
+
+    config_overrides = {"approval": "changes", "approval_timeout_secs": 30}
+    env = ApprovalTests.env
+    waiting = ApprovalTests.waiting
+
+    async def approved(self, c, tool: str, args: dict) -> dict:
+        call = asyncio.create_task(c.call_tool(tool, args))
+        [held] = await self.waiting()
+        self.assertEqual(held["tool"], tool)
+        out = await asyncio.to_thread(
+            run_cli, "approvals", "approve", held["id"], env=self.env()
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        is_error, value = result_of(await call)
+        self.assertFalse(is_error, value)
+        return value
+
+    async def test_each_new_changing_tool_waits_for_a_person_and_is_logged(
+        self,
+    ):
+        admin = SmolMcp(dataclasses_replace(self.config, approval="none"))
+        async with Client(admin.server, mode="legacy") as a:
+            await self.ok(
+                a,
+                "create-machine",
+                {"name": "ap-src", "image": "alpine", "branchable": True},
+            )
+        steps = [
+            ("pause-machine", {"name": "ap-src"}),
+            ("resume-machine", {"name": "ap-src"}),
+            ("save-machine", {"name": "ap-src", "state": "ap"}),
+            ("create-machine", {"from": "ap", "name": "ap-kid"}),
+            ("delete-machine", {"name": "ap-kid"}),
+            ("delete-state", {"state": "ap"}),
+        ]
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-states", {})  # a read answers at once
+            for tool, args in steps:
+                with self.subTest(tool=tool):
+                    await self.approved(c, tool, args)
+            call = asyncio.create_task(
+                c.call_tool("pause-machine", {"name": "ap-src"})
+            )
+            [held] = await self.waiting()
+            await asyncio.to_thread(
+                run_cli, "approvals", "deny", held["id"], env=self.env()
+            )
+            is_error, text = result_of(await call)
+        self.assertTrue(text.startswith("approval_rejected: "), text)
+        self.assertEqual(self.fake.machines["ap-src"]["state"], "running")
+        logged = [
+            (e["tool"], e["outcome"], e.get("approvedBy"), e["arguments"])
+            for e in self.app.access.activity.entries()
+            if e.get("event") == "tool"
+        ]
+        user = smol_mcp.os_user()
+        # After the source's create, made without approvals.
+        self.assertEqual(logged[0][:3], ("create-machine", "ok", None))
+        self.assertEqual(
+            logged[1:-1],
+            [(tool, "ok", user, args) for tool, args in steps],
+        )
+        self.assertEqual(logged[-1][:2], ("pause-machine", logged[-1][1]))
+        self.assertTrue(logged[-1][1].startswith("approval_rejected"))
+
+
+class FakeStateRoutesTests(FakeServeRawCase):
+    """The fake engine's routes a local saved state relies on: a branch of
+    a branch source made a branch source and paused, resumed and branched
+    with freezeSource (frozen, then branched again), and a frozen base
+    kept while its clones live."""
+
+    def test_a_paused_branch_copy_is_a_base_to_branch_again(self):
+        self.running("fs-src", branchable=True)
+        self.run_in("fs-src", "echo one > /root/f")
+        m = "/api/v1/machines"
+        copy = self.ok(
+            "POST",
+            f"{m}/fs-src/branches",
+            {"name": "smol-state-fs", "branchable": True},
+        )
+        self.assertEqual(
+            (copy["state"], copy["branchable"]), ("running", True)
+        )
+        self.assertEqual(
+            self.ok("POST", f"{m}/smol-state-fs/pause")["state"], "paused"
+        )
+        self.run_in("fs-src", "echo two > /root/f")
+        self.ok("POST", f"{m}/smol-state-fs/resume")
+        kid = self.ok(
+            "POST",
+            f"{m}/smol-state-fs/branches",
+            {"name": "fs-k1", "freezeSource": True},
+        )
+        self.assertEqual(kid["parentMachine"], "smol-state-fs")
+        self.assertEqual(
+            self.run_in("fs-k1", "cat /root/f")["stdout"], "one\n"
+        )
+        base = self.ok("GET", f"{m}/smol-state-fs")
+        self.assertEqual(base["state"], "frozen")
+        self.ok(
+            "POST",
+            f"{m}/smol-state-fs/branches",
+            {"name": "fs-k2", "freezeSource": True},
+        )
+        self.assertEqual(
+            self.run_in("fs-k2", "cat /root/f")["stdout"], "one\n"
+        )
+        status, _, _ = send_raw(
+            self.socket_path, "DELETE", f"{m}/smol-state-fs"
+        )
+        self.assertEqual(status, 409)
+        for name in ("fs-k1", "fs-k2", "smol-state-fs", "fs-src"):
+            self.ok("DELETE", f"{m}/{name}")
+
 
 # `--quick`: the core paths in under two minutes (tools, validation,
 # budget, cloud, HTTP security, access) without the spawned servers,
