@@ -12766,12 +12766,11 @@ class SignInPages:
         again, with what was wrong)."""
         self.pages.require_operator(request)
         request_id = request.query_params.get("request", "")
-        pending = self.provider.pending
-        held = pending.get(request_id)
+        held = self.provider.pending.get(request_id)
         if request.method == "POST":
             # Taken before any await: a flood of /authorize meanwhile
             # cannot push it out, nor a second answer use it again.
-            held = pending.pop(request_id, None)
+            held = self.provider.pending.pop(request_id, None)
         if held is None or held[2] < time.time():
             return self.pages.page(
                 request, "No such request", CONSENT_GONE, 404
@@ -12785,9 +12784,10 @@ class SignInPages:
             try:
                 answered, error = await self.answer(request, held, chosen)
             finally:
-                # Not answered (the form was wrong): held again.
+                # Not answered (the form was wrong): held again, in the
+                # table as it is now (authorize() makes a new one).
                 if answered is None:
-                    pending[request_id] = held
+                    self.provider.pending[request_id] = held
             if answered is not None:
                 return answered
         body = self.consent_form(

@@ -14352,14 +14352,15 @@ class SignInCounterTests(FrontCase):
     def test_a_locked_key_is_never_the_one_forgotten(self):
         counts = smol_mcp.RecentEvents(3)
         now = time.time()
+        # Locked, and quiet the longest of all.
         for _ in range(5):
-            self.assertTrue(counts.add("locked", now, 5))
+            self.assertTrue(counts.add("locked", now - 100, 5))
         self.assertTrue(counts.add("quiet", now - 10, 5))
         self.assertTrue(counts.add("busy", now, 5))
         # Full: the unlocked key quiet the longest makes room.
         self.assertTrue(counts.add("new", now, 5))
         self.assertEqual(set(counts.times), {"locked", "busy", "new"})
-        self.assertGreater(counts.wait_secs("locked", 5), 290)
+        self.assertGreater(counts.wait_secs("locked", 5), 190)
         for key in ("busy", "new"):
             for _ in range(4):
                 counts.add(key, now, 5)
@@ -14528,11 +14529,16 @@ class ConsentShareTests(FrontCase):
         path = Path(self.config.state_dir) / "oauth-clients.json"
         return smol_mcp.StateFile(path, dict).read()
 
-    async def slow_checks(self):
+    async def slow_checks(self, released: threading.Event | None = None):
+        """Password checks that take a while: until ``released`` is set,
+        else half a second."""
         real = self.app.pages.operator.check_password
 
         def slow(password):
-            time.sleep(0.5)
+            if released is None:
+                time.sleep(0.5)
+            else:
+                released.wait(10)
             return real(password)
 
         return unittest.mock.patch.object(
@@ -14553,15 +14559,23 @@ class ConsentShareTests(FrontCase):
             "grant": "Full",
             "name": "raced",
         }
-        with await self.slow_checks():
+        released = threading.Event()
+        with await self.slow_checks(released):
             answer = asyncio.create_task(
                 operator.post(f"/consent?request={request_id}", data=form)
             )
             await asyncio.sleep(0.2)
-            # Meanwhile the same client and address ask again and again.
-            for _ in range(smol_mcp.OAUTH_ADDRESS_PENDING + 1):
-                await self.authorize_from("127.0.0.1", client)
+            # While the password is checked, the same client and address
+            # ask again and again.
+            flood = [
+                self.authorize_from("127.0.0.1", client)
+                for _ in range(smol_mcp.OAUTH_ADDRESS_PENDING + 1)
+            ]
+            asked = await asyncio.gather(*flood)
+            self.assertFalse(answer.done())
+            released.set()
             reply = await answer
+        self.assertNotIn(None, asked)
         self.assertEqual(reply.status_code, 303, reply.text)
         self.assertIn("code", query_of(reply.headers["location"]))
         self.assertEqual(
@@ -14590,6 +14604,35 @@ class ConsentShareTests(FrontCase):
         self.assertEqual(sorted(r.status_code for r in replies), [303, 404])
         names = [r["name"] for r in self.store.records()]
         self.assertEqual(names.count("twice"), 1)
+
+    async def test_a_wrong_password_leaves_the_request_through_a_flood(
+        self,
+    ):
+        client = await self.register()
+        request_id = await self.authorize_from("127.0.0.1", client)
+        operator = await self.operator()
+        page = await operator.get(f"/consent?request={request_id}")
+        form = {
+            "csrf": csrf_of(page.text),
+            "password": "not the password at all",
+            "action": "Allow",
+            "grant": "Full",
+            "name": "wrong",
+        }
+        released = threading.Event()
+        with await self.slow_checks(released):
+            answer = asyncio.create_task(
+                operator.post(f"/consent?request={request_id}", data=form)
+            )
+            await asyncio.sleep(0.2)
+            other = (await self.register_from("127.0.73.1")).json()
+            self.assertIsNotNone(
+                await self.authorize_from("127.0.73.1", other)
+            )
+            released.set()
+            reply = await answer
+        self.assertEqual(reply.status_code, 400, reply.text)
+        self.assertTrue(await self.is_open(operator, request_id))
 
     async def test_a_refused_answer_leaves_the_request_to_answer(self):
         client = await self.register()
