@@ -9939,6 +9939,7 @@ class BodyShares:
         self.freed: Any = None
 
     def room(self, caller: str) -> bool:
+        """Whether a slot is free for ``caller``: its share, and in all."""
         mine = self.reading.get(caller, 0)
         return mine < self.per_caller and self.total < self.ceiling
 
@@ -9954,6 +9955,8 @@ class BodyShares:
                 self.give_back(caller)
 
     async def take(self, caller: str) -> bool:
+        """Take a slot for ``caller``, waiting for one if need be; False
+        when the caller has too many waiting, or none came in time."""
         if not self.room(caller):
             if self.waiting.get(caller, 0) >= HTTP_BODIES_WAITING_PER_CALLER:
                 return False
