@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextvars
 import dataclasses
 import datetime
 import difflib
@@ -182,6 +183,9 @@ class Config:
     http_session_idle_secs: int = setting_field(1800, minimum=1)
     http_allowed_hosts: tuple[str, ...] = setting_field(())
     http_allowed_origins: tuple[str, ...] = setting_field(())
+    # --http behind a reverse proxy: the proxy's addresses, whose
+    # X-Forwarded-For then names the caller. Empty: the peer is the caller.
+    trusted_proxies: tuple[str, ...] = setting_field(())
     state_dir: str = setting_field("")
     # --http behind a proxy or TLS
     public_url: str = setting_field("")
@@ -425,6 +429,13 @@ def _check_config(config: Config) -> None:
         except ValueError as err:
             why = f"{cidr!r}, not an address range: {err}"
             raise ConfigError(f"egressPrivateCidrs holds {why}") from None
+    for proxy in config.trusted_proxies:
+        try:
+            ipaddress.ip_network(proxy, strict=False)
+        except ValueError as err:
+            why = f"{proxy!r}, not an address or a range of addresses: {err}"
+            where = "trustedProxies (SMOL_MCP_TRUSTED_PROXIES)"
+            raise ConfigError(f"{where} holds {why}") from None
     webhook = config.approval_webhook
     scheme = urllib.parse.urlsplit(webhook).scheme
     if webhook and scheme not in ("http", "https"):
@@ -8367,6 +8378,16 @@ def valid_tokens(data: Any) -> bool:
     )
 
 
+def narrowed(record: dict, scopes: list | None) -> dict:
+    """A token's record as an access token of it has it: with only
+    ``scopes`` of its own, when the access token was given fewer (a
+    refresh that asked for less)."""
+    if scopes is None:
+        return record
+    kept = [scope for scope in record.get("scopes", []) if scope in scopes]
+    return {**record, "scopes": kept}
+
+
 class TokenStore:
     """The named tokens, each with its secret's SHA-256 (never the
     secret); when each was last used is kept apart.
@@ -8458,19 +8479,18 @@ class TokenStore:
         now = time.time()
         for record in self.records():
             access = [
-                a["sha256"]
-                for a in record.get("access", [])
-                if a["expiresAt"] > now
+                a for a in record.get("access", []) if a["expiresAt"] > now
             ]
-            for known in (str(record.get("sha256", "")), *access):
+            own = {"sha256": str(record.get("sha256", ""))}
+            for known in (own, *access):
                 # A list, not any(): every comparison runs.
                 matches = [
                     digest
                     for digest in hashes
-                    if hmac.compare_digest(digest, known)
+                    if hmac.compare_digest(digest, known["sha256"])
                 ]
                 if matches:
-                    found = record
+                    found = narrowed(record, known.get("scopes"))
         if found is None and again:
             self.file.expire()
             return self.match(offered, again=False)
@@ -11007,9 +11027,23 @@ def unparsed(err: Exception) -> tuple[Any, str]:
 
 # A write-file of a few MiB, base64 and all; more is a 413.
 HTTP_MAX_BODY_BYTES = 16 * 1024 * 1024
-# Bodies buffered at once (8 x 16 MiB at most); more wait their turn.
-HTTP_MAX_BODIES_IN_FLIGHT = 8
-HTTP_BODY_TIMEOUT_SECS = 60  # a body still arriving after this is a 408
+# Without a token (the sign-in, consent and OAuth forms): a form's worth.
+HTTP_MAX_PUBLIC_BODY_BYTES = 16 * 1024
+# Request bodies are read in shares, so a slow one holds up only its own
+# caller: its address (an IPv6 /64) before the token is known, its token
+# after. This many at once each...
+HTTP_BODIES_PER_CALLER = 4
+# ...and in all: with a token (16 x 16 MiB at most), and without one.
+HTTP_MAX_BODIES_IN_FLIGHT = 16
+HTTP_MAX_PUBLIC_BODIES = 32
+# A caller's bodies waiting for its share; one more is a 429 at once.
+HTTP_BODIES_WAITING_PER_CALLER = 8
+# A body waits this long for a share, then it is a 429 (or a 503).
+HTTP_BODY_WAIT_SECS = 10
+# A body must keep arriving: a pause this long is a 408...
+HTTP_BODY_IDLE_SECS = 10
+# ...and so is a body still arriving after this.
+HTTP_BODY_TIMEOUT_SECS = 60
 HTTP_MAX_SESSIONS = 64  # beyond this a new session gets 503
 # One token's share of them: another token can always open one.
 HTTP_SESSIONS_PER_TOKEN = 16
@@ -11022,6 +11056,9 @@ HTTP_KEEP_ALIVE_SECS = 5
 HTTP_MAX_HEADER_BYTES = 64 * 1024
 # Beyond it the oldest connection still without headers is closed.
 HTTP_MAX_CONNECTIONS = 128
+# One address's share of them (a trusted proxy has none): beyond it, its
+# own oldest connection without headers is closed.
+HTTP_CONNECTIONS_PER_ADDRESS = 32
 # uvicorn's own backstop: beyond it, 503.
 HTTP_LIMIT_CONCURRENCY = 2 * HTTP_MAX_CONNECTIONS
 HTTP_CLOSE = [(b"connection", b"close")]
@@ -11100,9 +11137,196 @@ def offered_tokens(headers: dict) -> list[str]:
     return [own, bearer]
 
 
+def address_key(host: str) -> str:
+    """The address a per-address limit counts ``host`` under: an IPv4
+    address itself, an IPv6 one its /64 (one subscriber's block, so a
+    caller cannot rotate through it), an IPv4-mapped one its IPv4."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if address.version == 4:
+        return str(address)
+    if address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{address}/64", strict=False))
+
+
+def is_trusted_proxy(host: str, proxies: list) -> bool:
+    """Whether ``host`` is in one of the networks of ``proxies``."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return any(address in network for network in proxies)
+
+
+def hop_address(hop: str) -> str | None:
+    """The address of one X-Forwarded-For entry (a port after it, or
+    brackets around an IPv6 one, dropped); None if it names none."""
+    hop = hop.strip()
+    if hop.startswith("["):
+        hop = hop[1:].partition("]")[0]
+    elif hop.count(":") == 1:
+        hop = hop.partition(":")[0]
+    try:
+        return str(ipaddress.ip_address(hop))
+    except ValueError:
+        return None
+
+
+def forwarded_client(peer: str, forwarded: list[str], proxies: list) -> str:
+    """The caller's address: ``peer``, or while the address reached is a
+    trusted proxy's, the X-Forwarded-For entry (``forwarded``: each
+    header's value) to the left of it. Only what the trusted proxies
+    added is believed: an entry the caller wrote lies further left."""
+    hops = [hop for value in forwarded for hop in value.split(",")]
+    caller = peer
+    for hop in reversed(hops):
+        if not is_trusted_proxy(caller, proxies):
+            break
+        address = hop_address(hop)
+        if address is None:
+            break
+        caller = address
+    return caller
+
+
+class BodyShares:
+    """Slots for request bodies being read: ``per_caller`` for a caller
+    and ``ceiling`` in all, so no one caller fills them. A body past its
+    caller's share waits for a slot (HTTP_BODY_WAIT_SECS at most), unless
+    HTTP_BODIES_WAITING_PER_CALLER of the caller's wait already."""
+
+    def __init__(self, per_caller: int, ceiling: int):
+        self.per_caller = per_caller
+        self.ceiling = ceiling
+        # A caller -> its bodies being read, and waiting for a slot.
+        self.reading: dict[str, int] = {}
+        self.waiting: dict[str, int] = {}
+        self.total = 0
+        # Set (and replaced) each time a slot is given back.
+        self.freed: Any = None
+
+    def room(self, caller: str) -> bool:
+        """Whether a slot is free for ``caller``: its share, and in all."""
+        mine = self.reading.get(caller, 0)
+        return mine < self.per_caller and self.total < self.ceiling
+
+    @asynccontextmanager
+    async def share(self, caller: str):
+        """Hold a slot for ``caller`` while inside: yields True, or False
+        when none came (refused at once, or waited for too long)."""
+        taken = await self.take(caller)
+        try:
+            yield taken
+        finally:
+            if taken:
+                self.give_back(caller)
+
+    async def take(self, caller: str) -> bool:
+        """Take a slot for ``caller``, waiting for one if need be; False
+        when the caller has too many waiting, or none came in time."""
+        if not self.room(caller):
+            if self.waiting.get(caller, 0) >= HTTP_BODIES_WAITING_PER_CALLER:
+                return False
+            self.waiting[caller] = self.waiting.get(caller, 0) + 1
+            try:
+                with anyio.move_on_after(HTTP_BODY_WAIT_SECS):
+                    while not self.room(caller):
+                        if self.freed is None:
+                            self.freed = anyio.Event()
+                        await self.freed.wait()
+            finally:
+                self.waiting[caller] -= 1
+                if not self.waiting[caller]:
+                    del self.waiting[caller]
+            if not self.room(caller):
+                return False
+        self.reading[caller] = self.reading.get(caller, 0) + 1
+        self.total += 1
+        return True
+
+    def give_back(self, caller: str) -> None:
+        self.total -= 1
+        self.reading[caller] -= 1
+        if not self.reading[caller]:
+            del self.reading[caller]
+        if self.freed is not None:
+            self.freed.set()
+            self.freed = None
+
+    def refusal(self, caller: str, who: str) -> tuple[int, dict]:
+        """The status and answer for a body of ``caller`` (``who``, in
+        words) that got no slot."""
+        if self.reading.get(caller, 0) >= self.per_caller:
+            why = (
+                f"{who} has {self.per_caller} request bodies arriving "
+                "already, its share: send each body whole and at once, or "
+                "wait for one to finish, then try again"
+            )
+            return 429, {"error": why}
+        why = (
+            f"{self.ceiling} request bodies are arriving at once, all this "
+            "server reads: try again in a few seconds"
+        )
+        return 503, {"error": why}
+
+
+async def receive_body(receive: Callable, limit: int) -> tuple[bytes, str]:
+    """The body as it arrives, and what went wrong: "" (nothing),
+    "gone" (the client left), "big" (over ``limit``: as much again is
+    read and dropped, so the client sees the 413, not a reset), "stalled"
+    (nothing came for HTTP_BODY_IDLE_SECS) or "late" (still arriving
+    after HTTP_BODY_TIMEOUT_SECS)."""
+    chunks = []
+    size = 0
+    outcome = "late"
+    with anyio.move_on_after(HTTP_BODY_TIMEOUT_SECS):
+        while True:
+            message = None
+            with anyio.move_on_after(HTTP_BODY_IDLE_SECS):
+                message = await receive()
+            if message is None:
+                outcome = "stalled"
+                break
+            if message["type"] == "http.disconnect":
+                return b"", "gone"
+            data = message.get("body", b"")
+            size += len(data)
+            chunks.append(data)
+            if size > limit:
+                # Nothing more is kept.
+                chunks.clear()
+            more = message.get("more_body", False)
+            if not more or size > 2 * limit:
+                outcome = ""
+                if size > limit:
+                    outcome = "big"
+                break
+    return b"".join(chunks), outcome
+
+
+def public_body_limit(path: str) -> tuple[int, dict]:
+    """The size a body without a token may have at ``path``, and the
+    413's answer past it: a registration's is an OAuth error."""
+    if path == "/register":
+        why = f"a registration is {OAUTH_MAX_REGISTRATION_BYTES} B at most"
+        error = {"error": "invalid_client_metadata", "error_description": why}
+        return OAUTH_MAX_REGISTRATION_BYTES, error
+    why = (
+        f"the request body is over {HTTP_MAX_PUBLIC_BODY_BYTES} bytes, "
+        "the most a page or OAuth request without a token may send"
+    )
+    return HTTP_MAX_PUBLIC_BODY_BYTES, {"error": why}
+
+
 class HttpGate:
-    """ASGI middleware in front of everything: the token, then Host and
-    Origin, then the path (lifespan events pass through). Not the SDK's
+    """ASGI middleware in front of everything: the caller's address, the
+    token, then Host and Origin, then the path, then the body in its
+    caller's share (lifespan events pass through). Not the SDK's
     TransportSecuritySettings, whose bare "Invalid Host header" comes after
     a POST's Content-Type check: ours names the setting to change."""
 
@@ -11132,14 +11356,24 @@ class HttpGate:
             "/console",
             RESOURCE_METADATA + self.mcp_path,
         )
-        # The semaphore of bodies in flight, made in the server's loop.
-        self.bodies: Any = None
+        self.proxies = [
+            ipaddress.ip_network(proxy, strict=False)
+            for proxy in app.config.trusted_proxies
+        ]
+        # Bodies read with a token, by token; without, by address.
+        self.token_bodies = BodyShares(
+            HTTP_BODIES_PER_CALLER, HTTP_MAX_BODIES_IN_FLIGHT
+        )
+        self.public_bodies = BodyShares(
+            HTTP_BODIES_PER_CALLER, HTTP_MAX_PUBLIC_BODIES
+        )
 
     async def __call__(
         self, scope: dict, receive: Callable, send: Callable
     ) -> None:
         if scope["type"] != "http":
             return await self.sdk_app(scope, receive, send)
+        self.find_caller(scope)
         headers = dict(scope["headers"])
         # A password or a live sign-in link opens the public paths.
         oauth = self.pages is not None and self.pages.operator.enabled()
@@ -11166,6 +11400,22 @@ class HttpGate:
         """Whether ``path`` is a browser's page or an OAuth route."""
         return path in self.public_paths or path.startswith("/console/")
 
+    def find_caller(self, scope: dict) -> None:
+        """Behind a trusted proxy, make the scope's client the address
+        its X-Forwarded-For names (every limit and session by address
+        reads it there); from any other peer, leave it the peer."""
+        client = scope.get("client")
+        if not self.proxies or not client:
+            return
+        forwarded = [
+            value.decode("latin-1")
+            for name, value in scope["headers"]
+            if name == b"x-forwarded-for"
+        ]
+        caller = forwarded_client(client[0], forwarded, self.proxies)
+        if caller != client[0]:
+            scope["client"] = (caller, 0)
+
     async def refuse_unauthenticated(self, send: Callable, oauth: bool):
         """The 401 for a request without a known token; with OAuth on, its
         challenge names the resource metadata that leads to sign-in."""
@@ -11183,7 +11433,7 @@ class HttpGate:
     ) -> None:
         """A browser's own pages, and the OAuth routes (with CORS for
         browser clients): no Origin check, no token."""
-        body = await self.read_body(headers, receive, send)
+        body = await self.read_body(scope, headers, receive, send)
         if body is not None:
             await self.public_app(scope, replay_body(body, receive), send)
 
@@ -11214,7 +11464,7 @@ class HttpGate:
         # the same Mcp-Session-Id with another token answers 404, as an
         # unknown one.
         scope["user"] = authenticated_user(principal)
-        body = await self.read_body(headers, receive, send)
+        body = await self.read_body(scope, headers, receive, send, principal)
         if body is None:
             return
         serve = self.mcp_endpoint
@@ -11223,51 +11473,67 @@ class HttpGate:
         await serve(scope, replay_body(body, receive), send, body)
 
     async def read_body(
-        self, headers: dict, receive: Callable, send: Callable
+        self,
+        scope: dict,
+        headers: dict,
+        receive: Callable,
+        send: Callable,
+        principal: Principal | None = None,
     ) -> bytes | None:
-        """The whole body, bounded as it arrives: past HTTP_MAX_BODY_BYTES
-        a 413 (as much again is read and dropped, so the client sees it,
-        not a reset), still coming after HTTP_BODY_TIMEOUT_SECS a 408;
-        HTTP_MAX_BODIES_IN_FLIGHT at once. None once answered."""
-        too_big = {
-            "error": f"the request body is over {HTTP_MAX_BODY_BYTES} "
-            "bytes; send a smaller one (a large file goes in pieces)"
-        }
+        """The whole body, read in its caller's share of BodyShares: with
+        ``principal``, the token's share and up to HTTP_MAX_BODY_BYTES;
+        without, the address's and public_body_limit's. Past the limit a
+        413, stalled or late a 408, no share a 429 or 503; None once
+        answered."""
+        if principal is None:
+            shares = self.public_bodies
+            caller = address_key((scope.get("client") or ("",))[0])
+            who = f"the address {caller}"
+            limit, too_big = public_body_limit(scope["path"])
+        else:
+            shares = self.token_bodies
+            caller = principal.id
+            who = principal.label()
+            limit = HTTP_MAX_BODY_BYTES
+            why = (
+                f"the request body is over {HTTP_MAX_BODY_BYTES} bytes; "
+                "send a smaller one (a large file goes in pieces)"
+            )
+            too_big = {"error": why}
         declared = headers.get(b"content-length", b"0").strip()
-        over = declared.isdigit() and int(declared) > HTTP_MAX_BODY_BYTES
+        over = declared.isdigit() and int(declared) > limit
         expecting = headers.get(b"expect", b"").lower() == b"100-continue"
         if over and expecting:
             # The client waits to be asked: tell it now.
             return await send_json(send, 413, too_big, HTTP_CLOSE)
-        if self.bodies is None:
-            self.bodies = anyio.Semaphore(HTTP_MAX_BODIES_IN_FLIGHT)
-        chunks = []
-        size = 0
-        async with self.bodies:
-            with anyio.move_on_after(HTTP_BODY_TIMEOUT_SECS) as deadline:
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return None
-                    data = message.get("body", b"")
-                    size += len(data)
-                    chunks.append(data)
-                    if size > HTTP_MAX_BODY_BYTES:
-                        over = True
-                    if over:
-                        chunks.clear()  # nothing more is kept
-                    more = message.get("more_body", False)
-                    if not more or size > 2 * HTTP_MAX_BODY_BYTES:
-                        break
-        if deadline.cancelled_caught:
-            late = {
-                "error": "the request body did not arrive within "
-                f"{HTTP_BODY_TIMEOUT_SECS} s"
-            }
-            return await send_json(send, 408, late, HTTP_CLOSE)
-        if over:
+        async with shares.share(caller) as taken:
+            if not taken:
+                status, refused = shares.refusal(caller, who)
+                retry = [(b"retry-after", b"5"), *HTTP_CLOSE]
+                return await send_json(send, status, refused, retry)
+            body, outcome = await receive_body(receive, limit)
+        if outcome == "gone":
+            return None
+        if over or outcome == "big":
             return await send_json(send, 413, too_big, HTTP_CLOSE)
-        return b"".join(chunks)
+        if outcome:
+            late = {"error": body_late(outcome)}
+            return await send_json(send, 408, late, HTTP_CLOSE)
+        return body
+
+
+def body_late(outcome: str) -> str:
+    """Why a body that did not arrive in time was refused, with what to
+    do instead."""
+    if outcome == "stalled":
+        return (
+            "the request body stopped arriving: nothing came for "
+            f"{HTTP_BODY_IDLE_SECS} s; send it whole, without pauses"
+        )
+    return (
+        "the request body did not arrive within "
+        f"{HTTP_BODY_TIMEOUT_SECS} s; send a smaller one, or faster"
+    )
 
 
 # A pydantic model per request cost more than the rest of the gate: one per
@@ -11333,11 +11599,13 @@ def replay_body(body: bytes, receive: Callable) -> Callable:
 
 
 @functools.cache
-def guarded_protocol() -> type:
+def guarded_protocol(trusted_proxies: tuple[str, ...] = ()) -> type:
     """uvicorn's h11 protocol with the bounds it lacks: request headers
     within HTTP_HEADER_TIMEOUT_SECS; past HTTP_MAX_CONNECTIONS the oldest
-    connection without them closed (never one busy with a request). Built
-    on first use: no uvicorn at import."""
+    connection without them closed (never one busy with a request), and
+    past HTTP_CONNECTIONS_PER_ADDRESS from one address (not one of
+    ``trusted_proxies``) its own oldest. Built on first use: no uvicorn at
+    import."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -11346,8 +11614,14 @@ def guarded_protocol() -> type:
     # timeouts and the connection cap need the connection level, which no
     # public API reaches. That is why the dependency lists pin uvicorn and
     # h11 exactly.
+    proxies = [
+        ipaddress.ip_network(proxy, strict=False) for proxy in trusted_proxies
+    ]
+
     class GuardedH11Protocol(H11Protocol):
         header_deadline: Any = None
+        # The address its share counts under; None: no share (a proxy).
+        share: str | None = None
 
         def waiting(self) -> bool:
             """Open, and no request has arrived on it yet."""
@@ -11360,13 +11634,28 @@ def guarded_protocol() -> type:
             super().connection_made(transport)
             self.opened = time.monotonic()
             self.watch_headers()
+            peer = ""
+            if self.client:
+                peer = self.client[0]
+            if not is_trusted_proxy(peer, proxies):
+                self.share = address_key(peer)
             # This one is the newest of them.
             if len(self.connections) > HTTP_MAX_CONNECTIONS:
-                idle = [
-                    c
-                    for c in self.connections
-                    if isinstance(c, type(self)) and c.waiting()
-                ]
+                self.close_oldest_idle(None)
+            if self.share is not None:
+                self.close_oldest_idle(self.share)
+
+        def close_oldest_idle(self, share: str | None) -> None:
+            """Close the oldest connection without a request (this one,
+            if it is the only one) when there are too many: in all
+            (``share`` None), or from the address ``share``."""
+            ours = [c for c in self.connections if isinstance(c, type(self))]
+            limit = HTTP_MAX_CONNECTIONS
+            if share is not None:
+                ours = [c for c in ours if c.share == share]
+                limit = HTTP_CONNECTIONS_PER_ADDRESS
+            idle = [c for c in ours if c.waiting()]
+            if len(ours) > limit and idle:
                 min(idle, key=lambda c: c.opened).transport.close()
 
         def handle_events(self) -> None:
@@ -11398,14 +11687,14 @@ def guarded_protocol() -> type:
     return GuardedH11Protocol
 
 
-def uvicorn_options() -> dict:
+def uvicorn_options(trusted_proxies: tuple[str, ...] = ()) -> dict:
     """The uvicorn settings --http runs with (the tests use the same)."""
     return dict(
-        http=guarded_protocol(),
+        http=guarded_protocol(tuple(trusted_proxies)),
         lifespan="on",
         log_level="warning",
         # The peer's own address, as X-Forwarded-For would rotate the
-        # limits.
+        # limits (HttpGate believes it from a trusted proxy only).
         proxy_headers=False,
         timeout_keep_alive=HTTP_KEEP_ALIVE_SECS,
         limit_concurrency=HTTP_LIMIT_CONCURRENCY,
@@ -12118,6 +12407,9 @@ REVIEW_PAGE = "/console/approvals/"
 # The approvals list reloads itself this often while open.
 CONSOLE_REFRESH_SECS = 5
 CONSOLE_PAGE_ROWS = 50
+# The activity page reads no further back than this many pages (10,000
+# entries); the command line reads the rest.
+CONSOLE_MAX_PAGES = 200
 CONSOLE_PERIODS = dict(
     zip(AUTO_APPROVE_PERIODS, "1 hour,1 day,7 days,30 days,forever".split(","))
 )
@@ -12173,12 +12465,15 @@ class ApprovalPages(ConsolePages):
     def to_approvals(self, request: Any) -> Any:
         from starlette.responses import RedirectResponse
 
+        self.pages.require_operator(request)
         return RedirectResponse("/console/approvals", 303)
 
     async def waiting(self, request: Any) -> Any:
         """The calls waiting, newest first, the page reloading itself; with
         an id, that call's review page, which does not reload under the
         person reading it (404 once the call is gone)."""
+        # Before any work: a stranger reads nothing.
+        session = self.pages.require_operator(request)
         calls = sorted(
             waiting_calls(self.config),
             key=lambda c: str(c["expiresAt"]),
@@ -12191,7 +12486,7 @@ class ApprovalPages(ConsolePages):
         if not shown:
             shown = [nothing_waits(wanted)]
         # The last answer, shown once.
-        notice = self.pages.require_operator(request).pop("notice", "")
+        notice = session.pop("notice", "")
         if notice:
             shown.insert(0, f'<p class="note">{esc(notice)}</p>')
         status = 200
@@ -12476,6 +12771,8 @@ class ActivityPage(ConsolePages):
     async def activity(self, request: Any) -> Any:
         """The entries ?token=, ?machine= and ?since= ask for, page ?page=
         of them, with the filter's form and links to the pages around."""
+        # Before any work: a stranger reads nothing.
+        self.pages.require_operator(request)
         query = request.query_params
         asked = {
             key: query.get(key, "").strip()[:100]
@@ -12499,13 +12796,18 @@ class ActivityPage(ConsolePages):
         entries = self.access.activity.entries(keep, limit=limit)[::-1]
         listed = entries[(page - 1) * rows :][:rows]
         older = len(entries) > page * rows
+        rest = ""
+        if older and page == CONSOLE_MAX_PAGES:
+            older = False
+            rest = " Older entries: <code>smol_mcp.py activity</code>."
         items = "".join(
             f"<li>{' &middot; '.join(map(esc, activity_row(entry)))}</li>"
             for entry in listed
         )
         body = (
             f"{filter_form(asked)}{error}<p>Newest first (since: 90s, 15m, "
-            f"1h, 2d, 1w); page {page}.{page_links(asked, page, older)}</p>"
+            f"1h, 2d, 1w); page {page}.{page_links(asked, page, older)}"
+            f"{rest}</p>"
             f"<ol>{items}</ol>"
         )
         return self.show(request, "Activity", body)
@@ -12513,11 +12815,11 @@ class ActivityPage(ConsolePages):
 
 def page_number(query: Any) -> int:
     """The page of the activity log asked for: ?page=N, 1 unless it is a
-    number."""
+    number of six digits at most, CONSOLE_MAX_PAGES at most."""
     asked = query.get("page", "")
-    if not asked[:6].isdigit():
+    if not re.fullmatch(r"[0-9]{1,6}", asked):
         return 1
-    return max(1, int(asked))
+    return min(max(1, int(asked)), CONSOLE_MAX_PAGES)
 
 
 def filter_form(asked: dict) -> str:
@@ -12592,7 +12894,8 @@ async def run_http(app: SmolMcp, host: str, port: int, path: str) -> None:
     log.info("%s", describe_mount_roots(app.config))
     bound = dataclasses.replace(app.config, http_host=host, http_port=port)
     log.info("oauth: %s", oauth_report(bound))
-    config = uvicorn.Config(asgi, host=host, port=port, **uvicorn_options())
+    options = uvicorn_options(app.config.trusted_proxies)
+    config = uvicorn.Config(asgi, host=host, port=port, **options)
     loop = asyncio.get_running_loop()
     app.http.stopping = anyio.Event()
 
@@ -12671,6 +12974,8 @@ SIGNIN_WINDOW_SECS = 300
 SIGNIN_ALL_TRIES = 50
 SIGNIN_CHECKS = 2  # password checks (16 MiB of scrypt each) running at once
 OAUTH_REGISTRATIONS = 10  # client registrations per address in a window
+# Addresses each table of those counts keeps; a locked one never goes.
+SIGNIN_MAX_KEYS = 1024
 # Signed-in browsers kept; past it the oldest is signed out.
 SIGNIN_MAX_SESSIONS = 16
 SESSION_COOKIE = "smol_session"
@@ -12691,12 +12996,24 @@ OAUTH_MAX_CLIENTS = 64
 OAUTH_ACCESS_SECS = 3600
 OAUTH_REFRESH_SECS = 30 * 86400
 OAUTH_CODE_SECS = 300
-# Consent requests held, in all and per client.
+# Consent requests held, in all, per client and per address asking; past
+# a share its own oldest go, past all the oldest of whoever holds most.
 OAUTH_MAX_PENDING = 32
 OAUTH_CLIENT_PENDING = 4
+OAUTH_ADDRESS_PENDING = 8
+# Registered clients without a grant that one address may hold; past it
+# its own oldest goes.
+OAUTH_ADDRESS_CLIENTS = 8
 OAUTH_MAX_REGISTRATION_BYTES = 8192
-# What is kept of a registration: what this server uses.
+# The address of the OAuth request being served, set by
+# OAuthEndpoints.screen: the SDK's handlers hand the provider no request.
+OAUTH_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "oauth_caller", default=""
+)
+# What is kept of a registration: what this server uses (registeredFrom,
+# the address it came from, is ours).
 OAUTH_CLIENT_FIELDS = {
+    "registeredFrom",
     "client_id",
     "client_secret",
     "client_id_issued_at",
@@ -12910,6 +13227,86 @@ class Operator:
         )
 
 
+class RecentEvents:
+    """Recent events (failed sign-ins, registrations) by key (an address,
+    or "*" for all), within SIGNIN_WINDOW_SECS, for ``keys`` keys at
+    most. Room for a new key comes from keys whose window has passed,
+    then from the key quiet the longest of those not locked: a locked
+    key (as many events as its limit) stays until its window passes,
+    however many keys come after it."""
+
+    def __init__(self, keys: int):
+        self.keys = keys
+        # A key -> the times of its events in the window; its limit.
+        self.times: dict[str, list[float]] = {}
+        self.limits: dict[str, int] = {}
+
+    def recent(self, key: str, now: float) -> list[float]:
+        """The times of ``key``'s events still in the window; a key
+        with none left is forgotten."""
+        kept = [
+            t for t in self.times.get(key, []) if now - t < SIGNIN_WINDOW_SECS
+        ]
+        if kept:
+            self.times[key] = kept
+        else:
+            self.times.pop(key, None)
+            self.limits.pop(key, None)
+        return kept
+
+    def wait_secs(self, key: str, limit: int) -> int:
+        """How long ``key`` must wait before its next event, ``limit``
+        of them being allowed in a window."""
+        now = time.time()
+        recent = self.recent(key, now)
+        if len(recent) < limit:
+            return 0
+        return int(recent[-limit] + SIGNIN_WINDOW_SECS - now) + 1
+
+    def add(self, key: str, when: float, limit: int) -> bool:
+        """Count an event of ``key`` at ``when``; False, counting nothing,
+        when there is no room for a new key (every key kept is locked)."""
+        if key not in self.times and not self.make_room(when):
+            return False
+        times = self.times.setdefault(key, [])
+        times.append(when)
+        # The newest ``limit`` are all wait_secs reads.
+        del times[:-limit]
+        self.limits[key] = limit
+        return True
+
+    def make_room(self, now: float) -> bool:
+        """Room for one more key, if need be by forgetting the key quiet
+        the longest that is not locked; False when every key is locked."""
+        if len(self.times) < self.keys:
+            return True
+        for key in list(self.times):
+            self.recent(key, now)
+        if len(self.times) < self.keys:
+            return True
+        unlocked = [
+            key
+            for key, times in self.times.items()
+            if len(times) < self.limits[key]
+        ]
+        if not unlocked:
+            return False
+        quiet = min(unlocked, key=lambda key: self.times[key][-1])
+        del self.times[quiet]
+        del self.limits[quiet]
+        return True
+
+    def take_back(self, key: str, when: float) -> None:
+        """Uncount the event of ``key`` at ``when``, if it is counted."""
+        times = self.times.get(key, [])
+        if when in times:
+            times.remove(when)
+
+    def clear(self) -> None:
+        self.times.clear()
+        self.limits.clear()
+
+
 class Pages:
     """What the server's own pages share: who is signed in (sessions of
     this process, by an HttpOnly SameSite=Strict cookie), sign-in rate
@@ -12920,8 +13317,11 @@ class Pages:
         self.issuer = issuer
         # The cookie's SHA-256 -> expires, csrf, how, who.
         self.sessions: dict[str, dict] = {}
-        # An address, or "*" for all -> the times of its failures.
-        self.failures: dict[str, list[float]] = {}
+        # Failed sign-ins by address, and "*" for all.
+        self.failures = RecentEvents(SIGNIN_MAX_KEYS)
+        # Client registrations by address: apart, so that registrations
+        # never push a failed sign-in out.
+        self.registrations = RecentEvents(SIGNIN_MAX_KEYS)
         # Addresses with a password check under way.
         self.checking: set[str] = set()
         # SIGNIN_CHECKS at once, made in the event loop.
@@ -12936,6 +13336,11 @@ class Pages:
             request.client.host if request.client else "",
             request.headers.get("user-agent"),
         ]
+
+    def address(self, request: Any) -> str:
+        """The address the sign-in and registration limits count a
+        request under (an IPv6 /64 is one: see address_key)."""
+        return address_key(self.who(request)[0])
 
     def session(self, request: Any) -> dict | None:
         """This browser's signed-in session; None if it has none, or one
@@ -12979,8 +13384,11 @@ class Pages:
 
     def csrf_input(self, request: Any) -> str:
         """The hidden field of the CSRF token; a browser without one gets
-        a new one, which page() sets as its form cookie."""
+        a new one, the same for every form of the page, which page() sets
+        as its form cookie."""
         token = self.csrf(request)
+        if not token:
+            token = getattr(request.state, "new_form_token", "")
         if not token:
             token = secrets_module.token_urlsafe(32)
             request.state.new_form_token = token
@@ -13051,24 +13459,6 @@ class Pages:
             secure=secure,
         )
 
-    def wait_secs(self, key: str, tries: int = SIGNIN_TRIES) -> int:
-        """How long ``key`` (an address, or "*" for all) must wait before
-        it may try again."""
-        now = time.time()
-        recent = [
-            t
-            for t in self.failures.pop(key, [])
-            if now - t < SIGNIN_WINDOW_SECS
-        ]
-        if recent:
-            self.failures[key] = recent
-        # Bounded: the oldest addresses are forgotten.
-        if len(self.failures) > 1024:
-            self.failures = dict(list(self.failures.items())[-512:])
-        if len(recent) < tries:
-            return 0
-        return int(recent[-tries] + SIGNIN_WINDOW_SECS - now) + 1
-
     async def check_password(
         self, request: Any, password: str
     ) -> tuple[int, str]:
@@ -13076,10 +13466,11 @@ class Pages:
         and why not. A try counts as failed before scrypt runs (success
         takes it back), one check per address at a time and SIGNIN_CHECKS
         in all, so neither concurrency nor rotating addresses outrun it."""
-        address = self.who(request)[0]
+        address = self.address(request)
         now = time.time()
         wait = max(
-            self.wait_secs(address), self.wait_secs("*", SIGNIN_ALL_TRIES)
+            self.failures.wait_secs(address, SIGNIN_TRIES),
+            self.failures.wait_secs("*", SIGNIN_ALL_TRIES),
         )
         if wait or address in self.checking:
             return (
@@ -13087,10 +13478,15 @@ class Pages:
                 f"Too many failed sign-ins from {address} or all: wait "
                 f"{wait or 1} s.",
             )
+        if not self.failures.add(address, now, SIGNIN_TRIES):
+            return (
+                429,
+                "Too many addresses failed to sign in lately: wait a few "
+                "minutes, or sign in with `smol_mcp.py operator link`.",
+            )
+        self.failures.add("*", now, SIGNIN_ALL_TRIES)
         if self.limiter is None:
             self.limiter = anyio.CapacityLimiter(SIGNIN_CHECKS)
-        for key in (address, "*"):
-            self.failures.setdefault(key, []).append(now)
         self.checking.add(address)
         try:
             right = await anyio.to_thread.run_sync(
@@ -13104,12 +13500,9 @@ class Pages:
                 "That password is not right (`smol_mcp.py operator "
                 "set-password` sets one).",
             )
-        # Success takes the try back, from the lists as wait_secs rebuilt
-        # them.
+        # Success takes the try back.
         for key in (address, "*"):
-            times = self.failures.get(key, [])
-            if now in times:
-                times.remove(now)
+            self.failures.take_back(key, now)
         return 0, ""
 
     async def confirm(self, request: Any, form: Any) -> str:
@@ -13208,24 +13601,34 @@ def oauth_client_class() -> type:
     return OAuthClient
 
 
+# An app's own redirect scheme is a reverse domain name (com.example.app),
+# so never one a browser or the system has (ws, blob, view-source, intent).
+APP_SCHEME_RE = re.compile(r"[a-z][a-z0-9+-]*(\.[a-z0-9+-]+)+")
+
+
+def unsafe_redirect(uri: Any) -> bool:
+    """Whether a redirect URI is refused: one over 512 characters, with a
+    fragment, a wildcard or a user in it, or other than https, http on
+    loopback, or an app's own scheme (RFC 8252 7.1)."""
+    text = str(uri)
+    if len(text) > 512 or "#" in text or uri.fragment is not None:
+        return True
+    if uri.username is not None or "*" in (uri.host or ""):
+        return True
+    if uri.scheme == "https":
+        return not uri.host
+    if uri.scheme == "http":
+        return uri.host not in (*LOOPBACK_HOSTS, "[::1]")
+    return APP_SCHEME_RE.fullmatch(uri.scheme) is None
+
+
 def registration_refusal(client_info: Any) -> tuple[str, str] | None:
     """The OAuth error and its description for a registration this server
-    refuses, or None: it takes 1 to 8 redirect URIs, each https, http on
-    loopback or an app's own scheme, and a name of 100 characters at most,
-    without control or format characters."""
+    refuses, or None: it takes 1 to 8 redirect URIs, none unsafe_redirect,
+    and a name of 100 characters at most, without control or format
+    characters."""
     uris = client_info.redirect_uris or []
-    loopback = (*LOOPBACK_HOSTS, "[::1]")
-    cleartext = [
-        uri
-        for uri in uris
-        if uri.scheme == "http" and uri.host not in loopback
-    ]
-    banned = ("javascript", "data", "file", "vbscript")
-    unsafe = [
-        str(u)
-        for u in uris
-        if len(str(u)) > 512 or u.scheme in banned or u in cleartext
-    ]
+    unsafe = [str(uri) for uri in uris if unsafe_redirect(uri)]
     name = client_info.client_name or ""
     if (
         not unsafe
@@ -13239,9 +13642,10 @@ def registration_refusal(client_info: Any) -> tuple[str, str] | None:
         error = "invalid_redirect_uri"
     why = (
         "register 1 to 8 redirect URIs, each https, http on loopback or an "
-        f"app's own scheme (refused: {', '.join(unsafe) or 'none'}), and a "
-        "name of 100 characters at most, without control or format "
-        "characters"
+        "app's own scheme named as a reverse domain (com.example.app:/cb), "
+        "without a fragment, a wildcard or a user "
+        f"(refused: {', '.join(unsafe) or 'none'}), and a name of 100 "
+        "characters at most, without control or format characters"
     )
     return error, why
 
@@ -13253,9 +13657,11 @@ def rotate_grant(
     access: str,
     refresh: str,
     now: float,
+    scopes: list | None = None,
 ) -> dict | None:
     """In the tokens file's ``data``, give a grant the hashes of new
-    ``access`` and ``refresh`` tokens, its earlier refresh tokens spent;
+    ``access`` and ``refresh`` tokens, its earlier refresh tokens spent,
+    the access token only ``scopes`` of the grant's when they are fewer;
     its record, or None when it was deleted, or ``spent`` was used already
     (by the client, or by whoever stole it)."""
     record = next(
@@ -13274,6 +13680,10 @@ def rotate_grant(
         "sha256": secret_hash(access),
         "expiresAt": now + OAUTH_ACCESS_SECS,
     }
+    # A refresh that asks for less gets less (RFC 6749 section 6); the
+    # refresh token keeps the whole grant.
+    if scopes is not None and set(scopes) != set(record["scopes"]):
+        new_access["scopes"] = [s for s in record["scopes"] if s in scopes]
     record["access"] = [*live, new_access]
     new_refresh = {
         "sha256": secret_hash(refresh),
@@ -13298,7 +13708,7 @@ class OAuthProvider:
         )
         self.issuer = issuer
         self.resource = resource
-        # A consent request's id -> (client, params, expires).
+        # A consent request's id -> (client, params, expires, address).
         self.pending: dict[str, tuple] = {}
         # A code -> its AuthorizationCode (subject: the grant's id).
         self.codes: dict[str, Any] = {}
@@ -13313,8 +13723,8 @@ class OAuthProvider:
 
     async def register_client(self, client_info: Any) -> None:
         """Keep a registration that registration_refusal passes: what this
-        server uses of it, its secret only as a hash; past
-        OAUTH_MAX_CLIENTS the oldest client without a grant goes."""
+        server uses of it, its secret only as a hash, the address it came
+        from; room made by make_room."""
         from mcp.server.auth.provider import RegistrationError
 
         refusal = registration_refusal(client_info)
@@ -13326,13 +13736,12 @@ class OAuthProvider:
         # Only its hash: the token routes hash what is sent.
         if "client_secret" in kept:
             kept["client_secret"] = secret_hash(kept["client_secret"])
+        address = OAUTH_CALLER.get()
+        kept["registeredFrom"] = address
 
         def add(data: dict) -> bool:
-            if len(data) >= OAUTH_MAX_CLIENTS:
-                spare = self.clients_without_grant(data)
-                if not spare:
-                    return False
-                del data[spare[0]]
+            if not self.make_room(data, address):
+                return False
             data[client_info.client_id] = kept
             return True
 
@@ -13344,6 +13753,22 @@ class OAuthProvider:
                 "the operator must delete one (`tokens delete NAME`) first"
             )
             raise RegistrationError("invalid_client_metadata", why)
+
+    def make_room(self, data: dict, address: str) -> bool:
+        """Room in ``data`` for a client from ``address``: past
+        OAUTH_ADDRESS_CLIENTS without a grant from there, its own oldest
+        goes; past OAUTH_MAX_CLIENTS, the oldest without a grant of the
+        address holding most. False when all have grants."""
+        spare = self.clients_without_grant(data)
+        own = [c for c in spare if data[c].get("registeredFrom") == address]
+        if len(own) >= OAUTH_ADDRESS_CLIENTS:
+            del data[own[0]]
+        elif len(data) >= OAUTH_MAX_CLIENTS:
+            if not spare:
+                return False
+            kept = {c: data[c].get("registeredFrom") for c in spare}
+            del data[oldest_of_most(kept)]
+        return True
 
     def clients_without_grant(self, data: dict) -> list[str]:
         """The clients in ``data`` that no grant names, oldest first."""
@@ -13362,21 +13787,32 @@ class OAuthProvider:
             why = f"this server is the resource {self.resource}, not {asked}"
             raise AuthorizeError("invalid_target", why)
         now = time.time()
+        address = OAUTH_CALLER.get()
         self.pending = {k: v for k, v in self.pending.items() if v[2] > now}
-        mine = [
-            k
-            for k, v in self.pending.items()
-            if v[0].client_id == client.client_id
-        ]
-        # All but the client's newest few go.
-        for old in mine[::-1][OAUTH_CLIENT_PENDING - 1 :]:
-            del self.pending[old]
-        # Then the oldest of all: a flood refuses no one.
+        # All but the client's newest few go, and the address's: a flood
+        # from one place pushes out its own requests, never another's.
+        same_client = client.client_id
+        self.keep_newest(
+            lambda held: held[0].client_id == same_client, OAUTH_CLIENT_PENDING
+        )
+        self.keep_newest(
+            lambda held: held[3] == address, OAUTH_ADDRESS_PENDING
+        )
+        # Then the oldest of whoever holds most: a flood refuses no one.
         while len(self.pending) >= OAUTH_MAX_PENDING:
-            del self.pending[next(iter(self.pending))]
+            askers = {k: v[3] for k, v in self.pending.items()}
+            del self.pending[oldest_of_most(askers)]
         request_id = secrets_module.token_urlsafe(16)
-        self.pending[request_id] = (client, params, now + SIGNIN_LINK_SECS)
+        expires = now + SIGNIN_LINK_SECS
+        self.pending[request_id] = (client, params, expires, address)
         return f"{self.issuer}/consent?request={request_id}"
+
+    def keep_newest(self, mine: Callable, share: int) -> None:
+        """Make room for one more of the pending requests ``mine`` picks:
+        all but the newest ``share`` - 1 of them go."""
+        picked = [k for k, held in self.pending.items() if mine(held)]
+        for old in picked[: max(len(picked) - (share - 1), 0)]:
+            del self.pending[old]
 
     def model(self, name: str, record: dict, **fields: Any) -> Any:
         """The SDK's ``name`` (AuthorizationCode, RefreshToken, AccessToken)
@@ -13446,11 +13882,15 @@ class OAuthProvider:
     async def exchange_refresh_token(
         self, client: Any, refresh_token: Any, scopes: list
     ) -> Any:
-        return self.issue(refresh_token.subject, refresh_token.token)
+        # The SDK refused scopes the refresh token lacks.
+        return self.issue(refresh_token.subject, refresh_token.token, scopes)
 
-    def issue(self, grant_id: str, spent: str | None) -> Any:
+    def issue(
+        self, grant_id: str, spent: str | None, scopes: list | None = None
+    ) -> Any:
         """New access and refresh tokens for a grant, only their hashes
-        kept; ``spent``, the refresh token they replace, stops working."""
+        kept, the access token only ``scopes`` of it if given; ``spent``,
+        the refresh token they replace, stops working."""
         from mcp.server.auth.provider import TokenError
         from mcp.shared.auth import OAuthToken
 
@@ -13463,6 +13903,7 @@ class OAuthProvider:
             access=access,
             refresh=refresh,
             now=time.time(),
+            scopes=scopes,
         )
         record = self.tokens.file.update(rotate)
         if record is None and spent is not None:
@@ -13472,11 +13913,12 @@ class OAuthProvider:
                 "invalid_grant",
                 "this grant was deleted, or the token used already",
             )
+        granted = record["access"][-1].get("scopes", record["scopes"])
         return OAuthToken(
             access_token=access,
             refresh_token=refresh,
             expires_in=OAUTH_ACCESS_SECS,
-            scope=" ".join(record["scopes"]),
+            scope=" ".join(granted),
         )
 
     async def load_access_token(self, token: str) -> Any:
@@ -13626,41 +14068,30 @@ class SignInPages:
         again, with what was wrong)."""
         self.pages.require_operator(request)
         request_id = request.query_params.get("request", "")
-        held = self.provider.pending.get(request_id, (None, None, 0))
-        client, params, expires = held
-        if expires < time.time():
+        held = self.provider.pending.get(request_id)
+        if request.method == "POST":
+            # Taken before any await: a flood of /authorize meanwhile
+            # cannot push it out, nor a second answer use it again.
+            held = self.provider.pending.pop(request_id, None)
+        if held is None or held[2] < time.time():
             return self.pages.page(
                 request, "No such request", CONSENT_GONE, 404
             )
+        client, params, _, _ = held
         client_name = client.client_name or client.client_id
         chosen = {"grant": "Sandbox", "name": "", "approval": ""}
         error = ""
         if request.method == "POST":
-            form = await self.pages.form(request)
-            if form.get("action") != "Allow":
-                del self.provider.pending[request_id]
-                return redirect_back(
-                    params,
-                    error="access_denied",
-                    error_description="the operator said no",
-                )
-            chosen = {key: str(form.get(key, "")) for key in chosen}
+            answered = None
             try:
-                record = await self.grant(request, form, client, chosen)
-            except ConfigError as err:
-                error = error_html(err)
-            else:
-                del self.provider.pending[request_id]
-                granted = {
-                    "principal": "operator",
-                    "token": record["name"],
-                    "event": "token",
-                    "outcome": "granted",
-                    "client": client_name,
-                }
-                self.provider.activity.append(granted)
-                code = self.provider.new_code(params, record)
-                return redirect_back(params, code=code)
+                answered, error = await self.answer(request, held, chosen)
+            finally:
+                # Not answered (the form was wrong): held again, in the
+                # table as it is now (authorize() makes a new one).
+                if answered is None:
+                    self.provider.pending[request_id] = held
+            if answered is not None:
+                return answered
         body = self.consent_form(
             request, request_id, client_name, params, chosen, error
         )
@@ -13669,6 +14100,38 @@ class SignInPages:
         target = urllib.parse.urlsplit(str(params.redirect_uri))
         form_to = redirect_source(target)
         return self.pages.page(request, title, body, status, form_to)
+
+    async def answer(
+        self, request: Any, held: tuple, chosen: dict
+    ) -> tuple[Any, str]:
+        """The operator's answer to the consent request ``held``: (the
+        redirect back to its client, "") once answered, with Deny or with
+        Allow and a code; else (None, why not), ``chosen`` as the form
+        had it."""
+        client, params, _, _ = held
+        form = await self.pages.form(request)
+        if form.get("action") != "Allow":
+            denied = redirect_back(
+                params,
+                error="access_denied",
+                error_description="the operator said no",
+            )
+            return denied, ""
+        chosen.update({key: str(form.get(key, "")) for key in chosen})
+        try:
+            record = await self.grant(request, form, client, chosen)
+        except ConfigError as err:
+            return None, error_html(err)
+        granted = {
+            "principal": "operator",
+            "token": record["name"],
+            "event": "token",
+            "outcome": "granted",
+            "client": client.client_name or client.client_id,
+        }
+        self.provider.activity.append(granted)
+        code = self.provider.new_code(params, record)
+        return redirect_back(params, code=code), ""
 
     async def grant(
         self, request: Any, form: Any, client: Any, chosen: dict
@@ -13736,14 +14199,23 @@ class SignInPages:
             "formnovalidate>Deny</button></p>"
         )
         asked = " ".join(params.scopes or []) or "nothing in particular"
-        returning_to = target.hostname or target.scheme
         action = f"/consent?request={esc(request_id)}"
         return (
             f"{error}<p><strong>{esc(client_name)}</strong>, returning to "
-            f"<strong>{esc(returning_to)}</strong>, asks to use the machines "
+            f"{redirect_shown(target)}, asks to use the machines "
             f"of this server (it asked for: {esc(asked)}).</p>"
             f"{self.pages.post_form(request, action, fields)}"
         )
+
+
+def oldest_of_most(owners: dict) -> str:
+    """Of ``owners`` (a key -> its owner, oldest key first), the oldest
+    key of the owner holding the most keys."""
+    counts: dict = {}
+    for owner in owners.values():
+        counts[owner] = counts.get(owner, 0) + 1
+    most = max(counts.values())
+    return next(key for key, owner in owners.items() if counts[owner] == most)
 
 
 def grant_choice(grant: str, note: str, checked: bool) -> str:
@@ -13763,6 +14235,18 @@ def free_token_name(client_name: str, taken: set) -> str:
     base = base or "client"
     names = (base, *(f"{base}-{i}" for i in range(2, 999)))
     return next(name for name in names if name not in taken)
+
+
+def redirect_shown(target: Any) -> str:
+    """Where a redirect URI (split) returns, as the consent page says it
+    (HTML): the host of an http(s) one; an app's own scheme named as a
+    scheme, so github.com:/cb never reads as the site github.com."""
+    if target.scheme in ("http", "https"):
+        return f"<strong>{esc(target.hostname)}</strong>"
+    return (
+        "the app that opens links of the scheme "
+        f"<strong>{esc(target.scheme)}:</strong>"
+    )
 
 
 def redirect_source(target: Any) -> str:
@@ -13827,27 +14311,30 @@ class OAuthEndpoints:
         return [*map(self.screened, routes), *resource, root]
 
     def screened(self, route: Any) -> Any:
-        """The SDK's /token, /register or /revoke behind screen(); its
-        other routes as they are."""
+        """The SDK's /authorize, /token, /register or /revoke behind
+        screen(); its other routes as they are."""
         from starlette.routing import Route
 
-        if route.path not in OAUTH_PATHS[1:]:
+        if route.path not in OAUTH_PATHS:
             return route
         screen = functools.partial(self.screen, route=route)
         return Route(route.path, screen, methods=route.methods)
 
     async def screen(self, request: Any, route: Any) -> Any:
-        """Before the SDK's /register, /token and /revoke: a registration
-        bounded and rate limited per address; a `resource` other than this
-        server refused (RFC 8707); the client's secret hashed, as only its
-        hash is kept. A refusal, or the SDK's route on what it gets."""
+        """Before the SDK's OAuth routes: the caller's address made known
+        to the provider (OAUTH_CALLER); a registration rate limited per
+        address; a `resource` other than this server refused (RFC 8707);
+        the client's secret hashed, as only its hash is kept. A refusal,
+        or the SDK's route on what it gets."""
+        OAUTH_CALLER.set(self.pages.address(request))
         body = await request.body()
         headers = request.scope["headers"]
-        if request.method == "POST" and request.url.path == "/register":
-            refusal = self.registration_limit(request, body)
+        path = request.url.path
+        if request.method == "POST" and path == "/register":
+            refusal = self.registration_limit(request)
             if refusal is not None:
                 return refusal
-        elif request.method == "POST":
+        elif request.method == "POST" and path != "/authorize":
             form = dict(urllib.parse.parse_qsl(body.decode(errors="replace")))
             asked = form.get("resource", self.provider.resource)
             if asked.rstrip("/") != self.provider.resource:
@@ -13863,22 +14350,26 @@ class OAuthEndpoints:
             scope, replay_body(body, receive), send
         )
 
-    def registration_limit(self, request: Any, body: bytes) -> Any:
-        """A 429 past OAUTH_REGISTRATIONS from one address in a window, a
-        413 for a registration over OAUTH_MAX_REGISTRATION_BYTES; None
-        when it may go on (it counts, then)."""
-        key = "register " + self.pages.who(request)[0]
-        wait = self.pages.wait_secs(key, OAUTH_REGISTRATIONS)
+    def registration_limit(self, request: Any) -> Any:
+        """A 429 past OAUTH_REGISTRATIONS from one address in a window (or
+        with every address kept locked); None when it may go on (it
+        counts, then). HttpGate kept the body within
+        OAUTH_MAX_REGISTRATION_BYTES."""
+        key = self.pages.address(request)
+        counts = self.pages.registrations
+        wait = counts.wait_secs(key, OAUTH_REGISTRATIONS)
         if wait:
             why = (
                 f"{OAUTH_REGISTRATIONS} registrations from this address: "
                 f"wait {wait} s"
             )
             return oauth_error("invalid_client_metadata", why, 429)
-        if len(body) > OAUTH_MAX_REGISTRATION_BYTES:
-            why = f"a registration is {OAUTH_MAX_REGISTRATION_BYTES} B at most"
-            return oauth_error("invalid_client_metadata", why, 413)
-        self.pages.failures.setdefault(key, []).append(time.time())
+        if not counts.add(key, time.time(), OAUTH_REGISTRATIONS):
+            why = (
+                "too many addresses registered clients lately: wait a few "
+                "minutes"
+            )
+            return oauth_error("invalid_client_metadata", why, 429)
         return None
 
 
@@ -13967,6 +14458,8 @@ HELP_EPILOG = (
     " ({tokens_default})\n"
     "  {auth_token:<28}required by --http: the token clients send as a"
     " Bearer\n"
+    "  {trusted_proxies:<28}--http behind a reverse proxy: its addresses"
+    " (off)\n"
     "  SMOLVM_VM_UID_DROP=off      read by smolvm itself: needed as root"
     " with /dev/kvm at mode 0600\n"
     "  SMOL_MCP_CONFIG             another config file; the README has"

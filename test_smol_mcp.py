@@ -296,6 +296,7 @@ class ConfigTests(unittest.TestCase):
             "httpSessionIdleSecs": 60,
             "httpAllowedHosts": ["h"],
             "httpAllowedOrigins": ["o"],
+            "trustedProxies": ["10.0.0.1"],
             "stateDir": "/tmp/s",
             "publicUrl": "https://mcp.example.com",
             "scopes": ["machines.read", "sandbox.exec"],
@@ -8035,6 +8036,233 @@ class HttpFrontProcessTests(unittest.TestCase):
         smol_mcp.check_token_strength(HTTP_TOKEN)  # a good one passes
 
 
+def slow_body(
+    port: int, path: str, headers: dict | None = None, source="127.0.0.1"
+) -> socket.socket:
+    """A connection that sends a POST's headers, declares a body of 1000
+    bytes and sends one of them; it holds still after that."""
+    sock = socket.create_connection(
+        ("127.0.0.1", port), timeout=10, source_address=(source, 0)
+    )
+    head = {
+        "Host": f"127.0.0.1:{port}",
+        "Content-Length": "1000",
+        **(headers or {}),
+    }
+    lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+    sock.sendall(f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode() + b"{")
+    return sock
+
+
+def said_so_far(sock: socket.socket, wait: float = 0.0) -> bytes:
+    """What the server sent on ``sock`` (waiting up to ``wait`` for the
+    first of it, then a moment for the rest); b"" for nothing, b"<closed>"
+    for an end without a word."""
+    sock.settimeout(wait or 0.01)
+    try:
+        data = sock.recv(65536)
+    except (TimeoutError, BlockingIOError):
+        return b""
+    except OSError:
+        return b"<closed>"
+    if not data:
+        return b"<closed>"
+    sock.settimeout(0.2)
+    try:
+        while more := sock.recv(65536):
+            data += more
+    except OSError:
+        pass
+    return data
+
+
+# The five paths a body can be held open on, and what each needs: a token
+# for /mcp and the plain API, nothing for the OAuth and sign-in routes.
+SLOW_PATHS = (
+    "/mcp",
+    "/api/tools/list-machines",
+    "/register",
+    "/token",
+    "/signin",
+)
+
+
+def slow_headers(path: str, token: str) -> dict:
+    if path == "/mcp" or path.startswith("/api/"):
+        return {
+            **JSON_HEADERS,
+            "Authorization": f"Bearer {token}",
+        }
+    if path in ("/token", "/signin"):
+        return {"Content-Type": "application/x-www-form-urlencoded"}
+    return {"Content-Type": "application/json"}
+
+
+class SlowBodyProcessTests(unittest.TestCase):
+    """A slow body holds up only its own caller: 16 bodies that declare
+    1000 bytes and send one, held open on /mcp, /api, /register, /token
+    and /signin against a real `smol_mcp.py --http` process (OAuth on),
+    and another token's list-machines answers within 2 s."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.fake = FakeSmolvm(f"{self.tmp}/fake.sock")
+        self.fake.start()
+        self.addCleanup(self.fake.stop)
+        state = f"{self.tmp}/state"
+        store = smol_mcp.TokenStore(state)
+        every = tuple(smol_mcp.SCOPES)
+        fleets = smol_mcp.FLEET_NAMES
+        self.victim = store.create("victim", every, fleets, "none")[1]
+        self.attacker = store.create(
+            "attacker", ("sandbox.read",), fleets, "none"
+        )[1]
+        smol_mcp.Operator(state).set_password(OPERATOR_PASSWORD)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SMOL")}
+        env |= {
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "SMOL_MCP_STATE_DIR": state,
+            "SMOL_MCP_RUNTIME_DIR": f"{self.tmp}/rt",
+            "SMOL_LOCAL_URL": f"unix://{self.tmp}/fake.sock",
+            "SMOL_MCP_TARGETS": "local",
+        }
+        log = open(f"{self.tmp}/server.log", "wb")  # noqa: SIM115
+        self.addCleanup(log.close)
+        server, self.port = spawn_http(env, output=log)
+        self.addCleanup(lambda: (server.kill(), server.wait()))
+
+    def victim_calls(self, http, session: dict) -> dict:
+        """Another token's list-machines over MCP and the plain API, and
+        its GET /api/tools: each one's (status, seconds)."""
+        auth = {"Authorization": f"Bearer {self.victim}"}
+        calls = {
+            "mcp list-machines": lambda: http.post(
+                "/mcp",
+                headers=session,
+                content=jsonrpc(
+                    2, "tools/call", {"name": "list-machines", "arguments": {}}
+                ),
+            ),
+            "api list-machines": lambda: http.post(
+                "/api/tools/list-machines", headers=auth, json={}
+            ),
+            "GET /api/tools": lambda: http.get("/api/tools", headers=auth),
+        }
+        timed = {}
+        for name, call in calls.items():
+            started = time.monotonic()
+            status = call().status_code
+            timed[name] = (status, round(time.monotonic() - started, 2))
+        return timed
+
+    def hold_slow_bodies(self, paths, token: str, source: str) -> list:
+        held = [
+            slow_body(
+                self.port,
+                paths[i % len(paths)],
+                slow_headers(paths[i % len(paths)], token),
+                source,
+            )
+            for i in range(16)
+        ]
+        for sock in held:
+            self.addCleanup(sock.close)
+        # Every one of them is in.
+        time.sleep(1)
+        return held
+
+    def assert_victim_answers(self, paths, source: str) -> list:
+        import httpx2
+
+        base = f"http://127.0.0.1:{self.port}"
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {self.victim}"}
+        with httpx2.Client(base_url=base, timeout=10) as http:
+            session = open_raw_session(http, "/mcp", auth)
+            self.victim_calls(http, session)
+            held = self.hold_slow_bodies(paths, self.attacker, source)
+            timed = self.victim_calls(http, session)
+        for name, (status, seconds) in timed.items():
+            self.assertEqual(status, 200, (name, timed))
+            self.assertLess(seconds, 2, (name, timed))
+        return held
+
+    def test_16_slow_bodies_on_five_paths_leave_list_machines_within_2s(self):
+        # From the victim's own address: before its token is known a body
+        # counts for the address, after it for the token.
+        held = self.assert_victim_answers(SLOW_PATHS, "127.0.0.1")
+        # The slow ones are still held, not answered.
+        self.assertEqual([said_so_far(sock) for sock in held[:4]], [b""] * 4)
+
+    def test_16_slow_bodies_of_one_token_leave_another_within_2s(self):
+        held = self.assert_victim_answers(SLOW_PATHS[:2], "127.0.0.2")
+        # Past its share (4 read, 8 waiting) the token's bodies are 429s.
+        answers = [said_so_far(sock) for sock in held]
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 429")]
+        self.assertEqual(len(refused), 16 - 4 - 8, answers)
+        self.assertIn(b"its share", refused[0])
+
+
+class ConnectionShareTests(HttpCase):
+    """Connections are bounded per address: past
+    HTTP_CONNECTIONS_PER_ADDRESS from one, its own oldest idle one is
+    closed, never another address's; a trusted proxy has no share."""
+
+    def open_idle(self, source: str, count: int, port=None) -> list:
+        socks = [
+            socket.create_connection(
+                ("127.0.0.1", port or self.port),
+                timeout=5,
+                source_address=(source, 0),
+            )
+            for _ in range(count)
+        ]
+        for sock in socks:
+            self.addCleanup(sock.close)
+        return socks
+
+    async def closed(self, socks: list) -> list:
+        await asyncio.sleep(0.5)
+        seen = [said_so_far(sock) for sock in socks]
+        return [i for i, said in enumerate(seen) if said == b"<closed>"]
+
+    async def test_an_address_past_its_share_loses_its_own_oldest(self):
+        share = smol_mcp.HTTP_CONNECTIONS_PER_ADDRESS
+        other = self.open_idle("127.0.0.6", 1)
+        flood = self.open_idle("127.0.0.5", share + 8)
+        self.assertEqual(await self.closed(flood), list(range(8)))
+        self.assertEqual(await self.closed(other), [])
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        answer = await self.raw("POST", "/mcp", auth, INIT_BODY)
+        self.assertEqual(answer.status_code, 200)
+
+    async def test_a_trusted_proxy_has_no_share(self):
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        # The same app, whose lifespan the first server runs already.
+        options = {
+            **smol_mcp.uvicorn_options(("127.0.0.5",)),
+            "lifespan": "off",
+        }
+        proxied = uvicorn.Server(
+            uvicorn.Config(self.uvicorn.config.app, **options)
+        )
+        serving = asyncio.create_task(proxied.serve(sockets=[sock]))
+        await wait_until(lambda: proxied.started, 30, "uvicorn serves")
+        try:
+            share = smol_mcp.HTTP_CONNECTIONS_PER_ADDRESS
+            flood = self.open_idle("127.0.0.5", share + 8, port)
+            self.assertEqual(await self.closed(flood), [])
+            others = self.open_idle("127.0.0.7", share + 1, port)
+            self.assertEqual(await self.closed(others), [0])
+        finally:
+            proxied.should_exit = True
+            await serving
+
+
 # ---------------------------------------------------------------------------
 # The helper commands: doctor, setup, parity
 # ---------------------------------------------------------------------------
@@ -13930,7 +14158,7 @@ class OAuthTests(OAuthCase):
         listed = run_cli("tokens", "list", env=self.cli_env()).stdout
         self.assertIn("a\\x1b]0;t\\x07\\u202eb", listed)
         self.assertNotIn("\x1b", listed)
-        self.app.pages.failures.clear()
+        self.app.pages.registrations.clear()
         with unittest.mock.patch.object(smol_mcp, "OAUTH_REGISTRATIONS", 2):
             statuses = [(await post(meta)).status_code for _ in range(3)]
         self.assertEqual(statuses, [201, 201, 429])
@@ -14154,7 +14382,7 @@ class SignInTests(OAuthCase):
         )  # even the right password waits now
         self.assertIn("Too many failed sign-ins from 127.0.0.1", right.text)
         self.assertEqual(
-            self.app.pages.wait_secs("10.0.0.9"), 0
+            self.app.pages.failures.wait_secs("10.0.0.9", 5), 0
         )  # another address is not held
 
     async def test_a_session_is_its_browsers_and_wide_grants_reask(self):
@@ -14762,6 +14990,767 @@ class BrowserTests(OAuthCase):
         await self.page.get_by_text(
             "You are signed in."
         ).wait_for()  # the forgery changed nothing
+
+
+def address_client(source: str, base: str):
+    """An HTTP client whose requests come from ``source`` (Linux answers
+    the whole of 127.0.0.0/8, so each test picks its own addresses)."""
+    import httpx2
+
+    transport = httpx2.AsyncHTTPTransport(local_address=source)
+    return httpx2.AsyncClient(base_url=base, transport=transport, timeout=30)
+
+
+FORM_HEADERS = {"Content-Type": "application/x-www-form-urlencoded"}
+
+
+class FrontCase(OAuthCase):
+    """OAuth on, and requests from chosen loopback addresses."""
+
+    async def wrong_password(self, source: str, headers=None):
+        """A wrong password from ``source`` (with ``headers``, such as
+        X-Forwarded-For): the answer."""
+        async with address_client(source, self.base) as http:
+            page = await http.get("/signin?hop=1", headers=headers)
+            form = {
+                "csrf": csrf_of(page.text),
+                "password": "not the password at all",
+            }
+            return await http.post("/signin", data=form, headers=headers)
+
+    async def register_from(self, source: str, redirect: str = CALLBACK):
+        async with address_client(source, self.base) as http:
+            meta = {
+                "client_name": "from " + source,
+                "redirect_uris": [redirect],
+            }
+            return await http.post("/register", json=meta)
+
+    async def authorize_from(
+        self, source: str, client: dict, redirect: str = CALLBACK
+    ) -> str | None:
+        """An unauthenticated /authorize from ``source``: the id of the
+        consent request it made, or None."""
+        url = self.authorize_url(client, pkce()[1], redirect_uri=redirect)
+        async with address_client(source, self.base) as http:
+            answer = await http.get(url[len(self.base) :])
+        return query_of(answer.headers.get("location", "")).get("request")
+
+    async def is_open(self, operator, request_id: str) -> bool:
+        page = await operator.get(f"/consent?request={request_id}")
+        return page.status_code == 200 and "Allow" in page.text
+
+
+class BodyShareTests(FrontCase):
+    """Bodies are read in shares (per token, per address before a token),
+    must keep arriving, and without a token are small."""
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        self.socks = []
+
+    async def asyncTearDown(self):
+        # Closed first: the server's shutdown would wait on a held body.
+        for sock in self.socks:
+            sock.close()
+        await super().asyncTearDown()
+
+    def token_headers(self, token: str = HTTP_TOKEN) -> dict:
+        return slow_headers("/mcp", token)
+
+    def whole(self, path: str, headers: dict, body: bytes, source="127.0.0.1"):
+        """A connection that sends a whole request at once."""
+        sock = socket.create_connection(
+            ("127.0.0.1", self.port), timeout=10, source_address=(source, 0)
+        )
+        self.socks.append(sock)
+        head = {
+            "Host": f"127.0.0.1:{self.port}",
+            "Content-Length": str(len(body)),
+            **headers,
+        }
+        lines = "".join(f"{k}: {v}\r\n" for k, v in head.items())
+        sock.sendall(f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode() + body)
+        return sock
+
+    def held(self, count: int, path: str, headers: dict, source="127.0.0.1"):
+        socks = [
+            slow_body(self.port, path, headers, source) for _ in range(count)
+        ]
+        self.socks.extend(socks)
+        return socks
+
+    async def test_a_body_that_stops_arriving_is_a_408_after_a_short_gap(
+        self,
+    ):
+        with unittest.mock.patch.object(smol_mcp, "HTTP_BODY_IDLE_SECS", 0.5):
+            token = self.held(1, "/mcp", self.token_headers())[0]
+            public = self.held(1, "/signin", slow_headers("/signin", ""))[0]
+            started = time.monotonic()
+            answers = [
+                await asyncio.to_thread(said_so_far, sock, 5)
+                for sock in (token, public)
+            ]
+        self.assertLess(time.monotonic() - started, 3)
+        for answer in answers:
+            self.assertTrue(answer.startswith(b"HTTP/1.1 408"), answer)
+            self.assertIn(b"nothing came for 0.5 s", answer)
+
+    async def test_past_its_share_a_body_waits_for_a_slot_then_is_a_429(
+        self,
+    ):
+        other = self.store.create(
+            "other", ("machines.read",), smol_mcp.FLEET_NAMES, "none"
+        )[1]
+        share = smol_mcp.HTTP_BODIES_PER_CALLER
+        held = self.held(share, "/mcp", self.token_headers())
+        await asyncio.sleep(0.3)
+        waiting = self.whole("/mcp", self.token_headers(), INIT_BODY)
+        await asyncio.sleep(0.5)
+        self.assertEqual(said_so_far(waiting), b"")
+        # Another token is not held up meanwhile.
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {other}"}
+        started = time.monotonic()
+        answer = await self.raw("POST", "/mcp", auth, INIT_BODY)
+        self.assertEqual(answer.status_code, 200)
+        self.assertLess(time.monotonic() - started, 2)
+        # A slot freed: the waiting body is read and answered.
+        held[0].close()
+        said = await asyncio.to_thread(said_so_far, waiting, 5)
+        self.assertTrue(said.startswith(b"HTTP/1.1 200"), said)
+        self.held(1, "/mcp", self.token_headers())
+        with unittest.mock.patch.object(smol_mcp, "HTTP_BODY_WAIT_SECS", 1):
+            late = self.whole("/mcp", self.token_headers(), INIT_BODY)
+            said = await asyncio.to_thread(said_so_far, late, 5)
+        self.assertTrue(said.startswith(b"HTTP/1.1 429"), said)
+        self.assertIn(
+            b"the token 'default' has 4 request bodies arriving already", said
+        )
+
+    async def test_an_address_with_its_waiting_share_full_is_refused_at_once(
+        self,
+    ):
+        headers = slow_headers("/signin", "")
+        share = smol_mcp.HTTP_BODIES_PER_CALLER
+        waiting = smol_mcp.HTTP_BODIES_WAITING_PER_CALLER
+        with unittest.mock.patch.object(smol_mcp, "HTTP_BODY_WAIT_SECS", 3):
+            held = self.held(share + waiting, "/signin", headers, "127.0.0.3")
+            await asyncio.sleep(0.5)
+            started = time.monotonic()
+            one_more = self.whole("/signin", headers, b"a=1", "127.0.0.3")
+            said = await asyncio.to_thread(said_so_far, one_more, 5)
+        self.assertLess(time.monotonic() - started, 1)
+        self.assertTrue(said.startswith(b"HTTP/1.1 429"), said)
+        self.assertIn(b"the address 127.0.0.3 has 4 request bodies", said)
+        self.assertEqual([said_so_far(sock) for sock in held], [b""] * 12)
+        # Another address signs in meanwhile.
+        async with address_client("127.0.0.4", self.base) as http:
+            page = await http.get("/signin?hop=1")
+            form = {"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD}
+            answer = await http.post("/signin", data=form)
+        self.assertEqual(answer.status_code, 303)
+
+    async def test_bodies_without_a_token_are_small(self):
+        small = smol_mcp.HTTP_MAX_PUBLIC_BODY_BYTES
+        form = b"password=" + b"x" * small
+        for path in ("/signin", "/token", "/consent"):
+            answer = await self.raw("POST", path, FORM_HEADERS, form)
+            self.assertEqual(answer.status_code, 413, path)
+            self.assertIn(f"over {small} bytes", answer.json()["error"])
+        # Asked first, refused before a byte of the body is sent.
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        head = (
+            f"POST /signin HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+            f"Content-Length: {small + 1}\r\nExpect: 100-continue\r\n\r\n"
+        )
+        writer.write(head.encode())
+        reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        self.assertTrue(reply.startswith(b"HTTP/1.1 413"), reply[:100])
+        # A token's body may still be large.
+        auth = {**JSON_HEADERS, "Authorization": f"Bearer {HTTP_TOKEN}"}
+        big = INIT_BODY[:-1] + b" " * (small * 4) + b"}"
+        answer = await self.raw("POST", "/mcp", auth, big)
+        self.assertEqual(answer.status_code, 200)
+
+    def test_an_ipv6_64_is_one_address_and_ipv4_mapped_is_ipv4(self):
+        key = smol_mcp.address_key
+        self.assertEqual(key("2001:db8:1:2::1"), "2001:db8:1:2::/64")
+        self.assertEqual(
+            key("2001:db8:1:2:ffff:ffff:ffff:ffff"), key("2001:db8:1:2::1")
+        )
+        self.assertNotEqual(key("2001:db8:1:3::1"), key("2001:db8:1:2::1"))
+        self.assertEqual(key("::ffff:192.0.2.7"), "192.0.2.7")
+        self.assertEqual(key("192.0.2.7"), "192.0.2.7")
+
+    async def test_no_one_caller_fills_the_ceiling(self):
+        shares = smol_mcp.BodyShares(2, 3)
+        with unittest.mock.patch.object(smol_mcp, "HTTP_BODY_WAIT_SECS", 0.2):
+            async with contextlib.AsyncExitStack() as stack:
+                taken = [
+                    await stack.enter_async_context(shares.share(caller))
+                    for caller in ("a", "a", "a", "b", "c")
+                ]
+                self.assertEqual(taken, [True, True, False, True, False])
+                self.assertEqual(shares.refusal("a", "a")[0], 429)
+                self.assertEqual(shares.refusal("c", "c")[0], 503)
+        self.assertEqual((shares.total, shares.reading), (0, {}))
+
+
+class SignInCounterTests(FrontCase):
+    """The sign-in limits are not erasable by volume: registrations count
+    in a table of their own, and a locked key is never the one forgotten."""
+
+    async def test_a_flood_of_registrations_erases_no_sign_in_lock(self):
+        pages = self.app.pages
+        # Small tables, so that a flood overfills them here.
+        pages.failures.keys = 8
+        pages.registrations.keys = 8
+        with unittest.mock.patch.object(smol_mcp, "SIGNIN_ALL_TRIES", 7):
+            statuses = [
+                (await self.wrong_password("127.0.1.1")).status_code
+                for _ in range(smol_mcp.SIGNIN_TRIES)
+            ]
+            statuses += [
+                (await self.wrong_password(f"127.0.1.{i}")).status_code
+                for i in (2, 3)
+            ]
+            self.assertEqual(statuses, [401] * 7)
+            flood = [
+                await self.raw_from(f"127.0.9.{i}", "/register")
+                for i in range(1, 41)
+            ]
+            self.assertEqual(set(flood), {400})
+            locked = await self.wrong_password("127.0.1.1")
+            fresh = await self.wrong_password("127.0.2.1")
+        self.assertEqual((locked.status_code, fresh.status_code), (429, 429))
+        self.assertIn("from 127.0.1.1", locked.text)
+
+    async def raw_from(self, source: str, path: str) -> int:
+        async with address_client(source, self.base) as http:
+            headers = {"Content-Type": "application/json"}
+            return (await http.post(path, headers=headers)).status_code
+
+    def test_a_locked_key_is_never_the_one_forgotten(self):
+        counts = smol_mcp.RecentEvents(3)
+        now = time.time()
+        # Locked, and quiet the longest of all.
+        for _ in range(5):
+            self.assertTrue(counts.add("locked", now - 100, 5))
+        self.assertTrue(counts.add("quiet", now - 10, 5))
+        self.assertTrue(counts.add("busy", now, 5))
+        # Full: the unlocked key quiet the longest makes room.
+        self.assertTrue(counts.add("new", now, 5))
+        self.assertEqual(set(counts.times), {"locked", "busy", "new"})
+        self.assertGreater(counts.wait_secs("locked", 5), 190)
+        for key in ("busy", "new"):
+            for _ in range(4):
+                counts.add(key, now, 5)
+        # Every key locked: a new one is not counted, and nothing goes.
+        self.assertFalse(counts.add("another", now, 5))
+        self.assertEqual(set(counts.times), {"locked", "busy", "new"})
+
+    def test_a_lock_lasts_its_window_then_ends(self):
+        counts = smol_mcp.RecentEvents(8)
+        window = smol_mcp.SIGNIN_WINDOW_SECS
+        for _ in range(5):
+            counts.add("a", time.time() - window + 30, 5)
+            counts.add("b", time.time() - window - 1, 5)
+        self.assertGreater(counts.wait_secs("a", 5), 0)
+        self.assertLessEqual(counts.wait_secs("a", 5), 31)
+        self.assertEqual(counts.wait_secs("b", 5), 0)
+        self.assertNotIn("b", counts.times)
+
+
+class TrustedProxyTests(FrontCase):
+    """With trustedProxies naming the proxy in front, X-Forwarded-For
+    names each browser, so one browser's failures lock only itself; from
+    any other peer the header is ignored."""
+
+    config_overrides = {"trusted_proxies": ("127.0.0.1",)}
+
+    async def forwarded(self, client: str, source: str = "127.0.0.1"):
+        headers = {"X-Forwarded-For": client}
+        return (await self.wrong_password(source, headers)).status_code
+
+    async def test_each_forwarded_browser_has_its_own_lock(self):
+        first = [await self.forwarded("203.0.113.1") for _ in range(6)]
+        self.assertEqual(first, [401] * 5 + [429])
+        self.assertEqual(await self.forwarded("203.0.113.2"), 401)
+        # An entry the browser wrote itself is further left: not believed.
+        spoofed = await self.forwarded("198.51.100.7, 203.0.113.1")
+        self.assertEqual(spoofed, 429)
+        # A peer that is not the proxy cannot rotate its way out.
+        rotating = [
+            await self.forwarded(f"198.51.100.{i}", "127.0.0.9")
+            for i in range(1, 7)
+        ]
+        self.assertEqual(rotating, [401] * 5 + [429])
+
+    async def test_a_session_is_bound_to_the_forwarded_browser(self):
+        async with address_client("127.0.0.1", self.base) as http:
+            mine = {"X-Forwarded-For": "203.0.113.5"}
+            page = await http.get("/signin?hop=1", headers=mine)
+            form = {"csrf": csrf_of(page.text), "password": OPERATOR_PASSWORD}
+            signed = await http.post("/signin", data=form, headers=mine)
+            self.assertEqual(signed.status_code, 303)
+            again = await http.get("/console/tokens", headers=mine)
+            other = {"X-Forwarded-For": "203.0.113.6"}
+            elsewhere = await http.get("/console/tokens", headers=other)
+        self.assertEqual(again.status_code, 200)
+        self.assertEqual(elsewhere.status_code, 303)
+
+    def test_only_what_the_trusted_proxies_added_is_believed(self):
+        proxies = [
+            smol_mcp.ipaddress.ip_network(p)
+            for p in ("10.0.0.0/8", "fd00::/8")
+        ]
+        client = smol_mcp.forwarded_client
+        cases = (
+            ("192.0.2.1", ["203.0.113.9"], "192.0.2.1"),
+            ("10.0.0.1", [], "10.0.0.1"),
+            ("10.0.0.1", ["203.0.113.9"], "203.0.113.9"),
+            ("10.0.0.1", ["1.1.1.1, 203.0.113.9"], "203.0.113.9"),
+            ("10.0.0.1", ["203.0.113.9, 10.0.0.2"], "203.0.113.9"),
+            ("10.0.0.1", ["203.0.113.9", "10.0.0.2"], "203.0.113.9"),
+            ("10.0.0.1", ["nonsense"], "10.0.0.1"),
+            ("10.0.0.1", ["203.0.113.9:4711"], "203.0.113.9"),
+            ("fd00::1", ["[2001:db8::7]:443"], "2001:db8::7"),
+            ("::ffff:10.0.0.1", ["203.0.113.9"], "203.0.113.9"),
+        )
+        for peer, forwarded, expected in cases:
+            with self.subTest(peer=peer, forwarded=forwarded):
+                self.assertEqual(client(peer, forwarded, proxies), expected)
+
+    def test_the_setting_is_off_by_default_checked_and_in_help(self):
+        base = {"SMOL_MCP_CONFIG": "/nonexistent"}
+        self.assertEqual(load_config(base).trusted_proxies, ())
+        proxies = "10.0.0.1, fd00::/8"
+        both = {**base, "SMOL_MCP_TRUSTED_PROXIES": proxies}
+        self.assertEqual(
+            load_config(both).trusted_proxies, ("10.0.0.1", "fd00::/8")
+        )
+        with self.assertRaises(ConfigError) as caught:
+            load_config({**base, "SMOL_MCP_TRUSTED_PROXIES": "the proxy"})
+        self.assertIn(
+            "trustedProxies (SMOL_MCP_TRUSTED_PROXIES)", str(caught.exception)
+        )
+        self.assertIn("SMOL_MCP_TRUSTED_PROXIES", smol_mcp.HELP_EPILOG)
+
+
+class ConsentShareTests(FrontCase):
+    """A stranger cannot evict the operator's pending consent: requests
+    and registered clients are shared per address, and an answer takes
+    its request before anything can push it out."""
+
+    async def test_a_strangers_flood_leaves_the_operators_pending_consent(
+        self,
+    ):
+        mine = await self.register()
+        request_id = await self.authorize_from("127.0.0.1", mine)
+        stranger = "127.0.70.9"
+        theirs = []
+        for _ in range(9):
+            client = (await self.register_from(stranger)).json()
+            for _ in range(4):
+                theirs.append(await self.authorize_from(stranger, client))
+        operator = await self.operator()
+        self.assertTrue(await self.is_open(operator, request_id))
+        still = [i for i in theirs if await self.is_open(operator, i)]
+        self.assertEqual(still, theirs[-smol_mcp.OAUTH_ADDRESS_PENDING :])
+        page = await operator.get(f"/consent?request={request_id}")
+        form = {
+            "csrf": csrf_of(page.text),
+            "action": "Allow",
+            "grant": "Sandbox",
+            "name": "mine",
+        }
+        answer = await operator.post(
+            f"/consent?request={request_id}", data=form
+        )
+        self.assertIn("code", query_of(answer.headers["location"]))
+
+    async def test_past_the_ceiling_the_oldest_of_whoever_holds_most_goes(
+        self,
+    ):
+        mine = await self.register()
+        request_id = await self.authorize_from("127.0.0.1", mine)
+        with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_PENDING", 4):
+            theirs = []
+            for stranger in ("127.0.71.1", "127.0.71.2"):
+                client = (await self.register_from(stranger)).json()
+                for _ in range(3):
+                    theirs.append(await self.authorize_from(stranger, client))
+        operator = await self.operator()
+        self.assertTrue(await self.is_open(operator, request_id))
+        still = [i for i in theirs if await self.is_open(operator, i)]
+        # Four held in all: the operator's, and the newest of each.
+        self.assertEqual(still, [theirs[2], theirs[4], theirs[5]])
+
+    async def test_clients_without_a_grant_are_shared_per_address(self):
+        mine = (await self.register_from("127.0.72.1")).json()["client_id"]
+        with unittest.mock.patch.object(smol_mcp, "OAUTH_MAX_CLIENTS", 12):
+            theirs = [
+                (await self.register_from("127.0.72.2")).json()["client_id"]
+                for _ in range(10)
+            ]
+            kept = self.clients()
+            # The stranger's own oldest went.
+            share = smol_mcp.OAUTH_ADDRESS_CLIENTS
+            self.assertEqual([c for c in theirs if c in kept], theirs[-share:])
+            more = [
+                (await self.register_from(f"127.0.72.{i}")).json()["client_id"]
+                for i in range(3, 8)
+            ]
+            kept = self.clients()
+        self.assertIn(mine, kept)
+        self.assertTrue(all(c in kept for c in more))
+        self.assertEqual(len(kept), 12)
+
+    def clients(self) -> dict:
+        path = Path(self.config.state_dir) / "oauth-clients.json"
+        return smol_mcp.StateFile(path, dict).read()
+
+    async def slow_checks(self, released: threading.Event | None = None):
+        """Password checks that take a while: until ``released`` is set,
+        else half a second."""
+        real = self.app.pages.operator.check_password
+
+        def slow(password):
+            if released is None:
+                time.sleep(0.5)
+            else:
+                released.wait(10)
+            return real(password)
+
+        return unittest.mock.patch.object(
+            self.app.pages.operator, "check_password", slow
+        )
+
+    async def test_an_answer_in_flight_keeps_its_request_through_a_flood(
+        self,
+    ):
+        client = await self.register()
+        request_id = await self.authorize_from("127.0.0.1", client)
+        operator = await self.operator()
+        page = await operator.get(f"/consent?request={request_id}")
+        form = {
+            "csrf": csrf_of(page.text),
+            "password": OPERATOR_PASSWORD,
+            "action": "Allow",
+            "grant": "Full",
+            "name": "raced",
+        }
+        released = threading.Event()
+        with await self.slow_checks(released):
+            answer = asyncio.create_task(
+                operator.post(f"/consent?request={request_id}", data=form)
+            )
+            await asyncio.sleep(0.2)
+            # While the password is checked, the same client and address
+            # ask again and again.
+            flood = [
+                self.authorize_from("127.0.0.1", client)
+                for _ in range(smol_mcp.OAUTH_ADDRESS_PENDING + 1)
+            ]
+            asked = await asyncio.gather(*flood)
+            self.assertFalse(answer.done())
+            released.set()
+            reply = await answer
+        self.assertNotIn(None, asked)
+        self.assertEqual(reply.status_code, 303, reply.text)
+        self.assertIn("code", query_of(reply.headers["location"]))
+        self.assertEqual(
+            self.grant("raced")["scopes"], list(smol_mcp.GRANTS["Full"])
+        )
+
+    async def test_two_answers_to_one_request_make_one_grant(self):
+        client = await self.register()
+        request_id = await self.authorize_from("127.0.0.1", client)
+        operator = await self.operator()
+        page = await operator.get(f"/consent?request={request_id}")
+        form = {
+            "csrf": csrf_of(page.text),
+            "password": OPERATOR_PASSWORD,
+            "action": "Allow",
+            "grant": "Full",
+            "name": "twice",
+        }
+        with await self.slow_checks():
+            replies = await asyncio.gather(
+                *(
+                    operator.post(f"/consent?request={request_id}", data=form)
+                    for _ in range(2)
+                )
+            )
+        self.assertEqual(sorted(r.status_code for r in replies), [303, 404])
+        names = [r["name"] for r in self.store.records()]
+        self.assertEqual(names.count("twice"), 1)
+
+    async def test_a_wrong_password_leaves_the_request_through_a_flood(
+        self,
+    ):
+        client = await self.register()
+        request_id = await self.authorize_from("127.0.0.1", client)
+        operator = await self.operator()
+        page = await operator.get(f"/consent?request={request_id}")
+        form = {
+            "csrf": csrf_of(page.text),
+            "password": "not the password at all",
+            "action": "Allow",
+            "grant": "Full",
+            "name": "wrong",
+        }
+        released = threading.Event()
+        with await self.slow_checks(released):
+            answer = asyncio.create_task(
+                operator.post(f"/consent?request={request_id}", data=form)
+            )
+            await asyncio.sleep(0.2)
+            other = (await self.register_from("127.0.73.1")).json()
+            self.assertIsNotNone(
+                await self.authorize_from("127.0.73.1", other)
+            )
+            released.set()
+            reply = await answer
+        self.assertEqual(reply.status_code, 400, reply.text)
+        self.assertTrue(await self.is_open(operator, request_id))
+
+    async def test_a_refused_answer_leaves_the_request_to_answer(self):
+        client = await self.register()
+        request_id = await self.authorize_from("127.0.0.1", client)
+        operator = await self.operator()
+        wrong = {"csrf": "not the token", "action": "Allow"}
+        answer = await operator.post(
+            f"/consent?request={request_id}", data=wrong
+        )
+        self.assertEqual(answer.status_code, 403)
+        page = await operator.get(f"/consent?request={request_id}")
+        # No grant and no scope ticked: the page again, saying so.
+        empty = {"csrf": csrf_of(page.text), "action": "Allow", "name": "x"}
+        answer = await operator.post(
+            f"/consent?request={request_id}", data=empty
+        )
+        self.assertEqual(answer.status_code, 400)
+        self.assertIn("Tick at least one scope", answer.text)
+        self.assertTrue(await self.is_open(operator, request_id))
+
+
+class RedirectUriTests(FrontCase):
+    """A redirect URI is https, http on loopback, or an app's own scheme
+    in reverse-domain form (RFC 8252), without a fragment, a wildcard or
+    a user; the consent page names an app's scheme as a scheme."""
+
+    REFUSED = (
+        "ws://evil.example/cb",
+        "view-source:https://evil.example/cb",
+        "blob:https://evil.example/1b2c",
+        "about:blank",
+        "intent://evil.example/cb",
+        "https://good.example/cb#fragment",
+        "https://good.example/cb#",
+        "https://*.x/cb",
+        "https://user@good.example/cb",
+        "http://evil.example/cb",
+        "myapp:/cb",
+        "com.example.app:/cb#x",
+    )
+    TAKEN = (
+        "https://good.example/cb",
+        "http://127.0.0.1:9/cb",
+        "http://localhost/cb",
+        "http://[::1]:9/cb",
+        "com.example.app:/cb",
+        "github.com:/cb",
+    )
+
+    async def test_only_https_loopback_http_and_an_apps_own_scheme(self):
+        for i, uri in enumerate(self.REFUSED + self.TAKEN):
+            with self.subTest(uri=uri):
+                answer = await self.register_from(f"127.0.80.{i + 1}", uri)
+                if uri in self.TAKEN:
+                    self.assertEqual(answer.status_code, 201, answer.text)
+                    continue
+                self.assertEqual(answer.status_code, 400)
+                self.assertEqual(
+                    answer.json()["error"], "invalid_redirect_uri"
+                )
+                self.assertIn(uri, answer.json()["error_description"])
+
+    async def test_the_consent_page_names_an_apps_scheme_as_a_scheme(self):
+        operator = await self.operator()
+        shown = {}
+        for i, uri in enumerate(("github.com:/cb", "https://good.example/cb")):
+            source = f"127.0.81.{i + 1}"
+            client = (await self.register_from(source, uri)).json()
+            request_id = await self.authorize_from(source, client, uri)
+            page = await operator.get(f"/consent?request={request_id}")
+            shown[uri] = page.text
+        scheme = shown["github.com:/cb"]
+        self.assertIn("of the scheme <strong>github.com:</strong>", scheme)
+        self.assertNotIn("returning to <strong>github.com", scheme)
+        host = shown["https://good.example/cb"]
+        self.assertIn("returning to <strong>good.example</strong>", host)
+
+
+class RefreshScopeTests(FrontCase):
+    """A refresh that asks for a narrower scope gets an access token with
+    only that (RFC 6749 section 6); the refresh token keeps the grant."""
+
+    async def token(self, form: dict):
+        body = urllib.parse.urlencode({**form, "resource": self.url})
+        return await self.raw("POST", "/token", FORM_HEADERS, body.encode())
+
+    async def tools_of(self, access: str) -> list:
+        auth = {"Authorization": f"Bearer {access}"}
+        listed = (await self.raw("GET", "/api/tools", auth)).json()
+        return sorted(tool["name"] for tool in listed["tools"])
+
+    async def test_a_refresh_asking_for_less_gets_less(self):
+        client = await self.register()
+        verifier, challenge = pkce()
+        answer = {"action": "Allow", "grant": "Sandbox", "name": "narrow"}
+        location = await self.consent(
+            self.authorize_url(client, challenge), answer
+        )
+        first = await self.token(
+            {
+                "grant_type": "authorization_code",
+                "code": query_of(location)["code"],
+                "redirect_uri": CALLBACK,
+                "client_id": client["client_id"],
+                "client_secret": client["client_secret"],
+                "code_verifier": verifier,
+            }
+        )
+        self.assertEqual(first.status_code, 200, first.text)
+        whole = first.json()
+        refresh = {
+            "grant_type": "refresh_token",
+            "client_id": client["client_id"],
+            "client_secret": client["client_secret"],
+        }
+        less = await self.token(
+            {
+                **refresh,
+                "refresh_token": whole["refresh_token"],
+                "scope": "sandbox.read",
+            }
+        )
+        self.assertEqual(less.status_code, 200, less.text)
+        narrow = less.json()
+        self.assertEqual(narrow["scope"], "sandbox.read")
+        reading = await self.tools_of(narrow["access_token"])
+        self.assertNotIn("create-machine", reading)
+        self.assertIn("list-machines", reading)
+        auth = {
+            "Authorization": f"Bearer {narrow['access_token']}",
+            **JSON_HEADERS,
+        }
+        made = await self.raw(
+            "POST", "/api/tools/create-machine", auth, b'{"name": "n1"}'
+        )
+        self.assertEqual(made.status_code, 403, made.text)
+        # The refresh token it got still holds the whole grant.
+        again = await self.token(
+            {**refresh, "refresh_token": narrow["refresh_token"]}
+        )
+        self.assertEqual(again.json()["scope"], whole["scope"])
+        self.assertIn(
+            "create-machine", await self.tools_of(again.json()["access_token"])
+        )
+        wider = await self.token(
+            {
+                **refresh,
+                "refresh_token": again.json()["refresh_token"],
+                "scope": "machines.manage",
+            }
+        )
+        self.assertEqual(
+            (wider.status_code, wider.json()["error"]), (400, "invalid_scope")
+        )
+
+
+class ConsoleGateTests(FrontCase):
+    """The console does no work for a stranger, bounds ?page=, and makes
+    one form token a request."""
+
+    async def test_a_stranger_is_sent_to_sign_in_before_any_work(self):
+        read = []
+
+        def calls(*_):
+            read.append("approvals")
+            return []
+
+        def entries(*_, **__):
+            read.append("activity")
+            return []
+
+        activity = self.app.access.activity
+        with (
+            unittest.mock.patch.object(smol_mcp, "waiting_calls", calls),
+            unittest.mock.patch.object(activity, "entries", entries),
+        ):
+            for path in (
+                "/console",
+                "/console/approvals",
+                "/console/approvals/abc",
+                "/console/activity?page=3",
+            ):
+                answer = await self.raw("GET", path)
+                self.assertEqual(answer.status_code, 303, path)
+                self.assertTrue(
+                    answer.headers["location"].startswith("/signin?next="),
+                    path,
+                )
+            self.assertEqual(read, [])
+            operator = await self.operator()
+            self.assertEqual(
+                (await operator.get("/console/activity")).status_code, 200
+            )
+            self.assertEqual(
+                (await operator.get("/console/approvals")).status_code, 200
+            )
+        self.assertEqual(read, ["activity", "approvals"])
+
+    async def test_the_activity_page_number_is_bounded(self):
+        operator = await self.operator()
+        limits = []
+        activity = self.app.access.activity
+        real = activity.entries
+
+        def entries(keep, limit=None):
+            limits.append(limit)
+            return real(keep, limit=limit)
+
+        last = smol_mcp.CONSOLE_MAX_PAGES
+        with unittest.mock.patch.object(activity, "entries", entries):
+            for asked, shown in (
+                ("123456x", 1),
+                ("999999", last),
+                ("9" * 5000, 1),
+                ("0", 1),
+                ("\u00b2", 1),
+                ("7", 7),
+            ):
+                query = urllib.parse.urlencode({"page": asked})
+                page = await operator.get(f"/console/activity?{query}")
+                self.assertEqual(page.status_code, 200, asked)
+                self.assertIn(f"page {shown}.", page.text)
+        self.assertEqual(max(limits), last * smol_mcp.CONSOLE_PAGE_ROWS + 1)
+
+    def test_one_form_token_a_request_however_many_forms(self):
+        from starlette.requests import Request
+
+        request = Request(
+            {"type": "http", "headers": [], "client": ("127.0.0.1", 1)}
+        )
+        pages = self.app.pages
+        fields = [pages.csrf_input(request) for _ in range(3)]
+        self.assertEqual(len(set(fields)), 1)
+        token = re.search(r'value="([^"]*)"', fields[0]).group(1)
+        response = pages.page(request, "Two forms", "".join(fields))
+        self.assertIn(f"smol_form={token}", response.headers["set-cookie"])
 
 
 class SandboxBothFleetsTests(FakeCloudCase):
