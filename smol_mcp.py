@@ -4135,6 +4135,8 @@ CURSOR_LINES = 3
 JOB_DEFAULT_TIMEOUT_SECS = 3600
 # A job holds its machine: a day at most.
 JOB_MAX_TIMEOUT_SECS = 24 * 3600
+# The named shells one machine keeps (run-command's `shell`).
+SHELLS_PER_MACHINE = 16
 # The denials read after a failed command.
 EGRESS_EVENTS_LIMIT = 1000
 # The denials get-machine reads.
@@ -4303,6 +4305,14 @@ ARG_JOB_OFFSET = {
 ARG_WAIT = _boolean(
     "Wait until a command has run in the guest before answering "
     "(default true)."
+)
+ARG_SHELL = _string(
+    "A named shell of the machine to run in: the working directory and "
+    "exported variables this command ends with are where the next command "
+    "in the same shell starts (cd and export persist). Omit it and every "
+    f"command starts fresh. At most {SHELLS_PER_MACHINE} shells a machine.",
+    minLength=1,
+    pattern=NAME_PATTERN,
 )
 # run-command's and run-once's
 ARG_EXEC = dict(
@@ -4815,6 +4825,75 @@ RUN_KILL_SCRIPT = (
     'kill -KILL "$p" 2>/dev/null\n'
     "exit 0\n"
 )
+# A named shell (run-command's and start-job's `shell`) is a directory of
+# the guest, SHELL_DIR/<name>, holding the working directory (cwd) and
+# the exported environment (env, as `export -p` prints it) as they were
+# at the end of the last command run in it; SHELL_SCRIPT reads them
+# before the command and writes them after it, in the same sh process as
+# the command, so its cd and export stay (an exit in it too, by an EXIT
+# trap). The command is data ($6), run with eval; stdout, stderr and the
+# exit code are the command's own. A command killed (at its timeout, or
+# cancelled: TERM or KILL) writes nothing: the shell stays as it was
+# before it. A job reads the state and writes none back: a job ending
+# while the next command runs would make the shell's state a race.
+# Nothing is kept on the host, so a branch, a pause and resume, or a
+# server restart keep every shell. A machine keeps at most
+# SHELLS_PER_MACHINE; the guest script counts them (no extra request).
+SHELL_DIR = "/var/tmp/smol-mcp/shells"
+# $1 the shell's directory, $2 the most shells a machine keeps, $3 the
+# marker a refusal starts stderr with, $4 save (run-command) or job, $5
+# cwd (start in the saved directory) or workdir (the call named one), $6
+# the command, then NAME=VALUE for each variable of the call's env (set
+# after the saved ones, so the call's win). A refusal (no room for a new
+# shell, or no place to keep it) exits 125 with the marker, its kind and
+# the shells there on stderr, before the command runs. Our names start
+# with _smol_ (the command shares the shell with them); pwd and mv are
+# called with `command` so a function the command defines is not.
+SHELL_SCRIPT = r"""_smol_d=$1
+_smol_r=$3
+_smol_k=$4
+_smol_c=$6
+_smol_n() { if [ -e "$1" ]; then echo $#; else echo 0; fi; }
+_smol_no() {
+  echo "$_smol_r $1" >&2
+  for _smol_e in "${_smol_d%/*}"/*; do
+    [ -d "$_smol_e" ] && echo "${_smol_e##*/}" >&2
+  done
+  exit 125
+}
+if [ "$_smol_k" = save ] && [ ! -d "$_smol_d" ]; then
+  [ "$(_smol_n "${_smol_d%/*}"/*)" -lt "$2" ] || _smol_no limit
+  mkdir -p "$_smol_d" 2>/dev/null || _smol_no state
+  if [ "$(_smol_n "${_smol_d%/*}"/*)" -gt "$2" ]; then
+    rmdir "$_smol_d"; _smol_no limit
+  fi
+fi
+_smol_p=$PWD
+if [ -f "$_smol_d/env" ]; then command . "$_smol_d/env" 2>/dev/null; fi
+PWD=$_smol_p
+if [ "$5" = cwd ] && [ -f "$_smol_d/cwd" ]; then
+  IFS= read -r _smol_p <"$_smol_d/cwd" && cd -- "$_smol_p" 2>/dev/null
+fi
+shift 6
+for _smol_e do export "$_smol_e"; done
+unset _smol_e _smol_p
+set --
+_smol_save() {
+  command pwd >"$_smol_d/cwd.part" && export -p >"$_smol_d/env.part" &&
+    command -p mv -f "$_smol_d/env.part" "$_smol_d/env" &&
+    command -p mv -f "$_smol_d/cwd.part" "$_smol_d/cwd"
+}
+_smol_end() { { trap - EXIT "$1"; kill -"$1" $$; } 2>/dev/null; }
+if [ "$_smol_k" = save ]; then
+  trap '{ _smol_x=$?; set +ex; _smol_save; exit "$_smol_x"; } 2>/dev/null' EXIT
+  trap '_smol_end TERM' TERM
+  trap '_smol_end INT' INT
+  trap '_smol_end HUP' HUP
+fi
+eval "$_smol_c"
+"""
+# $1 the shell's directory: its saved working directory.
+SHELL_CWD_SCRIPT = 'cat "$1/cwd"'
 # At most about three output lines a second reach the client, each cut to
 # LIVE_LINE_CHARS.
 LIVE_OUTPUT_INTERVAL_SECS = 0.3
@@ -4825,6 +4904,83 @@ def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
     """The argv that runs one of the RUN_ scripts above with its pid
     file."""
     return ["sh", "-c", script, "sh", pid_file, *argv]
+
+
+def shell_argv(args: dict, options: dict, mode: str) -> tuple[list, str]:
+    """The argv that runs ``args["command"]`` in the shell
+    ``args["shell"]`` (``mode`` "save" or "job"), and the marker of its
+    refusal. The call's env goes in as the script's arguments, so it is
+    taken out of ``options``. An argv list is one command line of quoted
+    words; raise ArgumentError for a word no command line can carry."""
+    command = args["command"]
+    if not isinstance(command, str):
+        if any("\0" in word for word in command):
+            raise ArgumentError(
+                '"command" holds a NUL character, which no shell command '
+                "line (nor any argv) can carry; take it out"
+            )
+        # Every word quoted, so a word that is a shell keyword stays a
+        # word, as exec would take it.
+        command = " ".join(quoted(word) for word in command)
+    marker = f"smol-mcp-shell-{secrets_module.token_hex(8)}"
+    start = "workdir" if "workdir" in args else "cwd"
+    env = options.pop("env", None) or {}
+    assignments = [f"{key}={value}" for key, value in env.items()]
+    return [
+        "sh",
+        "-c",
+        SHELL_SCRIPT,
+        "sh",
+        f"{SHELL_DIR}/{args['shell']}",
+        str(SHELLS_PER_MACHINE),
+        marker,
+        mode,
+        start,
+        command,
+        *assignments,
+    ], marker
+
+
+def quoted(word: str) -> str:
+    """``word`` in single quotes for sh, whatever it holds."""
+    return "'" + word.replace("'", "'\\''") + "'"
+
+
+def refuse_shell(result: ExecResult, marker: str, name: str, shell: str):
+    """Raise SmolError when SHELL_SCRIPT refused to open ``shell`` (its
+    stderr starts with ``marker``); nothing ran then."""
+    stderr = bytes(result.stderr).decode("utf-8", "replace")
+    if result.exit_code != 125 or not stderr.startswith(f"{marker} "):
+        return
+    kind, *shells = stderr[len(marker) + 1 :].split()
+    if kind == "limit":
+        raise SmolError(
+            f"machine '{name}' keeps {SHELLS_PER_MACHINE} shells already "
+            f"({', '.join(shells)}), the most it may, so shell '{shell}' "
+            "was not opened and nothing ran. Use one of those, or remove "
+            f'one first: run-command {{name: "{name}", command: "rm -r '
+            f'{SHELL_DIR}/<shell>"}}'
+        )
+    raise SmolError(
+        f"machine '{name}' cannot keep shell '{shell}': {SHELL_DIR} cannot "
+        "be written in its guest, so nothing ran. Run the command without "
+        "shell (chain the steps with &&), or make that directory writable"
+    )
+
+
+async def shell_cwd(call: Call, name: str, shell: str) -> str | None:
+    """The working directory shell ``shell`` saved, or None when it has
+    none (its first command was killed) or it cannot be read."""
+    argv = ["sh", "-c", SHELL_CWD_SCRIPT, "sh", f"{SHELL_DIR}/{shell}"]
+    try:
+        answer = await call.api(call.fleet.exec, name, argv, timeout_secs=30)
+    except SmolError as err:
+        log.warning("could not read shell %s of %s: %s", shell, name, err)
+        return None
+    if answer.exit_code != 0:
+        return None
+    text = bytes(answer.stdout).decode("utf-8", "replace")
+    return text.removesuffix("\n") or None
 
 
 async def run_in_machine(
@@ -5414,9 +5570,11 @@ async def create_recorded(
     "the whole stream is saved in the machine at the path listed in "
     "overflow. A stopped machine is started first. On the local fleet a "
     "failed command lists the connections the egress policy refused "
-    "(egressDenied).",
-    _input("name command", name=ARG_NAME, **ARG_EXEC),
-    _out(OUT_EXEC_PROPERTIES, OUT_EXEC_EGRESS),
+    "(egressDenied). With shell, it runs in that named shell of the "
+    "machine: the directory and exported variables it ends with are where "
+    "the next command in the shell starts (cwd in the result).",
+    _input("name command", name=ARG_NAME, **ARG_EXEC, shell=ARG_SHELL),
+    _out(OUT_EXEC_PROPERTIES, {**OUT_EXEC_EGRESS, **_types("cwd:string?")}),
     "exec: destructive open_world",
 )
 async def tool_run_command(call: Call, args: dict) -> dict:
@@ -5424,12 +5582,21 @@ async def tool_run_command(call: Call, args: dict) -> dict:
     options = exec_options(args, call.config.exec_timeout_secs)
     since = datetime.datetime.now(datetime.UTC)
     argv = command_argv(args["command"])
+    shell = args.get("shell")
+    if shell:
+        argv, marker = shell_argv(args, options, "save")
     run = functools.partial(run_in_machine, call, name, argv, **options)
     result, started_machine = await on_running(call, name, run)
+    if shell:
+        refuse_shell(result, marker, name, shell)
     shaped = await budget_exec(
         call, name, result, options["timeout_secs"], since, once=False
     )
-    return {**shaped, "startedMachine": started_machine}
+    answer = {**shaped, "startedMachine": started_machine}
+    if shell:
+        # What the shell saved (as it was, if the command was killed).
+        answer["cwd"] = await shell_cwd(call, name, shell)
+    return answer
 
 
 @tool(
@@ -5805,6 +5972,14 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
         ),
         workdir=ARG_WORKDIR,
         env=ARG_ENV,
+        shell={
+            **ARG_SHELL,
+            "description": (
+                "Start from this named shell's directory and exported "
+                "variables (as run-command left them); the job changes "
+                "neither."
+            ),
+        },
     ),
     _out(
         "jobId:string state:string timeoutSecs:integer startedMachine:boolean"
@@ -5815,6 +5990,9 @@ async def tool_start_job(call: Call, args: dict) -> dict:
     name = args["name"]
     argv = command_argv(args["command"])
     options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
+    if args.get("shell"):
+        # A job writes no state back, so nothing can refuse it.
+        argv, _ = shell_argv(args, options, "job")
     if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
         raise ArgumentError(
             f'"timeoutSecs" is {options["timeout_secs"]}, above the job '

@@ -6679,6 +6679,427 @@ class CloudJobTests(JobScenarios, FakeCloudCase):
         )
 
 
+class ShellScenarios(LongWorkScenarios):
+    """Named shells (run-command's and start-job's `shell`), the same
+    vocabulary on either fleet: the state lives in the guest."""
+
+    machine_name = "sh1"
+
+    async def sh(self, c, command, **extra) -> dict:
+        return await self.ok(
+            c,
+            "run-command",
+            {"name": self.machine_name, "command": command, **extra},
+        )
+
+    async def test_cd_and_export_persist_in_the_same_shell_and_nowhere_else(
+        self,
+    ):
+        probe = 'echo "$PWD|${PORT-unset}|${Q-unset}"'
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                async with self.client(mode) as c:
+                    await self.machine(c)
+                    first = await self.sh(
+                        c,
+                        "mkdir -p /srv/app && cd /srv/app && export "
+                        'PORT=8000 Q="it\'s \\$x" && echo set',
+                        shell="build",
+                    )
+                    self.assertEqual(
+                        (first["stdout"], first["exitCode"], first["cwd"]),
+                        ("set\n", 0, "/srv/app"),
+                    )
+                    same = await self.sh(c, probe, shell="build")
+                    self.assertEqual(same["stdout"], "/srv/app|8000|it's $x\n")
+                    self.assertEqual(same["cwd"], "/srv/app")
+                    other = await self.sh(c, probe, shell="test")
+                    self.assertEqual(other["stdout"], "/|unset|unset\n")
+                    self.assertEqual(other["cwd"], "/")
+                    fresh = await self.sh(c, probe)
+                    self.assertEqual(fresh["stdout"], "/|unset|unset\n")
+                    self.assertNotIn("cwd", fresh)
+                    # The call's env wins over the shell's, and stays.
+                    env = await self.sh(
+                        c, probe, shell="build", env={"PORT": "9000"}
+                    )
+                    self.assertEqual(env["stdout"], "/srv/app|9000|it's $x\n")
+                    kept = await self.sh(c, "unset Q; cd /tmp", shell="build")
+                    self.assertEqual(kept["cwd"], "/tmp")
+                    after = await self.sh(c, probe, shell="build")
+                    self.assertEqual(after["stdout"], "/tmp|9000|unset\n")
+                    # workdir starts this command there; where it ends is kept.
+                    moved = await self.sh(
+                        c, "pwd", shell="build", workdir="/srv"
+                    )
+                    self.assertEqual(
+                        (moved["stdout"], moved["cwd"]), ("/srv\n", "/srv")
+                    )
+                    await self.ok(
+                        c, "delete-machine", {"name": self.machine_name}
+                    )
+
+    async def test_output_and_exit_code_are_the_commands_own_and_exit_saves(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            plain = await self.sh(
+                c, "printf 'no newline'; printf 'e\\n' >&2; exit 7"
+            )
+            shelled = await self.sh(
+                c,
+                "cd /tmp; export A=1; printf 'no newline'; printf 'e\\n' >&2; "
+                "exit 7",
+                shell="s",
+            )
+            self.assertEqual(
+                {k: shelled[k] for k in plain}, plain, "output untouched"
+            )
+            self.assertEqual(shelled["exitCode"], 7)
+            self.assertEqual(shelled["cwd"], "/tmp")
+            seen = await self.sh(c, 'echo "$PWD $A"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp 1\n")
+            # set -e and set -x in the command: the state is still saved,
+            # and nothing of the script's reaches stderr.
+            traced = await self.sh(
+                c, "set -ex; cd /; export B=2; false; echo never", shell="s"
+            )
+            self.assertEqual(traced["exitCode"], 1)
+            self.assertEqual(
+                traced["stderr"], "+ cd /\n+ export 'B=2'\n+ false\n"
+            )
+            seen = await self.sh(c, 'echo "$PWD $A $B"', shell="s")
+            self.assertEqual(seen["stdout"], "/ 1 2\n")
+            # A command that drops the EXIT trap saves nothing.
+            await self.sh(c, "trap - EXIT; cd /tmp; export C=3", shell="s")
+            seen = await self.sh(c, 'echo "$PWD ${C-unset}"', shell="s")
+            self.assertEqual(seen["stdout"], "/ unset\n")
+
+    async def test_a_timed_out_command_leaves_the_shell_as_it_was(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "cd /tmp && export T=before", shell="s")
+            killed = await self.sh(
+                c,
+                "cd / && export T=after && sleep 30",
+                shell="s",
+                timeoutSecs=2,
+            )
+            self.assertTrue(killed["timedOut"], killed)
+            self.assertEqual(killed["cwd"], "/tmp")
+            seen = await self.sh(c, 'echo "$PWD $T"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp before\n")
+            # A new shell whose first command is killed has nothing saved.
+            first = await self.sh(
+                c, "cd /; sleep 30", shell="new", timeoutSecs=2
+            )
+            self.assertTrue(first["timedOut"], first)
+            self.assertIsNone(first["cwd"])
+
+    async def test_a_job_starts_from_the_shell_and_changes_nothing_in_it(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "cd /tmp && export J=from-shell", shell="s")
+            job = await self.ok(
+                c,
+                "start-job",
+                {
+                    "name": self.machine_name,
+                    "command": 'echo "$PWD $J $K"; cd /; export J=job',
+                    "shell": "s",
+                    "env": {"K": "call"},
+                },
+            )
+            deadline = time.monotonic() + 30
+            while True:
+                page = await self.ok(
+                    c,
+                    "read-job",
+                    {"name": self.machine_name, "jobId": job["jobId"]},
+                )
+                if page["eof"] or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.3)
+            self.assertEqual(page["stdout"], "/tmp from-shell call\n")
+            seen = await self.sh(c, 'echo "$PWD $J ${K-unset}"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp from-shell unset\n")
+            # A job in a shell never opened starts fresh and opens none.
+            await self.ok(
+                c,
+                "start-job",
+                {"name": self.machine_name, "command": "true", "shell": "j"},
+            )
+            listed = await self.sh(c, f"ls {smol_mcp.SHELL_DIR}")
+            self.assertEqual(listed["stdout"], "s\n")
+
+    async def test_a_machine_keeps_at_most_sixteen_shells(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            names = [f"s{i:02}" for i in range(1, 17)]
+            await self.sh(
+                c,
+                " ".join(
+                    ["mkdir -p"]
+                    + [f"{smol_mcp.SHELL_DIR}/{n}" for n in names[:-1]]
+                ),
+            )
+            # The sixteenth is opened by a command.
+            last = await self.sh(c, "cd /tmp", shell=names[-1])
+            self.assertEqual(last["cwd"], "/tmp")
+            text = await self.refused(
+                c,
+                "run-command",
+                {
+                    "name": self.machine_name,
+                    "command": "touch /tmp/ran",
+                    "shell": "one-more",
+                },
+            )
+            self.assertIn(
+                f"machine '{self.machine_name}' keeps 16 shells already "
+                f"({', '.join(names)}), the most it may, so shell "
+                "'one-more' was not opened and nothing ran.",
+                text,
+            )
+            self.assertIn(f"rm -r {smol_mcp.SHELL_DIR}/<shell>", text)
+            gone = await self.sh(c, "ls /tmp/ran 2>&1; true")
+            self.assertIn("No such file", gone["stdout"])
+            # A shell already open still works, and removing one makes room.
+            again = await self.sh(c, "pwd", shell=names[-1])
+            self.assertEqual(again["stdout"], "/tmp\n")
+            await self.sh(c, f"rm -r {smol_mcp.SHELL_DIR}/s01")
+            room = await self.sh(c, "pwd", shell="one-more")
+            self.assertEqual(room["cwd"], "/")
+
+    async def test_a_bad_shell_name_is_refused_before_anything_runs(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            before = len(self.journal())
+            for bad in ("../x", "a b", "", "-x", "x/y", "ab\n", "x" * 129):
+                with self.subTest(shell=bad):
+                    text = await self.refused(
+                        c,
+                        "run-command",
+                        {
+                            "name": self.machine_name,
+                            "command": "true",
+                            "shell": bad,
+                        },
+                    )
+                    self.assertIn('"shell"', text)
+                    text = await self.refused(
+                        c,
+                        "start-job",
+                        {
+                            "name": self.machine_name,
+                            "command": "true",
+                            "shell": bad,
+                        },
+                    )
+                    self.assertIn('"shell"', text)
+            self.assertEqual(len(self.journal()), before)
+
+    async def test_an_argv_in_a_shell_is_one_quoted_command_line(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            words = ["printf", "[%s]", "it's", "$HOME", "a b", "*", "", "if"]
+            plain = await self.sh(c, words)
+            shelled = await self.sh(c, words, shell="s")
+            self.assertEqual(plain["stdout"], "[it's][$HOME][a b][*][][if]")
+            self.assertEqual(shelled["stdout"], plain["stdout"])
+            # A word that is a keyword stays a word: the command "if".
+            keyword = await self.sh(c, ["if", "true"], shell="s")
+            self.assertEqual(keyword["exitCode"], 127)
+            # cd is the shell's own: it persists.
+            await self.sh(c, ["cd", "/tmp"], shell="s")
+            seen = await self.sh(c, ["pwd"], shell="s")
+            self.assertEqual(seen["stdout"], "/tmp\n")
+            text = await self.refused(
+                c,
+                "run-command",
+                {
+                    "name": self.machine_name,
+                    "command": ["echo", "a\x00b"],
+                    "shell": "s",
+                },
+            )
+            self.assertIn("NUL character", text)
+
+    async def test_live_output_in_a_shell_is_the_same_and_keeps_the_state(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            received = []
+
+            async def on_progress(progress, total, message):
+                received.append(message)
+
+            command = (
+                "cd /tmp; export L=1; for i in 1 2 3; do echo step $i; "
+                "sleep 0.5; done; exit 4"
+            )
+            streamed = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {
+                        "name": self.machine_name,
+                        "command": command,
+                        "shell": "s",
+                    },
+                    progress_callback=on_progress,
+                )
+            )[1]
+            self.assertEqual(self.stream_calls(), 1)
+            await wait_until(
+                lambda: "stdout: step 3" in received, 5, "the last line"
+            )
+            self.assertEqual(
+                (streamed["stdout"], streamed["exitCode"], streamed["cwd"]),
+                ("step 1\nstep 2\nstep 3\n", 4, "/tmp"),
+            )
+            seen = await self.sh(c, 'echo "$PWD $L"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp 1\n")
+
+    async def test_a_new_server_and_a_branch_keep_the_shell_in_the_guest(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": self.machine_name,
+                    "image": "alpine",
+                    "network": "open",
+                    "branchable": True,
+                },
+            )
+            await self.sh(
+                c, "mkdir -p /srv/b && cd /srv/b && export B=1", shell="s"
+            )
+        self.app = SmolMcp(self.config)
+        async with self.client("auto") as c:
+            seen = await self.sh(c, 'echo "$PWD $B"', shell="s")
+            self.assertEqual(seen["stdout"], "/srv/b 1\n")
+            await self.ok(
+                c,
+                "branch-machine",
+                {"name": self.machine_name, "childName": "sh1-child"},
+            )
+            child = await self.ok(
+                c,
+                "run-command",
+                {
+                    "name": "sh1-child",
+                    "command": 'echo "$PWD $B"',
+                    "shell": "s",
+                },
+            )
+            self.assertEqual(child["stdout"], seen["stdout"])
+
+
+class LocalShellTests(ShellScenarios, FakeServeCase):
+    def journal(self) -> list:
+        return self.fake.requests
+
+    def stream_calls(self) -> int:
+        return len(self.requests_to("/exec/stream"))
+
+    async def test_a_cancelled_command_leaves_the_shell_as_it_was(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "cd /tmp && export X=kept", shell="s")
+            with anyio.move_on_after(3):
+                await c.call_tool(
+                    "run-command",
+                    {
+                        "name": self.machine_name,
+                        "command": "cd / && export X=lost && sleep 3173",
+                        "shell": "s",
+                    },
+                    progress_callback=ignore_progress,
+                )
+            await wait_until(
+                lambda: not processes_running("sleep 3173"),
+                20,
+                "the cancelled command is gone",
+            )
+            seen = await self.sh(c, 'echo "$PWD $X"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp kept\n")
+
+    async def test_a_paused_and_resumed_machine_keeps_its_shells(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "cd /tmp && export P=1", shell="s")
+            route = f"/api/v1/machines/{self.machine_name}"
+            for action in ("pause", "resume"):
+                status = send_raw(
+                    self.socket_path, "POST", f"{route}/{action}"
+                )
+                self.assertEqual(status[0], 200, status)
+            seen = await self.sh(c, 'echo "$PWD $P"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp 1\n")
+
+    async def test_the_guest_script_is_the_same_on_both_routes(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "true", shell="s")
+            await c.call_tool(
+                "run-command",
+                {"name": self.machine_name, "command": "true", "shell": "s"},
+                progress_callback=ignore_progress,
+            )
+        scripts = [
+            r[2]["command"]
+            for r in self.fake.requests
+            if "/exec" in r[1] and smol_mcp.SHELL_SCRIPT in r[2]["command"]
+        ]
+        self.assertEqual(len(scripts), 2)
+        for command in scripts:
+            at = command.index(smol_mcp.SHELL_SCRIPT)
+            self.assertEqual(
+                command[at + 2 : at + 4],
+                [f"{smol_mcp.SHELL_DIR}/s", "16"],
+            )
+            self.assertEqual(command[at + 5 : at + 8], ["save", "cwd", "true"])
+
+
+class CloudShellTests(ShellScenarios, FakeCloudCase):
+    def journal(self) -> list:
+        return self.cloud.requests
+
+    def stream_calls(self) -> int:
+        return len(self.cloud_requests("/exec/stream"))
+
+    async def test_the_shell_goes_through_exec_as_on_the_local_fleet(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "true", shell="s", env={"A": "1"}, workdir="/tmp")
+        [body] = [
+            r[3]
+            for r in self.cloud_requests("/exec")
+            if smol_mcp.SHELL_SCRIPT in r[3]["command"]
+        ]
+        at = body["command"].index(smol_mcp.SHELL_SCRIPT)
+        words = body["command"][at + 2 :]
+        self.assertRegex(words[2], r"^smol-mcp-shell-[0-9a-f]{16}$")
+        self.assertEqual(
+            words[:2] + words[3:],
+            [
+                f"{smol_mcp.SHELL_DIR}/s",
+                "16",
+                "save",
+                "workdir",
+                "true",
+                "A=1",
+            ],
+        )
+        # The call's env rides in the script's arguments, not the body's.
+        self.assertEqual((body["env"], body["cwd"]), ({}, "/tmp"))
+
+
 # Containment: host paths, guest paths, inputs, tokens, the HTTP front
 # ---------------------------------------------------------------------------
 
