@@ -237,6 +237,8 @@ class ConfigTests(unittest.TestCase):
             ("approvalWebhook", "SMOL_MCP_APPROVAL_WEBHOOK", ""),
             ("approvalVia", "SMOL_MCP_APPROVAL_VIA", "terminal"),
             ("egressPrivateCidrs", "SMOL_MCP_EGRESS_PRIVATE_CIDRS", ()),
+            ("exposeHosts", "SMOL_MCP_EXPOSE_HOSTS", ()),
+            ("exposePorts", "SMOL_MCP_EXPOSE_PORTS", ()),
             ("replyTokens", "SMOL_MCP_REPLY_TOKENS", 20000),
         ]
         self.assertEqual(
@@ -285,6 +287,8 @@ class ConfigTests(unittest.TestCase):
             "approvalVia": "client",
             "mountRoots": ["/srv", "/work:rw"],
             "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
+            "exposeHosts": ["192.0.2.10"],
+            "exposePorts": ["8000-8099", "9000"],
             "replyTokens": 50000,
         }
         for setting in (
@@ -473,6 +477,53 @@ class ConfigTests(unittest.TestCase):
                 "LANG": "C.UTF-8",
             },
         )
+
+
+class ExposeSettingTests(unittest.TestCase):
+    """exposeHosts and exposePorts: what the operator allows a published
+    port, refused at startup with the key named when it cannot be kept."""
+
+    def test_exposehosts_is_one_ipv4_address_that_names_one_interface(self):
+        self.assertEqual(
+            load_config(
+                {"SMOL_MCP_EXPOSE_HOSTS": " 192.0.2.10 "}
+            ).expose_hosts,
+            ("192.0.2.10",),
+        )
+        for value, why in (
+            ("192.0.2.1,192.0.2.2", "names 2 addresses, but smolvm binds"),
+            ("::1", "not an IPv4 address; smolvm binds published ports"),
+            ("example.com", "not an IPv4 address"),
+            ("0.0.0.0", "binds every interface and names none"),
+            ("192.0.2.010", "not an IPv4 address"),
+        ):
+            with self.subTest(value=value):
+                with self.assertRaises(ConfigError) as caught:
+                    load_config({"SMOL_MCP_EXPOSE_HOSTS": value})
+                self.assertIn("exposeHosts", str(caught.exception))
+                self.assertIn(why, str(caught.exception))
+
+    def test_exposeports_are_ports_or_ranges_of_them(self):
+        config = load_config({"SMOL_MCP_EXPOSE_PORTS": "8000-8002,9000"})
+        self.assertEqual(
+            smol_mcp.parse_expose_ports(config.expose_ports),
+            [range(8000, 8003), range(9000, 9001)],
+        )
+        for value in ("0", "65536", "9000-8000", "80-", "x", "8000:8001"):
+            with self.subTest(value=value):
+                with self.assertRaises(ConfigError) as caught:
+                    load_config({"SMOL_MCP_EXPOSE_PORTS": value})
+                self.assertIn(
+                    f"exposePorts holds {value!r}; each entry is a host port",
+                    str(caught.exception),
+                )
+        for port, allowed in ((8000, True), (8002, True), (8003, False)):
+            with self.subTest(port=port):
+                if allowed:
+                    smol_mcp.check_host_port(config, port, "hostPort")
+                else:
+                    with self.assertRaises(smol_mcp.ArgumentError):
+                        smol_mcp.check_host_port(config, port, "hostPort")
 
 
 class ImportTests(unittest.TestCase):
@@ -1219,6 +1270,8 @@ ANNOTATIONS = {
         False,
         False,
     ),  # a removal narrows what a machine reaches
+    # close takes a way in away; asking again answers the same port
+    "expose-port": (False, True, True, False),
 }
 
 
@@ -1369,6 +1422,10 @@ class EngineRequestScenarios:
             ("cancel-job", {"name": name, "jobId": None}),
             ("pull-image", {"name": name, "image": "alpine"}),
             ("allow-egress", {"name": name, "hosts": ["pypi.org"]}),
+            ("expose-port", {"name": name, "port": 8080}),
+            # The same requests as opening it (the last one closed revokes
+            # the cloud's links).
+            ("expose-port", {"name": name, "port": 8080, "close": True}),
             ("branch-machine", {"name": name, "childName": "rq-2"}),
             ("stop-machine", {"name": name}),
             ("start-machine", {"name": name}),
@@ -6872,6 +6929,24 @@ class ShellScenarios(LongWorkScenarios):
             room = await self.sh(c, "pwd", shell="one-more")
             self.assertEqual(room["cwd"], "/")
 
+    async def test_a_cwd_too_long_to_show_is_null_never_cut(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            deep = "/tmp/" + "/".join(["d" * 200] * 6)
+            far = await self.sh(c, f"mkdir -p {deep} && cd {deep}", shell="s")
+            self.assertIsNone(far["cwd"])
+            seen = await self.sh(c, "pwd", shell="s")
+            self.assertEqual(seen["stdout"], deep + "\n")
+            # The file is the guest's: filled by hand, it is not read whole.
+            filled = await self.sh(
+                c,
+                "trap - EXIT; head -c 100000 /dev/zero | tr '\\0' x "
+                f"> {smol_mcp.SHELL_DIR}/t/cwd",
+                shell="t",
+            )
+            self.assertIsNone(filled["cwd"])
+            self.assertLess(len(json.dumps(filled)), 1000)
+
     async def test_a_bad_shell_name_is_refused_before_anything_runs(self):
         async with self.client("legacy") as c:
             await self.machine(c)
@@ -7098,6 +7173,562 @@ class CloudShellTests(ShellScenarios, FakeCloudCase):
         )
         # The call's env rides in the script's arguments, not the body's.
         self.assertEqual((body["env"], body["cwd"]), ({}, "/tmp"))
+
+
+def guest_port() -> int:
+    """A port for a guest server that nothing on this host uses now (a
+    guest without a network of its own shares the host's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def fetch(url: str) -> bytes:
+    """GET ``url`` as a person's browser would, from this host."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        return answer.read()
+
+
+class ExposePortScenarios(LongWorkScenarios):
+    """expose-port, the same vocabulary on either fleet."""
+
+    machine_name = "web"
+
+    async def expose(self, c, port: int, **extra) -> dict:
+        return await self.ok(
+            c,
+            "expose-port",
+            {"name": self.machine_name, "port": port, **extra},
+        )
+
+    async def test_close_of_a_port_never_published_changes_nothing(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            before = len(self.journal())
+            closed = await self.expose(c, 8080, close=True)
+            self.assertEqual(
+                closed,
+                {
+                    "url": None,
+                    "port": 8080,
+                    "hostPort": None,
+                    "changed": False,
+                },
+            )
+            self.assertEqual(len(self.journal()) - before, self.reads)
+            text = await self.refused(
+                c,
+                "expose-port",
+                {
+                    "name": self.machine_name,
+                    "port": 8080,
+                    "close": True,
+                    "hostPort": 9000,
+                },
+            )
+            self.assertIn('"hostPort" does nothing with "close": true', text)
+            for bad in (0, 65536, -1):
+                text = await self.refused(
+                    c,
+                    "expose-port",
+                    {"name": self.machine_name, "port": bad},
+                )
+                self.assertIn('"port"', text)
+
+    async def test_a_machine_publishes_at_most_sixteen_ports(self):
+        ports = [{"guest": 1000 + i} for i in range(16)]
+        async with self.client("legacy") as c:
+            text = await self.refused(
+                c,
+                "create-machine",
+                {"image": "alpine", "ports": [*ports, {"guest": 9}]},
+            )
+            self.assertIn('"ports" may hold at most 16 items, got 17', text)
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": self.machine_name,
+                    "image": "alpine",
+                    "network": "open",
+                    "ports": ports,
+                },
+            )
+            before = len(self.journal())
+            text = await self.refused(
+                c, "expose-port", {"name": self.machine_name, "port": 8080}
+            )
+            self.assertIn(
+                f"machine '{self.machine_name}' publishes 16 TCP ports "
+                "already, the most a machine may",
+                text,
+            )
+            self.assertEqual(len(self.journal()) - before, self.reads)
+            # One already there is answered as it is.
+            shown = await self.expose(c, 1000)
+            self.assertFalse(shown["changed"])
+
+    async def test_another_tokens_machine_reads_as_missing(self):
+        admin = SmolMcp(dataclasses_replace(self.config, scopes=()))
+        admin.access.stdio = smol_mcp.Principal(
+            "ops", frozenset(smol_mcp.SCOPES), kind="stdio"
+        )
+        async with Client(admin.server, mode="legacy") as a:
+            await self.ok(
+                a,
+                "create-machine",
+                {"name": "ops-web", "image": "alpine", "network": "open"},
+            )
+        self.app = SmolMcp(
+            dataclasses_replace(
+                self.config, scopes=("sandbox.manage", "sandbox.read")
+            )
+        )
+        before = len(self.journal())
+        async with self.client("legacy") as c:
+            for extra in ({}, {"close": True}):
+                text = await self.refused(
+                    c,
+                    "expose-port",
+                    {"name": "ops-web", "port": 8080, **extra},
+                )
+                self.assertIn("machine 'ops-web' not found", text)
+        published = [
+            r for r in self.journal()[before:] if r[1].endswith("/ports")
+        ]
+        self.assertEqual(published, [])
+
+
+class LocalExposePortTests(ExposePortScenarios, FakeServeCase):
+    # The GET that reads the ports before they are put.
+    reads = 1
+
+    def journal(self) -> list:
+        return self.fake.requests
+
+    async def serve_in_guest(self, c, port: int) -> None:
+        """A web server in the guest on ``port``, answering "hello"."""
+        await self.ok(
+            c,
+            "write-file",
+            {
+                "name": self.machine_name,
+                "path": "/www/index.html",
+                "content": "hello\n",
+            },
+        )
+        await self.ok(
+            c,
+            "start-job",
+            {
+                "name": self.machine_name,
+                "command": f"httpd -f -p {port} -h /www",
+            },
+        )
+
+    async def test_a_loopback_port_a_person_opens_and_close_takes_away(
+        self,
+    ):
+        port = guest_port()
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.serve_in_guest(c, port)
+            self.fake.requests.clear()
+            shown = await self.expose(c, port)
+            host = shown["hostPort"]
+            self.assertEqual(
+                shown,
+                {
+                    "url": f"http://127.0.0.1:{host}",
+                    "port": port,
+                    "hostPort": host,
+                    "changed": True,
+                },
+            )
+            self.assertEqual(
+                self.fake.requests,
+                [
+                    ("GET", "/api/v1/machines/web", None),
+                    (
+                        "PUT",
+                        "/api/v1/machines/web/ports",
+                        {"ports": [{"host": host, "guest": port}]},
+                    ),
+                ],
+            )
+            # The engine listens on loopback only, where the URL says.
+            self.assertIn(
+                ("listen", "web", "127.0.0.1", host, port), self.fake.published
+            )
+            await wait_until(
+                lambda: self.answers(shown["url"]), 10, "the guest's server"
+            )
+            self.assertEqual(fetch(shown["url"]), b"hello\n")
+            machine = await self.ok(c, "get-machine", {"name": "web"})
+            self.assertEqual(
+                machine["machine"]["ports"], [{"guest": port, "host": host}]
+            )
+            # Asking again answers the same port, with no change.
+            again = await self.expose(c, port)
+            self.assertEqual(again, {**shown, "changed": False})
+            self.assertEqual(len(self.requests_to("/ports", "PUT")), 1)
+            closed = await self.expose(c, port, close=True)
+            self.assertEqual(
+                closed,
+                {"url": None, "port": port, "hostPort": host, "changed": True},
+            )
+            self.assertEqual(
+                self.requests_to("/ports", "PUT")[-1][2], {"ports": []}
+            )
+            self.assertIn(
+                ("close", "web", "127.0.0.1", host, port), self.fake.published
+            )
+            self.assertFalse(self.answers(shown["url"]))
+
+    @staticmethod
+    def answers(url: str) -> bool:
+        try:
+            return fetch(url) == b"hello\n"
+        except OSError:
+            return False
+
+    async def test_the_new_port_joins_the_ones_the_machine_has(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": self.machine_name,
+                    "image": "alpine",
+                    "ports": [{"guest": 80}],
+                },
+            )
+            [first] = (await self.ok(c, "get-machine", {"name": "web"}))[
+                "machine"
+            ]["ports"]
+            self.fake.machines["web"]["ports"].append(
+                {"host": first["host"], "guest": 53, "protocol": "udp"}
+            )
+            shown = await self.expose(c, 8080)
+            self.assertEqual(
+                self.requests_to("/ports", "PUT")[-1][2]["ports"],
+                [
+                    {"host": first["host"], "guest": 80},
+                    {"host": first["host"], "guest": 53, "protocol": "udp"},
+                    {"host": shown["hostPort"], "guest": 8080},
+                ],
+            )
+            await self.expose(c, 8080, close=True)
+            self.assertEqual(
+                self.requests_to("/ports", "PUT")[-1][2]["ports"],
+                [
+                    {"host": first["host"], "guest": 80},
+                    {"host": first["host"], "guest": 53, "protocol": "udp"},
+                ],
+            )
+            text = await self.refused(
+                c,
+                "expose-port",
+                {"name": "web", "port": 80, "hostPort": first["host"] + 1},
+            )
+            self.assertIn(
+                f"guest port 80 of machine 'web' is published on host port "
+                f"{first['host']} already; close it first",
+                text,
+            )
+
+    async def test_a_host_port_the_operator_did_not_allow_is_refused(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            before = len(self.requests_to("/ports", "PUT"))
+            text = await self.refused(
+                c, "expose-port", {"name": "web", "port": 80, "hostPort": 5432}
+            )
+            self.assertIn(
+                '"hostPort" is 5432, a host port an agent may not choose: the '
+                "operator allows none (exposePorts is empty). Leave it out "
+                "and a free port is picked",
+                text,
+            )
+            text = await self.refused(
+                c,
+                "create-machine",
+                {
+                    "name": "web2",
+                    "image": "alpine",
+                    "ports": [{"guest": 80}, {"guest": 81, "host": 5432}],
+                },
+            )
+            self.assertIn('"ports[1].host" is 5432', text)
+            self.assertNotIn("web2", self.fake.machines)
+            self.assertEqual(len(self.requests_to("/ports", "PUT")), before)
+        allowed = guest_port()
+        self.app = SmolMcp(
+            dataclasses_replace(
+                self.config, expose_ports=(f"{allowed}", "20000-20009")
+            )
+        )
+        async with self.client("legacy") as c:
+            text = await self.refused(
+                c,
+                "expose-port",
+                {"name": "web", "port": 80, "hostPort": 20010},
+            )
+            self.assertIn(
+                f"the operator allows only {allowed}, 20000-20009 "
+                "(exposePorts)",
+                text,
+            )
+            shown = await self.expose(c, 80, hostPort=allowed)
+            self.assertEqual(shown["url"], f"http://127.0.0.1:{allowed}")
+            # The machine's own host port again is a sentence, not a 400.
+            text = await self.refused(
+                c,
+                "expose-port",
+                {"name": "web", "port": 81, "hostPort": allowed},
+            )
+            self.assertIn(
+                f"host port {allowed} already carries another port", text
+            )
+
+    async def test_a_taken_host_port_is_a_sentence_or_picked_again(
+        self,
+    ):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            taken = busy.getsockname()[1]
+            self.app = SmolMcp(
+                dataclasses_replace(self.config, expose_ports=(str(taken),))
+            )
+            async with self.client("legacy") as c:
+                await self.machine(c)
+                text = await self.refused(
+                    c,
+                    "expose-port",
+                    {"name": "web", "port": 80, "hostPort": taken},
+                )
+                self.assertIn("PORT_IN_USE", text)
+                self.assertIn(
+                    f"Host port {taken} is in use on this host: leave "
+                    "hostPort out and a free one is picked",
+                    text,
+                )
+                real = smol_mcp.free_port
+                picks = iter([taken])
+                with unittest.mock.patch.object(
+                    smol_mcp,
+                    "free_port",
+                    side_effect=lambda *a: next(picks, None) or real(*a),
+                ):
+                    shown = await self.expose(c, 80)
+                self.assertNotEqual(shown["hostPort"], taken)
+                bodies = [r[2] for r in self.requests_to("/ports", "PUT")]
+                self.assertEqual(
+                    [b["ports"][-1]["host"] for b in bodies],
+                    [taken, taken, shown["hostPort"]],
+                )
+
+    async def test_a_named_address_is_where_the_port_opens(self):
+        await asyncio.to_thread(self.fake.stop)
+        self.fake = FakeSmolvm(self.socket_path, publish_addr="127.0.0.2")
+        self.fake.start()
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, expose_hosts=("127.0.0.2",))
+        )
+        port = guest_port()
+        async with self.client("auto") as c:
+            # Egress blocked: as root the guest has a network of its own,
+            # and the port is forwarded into it.
+            await self.ok(
+                c, "create-machine", {"name": "web", "image": "alpine"}
+            )
+            await self.serve_in_guest(c, port)
+            shown = await self.expose(c, port)
+            self.assertEqual(
+                shown["url"], f"http://127.0.0.2:{shown['hostPort']}"
+            )
+            await wait_until(
+                lambda: self.answers(shown["url"]), 10, "the guest's server"
+            )
+            loopback = f"http://127.0.0.1:{shown['hostPort']}"
+            self.assertFalse(self.answers(loopback))
+
+
+class ExposePortSpawnedServeTests(unittest.IsolatedAsyncioTestCase):
+    """The serve this server spawns binds where exposeHosts says, and a
+    non-loopback SMOLVM_PUBLISH_ADDR the operator did not name is refused
+    rather than published."""
+
+    async def asyncSetUp(self):
+        self.tmp = short_tempdir()
+        self.envfile = f"{self.tmp}/child-env.json"
+        wrapper = Path(self.tmp, "smolvm")
+        wrapper.write_text(
+            f"#!/bin/sh\n{sys.executable} -c 'import json,os; "
+            f'json.dump(dict(os.environ), open("{self.envfile}", "w"))\'\n'
+            f"export FAKE_SMOLVM_STATE_FILE={self.tmp}/fake-state.json\n"
+            f'exec {sys.executable} {FAKE_CLI} "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        self.wrapper = str(wrapper)
+
+    async def asyncTearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def app(self, environ: dict, **overrides) -> SmolMcp:
+        config = fake_config(
+            self.tmp, None, smolvm=self.wrapper, targets="local", **overrides
+        )
+        return SmolMcp(config, environ={**os.environ, **environ})
+
+    async def test_exposehosts_sets_the_address_and_an_unnamed_one_is_refused(
+        self,
+    ):
+        app = self.app({"SMOLVM_PUBLISH_ADDR": "192.0.2.7"})
+        try:
+            async with Client(app.server, mode="legacy") as c:
+                made = await c.call_tool(
+                    "create-machine", {"name": "web", "image": "alpine"}
+                )
+                self.assertFalse(made.is_error, made)
+                for tool, args in (
+                    ("expose-port", {"name": "web", "port": 80}),
+                    (
+                        "create-machine",
+                        {"image": "alpine", "ports": [{"guest": 80}]},
+                    ),
+                ):
+                    is_error, text = result_of(await c.call_tool(tool, args))
+                    self.assertTrue(is_error, text)
+                    self.assertIn(
+                        "the local serve binds published ports to 192.0.2.7 "
+                        "(SMOLVM_PUBLISH_ADDR in this server's environment), "
+                        "which is not loopback and not named in exposeHosts, "
+                        "so nothing was published",
+                        text,
+                    )
+                listed = result_of(
+                    await c.call_tool("get-machine", {"name": "web"})
+                )
+                self.assertEqual(listed[1]["machine"]["ports"], [])
+        finally:
+            await asyncio.to_thread(app.local.stop_serve)
+        app = self.app(
+            {"SMOLVM_PUBLISH_ADDR": "192.0.2.7"}, expose_hosts=("127.0.0.3",)
+        )
+        try:
+            async with Client(app.server, mode="legacy") as c:
+                is_error, shown = result_of(
+                    await c.call_tool(
+                        "expose-port", {"name": "web", "port": 80}
+                    )
+                )
+                self.assertFalse(is_error, shown)
+                self.assertEqual(
+                    shown["url"], f"http://127.0.0.3:{shown['hostPort']}"
+                )
+            child = json.loads(Path(self.envfile).read_text())
+            self.assertEqual(child["SMOLVM_PUBLISH_ADDR"], "127.0.0.3")
+        finally:
+            await asyncio.to_thread(app.local.stop_serve)
+
+    def test_an_address_the_engine_ignores_is_its_loopback(self):
+        for value in ("garbage", "::", "127.0.0.2"):
+            with self.subTest(value=value):
+                fleet = smol_mcp.LocalFleet(
+                    fake_config(self.tmp, None, smolvm=self.wrapper),
+                    {"SMOLVM_PUBLISH_ADDR": value},
+                )
+                expected = "127.0.0.2" if value == "127.0.0.2" else "127.0.0.1"
+                self.assertEqual(fleet.publish_address(), expected)
+        # A serve this server did not start cannot be asked: the
+        # operator's word, else the engine's default.
+        fleet = smol_mcp.LocalFleet(
+            fake_config(self.tmp, f"{self.tmp}/x.sock"),
+            {"SMOLVM_PUBLISH_ADDR": "192.0.2.7"},
+        )
+        self.assertEqual(fleet.publish_address(), "127.0.0.1")
+
+
+class CloudExposePortTests(ExposePortScenarios, FakeCloudCase):
+    # The list that finds the machine.
+    reads = 1
+
+    def journal(self) -> list:
+        return self.cloud.requests
+
+    async def test_a_port_opens_as_a_link_and_close_takes_it_away(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            mid = self.by_name("web")["id"]
+            self.cloud.requests.clear()
+            shown = await self.expose(c, 8080)
+            self.assertTrue(
+                shown["url"].startswith(f"https://{mid}-8080-"), shown
+            )
+            self.assertEqual((shown["port"], shown["changed"]), (8080, True))
+            self.assertEqual(
+                shown["hostPort"], self.by_name("web")["ports"][0]["hostPort"]
+            )
+            self.assertEqual(
+                [(r[0], r[1].split("?")[0]) for r in self.cloud.requests],
+                [
+                    ("GET", "/v1/machines"),
+                    ("PUT", f"/v1/machines/{mid}/ports"),
+                    ("POST", f"/v1/machines/{mid}/port-links"),
+                ],
+            )
+            self.assertEqual(
+                self.cloud_requests("/ports", "PUT")[-1][3],
+                {"ports": [{"port": 8080}]},
+            )
+            second = await self.expose(c, 9090)
+            self.assertEqual(
+                self.cloud_requests("/ports", "PUT")[-1][3],
+                {"ports": [{"port": 8080}, {"port": 9090}]},
+            )
+            self.assertIn("-9090-", second["url"])
+            closed = await self.expose(c, 8080, close=True)
+            self.assertEqual((closed["url"], closed["changed"]), (None, True))
+            self.assertEqual(
+                self.cloud_requests("/ports", "PUT")[-1][3],
+                {"ports": [{"port": 9090}]},
+            )
+            self.assertEqual(self.cloud_requests("/port-links", "DELETE"), [])
+            await self.expose(c, 9090, close=True)
+            self.assertEqual(
+                len(self.cloud_requests("/port-links", "DELETE")), 1
+            )
+            self.assertEqual(self.by_name("web")["ports"], [])
+
+    async def test_a_machine_that_blocks_egress_or_a_host_port_is_refused(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "web", "image": "alpine"}
+            )
+            before = len(self.cloud.requests)
+            text = await self.refused(
+                c, "expose-port", {"name": "web", "port": 8080}
+            )
+            self.assertIn(
+                "machine 'web' blocks egress, and a cloud machine that "
+                "publishes ports cannot also block egress",
+                text,
+            )
+            text = await self.refused(
+                c,
+                "expose-port",
+                {"name": "web", "port": 8080, "hostPort": 9000},
+            )
+            self.assertIn('"hostPort" is local only', text)
+            self.assertEqual(
+                [r[0] for r in self.cloud.requests[before:]], ["GET"]
+            )
 
 
 # Containment: host paths, guest paths, inputs, tokens, the HTTP front
@@ -8121,7 +8752,7 @@ class HelperCommandTests(CliCase):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn(
-            "16 called, 37 skipped, 0 unknown, 0 missing", out.stdout
+            "17 called, 36 skipped, 0 unknown, 0 missing", out.stdout
         )
         self.assertIn(
             "skipped  POST   /api/v1/machines/{name}/export: needs a pushToken",
@@ -10309,7 +10940,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         )
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn(
-            "16 called, 37 skipped, 0 unknown, 0 missing", out.stdout
+            "17 called, 36 skipped, 0 unknown, 0 missing", out.stdout
         )
 
     async def test_create_get_list_delete_a_record(self):
@@ -10957,10 +11588,10 @@ def warm_routes_exchange(socket_path: str, cache_dir: str) -> list:
 
 
 @contextlib.contextmanager
-def real_serve(tmp: str, cache_dir: str):
+def real_serve(tmp: str, cache_dir: str, **more_env: str):
     """A real `smolvm serve` of its own (HOME under `tmp`, a free guest
-    rollout port, `cache_dir` as its --cache-disk-dir); yields the socket
-    path. Ended by its pid."""
+    rollout port, `cache_dir` as its --cache-disk-dir, `more_env` in its
+    environment); yields the socket path. Ended by its pid."""
     socket_path = f"{tmp}/real.sock"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -10973,6 +11604,7 @@ def real_serve(tmp: str, cache_dir: str):
         "XDG_CACHE_HOME": f"{tmp}/cache",
         "XDG_RUNTIME_DIR": tmp,
         "SMOLVM_VM_UID_DROP": os.environ.get("SMOLVM_VM_UID_DROP", "off"),
+        **more_env,
     }
     argv = [
         real_smolvm(),
@@ -11087,6 +11719,121 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
         for capacity in (self.real_capacity, self.fake_capacity):
             self.assertRegex(capacity["boot_id"], r"^\d+-\d+$")
             self.assertIsInstance(capacity["used_cpus"], float)
+
+
+def connects(address: str, port: int) -> bool:
+    """Whether something accepts a TCP connection at (address, port)."""
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def start_in_background(socket_path: str, name: str) -> threading.Thread:
+    """Ask the serve to start ``name`` without waiting for its answer (a
+    real start fails here after about 30 s, its listeners up till then)."""
+
+    def start():
+        try:
+            send_raw(socket_path, "POST", f"/api/v1/machines/{name}/start")
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread
+
+
+def taken_port_exchange(socket_path: str, taken: int) -> list:
+    """A machine published on host port ``taken`` (held by the caller):
+    created, started, read and deleted, the answers masked as
+    warm_routes_exchange masks them."""
+    machine = "/api/v1/machines/itp-a"
+    steps = [
+        ("POST", "/api/v1/machines", {"name": "itp-a"}),
+        ("PUT", f"{machine}/ports", {"ports": [port_spec(taken, 8080)]}),
+        ("POST", f"{machine}/start", None),
+        ("GET", f"{machine}", None),
+        ("DELETE", machine, None),
+    ]
+    answers = []
+    for method, path, body in steps:
+        status, ctype, text = send_raw(socket_path, method, path, body)
+        text = re.sub(r'"createdAt":\d+', '"createdAt":0', text)
+        text = re.sub(r'"state":"(created|stopped)"', '"state":"?"', text)
+        text = text.replace(str(taken), "<taken>")
+        answers.append((f"{method} {path}", status, ctype, text))
+    return answers
+
+
+@unittest.skipUnless(
+    os.environ.get("SMOL_MCP_IT") == "1",
+    "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)",
+)
+class RealServePublishedPortsIntegration(unittest.TestCase):
+    """Where a real serve listens for a published port (loopback, or
+    SMOLVM_PUBLISH_ADDR), and what it answers a start whose host port is
+    taken, against the fake: what expose-port builds on."""
+
+    @classmethod
+    def setUpClass(cls):
+        if real_smolvm() is None:
+            raise unittest.SkipTest(
+                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to "
+                "smol/smol-vmm from the wheel"
+            )
+        cls.tmp = short_tempdir()
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_a_start_whose_host_port_is_taken_is_answered_alike(self):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            taken = busy.getsockname()[1]
+            home = f"{self.tmp}/taken"
+            with real_serve(home, raw_base(f"{home}/cache")) as path:
+                real = taken_port_exchange(path, taken)
+            with FakeSmolvm(f"{self.tmp}/fake-taken.sock") as fake:
+                answers = taken_port_exchange(fake.socket_path, taken)
+        self.assertEqual(real[2][1:3], (409, "application/json"))
+        self.assertIn('"code":"PORT_IN_USE"', real[2][3])
+        self.assertEqual(len(answers), len(real))
+        for got, want in zip(answers, real):
+            with self.subTest(request=want[0]):
+                self.assertEqual(got, want)
+
+    def test_published_ports_listen_on_loopback_or_the_named_address(self):
+        for named in ("", "127.0.0.2"):
+            listens = named or "127.0.0.1"
+            other = "127.0.0.1" if named else "127.0.0.2"
+            home = f"{self.tmp}/bind{named}"
+            env = {"SMOLVM_PUBLISH_ADDR": named} if named else {}
+            serves = (
+                ("real", real_serve(home, raw_base(f"{home}/c"), **env)),
+                ("fake", self.fake_serve(home, named or None)),
+            )
+            for kind, serve in serves:
+                with self.subTest(kind=kind, named=named), serve as path:
+                    port = guest_port()
+                    body = {"name": "itp-b", "ports": [port_spec(port, 80)]}
+                    send_raw(path, "POST", "/api/v1/machines", body)
+                    start_in_background(path, "itp-b")
+                    deadline = time.monotonic() + 20
+                    while not connects(listens, port):
+                        self.assertLess(time.monotonic(), deadline)
+                        time.sleep(0.2)
+                    self.assertFalse(connects(other, port))
+
+    @contextlib.contextmanager
+    def fake_serve(self, home: str, publish_addr: str | None):
+        with FakeSmolvm(
+            f"{home}-fake.sock", publish_addr=publish_addr
+        ) as fake:
+            yield fake.socket_path
 
 
 def busybox_guest() -> bool:
@@ -15217,6 +15964,106 @@ def webhook_receiver(on_post):
     hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
     return hook
+
+
+class ExposePortAccessTests(FakeServeCase):
+    """expose-port is a change at the manage level: scopes, approvals and
+    the activity log hold for it as for every changing tool."""
+
+    def entries(self) -> list:
+        return [
+            e
+            for e in self.app.access.activity.entries()
+            if e.get("tool") == "expose-port" and e["event"] == "tool"
+        ]
+
+    async def test_it_needs_the_manage_scope(self):
+        self.app = SmolMcp(
+            dataclasses_replace(
+                self.config, scopes=("machines.read", "machines.exec")
+            )
+        )
+        for mode in MODES:
+            async with self.client(mode) as c:
+                listed = [t.name for t in (await c.list_tools()).tools]
+                self.assertNotIn("expose-port", listed)
+                text = await self.refused(
+                    c, "expose-port", {"name": "web", "port": 80}
+                )
+                self.assertTrue(
+                    text.startswith(
+                        "scope_missing: expose-port needs the machines.manage"
+                    ),
+                    text,
+                )
+        self.assertEqual(self.requests_to("/ports", "PUT"), [])
+
+    async def test_each_change_is_logged_and_a_held_one_waits_for_a_person(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "web", "image": "alpine"}
+            )
+            shown = await self.ok(
+                c, "expose-port", {"name": "web", "port": 80}
+            )
+            await self.ok(
+                c, "expose-port", {"name": "web", "port": 80, "close": True}
+            )
+        logged = self.entries()
+        self.assertEqual(
+            [(e["machine"], e["outcome"]) for e in logged],
+            [("web", "ok"), ("web", "ok")],
+        )
+        self.assertEqual(
+            [e["arguments"] for e in logged],
+            [
+                {"name": "web", "port": 80},
+                {"name": "web", "port": 80, "close": True},
+            ],
+        )
+        self.app = SmolMcp(
+            dataclasses_replace(
+                self.config, approval="changes", approval_timeout_secs=30
+            )
+        )
+        desk = self.app.access.desk
+        for decision, outcome in (("deny", True), ("approve", False)):
+            with self.subTest(decision=decision):
+                puts = len(self.requests_to("/ports", "PUT"))
+                async with self.client("legacy") as c:
+                    call = asyncio.create_task(
+                        c.call_tool("expose-port", {"name": "web", "port": 81})
+                    )
+                    await wait_until(
+                        lambda: desk.pending(), 10, "the held call"
+                    )
+                    [held] = desk.pending()
+                    self.assertEqual(
+                        (held["tool"], held["machine"]), ("expose-port", "web")
+                    )
+                    # Nothing is published while it waits.
+                    self.assertEqual(
+                        len(self.requests_to("/ports", "PUT")), puts
+                    )
+                    desk.respond(
+                        held["id"], {"decision": decision, "by": "test"}
+                    )
+                    is_error, value = result_of(await call)
+                self.assertEqual(is_error, outcome, value)
+                if is_error:
+                    self.assertTrue(value.startswith("approval_rejected"))
+                    self.assertEqual(
+                        len(self.requests_to("/ports", "PUT")), puts
+                    )
+                else:
+                    self.assertEqual(value["port"], 81)
+                    self.assertNotEqual(value["hostPort"], shown["hostPort"])
+        self.assertEqual(
+            [e["outcome"].split(":")[0] for e in self.entries()][-2:],
+            ["approval_rejected", "ok"],
+        )
 
 
 class ApprovalTests(FakeServeCase):
