@@ -8727,7 +8727,7 @@ class HelperCommandTests(CliCase):
         report = smol_mcp.parity_report(spec)
         self.assertEqual(
             (len(report["called"]), report["unknown"], report["missing"]),
-            (16, [], []),
+            (17, [], []),
         )
         self.assertTrue(all(reason for _, reason in report["skipped"]))
         trimmed = {
