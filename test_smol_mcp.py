@@ -17446,6 +17446,9 @@ def main() -> int:
             [
                 loader.loadTestsFromTestCase(RealServeIntegration),
                 loader.loadTestsFromTestCase(RealServeWarmRoutesIntegration),
+                loader.loadTestsFromTestCase(
+                    RealServePublishedPortsIntegration
+                ),
                 loader.loadTestsFromTestCase(CloudLiveIntegration),
             ]
         )
