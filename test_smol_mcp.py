@@ -6787,10 +6787,11 @@ class ShellScenarios(LongWorkScenarios):
                     self.assertEqual(after["stdout"], "/tmp|9000|unset\n")
                     # workdir starts this command there; where it ends is kept.
                     moved = await self.sh(
-                        c, "pwd", shell="build", workdir="/srv"
+                        c, 'echo "$PWD"; pwd', shell="build", workdir="/srv"
                     )
                     self.assertEqual(
-                        (moved["stdout"], moved["cwd"]), ("/srv\n", "/srv")
+                        (moved["stdout"], moved["cwd"]),
+                        ("/srv\n/srv\n", "/srv"),
                     )
                     await self.ok(
                         c, "delete-machine", {"name": self.machine_name}
@@ -7086,23 +7087,47 @@ class LocalShellTests(ShellScenarios, FakeServeCase):
         async with self.client("legacy") as c:
             await self.machine(c)
             await self.sh(c, "cd /tmp && export X=kept", shell="s")
-            with anyio.move_on_after(3):
-                await c.call_tool(
-                    "run-command",
-                    {
+            # Streamed and not: the second ends the shell with TERM and
+            # waits for it, so its trap would have time to save.
+            for streamed, sleep in (
+                (True, "sleep 3173"),
+                (False, "sleep 3172"),
+            ):
+                with self.subTest(streamed=streamed):
+                    args = {
                         "name": self.machine_name,
-                        "command": "cd / && export X=lost && sleep 3173",
+                        "command": f"cd / && export X=lost && {sleep}",
                         "shell": "s",
-                    },
-                    progress_callback=ignore_progress,
+                    }
+                    if streamed:
+                        args = dict(args, progress_callback=ignore_progress)
+                    await self.cancel_once_running(c, args, sleep)
+                    seen = await self.sh(c, 'echo "$PWD $X"', shell="s")
+                    self.assertEqual(seen["stdout"], "/tmp kept\n")
+
+    async def cancel_once_running(self, c, args: dict, sleep: str) -> None:
+        """Call run-command with ``args``; cancel it once ``sleep`` runs
+        in the guest, and wait until it is gone."""
+        callback = args.pop("progress_callback", None)
+        with anyio.move_on_after(60) as scope:
+            async with anyio.create_task_group() as group:
+
+                async def cancel() -> None:
+                    await wait_until(
+                        lambda: processes_running(sleep), 30, sleep
+                    )
+                    scope.cancel()
+
+                group.start_soon(cancel)
+                await c.call_tool(
+                    "run-command", args, progress_callback=callback
                 )
-            await wait_until(
-                lambda: not processes_running("sleep 3173"),
-                20,
-                "the cancelled command is gone",
-            )
-            seen = await self.sh(c, 'echo "$PWD $X"', shell="s")
-            self.assertEqual(seen["stdout"], "/tmp kept\n")
+        self.assertTrue(scope.cancelled_caught)
+        await wait_until(
+            lambda: not processes_running(sleep),
+            20,
+            "the cancelled command is gone",
+        )
 
     async def test_a_paused_and_resumed_machine_keeps_its_shells(self):
         async with self.client("legacy") as c:
@@ -7408,15 +7433,16 @@ class LocalExposePortTests(ExposePortScenarios, FakeServeCase):
             [first] = (await self.ok(c, "get-machine", {"name": "web"}))[
                 "machine"
             ]["ports"]
+            # A UDP port with the guest port closed below: it stays.
             self.fake.machines["web"]["ports"].append(
-                {"host": first["host"], "guest": 53, "protocol": "udp"}
+                {"host": first["host"], "guest": 8080, "protocol": "udp"}
             )
             shown = await self.expose(c, 8080)
             self.assertEqual(
                 self.requests_to("/ports", "PUT")[-1][2]["ports"],
                 [
                     {"host": first["host"], "guest": 80},
-                    {"host": first["host"], "guest": 53, "protocol": "udp"},
+                    {"host": first["host"], "guest": 8080, "protocol": "udp"},
                     {"host": shown["hostPort"], "guest": 8080},
                 ],
             )
@@ -7425,7 +7451,7 @@ class LocalExposePortTests(ExposePortScenarios, FakeServeCase):
                 self.requests_to("/ports", "PUT")[-1][2]["ports"],
                 [
                     {"host": first["host"], "guest": 80},
-                    {"host": first["host"], "guest": 53, "protocol": "udp"},
+                    {"host": first["host"], "guest": 8080, "protocol": "udp"},
                 ],
             )
             text = await self.refused(
