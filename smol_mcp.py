@@ -5206,10 +5206,11 @@ if [ "$_smol_k" = save ]; then
 fi
 eval "$_smol_c"
 """
+# The longest working directory a result shows.
+SHELL_CWD_BYTES = 1024
 # $1 the shell's directory: its saved working directory, at most one byte
 # more than SHELL_CWD_BYTES (the file is the guest's to fill).
-SHELL_CWD_SCRIPT = 'head -c 1025 "$1/cwd"'
-SHELL_CWD_BYTES = 1024
+SHELL_CWD_SCRIPT = f'head -c {SHELL_CWD_BYTES + 1} "$1/cwd"'
 # At most about three output lines a second reach the client, each cut to
 # LIVE_LINE_CHARS.
 LIVE_OUTPUT_INTERVAL_SECS = 0.3
@@ -5262,7 +5263,9 @@ def quoted(word: str) -> str:
     return "'" + word.replace("'", "'\\''") + "'"
 
 
-def refuse_shell(result: ExecResult, marker: str, name: str, shell: str):
+def refuse_shell(
+    result: ExecResult, marker: str, name: str, shell: str
+) -> None:
     """Raise SmolError when SHELL_SCRIPT refused to open ``shell`` (its
     stderr starts with ``marker``); nothing ran then."""
     stderr = bytes(result.stderr).decode("utf-8", "replace")
