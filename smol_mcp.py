@@ -202,6 +202,10 @@ class Config:
         "terminal", choices=("terminal", "client")
     )
     egress_private_cidrs: tuple[str, ...] = setting_field(())
+    # The host address published ports bind (one IPv4 address; empty: the
+    # engine's loopback), and the host ports an agent may name.
+    expose_hosts: tuple[str, ...] = setting_field(())
+    expose_ports: tuple[str, ...] = setting_field(())
     reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
 
     def secret_values(self) -> list[str]:
@@ -436,6 +440,9 @@ def _check_config(config: Config) -> None:
             why = f"{proxy!r}, not an address or a range of addresses: {err}"
             where = "trustedProxies (SMOL_MCP_TRUSTED_PROXIES)"
             raise ConfigError(f"{where} holds {why}") from None
+    # Each raises ConfigError naming the entry that is wrong.
+    parse_expose_hosts(config.expose_hosts)
+    parse_expose_ports(config.expose_ports)
     webhook = config.approval_webhook
     scheme = urllib.parse.urlsplit(webhook).scheme
     if webhook and scheme not in ("http", "https"):
@@ -528,6 +535,56 @@ def parse_mount_roots(roots: tuple[str, ...]) -> list[tuple[str, bool]]:
             )
         parsed.append((os.path.realpath(directory), writable))
     return parsed
+
+
+def parse_expose_hosts(hosts: tuple[str, ...]) -> str | None:
+    """The one host address exposeHosts names, or None for the engine's
+    loopback; raise ConfigError unless it is one IPv4 address other than
+    0.0.0.0 (the engine reads one IPv4 address, SMOLVM_PUBLISH_ADDR, and
+    ignores any other value)."""
+    if len(hosts) > 1:
+        raise ConfigError(
+            f"exposeHosts names {len(hosts)} addresses, but smolvm binds "
+            "published ports to one IPv4 address: name the one people "
+            "reach, such as 192.0.2.10"
+        )
+    if not hosts:
+        return None
+    try:
+        address = ipaddress.IPv4Address(hosts[0])
+    except ValueError:
+        raise ConfigError(
+            f"exposeHosts holds {hosts[0]!r}, not an IPv4 address; smolvm "
+            "binds published ports to an IPv4 address only (it ignores "
+            "anything else), such as 192.0.2.10"
+        ) from None
+    if address.is_unspecified:
+        raise ConfigError(
+            "exposeHosts holds 0.0.0.0, which binds every interface and "
+            "names none a person could open: name the one address people "
+            "reach, such as 192.0.2.10"
+        )
+    return str(address)
+
+
+def parse_expose_ports(ports: tuple[str, ...]) -> list[range]:
+    """The host ports exposePorts lets an agent name, as ranges; raise
+    ConfigError for an entry that is not a port (1-65535) or a range of
+    them written LOW-HIGH."""
+    ranges = []
+    for entry in ports:
+        match = re.fullmatch(r"(\d{1,5})(?:-(\d{1,5}))?", entry)
+        low = high = 0
+        if match:
+            low = int(match[1])
+            high = int(match[2] or match[1])
+        if not match or not 1 <= low <= high <= 65535:
+            raise ConfigError(
+                f"exposePorts holds {entry!r}; each entry is a host port "
+                "(1-65535) or a range of them, such as 8000 or 8000-8099"
+            )
+        ranges.append(range(low, high + 1))
+    return ranges
 
 
 def parse_local_url(url: str) -> tuple[str, str | int]:
@@ -727,6 +784,13 @@ class Fleet(Protocol):
     ) -> FilePage: ...
     def write_file(self, name: str, path: str, data: bytes) -> int: ...
     def console_lines(self, name: str) -> list[str]: ...
+    # expose-port: publish guest port ``guest`` (on host port ``host``, or
+    # one the fleet picks), or take it away; the answer is the tool's
+    # result, {url, port, hostPort, changed}.
+    def publish_port(
+        self, name: str, guest: int, host: int | None
+    ) -> dict: ...
+    def unpublish_port(self, name: str, guest: int) -> dict: ...
     # What smol://targets says about this fleet (it may not be served).
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict: ...
@@ -775,6 +839,12 @@ CHILD_ENV_NAMES = tuple(
     "RUST_LOG".split()
 )
 GUEST_MARKERS = ("/usr/local/bin/smolvm-agent", "/etc/smolvm")
+# Where the serve binds published ports unless SMOLVM_PUBLISH_ADDR says
+# (observed: 127.0.0.1 and [::1], never every interface).
+PUBLISH_DEFAULT_ADDRESS = "127.0.0.1"
+# The TCP ports one machine publishes (create-machine, expose-port): each
+# holds a port of the host.
+PORTS_PER_MACHINE = 16
 # "Ready" means a command has actually run in the guest.
 READY_PROBE = ["true"]
 # Below this offset, streaming the file from its start is cheap enough.
@@ -1535,6 +1605,11 @@ class LocalServe:
         its output appended to ``log_path``, and note its pid; return where
         this start's lines begin in the log."""
         env = minimal_child_env(self.environ, self.config.secret_values())
+        named = parse_expose_hosts(self.config.expose_hosts)
+        if named:
+            # The engine binds published ports to this IPv4 address (and
+            # [::1]) instead of 127.0.0.1 (observed).
+            env["SMOLVM_PUBLISH_ADDR"] = named
         argv = [binary, "serve", "start", "--listen", socket_path]
         with open(log_path, "ab") as log_file:
             log_start = log_file.tell()
@@ -1908,8 +1983,17 @@ class LocalFleet(LocalServe):
         return self.get_machine(name)["state"]
 
     def create_machine(self, spec: MachineSpec) -> dict:
+        address = PUBLISH_DEFAULT_ADDRESS
+        if spec.ports:
+            # Published on expose-port's terms: where the operator allows,
+            # on a host port an agent may name.
+            address = self.publish_address()
+        for index, port in enumerate(spec.ports):
+            if port.get("host"):
+                where = f"ports[{index}].host"
+                check_host_port(self.config, port["host"], where)
         ports = [
-            {"host": p.get("host") or free_port(), "guest": p["guest"]}
+            {"host": p.get("host") or free_port(address), "guest": p["guest"]}
             for p in spec.ports
         ]
         mounts = [
@@ -2426,6 +2510,95 @@ class LocalFleet(LocalServe):
         info = self._machine(action, "POST", f"{_q(name)}/egress", change)
         return local_record(info), egress_lists(info)
 
+    # -- published ports (expose-port) -------------------------------------
+
+    def publish_address(self) -> str:
+        """The host address published ports bind; raise SmolError when it
+        is not loopback and exposeHosts does not name it."""
+        named = parse_expose_hosts(self.config.expose_hosts)
+        if named or self.config.local_url:
+            # Our serve is told to bind it (_spawn_serve); a serve we did
+            # not start cannot be asked, so the operator's word, else the
+            # engine's default, is all there is.
+            return named or PUBLISH_DEFAULT_ADDRESS
+        value = self.environ.get("SMOLVM_PUBLISH_ADDR")
+        try:
+            address = ipaddress.IPv4Address(value or "")
+        except ValueError:
+            # The engine ignores what is not an IPv4 address (observed).
+            return PUBLISH_DEFAULT_ADDRESS
+        if address.is_loopback:
+            return str(address)
+        raise SmolError(
+            f"the local serve binds published ports to {address} "
+            "(SMOLVM_PUBLISH_ADDR in this server's environment), which is "
+            "not loopback and not named in exposeHosts, so nothing was "
+            "published. Only the operator can allow it: name the address "
+            "in exposeHosts (SMOL_MCP_EXPOSE_HOSTS), or unset "
+            "SMOLVM_PUBLISH_ADDR"
+        )
+
+    def publish_port(self, name: str, guest: int, host: int | None) -> dict:
+        """Publish TCP port ``guest`` on ``host`` (None: a free one): the
+        route replaces the whole set, so it is read, added to and put. A
+        port already published answers as it is."""
+        address = self.publish_address()
+        info = self._machine(f"get machine '{name}'", "GET", _q(name))
+        ports = port_specs(info)
+        for port in ports:
+            if port["guest"] == guest and "protocol" not in port:
+                if host not in (None, port["host"]):
+                    raise ArgumentError(
+                        f"guest port {guest} of machine '{name}' is "
+                        f"published on host port {port['host']} already; "
+                        "close it first (close: true) to move it"
+                    )
+                return published(address, guest, port["host"], False)
+        taken = [port["host"] for port in ports if "protocol" not in port]
+        if len(taken) >= PORTS_PER_MACHINE:
+            raise ports_full(name)
+        if host in taken:
+            raise ArgumentError(
+                f"host port {host} already carries another port of "
+                f"machine '{name}' (get-machine lists them); leave hostPort "
+                "out and a free one is picked"
+            )
+        if host is not None:
+            check_host_port(self.config, host, "hostPort")
+        chosen = host or free_port(address)
+        try:
+            self._put_ports(name, ports + [{"host": chosen, "guest": guest}])
+        except ApiError as err:
+            if err.code != "PORT_IN_USE" or host is not None:
+                raise port_in_use(err, host) from None
+            # Taken since it was picked: once more, with another.
+            chosen = free_port(address)
+            self._put_ports(name, ports + [{"host": chosen, "guest": guest}])
+        return published(address, guest, chosen, True)
+
+    def unpublish_port(self, name: str, guest: int) -> dict:
+        """Take TCP port ``guest`` off the machine's published ports; one
+        that is not published answers unchanged."""
+        info = self._machine(f"get machine '{name}'", "GET", _q(name))
+        ports = port_specs(info)
+        kept = [
+            port
+            for port in ports
+            if port["guest"] != guest or "protocol" in port
+        ]
+        closed = {"url": None, "port": guest, "hostPort": None}
+        if len(kept) == len(ports):
+            return {**closed, "changed": False}
+        removed = [port for port in ports if port not in kept]
+        self._put_ports(name, kept)
+        return {**closed, "hostPort": removed[0]["host"], "changed": True}
+
+    def _put_ports(self, name: str, ports: list[dict]) -> dict:
+        """Replace the machine's published ports with ``ports``."""
+        action = f"set the published ports of machine '{name}'"
+        body = {"ports": ports}
+        return self._machine(action, "PUT", f"{_q(name)}/ports", body)
+
 
 def directory_error(
     path: str, response: http.client.HTTPResponse
@@ -2492,6 +2665,7 @@ called: GET /health  GET ~  POST ~  GET ~/{name}  DELETE ~/{name}
     PUT ~/{id}/files/{path}  GET ~/{id}/logs  POST ~/{id}/images/pull
     POST ~/{name}/branches  POST ~/{name}/egress  GET ~/{name}/egress-events
     POST ~/{name}/pause  POST ~/{name}/resume
+    PUT ~/{name}/ports
 host scheduling numbers; no tool reports capacity: GET /capacity
 no tool lists a machine's images: GET ~/{id}/images
 running another image on an overlay is not in the tool vocabulary:
@@ -2503,7 +2677,6 @@ needs a pushToken minted by the control plane, which a local user
 no tool grows a machine after it exists: POST ~/{name}/resize
 mounts are a create-time argument: POST ~/{name}/sync  GET ~/{name}/mounts
     POST ~/{name}/mounts  DELETE ~/{name}/mounts
-ports are a create-time argument: PUT ~/{name}/ports
 mediated egress is not used: GET ~/{name}/mediation-events
 credential bindings are not used: PUT ~/{name}/credential-values
 publish captures only a cache disk mounted at one guest path, not a
@@ -2673,12 +2846,53 @@ def stream_exit_code(name: str, data: str) -> int:
         ) from None
 
 
-def free_port() -> int:
-    """A loopback host port that is free right now, for a published port
-    given without one."""
+def free_port(address: str = "127.0.0.1") -> int:
+    """A host port that is free on ``address`` right now, for a published
+    port given without one."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return sock.getsockname()[1]
+
+
+def port_specs(info: dict) -> list[dict]:
+    """A local record's published ports as the ports route takes them back
+    (``protocol`` only for udp, as the engine lists them)."""
+    specs = []
+    for port in info.get("ports") or []:
+        spec = {"host": port.get("host"), "guest": port.get("guest")}
+        if port.get("protocol") == "udp":
+            spec["protocol"] = "udp"
+        specs.append(spec)
+    return specs
+
+
+def published(address: str, guest: int, host: int, changed: bool) -> dict:
+    """expose-port's answer for a local port published on ``host``."""
+    return {
+        "url": f"http://{address}:{host}",
+        "port": guest,
+        "hostPort": host,
+        "changed": changed,
+    }
+
+
+def ports_full(name: str) -> ArgumentError:
+    """The refusal of one more published port than a machine may have."""
+    return ArgumentError(
+        f"machine '{name}' publishes {PORTS_PER_MACHINE} TCP ports already, "
+        "the most a machine may (each holds a port of the host); close one "
+        "first (close: true), get-machine lists them"
+    )
+
+
+def port_in_use(err: ApiError, host: int | None) -> ApiError:
+    """``err`` with the next step when the host port asked for is taken."""
+    if err.code != "PORT_IN_USE":
+        return err
+    return err.with_hint(
+        f"Host port {host} is in use on this host: leave hostPort out and "
+        "a free one is picked"
+    )
 
 
 def _q(value: str, safe: str = "") -> str:
@@ -3733,6 +3947,87 @@ class CloudFleet:
         )
         raise ArgumentError(f"pull-image is local only: {why}")
 
+    # -- published ports (expose-port) -------------------------------------
+
+    def publish_port(self, name: str, guest: int, host: int | None) -> dict:
+        """Publish TCP port ``guest`` (the route takes the whole set) and
+        answer a port link to it: the way in a person opens."""
+        if host is not None:
+            raise ArgumentError(
+                '"hostPort" is local only: the cloud control plane picks the '
+                "host port; leave it out"
+            )
+        record = self._find(name)
+        if cloud_egress(_object_field(record, "network")) == "blocked":
+            raise ArgumentError(
+                f"machine '{name}' blocks egress, and a cloud machine that "
+                "publishes ports cannot also block egress; create one with "
+                'network: "open" (or an allow-list) to publish a port'
+            )
+        guests = cloud_tcp_ports(record)
+        changed = guest not in guests
+        if changed and len(guests) >= PORTS_PER_MACHINE:
+            raise ports_full(name)
+        if changed:
+            answer = self._put_ports(record, name, [*guests, guest])
+            if isinstance(answer, dict):
+                record = answer
+        action = f"make a link to port {guest} of machine '{name}'"
+        route = f"/v1/machines/{record['id']}/port-links"
+        links = self.api.request(action, "POST", route)
+        url = _object_field(links, "urls").get(str(guest))
+        if not isinstance(url, str):
+            raise self.api.bad_answer(action, f"no link for {guest}", links)
+        return {
+            "url": url,
+            "port": guest,
+            "hostPort": cloud_host_port(record, guest),
+            "changed": changed,
+        }
+
+    def unpublish_port(self, name: str, guest: int) -> dict:
+        """Take TCP port ``guest`` off the machine's published ports; the
+        last one closed also revokes the machine's port links."""
+        record = self._find(name)
+        guests = cloud_tcp_ports(record)
+        closed = {"url": None, "port": guest}
+        if guest not in guests:
+            return {**closed, "hostPort": None, "changed": False}
+        host = cloud_host_port(record, guest)
+        kept = [port for port in guests if port != guest]
+        self._put_ports(record, name, kept)
+        if not kept:
+            action = f"revoke the port links of machine '{name}'"
+            route = f"/v1/machines/{record['id']}/port-links"
+            self.api.request(action, "DELETE", route, expect=None)
+        return {**closed, "hostPort": host, "changed": True}
+
+    def _put_ports(self, record: dict, name: str, guests: list[int]) -> Any:
+        """Replace the machine's published TCP ports with ``guests``."""
+        action = f"set the published ports of machine '{name}'"
+        route = f"/v1/machines/{record['id']}/ports"
+        body = {"ports": [{"port": port} for port in guests]}
+        return self.api.request(action, "PUT", route, body, expect=None)
+
+
+def cloud_tcp_ports(record: dict) -> list[int]:
+    """The guest ports a cloud record publishes over TCP, the set the
+    ports route replaces."""
+    return [
+        port["port"]
+        for port in record.get("ports") or []
+        if isinstance(port, dict) and port.get("protocol", "tcp") == "tcp"
+    ]
+
+
+def cloud_host_port(record: dict, guest: int) -> int | None:
+    """The node's host port for ``guest``, or None while it is not
+    placed."""
+    for port in record.get("ports") or []:
+        if isinstance(port, dict) and port.get("port") == guest:
+            return port.get("hostPort") or None
+    return None
+
 
 def cloud_exec_body(
     argv: list[str], timeout_secs: int, workdir=None, env=None, stdin=None
@@ -4256,6 +4551,25 @@ def refuse_server_directory(config: Config, resolved: str, where: str) -> None:
             )
 
 
+def check_host_port(config: Config, port: int, where: str) -> None:
+    """Raise ArgumentError unless exposePorts lets an agent name host
+    port ``port``. A host port is the host's: one a host program expects
+    later (a database, a dev server) would carry its traffic, and its
+    secrets, into the guest."""
+    allowed = parse_expose_ports(config.expose_ports)
+    if any(port in ports for ports in allowed):
+        return
+    if allowed:
+        listed = ", ".join(config.expose_ports)
+        why = f"the operator allows only {listed} (exposePorts)"
+    else:
+        why = "the operator allows none (exposePorts is empty)"
+    raise ArgumentError(
+        f'"{where}" is {port}, a host port an agent may not choose: {why}. '
+        "Leave it out and a free port is picked"
+    )
+
+
 def within(path: str, directory: str) -> bool:
     """True when ``path`` is ``directory`` or lies under it (both
     resolved)."""
@@ -4620,6 +4934,8 @@ CURSOR_LINES = 3
 JOB_DEFAULT_TIMEOUT_SECS = 3600
 # A job holds its machine: a day at most.
 JOB_MAX_TIMEOUT_SECS = 24 * 3600
+# The named shells one machine keeps (run-command's `shell`).
+SHELLS_PER_MACHINE = 16
 # The denials read after a failed command.
 EGRESS_EVENTS_LIMIT = 1000
 # The denials get-machine reads.
@@ -4790,6 +5106,14 @@ ARG_JOB_OFFSET = {
 ARG_WAIT = _boolean(
     "Wait until a command has run in the guest before answering "
     "(default true)."
+)
+ARG_SHELL = _string(
+    "A named shell of the machine to run in: the working directory and "
+    "exported variables this command ends with are where the next command "
+    "in the same shell starts (cd and export persist). Omit it and every "
+    f"command starts fresh. At most {SHELLS_PER_MACHINE} shells a machine.",
+    minLength=1,
+    pattern=NAME_PATTERN,
 )
 # run-command's and run-once's
 ARG_EXEC = dict(
@@ -5334,6 +5658,78 @@ RUN_KILL_SCRIPT = (
     'kill -KILL "$p" 2>/dev/null\n'
     "exit 0\n"
 )
+# A named shell (run-command's and start-job's `shell`) is a directory of
+# the guest, SHELL_DIR/<name>, holding the working directory (cwd) and
+# the exported environment (env, as `export -p` prints it) as they were
+# at the end of the last command run in it; SHELL_SCRIPT reads them
+# before the command and writes them after it, in the same sh process as
+# the command, so its cd and export stay (an exit in it too, by an EXIT
+# trap). The command is data ($6), run with eval; stdout, stderr and the
+# exit code are the command's own. A command killed (at its timeout, or
+# cancelled: TERM or KILL) writes nothing: the shell stays as it was
+# before it. A job reads the state and writes none back: a job ending
+# while the next command runs would make the shell's state a race.
+# Nothing is kept on the host, so a branch, a pause and resume, or a
+# server restart keep every shell. A machine keeps at most
+# SHELLS_PER_MACHINE; the guest script counts them (no extra request).
+SHELL_DIR = "/var/tmp/smol-mcp/shells"
+# $1 the shell's directory, $2 the most shells a machine keeps, $3 the
+# marker a refusal starts stderr with, $4 save (run-command) or job, $5
+# cwd (start in the saved directory) or workdir (the call named one), $6
+# the command, then NAME=VALUE for each variable of the call's env (set
+# after the saved ones, so the call's win). A refusal (no room for a new
+# shell, or no place to keep it) exits 125 with the marker, its kind and
+# the shells there on stderr, before the command runs. Our names start
+# with _smol_ (the command shares the shell with them); pwd and mv are
+# called with `command` so a function the command defines is not.
+SHELL_SCRIPT = r"""_smol_d=$1
+_smol_r=$3
+_smol_k=$4
+_smol_c=$6
+_smol_n() { if [ -e "$1" ]; then echo $#; else echo 0; fi; }
+_smol_no() {
+  echo "$_smol_r $1" >&2
+  for _smol_e in "${_smol_d%/*}"/*; do
+    [ -d "$_smol_e" ] && echo "${_smol_e##*/}" >&2
+  done
+  exit 125
+}
+if [ "$_smol_k" = save ] && [ ! -d "$_smol_d" ]; then
+  [ "$(_smol_n "${_smol_d%/*}"/*)" -lt "$2" ] || _smol_no limit
+  mkdir -p "$_smol_d" 2>/dev/null || _smol_no state
+  if [ "$(_smol_n "${_smol_d%/*}"/*)" -gt "$2" ]; then
+    rmdir "$_smol_d"; _smol_no limit
+  fi
+fi
+_smol_p=$PWD
+if [ -f "$_smol_d/env" ]; then command . "$_smol_d/env" 2>/dev/null; fi
+PWD=$_smol_p
+if [ "$5" = cwd ] && [ -f "$_smol_d/cwd" ]; then
+  IFS= read -r _smol_p <"$_smol_d/cwd" && cd -- "$_smol_p" 2>/dev/null
+fi
+shift 6
+for _smol_e do export "$_smol_e"; done
+unset _smol_e _smol_p
+set --
+_smol_save() {
+  command pwd >"$_smol_d/cwd.part" && export -p >"$_smol_d/env.part" &&
+    command -p mv -f "$_smol_d/env.part" "$_smol_d/env" &&
+    command -p mv -f "$_smol_d/cwd.part" "$_smol_d/cwd"
+}
+_smol_end() { { trap - EXIT "$1"; kill -"$1" "$$"; } 2>/dev/null; }
+if [ "$_smol_k" = save ]; then
+  trap '{ _smol_x=$?; set +ex; _smol_save; exit "$_smol_x"; } 2>/dev/null' EXIT
+  trap '_smol_end TERM' TERM
+  trap '_smol_end INT' INT
+  trap '_smol_end HUP' HUP
+fi
+eval "$_smol_c"
+"""
+# The longest working directory a result shows.
+SHELL_CWD_BYTES = 1024
+# $1 the shell's directory: its saved working directory, at most one byte
+# more than SHELL_CWD_BYTES (the file is the guest's to fill).
+SHELL_CWD_SCRIPT = f'head -c {SHELL_CWD_BYTES + 1} "$1/cwd"'
 # At most about three output lines a second reach the client, each cut to
 # LIVE_LINE_CHARS.
 LIVE_OUTPUT_INTERVAL_SECS = 0.3
@@ -5344,6 +5740,87 @@ def guest_script(script: str, pid_file: str, *argv: str) -> list[str]:
     """The argv that runs one of the RUN_ scripts above with its pid
     file."""
     return ["sh", "-c", script, "sh", pid_file, *argv]
+
+
+def shell_argv(args: dict, options: dict, mode: str) -> tuple[list, str]:
+    """The argv that runs ``args["command"]`` in the shell
+    ``args["shell"]`` (``mode`` "save" or "job"), and the marker of its
+    refusal. The call's env goes in as the script's arguments, so it is
+    taken out of ``options``. An argv list is one command line of quoted
+    words; raise ArgumentError for a word no command line can carry."""
+    command = args["command"]
+    if not isinstance(command, str):
+        if any("\0" in word for word in command):
+            raise ArgumentError(
+                '"command" holds a NUL character, which no shell command '
+                "line (nor any argv) can carry; take it out"
+            )
+        # Every word quoted, so a word that is a shell keyword stays a
+        # word, as exec would take it.
+        command = " ".join(quoted(word) for word in command)
+    marker = f"smol-mcp-shell-{secrets_module.token_hex(8)}"
+    start = "workdir" if "workdir" in args else "cwd"
+    env = options.pop("env", None) or {}
+    assignments = [f"{key}={value}" for key, value in env.items()]
+    return [
+        "sh",
+        "-c",
+        SHELL_SCRIPT,
+        "sh",
+        f"{SHELL_DIR}/{args['shell']}",
+        str(SHELLS_PER_MACHINE),
+        marker,
+        mode,
+        start,
+        command,
+        *assignments,
+    ], marker
+
+
+def quoted(word: str) -> str:
+    """``word`` in single quotes for sh, whatever it holds."""
+    return "'" + word.replace("'", "'\\''") + "'"
+
+
+def refuse_shell(
+    result: ExecResult, marker: str, name: str, shell: str
+) -> None:
+    """Raise SmolError when SHELL_SCRIPT refused to open ``shell`` (its
+    stderr starts with ``marker``); nothing ran then."""
+    stderr = bytes(result.stderr).decode("utf-8", "replace")
+    if result.exit_code != 125 or not stderr.startswith(f"{marker} "):
+        return
+    kind, *shells = stderr[len(marker) + 1 :].split()
+    if kind == "limit":
+        raise SmolError(
+            f"machine '{name}' keeps {SHELLS_PER_MACHINE} shells already "
+            f"({', '.join(shells)}), the most it may, so shell '{shell}' "
+            "was not opened and nothing ran. Use one of those, or remove "
+            f'one first: run-command {{name: "{name}", command: "rm -r '
+            f'{SHELL_DIR}/<shell>"}}'
+        )
+    raise SmolError(
+        f"machine '{name}' cannot keep shell '{shell}': {SHELL_DIR} cannot "
+        "be written in its guest, so nothing ran. Run the command without "
+        "shell (chain the steps with &&), or make that directory writable"
+    )
+
+
+async def shell_cwd(call: Call, name: str, shell: str) -> str | None:
+    """The working directory shell ``shell`` saved, or None when it has
+    none (its first command was killed), it cannot be read or it is over
+    SHELL_CWD_BYTES."""
+    argv = ["sh", "-c", SHELL_CWD_SCRIPT, "sh", f"{SHELL_DIR}/{shell}"]
+    try:
+        answer = await call.api(call.fleet.exec, name, argv, timeout_secs=30)
+    except SmolError as err:
+        log.warning("could not read shell %s of %s: %s", shell, name, err)
+        return None
+    data = bytes(answer.stdout).removesuffix(b"\n")
+    if answer.exit_code != 0 or len(data) > SHELL_CWD_BYTES:
+        # A path that long is not shown cut: it would name another place.
+        return None
+    return data.decode("utf-8", "replace") or None
 
 
 async def run_in_machine(
@@ -5644,6 +6121,7 @@ ARG_PORTS = {
     "description": (
         "Ports to publish: guest port, and optionally the host port."
     ),
+    "maxItems": PORTS_PER_MACHINE,
     "items": _input(
         "guest",
         guest=_integer("Port inside the machine.", maximum=65535),
@@ -5975,9 +6453,15 @@ async def create_recorded(
     "the whole stream is saved in the machine at the path listed in "
     "overflow. A stopped machine is started first. On the local fleet a "
     "failed command lists the connections the egress policy refused "
-    "(egressDenied). A paused machine is resumed first.",
-    _input("name command", name=ARG_NAME, **ARG_EXEC),
-    _out({**OUT_EXEC_PROPERTIES, **OUT_RESUMED}, OUT_EXEC_EGRESS),
+    "(egressDenied). A paused machine is resumed first. With shell, it "
+    "runs in that named shell of the machine: the directory and exported "
+    "variables it ends with are where the next command in the shell starts "
+    "(cwd in the result).",
+    _input("name command", name=ARG_NAME, **ARG_EXEC, shell=ARG_SHELL),
+    _out(
+        {**OUT_EXEC_PROPERTIES, **OUT_RESUMED},
+        {**OUT_EXEC_EGRESS, **_types("cwd:string?")},
+    ),
     "exec: destructive open_world",
 )
 async def tool_run_command(call: Call, args: dict) -> dict:
@@ -5985,16 +6469,25 @@ async def tool_run_command(call: Call, args: dict) -> dict:
     options = exec_options(args, call.config.exec_timeout_secs)
     since = datetime.datetime.now(datetime.UTC)
     argv = command_argv(args["command"])
+    shell = args.get("shell")
+    if shell:
+        argv, marker = shell_argv(args, options, "save")
     run = functools.partial(run_in_machine, call, name, argv, **options)
     result, woke = await on_running(call, name, run)
+    if shell:
+        refuse_shell(result, marker, name, shell)
     shaped = await budget_exec(
         call, name, result, options["timeout_secs"], since, once=False
     )
-    return {
+    answer = {
         **shaped,
         "startedMachine": woke == "started",
         "resumedMachine": woke == "resumed",
     }
+    if shell:
+        # What the shell saved (as it was, if the command was killed).
+        answer["cwd"] = await shell_cwd(call, name, shell)
+    return answer
 
 
 @tool(
@@ -6668,6 +7161,14 @@ async def tool_pull_image(call: Call, args: dict) -> dict:
         ),
         workdir=ARG_WORKDIR,
         env=ARG_ENV,
+        shell={
+            **ARG_SHELL,
+            "description": (
+                "Start from this named shell's directory and exported "
+                "variables (as run-command left them); the job changes "
+                "neither."
+            ),
+        },
     ),
     _out(
         "jobId:string state:string timeoutSecs:integer startedMachine:boolean "
@@ -6679,6 +7180,9 @@ async def tool_start_job(call: Call, args: dict) -> dict:
     name = args["name"]
     argv = command_argv(args["command"])
     options = exec_options(args, JOB_DEFAULT_TIMEOUT_SECS)
+    if args.get("shell"):
+        # A job writes no state back, so nothing can refuse it.
+        argv, _ = shell_argv(args, options, "job")
     if options["timeout_secs"] > JOB_MAX_TIMEOUT_SECS:
         raise ArgumentError(
             f'"timeoutSecs" is {options["timeout_secs"]}, above the job '
@@ -7333,6 +7837,54 @@ async def confirm_egress_change(
             f"The person did not allow the egress change for machine "
             f"'{name}'; nothing changed. Do not ask again unless they say so."
         )
+
+
+@tool(
+    "Publish a port for a person",
+    "Publish a TCP port the machine serves so a person can open it: on "
+    "the local fleet at a port of this host's 127.0.0.1 (or the one "
+    "address the operator named in exposeHosts), on the cloud as a link. "
+    "The url in the result is what the person opens. The server in the "
+    "machine must listen on 0.0.0.0, not only on 127.0.0.1; a stopped "
+    "machine serves the port once it starts. close: true takes the port "
+    "away again.",
+    _input(
+        "name port",
+        name=ARG_NAME,
+        port=_integer("The TCP port the machine serves on.", maximum=65535),
+        hostPort=_integer(
+            "Local only: the host port to publish it on, where the "
+            "operator lets agents name one (exposePorts); by default a "
+            "free one is picked.",
+            maximum=65535,
+        ),
+        close=_boolean(
+            "Take the port away instead (a port not published is left as "
+            "it is)."
+        ),
+    ),
+    _out("url:string? port:integer hostPort:integer? changed:boolean"),
+    # Closing takes a way in away; asking again answers the same port.
+    "manage: destructive idempotent",
+)
+async def tool_expose_port(call: Call, args: dict) -> dict:
+    name = args["name"]
+    port = args["port"]
+    if not args.get("close"):
+        host = args.get("hostPort")
+        waiting = f"publishing port {port} of '{name}'"
+        return await call.api(
+            call.fleet.publish_port, name, port, host, waiting=waiting
+        )
+    if "hostPort" in args:
+        raise ArgumentError(
+            '"hostPort" does nothing with "close": true (the guest port '
+            "names what is closed); leave it out"
+        )
+    waiting = f"closing port {port} of '{name}'"
+    return await call.api(
+        call.fleet.unpublish_port, name, port, waiting=waiting
+    )
 
 
 TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
@@ -9544,6 +10096,9 @@ def server_instructions(app: SmolMcp) -> str:
         " (resumedMachine: true). save-machine keeps a running machine as a"
         " named state that create-machine {from: STATE} starts new machines"
         " from.",
+        '- run-command with shell: "NAME" keeps cd and export from one'
+        " command to the next in that shell. expose-port gives the URL a"
+        " person opens for a port the machine serves on 0.0.0.0.",
     ]
     if app.mode == "both":
         lines.append(

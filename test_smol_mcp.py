@@ -306,6 +306,8 @@ class ConfigTests(unittest.TestCase):
             "approvalVia": "client",
             "mountRoots": ["/srv", "/work:rw"],
             "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
+            "exposeHosts": ["192.0.2.10"],
+            "exposePorts": ["8000-8099", "9000"],
             "replyTokens": 50000,
         }
         defaults = Config()
@@ -488,6 +490,53 @@ class ConfigTests(unittest.TestCase):
                 "LANG": "C.UTF-8",
             },
         )
+
+
+class ExposeSettingTests(unittest.TestCase):
+    """exposeHosts and exposePorts: what the operator allows a published
+    port, refused at startup with the key named when it cannot be kept."""
+
+    def test_exposehosts_is_one_ipv4_address_that_names_one_interface(self):
+        self.assertEqual(
+            load_config(
+                {"SMOL_MCP_EXPOSE_HOSTS": " 192.0.2.10 "}
+            ).expose_hosts,
+            ("192.0.2.10",),
+        )
+        for value, why in (
+            ("192.0.2.1,192.0.2.2", "names 2 addresses, but smolvm binds"),
+            ("::1", "not an IPv4 address; smolvm binds published ports"),
+            ("example.com", "not an IPv4 address"),
+            ("0.0.0.0", "binds every interface and names none"),
+            ("192.0.2.010", "not an IPv4 address"),
+        ):
+            with self.subTest(value=value):
+                with self.assertRaises(ConfigError) as caught:
+                    load_config({"SMOL_MCP_EXPOSE_HOSTS": value})
+                self.assertIn("exposeHosts", str(caught.exception))
+                self.assertIn(why, str(caught.exception))
+
+    def test_exposeports_are_ports_or_ranges_of_them(self):
+        config = load_config({"SMOL_MCP_EXPOSE_PORTS": "8000-8002,9000"})
+        self.assertEqual(
+            smol_mcp.parse_expose_ports(config.expose_ports),
+            [range(8000, 8003), range(9000, 9001)],
+        )
+        for value in ("0", "65536", "9000-8000", "80-", "x", "8000:8001"):
+            with self.subTest(value=value):
+                with self.assertRaises(ConfigError) as caught:
+                    load_config({"SMOL_MCP_EXPOSE_PORTS": value})
+                self.assertIn(
+                    f"exposePorts holds {value!r}; each entry is a host port",
+                    str(caught.exception),
+                )
+        for port, allowed in ((8000, True), (8002, True), (8003, False)):
+            with self.subTest(port=port):
+                if allowed:
+                    smol_mcp.check_host_port(config, port, "hostPort")
+                else:
+                    with self.assertRaises(smol_mcp.ArgumentError):
+                        smol_mcp.check_host_port(config, port, "hostPort")
 
 
 class ImportTests(unittest.TestCase):
@@ -1339,6 +1388,10 @@ class EngineRequestScenarios:
         ("cancel-job", {"name": "rq-1", "jobId": None}),
         ("pull-image", {"name": "rq-1", "image": "alpine"}),
         ("allow-egress", {"name": "rq-1", "hosts": ["pypi.org"]}),
+        ("expose-port", {"name": "rq-1", "port": 8080}),
+        # The same requests as opening it (the last one closed revokes the
+        # cloud's links).
+        ("expose-port", {"name": "rq-1", "port": 8080, "close": True}),
         ("branch-machine", {"name": "rq-1", "childName": "rq-2"}),
         ("pause-machine", {"name": "rq-1"}),
         ("resume-machine", {"name": "rq-1"}),
@@ -7149,6 +7202,1027 @@ class CloudJobTests(JobScenarios, FakeCloudCase):
         )
 
 
+class ShellScenarios(LongWorkScenarios):
+    """Named shells (run-command's and start-job's `shell`), the same
+    vocabulary on either fleet: the state lives in the guest."""
+
+    machine_name = "sh1"
+
+    async def sh(self, c, command, **extra) -> dict:
+        return await self.ok(
+            c,
+            "run-command",
+            {"name": self.machine_name, "command": command, **extra},
+        )
+
+    async def test_cd_and_export_persist_in_the_same_shell_and_nowhere_else(
+        self,
+    ):
+        probe = 'echo "$PWD|${PORT-unset}|${Q-unset}"'
+        for mode in MODES:
+            with self.subTest(mode=mode):
+                async with self.client(mode) as c:
+                    await self.machine(c)
+                    first = await self.sh(
+                        c,
+                        "mkdir -p /srv/app && cd /srv/app && export "
+                        'PORT=8000 Q="it\'s \\$x" && echo set',
+                        shell="build",
+                    )
+                    self.assertEqual(
+                        (first["stdout"], first["exitCode"], first["cwd"]),
+                        ("set\n", 0, "/srv/app"),
+                    )
+                    same = await self.sh(c, probe, shell="build")
+                    self.assertEqual(same["stdout"], "/srv/app|8000|it's $x\n")
+                    self.assertEqual(same["cwd"], "/srv/app")
+                    other = await self.sh(c, probe, shell="test")
+                    self.assertEqual(other["stdout"], "/|unset|unset\n")
+                    self.assertEqual(other["cwd"], "/")
+                    fresh = await self.sh(c, probe)
+                    self.assertEqual(fresh["stdout"], "/|unset|unset\n")
+                    self.assertNotIn("cwd", fresh)
+                    # The call's env wins over the shell's, and stays.
+                    env = await self.sh(
+                        c, probe, shell="build", env={"PORT": "9000"}
+                    )
+                    self.assertEqual(env["stdout"], "/srv/app|9000|it's $x\n")
+                    kept = await self.sh(c, "unset Q; cd /tmp", shell="build")
+                    self.assertEqual(kept["cwd"], "/tmp")
+                    after = await self.sh(c, probe, shell="build")
+                    self.assertEqual(after["stdout"], "/tmp|9000|unset\n")
+                    # workdir starts this command there; where it ends is kept.
+                    moved = await self.sh(
+                        c, 'echo "$PWD"; pwd', shell="build", workdir="/srv"
+                    )
+                    self.assertEqual(
+                        (moved["stdout"], moved["cwd"]),
+                        ("/srv\n/srv\n", "/srv"),
+                    )
+                    await self.ok(
+                        c, "delete-machine", {"name": self.machine_name}
+                    )
+
+    async def test_output_and_exit_code_are_the_commands_own_and_exit_saves(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            plain = await self.sh(
+                c, "printf 'no newline'; printf 'e\\n' >&2; exit 7"
+            )
+            shelled = await self.sh(
+                c,
+                "cd /tmp; export A=1; printf 'no newline'; printf 'e\\n' >&2; "
+                "exit 7",
+                shell="s",
+            )
+            self.assertEqual(
+                {k: shelled[k] for k in plain}, plain, "output untouched"
+            )
+            self.assertEqual(shelled["exitCode"], 7)
+            self.assertEqual(shelled["cwd"], "/tmp")
+            seen = await self.sh(c, 'echo "$PWD $A"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp 1\n")
+            # set -e and set -x in the command: the state is still saved,
+            # and nothing of the script's reaches stderr.
+            traced = await self.sh(
+                c, "set -ex; cd /; export B=2; false; echo never", shell="s"
+            )
+            self.assertEqual(traced["exitCode"], 1)
+            self.assertEqual(
+                traced["stderr"], "+ cd /\n+ export 'B=2'\n+ false\n"
+            )
+            seen = await self.sh(c, 'echo "$PWD $A $B"', shell="s")
+            self.assertEqual(seen["stdout"], "/ 1 2\n")
+            # A command that drops the EXIT trap saves nothing.
+            await self.sh(c, "trap - EXIT; cd /tmp; export C=3", shell="s")
+            seen = await self.sh(c, 'echo "$PWD ${C-unset}"', shell="s")
+            self.assertEqual(seen["stdout"], "/ unset\n")
+
+    async def test_a_timed_out_command_leaves_the_shell_as_it_was(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "cd /tmp && export T=before", shell="s")
+            killed = await self.sh(
+                c,
+                "cd / && export T=after && sleep 30",
+                shell="s",
+                timeoutSecs=2,
+            )
+            self.assertTrue(killed["timedOut"], killed)
+            self.assertEqual(killed["cwd"], "/tmp")
+            seen = await self.sh(c, 'echo "$PWD $T"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp before\n")
+            # A new shell whose first command is killed has nothing saved.
+            first = await self.sh(
+                c, "cd /; sleep 30", shell="new", timeoutSecs=2
+            )
+            self.assertTrue(first["timedOut"], first)
+            self.assertIsNone(first["cwd"])
+
+    async def test_a_job_starts_from_the_shell_and_changes_nothing_in_it(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "cd /tmp && export J=from-shell", shell="s")
+            job = await self.ok(
+                c,
+                "start-job",
+                {
+                    "name": self.machine_name,
+                    "command": 'echo "$PWD $J $K"; cd /; export J=job',
+                    "shell": "s",
+                    "env": {"K": "call"},
+                },
+            )
+            deadline = time.monotonic() + 30
+            while True:
+                page = await self.ok(
+                    c,
+                    "read-job",
+                    {"name": self.machine_name, "jobId": job["jobId"]},
+                )
+                if page["eof"] or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.3)
+            self.assertEqual(page["stdout"], "/tmp from-shell call\n")
+            seen = await self.sh(c, 'echo "$PWD $J ${K-unset}"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp from-shell unset\n")
+            # A job in a shell never opened starts fresh and opens none.
+            await self.ok(
+                c,
+                "start-job",
+                {"name": self.machine_name, "command": "true", "shell": "j"},
+            )
+            listed = await self.sh(c, f"ls {smol_mcp.SHELL_DIR}")
+            self.assertEqual(listed["stdout"], "s\n")
+
+    async def test_a_machine_keeps_at_most_sixteen_shells(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            names = [f"s{i:02}" for i in range(1, 17)]
+            await self.sh(
+                c,
+                " ".join(
+                    ["mkdir -p"]
+                    + [f"{smol_mcp.SHELL_DIR}/{n}" for n in names[:-1]]
+                ),
+            )
+            # The sixteenth is opened by a command.
+            last = await self.sh(c, "cd /tmp", shell=names[-1])
+            self.assertEqual(last["cwd"], "/tmp")
+            text = await self.refused(
+                c,
+                "run-command",
+                {
+                    "name": self.machine_name,
+                    "command": "touch /tmp/ran",
+                    "shell": "one-more",
+                },
+            )
+            self.assertIn(
+                f"machine '{self.machine_name}' keeps 16 shells already "
+                f"({', '.join(names)}), the most it may, so shell "
+                "'one-more' was not opened and nothing ran.",
+                text,
+            )
+            self.assertIn(f"rm -r {smol_mcp.SHELL_DIR}/<shell>", text)
+            gone = await self.sh(c, "ls /tmp/ran 2>&1; true")
+            self.assertIn("No such file", gone["stdout"])
+            # A shell already open still works, and removing one makes room.
+            again = await self.sh(c, "pwd", shell=names[-1])
+            self.assertEqual(again["stdout"], "/tmp\n")
+            await self.sh(c, f"rm -r {smol_mcp.SHELL_DIR}/s01")
+            room = await self.sh(c, "pwd", shell="one-more")
+            self.assertEqual(room["cwd"], "/")
+
+    async def test_a_cwd_too_long_to_show_is_null_never_cut(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            deep = "/tmp/" + "/".join(["d" * 200] * 6)
+            far = await self.sh(c, f"mkdir -p {deep} && cd {deep}", shell="s")
+            self.assertIsNone(far["cwd"])
+            seen = await self.sh(c, "pwd", shell="s")
+            self.assertEqual(seen["stdout"], deep + "\n")
+            # The file is the guest's: filled by hand, it is not read whole.
+            filled = await self.sh(
+                c,
+                "trap - EXIT; head -c 100000 /dev/zero | tr '\\0' x "
+                f"> {smol_mcp.SHELL_DIR}/t/cwd",
+                shell="t",
+            )
+            self.assertIsNone(filled["cwd"])
+            self.assertLess(len(json.dumps(filled)), 1000)
+
+    async def test_a_bad_shell_name_is_refused_before_anything_runs(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            before = len(self.journal())
+            for bad in ("../x", "a b", "", "-x", "x/y", "ab\n", "x" * 129):
+                with self.subTest(shell=bad):
+                    text = await self.refused(
+                        c,
+                        "run-command",
+                        {
+                            "name": self.machine_name,
+                            "command": "true",
+                            "shell": bad,
+                        },
+                    )
+                    self.assertIn('"shell"', text)
+                    text = await self.refused(
+                        c,
+                        "start-job",
+                        {
+                            "name": self.machine_name,
+                            "command": "true",
+                            "shell": bad,
+                        },
+                    )
+                    self.assertIn('"shell"', text)
+            self.assertEqual(len(self.journal()), before)
+
+    async def test_an_argv_in_a_shell_is_one_quoted_command_line(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            words = ["printf", "[%s]", "it's", "$HOME", "a b", "*", "", "if"]
+            plain = await self.sh(c, words)
+            shelled = await self.sh(c, words, shell="s")
+            self.assertEqual(plain["stdout"], "[it's][$HOME][a b][*][][if]")
+            self.assertEqual(shelled["stdout"], plain["stdout"])
+            # A word that is a keyword stays a word: the command "if".
+            keyword = await self.sh(c, ["if", "true"], shell="s")
+            self.assertEqual(keyword["exitCode"], 127)
+            # cd is the shell's own: it persists.
+            await self.sh(c, ["cd", "/tmp"], shell="s")
+            seen = await self.sh(c, ["pwd"], shell="s")
+            self.assertEqual(seen["stdout"], "/tmp\n")
+            text = await self.refused(
+                c,
+                "run-command",
+                {
+                    "name": self.machine_name,
+                    "command": ["echo", "a\x00b"],
+                    "shell": "s",
+                },
+            )
+            self.assertIn("NUL character", text)
+
+    async def test_live_output_in_a_shell_is_the_same_and_keeps_the_state(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            received = []
+
+            async def on_progress(progress, total, message):
+                received.append(message)
+
+            command = (
+                "cd /tmp; export L=1; for i in 1 2 3; do echo step $i; "
+                "sleep 0.5; done; exit 4"
+            )
+            streamed = result_of(
+                await c.call_tool(
+                    "run-command",
+                    {
+                        "name": self.machine_name,
+                        "command": command,
+                        "shell": "s",
+                    },
+                    progress_callback=on_progress,
+                )
+            )[1]
+            self.assertEqual(self.stream_calls(), 1)
+            await wait_until(
+                lambda: "stdout: step 3" in received, 5, "the last line"
+            )
+            self.assertEqual(
+                (streamed["stdout"], streamed["exitCode"], streamed["cwd"]),
+                ("step 1\nstep 2\nstep 3\n", 4, "/tmp"),
+            )
+            seen = await self.sh(c, 'echo "$PWD $L"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp 1\n")
+
+    async def test_a_new_server_and_a_branch_keep_the_shell_in_the_guest(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": self.machine_name,
+                    "image": "alpine",
+                    "network": "open",
+                    "branchable": True,
+                },
+            )
+            await self.sh(
+                c, "mkdir -p /srv/b && cd /srv/b && export B=1", shell="s"
+            )
+        self.app = SmolMcp(self.config)
+        async with self.client("auto") as c:
+            seen = await self.sh(c, 'echo "$PWD $B"', shell="s")
+            self.assertEqual(seen["stdout"], "/srv/b 1\n")
+            await self.ok(
+                c,
+                "branch-machine",
+                {"name": self.machine_name, "childName": "sh1-child"},
+            )
+            child = await self.ok(
+                c,
+                "run-command",
+                {
+                    "name": "sh1-child",
+                    "command": 'echo "$PWD $B"',
+                    "shell": "s",
+                },
+            )
+            self.assertEqual(child["stdout"], seen["stdout"])
+
+
+class LocalShellTests(ShellScenarios, FakeServeCase):
+    def journal(self) -> list:
+        return self.fake.requests
+
+    def stream_calls(self) -> int:
+        return len(self.requests_to("/exec/stream"))
+
+    async def test_a_cancelled_command_leaves_the_shell_as_it_was(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "cd /tmp && export X=kept", shell="s")
+            # Streamed and not: the second ends the shell with TERM and
+            # waits for it, so its trap would have time to save.
+            for streamed, sleep in (
+                (True, "sleep 3173"),
+                (False, "sleep 3172"),
+            ):
+                with self.subTest(streamed=streamed):
+                    args = {
+                        "name": self.machine_name,
+                        "command": f"cd / && export X=lost && {sleep}",
+                        "shell": "s",
+                    }
+                    if streamed:
+                        args = dict(args, progress_callback=ignore_progress)
+                    await self.cancel_once_running(c, args, sleep)
+                    seen = await self.sh(c, 'echo "$PWD $X"', shell="s")
+                    self.assertEqual(seen["stdout"], "/tmp kept\n")
+
+    async def cancel_once_running(self, c, args: dict, sleep: str) -> None:
+        """Call run-command with ``args``; cancel it once ``sleep`` runs
+        in the guest, and wait until it is gone."""
+        callback = args.pop("progress_callback", None)
+        with anyio.move_on_after(60) as scope:
+            async with anyio.create_task_group() as group:
+
+                async def cancel() -> None:
+                    await wait_until(
+                        lambda: processes_running(sleep), 30, sleep
+                    )
+                    scope.cancel()
+
+                group.start_soon(cancel)
+                await c.call_tool(
+                    "run-command", args, progress_callback=callback
+                )
+        self.assertTrue(scope.cancelled_caught)
+        await wait_until(
+            lambda: not processes_running(sleep),
+            20,
+            "the cancelled command is gone",
+        )
+
+    async def test_a_paused_and_resumed_machine_keeps_its_shells(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "cd /tmp && export P=1", shell="s")
+            route = f"/api/v1/machines/{self.machine_name}"
+            for action in ("pause", "resume"):
+                status = send_raw(
+                    self.socket_path, "POST", f"{route}/{action}"
+                )
+                self.assertEqual(status[0], 200, status)
+            seen = await self.sh(c, 'echo "$PWD $P"', shell="s")
+            self.assertEqual(seen["stdout"], "/tmp 1\n")
+
+    async def test_the_guest_script_is_the_same_on_both_routes(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "true", shell="s")
+            await c.call_tool(
+                "run-command",
+                {"name": self.machine_name, "command": "true", "shell": "s"},
+                progress_callback=ignore_progress,
+            )
+        scripts = [
+            r[2]["command"]
+            for r in self.fake.requests
+            if "/exec" in r[1] and smol_mcp.SHELL_SCRIPT in r[2]["command"]
+        ]
+        self.assertEqual(len(scripts), 2)
+        for command in scripts:
+            at = command.index(smol_mcp.SHELL_SCRIPT)
+            self.assertEqual(
+                command[at + 2 : at + 4],
+                [f"{smol_mcp.SHELL_DIR}/s", "16"],
+            )
+            self.assertEqual(command[at + 5 : at + 8], ["save", "cwd", "true"])
+
+
+class CloudShellTests(ShellScenarios, FakeCloudCase):
+    def journal(self) -> list:
+        return self.cloud.requests
+
+    def stream_calls(self) -> int:
+        return len(self.cloud_requests("/exec/stream"))
+
+    async def test_the_shell_goes_through_exec_as_on_the_local_fleet(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.sh(c, "true", shell="s", env={"A": "1"}, workdir="/tmp")
+        [body] = [
+            r[3]
+            for r in self.cloud_requests("/exec")
+            if smol_mcp.SHELL_SCRIPT in r[3]["command"]
+        ]
+        at = body["command"].index(smol_mcp.SHELL_SCRIPT)
+        words = body["command"][at + 2 :]
+        self.assertRegex(words[2], r"^smol-mcp-shell-[0-9a-f]{16}$")
+        self.assertEqual(
+            words[:2] + words[3:],
+            [
+                f"{smol_mcp.SHELL_DIR}/s",
+                "16",
+                "save",
+                "workdir",
+                "true",
+                "A=1",
+            ],
+        )
+        # The call's env rides in the script's arguments, not the body's.
+        self.assertEqual((body["env"], body["cwd"]), ({}, "/tmp"))
+
+
+def guest_port() -> int:
+    """A port for a guest server that nothing on this host uses now (a
+    guest without a network of its own shares the host's)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def fetch(url: str) -> bytes:
+    """GET ``url`` as a person's browser would, from this host."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        return answer.read()
+
+
+class ExposePortScenarios(LongWorkScenarios):
+    """expose-port, the same vocabulary on either fleet."""
+
+    machine_name = "web"
+
+    async def expose(self, c, port: int, **extra) -> dict:
+        return await self.ok(
+            c,
+            "expose-port",
+            {"name": self.machine_name, "port": port, **extra},
+        )
+
+    async def test_close_of_a_port_never_published_changes_nothing(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            before = len(self.journal())
+            closed = await self.expose(c, 8080, close=True)
+            self.assertEqual(
+                closed,
+                {
+                    "url": None,
+                    "port": 8080,
+                    "hostPort": None,
+                    "changed": False,
+                },
+            )
+            self.assertEqual(len(self.journal()) - before, self.reads)
+            text = await self.refused(
+                c,
+                "expose-port",
+                {
+                    "name": self.machine_name,
+                    "port": 8080,
+                    "close": True,
+                    "hostPort": 9000,
+                },
+            )
+            self.assertIn('"hostPort" does nothing with "close": true', text)
+            for bad in (0, 65536, -1):
+                text = await self.refused(
+                    c,
+                    "expose-port",
+                    {"name": self.machine_name, "port": bad},
+                )
+                self.assertIn('"port"', text)
+
+    async def test_a_machine_publishes_at_most_sixteen_ports(self):
+        ports = [{"guest": 1000 + i} for i in range(16)]
+        async with self.client("legacy") as c:
+            text = await self.refused(
+                c,
+                "create-machine",
+                {"image": "alpine", "ports": [*ports, {"guest": 9}]},
+            )
+            self.assertIn('"ports" may hold at most 16 items, got 17', text)
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": self.machine_name,
+                    "image": "alpine",
+                    "network": "open",
+                    "ports": ports,
+                },
+            )
+            before = len(self.journal())
+            text = await self.refused(
+                c, "expose-port", {"name": self.machine_name, "port": 8080}
+            )
+            self.assertIn(
+                f"machine '{self.machine_name}' publishes 16 TCP ports "
+                "already, the most a machine may",
+                text,
+            )
+            self.assertEqual(len(self.journal()) - before, self.reads)
+            # One already there is answered as it is.
+            shown = await self.expose(c, 1000)
+            self.assertFalse(shown["changed"])
+
+    async def test_another_tokens_machine_reads_as_missing(self):
+        admin = SmolMcp(dataclasses_replace(self.config, scopes=()))
+        admin.access.stdio = smol_mcp.Principal(
+            "ops", frozenset(smol_mcp.SCOPES), kind="stdio"
+        )
+        async with Client(admin.server, mode="legacy") as a:
+            await self.ok(
+                a,
+                "create-machine",
+                {"name": "ops-web", "image": "alpine", "network": "open"},
+            )
+        self.app = SmolMcp(
+            dataclasses_replace(
+                self.config, scopes=("sandbox.manage", "sandbox.read")
+            )
+        )
+        before = len(self.journal())
+        async with self.client("legacy") as c:
+            for extra in ({}, {"close": True}):
+                text = await self.refused(
+                    c,
+                    "expose-port",
+                    {"name": "ops-web", "port": 8080, **extra},
+                )
+                self.assertIn("machine 'ops-web' not found", text)
+        published = [
+            r for r in self.journal()[before:] if r[1].endswith("/ports")
+        ]
+        self.assertEqual(published, [])
+
+
+class LocalExposePortTests(ExposePortScenarios, FakeServeCase):
+    # The GET that reads the ports before they are put.
+    reads = 1
+
+    def journal(self) -> list:
+        return self.fake.requests
+
+    async def serve_in_guest(self, c, port: int) -> None:
+        """A web server in the guest on ``port``, answering "hello"."""
+        await self.ok(
+            c,
+            "write-file",
+            {
+                "name": self.machine_name,
+                "path": "/www/index.html",
+                "content": "hello\n",
+            },
+        )
+        await self.ok(
+            c,
+            "start-job",
+            {
+                "name": self.machine_name,
+                "command": f"httpd -f -p {port} -h /www",
+            },
+        )
+
+    async def test_a_loopback_port_a_person_opens_and_close_takes_away(
+        self,
+    ):
+        port = guest_port()
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            await self.serve_in_guest(c, port)
+            self.fake.requests.clear()
+            shown = await self.expose(c, port)
+            host = shown["hostPort"]
+            self.assertEqual(
+                shown,
+                {
+                    "url": f"http://127.0.0.1:{host}",
+                    "port": port,
+                    "hostPort": host,
+                    "changed": True,
+                },
+            )
+            self.assertEqual(
+                self.fake.requests,
+                [
+                    ("GET", "/api/v1/machines/web", None),
+                    (
+                        "PUT",
+                        "/api/v1/machines/web/ports",
+                        {"ports": [{"host": host, "guest": port}]},
+                    ),
+                ],
+            )
+            # The engine listens on loopback only, where the URL says.
+            self.assertIn(
+                ("listen", "web", "127.0.0.1", host, port), self.fake.published
+            )
+            await wait_until(
+                lambda: self.answers(shown["url"]), 10, "the guest's server"
+            )
+            self.assertEqual(fetch(shown["url"]), b"hello\n")
+            machine = await self.ok(c, "get-machine", {"name": "web"})
+            self.assertEqual(
+                machine["machine"]["ports"], [{"guest": port, "host": host}]
+            )
+            # Asking again answers the same port, with no change.
+            again = await self.expose(c, port)
+            self.assertEqual(again, {**shown, "changed": False})
+            self.assertEqual(len(self.requests_to("/ports", "PUT")), 1)
+            closed = await self.expose(c, port, close=True)
+            self.assertEqual(
+                closed,
+                {"url": None, "port": port, "hostPort": host, "changed": True},
+            )
+            self.assertEqual(
+                self.requests_to("/ports", "PUT")[-1][2], {"ports": []}
+            )
+            self.assertIn(
+                ("close", "web", "127.0.0.1", host, port), self.fake.published
+            )
+            self.assertFalse(self.answers(shown["url"]))
+
+    @staticmethod
+    def answers(url: str) -> bool:
+        try:
+            return fetch(url) == b"hello\n"
+        except OSError:
+            return False
+
+    async def test_the_new_port_joins_the_ones_the_machine_has(self):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c,
+                "create-machine",
+                {
+                    "name": self.machine_name,
+                    "image": "alpine",
+                    "ports": [{"guest": 80}],
+                },
+            )
+            [first] = (await self.ok(c, "get-machine", {"name": "web"}))[
+                "machine"
+            ]["ports"]
+            # A UDP port with the guest port closed below: it stays.
+            self.fake.machines["web"]["ports"].append(
+                {"host": first["host"], "guest": 8080, "protocol": "udp"}
+            )
+            shown = await self.expose(c, 8080)
+            self.assertEqual(
+                self.requests_to("/ports", "PUT")[-1][2]["ports"],
+                [
+                    {"host": first["host"], "guest": 80},
+                    {"host": first["host"], "guest": 8080, "protocol": "udp"},
+                    {"host": shown["hostPort"], "guest": 8080},
+                ],
+            )
+            await self.expose(c, 8080, close=True)
+            self.assertEqual(
+                self.requests_to("/ports", "PUT")[-1][2]["ports"],
+                [
+                    {"host": first["host"], "guest": 80},
+                    {"host": first["host"], "guest": 8080, "protocol": "udp"},
+                ],
+            )
+            text = await self.refused(
+                c,
+                "expose-port",
+                {"name": "web", "port": 80, "hostPort": first["host"] + 1},
+            )
+            self.assertIn(
+                f"guest port 80 of machine 'web' is published on host port "
+                f"{first['host']} already; close it first",
+                text,
+            )
+
+    async def test_a_host_port_the_operator_did_not_allow_is_refused(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            before = len(self.requests_to("/ports", "PUT"))
+            text = await self.refused(
+                c, "expose-port", {"name": "web", "port": 80, "hostPort": 5432}
+            )
+            self.assertIn(
+                '"hostPort" is 5432, a host port an agent may not choose: the '
+                "operator allows none (exposePorts is empty). Leave it out "
+                "and a free port is picked",
+                text,
+            )
+            text = await self.refused(
+                c,
+                "create-machine",
+                {
+                    "name": "web2",
+                    "image": "alpine",
+                    "ports": [{"guest": 80}, {"guest": 81, "host": 5432}],
+                },
+            )
+            self.assertIn('"ports[1].host" is 5432', text)
+            self.assertNotIn("web2", self.fake.machines)
+            self.assertEqual(len(self.requests_to("/ports", "PUT")), before)
+        allowed = guest_port()
+        self.app = SmolMcp(
+            dataclasses_replace(
+                self.config, expose_ports=(f"{allowed}", "20000-20009")
+            )
+        )
+        async with self.client("legacy") as c:
+            text = await self.refused(
+                c,
+                "expose-port",
+                {"name": "web", "port": 80, "hostPort": 20010},
+            )
+            self.assertIn(
+                f"the operator allows only {allowed}, 20000-20009 "
+                "(exposePorts)",
+                text,
+            )
+            shown = await self.expose(c, 80, hostPort=allowed)
+            self.assertEqual(shown["url"], f"http://127.0.0.1:{allowed}")
+            # The machine's own host port again is a sentence, not a 400.
+            text = await self.refused(
+                c,
+                "expose-port",
+                {"name": "web", "port": 81, "hostPort": allowed},
+            )
+            self.assertIn(
+                f"host port {allowed} already carries another port", text
+            )
+
+    async def test_a_taken_host_port_is_a_sentence_or_picked_again(
+        self,
+    ):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            taken = busy.getsockname()[1]
+            self.app = SmolMcp(
+                dataclasses_replace(self.config, expose_ports=(str(taken),))
+            )
+            async with self.client("legacy") as c:
+                await self.machine(c)
+                text = await self.refused(
+                    c,
+                    "expose-port",
+                    {"name": "web", "port": 80, "hostPort": taken},
+                )
+                self.assertIn("PORT_IN_USE", text)
+                self.assertIn(
+                    f"Host port {taken} is in use on this host: leave "
+                    "hostPort out and a free one is picked",
+                    text,
+                )
+                real = smol_mcp.free_port
+                picks = iter([taken])
+                with unittest.mock.patch.object(
+                    smol_mcp,
+                    "free_port",
+                    side_effect=lambda *a: next(picks, None) or real(*a),
+                ):
+                    shown = await self.expose(c, 80)
+                self.assertNotEqual(shown["hostPort"], taken)
+                bodies = [r[2] for r in self.requests_to("/ports", "PUT")]
+                self.assertEqual(
+                    [b["ports"][-1]["host"] for b in bodies],
+                    [taken, taken, shown["hostPort"]],
+                )
+
+    async def test_a_named_address_is_where_the_port_opens(self):
+        await asyncio.to_thread(self.fake.stop)
+        self.fake = FakeSmolvm(self.socket_path, publish_addr="127.0.0.2")
+        self.fake.start()
+        self.app = SmolMcp(
+            dataclasses_replace(self.config, expose_hosts=("127.0.0.2",))
+        )
+        port = guest_port()
+        async with self.client("auto") as c:
+            # Egress blocked: as root the guest has a network of its own,
+            # and the port is forwarded into it.
+            await self.ok(
+                c, "create-machine", {"name": "web", "image": "alpine"}
+            )
+            await self.serve_in_guest(c, port)
+            shown = await self.expose(c, port)
+            self.assertEqual(
+                shown["url"], f"http://127.0.0.2:{shown['hostPort']}"
+            )
+            await wait_until(
+                lambda: self.answers(shown["url"]), 10, "the guest's server"
+            )
+            loopback = f"http://127.0.0.1:{shown['hostPort']}"
+            self.assertFalse(self.answers(loopback))
+
+
+class ExposePortSpawnedServeTests(unittest.IsolatedAsyncioTestCase):
+    """The serve this server spawns binds where exposeHosts says, and a
+    non-loopback SMOLVM_PUBLISH_ADDR the operator did not name is refused
+    rather than published."""
+
+    async def asyncSetUp(self):
+        self.tmp = short_tempdir()
+        self.envfile = f"{self.tmp}/child-env.json"
+        wrapper = Path(self.tmp, "smolvm")
+        wrapper.write_text(
+            f"#!/bin/sh\n{sys.executable} -c 'import json,os; "
+            f'json.dump(dict(os.environ), open("{self.envfile}", "w"))\'\n'
+            f"export FAKE_SMOLVM_STATE_FILE={self.tmp}/fake-state.json\n"
+            f'exec {sys.executable} {FAKE_CLI} "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        self.wrapper = str(wrapper)
+
+    async def asyncTearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def app(self, environ: dict, **overrides) -> SmolMcp:
+        config = fake_config(
+            self.tmp, None, smolvm=self.wrapper, targets="local", **overrides
+        )
+        return SmolMcp(config, environ={**os.environ, **environ})
+
+    async def test_exposehosts_sets_the_address_and_an_unnamed_one_is_refused(
+        self,
+    ):
+        app = self.app({"SMOLVM_PUBLISH_ADDR": "192.0.2.7"})
+        try:
+            async with Client(app.server, mode="legacy") as c:
+                made = await c.call_tool(
+                    "create-machine", {"name": "web", "image": "alpine"}
+                )
+                self.assertFalse(made.is_error, made)
+                for tool, args in (
+                    ("expose-port", {"name": "web", "port": 80}),
+                    (
+                        "create-machine",
+                        {"image": "alpine", "ports": [{"guest": 80}]},
+                    ),
+                ):
+                    is_error, text = result_of(await c.call_tool(tool, args))
+                    self.assertTrue(is_error, text)
+                    self.assertIn(
+                        "the local serve binds published ports to 192.0.2.7 "
+                        "(SMOLVM_PUBLISH_ADDR in this server's environment), "
+                        "which is not loopback and not named in exposeHosts, "
+                        "so nothing was published",
+                        text,
+                    )
+                listed = result_of(
+                    await c.call_tool("get-machine", {"name": "web"})
+                )
+                self.assertEqual(listed[1]["machine"]["ports"], [])
+        finally:
+            await asyncio.to_thread(app.local.stop_serve)
+        app = self.app(
+            {"SMOLVM_PUBLISH_ADDR": "192.0.2.7"}, expose_hosts=("127.0.0.3",)
+        )
+        try:
+            async with Client(app.server, mode="legacy") as c:
+                is_error, shown = result_of(
+                    await c.call_tool(
+                        "expose-port", {"name": "web", "port": 80}
+                    )
+                )
+                self.assertFalse(is_error, shown)
+                self.assertEqual(
+                    shown["url"], f"http://127.0.0.3:{shown['hostPort']}"
+                )
+            child = json.loads(Path(self.envfile).read_text())
+            self.assertEqual(child["SMOLVM_PUBLISH_ADDR"], "127.0.0.3")
+        finally:
+            await asyncio.to_thread(app.local.stop_serve)
+
+    def test_an_address_the_engine_ignores_is_its_loopback(self):
+        for value in ("garbage", "::", "127.0.0.2"):
+            with self.subTest(value=value):
+                fleet = smol_mcp.LocalFleet(
+                    fake_config(self.tmp, None, smolvm=self.wrapper),
+                    {"SMOLVM_PUBLISH_ADDR": value},
+                )
+                expected = "127.0.0.2" if value == "127.0.0.2" else "127.0.0.1"
+                self.assertEqual(fleet.publish_address(), expected)
+        # A serve this server did not start cannot be asked: the
+        # operator's word, else the engine's default.
+        fleet = smol_mcp.LocalFleet(
+            fake_config(self.tmp, f"{self.tmp}/x.sock"),
+            {"SMOLVM_PUBLISH_ADDR": "192.0.2.7"},
+        )
+        self.assertEqual(fleet.publish_address(), "127.0.0.1")
+
+
+class CloudExposePortTests(ExposePortScenarios, FakeCloudCase):
+    # The list that finds the machine.
+    reads = 1
+
+    def journal(self) -> list:
+        return self.cloud.requests
+
+    async def test_a_port_opens_as_a_link_and_close_takes_it_away(self):
+        async with self.client("legacy") as c:
+            await self.machine(c)
+            mid = self.by_name("web")["id"]
+            self.cloud.requests.clear()
+            shown = await self.expose(c, 8080)
+            self.assertTrue(
+                shown["url"].startswith(f"https://{mid}-8080-"), shown
+            )
+            self.assertEqual((shown["port"], shown["changed"]), (8080, True))
+            self.assertEqual(
+                shown["hostPort"], self.by_name("web")["ports"][0]["hostPort"]
+            )
+            self.assertEqual(
+                [(r[0], r[1].split("?")[0]) for r in self.cloud.requests],
+                [
+                    ("GET", "/v1/machines"),
+                    ("PUT", f"/v1/machines/{mid}/ports"),
+                    ("POST", f"/v1/machines/{mid}/port-links"),
+                ],
+            )
+            self.assertEqual(
+                self.cloud_requests("/ports", "PUT")[-1][3],
+                {"ports": [{"port": 8080}]},
+            )
+            second = await self.expose(c, 9090)
+            self.assertEqual(
+                self.cloud_requests("/ports", "PUT")[-1][3],
+                {"ports": [{"port": 8080}, {"port": 9090}]},
+            )
+            self.assertIn("-9090-", second["url"])
+            closed = await self.expose(c, 8080, close=True)
+            self.assertEqual((closed["url"], closed["changed"]), (None, True))
+            self.assertEqual(
+                self.cloud_requests("/ports", "PUT")[-1][3],
+                {"ports": [{"port": 9090}]},
+            )
+            self.assertEqual(self.cloud_requests("/port-links", "DELETE"), [])
+            await self.expose(c, 9090, close=True)
+            self.assertEqual(
+                len(self.cloud_requests("/port-links", "DELETE")), 1
+            )
+            self.assertEqual(self.by_name("web")["ports"], [])
+
+    async def test_a_machine_that_blocks_egress_or_a_host_port_is_refused(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "web", "image": "alpine"}
+            )
+            before = len(self.cloud.requests)
+            text = await self.refused(
+                c, "expose-port", {"name": "web", "port": 8080}
+            )
+            self.assertIn(
+                "machine 'web' blocks egress, and a cloud machine that "
+                "publishes ports cannot also block egress",
+                text,
+            )
+            text = await self.refused(
+                c,
+                "expose-port",
+                {"name": "web", "port": 8080, "hostPort": 9000},
+            )
+            self.assertIn('"hostPort" is local only', text)
+            self.assertEqual(
+                [r[0] for r in self.cloud.requests[before:]], ["GET"]
+            )
+
+
 # Containment: host paths, guest paths, inputs, tokens, the HTTP front
 # ---------------------------------------------------------------------------
 
@@ -8371,7 +9445,7 @@ class HelperCommandTests(CliCase):
         report = smol_mcp.parity_report(spec)
         self.assertEqual(
             (len(report["called"]), report["unknown"], report["missing"]),
-            (18, [], []),
+            (19, [], []),
         )
         called = set(report["called"])
         for verb in ("pause", "resume"):
@@ -8401,7 +9475,7 @@ class HelperCommandTests(CliCase):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn(
-            "18 called, 35 skipped, 0 unknown, 0 missing", out.stdout
+            "19 called, 34 skipped, 0 unknown, 0 missing", out.stdout
         )
         self.assertIn(
             "skipped  POST   /api/v1/machines/{name}/export: needs a "
@@ -10599,7 +11673,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         )
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn(
-            "18 called, 35 skipped, 0 unknown, 0 missing", out.stdout
+            "19 called, 34 skipped, 0 unknown, 0 missing", out.stdout
         )
 
     async def test_create_get_list_delete_a_record(self):
@@ -11267,10 +12341,10 @@ def warm_routes_exchange(socket_path: str, cache_dir: str) -> list:
 
 
 @contextlib.contextmanager
-def real_serve(tmp: str, cache_dir: str):
+def real_serve(tmp: str, cache_dir: str, **more_env: str):
     """A real `smolvm serve` of its own (HOME under `tmp`, a free guest
-    rollout port, `cache_dir` as its --cache-disk-dir); yields the socket
-    path. Ended by its pid."""
+    rollout port, `cache_dir` as its --cache-disk-dir, `more_env` in its
+    environment); yields the socket path. Ended by its pid."""
     socket_path = f"{tmp}/real.sock"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -11283,6 +12357,7 @@ def real_serve(tmp: str, cache_dir: str):
         "XDG_CACHE_HOME": f"{tmp}/cache",
         "XDG_RUNTIME_DIR": tmp,
         "SMOLVM_VM_UID_DROP": os.environ.get("SMOLVM_VM_UID_DROP", "off"),
+        **more_env,
     }
     argv = [
         real_smolvm(),
@@ -11547,6 +12622,121 @@ class RealServeEgressRulesIntegration(unittest.TestCase):
             (["pypi.org", "example.com"], HOST_RANGE_RULES),
         )
         self.assertEqual(self.real[5][1], 422)
+
+
+def connects(address: str, port: int) -> bool:
+    """Whether something accepts a TCP connection at (address, port)."""
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def start_in_background(socket_path: str, name: str) -> threading.Thread:
+    """Ask the serve to start ``name`` without waiting for its answer (a
+    real start fails here after about 30 s, its listeners up till then)."""
+
+    def start():
+        try:
+            send_raw(socket_path, "POST", f"/api/v1/machines/{name}/start")
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    return thread
+
+
+def taken_port_exchange(socket_path: str, taken: int) -> list:
+    """A machine published on host port ``taken`` (held by the caller):
+    created, started, read and deleted, the answers masked as
+    warm_routes_exchange masks them."""
+    machine = "/api/v1/machines/itp-a"
+    steps = [
+        ("POST", "/api/v1/machines", {"name": "itp-a"}),
+        ("PUT", f"{machine}/ports", {"ports": [port_spec(taken, 8080)]}),
+        ("POST", f"{machine}/start", None),
+        ("GET", f"{machine}", None),
+        ("DELETE", machine, None),
+    ]
+    answers = []
+    for method, path, body in steps:
+        status, ctype, text = send_raw(socket_path, method, path, body)
+        text = re.sub(r'"createdAt":\d+', '"createdAt":0', text)
+        text = re.sub(r'"state":"(created|stopped)"', '"state":"?"', text)
+        text = text.replace(str(taken), "<taken>")
+        answers.append((f"{method} {path}", status, ctype, text))
+    return answers
+
+
+@unittest.skipUnless(
+    os.environ.get("SMOL_MCP_IT") == "1",
+    "integration suite: set SMOL_MCP_IT=1 (and SMOLVM)",
+)
+class RealServePublishedPortsIntegration(unittest.TestCase):
+    """Where a real serve listens for a published port (loopback, or
+    SMOLVM_PUBLISH_ADDR), and what it answers a start whose host port is
+    taken, against the fake: what expose-port builds on."""
+
+    @classmethod
+    def setUpClass(cls):
+        if real_smolvm() is None:
+            raise unittest.SkipTest(
+                "SMOL_MCP_IT=1 but no smolvm binary: set SMOLVM to "
+                "smol/smol-vmm from the wheel"
+            )
+        cls.tmp = short_tempdir()
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_a_start_whose_host_port_is_taken_is_answered_alike(self):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            taken = busy.getsockname()[1]
+            home = f"{self.tmp}/taken"
+            with real_serve(home, raw_base(f"{home}/cache")) as path:
+                real = taken_port_exchange(path, taken)
+            with FakeSmolvm(f"{self.tmp}/fake-taken.sock") as fake:
+                answers = taken_port_exchange(fake.socket_path, taken)
+        self.assertEqual(real[2][1:3], (409, "application/json"))
+        self.assertIn('"code":"PORT_IN_USE"', real[2][3])
+        self.assertEqual(len(answers), len(real))
+        for got, want in zip(answers, real):
+            with self.subTest(request=want[0]):
+                self.assertEqual(got, want)
+
+    def test_published_ports_listen_on_loopback_or_the_named_address(self):
+        for named in ("", "127.0.0.2"):
+            listens = named or "127.0.0.1"
+            other = "127.0.0.1" if named else "127.0.0.2"
+            home = f"{self.tmp}/bind{named}"
+            env = {"SMOLVM_PUBLISH_ADDR": named} if named else {}
+            serves = (
+                ("real", real_serve(home, raw_base(f"{home}/c"), **env)),
+                ("fake", self.fake_serve(home, named or None)),
+            )
+            for kind, serve in serves:
+                with self.subTest(kind=kind, named=named), serve as path:
+                    port = guest_port()
+                    body = {"name": "itp-b", "ports": [port_spec(port, 80)]}
+                    send_raw(path, "POST", "/api/v1/machines", body)
+                    start_in_background(path, "itp-b")
+                    deadline = time.monotonic() + 20
+                    while not connects(listens, port):
+                        self.assertLess(time.monotonic(), deadline)
+                        time.sleep(0.2)
+                    self.assertFalse(connects(other, port))
+
+    @contextlib.contextmanager
+    def fake_serve(self, home: str, publish_addr: str | None):
+        with FakeSmolvm(
+            f"{home}-fake.sock", publish_addr=publish_addr
+        ) as fake:
+            yield fake.socket_path
 
 
 def busybox_guest() -> bool:
@@ -16780,6 +17970,106 @@ def webhook_receiver(on_post):
     return hook
 
 
+class ExposePortAccessTests(FakeServeCase):
+    """expose-port is a change at the manage level: scopes, approvals and
+    the activity log hold for it as for every changing tool."""
+
+    def entries(self) -> list:
+        return [
+            e
+            for e in self.app.access.activity.entries()
+            if e.get("tool") == "expose-port" and e["event"] == "tool"
+        ]
+
+    async def test_it_needs_the_manage_scope(self):
+        self.app = SmolMcp(
+            dataclasses_replace(
+                self.config, scopes=("machines.read", "machines.exec")
+            )
+        )
+        for mode in MODES:
+            async with self.client(mode) as c:
+                listed = [t.name for t in (await c.list_tools()).tools]
+                self.assertNotIn("expose-port", listed)
+                text = await self.refused(
+                    c, "expose-port", {"name": "web", "port": 80}
+                )
+                self.assertTrue(
+                    text.startswith(
+                        "scope_missing: expose-port needs the machines.manage"
+                    ),
+                    text,
+                )
+        self.assertEqual(self.requests_to("/ports", "PUT"), [])
+
+    async def test_each_change_is_logged_and_a_held_one_waits_for_a_person(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.ok(
+                c, "create-machine", {"name": "web", "image": "alpine"}
+            )
+            shown = await self.ok(
+                c, "expose-port", {"name": "web", "port": 80}
+            )
+            await self.ok(
+                c, "expose-port", {"name": "web", "port": 80, "close": True}
+            )
+        logged = self.entries()
+        self.assertEqual(
+            [(e["machine"], e["outcome"]) for e in logged],
+            [("web", "ok"), ("web", "ok")],
+        )
+        self.assertEqual(
+            [e["arguments"] for e in logged],
+            [
+                {"name": "web", "port": 80},
+                {"name": "web", "port": 80, "close": True},
+            ],
+        )
+        self.app = SmolMcp(
+            dataclasses_replace(
+                self.config, approval="changes", approval_timeout_secs=30
+            )
+        )
+        desk = self.app.access.desk
+        for decision, outcome in (("deny", True), ("approve", False)):
+            with self.subTest(decision=decision):
+                puts = len(self.requests_to("/ports", "PUT"))
+                async with self.client("legacy") as c:
+                    call = asyncio.create_task(
+                        c.call_tool("expose-port", {"name": "web", "port": 81})
+                    )
+                    await wait_until(
+                        lambda: desk.pending(), 10, "the held call"
+                    )
+                    [held] = desk.pending()
+                    self.assertEqual(
+                        (held["tool"], held["machine"]), ("expose-port", "web")
+                    )
+                    # Nothing is published while it waits.
+                    self.assertEqual(
+                        len(self.requests_to("/ports", "PUT")), puts
+                    )
+                    desk.respond(
+                        held["id"], {"decision": decision, "by": "test"}
+                    )
+                    is_error, value = result_of(await call)
+                self.assertEqual(is_error, outcome, value)
+                if is_error:
+                    self.assertTrue(value.startswith("approval_rejected"))
+                    self.assertEqual(
+                        len(self.requests_to("/ports", "PUT")), puts
+                    )
+                else:
+                    self.assertEqual(value["port"], 81)
+                    self.assertNotEqual(value["hostPort"], shown["hostPort"])
+        self.assertEqual(
+            [e["outcome"].split(":")[0] for e in self.entries()][-2:],
+            ["approval_rejected", "ok"],
+        )
+
+
 class ApprovalTests(FakeServeCase):
     """A stdio server with SMOL_MCP_APPROVAL=changes, answered as a person
     would."""
@@ -19206,6 +20496,7 @@ def load_suite(names: list[str], integration: bool) -> unittest.TestSuite:
             RealServeIntegration,
             RealServeWarmRoutesIntegration,
             RealServeEgressRulesIntegration,
+            RealServePublishedPortsIntegration,
             CloudLiveIntegration,
         )
         return unittest.TestSuite(

@@ -51,6 +51,17 @@ What a running guest or a running branch source would do (a pause itself, a
 pool filled with workers, a lease) follows the spec and the binary's
 strings: each handler says which is which.
 
+Published ports: the real serve listens on 127.0.0.1 and [::1] of the host
+for each TCP port of a machine while it runs, never on every interface; with
+SMOLVM_PUBLISH_ADDR set to an IPv4 address it listens on that address (and
+[::1], but on 0.0.0.0 alone), and it ignores any other value; a start whose
+host port is taken answers 409 PORT_IN_USE (all observed with `ss` while a
+failing start held its listeners). So does this fake, forwarding each
+connection to the guest port (in the guest's network namespace when it has
+one), and it journals each listener it opens and closes in `published`.
+What a PUT of a taken port answers a running machine is the OpenAPI's 409
+PORT_IN_USE, its text modelled on the start's; UDP ports are not bound.
+
 The exec stream route (`POST .../exec/stream`) follows the documents, not an
 observation (nobody has seen a booted guest's stream): the spec and CLI help
 say `text/event-stream` with `event: stdout` / `event: stderr` and a final
@@ -2623,6 +2634,182 @@ ROUTE_METHODS = {
 }
 
 
+PUBLISH_DEFAULT = "127.0.0.1"
+PORT_IN_USE = (
+    "cannot publish host TCP {address}:{host} to guest TCP {guest}: "
+    "Address already in use (os error 98)"
+)
+# Observed: a start whose host port is taken.
+PORT_IN_USE_AT_START = (
+    "failed to start machine: agent operation failed: monitor agent: Error: "
+    "agent operation failed: configure virtio-net: failed to start virtio "
+    "network runtime: {taken} (boot process exited (code 1) before the "
+    "agent was ready)"
+)
+
+
+def publish_address(value):
+    """Where published ports bind for SMOLVM_PUBLISH_ADDR `value`: an IPv4
+    address as given, anything else ignored (observed)."""
+    try:
+        return str(ipaddress.IPv4Address(value or ""))
+    except ValueError:
+        return PUBLISH_DEFAULT
+
+
+def connect_in_netns(path, port):
+    """A connection to 127.0.0.1:`port` inside the network namespace at
+    `path`, made by a thread that moves itself there (see GuestNet)."""
+    made = []
+
+    def inside():
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    return
+            finally:
+                os.close(fd)
+            made.append(socket.create_connection(("127.0.0.1", port), 10))
+        except OSError:
+            pass
+
+    worker = threading.Thread(target=inside, name="fake-publish-netns")
+    worker.start()
+    worker.join()
+    if not made:
+        raise OSError(f"nothing answers guest port {port}")
+    return made[0]
+
+
+class PublishedPorts:
+    """The host listeners of running machines' published TCP ports, and a
+    thread that forwards each connection to its guest port. `journal` gets
+    ("listen"|"close", machine, address, host port, guest port)."""
+
+    def __init__(self, address, journal, netns_of):
+        self.address = address
+        self.journal = journal
+        # machine name -> its network namespace path, or None
+        self.netns_of = netns_of
+        # (machine, host, guest) -> [listening sockets]
+        self.open = {}
+        self._selector = selectors.DefaultSelector()
+        self._closed = False
+        self._thread = None
+
+    def addresses(self):
+        """The listeners one port gets (observed: the address and [::1],
+        but 0.0.0.0 alone)."""
+        if self.address == "0.0.0.0":
+            return [(socket.AF_INET, self.address)]
+        return [(socket.AF_INET, self.address), (socket.AF_INET6, "::1")]
+
+    def bind(self, name, host, guest):
+        """Listen for (`name`, `host`, `guest`); raise OSError when the
+        address's port is taken (a [::1] that cannot be had is skipped)."""
+        key = (name, host, guest)
+        if key in self.open:
+            return
+        socks = []
+        for family, address in self.addresses():
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.bind((address, host))
+                sock.listen(64)
+            except OSError:
+                sock.close()
+                if family == socket.AF_INET:
+                    for other in socks:
+                        other.close()
+                    raise
+                continue
+            sock.setblocking(False)
+            socks.append(sock)
+        self.open[key] = socks
+        for sock in socks:
+            self._selector.register(sock, selectors.EVENT_READ, key)
+        self.journal.append(("listen", name, self.address, host, guest))
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._accept_loop, name="fake-publish", daemon=True
+            )
+            self._thread.start()
+
+    def close(self, key):
+        for sock in self.open.pop(key, []):
+            try:
+                self._selector.unregister(sock)
+            except (KeyError, ValueError):
+                pass
+            sock.close()
+        name, host, guest = key
+        self.journal.append(("close", name, self.address, host, guest))
+
+    def keep_only(self, wanted):
+        """Close every listener whose key is not in `wanted`."""
+        for key in [k for k in self.open if k not in wanted]:
+            self.close(key)
+
+    def stop(self):
+        self._closed = True
+        self.keep_only(set())
+        self._selector.close()
+
+    def _accept_loop(self):
+        while not self._closed:
+            try:
+                ready = self._selector.select(timeout=0.2)
+            except (OSError, ValueError):
+                return
+            for selected, _ in ready:
+                try:
+                    conn, _ = selected.fileobj.accept()
+                except OSError:
+                    continue
+                name, _, guest = selected.data
+                threading.Thread(
+                    target=self._forward,
+                    args=(conn, name, guest),
+                    daemon=True,
+                ).start()
+
+    def _forward(self, conn, name, guest):
+        conn.setblocking(True)
+        netns = self.netns_of(name)
+        try:
+            if netns:
+                upstream = connect_in_netns(netns, guest)
+            else:
+                upstream = socket.create_connection(("127.0.0.1", guest), 10)
+        except OSError:
+            conn.close()
+            return
+        upstream.settimeout(None)
+
+        def pump(src, dst):
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+
+        back = threading.Thread(
+            target=pump, args=(upstream, conn), daemon=True
+        )
+        back.start()
+        pump(conn, upstream)
+        back.join()
+        conn.close()
+        upstream.close()
+
+
 class FakeSmolvm:
     """A fake `smolvm serve` on an AF_UNIX socket (or loopback TCP when
     `socket_path` is a (host, port) tuple).
@@ -2640,6 +2827,8 @@ class FakeSmolvm:
     handlers.
     pool_fill_secs: how long a fork pool takes to make one clean worker
     (0: a worker is ready at the first look after it is asked for).
+    publish_addr: SMOLVM_PUBLISH_ADDR (None: this process's environment),
+    where published ports listen; `published` journals the listeners.
     """
 
     def __init__(
@@ -2656,6 +2845,7 @@ class FakeSmolvm:
         guest_ports=(),
         cache_disk_dir=None,
         pool_fill_secs=0.0,
+        publish_addr=None,
     ):
         if boot not in ("ok", "fail"):
             raise ValueError("boot must be 'ok' or 'fail'")
@@ -2690,11 +2880,22 @@ class FakeSmolvm:
         self._next_pid = 4000 + random.randint(0, 1000)
         self._openapi = None
         self._conns = set()
+        if publish_addr is None:
+            publish_addr = os.environ.get("SMOLVM_PUBLISH_ADDR")
+        self.publish_addr = publish_address(publish_addr)
+        self.published = []
+        self._ports = None
 
     # ---- lifecycle
     def start(self):
         self._tmp = tempfile.mkdtemp(prefix="fake-smolvm-")
+        self._ports = PublishedPorts(
+            self.publish_addr, self.published, self._netns_path
+        )
         self._load_state()
+        # Machines outlive the serve, and so do their listeners.
+        with self._lock:
+            self._sync_published()
         if isinstance(self.socket_path, tuple):
             self._server = _TCPServer(self.socket_path, _Handler)
         else:
@@ -2736,6 +2937,9 @@ class FakeSmolvm:
                     os.unlink(str(self.socket_path))
                 except OSError:
                     pass
+        if self._ports is not None:
+            self._ports.stop()
+            self._ports = None
         for net in list(self._nets.values()):
             net.close()
         self._nets.clear()
@@ -2858,6 +3062,13 @@ class FakeSmolvm:
                 self._lock.acquire()
         if m["name"] not in self._machines:
             return not_found_machine(m["name"])
+        taken = self._bind_ports(m, m["ports"])
+        if taken is not None:
+            return api_error(
+                409,
+                "PORT_IN_USE",
+                PORT_IN_USE_AT_START.format(taken=taken),
+            )
         m["_has_logs"] = True
         m["_everStarted"] = True
         m["_console"].extend(BOOT_LINES[:3])
@@ -2944,6 +3155,11 @@ class FakeSmolvm:
             return handler(method, qs, headers, body, *params)
         except _HTTPError as e:
             return e.resp
+        finally:
+            # Whatever the request did (a stop, a delete, a pause, a
+            # resume, a branch), running machines' ports are listened on.
+            with self._lock:
+                self._sync_published()
 
     @staticmethod
     def _route(path):
@@ -3525,6 +3741,52 @@ class FakeSmolvm:
             )
         return net.path
 
+    def _netns_path(self, name):
+        """The guest's network namespace, if it has one of its own."""
+        net = self._nets.get(name)
+        return net.path if net is not None else None
+
+    def _bind_ports(self, m, ports):
+        """Listen on each TCP port of `ports` for running machine `m`;
+        return the refusal's text for the first host port taken (nothing
+        new stays open then), or None."""
+        fresh = []
+        for p in ports:
+            if p.get("protocol") == "udp":
+                continue
+            key = (m["name"], p["host"], p["guest"])
+            if key in self._ports.open:
+                continue
+            try:
+                self._ports.bind(*key)
+            except OSError:
+                for opened in fresh:
+                    self._ports.close(opened)
+                return PORT_IN_USE.format(
+                    address=self.publish_addr, host=p["host"], guest=p["guest"]
+                )
+            fresh.append(key)
+        return None
+
+    def _sync_published(self):
+        """Listeners for exactly the TCP ports of running machines: new
+        ones opened where they can be, the rest closed."""
+        if self._ports is None:
+            return
+        wanted = set()
+        for m in self._machines.values():
+            if m["state"] != "running":
+                continue
+            for p in m["ports"]:
+                if p.get("protocol") != "udp":
+                    wanted.add((m["name"], p["host"], p["guest"]))
+        self._ports.keep_only(wanted)
+        for key in wanted - set(self._ports.open):
+            try:
+                self._ports.bind(*key)
+            except OSError:
+                pass
+
     def _egress_decide(self, name, ip, port):
         """Allow a guest connection under the machine's policy as it is now,
         or record the denial the way the engine reports it."""
@@ -4012,6 +4274,12 @@ class FakeSmolvm:
                     "published UDP ports cannot change on a running "
                     "machine; stop it first",
                 )
+            if m["state"] == "running":
+                # [OpenAPI] a running machine serves the new set at once,
+                # and a taken host port is a 409 PORT_IN_USE.
+                taken = self._bind_ports(m, ports)
+                if taken is not None:
+                    return api_error(409, "PORT_IN_USE", taken)
             m["ports"] = ports
             self._save_state()
             return json_response(200, self._info(m))
