@@ -492,13 +492,18 @@ class ConfigTests(unittest.TestCase):
         )
 
 
+def expose_config(environ: dict) -> Config:
+    """load_config of these variables alone (no config file is read)."""
+    return load_config({"SMOL_MCP_CONFIG": "/nonexistent.json", **environ})
+
+
 class ExposeSettingTests(unittest.TestCase):
     """exposeHosts and exposePorts: what the operator allows a published
     port, refused at startup with the key named when it cannot be kept."""
 
     def test_exposehosts_is_one_ipv4_address_that_names_one_interface(self):
         self.assertEqual(
-            load_config(
+            expose_config(
                 {"SMOL_MCP_EXPOSE_HOSTS": " 192.0.2.10 "}
             ).expose_hosts,
             ("192.0.2.10",),
@@ -512,12 +517,12 @@ class ExposeSettingTests(unittest.TestCase):
         ):
             with self.subTest(value=value):
                 with self.assertRaises(ConfigError) as caught:
-                    load_config({"SMOL_MCP_EXPOSE_HOSTS": value})
+                    expose_config({"SMOL_MCP_EXPOSE_HOSTS": value})
                 self.assertIn("exposeHosts", str(caught.exception))
                 self.assertIn(why, str(caught.exception))
 
     def test_exposeports_are_ports_or_ranges_of_them(self):
-        config = load_config({"SMOL_MCP_EXPOSE_PORTS": "8000-8002,9000"})
+        config = expose_config({"SMOL_MCP_EXPOSE_PORTS": "8000-8002,9000"})
         self.assertEqual(
             smol_mcp.parse_expose_ports(config.expose_ports),
             [range(8000, 8003), range(9000, 9001)],
@@ -525,7 +530,7 @@ class ExposeSettingTests(unittest.TestCase):
         for value in ("0", "65536", "9000-8000", "80-", "x", "8000:8001"):
             with self.subTest(value=value):
                 with self.assertRaises(ConfigError) as caught:
-                    load_config({"SMOL_MCP_EXPOSE_PORTS": value})
+                    expose_config({"SMOL_MCP_EXPOSE_PORTS": value})
                 self.assertIn(
                     f"exposePorts holds {value!r}; each entry is a host port",
                     str(caught.exception),
