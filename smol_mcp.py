@@ -14159,12 +14159,23 @@ def oauth_client_class() -> type:
 # An app's own redirect scheme is a reverse domain name (com.example.app),
 # so never one a browser or the system has (ws, blob, view-source, intent).
 APP_SCHEME_RE = re.compile(r"[a-z][a-z0-9+-]*(\.[a-z0-9+-]+)+")
+# The callbacks of MCP clients whose own scheme is not a reverse domain,
+# taken exactly as their documentation gives them: Cursor registers this
+# one beside its https and loopback ones, and a registration is refused
+# whole if any of its URIs is. PKCE binds the code to the client that
+# asked, as for any other app's scheme.
+NATIVE_CLIENT_CALLBACKS = frozenset(
+    {
+        "cursor://anysphere.cursor-mcp/oauth/callback",
+    }
+)
 
 
 def unsafe_redirect(uri: Any) -> bool:
     """Whether a redirect URI is refused: one over 512 characters, with a
     fragment, a wildcard or a user in it, or other than https, http on
-    loopback, or an app's own scheme (RFC 8252 7.1)."""
+    loopback, an app's own scheme (RFC 8252 7.1) or one of
+    NATIVE_CLIENT_CALLBACKS exactly."""
     text = str(uri)
     if len(text) > 512 or "#" in text or uri.fragment is not None:
         return True
@@ -14174,6 +14185,8 @@ def unsafe_redirect(uri: Any) -> bool:
         return not uri.host
     if uri.scheme == "http":
         return uri.host not in (*LOOPBACK_HOSTS, "[::1]")
+    if text in NATIVE_CLIENT_CALLBACKS:
+        return False
     return APP_SCHEME_RE.fullmatch(uri.scheme) is None
 
 

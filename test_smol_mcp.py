@@ -16749,6 +16749,9 @@ class RedirectUriTests(FrontCase):
         "http://evil.example/cb",
         "myapp:/cb",
         "com.example.app:/cb#x",
+        "cursor://anysphere.cursor-mcp/oauth/callback#x",
+        "cursor://anysphere.cursor-mcp/oauth/other",
+        "cursor://evil.example/oauth/callback",
     )
     TAKEN = (
         "https://good.example/cb",
@@ -16757,6 +16760,7 @@ class RedirectUriTests(FrontCase):
         "http://[::1]:9/cb",
         "com.example.app:/cb",
         "github.com:/cb",
+        "cursor://anysphere.cursor-mcp/oauth/callback",
     )
 
     async def test_only_https_loopback_http_and_an_apps_own_scheme(self):
@@ -16771,6 +16775,21 @@ class RedirectUriTests(FrontCase):
                     answer.json()["error"], "invalid_redirect_uri"
                 )
                 self.assertIn(uri, answer.json()["error_description"])
+
+    async def test_cursors_registration_of_its_three_callbacks_is_taken(self):
+        # What Cursor sends at dynamic client registration: its own
+        # scheme's callback, its hosted one and a loopback one, in one
+        # request that is refused whole if any one URI is.
+        uris = [
+            "cursor://anysphere.cursor-mcp/oauth/callback",
+            "https://www.cursor.com/agents/mcp/oauth/callback",
+            "http://localhost:8787/callback",
+        ]
+        async with address_client("127.0.82.1", self.base) as http:
+            meta = {"client_name": "Cursor", "redirect_uris": uris}
+            answer = await http.post("/register", json=meta)
+        self.assertEqual(answer.status_code, 201, answer.text)
+        self.assertEqual(answer.json()["redirect_uris"], uris)
 
     async def test_the_consent_page_names_an_apps_scheme_as_a_scheme(self):
         operator = await self.operator()
