@@ -6292,7 +6292,10 @@ async def lease_from_pool(call: Call, pool: WarmPool, env: dict) -> dict:
     lease = held_lease(call, pool, answer)
     name = lease.machine
     try:
-        record = await call.api(local.get_machine, name)
+        # On the event loop where it can be (a quick read), else a thread.
+        record = await local.read_now(local.get_machine, name)
+        if record is None:
+            record = await call.api(local.get_machine, name)
         identity = machine_identity(record)
         owners = call.app.access.owners
         owners.claim(local.name, name, call.principal.name, identity)

@@ -31,6 +31,7 @@ import ast
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
 import inspect
 import io
@@ -10520,6 +10521,18 @@ def pool_steps() -> list:
         ("POST", f"{leases}/l1/heartbeat", b"x", None),
         ("POST", f"{leases}/l1/complete", {"x": 1}),
         ("GET", f"{leases}/l1/complete", None),
+        # The requests of the server's warm pools, as it sends them.
+        create(source="itw-none", freezeSource=True),
+        create(freezeSource=True),
+        (
+            "POST",
+            f"{pools}/itw-none/leases",
+            {"idempotencyKey": "0" * 32, "env": ["JOB=7"], "waitSecs": 0},
+        ),
+        ("POST", leases, {"idempotencyKey": "", "env": [], "waitSecs": 0}),
+        ("POST", leases, {"idempotencyKey": "k", "env": ["A"], "waitSecs": 0}),
+        ("POST", f"{pools}/itw-none/leases/lease-0/heartbeat", None),
+        ("POST", f"{pools}/itw-none/leases/lease-0/complete", None),
         ("POST", "/capacity", None),
         ("DELETE", "/api/v1/machines/itw-a", None),
     ]
@@ -10542,6 +10555,30 @@ def warm_routes_exchange(socket_path: str, cache_dir: str) -> list:
         text = text.replace(cache_dir, "<cache-dir>")
         answers.append((f"{method} {path} {body!r}", status, ctype, text))
     return answers
+
+
+def warm_pool_calls(socket_path: str, tmp: str) -> list:
+    """What the server's own pool and lease calls (LocalFleet) answer on a
+    serve with no pool and no running source: the answer, or the
+    refusal's status, code and sentence."""
+    config = fake_config(tmp, socket_path)
+    fleet = smol_mcp.LocalFleet(config)
+    calls = (
+        fleet.list_pools,
+        functools.partial(fleet.create_pool, "itw-q", "itw-none", 1),
+        functools.partial(fleet.create_pool, "Bad Name", "itw-none", 1),
+        functools.partial(fleet.lease, "itw-q", "k" * 32, {"A": "1"}),
+        functools.partial(fleet.lease, "itw-q", "", {}),
+        functools.partial(fleet.heartbeat_lease, "itw-q", "lease-0"),
+        functools.partial(fleet.complete_lease, "itw-q", "lease-0"),
+    )
+    outcomes = []
+    for call in calls:
+        try:
+            outcomes.append(("answered", call()))
+        except smol_mcp.ApiError as err:
+            outcomes.append((err.status, err.code, str(err)))
+    return outcomes
 
 
 @contextlib.contextmanager
@@ -10636,12 +10673,14 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
             cls.real_capacity = json.loads(
                 send_raw(socket_path, "GET", "/capacity")[2]
             )
+            cls.real_calls = warm_pool_calls(socket_path, cls.tmp)
         fake_socket = f"{cls.tmp}/fake.sock"
         with FakeSmolvm(fake_socket, cache_disk_dir=fake_dir):
             cls.fake = warm_routes_exchange(fake_socket, fake_dir)
             cls.fake_capacity = json.loads(
                 send_raw(fake_socket, "GET", "/capacity")[2]
             )
+            cls.fake_calls = warm_pool_calls(fake_socket, cls.tmp)
 
     @classmethod
     def tearDownClass(cls):
@@ -10669,6 +10708,22 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
         self.assertEqual(by_request[empty][0], 404)
         gone = "DELETE /api/v1/cache-bases/never.raw None"
         self.assertEqual(by_request[gone], (204, "", ""))
+
+    def test_the_servers_pool_and_lease_calls_are_refused_alike(self):
+        self.assertEqual(self.fake_calls, self.real_calls)
+        self.assertEqual(self.real_calls[0], ("answered", []))
+        self.assertEqual(
+            self.real_calls[1],
+            (
+                404,
+                "NOT_FOUND",
+                "The local machine API refused to create the fork pool "
+                "'itw-q': machine 'itw-none' not found (HTTP 404 NOT_FOUND)",
+            ),
+        )
+        self.assertEqual(self.real_calls[3][:2], (404, "NOT_FOUND"))
+        self.assertIn("fork pool 'itw-q' not found", self.real_calls[3][2])
+        self.assertIn("fork lease 'lease-0' not found", self.real_calls[6][2])
 
     def test_capacity_has_the_real_keys_and_a_boot_id(self):
         self.assertEqual(list(self.fake_capacity), list(self.real_capacity))
