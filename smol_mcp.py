@@ -4215,8 +4215,8 @@ def reserved_machine(
         return (
             f"'{name}' is a name this server keeps for its own machines "
             f"(every name starting with {RESERVED_MACHINE_PREFIX}: warm "
-            "pools' sources, saved states), so no tool takes it; pick "
-            "another name"
+            "pools' sources, saved states), so no tool takes it; name a "
+            "machine otherwise, or use one list-machines shows"
         )
     for pool in pools:
         if name.startswith(f"pool-{pool.name}-") and not owned(name):
@@ -5889,11 +5889,12 @@ POOL_NOT_MADE = (
     "call"
 )
 POOL_BEING_MADE = (
-    "being made: its source machine boots, then the engine fills the pool"
+    "still being made: its source machine boots, then the engine fills the "
+    "pool"
 )
 POOL_LOST = (
-    "not on the engine any more (deleted, or the serve started afresh); it "
-    "is being made again"
+    "gone from the engine (deleted, or the serve started afresh); it is "
+    "being made again"
 )
 
 
@@ -6106,7 +6107,7 @@ class WarmPools:
             available, why = self._standing[name]
         if available:
             return None
-        return f"the pool '{name}' is {why}"
+        return f"the pool '{name}' is not available: {why}"
 
     def reserve(self, pool: WarmPool, principal: Principal) -> str | None:
         """Count a lease ``principal`` is about to ask ``pool`` for, or
@@ -6351,7 +6352,7 @@ def pool_empty(call: Call, pool: str, err: ApiError) -> PoolEmpty | None:
         why = f"the pool '{pool}' is at its limit of active leases"
     elif err.status == 404 and "fork pool" in err.api_message:
         call.app.pools.lost(pool)
-        why = f"the pool '{pool}' is {POOL_LOST}"
+        why = f"the pool '{pool}' is not available: {POOL_LOST}"
     else:
         return None
     return PoolEmpty(why)
@@ -6409,7 +6410,13 @@ async def create_cold_from_pool(
         args["env"] = env
     await call.progress(None, f"{why}: creating one cold from its spec")
     started = time.monotonic()
-    created = await tool_create_machine(call, args)
+    try:
+        created = await tool_create_machine(call, args)
+    except SmolError as err:
+        raise SmolError(
+            f"{why}, and a machine made cold from the pool's spec failed "
+            f"too: {err}"
+        ) from None
     cold = (
         f"{why}, so this machine was made cold from the pool's spec "
         f"({pool.image}); it is ephemeral like a pooled one"

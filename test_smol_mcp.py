@@ -11761,7 +11761,9 @@ class WarmEmptyPoolTests(WarmPoolCase):
         async with self.client("legacy") as c:
             created = await self.ok(c, "create-machine", {"pool": "py"})
         self.assertFalse(created["warm"])
-        self.assertIn("the pool 'py' is being made", created["why"])
+        self.assertIn(
+            "the pool 'py' is not available: still being made", created["why"]
+        )
 
 
 class WarmPoolUnmadeTests(WarmPoolCase):
@@ -11873,6 +11875,13 @@ class WarmPoolBootFailureTests(WarmPoolCase):
             self.assertEqual(
                 (await self.ok(c, "list-machines", {}))["machines"], []
             )
+            text = await self.refused(c, "create-machine", {"pool": "py"})
+        self.assertIn(
+            "the pool 'py' is not available: could not be made", text
+        )
+        self.assertIn(
+            "and a machine made cold from the pool's spec failed too", text
+        )
         why = self.app.pools.unavailable("py")
         self.assertIn("start machine 'smol-pool-py'", why)
         self.assertNotIn("smol-pool-py", self.fake.machines)
