@@ -49,6 +49,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import types
 import typing
 import unittest
 import unittest.mock
@@ -11455,6 +11456,80 @@ class WarmPoolTests(WarmPoolCase):
             await asyncio.sleep(0.6)
             self.assertEqual(beats(lease["id"]), after)  # the session ended
 
+    async def test_no_heartbeat_is_sent_for_a_session_that_has_ended(self):
+        ended = smol_mcp.Lease(
+            "py",
+            "lease-0",
+            "pool-py-0",
+            session=types.SimpleNamespace(ended=True),
+        )
+        self.app.local.leases._beat(ended)
+        self.assertEqual(ended.beat_at, float("inf"))
+        self.assertEqual(self.fake.requests, [])
+
+    async def test_a_lease_the_engine_ended_is_deleted_when_its_machine_is(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            created = await self.ok(c, "create-machine", {"pool": "py"})
+            name = created["machine"]["name"]
+            lease = self.lease_of(name)
+            # Expired (the fake removes an expired lease's worker: put it
+            # back, as an engine that keeps it would).
+            lease["expiresAt"] = 0
+            self.engine_pool("py")
+            self.assertEqual(lease["state"], "expired")
+            EraScenarios.fake_direct_create(self, name)
+            start = len(self.fake.requests)
+            deleted = await self.ok(c, "delete-machine", {"name": name})
+            self.assertEqual(deleted, {"deleted": name})
+            self.assertEqual(
+                self.journal_from(start),
+                [
+                    (
+                        "POST",
+                        f"/api/v1/pools/py/leases/{lease['id']}/complete",
+                    ),
+                    ("DELETE", f"/api/v1/machines/{name}"),
+                ],
+            )
+        self.assertNotIn(name, self.fake.machines)
+
+    async def test_a_pool_gone_from_the_engine_is_made_again(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            status, _, text = send_raw(
+                self.socket_path, "DELETE", "/api/v1/pools/py?force=true"
+            )
+            self.assertEqual(status, 200, text)
+            cold = await self.ok(c, "create-machine", {"pool": "py"})
+            self.assertFalse(cold["warm"])
+            self.assertIn(
+                "the pool 'py' is not available: gone from the engine",
+                cold["why"],
+            )
+            await wait_until(
+                lambda: "py" in self.fake._pools, 30, "py is made again"
+            )
+            await self.pools_made(c)
+            self.assertTrue(
+                (await self.ok(c, "create-machine", {"pool": "py"}))["warm"]
+            )
+
+    async def test_doctor_reports_the_pools_and_makes_nothing(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            await asyncio.to_thread(smol_mcp.doctor, self.app)
+        await asyncio.sleep(0.5)  # a thread making pools would have begun
+        self.assertIn(
+            "warm pool py (alpine): not available: not made yet: the server"
+            " makes its warm pools at its first local tool call",
+            out.getvalue(),
+        )
+        self.assertEqual([r for r in self.fake.requests if r[0] != "GET"], [])
+        self.assertEqual(self.fake._pools, {})
+
     async def test_the_next_process_completes_the_leases_a_dead_one_left(self):
         async with self.client("legacy") as c:
             await self.pools_made(c)
@@ -11966,6 +12041,8 @@ class WarmPoolAccessTests(HttpCase):
             )
             theirs = await self.ok(b, "create-machine", {"pool": "py"})
             self.assertTrue(theirs["warm"])
+            # A key of its own: another call never gets the same lease.
+            self.assertNotEqual(theirs["machine"]["name"], name)
             text = await self.refused(b, "get-machine", {"name": name})
             self.assertIn("not found", text)
             text = await self.refused(b, "delete-machine", {"name": name})
