@@ -2407,6 +2407,8 @@ class LocalFleet(LocalServe):
 LEASE_BEAT_MIN_SECS = 5
 # The engine's default lease TTL, for a lease that does not say its own.
 LEASE_TTL_DEFAULT_SECS = 600
+# How long the heartbeat thread waits for a next lease once none is held.
+LEASE_BEATER_LINGER_SECS = 30
 
 
 def lease_beat_secs(ttl_secs: float) -> float:
@@ -2520,20 +2522,29 @@ class Leases:
         self.drop(lease.machine)
 
     def _beat_while_held(self) -> None:
-        """Beat each held lease's heartbeat when due, until none is held."""
+        """Beat each held lease's heartbeat when due, until none has been
+        held for LEASE_BEATER_LINGER_SECS (a thread costs a lease more
+        than its wait)."""
+        empty_since = None
         while True:
             with self._lock:
-                if not self._held:
-                    self._beating = False
-                    return
                 now = time.monotonic()
                 held = list(self._held.values())
+                if held:
+                    empty_since = None
+                elif empty_since is None:
+                    empty_since = now
+                elif now - empty_since >= LEASE_BEATER_LINGER_SECS:
+                    self._beating = False
+                    return
             due = [lease for lease in held if lease.beat_at <= now]
             for lease in due:
                 self._beat(lease)
             if not due:
-                soonest = min(lease.beat_at for lease in held)
-                self._wake.wait(min(60.0, soonest - now))
+                wait = LEASE_BEATER_LINGER_SECS
+                if held:
+                    wait = min(lease.beat_at for lease in held) - now
+                self._wake.wait(min(60.0, wait))
                 self._wake.clear()
 
     def _beat(self, lease: Lease) -> None:
@@ -7692,8 +7703,9 @@ class Session:
                 # A pooled machine's lease: completed, not deleted.
                 "leases": self.app.local.leases.records(names),
             }
-            # The umask decides who may read it.
-            write_json(self.record_path, record, mode=0o666)
+            # The umask decides who may read it. No fsync: a record, like
+            # the machines it names, is not needed after a power cut.
+            write_json(self.record_path, record, mode=0o666, durable=False)
 
     async def close(self) -> None:
         """Delete this session's ephemeral machines, fleet by fleet.
@@ -7839,17 +7851,22 @@ def describe(err: BaseException) -> str:
 
 
 def write_json(
-    path: Path, value: Any, mode: int = 0o600, indent: int | None = None
+    path: Path,
+    value: Any,
+    mode: int = 0o600,
+    indent: int | None = None,
+    durable: bool = True,
 ) -> None:
     """Write a JSON file whole or not at all: a crash mid-write leaves the
-    old one.
+    old one; ``durable``, a power cut too (fsync).
     """
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     with os.fdopen(os.open(temporary, flags, mode), "w") as out:
         json.dump(value, out, indent=indent)
         out.flush()
-        os.fsync(out.fileno())
+        if durable:
+            os.fsync(out.fileno())
     os.replace(temporary, path)
 
 
