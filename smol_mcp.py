@@ -4216,12 +4216,16 @@ RESERVED_MACHINE_PREFIX = "smol-"
 
 
 def reserved_machine(
-    name: str, pools: Iterable[WarmPool], owned: Callable[[str], bool]
+    name: str,
+    pools: Iterable[WarmPool],
+    owned: Callable[[str], bool],
+    parent: str | None = None,
 ) -> str | None:
     """Why no tool may take the machine ``name``, or None: a smol- machine
-    is this server's own, and a warm pool's worker is the engine's until
-    it is leased through this server (``owned``: it has an owner on
-    record)."""
+    is this server's own, and a warm pool's worker (named after the pool,
+    or, where the record is at hand, a branch of its source: ``parent``)
+    is the engine's until it is leased through this server (``owned``: it
+    has an owner on record)."""
     if name.startswith(RESERVED_MACHINE_PREFIX):
         return (
             f"'{name}' is a name this server keeps for its own machines "
@@ -4230,7 +4234,9 @@ def reserved_machine(
             "machine otherwise, or use one list-machines shows"
         )
     for pool in pools:
-        if name.startswith(f"pool-{pool.name}-") and not owned(name):
+        worker = name.startswith(f"pool-{pool.name}-")
+        worker = worker or parent == pool_source(pool.name)
+        if worker and not owned(name):
             return (
                 f"'{name}' is a worker the engine keeps ready for the warm "
                 f"pool '{pool.name}', leased to nobody, so no tool takes "
@@ -5663,7 +5669,13 @@ async def tool_list_machines(call: Call, args: dict) -> dict:
     # The server's own machines and the pools' unleased workers: no tool
     # takes them, so none is listed.
     reserved = call.app.reserved_for(call.fleet)
-    return {"machines": [m for m in machines if not reserved(m["name"])]}
+    return {
+        "machines": [
+            m
+            for m in machines
+            if not reserved(m["name"], parent=m.get("parent"))
+        ]
+    }
 
 
 @tool(
@@ -6014,15 +6026,21 @@ class WarmPools:
             self._standing[name] = standing
             self._making.discard(name)
         path = Path(self.config.runtime_dir) / POOLS_FILE
-        with bookkeeping(self.config.runtime_dir):
-            ensure_runtime_dir(self.config.runtime_dir)
-            recorded = read_pools_file(path)
-            recorded[name] = {
-                "available": standing[0],
-                "reason": standing[1],
-                "at": utc_now(),
-            }
-            write_json(path, recorded)
+        try:
+            with bookkeeping(self.config.runtime_dir):
+                ensure_runtime_dir(self.config.runtime_dir)
+                recorded = read_pools_file(path)
+                recorded[name] = {
+                    "available": standing[0],
+                    "reason": standing[1],
+                    "at": utc_now(),
+                }
+                write_json(path, recorded)
+        except SmolError as err:
+            # Only doctor reads it: the pool is no worse for it.
+            log.warning(
+                "could not note warm pool %s for doctor: %s", name, err
+            )
 
     def _make(self, pool: WarmPool, existing: dict | None) -> bool:
         """Make ``pool`` on the engine, or adopt the engine's ``existing``

@@ -11678,6 +11678,10 @@ class WarmPoolTests(WarmPoolCase):
                         text,
                     )
             self.assertEqual(self.journal_from(start), [])
+            # A worker named otherwise is known by its source, where its
+            # record says it.
+            EraScenarios.fake_direct_create(self, "w-1")
+            self.fake._machines["w-1"]["parentMachine"] = "smol-pool-py"
             self.assertEqual(
                 (await self.ok(c, "list-machines", {}))["machines"], []
             )
