@@ -6322,13 +6322,8 @@ async def lease_from_pool(call: Call, pool: WarmPool, env: dict) -> dict:
     lease = held_lease(call, pool, answer)
     name = lease.machine
     try:
-        # On the event loop where it can be (a quick read), else a thread.
-        record = await local.read_now(local.get_machine, name)
-        if record is None:
-            record = await call.api(local.get_machine, name)
+        record = await record_pooled(call, name)
         identity = machine_identity(record)
-        owners = call.app.access.owners
-        owners.claim(local.name, name, call.principal.name, identity)
         call.session.identities[(local.name, name)] = identity
         if answer.get("state") != "active":
             # Not handed over booted: wait as for any other machine.
@@ -6364,9 +6359,13 @@ async def complete_quietly(call: Call, name: str) -> None:
                 await anyio.to_thread.run_sync(
                     complete, abandon_on_cancel=True
                 )
-            call.forget(name)
         except Exception as err:
             log.warning("could not complete the lease of %s: %s", name, err)
+            return
+    try:
+        call.forget(name)
+    except SmolError as err:
+        log.warning("the lease of %s is completed; %s", name, err)
 
 
 def pool_empty(call: Call, pool: str, err: ApiError) -> PoolEmpty | None:
@@ -6389,8 +6388,8 @@ def pool_empty(call: Call, pool: str, err: ApiError) -> PoolEmpty | None:
 
 def held_lease(call: Call, pool: WarmPool, answer: Any) -> Lease:
     """Hold the lease the engine answered for this call's caller and
-    session, recorded before anything else can fail; raise SmolError when
-    the answer is not a lease."""
+    session (its heartbeats start); raise SmolError when the answer is not
+    a lease."""
     lease_id = answer.get("id") if isinstance(answer, dict) else None
     name = answer.get("machine") if isinstance(answer, dict) else None
     if not isinstance(lease_id, str) or not NAME_RE.fullmatch(str(name)):
@@ -6412,11 +6411,34 @@ def held_lease(call: Call, pool: WarmPool, answer: Any) -> Lease:
         call.session,
         lease_beat_secs(ttl),
     )
-    local = call.app.local
-    local.leases.add(lease)
-    # The session's record names the lease: the crash sweep completes it.
-    call.session.remember(local.name, name)
+    call.app.local.leases.add(lease)
     return lease
+
+
+async def record_pooled(call: Call, name: str) -> dict:
+    """The leased machine's record, asked of the engine while its session
+    record (naming the lease, for the crash sweep) and its owner are
+    written in a worker thread; raise what either raised."""
+    local = call.app.local
+    failed = []
+
+    def write() -> None:
+        try:
+            call.session.remember(local.name, name)
+            call.app.access.owners.claim(local.name, name, call.principal.name)
+        except Exception as err:
+            # Carried out of the group, which would wrap it in a group.
+            failed.append(err)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(functools.partial(anyio.to_thread.run_sync, write))
+        # On the event loop where it can be (a quick read), else a thread.
+        record = await local.read_now(local.get_machine, name)
+        if record is None:
+            record = await call.api(local.get_machine, name)
+    if failed:
+        raise failed[0]
+    return record
 
 
 async def create_cold_from_pool(

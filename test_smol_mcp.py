@@ -11581,6 +11581,28 @@ class WarmPoolTests(WarmPoolCase):
         ]
         self.assertEqual([e["machine"] for e in swept], [lease["machine"]])
 
+    async def test_a_lease_whose_owner_cannot_be_recorded_is_completed(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            Path(self.config.state_dir).mkdir(
+                0o700, parents=True, exist_ok=True
+            )
+            (Path(self.config.state_dir) / "owners.json").write_text("[]")
+            start = len(self.fake.requests)
+            text = await self.refused(c, "create-machine", {"pool": "py"})
+            self.assertIn(
+                "owners.json is not shaped as this server writes it", text
+            )
+            journal = self.journal_from(start)
+            self.assertEqual(journal[0], ("POST", "/api/v1/pools/py/leases"))
+            self.assertRegex(
+                journal[-1][1], r"^/api/v1/pools/py/leases/lease-\w+/complete$"
+            )
+        self.assertEqual(
+            [lease["state"] for lease in self.fake._leases.values()],
+            ["completed"],
+        )
+
     async def test_a_restarted_server_adopts_the_pools_the_engine_has(self):
         async with self.client("legacy") as c:
             await self.pools_made(c)
