@@ -125,14 +125,20 @@ DEFAULT_CLOUD_URL = "https://api.smolmachines.com"
 MOUNT_ROOT_WRITABLE = ":rw"
 
 
+# Kinds read from the config file only: a structure has no spelling as
+# one environment variable.
+FILE_ONLY_KINDS = ("pools",)
+
+
 def setting_field(
     default: Any, env: str = "", kind: str = "", **limits: Any
 ) -> Any:
     """One Config field: its default, its environment variable (SMOL_MCP_
-    and the name in capitals unless given), its kind ("str", "int",
-    "choice", "version", "list", "secret"; inferred unless given; ints
-    take ``minimum`` and ``maximum``) and its file key (the camelCase
-    name). SETTINGS derives from these."""
+    and the name in capitals unless given; none for a FILE_ONLY_KINDS
+    kind), its kind ("str", "int", "choice", "version", "list",
+    "secret", "pools"; inferred unless given; ints take ``minimum`` and
+    ``maximum``) and its file key (the camelCase name). SETTINGS derives
+    from these."""
     if not kind and "choices" in limits:
         kind = "choice"
     elif not kind:
@@ -141,6 +147,21 @@ def setting_field(
     return field(
         default=default, repr=kind != "secret", metadata={"setting": rule}
     )
+
+
+@dataclass(frozen=True)
+class WarmPool:
+    """One pool of warmPools: the machine its workers are branched from,
+    and how many the engine keeps booted (None: the setting's default)."""
+
+    name: str
+    image: str
+    ready: int
+    cpus: int | None = None
+    memory_mb: int | None = None
+    network: str | None = None
+    allow_hosts: tuple[str, ...] = ()
+    allow_cidrs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -207,6 +228,8 @@ class Config:
     expose_hosts: tuple[str, ...] = setting_field(())
     expose_ports: tuple[str, ...] = setting_field(())
     reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
+    # Booted machines the operator keeps ready (WarmPool, above).
+    warm_pools: tuple[WarmPool, ...] = setting_field((), kind="pools")
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and
@@ -236,6 +259,8 @@ def _camel(attr: str) -> str:
 def _setting(f: dataclasses.Field) -> Setting:
     rule = f.metadata["setting"]
     env = rule["env"] or f"SMOL_MCP_{f.name.upper()}"
+    if rule["kind"] in FILE_ONLY_KINDS:
+        env = ""
     return Setting(_camel(f.name), attr=f.name, **{**rule, "env": env})
 
 
@@ -273,6 +298,8 @@ def _parse_setting(setting: Setting, value: Any, source: str) -> Any:
         return value.strip()
     if setting.kind == "int":
         return _parse_int(setting, value, source, where)
+    if setting.kind == "pools":
+        return parse_warm_pools(value, where)
     # The one kind left: "list".
     if source == "env":
         value = value.split(",")
@@ -321,6 +348,108 @@ def _parse_int(setting: Setting, value: Any, source: str, where: str) -> int:
     return value
 
 
+# warmPools: each pool holds up to 16 booted machines, and a host holds
+# few such pools. A pool's name leaves room for the machines named after
+# it (smol-pool-NAME, and the engine's pool-NAME-xxxxxxxx).
+WARM_POOLS_MAX = 8
+WARM_POOL_READY_MAX = 16
+WARM_POOL_NAME_MAX = 64
+# Each key of a pool: (its WarmPool attribute, its rule).
+WARM_POOL_KEYS = {
+    "image": ("image", "a string"),
+    "ready": ("ready", (1, WARM_POOL_READY_MAX)),
+    "cpus": ("cpus", (1, 255)),
+    "memoryMb": ("memory_mb", (128, 1048576)),
+    "network": ("network", ("open", "blocked")),
+    "allowHosts": ("allow_hosts", "a list"),
+    "allowCidrs": ("allow_cidrs", "a list"),
+}
+
+
+def parse_warm_pools(value: Any, where: str) -> tuple[WarmPool, ...]:
+    """warmPools as WarmPools, in the file's order; raise ConfigError
+    naming the pool and key at the first flaw (egress entries are
+    checked with the other settings, in _check_warm_pools)."""
+    example = '{"py": {"image": "python:3.12-alpine", "ready": 2}}'
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{where} must be an object of pools by name, such as {example}"
+            f"; got {_json_type(value)}"
+        )
+    if len(value) > WARM_POOLS_MAX:
+        raise ConfigError(
+            f"{where} names {len(value)} pools; at most {WARM_POOLS_MAX}, "
+            "as each keeps booted machines on this host"
+        )
+    return tuple(_warm_pool(name, spec, where) for name, spec in value.items())
+
+
+def _warm_pool(name: str, spec: Any, where: str) -> WarmPool:
+    """One pool of warmPools; raise ConfigError naming its flaw."""
+    at = f'{where}, pool "{name}",'
+    named = NAME_RE.fullmatch(name) and len(name) <= WARM_POOL_NAME_MAX
+    if not named:
+        raise ConfigError(
+            f"{where} names the pool {name!r}: a pool name starts with a "
+            "letter or digit and holds only letters, digits, '-' and '_', "
+            f"at most {WARM_POOL_NAME_MAX} of them"
+        )
+    if not isinstance(spec, dict):
+        raise ConfigError(
+            f"{at} must be an object such as "
+            f'{{"image": "alpine", "ready": 2}}; got {_json_type(spec)}'
+        )
+    for key in spec:
+        if key not in WARM_POOL_KEYS:
+            maybe = did_you_mean(key, WARM_POOL_KEYS)
+            raise ConfigError(
+                f'{at} has no key "{key}"{maybe}; the keys are: '
+                f"{', '.join(WARM_POOL_KEYS)}"
+            )
+    for key in ("image", "ready"):
+        if key not in spec:
+            raise ConfigError(f'{at} needs "{key}"')
+    fields = {
+        WARM_POOL_KEYS[key][0]: _warm_pool_value(key, raw, at)
+        for key, raw in spec.items()
+    }
+    return WarmPool(name, **fields)
+
+
+def _warm_pool_value(key: str, raw: Any, at: str) -> Any:
+    """One key's value of a pool, as WarmPool holds it; raise ConfigError
+    when it breaks the key's rule."""
+    rule = WARM_POOL_KEYS[key][1]
+    if rule == "a string":
+        text = raw.strip() if isinstance(raw, str) else ""
+        if not text or re.search(r"[\x00-\x20\x7f]", text):
+            raise ConfigError(
+                f'{at} "{key}" must be an image reference such as alpine, '
+                f"without spaces; got {json.dumps(raw)[:60]}"
+            )
+        return text
+    if rule == "a list":
+        if not isinstance(raw, list) or not all(
+            isinstance(item, str) for item in raw
+        ):
+            raise ConfigError(f'{at} "{key}" must be a list of strings')
+        return tuple(raw)
+    if isinstance(rule[0], str):
+        if raw not in rule:
+            raise ConfigError(
+                f'{at} "{key}" must be one of {", ".join(rule)}; '
+                f"got {json.dumps(raw)[:60]}"
+            )
+        return raw
+    whole = isinstance(raw, int) and not isinstance(raw, bool)
+    if not whole or not rule[0] <= raw <= rule[1]:
+        raise ConfigError(
+            f'{at} "{key}" must be a whole number from {rule[0]} to '
+            f"{rule[1]}; got {json.dumps(raw)[:60]}"
+        )
+    return raw
+
+
 def _json_type(value: Any) -> str:
     names = {
         bool: "a boolean",
@@ -342,7 +471,7 @@ def load_config(environ: dict[str, str] | None = None) -> Config:
     path = config_file_path(environ)
     values = _file_values(_read_config_file(path), path)
     for setting in SETTINGS:
-        if setting.env in environ:
+        if setting.env and setting.env in environ:
             raw = environ[setting.env]
             values[setting.attr] = _parse_setting(setting, raw, "env")
     config = Config(**values)
@@ -448,6 +577,28 @@ def _check_config(config: Config) -> None:
     if webhook and scheme not in ("http", "https"):
         why = f"must be an http:// or https:// URL, got {webhook!r}"
         raise ConfigError(f"approvalWebhook (SMOL_MCP_APPROVAL_WEBHOOK) {why}")
+    _check_warm_pools(config)
+
+
+def _check_warm_pools(config: Config) -> None:
+    """Raise ConfigError for a pool whose egress create-machine would
+    refuse: an allow list and a network together, or an entry no allow
+    list may hold."""
+    for pool in config.warm_pools:
+        at = f'warmPools, pool "{pool.name}",'
+        lists = pool.allow_hosts or pool.allow_cidrs
+        if lists and pool.network is not None:
+            raise ConfigError(
+                f'{at} gives "network" and an allow list: an allow list '
+                "already means egress to those destinations only; keep one"
+            )
+        try:
+            for index, host in enumerate(pool.allow_hosts):
+                egress_host(host, f"allowHosts[{index}]", True, config)
+            for index, cidr in enumerate(pool.allow_cidrs):
+                egress_cidr(cidr, f"allowCidrs[{index}]", config)
+        except ArgumentError as err:
+            raise ConfigError(f"{at} {err}") from None
 
 
 def _check_public_url(config: Config) -> None:
@@ -641,6 +792,11 @@ class Paused(NotRunning):
     text says what to do for the others)."""
 
 
+class PoolEmpty(SmolError):
+    """No warm machine could be leased from a pool; the text says why (the
+    machine is then made cold from the pool's spec)."""
+
+
 class ApiError(SmolError):
     """The machine API refused a request; keeps its status, code and
     message to branch on."""
@@ -723,6 +879,8 @@ class Fleet(Protocol):
     mounts_host_paths: bool
     # The engine makes a branch source when it starts the machine.
     branch_needs_start: bool
+    # Why create-machine's pool is refused here; None where it leases.
+    pool_refusal: str | None
     # How the server's instructions name the fleet.
     served_as: str
     # The fleet's own line in the server's instructions.
@@ -1872,6 +2030,13 @@ class LocalFleet(LocalServe):
     amends_egress = True
     mounts_host_paths = True
     branch_needs_start = True
+    # The engine keeps fork pools (warmPools): create-machine's pool works.
+    pool_refusal = None
+
+    def __init__(self, config: Config, environ: dict[str, str] | None = None):
+        super().__init__(config, environ)
+        # The pool leases this process holds, by machine name.
+        self.leases = Leases(self)
 
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
@@ -1892,6 +2057,7 @@ class LocalFleet(LocalServe):
             f"hypervisor: {facts['hypervisor']['detail']}",
             f"serve: {facts['serve']}",
             describe_mount_roots(app.config),
+            *app.pools.doctor_lines(),
         ]
         if smolvm["path"] or app.config.local_url or smolvm["version"]:
             return details, []
@@ -2080,6 +2246,12 @@ class LocalFleet(LocalServe):
         return local_record(answer)
 
     def delete_machine(self, name: str) -> dict:
+        """Delete a machine; a pooled one is the pool's, so its lease is
+        completed instead (the engine replaces the worker)."""
+        lease = self.leases.get(name)
+        if lease is not None:
+            self.leases.complete(lease)
+            return {"deleted": name}
         self._machine(f"delete machine '{name}'", "DELETE", _q(name))
         return {"deleted": name}
 
@@ -2599,6 +2771,243 @@ class LocalFleet(LocalServe):
         body = {"ports": ports}
         return self._machine(action, "PUT", f"{_q(name)}/ports", body)
 
+    # -- warm pools: the engine's fork pools and their leases --------------
+
+    def list_pools(self) -> list[dict]:
+        """The engine's fork pools (ForkPoolInfo records)."""
+        answer = self.request("list the fork pools", "GET", "/api/v1/pools")
+        return [pool for pool in answer["pools"] if isinstance(pool, dict)]
+
+    def pools_now(self) -> list[dict] | None:
+        """list_pools from a serve that already answers, starting nothing
+        (doctor, smol://pools); None when none answers."""
+        try:
+            status, _, body = self._raw_request(
+                "GET", "/api/v1/pools", timeout=5
+            )
+            pools = json.loads(body)["pools"] if status == 200 else None
+        except (OSError, http.client.HTTPException, ValueError, KeyError):
+            return None
+        if not isinstance(pools, list):
+            return None
+        return [pool for pool in pools if isinstance(pool, dict)]
+
+    def create_pool(self, name: str, source: str, ready: int) -> dict:
+        """Ask for a fork pool of ``ready`` workers branched from the
+        running, branchable ``source``, which the engine then freezes."""
+        body = {
+            "name": name,
+            "source": source,
+            "desiredReady": ready,
+            "freezeSource": True,
+        }
+        action = f"create the fork pool '{name}'"
+        return self.request(action, "POST", "/api/v1/pools", body)
+
+    def lease(
+        self, pool: str, key: str, env: dict[str, str]
+    ) -> tuple[dict, float]:
+        """Lease a clean worker of ``pool`` at once (waitSecs 0): the lease
+        (ForkLeaseInfo) and the seconds the engine took. A connection
+        dropped mid-request is retried once under the same idempotency
+        key, which answers the same lease rather than a second one."""
+        body = {
+            "idempotencyKey": key,
+            "env": [f"{name}={value}" for name, value in env.items()],
+            "waitSecs": 0,
+        }
+        action = f"lease a machine from the pool '{pool}'"
+        route = f"/api/v1/pools/{_q(pool)}/leases"
+        started = time.monotonic()
+        try:
+            answer = self.request(action, "POST", route, body)
+        except ApiError:
+            raise
+        except SmolError as err:
+            # Perhaps after the engine leased: the same key answers that.
+            log.info("a lease from %s is asked again: %s", pool, err)
+            started = time.monotonic()
+            answer = self.request(action, "POST", route, body)
+        return answer, time.monotonic() - started
+
+    def heartbeat_lease(self, pool: str, lease_id: str) -> dict:
+        action = f"keep the lease {lease_id} of the pool '{pool}' alive"
+        route = f"/api/v1/pools/{_q(pool)}/leases/{_q(lease_id)}/heartbeat"
+        return self.request(action, "POST", route)
+
+    def complete_lease(self, pool: str, lease_id: str) -> dict:
+        action = f"complete the lease {lease_id} of the pool '{pool}'"
+        route = f"/api/v1/pools/{_q(pool)}/leases/{_q(lease_id)}/complete"
+        return self.request(action, "POST", route)
+
+
+# A held lease's heartbeat comes every third of its TTL, so two may fail
+# before it expires; never more often than this.
+LEASE_BEAT_MIN_SECS = 5
+# The engine's default lease TTL, for a lease that does not say its own.
+LEASE_TTL_DEFAULT_SECS = 600
+# How long the heartbeat thread waits for a next lease once none is held.
+LEASE_BEATER_LINGER_SECS = 30
+
+
+def lease_beat_secs(ttl_secs: float) -> float:
+    """How often a lease of ``ttl_secs`` gets its heartbeat."""
+    return max(LEASE_BEAT_MIN_SECS, ttl_secs / 3)
+
+
+@dataclass
+class Lease:
+    """A pooled machine this process holds: the pool's lease of it, who
+    holds it, and when its heartbeat is due."""
+
+    pool: str
+    id: str
+    machine: str
+    principal: str = ""
+    # Its session (beats stop once it has ended); None for a lease a
+    # stopped process left, adopted only to be completed.
+    session: Any = None
+    beat_secs: float = float(LEASE_TTL_DEFAULT_SECS)
+    beat_at: float = math.inf
+
+
+class Leases:
+    """The leases of pooled machines this process holds, by machine name:
+    a delete completes one, a thread beats their heartbeats while their
+    sessions live, and the session records name them for the crash
+    sweep."""
+
+    def __init__(self, fleet: LocalFleet):
+        self.fleet = fleet
+        self._held: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._beating = False
+
+    def get(self, machine: str) -> Lease | None:
+        return self._held.get(machine)
+
+    def held_by(self, pool: str, principal: str) -> int:
+        """How many of ``pool``'s workers ``principal`` holds."""
+        with self._lock:
+            return sum(
+                1
+                for lease in self._held.values()
+                if lease.pool == pool and lease.principal == principal
+            )
+
+    def add(self, lease: Lease) -> None:
+        """Hold ``lease``; its heartbeats start (the thread with them)."""
+        lease.beat_at = time.monotonic() + lease.beat_secs
+        with self._lock:
+            self._held[lease.machine] = lease
+            start = not self._beating
+            self._beating = True
+        if start:
+            threading.Thread(
+                target=self._beat_while_held,
+                name="smol-mcp lease heartbeats",
+                daemon=True,
+            ).start()
+        self._wake.set()
+
+    def drop(self, machine: str) -> None:
+        with self._lock:
+            self._held.pop(machine, None)
+        self._wake.set()
+
+    def records(self, machines: Iterable[str]) -> dict[str, dict]:
+        """The leases of ``machines``, as a session record keeps them."""
+        held = [self._held.get(name) for name in machines]
+        return {
+            lease.machine: {"pool": lease.pool, "id": lease.id}
+            for lease in held
+            if lease is not None
+        }
+
+    def adopt(self, records: Any) -> None:
+        """Hold the leases a stopped process's session record names (no
+        heartbeats), so that deleting their machines completes them; a
+        malformed entry is left out."""
+        if not isinstance(records, dict):
+            return
+        for machine, lease in records.items():
+            if not isinstance(lease, dict):
+                continue
+            pool = lease.get("pool")
+            lease_id = lease.get("id")
+            if isinstance(pool, str) and isinstance(lease_id, str):
+                with self._lock:
+                    self._held[machine] = Lease(pool, lease_id, machine)
+
+    def complete(self, lease: Lease) -> None:
+        """Complete ``lease``, and forget it. A lease the engine already
+        ended (expired, or its pool gone) leaves its worker to delete,
+        if it is still there."""
+        try:
+            self.fleet.complete_lease(lease.pool, lease.id)
+        except ApiError as err:
+            if err.status not in (404, 409):
+                raise
+            log.info("lease %s had ended: %s", lease.id, err.api_message)
+            name = lease.machine
+            try:
+                self.fleet._machine(
+                    f"delete machine '{name}'", "DELETE", _q(name)
+                )
+            except ApiError as gone:
+                if gone.status != 404:
+                    raise
+        self.drop(lease.machine)
+
+    def _beat_while_held(self) -> None:
+        """Beat each held lease's heartbeat when due, until none has been
+        held for LEASE_BEATER_LINGER_SECS (a thread costs a lease more
+        than its wait)."""
+        empty_since = None
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                held = list(self._held.values())
+                if held:
+                    empty_since = None
+                elif empty_since is None:
+                    empty_since = now
+                elif now - empty_since >= LEASE_BEATER_LINGER_SECS:
+                    self._beating = False
+                    return
+            due = [lease for lease in held if lease.beat_at <= now]
+            for lease in due:
+                self._beat(lease)
+            if not due:
+                wait = LEASE_BEATER_LINGER_SECS
+                if held:
+                    wait = min(lease.beat_at for lease in held) - now
+                self._wake.wait(min(60.0, wait))
+                self._wake.clear()
+
+    def _beat(self, lease: Lease) -> None:
+        """One heartbeat of ``lease``; none once its session has ended, or
+        the engine has ended the lease. A failure is logged, and the next
+        beat tries again."""
+        if lease.session is None or lease.session.ended:
+            lease.beat_at = math.inf
+            return
+        lease.beat_at = time.monotonic() + lease.beat_secs
+        try:
+            self.fleet.heartbeat_lease(lease.pool, lease.id)
+        except ApiError as err:
+            if err.status in (404, 409):
+                lease.beat_at = math.inf
+            log.warning(
+                "the lease of %s (pool %s) ended: %s",
+                lease.machine,
+                lease.pool,
+                err,
+            )
+        except SmolError as err:
+            log.info("a heartbeat of %s failed: %s", lease.machine, err)
+
 
 def directory_error(
     path: str, response: http.client.HTTPResponse
@@ -2682,13 +3091,15 @@ credential bindings are not used: PUT ~/{name}/credential-values
 publish captures only a cache disk mounted at one guest path, not a
     machine's root file system, so a saved state is a paused branch instead:
     POST ~/{name}/cache-disk/publish  DELETE /api/v1/cache-bases/{base}
-fork pools and leases are a fleet surface, not an agent one:
-    GET /api/v1/pools  POST /api/v1/pools  GET /api/v1/pools/{name}
-    DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
-    POST /api/v1/pools/{name}/leases  POST /api/v1/pools/{name}/lease-batches
-    GET /api/v1/pools/{name}/leases/{lease}
+called: GET /api/v1/pools  POST /api/v1/pools
+    POST /api/v1/pools/{name}/leases
     POST /api/v1/pools/{name}/leases/{lease}/heartbeat
     POST /api/v1/pools/{name}/leases/{lease}/complete
+the operator's warm pools are made and leased from, never resized, deleted,
+    batch-leased or read one by one: GET /api/v1/pools/{name}
+    DELETE /api/v1/pools/{name}  PUT /api/v1/pools/{name}/size
+    POST /api/v1/pools/{name}/lease-batches
+    GET /api/v1/pools/{name}/leases/{lease}
 RL rollout executors are a batch surface, not an agent one:
     GET /api/v1/rollout-executors  POST /api/v1/rollout-executors
     GET /api/v1/rollout-executors/{name}
@@ -3311,6 +3722,12 @@ class CloudFleet:
     # No host directories: the cloud's own refusal of mounts says so.
     mounts_host_paths = False
     branch_needs_start = False
+    pool_refusal = (
+        "create-machine's pool is local only: the smol cloud API has no "
+        "pool routes, and keeping paused cloud machines warm would bill "
+        "their storage, which the operator did not ask for. Create the "
+        "machine from an image instead (image, cpus, memoryMb, network)"
+    )
 
     @classmethod
     def target_facts(cls, app: SmolMcp) -> dict:
@@ -4425,24 +4842,6 @@ def python_pattern(pattern: str) -> str:
     return re.sub(r"(?<!\\)\$\Z", r"\\Z", pattern)
 
 
-# The arguments that name a machine.
-MACHINE_NAME_ARGUMENTS = ("name", "childName")
-
-
-def refuse_server_names(arguments: dict) -> None:
-    """Raise ArgumentError when an argument names one of this server's own
-    machines (SERVER_MACHINE_PREFIX), which no tool reaches."""
-    for key in MACHINE_NAME_ARGUMENTS:
-        value = arguments.get(key)
-        if isinstance(value, str) and value.startswith(SERVER_MACHINE_PREFIX):
-            raise ArgumentError(
-                f'"{key}" is {value!r}: names starting with '
-                f'"{SERVER_MACHINE_PREFIX}" are kept for this server\'s own '
-                "machines (the copies that hold saved states, say), which "
-                "no tool reaches; pick a name without that prefix"
-            )
-
-
 def guest_path(path: str, where: str = "path") -> str:
     """An absolute guest path in plain POSIX form; one that climbs above
     `/` or holds a control character is refused: on an HTTP route it could
@@ -4467,6 +4866,36 @@ def guest_path(path: str, where: str = "path") -> str:
     if plain == ".":
         return "/"
     return "/" + plain
+
+
+def reserved_machine(
+    name: str,
+    pools: Iterable[WarmPool],
+    owned: Callable[[str], bool],
+    parent: str | None = None,
+) -> str | None:
+    """Why no tool may take the machine ``name``, or None: a smol- machine
+    is this server's own, and a warm pool's worker (named after the pool,
+    or, where the record is at hand, a branch of its source: ``parent``)
+    is the engine's until it is leased through this server (``owned``: it
+    has an owner on record)."""
+    if name.startswith(SERVER_MACHINE_PREFIX):
+        return (
+            f"'{name}' is a name this server keeps for its own machines "
+            f"(every name starting with {SERVER_MACHINE_PREFIX}: warm "
+            "pools' sources, saved states), so no tool takes it; name a "
+            "machine otherwise, or use one list-machines shows"
+        )
+    for pool in pools:
+        worker = name.startswith(f"pool-{pool.name}-")
+        worker = worker or parent == pool_source(pool.name)
+        if worker and not owned(name):
+            return (
+                f"'{name}' is a worker the engine keeps ready for the warm "
+                f"pool '{pool.name}', leased to nobody, so no tool takes "
+                f'it; create-machine with pool: "{pool.name}" leases one'
+            )
+    return None
 
 
 def guest_route_suffix(path: str) -> str:
@@ -6166,6 +6595,18 @@ ARG_CREATE_NAME = {
         "Name for the machine; omit for an ephemeral one (mcp-xxxxxxxx)."
     ),
 }
+ARG_POOL_SHORT = "a warm pool of booted machines that smol://pools lists"
+ARG_POOL = _string(
+    f"Lease a machine at once from {ARG_POOL_SHORT} (the operator's "
+    "warmPools), instead of booting one from an image; only env may be "
+    "given with it, and the engine names the machine (see the result).",
+    minLength=1,
+    pattern=NAME_PATTERN,
+)
+OUT_CREATED_OR_LEASED = _out(
+    OUT_CREATED["properties"],
+    _types("warm:boolean pool:string readyMs:integer why:string"),
+)
 SIZE_ARGS = dict(cpus=ARG_CPUS, memoryMb=ARG_MEMORY)
 ARG_STATE = _string(
     "The saved state's name (list-states shows them). A name starting with "
@@ -6185,7 +6626,8 @@ ARG_FROM = {
 # image is needed.
 IMAGE_NEEDED = (
     'create-machine needs the argument "image": '
-    f'{ARG_IMAGE["description"]} Or pass "from": a state save-machine made.'
+    f'{ARG_IMAGE["description"]} Or pass "from": a state save-machine made, '
+    f'or "pool": {ARG_POOL_SHORT}.'
 )
 NETWORK_ARGS = dict(
     network=ARG_NETWORK, allowHosts=ARG_ALLOW_HOSTS, allowCidrs=ARG_ALLOW_CIDRS
@@ -6218,12 +6660,14 @@ def tool(*spec: Any) -> Callable:
 )
 async def tool_list_machines(call: Call, args: dict) -> dict:
     machines = await call.read(call.fleet.list_machines)
-    # This server's own machines (SERVER_MACHINE_PREFIX) are not listed.
+    # The server's own machines and the pools' unleased workers: no tool
+    # takes them, so none is listed.
+    reserved = call.app.reserved_for(call.fleet)
     return {
         "machines": [
-            machine
-            for machine in machines
-            if not str(machine["name"]).startswith(SERVER_MACHINE_PREFIX)
+            m
+            for m in machines
+            if not reserved(m["name"], parent=m.get("parent"))
         ]
     }
 
@@ -6341,10 +6785,11 @@ async def machine_spec(
     "answering once a command has run in it. Egress is blocked unless "
     'network is "open" or an allow-list is given. A name starting with the '
     "ephemeral prefix (mcp- by default), or no name, makes a machine that "
-    "is deleted when this session ends; any other name persists. Uses host "
-    "CPU, memory and disk while it exists. With from instead of an image, "
-    "the machine starts from a saved state (save-machine), where its "
-    "source was when saved.",
+    "is deleted when this session ends; any other name persists. With "
+    "pool, a machine the operator's warm pool keeps booted is leased at "
+    "once instead (ephemeral too). Uses host CPU, memory and disk while it "
+    "exists. With from instead of an image, the machine starts from a "
+    "saved state (save-machine), where its source was when saved.",
     _input(
         "",
         name=ARG_CREATE_NAME,
@@ -6366,13 +6811,16 @@ async def machine_spec(
         env=ARG_ENV,
         branchable=_boolean("Make it a branch source for branch-machine."),
         start=_boolean("Start it and wait for the guest (default true)."),
+        pool=ARG_POOL,
     ),
-    OUT_CREATED,
+    OUT_CREATED_OR_LEASED,
     "manage: open_world",
 )
 async def tool_create_machine(call: Call, args: dict) -> dict:
     if "from" in args:
         return await create_from_state(call, args)
+    if "pool" in args:
+        return await create_from_pool(call, args)
     if "image" not in args:
         raise ArgumentError(IMAGE_NEEDED)
     name = args.get("name") or call.new_ephemeral_name()
@@ -6443,6 +6891,596 @@ async def create_recorded(
     owners.claim(call.fleet.name, name, owner, machine_identity(record))
     call.session.identities[(call.fleet.name, name)] = machine_identity(record)
     return record
+
+
+# -- warm pools: machines the operator keeps booted -------------------------
+#
+# warmPools (section 1) names pools of booted workers on the local engine.
+# At the first local tool call, a thread of WarmPools makes each pool: its
+# source machine smol-pool-POOL (the operator's, never listed), started as
+# a branch source, then the engine's fork pool, which freezes the source
+# and keeps `ready` workers branched from it; a pool the engine already
+# has is adopted. create-machine {pool} leases a worker (one request, no
+# readiness command: the worker booted long ago), holds the lease for the
+# caller's session (Leases, section 3), and completes it where another
+# machine would be deleted. No clean worker, a pool not made, or a caller
+# past its share: the machine is made cold from the pool's spec, and the
+# result says why.
+
+# In the runtime directory: each pool's last outcome, which doctor reads.
+POOLS_FILE = "pools.json"
+POOL_NOT_MADE = (
+    "not made yet: the server makes its warm pools at its first local tool "
+    "call"
+)
+POOL_BEING_MADE = (
+    "still being made: its source machine boots, then the engine fills the "
+    "pool"
+)
+POOL_LOST = (
+    "gone from the engine (deleted, or the serve started afresh); it is "
+    "being made again"
+)
+
+
+def pool_source(pool: str) -> str:
+    """The name of the source machine of the pool named ``pool``."""
+    return f"{SERVER_MACHINE_PREFIX}pool-{pool}"
+
+
+def pool_share(pool: WarmPool) -> int:
+    """How many of ``pool``'s workers one caller may hold at once: half
+    its ready count, at least one, so that one agent cannot drain it."""
+    return max(1, pool.ready // 2)
+
+
+class WarmPools:
+    """The operator's warm pools in this process: made in a thread of their
+    own at the first local tool call, each pool's standing (for
+    create-machine, smol://pools and doctor), and each caller's share."""
+
+    def __init__(self, app: SmolMcp):
+        self.config = app.config
+        self.local = app.local
+        self.specs = {pool.name: pool for pool in app.config.warm_pools}
+        # name -> (available, why not): what this process knows.
+        self._standing = dict.fromkeys(self.specs, (False, POOL_NOT_MADE))
+        # (pool, principal) -> leases asked for and not yet answered.
+        self._pending: dict[tuple[str, str], int] = {}
+        self._making: set[str] = set()
+        self._started = False
+        self._lock = threading.Lock()
+
+    def spec(self, name: str) -> WarmPool:
+        """The pool named ``name``; raise ArgumentError naming the pools
+        there are (or saying there are none)."""
+        if name in self.specs:
+            return self.specs[name]
+        if not self.specs:
+            raise ArgumentError(
+                f'"pool" is {name!r}, but this server keeps no warm pools '
+                "(the operator sets them with warmPools in the config "
+                'file); create the machine from an "image" instead'
+            )
+        raise ArgumentError(
+            f'"pool" is {name!r}, which is not a warm pool of this server'
+            f"{did_you_mean(name, self.specs)}; the pools are: "
+            f"{', '.join(self.specs)} (smol://pools says which are ready)"
+        )
+
+    def make_once(self, fleet: Fleet) -> None:
+        """At this process's first local tool call, start making every
+        pool in a thread of its own: no call waits for it."""
+        if self._started or fleet is not self.local or not self.specs:
+            return
+        self._started = True
+        self._make_in_thread(list(self.specs))
+
+    def lost(self, name: str) -> None:
+        """The engine has no pool ``name`` any more: make it again."""
+        self._make_in_thread([name], POOL_LOST)
+
+    def _make_in_thread(self, names: list[str], why=POOL_BEING_MADE) -> None:
+        with self._lock:
+            names = [name for name in names if name not in self._making]
+            self._making.update(names)
+            for name in names:
+                self._standing[name] = (False, why)
+        if names:
+            threading.Thread(
+                target=self._make_all,
+                args=(names,),
+                name="smol-mcp warm pools",
+                daemon=True,
+            ).start()
+
+    def _make_all(self, names: list[str]) -> None:
+        """Make (or adopt) each pool named; each outcome is noted, and a
+        failure logged once."""
+        try:
+            pools = self.local.list_pools()
+            on_engine = {pool.get("name"): pool for pool in pools}
+        except SmolError as err:
+            for name in names:
+                self._noted(name, err)
+            return
+        for name in names:
+            try:
+                adopted = self._make(self.specs[name], on_engine.get(name))
+            # A bug here must not reach any tool: it is logged.
+            except Exception as err:
+                self._noted(name, err)
+            else:
+                self._noted(name, None, adopted)
+
+    def _noted(
+        self, name: str, err: Exception | None, adopted: bool = False
+    ) -> None:
+        """Note the outcome of making ``name`` here and in POOLS_FILE."""
+        if err is None:
+            standing = (True, None)
+            how = "adopted from the engine" if adopted else "made"
+            log.info("warm pool %s: %s", name, how)
+        else:
+            standing = (False, f"could not be made: {describe(err)}")
+            log.warning("warm pool %s %s", name, standing[1])
+        with self._lock:
+            self._standing[name] = standing
+            self._making.discard(name)
+        path = Path(self.config.runtime_dir) / POOLS_FILE
+        try:
+            with bookkeeping(self.config.runtime_dir):
+                ensure_runtime_dir(self.config.runtime_dir)
+                recorded = read_pools_file(path)
+                recorded[name] = {
+                    "available": standing[0],
+                    "reason": standing[1],
+                    "at": utc_now(),
+                }
+                write_json(path, recorded)
+        except SmolError as err:
+            # Only doctor reads it: the pool is no worse for it.
+            log.warning(
+                "could not note warm pool %s for doctor: %s", name, err
+            )
+
+    def _make(self, pool: WarmPool, existing: dict | None) -> bool:
+        """Make ``pool`` on the engine, or adopt the engine's ``existing``
+        one; True when adopted. Raise SmolError when it cannot be made
+        (a source made for it is deleted)."""
+        source = pool_source(pool.name)
+        if existing is not None:
+            if existing.get("source") == source:
+                return True
+            raise SmolError(
+                f"the engine already has a fork pool named '{pool.name}', "
+                f"made from '{existing.get('source')}' rather than {source}, "
+                "so it was not adopted; rename the pool in warmPools, or "
+                "delete that pool on the engine"
+            )
+        made = self._run_source(pool, source)
+        try:
+            self.local.create_pool(pool.name, source, pool.ready)
+        except BaseException:
+            if made:
+                self._delete_source(source)
+            raise
+        return False
+
+    def _run_source(self, pool: WarmPool, source: str) -> bool:
+        """Have ``source`` run as a branch source, created from the pool's
+        spec if it is not there; True when it was created here."""
+        try:
+            state = self.local.machine_state(source)
+        except ApiError as err:
+            if err.status != 404:
+                raise
+            state = None
+        made = state is None
+        if made:
+            self.local.create_machine(self._source_spec(pool, source))
+        if state in ("running", "frozen"):
+            return False
+        try:
+            self.local.start_machine(source, branchable=True)
+            self._wait_ready(source)
+        except BaseException:
+            if made:
+                self._delete_source(source)
+            raise
+        return made
+
+    def _source_spec(self, pool: WarmPool, source: str) -> MachineSpec:
+        """The source's MachineSpec: the pool's spec, the defaults where it
+        says nothing, its image held to mountRoots."""
+        config = self.config
+        image, _ = contain_host_paths(config, pool.image, [])
+        hosts = [
+            egress_host(host, f"allowHosts[{index}]", True, config)
+            for index, host in enumerate(pool.allow_hosts)
+        ]
+        network = pool.network or config.network_default
+        if hosts or pool.allow_cidrs:
+            network = "blocked"
+        return MachineSpec(
+            source,
+            image,
+            pool.cpus or config.cpus,
+            pool.memory_mb or config.memory_mb,
+            network,
+            hosts,
+            list(pool.allow_cidrs),
+            branchable=True,
+        )
+
+    def _wait_ready(self, name: str) -> None:
+        """Return once a command runs in ``name``; raise SmolError after
+        readyTimeoutSecs."""
+        limit = self.config.ready_timeout_secs
+        deadline = time.monotonic() + limit
+        while (answer := self.local.probe_ready(name)) is not None:
+            if time.monotonic() > deadline:
+                raise SmolError(
+                    f"the guest of {name} did not run a command within "
+                    f"{limit} s (readyTimeoutSecs); its last answer: {answer}"
+                )
+            time.sleep(0.2)
+
+    def _delete_source(self, source: str) -> None:
+        try:
+            self.local.delete_machine(source)
+        except SmolError as err:
+            log.warning("could not delete %s: %s", source, err)
+
+    def unavailable(self, name: str) -> str | None:
+        """Why the pool ``name`` cannot be leased from now, or None."""
+        with self._lock:
+            available, why = self._standing[name]
+        if available:
+            return None
+        return f"the pool '{name}' is not available: {why}"
+
+    def reserve(self, pool: WarmPool, principal: Principal) -> str | None:
+        """Count a lease ``principal`` is about to ask ``pool`` for, or
+        say why not: it holds its share already."""
+        key = (pool.name, principal.name)
+        with self._lock:
+            held = self.local.leases.held_by(*key)
+            held += self._pending.get(key, 0)
+            if held < pool_share(pool):
+                self._pending[key] = self._pending.get(key, 0) + 1
+                return None
+        who = "this stdio server"
+        if principal.kind == "token":
+            who = f"the token '{principal.name}'"
+        return (
+            f"{who} holds {held} machine(s) of the pool '{pool.name}' "
+            f"already, its share at once (half the pool's {pool.ready}, at "
+            "least one, so that no one agent drains it)"
+        )
+
+    def unreserve(self, pool: WarmPool, principal: Principal) -> None:
+        """The lease counted by reserve was answered (a granted one is
+        counted among the held leases from then on)."""
+        key = (pool.name, principal.name)
+        with self._lock:
+            left = self._pending.get(key, 1) - 1
+            if left:
+                self._pending[key] = left
+            else:
+                self._pending.pop(key, None)
+
+    def document(self) -> dict:
+        """smol://pools: each pool, its spec, and whether it can be leased
+        from now (the engine's counts when its serve answers)."""
+        engine = self.local.pools_now()
+        with self._lock:
+            standing = dict(self._standing)
+        return {
+            "pools": [
+                pool_entry(pool, engine, standing[name])
+                for name, pool in self.specs.items()
+            ]
+        }
+
+    def doctor_lines(self) -> list[str]:
+        """doctor's lines on the pools: what the engine has, else what the
+        serving processes last noted (POOLS_FILE); nothing is made."""
+        if not self.specs:
+            return []
+        engine = self.local.pools_now()
+        noted = read_pools_file(Path(self.config.runtime_dir) / POOLS_FILE)
+        lines = []
+        for name, pool in self.specs.items():
+            was = noted.get(name) or {}
+            standing = (bool(was.get("available")), was.get("reason"))
+            if not was:
+                standing = (False, POOL_NOT_MADE)
+            entry = pool_entry(pool, engine, standing)
+            if entry["available"]:
+                counts = entry["engine"]
+                how = (
+                    f"{counts['ready']} ready, {counts['provisioning']} "
+                    f"booting, {counts['active']} leased"
+                )
+            else:
+                how = f"not available: {entry['reason']}"
+            lines.append(f"warm pool {name} ({pool.image}): {how}")
+        return lines
+
+
+def read_pools_file(path: Path) -> dict:
+    """POOLS_FILE's pools by name; {} when it is missing or unreadable."""
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(recorded, dict):
+        return {}
+    return {k: v for k, v in recorded.items() if isinstance(v, dict)}
+
+
+def pool_entry(
+    pool: WarmPool, engine: list[dict] | None, standing: tuple
+) -> dict:
+    """One pool as smol://pools shows it: its spec, whether it can be
+    leased from, why not, and the engine's counts (None when its serve
+    does not answer, or has no such pool)."""
+    available, why = standing
+    source = pool_source(pool.name)
+    counts = None
+    if engine is None:
+        if available:
+            available = False
+            why = "on a serve that does not answer now"
+    else:
+        found = [p for p in engine if p.get("name") == pool.name]
+        if found and found[0].get("source") == source:
+            keys = ("ready", "provisioning", "active")
+            counts = {key: found[0].get(key) for key in keys}
+            available = True
+            why = None
+        elif available:
+            available = False
+            why = (
+                "not on the engine any more (deleted, or the serve started "
+                "afresh)"
+            )
+    return {
+        "name": pool.name,
+        "source": source,
+        "image": pool.image,
+        "cpus": pool.cpus,
+        "memoryMb": pool.memory_mb,
+        "network": pool.network,
+        "allowHosts": list(pool.allow_hosts),
+        "allowCidrs": list(pool.allow_cidrs),
+        "desiredReady": pool.ready,
+        "sharePerCaller": pool_share(pool),
+        "available": available,
+        "reason": why,
+        "engine": counts,
+    }
+
+
+def pool_argument(call: Call, args: dict) -> WarmPool:
+    """The pool create-machine's ``pool`` names; raise ArgumentError on a
+    fleet without pools, beside an argument the pool fixed, for an env
+    value the engine could not keep, or for a pool there is not."""
+    if call.fleet.pool_refusal:
+        raise ArgumentError(call.fleet.pool_refusal)
+    fixed = [key for key in args if key not in ("pool", "env")]
+    if fixed:
+        named = ", ".join(f'"{key}"' for key in fixed)
+        raise ArgumentError(
+            f'{named} cannot be given with "pool": the pool '
+            f"'{args['pool']}' fixed the machine's image, size and egress "
+            "when the operator made it, and the engine names a pooled "
+            "machine (its name is in the result). Pass only pool and env, "
+            "or leave pool out to create from an image"
+        )
+    for key, value in args.get("env", {}).items():
+        if re.search(r"[\0\n\r]", value):
+            raise ArgumentError(
+                f'"env.{key}" holds a newline or NUL, which a pooled '
+                "machine's environment cannot keep (the engine keeps it a "
+                "line a variable); pass the value without one"
+            )
+    return call.app.pools.spec(args["pool"])
+
+
+async def create_from_pool(call: Call, args: dict) -> dict:
+    """create-machine {pool, env?}: a booted worker leased from the pool,
+    or, when none can be had, a machine made cold from the pool's spec,
+    with the reason in ``why``."""
+    pool = pool_argument(call, args)
+    pools = call.app.pools
+    env = args.get("env", {})
+    why = pools.unavailable(pool.name) or pools.reserve(pool, call.principal)
+    if why is None:
+        try:
+            return await lease_from_pool(call, pool, env)
+        except PoolEmpty as empty:
+            why = str(empty)
+        finally:
+            pools.unreserve(pool, call.principal)
+    return await create_cold_from_pool(call, pool, env, why)
+
+
+async def lease_from_pool(call: Call, pool: WarmPool, env: dict) -> dict:
+    """Lease a clean worker of ``pool`` for this call's caller and session,
+    held as its ephemeral machine; raise PoolEmpty when the engine has
+    none to give."""
+    local = call.app.local
+    # A fresh key a call; only its own retry (LocalFleet.lease) reuses it.
+    key = secrets_module.token_hex(16)
+    waiting = f"leasing a machine from the pool '{pool.name}'"
+    try:
+        answer, seconds = await call.create(
+            local.lease, pool.name, key, env, waiting=waiting
+        )
+    except ApiError as err:
+        raise pool_empty(call, pool.name, err) or err from None
+    lease = held_lease(call, pool, answer)
+    name = lease.machine
+    try:
+        record = await record_pooled(call, name)
+        identity = machine_identity(record)
+        call.session.identities[(local.name, name)] = identity
+        if answer.get("state") != "active":
+            # Not handed over booted: wait as for any other machine.
+            await wait_until_ready(call, name)
+    except BaseException:
+        await complete_quietly(call, name)
+        raise
+    if call.session.ended:
+        # As in create_recorded: its cleanup came too early to see it.
+        await complete_quietly(call, name)
+        raise SmolError(
+            f"the session ended while '{name}' was being leased, so its "
+            "lease was completed at once; open a new session and ask again"
+        )
+    return {
+        "machine": record,
+        "ephemeral": True,
+        "ready": True,
+        "warm": True,
+        "pool": pool.name,
+        "readyMs": round(seconds * 1000),
+    }
+
+
+async def complete_quietly(call: Call, name: str) -> None:
+    """Complete the lease of a pooled machine this call leased, even while
+    the call is cancelled, and forget it; as Call.delete_quietly, but on
+    the fleet itself (a sandbox's view may not own it yet)."""
+    complete = functools.partial(call.app.local.delete_machine, name)
+    with anyio.CancelScope(shield=True):
+        try:
+            with anyio.fail_after(CLEANUP_TIMEOUT_SECS):
+                await anyio.to_thread.run_sync(
+                    complete, abandon_on_cancel=True
+                )
+        except Exception as err:
+            log.warning("could not complete the lease of %s: %s", name, err)
+            return
+    try:
+        call.forget(name)
+    except SmolError as err:
+        log.warning("the lease of %s is completed; %s", name, err)
+
+
+def pool_empty(call: Call, pool: str, err: ApiError) -> PoolEmpty | None:
+    """PoolEmpty for the engine's answer that ``pool`` has no worker to
+    give (none clean, at its lease limit, or gone), else None."""
+    if err.status == 503:
+        why = (
+            f"the pool '{pool}' had no clean worker ready (its workers are "
+            "leased, or still booting)"
+        )
+    elif err.status == 409 and "lease limit" in err.api_message:
+        why = f"the pool '{pool}' is at its limit of active leases"
+    elif err.status == 404 and "fork pool" in err.api_message:
+        call.app.pools.lost(pool)
+        why = f"the pool '{pool}' is not available: {POOL_LOST}"
+    else:
+        return None
+    return PoolEmpty(why)
+
+
+def held_lease(call: Call, pool: WarmPool, answer: Any) -> Lease:
+    """Hold the lease the engine answered for this call's caller and
+    session (its heartbeats start); raise SmolError when the answer is not
+    a lease."""
+    lease_id = answer.get("id") if isinstance(answer, dict) else None
+    name = answer.get("machine") if isinstance(answer, dict) else None
+    if not isinstance(lease_id, str) or not NAME_RE.fullmatch(str(name)):
+        raise SmolError(
+            f"the engine answered a lease from the pool '{pool.name}' in a "
+            f"form this server cannot read ({str(answer)[:200]}); it ends "
+            "at its TTL"
+        )
+    ttl = LEASE_TTL_DEFAULT_SECS
+    created = answer.get("createdAt")
+    expires = answer.get("expiresAt")
+    if isinstance(created, int) and isinstance(expires, int):
+        ttl = max(1, expires - created)
+    lease = Lease(
+        pool.name,
+        lease_id,
+        name,
+        call.principal.name,
+        call.session,
+        lease_beat_secs(ttl),
+    )
+    call.app.local.leases.add(lease)
+    return lease
+
+
+async def record_pooled(call: Call, name: str) -> dict:
+    """The leased machine's record, asked of the engine while its session
+    record (naming the lease, for the crash sweep) and its owner are
+    written in a worker thread; raise what either raised."""
+    local = call.app.local
+    failed = []
+
+    def write() -> None:
+        try:
+            call.session.remember(local.name, name)
+            call.app.access.owners.claim(local.name, name, call.principal.name)
+        except Exception as err:
+            # Carried out of the group, which would wrap it in a group.
+            failed.append(err)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(functools.partial(anyio.to_thread.run_sync, write))
+        # On the event loop where it can be (a quick read), else a thread.
+        record = await local.read_now(local.get_machine, name)
+        if record is None:
+            record = await call.api(local.get_machine, name)
+    if failed:
+        raise failed[0]
+    return record
+
+
+async def create_cold_from_pool(
+    call: Call, pool: WarmPool, env: dict, why: str
+) -> dict:
+    """A machine made cold from ``pool``'s spec, as create-machine makes
+    any: the result says it is not warm, and ``why``."""
+    args = {"image": pool.image}
+    if pool.cpus:
+        args["cpus"] = pool.cpus
+    if pool.memory_mb:
+        args["memoryMb"] = pool.memory_mb
+    if pool.network:
+        args["network"] = pool.network
+    if pool.allow_hosts:
+        args["allowHosts"] = list(pool.allow_hosts)
+    if pool.allow_cidrs:
+        args["allowCidrs"] = list(pool.allow_cidrs)
+    if env:
+        args["env"] = env
+    await call.progress(None, f"{why}: creating one cold from its spec")
+    started = time.monotonic()
+    try:
+        created = await tool_create_machine(call, args)
+    except SmolError as err:
+        raise SmolError(
+            f"{why}, and a machine made cold from the pool's spec failed "
+            f"too: {err}"
+        ) from None
+    cold = (
+        f"{why}, so this machine was made cold from the pool's spec "
+        f"({pool.image}); it is ephemeral like a pooled one"
+    )
+    return {
+        **created,
+        "warm": False,
+        "pool": pool.name,
+        "readyMs": round((time.monotonic() - started) * 1000),
+        "why": cold,
+    }
 
 
 @tool(
@@ -7899,6 +8937,7 @@ TOOLS_BY_NAME = {tool.name: tool for tool in TOOLS}
 # ---------------------------------------------------------------------------
 
 TARGETS_URI = "smol://targets"
+POOLS_URI = "smol://pools"
 LOGS_URI_TEMPLATE = "smol://machine/{target}/{name}/logs"
 # How many logs one session may follow at once, and one token in all.
 SUBSCRIPTIONS_PER_SESSION = 16
@@ -8285,9 +9324,12 @@ class Session:
                 "started": process_start_time(pid),
                 "endpoint": self.app.local.endpoint,
                 "machines": names,
+                # A pooled machine's lease: completed, not deleted.
+                "leases": self.app.local.leases.records(names),
             }
-            # The umask decides who may read it.
-            write_json(self.record_path, record, mode=0o666)
+            # The umask decides who may read it. No fsync: a record, like
+            # the machines it names, is not needed after a power cut.
+            write_json(self.record_path, record, mode=0o666, durable=False)
 
     async def close(self) -> None:
         """Delete this session's ephemeral machines, fleet by fleet, then
@@ -8485,17 +9527,22 @@ def describe(err: BaseException) -> str:
 
 
 def write_json(
-    path: Path, value: Any, mode: int = 0o600, indent: int | None = None
+    path: Path,
+    value: Any,
+    mode: int = 0o600,
+    indent: int | None = None,
+    durable: bool = True,
 ) -> None:
     """Write a JSON file whole or not at all: a crash mid-write leaves the
-    old one.
+    old one; ``durable``, a power cut too (fsync).
     """
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     with os.fdopen(os.open(temporary, flags, mode), "w") as out:
         json.dump(value, out, indent=indent)
         out.flush()
-        os.fsync(out.fileno())
+        if durable:
+            os.fsync(out.fileno())
     os.replace(temporary, path)
 
 
@@ -8581,6 +9628,8 @@ def sweep_orphans(fleet: LocalFleet, runtime_dir: str) -> list[str]:
         alive = process_alive(int(record.get("pid", 0)), record.get("started"))
         if alive or record.get("endpoint") != fleet.endpoint:
             continue
+        # Its pooled machines' leases: deleting them completes them.
+        fleet.leases.adopt(record.get("leases"))
         gone, refused = delete_in_passes(fleet, record.get("machines", []))
         deleted += gone
         for name, err in refused:
@@ -10166,6 +11215,8 @@ class SmolMcp:
         # Always built (inert), for smol://targets.
         self.local = LocalFleet(config, environ)
         self.fleets: dict[str, Fleet] = self.served_fleets(environ)
+        # The operator's warmPools: made at the first local tool call.
+        self.pools = WarmPools(self)
         self._limiter = None
         self._swept = False
         self._tool_lists: dict[tuple, list] = {}
@@ -10501,12 +11552,14 @@ class SmolMcp:
             entry["machine"] = machine
             entry["arguments"] = redact_arguments(arguments, tool.input_schema)
             self.validate(tool, arguments)
+            self.refuse_reserved(fleet, arguments)
             grant = authorize(principal, name, fleet.name, machine)
             reach = self.access.fleet_for(principal, grant, fleet)
             call = Call(self, session, reach, ctx, principal, params)
             if not tool.read_only:
                 await self.hold_for_approval(call, entry, params)
             await self.sweep_once(fleet)
+            self.pools.make_once(fleet)
             result = await tool.handler(call, arguments)
         except anyio.get_cancelled_exc_class():
             logged("cancelled")
@@ -10545,7 +11598,28 @@ class SmolMcp:
         validate_arguments(
             tool.name, tool.input_schema, arguments, self.checkers[tool.name]
         )
-        refuse_server_names(arguments)
+
+    def reserved_for(self, fleet: Fleet) -> Callable[[str], str | None]:
+        """The test of a machine name on ``fleet``: why no tool may take
+        it (reserved_machine), or None."""
+        pools = ()
+        if fleet.name == self.local.name:
+            pools = self.config.warm_pools
+        owners = self.access.owners
+
+        def owned(name: str) -> bool:
+            return owners.owner(fleet.name, name) is not None
+
+        return functools.partial(reserved_machine, pools=pools, owned=owned)
+
+    def refuse_reserved(self, fleet: Fleet, arguments: dict) -> None:
+        """Raise ArgumentError when a call names a machine no tool takes."""
+        reserved = self.reserved_for(fleet)
+        for key in ("name", "childName"):
+            value = arguments.get(key)
+            why = isinstance(value, str) and reserved(value)
+            if why:
+                raise ArgumentError(f'"{key}": {why}')
 
     async def hold_for_approval(self, call: Call, entry: dict, params: Any):
         """Wait for a person's approval if the principal needs one; the
@@ -10672,6 +11746,14 @@ class Resources:
             shown.append(
                 (ACTIVITY_URI, "activity", "What agents changed", about)
             )
+        if self.pools_readable(self.app.principal_for(ctx)) is None:
+            about = (
+                "The operator's warm pools (create-machine with pool):"
+                " each one's machine, whether it can be leased from now"
+                " and why not, and the engine's ready, provisioning and"
+                " active counts."
+            )
+            shown.append((POOLS_URI, "pools", "Warm pools", about))
         resources = [
             types.Resource(
                 uri=uri,
@@ -10710,11 +11792,18 @@ class Resources:
         elif uri == ACTIVITY_URI:
             text = json.dumps(self.activity_document(principal), indent=1)
             mime = JSON_TYPE
+        elif uri == POOLS_URI:
+            if why := self.pools_readable(principal):
+                raise_resource_error(why)
+            # It asks the serve, if one answers: a thread waits for it.
+            document = await anyio.to_thread.run_sync(self.app.pools.document)
+            text = json.dumps(document, indent=1)
+            mime = JSON_TYPE
         elif LOGS_URI_RE.fullmatch(uri):
             text = await self.read_log(ctx, uri, principal)
             mime = "text/plain"
         else:
-            known = f"{TARGETS_URI} and {LOGS_URI_TEMPLATE}"
+            known = f"{TARGETS_URI}, {POOLS_URI} and {LOGS_URI_TEMPLATE}"
             raise_resource_error(
                 f"unknown resource {uri}; the resources are {known}"
             )
@@ -10735,6 +11824,23 @@ class Resources:
         except SmolError as err:
             raise_resource_error(redact(str(err), config.secret_values()))
         return "\n".join(lines[-config.logs_tail :])
+
+    def pools_readable(self, principal: Principal) -> str | None:
+        """Why ``principal`` may not read smol://pools, or None: it needs
+        warm pools to be configured, the local fleet served and among its
+        targets, and a scope that reads machines."""
+        local = self.app.local.name
+        if not self.app.config.warm_pools or local not in self.app.fleets:
+            return (
+                f"{POOLS_URI}: this server keeps no warm pools on a fleet it"
+                " serves (the operator sets them with warmPools in the"
+                " config file)"
+            )
+        try:
+            authorize(principal, "list-machines", local, None)
+        except ScopeMissing as err:
+            return f"{POOLS_URI}: {err}"
+        return None
 
     def activity_document(self, principal: Principal) -> dict:
         """Return smol://activity as ``principal`` may read it.
@@ -11329,6 +12435,10 @@ def note_result(entry: dict, result: dict) -> None:
         made = {}
     named = made.get("name") or result.get("name")
     entry["machine"] = named or entry.get("machine")
+    # A create from a warm pool: leased, or made cold (and why).
+    for key in ("warm", "why"):
+        if key in result:
+            entry[key] = result[key]
     if isinstance(result.get("exitCode"), int):
         entry["exitCode"] = result["exitCode"]
 

@@ -31,6 +31,7 @@ import ast
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
 import inspect
 import io
@@ -50,6 +51,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import types
 import typing
 import unittest
 import unittest.mock
@@ -259,7 +261,11 @@ class ConfigTests(unittest.TestCase):
         for key, (env, cell) in table.items():
             with self.subTest(key=key):
                 setting = settings[key]
-                self.assertEqual(env, setting.env)
+                # A setting of the config file alone says so instead.
+                if not setting.env:
+                    self.assertIn("config file only", env)
+                else:
+                    self.assertEqual(env, setting.env)
                 default = getattr(defaults, setting.attr)
                 if isinstance(default, int):
                     self.assertRegex(cell, rf"^{default}\b")
@@ -309,7 +315,10 @@ class ConfigTests(unittest.TestCase):
             "exposeHosts": ["192.0.2.10"],
             "exposePorts": ["8000-8099", "9000"],
             "replyTokens": 50000,
+            "warmPools": {"py": {"image": "alpine", "ready": 2}},
         }
+        # What a sample reads as, where that is not the value itself.
+        parsed = {"warmPools": (smol_mcp.WarmPool("py", "alpine", 2),)}
         defaults = Config()
         for setting in smol_mcp.SETTINGS:
             self.assertTrue(
@@ -319,6 +328,7 @@ class ConfigTests(unittest.TestCase):
             )
             value = samples[setting.key]
             expected = tuple(value) if isinstance(value, list) else value
+            expected = parsed.get(setting.key, expected)
             self.assertNotEqual(
                 getattr(defaults, setting.attr),
                 expected,
@@ -332,6 +342,9 @@ class ConfigTests(unittest.TestCase):
                 setting.key,
             )
             self.file.unlink()
+            # A setting of the config file alone has no variable.
+            if not setting.env:
+                continue
             if isinstance(value, list):
                 as_text = ",".join(value)
             else:
@@ -9450,7 +9463,7 @@ class HelperCommandTests(CliCase):
         report = smol_mcp.parity_report(spec)
         self.assertEqual(
             (len(report["called"]), report["unknown"], report["missing"]),
-            (19, [], []),
+            (24, [], []),
         )
         called = set(report["called"])
         for verb in ("pause", "resume"):
@@ -9480,7 +9493,7 @@ class HelperCommandTests(CliCase):
         out = run_cli("parity", env={**self.env, "SMOLVM": str(FAKE_CLI)})
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn(
-            "19 called, 34 skipped, 0 unknown, 0 missing", out.stdout
+            "24 called, 29 skipped, 0 unknown, 0 missing", out.stdout
         )
         self.assertIn(
             "skipped  POST   /api/v1/machines/{name}/export: needs a "
@@ -11678,7 +11691,7 @@ class RealServeIntegration(unittest.IsolatedAsyncioTestCase):
         )
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertIn(
-            "19 called, 34 skipped, 0 unknown, 0 missing", out.stdout
+            "24 called, 29 skipped, 0 unknown, 0 missing", out.stdout
         )
 
     async def test_create_get_list_delete_a_record(self):
@@ -12321,6 +12334,18 @@ def pool_steps() -> list:
         ("POST", f"{leases}/l1/heartbeat", b"x", None),
         ("POST", f"{leases}/l1/complete", {"x": 1}),
         ("GET", f"{leases}/l1/complete", None),
+        # The requests of the server's warm pools, as it sends them.
+        create(source="itw-none", freezeSource=True),
+        create(freezeSource=True),
+        (
+            "POST",
+            f"{pools}/itw-none/leases",
+            {"idempotencyKey": "0" * 32, "env": ["JOB=7"], "waitSecs": 0},
+        ),
+        ("POST", leases, {"idempotencyKey": "", "env": [], "waitSecs": 0}),
+        ("POST", leases, {"idempotencyKey": "k", "env": ["A"], "waitSecs": 0}),
+        ("POST", f"{pools}/itw-none/leases/lease-0/heartbeat", None),
+        ("POST", f"{pools}/itw-none/leases/lease-0/complete", None),
         ("POST", "/capacity", None),
         ("DELETE", "/api/v1/machines/itw-a", None),
     ]
@@ -12343,6 +12368,30 @@ def warm_routes_exchange(socket_path: str, cache_dir: str) -> list:
         text = text.replace(cache_dir, "<cache-dir>")
         answers.append((f"{method} {path} {body!r}", status, ctype, text))
     return answers
+
+
+def warm_pool_calls(socket_path: str, tmp: str) -> list:
+    """What the server's own pool and lease calls (LocalFleet) answer on a
+    serve with no pool and no running source: the answer, or the
+    refusal's status, code and sentence."""
+    config = fake_config(tmp, socket_path)
+    fleet = smol_mcp.LocalFleet(config)
+    calls = (
+        fleet.list_pools,
+        functools.partial(fleet.create_pool, "itw-q", "itw-none", 1),
+        functools.partial(fleet.create_pool, "Bad Name", "itw-none", 1),
+        functools.partial(fleet.lease, "itw-q", "k" * 32, {"A": "1"}),
+        functools.partial(fleet.lease, "itw-q", "", {}),
+        functools.partial(fleet.heartbeat_lease, "itw-q", "lease-0"),
+        functools.partial(fleet.complete_lease, "itw-q", "lease-0"),
+    )
+    outcomes = []
+    for call in calls:
+        try:
+            outcomes.append(("answered", call()))
+        except smol_mcp.ApiError as err:
+            outcomes.append((err.status, err.code, str(err)))
+    return outcomes
 
 
 @contextlib.contextmanager
@@ -12438,12 +12487,14 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
             cls.real_capacity = json.loads(
                 send_raw(socket_path, "GET", "/capacity")[2]
             )
+            cls.real_calls = warm_pool_calls(socket_path, cls.tmp)
         fake_socket = f"{cls.tmp}/fake.sock"
         with FakeSmolvm(fake_socket, cache_disk_dir=fake_dir):
             cls.fake = warm_routes_exchange(fake_socket, fake_dir)
             cls.fake_capacity = json.loads(
                 send_raw(fake_socket, "GET", "/capacity")[2]
             )
+            cls.fake_calls = warm_pool_calls(fake_socket, cls.tmp)
 
     @classmethod
     def tearDownClass(cls):
@@ -12471,6 +12522,22 @@ class RealServeWarmRoutesIntegration(unittest.TestCase):
         self.assertEqual(by_request[empty][0], 404)
         gone = "DELETE /api/v1/cache-bases/never.raw None"
         self.assertEqual(by_request[gone], (204, "", ""))
+
+    def test_the_servers_pool_and_lease_calls_are_refused_alike(self):
+        self.assertEqual(self.fake_calls, self.real_calls)
+        self.assertEqual(self.real_calls[0], ("answered", []))
+        self.assertEqual(
+            self.real_calls[1],
+            (
+                404,
+                "NOT_FOUND",
+                "The local machine API refused to create the fork pool "
+                "'itw-q': machine 'itw-none' not found (HTTP 404 NOT_FOUND)",
+            ),
+        )
+        self.assertEqual(self.real_calls[3][:2], (404, "NOT_FOUND"))
+        self.assertIn("fork pool 'itw-q' not found", self.real_calls[3][2])
+        self.assertIn("fork lease 'lease-0' not found", self.real_calls[6][2])
 
     def test_capacity_has_the_real_keys_and_a_boot_id(self):
         self.assertEqual(list(self.fake_capacity), list(self.real_capacity))
@@ -13192,6 +13259,997 @@ class FakeEmptyPoolTests(FakePoolCase):
         started = time.monotonic()
         self.assertEqual(self.lease(waitSecs=1), empty)
         self.assertGreaterEqual(time.monotonic() - started, 1.0)
+
+
+# ---------------------------------------------------------------------------
+# Warm pools: create-machine {pool}, against the fake's fork pools
+# ---------------------------------------------------------------------------
+
+POOL_PY = smol_mcp.WarmPool("py", "alpine", 2)
+
+
+def pooled_env(tmp: str, pools: dict) -> dict:
+    """An environment whose config file holds ``pools`` as warmPools."""
+    path = Path(tmp) / "pools-config.json"
+    path.write_text(json.dumps({"warmPools": pools}))
+    return {"SMOL_MCP_CONFIG": str(path), "HOME": tmp}
+
+
+class WarmPoolConfigTests(unittest.TestCase):
+    """warmPools is read from the config file only, and each flaw stops
+    startup naming the pool and its key."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.addCleanup(shutil.rmtree, self.tmp, ignore_errors=True)
+
+    def load(self, pools, **environ):
+        return load_config({**pooled_env(self.tmp, pools), **environ})
+
+    def test_a_pool_is_read_with_its_spec_in_the_files_order(self):
+        config = self.load(
+            {
+                "py": {
+                    "image": "python:3.12-alpine",
+                    "ready": 3,
+                    "cpus": 1,
+                    "memoryMb": 512,
+                    "allowHosts": ["pypi.org"],
+                },
+                "node": {"image": "node:22", "ready": 1, "network": "open"},
+            }
+        )
+        self.assertEqual(
+            config.warm_pools,
+            (
+                smol_mcp.WarmPool(
+                    "py",
+                    "python:3.12-alpine",
+                    3,
+                    cpus=1,
+                    memory_mb=512,
+                    allow_hosts=("pypi.org",),
+                ),
+                smol_mcp.WarmPool("node", "node:22", 1, network="open"),
+            ),
+        )
+        self.assertEqual(load_config(pooled_env(self.tmp, {})).warm_pools, ())
+        setting = next(s for s in smol_mcp.SETTINGS if s.attr == "warm_pools")
+        self.assertEqual((setting.key, setting.env), ("warmPools", ""))
+        # No variable reads it: a structure is the file's alone.
+        environ = {"SMOL_MCP_WARM_POOLS": "py"}
+        self.assertEqual(self.load({}, **environ).warm_pools, ())
+
+    def test_each_flaw_names_the_pool_and_its_key(self):
+        where = '"warmPools" in the config file'
+        cases = [
+            (["py"], f"{where} must be an object of pools by name"),
+            ({"py": "alpine"}, f'{where}, pool "py", must be an object'),
+            ({"Bad Name": {}}, "names the pool 'Bad Name': a pool name"),
+            ({"a" * 65: {}}, "at most 64 of them"),
+            ({"py": {"ready": 1}}, 'pool "py", needs "image"'),
+            ({"py": {"image": "alpine"}}, 'pool "py", needs "ready"'),
+            (
+                {"py": {"image": "alpine", "ready": 0}},
+                '"ready" must be a whole number from 1 to 16; got 0',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 17}},
+                '"ready" must be a whole number from 1 to 16; got 17',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": True}},
+                '"ready" must be a whole number from 1 to 16; got true',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 1, "cpus": 256}},
+                '"cpus" must be a whole number from 1 to 255',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 1, "memoryMb": 64}},
+                '"memoryMb" must be a whole number from 128',
+            ),
+            (
+                {"py": {"image": "", "ready": 1}},
+                '"image" must be an image reference',
+            ),
+            (
+                {"py": {"image": "a\nb", "ready": 1}},
+                '"image" must be an image reference',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 1, "network": "on"}},
+                '"network" must be one of open, blocked; got "on"',
+            ),
+            (
+                {"py": {"image": "alpine", "ready": 1, "imag": "x"}},
+                'has no key "imag" (did you mean "image"?)',
+            ),
+            (
+                {"py": {"image": "a", "ready": 1, "allowHosts": "x.org"}},
+                '"allowHosts" must be a list of strings',
+            ),
+            (
+                {
+                    "py": {
+                        "image": "a",
+                        "ready": 1,
+                        "network": "open",
+                        "allowHosts": ["pypi.org"],
+                    }
+                },
+                'gives "network" and an allow list',
+            ),
+            (
+                {"py": {"image": "a", "ready": 1, "allowHosts": ["127.1"]}},
+                'warmPools, pool "py", "allowHosts[0]" is the address',
+            ),
+            (
+                {
+                    "py": {
+                        "image": "a",
+                        "ready": 1,
+                        "allowCidrs": ["10.0.0.0/8"],
+                    }
+                },
+                "\"allowCidrs[0]\" is '10.0.0.0/8', which no allow list may",
+            ),
+            (
+                {f"p{i}": {"image": "a", "ready": 1} for i in range(9)},
+                "names 9 pools; at most 8",
+            ),
+        ]
+        for pools, expected in cases:
+            with self.subTest(pools=pools):
+                with self.assertRaises(ConfigError) as caught:
+                    self.load(pools)
+                self.assertIn(expected, str(caught.exception))
+        # A private range the operator allows is allowed in a pool too.
+        config = self.load(
+            {"py": {"image": "a", "ready": 1, "allowCidrs": ["10.1.0.0/16"]}},
+            SMOL_MCP_EGRESS_PRIVATE_CIDRS="10.0.0.0/8",
+        )
+        self.assertEqual(config.warm_pools[0].allow_cidrs, ("10.1.0.0/16",))
+
+    def test_a_heartbeat_comes_every_third_of_the_lease_ttl(self):
+        self.assertEqual(smol_mcp.lease_beat_secs(600), 200)
+        self.assertEqual(smol_mcp.lease_beat_secs(30), 10)
+        self.assertEqual(
+            smol_mcp.lease_beat_secs(6), smol_mcp.LEASE_BEAT_MIN_SECS
+        )
+        self.assertEqual(smol_mcp.pool_share(POOL_PY), 1)
+        self.assertEqual(
+            smol_mcp.pool_share(smol_mcp.WarmPool("p", "a", 1)), 1
+        )
+        self.assertEqual(
+            smol_mcp.pool_share(smol_mcp.WarmPool("p", "a", 16)), 8
+        )
+
+
+class WarmPoolCase(FakeServeCase):
+    """A server whose config has the warm pool py (2 ready) on the fake."""
+
+    config_overrides = {"warm_pools": (POOL_PY,)}
+
+    async def pools_made(self, client, names=("py",), app=None) -> None:
+        """Make the first local call, and wait until each named pool can
+        be leased from, its workers ready on the fake."""
+        app = app or self.app
+        await self.ok(client, "list-machines", {})
+        await wait_until(
+            lambda: all(app.pools.unavailable(n) is None for n in names),
+            30,
+            "the pools are made",
+        )
+        for name in names:
+            wanted = app.pools.specs[name].ready
+            await wait_until(
+                lambda name=name: self.engine_pool(name)["ready"] >= wanted,
+                10,
+                f"pool {name} is full",
+            )
+
+    def engine_pool(self, name: str) -> dict:
+        """The fake's record of a pool (asking it fills the pool)."""
+        status, _, text = send_raw(
+            self.socket_path, "GET", f"/api/v1/pools/{name}"
+        )
+        self.assertEqual(status, 200, text)
+        return json.loads(text)
+
+    def journal_from(self, start: int) -> list[tuple[str, str]]:
+        return [r[:2] for r in self.fake.requests[start:]]
+
+    def lease_of(self, machine: str) -> dict:
+        [lease] = [
+            lease
+            for lease in self.fake._leases.values()
+            if lease["machine"] == machine
+        ]
+        return lease
+
+
+class WarmPoolEraScenarios:
+    """A pooled create, used and deleted, in one protocol era."""
+
+    mode = "legacy"
+
+    async def test_a_pooled_machine_is_one_lease_no_readiness_and_a_completion(
+        self,
+    ):
+        async with self.client(self.mode) as c:
+            await self.pools_made(c)
+            start = len(self.fake.requests)
+            created = await self.ok(
+                c, "create-machine", {"pool": "py", "env": {"JOB": "7"}}
+            )
+            journal = self.journal_from(start)
+            name = created["machine"]["name"]
+            self.assertEqual(
+                journal,
+                [
+                    ("POST", "/api/v1/pools/py/leases"),
+                    ("GET", f"/api/v1/machines/{name}"),
+                ],
+            )
+            body = self.fake.requests[start][2]
+            self.assertEqual(list(body), ["idempotencyKey", "env", "waitSecs"])
+            self.assertRegex(body["idempotencyKey"], r"^[0-9a-f]{32}$")
+            self.assertEqual((body["env"], body["waitSecs"]), (["JOB=7"], 0))
+            self.assertEqual(
+                {k: v for k, v in created.items() if k != "machine"},
+                {
+                    "ephemeral": True,
+                    "ready": True,
+                    "warm": True,
+                    "pool": "py",
+                    "readyMs": created["readyMs"],
+                },
+            )
+            self.assertIsInstance(created["readyMs"], int)
+            self.assertGreaterEqual(created["readyMs"], 0)
+            self.assertTrue(name.startswith("pool-py-"), name)
+            self.assertEqual(
+                (created["machine"]["state"], created["machine"]["parent"]),
+                ("running", "smol-pool-py"),
+            )
+            # Owned and recorded as any ephemeral machine of the session.
+            owners = self.app.access.owners
+            self.assertEqual(owners.owner("local", name), "stdio")
+            (record,) = (Path(self.config.runtime_dir) / "sessions").glob(
+                "*.json"
+            )
+            written = json.loads(record.read_text())
+            lease = self.lease_of(name)
+            self.assertEqual(written["machines"], [name])
+            self.assertEqual(
+                written["leases"], {name: {"pool": "py", "id": lease["id"]}}
+            )
+            ran = await self.ok(
+                c, "run-command", {"name": name, "command": "echo $JOB"}
+            )
+            self.assertEqual(ran["stdout"], "7\n")
+            listed = await self.ok(c, "list-machines", {})
+            self.assertEqual(
+                [m["name"] for m in listed["machines"]], [name]
+            )  # the source and the unleased workers are not listed
+            start = len(self.fake.requests)
+            deleted = await self.ok(c, "delete-machine", {"name": name})
+            self.assertEqual(deleted, {"deleted": name})
+            self.assertEqual(
+                self.journal_from(start),
+                [("POST", f"/api/v1/pools/py/leases/{lease['id']}/complete")],
+            )
+            self.assertEqual(lease["state"], "completed")
+            self.assertIsNone(owners.owner("local", name))
+            self.assertIsNone(self.app.local.leases.get(name))
+        self.assertNotIn(name, self.fake.machines)
+        entries = self.app.access.activity.entries()
+        made = [e for e in entries if e.get("tool") == "create-machine"]
+        self.assertEqual(
+            (made[0]["machine"], made[0]["warm"], made[0]["outcome"]),
+            (name, True, "ok"),
+        )
+        self.assertEqual(made[0]["arguments"]["pool"], "py")
+
+
+class WarmPoolHandshakeEra(WarmPoolEraScenarios, WarmPoolCase):
+    mode = "legacy"
+
+
+class WarmPoolModernEra(WarmPoolEraScenarios, WarmPoolCase):
+    mode = "auto"
+
+
+class WarmPoolTests(WarmPoolCase):
+    """The lease's life beside the session's, the crash sweep, a restart,
+    the refusals, the names no tool takes, the cost in requests."""
+
+    async def test_the_session_end_completes_its_leases(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            created = await self.ok(c, "create-machine", {"pool": "py"})
+            name = created["machine"]["name"]
+            lease = self.lease_of(name)
+            start = len(self.fake.requests)
+        completion = (
+            "POST",
+            f"/api/v1/pools/py/leases/{lease['id']}/complete",
+        )
+        self.assertIn(completion, self.journal_from(start))
+        self.assertNotIn(
+            ("DELETE", f"/api/v1/machines/{name}"), self.journal_from(start)
+        )
+        self.assertEqual(lease["state"], "completed")
+        self.assertNotIn(name, self.fake.machines)
+        self.assertEqual(list(self.app.local.leases.records([name])), [])
+        # The pool refills, and its source stays the operator's.
+        self.assertEqual(self.engine_pool("py")["ready"], 2)
+        self.assertIn("smol-pool-py", self.fake.machines)
+
+    async def test_heartbeats_keep_a_lease_alive_while_its_session_lives(self):
+        def beats(lease_id):
+            path = f"/api/v1/pools/py/leases/{lease_id}/heartbeat"
+            return len([r for r in self.fake.requests if r[1] == path])
+
+        with unittest.mock.patch.object(
+            smol_mcp, "lease_beat_secs", return_value=0.2
+        ):
+            async with self.client("legacy") as c:
+                await self.pools_made(c)
+                created = await self.ok(c, "create-machine", {"pool": "py"})
+                lease = self.lease_of(created["machine"]["name"])
+                expires = lease["expiresAt"]
+                lease["expiresAt"] = expires - 100
+                # A heartbeat puts the expiry a TTL ahead again.
+                await wait_until(
+                    lambda: lease["expiresAt"] >= expires, 10, "a heartbeat"
+                )
+                await wait_until(
+                    lambda: beats(lease["id"]) >= 2, 10, "two heartbeats"
+                )
+            after = beats(lease["id"])
+            await asyncio.sleep(0.6)
+            self.assertEqual(beats(lease["id"]), after)  # the session ended
+
+    async def test_no_heartbeat_is_sent_for_a_session_that_has_ended(self):
+        ended = smol_mcp.Lease(
+            "py",
+            "lease-0",
+            "pool-py-0",
+            session=types.SimpleNamespace(ended=True),
+        )
+        self.app.local.leases._beat(ended)
+        self.assertEqual(ended.beat_at, float("inf"))
+        self.assertEqual(self.fake.requests, [])
+
+    async def test_a_lease_the_engine_ended_is_deleted_when_its_machine_is(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            created = await self.ok(c, "create-machine", {"pool": "py"})
+            name = created["machine"]["name"]
+            lease = self.lease_of(name)
+            # Expired (the fake removes an expired lease's worker: put it
+            # back, as an engine that keeps it would).
+            lease["expiresAt"] = 0
+            self.engine_pool("py")
+            self.assertEqual(lease["state"], "expired")
+            EraScenarios.fake_direct_create(self, name)
+            start = len(self.fake.requests)
+            deleted = await self.ok(c, "delete-machine", {"name": name})
+            self.assertEqual(deleted, {"deleted": name})
+            self.assertEqual(
+                self.journal_from(start),
+                [
+                    (
+                        "POST",
+                        f"/api/v1/pools/py/leases/{lease['id']}/complete",
+                    ),
+                    ("DELETE", f"/api/v1/machines/{name}"),
+                ],
+            )
+        self.assertNotIn(name, self.fake.machines)
+
+    async def test_a_pool_gone_from_the_engine_is_made_again(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            status, _, text = send_raw(
+                self.socket_path, "DELETE", "/api/v1/pools/py?force=true"
+            )
+            self.assertEqual(status, 200, text)
+            cold = await self.ok(c, "create-machine", {"pool": "py"})
+            self.assertFalse(cold["warm"])
+            self.assertIn(
+                "the pool 'py' is not available: gone from the engine",
+                cold["why"],
+            )
+            await wait_until(
+                lambda: "py" in self.fake._pools, 30, "py is made again"
+            )
+            await self.pools_made(c)
+            self.assertTrue(
+                (await self.ok(c, "create-machine", {"pool": "py"}))["warm"]
+            )
+
+    async def test_doctor_reports_the_pools_and_makes_nothing(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            await asyncio.to_thread(smol_mcp.doctor, self.app)
+        await asyncio.sleep(0.5)  # a thread making pools would have begun
+        self.assertIn(
+            "warm pool py (alpine): not available: not made yet: the server"
+            " makes its warm pools at its first local tool call",
+            out.getvalue(),
+        )
+        self.assertEqual([r for r in self.fake.requests if r[0] != "GET"], [])
+        self.assertEqual(self.fake._pools, {})
+
+    async def test_the_next_process_completes_the_leases_a_dead_one_left(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+        status, _, text = send_raw(
+            self.socket_path,
+            "POST",
+            "/api/v1/pools/py/leases",
+            {"idempotencyKey": "left-behind"},
+        )
+        self.assertEqual(status, 200, text)
+        lease = json.loads(text)
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+        )
+        sessions = Path(self.config.runtime_dir) / "sessions"
+        sessions.mkdir(parents=True, exist_ok=True)
+        (sessions / "dead.json").write_text(
+            json.dumps(
+                {
+                    "pid": int(dead.stdout),
+                    "endpoint": self.app.local.endpoint,
+                    "machines": [lease["machine"]],
+                    "leases": {
+                        lease["machine"]: {"pool": "py", "id": lease["id"]}
+                    },
+                }
+            )
+        )
+        start = len(self.fake.requests)
+        later = SmolMcp(self.config)
+        async with Client(later.server, mode="legacy") as c:
+            await self.ok(c, "list-machines", {})
+        journal = self.journal_from(start)
+        self.assertIn(
+            ("POST", f"/api/v1/pools/py/leases/{lease['id']}/complete"),
+            journal,
+        )
+        self.assertNotIn(
+            ("DELETE", f"/api/v1/machines/{lease['machine']}"), journal
+        )
+        self.assertNotIn(lease["machine"], self.fake.machines)
+        self.assertEqual(list(sessions.glob("*.json")), [])
+        swept = [
+            e
+            for e in later.access.activity.entries()
+            if e.get("event") == "orphan-cleanup"
+        ]
+        self.assertEqual([e["machine"] for e in swept], [lease["machine"]])
+
+    async def test_a_lease_whose_owner_cannot_be_recorded_is_completed(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            Path(self.config.state_dir).mkdir(
+                0o700, parents=True, exist_ok=True
+            )
+            (Path(self.config.state_dir) / "owners.json").write_text("[]")
+            start = len(self.fake.requests)
+            text = await self.refused(c, "create-machine", {"pool": "py"})
+            self.assertIn(
+                "owners.json is not shaped as this server writes it", text
+            )
+            journal = self.journal_from(start)
+            self.assertEqual(journal[0], ("POST", "/api/v1/pools/py/leases"))
+            self.assertRegex(
+                journal[-1][1], r"^/api/v1/pools/py/leases/lease-\w+/complete$"
+            )
+        self.assertEqual(
+            [lease["state"] for lease in self.fake._leases.values()],
+            ["completed"],
+        )
+
+    async def test_a_restarted_server_adopts_the_pools_the_engine_has(self):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+        start = len(self.fake.requests)
+        later = SmolMcp(self.config)
+        async with Client(later.server, mode="legacy") as c:
+            await self.pools_made(c, app=later)
+            made = self.journal_from(start)
+            created = await self.ok(c, "create-machine", {"pool": "py"})
+        self.assertIn(("GET", "/api/v1/pools"), made)
+        self.assertNotIn(("POST", "/api/v1/pools"), made)
+        self.assertNotIn(("POST", "/api/v1/machines"), made)
+        self.assertTrue(created["warm"])
+        self.assertEqual(len(self.fake._pools), 1)
+
+    async def test_the_arguments_a_pool_fixed_are_refused_with_a_sentence(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            start = len(self.fake.requests)
+            for extra in (
+                {"image": "alpine"},
+                {"name": "mine"},
+                {"cpus": 4},
+                {"network": "open"},
+                {"allowHosts": ["pypi.org"]},
+                {"start": False},
+                {"branchable": True},
+            ):
+                with self.subTest(extra=extra):
+                    text = await self.refused(
+                        c, "create-machine", {"pool": "py", **extra}
+                    )
+                    self.assertIn(
+                        f'"{next(iter(extra))}" cannot be given with "pool"',
+                        text,
+                    )
+                    self.assertIn("its name is in the result", text)
+            text = await self.refused(
+                c, "create-machine", {"pool": "pyy", "env": {"A": "1"}}
+            )
+            self.assertIn(
+                "\"pool\" is 'pyy', which is not a warm pool of this server"
+                ' (did you mean "py"?); the pools are: py',
+                text,
+            )
+            text = await self.refused(
+                c, "create-machine", {"pool": "py", "env": {"A": "1\nB=2"}}
+            )
+            self.assertIn('"env.A" holds a newline or NUL', text)
+            text = await self.refused(c, "create-machine", {"pool": "../x"})
+            self.assertIn('"pool" must start with a letter or digit', text)
+            text = await self.refused(c, "create-machine", {})
+            self.assertIn('create-machine needs the argument "image"', text)
+            self.assertIn('(or "pool"', text)
+            self.assertEqual(self.journal_from(start), [])
+
+    async def test_no_tool_takes_the_servers_own_machines_or_unleased_workers(
+        self,
+    ):
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            held = next(
+                n for n in self.fake.machines if n.startswith("pool-py-")
+            )
+            start = len(self.fake.requests)
+            for tool, args in (
+                ("get-machine", {"name": "smol-pool-py"}),
+                ("delete-machine", {"name": "smol-pool-py"}),
+                ("run-command", {"name": "smol-pool-py", "command": "id"}),
+                ("create-machine", {"name": "smol-x", "image": "alpine"}),
+                (
+                    "branch-machine",
+                    {"name": "smol-pool-py", "childName": "kid"},
+                ),
+                ("branch-machine", {"name": "kid", "childName": "smol-k"}),
+            ):
+                with self.subTest(tool=tool, args=args):
+                    text = await self.refused(c, tool, args)
+                    self.assertIn(
+                        "is a name this server keeps for its own machines",
+                        text,
+                    )
+            for tool, args in (
+                ("run-command", {"name": held, "command": "touch /poison"}),
+                ("write-file", {"name": held, "path": "/p", "content": "x"}),
+                ("delete-machine", {"name": held}),
+            ):
+                with self.subTest(tool=tool):
+                    text = await self.refused(c, tool, args)
+                    self.assertIn(
+                        f"'{held}' is a worker the engine keeps ready for the"
+                        " warm pool 'py', leased to nobody",
+                        text,
+                    )
+            self.assertEqual(self.journal_from(start), [])
+            # A worker named otherwise is known by its source, where its
+            # record says it.
+            EraScenarios.fake_direct_create(self, "w-1")
+            self.fake._machines["w-1"]["parentMachine"] = "smol-pool-py"
+            self.assertEqual(
+                (await self.ok(c, "list-machines", {}))["machines"], []
+            )
+
+    async def test_a_pooled_create_makes_the_requests_the_tools_table_says(
+        self,
+    ):
+        readme = (HERE / "README.md").read_text()
+        row = re.search(r"^\| `create-machine` \|.*\|$", readme, re.M)[0]
+        expected = int(re.search(r"from a pool: (\d+)", row)[1])
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            start = len(self.fake.requests)
+            await self.ok(c, "create-machine", {"pool": "py"})
+            self.assertEqual(len(self.fake.requests) - start, expected)
+
+    async def test_smol_pools_lists_each_pool_with_the_engines_counts(self):
+        async with self.client("legacy") as c:
+            listed = [str(r.uri) for r in (await c.list_resources()).resources]
+            self.assertIn(smol_mcp.POOLS_URI, listed)
+            before = json.loads(
+                (await c.read_resource(smol_mcp.POOLS_URI)).contents[0].text
+            )
+            self.assertEqual(
+                (
+                    before["pools"][0]["available"],
+                    before["pools"][0]["reason"],
+                ),
+                (False, smol_mcp.POOL_NOT_MADE),
+            )
+            self.assertNotIn(("POST", "/api/v1/pools"), self.journal_from(0))
+            await self.pools_made(c)
+            await self.ok(c, "create-machine", {"pool": "py"})
+            self.engine_pool("py")
+            document = json.loads(
+                (await c.read_resource(smol_mcp.POOLS_URI)).contents[0].text
+            )
+        self.assertEqual(
+            document["pools"],
+            [
+                {
+                    "name": "py",
+                    "source": "smol-pool-py",
+                    "image": "alpine",
+                    "cpus": None,
+                    "memoryMb": None,
+                    "network": None,
+                    "allowHosts": [],
+                    "allowCidrs": [],
+                    "desiredReady": 2,
+                    "sharePerCaller": 1,
+                    "available": True,
+                    "reason": None,
+                    "engine": {"ready": 2, "provisioning": 0, "active": 1},
+                }
+            ],
+        )
+
+
+class WarmPoolStdioApprovalTests(WarmPoolCase):
+    """A pooled create waits for a person like any create, and is logged."""
+
+    config_overrides = {
+        "warm_pools": (POOL_PY,),
+        "approval": "changes",
+        "approval_timeout_secs": 30,
+    }
+
+    async def test_a_pooled_create_waits_for_approval_and_is_logged(self):
+        desk = self.app.access.desk
+        async with self.client("legacy") as c:
+            await self.pools_made(c)
+            start = len(self.fake.requests)
+            call = asyncio.create_task(
+                c.call_tool("create-machine", {"pool": "py"})
+            )
+            await wait_until(lambda: desk.pending(), 10, "the call waits")
+            [held] = desk.pending()
+            self.assertEqual(held["arguments"], {"pool": "py"})
+            self.assertEqual(self.journal_from(start), [])  # nothing ran
+            desk.respond(held["id"], {"decision": "approve", "by": "tester"})
+            created = result_of(await call)[1]
+            self.assertTrue(created["warm"], created)
+        [entry] = [
+            e
+            for e in self.app.access.activity.entries()
+            if e.get("event") == "tool" and e.get("tool") == "create-machine"
+        ]
+        self.assertEqual(
+            (entry["approvedBy"], entry["machine"], entry["warm"]),
+            ("tester", created["machine"]["name"], True),
+        )
+
+
+class WarmEmptyPoolTests(WarmPoolCase):
+    """A pool whose workers take a minute to boot: a create is made cold
+    from the pool's spec, and says why."""
+
+    fake_options = {"pool_fill_secs": 60}
+    config_overrides = {
+        "warm_pools": (
+            smol_mcp.WarmPool("py", "alpine", 2, cpus=1, memory_mb=512),
+        ),
+    }
+
+    async def test_an_empty_pool_still_gives_a_machine_and_says_why(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
+            await wait_until(
+                lambda: self.app.pools.unavailable("py") is None,
+                30,
+                "the pool is made",
+            )
+            start = len(self.fake.requests)
+            created = await self.ok(
+                c, "create-machine", {"pool": "py", "env": {"JOB": "7"}}
+            )
+            journal = self.journal_from(start)
+            name = created["machine"]["name"]
+            self.assertEqual(journal[0], ("POST", "/api/v1/pools/py/leases"))
+            self.assertEqual(journal[1], ("POST", "/api/v1/machines"))
+            self.assertEqual(
+                self.fake.requests[start + 1][2],
+                {
+                    "name": name,
+                    "image": "alpine",
+                    "cpus": 1,
+                    "memoryMb": 512,
+                    "network": False,
+                    "env": [{"name": "JOB", "value": "7"}],
+                },
+            )
+            self.assertTrue(name.startswith("mcp-"), name)
+            self.assertEqual(
+                (created["warm"], created["pool"], created["ephemeral"]),
+                (False, "py", True),
+            )
+            self.assertIn(
+                "the pool 'py' had no clean worker ready", created["why"]
+            )
+            self.assertIn("made cold from the pool's spec", created["why"])
+            ran = await self.ok(
+                c, "run-command", {"name": name, "command": "echo $JOB"}
+            )
+            self.assertEqual(ran["stdout"], "7\n")
+        self.assertNotIn(name, self.fake.machines)  # ephemeral, deleted
+        [entry] = [
+            e
+            for e in self.app.access.activity.entries()
+            if e.get("tool") == "create-machine"
+        ]
+        self.assertEqual(entry["warm"], False)
+        self.assertIn("no clean worker ready", entry["why"])
+
+    async def test_a_create_before_the_pool_is_made_is_cold_and_says_so(self):
+        async with self.client("legacy") as c:
+            created = await self.ok(c, "create-machine", {"pool": "py"})
+        self.assertFalse(created["warm"])
+        self.assertIn(
+            "the pool 'py' is not available: still being made", created["why"]
+        )
+
+
+class WarmPoolUnmadeTests(WarmPoolCase):
+    """A pool that cannot be made: others are made and every tool works;
+    the log, doctor and smol://pools say why; doctor makes nothing."""
+
+    config_overrides = {
+        "warm_pools": (POOL_PY, smol_mcp.WarmPool("node", "alpine", 1)),
+    }
+
+    async def test_a_pool_that_cannot_be_made_is_reported_and_others_work(
+        self,
+    ):
+        # The engine has a pool named py already, made from another source.
+        status, _, text = send_raw(
+            self.socket_path, "POST", "/api/v1/machines", {"name": "other"}
+        )
+        self.assertEqual(status, 200, text)
+        send_raw(
+            self.socket_path,
+            "POST",
+            "/api/v1/machines/other/start?branchable=true",
+        )
+        status, _, text = send_raw(
+            self.socket_path,
+            "POST",
+            "/api/v1/pools",
+            {"name": "py", "source": "other", "desiredReady": 1},
+        )
+        self.assertEqual(status, 200, text)
+        with self.assertLogs("smol_mcp", "WARNING") as logged:
+            async with self.client("legacy") as c:
+                await self.pools_made(c, names=("node",))
+                await wait_until(
+                    lambda: (
+                        "could not be made"
+                        in (self.app.pools.unavailable("py") or "")
+                    ),
+                    10,
+                    "py is reported",
+                )
+                self.assertTrue(
+                    (await self.ok(c, "create-machine", {"pool": "node"}))[
+                        "warm"
+                    ]
+                )
+                cold = await self.ok(c, "create-machine", {"pool": "py"})
+                self.assertFalse(cold["warm"])
+                document = json.loads(
+                    (await c.read_resource(smol_mcp.POOLS_URI))
+                    .contents[0]
+                    .text
+                )
+                await self.ok(c, "list-machines", {})
+        reason = (
+            "could not be made: the engine already has a fork pool named "
+            "'py', made from 'other' rather than smol-pool-py, so it was not "
+            "adopted"
+        )
+        self.assertIn(reason, cold["why"])
+        by_name = {pool["name"]: pool for pool in document["pools"]}
+        self.assertEqual(
+            (by_name["py"]["available"], by_name["py"]["engine"]),
+            (False, None),
+        )
+        self.assertIn(reason, by_name["py"]["reason"])
+        self.assertTrue(by_name["node"]["available"])
+        self.assertEqual(
+            [line for line in logged.output if "warm pool py" in line][:1],
+            [
+                f"WARNING:smol_mcp:warm pool py {reason}; rename the pool in "
+                "warmPools, or delete that pool on the engine"
+            ],
+        )
+        # doctor, a process of its own: what was noted, and nothing made.
+        start = len(self.fake.requests)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            await asyncio.to_thread(smol_mcp.doctor, SmolMcp(self.config))
+        self.assertIn(
+            f"warm pool py (alpine): not available: {reason}", out.getvalue()
+        )
+        self.assertIn(
+            "warm pool node (alpine): 1 ready, 0 booting, 0 leased",
+            out.getvalue(),
+        )
+        self.assertEqual(
+            [r for r in self.journal_from(start) if r[0] != "GET"], []
+        )
+
+
+class WarmPoolBootFailureTests(WarmPoolCase):
+    """A pool whose source cannot boot: reported, its source deleted, the
+    other tools unaffected."""
+
+    fake_options = {"boot": "fail"}
+
+    async def test_a_source_that_does_not_boot_is_deleted_and_reported(self):
+        async with self.client("legacy") as c:
+            await self.ok(c, "list-machines", {})
+            await wait_until(
+                lambda: (
+                    "could not be made"
+                    in (self.app.pools.unavailable("py") or "")
+                ),
+                30,
+                "py is reported",
+            )
+            self.assertEqual(
+                (await self.ok(c, "list-machines", {}))["machines"], []
+            )
+            text = await self.refused(c, "create-machine", {"pool": "py"})
+        self.assertIn(
+            "the pool 'py' is not available: could not be made", text
+        )
+        self.assertIn(
+            "and a machine made cold from the pool's spec failed too", text
+        )
+        why = self.app.pools.unavailable("py")
+        self.assertIn("start machine 'smol-pool-py'", why)
+        self.assertNotIn("smol-pool-py", self.fake.machines)
+        self.assertEqual(self.fake._pools, {})
+        noted = json.loads(
+            (Path(self.config.runtime_dir) / smol_mcp.POOLS_FILE).read_text()
+        )
+        self.assertEqual(noted["py"]["available"], False)
+        self.assertIn("could not be made", noted["py"]["reason"])
+
+
+class WarmPoolCloudTests(FakeCloudCase):
+    """The cloud has no pools: pool is refused with the reason."""
+
+    config_overrides = {"warm_pools": (POOL_PY,)}
+
+    async def test_the_cloud_refuses_pool_saying_why(self):
+        async with self.client("legacy") as c:
+            text = await self.refused(c, "create-machine", {"pool": "py"})
+            listed = [str(r.uri) for r in (await c.list_resources()).resources]
+        self.assertIn("create-machine's pool is local only", text)
+        self.assertIn("would bill their storage", text)
+        self.assertEqual([r for r in self.cloud.requests if r[0] != "GET"], [])
+        self.assertNotIn(smol_mcp.POOLS_URI, listed)
+        self.assertEqual(self.fake.requests, [])
+
+
+class WarmPoolAccessTests(HttpCase):
+    """Over HTTP with named tokens: a pooled machine is its token's (a
+    sandbox token sees only its own), and each token holds at most its
+    share of a pool."""
+
+    config_overrides = {"warm_pools": (POOL_PY,)}
+
+    async def asyncSetUp(self):
+        await super().asyncSetUp()
+        store = smol_mcp.TokenStore(self.config.state_dir)
+        self.secrets = {}
+        for name, scopes in (
+            ("a", SANDBOX),
+            ("b", SANDBOX),
+            ("x", "machines.exec"),
+        ):
+            _, self.secrets[name] = store.create(
+                name, smol_mcp.parse_scopes(scopes), ("local",), "none"
+            )
+
+    def as_token(self, name, mode="legacy"):
+        return self.http_client(
+            mode, headers={"Authorization": f"Bearer {self.secrets[name]}"}
+        )
+
+    async def test_a_pooled_machine_is_its_tokens_within_its_share(self):
+        async with self.as_token("a") as a, self.as_token("b") as b:
+            await self.ok(a, "list-machines", {})
+            await wait_until(
+                lambda: self.app.pools.unavailable("py") is None, 30, "made"
+            )
+            await wait_until(
+                lambda: (
+                    json.loads(
+                        send_raw(self.socket_path, "GET", "/api/v1/pools/py")[
+                            2
+                        ]
+                    )["ready"]
+                    == 2
+                ),
+                10,
+                "the pool is full",
+            )
+            mine = await self.ok(a, "create-machine", {"pool": "py"})
+            name = mine["machine"]["name"]
+            self.assertTrue(mine["warm"])
+            self.assertEqual(self.app.access.owners.owner("local", name), "a")
+            # Past its share (half of 2): cold, and why; b still gets warm.
+            over = await self.ok(a, "create-machine", {"pool": "py"})
+            self.assertFalse(over["warm"])
+            self.assertIn(
+                "the token 'a' holds 1 machine(s) of the pool 'py' already,"
+                " its share at once",
+                over["why"],
+            )
+            theirs = await self.ok(b, "create-machine", {"pool": "py"})
+            self.assertTrue(theirs["warm"])
+            # A key of its own: another call never gets the same lease.
+            self.assertNotEqual(theirs["machine"]["name"], name)
+            text = await self.refused(b, "get-machine", {"name": name})
+            self.assertIn("not found", text)
+            text = await self.refused(b, "delete-machine", {"name": name})
+            self.assertIn("not found", text)
+            self.assertIsNotNone(self.app.local.leases.get(name))
+            ran = await self.ok(
+                a, "run-command", {"name": name, "command": "true"}
+            )
+            self.assertEqual(ran["exitCode"], 0)
+            seen = await self.ok(a, "list-machines", {})
+            self.assertEqual(
+                sorted(m["name"] for m in seen["machines"]),
+                sorted([name, over["machine"]["name"]]),
+            )
+            await self.ok(a, "delete-machine", {"name": name})
+            again = await self.ok(a, "create-machine", {"pool": "py"})
+            self.assertTrue(again["warm"])
+        async with self.as_token("x") as x:
+            text = await self.refused(x, "create-machine", {"pool": "py"})
+            self.assertIn("scope_missing: create-machine needs", text)
+            listed = [str(r.uri) for r in (await x.list_resources()).resources]
+            self.assertNotIn(smol_mcp.POOLS_URI, listed)
+            with self.assertRaises(MCPError) as refused:
+                await x.read_resource(smol_mcp.POOLS_URI)
+            self.assertIn("scope_missing", str(refused.exception))
 
 
 @unittest.skipUnless(
