@@ -13814,7 +13814,7 @@ class WarmPoolTests(WarmPoolCase):
             self.assertIn('"pool" must start with a letter or digit', text)
             text = await self.refused(c, "create-machine", {})
             self.assertIn('create-machine needs the argument "image"', text)
-            self.assertIn('(or "pool"', text)
+            self.assertIn('or "pool": a warm pool', text)
             self.assertEqual(self.journal_from(start), [])
 
     async def test_no_tool_takes_the_servers_own_machines_or_unleased_workers(
@@ -21044,8 +21044,8 @@ class LocalSavedStateTests(SavedStateScenarios, FakeServeCase):
                 with self.subTest(tool=tool):
                     text = await self.refused(c, tool, args)
                     self.assertIn(
-                        'names starting with "smol-" are kept for this '
-                        "server's own machines",
+                        "is a name this server keeps for its own machines "
+                        "(every name starting with smol-",
                         text,
                     )
             self.assertEqual(len(self.fake.requests), before)
