@@ -13796,14 +13796,16 @@ def one_liner(client: str, entry: dict) -> str | None:
     return shlex.join(command)
 
 
-def back_up(path: Path) -> Path:
-    """Copy ``path`` into the state directory; return the copy's path.
+def back_up(path: Path, state_dir: str) -> Path:
+    """Copy ``path`` into the state directory ``state_dir`` (stateDir);
+    return the copy's path.
 
     Not beside the file: beside a project file, a copy would be read or
     committed.
     """
-    backups = Path(default_state_dir(os.environ)) / "backups"
-    backups.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # The copy may hold a secret: the state directory's checks apply.
+    backups = ensure_state_dir(state_dir) / "backups"
+    backups.mkdir(mode=0o700, exist_ok=True)
     flat = str(path.absolute()).strip("/").replace("/", "%")
     backup = backups / f"{flat}.{time.strftime('%Y%m%dT%H%M%S')}"
     shutil.copy2(path, backup)
@@ -14014,7 +14016,7 @@ def setup(args: Any, config: Config) -> int:
             print(f"# or run: {command}", file=sys.stderr)
         print(render_entry(client, key, entry), end="")
         return 0
-    if write_entry(args, path, key, entry):
+    if write_entry(args, path, key, entry, config.state_dir):
         done = "replaced the smol entry in"
     else:
         done = "wrote the smol entry into"
@@ -14038,8 +14040,11 @@ def warn_of_secrets_by_hand() -> None:
         )
 
 
-def write_entry(args: Any, path: Path, key: str, entry: dict) -> bool:
-    """Merge the entry into ``path``, backed up; return if it replaced one."""
+def write_entry(
+    args: Any, path: Path, key: str, entry: dict, state_dir: str
+) -> bool:
+    """Merge the entry into ``path``, backed up into ``state_dir``; return
+    if it replaced one."""
     try:
         text = path.read_text() if path.exists() else ""
     except OSError as err:
@@ -14048,7 +14053,7 @@ def write_entry(args: Any, path: Path, key: str, entry: dict) -> bool:
     merged, replacing = merge(path, text, key, entry, args.client, args.force)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
-        print(f"backed up {path} to {back_up(path)}")
+        print(f"backed up {path} to {back_up(path, state_dir)}")
     path.write_text(merged)
     return replacing
 

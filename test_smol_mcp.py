@@ -8892,6 +8892,58 @@ class SetupEntryTests(unittest.TestCase):
         )
 
 
+class SetupBackupTests(unittest.TestCase):
+    """setup --write backs a file up into the configured state directory
+    (SMOL_MCP_STATE_DIR, or stateDir in the config file), never the
+    default one under HOME."""
+
+    def setUp(self):
+        self.tmp = short_tempdir()
+        self.home = Path(self.tmp, "home")
+        self.project = Path(self.tmp, "project")
+        self.home.mkdir()
+        self.project.mkdir()
+        self.env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(self.home),
+            "SMOL_MCP_CONFIG": f"{self.tmp}/config.json",
+        }
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def write_backed_up(self, env: dict) -> Path:
+        """Run setup claude-code --write over a project file; return the
+        one backup made, checking none went under HOME."""
+        original = '{"mcpServers": {"other": {"command": "x"}}}'
+        (self.project / ".mcp.json").write_text(original)
+        out = run_cli(
+            "setup", "claude-code", "--write", env=env, cwd=self.project
+        )
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(list(self.home.iterdir()), [])
+        backed_up = re.search(r"backed up \S+ to (\S+)", out.stdout)
+        self.assertIsNotNone(backed_up, out.stdout)
+        backup = Path(backed_up[1])
+        self.assertEqual(backup.read_text(), original)
+        return backup
+
+    def test_the_state_dir_variable_holds_the_backup(self):
+        state = Path(self.tmp, "state-from-env")
+        env = {**self.env, "SMOL_MCP_STATE_DIR": str(state)}
+        backup = self.write_backed_up(env)
+        self.assertEqual(backup.parent, state / "backups")
+        self.assertEqual(stat.S_IMODE(state.stat().st_mode), 0o700)
+
+    def test_the_config_files_state_dir_holds_the_backup(self):
+        state = Path(self.tmp, "state-from-file")
+        Path(self.env["SMOL_MCP_CONFIG"]).write_text(
+            json.dumps({"stateDir": str(state)})
+        )
+        backup = self.write_backed_up(self.env)
+        self.assertEqual(backup.parent, state / "backups")
+
+
 class PublishTests(unittest.TestCase):
     """Ready to publish. The metadata agrees with itself; the build
     itself (with the oldest setuptools the pyproject accepts) is in
