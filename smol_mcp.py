@@ -125,18 +125,24 @@ MOUNT_ROOT_WRITABLE = ":rw"
 
 
 def setting_field(
-    default: Any, env: str = "", kind: str = "", **limits: Any
+    default: Any,
+    env: str = "",
+    kind: str = "",
+    *,
+    example: Any = None,
+    **limits: Any,
 ) -> Any:
     """One Config field: its default, its environment variable (SMOL_MCP_
     and the name in capitals unless given), its kind ("str", "int",
     "choice", "version", "list", "secret"; inferred unless given; ints
-    take ``minimum`` and ``maximum``) and its file key (the camelCase
-    name). SETTINGS derives from these."""
+    take ``minimum`` and ``maximum``), a valid ``example`` other than the
+    default (as the config file would hold it) and its file key (the
+    camelCase name). SETTINGS derives from these."""
     if not kind and "choices" in limits:
         kind = "choice"
     elif not kind:
         kind = {int: "int", tuple: "list"}.get(type(default), "str")
-    rule = {"env": env, "kind": kind, **limits}
+    rule = {"env": env, "kind": kind, "example": example, **limits}
     return field(
         default=default, repr=kind != "secret", metadata={"setting": rule}
     )
@@ -146,59 +152,89 @@ def setting_field(
 class Config:
     """Every setting, already validated. Build one with ``load_config()``."""
 
-    smolvm: str = setting_field("smolvm", "SMOLVM")
-    min_smolvm: str = setting_field("1.14.0", kind="version")
-    local_url: str = setting_field("", "SMOL_LOCAL_URL")
-    runtime_dir: str = setting_field("")
-    machine_prefix: str = setting_field("mcp-")
-    memory_mb: int = setting_field(2048, minimum=128, maximum=1048576)
-    cpus: int = setting_field(2, minimum=1, maximum=255)
+    smolvm: str = setting_field(
+        "smolvm", "SMOLVM", example="/opt/smolmachines/smolvm"
+    )
+    min_smolvm: str = setting_field("1.14.0", kind="version", example="1.2.3")
+    local_url: str = setting_field(
+        "", "SMOL_LOCAL_URL", example="unix:///run/smolvm/serve.sock"
+    )
+    runtime_dir: str = setting_field("", example="/run/user/1000/smol-mcp")
+    machine_prefix: str = setting_field("mcp-", example="tmp-")
+    memory_mb: int = setting_field(
+        2048, minimum=128, maximum=1048576, example=4096
+    )
+    cpus: int = setting_field(2, minimum=1, maximum=255, example=4)
     network_default: str = setting_field(
-        "blocked", choices=("blocked", "open")
+        "blocked", choices=("blocked", "open"), example="open"
     )
     run_once_network: str = setting_field(
-        "blocked", choices=("blocked", "open")
+        "blocked", choices=("blocked", "open"), example="open"
     )
-    ephemeral_ttl_secs: int = setting_field(3600, minimum=60)
-    ephemeral_auto_stop_secs: int = setting_field(900, minimum=60)
-    exec_timeout_secs: int = setting_field(120, minimum=1)
-    max_exec_timeout_secs: int = setting_field(900, minimum=1, maximum=86400)
+    ephemeral_ttl_secs: int = setting_field(3600, minimum=60, example=7200)
+    ephemeral_auto_stop_secs: int = setting_field(900, minimum=60, example=600)
+    exec_timeout_secs: int = setting_field(120, minimum=1, example=60)
+    max_exec_timeout_secs: int = setting_field(
+        900, minimum=1, maximum=86400, example=1200
+    )
     max_output_bytes: int = setting_field(
-        65536, minimum=1024, maximum=64 * 1024 * 1024
+        65536, minimum=1024, maximum=64 * 1024 * 1024, example=4096
     )
-    ready_timeout_secs: int = setting_field(120, minimum=1)
-    serve_start_timeout_secs: int = setting_field(60, minimum=1)
-    logs_tail: int = setting_field(100, minimum=1, maximum=100000)
-    logs_poll_secs: int = setting_field(2, minimum=1)
-    cloud_url: str = setting_field(DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL")
-    cloud_token: str = setting_field("", "SMOL_CLOUD_TOKEN", "secret")
+    ready_timeout_secs: int = setting_field(120, minimum=1, example=30)
+    serve_start_timeout_secs: int = setting_field(60, minimum=1, example=30)
+    logs_tail: int = setting_field(100, minimum=1, maximum=100000, example=10)
+    logs_poll_secs: int = setting_field(2, minimum=1, example=5)
+    cloud_url: str = setting_field(
+        DEFAULT_CLOUD_URL, "SMOL_CLOUD_URL", example="https://api.example.com"
+    )
+    cloud_token: str = setting_field(
+        "", "SMOL_CLOUD_TOKEN", "secret", example="smk_example"
+    )
     targets: str = setting_field(
-        "auto", choices=("auto", "local", "cloud", "both")
+        "auto", choices=("auto", "local", "cloud", "both"), example="local"
     )
-    http_host: str = setting_field("127.0.0.1")
-    http_port: int = setting_field(8080, minimum=1, maximum=65535)
-    http_path: str = setting_field("/mcp")
-    auth_token: str = setting_field("", kind="secret")
-    http_session_idle_secs: int = setting_field(1800, minimum=1)
-    http_allowed_hosts: tuple[str, ...] = setting_field(())
-    http_allowed_origins: tuple[str, ...] = setting_field(())
-    state_dir: str = setting_field("")
+    http_host: str = setting_field("127.0.0.1", example="0.0.0.0")
+    http_port: int = setting_field(
+        8080, minimum=1, maximum=65535, example=9000
+    )
+    http_path: str = setting_field("/mcp", example="/smol/mcp")
+    auth_token: str = setting_field("", kind="secret", example="a-secret")
+    http_session_idle_secs: int = setting_field(1800, minimum=1, example=60)
+    http_allowed_hosts: tuple[str, ...] = setting_field(
+        (), example=["mcp.example.com"]
+    )
+    http_allowed_origins: tuple[str, ...] = setting_field(
+        (), example=["https://app.example.com"]
+    )
+    state_dir: str = setting_field("", example="/var/lib/smol-mcp")
     # --http behind a proxy or TLS
-    public_url: str = setting_field("")
+    public_url: str = setting_field("", example="https://mcp.example.com")
     # Empty: every scope (section 11).
-    scopes: tuple[str, ...] = setting_field(())
-    mount_roots: tuple[str, ...] = setting_field(())
+    scopes: tuple[str, ...] = setting_field(
+        (), example=["machines.read", "sandbox.exec"]
+    )
+    mount_roots: tuple[str, ...] = setting_field(
+        (), example=["/srv", "/work:rw"]
+    )
     # stdio: "changes" holds every changing call for a person
-    approval: str = setting_field("none", choices=("none", "changes"))
+    approval: str = setting_field(
+        "none", choices=("none", "changes"), example="changes"
+    )
     approval_timeout_secs: int = setting_field(
-        900, minimum=1, maximum=7 * 86400
+        900, minimum=1, maximum=7 * 86400, example=60
     )
-    approval_webhook: str = setting_field("")
+    approval_webhook: str = setting_field(
+        "", example="https://hooks.example/smol"
+    )
     approval_via: str = setting_field(
-        "terminal", choices=("terminal", "client")
+        "terminal", choices=("terminal", "client"), example="client"
     )
-    egress_private_cidrs: tuple[str, ...] = setting_field(())
-    reply_tokens: int = setting_field(20000, minimum=4000, maximum=1_000_000)
+    egress_private_cidrs: tuple[str, ...] = setting_field(
+        (), example=["10.0.0.0/8", "fd00::/64"]
+    )
+    reply_tokens: int = setting_field(
+        20000, minimum=4000, maximum=1_000_000, example=50000
+    )
 
     def secret_values(self) -> list[str]:
         """The configured secrets, so they can be kept out of children and
@@ -219,6 +255,8 @@ class Setting:
     choices: tuple[str, ...] = ()
     minimum: int | None = None
     maximum: int | None = None
+    # A valid value other than the default, as the config file holds it.
+    example: Any = None
 
 
 def _camel(attr: str) -> str:

@@ -267,59 +267,20 @@ class ConfigTests(unittest.TestCase):
                     self.assertIn(f"`{default}`", cell)
 
     def test_every_setting_is_read_from_the_file_and_the_environment(self):
-        samples = {  # a valid value other than the default, for every key
-            "smolvm": "/opt/smolvm",
-            "minSmolvm": "1.2.3",
-            "localUrl": "unix:///x.sock",
-            "runtimeDir": "/tmp/x",
-            "machinePrefix": "tmp-",
-            "memoryMb": 4096,
-            "cpus": 4,
-            "networkDefault": "open",
-            "runOnceNetwork": "open",
-            "ephemeralTtlSecs": 7200,
-            "ephemeralAutoStopSecs": 600,
-            "execTimeoutSecs": 60,
-            "maxExecTimeoutSecs": 1200,
-            "maxOutputBytes": 4096,
-            "readyTimeoutSecs": 30,
-            "serveStartTimeoutSecs": 30,
-            "logsTail": 10,
-            "logsPollSecs": 5,
-            "cloudUrl": "https://example.test",
-            "cloudToken": "t",
-            "targets": "local",
-            "httpHost": "0.0.0.0",
-            "httpPort": 9000,
-            "httpPath": "/x",
-            "authToken": "a",
-            "httpSessionIdleSecs": 60,
-            "httpAllowedHosts": ["h"],
-            "httpAllowedOrigins": ["o"],
-            "stateDir": "/tmp/s",
-            "publicUrl": "https://mcp.example.com",
-            "scopes": ["machines.read", "sandbox.exec"],
-            "approval": "changes",
-            "approvalTimeoutSecs": 60,
-            "approvalWebhook": "https://hooks.example/smol",
-            "approvalVia": "client",
-            "mountRoots": ["/srv", "/work:rw"],
-            "egressPrivateCidrs": ["10.0.0.0/8", "fd00::/64"],
-            "replyTokens": 50000,
-        }
         defaults = Config()
         for setting in smol_mcp.SETTINGS:
-            self.assertTrue(
-                setting.key in samples,
-                f"add a valid value of {setting.key}, other than its "
-                "default, to samples in this test",
+            # Each declaration carries its example (setting_field).
+            self.assertIsNotNone(
+                setting.example,
+                f"give {setting.key} an example= in its declaration: a "
+                "valid value other than its default",
             )
-            value = samples[setting.key]
+            value = setting.example
             expected = tuple(value) if isinstance(value, list) else value
             self.assertNotEqual(
                 getattr(defaults, setting.attr),
                 expected,
-                f"the sample of {setting.key} is its default: "
+                f"the example of {setting.key} is its default: "
                 "it would pass unread",
             )
             self.write({setting.key: value})
