@@ -7312,6 +7312,9 @@ SCOPES = (
     *(f"{d}.{level}" for d in SCOPE_DOMAINS for level in SCOPE_LEVELS),
     "activity.read",
 )
+# Every level of one domain, the presets' and grants' building block.
+MACHINES_SCOPES = tuple(f"machines.{level}" for level in SCOPE_LEVELS)
+SANDBOX_SCOPES = tuple(f"sandbox.{level}" for level in SCOPE_LEVELS)
 # Each tool's scope level, from its ToolSpec.access; a tool without one
 # is granted to nobody.
 TOOL_LEVELS = {
@@ -7321,7 +7324,7 @@ APPROVAL_MODES = ("none", "changes")
 # `tokens create --preset`: the usual grants, by what the agent is for.
 SCOPE_PRESETS = {
     # Its own machines only.
-    "sandbox": "sandbox.read,sandbox.manage,sandbox.exec",
+    "sandbox": ",".join(SANDBOX_SCOPES),
     "read": "machines.read,activity.read",
     "full": ",".join(SCOPES),
 }
@@ -11809,14 +11812,9 @@ OAUTH_CLIENT_FIELDS = {
 }
 # The consent page's grants, besides Choose scopes.
 GRANTS = {
-    "Full": (
-        "machines.read",
-        "machines.manage",
-        "machines.exec",
-        "activity.read",
-    ),
+    "Full": (*MACHINES_SCOPES, "activity.read"),
     "Read-only": ("machines.read", "activity.read"),
-    "Sandbox": ("sandbox.read", "sandbox.manage", "sandbox.exec"),
+    "Sandbox": SANDBOX_SCOPES,
 }
 GRANT_NOTES = {
     "Full": "every tool, on every machine",

@@ -12004,6 +12004,26 @@ def tools_granted(scopes) -> list[str]:
     return tools_at(*levels)
 
 
+class ScopeLevelGrowthTests(unittest.TestCase):
+    """A scope level is one word in SCOPE_LEVELS: the scopes, the presets
+    and the consent page's grants that carry every level take it."""
+
+    def test_every_level_reaches_the_grants_and_presets(self):
+        full = set(smol_mcp.GRANTS["Full"])
+        sandbox = set(smol_mcp.GRANTS["Sandbox"])
+        preset = set(smol_mcp.SCOPE_PRESETS["sandbox"].split(","))
+        for level in smol_mcp.SCOPE_LEVELS:
+            with self.subTest(level=level):
+                self.assertIn(f"machines.{level}", smol_mcp.SCOPES)
+                self.assertIn(f"sandbox.{level}", smol_mcp.SCOPES)
+                self.assertIn(f"machines.{level}", full)
+                self.assertIn(f"sandbox.{level}", sandbox)
+                self.assertIn(f"sandbox.{level}", preset)
+        # the sandbox grants see only their own machines: nothing wider
+        self.assertTrue(all(s.startswith("sandbox.") for s in sandbox))
+        self.assertTrue(all(s.startswith("sandbox.") for s in preset))
+
+
 class AccessPiecesTests(unittest.TestCase):
     def test_scope_table_covers_every_tool_and_fails_closed(self):
         levels = smol_mcp.TOOL_LEVELS
