@@ -57,6 +57,7 @@ import urllib.parse
 import warnings
 from dataclasses import replace as dataclasses_replace
 from pathlib import Path
+from typing import Unpack
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -574,37 +575,51 @@ class FleetContractTests(unittest.TestCase):
     signatures."""
 
     def test_every_fleet_has_the_whole_contract_with_its_signatures(self):
+        self.assertGreater(len(self.members()), 20)
+        # Each fleet is driven against its fake by an EngineRequestScenarios
+        # case of its own: a new fleet fails here until it has one.
+        cases = [
+            case.fleet for case in EngineRequestScenarios.__subclasses__()
+        ]
+        self.assertEqual(
+            sorted(smol_mcp.FLEETS),
+            sorted(cases),
+            "a fleet needs its fake in tests/fakes and an "
+            "EngineRequestScenarios case (its fleet and its fake's journal)",
+        )
+        for name, fleet in smol_mcp.FLEETS.items():
+            self.check_contract(name, fleet)
+
+    @staticmethod
+    def members() -> list[str]:
+        """The contract's methods, __init__ included."""
         contract = smol_mcp.Fleet
         members = [
             name
             for name in dir(contract)
             if not name.startswith("_") or name == "__init__"
         ]
-        members = [
+        return [
             name for name in members if name not in dir(typing.Protocol)
         ] + ["__init__"]
-        attributes = list(contract.__annotations__)
-        self.assertGreater(len(members), 20)
-        # Each fleet is driven against its fake by a case class of its own:
-        # a new fleet fails here until it has one.
-        cases = {"local": FakeServeCase, "cloud": FakeCloudCase}
-        self.assertEqual(
-            sorted(smol_mcp.FLEETS),
-            sorted(cases),
-            "a fleet needs its fake in tests/fakes and a case class here",
-        )
-        for name, fleet in smol_mcp.FLEETS.items():
-            self.assertEqual(fleet.name, name)
-            for attribute in attributes:
-                with self.subTest(fleet=name, attribute=attribute):
-                    self.assertTrue(
-                        attribute == "config" or hasattr(fleet, attribute)
-                    )
-            for member in members:
-                with self.subTest(fleet=name, member=member):
-                    wanted = inspect.signature(getattr(contract, member))
-                    offered = inspect.signature(getattr(fleet, member))
-                    self.assertEqual(self.shape(offered), self.shape(wanted))
+
+    def check_contract(self, name: str, fleet: type) -> None:
+        """``fleet`` (registered as ``name``) has every attribute of the
+        contract and every method with its signature (any TestCase may
+        call this)."""
+        contract = smol_mcp.Fleet
+        self.assertEqual(fleet.name, name)
+        for attribute in contract.__annotations__:
+            with self.subTest(fleet=name, attribute=attribute):
+                self.assertTrue(
+                    attribute == "config" or hasattr(fleet, attribute)
+                )
+        for member in FleetContractTests.members():
+            with self.subTest(fleet=name, member=member):
+                wanted = inspect.signature(getattr(contract, member))
+                offered = inspect.signature(getattr(fleet, member))
+                shape = FleetContractTests.shape
+                self.assertEqual(shape(offered), shape(wanted))
 
     @staticmethod
     def shape(signature: inspect.Signature) -> list[tuple]:
@@ -1250,9 +1265,9 @@ class ToolListTests(FakeServeCase):
 def engine_requests_table() -> dict[str, dict]:
     """The README tools table's engine requests of each tool, per fleet.
 
-    A cell reads `N` (every fleet) or `N (cloud M)`; what follows a `;` is
-    a note. A tool whose "What it does" says "(local only" has no cloud
-    count: the cloud fleet refuses it.
+    A cell reads `N` (every fleet) or `N (cloud M)`, a fleet after the
+    first named with its own count; what follows a `;` is a note. "only"
+    holds the fleets a "(local only" in "What it does" names.
     """
     readme = (HERE / "README.md").read_text()
     start = readme.index("| Tool | What it does |")
@@ -1261,13 +1276,15 @@ def engine_requests_table() -> dict[str, dict]:
     row_re = r"^\| `([a-z-]+)` \| (.*) \| ([^|]+) \|$"
     for tool, rest, cell in re.findall(row_re, readme[start:end], re.M):
         cell = cell.split(";")[0]
-        local = int(re.match(r"\d+", cell)[0])
-        cloud = re.search(r"cloud (\d+)", cell)
-        table[tool] = {
-            "local": local,
-            "cloud": int(cloud[1]) if cloud else local,
-            "local_only": "(local only" in rest.split(" | ")[0],
-        }
+        first = int(re.match(r"\d+", cell)[0])
+        table[tool] = {}
+        for fleet in smol_mcp.FLEETS:
+            own = re.search(rf"\b{fleet} (\d+)", cell)
+            table[tool][fleet] = int(own[1]) if own else first
+        only = re.search(r"\(([a-z, ]+) only", rest.split(" | ")[0])
+        table[tool]["only"] = tuple(
+            re.split(r", | and ", only[1]) if only else ()
+        )
     return table
 
 
@@ -1308,11 +1325,6 @@ class EngineRequestScenarios:
         ("run-once", {"image": "alpine", "command": "true"}),
     ]
 
-    def journal(self) -> list:
-        if self.fleet == "cloud":
-            return self.cloud.requests
-        return self.fake.requests
-
     async def test_each_tool_makes_the_requests_the_tools_table_says(self):
         table = engine_requests_table()
         tools = list(smol_mcp.TOOLS_BY_NAME)
@@ -1340,25 +1352,32 @@ class EngineRequestScenarios:
                 before = len(self.journal())
                 is_error, got = await self.call(c, tool, args)
                 counted[tool] = len(self.journal()) - before
-                if is_error and f"{tool} is local only" in got:
+                if is_error and f"so the {self.fleet} fleet refuses" in got:
                     refused.add(tool)
                     continue
                 self.assertFalse(is_error, f"{tool}: {got}")
                 job = got.get("jobId", job)
-        # a tool the cloud refuses says so in its README row, and the
-        # refusal asks the engine nothing
-        local_only = {t for t in tools if table[t]["local_only"]}
-        if self.fleet == "cloud":
-            self.assertEqual(refused, local_only)
-        else:
-            self.assertEqual(refused, set())
+        # a tool this fleet does not serve (its ToolSpec's fleets) is
+        # refused asking the engine nothing, and its README row says so
+        specs = smol_mcp.TOOLS_BY_NAME
+        unserved = {t for t in tools if not specs[t].serves(self.fleet)}
+        self.assertEqual(refused, unserved)
         for tool in refused:
             self.assertEqual(counted.pop(tool), 0, tool)
+        for tool in tools:
+            self.assertEqual(
+                table[tool]["only"],
+                specs[tool].fleets,
+                f'{tool}: the README row\'s "(... only" and its fleets',
+            )
         self.assertEqual(counted, {t: table[t][self.fleet] for t in counted})
 
 
 class LocalEngineRequestTests(EngineRequestScenarios, FakeServeCase):
     fleet = "local"
+
+    def journal(self) -> list:
+        return self.fake.requests
 
     async def test_arguments_are_checked_by_one_validator_per_tool(self):
         async with self.client("legacy") as c:
@@ -3582,6 +3601,9 @@ class FakeCloudCase(FakeServeCase):
 class CloudEngineRequestTests(EngineRequestScenarios, FakeCloudCase):
     fleet = "cloud"
 
+    def journal(self) -> list:
+        return self.cloud.requests
+
 
 class CloudWorkedExample(FakeCloudCase):
     async def test_worked_example_runs_unchanged_on_the_cloud(self):
@@ -4182,15 +4204,13 @@ class BothModeTests(FakeCloudCase):
         )
 
     def test_the_fleet_names_come_from_the_registry(self):
-        # The targets setting is read before the fleets register, so it lists
-        # their names itself: they must be the registry's. Everything else that
-        # names a fleet derives from FLEETS.
+        # The targets setting keeps no list of fleets: it is read against
+        # FLEETS, as the question and the target argument are built from
+        # the served ones.
         setting = next(s for s in smol_mcp.SETTINGS if s.attr == "targets")
-        self.assertEqual(setting.choices, ("auto", *smol_mcp.FLEETS, "both"))
-        for text in (
-            smol_mcp.FLEET_QUESTION,
-            smol_mcp.ARG_TARGET["description"],
-        ):
+        self.assertEqual((setting.kind, setting.choices), ("fleets", ()))
+        question, _ = smol_mcp.fleet_question(self.app.fleets)
+        for text in (question, self.app.target_argument["description"]):
             for fleet in smol_mcp.FLEETS.values():
                 self.assertIn(fleet.served_as, text)
 
@@ -4339,6 +4359,324 @@ class ElicitationTests(FakeCloudCase):
                             )
                         )
                     self.assertEqual(len(asked), 1 if kwargs else 0)
+
+
+# The names the Fleet contract's **options carry, as its signatures spell
+# them (FleetContractTests.shape compares them).
+ExecOptions = smol_mcp.ExecOptions
+JobOptions = smol_mcp.JobOptions
+
+
+class ThirdFleet:
+    """A third fleet for the tests of any number of fleets: it keeps the
+    Fleet contract (its signatures are compared) and machine records in
+    a dict, runs nothing, and lacks a key unless ``usable``. A test
+    registers it and takes it out again (ThirdFleetTests.register)."""
+
+    name = "third"
+    served_as = "third (a test's fleet, machines kept in memory)"
+    instruction = "- Third: a test's fleet; nothing runs in its machines."
+    amends_egress = False
+    mounts_host_paths = False
+    branch_needs_start = False
+    usable = False
+    RUNS_NOTHING = "the third fleet is a test's: nothing runs in it"
+
+    def __init__(
+        self, config: Config, environ: dict[str, str] | None = None
+    ) -> None:
+        self.config = config
+        self.machines = {"in-third": self.record("in-third", "stopped")}
+
+    @staticmethod
+    def record(name: str, state: str) -> dict:
+        keys = (
+            "id image cpus memoryMb network createdAt pid url parent"
+        ).split()
+        blank = dict.fromkeys(keys)
+        return blank | {
+            "id": f"t-{name}",
+            "name": name,
+            "state": state,
+            "ports": [],
+            "branchable": False,
+        }
+
+    def acquire(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def list_machines(self) -> list[dict]:
+        return [dict(record) for record in self.machines.values()]
+
+    def get_machine(self, name: str) -> dict:
+        if name not in self.machines:
+            raise smol_mcp.ApiError(
+                self.name, f"get machine '{name}'", 404, "NOT_FOUND", "gone"
+            )
+        return dict(self.machines[name])
+
+    def machine_state(self, name: str) -> str | None:
+        return self.get_machine(name)["state"]
+
+    def create_machine(self, spec: smol_mcp.MachineSpec) -> dict:
+        self.machines[spec.name] = self.record(spec.name, "created")
+        return dict(self.machines[spec.name])
+
+    def start_machine(self, name: str, branchable: bool = False) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def stop_machine(self, name: str) -> dict:
+        return self.get_machine(name)
+
+    def delete_machine(self, name: str) -> dict:
+        return self.machines.pop(name)
+
+    def branch_machine(self, name: str, child: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def pull_image(self, name: str, image: str) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def probe_ready(self, name: str) -> str | None:
+        return self.RUNS_NOTHING
+
+    def exec(
+        self, name: str, argv: list[str], **options: Unpack[ExecOptions]
+    ) -> smol_mcp.ExecResult:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def exec_stream(
+        self,
+        name: str,
+        argv: list[str],
+        *,
+        on_output: smol_mcp.OnOutput,
+        **options: Unpack[ExecOptions],
+    ) -> smol_mcp.ExecResult:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def start_job(
+        self,
+        name: str,
+        job_id: str,
+        argv: list[str],
+        **options: Unpack[JobOptions],
+    ) -> dict:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def read_job(
+        self, name: str, job_id: str, offsets: tuple[int, int], limit: int
+    ) -> smol_mcp.JobPage:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def cancel_job(self, name: str, job_id: str) -> None:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def list_jobs(
+        self, name: str, machine_id: str | None = None
+    ) -> list[dict]:
+        return []
+
+    def read_file(
+        self, name: str, path: str, offset: int, length: int
+    ) -> smol_mcp.FilePage:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def write_file(self, name: str, path: str, data: bytes) -> int:
+        raise smol_mcp.SmolError(self.RUNS_NOTHING)
+
+    def console_lines(self, name: str) -> list[str]:
+        return []
+
+    @classmethod
+    def target_facts(cls, app: SmolMcp) -> dict:
+        why = cls.lacking(app.config)
+        return {"served": True, "usable": why is None, "reason": why}
+
+    @classmethod
+    def lacking(cls, config: Config) -> str | None:
+        if cls.usable:
+            return None
+        return "the third key, which no test sets"
+
+    @classmethod
+    def doctor_report(
+        cls, app: SmolMcp, facts: dict
+    ) -> tuple[list[str], list[str]]:
+        return ["machines: kept in memory"], []
+
+
+class UsableThirdFleet(ThirdFleet):
+    usable = True
+
+
+def answer_fleet_asked(fleet: str, asked: list):
+    """An elicitation callback answering the fleet question with
+    ``fleet``; each question (message, schema) is kept in ``asked``."""
+
+    async def callback(context, params):
+        asked.append((params.message, params.requested_schema))
+        return mcp_types.ElicitResult(
+            action="accept", content={"fleet": fleet}
+        )
+
+    return callback
+
+
+class ThirdFleetTests(FakeCloudCase):
+    """Any number of fleets: with a third registered (ThirdFleet), auto
+    serves every usable fleet, a subset serves exactly itself, and the
+    target argument, the fleet question and --help name them."""
+
+    targets = "auto"
+
+    async def asyncSetUp(self):
+        self.register(ThirdFleet)
+        await super().asyncSetUp()
+
+    def register(self, fleet: type) -> None:
+        """Register ``fleet`` as "third" until the test ends."""
+        smol_mcp.FLEETS.pop("third", None)
+        smol_mcp.registered(fleet)
+        self.addCleanup(smol_mcp.FLEETS.pop, "third", None)
+
+    def served(self, targets: str) -> SmolMcp:
+        return SmolMcp(dataclasses_replace(self.config, targets=targets))
+
+    def test_the_third_fleet_keeps_the_contract(self):
+        FleetContractTests.check_contract(self, "third", ThirdFleet)
+        self.assertEqual(list(smol_mcp.FLEETS), ["local", "cloud", "third"])
+        with self.assertRaises(ValueError):
+            smol_mcp.registered(UsableThirdFleet)
+
+    async def test_auto_serves_every_usable_fleet_and_says_so(self):
+        # a cloud key set, the third lacking its own: local and cloud
+        self.assertEqual(smol_mcp.resolve_mode(self.config), "local,cloud")
+        self.assertEqual(list(self.app.fleets), ["local", "cloud"])
+        async with self.client("legacy") as c:
+            for tool in (await c.list_tools()).tools:
+                target = tool.input_schema["properties"]["target"]
+                self.assertEqual(target["enum"], ["local", "cloud"])
+            text = await self.refused(c, "list-machines", {"target": "third"})
+            self.assertIn('"target" must be one of "local", "cloud"', text)
+            document = json.loads(
+                (await c.read_resource(smol_mcp.TARGETS_URI)).contents[0].text
+            )
+            self.assertNotIn("third", c.instructions)
+        self.assertEqual(document["mode"], "local,cloud")
+        third = document["fleets"]["third"]
+        self.assertEqual((third["served"], third["usable"]), (False, False))
+        self.assertIn("local,cloud mode", third["reason"])
+        without_key = dataclasses_replace(self.config, cloud_token="")
+        self.assertEqual(smol_mcp.resolve_mode(without_key), "local")
+        # every fleet usable: both, the word for all of them
+        self.register(UsableThirdFleet)
+        self.assertEqual(smol_mcp.resolve_mode(self.config), "both")
+        self.assertEqual(
+            list(self.served("auto").fleets), ["local", "cloud", "third"]
+        )
+
+    async def test_a_subset_serves_exactly_itself(self):
+        self.register(UsableThirdFleet)
+        app = self.served("local,third")
+        self.assertEqual(
+            (app.mode, list(app.fleets)), ("local,third", ["local", "third"])
+        )
+        asked = []
+        callback = answer_fleet_asked("both", asked)
+        async with Client(
+            app.server, mode="legacy", elicitation_callback=callback
+        ) as c:
+            for tool in (await c.list_tools()).tools:
+                target = tool.input_schema["properties"]["target"]
+                self.assertEqual(target["enum"], ["local", "third"])
+                self.assertIn(ThirdFleet.served_as, target["description"])
+                self.assertNotIn("cloud", target["description"])
+            listed = await self.ok(c, "list-machines", {"target": "third"})
+            names = [machine["name"] for machine in listed["machines"]]
+            self.assertEqual(names, ["in-third"])
+            text = await self.refused(c, "list-machines", {"target": "cloud"})
+            self.assertIn('"target" must be one of "local", "third"', text)
+            text = await self.refused(
+                c,
+                "pull-image",
+                {"target": "third", "name": "in-third", "image": "alpine"},
+            )
+            self.assertIn(
+                "pull-image is local only, so the third fleet refuses it",
+                text,
+            )
+            self.assertIn(
+                "pull-image and allow-egress are local only", c.instructions
+            )
+            self.assertIn(ThirdFleet.instruction, c.instructions)
+            self.assertNotIn("Cloud:", c.instructions)
+        # the question offers each served fleet and both; both keeps target
+        ((message, schema),) = asked
+        choice = schema["properties"]["fleet"]
+        self.assertEqual(choice["enum"], ["local", "third", "both"])
+        self.assertIn(ThirdFleet.served_as, message)
+        self.assertNotIn("cloud", message)
+        self.assertEqual(self.cloud.requests, [])
+
+    def test_a_fleet_named_must_be_usable_and_registered(self):
+        with self.assertRaises(ConfigError) as caught:
+            self.served("local,third")
+        self.assertIn(
+            "SMOL_MCP_TARGETS=local,third needs the third key",
+            str(caught.exception),
+        )
+        environ = {
+            "SMOL_MCP_CONFIG": f"{self.tmp}/none.json",
+            "HOME": self.tmp,
+            "SMOL_MCP_TARGETS": "third, local",
+        }
+        self.assertEqual(load_config(environ).targets, "local,third")
+        for wrong in ("mars", "local,mars", ",", "auto,local"):
+            with self.subTest(targets=wrong):
+                environ["SMOL_MCP_TARGETS"] = wrong
+                with self.assertRaises(ConfigError) as caught:
+                    load_config(environ)
+                self.assertIn(
+                    "SMOL_MCP_TARGETS must be one of auto, local, cloud, "
+                    "third, both, or fleets joined by commas",
+                    str(caught.exception),
+                )
+
+    def test_a_token_names_a_subset_or_both(self):
+        parse = smol_mcp.parse_targets
+        self.assertEqual(parse("third,local"), ("local", "third"))
+        self.assertEqual(parse("both"), ("local", "cloud", "third"))
+        self.assertEqual(parse(None), ("local", "cloud", "third"))
+        with self.assertRaises(ConfigError) as caught:
+            parse("local,mars")
+        self.assertIn(
+            "one of local, cloud, third, both", str(caught.exception)
+        )
+        # a principal that names no fleet may use every registered one
+        everyone = smol_mcp.Principal("x", frozenset(smol_mcp.SCOPES))
+        self.assertEqual(everyone.targets, ("local", "cloud", "third"))
+        narrowed = smol_mcp.Principal(
+            "y", frozenset(smol_mcp.SCOPES), parse("local,third")
+        )
+        smol_mcp.authorize(narrowed, "list-machines", "third", None)
+        with self.assertRaises(smol_mcp.ScopeMissing) as caught:
+            smol_mcp.authorize(narrowed, "list-machines", "cloud", None)
+        self.assertIn("the local and third fleet only", str(caught.exception))
+
+    def test_help_names_every_registered_fleet(self):
+        out = io.StringIO()
+        for argv in (["--help"], ["tokens", "create", "--help"]):
+            with self.subTest(argv=argv):
+                with contextlib.redirect_stdout(out):
+                    with self.assertRaises(SystemExit):
+                        smol_mcp.parse_args(argv)
+        said = " ".join(out.getvalue().split())
+        self.assertIn("auto | local | cloud | third | both", said)
+        self.assertIn("one of local, cloud, third, both", said)
 
 
 def answer_allow(action: str, allow: bool = True, asked: list | None = None):
@@ -12188,7 +12526,10 @@ class ReservedTokenNameTests(unittest.TestCase):
                     smol_mcp.ConfigError, "cannot be a token name"
                 ):
                     store.create(
-                        name, ("machines.read",), smol_mcp.FLEET_NAMES, "none"
+                        name,
+                        ("machines.read",),
+                        tuple(smol_mcp.FLEETS),
+                        "none",
                     )
             self.assertEqual(store.records(), [])
 
@@ -12692,7 +13033,7 @@ class AgentAccessHttpTests(HttpCase):
                 _, self.secrets["gone"] = self.store.create(
                     "gone",
                     smol_mcp.parse_scopes(SANDBOX),
-                    smol_mcp.FLEET_NAMES,
+                    tuple(smol_mcp.FLEETS),
                     "none",
                 )
                 async with self.as_token("gone", mode) as c:
@@ -12864,7 +13205,7 @@ class PlainApiTests(HttpCase):
             self.secrets[name] = self.store.create(
                 name,
                 smol_mcp.parse_scopes(scopes),
-                smol_mcp.FLEET_NAMES,
+                tuple(smol_mcp.FLEETS),
                 "none",
             )[1]
 
@@ -13022,7 +13363,7 @@ class PlainApiTests(HttpCase):
         _, secret = self.store.create(
             "held",
             smol_mcp.parse_scopes("machines.manage"),
-            smol_mcp.FLEET_NAMES,
+            tuple(smol_mcp.FLEETS),
             "changes",
         )
         self.secrets["held"] = secret
@@ -13551,7 +13892,7 @@ class OAuthTests(OAuthCase):
         record, _ = self.store.create(
             "raced",
             ("machines.read",),
-            smol_mcp.FLEET_NAMES,
+            tuple(smol_mcp.FLEETS),
             "none",
             clientId="c",
         )
@@ -13948,7 +14289,7 @@ class OAuthTests(OAuthCase):
                 self.store.create(
                     f"g{client_id[:8]}",
                     ("machines.read",),
-                    smol_mcp.FLEET_NAMES,
+                    tuple(smol_mcp.FLEETS),
                     "none",
                     clientId=client_id,
                 )
@@ -16421,7 +16762,7 @@ class ApprovalHttpTests(HttpCase):
         _, self.secret = self.store.create(
             "held",
             smol_mcp.parse_scopes("machines.manage,machines.read"),
-            smol_mcp.FLEET_NAMES,
+            tuple(smol_mcp.FLEETS),
             "changes",
         )
 
@@ -16452,7 +16793,7 @@ class ApprovalHttpTests(HttpCase):
                 _, self.secret = self.store.create(
                     "held",
                     smol_mcp.parse_scopes("machines.manage,machines.read"),
-                    smol_mcp.FLEET_NAMES,
+                    tuple(smol_mcp.FLEETS),
                     "changes",
                 )
 
@@ -16567,7 +16908,7 @@ class ConsoleBrowserTests(HttpCase):
             "machines.manage,machines.read,machines.exec"
         )
         self.held = self.store.create(
-            "held", scopes, smol_mcp.FLEET_NAMES, "changes"
+            "held", scopes, tuple(smol_mcp.FLEETS), "changes"
         )[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.playwright = await async_playwright().start()
@@ -16755,7 +17096,11 @@ class ConsoleBrowserTests(HttpCase):
         )  # "default"
         scopes = smol_mcp.parse_scopes("machines.read")
         self.store.create(
-            "granted", scopes, smol_mcp.FLEET_NAMES, "none", client="<b>Claude"
+            "granted",
+            scopes,
+            tuple(smol_mcp.FLEETS),
+            "none",
+            client="<b>Claude",
         )
         await (
             page.reload()
