@@ -363,7 +363,10 @@ class ConfigTests(unittest.TestCase):
                 '"httpPort" in the config file must be at most 65535',
             ),
             ({"networkDefault": "closed"}, "must be one of blocked, open"),
-            ({"targets": "mars"}, "must be one of auto, local, cloud, both"),
+            (
+                {"targets": "mars"},
+                f"must be one of auto, {', '.join(smol_mcp.FLEETS)}, both",
+            ),
             ({"minSmolvm": "latest"}, "must be a version such as 1.14.0"),
             ({"httpAllowedHosts": "a,b"}, "must be a list of strings"),
             ({"httpPath": "mcp"}, "httpPath must start with '/'"),
@@ -2237,7 +2240,7 @@ class ToolRuleTests(FakeServeCase):
             )
 
     async def test_the_schema_states_the_configured_timeout_ceiling(self):
-        for targets in ("local", "both"):
+        for targets in ("local", "local,cloud"):
             config = dataclasses_replace(
                 self.config,
                 max_exec_timeout_secs=600,
@@ -2266,7 +2269,7 @@ class ToolRuleTests(FakeServeCase):
                                 for k, v in args.items()
                                 if k in tools[tool].input_schema["properties"]
                             }
-                            if targets == "both":
+                            if targets == "local,cloud":
                                 args["target"] = "local"
                             for asked in (100000, 601):
                                 text = await self.refused(
@@ -3561,14 +3564,31 @@ CLOUD_TOKEN = "smk_test_token_do_not_echo"
     CAN_CHROOT,
     "the fake guest needs root or unshare to chroot into its busybox root",
 )
+def registry_of(case: unittest.TestCase, *fleets: type) -> None:
+    """Make FLEETS exactly ``fleets`` until ``case`` ends: its cleanup puts
+    the registry back as it was."""
+    before = dict(smol_mcp.FLEETS)
+    smol_mcp.FLEETS.clear()
+    for fleet in fleets:
+        smol_mcp.registered(fleet)
+
+    def restore() -> None:
+        smol_mcp.FLEETS.clear()
+        smol_mcp.FLEETS.update(before)
+
+    case.addCleanup(restore)
+
+
 class FakeCloudCase(FakeServeCase):
     """A FakeCloud (and the local fake beside it, for both mode), and a server
-    using it."""
+    using it. Its registry is the two fleets the fakes answer for, so both
+    means them whatever else registers."""
 
     cloud_options: dict = {}
     targets = "cloud"
 
     async def asyncSetUp(self):
+        registry_of(self, smol_mcp.LocalFleet, smol_mcp.CloudFleet)
         await super().asyncSetUp()
         self.cloud = FakeCloud(token=CLOUD_TOKEN, **self.cloud_options).start()
         self.config = fake_config(
@@ -4534,14 +4554,14 @@ class ThirdFleetTests(FakeCloudCase):
     targets = "auto"
 
     async def asyncSetUp(self):
-        self.register(ThirdFleet)
         await super().asyncSetUp()
+        self.register(ThirdFleet)
+        self.app = SmolMcp(self.config)
 
-    def register(self, fleet: type) -> None:
-        """Register ``fleet`` as "third" until the test ends."""
-        smol_mcp.FLEETS.pop("third", None)
-        smol_mcp.registered(fleet)
-        self.addCleanup(smol_mcp.FLEETS.pop, "third", None)
+    def register(self, third: type) -> None:
+        """Make the registry local, cloud and ``third`` until the test
+        ends."""
+        registry_of(self, smol_mcp.LocalFleet, smol_mcp.CloudFleet, third)
 
     def served(self, targets: str) -> SmolMcp:
         return SmolMcp(dataclasses_replace(self.config, targets=targets))
