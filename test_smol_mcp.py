@@ -4546,6 +4546,23 @@ def answer_fleet_asked(fleet: str, asked: list):
     return callback
 
 
+class FleetsTableTests(unittest.TestCase):
+    """The README's fleets table has a row for each registered fleet, in
+    the registry's order, and no other."""
+
+    def test_each_fleet_has_its_row(self):
+        readme = (HERE / "README.md").read_text()
+        start = readme.index("| Fleet | What it is | Needs |")
+        table = readme[start:].split("\n\n", 1)[0]
+        rows = re.findall(r"^\| `([a-z0-9-]+)` \|", table, re.M)
+        self.assertEqual(
+            rows,
+            list(smol_mcp.FLEETS),
+            "each fleet needs a row in the README's fleets table (Fleets "
+            "and modes), in the order the fleets register",
+        )
+
+
 class ThirdFleetTests(FakeCloudCase):
     """Any number of fleets: with a third registered (ThirdFleet), auto
     serves every usable fleet, a subset serves exactly itself, and the
