@@ -6040,8 +6040,8 @@ async def tool_machine_logs(call: Call, args: dict) -> dict:
     "manage: idempotent open_world",
     fleets=("local",),
     refusal=(
-        "on any other fleet create-machine pulls the machine's image "
-        "itself; pass the image there"
+        "create-machine pulls a machine's image itself there, so pass the "
+        "image to create-machine instead"
     ),
 )
 async def tool_pull_image(call: Call, args: dict) -> dict:
@@ -6663,8 +6663,8 @@ def egress_question(
     "manage: destructive",
     fleets=("local",),
     refusal=(
-        "no other engine has a route to amend a machine's egress. Create a "
-        'new machine with allowHosts/allowCidrs (or network: "open") instead'
+        "its engine has no route to amend a machine's egress; create a new "
+        'machine with allowHosts/allowCidrs (or network: "open") instead'
     ),
 )
 async def tool_allow_egress(call: Call, args: dict) -> dict:
