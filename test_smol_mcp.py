@@ -4659,6 +4659,34 @@ class ThirdFleetTests(FakeCloudCase):
         self.assertNotIn("cloud", message)
         self.assertEqual(self.cloud.requests, [])
 
+    async def test_a_tool_the_fleet_does_not_serve_asks_nobody(self):
+        # approval on every change: the refusal comes before the question,
+        # and the fleet (whose pull_image would say RUNS_NOTHING) is not
+        # called
+        self.register(UsableThirdFleet)
+        config = dataclasses_replace(
+            self.config,
+            targets="third",
+            approval="changes",
+            approval_via="client",
+        )
+        asked = []
+        callback = answer_form("accept", {"approve": True}, asked)
+        async with Client(
+            SmolMcp(config).server,
+            mode="legacy",
+            elicitation_callback=callback,
+        ) as c:
+            args = {"name": "in-third", "image": "alpine"}
+            text = await self.refused(c, "pull-image", args)
+        self.assertIn(
+            "pull-image is local only, so the third fleet refuses it: "
+            "create-machine pulls a machine's image itself there",
+            text,
+        )
+        self.assertNotIn(ThirdFleet.RUNS_NOTHING, text)
+        self.assertEqual(asked, [])
+
     def test_a_fleet_named_must_be_usable_and_registered(self):
         with self.assertRaises(ConfigError) as caught:
             self.served("local,third")
